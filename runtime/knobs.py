@@ -1,0 +1,188 @@
+"""The knob set (DESIGN §2): the one vocabulary the runtime executes and the tuner searches.
+
+A `Knobs` value is immutable and validated on construction; combinations that make no sense
+raise `KnobError` naming the knobs involved. Workload-dependent checks (a group size that must
+divide the transfers per peer) live in `Knobs.check_workload`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Literal
+
+import msgspec
+
+Transport = Literal["nvlink", "proxy", "ibgda", "host_staged", "collective"]
+Signalling = Literal["coupled", "decoupled"]
+FenceMode = Literal["proxy_drain", "nic_ordered", "none"]
+QpMapping = Literal["round_robin", "peer_hash"]
+Compression = Literal["none", "fp8_e4m3"]
+ScaleGranularity = Literal["per_token", "per_128"]
+
+TRANSPORTS: tuple[str, ...] = ("nvlink", "proxy", "ibgda", "host_staged", "collective")
+SIGNALLINGS: tuple[str, ...] = ("coupled", "decoupled")
+FENCE_MODES: tuple[str, ...] = ("proxy_drain", "nic_ordered", "none")
+QP_MAPPINGS: tuple[str, ...] = ("round_robin", "peer_hash")
+COMPRESSIONS: tuple[str, ...] = ("none", "fp8_e4m3")
+
+# Who can enforce PUT-before-SIGNAL on each transport.
+#  - proxy: the CPU proxy drains (proxy_drain) or the queue/NIC orders it (nic_ordered);
+#  - ibgda: no proxy exists, only the NIC's per-QP ordering;
+#  - nvlink: stores are ordered by a GPU memory fence inside the kernel ("none": no proxy, no NIC);
+#  - collective / host_staged: the collective library orders its own data and completion.
+ALLOWED_FENCE_MODES: dict[str, tuple[str, ...]] = {
+    "proxy": ("proxy_drain", "nic_ordered"),
+    "ibgda": ("nic_ordered",),
+    "nvlink": ("none",),
+    "collective": ("none",),
+    "host_staged": ("none",),
+}
+
+# Transports whose transfers are one-sided puts followed by signals.
+ONE_SIDED: frozenset[str] = frozenset({"nvlink", "proxy", "ibgda"})
+# Transports whose requests go through queue pairs (or the proxy's CUDA streams on one node).
+QUEUED: frozenset[str] = frozenset({"proxy", "ibgda"})
+
+PER_PE = 0  # group_size value meaning "one group per remote PE" (the default)
+
+
+class KnobError(ValueError):
+    """A knob value or a combination of knob values is invalid. `knobs` names them."""
+
+    def __init__(self, message: str, knobs: tuple[str, ...] = ()):
+        self.knobs = knobs
+        prefix = f"knob {', '.join(knobs)}: " if knobs else ""
+        super().__init__(prefix + message)
+
+
+class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One point in the search space. Defaults are a safe, portable setting."""
+
+    transport: Transport = "collective"
+    signalling: Signalling = "decoupled"
+    # Transfers per fence when decoupled; 0 means per remote PE (all experts bound for one PE).
+    group_size: int = PER_PE
+    fence_mode: FenceMode = "none"
+    qp_mapping: QpMapping = "peer_hash"
+    qps_per_pe: int = 1
+    compression: Compression = "none"
+    scale_granularity: ScaleGranularity = "per_token"
+    # Tokens per message/chunk; 0 means one message per peer (no chunking).
+    chunk_tokens: int = 0
+    # Chunks in flight: 1 = no pipelining, 2 = double buffering, ...
+    pipeline_depth: int = 1
+    num_sms: int = 24
+    channels: int = 1
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # -- conversions -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Knobs:
+        """Build from a plain mapping; unknown names and wrong types raise KnobError."""
+        if not isinstance(data, dict):
+            raise KnobError(f"expected a mapping of knob names to values, got {type(data).__name__}")
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as e:
+            raise KnobError(str(e)) from None
+
+    @classmethod
+    def parse(cls, text: str, base: Knobs | None = None) -> Knobs:
+        """Parse `name=value,name=value` (the CLI's `--knobs`) on top of `base` (or the defaults)."""
+        data = (base or cls()).to_dict()
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            if "=" not in item:
+                raise KnobError(f"expected name=value, got {item!r}")
+            name, value = (s.strip() for s in item.split("=", 1))
+            if name not in data:
+                raise KnobError(f"unknown knob {name!r}; known: {', '.join(sorted(data))}")
+            data[name] = int(value) if isinstance(data[name], int) and _is_int(value) else value
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> Knobs:
+        data = self.to_dict()
+        unknown = set(changes) - set(data)
+        if unknown:
+            raise KnobError(f"unknown knob(s) {sorted(unknown)}")
+        data.update(changes)
+        return Knobs.from_dict(data)
+
+    def digest(self) -> str:
+        """Stable short hash of the setting (ranks compare it to be sure they run the same)."""
+        return hashlib.sha256(msgspec.json.encode(self.to_dict(), order="sorted")).hexdigest()[:16]
+
+    # -- workload-dependent checks ---------------------------------------------------------------
+    def effective_group_size(self, transfers_per_peer: int) -> int:
+        """Transfers behind one fence. coupled: 1; decoupled per PE: all transfers to that peer."""
+        if self.signalling == "coupled":
+            return 1
+        if self.group_size == PER_PE:
+            return max(1, transfers_per_peer)
+        return self.group_size
+
+    def check_workload(self, transfers_per_peer: int) -> None:
+        """Raise KnobError when the setting cannot be applied to `transfers_per_peer` transfers/PE."""
+        if transfers_per_peer < 0:
+            raise KnobError(f"transfers per peer must be >= 0, got {transfers_per_peer}")
+        if self.signalling == "decoupled" and self.group_size != PER_PE and transfers_per_peer > 0:
+            if transfers_per_peer % self.group_size != 0:
+                raise KnobError(
+                    f"group_size {self.group_size} does not divide the {transfers_per_peer} "
+                    "transfers per remote PE",
+                    ("group_size",),
+                )
+
+
+def _is_int(s: str) -> bool:
+    try:
+        int(s)
+    except ValueError:
+        return False
+    return True
+
+
+def _validate(k: Knobs) -> None:
+    if k.group_size < 0:
+        raise KnobError(f"must be >= 0 (0 = per PE), got {k.group_size}", ("group_size",))
+    if k.signalling == "coupled" and k.group_size not in (PER_PE, 1):
+        raise KnobError("a group size only applies when signalling=decoupled", ("group_size", "signalling"))
+    allowed = ALLOWED_FENCE_MODES[k.transport]
+    if k.fence_mode not in allowed:
+        raise KnobError(
+            f"fence_mode {k.fence_mode!r} is not possible on transport {k.transport!r} (allowed: {', '.join(allowed)})",
+            ("fence_mode", "transport"),
+        )
+    if not 1 <= k.qps_per_pe <= 64:
+        raise KnobError(f"must be in 1..64, got {k.qps_per_pe}", ("qps_per_pe",))
+    if k.transport not in QUEUED and k.qps_per_pe != 1:
+        raise KnobError(f"queue pairs only exist on proxy/ibgda, not {k.transport!r}", ("qps_per_pe", "transport"))
+    # NIC-side ordering holds only when a peer's PUTs and its SIGNAL share one queue pair.
+    if k.fence_mode == "nic_ordered" and k.qp_mapping == "round_robin" and k.qps_per_pe > 1:
+        raise KnobError(
+            "nic_ordered with round_robin over more than one QP lets a signal overtake its data; "
+            "use qp_mapping=peer_hash or qps_per_pe=1",
+            ("fence_mode", "qp_mapping", "qps_per_pe"),
+        )
+    if k.chunk_tokens < 0:
+        raise KnobError(f"must be >= 0 (0 = no chunking), got {k.chunk_tokens}", ("chunk_tokens",))
+    if not 1 <= k.pipeline_depth <= 16:
+        raise KnobError(f"must be in 1..16, got {k.pipeline_depth}", ("pipeline_depth",))
+    if not 1 <= k.num_sms <= 264:
+        raise KnobError(f"must be in 1..264, got {k.num_sms}", ("num_sms",))
+    if not 1 <= k.channels <= 64:
+        raise KnobError(f"must be in 1..64, got {k.channels}", ("channels",))
+    if k.compression == "none" and k.scale_granularity != "per_token":
+        raise KnobError("a scale granularity only applies with compression", ("scale_granularity", "compression"))
+
+
+def default_knobs(transport: str) -> Knobs:
+    """A safe default for a transport family (the policies refine these)."""
+    if transport not in TRANSPORTS:
+        raise KnobError(f"unknown transport {transport!r}; known: {', '.join(TRANSPORTS)}", ("transport",))
+    fence = ALLOWED_FENCE_MODES[transport][0]
+    return Knobs(transport=transport, fence_mode=fence, signalling="coupled" if transport in ONE_SIDED else "decoupled")

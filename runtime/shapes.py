@@ -1,0 +1,56 @@
+"""Model shapes of the MoE layers moetune tunes for (hidden, intermediate, experts, top-k)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    hidden: int
+    intermediate: int
+    experts: int
+    topk: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for field in ("hidden", "intermediate", "experts", "topk"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"model shape {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
+        if self.topk > self.experts:
+            raise ValueError(f"model shape {self.name!r}: topk {self.topk} > experts {self.experts}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model shape {self.name!r}: dtype {self.dtype!r} not one of {', '.join(DTYPES)}")
+
+    @property
+    def token_bytes(self) -> int:
+        return self.hidden * DTYPES[self.dtype]
+
+
+DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+MODELS: dict[str, ModelShape] = {
+    m.name: m
+    for m in (
+        ModelShape(name="qwen3-30b", hidden=2048, intermediate=768, experts=128, topk=8),
+        ModelShape(name="gpt-oss-120b", hidden=2880, intermediate=2880, experts=128, topk=4),
+        ModelShape(name="deepseek-v3", hidden=7168, intermediate=2048, experts=256, topk=8),
+    )
+}
+
+
+def get_model(spec: str) -> ModelShape:
+    """A known name (`qwen3-30b`) or a custom shape `custom:H,I,E,K[,dtype]`."""
+    if spec in MODELS:
+        return MODELS[spec]
+    if spec.startswith("custom:"):
+        parts = spec[len("custom:") :].split(",")
+        if len(parts) not in (4, 5):
+            raise ValueError(f"custom model {spec!r}: expected custom:HIDDEN,INTERMEDIATE,EXPERTS,TOPK[,DTYPE]")
+        try:
+            h, i, e, k = (int(p) for p in parts[:4])
+        except ValueError:
+            raise ValueError(f"custom model {spec!r}: the first four fields must be integers") from None
+        return ModelShape(name=spec, hidden=h, intermediate=i, experts=e, topk=k,
+                          dtype=parts[4] if len(parts) == 5 else "bfloat16")
+    raise ValueError(f"unknown model {spec!r}; known: {', '.join(MODELS)} or custom:H,I,E,K[,dtype]")

@@ -1,0 +1,44 @@
+"""The `moetune` command line: one Typer app, one module per command group."""
+
+from __future__ import annotations
+
+import typer
+
+from .. import __version__
+from . import bench, db, fabric, keys, model, profile, profiles, query, serve, tune
+
+app = typer.Typer(
+    name="moetune",
+    help="Profile the GPU fabric, tune MoE expert-parallel communication, keep and serve tuned profiles.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"moetune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """moetune: tuned expert-parallel communication for MoE models."""
+
+
+for module in (profile, query, serve):
+    module.register(app)
+app.add_typer(tune.app, name="tune")
+app.add_typer(fabric.app, name="fabric")
+app.add_typer(model.app, name="model")
+app.add_typer(bench.app, name="bench")
+app.add_typer(db.app, name="db")
+app.add_typer(profiles.app, name="profiles")
+app.add_typer(keys.app, name="keys")
+
+
+def main() -> None:
+    app()
