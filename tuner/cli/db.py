@@ -17,8 +17,8 @@ app = typer.Typer(help="The profile database: migrations, checks, where it is.",
 DB_HELP = "Database file (default: [store] db from the config, else $MOETUNE_HOME/moetune.db, else the XDG data dir)."
 CONFIG_HELP = "Extra config file, read after /etc/moetune/moetune.toml and ~/.config/moetune/moetune.toml."
 
-err = Console(stderr=True, highlight=False)
-out = Console(highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True)
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
