@@ -103,3 +103,53 @@ def test_two_processes_write_at_once(tmp_path):
         assert con.execute("SELECT count(*) FROM moetune_alembic_version").fetchone()[0] == 1
     finally:
         con.close()
+
+
+def test_threads_share_one_store(tmp_path):
+    import threading
+
+    from moetune.tuner.store import Store
+
+    errors: list[str] = []
+    with Store(tmp_path / "t.db") as s:
+
+        def work(i: int) -> None:
+            try:
+                for j in range(25):
+                    s.add_event(kind="t", reason=f"{i}-{j}")
+                    s.list_events(limit=3)
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert errors == []
+        assert len(s.list_events(limit=1000)) == 150
+
+
+def test_store_survives_fork(tmp_path):
+    import os
+
+    from moetune.tuner.store import Store
+
+    with Store(tmp_path / "f.db") as s:
+        s.add_event(kind="parent", reason="before fork")
+        parent_pool = id(s.engine.pool)
+        pid = os.fork()
+        if pid == 0:  # child: must not reuse the parent's pooled connection
+            code = 0
+            try:
+                s.add_event(kind="child", reason="in child")
+                code = 0 if id(s.engine.pool) != parent_pool else 2  # a fresh pool, not the parent's
+            except BaseException:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert [e.kind for e in s.list_events()] == ["child", "parent"]
+        s.add_event(kind="parent", reason="after fork")
+        with s.engine.connect() as c:
+            assert c.exec_driver_sql("PRAGMA integrity_check").scalar() == "ok"

@@ -228,3 +228,20 @@ def test_memory_store():
     with Store(":memory:") as s:
         assert s.put_profile(rec(10.0))[0]
         assert s.get_current(key()) is not None
+
+
+def test_default_path_comes_from_config(tmp_path, monkeypatch):
+    from moetune.tuner import paths
+
+    monkeypatch.setattr(paths, "SYSTEM_CONFIG", tmp_path / "etc.toml")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MOETUNE_STORE_DB", raising=False)
+    monkeypatch.delenv("MOETUNE_CONFIG", raising=False)
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "mh"))
+    with Store() as s:
+        assert s.path == tmp_path / "mh" / "moetune.db" and s.path.is_file()
+        assert s.url == f"sqlite:///{tmp_path / 'mh' / 'moetune.db'}"
+    monkeypatch.setenv("MOETUNE_STORE_DB", str(tmp_path / "env.db"))
+    with Store() as s:
+        assert s.path == tmp_path / "env.db"

@@ -249,8 +249,15 @@ class Store:
     def engine(self) -> Engine:
         return self._engine
 
+    def _after_fork(self) -> None:
+        # A pooled SQLite connection must never be used by two processes: drop the parent's.
+        if os.getpid() != self._pid:
+            self._engine.dispose(close=False)
+            self._pid = os.getpid()
+
     @contextlib.contextmanager
     def _read(self) -> Iterator[Session]:
+        self._after_fork()
         try:
             with Session(self._engine, expire_on_commit=False) as s:
                 yield s
@@ -261,8 +268,18 @@ class Store:
     def _write(self) -> Iterator[Session]:
         if self.readonly:
             raise StoreError(f"{self.path} is opened read-only")
+        self._after_fork()
         with Session(self._writer, expire_on_commit=False) as s, s.begin():
             yield s
+
+    def optuna_storage(self) -> Any:
+        """An Optuna RDBStorage on this same file (Optuna keeps its own `alembic_version`), with the
+        store's busy timeout so Optuna's writes wait instead of failing while moetune writes."""
+        import optuna
+
+        if self.memory:
+            raise StoreError("an in-memory store has no file for Optuna")
+        return optuna.storages.RDBStorage(self.url, engine_kwargs={"connect_args": {"timeout": BUSY_TIMEOUT_S}})
 
     # -- schema ------------------------------------------------------------------------------------
     def current_revision(self) -> str | None:
