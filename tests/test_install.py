@@ -130,3 +130,18 @@ def test_fresh_venv_install(wheel, tmp_path):
     for name in ("runtime", "tuner", "csrc", "policies", "migrations"):
         r = run(str(py), "-c", f"import {name}")
         assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, f"`import {name}` worked: {r.stdout}"
+
+
+def test_readme_commands_parse_like_ci():
+    """.ci/run runs the README's `$ TEST:` line; the README keeps exactly one `$ MAIN:` and one `$ TEST:`."""
+    readme = (ROOT / "README.md").read_text()
+    for tag in ("MAIN", "TEST"):
+        lines = [ln for ln in readme.splitlines() if ln.startswith(f"    $ {tag}: ")]
+        assert len(lines) == 1, f"README.md needs exactly one '    $ {tag}: ' line, found {len(lines)}"
+    r = subprocess.run(
+        ["sed", "-n", r"s/^    \$ TEST: //p", "README.md"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
+    cmd = r.stdout.strip()
+    assert "pytest" in cmd and "pip install" in cmd and "\n" not in cmd
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert r"s/^    \$ TEST: //p" in ci and '"$rc" -eq 5' in ci

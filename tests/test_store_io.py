@@ -247,3 +247,14 @@ def test_failure_while_writing_rolls_everything_back(src, tmp_path, monkeypatch)
 def test_missing_file(tmp_path):
     with Store(tmp_path / "t.db") as t, pytest.raises(ProfileImportError, match="cannot read"):
         t.import_profiles(tmp_path / "nope.json")
+
+
+def test_import_fills_placeholder_fingerprint_facts(src, tmp_path):
+    f = tmp_path / "a.json"
+    src.export_profiles(f)
+    with Store(tmp_path / "dst.db") as dst:
+        dst.add_measurement(fingerprint="fp-a", kind="k", transport="t", size_bytes=None, value=1, spread=0, unit="u")
+        assert dst.get_fingerprint("fp-a").facts == {}
+        res = dst.import_profiles(f)
+        assert dst.get_fingerprint("fp-a").facts == src.get_fingerprint("fp-a").facts
+        assert res.fingerprints == 2  # fp-b and fp-c are new; fp-a existed

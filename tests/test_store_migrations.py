@@ -147,3 +147,11 @@ def test_old_database_without_upgrade_and_unknown_revision(tmp_path):
     con.close()
     with pytest.raises(StoreError, match="newer moetune"):
         Store(path)
+
+
+def test_not_a_database_is_a_store_error(tmp_path):
+    bad = tmp_path / "text.db"
+    bad.write_text("hello, I am not SQLite\n")
+    with pytest.raises(StoreError, match="not a database"):
+        Store(bad)
+    assert bad.read_text() == "hello, I am not SQLite\n"

@@ -24,7 +24,7 @@ import msgspec
 from sqlalchemy import Engine, create_engine, delete, event, func, select, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DatabaseError, IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
 
@@ -256,20 +256,28 @@ class Store:
             self._pid = os.getpid()
 
     @contextlib.contextmanager
+    def _db_errors(self) -> Iterator[None]:
+        """SQLite failures (not a database, cannot open, locked past the timeout) become StoreError;
+        constraint violations stay IntegrityError."""
+        try:
+            yield
+        except IntegrityError:
+            raise
+        except DatabaseError as e:
+            raise StoreError(f"{self.path}: {e.orig}") from None
+
+    @contextlib.contextmanager
     def _read(self) -> Iterator[Session]:
         self._after_fork()
-        try:
-            with Session(self._engine, expire_on_commit=False) as s:
-                yield s
-        except OperationalError as e:
-            raise StoreError(f"{self.path}: {e.orig}") from None
+        with self._db_errors(), Session(self._engine, expire_on_commit=False) as s:
+            yield s
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Session]:
         if self.readonly:
             raise StoreError(f"{self.path} is opened read-only")
         self._after_fork()
-        with Session(self._writer, expire_on_commit=False) as s, s.begin():
+        with self._db_errors(), Session(self._writer, expire_on_commit=False) as s, s.begin():
             yield s
 
     def optuna_storage(self) -> Any:
@@ -286,7 +294,7 @@ class Store:
         """The schema revision recorded in the database (None: empty or not a moetune database)."""
         from alembic.runtime.migration import MigrationContext
 
-        with self._engine.connect() as conn:
+        with self._db_errors(), self._engine.connect() as conn:
             ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
             rev = ctx.get_current_revision()
             conn.rollback()
@@ -294,10 +302,7 @@ class Store:
 
     def _ensure_schema(self, *, upgrade: bool) -> None:
         head = head_revision()
-        try:
-            rev = self.current_revision()
-        except OperationalError as e:
-            raise StoreError(f"cannot open {self.path}: {e.orig}") from None
+        rev = self.current_revision()
         if rev == head:
             return
         if rev is not None and rev not in _known_revisions():
@@ -325,7 +330,8 @@ class Store:
 
         if self.readonly:
             raise StoreError(f"{self.path} is opened read-only")
-        with self._writer.connect() as conn:
+        self._after_fork()
+        with self._db_errors(), self._writer.connect() as conn:
             raw = conn.connection.driver_connection
             assert raw is not None
             # Table rebuilds (batch migrations) need foreign keys off; they can only change outside a
@@ -349,7 +355,7 @@ class Store:
 
         head = head_revision()
         rev = self.current_revision()
-        with self._engine.connect() as conn:
+        with self._db_errors(), self._engine.connect() as conn:
             integrity = [r[0] for r in conn.exec_driver_sql("PRAGMA integrity_check").fetchall()]
             fk = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
             own = set(Base.metadata.tables) | {VERSION_TABLE}
@@ -673,12 +679,13 @@ class Store:
         try:
             with self._write() as s:
                 for fp in doc.fingerprints:
-                    n = s.execute(
-                        sqlite_insert(Fingerprint)
-                        .values(hash=fp.hash, facts=fp.facts, first_seen=fp.first_seen, last_seen=fp.last_seen)
-                        .on_conflict_do_nothing(index_elements=["hash"])
-                    ).rowcount
-                    result.fingerprints += n
+                    have = s.scalar(select(Fingerprint).where(Fingerprint.hash == fp.hash))
+                    if have is None:
+                        s.add(Fingerprint(hash=fp.hash, facts=fp.facts, first_seen=fp.first_seen, last_seen=fp.last_seen))
+                        result.fingerprints += 1
+                    elif not have.facts and fp.facts:  # a placeholder learns its facts
+                        have.facts = fp.facts
+                s.flush()
                 for rec in doc.profiles:
                     before = s.scalar(select(func.count(Fingerprint.id)).where(Fingerprint.hash == rec.key.fingerprint))
                     if not before:
