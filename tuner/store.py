@@ -151,6 +151,26 @@ def _on_connect(readonly: bool) -> Any:
     return connect
 
 
+def _readonly_creator(path: Path) -> Any:
+    """mode=ro; when SQLite cannot open a WAL database read-only (its -shm/-wal files are gone and
+    the directory is not writable, e.g. /var/lib/moetune for a user), fall back to immutable=1, which is
+    safe only while no one writes: that is when this fallback is needed (the daemon is down)."""
+    uri = f"file:{urllib.parse.quote(str(path))}?mode=ro"
+
+    def connect() -> sqlite3.Connection:
+        con = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+        try:
+            con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return con
+        except sqlite3.OperationalError as e:
+            if "unable to open" not in str(e):
+                raise
+            con.close()
+            return sqlite3.connect(uri + "&immutable=1", uri=True, check_same_thread=False)
+
+    return connect
+
+
 def _on_begin(conn: Any) -> None:
     mode = conn.get_execution_options().get("moetune_begin", "DEFERRED")
     conn.exec_driver_sql(f"BEGIN {mode}")
@@ -214,11 +234,7 @@ class Store:
             if readonly:
                 if not self.path.is_file():
                     raise StoreError(f"no database at {self.path}")
-                uri = f"file:{urllib.parse.quote(str(self.path))}?mode=ro"
-                self._engine = create_engine(
-                    "sqlite://",
-                    creator=lambda: sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False),
-                )
+                self._engine = create_engine("sqlite://", creator=_readonly_creator(self.path))
             else:
                 try:
                     self.path.parent.mkdir(parents=True, exist_ok=True)

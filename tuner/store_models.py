@@ -3,6 +3,14 @@
 Timestamps are ISO-8601 UTC strings (`2026-11-30T05:00:00.123456+00:00`): exact round trips through
 export/import and readable with plain `sqlite3` (the runtime's read-only fallback has no SQLAlchemy).
 JSON columns hold canonical facts, knobs, software versions and free-form details.
+
+Plain `sqlite3` readers (the runtime's fallback, which has no SQLAlchemy) read current profiles with:
+
+    SELECT knobs, latency_us, spread_us, backend, token_bucket, transport_family, profile_hash
+    FROM profiles WHERE status = 'current' AND fingerprint = ? AND software = ? AND ep_size = ?
+      AND nodes = ? AND hidden = ? AND intermediate = ? AND experts = ? AND topk = ? AND dtype = ?
+
+(`knobs` is the JSON of `Knobs.to_dict()`; open with `file:PATH?mode=ro`, uri=True.)
 """
 
 from __future__ import annotations

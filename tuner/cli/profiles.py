@@ -41,9 +41,10 @@ def list_cmd(
     if json_out:
         print_json([_record_json(pid, rec) for pid, rec in rows])
         return
-    table = Table(title=f"{len(rows)} profile(s)")
-    for col in ("id", "status", "family", "fingerprint", "ep×nodes", "shape h/i/e/k", "dtype", "tokens", "latency µs", "backend", "updated"):
-        table.add_column(col, justify="right" if col in ("id", "tokens", "latency µs") else "left")
+    table = Table(title=f"{len(rows)} profile(s)", title_justify="left")
+    for col in ("id", "status", "family", "fingerprint", "ep", "h/i/e/k", "dtype", "tokens", "µs", "backend", "updated"):
+        right = col in ("id", "ep", "tokens", "µs")
+        table.add_column(col, justify="right" if right else "left", min_width=len(col))
     colour = {"current": "green", "stale": "yellow", "superseded": "dim"}
     for pid, r in rows:
         k = r.key
@@ -51,14 +52,14 @@ def list_cmd(
             str(pid),
             f"[{colour[r.status]}]{r.status}[/]",
             k.transport_family,
-            k.fingerprint[:12],
-            f"{k.ep_size}×{k.nodes}",
+            k.fingerprint[:10],
+            f"{k.ep_size}" if k.nodes == 1 else f"{k.ep_size}/{k.nodes}n",
             f"{k.hidden}/{k.intermediate}/{k.experts}/{k.topk}",
             k.dtype,
             str(k.token_bucket),
-            f"{r.latency_us:.1f} ± {r.spread_us:.1f}",
+            f"{r.latency_us:.1f}±{r.spread_us:.1f}",
             r.backend,
-            r.updated[:19],
+            r.updated[:10],
         )
     out.print(table)
 
