@@ -209,8 +209,8 @@ class Store:
     """The profile database. Cheap to open; close it (or use `with`) when done.
 
     `path` None → the configured database (`[store] db`, else `$MOETUNE_HOME/moetune.db`, else the XDG
-    data dir). `":memory:"` gives a private in-memory database (tests). A Store must not cross a fork:
-    open one per process.
+    data dir). `":memory:"` gives a private in-memory database (tests). Safe to share between threads;
+    after a fork the child drops the parent's pooled connections and opens its own.
     """
 
     def __init__(self, path: str | Path | None = None, *, readonly: bool = False, upgrade: bool = True):
@@ -234,7 +234,7 @@ class Store:
             if readonly:
                 if not self.path.is_file():
                     raise StoreError(f"no database at {self.path}")
-                self._engine = create_engine("sqlite://", creator=_readonly_creator(self.path))
+                self._engine = create_engine(self.url, creator=_readonly_creator(self.path))
             else:
                 try:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
