@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import os
 import sqlite3
 import tempfile
@@ -119,6 +120,7 @@ def _alembic_config(connection: Any = None) -> Any:
     return cfg
 
 
+@functools.cache
 def head_revision() -> str:
     """The newest schema revision this moetune knows."""
     from alembic.script import ScriptDirectory
@@ -128,10 +130,11 @@ def head_revision() -> str:
     return head
 
 
-def _known_revisions() -> set[str]:
+@functools.cache
+def _known_revisions() -> frozenset[str]:
     from alembic.script import ScriptDirectory
 
-    return {sc.revision for sc in ScriptDirectory.from_config(_alembic_config()).walk_revisions()}
+    return frozenset(sc.revision for sc in ScriptDirectory.from_config(_alembic_config()).walk_revisions())
 
 
 def _on_connect(readonly: bool) -> Any:
