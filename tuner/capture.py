@@ -54,6 +54,15 @@ def write_capture(rec: RecordingSource, dest: Path, facts: FabricFacts) -> Path:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data)
         files[_rel(path)] = len(data)
+    # Entries discovery only listed (never read), e.g. /sys/class/infiniband/X/device/net/<netdev>:
+    # kept as empty directories so that listing the capture answers what listing the node did.
+    for path, entries in rec.dirs.items():
+        for name in entries:
+            if name in (".", "..") or "/" in name:
+                continue
+            p = dest / _rel(path) / name
+            if not p.exists():
+                p.mkdir(parents=True, exist_ok=True)
     commands: dict[str, Any] = {}
     (dest / "commands").mkdir(parents=True, exist_ok=True)
     for argv, res in rec.commands.items():

@@ -322,13 +322,14 @@ def _nvml_facts() -> dict[str, Any] | None:
                 "memory_mib": int(pynvml.nvmlDeviceGetMemoryInfo(h).total) // (1024 * 1024),
             }
             for key, fn in (
-                ("compute_capability", lambda: "%d.%d" % pynvml.nvmlDeviceGetCudaComputeCapability(h)),
-                ("pcie_gen_max", lambda: pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h)),
-                ("pcie_width_max", lambda: pynvml.nvmlDeviceGetMaxPcieLinkWidth(h)),
-                ("pcie_width_current", lambda: pynvml.nvmlDeviceGetCurrPcieLinkWidth(h)),
+                ("compute_capability", pynvml.nvmlDeviceGetCudaComputeCapability),
+                ("pcie_gen_max", pynvml.nvmlDeviceGetMaxPcieLinkGeneration),
+                ("pcie_width_max", pynvml.nvmlDeviceGetMaxPcieLinkWidth),
+                ("pcie_width_current", pynvml.nvmlDeviceGetCurrPcieLinkWidth),
             ):
                 try:
-                    g[key] = fn()
+                    v = fn(h)
+                    g[key] = f"{v[0]}.{v[1]}" if isinstance(v, tuple) else int(v)
                 except Exception:
                     pass
             links = []
@@ -1070,9 +1071,10 @@ def discover_from(src: Source) -> FabricFacts:
     gpu_nic_raw = _discover_topology(src, facts, tools)
     _discover_ib(src, facts)
     _discover_cxi(src, facts)
-    excluded = {e.name for e in facts.excluded_nics}
+    # GPU-NIC levels only for NICs discovery kept (not NVSwitch management ports, not absent devices)
+    known = {n.name for n in facts.nics}
     facts.gpu_nic = sorted(
-        (GPUNic(gpu=g, nic=nic, level=lvl) for g, nic, lvl in gpu_nic_raw if nic not in excluded),
+        (GPUNic(gpu=g, nic=nic, level=lvl) for g, nic, lvl in gpu_nic_raw if nic in known),
         key=lambda x: (x.gpu, x.nic),
     )
 

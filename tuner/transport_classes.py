@@ -121,7 +121,7 @@ def classify(f: FabricFacts) -> tuple[list[TransportFamily], list[TransportFamil
             if prov != "verbs" or p.link_layer in ("InfiniBand", "Ethernet")
         ]
         if prov not in provs:
-            if ports or prov in ("cxi", "efa") and any(nic.kind == prov for nic in f.nics):
+            if ports or (prov in ("cxi", "efa") and any(nic.kind == prov for nic in f.nics)):
                 tool = f.tools.get("fi_info -l", "missing")
                 put(False, name, f"{prov} NIC present but libfabric lists no {prov} provider (fi_info -l: {tool})")
             continue

@@ -376,7 +376,7 @@ def aws_p5() -> None:
           topo(8, lambda i, j: "NV18", affinity=lambda i: ("0-47,96-143", "0") if i < 4 else ("48-95,144-191", "1")))
     c.cmd(["nvidia-smi", "topo", "-p2p", "r"], p2p(8, lambda i, j: "OK"))
     c.cmd(["nvidia-smi", "nvlink", "-s"], nvlink_s([(name, u) for u in uuids], 18, "26.562 GB/s"))
-    for g, gb in enumerate(buses):
+    for gb in buses:
         for k in range(4):
             bus = int(gb, 16) - 4 + k if k < 2 else int(gb, 16) + k - 1
             dev = f"rdmap{bus}s0"
@@ -391,7 +391,7 @@ def aws_p5() -> None:
     c.file("/proc/sys/kernel/osrelease", "6.8.0-1015-aws\n")
     provs = ["efa", "ofi_rxm", "shm", "udp", "tcp", "sockets", "ofi_hook_perf", "ofi_hook_trace", "ofi_hook_noop",
              "ofi_hook_hmem", "ofi_hook_dmabuf_peer_mem", "off_coll", "sm2", "ofi_mrail"]
-    c.cmd(["fi_info", "-l"], "".join(f"{p}:\n    version: {'122.0' if p == 'efa' else '122.0'}\n" for p in provs))
+    c.cmd(["fi_info", "-l"], "".join(f"{p}:\n    version: 122.0\n" for p in provs))
     c.cmd(["fi_info", "--version"], "fi_info: 1.22.0amzn1.0\nlibfabric: 1.22.0amzn1.0\nlibfabric api: 1.22\n")
     c.packages({"torch": "2.4.0", "nvidia-nccl-cu12": "2.21.5", "nvidia-cuda-runtime-cu12": "12.4.127",
                 "moetune": "0.1.0"})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from rich.table import Table
 
 app = typer.Typer(help="Discover this node's fabric, capture it, fingerprint it, diff it.", no_args_is_help=True)
 
-_out = Console(highlight=False)
+_out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 _err = Console(stderr=True, highlight=False)
 
 
