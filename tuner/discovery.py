@@ -923,7 +923,7 @@ def _discover_topology(src: Source, facts: FabricFacts, tools: dict[str, str]) -
         mat = parse_matrix(topo.stdout, where, src, "`nvidia-smi topo -m`", _LEVEL_RE)
         gpu_rows = [c for c in mat["cols"] if re.match(r"^GPU\d+$", c)]
         if len(gpu_rows) != n:
-            raise src.error(where, f"lists {len(gpu_rows)} GPUs, `nvidia-smi -q -x` lists {n}")
+            raise src.error(where, f"lists {len(gpu_rows)} GPUs, `nvidia-smi -q -x` lists {n} (truncated, or from another node?)")
         for i in range(n):
             row = mat["rows"].get(f"GPU{i}")
             if row is None:
