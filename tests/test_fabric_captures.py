@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
+import shutil
 
 import pytest
 
@@ -141,3 +143,54 @@ def test_h200x2_capture_from_the_gpu_node() -> None:
     assert f.gpu_count == 2 and "H200" in f.gpu_model
     assert sorted(f.transport_names) == sorted(["nvlink", "host_staged", "collective"])
     assert "over NVLink" in reason(f, "nvlink")
+
+
+def test_nvml_fallback_when_nvidia_smi_absent(tmp_path: pathlib.Path) -> None:
+    """A node without the nvidia-smi binary (containers): GPU facts from NVML, kept in gpu_api.json."""
+    root = tmp_path / "c"
+    shutil.copytree(CAPTURES / "cpu-laptop", root)
+    (root / "proc/driver/nvidia").mkdir(parents=True)
+    (root / "proc/driver/nvidia/version").write_text(
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build\n"
+    )
+    gpus = [
+        {"index": i, "name": "NVIDIA H200", "uuid": f"GPU-{i}", "pci_bus_id": f"00000000:{b}:00.0",
+         "memory_mib": 143771, "compute_capability": "9.0", "pcie_gen_max": 5, "pcie_width_max": 16,
+         "pcie_width_current": 16, "nvlinks": [{"link": k, "active": True} for k in range(18)]}
+        for i, b in enumerate(["19", "3B"])
+    ]
+    (root / "gpu_api.json").write_text(json.dumps({"api": "nvml", "gpus": gpus, "driver": "580.95.05", "cuda": "13.0"}))
+    f = discover(root)
+    assert f.gpu_count == 2 and f.gpus[1].pci_bus_id == "00000000:3B:00.0" and f.gpus[0].compute_capability == "9.0"
+    assert all(len(g.active_links) == 18 for g in f.gpus)
+    assert f.software["driver"] == "580.95.05" and f.software["cuda"] == "13.0" and f.tools["gpu api"] == "nvml"
+    assert "host_staged" in f.transport_names and f.complete
+    assert f.gpudirect.dmabuf  # open kernel module 580 on kernel 6.5
+
+
+def test_driver_loaded_but_no_gpu_read_is_a_warning(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(CAPTURES / "dgx-h100", root)
+    (root / "commands/nvidia-smi_-q_-x").unlink()
+    manifest = root / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["commands"]["nvidia-smi_-q_-x"]["status"] = "timeout"
+    manifest.write_text(json.dumps(m))
+    f = discover(root)
+    assert f.gpu_count == 0 and not f.complete
+    assert any("timed out" in w for w in f.warnings) and any("no GPU was read" in w for w in f.warnings)
+
+
+def test_tolerant_formats(tmp_path: pathlib.Path) -> None:
+    """Underlined topo header (ANSI escapes), 'Link N: <inactive>' variants, 0000:xx bus ids."""
+    root = tmp_path / "c"
+    shutil.copytree(CAPTURES / "perlmutter", root)
+    topo = root / "commands/nvidia-smi_topo_-m"
+    lines = topo.read_text().splitlines(keepends=True)
+    lines[0] = "\x1b[4m" + lines[0].rstrip("\n") + "\x1b[0m\n"
+    topo.write_text("".join(lines))
+    nv = root / "commands/nvidia-smi_nvlink_-s"
+    nv.write_text(nv.read_text().replace("Link 11: 25 GB/s", "Link 11: Inactive", 1))
+    f = discover(root)
+    assert f.gpu_count == 4 and {p.level for p in f.pairs} == {"NV4"}
+    assert [lk.active for lk in f.gpus[0].nvlinks].count(False) == 1

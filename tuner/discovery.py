@@ -540,6 +540,7 @@ class RecordingSource(Source):
 # parsers (shared by every source)
 # ------------------------------------------------------------------------------------------------
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _LEVEL_RE = re.compile(r"^(X|NV\d+|SYS|NODE|PHB|PXB|PIX|SOC|PSB|C2C|N/A)$")
 _P2P_RE = re.compile(r"^(X|OK|CNS|GNS|TNS|NS|U|IOCNS|N/A)$")
 
@@ -632,7 +633,7 @@ def parse_matrix(text: str, where: str, src: Source, what: str, value_re: re.Pat
     """A `nvidia-smi topo` matrix -> {"cols": [...], "rows": {label: [values]}, "legend": {NIC0: name}}."""
     if not text.strip():
         raise src.error(where, f"empty file (expected the matrix of {what})")
-    lines = text.splitlines()
+    lines = _ANSI.sub("", text).splitlines()  # some nvidia-smi versions underline the header
     header_i = None
     for i, line in enumerate(lines):
         toks = _split_row(line)
@@ -678,7 +679,7 @@ def parse_matrix(text: str, where: str, src: Source, what: str, value_re: re.Pat
 
 
 _GPU_HDR = re.compile(r"^GPU\s+(\d+)\s*:\s*(.*?)\s*(?:\(UUID:\s*([^)\s]+)\s*\))?\s*$")
-_LINK = re.compile(r"^Link\s+(\d+)\s*:\s*(.*?)\s*$")
+_LINK = re.compile(r"^Link\s+(\d+)\s*:\s*(.*?)\s*$", re.I)
 
 
 def parse_nvlink(text: str, where: str, src: Source) -> list[dict[str, Any]]:
@@ -699,15 +700,16 @@ def parse_nvlink(text: str, where: str, src: Source) -> list[dict[str, Any]]:
             if cur is None:
                 raise src.error(where, f"link line before any GPU line: {s[:60]!r}")
             val = m.group(2)
-            if re.match(r"^<?inactive>?$", val, re.I) or val.lower() in ("down", "disabled"):
+            low = val.lower()
+            if re.search(r"\b(inactive|down|disabled|not active)\b", low):
                 cur["links"].append(NVLinkLink(link=int(m.group(1)), active=False))
                 continue
-            sm = re.match(r"^([\d.]+)\s*GB/s$", val)
-            if not sm:
-                raise src.error(where, f"NVLink {m.group(1)} of GPU {cur['index']}: cannot read {val!r}")
-            try:
+            sm = re.search(r"(\d+(?:\.\d+)?)\s*GB/s", val)
+            if sm:
                 speed = round(float(sm.group(1)), 3)
-            except ValueError:
+            elif re.search(r"\b(active|up)\b", low):
+                speed = 0.0
+            else:
                 raise src.error(where, f"NVLink {m.group(1)} of GPU {cur['index']}: cannot read {val!r}")
             cur["links"].append(NVLinkLink(link=int(m.group(1)), active=True, speed_gbs=speed))
         # anything else (NVML notices such as "all links are inactive") is informational
@@ -1105,6 +1107,14 @@ def discover_from(src: Source) -> FabricFacts:
 
     facts.software = _software(src.packages(), versions, facts.libfabric.version)
     facts.tools = tools
+    if nvver and not facts.gpus:
+        xml_state = tools.get(" ".join(SMI_XML), "missing")
+        facts.warnings.append(
+            f"the NVIDIA driver is loaded but no GPU was read (`nvidia-smi -q -x`: {xml_state}); facts are incomplete"
+        )
+    for key, state in tools.items():
+        if state == "timeout":
+            facts.warnings.append(f"`{key}` timed out; facts it provides are missing")
     facts.transports, facts.unavailable = classify(facts)
     facts.seconds = round(time.perf_counter() - t0, 4)
     return facts

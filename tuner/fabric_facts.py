@@ -149,6 +149,7 @@ class FabricFacts(msgspec.Struct, kw_only=True):
     tools: dict[str, str] = {}  # command key -> ok | missing | timeout | failed (rc) — not fingerprinted
     transports: list[TransportFamily] = []
     unavailable: list[TransportFamily] = []  # families not found here, with the reason
+    warnings: list[str] = []  # e.g. a command timed out: facts incomplete (not fingerprinted)
     nodes: int = 1
     source: str = "live"  # live | capture:<dir>
     seconds: float = 0.0  # how long discovery took (not fingerprinted)
@@ -162,6 +163,11 @@ class FabricFacts(msgspec.Struct, kw_only=True):
     def gpu_model(self) -> str:
         models = sorted({g.model for g in self.gpus})
         return " + ".join(models) if models else "none"
+
+    @property
+    def complete(self) -> bool:
+        """False when discovery could not read everything it expected (see `warnings`)."""
+        return not self.warnings
 
     @property
     def transport_names(self) -> list[str]:

@@ -87,6 +87,8 @@ def _print_facts(f: Any) -> None:
     missing = [k for k, v in f.tools.items() if v != "ok"]
     if missing:
         _out.print("tools: " + ", ".join(f"{k}: {f.tools[k]}" for k in missing))
+    for w in f.warnings:
+        _out.print(f"[yellow]warning:[/yellow] {w}")
     t = Table(title="transport families", title_justify="left")
     t.add_column("family")
     t.add_column("available")
