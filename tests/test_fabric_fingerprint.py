@@ -306,7 +306,7 @@ CHANGES: list[tuple[str, str, Callable[[pathlib.Path], None], str]] = [
      "mlx5_4 firmware 28.39.1002 → 28.40.1000"),
     ("cuda_bump", "dgx-h100", lambda r: edit(r, XML, sub(r"<cuda_version>12.2<", "<cuda_version>12.4<")), "CUDA 12.2 → 12.4"),
     ("pcie_width_drop", "dgx-h100", lambda r: _pcie_width(r, 5, 8), "GPU 5 PCIe width x16 → x8"),
-    ("gpu_model", "dgx-h100", _gpu_model, "GPU 0 model NVIDIA H100 80GB HBM3 → NVIDIA H200"),
+    ("gpu_model", "dgx-h100", _gpu_model, "GPUs 0–7 model NVIDIA H100 80GB HBM3 → NVIDIA H200"),
     ("torch_version", "dgx-h100", lambda r: edit_packages(r, torch="2.5.1"), "torch 2.4.1 → 2.5.1"),
     ("nvshmem4py_version", "dgx-h100", lambda r: edit_packages(r, nvshmem4py_cu12="0.2.0"), "nvshmem4py 0.1.0 → 0.2.0"),
     ("link_layer", "dgx-h100", lambda r: edit(r, f"{IB}/mlx5_1/ports/1/link_layer", lambda s: "InfiniBand\n"),
@@ -341,6 +341,18 @@ def test_scripted_change(case: tuple, tmp_path: pathlib.Path) -> None:
     assert expected in reasons, reasons
     back = diff_facts(new.to_dict(), base.to_dict())
     assert back, "the reverse change must be explained too"
+
+
+def test_grouped_reasons(tmp_path: pathlib.Path) -> None:
+    root = copy("dgx-h100", tmp_path)
+    for k in (0, 1, 2, 5):
+        _nvlink_down(root, gpu=3, link=k)
+    _nvlink_down(root, gpu=6, link=0)
+    for k in (0, 1, 2, 5):
+        _nvlink_down(root, gpu=6, link=k)
+    reasons = diff_facts(discover(CAPTURES / "dgx-h100").to_dict(), discover(root).to_dict())
+    assert "NVLinks 0–2, 5 of GPUs 3, 6 down" in reasons, reasons
+    assert len([r for r in reasons if "NVLink" in r]) == 1
 
 
 def test_at_least_twenty_changes() -> None:

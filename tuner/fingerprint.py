@@ -163,7 +163,24 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _diff_gpu(label: str, a: dict[str, Any], b: dict[str, Any], out: list[str]) -> None:
+def _ranges(nums: list[int]) -> str:
+    """[0,1,2,3,5] -> '0–3, 5'."""
+    nums = sorted(set(nums))
+    out, start, prev = [], nums[0], nums[0]
+    for n in [*nums[1:], None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        out.append(f"{start}–{prev}" if prev - start >= 2 else ", ".join(str(x) for x in range(start, prev + 1)))
+        if n is not None:
+            start = prev = n
+    return ", ".join(out)
+
+
+def _diff_gpu(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Reasons for one matched GPU, with '{G}' where its label goes."""
+    out: list[str] = []
+    label = "{G}"
     if a.get("model") != b.get("model"):
         out.append(f"{label} model {_fmt(a.get('model'))} → {_fmt(b.get('model'))}")
     if a.get("memory_mib") != b.get("memory_mib"):
@@ -179,19 +196,26 @@ def _diff_gpu(label: str, a: dict[str, Any], b: dict[str, Any], out: list[str]) 
         out.append(f"{label} MIG {'enabled' if a.get('mig') else 'disabled'} → {'enabled' if b.get('mig') else 'disabled'}")
     la = {lk["link"]: lk for lk in a.get("nvlinks", [])}
     lb = {lk["link"]: lk for lk in b.get("nvlinks", [])}
+    events: dict[str, list[int]] = {}
     for n in sorted(set(la) | set(lb)):
         x, y = la.get(n), lb.get(n)
-        name = f"NVLink {n} of {label}"
         if x is None:
-            out.append(f"{name} new ({'active' if y and y.get('active') else 'inactive'})")
+            ev = f"new ({'active' if y and y.get('active') else 'inactive'})"
         elif y is None:
-            out.append(f"{name} missing")
+            ev = "missing"
         elif x.get("active") and not y.get("active"):
-            out.append(f"{name} down")
+            ev = "down"
         elif not x.get("active") and y.get("active"):
-            out.append(f"{name} up")
+            ev = "up"
         elif x.get("active") and float(x.get("speed_gbs", 0)) != float(y.get("speed_gbs", 0)):
-            out.append(f"{name} speed {_fmt(float(x['speed_gbs']))} → {_fmt(float(y['speed_gbs']))} GB/s")
+            ev = f"speed {_fmt(float(x['speed_gbs']))} → {_fmt(float(y['speed_gbs']))} GB/s"
+        else:
+            continue
+        events.setdefault(ev, []).append(n)
+    for ev, links in events.items():
+        name = f"NVLink {links[0]}" if len(links) == 1 else f"NVLinks {_ranges(links)}"
+        out.append(f"{name} of {label} {ev}")
+    return out
 
 
 def _diff_nic(a: dict[str, Any], b: dict[str, Any], out: list[str]) -> None:
@@ -230,8 +254,12 @@ def diff_facts(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     for j in added:
         g = nby[j]
         out.append(f"GPU {j} new ({g.get('model', '?')}, {g.get('pci_bus_id') or g.get('uuid') or 'no id'})")
+    per_reason: dict[str, list[int]] = {}  # the same change on several GPUs is one line
     for i, j in sorted(match.items()):
-        _diff_gpu(f"GPU {i}", oby[i], nby[j], out)
+        for r in _diff_gpu(oby[i], nby[j]):
+            per_reason.setdefault(r, []).append(i)
+    for r, gpus in per_reason.items():
+        out.append(r.replace("{G}", f"GPU {gpus[0]}" if len(gpus) == 1 else f"GPUs {_ranges(gpus)}"))
 
     # topology between GPUs present in both
     op = {(p["a"], p["b"]): p for p in old.get("pairs", []) or []}
