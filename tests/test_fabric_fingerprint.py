@@ -316,6 +316,9 @@ CHANGES: list[tuple[str, str, Callable[[pathlib.Path], None], str]] = [
     ("topology_level", "rtx4090x4", lambda r: edit(r, TOPO, sub(r"^(GPU0\t X \t)PHB", r"\1PIX")),
      "GPU 0–GPU 1 topology PHB → PIX"),
     ("mig_enabled", "dgx-h100", _mig, "GPU 0 MIG disabled → enabled"),
+    ("fabric_manager_stopped", "aws-p5", lambda r: edit(r, XML, lambda s: s.replace("<state>Completed</state>",
+     "<state>In Progress</state>").replace("<status>Success</status>", "<status>N/A</status>")),
+     "GPUs 0–7 NVSwitch fabric Completed → In Progress"),
     ("moetune_version", "cpu-laptop", lambda r: edit_packages(r, moetune="0.2.0"), "moetune 0.1.0 → 0.2.0"),
     ("libfabric_version", "perlmutter", lambda r: edit(r, "commands/fi_info_--version", sub("1.20.1", "1.22.0")),
      "libfabric 1.20.1 → 1.22.0"),
@@ -367,6 +370,14 @@ def test_consequences_reported(tmp_path: pathlib.Path) -> None:
     reasons = diff_facts(discover(CAPTURES / "dgx-h100").to_dict(), f.to_dict())
     assert "transport ibgda no longer available" in reasons
     assert "no GPUDirect RDMA" in next(t.reason for t in f.unavailable if t.name == "ibgda")
+
+
+def test_fabric_not_ready_disables_nvlink(tmp_path: pathlib.Path) -> None:
+    root = copy("dgx-h100", tmp_path)
+    edit(root, XML, lambda s: s.replace("<state>Completed</state>", "<state>Not Started</state>"))
+    f = discover(root)
+    assert "nvlink" not in f.transport_names and "host_staged" in f.transport_names
+    assert "Fabric Manager state: Not Started" in next(t.reason for t in f.unavailable if t.name == "nvlink")
 
 
 def test_all_nvlinks_down_falls_back(tmp_path: pathlib.Path) -> None:

@@ -606,6 +606,7 @@ def parse_smi_xml(text: str, where: str, src: Source) -> tuple[list[dict[str, An
                 g.findtext(link + "link_widths/current_link_width"), where, f"GPU {bus} PCIe width", src, suffix="x"
             ),
             "mig": (g.findtext("mig_mode/current_mig") or "").strip().lower() == "enabled",
+            "fabric_state": (g.findtext("fabric/state") or "").strip(),
         }
         if not re.match(r"^(\d+\.\d+)?$", d["compute_capability"]):
             d["compute_capability"] = ""
@@ -856,6 +857,7 @@ def _discover_gpus(src: Source, facts: FabricFacts, tools: dict[str, str]) -> di
                     "pcie_width_max": g.get("pcie_width_max"),
                     "pcie_width_current": g.get("pcie_width_current"),
                     "mig": False,
+                    "fabric_state": "",
                     "nvlinks": [NVLinkLink(link=int(x["link"]), active=bool(x["active"])) for x in g.get("nvlinks", [])],
                 }
             )
@@ -904,6 +906,7 @@ def _discover_gpus(src: Source, facts: FabricFacts, tools: dict[str, str]) -> di
                 pcie_width_max=d["pcie_width_max"],
                 pcie_width_current=d["pcie_width_current"],
                 mig=d["mig"],
+                fabric_state=d["fabric_state"],
                 nvlinks=sorted(links, key=lambda lk: lk.link),
             )
         )

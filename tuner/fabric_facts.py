@@ -46,6 +46,7 @@ class GPU(msgspec.Struct, kw_only=True):
     pcie_width_max: int | None = None
     pcie_width_current: int | None = None
     mig: bool = False
+    fabric_state: str = ""  # NVSwitch fabric (Fabric Manager) state: Completed, In Progress, Not Started, N/A
     nvlinks: list[NVLinkLink] = []
 
     @property

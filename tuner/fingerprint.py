@@ -78,6 +78,7 @@ def canonical_hardware(facts: dict[str, Any]) -> dict[str, Any]:
                     "pcie_width_max": g.get("pcie_width_max"),
                     "pcie_width": g.get("pcie_width_current"),
                     "mig": bool(g.get("mig", False)),
+                    "fabric": g.get("fabric_state", ""),
                     "nvlinks": links,
                     "peers": sorted(peers.get(g.get("index", -1), [])),
                     "nics": sorted(nic_levels.get(g.get("index", -1), [])),
@@ -194,6 +195,8 @@ def _diff_gpu(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
             out.append(f"{label} {what} x{_fmt(a.get(key))} → x{_fmt(b.get(key))}")
     if bool(a.get("mig")) != bool(b.get("mig")):
         out.append(f"{label} MIG {'enabled' if a.get('mig') else 'disabled'} → {'enabled' if b.get('mig') else 'disabled'}")
+    if a.get("fabric_state", "") != b.get("fabric_state", ""):
+        out.append(f"{label} NVSwitch fabric {_fmt(a.get('fabric_state'))} → {_fmt(b.get('fabric_state'))}")
     la = {lk["link"]: lk for lk in a.get("nvlinks", [])}
     lb = {lk["link"]: lk for lk in b.get("nvlinks", [])}
     events: dict[str, list[int]] = {}
@@ -264,6 +267,7 @@ def diff_facts(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     # topology between GPUs present in both
     op = {(p["a"], p["b"]): p for p in old.get("pairs", []) or []}
     np_ = {(min(p["a"], p["b"]), max(p["a"], p["b"])): p for p in new.get("pairs", []) or []}
+    pair_events: dict[str, list[str]] = {}
     for (a, b), p in sorted(op.items()):
         if a not in match or b not in match:
             continue
@@ -271,9 +275,15 @@ def diff_facts(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if q is None:
             continue
         if p.get("level") != q.get("level"):
-            out.append(f"GPU {a}–GPU {b} topology {p.get('level')} → {q.get('level')}")
+            pair_events.setdefault(f"topology {p.get('level')} → {q.get('level')}", []).append(f"GPU {a}–GPU {b}")
         if p.get("p2p") != q.get("p2p"):
-            out.append(f"GPU {a}–GPU {b} P2P {p.get('p2p')} → {q.get('p2p')}")
+            pair_events.setdefault(f"P2P {p.get('p2p')} → {q.get('p2p')}", []).append(f"GPU {a}–GPU {b}")
+    for ev, pairs in pair_events.items():
+        if len(pairs) == 1:
+            out.append(f"{pairs[0]} {ev}")
+        else:
+            more = ", …" if len(pairs) > 3 else ""
+            out.append(f"{len(pairs)} GPU pairs {ev} ({', '.join(pairs[:3])}{more})")
     onl = {(x["gpu"], x["nic"]): x.get("level") for x in old.get("gpu_nic", []) or []}
     nnl = {(x["gpu"], x["nic"]): x.get("level") for x in new.get("gpu_nic", []) or []}
     for (g, nic), lvl in sorted(onl.items()):

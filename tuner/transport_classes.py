@@ -21,6 +21,7 @@ LIBFABRIC_PROVIDERS: dict[str, tuple[str, ...]] = {
     "efa": ("efa",),
     "verbs": (),  # any RDMA NIC that is not EFA or Slingshot
 }
+_FABRIC_NOT_READY = {"Not Started", "In Progress", "Failed", "Failure"}
 _LABEL = {"efa": "EFA", "cxi": "Slingshot"}
 FAMILY_ORDER = ("nvlink", "proxy:ibrc", "proxy:libfabric", "ibgda", "host_staged", "collective")
 
@@ -46,6 +47,10 @@ def _nvlink(f: FabricFacts) -> tuple[bool, str]:
     if n < 2:
         return False, f"{n} GPU{'s' if n != 1 else ''}: no peer GPU on this node"
     total = len(f.pairs)
+    untrained = sorted({g.fabric_state for g in f.gpus if g.fabric_state in _FABRIC_NOT_READY})
+    if untrained:
+        return False, (f"NVSwitch fabric not ready (Fabric Manager state: {', '.join(untrained)}): "
+                       "peer access over NVLink fails until it completes")
     nv = [p for p in f.pairs if p.nvlink and p.p2p_ok]
     if nv:
         levels = Counter(p.level for p in nv)

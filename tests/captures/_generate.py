@@ -21,8 +21,10 @@ def uuid_for(seed: str) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-def gpu_xml(bus: str, name: str, uuid: str, minor: int, mem_mib: int, gen: int, width: int, temp: int, arch: str) -> str:
+def gpu_xml(bus: str, name: str, uuid: str, minor: int, mem_mib: int, gen: int, width: int, temp: int, arch: str,
+            fabric: str = "N/A") -> str:
     free = mem_mib - 328 - 1
+    status = "Success" if fabric == "Completed" else "N/A"
     return f"""	<gpu id="00000000:{bus}:00.0">
 		<product_name>{name}</product_name>
 		<product_brand>NVIDIA</product_brand>
@@ -59,6 +61,10 @@ def gpu_xml(bus: str, name: str, uuid: str, minor: int, mem_mib: int, gen: int, 
 			<tx_util>550 KB/s</tx_util>
 			<rx_util>780 KB/s</rx_util>
 		</pci>
+		<fabric>
+			<state>{fabric}</state>
+			<status>{status}</status>
+		</fabric>
 		<fan_speed>N/A</fan_speed>
 		<performance_state>P0</performance_state>
 		<fb_memory_usage>
@@ -252,7 +258,7 @@ def dgx_h100() -> None:
     name = "NVIDIA H100 80GB HBM3"
     buses = ["1B", "43", "52", "61", "9D", "C3", "D1", "DF"]
     uuids = [uuid_for(f"dgx-h100-{b}") for b in buses]
-    xml = [gpu_xml(b, name, u, i, 81559, 5, 16, 31 + i, "Hopper") for i, (b, u) in enumerate(zip(buses, uuids, strict=True))]
+    xml = [gpu_xml(b, name, u, i, 81559, 5, 16, 31 + i, "Hopper", "Completed") for i, (b, u) in enumerate(zip(buses, uuids, strict=True))]
     c.cmd(["nvidia-smi", "-q", "-x"], smi_xml("535.104.05", "12.2", xml))
     c.cmd(["nvidia-smi", "--query-gpu=index,pci.bus_id,compute_cap", "--format=csv,noheader"], smi_query(buses, "9.0"))
     # compute NICs (OSFP ports) paired with GPUs 0..7, storage/in-band NICs, NVSwitch management LPFs
@@ -369,7 +375,7 @@ def aws_p5() -> None:
     name = "NVIDIA H100 80GB HBM3"
     buses = ["53", "64", "75", "86", "97", "A8", "B9", "CA"]
     uuids = [uuid_for(f"p5-{b}") for b in buses]
-    xml = [gpu_xml(b, name, u, i, 81559, 5, 16, 30 + i, "Hopper") for i, (b, u) in enumerate(zip(buses, uuids, strict=True))]
+    xml = [gpu_xml(b, name, u, i, 81559, 5, 16, 30 + i, "Hopper", "Completed") for i, (b, u) in enumerate(zip(buses, uuids, strict=True))]
     c.cmd(["nvidia-smi", "-q", "-x"], smi_xml("550.90.07", "12.4", xml))
     c.cmd(["nvidia-smi", "--query-gpu=index,pci.bus_id,compute_cap", "--format=csv,noheader"], smi_query(buses, "9.0"))
     c.cmd(["nvidia-smi", "topo", "-m"],
