@@ -134,3 +134,14 @@ def test_live_prefetch_runs_in_parallel() -> None:
     assert all(src.run(c).ok for c in cmds)
     assert time.perf_counter() - t0 < 1.2
     src.close()
+
+
+def test_nvml_hang_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import moetune.tuner.discovery as d
+
+    monkeypatch.setattr(d, "_nvml_facts", lambda: time.sleep(3) or None)
+    monkeypatch.setattr(d.shutil, "which", lambda name: None)
+    t0 = time.perf_counter()
+    api = d.LiveSource(timeout_s=0.3).gpu_api()
+    assert time.perf_counter() - t0 < 1.5
+    assert api == {"api": "nvml", "gpus": [], "status": "timeout"}

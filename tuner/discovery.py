@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from abc import ABC, abstractmethod
@@ -294,7 +295,14 @@ class LiveSource(Source):
         # Only a fallback: the nvidia-smi outputs (which captures keep) are the primary GPU source.
         if shutil.which("nvidia-smi") is not None:
             return None
-        return _nvml_facts() or _torch_facts()
+        # NVML runs in-process: bound it like a command (a daemon thread is abandoned if NVML hangs)
+        box: list[dict[str, Any] | None] = []
+        th = threading.Thread(target=lambda: box.append(_nvml_facts()), name="moetune-nvml", daemon=True)
+        th.start()
+        th.join(self.timeout_s)
+        if th.is_alive() or not box:
+            return {"api": "nvml", "gpus": [], "status": "timeout"}
+        return box[0] or _torch_facts()
 
 
 def _nvml_facts() -> dict[str, Any] | None:
@@ -863,7 +871,7 @@ def _discover_gpus(src: Source, facts: FabricFacts, tools: dict[str, str]) -> di
             )
         raw.sort(key=lambda d: d["pci_bus_id"])
         versions = {"driver": str(api.get("driver", "")), "cuda": str(api.get("cuda", ""))}
-        tools["gpu api"] = str(api.get("api", "?"))
+        tools["gpu api"] = str(api.get("api", "?")) + (f" ({api['status']})" if api.get("status") else "")
     if not raw:
         return versions
 
@@ -1116,7 +1124,7 @@ def discover_from(src: Source) -> FabricFacts:
             f"the NVIDIA driver is loaded but no GPU was read (`nvidia-smi -q -x`: {xml_state}); facts are incomplete"
         )
     for key, state in tools.items():
-        if state == "timeout":
+        if state.endswith("timeout") or state.endswith("(timeout)"):
             facts.warnings.append(f"`{key}` timed out; facts it provides are missing")
     facts.transports, facts.unavailable = classify(facts)
     facts.seconds = round(time.perf_counter() - t0, 4)
