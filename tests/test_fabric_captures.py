@@ -60,6 +60,17 @@ def test_dgx_h100() -> None:
     assert f.software["driver"] == "535.104.05" and f.software["cuda"] == "12.2"
     assert f.software["nccl"] == "2.20.5" and f.software["nvshmem"] == "3.2.5" and f.software["nvshmem4py"] == "0.1.0"
     assert f.tools["fi_info -l"] == "missing" and f.libfabric.providers == []
+    assert "vpd" not in f.tools  # every mlx5 VPD was readable (captured as root)
+
+
+def test_unreadable_vpd_is_reported(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(CAPTURES / "dgx-h100", root)
+    for dev in ("mlx5_12", "mlx5_13", "mlx5_0"):
+        (root / f"sys/class/infiniband/{dev}/device/vpd").unlink()
+    f = discover(root)
+    assert f.tools["vpd"].startswith("unreadable on 3 mlx5 device(s)")
+    assert f.excluded_nics == [] and len(f.nics) == 14  # without the VPD the LPFs look like NICs
 
 
 def test_perlmutter() -> None:

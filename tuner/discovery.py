@@ -972,6 +972,7 @@ def _discover_topology(src: Source, facts: FabricFacts, tools: dict[str, str]) -
 
 def _discover_ib(src: Source, facts: FabricFacts) -> None:
     names = src.listdir(IB_ROOT) or []
+    no_vpd = 0
     for name in names:
         base = f"{IB_ROOT}/{name}"
         uevent = parse_uevent(src.read_text(f"{base}/device/uevent"))
@@ -984,6 +985,7 @@ def _discover_ib(src: Source, facts: FabricFacts) -> None:
             continue
         if driver.startswith("mlx5") or name.startswith("mlx5"):
             kind = "mlx5"
+            no_vpd += vpd is None
         elif driver == "efa" or name.startswith(("efa", "rdmap")):
             kind = "efa"
         else:
@@ -1015,6 +1017,9 @@ def _discover_ib(src: Source, facts: FabricFacts) -> None:
                 ports=sorted(ports, key=lambda p: p.port),
             )
         )
+    if no_vpd:
+        # The VPD (root-only) is what tells an NVSwitch management LPF from a NIC (Fabric Manager guide).
+        facts.tools["vpd"] = f"unreadable on {no_vpd} mlx5 device(s): NVSwitch management ports not identifiable"
 
 
 def _discover_cxi(src: Source, facts: FabricFacts) -> None:
@@ -1117,7 +1122,7 @@ def discover_from(src: Source) -> FabricFacts:
     facts.libfabric = Libfabric(providers=providers, version=parse_fi_version(fv.stdout) if fv.ok else "")
 
     facts.software = _software(src.packages(), versions, facts.libfabric.version)
-    facts.tools = tools
+    facts.tools = {**tools, **facts.tools}
     if nvver and not facts.gpus:
         xml_state = tools.get(" ".join(SMI_XML), "missing")
         facts.warnings.append(

@@ -284,13 +284,15 @@ def dgx_h100() -> None:
                lambda i: ("0-55,112-167", "0") if i < 4 else ("56-111,168-223", "1")))
     c.cmd(["nvidia-smi", "topo", "-p2p", "r"], p2p(8, lambda i, j: "OK"))
     c.cmd(["nvidia-smi", "nvlink", "-s"], nvlink_s([(name, u) for u in uuids], 18, "26.562 GB/s"))
+    nic_vpd = vpd_bytes("NVIDIA ConnectX-7 HHHL adapter card, 400Gb/s", [("PN", "MCX75310AAS-NEAT"), ("EC", "A7"),
+                                                                          ("V2", "MCX75310AAS-NEAT"), ("RV", "\x00")])
     for dev, bus in zip(compute, compute_bus, strict=True):
         c.ib_dev(dev, "mlx5_core", "15B3:1021", f"0000:{bus.lower()}:00.0", "28.39.1002", "MT4129",
-                 "MT_0000000838", f"ibp{int(bus, 16)}s0")
+                 "MT_0000000838", f"ibp{int(bus, 16)}s0", nic_vpd)
         c.ib_port(dev, 1, "ACTIVE", "400 Gb/sec (4X NDR)", "InfiniBand")
     for dev, (bus, fn) in storage.items():
         c.ib_dev(dev, "mlx5_core", "15B3:1021", f"0000:{bus.lower()}:00.{fn}", "28.39.1002", "MT4129",
-                 "MT_0000000838", f"enp{int(bus, 16)}s0f{fn}np{fn}")
+                 "MT_0000000838", f"enp{int(bus, 16)}s0f{fn}np{fn}", nic_vpd)
         up = dev != "mlx5_8"
         c.ib_port(dev, 1, "ACTIVE" if up else "DOWN", "200 Gb/sec (2X NDR)" if up else "40 Gb/sec (4X QDR)", "Ethernet")
     for dev, bus in lpf.items():
