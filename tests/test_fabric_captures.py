@@ -61,6 +61,7 @@ def test_dgx_h100() -> None:
     assert f.software["nccl"] == "2.20.5" and f.software["nvshmem"] == "3.2.5" and f.software["nvshmem4py"] == "0.1.0"
     assert f.tools["fi_info -l"] == "missing" and f.libfabric.providers == []
     assert "vpd" not in f.tools  # every mlx5 VPD was readable (captured as root)
+    assert f.nvlink_gbs_per_gpu == round(18 * 26.562, 3) and f.network_gbs == 8 * 400 / 8
 
 
 def test_unreadable_vpd_is_reported(tmp_path: pathlib.Path) -> None:
@@ -104,6 +105,7 @@ def test_aws_p5_efa() -> None:
     assert len(f.nics) == 32 and {n.kind for n in f.nics} == {"efa"}
     r = reason(f, "proxy:libfabric/efa")
     assert "32 × 100 Gb/s EFA ACTIVE" in r and "1.22.0amzn1.0" in r
+    assert f.network_gbs == 400.0  # 3200 Gb/s
     # EFA is not RC verbs: no IBRC, no IBGDA
     assert "proxy:ibrc" not in f.transport_names and "ibgda" not in f.transport_names
     assert f.gpudirect.dmabuf and f.gpudirect.open_kernel_module

@@ -171,6 +171,23 @@ class FabricFacts(msgspec.Struct, kw_only=True):
         return not self.warnings
 
     @property
+    def nvlink_gbs_per_gpu(self) -> float:
+        """Per-direction NVLink bandwidth of the weakest GPU (sum of its active link speeds, GB/s); 0 without NVLink."""
+        if not self.gpus:
+            return 0.0
+        return round(min(sum(lk.speed_gbs for lk in g.active_links) for g in self.gpus), 3)
+
+    @property
+    def network_gbs(self) -> float:
+        """Scale-out bandwidth of the node in GB/s (ACTIVE ports' rate / 8): InfiniBand, EFA and Slingshot
+        ports; RoCE ports only when there are none of those (RoCE beside IB is usually storage)."""
+        fast = [p.rate_gbps for n in self.nics for p in n.active_ports
+                if n.kind in ("efa", "cxi") or p.link_layer == "InfiniBand"]
+        if not fast:
+            fast = [p.rate_gbps for n in self.nics for p in n.active_ports if p.link_layer == "Ethernet"]
+        return round(sum(fast) / 8.0, 3)
+
+    @property
     def transport_names(self) -> list[str]:
         return [t.name for t in self.transports]
 
