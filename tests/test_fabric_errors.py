@@ -63,6 +63,9 @@ BAD: list[tuple[str, str, str, object, str]] = [
     ("packages_shape", "dgx-h100", "python/packages.json", "[1, 2]", "JSON object"),
     ("manifest_garbage", "dgx-h100", "manifest.json", "{", "manifest is not valid JSON"),
     ("fi_info_garbage", "perlmutter", "commands/fi_info_-l", "Segmentation fault\n", "no libfabric provider"),
+    ("gpu_api_garbage", "cpu-laptop", "gpu_api.json", '{"api": "nvml", "gpus": [{"name": "X", "memory_mib": "lots"}]}',
+     "unexpected GPU entry"),
+    ("gpu_api_not_json", "cpu-laptop", "gpu_api.json", "nvml says hi", "not valid JSON"),
     ("slingshot_speed", "perlmutter", "sys/class/cxi/cxi1/device/net/hsn1/speed", "fast\n", "cannot read link speed"),
 ]
 

@@ -840,8 +840,34 @@ def cc_from_model(model: str) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
+def _gpu_api_rows(api: dict[str, Any]) -> list[dict[str, Any]]:
+    raw = []
+    for g in api.get("gpus", []):
+        if not isinstance(g, dict) or not g.get("name"):
+            continue
+        raw.append(
+            {
+                "pci_bus_id": normalize_bus_id(str(g.get("pci_bus_id", ""))),
+                "name": str(g["name"]),
+                "uuid": str(g.get("uuid", "")),
+                "memory_mib": int(g.get("memory_mib") or 0),
+                "compute_capability": str(g.get("compute_capability", "")),
+                "pcie_gen_max": None if g.get("pcie_gen_max") is None else int(g["pcie_gen_max"]),
+                "pcie_gen_current": None,
+                "pcie_width_max": None if g.get("pcie_width_max") is None else int(g["pcie_width_max"]),
+                "pcie_width_current": None if g.get("pcie_width_current") is None else int(g["pcie_width_current"]),
+                "mig": False,
+                "fabric_state": "",
+                "nvlinks": [NVLinkLink(link=int(x["link"]), active=bool(x["active"])) for x in g.get("nvlinks", [])],
+            }
+        )
+    raw.sort(key=lambda d: d["pci_bus_id"])
+    return raw
+
+
 def _discover_gpus(src: Source, facts: FabricFacts, tools: dict[str, str]) -> dict[str, str]:
-    """Fills facts.gpus, .pairs and returns raw NIC columns of the topology for later; versions."""
+    """Fills facts.gpus from `nvidia-smi -q -x` (+ nvlink -s, compute_cap query) or the NVML fallback;
+    returns the driver/CUDA versions it read."""
     versions: dict[str, str] = {}
     xml = src.run(SMI_XML)
     tools[" ".join(SMI_XML)] = xml.describe
@@ -850,26 +876,11 @@ def _discover_gpus(src: Source, facts: FabricFacts, tools: dict[str, str]) -> di
         raw, versions = parse_smi_xml(xml.stdout, src.where_command(SMI_XML), src)
     api = src.gpu_api() if not raw else None
     if api:
-        for g in api.get("gpus", []):
-            if not isinstance(g, dict) or not g.get("name"):
-                continue
-            raw.append(
-                {
-                    "pci_bus_id": normalize_bus_id(str(g.get("pci_bus_id", ""))),
-                    "name": str(g["name"]),
-                    "uuid": str(g.get("uuid", "")),
-                    "memory_mib": int(g.get("memory_mib") or 0),
-                    "compute_capability": str(g.get("compute_capability", "")),
-                    "pcie_gen_max": g.get("pcie_gen_max"),
-                    "pcie_gen_current": None,
-                    "pcie_width_max": g.get("pcie_width_max"),
-                    "pcie_width_current": g.get("pcie_width_current"),
-                    "mig": False,
-                    "fabric_state": "",
-                    "nvlinks": [NVLinkLink(link=int(x["link"]), active=bool(x["active"])) for x in g.get("nvlinks", [])],
-                }
-            )
-        raw.sort(key=lambda d: d["pci_bus_id"])
+        try:
+            raw = _gpu_api_rows(api)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            where = src.where("/" + GPU_API_FILE) if isinstance(src, CaptureSource) else "NVML"
+            raise src.error(where, f"unexpected GPU entry ({type(e).__name__}: {e})")
         versions = {"driver": str(api.get("driver", "")), "cuda": str(api.get("cuda", ""))}
         tools["gpu api"] = str(api.get("api", "?")) + (f" ({api['status']})" if api.get("status") else "")
     if not raw:

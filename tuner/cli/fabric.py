@@ -30,6 +30,10 @@ def _discover(from_dir: Path | None, timeout_s: float) -> Any:
         return discover(from_dir, timeout_s=timeout_s)
     except DiscoveryError as e:
         raise _fail(str(e))
+    except Exception as e:  # a parser bug must still not end in a traceback; say where it came from
+        where = f"capture {from_dir}" if from_dir else "this node"
+        raise _fail(f"discovery of {where} failed unexpectedly ({type(e).__name__}: {e}); please report it "
+                    "with the capture (`moetune fabric capture DIR`)")
 
 
 def _summary(f: Any) -> dict[str, Any]:
@@ -40,6 +44,8 @@ def _summary(f: Any) -> dict[str, Any]:
         software_hash=f.software_hash,
         gpu_count=f.gpu_count,
         gpu_model=f.gpu_model,
+        nvlink_gbs_per_gpu=f.nvlink_gbs_per_gpu,
+        network_gbs=f.network_gbs,
     )
     return d
 
