@@ -133,6 +133,19 @@ def test_capture_round_trip(name: str, tmp_path: pathlib.Path) -> None:
     assert (out / "manifest.json").exists() and (out / "python/packages.json").exists()
 
 
+def test_capture_drops_process_list(tmp_path: pathlib.Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(CAPTURES / "dgx-h100", src)
+    xml = src / "commands/nvidia-smi_-q_-x"
+    xml.write_text(xml.read_text().replace(
+        "<processes>\n\t\t</processes>",
+        "<processes><process_info><pid>4242</pid><process_name>secret_job.py</process_name></process_info></processes>"))
+    out = capture_node(tmp_path / "out", source=CaptureSource(src))
+    assert "secret_job" not in (out / "commands/nvidia-smi_-q_-x").read_text()
+    assert discover(out).fingerprint == discover(src).fingerprint == discover(CAPTURES / "dgx-h100").fingerprint
+    assert json.loads((out / "manifest.json").read_text())["commands"]["nvidia-smi_-q_-x"]["scrubbed"] == "processes"
+
+
 def test_capture_refuses_non_empty_dir(tmp_path: pathlib.Path) -> None:
     from moetune.tuner.capture import CaptureWriteError
 

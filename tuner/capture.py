@@ -15,6 +15,7 @@ sizes let a truncated file be reported as such.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from .discovery import (
     GPU_API_FILE,
     MANIFEST_FILE,
     PACKAGES_FILE,
+    SMI_XML,
     DiscoveryError,
     LiveSource,
     RecordingSource,
@@ -32,6 +34,8 @@ from .discovery import (
     discover_from,
 )
 from .fabric_facts import FabricFacts
+
+_PROCESSES = re.compile(r"<processes>.*?</processes>", re.S)
 
 
 class CaptureWriteError(DiscoveryError):
@@ -69,7 +73,12 @@ def write_capture(rec: RecordingSource, dest: Path, facts: FabricFacts) -> Path:
         key = command_key(argv)
         commands[key] = {"argv": list(argv), "status": res.status, "rc": res.rc, "seconds": round(res.seconds, 4)}
         if res.status in ("ok", "failed"):
-            data = res.stdout.encode()
+            text = res.stdout
+            if tuple(argv) == SMI_XML:  # running processes (names, pids) are nobody's business: not kept
+                text, n = _PROCESSES.subn("<processes>\n\t\t</processes>", text)
+                if n:
+                    commands[key]["scrubbed"] = "processes"
+            data = text.encode()
             (dest / "commands" / key).write_bytes(data)
             files["commands/" + key] = len(data)
     if rec.package_versions is not None:
