@@ -154,7 +154,7 @@ class Source(ABC):
     def run(self, argv: Sequence[str]) -> CommandResult:
         """Run (or look up) one external command."""
 
-    def prefetch(self, commands: Iterable[Sequence[str]]) -> None:  # noqa: B027 - optional hook
+    def prefetch(self, commands: Iterable[Sequence[str]]) -> None:
         """Start commands early (live sources run them in parallel)."""
 
     @abstractmethod
