@@ -13,8 +13,11 @@ are packed contiguously in rank order (rank-major `nonzero` of the token × rank
 scatter, no argsort), so one `all_to_all_single` with split sizes moves them: one transfer per peer.
 One row, all bytes (uint8):
 
-    [payload: H × itemsize (bf16/fp32) or H fp8 bytes][fp32 scales (fp8 only)][fp32 weights × k]
-    [int16 local expert ids × k][padding to 16 bytes]
+    [payload: H × itemsize (bf16/fp32) or H fp8 bytes][int64 ids × k][fp32 weights × k]
+    [fp32 scales (fp8 only)][padding to 16 bytes]
+
+The k ids are `expert - dest_rank × E/world`: in [0, E/world) for the slots whose expert lives on the
+destination, outside it for the others (the receiver masks them; the sender needs no select).
 
 Counts go first: every rank sends each peer, per pipeline chunk, [error code, rows, pairs per local
 expert] in one small int64 all-to-all. That exchange doubles as the input check: a rank whose input is
@@ -74,36 +77,54 @@ def _nonzero_rows(mask: torch.Tensor, size: int) -> torch.Tensor:
     return torch.nonzero(mask)
 
 
-@dataclass
 class RecvMeta:
     """What arrived with the rows. M rows; k = model top-k.
 
     local_expert_ids: int64 [M, k], the slot's expert id on this rank (0..E/world-1) or -1 when that slot's
-      expert lives on another rank. weights: float32 [M, k] (0 where the id is -1).
-    tokens_per_expert: rows routed to each local expert (host ints; also `.tokens_per_expert_tensor`).
+      expert lives on another rank. weights: float32 [M, k] (0 where the id is -1). Both are computed on
+      first use from the raw wire columns (`raw_ids`, `raw_weights`).
+    tokens_per_expert: (row, expert) pairs per local expert (host ints; also `.tokens_per_expert_tensor`).
     rows_per_rank: rows received from each source rank. num_pairs: sum(tokens_per_expert).
     """
 
-    local_expert_ids: torch.Tensor
-    weights: torch.Tensor
-    tokens_per_expert: list[int]
-    rows_per_rank: list[int]
-    num_pairs: int
+    def __init__(self, raw_ids: torch.Tensor, raw_weights: torch.Tensor, tokens_per_expert: list[int],
+                 rows_per_rank: list[int]):
+        self.raw_ids = raw_ids
+        self.raw_weights = raw_weights
+        self.tokens_per_expert = tokens_per_expert
+        self.rows_per_rank = rows_per_rank
+        self.num_pairs = sum(tokens_per_expert)
+        self._valid: torch.Tensor | None = None
+
+    @property
+    def valid(self) -> torch.Tensor:
+        if self._valid is None:
+            self._valid = (self.raw_ids >= 0) & (self.raw_ids < len(self.tokens_per_expert))
+        return self._valid
+
+    @property
+    def local_expert_ids(self) -> torch.Tensor:
+        return torch.where(self.valid, self.raw_ids, -1)
+
+    @property
+    def weights(self) -> torch.Tensor:
+        return torch.where(self.valid, self.raw_weights, 0.0)
 
     @property
     def tokens_per_expert_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.tokens_per_expert, dtype=torch.int64, device=self.local_expert_ids.device)
+        return torch.tensor(self.tokens_per_expert, dtype=torch.int64).to(self.raw_ids.device, non_blocking=True)
 
     def expert_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, weight) of every (received row, local expert) pair, sorted by local expert: row int64 [P]
         indexes recv_x, weight float32 [P]; expert j's pairs are the j-th block of `tokens_per_expert`."""
-        ids = self.local_expert_ids
-        k = ids.shape[1] if ids.dim() == 2 else 1
+        ids = self.raw_ids
+        k = ids.shape[1]
         n_local = len(self.tokens_per_expert)
-        key = torch.where(ids >= 0, ids, n_local).reshape(-1)
+        # every slot not on this rank (id < 0 or >= n_local) sorts last, behind the num_pairs real pairs
+        key = ids.clamp(-1, n_local).remainder(n_local + 1).reshape(-1)
         order = torch.argsort(key, stable=True)[: self.num_pairs]
         rows = torch.div(order, k, rounding_mode="floor")
-        return rows, self.weights.reshape(-1).index_select(0, order)
+        return rows, self.raw_weights.reshape(-1).index_select(0, order)
 
 
 @dataclass
@@ -214,10 +235,10 @@ class EPBuffer:
         else:
             self.scale_groups = 0
             self.payload_bytes = h * torch.empty((), dtype=self.dtype).element_size()
-        self.scale_off = _align(self.payload_bytes, 4)
-        self.weight_off = self.scale_off + 4 * self.scale_groups
-        self.id_off = self.weight_off + 4 * k
-        self.row_bytes = _align(self.id_off + 2 * k, 16)
+        self.id_off = _align(self.payload_bytes, 8)
+        self.weight_off = self.id_off + 8 * k
+        self.scale_off = self.weight_off + 4 * k
+        self.row_bytes = _align(self.scale_off + 4 * self.scale_groups, 16)
 
     @property
     def wire_bytes_per_row(self) -> int:
@@ -294,42 +315,47 @@ class EPBuffer:
 
     # -- dispatch -------------------------------------------------------------------------------------
     def plan(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
-        """Check the inputs on every rank and exchange the counts (the one host sync of a dispatch)."""
+        """Check the inputs on every rank and exchange the counts (the one host sync of a dispatch).
+
+        Kept to a dozen small kernels and no hidden syncs (no bincount/nonzero: they sync on CUDA).
+        """
         w, e, epr, n_chunks = self.world, self.model.experts, self.experts_per_rank, self.num_chunks
         code, msg = self._local_check(x, topk_idx, topk_weights)
         width = 2 + epr
-        counts = torch.zeros(w, n_chunks, width, dtype=torch.int64, device=self.device)
-        mask = idx = None
-        s = 0
-        cs = 0
+        s = x.shape[0] if code == 0 else 0
+        cs = max(1, math.ceil(s / n_chunks))
+        idx = wts = mask = None
         if code == 0:
-            s = x.shape[0]
-            idx = topk_idx.to(torch.int64)
-            if s:
-                bad = ((idx < 0) | (idx >= e)).any()
-                idx_safe = idx.clamp(0, e - 1)
-                rank_of = torch.div(idx_safe, epr, rounding_mode="floor")
-                mask = torch.zeros(s, w, dtype=torch.bool, device=self.device)
-                mask.scatter_(1, rank_of, True)
-                cs = math.ceil(s / n_chunks)
+            idx = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)
+            wts = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
+            # ids out of range (< 0 or >= E) all land in bucket E: counted, never indexed
+            key = idx.clamp(-1, e).remainder(e + 1)
+            rank_key = torch.div(key, epr, rounding_mode="floor")  # W = the bad bucket
+            mask = torch.zeros(n_chunks * cs, w + 1, dtype=torch.bool, device=self.device)
+            mask[:s].scatter_(1, rank_key, True)
+            rows = mask.view(n_chunks, cs, w + 1).sum(1)  # [chunks, W+1]
+            if n_chunks > 1:
                 chunk_id = torch.div(torch.arange(s, device=self.device), cs, rounding_mode="floor")
-                rows = torch.zeros(n_chunks, w, dtype=torch.int64, device=self.device)
-                rows.index_add_(0, chunk_id, mask.to(torch.int64))
-                counts[:, :, 1] = rows.t()
-                key = (chunk_id.unsqueeze(1) * e + idx_safe).reshape(-1)
-                pairs = torch.bincount(key, minlength=n_chunks * e).view(n_chunks, w, epr)
-                counts[:, :, 2:] = pairs.permute(1, 0, 2)
-                counts[:, :, 0] = bad.to(torch.int64) * _RANGE_ERROR
+                key = key + chunk_id.unsqueeze(1) * (e + 1)
+            cnt = torch.zeros(n_chunks * (e + 1), dtype=torch.int64, device=self.device)
+            cnt.scatter_add_(0, key.reshape(-1), torch.ones_like(key).reshape(-1))
+            cnt = cnt.view(n_chunks, e + 1)
+            nbad = cnt[:, e].sum().reshape(1, 1, 1).expand(w, n_chunks, 1)
+            counts = torch.cat(
+                [nbad, rows[:, :w].t().unsqueeze(2), cnt[:, :e].view(n_chunks, w, epr).permute(1, 0, 2)], dim=2
+            )
         else:
-            counts[:, :, 0] = code
+            counts = torch.zeros(w, n_chunks, width, dtype=torch.int64, device=self.device)
+            counts[:, :, 0] = -code
         recv = self._exchange_blocks(counts)
         host = torch.cat([counts[:, :, :2].reshape(-1), recv.reshape(-1)]).tolist()
         nsend = w * n_chunks * 2
-        send_h = [host[i : i + 2] for i in range(0, nsend, 2)]  # [(code, rows)] for (d, c)
+        send_h = [host[i : i + 2] for i in range(0, nsend, 2)]  # [(err, rows)] for (d, c)
         recv_h = host[nsend:]
-        my_code = send_h[0][0]
         peer_codes = {r: recv_h[r * n_chunks * width] for r in range(w)}
-        if my_code or any(peer_codes.values()):
+        peer_codes = {r: (_RANGE_ERROR if c > 0 else -c) for r, c in peer_codes.items()}
+        my_code = peer_codes[self.rank]
+        if any(peer_codes.values()):
             if my_code == _RANGE_ERROR and idx is not None:
                 bad_vals = idx[(idx < 0) | (idx >= e)]
                 msg = (f"topk_idx holds expert ids out of range [0, {e}): found {bad_vals.numel()} bad ids "
@@ -350,34 +376,37 @@ class EPBuffer:
             ppe = [sum(recv_h[b + 2 + j] for b in base) for j in range(epr)]
             chunks.append(_Chunk(t0, t1, send_splits, recv_splits, off, ppe))
             off += sum(recv_splits)
-        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, off, x, idx, topk_weights, mask)
+        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, off, x, idx, wts, mask)
         handle._recv_buf = torch.empty(off, self.row_bytes, dtype=torch.uint8, device=self.device)
         return handle
 
     def pack(self, handle: Handle, c: int) -> torch.Tensor:
-        """Build chunk c's send rows (grouped by destination rank, rank order) with one gather."""
+        """Build chunk c's send rows (grouped by destination rank, rank order): one gather per column block,
+        written straight into the wire rows."""
         ch = handle.chunks[c]
         n = sum(ch.send_splits)
         send = torch.empty(n, self.row_bytes, dtype=torch.uint8, device=self.device)
         if n == 0:
             ch.send_tok = torch.empty(0, dtype=torch.int64, device=self.device)
             return send
-        pairs = _nonzero_rows(handle._mask[ch.t0 : ch.t1].t(), n)
-        dst, tok = pairs[:, 0], pairs[:, 1] + ch.t0
+        # rank-major (dest, token) pairs: rows for rank 0 first, then rank 1, ...
+        pairs = _nonzero_rows(handle._mask[ch.t0 : ch.t1, : self.world].t(), n)
+        dst = pairs[:, 0]
+        tok = pairs[:, 1] + ch.t0 if ch.t0 else pairs[:, 1]
+        tok = tok.contiguous()
         ch.send_tok = tok
         x = handle._x
         if self.fp8:
             q, scales = quantise(x.index_select(0, tok), self.knobs.scale_granularity)
             send[:, : self.payload_bytes].copy_(q)
-            send[:, self.scale_off : self.weight_off].view(torch.float32).copy_(scales)
+            send[:, self.scale_off : self.scale_off + 4 * self.scale_groups].view(torch.float32).copy_(scales)
         else:
             torch.index_select(x, 0, tok, out=send[:, : self.payload_bytes].view(self.dtype))
-        idx = handle._idx.index_select(0, tok)
-        sel = torch.div(idx, self.experts_per_rank, rounding_mode="floor") == dst.unsqueeze(1)
-        local = torch.where(sel, idx - dst.unsqueeze(1) * self.experts_per_rank, -1)
-        send[:, self.id_off : self.id_off + 2 * self.topk].view(torch.int16).copy_(local)
-        wts = torch.where(sel, handle._w.index_select(0, tok).float(), 0.0)
-        send[:, self.weight_off : self.id_off].view(torch.float32).copy_(wts)
+        k = self.topk
+        ids = send[:, self.id_off : self.id_off + 8 * k].view(torch.int64)
+        torch.index_select(handle._idx, 0, tok, out=ids)
+        ids.sub_((dst * self.experts_per_rank).unsqueeze(1))
+        torch.index_select(handle._w, 0, tok, out=send[:, self.weight_off : self.weight_off + 4 * k].view(torch.float32))
         return send
 
     def post_dispatch(self, handle: Handle, c: int, send: torch.Tensor):
@@ -386,7 +415,8 @@ class EPBuffer:
         return self._post(send, ch.send_splits, ch.recv_splits, out, channel=0)
 
     def unpack(self, handle: Handle, c: int | None = None) -> tuple[torch.Tensor, RecvMeta]:
-        """Received rows of chunk c (all chunks when None) as (recv_x, RecvMeta)."""
+        """Received rows of chunk c (all chunks when None) as (recv_x, RecvMeta); views, no copies
+        (except the fp8 dequantisation)."""
         if c is None:
             a, b = 0, handle.num_recv
             chunks = handle.chunks
@@ -396,14 +426,16 @@ class EPBuffer:
             chunks = [ch]
         rb = handle._recv_buf[a:b]
         if self.fp8:
-            recv_x = dequantise(rb[:, : self.payload_bytes], rb[:, self.scale_off : self.weight_off].view(torch.float32), self.dtype)
+            scales = rb[:, self.scale_off : self.scale_off + 4 * self.scale_groups].view(torch.float32)
+            recv_x = dequantise(rb[:, : self.payload_bytes], scales, self.dtype)
         else:
             recv_x = rb[:, : self.payload_bytes].view(self.dtype)
-        ids = rb[:, self.id_off : self.id_off + 2 * self.topk].view(torch.int16).to(torch.int64)
-        wts = rb[:, self.weight_off : self.id_off].view(torch.float32)
+        k = self.topk
+        ids = rb[:, self.id_off : self.id_off + 8 * k].view(torch.int64)
+        wts = rb[:, self.weight_off : self.weight_off + 4 * k].view(torch.float32)
         tpe = [sum(ch.pairs_per_expert[j] for ch in chunks) for j in range(self.experts_per_rank)]
         rpr = [sum(ch.recv_splits[r] for ch in chunks) for r in range(self.world)]
-        return recv_x, RecvMeta(ids, wts, tpe, rpr, sum(tpe))
+        return recv_x, RecvMeta(ids, wts, tpe, rpr)
 
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -59,7 +60,9 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, backend: st
     try:
         init_group(rank, world, backend=backend, port=port, timeout_s=timeout_s)
         result = fn(rank, world, *args)
-        q.put((rank, True, result))
+        # plain pickle (bytes): tensors are copied, not shared through file descriptors that vanish when
+        # this process exits before the parent reads them
+        q.put((rank, True, pickle.dumps(result)))
     except BaseException as e:
         q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
     finally:
@@ -129,4 +132,4 @@ def launch(
                 p.join(timeout=5)
     if errors:
         raise LaunchError(errors)
-    return [results[r] for r in range(world)]
+    return [pickle.loads(results[r]) for r in range(world)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import torch
-
 from moetune.runtime import EPBuffer, Knobs, MoELayer, dense_reference, get_model
 from moetune.runtime.moe_layer import max_rel_err
 from moetune.runtime.routing import generate_routing
@@ -104,7 +103,7 @@ def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int) -> dict[
                 idx, w = generate_routing(40, model.experts, model.topk, seed=1)
         t0 = time.monotonic()
         try:
-            recv_x, meta, handle = buf.dispatch(x, idx, w)
+            recv_x, _meta, handle = buf.dispatch(x, idx, w)
             if kind == "combine_shape":
                 eo = recv_x if rank != bad_rank else recv_x[:, :10]
                 buf.combine(eo.contiguous(), handle)
@@ -113,7 +112,7 @@ def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int) -> dict[
             msgs[kind] = f"{time.monotonic() - t0:.2f}s {e}"
         # the group still works
         x, idx, w = make_inputs(rank, model, 8, "uniform", 0)
-        recv_x, meta, handle = buf.dispatch(x, idx, w)
+        recv_x, _meta, handle = buf.dispatch(x, idx, w)
         buf.combine(recv_x.contiguous(), handle)
     return msgs
 
@@ -125,3 +124,14 @@ def case_knob_mismatch(rank: int, world: int) -> str:
     except ValueError as e:
         return str(e)
     return "NO ERROR"
+
+
+def case_crash_one(rank: int, world: int) -> int:
+    """Rank 1 dies before the collective; rank 0's collective must end with an error (bounded timeout)."""
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise RuntimeError("boom on rank 1")
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    return 0

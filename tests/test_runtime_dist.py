@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from moetune.runtime.fp8 import FP8_LAYER_REL_ERR_BOUND
+from moetune.runtime.launch import launch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import runtime_cases  # noqa: E402
-
-from moetune.runtime.fp8 import FP8_LAYER_REL_ERR_BOUND  # noqa: E402
-from moetune.runtime.launch import launch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the cases by name
+runtime_cases = importlib.import_module("runtime_cases")
 
 FP32_BOUND = 1e-5
 SMALL = "custom:64,32,8,2,float32"

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from ..knobs import Knobs
 from .base import Availability, EPTransport
 
+_EXTRA_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
 
 class CollectiveTransport(EPTransport):
     name: ClassVar[str] = "collective"
@@ -33,8 +35,13 @@ class CollectiveTransport(EPTransport):
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
             if len(ranks) == dist.get_world_size():
                 # new_group is collective over the whole default group: every rank builds the EP buffer.
-                for _ in range(channels - 1):
-                    self.groups.append(dist.new_group(ranks=ranks, backend=dist.get_backend(group)))
+                # Extra communicators are cached per (group, channel) and shared by later buffers, so
+                # building many buffers (benchmarks, layers) does not create a communicator each time.
+                for ch in range(1, channels):
+                    key = (id(group) if group is not None else 0, tuple(ranks), ch)
+                    if key not in _EXTRA_GROUPS:
+                        _EXTRA_GROUPS[key] = dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+                    self.groups.append(_EXTRA_GROUPS[key])
             # A sub-group cannot build extra communicators without every world rank taking part:
             # fall back to one channel (combine then queues behind dispatch on the same communicator).
 
@@ -103,12 +110,17 @@ class CollectiveTransport(EPTransport):
         return len(self.groups)
 
     def close(self) -> None:
-        for g in self.groups[1:]:
-            try:
-                dist.destroy_process_group(g)
-            except Exception:
-                pass
-        self.groups = self.groups[:1]
+        """Nothing to free: the extra communicators are cached for the process (see `release_channels`)."""
+
+
+def release_channels() -> None:
+    """Destroy the cached extra communicators (call before destroying the default process group)."""
+    for g in _EXTRA_GROUPS.values():
+        try:
+            dist.destroy_process_group(g)
+        except Exception:
+            pass
+    _EXTRA_GROUPS.clear()
 
 
 class HostStagedTransport(CollectiveTransport):
