@@ -16,8 +16,8 @@ One row, all bytes (uint8):
     [payload: H × itemsize (bf16/fp32) or H fp8 bytes][int64 ids × k][fp32 weights × k]
     [fp32 scales (fp8 only)][padding to 16 bytes]
 
-The k ids are `expert - dest_rank × E/world`: in [0, E/world) for the slots whose expert lives on the
-destination, outside it for the others (the receiver masks them; the sender needs no select).
+The k ids are the global expert ids as given (one gather, no per-destination select on the sender); the
+receiver keeps the slots whose expert it holds (expert - rank × E/world in [0, E/world)) and ignores the rest.
 
 Counts go first: every rank sends each peer, per pipeline chunk, [error code, rows, pairs per local
 expert] in one small int64 all-to-all. That exchange doubles as the input check: a rank whose input is
@@ -88,8 +88,9 @@ class RecvMeta:
     """
 
     def __init__(self, raw_ids: torch.Tensor, raw_weights: torch.Tensor, tokens_per_expert: list[int],
-                 rows_per_rank: list[int]):
-        self.raw_ids = raw_ids
+                 rows_per_rank: list[int], first_expert: int = 0):
+        self.raw_ids = raw_ids  # global expert ids as sent
+        self.first_expert = first_expert
         self.raw_weights = raw_weights
         self.tokens_per_expert = tokens_per_expert
         self.rows_per_rank = rows_per_rank
@@ -99,12 +100,13 @@ class RecvMeta:
     @property
     def valid(self) -> torch.Tensor:
         if self._valid is None:
-            self._valid = (self.raw_ids >= 0) & (self.raw_ids < len(self.tokens_per_expert))
+            n_local = len(self.tokens_per_expert)
+            self._valid = (self.raw_ids >= self.first_expert) & (self.raw_ids < self.first_expert + n_local)
         return self._valid
 
     @property
     def local_expert_ids(self) -> torch.Tensor:
-        return torch.where(self.valid, self.raw_ids, -1)
+        return torch.where(self.valid, self.raw_ids - self.first_expert, -1)
 
     @property
     def weights(self) -> torch.Tensor:
@@ -117,11 +119,11 @@ class RecvMeta:
     def expert_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, weight) of every (received row, local expert) pair, sorted by local expert: row int64 [P]
         indexes recv_x, weight float32 [P]; expert j's pairs are the j-th block of `tokens_per_expert`."""
-        ids = self.raw_ids
+        ids = self.raw_ids - self.first_expert
         k = ids.shape[1]
         n_local = len(self.tokens_per_expert)
-        # every slot not on this rank (id < 0 or >= n_local) sorts last, behind the num_pairs real pairs
-        key = ids.clamp(-1, n_local).remainder(n_local + 1).reshape(-1)
+        # every slot not on this rank (local id < 0 or >= n_local) sorts last, behind the num_pairs real pairs
+        key = ids.clamp_(-1, n_local).remainder_(n_local + 1).reshape(-1)
         order = torch.argsort(key, stable=True)[: self.num_pairs]
         rows = torch.div(order, k, rounding_mode="floor")
         return rows, self.raw_weights.reshape(-1).index_select(0, order)
@@ -224,6 +226,7 @@ class EPBuffer:
         else:
             self.transport = cls(group, knobs, self.device)
         self._fast = hasattr(self.transport, "exchange_async") and hasattr(self.transport, "exchange_blocks")
+        self._one = torch.ones(1, dtype=torch.int64, device=self.device)
 
     # -- layout of one wire row ---------------------------------------------------------------------
     def _layout(self) -> None:
@@ -338,9 +341,10 @@ class EPBuffer:
                 chunk_id = torch.div(torch.arange(s, device=self.device), cs, rounding_mode="floor")
                 key = key + chunk_id.unsqueeze(1) * (e + 1)
             cnt = torch.zeros(n_chunks * (e + 1), dtype=torch.int64, device=self.device)
-            cnt.scatter_add_(0, key.reshape(-1), torch.ones_like(key).reshape(-1))
+            flat = key.reshape(-1)
+            cnt.scatter_add_(0, flat, self._one.expand(flat.shape[0]))
             cnt = cnt.view(n_chunks, e + 1)
-            nbad = cnt[:, e].sum().reshape(1, 1, 1).expand(w, n_chunks, 1)
+            nbad = cnt[:, e].reshape(1, n_chunks, 1).expand(w, n_chunks, 1)  # bad ids per chunk
             counts = torch.cat(
                 [nbad, rows[:, :w].t().unsqueeze(2), cnt[:, :e].view(n_chunks, w, epr).permute(1, 0, 2)], dim=2
             )
@@ -352,8 +356,8 @@ class EPBuffer:
         nsend = w * n_chunks * 2
         send_h = [host[i : i + 2] for i in range(0, nsend, 2)]  # [(err, rows)] for (d, c)
         recv_h = host[nsend:]
-        peer_codes = {r: recv_h[r * n_chunks * width] for r in range(w)}
-        peer_codes = {r: (_RANGE_ERROR if c > 0 else -c) for r, c in peer_codes.items()}
+        peer_err = {r: [recv_h[(r * n_chunks + c) * width] for c in range(n_chunks)] for r in range(w)}
+        peer_codes = {r: (_RANGE_ERROR if max(v) > 0 else -min(v)) for r, v in peer_err.items()}
         my_code = peer_codes[self.rank]
         if any(peer_codes.values()):
             if my_code == _RANGE_ERROR and idx is not None:
@@ -391,9 +395,7 @@ class EPBuffer:
             return send
         # rank-major (dest, token) pairs: rows for rank 0 first, then rank 1, ...
         pairs = _nonzero_rows(handle._mask[ch.t0 : ch.t1, : self.world].t(), n)
-        dst = pairs[:, 0]
         tok = pairs[:, 1] + ch.t0 if ch.t0 else pairs[:, 1]
-        tok = tok.contiguous()
         ch.send_tok = tok
         x = handle._x
         if self.fp8:
@@ -403,9 +405,7 @@ class EPBuffer:
         else:
             torch.index_select(x, 0, tok, out=send[:, : self.payload_bytes].view(self.dtype))
         k = self.topk
-        ids = send[:, self.id_off : self.id_off + 8 * k].view(torch.int64)
-        torch.index_select(handle._idx, 0, tok, out=ids)
-        ids.sub_((dst * self.experts_per_rank).unsqueeze(1))
+        torch.index_select(handle._idx, 0, tok, out=send[:, self.id_off : self.id_off + 8 * k].view(torch.int64))
         torch.index_select(handle._w, 0, tok, out=send[:, self.weight_off : self.weight_off + 4 * k].view(torch.float32))
         return send
 
@@ -435,7 +435,7 @@ class EPBuffer:
         wts = rb[:, self.weight_off : self.weight_off + 4 * k].view(torch.float32)
         tpe = [sum(ch.pairs_per_expert[j] for ch in chunks) for j in range(self.experts_per_rank)]
         rpr = [sum(ch.recv_splits[r] for ch in chunks) for r in range(self.world)]
-        return recv_x, RecvMeta(ids, wts, tpe, rpr)
+        return recv_x, RecvMeta(ids, wts, tpe, rpr, first_expert=self.rank * self.experts_per_rank)
 
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor

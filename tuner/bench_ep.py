@@ -132,6 +132,22 @@ class PlainA2A:
         return out.to(self.dtype)
 
 
+_INPUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _inputs(rank: int, model, dtype: torch.dtype, tokens: int, routing: str, seed: int, device: torch.device):
+    """This rank's activations and routing (deterministic; the last one is cached for the next case)."""
+    key = (rank, model.name, dtype, tokens, routing, seed, str(device))
+    if key not in _INPUTS:
+        _INPUTS.clear()
+        g = torch.Generator(device=device)
+        g.manual_seed(seed * 1009 + rank)
+        x = torch.randn(tokens, model.hidden, generator=g, device=device, dtype=torch.float32).to(dtype)
+        idx, w = generate_routing(tokens, model.experts, model.topk, routing=routing, seed=seed * 7 + rank + 1, device=device)
+        _INPUTS[key] = (x, idx, w)
+    return _INPUTS[key]
+
+
 def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     """Run one benchmark case on this rank (process group already initialised). Rank 0 returns the report."""
     backend = dist.get_backend() if dist.is_initialized() else cfg.get("backend", "gloo")
@@ -149,10 +165,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
     measure_layer = bool(cfg.get("layer", True))
     verify = bool(cfg.get("verify", False))
 
-    g = torch.Generator(device=device)
-    g.manual_seed(seed * 1009 + rank)
-    x = torch.randn(tokens, model.hidden, generator=g, device=device, dtype=torch.float32).to(dtype)
-    idx, w = generate_routing(tokens, model.experts, model.topk, routing=routing, seed=seed * 7 + rank + 1, device=device)
+    x, idx, w = _inputs(rank, model, dtype, tokens, routing, seed, device)
     timer = _Timer(device)
 
     layer = None
