@@ -61,6 +61,7 @@ _ERRORS: dict[int, str] = {
     10: "topk_idx holds expert ids out of range",
 }
 _RANGE_ERROR = 10
+MAX_COMM_CHANNELS = 8  # communicators per direction the collective transport spreads chunks over
 
 
 def _align(n: int, a: int) -> int:
@@ -220,9 +221,13 @@ class EPBuffer:
         self.num_chunks = knobs.pipeline_depth
         self._layout()
         self._agree()
+        # `channels`: communicators the chunks of one direction are spread over (round-robin by chunk);
+        # with pipelining, combine gets its own set so it travels while later dispatch chunks still move.
+        self.comm_channels = min(knobs.channels, MAX_COMM_CHANNELS)
+        n_groups = self.comm_channels * (2 if self.num_chunks > 1 else 1)
         cls = get_transport(knobs.transport)
         if hasattr(cls, "exchange_async"):
-            self.transport: EPTransport = cls(group, knobs, self.device, channels=2 if self.num_chunks > 1 else 1)
+            self.transport: EPTransport = cls(group, knobs, self.device, channels=n_groups)
         else:
             self.transport = cls(group, knobs, self.device)
         self._fast = hasattr(self.transport, "exchange_async") and hasattr(self.transport, "exchange_blocks")
@@ -412,7 +417,7 @@ class EPBuffer:
     def post_dispatch(self, handle: Handle, c: int, send: torch.Tensor):
         ch = handle.chunks[c]
         out = handle._recv_buf[ch.recv_offset : ch.recv_offset + ch.recv_rows]
-        return self._post(send, ch.send_splits, ch.recv_splits, out, channel=0)
+        return self._post(send, ch.send_splits, ch.recv_splits, out, channel=c % self.comm_channels)
 
     def unpack(self, handle: Handle, c: int | None = None) -> tuple[torch.Tensor, RecvMeta]:
         """Received rows of chunk c (all chunks when None) as (recv_x, RecvMeta); views, no copies
@@ -487,7 +492,7 @@ class EPBuffer:
         ch = handle.chunks[c]
         rows = rows.contiguous()
         out = torch.empty(sum(ch.send_splits), handle.hidden, dtype=handle.dtype, device=handle.device)
-        channel = 1 if self.num_chunks > 1 else 0
+        channel = c % self.comm_channels + (self.comm_channels if self.num_chunks > 1 else 0)
         return out, self._post(rows, ch.recv_splits, ch.send_splits, out, channel=channel)
 
     @staticmethod

@@ -4,8 +4,8 @@ The tokens of a dispatch are split into `pipeline_depth` contiguous chunks (the 
 so the counts exchange stays one small collective for all chunks and one host sync). Then:
 
     plan (counts for every chunk, one sync)
-    for each chunk: pack it (one gather) and post its dispatch           # channel 0
-    for each chunk: wait for its rows, run the experts on them, post its combine   # channel 1
+    for each chunk: pack it (one gather) and post its dispatch           # dispatch communicator(s)
+    for each chunk: wait for its rows, run the experts on them, post its combine   # combine communicator(s)
     wait for the combines, add each token's rows
 
 On GPUs the collectives run on the communicators' own CUDA streams (NCCL process groups, one per
@@ -13,6 +13,9 @@ channel; torch orders them against the compute stream with CUDA events when post
 `work.wait()`), so packing chunk i+1 and computing chunk i overlap with the transfers, and the combine of
 chunk i travels on its own communicator while later dispatch chunks are still moving. On CPU/gloo the same
 structure uses async work handles. pipeline_depth=1 is the plain sequence dispatch → experts → combine.
+The `channels` knob spreads the chunks of each direction over that many communicators (round-robin), so
+several chunks can be on the wire at once (useful where one communicator cannot fill the link, e.g. NCCL
+staging through host memory).
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
     out = []
     for cfg in configs:
         model = get_model(cfg["model"])
-        knobs = Knobs(pipeline_depth=cfg.get("depth", 1), compression=cfg.get("compression", "none"))
+        knobs = Knobs(pipeline_depth=cfg.get("depth", 1), compression=cfg.get("compression", "none"),
+                      channels=cfg.get("channels", 1))
         tokens = cfg["tokens"]
         routing = cfg.get("routing", "uniform")
         seed = cfg.get("seed", 0)

@@ -53,7 +53,7 @@ def test_two_ranks_matches_dense_reference_all_cases() -> None:
 @pytest.mark.timeout(60)
 def test_pipeline_depths_give_equal_results() -> None:
     base = {"model": "custom:64,32,16,4,float32", "tokens": [37, 29], "routing": "zipf:1.5", "seed": 7}
-    configs = [dict(base, depth=d) for d in (1, 2, 4)]
+    configs = [dict(base, depth=d) for d in (1, 2, 4)] + [dict(base, depth=4, channels=2)]
     res = launch(runtime_cases.case_equivalence, 2, args=(configs,), timeout_s=20, join_timeout_s=55)
     _check(res)
     for rank_rows in res:
