@@ -206,7 +206,7 @@ struct Engine {
 
 }  // namespace
 
-int mt_proxy_gpu_view(void* h, MtGpuView* out) {
+extern "C" int mt_proxy_gpu_view(void* h, MtGpuView* out) {
   Engine* e = static_cast<Engine*>(h);
   out->fifo_dev = e->fifo_dev;
   out->nslots = e->nslots;
@@ -280,6 +280,15 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
   // wait (bounded) for the thread to come up
   for (int i = 0; i < 2000 && !e->running.load(); ++i) std::this_thread::sleep_for(std::chrono::microseconds(500));
   *out = e;
+  return 0;
+}
+
+// Replace the peers' data region bases (only while no request is in flight: after a quiesce/collective).
+MT_API int mt_proxy_set_peer_data(void* h, const uint64_t* peer_data, int npeers) {
+  Engine* e = static_cast<Engine*>(h);
+  MT_REQUIRE(npeers == e->npeers, 206, "npeers %d != engine's %d", npeers, e->npeers);
+  e->peer_data.assign(peer_data, peer_data + npeers);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
   return 0;
 }
 
@@ -369,7 +378,7 @@ MT_API int mt_proxy_bench(void* h, const MtRequest* reqs, int n, int iters, uint
   return 0;
 }
 
-int mt_proxy_mark_gpu_producer_internal(void* h) {
+extern "C" int mt_proxy_mark_gpu_producer_internal(void* h) {
   Engine* e = static_cast<Engine*>(h);
   std::lock_guard<std::mutex> g(e->host_mu);
   MT_REQUIRE(e->producer_kind != 1, 214, "this engine has a host producer; GPU producers are not allowed");

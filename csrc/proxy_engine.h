@@ -46,5 +46,6 @@ struct MtGpuView {
   int qps;
 };
 
-// Internal (same shared library): the GPU view of an engine.
-int mt_proxy_gpu_view(void* engine, MtGpuView* out);
+// Internal (same shared library): the GPU view of an engine; mark it as fed by GPU producers.
+extern "C" int mt_proxy_gpu_view(void* engine, MtGpuView* out);
+extern "C" int mt_proxy_mark_gpu_producer_internal(void* engine);

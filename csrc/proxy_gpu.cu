@@ -223,7 +223,6 @@ MT_API int mt_pxy_create(void* engine, int device, int rank, int world, uint64_t
   MT_REQUIRE(world < 32, 301, "world must be < 32");
   MT_REQUIRE(engine != nullptr, 305, "no proxy engine");
   {
-    extern int mt_proxy_mark_gpu_producer_internal(void* h);
     int rc = mt_proxy_mark_gpu_producer_internal(engine);
     if (rc != 0) return rc;
   }
