@@ -116,6 +116,11 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
                                  MT_ERR_TIMEOUT_COUNTS, s, d, &ok);
       dst_off += (long long)(v & MT_COUNT_MASK);
     }
+    // d has entered this call (its row arrived): everything d enqueued before it -- readers of the
+    // output of call epoch-2, which lives in the area we are about to write -- has completed.
+    if (ok && d >= p.rank)
+      mt::wait_word(p.w, mine + ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD), tag, false, MT_ERR_TIMEOUT_COUNTS, d,
+                    -3, &ok);
     int skip = ok ? 0 : 1;
     if (ok && (uint64_t)(dst_off + cnt) * p.row_bytes > p.data_bytes) {
       if (j == 0) mt::report(p.w, MT_ERR_CAPACITY, d, (int)cnt, p.epoch, (uint64_t)(dst_off + cnt), p.data_bytes / p.row_bytes);

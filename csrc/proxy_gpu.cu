@@ -116,6 +116,10 @@ __global__ void pxy_exchange_kernel(PxParams p) {
                                    MT_ERR_TIMEOUT_COUNTS, s, d, &ok);
         dst_rows += (long long)(v & MT_COUNT_MASK);
       }
+      // d has entered this call: its readers of the area we write (output of call epoch-2) are done
+      if (ok && d >= p.rank)
+        mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD), tag, false, MT_ERR_TIMEOUT_COUNTS,
+                      d, -3, &ok);
       if (!ok) {
         pr.ok = false;
         break;

@@ -261,7 +261,8 @@ class OneSidedTransport(EPTransport):
             raise ValueError(f"{self.name}: zero-byte rows")
         if self.data is None:
             self.reserve(rows, rb)  # first call: collective sizing (a one-time host synchronisation)
-        if rows * rb * self.world > self.data_bytes:
+        if rows * rb > self.data_bytes:
+            # (the exact per-receiver bound is checked on the GPU: an overflow is reported, never written)
             raise OneSidedError(
                 f"{self.name}: {rows} rows x {rb} B exceed the reserved receive buffer "
                 f"({self.data_bytes} B per call); call reserve(max_send_rows, row_bytes) collectively first"
