@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def make_shape(model, S: int, world: int, rank: int, device, seed: int = 0):
 
 
 def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int], iters: int, warmup: int,
-                 variants: list[tuple[str, str]], sms_sweep: list[int]) -> list[dict]:
+                 variants: list[tuple[str, str]], sms_sweep: list[int], graphs: bool = True) -> list[dict]:
     import torch
     import torch.distributed as dist
     from moetune.runtime.shapes import get_model
@@ -94,21 +95,49 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
     def remote_bytes(send, counts):
         return sum(c for d, c in enumerate(counts) if d != rank) * send.shape[1] * send.element_size()
 
+    host_us: list[float] = []
+
     def time_pair(dispatch_fn, combine_fn):
         d_us, c_us = [], []
+        host_us.clear()
         for i in range(warmup + iters):
             barrier(device)
             e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
             e0.record()
+            h0 = time.perf_counter()
             st = dispatch_fn()
             e1.record()
             combine_fn(st)
+            h1 = time.perf_counter()
             e2.record()
             torch.cuda.synchronize(device)
             if i >= warmup:
                 d_us.append(e0.elapsed_time(e1) * 1e3)
                 c_us.append(e1.elapsed_time(e2) * 1e3)
+                host_us.append((h1 - h0) * 1e6)
         return d_us, c_us
+
+    def time_graph(dispatch_fn, combine_fn):
+        """Capture counts + dispatch + combine (two exchanges: parity-stable) in a CUDA graph; time replays."""
+        s = torch.cuda.Stream(device)
+        s.wait_stream(torch.cuda.current_stream(device))
+        g = torch.cuda.CUDAGraph()
+        barrier(device)
+        with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
+            combine_fn(dispatch_fn())
+        torch.cuda.current_stream(device).wait_stream(s)
+        torch.cuda.synchronize(device)
+        us = []
+        for i in range(warmup + iters):
+            barrier(device)
+            e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            e0.record()
+            g.replay()
+            e1.record()
+            torch.cuda.synchronize(device)
+            if i >= warmup:
+                us.append(e0.elapsed_time(e1) * 1e3)
+        return us, g
 
     # --- NCCL baselines -----------------------------------------------------------------------------
     for (m, S), (model, send, counts) in shapes.items():
@@ -188,8 +217,20 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
                                layer_us=_stats([a + b for a, b in zip(d_us, c_us, strict=True)]),
                                remote_bytes=remote_bytes(send, counts), roundtrip_equal=ok)
                     rec["GBps_dispatch"] = rec["remote_bytes"] / rec["dispatch_us"]["median"] / 1e3
+                    rec["host_issue_us"] = _stats(list(host_us))
                     if tname == "proxy":
                         rec["proxy_stats"] = t.proxy_stats()
+                    if tname == "nvlink" and graphs:
+                        try:
+                            holder["back"] = None
+                            g_us, _g = time_graph(disp, comb)
+                            t.check()
+                            rec["layer_us_graph"] = _stats(g_us)
+                            rec["graph_roundtrip_equal"] = bool(
+                                torch.equal(holder["back"].view(torch.int16), send.view(torch.int16)))
+                            del _g
+                        except Exception:
+                            rec["graph_error"] = traceback.format_exc()[-1500:]
                 except Exception:
                     rec["error"] = traceback.format_exc()[-2000:]
                 rows.append(rec)
@@ -214,7 +255,7 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
 
 def summarize(rows: list[dict]) -> list[str]:
     lines = [f"{'transport':12s} {'knobs':72s} {'model':12s} {'S':>6s} {'disp us':>9s} {'comb us':>9s} "
-             f"{'pair us':>9s} {'GB/s':>7s} ok"]
+             f"{'pair us':>9s} {'graph':>8s} {'host':>7s} {'GB/s':>7s} ok"]
     for r in rows:
         if r.get("rank") != 0 or r.get("bench") != "onesided_ep":
             continue
@@ -224,7 +265,9 @@ def summarize(rows: list[dict]) -> list[str]:
             continue
         lines.append(f"{r['transport']:12s} {r['knobs'][:72]:72s} {r['model']:12s} {r['tokens']:6d} "
                      f"{r['dispatch_us']['median']:9.1f} {r['combine_us']['median']:9.1f} "
-                     f"{r['layer_us']['median']:9.1f} {r['GBps_dispatch']:7.1f} {r['roundtrip_equal']}")
+                     f"{r['layer_us']['median']:9.1f} {r.get('layer_us_graph', {}).get('median', float('nan')):8.1f} "
+                     f"{r.get('host_issue_us', {}).get('median', float('nan')):7.1f} {r['GBps_dispatch']:7.1f} "
+                     f"{r['roundtrip_equal']}{'' if r.get('graph_roundtrip_equal', True) else ' GRAPH-MISMATCH'}")
     return lines
 
 
@@ -239,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transports", default="nvlink,proxy")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay timing of nvlink")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -270,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     from moetune.runtime.transports._selftest import spawn_world
 
     res = spawn_world(bench_worker, args.world, dict(models=models, tokens=tokens, iters=args.iters,
-                                                     warmup=args.warmup, variants=variants, sms_sweep=sms),
+                                                     warmup=args.warmup, variants=variants, sms_sweep=sms,
+                                                     graphs=not args.no_graphs),
                       timeout_s=args.timeout)
     rows: list[dict] = []
     rc = 0

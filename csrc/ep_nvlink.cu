@@ -11,7 +11,8 @@
 //                    decoupled-> CTAs fence at GPU scope and bump a per-group counter; the last CTA
 //                                of the group to arrive issues ONE system fence and the group's signals;
 //   phase 4  CTA (d, j) waits for source d's signal slot j (>= this call's epoch), bounded by a timeout.
-// Signals are epoch counters (the call number): buffers need no reset between calls.
+// Signals are epoch counters (the call number, kept on the device so launches can be captured in a
+// CUDA graph): buffers need no reset between calls.
 #include <string.h>
 
 #include "mt_common.h"
@@ -32,6 +33,9 @@ struct NvlCtx {
   int* err_dev = nullptr;
   int* abort_flag = nullptr;
   unsigned long long* group_ctr = nullptr;  // [MT_MAX_WORLD][MT_MAX_SLOTS]
+  // Device-side epochs (so launches can be captured in CUDA graphs): [0] last completed exchange,
+  // [1] last completed exchange_counts, [2] exchange CTA arrivals (monotonic).
+  unsigned long long* epochs = nullptr;
   uint64_t timeout_ns = 10ull * 1000 * 1000 * 1000;
 };
 
@@ -44,7 +48,7 @@ struct XParams {
   const int64_t* send_counts;
   const int64_t* recv_counts;  // may be null
   int rank, world, cpp, group, coupled;
-  uint64_t epoch;
+  unsigned long long* epochs;
   unsigned long long* group_ctr;
   WaitCtx w;
 };
@@ -54,7 +58,7 @@ struct CParams {
   const int64_t* send_counts;
   int64_t* recv_counts;
   int rank, world;
-  uint64_t epoch;
+  unsigned long long* epochs;
   WaitCtx w;
 };
 
@@ -88,10 +92,11 @@ __device__ __forceinline__ void copy_bytes(char* dst, const char* src, uint64_t 
 }
 
 __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
+  const uint64_t epoch = *reinterpret_cast<volatile unsigned long long*>(p.epochs) + 1;
   const int b = blockIdx.x;
   const int d = b / p.cpp, j = b % p.cpp;
-  const int par = (int)(p.epoch & 1);
-  const uint64_t tag = tag_of(p.epoch);
+  const int par = (int)(epoch & 1);
+  const uint64_t tag = tag_of(epoch);
   __shared__ long long s_cnt, s_src_off, s_dst_off;
   __shared__ int s_skip;
 
@@ -123,7 +128,7 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
                     -3, &ok);
     int skip = ok ? 0 : 1;
     if (ok && (uint64_t)(dst_off + cnt) * p.row_bytes > p.data_bytes) {
-      if (j == 0) mt::report(p.w, MT_ERR_CAPACITY, d, (int)cnt, p.epoch, (uint64_t)(dst_off + cnt), p.data_bytes / p.row_bytes);
+      if (j == 0) mt::report(p.w, MT_ERR_CAPACITY, d, (int)cnt, epoch, (uint64_t)(dst_off + cnt), p.data_bytes / p.row_bytes);
       skip = 1;
     }
     s_cnt = cnt;
@@ -153,7 +158,7 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
   if (p.coupled) {
     __threadfence_system();  // the fence between this transfer's data and its signal
     __syncthreads();
-    if (threadIdx.x == 0) mt::st_release_sys(sig_at_peer + j, p.epoch);
+    if (threadIdx.x == 0) mt::st_release_sys(sig_at_peer + j, epoch);
   } else {
     __threadfence();
     __syncthreads();
@@ -162,9 +167,9 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
       const int gid = j / g, first = gid * g;
       const int members = (first + g <= p.cpp) ? g : (p.cpp - first);
       unsigned long long old = atomicAdd(&p.group_ctr[(size_t)d * MT_MAX_SLOTS + gid], 1ull);
-      if (old + 1 == p.epoch * (unsigned long long)members) {
+      if (old + 1 == epoch * (unsigned long long)members) {
         __threadfence_system();  // one fence for the whole group
-        for (int k = 0; k < members; ++k) mt::st_relaxed_sys(sig_at_peer + first + k, p.epoch);
+        for (int k = 0; k < members; ++k) mt::st_relaxed_sys(sig_at_peer + first + k, epoch);
       }
     }
   }
@@ -173,21 +178,25 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
   if (threadIdx.x == 0) {
     bool ok = true;
     const uint64_t* mysig = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_SIG) + (size_t)d * MT_MAX_SLOTS + j;
-    mt::wait_word(p.w, mysig, p.epoch, true, MT_ERR_TIMEOUT_SIGNAL, d, j, &ok);
+    mt::wait_word(p.w, mysig, epoch, true, MT_ERR_TIMEOUT_SIGNAL, d, j, &ok);
     if (ok && j == 0 && p.recv_counts != nullptr) {
       const uint64_t* m = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_MAT) +
                           ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD + p.rank);
       uint64_t v = mt::wait_word(p.w, m, tag, false, MT_ERR_TIMEOUT_COUNTS, d, -1, &ok);
       if (ok && (long long)(v & MT_COUNT_MASK) != p.recv_counts[d])
-        mt::report(p.w, MT_ERR_COUNT_MISMATCH, d, 0, p.epoch, v & MT_COUNT_MASK, (uint64_t)p.recv_counts[d]);
+        mt::report(p.w, MT_ERR_COUNT_MISMATCH, d, 0, epoch, v & MT_COUNT_MASK, (uint64_t)p.recv_counts[d]);
     }
+    // the last CTA to finish publishes this epoch (the next launch on the stream reads it)
+    unsigned long long old = atomicAdd(p.epochs + 2, 1ull);
+    if (old + 1 == epoch * (unsigned long long)gridDim.x) atomicExch(p.epochs, (unsigned long long)epoch);
   }
 }
 
 __global__ void nvl_counts_kernel(CParams p) {
+  const uint64_t epoch = *reinterpret_cast<volatile unsigned long long*>(p.epochs + 1) + 1;
   const int t = threadIdx.x;
-  const int par = (int)(p.epoch & 1);
-  const uint64_t tag = tag_of(p.epoch);
+  const int par = (int)(epoch & 1);
+  const uint64_t tag = tag_of(epoch);
   if (t < p.world) {
     uint64_t* dst = reinterpret_cast<uint64_t*>(p.ctrl[t] + MT_OFF_CNT) + par * MT_MAX_WORLD + p.rank;
     mt::st_relaxed_sys(dst, mt::tagged(tag, (uint64_t)p.send_counts[t]));
@@ -196,6 +205,8 @@ __global__ void nvl_counts_kernel(CParams p) {
     uint64_t v = mt::wait_word(p.w, mine, tag, false, MT_ERR_TIMEOUT_COUNTS, t, -2, &ok);
     p.recv_counts[t] = ok ? (int64_t)(v & MT_COUNT_MASK) : 0;
   }
+  __syncthreads();
+  if (t == 0) atomicExch(p.epochs + 1, (unsigned long long)epoch);
 }
 
 }  // namespace
@@ -222,6 +233,8 @@ MT_API int mt_nvl_create(int device, int rank, int world, const uint64_t* ctrl_p
   if (e == cudaSuccess) e = cudaMemset(c->abort_flag, 0, sizeof(int));
   if (e == cudaSuccess) e = cudaMalloc((void**)&c->group_ctr, sizeof(unsigned long long) * MT_MAX_WORLD * MT_MAX_SLOTS);
   if (e == cudaSuccess) e = cudaMemset(c->group_ctr, 0, sizeof(unsigned long long) * MT_MAX_WORLD * MT_MAX_SLOTS);
+  if (e == cudaSuccess) e = cudaMalloc((void**)&c->epochs, 64);
+  if (e == cudaSuccess) e = cudaMemset(c->epochs, 0, 64);
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
   if (e != cudaSuccess) {
     mt::set_error("mt_nvl_create: %s (%s)", cudaGetErrorName(e), cudaGetErrorString(e));
@@ -259,9 +272,8 @@ static WaitCtx make_wait(NvlCtx* c) {
   return w;
 }
 
-MT_API int mt_nvl_counts(void* h, const int64_t* send_counts, int64_t* recv_counts, uint64_t epoch, uint64_t stream) {
+MT_API int mt_nvl_counts(void* h, const int64_t* send_counts, int64_t* recv_counts, uint64_t stream) {
   NvlCtx* c = static_cast<NvlCtx*>(h);
-  MT_REQUIRE(epoch >= 1, 102, "epoch must be >= 1");
   MT_CUDA(cudaSetDevice(c->device));
   CParams p;
   for (int i = 0; i < MT_MAX_WORLD; ++i) p.ctrl[i] = c->ctrl[i];
@@ -269,7 +281,7 @@ MT_API int mt_nvl_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   p.recv_counts = recv_counts;
   p.rank = c->rank;
   p.world = c->world;
-  p.epoch = epoch;
+  p.epochs = c->epochs;
   p.w = make_wait(c);
   nvl_counts_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
   MT_CUDA(cudaGetLastError());
@@ -277,9 +289,8 @@ MT_API int mt_nvl_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
 }
 
 MT_API int mt_nvl_exchange(void* h, const void* send, uint64_t row_bytes, const int64_t* send_counts,
-                           const int64_t* recv_counts, int coupled, int group_size, uint64_t epoch, uint64_t stream) {
+                           const int64_t* recv_counts, int coupled, int group_size, uint64_t stream) {
   NvlCtx* c = static_cast<NvlCtx*>(h);
-  MT_REQUIRE(epoch >= 1, 102, "epoch must be >= 1");
   MT_REQUIRE(c->data_bytes > 0, 103, "no data buffer: call reserve() first");
   MT_REQUIRE(row_bytes > 0, 104, "row_bytes must be > 0");
   MT_CUDA(cudaSetDevice(c->device));
@@ -301,11 +312,17 @@ MT_API int mt_nvl_exchange(void* h, const void* send, uint64_t row_bytes, const 
   p.cpp = cpp;
   p.group = g;
   p.coupled = coupled ? 1 : 0;
-  p.epoch = epoch;
+  p.epochs = c->epochs;
   p.group_ctr = c->group_ctr;
   p.w = make_wait(c);
   nvl_exchange_kernel<<<c->world * cpp, 512, 0, (cudaStream_t)stream>>>(p);
   MT_CUDA(cudaGetLastError());
+  return 0;
+}
+
+// Host address of the error record (int32[16], pinned): Python polls word 0 without a call.
+MT_API int mt_nvl_err_ptr(void* h, void** out) {
+  *out = static_cast<NvlCtx*>(h)->err_host;
   return 0;
 }
 
@@ -334,6 +351,7 @@ MT_API int mt_nvl_destroy(void* h) {
   if (c->err_host) cudaFreeHost(c->err_host);
   if (c->abort_flag) cudaFree(c->abort_flag);
   if (c->group_ctr) cudaFree(c->group_ctr);
+  if (c->epochs) cudaFree(c->epochs);
   delete c;
   return 0;
 }

@@ -310,6 +310,11 @@ MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t row_bytes, const 
   return 0;
 }
 
+MT_API int mt_pxy_err_ptr(void* h, void** out) {
+  *out = static_cast<PxCtx*>(h)->err_host;
+  return 0;
+}
+
 MT_API int mt_pxy_error(void* h, int* out) {
   PxCtx* c = static_cast<PxCtx*>(h);
   volatile int* e = c->err_host;

@@ -223,6 +223,8 @@ class OneSidedTransport(EPTransport):
         self.data_bytes = 0  # one parity area
         self._epoch = 0
         self._counts_epoch = 0
+        self._views: dict = {}
+        self._err0: ctypes.c_int | None = None  # word 0 of the pinned error record, read without a call
         self._closed = False
 
     # -- capacity ---------------------------------------------------------------------------------
@@ -243,20 +245,36 @@ class OneSidedTransport(EPTransport):
             self.data.close()
         self.data = SymmBuffer(2 * per_parity, self.group, self.device, self.lib)
         self.data_bytes = per_parity
+        self._views = {}
         self._set_data()
 
     def _set_data(self) -> None:  # pragma: no cover - subclass hook
         raise NotImplementedError
 
+    def _stream(self) -> int:
+        """The raw handle of the current stream on this transport's device (cheap)."""
+        try:
+            return int(torch._C._cuda_getCurrentRawStream(self.device.index))
+        except Exception:  # pragma: no cover - older/newer torch without the private helper
+            return int(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _counts_arg(self, counts: torch.Tensor) -> torch.Tensor:
+        if counts.dtype is not torch.int64 or counts.device != self.device or not counts.is_contiguous():
+            counts = counts.to(device=self.device, dtype=torch.int64).contiguous()
+        if counts.numel() != self.world:
+            raise ValueError(f"{self.name}: counts must have {self.world} entries, got {counts.numel()}")
+        return counts
+
     def _prepare(self, send: torch.Tensor, send_counts: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
         self.check()
-        if not send.is_cuda or send.device != self.device:
+        if send.device != self.device:
             raise ValueError(f"{self.name}: send must be on {self.device}, got {send.device}")
         if send.dim() < 1:
             raise ValueError(f"{self.name}: send must have a row dimension")
-        send = send.contiguous()
+        if not send.is_contiguous():
+            send = send.contiguous()
         rows = send.shape[0]
-        rb = send.element_size() * (send[0].numel() if rows > 0 else int(torch.Size(send.shape[1:]).numel()))
+        rb = send.element_size() * (send.numel() // rows if rows > 0 else int(torch.Size(send.shape[1:]).numel()))
         if rb <= 0:
             raise ValueError(f"{self.name}: zero-byte rows")
         if self.data is None:
@@ -267,22 +285,33 @@ class OneSidedTransport(EPTransport):
                 f"{self.name}: {rows} rows x {rb} B exceed the reserved receive buffer "
                 f"({self.data_bytes} B per call); call reserve(max_send_rows, row_bytes) collectively first"
             )
-        sc = send_counts.to(device=self.device, dtype=torch.int64).contiguous()
-        return send, rb, sc
+        return send, rb, self._counts_arg(send_counts)
 
     def _recv_view(self, send: torch.Tensor, rb: int, epoch: int) -> torch.Tensor:
-        assert self.data is not None
-        par = epoch & 1
-        cap_rows = self.data_bytes // rb
-        raw = self.data.local[par * self.data_bytes : par * self.data_bytes + cap_rows * rb]
-        return raw.view(send.dtype).view(cap_rows, *send.shape[1:])
+        """The receive area this call wrote (parity of its epoch), as rows shaped like `send`'s."""
+        key = (rb, send.dtype, tuple(send.shape[1:]), epoch & 1)
+        v = self._views.get(key)
+        if v is None:
+            assert self.data is not None
+            par = epoch & 1
+            cap_rows = self.data_bytes // rb
+            raw = self.data.local[par * self.data_bytes : par * self.data_bytes + cap_rows * rb]
+            v = raw.view(send.dtype).view(cap_rows, *send.shape[1:])
+            self._views[key] = v
+        return v
 
     # -- errors -----------------------------------------------------------------------------------
     def error_words(self) -> list[int]:  # pragma: no cover - subclass hook
         raise NotImplementedError
 
+    def _extra_error(self) -> bool:
+        """Subclass hook: another failure source (the proxy thread) reports an error."""
+        return False
+
     def check(self) -> None:
         """Raise OneSidedError if a kernel (or the proxy) reported a failure. Reads host memory only."""
+        if self._err0 is not None and self._err0.value == 0 and not self._extra_error():
+            return
         words = self.error_words()
         if words and words[0] != 0:
             raise OneSidedError(f"{self.name}: {decode_error(words)}")

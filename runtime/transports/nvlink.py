@@ -49,9 +49,14 @@ class NvlinkTransport(OneSidedTransport):
         )
         self._h = h
         self._err = (ctypes.c_int * 16)()
+        ep = ctypes.c_void_p()
+        self.lib.mt_nvl_err_ptr(h, ctypes.byref(ep))
+        self._err0 = ctypes.c_int.from_address(ep.value) if ep.value else None
         cpp = ctypes.c_int(0)
         self.lib.mt_nvl_ctas_per_peer(h, ctypes.byref(cpp))
         self.ctas_per_peer = cpp.value
+        self._coupled = 1 if knobs.signalling == "coupled" else 0
+        self._group = int(knobs.group_size)
         if max_send_rows is not None and row_bytes is not None:
             self.reserve(max_send_rows, row_bytes)
 
@@ -76,34 +81,31 @@ class NvlinkTransport(OneSidedTransport):
 
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
         self.check()
-        sc = send_counts.to(device=self.device, dtype=torch.int64).contiguous()
-        if sc.numel() != self.world:
-            raise ValueError(f"send_counts must have {self.world} entries, got {sc.numel()}")
+        sc = self._counts_arg(send_counts)
         out = torch.empty(self.world, dtype=torch.int64, device=self.device)
         self._counts_epoch += 1
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        csrc_build.check(
-            self.lib,
-            self.lib.mt_nvl_counts(self._h, sc.data_ptr(), out.data_ptr(), self._counts_epoch, stream),
-            "mt_nvl_counts",
-        )
-        self._keep = sc
+        rc = self.lib.mt_nvl_counts(self._h, sc.data_ptr(), out.data_ptr(), self._stream())
+        if rc:
+            csrc_build.check(self.lib, rc, "mt_nvl_counts")
+        self._keep_counts = sc
         return out
 
     def exchange(self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        """One launch; the returned view stays valid until this rank's second next exchange() call.
+
+        The epoch lives on the device (the kernels advance it), so a capture of an even number of
+        exchanges in a CUDA graph replays correctly; the host counter only picks the parity view.
+        """
         send, rb, sc = self._prepare(send, send_counts)
-        rc = recv_counts.to(device=self.device, dtype=torch.int64).contiguous() if recv_counts is not None else None
+        rcv = self._counts_arg(recv_counts) if recv_counts is not None else None
         self._epoch += 1
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        csrc_build.check(
-            self.lib,
-            self.lib.mt_nvl_exchange(
-                self._h, send.data_ptr(), rb, sc.data_ptr(), rc.data_ptr() if rc is not None else None,
-                1 if self.knobs.signalling == "coupled" else 0, int(self.knobs.group_size), self._epoch, stream,
-            ),
-            "mt_nvl_exchange",
+        rc = self.lib.mt_nvl_exchange(
+            self._h, send.data_ptr(), rb, sc.data_ptr(), rcv.data_ptr() if rcv is not None else None,
+            self._coupled, self._group, self._stream(),
         )
-        self._keep = (send, sc, rc)
+        if rc:
+            csrc_build.check(self.lib, rc, "mt_nvl_exchange")
+        self._keep = (send, sc, rcv)
         return self._recv_view(send, rb, self._epoch)
 
     def error_words(self) -> list[int]:

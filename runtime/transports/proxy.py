@@ -178,6 +178,9 @@ class ProxyTransport(OneSidedTransport):
         )
         self._h = h
         self._err = (ctypes.c_int * 16)()
+        ep = ctypes.c_void_p()
+        self.lib.mt_pxy_err_ptr(h, ctypes.byref(ep))
+        self._err0 = ctypes.c_int.from_address(ep.value) if ep.value else None
         if max_send_rows is not None and row_bytes is not None:
             self.reserve(max_send_rows, row_bytes)
 
@@ -192,34 +195,32 @@ class ProxyTransport(OneSidedTransport):
 
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
         self.check()
-        sc = send_counts.to(device=self.device, dtype=torch.int64).contiguous()
-        if sc.numel() != self.world:
-            raise ValueError(f"send_counts must have {self.world} entries, got {sc.numel()}")
+        sc = self._counts_arg(send_counts)
         out = torch.empty(self.world, dtype=torch.int64, device=self.device)
         self._counts_epoch += 1
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        csrc_build.check(
-            self.lib, self.lib.mt_pxy_counts(self._h, sc.data_ptr(), out.data_ptr(), self._counts_epoch, stream), "mt_pxy_counts"
-        )
-        self._keep = sc
+        rc = self.lib.mt_pxy_counts(self._h, sc.data_ptr(), out.data_ptr(), self._counts_epoch, self._stream())
+        if rc:
+            csrc_build.check(self.lib, rc, "mt_pxy_counts")
+        self._keep_counts = sc
         return out
 
     def exchange(self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        """Returns a view that stays valid until this rank's second next exchange() call."""
         send, rb, sc = self._prepare(send, send_counts)
-        rc = recv_counts.to(device=self.device, dtype=torch.int64).contiguous() if recv_counts is not None else None
+        rcv = self._counts_arg(recv_counts) if recv_counts is not None else None
         self._epoch += 1
-        stream = torch.cuda.current_stream(self.device).cuda_stream
         k = self.knobs
-        csrc_build.check(
-            self.lib,
-            self.lib.mt_pxy_exchange(
-                self._h, send.data_ptr(), rb, sc.data_ptr(), rc.data_ptr() if rc is not None else None,
-                1 if k.signalling == "coupled" else 0, int(k.group_size), int(k.chunk_tokens), self._epoch, stream,
-            ),
-            "mt_pxy_exchange",
+        rc = self.lib.mt_pxy_exchange(
+            self._h, send.data_ptr(), rb, sc.data_ptr(), rcv.data_ptr() if rcv is not None else None,
+            1 if k.signalling == "coupled" else 0, int(k.group_size), int(k.chunk_tokens), self._epoch, self._stream(),
         )
-        self._keep = (send, sc, rc)
+        if rc:
+            csrc_build.check(self.lib, rc, "mt_pxy_exchange")
+        self._keep = (send, sc, rcv)
         return self._recv_view(send, rb, self._epoch)
+
+    def _extra_error(self) -> bool:
+        return self.lib.mt_proxy_error(self.engine.handle, None, 0) != 0
 
     def error_words(self) -> list[int]:
         err = self.engine.error() if getattr(self, "engine", None) is not None else None
