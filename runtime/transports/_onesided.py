@@ -129,6 +129,11 @@ class SymmBuffer:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
 
+        try:  # plain CUDA backend (peer-mapped cuMem allocations) unless someone chose another already
+            if not symm_mem.get_backend(self.device):
+                symm_mem.set_backend("CUDA")
+        except Exception:
+            pass
         t = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         hdl = symm_mem.rendezvous(t, _group_obj(self.group))
         bases = [int(p) for p in hdl.buffer_ptrs]
