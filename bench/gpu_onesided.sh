@@ -53,7 +53,7 @@ fi
   nvcc --version | tail -2
 } | tee "$OUT/env.txt"
 
-stage preflight 60 "$PY" -c "
+stage preflight 30 "$PY" -c "
 import importlib
 for m in ('torch', 'msgspec', 'numpy', 'pytest', 'pytest_timeout', 'moetune.runtime'):
     try:
@@ -62,14 +62,14 @@ for m in ('torch', 'msgspec', 'numpy', 'pytest', 'pytest_timeout', 'moetune.runt
         print(m, 'MISSING:', e)
 "
 PT_TIMEOUT=""
-"$PY" -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT="--timeout=130"
+"$PY" -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT="--timeout=140"
 if ! "$PY" -c "import pytest" 2>/dev/null; then
   TESTCMD=("$PY" tests/test_gpu_onesided.py)   # standalone runner (pytest absent)
 else
   TESTCMD=()
 fi
 
-stage build 100 "$PY" -c "
+stage build 60 "$PY" -c "
 import json, os, time
 from moetune.runtime import csrc_build as b
 t = time.time()
@@ -86,15 +86,15 @@ raise SystemExit(0 if rec.get('ok') else 1)
 "
 
 if [ ${#TESTCMD[@]} -gt 0 ]; then
-  stage tests 140 "${TESTCMD[@]}"
+  stage tests 150 "${TESTCMD[@]}"
 else
-stage tests 140 "$PY" -m pytest tests/test_gpu_onesided.py -q -rA -p no:cacheprovider $PT_TIMEOUT \
+stage tests 150 "$PY" -m pytest tests/test_gpu_onesided.py -q -rA -p no:cacheprovider $PT_TIMEOUT \
   --junitxml="$OUT/gpu_tests.xml"
 fi
 
-stage micro 80 "$PY" bench/proxy_micro.py --out "$OUT" $QUICKARG
+stage micro 60 "$PY" bench/proxy_micro.py --out "$OUT" $QUICKARG
 
-stage ep 150 "$PY" bench/onesided_ep.py --out "$OUT" --timeout 140 $QUICKARG
+stage ep 140 "$PY" bench/onesided_ep.py --out "$OUT" --timeout 130 $QUICKARG
 
 echo
 echo "=== stages"; printf '  %s\n' "${STATUS[@]}"

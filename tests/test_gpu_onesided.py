@@ -119,14 +119,15 @@ def test_proxy_exchange_matches_nccl_with_poisoned_buffers() -> None:
 
 
 @needs_gpus
-@pytest.mark.parametrize("transport", ["nvlink", "proxy"])
-def test_missing_peer_raises_instead_of_hanging(transport: str) -> None:
+def test_missing_peer_raises_instead_of_hanging() -> None:
     from moetune.runtime.transports._selftest import spawn_world, timeout_worker
 
     t0 = time.time()
-    res = spawn_world(timeout_worker, NEED, dict(transport=transport), timeout_s=90)
-    _record({"test": "timeout", "transport": transport, "result": res, "seconds": time.time() - t0})
-    assert isinstance(res[0], dict) and res[0].get("raised"), res
+    res = spawn_world(timeout_worker, NEED, {}, timeout_s=100)
+    for name in ("nvlink", "proxy"):
+        r = res[0].get(name, res[0]) if isinstance(res[0], dict) else {}
+        _record({"test": "timeout", "transport": name, "result": r, "rank1": res[1], "seconds": time.time() - t0})
+    assert isinstance(res[0], dict) and all(res[0].get(n, {}).get("raised") for n in ("nvlink", "proxy")), res
 
 
 @needs_gpus
@@ -167,8 +168,7 @@ if __name__ == "__main__":  # standalone runner for boxes without pytest
         names = ["test_knobs_refuse_the_unsafe_combination"]
     for n in names:
         fn = globals()[n]
-        params = [("nvlink",), ("proxy",)] if n == "test_missing_peer_raises_instead_of_hanging" else [()]
-        for p in params:
+        for p in [()]:
             try:
                 fn(*p)
                 print(f"PASS {n}{p}")

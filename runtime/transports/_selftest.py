@@ -181,26 +181,32 @@ def check_exchange_worker(
     return results
 
 
-def timeout_worker(rank: int, world: int, *, transport: str) -> dict:
+def timeout_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvlink", "proxy")) -> dict:
     """Rank 0 exchanges alone: it must raise OneSidedError within the timeout instead of hanging."""
     from ._onesided import OneSidedError
 
     os.environ["MOETUNE_ONESIDED_TIMEOUT_S"] = "2"
     device = torch.device("cuda", rank)
-    t = transport_class(transport)(None, default_knobs(transport), device, max_send_rows=64, row_bytes=256)
-    barrier(device)
-    res: dict[str, Any] = {"raised": False}
-    if rank == 0:
-        t0 = time.monotonic()
-        send = torch.zeros(2, 128, dtype=torch.bfloat16, device=device)
-        sc = torch.tensor([1] * world, dtype=torch.int64, device=device)
+    out: dict[str, Any] = {}
+    for name in transports:
+        res: dict[str, Any] = {"raised": False}
         try:
-            rc = t.exchange_counts(sc)
-            t.exchange(send[: world], sc, rc)
-            torch.cuda.synchronize(device)
-            t.check()
-        except OneSidedError as e:
-            res = {"raised": True, "message": str(e)}
-        res["seconds"] = time.monotonic() - t0
-    barrier(device)
-    return res
+            t = transport_class(name)(None, default_knobs(name), device, max_send_rows=64, row_bytes=256)
+            barrier(device)
+            if rank == 0:
+                t0 = time.monotonic()
+                send = torch.zeros(world, 128, dtype=torch.bfloat16, device=device)
+                sc = torch.ones(world, dtype=torch.int64, device=device)
+                try:
+                    rc = t.exchange_counts(sc)
+                    t.exchange(send, sc, rc)
+                    torch.cuda.synchronize(device)
+                    t.check()
+                except OneSidedError as e:
+                    res = {"raised": True, "message": str(e)}
+                res["seconds"] = time.monotonic() - t0
+            barrier(device)
+        except Exception:
+            res["error"] = traceback.format_exc()[-2000:]
+        out[name] = res
+    return out
