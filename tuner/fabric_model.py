@@ -36,6 +36,7 @@ from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.shapes import ModelShape, get_model
 
 from .model_presets import Preset, PresetError, list_presets, load_preset
+from .model_queue import run_queue
 from .model_routing import parse_routing, pe_loads, spread_quantiles
 
 __all__ = [
@@ -200,196 +201,6 @@ def _as_preset(preset: Preset | str) -> Preset:
 # ---------------------------------------------------------------------------------------------------
 # the queued (proxy / IBGDA) mechanism: one source PE's requests replayed in FIFO order
 # ---------------------------------------------------------------------------------------------------
-class _QRes:
-    __slots__ = ("end", "ack_end", "fences", "proxy_stalls", "nic_stalls", "fence_wait", "fence_busy",
-                 "nic_wait", "issue_busy", "sm_us", "messages", "signals", "wire_us")
-
-
-def _sim_queue(
-    p: _P,
-    kind: str,
-    dests: list[tuple[float, list[float], list[int]]],
-    *,
-    npes: int,
-    signalling: str,  # "none" (put only), "coupled", "decoupled"
-    group: int,  # transfers per group when decoupled (0 = all of a destination's transfers)
-    fence: str,  # "drain", "nic", "off" (the counterfactual without ordering)
-    qp_mapping: str,
-    qps: int,
-    num_sms: int,
-    ready: list[float] | None = None,
-    t0: float = 0.0,
-) -> _QRes:
-    """Replay one PE's requests. `dests`: (rtt_us, [bytes per transfer], [messages per transfer])."""
-    proxy = kind == "proxy"
-    lbw, qbw = p.nic_bw, p.qp_bw
-    o = p.msg_o + (0.0 if proxy else p.wqe_fetch_us)
-    so = p.sig_o + (0.0 if proxy else p.wqe_fetch_us)
-    shared = p.shared_qps
-    if proxy:
-        put_c, sig_c = p.put_us, p.sig_us
-        quiet = p.fence_quiet == "always" or (p.fence_quiet == "multi_qp" and (qps > 1 or shared > 1))
-    else:
-        put_c = sig_c = p.post_sm_us
-        quiet = False
-    qp_free: dict[int, float] = {}
-    qp_ack: dict[int, float] = {}
-    link = t0
-    max_ack = t0
-    last_arrive = t0
-    t = t0 + (p.poll_us if proxy else 0.0)  # proxy clock
-    ncta = max(1, num_sms)
-    cta = [t0] * ncta  # IBGDA: per-CTA posting clocks
-    fences = proxy_stalls = nic_stalls = 0
-    fence_wait = fence_busy = nic_wait = issue_busy = 0.0
-    messages = signals = 0
-    wire_us = 0.0
-    ti = 0  # transfer index (FIFO order)
-    for d, (rtt, sizes, msgs) in enumerate(dests):
-        half = 0.5 * rtt
-        ntr = len(sizes)
-        if ntr == 0:
-            continue
-        gs = 1 if signalling == "coupled" else (ntr if (group == 0 or signalling == "none") else group)
-        base = d * qps
-        rr = 0
-        gi = 0
-        for g0 in range(0, ntr, gs):
-            grp_q = base + (gi % qps)
-            gi += 1
-            g_end = min(ntr, g0 + gs)
-            leader_post = t0
-            # ---- the group's PUTs
-            for j in range(g0, g_end):
-                b = sizes[j]
-                n = msgs[j]
-                if qp_mapping == "peer_hash":
-                    q = grp_q
-                else:
-                    q = base + (rr % qps)
-                    rr += 1
-                if shared:
-                    q %= shared
-                r = ready[ti] if ready is not None else t0
-                ti += 1
-                if proxy:
-                    if r > t:
-                        t = r
-                    c = n * put_c
-                    t += c
-                    issue_busy += c
-                    post_first = t - c + put_c
-                    post = t
-                else:
-                    ci = (ti - 1) % ncta
-                    ct = cta[ci]
-                    if r > ct:
-                        ct = r
-                    post_first = ct + put_c
-                    ct += n * put_c
-                    cta[ci] = ct
-                    post = ct
-                    issue_busy += n * put_c
-                if post > leader_post:
-                    leader_post = post
-                f = qp_free.get(q, t0)
-                start = post_first if post_first > f else f
-                done = start + n * o + b / qbw
-                last_piece = post + o + (b / n) / qbw
-                if last_piece > done:
-                    done = last_piece
-                # the NIC link is shared by all QPs, work-conserving, served in post order: a message
-                # held on its QP does not hold the link for the others
-                w = b / lbw
-                wire_us += w
-                link = (link if link > post_first else post_first) + w
-                wire = link if link > done else done
-                qp_free[q] = done
-                ack = wire + rtt
-                if ack > qp_ack.get(q, t0):
-                    qp_ack[q] = ack
-                if ack > max_ack:
-                    max_ack = ack
-                if signalling == "none" and wire + half > last_arrive:
-                    last_arrive = wire + half
-                messages += n
-            if signalling == "none":
-                continue
-            # ---- the fence
-            flagged = False
-            if fence == "drain":
-                fences += 1
-                c0 = t
-                t += p.fence_us
-                if quiet:
-                    proxy_stalls += 1
-                    if max_ack > t:
-                        fence_wait += max_ack - t
-                        t = max_ack
-                t += npes * p.fence_pe_us
-                fence_busy += t - c0
-            elif fence == "nic":
-                fences += 1
-                flagged = True
-                if proxy:
-                    t += p.flag_us
-                    fence_busy += p.flag_us
-            # ---- the group's signals (one per transfer), small messages
-            for j in range(g0, g_end):
-                if qp_mapping == "peer_hash":
-                    q = grp_q
-                else:
-                    q = base + (rr % qps)
-                    rr += 1
-                if shared:
-                    q %= shared
-                if proxy:
-                    t += sig_c
-                    issue_busy += sig_c
-                    post = t
-                else:
-                    # the group leader posts after the group's count is complete
-                    ci = (ti - 1) % ncta
-                    ct = cta[ci]
-                    if leader_post > ct:
-                        ct = leader_post
-                    ct += sig_c
-                    cta[ci] = ct
-                    post = ct
-                    issue_busy += sig_c
-                f = qp_free.get(q, t0)
-                start = post if post > f else f
-                if flagged:
-                    nic_stalls += 1
-                    a = qp_ack.get(q, t0)
-                    if a > start:
-                        nic_wait += a - start
-                        start = a
-                    flagged = False
-                done = start + so
-                w = SIGNAL_BYTES / lbw
-                link = (link if link > post else post) + w
-                wire = link if link > done else done
-                qp_free[q] = done
-                ack = wire + rtt
-                if ack > qp_ack.get(q, t0):
-                    qp_ack[q] = ack
-                if ack > max_ack:
-                    max_ack = ack
-                if wire + half > last_arrive:
-                    last_arrive = wire + half
-                signals += 1
-    res = _QRes()
-    res.end = last_arrive
-    res.ack_end = max_ack
-    res.fences, res.proxy_stalls, res.nic_stalls = fences, proxy_stalls, nic_stalls
-    res.fence_wait, res.fence_busy, res.nic_wait = fence_wait, fence_busy, nic_wait
-    res.issue_busy = issue_busy
-    res.sm_us = 0.0 if proxy else issue_busy
-    res.messages, res.signals, res.wire_us = messages, signals, wire_us
-    return res
-
-
 def _rtts(p: _P, n: int) -> list[float]:
     q = spread_quantiles(n)
     return [p.rtt + p.tail * x for x in q]
@@ -432,22 +243,22 @@ def predict_transfers(
     npes = nodes * gpn if destinations is None else ndest + 1
     per = [transfers // ndest + (1 if i < transfers % ndest else 0) for i in range(ndest)]
     rtts = _rtts(p, ndest)
-    dests = [(rtts[i], [float(size_bytes)] * per[i], [1] * per[i]) for i in range(ndest) if per[i]]
+    dests = [(rtts[i], [(float(size_bytes), per[i], 1, 0.0, 0.0)]) for i in range(ndest) if per[i]]
     if knobs.signalling == "decoupled" and knobs.group_size:
-        for _, sizes, _ in dests:
-            if len(sizes) % knobs.group_size:
-                raise KnobError(f"group_size {knobs.group_size} does not divide {len(sizes)} transfers per "
+        for _, runs in dests:
+            if runs[0][1] % knobs.group_size:
+                raise KnobError(f"group_size {knobs.group_size} does not divide {runs[0][1]} transfers per "
                                 "destination", ("group_size",))
     fence = "drain" if knobs.fence_mode == "proxy_drain" else "nic"
     kw = dict(npes=npes, group=knobs.group_size, qp_mapping=knobs.qp_mapping, qps=knobs.qps_per_pe,
               num_sms=knobs.num_sms)
-    r = _sim_queue(p, knobs.transport, dests, signalling=knobs.signalling, fence=fence, **kw)
-    r_off = _sim_queue(p, knobs.transport, dests, signalling=knobs.signalling, fence="off", **kw)
-    r_put = _sim_queue(p, knobs.transport, dests, signalling="none", fence="off", **kw)
+    r = run_queue(p, knobs.transport, dests, signalling=knobs.signalling, fence=fence, **kw)
+    r_off = run_queue(p, knobs.transport, dests, signalling=knobs.signalling, fence="off", **kw)
+    r_put = run_queue(p, knobs.transport, dests, signalling="none", fence="off", **kw)
     total = float(transfers) * size_bytes
-    t = r.ack_end
-    t_put = r_put.ack_end
-    fence_time = max(0.0, t - r_off.ack_end)
+    t = r.max_ack
+    t_put = r_put.max_ack
+    fence_time = max(0.0, t - r_off.max_ack)
     return TransferPrediction(
         time_us=t, put_only_us=t_put, throughput_gbps=total / t / 1e3, put_only_gbps=total / t_put / 1e3,
         relative_throughput=t_put / t, fence_time_us=fence_time, fence_share=fence_time / t,
@@ -545,7 +356,6 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, t0
     nvl_intra = p.has_nvl and w.p2p and not intra_by_proxy
     row_sums = loads.sum(axis=1)
     if dispatch:
-        src = 0
         remote_pes = [d for d in range(G, P)]
         local_pes = list(range(1, G))
         per_dest = {d: [S * float(x) * tb for x in loads[d]] for d in range(1, P)}
@@ -566,33 +376,37 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, t0
         local_pes = []
     if remote_pes and not p.has_nic and not intra_by_proxy:
         raise ValueError(f"preset {p.name!r} has no network: it cannot reach PEs on other nodes")
-    # chunking: messages per transfer
-    tok_per_transfer = [[b / tb for b in per_dest[d]] for d in remote_pes]
+    # transfers: one per (source PE, remote expert), split into tiles of `tile` tokens (each tile is
+    # one PUT with its own signal, as tile-based EP kernels send them); chunk_tokens further splits a
+    # tile into NIC messages
     ck = knobs.chunk_tokens
+    pack_bw = min(max(1, knobs.num_sms) * p.sm_copy, p.hbm / 2.0)
+    acc = t0 + p.launch
     dests = []
     rtts = _rtts(p, len(remote_pes)) if remote_pes else []
     nmsg = 0
+    total_bytes = 0.0
     for i, d in enumerate(remote_pes):
-        sizes = per_dest[d]
-        msgs = [max(1, math.ceil(tk / ck)) if ck else 1 for tk in tok_per_transfer[i]]
-        nmsg += sum(msgs)
-        dests.append((rtts[i], sizes, msgs))
+        runs = []
+        for b in per_dest[d]:
+            tk = b / tb
+            n = max(1, math.ceil(tk / w.tile - 1e-9))
+            tile_b = b / n
+            m = max(1, math.ceil(tk / n / ck - 1e-9)) if ck else 1
+            step = tile_b / pack_bw
+            runs.append((tile_b, n, m, acc + step, step))
+            acc += b / pack_bw
+            nmsg += n * m
+            total_bytes += b
+        dests.append((rtts[i], runs))
     if nmsg > MAX_MESSAGES:
         raise ValueError(f"chunk_tokens={ck} gives {nmsg} messages per PE; use larger chunks")
-    # GPU-side packing into send buffers, in FIFO order
-    pack_bw = min(max(1, knobs.num_sms) * p.sm_copy, p.hbm / 2.0)
-    ready: list[float] = []
-    acc = t0 + p.launch
-    for _, sizes, _ in dests:
-        for b in sizes:
-            acc += b / pack_bw
-            ready.append(acc)
     fence = "drain" if knobs.fence_mode == "proxy_drain" else "nic"
     t_net = t0
     if dests:
-        r = _sim_queue(
+        r = run_queue(
             p, kind, dests, npes=P, signalling=knobs.signalling, group=knobs.group_size, fence=fence,
-            qp_mapping=knobs.qp_mapping, qps=knobs.qps_per_pe, num_sms=knobs.num_sms, ready=ready, t0=t0,
+            qp_mapping=knobs.qp_mapping, qps=knobs.qps_per_pe, num_sms=knobs.num_sms, t0=t0,
         )
         # receiver ingress: the most loaded receiver takes bytes from every other PE
         if dispatch:
@@ -600,7 +414,7 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, t0
         else:
             ing = float(row_sums.mean()) * S * tb * (P - (G if nvl_intra else 1))
         ing_t = t0 + p.launch + ing / p.nic_bw + p.rtt
-        t_net = max(r.end, ing_t)
+        t_net = max(r.last_arrive, ing_t)
         ph.fences, ph.proxy_stalls, ph.nic_stalls = r.fences, r.proxy_stalls, r.nic_stalls
         ph.parts = {
             "proxy_issue" if kind == "proxy" else "gpu_post": r.issue_busy,
@@ -610,9 +424,9 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, t0
             "wire": r.wire_us,
             "ingress_bound": ing_t - t0,
         }
-        ph.sm_us = r.sm_us
-        ph.transfers = sum(len(s) for _, s, _ in dests)
-        ph.bytes += sum(sum(s) for _, s, _ in dests) + r.signals * SIGNAL_BYTES
+        ph.sm_us = 0.0 if kind == "proxy" else r.issue_busy
+        ph.transfers = r.transfers
+        ph.bytes += total_bytes + r.signals * SIGNAL_BYTES
     t_nvl = t0
     if local_pes:
         bpp = [sum(per_dest[d]) for d in local_pes]
@@ -727,6 +541,13 @@ def _phase_host_staged(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, load
     return ph
 
 
+def transfers_per_peer(w: Workload) -> int:
+    """Transfers (tile PUTs) one PE sends one peer under uniform routing: experts per PE x tiles per
+    expert. A decoupled group size must divide it (Knobs.check_workload)."""
+    per_expert = w.tokens_per_gpu * w.model.topk / w.model.experts
+    return (w.model.experts // w.pes) * max(1, math.ceil(per_expert / w.tile - 1e-9))
+
+
 def _expert_us(p: _P, w: Workload, loads) -> float:
     """Modelled expert FFN time on the most loaded PE (tile-padded grouped GEMMs)."""
     S, P = w.tokens_per_gpu, w.pes
@@ -755,13 +576,13 @@ def predict(
     w = workload
     loads, epp, _ = _route(w)
     if knobs.transport in ("proxy", "ibgda"):
-        knobs.check_workload(epp)
+        knobs.check_workload(transfers_per_peer(w))
         if knobs.transport == "proxy" and not p.has_proxy:
             raise KnobError(f"preset {preset.name!r} has no CPU proxy", ("transport",))
         if knobs.transport == "ibgda" and not p.has_ibgda:
             raise KnobError(f"preset {preset.name!r} has no IBGDA", ("transport",))
     elif knobs.transport == "nvlink":
-        knobs.check_workload(epp)
+        knobs.check_workload(transfers_per_peer(w))
     if w.nodes > 1 and not p.has_nic:
         raise ValueError(f"preset {preset.name!r} has no network between nodes; use nodes=1")
     phases_out: dict[str, float] = {}
