@@ -12,7 +12,7 @@ Each measured row is turned into the model call that describes the same experime
   signalled-transfer microbenchmark (message-size sweep, fence cost, signal efficiency vs concurrency).
 
 Rows the model cannot describe are reported as skipped, with the reason. The fit is a coordinate
-search over the chosen parameters in log space (no scipy), minimising the worst squared log error plus
+search over the chosen parameters in log space (no scipy), minimising the worst squared relative error plus
 a quarter of the mean (so no single row is sacrificed).
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +33,14 @@ from .fabric_model import Workload, predict, predict_transfers
 from .model_presets import Preset, load_preset
 
 # Parameters fitted by default, per preset family of measurement.
-COLLECTIVE_PARAMS = ("collective.alpha_us", "collective.intra_gbps", "collective.host_alpha_us",
+# "a+b" ties parameters (fitted as one value).
+COLLECTIVE_PARAMS = ("collective.alpha_us", "collective.sync_us", "collective.intra_gbps", "collective.host_alpha_us",
                      "pcie.d2h_gbps", "pcie.h2d_gbps")
 PROXY_PARAMS = ("proxy.put_us", "proxy.signal_us", "proxy.fence_us", "nic.msg_overhead_us",
-                "nic.signal_overhead_us", "nic.rtt_us", "nic.gbps", "nic.qp_gbps")
+                "nic.signal_overhead_us", "nic.rtt_us", "nic.gbps+nic.qp_gbps")
+
+# Physical ceilings a fit may not cross (PCIe 5.0 x16 is 63 GB/s raw per direction).
+PHYSICAL_MAX = {"pcie.d2h_gbps": 63.0, "pcie.h2d_gbps": 63.0}
 
 _PROBE_MODES = {
     "coupled_drain": ("coupled", "proxy_drain"),
@@ -175,14 +180,15 @@ def rows_to_points(rows: list[dict[str, Any]]) -> tuple[list[Point], list[tuple[
 
 
 def _objective(points: list[Point], preset: Preset) -> float:
-    se = []
+    """Per group of points: the worst squared relative error plus a quarter of the mean; summed over groups
+    (groups depend on disjoint parameters, so one group's outlier does not bend another's fit)."""
+    groups: dict[str, list[float]] = {}
     for p in points:
         v = p.evaluate(preset)
         if not (v > 0 and math.isfinite(v)):
             return float("inf")
-        se.append(math.log(v / p.measured_us) ** 2)
-    # the worst point dominates (every row should be within tolerance); the mean breaks ties
-    return max(se) + 0.25 * sum(se) / len(se)
+        groups.setdefault(p.group, []).append((v / p.measured_us - 1.0) ** 2)
+    return sum(max(se) + 0.25 * sum(se) / len(se) for se in groups.values())
 
 
 def calibrate(
@@ -190,7 +196,7 @@ def calibrate(
     rows: list[dict[str, Any]],
     *,
     params: Iterable[str] | None = None,
-    rounds: int = 12,
+    rounds: int = 30,
 ) -> FitReport:
     """Fit the preset's parameters to the rows; returns the report (with the fitted preset)."""
     preset = load_preset(preset) if isinstance(preset, str) else preset
@@ -202,33 +208,86 @@ def calibrate(
         groups = {p.group for p in points}
         params = []
         if any(g.startswith("collective") for g in groups):
-            params += [k for k in COLLECTIVE_PARAMS if k in available]
+            params += [k for k in COLLECTIVE_PARAMS if all(x in available for x in k.split("+"))]
         if groups & {"proxy_probe", "transfers"}:
-            params += [k for k in PROXY_PARAMS if k in available]
+            params += [k for k in PROXY_PARAMS if all(x in available for x in k.split("+"))]
     params = list(params)
-    for k in params:
-        if k not in available:
-            raise ValueError(f"preset {preset.name!r} has no numeric parameter {k!r}")
+    for spec in params:
+        for k in spec.split("+"):
+            if k not in available:
+                raise ValueError(f"preset {preset.name!r} has no numeric parameter {k!r}")
     before = dict(available)
-    cur = dict((k, available[k]) for k in params)
-    best = _objective(points, preset)
-    step = math.log(2.0)
-    for _ in range(rounds):
-        improved = False
-        for k in params:
-            for direction in (1.0, -1.0):
-                for mult in (1.0, 0.5, 0.25):
+    init = {spec: available[spec.split("+")[0]] for spec in params}
+    cur = dict(init)
+
+    def expand(vals: dict[str, float]) -> dict[str, float]:
+        return {k: v for spec, v in vals.items() for k in spec.split("+")}
+
+    def clamp(spec: str, v: float) -> float:
+        # stay within a factor 20 of the starting (physically sourced) value
+        hi = min([init[spec] * 20.0] + [PHYSICAL_MAX[k] for k in spec.split("+") if k in PHYSICAL_MAX])
+        return min(max(v, init[spec] / 20.0), hi)
+
+    # which groups of points each parameter moves (perturb it by 10%)
+    base_pred = {id(p): p.evaluate(preset) for p in points}
+    affects: dict[str, set[str]] = {}
+    for spec in params:
+        trial = dict(cur)
+        trial[spec] = cur[spec] * 1.1
+        pr = preset.with_params(expand(trial))
+        affects[spec] = {p.group for p in points if abs(p.evaluate(pr) - base_pred[id(p)]) > 1e-9 * base_pred[id(p)]}
+    rng = random.Random(1234)
+    # fit each group of points with the parameters that move it (groups whose parameters overlap are
+    # fitted together)
+    clusters: list[tuple[set[str], list[str]]] = []
+    for spec in params:
+        gs = set(affects[spec])
+        if not gs:
+            continue
+        merged = [c for c in clusters if c[0] & gs]
+        for c in merged:
+            clusters.remove(c)
+            gs |= c[0]
+        specs = [spec] + [x for c in merged for x in c[1]]
+        clusters.append((gs, specs))
+    for groups, specs in clusters:
+        pts = [p for p in points if p.group in groups]
+
+        def obj(vals: dict[str, float], pts=pts) -> float:
+            return _objective(pts, preset.with_params(expand(vals)))
+
+        best = obj(cur)
+        # seeded random search in log space (factor 4 around the start), then coordinate refinement
+        for _ in range(40 * len(specs)):
+            trial = dict(cur)
+            for spec in specs:
+                trial[spec] = clamp(spec, init[spec] * math.exp(rng.uniform(-1.4, 1.4)))
+            val = obj(trial)
+            if val < best:
+                best, cur = val, trial
+        step = math.log(1.5)
+        for _ in range(rounds):
+            improved = False
+            for spec in specs:
+                for direction in (1.0, -1.0):
                     trial = dict(cur)
-                    trial[k] = cur[k] * math.exp(direction * step * mult) if cur[k] > 0 else 1e-3
-                    cand = preset.with_params(trial)
-                    val = _objective(points, cand)
+                    trial[spec] = clamp(spec, cur[spec] * math.exp(direction * step))
+                    val = obj(trial)
                     if val < best - 1e-12:
                         best, cur, improved = val, trial, True
                         break
-        if not improved:
-            step *= 0.5
-            if step < 1e-3:
-                break
+            for _ in range(3 * len(specs)):
+                trial = {k: (clamp(k, v * math.exp(step * rng.gauss(0.0, 0.7))) if k in specs else v)
+                         for k, v in cur.items()}
+                val = obj(trial)
+                if val < best - 1e-12:
+                    best, cur, improved = val, trial, True
+            if not improved:
+                step *= 0.5
+                if step < 2e-3:
+                    break
+    cur = expand(cur)
+    params = list(cur)
     fitted = preset.with_params(cur, source=None)
     for p in points:
         p.predicted_us = p.evaluate(fitted)
@@ -241,6 +300,7 @@ def calibrated_preset(report: FitReport, data_names: list[str], date: str) -> Pr
     s = report.summary()
     src = f"calibrated: fitted by `moetune model calibrate` on {', '.join(data_names)} ({date})"
     changes = {k: report.params_after[k] for k in report.fitted}
+    before_src = dict(report.preset.sources)
     calib = {
         "data": data_names,
         "date": date,
@@ -248,4 +308,12 @@ def calibrated_preset(report: FitReport, data_names: list[str], date: str) -> Pr
         "mean_abs_rel_err": round(s["mean_abs_rel_err"], 4),
         "max_abs_rel_err": round(s["max_abs_rel_err"], 4),
     }
-    return report.preset.with_params(changes, source=src, calibration=calib)
+    out = report.preset.with_params(changes, source=src, calibration=calib)
+    sources = dict(out.sources)
+    for k in report.fitted:
+        old = before_src.get(k, "")
+        if old and not old.startswith("calibrated:"):
+            sources[k] = f"{src}; started from: {old}"
+    return Preset(name=out.name, family=out.family, transports=out.transports, gpus_per_node=out.gpus_per_node,
+                  description=out.description, params=out.params, sources=sources, path=None,
+                  calibration=out.calibration)

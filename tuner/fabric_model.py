@@ -149,7 +149,7 @@ class _P:
         "name sms tflops eff hbm sm_copy launch "
         "has_nvl nvl_egress nvl_peer nvl_lat nvl_sig "
         "d2h h2d memcpy host_mem duplex "
-        "c_alpha c_peer c_intra c_nic_eff c_host_alpha c_host_chunk "
+        "c_alpha c_sync c_peer c_intra c_nic_eff c_host_alpha c_host_chunk "
         "has_nic nic_bw qp_bw msg_o sig_o rtt tail shared_qps "
         "has_proxy put_us sig_us flag_us fence_us fence_pe_us poll_us fence_quiet proxy_intra "
         "has_ibgda post_sm_us wqe_fetch_us".split()
@@ -175,6 +175,7 @@ def _params(preset: Preset) -> _P:
     p.d2h, p.h2d = g("pcie.d2h_gbps") * 1e3, g("pcie.h2d_gbps") * 1e3
     p.memcpy, p.host_mem, p.duplex = g("pcie.memcpy_us"), g("pcie.host_mem_gbps") * 1e3, bool(g("pcie.duplex"))
     p.c_alpha, p.c_peer = g("collective.alpha_us"), g("collective.per_peer_us")
+    p.c_sync = g("collective.sync_us")
     p.c_intra, p.c_nic_eff = g("collective.intra_gbps") * 1e3, g("collective.nic_efficiency")
     p.c_host_alpha, p.c_host_chunk = g("collective.host_alpha_us"), g("collective.host_chunk_kb") * 1024.0
     p.has_nic = preset.has("nic")
@@ -420,7 +421,7 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, t0
             "proxy_issue" if kind == "proxy" else "gpu_post": r.issue_busy,
             "fence_proxy_blocked": r.fence_busy,
             "fence_wait_completion": r.fence_wait,
-            "nic_stall": r.nic_wait,
+            "nic_stall_held_sum": r.nic_wait,
             "wire": r.wire_us,
             "ingress_bound": ing_t - t0,
         }
@@ -499,12 +500,13 @@ def _phase_collective(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads
         chunks = max(1, math.ceil(max(io, ii) / p.c_host_chunk))
         t_intra = p.c_host_alpha + _staged_time(p, io, ii, chunks, 2, G)
     else:
-        t_intra = p.c_alpha + max(io, ii) / p.c_intra
+        # launch, then the ranks' handshake and the data streaming overlap: the longer one counts
+        t_intra = p.c_alpha + max(p.c_sync, max(io, ii) / p.c_intra)
     t_inter = 0.0
     if eo > 0 or ei > 0:
         if not p.has_nic:
             raise ValueError(f"preset {p.name!r} has no network: it cannot reach PEs on other nodes")
-        t_inter = p.c_alpha + max(eo, ei) / (p.nic_bw * p.c_nic_eff) + p.rtt
+        t_inter = p.c_alpha + max(p.c_sync, max(eo, ei) / (p.nic_bw * p.c_nic_eff)) + p.rtt
     ph.us = max(t_intra, t_inter) + peers * p.c_peer
     ph.bytes = out
     ph.transfers = peers

@@ -22,7 +22,8 @@ from moetune.runtime.knobs import TRANSPORTS
 REQUIRED: dict[str, tuple[str, ...]] = {
     "gpu": ("sms", "tflops_bf16", "gemm_efficiency", "hbm_gbps", "sm_copy_gbps", "launch_us"),
     "pcie": ("d2h_gbps", "h2d_gbps", "memcpy_us", "host_mem_gbps"),
-    "collective": ("alpha_us", "per_peer_us", "intra_gbps", "nic_efficiency", "host_alpha_us", "host_chunk_kb"),
+    "collective": ("alpha_us", "sync_us", "per_peer_us", "intra_gbps", "nic_efficiency", "host_alpha_us",
+                   "host_chunk_kb"),
 }
 OPTIONAL: dict[str, tuple[str, ...]] = {
     "nvlink": ("egress_gbps", "peer_gbps", "latency_us", "signal_us"),
