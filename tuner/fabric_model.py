@@ -31,7 +31,6 @@ import math
 from typing import Any, Literal
 
 import msgspec
-
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.shapes import ModelShape, get_model
 
@@ -146,13 +145,7 @@ class TransferPrediction(msgspec.Struct, kw_only=True):
 # ---------------------------------------------------------------------------------------------------
 class _P:
     __slots__ = tuple(
-        "name sms tflops eff hbm sm_copy launch "
-        "has_nvl nvl_egress nvl_peer nvl_lat nvl_sig "
-        "d2h h2d memcpy host_mem duplex "
-        "c_alpha c_sync c_peer c_intra c_nic_eff c_host_alpha c_host_chunk "
-        "has_nic nic_bw qp_bw msg_o sig_o rtt tail shared_qps "
-        "has_proxy put_us sig_us flag_us fence_us fence_pe_us poll_us fence_quiet proxy_intra "
-        "has_ibgda post_sm_us wqe_fetch_us".split()
+        ["name", "sms", "tflops", "eff", "hbm", "sm_copy", "launch", "has_nvl", "nvl_egress", "nvl_peer", "nvl_lat", "nvl_sig", "d2h", "h2d", "memcpy", "host_mem", "duplex", "c_alpha", "c_sync", "c_peer", "c_intra", "c_nic_eff", "c_host_alpha", "c_host_chunk", "has_nic", "nic_bw", "qp_bw", "msg_o", "sig_o", "rtt", "tail", "shared_qps", "has_proxy", "put_us", "sig_us", "flag_us", "fence_us", "fence_pe_us", "poll_us", "fence_quiet", "proxy_intra", "has_ibgda", "post_sm_us", "wqe_fetch_us"]
     )
 
 
@@ -290,7 +283,7 @@ def _token_bytes(model: ModelShape, knobs: Knobs, *, dispatch: bool) -> float:
 
 
 class _Phase:
-    __slots__ = ("us", "fences", "proxy_stalls", "nic_stalls", "bytes", "transfers", "parts", "sm_us")
+    __slots__ = ("bytes", "fences", "nic_stalls", "parts", "proxy_stalls", "sm_us", "transfers", "us")
 
     def __init__(self) -> None:
         self.us = 0.0
@@ -333,8 +326,8 @@ def _staged_time(p: _P, bytes_out: float, bytes_in: float, chunks: int, depth: i
         hide = min(depth - 1, 4)
         stage = max(a, b, c) + ov / hide
         t = (a + b + c + 2 * ov) + (n - 1) * stage
-    # host memory is written and read once per staged byte by every GPU of the node
-    host = gpn * (bytes_out + bytes_in) * 2.0 / p.host_mem
+    # every staged byte is written to host memory once and read back once, by every GPU of the node
+    host = gpn * max(bytes_out, bytes_in) * 2.0 / p.host_mem
     return max(t, host)
 
 
@@ -576,7 +569,7 @@ def predict(
     _check_transport(preset, knobs)
     p = _params(preset)
     w = workload
-    loads, epp, _ = _route(w)
+    loads, _epp, _ = _route(w)
     if knobs.transport in ("proxy", "ibgda"):
         knobs.check_workload(transfers_per_peer(w))
         if knobs.transport == "proxy" and not p.has_proxy:

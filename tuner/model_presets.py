@@ -82,7 +82,7 @@ class Preset:
             if section not in params or key not in params[section]:
                 raise PresetError(f"preset {self.name!r} has no parameter {dotted!r}")
             old = params[section][key]
-            params[section][key] = int(round(value)) if isinstance(old, int) and not isinstance(old, bool) else float(value)
+            params[section][key] = round(value) if isinstance(old, int) and not isinstance(old, bool) else float(value)
             if source:
                 sources[dotted] = source
         return Preset(
@@ -204,7 +204,7 @@ def _parse(data: dict[str, Any], path: str | None) -> Preset:
         params["pcie"].setdefault("duplex", True)
     for section, table in params.items():
         for key, value in table.items():
-            if isinstance(value, bool) or isinstance(value, str):
+            if isinstance(value, (bool, str)):
                 continue
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise PresetError(f"{where}: {section}.{key} must be a finite number >= 0, got {value!r}")

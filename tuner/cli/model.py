@@ -167,10 +167,7 @@ def sweep_cmd(
                 kk = k0.replace(**change)
                 w = w0
                 if over == "group_size":
-                    if kk.signalling == "coupled":
-                        kk = kk.replace(group_size=0)
-                    else:
-                        kk = kk.replace(group_size=x)
+                    kk = kk.replace(group_size=0) if kk.signalling == "coupled" else kk.replace(group_size=x)
                 elif over == "nodes":
                     w = Workload(w0.model, w0.tokens_per_gpu, x, w0.gpus_per_node, routing=w0.routing, tile=w0.tile)
                 else:
@@ -305,7 +302,7 @@ def calibrate_cmd(
                        f"max |error| {v['max_abs_rel_err']:.1%}")
     _console.print(f"overall: {s['points']} points, mean |error| {s['mean_abs_rel_err']:.1%}, "
                    f"max |error| {s['max_abs_rel_err']:.1%}; skipped {s['skipped']}")
-    for row, why in rep.skipped[:5]:
+    for _row, why in rep.skipped[:5]:
         _console.print(f"  skipped: {why}")
     if out is not None:
         _console.print(f"calibrated preset written to {out}")
