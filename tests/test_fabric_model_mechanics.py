@@ -213,3 +213,9 @@ def test_predict_is_fast() -> None:
     times.sort()
     assert times[len(times) // 2] < 0.010
     assert times[-1] < 0.050
+
+
+def test_single_box_presets_refuse_more_nodes() -> None:
+    for name, gpn in (("nvlink-h200x2", 2), ("pcie4-consumer-4090x4", 4)):
+        with pytest.raises(ValueError, match="no network"):
+            predict(name, Workload(QWEN, 128, 2, gpn), Knobs(transport="collective"))

@@ -318,4 +318,4 @@ def calibrated_preset(report: FitReport, data_names: list[str], date: str) -> Pr
             sources[k] = f"{src}; started from: {old}"
     return Preset(name=out.name, family=out.family, transports=out.transports, gpus_per_node=out.gpus_per_node,
                   description=out.description, params=out.params, sources=sources, path=None,
-                  calibration=out.calibration)
+                  calibration=out.calibration, max_nodes=out.max_nodes)

@@ -227,6 +227,8 @@ def predict_transfers(
         raise KnobError("the transfer microbenchmark models queued transports (proxy, ibgda)", ("transport",))
     _check_transport(preset, knobs)
     gpn = gpus_per_node or preset.gpus_per_node
+    if preset.max_nodes and nodes > preset.max_nodes:
+        raise ValueError(f"preset {preset.name!r} has no network between nodes; use nodes=1")
     if nodes < 1 or transfers < 1 or size_bytes < 1 or gpn < 1:
         raise ValueError("nodes, transfers, size_bytes and gpus_per_node must be >= 1")
     if not p.has_nic:
@@ -578,7 +580,7 @@ def predict(
             raise KnobError(f"preset {preset.name!r} has no IBGDA", ("transport",))
     elif knobs.transport == "nvlink":
         knobs.check_workload(transfers_per_peer(w))
-    if w.nodes > 1 and not p.has_nic:
+    if w.nodes > 1 and (not p.has_nic or (preset.max_nodes and w.nodes > preset.max_nodes)):
         raise ValueError(f"preset {preset.name!r} has no network between nodes; use nodes=1")
     phases_out: dict[str, float] = {}
     res: dict[str, _Phase] = {}

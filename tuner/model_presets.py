@@ -51,6 +51,8 @@ class Preset:
     sources: Mapping[str, str]
     path: str | None = None
     calibration: Mapping[str, Any] = field(default_factory=dict)
+    # 0 = no limit; 1 = a single box (no network between nodes)
+    max_nodes: int = 0
 
     # -- access -------------------------------------------------------------------------------
     def has(self, section: str) -> bool:
@@ -89,6 +91,7 @@ class Preset:
             name=name or self.name, family=self.family, transports=self.transports,
             gpus_per_node=self.gpus_per_node, description=self.description, params=params,
             sources=sources, path=None, calibration=dict(calibration if calibration is not None else self.calibration),
+            max_nodes=self.max_nodes,
         )
 
     def to_toml(self) -> str:
@@ -100,6 +103,8 @@ class Preset:
             f"gpus_per_node = {self.gpus_per_node}",
             f"description = {_tq(self.description)}",
         ]
+        if self.max_nodes:
+            lines.append(f"max_nodes = {self.max_nodes}")
         for section, table in self.params.items():
             lines += ["", f"[{section}]"]
             lines += [f"{k} = {_tv(v)}" for k, v in table.items()]
@@ -210,8 +215,11 @@ def _parse(data: dict[str, Any], path: str | None) -> Preset:
                 raise PresetError(f"{where}: {section}.{key} must be a finite number >= 0, got {value!r}")
             if f"{section}.{key}" not in sources:
                 raise PresetError(f"{where}: parameter {section}.{key} has no entry in [sources]")
+    max_nodes = data.get("max_nodes", 0)
+    if not isinstance(max_nodes, int) or max_nodes < 0:
+        raise PresetError(f"{where}: max_nodes must be an integer >= 0")
     return Preset(
         name=str(name), family=str(data["family"]), transports=transports, gpus_per_node=gpn,
         description=str(data.get("description", "")), params=params, sources=dict(sources), path=path,
-        calibration=dict(data.get("calibration", {})),
+        calibration=dict(data.get("calibration", {})), max_nodes=max_nodes,
     )
