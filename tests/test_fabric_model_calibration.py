@@ -88,3 +88,22 @@ def test_bad_measurement_files_are_clear_errors(tmp_path: Path) -> None:
     g.write_text('{"probe": "mystery"}\n')
     with pytest.raises(ValueError, match="no measurement rows"):
         calibrate("nvlink-h200x2", read_rows([g]))
+
+
+def test_fit_transfer_microbenchmarks_recovers_proxy_cost() -> None:
+    from moetune.tuner.fabric_model import predict_transfers
+
+    truth = load_preset("slingshot11-libfabric-a100x4").with_params({"proxy.put_us": 1.2, "nic.rtt_us": 6.0})
+    rows = []
+    for mode, sig, fm in (("coupled", "coupled", "proxy_drain"), ("fixed", "decoupled", "nic_ordered")):
+        k = Knobs(transport="proxy", signalling=sig, fence_mode=fm)
+        for size in (4096, 65536, 1 << 20):
+            r = predict_transfers(truth, 8, 96, size, k)
+            rows.append({"kind": "transfers", "nodes": 8, "transfers": 96, "size": size, "knobs": k.to_dict(),
+                         "us": r.time_us, "mode": mode})
+    rows.append({"kind": "transfers", "nodes": 8, "transfers": 96, "size": 4096, "put_only": True,
+                 "knobs": Knobs(transport="proxy", fence_mode="proxy_drain").to_dict(),
+                 "us": predict_transfers(truth, 8, 96, 4096, Knobs(transport="proxy", fence_mode="proxy_drain")).put_only_us})
+    rep = calibrate("slingshot11-libfabric-a100x4", rows, params=["proxy.put_us", "nic.rtt_us"])
+    assert rep.summary()["max_abs_rel_err"] < 0.02
+    assert rep.params_after["proxy.put_us"] == pytest.approx(1.2, rel=0.05)

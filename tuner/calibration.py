@@ -8,8 +8,9 @@ Each measured row is turned into the model call that describes the same experime
   rows ran with NCCL_P2P_DISABLE=1 → `Workload(p2p=False)`.
 * `{"probe": "proxy_ce", "size", "mode", "transfers", "qps", "us"}`: the DESIGN §6 proxy probe →
   `predict_transfers` with the matching signalling / fence mode (12 emulated PEs).
-* `{"kind": "transfers", "preset_nodes", "transfers", "size", "knobs": {...}, "us"}`: a generic
-  signalled-transfer microbenchmark (message-size sweep, fence cost, signal efficiency vs concurrency).
+* `{"kind": "transfers", "nodes", "transfers", "size", "knobs": {...}, "us", "put_only": false}`: a
+  generic signalled-transfer microbenchmark (message-size sweep, fence cost, signal efficiency vs
+  concurrency) → `predict_transfers` (`put_only: true` compares with its put-only time).
 
 Rows the model cannot describe are reported as skipped, with the reason. The fit is a coordinate
 search over the chosen parameters in log space (no scipy), minimising (per group of rows) a norm close

@@ -184,6 +184,8 @@ def _params(preset: Preset) -> _P:
     p.has_ibgda = preset.has("ibgda")
     if p.has_ibgda:
         p.post_sm_us, p.wqe_fetch_us = g("ibgda.post_sm_us"), g("ibgda.wqe_fetch_us")
+    if len(_PCACHE) > 256:  # calibration builds many short-lived presets
+        _PCACHE.clear()
     _PCACHE[id(preset)] = (preset, p)
     return p
 
