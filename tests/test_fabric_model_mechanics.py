@@ -176,12 +176,18 @@ def test_zipf_routing_is_deterministic_and_skewed() -> None:
     (SLINGSHOT, Knobs(transport="proxy", signalling="decoupled", group_size=2, fence_mode="nic_ordered",
                       qps_per_pe=2)),
     ("ndr-ibgda-h100x8", Knobs(transport="ibgda", signalling="decoupled", group_size=1, fence_mode="nic_ordered")),
+    ("ndr-ibrc-h100x8", Knobs(transport="proxy", signalling="decoupled", group_size=2, fence_mode="proxy_drain",
+                              qp_mapping="round_robin", qps_per_pe=4)),
+    ("ndr-ibrc-h100x8", Knobs(transport="proxy", signalling="decoupled", group_size=3, fence_mode="proxy_drain",
+                              qp_mapping="round_robin", qps_per_pe=2, chunk_tokens=16)),
 ])
 @pytest.mark.parametrize("routing", ["uniform", "zipf:1.2"])
 def test_periodic_extrapolation_is_exact(preset: str, knobs: Knobs, routing: str, monkeypatch) -> None:
     gpn = load_preset(preset).gpus_per_node
-    w = Workload(QWEN, 8192, 4, gpn, routing=routing)
+    w = Workload(QWEN, 6144, 4, gpn, routing=routing, tile=8)
+    before = model_queue.STATS["advanced"]
     fast = predict(preset, w, knobs)
+    assert model_queue.STATS["advanced"] > before  # the periodic shortcut was taken
     monkeypatch.setattr(model_queue, "EXTRAPOLATE", False)
     slow = predict(preset, w, knobs)
     assert fast.latency_us == pytest.approx(slow.latency_us, rel=1e-9)

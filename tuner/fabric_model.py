@@ -300,7 +300,7 @@ class _Phase:
 def _nvlink_time(p: _P, bytes_per_peer: list[float], groups: int, num_sms: int) -> float:
     """GPU stores into peers' memory over NVLink: no proxy, signals as device writes."""
     if not bytes_per_peer:
-        return 0.0
+        return p.launch
     total = sum(bytes_per_peer)
     bw = min(p.nvl_egress, num_sms * p.sm_copy, p.hbm)
     t = max(total / bw, max(bytes_per_peer) / p.nvl_peer)
@@ -437,6 +437,8 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, t0
     sm_pen = ph.sm_us / p.sms if kind == "ibgda" else 0.0
     ph.parts["sm_contention"] = sm_pen
     ph.us = max(t_net, t_nvl) - t0 + sm_pen
+    if not dests and not local_pes:  # EP size 1: the kernel still launches
+        ph.us = p.launch
     return ph
 
 
