@@ -225,3 +225,32 @@ def test_single_box_presets_refuse_more_nodes() -> None:
     for name, gpn in (("nvlink-h200x2", 2), ("pcie4-consumer-4090x4", 4)):
         with pytest.raises(ValueError, match="no network"):
             predict(name, Workload(QWEN, 128, 2, gpn), Knobs(transport="collective"))
+
+
+def test_periodic_jump_matches_full_replay_on_random_cases(monkeypatch) -> None:
+    import random
+
+    rng = random.Random(7)
+    checked = 0
+    while checked < 30:
+        name = rng.choice([SLINGSHOT, "ndr-ibrc-h100x8", "ndr-ibgda-h100x8"])
+        transport = "ibgda" if "ibgda" in name else "proxy"
+        signalling = rng.choice(["coupled", "decoupled"])
+        try:
+            k = Knobs(transport=transport, signalling=signalling,
+                      group_size=0 if signalling == "coupled" else rng.choice([0, 1, 2]),
+                      fence_mode="nic_ordered" if transport == "ibgda" else rng.choice(["proxy_drain", "nic_ordered"]),
+                      qp_mapping=rng.choice(["round_robin", "peer_hash"]), qps_per_pe=rng.choice([1, 2]),
+                      chunk_tokens=rng.choice([0, 16]), num_sms=rng.choice([1, 24]))
+            w = Workload(get_model(rng.choice(["qwen3-30b", "deepseek-v3"])), rng.choice([512, 2048]),
+                         rng.choice([2, 4]), load_preset(name).gpus_per_node,
+                         routing=rng.choice(["uniform", "zipf:1.2"]), tile=rng.choice([8, 32]))
+        except (KnobError, ValueError):
+            continue
+        monkeypatch.setattr(model_queue, "EXTRAPOLATE", True)
+        a = predict(name, w, k)
+        monkeypatch.setattr(model_queue, "EXTRAPOLATE", False)
+        b = predict(name, w, k)
+        assert a.latency_us == pytest.approx(b.latency_us, rel=1e-9), (name, k, w)
+        assert (a.fences, a.nic_stalls, a.proxy_stalls) == (b.fences, b.nic_stalls, b.proxy_stalls)
+        checked += 1
