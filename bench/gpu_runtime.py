@@ -119,6 +119,8 @@ def rank_main(rank: int, world: int, cases: list[dict], fabric: str, results: st
             if inject and case["variant"] == inject and rank == 0:
                 raise RuntimeError(f"injected failure in variant {inject}")
             cfg = dict(case, routing="uniform", seed=0)
+            if fabric == "host_staged":  # the same collective; the knob records that NCCL stages through host memory
+                cfg["knobs"] = dict(cfg["knobs"], transport="host_staged")
             rep = bench_case(rank, world, cfg)
         except Exception as e:
             err = f"{type(e).__name__}: {e}"
