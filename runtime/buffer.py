@@ -8,7 +8,7 @@
 Sharding: expert e lives on rank e // (E / world) as local expert e % (E / world).
 
 Wire format. Each token travels once per destination *rank* (not once per expert): the row carries the
-token's payload and its top-k slots for that rank (local expert id or -1, weight). Rows for a destination
+token's payload and its k routing slots (expert id, weight). Rows for a destination
 are packed contiguously in rank order (rank-major `nonzero` of the token × rank mask: one gather, no
 scatter, no argsort), so one `all_to_all_single` with split sizes moves them: one transfer per peer.
 One row, all bytes (uint8):
@@ -27,7 +27,13 @@ collective, none hangs. The counts come to the host once per dispatch (one `.tol
 reuses them (no second sync).
 
 Combine: one row per received row goes back (the expert side has already summed its local experts per
-(token, rank)); the source adds the rows of each token, one per rank that held its experts.
+(token, rank)); the source adds the rows of each token, one per rank that held its experts. Combine is
+never compressed (activation dtype); with bf16 the per-token sum over ranks is accumulated in bf16.
+
+Knobs used by the collective transport: compression / scale_granularity (fp8 dispatch), pipeline_depth
+(tokens split into that many chunks, see pipeline.py) and channels (communicators per direction, chunks
+round-robin over them; at most MAX_COMM_CHANNELS). chunk_tokens, signalling, fences, QPs and num_sms
+belong to the one-sided transports and are ignored here.
 """
 
 from __future__ import annotations
