@@ -144,6 +144,8 @@ def rank_main(rank: int, world: int, cases: list[dict], fabric: str, results: st
                     rec[f"{dst}_p10"] = rep[src]["p10"]
                     rec[f"{dst}_p90"] = rep[src]["p90"]
                 rec["layer_us"] = rep["layer_us"]["median"] if rep.get("layer_us") else None
+                rec["roundtrip_rel_err"] = rep["roundtrip_rel_err"]
+                rec["roundtrip_ok"] = rep["roundtrip_rel_err"] <= rep["roundtrip_bound"]
                 rec["max_rel_err"] = rep["max_rel_err"]
                 rec["verify_bound"] = rep["verify_bound"]
                 rec["verify_ok"] = (rep["max_rel_err"] <= rep["verify_bound"]) if rep["max_rel_err"] is not None else None
@@ -235,6 +237,9 @@ def summarise(results: Path, started_at: str) -> int:
                 cells.append(f"{'-':>24}")
             elif "error" in r:
                 cells.append(f"{'ERR':>24}")
+                bad += 1
+            elif not r.get("roundtrip_ok", True):
+                cells.append(f"{'WRONG':>24}")
                 bad += 1
             else:
                 cells.append(f"{r['total_us']:>8.0f} ({r['dispatch_us']:.0f}/{r['combine_us']:.0f})".rjust(24))
