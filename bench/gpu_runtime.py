@@ -16,7 +16,8 @@ ranks before NCCL initialises) — it runs:
        fp8_d4    : packed + fp8 + pipeline_depth 4
        fp8_d4c2  : fp8_d4 with channels=2 (chunks spread over 2 communicators per direction)
      dispatch_us and combine_us are each timed alone; total_us is dispatch → identity experts → combine
-     as one span (pipelined for depth > 1). CUDA events, median and p10/p90 over >= 20 iterations after
+     as one span (pipelined for depth > 1); for qwen3-30b also layer_us, the MoE layer with its SwiGLU
+     experts between dispatch and combine. CUDA events, median and p10/p90 over >= 20 iterations after
      warm-up; the slowest rank's time per iteration counts.
 One JSON line per case (errors recorded as lines with "error"), a compact table and the issue checks last.
 A failing case is recorded and skipped; if a launch dies, the remaining cases are relaunched.
@@ -93,7 +94,10 @@ def build_cases(args) -> list[dict]:
             for vname, v in VARIANTS.items():
                 cases.append({"kind": "time", "name": m, "model": spec, "tokens": s, "variant": vname,
                               "impl": v["impl"], "knobs": dict(v["knobs"]), "iters": args.iters,
-                              "warmup": args.warmup, "verify": False, "layer": False})
+                              "warmup": args.warmup, "verify": False,
+                              # the whole layer (SwiGLU experts between dispatch and combine) for Qwen3-30B,
+                              # where pipelining can also hide expert compute
+                              "layer": m == "qwen3-30b" and v["impl"] == "moetune"})
     for i, c in enumerate(cases):
         c["id"] = i
     return cases
@@ -256,6 +260,10 @@ def summarise(results: Path, started_at: str) -> int:
               f"{b['total_us']:.0f} µs = {ratio:.2f}x ({'PASS' if ratio >= 1.8 else 'FAIL'} >= 1.8x)")
         if plain and "error" not in plain:
             print(f"    (vs plain all_to_all_single bf16 {plain['total_us']:.0f} µs: {plain['total_us'] / b['total_us']:.2f}x)")
+        layers = [r for r in [base, *best] if r.get("layer_us")]
+        if len(layers) > 1:
+            print("    whole layer (experts between dispatch and combine), µs: "
+                  + ", ".join(f"{r['variant']} {r['layer_us']:.0f}" for r in layers))
     else:
         print("  host_staged qwen3-30b S=4096: not measured")
     compared, slower = 0, []

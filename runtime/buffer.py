@@ -406,13 +406,16 @@ class EPBuffer:
             return send
         # rank-major (dest, token) pairs: rows for rank 0 first, then rank 1, ...
         pairs = _nonzero_rows(handle._mask[ch.t0 : ch.t1, : self.world].t(), n)
-        tok = pairs[:, 1] + ch.t0 if ch.t0 else pairs[:, 1]
+        tok_local = pairs[:, 1]
+        tok = tok_local + ch.t0 if ch.t0 else tok_local
         ch.send_tok = tok
         x = handle._x
         if self.fp8:
-            q, scales = quantise(x.index_select(0, tok), self.knobs.scale_granularity)
-            send[:, : self.payload_bytes].copy_(q)
-            send[:, self.scale_off : self.scale_off + 4 * self.scale_groups].view(torch.float32).copy_(scales)
+            # quantise each token of the chunk once, then gather the fp8 rows and their scales
+            q, scales = quantise(x[ch.t0 : ch.t1], self.knobs.scale_granularity)
+            torch.index_select(q, 0, tok_local, out=send[:, : self.payload_bytes])
+            sv = send[:, self.scale_off : self.scale_off + 4 * self.scale_groups].view(torch.float32)
+            torch.index_select(scales, 0, tok_local, out=sv)
         else:
             torch.index_select(x, 0, tok, out=send[:, : self.payload_bytes].view(self.dtype))
         k = self.topk
