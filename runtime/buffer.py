@@ -460,6 +460,9 @@ class EPBuffer:
         topk_weights float [S, k]. Returns recv_x [M, H] (rows grouped by source rank; with pipeline_depth
         chunks: by chunk, then source rank), RecvMeta and the handle for combine. Raises ValueError on
         every rank when any rank's input is wrong (before any payload moves).
+
+        Without compression recv_x is a view into the receive buffer (no copy; its rows are strided by the
+        wire row size): use it as is for index_select/matmul, or call .contiguous() for a dense tensor.
         """
         handle = self.plan(x, topk_idx, topk_weights)
         works = []
