@@ -104,7 +104,7 @@ def build_cases(args) -> list[dict]:
 
 
 def rank_main(rank: int, world: int, cases: list[dict], fabric: str, results: str, progress: str,
-              command: str, inject: str) -> int:
+              command: str, inject: str, run_id: str) -> int:
     """Runs inside each spawned rank: every case in lockstep; rank 0 appends one JSON line per case."""
     import torch
     import torch.distributed as dist
@@ -136,7 +136,7 @@ def rank_main(rank: int, world: int, cases: list[dict], fabric: str, results: st
         dist.all_reduce(flag)
         if rank == 0:
             rec = {
-                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "run_id": run_id,
                 "hardware": hardware, "torch": torch.__version__, "nccl": nccl, "command": command,
                 "fabric": fabric, "model": case["name"], "model_spec": case["model"], "S": case["tokens"],
                 "variant": case["variant"], "kind": case["kind"], "world": world, "case_id": case["id"],
@@ -164,7 +164,7 @@ def rank_main(rank: int, world: int, cases: list[dict], fabric: str, results: st
     return done
 
 
-def run_fabric(fabric: str, cases: list[dict], args, results: Path, deadline: float) -> None:
+def run_fabric(fabric: str, cases: list[dict], args, results: Path, deadline: float, run_id: str) -> None:
     from moetune.runtime.launch import LaunchError, launch
 
     env = {"NCCL_P2P_DISABLE": "1"} if fabric == "host_staged" else {}
@@ -174,49 +174,50 @@ def run_fabric(fabric: str, cases: list[dict], args, results: Path, deadline: fl
     while remaining:
         left = deadline - time.monotonic()
         if left < 20:
-            _record_skipped(results, fabric, remaining, "time budget exhausted")
+            _record_skipped(results, fabric, remaining, "time budget exhausted", run_id)
             return
         progress = Path(tempfile.mkstemp(prefix="moetune_progress_")[1])
         progress.write_text("{}")
         try:
             launch(rank_main, 2, backend=backend, args=(remaining, fabric, str(results), str(progress), command,
-                                                      args.inject_failure),
+                                                      args.inject_failure, run_id),
                    timeout_s=args.collective_timeout, join_timeout_s=left - 5, env=env)
             return
         except LaunchError as e:
             started = json.loads(progress.read_text() or "{}").get("started")
             first = next(iter(e.errors.values())).splitlines()[0]
             print(f"[{fabric}] launch failed at case {started}: {first}", file=sys.stderr)
-            done_ids = _done_ids(results, fabric)
-            failed = [c for c in remaining if c["id"] == started]
-            _record_skipped(results, fabric, failed, f"rank crashed or timed out: {first}")
+            done_ids = _done_ids(results, fabric, run_id)
+            failed = [c for c in remaining if c["id"] == started and c["id"] not in done_ids]
+            _record_skipped(results, fabric, failed, f"rank crashed or timed out: {first}", run_id)
             remaining = [c for c in remaining if c["id"] not in done_ids and c["id"] != started]
             if started is None:
-                _record_skipped(results, fabric, remaining, f"launch failed before any case: {first}")
+                _record_skipped(results, fabric, remaining, f"launch failed before any case: {first}", run_id)
                 return
 
 
-def _done_ids(results: Path, fabric: str) -> set[int]:
+def _done_ids(results: Path, fabric: str, run_id: str) -> set[int]:
     out: set[int] = set()
     if results.exists():
         for line in results.read_text().splitlines():
             r = json.loads(line)
-            if r.get("fabric") == fabric and "case_id" in r:
+            if r.get("fabric") == fabric and r.get("run_id") == run_id and "case_id" in r:
                 out.add(r["case_id"])
     return out
 
 
-def _record_skipped(results: Path, fabric: str, cases: list[dict], why: str) -> None:
+def _record_skipped(results: Path, fabric: str, cases: list[dict], why: str, run_id: str) -> None:
     with open(results, "a") as f:
         for c in cases:
             f.write(json.dumps({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                                "run_id": run_id,
                                 "fabric": fabric, "model": c["name"], "S": c["tokens"], "variant": c["variant"],
                                 "kind": c["kind"], "case_id": c["id"], "error": why}) + "\n")
 
 
-def summarise(results: Path, started_at: str) -> int:
-    rows = [json.loads(x) for x in results.read_text().splitlines() if x.strip()]
-    rows = [r for r in rows if r.get("date", "") >= started_at]
+def summarise(results: Path, run_id: str) -> int:
+    rows = [json.loads(x) for x in results.read_text().splitlines() if x.strip()] if results.exists() else []
+    rows = [r for r in rows if r.get("run_id") == run_id]
     bad = 0
     print("\nverify (max relative error vs dense reference):")
     for r in rows:
@@ -305,7 +306,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "runtime_results.jsonl"
-    started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    run_id = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
     t0 = time.monotonic()
     deadline = t0 + args.budget_s
     cases = build_cases(args)
@@ -320,8 +321,8 @@ def main() -> int:
         # share what is left of the budget between the fabrics still to run
         share = (deadline - time.monotonic()) / (len(fabrics) - i)
         print(f"[{fabric}] {len(cases)} cases, budget {share:.0f} s", file=sys.stderr)
-        run_fabric(fabric, cases, args, results, time.monotonic() + share)
-    bad = summarise(results, started_at)
+        run_fabric(fabric, cases, args, results, time.monotonic() + share, run_id)
+    bad = summarise(results, run_id)
     print(f"\n{results} ({time.monotonic() - t0:.0f} s; {bad} failed/erroneous entries)")
     return 1 if bad else 0
 
