@@ -406,7 +406,7 @@ class EPBuffer:
             return send
         # rank-major (dest, token) pairs: rows for rank 0 first, then rank 1, ...
         pairs = _nonzero_rows(handle._mask[ch.t0 : ch.t1, : self.world].t(), n)
-        tok_local = pairs[:, 1]
+        tok_local = pairs[:, 1].contiguous()  # one tiny copy: index kernels get a dense index
         tok = tok_local + ch.t0 if ch.t0 else tok_local
         ch.send_tok = tok
         x = handle._x
