@@ -155,6 +155,7 @@ def rank_main(rank: int, world: int, cases: list[dict], fabric: str, results: st
                 rec["verify_ok"] = (rep["max_rel_err"] <= rep["verify_bound"]) if rep["max_rel_err"] is not None else None
                 rec["iters"], rec["warmup"] = rep["iters"], rep["warmup"]
                 rec["wire_bytes_per_row"] = rep["wire_bytes_per_row"]
+                rec["dispatch_remote_bytes_rank0"] = rep["dispatch_remote_bytes_rank0"]
                 rec["knobs"] = rep["knobs"]
             else:
                 rec["error"] = err or "failed on another rank"

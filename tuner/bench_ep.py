@@ -240,6 +240,15 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
     # the step time of an iteration is the slowest rank's
     mine = torch.tensor([times["dispatch"], times["combine"], times["roundtrip"], times["layer"] or [0.0] * iters],
                         dtype=torch.float64, device=device)
+    # bytes this rank sends to other ranks in one dispatch (counted from the split sizes)
+    if impl == "plain":
+        _, hp = comm.dispatch(x, idx, w)
+        splits, row = hp[2], model.token_bytes
+    else:
+        _, _, hp = comm.dispatch(x, idx, w)
+        splits = [sum(ch.send_splits[d] for ch in hp.chunks) for d in range(world)]
+        row = buf.row_bytes
+    remote_bytes = (sum(splits) - splits[rank]) * row
     # the round trip with identity experts must give back x times the sum of its weights
     rt_err = max_rel_err(rt_out, x.float() * w.float().sum(1, keepdim=True)) if iters + warmup else 0.0
     errs = torch.tensor([err if err is not None else -1.0, rt_err], dtype=torch.float64, device=device)
@@ -272,6 +281,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         "iters": iters,
         "warmup": warmup,
         "wire_bytes_per_row": buf.row_bytes if buf is not None else model.token_bytes,
+        "dispatch_remote_bytes_rank0": remote_bytes,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
