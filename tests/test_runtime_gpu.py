@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from moetune.runtime.launch import launch
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the cases by name
