@@ -21,6 +21,8 @@ import hashlib
 import json
 import logging
 import math
+import os
+import socket
 import sqlite3
 import time
 import warnings
@@ -30,11 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
-
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord, nearest_bucket
 from moetune.runtime.shapes import ModelShape
+from optuna.trial import TrialState
 
 from .backends import (
     BenchmarkBackend,
@@ -52,6 +53,7 @@ from .search_space import SearchSpace
 log = logging.getLogger("moetune.tuner.search")
 
 STUDY_PREFIX = "moetune/"
+WORKER = f"{socket.gethostname()}:{os.getpid()}"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 OPTUNA_DB_NAME = "moetune-studies.db"
 
@@ -85,8 +87,19 @@ def sqlite_path(url: str) -> Path | None:
     return Path(url[len("sqlite:///"):])
 
 
+def normalize_url(url: str) -> str:
+    """`postgresql://` means psycopg 3 when psycopg2 is not installed (SQLAlchemy defaults to psycopg2)."""
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        import importlib.util
+
+        if importlib.util.find_spec("psycopg2") is None and importlib.util.find_spec("psycopg") is not None:
+            return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
 def make_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna RDB storage (standard tables: optuna-dashboard opens it as it is)."""
+    url = normalize_url(url)
     if is_sqlite(url):
         path = sqlite_path(url)
         if path is not None and str(path) != ":memory:":
@@ -176,6 +189,7 @@ class _Objective:
     def __call__(self, trial: optuna.Trial) -> float:
         knobs = self.space.suggest(trial)
         trial.set_user_attr("knobs", knobs.to_dict())
+        trial.set_user_attr("worker", WORKER)
         ok, why = self.space.feasible(knobs)
         if not ok:  # cannot happen by construction; never benchmark it if it does
             trial.set_user_attr("infeasible", why)

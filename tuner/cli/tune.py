@@ -182,7 +182,6 @@ def show(
 ) -> None:
     """Summarise the studies (or one study: best setting, speed-up over the default, importances)."""
     import optuna
-
     from moetune.tuner.search import describe_study, list_studies
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
