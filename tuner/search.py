@@ -228,8 +228,27 @@ class _BudgetCallback:
             study.stop()
 
 
-def enqueue_warm_start(study: optuna.Study, space: SearchSpace, extra: Sequence[tuple[str, Knobs]] = ()) -> int:
-    """Enqueue the policy default, the analytic priors and `extra` (skipped if already in the study)."""
+WARM_LOCK_SUFFIX = "/.warm-start-lock"
+
+
+def _claim_warm_start(study: optuna.Study) -> bool:
+    """Only one worker of a shared study enqueues the warm start (Optuna#2925: enqueued points run more
+    than once when several processes enqueue). The claim is the creation of a marker study: its
+    unique name makes it atomic on any RDB storage."""
+    try:
+        optuna.create_study(study_name=study.study_name + WARM_LOCK_SUFFIX, storage=study._storage)
+        return True
+    except optuna.exceptions.DuplicatedStudyError:
+        return False
+
+
+def enqueue_warm_start(study: optuna.Study, space: SearchSpace, extra: Sequence[tuple[str, Knobs]] = (),
+                       *, shared: bool = False) -> int:
+    """Enqueue the policy default, the analytic priors and `extra` (skipped if already in the study).
+
+    `shared`: several workers may open this study at once; only the first one enqueues."""
+    if shared and not _claim_warm_start(study):
+        return 0
     n = 0
     for name, knobs in [*space.priors(), *extra]:
         try:
@@ -244,7 +263,8 @@ def enqueue_warm_start(study: optuna.Study, space: SearchSpace, extra: Sequence[
 
 def run_study(study: optuna.Study, space: SearchSpace, backend: BenchmarkBackend, workload: TuneWorkload, *,
               trials: int, timeout_s: float | None = None, callbacks: Sequence[Callable[..., None]] = (),
-              extra_warm: Sequence[tuple[str, Knobs]] = (), prune: bool | None = None) -> StudyResult:
+              extra_warm: Sequence[tuple[str, Knobs]] = (), prune: bool | None = None,
+              shared: bool = False) -> StudyResult:
     """Run (or resume) a study until it holds `trials` finished trials or `timeout_s` passes."""
     if prune is None:
         prune = isinstance(backend, LocalBackend) and backend.repeats > 1
@@ -256,7 +276,7 @@ def run_study(study: optuna.Study, space: SearchSpace, backend: BenchmarkBackend
     study.set_user_attr("backend", backend.label)
     study.set_user_attr("modelled", backend.modelled)
     study.set_user_attr("policy", space.policy.to_dict())
-    enqueue_warm_start(study, space, extra_warm)
+    enqueue_warm_start(study, space, extra_warm, shared=shared)
     remaining = trials - finished_trials(study)
     if remaining > 0 and (timeout_s is None or timeout_s > 0):
         objective = _Objective(space, backend, workload, prune)
@@ -563,7 +583,8 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
                 on_trial(name, s, t)
 
         extra = [(f"bucket_transfer:{i}", k) for i, k in enumerate(prev_top) if space.feasible(k)[0]]
-        result = run_study(study, space, be, wl, trials=trials, timeout_s=timeout_s, callbacks=[cb], extra_warm=extra)
+        result = run_study(study, space, be, wl, trials=trials, timeout_s=timeout_s, callbacks=[cb], extra_warm=extra,
+                           shared=not is_sqlite(url))
         bar.update(task, finished_trials(study), _best_value(study))
         record, written, reason = _write_profile(store, key, be, result, facts)
         status = "done" if result.best_knobs is not None else "no_result"
@@ -664,7 +685,7 @@ def list_studies(storage: str) -> list[dict[str, Any]]:
     st = make_storage(storage)
     out = []
     for s in optuna.get_all_study_summaries(st, include_best_trial=True):
-        if not s.study_name.startswith(STUDY_PREFIX):
+        if not s.study_name.startswith(STUDY_PREFIX) or s.study_name.endswith(WARM_LOCK_SUFFIX):
             continue
         best = s.best_trial
         out.append({"study": s.study_name, "trials": s.n_trials,
