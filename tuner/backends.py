@@ -409,24 +409,26 @@ class LocalBackend(BenchmarkBackend):
         self.verify_compression = verify_compression
         self.error_budget = error_budget
         self.name = f"local:{comm_backend}"
-        self._runtime_transports: set[str] | None = None
+        self._runtime_has: dict[str, bool] = {}
 
-    def runtime_transports(self) -> set[str] | None:
-        """Transports the runtime registers (None when the registry cannot be read)."""
-        if self._runtime_transports is None:
+    def runtime_has(self, transport: str) -> bool:
+        """Whether the runtime registers `transport` (True when the registry cannot be read)."""
+        if transport not in self._runtime_has:
             try:
-                from moetune.runtime.transports import registry  # type: ignore[attr-defined]
-
-                names = getattr(registry, "TRANSPORTS", None) or getattr(registry, "_REGISTRY", None)
-                self._runtime_transports = set(names) if names else None
+                from moetune.runtime.transports.registry import get_transport  # type: ignore[import-not-found]
             except Exception:
-                self._runtime_transports = None
-        return self._runtime_transports
+                return True
+            try:
+                get_transport(transport)
+                self._runtime_has[transport] = True
+            except Exception:
+                self._runtime_has[transport] = False
+        return self._runtime_has[transport]
 
     def runtime_knobs(self, knobs: Knobs) -> Knobs:
-        """host_staged is the collective through host memory when the runtime has no such transport."""
-        names = self.runtime_transports()
-        if knobs.transport == "host_staged" and names is not None and "host_staged" not in names:
+        """host_staged is the collective through host memory (NCCL_P2P_DISABLE=1 in the environment)
+        when the runtime has no transport of that name."""
+        if knobs.transport == "host_staged" and not self.runtime_has("host_staged"):
             return knobs.replace(transport="collective")
         return knobs
 
