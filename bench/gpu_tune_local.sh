@@ -9,6 +9,8 @@
 #
 #   OUT=/tmp/out bash bench/gpu_tune_local.sh
 set -uo pipefail
+# The lead's device preamble (carried wheels + moetune into /tmp/site), when present.
+if [ -f bench/device_env.sh ]; then source bench/device_env.sh || exit 1; fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NCCL_P2P_DISABLE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-./bench_out}
@@ -19,9 +21,6 @@ T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
 moetune() { "$PY" -c "from moetune.tuner.cli import main; main()" "$@"; }
 
-if ! "$PY" -c "import moetune.tuner.search, moetune.runtime" 2>/dev/null; then
-  "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
-fi
 missing=$("$PY" - <<'EOF'
 import importlib.util
 need = ["optuna", "sqlalchemy", "alembic", "msgspec", "typer", "rich", "moetune.tuner.search", "moetune.tuner.discovery",
