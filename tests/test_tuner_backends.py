@@ -182,3 +182,32 @@ def test_study_user_attrs_are_json(fake_bench: list[str]) -> None:
     json.dumps(study.user_attrs)
     for t in study.trials:
         json.dumps(t.user_attrs)
+
+
+def test_local_tune_remeasures_incumbent_side_by_side(fake_bench: list[str], tmp_path: Path) -> None:
+    """With the local backend the winner is measured again beside the current profile; no gain, no write."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_tuner_search_tests", Path(__file__).parent / "test_tuner_search.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    make_store = mod.make_store
+
+    from moetune.tuner.search import _Fam, tune_profiles_detailed
+
+    class Facts:
+        fingerprint, software_hash, gpu_count = "c" * 64, "d" * 64, 2
+        software: dict = {}  # noqa: RUF012
+        transports = (_Fam("host_staged"), _Fam("collective"))
+
+    store = make_store(tmp_path / "m.db")
+    be = LocalBackend(command=fake_bench, repeats=1, timeout_s=2)
+    kw = dict(models=[MODELS["qwen3-30b"]], tokens=[1024], backend=be, trials=5, progress=False,
+              families=["host_staged"])
+    first = tune_profiles_detailed(store, Facts(), storage=f"sqlite:///{tmp_path / 'a.db'}", **kw)
+    assert first[0].written and first[0].record.backend == "local:nccl"
+    assert len(first[0].record.knobs.to_dict()) == len(Knobs.__struct_fields__)
+    again = tune_profiles_detailed(store, Facts(), storage=f"sqlite:///{tmp_path / 'b.db'}", **kw)
+    # Same winner (store gate) or another one measured beside the incumbent: within noise, not written.
+    assert not again[0].written and "noise" in again[0].reason, again[0].reason
+    assert store.get_current(first[0].record.key).knobs == first[0].record.knobs
