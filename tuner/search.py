@@ -264,7 +264,7 @@ def enqueue_warm_start(study: optuna.Study, space: SearchSpace, extra: Sequence[
 def run_study(study: optuna.Study, space: SearchSpace, backend: BenchmarkBackend, workload: TuneWorkload, *,
               trials: int, timeout_s: float | None = None, callbacks: Sequence[Callable[..., None]] = (),
               extra_warm: Sequence[tuple[str, Knobs]] = (), prune: bool | None = None,
-              shared: bool = False) -> StudyResult:
+              shared: bool = False, warm_start: bool = True) -> StudyResult:
     """Run (or resume) a study until it holds `trials` finished trials or `timeout_s` passes."""
     if prune is None:
         prune = isinstance(backend, LocalBackend) and backend.repeats > 1
@@ -276,7 +276,8 @@ def run_study(study: optuna.Study, space: SearchSpace, backend: BenchmarkBackend
     study.set_user_attr("backend", backend.label)
     study.set_user_attr("modelled", backend.modelled)
     study.set_user_attr("policy", space.policy.to_dict())
-    enqueue_warm_start(study, space, extra_warm, shared=shared)
+    if warm_start:
+        enqueue_warm_start(study, space, extra_warm, shared=shared)
     remaining = trials - finished_trials(study)
     if remaining > 0 and (timeout_s is None or timeout_s > 0):
         objective = _Objective(space, backend, workload, prune)
