@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tuner's local backend on the H200 node (2 GPUs), host-staged fabric (NCCL_P2P_DISABLE=1):
-#   1. tune qwen3-30b at S=4096 (12 trials) and S=1024 (8 trials); every trial is a subprocess
+#   1. tune qwen3-30b at S=1024 (8 trials) then S=4096 (12 trials); every trial is a subprocess
 #      `moetune bench ep --world 2 --backend nccl ... --json` with the knobs' environment;
 #   2. measure the tuned setting and the policy default side by side in ONE run (same processes,
 #      interleaved rounds) for each bucket, and print the ratio.
@@ -44,12 +44,13 @@ echo "probe: one bench ep run took $(( $(date +%s) - t )) s"
 
 common=(--model qwen3-30b --backend local --family host_staged --repeats 1 --trial-timeout 60 --world 2 --comm nccl
         --db "$WORK/moetune.db" --storage "sqlite:///$WORK/studies.db" --json --seed 0)
-moetune tune "${common[@]}" --tokens 4096 --trials 12 --timeout 170 > "$OUT/tune_4096.json" 2> "$WORK/tune_4096.err" \
-  || { echo "tune S=4096 failed"; tail -30 "$WORK/tune_4096.err"; }
-echo "tuned S=4096 at $(elapsed) s"
+# The smaller bucket first: its study (same storage) warm-starts S=4096 and prunes what it found bad.
 moetune tune "${common[@]}" --tokens 1024 --trials 8 --timeout 80 > "$OUT/tune_1024.json" 2> "$WORK/tune_1024.err" \
   || { echo "tune S=1024 failed"; tail -30 "$WORK/tune_1024.err"; }
 echo "tuned S=1024 at $(elapsed) s"
+moetune tune "${common[@]}" --tokens 4096 --trials 12 --timeout 170 > "$OUT/tune_4096.json" 2> "$WORK/tune_4096.err" \
+  || { echo "tune S=4096 failed"; tail -30 "$WORK/tune_4096.err"; }
+echo "tuned S=4096 at $(elapsed) s"
 
 "$PY" - "$OUT" <<'EOF'
 import json, sys, pathlib

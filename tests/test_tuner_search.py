@@ -278,3 +278,33 @@ def test_kill_9_mid_study_then_rerun_completes(tmp_path: Path) -> None:
     assert cur is not None and cur.status == "current"
     assert cur.latency_us == pytest.approx(study.best_value)
     assert cur.knobs == Knobs.from_dict(study.best_trial.user_attrs["knobs"])
+
+
+def test_neighbour_bucket_warm_starts_and_cross_bucket_pruning(tmp_path: Path) -> None:
+    from moetune.tuner.search import BucketPrior, _Objective
+
+    url = f"sqlite:///{tmp_path / 'n.db'}"
+    res = tune_profiles_detailed(None, Facts(), models=[MODELS["qwen3-30b"]], tokens=[1024, 128],
+                                 backend=CallableBackend(synthetic), trials=8, storage=url, progress=False,
+                                 families=["proxy:ibrc"])
+    assert [r.study.workload.tokens for r in res] == [128, 1024]
+    big = optuna.load_study(study_name=res[1].study.study_name, storage=url)
+    assert big.user_attrs["neighbour_bucket"]["bucket"] == 128
+    transfer = [t for t in big.trials if str(t.user_attrs.get("warm_start", "")).startswith("bucket_transfer:128")]
+    assert transfer  # the smaller bucket's best settings were tried first
+
+    # A setting the neighbouring bucket measured clearly bad is not benchmarked again (unless a warm start).
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=128, ep_size=4)
+    bad, good = space.policy.defaults, space.priors()[1][1]
+    runs: list[Knobs] = []
+    obj = _Objective(space, CallableBackend(lambda k, w: runs.append(k) or 1.0), _wl(), prune=False,
+                     cross=BucketPrior(128, "n", {bad: 300.0, good: 100.0}))
+    study = optuna.create_study()
+    study.enqueue_trial(space.params_of(bad))
+    study.enqueue_trial(space.params_of(bad), user_attrs={"warm_start": "policy_default"})
+    study.enqueue_trial(space.params_of(good))
+    study.optimize(obj, n_trials=3)
+    states = [t.state for t in study.trials]
+    assert states == [optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.COMPLETE]
+    assert study.trials[0].user_attrs["pruned_by"]["bucket"] == 128
+    assert runs == [bad, good]

@@ -10,9 +10,13 @@
   crash only runs what is missing and several workers on one study stop together.
 - A failed or hung run is a FAIL trial with its error in user attrs; a setting the backend calls unsafe
   is PRUNED with `infeasible` set; neither stops the study.
-- Pruning: with the local backend and several repeats per trial, a MedianPruner stops a trial whose
-  first repeats are already worse than the median (it pays: each repeat is a process launch). The model
-  backend never prunes (an evaluation costs about a millisecond, a pruning decision as much).
+- Across token buckets: buckets are tuned smallest first; the nearest smaller bucket's study of the same
+  key (from this run or an earlier one, found in the storage) warm-starts the next with its best
+  settings, and, with the local backend, a setting it measured ≥ 1.5× slower than its best is pruned
+  without being run (warm-start points are always measured).
+- Pruning within a trial: with the local backend and several repeats per trial, a MedianPruner stops a
+  trial whose first repeats are already worse than the median. Both pay only where a measurement is
+  expensive (a process launch); the model backend evaluates every sampled point (about a millisecond).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any
 
 import optuna
 from moetune.runtime.knobs import KnobError, Knobs
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord, nearest_bucket
+from moetune.runtime.profile_record import TOKEN_BUCKETS, ProfileKey, ProfileRecord, nearest_bucket
 from moetune.runtime.shapes import ModelShape
 from optuna.trial import TrialState
 
@@ -179,12 +183,43 @@ class StudyResult:
     top: list[Knobs] = field(default_factory=list)
 
 
+@dataclass
+class BucketPrior:
+    """What a neighbouring (smaller) token bucket's study already measured."""
+
+    bucket: int
+    study_name: str
+    values: dict[Knobs, float]
+
+    @property
+    def best(self) -> float:
+        return min(self.values.values())
+
+    def top(self, n: int = 3) -> list[Knobs]:
+        return [k for k, _ in sorted(self.values.items(), key=lambda kv: kv[1])[:n]]
+
+
 class _Objective:
-    def __init__(self, space: SearchSpace, backend: BenchmarkBackend, workload: TuneWorkload, prune: bool):
+    def __init__(self, space: SearchSpace, backend: BenchmarkBackend, workload: TuneWorkload, prune: bool,
+                 cross: BucketPrior | None = None, cross_factor: float = 1.5):
         self.space = space
         self.backend = backend
         self.workload = workload
         self.prune = prune
+        self.cross = cross
+        self.cross_factor = cross_factor
+
+    def _cross_bucket_prune(self, trial: optuna.Trial, knobs: Knobs) -> None:
+        """Skip a setting that the neighbouring bucket already measured clearly bad (no benchmark run).
+        Warm-start points (the policy default, priors) are always measured."""
+        c = self.cross
+        if c is None or "warm_start" in trial.user_attrs:
+            return
+        v = c.values.get(knobs)
+        if v is not None and v > self.cross_factor * c.best:
+            trial.set_user_attr("pruned_by", {"bucket": c.bucket, "value_us": v, "best_us": c.best,
+                                              "factor": self.cross_factor})
+            raise optuna.TrialPruned(f"{v:.1f} µs at bucket {c.bucket}, over {self.cross_factor}× its best")
 
     def __call__(self, trial: optuna.Trial) -> float:
         knobs = self.space.suggest(trial)
@@ -194,6 +229,7 @@ class _Objective:
         if not ok:  # cannot happen by construction; never benchmark it if it does
             trial.set_user_attr("infeasible", why)
             raise optuna.TrialPruned(f"infeasible: {why}")
+        self._cross_bucket_prune(trial, knobs)
 
         def report(step: int, value: float) -> bool:
             if not self.prune:
@@ -264,7 +300,7 @@ def enqueue_warm_start(study: optuna.Study, space: SearchSpace, extra: Sequence[
 def run_study(study: optuna.Study, space: SearchSpace, backend: BenchmarkBackend, workload: TuneWorkload, *,
               trials: int, timeout_s: float | None = None, callbacks: Sequence[Callable[..., None]] = (),
               extra_warm: Sequence[tuple[str, Knobs]] = (), prune: bool | None = None,
-              shared: bool = False, warm_start: bool = True) -> StudyResult:
+              shared: bool = False, warm_start: bool = True, cross: BucketPrior | None = None) -> StudyResult:
     """Run (or resume) a study until it holds `trials` finished trials or `timeout_s` passes."""
     if prune is None:
         prune = isinstance(backend, LocalBackend) and backend.repeats > 1
@@ -280,7 +316,7 @@ def run_study(study: optuna.Study, space: SearchSpace, backend: BenchmarkBackend
         enqueue_warm_start(study, space, extra_warm, shared=shared)
     remaining = trials - finished_trials(study)
     if remaining > 0 and (timeout_s is None or timeout_s > 0):
-        objective = _Objective(space, backend, workload, prune)
+        objective = _Objective(space, backend, workload, prune, cross=cross)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study.optimize(objective, n_trials=remaining, timeout=timeout_s,
@@ -537,7 +573,6 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
     try:
         for fam, pol in policies.items():
             for model in models:
-                prev_top: list[Knobs] = []
                 for tok in sorted(set(tokens)):
                     bucket = nearest_bucket(tok)
                     key = ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family=fam,
@@ -550,11 +585,38 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
                     name = study_name(key, be.label, model.name)
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     out.append(_tune_one(store, st, url, name, key, space, be, wl, trials=trials, timeout_s=left,
-                                         seed=seed, bar=bar, prev_top=prev_top, facts=facts, on_trial=on_trial))
-                    prev_top = out[-1].study.top
+                                         seed=seed, bar=bar, facts=facts, on_trial=on_trial,
+                                         neighbour=neighbour_bucket(st, key, be.label, model.name)))
     finally:
         bar.close()
     return out
+
+
+def neighbour_bucket(storage: optuna.storages.BaseStorage, key: ProfileKey, backend_label: str,
+                     model_name: str) -> BucketPrior | None:
+    """The nearest smaller token bucket's study of the same key and backend in `storage`, if any
+    (from this run or an earlier one): its best settings warm-start this bucket, and with an expensive
+    backend its clearly bad settings are not measured again."""
+    import msgspec
+
+    try:
+        names = set(optuna.get_all_study_names(storage))
+    except Exception:
+        return None
+    for b in sorted((b for b in TOKEN_BUCKETS if b < key.token_bucket), reverse=True):
+        name = study_name(msgspec.structs.replace(key, token_bucket=b), backend_label, model_name)
+        if name not in names:
+            continue
+        study = optuna.load_study(study_name=name, storage=storage)
+        values: dict[Knobs, float] = {}
+        for t in completed(study):
+            try:
+                values[Knobs.from_dict(t.user_attrs["knobs"])] = float(t.value)  # type: ignore[arg-type]
+            except (KeyError, KnobError):
+                continue
+        if values:
+            return BucketPrior(b, name, values)
+    return None
 
 
 def _store_db_path(store: Any) -> str | None:
@@ -566,8 +628,9 @@ def _store_db_path(store: Any) -> str | None:
 
 def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, key: ProfileKey,
               space: SearchSpace, be: BenchmarkBackend, wl: TuneWorkload, *, trials: int, timeout_s: float | None,
-              seed: int | None, bar: _Progress, prev_top: list[Knobs], facts: Any,
-              on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None) -> TuneResult:
+              seed: int | None, bar: _Progress, facts: Any,
+              on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None,
+              neighbour: BucketPrior | None = None) -> TuneResult:
     run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label) if store is not None else None
     status = "failed"
     result: StudyResult | None = None
@@ -583,9 +646,16 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
             if on_trial is not None:
                 on_trial(name, s, t)
 
-        extra = [(f"bucket_transfer:{i}", k) for i, k in enumerate(prev_top) if space.feasible(k)[0]]
+        extra = []
+        if neighbour is not None:
+            study.set_user_attr("neighbour_bucket", {"bucket": neighbour.bucket, "study": neighbour.study_name})
+            extra = [(f"bucket_transfer:{neighbour.bucket}:{i}", k) for i, k in enumerate(neighbour.top())
+                     if space.feasible(k)[0]]
+        # Cross-bucket pruning pays where a measurement is expensive (the local backend: a process launch
+        # per run); a model prediction costs about a millisecond, so there every sampled point is evaluated.
+        cross = neighbour if isinstance(be, LocalBackend) else None
         result = run_study(study, space, be, wl, trials=trials, timeout_s=timeout_s, callbacks=[cb], extra_warm=extra,
-                           shared=not is_sqlite(url))
+                           shared=not is_sqlite(url), cross=cross)
         bar.update(task, finished_trials(study), _best_value(study))
         record, written, reason = _write_profile(store, key, be, result, facts)
         status = "done" if result.best_knobs is not None else "no_result"
