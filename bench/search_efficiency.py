@@ -67,6 +67,7 @@ class _Synth:
 def run_case(args: tuple[str, str, int, int, float, bool]) -> dict[str, Any]:
     preset_name, model_name, tokens, seeds, frac, synthetic = args
     import optuna
+
     from moetune.runtime.shapes import get_model
     from moetune.tuner.backends import (
         CallableBackend,

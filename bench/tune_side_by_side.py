@@ -27,6 +27,7 @@ def _layer_timer(rank: int, world: int, port: int, model_name: str, tokens: int,
                  rounds: int, iters: int, out_path: str) -> None:
     import torch
     import torch.distributed as dist
+
     from moetune.runtime.knobs import Knobs
     from moetune.runtime.shapes import get_model
 

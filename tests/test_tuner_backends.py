@@ -10,6 +10,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.backends import (

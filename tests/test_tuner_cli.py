@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.backends import CallableBackend, ModelBackend, TuneWorkload
 from moetune.tuner.cli import app
 from moetune.tuner.search import _Fam, tune_profiles_detailed
-from typer.testing import CliRunner
 
 runner = CliRunner()
 

@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.policy_defaults import policy_default_knobs, policy_file_candidates
 from moetune.tuner.policy import PolicyError, load_policy, load_policy_file, packaged_families
@@ -41,7 +42,8 @@ def test_packaged_policy_validates_and_runtime_reader_agrees(family: str) -> Non
 def test_family_file_candidates() -> None:
     assert policy_file_candidates("proxy:libfabric/cxi") == ["proxy_libfabric_cxi", "proxy_libfabric", "proxy"]
     assert policy_file_candidates("nvlink") == ["nvlink"]
-    assert load_policy("proxy:libfabric/cxi").family == "proxy:libfabric"
+    pol = load_policy("proxy:libfabric/cxi")
+    assert pol.family == "proxy:libfabric/cxi" and pol.sources == ("moetune.policies/proxy_libfabric.toml",)
 
 
 def test_runtime_reader_unknown_family() -> None:

@@ -110,6 +110,7 @@ WORKER = textwrap.dedent('''
 
 def test_two_processes_share_one_study(pg_url: str, tmp_path: Path) -> None:
     import optuna
+
     from moetune.tuner.search import make_storage
 
     trials = 30

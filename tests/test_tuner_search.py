@@ -16,6 +16,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.profile_record import ProfileKey
 from moetune.runtime.shapes import MODELS
@@ -308,3 +309,35 @@ def test_neighbour_bucket_warm_starts_and_cross_bucket_pruning(tmp_path: Path) -
     assert states == [optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.COMPLETE]
     assert study.trials[0].user_attrs["pruned_by"]["bucket"] == 128
     assert runs == [bad, good]
+
+
+CAPTURES = Path(__file__).parent / "captures"
+
+
+@pytest.mark.skipif(not (CAPTURES / "dgx-h100").is_dir(), reason="discovery test captures not present")
+@pytest.mark.parametrize(("capture", "families"), [
+    ("dgx-h100", {"nvlink", "proxy:ibrc", "ibgda", "host_staged", "collective"}),
+    ("rtx4090x4", {"host_staged", "collective"}),
+    ("perlmutter", {"nvlink", "proxy:libfabric/cxi", "host_staged", "collective"}),
+])
+def test_only_discovered_transports_are_tuned(tmp_path: Path, capture: str, families: set[str]) -> None:
+    from moetune.tuner.discovery import discover
+
+    facts = discover(CAPTURES / capture)
+    store = make_store(tmp_path / "m.db")
+    seen: set[str] = set()
+
+    def f(k: Knobs, wl: TuneWorkload) -> float:
+        seen.add(k.transport)
+        return synthetic(k, wl)
+
+    res = tune_profiles_detailed(store, facts, models=[MODELS["qwen3-30b"]], tokens=[256], backend=CallableBackend(f),
+                                 trials=5, storage=f"sqlite:///{tmp_path / 's.db'}", progress=False)
+    assert {r.study.family for r in res} == families
+    for r in res:
+        key = r.record.key
+        assert (key.fingerprint, key.software) == (facts.fingerprint, facts.software_hash)
+        assert key.ep_size == max(1, facts.gpu_count) and key.token_bucket == 256
+        assert store.get_current(key) is not None
+        assert r.record.software_versions == {k: str(v) for k, v in facts.software.items()}
+    assert seen == {load_policy(fam).transport for fam in families}

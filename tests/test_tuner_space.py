@@ -7,6 +7,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+
 from moetune.runtime.knobs import PER_PE, QUEUED, KnobError, Knobs
 from moetune.tuner.policy import load_policy
 from moetune.tuner.search_space import SearchSpace, sample_infeasible_free

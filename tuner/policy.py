@@ -12,7 +12,7 @@ import math
 import os
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -232,7 +232,9 @@ def load_policy(family: str, override: str | Path | None = None) -> Policy:
         raise PolicyError(
             f"moetune.policies/{policy_file_candidates(family)[0] if policy_file_candidates(family) else family}.toml",
             "", f"no policy for transport family {family!r}")
-    return validate_policy(data, source=" + ".join(sources), family=family, sources=tuple(sources))
+    pol = validate_policy(data, source=" + ".join(sources), family=family, sources=tuple(sources))
+    # The policy applies to the family asked for (`proxy:libfabric/cxi` from proxy_libfabric.toml).
+    return replace(pol, family=family)
 
 
 def load_policy_file(path: str | Path) -> Policy:

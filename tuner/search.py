@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.trial import TrialState
+
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profile_record import TOKEN_BUCKETS, ProfileKey, ProfileRecord, nearest_bucket
 from moetune.runtime.shapes import ModelShape
-from optuna.trial import TrialState
 
 from .backends import (
     BenchmarkBackend,
@@ -70,9 +71,9 @@ def default_storage_url(db_path: str | Path | None = None) -> str:
     """SQLite file for Optuna's tables, next to the profile database (never inside it)."""
     if db_path is None:
         try:
-            from .config import load_config  # type: ignore[attr-defined]
+            from .config import load_config
 
-            db_path = load_config().store.db
+            db_path = load_config().db_path
         except Exception:
             import os
 
@@ -350,7 +351,7 @@ def summarize_study(study: optuna.Study, space: SearchSpace, workload: TuneWorkl
             break
     count = {s: sum(1 for t in trials if t.state == s) for s in FINISHED}
     return StudyResult(study.study_name, space.policy.family, workload, best_knobs, best,
-                       trials=len(trials), complete=count[TrialState.COMPLETE], failed=count[TrialState.FAIL],
+                       trials=sum(count.values()), complete=count[TrialState.COMPLETE], failed=count[TrialState.FAIL],
                        pruned=count[TrialState.PRUNED], default_value=default_value, top=top)
 
 
@@ -417,6 +418,16 @@ def facts_link_rates(facts: Any) -> dict[str, float]:
     """Best-effort link rates from discovery facts, for the analytic priors (missing facts are fine)."""
     if isinstance(facts, PresetFacts):
         return dict(facts.link_rates)
+    out_attr: dict[str, float] = {}
+    nv = getattr(facts, "nvlink_gbs_per_gpu", None)
+    if isinstance(nv, (int, float)) and nv > 0:
+        out_attr["link_gbps"] = float(nv)
+    rates = [float(p.rate_gbps) for n in (getattr(facts, "nics", None) or [])
+             for p in (getattr(n, "active_ports", None) or []) if getattr(p, "rate_gbps", 0) > 0]
+    if rates:
+        out_attr["nic_gbit"] = max(rates)
+    if out_attr or hasattr(facts, "nvlink_gbs_per_gpu"):
+        return out_attr
     try:
         d = facts.to_dict() if hasattr(facts, "to_dict") else dict(facts)
     except Exception:

@@ -154,6 +154,7 @@ def tune(
             "study": r.study.study_name, "family": r.study.family, "model": r.study.workload.model.name,
             "tokens": r.study.workload.tokens, "trials": r.study.trials, "complete": r.study.complete,
             "failed": r.study.failed, "pruned": r.study.pruned,
+            "study_best_us": r.study.best.median_us if r.study.best else None,
             "best_us": rec.latency_us if rec else None, "spread_us": rec.spread_us if rec else None,
             "default_us": r.study.default_value, "written": r.written, "reason": r.reason,
             "backend": rec.backend if rec else None, "knobs": rec.knobs.to_dict() if rec else None,
@@ -162,12 +163,13 @@ def tune(
         typer.echo(json.dumps(rows, indent=2))
         return
     t = Table(title="tuned profiles" + (" (modelled)" if backend == "model" else ""))
-    for c in ("family", "model", "S", "trials ok/fail/pruned", "default µs", "best µs", "stored"):
+    for c in ("family", "model", "S", "trials ok/fail/pruned", "default µs", "study best µs", "profile µs", "stored"):
         t.add_column(c)
     for row in rows:
         t.add_row(row["family"], row["model"], str(row["tokens"]),
                   f"{row['complete']}/{row['failed']}/{row['pruned']}",
                   "-" if row["default_us"] is None else f"{row['default_us']:,.1f}",
+                  "-" if row["study_best_us"] is None else f"{row['study_best_us']:,.1f}",
                   "-" if row["best_us"] is None else f"{row['best_us']:,.1f} ± {row['spread_us']:,.1f}",
                   ("[green]current[/green] " if row["written"] else "[yellow]kept old[/yellow] ") + row["reason"])
     Console().print(t)
@@ -182,6 +184,7 @@ def show(
 ) -> None:
     """Summarise the studies (or one study: best setting, speed-up over the default, importances)."""
     import optuna
+
     from moetune.tuner.search import describe_study, list_studies
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
