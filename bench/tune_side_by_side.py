@@ -24,7 +24,7 @@ from typing import Any
 
 
 def _layer_timer(rank: int, world: int, port: int, model_name: str, tokens: int, settings: list[dict[str, Any]],
-                 rounds: int, iters: int, out_path: str) -> None:
+                 rounds: int, iters: int, out_path: str, comm: str = "nccl") -> None:
     import torch
     import torch.distributed as dist
 
@@ -32,33 +32,51 @@ def _layer_timer(rank: int, world: int, port: int, model_name: str, tokens: int,
     from moetune.runtime.shapes import get_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    if comm == "nccl":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    else:  # gloo on CPU: a plumbing check of this script, not a measurement that means anything
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
     try:
         import moetune.runtime as rt
 
         model = get_model(model_name)
         layers = [rt.MoELayer(model, None, Knobs.from_dict(s), max_tokens=tokens, device=dev, dtype=torch.bfloat16)
                   for s in settings]
-        g = torch.Generator(device=dev).manual_seed(1234 + rank)
-        x = torch.randn(tokens, model.hidden, device=dev, dtype=torch.bfloat16, generator=g)
+        try:  # the same inputs and routing as `moetune bench ep` (what the tuner measured)
+            from moetune.tuner.bench_ep import _inputs
+
+            x, idx, w = _inputs(rank, model, torch.bfloat16, tokens, "uniform", 0, dev)
+
+            def run(layer):
+                return layer.forward_routed(x, idx, w)
+        except ImportError:
+            g = torch.Generator(device=dev).manual_seed(1234 + rank)
+            x = torch.randn(tokens, model.hidden, device=dev, dtype=torch.bfloat16, generator=g)
+
+            def run(layer):
+                return layer(x)
         times: list[list[float]] = [[] for _ in settings]
         with torch.no_grad():
             for layer in layers:  # warm-up both
                 for _ in range(3):
-                    layer(x)
-            torch.cuda.synchronize()
+                    run(layer)
+            sync()
             for _ in range(rounds):
                 for i, layer in enumerate(layers):
                     dist.barrier()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
+                    sync()
+                    t0 = time.perf_counter()
                     for _ in range(iters):
-                        layer(x)
-                    end.record()
-                    torch.cuda.synchronize()
-                    t = torch.tensor([start.elapsed_time(end) * 1000.0 / iters], device=dev)
+                        run(layer)
+                    sync()
+                    t = torch.tensor([(time.perf_counter() - t0) * 1e6 / iters], device=dev)
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the layer time
                     times[i].append(float(t.item()))
         if rank == 0:
@@ -67,24 +85,26 @@ def _layer_timer(rank: int, world: int, port: int, model_name: str, tokens: int,
         dist.destroy_process_group()
 
 
-def in_process(model: str, tokens: int, settings: list[dict[str, Any]], world: int, rounds: int, iters: int) -> list[list[float]]:
+def in_process(model: str, tokens: int, settings: list[dict[str, Any]], world: int, rounds: int, iters: int,
+               comm: str = "nccl") -> list[list[float]]:
     import tempfile
 
     import torch.multiprocessing as mp
 
     out = Path(tempfile.mkdtemp()) / "times.json"
     port = 29500 + os.getpid() % 1000
-    mp.spawn(_layer_timer, args=(world, port, model, tokens, settings, rounds, iters, str(out)), nprocs=world, join=True)
+    mp.spawn(_layer_timer, args=(world, port, model, tokens, settings, rounds, iters, str(out), comm), nprocs=world,
+             join=True)
     return json.loads(out.read_text())["times_us"]
 
 
 def by_subprocess(model: str, tokens: int, settings: list[dict[str, Any]], world: int, rounds: int, family: str,
-                  timeout_s: float) -> list[list[float]]:
+                  timeout_s: float, comm: str = "nccl") -> list[list[float]]:
     from moetune.runtime.knobs import Knobs
     from moetune.runtime.shapes import get_model
     from moetune.tuner.backends import LocalBackend, TuneWorkload
 
-    be = LocalBackend(world=world, comm_backend="nccl", repeats=1, timeout_s=timeout_s, family=family)
+    be = LocalBackend(world=world, comm_backend=comm, repeats=1, timeout_s=timeout_s, family=family)
     wl = TuneWorkload(model=get_model(model), tokens=tokens, nodes=1, gpus_per_node=world)
     ms = be.compare([Knobs.from_dict(s) for s in settings], wl, rounds=rounds)
     for m in ms:
@@ -104,6 +124,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--subprocess", action="store_true", help="force the interleaved-subprocess method")
+    ap.add_argument("--comm", default="nccl", help="nccl (GPUs) or gloo (CPU plumbing check)")
     a = ap.parse_args()
 
     from moetune.runtime.policy_defaults import policy_default_knobs
@@ -125,14 +146,14 @@ def main() -> int:
     times = None
     if not a.subprocess:
         try:
-            times = in_process(a.model, a.tokens, run_settings, a.world, a.rounds, a.iters)
+            times = in_process(a.model, a.tokens, run_settings, a.world, a.rounds, a.iters, a.comm)
         except Exception as e:  # the runtime API differs or failed: fall back, and say so
             note = f"in-process measurement failed ({type(e).__name__}: {str(e)[:300]}); used interleaved subprocesses"
     if times is None:
         method = "subprocess_interleaved"
-        times = by_subprocess(a.model, a.tokens, [tuned, default], a.world, max(3, a.rounds // 3), a.family, 120)
+        times = by_subprocess(a.model, a.tokens, [tuned, default], a.world, max(3, a.rounds // 3), a.family, 120, a.comm)
     med_t, med_d = statistics.median(times[0]), statistics.median(times[1])
-    res = {
+    res = {"comm": a.comm,
         "kind": "side_by_side", "model": a.model, "tokens": a.tokens, "family": a.family, "world": a.world,
         "method": method, "note": note, "rounds": len(times[0]), "iters_per_round": a.iters,
         "tuned_knobs": tuned, "default_knobs": default, "tuned_us": med_t, "default_us": med_d,
