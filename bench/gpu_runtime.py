@@ -104,6 +104,7 @@ def rank_main(rank: int, world: int, cases: list[dict], fabric: str, results: st
     """Runs inside each spawned rank: every case in lockstep; rank 0 appends one JSON line per case."""
     import torch
     import torch.distributed as dist
+
     from moetune.tuner.bench_ep import bench_case
 
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"

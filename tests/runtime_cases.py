@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+
 from moetune.runtime import EPBuffer, Knobs, MoELayer, dense_reference, get_model
 from moetune.runtime.moe_layer import max_rel_err
 from moetune.runtime.routing import generate_routing

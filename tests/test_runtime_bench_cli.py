@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from moetune.tuner.cli import app
 from typer.testing import CliRunner
+
+from moetune.tuner.cli import app
 
 runner = CliRunner()
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from moetune.runtime.fp8 import FP8_LAYER_REL_ERR_BOUND
 from moetune.runtime.launch import launch
 

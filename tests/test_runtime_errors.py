@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from moetune.runtime.launch import launch
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the cases by name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from moetune.runtime import EPBuffer, KnobError, Knobs, MoELayer, dense_reference, get_model
 from moetune.runtime.autoload import autoload_knobs
 from moetune.runtime.fp8 import FP8_LAYER_REL_ERR_BOUND, dequantise, quantise
