@@ -42,7 +42,9 @@ if ! moetune bench ep --world 2 --backend nccl --model qwen3-30b --tokens 4096 -
 fi
 echo "probe: one bench ep run took $(( $(date +%s) - t )) s"
 
-common=(--model qwen3-30b --backend local --family host_staged --repeats 1 --trial-timeout 60 --world 2 --comm nccl
+# bench/policies/host_staged_h200.toml: a user policy that fixes the knobs the collective runtime ignores.
+common=(--model qwen3-30b --backend local --family host_staged --policy bench/policies/host_staged_h200.toml
+        --repeats 1 --trial-timeout 60 --world 2 --comm nccl
         --db "$WORK/moetune.db" --storage "sqlite:///$WORK/studies.db" --json --seed 0)
 # The smaller bucket first: its study (same storage) warm-starts S=4096 and prunes what it found bad.
 moetune tune "${common[@]}" --tokens 1024 --trials 8 --timeout 80 > "$OUT/tune_1024.json" 2> "$WORK/tune_1024.err" \

@@ -67,7 +67,7 @@ def _write_variant(tmp_path: Path, stem: str, edit) -> Path:
         (lambda t: t + '\n[knobs.bogus_knob]\n', "knobs.bogus_knob", "unknown knob"),
         (lambda t: t.replace('num_sms = [16, 24, 32]', 'num_sms = [16, 32]'), "defaults.num_sms", "not among the allowed"),
         (lambda t: t.replace('error_budget = 0.05', 'error_budget = 2.0'), "compression.error_budget", "[0, 1)"),
-        (lambda t: t.replace('"fp8_e4m3/per_128" = 0.036', ''), 'compression.expected_error."fp8_e4m3/per_128"', "no error bound"),
+        (lambda t: t.replace('"fp8_e4m3/per_128" = 0.045', ''), 'compression.expected_error."fp8_e4m3/per_128"', "no error bound"),
         (lambda t: t.replace('signalling = "coupled"\n', 'signalling = "sometimes"\n', 1), "defaults", "signalling"),
         (lambda t: t.replace('transport = "proxy"\ndescription', 'transport = "pigeon"\ndescription'), "policy.transport", "must be one of"),
         (lambda t: t.replace('[priors]', '[priors]\nwarp_factor = 9'), "priors.warp_factor", "unknown prior"),
