@@ -131,3 +131,20 @@ def test_real_model_backend_end_to_end(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     rows = json.loads(r.output)
     assert rows and rows[0]["best_us"] is not None and rows[0]["backend"] == f"model:{preset}"
+
+
+def test_node_model_keys_profiles_to_this_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--node-model: a calibrated preset of this node tunes its family under the node's own key."""
+    import moetune.tuner.search as search
+
+    class Facts:
+        fingerprint, software_hash, gpu_count = "n" * 64, "m" * 64, 4
+        software: dict = {}  # noqa: RUF012
+        transports = (_Fam("proxy:ibrc"), _Fam("host_staged"), _Fam("collective"))
+
+    monkeypatch.setattr(search, "make_backend", lambda *a, **k: ModelBackend(FakePreset(), predictor=_objective))
+    res = search.tune_profiles_detailed(None, Facts(), models=[MODELS["qwen3-30b"]], tokens=[128], backend="model",
+                                        preset="calibrated.toml", node_model=True, trials=4, progress=False,
+                                        storage=f"sqlite:///{tmp_path / 's.db'}")
+    assert [r.study.family for r in res] == ["proxy:ibrc"]
+    assert res[0].record.key.fingerprint == "n" * 64 and res[0].record.key.ep_size == 4

@@ -491,7 +491,8 @@ def make_backend(backend: str | BenchmarkBackend, preset: str | None = None, **l
 
             finder = getattr(fabric_model, "preset_for_facts", None)
             if finder is None:
-                raise ValueError("the model backend needs --preset (no calibrated model of this node is available)")
+                raise ValueError("the model backend needs --preset: a preset name, or a calibrated preset file of "
+                                 "this node (`moetune model calibrate --out FILE`) with --node-model")
             return ModelBackend(finder(local_kw.get("facts")))
         return ModelBackend(preset)
     if backend == "local":
@@ -511,7 +512,7 @@ def tune_profiles(store: Any, facts: Any, *, models: list[ModelShape], tokens: l
                   families: Sequence[str] | None = None, policy_override: str | Path | None = None,
                   routing: str = "uniform", local_options: Mapping[str, Any] | None = None,
                   on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
-                  ) -> list[ProfileRecord]:
+                  node_model: bool = False) -> list[ProfileRecord]:
     """Tune each family × shape × token bucket; write the winners through `store.put_profile`.
 
     Returns the best record of every study (status "current" when the store took it as current).
@@ -521,7 +522,7 @@ def tune_profiles(store: Any, facts: Any, *, models: list[ModelShape], tokens: l
         store, facts, models=models, tokens=tokens, backend=backend, preset=preset, trials=trials,
         timeout_s=timeout_s, ep_size=ep_size, nodes=nodes, progress=progress, storage=storage, seed=seed,
         families=families, policy_override=policy_override, routing=routing, local_options=local_options,
-        on_trial=on_trial)
+        on_trial=on_trial, node_model=node_model)
     return [r.record for r in results if r.record is not None]
 
 
@@ -532,7 +533,7 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
                            families: Sequence[str] | None = None, policy_override: str | Path | None = None,
                            routing: str = "uniform", local_options: Mapping[str, Any] | None = None,
                            on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
-                           ) -> list[TuneResult]:
+                           node_model: bool = False) -> list[TuneResult]:
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     if not models or not tokens:
@@ -543,7 +544,15 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
         raise ValueError(f"nodes must be >= 1, got {nodes}")
     be = make_backend(backend, preset, facts=facts, **dict(local_options or {}))
     if isinstance(be, ModelBackend) and be.preset is not None and preset is not None:
-        facts = PresetFacts.from_preset(be.preset)
+        if node_model and facts is not None:
+            # A calibrated model of THIS node: profiles carry the node's key; only its family is tuned.
+            fam = preset_family(be.preset)
+            if families is None:
+                families = [fam]
+            elif fam not in families:
+                raise ValueError(f"the calibrated preset models {fam!r}, not {list(families)}")
+        else:
+            facts = PresetFacts.from_preset(be.preset)
     if facts is None:
         raise ValueError("no fabric facts: run discovery or give a preset")
     gpn = getattr(facts, "gpus_per_node", None) or getattr(facts, "gpu_count", None) or 1

@@ -74,6 +74,7 @@ def tune(
     repeats: int = typer.Option(3, "--repeats", help="Local backend: runs per trial (median and spread)."),
     trial_timeout: float = typer.Option(120.0, "--trial-timeout", help="Local backend: seconds before a run is killed."),
     capture: Path = typer.Option(None, "--from", help="Discover from a fabric capture directory instead of this node."),
+    node_model: bool = typer.Option(False, "--node-model", help="Model backend: --preset is a calibrated model of THIS node (profiles get this node's key)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
     """Tune the knobs for each transport family × model × token bucket and store the winners."""
@@ -123,7 +124,7 @@ def tune(
 
     facts = None
     local_opts: dict = {}
-    if backend == "local" or preset is None:
+    if backend == "local" or preset is None or node_model:
         try:
             from moetune.tuner.discovery import discover  # type: ignore[attr-defined]
         except ImportError as e:
@@ -141,7 +142,7 @@ def tune(
             store, facts, models=shapes, tokens=toks, backend=backend, preset=preset, trials=trials, timeout_s=timeout,
             ep_size=ep_size or (local_opts.get("world") if backend == "local" else None), nodes=nodes,
             progress=not as_json, storage=storage, seed=seed, families=family or None, policy_override=policy,
-            routing=routing, local_options=local_opts)
+            routing=routing, local_options=local_opts, node_model=node_model)
     except (ValueError, OSError) as e:
         _fail(str(e))
     except KeyboardInterrupt:
