@@ -148,3 +148,20 @@ def test_node_model_keys_profiles_to_this_node(tmp_path: Path, monkeypatch: pyte
                                         storage=f"sqlite:///{tmp_path / 's.db'}")
     assert [r.study.family for r in res] == ["proxy:ibrc"]
     assert res[0].record.key.fingerprint == "n" * 64 and res[0].record.key.ep_size == 4
+
+
+def test_workload_the_model_cannot_run_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import moetune.tuner.cli.tune as tune_cli
+    import moetune.tuner.search as search
+
+    def nope(k: Knobs, wl: TuneWorkload) -> float:
+        raise ValueError("preset 'fake-ibrc-x4' has no network between nodes; use nodes=1")
+
+    monkeypatch.setattr(search, "make_backend", lambda *a, **k: ModelBackend(FakePreset(), predictor=nope))
+    monkeypatch.setattr(tune_cli, "_open_store", lambda db, readonly=False: _mini_store(tmp_path / "moetune.db"))
+    r = _run("tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", "fake-ibrc-x4",
+             "--nodes", "2", "--storage", f"sqlite:///{tmp_path / 's.db'}")
+    assert r.exit_code == 2 and "no network between nodes" in r.output and "Traceback" not in r.output
+    r = _run("tune", "--model", "custom:64,64,6,2", "--tokens", "128", "--backend", "model", "--preset", "fake-ibrc-x4",
+             "--storage", f"sqlite:///{tmp_path / 's.db'}")
+    assert r.exit_code == 2 and "do not divide evenly" in r.output

@@ -561,6 +561,9 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
     if ep_size % nodes:
         raise ValueError(f"ep_size {ep_size} is not divisible by nodes {nodes}")
     gpus_per_node = ep_size // nodes
+    for m in models:
+        if m.experts % ep_size:
+            raise ValueError(f"{m.name}: {m.experts} experts do not divide evenly over an EP group of {ep_size}")
     fams = family_names(facts)
     if families:
         missing = [f for f in families if f not in fams]
@@ -602,6 +605,13 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
                     space = SearchSpace(pol, experts=model.experts, ep_size=ep_size, link_rates=rates)
                     if isinstance(be, LocalBackend):
                         be.family = fam
+                    elif isinstance(be, ModelBackend):
+                        # A workload the model cannot run at all (too many nodes for the preset, ...) is
+                        # one clear error, not a study of failed trials.
+                        m = be.evaluate(pol.defaults, wl)
+                        if not m.ok and not m.infeasible:
+                            raise ValueError(f"{be.label} cannot evaluate {model.name} on {nodes} node(s) × "
+                                             f"{gpus_per_node} GPUs at S={bucket}: {m.error}")
                     name = study_name(key, be.label, model.name)
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     out.append(_tune_one(store, st, url, name, key, space, be, wl, trials=trials, timeout_s=left,

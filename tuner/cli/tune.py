@@ -18,7 +18,7 @@ from rich.table import Table
 app = typer.Typer(help="Optuna searches over the EP knobs (`moetune tune --model M ...`; `moetune tune show`).",
                   invoke_without_command=True, no_args_is_help=False)
 
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(msg: str) -> None:
