@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tuner's local backend on the H200 node (2 GPUs), host-staged fabric (NCCL_P2P_DISABLE=1):
-#   1. tune qwen3-30b at S=1024 (8 trials) then S=4096 (12 trials); every trial is a subprocess
+#   1. tune qwen3-30b at S=1024 (6 trials) then S=4096 (12 trials, stopped at 120 s); every trial is a subprocess
 #      `moetune bench ep --world 2 --backend nccl ... --json` with the knobs' environment;
 #   2. measure the tuned setting and the policy default side by side in ONE run (same processes,
 #      interleaved rounds) for each bucket, and print the ratio.
@@ -47,10 +47,10 @@ common=(--model qwen3-30b --backend local --family host_staged --policy bench/po
         --repeats 1 --trial-timeout 60 --world 2 --comm nccl
         --db "$WORK/moetune.db" --storage "sqlite:///$WORK/studies.db" --json --seed 0)
 # The smaller bucket first: its study (same storage) warm-starts S=4096 and prunes what it found bad.
-moetune tune "${common[@]}" --tokens 1024 --trials 8 --timeout 80 > "$OUT/tune_1024.json" 2> "$WORK/tune_1024.err" \
+moetune tune "${common[@]}" --tokens 1024 --trials 6 --timeout 60 > "$OUT/tune_1024.json" 2> "$WORK/tune_1024.err" \
   || { echo "tune S=1024 failed"; tail -30 "$WORK/tune_1024.err"; }
 echo "tuned S=1024 at $(elapsed) s"
-moetune tune "${common[@]}" --tokens 4096 --trials 12 --timeout 170 > "$OUT/tune_4096.json" 2> "$WORK/tune_4096.err" \
+moetune tune "${common[@]}" --tokens 4096 --trials 12 --timeout 120 > "$OUT/tune_4096.json" 2> "$WORK/tune_4096.err" \
   || { echo "tune S=4096 failed"; tail -30 "$WORK/tune_4096.err"; }
 echo "tuned S=4096 at $(elapsed) s"
 
@@ -70,7 +70,7 @@ with (out / "tune_local.jsonl").open("a") as f:
 EOF
 
 for S in 4096 1024; do
-  if [ "$(elapsed)" -gt 300 ]; then echo "skipping side-by-side S=$S: time budget"; continue; fi
+  if [ "$(elapsed)" -gt 290 ]; then echo "skipping side-by-side S=$S: time budget"; continue; fi
   "$PY" bench/tune_side_by_side.py --tuned-json "$OUT/tune_$S.json" --model qwen3-30b --tokens "$S" \
     --family host_staged --world 2 --rounds 10 --iters 10 --out "$OUT/tune_local.jsonl" 2> "$WORK/sbs_$S.err" \
     || { echo "side-by-side S=$S failed"; tail -20 "$WORK/sbs_$S.err"; }

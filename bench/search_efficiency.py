@@ -168,6 +168,9 @@ def run_case(args: tuple[str, str, int, int, float, bool]) -> dict[str, Any]:
         "near_opt_points": near, "near_opt_frac": near / len(feasible_pts),
         "priors_gap": (min(priors) / opt - 1) if priors else None,
         "tpe_evals_to_3pct_median": med_evals(tpe_to3), "random_evals_to_3pct_median": med_evals(rnd_to3),
+        "tpe_hit_rate": sum(b <= opt * 1.001 for b in tpe_best) / seeds,
+        "cold_tpe_hit_rate": sum(b <= opt * 1.001 for b in cold_best) / seeds,
+        "random_hit_rate": sum(b <= opt * 1.001 for b in rnd_best) / seeds,
         "pass": med <= opt * 1.03 and max(tpe_evals) <= 0.10 * grid_size,
         "grid_eval_s": grid_s, "search_s": search_s, "modelled": True, "synthetic": synthetic,
     }
@@ -177,7 +180,7 @@ def table_md(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         "## Tuner search efficiency (model backend, modelled latencies)",
         "",
-        f"{meta['date']} · {meta['hardware']} · `{meta['command']}`",
+        f"{meta['date']} · {meta['hardware']} · `{meta['command']}`" + (f" · commit {meta['commit']}" if meta.get("commit") else ""),
         "",
         "Grid = every point of the tuner's own search space for the preset's transport family (same conditional",
         "structure), evaluated with the fabric model. TPE = `run_study` (TPE multivariate, group, warm start from",
@@ -185,10 +188,11 @@ def table_md(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "gap = median best / grid optimum − 1. Random = random search with the same budget (median gap).",
         "near-opt = share of the grid within 3% of the optimum (how forgiving the landscape is); priors = best",
         "warm-start point alone; cold TPE = the same search without the warm start; evals to 3% = median",
-        "evaluations until the best is within 3% (TPE / random).",
+        "evaluations until the best is within 3% (TPE / random); hit = share of seeds whose best is within 0.1%",
+        "of the grid optimum (TPE / cold TPE / random).",
         "",
-        "| preset | model | S | grid | budget | grid opt µs | default µs | near-opt | priors gap | TPE median gap | TPE worst gap | cold TPE gap | random gap | evals to 3% TPE / random | pass |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| preset | model | S | grid | budget | grid opt µs | default µs | near-opt | priors gap | TPE median gap | TPE worst gap | cold TPE gap | random gap | evals to 3% TPE / random | hit TPE / cold / random | pass |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if "error" in r:
@@ -205,9 +209,21 @@ def table_md(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{d} | {r['near_opt_frac']:.1%} | {pg} | {r['tpe_median_gap']:.2%} | {r['tpe_worst_gap']:.2%} | "
             f"{r['cold_tpe_median_gap']:.2%} | "
             f"{r['random_median_gap']:.2%} | {ev(r['tpe_evals_to_3pct_median'])} / {ev(r['random_evals_to_3pct_median'])} | "
+            f"{r['tpe_hit_rate']:.0%} / {r['cold_tpe_hit_rate']:.0%} / {r['random_hit_rate']:.0%} | "
             f"{'yes' if r['pass'] else '**no**'} |")
     n_pass = sum(1 for r in rows if r.get("pass"))
-    lines += ["", f"{n_pass} of {len(rows)} cases pass (median best within 3% of the grid optimum, ≤ 10% of the grid evaluated)."]
+    ok = [r for r in rows if "error" not in r]
+    rnd_pass = sum(1 for r in ok if r["random_median_gap"] <= 0.03)
+    mean = (lambda xs: sum(xs) / len(xs)) if ok else (lambda xs: 0.0)
+    lines += ["", f"{n_pass} of {len(rows)} cases pass (median best within 3% of the grid optimum, ≤ 10% of the grid evaluated).",
+              "",
+              f"Reading it honestly: random search with the same budget also lands within 3% in {rnd_pass} of {len(ok)} cases "
+              f"(on average {mean([r['near_opt_frac'] for r in ok]):.0%} of a grid is within 3% of its optimum: many knobs "
+              "barely move the modelled latency once signalling and fences are right), so the 3% / 10% check alone does not "
+              "separate the searches. What does: the share of seeds that reach the optimum itself (within 0.1%), "
+              f"{mean([r['tpe_hit_rate'] for r in ok]):.0%} for TPE with warm start, "
+              f"{mean([r['cold_tpe_hit_rate'] for r in ok]):.0%} without it, {mean([r['random_hit_rate'] for r in ok]):.0%} "
+              "for random search (averages over the cases), and how few evaluations TPE needs to get within 3%."]
     return "\n".join(lines) + "\n"
 
 
@@ -234,7 +250,15 @@ def main() -> int:
             rows = list(ex.map(run_case, cases))
     else:
         rows = [run_case(c) for c in cases]
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
     meta = {
+        "commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (CPU only; the fabric model)",
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
