@@ -123,7 +123,14 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
 def study_name(key: ProfileKey, backend_label: str, model_name: str) -> str:
     """Deterministic: the same key and backend always open the same study (resume after a crash)."""
     return (f"{STUDY_PREFIX}{key.transport_family}/{model_name}/S{key.token_bucket}/ep{key.ep_size}n{key.nodes}/"
-            f"{backend_label}/{key.fingerprint[:12]}-{key.software[:8]}")
+            f"{backend_label}/{_short(key.fingerprint, 12)}-{_short(key.software, 8)}")
+
+
+def _short(h: str, n: int) -> str:
+    """A hex hash's first n digits; anything else (e.g. `preset:NAME:DIGEST`) is hashed first."""
+    if all(c in "0123456789abcdef" for c in h.lower()) and len(h) >= n:
+        return h[:n]
+    return hashlib.sha256(h.encode()).hexdigest()[:n]
 
 
 def make_sampler(seed: int | None, n_startup_trials: int = 10) -> optuna.samplers.TPESampler:

@@ -163,17 +163,31 @@ def tune(
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    t = Table(title="tuned profiles" + (" (modelled)" if backend == "model" else ""))
-    for c in ("family", "model", "S", "trials ok/fail/pruned", "default µs", "study best µs", "profile µs", "stored"):
-        t.add_column(c)
+    from rich import box
+
+    t = Table(title="tuned profiles" + (" (modelled)" if backend == "model" else ""), box=box.SIMPLE_HEAD,
+              pad_edge=False, collapse_padding=True)
+    for name in ("family", "model", "S", "trials", "default µs", "best µs", "±", "×", "stored"):
+        t.add_column(name, no_wrap=True, justify="left" if name in ("family", "model", "stored") else "right")
+    notes = []
     for row in rows:
+        best, default = row["best_us"], row["default_us"]
         t.add_row(row["family"], row["model"], str(row["tokens"]),
                   f"{row['complete']}/{row['failed']}/{row['pruned']}",
-                  "-" if row["default_us"] is None else f"{row['default_us']:,.1f}",
-                  "-" if row["study_best_us"] is None else f"{row['study_best_us']:,.1f}",
-                  "-" if row["best_us"] is None else f"{row['best_us']:,.1f} ± {row['spread_us']:,.1f}",
-                  ("[green]current[/green] " if row["written"] else "[yellow]kept old[/yellow] ") + row["reason"])
-    Console().print(t)
+                  "-" if default is None else f"{default:,.1f}",
+                  "-" if best is None else f"{best:,.1f}",
+                  "-" if best is None else f"{row['spread_us']:,.1f}",
+                  f"{default / best:.2f}" if best and default else "-",
+                  "[green]new[/green]" if row["written"] else "[yellow]kept[/yellow]")
+        if not row["written"] or (row["study_best_us"] is not None and best is not None and abs(row["study_best_us"] - best) > 1e-9):
+            sb = row["study_best_us"]
+            notes.append(f"{row['family']} {row['model']} S={row['tokens']}: study best "
+                         f"{'-' if sb is None else f'{sb:,.1f}'} µs; {row['reason']}")
+    c = Console()
+    c.print(t)
+    c.print("trials = complete/failed/pruned; × = default / best; stored: new current profile, or the old one kept")
+    for n in notes:
+        c.print(n, soft_wrap=True)
 
 
 @app.command("show")
@@ -201,13 +215,21 @@ def show(
             typer.echo(json.dumps(rows, indent=2))
             return
         t = Table(title=f"studies in {url}")
-        for c in ("study", "trials", "best µs", "backend"):
-            t.add_column(c)
+        t.add_column("study", overflow="fold")
+        for c in ("trials", "best µs", "backend"):
+            t.add_column(c, no_wrap=True)
         for r in rows:
             t.add_row(r["study"], str(r["trials"]), "-" if r["best_us"] is None else f"{r['best_us']:,.1f}",
                       str(r["backend"]) + (" (modelled)" if r.get("modelled") else ""))
         Console().print(t)
         return
+    names = [r["study"] for r in list_studies(url)]
+    if study not in names:  # a unique part of a name will do (names are long)
+        hits = [n for n in names if study in n]
+        if len(hits) == 1:
+            study = hits[0]
+        elif len(hits) > 1:
+            _fail(f"{study!r} matches {len(hits)} studies: " + ", ".join(hits[:10]))
     try:
         d = describe_study(url, study)
     except KeyError:
