@@ -591,8 +591,8 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
             raise
     if not policies:
         raise ValueError(f"no transport family to tune (found {fams}; backend {be.label})")
-    if isinstance(be, LocalBackend) and be.error_budget is None:
-        be.error_budget = min(p.error_budget for p in policies.values())
+    # The measured-error check of compressed trials follows each family's policy unless set explicitly.
+    explicit_budget = isinstance(be, LocalBackend) and be.error_budget is not None
     url = storage or default_storage_url(getattr(store, "path", None) or _store_db_path(store))
     st = make_storage(url)
     rates = facts_link_rates(facts)
@@ -612,6 +612,8 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
                     space = SearchSpace(pol, experts=model.experts, ep_size=ep_size, link_rates=rates)
                     if isinstance(be, LocalBackend):
                         be.family = fam
+                        if not explicit_budget:
+                            be.error_budget = pol.error_budget
                     elif isinstance(be, ModelBackend):
                         # A workload the model cannot run at all (too many nodes for the preset, ...) is
                         # one clear error, not a study of failed trials.
