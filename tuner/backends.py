@@ -391,7 +391,7 @@ class LocalBackend(BenchmarkBackend):
     def __init__(self, *, world: int = 2, comm_backend: str = "nccl", repeats: int = 3, timeout_s: float = 120.0,
                  metric: str = "layer", family: str | None = None, command: Sequence[str] | None = None,
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, verify_compression: bool = True,
-                 error_budget: float | None = None):
+                 error_budget: float | None = None, iters: int | None = None):
         if repeats < 1:
             raise ValueError("repeats must be >= 1")
         if metric not in ("layer", "comm"):
@@ -408,6 +408,7 @@ class LocalBackend(BenchmarkBackend):
         self.env = dict(env) if env is not None else None
         self.verify_compression = verify_compression
         self.error_budget = error_budget
+        self.iters = iters  # timed iterations inside each repeat (None: the bench's default)
         self.name = f"local:{comm_backend}"
         self._runtime_has: dict[str, bool] = {}
 
@@ -439,6 +440,10 @@ class LocalBackend(BenchmarkBackend):
                 "--routing", workload.routing, "--knobs", knobs_arg(rk), "--json"]
         if self.verify_compression and knobs.compression != "none":
             argv.append("--verify")
+        elif self.metric == "comm":
+            argv.append("--no-layer")  # dispatch + combine only: no expert weights to build
+        if self.iters is not None:
+            argv += ["--iters", str(self.iters), "--warmup", str(max(1, self.iters // 4))]
         return argv + self.extra_args
 
     def environment(self, knobs: Knobs) -> dict[str, str]:

@@ -30,6 +30,7 @@ def ep(
     iters: int = typer.Option(20, "--iters", help="Timed iterations."),
     warmup: int = typer.Option(5, "--warmup", help="Warm-up iterations (not timed)."),
     verify: bool = typer.Option(False, "--verify", help="Check the layer's output against the single-process dense reference."),
+    layer: bool = typer.Option(True, "--layer/--no-layer", help="Also time the whole MoE layer (builds expert weights); --no-layer times dispatch and combine only."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     transport: str = typer.Option("", "--transport", help="Override the knobs' transport (collective, host_staged, ...)."),
     impl: str = typer.Option("moetune", "--impl", help="moetune (packed EPBuffer) or plain (unpacked all_to_all_single baseline)."),
@@ -89,7 +90,7 @@ def ep(
             _fail(f"--backend nccl needs {world} CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
     cfg = {
         "model": model, "tokens": tokens, "knobs": k.to_dict(), "routing": routing, "iters": iters,
-        "warmup": warmup, "verify": verify, "impl": impl, "seed": seed, "backend": backend, "layer": impl == "moetune",
+        "warmup": warmup, "verify": verify, "impl": impl, "seed": seed, "backend": backend, "layer": impl == "moetune" and layer,
     }
     # host_staged = the collective with NCCL peer-to-peer off: set before NCCL initialises in the ranks
     env = {"NCCL_P2P_DISABLE": "1"} if k.transport == "host_staged" and backend == "nccl" else {}
