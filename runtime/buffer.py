@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .fp8 import dequantise, fp8_available, num_scale_groups, quantise
+from .fp8 import dequantise, fp8_available, num_scale_groups, quantise, quantise_into
 from .knobs import KnobError, Knobs
 from .shapes import ModelShape
 from .transports.base import EPTransport
@@ -70,6 +70,21 @@ _RANGE_ERROR = 10
 MAX_COMM_CHANNELS = 8  # communicators per direction the collective transport spreads chunks over
 
 
+# Automatic dense layout (EPBuffer(dense=None)): when one dispatch's dense send to a peer is at most this many
+# bytes (latency-bound: the saved host sync and kernels matter more than bytes), or when uniform routing
+# sends all but this fraction of the tokens to every rank anyway (e.g. 2 ranks with top-8).
+DENSE_AUTO_MAX_BYTES = 2 << 20
+DENSE_AUTO_MAX_WASTE = 0.10
+
+
+def hit_probability(experts: int, topk: int, world: int) -> float:
+    """Probability that a token with `topk` distinct uniformly chosen experts has one on a given rank."""
+    epr = experts // max(1, world)
+    if world <= 1:
+        return 1.0
+    return 1.0 - math.comb(experts - epr, topk) / math.comb(experts, topk)
+
+
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -91,23 +106,40 @@ class RecvMeta:
       expert lives on another rank. weights: float32 [M, k] (0 where the id is -1). Both are computed on
       first use from the raw wire columns (`raw_ids`, `raw_weights`).
     tokens_per_expert: (row, expert) pairs per local expert (host ints; also `.tokens_per_expert_tensor`).
+      The packed layout knows them from the counts exchange; the dense layout counts them on the device
+      on first use (that access is a host sync: the communication itself never needs it).
     rows_per_rank: rows received from each source rank. num_pairs: sum(tokens_per_expert).
     """
 
-    def __init__(self, raw_ids: torch.Tensor, raw_weights: torch.Tensor, tokens_per_expert: list[int],
-                 rows_per_rank: list[int], first_expert: int = 0):
+    def __init__(self, raw_ids: torch.Tensor, raw_weights: torch.Tensor, tokens_per_expert: list[int] | None,
+                 rows_per_rank: list[int], first_expert: int = 0, num_local: int | None = None):
         self.raw_ids = raw_ids  # global expert ids as sent
         self.first_expert = first_expert
         self.raw_weights = raw_weights
-        self.tokens_per_expert = tokens_per_expert
+        self._tpe = tokens_per_expert
+        self.num_local = num_local if num_local is not None else len(tokens_per_expert or [])
         self.rows_per_rank = rows_per_rank
-        self.num_pairs = sum(tokens_per_expert)
         self._valid: torch.Tensor | None = None
+
+    @property
+    def tokens_per_expert(self) -> list[int]:
+        if self._tpe is None:
+            n = self.num_local
+            ids = self.raw_ids - self.first_expert
+            key = ids.clamp_(-1, n).remainder_(n + 1).reshape(-1)  # not on this rank -> bucket n
+            cnt = torch.zeros(n + 1, dtype=torch.int64, device=key.device)
+            cnt.scatter_add_(0, key, torch.ones(1, dtype=torch.int64, device=key.device).expand(key.shape[0]))
+            self._tpe = cnt[:n].tolist()
+        return self._tpe
+
+    @property
+    def num_pairs(self) -> int:
+        return sum(self.tokens_per_expert)
 
     @property
     def valid(self) -> torch.Tensor:
         if self._valid is None:
-            n_local = len(self.tokens_per_expert)
+            n_local = self.num_local
             self._valid = (self.raw_ids >= self.first_expert) & (self.raw_ids < self.first_expert + n_local)
         return self._valid
 
@@ -128,7 +160,7 @@ class RecvMeta:
         indexes recv_x, weight float32 [P]; expert j's pairs are the j-th block of `tokens_per_expert`."""
         ids = self.raw_ids - self.first_expert
         k = ids.shape[1]
-        n_local = len(self.tokens_per_expert)
+        n_local = self.num_local
         # every slot not on this rank (local id < 0 or >= n_local) sorts last, behind the num_pairs real pairs
         key = ids.clamp_(-1, n_local).remainder_(n_local + 1).reshape(-1)
         order = torch.argsort(key, stable=True)[: self.num_pairs]
@@ -167,6 +199,8 @@ class Handle:
     _w: Any = field(default=None, repr=False)
     _mask: Any = field(default=None, repr=False)
     _recv_buf: Any = field(default=None, repr=False)
+    dense: bool = False  # dense layout: every token slot of the capacity goes to every rank (see EPBuffer)
+    _combine_out: Any = field(default=None, repr=False)
 
     def release_inputs(self) -> None:
         self._x = self._idx = self._w = self._mask = None
@@ -189,6 +223,7 @@ class EPBuffer:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         check_inputs: bool = True,
+        dense: bool | None = None,
     ):
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -226,6 +261,7 @@ class EPBuffer:
         self.hidden = model.hidden
         self.num_chunks = knobs.pipeline_depth
         self._layout()
+        self.dense = self._choose_dense(dense, get_transport(knobs.transport))
         self._agree()
         # `channels`: communicators the chunks of one direction are spread over (round-robin by chunk);
         # with pipelining, combine gets its own set so it travels while later dispatch chunks still move.
@@ -238,6 +274,8 @@ class EPBuffer:
             self.transport = cls(group, knobs, self.device)
         self._fast = hasattr(self.transport, "exchange_async") and hasattr(self.transport, "exchange_blocks")
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
+        self._stage: torch.Tensor | None = None  # dense layout: the send rows, [max_tokens, row_bytes], reused
+        self._stage_hi = 0  # dense layout: stage rows [0, _stage_hi) may hold real expert ids
 
     # -- layout of one wire row ---------------------------------------------------------------------
     def _layout(self) -> None:
@@ -258,6 +296,20 @@ class EPBuffer:
     def wire_bytes_per_row(self) -> int:
         return self.row_bytes
 
+    def _choose_dense(self, dense: bool | None, cls: type) -> bool:
+        """The layout (see the module doc): `dense=None` picks it from the shapes alone, so every rank
+        makes the same choice without talking."""
+        able = hasattr(cls, "gather_async") and hasattr(cls, "reduce_scatter_async")
+        if dense is not None:
+            if dense and not able:
+                raise ValueError(f"dense=True needs a collective transport, not {self.knobs.transport!r}")
+            return bool(dense)
+        if not able or self.world == 1:
+            return False
+        per_peer = self.max_tokens * self.row_bytes
+        waste = 1.0 - hit_probability(self.model.experts, self.topk, self.world)
+        return per_peer <= DENSE_AUTO_MAX_BYTES or waste <= DENSE_AUTO_MAX_WASTE
+
     def _agree(self) -> None:
         """Every rank must run the same setting (the row size and count layout depend on it)."""
         if self.world == 1 or not dist.is_initialized():
@@ -265,7 +317,7 @@ class EPBuffer:
         digest = int(self.knobs.digest()[:15], 16)
         mine = torch.tensor(
             [digest, self.model.hidden, self.model.intermediate, self.model.experts, self.model.topk,
-             self.max_tokens, list(TORCH_DTYPES.values()).index(self.dtype)],
+             self.max_tokens, list(TORCH_DTYPES.values()).index(self.dtype), int(self.dense)],
             dtype=torch.int64,
             device=self.device,
         )
@@ -274,10 +326,10 @@ class EPBuffer:
         rows = torch.stack(got).cpu().tolist()
         bad = [r for r, row in enumerate(rows) if row != rows[0]]
         if bad:
-            names = ["knobs", "hidden", "intermediate", "experts", "topk", "max_tokens", "dtype"]
+            names = ["knobs", "hidden", "intermediate", "experts", "topk", "max_tokens", "dtype", "dense"]
             diff = sorted({names[i] for r in bad for i in range(len(names)) if rows[r][i] != rows[0][i]})
             raise ValueError(f"EPBuffer: ranks {bad} differ from rank 0 in {', '.join(diff)}; every rank must "
-                             "build the buffer with the same model, dtype, max_tokens and knobs")
+                             "build the buffer with the same model, dtype, max_tokens, knobs and dense setting")
 
     # -- input checks (host-side, no device sync) -----------------------------------------------------
     def _local_check(self, x: Any, topk_idx: Any, topk_weights: Any) -> tuple[int, str]:
@@ -328,11 +380,78 @@ class EPBuffer:
         return None
 
     # -- dispatch -------------------------------------------------------------------------------------
+    def _raise_errors(self, peer_codes: dict[int, int], msg: str, idx: torch.Tensor | None) -> None:
+        """Raise the same ValueError story on every rank when any rank reported an input error."""
+        if not any(peer_codes.values()):
+            return
+        e = self.model.experts
+        my_code = peer_codes[self.rank]
+        if my_code == _RANGE_ERROR and idx is not None:
+            bad_vals = idx[(idx < 0) | (idx >= e)]
+            msg = (f"topk_idx holds expert ids out of range [0, {e}): found {bad_vals.numel()} bad ids "
+                   f"(min {int(bad_vals.min())}, max {int(bad_vals.max())})")
+        others = [f"rank {r}: {_ERRORS.get(c, f'error {c}')}" for r, c in peer_codes.items() if c and r != self.rank]
+        text = f"EPBuffer.dispatch on rank {self.rank}: "
+        text += msg if my_code else "invalid input on another rank"
+        if others:
+            text += "; reported by " + "; ".join(others)
+        raise ValueError(text)
+
+    def _plan_dense(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
+        """Dense layout: write the tokens into the reused send rows; no counts, no host sync (one tiny
+        status all-gather and one sync when check_inputs is on)."""
+        w, e, k = self.world, self.model.experts, self.topk
+        code, msg = self._local_check(x, topk_idx, topk_weights)
+        if self.check_inputs:
+            if code:
+                st = torch.full((1,), -code, dtype=torch.int64, device=self.device)
+            else:
+                st = ((topk_idx < 0) | (topk_idx >= e)).sum().reshape(1).to(torch.int64)
+            got = torch.empty(w, dtype=torch.int64, device=self.device)
+            work = self.transport.gather_async(got, st)  # type: ignore[attr-defined]
+            if work is not None:
+                work.wait()
+            codes = {r: (-v if v < 0 else (_RANGE_ERROR if v > 0 else 0)) for r, v in enumerate(got.tolist())}
+            self._raise_errors(codes, msg, topk_idx if code == 0 else None)
+        elif code:
+            # unchecked mode: only this rank knows (the others wait in the collective until its timeout)
+            raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {msg}")
+        s, cap = x.shape[0], self.max_tokens
+        stage = self._stage
+        io, wo, so = self.id_off, self.weight_off, self.scale_off
+        if stage is None:
+            stage = self._stage = torch.zeros(cap, self.row_bytes, dtype=torch.uint8, device=self.device)
+            stage[:, io : io + 8 * k].view(torch.int64).fill_(-1)
+        if s:
+            if self.fp8:
+                quantise_into(x, stage[:s, : self.payload_bytes],
+                              stage[:s, so : so + 4 * self.scale_groups].view(torch.float32),
+                              self.knobs.scale_granularity)
+            else:
+                stage[:s, : self.payload_bytes].view(self.dtype).copy_(x)
+            stage[:s, io : io + 8 * k].view(torch.int64).copy_(topk_idx)
+            stage[:s, wo : wo + 4 * k].view(torch.float32).copy_(topk_weights)
+        if self._stage_hi > s:  # rows a larger earlier dispatch filled: mark them empty again
+            stage[s : self._stage_hi, io : io + 8 * k].view(torch.int64).fill_(-1)
+        self._stage_hi = s
+        cs = max(1, math.ceil(cap / self.num_chunks))
+        chunks = []
+        for c in range(self.num_chunks):
+            c0, c1 = min(c * cs, cap), min((c + 1) * cs, cap)
+            chunks.append(_Chunk(c0, c1, [c1 - c0] * w, [c1 - c0] * w, w * c0, []))
+        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, w * cap, dense=True)
+        handle._recv_buf = torch.empty(w * cap, self.row_bytes, dtype=torch.uint8, device=self.device)
+        handle._combine_out = torch.empty(cap, self.hidden, dtype=self.dtype, device=self.device)
+        return handle
+
     def plan(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
         """Check the inputs on every rank and exchange the counts (the one host sync of a dispatch).
 
         Kept to a dozen small kernels and no hidden syncs (no bincount/nonzero: they sync on CUDA).
+        Dense layout: see `_plan_dense` (no counts, no sync).
         """
+        if self.dense:
+            return self._plan_dense(x, topk_idx, topk_weights)
         w, e, epr, n_chunks = self.world, self.model.experts, self.experts_per_rank, self.num_chunks
         code, msg = self._local_check(x, topk_idx, topk_weights)
         width = 2 + epr
@@ -369,18 +488,7 @@ class EPBuffer:
         recv_h = host[nsend:]
         peer_err = {r: [recv_h[(r * n_chunks + c) * width] for c in range(n_chunks)] for r in range(w)}
         peer_codes = {r: (_RANGE_ERROR if max(v) > 0 else -min(v)) for r, v in peer_err.items()}
-        my_code = peer_codes[self.rank]
-        if any(peer_codes.values()):
-            if my_code == _RANGE_ERROR and idx is not None:
-                bad_vals = idx[(idx < 0) | (idx >= e)]
-                msg = (f"topk_idx holds expert ids out of range [0, {e}): found {bad_vals.numel()} bad ids "
-                       f"(min {int(bad_vals.min())}, max {int(bad_vals.max())})")
-            others = [f"rank {r}: {_ERRORS.get(c, f'error {c}')}" for r, c in peer_codes.items() if c and r != self.rank]
-            text = f"EPBuffer.dispatch on rank {self.rank}: "
-            text += msg if my_code else "invalid input on another rank"
-            if others:
-                text += "; reported by " + "; ".join(others)
-            raise ValueError(text)
+        self._raise_errors(peer_codes, msg, idx)
         chunks: list[_Chunk] = []
         off = 0
         for c in range(n_chunks):
@@ -399,6 +507,8 @@ class EPBuffer:
         """Build chunk c's send rows (grouped by destination rank, rank order): one gather per column block,
         written straight into the wire rows."""
         ch = handle.chunks[c]
+        if handle.dense:
+            return self._stage[ch.t0 : ch.t1]  # type: ignore[index]
         n = sum(ch.send_splits)
         send = torch.empty(n, self.row_bytes, dtype=torch.uint8, device=self.device)
         if n == 0:
@@ -426,6 +536,10 @@ class EPBuffer:
     def post_dispatch(self, handle: Handle, c: int, send: torch.Tensor):
         ch = handle.chunks[c]
         out = handle._recv_buf[ch.recv_offset : ch.recv_offset + ch.recv_rows]
+        if handle.dense:
+            if ch.t1 == ch.t0:
+                return None
+            return self.transport.gather_async(out, send, channel=c % self.comm_channels)  # type: ignore[attr-defined]
         return self._post(send, ch.send_splits, ch.recv_splits, out, channel=c % self.comm_channels)
 
     def unpack(self, handle: Handle, c: int | None = None) -> tuple[torch.Tensor, RecvMeta]:
@@ -447,9 +561,10 @@ class EPBuffer:
         k = self.topk
         ids = rb[:, self.id_off : self.id_off + 8 * k].view(torch.int64)
         wts = rb[:, self.weight_off : self.weight_off + 4 * k].view(torch.float32)
-        tpe = [sum(ch.pairs_per_expert[j] for ch in chunks) for j in range(self.experts_per_rank)]
+        tpe = None if handle.dense else [sum(ch.pairs_per_expert[j] for ch in chunks) for j in range(self.experts_per_rank)]
         rpr = [sum(ch.recv_splits[r] for ch in chunks) for r in range(self.world)]
-        return recv_x, RecvMeta(ids, wts, tpe, rpr, first_expert=self.rank * self.experts_per_rank)
+        return recv_x, RecvMeta(ids, wts, tpe, rpr, first_expert=self.rank * self.experts_per_rank,
+                                num_local=self.experts_per_rank)
 
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
@@ -503,13 +618,23 @@ class EPBuffer:
         """Send chunk c's expert output rows back (the reverse of its dispatch)."""
         ch = handle.chunks[c]
         rows = rows.contiguous()
-        out = torch.empty(sum(ch.send_splits), handle.hidden, dtype=handle.dtype, device=handle.device)
         channel = c % self.comm_channels + (self.comm_channels if self.num_chunks > 1 else 0)
+        if handle.dense:
+            out = handle._combine_out[ch.t0 : ch.t1]
+            if ch.t1 == ch.t0:
+                return out, None
+            return out, self.transport.reduce_scatter_async(out, rows, channel=channel)  # type: ignore[attr-defined]
+        out = torch.empty(sum(ch.send_splits), handle.hidden, dtype=handle.dtype, device=handle.device)
         return out, self._post(rows, ch.recv_splits, ch.send_splits, out, channel=channel)
 
     @staticmethod
     def finish_combine(handle: Handle, received: list[tuple[torch.Tensor, Any]]) -> torch.Tensor:
         """Wait for every chunk's rows and add each token's rows (one per rank that held its experts)."""
+        if handle.dense:  # the reduce-scatter already summed them
+            for _rows, work in received:
+                if work is not None:
+                    work.wait()
+            return handle._combine_out[: handle.num_tokens]
         out = torch.zeros(handle.num_tokens, handle.hidden, dtype=handle.dtype, device=handle.device)
         for ch, (rows, work) in zip(handle.chunks, received, strict=True):
             if work is not None:

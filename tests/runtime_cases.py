@@ -42,6 +42,12 @@ def expected_rows(world: int, model, tokens, routing: str, seed: int, me: int) -
     return n
 
 
+def expected_pairs(world: int, model, tokens, routing: str, seed: int, me: int) -> int:
+    """(row, local expert) pairs rank `me` must receive."""
+    epr = model.experts // world
+    return sum(int(((make_inputs(r, model, tokens, routing, seed)[1] // epr) == me).sum()) for r in range(world))
+
+
 def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
     """For each config: the layer's output vs the dense reference, and the received row count."""
     out = []
@@ -52,7 +58,9 @@ def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
         tokens = cfg["tokens"]
         routing = cfg.get("routing", "uniform")
         seed = cfg.get("seed", 0)
-        layer = MoELayer(model, knobs=knobs, max_tokens=max(64, tokens_for(rank, tokens)), seed=seed)
+        cap = max(64, tokens_for(rank, tokens))
+        buf = EPBuffer(knobs=knobs, model=model, max_tokens=cap, dense=cfg.get("dense"))
+        layer = MoELayer(model, max_tokens=cap, seed=seed, buffer=buf)
         x, idx, w = make_inputs(rank, model, tokens, routing, seed)
         y = layer.forward_routed(x, idx, w)
         ref = dense_reference(x, model, seed=seed, topk_idx=idx, topk_weights=w)
@@ -65,8 +73,11 @@ def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
             "err": max_rel_err(y, ref),
             "shape_ok": tuple(y.shape) == tuple(x.shape),
             "rows": recv_x.shape[0],
-            "expected_rows": expected_rows(world, model, tokens, routing, seed, rank),
+            # dense layout: every capacity slot of every rank arrives (empty slots carry no expert)
+            "expected_rows": world * cap if buf.dense else expected_rows(world, model, tokens, routing, seed, rank),
+            "dense": buf.dense,
             "pairs": meta.num_pairs,
+            "expected_pairs": expected_pairs(world, model, tokens, routing, seed, rank),
             "roundtrip_err": rt_err,
             "out": y.clone(),
         })
