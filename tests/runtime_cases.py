@@ -88,11 +88,11 @@ def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
 BAD_INPUTS = ("x_shape", "x_dtype", "idx_range", "idx_negative", "idx_shape", "weights_shape", "too_many", "combine_shape")
 
 
-def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int) -> dict[str, str]:
+def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int, dense: bool | None = None) -> dict[str, str]:
     """Rank `bad_rank` passes a bad input; every rank must raise ValueError (no hang). After each error the
     group must still work (a good dispatch/combine follows)."""
     model = get_model("custom:64,32,8,2,float32")
-    buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=32)
+    buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=32, dense=dense)
     msgs: dict[str, str] = {}
     for kind in kinds:
         x, idx, w = make_inputs(rank, model, 8, "uniform", 0)
