@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .fp8 import dequantise, fp8_available, num_scale_groups, quantise, quantise_into
+from .fp8 import dequantise, fp8_available, num_scale_groups, quantise_into
 from .knobs import KnobError, Knobs
 from .shapes import ModelShape
 from .transports.base import EPTransport
@@ -93,7 +93,7 @@ def _nonzero_rows(mask: torch.Tensor, size: int) -> torch.Tensor:
     """nonzero() of a bool matrix with a known count (no device sync where torch allows it)."""
     if hasattr(torch, "nonzero_static"):
         try:
-            return torch.nonzero_static(mask, size=size)
+            return torch.nonzero_static(mask, size=size, fill_value=0)
         except (RuntimeError, NotImplementedError):
             pass
     return torch.nonzero(mask)
@@ -177,6 +177,7 @@ class _Chunk:
     recv_offset: int
     pairs_per_expert: list[int]  # received (row, local expert) pairs per local expert
     send_tok: torch.Tensor | None = None  # token index (into x) of every sent row, in send order
+    send_offset: int = 0  # first row of this chunk in the dispatch's send rows
 
     @property
     def recv_rows(self) -> int:
@@ -201,6 +202,9 @@ class Handle:
     _recv_buf: Any = field(default=None, repr=False)
     dense: bool = False  # dense layout: every token slot of the capacity goes to every rank (see EPBuffer)
     _combine_out: Any = field(default=None, repr=False)
+    num_send: int = 0  # packed layout: rows sent (all chunks)
+    _send_all: Any = field(default=None, repr=False)  # packed layout: the send rows of all chunks
+    _send_tok: Any = field(default=None, repr=False)  # packed layout: token index of every send row
 
     def release_inputs(self) -> None:
         self._x = self._idx = self._w = self._mask = None
@@ -274,7 +278,8 @@ class EPBuffer:
             self.transport = cls(group, knobs, self.device)
         self._fast = hasattr(self.transport, "exchange_async") and hasattr(self.transport, "exchange_blocks")
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
-        self._stage: torch.Tensor | None = None  # dense layout: the send rows, [max_tokens, row_bytes], reused
+        self._stage: torch.Tensor | None = None  # token rows [max_tokens, row_bytes], reused (dense: the send rows)
+        self._send: torch.Tensor | None = None  # packed layout: send rows [max_tokens * world, row_bytes], reused
         self._stage_hi = 0  # dense layout: stage rows [0, _stage_hi) may hold real expert ids
 
     # -- layout of one wire row ---------------------------------------------------------------------
@@ -417,20 +422,8 @@ class EPBuffer:
             # unchecked mode: only this rank knows (the others wait in the collective until its timeout)
             raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {msg}")
         s, cap = x.shape[0], self.max_tokens
-        stage = self._stage
-        io, wo, so = self.id_off, self.weight_off, self.scale_off
-        if stage is None:
-            stage = self._stage = torch.zeros(cap, self.row_bytes, dtype=torch.uint8, device=self.device)
-            stage[:, io : io + 8 * k].view(torch.int64).fill_(-1)
-        if s:
-            if self.fp8:
-                quantise_into(x, stage[:s, : self.payload_bytes],
-                              stage[:s, so : so + 4 * self.scale_groups].view(torch.float32),
-                              self.knobs.scale_granularity)
-            else:
-                stage[:s, : self.payload_bytes].view(self.dtype).copy_(x)
-            stage[:s, io : io + 8 * k].view(torch.int64).copy_(topk_idx)
-            stage[:s, wo : wo + 4 * k].view(torch.float32).copy_(topk_weights)
+        io = self.id_off
+        stage = self._write_stage(x, topk_idx, topk_weights, s)
         if self._stage_hi > s:  # rows a larger earlier dispatch filled: mark them empty again
             stage[s : self._stage_hi, io : io + 8 * k].view(torch.int64).fill_(-1)
         self._stage_hi = s
@@ -457,19 +450,19 @@ class EPBuffer:
         width = 2 + epr
         s = x.shape[0] if code == 0 else 0
         cs = max(1, math.ceil(s / n_chunks))
-        idx = wts = mask = None
+        idx = tok_all = send_all = None
         if code == 0:
             idx = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)
-            wts = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
             # ids out of range (< 0 or >= E) all land in bucket E: counted, never indexed
-            key = idx.clamp(-1, e).remainder(e + 1)
+            key = idx.clamp(-1, e).remainder_(e + 1)
             rank_key = torch.div(key, epr, rounding_mode="floor")  # W = the bad bucket
             mask = torch.zeros(n_chunks * cs, w + 1, dtype=torch.bool, device=self.device)
             mask[:s].scatter_(1, rank_key, True)
-            rows = mask.view(n_chunks, cs, w + 1).sum(1)  # [chunks, W+1]
+            mask3 = mask.view(n_chunks, cs, w + 1)
+            rows = mask3.sum(1)  # [chunks, W+1]
             if n_chunks > 1:
                 chunk_id = torch.div(torch.arange(s, device=self.device), cs, rounding_mode="floor")
-                key = key + chunk_id.unsqueeze(1) * (e + 1)
+                key = torch.add(key, chunk_id.unsqueeze(1), alpha=e + 1)
             cnt = torch.zeros(n_chunks * (e + 1), dtype=torch.int64, device=self.device)
             flat = key.reshape(-1)
             cnt.scatter_add_(0, flat, self._one.expand(flat.shape[0]))
@@ -478,6 +471,16 @@ class EPBuffer:
             counts = torch.cat(
                 [nbad, rows[:, :w].t().unsqueeze(2), cnt[:, :e].view(n_chunks, w, epr).permute(1, 0, 2)], dim=2
             )
+            if s:
+                # Everything the payload needs is queued before the sync below, so the GPU builds the send
+                # rows while the host waits for the counts: token rows once (payload or fp8 + scale, ids,
+                # weights), then ONE gather of them in (chunk, destination, token) order. The order list is
+                # padded to its upper bound s*W (nonzero_static: no sync); the splits say how much is real.
+                self._write_stage(x, topk_idx, topk_weights, s)
+                pairs = _nonzero_rows(mask3[:, :, :w].permute(0, 2, 1), s * w)
+                tok_all = torch.add(pairs[:, 2], pairs[:, 0], alpha=cs)  # token index of every send row
+                send_all = self._send_rows(tok_all.shape[0])
+                torch.index_select(self._stage, 0, tok_all, out=send_all)  # type: ignore[arg-type]
         else:
             counts = torch.zeros(w, n_chunks, width, dtype=torch.int64, device=self.device)
             counts[:, :, 0] = -code
@@ -490,48 +493,64 @@ class EPBuffer:
         peer_codes = {r: (_RANGE_ERROR if max(v) > 0 else -min(v)) for r, v in peer_err.items()}
         self._raise_errors(peer_codes, msg, idx)
         chunks: list[_Chunk] = []
-        off = 0
+        off = soff = 0
         for c in range(n_chunks):
             t0, t1 = min(c * cs, s), min((c + 1) * cs, s)
             send_splits = [send_h[d * n_chunks + c][1] for d in range(w)]
             base = [(r * n_chunks + c) * width for r in range(w)]
             recv_splits = [recv_h[b + 1] for b in base]
             ppe = [sum(recv_h[b + 2 + j] for b in base) for j in range(epr)]
-            chunks.append(_Chunk(t0, t1, send_splits, recv_splits, off, ppe))
+            n = sum(send_splits)
+            ch = _Chunk(t0, t1, send_splits, recv_splits, off, ppe, send_offset=soff)
+            if tok_all is not None:
+                ch.send_tok = tok_all[soff : soff + n]
+            chunks.append(ch)
             off += sum(recv_splits)
-        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, off, x, idx, wts, mask)
+            soff += n
+        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, off)
+        handle.num_send = soff
+        handle._send_all = send_all
+        handle._send_tok = tok_all[:soff] if tok_all is not None else None
         handle._recv_buf = torch.empty(off, self.row_bytes, dtype=torch.uint8, device=self.device)
         return handle
 
+    def _write_stage(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, s: int) -> torch.Tensor:
+        """Write the s tokens as wire rows into the reused stage buffer [max_tokens, row_bytes]: payload (or
+        fp8 bytes + scales, quantised straight into the rows), expert ids, weights. 3 copies for bf16."""
+        k = self.topk
+        io, wo, so = self.id_off, self.weight_off, self.scale_off
+        stage = self._stage
+        if stage is None:
+            stage = self._stage = torch.zeros(self.max_tokens, self.row_bytes, dtype=torch.uint8, device=self.device)
+            stage[:, io : io + 8 * k].view(torch.int64).fill_(-1)
+        if not s:
+            return stage
+        if self.fp8:
+            quantise_into(x, stage[:s, : self.payload_bytes],
+                          stage[:s, so : so + 4 * self.scale_groups].view(torch.float32), self.knobs.scale_granularity)
+        else:
+            stage[:s, : self.payload_bytes].view(self.dtype).copy_(x)
+        stage[:s, io : io + 8 * k].view(torch.int64).copy_(topk_idx)
+        stage[:s, wo : wo + 4 * k].view(torch.float32).copy_(topk_weights)
+        return stage
+
+    def _send_rows(self, n: int) -> torch.Tensor:
+        """The packed layout's send rows: a reused buffer of max_tokens × world rows (the most one dispatch
+        can send: every token once to every rank). Safe to reuse: dispatch returns only after the current
+        stream has waited for its payload transfers."""
+        if self._send is None:
+            self._send = torch.empty(self.max_tokens * self.world, self.row_bytes, dtype=torch.uint8, device=self.device)
+        return self._send[:n]
+
     def pack(self, handle: Handle, c: int) -> torch.Tensor:
-        """Build chunk c's send rows (grouped by destination rank, rank order): one gather per column block,
-        written straight into the wire rows."""
+        """Chunk c's send rows (grouped by destination rank, rank order): a slice of the rows `plan` built."""
         ch = handle.chunks[c]
         if handle.dense:
             return self._stage[ch.t0 : ch.t1]  # type: ignore[index]
         n = sum(ch.send_splits)
-        send = torch.empty(n, self.row_bytes, dtype=torch.uint8, device=self.device)
-        if n == 0:
-            ch.send_tok = torch.empty(0, dtype=torch.int64, device=self.device)
-            return send
-        # rank-major (dest, token) pairs: rows for rank 0 first, then rank 1, ...
-        pairs = _nonzero_rows(handle._mask[ch.t0 : ch.t1, : self.world].t(), n)
-        tok_local = pairs[:, 1].contiguous()  # one tiny copy: index kernels get a dense index
-        tok = tok_local + ch.t0 if ch.t0 else tok_local
-        ch.send_tok = tok
-        x = handle._x
-        if self.fp8:
-            # quantise each token of the chunk once, then gather the fp8 rows and their scales
-            q, scales = quantise(x[ch.t0 : ch.t1], self.knobs.scale_granularity)
-            torch.index_select(q, 0, tok_local, out=send[:, : self.payload_bytes])
-            sv = send[:, self.scale_off : self.scale_off + 4 * self.scale_groups].view(torch.float32)
-            torch.index_select(scales, 0, tok_local, out=sv)
-        else:
-            torch.index_select(x, 0, tok, out=send[:, : self.payload_bytes].view(self.dtype))
-        k = self.topk
-        torch.index_select(handle._idx, 0, tok, out=send[:, self.id_off : self.id_off + 8 * k].view(torch.int64))
-        torch.index_select(handle._w, 0, tok, out=send[:, self.weight_off : self.weight_off + 4 * k].view(torch.float32))
-        return send
+        if handle._send_all is None:
+            return torch.empty(0, self.row_bytes, dtype=torch.uint8, device=self.device)
+        return handle._send_all[ch.send_offset : ch.send_offset + n]
 
     def post_dispatch(self, handle: Handle, c: int, send: torch.Tensor):
         ch = handle.chunks[c]
@@ -624,7 +643,9 @@ class EPBuffer:
             if ch.t1 == ch.t0:
                 return out, None
             return out, self.transport.reduce_scatter_async(out, rows, channel=channel)  # type: ignore[attr-defined]
-        out = torch.empty(sum(ch.send_splits), handle.hidden, dtype=handle.dtype, device=handle.device)
+        if handle._combine_out is None:  # one buffer for every chunk's returning rows (one index_add at the end)
+            handle._combine_out = torch.empty(handle.num_send, handle.hidden, dtype=handle.dtype, device=handle.device)
+        out = handle._combine_out[ch.send_offset : ch.send_offset + sum(ch.send_splits)]
         return out, self._post(rows, ch.recv_splits, ch.send_splits, out, channel=channel)
 
     @staticmethod
@@ -635,12 +656,12 @@ class EPBuffer:
                 if work is not None:
                     work.wait()
             return handle._combine_out[: handle.num_tokens]
-        out = torch.zeros(handle.num_tokens, handle.hidden, dtype=handle.dtype, device=handle.device)
-        for ch, (rows, work) in zip(handle.chunks, received, strict=True):
+        for _rows, work in received:
             if work is not None:
                 work.wait()
-            if rows.shape[0]:
-                out.index_add_(0, ch.send_tok, rows)
+        out = torch.zeros(handle.num_tokens, handle.hidden, dtype=handle.dtype, device=handle.device)
+        if handle.num_send:
+            out.index_add_(0, handle._send_tok, handle._combine_out)
         return out
 
     def combine(self, expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
