@@ -7,28 +7,42 @@
 
 Sharding: expert e lives on rank e // (E / world) as local expert e % (E / world).
 
-Wire format. Each token travels once per destination *rank* (not once per expert): the row carries the
-token's payload and its k routing slots (expert id, weight). Rows for a destination
-are packed contiguously in rank order (rank-major `nonzero` of the token × rank mask: one gather, no
-scatter, no argsort), so one `all_to_all_single` with split sizes moves them: one transfer per peer.
+Two wire layouts (collective transports; the one-sided ones always use the packed layout):
+
+* packed (counts first): each token travels once per destination *rank* it needs (not once per expert).
+  Rows for a destination are packed contiguously in (chunk, rank) order, so one `all_to_all_single` with
+  split sizes per chunk moves them: one transfer per peer. Counts go first: every rank sends each peer,
+  per pipeline chunk, [error code, rows, pairs per local expert] in one small int64 all-to-all. That
+  exchange doubles as the input check: a rank whose input is wrong (shape, dtype, expert id out of range)
+  reports its error code there instead of sending rows, and every rank raises ValueError naming the
+  offending rank and problem — no rank enters the payload collective, none hangs. The counts come to the
+  host once per dispatch (one `.tolist()`, the only host sync), and combine reuses them (no sync). All
+  device work of a dispatch (token rows, the (chunk, rank, token) order via `nonzero_static` padded to
+  its upper bound, one gather into the reused send buffer) is queued *before* that sync, so the GPU
+  builds the rows while the host waits for the counts; after it the host only posts the transfers.
+* dense (no counts): every token slot of the capacity (max_tokens) goes to every rank — the dispatch is one
+  `all_gather` of the token rows, the combine one `reduce_scatter` (the sum over ranks happens in the
+  collective). No counts exchange, no host sync, ~4 kernels per direction; slots a rank does not use carry
+  expert id -1 and are ignored. It sends max_tokens rows per peer whatever S is, and rows of tokens with no
+  expert on that peer: worth it when bytes are cheap (small S) or when nearly every token needs every rank
+  anyway (2 ranks with top-4/8: 94-99.6 % of tokens). `EPBuffer(dense=None)` picks it when one dense send is
+  <= DENSE_AUTO_MAX_BYTES per peer or the expected extra rows are <= DENSE_AUTO_MAX_WASTE (uniform routing);
+  pass dense=False when S is usually far below max_tokens. With check_inputs the dense dispatch adds one
+  tiny status all-gather (and its sync) so that wrong inputs are an error on every rank; without it, a
+  wrong input raises on its own rank only (the others wait for the collective timeout).
+
 One row, all bytes (uint8):
 
     [payload: H × itemsize (bf16/fp32) or H fp8 bytes][int64 ids × k][fp32 weights × k]
     [fp32 scales (fp8 only)][padding to 16 bytes]
 
-The k ids are the global expert ids as given (one gather, no per-destination select on the sender); the
+The k ids are the global expert ids as given (one copy, no per-destination select on the sender); the
 receiver keeps the slots whose expert it holds (expert - rank × E/world in [0, E/world)) and ignores the rest.
 
-Counts go first: every rank sends each peer, per pipeline chunk, [error code, rows, pairs per local
-expert] in one small int64 all-to-all. That exchange doubles as the input check: a rank whose input is
-wrong (shape, dtype, expert id out of range) reports its error code there instead of sending rows, and
-every rank raises ValueError naming the offending rank and problem — no rank enters the payload
-collective, none hangs. The counts come to the host once per dispatch (one `.tolist()`), and combine
-reuses them (no second sync).
-
 Combine: one row per received row goes back (the expert side has already summed its local experts per
-(token, rank)); the source adds the rows of each token, one per rank that held its experts. Combine is
-never compressed (activation dtype); with bf16 the per-token sum over ranks is accumulated in bf16.
+(token, rank)); the source adds the rows of each token, one per rank that held its experts (packed: one
+index_add over all chunks; dense: inside the reduce-scatter). Combine is never compressed (activation
+dtype); with bf16 the per-token sum over ranks is accumulated in bf16.
 
 Knobs used by the collective transport: compression / scale_granularity (fp8 dispatch), pipeline_depth
 (tokens split into that many chunks, see pipeline.py) and channels (communicators per direction, chunks
@@ -592,8 +606,10 @@ class EPBuffer:
 
         x [S, H] (the buffer's dtype, S <= max_tokens), topk_idx int [S, k] global expert ids,
         topk_weights float [S, k]. Returns recv_x [M, H] (rows grouped by source rank; with pipeline_depth
-        chunks: by chunk, then source rank), RecvMeta and the handle for combine. Raises ValueError on
-        every rank when any rank's input is wrong (before any payload moves).
+        chunks: by chunk, then source rank), RecvMeta and the handle for combine. Packed layout: M = the
+        rows routed here; dense layout: M = world × max_tokens (every slot of every rank; unused slots and
+        tokens without a local expert have no local slot in RecvMeta, their expert output row is ignored).
+        Raises ValueError on every rank when any rank's input is wrong (before any payload moves).
 
         Without compression recv_x is a view into the receive buffer (no copy; its rows are strided by the
         wire row size): use it as is for index_select/matmul, or call .contiguous() for a dense tensor.
