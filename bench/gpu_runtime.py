@@ -15,7 +15,7 @@ ranks before NCCL initialises) — it runs:
        packed_a2a : the packed layout forced (counts first, one host sync, all_to_all_single with splits)
        fp8_d1     : packed + fp8 e4m3 dispatch (per-token scales), depth 1 (separates fp8 from pipelining)
        fp8_d2/d4  : packed + fp8 + pipeline_depth 2 / 4 (dispatch and combine on their own communicators)
-     and, only for host_staged qwen3-30b S=4096/16384 (the issue's check): fp8_d2c2, fp8_d4c2, fp8_d4c4
+     and, only for host_staged qwen3-30b S=4096/16384 (the issue's check): fp8_d2c2, fp8_d4c2, fp8_d4c4, fp8_d8c4
      (channels = communicators per direction) and a2a_fp8_d2, a2a_fp8_d4c2 (packed layout forced).
      dispatch_us and combine_us are each timed alone; total_us is dispatch → identity experts → combine
      as one span (pipelined for depth > 1), the same span for plain; for qwen3-30b also layer_us, the MoE
@@ -83,6 +83,7 @@ EXTRA_VARIANTS: dict[str, dict] = {
     "fp8_d2c2": {"impl": "moetune", "knobs": {"compression": "fp8_e4m3", "pipeline_depth": 2, "channels": 2}},
     "fp8_d4c2": {"impl": "moetune", "knobs": {"compression": "fp8_e4m3", "pipeline_depth": 4, "channels": 2}},
     "fp8_d4c4": {"impl": "moetune", "knobs": {"compression": "fp8_e4m3", "pipeline_depth": 4, "channels": 4}},
+    "fp8_d8c4": {"impl": "moetune", "knobs": {"compression": "fp8_e4m3", "pipeline_depth": 8, "channels": 4}},
     # the same with the packed (counts + all_to_all) layout forced, in case NCCL's all-to-all stages through
     # host memory faster than its all-gather / reduce-scatter
     "a2a_fp8_d2": {"impl": "moetune", "knobs": {"compression": "fp8_e4m3", "pipeline_depth": 2}, "dense": False},

@@ -158,14 +158,16 @@ def case_gpu(rank: int, world: int) -> list[tuple[str, float, float]]:
     out = []
     for spec, s in (("custom:256,128,16,4", 40), ("qwen3-30b", 64)):
         model = get_model(spec)
-        for comp, depth in (("none", 1), ("fp8_e4m3", 2)):
-            layer = MoELayer(model, knobs=Knobs(compression=comp, pipeline_depth=depth), max_tokens=s, device=dev, seed=1)
+        for comp, depth, dense in (("none", 1, True), ("fp8_e4m3", 2, True), ("none", 1, False), ("fp8_e4m3", 2, False)):
+            buf = EPBuffer(knobs=Knobs(compression=comp, pipeline_depth=depth), model=model, max_tokens=s, device=dev,
+                           dense=dense)
+            layer = MoELayer(model, max_tokens=s, device=dev, seed=1, buffer=buf)
             g = torch.Generator(device=dev).manual_seed(rank + 5)
             x = torch.randn(s, model.hidden, generator=g, device=dev).to(torch.bfloat16)
             idx, w = generate_routing(s, model.experts, model.topk, routing="zipf:1.2", seed=rank, device=dev)
             y = layer.forward_routed(x, idx, w)
             ref = dense_reference(x, model, seed=1, topk_idx=idx, topk_weights=w)
             bound = 3e-2 + (FP8_LAYER_REL_ERR_BOUND if comp != "none" else 0.0)
-            out.append((f"{spec}/{comp}/d{depth}/grouped={layer.use_grouped_mm}", max_rel_err(y, ref), bound))
+            out.append((f"{spec}/{comp}/d{depth}/dense={dense}/grouped={layer.use_grouped_mm}", max_rel_err(y, ref), bound))
             del layer
     return out
