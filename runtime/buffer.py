@@ -153,8 +153,11 @@ class RecvMeta:
     @property
     def valid(self) -> torch.Tensor:
         if self._valid is None:
-            n_local = self.num_local
-            self._valid = (self.raw_ids >= self.first_expert) & (self.raw_ids < self.first_expert + n_local)
+            n_local = max(1, self.num_local)
+            if self.first_expert % n_local == 0:  # rank × E/world: one division tells the owner rank
+                self._valid = torch.floor_divide(self.raw_ids, n_local) == self.first_expert // n_local
+            else:
+                self._valid = (self.raw_ids >= self.first_expert) & (self.raw_ids < self.first_expert + n_local)
         return self._valid
 
     @property
@@ -292,6 +295,7 @@ class EPBuffer:
             self.transport = cls(group, knobs, self.device)
         self._fast = hasattr(self.transport, "exchange_async") and hasattr(self.transport, "exchange_blocks")
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
+        self._stage_views: Any = None
         self._stage: torch.Tensor | None = None  # token rows [max_tokens, row_bytes], reused (dense: the send rows)
         self._send: torch.Tensor | None = None  # packed layout: send rows [max_tokens * world, row_bytes], reused
         self._stage_hi = 0  # dense layout: stage rows [0, _stage_hi) may hold real expert ids
@@ -419,7 +423,7 @@ class EPBuffer:
     def _plan_dense(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
         """Dense layout: write the tokens into the reused send rows; no counts, no host sync (one tiny
         status all-gather and one sync when check_inputs is on)."""
-        w, e, k = self.world, self.model.experts, self.topk
+        w, e = self.world, self.model.experts
         code, msg = self._local_check(x, topk_idx, topk_weights)
         if self.check_inputs:
             if code:
@@ -436,10 +440,9 @@ class EPBuffer:
             # unchecked mode: only this rank knows (the others wait in the collective until its timeout)
             raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {msg}")
         s, cap = x.shape[0], self.max_tokens
-        io = self.id_off
-        stage = self._write_stage(x, topk_idx, topk_weights, s)
+        self._write_stage(x, topk_idx, topk_weights, s)
         if self._stage_hi > s:  # rows a larger earlier dispatch filled: mark them empty again
-            stage[s : self._stage_hi, io : io + 8 * k].view(torch.int64).fill_(-1)
+            self._stage_views[1].narrow(0, s, self._stage_hi - s).fill_(-1)
         self._stage_hi = s
         cs = max(1, math.ceil(cap / self.num_chunks))
         chunks = []
@@ -528,24 +531,35 @@ class EPBuffer:
         handle._recv_buf = torch.empty(off, self.row_bytes, dtype=torch.uint8, device=self.device)
         return handle
 
+    def _row_views(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(payload, ids int64 [n, k], weights float32 [n, k], scales float32 [n, G] or None) views of wire
+        rows uint8 [n, row_bytes]; payload is uint8 fp8 bytes [n, H] with compression, else [n, H] in the
+        activation dtype. dtype views + narrow: no copies, few Python-level slicing calls."""
+        h, k = self.hidden, self.topk
+        f32 = rows.view(torch.float32)
+        payload = rows.narrow(1, 0, h) if self.fp8 else rows.view(self.dtype).narrow(1, 0, h)
+        scales = f32.narrow(1, self.scale_off // 4, self.scale_groups) if self.fp8 else None
+        return payload, rows.view(torch.int64).narrow(1, self.id_off // 8, k), f32.narrow(1, self.weight_off // 4, k), scales
+
     def _write_stage(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, s: int) -> torch.Tensor:
         """Write the s tokens as wire rows into the reused stage buffer [max_tokens, row_bytes]: payload (or
         fp8 bytes + scales, quantised straight into the rows), expert ids, weights. 3 copies for bf16."""
-        k = self.topk
-        io, wo, so = self.id_off, self.weight_off, self.scale_off
         stage = self._stage
         if stage is None:
             stage = self._stage = torch.zeros(self.max_tokens, self.row_bytes, dtype=torch.uint8, device=self.device)
-            stage[:, io : io + 8 * k].view(torch.int64).fill_(-1)
+            self._stage_views = self._row_views(stage)
+            self._stage_views[1].fill_(-1)
         if not s:
             return stage
+        views = self._stage_views if s == self.max_tokens else [v.narrow(0, 0, s) if v is not None else None
+                                                                 for v in self._stage_views]
+        payload, ids, wts, scales = views
         if self.fp8:
-            quantise_into(x, stage[:s, : self.payload_bytes],
-                          stage[:s, so : so + 4 * self.scale_groups].view(torch.float32), self.knobs.scale_granularity)
+            quantise_into(x, payload, scales, self.knobs.scale_granularity)
         else:
-            stage[:s, : self.payload_bytes].view(self.dtype).copy_(x)
-        stage[:s, io : io + 8 * k].view(torch.int64).copy_(topk_idx)
-        stage[:s, wo : wo + 4 * k].view(torch.float32).copy_(topk_weights)
+            payload.copy_(x)
+        ids.copy_(topk_idx)
+        wts.copy_(topk_weights)
         return stage
 
     def _send_rows(self, n: int) -> torch.Tensor:
@@ -585,15 +599,9 @@ class EPBuffer:
             ch = handle.chunks[c]
             a, b = ch.recv_offset, ch.recv_offset + ch.recv_rows
             chunks = [ch]
-        rb = handle._recv_buf[a:b]
-        if self.fp8:
-            scales = rb[:, self.scale_off : self.scale_off + 4 * self.scale_groups].view(torch.float32)
-            recv_x = dequantise(rb[:, : self.payload_bytes], scales, self.dtype)
-        else:
-            recv_x = rb[:, : self.payload_bytes].view(self.dtype)
-        k = self.topk
-        ids = rb[:, self.id_off : self.id_off + 8 * k].view(torch.int64)
-        wts = rb[:, self.weight_off : self.weight_off + 4 * k].view(torch.float32)
+        rb = handle._recv_buf if (a == 0 and b == handle.num_recv) else handle._recv_buf.narrow(0, a, b - a)
+        payload, ids, wts, scales = self._row_views(rb)
+        recv_x = dequantise(payload, scales, self.dtype) if self.fp8 else payload
         tpe = None if handle.dense else [sum(ch.pairs_per_expert[j] for ch in chunks) for j in range(self.experts_per_rank)]
         rpr = [sum(ch.recv_splits[r] for ch in chunks) for r in range(self.world)]
         return recv_x, RecvMeta(ids, wts, tpe, rpr, first_expert=self.rank * self.experts_per_rank,
