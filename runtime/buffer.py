@@ -451,7 +451,6 @@ class EPBuffer:
             chunks.append(_Chunk(c0, c1, [c1 - c0] * w, [c1 - c0] * w, w * c0, []))
         handle = Handle(s, self.hidden, self.dtype, self.device, chunks, w * cap, dense=True)
         handle._recv_buf = torch.empty(w * cap, self.row_bytes, dtype=torch.uint8, device=self.device)
-        handle._combine_out = torch.empty(cap, self.hidden, dtype=self.dtype, device=self.device)
         return handle
 
     def plan(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
@@ -663,11 +662,13 @@ class EPBuffer:
         rows = rows.contiguous()
         channel = c % self.comm_channels + (self.comm_channels if self.num_chunks > 1 else 0)
         if handle.dense:
+            if c == 0 or handle._combine_out is None:  # a fresh result per combine (the handle may be reused)
+                handle._combine_out = torch.empty(self.max_tokens, handle.hidden, dtype=handle.dtype, device=handle.device)
             out = handle._combine_out[ch.t0 : ch.t1]
             if ch.t1 == ch.t0:
                 return out, None
             return out, self.transport.reduce_scatter_async(out, rows, channel=channel)  # type: ignore[attr-defined]
-        if handle._combine_out is None:  # one buffer for every chunk's returning rows (one index_add at the end)
+        if c == 0 or handle._combine_out is None:  # one buffer for every chunk's rows (one index_add at the end)
             handle._combine_out = torch.empty(handle.num_send, handle.hidden, dtype=handle.dtype, device=handle.device)
         out = handle._combine_out[ch.send_offset : ch.send_offset + sum(ch.send_splits)]
         return out, self._post(rows, ch.recv_splits, ch.send_splits, out, channel=channel)
@@ -702,5 +703,6 @@ class EPBuffer:
 
     def __repr__(self) -> str:
         return (f"EPBuffer(world={self.world}, rank={self.rank}, model={self.model.name}, "
+                f"layout={'dense' if self.dense else 'packed'}, "
                 f"transport={self.knobs.transport}, compression={self.knobs.compression}, "
                 f"pipeline_depth={self.knobs.pipeline_depth}, row_bytes={self.row_bytes})")

@@ -156,3 +156,5 @@ def test_dense_single_rank_round_trip_and_lazy_counts() -> None:
         out = buf.combine((recv_x * meta.weights.sum(1, keepdim=True)).contiguous(), handle)
         assert out.shape == (s, 64)
         assert torch.allclose(out, x * w.sum(1, keepdim=True), atol=1e-6)
+        again = buf.combine(torch.zeros_like(recv_x), handle)  # a second combine must not alias the first result
+        assert torch.allclose(out, x * w.sum(1, keepdim=True), atol=1e-6) and not again.any()
