@@ -92,7 +92,7 @@ EXTRA_VARIANTS: dict[str, dict] = {
 }
 EXTRA_AT = {("host_staged", "qwen3-30b", 4096), ("host_staged", "qwen3-30b", 16384)}
 ALL_VARIANTS = {**VARIANTS, **EXTRA_VARIANTS}
-DEFAULT_PROFILE = "nvlink:qwen3-30b:128:packed,host_staged:qwen3-30b:4096:fp8_d2"
+DEFAULT_PROFILE = "nvlink:qwen3-30b:128:packed,nvlink:qwen3-30b:128:plain,host_staged:qwen3-30b:4096:fp8_d2"
 CPU_MODELS = {"qwen3-30b": "custom:256,128,16,8", "gpt-oss-120b": "custom:384,384,16,4", "deepseek-v3": "custom:512,256,32,8"}
 
 
