@@ -2,7 +2,7 @@
 
 Each rank gets S tokens (random activations, routing from `--routing`, deterministic seeds). Per
 iteration, every rank times
-  dispatch   : EPBuffer.dispatch (counts exchange + pack + payload transfer + unpack/dequantise)
+  dispatch   : EPBuffer.dispatch (packed layout: counts + pack + payload transfer; dense: all-gather; + unpack)
   combine    : EPBuffer.combine of one row per received row
   roundtrip  : dispatch → identity experts (rows × their local weights) → combine as one span; with
                pipeline_depth > 1 it runs pipelined (chunk i's combine travels while later chunks dispatch)
