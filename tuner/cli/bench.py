@@ -35,6 +35,7 @@ def ep(
     transport: str = typer.Option("", "--transport", help="Override the knobs' transport (collective, host_staged, ...)."),
     impl: str = typer.Option("moetune", "--impl", help="moetune (packed EPBuffer) or plain (unpacked all_to_all_single baseline)."),
     seed: int = typer.Option(0, "--seed", help="Seed of activations, routing and weights."),
+    layout: str = typer.Option("auto", "--layout", help="Collective wire layout: auto, dense (all-gather/reduce-scatter) or packed (counts + all_to_all)."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds any collective may wait before failing."),
 ) -> None:
     """Time EP dispatch, combine and the whole MoE layer; with --verify, the error vs the dense reference."""
@@ -47,6 +48,8 @@ def ep(
         _fail(f"--backend must be gloo or nccl, got {backend!r}")
     if impl not in ("moetune", "plain"):
         _fail(f"--impl must be moetune or plain, got {impl!r}")
+    if layout not in ("auto", "dense", "packed"):
+        _fail(f"--layout must be auto, dense or packed, got {layout!r}")
     try:
         shape = get_model(model)
     except ValueError as e:
@@ -91,6 +94,7 @@ def ep(
     cfg = {
         "model": model, "tokens": tokens, "knobs": k.to_dict(), "routing": routing, "iters": iters,
         "warmup": warmup, "verify": verify, "impl": impl, "seed": seed, "backend": backend, "layer": impl == "moetune" and layer,
+        "dense": {"auto": None, "dense": True, "packed": False}[layout],
     }
     # host_staged = the collective with NCCL peer-to-peer off: set before NCCL initialises in the ranks
     env = {"NCCL_P2P_DISABLE": "1"} if k.transport == "host_staged" and backend == "nccl" else {}
@@ -130,7 +134,7 @@ def _print_table(rep: dict) -> None:
     c = Console()
     kn = rep["knobs"]
     t = Table(title=(f"EP bench: {rep['model']}, S={rep['tokens']}/rank, world {rep['world']} ({rep['backend']}), "
-                     f"{rep['impl']}, {kn['transport']}, compression={kn['compression']}, depth={kn['pipeline_depth']}, "
+                     f"{rep['impl']} ({rep.get('layout', '?')} layout), {kn['transport']}, compression={kn['compression']}, depth={kn['pipeline_depth']}, "
                      f"routing={rep['routing']}"))
     t.add_column("phase")
     for col in ("median µs", "p10 µs", "p90 µs"):
