@@ -283,6 +283,7 @@ MT_API int mt_nvl_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   p.world = c->world;
   p.epochs = c->epochs;
   p.w = make_wait(c);
+  (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   nvl_counts_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
   MT_CUDA(cudaGetLastError());
   return 0;
@@ -315,6 +316,7 @@ MT_API int mt_nvl_exchange(void* h, const void* send, uint64_t row_bytes, const 
   p.epochs = c->epochs;
   p.group_ctr = c->group_ctr;
   p.w = make_wait(c);
+  (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   nvl_exchange_kernel<<<c->world * cpp, 512, 0, (cudaStream_t)stream>>>(p);
   MT_CUDA(cudaGetLastError());
   return 0;

@@ -48,6 +48,7 @@ MT_API int mt_enable_peer_access(int dev, int peer) {
     cudaGetLastError();
     return 0;
   }
+  if (e != cudaSuccess) cudaGetLastError();  // not sticky: clear it so a later launch check stays clean
   MT_CUDA(e);
   return 0;
 }

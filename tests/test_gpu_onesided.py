@@ -82,7 +82,7 @@ def _check_world(transport: str, variants: list[str], iters: int) -> None:
     from moetune.runtime.transports._selftest import check_exchange_worker, spawn_world
 
     res = spawn_world(check_exchange_worker, NEED, dict(transport=transport, variants=variants, iters=iters),
-                      timeout_s=120)
+                      timeout_s=75)
     failures = []
     for rank, part in enumerate(res):
         if isinstance(part, dict):  # the worker itself failed
@@ -123,7 +123,7 @@ def test_missing_peer_raises_instead_of_hanging() -> None:
     from moetune.runtime.transports._selftest import spawn_world, timeout_worker
 
     t0 = time.time()
-    res = spawn_world(timeout_worker, NEED, {}, timeout_s=100)
+    res = spawn_world(timeout_worker, NEED, {}, timeout_s=60)
     for name in ("nvlink", "proxy"):
         r = res[0].get(name, res[0]) if isinstance(res[0], dict) else {}
         _record({"test": "timeout", "transport": name, "result": r, "rank1": res[1], "seconds": time.time() - t0})

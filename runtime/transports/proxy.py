@@ -17,6 +17,7 @@ fence/QP combination through `Knobs` unless a test helper passes `_allow_unsafe=
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import ClassVar
 
 import torch
@@ -164,6 +165,12 @@ class ProxyTransport(OneSidedTransport):
         if knobs.transport != "proxy":
             raise KnobError(f"ProxyTransport needs transport=proxy knobs, got {knobs.transport!r}", ("transport",))
         super().__init__(group, knobs, device, max_send_rows=max_send_rows, row_bytes=row_bytes)
+        if os.environ.get("MOETUNE_PROXY_PEER_ACCESS", "1") == "1":
+            # copy engines: enable peer access towards the other local GPUs (errors ignored: the
+            # symmetric mappings already grant access; this only helps the runtime pick direct P2P)
+            for other in range(torch.cuda.device_count()):
+                if other != self.device.index:
+                    self.lib.mt_enable_peer_access(self.device.index, other)
         ctrl = self.ctrl.peer_ptrs
         sig_off = 8 * self.rank * MAX_SLOTS  # my slots at each peer (MT_OFF_SIG = 0)
         self.engine = ProxyEngine(
