@@ -100,6 +100,7 @@ def run_micro(args, out_rows: list[dict]) -> None:
                         "concurrency": c, "pes": npe, "size": size, "qps": args.qps, "iters": len(t),
                         "us_median": med, "us_p10": _pct(t, 10), "us_p90": _pct(t, 90),
                         "GBps": c * size / med / 1e3, "issue_us_per_op": st["busy_ns"] / 1e3 / max(1, st["processed"]),
+                        "issue_us_per_op_excl_drain": (st["busy_ns"] - st["drain_ns"]) / 1e3 / max(1, st["processed"]),
                         "drains_per_iter": st["drains"] / (args.warmup + args.iters),
                         "drain_us_per_iter": st["drain_ns"] / 1e3 / (args.warmup + args.iters),
                         "signals_landed": ok_flags, "engine_error": eng.error(),

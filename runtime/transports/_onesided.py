@@ -283,7 +283,9 @@ class OneSidedTransport(EPTransport):
         if rb <= 0:
             raise ValueError(f"{self.name}: zero-byte rows")
         if self.data is None:
-            self.reserve(rows, rb)  # first call: collective sizing (a one-time host synchronisation)
+            # first call without reserve(): collective sizing (a one-time host synchronisation), with
+            # headroom (next power of two) because later calls may carry more rows
+            self.reserve(1 << max(0, rows - 1).bit_length(), rb)
         if rows * rb > self.data_bytes:
             # (the exact per-receiver bound is checked on the GPU: an overflow is reported, never written)
             raise OneSidedError(
