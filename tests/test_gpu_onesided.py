@@ -131,6 +131,28 @@ def test_missing_peer_raises_instead_of_hanging() -> None:
 
 
 @needs_gpus
+def test_epbuffer_with_onesided_transports_equals_collective() -> None:
+    """Dense reference through the runtime's EPBuffer, when the runtime branch is merged and wired."""
+    import moetune.runtime as rt
+    from moetune.runtime.transports._selftest import epbuffer_worker, spawn_world
+
+    if not hasattr(rt, "EPBuffer"):
+        try:
+            import moetune.runtime.ep_buffer  # noqa: F401
+        except ImportError:
+            _record({"test": "epbuffer", "skipped": "moetune.runtime.EPBuffer not in this checkout"})
+            pytest.skip("moetune.runtime.EPBuffer not in this checkout")
+    res = spawn_world(epbuffer_worker, NEED, {}, timeout_s=60)
+    _record({"test": "epbuffer", "result": res})
+    if isinstance(res[0], dict) and "skipped" in res[0]:
+        pytest.skip(res[0]["skipped"])
+    for rank, r in enumerate(res):
+        assert isinstance(r, dict) and "error" not in r, f"rank {rank}: {r}"
+        for name, rec in r.items():
+            assert "error" not in rec and rec.get("equal"), f"rank {rank} {name}: {rec}"
+
+
+@needs_gpus
 def test_unsafe_round_robin_nic_ordered_race_is_visible_and_peer_hash_is_clean() -> None:
     """round_robin + nic_ordered + 4 QPs (refused by Knobs) vs. peer_hash: stale rows at signal time."""
     import argparse

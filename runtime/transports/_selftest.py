@@ -210,3 +210,44 @@ def timeout_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvl
             res["error"] = traceback.format_exc()[-2000:]
         out[name] = res
     return out
+
+
+def epbuffer_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvlink", "proxy"), iters: int = 5,
+                    model: str = "qwen3-30b", tokens: int = 256) -> dict:
+    """Through the runtime's EPBuffer (when this checkout has it): dispatch + identity experts + combine
+    with a one-sided transport must equal the same with the `collective` transport."""
+    from .. import shapes
+
+    try:
+        from .. import EPBuffer  # type: ignore[attr-defined]
+    except ImportError:
+        try:
+            from ..ep_buffer import EPBuffer  # type: ignore[no-redef]
+        except ImportError:
+            return {"skipped": "moetune.runtime.EPBuffer not in this checkout"}
+    device = torch.device("cuda", rank)
+    m = shapes.get_model(model)
+    out: dict[str, Any] = {}
+    g = torch.Generator(device="cpu").manual_seed(100 + rank)
+    for name in transports:
+        rec: dict[str, Any] = {"iters": 0, "max_abs_diff": 0.0}
+        try:
+            ref_buf = EPBuffer(None, default_knobs("collective"), model=m, max_tokens=tokens, device=device)
+            buf = EPBuffer(None, default_knobs(name), model=m, max_tokens=tokens, device=device)
+            for _ in range(iters):
+                x = torch.randn(tokens, m.hidden, generator=g).to(torch.bfloat16).to(device)
+                idx = torch.rand(tokens, m.experts, generator=g).topk(m.topk, dim=1).indices.to(device)
+                w = torch.rand(tokens, m.topk, generator=g).to(device)
+                results = []
+                for b in (ref_buf, buf):
+                    recv_x, _meta, handle = b.dispatch(x, idx, w)
+                    results.append(b.combine(recv_x, handle))
+                    barrier(device)
+                diff = (results[0].float() - results[1].float()).abs().max().item()
+                rec["max_abs_diff"] = max(rec["max_abs_diff"], diff)
+                rec["iters"] += 1
+            rec["equal"] = rec["max_abs_diff"] == 0.0
+        except Exception:
+            rec["error"] = traceback.format_exc()[-2000:]
+        out[name] = rec
+    return out
