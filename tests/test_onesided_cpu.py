@@ -135,3 +135,39 @@ def test_csrc_compiles_with_nvcc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     lib = ctypes.CDLL(str(info.path))
     csrc_build._bind(lib)  # every symbol the Python side calls exists
     assert lib.mt_abi_version() == csrc_build.ABI_VERSION
+
+
+def test_report_renders_synthetic_results(tmp_path: Path) -> None:
+    import json
+
+    stat = {"median": 30.0, "p10": 29.0, "p90": 31.0, "n": 20}
+    ep = [
+        {"bench": "onesided_ep", "transport": "nvlink", "knobs": "signalling=coupled,num_sms=24", "model": "qwen3-30b",
+         "tokens": 128, "rank": 0, "dispatch_us": stat, "combine_us": stat, "layer_us": stat, "layer_us_graph": stat,
+         "host_issue_us": stat, "GBps_dispatch": 20.0, "roundtrip_equal": True},
+        {"bench": "onesided_ep", "transport": "nvlink", "knobs": "x", "model": "qwen3-30b", "tokens": 16384, "rank": 0,
+         "dispatch_us": stat, "combine_us": stat, "layer_us": stat, "GBps_dispatch": 340.0, "roundtrip_equal": True},
+        {"bench": "onesided_ep", "transport": "proxy", "knobs": "y", "rank": 0, "error": "Traceback\nOneSidedError: boom"},
+    ]
+    micro = [
+        {"bench": "proxy_micro", "mode": m, "concurrency": 96, "size": 16384, "us_median": us, "GBps": 1.0,
+         "ratio_vs_put_only": 231 / us, "issue_us_per_op_excl_drain": 1.0, "drains_per_iter": 12}
+        for m, us in (("put_only", 231.0), ("coupled_drain", 998.0), ("decoupled_ordered", 300.0))
+    ] + [{"bench": "proxy_race", "qp_mapping": "round_robin", "size": 1 << 20, "transfers": 96, "stale_transfers": 5,
+          "trials_with_stale": 3, "trials": 50}]
+    (tmp_path / "onesided_ep.jsonl").write_text("\n".join(json.dumps(r) for r in ep))
+    (tmp_path / "proxy_micro.jsonl").write_text("\n".join(json.dumps(r) for r in micro))
+    (tmp_path / "gpu_onesided_tests.jsonl").write_text(json.dumps({"test": "race", "stale_transfers": 0}))
+    r = subprocess.run([sys.executable, "bench/onesided_report.py", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "S=128 dispatch+combine ≤ 40 µs: eager best 30.0" in r.stdout and "MET" in r.stdout
+    assert "340.0 GB/s" in r.stdout and "round_robin" in r.stdout
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import onesided_ep
+
+        lines = onesided_ep.summarize(ep)
+    finally:
+        sys.path.pop(0)
+    assert any("ERROR" in ln for ln in lines) and len(lines) == 4
