@@ -73,14 +73,15 @@ def spawn_world(fn: Callable[..., Any], world: int, kwargs: dict | None = None, 
             last = f"{type(e).__name__}: {e}"
         else:
             last = ""
-        if timed_out:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            for p in ctx.processes:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
+        # never leave a rank behind (a dead peer would keep the others blocked in NCCL)
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in ctx.processes:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
         out = []
         for r in range(world):
             f = Path(outdir, f"rank{r}.json")
