@@ -12,7 +12,9 @@
 //   none        : no ordering at all (put-only baselines, and the deliberately unsafe test mode).
 #include "proxy_engine.h"
 
+#ifndef MT_HOST_SIM
 #include <cuda.h>
+#endif
 #include <immintrin.h>
 #include <string.h>
 #include <time.h>
