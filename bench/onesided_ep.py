@@ -97,24 +97,38 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
 
     host_us: list[float] = []
 
+    def agree(err: str | None) -> bool:
+        """All ranks learn whether any failed (keeps the collectives in step). True = all fine."""
+        flag = torch.tensor([1.0 if err else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0
+
     def time_pair(dispatch_fn, combine_fn):
         d_us, c_us = [], []
         host_us.clear()
+        err = None
         for i in range(warmup + iters):
-            barrier(device)
-            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-            e0.record()
-            h0 = time.perf_counter()
-            st = dispatch_fn()
-            e1.record()
-            combine_fn(st)
-            h1 = time.perf_counter()
-            e2.record()
-            torch.cuda.synchronize(device)
-            if i >= warmup:
-                d_us.append(e0.elapsed_time(e1) * 1e3)
-                c_us.append(e1.elapsed_time(e2) * 1e3)
-                host_us.append((h1 - h0) * 1e6)
+            barrier(device)  # every rank takes part in every barrier, even after a failure
+            if err:
+                continue
+            try:
+                e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                e0.record()
+                h0 = time.perf_counter()
+                st = dispatch_fn()
+                e1.record()
+                combine_fn(st)
+                h1 = time.perf_counter()
+                e2.record()
+                torch.cuda.synchronize(device)
+                if i >= warmup:
+                    d_us.append(e0.elapsed_time(e1) * 1e3)
+                    c_us.append(e1.elapsed_time(e2) * 1e3)
+                    host_us.append((h1 - h0) * 1e6)
+            except Exception:
+                err = traceback.format_exc()[-2000:]
+        if not agree(err):
+            raise RuntimeError(err or "another rank failed")
         return d_us, c_us
 
     def time_graph(dispatch_fn, combine_fn):
@@ -123,20 +137,34 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
         s.wait_stream(torch.cuda.current_stream(device))
         g = torch.cuda.CUDAGraph()
         barrier(device)
-        with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
-            combine_fn(dispatch_fn())
-        torch.cuda.current_stream(device).wait_stream(s)
-        torch.cuda.synchronize(device)
+        err = None
+        try:
+            with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
+                combine_fn(dispatch_fn())
+            torch.cuda.current_stream(device).wait_stream(s)
+            torch.cuda.synchronize(device)
+        except Exception:
+            err = traceback.format_exc()[-1500:]
+        if not agree(err):
+            raise RuntimeError(err or "capture failed on another rank")
         us = []
+        err = None
         for i in range(warmup + iters):
             barrier(device)
-            e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            e0.record()
-            g.replay()
-            e1.record()
-            torch.cuda.synchronize(device)
-            if i >= warmup:
-                us.append(e0.elapsed_time(e1) * 1e3)
+            if err:
+                continue
+            try:
+                e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                e0.record()
+                g.replay()
+                e1.record()
+                torch.cuda.synchronize(device)
+                if i >= warmup:
+                    us.append(e0.elapsed_time(e1) * 1e3)
+            except Exception:
+                err = traceback.format_exc()[-1500:]
+        if not agree(err):
+            raise RuntimeError(err or "replay failed on another rank")
         return us, g
 
     # --- NCCL baselines -----------------------------------------------------------------------------
@@ -176,12 +204,20 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
     # --- one-sided transports -------------------------------------------------------------------------
     def run_transport(tname: str, spec: str, shape_keys) -> None:
         t = None
+        cerr = None
         try:
             knobs = knobs_for(tname, spec)
             t = transport_class(tname)(None, knobs, device, max_send_rows=max_rows, row_bytes=max_rb)
         except Exception:
+            cerr = traceback.format_exc()[-2000:]
+        if not agree(cerr):
             rows.append({"bench": "onesided_ep", "transport": tname, "knobs": spec, "rank": rank,
-                         "error": traceback.format_exc()[-2000:]})
+                         "error": cerr or "construction failed on another rank"})
+            if t is not None:
+                try:
+                    t.close()
+                except Exception:
+                    pass
             return
         try:
             for key in shape_keys:
@@ -209,7 +245,7 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
                     rc0 = torch.empty_like(sc_dev)
                     dist.all_to_all_single(rc0, sc_dev)
                     holder["n_recv"] = int(rc0.sum().item())
-                    d_us, c_us = time_pair(disp, comb)
+                    d_us, c_us = time_pair(disp, comb)  # agrees across ranks before returning/raising
                     torch.cuda.synchronize(device)
                     t.check()
                     ok = torch.equal(holder["back"].view(torch.int16), send.view(torch.int16))
@@ -220,22 +256,29 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
                     rec["host_issue_us"] = _stats(list(host_us))
                     if tname == "proxy":
                         rec["proxy_stats"] = t.proxy_stats()
-                    if tname == "nvlink" and graphs:
-                        try:
-                            holder["back"] = None
-                            g_us, _g = time_graph(disp, comb)
-                            t.check()
-                            rec["layer_us_graph"] = _stats(g_us)
-                            rec["graph_roundtrip_equal"] = bool(
-                                torch.equal(holder["back"].view(torch.int16), send.view(torch.int16)))
-                            del _g
-                        except Exception:
-                            rec["graph_error"] = traceback.format_exc()[-1500:]
                 except Exception:
                     rec["error"] = traceback.format_exc()[-2000:]
+                if not agree(rec.get("error")):
+                    rows.append(rec)
+                    break  # a failure on some rank: this transport's state is not trusted any more
+                if tname == "nvlink" and graphs:
+                    gerr = None
+                    try:
+                        holder["back"] = None
+                        g_us, _g = time_graph(disp, comb)  # agrees across ranks internally
+                        torch.cuda.synchronize(device)
+                        t.check()
+                        rec["layer_us_graph"] = _stats(g_us)
+                        rec["graph_roundtrip_equal"] = bool(
+                            torch.equal(holder["back"].view(torch.int16), send.view(torch.int16)))
+                        del _g
+                    except Exception:
+                        gerr = traceback.format_exc()[-1500:]
+                        rec["graph_error"] = gerr
+                    if not agree(gerr):
+                        rows.append(rec)
+                        break
                 rows.append(rec)
-                if "error" in rec and "OneSidedError" in rec["error"]:
-                    break  # transport state is broken after a GPU-side failure
         finally:
             try:
                 t.close()

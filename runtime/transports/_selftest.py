@@ -140,34 +140,48 @@ def check_exchange_worker(
                     cnt[torch.randint(0, world, (1,), generator=g)] = 0
                 sc = cnt.tolist()
                 send = torch.randn(sum(sc), hidden, generator=g).to(torch.bfloat16).to(device)
+                sc_dev = cnt.to(device)
                 assert t.data is not None
                 t.data.local.fill_(0xFF)  # poison both parity areas (bf16 0xFFFF = NaN)
                 barrier(device)
-                sc_dev = cnt.to(device)
-                rc_dev = t.exchange_counts(sc_dev)
-                out = t.exchange(send, sc_dev, rc_dev)
-                # consumer reads right after the exchange, stream-ordered (no host sync in between)
+                # dense reference first (NCCL), so every rank runs the same collectives even if the
+                # transport fails on one of them
                 rc_ref = torch.empty(world, dtype=torch.int64, device=device)
                 dist.all_to_all_single(rc_ref, sc_dev.clone())
                 rc_list = rc_ref.tolist()
                 total = sum(rc_list)
-                got = out[:total].view(torch.int16).clone()
-                tail = out[total : total + 8].view(torch.int16).clone()
-                torch.cuda.synchronize(device)
-                t.check()
                 ref = _ref_exchange(send, sc, rc_list).view(torch.int16)
-                if rc_dev.tolist() != rc_list:
-                    rec["count_mismatch_iters"] += 1
-                if not torch.equal(got, ref):
-                    rec["mismatch_iters"] += 1
-                    if "first_mismatch" not in rec:
-                        bad = (got != ref).any(dim=1).nonzero().flatten()
-                        rec["first_mismatch"] = {"iter": it, "rows_bad": int(bad.numel()), "first_rows": bad[:8].tolist(),
-                                                 "total": total, "send_counts": sc, "recv_counts": rc_list}
-                if tail.numel() and not bool((tail == -1).all()):
-                    rec["poison_overwritten_iters"] += 1
-                rec["iters"] += 1
-                barrier(device)
+                err = None
+                try:
+                    rc_dev = t.exchange_counts(sc_dev)
+                    out = t.exchange(send, sc_dev, rc_dev)
+                    # consumer reads right after the exchange, stream-ordered (no host sync in between)
+                    got = out[:total].view(torch.int16).clone()
+                    tail = out[total : total + 8].view(torch.int16).clone()
+                    torch.cuda.synchronize(device)
+                    t.check()
+                    if rc_dev.tolist() != rc_list:
+                        rec["count_mismatch_iters"] += 1
+                    if not torch.equal(got, ref):
+                        rec["mismatch_iters"] += 1
+                        if "first_mismatch" not in rec:
+                            bad = (got != ref).any(dim=1).nonzero().flatten()
+                            rec["first_mismatch"] = {"iter": it, "rows_bad": int(bad.numel()),
+                                                     "first_rows": bad[:8].tolist(), "total": total,
+                                                     "send_counts": sc, "recv_counts": rc_list}
+                    if tail.numel() and not bool((tail == -1).all()):
+                        rec["poison_overwritten_iters"] += 1
+                    rec["iters"] += 1
+                except Exception:
+                    err = traceback.format_exc()[-3000:]
+                # all ranks agree whether to go on (keeps the collectives in step after a failure)
+                flag = torch.tensor([1.0 if err else 0.0], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if err:
+                    rec["error"] = err
+                if flag.item() > 0:
+                    rec["error"] = rec["error"] or f"stopped at iteration {it}: another rank failed"
+                    break
             if transport == "proxy":
                 rec["proxy_stats"] = t.proxy_stats()
         except Exception:
