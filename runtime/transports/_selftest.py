@@ -99,6 +99,13 @@ def barrier(device: torch.device) -> None:
     torch.cuda.synchronize(device)
 
 
+def _agree(err: str | None, device: torch.device) -> bool:
+    """All ranks learn whether any failed (keeps collectives in step). True = all fine."""
+    flag = torch.tensor([1.0 if err else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
 def transport_class(name: str) -> type:
     from .nvlink import NvlinkTransport
     from .proxy import ProxyTransport
@@ -129,9 +136,19 @@ def check_exchange_worker(
                                "count_mismatch_iters": 0, "poison_overwritten_iters": 0, "error": None}
         t = None
         try:
-            knobs = knobs_for(transport, spec)
-            t = cls(None, knobs, device, max_send_rows=max_rows, row_bytes=hidden * 2)
-            rec["symm_backend"] = t.symm_backend
+            cerr = None
+            try:
+                # "knobs|hidden=N" runs this variant with another row size (e.g. odd: byte-copy path)
+                kspec, _, extra = spec.partition("|")
+                h = int(extra.split("=", 1)[1]) if extra.startswith("hidden=") else hidden
+                knobs = knobs_for(transport, kspec)
+                t = cls(None, knobs, device, max_send_rows=max_rows, row_bytes=h * 2)
+                rec["symm_backend"] = t.symm_backend
+                rec["symm_torch_error"] = t.ctrl.torch_error or None
+            except Exception:
+                cerr = traceback.format_exc()[-3000:]
+            if not _agree(cerr, device):
+                raise RuntimeError(cerr or "construction failed on another rank")
             g = torch.Generator(device="cpu").manual_seed(seed * 1000 + rank)
             for it in range(iters):
                 # counts: sometimes zero for a peer, total <= max_rows
@@ -139,7 +156,7 @@ def check_exchange_worker(
                 if it % 5 == 0:
                     cnt[torch.randint(0, world, (1,), generator=g)] = 0
                 sc = cnt.tolist()
-                send = torch.randn(sum(sc), hidden, generator=g).to(torch.bfloat16).to(device)
+                send = torch.randn(sum(sc), h, generator=g).to(torch.bfloat16).to(device)
                 sc_dev = cnt.to(device)
                 assert t.data is not None
                 t.data.local.fill_(0xFF)  # poison both parity areas (bf16 0xFFFF = NaN)
