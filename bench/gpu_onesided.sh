@@ -12,7 +12,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT="${OUT:-./bench_out}"
 mkdir -p "$OUT"
 export OUT
-export MOETUNE_CACHE="${MOETUNE_CACHE:-$OUT/.cache}"
+export MOETUNE_CACHE="${MOETUNE_CACHE:-${TMPDIR:-/tmp}/moetune_cache}"  # outside $OUT: keep binaries out of the results
 export MOETUNE_ONESIDED_TIMEOUT_S="${MOETUNE_ONESIDED_TIMEOUT_S:-10}"
 PY="${PYTHON:-python3}"
 DRY=0
@@ -21,7 +21,7 @@ QUICKARG=""
 [ -n "${QUICK:-}" ] && QUICKARG="--quick"
 # import moetune from this checkout even when it is not installed
 if ! "$PY" -c "import moetune.runtime" 2>/dev/null; then
-  SHIM="$OUT/.pkgshim"
+  SHIM="${TMPDIR:-/tmp}/moetune_pkgshim_$$"
   mkdir -p "$SHIM/moetune"
   for d in runtime tuner csrc policies migrations; do ln -sfn "$PWD/$d" "$SHIM/moetune/$d"; done
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"

@@ -15,7 +15,6 @@
 #ifndef MT_HOST_SIM
 #include <cuda.h>
 #endif
-#include <immintrin.h>
 #include <string.h>
 #include <time.h>
 
@@ -27,6 +26,14 @@
 #include <vector>
 
 namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
 
 typedef CUresult (*PfnWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
@@ -185,7 +192,7 @@ struct Engine {
       uint64_t seq = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
       if (seq != tail + 1) {
         if (++idle < (1u << 16)) {
-          _mm_pause();
+          cpu_relax();
         } else {
           std::this_thread::yield();
         }
@@ -328,7 +335,7 @@ MT_API int mt_proxy_enqueue(void* h, const MtRequest* reqs, int n, double timeou
     while (h0 - __atomic_load_n(&e->ctl_host[1], __ATOMIC_ACQUIRE) >= e->nslots) {
       MT_REQUIRE(e->err.load() == 0, 211, "proxy thread failed: %s", e->errmsg.c_str());
       MT_REQUIRE(mono_ns() < deadline, 212, "proxy FIFO full for %.1f s", timeout_s);
-      _mm_pause();
+      cpu_relax();
     }
     MtRequest* s = &e->fifo_host[h0 % e->nslots];
     MtRequest r = reqs[i];
@@ -352,7 +359,7 @@ MT_API int mt_proxy_quiesce(void* h, double timeout_s) {
   while (__atomic_load_n(&e->ctl_host[1], __ATOMIC_ACQUIRE) < target) {
     MT_REQUIRE(e->err.load() == 0, 211, "proxy thread failed: %s", e->errmsg.c_str());
     MT_REQUIRE(mono_ns() < deadline, 213, "proxy did not drain its FIFO within %.1f s", timeout_s);
-    _mm_pause();
+    cpu_relax();
   }
   for (auto s : e->streams) MT_CUDA(cudaStreamSynchronize(s));
   MT_REQUIRE(e->err.load() == 0, 211, "proxy thread failed: %s", e->errmsg.c_str());
