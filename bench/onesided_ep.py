@@ -32,6 +32,8 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 MODELS = ("qwen3-30b", "deepseek-v3")
 TOKENS = (128, 1024, 16384)
 NVLINK_VARIANTS = (
+    ("nvlink", "signalling=coupled,num_sms=24|fused"),
+    ("nvlink", "signalling=decoupled,num_sms=24|fused"),
     ("nvlink", "signalling=coupled,num_sms=24"),
     ("nvlink", "signalling=decoupled,num_sms=24"),
     ("nvlink", "signalling=coupled,num_sms=64"),
@@ -78,7 +80,7 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
     import torch
     import torch.distributed as dist
     from moetune.runtime.shapes import get_model
-    from moetune.runtime.transports._selftest import barrier, knobs_for, transport_class
+    from moetune.runtime.transports._selftest import barrier, knobs_for, split_spec, transport_class
 
     device = torch.device("cuda", rank)
     rows: list[dict] = []
@@ -205,6 +207,7 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
     def run_transport(tname: str, spec: str, shape_keys) -> None:
         t = None
         cerr = None
+        fused = "fused" in split_spec(spec)[1]
         try:
             knobs = knobs_for(tname, spec)
             t = transport_class(tname)(None, knobs, device, max_send_rows=max_rows, row_bytes=max_rb)
@@ -230,8 +233,11 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
                     holder = {}
 
                     def disp(t=t, send=send, sc_dev=sc_dev, holder=holder):
-                        rc = t.exchange_counts(sc_dev)
-                        out = t.exchange(send, sc_dev, rc)
+                        if fused:  # counts ride inside the exchange: one launch
+                            out, rc = t.exchange_fused(send, sc_dev)
+                        else:
+                            rc = t.exchange_counts(sc_dev)
+                            out = t.exchange(send, sc_dev, rc)
                         holder["rc"] = rc
                         return out
 

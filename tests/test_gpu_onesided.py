@@ -62,6 +62,7 @@ NVLINK_VARIANTS = [
     "signalling=decoupled,group_size=3,num_sms=32",
     "signalling=coupled,num_sms=2",
     "signalling=decoupled,num_sms=8|hidden=1025",
+    "signalling=coupled,num_sms=24|fused",
 ]
 PROXY_VARIANTS = [
     "fence_mode=proxy_drain,signalling=coupled,qps_per_pe=1",

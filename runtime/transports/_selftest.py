@@ -113,8 +113,18 @@ def transport_class(name: str) -> type:
     return {"nvlink": NvlinkTransport, "proxy": ProxyTransport}[name]
 
 
+def split_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """'knob=v,knob=v|hidden=1025|fused' -> ('knob=v,knob=v', {'hidden': '1025', 'fused': ''})."""
+    kspec, *opts = spec.split("|")
+    out = {}
+    for o in opts:
+        k, _, v = o.partition("=")
+        out[k.strip()] = v.strip()
+    return kspec, out
+
+
 def knobs_for(transport: str, spec: str) -> Knobs:
-    return Knobs.parse(spec, base=default_knobs(transport))
+    return Knobs.parse(split_spec(spec)[0], base=default_knobs(transport))
 
 
 def _ref_exchange(send: torch.Tensor, sc: list[int], rc: list[int]) -> torch.Tensor:
@@ -138,10 +148,11 @@ def check_exchange_worker(
         try:
             cerr = None
             try:
-                # "knobs|hidden=N" runs this variant with another row size (e.g. odd: byte-copy path)
-                kspec, _, extra = spec.partition("|")
-                h = int(extra.split("=", 1)[1]) if extra.startswith("hidden=") else hidden
-                knobs = knobs_for(transport, kspec)
+                # "knobs|hidden=N|fused": another row size (odd: byte-copy path) / nvlink's fused dispatch
+                _, opts = split_spec(spec)
+                h = int(opts.get("hidden", hidden))
+                fused = "fused" in opts
+                knobs = knobs_for(transport, spec)
                 t = cls(None, knobs, device, max_send_rows=max_rows, row_bytes=h * 2)
                 rec["symm_backend"] = t.symm_backend
                 rec["symm_torch_error"] = t.ctrl.torch_error or None
@@ -170,8 +181,11 @@ def check_exchange_worker(
                 ref = _ref_exchange(send, sc, rc_list).view(torch.int16)
                 err = None
                 try:
-                    rc_dev = t.exchange_counts(sc_dev)
-                    out = t.exchange(send, sc_dev, rc_dev)
+                    if fused:
+                        out, rc_dev = t.exchange_fused(send, sc_dev)
+                    else:
+                        rc_dev = t.exchange_counts(sc_dev)
+                        out = t.exchange(send, sc_dev, rc_dev)
                     # consumer reads right after the exchange, stream-ordered (no host sync in between)
                     got = out[:total].view(torch.int16).clone()
                     tail = out[total : total + 8].view(torch.int16).clone()
