@@ -47,6 +47,17 @@ inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyK
   __atomic_add_fetch(&mtsim::memcpys, 1, __ATOMIC_RELAXED);
   return cudaSuccess;
 }
+enum cudaMemcpySrcAccessOrder { cudaMemcpySrcAccessOrderStream = 1 };
+struct cudaMemcpyAttributes {
+  cudaMemcpySrcAccessOrder srcAccessOrder;
+  int pad[5];
+  unsigned flags;
+};
+inline cudaError_t cudaMemcpyBatchAsync(void* const* d, const void* const* s, const size_t* n, size_t count,
+                                        cudaMemcpyAttributes*, size_t*, size_t, cudaStream_t st) {
+  for (size_t i = 0; i < count; ++i) cudaMemcpyAsync(d[i], s[i], n[i], cudaMemcpyDeviceToDevice, st);
+  return cudaSuccess;
+}
 inline cudaError_t cudaHostAlloc(void** p, size_t n, unsigned) {
   *p = aligned_alloc(64, (n + 63) / 64 * 64);
   return *p ? cudaSuccess : cudaErrorMemoryAllocation;
