@@ -63,6 +63,7 @@ NVLINK_VARIANTS = [
     "signalling=coupled,num_sms=2",
     "signalling=decoupled,num_sms=8|hidden=1025",
     "signalling=coupled,num_sms=24|fused",
+    "signalling=decoupled,num_sms=16|symm=ipc",
 ]
 PROXY_VARIANTS = [
     "fence_mode=proxy_drain,signalling=coupled,qps_per_pe=1",
@@ -71,6 +72,7 @@ PROXY_VARIANTS = [
     "fence_mode=nic_ordered,signalling=coupled,qps_per_pe=2,qp_mapping=peer_hash,chunk_tokens=40",
     "fence_mode=nic_ordered,signalling=decoupled,group_size=2,qps_per_pe=1,qp_mapping=round_robin,chunk_tokens=8",
     "fence_mode=proxy_drain,signalling=coupled,qps_per_pe=1,chunk_tokens=7|hidden=1025",
+    "fence_mode=nic_ordered,signalling=decoupled,qps_per_pe=2,qp_mapping=peer_hash,chunk_tokens=32|symm=ipc",
 ]
 
 

@@ -153,7 +153,16 @@ def check_exchange_worker(
                 h = int(opts.get("hidden", hidden))
                 fused = "fused" in opts
                 knobs = knobs_for(transport, spec)
-                t = cls(None, knobs, device, max_send_rows=max_rows, row_bytes=h * 2)
+                saved = os.environ.get("MOETUNE_SYMM")
+                if "symm" in opts:  # "|symm=ipc": the CUDA IPC fallback instead of torch symmetric memory
+                    os.environ["MOETUNE_SYMM"] = opts["symm"]
+                try:
+                    t = cls(None, knobs, device, max_send_rows=max_rows, row_bytes=h * 2)
+                finally:
+                    if saved is None:
+                        os.environ.pop("MOETUNE_SYMM", None)
+                    else:
+                        os.environ["MOETUNE_SYMM"] = saved
                 rec["symm_backend"] = t.symm_backend
                 rec["symm_torch_error"] = t.ctrl.torch_error or None
             except Exception:
