@@ -41,7 +41,7 @@ def report(out: Path) -> str:
     lines += ["", "## GPU tests"]
     for t in tests:
         keep = {k: t[k] for k in ("test", "transport", "knobs", "iters", "mismatch_iters", "count_mismatch_iters",
-                                  "poison_overwritten_iters", "qp_mapping", "size", "stale_transfers",
+                                  "poison_overwritten_iters", "symm_backend", "symm_torch_error", "qp_mapping", "size", "stale_transfers",
                                   "trials_with_stale", "trials", "signals_missing", "ok", "skipped") if k in t}
         err = t.get("error")
         lines.append(f"- {json.dumps(keep)}" + (f" ERROR: `{str(err).strip().splitlines()[-1][:160]}`" if err else ""))
