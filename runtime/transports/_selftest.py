@@ -261,6 +261,7 @@ def timeout_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvl
                     res = {"raised": True, "message": str(e)}
                 res["seconds"] = time.monotonic() - t0
             barrier(device)
+            t.close()  # the aborted kernels have returned: this must not hang either
         except Exception:
             res["error"] = traceback.format_exc()[-2000:]
         out[name] = res
