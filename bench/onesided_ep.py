@@ -54,20 +54,26 @@ def _stats(xs: list[float]) -> dict:
     return {"median": statistics.median(s), "p10": pick(10), "p90": pick(90), "n": len(s)}
 
 
-def make_shape(model, S: int, world: int, rank: int, device, seed: int = 0):
-    """Packed dispatch rows for this rank: send tensor grouped by destination rank, counts."""
+def make_shape(model, S: int, world: int, rank: int, device, seed: int = 0, layout: str = "rank"):
+    """Packed dispatch rows for this rank: send tensor grouped by destination rank, counts.
+
+    layout "rank": each token once per destination rank holding any of its experts (DeepEP-style);
+    "expert": each token once per selected expert (k copies, the NCCL rows of DESIGN §6).
+    """
     import torch
 
     g = torch.Generator(device="cpu").manual_seed(seed * 7919 + rank * 31 + S)
     E, k, H = model.experts, model.topk, model.hidden
     topk = torch.rand(S, E, generator=g).topk(k, dim=1).indices
     epr = E // world
-    dest = torch.zeros(S, world, dtype=torch.bool)
-    dest.scatter_(1, topk // epr, True)
+    dest_of = topk // epr  # [S, k]
     order = []
     counts = []
     for d in range(world):
-        idx = dest[:, d].nonzero().flatten()
+        if layout == "expert":
+            idx = (dest_of == d).nonzero()[:, 0]  # token index repeated once per expert on d
+        else:
+            idx = (dest_of == d).any(dim=1).nonzero().flatten()
         order.append(idx)
         counts.append(int(idx.numel()))
     x = torch.randn(S, H, generator=g).to(torch.bfloat16)
@@ -85,14 +91,17 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
     device = torch.device("cuda", rank)
     rows: list[dict] = []
     shapes = {}
-    max_rows, max_rb = 1, 1
+    max_bytes, max_rb = 1, 1
     for m in models:
         model = get_model(m)
         for S in tokens:
-            send, counts = make_shape(model, S, world, rank, device)
-            shapes[(m, S)] = (model, send, counts)
-            max_rows = max(max_rows, send.shape[0])
-            max_rb = max(max_rb, model.hidden * 2)
+            layouts = ["rank", "expert"] if (m == "qwen3-30b" and max(tokens) == S) else ["rank"]
+            for layout in layouts:
+                send, counts = make_shape(model, S, world, rank, device, layout=layout)
+                shapes[(m, S, layout)] = (model, send, counts)
+                max_bytes = max(max_bytes, send.numel() * send.element_size())
+                max_rb = max(max_rb, model.hidden * 2)
+    max_rows = -(-max_bytes // max_rb)  # capacity by bytes: world x the largest send of any shape
 
     def remote_bytes(send, counts):
         return sum(c for d, c in enumerate(counts) if d != rank) * send.shape[1] * send.element_size()
@@ -170,10 +179,10 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
         return us, g
 
     # --- NCCL baselines -----------------------------------------------------------------------------
-    for (m, S), (model, send, counts) in shapes.items():
+    for (m, S, layout), (model, send, counts) in shapes.items():
         for name in ("nccl", "nccl+counts"):
             rec = {"bench": "onesided_ep", "transport": name, "knobs": "", "model": m, "tokens": S, "world": world,
-                   "rank": rank, "hidden": model.hidden}
+                   "rank": rank, "hidden": model.hidden, "layout": layout, "rows_sent": int(send.shape[0])}
             try:
                 sc_dev = torch.tensor(counts, dtype=torch.int64, device=device)
                 rc_dev = torch.empty_like(sc_dev)
@@ -204,7 +213,7 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
             rows.append(rec)
 
     # --- one-sided transports -------------------------------------------------------------------------
-    def run_transport(tname: str, spec: str, shape_keys) -> None:
+    def run_transport(tname: str, spec: str, shape_keys, use_graphs: bool = True) -> None:
         t = None
         cerr = None
         fused = "fused" in split_spec(spec)[1]
@@ -224,10 +233,11 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
             return
         try:
             for key in shape_keys:
-                m, S = key
+                m, S, layout = key
                 model, send, counts = shapes[key]
                 rec = {"bench": "onesided_ep", "transport": tname, "knobs": spec, "model": m, "tokens": S,
-                       "world": world, "rank": rank, "hidden": model.hidden, "symm_backend": t.symm_backend}
+                       "world": world, "rank": rank, "hidden": model.hidden, "symm_backend": t.symm_backend,
+                       "layout": layout, "rows_sent": int(send.shape[0])}
                 try:
                     sc_dev = torch.tensor(counts, dtype=torch.int64, device=device)
                     holder = {}
@@ -267,7 +277,7 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
                 if not agree(rec.get("error")):
                     rows.append(rec)
                     break  # a failure on some rank: this transport's state is not trusted any more
-                if tname == "nvlink" and graphs:
+                if tname == "nvlink" and graphs and use_graphs:
                     gerr = None
                     try:
                         holder["back"] = None
@@ -295,24 +305,26 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
     for tname, spec in variants:
         run_transport(tname, spec, keys)
     # num_sms sweep for nvlink bandwidth at the largest shape
-    big = max(keys, key=lambda k: shapes[k][1].numel())
+    big = [k for k in keys if k[0] == "qwen3-30b" and k[1] == max(tokens)] or [
+        max(keys, key=lambda k: shapes[k][1].numel())]
     for sms in sms_sweep:
         for sig in ("coupled", "decoupled"):
-            run_transport("nvlink", f"signalling={sig},num_sms={sms}", [big])
+            run_transport("nvlink", f"signalling={sig},num_sms={sms}", big, use_graphs=False)
     return rows
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    lines = [f"{'transport':12s} {'knobs':72s} {'model':12s} {'S':>6s} {'disp us':>9s} {'comb us':>9s} "
+    lines = [f"{'transport':12s} {'knobs':72s} {'model':14s} {'S':>6s} {'disp us':>9s} {'comb us':>9s} "
              f"{'pair us':>9s} {'graph':>8s} {'host':>7s} {'GB/s':>7s} ok"]
     for r in rows:
         if r.get("rank") != 0 or r.get("bench") != "onesided_ep":
             continue
         if "error" in r:
-            lines.append(f"{r.get('transport', '?'):12s} {r.get('knobs', '')[:72]:72s} {r.get('model', '-'):12s} "
+            lines.append(f"{r.get('transport', '?'):12s} {r.get('knobs', '')[:72]:72s} {r.get('model', '-'):14s} "
                          f"{r.get('tokens', 0):6d} ERROR {r['error'].strip().splitlines()[-1][:80]}")
             continue
-        lines.append(f"{r['transport']:12s} {r['knobs'][:72]:72s} {r['model']:12s} {r['tokens']:6d} "
+        mod = r["model"] + ("/k" if r.get("layout") == "expert" else "")
+        lines.append(f"{r['transport']:12s} {r['knobs'][:72]:72s} {mod:14s} {r['tokens']:6d} "
                      f"{r['dispatch_us']['median']:9.1f} {r['combine_us']['median']:9.1f} "
                      f"{r['layer_us']['median']:9.1f} {r.get('layer_us_graph', {}).get('median', float('nan')):8.1f} "
                      f"{r.get('host_issue_us', {}).get('median', float('nan')):7.1f} {r['GBps_dispatch']:7.1f} "
