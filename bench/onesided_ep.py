@@ -4,7 +4,7 @@
 For each model (hidden H, top-k k, experts E) and S tokens per rank: random top-k routing (uniform),
 dispatch sends each token once to every rank holding one of its experts (DeepEP-style, rows of
 H x 2 bytes, bf16), combine sends the same rows back. Timed with CUDA events after a barrier,
-median of >= 20:
+median of 20:
   nvlink / proxy : exchange_counts + exchange (dispatch), exchange (combine)
   nccl           : all_to_all_single with split sizes already on the host (no count exchange)
   nccl+counts    : all_to_all_single of the counts, .tolist() (a host sync), then the rows -- what a
@@ -335,8 +335,8 @@ def summarize(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
