@@ -85,6 +85,7 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
                  variants: list[tuple[str, str]], sms_sweep: list[int], graphs: bool = True) -> list[dict]:
     import torch
     import torch.distributed as dist
+
     from moetune.runtime.shapes import get_model
     from moetune.runtime.transports._selftest import barrier, knobs_for, split_spec, transport_class
 

@@ -65,6 +65,7 @@ def build_requests(P, c: int, size: int, signalling: str | None, src_base: int):
 
 def run_micro(args, out_rows: list[dict]) -> None:
     import torch
+
     from moetune.runtime.transports import proxy as P
 
     lib = P.csrc_build.load()
@@ -141,6 +142,7 @@ def _pct(xs: list[float], p: float) -> float:
 def run_race(args, out_rows: list[dict]) -> None:
     """Unsafe round_robin + nic_ordered + 4 QPs vs. peer_hash control: stale rows seen at signal time."""
     import torch
+
     from moetune.runtime.transports import proxy as P
 
     lib = P.csrc_build.load()

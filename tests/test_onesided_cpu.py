@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_transports_import_and_report_absence_without_cuda() -> None:
     import torch
+
     from moetune.runtime.transports.onesided import ONESIDED_TRANSPORTS
 
     assert set(ONESIDED_TRANSPORTS) == {"nvlink", "proxy"}
