@@ -12,7 +12,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT="${OUT:-./bench_out}"
 mkdir -p "$OUT"
 export OUT
-export MOETUNE_CACHE="${MOETUNE_CACHE:-$OUT/.cache}"
+export MOETUNE_CACHE="${MOETUNE_CACHE:-${TMPDIR:-/tmp}/moetune_cache}"  # outside $OUT: keep binaries out of the results
 export MOETUNE_ONESIDED_TIMEOUT_S="${MOETUNE_ONESIDED_TIMEOUT_S:-10}"
 PY="${PYTHON:-python3}"
 DRY=0
@@ -21,7 +21,7 @@ QUICKARG=""
 [ -n "${QUICK:-}" ] && QUICKARG="--quick"
 # import moetune from this checkout even when it is not installed
 if ! "$PY" -c "import moetune.runtime" 2>/dev/null; then
-  SHIM="$OUT/.pkgshim"
+  SHIM="${TMPDIR:-/tmp}/moetune_pkgshim_$$"
   mkdir -p "$SHIM/moetune"
   for d in runtime tuner csrc policies migrations; do ln -sfn "$PWD/$d" "$SHIM/moetune/$d"; done
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
@@ -98,31 +98,16 @@ stage ep 140 "$PY" bench/onesided_ep.py --out "$OUT" --timeout 130 $QUICKARG
 
 echo
 echo "=== stages"; printf '  %s\n' "${STATUS[@]}"
-echo "=== gpu test results (from $OUT/gpu_onesided_tests.jsonl)"
+"$PY" bench/onesided_report.py "$OUT" > "$OUT/report.md" 2>&1 || echo "report failed"
+echo "=== $OUT/report.md (targets, tests)"
+sed -n '/^## Targets/,/^## Proxy micro/p' "$OUT/report.md"
+sed -n '/^## GPU tests/,/^## EP exchange/p' "$OUT/report.md" | head -40
+echo "=== EP table (rank 0)"
 "$PY" - <<'EOF'
-import json, os
-p = os.path.join(os.environ["OUT"], "gpu_onesided_tests.jsonl")
-if os.path.exists(p):
-    for line in open(p):
-        r = json.loads(line)
-        keys = ("test", "transport", "knobs", "iters", "mismatch_iters", "poison_overwritten_iters", "qp_mapping",
-                "stale_transfers", "trials", "raised", "seconds", "error")
-        print("  " + " ".join(f"{k}={str(r[k])[:90]!s}" for k in keys if k in r and r[k] is not None))
-for name in ("proxy_micro.jsonl", "onesided_ep.jsonl"):
-    print(f"=== {name}: {sum(1 for _ in open(os.path.join(os.environ['OUT'], name))) if os.path.exists(os.path.join(os.environ['OUT'], name)) else 0} rows")
+import json, os, sys
+sys.path.insert(0, "bench")
+from onesided_ep import summarize
 p = os.path.join(os.environ["OUT"], "onesided_ep.jsonl")
 if os.path.exists(p):
-    import sys
-    sys.path.insert(0, "bench")
-    from onesided_ep import summarize
     print("\n".join(summarize([json.loads(l) for l in open(p)])))
-p = os.path.join(os.environ["OUT"], "proxy_micro.jsonl")
-if os.path.exists(p):
-    print("proxy micro @ 96 x 16 KB:")
-    for l in open(p):
-        r = json.loads(l)
-        if r.get("bench") == "proxy_micro" and r["concurrency"] == 96 and r["size"] == 16384:
-            print(f"  {r['mode']:18s} {r['us_median']:9.1f} us ratio {r.get('ratio_vs_put_only', 0):.2f} issue {r['issue_us_per_op']:.2f} us/op")
-        if r.get("bench") == "proxy_race":
-            print(f"  race {r['qp_mapping']:12s} {r['size'] >> 10} KB: stale transfers {r['stale_transfers']} in {r['trials_with_stale']}/{r['trials']} trials")
 EOF

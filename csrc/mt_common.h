@@ -4,7 +4,11 @@
 // the calling thread is available through mt_last_error(). Nothing here aborts the process.
 #pragma once
 
+#ifdef MT_HOST_SIM
+#include "sim/mt_cuda_sim.h"
+#else
 #include <cuda_runtime.h>
+#endif
 #include <stdint.h>
 #include <stdio.h>
 

@@ -12,8 +12,9 @@
 //   none        : no ordering at all (put-only baselines, and the deliberately unsafe test mode).
 #include "proxy_engine.h"
 
+#ifndef MT_HOST_SIM
 #include <cuda.h>
-#include <immintrin.h>
+#endif
 #include <string.h>
 #include <time.h>
 
@@ -25,6 +26,14 @@
 #include <vector>
 
 namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
 
 typedef CUresult (*PfnWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
@@ -44,6 +53,7 @@ enum StatIdx {
   ST_BYTES,
   ST_ACKS,
   ST_BUSY_NS,  // time spent issuing (between picking up a request and finishing it)
+  ST_BATCHES,  // cudaMemcpyBatchAsync calls
   ST_COUNT
 };
 
@@ -73,6 +83,15 @@ struct Engine {
   std::mutex err_mu;
   std::string errmsg;
   std::atomic<uint64_t> stats[ST_COUNT];
+  // batching: consecutive unsignalled PUTs bound for one QP stream are issued as one
+  // cudaMemcpyBatchAsync (batch_max requests drained per loop iteration; 1 = one call per request)
+  std::atomic<int> batch_max{1};
+  struct Pending {
+    std::vector<void*> dst;
+    std::vector<const void*> src;
+    std::vector<size_t> size;
+  };
+  std::vector<Pending> pend;
   // host producer
   std::mutex host_mu;
   uint64_t host_head = 0;
@@ -174,30 +193,73 @@ struct Engine {
     }
   }
 
+  void flush() {
+    for (int q = 0; q < qps; ++q) {
+      Pending& p = pend[q];
+      size_t n = p.dst.size();
+      if (n == 0) continue;
+      if (n == 1) {
+        cuda_ok(cudaMemcpyAsync(p.dst[0], p.src[0], p.size[0], cudaMemcpyDeviceToDevice, streams[q]),
+                "cudaMemcpyAsync (put)");
+      } else {
+        cudaMemcpyAttributes attr;
+        memset(&attr, 0, sizeof(attr));
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        size_t idx = 0;
+        cuda_ok(cudaMemcpyBatchAsync(p.dst.data(), p.src.data(), p.size.data(), n, &attr, &idx, 1, streams[q]),
+                "cudaMemcpyBatchAsync (puts)");
+        stats[ST_BATCHES]++;
+      }
+      dirty[q] = 1;
+      p.dst.clear();
+      p.src.clear();
+      p.size.clear();
+    }
+  }
+
   void loop() {
     cudaSetDevice(device);
     uint64_t idle = 0;
     running.store(true);
     while (!stop.load(std::memory_order_relaxed)) {
-      MtRequest* s = &fifo_host[tail % nslots];
-      uint64_t seq = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
-      if (seq != tail + 1) {
+      const int bmax = batch_max.load(std::memory_order_relaxed) < 1 ? 1 : batch_max.load(std::memory_order_relaxed);
+      int got = 0;
+      uint64_t t0 = 0;
+      while (got < bmax) {
+        MtRequest* s = &fifo_host[tail % nslots];
+        uint64_t seq = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
+        if (seq != tail + 1) break;
+        if (t0 == 0) t0 = mono_ns();
+        MtRequest r;
+        memcpy(&r, (const void*)s, sizeof(r));
+        std::atomic_thread_fence(std::memory_order_acquire);
+        if (bmax > 1 && r.op == MT_OP_PUT && !(r.flags & MT_F_SIGNAL) && r.peer < (uint32_t)npeers && r.bytes > 0) {
+          int q = pick(r.peer);  // same mapping decisions, in the same order, as unbatched issue
+          pend[q].dst.push_back((void*)(peer_data[r.peer] + r.dst_off));
+          pend[q].src.push_back((const void*)r.src);
+          pend[q].size.push_back(r.bytes);
+          stats[ST_BYTES] += r.bytes;
+          stats[ST_PUTS]++;
+        } else {
+          flush();  // everything before a signal/word/ack is issued first
+          process(r);
+        }
+        ++tail;
+        ++got;
+        stats[ST_PROCESSED]++;
+      }
+      if (got == 0) {
         if (++idle < (1u << 16)) {
-          _mm_pause();
+          cpu_relax();
         } else {
           std::this_thread::yield();
         }
         continue;
       }
       idle = 0;
-      uint64_t t0 = mono_ns();
-      MtRequest r;
-      memcpy(&r, (const void*)s, sizeof(r));
-      std::atomic_thread_fence(std::memory_order_acquire);
-      process(r);
-      ++tail;
+      flush();
+      // published only once issued: quiesce() then syncs streams that hold everything consumed
       __atomic_store_n(&ctl_host[1], tail, __ATOMIC_RELEASE);
-      stats[ST_PROCESSED]++;
       stats[ST_BUSY_NS] += mono_ns() - t0;
     }
     running.store(false);
@@ -239,6 +301,7 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
   e->peer_sig.assign(peer_sig, peer_sig + npeers);
   e->nslots = (uint32_t)fifo_slots;
   e->dirty.assign(qps, 0);
+  e->pend.resize(qps);
   cudaError_t ce = cudaSuccess;
   cudaDriverEntryPointQueryResult q;
   void* fn = nullptr;
@@ -280,6 +343,15 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
   // wait (bounded) for the thread to come up
   for (int i = 0; i < 2000 && !e->running.load(); ++i) std::this_thread::sleep_for(std::chrono::microseconds(500));
   *out = e;
+  return 0;
+}
+
+// Requests drained per loop iteration; > 1 issues consecutive unsignalled PUTs per QP stream as one
+// cudaMemcpyBatchAsync. Set while idle.
+MT_API int mt_proxy_set_batch(void* h, int batch_max) {
+  Engine* e = static_cast<Engine*>(h);
+  MT_REQUIRE(batch_max >= 1 && batch_max <= 4096, 207, "batch_max %d outside 1..4096", batch_max);
+  e->batch_max.store(batch_max);
   return 0;
 }
 
@@ -326,7 +398,7 @@ MT_API int mt_proxy_enqueue(void* h, const MtRequest* reqs, int n, double timeou
     while (h0 - __atomic_load_n(&e->ctl_host[1], __ATOMIC_ACQUIRE) >= e->nslots) {
       MT_REQUIRE(e->err.load() == 0, 211, "proxy thread failed: %s", e->errmsg.c_str());
       MT_REQUIRE(mono_ns() < deadline, 212, "proxy FIFO full for %.1f s", timeout_s);
-      _mm_pause();
+      cpu_relax();
     }
     MtRequest* s = &e->fifo_host[h0 % e->nslots];
     MtRequest r = reqs[i];
@@ -350,7 +422,7 @@ MT_API int mt_proxy_quiesce(void* h, double timeout_s) {
   while (__atomic_load_n(&e->ctl_host[1], __ATOMIC_ACQUIRE) < target) {
     MT_REQUIRE(e->err.load() == 0, 211, "proxy thread failed: %s", e->errmsg.c_str());
     MT_REQUIRE(mono_ns() < deadline, 213, "proxy did not drain its FIFO within %.1f s", timeout_s);
-    _mm_pause();
+    cpu_relax();
   }
   for (auto s : e->streams) MT_CUDA(cudaStreamSynchronize(s));
   MT_REQUIRE(e->err.load() == 0, 211, "proxy thread failed: %s", e->errmsg.c_str());

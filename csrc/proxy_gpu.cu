@@ -284,6 +284,7 @@ MT_API int mt_pxy_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   PxParams p = base_params(c, epoch);
   p.send_counts = send_counts;
   p.recv_out = recv_counts;
+  (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   pxy_counts_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
   MT_CUDA(cudaGetLastError());
   return 0;
@@ -305,6 +306,7 @@ MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t row_bytes, const 
   p.coupled = coupled ? 1 : 0;
   p.group = group_size;
   p.chunk_rows = chunk_rows;
+  (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   pxy_exchange_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
   MT_CUDA(cudaGetLastError());
   return 0;
@@ -338,6 +340,7 @@ MT_API int mt_race_check_launch(int device, uint64_t stream, const uint64_t* fla
                                 int pattern_base, uint64_t epoch, double timeout_s, int* bad) {
   MT_REQUIRE(n >= 1 && n <= 4096, 310, "n %d outside 1..4096", n);
   MT_CUDA(cudaSetDevice(device));
+  (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   race_check_kernel<<<n, 256, 0, (cudaStream_t)stream>>>(flags, flag_stride_words, static_cast<const char*>(base), stride,
                                                         bytes, check_bytes, pattern_base, epoch,
                                                         (uint64_t)(timeout_s * 1e9), bad);

@@ -136,3 +136,126 @@ def test_csrc_compiles_with_nvcc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     lib = ctypes.CDLL(str(info.path))
     csrc_build._bind(lib)  # every symbol the Python side calls exists
     assert lib.mt_abi_version() == csrc_build.ABI_VERSION
+
+
+def test_report_renders_synthetic_results(tmp_path: Path) -> None:
+    import json
+
+    stat = {"median": 30.0, "p10": 29.0, "p90": 31.0, "n": 20}
+    ep = [
+        {"bench": "onesided_ep", "transport": "nvlink", "knobs": "signalling=coupled,num_sms=24", "model": "qwen3-30b",
+         "tokens": 128, "rank": 0, "dispatch_us": stat, "combine_us": stat, "layer_us": stat, "layer_us_graph": stat,
+         "host_issue_us": stat, "GBps_dispatch": 20.0, "roundtrip_equal": True},
+        {"bench": "onesided_ep", "transport": "nvlink", "knobs": "x", "model": "qwen3-30b", "tokens": 16384, "rank": 0,
+         "dispatch_us": stat, "combine_us": stat, "layer_us": stat, "GBps_dispatch": 340.0, "roundtrip_equal": True},
+        {"bench": "onesided_ep", "transport": "proxy", "knobs": "y", "rank": 0, "error": "Traceback\nOneSidedError: boom"},
+    ]
+    micro = [
+        {"bench": "proxy_micro", "mode": m, "concurrency": 96, "size": 16384, "us_median": us, "GBps": 1.0,
+         "ratio_vs_put_only": 231 / us, "issue_us_per_op_excl_drain": 1.0, "drains_per_iter": 12}
+        for m, us in (("put_only", 231.0), ("coupled_drain", 998.0), ("decoupled_ordered", 300.0))
+    ] + [{"bench": "proxy_race", "qp_mapping": "round_robin", "size": 1 << 20, "transfers": 96, "stale_transfers": 5,
+          "trials_with_stale": 3, "trials": 50}]
+    (tmp_path / "onesided_ep.jsonl").write_text("\n".join(json.dumps(r) for r in ep))
+    (tmp_path / "proxy_micro.jsonl").write_text("\n".join(json.dumps(r) for r in micro))
+    (tmp_path / "gpu_onesided_tests.jsonl").write_text(json.dumps({"test": "race", "stale_transfers": 0}))
+    r = subprocess.run([sys.executable, "bench/onesided_report.py", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "S=128 dispatch+combine ≤ 40 µs: eager best 30.0" in r.stdout and "MET" in r.stdout
+    assert "340.0 GB/s" in r.stdout and "round_robin" in r.stdout
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import onesided_ep
+
+        lines = onesided_ep.summarize(ep)
+    finally:
+        sys.path.pop(0)
+    assert any("ERROR" in ln for ln in lines) and len(lines) == 4
+
+
+@pytest.fixture(scope="module")
+def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    import shutil
+
+    tmp_path = tmp_path_factory.mktemp("mtsim")
+
+    gxx = shutil.which("g++") or shutil.which("c++")
+    if gxx is None:
+        pytest.skip("no C++ compiler")
+    out = tmp_path / "libmtsim.so"
+    r = subprocess.run(
+        [gxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-DMT_HOST_SIM", "csrc/proxy_engine.cpp",
+         "csrc/sim/sim_support.cpp", "-o", str(out), "-lpthread"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    from moetune.runtime import csrc_build
+
+    lib = ctypes.CDLL(str(out))
+    for name in ("mt_proxy_create", "mt_proxy_enqueue", "mt_proxy_quiesce", "mt_proxy_stats", "mt_proxy_error",
+                 "mt_proxy_bench", "mt_proxy_destroy", "mt_last_error", "mt_proxy_reset_stats", "mt_proxy_set_batch"):
+        res, args = csrc_build.SIGNATURES[name]
+        getattr(lib, name).restype = res
+        getattr(lib, name).argtypes = args
+    lib.mt_proxy_mark_gpu_producer_internal.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+@pytest.mark.parametrize("fence_mode,qp_mapping,batch", [(1, 0, 1), (1, 1, 1), (2, 1, 1), (0, 0, 1), (2, 1, 32), (1, 0, 8)])
+def test_proxy_engine_drain_loop_in_host_simulation(
+    sim_lib: ctypes.CDLL, fence_mode: int, qp_mapping: int, batch: int
+) -> None:
+    """The real engine (FIFO, drain loop, fence modes, flow control) with host stand-ins for CUDA."""
+    from moetune.runtime.transports.proxy import F_SIGNAL, OP_PUT, OP_SIGNAL, OP_WRITE64, STAT_NAMES, Request
+
+    lib = sim_lib
+    npeers, size, per = 3, 256, 70
+    src = (ctypes.c_uint8 * (npeers * per * size))(*[(i * 7) % 251 for i in range(npeers * per * size)])
+    data = [(ctypes.c_uint8 * (per * size))() for _ in range(npeers)]
+    ctrl = [(ctypes.c_uint64 * 64)() for _ in range(npeers)]
+    sig = [(ctypes.c_uint64 * 128)() for _ in range(npeers)]
+    addr = lambda a: ctypes.addressof(a)  # noqa: E731
+    u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
+    h = ctypes.c_void_p()
+    rc = lib.mt_proxy_create(0, npeers, u64([addr(d) for d in data]), u64([addr(c) for c in ctrl]),
+                             u64([addr(s) for s in sig]), 2, qp_mapping, fence_mode, 16, ctypes.byref(h))
+    assert rc == 0, lib.mt_last_error()
+    try:
+        assert lib.mt_proxy_set_batch(h, batch) == 0
+        reqs = []
+        for p in range(npeers):
+            for t in range(per):
+                reqs.append(Request(OP_PUT, p, F_SIGNAL if t % 4 == 0 else 0, t,
+                                    addr(src) + (p * per + t) * size, t * size, size, 41, 0, 0))
+            reqs.append(Request(OP_SIGNAL, p, 0, 100, 0, 0, 0, 42, 0, 0))
+            reqs.append(Request(OP_WRITE64, p, 0, 0, 0, 8 * 5, 0, 0xABC, 0, 0))
+        arr = (Request * len(reqs))(*reqs)
+        assert lib.mt_proxy_enqueue(h, arr, len(arr), 10.0) == 0, lib.mt_last_error()  # 16-slot ring wraps
+        assert lib.mt_proxy_quiesce(h, 10.0) == 0, lib.mt_last_error()
+        for p in range(npeers):
+            assert bytes(data[p]) == bytes(src)[p * per * size : (p + 1) * per * size]
+            assert all(sig[p][t] == 41 for t in range(0, per, 4)) and sig[p][1] == 0
+            assert sig[p][100] == 42 and ctrl[p][5] == 0xABC
+        st = (ctypes.c_uint64 * len(STAT_NAMES))()
+        lib.mt_proxy_stats(h, st, len(STAT_NAMES))
+        stats = dict(zip(STAT_NAMES, list(st), strict=True))
+        nsig = npeers * (len(range(0, per, 4)) + 1)
+        assert stats["processed"] == len(reqs) and stats["puts"] == npeers * per and stats["signals"] == nsig
+        assert stats["drains"] == (nsig if fence_mode == 1 else 0)
+        if batch == 1:
+            assert stats["batches"] == 0  # (with batching, how many PUTs meet in one drain depends on timing)
+        # the microbenchmark entry point: epoch-valued signals, one time per iteration
+        out = (ctypes.c_double * 4)()
+        assert lib.mt_proxy_bench(h, arr, len(arr), 4, 1000, 10, 10.0, out) == 0, lib.mt_last_error()
+        assert all(x > 0 for x in out) and sig[0][0] == 1030 and sig[2][100] == 1030
+        # a host producer excludes GPU producers
+        assert lib.mt_proxy_mark_gpu_producer_internal(h) != 0
+        # a bad request is reported, the engine keeps draining
+        bad = (Request * 2)(Request(OP_PUT, 99, 0, 0, addr(src), 0, 1, 0, 0, 0), Request(OP_SIGNAL, 0, 0, 7, 0, 0, 0, 5, 0, 0))
+        lib.mt_proxy_enqueue(h, bad, 2, 10.0)
+        assert lib.mt_proxy_quiesce(h, 10.0) != 0
+        buf = ctypes.create_string_buffer(256)
+        assert lib.mt_proxy_error(h, buf, 256) != 0 and b"out of range" in buf.value
+    finally:
+        lib.mt_proxy_destroy(h)

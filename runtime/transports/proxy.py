@@ -9,6 +9,8 @@ Knobs used: fence_mode (`proxy_drain`: the thread stops until every earlier tran
 `nic_ordered`: the signal is queued behind its data on the peer's stream), qp_mapping (`round_robin`,
 `peer_hash`), qps_per_pe (streams), signalling (`coupled`: a signal per PUT; `decoupled`: one signal
 per group of `group_size` PUTs, 0 = per PE), chunk_tokens (rows per PUT; 0 = one PUT per peer).
+`MOETUNE_PROXY_BATCH=N` (> 1) lets the proxy issue consecutive unsignalled PUTs of one QP stream as
+one cudaMemcpyBatchAsync (off by default; bench/proxy_micro.py measures both).
 
 `ProxyEngine` is the engine on its own (used by bench/proxy_micro.py); its constructor validates the
 fence/QP combination through `Knobs` unless a test helper passes `_allow_unsafe=True`.
@@ -17,6 +19,7 @@ fence/QP combination through `Knobs` unless a test helper passes `_allow_unsafe=
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import ClassVar
 
 import torch
@@ -38,7 +41,7 @@ FENCE_MODES = {"none": 0, "proxy_drain": 1, "nic_ordered": 2}
 QP_MAPPINGS = {"round_robin": 0, "peer_hash": 1}
 OP_PUT, OP_SIGNAL, OP_WRITE64, OP_ACK = 1, 2, 3, 4
 F_SIGNAL = 1
-STAT_NAMES = ("processed", "puts", "signals", "drains", "drain_ns", "write64", "bytes", "acks", "busy_ns")
+STAT_NAMES = ("processed", "puts", "signals", "drains", "drain_ns", "write64", "bytes", "acks", "busy_ns", "batches")
 
 
 class Request(ctypes.Structure):
@@ -82,6 +85,7 @@ class ProxyEngine:
         qp_mapping: str = "peer_hash",
         fence_mode: str = "proxy_drain",
         fifo_slots: int = 4096,
+        batch: int = 1,
         _allow_unsafe: bool = False,
     ):
         if qp_mapping not in QP_MAPPINGS or fence_mode not in FENCE_MODES:
@@ -102,6 +106,8 @@ class ProxyEngine:
             "mt_proxy_create",
         )
         self.handle = h
+        if batch > 1:
+            csrc_build.check(self.lib, self.lib.mt_proxy_set_batch(h, int(batch)), "mt_proxy_set_batch")
 
     def set_peer_data(self, peer_data: list[int]) -> None:
         csrc_build.check(self.lib, self.lib.mt_proxy_set_peer_data(self.handle, u64_array(peer_data), len(peer_data)), "set_peer_data")
@@ -164,11 +170,18 @@ class ProxyTransport(OneSidedTransport):
         if knobs.transport != "proxy":
             raise KnobError(f"ProxyTransport needs transport=proxy knobs, got {knobs.transport!r}", ("transport",))
         super().__init__(group, knobs, device, max_send_rows=max_send_rows, row_bytes=row_bytes)
+        if os.environ.get("MOETUNE_PROXY_PEER_ACCESS", "1") == "1":
+            # copy engines: enable peer access towards the other local GPUs (errors ignored: the
+            # symmetric mappings already grant access; this only helps the runtime pick direct P2P)
+            for other in range(torch.cuda.device_count()):
+                if other != self.device.index:
+                    self.lib.mt_enable_peer_access(self.device.index, other)
         ctrl = self.ctrl.peer_ptrs
         sig_off = 8 * self.rank * MAX_SLOTS  # my slots at each peer (MT_OFF_SIG = 0)
         self.engine = ProxyEngine(
             self.device.index, list(ctrl), list(ctrl), [p + sig_off for p in ctrl],
             qps=knobs.qps_per_pe, qp_mapping=knobs.qp_mapping, fence_mode=knobs.fence_mode, fifo_slots=fifo_slots,
+            batch=int(os.environ.get("MOETUNE_PROXY_BATCH", "1")),
         )
         h = ctypes.c_void_p()
         csrc_build.check(
