@@ -333,6 +333,24 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
     ce = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     if (ce == cudaSuccess) e->streams.push_back(s);
   }
+#ifndef MT_HOST_SIM
+  if (ce == cudaSuccess) {
+    // warm-up: a few small device-to-device copies and a stream write on every QP stream, so whatever
+    // the driver sets up lazily for them happens now, never while a kernel spins waiting on this engine
+    void* scratch = nullptr;
+    ce = cudaMalloc(&scratch, 1 << 16);
+    for (int i = 0; i < qps && ce == cudaSuccess; ++i) {
+      char* b = static_cast<char*>(scratch);
+      ce = cudaMemcpyAsync(b + 32768, b, 4096, cudaMemcpyDeviceToDevice, e->streams[i]);
+      if (ce == cudaSuccess) ce = cudaMemcpyAsync(b + 40963, b + 5, 777, cudaMemcpyDeviceToDevice, e->streams[i]);
+      if (ce == cudaSuccess) ce = cudaMemcpyAsync(b + 49152, b, 16384, cudaMemcpyDeviceToDevice, e->streams[i]);
+      if (ce == cudaSuccess && e->write64((CUstream)e->streams[i], (CUdeviceptr)(b + 65528), 1, 0) != CUDA_SUCCESS)
+        ce = cudaErrorUnknown;
+    }
+    if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
+    if (scratch) cudaFree(scratch);
+  }
+#endif
   if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
   if (ce != cudaSuccess) {
     mt::set_error("mt_proxy_create: %s (%s)", cudaGetErrorName(ce), cudaGetErrorString(ce));
