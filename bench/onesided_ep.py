@@ -262,13 +262,27 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
                     rc0 = torch.empty_like(sc_dev)
                     dist.all_to_all_single(rc0, sc_dev)
                     holder["n_recv"] = int(rc0.sum().item())
+                    # the NCCL result of this dispatch (once per case): the transport must deliver exactly it
+                    ref = torch.empty(holder["n_recv"], send.shape[1], dtype=send.dtype, device=device)
+                    dist.all_to_all_single(ref, send, output_split_sizes=rc0.tolist(), input_split_sizes=counts)
                     d_us, c_us = time_pair(disp, comb)  # agrees across ranks before returning/raising
                     torch.cuda.synchronize(device)
                     t.check()
                     ok = torch.equal(holder["back"].view(torch.int16), send.view(torch.int16))
-                    rec.update(dispatch_us=_stats(d_us), combine_us=_stats(c_us),
-                               layer_us=_stats([a + b for a, b in zip(d_us, c_us, strict=True)]),
-                               remote_bytes=remote_bytes(send, counts), roundtrip_equal=ok)
+                    got = disp()  # one more dispatch + combine, untimed, checked against NCCL
+                    same = torch.equal(got[: holder["n_recv"]].view(torch.int16), ref.view(torch.int16))
+                    comb(got)
+                    torch.cuda.synchronize(device)
+                    t.check()
+                    ok = ok and torch.equal(holder["back"].view(torch.int16), send.view(torch.int16))
+                    timing = dict(dispatch_us=_stats(d_us), combine_us=_stats(c_us),
+                                  layer_us=_stats([a + b for a, b in zip(d_us, c_us, strict=True)]))
+                    rec.update(remote_bytes=remote_bytes(send, counts), roundtrip_equal=ok, equals_nccl=same)
+                    if not (ok and same):  # a wrong result never prints a time as if it were valid
+                        rec["unverified_timing"] = timing
+                        raise RuntimeError(f"output differs from NCCL all_to_all_single (dispatch equal={same}, "
+                                           f"round trip equal={ok})")
+                    rec.update(timing)
                     rec["GBps_dispatch"] = rec["remote_bytes"] / rec["dispatch_us"]["median"] / 1e3
                     rec["host_issue_us"] = _stats(list(host_us))
                     if tname == "proxy":

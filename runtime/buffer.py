@@ -237,6 +237,9 @@ class EPBuffer:
         else:
             self.transport = cls(group, knobs, self.device)
         self._fast = hasattr(self.transport, "exchange_async") and hasattr(self.transport, "exchange_blocks")
+        reserve = getattr(self.transport, "reserve", None)
+        if callable(reserve):  # one-sided transports: size the symmetric receive buffer once (collective)
+            reserve(max(1, self.max_tokens), self.row_bytes)
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
 
     # -- layout of one wire row ---------------------------------------------------------------------

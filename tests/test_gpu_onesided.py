@@ -147,7 +147,7 @@ def test_epbuffer_with_onesided_transports_equals_collective() -> None:
         except ImportError:
             _record({"test": "epbuffer", "skipped": "moetune.runtime.EPBuffer not in this checkout"})
             pytest.skip("moetune.runtime.EPBuffer not in this checkout")
-    res = spawn_world(epbuffer_worker, NEED, {}, timeout_s=60)
+    res = spawn_world(epbuffer_worker, NEED, {}, timeout_s=240)
     _record({"test": "epbuffer", "result": res})
     if isinstance(res[0], dict) and "skipped" in res[0]:
         pytest.skip(res[0]["skipped"])

@@ -285,7 +285,7 @@ def test_proxy_exchange_many_iterations_in_host_simulation(sim_lib: ctypes.CDLL,
     import numpy as np
 
     lib = sim_lib
-    name, coupled, group, chunk, qps, mapping, fence, batch, world = variant
+    _name, coupled, group, chunk, qps, mapping, fence, batch, world = variant
     iters, max_rows, row_bytes = 40, 24, 48
     ctrl_bytes = 8 * 8 * 1024 + 8 * 2 * 8 + 8 * 2 * 8 * 8  # MT_CTRL_BYTES
     per_parity = world * max_rows * row_bytes
@@ -338,7 +338,7 @@ def test_proxy_exchange_many_iterations_in_host_simulation(sim_lib: ctypes.CDLL,
                     ])
                     assert np.array_equal(out[: len(want)], want), f"it {it}: rank {r} received wrong rows"
                     out[: len(want)] = 0xEE  # poison what was read: nobody writes this area before our call it+2
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 failures.append(f"rank {r}: {e}")
 
         threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
@@ -356,3 +356,67 @@ def test_proxy_exchange_many_iterations_in_host_simulation(sim_lib: ctypes.CDLL,
             lib.mt_pxy_destroy(x)
         for h in engines:
             lib.mt_proxy_destroy(h)
+
+
+def test_registry_resolves_the_onesided_transports() -> None:
+    from moetune.runtime.transports.nvlink import NvlinkTransport
+    from moetune.runtime.transports.proxy import ProxyTransport
+    from moetune.runtime.transports.registry import available_transports, get_transport
+
+    assert get_transport("nvlink") is NvlinkTransport and get_transport("proxy") is ProxyTransport
+    av = available_transports("cpu")
+    for name in ("nvlink", "proxy"):
+        assert name in av and isinstance(av[name].reason, str) and av[name].reason
+    import torch
+
+    if not torch.cuda.is_available():
+        assert not av["nvlink"].ok and not av["proxy"].ok
+
+
+def test_epbuffer_reserves_the_receive_buffer_of_onesided_transports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EPBuffer calls reserve(max_tokens, row_bytes) once on a transport that has it, and its packed
+    rows go through exchange() with counts per rank, returning a padded capacity view (as nvlink/proxy do)."""
+    import torch
+
+    from moetune.runtime import buffer as B
+    from moetune.runtime.knobs import default_knobs
+    from moetune.runtime.shapes import get_model
+    from moetune.runtime.transports.base import Availability, EPTransport
+
+    calls: list[tuple] = []
+
+    class FakeOneSided(EPTransport):
+        name = "nvlink"
+
+        @classmethod
+        def availability(cls, device=None) -> Availability:
+            return Availability(True, "fake")
+
+        def reserve(self, max_send_rows: int, row_bytes: int) -> None:
+            calls.append(("reserve", max_send_rows, row_bytes))
+            self.cap = max_send_rows * self.world * row_bytes
+
+        def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+            return send_counts.clone()
+
+        def exchange(self, send, send_counts, recv_counts):
+            rows = send.shape[0]
+            assert send_counts.tolist() == [rows] and recv_counts.tolist() == [rows]
+            assert rows * send[:1].numel() * send.element_size() <= self.cap
+            calls.append(("exchange", rows))
+            pad = torch.full((rows + 5, *send.shape[1:]), 7, dtype=send.dtype)  # capacity rows past the data
+            pad[:rows] = send
+            return pad
+
+    monkeypatch.setattr(B, "get_transport", lambda name: FakeOneSided)
+    m = get_model("qwen3-30b")
+    buf = B.EPBuffer(None, default_knobs("nvlink"), model=m, max_tokens=16, device="cpu", dtype=torch.float32)
+    assert calls == [("reserve", 16, buf.row_bytes)]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, m.hidden, generator=g)
+    idx = torch.rand(12, m.experts, generator=g).topk(m.topk, dim=1).indices
+    w = torch.rand(12, m.topk, generator=g)
+    recv_x, meta, handle = buf.dispatch(x, idx, w)
+    out = buf.combine(recv_x.contiguous(), handle)
+    assert torch.equal(out, x)  # world 1: every token comes back once
+    assert [c[0] for c in calls].count("reserve") == 1 and [c[0] for c in calls].count("exchange") == 3
