@@ -108,7 +108,7 @@ def test_error_decoding_is_readable() -> None:
 
 def test_bench_scripts_dry_run(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path)}
-    for script in ("bench/proxy_micro.py", "bench/onesided_ep.py"):
+    for script in ("bench/proxy_micro.py", "bench/onesided_ep.py", "bench/onesided_bench_ep.py"):
         r = subprocess.run([sys.executable, script, "--dry-run", "--out", str(tmp_path)], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
@@ -416,7 +416,23 @@ def test_epbuffer_reserves_the_receive_buffer_of_onesided_transports(monkeypatch
     x = torch.randn(12, m.hidden, generator=g)
     idx = torch.rand(12, m.experts, generator=g).topk(m.topk, dim=1).indices
     w = torch.rand(12, m.topk, generator=g)
-    recv_x, meta, handle = buf.dispatch(x, idx, w)
+    recv_x, _meta, handle = buf.dispatch(x, idx, w)
     out = buf.combine(recv_x.contiguous(), handle)
     assert torch.equal(out, x)  # world 1: every token comes back once
     assert [c[0] for c in calls].count("reserve") == 1 and [c[0] for c in calls].count("exchange") == 3
+
+
+def test_bench_ep_grid_script_runs_on_cpu(tmp_path: Path) -> None:
+    """bench/onesided_bench_ep.py (the GPU script's `moetune bench ep` grid) end to end on gloo: collective and
+    plain on a tiny shape, one verify case; every row carries a checked round trip or an error."""
+    import json
+
+    r = subprocess.run([sys.executable, "bench/onesided_bench_ep.py", "--cpu", "--variants", "collective,plain",
+                        "--tokens", "16", "--iters", "2", "--warmup", "1", "--models", "qwen3-30b", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(ln) for ln in (tmp_path / "bench_ep_onesided.jsonl").read_text().splitlines() if ln.strip()]
+    assert {(x["kind"], x["variant"]) for x in rows} == {("time", "collective"), ("time", "plain"), ("verify", "collective")}
+    assert all("error" not in x and x["roundtrip_ok"] for x in rows)
+    assert next(x for x in rows if x["kind"] == "verify")["verify_ok"] is True
+    assert "verify collective" in r.stdout

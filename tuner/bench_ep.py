@@ -260,6 +260,8 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     worst = mine.cpu().tolist()
+    if buf is not None:  # free symmetric memory / proxy threads now (benchmarks run many cases per process)
+        buf.close()
     if rank != 0:
         return None
     rep: dict[str, Any] = {
