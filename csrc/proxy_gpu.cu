@@ -183,7 +183,11 @@ static int host_wait_done(PxCtx* c, uint64_t seq, uint64_t stream) {
       char buf[512];
       int code = mt_proxy_error(c->engine, buf, sizeof(buf));
       MT_REQUIRE(code == 0, 321, "proxy engine failed: %s", buf);
-      MT_REQUIRE(host_ns() < deadline, 322, "proxy kernel did not complete (launch %llu)", (unsigned long long)seq);
+      if (host_ns() >= deadline) {
+        mt_proxy_diag(c->engine, buf, sizeof(buf));
+        mt::set_error("proxy kernel did not complete (launch %llu); %s", (unsigned long long)seq, buf);
+        return 322;
+      }
       if ((spins & 4095u) == 0) std::this_thread::yield();
     }
   }

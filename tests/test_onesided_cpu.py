@@ -196,7 +196,7 @@ def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     for name in ("mt_proxy_create", "mt_proxy_enqueue", "mt_proxy_quiesce", "mt_proxy_stats", "mt_proxy_error",
                  "mt_proxy_bench", "mt_proxy_destroy", "mt_last_error", "mt_proxy_reset_stats", "mt_proxy_set_batch",
                  "mt_pxy_create", "mt_pxy_set_data", "mt_pxy_set_host_wait", "mt_pxy_counts", "mt_pxy_exchange",
-                 "mt_pxy_error", "mt_pxy_destroy"):
+                 "mt_pxy_error", "mt_pxy_destroy", "mt_proxy_diag"):
         res, args = csrc_build.SIGNATURES[name]
         getattr(lib, name).restype = res
         getattr(lib, name).argtypes = args
@@ -351,6 +351,9 @@ def test_proxy_exchange_many_iterations_in_host_simulation(sim_lib: ctypes.CDLL,
         st = (ctypes.c_uint64 * 10)()
         lib.mt_proxy_stats(engines[0], st, 10)
         assert st[7] == iters  # one ACK per exchange
+        buf = ctypes.create_string_buffer(512)
+        lib.mt_proxy_diag(engines[0], buf, 512)
+        assert buf.value.startswith(b"thread idle at slot ") and f"acks {iters}".encode() in buf.value, buf.value
     finally:
         for x in ctxs:
             lib.mt_pxy_destroy(x)
@@ -436,3 +439,38 @@ def test_bench_ep_grid_script_runs_on_cpu(tmp_path: Path) -> None:
     assert all("error" not in x and x["roundtrip_ok"] for x in rows)
     assert next(x for x in rows if x["kind"] == "verify")["verify_ok"] is True
     assert "verify collective" in r.stdout
+
+
+def test_proxy_exchange_alone_times_out_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """A rank whose peer never comes: its call returns (bounded) with a count-word timeout in the error
+    record, instead of hanging; the proxy thread is idle (it consumed everything it was given)."""
+    import time
+
+    import numpy as np
+
+    lib = sim_lib
+    world = 2
+    ctrl = [np.zeros(8 * 1024 + 2 * 8 + 2 * 64, dtype=np.uint64) for _ in range(world)]
+    data = [np.zeros(4096, dtype=np.uint8) for _ in range(world)]
+    u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
+    cptr = [c.ctypes.data for c in ctrl]
+    h, x = ctypes.c_void_p(), ctypes.c_void_p()
+    assert lib.mt_proxy_create(0, world, u64([d.ctypes.data for d in data]), u64(cptr), u64(cptr), 1, 1, 1, 64,
+                               ctypes.byref(h)) == 0
+    try:
+        assert lib.mt_pxy_create(h, 0, 0, world, cptr[0], 0.3, ctypes.byref(x)) == 0
+        sc = np.ones(world, dtype=np.int64)
+        rc = np.zeros(world, dtype=np.int64)
+        t0 = time.monotonic()
+        assert lib.mt_pxy_counts(x, sc.ctypes.data, rc.ctypes.data, 1, 0) == 0, lib.mt_last_error()
+        assert time.monotonic() - t0 < 10
+        err = (ctypes.c_int * 16)()
+        lib.mt_pxy_error(x, err)
+        assert err[0] == 1 and err[2] == 1  # count-word timeout, peer 1
+        buf = ctypes.create_string_buffer(512)
+        lib.mt_proxy_diag(h, buf, 512)
+        assert b"idle at slot 2" in buf.value and b"words 2" in buf.value, buf.value
+    finally:
+        if x:
+            lib.mt_pxy_destroy(x)
+        lib.mt_proxy_destroy(h)

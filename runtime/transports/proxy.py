@@ -117,6 +117,12 @@ class ProxyEngine:
         code = self.lib.mt_proxy_error(self.handle, buf, 1024)
         return None if code == 0 else f"{buf.value.decode(errors='replace')} (code {code})"
 
+    def diag(self) -> str:
+        """One line on the proxy thread's state (requests consumed; inside which CUDA call, or idle)."""
+        buf = ctypes.create_string_buffer(512)
+        self.lib.mt_proxy_diag(self.handle, buf, 512)
+        return buf.value.decode(errors="replace")
+
     def stats(self) -> dict[str, int]:
         arr = (ctypes.c_uint64 * len(STAT_NAMES))()
         self.lib.mt_proxy_stats(self.handle, arr, len(STAT_NAMES))
@@ -240,6 +246,13 @@ class ProxyTransport(OneSidedTransport):
             csrc_build.check(self.lib, rc, what)
         if self.host_wait:
             self.check()  # the kernel has finished: its verdict is known now
+
+    def check(self) -> None:
+        """As OneSidedTransport.check, with the proxy thread's state appended to a failure."""
+        try:
+            super().check()
+        except OneSidedError as e:
+            raise OneSidedError(f"{e} [proxy {self.engine.diag()}]") from None
 
     def _extra_error(self) -> bool:
         return self.lib.mt_proxy_error(self.engine.handle, None, 0) != 0
