@@ -16,7 +16,7 @@ OUT="${OUT:-./bench_out}"
 mkdir -p "$OUT"
 export OUT
 export MOETUNE_CACHE="${MOETUNE_CACHE:-${TMPDIR:-/tmp}/moetune_cache}"  # outside $OUT: keep binaries out of the results
-export MOETUNE_ONESIDED_TIMEOUT_S="${MOETUNE_ONESIDED_TIMEOUT_S:-10}"
+export MOETUNE_ONESIDED_TIMEOUT_S="${MOETUNE_ONESIDED_TIMEOUT_S:-5}"  # healthy waits are µs..ms; a failure costs one timeout
 PY="${PYTHON:-python3}"
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
@@ -95,6 +95,22 @@ else
 stage tests 130 "$PY" -m pytest tests/test_gpu_onesided.py -q -rA -p no:cacheprovider $PT_TIMEOUT \
   --junitxml="$OUT/gpu_tests.xml"
 fi
+
+# diagnostic, not a test: the proxy exchange with run 1's asynchronous calls (MOETUNE_PROXY_HOST_WAIT=0
+# semantics). If this stalls while the tests above pass, the host-completed calls are what fixed run 1.
+stage proxy_async_diag 45 "$PY" -c "
+import json, os
+from moetune.runtime.transports._selftest import spawn_world, check_exchange_worker
+v = ['fence_mode=proxy_drain,signalling=coupled,qps_per_pe=1|hostwait=0',
+     'fence_mode=nic_ordered,signalling=decoupled,qps_per_pe=2,qp_mapping=peer_hash,chunk_tokens=16|hostwait=0']
+res = spawn_world(check_exchange_worker, 2, dict(transport='proxy', variants=v, iters=10), timeout_s=40)
+with open(os.path.join(os.environ['OUT'], 'proxy_async_diag.jsonl'), 'w') as f:
+    for rank, part in enumerate(res):
+        for rec in (part if isinstance(part, list) else [part]):
+            rec = dict(rec, rank=rank, test='proxy_async_diag'); f.write(json.dumps(rec, default=str) + chr(10))
+            err = str(rec.get('error') or '').strip().splitlines()
+            print('rank', rank, rec.get('knobs'), 'iters', rec.get('iters'), 'mismatch', rec.get('mismatch_iters'), 'error:', err[-1][:300] if err else None)
+"
 
 stage micro 40 "$PY" bench/proxy_micro.py --out "$OUT" --iters 12 --race-trials 30 $QUICKARG
 

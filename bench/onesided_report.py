@@ -136,6 +136,12 @@ def report(out: Path) -> str:
                   f"{len(recs)} rank×knob runs, {iters} iterations, {len(bad)} failing")
         else:
             check(None, f"{tname} exchange equals NCCL", "test did not record")
+    diag = _load(out / "proxy_async_diag.jsonl")
+    if diag:
+        bad = [d for d in diag if d.get("error") or d.get("mismatch_iters")]
+        first = next((str(d["error"]).strip().splitlines()[-1][:200] for d in bad if d.get("error")), "")
+        lines.append(f"  - diagnostic: proxy with run 1's asynchronous calls (host wait off): {len(bad)}/{len(diag)} "
+                     f"rank×knob runs failed{': ' + first if first else ''}")
     epb = [t for t in tests if t.get("test") == "epbuffer"]
     if epb and isinstance(epb[-1].get("result"), list):
         res = epb[-1]["result"]

@@ -165,6 +165,9 @@ def check_exchange_worker(
                         os.environ["MOETUNE_SYMM"] = saved
                 rec["symm_backend"] = t.symm_backend
                 rec["symm_torch_error"] = t.ctrl.torch_error or None
+                if opts.get("hostwait") == "0" and transport == "proxy":  # run 1's asynchronous proxy calls
+                    t.host_wait = False
+                    t.lib.mt_pxy_set_host_wait(t._h, 0)
             except Exception:
                 cerr = traceback.format_exc()[-3000:]
             if not _agree(cerr, device):
