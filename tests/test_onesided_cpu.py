@@ -201,6 +201,8 @@ def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
         getattr(lib, name).restype = res
         getattr(lib, name).argtypes = args
     lib.mt_proxy_mark_gpu_producer_internal.argtypes = [ctypes.c_void_p]
+    lib.mtsim_set_async.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.mtsim_set_async.restype = None
     return lib
 
 
@@ -274,19 +276,17 @@ EXCHANGE_VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("variant", EXCHANGE_VARIANTS, ids=[v[0] for v in EXCHANGE_VARIANTS])
-def test_proxy_exchange_many_iterations_in_host_simulation(sim_lib: ctypes.CDLL, variant: tuple) -> None:
-    """The proxy transport's GPU-side logic (csrc/proxy_xchg.h, the code the kernels run) on CPU threads,
-    one per rank, against real proxy engines: counts + exchange for many iterations without barriers,
-    random counts (zeros included), a 32-slot FIFO (wraps, flow control), outputs poisoned after being
-    checked. Every epoch must deliver exactly what the senders sent, with no error and no timeout."""
+def _sim_exchange(lib: ctypes.CDLL, variant: tuple, *, async_delay_us: int = -1, timeout_s: float = 5.0,
+                  iters: int = 40) -> tuple[list[str], list[int], bytes]:
+    """Run counts + exchange `iters` times on one CPU thread per rank (csrc/proxy_xchg.h, the code the
+    kernels run) against real proxy engines; async_delay_us >= 0: asynchronous simulated streams, every
+    copy delayed that long. Returns (failures, engine 0's stats, engine 0's diagnostic line)."""
     import threading
 
     import numpy as np
 
-    lib = sim_lib
     _name, coupled, group, chunk, qps, mapping, fence, batch, world = variant
-    iters, max_rows, row_bytes = 40, 24, 48
+    max_rows, row_bytes = 24, 48
     ctrl_bytes = 8 * 8 * 1024 + 8 * 2 * 8 + 8 * 2 * 8 * 8  # MT_CTRL_BYTES
     per_parity = world * max_rows * row_bytes
     ctrl = [np.zeros(ctrl_bytes // 8, dtype=np.uint64) for _ in range(world)]
@@ -295,6 +295,7 @@ def test_proxy_exchange_many_iterations_in_host_simulation(sim_lib: ctypes.CDLL,
     cptr = [c.ctypes.data for c in ctrl]
     dptr = [d.ctypes.data for d in data]
     engines, ctxs = [], []
+    lib.mtsim_set_async(1 if async_delay_us >= 0 else 0, max(0, async_delay_us))
     try:
         for r in range(world):
             h = ctypes.c_void_p()
@@ -304,7 +305,7 @@ def test_proxy_exchange_many_iterations_in_host_simulation(sim_lib: ctypes.CDLL,
             engines.append(h)
             assert lib.mt_proxy_set_batch(h, batch) == 0
             x = ctypes.c_void_p()
-            assert lib.mt_pxy_create(h, 0, r, world, cptr[r], 5.0, ctypes.byref(x)) == 0, lib.mt_last_error()
+            assert lib.mt_pxy_create(h, 0, r, world, cptr[r], timeout_s, ctypes.byref(x)) == 0, lib.mt_last_error()
             assert lib.mt_pxy_set_data(x, per_parity) == 0
             ctxs.append(x)
         rng = np.random.default_rng(7)
@@ -347,18 +348,50 @@ def test_proxy_exchange_many_iterations_in_host_simulation(sim_lib: ctypes.CDLL,
         for t in threads:
             t.join(120)
         assert not any(t.is_alive() for t in threads), "a rank hung"
-        assert not failures, failures
         st = (ctypes.c_uint64 * 10)()
         lib.mt_proxy_stats(engines[0], st, 10)
-        assert st[7] == iters  # one ACK per exchange
         buf = ctypes.create_string_buffer(512)
         lib.mt_proxy_diag(engines[0], buf, 512)
-        assert buf.value.startswith(b"thread idle at slot ") and f"acks {iters}".encode() in buf.value, buf.value
+        return failures, list(st), buf.value
     finally:
         for x in ctxs:
             lib.mt_pxy_destroy(x)
         for h in engines:
             lib.mt_proxy_destroy(h)
+        lib.mtsim_set_async(0, 0)
+
+
+@pytest.mark.parametrize("variant", EXCHANGE_VARIANTS, ids=[v[0] for v in EXCHANGE_VARIANTS])
+def test_proxy_exchange_many_iterations_in_host_simulation(sim_lib: ctypes.CDLL, variant: tuple) -> None:
+    """counts + exchange, 40 calls without barriers, random counts (zeros included), a 32-slot FIFO
+    (wraps, flow control), outputs poisoned after being checked: every epoch delivers exactly what the
+    senders sent, with no error and no timeout."""
+    failures, st, diag = _sim_exchange(sim_lib, variant)
+    assert not failures, failures
+    assert st[7] == 40  # one ACK per exchange
+    assert diag.startswith(b"thread idle at slot ") and b"acks 40" in diag, diag
+
+
+@pytest.mark.parametrize("variant", EXCHANGE_VARIANTS[:5], ids=[v[0] for v in EXCHANGE_VARIANTS[:5]])
+def test_proxy_exchange_with_asynchronous_streams_in_host_simulation(sim_lib: ctypes.CDLL, variant: tuple) -> None:
+    """The same with asynchronous simulated streams (each QP stream a thread running its operations in
+    order, every copy 150 µs late): the safe fence modes still deliver every row before its signal."""
+    failures, st, _ = _sim_exchange(sim_lib, variant, async_delay_us=150, iters=20)
+    assert not failures, failures
+    assert st[7] == 20
+
+
+def test_round_robin_nic_ordered_race_shows_with_asynchronous_streams(sim_lib: ctypes.CDLL) -> None:
+    """What Knobs refuses: round_robin + nic_ordered with 2 QPs puts a signal on another stream than its
+    data, so a receiver can see the signal first and read stale rows. Same settings with peer_hash: clean."""
+    unsafe = ("rr-nic-ordered-2qp", 1, 0, 2, 2, 0, 2, 1, 2)  # coupled: each signal on the stream after its PUT's
+    failures, _, _ = _sim_exchange(sim_lib, unsafe, async_delay_us=300, iters=10, timeout_s=1.0)
+    assert any("received wrong rows" in f for f in failures), failures
+    safe = ("hash-nic-ordered-2qp", 1, 0, 2, 2, 1, 2, 1, 2)
+    failures, _, _ = _sim_exchange(sim_lib, safe, async_delay_us=300, iters=10, timeout_s=1.0)
+    assert not failures, failures
+
+
 
 
 def test_registry_resolves_the_onesided_transports() -> None:
