@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include <thread>
+#include <vector>
 
 #include "proxy_xchg.h"
 
@@ -29,6 +30,9 @@ struct PxCtx {
   uint64_t launches = 0;
   int host_wait = 1;
   uint64_t timeout_ns = 10ull * 1000 * 1000 * 1000;
+#ifdef MT_HOST_SIM
+  std::vector<std::thread> sim_threads;  // simulated kernels (joined at destroy)
+#endif
 };
 
 inline uint64_t host_ns() {
@@ -195,8 +199,8 @@ static int host_wait_done(PxCtx* c, uint64_t seq, uint64_t stream) {
 }
 
 #ifdef MT_HOST_SIM
-// Host simulation: the "kernel" runs on the calling thread (lanes one after another: each lane only
-// waits for words other threads write), so a test drives each rank from its own thread.
+// Host simulation: a "kernel" runs its lanes one after another on one thread (each lane only waits
+// for words other threads write).
 static void run_exchange_block(const PxParams& p) {
   mtpx::produce_exchange(p);
   for (int t = 0; t < 32; ++t) mtpx::wait_exchange_lane(p, t);
@@ -206,6 +210,26 @@ static void run_counts_block(const PxParams& p) {
   mtpx::produce_counts(p);
   for (int t = 0; t < 32; ++t) mtpx::wait_counts_lane(p, t);
   mtpx::finish(p);
+}
+// An asynchronous "launch": the block runs on its own thread once the previous launch finished
+// (stream order), like a kernel; the calling thread returns at once.
+static void sim_launch(PxCtx* c, const PxParams& p, bool exchange) {
+  const uint64_t prev = p.done_value - 1;
+  uint64_t* done = c->done_host;
+  c->sim_threads.emplace_back([p, prev, done, exchange] {
+    while (__atomic_load_n(done, __ATOMIC_ACQUIRE) < prev) std::this_thread::yield();
+    if (exchange)
+      run_exchange_block(p);
+    else
+      run_counts_block(p);
+  });
+}
+// Tests: the completion word and the number of launches so far.
+MT_API int mt_pxy_sim_done(void* h, uint64_t** word, uint64_t* launches) {
+  PxCtx* c = static_cast<PxCtx*>(h);
+  *word = c->done_host;
+  *launches = c->launches;
+  return 0;
 }
 #endif
 
@@ -217,7 +241,7 @@ MT_API int mt_pxy_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   p.send_counts = send_counts;
   p.recv_out = recv_counts;
 #ifdef MT_HOST_SIM
-  run_counts_block(p);
+  sim_launch(c, p, false);
 #else
   (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   pxy_counts_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
@@ -243,7 +267,7 @@ MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t row_bytes, const 
   p.group = group_size;
   p.chunk_rows = chunk_rows;
 #ifdef MT_HOST_SIM
-  run_exchange_block(p);
+  sim_launch(c, p, true);
 #else
   (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   pxy_exchange_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
@@ -269,6 +293,9 @@ MT_API int mt_pxy_destroy(void* h) {
   if (c == nullptr) return 0;
   cudaSetDevice(c->device);
   cudaDeviceSynchronize();
+#ifdef MT_HOST_SIM
+  for (auto& t : c->sim_threads) t.join();
+#endif
   if (c->err_host) cudaFreeHost(c->err_host);
   if (c->done_host) cudaFreeHost(c->done_host);
   if (c->abort_flag) cudaFree(c->abort_flag);

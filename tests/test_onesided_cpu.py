@@ -203,6 +203,16 @@ def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     lib.mt_proxy_mark_gpu_producer_internal.argtypes = [ctypes.c_void_p]
     lib.mtsim_set_async.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.mtsim_set_async.restype = None
+    lib.mtsim_set_alias.argtypes = [ctypes.c_int]
+    lib.mtsim_set_alias.restype = None
+    lib.mtsim_stream_create.restype = ctypes.c_void_p
+    for name in ("mtsim_stream_destroy", "mtsim_stream_sync"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+        getattr(lib, name).restype = None
+    lib.mtsim_stream_wait_word.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64, ctypes.c_double]
+    lib.mtsim_stream_wait_word.restype = None
+    lib.mt_pxy_sim_done.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.POINTER(ctypes.c_uint64)),
+                                    ctypes.POINTER(ctypes.c_uint64)]
     return lib
 
 
@@ -507,3 +517,84 @@ def test_proxy_exchange_alone_times_out_in_host_simulation(sim_lib: ctypes.CDLL)
         if x:
             lib.mt_pxy_destroy(x)
         lib.mt_proxy_destroy(h)
+
+
+def _alias_run(lib: ctypes.CDLL, host_wait: int, iters: int = 8) -> list[str]:
+    """Two ranks, asynchronous "kernels", every stream of the process (QP streams and each rank's compute
+    stream) aliased onto ONE simulated hardware queue; after each launch the caller queues work behind the
+    kernel on its compute stream (as the GPU tests do: an event for NCCL, a copy to the host), then waits
+    for it. Returns the failures seen."""
+    import threading
+
+    import numpy as np
+
+    world, max_rows, row_bytes = 2, 16, 32
+    per_parity = world * max_rows * row_bytes
+    ctrl = [np.zeros(8 * 1024 + 2 * 8 + 2 * 64, dtype=np.uint64) for _ in range(world)]
+    data = [np.zeros(2 * per_parity, dtype=np.uint8) for _ in range(world)]
+    u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
+    cptr = [c.ctypes.data for c in ctrl]
+    lib.mtsim_set_async(1, 0)
+    lib.mtsim_set_alias(1)
+    engines, ctxs, comp = [], [], []
+    failures: list[str] = []
+    try:
+        for r in range(world):
+            h, x = ctypes.c_void_p(), ctypes.c_void_p()
+            assert lib.mt_proxy_create(0, world, u64([d.ctypes.data for d in data]), u64(cptr),
+                                       u64([c + 8 * r * 1024 for c in cptr]), 1, 1, 2, 64, ctypes.byref(h)) == 0
+            engines.append(h)
+            assert lib.mt_pxy_create(h, 0, r, world, cptr[r], 1.0, ctypes.byref(x)) == 0
+            assert lib.mt_pxy_set_data(x, per_parity) == 0
+            lib.mt_pxy_set_host_wait(x, host_wait)
+            ctxs.append(x)
+            comp.append(lib.mtsim_stream_create())
+
+        def queue_behind_kernel(r: int) -> None:
+            word, n = ctypes.POINTER(ctypes.c_uint64)(), ctypes.c_uint64()
+            lib.mt_pxy_sim_done(ctxs[r], ctypes.byref(word), ctypes.byref(n))
+            lib.mtsim_stream_wait_word(comp[r], word, n.value, 5.0)
+            lib.mtsim_stream_sync(comp[r])
+
+        def rank_main(r: int) -> None:
+            err = (ctypes.c_int * 16)()
+            recv = np.zeros(world, dtype=np.int64)
+            sc = np.full(world, 3, dtype=np.int64)
+            send = np.full((3 * world, row_bytes), 10 + r, dtype=np.uint8)
+            for it in range(iters):
+                assert lib.mt_pxy_counts(ctxs[r], sc.ctypes.data, recv.ctypes.data, it + 1, 0) == 0
+                queue_behind_kernel(r)
+                assert lib.mt_pxy_exchange(ctxs[r], send.ctypes.data, row_bytes, sc.ctypes.data, None, 0, 0, 0,
+                                           it + 1, 0) == 0
+                queue_behind_kernel(r)
+                lib.mt_pxy_error(ctxs[r], err)
+                if err[0] != 0:
+                    failures.append(f"rank {r} call {it + 1}: error record {list(err)[:8]}")
+                    return
+
+        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        return failures
+    finally:
+        for x in ctxs:
+            lib.mt_pxy_destroy(x)
+        for h in engines:
+            lib.mt_proxy_destroy(h)
+        for s in comp:
+            lib.mtsim_stream_destroy(s)
+        lib.mtsim_set_alias(0)
+        lib.mtsim_set_async(0, 0)
+
+
+def test_host_completed_calls_survive_hardware_queue_aliasing_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """A model of run 1's proxy failure and of its fix. Asynchronous calls (run 1): work the caller queues
+    behind the spinning kernel shares a hardware queue with the proxy's QP stream, the proxy's stream writes
+    wait behind it, and the kernel times out. Host-completed calls (now): nothing is queued behind a running
+    kernel, every call completes."""
+    assert _alias_run(sim_lib, host_wait=1) == []
+    failures = _alias_run(sim_lib, host_wait=0)
+    assert failures and all("error record" in f for f in failures), failures

@@ -9,6 +9,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "../mt_common.h"
 
@@ -60,8 +61,23 @@ struct Stream {
   }
 };
 
-void* stream_new() { return new Stream(); }
-void stream_delete(void* s) { delete static_cast<Stream*>(s); }
+// Hardware-queue aliasing model: with alias_n > 0 every new stream is one of alias_n shared queues
+// (round robin), as CUDA maps streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware work queues.
+static std::mutex pool_mu;
+static std::vector<Stream*> pool;
+static size_t pool_next = 0;
+
+void* stream_new() {
+  std::lock_guard<std::mutex> g(pool_mu);
+  if (!pool.empty()) return pool[pool_next++ % pool.size()];
+  return new Stream();
+}
+void stream_delete(void* s) {
+  std::lock_guard<std::mutex> g(pool_mu);
+  for (Stream* q : pool)
+    if (q == s) return;  // shared queue: lives until mtsim_set_alias(0)
+  delete static_cast<Stream*>(s);
+}
 void stream_copy(void* s, void* d, const void* src, size_t n) {
   if (!async_mode || s == nullptr) {
     memcpy(d, src, n);
@@ -107,4 +123,25 @@ MT_API void mtsim_counters(unsigned long long* out) {
   out[0] = mtsim::memcpys;
   out[1] = mtsim::writes;
   out[2] = mtsim::syncs;
+}
+
+// Test hooks for the aliasing model (tests/test_onesided_cpu.py).
+MT_API void mtsim_set_alias(int n) {
+  std::lock_guard<std::mutex> g(mtsim::pool_mu);
+  for (auto* q : mtsim::pool) delete q;
+  mtsim::pool.clear();
+  mtsim::pool_next = 0;
+  for (int i = 0; i < n; ++i) mtsim::pool.push_back(new mtsim::Stream());
+}
+MT_API void* mtsim_stream_create() { return mtsim::stream_new(); }
+MT_API void mtsim_stream_destroy(void* s) { mtsim::stream_delete(s); }
+MT_API void mtsim_stream_sync(void* s) { mtsim::stream_sync(s); }
+// Enqueue "wait until *word >= value" (bounded): work queued behind a kernel on the kernel's stream.
+MT_API void mtsim_stream_wait_word(void* s, uint64_t* word, uint64_t value, double timeout_s) {
+  static_cast<mtsim::Stream*>(s)->push([word, value, timeout_s] {
+    auto t0 = std::chrono::steady_clock::now();
+    while (__atomic_load_n(word, __ATOMIC_ACQUIRE) < value &&
+           std::chrono::steady_clock::now() - t0 < std::chrono::duration<double>(timeout_s))
+      std::this_thread::yield();
+  });
 }
