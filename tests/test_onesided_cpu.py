@@ -287,7 +287,7 @@ EXCHANGE_VARIANTS = [
 
 
 def _sim_exchange(lib: ctypes.CDLL, variant: tuple, *, async_delay_us: int = -1, timeout_s: float = 5.0,
-                  iters: int = 40) -> tuple[list[str], list[int], bytes]:
+                  iters: int = 40, skew: bool = False) -> tuple[list[str], list[int], bytes]:
     """Run counts + exchange `iters` times on one CPU thread per rank (csrc/proxy_xchg.h, the code the
     kernels run) against real proxy engines; async_delay_us >= 0: asynchronous simulated streams, every
     copy delayed that long. Returns (failures, engine 0's stats, engine 0's diagnostic line)."""
@@ -321,6 +321,9 @@ def _sim_exchange(lib: ctypes.CDLL, variant: tuple, *, async_delay_us: int = -1,
         rng = np.random.default_rng(7)
         counts = rng.integers(0, max_rows // world + 1, size=(iters, world, world))  # [it, src, dst]
         counts[::5, :, 0] = 0
+        if skew:  # rank 0 sends the most rows, the others one: they finish their own sends long before rank 0's land
+            counts[:, 0, :] = max_rows // world
+            counts[:, 1:, :] = 1
         sends = [[rng.integers(0, 255, size=(int(counts[it, r].sum()), row_bytes), dtype=np.uint8)
                   for r in range(world)] for it in range(iters)]
         failures: list[str] = []
@@ -395,10 +398,10 @@ def test_round_robin_nic_ordered_race_shows_with_asynchronous_streams(sim_lib: c
     """What Knobs refuses: round_robin + nic_ordered with 2 QPs puts a signal on another stream than its
     data, so a receiver can see the signal first and read stale rows. Same settings with peer_hash: clean."""
     unsafe = ("rr-nic-ordered-2qp", 1, 0, 2, 2, 0, 2, 1, 2)  # coupled: each signal on the stream after its PUT's
-    failures, _, _ = _sim_exchange(sim_lib, unsafe, async_delay_us=300, iters=10, timeout_s=1.0)
+    failures, _, _ = _sim_exchange(sim_lib, unsafe, async_delay_us=300, iters=10, timeout_s=1.0, skew=True)
     assert any("received wrong rows" in f for f in failures), failures
     safe = ("hash-nic-ordered-2qp", 1, 0, 2, 2, 1, 2, 1, 2)
-    failures, _, _ = _sim_exchange(sim_lib, safe, async_delay_us=300, iters=10, timeout_s=1.0)
+    failures, _, _ = _sim_exchange(sim_lib, safe, async_delay_us=300, iters=10, timeout_s=1.0, skew=True)
     assert not failures, failures
 
 
