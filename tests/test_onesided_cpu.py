@@ -158,12 +158,33 @@ def test_report_renders_synthetic_results(tmp_path: Path) -> None:
           "trials_with_stale": 3, "trials": 50}]
     (tmp_path / "onesided_ep.jsonl").write_text("\n".join(json.dumps(r) for r in ep))
     (tmp_path / "proxy_micro.jsonl").write_text("\n".join(json.dumps(r) for r in micro))
-    (tmp_path / "gpu_onesided_tests.jsonl").write_text(json.dumps({"test": "race", "stale_transfers": 0}))
+    tests = [
+        {"test": "proxy_exchange", "rank": 0, "knobs": "k", "iters": 25, "mismatch_iters": 0, "count_mismatch_iters": 0,
+         "poison_overwritten_iters": 0, "error": None},
+        {"test": "epbuffer", "result": [{"nvlink": {"equal": True, "max_abs_diff": 0.0, "layer_rel_err": 0.007},
+                                         "proxy": {"equal": False, "error": "Traceback\nOneSidedError: x"}}] * 2},
+    ]
+    (tmp_path / "gpu_onesided_tests.jsonl").write_text("\n".join(json.dumps(t) for t in tests))
+    sp = {"median": 20.0, "p10": 19.0, "p90": 21.0}
+    grid = [
+        {"bench": "bench_ep", "kind": "time", "variant": "nvlink", "model": "qwen3-30b", "S": 128, "dispatch_us": sp,
+         "combine_us": sp, "roundtrip_us": sp, "layer_us": None, "dispatch_remote_bytes_rank0": 1000, "roundtrip_rel_err": 0.0},
+        {"bench": "bench_ep", "kind": "time", "variant": "proxy_drain", "model": "qwen3-30b", "S": 128, "error": "boom"},
+        {"bench": "bench_ep", "kind": "verify", "variant": "nvlink", "model": "qwen3-30b", "S": 128, "max_rel_err": 0.007,
+         "verify_ok": True, "verify_bound": 0.03},
+    ]
+    (tmp_path / "bench_ep_onesided.jsonl").write_text("\n".join(json.dumps(g) for g in grid))
+    (tmp_path / "proxy_async_diag.jsonl").write_text(json.dumps({"knobs": "k", "iters": 1, "error": "T\nOneSidedError: stall"}))
+    (tmp_path / "cli_bench_ep_nvlink.json").write_text(json.dumps({"dispatch_us": sp, "combine_us": sp, "max_rel_err": 0.007,
+                                                                    "verify_ok": True}))
     r = subprocess.run([sys.executable, "bench/onesided_report.py", str(tmp_path)], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "S=128 dispatch+combine ≤ 40 µs: eager best 30.0" in r.stdout and "MET" in r.stdout
     assert "340.0 GB/s" in r.stdout and "round_robin" in r.stdout
+    assert "[MET] proxy exchange equals NCCL" in r.stdout and "[NOT MET] proxy: EPBuffer" in r.stdout
+    assert "[MET] nvlink: EPBuffer" in r.stdout and "1/1 rank×knob runs failed: OneSidedError: stall" in r.stdout
+    assert "| proxy_drain | qwen3-30b | 128 | ERROR" in r.stdout and "CLI `moetune bench ep --transport nvlink" in r.stdout
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import onesided_ep
