@@ -294,6 +294,9 @@ class EPBuffer:
         else:
             self.transport = cls(group, knobs, self.device)
         self._fast = hasattr(self.transport, "exchange_async") and hasattr(self.transport, "exchange_blocks")
+        reserve = getattr(self.transport, "reserve", None)
+        if callable(reserve):  # one-sided transports: size the symmetric receive buffer once (collective)
+            reserve(max(1, self.max_tokens), self.row_bytes)
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
         self._stage_views: Any = None
         self._stage: torch.Tensor | None = None  # token rows [max_tokens, row_bytes], reused (dense: the send rows)

@@ -83,11 +83,11 @@ def _record(row: dict) -> None:
         f.write(json.dumps(row, default=str) + "\n")
 
 
-def _check_world(transport: str, variants: list[str], iters: int) -> None:
+def _check_world(transport: str, variants: list[str], iters: int, timeout_s: float = 75) -> None:
     from moetune.runtime.transports._selftest import check_exchange_worker, spawn_world
 
     res = spawn_world(check_exchange_worker, NEED, dict(transport=transport, variants=variants, iters=iters),
-                      timeout_s=75)
+                      timeout_s=timeout_s)
     failures = []
     for rank, part in enumerate(res):
         if isinstance(part, dict):  # the worker itself failed
@@ -120,7 +120,7 @@ def test_nvlink_exchange_matches_nccl_with_poisoned_buffers() -> None:
 
 @needs_gpus
 def test_proxy_exchange_matches_nccl_with_poisoned_buffers() -> None:
-    _check_world("proxy", PROXY_VARIANTS, iters=25)
+    _check_world("proxy", PROXY_VARIANTS, iters=25, timeout_s=100)  # room for one timeout per variant
 
 
 @needs_gpus
@@ -147,7 +147,7 @@ def test_epbuffer_with_onesided_transports_equals_collective() -> None:
         except ImportError:
             _record({"test": "epbuffer", "skipped": "moetune.runtime.EPBuffer not in this checkout"})
             pytest.skip("moetune.runtime.EPBuffer not in this checkout")
-    res = spawn_world(epbuffer_worker, NEED, {}, timeout_s=60)
+    res = spawn_world(epbuffer_worker, NEED, {}, timeout_s=240)
     _record({"test": "epbuffer", "result": res})
     if isinstance(res[0], dict) and "skipped" in res[0]:
         pytest.skip(res[0]["skipped"])

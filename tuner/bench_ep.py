@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..runtime import EPBuffer, Knobs, MoELayer, dense_reference, get_model
 from ..runtime.buffer import TORCH_DTYPES
 from ..runtime.fp8 import FP8_LAYER_REL_ERR_BOUND
+from ..runtime.knobs import KnobError, default_knobs
 from ..runtime.moe_layer import max_rel_err
 from ..runtime.pipeline import pipelined_moe, weighted_rows
 from ..runtime.routing import generate_routing
@@ -159,8 +160,11 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
     model = get_model(cfg["model"])
     dtype = TORCH_DTYPES[model.dtype]
     knobs = Knobs.from_dict(cfg["knobs"]) if isinstance(cfg.get("knobs"), dict) else Knobs.parse(cfg.get("knobs") or "")
-    if cfg.get("transport"):
-        knobs = knobs.replace(transport=cfg["transport"])
+    if cfg.get("transport") and cfg["transport"] != knobs.transport:
+        try:
+            knobs = knobs.replace(transport=cfg["transport"])
+        except KnobError:  # e.g. a fence mode the new transport does not have: take its default one
+            knobs = knobs.replace(transport=cfg["transport"], fence_mode=default_knobs(cfg["transport"]).fence_mode)
     impl = cfg.get("impl", "moetune")
     tokens = int(cfg["tokens"])
     iters, warmup = int(cfg.get("iters", 20)), int(cfg.get("warmup", 5))
@@ -262,6 +266,8 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     worst = mine.cpu().tolist()
+    if buf is not None:  # free symmetric memory / proxy threads now (benchmarks run many cases per process)
+        buf.close()
     if rank != 0:
         return None
     rep: dict[str, Any] = {

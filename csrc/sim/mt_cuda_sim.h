@@ -1,7 +1,9 @@
 // Host-only stand-ins for the few CUDA runtime/driver calls the proxy engine makes, so its FIFO,
 // drain loop, fence modes and flow control can be tested on a machine without a GPU
-// (tests/test_onesided_cpu.py builds proxy_engine.cpp with -DMT_HOST_SIM). Copies run at once
-// (streams are synchronous here), so ordering races cannot show; the engine's logic can.
+// (tests/test_onesided_cpu.py builds proxy_engine.cpp with -DMT_HOST_SIM). By default copies and
+// stream writes run at once (synchronous streams); mtsim_set_async(1, delay_us) gives every stream a
+// worker thread that runs its operations in order, each copy after `delay_us` -- then the ordering the
+// fence modes promise (or fail to promise: round_robin + nic_ordered) shows, as on a GPU.
 // Not part of the library build (csrc_build compiles only csrc/*.cu and csrc/*.cpp).
 #pragma once
 #include <stdint.h>
@@ -24,26 +26,33 @@ enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0 };
 
 namespace mtsim {
 extern unsigned long long memcpys, writes, syncs;
+extern int async_mode, copy_delay_us;
+void* stream_new();
+void stream_delete(void* s);
+void stream_copy(void* s, void* d, const void* src, size_t n);
+void stream_write64(void* s, uint64_t* addr, uint64_t v);
+void stream_sync(void* s);
 }
 
 inline const char* cudaGetErrorName(cudaError_t) { return "simError"; }
 inline const char* cudaGetErrorString(cudaError_t) { return "simulated CUDA error"; }
 inline cudaError_t cudaSetDevice(int) { return cudaSuccess; }
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
-inline cudaError_t cudaStreamSynchronize(cudaStream_t) {
+inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   __atomic_add_fetch(&mtsim::syncs, 1, __ATOMIC_RELAXED);
+  mtsim::stream_sync(s);
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
-  *s = malloc(1);
+  *s = mtsim::stream_new();
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
-  free(s);
+  mtsim::stream_delete(s);
   return cudaSuccess;
 }
-inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t) {
-  memcpy(d, s, n);
+inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t st) {
+  mtsim::stream_copy(st, d, s, n);
   __atomic_add_fetch(&mtsim::memcpys, 1, __ATOMIC_RELAXED);
   return cudaSuccess;
 }
@@ -76,8 +85,8 @@ inline cudaError_t cudaMemset(void* p, int v, size_t n) {
   memset(p, v, n);
   return cudaSuccess;
 }
-inline CUresult sim_write64(CUstream, CUdeviceptr addr, cuuint64_t v, unsigned) {
-  __atomic_store_n(reinterpret_cast<uint64_t*>(addr), (uint64_t)v, __ATOMIC_RELEASE);
+inline CUresult sim_write64(CUstream st, CUdeviceptr addr, cuuint64_t v, unsigned) {
+  mtsim::stream_write64(st, reinterpret_cast<uint64_t*>(addr), (uint64_t)v);
   __atomic_add_fetch(&mtsim::writes, 1, __ATOMIC_RELAXED);
   return CUDA_SUCCESS;
 }

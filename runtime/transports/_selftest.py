@@ -165,6 +165,9 @@ def check_exchange_worker(
                         os.environ["MOETUNE_SYMM"] = saved
                 rec["symm_backend"] = t.symm_backend
                 rec["symm_torch_error"] = t.ctrl.torch_error or None
+                if opts.get("hostwait") == "0" and transport == "proxy":  # run 1's asynchronous proxy calls
+                    t.host_wait = False
+                    t.lib.mt_pxy_set_host_wait(t._h, 0)
             except Exception:
                 cerr = traceback.format_exc()[-3000:]
             if not _agree(cerr, device):
@@ -269,41 +272,61 @@ def timeout_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvl
 
 
 def epbuffer_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvlink", "proxy"), iters: int = 5,
-                    model: str = "qwen3-30b", tokens: int = 256) -> dict:
-    """Through the runtime's EPBuffer (when this checkout has it): dispatch + identity experts + combine
-    with a one-sided transport must equal the same with the `collective` transport."""
+                    model: str = "qwen3-30b", tokens: int = 256, layer_bound: float = 3e-2) -> dict:
+    """Through the runtime's EPBuffer: dispatch + identity experts + combine with a one-sided transport
+    must equal the same with the `collective` transport bit for bit, and the whole MoE layer on the
+    one-sided transport must match the single-process dense reference (max rel. error <= layer_bound,
+    the runtime issue's bf16 bound)."""
     from .. import shapes
+    from ..buffer import EPBuffer
+    from ..moe_layer import MoELayer, dense_reference, max_rel_err
 
-    try:
-        from .. import EPBuffer  # type: ignore[attr-defined]
-    except ImportError:
-        try:
-            from ..ep_buffer import EPBuffer  # type: ignore[no-redef]
-        except ImportError:
-            return {"skipped": "moetune.runtime.EPBuffer not in this checkout"}
     device = torch.device("cuda", rank)
     m = shapes.get_model(model)
     out: dict[str, Any] = {}
     g = torch.Generator(device="cpu").manual_seed(100 + rank)
-    for name in transports:
-        rec: dict[str, Any] = {"iters": 0, "max_abs_diff": 0.0}
-        try:
-            ref_buf = EPBuffer(None, default_knobs("collective"), model=m, max_tokens=tokens, device=device)
-            buf = EPBuffer(None, default_knobs(name), model=m, max_tokens=tokens, device=device)
-            for _ in range(iters):
+    ref_buf = EPBuffer(None, default_knobs("collective"), model=m, max_tokens=tokens, device=device)
+    try:
+        for name in transports:
+            rec: dict[str, Any] = {"iters": 0, "max_abs_diff": 0.0, "layer_rel_err": None, "layer_bound": layer_bound}
+            buf = layer = None
+            try:
+                buf = EPBuffer(None, default_knobs(name), model=m, max_tokens=tokens, device=device)
+                for it in range(iters):
+                    s = tokens - 3 * it  # varying S (<= max_tokens)
+                    x = torch.randn(s, m.hidden, generator=g).to(torch.bfloat16).to(device)
+                    idx = torch.rand(s, m.experts, generator=g).topk(m.topk, dim=1).indices.to(device)
+                    w = torch.rand(s, m.topk, generator=g).to(device)
+                    results = []
+                    for b in (ref_buf, buf):
+                        recv_x, _meta, handle = b.dispatch(x, idx, w)
+                        results.append(b.combine(recv_x, handle))
+                        barrier(device)
+                    diff = (results[0].float() - results[1].float()).abs().max().item()
+                    rec["max_abs_diff"] = max(rec["max_abs_diff"], diff)
+                    rec["iters"] += 1
+                buf.close()
+                buf = None
+                # the MoE layer (SwiGLU experts) on this transport vs the dense single-process reference
+                layer = MoELayer(m, knobs=default_knobs(name), max_tokens=tokens, device=device, seed=1)
                 x = torch.randn(tokens, m.hidden, generator=g).to(torch.bfloat16).to(device)
                 idx = torch.rand(tokens, m.experts, generator=g).topk(m.topk, dim=1).indices.to(device)
-                w = torch.rand(tokens, m.topk, generator=g).to(device)
-                results = []
-                for b in (ref_buf, buf):
-                    recv_x, _meta, handle = b.dispatch(x, idx, w)
-                    results.append(b.combine(recv_x, handle))
-                    barrier(device)
-                diff = (results[0].float() - results[1].float()).abs().max().item()
-                rec["max_abs_diff"] = max(rec["max_abs_diff"], diff)
-                rec["iters"] += 1
-            rec["equal"] = rec["max_abs_diff"] == 0.0
-        except Exception:
-            rec["error"] = traceback.format_exc()[-2000:]
-        out[name] = rec
+                w = torch.rand(tokens, m.topk, generator=g).softmax(1).to(device)
+                got = layer.forward_routed(x, idx, w)
+                ref = dense_reference(x, m, seed=1, topk_idx=idx, topk_weights=w)
+                rec["layer_rel_err"] = max_rel_err(got, ref)
+                rec["equal"] = rec["max_abs_diff"] == 0.0 and rec["layer_rel_err"] <= layer_bound
+            except Exception:
+                rec["error"] = traceback.format_exc()[-2000:]
+            finally:
+                for obj in (buf, getattr(layer, "buffer", None)):
+                    if obj is not None:
+                        try:
+                            obj.close()
+                        except Exception:
+                            pass
+            out[name] = rec
+            barrier(device)
+    finally:
+        ref_buf.close()
     return out

@@ -117,6 +117,12 @@ class ProxyEngine:
         code = self.lib.mt_proxy_error(self.handle, buf, 1024)
         return None if code == 0 else f"{buf.value.decode(errors='replace')} (code {code})"
 
+    def diag(self) -> str:
+        """One line on the proxy thread's state (requests consumed; inside which CUDA call, or idle)."""
+        buf = ctypes.create_string_buffer(512)
+        self.lib.mt_proxy_diag(self.handle, buf, 512)
+        return buf.value.decode(errors="replace")
+
     def stats(self) -> dict[str, int]:
         arr = (ctypes.c_uint64 * len(STAT_NAMES))()
         self.lib.mt_proxy_stats(self.handle, arr, len(STAT_NAMES))
@@ -190,6 +196,9 @@ class ProxyTransport(OneSidedTransport):
             "mt_pxy_create",
         )
         self._h = h
+        # host-completed calls (default): see mt_pxy_set_host_wait in csrc/proxy_gpu.cu for why
+        self.host_wait = os.environ.get("MOETUNE_PROXY_HOST_WAIT", "1") != "0"
+        self.lib.mt_pxy_set_host_wait(h, 1 if self.host_wait else 0)
         self._err = (ctypes.c_int * 16)()
         ep = ctypes.c_void_p()
         self.lib.mt_pxy_err_ptr(h, ctypes.byref(ep))
@@ -212,8 +221,7 @@ class ProxyTransport(OneSidedTransport):
         out = torch.empty(self.world, dtype=torch.int64, device=self.device)
         self._counts_epoch += 1
         rc = self.lib.mt_pxy_counts(self._h, sc.data_ptr(), out.data_ptr(), self._counts_epoch, self._stream())
-        if rc:
-            csrc_build.check(self.lib, rc, "mt_pxy_counts")
+        self._after_call(rc, "mt_pxy_counts")
         self._keep_counts = sc
         return out
 
@@ -227,10 +235,24 @@ class ProxyTransport(OneSidedTransport):
             self._h, send.data_ptr(), rb, sc.data_ptr(), rcv.data_ptr() if rcv is not None else None,
             1 if k.signalling == "coupled" else 0, int(k.group_size), int(k.chunk_tokens), self._epoch, self._stream(),
         )
-        if rc:
-            csrc_build.check(self.lib, rc, "mt_pxy_exchange")
+        self._after_call(rc, "mt_pxy_exchange")
         self._keep = (send, sc, rcv)
         return self._recv_view(send, rb, self._epoch)
+
+    def _after_call(self, rc: int, what: str) -> None:
+        if rc in (321, 322):  # host wait: the proxy thread failed / the kernel never completed
+            raise OneSidedError(f"proxy: {what}: {(self.lib.mt_last_error() or b'').decode(errors='replace')}")
+        if rc:
+            csrc_build.check(self.lib, rc, what)
+        if self.host_wait:
+            self.check()  # the kernel has finished: its verdict is known now
+
+    def check(self) -> None:
+        """As OneSidedTransport.check, with the proxy thread's state appended to a failure."""
+        try:
+            super().check()
+        except OneSidedError as e:
+            raise OneSidedError(f"{e} [proxy {self.engine.diag()}]") from None
 
     def _extra_error(self) -> bool:
         return self.lib.mt_proxy_error(self.engine.handle, None, 0) != 0

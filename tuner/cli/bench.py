@@ -55,9 +55,12 @@ def ep(
     except ValueError as e:
         _fail(str(e))
     try:
-        k = Knobs.parse(knobs)
-        if transport:
-            k = k.replace(transport=transport)
+        if transport:  # that transport's safe defaults under the --knobs overrides
+            from ...runtime.knobs import default_knobs
+
+            k = Knobs.parse(knobs, base=default_knobs(transport)).replace(transport=transport)
+        else:
+            k = Knobs.parse(knobs)
     except KnobError as e:
         _fail(str(e))
     try:
