@@ -285,7 +285,8 @@ def epbuffer_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nv
     m = shapes.get_model(model)
     out: dict[str, Any] = {}
     g = torch.Generator(device="cpu").manual_seed(100 + rank)
-    ref_buf = EPBuffer(None, default_knobs("collective"), model=m, max_tokens=tokens, device=device)
+    ref_buf = EPBuffer(None, default_knobs("collective"), model=m, max_tokens=tokens, device=device,
+                      dense=False)  # the same packed layout the one-sided transports use
     try:
         for name in transports:
             rec: dict[str, Any] = {"iters": 0, "max_abs_diff": 0.0, "layer_rel_err": None, "layer_bound": layer_bound}
