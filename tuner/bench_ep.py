@@ -332,6 +332,13 @@ def _profile(roundtrip, device: torch.device, rank: int, iters: int = 5) -> str 
     return "\n".join(parts)
 
 
+def finish_report(rep: dict[str, Any], verify: bool) -> dict[str, Any]:
+    """What `moetune bench ep --json` prints for a case's report: with verify, `verify_ok` added."""
+    if verify and rep.get("max_rel_err") is not None:
+        rep["verify_ok"] = rep["max_rel_err"] <= rep["verify_bound"]
+    return rep
+
+
 def bench_entry(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     """launch() target: one case per launch."""
     return bench_case(rank, world, cfg)
