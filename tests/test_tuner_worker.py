@@ -79,8 +79,9 @@ def test_worker_protocol_matches_bench_ep_json() -> None:
         {"id": 5, "model": "custom:64,32,7,2", "tokens": 16},  # 7 experts over 2 ranks
     ]
     stdin = "\n".join(c if isinstance(c, str) else json.dumps(c) for c in cases) + "\n"
-    p = subprocess.run([sys.executable, "-m", "moetune.tuner.bench_worker", "--world", "2", "--backend", "gloo",
-                        "--timeout", "30"], input=stdin, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", "from moetune.tuner.cli import main; main()", "bench", "ep", "--serve",
+                        "--world", "2", "--backend", "gloo", "--timeout", "30"],
+                       input=stdin, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr  # EOF ends it cleanly
     lines = [json.loads(ln) for ln in p.stdout.strip().splitlines()]
     assert lines[0]["ready"] is True and lines[0]["world"] == 2

@@ -262,6 +262,11 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     worst = mine.cpu().tolist()
+    if buf is not None and cfg.get("close_buffer"):
+        # a persistent worker runs many cases: free this case's transport resources (device memory, IPC
+        # mappings) once every rank is past its last transfer
+        _barrier(device)
+        buf.close()
     if rank != 0:
         return None
     rep: dict[str, Any] = {

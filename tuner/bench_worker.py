@@ -78,7 +78,8 @@ def case_config(case: dict[str, Any], world: int, backend: str) -> dict[str, Any
     cfg = {"model": model, "tokens": tokens, "knobs": k.to_dict(), "routing": routing, "iters": iters,
            "warmup": warmup, "verify": verify, "impl": impl, "seed": int(case.get("seed", 0)), "backend": backend,
            "layer": impl == "moetune" and bool(case.get("layer", True)),
-           "dense": {"auto": None, "dense": True, "packed": False}[layout]}
+           "dense": {"auto": None, "dense": True, "packed": False}[layout],
+           "close_buffer": True}
     if os.environ.get("MOETUNE_TEST_HOOKS") == "1":
         for hook in ("_test_sleep_s", "_test_exit", "_test_raise"):
             if hook in case:
