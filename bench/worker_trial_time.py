@@ -32,6 +32,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     a = ap.parse_args()
+    if a.backend == "nccl":  # the GPU box's rules; inherited by the workers and the subprocesses
+        for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+            os.environ.setdefault(k, "0" if k == "NCCL_NVLS_ENABLE" else "1")
     wl = TuneWorkload(model=get_model(a.model), tokens=a.tokens, nodes=1, gpus_per_node=a.world)
     knobs = [Knobs(pipeline_depth=1 + i % 2) for i in range(a.trials)]
     rows = []

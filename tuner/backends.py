@@ -564,11 +564,13 @@ class LocalBackend(BenchmarkBackend):
                                                                            "moetune.tuner.bench_worker"]
         self.collective_timeout_s = 60.0  # what `moetune bench ep --timeout` defaults to
         self._workers: dict[tuple[tuple[str, str], ...], BenchWorker] = {}
+        self._lock = threading.Lock()  # one run at a time per worker set (studies may run trials in threads)
         self._finalizer = weakref.finalize(self, _close_workers, self._workers)
 
     def close(self) -> None:
         """End the persistent workers (a later run starts fresh ones)."""
-        _close_workers(self._workers)
+        with self._lock:
+            _close_workers(self._workers)
 
     def __enter__(self) -> LocalBackend:
         return self
@@ -681,7 +683,8 @@ class LocalBackend(BenchmarkBackend):
 
     def run_once(self, knobs: Knobs, workload: TuneWorkload) -> tuple[float | None, dict[str, Any], str | None]:
         if self.persistent:
-            res, secs, error = self._run_persistent(knobs, workload)
+            with self._lock:
+                res, secs, error = self._run_persistent(knobs, workload)
             if error is not None:
                 return None, {"seconds": secs}, error
         else:
