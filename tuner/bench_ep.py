@@ -266,7 +266,10 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     worst = mine.cpu().tolist()
-    if buf is not None:  # free symmetric memory / proxy threads now (benchmarks run many cases per process)
+    if buf is not None:
+        # free this case's transport resources (symmetric memory, IPC mappings, proxy threads): benchmarks
+        # and the persistent worker run many cases per process; wait until every rank is past its last transfer
+        _barrier(device)
         buf.close()
     if rank != 0:
         return None
@@ -336,6 +339,13 @@ def _profile(roundtrip, device: torch.device, rank: int, iters: int = 5) -> str 
             continue
     parts.append("== top 25 by cpu_time_total ==\n" + ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
     return "\n".join(parts)
+
+
+def finish_report(rep: dict[str, Any], verify: bool) -> dict[str, Any]:
+    """What `moetune bench ep --json` prints for a case's report: with verify, `verify_ok` added."""
+    if verify and rep.get("max_rel_err") is not None:
+        rep["verify_ok"] = rep["max_rel_err"] <= rep["verify_bound"]
+    return rep
 
 
 def bench_entry(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:

@@ -222,7 +222,7 @@ class Bringup:
         # within the policy's budget by its measured expected error, so trials skip the costly re-check.
         return LocalBackend(world=self.world, comm_backend=self.comm_backend, repeats=self.plan.repeats,
                             timeout_s=self.plan.trial_timeout_s, metric="comm", iters=self.plan.iters,
-                            verify_compression=self.comm_backend == "nccl")
+                            verify_compression=self.comm_backend == "nccl", persistent=True)
 
     def runtime_policy_dir(self) -> Path:
         """Policy overrides for measuring the real runtime: its collective transport splits a layer by
@@ -239,10 +239,14 @@ class Bringup:
         from .search import tune_profiles_detailed
 
         models = [get_model(m) for m in self.plan.models]
-        res = tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
-                                     backend=self._backend(), trials=self.plan.trials, progress=True,
-                                     storage=self.storage, ep_size=self.world, seed=0,
-                                     policy_override=self.runtime_policy_dir())
+        be = self._backend()
+        try:
+            res = tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
+                                         backend=be, trials=self.plan.trials, progress=True,
+                                         storage=self.storage, ep_size=self.world, seed=0,
+                                         policy_override=self.runtime_policy_dir())
+        finally:
+            be.close()  # the persistent bench workers
         out = []
         for r in res:
             if r.record is None:
@@ -257,12 +261,18 @@ class Bringup:
 
     def stage_compare(self) -> list[dict]:
         """Tuned against the policy default for every bucket, measured side by side (interleaved)."""
+        be = self._backend()
+        try:
+            return self._compare_with(be)
+        finally:
+            be.close()  # the persistent bench workers
+
+    def _compare_with(self, be: Any) -> list[dict]:
         from moetune.runtime.knobs import Knobs
 
         from .backends import TuneWorkload
         from .policy import load_policy
 
-        be = self._backend()
         out = []
         for t in self.state.result("tune") or []:
             tuned = Knobs.from_dict(t["knobs"])

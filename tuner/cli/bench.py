@@ -37,8 +37,17 @@ def ep(
     seed: int = typer.Option(0, "--seed", help="Seed of activations, routing and weights."),
     layout: str = typer.Option("auto", "--layout", help="Collective wire layout: auto, dense (all-gather/reduce-scatter) or packed (counts + all_to_all)."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds any collective may wait before failing."),
+    serve: bool = typer.Option(False, "--serve", help="Persistent worker: launch the ranks once, then read one JSON case per line on stdin and print one JSON result per line (see moetune.tuner.bench_worker); only --world, --backend and --timeout apply."),
 ) -> None:
     """Time EP dispatch, combine and the whole MoE layer; with --verify, the error vs the dense reference."""
+    if serve:
+        from .. import bench_worker
+
+        if backend not in ("gloo", "nccl"):
+            _fail(f"--backend must be gloo or nccl, got {backend!r}")
+        if world < 1:
+            _fail(f"--world must be >= 1, got {world}")
+        raise typer.Exit(bench_worker.serve(world, backend, timeout))
     from ...runtime import KnobError, Knobs, get_model
     from ...runtime.launch import LaunchError, launch
     from ...runtime.routing import parse_routing
@@ -116,10 +125,8 @@ def ep(
         first = next(iter(sorted(e.errors.items())))
         _fail(f"benchmark failed on {len(e.errors)} rank(s); rank {first[0]}: {first[1].splitlines()[0]}")
     assert rep is not None
-    ok = True
-    if verify and rep["max_rel_err"] is not None:
-        ok = rep["max_rel_err"] <= rep["verify_bound"]
-        rep["verify_ok"] = ok
+    rep = bench_ep.finish_report(rep, verify)
+    ok = rep.get("verify_ok", True)
     if as_json:
         typer.echo(json.dumps(rep))
     else:
