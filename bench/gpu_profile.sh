@@ -7,7 +7,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-./bench_out}; mkdir -p "$OUT/profile"
 export MOETUNE_HOME="$OUT/profile"
 t0=$SECONDS
-timeout 420 moetune profile --plan bench/plans/h200x2.toml --json > "$OUT/profile/profile.json" 2> "$OUT/profile/profile.log"
+timeout 360 moetune profile --plan bench/plans/h200x2.toml --json > "$OUT/profile/profile.json" 2> "$OUT/profile/profile.log"
 echo "profile rc=$? in $((SECONDS - t0)) s"
 tail -5 "$OUT/profile/profile.log"
 python3 - "$OUT/profile/profile.json" <<'PY'
@@ -26,7 +26,7 @@ PY
 : > "$OUT/nccl_env.jsonl"
 for envset in "" "NCCL_MIN_NCHANNELS=8" "NCCL_BUFFSIZE=16777216" "NCCL_MIN_NCHANNELS=8 NCCL_BUFFSIZE=16777216"; do
   for kn in "pipeline_depth=1" "compression=fp8_e4m3,pipeline_depth=2,channels=2"; do
-    r=$(env $envset timeout 90 moetune bench ep --world 2 --backend nccl --transport host_staged --model qwen3-30b \
+    r=$(env $envset timeout 25 moetune bench ep --world 2 --backend nccl --transport host_staged --model qwen3-30b \
         --tokens 4096 --knobs "$kn" --iters 30 --warmup 5 --no-layer --json 2>/dev/null | tail -1)
     echo "{\"env\": \"$envset\", \"knobs\": \"$kn\", \"result\": ${r:-null}}" >> "$OUT/nccl_env.jsonl"
   done
