@@ -284,17 +284,40 @@ class Bringup:
                 md, mt = m[0], m[0]
             else:
                 md, mt = be.compare([default, tuned], wl, rounds=self.plan.compare_rounds)
+            # The side-by-side measurement decides what is stored: the tuned setting only when its gain
+            # beats the noise of both, otherwise the policy default (never a profile slower than it).
+            keep_tuned = md.ok and mt.ok and md.median_us - mt.median_us > max(md.spread_us, mt.spread_us)
+            if not md.ok and mt.ok:
+                keep_tuned = True
+            winner, m = (tuned, mt) if keep_tuned else (default, md)
+            written, reason = self._store_decision(t, winner, m, "tuned" if keep_tuned else "policy default", be.label)
             row = asdict(BucketResult(
                 model=t["model"], tokens=t["tokens"], family=t["family"],
                 default_us=md.median_us if md.ok else float("nan"), default_spread=md.spread_us if md.ok else 0.0,
                 tuned_us=mt.median_us if mt.ok else float("nan"), tuned_spread=mt.spread_us if mt.ok else 0.0,
                 knobs=",".join(f"{k}={v}" for k, v in tuned.to_dict().items() if v != default.to_dict().get(k)),
-                written=t["written"], reason=t["reason"], source=be.label))
+                written=written, reason=reason, source=be.label))
+            row["stored"] = "tuned" if keep_tuned else "policy default"
             self.store.add_measurement(fingerprint=self.facts.fingerprint, kind="tuned_vs_default",
                                        transport=t["family"], size_bytes=None, value=row["tuned_us"],
                                        spread=row["tuned_spread"], unit="us", extra=row)
             out.append(row)
         return out
+
+    def _store_decision(self, t: dict, knobs: Any, m: Any, which: str, backend: str) -> tuple[bool, str]:
+        """Write the bucket's profile from the side-by-side measurement (replacing the search's record)."""
+        from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+
+        if not m.ok:
+            return False, f"not stored: {m.error}"
+        model = get_model(t["model"])
+        key = ProfileKey(fingerprint=self.facts.fingerprint, software=self.facts.software_hash,
+                         transport_family=t["family"], ep_size=self.world, nodes=1, hidden=model.hidden,
+                         intermediate=model.intermediate, experts=model.experts, topk=model.topk, dtype=model.dtype,
+                         token_bucket=t["tokens"])
+        rec = ProfileRecord(key=key, knobs=knobs, latency_us=m.median_us, spread_us=m.spread_us, backend=backend,
+                            software_versions={k: str(v) for k, v in self.facts.software.items()})
+        return self.store.put_profile(rec, force_reason=f"{which} kept after a side-by-side re-measurement")
 
     def stage_report(self) -> str:
         from .report import ReportData, write_report

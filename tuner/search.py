@@ -768,10 +768,13 @@ class _Progress:
         self.enabled = enabled
         self._p = None
         if enabled:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+            # progress goes to stderr, so `--json` output on stdout stays parseable
             self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                               TextColumn("best {task.fields[best]}"), TimeElapsedColumn(), transient=False)
+                               TextColumn("best {task.fields[best]}"), TimeElapsedColumn(), transient=False,
+                               console=Console(stderr=True))
             self._p.start()
 
     def add(self, desc: str, total: int, done: int) -> Any:

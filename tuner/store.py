@@ -509,12 +509,14 @@ class Store:
             return [_row(r) for r in s.scalars(select(TuningRun).order_by(TuningRun.id.desc()).limit(limit))]
 
     # -- profiles ----------------------------------------------------------------------------------
-    def put_profile(self, rec: ProfileRecord) -> tuple[bool, str]:
+    def put_profile(self, rec: ProfileRecord, *, force_reason: str | None = None) -> tuple[bool, str]:
         """Insert a profile. It becomes `current` when its key has no current profile (a `stale` one
         is always replaced) or when it beats the current one by more than the noise
         (old.latency_us - new.latency_us > max(old.spread_us, new.spread_us)); the old one becomes
         `superseded`. Otherwise nothing is written. A record whose status is not `current` is stored
-        as history. Returns (written_as_current, reason)."""
+        as history. `force_reason` replaces the current one without the gate: for a decision taken on
+        better evidence (a side-by-side re-measurement of both settings), named in the reason.
+        Returns (written_as_current, reason)."""
         _check_record(rec)
         ts = now()
         with self._write() as s:
@@ -527,6 +529,8 @@ class Store:
                 s.add(_row_from_record(rec, ts))
                 return True, "no current profile for this key"
             better, gain, noise = _beats_noise(old, rec)
+            if force_reason is not None:
+                better = True
             if not better:
                 return False, (
                     f"kept the current profile {old.id}: gain {gain:.3f} us does not beat the noise {noise:.3f} us"
@@ -535,6 +539,8 @@ class Store:
             old.updated = ts
             s.flush()  # the old row leaves `current` before the new one arrives (unique index)
             s.add(_row_from_record(rec, ts))
+            if force_reason is not None:
+                return True, f"replaced profile {old.id}: {force_reason}"
             return True, f"replaced profile {old.id}: gain {gain:.3f} us beats the noise {noise:.3f} us"
 
     def get_current(self, key: ProfileKey) -> ProfileRecord | None:

@@ -104,7 +104,7 @@ def profile(
         sp = r["default_us"] / r["tuned_us"] if r["tuned_us"] and r["tuned_us"] == r["tuned_us"] else float("nan")
         table.add_row(r["model"], str(r["tokens"]), r["family"], f"{r['default_us']:.0f} ± {r['default_spread']:.0f}",
                       f"{r['tuned_us']:.0f} ± {r['tuned_spread']:.0f}", f"{sp:.2f}×",
-                      "current" if r["written"] else r["reason"][:30], r["knobs"] or "(default)")
+                      r.get("stored", "current") if r["written"] else r["reason"][:30], r["knobs"] or "(default)")
     console.print(table)
     cal = done.get("calibrate") or {}
     if "mean_abs_rel_err" in cal:
