@@ -95,10 +95,11 @@ def _plot_efficiency(rows: Sequence[dict], path: Path) -> bool:
 def _plot_tuned(tuned: Sequence[dict], path: Path) -> bool:
     if not tuned:
         return False
-    models = sorted({t["model"] for t in tuned})
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
-        rows = sorted((t for t in tuned if t["model"] == model), key=lambda t: t["tokens"])
+    groups = sorted({(t["model"], t.get("family", "")) for t in tuned})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.2), squeeze=False)
+    for ax, (model, family) in zip(axes[0], groups, strict=True):
+        rows = sorted((t for t in tuned if (t["model"], t.get("family", "")) == (model, family)),
+                      key=lambda t: t["tokens"])
         xs = list(range(len(rows)))
         w = 0.38
         ax.bar([x - w / 2 for x in xs], [t["default_us"] for t in rows], w,
@@ -112,7 +113,7 @@ def _plot_tuned(tuned: Sequence[dict], path: Path) -> bool:
         ax.set_xticks(xs, [str(t["tokens"]) for t in rows])
         ax.set_xlabel("tokens per rank (bucket)")
         ax.set_ylabel("dispatch + combine (µs)")
-        ax.set_title(model)
+        ax.set_title(f"{model} · {family}" if family else model, fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
