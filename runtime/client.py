@@ -260,6 +260,11 @@ class ProfileClient:
         self._env = env
         self._db_path = Path(db_path) if db_path else None
         self._curve = None
+        key_file = env.get("MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE", "")
+        if curve_server_key is None and key_file and self.endpoint.startswith("tcp://"):
+            from zmq.auth import load_certificate
+
+            curve_server_key, _ = load_certificate(key_file)
         if curve_server_key is not None:
             if curve_public_key is None or curve_secret_key is None:
                 curve_public_key, curve_secret_key = zmq.curve_keypair()

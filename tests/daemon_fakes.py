@@ -195,3 +195,87 @@ def fake_retune(ctx: Any) -> list[ProfileRecord]:
         if ok:
             out.append(rec)
     return out
+
+
+# -- running the daemon as a subprocess ---------------------------------------------------------------
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+class DaemonProc:
+    """`python -m moetune.tuner.daemon` in a tmp dir with the fakes injected; always killed by close()."""
+
+    def __init__(self, tmp: Path, *, endpoint: str | None = None, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None, interval: float = 0.2, hooks: bool = True):
+        import subprocess
+        import sys
+
+        self.tmp = tmp
+        self.run_dir = tmp / "run"
+        self.endpoint = endpoint or f"ipc://{self.run_dir / 'daemon.sock'}"
+        self.db = tmp / "moetune.db"
+        self.capture = tmp / "capture"
+        args = [sys.executable, "-m", "moetune.tuner.daemon", "--socket", self.endpoint, "--db", str(self.db),
+                "--capture", str(self.capture), "--rediscover-interval", str(interval), "--log-level", "info"]
+        if hooks:
+            args += ["--store-hook", "daemon_fakes:open_store", "--discover-hook", "daemon_fakes:discover_capture",
+                     "--retune-hook", "daemon_fakes:fake_retune"]
+        args += extra or []
+        e = dict(os.environ)
+        e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), e.get("PYTHONPATH", "")]))
+        e["MOETUNE_HOME"] = str(tmp / "home")
+        e.update(env or {})
+        self.log = open(tmp / "daemon.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=self.log, env=e)
+
+    def wait_ready(self, timeout: float = 20.0, **client_kw: Any) -> Any:
+        from moetune.runtime.client import DaemonUnavailable, ProfileClient
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.read_log()[-3000:]}")
+            c = ProfileClient(self.endpoint, timeout_ms=300, **client_kw)
+            try:
+                return c.hello()
+            except DaemonUnavailable:
+                time.sleep(0.05)
+            finally:
+                c.close()
+        raise TimeoutError(f"daemon not ready: {self.read_log()[-3000:]}")
+
+    def read_log(self) -> str:
+        self.log.flush()
+        return (self.tmp / "daemon.log").read_text(errors="replace")
+
+    def rss_kb(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        return 0
+
+    def kill(self, sig: int = 9) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    close = kill
+
+
+def seed_profiles(store: Any, facts: FakeFacts, *, model: str = "qwen3-30b", ep_size: int = 2,
+                  buckets: tuple[int, ...] = (64, 1024, 4096)) -> list[ProfileRecord]:
+    from moetune.runtime.shapes import MODELS
+
+    m = MODELS[model]
+    out = []
+    for b in buckets:
+        key = ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family="nvlink",
+                         ep_size=ep_size, nodes=1, hidden=m.hidden, intermediate=m.intermediate, experts=m.experts,
+                         topk=m.topk, dtype=m.dtype, token_bucket=b)
+        rec = make_record(key)
+        store.put_profile(rec)
+        out.append(rec)
+    return out

@@ -830,7 +830,10 @@ def _minimal_config(config: Path | None) -> Any:
     store.update(data.get("store", {}))
     tune = dict(trials=40, timeout_s=600.0, backend="model")
     tune.update(data.get("tune", {}))
-    return SimpleNamespace(daemon=SimpleNamespace(**daemon), store=SimpleNamespace(**store), tune=SimpleNamespace(**tune))
+    client = dict(timeout_ms=200, socket=daemon["socket"])
+    client.update(data.get("client", {}))
+    return SimpleNamespace(daemon=SimpleNamespace(**daemon), store=SimpleNamespace(**store), tune=SimpleNamespace(**tune),
+                           client=SimpleNamespace(**client))
 
 
 def run_daemon(
