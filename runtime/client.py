@@ -93,8 +93,11 @@ def default_endpoint(env: Mapping[str, str] = os.environ) -> str:
             return env[var]
     cands = runtime_dir_candidates(env)
     for d in cands:
-        if (d / SOCKET_NAME).exists():
-            return f"ipc://{d / SOCKET_NAME}"
+        try:
+            os.stat(d / SOCKET_NAME)
+        except OSError:
+            continue
+        return f"ipc://{d / SOCKET_NAME}"
     return f"ipc://{cands[0] / SOCKET_NAME}"
 
 
@@ -309,14 +312,20 @@ class ProfileClient:
 
     def daemon_socket_exists(self) -> bool:
         p = _ipc_path(self.endpoint)
-        return p is None or p.exists()
+        if p is None:
+            return True
+        try:
+            os.stat(p)
+        except OSError:  # absent, or a directory we may not enter (another user's daemon)
+            return False
+        return True
 
     # -- requests --------------------------------------------------------------------------------
     def request(self, op: str, *, timeout_ms: int | None = None, **fields: Any) -> Any:
         """Send one request; return the typed result. DaemonUnavailable after the retries time out."""
         budget = (timeout_ms if timeout_ms is not None else self.timeout_ms) / 1000.0
         if not self.daemon_socket_exists():
-            raise DaemonUnavailable(f"no daemon socket at {self.endpoint}")
+            raise DaemonUnavailable(f"no daemon socket at {self.endpoint} (absent or not accessible)")
         deadline = time.monotonic() + budget
         attempts = self.retries + 1
         for attempt in range(attempts):

@@ -1,0 +1,77 @@
+"""kill -9 of the daemon during a re-tune job, then restart: the database is intact, the interrupted job is
+marked failed and resumed, and the resumed job produces the current profiles."""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F  # noqa: E402
+
+from moetune.runtime.client import ProfileClient  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _until(cond, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise TimeoutError("condition not met")
+
+
+def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
+    facts = F.write_facts(tmp_path / "capture")
+    F.seed_profiles(F.open_store(tmp_path / "moetune.db"), facts)
+    d = F.DaemonProc(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "60"})
+    try:
+        d.wait_ready()
+        c = ProfileClient(d.endpoint, timeout_ms=1000)
+        new_facts = F.write_facts(tmp_path / "capture", gpu_count=8)
+        running = _until(lambda: c.status().jobs.running)
+        assert running.fingerprint == new_facts.fingerprint and running.keys == 3
+        c.close()
+        d.kill(9)  # no chance to clean up
+    finally:
+        d.kill()
+    assert (d.run_dir / "daemon.sock").exists()  # left behind by kill -9
+
+    con = sqlite3.connect(f"file:{d.db}?mode=ro", uri=True)
+    assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert con.execute("SELECT status FROM tuning_runs WHERE id = ?", (running.run_id,)).fetchone()[0] == "running"
+    con.close()
+
+    d2 = F.DaemonProc(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "0"})
+    try:
+        d2.wait_ready()  # the stale socket file is replaced
+        c = ProfileClient(d2.endpoint, timeout_ms=1000)
+
+        def resumed_done():
+            st = c.status()
+            return [j for j in st.jobs.recent if j.state == "done"]
+
+        done = _until(resumed_done)
+        assert "resumed job" in done[0].reason and done[0].written == 3
+        prof = c.get_profile(ep_size=2, tokens=3000, model="qwen3-30b")
+        assert prof.key.fingerprint == new_facts.fingerprint and prof.status == "current"
+        c.close()
+    finally:
+        d2.kill()
+    con = sqlite3.connect(f"file:{d.db}?mode=ro", uri=True)
+    assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert con.execute("SELECT status FROM tuning_runs WHERE id = ?", (running.run_id,)).fetchone()[0] == "failed"
+    assert con.execute("SELECT count(*) FROM tuning_runs WHERE status = 'running'").fetchone()[0] == 0
+    con.close()
+    store = F.open_store(d.db)
+    finished = [e for e in store.list_events(limit=200) if e["kind"] == "job_finished"]
+    states = {(e["details"]["job_id"], e["details"]["state"]) for e in finished}
+    assert (running.id, "failed") in states
+    assert any(s == "done" for _, s in states)
