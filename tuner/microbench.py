@@ -1,0 +1,209 @@
+"""Transport microbenchmarks run at bring-up: latency and bandwidth against message size, both directions.
+
+One small base class with plain implementations, as the transports and tuning backends have:
+- `GlooP2P`: two CPU processes, send/recv over gloo (the `collective` family on any machine);
+- `NcclP2P`: two GPUs, send/recv over NCCL (`nvlink`), or with NCCL_P2P_DISABLE=1 (`host_staged`);
+- `ProxySignalled` (when the csrc proxy engine is present): signalled against put-only throughput.
+
+Each benchmark runs in a subprocess (`python -m moetune.tuner.microbench RUNNER ...`) so that
+environment-level settings take effect and a hang is bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+DEFAULT_SIZES: tuple[int, ...] = tuple(2**p for p in range(10, 25, 2))  # 1 KiB .. 16 MiB
+QUICK_SIZES: tuple[int, ...] = (1024, 16384, 262144, 4194304)
+
+
+@dataclass(frozen=True)
+class MicroResult:
+    transport: str  # transport family measured (collective, nvlink, host_staged, proxy)
+    kind: str  # latency | bandwidth | signalled_efficiency | fence_cost
+    direction: str  # "0->1", "1->0"
+    size_bytes: int
+    value: float
+    spread: float  # (p90 - p10) / 2 of the samples
+    unit: str
+    extra: dict | None = None
+
+
+class Microbenchmark(ABC):
+    """A microbenchmark of one transport family."""
+
+    transport: str
+    runner: str  # name of the subprocess entry in RUNNERS
+
+    @abstractmethod
+    def available(self, transports: Sequence[str], gpu_count: int) -> tuple[bool, str]:
+        """Whether it can run on this node (from discovery's transport families)."""
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def run(self, sizes: Sequence[int], *, iters: int = 20, timeout_s: float = 120.0) -> list[MicroResult]:
+        env = {**os.environ, **self.env(), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+        cmd = [sys.executable, "-m", "moetune.tuner.microbench", self.runner,
+               ",".join(str(s) for s in sizes), str(iters), self.transport]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"microbenchmark {self.transport} timed out after {timeout_s:.0f} s") from None
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+            raise RuntimeError(f"microbenchmark {self.transport} failed: " + " | ".join(tail))
+        rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        return [MicroResult(**r) for r in rows]
+
+
+class GlooP2P(Microbenchmark):
+    transport = "collective"
+    runner = "gloo_p2p"
+
+    def available(self, transports: Sequence[str], gpu_count: int) -> tuple[bool, str]:
+        return True, "gloo runs on any machine"
+
+
+class NcclP2P(Microbenchmark):
+    runner = "nccl_p2p"
+
+    def __init__(self, transport: str = "nvlink"):
+        self.transport = transport
+
+    def env(self) -> dict[str, str]:
+        return {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "0"} if self.transport == "host_staged" else {}
+
+    def available(self, transports: Sequence[str], gpu_count: int) -> tuple[bool, str]:
+        if gpu_count < 2:
+            return False, f"needs 2 GPUs, node has {gpu_count}"
+        if self.transport not in transports:
+            return False, f"{self.transport} not found by discovery"
+        return True, f"{gpu_count} GPUs, {self.transport} present"
+
+
+def plan(transports: Sequence[str], gpu_count: int) -> list[tuple[Microbenchmark, bool, str]]:
+    """Every microbenchmark with whether it applies here and why."""
+    benches: list[Microbenchmark] = [GlooP2P(), NcclP2P("nvlink"), NcclP2P("host_staged")]
+    return [(b, *b.available(transports, gpu_count)) for b in benches]
+
+
+# -- subprocess side ---------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spread(samples: list[float]) -> float:
+    if len(samples) < 3:
+        return 0.0
+    q = statistics.quantiles(samples, n=10)
+    return (q[-1] - q[0]) / 2
+
+
+def _p2p_rank(rank: int, port: int, backend: str, sizes: list[int], iters: int, transport: str, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    out = []
+    for size in sizes:
+        buf = torch.randint(0, 255, (size,), dtype=torch.uint8, device=dev)
+        for src in (0, 1):
+            # Ping-pong: half the round trip is the one-way latency; a burst gives bandwidth.
+            lat, bw = [], []
+            for it in range(iters + 3):
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                if rank == src:
+                    dist.send(buf, 1 - rank)
+                    dist.recv(buf, 1 - rank)
+                else:
+                    dist.recv(buf, 1 - rank)
+                    dist.send(buf, 1 - rank)
+                sync()
+                t1 = time.perf_counter()
+                burst = 8
+                if rank == src:
+                    for _ in range(burst):
+                        dist.send(buf, 1 - rank)
+                    dist.recv(buf[:1], 1 - rank)
+                else:
+                    for _ in range(burst):
+                        dist.recv(buf, 1 - rank)
+                    dist.send(buf[:1], 1 - rank)
+                sync()
+                t2 = time.perf_counter()
+                if it >= 3:
+                    lat.append((t1 - t0) / 2 * 1e6)
+                    bw.append(size * burst / (t2 - t1) / 1e9)
+            if rank == src:
+                d = f"{src}->{1 - src}"
+                out.append(asdict(MicroResult(transport, "latency", d, size, statistics.median(lat), _spread(lat), "us")))
+                out.append(asdict(MicroResult(transport, "bandwidth", d, size, statistics.median(bw), _spread(bw), "GB/s")))
+    gathered: list = [None, None]
+    dist.all_gather_object(gathered, out)
+    if rank == 0:
+        q.put([r for part in gathered for r in part])
+    dist.destroy_process_group()
+
+
+def _run_p2p(backend: str, sizes: list[int], iters: int, transport: str) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_p2p_rank, args=(r, port, backend, sizes, iters, transport, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode != 0 for p in procs):
+        raise SystemExit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
+    return q.get()
+
+
+RUNNERS: dict[str, Callable[[list[int], int, str], list[dict]]] = {
+    "gloo_p2p": lambda sizes, iters, t: _run_p2p("gloo", sizes, iters, t),
+    "nccl_p2p": lambda sizes, iters, t: _run_p2p("nccl", sizes, iters, t),
+}
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) != 4 or argv[0] not in RUNNERS:
+        print(f"usage: python -m moetune.tuner.microbench {{{'|'.join(RUNNERS)}}} SIZES ITERS TRANSPORT", file=sys.stderr)
+        return 2
+    sizes = [int(s) for s in argv[1].split(",")]
+    for row in RUNNERS[argv[0]](sizes, int(argv[2]), argv[3]):
+        print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

@@ -1,0 +1,184 @@
+"""The bring-up report: a Markdown page with PNG plots of what was measured and tuned on this node.
+
+Plots are drawn from plain rows (measurements, tuned-vs-default rows, importances) so the page can be
+rebuilt from the database at any time (`moetune report`).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+@dataclass
+class ReportData:
+    node: str  # short description of the node (GPU model × count, fingerprint)
+    fingerprint: str
+    measurements: list[dict] = field(default_factory=list)  # MicroResult-like dicts
+    tuned: list[dict] = field(default_factory=list)  # {model, tokens, default_us, default_spread, tuned_us, tuned_spread, knobs, source}
+    importances: dict[str, dict[str, float]] = field(default_factory=dict)  # study -> {param: importance}
+    transports: list[tuple[str, str]] = field(default_factory=list)  # (family, reason)
+    notes: list[str] = field(default_factory=list)
+
+
+def _fmt_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:g} {unit}"
+        n /= 1024
+    return f"{n:g} TiB"
+
+
+def _curves(rows: Iterable[dict], kind: str) -> dict[str, list[tuple[int, float, float]]]:
+    series: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
+    for r in rows:
+        if r["kind"] == kind:
+            series[f"{r['transport']} {r.get('direction', '')}".strip()].append(
+                (r["size_bytes"], r["value"], r.get("spread", 0.0))
+            )
+    return {k: sorted(v) for k, v in series.items()}
+
+
+def _plot_curves(rows: Sequence[dict], kind: str, ylabel: str, path: Path, title: str) -> bool:
+    series = _curves(rows, kind)
+    if not series:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, pts in sorted(series.items()):
+        xs, ys, es = zip(*pts, strict=True)
+        ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_efficiency(rows: Sequence[dict], path: Path) -> bool:
+    pts = [r for r in rows if r["kind"] == "signalled_efficiency"]
+    if not pts:
+        return False
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in pts:
+        extra = r.get("extra") or {}
+        series[f"{extra.get('mode', '?')} @ {_fmt_size(r['size_bytes'])}"].append((extra.get("concurrency", 0), r["value"]))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, xy in sorted(series.items()):
+        xy.sort()
+        ax.plot([x for x, _ in xy], [100 * y for _, y in xy], marker="o", label=label)
+    ax.set_xlabel("concurrent signalled transfers")
+    ax.set_ylabel("% of put-only throughput")
+    ax.set_ylim(0, 110)
+    ax.set_title("Signalled vs put-only throughput")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_tuned(tuned: Sequence[dict], path: Path) -> bool:
+    if not tuned:
+        return False
+    models = sorted({t["model"] for t in tuned})
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        rows = sorted((t for t in tuned if t["model"] == model), key=lambda t: t["tokens"])
+        xs = list(range(len(rows)))
+        w = 0.38
+        ax.bar([x - w / 2 for x in xs], [t["default_us"] for t in rows], w,
+               yerr=[t.get("default_spread", 0) for t in rows], label="policy default", color="#999999")
+        ax.bar([x + w / 2 for x in xs], [t["tuned_us"] for t in rows], w,
+               yerr=[t.get("tuned_spread", 0) for t in rows], label="tuned", color="#2a7ab9")
+        for x, t in zip(xs, rows, strict=True):
+            if t["tuned_us"] > 0:
+                ax.text(x, max(t["default_us"], t["tuned_us"]) * 1.02, f"{t['default_us'] / t['tuned_us']:.2f}×",
+                        ha="center", fontsize=8)
+        ax.set_xticks(xs, [str(t["tokens"]) for t in rows])
+        ax.set_xlabel("tokens per rank (bucket)")
+        ax.set_ylabel("dispatch + combine (µs)")
+        ax.set_title(model)
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_importances(importances: dict[str, dict[str, float]], path: Path) -> bool:
+    studies = {k: v for k, v in importances.items() if v}
+    if not studies:
+        return False
+    fig, axes = plt.subplots(len(studies), 1, figsize=(7, 1.2 + 1.6 * len(studies)), squeeze=False)
+    for ax, (study, imp) in zip(axes[:, 0], sorted(studies.items()), strict=True):
+        items = sorted(imp.items(), key=lambda kv: kv[1])
+        ax.barh([k for k, _ in items], [v for _, v in items], color="#d9822b")
+        ax.set_title(study, fontsize=9)
+        ax.set_xlim(0, 1)
+    axes[-1, 0].set_xlabel("importance (fANOVA)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(data: ReportData, out_dir: Path) -> Path:
+    """Write `report.md` and its PNGs into out_dir; returns the Markdown path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md: list[str] = [
+        "# moetune bring-up report",
+        "",
+        f"- node: {data.node}",
+        f"- fabric fingerprint: `{data.fingerprint}`",
+        f"- written: {_dt.datetime.now(_dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        "",
+    ]
+    if data.transports:
+        md += ["## Transports found", "", "| family | why |", "| --- | --- |"]
+        md += [f"| `{name}` | {reason} |" for name, reason in data.transports]
+        md.append("")
+    plots = [
+        ("latency.png", "Latency against message size (measured)",
+         lambda p: _plot_curves(data.measurements, "latency", "one-way latency (µs)", p, "Latency (measured)")),
+        ("bandwidth.png", "Bandwidth against message size (measured)",
+         lambda p: _plot_curves(data.measurements, "bandwidth", "GB/s", p, "Bandwidth (measured)")),
+        ("signalled.png", "Signalled against put-only throughput (measured)",
+         lambda p: _plot_efficiency(data.measurements, p)),
+        ("tuned.png", "Tuned against policy default, per token bucket (measured side by side)",
+         lambda p: _plot_tuned(data.tuned, p)),
+        ("importances.png", "Which knobs mattered", lambda p: _plot_importances(data.importances, p)),
+    ]
+    for fname, title, draw in plots:
+        if draw(out_dir / fname):
+            md += [f"## {title}", "", f"![{title}]({fname})", ""]
+    if data.tuned:
+        md += ["## Tuned settings", "",
+               "| model | tokens | default µs | tuned µs | speedup | knobs | measured by |",
+               "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
+        for t in sorted(data.tuned, key=lambda t: (t["model"], t["tokens"])):
+            sp = t["default_us"] / t["tuned_us"] if t["tuned_us"] else float("nan")
+            md.append(f"| {t['model']} | {t['tokens']} | {t['default_us']:.1f} ± {t.get('default_spread', 0):.1f} "
+                      f"| {t['tuned_us']:.1f} ± {t.get('tuned_spread', 0):.1f} | {sp:.2f}× | `{t.get('knobs', '')}` "
+                      f"| {t.get('source', '')} |")
+        md.append("")
+    if data.notes:
+        md += ["## Notes", "", *[f"- {n}" for n in data.notes], ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(md))
+    return path
