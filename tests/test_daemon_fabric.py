@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import daemon_fakes as F  # noqa: E402
-
-from moetune.runtime import wire  # noqa: E402
-from moetune.runtime.client import DaemonError, ProfileClient  # noqa: E402
+import daemon_fakes as F
+from moetune.runtime import wire
+from moetune.runtime.client import DaemonError, ProfileClient
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,9 +13,8 @@ import pytest
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import daemon_fakes as F  # noqa: E402
-
-from moetune.runtime import wire  # noqa: E402
+import daemon_fakes as F
+from moetune.runtime import wire
 
 pytestmark = pytest.mark.timeout(60)
 

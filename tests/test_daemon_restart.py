@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import daemon_fakes as F  # noqa: E402
-
-from moetune.runtime.client import ProfileClient  # noqa: E402
+import daemon_fakes as F
+from moetune.runtime.client import ProfileClient
 
 pytestmark = pytest.mark.timeout(60)
 

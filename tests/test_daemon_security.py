@@ -15,12 +15,11 @@ import pytest
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import daemon_fakes as F  # noqa: E402
-
-from moetune.runtime.client import DaemonUnavailable, ProfileClient  # noqa: E402
-from moetune.tuner.cli import app  # noqa: E402
-from moetune.tuner.cli.keys import generate_keys  # noqa: E402
-from moetune.tuner.daemon import Daemon, DaemonConfigError  # noqa: E402
+import daemon_fakes as F
+from moetune.runtime.client import DaemonUnavailable, ProfileClient
+from moetune.tuner.cli import app
+from moetune.tuner.cli.keys import generate_keys
+from moetune.tuner.daemon import Daemon, DaemonConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,7 +94,7 @@ def test_other_user_cannot_connect(ipc_daemon: F.DaemonProc) -> None:
         os.write(w, bytes([code]))
         os._exit(0)
     os.close(w)
-    _, status = os.waitpid(pid, 0)
+    _, _status = os.waitpid(pid, 0)
     code = os.read(r, 1)
     os.close(r)
     assert code == b"\x00", f"child as nobody: code {code!r} (1=raw connect worked, 2=client got a reply, 4=error, 8=parent not traversable)"
