@@ -35,7 +35,9 @@ def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
         d.wait_ready()
         c = ProfileClient(d.endpoint, timeout_ms=1000)
         new_facts = F.write_facts(tmp_path / "capture", gpu_count=8)
-        running = _until(lambda: c.status().jobs.running)
+        # running, with its tuning run and job_started event persisted
+        running = _until(lambda: (j := c.status().jobs.running) is not None and j.run_id is not None and j)
+        time.sleep(0.1)
         assert running.fingerprint == new_facts.fingerprint and running.keys == 3
         c.close()
         d.kill(9)  # no chance to clean up
@@ -74,3 +76,37 @@ def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
     states = {(e["details"]["job_id"], e["details"]["state"]) for e in finished}
     assert (running.id, "failed") in states
     assert any(s == "done" for _, s in states)
+
+
+def test_cancel_running_job_and_bounded_queue(tmp_path: Path) -> None:
+    from moetune.runtime.client import DaemonError
+
+    facts = F.write_facts(tmp_path / "capture")
+    F.seed_profiles(F.open_store(tmp_path / "moetune.db"), facts)
+    d = F.DaemonProc(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "60"})
+    try:
+        d.wait_ready()
+        c = ProfileClient(d.endpoint, timeout_ms=1000)
+        F.write_facts(tmp_path / "capture", gpu_count=8)
+        running = _until(lambda: c.status().jobs.running)
+        # the queue is bounded (4): the 5th queued job is refused with `busy`, the daemon keeps answering
+        queued = []
+        with pytest.raises(DaemonError) as ei:
+            for _ in range(10):
+                queued.append(c.retune(all=True, reason="load").job)
+        assert ei.value.code == "busy" and len(queued) == 4
+        assert c.hello().protocol == 1
+        # cancel a queued job and the running one
+        assert c.retune(cancel=queued[0].id).job.id == queued[0].id
+        c.retune(cancel=running.id)
+
+        def cancelled():
+            recent = {j.id: j.state for j in c.status().jobs.recent}
+            return recent.get(running.id) == "cancelled" and recent.get(queued[0].id) == "cancelled"
+
+        _until(cancelled)
+        for j in queued[1:]:
+            c.retune(cancel=j.id)
+        c.close()
+    finally:
+        d.kill()
