@@ -141,3 +141,17 @@ def test_many_clients_connect_and_vanish(daemon: F.DaemonProc) -> None:
     s.close()
     ctx.term()
     assert daemon.proc.poll() is None
+
+
+def test_req_socket_also_served(daemon: F.DaemonProc) -> None:
+    """REQ clients (envelope delimiter) get the same one-frame reply."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.REQ)
+    s.linger = 0
+    s.rcvtimeo = 3000
+    s.connect(daemon.endpoint)
+    s.send(b'{"v":1,"id":"req-1","op":"hello"}')
+    rep = msgspec.json.decode(s.recv())
+    assert rep["id"] == "req-1" and rep["ok"] is True and rep["result"]["protocol"] == 1
+    s.close()
+    ctx.term()
