@@ -157,6 +157,12 @@ print(json.dumps({"import_ms": (t1 - t0) * 1e3, "autoload_ms": (t2 - t1) * 1e3, 
 """
 
 
+def _cpu_s(pid: int) -> float:
+    """user+system CPU seconds of a process (all its threads, incl. the ZeroMQ I/O thread)."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def time_autoload(env: dict, runs: int = 5) -> list[dict]:
     out = []
     for _ in range(runs):
@@ -180,7 +186,13 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=10000.0, help="aggregate request rate of the paced phase")
     ap.add_argument("--procs", type=int, default=1, help="client processes")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--wait-quiet", type=float, default=0.0,
+                    help="wait up to this many seconds for the 1-min load average to drop below 1 (shared machines)")
     a = ap.parse_args()
+    deadline = time.time() + a.wait_quiet
+    while time.time() < deadline and os.getloadavg()[0] >= 1.0:
+        time.sleep(5)
+    load_before = os.getloadavg()
 
     import daemon_fakes as F
 
@@ -203,7 +215,11 @@ def main() -> int:
         for n in (int(x) for x in a.clients.split(",")):
             n = max(1, min(n, 256))
             for rate in (0.0, a.rate):
+                cpu0 = _cpu_s(d.proc.pid)
                 r = run_phase(d.endpoint, n, a.seconds, rate, a.procs)
+                cpu = _cpu_s(d.proc.pid) - cpu0
+                r["daemon_cpu_s"] = round(cpu, 3)
+                r["daemon_cpu_us_per_req"] = round(cpu / max(1, r["requests"]) * 1e6, 2)
                 r["daemon_rss_kb"] = d.rss_kb()
                 phases.append(r)
                 print(json.dumps(r), flush=True)
@@ -231,6 +247,9 @@ def main() -> int:
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
                  "platform": platform.platform()},
         "transport": a.transport,
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "note": "2-core shared CI box; other jobs may run at the same time (see loadavg); client processes run on the same cores as the daemon",
         "store": "real Store" if "moetune.tuner.store" in sys.modules else "tests/daemon_fakes.FakeStore",
         "phases": phases,
         "autoload_daemon_up": {"call": summarize(up, "autoload_ms"), "import": summarize(up, "import_ms"),
@@ -246,9 +265,11 @@ def main() -> int:
     path = out / f"{datetime.now(UTC):%Y-%m-%d}_daemon_load{'' if a.transport == 'ipc' else '_tcp'}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nwrote {path}")
-    print(f"{'clients':>7} {'mode':>6} {'req/s':>9} {'p50 us':>8} {'p99 us':>8} {'errors':>6}")
+    print(f"load average before {result['loadavg_before']}, after {result['loadavg_after']}")
+    print(f"{'clients':>7} {'mode':>6} {'req/s':>9} {'p50 us':>8} {'p99 us':>8} {'errors':>6} {'cpu us/req':>10}")
     for r in phases:
-        print(f"{r['clients']:>7} {r['mode']:>6} {r['req_per_s']:>9.0f} {r['p50_us']:>8.0f} {r['p99_us']:>8.0f} {r['errors']:>6}")
+        print(f"{r['clients']:>7} {r['mode']:>6} {r['req_per_s']:>9.0f} {r['p50_us']:>8.0f} {r['p99_us']:>8.0f} {r['errors']:>6}"
+              f" {r['daemon_cpu_us_per_req']:>10.1f}")
     au = result["autoload_daemon_up"]
     print(f"autoload, daemon up: call {au['call']['median_ms']} ms median (imports {au['import']['median_ms']} ms)")
     for k, v in result["autoload_daemon_down"].items():

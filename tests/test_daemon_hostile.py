@@ -155,3 +155,20 @@ def test_req_socket_also_served(daemon: F.DaemonProc) -> None:
     assert rep["id"] == "req-1" and rep["ok"] is True and rep["result"]["protocol"] == 1
     s.close()
     ctx.term()
+
+
+def test_same_id_different_keys_never_mixed(daemon: F.DaemonProc) -> None:
+    """The read-through cache is keyed by every request field except v/id."""
+    ctx = zmq.Context()
+    s = _dealer(ctx, daemon.endpoint)
+    answers = {}
+    for tokens in (10, 1000, 9000, 10):
+        s.send(b'{"v":1,"id":1,"op":"get_profile","ep_size":2,"tokens":%d,"model":"qwen3-30b"}' % tokens)
+        rep = msgspec.json.decode(s.recv())
+        answers.setdefault(tokens, set()).add(rep["result"]["key"]["token_bucket"])
+    s.send(b'{"v":1,"id":1,"op":"get_profile","ep_size":4,"tokens":1000,"model":"qwen3-30b"}')
+    rep = msgspec.json.decode(s.recv())
+    assert rep["ok"] is False and rep["error"]["code"] == wire.E_NOT_FOUND
+    assert answers == {10: {64}, 1000: {1024}, 9000: {4096}}
+    s.close()
+    ctx.term()

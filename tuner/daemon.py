@@ -38,6 +38,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ from .metrics import DaemonMetrics, start_metrics_server
 
 log = logging.getLogger("moetune.daemon")
 
+_GP_KEY_FIELDS = tuple(f for f in wire.GetProfile.__struct_fields__ if f not in ("v", "id"))
 CACHE_LIMIT = 4096  # encoded results kept per index version (bounded: hostile clients cannot grow it)
 HARD_CAP_FACTOR = 16  # ZMQ_MAXMSGSIZE = this x max_request_bytes: bigger frames drop the connection
 
@@ -552,7 +554,7 @@ class Daemon:
     # -- ops -----------------------------------------------------------------------------------------
     def _op_get_profile(self, req: wire.GetProfile) -> tuple[bool, Any]:
         idx = self._index
-        key = msgspec.structs.astuple(req)[2:]
+        key = attrgetter(*_GP_KEY_FIELDS)(req)  # every field but v/id
         hit = idx.cache.get(key)
         if hit is None:
             hit = idx.lookup(req)
