@@ -1,7 +1,151 @@
-"""`moetune db`: The profile database: migrations."""
+"""`moetune db`: The profile database: migrations, checks, where it is."""
 
 from __future__ import annotations
 
-import typer
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
-app = typer.Typer(help="The profile database: migrations.", no_args_is_help=True)
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="The profile database: migrations, checks, where it is.", no_args_is_help=True)
+
+DB_HELP = "Database file (default: [store] db from the config, else $MOETUNE_HOME/moetune.db, else the XDG data dir)."
+CONFIG_HELP = "Extra config file, read after /etc/moetune/moetune.toml and ~/.config/moetune/moetune.toml."
+
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True)
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print a red error (no traceback) and return the Exit to raise."""
+    err.print(f"[red]error:[/red] {message}", markup=True, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def db_path(db: Path | None, config: Path | None) -> Path:
+    from ..config import ConfigError, resolve_db_path
+
+    try:
+        return resolve_db_path(db, config)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+
+
+@contextlib.contextmanager
+def open_store(
+    db: Path | None, config: Path | None, *, upgrade: bool = True, must_exist: bool = False
+) -> Iterator[Any]:
+    """Open the store for a command; errors become a red message and exit status 2."""
+    from ..store import Store, StoreError
+
+    path = db_path(db, config)
+    if must_exist and not path.is_file():
+        raise fail(f"no database at {path}")
+    try:
+        store = Store(path, upgrade=upgrade)
+    except StoreError as e:
+        raise fail(str(e)) from None
+    try:
+        yield store
+    except StoreError as e:
+        raise fail(str(e)) from None
+    finally:
+        store.close()
+
+
+@app.command("path")
+def path_cmd(
+    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
+    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+) -> None:
+    """Print the database path moetune uses."""
+    typer.echo(str(db_path(db, config)))
+
+
+@app.command()
+def upgrade(
+    revision: str = typer.Option("head", "--revision", help="Target revision."),
+    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
+    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+) -> None:
+    """Create the database or migrate it to the newest schema."""
+    with open_store(db, config, upgrade=False) as store:
+        before = store.current_revision()
+        try:
+            store.upgrade(revision)
+        except Exception as e:  # alembic raises several kinds for a bad revision
+            raise fail(f"upgrade of {store.path} to {revision} failed: {e}") from None
+        after = store.current_revision()
+        if before == after:
+            out.print(f"{store.path}: already at revision {after}")
+        else:
+            out.print(f"{store.path}: upgraded {before or 'empty'} -> {after}")
+
+
+@app.command()
+def downgrade(
+    revision: str = typer.Argument(..., help='Target revision ("base" drops every moetune table).'),
+    yes: bool = typer.Option(False, "--yes", help="Do it (a downgrade can drop data)."),
+    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
+    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+) -> None:
+    """Migrate the schema down (for rolling back a moetune upgrade)."""
+    if not yes:
+        raise fail("a downgrade can drop data: pass --yes to do it")
+    with open_store(db, config, upgrade=False, must_exist=True) as store:
+        try:
+            store.downgrade(revision)
+        except Exception as e:
+            raise fail(f"downgrade of {store.path} to {revision} failed: {e}") from None
+        out.print(f"{store.path}: at revision {store.current_revision() or 'base'}")
+
+
+@app.command()
+def current(
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
+    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+) -> None:
+    """Show the database's schema revision and the newest one this moetune knows."""
+    from ..store import head_revision
+
+    with open_store(db, config, upgrade=False, must_exist=True) as store:
+        rev, head = store.current_revision(), head_revision()
+        info = {"path": str(store.path), "revision": rev, "head": head, "at_head": rev == head}
+    if json_out:
+        print_json(info)
+    else:
+        state = "up to date" if rev == head else "needs `moetune db upgrade`"
+        out.print(f"{info['path']}: revision {rev or 'none'} (head {head}): {state}")
+
+
+@app.command()
+def check(
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
+    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+) -> None:
+    """Check revision, schema drift, SQLite integrity and foreign keys; exit 1 when anything is off."""
+    with open_store(db, config, upgrade=False, must_exist=True) as store:
+        info = store.check()
+    if json_out:
+        print_json(info)
+    else:
+        mark = "[green]ok[/green]" if info["ok"] else "[red]NOT OK[/red]"
+        out.print(f"{info['path']}: {mark}")
+        out.print(f"  revision {info['revision'] or 'none'} (head {info['head']})")
+        out.print(f"  integrity: {', '.join(info['integrity'])}")
+        out.print(f"  foreign key errors: {info['foreign_key_errors']}")
+        for d in info["schema_diff"]:
+            out.print(f"  schema differs: {d}")
+    if not info["ok"]:
+        raise typer.Exit(1)

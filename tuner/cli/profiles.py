@@ -2,6 +2,157 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
 import typer
+from rich.table import Table
+
+from .db import CONFIG_HELP, DB_HELP, fail, open_store, out, print_json
 
 app = typer.Typer(help="Tuned profiles in the database: list, show, delete, export, import.", no_args_is_help=True)
+
+STATUSES = ("current", "stale", "superseded")
+
+
+def _record_json(pid: int, rec: Any) -> dict[str, Any]:
+    return {"id": pid, **msgspec.to_builtins(rec), "profile_hash": rec.profile_hash}
+
+
+def _check_status(status: str | None) -> None:
+    if status is not None and status not in STATUSES:
+        raise typer.BadParameter(f"must be one of {', '.join(STATUSES)}, got {status!r}", param_hint="--status")
+
+
+@app.command("list")
+def list_cmd(
+    status: str | None = typer.Option(None, "--status", help="current, stale or superseded."),
+    fingerprint: str | None = typer.Option(None, "--fingerprint", help="Only this fabric fingerprint."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
+    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+) -> None:
+    """List stored profiles."""
+    _check_status(status)
+    with open_store(db, config) as store:
+        rows = store.list_profiles(status=status, fingerprint=fingerprint)
+    if json_out:
+        print_json([_record_json(pid, rec) for pid, rec in rows])
+        return
+    table = Table(title=f"{len(rows)} profile(s)", title_justify="left")
+    for col in ("id", "status", "family", "fingerprint", "ep", "h/i/e/k", "dtype", "tokens", "µs", "backend", "updated"):
+        right = col in ("id", "ep", "tokens", "µs")
+        table.add_column(col, justify="right" if right else "left", min_width=len(col))
+    colour = {"current": "green", "stale": "yellow", "superseded": "dim"}
+    for pid, r in rows:
+        k = r.key
+        table.add_row(
+            str(pid),
+            f"[{colour[r.status]}]{r.status}[/]",
+            k.transport_family,
+            k.fingerprint[:10],
+            f"{k.ep_size}" if k.nodes == 1 else f"{k.ep_size}/{k.nodes}n",
+            f"{k.hidden}/{k.intermediate}/{k.experts}/{k.topk}",
+            k.dtype,
+            str(k.token_bucket),
+            f"{r.latency_us:.1f}±{r.spread_us:.1f}",
+            r.backend,
+            r.updated[:10],
+        )
+    out.print(table)
+
+
+@app.command()
+def show(
+    profile_id: int = typer.Argument(..., help="Profile id (see `moetune profiles list`)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
+    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+) -> None:
+    """Show one profile: its key, knobs and measurement."""
+    with open_store(db, config) as store:
+        rec = store.get_profile(profile_id)
+    if rec is None:
+        raise fail(f"no profile {profile_id}")
+    if json_out:
+        print_json(_record_json(profile_id, rec))
+        return
+    table = Table(title=f"profile {profile_id} ({rec.status}, hash {rec.profile_hash})", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    for name, value in rec.key.to_dict().items():
+        table.add_row(f"key.{name}", str(value))
+    for name, value in rec.knobs.to_dict().items():
+        table.add_row(f"knobs.{name}", str(value))
+    table.add_row("latency_us", f"{rec.latency_us:.3f} ± {rec.spread_us:.3f}")
+    table.add_row("backend", rec.backend)
+    for name, value in sorted(rec.software_versions.items()):
+        table.add_row(f"software.{name}", value)
+    table.add_row("created", rec.created)
+    table.add_row("updated", rec.updated)
+    out.print(table)
+
+
+@app.command()
+def delete(
+    profile_id: int = typer.Argument(..., help="Profile id."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask."),
+    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
+    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+) -> None:
+    """Delete one profile."""
+    with open_store(db, config) as store:
+        if store.get_profile(profile_id) is None:
+            raise fail(f"no profile {profile_id}")
+        if not yes and not typer.confirm(f"delete profile {profile_id}?"):
+            raise typer.Exit(1)
+        store.delete_profile(profile_id)
+    out.print(f"deleted profile {profile_id}")
+
+
+@app.command("export")
+def export_cmd(
+    path: str = typer.Argument(..., help='JSON file to write ("-" for stdout).'),
+    status: str | None = typer.Option(None, "--status", help="Only this status."),
+    fingerprint: str | None = typer.Option(None, "--fingerprint", help="Only this fabric fingerprint."),
+    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
+    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+) -> None:
+    """Export profiles (and their fingerprints' facts) to a JSON file."""
+    _check_status(status)
+    with open_store(db, config) as store:
+        if path == "-":
+            sys.stdout.buffer.write(store.dump_profiles(status=status, fingerprint=fingerprint))
+            sys.stdout.flush()
+            return
+        try:
+            n = store.export_profiles(path, status=status, fingerprint=fingerprint)
+        except OSError as e:
+            raise fail(f"cannot write {path}: {e.strerror or e}") from None
+    out.print(f"exported {n} profile(s) to {path}")
+
+
+@app.command("import")
+def import_cmd(
+    path: Path = typer.Argument(..., help="JSON file written by `moetune profiles export`."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
+    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+) -> None:
+    """Import profiles: all or nothing, validated before anything is written."""
+    from ..store import ProfileImportError
+
+    with open_store(db, config) as store:
+        try:
+            res = store.import_profiles(path)
+        except ProfileImportError as e:
+            raise fail(f"{e} (database unchanged)") from None
+    if json_out:
+        print_json(msgspec.to_builtins(res))
+    else:
+        out.print(
+            f"imported {res.inserted} profile(s) from {path}: {res.current} current, {res.replaced} replaced, "
+            f"{res.kept_superseded} kept as superseded, {res.skipped} already present"
+        )

@@ -1,0 +1,149 @@
+"""`moetune db ...` and `moetune profiles ...` through the Typer app."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.tuner.cli import app
+from moetune.tuner.store import Store, head_revision
+
+runner = CliRunner()
+
+
+def run(*args: str, env: dict | None = None):
+    return runner.invoke(app, list(args), env=env, catch_exceptions=False)
+
+
+def sha(p) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def fill(db) -> None:
+    with Store(db) as s:
+        for b in (16, 128):
+            key = ProfileKey(
+                fingerprint="fp-cli", software="sw", transport_family="nvlink", ep_size=2, nodes=1, hidden=7168,
+                intermediate=2048, experts=256, topk=8, dtype="bf16", token_bucket=b,
+            )
+            s.put_profile(ProfileRecord(key=key, knobs=default_knobs("nvlink"), latency_us=float(b), spread_us=0.5, backend="model:t"))
+
+
+def test_version():
+    r = run("--version")
+    assert r.exit_code == 0 and r.stdout.startswith("moetune ")
+
+
+def test_db_upgrade_current_check(tmp_path):
+    db = tmp_path / "new" / "m.db"
+    r = run("db", "upgrade", "--db", str(db))
+    assert r.exit_code == 0, r.output
+    assert f"upgraded empty -> {head_revision()}" in r.stdout and db.is_file()
+    assert "already at revision" in run("db", "upgrade", "--db", str(db)).stdout
+    r = run("db", "current", "--db", str(db), "--json")
+    assert json.loads(r.stdout) == {"path": str(db), "revision": head_revision(), "head": head_revision(), "at_head": True}
+    assert "up to date" in run("db", "current", "--db", str(db)).stdout
+    r = run("db", "check", "--db", str(db), "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["ok"] is True
+    assert "ok" in run("db", "check", "--db", str(db)).stdout
+
+
+def test_db_check_fails_on_drift(tmp_path):
+    db = tmp_path / "m.db"
+    run("db", "upgrade", "--db", str(db))
+    con = sqlite3.connect(db)
+    con.execute("DROP INDEX uq_profiles_current_key")
+    con.commit()
+    con.close()
+    r = run("db", "check", "--db", str(db), "--json")
+    assert r.exit_code == 1
+    info = json.loads(r.stdout)
+    assert not info["ok"] and any("uq_profiles_current_key" in d for d in info["schema_diff"])
+
+
+def test_db_downgrade_needs_yes(tmp_path):
+    db = tmp_path / "m.db"
+    run("db", "upgrade", "--db", str(db))
+    r = run("db", "downgrade", "base", "--db", str(db))
+    assert r.exit_code == 2 and "--yes" in r.stderr
+    r = run("db", "downgrade", "0001", "--yes", "--db", str(db))
+    assert r.exit_code == 0 and "0001" in r.stdout
+    assert "needs `moetune db upgrade`" in run("db", "current", "--db", str(db)).stdout
+    assert run("db", "check", "--db", str(db)).exit_code == 1
+    assert run("db", "upgrade", "--db", str(db)).exit_code == 0
+
+
+def test_missing_database_is_a_clean_error(tmp_path):
+    for cmd in ("current", "check"):
+        r = run("db", cmd, "--db", str(tmp_path / "none.db"))
+        assert r.exit_code == 2 and "no database at" in r.stderr and "Traceback" not in r.output
+    assert not (tmp_path / "none.db").exists()
+
+
+def test_default_path_from_env_and_config(tmp_path):
+    r = run("db", "path", env={"MOETUNE_HOME": str(tmp_path / "h")})
+    assert r.stdout.strip() == str(tmp_path / "h" / "moetune.db")
+    conf = tmp_path / "c.toml"
+    conf.write_text(f'[store]\ndb = "{tmp_path / "from_conf.db"}"\n')
+    assert run("db", "path", "--config", str(conf)).stdout.strip() == str(tmp_path / "from_conf.db")
+    conf.write_text("[store]\ndatabase = 'x'\n")
+    r = run("db", "path", "--config", str(conf))
+    assert r.exit_code == 2 and "unknown key store.database" in r.stderr and str(conf) in r.stderr
+
+
+def test_profiles_list_show_delete(tmp_path):
+    db = tmp_path / "m.db"
+    assert json.loads(run("profiles", "list", "--db", str(db), "--json").stdout) == []
+    fill(db)
+    rows = json.loads(run("profiles", "list", "--db", str(db), "--json").stdout)
+    assert [r["key"]["token_bucket"] for r in rows] == [16, 128]
+    assert rows[0]["status"] == "current" and rows[0]["knobs"]["transport"] == "nvlink" and rows[0]["profile_hash"]
+    r = run("profiles", "list", "--db", str(db))
+    assert r.exit_code == 0 and "2 profile(s)" in r.stdout
+    one = json.loads(run("profiles", "show", str(rows[1]["id"]), "--db", str(db), "--json").stdout)
+    assert one == rows[1]
+    r = run("profiles", "show", str(rows[1]["id"]), "--db", str(db))
+    assert "knobs.fence_mode" in r.stdout and "key.token_bucket" in r.stdout
+    assert run("profiles", "show", "999", "--db", str(db)).exit_code == 2
+    assert json.loads(run("profiles", "list", "--status", "stale", "--db", str(db), "--json").stdout) == []
+    r = run("profiles", "list", "--status", "bogus", "--db", str(db))
+    assert r.exit_code == 2 and "--status" in r.output
+    assert run("profiles", "delete", str(rows[0]["id"]), "--yes", "--db", str(db)).exit_code == 0
+    assert len(json.loads(run("profiles", "list", "--db", str(db), "--json").stdout)) == 1
+    assert run("profiles", "delete", "999", "--yes", "--db", str(db)).exit_code == 2
+
+
+def test_profiles_export_import(tmp_path):
+    src, dst = tmp_path / "s.db", tmp_path / "d.db"
+    fill(src)
+    f = tmp_path / "p.json"
+    r = run("profiles", "export", str(f), "--db", str(src))
+    assert r.exit_code == 0 and "exported 2" in r.stdout
+    stdout_copy = run("profiles", "export", "-", "--db", str(src)).stdout
+    assert stdout_copy == f.read_text()
+    r = run("profiles", "import", str(f), "--db", str(dst), "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["inserted"] == 2
+    run("profiles", "export", str(tmp_path / "q.json"), "--db", str(dst))
+    assert (tmp_path / "q.json").read_bytes() == f.read_bytes()
+
+    bad = tmp_path / "bad.json"
+    doc = json.loads(f.read_text())
+    doc["profiles"][1]["knobs"]["warp_speed"] = 9
+    bad.write_text(json.dumps(doc))
+    before = sha(dst)
+    r = run("profiles", "import", str(bad), "--db", str(dst))
+    assert r.exit_code == 2
+    assert "unknown field `warp_speed`" in r.stderr and "profiles[1].knobs" in r.stderr and "Traceback" not in r.output
+    assert sha(dst) == before
+
+
+@pytest.mark.parametrize("group", ["db", "profiles"])
+def test_group_help(group):
+    r = run(group, "--help")
+    assert r.exit_code == 0

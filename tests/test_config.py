@@ -1,0 +1,141 @@
+"""Configuration: file precedence, environment overrides, errors that name key and file."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from moetune.tuner import config as config_mod
+from moetune.tuner import paths
+from moetune.tuner.config import ConfigError, load_config, resolve_db_path
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """A clean environment: HOME in tmp, no system file."""
+    monkeypatch.setattr(paths, "SYSTEM_CONFIG", tmp_path / "etc" / "moetune.toml")
+    return {"HOME": str(tmp_path / "home")}
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def user_file(tmp_path: Path) -> Path:
+    return tmp_path / "home" / ".config" / "moetune" / "moetune.toml"
+
+
+def test_defaults(env, tmp_path):
+    cfg = load_config(env=env)
+    assert cfg.sources == ()
+    assert cfg.store.db == str(tmp_path / "home" / ".local" / "share" / "moetune" / "moetune.db")
+    assert cfg.daemon.socket.startswith("ipc://") and cfg.daemon.socket.endswith("daemon.sock")
+    assert cfg.client.socket == cfg.daemon.socket
+    assert (cfg.daemon.metrics_port, cfg.daemon.max_request_bytes, cfg.daemon.log_level) == (0, 65536, "info")
+    assert cfg.daemon.allow_insecure_tcp is False and cfg.daemon.group == ""
+    assert (cfg.tune.trials, cfg.tune.timeout_s, cfg.tune.backend) == (40, 600.0, "model")
+    assert cfg.client.timeout_ms == 200 and cfg.daemon.rediscover_interval_s == 60.0
+    assert set(cfg.to_dict()) == {"store", "daemon", "tune", "client"}
+
+
+def test_moetune_home_and_xdg(env, tmp_path):
+    cfg = load_config(env={**env, "MOETUNE_HOME": str(tmp_path / "mh")})
+    assert cfg.store.db == str(tmp_path / "mh" / "moetune.db")
+    assert cfg.daemon.socket == f"ipc://{tmp_path / 'mh' / 'run' / 'daemon.sock'}"
+    cfg = load_config(env={**env, "XDG_DATA_HOME": str(tmp_path / "xd"), "XDG_RUNTIME_DIR": str(tmp_path / "xr")})
+    assert cfg.store.db == str(tmp_path / "xd" / "moetune" / "moetune.db")
+    assert cfg.daemon.pub_socket == f"ipc://{tmp_path / 'xr' / 'moetune' / 'events.sock'}"
+
+
+def test_precedence_system_user_explicit_env(env, tmp_path):
+    write(paths.SYSTEM_CONFIG, '[store]\ndb = "/var/lib/moetune/moetune.db"\n[tune]\ntrials = 10\nbackend = "sys"\n[daemon]\nlog_level = "debug"\n')
+    write(user_file(tmp_path), '[tune]\ntrials = 20\n[daemon]\nmetrics_port = 9100\n')
+    explicit = write(tmp_path / "x.toml", '[tune]\ntrials = 30\n[client]\ntimeout_ms = 50\n')
+
+    cfg = load_config(env=env)
+    assert cfg.store.db == "/var/lib/moetune/moetune.db"
+    assert (cfg.tune.trials, cfg.tune.backend, cfg.daemon.log_level, cfg.daemon.metrics_port) == (20, "sys", "debug", 9100)
+    assert cfg.sources == (str(paths.SYSTEM_CONFIG), str(user_file(tmp_path)))
+
+    cfg = load_config(explicit, env=env)
+    assert (cfg.tune.trials, cfg.client.timeout_ms, cfg.daemon.metrics_port) == (30, 50, 9100)
+
+    cfg = load_config(env={**env, "MOETUNE_CONFIG": str(explicit)})
+    assert cfg.tune.trials == 30
+
+    e = {**env, "MOETUNE_TUNE_TRIALS": "99", "MOETUNE_DAEMON_ALLOW_INSECURE_TCP": "yes",
+         "MOETUNE_DAEMON_SOCKET": "tcp://127.0.0.1:5555", "MOETUNE_STORE_DB": "/tmp/e.db",
+         "MOETUNE_TUNE_TIMEOUT_S": "1.5", "MOETUNE_UNRELATED_THING": "x"}
+    cfg = load_config(explicit, env=e)
+    assert cfg.tune.trials == 99 and cfg.daemon.allow_insecure_tcp is True and cfg.tune.timeout_s == 1.5
+    assert cfg.daemon.socket == "tcp://127.0.0.1:5555" and cfg.client.socket == "tcp://127.0.0.1:5555"
+    assert cfg.store.db == "/tmp/e.db" and cfg.sources[-1] == "environment"
+    # The config's db wins over MOETUNE_HOME; --db wins over everything.
+    assert resolve_db_path(None, explicit, env={**env, "MOETUNE_HOME": "/nowhere"}) == Path("/var/lib/moetune/moetune.db")
+    assert resolve_db_path(tmp_path / "cli.db", explicit, env=e) == tmp_path / "cli.db"
+
+
+def test_relative_paths_are_relative_to_the_file(env, tmp_path):
+    f = write(tmp_path / "conf" / "m.toml", '[store]\ndb = "data/m.db"\n[daemon]\ncurve_secret_key_file = "~/k.secret"\n')
+    cfg = load_config(f, env=env)
+    assert cfg.store.db == str(tmp_path / "conf" / "data" / "m.db")
+    assert cfg.daemon.curve_secret_key_file.endswith("k.secret") and "~" not in cfg.daemon.curve_secret_key_file
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        ("[daemon]\nsokcet = 'ipc:///x'\n", ["unknown key daemon.sokcet", "known: socket"]),
+        ("[deamon]\nsocket = 'ipc:///x'\n", ["unknown section [deamon]"]),
+        ("[tune]\ntrials = '40'\n", ["tune.trials", "expected an integer, got str"]),
+        ("[tune]\ntrials = true\n", ["tune.trials", "expected an integer, got bool"]),
+        ("[daemon]\nallow_insecure_tcp = 1\n", ["daemon.allow_insecure_tcp", "expected true or false"]),
+        ("[daemon]\nsocket = 5\n", ["daemon.socket", "expected a string"]),
+        ("[daemon]\nrediscover_interval_s = 'soon'\n", ["daemon.rediscover_interval_s", "expected a number"]),
+        ("[daemon]\nlog_level = 'loud'\n", ["daemon.log_level", "must be one of"]),
+        ("[daemon]\nmetrics_port = 70000\n", ["daemon.metrics_port", "0..65535"]),
+        ("[daemon]\nsocket = '/tmp/sock'\n", ["daemon.socket", "ZeroMQ endpoint"]),
+        ("[tune]\ntrials = 0\n", ["tune.trials", ">= 1"]),
+        ("store = 3\n", ["store", "expected a table"]),
+        ("[tune\ntrials = 1\n", ["not valid TOML"]),
+    ],
+)
+def test_errors_name_key_and_file(env, tmp_path, text, needles):
+    f = write(tmp_path / "bad.toml", text)
+    with pytest.raises(ConfigError) as ei:
+        load_config(f, env=env)
+    msg = str(ei.value)
+    assert str(f) in msg, msg
+    for n in needles:
+        assert n in msg, msg
+
+
+def test_errors_in_the_user_file_name_it(env, tmp_path):
+    f = write(user_file(tmp_path), "[client]\ntimeout_ms = 'fast'\n")
+    with pytest.raises(ConfigError, match=re.escape(f"client.timeout_ms in {f}")):
+        load_config(env=env)
+
+
+def test_env_errors_name_the_variable(env):
+    with pytest.raises(ConfigError, match=r"tune\.trials in environment variable MOETUNE_TUNE_TRIALS"):
+        load_config(env={**env, "MOETUNE_TUNE_TRIALS": "many"})
+    with pytest.raises(ConfigError, match="MOETUNE_DAEMON_ALLOW_INSECURE_TCP"):
+        load_config(env={**env, "MOETUNE_DAEMON_ALLOW_INSECURE_TCP": "maybe"})
+    with pytest.raises(ConfigError, match="MOETUNE_DAEMON_METRICS_PORT"):
+        load_config(env={**env, "MOETUNE_DAEMON_METRICS_PORT": "-1"})
+
+
+def test_missing_explicit_file_is_an_error(env, tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml", env=env)
+
+
+def test_config_is_immutable(env):
+    cfg = load_config(env=env)
+    with pytest.raises(AttributeError):
+        cfg.tune.trials = 3  # type: ignore[misc]
+    assert config_mod.LOG_LEVELS[1] == "info"

@@ -1,0 +1,152 @@
+"""SQLAlchemy 2.0 typed ORM models of the profile database (schema owned by migrations/).
+
+Timestamps are ISO-8601 UTC strings (`2026-11-30T05:00:00.123456+00:00`): exact round trips through
+export/import and readable with plain `sqlite3` (the runtime's read-only fallback has no SQLAlchemy).
+JSON columns hold canonical facts, knobs, software versions and free-form details.
+
+Plain `sqlite3` readers (the runtime's fallback, which has no SQLAlchemy) read current profiles with:
+
+    SELECT knobs, latency_us, spread_us, backend, token_bucket, transport_family, profile_hash
+    FROM profiles WHERE status = 'current' AND fingerprint = ? AND software = ? AND ep_size = ?
+      AND nodes = ? AND hidden = ? AND intermediate = ? AND experts = ? AND topk = ? AND dtype = ?
+
+(`knobs` is the JSON of `Knobs.to_dict()`; open with `file:PATH?mode=ro`, uri=True.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, CheckConstraint, Float, ForeignKey, Index, Integer, MetaData, String, text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Stable constraint names so batch migrations on SQLite can find them.
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+PROFILE_STATUSES = ("current", "stale", "superseded")
+# The columns that make a profile key (ProfileKey's fields, same names).
+PROFILE_KEY_COLUMNS = (
+    "fingerprint",
+    "software",
+    "transport_family",
+    "ep_size",
+    "nodes",
+    "hidden",
+    "intermediate",
+    "experts",
+    "topk",
+    "dtype",
+    "token_bucket",
+)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {dict[str, Any]: JSON, dict[str, str]: JSON}  # noqa: RUF012
+
+
+class Fingerprint(Base):
+    """A fabric fingerprint: the hash and the canonical facts it was computed from."""
+
+    __tablename__ = "fingerprints"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    hash: Mapped[str] = mapped_column(String(128), unique=True)
+    facts: Mapped[dict[str, Any]]
+    first_seen: Mapped[str] = mapped_column(String(40))
+    last_seen: Mapped[str] = mapped_column(String(40))
+
+
+class TuningRun(Base):
+    """One Optuna study run: where its trials live and how it ended."""
+
+    __tablename__ = "tuning_runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    study_name: Mapped[str] = mapped_column(String(256))
+    storage: Mapped[str] = mapped_column(String(1024))
+    backend: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(32))
+    trials: Mapped[int] = mapped_column(Integer, default=0)
+    best_value: Mapped[float | None] = mapped_column(Float)
+    started: Mapped[str] = mapped_column(String(40))
+    ended: Mapped[str | None] = mapped_column(String(40))
+
+
+class Measurement(Base):
+    """One measured quantity on one fingerprint (a bandwidth, a latency, a stall count...)."""
+
+    __tablename__ = "measurements"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(ForeignKey("fingerprints.hash", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(64))
+    transport: Mapped[str] = mapped_column(String(64))
+    size_bytes: Mapped[int | None] = mapped_column(Integer)
+    value: Mapped[float] = mapped_column(Float)
+    spread: Mapped[float] = mapped_column(Float)
+    unit: Mapped[str] = mapped_column(String(32))
+    extra: Mapped[dict[str, Any]]
+    created: Mapped[str] = mapped_column(String(40))
+    # Added by migration 0002: the tuning run that produced it, when there was one.
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("tuning_runs.id", ondelete="SET NULL"), index=True)
+
+
+class Profile(Base):
+    """A tuned profile: the key it is valid for, its knobs, and how well they measured."""
+
+    __tablename__ = "profiles"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(ForeignKey("fingerprints.hash", ondelete="CASCADE"))
+    software: Mapped[str] = mapped_column(String(128))
+    transport_family: Mapped[str] = mapped_column(String(64))
+    ep_size: Mapped[int] = mapped_column(Integer)
+    nodes: Mapped[int] = mapped_column(Integer)
+    hidden: Mapped[int] = mapped_column(Integer)
+    intermediate: Mapped[int] = mapped_column(Integer)
+    experts: Mapped[int] = mapped_column(Integer)
+    topk: Mapped[int] = mapped_column(Integer)
+    dtype: Mapped[str] = mapped_column(String(32))
+    token_bucket: Mapped[int] = mapped_column(Integer)
+    knobs: Mapped[dict[str, Any]]
+    latency_us: Mapped[float] = mapped_column(Float)
+    spread_us: Mapped[float] = mapped_column(Float)
+    backend: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16))
+    software_versions: Mapped[dict[str, str]]
+    profile_hash: Mapped[str] = mapped_column(String(32))
+    created: Mapped[str] = mapped_column(String(40))
+    updated: Mapped[str] = mapped_column(String(40))
+
+    __table_args__ = (
+        CheckConstraint("status IN ('current', 'stale', 'superseded')", name="status"),
+        CheckConstraint("latency_us >= 0 AND spread_us >= 0", name="latency"),
+        # At most one current profile per key: a partial unique index.
+        Index(
+            "uq_profiles_current_key",
+            *PROFILE_KEY_COLUMNS,
+            unique=True,
+            sqlite_where=text("status = 'current'"),
+            postgresql_where=text("status = 'current'"),
+        ),
+        Index("ix_profiles_lookup", "fingerprint", "status"),
+    )
+
+
+class Event(Base):
+    """Something that happened: hardware or software changed, profiles went stale, a run ended."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    created: Mapped[str] = mapped_column(String(40), index=True)
+    kind: Mapped[str] = mapped_column(String(64))
+    reason: Mapped[str] = mapped_column(String(4096))
+    details: Mapped[dict[str, Any]]
