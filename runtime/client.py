@@ -160,19 +160,23 @@ def query_db_profiles(
     if not path.is_file():
         raise FileNotFoundError(f"no database at {path}")
     uri = f"{path.resolve().as_uri()}?mode=ro"
-    conn = sqlite3.connect(uri, uri=True, timeout=timeout_s, check_same_thread=False)
+    sql = (
+        f"SELECT {_PROFILE_COLUMNS} FROM profiles WHERE status = 'current' AND ep_size = ? AND nodes = ? "
+        "AND hidden = ? AND intermediate = ? AND experts = ? AND topk = ? AND dtype = ?"
+    )
+    args: list[Any] = [ep_size, nodes, hidden, intermediate, experts, topk, dtype]
+    if fingerprint:
+        sql += " AND fingerprint = ?"
+        args.append(fingerprint)
     try:
-        sql = (
-            f"SELECT {_PROFILE_COLUMNS} FROM profiles WHERE status = 'current' AND ep_size = ? AND nodes = ? "
-            "AND hidden = ? AND intermediate = ? AND experts = ? AND topk = ? AND dtype = ?"
-        )
-        args: list[Any] = [ep_size, nodes, hidden, intermediate, experts, topk, dtype]
-        if fingerprint:
-            sql += " AND fingerprint = ?"
-            args.append(fingerprint)
-        rows = conn.execute(sql, args).fetchall()
-    finally:
-        conn.close()
+        rows = _ro_query(uri, sql, args, timeout_s)
+    except sqlite3.OperationalError as e:
+        # A WAL database whose -shm/-wal files are gone (the daemon closed it) in a directory we may not
+        # write (/var/lib/moetune) cannot be opened mode=ro; immutable=1 can, and is safe exactly when
+        # nobody writes, which is when this fallback runs (the daemon is down).
+        if "unable to open" not in str(e) and "readonly database" not in str(e):
+            raise
+        rows = _ro_query(uri + "&immutable=1", sql, args, timeout_s)
     out: list[ProfileRecord] = []
     for r in rows:
         try:
@@ -192,6 +196,14 @@ def query_db_profiles(
         except (ValueError, TypeError, KnobError, msgspec.ValidationError) as e:
             log.debug("skipping an unreadable profile row: %s", e)
     return out
+
+
+def _ro_query(uri: str, sql: str, args: list[Any], timeout_s: float) -> list[tuple]:
+    conn = sqlite3.connect(uri, uri=True, timeout=timeout_s, check_same_thread=False)
+    try:
+        return conn.execute(sql, args).fetchall()
+    finally:
+        conn.close()
 
 
 def pick_profile(

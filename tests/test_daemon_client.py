@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
+
 from moetune.runtime import autoload
 from moetune.runtime.client import FallbackWarning, ProfileClient, query_db_profiles
 from moetune.runtime.knobs import default_knobs
@@ -109,7 +110,7 @@ def test_fallback_uses_cached_fingerprint(up) -> None:
     d, facts = up
     info = json.loads((d.run_dir / "daemon.json").read_text())
     assert info["fingerprint"] == facts.fingerprint and info["db"] == str(d.db) and info["transports"][0] == "nvlink"
-    other = F.FakeStore(d.tmp / "other.db")
+    other = F.open_store(d.tmp / "other.db")
     F.seed_profiles(other, F.FakeFacts({"gpu_model": "B200"}))
     fake_run = d.tmp / "fakerun"
     fake_run.mkdir(exist_ok=True)

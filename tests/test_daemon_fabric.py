@@ -15,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
+
 from moetune.runtime import wire
 from moetune.runtime.client import DaemonError, ProfileClient
 

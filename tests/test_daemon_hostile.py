@@ -14,6 +14,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
+
 from moetune.runtime import wire
 
 pytestmark = pytest.mark.timeout(60)

@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
+
 from moetune.runtime.client import ProfileClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,9 +36,8 @@ def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
         d.wait_ready()
         c = ProfileClient(d.endpoint, timeout_ms=1000)
         new_facts = F.write_facts(tmp_path / "capture", gpu_count=8)
-        # running, with its tuning run and job_started event persisted
+        # running, with its tuning run and job_started event persisted (run_id is shown only then)
         running = _until(lambda: (j := c.status().jobs.running) is not None and j.run_id is not None and j)
-        time.sleep(0.1)
         assert running.fingerprint == new_facts.fingerprint and running.keys == 3
         c.close()
         d.kill(9)  # no chance to clean up

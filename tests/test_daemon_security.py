@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
+
 from moetune.runtime.client import DaemonUnavailable, ProfileClient
 from moetune.tuner.cli import app
 from moetune.tuner.cli.keys import generate_keys
@@ -110,7 +111,7 @@ def test_group_mode(tmp_path: Path) -> None:
 
     group = grp.getgrgid(os.getgid()).gr_name
     facts = F.write_facts(tmp_path / "capture")
-    store = F.FakeStore(tmp_path / "db.sqlite")
+    store = F.open_store(tmp_path / "db.sqlite")
     d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/daemon.sock", discover=lambda: facts,
                rediscover_interval_s=0, group=group).start(background=True)
     try:
@@ -124,7 +125,7 @@ def test_group_mode(tmp_path: Path) -> None:
 
 def test_tcp_without_curve_refused(tmp_path: Path) -> None:
     facts = F.write_facts(tmp_path / "capture")
-    store = F.FakeStore(tmp_path / "db.sqlite")
+    store = F.open_store(tmp_path / "db.sqlite")
     port = _free_port()
     with pytest.raises(DaemonConfigError, match="CURVE"):
         Daemon(store=store, endpoint=f"tcp://127.0.0.1:{port}", discover=lambda: facts, rediscover_interval_s=0).start()
@@ -188,3 +189,45 @@ def test_keys_generate_cli(tmp_path: Path) -> None:
     r2 = CliRunner().invoke(app, ["keys", "generate", str(tmp_path / "k")])
     assert r2.exit_code == 2 and "exists" in r2.output
     time.sleep(0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another user (nobody) in a child")
+def test_other_user_reads_database_readonly(tmp_path: Path) -> None:
+    """The runtime's fallback as an unprivileged user: a WAL database in a directory it cannot write."""
+    import shutil
+    import tempfile
+
+    from moetune.runtime.client import query_db_profiles
+    from moetune.runtime.shapes import MODELS
+
+    base = Path(tempfile.mkdtemp(prefix="moetune-ro-", dir="/tmp"))
+    try:
+        os.chmod(base, 0o755)
+        store = F.open_store(base / "moetune.db")
+        F.seed_profiles(store, F.FakeFacts({"gpu_model": "H200"}))
+        if hasattr(store, "close"):
+            store.close()
+        os.chmod(base / "moetune.db", 0o644)
+        m = MODELS["qwen3-30b"]
+        nobody = pwd.getpwnam("nobody")
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            n = 255
+            try:
+                os.close(r)
+                os.setgid(nobody.pw_gid)
+                os.setuid(nobody.pw_uid)
+                n = len(query_db_profiles(base / "moetune.db", ep_size=2, nodes=1, hidden=m.hidden,
+                                          intermediate=m.intermediate, experts=m.experts, topk=m.topk, dtype=m.dtype))
+            except BaseException:
+                n = 254
+            os.write(w, bytes([n]))
+            os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        got = os.read(r, 1)
+        os.close(r)
+        assert got == bytes([3]), f"nobody read {got!r} profiles (254 = error)"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

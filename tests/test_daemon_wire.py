@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+
 from moetune.runtime import wire
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord

@@ -44,6 +44,7 @@ from typing import Any
 
 import msgspec
 import zmq
+
 from moetune.runtime import wire
 from moetune.runtime.autoload import launcher_env
 from moetune.runtime.client import INFO_NAME, PUB_SOCKET_NAME, SOCKET_NAME, pick_profile

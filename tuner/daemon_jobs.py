@@ -55,10 +55,11 @@ class Job:
         self.finished = ""
         self.cancel = threading.Event()
         self.fingerprint: str | None = None
+        self.started_recorded = False  # the job_started event is in the store
 
     def info(self) -> JobInfo:
         return JobInfo(id=self.id, state=self.state, reason=self.reason, fingerprint=self.fingerprint or self.old_fingerprint,
-                       keys=len(self.keys), run_id=self.run_id, written=self.written, message=self.message,
+                       keys=len(self.keys), run_id=self.run_id if self.started_recorded else None, written=self.written, message=self.message,
                        created=self.created, finished=self.finished)
 
     def details(self) -> dict[str, Any]:
@@ -235,6 +236,7 @@ class JobManager:
             job.run_id = self.store.start_run(study_name=f"moetune-daemon-job-{job.id}", storage=str(getattr(self.store, "url", "")),
                                               backend=str(getattr(self.tune, "backend", "model")))
             self._event("job_started", job, f"started job {job.id}: {job.reason}")
+            job.started_recorded = True  # from here on a restart finds this job `started` (run_id shown)
             written = list(self.retune(JobContext(store=self.store, facts=facts, job=job, tune=self.tune)) or [])
             job.written = len(written)
             job.state = "done"
