@@ -217,7 +217,7 @@ class DaemonProc:
         args = [sys.executable, "-m", "moetune.tuner.daemon", "--socket", self.endpoint, "--db", str(self.db),
                 "--capture", str(self.capture), "--rediscover-interval", str(interval), "--log-level", "info"]
         if hooks:
-            args += ["--store-hook", "daemon_fakes:open_store", "--discover-hook", "daemon_fakes:discover_capture",
+            args += ["--discover-hook", "daemon_fakes:discover_capture",
                      "--retune-hook", "daemon_fakes:fake_retune"]
         args += extra or []
         e = dict(os.environ)

@@ -47,7 +47,7 @@ import zmq
 
 from moetune.runtime import wire
 from moetune.runtime.autoload import launcher_env
-from moetune.runtime.client import INFO_NAME, PUB_SOCKET_NAME, SOCKET_NAME, pick_profile
+from moetune.runtime.client import INFO_NAME, PUB_SOCKET_NAME, pick_profile
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.shapes import get_model
 
@@ -809,34 +809,9 @@ def _load_hook(spec: str) -> Any:
 
 
 def _load_config(config: Path | None) -> Any:
-    try:
-        from .config import load_config
-    except ImportError:  # until the config module is merged: defaults + the [daemon]/[store]/[tune] tables
-        return _minimal_config(config)
+    from .config import load_config
+
     return load_config(config)
-
-
-def _minimal_config(config: Path | None) -> Any:
-    import tomllib
-    from types import SimpleNamespace
-
-    from moetune.runtime.client import DB_NAME, runtime_dir_candidates
-
-    data = tomllib.loads(config.read_text()) if config else {}
-    run = runtime_dir_candidates()[0] if (os.environ.get("MOETUNE_HOME") or os.environ.get("XDG_RUNTIME_DIR")) else Path(f"/tmp/moetune-{os.getuid()}")
-    home = os.environ.get("MOETUNE_HOME")
-    daemon = dict(socket=f"ipc://{run / SOCKET_NAME}", pub_socket=f"ipc://{run / PUB_SOCKET_NAME}", group="",
-                  allow_insecure_tcp=False, curve_secret_key_file="", curve_public_key_file="", rediscover_interval_s=60.0,
-                  metrics_port=0, max_request_bytes=65536, log_level="info")
-    daemon.update(data.get("daemon", {}))
-    store = dict(db=str(Path(home) / DB_NAME if home else Path.home() / ".local/share/moetune" / DB_NAME))
-    store.update(data.get("store", {}))
-    tune = dict(trials=40, timeout_s=600.0, backend="model")
-    tune.update(data.get("tune", {}))
-    client = dict(timeout_ms=200, socket=daemon["socket"])
-    client.update(data.get("client", {}))
-    return SimpleNamespace(daemon=SimpleNamespace(**daemon), store=SimpleNamespace(**store), tune=SimpleNamespace(**tune),
-                           client=SimpleNamespace(**client))
 
 
 def run_daemon(
@@ -908,7 +883,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_daemon(socket=a.socket, pub_socket=a.pub_socket, db=a.db, config=a.config, metrics_port=a.metrics_port,
                           rediscover_interval=a.rediscover_interval, capture=a.capture, allow_insecure_tcp=a.allow_insecure_tcp,
                           store_hook=a.store_hook, discover_hook=a.discover_hook, retune_hook=a.retune_hook, log_level=a.log_level)
-    except DaemonConfigError as e:
+    except (DaemonConfigError, ValueError, OSError, zmq.ZMQError) as e:  # config, key files, bind
+        print(f"moetune serve: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # StoreError: not a database, unknown revision, cannot open
         print(f"moetune serve: {e}", file=sys.stderr)
         return 2
 

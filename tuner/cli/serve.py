@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
                               metrics_port=metrics_port, rediscover_interval=rediscover_interval, capture=capture,
                               allow_insecure_tcp=allow_insecure_tcp, store_hook=store_hook, discover_hook=discover_hook,
                               retune_hook=retune_hook, log_level=log_level)
-        except (DaemonConfigError, ValueError, OSError) as e:
+        except (DaemonConfigError, ValueError, OSError, RuntimeError) as e:
             typer.secho(f"moetune serve: {e}", fg="red", err=True)
             raise typer.Exit(2) from None
         raise typer.Exit(code)
