@@ -115,3 +115,38 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
         assert info["running"] is False and info["fingerprint"] == new_facts.fingerprint
     finally:
         d.kill()
+
+
+def test_discovery_failure_then_recovery(tmp_path: Path) -> None:
+    """No facts at start: nothing is served as current (not_found), status says why; once discovery
+    works the profiles of that fabric are served and a fabric_changed is published."""
+    from moetune.tuner.daemon import Daemon
+
+    store = F.open_store(tmp_path / "moetune.db")
+    facts = F.FakeFacts({"gpu_model": "H200", "gpu_count": 2})
+    F.seed_profiles(store, facts)
+    state = {"facts": None}
+
+    def discover():
+        if state["facts"] is None:
+            raise RuntimeError("nvidia-smi timed out")
+        return state["facts"]
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/daemon.sock", discover=discover,
+               rediscover_interval_s=0.1).start(background=True)
+    try:
+        c = ProfileClient(d.endpoint, timeout_ms=1000)
+        c.subscribe()
+        with pytest.raises(DaemonError) as ei:
+            c.get_profile(ep_size=2, tokens=64, model="qwen3-30b")
+        assert ei.value.code == wire.E_NOT_FOUND
+        st = c.status()
+        assert not st.last_discovery_ok and "timed out" in st.last_discovery_message and st.fingerprint is None
+        time.sleep(0.2)
+        state["facts"] = facts
+        changes = _until(lambda: c.poll_changes(100))
+        assert changes[0].kind == "fabric_changed" and changes[0].fingerprint == facts.fingerprint
+        assert c.get_profile(ep_size=2, tokens=64, model="qwen3-30b").key.fingerprint == facts.fingerprint
+        c.close()
+    finally:
+        d.stop()
