@@ -98,12 +98,16 @@ def _transport_names(facts: Any) -> list[str]:
 
 def default_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     try:
-        from .discovery import diff_facts
-
-        return list(diff_facts(old, new))
+        from .fingerprint import diff_facts
     except ImportError:
-        keys = sorted(set(old) | set(new))
-        return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)] or ["facts changed"]
+        try:
+            from .discovery import diff_facts  # type: ignore[no-redef]
+        except ImportError:
+            diff_facts = None  # type: ignore[assignment]
+    if diff_facts is not None:
+        return list(diff_facts(old, new)) or ["facts changed"]
+    keys = sorted(set(old) | set(new))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)] or ["facts changed"]
 
 
 def make_discover(capture: Path | None) -> Callable[[], Any]:
