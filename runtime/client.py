@@ -499,7 +499,7 @@ class ProfileClient:
                                   family=rec.key.transport_family, message=msg, elapsed_ms=(time.monotonic() - t0) * 1000)
         except (OSError, sqlite3.Error) as e:
             problems.append(f"database: {e}")
-        family = transport_family or _cached_family(info)
+        family = transport_family or _cached_family(info, nodes)
         knobs, source = policy_or_default(family)
         msg = "; ".join(problems) + f"; using {source} defaults for {family}"
         _warn(f"moetune: NO tuned profile ({msg})")
@@ -508,10 +508,13 @@ class ProfileClient:
                           elapsed_ms=(time.monotonic() - t0) * 1000)
 
 
-def _cached_family(info: Mapping[str, Any] | None) -> str:
+def _cached_family(info: Mapping[str, Any] | None, nodes: int = 1) -> str:
+    """The node's preferred transport family as the daemon last discovered it (NVLink only within a node)."""
     fams = info.get("transports") if info else None
-    if isinstance(fams, list) and fams and isinstance(fams[0], str):
-        return fams[0]
+    if isinstance(fams, list):
+        for f in fams:
+            if isinstance(f, str) and (nodes == 1 or not f.startswith("nvlink")):
+                return f
     return "collective"
 
 
