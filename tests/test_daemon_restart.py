@@ -110,3 +110,22 @@ def test_cancel_running_job_and_bounded_queue(tmp_path: Path) -> None:
         c.close()
     finally:
         d.kill()
+
+
+def test_second_daemon_on_the_same_socket_refused(tmp_path: Path) -> None:
+    F.write_facts(tmp_path / "capture")
+    d = F.DaemonProc(tmp_path, interval=0)
+    try:
+        d.wait_ready()
+        other = tmp_path / "second"
+        other.mkdir()
+        F.write_facts(other / "capture")
+        d2 = F.DaemonProc(other, endpoint=d.endpoint, interval=0)
+        try:
+            assert d2.proc.wait(20) == 2
+            assert "another daemon is listening" in d2.read_log()
+        finally:
+            d2.kill()
+        assert d.wait_ready().protocol == 1  # the first one is untouched
+    finally:
+        d.kill()

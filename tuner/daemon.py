@@ -495,6 +495,9 @@ class Daemon:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640 if self.group else 0o600)
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f)
+            gid = _group_id(self.group)
+            if gid is not None:
+                os.chown(tmp, -1, gid)
             os.replace(tmp, path)
         except OSError as e:
             log.warning("cannot write %s: %s", path, e)

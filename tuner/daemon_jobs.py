@@ -159,6 +159,7 @@ class JobManager:
         self.running: Job | None = None
         self._ids = itertools.count(first_id)
         self._lock = threading.Lock()
+        self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="moetune-jobs", daemon=True)
         self._stopping = False
 
@@ -172,14 +173,21 @@ class JobManager:
             log.error("cannot record %s for job %s: %s", kind, job.id, e)
 
     def submit(self, *, reason: str, old_fingerprint: str | None, keys: list[ProfileKey], all_current: bool = False) -> Job:
-        """Queue a job; raises queue.Full when the queue is at capacity."""
-        with self._lock:
-            if self._stopping:
-                raise queue.Full("the daemon is stopping")
-            job = Job(next(self._ids), reason=reason, old_fingerprint=old_fingerprint, keys=keys, all_current=all_current)
-            self._q.put_nowait(job)
-            self._queued[job.id] = job
-        self._event("job_queued", job, reason)
+        """Queue a job; raises queue.Full when the queue is at capacity.
+
+        The job_queued event is written BEFORE the worker can see the job, so the events of one job are
+        always in order (queued < started < finished) for recover_jobs()."""
+        with self._submit_lock:
+            with self._lock:
+                if self._stopping:
+                    raise queue.Full("the daemon is stopping")
+                if self._q.full():
+                    raise queue.Full(f"{self.capacity} jobs queued")
+                job = Job(next(self._ids), reason=reason, old_fingerprint=old_fingerprint, keys=keys, all_current=all_current)
+            self._event("job_queued", job, reason)
+            with self._lock:
+                self._q.put_nowait(job)  # only submitters add, under _submit_lock: cannot be full here
+                self._queued[job.id] = job
         log.info("queued re-tune job %d (%d keys): %s", job.id, len(keys), reason)
         return job
 
