@@ -2,6 +2,135 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import typer
+from rich.console import Console
+from rich.table import Table
 
 app = typer.Typer(help="Benchmarks on this node: EP dispatch/combine and transport microbenchmarks.", no_args_is_help=True)
+
+_err = Console(stderr=True)
+
+
+def _fail(msg: str) -> None:
+    _err.print(f"[red]error:[/red] {msg}")
+    raise typer.Exit(2)
+
+
+@app.command("ep")
+def ep(
+    world: int = typer.Option(2, "--world", help="EP ranks to launch (spawned here unless run under torchrun)."),
+    backend: str = typer.Option("gloo", "--backend", help="gloo (CPU) or nccl (GPUs)."),
+    model: str = typer.Option("qwen3-30b", "--model", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K[,dtype]."),
+    tokens: int = typer.Option(128, "--tokens", help="Tokens per rank (S)."),
+    knobs: str = typer.Option("", "--knobs", help="Knob overrides, name=value,... (e.g. compression=fp8_e4m3,pipeline_depth=2)."),
+    routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:S (e.g. zipf:1.2)."),
+    iters: int = typer.Option(20, "--iters", help="Timed iterations."),
+    warmup: int = typer.Option(5, "--warmup", help="Warm-up iterations (not timed)."),
+    verify: bool = typer.Option(False, "--verify", help="Check the layer's output against the single-process dense reference."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    transport: str = typer.Option("", "--transport", help="Override the knobs' transport (collective, host_staged, ...)."),
+    impl: str = typer.Option("moetune", "--impl", help="moetune (packed EPBuffer) or plain (unpacked all_to_all_single baseline)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of activations, routing and weights."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds any collective may wait before failing."),
+) -> None:
+    """Time EP dispatch, combine and the whole MoE layer; with --verify, the error vs the dense reference."""
+    from ...runtime import KnobError, Knobs, get_model
+    from ...runtime.launch import LaunchError, launch
+    from ...runtime.routing import parse_routing
+    from .. import bench_ep
+
+    if backend not in ("gloo", "nccl"):
+        _fail(f"--backend must be gloo or nccl, got {backend!r}")
+    if impl not in ("moetune", "plain"):
+        _fail(f"--impl must be moetune or plain, got {impl!r}")
+    try:
+        shape = get_model(model)
+    except ValueError as e:
+        _fail(str(e))
+    try:
+        k = Knobs.parse(knobs)
+        if transport:
+            k = k.replace(transport=transport)
+    except KnobError as e:
+        _fail(str(e))
+    try:
+        parse_routing(routing)
+    except ValueError as e:
+        _fail(str(e))
+    torchrun = bench_ep.under_torchrun()
+    if torchrun:
+        import os
+
+        world = int(os.environ["WORLD_SIZE"])
+    if world < 1:
+        _fail(f"--world must be >= 1, got {world}")
+    if shape.experts % world:
+        _fail(f"{shape.experts} experts cannot be split evenly over {world} ranks")
+    if tokens < 0:
+        _fail(f"--tokens must be >= 0, got {tokens}")
+    if iters < 1 or warmup < 0:
+        _fail("--iters must be >= 1 and --warmup >= 0")
+    if k.transport not in ("collective", "host_staged") and impl == "moetune":
+        from ...runtime.transports.registry import available_transports
+
+        av = available_transports("cuda" if backend == "nccl" else "cpu").get(k.transport)
+        if av is None or not av.ok:
+            _fail(f"transport {k.transport!r} is not available here: {av.reason if av else 'not registered'}")
+    if backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() < (1 if torchrun else world):
+            _fail(f"--backend nccl needs {world} CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    cfg = {
+        "model": model, "tokens": tokens, "knobs": k.to_dict(), "routing": routing, "iters": iters,
+        "warmup": warmup, "verify": verify, "impl": impl, "seed": seed, "backend": backend, "layer": impl == "moetune",
+    }
+    try:
+        if torchrun:
+            rep = bench_ep.run_torchrun(cfg, timeout)
+            if rep is None:
+                return  # only rank 0 reports
+        else:
+            rep = launch(bench_ep.bench_entry, world, backend=backend, args=(cfg,), timeout_s=timeout,
+                         join_timeout_s=max(120.0, 4 * timeout + 60))[0]
+    except LaunchError as e:
+        first = next(iter(sorted(e.errors.items())))
+        _fail(f"benchmark failed on {len(e.errors)} rank(s); rank {first[0]}: {first[1].splitlines()[0]}")
+    assert rep is not None
+    ok = True
+    if verify and rep["max_rel_err"] is not None:
+        ok = rep["max_rel_err"] <= rep["verify_bound"]
+        rep["verify_ok"] = ok
+    if as_json:
+        typer.echo(json.dumps(rep))
+    else:
+        _print_table(rep)
+    if not ok:
+        _err.print(f"[red]verify FAILED:[/red] max relative error {rep['max_rel_err']:.3g} > bound {rep['verify_bound']:.3g}")
+        raise typer.Exit(1)
+
+
+def _fmt(v: float) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.1f}"
+
+
+def _print_table(rep: dict) -> None:
+    c = Console()
+    kn = rep["knobs"]
+    t = Table(title=(f"EP bench: {rep['model']}, S={rep['tokens']}/rank, world {rep['world']} ({rep['backend']}), "
+                     f"{rep['impl']}, {kn['transport']}, compression={kn['compression']}, depth={kn['pipeline_depth']}, "
+                     f"routing={rep['routing']}"))
+    t.add_column("phase")
+    for col in ("median µs", "p10 µs", "p90 µs"):
+        t.add_column(col, justify="right")
+    for name in ("dispatch_us", "combine_us", "roundtrip_us", "layer_us"):
+        s = rep.get(name)
+        if s:
+            t.add_row(name[:-3], _fmt(s["median"]), _fmt(s["p10"]), _fmt(s["p90"]))
+    c.print(t)
+    if rep.get("max_rel_err") is not None:
+        colour = "green" if rep.get("verify_ok", True) else "red"
+        c.print(f"verify: max relative error [{colour}]{rep['max_rel_err']:.3g}[/{colour}] (bound {rep['verify_bound']:.3g})")

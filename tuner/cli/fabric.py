@@ -2,6 +2,216 @@
 
 from __future__ import annotations
 
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
 import typer
+from rich.console import Console
+from rich.table import Table
 
 app = typer.Typer(help="Discover this node's fabric, capture it, fingerprint it, diff it.", no_args_is_help=True)
+
+_out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+_err = Console(stderr=True, highlight=False)
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    _err.print(f"[red]error:[/red] {message}", markup=True, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _discover(from_dir: Path | None, timeout_s: float) -> Any:
+    from ..discovery import DiscoveryError, discover
+
+    try:
+        return discover(from_dir, timeout_s=timeout_s)
+    except DiscoveryError as e:
+        raise _fail(str(e))
+    except Exception as e:  # a parser bug must still not end in a traceback; say where it came from
+        where = f"capture {from_dir}" if from_dir else "this node"
+        raise _fail(f"discovery of {where} failed unexpectedly ({type(e).__name__}: {e}); please report it "
+                    "with the capture (`moetune fabric capture DIR`)")
+
+
+def _summary(f: Any) -> dict[str, Any]:
+    d = f.to_dict()
+    d.update(
+        fingerprint=f.fingerprint,
+        hardware_hash=f.hardware_hash,
+        software_hash=f.software_hash,
+        gpu_count=f.gpu_count,
+        gpu_model=f.gpu_model,
+        nvlink_gbs_per_gpu=f.nvlink_gbs_per_gpu,
+        network_gbs=f.network_gbs,
+    )
+    return d
+
+
+def _print_facts(f: Any) -> None:
+    _out.print(f"[bold]fabric[/bold] {f.source}  fingerprint [cyan]{f.fingerprint}[/cyan]  "
+               f"hardware {f.hardware_hash}  software {f.software_hash}  ({f.seconds:.3f} s)")
+    if f.gpus:
+        t = Table(title=f"{f.gpu_count} GPU(s)", title_justify="left")
+        for c in ("#", "model", "memory", "cc", "PCIe", "NVLink", "bus id", "UUID"):
+            t.add_column(c)
+        for g in f.gpus:
+            act = g.active_links
+            nvl = f"{len(act)}/{len(g.nvlinks)} × {act[0].speed_gbs:g} GB/s" if act else (f"0/{len(g.nvlinks)}" if g.nvlinks else "-")
+            pcie = f"Gen{g.pcie_gen_max or '?'} x{g.pcie_width_current or '?'}"
+            t.add_row(str(g.index), g.model + (" (MIG)" if g.mig else ""), f"{g.memory_mib} MiB",
+                      g.compute_capability or "?", pcie, nvl, g.pci_bus_id, g.uuid)
+        _out.print(t)
+        if f.pairs:
+            levels: dict[str, int] = {}
+            for p in f.pairs:
+                k = f"{p.level} (P2P {p.p2p})"
+                levels[k] = levels.get(k, 0) + 1
+            _out.print("GPU pairs: " + ", ".join(f"{n} × {k}" for k, n in sorted(levels.items())))
+    else:
+        _out.print("no GPU found")
+    if f.nics:
+        t = Table(title=f"{len(f.nics)} NIC(s)", title_justify="left")
+        for c in ("name", "kind", "firmware", "port", "state", "rate", "link layer"):
+            t.add_column(c)
+        for n in f.nics:
+            if not n.ports:
+                t.add_row(n.name, n.kind, n.fw_ver, "-", "-", "-", "-")
+            for i, p in enumerate(n.ports):
+                t.add_row(n.name if i == 0 else "", n.kind if i == 0 else "", n.fw_ver if i == 0 else "",
+                          str(p.port), p.state, f"{p.rate_gbps:g} Gb/s", p.link_layer)
+        _out.print(t)
+    for e in f.excluded_nics:
+        _out.print(f"ignored {e.name}: {e.reason}")
+    gd = f.gpudirect
+    _out.print(f"GPUDirect RDMA: {gd.how}  (open kernel module: {'yes' if gd.open_kernel_module else 'no'}, kernel {gd.kernel or '?'})")
+    if f.libfabric.providers:
+        _out.print(f"libfabric {f.libfabric.version or '?'}: providers {', '.join(f.libfabric.providers)}")
+    _out.print("software: " + ", ".join(f"{k} {v}" for k, v in f.software.items()))
+    missing = [k for k, v in f.tools.items() if v != "ok"]
+    if missing:
+        _out.print("tools: " + ", ".join(f"{k}: {f.tools[k]}" for k in missing))
+    for w in f.warnings:
+        _out.print(f"[yellow]warning:[/yellow] {w}")
+    t = Table(title="transport families", title_justify="left")
+    t.add_column("family")
+    t.add_column("available")
+    t.add_column("reason")
+    for tr in f.transports:
+        t.add_row(f"[green]{tr.name}[/green]", "yes", tr.reason)
+    for tr in f.unavailable:
+        t.add_row(f"[dim]{tr.name}[/dim]", "no", tr.reason)
+    _out.print(t)
+
+
+@app.command("show")
+def show(
+    from_dir: Path | None = typer.Option(None, "--from", help="Analyse a capture directory instead of this node."),
+    as_json: bool = typer.Option(False, "--json", help="Print the facts, hashes and transports as JSON."),
+    record: bool = typer.Option(False, "--record", help="Also record the fingerprint and its facts in the store."),
+    timeout_s: float = typer.Option(1.5, "--timeout", min=0.1, max=60.0, help="Timeout per external command (s)."),
+) -> None:
+    """Discover the fabric (or read a capture) and show facts, fingerprint and transport families."""
+    f = _discover(from_dir, timeout_s)
+    if record:
+        store = _open_store(readonly=False)
+        store.upsert_fingerprint(f.fingerprint, f.to_dict())
+    if as_json:
+        typer.echo(json.dumps(_summary(f), indent=1))
+    else:
+        _print_facts(f)
+
+
+@app.command("capture")
+def capture(
+    dest: Path = typer.Argument(..., help="Directory to write (must not exist or be empty)."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
+    timeout_s: float = typer.Option(1.5, "--timeout", min=0.1, max=60.0, help="Timeout per external command (s)."),
+) -> None:
+    """Save what discovery reads on this node (sys/, proc/, commands/) for support or tests."""
+    from ..capture import capture_node
+    from ..discovery import DiscoveryError, discover
+
+    try:
+        path = capture_node(dest, timeout_s=timeout_s)
+        f = discover(path)  # read it back: a capture must describe the node exactly
+    except DiscoveryError as e:
+        raise _fail(str(e))
+    n_files = sum(1 for p in path.rglob("*") if p.is_file())
+    if as_json:
+        typer.echo(json.dumps({"path": str(path), "files": n_files, "fingerprint": f.fingerprint,
+                               "transports": f.transport_names}))
+    else:
+        _out.print(f"captured {n_files} files to {path}  fingerprint {f.fingerprint}  "
+                   f"transports: {', '.join(f.transport_names)}")
+
+
+def _open_store(readonly: bool = True) -> Any:
+    try:
+        from ..store import Store
+    except ImportError as e:
+        raise _fail(f"the fingerprint store is not available in this installation ({e}); "
+                    "compare against a capture instead: --against DIR")
+    try:
+        return Store(readonly=readonly) if readonly else Store()
+    except Exception as e:  # the store reports its own configuration / database problems
+        raise _fail(f"cannot open the store: {e}")
+
+
+def _stored_facts(fp_hash: str | None) -> tuple[str, dict[str, Any]]:
+    store = _open_store(readonly=True)
+    rows: list[Any] = []
+    if fp_hash is not None and hasattr(store, "get_fingerprint"):
+        row = store.get_fingerprint(fp_hash)
+        rows = [row] if row is not None else []
+    if not rows and hasattr(store, "list_fingerprints"):
+        allrows = list(store.list_fingerprints())
+        rows = allrows if fp_hash is None else [r for r in allrows if str(r["hash"]).startswith(fp_hash)]
+        if fp_hash is not None and len(rows) > 1:
+            raise _fail(f"fingerprint prefix {fp_hash} is ambiguous ({len(rows)} stored fingerprints match)")
+    if not rows:
+        raise _fail(f"fingerprint {fp_hash} is not in the store" if fp_hash else "the store holds no fingerprint yet; "
+                    "record one with `moetune fabric show --record` or pass --against DIR")
+    row = rows[0]
+    facts = row["facts"] if isinstance(row, dict) else getattr(row, "facts", None)
+    if not facts:
+        raise _fail(f"the store has fingerprint {row['hash']} but not its facts")
+    return str(row["hash"]), facts
+
+
+@app.command("diff")
+def diff(
+    against: str | None = typer.Option(None, "--against", help="A stored fingerprint hash (or prefix) or a capture DIR; "
+                                       "default: the most recently seen fingerprint in the store."),
+    from_dir: Path | None = typer.Option(None, "--from", help="Compare this capture instead of the live node."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    timeout_s: float = typer.Option(1.5, "--timeout", min=0.1, max=60.0, help="Timeout per external command (s)."),
+) -> None:
+    """Why the fabric changed: readable reasons (exit 0: same fingerprint, 1: changed)."""
+    from ..fingerprint import diff_facts, fingerprint
+
+    if against is not None and Path(against).is_dir():
+        old_f = _discover(Path(against), timeout_s)
+        old_hash, old = old_f.fingerprint, old_f.to_dict()
+    elif against is None or re.fullmatch(r"[0-9a-fA-F]{4,64}", against):
+        old_hash, old = _stored_facts(against.lower() if against else None)
+        old_hash = fingerprint(old) if old.get("gpus") is not None else old_hash
+    else:
+        raise _fail(f"--against {against!r} is neither a capture directory nor a fingerprint hash")
+    new_f = _discover(from_dir, timeout_s)
+    new = new_f.to_dict()
+    reasons = diff_facts(old, new)
+    same = old_hash == new_f.fingerprint
+    if as_json:
+        typer.echo(json.dumps({"old": old_hash, "new": new_f.fingerprint, "changed": not same, "reasons": reasons}))
+    elif same:
+        _out.print(f"fingerprint unchanged: {new_f.fingerprint}")
+        for r in reasons:
+            _out.print(f"  (not performance-relevant) {r}")
+    else:
+        _out.print(f"fingerprint {old_hash} → {new_f.fingerprint}")
+        for r in reasons or ["changed, but no readable reason found (facts from another moetune version?)"]:
+            _out.print(f"  - {r}")
+    raise typer.Exit(0 if same else 1)

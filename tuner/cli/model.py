@@ -2,6 +2,309 @@
 
 from __future__ import annotations
 
+import datetime as _dt
+import json
+import math
+from pathlib import Path
+
 import typer
+from rich.console import Console
+from rich.table import Table
 
 app = typer.Typer(help="The fabric model: predicted (modelled) dispatch/combine cost on any fabric.", no_args_is_help=True)
+
+_console = Console()
+_err = Console(stderr=True)
+LABEL = "MODELLED"
+
+
+def _fail(msg: str) -> None:
+    _err.print(f"[red]error:[/red] {msg}")
+    raise typer.Exit(2)
+
+
+def _build(preset: str, model: str, nodes: int, tokens: int, gpus_per_node: int | None, knobs: str,
+           routing: str, tile: int):
+    from moetune.runtime.knobs import KnobError, Knobs, default_knobs
+    from moetune.runtime.shapes import get_model
+
+    from ..fabric_model import Workload, load_preset
+
+    try:
+        pr = load_preset(preset)
+        shape = get_model(model)
+        w = Workload(shape, tokens, nodes, gpus_per_node or pr.gpus_per_node, routing=routing, tile=tile)
+        base = default_knobs(pr.transports[0])
+        if pr.transports[0] in ("proxy", "ibgda"):
+            base = base.replace(fence_mode="proxy_drain" if pr.transports[0] == "proxy" else "nic_ordered")
+        k = Knobs.parse(knobs, base=base) if knobs else base
+    except KnobError as e:
+        _fail(f"unsafe or invalid knobs: {e}")
+    except ValueError as e:
+        _fail(str(e))
+    return pr, w, k
+
+
+def _knob_str(k) -> str:
+    d = k.to_dict()
+    keys = ("transport", "signalling", "group_size", "fence_mode", "qp_mapping", "qps_per_pe", "compression",
+            "chunk_tokens", "pipeline_depth", "num_sms")
+    return ",".join(f"{x}={d[x]}" for x in keys)
+
+
+@app.command("predict")
+def predict_cmd(
+    preset: str = typer.Option(..., "--preset", "-p", help="Preset name (moetune model presets) or a .toml path."),
+    model: str = typer.Option("qwen3-30b", "--model", "-m", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K."),
+    nodes: int = typer.Option(1, "--nodes", "-n", help="Nodes."),
+    tokens: int = typer.Option(1024, "--tokens", "-t", help="Tokens per GPU."),
+    gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", "-g", help="GPUs per node (default: the preset's)."),
+    knobs: str = typer.Option("", "--knobs", "-k", help="Knob overrides name=value,... (default: the preset's transport defaults)."),
+    routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:<exponent>."),
+    tile: int = typer.Option(128, "--tile", help="Tokens per tile (one PUT per tile)."),
+    phase: str = typer.Option("both", "--phase", help="both, dispatch or combine."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Predict one EP dispatch + combine (MODELLED, not measured)."""
+    from moetune.runtime.knobs import KnobError
+
+    from ..fabric_model import predict
+
+    pr, w, k = _build(preset, model, nodes, tokens, gpus_per_node, knobs, routing, tile)
+    if phase not in ("both", "dispatch", "combine"):
+        _fail(f"--phase must be both, dispatch or combine, got {phase!r}")
+    try:
+        res = predict(pr, w, k, phase=phase)  # type: ignore[arg-type]
+    except KnobError as e:
+        _fail(f"unsafe or invalid knobs (not predicted): {e}")
+    except ValueError as e:
+        _fail(str(e))
+    if as_json:
+        out = {"label": LABEL, **res.to_dict(), "workload": {"model": w.model.name, "tokens_per_gpu": w.tokens_per_gpu,
+               "nodes": w.nodes, "gpus_per_node": w.gpus_per_node, "routing": w.routing, "tile": w.tile},
+               "knobs": k.to_dict()}
+        typer.echo(json.dumps(out))
+        return
+    t = Table(title=f"{LABEL}: {pr.name} · {w.model.name} · {w.nodes}x{w.gpus_per_node} GPUs · "
+                    f"{w.tokens_per_gpu} tokens/GPU · {w.routing}")
+    t.add_column("quantity")
+    t.add_column("value (modelled)", justify="right")
+    rows = [
+        ("latency (dispatch + combine)", f"{res.latency_us:,.1f} µs"),
+        ("dispatch", f"{res.dispatch_us:,.1f} µs"),
+        ("combine", f"{res.combine_us:,.1f} µs"),
+        ("expert FFN (modelled compute)", f"{res.expert_us:,.1f} µs"),
+        ("layer (dispatch + FFN + combine)", f"{res.layer_us:,.1f} µs"),
+        ("fences", f"{res.fences}"),
+        ("proxy stalls", f"{res.proxy_stalls}"),
+        ("NIC stalls", f"{res.nic_stalls}"),
+        ("transfers", f"{res.transfers}"),
+        ("bytes on the wire", f"{res.bytes_on_wire / 1e6:,.3f} MB"),
+    ]
+    for a, b in rows:
+        t.add_row(a, b)
+    _console.print(t)
+    ph = Table(title=f"{LABEL}: per-phase breakdown (µs; component times overlap)")
+    ph.add_column("phase")
+    ph.add_column("µs", justify="right")
+    for name, v in res.phases.items():
+        ph.add_row(name, f"{v:,.1f}")
+    _console.print(ph)
+    _console.print(f"knobs: {_knob_str(k)}")
+    _console.print(f"[yellow]{LABEL}[/yellow]: predicted by the fabric model from preset parameters, not measured.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@app.command("sweep")
+def sweep_cmd(
+    preset: str = typer.Option(..., "--preset", "-p", help="Preset name or .toml path."),
+    model: str = typer.Option("qwen3-30b", "--model", "-m"),
+    over: str = typer.Option("group_size", "--over", help="group_size, nodes or tokens."),
+    values: str = typer.Option("", "--values", help="Comma-separated x values (default: a sensible range)."),
+    nodes: int = typer.Option(4, "--nodes", "-n"),
+    tokens: int = typer.Option(256, "--tokens", "-t"),
+    gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", "-g"),
+    knobs: str = typer.Option("", "--knobs", "-k", help="Base knob overrides."),
+    routing: str = typer.Option("uniform", "--routing"),
+    tile: int = typer.Option(128, "--tile"),
+    out: Path | None = typer.Option(None, "--out", help="Write a PNG plot (latency and fences vs x, per fence mode)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+) -> None:
+    """Sweep one variable for each fence mode the transport allows (MODELLED)."""
+    from moetune.runtime.knobs import ALLOWED_FENCE_MODES, KnobError
+
+    from ..fabric_model import Workload, predict, transfers_per_peer
+
+    if over not in ("group_size", "nodes", "tokens"):
+        _fail(f"--over must be group_size, nodes or tokens, got {over!r}")
+    pr, w0, k0 = _build(preset, model, nodes, tokens, gpus_per_node, knobs, routing, tile)
+    modes = ALLOWED_FENCE_MODES[k0.transport]
+    try:
+        if values:
+            xs = [int(v) for v in values.split(",") if v.strip()]
+        elif over == "group_size":
+            xs = _divisors(transfers_per_peer(w0))
+        elif over == "nodes":
+            xs = [1, 2, 4, 8, 16]
+        else:
+            xs = [64, 256, 1024, 4096, 16384]
+    except ValueError:
+        _fail(f"--values must be integers, got {values!r}")
+    if not xs:
+        _fail("nothing to sweep")
+    series: dict[str, list[dict]] = {}
+    variants = [(f"coupled/{m}", {"signalling": "coupled", "fence_mode": m}) for m in modes]
+    variants += [(f"decoupled/{m}", {"signalling": "decoupled", "fence_mode": m}) for m in modes]
+    if k0.transport not in ("proxy", "ibgda", "nvlink"):
+        variants = [(f"{k0.transport}", {})]
+    for label, change in variants:
+        rows = []
+        for x in xs:
+            try:
+                kk = k0.replace(**change)
+                w = w0
+                if over == "group_size":
+                    kk = kk.replace(group_size=0) if kk.signalling == "coupled" else kk.replace(group_size=x)
+                elif over == "nodes":
+                    w = Workload(w0.model, w0.tokens_per_gpu, x, w0.gpus_per_node, routing=w0.routing, tile=w0.tile)
+                else:
+                    w = Workload(w0.model, x, w0.nodes, w0.gpus_per_node, routing=w0.routing, tile=w0.tile)
+                r = predict(pr, w, kk)
+                rows.append({"x": x, "latency_us": r.latency_us, "layer_us": r.layer_us, "fences": r.fences,
+                             "proxy_stalls": r.proxy_stalls, "nic_stalls": r.nic_stalls, "transfers": r.transfers,
+                             "modelled": True})
+            except (KnobError, ValueError) as e:
+                rows.append({"x": x, "error": str(e), "modelled": True})
+        series[label] = rows
+    if as_json:
+        typer.echo(json.dumps({"label": LABEL, "preset": pr.name, "model": w0.model.name, "over": over,
+                               "series": series}))
+    else:
+        t = Table(title=f"{LABEL}: {pr.name} · {w0.model.name} · sweep over {over}")
+        t.add_column(over, justify="right")
+        for label in series:
+            short = label.replace("coupled", "c").replace("decoupled", "d").replace("proxy_drain", "drain")
+            short = short.replace("nic_ordered", "nic").replace("dec", "d")
+            t.add_column(f"{short} µs", justify="right")
+            t.add_column("fences", justify="right")
+        for i, x in enumerate(xs):
+            cells = [str(x)]
+            for rows in series.values():
+                r = rows[i]
+                if "error" in r:
+                    cells += ["n/a", "-"]
+                else:
+                    cells += [f"{r['latency_us']:,.1f}", str(r["fences"])]
+            t.add_row(*cells)
+        _console.print(t)
+        _console.print(f"[yellow]{LABEL}[/yellow]: n/a = that setting is invalid or unsafe for this workload.")
+    if out is not None:
+        _plot(series, over, out, f"{pr.name} · {w0.model.name}")
+        if not as_json:
+            _console.print(f"plot written to {out}")
+
+
+def _plot(series: dict[str, list[dict]], over: str, out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, rows in series.items():
+        ok = [r for r in rows if "error" not in r]
+        if not ok:
+            continue
+        xs = [r["x"] for r in ok]
+        a1.plot(xs, [r["latency_us"] for r in ok], marker="o", label=label)
+        a2.plot(xs, [max(r["fences"], 0) for r in ok], marker="o", label=label)
+    for ax, yl in ((a1, "latency µs (dispatch+combine)"), (a2, "fences per PE")):
+        ax.set_xlabel(over)
+        ax.set_ylabel(yl)
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+    a1.set_yscale("log")
+    a1.legend(fontsize=8)
+    fig.suptitle(title + " (MODELLED, not measured)")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+@app.command("presets")
+def presets_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """List the shipped fabric presets."""
+    from ..fabric_model import list_presets, load_preset
+
+    items = []
+    for name in list_presets():
+        p = load_preset(name)
+        items.append({"name": p.name, "family": p.family, "transports": list(p.transports),
+                      "gpus_per_node": p.gpus_per_node, "calibrated": bool(p.calibration),
+                      "description": p.description})
+    if as_json:
+        typer.echo(json.dumps(items))
+        return
+    t = Table(title="fabric model presets (parameters with sources; predictions are MODELLED)")
+    for c in ("name", "family", "transports", "GPUs/node", "calibrated"):
+        t.add_column(c, no_wrap=c == "name")
+    for it in items:
+        t.add_row(it["name"], it["family"], ", ".join(it["transports"]), str(it["gpus_per_node"]),
+                  "yes" if it["calibrated"] else "no")
+    _console.print(t)
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    preset: str = typer.Option(..., "--preset", "-p", help="Preset to start from."),
+    data: list[Path] = typer.Option(..., "--data", "-d", help="Measurement JSON lines (repeat for several files)."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Write the calibrated preset TOML here."),
+    params: str = typer.Option("", "--params", help="Comma-separated dotted parameters to fit (default: by data kind)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the fit report as JSON."),
+) -> None:
+    """Fit preset parameters to measurements and report the fit error per point and overall."""
+    from ..calibration import calibrate, calibrated_preset, read_rows
+
+    try:
+        rows = read_rows(data)
+        rep = calibrate(preset, rows, params=[p.strip() for p in params.split(",") if p.strip()] or None)
+    except ValueError as e:
+        _fail(str(e))
+    s = rep.summary()
+    if out is not None:
+        today = _dt.date.today().isoformat()
+        cal = calibrated_preset(rep, [d.name for d in data], today)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(cal.to_toml())
+    if as_json:
+        typer.echo(json.dumps({"label": LABEL, **rep.to_dict(), "out": str(out) if out else None}))
+        return
+    t = Table(title=f"calibration of {rep.preset.name}: measured vs {LABEL}")
+    for c in ("point", "measured µs", "modelled µs", "error"):
+        t.add_column(c, justify="right" if c != "point" else "left")
+    for p in rep.points:
+        err = p.rel_err
+        colour = "green" if abs(err) <= 0.2 else "red"
+        t.add_row(p.label, f"{p.measured_us:,.1f}", f"{p.predicted_us:,.1f}", f"[{colour}]{err:+.1%}[/{colour}]")
+    _console.print(t)
+    pt = Table(title="fitted parameters")
+    for c in ("parameter", "before", "after"):
+        pt.add_column(c)
+    for k in rep.fitted:
+        pt.add_row(k, f"{rep.params_before[k]:.4g}", f"{rep.params_after[k]:.4g}")
+    _console.print(pt)
+    for g, v in s["by_group"].items():
+        _console.print(f"{g}: {v['points']} points, mean |error| {v['mean_abs_rel_err']:.1%}, "
+                       f"max |error| {v['max_abs_rel_err']:.1%}")
+    _console.print(f"overall: {s['points']} points, mean |error| {s['mean_abs_rel_err']:.1%}, "
+                   f"max |error| {s['max_abs_rel_err']:.1%}; skipped {s['skipped']}")
+    for _row, why in rep.skipped[:5]:
+        _console.print(f"  skipped: {why}")
+    if out is not None:
+        _console.print(f"calibrated preset written to {out}")
+    if not math.isfinite(s["max_abs_rel_err"]):
+        raise typer.Exit(1)

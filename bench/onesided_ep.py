@@ -1,0 +1,338 @@
+#!/usr/bin/env python3
+"""EP exchange benchmark of the one-sided transports against NCCL, world 2 (one process per GPU).
+
+For each model (hidden H, top-k k, experts E) and S tokens per rank: random top-k routing (uniform),
+dispatch sends each token once to every rank holding one of its experts (DeepEP-style, rows of
+H x 2 bytes, bf16), combine sends the same rows back. Timed with CUDA events after a barrier,
+median of >= 20:
+  nvlink / proxy : exchange_counts + exchange (dispatch), exchange (combine)
+  nccl           : all_to_all_single with split sizes already on the host (no count exchange)
+  nccl+counts    : all_to_all_single of the counts, .tolist() (a host sync), then the rows -- what a
+                   collective transport has to do
+GB/s = remote bytes sent by this rank / dispatch time. Also a num_sms sweep of nvlink at the largest
+bandwidth shape. Output: $OUT/onesided_ep.jsonl, a table printed last.
+
+    python bench/onesided_ep.py [--out DIR] [--iters 30] [--quick] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    os.environ.setdefault(_k, _v)
+
+MODELS = ("qwen3-30b", "deepseek-v3")
+TOKENS = (128, 1024, 16384)
+NVLINK_VARIANTS = (
+    ("nvlink", "signalling=coupled,num_sms=24"),
+    ("nvlink", "signalling=decoupled,num_sms=24"),
+    ("nvlink", "signalling=coupled,num_sms=64"),
+    ("nvlink", "signalling=decoupled,num_sms=64"),
+)
+PROXY_VARIANTS = (
+    ("proxy", "fence_mode=proxy_drain,signalling=coupled,qps_per_pe=1,chunk_tokens=128"),
+    ("proxy", "fence_mode=proxy_drain,signalling=decoupled,qps_per_pe=1,chunk_tokens=128"),
+    ("proxy", "fence_mode=nic_ordered,signalling=decoupled,qp_mapping=peer_hash,qps_per_pe=2,chunk_tokens=128"),
+    ("proxy", "fence_mode=nic_ordered,signalling=coupled,qp_mapping=peer_hash,qps_per_pe=2,chunk_tokens=0"),
+)
+SMS_SWEEP = (16, 24, 32, 48, 64, 96, 128)
+
+
+def _stats(xs: list[float]) -> dict:
+    s = sorted(xs)
+    pick = lambda p: s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]  # noqa: E731
+    return {"median": statistics.median(s), "p10": pick(10), "p90": pick(90), "n": len(s)}
+
+
+def make_shape(model, S: int, world: int, rank: int, device, seed: int = 0):
+    """Packed dispatch rows for this rank: send tensor grouped by destination rank, counts."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed * 7919 + rank * 31 + S)
+    E, k, H = model.experts, model.topk, model.hidden
+    topk = torch.rand(S, E, generator=g).topk(k, dim=1).indices
+    epr = E // world
+    dest = torch.zeros(S, world, dtype=torch.bool)
+    dest.scatter_(1, topk // epr, True)
+    order = []
+    counts = []
+    for d in range(world):
+        idx = dest[:, d].nonzero().flatten()
+        order.append(idx)
+        counts.append(int(idx.numel()))
+    x = torch.randn(S, H, generator=g).to(torch.bfloat16)
+    send = x[torch.cat(order)].to(device)
+    return send, counts
+
+
+def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int], iters: int, warmup: int,
+                 variants: list[tuple[str, str]], sms_sweep: list[int], graphs: bool = True) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    from moetune.runtime.shapes import get_model
+    from moetune.runtime.transports._selftest import barrier, knobs_for, transport_class
+
+    device = torch.device("cuda", rank)
+    rows: list[dict] = []
+    shapes = {}
+    max_rows, max_rb = 1, 1
+    for m in models:
+        model = get_model(m)
+        for S in tokens:
+            send, counts = make_shape(model, S, world, rank, device)
+            shapes[(m, S)] = (model, send, counts)
+            max_rows = max(max_rows, send.shape[0])
+            max_rb = max(max_rb, model.hidden * 2)
+
+    def remote_bytes(send, counts):
+        return sum(c for d, c in enumerate(counts) if d != rank) * send.shape[1] * send.element_size()
+
+    host_us: list[float] = []
+
+    def time_pair(dispatch_fn, combine_fn):
+        d_us, c_us = [], []
+        host_us.clear()
+        for i in range(warmup + iters):
+            barrier(device)
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            e0.record()
+            h0 = time.perf_counter()
+            st = dispatch_fn()
+            e1.record()
+            combine_fn(st)
+            h1 = time.perf_counter()
+            e2.record()
+            torch.cuda.synchronize(device)
+            if i >= warmup:
+                d_us.append(e0.elapsed_time(e1) * 1e3)
+                c_us.append(e1.elapsed_time(e2) * 1e3)
+                host_us.append((h1 - h0) * 1e6)
+        return d_us, c_us
+
+    def time_graph(dispatch_fn, combine_fn):
+        """Capture counts + dispatch + combine (two exchanges: parity-stable) in a CUDA graph; time replays."""
+        s = torch.cuda.Stream(device)
+        s.wait_stream(torch.cuda.current_stream(device))
+        g = torch.cuda.CUDAGraph()
+        barrier(device)
+        with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
+            combine_fn(dispatch_fn())
+        torch.cuda.current_stream(device).wait_stream(s)
+        torch.cuda.synchronize(device)
+        us = []
+        for i in range(warmup + iters):
+            barrier(device)
+            e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            e0.record()
+            g.replay()
+            e1.record()
+            torch.cuda.synchronize(device)
+            if i >= warmup:
+                us.append(e0.elapsed_time(e1) * 1e3)
+        return us, g
+
+    # --- NCCL baselines -----------------------------------------------------------------------------
+    for (m, S), (model, send, counts) in shapes.items():
+        for name in ("nccl", "nccl+counts"):
+            rec = {"bench": "onesided_ep", "transport": name, "knobs": "", "model": m, "tokens": S, "world": world,
+                   "rank": rank, "hidden": model.hidden}
+            try:
+                sc_dev = torch.tensor(counts, dtype=torch.int64, device=device)
+                rc_dev = torch.empty_like(sc_dev)
+                dist.all_to_all_single(rc_dev, sc_dev)
+                rc = rc_dev.tolist()
+                recv = torch.empty(sum(rc), send.shape[1], dtype=send.dtype, device=device)
+                back = torch.empty_like(send)
+
+                def disp(name=name, send=send, counts=counts, rc=rc, recv=recv, sc_dev=sc_dev):
+                    if name == "nccl+counts":
+                        r = torch.empty_like(sc_dev)
+                        dist.all_to_all_single(r, sc_dev)
+                        r.tolist()
+                    dist.all_to_all_single(recv, send, output_split_sizes=rc, input_split_sizes=counts)
+                    return recv
+
+                def comb(r, counts=counts, rc=rc, back=back):
+                    dist.all_to_all_single(back, r, output_split_sizes=counts, input_split_sizes=rc)
+
+                d_us, c_us = time_pair(disp, comb)
+                ok = torch.equal(back, send)
+                rec.update(dispatch_us=_stats(d_us), combine_us=_stats(c_us),
+                           layer_us=_stats([a + b for a, b in zip(d_us, c_us, strict=True)]),
+                           remote_bytes=remote_bytes(send, counts), roundtrip_equal=ok)
+                rec["GBps_dispatch"] = rec["remote_bytes"] / rec["dispatch_us"]["median"] / 1e3
+            except Exception:
+                rec["error"] = traceback.format_exc()[-2000:]
+            rows.append(rec)
+
+    # --- one-sided transports -------------------------------------------------------------------------
+    def run_transport(tname: str, spec: str, shape_keys) -> None:
+        t = None
+        try:
+            knobs = knobs_for(tname, spec)
+            t = transport_class(tname)(None, knobs, device, max_send_rows=max_rows, row_bytes=max_rb)
+        except Exception:
+            rows.append({"bench": "onesided_ep", "transport": tname, "knobs": spec, "rank": rank,
+                         "error": traceback.format_exc()[-2000:]})
+            return
+        try:
+            for key in shape_keys:
+                m, S = key
+                model, send, counts = shapes[key]
+                rec = {"bench": "onesided_ep", "transport": tname, "knobs": spec, "model": m, "tokens": S,
+                       "world": world, "rank": rank, "hidden": model.hidden, "symm_backend": t.symm_backend}
+                try:
+                    sc_dev = torch.tensor(counts, dtype=torch.int64, device=device)
+                    holder = {}
+
+                    def disp(t=t, send=send, sc_dev=sc_dev, holder=holder):
+                        rc = t.exchange_counts(sc_dev)
+                        out = t.exchange(send, sc_dev, rc)
+                        holder["rc"] = rc
+                        return out
+
+                    def comb(out, t=t, sc_dev=sc_dev, holder=holder, send=send):
+                        rc = holder["rc"]
+                        # combine: send back what was received (grouped by source), counts swapped
+                        n = int(send.shape[0])  # rows that come back = rows sent
+                        holder["back"] = t.exchange(out[: holder["n_recv"]], rc, sc_dev)[:n]
+
+                    # rows received (host value, once, outside the timed loop)
+                    rc0 = torch.empty_like(sc_dev)
+                    dist.all_to_all_single(rc0, sc_dev)
+                    holder["n_recv"] = int(rc0.sum().item())
+                    d_us, c_us = time_pair(disp, comb)
+                    torch.cuda.synchronize(device)
+                    t.check()
+                    ok = torch.equal(holder["back"].view(torch.int16), send.view(torch.int16))
+                    rec.update(dispatch_us=_stats(d_us), combine_us=_stats(c_us),
+                               layer_us=_stats([a + b for a, b in zip(d_us, c_us, strict=True)]),
+                               remote_bytes=remote_bytes(send, counts), roundtrip_equal=ok)
+                    rec["GBps_dispatch"] = rec["remote_bytes"] / rec["dispatch_us"]["median"] / 1e3
+                    rec["host_issue_us"] = _stats(list(host_us))
+                    if tname == "proxy":
+                        rec["proxy_stats"] = t.proxy_stats()
+                    if tname == "nvlink" and graphs:
+                        try:
+                            holder["back"] = None
+                            g_us, _g = time_graph(disp, comb)
+                            t.check()
+                            rec["layer_us_graph"] = _stats(g_us)
+                            rec["graph_roundtrip_equal"] = bool(
+                                torch.equal(holder["back"].view(torch.int16), send.view(torch.int16)))
+                            del _g
+                        except Exception:
+                            rec["graph_error"] = traceback.format_exc()[-1500:]
+                except Exception:
+                    rec["error"] = traceback.format_exc()[-2000:]
+                rows.append(rec)
+                if "error" in rec and "OneSidedError" in rec["error"]:
+                    break  # transport state is broken after a GPU-side failure
+        finally:
+            try:
+                t.close()
+            except Exception:
+                pass
+
+    keys = list(shapes)
+    for tname, spec in variants:
+        run_transport(tname, spec, keys)
+    # num_sms sweep for nvlink bandwidth at the largest shape
+    big = max(keys, key=lambda k: shapes[k][1].numel())
+    for sms in sms_sweep:
+        for sig in ("coupled", "decoupled"):
+            run_transport("nvlink", f"signalling={sig},num_sms={sms}", [big])
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[str]:
+    lines = [f"{'transport':12s} {'knobs':72s} {'model':12s} {'S':>6s} {'disp us':>9s} {'comb us':>9s} "
+             f"{'pair us':>9s} {'graph':>8s} {'host':>7s} {'GB/s':>7s} ok"]
+    for r in rows:
+        if r.get("rank") != 0 or r.get("bench") != "onesided_ep":
+            continue
+        if "error" in r:
+            lines.append(f"{r.get('transport', '?'):12s} {r.get('knobs', '')[:72]:72s} {r.get('model', '-'):12s} "
+                         f"{r.get('tokens', 0):6d} ERROR {r['error'].strip().splitlines()[-1][:80]}")
+            continue
+        lines.append(f"{r['transport']:12s} {r['knobs'][:72]:72s} {r['model']:12s} {r['tokens']:6d} "
+                     f"{r['dispatch_us']['median']:9.1f} {r['combine_us']['median']:9.1f} "
+                     f"{r['layer_us']['median']:9.1f} {r.get('layer_us_graph', {}).get('median', float('nan')):8.1f} "
+                     f"{r.get('host_issue_us', {}).get('median', float('nan')):7.1f} {r['GBps_dispatch']:7.1f} "
+                     f"{r['roundtrip_equal']}{'' if r.get('graph_roundtrip_equal', True) else ' GRAPH-MISMATCH'}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--transports", default="nvlink,proxy")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay timing of nvlink")
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    want = set(args.transports.split(","))
+    variants = [v for v in (*NVLINK_VARIANTS, *PROXY_VARIANTS) if v[0] in want]
+    sms = list(SMS_SWEEP) if "nvlink" in want else []
+    if args.quick:
+        variants = [v for i, v in enumerate(variants) if i % 2 == 0]
+        sms = sms[::3]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from moetune.runtime.shapes import get_model
+    from moetune.runtime.transports._selftest import knobs_for
+
+    for tname, spec in variants:
+        knobs_for(tname, spec)  # validate every knob set before touching a GPU
+    for m in models:
+        get_model(m)
+    if args.dry_run:
+        print(f"dry-run: {len(models)} models x {len(tokens)} token counts; variants: {len(variants)}; "
+              f"sms sweep {sms}; out={out}")
+        return 0
+    import torch
+
+    if torch.cuda.device_count() < args.world:
+        print(f"onesided_ep: needs {args.world} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    from moetune.runtime.transports._selftest import spawn_world
+
+    res = spawn_world(bench_worker, args.world, dict(models=models, tokens=tokens, iters=args.iters,
+                                                     warmup=args.warmup, variants=variants, sms_sweep=sms,
+                                                     graphs=not args.no_graphs),
+                      timeout_s=args.timeout)
+    rows: list[dict] = []
+    rc = 0
+    for r, part in enumerate(res):
+        if isinstance(part, dict) and "error" in part:
+            print(f"rank {r} failed:\n{part['error']}", file=sys.stderr)
+            rows.append({"bench": "onesided_ep", "rank": r, "worker_error": part["error"][-3000:]})
+            rc = 1
+        else:
+            rows.extend(part)
+    with open(out / "onesided_ep.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print("\n".join(summarize(rows)))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+// moetune csrc: NVLink one-sided exchange. Kernels store packed rows straight into the peer's
+// receive buffer (a symmetric buffer mapped into this process), then signal.
+//
+// One launch per exchange, grid = world * cpp CTAs (cpp = CTAs per destination, from num_sms):
+//   phase 0  CTA 0 broadcasts this rank's send_counts row into every rank's count matrix
+//            (tagged 64-bit words: count and the call's tag in one store: a signalled put of 8 bytes);
+//   phase 1  CTA (d, j) computes its source offset locally and its offset inside d's buffer as
+//            sum_{s < rank} M[s][d] (waiting on the tagged words of lower ranks) -- on the GPU;
+//   phase 2  CTA (d, j) copies its 1/cpp share of the rows bound for d with 16-byte vector loads/stores;
+//   phase 3  signal: coupled  -> every thread fences (system scope), CTA's thread 0 writes its slot;
+//                    decoupled-> CTAs fence at GPU scope and bump a per-group counter; the last CTA
+//                                of the group to arrive issues ONE system fence and the group's signals;
+//   phase 4  CTA (d, j) waits for source d's signal slot j (>= this call's epoch), bounded by a timeout.
+// Signals are epoch counters (the call number, kept on the device so launches can be captured in a
+// CUDA graph): buffers need no reset between calls.
+#include <string.h>
+
+#include "mt_common.h"
+
+namespace {
+
+using mt::WaitCtx;
+
+__host__ __device__ inline uint64_t tag_of(uint64_t n) { return ((n - 1) % 0xFFFFFEull) + 1; }
+
+struct NvlCtx {
+  int device = 0, rank = 0, world = 1;
+  int num_sms = 24, sm_count = 132;
+  uint64_t ctrl[MT_MAX_WORLD] = {0};
+  uint64_t data[MT_MAX_WORLD] = {0};
+  uint64_t data_bytes = 0;  // bytes of ONE parity area
+  int* err_host = nullptr;
+  int* err_dev = nullptr;
+  int* abort_flag = nullptr;
+  unsigned long long* group_ctr = nullptr;  // [MT_MAX_WORLD][MT_MAX_SLOTS]
+  // Device-side epochs (so launches can be captured in CUDA graphs): [0] last completed exchange,
+  // [1] last completed exchange_counts, [2] exchange CTA arrivals (monotonic).
+  unsigned long long* epochs = nullptr;
+  uint64_t timeout_ns = 10ull * 1000 * 1000 * 1000;
+};
+
+struct XParams {
+  uint64_t ctrl[MT_MAX_WORLD];
+  uint64_t data[MT_MAX_WORLD];
+  uint64_t data_bytes;
+  const char* send;
+  uint64_t row_bytes;
+  const int64_t* send_counts;
+  const int64_t* recv_counts;  // may be null
+  int rank, world, cpp, group, coupled;
+  unsigned long long* epochs;
+  unsigned long long* group_ctr;
+  WaitCtx w;
+};
+
+struct CParams {
+  uint64_t ctrl[MT_MAX_WORLD];
+  const int64_t* send_counts;
+  int64_t* recv_counts;
+  int rank, world;
+  unsigned long long* epochs;
+  WaitCtx w;
+};
+
+__device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void copy_bytes(char* dst, const char* src, uint64_t n) {
+  const uint64_t tid = threadIdx.x, nt = blockDim.x;
+  if ((((uintptr_t)dst | (uintptr_t)src | n) & 15ull) == 0) {
+    int4* d = reinterpret_cast<int4*>(dst);
+    const int4* s = reinterpret_cast<const int4*>(src);
+    const uint64_t nv = n >> 4;
+    uint64_t i = tid;
+    for (; i + 3 * nt < nv; i += 4 * nt) {
+      int4 a = ld_nc_v4(s + i), b = ld_nc_v4(s + i + nt), c = ld_nc_v4(s + i + 2 * nt),
+           e = ld_nc_v4(s + i + 3 * nt);
+      d[i] = a;
+      d[i + nt] = b;
+      d[i + 2 * nt] = c;
+      d[i + 3 * nt] = e;
+    }
+    for (; i < nv; i += nt) d[i] = ld_nc_v4(s + i);
+  } else {
+    for (uint64_t i = tid; i < n; i += nt) dst[i] = src[i];
+  }
+}
+
+__global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
+  const uint64_t epoch = *reinterpret_cast<volatile unsigned long long*>(p.epochs) + 1;
+  const int b = blockIdx.x;
+  const int d = b / p.cpp, j = b % p.cpp;
+  const int par = (int)(epoch & 1);
+  const uint64_t tag = tag_of(epoch);
+  __shared__ long long s_cnt, s_src_off, s_dst_off;
+  __shared__ int s_skip;
+
+  // phase 0: my row of the count matrix to every rank (including me)
+  if (b == 0 && (int)threadIdx.x < p.world * p.world) {
+    const int q = threadIdx.x / p.world, col = threadIdx.x % p.world;
+    uint64_t* m = reinterpret_cast<uint64_t*>(p.ctrl[q] + MT_OFF_MAT) +
+                  ((size_t)(par * MT_MAX_WORLD + p.rank) * MT_MAX_WORLD + col);
+    mt::st_relaxed_sys(m, mt::tagged(tag, (uint64_t)p.send_counts[col]));
+  }
+
+  // phase 1: offsets, computed on the GPU
+  if (threadIdx.x == 0) {
+    long long src_off = 0;
+    for (int q = 0; q < d; ++q) src_off += p.send_counts[q];
+    const long long cnt = p.send_counts[d];
+    long long dst_off = 0;
+    bool ok = true;
+    const uint64_t* mine = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_MAT);
+    for (int s = 0; s < p.rank && ok; ++s) {
+      uint64_t v = mt::wait_word(p.w, mine + ((size_t)(par * MT_MAX_WORLD + s) * MT_MAX_WORLD + d), tag, false,
+                                 MT_ERR_TIMEOUT_COUNTS, s, d, &ok);
+      dst_off += (long long)(v & MT_COUNT_MASK);
+    }
+    // d has entered this call (its row arrived): everything d enqueued before it -- readers of the
+    // output of call epoch-2, which lives in the area we are about to write -- has completed.
+    if (ok && d >= p.rank)
+      mt::wait_word(p.w, mine + ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD), tag, false, MT_ERR_TIMEOUT_COUNTS, d,
+                    -3, &ok);
+    int skip = ok ? 0 : 1;
+    if (ok && (uint64_t)(dst_off + cnt) * p.row_bytes > p.data_bytes) {
+      if (j == 0) mt::report(p.w, MT_ERR_CAPACITY, d, (int)cnt, epoch, (uint64_t)(dst_off + cnt), p.data_bytes / p.row_bytes);
+      skip = 1;
+    }
+    s_cnt = cnt;
+    s_src_off = src_off;
+    s_dst_off = dst_off;
+    s_skip = skip;
+  }
+  __syncthreads();
+
+  // phase 2: this CTA's share of the bytes bound for d
+  if (!s_skip && s_cnt > 0) {
+    const uint64_t total = (uint64_t)s_cnt * p.row_bytes;
+    uint64_t chunk = (total + p.cpp - 1) / p.cpp;
+    chunk = (chunk + 15) & ~15ull;
+    const uint64_t lo = (uint64_t)j * chunk;
+    const uint64_t hi = lo + chunk < total ? lo + chunk : total;
+    if (lo < hi) {
+      char* dst = reinterpret_cast<char*>(p.data[d] + (uint64_t)par * p.data_bytes) +
+                  (uint64_t)s_dst_off * p.row_bytes + lo;
+      const char* src = p.send + (uint64_t)s_src_off * p.row_bytes + lo;
+      copy_bytes(dst, src, hi - lo);
+    }
+  }
+
+  // phase 3: signal(s)
+  uint64_t* sig_at_peer = reinterpret_cast<uint64_t*>(p.ctrl[d] + MT_OFF_SIG) + (size_t)p.rank * MT_MAX_SLOTS;
+  if (p.coupled) {
+    __threadfence_system();  // the fence between this transfer's data and its signal
+    __syncthreads();
+    if (threadIdx.x == 0) mt::st_release_sys(sig_at_peer + j, epoch);
+  } else {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int g = p.group;
+      const int gid = j / g, first = gid * g;
+      const int members = (first + g <= p.cpp) ? g : (p.cpp - first);
+      unsigned long long old = atomicAdd(&p.group_ctr[(size_t)d * MT_MAX_SLOTS + gid], 1ull);
+      if (old + 1 == epoch * (unsigned long long)members) {
+        __threadfence_system();  // one fence for the whole group
+        for (int k = 0; k < members; ++k) mt::st_relaxed_sys(sig_at_peer + first + k, epoch);
+      }
+    }
+  }
+
+  // phase 4: wait for what source d sent me (slot j)
+  if (threadIdx.x == 0) {
+    bool ok = true;
+    const uint64_t* mysig = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_SIG) + (size_t)d * MT_MAX_SLOTS + j;
+    mt::wait_word(p.w, mysig, epoch, true, MT_ERR_TIMEOUT_SIGNAL, d, j, &ok);
+    if (ok && j == 0 && p.recv_counts != nullptr) {
+      const uint64_t* m = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_MAT) +
+                          ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD + p.rank);
+      uint64_t v = mt::wait_word(p.w, m, tag, false, MT_ERR_TIMEOUT_COUNTS, d, -1, &ok);
+      if (ok && (long long)(v & MT_COUNT_MASK) != p.recv_counts[d])
+        mt::report(p.w, MT_ERR_COUNT_MISMATCH, d, 0, epoch, v & MT_COUNT_MASK, (uint64_t)p.recv_counts[d]);
+    }
+    // the last CTA to finish publishes this epoch (the next launch on the stream reads it)
+    unsigned long long old = atomicAdd(p.epochs + 2, 1ull);
+    if (old + 1 == epoch * (unsigned long long)gridDim.x) atomicExch(p.epochs, (unsigned long long)epoch);
+  }
+}
+
+__global__ void nvl_counts_kernel(CParams p) {
+  const uint64_t epoch = *reinterpret_cast<volatile unsigned long long*>(p.epochs + 1) + 1;
+  const int t = threadIdx.x;
+  const int par = (int)(epoch & 1);
+  const uint64_t tag = tag_of(epoch);
+  if (t < p.world) {
+    uint64_t* dst = reinterpret_cast<uint64_t*>(p.ctrl[t] + MT_OFF_CNT) + par * MT_MAX_WORLD + p.rank;
+    mt::st_relaxed_sys(dst, mt::tagged(tag, (uint64_t)p.send_counts[t]));
+    bool ok = true;
+    const uint64_t* mine = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_CNT) + par * MT_MAX_WORLD + t;
+    uint64_t v = mt::wait_word(p.w, mine, tag, false, MT_ERR_TIMEOUT_COUNTS, t, -2, &ok);
+    p.recv_counts[t] = ok ? (int64_t)(v & MT_COUNT_MASK) : 0;
+  }
+  __syncthreads();
+  if (t == 0) atomicExch(p.epochs + 1, (unsigned long long)epoch);
+}
+
+}  // namespace
+
+MT_API int mt_nvl_create(int device, int rank, int world, const uint64_t* ctrl_ptrs, int num_sms, double timeout_s,
+                         void** out) {
+  MT_REQUIRE(world >= 1 && world <= MT_MAX_WORLD, 100, "world %d outside 1..%d", world, MT_MAX_WORLD);
+  MT_REQUIRE(rank >= 0 && rank < world, 101, "rank %d outside 0..%d", rank, world - 1);
+  MT_CUDA(cudaSetDevice(device));
+  NvlCtx* c = new NvlCtx();
+  c->device = device;
+  c->rank = rank;
+  c->world = world;
+  c->num_sms = num_sms < 1 ? 1 : num_sms;
+  for (int i = 0; i < world; ++i) c->ctrl[i] = ctrl_ptrs[i];
+  c->timeout_ns = (uint64_t)(timeout_s * 1e9);
+  cudaError_t e = cudaDeviceGetAttribute(&c->sm_count, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess) e = cudaHostAlloc((void**)&c->err_host, MT_ERR_WORDS * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable);
+  if (e == cudaSuccess) {
+    memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
+    e = cudaHostGetDevicePointer((void**)&c->err_dev, c->err_host, 0);
+  }
+  if (e == cudaSuccess) e = cudaMalloc((void**)&c->abort_flag, sizeof(int));
+  if (e == cudaSuccess) e = cudaMemset(c->abort_flag, 0, sizeof(int));
+  if (e == cudaSuccess) e = cudaMalloc((void**)&c->group_ctr, sizeof(unsigned long long) * MT_MAX_WORLD * MT_MAX_SLOTS);
+  if (e == cudaSuccess) e = cudaMemset(c->group_ctr, 0, sizeof(unsigned long long) * MT_MAX_WORLD * MT_MAX_SLOTS);
+  if (e == cudaSuccess) e = cudaMalloc((void**)&c->epochs, 64);
+  if (e == cudaSuccess) e = cudaMemset(c->epochs, 0, 64);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
+    mt::set_error("mt_nvl_create: %s (%s)", cudaGetErrorName(e), cudaGetErrorString(e));
+    delete c;
+    return (int)e;
+  }
+  *out = c;
+  return 0;
+}
+
+MT_API int mt_nvl_set_data(void* h, const uint64_t* data_ptrs, uint64_t data_bytes_per_parity) {
+  NvlCtx* c = static_cast<NvlCtx*>(h);
+  for (int i = 0; i < c->world; ++i) c->data[i] = data_ptrs[i];
+  c->data_bytes = data_bytes_per_parity;
+  return 0;
+}
+
+MT_API int mt_nvl_ctas_per_peer(void* h, int* out) {
+  NvlCtx* c = static_cast<NvlCtx*>(h);
+  int cpp = c->num_sms / c->world;
+  int cap = c->sm_count / c->world;  // all CTAs must be co-resident (they wait for each other's peers)
+  if (cpp > cap) cpp = cap;
+  if (cpp > MT_MAX_SLOTS) cpp = MT_MAX_SLOTS;
+  if (cpp < 1) cpp = 1;
+  *out = cpp;
+  return 0;
+}
+
+static WaitCtx make_wait(NvlCtx* c) {
+  WaitCtx w;
+  w.err = c->err_dev;
+  w.abort_flag = c->abort_flag;
+  w.timeout_ns = c->timeout_ns;
+  w.rank = c->rank;
+  return w;
+}
+
+MT_API int mt_nvl_counts(void* h, const int64_t* send_counts, int64_t* recv_counts, uint64_t stream) {
+  NvlCtx* c = static_cast<NvlCtx*>(h);
+  MT_CUDA(cudaSetDevice(c->device));
+  CParams p;
+  for (int i = 0; i < MT_MAX_WORLD; ++i) p.ctrl[i] = c->ctrl[i];
+  p.send_counts = send_counts;
+  p.recv_counts = recv_counts;
+  p.rank = c->rank;
+  p.world = c->world;
+  p.epochs = c->epochs;
+  p.w = make_wait(c);
+  nvl_counts_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
+  MT_CUDA(cudaGetLastError());
+  return 0;
+}
+
+MT_API int mt_nvl_exchange(void* h, const void* send, uint64_t row_bytes, const int64_t* send_counts,
+                           const int64_t* recv_counts, int coupled, int group_size, uint64_t stream) {
+  NvlCtx* c = static_cast<NvlCtx*>(h);
+  MT_REQUIRE(c->data_bytes > 0, 103, "no data buffer: call reserve() first");
+  MT_REQUIRE(row_bytes > 0, 104, "row_bytes must be > 0");
+  MT_CUDA(cudaSetDevice(c->device));
+  int cpp = 1;
+  mt_nvl_ctas_per_peer(h, &cpp);
+  int g = group_size <= 0 ? cpp : (group_size > cpp ? cpp : group_size);
+  XParams p;
+  for (int i = 0; i < MT_MAX_WORLD; ++i) {
+    p.ctrl[i] = c->ctrl[i];
+    p.data[i] = c->data[i];
+  }
+  p.data_bytes = c->data_bytes;
+  p.send = static_cast<const char*>(send);
+  p.row_bytes = row_bytes;
+  p.send_counts = send_counts;
+  p.recv_counts = recv_counts;
+  p.rank = c->rank;
+  p.world = c->world;
+  p.cpp = cpp;
+  p.group = g;
+  p.coupled = coupled ? 1 : 0;
+  p.epochs = c->epochs;
+  p.group_ctr = c->group_ctr;
+  p.w = make_wait(c);
+  nvl_exchange_kernel<<<c->world * cpp, 512, 0, (cudaStream_t)stream>>>(p);
+  MT_CUDA(cudaGetLastError());
+  return 0;
+}
+
+// Host address of the error record (int32[16], pinned): Python polls word 0 without a call.
+MT_API int mt_nvl_err_ptr(void* h, void** out) {
+  *out = static_cast<NvlCtx*>(h)->err_host;
+  return 0;
+}
+
+MT_API int mt_nvl_error(void* h, int* out) {
+  NvlCtx* c = static_cast<NvlCtx*>(h);
+  volatile int* e = c->err_host;
+  for (int i = 0; i < MT_ERR_WORDS; ++i) out[i] = e[i];
+  return 0;
+}
+
+MT_API int mt_nvl_clear_error(void* h) {
+  NvlCtx* c = static_cast<NvlCtx*>(h);
+  MT_CUDA(cudaSetDevice(c->device));
+  MT_CUDA(cudaDeviceSynchronize());
+  memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
+  MT_CUDA(cudaMemset(c->abort_flag, 0, sizeof(int)));
+  MT_CUDA(cudaDeviceSynchronize());
+  return 0;
+}
+
+MT_API int mt_nvl_destroy(void* h) {
+  NvlCtx* c = static_cast<NvlCtx*>(h);
+  if (c == nullptr) return 0;
+  cudaSetDevice(c->device);
+  cudaDeviceSynchronize();
+  if (c->err_host) cudaFreeHost(c->err_host);
+  if (c->abort_flag) cudaFree(c->abort_flag);
+  if (c->group_ctr) cudaFree(c->group_ctr);
+  if (c->epochs) cudaFree(c->epochs);
+  delete c;
+  return 0;
+}

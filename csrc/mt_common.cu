@@ -1,0 +1,107 @@
+// moetune csrc: error reporting, host-mapped flags, CUDA IPC fallback for symmetric buffers.
+#include <stdarg.h>
+#include <string.h>
+
+#include "mt_common.h"
+
+namespace mt {
+static thread_local char g_err[1024] = {0};
+
+void set_error(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g_err, sizeof(g_err), fmt, ap);
+  va_end(ap);
+}
+}  // namespace mt
+
+MT_API const char* mt_last_error() { return mt::g_err; }
+
+// ABI version: bump when a signature changes (Python checks it after loading).
+MT_API int mt_abi_version() { return 4; }
+
+MT_API int mt_ctrl_bytes(uint64_t* out) {
+  *out = MT_CTRL_BYTES;
+  return 0;
+}
+
+MT_API int mt_device_count(int* out) {
+  MT_CUDA(cudaGetDeviceCount(out));
+  return 0;
+}
+
+MT_API int mt_runtime_versions(int* runtime_version, int* driver_version) {
+  MT_CUDA(cudaRuntimeGetVersion(runtime_version));
+  MT_CUDA(cudaDriverGetVersion(driver_version));
+  return 0;
+}
+
+MT_API int mt_can_access_peer(int dev, int peer, int* out) {
+  MT_CUDA(cudaDeviceCanAccessPeer(out, dev, peer));
+  return 0;
+}
+
+MT_API int mt_enable_peer_access(int dev, int peer) {
+  MT_CUDA(cudaSetDevice(dev));
+  cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled) {
+    cudaGetLastError();
+    return 0;
+  }
+  MT_CUDA(e);
+  return 0;
+}
+
+// Pinned, mapped host memory (zeroed): the host pointer and the device alias of it.
+MT_API int mt_host_alloc_mapped(int device, uint64_t bytes, void** host_ptr, void** dev_ptr) {
+  MT_CUDA(cudaSetDevice(device));
+  MT_CUDA(cudaHostAlloc(host_ptr, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+  memset(*host_ptr, 0, bytes);
+  MT_CUDA(cudaHostGetDevicePointer(dev_ptr, *host_ptr, 0));
+  return 0;
+}
+
+MT_API int mt_host_free(void* host_ptr) {
+  MT_CUDA(cudaFreeHost(host_ptr));
+  return 0;
+}
+
+// --- CUDA IPC fallback for symmetric buffers (used when torch symmetric memory is unavailable) ---
+MT_API int mt_ipc_malloc(int device, uint64_t bytes, void** ptr, unsigned char* handle_out /*64 bytes*/) {
+  MT_CUDA(cudaSetDevice(device));
+  MT_CUDA(cudaMalloc(ptr, bytes));
+  MT_CUDA(cudaMemset(*ptr, 0, bytes));
+  MT_CUDA(cudaDeviceSynchronize());
+  cudaIpcMemHandle_t h;
+  MT_CUDA(cudaIpcGetMemHandle(&h, *ptr));
+  memcpy(handle_out, &h, sizeof(h));
+  return 0;
+}
+
+MT_API int mt_ipc_open(int device, const unsigned char* handle /*64 bytes*/, void** ptr) {
+  MT_CUDA(cudaSetDevice(device));
+  cudaIpcMemHandle_t h;
+  memcpy(&h, handle, sizeof(h));
+  MT_CUDA(cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess));
+  return 0;
+}
+
+MT_API int mt_ipc_close(int device, void* ptr) {
+  MT_CUDA(cudaSetDevice(device));
+  MT_CUDA(cudaIpcCloseMemHandle(ptr));
+  return 0;
+}
+
+MT_API int mt_device_free(int device, void* ptr) {
+  MT_CUDA(cudaSetDevice(device));
+  MT_CUDA(cudaFree(ptr));
+  return 0;
+}
+
+MT_API int mt_device_malloc(int device, uint64_t bytes, void** ptr) {
+  MT_CUDA(cudaSetDevice(device));
+  MT_CUDA(cudaMalloc(ptr, bytes));
+  MT_CUDA(cudaMemset(*ptr, 0, bytes));
+  MT_CUDA(cudaDeviceSynchronize());
+  return 0;
+}

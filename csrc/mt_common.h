@@ -1,0 +1,147 @@
+// moetune csrc: shared helpers for the one-sided transports (plain C ABI, loaded with ctypes).
+//
+// Every exported function returns 0 on success or a nonzero code; the message of the last error on
+// the calling thread is available through mt_last_error(). Nothing here aborts the process.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#define MT_API extern "C" __attribute__((visibility("default")))
+
+// Limits shared with the Python side (runtime/transports/_onesided.py keeps the same numbers).
+#define MT_MAX_WORLD 8
+#define MT_MAX_SLOTS 1024  // signal slots per source rank
+
+// Control (symmetric) buffer layout, in bytes from its base. Same on every rank.
+//   SIG   : uint64 sig[MT_MAX_WORLD][MT_MAX_SLOTS]   data signals, epoch-valued, monotonic
+//   CNT   : uint64 cnt[2][MT_MAX_WORLD]              exchange_counts words (tag<<40 | count), by parity
+//   MAT   : uint64 mat[2][MT_MAX_WORLD][MT_MAX_WORLD] count matrix rows inside exchange, by parity
+#define MT_OFF_SIG 0ull
+#define MT_OFF_CNT (MT_OFF_SIG + 8ull * MT_MAX_WORLD * MT_MAX_SLOTS)
+#define MT_OFF_MAT (MT_OFF_CNT + 8ull * 2 * MT_MAX_WORLD)
+#define MT_CTRL_BYTES (MT_OFF_MAT + 8ull * 2 * MT_MAX_WORLD * MT_MAX_WORLD)
+
+// Error record in host-mapped pinned memory (int32 words), written by kernels, read by Python.
+enum MtErr {
+  MT_OK = 0,
+  MT_ERR_TIMEOUT_COUNTS = 1,   // waited too long for a peer's count word
+  MT_ERR_TIMEOUT_SIGNAL = 2,   // waited too long for a data signal
+  MT_ERR_CAPACITY = 3,         // rows would overflow the receiver's buffer
+  MT_ERR_COUNT_MISMATCH = 4,   // recv_counts given by the caller differ from what the senders sent
+  MT_ERR_FIFO_FULL = 5,        // proxy FIFO stayed full (proxy thread dead or stalled)
+  MT_ERR_TIMEOUT_OUTGOING = 6, // my own outgoing transfers did not complete
+  MT_ERR_TOO_MANY_SLOTS = 7,   // more signal slots than MT_MAX_SLOTS
+};
+// err[0]=code err[1]=rank err[2]=peer err[3]=slot err[4]=epoch(lo) err[5]=seen value(lo)
+// err[6]=seen value(hi) err[7]=expected(lo)
+#define MT_ERR_WORDS 16
+
+// Tagged 64-bit words carry a count and the call's tag in one atomic store (data + signal in one).
+#define MT_TAG_SHIFT 40
+#define MT_COUNT_MASK ((1ull << MT_TAG_SHIFT) - 1)
+
+namespace mt {
+
+void set_error(const char* fmt, ...);
+
+}  // namespace mt
+
+#define MT_CUDA(call)                                                                          \
+  do {                                                                                         \
+    cudaError_t e_ = (call);                                                                   \
+    if (e_ != cudaSuccess) {                                                                   \
+      mt::set_error("%s:%d %s -> %s (%s)", __FILE__, __LINE__, #call, cudaGetErrorName(e_),    \
+                    cudaGetErrorString(e_));                                                   \
+      return (int)e_;                                                                          \
+    }                                                                                          \
+  } while (0)
+
+#define MT_REQUIRE(cond, code, ...)  \
+  do {                               \
+    if (!(cond)) {                   \
+      mt::set_error(__VA_ARGS__);    \
+      return (code);                 \
+    }                                \
+  } while (0)
+
+#ifdef __CUDACC__
+namespace mt {
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t ld_volatile(const uint64_t* p) {
+  return *reinterpret_cast<const volatile uint64_t*>(p);
+}
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Shared state of a spinning wait: a device-side abort flag lets every later wait give up at once
+// after the first timeout, so a bug costs one timeout, never a hang.
+struct WaitCtx {
+  int* err;           // host-mapped error record
+  int* abort_flag;    // device memory
+  uint64_t timeout_ns;
+  int rank;
+};
+
+__device__ __forceinline__ void report(const WaitCtx& w, int code, int peer, int slot, uint64_t epoch,
+                                       uint64_t seen, uint64_t expected) {
+  volatile int* e = w.err;
+  if (e[0] == 0) {
+    e[1] = w.rank;
+    e[2] = peer;
+    e[3] = slot;
+    e[4] = (int)(epoch & 0x7fffffff);
+    e[5] = (int)(seen & 0xffffffffu);
+    e[6] = (int)(seen >> 32);
+    e[7] = (int)(expected & 0xffffffffu);
+    __threadfence_system();
+    e[0] = code;
+  }
+  *(volatile int*)w.abort_flag = 1;
+  __threadfence_system();
+}
+
+// Spin until *p >= target (ge=true) or (*p >> MT_TAG_SHIFT) == target (ge=false). Returns the last
+// value seen; on timeout reports `code` and returns with ok=false.
+__device__ __forceinline__ uint64_t wait_word(const WaitCtx& w, const uint64_t* p, uint64_t target, bool ge,
+                                              int code, int peer, int slot, bool* ok) {
+  uint64_t v = ld_acquire_sys(p);
+  uint64_t t0 = 0;
+  uint32_t spins = 0;
+  while (ge ? (v < target) : ((v >> MT_TAG_SHIFT) != target)) {
+    if ((++spins & 1023u) == 0) {
+      uint64_t t = now_ns();
+      if (t0 == 0) t0 = t;
+      if (*(volatile int*)w.abort_flag != 0 || t - t0 > w.timeout_ns) {
+        report(w, code, peer, slot, target, v, target);
+        *ok = false;
+        return v;
+      }
+    }
+    v = ld_acquire_sys(p);
+  }
+  *ok = true;
+  return v;
+}
+
+__device__ __forceinline__ uint64_t tagged(uint64_t tag, uint64_t count) {
+  return (tag << MT_TAG_SHIFT) | (count & MT_COUNT_MASK);
+}
+
+}  // namespace mt
+#endif

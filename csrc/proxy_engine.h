@@ -1,0 +1,51 @@
+// moetune csrc: the CPU proxy engine's request FIFO (shared by the host engine and GPU producers).
+#pragma once
+
+#include <stdint.h>
+
+#include "mt_common.h"
+
+// One request = one 64-byte slot of a ring in pinned, mapped host memory. A producer (GPU thread or
+// host) fills every field, fences, then writes `seq` = slot index + 1 (the ready flag); the proxy
+// thread consumes slots strictly in order.
+enum MtOp : uint32_t {
+  MT_OP_PUT = 1,      // copy `bytes` from device address `src` to peer's data region + dst_off
+  MT_OP_SIGNAL = 2,   // fence (per fence_mode), then write `value` into peer's signal slot signal_idx
+  MT_OP_WRITE64 = 3,  // write immediate `value` at peer's control region + dst_off (self-validating word)
+  MT_OP_ACK = 4,      // after everything issued so far on each QP: write `value` to local ack[qp]
+};
+enum MtFlags : uint32_t {
+  MT_F_SIGNAL = 1,  // PUT followed by fence + signal (coupled put-with-signal)
+};
+enum MtFenceMode : int { MT_FENCE_NONE = 0, MT_FENCE_PROXY_DRAIN = 1, MT_FENCE_NIC_ORDERED = 2 };
+enum MtQpMapping : int { MT_QP_ROUND_ROBIN = 0, MT_QP_PEER_HASH = 1 };
+
+struct alignas(64) MtRequest {
+  uint32_t op;
+  uint32_t peer;
+  uint32_t flags;
+  uint32_t signal_idx;
+  uint64_t src;      // absolute device address of the source bytes (PUT)
+  uint64_t dst_off;  // byte offset in the peer's data region (PUT) or control region (WRITE64)
+  uint64_t bytes;
+  uint64_t value;    // signal value / immediate
+  uint64_t reserved0;
+  uint64_t seq;      // ready flag, written last
+};
+static_assert(sizeof(MtRequest) == 64, "request slot must be 64 bytes");
+
+#define MT_MAX_QPS 64
+
+// What a GPU producer kernel needs to know about an engine.
+struct MtGpuView {
+  MtRequest* fifo_dev;      // device alias of the host ring
+  uint32_t nslots;
+  unsigned long long* head_dev;  // producer index (device memory; GPU producers only)
+  const uint64_t* tail_dev;     // consumer index (device alias of host memory, written by the proxy)
+  uint64_t* ack_dev;            // [MT_MAX_QPS] local completion words (device memory)
+  int qps;
+};
+
+// Internal (same shared library): the GPU view of an engine; mark it as fed by GPU producers.
+extern "C" int mt_proxy_gpu_view(void* engine, MtGpuView* out);
+extern "C" int mt_proxy_mark_gpu_producer_internal(void* engine);

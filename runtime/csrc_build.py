@@ -1,0 +1,290 @@
+"""Build and load moetune's CUDA/C++ sources (csrc/) on first use.
+
+The sources are compiled with nvcc into one shared library, cached under
+`$MOETUNE_CACHE/build/<key>/` (else `~/.cache/moetune/build/<key>/`), where the key hashes the
+sources, the nvcc version, the target architecture and the flags; a file lock makes concurrent ranks
+build once. The library exposes a plain C ABI and is loaded with ctypes (raw pointers from
+`tensor.data_ptr()`, stream handles from `torch.cuda.current_stream().cuda_stream`, ints), so no torch
+C++ extension is involved. On a machine without CUDA or nvcc nothing fails at import: `availability()`
+says why the library cannot be had.
+
+Environment:
+  MOETUNE_CACHE        cache root (the library lands in $MOETUNE_CACHE/build/<key>/)
+  MOETUNE_NVCC         nvcc to use (else $CUDA_HOME/bin/nvcc, nvcc on PATH, /usr/local/cuda/bin/nvcc)
+  MOETUNE_CUDA_ARCH    e.g. 90 or sm_90 (else the current GPU's compute capability, else 90)
+  MOETUNE_CSRC_LIB     a prebuilt library to load instead of building
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from ctypes import POINTER, c_char_p, c_double, c_int, c_uint64, c_void_p
+from pathlib import Path
+from typing import NamedTuple
+
+ABI_VERSION = 4
+LIB_NAME = "libmoetune_csrc.so"
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo")
+_BUILD_TIMEOUT_S = 600
+
+
+class BuildError(RuntimeError):
+    """The sources could not be compiled or the library could not be loaded."""
+
+
+class CsrcError(RuntimeError):
+    """A call into the compiled library failed (the message comes from the library)."""
+
+
+class BuildInfo(NamedTuple):
+    path: Path
+    built: bool  # False: found in the cache
+    log: str
+
+
+def csrc_dir() -> Path:
+    """Where the sources live (the installed `moetune.csrc` package, i.e. the repository's csrc/)."""
+    try:
+        from moetune import csrc as _csrc  # the package that ships the .cu/.cpp files
+
+        return Path(_csrc.__file__).resolve().parent
+    except Exception:  # pragma: no cover - running from a bare checkout
+        return Path(__file__).resolve().parents[1] / "csrc"
+
+
+def sources() -> list[Path]:
+    d = csrc_dir()
+    return sorted([*d.glob("*.cu"), *d.glob("*.cpp")])
+
+
+def _all_inputs() -> list[Path]:
+    d = csrc_dir()
+    return sorted([*d.glob("*.cu"), *d.glob("*.cpp"), *d.glob("*.h"), *d.glob("*.cuh")])
+
+
+def find_nvcc() -> str | None:
+    cands = [os.environ.get("MOETUNE_NVCC")]
+    if os.environ.get("CUDA_HOME"):
+        cands.append(str(Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc"))
+    cands += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
+    for c in cands:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def nvcc_version(nvcc: str) -> str:
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise BuildError(f"cannot run {nvcc} --version: {e}") from None
+    if out.returncode != 0:
+        raise BuildError(f"{nvcc} --version failed: {out.stderr.strip()}")
+    lines = [ln for ln in out.stdout.splitlines() if "release" in ln or "Build" in ln]
+    return " | ".join(lines) or out.stdout.strip()
+
+
+def cuda_arch() -> str:
+    """Target architecture as 'sm_XX'."""
+    env = os.environ.get("MOETUNE_CUDA_ARCH", "").strip()
+    if env:
+        return env if env.startswith("sm_") else f"sm_{env}"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"sm_{major}{minor}"
+    except Exception:
+        pass
+    return "sm_90"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("MOETUNE_CACHE")
+    base = Path(env) if env else Path.home() / ".cache" / "moetune"
+    return base / "build"
+
+
+def build_key(nvcc_ver: str, arch: str) -> str:
+    h = hashlib.sha256()
+    for p in _all_inputs():
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    h.update(nvcc_ver.encode())
+    h.update(arch.encode())
+    h.update(" ".join(_FLAGS).encode())
+    h.update(str(ABI_VERSION).encode())
+    return h.hexdigest()[:20]
+
+
+def build(*, force: bool = False, verbose: bool = False) -> BuildInfo:
+    """Compile (or find in the cache) the shared library. Raises BuildError with nvcc's output."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise BuildError("nvcc not found (set MOETUNE_NVCC or CUDA_HOME, or put nvcc on PATH)")
+    srcs = sources()
+    if not srcs:
+        raise BuildError(f"no CUDA/C++ sources in {csrc_dir()}")
+    ver = nvcc_version(nvcc)
+    arch = cuda_arch()
+    out_dir = cache_root() / build_key(ver, arch)
+    lib = out_dir / LIB_NAME
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "w") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)  # concurrent ranks: the first builds, the others wait
+        try:
+            if lib.exists() and not force:
+                log = (out_dir / "build.log").read_text() if (out_dir / "build.log").exists() else ""
+                return BuildInfo(lib, False, log)
+            tmp = out_dir / f".{LIB_NAME}.{os.getpid()}.tmp"
+            cmd = [nvcc, *_FLAGS, f"-arch={arch}", "-o", str(tmp), *map(str, srcs)]
+            try:
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise BuildError(f"nvcc timed out after {_BUILD_TIMEOUT_S} s: {' '.join(cmd)}") from None
+            log = f"$ {' '.join(cmd)}\n{ver}\n{res.stdout}{res.stderr}"
+            (out_dir / "build.log").write_text(log)
+            if verbose:
+                print(log, flush=True)
+            if res.returncode != 0 or not tmp.exists():
+                raise BuildError(f"nvcc failed (exit {res.returncode}):\n{log}")
+            os.replace(tmp, lib)
+            return BuildInfo(lib, True, log)
+        finally:
+            fcntl.flock(lockf, fcntl.LOCK_UN)
+
+
+# --- loading -------------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_error: str | None = None
+
+_P64 = POINTER(c_uint64)
+_PI = POINTER(c_int)
+_PP = POINTER(c_void_p)
+
+# name -> (restype, argtypes). Every function returns int (0 = ok) except mt_last_error.
+SIGNATURES: dict[str, tuple[object, list[object]]] = {
+    "mt_last_error": (c_char_p, []),
+    "mt_abi_version": (c_int, []),
+    "mt_ctrl_bytes": (c_int, [_P64]),
+    "mt_device_count": (c_int, [_PI]),
+    "mt_runtime_versions": (c_int, [_PI, _PI]),
+    "mt_can_access_peer": (c_int, [c_int, c_int, _PI]),
+    "mt_enable_peer_access": (c_int, [c_int, c_int]),
+    "mt_host_alloc_mapped": (c_int, [c_int, c_uint64, _PP, _PP]),
+    "mt_host_free": (c_int, [c_void_p]),
+    "mt_ipc_malloc": (c_int, [c_int, c_uint64, _PP, c_char_p]),
+    "mt_ipc_open": (c_int, [c_int, c_char_p, _PP]),
+    "mt_ipc_close": (c_int, [c_int, c_void_p]),
+    "mt_device_malloc": (c_int, [c_int, c_uint64, _PP]),
+    "mt_device_free": (c_int, [c_int, c_void_p]),
+    # nvlink
+    "mt_nvl_create": (c_int, [c_int, c_int, c_int, _P64, c_int, c_double, _PP]),
+    "mt_nvl_set_data": (c_int, [c_void_p, _P64, c_uint64]),
+    "mt_nvl_ctas_per_peer": (c_int, [c_void_p, _PI]),
+    "mt_nvl_counts": (c_int, [c_void_p, c_void_p, c_void_p, c_uint64]),
+    "mt_nvl_exchange": (c_int, [c_void_p, c_void_p, c_uint64, c_void_p, c_void_p, c_int, c_int, c_uint64]),
+    "mt_nvl_err_ptr": (c_int, [c_void_p, _PP]),
+    "mt_nvl_error": (c_int, [c_void_p, _PI]),
+    "mt_nvl_clear_error": (c_int, [c_void_p]),
+    "mt_nvl_destroy": (c_int, [c_void_p]),
+    # proxy engine
+    "mt_proxy_create": (c_int, [c_int, c_int, _P64, _P64, _P64, c_int, c_int, c_int, c_int, _PP]),
+    "mt_proxy_set_peer_data": (c_int, [c_void_p, _P64, c_int]),
+    "mt_proxy_error": (c_int, [c_void_p, c_char_p, c_int]),
+    "mt_proxy_stats": (c_int, [c_void_p, _P64, c_int]),
+    "mt_proxy_reset_stats": (c_int, [c_void_p]),
+    "mt_proxy_enqueue": (c_int, [c_void_p, c_void_p, c_int, c_double]),
+    "mt_proxy_quiesce": (c_int, [c_void_p, c_double]),
+    "mt_proxy_bench": (c_int, [c_void_p, c_void_p, c_int, c_int, c_uint64, c_uint64, c_double, POINTER(c_double)]),
+    "mt_proxy_destroy": (c_int, [c_void_p]),
+    # proxy transport (GPU producer)
+    "mt_pxy_create": (c_int, [c_void_p, c_int, c_int, c_int, c_uint64, c_double, _PP]),
+    "mt_pxy_set_data": (c_int, [c_void_p, c_uint64]),
+    "mt_pxy_counts": (c_int, [c_void_p, c_void_p, c_void_p, c_uint64, c_uint64]),
+    "mt_pxy_exchange": (
+        c_int,
+        [c_void_p, c_void_p, c_uint64, c_void_p, c_void_p, c_int, c_int, c_int, c_uint64, c_uint64],
+    ),
+    "mt_pxy_error": (c_int, [c_void_p, _PI]),
+    "mt_pxy_err_ptr": (c_int, [c_void_p, _PP]),
+    "mt_pxy_destroy": (c_int, [c_void_p]),
+    "mt_race_check_launch": (
+        c_int,
+        [c_int, c_uint64, c_void_p, c_uint64, c_void_p, c_uint64, c_uint64, c_uint64, c_int, c_int, c_uint64,
+         c_double, c_void_p],
+    ),
+}
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    for name, (res, args) in SIGNATURES.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            raise BuildError(f"library lacks symbol {name}: stale build?") from None
+        fn.restype = res
+        fn.argtypes = args
+
+
+def load(*, verbose: bool = False) -> ctypes.CDLL:
+    """Build (once, cached) and load the library. Raises BuildError with the reason."""
+    global _lib, _lib_error
+    with _lock:
+        if _lib is not None:
+            return _lib
+        if _lib_error is not None:
+            raise BuildError(_lib_error)
+        try:
+            pre = os.environ.get("MOETUNE_CSRC_LIB")
+            path = Path(pre) if pre else build(verbose=verbose).path
+            lib = ctypes.CDLL(str(path))
+            _bind(lib)
+            abi = lib.mt_abi_version()
+            if abi != ABI_VERSION:
+                raise BuildError(f"{path}: ABI {abi}, expected {ABI_VERSION}")
+            _lib = lib
+            return lib
+        except BuildError as e:
+            _lib_error = str(e)
+            raise
+        except OSError as e:
+            _lib_error = f"cannot load the compiled library: {e}"
+            raise BuildError(_lib_error) from None
+
+
+def check(lib: ctypes.CDLL, rc: int, what: str) -> None:
+    """Raise CsrcError with the library's message when `rc` is nonzero."""
+    if rc != 0:
+        msg = lib.mt_last_error()
+        raise CsrcError(f"{what} failed (code {rc}): {msg.decode(errors='replace') if msg else ''}")
+
+
+def availability() -> tuple[bool, str]:
+    """Whether the compiled library can be used here (CUDA device, nvcc or prebuilt lib, loads)."""
+    try:
+        import torch
+    except Exception as e:  # pragma: no cover
+        return False, f"torch not importable: {e}"
+    if not torch.cuda.is_available():
+        return False, f"no CUDA device visible to torch {torch.__version__} (CPU build or no driver)"
+    if not os.environ.get("MOETUNE_CSRC_LIB") and find_nvcc() is None:
+        return False, "nvcc not found: cannot build csrc/ (set MOETUNE_NVCC/CUDA_HOME or MOETUNE_CSRC_LIB)"
+    try:
+        lib = load()
+    except BuildError as e:
+        return False, f"csrc build/load failed: {str(e)[:2000]}"
+    n = c_int(0)
+    rc = lib.mt_device_count(ctypes.byref(n))
+    if rc != 0 or n.value < 1:
+        return False, f"the compiled library sees no CUDA device: {lib.mt_last_error().decode(errors='replace')}"
+    return True, "ok"

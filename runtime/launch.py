@@ -1,0 +1,135 @@
+"""Launch a function on N local ranks (torch.multiprocessing spawn, loopback rendezvous).
+
+Used by `moetune bench ep` and the tests. Every wait is bounded: the process group gets `timeout_s`
+(collectives that cannot complete raise instead of hanging) and the parent gives up after
+`join_timeout_s`, terminating the ranks it started.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class LaunchError(RuntimeError):
+    """One or more ranks failed; `errors` maps rank → message."""
+
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        lines = [f"rank {r}: {m}" for r, m in sorted(errors.items())]
+        super().__init__("distributed run failed:\n" + "\n".join(lines))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, world: int, *, backend: str, port: int, timeout_s: float) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+
+
+def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, backend: str, timeout_s: float,
+           args: tuple, env: dict[str, str], q: Any) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    try:
+        init_group(rank, world, backend=backend, port=port, timeout_s=timeout_s)
+        result = fn(rank, world, *args)
+        # plain pickle (bytes): tensors are copied, not shared through file descriptors that vanish when
+        # this process exits before the parent reads them
+        q.put((rank, True, pickle.dumps(result)))
+    except BaseException as e:
+        q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def launch(
+    fn: Callable[..., Any],
+    world: int,
+    *,
+    backend: str = "gloo",
+    args: tuple = (),
+    timeout_s: float = 60.0,
+    join_timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run fn(rank, world, *args) on `world` spawned ranks; return their results in rank order.
+
+    fn must be importable by name (a module-level function). Raises LaunchError naming every failed rank.
+    """
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, fn, world, port, backend, timeout_s, args, dict(env or {}), q), daemon=False)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + (join_timeout_s if join_timeout_s is not None else 3 * timeout_s + 30)
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        while len(results) + len(errors) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for r in range(world):
+                    if r not in results and r not in errors:
+                        errors[r] = f"no result within the time limit ({join_timeout_s or 3 * timeout_s + 30:.0f} s)"
+                break
+            try:
+                rank, ok, payload = q.get(timeout=min(left, 0.5))
+            except queue_mod.Empty:
+                for r, p in enumerate(procs):
+                    if not p.is_alive() and r not in results and r not in errors and p.exitcode not in (0, None):
+                        # give its queued message a moment to arrive
+                        try:
+                            rank, ok, payload = q.get(timeout=1.0)
+                        except queue_mod.Empty:
+                            errors[r] = f"process exited with code {p.exitcode}"
+                            continue
+                        (results if ok else errors)[rank] = payload
+                continue
+            (results if ok else errors)[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    if errors:
+        raise LaunchError(errors)
+    return [pickle.loads(results[r]) for r in range(world)]

@@ -1,0 +1,205 @@
+"""MoELayer: gate (softmax top-k, renormalised) → dispatch → experts → combine, over an EPBuffer.
+
+Experts are SwiGLU FFNs, the form of Qwen3-MoE, gpt-oss and DeepSeek-V3 experts:
+
+    h = x @ W_gate_up^T        (W_gate_up: [2I, H]; first I columns = gate, last I = up)
+    y = (silu(h_gate) * h_up) @ W_down^T      (W_down: [H, I])
+
+The local experts run as two grouped GEMMs (`torch._grouped_mm` over the rows sorted by local expert)
+where torch has it and it works for this device and dtype (probed once, checked against a plain matmul),
+otherwise as a loop over experts. The layer is forward-only (inference): parameters do not require grad.
+
+Weights are generated deterministically from `seed` (one generator per expert, on the layer's device), so
+every rank builds only its own experts and `dense_reference` rebuilds any expert for verification.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .buffer import TORCH_DTYPES, EPBuffer, RecvMeta
+from .knobs import Knobs
+from .pipeline import pipelined_moe
+from .shapes import ModelShape
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def expert_weights(
+    model: ModelShape, expert: int, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_gate_up [2I, H], W_down [H, I]) of global expert `expert`, deterministic in (seed, expert, device type)."""
+    device = torch.device(device)
+    h, i = model.hidden, model.intermediate
+    g = _generator(device, seed * 1_000_003 + 7 * expert + 1)
+    w1 = torch.randn(2 * i, h, generator=g, device=device, dtype=torch.float32) * (h**-0.5)
+    w2 = torch.randn(h, i, generator=g, device=device, dtype=torch.float32) * (i**-0.5)
+    return w1.to(dtype), w2.to(dtype)
+
+
+def gate_weight(model: ModelShape, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    device = torch.device(device)
+    g = _generator(device, seed * 1_000_003 + 999_983)
+    return (torch.randn(model.experts, model.hidden, generator=g, device=device, dtype=torch.float32) * (model.hidden**-0.5)).to(dtype)
+
+
+def route(x: torch.Tensor, gate_w: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the gate logits (fp32), top-k, renormalised: (topk_idx int64 [S, k], weights fp32 [S, k])."""
+    logits = x.float() @ gate_w.float().t()
+    probs = torch.softmax(logits, dim=-1)
+    w, idx = probs.topk(topk, dim=-1)
+    w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    return idx, w
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    i = w2.shape[1]
+    h = x @ w1.t()
+    return (F.silu(h[:, :i]) * h[:, i:]) @ w2.t()
+
+
+@functools.lru_cache(maxsize=32)
+def grouped_mm_usable(device_type: str, device_index: int | None, dtype: torch.dtype, hidden: int, inter: int) -> bool:
+    """Whether torch._grouped_mm runs (and is right) for these shapes on this device/dtype."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    try:
+        g = _generator(device, 12345)
+        a = torch.randn(7, hidden, generator=g, device=device).to(dtype)
+        b = (torch.randn(3, 2 * inter, hidden, generator=g, device=device) * hidden**-0.5).to(dtype)
+        offs = torch.tensor([2, 2, 7], dtype=torch.int32, device=device)
+        y = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+        ref = torch.cat([a[:2].float() @ b[0].float().t(), a[2:].float() @ b[2].float().t()])
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        return bool(((y.float() - ref).abs().max() <= tol * (ref.abs().max() + 1e-6)).item())
+    except Exception:
+        return False
+
+
+class MoELayer(nn.Module):
+    """An expert-parallel MoE layer. Construction is collective over `group` (it builds an EPBuffer)."""
+
+    def __init__(
+        self,
+        model: ModelShape,
+        group: dist.ProcessGroup | None = None,
+        knobs: Knobs | None = None,
+        *,
+        max_tokens: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        seed: int = 0,
+        use_grouped_mm: bool | None = None,
+        buffer: EPBuffer | None = None,
+    ):
+        super().__init__()
+        self.model = model
+        self.buffer = buffer or EPBuffer(group, knobs, model=model, max_tokens=max_tokens, device=device, dtype=dtype)
+        self.device = self.buffer.device
+        self.dtype = self.buffer.dtype
+        self.seed = seed
+        epr = self.buffer.experts_per_rank
+        first = self.buffer.rank * epr
+        self.local_experts = range(first, first + epr)
+        w1s, w2s = zip(*(expert_weights(model, e, seed=seed, device=self.device, dtype=self.dtype) for e in self.local_experts), strict=True)
+        self.w_gate_up = nn.Parameter(torch.stack(w1s), requires_grad=False)  # [E_local, 2I, H]
+        self.w_down = nn.Parameter(torch.stack(w2s), requires_grad=False)  # [E_local, H, I]
+        self.gate = nn.Parameter(gate_weight(model, seed=seed, device=self.device, dtype=self.dtype), requires_grad=False)
+        if use_grouped_mm is None:
+            use_grouped_mm = grouped_mm_usable(self.device.type, self.device.index, self.dtype, model.hidden, model.intermediate)
+        self.use_grouped_mm = use_grouped_mm
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(x, self.gate, self.model.topk)
+
+    @torch.no_grad()
+    def experts(self, recv_x: torch.Tensor, meta: RecvMeta) -> torch.Tensor:
+        """One output row per received row: its local experts' SwiGLU outputs, weighted and summed."""
+        m, h = recv_x.shape[0], self.model.hidden
+        out = torch.zeros(m, h, dtype=torch.float32, device=self.device)
+        if meta.num_pairs:
+            rows, wp = meta.expert_layout()
+            xs = recv_x.index_select(0, rows)
+            if self.use_grouped_mm:
+                offs = torch.cumsum(meta.tokens_per_expert_tensor, 0).to(torch.int32)
+                hg = torch._grouped_mm(xs, self.w_gate_up.transpose(-2, -1), offs=offs)
+                i = self.model.intermediate
+                a = F.silu(hg[:, :i]) * hg[:, i:]
+                y = torch._grouped_mm(a, self.w_down.transpose(-2, -1), offs=offs)
+            else:
+                parts = []
+                start = 0
+                for j, n in enumerate(meta.tokens_per_expert):
+                    if n:
+                        parts.append(swiglu(xs[start : start + n], self.w_gate_up[j], self.w_down[j]))
+                    start += n
+                y = torch.cat(parts)
+            out.index_add_(0, rows, y.float() * wp.unsqueeze(1))
+        return out.to(self.dtype)
+
+    @torch.no_grad()
+    def forward_routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The layer with given routing (benchmarks inject uniform/Zipf routing here)."""
+        if self.buffer.num_chunks > 1:
+            return pipelined_moe(self.buffer, x, topk_idx, topk_weights, self.experts)
+        recv_x, meta, handle = self.buffer.dispatch(x, topk_idx, topk_weights)
+        return self.buffer.combine(self.experts(recv_x, meta), handle)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.model.hidden:
+            # Still take part in the collective input check so every rank reports the problem.
+            s = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else 0
+            idx = torch.zeros(s, self.model.topk, dtype=torch.int64, device=self.device)
+            return self.forward_routed(x, idx, torch.zeros(s, self.model.topk, device=self.device))
+        idx, w = self.route(x)
+        return self.forward_routed(x, idx, w)
+
+
+@torch.no_grad()
+def dense_reference(
+    x: torch.Tensor,
+    model: ModelShape,
+    *,
+    seed: int = 0,
+    topk_idx: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    weight_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The same layer on one process, no communication: out[t] = sum_j w[t,j] * expert_{idx[t,j]}(x[t]).
+
+    Weights are rebuilt from `seed` on x's device in `weight_dtype` (default: the model dtype), math in fp32.
+    Routing comes from the gate when topk_idx/topk_weights are not given. Returns fp32 [S, H].
+    """
+    wdt = weight_dtype if weight_dtype is not None else TORCH_DTYPES[model.dtype]
+    if topk_idx is None:
+        gate = gate_weight(model, seed=seed, device=x.device, dtype=wdt)
+        topk_idx, topk_weights = route(x.to(wdt), gate, model.topk)
+    assert topk_weights is not None
+    xf = x.float()
+    out = torch.zeros(x.shape[0], model.hidden, dtype=torch.float32, device=x.device)
+    idx = topk_idx.long()
+    for e in torch.unique(idx).tolist():
+        tok, slot = torch.nonzero(idx == e, as_tuple=True)
+        w1, w2 = expert_weights(model, e, seed=seed, device=x.device, dtype=wdt)
+        y = swiglu(xf[tok], w1.float(), w2.float())
+        out.index_add_(0, tok, y * topk_weights[tok, slot].float().unsqueeze(1))
+    return out
+
+
+def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| (normwise; 0 for empty outputs)."""
+    if ref.numel() == 0:
+        return 0.0
+    denom = ref.float().abs().max().clamp_min(1e-30)
+    return float((out.float() - ref.float()).abs().max() / denom)

@@ -1,0 +1,63 @@
+"""pipeline_depth: chunk i+1 travels while chunk i is computed.
+
+The tokens of a dispatch are split into `pipeline_depth` contiguous chunks (the same count on every rank,
+so the counts exchange stays one small collective for all chunks and one host sync). Then:
+
+    plan (counts for every chunk, one sync)
+    for each chunk: pack it (one gather) and post its dispatch           # dispatch communicator(s)
+    for each chunk: wait for its rows, run the experts on them, post its combine   # combine communicator(s)
+    wait for the combines, add each token's rows
+
+On GPUs the collectives run on the communicators' own CUDA streams (NCCL process groups, one per
+channel; torch orders them against the compute stream with CUDA events when posting and in
+`work.wait()`), so packing chunk i+1 and computing chunk i overlap with the transfers, and the combine of
+chunk i travels on its own communicator while later dispatch chunks are still moving. On CPU/gloo the same
+structure uses async work handles. pipeline_depth=1 is the plain sequence dispatch → experts → combine.
+The `channels` knob spreads the chunks of each direction over that many communicators (round-robin), so
+several chunks can be on the wire at once (useful where one communicator cannot fill the link, e.g. NCCL
+staging through host memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .buffer import EPBuffer, RecvMeta
+
+ExpertFn = Callable[[torch.Tensor, RecvMeta], torch.Tensor]
+
+
+def pipelined_moe(
+    buffer: EPBuffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, expert_fn: ExpertFn
+) -> torch.Tensor:
+    """dispatch → expert_fn per chunk → combine, overlapped chunk by chunk. expert_fn(recv_x, meta) must
+    return one row per received row (the row's local experts, weighted and summed), in the buffer's dtype."""
+    handle = buffer.plan(x, topk_idx, topk_weights)
+    n = len(handle.chunks)
+    posted = []
+    for c in range(n):
+        send = buffer.pack(handle, c)
+        posted.append((buffer.post_dispatch(handle, c, send), send))
+    handle.release_inputs()
+    received = []
+    for c in range(n):
+        work, _send = posted[c]
+        if work is not None:
+            work.wait()
+        recv_x, meta = buffer.unpack(handle, c)
+        rows = expert_fn(recv_x, meta)
+        if tuple(rows.shape) != (recv_x.shape[0], buffer.hidden) or rows.dtype != buffer.dtype:
+            raise ValueError(
+                f"expert_fn must return [{recv_x.shape[0]}, {buffer.hidden}] {buffer.dtype}, got "
+                f"{tuple(rows.shape)} {rows.dtype}"
+            )
+        received.append(buffer.post_combine(handle, c, rows))
+    return buffer.finish_combine(handle, received)
+
+
+def weighted_rows(recv_x: torch.Tensor, meta: RecvMeta) -> torch.Tensor:
+    """An 'identity experts' expert_fn: each received row times the sum of its local weights (used to time
+    the communication alone, and as a simple check that every weight arrives)."""
+    return (recv_x.float() * meta.weights.sum(dim=1, keepdim=True)).to(recv_x.dtype)

@@ -1,0 +1,81 @@
+"""Routing generators for tests and benchmarks: uniform and Zipf(s), deterministic with a seed.
+
+Each token picks `topk` *distinct* experts. Uniform: every expert equally likely. Zipf(s): expert of
+popularity rank r (1-based) has weight r**-s; which expert holds which popularity rank is a seeded
+permutation, so hot experts land on arbitrary EP ranks. Sampling without replacement uses the Gumbel
+top-k trick (one vectorised pass). Weights are positive and sum to 1 per token (renormalised top-k).
+
+Everything is drawn on the CPU from a `torch.Generator` (the same stream on every machine) and then moved
+to `device`, so all ranks and the single-process reference can regenerate the same routing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def parse_routing(spec: str) -> tuple[str, float]:
+    """`uniform` → ("uniform", 0.0); `zipf:1.2` → ("zipf", 1.2). Raises ValueError otherwise."""
+    spec = spec.strip().lower()
+    if spec == "uniform":
+        return "uniform", 0.0
+    if spec.startswith("zipf"):
+        _, _, s = spec.partition(":")
+        try:
+            exponent = float(s) if s else 1.0
+        except ValueError:
+            raise ValueError(f"routing {spec!r}: the Zipf exponent must be a number (e.g. zipf:1.2)") from None
+        if not 0.0 <= exponent <= 10.0:
+            raise ValueError(f"routing {spec!r}: the Zipf exponent must be in [0, 10]")
+        return "zipf", exponent
+    raise ValueError(f"unknown routing {spec!r}; use uniform or zipf:S (e.g. zipf:1.2)")
+
+
+def expert_popularity(num_experts: int, s: float, *, seed: int = 0) -> torch.Tensor:
+    """Zipf(s) probabilities over experts (float64, sums to 1), assigned through a seeded permutation."""
+    ranks = torch.arange(1, num_experts + 1, dtype=torch.float64)
+    p = ranks.pow(-s)
+    p /= p.sum()
+    g = torch.Generator().manual_seed(seed * 7919 + 17)
+    perm = torch.randperm(num_experts, generator=g)
+    out = torch.empty_like(p)
+    out[perm] = p
+    return out
+
+
+def generate_routing(
+    num_tokens: int,
+    num_experts: int,
+    topk: int,
+    *,
+    routing: str = "uniform",
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    weight_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_idx int64 [S, k], topk_weights [S, k]) for `num_tokens` tokens.
+
+    `seed` selects the token stream (use a different seed per rank); the Zipf popularity permutation
+    depends only on the exponent and `popularity seed` 0, so every rank shares the same hot experts.
+    """
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if not 1 <= topk <= num_experts:
+        raise ValueError(f"topk must be in 1..{num_experts}, got {topk}")
+    kind, s = parse_routing(routing)
+    g = torch.Generator().manual_seed(seed)
+    if kind == "uniform" or s == 0.0:
+        logp = torch.zeros(num_experts, dtype=torch.float64)
+    else:
+        logp = expert_popularity(num_experts, s).log()
+    u = torch.rand(num_tokens, num_experts, generator=g, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+    gumbel = -torch.log(-torch.log(u))
+    idx = (logp + gumbel).topk(topk, dim=1).indices
+    w = torch.rand(num_tokens, topk, generator=g, dtype=torch.float64) + 0.1
+    w = w / w.sum(dim=1, keepdim=True)
+    return idx.to(device=device, dtype=torch.int64), w.to(device=device, dtype=weight_dtype)
+
+
+def expert_load(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens per expert (int64 [E])."""
+    return torch.bincount(topk_idx.reshape(-1).long().cpu(), minlength=num_experts)

@@ -1,0 +1,341 @@
+"""Shared machinery of the one-sided transports (nvlink, proxy): symmetric buffers, epochs, errors.
+
+Symmetric memory comes from torch (`torch.distributed._symmetric_memory`: `empty` + `rendezvous`,
+whose handle gives every peer's mapped buffer address), with plain CUDA IPC handles exchanged through
+the process group as the fallback (`MOETUNE_SYMM=ipc` forces it). Why torch and not NVSHMEM here: it
+works in one build step on the target image (plain nvcc, no -rdc, no NVSHMEM device library, no
+module registration), and the kernels only need peer addresses to store into. NVSHMEM through
+nvshmem4py stays the road to more than one node (its IBRC/IBGDA/libfabric transports); nvshmem4py's
+Numba device API does not import on the image (DESIGN §6), so device-side NVSHMEM would mean linking
+libnvshmem_device into csrc/ -- a later step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import csrc_build
+from ..knobs import Knobs
+from .base import Availability, EPTransport
+
+MAX_WORLD = 8
+MAX_SLOTS = 1024
+_ALIGN = 4096
+
+ERR_NAMES = {
+    1: "timeout waiting for a peer's count word",
+    2: "timeout waiting for a data signal",
+    3: "receive buffer capacity exceeded",
+    4: "recv_counts differ from what the senders sent",
+    5: "proxy FIFO stayed full (proxy thread dead or stalled)",
+    6: "own outgoing transfers did not complete",
+    7: "too many signal slots",
+}
+
+
+class OneSidedError(RuntimeError):
+    """A one-sided exchange failed on the GPU (timeout, overflow, mismatch) or in the proxy."""
+
+
+def timeout_s() -> float:
+    return float(os.environ.get("MOETUNE_ONESIDED_TIMEOUT_S", "20"))
+
+
+def decode_error(words: list[int]) -> str:
+    code = words[0]
+    what = ERR_NAMES.get(code, f"error {code}")
+    seen = (words[5] & 0xFFFFFFFF) | ((words[6] & 0xFFFFFFFF) << 32)
+    return (
+        f"{what} (rank {words[1]}, peer {words[2]}, slot {words[3]}, epoch {words[4]}, "
+        f"seen {seen:#x}, expected {words[7] & 0xFFFFFFFF})"
+    )
+
+
+def _group_obj(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
+def _all_gather_ints(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
+    world = dist.get_world_size(group)
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    out = torch.empty(world * len(values), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(out, t, group=group)
+    flat = out.cpu().tolist()
+    n = len(values)
+    return [flat[i * n : (i + 1) * n] for i in range(world)]
+
+
+def _barrier(group: dist.ProcessGroup | None, device: torch.device) -> None:
+    t = torch.ones(1, device=device)
+    dist.all_reduce(t, group=group)
+    torch.cuda.synchronize(device)
+
+
+class _CaiWrapper:
+    """Exposes a raw device pointer through __cuda_array_interface__ so torch can view it."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+class SymmBuffer:
+    """`nbytes` of device memory on every rank, each rank's copy mapped into every process.
+
+    `.local` is a uint8 tensor over this rank's copy; `.peer_ptrs[r]` the address of rank r's copy
+    as seen from this process. Collective: every rank constructs it in the same order.
+    """
+
+    def __init__(self, nbytes: int, group: dist.ProcessGroup | None, device: torch.device, lib: ctypes.CDLL):
+        self.nbytes = int(nbytes)
+        self.group = group
+        self.device = device
+        self.lib = lib
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.backend = ""
+        self.torch_error = ""
+        self._ipc_ptrs: list[int] = []
+        self._ipc_local = 0
+        self._hdl: Any = None
+        mode = os.environ.get("MOETUNE_SYMM", "torch").lower()
+        ok = False
+        if mode != "ipc":
+            try:
+                self._init_torch()
+                ok = True
+            except Exception as e:  # fall back to IPC, but say why
+                self.torch_error = f"{type(e).__name__}: {e}"
+        # every rank must take the same road
+        flags = _all_gather_ints([1 if ok else 0], group, device)
+        if not all(f[0] for f in flags):
+            if ok:
+                self._drop_torch()
+            self._init_ipc()
+        self.local.zero_()
+        _barrier(group, device)
+
+    def _init_torch(self) -> None:
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        import torch.distributed._symmetric_memory as symm_mem
+
+        try:  # plain CUDA backend (peer-mapped cuMem allocations) unless someone chose another already
+            if not symm_mem.get_backend(self.device):
+                symm_mem.set_backend("CUDA")
+        except Exception:
+            pass
+        t = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        hdl = symm_mem.rendezvous(t, _group_obj(self.group))
+        bases = [int(p) for p in hdl.buffer_ptrs]
+        off = t.data_ptr() - bases[self.rank]
+        size = int(getattr(hdl, "buffer_size", self.nbytes + off))
+        if off < 0 or off + self.nbytes > size:
+            raise RuntimeError(f"tensor at offset {off} outside its symmetric block of {size} bytes")
+        offs = _all_gather_ints([off], self.group, self.device)
+        self.peer_ptrs = [bases[r] + offs[r][0] for r in range(self.world)]
+        self.local = t
+        self._hdl = hdl
+        self.backend = "torch_symm_mem"
+
+    def _drop_torch(self) -> None:
+        self._hdl = None
+        self.local = None  # type: ignore[assignment]
+
+    def _init_ipc(self) -> None:
+        lib = self.lib
+        ptr = ctypes.c_void_p()
+        handle = ctypes.create_string_buffer(64)
+        csrc_build.check(lib, lib.mt_ipc_malloc(self.device.index, self.nbytes, ctypes.byref(ptr), handle), "cudaMalloc+IPC")
+        self._ipc_local = int(ptr.value or 0)
+        h = torch.frombuffer(bytearray(handle.raw), dtype=torch.uint8).to(self.device)
+        allh = torch.empty(self.world * 64, dtype=torch.uint8, device=self.device)
+        dist.all_gather_into_tensor(allh, h, group=self.group)
+        raw = bytes(allh.cpu().tolist())
+        ptrs = []
+        for r in range(self.world):
+            if r == self.rank:
+                ptrs.append(self._ipc_local)
+                continue
+            p = ctypes.c_void_p()
+            csrc_build.check(lib, lib.mt_ipc_open(self.device.index, raw[r * 64 : (r + 1) * 64], ctypes.byref(p)), "cudaIpcOpenMemHandle")
+            ptrs.append(int(p.value or 0))
+        self._ipc_ptrs = [p for r, p in enumerate(ptrs) if r != self.rank]
+        self.peer_ptrs = ptrs
+        self.local = torch.as_tensor(_CaiWrapper(self._ipc_local, self.nbytes), device=self.device)
+        self.backend = "cuda_ipc"
+
+    def close(self) -> None:
+        if self.backend == "cuda_ipc":
+            for p in self._ipc_ptrs:
+                self.lib.mt_ipc_close(self.device.index, p)
+            self._ipc_ptrs = []
+            if self._ipc_local:
+                self.lib.mt_device_free(self.device.index, self._ipc_local)
+                self._ipc_local = 0
+        self._hdl = None
+        self.local = None  # type: ignore[assignment]
+
+
+def u64_array(values: list[int]) -> Any:
+    return (ctypes.c_uint64 * len(values))(*values)
+
+
+def one_sided_availability(device: torch.device | None) -> Availability:
+    ok, why = csrc_build.availability()
+    if not ok:
+        return Availability(False, why)
+    n = torch.cuda.device_count()
+    if n < 1:
+        return Availability(False, "no CUDA device")
+    return Availability(True, f"ok ({n} CUDA devices visible)")
+
+
+class OneSidedTransport(EPTransport):
+    """Common state of nvlink/proxy: control buffer, data buffer (two parity areas), epochs."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        knobs: Knobs,
+        device: torch.device,
+        *,
+        max_send_rows: int | None = None,
+        row_bytes: int | None = None,
+    ):
+        super().__init__(group, knobs, device)
+        if not dist.is_initialized():
+            raise RuntimeError(f"{self.name}: needs an initialised torch.distributed process group")
+        if self.world > MAX_WORLD:
+            raise RuntimeError(f"{self.name}: world {self.world} > {MAX_WORLD} (one node only)")
+        self.device = torch.device(device) if not isinstance(device, torch.device) else device
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.lib = csrc_build.load()
+        ctrl_bytes = ctypes.c_uint64(0)
+        self.lib.mt_ctrl_bytes(ctypes.byref(ctrl_bytes))
+        self.ctrl = SymmBuffer(_round(ctrl_bytes.value), group, self.device, self.lib)
+        self.data: SymmBuffer | None = None
+        self.data_bytes = 0  # one parity area
+        self._epoch = 0
+        self._counts_epoch = 0
+        self._views: dict = {}
+        self._err0: ctypes.c_int | None = None  # word 0 of the pinned error record, read without a call
+        self._closed = False
+
+    # -- capacity ---------------------------------------------------------------------------------
+    def reserve(self, max_send_rows: int, row_bytes: int) -> None:
+        """Collective: size the receive buffer for up to `max_send_rows` rows sent per rank per call.
+
+        Capacity = world x max_send_rows rows of row_bytes, twice (two parity areas: a call writes the
+        area its epoch selects, so the previous call's output stays intact during the next call).
+        """
+        torch.cuda.synchronize(self.device)
+        need = _all_gather_ints([int(max_send_rows), int(row_bytes)], self.group, self.device)
+        rows = max(n[0] for n in need)
+        rb = max(n[1] for n in need)
+        per_parity = _round(max(1, self.world * rows * rb))
+        if self.data is not None and per_parity <= self.data_bytes:
+            return
+        if self.data is not None:
+            self.data.close()
+        self.data = SymmBuffer(2 * per_parity, self.group, self.device, self.lib)
+        self.data_bytes = per_parity
+        self._views = {}
+        self._set_data()
+
+    def _set_data(self) -> None:  # pragma: no cover - subclass hook
+        raise NotImplementedError
+
+    def _stream(self) -> int:
+        """The raw handle of the current stream on this transport's device (cheap)."""
+        try:
+            return int(torch._C._cuda_getCurrentRawStream(self.device.index))
+        except Exception:  # pragma: no cover - older/newer torch without the private helper
+            return int(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _counts_arg(self, counts: torch.Tensor) -> torch.Tensor:
+        if counts.dtype is not torch.int64 or counts.device != self.device or not counts.is_contiguous():
+            counts = counts.to(device=self.device, dtype=torch.int64).contiguous()
+        if counts.numel() != self.world:
+            raise ValueError(f"{self.name}: counts must have {self.world} entries, got {counts.numel()}")
+        return counts
+
+    def _prepare(self, send: torch.Tensor, send_counts: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+        self.check()
+        if send.device != self.device:
+            raise ValueError(f"{self.name}: send must be on {self.device}, got {send.device}")
+        if send.dim() < 1:
+            raise ValueError(f"{self.name}: send must have a row dimension")
+        if not send.is_contiguous():
+            send = send.contiguous()
+        rows = send.shape[0]
+        rb = send.element_size() * (send.numel() // rows if rows > 0 else int(torch.Size(send.shape[1:]).numel()))
+        if rb <= 0:
+            raise ValueError(f"{self.name}: zero-byte rows")
+        if self.data is None:
+            self.reserve(rows, rb)  # first call: collective sizing (a one-time host synchronisation)
+        if rows * rb > self.data_bytes:
+            # (the exact per-receiver bound is checked on the GPU: an overflow is reported, never written)
+            raise OneSidedError(
+                f"{self.name}: {rows} rows x {rb} B exceed the reserved receive buffer "
+                f"({self.data_bytes} B per call); call reserve(max_send_rows, row_bytes) collectively first"
+            )
+        return send, rb, self._counts_arg(send_counts)
+
+    def _recv_view(self, send: torch.Tensor, rb: int, epoch: int) -> torch.Tensor:
+        """The receive area this call wrote (parity of its epoch), as rows shaped like `send`'s."""
+        key = (rb, send.dtype, tuple(send.shape[1:]), epoch & 1)
+        v = self._views.get(key)
+        if v is None:
+            assert self.data is not None
+            par = epoch & 1
+            cap_rows = self.data_bytes // rb
+            raw = self.data.local[par * self.data_bytes : par * self.data_bytes + cap_rows * rb]
+            v = raw.view(send.dtype).view(cap_rows, *send.shape[1:])
+            self._views[key] = v
+        return v
+
+    # -- errors -----------------------------------------------------------------------------------
+    def error_words(self) -> list[int]:  # pragma: no cover - subclass hook
+        raise NotImplementedError
+
+    def _extra_error(self) -> bool:
+        """Subclass hook: another failure source (the proxy thread) reports an error."""
+        return False
+
+    def check(self) -> None:
+        """Raise OneSidedError if a kernel (or the proxy) reported a failure. Reads host memory only."""
+        if self._err0 is not None and self._err0.value == 0 and not self._extra_error():
+            return
+        words = self.error_words()
+        if words and words[0] != 0:
+            raise OneSidedError(f"{self.name}: {decode_error(words)}")
+
+    @property
+    def symm_backend(self) -> str:
+        return self.ctrl.backend
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            torch.cuda.synchronize(self.device)
+        finally:
+            if self.data is not None:
+                self.data.close()
+            self.ctrl.close()
+
+
+def _round(n: int) -> int:
+    return (int(n) + _ALIGN - 1) // _ALIGN * _ALIGN

@@ -1,0 +1,212 @@
+"""Multi-GPU self-checks of the one-sided transports (used by tests/test_gpu_onesided.py and bench/).
+
+`spawn_world(fn, world, kwargs)` starts one process per GPU (NCCL process group over 127.0.0.1),
+runs `fn(rank, world, **kwargs)` in each, and returns each rank's JSON-able result; a rank that raises
+returns {"error": traceback}. The whole run is bounded by a timeout (processes are terminated).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..knobs import Knobs, default_knobs
+
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], kwargs: dict, outdir: str) -> None:
+    for k, v in GPU_ENV.items():
+        os.environ.setdefault(k, v)
+    res: Any
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            device_id=torch.device("cuda", rank),
+        )
+        res = fn(rank, world, **kwargs)
+    except BaseException:
+        res = {"error": traceback.format_exc()}
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(res, default=str))
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def spawn_world(fn: Callable[..., Any], world: int, kwargs: dict | None = None, *, timeout_s: float = 300) -> list[Any]:
+    import torch.multiprocessing as mp
+
+    for k, v in GPU_ENV.items():
+        os.environ.setdefault(k, v)
+    with tempfile.TemporaryDirectory(prefix="moetune_spawn_") as outdir:
+        ctx = mp.start_processes(
+            _entry, args=(world, _free_port(), fn, kwargs or {}, outdir), nprocs=world, join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        timed_out = False
+        try:
+            while not ctx.join(timeout=2):
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+        except Exception as e:  # a rank died: collect what we have
+            last = f"{type(e).__name__}: {e}"
+        else:
+            last = ""
+        if timed_out:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            for p in ctx.processes:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+        out = []
+        for r in range(world):
+            f = Path(outdir, f"rank{r}.json")
+            if f.exists():
+                out.append(json.loads(f.read_text()))
+            else:
+                why = f"timed out after {timeout_s:.0f} s" if timed_out else (last or "no result")
+                out.append({"error": f"rank {r}: {why}"})
+        return out
+
+
+def barrier(device: torch.device) -> None:
+    t = torch.ones(1, device=device)
+    dist.all_reduce(t)
+    torch.cuda.synchronize(device)
+
+
+def transport_class(name: str) -> type:
+    from .nvlink import NvlinkTransport
+    from .proxy import ProxyTransport
+
+    return {"nvlink": NvlinkTransport, "proxy": ProxyTransport}[name]
+
+
+def knobs_for(transport: str, spec: str) -> Knobs:
+    return Knobs.parse(spec, base=default_knobs(transport))
+
+
+def _ref_exchange(send: torch.Tensor, sc: list[int], rc: list[int]) -> torch.Tensor:
+    out = torch.empty((sum(rc), *send.shape[1:]), dtype=send.dtype, device=send.device)
+    dist.all_to_all_single(out, send, output_split_sizes=rc, input_split_sizes=sc)
+    return out
+
+
+def check_exchange_worker(
+    rank: int, world: int, *, transport: str, variants: list[str], iters: int = 40, max_rows: int = 512,
+    hidden: int = 2048, seed: int = 0,
+) -> list[dict]:
+    """Random counts and data, poisoned receive buffers, equality to NCCL's all_to_all_single."""
+    device = torch.device("cuda", rank)
+    cls = transport_class(transport)
+    results = []
+    for spec in variants:
+        rec: dict[str, Any] = {"transport": transport, "knobs": spec, "iters": 0, "mismatch_iters": 0,
+                               "count_mismatch_iters": 0, "poison_overwritten_iters": 0, "error": None}
+        t = None
+        try:
+            knobs = knobs_for(transport, spec)
+            t = cls(None, knobs, device, max_send_rows=max_rows, row_bytes=hidden * 2)
+            rec["symm_backend"] = t.symm_backend
+            g = torch.Generator(device="cpu").manual_seed(seed * 1000 + rank)
+            for it in range(iters):
+                # counts: sometimes zero for a peer, total <= max_rows
+                cnt = torch.randint(0, max_rows // world + 1, (world,), generator=g)
+                if it % 5 == 0:
+                    cnt[torch.randint(0, world, (1,), generator=g)] = 0
+                sc = cnt.tolist()
+                send = torch.randn(sum(sc), hidden, generator=g).to(torch.bfloat16).to(device)
+                assert t.data is not None
+                t.data.local.fill_(0xFF)  # poison both parity areas (bf16 0xFFFF = NaN)
+                barrier(device)
+                sc_dev = cnt.to(device)
+                rc_dev = t.exchange_counts(sc_dev)
+                out = t.exchange(send, sc_dev, rc_dev)
+                # consumer reads right after the exchange, stream-ordered (no host sync in between)
+                rc_ref = torch.empty(world, dtype=torch.int64, device=device)
+                dist.all_to_all_single(rc_ref, sc_dev.clone())
+                rc_list = rc_ref.tolist()
+                total = sum(rc_list)
+                got = out[:total].view(torch.int16).clone()
+                tail = out[total : total + 8].view(torch.int16).clone()
+                torch.cuda.synchronize(device)
+                t.check()
+                ref = _ref_exchange(send, sc, rc_list).view(torch.int16)
+                if rc_dev.tolist() != rc_list:
+                    rec["count_mismatch_iters"] += 1
+                if not torch.equal(got, ref):
+                    rec["mismatch_iters"] += 1
+                    if "first_mismatch" not in rec:
+                        bad = (got != ref).any(dim=1).nonzero().flatten()
+                        rec["first_mismatch"] = {"iter": it, "rows_bad": int(bad.numel()), "first_rows": bad[:8].tolist(),
+                                                 "total": total, "send_counts": sc, "recv_counts": rc_list}
+                if tail.numel() and not bool((tail == -1).all()):
+                    rec["poison_overwritten_iters"] += 1
+                rec["iters"] += 1
+                barrier(device)
+            if transport == "proxy":
+                rec["proxy_stats"] = t.proxy_stats()
+        except Exception:
+            rec["error"] = traceback.format_exc()[-3000:]
+        finally:
+            if t is not None:
+                try:
+                    t.close()
+                except Exception:
+                    pass
+        results.append(rec)
+    return results
+
+
+def timeout_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvlink", "proxy")) -> dict:
+    """Rank 0 exchanges alone: it must raise OneSidedError within the timeout instead of hanging."""
+    from ._onesided import OneSidedError
+
+    os.environ["MOETUNE_ONESIDED_TIMEOUT_S"] = "2"
+    device = torch.device("cuda", rank)
+    out: dict[str, Any] = {}
+    for name in transports:
+        res: dict[str, Any] = {"raised": False}
+        try:
+            t = transport_class(name)(None, default_knobs(name), device, max_send_rows=64, row_bytes=256)
+            barrier(device)
+            if rank == 0:
+                t0 = time.monotonic()
+                send = torch.zeros(world, 128, dtype=torch.bfloat16, device=device)
+                sc = torch.ones(world, dtype=torch.int64, device=device)
+                try:
+                    rc = t.exchange_counts(sc)
+                    t.exchange(send, sc, rc)
+                    torch.cuda.synchronize(device)
+                    t.check()
+                except OneSidedError as e:
+                    res = {"raised": True, "message": str(e)}
+                res["seconds"] = time.monotonic() - t0
+            barrier(device)
+        except Exception:
+            res["error"] = traceback.format_exc()[-2000:]
+        out[name] = res
+    return out

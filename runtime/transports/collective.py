@@ -1,0 +1,138 @@
+"""The collective transport: NCCL `all_to_all_single` on GPUs, gloo on CPU.
+
+Rows bound for each destination are packed contiguously by the EP buffer (one block per peer, rank
+order), so one `all_to_all_single` with split sizes moves everything: one transfer per peer. Counts
+travel first in a small equal-split all-to-all (`exchange_blocks`). With pipelining the buffer uses
+`exchange_async` on two channels (two process groups over the same ranks: dispatch and combine), so a
+combine can travel while later dispatch chunks are still in flight (NCCL runs each communicator on its
+own CUDA stream; gloo runs async work handles).
+
+`host_staged` is this same class with NCCL peer-to-peer disabled (NCCL_P2P_DISABLE=1, set before NCCL
+initialises): NCCL then stages every transfer through host memory.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ..knobs import Knobs
+from .base import Availability, EPTransport
+
+_EXTRA_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+class CollectiveTransport(EPTransport):
+    name: ClassVar[str] = "collective"
+
+    def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device, *, channels: int = 1):
+        super().__init__(group, knobs, device)
+        self.groups: list[dist.ProcessGroup | None] = [group]
+        if dist.is_initialized() and channels > 1 and self.world > 1:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            if len(ranks) == dist.get_world_size():
+                # new_group is collective over the whole default group: every rank builds the EP buffer.
+                # Extra communicators are cached per (group, channel) and shared by later buffers, so
+                # building many buffers (benchmarks, layers) does not create a communicator each time.
+                for ch in range(1, channels):
+                    key = (id(group) if group is not None else 0, tuple(ranks), ch)
+                    if key not in _EXTRA_GROUPS:
+                        _EXTRA_GROUPS[key] = dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+                    self.groups.append(_EXTRA_GROUPS[key])
+            # A sub-group cannot build extra communicators without every world rank taking part:
+            # fall back to one channel (combine then queues behind dispatch on the same communicator).
+
+    @classmethod
+    def availability(cls, device: torch.device | None = None) -> Availability:
+        if not dist.is_available():
+            return Availability(False, "torch.distributed is not available in this torch build")
+        if device is not None and device.type == "cuda":
+            if not torch.cuda.is_available():
+                return Availability(False, "no CUDA device")
+            if not dist.is_nccl_available():
+                return Availability(False, "torch was built without NCCL")
+            return Availability(True, "NCCL all_to_all_single")
+        if not dist.is_gloo_available():
+            return Availability(False, "torch was built without gloo")
+        return Availability(True, "gloo all_to_all_single (CPU)")
+
+    # -- the EPTransport interface ---------------------------------------------------------------
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        return self.exchange_blocks(send_counts.reshape(self.world, 1)).reshape(self.world)
+
+    def exchange(self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        s = [int(c) for c in send_counts.tolist()]
+        r = [int(c) for c in recv_counts.tolist()]
+        out, work = self.exchange_async(send, s, r)
+        if work is not None:
+            work.wait()
+        return out
+
+    # -- what the EP buffer uses ------------------------------------------------------------------
+    def exchange_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """blocks [world, ...]: block d goes to rank d; returns [world, ...] with block s from rank s."""
+        if self.world == 1:
+            return blocks.clone()
+        out = torch.empty_like(blocks)
+        dist.all_to_all_single(out, blocks.contiguous(), group=self.groups[0])
+        return out
+
+    def exchange_async(
+        self,
+        send: torch.Tensor,
+        send_splits: list[int],
+        recv_splits: list[int],
+        out: torch.Tensor | None = None,
+        *,
+        channel: int = 0,
+    ) -> tuple[torch.Tensor, dist.Work | None]:
+        """Post one all_to_all_single of rows (split sizes in rows, rank order). Returns (out, work);
+        `work.wait()` (None when nothing had to travel) before reading `out` (on CUDA: makes the current
+        stream wait for the communicator's stream)."""
+        rows = sum(recv_splits)
+        if out is None:
+            out = torch.empty((rows, *send.shape[1:]), dtype=send.dtype, device=send.device)
+        if self.world == 1:
+            if rows:
+                out.copy_(send[:rows])
+            return out, None
+        group = self.groups[channel % len(self.groups)]
+        work = dist.all_to_all_single(
+            out, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group, async_op=True
+        )
+        return out, work
+
+    @property
+    def channels(self) -> int:
+        return len(self.groups)
+
+    def close(self) -> None:
+        """Nothing to free: the extra communicators are cached for the process (see `release_channels`)."""
+
+
+def release_channels() -> None:
+    """Destroy the cached extra communicators (call before destroying the default process group)."""
+    for g in _EXTRA_GROUPS.values():
+        try:
+            dist.destroy_process_group(g)
+        except Exception:
+            pass
+    _EXTRA_GROUPS.clear()
+
+
+class HostStagedTransport(CollectiveTransport):
+    """The collective over host memory: NCCL with NCCL_P2P_DISABLE=1 (gloo on CPU is host memory anyway)."""
+
+    name: ClassVar[str] = "host_staged"
+
+    @classmethod
+    def availability(cls, device: torch.device | None = None) -> Availability:
+        base = CollectiveTransport.availability(device)
+        if not base.ok:
+            return base
+        if device is not None and device.type == "cuda" and os.environ.get("NCCL_P2P_DISABLE", "0") != "1":
+            return Availability(True, "NCCL collective; set NCCL_P2P_DISABLE=1 before NCCL initialises to stage through host memory")
+        return Availability(True, "collective staged through host memory")

@@ -1,0 +1,119 @@
+"""`nvlink` transport: GPU kernels store packed rows straight into the peer's receive buffer.
+
+One kernel launch per exchange (csrc/ep_nvlink.cu): the count-matrix row goes out as tagged 8-byte
+words, offsets inside each receiver's buffer are computed on the GPU, rows move with 16-byte vector
+stores over NVLink, then signals: `coupled` = a system fence and a signal per CTA transfer,
+`decoupled` = CTAs bump a per-group counter and the last CTA of a group issues one system fence and
+the group's signals. Receivers spin (bounded) on epoch-valued signals; a timeout is written to
+host-mapped memory and raised here as OneSidedError instead of hanging. No host round trip in the
+data path. Knobs used: signalling, group_size (CTAs per fence when decoupled; 0 = per PE), num_sms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from .. import csrc_build
+from ..knobs import Knobs
+from ._onesided import OneSidedTransport, one_sided_availability, timeout_s, u64_array
+from .base import Availability
+
+
+class NvlinkTransport(OneSidedTransport):
+    name: ClassVar[str] = "nvlink"
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        knobs: Knobs,
+        device: torch.device,
+        *,
+        max_send_rows: int | None = None,
+        row_bytes: int | None = None,
+    ):
+        if knobs.transport != "nvlink":
+            knobs = knobs.replace(transport="nvlink", fence_mode="none", qps_per_pe=1, qp_mapping="peer_hash")
+        super().__init__(group, knobs, device, max_send_rows=max_send_rows, row_bytes=row_bytes)
+        h = ctypes.c_void_p()
+        csrc_build.check(
+            self.lib,
+            self.lib.mt_nvl_create(
+                self.device.index, self.rank, self.world, u64_array(self.ctrl.peer_ptrs), int(knobs.num_sms),
+                timeout_s(), ctypes.byref(h),
+            ),
+            "mt_nvl_create",
+        )
+        self._h = h
+        self._err = (ctypes.c_int * 16)()
+        ep = ctypes.c_void_p()
+        self.lib.mt_nvl_err_ptr(h, ctypes.byref(ep))
+        self._err0 = ctypes.c_int.from_address(ep.value) if ep.value else None
+        cpp = ctypes.c_int(0)
+        self.lib.mt_nvl_ctas_per_peer(h, ctypes.byref(cpp))
+        self.ctas_per_peer = cpp.value
+        self._coupled = 1 if knobs.signalling == "coupled" else 0
+        self._group = int(knobs.group_size)
+        if max_send_rows is not None and row_bytes is not None:
+            self.reserve(max_send_rows, row_bytes)
+
+    @classmethod
+    def availability(cls, device: torch.device | None = None) -> Availability:
+        a = one_sided_availability(device)
+        if not a.ok:
+            return a
+        n = torch.cuda.device_count()
+        if n >= 2:
+            ok = ctypes.c_int(0)
+            lib = csrc_build.load()
+            if lib.mt_can_access_peer(0, 1, ctypes.byref(ok)) == 0 and not ok.value:
+                return Availability(False, "GPU 0 cannot access GPU 1 (no P2P/NVLink): use proxy or host_staged")
+        return Availability(True, a.reason)
+
+    def _set_data(self) -> None:
+        assert self.data is not None
+        csrc_build.check(
+            self.lib, self.lib.mt_nvl_set_data(self._h, u64_array(self.data.peer_ptrs), self.data_bytes), "mt_nvl_set_data"
+        )
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        self.check()
+        sc = self._counts_arg(send_counts)
+        out = torch.empty(self.world, dtype=torch.int64, device=self.device)
+        self._counts_epoch += 1
+        rc = self.lib.mt_nvl_counts(self._h, sc.data_ptr(), out.data_ptr(), self._stream())
+        if rc:
+            csrc_build.check(self.lib, rc, "mt_nvl_counts")
+        self._keep_counts = sc
+        return out
+
+    def exchange(self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        """One launch; the returned view stays valid until this rank's second next exchange() call.
+
+        The epoch lives on the device (the kernels advance it), so a capture of an even number of
+        exchanges in a CUDA graph replays correctly; the host counter only picks the parity view.
+        """
+        send, rb, sc = self._prepare(send, send_counts)
+        rcv = self._counts_arg(recv_counts) if recv_counts is not None else None
+        self._epoch += 1
+        rc = self.lib.mt_nvl_exchange(
+            self._h, send.data_ptr(), rb, sc.data_ptr(), rcv.data_ptr() if rcv is not None else None,
+            self._coupled, self._group, self._stream(),
+        )
+        if rc:
+            csrc_build.check(self.lib, rc, "mt_nvl_exchange")
+        self._keep = (send, sc, rcv)
+        return self._recv_view(send, rb, self._epoch)
+
+    def error_words(self) -> list[int]:
+        self.lib.mt_nvl_error(self._h, self._err)
+        return list(self._err)
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        super().close()
+        self.lib.mt_nvl_destroy(self._h)

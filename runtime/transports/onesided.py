@@ -1,0 +1,19 @@
+"""The one-sided transports this branch ships, for the registry to pick up.
+
+`moetune.runtime.transports.registry` (runtime branch) can wire them with
+`from .onesided import ONESIDED_TRANSPORTS` and merge the mapping into its table.
+Importing this module never touches CUDA; `availability()` says whether each can run here.
+"""
+
+from __future__ import annotations
+
+from .base import EPTransport
+from .nvlink import NvlinkTransport
+from .proxy import ProxyTransport
+
+ONESIDED_TRANSPORTS: dict[str, type[EPTransport]] = {
+    NvlinkTransport.name: NvlinkTransport,
+    ProxyTransport.name: ProxyTransport,
+}
+
+__all__ = ["ONESIDED_TRANSPORTS", "NvlinkTransport", "ProxyTransport"]

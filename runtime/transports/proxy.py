@@ -1,0 +1,240 @@
+"""`proxy` transport: a C++ CPU proxy engine drives copy engines, as NVSHMEM's proxy transports do.
+
+One CPU thread per GPU (csrc/proxy_engine.cpp) drains a request FIFO in pinned host memory; a GPU
+kernel (csrc/proxy_gpu.cu) produces the requests -- count words, PUTs, signals -- and then waits for
+the signals of what the other ranks sent. PUTs are cudaMemcpyAsync on `qps_per_pe` CUDA streams (the
+queue pairs), signals are cuStreamWriteValue64 into the receiver's signal slots.
+
+Knobs used: fence_mode (`proxy_drain`: the thread stops until every earlier transfer completed;
+`nic_ordered`: the signal is queued behind its data on the peer's stream), qp_mapping (`round_robin`,
+`peer_hash`), qps_per_pe (streams), signalling (`coupled`: a signal per PUT; `decoupled`: one signal
+per group of `group_size` PUTs, 0 = per PE), chunk_tokens (rows per PUT; 0 = one PUT per peer).
+
+`ProxyEngine` is the engine on its own (used by bench/proxy_micro.py); its constructor validates the
+fence/QP combination through `Knobs` unless a test helper passes `_allow_unsafe=True`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from .. import csrc_build
+from ..knobs import KnobError, Knobs
+from ._onesided import (
+    MAX_SLOTS,
+    OneSidedError,
+    OneSidedTransport,
+    one_sided_availability,
+    timeout_s,
+    u64_array,
+)
+from .base import Availability
+
+FENCE_MODES = {"none": 0, "proxy_drain": 1, "nic_ordered": 2}
+QP_MAPPINGS = {"round_robin": 0, "peer_hash": 1}
+OP_PUT, OP_SIGNAL, OP_WRITE64, OP_ACK = 1, 2, 3, 4
+F_SIGNAL = 1
+STAT_NAMES = ("processed", "puts", "signals", "drains", "drain_ns", "write64", "bytes", "acks", "busy_ns")
+
+
+class Request(ctypes.Structure):
+    """One 64-byte FIFO slot (csrc/proxy_engine.h MtRequest)."""
+
+    _fields_ = [
+        ("op", ctypes.c_uint32),
+        ("peer", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("signal_idx", ctypes.c_uint32),
+        ("src", ctypes.c_uint64),
+        ("dst_off", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+        ("value", ctypes.c_uint64),
+        ("reserved0", ctypes.c_uint64),
+        ("seq", ctypes.c_uint64),
+    ]
+
+
+assert ctypes.sizeof(Request) == 64
+
+
+def validate_modes(fence_mode: str, qp_mapping: str, qps: int) -> None:
+    """The same rule Knobs enforces, for engines built outside a Knobs value."""
+    if fence_mode == "none":
+        return
+    Knobs(transport="proxy", fence_mode=fence_mode, qp_mapping=qp_mapping, qps_per_pe=qps)
+
+
+class ProxyEngine:
+    """A proxy thread bound to `device`, serving `len(peer_data)` destinations."""
+
+    def __init__(
+        self,
+        device: int,
+        peer_data: list[int],
+        peer_ctrl: list[int],
+        peer_sig: list[int],
+        *,
+        qps: int = 1,
+        qp_mapping: str = "peer_hash",
+        fence_mode: str = "proxy_drain",
+        fifo_slots: int = 4096,
+        _allow_unsafe: bool = False,
+    ):
+        if qp_mapping not in QP_MAPPINGS or fence_mode not in FENCE_MODES:
+            raise KnobError(f"unknown qp_mapping {qp_mapping!r} or fence_mode {fence_mode!r}")
+        if not _allow_unsafe:
+            validate_modes(fence_mode, qp_mapping, qps)
+        self.lib = csrc_build.load()
+        self.device = device
+        self.fence_mode, self.qp_mapping, self.qps = fence_mode, qp_mapping, qps
+        self.npeers = len(peer_data)
+        h = ctypes.c_void_p()
+        csrc_build.check(
+            self.lib,
+            self.lib.mt_proxy_create(
+                device, self.npeers, u64_array(peer_data), u64_array(peer_ctrl), u64_array(peer_sig), qps,
+                QP_MAPPINGS[qp_mapping], FENCE_MODES[fence_mode], fifo_slots, ctypes.byref(h),
+            ),
+            "mt_proxy_create",
+        )
+        self.handle = h
+
+    def set_peer_data(self, peer_data: list[int]) -> None:
+        csrc_build.check(self.lib, self.lib.mt_proxy_set_peer_data(self.handle, u64_array(peer_data), len(peer_data)), "set_peer_data")
+
+    def error(self) -> str | None:
+        buf = ctypes.create_string_buffer(1024)
+        code = self.lib.mt_proxy_error(self.handle, buf, 1024)
+        return None if code == 0 else f"{buf.value.decode(errors='replace')} (code {code})"
+
+    def stats(self) -> dict[str, int]:
+        arr = (ctypes.c_uint64 * len(STAT_NAMES))()
+        self.lib.mt_proxy_stats(self.handle, arr, len(STAT_NAMES))
+        return dict(zip(STAT_NAMES, list(arr), strict=True))
+
+    def reset_stats(self) -> None:
+        self.lib.mt_proxy_reset_stats(self.handle)
+
+    def enqueue(self, reqs: ctypes.Array, timeout: float | None = None) -> None:
+        csrc_build.check(self.lib, self.lib.mt_proxy_enqueue(self.handle, reqs, len(reqs), timeout or timeout_s()), "enqueue")
+
+    def quiesce(self, timeout: float | None = None) -> None:
+        csrc_build.check(self.lib, self.lib.mt_proxy_quiesce(self.handle, timeout or timeout_s()), "quiesce")
+
+    def bench(self, reqs: ctypes.Array, iters: int, value_base: int, value_step: int = 1) -> list[float]:
+        out = (ctypes.c_double * iters)()
+        csrc_build.check(
+            self.lib,
+            self.lib.mt_proxy_bench(self.handle, reqs, len(reqs), iters, value_base, value_step, timeout_s(), out),
+            "mt_proxy_bench",
+        )
+        return list(out)
+
+    def close(self) -> None:
+        if self.handle:
+            self.lib.mt_proxy_destroy(self.handle)
+            self.handle = None
+
+
+def make_requests(items: list[tuple[int, int, int, int, int, int, int]]) -> ctypes.Array:
+    """items: (op, peer, flags, signal_idx, src, dst_off, bytes) -> a ctypes array of Request."""
+    arr = (Request * len(items))()
+    for i, (op, peer, flags, idx, src, dst_off, nbytes) in enumerate(items):
+        arr[i] = Request(op, peer, flags, idx, src, dst_off, nbytes, 0, 0, 0)
+    return arr
+
+
+class ProxyTransport(OneSidedTransport):
+    name: ClassVar[str] = "proxy"
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        knobs: Knobs,
+        device: torch.device,
+        *,
+        max_send_rows: int | None = None,
+        row_bytes: int | None = None,
+        fifo_slots: int = 8192,
+    ):
+        if knobs.transport != "proxy":
+            raise KnobError(f"ProxyTransport needs transport=proxy knobs, got {knobs.transport!r}", ("transport",))
+        super().__init__(group, knobs, device, max_send_rows=max_send_rows, row_bytes=row_bytes)
+        ctrl = self.ctrl.peer_ptrs
+        sig_off = 8 * self.rank * MAX_SLOTS  # my slots at each peer (MT_OFF_SIG = 0)
+        self.engine = ProxyEngine(
+            self.device.index, list(ctrl), list(ctrl), [p + sig_off for p in ctrl],
+            qps=knobs.qps_per_pe, qp_mapping=knobs.qp_mapping, fence_mode=knobs.fence_mode, fifo_slots=fifo_slots,
+        )
+        h = ctypes.c_void_p()
+        csrc_build.check(
+            self.lib,
+            self.lib.mt_pxy_create(self.engine.handle, self.device.index, self.rank, self.world, ctrl[self.rank], timeout_s(), ctypes.byref(h)),
+            "mt_pxy_create",
+        )
+        self._h = h
+        self._err = (ctypes.c_int * 16)()
+        ep = ctypes.c_void_p()
+        self.lib.mt_pxy_err_ptr(h, ctypes.byref(ep))
+        self._err0 = ctypes.c_int.from_address(ep.value) if ep.value else None
+        if max_send_rows is not None and row_bytes is not None:
+            self.reserve(max_send_rows, row_bytes)
+
+    @classmethod
+    def availability(cls, device: torch.device | None = None) -> Availability:
+        return one_sided_availability(device)
+
+    def _set_data(self) -> None:
+        assert self.data is not None
+        self.engine.set_peer_data(list(self.data.peer_ptrs))
+        csrc_build.check(self.lib, self.lib.mt_pxy_set_data(self._h, self.data_bytes), "mt_pxy_set_data")
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        self.check()
+        sc = self._counts_arg(send_counts)
+        out = torch.empty(self.world, dtype=torch.int64, device=self.device)
+        self._counts_epoch += 1
+        rc = self.lib.mt_pxy_counts(self._h, sc.data_ptr(), out.data_ptr(), self._counts_epoch, self._stream())
+        if rc:
+            csrc_build.check(self.lib, rc, "mt_pxy_counts")
+        self._keep_counts = sc
+        return out
+
+    def exchange(self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        """Returns a view that stays valid until this rank's second next exchange() call."""
+        send, rb, sc = self._prepare(send, send_counts)
+        rcv = self._counts_arg(recv_counts) if recv_counts is not None else None
+        self._epoch += 1
+        k = self.knobs
+        rc = self.lib.mt_pxy_exchange(
+            self._h, send.data_ptr(), rb, sc.data_ptr(), rcv.data_ptr() if rcv is not None else None,
+            1 if k.signalling == "coupled" else 0, int(k.group_size), int(k.chunk_tokens), self._epoch, self._stream(),
+        )
+        if rc:
+            csrc_build.check(self.lib, rc, "mt_pxy_exchange")
+        self._keep = (send, sc, rcv)
+        return self._recv_view(send, rb, self._epoch)
+
+    def _extra_error(self) -> bool:
+        return self.lib.mt_proxy_error(self.engine.handle, None, 0) != 0
+
+    def error_words(self) -> list[int]:
+        err = self.engine.error() if getattr(self, "engine", None) is not None else None
+        if err:
+            raise OneSidedError(f"proxy engine: {err}")
+        self.lib.mt_pxy_error(self._h, self._err)
+        return list(self._err)
+
+    def proxy_stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        super().close()
+        self.lib.mt_pxy_destroy(self._h)
+        self.engine.close()

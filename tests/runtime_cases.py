@@ -1,0 +1,139 @@
+"""Rank functions for the runtime's distributed tests (imported by name in the spawned ranks)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from moetune.runtime import EPBuffer, Knobs, MoELayer, dense_reference, get_model
+from moetune.runtime.moe_layer import max_rel_err
+from moetune.runtime.routing import generate_routing
+
+
+def tokens_for(rank: int, tokens: int | list[int]) -> int:
+    return tokens[rank] if isinstance(tokens, list) else tokens
+
+
+def make_inputs(rank: int, model, tokens, routing: str, seed: int):
+    s = tokens_for(rank, tokens)
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    x = torch.randn(s, model.hidden, generator=g)
+    if routing.startswith("rank0"):
+        # every token picks distinct experts that all live on rank 0: other ranks and experts get nothing
+        epr = model.experts // int(routing.split(":")[1])
+        scores = torch.rand(s, epr, generator=g)
+        idx = scores.topk(model.topk, dim=1).indices
+        w = torch.rand(s, model.topk, generator=g) + 0.1
+        w = w / w.sum(1, keepdim=True)
+    else:
+        idx, w = generate_routing(s, model.experts, model.topk, routing=routing, seed=100 * seed + rank)
+    return x.to(torch.float32), idx, w
+
+
+def expected_rows(world: int, model, tokens, routing: str, seed: int, me: int) -> int:
+    """Rows rank `me` must receive: tokens (of every rank) with at least one expert on `me`."""
+    epr = model.experts // world
+    n = 0
+    for r in range(world):
+        _, idx, _ = make_inputs(r, model, tokens, routing, seed)
+        if idx.numel():
+            n += int(((idx // epr) == me).any(dim=1).sum())
+    return n
+
+
+def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
+    """For each config: the layer's output vs the dense reference, and the received row count."""
+    out = []
+    for cfg in configs:
+        model = get_model(cfg["model"])
+        knobs = Knobs(pipeline_depth=cfg.get("depth", 1), compression=cfg.get("compression", "none"),
+                      channels=cfg.get("channels", 1))
+        tokens = cfg["tokens"]
+        routing = cfg.get("routing", "uniform")
+        seed = cfg.get("seed", 0)
+        layer = MoELayer(model, knobs=knobs, max_tokens=max(64, tokens_for(rank, tokens)), seed=seed)
+        x, idx, w = make_inputs(rank, model, tokens, routing, seed)
+        y = layer.forward_routed(x, idx, w)
+        ref = dense_reference(x, model, seed=seed, topk_idx=idx, topk_weights=w)
+        # the buffer alone: rows received and the identity round trip
+        recv_x, meta, handle = layer.buffer.dispatch(x, idx, w)
+        rt = layer.buffer.combine((recv_x.float() * meta.weights.sum(1, keepdim=True)).to(recv_x.dtype), handle)
+        rt_err = max_rel_err(rt, x) if x.numel() else 0.0
+        out.append({
+            "cfg": cfg,
+            "err": max_rel_err(y, ref),
+            "shape_ok": tuple(y.shape) == tuple(x.shape),
+            "rows": recv_x.shape[0],
+            "expected_rows": expected_rows(world, model, tokens, routing, seed, rank),
+            "pairs": meta.num_pairs,
+            "roundtrip_err": rt_err,
+            "out": y.clone(),
+        })
+        layer.buffer.close()
+    return out
+
+
+BAD_INPUTS = ("x_shape", "x_dtype", "idx_range", "idx_negative", "idx_shape", "weights_shape", "too_many", "combine_shape")
+
+
+def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int) -> dict[str, str]:
+    """Rank `bad_rank` passes a bad input; every rank must raise ValueError (no hang). After each error the
+    group must still work (a good dispatch/combine follows)."""
+    model = get_model("custom:64,32,8,2,float32")
+    buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=32)
+    msgs: dict[str, str] = {}
+    for kind in kinds:
+        x, idx, w = make_inputs(rank, model, 8, "uniform", 0)
+        if rank == bad_rank:
+            if kind == "x_shape":
+                x = torch.randn(8, 65)
+            elif kind == "x_dtype":
+                x = x.to(torch.float64)
+            elif kind == "idx_range":
+                idx = idx.clone()
+                idx[3, 1] = model.experts + 5
+            elif kind == "idx_negative":
+                idx = idx.clone()
+                idx[0, 0] = -1
+            elif kind == "idx_shape":
+                idx = idx[:, :1]
+            elif kind == "weights_shape":
+                w = w[:5]
+            elif kind == "too_many":
+                x = torch.randn(40, 64)
+                idx, w = generate_routing(40, model.experts, model.topk, seed=1)
+        t0 = time.monotonic()
+        try:
+            recv_x, _meta, handle = buf.dispatch(x, idx, w)
+            if kind == "combine_shape":
+                eo = recv_x if rank != bad_rank else recv_x[:, :10]
+                buf.combine(eo.contiguous(), handle)
+            msgs[kind] = "NO ERROR"
+        except ValueError as e:
+            msgs[kind] = f"{time.monotonic() - t0:.2f}s {e}"
+        # the group still works
+        x, idx, w = make_inputs(rank, model, 8, "uniform", 0)
+        recv_x, _meta, handle = buf.dispatch(x, idx, w)
+        buf.combine(recv_x.contiguous(), handle)
+    return msgs
+
+
+def case_knob_mismatch(rank: int, world: int) -> str:
+    model = get_model("custom:64,32,8,2,float32")
+    try:
+        EPBuffer(knobs=Knobs(pipeline_depth=1 + rank), model=model, max_tokens=32)
+    except ValueError as e:
+        return str(e)
+    return "NO ERROR"
+
+
+def case_crash_one(rank: int, world: int) -> int:
+    """Rank 1 dies before the collective; rank 0's collective must end with an error (bounded timeout)."""
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise RuntimeError("boom on rank 1")
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    return 0

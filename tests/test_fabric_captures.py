@@ -1,0 +1,222 @@
+"""Each hand-written capture classifies into the right transport families, for the right reasons."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import pytest
+
+from moetune.tuner.capture import capture_node
+from moetune.tuner.discovery import CaptureSource, discover
+from moetune.tuner.fabric_facts import FabricFacts
+
+CAPTURES = pathlib.Path(__file__).resolve().parent / "captures"
+
+
+def facts(name: str) -> FabricFacts:
+    return discover(CAPTURES / name)
+
+
+def reason(f: FabricFacts, family: str) -> str:
+    t = f.transport(family)
+    assert t is not None, f"{family} not available; have {f.transport_names}"
+    return t.reason
+
+
+def unavailable(f: FabricFacts, family: str) -> str:
+    for t in f.unavailable:
+        if t.name == family:
+            return t.reason
+    raise AssertionError(f"{family} not listed as unavailable")
+
+
+def test_dgx_h100() -> None:
+    f = facts("dgx-h100")
+    assert sorted(f.transport_names) == sorted(["nvlink", "proxy:ibrc", "ibgda", "host_staged", "collective"])
+    assert f.gpu_count == 8 and f.gpu_model == "NVIDIA H100 80GB HBM3"
+    assert all(g.compute_capability == "9.0" and g.memory_mib == 81559 for g in f.gpus)
+    assert all(len(g.active_links) == 18 and g.active_links[0].speed_gbs == 26.562 for g in f.gpus)
+    assert len(f.pairs) == 28 and {p.level for p in f.pairs} == {"NV18"} and {p.p2p for p in f.pairs} == {"OK"}
+    assert "all 28 GPU pairs over NVLink (NV18)" in reason(f, "nvlink")
+    assert "18 active links × 26.562 GB/s" in reason(f, "nvlink")
+    # 12 HCAs: 8 compute IB NDR, 4 storage/in-band Ethernet; the 2 NVSwitch management LPFs are not NICs
+    assert {n.name for n in f.nics} == {f"mlx5_{k}" for k in range(12)}
+    assert sorted(e.name for e in f.excluded_nics) == ["mlx5_12", "mlx5_13"]
+    assert all("NVSwitch management" in e.reason for e in f.excluded_nics)
+    assert not any(gn.nic in ("mlx5_12", "mlx5_13") for gn in f.gpu_nic)
+    ib = [n for n in f.nics if n.ports[0].link_layer == "InfiniBand"]
+    assert len(ib) == 8 and all(n.ports[0].rate_gbps == 400 and n.ports[0].state == "ACTIVE" for n in ib)
+    assert all(n.fw_ver == "28.39.1002" and n.hca_type == "MT4129" and n.kind == "mlx5" for n in f.nics)
+    r = reason(f, "proxy:ibrc")
+    assert "8 × 400 Gb/s InfiniBand ACTIVE" in r and "nvidia_peermem" in r and "management" in r
+    assert "mlx5_0:1, mlx5_3:1" in r  # natural order
+    assert "nvidia_peermem" in reason(f, "ibgda") and "mlx5" in reason(f, "ibgda")
+    assert f.gpudirect.nvidia_peermem and not f.gpudirect.dmabuf  # proprietary kernel module
+    # GPU 0 sits next to mlx5_0 (PXB), far from the other socket's NICs
+    lv = {gn.nic: gn.level for gn in f.gpu_nic if gn.gpu == 0}
+    assert lv["mlx5_0"] == "PXB" and lv["mlx5_11"] == "SYS"
+    assert f.software["driver"] == "535.104.05" and f.software["cuda"] == "12.2"
+    assert f.software["nccl"] == "2.20.5" and f.software["nvshmem"] == "3.2.5" and f.software["nvshmem4py"] == "0.1.0"
+    assert f.tools["fi_info -l"] == "missing" and f.libfabric.providers == []
+    assert "vpd" not in f.tools  # every mlx5 VPD was readable (captured as root)
+    assert f.nvlink_gbs_per_gpu == round(18 * 26.562, 3) and f.network_gbs == 8 * 400 / 8
+
+
+def test_unreadable_vpd_is_reported(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(CAPTURES / "dgx-h100", root)
+    for dev in ("mlx5_12", "mlx5_13", "mlx5_0"):
+        (root / f"sys/class/infiniband/{dev}/device/vpd").unlink()
+    f = discover(root)
+    assert f.tools["vpd"].startswith("unreadable on 3 mlx5 device(s)")
+    assert f.excluded_nics == [] and len(f.nics) == 14  # without the VPD the LPFs look like NICs
+
+
+def test_perlmutter() -> None:
+    f = facts("perlmutter")
+    assert sorted(f.transport_names) == sorted(["nvlink", "proxy:libfabric/cxi", "host_staged", "collective"])
+    assert f.gpu_count == 4 and f.gpus[0].model == "NVIDIA A100-SXM4-40GB" and f.gpus[0].compute_capability == "8.0"
+    assert "all 6 GPU pairs over NVLink (NV4)" in reason(f, "nvlink")
+    assert "12 active links × 25 GB/s" in reason(f, "nvlink")
+    r = reason(f, "proxy:libfabric/cxi")
+    assert "provider cxi" in r and "4 × 200 Gb/s Slingshot ACTIVE" in r and "1.20.1" in r
+    assert [n.kind for n in f.nics] == ["cxi"] * 4
+    assert "no ACTIVE InfiniBand/RoCE port" in unavailable(f, "proxy:ibrc")
+    assert "mlx5" in unavailable(f, "ibgda")
+    assert "cxi" in f.libfabric.providers and "tcp" in f.libfabric.providers
+
+
+def test_rtx4090x4_no_p2p() -> None:
+    f = facts("rtx4090x4")
+    assert sorted(f.transport_names) == ["collective", "host_staged"]
+    r = unavailable(f, "nvlink")
+    assert "no NVLink" in r and "CNS" in r and "PHB" in r and "SYS" in r
+    assert all(not g.nvlinks for g in f.gpus)
+    assert all(p.p2p == "CNS" for p in f.pairs)
+    assert "PCIe Gen4 x16" in reason(f, "host_staged")
+    assert f.gpus[0].compute_capability == "8.9"
+
+
+def test_aws_p5_efa() -> None:
+    f = facts("aws-p5")
+    assert sorted(f.transport_names) == sorted(["nvlink", "proxy:libfabric/efa", "host_staged", "collective"])
+    assert len(f.nics) == 32 and {n.kind for n in f.nics} == {"efa"}
+    r = reason(f, "proxy:libfabric/efa")
+    assert "32 × 100 Gb/s EFA ACTIVE" in r and "1.22.0amzn1.0" in r
+    assert f.network_gbs == 400.0  # 3200 Gb/s
+    # EFA is not RC verbs: no IBRC, no IBGDA
+    assert "proxy:ibrc" not in f.transport_names and "ibgda" not in f.transport_names
+    assert f.gpudirect.dmabuf and f.gpudirect.open_kernel_module
+
+
+def test_cpu_laptop() -> None:
+    f = facts("cpu-laptop")
+    assert f.transport_names == ["collective"]
+    assert "no GPU" in reason(f, "collective")
+    assert f.gpu_count == 0 and f.gpu_model == "none" and f.nics == []
+    assert f.tools["nvidia-smi -q -x"] == "missing"
+    assert f.software["torch"] == "2.13.0+cpu" and f.software["driver"] == "none"
+
+
+@pytest.mark.parametrize("name", ["dgx-h100", "perlmutter", "rtx4090x4", "aws-p5", "cpu-laptop"])
+def test_capture_round_trip(name: str, tmp_path: pathlib.Path) -> None:
+    """Recording discovery over a capture writes a capture that reads back to the same facts."""
+    out = capture_node(tmp_path / "copy", source=CaptureSource(CAPTURES / name))
+    a, b = discover(CAPTURES / name), discover(out)
+    assert a.fingerprint == b.fingerprint
+    ad, bd = a.to_dict(), b.to_dict()
+    for d in (ad, bd):
+        d.pop("source"), d.pop("seconds")
+    assert ad == bd
+    assert (out / "manifest.json").exists() and (out / "python/packages.json").exists()
+
+
+def test_capture_drops_process_list(tmp_path: pathlib.Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(CAPTURES / "dgx-h100", src)
+    xml = src / "commands/nvidia-smi_-q_-x"
+    xml.write_text(xml.read_text().replace(
+        "<processes>\n\t\t</processes>",
+        "<processes><process_info><pid>4242</pid><process_name>secret_job.py</process_name></process_info></processes>"))
+    out = capture_node(tmp_path / "out", source=CaptureSource(src))
+    assert "secret_job" not in (out / "commands/nvidia-smi_-q_-x").read_text()
+    assert discover(out).fingerprint == discover(src).fingerprint == discover(CAPTURES / "dgx-h100").fingerprint
+    assert json.loads((out / "manifest.json").read_text())["commands"]["nvidia-smi_-q_-x"]["scrubbed"] == "processes"
+
+
+def test_capture_refuses_non_empty_dir(tmp_path: pathlib.Path) -> None:
+    from moetune.tuner.capture import CaptureWriteError
+
+    (tmp_path / "x").write_text("keep me")
+    with pytest.raises(CaptureWriteError, match="not an empty directory"):
+        capture_node(tmp_path, source=CaptureSource(CAPTURES / "cpu-laptop"))
+    assert (tmp_path / "x").read_text() == "keep me"
+
+
+def test_facts_dict_round_trip() -> None:
+    f = facts("dgx-h100")
+    g = FabricFacts.from_dict(f.to_dict())
+    assert g.fingerprint == f.fingerprint and g.transport_names == f.transport_names
+
+
+def test_h200x2_capture_from_the_gpu_node() -> None:
+    path = CAPTURES / "h200x2"
+    if not path.is_dir():
+        pytest.skip("tests/captures/h200x2 is absent: run bench/gpu_fabric.sh on the H200 node and commit its capture")
+    f = discover(path)
+    assert f.gpu_count == 2 and "H200" in f.gpu_model
+    assert sorted(f.transport_names) == sorted(["nvlink", "host_staged", "collective"])
+    assert "over NVLink" in reason(f, "nvlink")
+
+
+def test_nvml_fallback_when_nvidia_smi_absent(tmp_path: pathlib.Path) -> None:
+    """A node without the nvidia-smi binary (containers): GPU facts from NVML, kept in gpu_api.json."""
+    root = tmp_path / "c"
+    shutil.copytree(CAPTURES / "cpu-laptop", root)
+    (root / "proc/driver/nvidia").mkdir(parents=True)
+    (root / "proc/driver/nvidia/version").write_text(
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build\n"
+    )
+    gpus = [
+        {"index": i, "name": "NVIDIA H200", "uuid": f"GPU-{i}", "pci_bus_id": f"00000000:{b}:00.0",
+         "memory_mib": 143771, "compute_capability": "9.0", "pcie_gen_max": 5, "pcie_width_max": 16,
+         "pcie_width_current": 16, "nvlinks": [{"link": k, "active": True} for k in range(18)]}
+        for i, b in enumerate(["19", "3B"])
+    ]
+    (root / "gpu_api.json").write_text(json.dumps({"api": "nvml", "gpus": gpus, "driver": "580.95.05", "cuda": "13.0"}))
+    f = discover(root)
+    assert f.gpu_count == 2 and f.gpus[1].pci_bus_id == "00000000:3B:00.0" and f.gpus[0].compute_capability == "9.0"
+    assert all(len(g.active_links) == 18 for g in f.gpus)
+    assert f.software["driver"] == "580.95.05" and f.software["cuda"] == "13.0" and f.tools["gpu api"] == "nvml"
+    assert "host_staged" in f.transport_names and f.complete
+    assert f.gpudirect.dmabuf  # open kernel module 580 on kernel 6.5
+
+
+def test_driver_loaded_but_no_gpu_read_is_a_warning(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(CAPTURES / "dgx-h100", root)
+    (root / "commands/nvidia-smi_-q_-x").unlink()
+    manifest = root / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["commands"]["nvidia-smi_-q_-x"]["status"] = "timeout"
+    manifest.write_text(json.dumps(m))
+    f = discover(root)
+    assert f.gpu_count == 0 and not f.complete
+    assert any("timed out" in w for w in f.warnings) and any("no GPU was read" in w for w in f.warnings)
+
+
+def test_tolerant_formats(tmp_path: pathlib.Path) -> None:
+    """Underlined topo header (ANSI escapes), 'Link N: <inactive>' variants, 0000:xx bus ids."""
+    root = tmp_path / "c"
+    shutil.copytree(CAPTURES / "perlmutter", root)
+    topo = root / "commands/nvidia-smi_topo_-m"
+    lines = topo.read_text().splitlines(keepends=True)
+    lines[0] = "\x1b[4m" + lines[0].rstrip("\n") + "\x1b[0m\n"
+    topo.write_text("".join(lines))
+    nv = root / "commands/nvidia-smi_nvlink_-s"
+    nv.write_text(nv.read_text().replace("Link 11: 25 GB/s", "Link 11: Inactive", 1))
+    f = discover(root)
+    assert f.gpu_count == 4 and {p.level for p in f.pairs} == {"NV4"}
+    assert [lk.active for lk in f.gpus[0].nvlinks].count(False) == 1

@@ -1,0 +1,147 @@
+"""`moetune fabric show | capture | diff` and live discovery on this (CPU-only) machine."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.tuner.discovery import LiveSource, discover
+
+CAPTURES = pathlib.Path(__file__).resolve().parent / "captures"
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    from moetune.tuner.cli import app
+
+    return runner.invoke(app, list(args))
+
+
+@pytest.mark.parametrize(
+    ("name", "families"),
+    [
+        ("dgx-h100", {"nvlink", "proxy:ibrc", "ibgda", "host_staged", "collective"}),
+        ("perlmutter", {"nvlink", "proxy:libfabric/cxi", "host_staged", "collective"}),
+        ("rtx4090x4", {"host_staged", "collective"}),
+        ("aws-p5", {"nvlink", "proxy:libfabric/efa", "host_staged", "collective"}),
+        ("cpu-laptop", {"collective"}),
+    ],
+)
+def test_show_json_from_capture(name: str, families: set[str]) -> None:
+    res = invoke("fabric", "show", "--from", str(CAPTURES / name), "--json")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert {t["name"] for t in d["transports"]} == families
+    assert all(t["reason"] for t in d["transports"])
+    assert d["fingerprint"] == discover(CAPTURES / name).fingerprint
+    assert {"hardware_hash", "software_hash", "gpu_count", "gpu_model", "gpus", "nics", "software"} <= set(d)
+
+
+def test_show_table_from_capture() -> None:
+    res = invoke("fabric", "show", "--from", str(CAPTURES / "dgx-h100"))
+    assert res.exit_code == 0, res.output
+    for words in ("NVIDIA H100 80GB HBM3", "mlx5_11", "ignored mlx5_12", "ibgda", "proxy:ibrc", "nvidia_peermem"):
+        assert words in res.output
+
+
+def test_diff_between_captures(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(CAPTURES / "dgx-h100", root)
+    (root / "sys/class/infiniband/mlx5_3/ports/1/state").write_text("1: DOWN\n")
+    res = invoke("fabric", "diff", "--against", str(CAPTURES / "dgx-h100"), "--from", str(root))
+    assert res.exit_code == 1, res.output
+    assert "mlx5_3 port 1 ACTIVE → DOWN" in res.output
+    res = invoke("fabric", "diff", "--against", str(CAPTURES / "dgx-h100"), "--from", str(root), "--json")
+    d = json.loads(res.output)
+    assert d["changed"] is True and "mlx5_3 port 1 ACTIVE → DOWN" in d["reasons"]
+    same = invoke("fabric", "diff", "--against", str(CAPTURES / "dgx-h100"), "--from", str(CAPTURES / "dgx-h100"))
+    assert same.exit_code == 0 and "unchanged" in same.output
+
+
+def test_diff_against_bad_value(tmp_path: pathlib.Path) -> None:
+    res = invoke("fabric", "diff", "--against", "not/a/dir/or/hash", "--from", str(CAPTURES / "cpu-laptop"))
+    assert res.exit_code == 2 and "neither a capture directory nor a fingerprint hash" in res.output
+
+
+def test_diff_against_hash_is_clear_without_traceback(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With or without the store, an unknown hash is a clean error (exit 2), never a traceback."""
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path))
+    res = invoke("fabric", "diff", "--against", "0123456789abcdef", "--from", str(CAPTURES / "cpu-laptop"))
+    assert res.exit_code == 2, res.output
+    assert "error:" in res.output and "Traceback" not in res.output
+
+
+def test_diff_against_stored_fingerprint(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("moetune.tuner.store", reason="the store (branch found) is not merged here")
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path))
+    res = invoke("fabric", "show", "--from", str(CAPTURES / "dgx-h100"), "--record", "--json")
+    assert res.exit_code == 0, res.output
+    fp = json.loads(res.output)["fingerprint"]
+    root = tmp_path / "c"
+    shutil.copytree(CAPTURES / "dgx-h100", root)
+    (root / "proc/modules").write_text((root / "proc/modules").read_text().replace("nvidia_peermem", "nvidia_peerxxx"))
+    res = invoke("fabric", "diff", "--against", fp[:8], "--from", str(root))
+    assert res.exit_code == 1, res.output
+    assert "nvidia_peermem unloaded" in res.output
+    res = invoke("fabric", "diff", "--from", str(CAPTURES / "dgx-h100"))  # default: last stored
+    assert res.exit_code == 0, res.output
+
+
+def test_capture_cli_and_read_back(tmp_path: pathlib.Path) -> None:
+    dest = tmp_path / "node"
+    res = invoke("fabric", "capture", str(dest), "--json")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert d["fingerprint"] == discover(dest).fingerprint == discover().fingerprint
+    assert (dest / "manifest.json").exists() and (dest / "proc").is_dir()
+    again = invoke("fabric", "capture", str(dest))
+    assert again.exit_code == 2 and "not an empty directory" in again.output
+
+
+def test_live_discovery_is_fast() -> None:
+    t0 = time.perf_counter()
+    f = discover()
+    dt = time.perf_counter() - t0
+    print(f"live discovery: {dt:.3f} s ({f.gpu_count} GPUs, {len(f.nics)} NICs)")
+    assert dt < 5.0  # measured ~0.03 s on the CPU-only dev box; the issue asks < 2 s
+    assert "collective" in f.transport_names
+    assert discover().fingerprint == f.fingerprint
+
+
+def test_live_command_timeout_and_missing_tool() -> None:
+    src = LiveSource(timeout_s=0.3)
+    t0 = time.perf_counter()
+    res = src.run(("sleep", "5"))
+    assert res.status == "timeout" and time.perf_counter() - t0 < 2.0
+    assert src.run(("moetune-no-such-tool-xyz", "-l")).status == "missing"
+    ok = src.run(("echo", "hi"))
+    assert ok.status == "ok" and ok.stdout.strip() == "hi"
+    bad = src.run(("false",))
+    assert bad.status == "failed" and bad.rc == 1 and bad.describe == "failed (rc 1)"
+    src.close()
+
+
+def test_live_prefetch_runs_in_parallel() -> None:
+    src = LiveSource(timeout_s=3.0)
+    cmds = [("sleep", "0.4"), ("sleep", "0.41"), ("sleep", "0.42"), ("sleep", "0.43")]
+    t0 = time.perf_counter()
+    src.prefetch(cmds)
+    assert all(src.run(c).ok for c in cmds)
+    assert time.perf_counter() - t0 < 1.2
+    src.close()
+
+
+def test_nvml_hang_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import moetune.tuner.discovery as d
+
+    monkeypatch.setattr(d, "_nvml_facts", lambda: time.sleep(3) or None)
+    monkeypatch.setattr(d.shutil, "which", lambda name: None)
+    t0 = time.perf_counter()
+    api = d.LiveSource(timeout_s=0.3).gpu_api()
+    assert time.perf_counter() - t0 < 1.5
+    assert api == {"api": "nvml", "gpus": [], "status": "timeout"}

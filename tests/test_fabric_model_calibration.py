@@ -1,0 +1,109 @@
+"""Calibration: the shipped nvlink-h200x2 preset against the committed 2x H200 measurements, and the
+fitting machinery on data whose true parameters are known."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.shapes import get_model
+from moetune.tuner.calibration import calibrate, calibrated_preset, read_rows, rows_to_points
+from moetune.tuner.fabric_model import Workload, load_preset, predict
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = ROOT / "bench/results/2026-11-30_h200x2_nccl_baseline.jsonl"
+PROBE = ROOT / "bench/results/2026-11-30_h200x2_proxy_probe.jsonl"
+
+# The pair (Qwen3-30B bf16 S=128: 2.1 MB remote in 105.7 us) and (DeepSeek-V3 fp8 S=128: 3.7 MB in
+# 69.6 us) cannot both be within 20% for any model whose time grows with the bytes moved: that needs
+# p(2.1 MB) >= 84.6 us and p(3.7 MB) <= 83.5 us (the best is 20.6% on both). The Qwen3 row, the first
+# one measured, is also only 15 us faster than 8x its bytes at S=1024 (more than 980 GB/s of marginal
+# bandwidth on a 478 GB/s link), so the fit lets that one row go: it gets 22%, every other row 20%.
+OUTLIER = "nccl_a2a nvlink qwen3-30b S=128"
+
+
+def test_calibrated_nvlink_h200x2_predicts_every_baseline_row() -> None:
+    preset = load_preset("nvlink-h200x2")
+    points, skipped = rows_to_points(read_rows([BASELINE]))
+    assert len(points) == 48  # 3 models x 4 sizes x {bf16, fp8} x {nvlink, host_staged}
+    assert all("peer_copy" in row for row, _ in skipped)
+    for p in points:
+        p.predicted_us = p.evaluate(preset)
+        limit = 0.22 if p.label == OUTLIER else 0.20
+        assert abs(p.rel_err) <= limit, (p.label, p.measured_us, p.predicted_us)
+
+
+def test_calibrated_preset_fits_the_proxy_probe() -> None:
+    preset = load_preset("nvlink-h200x2")
+    points, _ = rows_to_points(read_rows([PROBE]))
+    assert len(points) == 20
+    errs = []
+    for p in points:
+        p.predicted_us = p.evaluate(preset)
+        errs.append(abs(p.rel_err))
+    assert max(errs) <= 0.25
+    assert sum(errs) / len(errs) <= 0.12
+
+
+def test_baseline_rows_are_modelled_as_k_copies_collective() -> None:
+    preset = load_preset("nvlink-h200x2")
+    m = get_model("qwen3-30b")
+    r = predict(preset, Workload(m, 1024, 1, 2), Knobs(transport="collective"), phase="dispatch")
+    assert r.bytes_on_wire == pytest.approx(1024 * 8 * 2048 * 2 / 2)  # half of the k copies are remote
+    staged = predict(preset, Workload(m, 1024, 1, 2, p2p=False), Knobs(transport="collective"), phase="dispatch")
+    assert staged.dispatch_us > 3 * r.dispatch_us
+
+
+def test_fit_recovers_known_parameters(tmp_path: Path) -> None:
+    truth = load_preset("nvlink-h200x2").with_params(
+        {"collective.alpha_us": 40.0, "collective.sync_us": 30.0, "collective.intra_gbps": 250.0})
+    rows = []
+    for model in ("qwen3-30b", "deepseek-v3"):
+        for s in (64, 256, 1024, 4096, 16384):
+            w = Workload(get_model(model), s, 1, 2)
+            us = predict(truth, w, Knobs(transport="collective"), phase="dispatch").dispatch_us
+            rows.append({"probe": "nccl_a2a", "fabric": "nvlink", "model": model, "S": s, "world": 2, "ms": us / 1e3})
+    rep = calibrate("nvlink-h200x2", rows,
+                    params=["collective.alpha_us", "collective.sync_us", "collective.intra_gbps"])
+    s = rep.summary()
+    assert s["max_abs_rel_err"] < 0.02
+    assert rep.params_after["collective.intra_gbps"] == pytest.approx(250.0, rel=0.05)
+    cal = calibrated_preset(rep, ["synthetic.jsonl"], "2026-11-30")
+    f = tmp_path / "cal.toml"
+    f.write_text(cal.to_toml())
+    again = load_preset(str(f))
+    assert again.calibration["points"] == len(rows)
+    assert again.sources["collective.intra_gbps"].startswith("calibrated:")
+
+
+def test_bad_measurement_files_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        read_rows([tmp_path / "none.jsonl"])
+    f = tmp_path / "bad.jsonl"
+    f.write_text("{not json}\n")
+    with pytest.raises(ValueError, match="not JSON"):
+        read_rows([f])
+    g = tmp_path / "unknown.jsonl"
+    g.write_text('{"probe": "mystery"}\n')
+    with pytest.raises(ValueError, match="no measurement rows"):
+        calibrate("nvlink-h200x2", read_rows([g]))
+
+
+def test_fit_transfer_microbenchmarks_recovers_proxy_cost() -> None:
+    from moetune.tuner.fabric_model import predict_transfers
+
+    truth = load_preset("slingshot11-libfabric-a100x4").with_params({"proxy.put_us": 1.2, "nic.rtt_us": 6.0})
+    rows = []
+    for mode, sig, fm in (("coupled", "coupled", "proxy_drain"), ("fixed", "decoupled", "nic_ordered")):
+        k = Knobs(transport="proxy", signalling=sig, fence_mode=fm)
+        for size in (4096, 65536, 1 << 20):
+            r = predict_transfers(truth, 8, 96, size, k)
+            rows.append({"kind": "transfers", "nodes": 8, "transfers": 96, "size": size, "knobs": k.to_dict(),
+                         "us": r.time_us, "mode": mode})
+    rows.append({"kind": "transfers", "nodes": 8, "transfers": 96, "size": 4096, "put_only": True,
+                 "knobs": Knobs(transport="proxy", fence_mode="proxy_drain").to_dict(),
+                 "us": predict_transfers(truth, 8, 96, 4096, Knobs(transport="proxy", fence_mode="proxy_drain")).put_only_us})
+    rep = calibrate("slingshot11-libfabric-a100x4", rows, params=["proxy.put_us", "nic.rtt_us"])
+    assert rep.summary()["max_abs_rel_err"] < 0.02
+    assert rep.params_after["proxy.put_us"] == pytest.approx(1.2, rel=0.05)

@@ -1,0 +1,91 @@
+"""`moetune model ...`: predict, sweep, presets, calibrate; every number labelled MODELLED."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moetune.tuner.cli import app
+from typer.testing import CliRunner
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_predict_json_is_labelled_modelled() -> None:
+    r = runner.invoke(app, ["model", "predict", "--preset", "slingshot11-libfabric-a100x4", "--model", "qwen3-30b",
+                            "--nodes", "8", "--tokens", "1024", "--knobs", "signalling=decoupled,fence_mode=nic_ordered",
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["label"] == "MODELLED" and d["modelled"] is True
+    for key in ("latency_us", "dispatch_us", "combine_us", "fences", "proxy_stalls", "nic_stalls",
+                "bytes_on_wire", "phases"):
+        assert key in d
+    assert d["proxy_stalls"] == 0 and d["nic_stalls"] == d["fences"]
+
+
+def test_predict_table_says_modelled() -> None:
+    r = runner.invoke(app, ["model", "predict", "-p", "ndr-ibrc-h100x8", "-n", "4", "-t", "256", "--routing", "zipf:1.2"])
+    assert r.exit_code == 0, r.output
+    assert "MODELLED" in r.output and "fences" in r.output
+
+
+def test_unsafe_and_nonsense_input_are_clear_errors() -> None:
+    cases = [
+        (["--knobs", "fence_mode=nic_ordered,qp_mapping=round_robin,qps_per_pe=2"], "unsafe"),
+        (["--knobs", "signalling=decoupled,group_size=3"], "does not divide"),
+        (["--tokens", "-5"], "tokens_per_gpu"),
+        (["--knobs", "bogus=1"], "unknown knob"),
+    ]
+    for extra, msg in cases:
+        r = runner.invoke(app, ["model", "predict", "-p", "slingshot11-libfabric-a100x4", "-n", "4", *extra])
+        assert r.exit_code == 2, (extra, r.output)
+        assert msg in r.output.replace("\n", " "), (extra, r.output)
+        assert "Traceback" not in r.output
+    r = runner.invoke(app, ["model", "predict", "-p", "no-such", "-n", "4"])
+    assert r.exit_code == 2 and "unknown preset" in r.output
+
+
+def test_sweep_table_json_and_plot(tmp_path: Path) -> None:
+    png = tmp_path / "sweep.png"
+    r = runner.invoke(app, ["model", "sweep", "-p", "slingshot11-libfabric-a100x4", "--over", "group_size",
+                            "-n", "4", "-t", "256", "--out", str(png), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["label"] == "MODELLED"
+    rows = d["series"]["decoupled/nic_ordered"]
+    assert [x["x"] for x in rows] == [1, 2, 4, 8]
+    assert [x["fences"] for x in rows] == [192, 96, 48, 24]
+    assert png.stat().st_size > 1000
+    r = runner.invoke(app, ["model", "sweep", "-p", "slingshot11-libfabric-a100x4", "--over", "nodes",
+                            "--values", "2,4"])
+    assert r.exit_code == 0 and "MODELLED" in r.output
+    r = runner.invoke(app, ["model", "sweep", "-p", "slingshot11-libfabric-a100x4", "--over", "colour"])
+    assert r.exit_code == 2
+
+
+def test_presets_listing() -> None:
+    r = runner.invoke(app, ["model", "presets", "--json"])
+    assert r.exit_code == 0
+    names = {p["name"] for p in json.loads(r.output)}
+    assert {"slingshot11-libfabric-a100x4", "ndr-ibrc-h100x8", "ndr-ibgda-h100x8", "pcie4-consumer-4090x4",
+            "nvlink-h200x2"} <= names
+
+
+def test_calibrate_writes_a_loadable_preset(tmp_path: Path) -> None:
+    data = tmp_path / "rows.jsonl"
+    lines = [ln for ln in (ROOT / "bench/results/2026-11-30_h200x2_nccl_baseline.jsonl").read_text().splitlines()
+             if '"host_staged"' in ln and '"qwen3-30b"' in ln]
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "new.toml"
+    r = runner.invoke(app, ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(data), "--out", str(out),
+                            "--params", "collective.host_alpha_us,pcie.h2d_gbps", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["summary"]["points"] == 8 and d["summary"]["max_abs_rel_err"] < 0.2
+    from moetune.tuner.fabric_model import load_preset
+
+    assert load_preset(str(out)).calibration["points"] == 8
+    r = runner.invoke(app, ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(tmp_path / "missing.jsonl")])
+    assert r.exit_code == 2 and "does not exist" in r.output

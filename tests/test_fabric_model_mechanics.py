@@ -1,0 +1,256 @@
+"""Mechanisms of the fabric model: fences, QP mapping, signals, routing, staging, compression, speed."""
+
+from __future__ import annotations
+
+import time
+
+import moetune.tuner.model_queue as model_queue
+import pytest
+from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.shapes import get_model
+from moetune.tuner.fabric_model import (
+    PresetError,
+    Workload,
+    load_preset,
+    predict,
+    predict_transfers,
+    transfers_per_peer,
+)
+from moetune.tuner.model_routing import expert_inclusion, pe_loads, spread_quantiles
+
+SLINGSHOT = "slingshot11-libfabric-a100x4"
+QWEN = get_model("qwen3-30b")
+DECOUPLED = Knobs(transport="proxy", signalling="decoupled", fence_mode="proxy_drain")
+FIXED = Knobs(transport="proxy", signalling="decoupled", fence_mode="nic_ordered")
+
+
+def test_perseus_count_96_transfers_12_fences() -> None:
+    # Qwen3-30B on 4 nodes x 4 GPUs: each PE sends 8 experts to 12 remote PEs = 96 transfers -> 12 fences
+    w = Workload(QWEN, 256, 4, 4)
+    r = predict(SLINGSHOT, w, DECOUPLED, phase="dispatch")
+    assert r.transfers == 96
+    assert r.fences == 12
+    assert r.modelled is True
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("tokens", [256, 4096])
+def test_fence_count_is_transfers_over_group_size(group: int, tokens: int) -> None:
+    w = Workload(QWEN, tokens, 4, 4)
+    r = predict(SLINGSHOT, w, FIXED.replace(group_size=group))
+    assert r.fences * group == r.transfers
+    coupled = predict(SLINGSHOT, w, Knobs(transport="proxy", signalling="coupled", fence_mode="proxy_drain"))
+    assert coupled.fences == coupled.transfers
+
+
+def test_tiles_multiply_transfers() -> None:
+    # 4096 tokens x top-8 / 128 experts = 256 tokens per expert = 2 tiles of 128
+    w = Workload(QWEN, 4096, 4, 4)
+    assert transfers_per_peer(w) == 16
+    assert predict(SLINGSHOT, w, FIXED, phase="dispatch").transfers == 12 * 16
+
+
+def test_round_robin_nic_ordered_multi_qp_is_unsafe_never_predicted() -> None:
+    w = Workload(QWEN, 256, 4, 4)
+    with pytest.raises(KnobError, match="overtake"):
+        predict(SLINGSHOT, w, Knobs(transport="proxy", fence_mode="nic_ordered", qp_mapping="round_robin",
+                                    qps_per_pe=2))
+    # one QP, or proxy_drain, is safe
+    predict(SLINGSHOT, w, Knobs(transport="proxy", fence_mode="nic_ordered", qp_mapping="round_robin"))
+    predict(SLINGSHOT, w, Knobs(transport="proxy", fence_mode="proxy_drain", qp_mapping="round_robin",
+                                qps_per_pe=2))
+
+
+def test_nonsense_is_a_clear_error() -> None:
+    w = Workload(QWEN, 256, 4, 4)
+    with pytest.raises(KnobError, match="does not divide"):
+        predict(SLINGSHOT, w, FIXED.replace(group_size=3))
+    with pytest.raises(ValueError, match="tokens_per_gpu"):
+        Workload(QWEN, -5, 4, 4)
+    with pytest.raises(ValueError, match="do not divide evenly"):
+        Workload(QWEN, 256, 3, 4)
+    with pytest.raises(ValueError, match="routing"):
+        Workload(QWEN, 256, 4, 4, routing="pareto")
+    with pytest.raises(PresetError, match="unknown preset"):
+        predict("no-such-fabric", w, FIXED)
+    assert issubclass(PresetError, ValueError)
+    with pytest.raises(KnobError, match="not available"):
+        predict(SLINGSHOT, w, Knobs(transport="ibgda", fence_mode="nic_ordered"))
+    with pytest.raises(KnobError, match="other nodes"):
+        predict(SLINGSHOT, w, Knobs(transport="nvlink"))
+    with pytest.raises(ValueError, match="no network"):
+        predict("pcie4-consumer-4090x4", Workload(QWEN, 256, 2, 4), Knobs(transport="host_staged"))
+    with pytest.raises(ValueError, match="phase"):
+        predict(SLINGSHOT, w, FIXED, phase="everything")  # type: ignore[arg-type]
+
+
+def test_nic_ordering_never_stalls_the_proxy() -> None:
+    w = Workload(QWEN, 256, 8, 4)
+    drain = predict(SLINGSHOT, w, DECOUPLED)
+    nic = predict(SLINGSHOT, w, FIXED)
+    assert drain.proxy_stalls == drain.fences > 0 and drain.nic_stalls == 0
+    assert nic.proxy_stalls == 0 and nic.nic_stalls == nic.fences > 0
+    assert nic.latency_us < drain.latency_us
+
+
+def test_fence_cost_grows_with_destinations() -> None:
+    coupled = Knobs(transport="proxy", signalling="coupled", fence_mode="proxy_drain")
+    per_transfer = [predict_transfers(SLINGSHOT, n, 96, 4096, coupled).time_us for n in (2, 4, 8, 16)]
+    assert per_transfer == sorted(per_transfer)
+    q = [max(spread_quantiles(n)) for n in (4, 28, 60)]
+    assert q == sorted(q)  # the slowest of more destinations is slower
+
+
+def test_signals_are_extra_messages() -> None:
+    w = Workload(QWEN, 256, 4, 4)
+    r = predict(SLINGSHOT, w, FIXED, phase="dispatch")
+    payload = 96 * 16 * QWEN.hidden * 2 + 3 * 8 * 16 * QWEN.hidden * 2  # remote + NVLink peers
+    assert r.bytes_on_wire == pytest.approx(payload + 96 * 8)
+
+
+def test_fp8_halves_payload_plus_scales() -> None:
+    w = Workload(QWEN, 256, 1, 4)
+    k = Knobs(transport="nvlink")
+    bf16 = predict("nvlink-h200x2", Workload(QWEN, 256, 1, 2), k, phase="dispatch")
+    fp8 = predict("nvlink-h200x2", Workload(QWEN, 256, 1, 2), k.replace(compression="fp8_e4m3"), phase="dispatch")
+    p128 = predict("nvlink-h200x2", Workload(QWEN, 256, 1, 2),
+                   k.replace(compression="fp8_e4m3", scale_granularity="per_128"), phase="dispatch")
+    tokens = 256 * 8 / 2  # token copies bound for the one peer
+    signals = bf16.bytes_on_wire - tokens * QWEN.hidden * 2
+    assert fp8.bytes_on_wire - signals == pytest.approx(tokens * (QWEN.hidden + 4))
+    assert p128.bytes_on_wire - signals == pytest.approx(tokens * (QWEN.hidden + QWEN.hidden / 128 * 4))
+    assert fp8.dispatch_us < bf16.dispatch_us
+    # combine stays bf16
+    both = predict("nvlink-h200x2", Workload(QWEN, 256, 1, 2), k.replace(compression="fp8_e4m3"))
+    assert both.combine_us == pytest.approx(predict("nvlink-h200x2", Workload(QWEN, 256, 1, 2), k).combine_us)
+    assert w.pes == 4
+
+
+def test_nvlink_has_no_proxy() -> None:
+    r = predict("nvlink-h200x2", Workload(QWEN, 1024, 1, 2), Knobs(transport="nvlink"))
+    assert r.fences == 0 and r.proxy_stalls == 0 and r.nic_stalls == 0
+    assert r.latency_us > 0
+
+
+def test_intra_node_peers_use_nvlink_not_the_proxy() -> None:
+    one_node = predict(SLINGSHOT, Workload(QWEN, 256, 1, 4), FIXED)
+    assert one_node.transfers == 0 and one_node.fences == 0
+    assert one_node.phases["dispatch.nvlink"] > 0
+
+
+def test_host_staged_double_buffering_and_fp8_help() -> None:
+    w = Workload(QWEN, 4096, 1, 4)
+    base = Knobs(transport="host_staged", chunk_tokens=256)
+    t1 = predict("pcie4-consumer-4090x4", w, base).latency_us
+    t2 = predict("pcie4-consumer-4090x4", w, base.replace(pipeline_depth=2)).latency_us
+    t3 = predict("pcie4-consumer-4090x4", w, base.replace(pipeline_depth=2, compression="fp8_e4m3"),
+                 phase="dispatch").dispatch_us
+    d2 = predict("pcie4-consumer-4090x4", w, base.replace(pipeline_depth=2), phase="dispatch").dispatch_us
+    assert t2 < t1
+    assert t3 < 0.75 * d2
+    # many tiny chunks pay the per-copy overhead
+    tiny = predict("pcie4-consumer-4090x4", w, base.replace(chunk_tokens=4, pipeline_depth=2)).latency_us
+    assert tiny > t2
+
+
+def test_zipf_routing_is_deterministic_and_skewed() -> None:
+    p = expert_inclusion(128, 8, 1.2)
+    assert p.sum() == pytest.approx(8.0)
+    assert p.max() <= 1.0 + 1e-12 and p[0] >= p[-1]
+    loads = pe_loads(128, 8, 1.2, 16)
+    assert loads.sum() == pytest.approx(8.0)
+    w_u = Workload(QWEN, 1024, 4, 4)
+    w_z = Workload(QWEN, 1024, 4, 4, routing="zipf:1.2")
+    a = predict(SLINGSHOT, w_z, FIXED)
+    b = predict(SLINGSHOT, w_z, FIXED)
+    assert a.latency_us == b.latency_us
+    assert a.latency_us > predict(SLINGSHOT, w_u, FIXED).latency_us
+    assert predict(SLINGSHOT, Workload(QWEN, 1024, 4, 4, routing="zipf:0"), FIXED).latency_us == pytest.approx(
+        predict(SLINGSHOT, w_u, FIXED).latency_us)
+
+
+@pytest.mark.parametrize("preset,knobs", [
+    (SLINGSHOT, Knobs(transport="proxy", signalling="coupled", fence_mode="proxy_drain", qps_per_pe=2)),
+    (SLINGSHOT, Knobs(transport="proxy", signalling="coupled", fence_mode="proxy_drain", qp_mapping="round_robin",
+                      qps_per_pe=4)),
+    (SLINGSHOT, Knobs(transport="proxy", signalling="decoupled", group_size=2, fence_mode="nic_ordered",
+                      qps_per_pe=2)),
+    ("ndr-ibgda-h100x8", Knobs(transport="ibgda", signalling="decoupled", group_size=1, fence_mode="nic_ordered")),
+    ("ndr-ibrc-h100x8", Knobs(transport="proxy", signalling="decoupled", group_size=2, fence_mode="proxy_drain",
+                              qp_mapping="round_robin", qps_per_pe=4)),
+    ("ndr-ibrc-h100x8", Knobs(transport="proxy", signalling="decoupled", group_size=3, fence_mode="proxy_drain",
+                              qp_mapping="round_robin", qps_per_pe=2, chunk_tokens=16)),
+])
+@pytest.mark.parametrize("routing", ["uniform", "zipf:1.2"])
+def test_periodic_extrapolation_is_exact(preset: str, knobs: Knobs, routing: str, monkeypatch) -> None:
+    gpn = load_preset(preset).gpus_per_node
+    w = Workload(QWEN, 6144, 4, gpn, routing=routing, tile=8)
+    before = model_queue.STATS["advanced"]
+    fast = predict(preset, w, knobs)
+    assert model_queue.STATS["advanced"] > before  # the periodic shortcut was taken
+    monkeypatch.setattr(model_queue, "EXTRAPOLATE", False)
+    slow = predict(preset, w, knobs)
+    assert fast.latency_us == pytest.approx(slow.latency_us, rel=1e-9)
+    assert (fast.fences, fast.nic_stalls, fast.proxy_stalls, fast.transfers) == (
+        slow.fences, slow.nic_stalls, slow.proxy_stalls, slow.transfers)
+
+
+def test_other_models_and_custom_shapes() -> None:
+    for name in ("gpt-oss-120b", "deepseek-v3", "custom:1024,512,64,4"):
+        m = get_model(name)
+        r = predict(SLINGSHOT, Workload(m, 512, 4, 4), FIXED)
+        assert r.latency_us > 0 and r.modelled
+    assert Workload("qwen3-30b", 128, 2, 4).model == QWEN
+
+
+def test_predict_is_fast() -> None:
+    # 16 nodes x 4 GPUs x 128 experts: <= 50 ms per prediction on a 2-core CI box (aim: a few ms)
+    w = Workload(QWEN, 1024, 16, 4)
+    knobs = [Knobs(transport="proxy", signalling="coupled", fence_mode="proxy_drain"), FIXED,
+             Knobs(transport="collective")]
+    for k in knobs:
+        predict(SLINGSHOT, w, k)
+    times = []
+    for _ in range(5):
+        for k in knobs:
+            t = time.perf_counter()
+            predict(SLINGSHOT, w, k)
+            times.append(time.perf_counter() - t)
+    times.sort()
+    assert times[len(times) // 2] < 0.010
+    assert times[-1] < 0.050
+
+
+def test_single_box_presets_refuse_more_nodes() -> None:
+    for name, gpn in (("nvlink-h200x2", 2), ("pcie4-consumer-4090x4", 4)):
+        with pytest.raises(ValueError, match="no network"):
+            predict(name, Workload(QWEN, 128, 2, gpn), Knobs(transport="collective"))
+
+
+def test_periodic_jump_matches_full_replay_on_random_cases(monkeypatch) -> None:
+    import random
+
+    rng = random.Random(7)
+    checked = 0
+    while checked < 30:
+        name = rng.choice([SLINGSHOT, "ndr-ibrc-h100x8", "ndr-ibgda-h100x8"])
+        transport = "ibgda" if "ibgda" in name else "proxy"
+        signalling = rng.choice(["coupled", "decoupled"])
+        try:
+            k = Knobs(transport=transport, signalling=signalling,
+                      group_size=0 if signalling == "coupled" else rng.choice([0, 1, 2]),
+                      fence_mode="nic_ordered" if transport == "ibgda" else rng.choice(["proxy_drain", "nic_ordered"]),
+                      qp_mapping=rng.choice(["round_robin", "peer_hash"]), qps_per_pe=rng.choice([1, 2]),
+                      chunk_tokens=rng.choice([0, 16]), num_sms=rng.choice([1, 24]))
+            w = Workload(get_model(rng.choice(["qwen3-30b", "deepseek-v3"])), rng.choice([512, 2048]),
+                         rng.choice([2, 4]), load_preset(name).gpus_per_node,
+                         routing=rng.choice(["uniform", "zipf:1.2"]), tile=rng.choice([8, 32]))
+        except (KnobError, ValueError):
+            continue
+        monkeypatch.setattr(model_queue, "EXTRAPOLATE", True)
+        a = predict(name, w, k)
+        monkeypatch.setattr(model_queue, "EXTRAPOLATE", False)
+        b = predict(name, w, k)
+        assert a.latency_us == pytest.approx(b.latency_us, rel=1e-9), (name, k, w)
+        assert (a.fences, a.nic_stalls, a.proxy_stalls) == (b.fences, b.nic_stalls, b.proxy_stalls)
+        checked += 1

@@ -1,0 +1,80 @@
+"""Fabric presets: shipped as package data, every parameter with a source, round-trip through TOML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from moetune.runtime.knobs import TRANSPORTS
+from moetune.tuner.fabric_model import PresetError, list_presets, load_preset
+
+EXPECTED = {
+    "slingshot11-libfabric-a100x4": "proxy:libfabric/cxi",
+    "ndr-ibrc-h100x8": "proxy:ibrc",
+    "ndr-ibgda-h100x8": "ibgda",
+    "pcie4-consumer-4090x4": "host_staged",
+    "nvlink-h200x2": "nvlink",
+}
+
+
+def test_all_presets_ship() -> None:
+    assert set(EXPECTED) <= set(list_presets())
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_preset_has_family_transports_and_sources(name: str) -> None:
+    p = load_preset(name)
+    assert p.family == EXPECTED[name]
+    assert p.transports and set(p.transports) <= set(TRANSPORTS)
+    numeric = p.numeric()
+    assert numeric
+    for key in numeric:
+        assert p.sources.get(key, "").strip(), f"{name}: {key} has no source"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_preset_round_trips(name: str, tmp_path: Path) -> None:
+    p = load_preset(name)
+    f = tmp_path / f"{name}.toml"
+    f.write_text(p.to_toml())
+    q = load_preset(str(f))
+    assert q.numeric() == pytest.approx(p.numeric(), rel=1e-5)
+    assert (q.family, q.transports, q.gpus_per_node) == (p.family, p.transports, p.gpus_per_node)
+
+
+def test_parameters_are_physically_plausible() -> None:
+    assert load_preset("slingshot11-libfabric-a100x4").get("nic.gbps") <= 25.0  # 200 Gb/s
+    assert load_preset("ndr-ibrc-h100x8").get("nic.gbps") <= 50.0  # 400 Gb/s
+    for name in EXPECTED:
+        p = load_preset(name)
+        assert p.get("pcie.d2h_gbps") <= 63.0 and p.get("pcie.h2d_gbps") <= 63.0
+        if p.has("nic") and name != "nvlink-h200x2":
+            assert 1.0 <= p.get("nic.rtt_us") <= 20.0
+        if p.has("proxy"):
+            assert 0.05 <= p.get("proxy.put_us") <= 5.0
+
+
+def test_missing_source_is_refused(tmp_path: Path) -> None:
+    text = load_preset("ndr-ibrc-h100x8").to_toml()
+    lines = [ln for ln in text.splitlines() if not ln.startswith('"nic.rtt_us"')]
+    f = tmp_path / "bad.toml"
+    f.write_text("\n".join(lines))
+    with pytest.raises(PresetError, match=r"nic\.rtt_us has no entry in \[sources\]"):
+        load_preset(str(f))
+
+
+def test_bad_presets_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(PresetError, match="unknown preset"):
+        load_preset("nope")
+    with pytest.raises(PresetError, match="does not exist"):
+        load_preset(str(tmp_path / "missing.toml"))
+    f = tmp_path / "broken.toml"
+    f.write_text("name = [")
+    with pytest.raises(PresetError, match="not valid TOML"):
+        load_preset(str(f))
+
+
+def test_nvlink_h200x2_is_calibrated() -> None:
+    p = load_preset("nvlink-h200x2")
+    assert p.calibration["points"] > 0
+    assert p.sources["collective.alpha_us"].startswith("calibrated:")

@@ -1,0 +1,88 @@
+"""EPBuffer/MoELayer over 2 and 4 gloo ranks (spawned, loopback, bounded timeouts) vs the dense reference."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetune.runtime.fp8 import FP8_LAYER_REL_ERR_BOUND
+from moetune.runtime.launch import launch
+
+sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the cases by name
+runtime_cases = importlib.import_module("runtime_cases")
+
+FP32_BOUND = 1e-5
+SMALL = "custom:64,32,8,2,float32"
+
+
+def _check(results: list[list[dict]], bound: float = FP32_BOUND) -> None:
+    for rank, rows in enumerate(results):
+        for r in rows:
+            assert r["shape_ok"], (rank, r["cfg"])
+            assert r["err"] < bound, (rank, r["cfg"], r["err"])
+            assert r["rows"] == r["expected_rows"], (rank, r["cfg"], r["rows"], r["expected_rows"])
+            if r["cfg"].get("compression", "none") == "none":
+                assert r["roundtrip_err"] < FP32_BOUND, (rank, r["cfg"], r["roundtrip_err"])
+
+
+@pytest.mark.timeout(60)
+def test_two_ranks_matches_dense_reference_all_cases() -> None:
+    configs = [
+        {"model": SMALL, "tokens": 48},
+        {"model": SMALL, "tokens": 48, "routing": "zipf:1.5", "seed": 1},
+        # every token's experts live on rank 0: rank 1 and experts 4..7 receive nothing
+        {"model": SMALL, "tokens": 20, "routing": "rank0:2", "seed": 2},
+        {"model": SMALL, "tokens": 0},
+        {"model": SMALL, "tokens": [0, 9]},  # S = 0 on one rank only
+        {"model": SMALL, "tokens": 1},
+        {"model": "custom:64,32,8,1,float32", "tokens": 33, "seed": 3},  # top-1
+        {"model": "custom:64,32,16,8,float32", "tokens": 33, "seed": 4},  # top-8
+        {"model": "custom:64,32,16,8,float32", "tokens": 1, "seed": 5, "depth": 4},  # fewer tokens than chunks
+        {"model": SMALL, "tokens": [17, 40], "routing": "zipf:1.5", "seed": 6, "depth": 2},
+    ]
+    res = launch(runtime_cases.case_equivalence, 2, args=(configs,), timeout_s=20, join_timeout_s=55)
+    _check(res)
+    # rank 1 and half of the experts got nothing in the rank0 case
+    assert res[1][2]["rows"] == 0 and res[1][2]["pairs"] == 0
+    assert res[0][2]["rows"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_pipeline_depths_give_equal_results() -> None:
+    base = {"model": "custom:64,32,16,4,float32", "tokens": [37, 29], "routing": "zipf:1.5", "seed": 7}
+    configs = [dict(base, depth=d) for d in (1, 2, 4)] + [dict(base, depth=4, channels=2)]
+    res = launch(runtime_cases.case_equivalence, 2, args=(configs,), timeout_s=20, join_timeout_s=55)
+    _check(res)
+    for rank_rows in res:
+        outs = [r["out"] for r in rank_rows]
+        for o in outs[1:]:
+            assert torch.allclose(o, outs[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(80)
+def test_four_ranks_matches_dense_reference() -> None:
+    configs = [
+        {"model": "custom:64,32,16,4,float32", "tokens": 30, "routing": "zipf:1.5", "seed": 8, "depth": 2},
+        {"model": "custom:64,32,16,8,float32", "tokens": [5, 0, 1, 12], "seed": 9},
+        {"model": "custom:64,32,16,1,float32", "tokens": 16, "routing": "rank0:4", "seed": 10},
+    ]
+    res = launch(runtime_cases.case_equivalence, 4, args=(configs,), timeout_s=30, join_timeout_s=75)
+    _check(res)
+    assert all(res[r][2]["rows"] == 0 for r in (1, 2, 3))
+
+
+@pytest.mark.timeout(60)
+def test_fp8_dispatch_within_documented_bound() -> None:
+    configs = [
+        {"model": "custom:128,64,8,4,float32", "tokens": 64, "compression": "fp8_e4m3", "seed": 11},
+        {"model": "custom:128,64,8,4,float32", "tokens": 64, "compression": "fp8_e4m3", "seed": 12,
+         "routing": "zipf:1.5", "depth": 2},
+    ]
+    res = launch(runtime_cases.case_equivalence, 2, args=(configs,), timeout_s=20, join_timeout_s=55)
+    _check(res, FP8_LAYER_REL_ERR_BOUND)
+    # fp8 really is lossy (the comparison is not vacuous)
+    assert max(r["err"] for rows in res for r in rows) > 1e-4

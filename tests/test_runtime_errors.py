@@ -1,0 +1,63 @@
+"""Wrong inputs on one rank: every rank raises a clear ValueError, nobody hangs, the group stays usable."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moetune.runtime.launch import launch
+
+sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the cases by name
+runtime_cases = importlib.import_module("runtime_cases")
+
+EXPECT = {
+    "x_shape": "x must have shape",
+    "x_dtype": "x must have dtype",
+    "idx_range": "out of range",
+    "idx_negative": "out of range",
+    "idx_shape": "topk_idx must have shape",
+    "weights_shape": "topk_weights must have shape",
+    "too_many": "max_tokens",
+    "combine_shape": "expert_out must have shape",
+}
+
+
+@pytest.mark.timeout(90)
+def test_bad_input_on_one_rank_is_an_error_on_every_rank() -> None:
+    kinds = list(runtime_cases.BAD_INPUTS)
+    t0 = time.monotonic()
+    # A short process-group timeout: should anything hang, the collective raises instead of blocking.
+    res = launch(runtime_cases.case_errors, 2, args=(kinds, 1), timeout_s=10, join_timeout_s=80)
+    assert time.monotonic() - t0 < 80
+    for rank, msgs in enumerate(res):
+        for kind in kinds:
+            msg = msgs[kind]
+            assert msg != "NO ERROR", (rank, kind)
+            took = float(msg.split("s ", 1)[0])
+            assert took < 5.0, (rank, kind, msg)  # reported at once, not after a timeout
+            if rank == 1:
+                assert EXPECT[kind] in msg, (kind, msg)
+            else:
+                assert "rank 1" in msg or "rank(s) [1]" in msg, (kind, msg)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_with_different_knobs_refuse_to_build() -> None:
+    res = launch(runtime_cases.case_knob_mismatch, 2, timeout_s=10, join_timeout_s=50)
+    for msg in res:
+        assert "differ from rank 0" in msg and "knobs" in msg
+
+
+@pytest.mark.timeout(60)
+def test_launch_reports_a_failing_rank_without_hanging() -> None:
+    from moetune.runtime.launch import LaunchError
+
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as ei:
+        launch(runtime_cases.case_crash_one, 2, timeout_s=5, join_timeout_s=45)
+    assert time.monotonic() - t0 < 45
+    assert "boom on rank 1" in str(ei.value)

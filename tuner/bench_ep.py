@@ -1,0 +1,299 @@
+"""`moetune bench ep`: time EP dispatch/combine and the whole MoE layer on this node.
+
+Each rank gets S tokens (random activations, routing from `--routing`, deterministic seeds). Per
+iteration, every rank times
+  dispatch   : EPBuffer.dispatch (counts exchange + pack + payload transfer + unpack/dequantise)
+  combine    : EPBuffer.combine of one row per received row
+  roundtrip  : dispatch → identity experts (rows × their local weights) → combine as one span; with
+               pipeline_depth > 1 it runs pipelined (chunk i's combine travels while later chunks dispatch)
+  layer      : MoELayer.forward_routed (dispatch → SwiGLU experts → combine; the gate is skipped because
+               the benchmark injects the routing)
+On GPUs with CUDA events (then synchronise); on CPU with perf_counter after a barrier. The step time of an
+iteration is the slowest rank's; the report gives median, p10 and p90 over iterations (after warm-up).
+
+`impl="plain"` times the baseline of DESIGN §6 instead: plain `all_to_all_single` without the
+once-per-rank packing: every (token, expert) pair is one row (k copies of a token), sorted by expert,
+counts exchanged first; combine sends the k rows back and the source sums them with their weights.
+
+Used by the CLI (spawned ranks or torchrun) and by bench/gpu_runtime.py (many cases in one launch).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..runtime import EPBuffer, Knobs, MoELayer, dense_reference, get_model
+from ..runtime.buffer import TORCH_DTYPES
+from ..runtime.fp8 import FP8_LAYER_REL_ERR_BOUND
+from ..runtime.moe_layer import max_rel_err
+from ..runtime.pipeline import pipelined_moe, weighted_rows
+from ..runtime.routing import generate_routing
+
+VERIFY_BOUNDS = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 1e-2}
+
+
+def verify_bound(dtype: str, compression: str) -> float:
+    return VERIFY_BOUNDS[dtype] + (FP8_LAYER_REL_ERR_BOUND if compression != "none" else 0.0)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"median": float("nan"), "p10": float("nan"), "p90": float("nan")}
+    v = sorted(values)
+
+    def q(p: float) -> float:
+        i = p * (len(v) - 1)
+        lo = int(i)
+        hi = min(lo + 1, len(v) - 1)
+        return v[lo] + (v[hi] - v[lo]) * (i - lo)
+
+    return {"median": round(statistics.median(v), 3), "p10": round(q(0.1), 3), "p90": round(q(0.9), 3)}
+
+
+class _Timer:
+    """Times spans on the device timeline (CUDA events) or the host clock (CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def us(self, a: Any, b: Any) -> float:
+        if self.cuda:
+            return a.elapsed_time(b) * 1e3
+        return (b - a) * 1e6
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def _barrier(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if device.type == "cuda":
+            dist.barrier(device_ids=[device.index])
+        else:
+            dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class PlainA2A:
+    """The unpacked baseline: one row per (token, expert), plain all_to_all_single, sorted by expert."""
+
+    def __init__(self, model, device: torch.device, dtype: torch.dtype):
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.model, self.device, self.dtype = model, device, dtype
+        self.epr = model.experts // self.world
+
+    def _a2a(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        out = torch.empty((sum(recv_splits), *send.shape[1:]), dtype=send.dtype, device=send.device)
+        if self.world == 1:
+            out.copy_(send)
+        else:
+            dist.all_to_all_single(out, send, recv_splits, send_splits)
+        return out
+
+    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
+        k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok = torch.div(order, k, rounding_mode="floor")
+        per_expert = torch.bincount(flat, minlength=self.model.experts).view(self.world, self.epr)
+        recv_counts = torch.empty_like(per_expert)
+        if self.world > 1:
+            dist.all_to_all_single(recv_counts, per_expert)
+        else:
+            recv_counts.copy_(per_expert)
+        host = torch.cat([per_expert.sum(1), recv_counts.sum(1)]).tolist()
+        send_splits, recv_splits = host[: self.world], host[self.world :]
+        recv = self._a2a(x.index_select(0, tok), send_splits, recv_splits)
+        return recv, (tok, w.reshape(-1).index_select(0, order), send_splits, recv_splits, x.shape[0])
+
+    def combine(self, rows: torch.Tensor, handle) -> torch.Tensor:
+        tok, wsorted, send_splits, recv_splits, s = handle
+        back = self._a2a(rows.contiguous(), recv_splits, send_splits)
+        out = torch.zeros(s, self.model.hidden, dtype=torch.float32, device=self.device)
+        out.index_add_(0, tok, back.float() * wsorted.float().unsqueeze(1))
+        return out.to(self.dtype)
+
+
+_INPUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _inputs(rank: int, model, dtype: torch.dtype, tokens: int, routing: str, seed: int, device: torch.device):
+    """This rank's activations and routing (deterministic; the last one is cached for the next case)."""
+    key = (rank, model.name, dtype, tokens, routing, seed, str(device))
+    if key not in _INPUTS:
+        _INPUTS.clear()
+        g = torch.Generator(device=device)
+        g.manual_seed(seed * 1009 + rank)
+        x = torch.randn(tokens, model.hidden, generator=g, device=device, dtype=torch.float32).to(dtype)
+        idx, w = generate_routing(tokens, model.experts, model.topk, routing=routing, seed=seed * 7 + rank + 1, device=device)
+        _INPUTS[key] = (x, idx, w)
+    return _INPUTS[key]
+
+
+def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """Run one benchmark case on this rank (process group already initialised). Rank 0 returns the report."""
+    backend = dist.get_backend() if dist.is_initialized() else cfg.get("backend", "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    model = get_model(cfg["model"])
+    dtype = TORCH_DTYPES[model.dtype]
+    knobs = Knobs.from_dict(cfg["knobs"]) if isinstance(cfg.get("knobs"), dict) else Knobs.parse(cfg.get("knobs") or "")
+    if cfg.get("transport"):
+        knobs = knobs.replace(transport=cfg["transport"])
+    impl = cfg.get("impl", "moetune")
+    tokens = int(cfg["tokens"])
+    iters, warmup = int(cfg.get("iters", 20)), int(cfg.get("warmup", 5))
+    seed = int(cfg.get("seed", 0))
+    routing = cfg.get("routing", "uniform")
+    measure_layer = bool(cfg.get("layer", True))
+    verify = bool(cfg.get("verify", False))
+
+    x, idx, w = _inputs(rank, model, dtype, tokens, routing, seed, device)
+    timer = _Timer(device)
+
+    layer = None
+    if impl == "plain":
+        comm: Any = PlainA2A(model, device, dtype)
+        buf = None
+    else:
+        if measure_layer or verify:
+            layer = MoELayer(model, knobs=knobs, max_tokens=max(tokens, 1), device=device, dtype=dtype, seed=seed)
+            buf = layer.buffer
+        else:
+            buf = EPBuffer(knobs=knobs, model=model, max_tokens=max(tokens, 1), device=device, dtype=dtype, check_inputs=False)
+        buf.check_inputs = False  # the combine cross-rank check costs a collective; keep it out of the timings
+        comm = buf
+
+    times: dict[str, list[float]] = {"dispatch": [], "combine": [], "roundtrip": [], "layer": []}
+    for it in range(warmup + iters):
+        keep = it >= warmup
+        # dispatch and combine, each timed alone
+        _barrier(device)
+        t0 = timer.mark()
+        if impl == "plain":
+            recv, handle = comm.dispatch(x, idx, w)
+            t1 = timer.mark()
+            rows = recv
+        else:
+            recv, meta, handle = comm.dispatch(x, idx, w)
+            t1 = timer.mark()
+            rows = weighted_rows(recv, meta)
+        _barrier(device)
+        t2 = timer.mark()
+        comm.combine(rows, handle)
+        t3 = timer.mark()
+        timer.sync()
+        if keep:
+            times["dispatch"].append(timer.us(t0, t1))
+            times["combine"].append(timer.us(t2, t3))
+        # the round trip as one span (pipelined when pipeline_depth > 1)
+        _barrier(device)
+        t0 = timer.mark()
+        if impl == "plain":
+            recv, handle = comm.dispatch(x, idx, w)
+            comm.combine(recv, handle)
+        elif buf is not None and buf.num_chunks > 1:
+            pipelined_moe(buf, x, idx, w, weighted_rows)
+        else:
+            recv, meta, handle = comm.dispatch(x, idx, w)
+            comm.combine(weighted_rows(recv, meta), handle)
+        t1 = timer.mark()
+        timer.sync()
+        if keep:
+            times["roundtrip"].append(timer.us(t0, t1))
+        if layer is not None and measure_layer:
+            _barrier(device)
+            t0 = timer.mark()
+            layer.forward_routed(x, idx, w)
+            t1 = timer.mark()
+            timer.sync()
+            if keep:
+                times["layer"].append(timer.us(t0, t1))
+
+    err = None
+    if verify and layer is not None:
+        out = layer.forward_routed(x, idx, w)
+        ref = dense_reference(x, model, seed=seed, topk_idx=idx, topk_weights=w)
+        err = max_rel_err(out, ref)
+
+    # the step time of an iteration is the slowest rank's
+    mine = torch.tensor([times["dispatch"], times["combine"], times["roundtrip"], times["layer"] or [0.0] * iters],
+                        dtype=torch.float64, device=device)
+    errs = torch.tensor([err if err is not None else -1.0], dtype=torch.float64, device=device)
+    if dist.is_initialized() and world > 1:
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    worst = mine.cpu().tolist()
+    if rank != 0:
+        return None
+    rep: dict[str, Any] = {
+        "dispatch_us": spread(worst[0]),
+        "combine_us": spread(worst[1]),
+        "roundtrip_us": spread(worst[2]),
+        "layer_us": spread(worst[3]) if times["layer"] else None,
+        "max_rel_err": (float(errs.item()) if verify and layer is not None else None),
+        "verify_bound": verify_bound(model.dtype, knobs.compression) if verify else None,
+        "knobs": knobs.to_dict(),
+        "impl": impl,
+        "world": world,
+        "backend": backend,
+        "model": model.name,
+        "hidden": model.hidden,
+        "experts": model.experts,
+        "topk": model.topk,
+        "dtype": model.dtype,
+        "tokens": tokens,
+        "routing": routing,
+        "iters": iters,
+        "warmup": warmup,
+        "wire_bytes_per_row": buf.row_bytes if buf is not None else model.token_bytes,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    if device.type == "cuda" and hasattr(torch.cuda, "nccl"):
+        try:
+            rep["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except Exception:
+            pass
+    return rep
+
+
+def bench_entry(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """launch() target: one case per launch."""
+    return bench_case(rank, world, cfg)
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_torchrun(cfg: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+    """Join the group torchrun set up (env://) and run the case; rank 0 returns the report."""
+    backend = cfg.get("backend", "gloo")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count()))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        return bench_case(rank, world, cfg)
+    finally:
+        dist.destroy_process_group()
