@@ -197,7 +197,7 @@ def main() -> int:
     import daemon_fakes as F
 
     tmp = Path(tempfile.mkdtemp(prefix="moetune-bench-"))
-    facts = F.write_facts(tmp / "capture")
+    facts = F.make_capture(tmp / "capture")
     store = F.open_store(tmp / "moetune.db")
     F.seed_profiles(store, facts)
     del store

@@ -170,10 +170,39 @@ def write_facts(capture: Path, **facts: Any) -> FakeFacts:
     return FakeFacts(d)
 
 
-def discover_capture(capture: Path | None) -> FakeFacts:
+def discover_capture(capture: Path | None) -> Any:
+    """Fake facts from `capture/facts.json` when present, else the real discovery of the capture."""
     if capture is None:
         raise RuntimeError("the fake discovery needs --capture")
-    return FakeFacts(json.loads((Path(capture) / "facts.json").read_text()))
+    if (Path(capture) / "facts.json").exists():
+        return FakeFacts(json.loads((Path(capture) / "facts.json").read_text()))
+    from moetune.tuner.discovery import discover
+
+    return discover(capture)
+
+
+CAPTURES = Path(__file__).resolve().parent / "captures"
+
+
+def make_capture(dest: Path, name: str = "dgx-h100") -> Any:
+    """Copy one of the fabric tests' captures to `dest` (the daemon's --capture) and discover it."""
+    import shutil
+
+    from moetune.tuner.discovery import discover
+
+    shutil.copytree(CAPTURES / name, dest)
+    return discover(dest)
+
+
+def set_port_state(capture: Path, state: str = "1: DOWN", dev: str = "mlx5_0", port: int = 1) -> Any:
+    """Script a hardware change in a capture: an InfiniBand port goes down (or up). Returns the new facts."""
+    from moetune.tuner.discovery import discover
+
+    f = capture / "sys" / "class" / "infiniband" / dev / "ports" / str(port) / "state"
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text(state + "\n")
+    os.replace(tmp, f)
+    return discover(capture)
 
 
 def make_record(key: ProfileKey, *, latency_us: float = 10.0, num_sms: int = 24, backend: str = "model:fake") -> ProfileRecord:
@@ -217,8 +246,8 @@ class DaemonProc:
         args = [sys.executable, "-m", "moetune.tuner.daemon", "--socket", self.endpoint, "--db", str(self.db),
                 "--capture", str(self.capture), "--rediscover-interval", str(interval), "--log-level", "info"]
         if hooks:
-            args += ["--discover-hook", "daemon_fakes:discover_capture",
-                     "--retune-hook", "daemon_fakes:fake_retune"]
+            # real discovery of the --capture directory; the re-tune is faked (no Optuna in daemon tests)
+            args += ["--retune-hook", "daemon_fakes:fake_retune"]
         args += extra or []
         e = dict(os.environ)
         e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), e.get("PYTHONPATH", "")]))

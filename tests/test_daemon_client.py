@@ -32,7 +32,7 @@ QWEN = MODELS["qwen3-30b"]
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("client")
-    facts = F.write_facts(tmp / "capture", transports=["nvlink", "collective"])
+    facts = F.make_capture(tmp / "capture")
     F.seed_profiles(F.open_store(tmp / "moetune.db"), facts)
     d = F.DaemonProc(tmp, interval=0)
     try:

@@ -39,7 +39,7 @@ def _until(cond, timeout: float = 15.0, step: float = 0.05):
 
 
 def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
-    facts = F.write_facts(tmp_path / "capture")
+    facts = F.make_capture(tmp_path / "capture")
     F.seed_profiles(F.open_store(tmp_path / "moetune.db"), facts)
     port = _free_port()
     d = F.DaemonProc(tmp_path, interval=0.2, extra=["--metrics-port", str(port)], env={"MOETUNE_FAKE_JOB_SLEEP": "1.0"})
@@ -55,7 +55,7 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
         w.subscribe()
         time.sleep(0.2)  # let the SUB connect (correctness never depends on it: snapshots carry versions)
 
-        new_facts = F.write_facts(tmp_path / "capture", gpu_count=4)  # script the hardware change
+        new_facts = F.set_port_state(tmp_path / "capture", "1: DOWN")  # script the hardware change
         kinds: list[str] = []
 
         def saw_stale():
@@ -83,7 +83,9 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
         assert tracked.current.version > old.version
         _until(lambda: "profile_updated" in [ch.kind for ch in w.poll_changes(100)] or None)
         fab = c.fabric()
-        assert fab.fingerprint == new_facts.fingerprint and fab.facts["gpu_count"] == 4 and fab.ok
+        assert fab.fingerprint == new_facts.fingerprint and fab.ok and "proxy:ibrc" in fab.transports
+        mlx5_0 = next(n for n in fab.facts["nics"] if n["name"] == "mlx5_0")
+        assert mlx5_0["ports"][0]["state"] == "DOWN"
         lst = c.list_profiles()
         assert {p.key.fingerprint for p in lst.profiles} == {new_facts.fingerprint}
         assert len(c.list_profiles(status="stale").profiles) == 3
@@ -103,7 +105,7 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
         # events were recorded with the diff reasons
         store = F.open_store(d.db)
         evs = [e for e in store.list_events(limit=100) if e["kind"] == "fabric_changed"]
-        assert evs and "gpu_count" in evs[0]["reason"]
+        assert evs and "mlx5_0 port 1 ACTIVE → DOWN" in evs[0]["reason"]
         # structured logs: JSON lines
         lines = [json.loads(x) for x in d.read_log().splitlines() if x.startswith("{")]
         assert any(x["msg"] == "fabric changed" for x in lines)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("hostile")
-    facts = F.write_facts(tmp / "capture")
+    facts = F.make_capture(tmp / "capture")
     F.seed_profiles(F.open_store(tmp / "moetune.db"), facts)
     d = F.DaemonProc(tmp, interval=0)
     try:

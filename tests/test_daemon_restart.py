@@ -29,13 +29,13 @@ def _until(cond, timeout: float = 15.0):
 
 
 def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
-    facts = F.write_facts(tmp_path / "capture")
+    facts = F.make_capture(tmp_path / "capture")
     F.seed_profiles(F.open_store(tmp_path / "moetune.db"), facts)
     d = F.DaemonProc(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "60"})
     try:
         d.wait_ready()
         c = ProfileClient(d.endpoint, timeout_ms=1000)
-        new_facts = F.write_facts(tmp_path / "capture", gpu_count=8)
+        new_facts = F.set_port_state(tmp_path / "capture", "1: DOWN")
         # running, with its tuning run and job_started event persisted (run_id is shown only then)
         running = _until(lambda: (j := c.status().jobs.running) is not None and j.run_id is not None and j)
         assert running.fingerprint == new_facts.fingerprint and running.keys == 3
@@ -81,13 +81,13 @@ def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
 def test_cancel_running_job_and_bounded_queue(tmp_path: Path) -> None:
     from moetune.runtime.client import DaemonError
 
-    facts = F.write_facts(tmp_path / "capture")
+    facts = F.make_capture(tmp_path / "capture")
     F.seed_profiles(F.open_store(tmp_path / "moetune.db"), facts)
     d = F.DaemonProc(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "60"})
     try:
         d.wait_ready()
         c = ProfileClient(d.endpoint, timeout_ms=1000)
-        F.write_facts(tmp_path / "capture", gpu_count=8)
+        F.set_port_state(tmp_path / "capture", "1: DOWN")
         running = _until(lambda: c.status().jobs.running)
         # the queue is bounded (4): the 5th queued job is refused with `busy`, the daemon keeps answering
         queued = []
@@ -113,13 +113,13 @@ def test_cancel_running_job_and_bounded_queue(tmp_path: Path) -> None:
 
 
 def test_second_daemon_on_the_same_socket_refused(tmp_path: Path) -> None:
-    F.write_facts(tmp_path / "capture")
+    F.make_capture(tmp_path / "capture")
     d = F.DaemonProc(tmp_path, interval=0)
     try:
         d.wait_ready()
         other = tmp_path / "second"
         other.mkdir()
-        F.write_facts(other / "capture")
+        F.make_capture(other / "capture")
         d2 = F.DaemonProc(other, endpoint=d.endpoint, interval=0)
         try:
             assert d2.proc.wait(20) == 2

@@ -39,7 +39,7 @@ def ipc_daemon():
     # a world-traversable parent (pytest's tmp root is 0700): only the runtime dir's own mode keeps others out
     tmp = Path(tempfile.mkdtemp(prefix="moetune-sec-", dir="/tmp"))
     os.chmod(tmp, 0o755)
-    facts = F.write_facts(tmp / "capture")
+    facts = F.make_capture(tmp / "capture")
     F.seed_profiles(F.open_store(tmp / "moetune.db"), facts)
     d = F.DaemonProc(tmp, interval=0)
     try:
@@ -110,7 +110,7 @@ def test_group_mode(tmp_path: Path) -> None:
     import grp
 
     group = grp.getgrgid(os.getgid()).gr_name
-    facts = F.write_facts(tmp_path / "capture")
+    facts = F.make_capture(tmp_path / "capture")
     store = F.open_store(tmp_path / "db.sqlite")
     d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/daemon.sock", discover=lambda: facts,
                rediscover_interval_s=0, group=group).start(background=True)
@@ -124,7 +124,7 @@ def test_group_mode(tmp_path: Path) -> None:
 
 
 def test_tcp_without_curve_refused(tmp_path: Path) -> None:
-    facts = F.write_facts(tmp_path / "capture")
+    facts = F.make_capture(tmp_path / "capture")
     store = F.open_store(tmp_path / "db.sqlite")
     port = _free_port()
     with pytest.raises(DaemonConfigError, match="CURVE"):
@@ -152,7 +152,7 @@ def test_curve_round_trip(tmp_path: Path) -> None:
     import zmq.auth
 
     server_pub, _ = zmq.auth.load_certificate(str(public))
-    facts = F.write_facts(tmp_path / "capture")
+    facts = F.make_capture(tmp_path / "capture")
     F.seed_profiles(F.open_store(tmp_path / "moetune.db"), facts)
     port, pub_port = _free_port(), _free_port()
     cfg = tmp_path / "moetune.toml"
