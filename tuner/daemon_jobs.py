@@ -108,10 +108,24 @@ def group_keys(keys: list[ProfileKey]) -> dict[tuple[int, int], tuple[list[Model
 
 
 def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
-    """The default re-tune: the tuner's `tune_profiles` on the new facts, per (EP size, nodes) group."""
+    """The default re-tune: the tuner's `tune_profiles` on the new facts, per (EP size, nodes) group.
+
+    Cancellation is checked between groups and, when the tuner takes an `on_trial` callback, after every
+    trial (the callback stops the study and raises JobCancelled)."""
+    import inspect
+
     from moetune.tuner.search import tune_profiles
 
     tune = ctx.tune
+    extra: dict[str, Any] = {}
+    if "on_trial" in inspect.signature(tune_profiles).parameters:
+
+        def on_trial(_name: str, study: Any, _trial: Any) -> None:
+            if ctx.cancel.is_set():
+                study.stop()
+                raise JobCancelled(f"job {ctx.job.id} cancelled")
+
+        extra["on_trial"] = on_trial
     out: list[ProfileRecord] = []
     for (ep, nodes), (shapes, buckets) in sorted(group_keys(ctx.keys).items()):
         ctx.check_cancel()
@@ -127,8 +141,9 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
             ep_size=ep,
             nodes=nodes,
             progress=False,
+            **extra,
         )
-    return out
+    return [r for r in out if r.status == "current"]
 
 
 class JobManager:
