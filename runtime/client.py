@@ -501,7 +501,8 @@ class ProfileClient:
             problems.append(f"database: {e}")
         family = transport_family or _cached_family(info, nodes)
         knobs, source = policy_or_default(family)
-        msg = "; ".join(problems) + f"; using {source} defaults for {family}"
+        what = "the policy default" if source == "policy" else "the built-in default"
+        msg = "; ".join(problems) + f"; using {what} for {family}"
         _warn(f"moetune: NO tuned profile ({msg})")
         return Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}", status="default",
                           env=launcher_env(knobs, family, nodes), family=family, message=msg,
