@@ -637,7 +637,8 @@ class Daemon:
         if not keys:
             return True, wire.RetuneResult(job=None, message="nothing to re-tune: no stale profile lacks a current one")
         try:
-            job = self.jobs.submit(reason=req.reason, old_fingerprint=None, keys=keys, all_current=req.all)
+            job = self.jobs.submit(reason=req.reason, old_fingerprint=None, keys=keys, all_current=req.all,
+                                   persist_async=True)  # the serving loop never waits on the database
         except queue.Full:
             return False, (wire.E_BUSY, f"the job queue is full ({self.jobs.capacity} jobs)")
         return True, wire.RetuneResult(job=job.info(), message=f"queued job {job.id} for {len(keys)} key(s)")

@@ -14,6 +14,7 @@ that the re-tune function checks between shape groups.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -168,13 +169,13 @@ class JobManager:
         self.tune = tune
         self.capacity = capacity
         self.metrics = metrics
-        self._q: queue.Queue[Job | None] = queue.Queue(maxsize=capacity)
+        self._q: queue.Queue[Job | None] = queue.Queue(maxsize=capacity + 1)  # + the stop sentinel
         self._queued: dict[int, Job] = {}
         self._recent: collections.deque[Job] = collections.deque(maxlen=16)
         self.running: Job | None = None
         self._ids = itertools.count(first_id)
         self._lock = threading.Lock()
-        self._submit_lock = threading.Lock()
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetune-writer")
         self._thread = threading.Thread(target=self._loop, name="moetune-jobs", daemon=True)
         self._stopping = False
 
@@ -187,24 +188,31 @@ class JobManager:
         except Exception as e:  # the store is the daemon's; a failed event must not kill the worker
             log.error("cannot record %s for job %s: %s", kind, job.id, e)
 
-    def submit(self, *, reason: str, old_fingerprint: str | None, keys: list[ProfileKey], all_current: bool = False) -> Job:
+    def submit(self, *, reason: str, old_fingerprint: str | None, keys: list[ProfileKey], all_current: bool = False,
+               persist_async: bool = False) -> Job:
         """Queue a job; raises queue.Full when the queue is at capacity.
 
         The job_queued event is written BEFORE the worker can see the job, so the events of one job are
-        always in order (queued < started < finished) for recover_jobs()."""
-        with self._submit_lock:
-            with self._lock:
-                if self._stopping:
-                    raise queue.Full("the daemon is stopping")
-                if self._q.full():
-                    raise queue.Full(f"{self.capacity} jobs queued")
-                job = Job(next(self._ids), reason=reason, old_fingerprint=old_fingerprint, keys=keys, all_current=all_current)
-            self._event("job_queued", job, reason)
-            with self._lock:
-                self._q.put_nowait(job)  # only submitters add, under _submit_lock: cannot be full here
-                self._queued[job.id] = job
+        always in order (queued < started < finished) for recover_jobs(). With `persist_async` (the
+        serving loop) that write and the hand-over happen on a writer thread, so the caller never waits
+        on the database; the job is listed as queued at once."""
+        with self._lock:
+            if self._stopping:
+                raise queue.Full("the daemon is stopping")
+            if len(self._queued) >= self.capacity:
+                raise queue.Full(f"{self.capacity} jobs queued")
+            job = Job(next(self._ids), reason=reason, old_fingerprint=old_fingerprint, keys=keys, all_current=all_current)
+            self._queued[job.id] = job  # reserves its place: at most `capacity` jobs queued or being persisted
+        if persist_async:
+            self._writer.submit(self._persist_and_enqueue, job)
+        else:
+            self._persist_and_enqueue(job)
         log.info("queued re-tune job %d (%d keys): %s", job.id, len(keys), reason)
         return job
+
+    def _persist_and_enqueue(self, job: Job) -> None:
+        self._event("job_queued", job, job.reason)
+        self._q.put(job)  # never blocks long: _queued (which bounds the queue) was reserved above
 
     def cancel(self, job_id: int) -> Job | None:
         with self._lock:
@@ -296,6 +304,7 @@ class JobManager:
                 j.cancel.set()
             if self.running is not None:
                 self.running.cancel.set()
+        self._writer.shutdown(wait=True)  # queued jobs reach the store (and the queue) before the sentinel
         try:
             self._q.put(None, timeout=timeout)  # wakes the worker after the queued (cancelled) jobs
         except queue.Full:
