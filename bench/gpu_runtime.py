@@ -16,7 +16,8 @@ ranks before NCCL initialises) — it runs:
        fp8_d4    : packed + fp8 + pipeline_depth 4
        fp8_d4c2  : fp8_d4 with channels=2 (chunks spread over 2 communicators per direction)
      dispatch_us and combine_us are each timed alone; total_us is dispatch → identity experts → combine
-     as one span (pipelined for depth > 1). CUDA events, median and p10/p90 over >= 20 iterations after
+     as one span (pipelined for depth > 1); for qwen3-30b also layer_us, the MoE layer with its SwiGLU
+     experts between dispatch and combine. CUDA events, median and p10/p90 over >= 20 iterations after
      warm-up; the slowest rank's time per iteration counts.
 One JSON line per case (errors recorded as lines with "error"), a compact table and the issue checks last.
 A failing case is recorded and skipped; if a launch dies, the remaining cases are relaunched.
@@ -93,14 +94,17 @@ def build_cases(args) -> list[dict]:
             for vname, v in VARIANTS.items():
                 cases.append({"kind": "time", "name": m, "model": spec, "tokens": s, "variant": vname,
                               "impl": v["impl"], "knobs": dict(v["knobs"]), "iters": args.iters,
-                              "warmup": args.warmup, "verify": False, "layer": False})
+                              "warmup": args.warmup, "verify": False,
+                              # the whole layer (SwiGLU experts between dispatch and combine) for Qwen3-30B,
+                              # where pipelining can also hide expert compute
+                              "layer": m == "qwen3-30b" and v["impl"] == "moetune"})
     for i, c in enumerate(cases):
         c["id"] = i
     return cases
 
 
 def rank_main(rank: int, world: int, cases: list[dict], fabric: str, results: str, progress: str,
-              command: str, inject: str) -> int:
+              command: str, inject: str, run_id: str) -> int:
     """Runs inside each spawned rank: every case in lockstep; rank 0 appends one JSON line per case."""
     import torch
     import torch.distributed as dist
@@ -120,6 +124,8 @@ def rank_main(rank: int, world: int, cases: list[dict], fabric: str, results: st
             if inject and case["variant"] == inject and rank == 0:
                 raise RuntimeError(f"injected failure in variant {inject}")
             cfg = dict(case, routing="uniform", seed=0)
+            if fabric == "host_staged":  # the same collective; the knob records that NCCL stages through host memory
+                cfg["knobs"] = dict(cfg["knobs"], transport="host_staged")
             rep = bench_case(rank, world, cfg)
         except Exception as e:
             err = f"{type(e).__name__}: {e}"
@@ -131,7 +137,7 @@ def rank_main(rank: int, world: int, cases: list[dict], fabric: str, results: st
         dist.all_reduce(flag)
         if rank == 0:
             rec = {
-                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "run_id": run_id,
                 "hardware": hardware, "torch": torch.__version__, "nccl": nccl, "command": command,
                 "fabric": fabric, "model": case["name"], "model_spec": case["model"], "S": case["tokens"],
                 "variant": case["variant"], "kind": case["kind"], "world": world, "case_id": case["id"],
@@ -143,11 +149,14 @@ def rank_main(rank: int, world: int, cases: list[dict], fabric: str, results: st
                     rec[f"{dst}_p10"] = rep[src]["p10"]
                     rec[f"{dst}_p90"] = rep[src]["p90"]
                 rec["layer_us"] = rep["layer_us"]["median"] if rep.get("layer_us") else None
+                rec["roundtrip_rel_err"] = rep["roundtrip_rel_err"]
+                rec["roundtrip_ok"] = rep["roundtrip_rel_err"] <= rep["roundtrip_bound"]
                 rec["max_rel_err"] = rep["max_rel_err"]
                 rec["verify_bound"] = rep["verify_bound"]
                 rec["verify_ok"] = (rep["max_rel_err"] <= rep["verify_bound"]) if rep["max_rel_err"] is not None else None
                 rec["iters"], rec["warmup"] = rep["iters"], rep["warmup"]
                 rec["wire_bytes_per_row"] = rep["wire_bytes_per_row"]
+                rec["dispatch_remote_bytes_rank0"] = rep["dispatch_remote_bytes_rank0"]
                 rec["knobs"] = rep["knobs"]
             else:
                 rec["error"] = err or "failed on another rank"
@@ -157,7 +166,7 @@ def rank_main(rank: int, world: int, cases: list[dict], fabric: str, results: st
     return done
 
 
-def run_fabric(fabric: str, cases: list[dict], args, results: Path, deadline: float) -> None:
+def run_fabric(fabric: str, cases: list[dict], args, results: Path, deadline: float, run_id: str) -> None:
     from moetune.runtime.launch import LaunchError, launch
 
     env = {"NCCL_P2P_DISABLE": "1"} if fabric == "host_staged" else {}
@@ -167,49 +176,50 @@ def run_fabric(fabric: str, cases: list[dict], args, results: Path, deadline: fl
     while remaining:
         left = deadline - time.monotonic()
         if left < 20:
-            _record_skipped(results, fabric, remaining, "time budget exhausted")
+            _record_skipped(results, fabric, remaining, "time budget exhausted", run_id)
             return
         progress = Path(tempfile.mkstemp(prefix="moetune_progress_")[1])
         progress.write_text("{}")
         try:
             launch(rank_main, 2, backend=backend, args=(remaining, fabric, str(results), str(progress), command,
-                                                      args.inject_failure),
+                                                      args.inject_failure, run_id),
                    timeout_s=args.collective_timeout, join_timeout_s=left - 5, env=env)
             return
         except LaunchError as e:
             started = json.loads(progress.read_text() or "{}").get("started")
             first = next(iter(e.errors.values())).splitlines()[0]
             print(f"[{fabric}] launch failed at case {started}: {first}", file=sys.stderr)
-            done_ids = _done_ids(results, fabric)
-            failed = [c for c in remaining if c["id"] == started]
-            _record_skipped(results, fabric, failed, f"rank crashed or timed out: {first}")
+            done_ids = _done_ids(results, fabric, run_id)
+            failed = [c for c in remaining if c["id"] == started and c["id"] not in done_ids]
+            _record_skipped(results, fabric, failed, f"rank crashed or timed out: {first}", run_id)
             remaining = [c for c in remaining if c["id"] not in done_ids and c["id"] != started]
             if started is None:
-                _record_skipped(results, fabric, remaining, f"launch failed before any case: {first}")
+                _record_skipped(results, fabric, remaining, f"launch failed before any case: {first}", run_id)
                 return
 
 
-def _done_ids(results: Path, fabric: str) -> set[int]:
+def _done_ids(results: Path, fabric: str, run_id: str) -> set[int]:
     out: set[int] = set()
     if results.exists():
         for line in results.read_text().splitlines():
             r = json.loads(line)
-            if r.get("fabric") == fabric and "case_id" in r:
+            if r.get("fabric") == fabric and r.get("run_id") == run_id and "case_id" in r:
                 out.add(r["case_id"])
     return out
 
 
-def _record_skipped(results: Path, fabric: str, cases: list[dict], why: str) -> None:
+def _record_skipped(results: Path, fabric: str, cases: list[dict], why: str, run_id: str) -> None:
     with open(results, "a") as f:
         for c in cases:
             f.write(json.dumps({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                                "run_id": run_id,
                                 "fabric": fabric, "model": c["name"], "S": c["tokens"], "variant": c["variant"],
                                 "kind": c["kind"], "case_id": c["id"], "error": why}) + "\n")
 
 
-def summarise(results: Path, started_at: str) -> int:
-    rows = [json.loads(x) for x in results.read_text().splitlines() if x.strip()]
-    rows = [r for r in rows if r.get("date", "") >= started_at]
+def summarise(results: Path, run_id: str) -> int:
+    rows = [json.loads(x) for x in results.read_text().splitlines() if x.strip()] if results.exists() else []
+    rows = [r for r in rows if r.get("run_id") == run_id]
     bad = 0
     print("\nverify (max relative error vs dense reference):")
     for r in rows:
@@ -235,6 +245,9 @@ def summarise(results: Path, started_at: str) -> int:
             elif "error" in r:
                 cells.append(f"{'ERR':>24}")
                 bad += 1
+            elif not r.get("roundtrip_ok", True):
+                cells.append(f"{'WRONG':>24}")
+                bad += 1
             else:
                 cells.append(f"{r['total_us']:>8.0f} ({r['dispatch_us']:.0f}/{r['combine_us']:.0f})".rjust(24))
         print(f"{fabric:<11} {model:<13} {s:>6} " + " ".join(cells))
@@ -250,25 +263,29 @@ def summarise(results: Path, started_at: str) -> int:
               f"{b['total_us']:.0f} µs = {ratio:.2f}x ({'PASS' if ratio >= 1.8 else 'FAIL'} >= 1.8x)")
         if plain and "error" not in plain:
             print(f"    (vs plain all_to_all_single bf16 {plain['total_us']:.0f} µs: {plain['total_us'] / b['total_us']:.2f}x)")
+        layers = [r for r in [base, *best] if r.get("layer_us")]
+        if len(layers) > 1:
+            print("    whole layer (experts between dispatch and combine), µs: "
+                  + ", ".join(f"{r['variant']} {r['layer_us']:.0f}" for r in layers))
     else:
         print("  host_staged qwen3-30b S=4096: not measured")
-    worst = None
-    for (fabric, model, s, v), r in t.items():
-        if fabric != "nvlink" or v != "packed" or "error" in r:
-            continue
+    compared, slower = 0, []
+    for (fabric, model, s, v), r in sorted(t.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         p = t.get((fabric, model, s, "plain"))
-        if not p or "error" in p:
+        if fabric != "nvlink" or v != "packed" or "error" in r or not p or "error" in p:
             continue
+        compared += 1
         noise = max(p["total_p90"] - p["total_us"], r["total_p90"] - r["total_us"])
-        excess = r["total_us"] - p["total_us"]
-        verdict = "ok" if excess <= noise else "SLOWER"
-        if verdict != "ok" or worst is None:
-            worst = (model, s, r["total_us"], p["total_us"], noise, verdict)
-        if verdict != "ok":
-            print(f"  nvlink {model} S={s}: packed {r['total_us']:.0f} µs vs plain {p['total_us']:.0f} µs "
-                  f"(noise {noise:.0f} µs) SLOWER")
-    print("  nvlink: packed never slower than plain beyond noise" if worst and worst[-1] == "ok" else
-          "  nvlink: see SLOWER lines above" if worst else "  nvlink: not measured")
+        if r["total_us"] - p["total_us"] > noise:
+            slower.append(f"    {model} S={s}: packed {r['total_us']:.0f} µs vs plain {p['total_us']:.0f} µs "
+                          f"(noise {noise:.0f} µs)")
+    if not compared:
+        print("  nvlink packed vs plain: not measured")
+    elif slower:
+        print(f"  nvlink packed vs plain: SLOWER beyond noise in {len(slower)} of {compared} cases:")
+        print("\n".join(slower))
+    else:
+        print(f"  nvlink packed vs plain: never slower beyond noise ({compared} cases) PASS")
     return bad
 
 
@@ -291,7 +308,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "runtime_results.jsonl"
-    started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    run_id = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
     t0 = time.monotonic()
     deadline = t0 + args.budget_s
     cases = build_cases(args)
@@ -306,8 +323,8 @@ def main() -> int:
         # share what is left of the budget between the fabrics still to run
         share = (deadline - time.monotonic()) / (len(fabrics) - i)
         print(f"[{fabric}] {len(cases)} cases, budget {share:.0f} s", file=sys.stderr)
-        run_fabric(fabric, cases, args, results, time.monotonic() + share)
-    bad = summarise(results, started_at)
+        run_fabric(fabric, cases, args, results, time.monotonic() + share, run_id)
+    bad = summarise(results, run_id)
     print(f"\n{results} ({time.monotonic() - t0:.0f} s; {bad} failed/erroneous entries)")
     return 1 if bad else 0
 

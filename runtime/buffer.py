@@ -8,7 +8,7 @@
 Sharding: expert e lives on rank e // (E / world) as local expert e % (E / world).
 
 Wire format. Each token travels once per destination *rank* (not once per expert): the row carries the
-token's payload and its top-k slots for that rank (local expert id or -1, weight). Rows for a destination
+token's payload and its k routing slots (expert id, weight). Rows for a destination
 are packed contiguously in rank order (rank-major `nonzero` of the token × rank mask: one gather, no
 scatter, no argsort), so one `all_to_all_single` with split sizes moves them: one transfer per peer.
 One row, all bytes (uint8):
@@ -27,7 +27,13 @@ collective, none hangs. The counts come to the host once per dispatch (one `.tol
 reuses them (no second sync).
 
 Combine: one row per received row goes back (the expert side has already summed its local experts per
-(token, rank)); the source adds the rows of each token, one per rank that held its experts.
+(token, rank)); the source adds the rows of each token, one per rank that held its experts. Combine is
+never compressed (activation dtype); with bf16 the per-token sum over ranks is accumulated in bf16.
+
+Knobs used by the collective transport: compression / scale_granularity (fp8 dispatch), pipeline_depth
+(tokens split into that many chunks, see pipeline.py) and channels (communicators per direction, chunks
+round-robin over them; at most MAX_COMM_CHANNELS). chunk_tokens, signalling, fences, QPs and num_sms
+belong to the one-sided transports and are ignored here.
 """
 
 from __future__ import annotations
@@ -400,13 +406,16 @@ class EPBuffer:
             return send
         # rank-major (dest, token) pairs: rows for rank 0 first, then rank 1, ...
         pairs = _nonzero_rows(handle._mask[ch.t0 : ch.t1, : self.world].t(), n)
-        tok = pairs[:, 1] + ch.t0 if ch.t0 else pairs[:, 1]
+        tok_local = pairs[:, 1].contiguous()  # one tiny copy: index kernels get a dense index
+        tok = tok_local + ch.t0 if ch.t0 else tok_local
         ch.send_tok = tok
         x = handle._x
         if self.fp8:
-            q, scales = quantise(x.index_select(0, tok), self.knobs.scale_granularity)
-            send[:, : self.payload_bytes].copy_(q)
-            send[:, self.scale_off : self.scale_off + 4 * self.scale_groups].view(torch.float32).copy_(scales)
+            # quantise each token of the chunk once, then gather the fp8 rows and their scales
+            q, scales = quantise(x[ch.t0 : ch.t1], self.knobs.scale_granularity)
+            torch.index_select(q, 0, tok_local, out=send[:, : self.payload_bytes])
+            sv = send[:, self.scale_off : self.scale_off + 4 * self.scale_groups].view(torch.float32)
+            torch.index_select(scales, 0, tok_local, out=sv)
         else:
             torch.index_select(x, 0, tok, out=send[:, : self.payload_bytes].view(self.dtype))
         k = self.topk
@@ -451,6 +460,9 @@ class EPBuffer:
         topk_weights float [S, k]. Returns recv_x [M, H] (rows grouped by source rank; with pipeline_depth
         chunks: by chunk, then source rank), RecvMeta and the handle for combine. Raises ValueError on
         every rank when any rank's input is wrong (before any payload moves).
+
+        Without compression recv_x is a view into the receive buffer (no copy; its rows are strided by the
+        wire row size): use it as is for index_select/matmul, or call .contiguous() for a dense tensor.
         """
         handle = self.plan(x, topk_idx, topk_weights)
         works = []

@@ -56,7 +56,7 @@ def init_group(rank: int, world: int, *, backend: str, port: int, timeout_s: flo
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, backend: str, timeout_s: float,
            args: tuple, env: dict[str, str], q: Any) -> None:
     os.environ.update(env)
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # share the cores between the ranks
     try:
         init_group(rank, world, backend=backend, port=port, timeout_s=timeout_s)
         result = fn(rank, world, *args)

@@ -60,4 +60,4 @@ def pipelined_moe(
 def weighted_rows(recv_x: torch.Tensor, meta: RecvMeta) -> torch.Tensor:
     """An 'identity experts' expert_fn: each received row times the sum of its local weights (used to time
     the communication alone, and as a simple check that every weight arrives)."""
-    return (recv_x.float() * meta.weights.sum(dim=1, keepdim=True)).to(recv_x.dtype)
+    return recv_x * meta.weights.sum(dim=1, keepdim=True).to(recv_x.dtype)

@@ -137,3 +137,24 @@ def case_crash_one(rank: int, world: int) -> int:
     t = torch.ones(4)
     dist.all_reduce(t)
     return 0
+
+
+def case_gpu(rank: int, world: int) -> list[tuple[str, float, float]]:
+    """On CUDA/NCCL: the layer vs the dense reference for bf16 shapes, plain and fp8 + pipelined."""
+    from moetune.runtime.fp8 import FP8_LAYER_REL_ERR_BOUND
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out = []
+    for spec, s in (("custom:256,128,16,4", 40), ("qwen3-30b", 64)):
+        model = get_model(spec)
+        for comp, depth in (("none", 1), ("fp8_e4m3", 2)):
+            layer = MoELayer(model, knobs=Knobs(compression=comp, pipeline_depth=depth), max_tokens=s, device=dev, seed=1)
+            g = torch.Generator(device=dev).manual_seed(rank + 5)
+            x = torch.randn(s, model.hidden, generator=g, device=dev).to(torch.bfloat16)
+            idx, w = generate_routing(s, model.experts, model.topk, routing="zipf:1.2", seed=rank, device=dev)
+            y = layer.forward_routed(x, idx, w)
+            ref = dense_reference(x, model, seed=1, topk_idx=idx, topk_weights=w)
+            bound = 3e-2 + (FP8_LAYER_REL_ERR_BOUND if comp != "none" else 0.0)
+            out.append((f"{spec}/{comp}/d{depth}/grouped={layer.use_grouped_mm}", max_rel_err(y, ref), bound))
+            del layer
+    return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
 from moetune.tuner.calibration import calibrate, calibrated_preset, read_rows, rows_to_points

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moetune.tuner.cli import app
 from typer.testing import CliRunner
+
+from moetune.tuner.cli import app
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]

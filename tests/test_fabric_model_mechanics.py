@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
-import moetune.tuner.model_queue as model_queue
 import pytest
+
+import moetune.tuner.model_queue as model_queue
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.shapes import get_model
 from moetune.tuner.fabric_model import (

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
 from moetune.tuner.fabric_model import Workload, predict, predict_transfers

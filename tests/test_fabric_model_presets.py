@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from moetune.runtime.knobs import TRANSPORTS
 from moetune.tuner.fabric_model import PresetError, list_presets, load_preset
 

@@ -25,6 +25,7 @@ def test_bench_ep_world2_gloo_verify_json() -> None:
     assert rep["world"] == 2 and rep["backend"] == "gloo" and rep["tokens"] == 32
     assert rep["max_rel_err"] is not None and rep["max_rel_err"] < 3e-2 and rep["verify_ok"]
     assert rep["knobs"]["transport"] == "collective"
+    assert rep["roundtrip_rel_err"] <= rep["roundtrip_bound"]
 
 
 @pytest.mark.timeout(90)
@@ -41,6 +42,7 @@ def test_bench_ep_fp8_pipelined_zipf_and_plain_baseline() -> None:
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout.strip().splitlines()[-1])
     assert rep["impl"] == "plain" and rep["layer_us"] is None and rep["dispatch_us"]["median"] > 0
+    assert rep["roundtrip_rel_err"] < 1e-5  # the baseline moves the data correctly too
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ def test_gpu_script_cpu_dry_run(tmp_path: Path) -> None:
                   "total_us", "total_p10", "total_p90"):
             assert f in r, f
         assert r["total_p10"] <= r["total_us"] <= r["total_p90"]
+        assert r["roundtrip_ok"], r
     verify = [r for r in rows if r["kind"] == "verify"]
     assert len(verify) == 2 and all(r["verify_ok"] for r in verify)
     assert "issue checks" in proc.stdout

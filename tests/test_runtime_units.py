@@ -99,3 +99,18 @@ def test_wire_row_is_once_per_rank_with_small_metadata() -> None:
     fp8 = EPBuffer(knobs=Knobs(compression="fp8_e4m3"), model=m, max_tokens=4)
     assert fp8.row_bytes == 2048 + 8 * 8 + 8 * 4 + 4 + 12  # fp8 payload + ids + weights + fp32 scale, padded to 16
     assert FP8_LAYER_REL_ERR_BOUND <= 0.08
+
+
+def test_fp8_bf16_never_overflows_e4m3() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(300, 256, generator=g) * torch.logspace(-20, 20, 300).unsqueeze(1)).to(torch.bfloat16)
+    x[0] = 0.0
+    x[1, :] = 3.0e38  # the bf16 range's top
+    q, s = quantise(x, "per_token")
+    f = q.view(torch.float8_e4m3fn).float()
+    assert torch.isfinite(f).all() and f.abs().max() <= 448
+    y = dequantise(q, s, torch.bfloat16).float()
+    xf = x.float()
+    big = xf.abs() > xf.abs().amax(1, keepdim=True) / 64
+    assert (((y - xf).abs() / xf.abs().clamp_min(1e-30))[big]).max() <= 2**-4 + 2**-7
+    assert torch.equal(y[0], torch.zeros(256))

@@ -122,14 +122,18 @@ class PlainA2A:
         host = torch.cat([per_expert.sum(1), recv_counts.sum(1)]).tolist()
         send_splits, recv_splits = host[: self.world], host[self.world :]
         recv = self._a2a(x.index_select(0, tok), send_splits, recv_splits)
-        return recv, (tok, w.reshape(-1).index_select(0, order), send_splits, recv_splits, x.shape[0])
+        return recv, (order, w, send_splits, recv_splits, x.shape[0])
 
     def combine(self, rows: torch.Tensor, handle) -> torch.Tensor:
-        tok, wsorted, send_splits, recv_splits, s = handle
+        """Rows back, put into (token, slot) order with one scatter, then a batched weighted sum over the
+        k slots (bmm: fp32 accumulation, one pass)."""
+        order, w, send_splits, recv_splits, s = handle
         back = self._a2a(rows.contiguous(), recv_splits, send_splits)
-        out = torch.zeros(s, self.model.hidden, dtype=torch.float32, device=self.device)
-        out.index_add_(0, tok, back.float() * wsorted.float().unsqueeze(1))
-        return out.to(self.dtype)
+        k = w.shape[1] if w.dim() == 2 else 1
+        unsorted = torch.empty_like(back)
+        unsorted.index_copy_(0, order, back)
+        h = self.model.hidden
+        return torch.bmm(w.to(back.dtype).view(s, 1, k), unsorted.view(s, k, h)).view(s, h)
 
 
 _INPUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -208,12 +212,12 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         t0 = timer.mark()
         if impl == "plain":
             recv, handle = comm.dispatch(x, idx, w)
-            comm.combine(recv, handle)
+            rt_out = comm.combine(recv, handle)
         elif buf is not None and buf.num_chunks > 1:
-            pipelined_moe(buf, x, idx, w, weighted_rows)
+            rt_out = pipelined_moe(buf, x, idx, w, weighted_rows)
         else:
             recv, meta, handle = comm.dispatch(x, idx, w)
-            comm.combine(weighted_rows(recv, meta), handle)
+            rt_out = comm.combine(weighted_rows(recv, meta), handle)
         t1 = timer.mark()
         timer.sync()
         if keep:
@@ -236,7 +240,18 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
     # the step time of an iteration is the slowest rank's
     mine = torch.tensor([times["dispatch"], times["combine"], times["roundtrip"], times["layer"] or [0.0] * iters],
                         dtype=torch.float64, device=device)
-    errs = torch.tensor([err if err is not None else -1.0], dtype=torch.float64, device=device)
+    # bytes this rank sends to other ranks in one dispatch (counted from the split sizes)
+    if impl == "plain":
+        _, hp = comm.dispatch(x, idx, w)
+        splits, row = hp[2], model.token_bytes
+    else:
+        _, _, hp = comm.dispatch(x, idx, w)
+        splits = [sum(ch.send_splits[d] for ch in hp.chunks) for d in range(world)]
+        row = buf.row_bytes
+    remote_bytes = (sum(splits) - splits[rank]) * row
+    # the round trip with identity experts must give back x times the sum of its weights
+    rt_err = max_rel_err(rt_out, x.float() * w.float().sum(1, keepdim=True)) if iters + warmup else 0.0
+    errs = torch.tensor([err if err is not None else -1.0, rt_err], dtype=torch.float64, device=device)
     if dist.is_initialized() and world > 1:
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         dist.all_reduce(errs, op=dist.ReduceOp.MAX)
@@ -248,7 +263,9 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         "combine_us": spread(worst[1]),
         "roundtrip_us": spread(worst[2]),
         "layer_us": spread(worst[3]) if times["layer"] else None,
-        "max_rel_err": (float(errs.item()) if verify and layer is not None else None),
+        "max_rel_err": (float(errs[0].item()) if verify and layer is not None else None),
+        "roundtrip_rel_err": float(errs[1].item()),
+        "roundtrip_bound": verify_bound(model.dtype, "none" if impl == "plain" else knobs.compression),
         "verify_bound": verify_bound(model.dtype, knobs.compression) if verify else None,
         "knobs": knobs.to_dict(),
         "impl": impl,
@@ -264,6 +281,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         "iters": iters,
         "warmup": warmup,
         "wire_bytes_per_row": buf.row_bytes if buf is not None else model.token_bytes,
+        "dispatch_remote_bytes_rank0": remote_bytes,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -31,6 +31,7 @@ import math
 from typing import Any, Literal
 
 import msgspec
+
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.shapes import ModelShape, get_model
 

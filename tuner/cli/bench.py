@@ -65,6 +65,9 @@ def ep(
         import os
 
         world = int(os.environ["WORLD_SIZE"])
+        if k.transport == "host_staged" and backend == "nccl" and os.environ.get("NCCL_P2P_DISABLE") != "1":
+            _err.print("[yellow]note:[/yellow] host_staged under torchrun: NCCL_P2P_DISABLE=1 is set now, "
+                       "before NCCL initialises")
     if world < 1:
         _fail(f"--world must be >= 1, got {world}")
     if shape.experts % world:
@@ -88,14 +91,19 @@ def ep(
         "model": model, "tokens": tokens, "knobs": k.to_dict(), "routing": routing, "iters": iters,
         "warmup": warmup, "verify": verify, "impl": impl, "seed": seed, "backend": backend, "layer": impl == "moetune",
     }
+    # host_staged = the collective with NCCL peer-to-peer off: set before NCCL initialises in the ranks
+    env = {"NCCL_P2P_DISABLE": "1"} if k.transport == "host_staged" and backend == "nccl" else {}
     try:
         if torchrun:
+            import os
+
+            os.environ.update(env)
             rep = bench_ep.run_torchrun(cfg, timeout)
             if rep is None:
                 return  # only rank 0 reports
         else:
             rep = launch(bench_ep.bench_entry, world, backend=backend, args=(cfg,), timeout_s=timeout,
-                         join_timeout_s=max(120.0, 4 * timeout + 60))[0]
+                         join_timeout_s=max(120.0, 4 * timeout + 60), env=env)[0]
     except LaunchError as e:
         first = next(iter(sorted(e.errors.items())))
         _fail(f"benchmark failed on {len(e.errors)} rank(s); rank {first[0]}: {first[1].splitlines()[0]}")

@@ -1,0 +1,26 @@
+"""The runtime on 2 GPUs over NCCL (skipped without them)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetune.runtime.launch import launch
+
+sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the cases by name
+runtime_cases = importlib.import_module("runtime_cases")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_nccl_two_gpus_match_dense_reference() -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    res = launch(runtime_cases.case_gpu, 2, backend="nccl", timeout_s=60, join_timeout_s=280)
+    for rank_rows in res:
+        for name, err, bound in rank_rows:
+            assert err < bound, (name, err, bound)
