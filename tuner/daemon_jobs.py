@@ -108,6 +108,32 @@ def group_keys(keys: list[ProfileKey]) -> dict[tuple[int, int], tuple[list[Model
     return {g: (list(s.values()), sorted(b)) for g, (s, b) in groups.items()}
 
 
+def choose_preset(facts: Any, *, nodes: int = 1) -> str | None:
+    """A fabric-model preset for the re-tune on the `model` backend when none is configured: one whose
+    family the node offers (NVLink/PCIe families within a node, network families across nodes), preferring
+    the node's GPU count."""
+    try:
+        from .fabric_model import list_presets, load_preset
+    except ImportError:
+        return None
+    fams = [getattr(t, "name", t) for t in getattr(facts, "transports", None) or []]
+    local = ("nvlink", "host_staged")
+    wanted = [f for f in fams if (f in local) == (nodes == 1)] or fams
+    gpus = getattr(facts, "gpu_count", None)
+    best: tuple[int, int, str] | None = None
+    for name in list_presets():
+        try:
+            p = load_preset(name)
+        except Exception:
+            continue
+        if p.family not in wanted:
+            continue
+        score = (wanted.index(p.family), 0 if getattr(p, "gpus_per_node", None) == gpus else 1, name)
+        if best is None or score < best:
+            best = score
+    return best[2] if best else None
+
+
 def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     """The default re-tune: the tuner's `tune_profiles` on the new facts, per (EP size, nodes) group.
 
@@ -127,22 +153,30 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
                 raise JobCancelled(f"job {ctx.job.id} cancelled")
 
         extra["on_trial"] = on_trial
+    params = inspect.signature(tune_profiles).parameters
+    backend = getattr(tune, "backend", "model")
     out: list[ProfileRecord] = []
     for (ep, nodes), (shapes, buckets) in sorted(group_keys(ctx.keys).items()):
         ctx.check_cancel()
+        preset = getattr(tune, "preset", None)
+        kw = dict(extra)
+        if backend == "model" and "node_model" in params:
+            # the model of a preset, keyed to THIS node's fingerprint (the profiles say backend model:<preset>)
+            preset = preset or choose_preset(ctx.facts, nodes=nodes)
+            kw["node_model"] = True
         out += tune_profiles(
             ctx.store,
             ctx.facts,
             models=shapes,
             tokens=buckets,
-            backend=getattr(tune, "backend", "model"),
-            preset=getattr(tune, "preset", None),
+            backend=backend,
+            preset=preset,
             trials=int(getattr(tune, "trials", 40)),
             timeout_s=getattr(tune, "timeout_s", None),
             ep_size=ep,
             nodes=nodes,
             progress=False,
-            **extra,
+            **kw,
         )
     return [r for r in out if r.status == "current"]
 
