@@ -129,3 +129,19 @@ def test_second_daemon_on_the_same_socket_refused(tmp_path: Path) -> None:
         assert d.wait_ready().protocol == 1  # the first one is untouched
     finally:
         d.kill()
+
+
+def test_second_daemon_on_the_same_database_refused(tmp_path: Path) -> None:
+    F.make_capture(tmp_path / "capture")
+    d = F.DaemonProc(tmp_path, interval=0)
+    try:
+        d.wait_ready()
+        d2 = F.DaemonProc(tmp_path, endpoint=f"ipc://{tmp_path}/run2/daemon.sock", interval=0)
+        try:
+            assert d2.proc.wait(20) == 2
+            assert "another moetune daemon is using the database" in d2.read_log()
+        finally:
+            d2.kill()
+        assert d.wait_ready().protocol == 1
+    finally:
+        d.kill()

@@ -330,6 +330,7 @@ class Daemon:
         self._serve_thread: threading.Thread | None = None
         self._metrics_server: Any = None
         self._bound_paths: list[Path] = []
+        self._lock_fd: int | None = None
         self.jobs = JobManager(store=store, facts_fn=lambda: self.facts, retune=retune_job or tuner_retune,
                                on_done=self._job_done, tune=self.tune, capacity=job_capacity, metrics=self.metrics)
         self._handlers: dict[type, Callable[[Any], Any]] = {
@@ -352,11 +353,12 @@ class Daemon:
     def start(self, *, background: bool = False) -> Daemon:
         """Discover, recover jobs, bind, start the workers (and the serving loop when `background`)."""
         self._check_transport_security()
+        self._lock_database()  # the single writer: before anything is written
+        self._bind()  # refuses when another daemon listens on the socket; requests wait in ZeroMQ meanwhile
         resume = self._recover()
         self._startup_discovery()
         self._resume(resume)
         self._rebuild()
-        self._bind()
         self._write_info(running=True)
         if self.metrics_port:
             self._metrics_server = start_metrics_server(self.metrics, self.metrics_port, self.metrics_addr)
@@ -399,8 +401,29 @@ class Daemon:
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
         self._write_info(running=False)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
         self._ctx.term()
         log.info("stopped", extra={"epoch": self.epoch})
+
+    def _lock_database(self) -> None:
+        """An exclusive flock next to the database (released by the kernel when the process dies, even
+        on kill -9): a second daemon on the same database refuses to start."""
+        if not self.db_path:
+            return
+        import fcntl
+
+        path = Path(self.db_path).with_name(Path(self.db_path).name + ".daemon-lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise DaemonConfigError(f"another moetune daemon is using the database {self.db_path} ({path} is locked)") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
 
     def install_signal_handlers(self) -> None:
         def _handler(signum: int, _frame: Any) -> None:
