@@ -110,3 +110,229 @@ class BringupState:
 
 
 StageFn = Callable[[], Any]
+
+
+@dataclass
+class BucketResult:
+    model: str
+    tokens: int
+    family: str
+    default_us: float
+    default_spread: float
+    tuned_us: float
+    tuned_spread: float
+    knobs: str
+    written: bool
+    reason: str
+    source: str
+
+
+def _node_line(facts: Any) -> str:
+    if facts.gpu_count:
+        return f"{facts.gpu_count} × {facts.gpu_model}"
+    return "no GPU (CPU only)"
+
+
+def base_preset_for(facts: Any) -> str:
+    """The shipped preset closest to this node, the starting point of its calibration."""
+    names = set(facts.transport_names)
+    if "nvlink" in names:
+        return "nvlink-h200x2"
+    if "proxy:ibrc" in names:
+        return "ndr-ibrc-h100x8"
+    if any(n.startswith("proxy:libfabric") for n in names):
+        return "slingshot11-libfabric-a100x4"
+    return "pcie4-consumer-4090x4"
+
+
+class Bringup:
+    """The stages of `moetune profile`, each resumable; `console` shows progress."""
+
+    def __init__(self, *, store: Any, plan: Plan, state_dir: Path, console: Any, capture: Path | None = None,
+                 report_dir: Path | None = None, storage: str | None = None):
+        from .discovery import discover
+
+        self.store, self.plan, self.console, self.storage = store, plan, console, storage
+        self.facts = discover(capture)
+        self.capture = capture
+        self.state = BringupState(state_dir / f"bringup-{self.facts.fingerprint}.json", self.facts.fingerprint, plan)
+        self.report_dir = report_dir or state_dir / "report"
+        gpus = self.facts.gpu_count
+        self.comm_backend = "nccl" if gpus >= 2 else "gloo"
+        self.world = min(plan.world, gpus) if gpus >= 2 else plan.world
+
+    # -- stages ------------------------------------------------------------------------------------
+    def stage_discover(self) -> dict:
+        self.store.upsert_fingerprint(self.facts.fingerprint, self.facts.to_dict())
+        return {"fingerprint": self.facts.fingerprint, "transports": [[t.name, t.reason] for t in self.facts.transports]}
+
+    def stage_microbench(self) -> list[dict]:
+        from . import microbench
+
+        rows: list[dict] = []
+        sizes = self.plan.microbench_sizes or (microbench.QUICK_SIZES if self.plan.trials <= 8 else microbench.DEFAULT_SIZES)
+        applicable = [(b, why) for b, ok, why in microbench.plan(self.facts.transport_names, self.facts.gpu_count,
+                                                                  self.plan.models[0]) if ok]
+        from rich.progress import Progress
+
+        with Progress(console=self.console, transient=True) as bar:
+            task = bar.add_task("microbenchmarks", total=len(applicable))
+            for bench, _why in applicable:
+                bar.update(task, description=f"microbenchmark {bench.transport} ({bench.runner})")
+                try:
+                    results = bench.run(sizes if bench.runner != "a2a" else (),
+                                        iters=5 if self.plan.trials <= 8 else 20)
+                except RuntimeError as e:
+                    self.console.print(f"[yellow]microbenchmark {bench.transport}/{bench.runner} failed: {e}[/]")
+                    results = []
+                for r in results:
+                    extra = dict(r.extra or {}, direction=r.direction)
+                    self.store.add_measurement(fingerprint=self.facts.fingerprint, kind=r.kind, transport=r.transport,
+                                               size_bytes=r.size_bytes, value=r.value, spread=r.spread, unit=r.unit,
+                                               extra=extra)
+                    rows.append(asdict(r))
+                bar.advance(task)
+        return rows
+
+    def stage_calibrate(self) -> dict:
+        import datetime as dt
+
+        from .calibration import calibrate, calibrated_preset
+
+        rows = [r["extra"] for r in self.state.result("microbench") or [] if (r.get("extra") or {}).get("probe")]
+        base = base_preset_for(self.facts)
+        if not rows:
+            return {"base": base, "skipped": "no measurement the model can describe"}
+        rep = calibrate(base, rows, rounds=15)
+        today = dt.date.today().isoformat()
+        preset = calibrated_preset(rep, [f"moetune profile on {self.facts.fingerprint}"], today)
+        path = self.state.path.parent / f"node-{self.facts.fingerprint}.toml"
+        path.write_text(preset.to_toml())
+        s = rep.summary()
+        return {"base": base, "preset_file": str(path), "points": s["points"],
+                "mean_abs_rel_err": s["mean_abs_rel_err"], "max_abs_rel_err": s["max_abs_rel_err"]}
+
+    def _backend(self) -> Any:
+        from .backends import LocalBackend
+
+        return LocalBackend(world=self.world, comm_backend=self.comm_backend, repeats=self.plan.repeats,
+                            timeout_s=self.plan.trial_timeout_s, metric="comm")
+
+    def stage_tune(self) -> list[dict]:
+        from .search import tune_profiles_detailed
+
+        models = [get_model(m) for m in self.plan.models]
+        res = tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
+                                     backend=self._backend(), trials=self.plan.trials, progress=True,
+                                     storage=self.storage, ep_size=self.world, seed=0)
+        out = []
+        for r in res:
+            if r.record is None:
+                continue
+            out.append({"family": r.record.key.transport_family, "tokens": r.record.key.token_bucket,
+                        "hidden": r.record.key.hidden, "experts": r.record.key.experts,
+                        "knobs": r.record.knobs.to_dict(), "latency_us": r.record.latency_us,
+                        "spread_us": r.record.spread_us, "written": r.written, "reason": r.reason,
+                        "model": next(m.name for m in models if m.hidden == r.record.key.hidden
+                                      and m.experts == r.record.key.experts)})
+        return out
+
+    def stage_compare(self) -> list[dict]:
+        """Tuned against the policy default for every bucket, measured side by side (interleaved)."""
+        from moetune.runtime.knobs import Knobs
+
+        from .backends import TuneWorkload
+        from .policy import load_policy
+
+        be = self._backend()
+        out = []
+        for t in self.state.result("tune") or []:
+            tuned = Knobs.from_dict(t["knobs"])
+            default = load_policy(t["family"]).defaults
+            wl = TuneWorkload(model=get_model(t["model"]), tokens=t["tokens"], nodes=1, gpus_per_node=self.world)
+            be.family = t["family"]
+            if tuned == default:
+                m = be.compare([default], wl, rounds=2)
+                md, mt = m[0], m[0]
+            else:
+                md, mt = be.compare([default, tuned], wl, rounds=2)
+            row = asdict(BucketResult(
+                model=t["model"], tokens=t["tokens"], family=t["family"],
+                default_us=md.median_us if md.ok else float("nan"), default_spread=md.spread_us if md.ok else 0.0,
+                tuned_us=mt.median_us if mt.ok else float("nan"), tuned_spread=mt.spread_us if mt.ok else 0.0,
+                knobs=",".join(f"{k}={v}" for k, v in tuned.to_dict().items() if v != default.to_dict().get(k)),
+                written=t["written"], reason=t["reason"], source=be.label))
+            self.store.add_measurement(fingerprint=self.facts.fingerprint, kind="tuned_vs_default",
+                                       transport=t["family"], size_bytes=None, value=row["tuned_us"],
+                                       spread=row["tuned_spread"], unit="us", extra=row)
+            out.append(row)
+        return out
+
+    def stage_report(self) -> str:
+        from .report import ReportData, write_report
+
+        data = ReportData(node=_node_line(self.facts), fingerprint=self.facts.fingerprint,
+                          measurements=self.state.result("microbench") or [],
+                          tuned=[t for t in self.state.result("compare") or [] if t["tuned_us"] == t["tuned_us"]],
+                          importances=self._importances(),
+                          transports=[(t.name, t.reason) for t in self.facts.transports])
+        cal = self.state.result("calibrate") or {}
+        if "mean_abs_rel_err" in cal:
+            data.notes.append(f"node fabric model calibrated from {cal['base']} on {cal['points']} measured points: "
+                              f"mean error {100 * cal['mean_abs_rel_err']:.1f}%, max {100 * cal['max_abs_rel_err']:.1f}% "
+                              f"({cal['preset_file']})")
+        if self.comm_backend == "gloo":
+            data.notes.append("no GPUs here: the measured transport is gloo between CPU processes")
+        return str(write_report(data, self.report_dir))
+
+    def _importances(self) -> dict[str, dict[str, float]]:
+        try:
+            import optuna
+
+            from .search import default_storage_url, list_studies
+
+            url = self.storage or default_storage_url(getattr(self.store, "path", None))
+            out = {}
+            for s in list_studies(url):
+                if self.facts.fingerprint[:8] not in s["name"] and self.facts.fingerprint not in s["name"]:
+                    continue
+                study = optuna.load_study(study_name=s["name"], storage=url)
+                done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+                if len({tuple(sorted(t.params.items())) for t in done}) >= 3:
+                    out[s["name"][-48:]] = optuna.importance.get_param_importances(study)
+            return out
+        except Exception as e:  # importances are a nicety: never fail the report for them
+            self.console.print(f"[yellow]parameter importances not available: {e}[/]")
+            return {}
+
+    def run(self) -> dict[str, Any]:
+        for stage in STAGES:
+            if self.state.done(stage):
+                self.console.print(f"[dim]✓ {stage} (done earlier; resuming)[/]")
+                continue
+            self.console.print(f"[bold]→ {stage}[/]")
+            result = getattr(self, f"stage_{stage}")()
+            self.state.mark(stage, result)
+        return self.state.data["done"]
+
+
+def report_from_store(store: Any, facts: Any, out_dir: Path) -> Path:
+    """Rebuild the report of this node from what the database holds (`moetune report`)."""
+    from .report import ReportData, write_report
+
+    rows = store.list_measurements(fingerprint=facts.fingerprint)
+    measurements, tuned = [], {}
+    for r in rows:
+        extra = dict(r["extra"] or {})
+        if r["kind"] == "tuned_vs_default":
+            tuned[(extra.get("model"), extra.get("tokens"), extra.get("family"))] = extra  # the latest wins
+        else:
+            measurements.append({"transport": r["transport"], "kind": r["kind"], "direction": extra.get("direction", ""),
+                                 "size_bytes": r["size_bytes"], "value": r["value"], "spread": r["spread"],
+                                 "unit": r["unit"], "extra": extra})
+    data = ReportData(node=_node_line(facts), fingerprint=facts.fingerprint, measurements=measurements,
+                      tuned=[t for t in tuned.values() if t.get("tuned_us") == t.get("tuned_us")],
+                      transports=[(t.name, t.reason) for t in facts.transports])
+    if not measurements and not tuned:
+        data.notes.append("nothing measured on this node yet: run `moetune profile`")
+    return write_report(data, out_dir)

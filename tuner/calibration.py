@@ -127,7 +127,7 @@ def rows_to_points(rows: list[dict[str, Any]]) -> tuple[list[Point], list[tuple[
     for row in rows:
         probe = row.get("probe") or row.get("kind")
         label = json.dumps(row, sort_keys=True)[:160]
-        if probe in ("nccl_a2a", "nccl_a2a_fp8payload"):
+        if probe in ("nccl_a2a", "nccl_a2a_fp8payload", "collective_a2a"):
             try:
                 model = get_model(row["model"])
                 fabric = row["fabric"]

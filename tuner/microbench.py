@@ -51,10 +51,13 @@ class Microbenchmark(ABC):
     def env(self) -> dict[str, str]:
         return {}
 
+    def _argv_transport(self) -> str:
+        return self.transport
+
     def run(self, sizes: Sequence[int], *, iters: int = 20, timeout_s: float = 120.0) -> list[MicroResult]:
         env = {**os.environ, **self.env(), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
         cmd = [sys.executable, "-m", "moetune.tuner.microbench", self.runner,
-               ",".join(str(s) for s in sizes), str(iters), self.transport]
+               ",".join(str(s) for s in sizes), str(iters), self._argv_transport()]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -64,6 +67,33 @@ class Microbenchmark(ABC):
             raise RuntimeError(f"microbenchmark {self.transport} failed: " + " | ".join(tail))
         rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         return [MicroResult(**r) for r in rows]
+
+
+class CollectiveA2A(Microbenchmark):
+    """The DESIGN §6 experiment on this node: one all_to_all_single dispatch of a model shape (k copies
+    of each token, bf16), the rows the fabric model is calibrated on (`probe: collective_a2a`)."""
+
+    runner = "a2a"
+
+    def __init__(self, transport: str, backend: str, model: str = "qwen3-30b", tokens: Sequence[int] = (64, 256, 1024)):
+        self.transport, self.backend, self.model, self.tokens = transport, backend, model, tuple(tokens)
+
+    def env(self) -> dict[str, str]:
+        return {"NCCL_P2P_DISABLE": "1"} if self.transport == "host_staged" else {}
+
+    def available(self, transports: Sequence[str], gpu_count: int) -> tuple[bool, str]:
+        if self.backend == "nccl" and gpu_count < 2:
+            return False, f"needs 2 GPUs, node has {gpu_count}"
+        if self.transport not in transports:
+            return False, f"{self.transport} not found by discovery"
+        return True, f"all_to_all_single over {self.backend}"
+
+    def run(self, sizes: Sequence[int] = (), *, iters: int = 20, timeout_s: float = 120.0) -> list[MicroResult]:
+        # sizes are token counts here; the row size follows from the model shape
+        return super().run(sizes or self.tokens, iters=iters, timeout_s=timeout_s)
+
+    def _argv_transport(self) -> str:
+        return f"{self.transport}:{self.backend}:{self.model}"
 
 
 class GlooP2P(Microbenchmark):
@@ -91,9 +121,14 @@ class NcclP2P(Microbenchmark):
         return True, f"{gpu_count} GPUs, {self.transport} present"
 
 
-def plan(transports: Sequence[str], gpu_count: int) -> list[tuple[Microbenchmark, bool, str]]:
+def plan(transports: Sequence[str], gpu_count: int, model: str = "qwen3-30b") -> list[tuple[Microbenchmark, bool, str]]:
     """Every microbenchmark with whether it applies here and why."""
     benches: list[Microbenchmark] = [GlooP2P(), NcclP2P("nvlink"), NcclP2P("host_staged")]
+    if gpu_count >= 2:
+        benches += [CollectiveA2A("nvlink", "nccl", model, (128, 1024, 4096)),
+                    CollectiveA2A("host_staged", "nccl", model, (128, 1024, 4096))]
+    else:
+        benches.append(CollectiveA2A("collective", "gloo", model, (64, 256, 1024)))
     return [(b, *b.available(transports, gpu_count)) for b in benches]
 
 
@@ -189,7 +224,68 @@ def _run_p2p(backend: str, sizes: list[int], iters: int, transport: str) -> list
     return q.get()
 
 
+def _a2a_rank(rank: int, port: int, backend: str, tokens: list[int], iters: int, label: str, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from moetune.runtime.shapes import get_model
+
+    fabric, _, model_name = label.split(":", 2)
+    model = get_model(model_name)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+    rows = []
+    for s in tokens:
+        # k copies of every token, experts spread evenly over the two ranks (uniform routing)
+        send = torch.randn(s * model.topk, model.hidden, device=dev).to(torch.bfloat16)
+        recv = torch.empty_like(send)
+        samples = []
+        for it in range(iters + 3):
+            dist.barrier()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dist.all_to_all_single(recv, send)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if it >= 3:
+                samples.append((time.perf_counter() - t0) * 1e3)
+        if rank == 0:
+            ms = statistics.median(samples)
+            rows.append(asdict(MicroResult(fabric, "a2a_dispatch", "both", s * model.topk * model.hidden * 2, ms * 1e3,
+                                           _spread(samples) * 1e3, "us",
+                                           {"probe": "collective_a2a", "fabric": fabric, "model": model.name, "S": s,
+                                            "world": 2, "ms": ms, "comm_backend": backend})))
+    if rank == 0:
+        q.put(rows)
+    dist.destroy_process_group()
+
+
+def _run_a2a(sizes: list[int], iters: int, label: str) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    backend = label.split(":")[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_a2a_rank, args=(r, port, backend, sizes, iters, label, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode != 0 for p in procs):
+        raise SystemExit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
+    return q.get()
+
+
 RUNNERS: dict[str, Callable[[list[int], int, str], list[dict]]] = {
+    "a2a": _run_a2a,
     "gloo_p2p": lambda sizes, iters, t: _run_p2p("gloo", sizes, iters, t),
     "nccl_p2p": lambda sizes, iters, t: _run_p2p("nccl", sizes, iters, t),
 }

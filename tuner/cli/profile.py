@@ -1,9 +1,131 @@
-"""Top-level `moetune profile` command(s)."""
+"""`moetune profile` (the bring-up flow) and `moetune report`."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+
+def _fail(console: Console, message: str) -> None:
+    console.print(f"[red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+def _open(db: Path | None, config: Path | None):
+    from ..config import ConfigError, load_config
+    from ..store import Store
+
+    cfg = load_config(config)
+    try:
+        path = db or cfg.db_path
+    except ConfigError as e:
+        raise typer.BadParameter(str(e)) from None
+    return cfg, Store(path)
+
+
+def profile(
+    model: list[str] = typer.Option([], "--model", "-m", help="Model shape to tune (repeatable): qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K."),
+    tokens: str = typer.Option("", "--tokens", help="Comma-separated tokens per rank to tune for (token buckets)."),
+    quick: bool = typer.Option(False, "--quick", help="A short plan: one model, two buckets, few trials (≈ 2 min on a CPU)."),
+    plan_file: Path | None = typer.Option(None, "--plan", help="TOML plan: models, tokens, trials, repeats, backend, world."),
+    trials: int | None = typer.Option(None, "--trials", help="Trials per (family, model, bucket) study."),
+    db: Path | None = typer.Option(None, "--db", help="Profile database (default: configured / $MOETUNE_HOME)."),
+    config: Path | None = typer.Option(None, "--config", help="Extra config file."),
+    capture: Path | None = typer.Option(None, "--capture", help="Describe the node from a capture instead of the live node (tests, support)."),
+    report_dir: Path | None = typer.Option(None, "--report-dir", help="Where the report goes (default: beside the database)."),
+    restart: bool = typer.Option(False, "--restart", help="Forget earlier progress of this plan on this node and start over."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Bring a node up: discover → microbenchmark → calibrate → tune → store profiles → report.
+
+    Interrupted (Ctrl-C)? Run the same command again: finished stages are skipped and tuning resumes.
+    """
+    from moetune.runtime.knobs import KnobError
+
+    from ..bringup import Bringup, Plan
+    from ..discovery import DiscoveryError
+
+    console = Console(stderr=as_json)
+    plan = Plan.quick() if quick else Plan()
+    try:
+        if plan_file is not None:
+            plan = Plan.from_file(plan_file, plan)
+        if model:
+            plan.models = list(model)
+        if tokens:
+            try:
+                plan.tokens = [int(t) for t in tokens.split(",") if t.strip()]
+            except ValueError:
+                _fail(console, f"--tokens must be comma-separated integers, got {tokens!r}")
+        if trials is not None:
+            plan.trials = trials
+        plan.validate("--model/--tokens/--trials")
+    except ValueError as e:
+        _fail(console, str(e))
+    _cfg, store = _open(db, config)
+    state_dir = Path(store.path).parent if getattr(store, "path", None) else Path.cwd()
+    try:
+        flow = Bringup(store=store, plan=plan, state_dir=state_dir, console=console, capture=capture,
+                       report_dir=report_dir)
+    except DiscoveryError as e:
+        _fail(console, str(e))
+    if restart and flow.state.path.exists():
+        flow.state.path.unlink()
+        flow.state = type(flow.state)(flow.state.path, flow.facts.fingerprint, plan)
+    console.print(f"node [bold]{flow.facts.gpu_count} GPU(s)[/] {flow.facts.gpu_model or ''} · fingerprint "
+                  f"{flow.facts.fingerprint} · transports {', '.join(flow.facts.transport_names)} · db {store.path}")
+    try:
+        done = flow.run()
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: run the same command again to continue where it stopped[/]")
+        raise typer.Exit(130) from None
+    except (ValueError, KnobError, RuntimeError) as e:
+        _fail(console, f"{e} (finished stages are kept; rerun to continue)")
+    rows = done.get("compare") or []
+    if as_json:
+        typer.echo(json.dumps({"fingerprint": flow.facts.fingerprint, "db": str(store.path), "profiles": rows,
+                               "calibration": done.get("calibrate"), "report": done.get("report")}, indent=1))
+        return
+    table = Table(title="tuned profiles (measured side by side with the policy default)")
+    for col in ("model", "tokens", "family", "default µs", "tuned µs", "speedup", "stored", "changed knobs"):
+        table.add_column(col, justify="right" if col in ("tokens", "default µs", "tuned µs", "speedup") else "left")
+    for r in rows:
+        sp = r["default_us"] / r["tuned_us"] if r["tuned_us"] and r["tuned_us"] == r["tuned_us"] else float("nan")
+        table.add_row(r["model"], str(r["tokens"]), r["family"], f"{r['default_us']:.0f} ± {r['default_spread']:.0f}",
+                      f"{r['tuned_us']:.0f} ± {r['tuned_spread']:.0f}", f"{sp:.2f}×",
+                      "current" if r["written"] else r["reason"][:30], r["knobs"] or "(policy default)")
+    console.print(table)
+    cal = done.get("calibrate") or {}
+    if "mean_abs_rel_err" in cal:
+        console.print(f"node fabric model: {cal['preset_file']} (fit error mean {100 * cal['mean_abs_rel_err']:.1f}%, "
+                      f"max {100 * cal['max_abs_rel_err']:.1f}%)")
+    console.print(f"report: {done.get('report')}")
+
+
+def report(
+    db: Path | None = typer.Option(None, "--db", help="Profile database."),
+    config: Path | None = typer.Option(None, "--config", help="Extra config file."),
+    out: Path | None = typer.Option(None, "--out", help="Output directory (default: report/ beside the database)."),
+    capture: Path | None = typer.Option(None, "--capture", help="Report on the node a capture describes."),
+) -> None:
+    """Write the bring-up report (Markdown + PNG plots) of this node from the database."""
+    from ..bringup import report_from_store
+    from ..discovery import DiscoveryError, discover
+
+    console = Console()
+    _cfg, store = _open(db, config)
+    try:
+        facts = discover(capture)
+    except DiscoveryError as e:
+        _fail(console, str(e))
+    path = report_from_store(store, facts, out or Path(store.path).parent / "report")
+    console.print(f"report: {path}")
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the root app."""
+    app.command("profile")(profile)
+    app.command("report")(report)

@@ -1,7 +1,260 @@
-"""`moetune tune`: Optuna searches over the EP knobs."""
+"""`moetune tune`: Optuna searches over the EP knobs.
+
+    moetune tune --model qwen3-30b --tokens 128,1024,4096 [--backend model|local] [--preset P]
+                 [--trials N] [--timeout S] [--storage URL] [--seed N] [--db PATH]
+    moetune tune show [--study NAME] [--json]
+"""
 
 from __future__ import annotations
 
-import typer
+import json
+import logging
+from pathlib import Path
 
-app = typer.Typer(help="Optuna searches over the EP knobs.", no_args_is_help=True)
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="Optuna searches over the EP knobs (`moetune tune --model M ...`; `moetune tune show`).",
+                  invoke_without_command=True, no_args_is_help=False)
+
+err = Console(stderr=True, soft_wrap=True)
+
+
+def _fail(msg: str) -> None:
+    err.print(f"[red]error:[/red] {msg}")
+    raise typer.Exit(2)
+
+
+def _parse_tokens(text: str) -> list[int]:
+    try:
+        out = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint="--tokens")
+    if not out or any(t < 1 for t in out):
+        raise typer.BadParameter(f"token counts must be integers >= 1, got {text!r}", param_hint="--tokens")
+    return out
+
+
+def _open_store(db: Path | None, *, readonly: bool = False):
+    try:
+        from moetune.tuner.store import Store  # type: ignore[attr-defined]
+    except ImportError as e:
+        _fail(f"the profile store is not available in this build ({e})")
+    return Store(db, readonly=readonly)
+
+
+def _storage_url(storage: str | None, db: Path | None, store=None) -> str:
+    from moetune.tuner.search import _store_db_path, default_storage_url
+
+    if storage:
+        return storage
+    return default_storage_url(db or (_store_db_path(store) if store is not None else None))
+
+
+@app.callback(invoke_without_command=True)
+def tune(
+    ctx: typer.Context,
+    model: list[str] = typer.Option(None, "--model", "-m", help="Model shape (qwen3-30b, deepseek-v3, gpt-oss-120b, custom:H,I,E,K). Repeatable."),
+    tokens: str = typer.Option("128,1024,4096", "--tokens", "-t", help="Tokens per GPU, comma separated (tuned at the nearest bucket)."),
+    backend: str = typer.Option(None, "--backend", "-b", help="model (fabric model; needs --preset) or local (the real runtime)."),
+    preset: str = typer.Option(None, "--preset", "-p", help="Fabric-model preset for the model backend."),
+    trials: int = typer.Option(None, "--trials", "-n", help="Finished trials per study (default: config \\[tune] trials, 40)."),
+    timeout: float = typer.Option(None, "--timeout", help="Wall-clock budget in seconds for the whole tune."),
+    storage: str = typer.Option(None, "--storage", help="Optuna storage URL (default: SQLite next to the profile db; postgresql://... to share a study)."),
+    seed: int = typer.Option(0, "--seed", help="Sampler seed."),
+    db: Path = typer.Option(None, "--db", help="Profile database (default: configured)."),
+    nodes: int = typer.Option(1, "--nodes", help="Nodes in the EP group."),
+    ep_size: int = typer.Option(None, "--ep-size", help="EP group size (default: GPUs per node × nodes)."),
+    family: list[str] = typer.Option(None, "--family", "-f", help="Only these transport families (repeatable), e.g. host_staged."),
+    policy: Path = typer.Option(None, "--policy", help="User policy file or directory overriding the packaged policies."),
+    routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:S."),
+    world: int = typer.Option(None, "--world", help="Local backend: ranks to launch (default: GPUs found, else 2)."),
+    comm: str = typer.Option(None, "--comm", help="Local backend: nccl or gloo (default: nccl with GPUs, else gloo)."),
+    repeats: int = typer.Option(3, "--repeats", help="Local backend: runs per trial (median and spread)."),
+    trial_timeout: float = typer.Option(120.0, "--trial-timeout", help="Local backend: seconds before a run is killed."),
+    capture: Path = typer.Option(None, "--from", help="Discover from a fabric capture directory instead of this node."),
+    node_model: bool = typer.Option(False, "--node-model", help="Model backend: --preset is a calibrated model of THIS node (profiles get this node's key)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """Tune the knobs for each transport family × model × token bucket and store the winners."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if not model:
+        typer.echo(ctx.get_help())
+        _fail("give at least one --model (e.g. --model qwen3-30b)")
+    from moetune.runtime.shapes import get_model
+
+    try:
+        shapes = [get_model(m) for m in model]
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--model")
+    toks = _parse_tokens(tokens)
+    cfg_trials, cfg_timeout, cfg_backend = 40, None, "model"
+    try:
+        from moetune.tuner.config import load_config  # type: ignore[attr-defined]
+
+        cfg = load_config()
+        cfg_trials, cfg_timeout, cfg_backend = int(cfg.tune.trials), cfg.tune.timeout_s, str(cfg.tune.backend)
+    except Exception:
+        pass
+    backend = backend or cfg_backend
+    if backend not in ("model", "local"):
+        raise typer.BadParameter(f"expected model or local, got {backend!r}", param_hint="--backend")
+    trials = trials if trials is not None else cfg_trials
+    if trials < 1:
+        raise typer.BadParameter("must be >= 1", param_hint="--trials")
+    if timeout is None and cfg_timeout:
+        timeout = float(cfg_timeout)
+    if policy is not None:
+        from moetune.tuner.policy import PolicyError, load_policy, packaged_families
+
+        if not policy.exists():
+            raise typer.BadParameter(f"{policy} does not exist", param_hint="--policy")
+        try:  # validate early: every packaged family with the override applied
+            for fam in packaged_families():
+                load_policy(fam, policy)
+        except PolicyError as e:
+            _fail(str(e))
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    logging.getLogger("moetune").setLevel(logging.WARNING)
+
+    facts = None
+    local_opts: dict = {}
+    if backend == "local" or preset is None or node_model:
+        try:
+            from moetune.tuner.discovery import discover  # type: ignore[attr-defined]
+        except ImportError as e:
+            _fail(f"fabric discovery is not available in this build ({e}); use --backend model --preset P")
+        facts = discover(capture)
+    if backend == "local":
+        gpus = int(getattr(facts, "gpu_count", 0) or 0)
+        local_opts = {"world": world or (gpus if gpus >= 2 else 2), "comm_backend": comm or ("nccl" if gpus else "gloo"),
+                      "repeats": repeats, "timeout_s": trial_timeout}
+    store = _open_store(db)
+    from moetune.tuner.search import tune_profiles_detailed
+
+    try:
+        results = tune_profiles_detailed(
+            store, facts, models=shapes, tokens=toks, backend=backend, preset=preset, trials=trials, timeout_s=timeout,
+            ep_size=ep_size or (local_opts.get("world") if backend == "local" else None), nodes=nodes,
+            progress=not as_json, storage=storage, seed=seed, families=family or None, policy_override=policy,
+            routing=routing, local_options=local_opts, node_model=node_model)
+    except (ValueError, OSError) as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted: the study is saved; run the same command again to resume[/yellow]")
+        raise typer.Exit(130)
+    rows = []
+    for r in results:
+        rec = r.record
+        rows.append({
+            "study": r.study.study_name, "family": r.study.family, "model": r.study.workload.model.name,
+            "tokens": r.study.workload.tokens, "trials": r.study.trials, "complete": r.study.complete,
+            "failed": r.study.failed, "pruned": r.study.pruned,
+            "study_best_us": r.study.best.median_us if r.study.best else None,
+            "best_us": rec.latency_us if rec else None, "spread_us": rec.spread_us if rec else None,
+            "default_us": r.study.default_value, "written": r.written, "reason": r.reason,
+            "backend": rec.backend if rec else None, "knobs": rec.knobs.to_dict() if rec else None,
+        })
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich import box
+
+    t = Table(title="tuned profiles" + (" (modelled)" if backend == "model" else ""), box=box.SIMPLE_HEAD,
+              pad_edge=False, collapse_padding=True)
+    for name in ("family", "model", "S", "trials", "default µs", "best µs", "±", "×", "stored"):
+        t.add_column(name, no_wrap=True, justify="left" if name in ("family", "model", "stored") else "right")
+    notes = []
+    for row in rows:
+        best, default = row["best_us"], row["default_us"]
+        t.add_row(row["family"], row["model"], str(row["tokens"]),
+                  f"{row['complete']}/{row['failed']}/{row['pruned']}",
+                  "-" if default is None else f"{default:,.1f}",
+                  "-" if best is None else f"{best:,.1f}",
+                  "-" if best is None else f"{row['spread_us']:,.1f}",
+                  f"{default / best:.2f}" if best and default else "-",
+                  "[green]new[/green]" if row["written"] else "[yellow]kept[/yellow]")
+        if not row["written"] or (row["study_best_us"] is not None and best is not None and abs(row["study_best_us"] - best) > 1e-9):
+            sb = row["study_best_us"]
+            notes.append(f"{row['family']} {row['model']} S={row['tokens']}: study best "
+                         f"{'-' if sb is None else f'{sb:,.1f}'} µs; {row['reason']}")
+    c = Console()
+    c.print(t)
+    c.print("trials = complete/failed/pruned; × = default / best; stored: new current profile, or the old one kept")
+    for n in notes:
+        c.print(n, soft_wrap=True)
+
+
+@app.command("show")
+def show(
+    study: str = typer.Option(None, "--study", "-s", help="Study name (default: list the studies)."),
+    storage: str = typer.Option(None, "--storage", help="Optuna storage URL."),
+    db: Path = typer.Option(None, "--db", help="Profile database (the studies file sits next to it)."),
+    as_json: bool = typer.Option(False, "--json", help="JSON output."),
+) -> None:
+    """Summarise the studies (or one study: best setting, speed-up over the default, importances)."""
+    import optuna
+
+    from moetune.tuner.search import describe_study, list_studies
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = _storage_url(storage, db)
+    from moetune.tuner.search import sqlite_path
+
+    p = sqlite_path(url)
+    if p is not None and not p.exists():
+        _fail(f"no studies yet ({p} does not exist)")
+    if study is None:
+        rows = list_studies(url)
+        if as_json:
+            typer.echo(json.dumps(rows, indent=2))
+            return
+        t = Table(title=f"studies in {url}")
+        t.add_column("study", overflow="fold")
+        for c in ("trials", "best µs", "backend"):
+            t.add_column(c, no_wrap=True)
+        for r in rows:
+            t.add_row(r["study"], str(r["trials"]), "-" if r["best_us"] is None else f"{r['best_us']:,.1f}",
+                      str(r["backend"]) + (" (modelled)" if r.get("modelled") else ""))
+        Console().print(t)
+        return
+    names = [r["study"] for r in list_studies(url)]
+    if study not in names:  # a unique part of a name will do (names are long)
+        hits = [n for n in names if study in n]
+        if len(hits) == 1:
+            study = hits[0]
+        elif len(hits) > 1:
+            _fail(f"{study!r} matches {len(hits)} studies: " + ", ".join(hits[:10]))
+    try:
+        d = describe_study(url, study)
+    except KeyError:
+        _fail(f"no study named {study!r} in {url}")
+    if as_json:
+        typer.echo(json.dumps(d, indent=2, default=str))
+        return
+    c = Console()
+    c.print(f"[bold]{d['study']}[/bold]  backend {d['backend']}{' (modelled)' if d['modelled'] else ''}")
+    c.print("trials: " + ", ".join(f"{k} {v}" for k, v in d["states"].items() if v))
+    if d["best_us"] is not None:
+        sp = d.get("best_spread_us")
+        c.print(f"best: {d['best_us']:,.1f} µs" + (f" ± {sp:,.1f}" if sp else "") + f" (trial {d['best_trial']})")
+    if d["default_us"] is not None:
+        c.print(f"policy default: {d['default_us']:,.1f} µs  → speed-up {d['speedup_vs_default']:.2f}×")
+    if d["best_knobs"]:
+        c.print("knobs: " + ", ".join(f"{k}={v}" for k, v in d["best_knobs"].items()))
+    if d["importances"]:
+        t = Table(title="parameter importances (fANOVA)")
+        t.add_column("parameter")
+        t.add_column("importance")
+        for k, v in d["importances"].items():
+            t.add_row(k, f"{v:.3f}")
+        c.print(t)
+    elif d["importance_note"]:
+        c.print(f"importances: {d['importance_note']}")
+    for f in d["failed"]:
+        c.print(f"[red]trial {f['trial']} failed:[/red] {f['error']}")

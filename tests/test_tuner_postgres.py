@@ -1,0 +1,143 @@
+"""Two tuning processes share one study in a throwaway PostgreSQL cluster (unix socket, tmp dir).
+
+Skipped with a reason when the PostgreSQL server binaries or psycopg are missing.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _pg_bin() -> Path | None:
+    for cand in [*sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True), "/usr/local/bin"]:
+        p = Path(cand)
+        if (p / "initdb").exists() and (p / "pg_ctl").exists():
+            return p
+    w = shutil.which("initdb")
+    return Path(w).parent if w and shutil.which("pg_ctl") else None
+
+
+PG_BIN = _pg_bin()
+HAVE_PSYCOPG = importlib.util.find_spec("psycopg") is not None
+
+pytestmark = [
+    pytest.mark.skipif(PG_BIN is None, reason="PostgreSQL server binaries (initdb, pg_ctl) not found"),
+    pytest.mark.skipif(not HAVE_PSYCOPG, reason="psycopg (pip install 'psycopg[binary]') is not installed"),
+]
+
+
+def _as_pg_user(argv: list[str]) -> list[str]:
+    """initdb refuses to run as root: run the server as the `postgres` user when we are root."""
+    if os.geteuid() != 0:
+        return argv
+    if shutil.which("runuser") is None:
+        pytest.skip("running as root and runuser is missing: cannot start a PostgreSQL server")
+    try:
+        import pwd
+
+        pwd.getpwnam("postgres")
+    except KeyError:
+        pytest.skip("running as root and no 'postgres' user exists to run the server")
+    return ["runuser", "-u", "postgres", "--", *argv]
+
+
+@pytest.fixture
+def pg_url():
+    base = Path(tempfile.mkdtemp(prefix="moetune-pg-", dir="/tmp"))
+    data, sock = base / "data", base / "sock"
+    sock.mkdir()
+    if os.geteuid() == 0:
+        import pwd
+
+        pw = pwd.getpwnam("postgres") if shutil.which("runuser") else None
+        if pw is not None:
+            for p in (base, sock):
+                os.chown(p, pw.pw_uid, pw.pw_gid)
+    port = str(20000 + os.getpid() % 20000)
+    env = dict(os.environ, LC_ALL="C")
+    try:
+        r = subprocess.run(_as_pg_user([str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "moetune",
+                                        "--no-sync", "-E", "UTF8"]), capture_output=True, timeout=60, env=env)
+        if r.returncode != 0:
+            pytest.skip(f"initdb failed: {r.stderr.decode()[-300:]}")
+        opts = f"-k {sock} -c listen_addresses='' -p {port} -F -c max_connections=40"
+        r = subprocess.run(_as_pg_user([str(PG_BIN / "pg_ctl"), "-D", str(data), "-o", opts, "-l", str(base / "log"),
+                                        "-w", "-t", "30", "start"]), capture_output=True, timeout=60, env=env)
+        if r.returncode != 0:
+            log = (base / "log").read_text() if (base / "log").exists() else ""
+            pytest.skip(f"pg_ctl start failed: {r.stderr.decode()[-300:]} {log[-300:]}")
+        yield f"postgresql://moetune@/postgres?host={sock}&port={port}"
+    finally:
+        subprocess.run(_as_pg_user([str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"]),
+                       capture_output=True, timeout=60)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+WORKER = textwrap.dedent('''
+    import sys, time
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.backends import CallableBackend
+    from moetune.tuner.search import tune_profiles_detailed, _Fam
+
+    class Facts:
+        fingerprint = "p" * 64
+        software_hash = "q" * 64
+        software = {{}}
+        gpu_count = 4
+        transports = [_Fam("proxy:ibrc")]
+
+    def f(k, wl):
+        time.sleep(0.05)
+        return 100.0 + k.num_sms + (50 if k.signalling == "coupled" else 0) + (30 if k.compression == "none" else 0)
+
+    res = tune_profiles_detailed(None, Facts(), models=[MODELS["qwen3-30b"]], tokens=[1024],
+                                 backend=CallableBackend(f), trials={trials}, storage={url!r}, progress=False,
+                                 seed=int(sys.argv[1]), families=["proxy:ibrc"])
+    print("DONE", res[0].study.trials, res[0].study.best_knobs is not None)
+''')
+
+
+def test_two_processes_share_one_study(pg_url: str, tmp_path: Path) -> None:
+    import optuna
+
+    from moetune.tuner.search import make_storage
+
+    trials = 30
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(trials=trials, url=pg_url))
+    # Create the schema once so the two workers do not race on table creation.
+    make_storage(pg_url)
+    procs = [subprocess.Popen([sys.executable, str(script), str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for seed in (1, 2)]
+    outs = []
+    deadline = time.monotonic() + 120
+    for p in procs:
+        out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+        assert p.returncode == 0, err.decode()[-3000:]
+        outs.append(out.decode())
+    assert all("DONE" in o for o in outs)
+    storage = make_storage(pg_url)
+    summaries = [s for s in optuna.get_all_study_summaries(storage) if s.study_name.startswith("moetune/")
+                 and not s.study_name.endswith(".warm-start-lock")]
+    assert len(summaries) == 1, [s.study_name for s in summaries]
+    study = optuna.load_study(study_name=summaries[0].study_name, storage=storage)
+    finished = [t for t in study.trials if t.state.is_finished()]
+    # Both workers stop once the shared budget is reached (at most one trial in flight each beyond it).
+    assert trials <= len(finished) <= trials + 2
+    workers = {t.user_attrs.get("worker") for t in finished}
+    assert len(workers) == 2, workers
+    # Warm-start points were enqueued by both but each ran once.
+    warm = [t.user_attrs["warm_start"] for t in study.trials if "warm_start" in t.user_attrs]
+    assert "policy_default" in warm and len(warm) == len(set(warm)), warm
+    assert study.best_value < 200
