@@ -42,7 +42,9 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
     facts = F.make_capture(tmp_path / "capture")
     F.seed_profiles(F.open_store(tmp_path / "moetune.db"), facts)
     port = _free_port()
-    d = F.DaemonProc(tmp_path, interval=0.2, extra=["--metrics-port", str(port)], env={"MOETUNE_FAKE_JOB_SLEEP": "1.0"})
+    # the real re-tune: the tuner on the model backend (a preset of the node's family), 3 trials per study
+    d = F.DaemonProc(tmp_path, interval=0.2, extra=["--metrics-port", str(port)], hooks=False,
+                     env={"MOETUNE_TUNE_TRIALS": "3", "MOETUNE_TUNE_BACKEND": "model"})
     try:
         d.wait_ready()
         c = ProfileClient(d.endpoint, timeout_ms=1000)
@@ -64,13 +66,14 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
 
         _until(saw_stale)
         assert "fabric_changed" in kinds
-        # while stale (the fake re-tune sleeps 1 s): never served as current
-        with pytest.raises(DaemonError) as ei:
-            c.get_profile(ep_size=2, tokens=3000, model="qwen3-30b")
-        assert ei.value.code == wire.E_NOT_FOUND
+        # from now on the old profile is never served: not_found until the re-tune lands, then the new one
+        # (test_daemon_restart holds a job open to see the not_found window for sure)
+        try:
+            assert c.get_profile(ep_size=2, tokens=3000, model="qwen3-30b").key.fingerprint == new_facts.fingerprint
+        except DaemonError as e:
+            assert e.code == wire.E_NOT_FOUND
         st = c.status()
         assert st.fingerprint == new_facts.fingerprint and st.profiles_stale == 3
-        assert st.jobs.running is not None or st.jobs.queued
 
         # the running client picks the re-tuned profile up through PUB
         def picked_up():
@@ -79,7 +82,7 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
 
         _until(picked_up)
         assert tracked.current.profile_hash != old.profile_hash and tracked.current.status == "current"
-        assert tracked.current.knobs.num_sms == 32
+        assert tracked.current.backend.startswith("model:")  # tuned on the fabric model (modelled)
         assert tracked.current.version > old.version
         _until(lambda: "profile_updated" in [ch.kind for ch in w.poll_changes(100)] or None)
         fab = c.fabric()

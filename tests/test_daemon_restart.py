@@ -39,6 +39,13 @@ def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
         # running, with its tuning run and job_started event persisted (run_id is shown only then)
         running = _until(lambda: (j := c.status().jobs.running) is not None and j.run_id is not None and j)
         assert running.fingerprint == new_facts.fingerprint and running.keys == 3
+        # while the re-tune runs the stale profile is not served as current
+        from moetune.runtime.client import DaemonError
+
+        with pytest.raises(DaemonError) as ei:
+            c.get_profile(ep_size=2, tokens=3000, model="qwen3-30b")
+        assert ei.value.code == "not_found"
+        assert c.status().profiles_stale == 3
         c.close()
         d.kill(9)  # no chance to clean up
     finally:
