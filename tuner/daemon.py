@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import grp
 import importlib
 import itertools
@@ -369,6 +370,10 @@ class Daemon:
             self._threads.append(t)
         log.info("serving", extra={"endpoint": self.endpoint, "pub_endpoint": self.pub_endpoint, "epoch": self.epoch,
                                    "db": self.db_path, "fingerprint": self._index.fingerprint})
+        # Everything loaded so far (SQLAlchemy, Alembic, the index) lives for the whole run: move it out of
+        # the cyclic GC's generations so that full collections do not rescan it (tail latency).
+        gc.collect()
+        gc.freeze()
         if background:
             self._serve_thread = threading.Thread(target=self.serve_forever, name="moetune-serve", daemon=True)
             self._serve_thread.start()
@@ -829,6 +834,8 @@ class Daemon:
                                 profiles=[r.profile_hash for r in written], keys=[r.key for r in written],
                                 reasons=[f"job {job.id}: {job.reason}"[:512]]))
         self._rebuild(changes)
+        gc.collect()  # a job imports the tuner (Optuna...): freeze what stays, as at start
+        gc.freeze()
 
 
 # -- entry point (`python -m moetune.tuner.daemon` and `moetune serve`) ---------------------------------
