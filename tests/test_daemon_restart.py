@@ -119,11 +119,12 @@ def test_cancel_running_job_and_bounded_queue(tmp_path: Path) -> None:
         d.kill()
 
 
-def test_second_daemon_on_the_same_socket_refused(tmp_path: Path) -> None:
+def test_second_daemon_refused_same_socket_or_same_database(tmp_path: Path) -> None:
     F.make_capture(tmp_path / "capture")
     d = F.DaemonProc(tmp_path, interval=0)
     try:
         d.wait_ready()
+        # same socket, another database
         other = tmp_path / "second"
         other.mkdir()
         F.make_capture(other / "capture")
@@ -133,22 +134,13 @@ def test_second_daemon_on_the_same_socket_refused(tmp_path: Path) -> None:
             assert "another daemon is listening" in d2.read_log()
         finally:
             d2.kill()
-        assert d.wait_ready().protocol == 1  # the first one is untouched
-    finally:
-        d.kill()
-
-
-def test_second_daemon_on_the_same_database_refused(tmp_path: Path) -> None:
-    F.make_capture(tmp_path / "capture")
-    d = F.DaemonProc(tmp_path, interval=0)
-    try:
-        d.wait_ready()
-        d2 = F.DaemonProc(tmp_path, endpoint=f"ipc://{tmp_path}/run2/daemon.sock", interval=0)
+        # same database (the single writer), another socket
+        d3 = F.DaemonProc(tmp_path, endpoint=f"ipc://{tmp_path}/run2/daemon.sock", interval=0)
         try:
-            assert d2.proc.wait(20) == 2
-            assert "another moetune daemon is using the database" in d2.read_log()
+            assert d3.proc.wait(20) == 2
+            assert "another moetune daemon is using the database" in d3.read_log()
         finally:
-            d2.kill()
-        assert d.wait_ready().protocol == 1
+            d3.kill()
+        assert d.wait_ready().protocol == 1  # the first one is untouched
     finally:
         d.kill()
