@@ -150,6 +150,8 @@ import time, json, sys, warnings
 t_pkg = time.perf_counter()
 import moetune.runtime  # the runtime package itself (torch, ...) is imported by any EP program anyway
 from moetune.runtime.shapes import MODELS
+import gc
+gc.collect()  # do not charge the client import for a full collection of torch's objects that is due anyway
 t0 = time.perf_counter()
 from moetune.runtime.autoload import autoload_profile  # what the daemon client adds: pyzmq, wire schemas
 t1 = time.perf_counter()
