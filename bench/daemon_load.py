@@ -37,7 +37,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 BODY = b'{"v":1,"id":%d,"op":"get_profile","ep_size":2,"tokens":3000,"model":"qwen3-30b"}'
 
 
-def _client_proc(endpoint: str, n_socks: int, seconds: float, rate: float, start_at: float, q: mp.Queue) -> None:
+def _client_proc(endpoint: str, n_socks: int, seconds: float, rate: float, start_at: float, q: mp.Queue,
+                 cpus: set[int] | None = None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # before the ZeroMQ I/O thread exists: it inherits the mask
     import zmq
 
     ctx = zmq.Context()
@@ -120,12 +123,12 @@ def _client_proc(endpoint: str, n_socks: int, seconds: float, rate: float, start
     q.put({"lat": lat, "errors": errors, "wall": wall})
 
 
-def run_phase(endpoint: str, clients: int, seconds: float, rate: float, procs: int) -> dict:
+def run_phase(endpoint: str, clients: int, seconds: float, rate: float, procs: int, cpus: set[int] | None = None) -> dict:
     procs = max(1, min(procs, clients))
     share = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
     q: mp.Queue = mp.Queue()
     start_at = time.time() + 0.5 + clients * 0.004
-    ps = [mp.Process(target=_client_proc, args=(endpoint, n, seconds, rate * n / clients if rate > 0 else 0, start_at, q))
+    ps = [mp.Process(target=_client_proc, args=(endpoint, n, seconds, rate * n / clients if rate > 0 else 0, start_at, q, cpus))
           for n in share]
     for p in ps:
         p.start()
@@ -196,6 +199,8 @@ def main() -> int:
     ap.add_argument("--wait-quiet", type=float, default=0.0,
                     help="wait up to this many seconds for the 1-min load average to drop below --quiet-load")
     ap.add_argument("--quiet-load", type=float, default=1.0)
+    ap.add_argument("--pin", action="store_true",
+                    help="pin the daemon (all its threads) to CPU 0 and the client processes to the other CPUs")
     ap.add_argument("--nice", type=int, default=0, help="os.nice() increment for the bench and the daemon it starts")
     a = ap.parse_args()
     if a.nice:
@@ -221,13 +226,18 @@ def main() -> int:
         endpoint, extra = None, []
     d = F.DaemonProc(tmp, endpoint=endpoint, extra=extra, interval=0)
     phases = []
+    client_cpus: set[int] | None = None
     try:
         d.wait_ready()
+        if a.pin and (os.cpu_count() or 1) > 1:
+            for tid in os.listdir(f"/proc/{d.proc.pid}/task"):
+                os.sched_setaffinity(int(tid), {0})
+            client_cpus = set(range(1, os.cpu_count() or 2))
         for n in (int(x) for x in a.clients.split(",")):
             n = max(1, min(n, 256))
             for rate in (0.0, a.rate):
                 cpu0 = _cpu_s(d.proc.pid)
-                r = run_phase(d.endpoint, n, a.seconds, rate, a.procs)
+                r = run_phase(d.endpoint, n, a.seconds, rate, a.procs, client_cpus)
                 cpu = _cpu_s(d.proc.pid) - cpu0
                 r["daemon_cpu_s"] = round(cpu, 3)
                 r["daemon_cpu_us_per_req"] = round(cpu / max(1, r["requests"]) * 1e6, 2)
@@ -259,6 +269,7 @@ def main() -> int:
                  "platform": platform.platform()},
         "transport": a.transport,
         "nice": a.nice,
+        "pinned": bool(client_cpus),
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "note": "2-core shared CI box; other jobs may run at the same time (see loadavg); client processes run on the same cores as the daemon",
