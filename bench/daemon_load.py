@@ -273,7 +273,7 @@ def main() -> int:
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "note": "2-core shared CI box; other jobs may run at the same time (see loadavg); client processes run on the same cores as the daemon",
-        "store": "real Store" if "moetune.tuner.store" in sys.modules else "tests/daemon_fakes.FakeStore",
+        "store": "moetune.tuner.store.Store",
         "phases": phases,
         "autoload_daemon_up": {"call": summarize(up, "autoload_ms"), "import": summarize(up, "import_ms"),
                                "runtime_package_import": summarize(up, "runtime_pkg_ms"),

@@ -1,11 +1,12 @@
-"""Stand-ins the daemon tests inject (`--store-hook`, `--discover-hook`, `--retune-hook`).
+"""Helpers of the daemon tests.
 
-- `open_store(path)`: the real `moetune.tuner.store.Store` when it is importable, else `FakeStore`, a
-  stdlib-sqlite3 store with the same `profiles` table columns (so the runtime's read-only fallback reads it).
-- `discover_capture(dir)`: the real discovery on a capture directory when `dir/facts.json` is absent and the
-  discovery module exists; else facts read from `dir/facts.json` (tests edit it to script a fabric change).
-- `fake_retune(ctx)`: writes one new profile per key on the new fabric (sleeping MOETUNE_FAKE_JOB_SLEEP s first,
-  checking for cancellation), instead of running Optuna.
+- `DaemonProc`: `python -m moetune.tuner.daemon` as a subprocess on a tmp dir (real Store, real discovery of a
+  `--capture` copied from tests/captures); always killed by the test's teardown.
+- `make_capture` / `set_port_state`: a capture to discover, and a scripted hardware change (an IB port goes down).
+- `fake_retune(ctx)` (`--retune-hook`): writes one new profile per key on the new fabric, after sleeping
+  MOETUNE_FAKE_JOB_SLEEP s (checking for cancellation): a job that can be held open for the kill -9 and
+  cancel tests. The fabric-change and tuner tests use the real tuner.
+- `FakeFacts`: facts of some other fabric (only its fingerprint and software hash matter).
 """
 
 from __future__ import annotations
@@ -13,129 +14,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sqlite3
-import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from moetune.runtime.knobs import Knobs, default_knobs
+from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS fingerprints (id INTEGER PRIMARY KEY, hash TEXT UNIQUE, facts TEXT, first_seen TEXT, last_seen TEXT);
-CREATE TABLE IF NOT EXISTS tuning_runs (id INTEGER PRIMARY KEY, study_name TEXT, storage TEXT, backend TEXT, status TEXT,
-    trials INTEGER, best_value REAL, started TEXT, ended TEXT);
-CREATE TABLE IF NOT EXISTS profiles (id INTEGER PRIMARY KEY, fingerprint TEXT, software TEXT, transport_family TEXT,
-    ep_size INTEGER, nodes INTEGER, hidden INTEGER, intermediate INTEGER, experts INTEGER, topk INTEGER, dtype TEXT,
-    token_bucket INTEGER, knobs TEXT, latency_us REAL, spread_us REAL, backend TEXT, status TEXT, software_versions TEXT,
-    profile_hash TEXT, created TEXT, updated TEXT);
-CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY, created TEXT, kind TEXT, reason TEXT, details TEXT);
-"""
-KEY_COLS = ("fingerprint", "software", "transport_family", "ep_size", "nodes", "hidden", "intermediate", "experts",
-            "topk", "dtype", "token_bucket")
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat()
-
-
-class FakeStore:
-    """The subset of the Store contract the daemon uses, on stdlib sqlite3 (WAL)."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.url = f"sqlite:///{self.path}"
-        self._lock = threading.RLock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=5)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(SCHEMA)
-
-    def _x(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        with self._lock:
-            return self._db.execute(sql, args)
-
-    def upsert_fingerprint(self, fp_hash: str, facts: dict) -> None:
-        ts = _now()
-        with self._lock:
-            if self._x("SELECT 1 FROM fingerprints WHERE hash=?", (fp_hash,)).fetchone():
-                self._x("UPDATE fingerprints SET last_seen=?, facts=? WHERE hash=?", (ts, json.dumps(facts), fp_hash))
-            else:
-                self._x("INSERT INTO fingerprints (hash, facts, first_seen, last_seen) VALUES (?,?,?,?)", (fp_hash, json.dumps(facts), ts, ts))
-
-    def start_run(self, *, study_name: str, storage: str, backend: str) -> int:
-        c = self._x("INSERT INTO tuning_runs (study_name, storage, backend, status, trials, started) VALUES (?,?,?,?,0,?)",
-                    (study_name, storage, backend, "running", _now()))
-        return int(c.lastrowid)
-
-    def finish_run(self, run_id: int, *, status: str, trials: int, best_value: float | None) -> None:
-        self._x("UPDATE tuning_runs SET status=?, trials=?, best_value=?, ended=? WHERE id=?", (status, trials, best_value, _now(), run_id))
-
-    def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
-        cur = self._x("SELECT id, study_name, status FROM tuning_runs ORDER BY id DESC LIMIT ?", (limit,))
-        return [dict(id=r[0], study_name=r[1], status=r[2]) for r in cur.fetchall()]
-
-    def _rec(self, r: tuple) -> ProfileRecord:
-        key = ProfileKey(**dict(zip(KEY_COLS, r[1:12], strict=True)))
-        return ProfileRecord(key=key, knobs=Knobs.from_dict(json.loads(r[12])), latency_us=r[13], spread_us=r[14], backend=r[15],
-                             status=r[16], software_versions=json.loads(r[17] or "{}"), created=r[19], updated=r[20])
-
-    _SEL = "SELECT id, " + ", ".join(KEY_COLS) + ", knobs, latency_us, spread_us, backend, status, software_versions, profile_hash, created, updated FROM profiles"
-
-    def put_profile(self, rec: ProfileRecord) -> tuple[bool, str]:
-        ts = _now()
-        with self._lock:
-            self._x("BEGIN IMMEDIATE")
-            try:
-                where = " AND ".join(f"{c}=?" for c in KEY_COLS)
-                vals = tuple(getattr(rec.key, c) for c in KEY_COLS)
-                old = self._x(f"SELECT id, latency_us, spread_us FROM profiles WHERE status='current' AND {where}", vals).fetchone()
-                if old is not None:
-                    if not old[1] - rec.latency_us > max(old[2], rec.spread_us):
-                        self._x("COMMIT")
-                        return False, "kept the current profile"
-                    self._x("UPDATE profiles SET status='superseded', updated=? WHERE id=?", (ts, old[0]))
-                self._x("INSERT INTO profiles (" + ", ".join(KEY_COLS) + ", knobs, latency_us, spread_us, backend, status, "
-                        "software_versions, profile_hash, created, updated) VALUES (" + ",".join("?" * 20) + ")",
-                        (*vals, json.dumps(rec.knobs.to_dict()), rec.latency_us, rec.spread_us, rec.backend, rec.status,
-                         json.dumps(rec.software_versions), rec.profile_hash, rec.created or ts, ts))
-                self._x("COMMIT")
-            except BaseException:
-                self._x("ROLLBACK")
-                raise
-        return True, "written"
-
-    def list_profiles(self, *, status: str | None = None, fingerprint: str | None = None) -> list[tuple[int, ProfileRecord]]:
-        sql, args = self._SEL + " WHERE 1=1", []
-        if status:
-            sql += " AND status=?"
-            args.append(status)
-        if fingerprint:
-            sql += " AND fingerprint=?"
-            args.append(fingerprint)
-        return [(r[0], self._rec(r)) for r in self._x(sql + " ORDER BY id", tuple(args)).fetchall()]
-
-    def mark_stale(self, *, fingerprint: str, reason: str) -> int:
-        n = self._x("UPDATE profiles SET status='stale', updated=? WHERE fingerprint=? AND status='current'", (_now(), fingerprint)).rowcount
-        if n:
-            self.add_event(kind="stale", reason=reason, details={"fingerprint": fingerprint, "profiles": n})
-        return n
-
-    def add_event(self, *, kind: str, reason: str, details: dict | None = None) -> int:
-        c = self._x("INSERT INTO events (created, kind, reason, details) VALUES (?,?,?,?)", (_now(), kind, reason, json.dumps(details or {})))
-        return int(c.lastrowid)
-
-    def list_events(self, limit: int = 100) -> list[dict[str, Any]]:
-        cur = self._x("SELECT id, created, kind, reason, details FROM events ORDER BY id DESC LIMIT ?", (limit,))
-        return [dict(id=r[0], created=r[1], kind=r[2], reason=r[3], details=json.loads(r[4])) for r in cur.fetchall()]
 
 
 def open_store(path: str | Path) -> Any:
-    try:
-        from moetune.tuner.store import Store
-    except ImportError:
-        return FakeStore(path)
+    from moetune.tuner.store import Store
+
     return Store(path)
 
 
@@ -159,26 +48,6 @@ class FakeFacts:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self._d)
-
-
-def write_facts(capture: Path, **facts: Any) -> FakeFacts:
-    capture.mkdir(parents=True, exist_ok=True)
-    d = {"gpu_model": "H200", "gpu_count": 2, "transports": ["nvlink"], "software": {"nccl": "2.28.9"}, **facts}
-    tmp = capture / "facts.json.tmp"
-    tmp.write_text(json.dumps(d))
-    os.replace(tmp, capture / "facts.json")
-    return FakeFacts(d)
-
-
-def discover_capture(capture: Path | None) -> Any:
-    """Fake facts from `capture/facts.json` when present, else the real discovery of the capture."""
-    if capture is None:
-        raise RuntimeError("the fake discovery needs --capture")
-    if (Path(capture) / "facts.json").exists():
-        return FakeFacts(json.loads((Path(capture) / "facts.json").read_text()))
-    from moetune.tuner.discovery import discover
-
-    return discover(capture)
 
 
 CAPTURES = Path(__file__).resolve().parent / "captures"
