@@ -4,7 +4,7 @@
 For each model (hidden H, top-k k, experts E) and S tokens per rank: random top-k routing (uniform),
 dispatch sends each token once to every rank holding one of its experts (DeepEP-style, rows of
 H x 2 bytes, bf16), combine sends the same rows back. Timed with CUDA events after a barrier,
-median of >= 20:
+median of 20:
   nvlink / proxy : exchange_counts + exchange (dispatch), exchange (combine)
   nccl           : all_to_all_single with split sizes already on the host (no count exchange)
   nccl+counts    : all_to_all_single of the counts, .tolist() (a host sync), then the rows -- what a
@@ -31,19 +31,18 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 
 MODELS = ("qwen3-30b", "deepseek-v3")
 TOKENS = (128, 1024, 16384)
-NVLINK_VARIANTS = (
+NVLINK_VARIANTS = (  # default knobs (num_sms=24), the fused single-launch dispatch, and num_sms=128 (run-1 best)
     ("nvlink", "signalling=coupled,num_sms=24"),
-    ("nvlink", "signalling=decoupled,num_sms=24"),
-    ("nvlink", "signalling=coupled,num_sms=64"),
-    ("nvlink", "signalling=decoupled,num_sms=64"),
+    ("nvlink", "signalling=coupled,num_sms=24|fused"),
+    ("nvlink", "signalling=decoupled,num_sms=24|fused"),
+    ("nvlink", "signalling=coupled,num_sms=128"),
+    ("nvlink", "signalling=decoupled,num_sms=128"),
 )
-PROXY_VARIANTS = (
+PROXY_VARIANTS = (  # the two ends of the fence/signalling trade-off
     ("proxy", "fence_mode=proxy_drain,signalling=coupled,qps_per_pe=1,chunk_tokens=128"),
-    ("proxy", "fence_mode=proxy_drain,signalling=decoupled,qps_per_pe=1,chunk_tokens=128"),
     ("proxy", "fence_mode=nic_ordered,signalling=decoupled,qp_mapping=peer_hash,qps_per_pe=2,chunk_tokens=128"),
-    ("proxy", "fence_mode=nic_ordered,signalling=coupled,qp_mapping=peer_hash,qps_per_pe=2,chunk_tokens=0"),
 )
-SMS_SWEEP = (16, 24, 32, 48, 64, 96, 128)
+SMS_SWEEP = (32, 64, 96)
 
 
 def _stats(xs: list[float]) -> dict:
@@ -52,20 +51,26 @@ def _stats(xs: list[float]) -> dict:
     return {"median": statistics.median(s), "p10": pick(10), "p90": pick(90), "n": len(s)}
 
 
-def make_shape(model, S: int, world: int, rank: int, device, seed: int = 0):
-    """Packed dispatch rows for this rank: send tensor grouped by destination rank, counts."""
+def make_shape(model, S: int, world: int, rank: int, device, seed: int = 0, layout: str = "rank"):
+    """Packed dispatch rows for this rank: send tensor grouped by destination rank, counts.
+
+    layout "rank": each token once per destination rank holding any of its experts (DeepEP-style);
+    "expert": each token once per selected expert (k copies, the NCCL rows of DESIGN §6).
+    """
     import torch
 
     g = torch.Generator(device="cpu").manual_seed(seed * 7919 + rank * 31 + S)
     E, k, H = model.experts, model.topk, model.hidden
     topk = torch.rand(S, E, generator=g).topk(k, dim=1).indices
     epr = E // world
-    dest = torch.zeros(S, world, dtype=torch.bool)
-    dest.scatter_(1, topk // epr, True)
+    dest_of = topk // epr  # [S, k]
     order = []
     counts = []
     for d in range(world):
-        idx = dest[:, d].nonzero().flatten()
+        if layout == "expert":
+            idx = (dest_of == d).nonzero()[:, 0]  # token index repeated once per expert on d
+        else:
+            idx = (dest_of == d).any(dim=1).nonzero().flatten()
         order.append(idx)
         counts.append(int(idx.numel()))
     x = torch.randn(S, H, generator=g).to(torch.bfloat16)
@@ -79,43 +84,60 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
     import torch.distributed as dist
 
     from moetune.runtime.shapes import get_model
-    from moetune.runtime.transports._selftest import barrier, knobs_for, transport_class
+    from moetune.runtime.transports._selftest import barrier, knobs_for, split_spec, transport_class
 
     device = torch.device("cuda", rank)
     rows: list[dict] = []
     shapes = {}
-    max_rows, max_rb = 1, 1
+    max_bytes, max_rb = 1, 1
     for m in models:
         model = get_model(m)
         for S in tokens:
-            send, counts = make_shape(model, S, world, rank, device)
-            shapes[(m, S)] = (model, send, counts)
-            max_rows = max(max_rows, send.shape[0])
-            max_rb = max(max_rb, model.hidden * 2)
+            layouts = ["rank", "expert"] if (m == "qwen3-30b" and max(tokens) == S) else ["rank"]
+            for layout in layouts:
+                send, counts = make_shape(model, S, world, rank, device, layout=layout)
+                shapes[(m, S, layout)] = (model, send, counts)
+                max_bytes = max(max_bytes, send.numel() * send.element_size())
+                max_rb = max(max_rb, model.hidden * 2)
+    max_rows = -(-max_bytes // max_rb)  # capacity by bytes: world x the largest send of any shape
 
     def remote_bytes(send, counts):
         return sum(c for d, c in enumerate(counts) if d != rank) * send.shape[1] * send.element_size()
 
     host_us: list[float] = []
 
+    def agree(err: str | None) -> bool:
+        """All ranks learn whether any failed (keeps the collectives in step). True = all fine."""
+        flag = torch.tensor([1.0 if err else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0
+
     def time_pair(dispatch_fn, combine_fn):
         d_us, c_us = [], []
         host_us.clear()
+        err = None
         for i in range(warmup + iters):
-            barrier(device)
-            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-            e0.record()
-            h0 = time.perf_counter()
-            st = dispatch_fn()
-            e1.record()
-            combine_fn(st)
-            h1 = time.perf_counter()
-            e2.record()
-            torch.cuda.synchronize(device)
-            if i >= warmup:
-                d_us.append(e0.elapsed_time(e1) * 1e3)
-                c_us.append(e1.elapsed_time(e2) * 1e3)
-                host_us.append((h1 - h0) * 1e6)
+            barrier(device)  # every rank takes part in every barrier, even after a failure
+            if err:
+                continue
+            try:
+                e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                e0.record()
+                h0 = time.perf_counter()
+                st = dispatch_fn()
+                e1.record()
+                combine_fn(st)
+                h1 = time.perf_counter()
+                e2.record()
+                torch.cuda.synchronize(device)
+                if i >= warmup:
+                    d_us.append(e0.elapsed_time(e1) * 1e3)
+                    c_us.append(e1.elapsed_time(e2) * 1e3)
+                    host_us.append((h1 - h0) * 1e6)
+            except Exception:
+                err = traceback.format_exc()[-2000:]
+        if not agree(err):
+            raise RuntimeError(err or "another rank failed")
         return d_us, c_us
 
     def time_graph(dispatch_fn, combine_fn):
@@ -124,27 +146,41 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
         s.wait_stream(torch.cuda.current_stream(device))
         g = torch.cuda.CUDAGraph()
         barrier(device)
-        with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
-            combine_fn(dispatch_fn())
-        torch.cuda.current_stream(device).wait_stream(s)
-        torch.cuda.synchronize(device)
+        err = None
+        try:
+            with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
+                combine_fn(dispatch_fn())
+            torch.cuda.current_stream(device).wait_stream(s)
+            torch.cuda.synchronize(device)
+        except Exception:
+            err = traceback.format_exc()[-1500:]
+        if not agree(err):
+            raise RuntimeError(err or "capture failed on another rank")
         us = []
+        err = None
         for i in range(warmup + iters):
             barrier(device)
-            e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            e0.record()
-            g.replay()
-            e1.record()
-            torch.cuda.synchronize(device)
-            if i >= warmup:
-                us.append(e0.elapsed_time(e1) * 1e3)
+            if err:
+                continue
+            try:
+                e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                e0.record()
+                g.replay()
+                e1.record()
+                torch.cuda.synchronize(device)
+                if i >= warmup:
+                    us.append(e0.elapsed_time(e1) * 1e3)
+            except Exception:
+                err = traceback.format_exc()[-1500:]
+        if not agree(err):
+            raise RuntimeError(err or "replay failed on another rank")
         return us, g
 
     # --- NCCL baselines -----------------------------------------------------------------------------
-    for (m, S), (model, send, counts) in shapes.items():
+    for (m, S, layout), (model, send, counts) in shapes.items():
         for name in ("nccl", "nccl+counts"):
             rec = {"bench": "onesided_ep", "transport": name, "knobs": "", "model": m, "tokens": S, "world": world,
-                   "rank": rank, "hidden": model.hidden}
+                   "rank": rank, "hidden": model.hidden, "layout": layout, "rows_sent": int(send.shape[0])}
             try:
                 sc_dev = torch.tensor(counts, dtype=torch.int64, device=device)
                 rc_dev = torch.empty_like(sc_dev)
@@ -175,28 +211,41 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
             rows.append(rec)
 
     # --- one-sided transports -------------------------------------------------------------------------
-    def run_transport(tname: str, spec: str, shape_keys) -> None:
+    def run_transport(tname: str, spec: str, shape_keys, use_graphs: bool = True) -> None:
         t = None
+        cerr = None
+        fused = "fused" in split_spec(spec)[1]
         try:
             knobs = knobs_for(tname, spec)
             t = transport_class(tname)(None, knobs, device, max_send_rows=max_rows, row_bytes=max_rb)
         except Exception:
+            cerr = traceback.format_exc()[-2000:]
+        if not agree(cerr):
             rows.append({"bench": "onesided_ep", "transport": tname, "knobs": spec, "rank": rank,
-                         "error": traceback.format_exc()[-2000:]})
+                         "error": cerr or "construction failed on another rank"})
+            if t is not None:
+                try:
+                    t.close()
+                except Exception:
+                    pass
             return
         try:
             for key in shape_keys:
-                m, S = key
+                m, S, layout = key
                 model, send, counts = shapes[key]
                 rec = {"bench": "onesided_ep", "transport": tname, "knobs": spec, "model": m, "tokens": S,
-                       "world": world, "rank": rank, "hidden": model.hidden, "symm_backend": t.symm_backend}
+                       "world": world, "rank": rank, "hidden": model.hidden, "symm_backend": t.symm_backend,
+                       "layout": layout, "rows_sent": int(send.shape[0])}
                 try:
                     sc_dev = torch.tensor(counts, dtype=torch.int64, device=device)
                     holder = {}
 
                     def disp(t=t, send=send, sc_dev=sc_dev, holder=holder):
-                        rc = t.exchange_counts(sc_dev)
-                        out = t.exchange(send, sc_dev, rc)
+                        if fused:  # counts ride inside the exchange: one launch
+                            out, rc = t.exchange_fused(send, sc_dev)
+                        else:
+                            rc = t.exchange_counts(sc_dev)
+                            out = t.exchange(send, sc_dev, rc)
                         holder["rc"] = rc
                         return out
 
@@ -210,33 +259,54 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
                     rc0 = torch.empty_like(sc_dev)
                     dist.all_to_all_single(rc0, sc_dev)
                     holder["n_recv"] = int(rc0.sum().item())
-                    d_us, c_us = time_pair(disp, comb)
+                    # the NCCL result of this dispatch (once per case): the transport must deliver exactly it
+                    ref = torch.empty(holder["n_recv"], send.shape[1], dtype=send.dtype, device=device)
+                    dist.all_to_all_single(ref, send, output_split_sizes=rc0.tolist(), input_split_sizes=counts)
+                    d_us, c_us = time_pair(disp, comb)  # agrees across ranks before returning/raising
                     torch.cuda.synchronize(device)
                     t.check()
                     ok = torch.equal(holder["back"].view(torch.int16), send.view(torch.int16))
-                    rec.update(dispatch_us=_stats(d_us), combine_us=_stats(c_us),
-                               layer_us=_stats([a + b for a, b in zip(d_us, c_us, strict=True)]),
-                               remote_bytes=remote_bytes(send, counts), roundtrip_equal=ok)
+                    got = disp()  # one more dispatch + combine, untimed, checked against NCCL
+                    same = torch.equal(got[: holder["n_recv"]].view(torch.int16), ref.view(torch.int16))
+                    comb(got)
+                    torch.cuda.synchronize(device)
+                    t.check()
+                    ok = ok and torch.equal(holder["back"].view(torch.int16), send.view(torch.int16))
+                    timing = dict(dispatch_us=_stats(d_us), combine_us=_stats(c_us),
+                                  layer_us=_stats([a + b for a, b in zip(d_us, c_us, strict=True)]))
+                    rec.update(remote_bytes=remote_bytes(send, counts), roundtrip_equal=ok, equals_nccl=same)
+                    if not (ok and same):  # a wrong result never prints a time as if it were valid
+                        rec["unverified_timing"] = timing
+                        raise RuntimeError(f"output differs from NCCL all_to_all_single (dispatch equal={same}, "
+                                           f"round trip equal={ok})")
+                    rec.update(timing)
                     rec["GBps_dispatch"] = rec["remote_bytes"] / rec["dispatch_us"]["median"] / 1e3
                     rec["host_issue_us"] = _stats(list(host_us))
                     if tname == "proxy":
                         rec["proxy_stats"] = t.proxy_stats()
-                    if tname == "nvlink" and graphs:
-                        try:
-                            holder["back"] = None
-                            g_us, _g = time_graph(disp, comb)
-                            t.check()
-                            rec["layer_us_graph"] = _stats(g_us)
-                            rec["graph_roundtrip_equal"] = bool(
-                                torch.equal(holder["back"].view(torch.int16), send.view(torch.int16)))
-                            del _g
-                        except Exception:
-                            rec["graph_error"] = traceback.format_exc()[-1500:]
                 except Exception:
                     rec["error"] = traceback.format_exc()[-2000:]
+                if not agree(rec.get("error")):
+                    rows.append(rec)
+                    break  # a failure on some rank: this transport's state is not trusted any more
+                if tname == "nvlink" and graphs and use_graphs:
+                    gerr = None
+                    try:
+                        holder["back"] = None
+                        g_us, _g = time_graph(disp, comb)  # agrees across ranks internally
+                        torch.cuda.synchronize(device)
+                        t.check()
+                        rec["layer_us_graph"] = _stats(g_us)
+                        rec["graph_roundtrip_equal"] = bool(
+                            torch.equal(holder["back"].view(torch.int16), send.view(torch.int16)))
+                        del _g
+                    except Exception:
+                        gerr = traceback.format_exc()[-1500:]
+                        rec["graph_error"] = gerr
+                    if not agree(gerr):
+                        rows.append(rec)
+                        break
                 rows.append(rec)
-                if "error" in rec and "OneSidedError" in rec["error"]:
-                    break  # transport state is broken after a GPU-side failure
         finally:
             try:
                 t.close()
@@ -247,24 +317,26 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
     for tname, spec in variants:
         run_transport(tname, spec, keys)
     # num_sms sweep for nvlink bandwidth at the largest shape
-    big = max(keys, key=lambda k: shapes[k][1].numel())
+    big = [k for k in keys if k[1] == max(tokens) and k[2] == "rank"] or [
+        max(keys, key=lambda k: shapes[k][1].numel())]
     for sms in sms_sweep:
         for sig in ("coupled", "decoupled"):
-            run_transport("nvlink", f"signalling={sig},num_sms={sms}", [big])
+            run_transport("nvlink", f"signalling={sig},num_sms={sms}", big, use_graphs=False)
     return rows
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    lines = [f"{'transport':12s} {'knobs':72s} {'model':12s} {'S':>6s} {'disp us':>9s} {'comb us':>9s} "
+    lines = [f"{'transport':12s} {'knobs':72s} {'model':14s} {'S':>6s} {'disp us':>9s} {'comb us':>9s} "
              f"{'pair us':>9s} {'graph':>8s} {'host':>7s} {'GB/s':>7s} ok"]
     for r in rows:
         if r.get("rank") != 0 or r.get("bench") != "onesided_ep":
             continue
         if "error" in r:
-            lines.append(f"{r.get('transport', '?'):12s} {r.get('knobs', '')[:72]:72s} {r.get('model', '-'):12s} "
+            lines.append(f"{r.get('transport', '?'):12s} {r.get('knobs', '')[:72]:72s} {r.get('model', '-'):14s} "
                          f"{r.get('tokens', 0):6d} ERROR {r['error'].strip().splitlines()[-1][:80]}")
             continue
-        lines.append(f"{r['transport']:12s} {r['knobs'][:72]:72s} {r['model']:12s} {r['tokens']:6d} "
+        mod = r["model"] + ("/k" if r.get("layout") == "expert" else "")
+        lines.append(f"{r['transport']:12s} {r['knobs'][:72]:72s} {mod:14s} {r['tokens']:6d} "
                      f"{r['dispatch_us']['median']:9.1f} {r['combine_us']['median']:9.1f} "
                      f"{r['layer_us']['median']:9.1f} {r.get('layer_us_graph', {}).get('median', float('nan')):8.1f} "
                      f"{r.get('host_issue_us', {}).get('median', float('nan')):7.1f} {r['GBps_dispatch']:7.1f} "
@@ -275,8 +347,8 @@ def summarize(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))

@@ -30,12 +30,16 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 CONCURRENCY = (1, 4, 16, 48, 96)
 SIZES = (4 << 10, 16 << 10, 256 << 10, 4 << 20)
 MODES = {
-    # name: (fence_mode, signalling or None for put-only)
-    "put_only": ("none", None),
-    "coupled_drain": ("proxy_drain", "coupled"),
-    "decoupled_drain": ("proxy_drain", "decoupled"),
-    "coupled_ordered": ("nic_ordered", "coupled"),
-    "decoupled_ordered": ("nic_ordered", "decoupled"),
+    # name: (fence_mode, signalling or None for put-only, proxy batch)
+    "put_only": ("none", None, 1),
+    "coupled_drain": ("proxy_drain", "coupled", 1),
+    "decoupled_drain": ("proxy_drain", "decoupled", 1),
+    "coupled_ordered": ("nic_ordered", "coupled", 1),
+    "decoupled_ordered": ("nic_ordered", "decoupled", 1),
+    # the proxy issuing consecutive unsignalled PUTs of a stream as one cudaMemcpyBatchAsync
+    "put_only+batch": ("none", None, 64),
+    "decoupled_drain+batch": ("proxy_drain", "decoupled", 64),
+    "decoupled_ordered+batch": ("nic_ordered", "decoupled", 64),
 }
 SLOTS_PER_PE = 128
 
@@ -74,18 +78,30 @@ def run_micro(args, out_rows: list[dict]) -> None:
     torch.cuda.synchronize(0)
     torch.cuda.synchronize(1)
     value = 1
-    for mode, (fence, signalling) in MODES.items():
+    for mode, (fence, signalling, batch) in MODES.items():
         for c in args.concurrency:
             npe = pes_for(c)
             region = (c // npe) * max_size
             peer_data = [dst.data_ptr() + p * region for p in range(npe)]
             peer_sig = [flags.data_ptr() + p * SLOTS_PER_PE * 8 for p in range(npe)]
-            eng = P.ProxyEngine(0, peer_data, peer_data, peer_sig, qps=args.qps, qp_mapping="peer_hash", fence_mode=fence)
+            try:
+                eng = P.ProxyEngine(0, peer_data, peer_data, peer_sig, qps=args.qps, qp_mapping="peer_hash",
+                                    fence_mode=fence, batch=batch)
+            except Exception as e:
+                out_rows.append({"bench": "proxy_micro", "mode": mode, "concurrency": c, "error": str(e)[-1500:]})
+                print(f"  {mode} c={c}: engine failed: {e}", flush=True)
+                continue
             try:
                 for size in args.sizes:
                     reqs, npe, per = build_requests(P, c, size, signalling, src.data_ptr())
                     eng.reset_stats()
-                    t = eng.bench(reqs, args.warmup + args.iters, value_base=value)
+                    try:
+                        t = eng.bench(reqs, args.warmup + args.iters, value_base=value)
+                    except Exception as e:  # keep going with the next point; the engine may be unusable
+                        out_rows.append({"bench": "proxy_micro", "mode": mode, "concurrency": c, "size": size,
+                                         "error": str(e)[-1500:], "engine_error": eng.error()})
+                        print(f"  {mode} c={c} size={size}: FAILED {e}", flush=True)
+                        break
                     value += args.warmup + args.iters
                     t = t[args.warmup :]
                     med = statistics.median(t)
@@ -98,9 +114,10 @@ def run_micro(args, out_rows: list[dict]) -> None:
                         ok_flags = bool((f[:, :nsig] == want).all())
                     row = {
                         "bench": "proxy_micro", "mode": mode, "fence_mode": fence, "signalling": signalling or "none",
-                        "concurrency": c, "pes": npe, "size": size, "qps": args.qps, "iters": len(t),
+                        "concurrency": c, "pes": npe, "size": size, "qps": args.qps, "batch": batch, "iters": len(t),
                         "us_median": med, "us_p10": _pct(t, 10), "us_p90": _pct(t, 90),
                         "GBps": c * size / med / 1e3, "issue_us_per_op": st["busy_ns"] / 1e3 / max(1, st["processed"]),
+                        "issue_us_per_op_excl_drain": (st["busy_ns"] - st["drain_ns"]) / 1e3 / max(1, st["processed"]),
                         "drains_per_iter": st["drains"] / (args.warmup + args.iters),
                         "drain_us_per_iter": st["drain_ns"] / 1e3 / (args.warmup + args.iters),
                         "signals_landed": ok_flags, "engine_error": eng.error(),
@@ -111,9 +128,9 @@ def run_micro(args, out_rows: list[dict]) -> None:
             finally:
                 eng.close()
     # ratios against put-only
-    base = {(r["concurrency"], r["size"]): r["us_median"] for r in out_rows if r.get("mode") == "put_only"}
+    base = {(r["concurrency"], r["size"]): r["us_median"] for r in out_rows if r.get("mode") == "put_only" and "us_median" in r}
     for r in out_rows:
-        if r.get("bench") == "proxy_micro" and (r["concurrency"], r["size"]) in base:
+        if r.get("bench") == "proxy_micro" and "us_median" in r and (r["concurrency"], r["size"]) in base:
             r["ratio_vs_put_only"] = base[(r["concurrency"], r["size"])] / r["us_median"]
 
 
@@ -235,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     # compact summary: 96 transfers at 16 KB
     print("\nproxy micro, 96 transfers x 16 KB (ratio = put-only time / mode time):")
     for r in rows:
-        if r.get("bench") == "proxy_micro" and r["concurrency"] == 96 and r["size"] == 16 << 10:
+        if r.get("bench") == "proxy_micro" and "us_median" in r and r["concurrency"] == 96 and r["size"] == 16 << 10:
             print(f"  {r['mode']:18s} {r['us_median']:9.1f} us  {r['GBps']:6.2f} GB/s  ratio {r.get('ratio_vs_put_only', 0):.2f}")
     return rc
 

@@ -46,7 +46,8 @@ struct XParams {
   const char* send;
   uint64_t row_bytes;
   const int64_t* send_counts;
-  const int64_t* recv_counts;  // may be null
+  const int64_t* recv_counts;  // may be null: checked against what the senders sent
+  int64_t* recv_out;           // may be null: receives the counts (fused dispatch, no exchange_counts)
   int rank, world, cpp, group, coupled;
   unsigned long long* epochs;
   unsigned long long* group_ctr;
@@ -179,11 +180,12 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
     bool ok = true;
     const uint64_t* mysig = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_SIG) + (size_t)d * MT_MAX_SLOTS + j;
     mt::wait_word(p.w, mysig, epoch, true, MT_ERR_TIMEOUT_SIGNAL, d, j, &ok);
-    if (ok && j == 0 && p.recv_counts != nullptr) {
+    if (ok && j == 0 && (p.recv_counts != nullptr || p.recv_out != nullptr)) {
       const uint64_t* m = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_MAT) +
                           ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD + p.rank);
       uint64_t v = mt::wait_word(p.w, m, tag, false, MT_ERR_TIMEOUT_COUNTS, d, -1, &ok);
-      if (ok && (long long)(v & MT_COUNT_MASK) != p.recv_counts[d])
+      if (p.recv_out != nullptr) p.recv_out[d] = ok ? (int64_t)(v & MT_COUNT_MASK) : 0;
+      if (ok && p.recv_counts != nullptr && (long long)(v & MT_COUNT_MASK) != p.recv_counts[d])
         mt::report(p.w, MT_ERR_COUNT_MISMATCH, d, 0, epoch, v & MT_COUNT_MASK, (uint64_t)p.recv_counts[d]);
     }
     // the last CTA to finish publishes this epoch (the next launch on the stream reads it)
@@ -283,13 +285,15 @@ MT_API int mt_nvl_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   p.world = c->world;
   p.epochs = c->epochs;
   p.w = make_wait(c);
+  (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   nvl_counts_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
   MT_CUDA(cudaGetLastError());
   return 0;
 }
 
 MT_API int mt_nvl_exchange(void* h, const void* send, uint64_t row_bytes, const int64_t* send_counts,
-                           const int64_t* recv_counts, int coupled, int group_size, uint64_t stream) {
+                           const int64_t* recv_counts, int64_t* recv_out, int coupled, int group_size,
+                           uint64_t stream) {
   NvlCtx* c = static_cast<NvlCtx*>(h);
   MT_REQUIRE(c->data_bytes > 0, 103, "no data buffer: call reserve() first");
   MT_REQUIRE(row_bytes > 0, 104, "row_bytes must be > 0");
@@ -307,6 +311,7 @@ MT_API int mt_nvl_exchange(void* h, const void* send, uint64_t row_bytes, const 
   p.row_bytes = row_bytes;
   p.send_counts = send_counts;
   p.recv_counts = recv_counts;
+  p.recv_out = recv_out;
   p.rank = c->rank;
   p.world = c->world;
   p.cpp = cpp;
@@ -315,6 +320,7 @@ MT_API int mt_nvl_exchange(void* h, const void* send, uint64_t row_bytes, const 
   p.epochs = c->epochs;
   p.group_ctr = c->group_ctr;
   p.w = make_wait(c);
+  (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   nvl_exchange_kernel<<<c->world * cpp, 512, 0, (cudaStream_t)stream>>>(p);
   MT_CUDA(cudaGetLastError());
   return 0;

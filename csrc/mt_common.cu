@@ -18,7 +18,7 @@ void set_error(const char* fmt, ...) {
 MT_API const char* mt_last_error() { return mt::g_err; }
 
 // ABI version: bump when a signature changes (Python checks it after loading).
-MT_API int mt_abi_version() { return 4; }
+MT_API int mt_abi_version() { return 8; }
 
 MT_API int mt_ctrl_bytes(uint64_t* out) {
   *out = MT_CTRL_BYTES;
@@ -48,6 +48,7 @@ MT_API int mt_enable_peer_access(int dev, int peer) {
     cudaGetLastError();
     return 0;
   }
+  if (e != cudaSuccess) cudaGetLastError();  // not sticky: clear it so a later launch check stays clean
   MT_CUDA(e);
   return 0;
 }

@@ -4,7 +4,11 @@
 // the calling thread is available through mt_last_error(). Nothing here aborts the process.
 #pragma once
 
+#ifdef MT_HOST_SIM
+#include "sim/mt_cuda_sim.h"
+#else
 #include <cuda_runtime.h>
+#endif
 #include <stdint.h>
 #include <stdio.h>
 
@@ -66,28 +70,60 @@ void set_error(const char* fmt, ...);
     }                                \
   } while (0)
 
-#ifdef __CUDACC__
+// Primitives of the spin-waits and signalled words: device versions (nvcc) or host stand-ins
+// (MT_HOST_SIM: the proxy transport's GPU-side logic runs on CPU threads in tests/test_onesided_cpu.py).
+#if defined(__CUDACC__)
+#define MT_DEV __device__ __forceinline__
 namespace mt {
 
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+MT_DEV uint64_t ld_acquire_sys(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ uint64_t ld_volatile(const uint64_t* p) {
-  return *reinterpret_cast<const volatile uint64_t*>(p);
-}
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+MT_DEV uint64_t ld_volatile(const uint64_t* p) { return *reinterpret_cast<const volatile uint64_t*>(p); }
+MT_DEV void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
-__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
+MT_DEV void st_relaxed_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
-__device__ __forceinline__ uint64_t now_ns() {
+MT_DEV uint64_t now_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+MT_DEV void fence_system() { __threadfence_system(); }
+MT_DEV unsigned long long atomic_add_u64(unsigned long long* p, unsigned long long v) { return atomicAdd(p, v); }
+MT_DEV void spin_pause() {}
+
+}  // namespace mt
+#elif defined(MT_HOST_SIM)
+#include <sched.h>
+#include <time.h>
+#define MT_DEV inline
+namespace mt {
+
+MT_DEV uint64_t ld_acquire_sys(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+MT_DEV uint64_t ld_volatile(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+MT_DEV void st_release_sys(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+MT_DEV void st_relaxed_sys(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+MT_DEV uint64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+MT_DEV void fence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+MT_DEV unsigned long long atomic_add_u64(unsigned long long* p, unsigned long long v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+MT_DEV void spin_pause() { sched_yield(); }  // the CI box has 2 cores: let the proxy thread run
+
+}  // namespace mt
+#endif
+
+#if defined(__CUDACC__) || defined(MT_HOST_SIM)
+namespace mt {
 
 // Shared state of a spinning wait: a device-side abort flag lets every later wait give up at once
 // after the first timeout, so a bug costs one timeout, never a hang.
@@ -98,8 +134,7 @@ struct WaitCtx {
   int rank;
 };
 
-__device__ __forceinline__ void report(const WaitCtx& w, int code, int peer, int slot, uint64_t epoch,
-                                       uint64_t seen, uint64_t expected) {
+MT_DEV void report(const WaitCtx& w, int code, int peer, int slot, uint64_t epoch, uint64_t seen, uint64_t expected) {
   volatile int* e = w.err;
   if (e[0] == 0) {
     e[1] = w.rank;
@@ -109,17 +144,17 @@ __device__ __forceinline__ void report(const WaitCtx& w, int code, int peer, int
     e[5] = (int)(seen & 0xffffffffu);
     e[6] = (int)(seen >> 32);
     e[7] = (int)(expected & 0xffffffffu);
-    __threadfence_system();
+    fence_system();
     e[0] = code;
   }
   *(volatile int*)w.abort_flag = 1;
-  __threadfence_system();
+  fence_system();
 }
 
 // Spin until *p >= target (ge=true) or (*p >> MT_TAG_SHIFT) == target (ge=false). Returns the last
 // value seen; on timeout reports `code` and returns with ok=false.
-__device__ __forceinline__ uint64_t wait_word(const WaitCtx& w, const uint64_t* p, uint64_t target, bool ge,
-                                              int code, int peer, int slot, bool* ok) {
+MT_DEV uint64_t wait_word(const WaitCtx& w, const uint64_t* p, uint64_t target, bool ge, int code, int peer, int slot,
+                          bool* ok) {
   uint64_t v = ld_acquire_sys(p);
   uint64_t t0 = 0;
   uint32_t spins = 0;
@@ -132,6 +167,7 @@ __device__ __forceinline__ uint64_t wait_word(const WaitCtx& w, const uint64_t* 
         *ok = false;
         return v;
       }
+      spin_pause();
     }
     v = ld_acquire_sys(p);
   }
@@ -139,9 +175,7 @@ __device__ __forceinline__ uint64_t wait_word(const WaitCtx& w, const uint64_t* 
   return v;
 }
 
-__device__ __forceinline__ uint64_t tagged(uint64_t tag, uint64_t count) {
-  return (tag << MT_TAG_SHIFT) | (count & MT_COUNT_MASK);
-}
+MT_DEV uint64_t tagged(uint64_t tag, uint64_t count) { return (tag << MT_TAG_SHIFT) | (count & MT_COUNT_MASK); }
 
 }  // namespace mt
 #endif

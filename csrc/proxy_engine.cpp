@@ -12,8 +12,9 @@
 //   none        : no ordering at all (put-only baselines, and the deliberately unsafe test mode).
 #include "proxy_engine.h"
 
+#ifndef MT_HOST_SIM
 #include <cuda.h>
-#include <immintrin.h>
+#endif
 #include <string.h>
 #include <time.h>
 
@@ -26,6 +27,14 @@
 
 namespace {
 
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
 typedef CUresult (*PfnWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
 inline uint64_t mono_ns() {
@@ -33,6 +42,8 @@ inline uint64_t mono_ns() {
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
+
+enum Phase { PH_IDLE = 0, PH_COPY = 1, PH_WRITE = 2, PH_SYNC = 3 };
 
 enum StatIdx {
   ST_PROCESSED = 0,
@@ -44,6 +55,7 @@ enum StatIdx {
   ST_BYTES,
   ST_ACKS,
   ST_BUSY_NS,  // time spent issuing (between picking up a request and finishing it)
+  ST_BATCHES,  // cudaMemcpyBatchAsync calls
   ST_COUNT
 };
 
@@ -70,9 +82,22 @@ struct Engine {
   std::atomic<bool> stop{false};
   std::atomic<bool> running{false};
   std::atomic<int> err{0};
+  // what the thread is doing (for diagnostics): 0 idle, else the CUDA call it is inside (PH_*) since when
+  std::atomic<int> phase{0};
+  std::atomic<uint64_t> phase_since{0};
+  std::atomic<uint32_t> phase_peer{0};
   std::mutex err_mu;
   std::string errmsg;
   std::atomic<uint64_t> stats[ST_COUNT];
+  // batching: consecutive unsignalled PUTs bound for one QP stream are issued as one
+  // cudaMemcpyBatchAsync (batch_max requests drained per loop iteration; 1 = one call per request)
+  std::atomic<int> batch_max{1};
+  struct Pending {
+    std::vector<void*> dst;
+    std::vector<const void*> src;
+    std::vector<size_t> size;
+  };
+  std::vector<Pending> pend;
   // host producer
   std::mutex host_mu;
   uint64_t host_head = 0;
@@ -112,11 +137,22 @@ struct Engine {
     return false;
   }
 
+  void enter(int ph, uint32_t peer) {
+    phase_peer.store(peer, std::memory_order_relaxed);
+    phase_since.store(mono_ns(), std::memory_order_relaxed);
+    phase.store(ph, std::memory_order_release);
+  }
+  template <class T>
+  T leave(T v) {
+    phase.store(0, std::memory_order_release);
+    return v;
+  }
+
   void drain_all() {
     uint64_t t0 = mono_ns();
     for (int q = 0; q < qps; ++q) {
       if (dirty[q]) {
-        cuda_ok(cudaStreamSynchronize(streams[q]), "cudaStreamSynchronize (drain)");
+        cuda_ok((enter(PH_SYNC, (uint32_t)q), leave(cudaStreamSynchronize(streams[q]))), "cudaStreamSynchronize (drain)");
         dirty[q] = 0;
       }
     }
@@ -129,7 +165,7 @@ struct Engine {
     // nic_ordered / none: no wait; ordering (if any) comes from the stream the signal lands on.
     int q = pick(peer);
     CUdeviceptr addr = (CUdeviceptr)(peer_sig[peer] + 8ull * idx);
-    cu_ok(write64((CUstream)streams[q], addr, value, 0), "cuStreamWriteValue64 (signal)");
+    cu_ok((enter(PH_WRITE, peer), leave(write64((CUstream)streams[q], addr, value, 0))), "cuStreamWriteValue64 (signal)");
     dirty[q] = 1;
     stats[ST_SIGNALS]++;
   }
@@ -143,8 +179,8 @@ struct Engine {
       case MT_OP_PUT: {
         int q = pick(r.peer);
         if (r.bytes > 0) {
-          cuda_ok(cudaMemcpyAsync((void*)(peer_data[r.peer] + r.dst_off), (const void*)r.src, r.bytes,
-                                  cudaMemcpyDeviceToDevice, streams[q]),
+          cuda_ok((enter(PH_COPY, r.peer), leave(cudaMemcpyAsync((void*)(peer_data[r.peer] + r.dst_off), (const void*)r.src,
+                                                                 r.bytes, cudaMemcpyDeviceToDevice, streams[q]))),
                   "cudaMemcpyAsync (put)");
           dirty[q] = 1;
           stats[ST_BYTES] += r.bytes;
@@ -158,7 +194,8 @@ struct Engine {
         break;
       case MT_OP_WRITE64: {
         int q = pick(r.peer);
-        cu_ok(write64((CUstream)streams[q], (CUdeviceptr)(peer_ctrl[r.peer] + r.dst_off), r.value, 0),
+        cu_ok((enter(PH_WRITE, r.peer),
+               leave(write64((CUstream)streams[q], (CUdeviceptr)(peer_ctrl[r.peer] + r.dst_off), r.value, 0))),
               "cuStreamWriteValue64 (write64)");
         dirty[q] = 1;
         stats[ST_WRITE64]++;
@@ -166,11 +203,38 @@ struct Engine {
       }
       case MT_OP_ACK:
         for (int q = 0; q < qps; ++q)
-          cu_ok(write64((CUstream)streams[q], (CUdeviceptr)(ack_dev + q), r.value, 0), "cuStreamWriteValue64 (ack)");
+          cu_ok((enter(PH_WRITE, (uint32_t)q), leave(write64((CUstream)streams[q], (CUdeviceptr)(ack_dev + q), r.value, 0))),
+                "cuStreamWriteValue64 (ack)");
         stats[ST_ACKS]++;
         break;
       default:
         fail("proxy: unknown request op", 701);
+    }
+  }
+
+  void flush() {
+    for (int q = 0; q < qps; ++q) {
+      Pending& p = pend[q];
+      size_t n = p.dst.size();
+      if (n == 0) continue;
+      if (n == 1) {
+        cuda_ok((enter(PH_COPY, (uint32_t)q), leave(cudaMemcpyAsync(p.dst[0], p.src[0], p.size[0], cudaMemcpyDeviceToDevice,
+                                                                     streams[q]))),
+                "cudaMemcpyAsync (put)");
+      } else {
+        cudaMemcpyAttributes attr;
+        memset(&attr, 0, sizeof(attr));
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        size_t idx = 0;
+        cuda_ok((enter(PH_COPY, (uint32_t)q),
+                 leave(cudaMemcpyBatchAsync(p.dst.data(), p.src.data(), p.size.data(), n, &attr, &idx, 1, streams[q]))),
+                "cudaMemcpyBatchAsync (puts)");
+        stats[ST_BATCHES]++;
+      }
+      dirty[q] = 1;
+      p.dst.clear();
+      p.src.clear();
+      p.size.clear();
     }
   }
 
@@ -179,25 +243,44 @@ struct Engine {
     uint64_t idle = 0;
     running.store(true);
     while (!stop.load(std::memory_order_relaxed)) {
-      MtRequest* s = &fifo_host[tail % nslots];
-      uint64_t seq = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
-      if (seq != tail + 1) {
+      const int bmax = batch_max.load(std::memory_order_relaxed) < 1 ? 1 : batch_max.load(std::memory_order_relaxed);
+      int got = 0;
+      uint64_t t0 = 0;
+      while (got < bmax) {
+        MtRequest* s = &fifo_host[tail % nslots];
+        uint64_t seq = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
+        if (seq != tail + 1) break;
+        if (t0 == 0) t0 = mono_ns();
+        MtRequest r;
+        memcpy(&r, (const void*)s, sizeof(r));
+        std::atomic_thread_fence(std::memory_order_acquire);
+        if (bmax > 1 && r.op == MT_OP_PUT && !(r.flags & MT_F_SIGNAL) && r.peer < (uint32_t)npeers && r.bytes > 0) {
+          int q = pick(r.peer);  // same mapping decisions, in the same order, as unbatched issue
+          pend[q].dst.push_back((void*)(peer_data[r.peer] + r.dst_off));
+          pend[q].src.push_back((const void*)r.src);
+          pend[q].size.push_back(r.bytes);
+          stats[ST_BYTES] += r.bytes;
+          stats[ST_PUTS]++;
+        } else {
+          flush();  // everything before a signal/word/ack is issued first
+          process(r);
+        }
+        ++tail;
+        ++got;
+        stats[ST_PROCESSED]++;
+      }
+      if (got == 0) {
         if (++idle < (1u << 16)) {
-          _mm_pause();
+          cpu_relax();
         } else {
           std::this_thread::yield();
         }
         continue;
       }
       idle = 0;
-      uint64_t t0 = mono_ns();
-      MtRequest r;
-      memcpy(&r, (const void*)s, sizeof(r));
-      std::atomic_thread_fence(std::memory_order_acquire);
-      process(r);
-      ++tail;
+      flush();
+      // published only once issued: quiesce() then syncs streams that hold everything consumed
       __atomic_store_n(&ctl_host[1], tail, __ATOMIC_RELEASE);
-      stats[ST_PROCESSED]++;
       stats[ST_BUSY_NS] += mono_ns() - t0;
     }
     running.store(false);
@@ -239,6 +322,7 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
   e->peer_sig.assign(peer_sig, peer_sig + npeers);
   e->nslots = (uint32_t)fifo_slots;
   e->dirty.assign(qps, 0);
+  e->pend.resize(qps);
   cudaError_t ce = cudaSuccess;
   cudaDriverEntryPointQueryResult q;
   void* fn = nullptr;
@@ -270,6 +354,24 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
     ce = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     if (ce == cudaSuccess) e->streams.push_back(s);
   }
+#ifndef MT_HOST_SIM
+  if (ce == cudaSuccess) {
+    // warm-up: a few small device-to-device copies and a stream write on every QP stream, so whatever
+    // the driver sets up lazily for them happens now, never while a kernel spins waiting on this engine
+    void* scratch = nullptr;
+    ce = cudaMalloc(&scratch, 1 << 16);
+    for (int i = 0; i < qps && ce == cudaSuccess; ++i) {
+      char* b = static_cast<char*>(scratch);
+      ce = cudaMemcpyAsync(b + 32768, b, 4096, cudaMemcpyDeviceToDevice, e->streams[i]);
+      if (ce == cudaSuccess) ce = cudaMemcpyAsync(b + 40963, b + 5, 777, cudaMemcpyDeviceToDevice, e->streams[i]);
+      if (ce == cudaSuccess) ce = cudaMemcpyAsync(b + 49152, b, 16384, cudaMemcpyDeviceToDevice, e->streams[i]);
+      if (ce == cudaSuccess && e->write64((CUstream)e->streams[i], (CUdeviceptr)(b + 65528), 1, 0) != CUDA_SUCCESS)
+        ce = cudaErrorUnknown;
+    }
+    if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
+    if (scratch) cudaFree(scratch);
+  }
+#endif
   if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
   if (ce != cudaSuccess) {
     mt::set_error("mt_proxy_create: %s (%s)", cudaGetErrorName(ce), cudaGetErrorString(ce));
@@ -280,6 +382,15 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
   // wait (bounded) for the thread to come up
   for (int i = 0; i < 2000 && !e->running.load(); ++i) std::this_thread::sleep_for(std::chrono::microseconds(500));
   *out = e;
+  return 0;
+}
+
+// Requests drained per loop iteration; > 1 issues consecutive unsignalled PUTs per QP stream as one
+// cudaMemcpyBatchAsync. Set while idle.
+MT_API int mt_proxy_set_batch(void* h, int batch_max) {
+  Engine* e = static_cast<Engine*>(h);
+  MT_REQUIRE(batch_max >= 1 && batch_max <= 4096, 207, "batch_max %d outside 1..4096", batch_max);
+  e->batch_max.store(batch_max);
   return 0;
 }
 
@@ -300,6 +411,31 @@ MT_API int mt_proxy_error(void* h, char* buf, int len) {
     snprintf(buf, (size_t)len, "%s", e->errmsg.c_str());
   }
   return code;
+}
+
+// A one-line account of the proxy thread's state, for error messages: requests consumed, whether it is
+// inside a CUDA call (which, for how long) or idle waiting for the next slot's ready flag.
+MT_API int mt_proxy_diag(void* h, char* buf, int len) {
+  Engine* e = static_cast<Engine*>(h);
+  if (buf == nullptr || len <= 0) return 0;
+  const uint64_t tail = __atomic_load_n(&e->ctl_host[1], __ATOMIC_ACQUIRE);
+  const uint64_t seq = __atomic_load_n(&e->fifo_host[tail % e->nslots].seq, __ATOMIC_ACQUIRE);
+  const int ph = e->phase.load(std::memory_order_acquire);
+  static const char* names[] = {"idle", "cudaMemcpyAsync", "cuStreamWriteValue64", "cudaStreamSynchronize"};
+  char what[192];
+  if (ph != PH_IDLE)
+    snprintf(what, sizeof(what), "inside %s (peer/qp %u) for %.3f s", names[ph & 3], e->phase_peer.load(),
+             (double)(mono_ns() - e->phase_since.load()) / 1e9);
+  else
+    snprintf(what, sizeof(what), "idle at slot %llu (ready flag there %llu, waiting for %llu)",
+             (unsigned long long)tail, (unsigned long long)seq, (unsigned long long)(tail + 1));
+  snprintf(buf, (size_t)len,
+           "thread %s; consumed %llu requests (puts %llu, signals %llu, words %llu, acks %llu, drains %llu)%s", what,
+           (unsigned long long)tail, (unsigned long long)e->stats[ST_PUTS].load(),
+           (unsigned long long)e->stats[ST_SIGNALS].load(), (unsigned long long)e->stats[ST_WRITE64].load(),
+           (unsigned long long)e->stats[ST_ACKS].load(), (unsigned long long)e->stats[ST_DRAINS].load(),
+           e->running.load() ? "" : "; thread NOT running");
+  return 0;
 }
 
 MT_API int mt_proxy_stats(void* h, uint64_t* out, int n) {
@@ -326,7 +462,7 @@ MT_API int mt_proxy_enqueue(void* h, const MtRequest* reqs, int n, double timeou
     while (h0 - __atomic_load_n(&e->ctl_host[1], __ATOMIC_ACQUIRE) >= e->nslots) {
       MT_REQUIRE(e->err.load() == 0, 211, "proxy thread failed: %s", e->errmsg.c_str());
       MT_REQUIRE(mono_ns() < deadline, 212, "proxy FIFO full for %.1f s", timeout_s);
-      _mm_pause();
+      cpu_relax();
     }
     MtRequest* s = &e->fifo_host[h0 % e->nslots];
     MtRequest r = reqs[i];
@@ -350,7 +486,7 @@ MT_API int mt_proxy_quiesce(void* h, double timeout_s) {
   while (__atomic_load_n(&e->ctl_host[1], __ATOMIC_ACQUIRE) < target) {
     MT_REQUIRE(e->err.load() == 0, 211, "proxy thread failed: %s", e->errmsg.c_str());
     MT_REQUIRE(mono_ns() < deadline, 213, "proxy did not drain its FIFO within %.1f s", timeout_s);
-    _mm_pause();
+    cpu_relax();
   }
   for (auto s : e->streams) MT_CUDA(cudaStreamSynchronize(s));
   MT_REQUIRE(e->err.load() == 0, 211, "proxy thread failed: %s", e->errmsg.c_str());

@@ -49,3 +49,6 @@ struct MtGpuView {
 // Internal (same shared library): the GPU view of an engine; mark it as fed by GPU producers.
 extern "C" int mt_proxy_gpu_view(void* engine, MtGpuView* out);
 extern "C" int mt_proxy_mark_gpu_producer_internal(void* engine);
+// The engine's error (0 = none; message into buf) -- also exported to Python.
+extern "C" int mt_proxy_error(void* engine, char* buf, int len);
+extern "C" int mt_proxy_diag(void* engine, char* buf, int len);

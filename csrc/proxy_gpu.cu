@@ -1,16 +1,20 @@
 // moetune csrc: the GPU side of the proxy transport. A single GPU thread produces requests into the
 // proxy engine's FIFO (pinned host memory) -- the count-matrix words, the PUTs, their signals -- then
 // the kernel waits for the signals of what the other ranks sent (and for the ACK of its own
-// transfers). Also: the race checker used by the unsafe-mode test.
+// transfers). The logic lives in proxy_xchg.h (shared with the host simulation); by default the
+// launching host thread then waits for the kernel's completion word (see mt_pxy_set_host_wait).
+// Also: the race checker used by the unsafe-mode test.
 #include <string.h>
+#include <time.h>
 
-#include "proxy_engine.h"
+#include <thread>
+#include <vector>
+
+#include "proxy_xchg.h"
+
+using mtpx::PxParams;
 
 namespace {
-
-using mt::WaitCtx;
-
-__host__ __device__ inline uint64_t tag_of(uint64_t n) { return ((n - 1) % 0xFFFFFEull) + 1; }
 
 struct PxCtx {
   void* engine = nullptr;
@@ -21,169 +25,37 @@ struct PxCtx {
   int* err_host = nullptr;
   int* err_dev = nullptr;
   int* abort_flag = nullptr;
+  uint64_t* done_host = nullptr;  // completion word (pinned, mapped), written by each call's kernel
+  uint64_t* done_dev = nullptr;
+  uint64_t launches = 0;
+  int host_wait = 1;
   uint64_t timeout_ns = 10ull * 1000 * 1000 * 1000;
+#ifdef MT_HOST_SIM
+  std::vector<std::thread> sim_threads;  // simulated kernels (joined at destroy)
+#endif
 };
 
-struct PxParams {
-  MtGpuView v;
-  uint64_t ctrl_local;
-  uint64_t data_bytes;
-  const char* send;
-  uint64_t row_bytes;
-  const int64_t* send_counts;
-  const int64_t* recv_counts;  // may be null
-  int64_t* recv_out;           // exchange_counts output
-  int rank, world, coupled, group, chunk_rows;
-  uint64_t epoch;
-  WaitCtx w;
-};
-
-__device__ void chunking(long long cnt, int chunk_rows, long long* crow, int* nchunks) {
-  if (cnt <= 0) {
-    *crow = 1;
-    *nchunks = 0;
-    return;
-  }
-  long long c = chunk_rows > 0 ? chunk_rows : cnt;
-  long long n = (cnt + c - 1) / c;
-  if (n > MT_MAX_SLOTS) {
-    c = (cnt + MT_MAX_SLOTS - 1) / MT_MAX_SLOTS;
-    n = (cnt + c - 1) / c;
-  }
-  *crow = c;
-  *nchunks = (int)n;
+inline uint64_t host_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-__device__ __forceinline__ int ngroups(int nchunks, int g) {
-  if (nchunks <= 0) return 0;
-  if (g <= 0) return 1;
-  return (nchunks + g - 1) / g;
-}
-
-struct Producer {
-  const PxParams* p;
-  uint64_t cached_tail;
-  bool ok;
-
-  __device__ void push(uint32_t op, uint32_t peer, uint32_t flags, uint32_t sig_idx, uint64_t src, uint64_t dst_off,
-                       uint64_t bytes, uint64_t value) {
-    if (!ok) return;
-    const MtGpuView& v = p->v;
-    uint64_t slot = atomicAdd(v.head_dev, 1ull);
-    if (slot - cached_tail >= v.nslots) {
-      uint64_t t0 = mt::now_ns();
-      for (;;) {
-        cached_tail = mt::ld_volatile(v.tail_dev);
-        if (slot - cached_tail < v.nslots) break;
-        if (mt::now_ns() - t0 > p->w.timeout_ns || *(volatile int*)p->w.abort_flag) {
-          mt::report(p->w, MT_ERR_FIFO_FULL, (int)peer, (int)(slot % v.nslots), p->epoch, cached_tail, slot);
-          ok = false;
-          return;
-        }
-      }
-    }
-    volatile uint64_t* d = reinterpret_cast<volatile uint64_t*>(v.fifo_dev + (slot % v.nslots));
-    d[0] = (uint64_t)op | ((uint64_t)peer << 32);
-    d[1] = (uint64_t)flags | ((uint64_t)sig_idx << 32);
-    d[2] = src;
-    d[3] = dst_off;
-    d[4] = bytes;
-    d[5] = value;
-    d[6] = 0;
-    __threadfence_system();
-    d[7] = slot + 1;  // ready flag last
-  }
-};
-
+#ifndef MT_HOST_SIM
 __global__ void pxy_exchange_kernel(PxParams p) {
-  const int par = (int)(p.epoch & 1);
-  const uint64_t tag = tag_of(p.epoch);
-  const uint64_t* mat = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_MAT);
-  if (threadIdx.x == 0) {
-    Producer pr{&p, 0, true};
-    // my count-matrix row to every rank (immediate 8-byte writes through the proxy)
-    for (int q = 0; q < p.world; ++q)
-      for (int col = 0; col < p.world; ++col)
-        pr.push(MT_OP_WRITE64, q, 0, 0, 0, MT_OFF_MAT + 8ull * ((size_t)(par * MT_MAX_WORLD + p.rank) * MT_MAX_WORLD + col),
-                0, mt::tagged(tag, (uint64_t)p.send_counts[col]));
-    long long src_off = 0;
-    for (int d = 0; d < p.world && pr.ok; ++d) {
-      const long long cnt = p.send_counts[d];
-      long long dst_rows = 0;
-      bool ok = true;
-      for (int s = 0; s < p.rank && ok; ++s) {
-        uint64_t v = mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + s) * MT_MAX_WORLD + d), tag, false,
-                                   MT_ERR_TIMEOUT_COUNTS, s, d, &ok);
-        dst_rows += (long long)(v & MT_COUNT_MASK);
-      }
-      // d has entered this call: its readers of the area we write (output of call epoch-2) are done
-      if (ok && d >= p.rank)
-        mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD), tag, false, MT_ERR_TIMEOUT_COUNTS,
-                      d, -3, &ok);
-      if (!ok) {
-        pr.ok = false;
-        break;
-      }
-      bool fits = (uint64_t)(dst_rows + cnt) * p.row_bytes <= p.data_bytes;
-      if (!fits) mt::report(p.w, MT_ERR_CAPACITY, d, (int)cnt, p.epoch, (uint64_t)(dst_rows + cnt), p.data_bytes / p.row_bytes);
-      long long crow;
-      int nch;
-      chunking(cnt, p.chunk_rows, &crow, &nch);
-      const int g = p.group <= 0 ? nch : p.group;
-      for (int c = 0; c < nch; ++c) {
-        const long long r0 = (long long)c * crow;
-        const long long rows = (cnt - r0) < crow ? (cnt - r0) : crow;
-        pr.push(MT_OP_PUT, d, p.coupled ? MT_F_SIGNAL : 0, c, (uint64_t)(p.send + (uint64_t)(src_off + r0) * p.row_bytes),
-                (uint64_t)par * p.data_bytes + (uint64_t)(dst_rows + r0) * p.row_bytes,
-                fits ? (uint64_t)rows * p.row_bytes : 0, p.epoch);
-        if (!p.coupled && ((c + 1) % g == 0 || c == nch - 1)) pr.push(MT_OP_SIGNAL, d, 0, c / g, 0, 0, 0, p.epoch);
-      }
-      src_off += cnt;
-    }
-    pr.push(MT_OP_ACK, 0, 0, 0, 0, 0, 0, p.epoch);
-  }
+  if (threadIdx.x == 0) mtpx::produce_exchange(p);
   __syncthreads();
-  const int t = threadIdx.x;
-  if (t < p.world) {
-    // what source t sends me: its count (from the matrix), then its signals
-    bool ok = true;
-    uint64_t v = mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + t) * MT_MAX_WORLD + p.rank), tag, false,
-                               MT_ERR_TIMEOUT_COUNTS, t, -1, &ok);
-    if (!ok) return;
-    const long long cnt = (long long)(v & MT_COUNT_MASK);
-    if (p.recv_counts != nullptr && cnt != p.recv_counts[t])
-      mt::report(p.w, MT_ERR_COUNT_MISMATCH, t, 0, p.epoch, (uint64_t)cnt, (uint64_t)p.recv_counts[t]);
-    long long crow;
-    int nch;
-    chunking(cnt, p.chunk_rows, &crow, &nch);
-    const int nsig = p.coupled ? nch : ngroups(nch, p.group);
-    const uint64_t* sig = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_SIG) + (size_t)t * MT_MAX_SLOTS;
-    for (int k = 0; k < nsig && ok; ++k) mt::wait_word(p.w, sig + k, p.epoch, true, MT_ERR_TIMEOUT_SIGNAL, t, k, &ok);
-  } else if (t == 31) {
-    // my own transfers completed (source rows may be reused after the kernel)
-    bool ok = true;
-    for (int q = 0; q < p.v.qps && ok; ++q)
-      mt::wait_word(p.w, p.v.ack_dev + q, p.epoch, true, MT_ERR_TIMEOUT_OUTGOING, -1, q, &ok);
-  }
+  mtpx::wait_exchange_lane(p, (int)threadIdx.x);
+  __syncthreads();
+  if (threadIdx.x == 0) mtpx::finish(p);
 }
 
 __global__ void pxy_counts_kernel(PxParams p) {
-  const int par = (int)(p.epoch & 1);
-  const uint64_t tag = tag_of(p.epoch);
-  if (threadIdx.x == 0) {
-    Producer pr{&p, 0, true};
-    for (int q = 0; q < p.world; ++q)
-      pr.push(MT_OP_WRITE64, q, 0, 0, 0, MT_OFF_CNT + 8ull * (par * MT_MAX_WORLD + p.rank), 0,
-              mt::tagged(tag, (uint64_t)p.send_counts[q]));
-  }
+  if (threadIdx.x == 0) mtpx::produce_counts(p);
   __syncthreads();
-  const int t = threadIdx.x;
-  if (t < p.world) {
-    bool ok = true;
-    const uint64_t* mine = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_CNT) + par * MT_MAX_WORLD + t;
-    uint64_t v = mt::wait_word(p.w, mine, tag, false, MT_ERR_TIMEOUT_COUNTS, t, -2, &ok);
-    p.recv_out[t] = ok ? (int64_t)(v & MT_COUNT_MASK) : 0;
-  }
+  mtpx::wait_counts_lane(p, (int)threadIdx.x);
+  __syncthreads();
+  if (threadIdx.x == 0) mtpx::finish(p);
 }
 
 // Race checker: CTA i waits for flag i to reach `epoch`, then at once compares the LAST check_bytes
@@ -220,6 +92,8 @@ __global__ void race_check_kernel(const uint64_t* flags, uint64_t flag_stride_wo
   if (n) atomicAdd(&bad[i], n);
 }
 
+#endif  // !MT_HOST_SIM
+
 }  // namespace
 
 MT_API int mt_pxy_create(void* engine, int device, int rank, int world, uint64_t ctrl_local, double timeout_s, void** out) {
@@ -244,6 +118,11 @@ MT_API int mt_pxy_create(void* engine, int device, int rank, int world, uint64_t
     memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
     e = cudaHostGetDevicePointer((void**)&c->err_dev, c->err_host, 0);
   }
+  if (e == cudaSuccess) e = cudaHostAlloc((void**)&c->done_host, 64, cudaHostAllocMapped | cudaHostAllocPortable);
+  if (e == cudaSuccess) {
+    memset(c->done_host, 0, 64);
+    e = cudaHostGetDevicePointer((void**)&c->done_dev, c->done_host, 0);
+  }
   if (e == cudaSuccess) e = cudaMalloc((void**)&c->abort_flag, sizeof(int));
   if (e == cudaSuccess) e = cudaMemset(c->abort_flag, 0, sizeof(int));
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
@@ -261,6 +140,19 @@ MT_API int mt_pxy_set_data(void* h, uint64_t data_bytes_per_parity) {
   return 0;
 }
 
+// 1 (default): each counts/exchange call returns only after its kernel finished (host-completed).
+// Why: the kernel spins until copies and stream writes that the proxy thread issues on OTHER streams
+// of the same device have executed. If the caller queues more work behind the spinning kernel (its
+// next kernel, an event for NCCL, a D2H copy), that work waits for the kernel; when a QP stream shares
+// a hardware work queue with such a stream (CUDA maps many streams onto CUDA_DEVICE_MAX_CONNECTIONS
+// queues), the proxy's copies queue behind it too: a deadlock until the kernel's timeout. Waiting on
+// the host keeps the launching stream empty behind the kernel. 0: asynchronous (CUDA-graph capture,
+// experiments); safe only when nothing is queued behind the kernel on its device.
+MT_API int mt_pxy_set_host_wait(void* h, int on) {
+  static_cast<PxCtx*>(h)->host_wait = on ? 1 : 0;
+  return 0;
+}
+
 static PxParams base_params(PxCtx* c, uint64_t epoch) {
   PxParams p;
   memset(&p, 0, sizeof(p));
@@ -270,12 +162,76 @@ static PxParams base_params(PxCtx* c, uint64_t epoch) {
   p.rank = c->rank;
   p.world = c->world;
   p.epoch = epoch;
+  p.done = c->done_dev;
+  p.done_value = ++c->launches;
   p.w.err = c->err_dev;
   p.w.abort_flag = c->abort_flag;
   p.w.timeout_ns = c->timeout_ns;
   p.w.rank = c->rank;
   return p;
 }
+
+// Bounded host wait for the completion word of launch `seq` (the kernel writes it even after a
+// timeout, so this returns; a dead proxy thread is reported at once).
+static int host_wait_done(PxCtx* c, uint64_t seq, uint64_t stream) {
+#ifndef MT_HOST_SIM
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing((cudaStream_t)stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone) return 0;
+#else
+  (void)stream;
+#endif
+  const uint64_t deadline = host_ns() + 4 * c->timeout_ns + 10ull * 1000 * 1000 * 1000;
+  uint32_t spins = 0;
+  while (__atomic_load_n(c->done_host, __ATOMIC_ACQUIRE) < seq) {
+    if ((++spins & 255u) == 0) {
+      char buf[512];
+      int code = mt_proxy_error(c->engine, buf, sizeof(buf));
+      MT_REQUIRE(code == 0, 321, "proxy engine failed: %s", buf);
+      if (host_ns() >= deadline) {
+        mt_proxy_diag(c->engine, buf, sizeof(buf));
+        mt::set_error("proxy kernel did not complete (launch %llu); %s", (unsigned long long)seq, buf);
+        return 322;
+      }
+      if ((spins & 4095u) == 0) std::this_thread::yield();
+    }
+  }
+  return 0;
+}
+
+#ifdef MT_HOST_SIM
+// Host simulation: a "kernel" runs its lanes one after another on one thread (each lane only waits
+// for words other threads write).
+static void run_exchange_block(const PxParams& p) {
+  mtpx::produce_exchange(p);
+  for (int t = 0; t < 32; ++t) mtpx::wait_exchange_lane(p, t);
+  mtpx::finish(p);
+}
+static void run_counts_block(const PxParams& p) {
+  mtpx::produce_counts(p);
+  for (int t = 0; t < 32; ++t) mtpx::wait_counts_lane(p, t);
+  mtpx::finish(p);
+}
+// An asynchronous "launch": the block runs on its own thread once the previous launch finished
+// (stream order), like a kernel; the calling thread returns at once.
+static void sim_launch(PxCtx* c, const PxParams& p, bool exchange) {
+  const uint64_t prev = p.done_value - 1;
+  uint64_t* done = c->done_host;
+  c->sim_threads.emplace_back([p, prev, done, exchange] {
+    while (__atomic_load_n(done, __ATOMIC_ACQUIRE) < prev) std::this_thread::yield();
+    if (exchange)
+      run_exchange_block(p);
+    else
+      run_counts_block(p);
+  });
+}
+// Tests: the completion word and the number of launches so far.
+MT_API int mt_pxy_sim_done(void* h, uint64_t** word, uint64_t* launches) {
+  PxCtx* c = static_cast<PxCtx*>(h);
+  *word = c->done_host;
+  *launches = c->launches;
+  return 0;
+}
+#endif
 
 MT_API int mt_pxy_counts(void* h, const int64_t* send_counts, int64_t* recv_counts, uint64_t epoch, uint64_t stream) {
   PxCtx* c = static_cast<PxCtx*>(h);
@@ -284,9 +240,14 @@ MT_API int mt_pxy_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   PxParams p = base_params(c, epoch);
   p.send_counts = send_counts;
   p.recv_out = recv_counts;
+#ifdef MT_HOST_SIM
+  sim_launch(c, p, false);
+#else
+  (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   pxy_counts_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
   MT_CUDA(cudaGetLastError());
-  return 0;
+#endif
+  return c->host_wait ? host_wait_done(c, p.done_value, stream) : 0;
 }
 
 MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t row_bytes, const int64_t* send_counts,
@@ -305,9 +266,14 @@ MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t row_bytes, const 
   p.coupled = coupled ? 1 : 0;
   p.group = group_size;
   p.chunk_rows = chunk_rows;
+#ifdef MT_HOST_SIM
+  sim_launch(c, p, true);
+#else
+  (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   pxy_exchange_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
   MT_CUDA(cudaGetLastError());
-  return 0;
+#endif
+  return c->host_wait ? host_wait_done(c, p.done_value, stream) : 0;
 }
 
 MT_API int mt_pxy_err_ptr(void* h, void** out) {
@@ -327,20 +293,27 @@ MT_API int mt_pxy_destroy(void* h) {
   if (c == nullptr) return 0;
   cudaSetDevice(c->device);
   cudaDeviceSynchronize();
+#ifdef MT_HOST_SIM
+  for (auto& t : c->sim_threads) t.join();
+#endif
   if (c->err_host) cudaFreeHost(c->err_host);
+  if (c->done_host) cudaFreeHost(c->done_host);
   if (c->abort_flag) cudaFree(c->abort_flag);
   delete c;
   return 0;
 }
 
+#ifndef MT_HOST_SIM
 MT_API int mt_race_check_launch(int device, uint64_t stream, const uint64_t* flags, uint64_t flag_stride_words,
                                 const void* base, uint64_t stride, uint64_t bytes, uint64_t check_bytes, int n,
                                 int pattern_base, uint64_t epoch, double timeout_s, int* bad) {
   MT_REQUIRE(n >= 1 && n <= 4096, 310, "n %d outside 1..4096", n);
   MT_CUDA(cudaSetDevice(device));
+  (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   race_check_kernel<<<n, 256, 0, (cudaStream_t)stream>>>(flags, flag_stride_words, static_cast<const char*>(base), stride,
                                                         bytes, check_bytes, pattern_base, epoch,
                                                         (uint64_t)(timeout_s * 1e9), bad);
   MT_CUDA(cudaGetLastError());
   return 0;
 }
+#endif  // !MT_HOST_SIM

@@ -7,28 +7,42 @@
 
 Sharding: expert e lives on rank e // (E / world) as local expert e % (E / world).
 
-Wire format. Each token travels once per destination *rank* (not once per expert): the row carries the
-token's payload and its k routing slots (expert id, weight). Rows for a destination
-are packed contiguously in rank order (rank-major `nonzero` of the token × rank mask: one gather, no
-scatter, no argsort), so one `all_to_all_single` with split sizes moves them: one transfer per peer.
+Two wire layouts (collective transports; the one-sided ones always use the packed layout):
+
+* packed (counts first): each token travels once per destination *rank* it needs (not once per expert).
+  Rows for a destination are packed contiguously in (chunk, rank) order, so one `all_to_all_single` with
+  split sizes per chunk moves them: one transfer per peer. Counts go first: every rank sends each peer,
+  per pipeline chunk, [error code, rows, pairs per local expert] in one small int64 all-to-all. That
+  exchange doubles as the input check: a rank whose input is wrong (shape, dtype, expert id out of range)
+  reports its error code there instead of sending rows, and every rank raises ValueError naming the
+  offending rank and problem — no rank enters the payload collective, none hangs. The counts come to the
+  host once per dispatch (one `.tolist()`, the only host sync), and combine reuses them (no sync). All
+  device work of a dispatch (token rows, the (chunk, rank, token) order via `nonzero_static` padded to
+  its upper bound, one gather into the reused send buffer) is queued *before* that sync, so the GPU
+  builds the rows while the host waits for the counts; after it the host only posts the transfers.
+* dense (no counts): every token slot of the capacity (max_tokens) goes to every rank — the dispatch is one
+  `all_gather` of the token rows, the combine one `reduce_scatter` (the sum over ranks happens in the
+  collective). No counts exchange, no host sync, ~4 kernels per direction; slots a rank does not use carry
+  expert id -1 and are ignored. It sends max_tokens rows per peer whatever S is, and rows of tokens with no
+  expert on that peer: worth it when bytes are cheap (small S) or when nearly every token needs every rank
+  anyway (2 ranks with top-4/8: 94-99.6 % of tokens). `EPBuffer(dense=None)` picks it when one dense send is
+  <= DENSE_AUTO_MAX_BYTES per peer or the expected extra rows are <= DENSE_AUTO_MAX_WASTE (uniform routing);
+  pass dense=False when S is usually far below max_tokens. With check_inputs the dense dispatch adds one
+  tiny status all-gather (and its sync) so that wrong inputs are an error on every rank; without it, a
+  wrong input raises on its own rank only (the others wait for the collective timeout).
+
 One row, all bytes (uint8):
 
     [payload: H × itemsize (bf16/fp32) or H fp8 bytes][int64 ids × k][fp32 weights × k]
     [fp32 scales (fp8 only)][padding to 16 bytes]
 
-The k ids are the global expert ids as given (one gather, no per-destination select on the sender); the
+The k ids are the global expert ids as given (one copy, no per-destination select on the sender); the
 receiver keeps the slots whose expert it holds (expert - rank × E/world in [0, E/world)) and ignores the rest.
 
-Counts go first: every rank sends each peer, per pipeline chunk, [error code, rows, pairs per local
-expert] in one small int64 all-to-all. That exchange doubles as the input check: a rank whose input is
-wrong (shape, dtype, expert id out of range) reports its error code there instead of sending rows, and
-every rank raises ValueError naming the offending rank and problem — no rank enters the payload
-collective, none hangs. The counts come to the host once per dispatch (one `.tolist()`), and combine
-reuses them (no second sync).
-
 Combine: one row per received row goes back (the expert side has already summed its local experts per
-(token, rank)); the source adds the rows of each token, one per rank that held its experts. Combine is
-never compressed (activation dtype); with bf16 the per-token sum over ranks is accumulated in bf16.
+(token, rank)); the source adds the rows of each token, one per rank that held its experts (packed: one
+index_add over all chunks; dense: inside the reduce-scatter). Combine is never compressed (activation
+dtype); with bf16 the per-token sum over ranks is accumulated in bf16.
 
 Knobs used by the collective transport: compression / scale_granularity (fp8 dispatch), pipeline_depth
 (tokens split into that many chunks, see pipeline.py) and channels (communicators per direction, chunks
@@ -45,7 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .fp8 import dequantise, fp8_available, num_scale_groups, quantise
+from .fp8 import dequantise, fp8_available, num_scale_groups, quantise_into
 from .knobs import KnobError, Knobs
 from .shapes import ModelShape
 from .transports.base import EPTransport
@@ -70,6 +84,21 @@ _RANGE_ERROR = 10
 MAX_COMM_CHANNELS = 8  # communicators per direction the collective transport spreads chunks over
 
 
+# Automatic dense layout (EPBuffer(dense=None)): when one dispatch's dense send to a peer is at most this many
+# bytes (latency-bound: the saved host sync and kernels matter more than bytes), or when uniform routing
+# sends all but this fraction of the tokens to every rank anyway (e.g. 2 ranks with top-8).
+DENSE_AUTO_MAX_BYTES = 2 << 20
+DENSE_AUTO_MAX_WASTE = 0.10
+
+
+def hit_probability(experts: int, topk: int, world: int) -> float:
+    """Probability that a token with `topk` distinct uniformly chosen experts has one on a given rank."""
+    epr = experts // max(1, world)
+    if world <= 1:
+        return 1.0
+    return 1.0 - math.comb(experts - epr, topk) / math.comb(experts, topk)
+
+
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -78,7 +107,7 @@ def _nonzero_rows(mask: torch.Tensor, size: int) -> torch.Tensor:
     """nonzero() of a bool matrix with a known count (no device sync where torch allows it)."""
     if hasattr(torch, "nonzero_static"):
         try:
-            return torch.nonzero_static(mask, size=size)
+            return torch.nonzero_static(mask, size=size, fill_value=0)
         except (RuntimeError, NotImplementedError):
             pass
     return torch.nonzero(mask)
@@ -91,24 +120,44 @@ class RecvMeta:
       expert lives on another rank. weights: float32 [M, k] (0 where the id is -1). Both are computed on
       first use from the raw wire columns (`raw_ids`, `raw_weights`).
     tokens_per_expert: (row, expert) pairs per local expert (host ints; also `.tokens_per_expert_tensor`).
+      The packed layout knows them from the counts exchange; the dense layout counts them on the device
+      on first use (that access is a host sync: the communication itself never needs it).
     rows_per_rank: rows received from each source rank. num_pairs: sum(tokens_per_expert).
     """
 
-    def __init__(self, raw_ids: torch.Tensor, raw_weights: torch.Tensor, tokens_per_expert: list[int],
-                 rows_per_rank: list[int], first_expert: int = 0):
+    def __init__(self, raw_ids: torch.Tensor, raw_weights: torch.Tensor, tokens_per_expert: list[int] | None,
+                 rows_per_rank: list[int], first_expert: int = 0, num_local: int | None = None):
         self.raw_ids = raw_ids  # global expert ids as sent
         self.first_expert = first_expert
         self.raw_weights = raw_weights
-        self.tokens_per_expert = tokens_per_expert
+        self._tpe = tokens_per_expert
+        self.num_local = num_local if num_local is not None else len(tokens_per_expert or [])
         self.rows_per_rank = rows_per_rank
-        self.num_pairs = sum(tokens_per_expert)
         self._valid: torch.Tensor | None = None
+
+    @property
+    def tokens_per_expert(self) -> list[int]:
+        if self._tpe is None:
+            n = self.num_local
+            ids = self.raw_ids - self.first_expert
+            key = ids.clamp_(-1, n).remainder_(n + 1).reshape(-1)  # not on this rank -> bucket n
+            cnt = torch.zeros(n + 1, dtype=torch.int64, device=key.device)
+            cnt.scatter_add_(0, key, torch.ones(1, dtype=torch.int64, device=key.device).expand(key.shape[0]))
+            self._tpe = cnt[:n].tolist()
+        return self._tpe
+
+    @property
+    def num_pairs(self) -> int:
+        return sum(self.tokens_per_expert)
 
     @property
     def valid(self) -> torch.Tensor:
         if self._valid is None:
-            n_local = len(self.tokens_per_expert)
-            self._valid = (self.raw_ids >= self.first_expert) & (self.raw_ids < self.first_expert + n_local)
+            n_local = max(1, self.num_local)
+            if self.first_expert % n_local == 0:  # rank × E/world: one division tells the owner rank
+                self._valid = torch.floor_divide(self.raw_ids, n_local) == self.first_expert // n_local
+            else:
+                self._valid = (self.raw_ids >= self.first_expert) & (self.raw_ids < self.first_expert + n_local)
         return self._valid
 
     @property
@@ -128,7 +177,7 @@ class RecvMeta:
         indexes recv_x, weight float32 [P]; expert j's pairs are the j-th block of `tokens_per_expert`."""
         ids = self.raw_ids - self.first_expert
         k = ids.shape[1]
-        n_local = len(self.tokens_per_expert)
+        n_local = self.num_local
         # every slot not on this rank (local id < 0 or >= n_local) sorts last, behind the num_pairs real pairs
         key = ids.clamp_(-1, n_local).remainder_(n_local + 1).reshape(-1)
         order = torch.argsort(key, stable=True)[: self.num_pairs]
@@ -145,6 +194,7 @@ class _Chunk:
     recv_offset: int
     pairs_per_expert: list[int]  # received (row, local expert) pairs per local expert
     send_tok: torch.Tensor | None = None  # token index (into x) of every sent row, in send order
+    send_offset: int = 0  # first row of this chunk in the dispatch's send rows
 
     @property
     def recv_rows(self) -> int:
@@ -167,6 +217,11 @@ class Handle:
     _w: Any = field(default=None, repr=False)
     _mask: Any = field(default=None, repr=False)
     _recv_buf: Any = field(default=None, repr=False)
+    dense: bool = False  # dense layout: every token slot of the capacity goes to every rank (see EPBuffer)
+    _combine_out: Any = field(default=None, repr=False)
+    num_send: int = 0  # packed layout: rows sent (all chunks)
+    _send_all: Any = field(default=None, repr=False)  # packed layout: the send rows of all chunks
+    _send_tok: Any = field(default=None, repr=False)  # packed layout: token index of every send row
 
     def release_inputs(self) -> None:
         self._x = self._idx = self._w = self._mask = None
@@ -189,6 +244,7 @@ class EPBuffer:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         check_inputs: bool = True,
+        dense: bool | None = None,
     ):
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -226,6 +282,7 @@ class EPBuffer:
         self.hidden = model.hidden
         self.num_chunks = knobs.pipeline_depth
         self._layout()
+        self.dense = self._choose_dense(dense, get_transport(knobs.transport))
         self._agree()
         # `channels`: communicators the chunks of one direction are spread over (round-robin by chunk);
         # with pipelining, combine gets its own set so it travels while later dispatch chunks still move.
@@ -237,7 +294,14 @@ class EPBuffer:
         else:
             self.transport = cls(group, knobs, self.device)
         self._fast = hasattr(self.transport, "exchange_async") and hasattr(self.transport, "exchange_blocks")
+        reserve = getattr(self.transport, "reserve", None)
+        if callable(reserve):  # one-sided transports: size the symmetric receive buffer once (collective)
+            reserve(max(1, self.max_tokens), self.row_bytes)
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
+        self._stage_views: Any = None
+        self._stage: torch.Tensor | None = None  # token rows [max_tokens, row_bytes], reused (dense: the send rows)
+        self._send: torch.Tensor | None = None  # packed layout: send rows [max_tokens * world, row_bytes], reused
+        self._stage_hi = 0  # dense layout: stage rows [0, _stage_hi) may hold real expert ids
 
     # -- layout of one wire row ---------------------------------------------------------------------
     def _layout(self) -> None:
@@ -258,6 +322,20 @@ class EPBuffer:
     def wire_bytes_per_row(self) -> int:
         return self.row_bytes
 
+    def _choose_dense(self, dense: bool | None, cls: type) -> bool:
+        """The layout (see the module doc): `dense=None` picks it from the shapes alone, so every rank
+        makes the same choice without talking."""
+        able = hasattr(cls, "gather_async") and hasattr(cls, "reduce_scatter_async")
+        if dense is not None:
+            if dense and not able:
+                raise ValueError(f"dense=True needs a collective transport, not {self.knobs.transport!r}")
+            return bool(dense)
+        if not able or self.world == 1:
+            return False
+        per_peer = self.max_tokens * self.row_bytes
+        waste = 1.0 - hit_probability(self.model.experts, self.topk, self.world)
+        return per_peer <= DENSE_AUTO_MAX_BYTES or waste <= DENSE_AUTO_MAX_WASTE
+
     def _agree(self) -> None:
         """Every rank must run the same setting (the row size and count layout depend on it)."""
         if self.world == 1 or not dist.is_initialized():
@@ -265,7 +343,7 @@ class EPBuffer:
         digest = int(self.knobs.digest()[:15], 16)
         mine = torch.tensor(
             [digest, self.model.hidden, self.model.intermediate, self.model.experts, self.model.topk,
-             self.max_tokens, list(TORCH_DTYPES.values()).index(self.dtype)],
+             self.max_tokens, list(TORCH_DTYPES.values()).index(self.dtype), int(self.dense)],
             dtype=torch.int64,
             device=self.device,
         )
@@ -274,10 +352,10 @@ class EPBuffer:
         rows = torch.stack(got).cpu().tolist()
         bad = [r for r, row in enumerate(rows) if row != rows[0]]
         if bad:
-            names = ["knobs", "hidden", "intermediate", "experts", "topk", "max_tokens", "dtype"]
+            names = ["knobs", "hidden", "intermediate", "experts", "topk", "max_tokens", "dtype", "dense"]
             diff = sorted({names[i] for r in bad for i in range(len(names)) if rows[r][i] != rows[0][i]})
             raise ValueError(f"EPBuffer: ranks {bad} differ from rank 0 in {', '.join(diff)}; every rank must "
-                             "build the buffer with the same model, dtype, max_tokens and knobs")
+                             "build the buffer with the same model, dtype, max_tokens, knobs and dense setting")
 
     # -- input checks (host-side, no device sync) -----------------------------------------------------
     def _local_check(self, x: Any, topk_idx: Any, topk_weights: Any) -> tuple[int, str]:
@@ -328,29 +406,82 @@ class EPBuffer:
         return None
 
     # -- dispatch -------------------------------------------------------------------------------------
+    def _raise_errors(self, peer_codes: dict[int, int], msg: str, idx: torch.Tensor | None) -> None:
+        """Raise the same ValueError story on every rank when any rank reported an input error."""
+        if not any(peer_codes.values()):
+            return
+        e = self.model.experts
+        my_code = peer_codes[self.rank]
+        if my_code == _RANGE_ERROR and idx is not None:
+            bad_vals = idx[(idx < 0) | (idx >= e)]
+            msg = (f"topk_idx holds expert ids out of range [0, {e}): found {bad_vals.numel()} bad ids "
+                   f"(min {int(bad_vals.min())}, max {int(bad_vals.max())})")
+        others = [f"rank {r}: {_ERRORS.get(c, f'error {c}')}" for r, c in peer_codes.items() if c and r != self.rank]
+        text = f"EPBuffer.dispatch on rank {self.rank}: "
+        text += msg if my_code else "invalid input on another rank"
+        if others:
+            text += "; reported by " + "; ".join(others)
+        raise ValueError(text)
+
+    def _plan_dense(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
+        """Dense layout: write the tokens into the reused send rows; no counts, no host sync (one tiny
+        status all-gather and one sync when check_inputs is on)."""
+        w, e = self.world, self.model.experts
+        code, msg = self._local_check(x, topk_idx, topk_weights)
+        if self.check_inputs:
+            if code:
+                st = torch.full((1,), -code, dtype=torch.int64, device=self.device)
+            else:
+                st = ((topk_idx < 0) | (topk_idx >= e)).sum().reshape(1).to(torch.int64)
+            got = torch.empty(w, dtype=torch.int64, device=self.device)
+            work = self.transport.gather_async(got, st)  # type: ignore[attr-defined]
+            if work is not None:
+                work.wait()
+            codes = {r: (-v if v < 0 else (_RANGE_ERROR if v > 0 else 0)) for r, v in enumerate(got.tolist())}
+            self._raise_errors(codes, msg, topk_idx if code == 0 else None)
+        elif code:
+            # unchecked mode: only this rank knows (the others wait in the collective until its timeout)
+            raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {msg}")
+        s, cap = x.shape[0], self.max_tokens
+        self._write_stage(x, topk_idx, topk_weights, s)
+        if self._stage_hi > s:  # rows a larger earlier dispatch filled: mark them empty again
+            self._stage_views[1].narrow(0, s, self._stage_hi - s).fill_(-1)
+        self._stage_hi = s
+        cs = max(1, math.ceil(cap / self.num_chunks))
+        chunks = []
+        for c in range(self.num_chunks):
+            c0, c1 = min(c * cs, cap), min((c + 1) * cs, cap)
+            chunks.append(_Chunk(c0, c1, [c1 - c0] * w, [c1 - c0] * w, w * c0, []))
+        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, w * cap, dense=True)
+        handle._recv_buf = torch.empty(w * cap, self.row_bytes, dtype=torch.uint8, device=self.device)
+        return handle
+
     def plan(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
         """Check the inputs on every rank and exchange the counts (the one host sync of a dispatch).
 
         Kept to a dozen small kernels and no hidden syncs (no bincount/nonzero: they sync on CUDA).
+        Dense layout: see `_plan_dense` (no counts, no sync).
         """
+        if self.dense:
+            return self._plan_dense(x, topk_idx, topk_weights)
         w, e, epr, n_chunks = self.world, self.model.experts, self.experts_per_rank, self.num_chunks
         code, msg = self._local_check(x, topk_idx, topk_weights)
         width = 2 + epr
         s = x.shape[0] if code == 0 else 0
         cs = max(1, math.ceil(s / n_chunks))
-        idx = wts = mask = None
+        idx = tok_all = send_all = None
         if code == 0:
             idx = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)
-            wts = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
             # ids out of range (< 0 or >= E) all land in bucket E: counted, never indexed
-            key = idx.clamp(-1, e).remainder(e + 1)
+            key = idx.clamp(-1, e).remainder_(e + 1)
             rank_key = torch.div(key, epr, rounding_mode="floor")  # W = the bad bucket
             mask = torch.zeros(n_chunks * cs, w + 1, dtype=torch.bool, device=self.device)
             mask[:s].scatter_(1, rank_key, True)
-            rows = mask.view(n_chunks, cs, w + 1).sum(1)  # [chunks, W+1]
+            mask3 = mask.view(n_chunks, cs, w + 1)
+            rows = mask3.sum(1)  # [chunks, W+1]
             if n_chunks > 1:
                 chunk_id = torch.div(torch.arange(s, device=self.device), cs, rounding_mode="floor")
-                key = key + chunk_id.unsqueeze(1) * (e + 1)
+                key = torch.add(key, chunk_id.unsqueeze(1), alpha=e + 1)
             cnt = torch.zeros(n_chunks * (e + 1), dtype=torch.int64, device=self.device)
             flat = key.reshape(-1)
             cnt.scatter_add_(0, flat, self._one.expand(flat.shape[0]))
@@ -359,6 +490,16 @@ class EPBuffer:
             counts = torch.cat(
                 [nbad, rows[:, :w].t().unsqueeze(2), cnt[:, :e].view(n_chunks, w, epr).permute(1, 0, 2)], dim=2
             )
+            if s:
+                # Everything the payload needs is queued before the sync below, so the GPU builds the send
+                # rows while the host waits for the counts: token rows once (payload or fp8 + scale, ids,
+                # weights), then ONE gather of them in (chunk, destination, token) order. The order list is
+                # padded to its upper bound s*W (nonzero_static: no sync); the splits say how much is real.
+                self._write_stage(x, topk_idx, topk_weights, s)
+                pairs = _nonzero_rows(mask3[:, :, :w].permute(0, 2, 1), s * w)
+                tok_all = torch.add(pairs[:, 2], pairs[:, 0], alpha=cs)  # token index of every send row
+                send_all = self._send_rows(tok_all.shape[0])
+                torch.index_select(self._stage, 0, tok_all, out=send_all)  # type: ignore[arg-type]
         else:
             counts = torch.zeros(w, n_chunks, width, dtype=torch.int64, device=self.device)
             counts[:, :, 0] = -code
@@ -369,63 +510,85 @@ class EPBuffer:
         recv_h = host[nsend:]
         peer_err = {r: [recv_h[(r * n_chunks + c) * width] for c in range(n_chunks)] for r in range(w)}
         peer_codes = {r: (_RANGE_ERROR if max(v) > 0 else -min(v)) for r, v in peer_err.items()}
-        my_code = peer_codes[self.rank]
-        if any(peer_codes.values()):
-            if my_code == _RANGE_ERROR and idx is not None:
-                bad_vals = idx[(idx < 0) | (idx >= e)]
-                msg = (f"topk_idx holds expert ids out of range [0, {e}): found {bad_vals.numel()} bad ids "
-                       f"(min {int(bad_vals.min())}, max {int(bad_vals.max())})")
-            others = [f"rank {r}: {_ERRORS.get(c, f'error {c}')}" for r, c in peer_codes.items() if c and r != self.rank]
-            text = f"EPBuffer.dispatch on rank {self.rank}: "
-            text += msg if my_code else "invalid input on another rank"
-            if others:
-                text += "; reported by " + "; ".join(others)
-            raise ValueError(text)
+        self._raise_errors(peer_codes, msg, idx)
         chunks: list[_Chunk] = []
-        off = 0
+        off = soff = 0
         for c in range(n_chunks):
             t0, t1 = min(c * cs, s), min((c + 1) * cs, s)
             send_splits = [send_h[d * n_chunks + c][1] for d in range(w)]
             base = [(r * n_chunks + c) * width for r in range(w)]
             recv_splits = [recv_h[b + 1] for b in base]
             ppe = [sum(recv_h[b + 2 + j] for b in base) for j in range(epr)]
-            chunks.append(_Chunk(t0, t1, send_splits, recv_splits, off, ppe))
+            n = sum(send_splits)
+            ch = _Chunk(t0, t1, send_splits, recv_splits, off, ppe, send_offset=soff)
+            if tok_all is not None:
+                ch.send_tok = tok_all[soff : soff + n]
+            chunks.append(ch)
             off += sum(recv_splits)
-        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, off, x, idx, wts, mask)
+            soff += n
+        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, off)
+        handle.num_send = soff
+        handle._send_all = send_all
+        handle._send_tok = tok_all[:soff] if tok_all is not None else None
         handle._recv_buf = torch.empty(off, self.row_bytes, dtype=torch.uint8, device=self.device)
         return handle
 
-    def pack(self, handle: Handle, c: int) -> torch.Tensor:
-        """Build chunk c's send rows (grouped by destination rank, rank order): one gather per column block,
-        written straight into the wire rows."""
-        ch = handle.chunks[c]
-        n = sum(ch.send_splits)
-        send = torch.empty(n, self.row_bytes, dtype=torch.uint8, device=self.device)
-        if n == 0:
-            ch.send_tok = torch.empty(0, dtype=torch.int64, device=self.device)
-            return send
-        # rank-major (dest, token) pairs: rows for rank 0 first, then rank 1, ...
-        pairs = _nonzero_rows(handle._mask[ch.t0 : ch.t1, : self.world].t(), n)
-        tok_local = pairs[:, 1].contiguous()  # one tiny copy: index kernels get a dense index
-        tok = tok_local + ch.t0 if ch.t0 else tok_local
-        ch.send_tok = tok
-        x = handle._x
+    def _row_views(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(payload, ids int64 [n, k], weights float32 [n, k], scales float32 [n, G] or None) views of wire
+        rows uint8 [n, row_bytes]; payload is uint8 fp8 bytes [n, H] with compression, else [n, H] in the
+        activation dtype. dtype views + narrow: no copies, few Python-level slicing calls."""
+        h, k = self.hidden, self.topk
+        f32 = rows.view(torch.float32)
+        payload = rows.narrow(1, 0, h) if self.fp8 else rows.view(self.dtype).narrow(1, 0, h)
+        scales = f32.narrow(1, self.scale_off // 4, self.scale_groups) if self.fp8 else None
+        return payload, rows.view(torch.int64).narrow(1, self.id_off // 8, k), f32.narrow(1, self.weight_off // 4, k), scales
+
+    def _write_stage(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, s: int) -> torch.Tensor:
+        """Write the s tokens as wire rows into the reused stage buffer [max_tokens, row_bytes]: payload (or
+        fp8 bytes + scales, quantised straight into the rows), expert ids, weights. 3 copies for bf16."""
+        stage = self._stage
+        if stage is None:
+            stage = self._stage = torch.zeros(self.max_tokens, self.row_bytes, dtype=torch.uint8, device=self.device)
+            self._stage_views = self._row_views(stage)
+            self._stage_views[1].fill_(-1)
+        if not s:
+            return stage
+        views = self._stage_views if s == self.max_tokens else [v.narrow(0, 0, s) if v is not None else None
+                                                                 for v in self._stage_views]
+        payload, ids, wts, scales = views
         if self.fp8:
-            # quantise each token of the chunk once, then gather the fp8 rows and their scales
-            q, scales = quantise(x[ch.t0 : ch.t1], self.knobs.scale_granularity)
-            torch.index_select(q, 0, tok_local, out=send[:, : self.payload_bytes])
-            sv = send[:, self.scale_off : self.scale_off + 4 * self.scale_groups].view(torch.float32)
-            torch.index_select(scales, 0, tok_local, out=sv)
+            quantise_into(x, payload, scales, self.knobs.scale_granularity)
         else:
-            torch.index_select(x, 0, tok, out=send[:, : self.payload_bytes].view(self.dtype))
-        k = self.topk
-        torch.index_select(handle._idx, 0, tok, out=send[:, self.id_off : self.id_off + 8 * k].view(torch.int64))
-        torch.index_select(handle._w, 0, tok, out=send[:, self.weight_off : self.weight_off + 4 * k].view(torch.float32))
-        return send
+            payload.copy_(x)
+        ids.copy_(topk_idx)
+        wts.copy_(topk_weights)
+        return stage
+
+    def _send_rows(self, n: int) -> torch.Tensor:
+        """The packed layout's send rows: a reused buffer of max_tokens × world rows (the most one dispatch
+        can send: every token once to every rank). Safe to reuse: dispatch returns only after the current
+        stream has waited for its payload transfers."""
+        if self._send is None:
+            self._send = torch.empty(self.max_tokens * self.world, self.row_bytes, dtype=torch.uint8, device=self.device)
+        return self._send[:n]
+
+    def pack(self, handle: Handle, c: int) -> torch.Tensor:
+        """Chunk c's send rows (grouped by destination rank, rank order): a slice of the rows `plan` built."""
+        ch = handle.chunks[c]
+        if handle.dense:
+            return self._stage[ch.t0 : ch.t1]  # type: ignore[index]
+        n = sum(ch.send_splits)
+        if handle._send_all is None:
+            return torch.empty(0, self.row_bytes, dtype=torch.uint8, device=self.device)
+        return handle._send_all[ch.send_offset : ch.send_offset + n]
 
     def post_dispatch(self, handle: Handle, c: int, send: torch.Tensor):
         ch = handle.chunks[c]
         out = handle._recv_buf[ch.recv_offset : ch.recv_offset + ch.recv_rows]
+        if handle.dense:
+            if ch.t1 == ch.t0:
+                return None
+            return self.transport.gather_async(out, send, channel=c % self.comm_channels)  # type: ignore[attr-defined]
         return self._post(send, ch.send_splits, ch.recv_splits, out, channel=c % self.comm_channels)
 
     def unpack(self, handle: Handle, c: int | None = None) -> tuple[torch.Tensor, RecvMeta]:
@@ -438,18 +601,13 @@ class EPBuffer:
             ch = handle.chunks[c]
             a, b = ch.recv_offset, ch.recv_offset + ch.recv_rows
             chunks = [ch]
-        rb = handle._recv_buf[a:b]
-        if self.fp8:
-            scales = rb[:, self.scale_off : self.scale_off + 4 * self.scale_groups].view(torch.float32)
-            recv_x = dequantise(rb[:, : self.payload_bytes], scales, self.dtype)
-        else:
-            recv_x = rb[:, : self.payload_bytes].view(self.dtype)
-        k = self.topk
-        ids = rb[:, self.id_off : self.id_off + 8 * k].view(torch.int64)
-        wts = rb[:, self.weight_off : self.weight_off + 4 * k].view(torch.float32)
-        tpe = [sum(ch.pairs_per_expert[j] for ch in chunks) for j in range(self.experts_per_rank)]
+        rb = handle._recv_buf if (a == 0 and b == handle.num_recv) else handle._recv_buf.narrow(0, a, b - a)
+        payload, ids, wts, scales = self._row_views(rb)
+        recv_x = dequantise(payload, scales, self.dtype) if self.fp8 else payload
+        tpe = None if handle.dense else [sum(ch.pairs_per_expert[j] for ch in chunks) for j in range(self.experts_per_rank)]
         rpr = [sum(ch.recv_splits[r] for ch in chunks) for r in range(self.world)]
-        return recv_x, RecvMeta(ids, wts, tpe, rpr, first_expert=self.rank * self.experts_per_rank)
+        return recv_x, RecvMeta(ids, wts, tpe, rpr, first_expert=self.rank * self.experts_per_rank,
+                                num_local=self.experts_per_rank)
 
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
@@ -458,8 +616,10 @@ class EPBuffer:
 
         x [S, H] (the buffer's dtype, S <= max_tokens), topk_idx int [S, k] global expert ids,
         topk_weights float [S, k]. Returns recv_x [M, H] (rows grouped by source rank; with pipeline_depth
-        chunks: by chunk, then source rank), RecvMeta and the handle for combine. Raises ValueError on
-        every rank when any rank's input is wrong (before any payload moves).
+        chunks: by chunk, then source rank), RecvMeta and the handle for combine. Packed layout: M = the
+        rows routed here; dense layout: M = world × max_tokens (every slot of every rank; unused slots and
+        tokens without a local expert have no local slot in RecvMeta, their expert output row is ignored).
+        Raises ValueError on every rank when any rank's input is wrong (before any payload moves).
 
         Without compression recv_x is a view into the receive buffer (no copy; its rows are strided by the
         wire row size): use it as is for index_select/matmul, or call .contiguous() for a dense tensor.
@@ -503,19 +663,33 @@ class EPBuffer:
         """Send chunk c's expert output rows back (the reverse of its dispatch)."""
         ch = handle.chunks[c]
         rows = rows.contiguous()
-        out = torch.empty(sum(ch.send_splits), handle.hidden, dtype=handle.dtype, device=handle.device)
         channel = c % self.comm_channels + (self.comm_channels if self.num_chunks > 1 else 0)
+        if handle.dense:
+            if c == 0 or handle._combine_out is None:  # a fresh result per combine (the handle may be reused)
+                handle._combine_out = torch.empty(self.max_tokens, handle.hidden, dtype=handle.dtype, device=handle.device)
+            out = handle._combine_out[ch.t0 : ch.t1]
+            if ch.t1 == ch.t0:
+                return out, None
+            return out, self.transport.reduce_scatter_async(out, rows, channel=channel)  # type: ignore[attr-defined]
+        if c == 0 or handle._combine_out is None:  # one buffer for every chunk's rows (one index_add at the end)
+            handle._combine_out = torch.empty(handle.num_send, handle.hidden, dtype=handle.dtype, device=handle.device)
+        out = handle._combine_out[ch.send_offset : ch.send_offset + sum(ch.send_splits)]
         return out, self._post(rows, ch.recv_splits, ch.send_splits, out, channel=channel)
 
     @staticmethod
     def finish_combine(handle: Handle, received: list[tuple[torch.Tensor, Any]]) -> torch.Tensor:
         """Wait for every chunk's rows and add each token's rows (one per rank that held its experts)."""
-        out = torch.zeros(handle.num_tokens, handle.hidden, dtype=handle.dtype, device=handle.device)
-        for ch, (rows, work) in zip(handle.chunks, received, strict=True):
+        if handle.dense:  # the reduce-scatter already summed them
+            for _rows, work in received:
+                if work is not None:
+                    work.wait()
+            return handle._combine_out[: handle.num_tokens]
+        for _rows, work in received:
             if work is not None:
                 work.wait()
-            if rows.shape[0]:
-                out.index_add_(0, ch.send_tok, rows)
+        out = torch.zeros(handle.num_tokens, handle.hidden, dtype=handle.dtype, device=handle.device)
+        if handle.num_send:
+            out.index_add_(0, handle._send_tok, handle._combine_out)
         return out
 
     def combine(self, expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
@@ -532,5 +706,6 @@ class EPBuffer:
 
     def __repr__(self) -> str:
         return (f"EPBuffer(world={self.world}, rank={self.rank}, model={self.model.name}, "
+                f"layout={'dense' if self.dense else 'packed'}, "
                 f"transport={self.knobs.transport}, compression={self.knobs.compression}, "
                 f"pipeline_depth={self.knobs.pipeline_depth}, row_bytes={self.row_bytes})")

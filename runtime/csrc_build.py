@@ -28,7 +28,7 @@ from ctypes import POINTER, c_char_p, c_double, c_int, c_uint64, c_void_p
 from pathlib import Path
 from typing import NamedTuple
 
-ABI_VERSION = 4
+ABI_VERSION = 8
 LIB_NAME = "libmoetune_csrc.so"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo")
 _BUILD_TIMEOUT_S = 600
@@ -192,7 +192,9 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mt_nvl_set_data": (c_int, [c_void_p, _P64, c_uint64]),
     "mt_nvl_ctas_per_peer": (c_int, [c_void_p, _PI]),
     "mt_nvl_counts": (c_int, [c_void_p, c_void_p, c_void_p, c_uint64]),
-    "mt_nvl_exchange": (c_int, [c_void_p, c_void_p, c_uint64, c_void_p, c_void_p, c_int, c_int, c_uint64]),
+    "mt_nvl_exchange": (
+        c_int, [c_void_p, c_void_p, c_uint64, c_void_p, c_void_p, c_void_p, c_int, c_int, c_uint64]
+    ),
     "mt_nvl_err_ptr": (c_int, [c_void_p, _PP]),
     "mt_nvl_error": (c_int, [c_void_p, _PI]),
     "mt_nvl_clear_error": (c_int, [c_void_p]),
@@ -200,7 +202,9 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     # proxy engine
     "mt_proxy_create": (c_int, [c_int, c_int, _P64, _P64, _P64, c_int, c_int, c_int, c_int, _PP]),
     "mt_proxy_set_peer_data": (c_int, [c_void_p, _P64, c_int]),
+    "mt_proxy_set_batch": (c_int, [c_void_p, c_int]),
     "mt_proxy_error": (c_int, [c_void_p, c_char_p, c_int]),
+    "mt_proxy_diag": (c_int, [c_void_p, c_char_p, c_int]),
     "mt_proxy_stats": (c_int, [c_void_p, _P64, c_int]),
     "mt_proxy_reset_stats": (c_int, [c_void_p]),
     "mt_proxy_enqueue": (c_int, [c_void_p, c_void_p, c_int, c_double]),
@@ -210,6 +214,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     # proxy transport (GPU producer)
     "mt_pxy_create": (c_int, [c_void_p, c_int, c_int, c_int, c_uint64, c_double, _PP]),
     "mt_pxy_set_data": (c_int, [c_void_p, c_uint64]),
+    "mt_pxy_set_host_wait": (c_int, [c_void_p, c_int]),
     "mt_pxy_counts": (c_int, [c_void_p, c_void_p, c_void_p, c_uint64, c_uint64]),
     "mt_pxy_exchange": (
         c_int,

@@ -71,3 +71,19 @@ def dequantise(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> tor
     out = q.view(torch.float8_e4m3fn).to(dtype)
     out.view(n, g, h // g).mul_(scales.reshape(n, g, 1))
     return out
+
+
+def quantise_into(x: torch.Tensor, q_out: torch.Tensor, scales_out: torch.Tensor, granularity: str = "per_token") -> None:
+    """quantise(x) written straight into caller-owned views (e.g. the wire rows of the send buffer):
+    q_out uint8 [N, H] (may be strided by rows), scales_out float32 [N, G]. Same arithmetic as `quantise`
+    (the cast to e4m3 happens in the copy into q_out), no intermediate fp8/scale tensors."""
+    if not fp8_available():
+        raise RuntimeError("this torch build has no float8_e4m3fn; use compression=none")
+    n, h = x.shape
+    g = num_scale_groups(h, granularity)
+    xv = x.reshape(n, g, h // g)
+    amax = torch.linalg.vector_norm(xv, ord=float("inf"), dim=2, keepdim=True, dtype=torch.float32)
+    work = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    mult = torch.div(_TARGET, amax.clamp_(min=_TINY)).to(work)
+    q_out.view(torch.float8_e4m3fn).view(n, g, h // g).copy_(xv.to(work) * mult)
+    scales_out.copy_(mult.view(n, g)).reciprocal_()

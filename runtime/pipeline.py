@@ -1,10 +1,11 @@
 """pipeline_depth: chunk i+1 travels while chunk i is computed.
 
 The tokens of a dispatch are split into `pipeline_depth` contiguous chunks (the same count on every rank,
-so the counts exchange stays one small collective for all chunks and one host sync). Then:
+so the counts exchange stays one small collective for all chunks and one host sync; the dense layout
+chunks the max_tokens slots and needs no counts and no sync at all). Then:
 
-    plan (counts for every chunk, one sync)
-    for each chunk: pack it (one gather) and post its dispatch           # dispatch communicator(s)
+    plan (counts for every chunk, one sync; the send rows of all chunks built by one gather)
+    for each chunk: post its dispatch (a slice of the send rows)       # dispatch communicator(s)
     for each chunk: wait for its rows, run the experts on them, post its combine   # combine communicator(s)
     wait for the combines, add each token's rows
 

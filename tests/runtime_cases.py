@@ -42,6 +42,12 @@ def expected_rows(world: int, model, tokens, routing: str, seed: int, me: int) -
     return n
 
 
+def expected_pairs(world: int, model, tokens, routing: str, seed: int, me: int) -> int:
+    """(row, local expert) pairs rank `me` must receive."""
+    epr = model.experts // world
+    return sum(int(((make_inputs(r, model, tokens, routing, seed)[1] // epr) == me).sum()) for r in range(world))
+
+
 def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
     """For each config: the layer's output vs the dense reference, and the received row count."""
     out = []
@@ -52,7 +58,9 @@ def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
         tokens = cfg["tokens"]
         routing = cfg.get("routing", "uniform")
         seed = cfg.get("seed", 0)
-        layer = MoELayer(model, knobs=knobs, max_tokens=max(64, tokens_for(rank, tokens)), seed=seed)
+        cap = max(64, tokens_for(rank, tokens))
+        buf = EPBuffer(knobs=knobs, model=model, max_tokens=cap, dense=cfg.get("dense"))
+        layer = MoELayer(model, max_tokens=cap, seed=seed, buffer=buf)
         x, idx, w = make_inputs(rank, model, tokens, routing, seed)
         y = layer.forward_routed(x, idx, w)
         ref = dense_reference(x, model, seed=seed, topk_idx=idx, topk_weights=w)
@@ -65,8 +73,11 @@ def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
             "err": max_rel_err(y, ref),
             "shape_ok": tuple(y.shape) == tuple(x.shape),
             "rows": recv_x.shape[0],
-            "expected_rows": expected_rows(world, model, tokens, routing, seed, rank),
+            # dense layout: every capacity slot of every rank arrives (empty slots carry no expert)
+            "expected_rows": world * cap if buf.dense else expected_rows(world, model, tokens, routing, seed, rank),
+            "dense": buf.dense,
             "pairs": meta.num_pairs,
+            "expected_pairs": expected_pairs(world, model, tokens, routing, seed, rank),
             "roundtrip_err": rt_err,
             "out": y.clone(),
         })
@@ -77,11 +88,11 @@ def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
 BAD_INPUTS = ("x_shape", "x_dtype", "idx_range", "idx_negative", "idx_shape", "weights_shape", "too_many", "combine_shape")
 
 
-def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int) -> dict[str, str]:
+def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int, dense: bool | None = None) -> dict[str, str]:
     """Rank `bad_rank` passes a bad input; every rank must raise ValueError (no hang). After each error the
     group must still work (a good dispatch/combine follows)."""
     model = get_model("custom:64,32,8,2,float32")
-    buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=32)
+    buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=32, dense=dense)
     msgs: dict[str, str] = {}
     for kind in kinds:
         x, idx, w = make_inputs(rank, model, 8, "uniform", 0)
@@ -147,14 +158,16 @@ def case_gpu(rank: int, world: int) -> list[tuple[str, float, float]]:
     out = []
     for spec, s in (("custom:256,128,16,4", 40), ("qwen3-30b", 64)):
         model = get_model(spec)
-        for comp, depth in (("none", 1), ("fp8_e4m3", 2)):
-            layer = MoELayer(model, knobs=Knobs(compression=comp, pipeline_depth=depth), max_tokens=s, device=dev, seed=1)
+        for comp, depth, dense in (("none", 1, True), ("fp8_e4m3", 2, True), ("none", 1, False), ("fp8_e4m3", 2, False)):
+            buf = EPBuffer(knobs=Knobs(compression=comp, pipeline_depth=depth), model=model, max_tokens=s, device=dev,
+                           dense=dense)
+            layer = MoELayer(model, max_tokens=s, device=dev, seed=1, buffer=buf)
             g = torch.Generator(device=dev).manual_seed(rank + 5)
             x = torch.randn(s, model.hidden, generator=g, device=dev).to(torch.bfloat16)
             idx, w = generate_routing(s, model.experts, model.topk, routing="zipf:1.2", seed=rank, device=dev)
             y = layer.forward_routed(x, idx, w)
             ref = dense_reference(x, model, seed=1, topk_idx=idx, topk_weights=w)
             bound = 3e-2 + (FP8_LAYER_REL_ERR_BOUND if comp != "none" else 0.0)
-            out.append((f"{spec}/{comp}/d{depth}/grouped={layer.use_grouped_mm}", max_rel_err(y, ref), bound))
+            out.append((f"{spec}/{comp}/d{depth}/dense={dense}/grouped={layer.use_grouped_mm}", max_rel_err(y, ref), bound))
             del layer
     return out

@@ -61,6 +61,9 @@ NVLINK_VARIANTS = [
     "signalling=decoupled,num_sms=24",
     "signalling=decoupled,group_size=3,num_sms=32",
     "signalling=coupled,num_sms=2",
+    "signalling=decoupled,num_sms=8|hidden=1025",
+    "signalling=coupled,num_sms=24|fused",
+    "signalling=decoupled,num_sms=16|symm=ipc",
 ]
 PROXY_VARIANTS = [
     "fence_mode=proxy_drain,signalling=coupled,qps_per_pe=1",
@@ -68,6 +71,8 @@ PROXY_VARIANTS = [
     "fence_mode=nic_ordered,signalling=decoupled,qps_per_pe=4,qp_mapping=peer_hash,chunk_tokens=16",
     "fence_mode=nic_ordered,signalling=coupled,qps_per_pe=2,qp_mapping=peer_hash,chunk_tokens=40",
     "fence_mode=nic_ordered,signalling=decoupled,group_size=2,qps_per_pe=1,qp_mapping=round_robin,chunk_tokens=8",
+    "fence_mode=proxy_drain,signalling=coupled,qps_per_pe=1,chunk_tokens=7|hidden=1025",
+    "fence_mode=nic_ordered,signalling=decoupled,qps_per_pe=2,qp_mapping=peer_hash,chunk_tokens=32|symm=ipc",
 ]
 
 
@@ -78,11 +83,11 @@ def _record(row: dict) -> None:
         f.write(json.dumps(row, default=str) + "\n")
 
 
-def _check_world(transport: str, variants: list[str], iters: int) -> None:
+def _check_world(transport: str, variants: list[str], iters: int, timeout_s: float = 75) -> None:
     from moetune.runtime.transports._selftest import check_exchange_worker, spawn_world
 
     res = spawn_world(check_exchange_worker, NEED, dict(transport=transport, variants=variants, iters=iters),
-                      timeout_s=120)
+                      timeout_s=timeout_s)
     failures = []
     for rank, part in enumerate(res):
         if isinstance(part, dict):  # the worker itself failed
@@ -115,7 +120,7 @@ def test_nvlink_exchange_matches_nccl_with_poisoned_buffers() -> None:
 
 @needs_gpus
 def test_proxy_exchange_matches_nccl_with_poisoned_buffers() -> None:
-    _check_world("proxy", PROXY_VARIANTS, iters=25)
+    _check_world("proxy", PROXY_VARIANTS, iters=25, timeout_s=100)  # room for one timeout per variant
 
 
 @needs_gpus
@@ -123,11 +128,33 @@ def test_missing_peer_raises_instead_of_hanging() -> None:
     from moetune.runtime.transports._selftest import spawn_world, timeout_worker
 
     t0 = time.time()
-    res = spawn_world(timeout_worker, NEED, {}, timeout_s=100)
+    res = spawn_world(timeout_worker, NEED, {}, timeout_s=60)
     for name in ("nvlink", "proxy"):
         r = res[0].get(name, res[0]) if isinstance(res[0], dict) else {}
         _record({"test": "timeout", "transport": name, "result": r, "rank1": res[1], "seconds": time.time() - t0})
     assert isinstance(res[0], dict) and all(res[0].get(n, {}).get("raised") for n in ("nvlink", "proxy")), res
+
+
+@needs_gpus
+def test_epbuffer_with_onesided_transports_equals_collective() -> None:
+    """Dense reference through the runtime's EPBuffer, when the runtime branch is merged and wired."""
+    import moetune.runtime as rt
+    from moetune.runtime.transports._selftest import epbuffer_worker, spawn_world
+
+    if not hasattr(rt, "EPBuffer"):
+        try:
+            import moetune.runtime.ep_buffer  # noqa: F401
+        except ImportError:
+            _record({"test": "epbuffer", "skipped": "moetune.runtime.EPBuffer not in this checkout"})
+            pytest.skip("moetune.runtime.EPBuffer not in this checkout")
+    res = spawn_world(epbuffer_worker, NEED, {}, timeout_s=240)
+    _record({"test": "epbuffer", "result": res})
+    if isinstance(res[0], dict) and "skipped" in res[0]:
+        pytest.skip(res[0]["skipped"])
+    for rank, r in enumerate(res):
+        assert isinstance(r, dict) and "error" not in r, f"rank {rank}: {r}"
+        for name, rec in r.items():
+            assert "error" not in rec and rec.get("equal"), f"rank {rank} {name}: {rec}"
 
 
 @needs_gpus

@@ -108,7 +108,7 @@ def test_error_decoding_is_readable() -> None:
 
 def test_bench_scripts_dry_run(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path)}
-    for script in ("bench/proxy_micro.py", "bench/onesided_ep.py"):
+    for script in ("bench/proxy_micro.py", "bench/onesided_ep.py", "bench/onesided_bench_ep.py"):
         r = subprocess.run([sys.executable, script, "--dry-run", "--out", str(tmp_path)], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
@@ -136,3 +136,489 @@ def test_csrc_compiles_with_nvcc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     lib = ctypes.CDLL(str(info.path))
     csrc_build._bind(lib)  # every symbol the Python side calls exists
     assert lib.mt_abi_version() == csrc_build.ABI_VERSION
+
+
+def test_report_renders_synthetic_results(tmp_path: Path) -> None:
+    import json
+
+    stat = {"median": 30.0, "p10": 29.0, "p90": 31.0, "n": 20}
+    ep = [
+        {"bench": "onesided_ep", "transport": "nvlink", "knobs": "signalling=coupled,num_sms=24", "model": "qwen3-30b",
+         "tokens": 128, "rank": 0, "dispatch_us": stat, "combine_us": stat, "layer_us": stat, "layer_us_graph": stat,
+         "host_issue_us": stat, "GBps_dispatch": 20.0, "roundtrip_equal": True},
+        {"bench": "onesided_ep", "transport": "nvlink", "knobs": "x", "model": "qwen3-30b", "tokens": 16384, "rank": 0,
+         "dispatch_us": stat, "combine_us": stat, "layer_us": stat, "GBps_dispatch": 340.0, "roundtrip_equal": True},
+        {"bench": "onesided_ep", "transport": "proxy", "knobs": "y", "rank": 0, "error": "Traceback\nOneSidedError: boom"},
+    ]
+    micro = [
+        {"bench": "proxy_micro", "mode": m, "concurrency": 96, "size": 16384, "us_median": us, "GBps": 1.0,
+         "ratio_vs_put_only": 231 / us, "issue_us_per_op_excl_drain": 1.0, "drains_per_iter": 12}
+        for m, us in (("put_only", 231.0), ("coupled_drain", 998.0), ("decoupled_ordered", 300.0))
+    ] + [{"bench": "proxy_race", "qp_mapping": "round_robin", "size": 1 << 20, "transfers": 96, "stale_transfers": 5,
+          "trials_with_stale": 3, "trials": 50}]
+    (tmp_path / "onesided_ep.jsonl").write_text("\n".join(json.dumps(r) for r in ep))
+    (tmp_path / "proxy_micro.jsonl").write_text("\n".join(json.dumps(r) for r in micro))
+    tests = [
+        {"test": "proxy_exchange", "rank": 0, "knobs": "k", "iters": 25, "mismatch_iters": 0, "count_mismatch_iters": 0,
+         "poison_overwritten_iters": 0, "error": None},
+        {"test": "epbuffer", "result": [{"nvlink": {"equal": True, "max_abs_diff": 0.0, "layer_rel_err": 0.007},
+                                         "proxy": {"equal": False, "error": "Traceback\nOneSidedError: x"}}] * 2},
+    ]
+    (tmp_path / "gpu_onesided_tests.jsonl").write_text("\n".join(json.dumps(t) for t in tests))
+    sp = {"median": 20.0, "p10": 19.0, "p90": 21.0}
+    grid = [
+        {"bench": "bench_ep", "kind": "time", "variant": "nvlink", "model": "qwen3-30b", "S": 128, "dispatch_us": sp,
+         "combine_us": sp, "roundtrip_us": sp, "layer_us": None, "dispatch_remote_bytes_rank0": 1000, "roundtrip_rel_err": 0.0},
+        {"bench": "bench_ep", "kind": "time", "variant": "proxy_drain", "model": "qwen3-30b", "S": 128, "error": "boom"},
+        {"bench": "bench_ep", "kind": "verify", "variant": "nvlink", "model": "qwen3-30b", "S": 128, "max_rel_err": 0.007,
+         "verify_ok": True, "verify_bound": 0.03},
+    ]
+    (tmp_path / "bench_ep_onesided.jsonl").write_text("\n".join(json.dumps(g) for g in grid))
+    (tmp_path / "proxy_async_diag.jsonl").write_text(json.dumps({"knobs": "k", "iters": 1, "error": "T\nOneSidedError: stall"}))
+    (tmp_path / "cli_bench_ep_nvlink.json").write_text(json.dumps({"dispatch_us": sp, "combine_us": sp, "max_rel_err": 0.007,
+                                                                    "verify_ok": True}))
+    r = subprocess.run([sys.executable, "bench/onesided_report.py", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "S=128 dispatch+combine ≤ 40 µs: eager best 30.0" in r.stdout and "MET" in r.stdout
+    assert "340.0 GB/s" in r.stdout and "round_robin" in r.stdout
+    assert "[MET] proxy exchange equals NCCL" in r.stdout and "[NOT MET] proxy: EPBuffer" in r.stdout
+    assert "[MET] nvlink: EPBuffer" in r.stdout and "1/1 rank×knob runs failed: OneSidedError: stall" in r.stdout
+    assert "| proxy_drain | qwen3-30b | 128 | ERROR" in r.stdout and "CLI `moetune bench ep --transport nvlink" in r.stdout
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import onesided_ep
+
+        lines = onesided_ep.summarize(ep)
+    finally:
+        sys.path.pop(0)
+    assert any("ERROR" in ln for ln in lines) and len(lines) == 4
+
+
+@pytest.fixture(scope="module")
+def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    import shutil
+
+    tmp_path = tmp_path_factory.mktemp("mtsim")
+
+    gxx = shutil.which("g++") or shutil.which("c++")
+    if gxx is None:
+        pytest.skip("no C++ compiler")
+    out = tmp_path / "libmtsim.so"
+    r = subprocess.run(
+        [gxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-DMT_HOST_SIM", "csrc/proxy_engine.cpp",
+         "csrc/sim/sim_support.cpp", "-x", "c++", "csrc/proxy_gpu.cu", "-o", str(out), "-lpthread"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    from moetune.runtime import csrc_build
+
+    lib = ctypes.CDLL(str(out))
+    for name in ("mt_proxy_create", "mt_proxy_enqueue", "mt_proxy_quiesce", "mt_proxy_stats", "mt_proxy_error",
+                 "mt_proxy_bench", "mt_proxy_destroy", "mt_last_error", "mt_proxy_reset_stats", "mt_proxy_set_batch",
+                 "mt_pxy_create", "mt_pxy_set_data", "mt_pxy_set_host_wait", "mt_pxy_counts", "mt_pxy_exchange",
+                 "mt_pxy_error", "mt_pxy_destroy", "mt_proxy_diag"):
+        res, args = csrc_build.SIGNATURES[name]
+        getattr(lib, name).restype = res
+        getattr(lib, name).argtypes = args
+    lib.mt_proxy_mark_gpu_producer_internal.argtypes = [ctypes.c_void_p]
+    lib.mtsim_set_async.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.mtsim_set_async.restype = None
+    lib.mtsim_set_alias.argtypes = [ctypes.c_int]
+    lib.mtsim_set_alias.restype = None
+    lib.mtsim_stream_create.restype = ctypes.c_void_p
+    for name in ("mtsim_stream_destroy", "mtsim_stream_sync"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+        getattr(lib, name).restype = None
+    lib.mtsim_stream_wait_word.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64, ctypes.c_double]
+    lib.mtsim_stream_wait_word.restype = None
+    lib.mt_pxy_sim_done.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.POINTER(ctypes.c_uint64)),
+                                    ctypes.POINTER(ctypes.c_uint64)]
+    return lib
+
+
+@pytest.mark.parametrize("fence_mode,qp_mapping,batch", [(1, 0, 1), (1, 1, 1), (2, 1, 1), (0, 0, 1), (2, 1, 32), (1, 0, 8)])
+def test_proxy_engine_drain_loop_in_host_simulation(
+    sim_lib: ctypes.CDLL, fence_mode: int, qp_mapping: int, batch: int
+) -> None:
+    """The real engine (FIFO, drain loop, fence modes, flow control) with host stand-ins for CUDA."""
+    from moetune.runtime.transports.proxy import F_SIGNAL, OP_PUT, OP_SIGNAL, OP_WRITE64, STAT_NAMES, Request
+
+    lib = sim_lib
+    npeers, size, per = 3, 256, 70
+    src = (ctypes.c_uint8 * (npeers * per * size))(*[(i * 7) % 251 for i in range(npeers * per * size)])
+    data = [(ctypes.c_uint8 * (per * size))() for _ in range(npeers)]
+    ctrl = [(ctypes.c_uint64 * 64)() for _ in range(npeers)]
+    sig = [(ctypes.c_uint64 * 128)() for _ in range(npeers)]
+    addr = lambda a: ctypes.addressof(a)  # noqa: E731
+    u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
+    h = ctypes.c_void_p()
+    rc = lib.mt_proxy_create(0, npeers, u64([addr(d) for d in data]), u64([addr(c) for c in ctrl]),
+                             u64([addr(s) for s in sig]), 2, qp_mapping, fence_mode, 16, ctypes.byref(h))
+    assert rc == 0, lib.mt_last_error()
+    try:
+        assert lib.mt_proxy_set_batch(h, batch) == 0
+        reqs = []
+        for p in range(npeers):
+            for t in range(per):
+                reqs.append(Request(OP_PUT, p, F_SIGNAL if t % 4 == 0 else 0, t,
+                                    addr(src) + (p * per + t) * size, t * size, size, 41, 0, 0))
+            reqs.append(Request(OP_SIGNAL, p, 0, 100, 0, 0, 0, 42, 0, 0))
+            reqs.append(Request(OP_WRITE64, p, 0, 0, 0, 8 * 5, 0, 0xABC, 0, 0))
+        arr = (Request * len(reqs))(*reqs)
+        assert lib.mt_proxy_enqueue(h, arr, len(arr), 10.0) == 0, lib.mt_last_error()  # 16-slot ring wraps
+        assert lib.mt_proxy_quiesce(h, 10.0) == 0, lib.mt_last_error()
+        for p in range(npeers):
+            assert bytes(data[p]) == bytes(src)[p * per * size : (p + 1) * per * size]
+            assert all(sig[p][t] == 41 for t in range(0, per, 4)) and sig[p][1] == 0
+            assert sig[p][100] == 42 and ctrl[p][5] == 0xABC
+        st = (ctypes.c_uint64 * len(STAT_NAMES))()
+        lib.mt_proxy_stats(h, st, len(STAT_NAMES))
+        stats = dict(zip(STAT_NAMES, list(st), strict=True))
+        nsig = npeers * (len(range(0, per, 4)) + 1)
+        assert stats["processed"] == len(reqs) and stats["puts"] == npeers * per and stats["signals"] == nsig
+        assert stats["drains"] == (nsig if fence_mode == 1 else 0)
+        if batch == 1:
+            assert stats["batches"] == 0  # (with batching, how many PUTs meet in one drain depends on timing)
+        # the microbenchmark entry point: epoch-valued signals, one time per iteration
+        out = (ctypes.c_double * 4)()
+        assert lib.mt_proxy_bench(h, arr, len(arr), 4, 1000, 10, 10.0, out) == 0, lib.mt_last_error()
+        assert all(x > 0 for x in out) and sig[0][0] == 1030 and sig[2][100] == 1030
+        # a host producer excludes GPU producers
+        assert lib.mt_proxy_mark_gpu_producer_internal(h) != 0
+        # a bad request is reported, the engine keeps draining
+        bad = (Request * 2)(Request(OP_PUT, 99, 0, 0, addr(src), 0, 1, 0, 0, 0), Request(OP_SIGNAL, 0, 0, 7, 0, 0, 0, 5, 0, 0))
+        lib.mt_proxy_enqueue(h, bad, 2, 10.0)
+        assert lib.mt_proxy_quiesce(h, 10.0) != 0
+        buf = ctypes.create_string_buffer(256)
+        assert lib.mt_proxy_error(h, buf, 256) != 0 and b"out of range" in buf.value
+    finally:
+        lib.mt_proxy_destroy(h)
+
+
+# (knob name, signalling coupled?, group_size, chunk_rows, qps, qp_mapping, fence_mode, batch, world)
+EXCHANGE_VARIANTS = [
+    ("drain-coupled-1qp", 1, 0, 0, 1, 1, 1, 1, 2),
+    ("drain-decoupled-rr2-chunk3", 0, 0, 3, 2, 0, 1, 1, 2),
+    ("ordered-decoupled-hash4-chunk4", 0, 0, 4, 4, 1, 2, 1, 2),
+    ("ordered-coupled-hash2-chunk5", 1, 0, 5, 2, 1, 2, 1, 2),
+    ("ordered-decoupled-g2-rr1-chunk2", 0, 2, 2, 1, 0, 2, 1, 2),
+    ("ordered-decoupled-hash2-batch8", 0, 0, 2, 2, 1, 2, 8, 3),
+]
+
+
+def _sim_exchange(lib: ctypes.CDLL, variant: tuple, *, async_delay_us: int = -1, timeout_s: float = 5.0,
+                  iters: int = 40, skew: bool = False) -> tuple[list[str], list[int], bytes]:
+    """Run counts + exchange `iters` times on one CPU thread per rank (csrc/proxy_xchg.h, the code the
+    kernels run) against real proxy engines; async_delay_us >= 0: asynchronous simulated streams, every
+    copy delayed that long. Returns (failures, engine 0's stats, engine 0's diagnostic line)."""
+    import threading
+
+    import numpy as np
+
+    _name, coupled, group, chunk, qps, mapping, fence, batch, world = variant
+    max_rows, row_bytes = 24, 48
+    ctrl_bytes = 8 * 8 * 1024 + 8 * 2 * 8 + 8 * 2 * 8 * 8  # MT_CTRL_BYTES
+    per_parity = world * max_rows * row_bytes
+    ctrl = [np.zeros(ctrl_bytes // 8, dtype=np.uint64) for _ in range(world)]
+    data = [np.zeros(2 * per_parity, dtype=np.uint8) for _ in range(world)]
+    u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
+    cptr = [c.ctypes.data for c in ctrl]
+    dptr = [d.ctypes.data for d in data]
+    engines, ctxs = [], []
+    lib.mtsim_set_async(1 if async_delay_us >= 0 else 0, max(0, async_delay_us))
+    try:
+        for r in range(world):
+            h = ctypes.c_void_p()
+            rc = lib.mt_proxy_create(0, world, u64(dptr), u64(cptr), u64([c + 8 * r * 1024 for c in cptr]), qps,
+                                     mapping, fence, 32, ctypes.byref(h))
+            assert rc == 0, lib.mt_last_error()
+            engines.append(h)
+            assert lib.mt_proxy_set_batch(h, batch) == 0
+            x = ctypes.c_void_p()
+            assert lib.mt_pxy_create(h, 0, r, world, cptr[r], timeout_s, ctypes.byref(x)) == 0, lib.mt_last_error()
+            assert lib.mt_pxy_set_data(x, per_parity) == 0
+            ctxs.append(x)
+        rng = np.random.default_rng(7)
+        counts = rng.integers(0, max_rows // world + 1, size=(iters, world, world))  # [it, src, dst]
+        counts[::5, :, 0] = 0
+        if skew:  # rank 0 sends the most rows, the others one: they finish their own sends long before rank 0's land
+            counts[:, 0, :] = max_rows // world
+            counts[:, 1:, :] = 1
+        sends = [[rng.integers(0, 255, size=(int(counts[it, r].sum()), row_bytes), dtype=np.uint8)
+                  for r in range(world)] for it in range(iters)]
+        failures: list[str] = []
+
+        def rank_main(r: int) -> None:
+            err = (ctypes.c_int * 16)()
+            recv = np.zeros(world, dtype=np.int64)
+            try:
+                for it in range(iters):
+                    epoch = it + 1
+                    sc = np.ascontiguousarray(counts[it, r], dtype=np.int64)
+                    rc = lib.mt_pxy_counts(ctxs[r], sc.ctypes.data, recv.ctypes.data, epoch, 0)
+                    assert rc == 0, f"counts rc {rc}: {lib.mt_last_error()}"
+                    assert recv.tolist() == counts[it, :, r].tolist(), f"it {it}: counts {recv} != {counts[it, :, r]}"
+                    send = sends[it][r]
+                    rcv = recv.copy()
+                    rc = lib.mt_pxy_exchange(ctxs[r], send.ctypes.data, row_bytes, sc.ctypes.data, rcv.ctypes.data,
+                                             coupled, group, chunk, epoch, 0)
+                    assert rc == 0, f"exchange rc {rc}: {lib.mt_last_error()}"
+                    lib.mt_pxy_error(ctxs[r], err)
+                    assert err[0] == 0, f"it {it}: error record {list(err)[:8]}"
+                    par = epoch & 1
+                    out = data[r][par * per_parity : (par + 1) * per_parity].reshape(-1, row_bytes)
+                    want = np.concatenate([
+                        sends[it][s][int(counts[it, s, :r].sum()) : int(counts[it, s, : r + 1].sum())] for s in range(world)
+                    ])
+                    assert np.array_equal(out[: len(want)], want), f"it {it}: rank {r} received wrong rows"
+                    out[: len(want)] = 0xEE  # poison what was read: nobody writes this area before our call it+2
+            except BaseException as e:
+                failures.append(f"rank {r}: {e}")
+
+        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        st = (ctypes.c_uint64 * 10)()
+        lib.mt_proxy_stats(engines[0], st, 10)
+        buf = ctypes.create_string_buffer(512)
+        lib.mt_proxy_diag(engines[0], buf, 512)
+        return failures, list(st), buf.value
+    finally:
+        for x in ctxs:
+            lib.mt_pxy_destroy(x)
+        for h in engines:
+            lib.mt_proxy_destroy(h)
+        lib.mtsim_set_async(0, 0)
+
+
+@pytest.mark.parametrize("variant", EXCHANGE_VARIANTS, ids=[v[0] for v in EXCHANGE_VARIANTS])
+def test_proxy_exchange_many_iterations_in_host_simulation(sim_lib: ctypes.CDLL, variant: tuple) -> None:
+    """counts + exchange, 40 calls without barriers, random counts (zeros included), a 32-slot FIFO
+    (wraps, flow control), outputs poisoned after being checked: every epoch delivers exactly what the
+    senders sent, with no error and no timeout."""
+    failures, st, diag = _sim_exchange(sim_lib, variant)
+    assert not failures, failures
+    assert st[7] == 40  # one ACK per exchange
+    assert diag.startswith(b"thread idle at slot ") and b"acks 40" in diag, diag
+
+
+@pytest.mark.parametrize("variant", EXCHANGE_VARIANTS[:5], ids=[v[0] for v in EXCHANGE_VARIANTS[:5]])
+def test_proxy_exchange_with_asynchronous_streams_in_host_simulation(sim_lib: ctypes.CDLL, variant: tuple) -> None:
+    """The same with asynchronous simulated streams (each QP stream a thread running its operations in
+    order, every copy 150 µs late): the safe fence modes still deliver every row before its signal."""
+    failures, st, _ = _sim_exchange(sim_lib, variant, async_delay_us=150, iters=20)
+    assert not failures, failures
+    assert st[7] == 20
+
+
+def test_round_robin_nic_ordered_race_shows_with_asynchronous_streams(sim_lib: ctypes.CDLL) -> None:
+    """What Knobs refuses: round_robin + nic_ordered with 2 QPs puts a signal on another stream than its
+    data, so a receiver can see the signal first and read stale rows. Same settings with peer_hash: clean."""
+    unsafe = ("rr-nic-ordered-2qp", 1, 0, 2, 2, 0, 2, 1, 2)  # coupled: each signal on the stream after its PUT's
+    failures, _, _ = _sim_exchange(sim_lib, unsafe, async_delay_us=300, iters=10, timeout_s=1.0, skew=True)
+    assert any("received wrong rows" in f for f in failures), failures
+    safe = ("hash-nic-ordered-2qp", 1, 0, 2, 2, 1, 2, 1, 2)
+    failures, _, _ = _sim_exchange(sim_lib, safe, async_delay_us=300, iters=10, timeout_s=1.0, skew=True)
+    assert not failures, failures
+
+
+
+
+def test_registry_resolves_the_onesided_transports() -> None:
+    from moetune.runtime.transports.nvlink import NvlinkTransport
+    from moetune.runtime.transports.proxy import ProxyTransport
+    from moetune.runtime.transports.registry import available_transports, get_transport
+
+    assert get_transport("nvlink") is NvlinkTransport and get_transport("proxy") is ProxyTransport
+    av = available_transports("cpu")
+    for name in ("nvlink", "proxy"):
+        assert name in av and isinstance(av[name].reason, str) and av[name].reason
+    import torch
+
+    if not torch.cuda.is_available():
+        assert not av["nvlink"].ok and not av["proxy"].ok
+
+
+def test_epbuffer_reserves_the_receive_buffer_of_onesided_transports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EPBuffer calls reserve(max_tokens, row_bytes) once on a transport that has it, and its packed
+    rows go through exchange() with counts per rank, returning a padded capacity view (as nvlink/proxy do)."""
+    import torch
+
+    from moetune.runtime import buffer as B
+    from moetune.runtime.knobs import default_knobs
+    from moetune.runtime.shapes import get_model
+    from moetune.runtime.transports.base import Availability, EPTransport
+
+    calls: list[tuple] = []
+
+    class FakeOneSided(EPTransport):
+        name = "nvlink"
+
+        @classmethod
+        def availability(cls, device=None) -> Availability:
+            return Availability(True, "fake")
+
+        def reserve(self, max_send_rows: int, row_bytes: int) -> None:
+            calls.append(("reserve", max_send_rows, row_bytes))
+            self.cap = max_send_rows * self.world * row_bytes
+
+        def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+            return send_counts.clone()
+
+        def exchange(self, send, send_counts, recv_counts):
+            rows = send.shape[0]
+            assert send_counts.tolist() == [rows] and recv_counts.tolist() == [rows]
+            assert rows * send[:1].numel() * send.element_size() <= self.cap
+            calls.append(("exchange", rows))
+            pad = torch.full((rows + 5, *send.shape[1:]), 7, dtype=send.dtype)  # capacity rows past the data
+            pad[:rows] = send
+            return pad
+
+    monkeypatch.setattr(B, "get_transport", lambda name: FakeOneSided)
+    m = get_model("qwen3-30b")
+    buf = B.EPBuffer(None, default_knobs("nvlink"), model=m, max_tokens=16, device="cpu", dtype=torch.float32)
+    assert calls == [("reserve", 16, buf.row_bytes)]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, m.hidden, generator=g)
+    idx = torch.rand(12, m.experts, generator=g).topk(m.topk, dim=1).indices
+    w = torch.rand(12, m.topk, generator=g)
+    recv_x, _meta, handle = buf.dispatch(x, idx, w)
+    out = buf.combine(recv_x.contiguous(), handle)
+    assert torch.equal(out, x)  # world 1: every token comes back once
+    assert [c[0] for c in calls].count("reserve") == 1 and [c[0] for c in calls].count("exchange") == 3
+
+
+def test_bench_ep_grid_script_runs_on_cpu(tmp_path: Path) -> None:
+    """bench/onesided_bench_ep.py (the GPU script's `moetune bench ep` grid) end to end on gloo: collective and
+    plain on a tiny shape, one verify case; every row carries a checked round trip or an error."""
+    import json
+
+    r = subprocess.run([sys.executable, "bench/onesided_bench_ep.py", "--cpu", "--variants", "collective,plain",
+                        "--tokens", "16", "--iters", "2", "--warmup", "1", "--models", "qwen3-30b", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(ln) for ln in (tmp_path / "bench_ep_onesided.jsonl").read_text().splitlines() if ln.strip()]
+    assert {(x["kind"], x["variant"]) for x in rows} == {("time", "collective"), ("time", "plain"), ("verify", "collective")}
+    assert all("error" not in x and x["roundtrip_ok"] for x in rows)
+    assert next(x for x in rows if x["kind"] == "verify")["verify_ok"] is True
+    assert "verify collective" in r.stdout
+
+
+def test_proxy_exchange_alone_times_out_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """A rank whose peer never comes: its call returns (bounded) with a count-word timeout in the error
+    record, instead of hanging; the proxy thread is idle (it consumed everything it was given)."""
+    import time
+
+    import numpy as np
+
+    lib = sim_lib
+    world = 2
+    ctrl = [np.zeros(8 * 1024 + 2 * 8 + 2 * 64, dtype=np.uint64) for _ in range(world)]
+    data = [np.zeros(4096, dtype=np.uint8) for _ in range(world)]
+    u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
+    cptr = [c.ctypes.data for c in ctrl]
+    h, x = ctypes.c_void_p(), ctypes.c_void_p()
+    assert lib.mt_proxy_create(0, world, u64([d.ctypes.data for d in data]), u64(cptr), u64(cptr), 1, 1, 1, 64,
+                               ctypes.byref(h)) == 0
+    try:
+        assert lib.mt_pxy_create(h, 0, 0, world, cptr[0], 0.3, ctypes.byref(x)) == 0
+        sc = np.ones(world, dtype=np.int64)
+        rc = np.zeros(world, dtype=np.int64)
+        t0 = time.monotonic()
+        assert lib.mt_pxy_counts(x, sc.ctypes.data, rc.ctypes.data, 1, 0) == 0, lib.mt_last_error()
+        assert time.monotonic() - t0 < 10
+        err = (ctypes.c_int * 16)()
+        lib.mt_pxy_error(x, err)
+        assert err[0] == 1 and err[2] == 1  # count-word timeout, peer 1
+        buf = ctypes.create_string_buffer(512)
+        lib.mt_proxy_diag(h, buf, 512)
+        assert b"idle at slot 2" in buf.value and b"words 2" in buf.value, buf.value
+    finally:
+        if x:
+            lib.mt_pxy_destroy(x)
+        lib.mt_proxy_destroy(h)
+
+
+def _alias_run(lib: ctypes.CDLL, host_wait: int, iters: int = 8) -> list[str]:
+    """Two ranks, asynchronous "kernels", every stream of the process (QP streams and each rank's compute
+    stream) aliased onto ONE simulated hardware queue; after each launch the caller queues work behind the
+    kernel on its compute stream (as the GPU tests do: an event for NCCL, a copy to the host), then waits
+    for it. Returns the failures seen."""
+    import threading
+
+    import numpy as np
+
+    world, max_rows, row_bytes = 2, 16, 32
+    per_parity = world * max_rows * row_bytes
+    ctrl = [np.zeros(8 * 1024 + 2 * 8 + 2 * 64, dtype=np.uint64) for _ in range(world)]
+    data = [np.zeros(2 * per_parity, dtype=np.uint8) for _ in range(world)]
+    u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
+    cptr = [c.ctypes.data for c in ctrl]
+    lib.mtsim_set_async(1, 0)
+    lib.mtsim_set_alias(1)
+    engines, ctxs, comp = [], [], []
+    failures: list[str] = []
+    try:
+        for r in range(world):
+            h, x = ctypes.c_void_p(), ctypes.c_void_p()
+            assert lib.mt_proxy_create(0, world, u64([d.ctypes.data for d in data]), u64(cptr),
+                                       u64([c + 8 * r * 1024 for c in cptr]), 1, 1, 2, 64, ctypes.byref(h)) == 0
+            engines.append(h)
+            assert lib.mt_pxy_create(h, 0, r, world, cptr[r], 1.0, ctypes.byref(x)) == 0
+            assert lib.mt_pxy_set_data(x, per_parity) == 0
+            lib.mt_pxy_set_host_wait(x, host_wait)
+            ctxs.append(x)
+            comp.append(lib.mtsim_stream_create())
+
+        def queue_behind_kernel(r: int) -> None:
+            word, n = ctypes.POINTER(ctypes.c_uint64)(), ctypes.c_uint64()
+            lib.mt_pxy_sim_done(ctxs[r], ctypes.byref(word), ctypes.byref(n))
+            lib.mtsim_stream_wait_word(comp[r], word, n.value, 5.0)
+            lib.mtsim_stream_sync(comp[r])
+
+        def rank_main(r: int) -> None:
+            err = (ctypes.c_int * 16)()
+            recv = np.zeros(world, dtype=np.int64)
+            sc = np.full(world, 3, dtype=np.int64)
+            send = np.full((3 * world, row_bytes), 10 + r, dtype=np.uint8)
+            for it in range(iters):
+                assert lib.mt_pxy_counts(ctxs[r], sc.ctypes.data, recv.ctypes.data, it + 1, 0) == 0
+                queue_behind_kernel(r)
+                assert lib.mt_pxy_exchange(ctxs[r], send.ctypes.data, row_bytes, sc.ctypes.data, None, 0, 0, 0,
+                                           it + 1, 0) == 0
+                queue_behind_kernel(r)
+                lib.mt_pxy_error(ctxs[r], err)
+                if err[0] != 0:
+                    failures.append(f"rank {r} call {it + 1}: error record {list(err)[:8]}")
+                    return
+
+        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        return failures
+    finally:
+        for x in ctxs:
+            lib.mt_pxy_destroy(x)
+        for h in engines:
+            lib.mt_proxy_destroy(h)
+        for s in comp:
+            lib.mtsim_stream_destroy(s)
+        lib.mtsim_set_alias(0)
+        lib.mtsim_set_async(0, 0)
+
+
+def test_host_completed_calls_survive_hardware_queue_aliasing_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """A model of run 1's proxy failure and of its fix. Asynchronous calls (run 1): work the caller queues
+    behind the spinning kernel shares a hardware queue with the proxy's QP stream, the proxy's stream writes
+    wait behind it, and the kernel times out. Host-completed calls (now): nothing is queued behind a running
+    kernel, every call completes."""
+    assert _alias_run(sim_lib, host_wait=1) == []
+    failures = _alias_run(sim_lib, host_wait=0)
+    assert failures and all("error record" in f for f in failures), failures

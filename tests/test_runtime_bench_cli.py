@@ -25,6 +25,7 @@ def test_bench_ep_world2_gloo_verify_json() -> None:
     assert rep["world"] == 2 and rep["backend"] == "gloo" and rep["tokens"] == 32
     assert rep["max_rel_err"] is not None and rep["max_rel_err"] < 3e-2 and rep["verify_ok"]
     assert rep["knobs"]["transport"] == "collective"
+    assert rep["layout"] == "dense"  # small sends: the buffer picks the dense layout by itself
     assert rep["roundtrip_rel_err"] <= rep["roundtrip_bound"]
 
 
@@ -32,11 +33,12 @@ def test_bench_ep_world2_gloo_verify_json() -> None:
 def test_bench_ep_fp8_pipelined_zipf_and_plain_baseline() -> None:
     res = runner.invoke(app, ["bench", "ep", "--world", "2", "--model", "custom:128,64,8,2,float32", "--tokens", "24",
                               "--iters", "2", "--warmup", "1", "--knobs", "compression=fp8_e4m3,pipeline_depth=2",
-                              "--routing", "zipf:1.2", "--verify", "--json", "--timeout", "30"])
+                              "--routing", "zipf:1.2", "--layout", "packed", "--verify", "--json", "--timeout", "30"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout.strip().splitlines()[-1])
     assert rep["knobs"]["compression"] == "fp8_e4m3" and rep["knobs"]["pipeline_depth"] == 2
     assert 0 < rep["max_rel_err"] <= rep["verify_bound"]
+    assert rep["layout"] == "packed"
     res = runner.invoke(app, ["bench", "ep", "--world", "2", "--model", "custom:128,64,8,2,float32", "--tokens", "24",
                               "--iters", "2", "--warmup", "0", "--impl", "plain", "--json", "--timeout", "30"])
     assert res.exit_code == 0, res.output
@@ -54,6 +56,7 @@ def test_bench_ep_fp8_pipelined_zipf_and_plain_baseline() -> None:
         (["--routing", "gauss"], "unknown routing"),
         (["--world", "3", "--model", "custom:64,32,8,2"], "cannot be split"),
         (["--backend", "mpi"], "--backend"),
+        (["--layout", "sparse"], "--layout"),
         (["--backend", "nccl"], "nccl"),
     ],
 )

@@ -25,6 +25,9 @@ def _check(results: list[list[dict]], bound: float = FP32_BOUND) -> None:
             assert r["shape_ok"], (rank, r["cfg"])
             assert r["err"] < bound, (rank, r["cfg"], r["err"])
             assert r["rows"] == r["expected_rows"], (rank, r["cfg"], r["rows"], r["expected_rows"])
+            assert r["pairs"] == r["expected_pairs"], (rank, r["cfg"], r["pairs"], r["expected_pairs"])
+            if "dense" in r["cfg"] and r["cfg"]["dense"] is not None:
+                assert r["dense"] == r["cfg"]["dense"]
             if r["cfg"].get("compression", "none") == "none":
                 assert r["roundtrip_err"] < FP32_BOUND, (rank, r["cfg"], r["roundtrip_err"])
 
@@ -44,17 +47,26 @@ def test_two_ranks_matches_dense_reference_all_cases() -> None:
         {"model": "custom:64,32,16,8,float32", "tokens": 1, "seed": 5, "depth": 4},  # fewer tokens than chunks
         {"model": SMALL, "tokens": [17, 40], "routing": "zipf:1.5", "seed": 6, "depth": 2},
     ]
+    # both layouts: packed (counts first, only routed rows travel) and dense (all-gather / reduce-scatter)
+    configs = [dict(c, dense=d) for d in (False, True) for c in configs]
     res = launch(runtime_cases.case_equivalence, 2, args=(configs,), timeout_s=20, join_timeout_s=55)
     _check(res)
     # rank 1 and half of the experts got nothing in the rank0 case
     assert res[1][2]["rows"] == 0 and res[1][2]["pairs"] == 0
     assert res[0][2]["rows"] > 0
+    n = len(configs) // 2
+    assert res[1][n + 2]["pairs"] == 0 and res[1][n + 2]["rows"] == 2 * 64  # dense: empty slots arrive
+    # the layouts agree with each other, not only with the reference
+    for rank_rows in res:
+        for a, b in zip(rank_rows[:n], rank_rows[n:], strict=True):
+            assert torch.allclose(a["out"], b["out"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(60)
 def test_pipeline_depths_give_equal_results() -> None:
     base = {"model": "custom:64,32,16,4,float32", "tokens": [37, 29], "routing": "zipf:1.5", "seed": 7}
-    configs = [dict(base, depth=d) for d in (1, 2, 4)] + [dict(base, depth=4, channels=2)]
+    configs = [dict(base, depth=d, dense=dense) for dense in (False, True) for d in (1, 2, 4)]
+    configs += [dict(base, depth=4, channels=2, dense=True), dict(base, depth=3, channels=2, dense=False)]
     res = launch(runtime_cases.case_equivalence, 2, args=(configs,), timeout_s=20, join_timeout_s=55)
     _check(res)
     for rank_rows in res:
@@ -68,7 +80,9 @@ def test_four_ranks_matches_dense_reference() -> None:
     configs = [
         {"model": "custom:64,32,16,4,float32", "tokens": 30, "routing": "zipf:1.5", "seed": 8, "depth": 2},
         {"model": "custom:64,32,16,8,float32", "tokens": [5, 0, 1, 12], "seed": 9},
-        {"model": "custom:64,32,16,1,float32", "tokens": 16, "routing": "rank0:4", "seed": 10},
+        {"model": "custom:64,32,16,1,float32", "tokens": 16, "routing": "rank0:4", "seed": 10, "dense": False},
+        {"model": "custom:64,32,16,8,float32", "tokens": [5, 0, 1, 12], "seed": 9, "dense": True, "depth": 2},
+        {"model": "custom:64,32,16,4,float32", "tokens": 30, "routing": "zipf:1.5", "seed": 8, "dense": False},
     ]
     res = launch(runtime_cases.case_equivalence, 4, args=(configs,), timeout_s=30, join_timeout_s=75)
     _check(res)
@@ -81,6 +95,10 @@ def test_fp8_dispatch_within_documented_bound() -> None:
         {"model": "custom:128,64,8,4,float32", "tokens": 64, "compression": "fp8_e4m3", "seed": 11},
         {"model": "custom:128,64,8,4,float32", "tokens": 64, "compression": "fp8_e4m3", "seed": 12,
          "routing": "zipf:1.5", "depth": 2},
+        {"model": "custom:128,64,8,4,float32", "tokens": [64, 40], "compression": "fp8_e4m3", "seed": 13,
+         "routing": "zipf:1.5", "depth": 2, "dense": True},
+        {"model": "custom:128,64,8,4,float32", "tokens": 64, "compression": "fp8_e4m3", "seed": 14,
+         "dense": False},
     ]
     res = launch(runtime_cases.case_equivalence, 2, args=(configs,), timeout_s=20, join_timeout_s=55)
     _check(res, FP8_LAYER_REL_ERR_BOUND)

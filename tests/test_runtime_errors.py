@@ -27,11 +27,12 @@ EXPECT = {
 
 
 @pytest.mark.timeout(90)
-def test_bad_input_on_one_rank_is_an_error_on_every_rank() -> None:
+@pytest.mark.parametrize("dense", [False, True])
+def test_bad_input_on_one_rank_is_an_error_on_every_rank(dense: bool) -> None:
     kinds = list(runtime_cases.BAD_INPUTS)
     t0 = time.monotonic()
     # A short process-group timeout: should anything hang, the collective raises instead of blocking.
-    res = launch(runtime_cases.case_errors, 2, args=(kinds, 1), timeout_s=10, join_timeout_s=80)
+    res = launch(runtime_cases.case_errors, 2, args=(kinds, 1, dense), timeout_s=10, join_timeout_s=80)
     assert time.monotonic() - t0 < 80
     for rank, msgs in enumerate(res):
         for kind in kinds:

@@ -114,3 +114,47 @@ def test_fp8_bf16_never_overflows_e4m3() -> None:
     big = xf.abs() > xf.abs().amax(1, keepdim=True) / 64
     assert (((y - xf).abs() / xf.abs().clamp_min(1e-30))[big]).max() <= 2**-4 + 2**-7
     assert torch.equal(y[0], torch.zeros(256))
+
+
+def test_quantise_into_matches_quantise_in_strided_rows() -> None:
+    from moetune.runtime.fp8 import quantise_into
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for gran in ("per_token", "per_128"):
+            x = (torch.randn(7, 256) * torch.logspace(-3, 3, 7).unsqueeze(1)).to(dtype)
+            q, sc = quantise(x, gran)
+            rows = torch.zeros(7, 256 + 64, dtype=torch.uint8)  # wire-like rows: payload then scales
+            g = sc.shape[1]
+            quantise_into(x, rows[:, :256], rows[:, 256 : 256 + 4 * g].view(torch.float32), gran)
+            assert torch.equal(rows[:, :256], q)
+            assert torch.allclose(rows[:, 256 : 256 + 4 * g].view(torch.float32), sc, rtol=1e-6, atol=0)
+
+
+def test_dense_layout_choice() -> None:
+    from moetune.runtime.buffer import DENSE_AUTO_MAX_WASTE, hit_probability
+
+    # 2 ranks, top-8 of 128: a token misses a rank with probability ~0.4 %
+    assert 1 - hit_probability(128, 8, 2) < 0.005
+    assert abs(hit_probability(8, 1, 2) - 0.5) < 1e-12
+    assert 1 - hit_probability(256, 8, 8) > DENSE_AUTO_MAX_WASTE  # 8 ranks: packed saves a third of the bytes
+    model = get_model("custom:64,32,8,2,float32")
+    assert EPBuffer(knobs=Knobs(), model=model, max_tokens=16, dense=True).dense
+    assert not EPBuffer(knobs=Knobs(), model=model, max_tokens=16, dense=False).dense
+    with pytest.raises(ValueError, match="dense=True needs a collective"):
+        EPBuffer(knobs=Knobs(transport="nvlink", signalling="coupled"), model=model, max_tokens=16, dense=True)
+
+
+def test_dense_single_rank_round_trip_and_lazy_counts() -> None:
+    model = get_model("custom:64,32,8,2,float32")
+    buf = EPBuffer(knobs=Knobs(pipeline_depth=2), model=model, max_tokens=16, dense=True)
+    for s in (16, 5, 0, 9):  # a smaller dispatch after a larger one must not see stale expert ids
+        x = torch.randn(s, 64)
+        idx, w = generate_routing(s, 8, 2, seed=s)
+        recv_x, meta, handle = buf.dispatch(x, idx, w)
+        assert recv_x.shape == (16, 64)
+        assert meta.tokens_per_expert == torch.bincount(idx.reshape(-1), minlength=8).tolist()
+        out = buf.combine((recv_x * meta.weights.sum(1, keepdim=True)).contiguous(), handle)
+        assert out.shape == (s, 64)
+        assert torch.allclose(out, x * w.sum(1, keepdim=True), atol=1e-6)
+        again = buf.combine(torch.zeros_like(recv_x), handle)  # a second combine must not alias the first result
+        assert torch.allclose(out, x * w.sum(1, keepdim=True), atol=1e-6) and not again.any()

@@ -5,22 +5,28 @@ implementations, as Optuna's samplers subclass `BaseSampler`:
 
 - `ModelBackend`: the fabric model (`moetune.tuner.fabric_model.predict`) on a preset, or any
   predictor callable (tests inject synthetic objectives). Every number it gives is modelled.
-- `LocalBackend`: the real runtime on this node, `moetune bench ep --json` in a subprocess (its own
-  process group) so that environment-level knobs (NCCL_*, NVSHMEM_*) take effect; a timeout per run
-  (a hung run is killed with its whole group and recorded as failed), repeats, median and spread.
+- `LocalBackend`: the real runtime on this node, in its own process group so that environment-level knobs
+  (NCCL_*, NVSHMEM_*) take effect: by default a persistent bench worker per environment
+  (`moetune.tuner.bench_worker`: the ranks stay up across trials), or `moetune bench ep --json` in a fresh
+  subprocess per run (`persistent=False`); a timeout per run (a hung run is killed with its whole group
+  and recorded as failed; a fresh worker serves the next run), repeats, median and spread.
 - `CallableBackend`: any `f(knobs, workload) -> float` (synthetic objectives, tests).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
+import queue
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -380,18 +386,156 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+class _WorkerDied(RuntimeError):
+    pass
+
+
+class _WorkerTimeout(RuntimeError):
+    pass
+
+
+class BenchWorker:
+    """One persistent bench worker process (`python -m moetune.tuner.bench_worker`) in its own process
+    group, with a bounded wait on every answer. Its stdout lines and stderr tail are read by threads."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str]):
+        self.argv = list(argv)
+        self.proc = subprocess.Popen(self.argv, env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.ready = False
+        self.next_id = 0
+        self.started = time.monotonic()
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr_tail.append, False),
+                         daemon=True).start()
+
+    @staticmethod
+    def _pump(stream: Any, sink: Callable[[Any], None], eof_marker: bool) -> None:
+        try:
+            for line in stream:
+                sink(line.rstrip("\n"))
+        except (ValueError, OSError):
+            pass
+        finally:
+            if eof_marker:
+                sink(None)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _next(self, deadline: float) -> dict[str, Any]:
+        """The next protocol line; _WorkerTimeout at the deadline, _WorkerDied at EOF or garbled output."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _WorkerTimeout()
+            try:
+                line = self.lines.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if line is None:
+                raise _WorkerDied()
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                obj = None
+            if not isinstance(obj, dict):
+                raise _WorkerDied(f"garbled worker output (no JSON object): {line[:200]!r}")
+            return obj
+
+    def start(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready:
+            if self._next(deadline).get("ready"):
+                self.ready = True
+
+    def request(self, case: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        self.next_id += 1
+        cid = self.next_id
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({**case, "id": cid}) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            raise _WorkerDied() from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            obj = self._next(deadline)
+            if obj.get("id") == cid:
+                return obj
+
+    def exit_status(self, wait_s: float = 10.0) -> int | None:
+        try:
+            return self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def error_tail(self) -> str:
+        time.sleep(0.05)  # let the stderr reader catch up
+        return " | ".join([ln for ln in self.stderr_tail if ln.strip()][-3:])
+
+    def kill(self) -> None:
+        _kill_group(self.proc)
+        self.exit_status(10)
+        self._close_pipes()
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """EOF on stdin ends the worker cleanly; the group is killed if it does not end within wait_s."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+        if self.exit_status(wait_s) is None:
+            _kill_group(self.proc)
+            self.exit_status(10)
+        else:
+            try:  # stragglers of the group (the ranks' helpers), if any
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        for s in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                if s is not None:
+                    s.close()
+            except (OSError, ValueError):
+                pass
+
+
+def _close_workers(workers: dict[Any, BenchWorker]) -> None:
+    for w in list(workers.values()):
+        try:
+            w.close(wait_s=5)
+        except Exception:
+            pass
+    workers.clear()
+
+
 class LocalBackend(BenchmarkBackend):
-    """The real runtime: `moetune bench ep ... --json` per repeat, each in a subprocess with a timeout.
+    """The real runtime: one bench run per repeat, with a timeout, in its own process group.
 
     `metric`: which figure of the bench result is minimised: "layer" (the whole layer, so pipelining
     that overlaps communication with expert compute counts), or "comm" (dispatch + combine).
-    `command`: the argv prefix to run instead of `moetune bench ep` (tests point it at fakes).
+    `persistent`: keep the ranks up across runs: one bench worker (`moetune.tuner.bench_worker`) per
+    distinct environment (`knob_environment`), started lazily; a run that times out or kills its
+    worker is recorded failed and the next run starts a fresh worker. Default: persistent unless
+    `command` or `extra_args` are given. `close()` ends the workers (also at exit).
+    `command`: the argv prefix to run instead of `moetune bench ep` per run (tests point it at fakes;
+    implies `persistent=False`).
     """
 
     def __init__(self, *, world: int = 2, comm_backend: str = "nccl", repeats: int = 3, timeout_s: float = 120.0,
                  metric: str = "layer", family: str | None = None, command: Sequence[str] | None = None,
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, verify_compression: bool = True,
-                 error_budget: float | None = None):
+                 error_budget: float | None = None, iters: int | None = None, persistent: bool | None = None,
+                 worker_command: Sequence[str] | None = None):
         if repeats < 1:
             raise ValueError("repeats must be >= 1")
         if metric not in ("layer", "comm"):
@@ -408,8 +552,31 @@ class LocalBackend(BenchmarkBackend):
         self.env = dict(env) if env is not None else None
         self.verify_compression = verify_compression
         self.error_budget = error_budget
+        self.iters = iters  # timed iterations inside each repeat (None: the bench's default)
         self.name = f"local:{comm_backend}"
         self._runtime_has: dict[str, bool] = {}
+        if persistent is None:
+            persistent = not command and not extra_args
+        elif persistent and extra_args:
+            raise ValueError("extra_args apply to the subprocess-per-run mode only (persistent=False)")
+        self.persistent = persistent
+        self.worker_command = list(worker_command) if worker_command else [sys.executable, "-m",
+                                                                           "moetune.tuner.bench_worker"]
+        self.collective_timeout_s = 60.0  # what `moetune bench ep --timeout` defaults to
+        self._workers: dict[tuple[tuple[str, str], ...], BenchWorker] = {}
+        self._lock = threading.Lock()  # one run at a time per worker set (studies may run trials in threads)
+        self._finalizer = weakref.finalize(self, _close_workers, self._workers)
+
+    def close(self) -> None:
+        """End the persistent workers (a later run starts fresh ones)."""
+        with self._lock:
+            _close_workers(self._workers)
+
+    def __enter__(self) -> LocalBackend:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def runtime_has(self, transport: str) -> bool:
         """Whether the runtime registers `transport` (True when the registry cannot be read)."""
@@ -439,7 +606,26 @@ class LocalBackend(BenchmarkBackend):
                 "--routing", workload.routing, "--knobs", knobs_arg(rk), "--json"]
         if self.verify_compression and knobs.compression != "none":
             argv.append("--verify")
+        elif self.metric == "comm":
+            argv.append("--no-layer")  # dispatch + combine only: no expert weights to build
+        if self.iters is not None:
+            argv += ["--iters", str(self.iters), "--warmup", str(max(1, self.iters // 4))]
         return argv + self.extra_args
+
+    def case(self, knobs: Knobs, workload: TuneWorkload) -> dict[str, Any]:
+        """The bench worker's case for one run (the same run `argv` describes)."""
+        rk = self.runtime_knobs(knobs)
+        verify = bool(self.verify_compression and knobs.compression != "none")
+        case: dict[str, Any] = {"model": model_spec(workload.model), "tokens": workload.tokens,
+                                "routing": workload.routing, "knobs": rk.to_dict(), "verify": verify,
+                                "layer": verify or self.metric != "comm"}
+        if self.iters is not None:
+            case.update(iters=self.iters, warmup=max(1, self.iters // 4))
+        return case
+
+    def worker_argv(self) -> list[str]:
+        return [*self.worker_command, "--world", str(self.world), "--backend", self.comm_backend,
+                "--timeout", f"{self.collective_timeout_s:g}"]
 
     def environment(self, knobs: Knobs) -> dict[str, str]:
         env = dict(os.environ if self.env is None else self.env)
@@ -460,17 +646,59 @@ class LocalBackend(BenchmarkBackend):
             raise ValueError("bench result has neither layer_us nor dispatch_us + combine_us")
         return d + c
 
+    def _run_persistent(self, knobs: Knobs, workload: TuneWorkload) -> tuple[dict[str, Any] | None, float, str | None]:
+        """One run through this environment's worker: (result, seconds, error)."""
+        key = tuple(sorted(knob_environment(knobs, self.family or knobs.transport).items()))
+        w = self._workers.get(key)
+        if w is not None and not w.alive():
+            w.kill()
+            del self._workers[key]
+            w = None
+        if w is None:
+            w = self._workers[key] = BenchWorker(self.worker_argv(), self.environment(knobs))
+        t0 = time.monotonic()
+        phase = "starting the bench worker"
+        try:
+            if not w.ready:
+                w.start(self.timeout_s)
+            t0, phase = time.monotonic(), ""
+            res = w.request(self.case(knobs, workload), self.timeout_s)
+        except _WorkerTimeout:
+            w.kill()
+            self._workers.pop(key, None)
+            what = f" {phase}" if phase else ""
+            return None, time.monotonic() - t0, f"timed out after {self.timeout_s:g} s{what} (process group killed)"
+        except _WorkerDied as e:
+            rc = w.exit_status(2.0 if e.args else 10.0)
+            tail = w.error_tail()
+            w.kill()
+            self._workers.pop(key, None)
+            if e.args:  # garbled output from a live worker
+                return None, time.monotonic() - t0, str(e.args[0])
+            return None, time.monotonic() - t0, f"exit status {rc}: {tail[:400]}"
+        secs = time.monotonic() - t0
+        if "error" in res:
+            return None, secs, f"bench error: {res['error']}"[:600]
+        return res, secs, None
+
     def run_once(self, knobs: Knobs, workload: TuneWorkload) -> tuple[float | None, dict[str, Any], str | None]:
-        rc, out, err, secs = run_in_group(self.argv(knobs, workload), env=self.environment(knobs),
-                                          timeout_s=self.timeout_s)
-        if rc is None:
-            return None, {"seconds": secs}, f"timed out after {self.timeout_s:g} s (process group killed)"
-        if rc != 0:
-            tail = " | ".join((err or out).strip().splitlines()[-3:])
-            return None, {"seconds": secs}, f"exit status {rc}: {tail[:400]}"
-        res = _last_json_object(out)
-        if res is None:
-            return None, {"seconds": secs}, "no JSON object on stdout"
+        if self.persistent:
+            with self._lock:
+                res, secs, error = self._run_persistent(knobs, workload)
+            if error is not None:
+                return None, {"seconds": secs}, error
+        else:
+            rc, out, err, secs = run_in_group(self.argv(knobs, workload), env=self.environment(knobs),
+                                              timeout_s=self.timeout_s)
+            if rc is None:
+                return None, {"seconds": secs}, f"timed out after {self.timeout_s:g} s (process group killed)"
+            if rc != 0:
+                tail = " | ".join((err or out).strip().splitlines()[-3:])
+                return None, {"seconds": secs}, f"exit status {rc}: {tail[:400]}"
+            res = _last_json_object(out)
+            if res is None:
+                return None, {"seconds": secs}, "no JSON object on stdout"
+        assert res is not None
         try:
             value = self._value(res)
         except ValueError as e:

@@ -2,7 +2,7 @@
 
 Each rank gets S tokens (random activations, routing from `--routing`, deterministic seeds). Per
 iteration, every rank times
-  dispatch   : EPBuffer.dispatch (counts exchange + pack + payload transfer + unpack/dequantise)
+  dispatch   : EPBuffer.dispatch (packed layout: counts + pack + payload transfer; dense: all-gather; + unpack)
   combine    : EPBuffer.combine of one row per received row
   roundtrip  : dispatch → identity experts (rows × their local weights) → combine as one span; with
                pipeline_depth > 1 it runs pipelined (chunk i's combine travels while later chunks dispatch)
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..runtime import EPBuffer, Knobs, MoELayer, dense_reference, get_model
 from ..runtime.buffer import TORCH_DTYPES
 from ..runtime.fp8 import FP8_LAYER_REL_ERR_BOUND
+from ..runtime.knobs import KnobError, default_knobs
 from ..runtime.moe_layer import max_rel_err
 from ..runtime.pipeline import pipelined_moe, weighted_rows
 from ..runtime.routing import generate_routing
@@ -159,8 +160,11 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
     model = get_model(cfg["model"])
     dtype = TORCH_DTYPES[model.dtype]
     knobs = Knobs.from_dict(cfg["knobs"]) if isinstance(cfg.get("knobs"), dict) else Knobs.parse(cfg.get("knobs") or "")
-    if cfg.get("transport"):
-        knobs = knobs.replace(transport=cfg["transport"])
+    if cfg.get("transport") and cfg["transport"] != knobs.transport:
+        try:
+            knobs = knobs.replace(transport=cfg["transport"])
+        except KnobError:  # e.g. a fence mode the new transport does not have: take its default one
+            knobs = knobs.replace(transport=cfg["transport"], fence_mode=default_knobs(cfg["transport"]).fence_mode)
     impl = cfg.get("impl", "moetune")
     tokens = int(cfg["tokens"])
     iters, warmup = int(cfg.get("iters", 20)), int(cfg.get("warmup", 5))
@@ -168,6 +172,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
     routing = cfg.get("routing", "uniform")
     measure_layer = bool(cfg.get("layer", True))
     verify = bool(cfg.get("verify", False))
+    dense = cfg.get("dense")  # None: the buffer picks its layout (see EPBuffer); True/False force it
 
     x, idx, w = _inputs(rank, model, dtype, tokens, routing, seed, device)
     timer = _Timer(device)
@@ -177,15 +182,25 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         comm: Any = PlainA2A(model, device, dtype)
         buf = None
     else:
+        # unchecked: the cross-rank input checks cost a collective and a sync; keep them out of the timings
+        buf = EPBuffer(knobs=knobs, model=model, max_tokens=max(tokens, 1), device=device, dtype=dtype,
+                       check_inputs=False, dense=dense)
         if measure_layer or verify:
-            layer = MoELayer(model, knobs=knobs, max_tokens=max(tokens, 1), device=device, dtype=dtype, seed=seed)
-            buf = layer.buffer
-        else:
-            buf = EPBuffer(knobs=knobs, model=model, max_tokens=max(tokens, 1), device=device, dtype=dtype, check_inputs=False)
-        buf.check_inputs = False  # the combine cross-rank check costs a collective; keep it out of the timings
+            layer = MoELayer(model, max_tokens=max(tokens, 1), device=device, dtype=dtype, seed=seed, buffer=buf)
         comm = buf
 
+    def roundtrip() -> torch.Tensor:
+        """dispatch → identity experts → combine (pipelined when pipeline_depth > 1)."""
+        if impl == "plain":
+            recv, handle = comm.dispatch(x, idx, w)
+            return comm.combine(recv, handle)
+        if buf is not None and buf.num_chunks > 1:
+            return pipelined_moe(buf, x, idx, w, weighted_rows)
+        recv, meta, handle = comm.dispatch(x, idx, w)
+        return comm.combine(weighted_rows(recv, meta), handle)
+
     times: dict[str, list[float]] = {"dispatch": [], "combine": [], "roundtrip": [], "layer": []}
+    rt_out = None
     for it in range(warmup + iters):
         keep = it >= warmup
         # dispatch and combine, each timed alone
@@ -210,14 +225,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         # the round trip as one span (pipelined when pipeline_depth > 1)
         _barrier(device)
         t0 = timer.mark()
-        if impl == "plain":
-            recv, handle = comm.dispatch(x, idx, w)
-            rt_out = comm.combine(recv, handle)
-        elif buf is not None and buf.num_chunks > 1:
-            rt_out = pipelined_moe(buf, x, idx, w, weighted_rows)
-        else:
-            recv, meta, handle = comm.dispatch(x, idx, w)
-            rt_out = comm.combine(weighted_rows(recv, meta), handle)
+        rt_out = roundtrip()
         t1 = timer.mark()
         timer.sync()
         if keep:
@@ -230,6 +238,8 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
             timer.sync()
             if keep:
                 times["layer"].append(timer.us(t0, t1))
+
+    profile_table = _profile(roundtrip, device, rank) if cfg.get("profile") else None
 
     err = None
     if verify and layer is not None:
@@ -250,12 +260,17 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         row = buf.row_bytes
     remote_bytes = (sum(splits) - splits[rank]) * row
     # the round trip with identity experts must give back x times the sum of its weights
-    rt_err = max_rel_err(rt_out, x.float() * w.float().sum(1, keepdim=True)) if iters + warmup else 0.0
+    rt_err = max_rel_err(rt_out, x.float() * w.float().sum(1, keepdim=True)) if rt_out is not None else 0.0
     errs = torch.tensor([err if err is not None else -1.0, rt_err], dtype=torch.float64, device=device)
     if dist.is_initialized() and world > 1:
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     worst = mine.cpu().tolist()
+    if buf is not None:
+        # free this case's transport resources (symmetric memory, IPC mappings, proxy threads): benchmarks
+        # and the persistent worker run many cases per process; wait until every rank is past its last transfer
+        _barrier(device)
+        buf.close()
     if rank != 0:
         return None
     rep: dict[str, Any] = {
@@ -281,6 +296,8 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         "iters": iters,
         "warmup": warmup,
         "wire_bytes_per_row": buf.row_bytes if buf is not None else model.token_bytes,
+        "layout": "plain" if buf is None else ("dense" if buf.dense else "packed"),
+        "profile": profile_table,
         "dispatch_remote_bytes_rank0": remote_bytes,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -291,6 +308,43 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
             rep["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
         except Exception:
             pass
+    return rep
+
+
+def _profile(roundtrip, device: torch.device, rank: int, iters: int = 5) -> str | None:
+    """Run `iters` round trips under torch.profiler (every rank: the collectives need both); rank 0 returns
+    the key_averages tables (top 25 by self device time and by CPU time)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _barrier(device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(iters):
+            with record_function("moetune_roundtrip"):
+                roundtrip()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / iters * 1e6
+    if rank != 0:
+        return None
+    ka = prof.key_averages()
+    parts = [f"{iters} round trips under the profiler, {wall:.0f} us wall each (profiler overhead included)\n"]
+    keys = (["self_cuda_time_total", "self_device_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]
+    for key in keys:
+        try:
+            parts.append(f"== top 25 by {key} ==\n" + ka.table(sort_by=key, row_limit=25, max_name_column_width=60))
+            break
+        except Exception:  # the name of the device-time column changed across torch versions
+            continue
+    parts.append("== top 25 by cpu_time_total ==\n" + ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+    return "\n".join(parts)
+
+
+def finish_report(rep: dict[str, Any], verify: bool) -> dict[str, Any]:
+    """What `moetune bench ep --json` prints for a case's report: with verify, `verify_ok` added."""
+    if verify and rep.get("max_rel_err") is not None:
+        rep["verify_ok"] = rep["max_rel_err"] <= rep["verify_bound"]
     return rep
 
 

@@ -31,14 +31,17 @@ class Plan:
     tokens: list[int] = field(default_factory=lambda: [128, 1024, 4096])
     backend: str = "auto"  # auto: local on GPUs, local gloo on CPU
     trials: int = 16
-    repeats: int = 5
+    repeats: int = 3
+    iters: int = 20  # timed iterations inside each repeat
+    compare_rounds: int = 2  # interleaved rounds of the tuned-vs-default comparison
     trial_timeout_s: float = 120.0
     microbench_sizes: list[int] = field(default_factory=list)  # empty: the default sweep
     world: int = 2
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(models=["qwen3-30b"], tokens=[128, 1024], trials=6, repeats=3, trial_timeout_s=60.0)
+        return cls(models=["qwen3-30b"], tokens=[128, 1024], trials=4, repeats=1, iters=10, compare_rounds=1,
+                   trial_timeout_s=60.0)
 
     @classmethod
     def from_file(cls, path: Path, base: Plan) -> Plan:
@@ -215,16 +218,35 @@ class Bringup:
     def _backend(self) -> Any:
         from .backends import LocalBackend
 
+        # On CPU the fp8 error is the same arithmetic as on GPU: the search space already keeps compression
+        # within the policy's budget by its measured expected error, so trials skip the costly re-check.
         return LocalBackend(world=self.world, comm_backend=self.comm_backend, repeats=self.plan.repeats,
-                            timeout_s=self.plan.trial_timeout_s, metric="comm")
+                            timeout_s=self.plan.trial_timeout_s, metric="comm", iters=self.plan.iters,
+                            verify_compression=self.comm_backend == "nccl", persistent=True)
+
+    def runtime_policy_dir(self) -> Path:
+        """Policy overrides for measuring the real runtime: its collective transport splits a layer by
+        pipeline_depth and has no copy kernels, so chunk_tokens and num_sms (knobs the fabric model and
+        the one-sided transports act on) are pinned and the trials go to the knobs that act."""
+        d = self.state.path.parent / "runtime-policies"
+        d.mkdir(parents=True, exist_ok=True)
+        for fam in ("collective", "host_staged"):
+            (d / f"{fam}.toml").write_text(
+                f'[policy]\nfamily = "{fam}"\n\n[knobs]\nchunk_tokens = [0]\nnum_sms = [24]\n')
+        return d
 
     def stage_tune(self) -> list[dict]:
         from .search import tune_profiles_detailed
 
         models = [get_model(m) for m in self.plan.models]
-        res = tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
-                                     backend=self._backend(), trials=self.plan.trials, progress=True,
-                                     storage=self.storage, ep_size=self.world, seed=0)
+        be = self._backend()
+        try:
+            res = tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
+                                         backend=be, trials=self.plan.trials, progress=True,
+                                         storage=self.storage, ep_size=self.world, seed=0,
+                                         policy_override=self.runtime_policy_dir())
+        finally:
+            be.close()  # the persistent bench workers
         out = []
         for r in res:
             if r.record is None:
@@ -239,23 +261,29 @@ class Bringup:
 
     def stage_compare(self) -> list[dict]:
         """Tuned against the policy default for every bucket, measured side by side (interleaved)."""
+        be = self._backend()
+        try:
+            return self._compare_with(be)
+        finally:
+            be.close()  # the persistent bench workers
+
+    def _compare_with(self, be: Any) -> list[dict]:
         from moetune.runtime.knobs import Knobs
 
         from .backends import TuneWorkload
         from .policy import load_policy
 
-        be = self._backend()
         out = []
         for t in self.state.result("tune") or []:
             tuned = Knobs.from_dict(t["knobs"])
-            default = load_policy(t["family"]).defaults
+            default = load_policy(t["family"], self.runtime_policy_dir()).defaults
             wl = TuneWorkload(model=get_model(t["model"]), tokens=t["tokens"], nodes=1, gpus_per_node=self.world)
             be.family = t["family"]
             if tuned == default:
-                m = be.compare([default], wl, rounds=2)
+                m = be.compare([default], wl, rounds=self.plan.compare_rounds)
                 md, mt = m[0], m[0]
             else:
-                md, mt = be.compare([default, tuned], wl, rounds=2)
+                md, mt = be.compare([default, tuned], wl, rounds=self.plan.compare_rounds)
             row = asdict(BucketResult(
                 model=t["model"], tokens=t["tokens"], family=t["family"],
                 default_us=md.median_us if md.ok else float("nan"), default_spread=md.spread_us if md.ok else 0.0,
@@ -294,12 +322,13 @@ class Bringup:
             url = self.storage or default_storage_url(getattr(self.store, "path", None))
             out = {}
             for s in list_studies(url):
-                if self.facts.fingerprint[:8] not in s["name"] and self.facts.fingerprint not in s["name"]:
+                name = s["study"]
+                if self.facts.fingerprint[:12] not in name:
                     continue
-                study = optuna.load_study(study_name=s["name"], storage=url)
+                study = optuna.load_study(study_name=name, storage=url)
                 done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
                 if len({tuple(sorted(t.params.items())) for t in done}) >= 3:
-                    out[s["name"][-48:]] = optuna.importance.get_param_importances(study)
+                    out[name.split("/", 1)[-1]] = optuna.importance.get_param_importances(study)
             return out
         except Exception as e:  # importances are a nicety: never fail the report for them
             self.console.print(f"[yellow]parameter importances not available: {e}[/]")

@@ -166,6 +166,14 @@ def _p2p_rank(rank: int, port: int, backend: str, sizes: list[int], iters: int, 
             torch.cuda.synchronize()
 
     out = []
+    warm = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+    for _ in range(10):  # connection set-up and first-touch costs stay out of the first size
+        if rank == 0:
+            dist.send(warm, 1)
+            dist.recv(warm, 1)
+        else:
+            dist.recv(warm, 0)
+            dist.send(warm, 0)
     for size in sizes:
         buf = torch.randint(0, 255, (size,), dtype=torch.uint8, device=dev)
         for src in (0, 1):

@@ -174,7 +174,7 @@ def write_report(data: ReportData, out_dir: Path) -> Path:
         for t in sorted(data.tuned, key=lambda t: (t["model"], t["tokens"])):
             sp = t["default_us"] / t["tuned_us"] if t["tuned_us"] else float("nan")
             md.append(f"| {t['model']} | {t['tokens']} | {t['default_us']:.1f} ± {t.get('default_spread', 0):.1f} "
-                      f"| {t['tuned_us']:.1f} ± {t.get('tuned_spread', 0):.1f} | {sp:.2f}× | `{t.get('knobs', '')}` "
+                      f"| {t['tuned_us']:.1f} ± {t.get('tuned_spread', 0):.1f} | {sp:.2f}× | {('`' + t['knobs'] + '`') if t.get('knobs') else '(policy default)'} "
                       f"| {t.get('source', '')} |")
         md.append("")
     if data.notes:

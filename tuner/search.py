@@ -628,6 +628,8 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
                                          neighbour=neighbour_bucket(st, key, be.label, model.name)))
     finally:
         bar.close()
+        if be is not backend and isinstance(be, LocalBackend):
+            be.close()  # built here (a backend name): end its persistent bench workers
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -134,8 +135,17 @@ class SymmBuffer:
                 symm_mem.set_backend("CUDA")
         except Exception:
             pass
+        grp = _group_obj(self.group)
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # required by older torch, a deprecated no-op in newer ones
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    enable(grp.group_name)
+            except Exception:
+                pass
         t = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        hdl = symm_mem.rendezvous(t, _group_obj(self.group))
+        hdl = symm_mem.rendezvous(t, grp)
         bases = [int(p) for p in hdl.buffer_ptrs]
         off = t.data_ptr() - bases[self.rank]
         size = int(getattr(hdl, "buffer_size", self.nbytes + off))
@@ -283,7 +293,9 @@ class OneSidedTransport(EPTransport):
         if rb <= 0:
             raise ValueError(f"{self.name}: zero-byte rows")
         if self.data is None:
-            self.reserve(rows, rb)  # first call: collective sizing (a one-time host synchronisation)
+            # first call without reserve(): collective sizing (a one-time host synchronisation), with
+            # headroom (next power of two) because later calls may carry more rows
+            self.reserve(1 << max(0, rows - 1).bit_length(), rb)
         if rows * rb > self.data_bytes:
             # (the exact per-receiver bound is checked on the GPU: an overflow is reported, never written)
             raise OneSidedError(

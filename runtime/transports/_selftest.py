@@ -73,14 +73,15 @@ def spawn_world(fn: Callable[..., Any], world: int, kwargs: dict | None = None, 
             last = f"{type(e).__name__}: {e}"
         else:
             last = ""
-        if timed_out:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            for p in ctx.processes:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
+        # never leave a rank behind (a dead peer would keep the others blocked in NCCL)
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in ctx.processes:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
         out = []
         for r in range(world):
             f = Path(outdir, f"rank{r}.json")
@@ -98,6 +99,13 @@ def barrier(device: torch.device) -> None:
     torch.cuda.synchronize(device)
 
 
+def _agree(err: str | None, device: torch.device) -> bool:
+    """All ranks learn whether any failed (keeps collectives in step). True = all fine."""
+    flag = torch.tensor([1.0 if err else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
 def transport_class(name: str) -> type:
     from .nvlink import NvlinkTransport
     from .proxy import ProxyTransport
@@ -105,8 +113,18 @@ def transport_class(name: str) -> type:
     return {"nvlink": NvlinkTransport, "proxy": ProxyTransport}[name]
 
 
+def split_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """'knob=v,knob=v|hidden=1025|fused' -> ('knob=v,knob=v', {'hidden': '1025', 'fused': ''})."""
+    kspec, *opts = spec.split("|")
+    out = {}
+    for o in opts:
+        k, _, v = o.partition("=")
+        out[k.strip()] = v.strip()
+    return kspec, out
+
+
 def knobs_for(transport: str, spec: str) -> Knobs:
-    return Knobs.parse(spec, base=default_knobs(transport))
+    return Knobs.parse(split_spec(spec)[0], base=default_knobs(transport))
 
 
 def _ref_exchange(send: torch.Tensor, sc: list[int], rc: list[int]) -> torch.Tensor:
@@ -128,9 +146,32 @@ def check_exchange_worker(
                                "count_mismatch_iters": 0, "poison_overwritten_iters": 0, "error": None}
         t = None
         try:
-            knobs = knobs_for(transport, spec)
-            t = cls(None, knobs, device, max_send_rows=max_rows, row_bytes=hidden * 2)
-            rec["symm_backend"] = t.symm_backend
+            cerr = None
+            try:
+                # "knobs|hidden=N|fused": another row size (odd: byte-copy path) / nvlink's fused dispatch
+                _, opts = split_spec(spec)
+                h = int(opts.get("hidden", hidden))
+                fused = "fused" in opts
+                knobs = knobs_for(transport, spec)
+                saved = os.environ.get("MOETUNE_SYMM")
+                if "symm" in opts:  # "|symm=ipc": the CUDA IPC fallback instead of torch symmetric memory
+                    os.environ["MOETUNE_SYMM"] = opts["symm"]
+                try:
+                    t = cls(None, knobs, device, max_send_rows=max_rows, row_bytes=h * 2)
+                finally:
+                    if saved is None:
+                        os.environ.pop("MOETUNE_SYMM", None)
+                    else:
+                        os.environ["MOETUNE_SYMM"] = saved
+                rec["symm_backend"] = t.symm_backend
+                rec["symm_torch_error"] = t.ctrl.torch_error or None
+                if opts.get("hostwait") == "0" and transport == "proxy":  # run 1's asynchronous proxy calls
+                    t.host_wait = False
+                    t.lib.mt_pxy_set_host_wait(t._h, 0)
+            except Exception:
+                cerr = traceback.format_exc()[-3000:]
+            if not _agree(cerr, device):
+                raise RuntimeError(cerr or "construction failed on another rank")
             g = torch.Generator(device="cpu").manual_seed(seed * 1000 + rank)
             for it in range(iters):
                 # counts: sometimes zero for a peer, total <= max_rows
@@ -138,35 +179,52 @@ def check_exchange_worker(
                 if it % 5 == 0:
                     cnt[torch.randint(0, world, (1,), generator=g)] = 0
                 sc = cnt.tolist()
-                send = torch.randn(sum(sc), hidden, generator=g).to(torch.bfloat16).to(device)
+                send = torch.randn(sum(sc), h, generator=g).to(torch.bfloat16).to(device)
+                sc_dev = cnt.to(device)
                 assert t.data is not None
                 t.data.local.fill_(0xFF)  # poison both parity areas (bf16 0xFFFF = NaN)
                 barrier(device)
-                sc_dev = cnt.to(device)
-                rc_dev = t.exchange_counts(sc_dev)
-                out = t.exchange(send, sc_dev, rc_dev)
-                # consumer reads right after the exchange, stream-ordered (no host sync in between)
+                # dense reference first (NCCL), so every rank runs the same collectives even if the
+                # transport fails on one of them
                 rc_ref = torch.empty(world, dtype=torch.int64, device=device)
                 dist.all_to_all_single(rc_ref, sc_dev.clone())
                 rc_list = rc_ref.tolist()
                 total = sum(rc_list)
-                got = out[:total].view(torch.int16).clone()
-                tail = out[total : total + 8].view(torch.int16).clone()
-                torch.cuda.synchronize(device)
-                t.check()
                 ref = _ref_exchange(send, sc, rc_list).view(torch.int16)
-                if rc_dev.tolist() != rc_list:
-                    rec["count_mismatch_iters"] += 1
-                if not torch.equal(got, ref):
-                    rec["mismatch_iters"] += 1
-                    if "first_mismatch" not in rec:
-                        bad = (got != ref).any(dim=1).nonzero().flatten()
-                        rec["first_mismatch"] = {"iter": it, "rows_bad": int(bad.numel()), "first_rows": bad[:8].tolist(),
-                                                 "total": total, "send_counts": sc, "recv_counts": rc_list}
-                if tail.numel() and not bool((tail == -1).all()):
-                    rec["poison_overwritten_iters"] += 1
-                rec["iters"] += 1
-                barrier(device)
+                err = None
+                try:
+                    if fused:
+                        out, rc_dev = t.exchange_fused(send, sc_dev)
+                    else:
+                        rc_dev = t.exchange_counts(sc_dev)
+                        out = t.exchange(send, sc_dev, rc_dev)
+                    # consumer reads right after the exchange, stream-ordered (no host sync in between)
+                    got = out[:total].view(torch.int16).clone()
+                    tail = out[total : total + 8].view(torch.int16).clone()
+                    torch.cuda.synchronize(device)
+                    t.check()
+                    if rc_dev.tolist() != rc_list:
+                        rec["count_mismatch_iters"] += 1
+                    if not torch.equal(got, ref):
+                        rec["mismatch_iters"] += 1
+                        if "first_mismatch" not in rec:
+                            bad = (got != ref).any(dim=1).nonzero().flatten()
+                            rec["first_mismatch"] = {"iter": it, "rows_bad": int(bad.numel()),
+                                                     "first_rows": bad[:8].tolist(), "total": total,
+                                                     "send_counts": sc, "recv_counts": rc_list}
+                    if tail.numel() and not bool((tail == -1).all()):
+                        rec["poison_overwritten_iters"] += 1
+                    rec["iters"] += 1
+                except Exception:
+                    err = traceback.format_exc()[-3000:]
+                # all ranks agree whether to go on (keeps the collectives in step after a failure)
+                flag = torch.tensor([1.0 if err else 0.0], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if err:
+                    rec["error"] = err
+                if flag.item() > 0:
+                    rec["error"] = rec["error"] or f"stopped at iteration {it}: another rank failed"
+                    break
             if transport == "proxy":
                 rec["proxy_stats"] = t.proxy_stats()
         except Exception:
@@ -206,7 +264,70 @@ def timeout_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvl
                     res = {"raised": True, "message": str(e)}
                 res["seconds"] = time.monotonic() - t0
             barrier(device)
+            t.close()  # the aborted kernels have returned: this must not hang either
         except Exception:
             res["error"] = traceback.format_exc()[-2000:]
         out[name] = res
+    return out
+
+
+def epbuffer_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvlink", "proxy"), iters: int = 5,
+                    model: str = "qwen3-30b", tokens: int = 256, layer_bound: float = 3e-2) -> dict:
+    """Through the runtime's EPBuffer: dispatch + identity experts + combine with a one-sided transport
+    must equal the same with the `collective` transport bit for bit, and the whole MoE layer on the
+    one-sided transport must match the single-process dense reference (max rel. error <= layer_bound,
+    the runtime issue's bf16 bound)."""
+    from .. import shapes
+    from ..buffer import EPBuffer
+    from ..moe_layer import MoELayer, dense_reference, max_rel_err
+
+    device = torch.device("cuda", rank)
+    m = shapes.get_model(model)
+    out: dict[str, Any] = {}
+    g = torch.Generator(device="cpu").manual_seed(100 + rank)
+    ref_buf = EPBuffer(None, default_knobs("collective"), model=m, max_tokens=tokens, device=device,
+                      dense=False)  # the same packed layout the one-sided transports use
+    try:
+        for name in transports:
+            rec: dict[str, Any] = {"iters": 0, "max_abs_diff": 0.0, "layer_rel_err": None, "layer_bound": layer_bound}
+            buf = layer = None
+            try:
+                buf = EPBuffer(None, default_knobs(name), model=m, max_tokens=tokens, device=device)
+                for it in range(iters):
+                    s = tokens - 3 * it  # varying S (<= max_tokens)
+                    x = torch.randn(s, m.hidden, generator=g).to(torch.bfloat16).to(device)
+                    idx = torch.rand(s, m.experts, generator=g).topk(m.topk, dim=1).indices.to(device)
+                    w = torch.rand(s, m.topk, generator=g).to(device)
+                    results = []
+                    for b in (ref_buf, buf):
+                        recv_x, _meta, handle = b.dispatch(x, idx, w)
+                        results.append(b.combine(recv_x, handle))
+                        barrier(device)
+                    diff = (results[0].float() - results[1].float()).abs().max().item()
+                    rec["max_abs_diff"] = max(rec["max_abs_diff"], diff)
+                    rec["iters"] += 1
+                buf.close()
+                buf = None
+                # the MoE layer (SwiGLU experts) on this transport vs the dense single-process reference
+                layer = MoELayer(m, knobs=default_knobs(name), max_tokens=tokens, device=device, seed=1)
+                x = torch.randn(tokens, m.hidden, generator=g).to(torch.bfloat16).to(device)
+                idx = torch.rand(tokens, m.experts, generator=g).topk(m.topk, dim=1).indices.to(device)
+                w = torch.rand(tokens, m.topk, generator=g).softmax(1).to(device)
+                got = layer.forward_routed(x, idx, w)
+                ref = dense_reference(x, m, seed=1, topk_idx=idx, topk_weights=w)
+                rec["layer_rel_err"] = max_rel_err(got, ref)
+                rec["equal"] = rec["max_abs_diff"] == 0.0 and rec["layer_rel_err"] <= layer_bound
+            except Exception:
+                rec["error"] = traceback.format_exc()[-2000:]
+            finally:
+                for obj in (buf, getattr(layer, "buffer", None)):
+                    if obj is not None:
+                        try:
+                            obj.close()
+                        except Exception:
+                            pass
+            out[name] = rec
+            barrier(device)
+    finally:
+        ref_buf.close()
     return out

@@ -23,6 +23,9 @@ from ..knobs import Knobs
 from .base import Availability, EPTransport
 
 _EXTRA_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+# torch >= 2.13 names them *_single (the old names warn); older torch only has the old names
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CollectiveTransport(EPTransport):
@@ -104,6 +107,21 @@ class CollectiveTransport(EPTransport):
             out, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group, async_op=True
         )
         return out, work
+
+    def gather_async(self, out: torch.Tensor, inp: torch.Tensor, *, channel: int = 0) -> dist.Work | None:
+        """Dense layout dispatch: every rank's `inp` [n, ...] lands in `out` [world * n, ...] (rank order)."""
+        if self.world == 1:
+            out.copy_(inp)
+            return None
+        return _ALL_GATHER(out, inp, group=self.groups[channel % len(self.groups)], async_op=True)
+
+    def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, *, channel: int = 0) -> dist.Work | None:
+        """Dense layout combine: block r of `inp` [world * n, ...] goes to rank r, where the blocks of all
+        ranks are summed into `out` [n, ...]."""
+        if self.world == 1:
+            out.copy_(inp)
+            return None
+        return _REDUCE_SCATTER(out, inp, group=self.groups[channel % len(self.groups)], async_op=True)
 
     @property
     def channels(self) -> int:

@@ -96,12 +96,25 @@ class NvlinkTransport(OneSidedTransport):
         The epoch lives on the device (the kernels advance it), so a capture of an even number of
         exchanges in a CUDA graph replays correctly; the host counter only picks the parity view.
         """
+        return self._launch(send, send_counts, recv_counts, None)
+
+    def exchange_fused(self, send: torch.Tensor, send_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dispatch without a separate exchange_counts(): one launch returns (rows, recv_counts).
+
+        The counts travel inside the exchange anyway (the count matrix that places rows on the GPU);
+        this saves a launch and a round trip. recv_counts is an int64 device tensor (stream-ordered).
+        """
+        out = torch.empty(self.world, dtype=torch.int64, device=self.device)
+        return self._launch(send, send_counts, None, out), out
+
+    def _launch(self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor | None,
+                recv_out: torch.Tensor | None) -> torch.Tensor:
         send, rb, sc = self._prepare(send, send_counts)
         rcv = self._counts_arg(recv_counts) if recv_counts is not None else None
         self._epoch += 1
         rc = self.lib.mt_nvl_exchange(
             self._h, send.data_ptr(), rb, sc.data_ptr(), rcv.data_ptr() if rcv is not None else None,
-            self._coupled, self._group, self._stream(),
+            recv_out.data_ptr() if recv_out is not None else None, self._coupled, self._group, self._stream(),
         )
         if rc:
             csrc_build.check(self.lib, rc, "mt_nvl_exchange")

@@ -9,6 +9,8 @@ Knobs used: fence_mode (`proxy_drain`: the thread stops until every earlier tran
 `nic_ordered`: the signal is queued behind its data on the peer's stream), qp_mapping (`round_robin`,
 `peer_hash`), qps_per_pe (streams), signalling (`coupled`: a signal per PUT; `decoupled`: one signal
 per group of `group_size` PUTs, 0 = per PE), chunk_tokens (rows per PUT; 0 = one PUT per peer).
+`MOETUNE_PROXY_BATCH=N` (> 1) lets the proxy issue consecutive unsignalled PUTs of one QP stream as
+one cudaMemcpyBatchAsync (off by default; bench/proxy_micro.py measures both).
 
 `ProxyEngine` is the engine on its own (used by bench/proxy_micro.py); its constructor validates the
 fence/QP combination through `Knobs` unless a test helper passes `_allow_unsafe=True`.
@@ -17,6 +19,7 @@ fence/QP combination through `Knobs` unless a test helper passes `_allow_unsafe=
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import ClassVar
 
 import torch
@@ -38,7 +41,7 @@ FENCE_MODES = {"none": 0, "proxy_drain": 1, "nic_ordered": 2}
 QP_MAPPINGS = {"round_robin": 0, "peer_hash": 1}
 OP_PUT, OP_SIGNAL, OP_WRITE64, OP_ACK = 1, 2, 3, 4
 F_SIGNAL = 1
-STAT_NAMES = ("processed", "puts", "signals", "drains", "drain_ns", "write64", "bytes", "acks", "busy_ns")
+STAT_NAMES = ("processed", "puts", "signals", "drains", "drain_ns", "write64", "bytes", "acks", "busy_ns", "batches")
 
 
 class Request(ctypes.Structure):
@@ -82,6 +85,7 @@ class ProxyEngine:
         qp_mapping: str = "peer_hash",
         fence_mode: str = "proxy_drain",
         fifo_slots: int = 4096,
+        batch: int = 1,
         _allow_unsafe: bool = False,
     ):
         if qp_mapping not in QP_MAPPINGS or fence_mode not in FENCE_MODES:
@@ -102,6 +106,8 @@ class ProxyEngine:
             "mt_proxy_create",
         )
         self.handle = h
+        if batch > 1:
+            csrc_build.check(self.lib, self.lib.mt_proxy_set_batch(h, int(batch)), "mt_proxy_set_batch")
 
     def set_peer_data(self, peer_data: list[int]) -> None:
         csrc_build.check(self.lib, self.lib.mt_proxy_set_peer_data(self.handle, u64_array(peer_data), len(peer_data)), "set_peer_data")
@@ -110,6 +116,12 @@ class ProxyEngine:
         buf = ctypes.create_string_buffer(1024)
         code = self.lib.mt_proxy_error(self.handle, buf, 1024)
         return None if code == 0 else f"{buf.value.decode(errors='replace')} (code {code})"
+
+    def diag(self) -> str:
+        """One line on the proxy thread's state (requests consumed; inside which CUDA call, or idle)."""
+        buf = ctypes.create_string_buffer(512)
+        self.lib.mt_proxy_diag(self.handle, buf, 512)
+        return buf.value.decode(errors="replace")
 
     def stats(self) -> dict[str, int]:
         arr = (ctypes.c_uint64 * len(STAT_NAMES))()
@@ -164,11 +176,18 @@ class ProxyTransport(OneSidedTransport):
         if knobs.transport != "proxy":
             raise KnobError(f"ProxyTransport needs transport=proxy knobs, got {knobs.transport!r}", ("transport",))
         super().__init__(group, knobs, device, max_send_rows=max_send_rows, row_bytes=row_bytes)
+        if os.environ.get("MOETUNE_PROXY_PEER_ACCESS", "1") == "1":
+            # copy engines: enable peer access towards the other local GPUs (errors ignored: the
+            # symmetric mappings already grant access; this only helps the runtime pick direct P2P)
+            for other in range(torch.cuda.device_count()):
+                if other != self.device.index:
+                    self.lib.mt_enable_peer_access(self.device.index, other)
         ctrl = self.ctrl.peer_ptrs
         sig_off = 8 * self.rank * MAX_SLOTS  # my slots at each peer (MT_OFF_SIG = 0)
         self.engine = ProxyEngine(
             self.device.index, list(ctrl), list(ctrl), [p + sig_off for p in ctrl],
             qps=knobs.qps_per_pe, qp_mapping=knobs.qp_mapping, fence_mode=knobs.fence_mode, fifo_slots=fifo_slots,
+            batch=int(os.environ.get("MOETUNE_PROXY_BATCH", "1")),
         )
         h = ctypes.c_void_p()
         csrc_build.check(
@@ -177,6 +196,9 @@ class ProxyTransport(OneSidedTransport):
             "mt_pxy_create",
         )
         self._h = h
+        # host-completed calls (default): see mt_pxy_set_host_wait in csrc/proxy_gpu.cu for why
+        self.host_wait = os.environ.get("MOETUNE_PROXY_HOST_WAIT", "1") != "0"
+        self.lib.mt_pxy_set_host_wait(h, 1 if self.host_wait else 0)
         self._err = (ctypes.c_int * 16)()
         ep = ctypes.c_void_p()
         self.lib.mt_pxy_err_ptr(h, ctypes.byref(ep))
@@ -199,8 +221,7 @@ class ProxyTransport(OneSidedTransport):
         out = torch.empty(self.world, dtype=torch.int64, device=self.device)
         self._counts_epoch += 1
         rc = self.lib.mt_pxy_counts(self._h, sc.data_ptr(), out.data_ptr(), self._counts_epoch, self._stream())
-        if rc:
-            csrc_build.check(self.lib, rc, "mt_pxy_counts")
+        self._after_call(rc, "mt_pxy_counts")
         self._keep_counts = sc
         return out
 
@@ -214,10 +235,24 @@ class ProxyTransport(OneSidedTransport):
             self._h, send.data_ptr(), rb, sc.data_ptr(), rcv.data_ptr() if rcv is not None else None,
             1 if k.signalling == "coupled" else 0, int(k.group_size), int(k.chunk_tokens), self._epoch, self._stream(),
         )
-        if rc:
-            csrc_build.check(self.lib, rc, "mt_pxy_exchange")
+        self._after_call(rc, "mt_pxy_exchange")
         self._keep = (send, sc, rcv)
         return self._recv_view(send, rb, self._epoch)
+
+    def _after_call(self, rc: int, what: str) -> None:
+        if rc in (321, 322):  # host wait: the proxy thread failed / the kernel never completed
+            raise OneSidedError(f"proxy: {what}: {(self.lib.mt_last_error() or b'').decode(errors='replace')}")
+        if rc:
+            csrc_build.check(self.lib, rc, what)
+        if self.host_wait:
+            self.check()  # the kernel has finished: its verdict is known now
+
+    def check(self) -> None:
+        """As OneSidedTransport.check, with the proxy thread's state appended to a failure."""
+        try:
+            super().check()
+        except OneSidedError as e:
+            raise OneSidedError(f"{e} [proxy {self.engine.diag()}]") from None
 
     def _extra_error(self) -> bool:
         return self.lib.mt_proxy_error(self.engine.handle, None, 0) != 0

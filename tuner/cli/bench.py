@@ -30,13 +30,24 @@ def ep(
     iters: int = typer.Option(20, "--iters", help="Timed iterations."),
     warmup: int = typer.Option(5, "--warmup", help="Warm-up iterations (not timed)."),
     verify: bool = typer.Option(False, "--verify", help="Check the layer's output against the single-process dense reference."),
+    layer: bool = typer.Option(True, "--layer/--no-layer", help="Also time the whole MoE layer (builds expert weights); --no-layer times dispatch and combine only."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     transport: str = typer.Option("", "--transport", help="Override the knobs' transport (collective, host_staged, ...)."),
     impl: str = typer.Option("moetune", "--impl", help="moetune (packed EPBuffer) or plain (unpacked all_to_all_single baseline)."),
     seed: int = typer.Option(0, "--seed", help="Seed of activations, routing and weights."),
+    layout: str = typer.Option("auto", "--layout", help="Collective wire layout: auto, dense (all-gather/reduce-scatter) or packed (counts + all_to_all)."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds any collective may wait before failing."),
+    serve: bool = typer.Option(False, "--serve", help="Persistent worker: launch the ranks once, then read one JSON case per line on stdin and print one JSON result per line (see moetune.tuner.bench_worker); only --world, --backend and --timeout apply."),
 ) -> None:
     """Time EP dispatch, combine and the whole MoE layer; with --verify, the error vs the dense reference."""
+    if serve:
+        from .. import bench_worker
+
+        if backend not in ("gloo", "nccl"):
+            _fail(f"--backend must be gloo or nccl, got {backend!r}")
+        if world < 1:
+            _fail(f"--world must be >= 1, got {world}")
+        raise typer.Exit(bench_worker.serve(world, backend, timeout))
     from ...runtime import KnobError, Knobs, get_model
     from ...runtime.launch import LaunchError, launch
     from ...runtime.routing import parse_routing
@@ -46,14 +57,19 @@ def ep(
         _fail(f"--backend must be gloo or nccl, got {backend!r}")
     if impl not in ("moetune", "plain"):
         _fail(f"--impl must be moetune or plain, got {impl!r}")
+    if layout not in ("auto", "dense", "packed"):
+        _fail(f"--layout must be auto, dense or packed, got {layout!r}")
     try:
         shape = get_model(model)
     except ValueError as e:
         _fail(str(e))
     try:
-        k = Knobs.parse(knobs)
-        if transport:
-            k = k.replace(transport=transport)
+        if transport:  # that transport's safe defaults under the --knobs overrides
+            from ...runtime.knobs import default_knobs
+
+            k = Knobs.parse(knobs, base=default_knobs(transport)).replace(transport=transport)
+        else:
+            k = Knobs.parse(knobs)
     except KnobError as e:
         _fail(str(e))
     try:
@@ -89,7 +105,8 @@ def ep(
             _fail(f"--backend nccl needs {world} CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
     cfg = {
         "model": model, "tokens": tokens, "knobs": k.to_dict(), "routing": routing, "iters": iters,
-        "warmup": warmup, "verify": verify, "impl": impl, "seed": seed, "backend": backend, "layer": impl == "moetune",
+        "warmup": warmup, "verify": verify, "impl": impl, "seed": seed, "backend": backend, "layer": impl == "moetune" and layer,
+        "dense": {"auto": None, "dense": True, "packed": False}[layout],
     }
     # host_staged = the collective with NCCL peer-to-peer off: set before NCCL initialises in the ranks
     env = {"NCCL_P2P_DISABLE": "1"} if k.transport == "host_staged" and backend == "nccl" else {}
@@ -108,10 +125,8 @@ def ep(
         first = next(iter(sorted(e.errors.items())))
         _fail(f"benchmark failed on {len(e.errors)} rank(s); rank {first[0]}: {first[1].splitlines()[0]}")
     assert rep is not None
-    ok = True
-    if verify and rep["max_rel_err"] is not None:
-        ok = rep["max_rel_err"] <= rep["verify_bound"]
-        rep["verify_ok"] = ok
+    rep = bench_ep.finish_report(rep, verify)
+    ok = rep.get("verify_ok", True)
     if as_json:
         typer.echo(json.dumps(rep))
     else:
@@ -129,7 +144,7 @@ def _print_table(rep: dict) -> None:
     c = Console()
     kn = rep["knobs"]
     t = Table(title=(f"EP bench: {rep['model']}, S={rep['tokens']}/rank, world {rep['world']} ({rep['backend']}), "
-                     f"{rep['impl']}, {kn['transport']}, compression={kn['compression']}, depth={kn['pipeline_depth']}, "
+                     f"{rep['impl']} ({rep.get('layout', '?')} layout), {kn['transport']}, compression={kn['compression']}, depth={kn['pipeline_depth']}, "
                      f"routing={rep['routing']}"))
     t.add_column("phase")
     for col in ("median µs", "p10 µs", "p90 µs"):

@@ -44,11 +44,17 @@ def profile(
 
     Interrupted (Ctrl-C)? Run the same command again: finished stages are skipped and tuning resumes.
     """
+    import logging
+
+    import optuna
+
     from moetune.runtime.knobs import KnobError
 
     from ..bringup import Bringup, Plan
     from ..discovery import DiscoveryError
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    logging.getLogger("moetune").setLevel(logging.WARNING)
     console = Console(stderr=as_json)
     plan = Plan.quick() if quick else Plan()
     try:
@@ -91,13 +97,14 @@ def profile(
                                "calibration": done.get("calibrate"), "report": done.get("report")}, indent=1))
         return
     table = Table(title="tuned profiles (measured side by side with the policy default)")
-    for col in ("model", "tokens", "family", "default µs", "tuned µs", "speedup", "stored", "changed knobs"):
-        table.add_column(col, justify="right" if col in ("tokens", "default µs", "tuned µs", "speedup") else "left")
+    for col in ("model", "S", "family", "default µs", "tuned µs", "speedup", "stored", "changed knobs"):
+        table.add_column(col, justify="right" if col in ("S", "default µs", "tuned µs", "speedup") else "left",
+                         overflow="fold")
     for r in rows:
         sp = r["default_us"] / r["tuned_us"] if r["tuned_us"] and r["tuned_us"] == r["tuned_us"] else float("nan")
         table.add_row(r["model"], str(r["tokens"]), r["family"], f"{r['default_us']:.0f} ± {r['default_spread']:.0f}",
                       f"{r['tuned_us']:.0f} ± {r['tuned_spread']:.0f}", f"{sp:.2f}×",
-                      "current" if r["written"] else r["reason"][:30], r["knobs"] or "(policy default)")
+                      "current" if r["written"] else r["reason"][:30], r["knobs"] or "(default)")
     console.print(table)
     cal = done.get("calibrate") or {}
     if "mean_abs_rel_err" in cal:

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The bring-up flow on the GPU node, then a host-staged NCCL settings probe. One command:
+#   source bench/device_env.sh; OUT=... bash bench/gpu_profile.sh
+# Writes $OUT/profile/{moetune.db,report/,profile.json,profile.log} and $OUT/nccl_env.jsonl.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-./bench_out}; mkdir -p "$OUT/profile"
+export MOETUNE_HOME="$OUT/profile"
+t0=$SECONDS
+timeout 360 moetune profile --plan bench/plans/h200x2.toml --json > "$OUT/profile/profile.json" 2> "$OUT/profile/profile.log"
+echo "profile rc=$? in $((SECONDS - t0)) s"
+tail -5 "$OUT/profile/profile.log"
+python3 - "$OUT/profile/profile.json" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:
+    print("no profile summary:", e); raise SystemExit(0)
+print(f"{'family':12s} {'model':10s} {'S':>6s} {'default us':>11s} {'tuned us':>10s} {'speedup':>8s}  knobs")
+for r in d["profiles"]:
+    sp = r["default_us"] / r["tuned_us"] if r["tuned_us"] else float("nan")
+    print(f"{r['family']:12s} {r['model']:10s} {r['tokens']:6d} {r['default_us']:11.0f} {r['tuned_us']:10.0f} {sp:8.2f}  {r['knobs']}")
+print("calibration:", d.get("calibration"))
+PY
+# Host-staged: does NCCL's staging configuration change the fp8 + pipelining ratio? (information for the tuner)
+: > "$OUT/nccl_env.jsonl"
+for envset in "" "NCCL_MIN_NCHANNELS=8" "NCCL_BUFFSIZE=16777216" "NCCL_MIN_NCHANNELS=8 NCCL_BUFFSIZE=16777216"; do
+  for kn in "pipeline_depth=1" "compression=fp8_e4m3,pipeline_depth=2,channels=2"; do
+    r=$(env $envset timeout 25 moetune bench ep --world 2 --backend nccl --transport host_staged --model qwen3-30b \
+        --tokens 4096 --knobs "$kn" --iters 30 --warmup 5 --no-layer --json 2>/dev/null | tail -1)
+    echo "{\"env\": \"$envset\", \"knobs\": \"$kn\", \"result\": ${r:-null}}" >> "$OUT/nccl_env.jsonl"
+  done
+done
+python3 - "$OUT/nccl_env.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print(f"{'env':45s} {'knobs':50s} {'roundtrip us':>12s}")
+for r in rows:
+    res = r["result"] or {}
+    v = (res.get("roundtrip_us") or {}).get("median")
+    print(f"{r['env'] or '(default)':45s} {r['knobs']:50s} {v if v is None else round(v):>12}")
+PY

@@ -1,0 +1,194 @@
+// moetune csrc: the GPU side of the proxy transport as plain functions (one CTA of 32 threads):
+// thread 0 produces requests into the proxy engine's FIFO (count-matrix words, PUTs, signals, ACK),
+// threads < world wait for what each source sent, thread 31 waits for the ACK of this rank's own
+// transfers. Compiled by nvcc into the kernels of proxy_gpu.cu, and by g++ with MT_HOST_SIM (host
+// stand-ins for the primitives, mt_common.h) so tests/test_onesided_cpu.py runs the SAME logic on CPU
+// threads against the real proxy engine, over many iterations.
+#pragma once
+
+#include "proxy_engine.h"
+
+namespace mtpx {
+
+using mt::WaitCtx;
+
+MT_DEV uint64_t tag_of(uint64_t n) { return ((n - 1) % 0xFFFFFEull) + 1; }
+
+struct PxParams {
+  MtGpuView v;
+  uint64_t ctrl_local;
+  uint64_t data_bytes;
+  const char* send;
+  uint64_t row_bytes;
+  const int64_t* send_counts;
+  const int64_t* recv_counts;  // may be null
+  int64_t* recv_out;           // exchange_counts output
+  int rank, world, coupled, group, chunk_rows;
+  uint64_t epoch;
+  uint64_t* done;       // host-mapped completion word (null: none); written last with done_value
+  uint64_t done_value;  // launch sequence number of this call
+  WaitCtx w;
+};
+
+MT_DEV void chunking(long long cnt, int chunk_rows, long long* crow, int* nchunks) {
+  if (cnt <= 0) {
+    *crow = 1;
+    *nchunks = 0;
+    return;
+  }
+  long long c = chunk_rows > 0 ? chunk_rows : cnt;
+  long long n = (cnt + c - 1) / c;
+  if (n > MT_MAX_SLOTS) {
+    c = (cnt + MT_MAX_SLOTS - 1) / MT_MAX_SLOTS;
+    n = (cnt + c - 1) / c;
+  }
+  *crow = c;
+  *nchunks = (int)n;
+}
+
+MT_DEV int ngroups(int nchunks, int g) {
+  if (nchunks <= 0) return 0;
+  if (g <= 0) return 1;
+  return (nchunks + g - 1) / g;
+}
+
+struct Producer {
+  const PxParams* p;
+  uint64_t cached_tail;
+  bool ok;
+
+  MT_DEV void push(uint32_t op, uint32_t peer, uint32_t flags, uint32_t sig_idx, uint64_t src, uint64_t dst_off,
+                   uint64_t bytes, uint64_t value) {
+    if (!ok) return;
+    const MtGpuView& v = p->v;
+    uint64_t slot = mt::atomic_add_u64(v.head_dev, 1ull);
+    if (slot - cached_tail >= v.nslots) {
+      uint64_t t0 = mt::now_ns();
+      for (;;) {
+        cached_tail = mt::ld_volatile(v.tail_dev);
+        if (slot - cached_tail < v.nslots) break;
+        if (mt::now_ns() - t0 > p->w.timeout_ns || *(volatile int*)p->w.abort_flag) {
+          mt::report(p->w, MT_ERR_FIFO_FULL, (int)peer, (int)(slot % v.nslots), p->epoch, cached_tail, slot);
+          ok = false;
+          return;
+        }
+        mt::spin_pause();
+      }
+    }
+    volatile uint64_t* d = reinterpret_cast<volatile uint64_t*>(v.fifo_dev + (slot % v.nslots));
+    d[0] = (uint64_t)op | ((uint64_t)peer << 32);
+    d[1] = (uint64_t)flags | ((uint64_t)sig_idx << 32);
+    d[2] = src;
+    d[3] = dst_off;
+    d[4] = bytes;
+    d[5] = value;
+    d[6] = 0;
+    mt::fence_system();
+    d[7] = slot + 1;    // ready flag last
+    mt::fence_system();  // push the ready flag out now: the thread may spin next (never leave it buffered)
+  }
+};
+
+// Thread 0 of the exchange: count-matrix rows, offsets, PUTs and signals, then the ACK.
+MT_DEV void produce_exchange(const PxParams& p) {
+  const int par = (int)(p.epoch & 1);
+  const uint64_t tag = tag_of(p.epoch);
+  const uint64_t* mat = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_MAT);
+  Producer pr{&p, 0, true};
+  // my count-matrix row to every rank (immediate 8-byte writes through the proxy)
+  for (int q = 0; q < p.world; ++q)
+    for (int col = 0; col < p.world; ++col)
+      pr.push(MT_OP_WRITE64, q, 0, 0, 0, MT_OFF_MAT + 8ull * ((size_t)(par * MT_MAX_WORLD + p.rank) * MT_MAX_WORLD + col),
+              0, mt::tagged(tag, (uint64_t)p.send_counts[col]));
+  long long src_off = 0;
+  for (int d = 0; d < p.world && pr.ok; ++d) {
+    const long long cnt = p.send_counts[d];
+    long long dst_rows = 0;
+    bool ok = true;
+    for (int s = 0; s < p.rank && ok; ++s) {
+      uint64_t v = mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + s) * MT_MAX_WORLD + d), tag, false,
+                                 MT_ERR_TIMEOUT_COUNTS, s, d, &ok);
+      dst_rows += (long long)(v & MT_COUNT_MASK);
+    }
+    // d has entered this call: its readers of the area we write (output of call epoch-2) are done
+    if (ok && d >= p.rank)
+      mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD), tag, false, MT_ERR_TIMEOUT_COUNTS, d,
+                    -3, &ok);
+    if (!ok) {
+      pr.ok = false;
+      break;
+    }
+    const bool fits = (uint64_t)(dst_rows + cnt) * p.row_bytes <= p.data_bytes;
+    if (!fits)
+      mt::report(p.w, MT_ERR_CAPACITY, d, (int)cnt, p.epoch, (uint64_t)(dst_rows + cnt), p.data_bytes / p.row_bytes);
+    long long crow;
+    int nch;
+    chunking(cnt, p.chunk_rows, &crow, &nch);
+    const int g = p.group <= 0 ? nch : p.group;
+    for (int c = 0; c < nch; ++c) {
+      const long long r0 = (long long)c * crow;
+      const long long rows = (cnt - r0) < crow ? (cnt - r0) : crow;
+      pr.push(MT_OP_PUT, d, p.coupled ? MT_F_SIGNAL : 0, c, (uint64_t)(p.send + (uint64_t)(src_off + r0) * p.row_bytes),
+              (uint64_t)par * p.data_bytes + (uint64_t)(dst_rows + r0) * p.row_bytes,
+              fits ? (uint64_t)rows * p.row_bytes : 0, p.epoch);
+      if (!p.coupled && ((c + 1) % g == 0 || c == nch - 1)) pr.push(MT_OP_SIGNAL, d, 0, c / g, 0, 0, 0, p.epoch);
+    }
+    src_off += cnt;
+  }
+  pr.push(MT_OP_ACK, 0, 0, 0, 0, 0, 0, p.epoch);
+}
+
+// Lane t of the exchange after the producer: t < world waits for source t's count and signals;
+// t == 31 waits until this rank's own transfers completed (the send rows may be reused afterwards).
+MT_DEV void wait_exchange_lane(const PxParams& p, int t) {
+  const int par = (int)(p.epoch & 1);
+  const uint64_t tag = tag_of(p.epoch);
+  const uint64_t* mat = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_MAT);
+  bool ok = true;
+  if (t < p.world) {
+    uint64_t v = mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + t) * MT_MAX_WORLD + p.rank), tag, false,
+                               MT_ERR_TIMEOUT_COUNTS, t, -1, &ok);
+    if (!ok) return;
+    const long long cnt = (long long)(v & MT_COUNT_MASK);
+    if (p.recv_counts != nullptr && cnt != p.recv_counts[t])
+      mt::report(p.w, MT_ERR_COUNT_MISMATCH, t, 0, p.epoch, (uint64_t)cnt, (uint64_t)p.recv_counts[t]);
+    long long crow;
+    int nch;
+    chunking(cnt, p.chunk_rows, &crow, &nch);
+    const int nsig = p.coupled ? nch : ngroups(nch, p.group);
+    const uint64_t* sig = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_SIG) + (size_t)t * MT_MAX_SLOTS;
+    for (int k = 0; k < nsig && ok; ++k) mt::wait_word(p.w, sig + k, p.epoch, true, MT_ERR_TIMEOUT_SIGNAL, t, k, &ok);
+  } else if (t == 31) {
+    for (int q = 0; q < p.v.qps && ok; ++q)
+      mt::wait_word(p.w, p.v.ack_dev + q, p.epoch, true, MT_ERR_TIMEOUT_OUTGOING, -1, q, &ok);
+  }
+}
+
+MT_DEV void produce_counts(const PxParams& p) {
+  const int par = (int)(p.epoch & 1);
+  const uint64_t tag = tag_of(p.epoch);
+  Producer pr{&p, 0, true};
+  for (int q = 0; q < p.world; ++q)
+    pr.push(MT_OP_WRITE64, q, 0, 0, 0, MT_OFF_CNT + 8ull * (par * MT_MAX_WORLD + p.rank), 0,
+            mt::tagged(tag, (uint64_t)p.send_counts[q]));
+}
+
+MT_DEV void wait_counts_lane(const PxParams& p, int t) {
+  if (t >= p.world) return;
+  const int par = (int)(p.epoch & 1);
+  const uint64_t tag = tag_of(p.epoch);
+  bool ok = true;
+  const uint64_t* mine = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_CNT) + par * MT_MAX_WORLD + t;
+  uint64_t v = mt::wait_word(p.w, mine, tag, false, MT_ERR_TIMEOUT_COUNTS, t, -2, &ok);
+  p.recv_out[t] = ok ? (int64_t)(v & MT_COUNT_MASK) : 0;
+}
+
+// Last action of a call (after every lane finished): the host-mapped completion word.
+MT_DEV void finish(const PxParams& p) {
+  if (p.done == nullptr) return;
+  mt::fence_system();
+  mt::st_release_sys(p.done, p.done_value);
+  mt::fence_system();
+}
+
+}  // namespace mtpx

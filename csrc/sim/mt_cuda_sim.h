@@ -1,0 +1,98 @@
+// Host-only stand-ins for the few CUDA runtime/driver calls the proxy engine makes, so its FIFO,
+// drain loop, fence modes and flow control can be tested on a machine without a GPU
+// (tests/test_onesided_cpu.py builds proxy_engine.cpp with -DMT_HOST_SIM). By default copies and
+// stream writes run at once (synchronous streams); mtsim_set_async(1, delay_us) gives every stream a
+// worker thread that runs its operations in order, each copy after `delay_us` -- then the ordering the
+// fence modes promise (or fail to promise: round_robin + nic_ordered) shows, as on a GPU.
+// Not part of the library build (csrc_build compiles only csrc/*.cu and csrc/*.cpp).
+#pragma once
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+
+typedef int cudaError_t;
+typedef void* cudaStream_t;
+typedef int CUresult;
+typedef void* CUstream;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long cuuint64_t;
+enum { cudaSuccess = 0, CUDA_SUCCESS = 0, cudaErrorMemoryAllocation = 2 };
+enum cudaMemcpyKind { cudaMemcpyDeviceToDevice = 3 };
+enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0 };
+#define cudaStreamNonBlocking 1
+#define cudaHostAllocMapped 2
+#define cudaHostAllocPortable 1
+#define cudaEnableDefault 0
+
+namespace mtsim {
+extern unsigned long long memcpys, writes, syncs;
+extern int async_mode, copy_delay_us;
+void* stream_new();
+void stream_delete(void* s);
+void stream_copy(void* s, void* d, const void* src, size_t n);
+void stream_write64(void* s, uint64_t* addr, uint64_t v);
+void stream_sync(void* s);
+}
+
+inline const char* cudaGetErrorName(cudaError_t) { return "simError"; }
+inline const char* cudaGetErrorString(cudaError_t) { return "simulated CUDA error"; }
+inline cudaError_t cudaSetDevice(int) { return cudaSuccess; }
+inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  __atomic_add_fetch(&mtsim::syncs, 1, __ATOMIC_RELAXED);
+  mtsim::stream_sync(s);
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+  *s = mtsim::stream_new();
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  mtsim::stream_delete(s);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t st) {
+  mtsim::stream_copy(st, d, s, n);
+  __atomic_add_fetch(&mtsim::memcpys, 1, __ATOMIC_RELAXED);
+  return cudaSuccess;
+}
+enum cudaMemcpySrcAccessOrder { cudaMemcpySrcAccessOrderStream = 1 };
+struct cudaMemcpyAttributes {
+  cudaMemcpySrcAccessOrder srcAccessOrder;
+  int pad[5];
+  unsigned flags;
+};
+inline cudaError_t cudaMemcpyBatchAsync(void* const* d, const void* const* s, const size_t* n, size_t count,
+                                        cudaMemcpyAttributes*, size_t*, size_t, cudaStream_t st) {
+  for (size_t i = 0; i < count; ++i) cudaMemcpyAsync(d[i], s[i], n[i], cudaMemcpyDeviceToDevice, st);
+  return cudaSuccess;
+}
+inline cudaError_t cudaHostAlloc(void** p, size_t n, unsigned) {
+  *p = aligned_alloc(64, (n + 63) / 64 * 64);
+  return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+inline cudaError_t cudaHostGetDevicePointer(void** d, void* h, unsigned) {
+  *d = h;
+  return cudaSuccess;
+}
+inline cudaError_t cudaFreeHost(void* p) {
+  free(p);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMalloc(void** p, size_t n) { return cudaHostAlloc(p, n, 0); }
+inline cudaError_t cudaFree(void* p) { return cudaFreeHost(p); }
+inline cudaError_t cudaMemset(void* p, int v, size_t n) {
+  memset(p, v, n);
+  return cudaSuccess;
+}
+inline CUresult sim_write64(CUstream st, CUdeviceptr addr, cuuint64_t v, unsigned) {
+  mtsim::stream_write64(st, reinterpret_cast<uint64_t*>(addr), (uint64_t)v);
+  __atomic_add_fetch(&mtsim::writes, 1, __ATOMIC_RELAXED);
+  return CUDA_SUCCESS;
+}
+inline cudaError_t cudaGetDriverEntryPointByVersion(const char*, void** fn, unsigned, unsigned long long,
+                                                    cudaDriverEntryPointQueryResult* q) {
+  *fn = (void*)&sim_write64;
+  *q = cudaDriverEntryPointSuccess;
+  return cudaSuccess;
+}

@@ -1,0 +1,147 @@
+// Host-simulation support for tests: error text and counters (see mt_cuda_sim.h).
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "../mt_common.h"
+
+namespace mtsim {
+unsigned long long memcpys = 0, writes = 0, syncs = 0;
+int async_mode = 0, copy_delay_us = 0;
+
+// A stream: operations run in order on the stream's own thread (async mode) or at once.
+struct Stream {
+  std::mutex mu;
+  std::condition_variable cv, idle;
+  std::deque<std::function<void()>> q;
+  size_t busy = 0;
+  bool stop = false;
+  std::thread th;
+  Stream() {
+    th = std::thread([this] {
+      std::unique_lock<std::mutex> g(mu);
+      for (;;) {
+        cv.wait(g, [this] { return stop || !q.empty(); });
+        if (q.empty()) return;
+        auto f = std::move(q.front());
+        q.pop_front();
+        g.unlock();
+        f();
+        g.lock();
+        --busy;
+        if (busy == 0) idle.notify_all();
+      }
+    });
+  }
+  ~Stream() {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    th.join();
+  }
+  void push(std::function<void()> f) {
+    std::lock_guard<std::mutex> g(mu);
+    ++busy;
+    q.push_back(std::move(f));
+    cv.notify_one();
+  }
+  void sync() {
+    std::unique_lock<std::mutex> g(mu);
+    idle.wait(g, [this] { return busy == 0; });
+  }
+};
+
+// Hardware-queue aliasing model: with alias_n > 0 every new stream is one of alias_n shared queues
+// (round robin), as CUDA maps streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware work queues.
+static std::mutex pool_mu;
+static std::vector<Stream*> pool;
+static size_t pool_next = 0;
+
+void* stream_new() {
+  std::lock_guard<std::mutex> g(pool_mu);
+  if (!pool.empty()) return pool[pool_next++ % pool.size()];
+  return new Stream();
+}
+void stream_delete(void* s) {
+  std::lock_guard<std::mutex> g(pool_mu);
+  for (Stream* q : pool)
+    if (q == s) return;  // shared queue: lives until mtsim_set_alias(0)
+  delete static_cast<Stream*>(s);
+}
+void stream_copy(void* s, void* d, const void* src, size_t n) {
+  if (!async_mode || s == nullptr) {
+    memcpy(d, src, n);
+    return;
+  }
+  const int delay = copy_delay_us;
+  static_cast<Stream*>(s)->push([d, src, n, delay] {
+    if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+    memcpy(d, src, n);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+  });
+}
+void stream_write64(void* s, uint64_t* addr, uint64_t v) {
+  if (!async_mode || s == nullptr) {
+    __atomic_store_n(addr, v, __ATOMIC_RELEASE);
+    return;
+  }
+  static_cast<Stream*>(s)->push([addr, v] { __atomic_store_n(addr, v, __ATOMIC_RELEASE); });
+}
+void stream_sync(void* s) {
+  if (s != nullptr) static_cast<Stream*>(s)->sync();
+}
+}  // namespace mtsim
+
+// Test hook: asynchronous streams (1) with every copy delayed by delay_us, or synchronous ones (0).
+// Set before creating engines.
+MT_API void mtsim_set_async(int on, int delay_us) {
+  mtsim::async_mode = on;
+  mtsim::copy_delay_us = delay_us;
+}
+namespace mt {
+static thread_local char g_err[1024] = {0};
+void set_error(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g_err, sizeof(g_err), fmt, ap);
+  va_end(ap);
+}
+}  // namespace mt
+
+MT_API const char* mt_last_error() { return mt::g_err; }
+MT_API void mtsim_counters(unsigned long long* out) {
+  out[0] = mtsim::memcpys;
+  out[1] = mtsim::writes;
+  out[2] = mtsim::syncs;
+}
+
+// Test hooks for the aliasing model (tests/test_onesided_cpu.py).
+MT_API void mtsim_set_alias(int n) {
+  std::lock_guard<std::mutex> g(mtsim::pool_mu);
+  for (auto* q : mtsim::pool) delete q;
+  mtsim::pool.clear();
+  mtsim::pool_next = 0;
+  for (int i = 0; i < n; ++i) mtsim::pool.push_back(new mtsim::Stream());
+}
+MT_API void* mtsim_stream_create() { return mtsim::stream_new(); }
+MT_API void mtsim_stream_destroy(void* s) { mtsim::stream_delete(s); }
+MT_API void mtsim_stream_sync(void* s) { mtsim::stream_sync(s); }
+// Enqueue "wait until *word >= value" (bounded): work queued behind a kernel on the kernel's stream.
+MT_API void mtsim_stream_wait_word(void* s, uint64_t* word, uint64_t value, double timeout_s) {
+  static_cast<mtsim::Stream*>(s)->push([word, value, timeout_s] {
+    auto t0 = std::chrono::steady_clock::now();
+    while (__atomic_load_n(word, __ATOMIC_ACQUIRE) < value &&
+           std::chrono::steady_clock::now() - t0 < std::chrono::duration<double>(timeout_s))
+      std::this_thread::yield();
+  });
+}
