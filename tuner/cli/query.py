@@ -1,9 +1,125 @@
-"""Top-level `moetune query` command(s)."""
+"""Top-level `moetune query`: the tuned profile for a model, EP size and token count.
+
+Asks the daemon; when it does not answer, reads the database read-only (the same fallback chain the
+runtime uses: daemon -> read-only database -> policy defaults) and says where the answer came from.
+"""
 
 from __future__ import annotations
 
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import msgspec
 import typer
+
+
+def _config(config: Path | None) -> Any:
+    from ..daemon import _load_config
+
+    try:
+        return _load_config(config)
+    except ValueError as e:
+        typer.secho(f"moetune: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+
+
+def make_client(socket: str | None, config: Path | None, timeout_ms: int | None, db: Path | None = None) -> Any:
+    from moetune.runtime.client import ProfileClient
+
+    cfg = _config(config)
+    endpoint = socket or cfg.client.socket if hasattr(cfg, "client") else socket or cfg.daemon.socket
+    server_key = None
+    key_file = getattr(cfg.daemon, "curve_public_key_file", "")
+    if endpoint.startswith("tcp://") and key_file:
+        import zmq.auth
+
+        server_key, _ = zmq.auth.load_certificate(key_file)
+    return ProfileClient(endpoint, timeout_ms=timeout_ms or getattr(getattr(cfg, "client", None), "timeout_ms", 200),
+                         curve_server_key=server_key, db_path=db or Path(cfg.store.db))
+
+
+def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms: int, **fields: Any) -> Any:
+    from moetune.runtime.client import DaemonError, DaemonUnavailable
+
+    client = make_client(socket, config, timeout_ms)
+    try:
+        return client.request(op, **fields)
+    except DaemonUnavailable as e:
+        typer.secho(f"moetune {op}: {e}", fg="red", err=True)
+        raise typer.Exit(1) from None
+    except DaemonError as e:
+        typer.secho(f"moetune {op}: the daemon said {e}", fg="red", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        client.close()
+
+
+def print_json(obj: Any) -> None:
+    typer.echo(msgspec.json.encode(obj).decode())
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the root app."""
+
+    @app.command("query")
+    def query(
+        model: str = typer.Option(..., "--model", help="Model name (qwen3-30b, ...) or custom:H,I,E,K[,dtype]."),
+        ep: int = typer.Option(..., "--ep", min=1, help="EP size (ranks)."),
+        tokens: int = typer.Option(..., "--tokens", min=0, help="Tokens per rank; the nearest bucket is used."),
+        nodes: int = typer.Option(1, "--nodes", min=1, help="Nodes."),
+        fmt: str = typer.Option("table", "--format", help="table | json | env"),
+        json_out: bool = typer.Option(False, "--json", help="Same as --format json."),
+        socket: str = typer.Option(None, "--socket", help="Daemon endpoint."),
+        db: Path = typer.Option(None, "--db", help="Database to read when the daemon does not answer."),
+        config: Path = typer.Option(None, "--config", help="TOML config file."),
+        timeout_ms: int = typer.Option(None, "--timeout-ms", help="Time budget for the whole lookup."),
+    ) -> None:
+        """The tuned knobs for a model, EP size and token count (daemon, else the database, else defaults)."""
+        from moetune.runtime.shapes import get_model
+
+        fmt = "json" if json_out else fmt
+        if fmt not in ("table", "json", "env"):
+            raise typer.BadParameter("expected table, json or env", param_hint="--format")
+        try:
+            shape = get_model(model)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--model") from None
+        if ep % nodes:
+            raise typer.BadParameter(f"EP size {ep} is not divisible by {nodes} nodes", param_hint="--ep")
+        client = make_client(socket, config, timeout_ms, db)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = client.resolve(model=shape, ep_size=ep, tokens=tokens, nodes=nodes)
+        client.close()
+        if fmt == "env":
+            for k, v in sorted(res.env.items()):
+                typer.echo(f"export {k}={v}")
+            typer.echo(f"export MOETUNE_PROFILE_HASH={res.profile_hash}")
+            return
+        out = {"source": res.source, "profile_hash": res.profile_hash, "status": res.status,
+               "knobs": res.knobs.to_dict(), "env": res.env, "key": res.key.to_dict() if res.key else None,
+               "family": res.family, "message": res.message}
+        if fmt == "json":
+            typer.echo(json.dumps(out))
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        con = Console()
+        t = Table(title=f"{shape.name} ep={ep} nodes={nodes} tokens={tokens}", show_header=False)
+        t.add_row("source", res.source)
+        t.add_row("profile", res.profile_hash)
+        t.add_row("status", res.status)
+        if res.key:
+            t.add_row("fingerprint", res.key.fingerprint)
+            t.add_row("family", res.key.transport_family)
+            t.add_row("token bucket", str(res.key.token_bucket))
+        for k, v in res.knobs.to_dict().items():
+            t.add_row(k, str(v))
+        for k, v in res.env.items():
+            t.add_row(f"env {k}", v)
+        con.print(t)
+        if caught or res.source != "daemon":
+            con.print(f"[yellow]not from the daemon: {res.message}[/yellow]")

@@ -1,9 +1,87 @@
-"""Top-level `moetune serve` command(s)."""
+"""Top-level `moetune serve`, `moetune status` and `moetune retune` (the daemon and talking to it)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the root app."""
+
+    @app.command("serve")
+    def serve(
+        socket: str = typer.Option(None, "--socket", help="ROUTER endpoint (default: ipc:// in the runtime directory)."),
+        pub_socket: str = typer.Option(None, "--pub-socket", help="PUB endpoint (default: next to --socket)."),
+        db: Path = typer.Option(None, "--db", help="Database (default: [store] db, $MOETUNE_HOME, XDG data dir)."),
+        config: Path = typer.Option(None, "--config", help="TOML config file."),
+        metrics_port: int = typer.Option(None, "--metrics-port", help="Prometheus /metrics on 127.0.0.1:PORT (0 = off)."),
+        rediscover_interval: float = typer.Option(None, "--rediscover-interval", help="Seconds between fabric discoveries (0 = never)."),
+        capture: Path = typer.Option(None, "--capture", help="Discover from this capture directory instead of the live node."),
+        allow_insecure_tcp: bool = typer.Option(None, "--allow-insecure-tcp/--no-allow-insecure-tcp", help="Allow tcp:// without CURVE (trusted loopback tests only)."),
+        log_level: str = typer.Option(None, "--log-level", help="debug|info|warning|error."),
+        store_hook: str = typer.Option(None, "--store-hook", hidden=True),
+        discover_hook: str = typer.Option(None, "--discover-hook", hidden=True),
+        retune_hook: str = typer.Option(None, "--retune-hook", hidden=True),
+    ) -> None:
+        """Serve tuned profiles over ZeroMQ; rediscover the fabric and re-tune when it changes."""
+        from ..daemon import DaemonConfigError, run_daemon
+
+        try:
+            code = run_daemon(socket=socket, pub_socket=pub_socket, db=str(db) if db else None, config=config,
+                              metrics_port=metrics_port, rediscover_interval=rediscover_interval, capture=capture,
+                              allow_insecure_tcp=allow_insecure_tcp, store_hook=store_hook, discover_hook=discover_hook,
+                              retune_hook=retune_hook, log_level=log_level)
+        except (DaemonConfigError, ValueError, OSError, RuntimeError) as e:
+            typer.secho(f"moetune serve: {e}", fg="red", err=True)
+            raise typer.Exit(2) from None
+        raise typer.Exit(code)
+
+    @app.command("status")
+    def status(
+        socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: the configured one)."),
+        config: Path = typer.Option(None, "--config", help="TOML config file."),
+        timeout_ms: int = typer.Option(1000, "--timeout-ms"),
+        json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    ) -> None:
+        """Ask the daemon how it is doing (uptime, database, last discovery, jobs)."""
+        from .query import daemon_call, print_json
+
+        st = daemon_call("status", socket=socket, config=config, timeout_ms=timeout_ms)
+        if json_out:
+            print_json(st)
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(show_header=False, title="moetune daemon")
+        for k in ("endpoint", "pub_endpoint", "db", "epoch", "pid", "daemon_version", "fingerprint", "version",
+                  "profiles_current", "profiles_stale", "requests", "last_discovery", "last_discovery_ok",
+                  "last_discovery_message"):
+            t.add_row(k, str(getattr(st, k)))
+        t.add_row("uptime_s", f"{st.uptime_s:.1f}")
+        j = st.jobs
+        t.add_row("jobs", f"running: {j.running.id if j.running else '-'}, queued: {len(j.queued)}/{j.capacity}")
+        for r in j.recent[-5:]:
+            t.add_row(f"job {r.id}", f"{r.state}: {r.reason} ({r.message})")
+        Console().print(t)
+
+    @app.command("retune")
+    def retune(
+        all_: bool = typer.Option(False, "--all", help="Re-tune every current profile of this fabric, not only stale ones."),
+        cancel: int = typer.Option(None, "--cancel", help="Cancel this job id."),
+        reason: str = typer.Option("requested from the command line", "--reason"),
+        socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: the configured one)."),
+        config: Path = typer.Option(None, "--config", help="TOML config file."),
+        timeout_ms: int = typer.Option(2000, "--timeout-ms"),
+        json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    ) -> None:
+        """Queue a re-tune of stale profiles in the daemon (or cancel a job)."""
+        from .query import daemon_call, print_json
+
+        res = daemon_call("retune", socket=socket, config=config, timeout_ms=timeout_ms, all=all_ or None, cancel=cancel, reason=reason)
+        if json_out:
+            print_json(res)
+        else:
+            typer.echo(res.message)

@@ -1,0 +1,315 @@
+#!/usr/bin/env python3
+"""Load test of the moetune daemon on loopback (CPU only), plus runtime start-up and fallback timings.
+
+    python bench/daemon_load.py [--transport ipc|tcp] [--seconds 3] [--clients 1,16,64,256] [--out bench/results]
+
+Starts `python -m moetune.tuner.daemon` on a tmp dir (ipc, or tcp 127.0.0.1 with allow_insecure_tcp for the
+test), seeds a database with profiles (tests/daemon_fakes.py: the real Store when importable), then for each
+client count N runs two phases with DEALER sockets spread over client processes (bounded: N <= 256,
+each phase `--seconds` long):
+  - closed loop: every client keeps one get_profile in flight (saturation throughput; latency = N / rate);
+  - paced: the clients together send `--rate` requests/s (open loop, Poisson-free fixed spacing), which
+    is the latency a daemon serving that request rate gives.
+Latency is measured by the client: send -> reply. Then:
+  - runtime start with the daemon up: `autoload_knobs` timed in a fresh process (imports timed apart);
+  - daemon down: the fallback chain (no socket file; a stale socket file; tcp with nobody listening).
+Writes bench/results/<date>_daemon_load.json and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+BODY = b'{"v":1,"id":%d,"op":"get_profile","ep_size":2,"tokens":3000,"model":"qwen3-30b"}'
+
+
+def _client_proc(endpoint: str, n_socks: int, seconds: float, rate: float, start_at: float, q: mp.Queue,
+                 cpus: set[int] | None = None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # before the ZeroMQ I/O thread exists: it inherits the mask
+    import zmq
+
+    ctx = zmq.Context()
+    socks = []
+    for _ in range(n_socks):
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 0
+        s.connect(endpoint)
+        socks.append(s)
+    poller = zmq.Poller()
+    for s in socks:
+        poller.register(s, zmq.POLLIN)
+    # warm the connections
+    for s in socks:
+        s.send(BODY % 0)
+    for s in socks:
+        s.recv()
+    while time.time() < start_at:
+        time.sleep(0.001)
+    lat: list[float] = []
+    errors = 0
+    perf = time.perf_counter
+    t0 = perf()
+    end = t0 + seconds
+    sent_at = {}
+    if rate <= 0:  # closed loop
+        for i, s in enumerate(socks):
+            sent_at[s] = perf()
+            s.send(BODY % i)
+        while True:
+            now = perf()
+            if now >= end:
+                break
+            for s, _ in poller.poll(max(1, int((end - now) * 1000))):
+                rep = s.recv()
+                t = perf()
+                lat.append(t - sent_at[s])
+                if b'"ok":true' not in rep:
+                    errors += 1
+                if t < end:
+                    sent_at[s] = perf()
+                    s.send(BODY % len(lat))
+    else:  # paced: each socket sends every n_socks/rate s, staggered; at most one request in flight per socket
+        import heapq
+
+        period = n_socks / rate
+        heap = [(t0 + i * period / n_socks, i) for i in range(n_socks)]
+        heapq.heapify(heap)
+        busy: dict = {}
+        while True:
+            now = perf()
+            if now >= end:
+                break
+            while heap and heap[0][0] <= now:
+                due, i = heapq.heappop(heap)
+                s = socks[i]
+                if s in busy:  # still waiting for its last reply: skip this slot
+                    heapq.heappush(heap, (due + period, i))
+                    continue
+                busy[s] = perf()
+                s.send(BODY % len(lat))
+                heapq.heappush(heap, (max(due + period, now), i))
+            # block at least 1 ms when nothing is due (a spinning client would steal the daemon's core);
+            # sends due meanwhile go out together, late by < 1 ms (latency is timed from the real send)
+            wait = heap[0][0] - perf() if heap else 0.001
+            for s, _ in poller.poll(max(1, min(int(wait * 1000) + 1, 5))):
+                rep = s.recv()
+                lat.append(perf() - busy.pop(s))
+                if b'"ok":true' not in rep:
+                    errors += 1
+    wall = perf() - t0
+    # drain in-flight replies so the daemon is idle for the next phase
+    deadline = perf() + 1
+    while perf() < deadline and poller.poll(50):
+        for s, _ in poller.poll(0):
+            s.recv()
+    for s in socks:
+        s.close(0)
+    ctx.term()
+    q.put({"lat": lat, "errors": errors, "wall": wall})
+
+
+def run_phase(endpoint: str, clients: int, seconds: float, rate: float, procs: int, cpus: set[int] | None = None) -> dict:
+    procs = max(1, min(procs, clients))
+    share = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+    q: mp.Queue = mp.Queue()
+    start_at = time.time() + 0.5 + clients * 0.004
+    ps = [mp.Process(target=_client_proc, args=(endpoint, n, seconds, rate * n / clients if rate > 0 else 0, start_at, q, cpus))
+          for n in share]
+    for p in ps:
+        p.start()
+    results = [q.get(timeout=seconds + 60) for _ in ps]
+    for p in ps:
+        p.join(10)
+    lat = sorted(x for r in results for x in r["lat"])
+    n = len(lat)
+    wall = max(r["wall"] for r in results)
+
+    def pct(p: float) -> float:
+        return round(lat[min(n - 1, int(p * n))] * 1e6, 1) if n else float("nan")
+
+    return {"clients": clients, "mode": "closed" if rate <= 0 else "paced", "target_rate": rate or None,
+            "client_procs": procs, "requests": n, "errors": sum(r["errors"] for r in results),
+            "seconds": round(wall, 3), "req_per_s": round(n / wall, 1) if wall else 0.0,
+            "p50_us": pct(0.50), "p90_us": pct(0.90), "p99_us": pct(0.99), "max_us": pct(1.0)}
+
+
+AUTOLOAD_SNIPPET = r"""
+import time, json, sys, warnings
+t_pkg = time.perf_counter()
+import moetune.runtime  # the runtime package itself (torch, ...) is imported by any EP program anyway
+from moetune.runtime.shapes import MODELS
+import gc
+gc.collect()  # do not charge the client import for a full collection of torch's objects that is due anyway
+t0 = time.perf_counter()
+from moetune.runtime.autoload import autoload_profile  # what the daemon client adds: pyzmq, wire schemas
+t1 = time.perf_counter()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    r = autoload_profile(model=MODELS["qwen3-30b"], ep_size=2, nodes=1, max_tokens=3000)
+t2 = time.perf_counter()
+print(json.dumps({"import_ms": (t1 - t0) * 1e3, "runtime_pkg_ms": (t0 - t_pkg) * 1e3, "autoload_ms": (t2 - t1) * 1e3,
+                  "source": r.source}))
+"""
+
+
+def _cpu_s(pid: int) -> float:
+    """user+system CPU seconds of a process (all its threads, incl. the ZeroMQ I/O thread)."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def time_autoload(env: dict, runs: int = 5) -> list[dict]:
+    """Fresh processes; the first (discarded) one writes the bytecode caches, as an installed package has them
+    (this machine exports PYTHONDONTWRITEBYTECODE=1, which would charge every import for compiling)."""
+    env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    out = []
+    for i in range(runs + 1):
+        p = subprocess.run([sys.executable, "-c", AUTOLOAD_SNIPPET], env=env, capture_output=True, text=True, timeout=60)
+        if p.returncode != 0:
+            raise RuntimeError(p.stderr[-2000:])
+        if i:
+            out.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def summarize(xs: list[dict], key: str) -> dict:
+    v = sorted(x[key] for x in xs)
+    return {"median_ms": round(v[len(v) // 2], 2), "max_ms": round(v[-1], 2), "runs": len(v)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--clients", default="1,16,64,256")
+    ap.add_argument("--rate", type=float, default=10000.0, help="aggregate request rate of the paced phase")
+    ap.add_argument("--procs", type=int, default=1, help="client processes")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--wait-quiet", type=float, default=0.0,
+                    help="wait up to this many seconds for the 1-min load average to drop below --quiet-load")
+    ap.add_argument("--quiet-load", type=float, default=1.0)
+    ap.add_argument("--pin", action="store_true",
+                    help="pin the daemon (all its threads) to CPU 0 and the client processes to the other CPUs")
+    ap.add_argument("--nice", type=int, default=0, help="os.nice() increment for the bench and the daemon it starts")
+    a = ap.parse_args()
+    if a.nice:
+        os.nice(a.nice)
+    deadline = time.time() + a.wait_quiet
+    while time.time() < deadline and os.getloadavg()[0] >= a.quiet_load:
+        time.sleep(5)
+    load_before = os.getloadavg()
+
+    import daemon_fakes as F
+
+    tmp = Path(tempfile.mkdtemp(prefix="moetune-bench-"))
+    facts = F.make_capture(tmp / "capture")
+    store = F.open_store(tmp / "moetune.db")
+    F.seed_profiles(store, facts)
+    del store
+    if a.transport == "tcp":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        endpoint, extra = f"tcp://127.0.0.1:{port}", ["--allow-insecure-tcp", "--pub-socket", f"ipc://{tmp}/run/events.sock"]
+    else:
+        endpoint, extra = None, []
+    d = F.DaemonProc(tmp, endpoint=endpoint, extra=extra, interval=0)
+    phases = []
+    client_cpus: set[int] | None = None
+    try:
+        d.wait_ready()
+        if a.pin and (os.cpu_count() or 1) > 1:
+            for tid in os.listdir(f"/proc/{d.proc.pid}/task"):
+                os.sched_setaffinity(int(tid), {0})
+            client_cpus = set(range(1, os.cpu_count() or 2))
+        for n in (int(x) for x in a.clients.split(",")):
+            n = max(1, min(n, 256))
+            for rate in (0.0, a.rate):
+                cpu0 = _cpu_s(d.proc.pid)
+                r = run_phase(d.endpoint, n, a.seconds, rate, a.procs, client_cpus)
+                cpu = _cpu_s(d.proc.pid) - cpu0
+                r["daemon_cpu_s"] = round(cpu, 3)
+                r["daemon_cpu_us_per_req"] = round(cpu / max(1, r["requests"]) * 1e6, 2)
+                r["daemon_rss_kb"] = d.rss_kb()
+                phases.append(r)
+                print(json.dumps(r), flush=True)
+        env = dict(os.environ, MOETUNE_CLIENT_SOCKET=d.endpoint, MOETUNE_STORE_DB=str(d.db))
+        up = time_autoload(env)
+    finally:
+        d.kill(15)
+    env = dict(os.environ, MOETUNE_CLIENT_SOCKET=d.endpoint, MOETUNE_STORE_DB=str(d.db))
+    down_nosock = time_autoload(env)
+    # a stale socket file (a daemon killed -9 leaves one): connect is refused, the client waits its budget
+    stale = tmp / "stale"
+    stale.mkdir()
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(stale / "daemon.sock"))
+    s.close()
+    down_stale = time_autoload(dict(env, MOETUNE_CLIENT_SOCKET=f"ipc://{stale / 'daemon.sock'}"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    down_tcp = time_autoload(dict(env, MOETUNE_CLIENT_SOCKET=f"tcp://127.0.0.1:{dead_port}"))
+
+    result = {
+        "date": datetime.now(UTC).isoformat(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+                 "platform": platform.platform()},
+        "transport": a.transport,
+        "nice": a.nice,
+        "pinned": bool(client_cpus),
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "note": "2-core shared CI box; other jobs may run at the same time (see loadavg); client processes run on the same cores as the daemon",
+        "store": "moetune.tuner.store.Store",
+        "phases": phases,
+        "autoload_daemon_up": {"call": summarize(up, "autoload_ms"), "import": summarize(up, "import_ms"),
+                               "runtime_package_import": summarize(up, "runtime_pkg_ms"),
+                               "sources": sorted({x["source"] for x in up})},
+        "autoload_daemon_down": {
+            "no_socket": {"call": summarize(down_nosock, "autoload_ms"), "sources": sorted({x["source"] for x in down_nosock})},
+            "stale_socket": {"call": summarize(down_stale, "autoload_ms"), "sources": sorted({x["source"] for x in down_stale})},
+            "tcp_nobody": {"call": summarize(down_tcp, "autoload_ms"), "sources": sorted({x["source"] for x in down_tcp})},
+        },
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{datetime.now(UTC):%Y-%m-%d}_daemon_load{'' if a.transport == 'ipc' else '_tcp'}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {path}")
+    print("\n| clients | mode | req/s | p50 µs | p99 µs | daemon CPU µs/req |\n|---|---|---|---|---|---|")
+    for r in phases:
+        print(f"| {r['clients']} | {r['mode']} | {r['req_per_s']:.0f} | {r['p50_us']:.0f} | {r['p99_us']:.0f} "
+              f"| {r['daemon_cpu_us_per_req']:.1f} |")
+    print()
+    print(f"load average before {result['loadavg_before']}, after {result['loadavg_after']}")
+    print(f"{'clients':>7} {'mode':>6} {'req/s':>9} {'p50 us':>8} {'p99 us':>8} {'errors':>6} {'cpu us/req':>10}")
+    for r in phases:
+        print(f"{r['clients']:>7} {r['mode']:>6} {r['req_per_s']:>9.0f} {r['p50_us']:>8.0f} {r['p99_us']:>8.0f} {r['errors']:>6}"
+              f" {r['daemon_cpu_us_per_req']:>10.1f}")
+    au = result["autoload_daemon_up"]
+    print(f"autoload, daemon up: call {au['call']['median_ms']} ms median; importing the client adds "
+          f"{au['import']['median_ms']} ms (the runtime package itself: {au['runtime_package_import']['median_ms']} ms)")
+    for k, v in result["autoload_daemon_down"].items():
+        print(f"autoload, daemon down ({k}): {v['call']['median_ms']} ms median, {v['call']['max_ms']} ms max -> {v['sources']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,383 @@
+"""The daemon's wire messages: the ONE place they are defined (DESIGN §5).
+
+Transport: ZeroMQ. Clients use a DEALER socket and send ONE frame per request; the daemon's ROUTER
+answers with ONE frame per reply. Frames are JSON (UTF-8). Never pickle.
+
+Request::
+
+    {"v": 1, "id": <int|str>, "op": "<op>", ...op fields...}
+
+Reply::
+
+    {"v": 1, "id": <same id>, "ok": true,  "epoch": "<daemon start id>", "result": {...}}
+    {"v": 1, "id": <same id>, "ok": false, "epoch": "<daemon start id>", "error": {"code": ..., "message": ...}}
+
+Ops: ``hello``, ``get_profile``, ``list_profiles``, ``fabric``, ``status``, ``retune``.
+
+Change notifications go out on a PUB socket as two frames ``[topic, json]`` where the topic is the
+change kind (``profile_updated``, ``profile_stale``, ``fabric_changed``) and the JSON body is a
+`Change` carrying a monotonically increasing ``version``. A client subscribes first, then fetches a
+snapshot (``list_profiles`` / ``get_profile`` / ``hello`` carry the current ``version``) and then
+applies only changes whose version is above the snapshot's (the ZeroMQ Guide's Clone pattern).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from .knobs import Knobs
+from .profile_record import ProfileKey, ProfileRecord
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_REQUEST_BYTES = 65536
+
+# -- error codes -----------------------------------------------------------------------------------
+E_BAD_JSON = "bad_json"  # the frame is not valid JSON
+E_BAD_REQUEST = "bad_request"  # valid JSON but not a request object
+E_UNSUPPORTED_VERSION = "unsupported_version"  # "v" is not PROTOCOL_VERSION
+E_UNKNOWN_OP = "unknown_op"
+E_MISSING_FIELD = "missing_field"
+E_INVALID_FIELD = "invalid_field"  # wrong type or value out of range
+E_UNKNOWN_FIELD = "unknown_field"
+E_TOO_LARGE = "too_large"  # request over the size cap
+E_NOT_FOUND = "not_found"  # no current profile for the key
+E_BUSY = "busy"  # the job queue is full
+E_INTERNAL = "internal"
+
+ERROR_CODES: tuple[str, ...] = (
+    E_BAD_JSON,
+    E_BAD_REQUEST,
+    E_UNSUPPORTED_VERSION,
+    E_UNKNOWN_OP,
+    E_MISSING_FIELD,
+    E_INVALID_FIELD,
+    E_UNKNOWN_FIELD,
+    E_TOO_LARGE,
+    E_NOT_FOUND,
+    E_BUSY,
+    E_INTERNAL,
+)
+
+Id = int | Annotated[str, Meta(max_length=128)]
+Name = Annotated[str, Meta(min_length=1, max_length=256)]
+PosInt = Annotated[int, Meta(ge=1, le=1 << 31)]
+Tokens = Annotated[int, Meta(ge=0, le=1 << 31)]
+
+
+# -- requests --------------------------------------------------------------------------------------
+class _Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
+    v: int
+    id: Id
+
+
+class Hello(_Request, tag="hello"):
+    """Versions, epoch, PUB endpoint and the current change version."""
+
+    client: Annotated[str, Meta(max_length=256)] = ""
+
+
+class GetProfile(_Request, tag="get_profile"):
+    """The current profile for a key, at the nearest token bucket.
+
+    The shape is either `model` (a name known to moetune.runtime.shapes) or the four numbers
+    hidden/intermediate/experts/topk (+ dtype). `fingerprint`/`software` default to the daemon's
+    current fabric; `transport_family` picks among profiles of several families (else the fastest).
+    """
+
+    ep_size: PosInt
+    tokens: Tokens
+    nodes: PosInt = 1
+    model: Name | None = None
+    hidden: PosInt | None = None
+    intermediate: PosInt | None = None
+    experts: PosInt | None = None
+    topk: PosInt | None = None
+    dtype: Name | None = None
+    fingerprint: Name | None = None
+    software: Name | None = None
+    transport_family: Name | None = None
+
+
+class ListProfiles(_Request, tag="list_profiles"):
+    """A versioned snapshot of profiles (current ones by default)."""
+
+    status: Literal["current", "stale", "superseded", "all"] = "current"
+    fingerprint: Name | None = None
+    limit: Annotated[int, Meta(ge=1, le=10000)] = 1000
+
+
+class Fabric(_Request, tag="fabric"):
+    """The facts and fingerprint of the node's fabric, as last discovered."""
+
+
+class Status(_Request, tag="status"):
+    """Uptime, database, last discovery, jobs."""
+
+
+class Retune(_Request, tag="retune"):
+    """Queue a re-tune of the stale profiles (or of all current ones with `all`), or cancel a job."""
+
+    all: bool = False
+    cancel: PosInt | None = None
+    reason: Annotated[str, Meta(max_length=512)] = "requested"
+
+
+Request = Hello | GetProfile | ListProfiles | Fabric | Status | Retune
+OPS: tuple[str, ...] = ("hello", "get_profile", "list_profiles", "fabric", "status", "retune")
+
+
+# -- replies ---------------------------------------------------------------------------------------
+class ErrorInfo(msgspec.Struct):
+    code: str
+    message: str
+
+
+class Reply(msgspec.Struct, omit_defaults=True):
+    v: int
+    id: Any
+    ok: bool
+    epoch: str
+    result: Any = None
+    error: ErrorInfo | None = None
+
+
+class RawReply(msgspec.Struct):
+    """Client side: the reply with its result left undecoded until the op is known."""
+
+    v: int
+    id: Any
+    ok: bool
+    epoch: str
+    result: msgspec.Raw = msgspec.Raw(b"null")
+    error: ErrorInfo | None = None
+
+
+class ProfileResult(msgspec.Struct, kw_only=True):
+    key: ProfileKey
+    knobs: Knobs
+    profile_hash: str
+    status: str
+    latency_us: float
+    spread_us: float
+    backend: str
+    env: dict[str, str] = {}
+    updated: str = ""
+    version: int = 0  # the daemon's change version when this was read
+
+    @classmethod
+    def from_record(cls, rec: ProfileRecord, *, env: dict[str, str], version: int = 0) -> ProfileResult:
+        return cls(
+            key=rec.key,
+            knobs=rec.knobs,
+            profile_hash=rec.profile_hash,
+            status=rec.status,
+            latency_us=rec.latency_us,
+            spread_us=rec.spread_us,
+            backend=rec.backend,
+            env=env,
+            updated=rec.updated or rec.created,
+            version=version,
+        )
+
+
+class HelloResult(msgspec.Struct, kw_only=True):
+    protocol: int
+    daemon_version: str
+    epoch: str
+    pub_endpoint: str
+    version: int
+    fingerprint: str | None
+    ops: list[str]
+
+
+class ListProfilesResult(msgspec.Struct, kw_only=True):
+    version: int
+    fingerprint: str | None
+    profiles: list[ProfileResult]
+
+
+class FabricResult(msgspec.Struct, kw_only=True):
+    fingerprint: str | None
+    software: str | None
+    transports: list[str]
+    facts: dict[str, Any]
+    discovered_at: str
+    ok: bool
+    message: str = ""
+
+
+class JobInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: int
+    state: Literal["queued", "running", "done", "failed", "cancelled"]
+    reason: str
+    fingerprint: str | None = None
+    keys: int = 0  # stale profile keys the job re-tunes
+    run_id: int | None = None
+    written: int = 0
+    message: str = ""
+    created: str = ""
+    finished: str = ""
+
+
+class JobsInfo(msgspec.Struct, kw_only=True):
+    queued: list[JobInfo]
+    running: JobInfo | None
+    recent: list[JobInfo]
+    capacity: int
+
+
+class StatusResult(msgspec.Struct, kw_only=True):
+    epoch: str
+    daemon_version: str
+    pid: int
+    uptime_s: float
+    db: str
+    endpoint: str
+    pub_endpoint: str
+    version: int
+    fingerprint: str | None
+    last_discovery: str
+    last_discovery_ok: bool
+    last_discovery_message: str
+    profiles_current: int
+    profiles_stale: int
+    requests: int
+    jobs: JobsInfo
+
+
+class RetuneResult(msgspec.Struct, kw_only=True):
+    job: JobInfo | None
+    message: str
+
+
+# -- change notifications (PUB) ---------------------------------------------------------------------
+ChangeKind = Literal["profile_updated", "profile_stale", "fabric_changed"]
+CHANGE_KINDS: tuple[str, ...] = ("profile_updated", "profile_stale", "fabric_changed")
+
+
+class Change(msgspec.Struct, kw_only=True, omit_defaults=True):
+    v: int = PROTOCOL_VERSION
+    version: int
+    epoch: str
+    kind: ChangeKind
+    fingerprint: str | None = None
+    old_fingerprint: str | None = None
+    profiles: list[str] = []  # profile hashes affected
+    keys: list[ProfileKey] = []
+    reasons: list[str] = []
+    ts: float = 0.0
+
+
+# -- codecs ----------------------------------------------------------------------------------------
+request_decoder = msgspec.json.Decoder(Request)
+reply_decoder = msgspec.json.Decoder(RawReply)
+change_decoder = msgspec.json.Decoder(Change)
+encoder = msgspec.json.Encoder()
+
+RESULT_TYPES: dict[str, type] = {
+    "hello": HelloResult,
+    "get_profile": ProfileResult,
+    "list_profiles": ListProfilesResult,
+    "fabric": FabricResult,
+    "status": StatusResult,
+    "retune": RetuneResult,
+}
+
+
+class WireError(Exception):
+    """A request that cannot be served: carries the error code, the message and the request id."""
+
+    def __init__(self, code: str, message: str, req_id: Any = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.req_id = req_id
+
+
+def _safe_id(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        rid = obj.get("id")
+        if isinstance(rid, bool):
+            return None
+        if isinstance(rid, int) and -(1 << 63) <= rid < (1 << 63):
+            return rid
+        if isinstance(rid, str) and len(rid) <= 128:
+            return rid
+    return None
+
+
+def decode_request(frame: bytes, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Request:
+    """Decode and validate one request frame. Raises WireError with a code on any problem."""
+    if len(frame) > max_bytes:
+        raise WireError(E_TOO_LARGE, f"request of {len(frame)} bytes is over the {max_bytes}-byte cap")
+    try:
+        req = request_decoder.decode(frame)
+    except msgspec.ValidationError as e:
+        raise _classify(frame, e) from None
+    except msgspec.DecodeError as e:
+        raise WireError(E_BAD_JSON, f"not valid JSON: {e}") from None
+    if req.v != PROTOCOL_VERSION:
+        raise WireError(E_UNSUPPORTED_VERSION, f"protocol version {req.v} is not supported (want {PROTOCOL_VERSION})", req.id)
+    return req
+
+
+def _classify(frame: bytes, err: msgspec.ValidationError) -> WireError:
+    """Turn a schema failure into a precise error code (slow path, only on bad requests)."""
+    msg = str(err)
+    try:
+        obj = msgspec.json.decode(frame)
+    except msgspec.DecodeError as e:  # pragma: no cover - the typed decode would have said so
+        return WireError(E_BAD_JSON, f"not valid JSON: {e}")
+    rid = _safe_id(obj)
+    if not isinstance(obj, dict):
+        return WireError(E_BAD_REQUEST, f"a request is a JSON object, got {type(obj).__name__}", rid)
+    if "op" not in obj:
+        return WireError(E_MISSING_FIELD, "missing field `op`", rid)
+    op = obj["op"]
+    if not isinstance(op, str):
+        return WireError(E_INVALID_FIELD, "`op` must be a string", rid)
+    if op not in OPS:
+        return WireError(E_UNKNOWN_OP, f"unknown op {op[:64]!r}; known: {', '.join(OPS)}", rid)
+    v = obj.get("v")
+    if "v" in obj and (isinstance(v, bool) or not isinstance(v, int) or v != PROTOCOL_VERSION):
+        return WireError(E_UNSUPPORTED_VERSION, f"protocol version {str(v)[:32]} is not supported (want {PROTOCOL_VERSION})", rid)
+    if "missing required field" in msg:
+        return WireError(E_MISSING_FIELD, msg, rid)
+    if "unknown field" in msg:
+        return WireError(E_UNKNOWN_FIELD, msg, rid)
+    return WireError(E_INVALID_FIELD, msg, rid)
+
+
+def encode_ok(req_id: Any, epoch: str, result: Any) -> bytes:
+    return encoder.encode(Reply(v=PROTOCOL_VERSION, id=req_id, ok=True, epoch=epoch, result=result))
+
+
+def encode_error(req_id: Any, epoch: str, code: str, message: str) -> bytes:
+    return encoder.encode(
+        Reply(v=PROTOCOL_VERSION, id=req_id, ok=False, epoch=epoch, error=ErrorInfo(code=code, message=message[:1024]))
+    )
+
+
+def encode_request(op: str, req_id: Any, **fields: Any) -> bytes:
+    """Client side: one request frame. Fields are validated by the daemon, not here."""
+    body = {"v": PROTOCOL_VERSION, "id": req_id, "op": op}
+    body.update({k: v for k, v in fields.items() if v is not None})
+    return encoder.encode(body)
+
+
+def decode_result(op: str, raw: msgspec.Raw) -> Any:
+    """Client side: the typed result of an op."""
+    return msgspec.json.decode(raw, type=RESULT_TYPES[op])
+
+
+def encode_change(change: Change) -> list[bytes]:
+    return [change.kind.encode(), encoder.encode(change)]
+
+
+def decode_change(frames: list[bytes]) -> Change:
+    if len(frames) != 2:
+        raise WireError(E_BAD_REQUEST, f"a change message has 2 frames, got {len(frames)}")
+    return change_decoder.decode(frames[1])

@@ -1,0 +1,179 @@
+"""Helpers of the daemon tests.
+
+- `DaemonProc`: `python -m moetune.tuner.daemon` as a subprocess on a tmp dir (real Store, real discovery of a
+  `--capture` copied from tests/captures); always killed by the test's teardown.
+- `make_capture` / `set_port_state`: a capture to discover, and a scripted hardware change (an IB port goes down).
+- `fake_retune(ctx)` (`--retune-hook`): writes one new profile per key on the new fabric, after sleeping
+  MOETUNE_FAKE_JOB_SLEEP s (checking for cancellation): a job that can be held open for the kill -9 and
+  cancel tests. The fabric-change and tuner tests use the real tuner.
+- `FakeFacts`: facts of some other fabric (only its fingerprint and software hash matter).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+
+
+def open_store(path: str | Path) -> Any:
+    from moetune.tuner.store import Store
+
+    return Store(path)
+
+
+class FakeTransport:
+    def __init__(self, name: str):
+        self.name = name
+        self.reason = "fake"
+
+
+class FakeFacts:
+    def __init__(self, d: dict[str, Any]):
+        self._d = d
+        self.software = d.get("software", {})
+        self.software_hash = hashlib.sha256(json.dumps(self.software, sort_keys=True).encode()).hexdigest()[:16]
+        self.fingerprint = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        self.hardware_hash = self.fingerprint
+        self.transports = [FakeTransport(t) for t in d.get("transports", ["nvlink"])]
+        self.gpu_count = d.get("gpu_count", 2)
+        self.gpu_model = d.get("gpu_model", "H200")
+        self.nodes = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._d)
+
+
+CAPTURES = Path(__file__).resolve().parent / "captures"
+
+
+def make_capture(dest: Path, name: str = "dgx-h100") -> Any:
+    """Copy one of the fabric tests' captures to `dest` (the daemon's --capture) and discover it."""
+    import shutil
+
+    from moetune.tuner.discovery import discover
+
+    shutil.copytree(CAPTURES / name, dest)
+    return discover(dest)
+
+
+def set_port_state(capture: Path, state: str = "1: DOWN", dev: str = "mlx5_0", port: int = 1) -> Any:
+    """Script a hardware change in a capture: an InfiniBand port goes down (or up). Returns the new facts."""
+    from moetune.tuner.discovery import discover
+
+    f = capture / "sys" / "class" / "infiniband" / dev / "ports" / str(port) / "state"
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text(state + "\n")
+    os.replace(tmp, f)
+    return discover(capture)
+
+
+def make_record(key: ProfileKey, *, latency_us: float = 10.0, num_sms: int = 24, backend: str = "model:fake") -> ProfileRecord:
+    knobs = default_knobs("nvlink").replace(num_sms=num_sms)
+    return ProfileRecord(key=key, knobs=knobs, latency_us=latency_us, spread_us=0.1, backend=backend)
+
+
+def fake_retune(ctx: Any) -> list[ProfileRecord]:
+    deadline = time.monotonic() + float(os.environ.get("MOETUNE_FAKE_JOB_SLEEP", "0"))
+    while time.monotonic() < deadline:
+        ctx.check_cancel()
+        time.sleep(0.02)
+    out = []
+    for k in ctx.keys:
+        nk = ProfileKey(**{**k.to_dict(), "fingerprint": ctx.facts.fingerprint, "software": ctx.facts.software_hash,
+                           "transport_family": "nvlink"})
+        rec = make_record(nk, latency_us=8.0, num_sms=32)
+        ok, _ = ctx.store.put_profile(rec)
+        if ok:
+            out.append(rec)
+    return out
+
+
+# -- running the daemon as a subprocess ---------------------------------------------------------------
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+class DaemonProc:
+    """`python -m moetune.tuner.daemon` in a tmp dir with the fakes injected; always killed by close()."""
+
+    def __init__(self, tmp: Path, *, endpoint: str | None = None, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None, interval: float = 0.2, hooks: bool = True):
+        import subprocess
+        import sys
+
+        self.tmp = tmp
+        self.run_dir = tmp / "run"
+        self.endpoint = endpoint or f"ipc://{self.run_dir / 'daemon.sock'}"
+        self.db = tmp / "moetune.db"
+        self.capture = tmp / "capture"
+        args = [sys.executable, "-m", "moetune.tuner.daemon", "--socket", self.endpoint, "--db", str(self.db),
+                "--capture", str(self.capture), "--rediscover-interval", str(interval), "--log-level", "info"]
+        if hooks:
+            # real discovery of the --capture directory; the re-tune is faked (no Optuna in daemon tests)
+            args += ["--retune-hook", "daemon_fakes:fake_retune"]
+        args += extra or []
+        e = dict(os.environ)
+        e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), e.get("PYTHONPATH", "")]))
+        e["MOETUNE_HOME"] = str(tmp / "home")
+        e.update(env or {})
+        self.log = open(tmp / "daemon.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=self.log, env=e)
+
+    def wait_ready(self, timeout: float = 20.0, **client_kw: Any) -> Any:
+        from moetune.runtime.client import DaemonUnavailable, ProfileClient
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.read_log()[-3000:]}")
+            c = ProfileClient(self.endpoint, timeout_ms=300, **client_kw)
+            try:
+                return c.hello()
+            except DaemonUnavailable:
+                time.sleep(0.05)
+            finally:
+                c.close()
+        raise TimeoutError(f"daemon not ready: {self.read_log()[-3000:]}")
+
+    def read_log(self) -> str:
+        self.log.flush()
+        return (self.tmp / "daemon.log").read_text(errors="replace")
+
+    def rss_kb(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        return 0
+
+    def kill(self, sig: int = 9) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    close = kill
+
+
+def seed_profiles(store: Any, facts: FakeFacts, *, model: str = "qwen3-30b", ep_size: int = 2,
+                  buckets: tuple[int, ...] = (64, 1024, 4096)) -> list[ProfileRecord]:
+    from moetune.runtime.shapes import MODELS
+
+    m = MODELS[model]
+    out = []
+    for b in buckets:
+        key = ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family="nvlink",
+                         ep_size=ep_size, nodes=1, hidden=m.hidden, intermediate=m.intermediate, experts=m.experts,
+                         topk=m.topk, dtype=m.dtype, token_bucket=b)
+        rec = make_record(key)
+        store.put_profile(rec)
+        out.append(rec)
+    return out

@@ -1,0 +1,219 @@
+"""The runtime side: fallback chain daemon -> read-only database -> policy defaults (bounded, loud),
+autoload (env exported before communicators, explicit environment wins, cached), the cross-rank hash
+check, and the `query`/`status`/`retune` commands."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime import autoload
+from moetune.runtime.client import FallbackWarning, ProfileClient, query_db_profiles
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.shapes import MODELS
+from moetune.tuner.cli import app
+
+pytestmark = pytest.mark.timeout(60)
+QWEN = MODELS["qwen3-30b"]
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("client")
+    facts = F.make_capture(tmp / "capture")
+    F.seed_profiles(F.open_store(tmp / "moetune.db"), facts)
+    d = F.DaemonProc(tmp, interval=0)
+    try:
+        d.wait_ready()
+        yield d, facts
+    finally:
+        d.kill()
+
+
+def test_daemon_answer_no_warning(up) -> None:
+    d, facts = up
+    c = ProfileClient(d.endpoint, db_path=d.db)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = c.resolve(model=QWEN, ep_size=2, tokens=100)
+    c.close()
+    assert res.source == "daemon" and res.key.fingerprint == facts.fingerprint and res.key.token_bucket == 64
+    assert res.epoch and res.env == {"NVSHMEM_REMOTE_TRANSPORT": "none"}
+
+
+def test_fallback_to_readonly_database(up, caplog: pytest.LogCaptureFixture) -> None:
+    d, _facts = up
+    dead = f"ipc://{d.tmp}/nowhere/daemon.sock"
+    c = ProfileClient(dead, db_path=d.db)
+    before = d.db.stat().st_mtime_ns
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="moetune.client"), pytest.warns(FallbackWarning, match="read-only database"):
+        res = c.resolve(model=QWEN, ep_size=2, tokens=5000)
+    assert time.monotonic() - t0 < 0.25
+    assert res.source == "database" and res.key.token_bucket == 4096 and res.status == "current"
+    assert any("read-only database" in r.message for r in caplog.records)
+    assert d.db.stat().st_mtime_ns == before  # never written
+    # the query is one function over the store's columns
+    recs = query_db_profiles(d.db, ep_size=2, nodes=1, hidden=QWEN.hidden, intermediate=QWEN.intermediate,
+                             experts=QWEN.experts, topk=QWEN.topk, dtype=QWEN.dtype)
+    assert {r.key.token_bucket for r in recs} == {64, 1024, 4096}
+    assert res.profile_hash in {r.profile_hash for r in recs}
+
+
+def test_silent_daemon_bounded_then_defaults(tmp_path: Path) -> None:
+    """A stale socket file nobody listens on, no database: policy/default knobs within 250 ms."""
+    run = tmp_path / "run"
+    run.mkdir()
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(run / "daemon.sock"))
+    s.close()
+    c = ProfileClient(f"ipc://{run / 'daemon.sock'}", db_path=tmp_path / "missing.db", timeout_ms=200)
+    t0 = time.monotonic()
+    with pytest.warns(FallbackWarning, match="NO tuned profile"):
+        res = c.resolve(model=QWEN, ep_size=2, tokens=100)
+    elapsed = time.monotonic() - t0
+    c.close()
+    assert 0.15 < elapsed < 0.25, elapsed
+    assert res.source in ("policy", "default") and res.status == "default"
+    assert res.knobs.transport == "collective"
+    if res.source == "default":
+        assert res.knobs == default_knobs("collective")
+
+
+def test_tcp_nobody_listening_bounded(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = ProfileClient(f"tcp://127.0.0.1:{port}", db_path=tmp_path / "none.db", timeout_ms=200)
+    t0 = time.monotonic()
+    with pytest.warns(FallbackWarning):
+        res = c.resolve(model=QWEN, ep_size=4, tokens=100)
+    assert time.monotonic() - t0 < 0.25
+    assert res.source in ("policy", "default")
+    c.close()
+
+
+def test_fallback_uses_cached_fingerprint(up) -> None:
+    """daemon.json caches the fingerprint: a database with another fabric's profile is not used."""
+    d, facts = up
+    info = json.loads((d.run_dir / "daemon.json").read_text())
+    assert info["fingerprint"] == facts.fingerprint and info["db"] == str(d.db) and info["transports"][0] == "nvlink"
+    other = F.open_store(d.tmp / "other.db")
+    F.seed_profiles(other, F.FakeFacts({"gpu_model": "B200"}))
+    fake_run = d.tmp / "fakerun"
+    fake_run.mkdir(exist_ok=True)
+    (fake_run / "daemon.json").write_text(json.dumps({**info, "db": str(d.tmp / "other.db")}))
+    c = ProfileClient(f"ipc://{fake_run}/daemon.sock")
+    with pytest.warns(FallbackWarning, match="NO tuned profile"):
+        res = c.resolve(model=QWEN, ep_size=2, tokens=100)
+    assert res.source in ("policy", "default") and res.family == "nvlink" and res.knobs.transport == "nvlink"
+
+
+def test_autoload_exports_env_explicit_wins_and_caches(up, monkeypatch: pytest.MonkeyPatch) -> None:
+    d, _ = up
+    autoload.clear_cache()
+    monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", d.endpoint)
+    monkeypatch.delenv("NVSHMEM_REMOTE_TRANSPORT", raising=False)
+    t0 = time.perf_counter()
+    knobs = autoload.autoload_knobs(model=QWEN, ep_size=2, nodes=1, max_tokens=1000, device=None)
+    first_ms = (time.perf_counter() - t0) * 1000
+    res = autoload.last_resolution()
+    assert res.source == "daemon" and knobs == res.knobs and knobs.transport == "nvlink"
+    assert os.environ["NVSHMEM_REMOTE_TRANSPORT"] == "none"
+    assert first_ms < 200
+    # cached: no second round trip even with the daemon unreachable
+    monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", f"ipc://{d.tmp}/gone.sock")
+    assert autoload.autoload_knobs(model=QWEN, ep_size=2, nodes=1, max_tokens=1000, device=None) == knobs
+    # what the user set explicitly in the environment wins over the profile
+    autoload.clear_cache()
+    monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", d.endpoint)
+    monkeypatch.setenv("NVSHMEM_REMOTE_TRANSPORT", "ibrc")
+    autoload.autoload_knobs(model=QWEN, ep_size=2, nodes=1, max_tokens=1000, device=None)
+    assert os.environ["NVSHMEM_REMOTE_TRANSPORT"] == "ibrc"
+    autoload.clear_cache()
+
+
+def test_launcher_env() -> None:
+    k = default_knobs("ibgda").replace(qps_per_pe=4)
+    assert autoload.launcher_env(k, "ibgda") == {"NVSHMEM_IB_ENABLE_IBGDA": "1", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "4"}
+    env = autoload.launcher_env(default_knobs("proxy"), "proxy:libfabric/cxi")
+    assert env == {"NVSHMEM_IB_ENABLE_IBGDA": "0", "NVSHMEM_REMOTE_TRANSPORT": "libfabric", "NVSHMEM_LIBFABRIC_PROVIDER": "cxi"}
+    assert autoload.launcher_env(default_knobs("collective").replace(channels=4), "collective") == {
+        "NCCL_MIN_NCHANNELS": "4", "NCCL_MAX_NCHANNELS": "4"}
+    applied = autoload.apply_env({"PATH": "/evil", "NCCL_X_TEST_ONLY": "1"})
+    assert applied == {"NCCL_X_TEST_ONLY": "1"} and os.environ["PATH"] != "/evil"
+    del os.environ["NCCL_X_TEST_ONLY"]
+
+
+def _rank(rank: int, world: int, port: int, q) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out = []
+    try:
+        for hashes in (["aaaa", "aaaa"], ["aaaa", "bbbb"]):
+            try:
+                autoload.check_same_profile(None, hashes[rank])
+                out.append("ok")
+            except autoload.ProfileMismatch as e:
+                out.append(str(e))
+        q.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_check_same_profile_across_ranks() -> None:
+    import multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_rank, args=(r, 2, port, q)) for r in range(2)]
+    for p in ps:
+        p.start()
+    out = dict(q.get(timeout=40) for _ in ps)
+    for p in ps:
+        p.join(10)
+    for rank in (0, 1):
+        same, differ = out[rank]
+        assert same == "ok"
+        assert "rank 0: aaaa" in differ and "rank 1: bbbb" in differ, differ
+
+
+def test_query_status_retune_commands(up) -> None:
+    d, facts = up
+    r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "3000", "--format", "json",
+                                 "--socket", d.endpoint])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["source"] == "daemon" and out["key"]["token_bucket"] == 4096 and out["key"]["fingerprint"] == facts.fingerprint
+    r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "3000", "--format", "env",
+                                 "--socket", d.endpoint])
+    assert "export NVSHMEM_REMOTE_TRANSPORT=none" in r.output and "MOETUNE_PROFILE_HASH=" in r.output
+    r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "3000", "--json",
+                                 "--socket", f"ipc://{d.tmp}/none/daemon.sock", "--db", str(d.db)])
+    assert r.exit_code == 0 and json.loads(r.output.strip().splitlines()[-1])["source"] == "database"
+    r = CliRunner().invoke(app, ["query", "--model", "nope", "--ep", "2", "--tokens", "1"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["status", "--json", "--socket", d.endpoint])
+    assert r.exit_code == 0 and json.loads(r.output)["fingerprint"] == facts.fingerprint
+    r = CliRunner().invoke(app, ["status", "--socket", d.endpoint])
+    assert r.exit_code == 0 and "profiles_current" in r.output
+    r = CliRunner().invoke(app, ["retune", "--socket", d.endpoint])
+    assert r.exit_code == 0 and "nothing to re-tune" in r.output
+    r = CliRunner().invoke(app, ["status", "--socket", f"ipc://{d.tmp}/none/daemon.sock", "--timeout-ms", "100"])
+    assert r.exit_code == 1 and "no daemon socket" in r.output

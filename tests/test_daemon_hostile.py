@@ -1,0 +1,175 @@
+"""Hostile input: every bad frame is answered with an error (or dropped), the daemon lives, memory stays flat."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime import wire
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("hostile")
+    facts = F.make_capture(tmp / "capture")
+    F.seed_profiles(F.open_store(tmp / "moetune.db"), facts)
+    d = F.DaemonProc(tmp, interval=0)
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        d.kill()
+
+
+def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    s.rcvtimeo = 3000
+    s.connect(endpoint)
+    return s
+
+
+def _hostile_frames(rng: random.Random) -> list[tuple[bytes, str]]:
+    good = b'{"v":1,"id":1,"op":"get_profile","ep_size":2,"tokens":3000,"model":"qwen3-30b"}'
+    out = [
+        (rng.randbytes(rng.randint(1, 300)), ""),  # random bytes: bad_json (or, rarely, valid JSON)
+        (good[: rng.randint(0, len(good) - 1)], wire.E_BAD_JSON),  # truncated
+        (b'{"v":1,"id":2,"op":"get_profile","ep_size":"two","tokens":3000}', wire.E_INVALID_FIELD),
+        (b'{"v":1,"id":3,"op":"get_profile","ep_size":2,"tokens":-5,"model":"qwen3-30b"}', wire.E_INVALID_FIELD),
+        (b'{"v":1,"id":4,"op":"launch_missiles"}', wire.E_UNKNOWN_OP),
+        (b'{"v":1,"id":5,"op":"get_profile","tokens":3000}', wire.E_MISSING_FIELD),
+        (b'{"v":1,"id":6,"op":"get_profile","ep_size":2,"tokens":3,"hidden":1}', wire.E_MISSING_FIELD),
+        (b'{"v":1,"id":7,"op":"get_profile","ep_size":2,"tokens":3,"model":"no-such-model"}', wire.E_INVALID_FIELD),
+        (b'{"v":9,"id":8,"op":"hello"}', wire.E_UNSUPPORTED_VERSION),
+        (b"null", wire.E_BAD_REQUEST),
+        (b'{"v":1,"id":9,"op":"hello","extra":[1,2,3]}', wire.E_UNKNOWN_FIELD),
+        (json.dumps({"v": 1, "id": 10, "op": "hello", "client": "x" * 70000}).encode(), wire.E_TOO_LARGE),
+        (b'{"v":1,"id":11,"op":"get_profile","ep_size":2,"tokens":3000,"model":"qwen3-30b","fingerprint":"' + str(rng.random()).encode() + b'"}', wire.E_NOT_FOUND),
+        (b"\x80\x81\x82msgpack?", wire.E_BAD_JSON),
+        (b"\xac\xed\x00\x05pickle?", wire.E_BAD_JSON),
+    ]
+    return out
+
+
+def test_every_hostile_frame_answered(daemon: F.DaemonProc) -> None:
+    ctx = zmq.Context()
+    s = _dealer(ctx, daemon.endpoint)
+    rng = random.Random(1234)
+    try:
+        # warm up, then take the memory baseline
+        for _ in range(3):
+            for frame, _code in _hostile_frames(rng):
+                s.send(frame)
+                s.recv()
+        rss0 = daemon.rss_kb()
+        n = 0
+        t0 = time.monotonic()
+        while n < 3000:
+            batch = _hostile_frames(rng)
+            for frame, _ in batch:
+                s.send(frame)
+            for frame, code in batch:
+                rep = msgspec.json.decode(s.recv())
+                n += 1
+                if code:
+                    assert rep["ok"] is False, (frame[:80], rep)
+                    assert rep["error"]["code"] == code, (frame[:80], rep)
+                else:
+                    assert set(rep) >= {"v", "id", "ok", "epoch"}
+                assert rep["v"] == 1 and rep["epoch"]
+        elapsed = time.monotonic() - t0
+        rss1 = daemon.rss_kb()
+        assert rss1 - rss0 < 8 * 1024, f"RSS grew {rss0} -> {rss1} kB over {n} hostile requests"
+        assert elapsed < 30
+        # still serving good requests
+        s.send(b'{"v":1,"id":77,"op":"get_profile","ep_size":2,"tokens":3000,"model":"qwen3-30b"}')
+        rep = msgspec.json.decode(s.recv())
+        assert rep["ok"] is True and rep["id"] == 77
+    finally:
+        s.close()
+        ctx.term()
+    assert daemon.proc.poll() is None
+
+
+def test_unparseable_multipart_dropped_and_huge_frames_cut(daemon: F.DaemonProc) -> None:
+    ctx = zmq.Context()
+    s = _dealer(ctx, daemon.endpoint)
+    try:
+        # multipart requests are not requests: dropped without a reply
+        s.send_multipart([b'{"v":1,"id":1,"op":"hello"}', b"more", b"frames"])
+        s.send_multipart([b"x", b"y"])
+        s.send(b'{"v":1,"id":2,"op":"hello"}')
+        rep = msgspec.json.decode(s.recv())
+        assert rep["id"] == 2 and rep["ok"] is True  # the only answer is to the good request
+        # a frame over the transport cap (ZMQ_MAXMSGSIZE) drops that connection, nothing else
+        big = _dealer(ctx, daemon.endpoint)
+        big.rcvtimeo = 500
+        big.send(b"x" * (4 << 20))
+        with pytest.raises(zmq.Again):
+            big.recv()
+        big.close()
+        s.send(b'{"v":1,"id":3,"op":"status"}')
+        rep = msgspec.json.decode(s.recv())
+        assert rep["ok"] is True and rep["result"]["requests"] > 0
+    finally:
+        s.close()
+        ctx.term()
+    assert daemon.proc.poll() is None
+
+
+def test_many_clients_connect_and_vanish(daemon: F.DaemonProc) -> None:
+    """Clients that send and disconnect before the reply (ROUTER_MANDATORY: replies dropped, no crash)."""
+    ctx = zmq.Context()
+    for i in range(200):
+        s = _dealer(ctx, daemon.endpoint)
+        s.send(b'{"v":1,"id":%d,"op":"hello"}' % i)
+        s.close(linger=0 if i % 2 else 100)
+    s = _dealer(ctx, daemon.endpoint)
+    s.send(b'{"v":1,"id":1,"op":"hello"}')
+    assert msgspec.json.decode(s.recv())["ok"] is True
+    s.close()
+    ctx.term()
+    assert daemon.proc.poll() is None
+
+
+def test_req_socket_also_served(daemon: F.DaemonProc) -> None:
+    """REQ clients (envelope delimiter) get the same one-frame reply."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.REQ)
+    s.linger = 0
+    s.rcvtimeo = 3000
+    s.connect(daemon.endpoint)
+    s.send(b'{"v":1,"id":"req-1","op":"hello"}')
+    rep = msgspec.json.decode(s.recv())
+    assert rep["id"] == "req-1" and rep["ok"] is True and rep["result"]["protocol"] == 1
+    s.close()
+    ctx.term()
+
+
+def test_same_id_different_keys_never_mixed(daemon: F.DaemonProc) -> None:
+    """The read-through cache is keyed by every request field except v/id."""
+    ctx = zmq.Context()
+    s = _dealer(ctx, daemon.endpoint)
+    answers = {}
+    for tokens in (10, 1000, 9000, 10):
+        s.send(b'{"v":1,"id":1,"op":"get_profile","ep_size":2,"tokens":%d,"model":"qwen3-30b"}' % tokens)
+        rep = msgspec.json.decode(s.recv())
+        answers.setdefault(tokens, set()).add(rep["result"]["key"]["token_bucket"])
+    s.send(b'{"v":1,"id":1,"op":"get_profile","ep_size":4,"tokens":1000,"model":"qwen3-30b"}')
+    rep = msgspec.json.decode(s.recv())
+    assert rep["ok"] is False and rep["error"]["code"] == wire.E_NOT_FOUND
+    assert answers == {10: {64}, 1000: {1024}, 9000: {4096}}
+    s.close()
+    ctx.term()

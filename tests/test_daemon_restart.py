@@ -1,0 +1,146 @@
+"""kill -9 of the daemon during a re-tune job, then restart: the database is intact, the interrupted job is
+marked failed and resumed, and the resumed job produces the current profiles."""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime.client import ProfileClient
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _until(cond, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise TimeoutError("condition not met")
+
+
+def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
+    facts = F.make_capture(tmp_path / "capture")
+    F.seed_profiles(F.open_store(tmp_path / "moetune.db"), facts)
+    d = F.DaemonProc(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "60"})
+    try:
+        d.wait_ready()
+        c = ProfileClient(d.endpoint, timeout_ms=1000)
+        new_facts = F.set_port_state(tmp_path / "capture", "1: DOWN")
+        # running, with its tuning run and job_started event persisted (run_id is shown only then)
+        running = _until(lambda: (j := c.status().jobs.running) is not None and j.run_id is not None and j)
+        assert running.fingerprint == new_facts.fingerprint and running.keys == 3
+        # while the re-tune runs the stale profile is not served as current
+        from moetune.runtime.client import DaemonError
+
+        with pytest.raises(DaemonError) as ei:
+            c.get_profile(ep_size=2, tokens=3000, model="qwen3-30b")
+        assert ei.value.code == "not_found"
+        assert c.status().profiles_stale == 3
+        c.close()
+        d.kill(9)  # no chance to clean up
+    finally:
+        d.kill()
+    assert (d.run_dir / "daemon.sock").exists()  # left behind by kill -9
+
+    con = sqlite3.connect(f"file:{d.db}?mode=ro", uri=True)
+    assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert con.execute("SELECT status FROM tuning_runs WHERE id = ?", (running.run_id,)).fetchone()[0] == "running"
+    con.close()
+
+    d2 = F.DaemonProc(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "0"})
+    try:
+        d2.wait_ready()  # the stale socket file is replaced
+        c = ProfileClient(d2.endpoint, timeout_ms=1000)
+
+        def resumed_done():
+            st = c.status()
+            return [j for j in st.jobs.recent if j.state == "done"]
+
+        done = _until(resumed_done)
+        assert "resumed job" in done[0].reason and done[0].written == 3
+        prof = c.get_profile(ep_size=2, tokens=3000, model="qwen3-30b")
+        assert prof.key.fingerprint == new_facts.fingerprint and prof.status == "current"
+        c.close()
+    finally:
+        d2.kill()
+    con = sqlite3.connect(f"file:{d.db}?mode=ro", uri=True)
+    assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert con.execute("SELECT status FROM tuning_runs WHERE id = ?", (running.run_id,)).fetchone()[0] == "failed"
+    assert con.execute("SELECT count(*) FROM tuning_runs WHERE status = 'running'").fetchone()[0] == 0
+    con.close()
+    store = F.open_store(d.db)
+    finished = [e for e in store.list_events(limit=200) if e["kind"] == "job_finished"]
+    states = {(e["details"]["job_id"], e["details"]["state"]) for e in finished}
+    assert (running.id, "failed") in states
+    assert any(s == "done" for _, s in states)
+
+
+def test_cancel_running_job_and_bounded_queue(tmp_path: Path) -> None:
+    from moetune.runtime.client import DaemonError
+
+    facts = F.make_capture(tmp_path / "capture")
+    F.seed_profiles(F.open_store(tmp_path / "moetune.db"), facts)
+    d = F.DaemonProc(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "60"})
+    try:
+        d.wait_ready()
+        c = ProfileClient(d.endpoint, timeout_ms=1000)
+        F.set_port_state(tmp_path / "capture", "1: DOWN")
+        running = _until(lambda: c.status().jobs.running)
+        # the queue is bounded (4): the 5th queued job is refused with `busy`, the daemon keeps answering
+        queued = []
+        with pytest.raises(DaemonError) as ei:
+            for _ in range(10):
+                queued.append(c.retune(all=True, reason="load").job)
+        assert ei.value.code == "busy" and len(queued) == 4
+        assert c.hello().protocol == 1
+        # cancel a queued job and the running one
+        assert c.retune(cancel=queued[0].id).job.id == queued[0].id
+        c.retune(cancel=running.id)
+
+        def cancelled():
+            recent = {j.id: j.state for j in c.status().jobs.recent}
+            return recent.get(running.id) == "cancelled" and recent.get(queued[0].id) == "cancelled"
+
+        _until(cancelled)
+        for j in queued[1:]:
+            c.retune(cancel=j.id)
+        c.close()
+    finally:
+        d.kill()
+
+
+def test_second_daemon_refused_same_socket_or_same_database(tmp_path: Path) -> None:
+    F.make_capture(tmp_path / "capture")
+    d = F.DaemonProc(tmp_path, interval=0)
+    try:
+        d.wait_ready()
+        # same socket, another database
+        other = tmp_path / "second"
+        other.mkdir()
+        F.make_capture(other / "capture")
+        d2 = F.DaemonProc(other, endpoint=d.endpoint, interval=0)
+        try:
+            assert d2.proc.wait(20) == 2
+            assert "another daemon is listening" in d2.read_log()
+        finally:
+            d2.kill()
+        # same database (the single writer), another socket
+        d3 = F.DaemonProc(tmp_path, endpoint=f"ipc://{tmp_path}/run2/daemon.sock", interval=0)
+        try:
+            assert d3.proc.wait(20) == 2
+            assert "another moetune daemon is using the database" in d3.read_log()
+        finally:
+            d3.kill()
+        assert d.wait_ready().protocol == 1  # the first one is untouched
+    finally:
+        d.kill()

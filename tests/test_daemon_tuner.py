@@ -1,0 +1,47 @@
+"""The default re-tune job with the real tuner (model backend, few trials): a fabric change on a capture
+makes the profiles stale and the daemon's job writes new current profiles for the new fingerprint."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime.client import ProfileClient
+from moetune.tuner.daemon import Daemon, TuneSettings
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_real_tuner_retune_after_fabric_change(tmp_path: Path) -> None:
+    pytest.importorskip("moetune.tuner.search", reason="the tuner (issue 7) is not merged yet")
+    cap = tmp_path / "capture"
+    facts = F.make_capture(cap, "dgx-h100")
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, facts, ep_size=8, buckets=(64, 1024))
+    from moetune.tuner.discovery import discover
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/daemon.sock", discover=lambda: discover(cap),
+               tune=TuneSettings(backend="model", trials=3, timeout_s=60), rediscover_interval_s=0.1).start(background=True)
+    try:
+        c = ProfileClient(d.endpoint, timeout_ms=2000)
+        new = F.set_port_state(cap, "1: DOWN")
+        deadline = time.monotonic() + 60
+        done = None
+        while time.monotonic() < deadline and done is None:
+            st = c.status()
+            done = next((j for j in st.jobs.recent if j.state in ("done", "failed")), None)
+            time.sleep(0.1)
+        assert done is not None and done.state == "done", done
+        assert done.written >= 2
+        prof = c.get_profile(ep_size=8, tokens=1000, model="qwen3-30b")
+        assert prof.key.fingerprint == new.fingerprint and prof.status == "current"
+        assert prof.backend.startswith("model")
+        c.close()
+    finally:
+        d.stop()

@@ -1,0 +1,107 @@
+"""Prometheus metrics of the daemon, kept off the hot path.
+
+The serving loop only bumps plain Python counters (a dict increment and a bisect per request); a custom
+collector turns them into Prometheus families when the endpoint is scraped. The HTTP endpoint binds
+127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+# Latency buckets in seconds: 25 us .. 1 s.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3, 1.0,
+)
+
+
+class DaemonMetrics:
+    """Counters the serving loop and the worker update; read by the collector on scrape."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str], int] = {}
+        # op -> [bucket counts..., +Inf count], sum
+        self._hist: dict[str, list[int]] = {}
+        self._hist_sum: dict[str, float] = {}
+        self.dropped_frames = 0
+        self.profiles_served = 0
+        self.jobs: dict[str, int] = {}  # finished jobs by outcome
+        self.discoveries: dict[str, int] = {}
+        self.fabric_changes = 0
+        # gauges read through callbacks (set by the daemon)
+        self.gauges: dict[str, Callable[[], float]] = {}
+        self._lock = threading.Lock()  # only for the worker-side counters
+
+    # -- hot path (serving thread only) ----------------------------------------------------------
+    def observe(self, op: str, outcome: str, seconds: float) -> None:
+        k = (op, outcome)
+        self.requests[k] = self.requests.get(k, 0) + 1
+        h = self._hist.get(op)
+        if h is None:
+            h = self._hist[op] = [0] * (len(LATENCY_BUCKETS) + 1)
+            self._hist_sum[op] = 0.0
+        h[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self._hist_sum[op] += seconds
+
+    def total_requests(self) -> int:
+        return sum(self.requests.values())
+
+    # -- worker side -----------------------------------------------------------------------------
+    def job_finished(self, outcome: str) -> None:
+        with self._lock:
+            self.jobs[outcome] = self.jobs.get(outcome, 0) + 1
+
+    def discovery(self, outcome: str) -> None:
+        with self._lock:
+            self.discoveries[outcome] = self.discoveries.get(outcome, 0) + 1
+
+    # -- prometheus ------------------------------------------------------------------------------
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        c = CounterMetricFamily("moetune_requests", "Requests answered, by op and outcome", labels=["op", "outcome"])
+        for (op, outcome), n in list(self.requests.items()):
+            c.add_metric([op, outcome], n)
+        yield c
+        h = HistogramMetricFamily("moetune_request_seconds", "Time from receipt to reply", labels=["op"])
+        for op, counts in list(self._hist.items()):
+            counts = list(counts)
+            cum, buckets = 0, []
+            for le, n in zip((*LATENCY_BUCKETS, float("inf")), counts, strict=True):
+                cum += n
+                buckets.append(("+Inf" if le == float("inf") else repr(le), cum))
+            h.add_metric([op], buckets, self._hist_sum.get(op, 0.0))
+        yield h
+        yield CounterMetricFamily("moetune_dropped_frames", "Multipart messages dropped as unparseable", value=self.dropped_frames)
+        yield CounterMetricFamily("moetune_profiles_served", "get_profile replies carrying a profile", value=self.profiles_served)
+        j = CounterMetricFamily("moetune_jobs", "Re-tune jobs finished, by outcome", labels=["outcome"])
+        for outcome, n in list(self.jobs.items()):
+            j.add_metric([outcome], n)
+        yield j
+        d = CounterMetricFamily("moetune_discoveries", "Fabric discoveries, by outcome", labels=["outcome"])
+        for outcome, n in list(self.discoveries.items()):
+            d.add_metric([outcome], n)
+        yield d
+        yield CounterMetricFamily("moetune_fabric_changes", "Fingerprint changes seen", value=self.fabric_changes)
+        for name, fn in list(self.gauges.items()):
+            try:
+                value = float(fn())
+            except Exception:
+                continue
+            yield GaugeMetricFamily(f"moetune_{name}", name.replace("_", " "), value=value)
+
+
+def start_metrics_server(metrics: DaemonMetrics, port: int, addr: str = "127.0.0.1") -> Any:
+    """Serve /metrics on addr:port from a registry holding only the daemon's collector."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    class _Collector:
+        def collect(self) -> Iterator[Any]:
+            return metrics.collect()
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    return start_http_server(port, addr=addr, registry=registry)
