@@ -518,6 +518,15 @@ def _close_workers(workers: dict[Any, BenchWorker]) -> None:
     workers.clear()
 
 
+def _default_comm_backend(world: int) -> str:
+    try:
+        import torch
+
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    except Exception:
+        return "gloo"
+
+
 class LocalBackend(BenchmarkBackend):
     """The real runtime: one bench run per repeat, with a timeout, in its own process group.
 
@@ -531,7 +540,7 @@ class LocalBackend(BenchmarkBackend):
     implies `persistent=False`).
     """
 
-    def __init__(self, *, world: int = 2, comm_backend: str = "nccl", repeats: int = 3, timeout_s: float = 120.0,
+    def __init__(self, *, world: int = 2, comm_backend: str | None = None, repeats: int = 3, timeout_s: float = 120.0,
                  metric: str = "layer", family: str | None = None, command: Sequence[str] | None = None,
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, verify_compression: bool = True,
                  error_budget: float | None = None, iters: int | None = None, persistent: bool | None = None,
@@ -541,7 +550,8 @@ class LocalBackend(BenchmarkBackend):
         if metric not in ("layer", "comm"):
             raise ValueError(f"metric must be 'layer' or 'comm', got {metric!r}")
         self.world = world
-        self.comm_backend = comm_backend
+        # NCCL when this node has the GPUs for the world, gloo otherwise (a daemon's re-tune on a CPU node)
+        self.comm_backend = comm_backend or _default_comm_backend(world)
         self.repeats = repeats
         self.timeout_s = timeout_s
         self.metric = metric
@@ -553,7 +563,7 @@ class LocalBackend(BenchmarkBackend):
         self.verify_compression = verify_compression
         self.error_budget = error_budget
         self.iters = iters  # timed iterations inside each repeat (None: the bench's default)
-        self.name = f"local:{comm_backend}"
+        self.name = f"local:{self.comm_backend}"
         self._runtime_has: dict[str, bool] = {}
         if persistent is None:
             persistent = not command and not extra_args
