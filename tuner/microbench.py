@@ -148,7 +148,8 @@ def _spread(samples: list[float]) -> float:
     return (q[-1] - q[0]) / 2
 
 
-def _p2p_rank(rank: int, port: int, backend: str, sizes: list[int], iters: int, transport: str, q) -> None:
+def _init_pair(rank: int, port: int, backend: str):
+    """Join the two-rank process group on loopback; returns this rank's device."""
     import torch
     import torch.distributed as dist
 
@@ -157,9 +158,16 @@ def _p2p_rank(rank: int, port: int, backend: str, sizes: list[int], iters: int, 
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
         dist.init_process_group("nccl", rank=rank, world_size=2, device_id=dev)
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=2)
+        return dev
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    return torch.device("cpu")
+
+
+def _p2p_rank(rank: int, port: int, backend: str, sizes: list[int], iters: int, transport: str, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dev = _init_pair(rank, port, backend)
 
     def sync() -> None:
         if dev.type == "cuda":
@@ -216,13 +224,14 @@ def _p2p_rank(rank: int, port: int, backend: str, sizes: list[int], iters: int, 
     dist.destroy_process_group()
 
 
-def _run_p2p(backend: str, sizes: list[int], iters: int, transport: str) -> list[dict]:
+def _spawn_pair(target: Callable, backend: str, sizes: list[int], iters: int, label: str) -> list[dict]:
+    """Run target(rank, port, backend, sizes, iters, label, queue) on two spawned ranks; rank 0's rows."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_p2p_rank, args=(r, port, backend, sizes, iters, transport, q)) for r in (0, 1)]
+    procs = [ctx.Process(target=target, args=(r, port, backend, sizes, iters, label, q)) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
@@ -240,14 +249,7 @@ def _a2a_rank(rank: int, port: int, backend: str, tokens: list[int], iters: int,
 
     fabric, _, model_name = label.split(":", 2)
     model = get_model(model_name)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=dev)
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=2)
+    dev = _init_pair(rank, port, backend)
     rows = []
     for s in tokens:
         # k copies of every token, experts spread evenly over the two ranks (uniform routing)
@@ -275,27 +277,10 @@ def _a2a_rank(rank: int, port: int, backend: str, tokens: list[int], iters: int,
     dist.destroy_process_group()
 
 
-def _run_a2a(sizes: list[int], iters: int, label: str) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    backend = label.split(":")[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_a2a_rank, args=(r, port, backend, sizes, iters, label, q)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode != 0 for p in procs):
-        raise SystemExit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
-    return q.get()
-
-
 RUNNERS: dict[str, Callable[[list[int], int, str], list[dict]]] = {
-    "a2a": _run_a2a,
-    "gloo_p2p": lambda sizes, iters, t: _run_p2p("gloo", sizes, iters, t),
-    "nccl_p2p": lambda sizes, iters, t: _run_p2p("nccl", sizes, iters, t),
+    "a2a": lambda sizes, iters, label: _spawn_pair(_a2a_rank, label.split(":")[1], sizes, iters, label),
+    "gloo_p2p": lambda sizes, iters, t: _spawn_pair(_p2p_rank, "gloo", sizes, iters, t),
+    "nccl_p2p": lambda sizes, iters, t: _spawn_pair(_p2p_rank, "nccl", sizes, iters, t),
 }
 
 
