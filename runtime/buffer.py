@@ -296,7 +296,10 @@ class EPBuffer:
         self._fast = hasattr(self.transport, "exchange_async") and hasattr(self.transport, "exchange_blocks")
         reserve = getattr(self.transport, "reserve", None)
         if callable(reserve):  # one-sided transports: size the symmetric receive buffer once (collective)
-            reserve(max(1, self.max_tokens), self.row_bytes)
+            # for the larger of the two directions: with compression the combine rows (activation dtype,
+            # never compressed) are wider than the dispatch rows
+            combine_row_bytes = self.model.hidden * torch.empty(0, dtype=self.dtype).element_size()
+            reserve(max(1, self.max_tokens), max(self.row_bytes, combine_row_bytes))
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
         self._stage_views: Any = None
         self._stage: torch.Tensor | None = None  # token rows [max_tokens, row_bytes], reused (dense: the send rows)
