@@ -3,11 +3,30 @@
 Stays light: torch, pyzmq and msgspec only; never imports the tuner, Optuna or SQLAlchemy.
 """
 
-from .buffer import EPBuffer, Handle, RecvMeta
+from typing import TYPE_CHECKING, Any
+
 from .knobs import KnobError, Knobs, default_knobs
-from .moe_layer import MoELayer, dense_reference
 from .profile_record import ProfileKey, ProfileRecord, nearest_bucket
 from .shapes import MODELS, ModelShape, get_model
+
+if TYPE_CHECKING:
+    from .buffer import EPBuffer, Handle, RecvMeta
+    from .moe_layer import MoELayer, dense_reference
+
+# The torch-backed parts load on first use, so the daemon and the client (wire schemas, knobs, profile
+# records) never pay for importing torch.
+_LAZY = {"EPBuffer": ".buffer", "Handle": ".buffer", "RecvMeta": ".buffer", "MoELayer": ".moe_layer",
+         "dense_reference": ".moe_layer"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "MODELS",
