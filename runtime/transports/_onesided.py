@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
+from abc import abstractmethod
 from typing import Any
 
 import torch
@@ -263,8 +264,9 @@ class OneSidedTransport(EPTransport):
         self._views = {}
         self._set_data()
 
-    def _set_data(self) -> None:  # pragma: no cover - subclass hook
-        raise NotImplementedError
+    @abstractmethod
+    def _set_data(self) -> None:
+        """Point the kernels / proxy engine at the (re)allocated data buffer."""
 
     def _stream(self) -> int:
         """The raw handle of the current stream on this transport's device (cheap)."""
@@ -318,8 +320,9 @@ class OneSidedTransport(EPTransport):
         return v
 
     # -- errors -----------------------------------------------------------------------------------
-    def error_words(self) -> list[int]:  # pragma: no cover - subclass hook
-        raise NotImplementedError
+    @abstractmethod
+    def error_words(self) -> list[int]:
+        """The error words the device side wrote (decoded by `check`)."""
 
     def _extra_error(self) -> bool:
         """Subclass hook: another failure source (the proxy thread) reports an error."""
