@@ -720,19 +720,26 @@ class Daemon:
                     return d
         return None
 
-    def _startup_discovery(self) -> None:
-        if self._discover is None:
-            self._last_discovery = (now(), False, "no discovery configured")
-            return
+    def _discover_once(self) -> Any:
+        """Run discovery once and record the outcome (status op, metrics); None when it failed."""
         try:
-            facts = self._discover()
+            facts = self._discover()  # type: ignore[misc]
         except Exception as e:
             self._last_discovery = (now(), False, f"{type(e).__name__}: {e}")
             self.metrics.discovery("error")
             log.error("fabric discovery failed: %s", e)
-            return
+            return None
         self.metrics.discovery("ok")
         self._last_discovery = (now(), True, "")
+        return facts
+
+    def _startup_discovery(self) -> None:
+        if self._discover is None:
+            self._last_discovery = (now(), False, "no discovery configured")
+            return
+        facts = self._discover_once()
+        if facts is None:
+            return
         last = self._last_fabric_event()
         if last is not None and last.get("fingerprint") != facts.fingerprint:
             self._fabric_changed(last.get("fingerprint"), last.get("facts") or {}, facts, rebuild=False)
@@ -776,15 +783,9 @@ class Daemon:
 
     def rediscover(self) -> None:
         """One discovery round (the worker calls this every interval)."""
-        try:
-            facts = self._discover()  # type: ignore[misc]
-        except Exception as e:
-            self._last_discovery = (now(), False, f"{type(e).__name__}: {e}")
-            self.metrics.discovery("error")
-            log.error("fabric discovery failed: %s", e)
+        facts = self._discover_once()
+        if facts is None:
             return
-        self.metrics.discovery("ok")
-        self._last_discovery = (now(), True, "")
         old = self.facts
         if old is not None and old.fingerprint == facts.fingerprint:
             return
