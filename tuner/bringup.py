@@ -251,12 +251,12 @@ class Bringup:
         for r in res:
             if r.record is None:
                 continue
-            out.append({"family": r.record.key.transport_family, "tokens": r.record.key.token_bucket,
-                        "hidden": r.record.key.hidden, "experts": r.record.key.experts,
-                        "knobs": r.record.knobs.to_dict(), "latency_us": r.record.latency_us,
+            k = r.record.key
+            out.append({"family": k.transport_family, "tokens": k.token_bucket, "key": k.to_dict(),
+                        "software_versions": r.record.software_versions, "knobs": r.record.knobs.to_dict(), "latency_us": r.record.latency_us,
                         "spread_us": r.record.spread_us, "written": r.written, "reason": r.reason,
-                        "model": next(m.name for m in models if m.hidden == r.record.key.hidden
-                                      and m.experts == r.record.key.experts)})
+                        "model": next(m.name for m in models if (m.hidden, m.intermediate, m.experts, m.topk)
+                                      == (k.hidden, k.intermediate, k.experts, k.topk))})
         return out
 
     def stage_compare(self) -> list[dict]:
@@ -310,13 +310,9 @@ class Bringup:
 
         if not m.ok:
             return False, f"not stored: {m.error}"
-        model = get_model(t["model"])
-        key = ProfileKey(fingerprint=self.facts.fingerprint, software=self.facts.software_hash,
-                         transport_family=t["family"], ep_size=self.world, nodes=1, hidden=model.hidden,
-                         intermediate=model.intermediate, experts=model.experts, topk=model.topk, dtype=model.dtype,
-                         token_bucket=t["tokens"])
-        rec = ProfileRecord(key=key, knobs=knobs, latency_us=m.median_us, spread_us=m.spread_us, backend=backend,
-                            software_versions={k: str(v) for k, v in self.facts.software.items()})
+        # the same key (and software versions) the search wrote its record under
+        rec = ProfileRecord(key=ProfileKey(**t["key"]), knobs=knobs, latency_us=m.median_us, spread_us=m.spread_us,
+                            backend=backend, software_versions=t["software_versions"])
         return self.store.put_profile(rec, force_reason=f"{which} kept after a side-by-side re-measurement")
 
     def stage_report(self) -> str:
