@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The bring-up flow on the GPU node, then a host-staged NCCL settings probe. One command:
 #   source bench/device_env.sh; OUT=... bash bench/gpu_profile.sh
-# Writes $OUT/profile/{moetune.db,report/,profile.json,profile.log} and $OUT/nccl_env.jsonl.
+# PROFILE_TIMEOUT (s, default 360) bounds the bring-up. Writes $OUT/profile/{moetune.db,report/,profile.json,profile.log} and $OUT/nccl_env.jsonl.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-./bench_out}; mkdir -p "$OUT/profile"
 export MOETUNE_HOME="$OUT/profile"
+# PLAN=bench/plans/h200x2.toml (the reduced plan, the default here) or PLAN= (empty: the default plan)
+PLAN=${PLAN-bench/plans/h200x2.toml}
 t0=$SECONDS
-timeout 360 moetune profile --plan bench/plans/h200x2.toml --json > "$OUT/profile/profile.json" 2> "$OUT/profile/profile.log"
+timeout "${PROFILE_TIMEOUT:-360}" moetune profile ${PLAN:+--plan "$PLAN"} --json > "$OUT/profile/profile.json" 2> "$OUT/profile/profile.log"
 echo "profile rc=$? in $((SECONDS - t0)) s"
 tail -5 "$OUT/profile/profile.log"
 python3 - "$OUT/profile/profile.json" <<'PY'
