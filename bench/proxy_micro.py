@@ -41,26 +41,19 @@ MODES = {
     "decoupled_drain+batch": ("proxy_drain", "decoupled", 64),
     "decoupled_ordered+batch": ("nic_ordered", "decoupled", 64),
 }
-SLOTS_PER_PE = 128
+SLOTS_PER_PE = 128  # as moetune.tuner.microbench.SLOTS_PER_PE
 
 
 def pes_for(c: int) -> int:
-    return {1: 1, 4: 4, 16: 8, 48: 12, 96: 12}.get(c, min(12, c))
+    from moetune.tuner.microbench import proxy_pes
+
+    return proxy_pes(c)
 
 
 def build_requests(P, c: int, size: int, signalling: str | None, src_base: int):
-    """c transfers over pes_for(c) PEs (PE-major); coupled: a signal per PUT, decoupled: one per PE."""
-    npe = pes_for(c)
-    per = c // npe
-    items = []
-    for p in range(npe):
-        for t in range(per):
-            i = p * per + t
-            flags = P.F_SIGNAL if signalling == "coupled" else 0
-            items.append((P.OP_PUT, p, flags, t, src_base + i * size, t * size, size))
-        if signalling == "decoupled":
-            items.append((P.OP_SIGNAL, p, 0, 0, 0, 0, 0))
-    return P.make_requests(items), npe, per
+    from moetune.tuner.microbench import proxy_requests
+
+    return proxy_requests(c, size, signalling, src_base)
 
 
 def run_micro(args, out_rows: list[dict]) -> None:

@@ -3,7 +3,8 @@
 One small base class with plain implementations, as the transports and tuning backends have:
 - `GlooP2P`: two CPU processes, send/recv over gloo (the `collective` family on any machine);
 - `NcclP2P`: two GPUs, send/recv over NCCL (`nvlink`), or with NCCL_P2P_DISABLE=1 (`host_staged`);
-- `ProxySignalled` (when the csrc proxy engine is present): signalled against put-only throughput.
+- `ProxySignalled` (2 GPUs and the csrc proxy engine): signalled against put-only throughput across
+  concurrency (Perseus Fig. 5 shape) for each fence mode and signalling, and the cost of one fence.
 
 Each benchmark runs in a subprocess (`python -m moetune.tuner.microbench RUNNER ...`) so that
 environment-level settings take effect and a hang is bounded by a timeout.
@@ -121,12 +122,35 @@ class NcclP2P(Microbenchmark):
         return True, f"{gpu_count} GPUs, {self.transport} present"
 
 
+class ProxySignalled(Microbenchmark):
+    """The C++ proxy engine (csrc/) moving c concurrent transfers GPU a -> GPU b over copy-engine streams
+    (the queue pairs), for put-only and each (fence_mode, signalling): `signalled_efficiency` rows
+    (put-only time / signalled time, against concurrency) and `fence_cost` rows (extra time per fence of
+    coupled signalling: (t_coupled - t_put_only) / c), both directions."""
+
+    transport = "proxy"
+    runner = "proxy_signalled"
+    SIZES: tuple[int, ...] = (4096, 16384, 262144)
+
+    def available(self, transports: Sequence[str], gpu_count: int) -> tuple[bool, str]:
+        if gpu_count < 2:
+            return False, f"needs 2 GPUs, node has {gpu_count}"
+        from moetune.runtime import csrc_build
+
+        ok, why = csrc_build.availability()
+        return (True, "csrc proxy engine between GPU 0 and GPU 1") if ok else (False, why)
+
+    def run(self, sizes: Sequence[int] = (), *, iters: int = 20, timeout_s: float = 180.0) -> list[MicroResult]:
+        # message sizes of the Perseus experiment, not the latency sweep's
+        return super().run(self.SIZES, iters=iters, timeout_s=timeout_s)
+
+
 def plan(transports: Sequence[str], gpu_count: int, model: str = "qwen3-30b") -> list[tuple[Microbenchmark, bool, str]]:
     """Every microbenchmark with whether it applies here and why."""
     benches: list[Microbenchmark] = [GlooP2P(), NcclP2P("nvlink"), NcclP2P("host_staged")]
     if gpu_count >= 2:
         benches += [CollectiveA2A("nvlink", "nccl", model, (128, 1024, 4096)),
-                    CollectiveA2A("host_staged", "nccl", model, (128, 1024, 4096))]
+                    CollectiveA2A("host_staged", "nccl", model, (128, 1024, 4096)), ProxySignalled()]
     else:
         benches.append(CollectiveA2A("collective", "gloo", model, (64, 256, 1024)))
     return [(b, *b.available(transports, gpu_count)) for b in benches]
@@ -277,7 +301,91 @@ def _a2a_rank(rank: int, port: int, backend: str, tokens: list[int], iters: int,
     dist.destroy_process_group()
 
 
+# (fence_mode, signalling or None for put-only) of each proxy mode measured
+PROXY_MODES: dict[str, tuple[str, str | None]] = {
+    "put_only": ("none", None),
+    "coupled+proxy_drain": ("proxy_drain", "coupled"),
+    "decoupled+proxy_drain": ("proxy_drain", "decoupled"),
+    "coupled+nic_ordered": ("nic_ordered", "coupled"),
+    "decoupled+nic_ordered": ("nic_ordered", "decoupled"),
+}
+PROXY_CONCURRENCY: tuple[int, ...] = (1, 4, 16, 48, 96)
+PROXY_QPS = 4
+SLOTS_PER_PE = 128
+
+
+def proxy_pes(c: int) -> int:
+    """Destinations (emulated PEs) that c concurrent transfers spread over: at most 12, as in Perseus."""
+    return {1: 1, 4: 4, 16: 8, 48: 12, 96: 12}.get(c, min(12, c))
+
+
+def proxy_requests(c: int, size: int, signalling: str | None, src_base: int):
+    """c transfers over proxy_pes(c) PEs (PE-major): coupled = a signal with every PUT, decoupled = one
+    SIGNAL per PE after its PUTs, None = put-only. Returns (requests, pes, transfers per PE)."""
+    from moetune.runtime.transports import proxy as P
+
+    npe = proxy_pes(c)
+    per = c // npe
+    items = []
+    for p in range(npe):
+        for t in range(per):
+            i = p * per + t
+            items.append((P.OP_PUT, p, P.F_SIGNAL if signalling == "coupled" else 0, t, src_base + i * size,
+                          t * size, size))
+        if signalling == "decoupled":
+            items.append((P.OP_SIGNAL, p, 0, 0, 0, 0, 0))
+    return P.make_requests(items), npe, per
+
+
+def _proxy_signalled(sizes: list[int], iters: int, label: str) -> list[dict]:
+    import torch
+
+    from moetune.runtime.transports import proxy as P
+
+    lib = P.csrc_build.load()
+    out: list[dict] = []
+    warmup, max_c, max_size = 3, max(PROXY_CONCURRENCY), max(sizes)
+    value = 1
+    for a, b in ((0, 1), (1, 0)):
+        P.csrc_build.check(lib, lib.mt_enable_peer_access(a, b), f"enable peer access {a}->{b}")
+        src = torch.empty(max_c * max_size, dtype=torch.uint8, device=f"cuda:{a}").random_(0, 255)
+        dst = torch.zeros(max_c * max_size, dtype=torch.uint8, device=f"cuda:{b}")
+        flags = torch.zeros(12 * SLOTS_PER_PE, dtype=torch.int64, device=f"cuda:{b}")
+        torch.cuda.synchronize(a)
+        torch.cuda.synchronize(b)
+        t_med: dict[tuple[str, int, int], tuple[float, float]] = {}
+        for mode, (fence, signalling) in PROXY_MODES.items():
+            for c in PROXY_CONCURRENCY:
+                npe = proxy_pes(c)
+                region = (c // npe) * max_size
+                peers = [dst.data_ptr() + p * region for p in range(npe)]
+                sigs = [flags.data_ptr() + p * SLOTS_PER_PE * 8 for p in range(npe)]
+                eng = P.ProxyEngine(a, peers, peers, sigs, qps=PROXY_QPS, qp_mapping="peer_hash", fence_mode=fence)
+                try:
+                    for size in sizes:
+                        reqs, _, _ = proxy_requests(c, size, signalling, src.data_ptr())
+                        t = eng.bench(reqs, warmup + iters, value_base=value)[warmup:]
+                        value += warmup + iters
+                        t_med[(mode, c, size)] = (statistics.median(t), _spread(t))
+                finally:
+                    eng.close()
+        d = f"{a}->{b}"
+        for (mode, c, size), (med, spread) in t_med.items():
+            fence, signalling = PROXY_MODES[mode]
+            put = t_med[("put_only", c, size)][0]
+            extra = {"mode": mode, "fence_mode": fence, "signalling": signalling or "none", "concurrency": c,
+                     "qps": PROXY_QPS, "us_median": med, "put_only_us": put, "GBps": c * size / med / 1e3}
+            if signalling is not None:
+                out.append(asdict(MicroResult("proxy", "signalled_efficiency", d, size, put / med, spread * put / med**2,
+                                              "ratio", extra)))
+            if signalling == "coupled":  # one fence per transfer
+                out.append(asdict(MicroResult("proxy", "fence_cost", d, size, max(0.0, med - put) / c, spread / c,
+                                              "us", extra)))
+    return out
+
+
 RUNNERS: dict[str, Callable[[list[int], int, str], list[dict]]] = {
+    "proxy_signalled": _proxy_signalled,
     "a2a": lambda sizes, iters, label: _spawn_pair(_a2a_rank, label.split(":")[1], sizes, iters, label),
     "gloo_p2p": lambda sizes, iters, t: _spawn_pair(_p2p_rank, "gloo", sizes, iters, t),
     "nccl_p2p": lambda sizes, iters, t: _spawn_pair(_p2p_rank, "nccl", sizes, iters, t),

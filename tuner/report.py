@@ -68,28 +68,61 @@ def _plot_curves(rows: Sequence[dict], kind: str, ylabel: str, path: Path, title
     return True
 
 
+def _direction(r: dict) -> str:
+    return r.get("direction") or (r.get("extra") or {}).get("direction", "")
+
+
 def _plot_efficiency(rows: Sequence[dict], path: Path) -> bool:
+    """One panel per message size; a line per (mode, direction) against concurrency."""
     pts = [r for r in rows if r["kind"] == "signalled_efficiency"]
     if not pts:
         return False
-    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for r in pts:
-        extra = r.get("extra") or {}
-        series[f"{extra.get('mode', '?')} @ {_fmt_size(r['size_bytes'])}"].append((extra.get("concurrency", 0), r["value"]))
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label, xy in sorted(series.items()):
-        xy.sort()
-        ax.plot([x for x, _ in xy], [100 * y for _, y in xy], marker="o", label=label)
-    ax.set_xlabel("concurrent signalled transfers")
-    ax.set_ylabel("% of put-only throughput")
-    ax.set_ylim(0, 110)
-    ax.set_title("Signalled vs put-only throughput")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    sizes = sorted({r["size_bytes"] for r in pts})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.6 * len(sizes), 4.2), squeeze=False, sharey=True)
+    for ax, size in zip(axes[0], sizes, strict=True):
+        series: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
+        for r in pts:
+            if r["size_bytes"] == size:
+                extra = r.get("extra") or {}
+                series[(extra.get("mode", "?"), _direction(r))].append((extra.get("concurrency", 0), r["value"]))
+        modes = sorted({m for m, _ in series})
+        colours = {m: f"C{i}" for i, m in enumerate(modes)}
+        for (mode, d), xy in sorted(series.items()):
+            xy.sort()
+            ax.plot([x for x, _ in xy], [100 * y for _, y in xy], marker="o", color=colours[mode],
+                    linestyle="-" if d in ("", "0->1") else "--", label=f"{mode} {d}".strip())
+        ax.set_xscale("log")
+        ax.set_xlabel("concurrent transfers")
+        ax.set_title(f"{_fmt_size(size)} messages", fontsize=10)
+        ax.set_ylim(0, 115)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("% of put-only throughput")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("Signalled vs put-only throughput (measured)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _fence_table(rows: Sequence[dict]) -> list[str]:
+    """Markdown rows: measured cost of one fence (coupled signalling), per fence mode, size and concurrency."""
+    pts = [r for r in rows if r["kind"] == "fence_cost"]
+    if not pts:
+        return []
+    cells: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    for r in pts:
+        extra = r.get("extra") or {}
+        cells[(extra.get("fence_mode", "?"), r["size_bytes"], extra.get("concurrency", 0))].append(r["value"])
+    concs = sorted({c for _, _, c in cells})
+    md = ["## Cost of one fence (measured, µs per fence, mean of both directions)", "",
+          "| fence mode | message | " + " | ".join(f"c={c}" for c in concs) + " |",
+          "| --- | --- | " + " | ".join("---:" for _ in concs) + " |"]
+    for mode, size in sorted({(m, s) for m, s, _ in cells}):
+        vals = [cells.get((mode, size, c)) for c in concs]
+        md.append(f"| `{mode}` | {_fmt_size(size)} | "
+                  + " | ".join(f"{sum(v) / len(v):.2f}" if v else "–" for v in vals) + " |")
+    return [*md, ""]
 
 
 def _plot_tuned(tuned: Sequence[dict], path: Path) -> bool:
@@ -168,15 +201,18 @@ def write_report(data: ReportData, out_dir: Path) -> Path:
     for fname, title, draw in plots:
         if draw(out_dir / fname):
             md += [f"## {title}", "", f"![{title}]({fname})", ""]
+    md += _fence_table(data.measurements)
     if data.tuned:
         md += ["## Tuned settings", "",
-               "| model | tokens | default µs | tuned µs | speedup | knobs | measured by |",
-               "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
-        for t in sorted(data.tuned, key=lambda t: (t["model"], t["tokens"])):
+               "| family | model | tokens | default µs | tuned µs | speedup | knobs | stored | measured by |",
+               "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- |"]
+        for t in sorted(data.tuned, key=lambda t: (t.get("family", ""), t["model"], t["tokens"])):
             sp = t["default_us"] / t["tuned_us"] if t["tuned_us"] else float("nan")
-            md.append(f"| {t['model']} | {t['tokens']} | {t['default_us']:.1f} ± {t.get('default_spread', 0):.1f} "
-                      f"| {t['tuned_us']:.1f} ± {t.get('tuned_spread', 0):.1f} | {sp:.2f}× | {('`' + t['knobs'] + '`') if t.get('knobs') else '(policy default)'} "
-                      f"| {t.get('source', '')} |")
+            knobs = ("`" + t["knobs"] + "`") if t.get("knobs") else "(policy default)"
+            md.append(f"| {t.get('family', '')} | {t['model']} | {t['tokens']} "
+                      f"| {t['default_us']:.1f} ± {t.get('default_spread', 0):.1f} "
+                      f"| {t['tuned_us']:.1f} ± {t.get('tuned_spread', 0):.1f} | {sp:.2f}× | {knobs} "
+                      f"| {t.get('stored', '')} | {t.get('source', '')} |")
         md.append("")
     if data.notes:
         md += ["## Notes", "", *[f"- {n}" for n in data.notes], ""]
