@@ -126,14 +126,27 @@ class RecvMeta:
     """
 
     def __init__(self, raw_ids: torch.Tensor, raw_weights: torch.Tensor, tokens_per_expert: list[int] | None,
-                 rows_per_rank: list[int], first_expert: int = 0, num_local: int | None = None):
+                 rows_per_rank: list[int] | torch.Tensor, first_expert: int = 0, num_local: int | None = None,
+                 row_limit: torch.Tensor | None = None):
+        if row_limit is not None:
+            # device-resident layout: rows at or past row_limit (a device scalar) are stale buffer contents;
+            # their ids become -1 (no local expert), so every property below ignores them with no host sync
+            live = torch.arange(raw_ids.shape[0], device=raw_ids.device).unsqueeze(1) < row_limit
+            raw_ids = torch.where(live, raw_ids, -1)
         self.raw_ids = raw_ids  # global expert ids as sent
         self.first_expert = first_expert
         self.raw_weights = raw_weights
         self._tpe = tokens_per_expert
         self.num_local = num_local if num_local is not None else len(tokens_per_expert or [])
-        self.rows_per_rank = rows_per_rank
+        self._rows_per_rank = rows_per_rank
         self._valid: torch.Tensor | None = None
+
+    @property
+    def rows_per_rank(self) -> list[int]:
+        """Rows received from each source rank (device-resident layout: a host sync on first access)."""
+        if isinstance(self._rows_per_rank, torch.Tensor):
+            self._rows_per_rank = [int(v) for v in self._rows_per_rank.tolist()]
+        return self._rows_per_rank
 
     @property
     def tokens_per_expert(self) -> list[int]:
@@ -222,6 +235,17 @@ class Handle:
     num_send: int = 0  # packed layout: rows sent (all chunks)
     _send_all: Any = field(default=None, repr=False)  # packed layout: the send rows of all chunks
     _send_tok: Any = field(default=None, repr=False)  # packed layout: token index of every send row
+    # device-resident layout (one-sided transports): counts stay on the GPU
+    resident: bool = False
+    _send_counts: Any = field(default=None, repr=False)  # int64 [world] rows sent to each rank (device)
+    _recv_counts: Any = field(default=None, repr=False)  # int64 [world] rows received from each rank (device)
+
+    def send_splits(self) -> list[int]:
+        """Rows this rank sent to each rank in the dispatch (device-resident layout: a host sync)."""
+        if self.resident:
+            return [int(v) for v in self._send_counts.tolist()]
+        w = len(self.chunks[0].send_splits) if self.chunks else 0
+        return [sum(ch.send_splits[d] for ch in self.chunks) for d in range(w)]
 
     def release_inputs(self) -> None:
         self._x = self._idx = self._w = self._mask = None
@@ -294,6 +318,8 @@ class EPBuffer:
         else:
             self.transport = cls(group, knobs, self.device)
         self._fast = hasattr(self.transport, "exchange_async") and hasattr(self.transport, "exchange_blocks")
+        # one-sided transports: the device-resident layout (counts never leave the GPU; see _plan_resident)
+        self.resident = bool(getattr(self.transport, "device_counts", False)) and not self.dense
         reserve = getattr(self.transport, "reserve", None)
         if callable(reserve):  # one-sided transports: size the symmetric receive buffer once (collective)
             # for the larger of the two directions: with compression the combine rows (activation dtype,
@@ -458,6 +484,81 @@ class EPBuffer:
         handle = Handle(s, self.hidden, self.dtype, self.device, chunks, w * cap, dense=True)
         handle._recv_buf = torch.empty(w * cap, self.row_bytes, dtype=torch.uint8, device=self.device)
         return handle
+
+    def _plan_resident(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
+        """Device-resident layout (one-sided transports): the packed rows, with every count kept on the GPU.
+
+        The rows bound for each rank are gathered in (rank, token) order into the reused send buffer, padded
+        to the upper bound S x world (nonzero_static); the transport reads the per-rank counts on the GPU,
+        places the rows in the receivers' buffers at offsets it computes there, and hands back the counts
+        it received. No host sync anywhere (check_inputs=False), so dispatch + combine can be captured in
+        a CUDA graph. With check_inputs one tiny status exchange and its sync make a wrong input an error
+        on every rank. The receiver sees a capacity-padded view (world x max_tokens rows, the live ones
+        first); RecvMeta hides the stale rows.
+        """
+        w, e, epr = self.world, self.model.experts, self.experts_per_rank
+        code, msg = self._local_check(x, topk_idx, topk_weights)
+        if self.check_inputs:
+            if code:
+                st = torch.full((w,), -code, dtype=torch.int64, device=self.device)
+            else:
+                st = ((topk_idx < 0) | (topk_idx >= e)).sum().reshape(1).to(torch.int64).expand(w).contiguous()
+            got = self.transport.exchange_counts(st)
+            codes = {r: (-v if v < 0 else (_RANGE_ERROR if v > 0 else 0)) for r, v in enumerate(got.tolist())}
+            self._raise_errors(codes, msg, topk_idx if code == 0 else None)
+        elif code:
+            raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {msg}")
+        s = x.shape[0]
+        idx = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)
+        # ids out of range land in bucket E -> "rank" w: counted nowhere, never sent
+        rank_key = torch.div(idx.clamp(-1, e).remainder_(e + 1), epr, rounding_mode="floor")
+        mask = torch.zeros(s, w + 1, dtype=torch.bool, device=self.device)
+        mask.scatter_(1, rank_key, True)
+        need = mask[:, :w]
+        send_counts = need.sum(0)  # int64 [w]
+        self._write_stage(x, topk_idx, topk_weights, s)
+        pairs = _nonzero_rows(need.t(), s * w)  # (rank, token), rank-major; padded with (0, 0)
+        tok = pairs[:, 1]
+        send = self._send_rows(s * w)
+        if s:
+            torch.index_select(self._stage, 0, tok, out=send)  # type: ignore[arg-type]
+        handle = Handle(s, self.hidden, self.dtype, self.device, [_Chunk(0, s, [], [], 0, [])], w * self.max_tokens,
+                        resident=True)
+        handle._send_all = send
+        # combine adds row i to token tok[i]; the padding rows (past the real sends) go to a spare row s
+        live = torch.arange(s * w, device=self.device) < send_counts.sum()
+        handle._send_tok = torch.where(live, tok, s)
+        handle._send_counts = send_counts
+        return handle
+
+    def _dispatch_resident(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+                           ) -> tuple[torch.Tensor, RecvMeta, Handle]:
+        handle = self._plan_resident(x, topk_idx, topk_weights)
+        t = self.transport
+        send = handle._send_all
+        if hasattr(t, "exchange_fused"):  # nvlink: the counts travel inside the exchange (one launch)
+            recv, recv_counts = t.exchange_fused(send, handle._send_counts)
+        else:
+            recv_counts = t.exchange_counts(handle._send_counts)
+            recv = t.exchange(send, handle._send_counts, recv_counts)
+        handle._recv_counts = recv_counts
+        handle.release_inputs()
+        rows = recv[: handle.num_recv]
+        payload, ids, wts, scales = self._row_views(rows)
+        recv_x = dequantise(payload, scales, self.dtype) if self.fp8 else payload
+        meta = RecvMeta(ids, wts, None, recv_counts, first_expert=self.rank * self.experts_per_rank,
+                        num_local=self.experts_per_rank, row_limit=recv_counts.sum())
+        return recv_x, meta, handle
+
+    def _combine_resident(self, expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
+        rows = expert_out.contiguous()
+        # back along the dispatch's paths: send what was received, receive what was sent (device counts)
+        back = self.transport.exchange(rows, handle._recv_counts, handle._send_counts)
+        n = handle._send_tok.shape[0]
+        out = torch.zeros(handle.num_tokens + 1, handle.hidden, dtype=handle.dtype, device=handle.device)
+        if n:
+            out.index_add_(0, handle._send_tok, back[:n])
+        return out[: handle.num_tokens]
 
     def plan(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
         """Check the inputs on every rank and exchange the counts (the one host sync of a dispatch).
@@ -627,6 +728,8 @@ class EPBuffer:
         Without compression recv_x is a view into the receive buffer (no copy; its rows are strided by the
         wire row size): use it as is for index_select/matmul, or call .contiguous() for a dense tensor.
         """
+        if self.resident:
+            return self._dispatch_resident(x, topk_idx, topk_weights)
         handle = self.plan(x, topk_idx, topk_weights)
         works = []
         for c in range(len(handle.chunks)):
@@ -699,6 +802,8 @@ class EPBuffer:
         """expert_out [M, H]: one row per received row (that row's local experts' outputs, weighted by
         RecvMeta.weights and summed). Returns out [S, H]: for every token, the sum over its ranks."""
         self._check_combine(expert_out, handle, handle.num_recv if isinstance(handle, Handle) else 0)
+        if handle.resident:
+            return self._combine_resident(expert_out, handle)
         received = []
         for c, ch in enumerate(handle.chunks):
             received.append(self.post_combine(handle, c, expert_out[ch.recv_offset : ch.recv_offset + ch.recv_rows]))

@@ -35,6 +35,9 @@ def pipelined_moe(
 ) -> torch.Tensor:
     """dispatch → expert_fn per chunk → combine, overlapped chunk by chunk. expert_fn(recv_x, meta) must
     return one row per received row (the row's local experts, weighted and summed), in the buffer's dtype."""
+    if buffer.resident:  # one-sided transports: one exchange per direction, no host sync to overlap with
+        recv_x, meta, h = buffer.dispatch(x, topk_idx, topk_weights)
+        return buffer.combine(expert_fn(recv_x, meta), h)
     handle = buffer.plan(x, topk_idx, topk_weights)
     n = len(handle.chunks)
     posted = []

@@ -7,8 +7,11 @@ import time
 import torch
 
 from moetune.runtime import EPBuffer, Knobs, MoELayer, dense_reference, get_model
+from moetune.runtime.knobs import default_knobs
 from moetune.runtime.moe_layer import max_rel_err
 from moetune.runtime.routing import generate_routing
+from moetune.runtime.transports.base import Availability, EPTransport
+from moetune.runtime.transports.registry import register_transport
 
 
 def tokens_for(rank: int, tokens: int | list[int]) -> int:
@@ -48,13 +51,61 @@ def expected_pairs(world: int, model, tokens, routing: str, seed: int, me: int) 
     return sum(int(((make_inputs(r, model, tokens, routing, seed)[1] // epr) == me).sum()) for r in range(world))
 
 
+class GlooResident(EPTransport):
+    """A CPU stand-in for a one-sided transport: device-side counts (device_counts) and a capacity-padded
+    receive view whose rows past the live ones hold random bytes (as a reused symmetric buffer holds the
+    previous calls' rows). Moves rows with gloo all_to_all_single; exists to test EPBuffer's
+    device-resident layout without a GPU."""
+
+    name = "nvlink"
+    device_counts = True
+
+    def __init__(self, group, knobs, device):
+        super().__init__(group, knobs, device)
+        self.cap_rows = 0
+        self.gen = torch.Generator().manual_seed(1234 + self.rank)
+
+    @classmethod
+    def availability(cls, device=None) -> Availability:
+        return Availability(True, "test double over gloo")
+
+    def reserve(self, max_send_rows: int, row_bytes: int) -> None:
+        self.cap_rows = self.world * max_send_rows
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(send_counts)
+        torch.distributed.all_to_all_single(out, send_counts.contiguous(), group=self.group)
+        return out
+
+    def exchange(self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        sc, rc = send_counts.tolist(), recv_counts.tolist()
+        row_shape = tuple(send.shape[1:])
+        row_bytes = send.element_size() * int(torch.Size(row_shape).numel())
+        cap = max(self.cap_rows, sum(rc))
+        stale = torch.randint(0, 256, (cap, row_bytes), dtype=torch.uint8, generator=self.gen)
+        view = stale.view(send.dtype).view(cap, *row_shape)
+        got = torch.empty((sum(rc), *row_shape), dtype=send.dtype)
+        torch.distributed.all_to_all_single(got, send[: sum(sc)].contiguous(), rc, sc, group=self.group)
+        view[: sum(rc)] = got
+        return view
+
+
+def use_resident_stand_in() -> None:
+    """Route the `nvlink` transport name to GlooResident in this process."""
+    register_transport("nvlink", "runtime_cases:GlooResident")
+
+
 def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
     """For each config: the layer's output vs the dense reference, and the received row count."""
     out = []
     for cfg in configs:
         model = get_model(cfg["model"])
-        knobs = Knobs(pipeline_depth=cfg.get("depth", 1), compression=cfg.get("compression", "none"),
-                      channels=cfg.get("channels", 1))
+        if cfg.get("transport") == "nvlink":
+            use_resident_stand_in()
+            knobs = default_knobs("nvlink").replace(compression=cfg.get("compression", "none"))
+        else:
+            knobs = Knobs(pipeline_depth=cfg.get("depth", 1), compression=cfg.get("compression", "none"),
+                          channels=cfg.get("channels", 1))
         tokens = cfg["tokens"]
         routing = cfg.get("routing", "uniform")
         seed = cfg.get("seed", 0)
@@ -72,9 +123,11 @@ def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
             "cfg": cfg,
             "err": max_rel_err(y, ref),
             "shape_ok": tuple(y.shape) == tuple(x.shape),
-            "rows": recv_x.shape[0],
+            "rows": sum(meta.rows_per_rank) if buf.resident else recv_x.shape[0],
             # dense layout: every capacity slot of every rank arrives (empty slots carry no expert)
             "expected_rows": world * cap if buf.dense else expected_rows(world, model, tokens, routing, seed, rank),
+            "resident": buf.resident,
+            "recv_view_rows": recv_x.shape[0],
             "dense": buf.dense,
             "pairs": meta.num_pairs,
             "expected_pairs": expected_pairs(world, model, tokens, routing, seed, rank),
@@ -88,11 +141,14 @@ def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
 BAD_INPUTS = ("x_shape", "x_dtype", "idx_range", "idx_negative", "idx_shape", "weights_shape", "too_many", "combine_shape")
 
 
-def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int, dense: bool | None = None) -> dict[str, str]:
+def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int, dense: bool | None = None,
+                transport: str = "collective") -> dict[str, str]:
     """Rank `bad_rank` passes a bad input; every rank must raise ValueError (no hang). After each error the
     group must still work (a good dispatch/combine follows)."""
     model = get_model("custom:64,32,8,2,float32")
-    buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=32, dense=dense)
+    if transport == "nvlink":
+        use_resident_stand_in()
+    buf = EPBuffer(knobs=default_knobs(transport), model=model, max_tokens=32, dense=dense)
     msgs: dict[str, str] = {}
     for kind in kinds:
         x, idx, w = make_inputs(rank, model, 8, "uniform", 0)

@@ -63,6 +63,32 @@ def test_two_ranks_matches_dense_reference_all_cases() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_device_resident_layout_matches_dense_reference() -> None:
+    """The one-sided transports' layout (counts kept on the device, capacity-padded receive view whose
+    rows past the live ones are random bytes), through GlooResident on 2 and 4 gloo ranks."""
+    configs = [
+        {"model": SMALL, "tokens": 48},
+        {"model": SMALL, "tokens": 48, "routing": "zipf:1.5", "seed": 1},
+        {"model": SMALL, "tokens": 20, "routing": "rank0:2", "seed": 2},
+        {"model": SMALL, "tokens": 0},
+        {"model": SMALL, "tokens": [0, 9]},
+        {"model": SMALL, "tokens": 1},
+        {"model": "custom:64,32,8,1,float32", "tokens": 33, "seed": 3},
+        {"model": "custom:64,32,16,8,float32", "tokens": 64, "seed": 4},  # top-8, S = max_tokens
+    ]
+    configs = [dict(c, transport="nvlink") for c in configs]
+    res = launch(runtime_cases.case_equivalence, 2, args=(configs,), timeout_s=20, join_timeout_s=55)
+    _check(res)
+    for rank_rows in res:
+        for r in rank_rows:
+            assert r["resident"] and r["recv_view_rows"] == 2 * 64  # world x max_tokens (all S <= 64 here)
+    assert res[1][2]["rows"] == 0 and res[1][2]["pairs"] == 0  # rank 1 receives nothing in the rank0 case
+    res4 = launch(runtime_cases.case_equivalence, 4, args=([dict(configs[1], tokens=[5, 0, 30, 17])],),
+                  timeout_s=20, join_timeout_s=55)
+    _check(res4)
+
+
+@pytest.mark.timeout(60)
 def test_pipeline_depths_give_equal_results() -> None:
     base = {"model": "custom:64,32,16,4,float32", "tokens": [37, 29], "routing": "zipf:1.5", "seed": 7}
     configs = [dict(base, depth=d, dense=dense) for dense in (False, True) for d in (1, 2, 4)]

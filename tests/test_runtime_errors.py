@@ -27,12 +27,14 @@ EXPECT = {
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("dense", [False, True])
-def test_bad_input_on_one_rank_is_an_error_on_every_rank(dense: bool) -> None:
+@pytest.mark.parametrize(("dense", "transport"), [(False, "collective"), (True, "collective"), (False, "nvlink")],
+                         ids=["packed", "dense", "resident"])
+def test_bad_input_on_one_rank_is_an_error_on_every_rank(dense: bool, transport: str) -> None:
+    """resident: the one-sided transports' device-resident layout, through a gloo stand-in (GlooResident)."""
     kinds = list(runtime_cases.BAD_INPUTS)
     t0 = time.monotonic()
     # A short process-group timeout: should anything hang, the collective raises instead of blocking.
-    res = launch(runtime_cases.case_errors, 2, args=(kinds, 1, dense), timeout_s=10, join_timeout_s=80)
+    res = launch(runtime_cases.case_errors, 2, args=(kinds, 1, dense, transport), timeout_s=10, join_timeout_s=80)
     assert time.monotonic() - t0 < 80
     for rank, msgs in enumerate(res):
         for kind in kinds:

@@ -256,7 +256,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         splits, row = hp[2], model.token_bytes
     else:
         _, _, hp = comm.dispatch(x, idx, w)
-        splits = [sum(ch.send_splits[d] for ch in hp.chunks) for d in range(world)]
+        splits = hp.send_splits()
         row = buf.row_bytes
     remote_bytes = (sum(splits) - splits[rank]) * row
     # the round trip with identity experts must give back x times the sum of its weights

@@ -16,7 +16,7 @@ import ctypes
 import os
 import warnings
 from abc import abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -213,6 +213,8 @@ def one_sided_availability(device: torch.device | None) -> Availability:
 
 class OneSidedTransport(EPTransport):
     """Common state of nvlink/proxy: control buffer, data buffer (two parity areas), epochs."""
+
+    device_counts: ClassVar[bool] = True
 
     def __init__(
         self,

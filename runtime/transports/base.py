@@ -26,6 +26,9 @@ class EPTransport(ABC):
     """Moves rows between the ranks of `group`. One instance per EP buffer, reused across calls."""
 
     name: ClassVar[str]
+    # True when exchange() takes the counts as device tensors with no host round trip and returns a
+    # capacity-padded view (the one-sided transports): the EP buffer then keeps every count on the GPU.
+    device_counts: ClassVar[bool] = False
 
     def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device):
         self.group = group
