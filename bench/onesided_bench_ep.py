@@ -11,6 +11,8 @@ ranks that stay up for all cases (a launch per case would cost ~10 s of start-up
     collective      the runtime's collective transport (NCCL all_to_all_single, packed rows)
     plain           impl=plain: unpacked NCCL all_to_all_single (k copies per token), DESIGN §6 baseline
   plus verify cases (the MoE layer vs the dense single-process reference, as `--verify`) at S=128.
+Variants marked graph also capture the round trip in a CUDA graph and time its replays (`--cuda-graph`;
+the replay's output is checked after poisoning the receive buffer).
 dispatch/combine are timed alone (CUDA events, slowest rank, median); every timed case also checks its
 identity-expert round trip (roundtrip_ok) -- a case whose output is wrong reports an error, not a time.
 Output: $OUT/bench_ep_onesided.jsonl (one line per case), a table printed last.
@@ -35,12 +37,12 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 MODELS = ("qwen3-30b", "deepseek-v3")
 TOKENS = (128, 1024, 16384)
 VARIANTS: dict[str, dict] = {
-    "nvlink": {"transport": "nvlink", "knobs": ""},
-    "nvlink_sms128": {"transport": "nvlink", "knobs": "num_sms=128"},
+    "nvlink": {"transport": "nvlink", "knobs": "", "graph": True},
+    "nvlink_sms128": {"transport": "nvlink", "knobs": "num_sms=128", "graph": True},
     "proxy_drain": {"transport": "proxy", "knobs": "fence_mode=proxy_drain,signalling=coupled,qps_per_pe=1,chunk_tokens=128"},
     "proxy_ordered": {"transport": "proxy",
                       "knobs": "fence_mode=nic_ordered,signalling=decoupled,qp_mapping=peer_hash,qps_per_pe=2,chunk_tokens=128"},
-    "collective": {"transport": "collective", "knobs": ""},
+    "collective": {"transport": "collective", "knobs": "", "graph": True},
     "plain": {"transport": "collective", "knobs": "", "impl": "plain"},
 }
 VERIFY = (("qwen3-30b", ("nvlink", "proxy_drain", "proxy_ordered", "collective")), ("deepseek-v3", ("nvlink", "proxy_ordered")))
@@ -69,6 +71,7 @@ def build_cases(models, tokens, variants, iters: int, warmup: int, verify: bool)
         c["impl"] = v.get("impl", "moetune")
         c["knobs"] = Knobs.parse(v["knobs"], base=default_knobs(v["transport"])).to_dict()  # validated here
         c["routing"], c["seed"] = "uniform", 0
+        c["graph"] = bool(v.get("graph")) and c["kind"] == "time"
     return cases
 
 
@@ -104,6 +107,14 @@ def rank_main(rank: int, world: int, cases: list[dict], results: str) -> int:
                            dispatch_remote_bytes_rank0=rep["dispatch_remote_bytes_rank0"], iters=rep["iters"],
                            device=rep.get("device"), torch=rep.get("torch"), nccl=rep.get("nccl"))
                 timing = {k: rep[k] for k in ("dispatch_us", "combine_us", "roundtrip_us", "layer_us")}
+                if case.get("graph"):
+                    g_err = rep.get("graph_roundtrip_rel_err")
+                    g_ok = g_err is not None and g_err == g_err and g_err <= rep["roundtrip_bound"]
+                    rec.update(graph_error=rep.get("graph_error"), graph_roundtrip_rel_err=g_err)
+                    if g_ok:
+                        rec["graph_roundtrip_us"] = rep["graph_roundtrip_us"]
+                    elif rep.get("graph_roundtrip_us") is not None:
+                        rec["graph_error"] = f"wrong graph output: rel. err {g_err}"
                 if rt_ok and vok is not False:
                     rec.update(timing)
                 else:  # a wrong result never reports a time as if it were valid
@@ -118,15 +129,19 @@ def rank_main(rank: int, world: int, cases: list[dict], results: str) -> int:
 
 
 def table(rows: list[dict]) -> list[str]:
-    out = [f"{'variant':14s} {'model':12s} {'S':>6s} {'disp us':>9s} {'comb us':>9s} {'rt us':>9s} {'GB/s':>7s} check"]
+    out = [f"{'variant':14s} {'model':12s} {'S':>6s} {'disp us':>9s} {'comb us':>9s} {'rt us':>9s} {'graph rt':>9s} "
+           f"{'GB/s':>7s} check"]
     for r in sorted((r for r in rows if r.get("kind") == "time"), key=lambda r: (r["model"], r["S"], r["variant"])):
         if "error" in r:
             out.append(f"{r['variant']:14s} {r['model']:12s} {r['S']:6d} ERROR {r['error'][:90]}")
             continue
         d = r["dispatch_us"]["median"]
         gbps = r["dispatch_remote_bytes_rank0"] / d / 1e3 if d else float("nan")
+        g = r.get("graph_roundtrip_us")
+        gs = f"{g['median']:9.1f}" if g else f"{'-':>9s}"
+        note = f" graph: {r['graph_error'][:60]}" if r.get("graph_error") else ""
         out.append(f"{r['variant']:14s} {r['model']:12s} {r['S']:6d} {d:9.1f} {r['combine_us']['median']:9.1f} "
-                   f"{r['roundtrip_us']['median']:9.1f} {gbps:7.1f} rt_err={r['roundtrip_rel_err']:.1e}")
+                   f"{r['roundtrip_us']['median']:9.1f} {gs} {gbps:7.1f} rt_err={r['roundtrip_rel_err']:.1e}{note}")
     for r in rows:
         if r.get("kind") == "verify":
             ok = "ERROR " + r["error"][:80] if "error" in r else f"max_rel_err {r['max_rel_err']:.4f} <= {r['verify_bound']}: {r['verify_ok']}"

@@ -240,6 +240,18 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
                 times["layer"].append(timer.us(t0, t1))
 
     profile_table = _profile(roundtrip, device, rank) if cfg.get("profile") else None
+    graph_us = graph_err = graph_rel = None
+    if cfg.get("graph"):
+        if buf is not None and not type(buf.transport).graph_capturable:
+            graph_err = f"transport {knobs.transport} cannot be replayed from a CUDA graph (per-call host state)"
+        else:
+            def check_output(out: torch.Tensor) -> float:
+                return max_rel_err(out, x.float() * w.float().sum(1, keepdim=True))
+
+            poison = None
+            if buf is not None and buf.resident:  # a replay that moved nothing would leave these bytes behind
+                poison = buf.transport.data.local.fill_  # type: ignore[attr-defined]
+            graph_us, graph_err, graph_rel = _graph_roundtrip(roundtrip, device, iters, warmup, check_output, poison)
 
     err = None
     if verify and layer is not None:
@@ -278,6 +290,9 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         "combine_us": spread(worst[1]),
         "roundtrip_us": spread(worst[2]),
         "layer_us": spread(worst[3]) if times["layer"] else None,
+        "graph_roundtrip_us": graph_us,
+        "graph_error": graph_err,
+        "graph_roundtrip_rel_err": graph_rel,
         "max_rel_err": (float(errs[0].item()) if verify and layer is not None else None),
         "roundtrip_rel_err": float(errs[1].item()),
         "roundtrip_bound": verify_bound(model.dtype, "none" if impl == "plain" else knobs.compression),
@@ -309,6 +324,61 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         except Exception:
             pass
     return rep
+
+
+def _graph_roundtrip(roundtrip, device: torch.device, iters: int, warmup: int, check_output, poison=None
+                     ) -> tuple[dict | None, str | None, float | None]:
+    """Capture one round trip in a CUDA graph (every rank) and time `iters` replays, each started together
+    after a barrier. Then, with the receive buffer poisoned first (`poison(255)`: NaN bytes), one more
+    replay whose output is checked (`check_output(out)` -> relative error), so a graph that moves nothing
+    cannot pass. Returns (the slowest rank's median and spread, None, the worst rank's error) or
+    (None, why it failed, None). Capture fails where the layout syncs with the host (packed collective)."""
+    if device.type != "cuda":
+        return None, "CUDA graphs need a GPU", None
+    err = ""
+    out = None
+    g = torch.cuda.CUDAGraph()
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm the allocator on the capture stream, as torch recommends
+            for _ in range(2):
+                roundtrip()
+        torch.cuda.current_stream(device).wait_stream(side)
+        _barrier(device)
+        with torch.cuda.graph(g):
+            out = roundtrip()
+    except Exception as e:  # the capture failed: keep the ranks in step and say why
+        err = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    ok = torch.tensor([0.0 if err else 1.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        torch.cuda.synchronize(device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if ok.item() < 1.0:
+        return None, err or "capture failed on another rank", None
+    timer = _Timer(device)
+    samples = []
+    for it in range(warmup + iters):
+        _barrier(device)
+        t0 = timer.mark()
+        g.replay()
+        t1 = timer.mark()
+        timer.sync()
+        if it >= warmup:
+            samples.append(timer.us(t0, t1))
+    if poison is not None:
+        _barrier(device)  # every rank's last replay (and the peers' stores into this buffer) is complete
+        poison(255)
+    _barrier(device)
+    g.replay()
+    torch.cuda.synchronize(device)
+    rel = torch.tensor([check_output(out)], dtype=torch.float64, device=device)
+    t = torch.tensor(samples, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(rel, op=dist.ReduceOp.MAX)
+    del g
+    return spread(t.cpu().tolist()), None, float(rel.item())
 
 
 def _profile(roundtrip, device: torch.device, rank: int, iters: int = 5) -> str | None:

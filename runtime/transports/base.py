@@ -29,6 +29,8 @@ class EPTransport(ABC):
     # True when exchange() takes the counts as device tensors with no host round trip and returns a
     # capacity-padded view (the one-sided transports): the EP buffer then keeps every count on the GPU.
     device_counts: ClassVar[bool] = False
+    # False when a call passes host state to the GPU per call (so a CUDA-graph replay would reuse stale state)
+    graph_capturable: ClassVar[bool] = True
 
     def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device):
         self.group = group

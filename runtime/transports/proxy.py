@@ -162,6 +162,7 @@ def make_requests(items: list[tuple[int, int, int, int, int, int, int]]) -> ctyp
 
 class ProxyTransport(OneSidedTransport):
     name: ClassVar[str] = "proxy"
+    graph_capturable: ClassVar[bool] = False  # the call's epoch is a kernel argument from the host
 
     def __init__(
         self,

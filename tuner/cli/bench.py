@@ -36,6 +36,7 @@ def ep(
     impl: str = typer.Option("moetune", "--impl", help="moetune (packed EPBuffer) or plain (unpacked all_to_all_single baseline)."),
     seed: int = typer.Option(0, "--seed", help="Seed of activations, routing and weights."),
     layout: str = typer.Option("auto", "--layout", help="Collective wire layout: auto, dense (all-gather/reduce-scatter) or packed (counts + all_to_all)."),
+    cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture dispatch → identity experts → combine in one CUDA graph and time its replays (as a serving engine's decode graph runs it); needs a layout without host syncs (dense collective, nvlink, proxy); reports graph_roundtrip_us or why it could not be captured."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds any collective may wait before failing."),
     serve: bool = typer.Option(False, "--serve", help="Persistent worker: launch the ranks once, then read one JSON case per line on stdin and print one JSON result per line (see moetune.tuner.bench_worker); only --world, --backend and --timeout apply."),
 ) -> None:
@@ -92,6 +93,8 @@ def ep(
         _fail(f"--tokens must be >= 0, got {tokens}")
     if iters < 1 or warmup < 0:
         _fail("--iters must be >= 1 and --warmup >= 0")
+    if cuda_graph and backend != "nccl":
+        _fail("--cuda-graph needs --backend nccl (CUDA graphs exist on GPUs only)")
     if k.transport not in ("collective", "host_staged") and impl == "moetune":
         from ...runtime.transports.registry import available_transports
 
@@ -106,7 +109,7 @@ def ep(
     cfg = {
         "model": model, "tokens": tokens, "knobs": k.to_dict(), "routing": routing, "iters": iters,
         "warmup": warmup, "verify": verify, "impl": impl, "seed": seed, "backend": backend, "layer": impl == "moetune" and layer,
-        "dense": {"auto": None, "dense": True, "packed": False}[layout],
+        "dense": {"auto": None, "dense": True, "packed": False}[layout], "graph": cuda_graph,
     }
     # host_staged = the collective with NCCL peer-to-peer off: set before NCCL initialises in the ranks
     env = {"NCCL_P2P_DISABLE": "1"} if k.transport == "host_staged" and backend == "nccl" else {}
