@@ -103,11 +103,12 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def _nonzero_rows(mask: torch.Tensor, size: int) -> torch.Tensor:
-    """nonzero() of a bool matrix with a known count (no device sync where torch allows it)."""
+def _nonzero_rows(mask: torch.Tensor, size: int, fill: int = 0) -> torch.Tensor:
+    """nonzero() of a bool matrix with a known upper bound `size` on the count (no device sync where torch
+    allows it); rows past the real count hold `fill` in every column."""
     if hasattr(torch, "nonzero_static"):
         try:
-            return torch.nonzero_static(mask, size=size, fill_value=0)
+            return torch.nonzero_static(mask, size=size, fill_value=fill)
         except (RuntimeError, NotImplementedError):
             pass
     return torch.nonzero(mask)
@@ -328,7 +329,7 @@ class EPBuffer:
             reserve(max(1, self.max_tokens), max(self.row_bytes, combine_row_bytes))
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
         self._stage_views: Any = None
-        self._stage: torch.Tensor | None = None  # token rows [max_tokens, row_bytes], reused (dense: the send rows)
+        self._stage: torch.Tensor | None = None  # token rows [max_tokens + 1 spare, row_bytes], reused (dense: the send rows)
         self._send: torch.Tensor | None = None  # packed layout: send rows [max_tokens * world, row_bytes], reused
         self._stage_hi = 0  # dense layout: stage rows [0, _stage_hi) may hold real expert ids
 
@@ -517,17 +518,16 @@ class EPBuffer:
         need = mask[:, :w]
         send_counts = need.sum(0)  # int64 [w]
         self._write_stage(x, topk_idx, topk_weights, s)
-        pairs = _nonzero_rows(need.t(), s * w)  # (rank, token), rank-major; padded with (0, 0)
-        tok = pairs[:, 1]
+        # (rank, token) pairs, rank-major, padded to S x world with token s: the stage's spare row when
+        # sending (never sent: the counts stop short of it) and the output's spare row in combine
+        tok = _nonzero_rows(need.t(), s * w, fill=s)[:, 1]
         send = self._send_rows(s * w)
         if s:
             torch.index_select(self._stage, 0, tok, out=send)  # type: ignore[arg-type]
         handle = Handle(s, self.hidden, self.dtype, self.device, [_Chunk(0, s, [], [], 0, [])], w * self.max_tokens,
                         resident=True)
         handle._send_all = send
-        # combine adds row i to token tok[i]; the padding rows (past the real sends) go to a spare row s
-        live = torch.arange(s * w, device=self.device) < send_counts.sum()
-        handle._send_tok = torch.where(live, tok, s)
+        handle._send_tok = tok
         handle._send_counts = send_counts
         return handle
 
@@ -652,8 +652,9 @@ class EPBuffer:
         fp8 bytes + scales, quantised straight into the rows), expert ids, weights. 3 copies for bf16."""
         stage = self._stage
         if stage is None:
-            stage = self._stage = torch.zeros(self.max_tokens, self.row_bytes, dtype=torch.uint8, device=self.device)
-            self._stage_views = self._row_views(stage)
+            # one spare row past max_tokens: the device-resident layout's padding rows point at it
+            stage = self._stage = torch.zeros(self.max_tokens + 1, self.row_bytes, dtype=torch.uint8, device=self.device)
+            self._stage_views = self._row_views(stage[: self.max_tokens])
             self._stage_views[1].fill_(-1)
         if not s:
             return stage

@@ -274,7 +274,17 @@ def timeout_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvl
 def _graph_replay_equal(buf: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, want: torch.Tensor,
                         device: torch.device) -> bool:
     """dispatch + combine captured in one CUDA graph; replayed 3 times, each after poisoning the receive
-    buffer (0xFF bytes: NaN), must give the eager result bit for bit (a replay that moved nothing cannot)."""
+    buffer (0xFF bytes: NaN), must give the eager result bit for bit (a replay that moved nothing cannot).
+    Captured unchecked: the cross-rank input checks sync with the host, which a graph cannot."""
+    checked, buf.check_inputs = buf.check_inputs, False
+    try:
+        return _graph_replay_equal_unchecked(buf, x, idx, w, want, device)
+    finally:
+        buf.check_inputs = checked
+
+
+def _graph_replay_equal_unchecked(buf: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, want: torch.Tensor,
+                                  device: torch.device) -> bool:
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
