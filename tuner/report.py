@@ -97,9 +97,10 @@ def _plot_efficiency(rows: Sequence[dict], path: Path) -> bool:
         ax.set_ylim(0, 115)
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("% of put-only throughput")
-    axes[0][-1].legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
     fig.suptitle("Signalled vs put-only throughput (measured)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Run 3 on the 2x H200 node (one command, ~8 min): GPU tests of the one-sided transports (EPBuffer's
+# Run 5 on the 2x H200 node (one command, ~8 min): GPU tests of the one-sided transports (EPBuffer's
 # device-resident layout, CUDA-graph replays), `moetune bench ep` with --cuda-graph over nvlink and the
 # collective, the default bring-up plan (report with the proxy's signalled-vs-put-only panels), and the
-# host-staged fp8 + pipelining comparison under NCCL's defaults. Results in $OUT/run3.tgz.
-#   source bench/device_env.sh; bash bench/gpu_run3.sh
+# host-staged fp8 + pipelining comparison under NCCL's defaults. Results in $OUT/run5.tgz.
+#   source bench/device_env.sh; bash bench/gpu_run5.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 MOETUNE_ONESIDED_TIMEOUT_S=5
-OUT=${OUT:-./bench_out}; R="$OUT/run3"; mkdir -p "$R"
+OUT=${OUT:-./bench_out}; R="$OUT/run5"; mkdir -p "$R"
 t0=$SECONDS
 stage() { local n=$1 t=$2; shift 2; echo "=== [$n] $(date -u +%T)"; timeout --kill-after=10 "$t" "$@"; echo "=== [$n] rc=$? at $((SECONDS - t0)) s"; }
 PT=""; python3 -c "import pytest_timeout" 2>/dev/null && PT="--timeout=150"
@@ -16,5 +16,5 @@ stage bench_ep 150 python3 bench/onesided_bench_ep.py --out "$R" --timeout 140 -
   --variants nvlink,collective,plain --tokens 128,1024,4096
 PLAN= PROFILE_TIMEOUT=300 SKIP_NCCL_ENV=1 OUT="$R" stage profile 320 bash bench/gpu_profile.sh
 ENVSETS="" OUT="$R" stage host_staged 120 bash bench/gpu_host_staged.sh
-tar czf "$OUT/run3.tgz" -C "$OUT" run3 && rm -rf "$R"
+tar czf "$OUT/run5.tgz" -C "$OUT" run5 && rm -rf "$R"
 echo "total $((SECONDS - t0)) s"
