@@ -200,28 +200,36 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         return comm.combine(weighted_rows(recv, meta), handle)
 
     times: dict[str, list[float]] = {"dispatch": [], "combine": [], "roundtrip": [], "layer": []}
+    host: dict[str, list[float]] = {"dispatch": [], "combine": []}  # host time to issue the call (no sync)
     rt_out = None
     for it in range(warmup + iters):
         keep = it >= warmup
         # dispatch and combine, each timed alone
         _barrier(device)
         t0 = timer.mark()
+        h0 = time.perf_counter()
         if impl == "plain":
             recv, handle = comm.dispatch(x, idx, w)
+            h1 = time.perf_counter()
             t1 = timer.mark()
             rows = recv
         else:
             recv, meta, handle = comm.dispatch(x, idx, w)
+            h1 = time.perf_counter()
             t1 = timer.mark()
             rows = weighted_rows(recv, meta)
         _barrier(device)
         t2 = timer.mark()
+        h2 = time.perf_counter()
         comm.combine(rows, handle)
+        h3 = time.perf_counter()
         t3 = timer.mark()
         timer.sync()
         if keep:
             times["dispatch"].append(timer.us(t0, t1))
             times["combine"].append(timer.us(t2, t3))
+            host["dispatch"].append((h1 - h0) * 1e6)
+            host["combine"].append((h3 - h2) * 1e6)
         # the round trip as one span (pipelined when pipeline_depth > 1)
         _barrier(device)
         t0 = timer.mark()
@@ -290,6 +298,9 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         "combine_us": spread(worst[1]),
         "roundtrip_us": spread(worst[2]),
         "layer_us": spread(worst[3]) if times["layer"] else None,
+        # this rank's (rank 0's) host time to issue each call; includes any host sync inside the call
+        "dispatch_host_us": spread(host["dispatch"]),
+        "combine_host_us": spread(host["combine"]),
         "graph_roundtrip_us": graph_us,
         "graph_error": graph_err,
         "graph_roundtrip_rel_err": graph_rel,

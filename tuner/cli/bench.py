@@ -36,6 +36,7 @@ def ep(
     impl: str = typer.Option("moetune", "--impl", help="moetune (packed EPBuffer) or plain (unpacked all_to_all_single baseline)."),
     seed: int = typer.Option(0, "--seed", help="Seed of activations, routing and weights."),
     layout: str = typer.Option("auto", "--layout", help="Collective wire layout: auto, dense (all-gather/reduce-scatter) or packed (counts + all_to_all)."),
+    profile: bool = typer.Option(False, "--profile", help="Also run 5 round trips under torch.profiler and print rank 0's tables (top ops by device and by host time)."),
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture dispatch → identity experts → combine in one CUDA graph and time its replays (as a serving engine's decode graph runs it); needs a layout without host syncs (dense collective, nvlink, proxy); reports graph_roundtrip_us or why it could not be captured."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds any collective may wait before failing."),
     serve: bool = typer.Option(False, "--serve", help="Persistent worker: launch the ranks once, then read one JSON case per line on stdin and print one JSON result per line (see moetune.tuner.bench_worker); only --world, --backend and --timeout apply."),
@@ -110,6 +111,7 @@ def ep(
         "model": model, "tokens": tokens, "knobs": k.to_dict(), "routing": routing, "iters": iters,
         "warmup": warmup, "verify": verify, "impl": impl, "seed": seed, "backend": backend, "layer": impl == "moetune" and layer,
         "dense": {"auto": None, "dense": True, "packed": False}[layout], "graph": cuda_graph,
+        "profile": profile,
     }
     # host_staged = the collective with NCCL peer-to-peer off: set before NCCL initialises in the ranks
     env = {"NCCL_P2P_DISABLE": "1"} if k.transport == "host_staged" and backend == "nccl" else {}
@@ -152,11 +154,18 @@ def _print_table(rep: dict) -> None:
     t.add_column("phase")
     for col in ("median µs", "p10 µs", "p90 µs"):
         t.add_column(col, justify="right")
-    for name in ("dispatch_us", "combine_us", "roundtrip_us", "layer_us"):
+    for name in ("dispatch_us", "combine_us", "roundtrip_us", "layer_us", "graph_roundtrip_us",
+                 "dispatch_host_us", "combine_host_us"):
         s = rep.get(name)
         if s:
-            t.add_row(name[:-3], _fmt(s["median"]), _fmt(s["p10"]), _fmt(s["p90"]))
+            label = {"graph_roundtrip_us": "roundtrip (CUDA graph)", "dispatch_host_us": "dispatch, host issue (rank 0)",
+                     "combine_host_us": "combine, host issue (rank 0)"}.get(name, name[:-3])
+            t.add_row(label, _fmt(s["median"]), _fmt(s["p10"]), _fmt(s["p90"]))
     c.print(t)
+    if rep.get("graph_error"):
+        c.print(f"[yellow]CUDA graph:[/yellow] {rep['graph_error']}")
+    if rep.get("profile"):
+        c.print(rep["profile"], markup=False, highlight=False)
     if rep.get("max_rel_err") is not None:
         colour = "green" if rep.get("verify_ok", True) else "red"
         c.print(f"verify: max relative error [{colour}]{rep['max_rel_err']:.3g}[/{colour}] (bound {rep['verify_bound']:.3g})")
