@@ -18,7 +18,7 @@ void set_error(const char* fmt, ...) {
 MT_API const char* mt_last_error() { return mt::g_err; }
 
 // ABI version: bump when a signature changes (Python checks it after loading).
-MT_API int mt_abi_version() { return 8; }
+MT_API int mt_abi_version() { return 9; }
 
 MT_API int mt_ctrl_bytes(uint64_t* out) {
   *out = MT_CTRL_BYTES;

@@ -53,6 +53,7 @@ belong to the one-sided transports and are ignored here.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -321,6 +322,11 @@ class EPBuffer:
         self._fast = hasattr(self.transport, "exchange_async") and hasattr(self.transport, "exchange_blocks")
         # one-sided transports: the device-resident layout (counts never leave the GPU; see _plan_resident)
         self.resident = bool(getattr(self.transport, "device_counts", False)) and not self.dense
+        # its packing in two kernels (csrc/ep_pack.cu) where the transport brought the compiled library;
+        # fp8 rows (quantised) and MOETUNE_FUSED_PACK=0 take the torch ops
+        lib = getattr(self.transport, "lib", None)
+        self._pack_lib = (lib if self.resident and not self.fp8 and self.device.type == "cuda" and lib is not None
+                          and os.environ.get("MOETUNE_FUSED_PACK", "1") != "0" else None)
         reserve = getattr(self.transport, "reserve", None)
         if callable(reserve):  # one-sided transports: size the symmetric receive buffer once (collective)
             # for the larger of the two directions: with compression the combine rows (activation dtype,
@@ -497,7 +503,7 @@ class EPBuffer:
         on every rank. The receiver sees a capacity-padded view (world x max_tokens rows, the live ones
         first); RecvMeta hides the stale rows.
         """
-        w, e, epr = self.world, self.model.experts, self.experts_per_rank
+        w, e = self.world, self.model.experts
         code, msg = self._local_check(x, topk_idx, topk_weights)
         if self.check_inputs:
             if code:
@@ -511,6 +517,22 @@ class EPBuffer:
             raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {msg}")
         s = x.shape[0]
         idx = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)
+        if self._pack_lib is not None:
+            send, tok, send_counts = self._pack_fused(x, idx, topk_weights, s)
+        else:
+            send, tok, send_counts = self._pack_torch(x, idx, topk_idx, topk_weights, s)
+        handle = Handle(s, self.hidden, self.dtype, self.device, [_Chunk(0, s, [], [], 0, [])], w * self.max_tokens,
+                        resident=True)
+        handle._send_all = send
+        handle._send_tok = tok
+        handle._send_counts = send_counts
+        return handle
+
+    def _pack_torch(self, x: torch.Tensor, idx: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                    s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The resident layout's packing with torch ops: (send rows [S*world, row_bytes], token of each row
+        padded with S, rows per rank)."""
+        w, e, epr = self.world, self.model.experts, self.experts_per_rank
         # ids out of range land in bucket E -> "rank" w: counted nowhere, never sent
         rank_key = torch.div(idx.clamp(-1, e).remainder_(e + 1), epr, rounding_mode="floor")
         mask = torch.zeros(s, w + 1, dtype=torch.bool, device=self.device)
@@ -524,12 +546,32 @@ class EPBuffer:
         send = self._send_rows(s * w)
         if s:
             torch.index_select(self._stage, 0, tok, out=send)  # type: ignore[arg-type]
-        handle = Handle(s, self.hidden, self.dtype, self.device, [_Chunk(0, s, [], [], 0, [])], w * self.max_tokens,
-                        resident=True)
-        handle._send_all = send
-        handle._send_tok = tok
-        handle._send_counts = send_counts
-        return handle
+        return send, tok, send_counts
+
+    def _pack_fused(self, x: torch.Tensor, idx: torch.Tensor, topk_weights: torch.Tensor,
+                    s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The same packing in two launches (csrc/ep_pack.cu): plan (counts and token order) and rows
+        (the wire rows written straight from x, ids and weights; no stage copy)."""
+        w, lib = self.world, self._pack_lib
+        idx = idx.contiguous()
+        wts = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+        wts = wts.contiguous()
+        x = x.contiguous()
+        tok = torch.empty(s * w, dtype=torch.int64, device=self.device)
+        send_counts = torch.empty(w, dtype=torch.int64, device=self.device)
+        send = self._send_rows(s * w)
+        stream = int(torch.cuda.current_stream(self.device).cuda_stream)
+        rc = lib.mt_pack_plan(idx.data_ptr(), s, self.topk, self.model.experts, w, tok.data_ptr(),
+                              send_counts.data_ptr(), stream)
+        if rc == 0 and s:
+            rc = lib.mt_pack_rows(x.data_ptr(), self.payload_bytes, idx.data_ptr(), wts.data_ptr(), s, self.topk, s * w,
+                                  tok.data_ptr(), send.data_ptr(), self.row_bytes, self.id_off, self.weight_off, stream)
+        if rc:
+            from . import csrc_build
+
+            csrc_build.check(lib, rc, "EP packing")
+        self._pack_keep = (idx, wts, x)  # alive until the kernels have read them (stream-ordered reuse)
+        return send, tok, send_counts
 
     def _dispatch_resident(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
                            ) -> tuple[torch.Tensor, RecvMeta, Handle]:
