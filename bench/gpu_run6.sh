@@ -7,7 +7,7 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 MOETUNE_ONESIDED_TIMEOUT_S=5
 OUT=${OUT:-./bench_out}; R="$OUT/run6"; mkdir -p "$R"
 t0=$SECONDS
-stage() { local n=$1 t=$2; shift 2; echo "=== [$n] $(date -u +%T)"; timeout --kill-after=10 "$t" "$@"; echo "=== [$n] rc=$? at $((SECONDS - t0)) s"; }
+stage() { local n=$1 t=$2; shift 2; echo "=== [$n] $(date -u +%T)" >&2; timeout --kill-after=10 "$t" "$@"; echo "=== [$n] rc=$? at $((SECONDS - t0)) s" >&2; }
 stage build 120 python3 -c "from moetune.runtime import csrc_build as b; i = b.build(); print(i.path, 'built' if i.built else 'cached')"
 PT=""; python3 -c "import pytest_timeout" 2>/dev/null && PT="--timeout=150"
 stage tests 200 python3 -m pytest tests/test_gpu_pack.py tests/test_gpu_onesided.py -q -rA -p no:cacheprovider $PT \
@@ -18,7 +18,7 @@ stage bench_ep 120 python3 bench/onesided_bench_ep.py --out "$R" --timeout 110 -
 for f in 0 1; do
   MOETUNE_FUSED_PACK=$f stage "pack$f" 60 moetune bench ep --world 2 --backend nccl --transport nvlink --model qwen3-30b \
     --tokens 128 --no-layer --iters 30 --warmup 5 --cuda-graph --json > "$R/nvlink_s128_fused$f.json"
-  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: round(r[k]['median'],1) for k in ('dispatch_us','combine_us','roundtrip_us','graph_roundtrip_us','dispatch_host_us') if r.get(k)})" "$R/nvlink_s128_fused$f.json"
+  python3 -c "import json,sys; r=json.loads([l for l in open(sys.argv[1]) if l.startswith('{')][-1]); print({k: round(r[k]['median'],1) for k in ('dispatch_us','combine_us','roundtrip_us','graph_roundtrip_us','dispatch_host_us') if r.get(k)})" "$R/nvlink_s128_fused$f.json"
 done
 tar czf "$OUT/run6.tgz" -C "$OUT" run6 && rm -rf "$R"
 echo "total $((SECONDS - t0)) s"
