@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The bring-up flow on the GPU node, then a host-staged NCCL settings probe. One command:
 #   source bench/device_env.sh; OUT=... bash bench/gpu_profile.sh
-# PROFILE_TIMEOUT (s, default 360) bounds the bring-up. Writes $OUT/profile/{moetune.db,report/,profile.json,profile.log} and $OUT/nccl_env.jsonl.
+# PROFILE_TIMEOUT (s, default 360) bounds the bring-up. Writes $OUT/profile/{moetune.db,report/,profile.json,profile.log} and $OUT/host_staged.jsonl.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-./bench_out}; mkdir -p "$OUT/profile"
@@ -26,20 +26,5 @@ print("calibration:", d.get("calibration"))
 PY
 # Host-staged: does NCCL's staging configuration change the fp8 + pipelining ratio? (information for the tuner)
 [ -n "${SKIP_NCCL_ENV:-}" ] && exit 0
-: > "$OUT/nccl_env.jsonl"
-for envset in "" "NCCL_MIN_NCHANNELS=8" "NCCL_BUFFSIZE=16777216" "NCCL_MIN_NCHANNELS=8 NCCL_BUFFSIZE=16777216"; do
-  for kn in "pipeline_depth=1" "compression=fp8_e4m3,pipeline_depth=2,channels=2"; do
-    r=$(env $envset timeout 25 moetune bench ep --world 2 --backend nccl --transport host_staged --model qwen3-30b \
-        --tokens 4096 --knobs "$kn" --iters 30 --warmup 5 --no-layer --json 2>/dev/null | tail -1)
-    echo "{\"env\": \"$envset\", \"knobs\": \"$kn\", \"result\": ${r:-null}}" >> "$OUT/nccl_env.jsonl"
-  done
-done
-python3 - "$OUT/nccl_env.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-print(f"{'env':45s} {'knobs':50s} {'roundtrip us':>12s}")
-for r in rows:
-    res = r["result"] or {}
-    v = (res.get("roundtrip_us") or {}).get("median")
-    print(f"{r['env'] or '(default)':45s} {r['knobs']:50s} {v if v is None else round(v):>12}")
-PY
+ENVSETS=";NCCL_MIN_NCHANNELS=8;NCCL_BUFFSIZE=16777216;NCCL_MIN_NCHANNELS=8 NCCL_BUFFSIZE=16777216" \
+  bash "$(dirname "$0")/gpu_host_staged.sh"
