@@ -26,5 +26,5 @@ print("calibration:", d.get("calibration"))
 PY
 # Host-staged: does NCCL's staging configuration change the fp8 + pipelining ratio? (information for the tuner)
 [ -n "${SKIP_NCCL_ENV:-}" ] && exit 0
-ENVSETS=";NCCL_MIN_NCHANNELS=8;NCCL_BUFFSIZE=16777216;NCCL_MIN_NCHANNELS=8 NCCL_BUFFSIZE=16777216" \
+OUT="$OUT" ENVSETS=";NCCL_MIN_NCHANNELS=8;NCCL_BUFFSIZE=16777216;NCCL_MIN_NCHANNELS=8 NCCL_BUFFSIZE=16777216" \
   bash "$(dirname "$0")/gpu_host_staged.sh"
