@@ -113,6 +113,11 @@ def rank_main(rank: int, world: int, cases: list[dict], results: str) -> int:
                     rec.update(graph_error=rep.get("graph_error"), graph_roundtrip_rel_err=g_err)
                     if g_ok:
                         rec["graph_roundtrip_us"] = rep["graph_roundtrip_us"]
+                    p_err = rep.get("graph_pair_rel_err")
+                    if p_err is not None and p_err == p_err and p_err <= rep["roundtrip_bound"]:
+                        rec["graph_pair_us"] = rep["graph_pair_us"]
+                    elif rep.get("graph_pair_error") or rep.get("graph_pair_us") is not None:
+                        rec["graph_pair_error"] = rep.get("graph_pair_error") or f"wrong pair output: rel. err {p_err}"
                     elif rep.get("graph_roundtrip_us") is not None:
                         rec["graph_error"] = f"wrong graph output: rel. err {g_err}"
                 if rt_ok and vok is not False:
@@ -130,7 +135,7 @@ def rank_main(rank: int, world: int, cases: list[dict], results: str) -> int:
 
 def table(rows: list[dict]) -> list[str]:
     out = [f"{'variant':14s} {'model':12s} {'S':>6s} {'disp us':>9s} {'comb us':>9s} {'rt us':>9s} {'graph rt':>9s} "
-           f"{'GB/s':>7s} check"]
+           f"{'graph d+c':>9s} {'GB/s':>7s} check"]
     for r in sorted((r for r in rows if r.get("kind") == "time"), key=lambda r: (r["model"], r["S"], r["variant"])):
         if "error" in r:
             out.append(f"{r['variant']:14s} {r['model']:12s} {r['S']:6d} ERROR {r['error'][:90]}")
@@ -139,6 +144,8 @@ def table(rows: list[dict]) -> list[str]:
         gbps = r["dispatch_remote_bytes_rank0"] / d / 1e3 if d else float("nan")
         g = r.get("graph_roundtrip_us")
         gs = f"{g['median']:9.1f}" if g else f"{'-':>9s}"
+        gp = r.get("graph_pair_us")
+        gs += f" {gp['median']:9.1f}" if gp else f" {'-':>9s}"
         note = f" graph: {r['graph_error'][:60]}" if r.get("graph_error") else ""
         out.append(f"{r['variant']:14s} {r['model']:12s} {r['S']:6d} {d:9.1f} {r['combine_us']['median']:9.1f} "
                    f"{r['roundtrip_us']['median']:9.1f} {gs} {gbps:7.1f} rt_err={r['roundtrip_rel_err']:.1e}{note}")

@@ -130,18 +130,25 @@ class RecvMeta:
     def __init__(self, raw_ids: torch.Tensor, raw_weights: torch.Tensor, tokens_per_expert: list[int] | None,
                  rows_per_rank: list[int] | torch.Tensor, first_expert: int = 0, num_local: int | None = None,
                  row_limit: torch.Tensor | None = None):
-        if row_limit is not None:
-            # device-resident layout: rows at or past row_limit (a device scalar) are stale buffer contents;
-            # their ids become -1 (no local expert), so every property below ignores them with no host sync
-            live = torch.arange(raw_ids.shape[0], device=raw_ids.device).unsqueeze(1) < row_limit
-            raw_ids = torch.where(live, raw_ids, -1)
-        self.raw_ids = raw_ids  # global expert ids as sent
+        # device-resident layout: rows at or past row_limit (a device scalar) are stale buffer contents; on
+        # first use of the ids their ids become -1 (no local expert), so every property ignores them with no
+        # host sync (and a dispatch whose metadata is never read pays nothing for it)
+        self._raw_ids = raw_ids  # global expert ids as sent
+        self._row_limit = row_limit
         self.first_expert = first_expert
         self.raw_weights = raw_weights
         self._tpe = tokens_per_expert
         self.num_local = num_local if num_local is not None else len(tokens_per_expert or [])
         self._rows_per_rank = rows_per_rank
         self._valid: torch.Tensor | None = None
+
+    @property
+    def raw_ids(self) -> torch.Tensor:
+        if self._row_limit is not None:
+            ids = self._raw_ids
+            live = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1) < self._row_limit
+            self._raw_ids, self._row_limit = torch.where(live, ids, -1), None
+        return self._raw_ids
 
     @property
     def rows_per_rank(self) -> list[int]:

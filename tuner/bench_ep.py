@@ -249,6 +249,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
 
     profile_table = _profile(roundtrip, device, rank) if cfg.get("profile") else None
     graph_us = graph_err = graph_rel = None
+    pair_us = pair_err = pair_rel = None
     if cfg.get("graph"):
         if buf is not None and not type(buf.transport).graph_capturable:
             graph_err = f"transport {knobs.transport} cannot be replayed from a CUDA graph (per-call host state)"
@@ -260,6 +261,20 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
             if buf is not None and buf.resident:  # a replay that moved nothing would leave these bytes behind
                 poison = buf.transport.data.local.fill_  # type: ignore[attr-defined]
             graph_us, graph_err, graph_rel = _graph_roundtrip(roundtrip, device, iters, warmup, check_output, poison)
+            if buf is not None and graph_err is None and buf.num_chunks == 1:
+                # dispatch and combine alone (no expert op between): the received rows go straight back, so
+                # every token comes back times the number of ranks that held one of its experts
+                epr = model.experts // world
+                hits = torch.zeros(x.shape[0], world, device=device).scatter_(1, idx.long() // epr, 1.0).sum(1, keepdim=True)
+
+                def pair() -> torch.Tensor:
+                    recv, _meta, h = buf.dispatch(x, idx, w)
+                    return buf.combine(recv, h)
+
+                def check_pair(out: torch.Tensor) -> float:
+                    return max_rel_err(out, x.float() * hits)
+
+                pair_us, pair_err, pair_rel = _graph_roundtrip(pair, device, iters, warmup, check_pair, poison)
 
     err = None
     if verify and layer is not None:
@@ -304,6 +319,10 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         "graph_roundtrip_us": graph_us,
         "graph_error": graph_err,
         "graph_roundtrip_rel_err": graph_rel,
+        # dispatch + combine alone, replayed from a CUDA graph (no expert op between)
+        "graph_pair_us": pair_us,
+        "graph_pair_error": pair_err,
+        "graph_pair_rel_err": pair_rel,
         "max_rel_err": (float(errs[0].item()) if verify and layer is not None else None),
         "roundtrip_rel_err": float(errs[1].item()),
         "roundtrip_bound": verify_bound(model.dtype, "none" if impl == "plain" else knobs.compression),

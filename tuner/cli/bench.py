@@ -154,11 +154,11 @@ def _print_table(rep: dict) -> None:
     t.add_column("phase")
     for col in ("median µs", "p10 µs", "p90 µs"):
         t.add_column(col, justify="right")
-    for name in ("dispatch_us", "combine_us", "roundtrip_us", "layer_us", "graph_roundtrip_us",
+    for name in ("dispatch_us", "combine_us", "roundtrip_us", "layer_us", "graph_roundtrip_us", "graph_pair_us",
                  "dispatch_host_us", "combine_host_us"):
         s = rep.get(name)
         if s:
-            label = {"graph_roundtrip_us": "roundtrip (CUDA graph)", "dispatch_host_us": "dispatch, host issue (rank 0)",
+            label = {"graph_roundtrip_us": "roundtrip (CUDA graph)", "graph_pair_us": "dispatch + combine (CUDA graph)", "dispatch_host_us": "dispatch, host issue (rank 0)",
                      "combine_host_us": "combine, host issue (rank 0)"}.get(name, name[:-3])
             t.add_row(label, _fmt(s["median"]), _fmt(s["p10"]), _fmt(s["p90"]))
     c.print(t)
