@@ -263,9 +263,13 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
             graph_us, graph_err, graph_rel = _graph_roundtrip(roundtrip, device, iters, warmup, check_output, poison)
             if buf is not None and graph_err is None and buf.num_chunks == 1:
                 # dispatch and combine alone (no expert op between): the received rows go straight back, so
-                # every token comes back times the number of ranks that held one of its experts
+                # every token comes back times the number of ranks that received it -- those holding one of
+                # its experts (packed/resident layouts), or every rank (dense layout: all slots go everywhere)
                 epr = model.experts // world
-                hits = torch.zeros(x.shape[0], world, device=device).scatter_(1, idx.long() // epr, 1.0).sum(1, keepdim=True)
+                if buf.dense:
+                    hits = torch.full((x.shape[0], 1), float(world), device=device)
+                else:
+                    hits = torch.zeros(x.shape[0], world, device=device).scatter_(1, idx.long() // epr, 1.0).sum(1, keepdim=True)
 
                 def pair() -> torch.Tensor:
                     recv, _meta, h = buf.dispatch(x, idx, w)
