@@ -7,7 +7,7 @@
 
 Sharding: expert e lives on rank e // (E / world) as local expert e % (E / world).
 
-Two wire layouts (collective transports; the one-sided ones always use the packed layout):
+Three wire layouts: packed and dense for the collective transports, device-resident for the one-sided ones.
 
 * packed (counts first): each token travels once per destination *rank* it needs (not once per expert).
   Rows for a destination are packed contiguously in (chunk, rank) order, so one `all_to_all_single` with
@@ -48,6 +48,16 @@ Knobs used by the collective transport: compression / scale_granularity (fp8 dis
 (tokens split into that many chunks, see pipeline.py) and channels (communicators per direction, chunks
 round-robin over them; at most MAX_COMM_CHANNELS). chunk_tokens, signalling, fences, QPs and num_sms
 belong to the one-sided transports and are ignored here.
+
+* device-resident (one-sided transports, nvlink and proxy): the packed rows, but no count ever reaches the
+  host. The rows for each rank are packed on the GPU in (rank, token) order into the reused send buffer,
+  padded to S × world (csrc/ep_pack.cu: a plan kernel and a row kernel; the same with torch ops for fp8 or
+  without the compiled library); the transport reads the per-rank counts on the GPU, computes the offsets in
+  every receiver's buffer there and returns the counts it received; combine goes back along the same paths
+  and adds each token's rows (the padding goes to a spare output row). The receiver gets a capacity-padded
+  view of its symmetric receive buffer, M = world × max_tokens rows with the live ones first; RecvMeta hides
+  the stale rows. With check_inputs=False nothing syncs, so dispatch → experts → combine can be captured in
+  a CUDA graph (nvlink; the proxy passes host state per call). pipeline_depth and channels do not apply.
 """
 
 from __future__ import annotations
@@ -577,7 +587,6 @@ class EPBuffer:
             from . import csrc_build
 
             csrc_build.check(lib, rc, "EP packing")
-        self._pack_keep = (idx, wts, x)  # alive until the kernels have read them (stream-ordered reuse)
         return send, tok, send_counts
 
     def _dispatch_resident(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
@@ -772,7 +781,9 @@ class EPBuffer:
         topk_weights float [S, k]. Returns recv_x [M, H] (rows grouped by source rank; with pipeline_depth
         chunks: by chunk, then source rank), RecvMeta and the handle for combine. Packed layout: M = the
         rows routed here; dense layout: M = world × max_tokens (every slot of every rank; unused slots and
-        tokens without a local expert have no local slot in RecvMeta, their expert output row is ignored).
+        tokens without a local expert have no local slot in RecvMeta, their expert output row is ignored);
+        device-resident layout: M = world × max_tokens, the rows routed here first (sum(meta.rows_per_rank)
+        of them), the rest stale and without a local slot in RecvMeta.
         Raises ValueError on every rank when any rank's input is wrong (before any payload moves).
 
         Without compression recv_x is a view into the receive buffer (no copy; its rows are strided by the
