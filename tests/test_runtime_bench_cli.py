@@ -69,3 +69,21 @@ def test_bench_ep_bad_input_is_a_clear_error(args: list[str], needle: str) -> No
     assert res.exit_code == 2
     assert needle in res.output
     assert "Traceback" not in res.output
+
+
+def test_bench_ep_cuda_graph_needs_the_nccl_backend() -> None:
+    res = runner.invoke(app, ["bench", "ep", "--world", "2", "--backend", "gloo", "--cuda-graph"])
+    assert res.exit_code == 2
+    assert "--cuda-graph needs --backend nccl" in res.output
+
+
+@pytest.mark.timeout(90)
+def test_bench_ep_reports_host_issue_time_and_profile_tables() -> None:
+    res = runner.invoke(app, ["bench", "ep", "--world", "2", "--model", "custom:64,32,8,2,float32", "--tokens", "8",
+                              "--iters", "2", "--warmup", "1", "--no-layer", "--profile", "--json", "--timeout", "30"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout.strip().splitlines()[-1])
+    for phase in ("dispatch_host_us", "combine_host_us"):
+        assert rep[phase]["median"] > 0, (phase, rep[phase])
+    assert "round trips under the profiler" in rep["profile"] and "cpu_time_total" in rep["profile"]
+    assert rep["graph_roundtrip_us"] is None and rep["graph_pair_us"] is None  # not asked for
