@@ -95,6 +95,14 @@ class QueueSim:
             done = tail_piece
         w = n * b / self.lbw
         self.wire_us += w
+        self._on_wire(q, post_first, done, w, track_arrival)
+        self.messages += n * m
+        self.transfers += n
+        return end
+
+    def _on_wire(self, q: int, post_first: float, done: float, w: float, track_arrival: bool) -> None:
+        """The link carries w µs from post_first on; QP q is free at `done`, its ack one RTT after the
+        later of the two; with track_arrival the receiver sees it half an RTT after."""
         link = (self.link if self.link > post_first else post_first) + w
         self.link = link
         wire = link if link > done else done
@@ -106,9 +114,6 @@ class QueueSim:
             self.max_ack = ack
         if track_arrival and wire + self.half > self.last_arrive:
             self.last_arrive = wire + self.half
-        self.messages += n * m
-        self.transfers += n
-        return end
 
     def fence(self, mode: str) -> bool:
         """Returns True when the next signal must carry the NIC fence flag."""
@@ -159,18 +164,7 @@ class QueueSim:
         done = s + n * self.so
         if end + self.so > done:
             done = end + self.so
-        w = n * SIGNAL_BYTES / self.lbw
-        link = (self.link if self.link > post_first else post_first) + w
-        self.link = link
-        wire = link if link > done else done
-        self.qp_free[q] = done
-        ack = wire + self.rtt
-        if ack > self.qp_ack.get(q, self.t0):
-            self.qp_ack[q] = ack
-        if ack > self.max_ack:
-            self.max_ack = ack
-        if wire + self.half > self.last_arrive:
-            self.last_arrive = wire + self.half
+        self._on_wire(q, post_first, done, n * SIGNAL_BYTES / self.lbw, True)
         self.signals += n
 
     # -- periodic-regime extrapolation -----------------------------------------------------------
