@@ -66,11 +66,17 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, backend: st
     except BaseException as e:
         q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
     finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
+        destroy_group_quietly()
+
+
+def destroy_group_quietly() -> None:
+    """Tear down this process's default group, if any; a rank on its way out has nothing to do with a
+    failure here (the peer may already be gone)."""
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
 
 
 def launch(

@@ -93,9 +93,8 @@ def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float,
     os.dup2(2, 1)  # only the parent writes protocol lines on stdout
     os.environ.update(env)
     import torch
-    import torch.distributed as dist
 
-    from ..runtime.launch import init_group
+    from ..runtime.launch import destroy_group_quietly, init_group
     from .bench_ep import bench_case
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -125,11 +124,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float,
                 if os.environ.get("MOETUNE_WORKER_TRACEBACK") == "1":
                     traceback.print_exc()
     finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
+        destroy_group_quietly()
 
 
 class _Died(RuntimeError):

@@ -45,11 +45,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], kwargs: dic
     except BaseException:
         res = {"error": traceback.format_exc()}
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(res, default=str))
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass
+    from ..launch import destroy_group_quietly
+
+    destroy_group_quietly()
 
 
 def spawn_world(fn: Callable[..., Any], world: int, kwargs: dict | None = None, *, timeout_s: float = 300) -> list[Any]:
