@@ -932,6 +932,17 @@ def _discover_gpus(src: Source, facts: FabricFacts, tools: dict[str, str]) -> di
     return versions
 
 
+def _matrix_cells(mat: dict[str, Any], n: int, where: str, src: Source):
+    """(gpu row i, column label, peer GPU index or None for a non-GPU column, value) of GPU rows 0..n-1."""
+    for i in range(n):
+        row = mat["rows"].get(f"GPU{i}")
+        if row is None:
+            raise src.error(where, f"no row for GPU{i}")
+        for j, col in enumerate(mat["cols"]):
+            m = re.match(r"^GPU(\d+)$", col)
+            yield i, col, (int(m.group(1)) if m else None), row[j]
+
+
 def _discover_topology(src: Source, facts: FabricFacts, tools: dict[str, str]) -> list[tuple[int, str, str]]:
     """Pairs from `topo -m` + `topo -p2p r`; returns (gpu, nic name, level) for NIC columns."""
     n = len(facts.gpus)
@@ -948,31 +959,20 @@ def _discover_topology(src: Source, facts: FabricFacts, tools: dict[str, str]) -
         gpu_rows = [c for c in mat["cols"] if re.match(r"^GPU\d+$", c)]
         if len(gpu_rows) != n:
             raise src.error(where, f"lists {len(gpu_rows)} GPUs, `nvidia-smi -q -x` lists {n} (truncated, or from another node?)")
-        for i in range(n):
-            row = mat["rows"].get(f"GPU{i}")
-            if row is None:
-                raise src.error(where, f"no row for GPU{i}")
-            for j, col in enumerate(mat["cols"]):
-                m = re.match(r"^GPU(\d+)$", col)
-                if m:
-                    if int(m.group(1)) != i:
-                        levels[(i, int(m.group(1)))] = row[j]
-                else:
-                    gpu_nic.append((i, mat["legend"].get(col, col), row[j]))
+        for i, col, peer, value in _matrix_cells(mat, n, where, src):
+            if peer is None:
+                gpu_nic.append((i, mat["legend"].get(col, col), value))
+            elif peer != i:
+                levels[(i, peer)] = value
     if n > 1:
         pr = src.run(SMI_P2P)
         tools[" ".join(SMI_P2P)] = pr.describe
         if pr.ok:
             where = src.where_command(SMI_P2P)
             mat = parse_matrix(pr.stdout, where, src, "`nvidia-smi topo -p2p r`", _P2P_RE)
-            for i in range(n):
-                row = mat["rows"].get(f"GPU{i}")
-                if row is None:
-                    raise src.error(where, f"no row for GPU{i}")
-                for j, col in enumerate(mat["cols"]):
-                    m = re.match(r"^GPU(\d+)$", col)
-                    if m and int(m.group(1)) != i:
-                        p2p[(i, int(m.group(1)))] = row[j]
+            for i, _col, peer, value in _matrix_cells(mat, n, where, src):
+                if peer is not None and peer != i:
+                    p2p[(i, peer)] = value
     for i in range(n):
         for j in range(i + 1, n):
             facts.pairs.append(
