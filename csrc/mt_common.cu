@@ -1,21 +1,9 @@
-// moetune csrc: error reporting, host-mapped flags, CUDA IPC fallback for symmetric buffers.
-#include <stdarg.h>
+// moetune csrc: ABI version, host-mapped flags, CUDA IPC fallback for symmetric buffers (errors: mt_error.cpp).
 #include <string.h>
 
 #include "mt_common.h"
 
-namespace mt {
-static thread_local char g_err[1024] = {0};
-
-void set_error(const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(g_err, sizeof(g_err), fmt, ap);
-  va_end(ap);
-}
-}  // namespace mt
-
-MT_API const char* mt_last_error() { return mt::g_err; }
+// mt::set_error and mt_last_error live in mt_error.cpp.
 
 // ABI version: bump when a signature changes (Python checks it after loading).
 MT_API int mt_abi_version() { return 9; }

@@ -207,7 +207,7 @@ def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     out = tmp_path / "libmtsim.so"
     r = subprocess.run(
         [gxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-DMT_HOST_SIM", "csrc/proxy_engine.cpp",
-         "csrc/sim/sim_support.cpp", "-x", "c++", "csrc/proxy_gpu.cu", "-o", str(out), "-lpthread"],
+         "csrc/sim/sim_support.cpp", "csrc/mt_error.cpp", "-x", "c++", "csrc/proxy_gpu.cu", "-o", str(out), "-lpthread"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert r.returncode == 0, r.stderr

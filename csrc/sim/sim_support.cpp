@@ -1,5 +1,4 @@
-// Host-simulation support for tests: error text and counters (see mt_cuda_sim.h).
-#include <stdarg.h>
+// Host-simulation support for tests: streams and counters (see mt_cuda_sim.h).
 #include <stdio.h>
 #include <string.h>
 
@@ -108,17 +107,7 @@ MT_API void mtsim_set_async(int on, int delay_us) {
   mtsim::async_mode = on;
   mtsim::copy_delay_us = delay_us;
 }
-namespace mt {
-static thread_local char g_err[1024] = {0};
-void set_error(const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(g_err, sizeof(g_err), fmt, ap);
-  va_end(ap);
-}
-}  // namespace mt
-
-MT_API const char* mt_last_error() { return mt::g_err; }
+// mt::set_error and mt_last_error: ../mt_error.cpp (compiled with this file).
 MT_API void mtsim_counters(unsigned long long* out) {
   out[0] = mtsim::memcpys;
   out[1] = mtsim::writes;
