@@ -16,7 +16,8 @@ export NCCL_P2P_DISABLE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-./bench_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-WORK=$(mktemp -d /tmp/moetune-gpu-tune.XXXX)
+WORK=$(mktemp -d /tmp/moetune-gpu-tune.XXXX) || exit 1
+trap 'rm -rf "$WORK"' EXIT  # scratch databases and logs; what matters is written to $OUT
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
 moetune() { "$PY" -c "from moetune.tuner.cli import main; main()" "$@"; }
