@@ -120,9 +120,9 @@ def _nonzero_rows(mask: torch.Tensor, size: int, fill: int = 0) -> torch.Tensor:
     if hasattr(torch, "nonzero_static"):
         try:
             return torch.nonzero_static(mask, size=size, fill_value=fill)
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError):  # no kernel for this device in this torch build
             pass
-    return torch.nonzero(mask)
+    return torch.nonzero(mask)  # exact count, no padding: one host sync
 
 
 class RecvMeta:
@@ -560,7 +560,7 @@ class EPBuffer:
         # (rank, token) pairs, rank-major, padded to S x world with token s: the stage's spare row when
         # sending (never sent: the counts stop short of it) and the output's spare row in combine
         tok = _nonzero_rows(need.t(), s * w, fill=s)[:, 1]
-        send = self._send_rows(s * w)
+        send = self._send_rows(tok.shape[0])  # S x world, or the exact count where torch lacks nonzero_static
         if s:
             torch.index_select(self._stage, 0, tok, out=send)  # type: ignore[arg-type]
         return send, tok, send_counts
