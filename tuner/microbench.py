@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -159,12 +158,6 @@ def plan(transports: Sequence[str], gpu_count: int, model: str = "qwen3-30b") ->
 # -- subprocess side ---------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spread(samples: list[float]) -> float:
     if len(samples) < 3:
         return 0.0
@@ -254,7 +247,9 @@ def _spawn_pair(target: Callable, backend: str, sizes: list[int], iters: int, la
 
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    port = _free_port()
+    from moetune.runtime.launch import free_port
+
+    port = free_port()
     procs = [ctx.Process(target=target, args=(r, port, backend, sizes, iters, label, q)) for r in (0, 1)]
     for p in procs:
         p.start()

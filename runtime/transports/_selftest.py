@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -21,14 +20,9 @@ import torch
 import torch.distributed as dist
 
 from ..knobs import Knobs, default_knobs
+from ..launch import destroy_group_quietly, free_port
 
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], kwargs: dict, outdir: str) -> None:
@@ -45,7 +39,6 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], kwargs: dic
     except BaseException:
         res = {"error": traceback.format_exc()}
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(res, default=str))
-    from ..launch import destroy_group_quietly
 
     destroy_group_quietly()
 
@@ -57,7 +50,7 @@ def spawn_world(fn: Callable[..., Any], world: int, kwargs: dict | None = None, 
         os.environ.setdefault(k, v)
     with tempfile.TemporaryDirectory(prefix="moetune_spawn_") as outdir:
         ctx = mp.start_processes(
-            _entry, args=(world, _free_port(), fn, kwargs or {}, outdir), nprocs=world, join=False,
+            _entry, args=(world, free_port(), fn, kwargs or {}, outdir), nprocs=world, join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout_s
