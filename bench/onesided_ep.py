@@ -12,7 +12,12 @@ median of 20:
 GB/s = remote bytes sent by this rank / dispatch time. Also a num_sms sweep of nvlink at the largest
 bandwidth shape. Output: $OUT/onesided_ep.jsonl, a table printed last.
 
-    python bench/onesided_ep.py [--out DIR] [--iters 30] [--quick] [--dry-run]
+`--busy-us N` keeps the GPU busy for N µs (a spin kernel) before the first event of every timed
+iteration, for every transport alike: the host then issues the calls while the GPU spins, and the
+events time what the GPU does (as a kernel-time profile would), not the host's issue latency of an
+idle stream. Rows record `busy_prelude_us`.
+
+    python bench/onesided_ep.py [--out DIR] [--iters 30] [--quick] [--busy-us 300] [--dry-run]
 """
 
 from __future__ import annotations
@@ -79,7 +84,8 @@ def make_shape(model, S: int, world: int, rank: int, device, seed: int = 0, layo
 
 
 def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int], iters: int, warmup: int,
-                 variants: list[tuple[str, str]], sms_sweep: list[int], graphs: bool = True) -> list[dict]:
+                 variants: list[tuple[str, str]], sms_sweep: list[int], graphs: bool = True,
+                 busy_us: float = 0.0) -> list[dict]:
     import torch
     import torch.distributed as dist
 
@@ -105,6 +111,15 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
         return sum(c for d, c in enumerate(counts) if d != rank) * send.shape[1] * send.element_size()
 
     host_us: list[float] = []
+    busy_cycles = 0
+    if busy_us > 0:  # the spin kernel's clock: cycles per µs, measured
+        torch.cuda._sleep(1000)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(2_000_000)
+        b.record()
+        torch.cuda.synchronize(device)
+        busy_cycles = int(busy_us * 2_000_000 / (a.elapsed_time(b) * 1e3))
 
     def agree(err: str | None) -> bool:
         """All ranks learn whether any failed (keeps the collectives in step). True = all fine."""
@@ -122,6 +137,8 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
                 continue
             try:
                 e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                if busy_cycles:
+                    torch.cuda._sleep(busy_cycles)
                 e0.record()
                 h0 = time.perf_counter()
                 st = dispatch_fn()
@@ -180,7 +197,8 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
     for (m, S, layout), (model, send, counts) in shapes.items():
         for name in ("nccl", "nccl+counts"):
             rec = {"bench": "onesided_ep", "transport": name, "knobs": "", "model": m, "tokens": S, "world": world,
-                   "rank": rank, "hidden": model.hidden, "layout": layout, "rows_sent": int(send.shape[0])}
+                   "rank": rank, "hidden": model.hidden, "layout": layout, "rows_sent": int(send.shape[0]),
+                   "busy_prelude_us": busy_us}
             try:
                 sc_dev = torch.tensor(counts, dtype=torch.int64, device=device)
                 rc_dev = torch.empty_like(sc_dev)
@@ -235,7 +253,7 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
                 model, send, counts = shapes[key]
                 rec = {"bench": "onesided_ep", "transport": tname, "knobs": spec, "model": m, "tokens": S,
                        "world": world, "rank": rank, "hidden": model.hidden, "symm_backend": t.symm_backend,
-                       "layout": layout, "rows_sent": int(send.shape[0])}
+                       "layout": layout, "rows_sent": int(send.shape[0]), "busy_prelude_us": busy_us}
                 try:
                     sc_dev = torch.tensor(counts, dtype=torch.int64, device=device)
                     holder = {}
@@ -356,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay timing of nvlink")
+    ap.add_argument("--busy-us", type=float, default=0.0,
+                    help="spin the GPU this long before each timed iteration (time GPU work, not host issue)")
+    ap.add_argument("--variants", default="",
+                    help="';'-separated transport:knobs (e.g. nvlink:signalling=decoupled,num_sms=64) instead of the "
+                         "built-in variants and the num_sms sweep")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -363,6 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     want = set(args.transports.split(","))
     variants = [v for v in (*NVLINK_VARIANTS, *PROXY_VARIANTS) if v[0] in want]
     sms = list(SMS_SWEEP) if "nvlink" in want else []
+    if args.variants:  # "transport:knobs" entries replace the built-in variants and the sms sweep
+        variants = [tuple(v.split(":", 1)) for v in args.variants.split(";") if v]  # type: ignore[misc]
+        bad = [v for v in variants if len(v) != 2 or v[0] not in ("nvlink", "proxy")]
+        if bad:
+            ap.error(f"--variants entries must be nvlink:KNOBS or proxy:KNOBS, got {bad}")
+        sms = []
     if args.quick:
         variants = [v for i, v in enumerate(variants) if i % 2 == 0]
         sms = sms[::3]
@@ -388,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
 
     res = spawn_world(bench_worker, args.world, dict(models=models, tokens=tokens, iters=args.iters,
                                                      warmup=args.warmup, variants=variants, sms_sweep=sms,
-                                                     graphs=not args.no_graphs),
+                                                     graphs=not args.no_graphs, busy_us=args.busy_us),
                       timeout_s=args.timeout)
     rows: list[dict] = []
     rc = 0

@@ -6,7 +6,11 @@
 //            (tagged 64-bit words: count and the call's tag in one store: a signalled put of 8 bytes);
 //   phase 1  CTA (d, j) computes its source offset locally and its offset inside d's buffer as
 //            sum_{s < rank} M[s][d] (waiting on the tagged words of lower ranks) -- on the GPU;
-//   phase 2  CTA (d, j) copies its 1/cpp share of the rows bound for d with 16-byte vector loads/stores;
+//   phase 2  CTA (d, j) copies its 1/cpp share of the rows bound for d with 16-byte vector loads/stores:
+//            the bytes of a packed send buffer as one span, or row by row (a warp per row) from a
+//            strided source (combine reading the receive buffer's payload columns in place) or gathered
+//            from the tokens (dispatch writing EPBuffer's wire rows -- payload, ids, weights -- straight
+//            from x, so no packing launch and no packed copy in local memory);
 //   phase 3  signal: coupled  -> every thread fences (system scope), CTA's thread 0 writes its slot;
 //                    decoupled-> CTAs fence at GPU scope and bump a per-group counter; the last CTA
 //                                of the group to arrive issues ONE system fence and the group's signals;
@@ -39,12 +43,21 @@ struct NvlCtx {
   uint64_t timeout_ns = 10ull * 1000 * 1000 * 1000;
 };
 
+enum RowMode { kSpan = 0, kStrided = 1, kGather = 2 };
+
 struct XParams {
   uint64_t ctrl[MT_MAX_WORLD];
   uint64_t data[MT_MAX_WORLD];
   uint64_t data_bytes;
   const char* send;
   uint64_t row_bytes;
+  int mode;                 // RowMode
+  uint64_t src_stride;      // kStrided / kGather: bytes between source rows (of send / of x)
+  const int64_t* tok;       // kGather: token of every send row (rank-major, as the plan kernel wrote it)
+  const int64_t* g_idx;     // kGather: int64 [S, k] expert ids
+  const float* g_w;         // kGather: fp32 [S, k] weights
+  int k;
+  uint64_t payload_bytes, id_off, weight_off;  // kGather: the wire row's layout
   const int64_t* send_counts;
   const int64_t* recv_counts;  // may be null: checked against what the senders sent
   int64_t* recv_out;           // may be null: receives the counts (fused dispatch, no exchange_counts)
@@ -89,6 +102,55 @@ __device__ __forceinline__ void copy_bytes(char* dst, const char* src, uint64_t 
     for (; i < nv; i += nt) d[i] = ld_nc_v4(s + i);
   } else {
     for (uint64_t i = tid; i < n; i += nt) dst[i] = src[i];
+  }
+}
+
+// A warp copies n bytes (16-byte vectors when aligned; 8 in flight per lane).
+__device__ __forceinline__ void warp_copy(char* dst, const char* src, uint64_t n, int lane) {
+  if ((((uintptr_t)dst | (uintptr_t)src | n) & 15ull) == 0) {
+    int4* d = reinterpret_cast<int4*>(dst);
+    const int4* s = reinterpret_cast<const int4*>(src);
+    const uint64_t nv = n >> 4;
+    constexpr int U = 8;
+    for (uint64_t base = 0; base < nv; base += 32 * U) {
+      int4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint64_t i = base + (uint64_t)u * 32 + lane;
+        if (i < nv) v[u] = ld_nc_v4(s + i);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint64_t i = base + (uint64_t)u * 32 + lane;
+        if (i < nv) d[i] = v[u];
+      }
+    }
+  } else {
+    for (uint64_t i = lane; i < n; i += 32) dst[i] = src[i];
+  }
+}
+
+__device__ __forceinline__ void warp_zero(char* dst, uint64_t from, uint64_t to, int lane) {
+  for (uint64_t b = from + lane; b < to; b += 32) dst[b] = 0;
+}
+
+// Rows [lo, hi) of the cnt bound for this CTA's destination, a warp per row.
+__device__ void copy_rows(const XParams& p, char* dst_base, long long src_off, uint64_t lo, uint64_t hi) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (uint64_t r = lo + warp; r < hi; r += nwarps) {
+    char* dst = dst_base + r * p.row_bytes;
+    if (p.mode == kStrided) {
+      warp_copy(dst, p.send + (uint64_t)(src_off + r) * p.src_stride, p.row_bytes, lane);
+      continue;
+    }
+    const int64_t t = p.tok[src_off + r];
+    warp_copy(dst, p.send + (uint64_t)t * p.src_stride, p.payload_bytes, lane);
+    warp_zero(dst, p.payload_bytes, p.id_off, lane);
+    for (int q = lane; q < p.k; q += 32) {
+      reinterpret_cast<int64_t*>(dst + p.id_off)[q] = p.g_idx[t * p.k + q];
+      reinterpret_cast<float*>(dst + p.weight_off)[q] = p.g_w[t * p.k + q];
+    }
+    warp_zero(dst, p.weight_off + 4ull * p.k, p.row_bytes, lane);
   }
 }
 
@@ -140,7 +202,13 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
   __syncthreads();
 
   // phase 2: this CTA's share of the bytes bound for d
-  if (!s_skip && s_cnt > 0) {
+  if (!s_skip && s_cnt > 0 && p.mode != kSpan) {
+    const uint64_t per = ((uint64_t)s_cnt + p.cpp - 1) / p.cpp;
+    const uint64_t lo = (uint64_t)j * per;
+    const uint64_t hi = lo + per < (uint64_t)s_cnt ? lo + per : (uint64_t)s_cnt;
+    char* dst_base = reinterpret_cast<char*>(p.data[d] + (uint64_t)par * p.data_bytes) + (uint64_t)s_dst_off * p.row_bytes;
+    if (lo < hi) copy_rows(p, dst_base, s_src_off, lo, hi);
+  } else if (!s_skip && s_cnt > 0) {
     const uint64_t total = (uint64_t)s_cnt * p.row_bytes;
     uint64_t chunk = (total + p.cpp - 1) / p.cpp;
     chunk = (chunk + 15) & ~15ull;
@@ -291,24 +359,19 @@ MT_API int mt_nvl_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   return 0;
 }
 
-MT_API int mt_nvl_exchange(void* h, const void* send, uint64_t row_bytes, const int64_t* send_counts,
-                           const int64_t* recv_counts, int64_t* recv_out, int coupled, int group_size,
-                           uint64_t stream) {
-  NvlCtx* c = static_cast<NvlCtx*>(h);
+static int nvl_launch(NvlCtx* c, XParams& p, const int64_t* send_counts, const int64_t* recv_counts,
+                      int64_t* recv_out, int coupled, int group_size, uint64_t stream) {
   MT_REQUIRE(c->data_bytes > 0, 103, "no data buffer: call reserve() first");
-  MT_REQUIRE(row_bytes > 0, 104, "row_bytes must be > 0");
+  MT_REQUIRE(p.row_bytes > 0, 104, "row_bytes must be > 0");
   MT_CUDA(cudaSetDevice(c->device));
   int cpp = 1;
-  mt_nvl_ctas_per_peer(h, &cpp);
+  mt_nvl_ctas_per_peer(c, &cpp);
   int g = group_size <= 0 ? cpp : (group_size > cpp ? cpp : group_size);
-  XParams p;
   for (int i = 0; i < MT_MAX_WORLD; ++i) {
     p.ctrl[i] = c->ctrl[i];
     p.data[i] = c->data[i];
   }
   p.data_bytes = c->data_bytes;
-  p.send = static_cast<const char*>(send);
-  p.row_bytes = row_bytes;
   p.send_counts = send_counts;
   p.recv_counts = recv_counts;
   p.recv_out = recv_out;
@@ -324,6 +387,57 @@ MT_API int mt_nvl_exchange(void* h, const void* send, uint64_t row_bytes, const 
   nvl_exchange_kernel<<<c->world * cpp, 512, 0, (cudaStream_t)stream>>>(p);
   MT_CUDA(cudaGetLastError());
   return 0;
+}
+
+// send: the packed rows [sum(send_counts), row_bytes], contiguous.
+MT_API int mt_nvl_exchange(void* h, const void* send, uint64_t row_bytes, const int64_t* send_counts,
+                           const int64_t* recv_counts, int64_t* recv_out, int coupled, int group_size,
+                           uint64_t stream) {
+  XParams p{};
+  p.send = static_cast<const char*>(send);
+  p.row_bytes = row_bytes;
+  p.mode = kSpan;
+  return nvl_launch(static_cast<NvlCtx*>(h), p, send_counts, recv_counts, recv_out, coupled, group_size, stream);
+}
+
+// src: row i of the send order at src + i * src_stride, row_bytes of it sent (src_stride >= row_bytes).
+MT_API int mt_nvl_exchange_strided(void* h, const void* src, uint64_t src_stride, uint64_t row_bytes,
+                                   const int64_t* send_counts, const int64_t* recv_counts, int64_t* recv_out,
+                                   int coupled, int group_size, uint64_t stream) {
+  MT_REQUIRE(src_stride >= row_bytes, 105, "source row stride %llu shorter than the row (%llu bytes)",
+             (unsigned long long)src_stride, (unsigned long long)row_bytes);
+  XParams p{};
+  p.send = static_cast<const char*>(src);
+  p.row_bytes = row_bytes;
+  p.mode = kStrided;
+  p.src_stride = src_stride;
+  return nvl_launch(static_cast<NvlCtx*>(h), p, send_counts, recv_counts, recv_out, coupled, group_size, stream);
+}
+
+// Dispatch gathered from the tokens: send row i is built from token tok[i] (x at x + t * x_stride,
+// payload_bytes of it; ids int64 [S, k]; weights fp32 [S, k]) in EPBuffer's wire-row layout.
+MT_API int mt_nvl_exchange_gather(void* h, const void* x, uint64_t x_stride, uint64_t payload_bytes,
+                                  const int64_t* tok, const int64_t* idx, const float* w, int k, uint64_t row_bytes,
+                                  uint64_t id_off, uint64_t weight_off, const int64_t* send_counts,
+                                  int64_t* recv_out, int coupled, int group_size, uint64_t stream) {
+  MT_REQUIRE(k >= 1 && k <= 1024, 111, "top-k %d out of range", k);
+  MT_REQUIRE(tok != nullptr && idx != nullptr && w != nullptr, 106, "gather needs tok, ids and weights");
+  MT_REQUIRE(id_off % 8 == 0 && weight_off % 4 == 0 && weight_off + 4ull * k <= row_bytes && payload_bytes <= id_off &&
+                 id_off + 8ull * k <= weight_off,
+             113, "row layout inconsistent");
+  XParams p{};
+  p.send = static_cast<const char*>(x);
+  p.row_bytes = row_bytes;
+  p.mode = kGather;
+  p.src_stride = x_stride;
+  p.tok = tok;
+  p.g_idx = idx;
+  p.g_w = w;
+  p.k = k;
+  p.payload_bytes = payload_bytes;
+  p.id_off = id_off;
+  p.weight_off = weight_off;
+  return nvl_launch(static_cast<NvlCtx*>(h), p, send_counts, nullptr, recv_out, coupled, group_size, stream);
 }
 
 // Host address of the error record (int32[16], pinned): Python polls word 0 without a call.

@@ -6,10 +6,19 @@
 //                   expert on d, in token order: tok[] (rank-major), send_counts[d]; tok is padded to
 //                   S x world entries with S (the spare row: never sent, and combine adds padding
 //                   rows into a spare output row). Expert ids outside [0, E) count for no rank.
+//                   Optionally inv[t * world + d]: the send row of token t bound for d, or -1 (the
+//                   inverse map combine's reduce reads).
 //   rows (grid)     send row i = the wire row of token tok[i]: payload bytes of x, the k int64 ids,
 //                   the k fp32 weights, zeros up to row_bytes (EPBuffer's row layout, no fp8 scales).
-//                   Padding rows are left untouched.
+//                   Padding rows are left untouched. (The nvlink transport skips this launch: its
+//                   exchange kernel writes the same rows straight into the peers' buffers.)
+// And combine's last step:
+//   reduce (grid)   out[t] = sum over d of back[inv[t * world + d]] (fp32 accumulation in rank order,
+//                   one rounding to the activation dtype): replaces a zero fill and an index_add whose
+//                   atomics add in no fixed order.
 #include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "mt_common.h"
 
@@ -20,7 +29,7 @@ constexpr int kRowThreads = 256;
 
 __global__ void __launch_bounds__(kPlanThreads)
     pack_plan_kernel(const int64_t* __restrict__ idx, int64_t s, int k, int64_t experts, int world,
-                     int64_t* __restrict__ tok, int64_t* __restrict__ counts) {
+                     int64_t* __restrict__ tok, int64_t* __restrict__ counts, int64_t* __restrict__ inv) {
   using Scan = cub::BlockScan<int, kPlanThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int64_t s_base;
@@ -45,6 +54,7 @@ __global__ void __launch_bounds__(kPlanThreads)
       int pos = 0, total = 0;
       Scan(tmp).ExclusiveSum(flag, pos, total);
       if (flag) tok[s_base + pos] = t;
+      if (inv != nullptr && t < s) inv[t * world + d] = flag ? s_base + pos : -1;
       __syncthreads();  // everyone has read s_base (and tmp may be reused)
       if (threadIdx.x == 0) s_base += total;
       __syncthreads();
@@ -82,16 +92,84 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+template <typename T>
+__device__ __forceinline__ float to_f(T v) {
+  return static_cast<float>(v);
+}
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <>
+__device__ __forceinline__ float to_f<__half>(__half v) {
+  return __half2float(v);
+}
+template <typename T>
+__device__ __forceinline__ T from_f(float v) {
+  return static_cast<T>(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+// One CTA per token (grid-stride); 16-byte vectors of N elements when the row allows it.
+template <typename T>
+__global__ void __launch_bounds__(kRowThreads)
+    combine_reduce_kernel(const T* __restrict__ back, uint64_t back_stride, const int64_t* __restrict__ inv,
+                          int64_t s, int world, int hidden, T* __restrict__ out) {
+  constexpr int N = 16 / sizeof(T);
+  const bool vec = ((hidden % N) == 0) && ((back_stride % N) == 0) && (((uintptr_t)back | (uintptr_t)out) & 15) == 0;
+  __shared__ int64_t rows[MT_MAX_WORLD];
+  for (int64_t t = blockIdx.x; t < s; t += gridDim.x) {
+    __syncthreads();  // everyone is done with the previous token's rows
+    if ((int)threadIdx.x < world) rows[threadIdx.x] = inv[t * world + threadIdx.x];
+    __syncthreads();
+    T* o = out + (uint64_t)t * hidden;
+    if (vec) {
+      for (int v = threadIdx.x; v < hidden / N; v += kRowThreads) {
+        float acc[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[i] = 0.f;
+        for (int d = 0; d < world; ++d) {
+          if (rows[d] < 0) continue;
+          const int4 raw = reinterpret_cast<const int4*>(back + (uint64_t)rows[d] * back_stride)[v];
+          const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+          for (int i = 0; i < N; ++i) acc[i] += to_f<T>(e[i]);
+        }
+        int4 res;
+        T* r = reinterpret_cast<T*>(&res);
+#pragma unroll
+        for (int i = 0; i < N; ++i) r[i] = from_f<T>(acc[i]);
+        reinterpret_cast<int4*>(o)[v] = res;
+      }
+    } else {
+      for (int c = threadIdx.x; c < hidden; c += kRowThreads) {
+        float acc = 0.f;
+        for (int d = 0; d < world; ++d)
+          if (rows[d] >= 0) acc += to_f<T>(back[(uint64_t)rows[d] * back_stride + c]);
+        o[c] = from_f<T>(acc);
+      }
+    }
+  }
+}
+
 }  // namespace
 
-// idx: int64 [s, k] (contiguous); tok: int64 [s * world]; counts: int64 [world].
+// idx: int64 [s, k] (contiguous); tok: int64 [s * world]; counts: int64 [world]; inv: int64 [s * world]
+// or null.
 MT_API int mt_pack_plan(const int64_t* idx, int64_t s, int k, int64_t experts, int world, int64_t* tok,
-                        int64_t* counts, uint64_t stream) {
+                        int64_t* counts, int64_t* inv, uint64_t stream) {
   MT_REQUIRE(world >= 1 && world <= MT_MAX_WORLD, 110, "world out of range");
   MT_REQUIRE(k >= 1 && k <= kRowThreads, 111, "top-k out of range");
   MT_REQUIRE(experts % world == 0, 112, "experts not divisible by world");
   (void)cudaGetLastError();
-  pack_plan_kernel<<<1, kPlanThreads, 0, (cudaStream_t)stream>>>(idx, s, k, experts, world, tok, counts);
+  pack_plan_kernel<<<1, kPlanThreads, 0, (cudaStream_t)stream>>>(idx, s, k, experts, world, tok, counts, inv);
   MT_CUDA(cudaGetLastError());
   return 0;
 }
@@ -113,6 +191,34 @@ MT_API int mt_pack_rows(const void* x, uint64_t payload_bytes, const int64_t* id
   pack_rows_kernel<<<(unsigned)grid, kRowThreads, 0, (cudaStream_t)stream>>>(
       static_cast<const char*>(x), payload_bytes, idx, w, s, k, n_rows, tok, static_cast<char*>(out), row_bytes,
       id_off, weight_off);
+  MT_CUDA(cudaGetLastError());
+  return 0;
+}
+
+// back: [rows, back_stride elements] of dtype (0 fp32, 1 bf16, 2 fp16); inv: int64 [s * world];
+// out: [s, hidden] contiguous.
+MT_API int mt_combine_reduce(const void* back, uint64_t back_stride, const int64_t* inv, int64_t s, int world,
+                             int hidden, int dtype, void* out, uint64_t stream) {
+  MT_REQUIRE(world >= 1 && world <= MT_MAX_WORLD, 110, "world out of range");
+  MT_REQUIRE(dtype >= 0 && dtype <= 2, 114, "dtype code %d unknown (0 fp32, 1 bf16, 2 fp16)", dtype);
+  MT_REQUIRE(back_stride >= (uint64_t)hidden, 115, "row stride shorter than hidden");
+  if (s <= 0 || hidden <= 0) return 0;
+  int dev = 0;
+  MT_CUDA(cudaGetDevice(&dev));
+  int sms = 132;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const unsigned grid = (unsigned)(s < (int64_t)sms * 8 ? s : (int64_t)sms * 8);
+  cudaStream_t st = (cudaStream_t)stream;
+  (void)cudaGetLastError();
+  if (dtype == 0)
+    combine_reduce_kernel<float><<<grid, kRowThreads, 0, st>>>(static_cast<const float*>(back), back_stride, inv, s,
+                                                               world, hidden, static_cast<float*>(out));
+  else if (dtype == 1)
+    combine_reduce_kernel<__nv_bfloat16><<<grid, kRowThreads, 0, st>>>(
+        static_cast<const __nv_bfloat16*>(back), back_stride, inv, s, world, hidden, static_cast<__nv_bfloat16*>(out));
+  else
+    combine_reduce_kernel<__half><<<grid, kRowThreads, 0, st>>>(static_cast<const __half*>(back), back_stride, inv, s,
+                                                                world, hidden, static_cast<__half*>(out));
   MT_CUDA(cudaGetLastError());
   return 0;
 }

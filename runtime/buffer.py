@@ -139,12 +139,12 @@ class RecvMeta:
 
     def __init__(self, raw_ids: torch.Tensor, raw_weights: torch.Tensor, tokens_per_expert: list[int] | None,
                  rows_per_rank: list[int] | torch.Tensor, first_expert: int = 0, num_local: int | None = None,
-                 row_limit: torch.Tensor | None = None):
-        # device-resident layout: rows at or past row_limit (a device scalar) are stale buffer contents; on
-        # first use of the ids their ids become -1 (no local expert), so every property ignores them with no
-        # host sync (and a dispatch whose metadata is never read pays nothing for it)
+                 live_counts: torch.Tensor | None = None):
+        # device-resident layout: rows at or past sum(live_counts) (device counts per source rank) are stale
+        # buffer contents; on first use of the ids their ids become -1 (no local expert), so every property
+        # ignores them with no host sync (and a dispatch whose metadata is never read pays nothing for it)
         self._raw_ids = raw_ids  # global expert ids as sent
-        self._row_limit = row_limit
+        self._live_counts = live_counts
         self.first_expert = first_expert
         self.raw_weights = raw_weights
         self._tpe = tokens_per_expert
@@ -154,10 +154,10 @@ class RecvMeta:
 
     @property
     def raw_ids(self) -> torch.Tensor:
-        if self._row_limit is not None:
+        if self._live_counts is not None:
             ids = self._raw_ids
-            live = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1) < self._row_limit
-            self._raw_ids, self._row_limit = torch.where(live, ids, -1), None
+            live = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1) < self._live_counts.sum()
+            self._raw_ids, self._live_counts = torch.where(live, ids, -1), None
         return self._raw_ids
 
     @property
@@ -258,6 +258,7 @@ class Handle:
     resident: bool = False
     _send_counts: Any = field(default=None, repr=False)  # int64 [world] rows sent to each rank (device)
     _recv_counts: Any = field(default=None, repr=False)  # int64 [world] rows received from each rank (device)
+    _inv: Any = field(default=None, repr=False)  # int64 [S, world]: send row of (token, rank) or -1 (kernels)
 
     def send_splits(self) -> list[int]:
         """Rows this rank sent to each rank in the dispatch (device-resident layout: a host sync)."""
@@ -344,6 +345,10 @@ class EPBuffer:
         lib = getattr(self.transport, "lib", None)
         self._pack_lib = (lib if self.resident and not self.fp8 and self.device.type == "cuda" and lib is not None
                           and os.environ.get("MOETUNE_FUSED_PACK", "1") != "0" else None)
+        # nvlink: its exchange kernel writes the wire rows straight from the tokens (no packing launch);
+        # MOETUNE_NVL_GATHER=0 packs first instead (for side-by-side measurements)
+        self._gather = (self._pack_lib is not None and hasattr(self.transport, "dispatch_gather")
+                        and os.environ.get("MOETUNE_NVL_GATHER", "1") != "0")
         reserve = getattr(self.transport, "reserve", None)
         if callable(reserve):  # one-sided transports: size the symmetric receive buffer once (collective)
             # for the larger of the two directions: with compression the combine rows (activation dtype,
@@ -534,8 +539,13 @@ class EPBuffer:
             raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {msg}")
         s = x.shape[0]
         idx = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)
+        idx = idx.contiguous()
+        if self._gather:
+            topk_weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+            topk_weights = topk_weights.contiguous()
+        inv = None
         if self._pack_lib is not None:
-            send, tok, send_counts = self._pack_fused(x, idx, topk_weights, s)
+            send, tok, send_counts, inv = self._pack_fused(x, idx, topk_weights, s)
         else:
             send, tok, send_counts = self._pack_torch(x, idx, topk_idx, topk_weights, s)
         handle = Handle(s, self.hidden, self.dtype, self.device, [_Chunk(0, s, [], [], 0, [])], w * self.max_tokens,
@@ -543,6 +553,9 @@ class EPBuffer:
         handle._send_all = send
         handle._send_tok = tok
         handle._send_counts = send_counts
+        handle._inv = inv
+        if self._gather:  # the exchange reads the tokens themselves
+            handle._x, handle._idx, handle._w = x, idx, topk_weights
         return handle
 
     def _pack_torch(self, x: torch.Tensor, idx: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -566,20 +579,27 @@ class EPBuffer:
         return send, tok, send_counts
 
     def _pack_fused(self, x: torch.Tensor, idx: torch.Tensor, topk_weights: torch.Tensor,
-                    s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The same packing in two launches (csrc/ep_pack.cu): plan (counts and token order) and rows
-        (the wire rows written straight from x, ids and weights; no stage copy)."""
+                    s: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The same packing in two launches (csrc/ep_pack.cu): plan (counts, token order and the inverse
+        map combine reduces with) and rows (the wire rows written straight from x, ids and weights; no
+        stage copy). With a gathering transport (nvlink) only the plan: send is None."""
         w, lib = self.world, self._pack_lib
-        idx = idx.contiguous()
+        tok = torch.empty(s * w, dtype=torch.int64, device=self.device)
+        inv = torch.empty(s, w, dtype=torch.int64, device=self.device)
+        send_counts = torch.empty(w, dtype=torch.int64, device=self.device)
+        stream = int(torch.cuda.current_stream(self.device).cuda_stream)
+        rc = lib.mt_pack_plan(idx.data_ptr(), s, self.topk, self.model.experts, w, tok.data_ptr(),
+                              send_counts.data_ptr(), inv.data_ptr(), stream)
+        if self._gather:
+            if rc:
+                from . import csrc_build
+
+                csrc_build.check(lib, rc, "EP packing")
+            return None, tok, send_counts, inv
         wts = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
         wts = wts.contiguous()
         x = x.contiguous()
-        tok = torch.empty(s * w, dtype=torch.int64, device=self.device)
-        send_counts = torch.empty(w, dtype=torch.int64, device=self.device)
         send = self._send_rows(s * w)
-        stream = int(torch.cuda.current_stream(self.device).cuda_stream)
-        rc = lib.mt_pack_plan(idx.data_ptr(), s, self.topk, self.model.experts, w, tok.data_ptr(),
-                              send_counts.data_ptr(), stream)
         if rc == 0 and s:
             rc = lib.mt_pack_rows(x.data_ptr(), self.payload_bytes, idx.data_ptr(), wts.data_ptr(), s, self.topk, s * w,
                                   tok.data_ptr(), send.data_ptr(), self.row_bytes, self.id_off, self.weight_off, stream)
@@ -587,14 +607,18 @@ class EPBuffer:
             from . import csrc_build
 
             csrc_build.check(lib, rc, "EP packing")
-        return send, tok, send_counts
+        return send, tok, send_counts, inv
 
     def _dispatch_resident(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
                            ) -> tuple[torch.Tensor, RecvMeta, Handle]:
         handle = self._plan_resident(x, topk_idx, topk_weights)
         t = self.transport
         send = handle._send_all
-        if hasattr(t, "exchange_fused"):  # nvlink: the counts travel inside the exchange (one launch)
+        if self._gather:  # nvlink: one launch places the counts and writes the rows from the tokens
+            recv, recv_counts = t.dispatch_gather(  # type: ignore[attr-defined]
+                handle._x, handle._send_tok, handle._idx, handle._w, handle._send_counts, row_bytes=self.row_bytes,
+                id_off=self.id_off, weight_off=self.weight_off)
+        elif hasattr(t, "exchange_fused"):  # nvlink: the counts travel inside the exchange (one launch)
             recv, recv_counts = t.exchange_fused(send, handle._send_counts)
         else:
             recv_counts = t.exchange_counts(handle._send_counts)
@@ -605,18 +629,38 @@ class EPBuffer:
         payload, ids, wts, scales = self._row_views(rows)
         recv_x = dequantise(payload, scales, self.dtype) if self.fp8 else payload
         meta = RecvMeta(ids, wts, None, recv_counts, first_expert=self.rank * self.experts_per_rank,
-                        num_local=self.experts_per_rank, row_limit=recv_counts.sum())
+                        num_local=self.experts_per_rank, live_counts=recv_counts)
         return recv_x, meta, handle
 
     def _combine_resident(self, expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
-        rows = expert_out.contiguous()
-        # back along the dispatch's paths: send what was received, receive what was sent (device counts)
-        back = self.transport.exchange(rows, handle._recv_counts, handle._send_counts)
+        # back along the dispatch's paths: send what was received, receive what was sent (device counts);
+        # nvlink reads strided rows in place (e.g. recv_x itself, a view into the receive buffer)
+        t = self.transport
+        if hasattr(t, "exchange_strided"):
+            back = t.exchange_strided(expert_out, handle._recv_counts, handle._send_counts)  # type: ignore[attr-defined]
+        else:
+            back = t.exchange(expert_out.contiguous(), handle._recv_counts, handle._send_counts)
+        if handle._inv is not None:  # one kernel: every token's rows summed in rank order
+            return self._reduce(back, handle)
         n = handle._send_tok.shape[0]
         out = torch.zeros(handle.num_tokens + 1, handle.hidden, dtype=handle.dtype, device=handle.device)
         if n:
             out.index_add_(0, handle._send_tok, back[:n])
         return out[: handle.num_tokens]
+
+    def _reduce(self, back: torch.Tensor, handle: Handle) -> torch.Tensor:
+        s, h = handle.num_tokens, handle.hidden
+        out = torch.empty(s, h, dtype=handle.dtype, device=handle.device)
+        if s:
+            lib = self._pack_lib
+            code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[handle.dtype]
+            rc = lib.mt_combine_reduce(back.data_ptr(), back.stride(0), handle._inv.data_ptr(), s, self.world, h, code,
+                                       out.data_ptr(), int(torch.cuda.current_stream(self.device).cuda_stream))
+            if rc:
+                from . import csrc_build
+
+                csrc_build.check(lib, rc, "combine reduce")
+        return out
 
     def plan(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
         """Check the inputs on every rank and exchange the counts (the one host sync of a dispatch).

@@ -28,7 +28,7 @@ from ctypes import POINTER, c_char_p, c_double, c_int, c_int64, c_uint64, c_void
 from pathlib import Path
 from typing import NamedTuple
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 LIB_NAME = "libmoetune_csrc.so"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo")
 _BUILD_TIMEOUT_S = 600
@@ -195,16 +195,24 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mt_nvl_exchange": (
         c_int, [c_void_p, c_void_p, c_uint64, c_void_p, c_void_p, c_void_p, c_int, c_int, c_uint64]
     ),
+    "mt_nvl_exchange_strided": (
+        c_int, [c_void_p, c_void_p, c_uint64, c_uint64, c_void_p, c_void_p, c_void_p, c_int, c_int, c_uint64]
+    ),
+    "mt_nvl_exchange_gather": (
+        c_int, [c_void_p, c_void_p, c_uint64, c_uint64, c_void_p, c_void_p, c_void_p, c_int, c_uint64, c_uint64,
+                c_uint64, c_void_p, c_void_p, c_int, c_int, c_uint64]
+    ),
     "mt_nvl_err_ptr": (c_int, [c_void_p, _PP]),
     "mt_nvl_error": (c_int, [c_void_p, _PI]),
     "mt_nvl_clear_error": (c_int, [c_void_p]),
     "mt_nvl_destroy": (c_int, [c_void_p]),
     # ep_pack.cu: the EP buffer's packing (device-resident layout)
-    "mt_pack_plan": (c_int, [c_void_p, c_int64, c_int, c_int64, c_int, c_void_p, c_void_p, c_uint64]),
+    "mt_pack_plan": (c_int, [c_void_p, c_int64, c_int, c_int64, c_int, c_void_p, c_void_p, c_void_p, c_uint64]),
     "mt_pack_rows": (
         c_int, [c_void_p, c_uint64, c_void_p, c_void_p, c_int64, c_int, c_int64, c_void_p, c_void_p, c_uint64, c_uint64,
                 c_uint64, c_uint64]
     ),
+    "mt_combine_reduce": (c_int, [c_void_p, c_uint64, c_void_p, c_int64, c_int, c_int, c_int, c_void_p, c_uint64]),
     # proxy engine
     "mt_proxy_create": (c_int, [c_int, c_int, _P64, _P64, _P64, c_int, c_int, c_int, c_int, _PP]),
     "mt_proxy_set_peer_data": (c_int, [c_void_p, _P64, c_int]),

@@ -2,7 +2,10 @@
 
 One GPU is enough (no exchange): random routing with out-of-range ids, several S and world sizes, for
 every send row the kernels must write the same bytes as the torch path (EPBuffer._pack_torch), the same
-token order (padded with S) and the same per-rank counts. Skipped with a reason without CUDA or nvcc.
+token order (padded with S) and the same per-rank counts; the inverse map must point every (token, rank)
+at the row that carries it; combine's reduce kernel must equal zeros + index_add (bit for bit where a
+token has at most two rows, as with 2 ranks) for every activation dtype. Skipped with a reason without
+CUDA or nvcc.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class _Packer:
         self.dtype, self.device, self.knobs = torch.bfloat16, torch.device("cuda", 0), Knobs()
         self._stage = self._stage_views = self._send = None
         self._pack_lib = lib
+        self._gather = False
         self._cls = EPBuffer
         EPBuffer._layout(self)
 
@@ -58,7 +62,7 @@ def test_pack_kernels_equal_the_torch_path(world: int, s: int) -> None:
     idx = idx.cuda()
     w = torch.rand(s, m.topk, generator=g).cuda()
     p = _Packer(m, world, max(s, 1), lib)
-    send_f, tok_f, cnt_f = p._pack_fused(x, idx, w, s)
+    send_f, tok_f, cnt_f, inv = p._pack_fused(x, idx, w, s)
     send_f, tok_f, cnt_f = send_f.clone(), tok_f.clone(), cnt_f.clone()  # the torch path reuses the send buffer
     send_t, tok_t, cnt_t = p._pack_torch(x, idx, idx, w, s)
     torch.cuda.synchronize()
@@ -67,3 +71,59 @@ def test_pack_kernels_equal_the_torch_path(world: int, s: int) -> None:
     n = int(cnt_t.sum())
     ids_end = p.weight_off + 4 * m.topk  # bytes the receiver reads: payload, ids, weights
     assert torch.equal(send_f[:n, :ids_end], send_t[:n, :ids_end])
+    # the inverse map: (t, d) -> the row carrying token t to rank d, -1 where t has no expert on d
+    epr = m.experts // world
+    ids = idx.cpu()
+    tok = tok_f.cpu().tolist()
+    starts = [0]
+    for c in cnt_t.cpu().tolist():
+        starts.append(starts[-1] + c)
+    for t in range(s):
+        for d in range(world):
+            needs = any(0 <= e < m.experts and e // epr == d for e in ids[t].tolist())
+            r = int(inv[t, d])
+            if needs:
+                assert starts[d] <= r < starts[d + 1] and tok[r] == t, (t, d, r)
+            else:
+                assert r == -1, (t, d, r)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("world", "s", "hidden"), [(2, 300, 2048), (2, 7, 1025), (4, 129, 2880), (2, 0, 64)])
+def test_combine_reduce_equals_index_add(dtype: torch.dtype, world: int, s: int, hidden: int) -> None:
+    from moetune.runtime.shapes import get_model
+
+    lib = _lib()
+    m = get_model("qwen3-30b")
+    g = torch.Generator(device="cpu").manual_seed(world * 7 + s + hidden)
+    idx = torch.rand(s, m.experts, generator=g).topk(m.topk, dim=1).indices
+    if s:
+        idx[0] = m.experts + 1  # a token routed nowhere: its output is zero
+    idx = idx.cuda()
+    tok = torch.empty(s * world, dtype=torch.int64, device="cuda")
+    inv = torch.empty(s, world, dtype=torch.int64, device="cuda")
+    cnt = torch.empty(world, dtype=torch.int64, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    assert lib.mt_pack_plan(idx.data_ptr(), s, m.topk, m.experts, world, tok.data_ptr(), cnt.data_ptr(),
+                            inv.data_ptr(), stream) == 0
+    # rows as they come back, in a wider buffer (row stride hidden + 8) to test the strided read
+    back_full = torch.randn(s * world + 1, hidden + 8, generator=g).to(dtype).cuda()
+    back = back_full[:, :hidden]
+    code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dtype]
+    out = torch.full((s, hidden), float("nan"), dtype=dtype, device="cuda")
+    assert lib.mt_combine_reduce(back.data_ptr(), back.stride(0), inv.data_ptr(), s, world, hidden, code,
+                                 out.data_ptr(), stream) == 0
+    ref = torch.zeros(s + 1, hidden, dtype=dtype, device="cuda")
+    ref.index_add_(0, tok, back[: s * world])
+    ref32 = torch.zeros(s + 1, hidden, dtype=torch.float32, device="cuda")
+    ref32.index_add_(0, tok, back[: s * world].float())
+    torch.cuda.synchronize()
+    if s:
+        assert not torch.isnan(out).any()
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+    if world == 2:  # two rows at most: one rounding either way
+        assert torch.equal(out, ref[:s])
+    else:  # fp32 accumulation, one rounding: within one unit of the dtype of the exact sum
+        tol = {torch.float32: 1e-6, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+        err = (out.float() - ref32[:s]).abs() / ref32[:s].abs().clamp_min(1.0)
+        assert s == 0 or float(err.max()) <= tol * 1.01

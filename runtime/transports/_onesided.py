@@ -296,6 +296,11 @@ class OneSidedTransport(EPTransport):
         rb = send.element_size() * (send.numel() // rows if rows > 0 else int(torch.Size(send.shape[1:]).numel()))
         if rb <= 0:
             raise ValueError(f"{self.name}: zero-byte rows")
+        self._ensure_capacity(rows, rb)
+        return send, rb, self._counts_arg(send_counts)
+
+    def _ensure_capacity(self, rows: int, rb: int) -> None:
+        """Reserve on first use; refuse a call whose rows cannot fit one parity area."""
         if self.data is None:
             # first call without reserve(): collective sizing (a one-time host synchronisation), with
             # headroom (next power of two) because later calls may carry more rows
@@ -306,18 +311,21 @@ class OneSidedTransport(EPTransport):
                 f"{self.name}: {rows} rows x {rb} B exceed the reserved receive buffer "
                 f"({self.data_bytes} B per call); call reserve(max_send_rows, row_bytes) collectively first"
             )
-        return send, rb, self._counts_arg(send_counts)
 
     def _recv_view(self, send: torch.Tensor, rb: int, epoch: int) -> torch.Tensor:
         """The receive area this call wrote (parity of its epoch), as rows shaped like `send`'s."""
-        key = (rb, send.dtype, tuple(send.shape[1:]), epoch & 1)
+        return self._recv_rows(send.dtype, tuple(send.shape[1:]), rb, epoch)
+
+    def _recv_rows(self, dtype: torch.dtype, tail: tuple, rb: int, epoch: int) -> torch.Tensor:
+        """The receive area of the call with this epoch: rows of `rb` bytes viewed as dtype [cap, *tail]."""
+        key = (rb, dtype, tail, epoch & 1)
         v = self._views.get(key)
         if v is None:
             assert self.data is not None
             par = epoch & 1
             cap_rows = self.data_bytes // rb
             raw = self.data.local[par * self.data_bytes : par * self.data_bytes + cap_rows * rb]
-            v = raw.view(send.dtype).view(cap_rows, *send.shape[1:])
+            v = raw.view(dtype).view(cap_rows, *tail)
             self._views[key] = v
         return v
 

@@ -107,6 +107,53 @@ class NvlinkTransport(OneSidedTransport):
         out = torch.empty(self.world, dtype=torch.int64, device=self.device)
         return self._launch(send, send_counts, None, out), out
 
+    def exchange_strided(self, rows: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        """exchange() of a 2-D tensor whose rows are strided (unit column stride), read in place: e.g.
+        the payload columns of a receive buffer sent back by combine without a compacting copy."""
+        if rows.dim() != 2 or rows.shape[1] == 0 or (rows.shape[0] > 1 and (rows.stride(1) != 1 or rows.stride(0) < rows.shape[1])):
+            return self.exchange(rows, send_counts, recv_counts)
+        self.check()
+        if rows.device != self.device:
+            raise ValueError(f"{self.name}: rows must be on {self.device}, got {rows.device}")
+        es = rows.element_size()
+        rb, stride = rows.shape[1] * es, rows.stride(0) * es
+        self._ensure_capacity(rows.shape[0], rb)
+        sc, rcv = self._counts_arg(send_counts), self._counts_arg(recv_counts)
+        self._epoch += 1
+        rc = self.lib.mt_nvl_exchange_strided(self._h, rows.data_ptr(), max(stride, rb), rb, sc.data_ptr(),
+                                              rcv.data_ptr(), None, self._coupled, self._group, self._stream())
+        if rc:
+            csrc_build.check(self.lib, rc, "mt_nvl_exchange_strided")
+        self._keep = (rows, sc, rcv)
+        return self._recv_rows(rows.dtype, (rows.shape[1],), rb, self._epoch)
+
+    def dispatch_gather(self, x: torch.Tensor, tok: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                        send_counts: torch.Tensor, *, row_bytes: int, id_off: int, weight_off: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dispatch in one launch from the tokens themselves: send row i (rank-major order, `send_counts`
+        rows per rank) is token tok[i]'s wire row -- x's payload bytes, its k int64 ids and fp32 weights --
+        written straight into the receiver's buffer. Returns (received rows uint8 [cap, row_bytes],
+        recv_counts int64 device tensor). x: [S, H] with unit column stride; idx int64 / weights fp32
+        [S, k] contiguous."""
+        self.check()
+        if x.dim() != 2 or (x.shape[0] > 1 and (x.stride(1) != 1 or x.stride(0) < x.shape[1])):
+            x = x.contiguous()
+        k = idx.shape[1] if idx.dim() == 2 else 0
+        payload = x.shape[1] * x.element_size()
+        self._ensure_capacity(tok.shape[0], row_bytes)
+        sc = self._counts_arg(send_counts)
+        out = torch.empty(self.world, dtype=torch.int64, device=self.device)
+        self._epoch += 1
+        rc = self.lib.mt_nvl_exchange_gather(
+            self._h, x.data_ptr(), max(x.stride(0) * x.element_size(), payload), payload, tok.data_ptr(),
+            idx.data_ptr(), weights.data_ptr(), k, row_bytes, id_off, weight_off, sc.data_ptr(), out.data_ptr(),
+            self._coupled, self._group, self._stream(),
+        )
+        if rc:
+            csrc_build.check(self.lib, rc, "mt_nvl_exchange_gather")
+        self._keep = (x, tok, idx, weights, sc)
+        return self._recv_rows(torch.uint8, (row_bytes,), row_bytes, self._epoch), out
+
     def _launch(self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor | None,
                 recv_out: torch.Tensor | None) -> torch.Tensor:
         send, rb, sc = self._prepare(send, send_counts)
