@@ -110,7 +110,8 @@ def rank_main(rank: int, world: int, cases: list[dict], results: str) -> int:
                 if case.get("graph"):
                     g_err = rep.get("graph_roundtrip_rel_err")
                     g_ok = g_err is not None and g_err == g_err and g_err <= rep["roundtrip_bound"]
-                    rec.update(graph_error=rep.get("graph_error"), graph_roundtrip_rel_err=g_err)
+                    rec.update(graph_error=rep.get("graph_error"), graph_roundtrip_rel_err=g_err,
+                               graph_pair_rel_err=rep.get("graph_pair_rel_err"))
                     if g_ok:
                         rec["graph_roundtrip_us"] = rep["graph_roundtrip_us"]
                     p_err = rep.get("graph_pair_rel_err")
