@@ -1,6 +1,6 @@
 """Can the nvlink-h200x2 collective model fit both NCCL baselines within 20%? (CPU only, seconds.)
 
-    python bench/calib_feasibility.py > bench/results/2026-11-30_h200x2_run2c/calibration_feasibility.txt
+    python bench/calib_feasibility.py > bench/results/2026-11-30_h200x2_run11/calibration_feasibility.txt
 
 On one node the model's NCCL all-to-all (tuner/fabric_model.py `_phase_collective`, NVLink path) is
     t = (alpha_us + per_peer_us) + max(sync_us, remote_bytes / intra_gbps)
@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT / "bench/results/2026-11-30_h200x2_nccl_baseline.jsonl"  # = shared/data/h200x2_baseline.jsonl
 WARM = ROOT / "bench/results/2026-11-30_h200x2_run2c/h200x2_nccl_baseline_warm.jsonl"
 PROBE = ROOT / "bench/results/2026-11-30_h200x2_proxy_probe.jsonl"
+RUN11 = ROOT / "bench/results/2026-11-30_h200x2_run11/2026-11-30_h200x2_run11_nccl_baseline_warm.jsonl"
 COLD = "nccl_a2a nvlink qwen3-30b S=128"  # first row measured in the shared file
 GO = "nccl_a2a nvlink gpt-oss-120b S=4096"  # the warm file's outlier
 
@@ -61,7 +62,7 @@ def show(title: str, rows: list[Row], extra: list[Row] = ()) -> None:
     pr = load_preset("nvlink-h200x2")
     pr = pr.with_params({"collective.alpha_us": a - pr.numeric()["collective.per_peer_us"],
                          "collective.sync_us": c, "collective.intra_gbps": gb})
-    model = {p.label: p.evaluate(pr) for f in (SHARED, WARM) for p in rows_to_points(read_rows([f]))[0]}
+    model = {p.label: p.evaluate(pr) for f in (SHARED, WARM, RUN11) for p in rows_to_points(read_rows([f]))[0]}
     print(f"\n{title}: {len(rows)} rows, best possible worst error {100 * err:.1f}% "
           f"(A = alpha+per_peer {a:.2f} us, sync {c:.1f} us, {gb:.1f} GB/s)")
     out = []
@@ -93,6 +94,17 @@ def main() -> int:
     show("warm without gpt-oss-120b bf16 S=4096", wa_ng, go)
     show("warm + shared without the cold row", wa + sh_nc, cold)
     show("warm without gpt-oss S=4096 + shared without the cold row", wa_ng + sh_nc, cold + go)
+    r11 = nvlink_rows(RUN11, "run11")
+    show("run 11 warm (30 warm-up + 150 timed calls per row), all rows", r11)
+    show("run 11 + shared (the same calls measured twice)", r11 + sh)
+
+    print("\nthe shipped preset (tuner/presets/nvlink-h200x2.toml, calibrated on run 11 + proxy probe) per file:")
+    shipped = load_preset("nvlink-h200x2")
+    for path, tag in ((RUN11, "run11"), (SHARED, "shared"), (WARM, "warm")):
+        pts = rows_to_points(read_rows([path]))[0]
+        errs = sorted(((p.evaluate(shipped) / p.measured_us - 1, p) for p in pts), key=lambda t: -abs(t[0]))
+        worst = ", ".join(f"{p.label} {p.measured_us:.1f} us {100 * e:+.1f}%" for e, p in errs[:2])
+        print(f"  {tag:6} {len(pts)} rows  max {100 * abs(errs[0][0]):4.1f}%  worst: {worst}")
 
     print("\nthe project's default fit (calibrate(), all default parameters) on shared + warm + proxy probe:")
     rep = calibrate("nvlink-h200x2", read_rows([SHARED, WARM, PROBE]))

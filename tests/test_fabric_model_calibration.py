@@ -13,26 +13,35 @@ from moetune.tuner.calibration import calibrate, calibrated_preset, read_rows, r
 from moetune.tuner.fabric_model import Workload, load_preset, predict
 
 ROOT = Path(__file__).resolve().parents[1]
-BASELINE = ROOT / "bench/results/2026-11-30_h200x2_nccl_baseline.jsonl"
+BASELINE = ROOT / "bench/results/2026-11-30_h200x2_run11/2026-11-30_h200x2_run11_nccl_baseline_warm.jsonl"
+SHARED = ROOT / "bench/results/2026-11-30_h200x2_nccl_baseline.jsonl"  # = shared/data/h200x2_baseline.jsonl
 PROBE = ROOT / "bench/results/2026-11-30_h200x2_proxy_probe.jsonl"
-
-# The pair (Qwen3-30B bf16 S=128: 2.1 MB remote in 105.7 us) and (DeepSeek-V3 fp8 S=128: 3.7 MB in
-# 69.6 us) cannot both be within 20% for any model whose time grows with the bytes moved: that needs
-# p(2.1 MB) >= 84.6 us and p(3.7 MB) <= 83.5 us (the best is 20.6% on both). The Qwen3 row, the first
-# one measured, is also only 15 us faster than 8x its bytes at S=1024 (more than 980 GB/s of marginal
-# bandwidth on a 478 GB/s link), so the fit lets that one row go: it gets 22%, every other row 20%.
-OUTLIER = "nccl_a2a nvlink qwen3-30b S=128"
 
 
 def test_calibrated_nvlink_h200x2_predicts_every_baseline_row() -> None:
+    """The committed baseline the preset is calibrated on: run 11's warm re-measurement of DESIGN §6 (30
+    warm-up and 150 timed calls per row). Every row within 20%."""
     preset = load_preset("nvlink-h200x2")
     points, skipped = rows_to_points(read_rows([BASELINE]))
     assert len(points) == 48  # 3 models x 4 sizes x {bf16, fp8} x {nvlink, host_staged}
-    assert all("peer_copy" in row for row, _ in skipped)
+    assert not skipped
     for p in points:
         p.predicted_us = p.evaluate(preset)
-        limit = 0.22 if p.label == OUTLIER else 0.20
-        assert abs(p.rel_err) <= limit, (p.label, p.measured_us, p.predicted_us)
+        assert abs(p.rel_err) <= 0.20, (p.label, p.measured_us, p.predicted_us)
+
+
+def test_calibrated_nvlink_h200x2_on_the_shared_file() -> None:
+    """The shared file is not fitted: its latency-bound rows (S <= 1024) were measured 1.2-2.6x slower than
+    run 11 measured the same calls (Qwen3-30B bf16 S=128: 105.7 vs 40.4 us), beyond what any model of the
+    call can bridge. Its bandwidth-bound rows (S >= 4096) agree with run 11 and are predicted within 20%."""
+    preset = load_preset("nvlink-h200x2")
+    points, _ = rows_to_points(read_rows([SHARED]))
+    assert len(points) == 48
+    big = [p for p in points if int(p.label.rsplit("S=", 1)[1]) >= 4096]
+    assert len(big) == 24
+    for p in big:
+        p.predicted_us = p.evaluate(preset)
+        assert abs(p.rel_err) <= 0.20, (p.label, p.measured_us, p.predicted_us)
 
 
 def test_calibrated_preset_fits_the_proxy_probe() -> None:
@@ -65,8 +74,11 @@ def test_fit_recovers_known_parameters(tmp_path: Path) -> None:
             w = Workload(get_model(model), s, 1, 2)
             us = predict(truth, w, Knobs(transport="collective"), phase="dispatch").dispatch_us
             rows.append({"probe": "nccl_a2a", "fabric": "nvlink", "model": model, "S": s, "world": 2, "ms": us / 1e3})
-    rep = calibrate("nvlink-h200x2", rows,
-                    params=["collective.alpha_us", "collective.sync_us", "collective.intra_gbps"])
+    # a fixed start (not the shipped preset's fitted values, which move with every re-calibration): the fit
+    # may move each parameter within a factor 20 of where it starts
+    start = load_preset("nvlink-h200x2").with_params(
+        {"collective.alpha_us": 60.0, "collective.sync_us": 10.0, "collective.intra_gbps": 320.0})
+    rep = calibrate(start, rows, params=["collective.alpha_us", "collective.sync_us", "collective.intra_gbps"])
     s = rep.summary()
     assert s["max_abs_rel_err"] < 0.02
     assert rep.params_after["collective.intra_gbps"] == pytest.approx(250.0, rel=0.05)

@@ -181,8 +181,8 @@ def rows_to_points(rows: list[dict[str, Any]]) -> tuple[list[Point], list[tuple[
 
 
 def _objective(points: list[Point], preset: Preset) -> float:
-    """Per group of points: the L8 norm of the relative errors, squared (near the worst point) plus a
-    quarter of the mean squared error; summed over groups
+    """Per group of points: the L16 norm of the relative errors (close to the worst point: the checks
+    are stated per row) plus a quarter of the mean squared error; summed over groups
     (groups depend on disjoint parameters, so one group's outlier does not bend another's fit)."""
     groups: dict[str, list[float]] = {}
     for p in points:
@@ -190,8 +190,8 @@ def _objective(points: list[Point], preset: Preset) -> float:
         if not (v > 0 and math.isfinite(v)):
             return float("inf")
         groups.setdefault(p.group, []).append((v / p.measured_us - 1.0) ** 2)
-    # an L8 norm: close to the worst point, but it still pushes down the runner-up errors
-    return sum((sum(e**4 for e in se) / len(se)) ** 0.25 + 0.25 * sum(se) / len(se) for se in groups.values())
+    # an L16 norm: close to the worst point, but it still pushes down the runner-up errors
+    return sum((sum(e**8 for e in se) / len(se)) ** 0.125 + 0.25 * sum(se) / len(se) for se in groups.values())
 
 
 def calibrate(
