@@ -517,8 +517,9 @@ class EPBuffer:
     def _plan_resident(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
         """Device-resident layout (one-sided transports): the packed rows, with every count kept on the GPU.
 
-        The rows bound for each rank are gathered in (rank, token) order into the reused send buffer, padded
-        to the upper bound S x world (nonzero_static); the transport reads the per-rank counts on the GPU,
+        The rows bound for each rank are ordered (rank, token), padded to the upper bound S x world; they are
+        packed into the reused send buffer, or (nvlink) built from the tokens by the exchange kernel itself.
+        The transport reads the per-rank counts on the GPU,
         places the rows in the receivers' buffers at offsets it computes there, and hands back the counts
         it received. No host sync anywhere (check_inputs=False), so dispatch + combine can be captured in
         a CUDA graph. With check_inputs one tiny status exchange and its sync make a wrong input an error
