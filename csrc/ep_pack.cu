@@ -2,7 +2,9 @@
 //
 // Two launches replace the dozen small torch ops of the dispatch's packing step (each of which costs
 // host time to issue, and a node in a CUDA graph):
-//   plan (one CTA)  for every destination rank d, in rank order, the tokens with at least one top-k
+//   plan            (one CTA up to kSinglePlanMax tokens; above, two grid launches: per-block counts, then
+//                   placement, so a large S is not walked by one CTA once per rank)
+//                   for every destination rank d, in rank order, the tokens with at least one top-k
 //                   expert on d, in token order: tok[] (rank-major), send_counts[d]; tok is padded to
 //                   S x world entries with S (the spare row: never sent, and combine adds padding
 //                   rows into a spare output row). Expert ids outside [0, E) count for no rank.
@@ -26,6 +28,91 @@ namespace {
 
 constexpr int kPlanThreads = 1024;
 constexpr int kRowThreads = 256;
+constexpr int kBlk = 512;                 // tokens per block of the grid plan
+constexpr int64_t kSinglePlanMax = 2048;  // auto mode: the one-CTA plan up to here (one launch, not two)
+
+// Bit d set when one of token t's k expert ids (in range) lives on rank d.
+__device__ __forceinline__ unsigned dest_mask(const int64_t* __restrict__ idx, int64_t t, int k, int64_t experts,
+                                              int64_t epr) {
+  unsigned m = 0;
+  const int64_t* row = idx + t * k;
+  for (int j = 0; j < k; ++j) {
+    const int64_t e = row[j];
+    if (e >= 0 && e < experts) m |= 1u << (unsigned)(e / epr);
+  }
+  return m;
+}
+
+// Grid plan, launch 1: bc[b * world + d] = tokens of block b bound for rank d.
+__global__ void __launch_bounds__(kBlk)
+    plan_count_kernel(const int64_t* __restrict__ idx, int64_t s, int k, int64_t experts, int world,
+                      int* __restrict__ bc) {
+  __shared__ int cnt[MT_MAX_WORLD];
+  if ((int)threadIdx.x < world) cnt[threadIdx.x] = 0;
+  __syncthreads();
+  const int64_t t = (int64_t)blockIdx.x * kBlk + threadIdx.x;
+  const unsigned m = t < s ? dest_mask(idx, t, k, experts, experts / world) : 0u;
+  for (int d = 0; d < world; ++d) {
+    const unsigned b = __ballot_sync(0xffffffffu, (m >> d) & 1u);
+    if ((threadIdx.x & 31) == 0 && b) atomicAdd(&cnt[d], __popc(b));
+  }
+  __syncthreads();
+  if ((int)threadIdx.x < world) bc[(int64_t)blockIdx.x * world + threadIdx.x] = cnt[threadIdx.x];
+}
+
+// Grid plan, launch 2: every block places its tokens (token order within each rank's segment), block 0
+// writes the counts, and all blocks pad tok past the last real row with s.
+__global__ void __launch_bounds__(kBlk)
+    plan_place_kernel(const int64_t* __restrict__ idx, int64_t s, int k, int64_t experts, int world,
+                      const int* __restrict__ bc, int64_t* __restrict__ tok, int64_t* __restrict__ counts,
+                      int64_t* __restrict__ inv) {
+  __shared__ long long before[MT_MAX_WORLD], total[MT_MAX_WORLD], base[MT_MAX_WORLD];
+  __shared__ long long s_all;
+  __shared__ int wcnt[kBlk / 32][MT_MAX_WORLD];
+  const int nblk = gridDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if ((int)threadIdx.x < world) {
+    const int d = threadIdx.x;
+    long long b4 = 0, tot = 0;
+    for (int b = 0; b < nblk; ++b) {
+      const int c = bc[(int64_t)b * world + d];
+      if (b < (int)blockIdx.x) b4 += c;
+      tot += c;
+    }
+    before[d] = b4;
+    total[d] = tot;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    long long seg = 0;
+    for (int d = 0; d < world; ++d) {
+      base[d] = seg + before[d];
+      if (blockIdx.x == 0) counts[d] = total[d];
+      seg += total[d];
+    }
+    s_all = seg;
+  }
+  const int64_t t = (int64_t)blockIdx.x * kBlk + threadIdx.x;
+  const unsigned m = t < s ? dest_mask(idx, t, k, experts, experts / world) : 0u;
+  for (int d = 0; d < world; ++d) {
+    const unsigned b = __ballot_sync(0xffffffffu, (m >> d) & 1u);
+    if (lane == 0) wcnt[warp][d] = __popc(b);
+  }
+  __syncthreads();
+  const unsigned lt = (1u << lane) - 1u;
+  for (int d = 0; d < world; ++d) {
+    const unsigned b = __ballot_sync(0xffffffffu, (m >> d) & 1u);
+    if (t >= s) continue;
+    if ((m >> d) & 1u) {
+      long long r = base[d] + __popc(b & lt);
+      for (int w = 0; w < warp; ++w) r += wcnt[w][d];
+      tok[r] = t;
+      if (inv != nullptr) inv[t * world + d] = r;
+    } else if (inv != nullptr) {
+      inv[t * world + d] = -1;
+    }
+  }
+  for (int64_t i = s_all + t; i < s * world; i += (int64_t)nblk * kBlk) tok[i] = s;
+}
 
 __global__ void __launch_bounds__(kPlanThreads)
     pack_plan_kernel(const int64_t* __restrict__ idx, int64_t s, int k, int64_t experts, int world,
@@ -161,15 +248,29 @@ __global__ void __launch_bounds__(kRowThreads)
 
 }  // namespace
 
+// Scratch ints the grid plan needs (per-block counts), for mt_pack_plan's `scratch`.
+MT_API int64_t mt_pack_plan_scratch(int64_t s, int world) { return ((s + kBlk - 1) / kBlk) * world; }
+
 // idx: int64 [s, k] (contiguous); tok: int64 [s * world]; counts: int64 [world]; inv: int64 [s * world]
-// or null.
+// or null; scratch: int32 [mt_pack_plan_scratch(s, world)] (used by the grid plan only; may be null when
+// the one-CTA plan runs). mode: 0 = by size, 1 = one CTA, 2 = grid.
 MT_API int mt_pack_plan(const int64_t* idx, int64_t s, int k, int64_t experts, int world, int64_t* tok,
-                        int64_t* counts, int64_t* inv, uint64_t stream) {
+                        int64_t* counts, int64_t* inv, int* scratch, int mode, uint64_t stream) {
   MT_REQUIRE(world >= 1 && world <= MT_MAX_WORLD, 110, "world out of range");
   MT_REQUIRE(k >= 1 && k <= kRowThreads, 111, "top-k out of range");
   MT_REQUIRE(experts % world == 0, 112, "experts not divisible by world");
+  MT_REQUIRE(mode >= 0 && mode <= 2, 116, "plan mode %d unknown (0 auto, 1 one CTA, 2 grid)", mode);
+  const bool grid = s > 0 && (mode == 2 || (mode == 0 && s > kSinglePlanMax));
+  MT_REQUIRE(!grid || scratch != nullptr, 117, "the grid plan needs scratch (mt_pack_plan_scratch ints)");
+  cudaStream_t st = (cudaStream_t)stream;
   (void)cudaGetLastError();
-  pack_plan_kernel<<<1, kPlanThreads, 0, (cudaStream_t)stream>>>(idx, s, k, experts, world, tok, counts, inv);
+  if (grid) {
+    const unsigned nblk = (unsigned)((s + kBlk - 1) / kBlk);
+    plan_count_kernel<<<nblk, kBlk, 0, st>>>(idx, s, k, experts, world, scratch);
+    plan_place_kernel<<<nblk, kBlk, 0, st>>>(idx, s, k, experts, world, scratch, tok, counts, inv);
+  } else {
+    pack_plan_kernel<<<1, kPlanThreads, 0, st>>>(idx, s, k, experts, world, tok, counts, inv);
+  }
   MT_CUDA(cudaGetLastError());
   return 0;
 }

@@ -100,6 +100,9 @@ MAX_COMM_CHANNELS = 8  # communicators per direction the collective transport sp
 # sends all but this fraction of the tokens to every rank anyway (e.g. 2 ranks with top-8).
 DENSE_AUTO_MAX_BYTES = 2 << 20
 DENSE_AUTO_MAX_WASTE = 0.10
+# the plan kernel's shape: 0 = by token count (one CTA for small S, a grid above), 1 = one CTA, 2 = grid;
+# MOETUNE_PLAN_MODE picks one for side-by-side measurements
+_PLAN_MODE = int(os.environ.get("MOETUNE_PLAN_MODE", "0") or 0)
 
 
 def hit_probability(experts: int, topk: int, world: int) -> float:
@@ -588,9 +591,10 @@ class EPBuffer:
         tok = torch.empty(s * w, dtype=torch.int64, device=self.device)
         inv = torch.empty(s, w, dtype=torch.int64, device=self.device)
         send_counts = torch.empty(w, dtype=torch.int64, device=self.device)
+        scratch = torch.empty(max(1, lib.mt_pack_plan_scratch(s, w)), dtype=torch.int32, device=self.device)
         stream = int(torch.cuda.current_stream(self.device).cuda_stream)
         rc = lib.mt_pack_plan(idx.data_ptr(), s, self.topk, self.model.experts, w, tok.data_ptr(),
-                              send_counts.data_ptr(), inv.data_ptr(), stream)
+                              send_counts.data_ptr(), inv.data_ptr(), scratch.data_ptr(), _PLAN_MODE, stream)
         if self._gather:
             if rc:
                 from . import csrc_build

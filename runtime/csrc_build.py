@@ -28,7 +28,7 @@ from ctypes import POINTER, c_char_p, c_double, c_int, c_int64, c_uint64, c_void
 from pathlib import Path
 from typing import NamedTuple
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 LIB_NAME = "libmoetune_csrc.so"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo")
 _BUILD_TIMEOUT_S = 600
@@ -207,7 +207,10 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mt_nvl_clear_error": (c_int, [c_void_p]),
     "mt_nvl_destroy": (c_int, [c_void_p]),
     # ep_pack.cu: the EP buffer's packing (device-resident layout)
-    "mt_pack_plan": (c_int, [c_void_p, c_int64, c_int, c_int64, c_int, c_void_p, c_void_p, c_void_p, c_uint64]),
+    "mt_pack_plan": (
+        c_int, [c_void_p, c_int64, c_int, c_int64, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_uint64]
+    ),
+    "mt_pack_plan_scratch": (c_int64, [c_int64, c_int]),
     "mt_pack_rows": (
         c_int, [c_void_p, c_uint64, c_void_p, c_void_p, c_int64, c_int, c_int64, c_void_p, c_void_p, c_uint64, c_uint64,
                 c_uint64, c_uint64]

@@ -47,8 +47,9 @@ class _Packer:
         return getattr(self._cls, name).__get__(self)
 
 
-@pytest.mark.parametrize(("world", "s"), [(2, 1), (2, 128), (2, 1000), (4, 257), (8, 64), (2, 0)])
-def test_pack_kernels_equal_the_torch_path(world: int, s: int) -> None:
+@pytest.mark.parametrize("mode", [1, 2])  # the one-CTA plan and the grid plan
+@pytest.mark.parametrize(("world", "s"), [(2, 1), (2, 128), (2, 1000), (4, 257), (8, 64), (2, 0), (2, 5000), (8, 3001)])
+def test_pack_kernels_equal_the_torch_path(world: int, s: int, mode: int, monkeypatch: pytest.MonkeyPatch) -> None:
     from moetune.runtime.shapes import get_model
 
     lib = _lib()
@@ -62,6 +63,9 @@ def test_pack_kernels_equal_the_torch_path(world: int, s: int) -> None:
     idx = idx.cuda()
     w = torch.rand(s, m.topk, generator=g).cuda()
     p = _Packer(m, world, max(s, 1), lib)
+    from moetune.runtime import buffer
+
+    monkeypatch.setattr(buffer, "_PLAN_MODE", mode)
     send_f, tok_f, cnt_f, inv = p._pack_fused(x, idx, w, s)
     send_f, tok_f, cnt_f = send_f.clone(), tok_f.clone(), cnt_f.clone()  # the torch path reuses the send buffer
     send_t, tok_t, cnt_t = p._pack_torch(x, idx, idx, w, s)
@@ -73,7 +77,7 @@ def test_pack_kernels_equal_the_torch_path(world: int, s: int) -> None:
     assert torch.equal(send_f[:n, :ids_end], send_t[:n, :ids_end])
     # the inverse map: (t, d) -> the row carrying token t to rank d, -1 where t has no expert on d
     epr = m.experts // world
-    ids = idx.cpu()
+    ids, inv = idx.cpu(), inv.cpu()
     tok = tok_f.cpu().tolist()
     starts = [0]
     for c in cnt_t.cpu().tolist():
@@ -104,8 +108,9 @@ def test_combine_reduce_equals_index_add(dtype: torch.dtype, world: int, s: int,
     inv = torch.empty(s, world, dtype=torch.int64, device="cuda")
     cnt = torch.empty(world, dtype=torch.int64, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
+    scratch = torch.empty(max(1, lib.mt_pack_plan_scratch(s, world)), dtype=torch.int32, device="cuda")
     assert lib.mt_pack_plan(idx.data_ptr(), s, m.topk, m.experts, world, tok.data_ptr(), cnt.data_ptr(),
-                            inv.data_ptr(), stream) == 0
+                            inv.data_ptr(), scratch.data_ptr(), 0, stream) == 0
     # rows as they come back, in a wider buffer (row stride hidden + 8) to test the strided read
     back_full = torch.randn(s * world + 1, hidden + 8, generator=g).to(dtype).cuda()
     back = back_full[:, :hidden]

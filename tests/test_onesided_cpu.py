@@ -108,13 +108,15 @@ def test_error_decoding_is_readable() -> None:
 
 def test_bench_scripts_dry_run(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path)}
-    for script in ("bench/proxy_micro.py", "bench/onesided_ep.py", "bench/onesided_bench_ep.py"):
+    for script in ("bench/proxy_micro.py", "bench/onesided_ep.py", "bench/onesided_bench_ep.py", "bench/ep_kernels.py"):
         r = subprocess.run([sys.executable, script, "--dry-run", "--out", str(tmp_path)], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         assert "dry-run" in r.stdout
-    r = subprocess.run(["bash", "-n", "bench/gpu_onesided.sh"], cwd=ROOT, capture_output=True, text=True, timeout=30)
-    assert r.returncode == 0, r.stderr
+    for sh in ("bench/gpu_onesided.sh", "bench/gpu_run10.sh", "bench/gpu_run11.sh", "bench/gpu_run12.sh",
+               "bench/gpu_host_staged.sh"):
+        r = subprocess.run(["bash", "-n", sh], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, (sh, r.stderr)
 
 
 @pytest.mark.slow
