@@ -136,9 +136,18 @@ class NvlinkTransport(OneSidedTransport):
         recv_counts int64 device tensor). x: [S, H] with unit column stride; idx int64 / weights fp32
         [S, k] contiguous."""
         self.check()
-        if x.dim() != 2 or (x.shape[0] > 1 and (x.stride(1) != 1 or x.stride(0) < x.shape[1])):
+        for name, t, dt in (("tok", tok, torch.int64), ("idx", idx, torch.int64), ("weights", weights, torch.float32)):
+            if t.device != self.device or t.dtype != dt or not t.is_contiguous():
+                raise ValueError(f"{self.name}: {name} must be a contiguous {dt} tensor on {self.device}, "
+                                 f"got {t.dtype} on {t.device}")
+        if x.device != self.device or x.dim() != 2 or idx.dim() != 2 or weights.shape != idx.shape \
+                or idx.shape[0] != x.shape[0] or tok.numel() < int(x.shape[0]) * self.world:
+            raise ValueError(f"{self.name}: dispatch_gather needs x [S, H] on {self.device}, idx/weights [S, k] and "
+                             f"tok of S x world entries; got x {tuple(x.shape)} on {x.device}, idx "
+                             f"{tuple(idx.shape)}, weights {tuple(weights.shape)}, tok {tuple(tok.shape)}")
+        if x.shape[0] > 1 and (x.stride(1) != 1 or x.stride(0) < x.shape[1]):
             x = x.contiguous()
-        k = idx.shape[1] if idx.dim() == 2 else 0
+        k = idx.shape[1]
         payload = x.shape[1] * x.element_size()
         self._ensure_capacity(tok.shape[0], row_bytes)
         sc = self._counts_arg(send_counts)
