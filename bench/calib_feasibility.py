@@ -98,7 +98,7 @@ def main() -> int:
     show("run 11 warm (30 warm-up + 150 timed calls per row), all rows", r11)
     show("run 11 + shared (the same calls measured twice)", r11 + sh)
 
-    print("\nthe shipped preset (tuner/presets/nvlink-h200x2.toml, calibrated on run 11 + proxy probe) per file:")
+    print("\nthe shipped preset (tuner/presets/nvlink-h200x2.toml: run 11 + the shared file's S >= 4096 rows + proxy probe) per file:")
     shipped = load_preset("nvlink-h200x2")
     for path, tag in ((RUN11, "run11"), (SHARED, "shared"), (WARM, "warm")):
         pts = rows_to_points(read_rows([path]))[0]

@@ -31,9 +31,9 @@ def test_calibrated_nvlink_h200x2_predicts_every_baseline_row() -> None:
 
 
 def test_calibrated_nvlink_h200x2_on_the_shared_file() -> None:
-    """The shared file is not fitted: its latency-bound rows (S <= 1024) were measured 1.2-2.6x slower than
-    run 11 measured the same calls (Qwen3-30B bf16 S=128: 105.7 vs 40.4 us), beyond what any model of the
-    call can bridge. Its bandwidth-bound rows (S >= 4096) agree with run 11 and are predicted within 20%."""
+    """The shared file's latency-bound rows (S <= 1024) are not fitted: they were measured 1.2-2.6x slower than
+    run 11 measured the same calls (Qwen3-30B bf16 S=128: 105.7 vs 40.4 us), beyond what any model of the call
+    can bridge. Its bandwidth-bound rows (S >= 4096) agree with run 11, are fitted, and are within 20%."""
     preset = load_preset("nvlink-h200x2")
     points, _ = rows_to_points(read_rows([SHARED]))
     assert len(points) == 48
