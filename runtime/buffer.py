@@ -100,6 +100,7 @@ MAX_COMM_CHANNELS = 8  # communicators per direction the collective transport sp
 # sends all but this fraction of the tokens to every rank anyway (e.g. 2 ranks with top-8).
 DENSE_AUTO_MAX_BYTES = 2 << 20
 DENSE_AUTO_MAX_WASTE = 0.10
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc's activation dtype codes
 # the plan kernel's shape: 0 = by token count (one CTA for small S, a grid above), 1 = one CTA, 2 = grid;
 # MOETUNE_PLAN_MODE picks one for side-by-side measurements
 _PLAN_MODE = int(os.environ.get("MOETUNE_PLAN_MODE", "0") or 0)
@@ -348,6 +349,9 @@ class EPBuffer:
         lib = getattr(self.transport, "lib", None)
         self._pack_lib = (lib if self.resident and not self.fp8 and self.device.type == "cuda" and lib is not None
                           and os.environ.get("MOETUNE_FUSED_PACK", "1") != "0" else None)
+        # fp8 on a GPU: quantise into the wire rows and dequantise in one launch each (csrc/ep_fp8.cu), where
+        # the compiled library is at hand; the torch ops otherwise (same bytes). MOETUNE_FUSED_FP8=0: torch.
+        self._fp8_lib = self._fp8_library(lib) if self.fp8 and self.device.type == "cuda" else None
         # nvlink: its exchange kernel writes the wire rows straight from the tokens (no packing launch);
         # MOETUNE_NVL_GATHER=0 packs first instead (for side-by-side measurements)
         self._gather = (self._pack_lib is not None and hasattr(self.transport, "dispatch_gather")
@@ -363,6 +367,36 @@ class EPBuffer:
         self._stage: torch.Tensor | None = None  # token rows [max_tokens + 1 spare, row_bytes], reused (dense: the send rows)
         self._send: torch.Tensor | None = None  # packed layout: send rows [max_tokens * world, row_bytes], reused
         self._stage_hi = 0  # dense layout: stage rows [0, _stage_hi) may hold real expert ids
+
+    @staticmethod
+    def _fp8_library(lib: Any) -> Any:
+        if os.environ.get("MOETUNE_FUSED_FP8", "1") == "0":
+            return None
+        if lib is not None:
+            return lib
+        from . import csrc_build
+
+        try:  # builds on first use (cached); a node without nvcc keeps the torch ops
+            return csrc_build.load() if csrc_build.availability()[0] else None
+        except Exception:
+            return None
+
+    def _dequant(self, rows: torch.Tensor) -> torch.Tensor:
+        """recv_x [n, H] in the activation dtype from fp8 wire rows uint8 [n, row_bytes]."""
+        if self._fp8_lib is None:
+            payload, _ids, _wts, scales = self._row_views(rows)
+            return dequantise(payload, scales, self.dtype)
+        n = rows.shape[0]
+        out = torch.empty(n, self.hidden, dtype=self.dtype, device=self.device)
+        if n:
+            rc = self._fp8_lib.mt_fp8_dequant_rows(rows.data_ptr(), rows.stride(0), n, self.hidden, self.scale_groups,
+                                                   self.scale_off, _DTYPE_CODE[self.dtype], out.data_ptr(),
+                                                   int(torch.cuda.current_stream(self.device).cuda_stream))
+            if rc:
+                from . import csrc_build
+
+                csrc_build.check(self._fp8_lib, rc, "fp8 dequantisation")
+        return out
 
     # -- layout of one wire row ---------------------------------------------------------------------
     def _layout(self) -> None:
@@ -631,8 +665,8 @@ class EPBuffer:
         handle._recv_counts = recv_counts
         handle.release_inputs()
         rows = recv[: handle.num_recv]
-        payload, ids, wts, scales = self._row_views(rows)
-        recv_x = dequantise(payload, scales, self.dtype) if self.fp8 else payload
+        payload, ids, wts, _scales = self._row_views(rows)
+        recv_x = self._dequant(rows) if self.fp8 else payload
         meta = RecvMeta(ids, wts, None, recv_counts, first_expert=self.rank * self.experts_per_rank,
                         num_local=self.experts_per_rank, live_counts=recv_counts)
         return recv_x, meta, handle
@@ -658,8 +692,8 @@ class EPBuffer:
         out = torch.empty(s, h, dtype=handle.dtype, device=handle.device)
         if s:
             lib = self._pack_lib
-            code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[handle.dtype]
-            rc = lib.mt_combine_reduce(back.data_ptr(), back.stride(0), handle._inv.data_ptr(), s, self.world, h, code,
+            rc = lib.mt_combine_reduce(back.data_ptr(), back.stride(0), handle._inv.data_ptr(), s, self.world, h,
+                                       _DTYPE_CODE[handle.dtype],
                                        out.data_ptr(), int(torch.cuda.current_stream(self.device).cuda_stream))
             if rc:
                 from . import csrc_build
@@ -768,6 +802,19 @@ class EPBuffer:
         views = self._stage_views if s == self.max_tokens else [v.narrow(0, 0, s) if v is not None else None
                                                                  for v in self._stage_views]
         payload, ids, wts, scales = views
+        if self.fp8 and self._fp8_lib is not None:  # payload, scales, ids and weights in one launch
+            idx = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)
+            w = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+            x, idx, w = x.contiguous(), idx.contiguous(), w.contiguous()
+            rc = self._fp8_lib.mt_fp8_quant_rows(
+                x.data_ptr(), _DTYPE_CODE[x.dtype], s, self.hidden, self.scale_groups, idx.data_ptr(), w.data_ptr(),
+                self.topk, stage.data_ptr(), self.row_bytes, self.id_off, self.weight_off, self.scale_off,
+                int(torch.cuda.current_stream(self.device).cuda_stream))
+            if rc:
+                from . import csrc_build
+
+                csrc_build.check(self._fp8_lib, rc, "fp8 quantisation")
+            return stage
         if self.fp8:
             quantise_into(x, payload, scales, self.knobs.scale_granularity)
         else:
@@ -814,8 +861,8 @@ class EPBuffer:
             a, b = ch.recv_offset, ch.recv_offset + ch.recv_rows
             chunks = [ch]
         rb = handle._recv_buf if (a == 0 and b == handle.num_recv) else handle._recv_buf.narrow(0, a, b - a)
-        payload, ids, wts, scales = self._row_views(rb)
-        recv_x = dequantise(payload, scales, self.dtype) if self.fp8 else payload
+        payload, ids, wts, _scales = self._row_views(rb)
+        recv_x = self._dequant(rb) if self.fp8 else payload
         tpe = None if handle.dense else [sum(ch.pairs_per_expert[j] for ch in chunks) for j in range(self.experts_per_rank)]
         rpr = [sum(ch.recv_splits[r] for ch in chunks) for r in range(self.world)]
         return recv_x, RecvMeta(ids, wts, tpe, rpr, first_expert=self.rank * self.experts_per_rank,

@@ -132,3 +132,46 @@ def test_combine_reduce_equals_index_add(dtype: torch.dtype, world: int, s: int,
         tol = {torch.float32: 1e-6, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
         err = (out.float() - ref32[:s]).abs() / ref32[:s].abs().clamp_min(1.0)
         assert s == 0 or float(err.max()) <= tol * 1.01
+
+
+@pytest.mark.parametrize("granularity", ["per_token", "per_128"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_kernels_write_the_bytes_of_the_torch_path(dtype: torch.dtype, granularity: str) -> None:
+    """csrc/ep_fp8.cu quantises into wire rows and dequantises them with the arithmetic of runtime/fp8.py:
+    the same fp8 bytes, scales and dequantised values, bit for bit (tiny, huge and zero rows included)."""
+    from moetune.runtime.fp8 import dequantise, fp8_available, num_scale_groups, quantise_into
+
+    if not fp8_available():
+        pytest.skip("this torch build has no float8_e4m3fn")
+    lib = _lib()
+    s, h, k = 257, 2048, 8
+    g = torch.Generator(device="cpu").manual_seed(7)
+    x = (torch.randn(s, h, generator=g) * torch.logspace(-3, 3, s).unsqueeze(1)).to(dtype)
+    x[3] = 0.0  # an all-zero token: scale from the tiny floor
+    x = x.cuda()
+    idx = torch.randint(0, 128, (s, k), generator=g).cuda()
+    w = torch.rand(s, k, generator=g).cuda()
+    groups = num_scale_groups(h, granularity)
+    id_off, weight_off = h, h + 8 * k
+    scale_off = weight_off + 4 * k
+    row_bytes = (scale_off + 4 * groups + 15) // 16 * 16
+    rows = torch.zeros(s, row_bytes, dtype=torch.uint8, device="cuda")
+    code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dtype]
+    stream = torch.cuda.current_stream().cuda_stream
+    assert lib.mt_fp8_quant_rows(x.data_ptr(), code, s, h, groups, idx.data_ptr(), w.data_ptr(), k, rows.data_ptr(),
+                                 row_bytes, id_off, weight_off, scale_off, stream) == 0
+    ref_rows = torch.zeros_like(rows)  # the torch path EPBuffer takes without the kernels
+    q_ref = ref_rows[:, :h]
+    sc_ref = ref_rows.view(torch.float32).narrow(1, scale_off // 4, groups)
+    quantise_into(x, q_ref, sc_ref, granularity)
+    torch.cuda.synchronize()
+    assert torch.equal(rows[:, :h], q_ref)
+    assert torch.equal(rows[:, scale_off : scale_off + 4 * groups].view(torch.float32), sc_ref)
+    assert torch.equal(rows[:, id_off:weight_off].view(torch.int64), idx)
+    assert torch.equal(rows[:, weight_off:scale_off].view(torch.float32), w)
+    out = torch.empty(s, h, dtype=dtype, device="cuda")
+    assert lib.mt_fp8_dequant_rows(rows.data_ptr(), row_bytes, s, h, groups, scale_off, code, out.data_ptr(),
+                                   stream) == 0
+    ref = dequantise(q_ref, sc_ref, dtype)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
