@@ -42,7 +42,8 @@ receiver keeps the slots whose expert it holds (expert - rank × E/world in [0, 
 Combine: one row per received row goes back (the expert side has already summed its local experts per
 (token, rank)); the source adds the rows of each token, one per rank that held its experts (packed: one
 index_add over all chunks; dense: inside the reduce-scatter). Combine is never compressed (activation
-dtype); with bf16 the per-token sum over ranks is accumulated in bf16.
+dtype); with bf16 the per-token sum over ranks is accumulated in bf16. On a GPU, fp8 quantisation into the
+rows and dequantisation are one launch each (csrc/ep_fp8.cu, the bytes of fp8.py's torch ops).
 
 Knobs used by the collective transport: compression / scale_granularity (fp8 dispatch), pipeline_depth
 (tokens split into that many chunks, see pipeline.py) and channels (communicators per direction, chunks
@@ -50,11 +51,12 @@ round-robin over them; at most MAX_COMM_CHANNELS). chunk_tokens, signalling, fen
 belong to the one-sided transports and are ignored here.
 
 * device-resident (one-sided transports, nvlink and proxy): the packed rows, but no count ever reaches the
-  host. The rows for each rank are packed on the GPU in (rank, token) order into the reused send buffer,
-  padded to S × world (csrc/ep_pack.cu: a plan kernel and a row kernel; the same with torch ops for fp8 or
-  without the compiled library); the transport reads the per-rank counts on the GPU, computes the offsets in
-  every receiver's buffer there and returns the counts it received; combine goes back along the same paths
-  and adds each token's rows (the padding goes to a spare output row). The receiver gets a capacity-padded
+  host. A plan kernel orders the rows for each rank (rank, token), padded to S × world (csrc/ep_pack.cu);
+  nvlink's exchange kernel builds each row from its token inside the receiver's buffer, proxy sends rows a
+  second kernel packed (torch ops for fp8 or without the compiled library); the transport reads the per-rank
+  counts on the GPU, computes the offsets in every receiver's buffer there and returns the counts it
+  received; combine goes back along the same paths and one reduce kernel adds each token's rows in rank
+  order in fp32 (torch path: index_add, the padding going to a spare output row). The receiver gets a capacity-padded
   view of its symmetric receive buffer, M = world × max_tokens rows with the live ones first; RecvMeta hides
   the stale rows. With check_inputs=False nothing syncs, so dispatch → experts → combine can be captured in
   a CUDA graph (nvlink; the proxy passes host state per call). pipeline_depth and channels do not apply.
