@@ -8,32 +8,16 @@
 // Same arithmetic as runtime/fp8.py, so the bytes are the same: amax in fp32, multiplier 440 / amax
 // rounded to the work dtype (bf16 for bf16 input, else fp32), product rounded to the work dtype, e4m3 by
 // round-to-nearest-even; scale = 1 / multiplier in fp32; dequant = dtype(float(q) * scale).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include "mt_common.h"
+#include "mt_dtype.cuh"
 
 namespace {
 
 constexpr int kThreads = 256;
 constexpr float kTarget = 440.0f;
 constexpr float kTiny = 1e-30f;
-
-template <typename T>
-__device__ __forceinline__ float ld_f(const T* p, int64_t i);
-template <>
-__device__ __forceinline__ float ld_f<float>(const float* p, int64_t i) {
-  return p[i];
-}
-template <>
-__device__ __forceinline__ float ld_f<__nv_bfloat16>(const __nv_bfloat16* p, int64_t i) {
-  return __bfloat162float(p[i]);
-}
-template <>
-__device__ __forceinline__ float ld_f<__half>(const __half* p, int64_t i) {
-  return __half2float(p[i]);
-}
 
 // The work dtype's rounding: bf16 input works in bf16, fp32 and fp16 inputs in fp32 (as runtime/fp8.py).
 template <typename T>
@@ -43,21 +27,6 @@ __device__ __forceinline__ float work_round(float v) {
 template <>
 __device__ __forceinline__ float work_round<__nv_bfloat16>(float v) {
   return __bfloat162float(__float2bfloat16_rn(v));
-}
-
-template <typename T>
-__device__ __forceinline__ T st_cvt(float v);
-template <>
-__device__ __forceinline__ float st_cvt<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 st_cvt<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half st_cvt<__half>(float v) {
-  return __float2half_rn(v);
 }
 
 template <typename T>
@@ -74,7 +43,7 @@ __global__ void __launch_bounds__(kThreads)
     unsigned char* row = rows + (uint64_t)t * row_bytes;
     for (int g = 0; g < groups; ++g) {
       float m = 0.f;
-      for (int c = threadIdx.x; c < gs; c += kThreads) m = fmaxf(m, fabsf(ld_f<T>(xr, (int64_t)g * gs + c)));
+      for (int c = threadIdx.x; c < gs; c += kThreads) m = fmaxf(m, fabsf(mt::to_f<T>(xr[(int64_t)g * gs + c])));
       for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
       if (lane == 0) red[warp] = m;
       __syncthreads();
@@ -89,7 +58,7 @@ __global__ void __launch_bounds__(kThreads)
       const float mult = s_mult;
       for (int c = threadIdx.x; c < gs; c += kThreads) {
         const int64_t e = (int64_t)g * gs + c;
-        const float v = work_round<T>(ld_f<T>(xr, e) * mult);
+        const float v = work_round<T>(mt::to_f<T>(xr[e]) * mult);
         row[e] = (unsigned char)__nv_cvt_float_to_fp8(v, __NV_NOSAT, __NV_E4M3);
       }
       __syncthreads();  // s_mult and red are reused by the next group
@@ -114,7 +83,7 @@ __global__ void __launch_bounds__(kThreads)
     const unsigned char* row = rows + (uint64_t)r * row_stride;
     const __half_raw hr = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)row[c], __NV_E4M3);
     const float q = __half2float(__half(hr));
-    out[i] = st_cvt<T>(q * reinterpret_cast<const float*>(row + scale_off)[c / gs]);
+    out[i] = mt::from_f<T>(q * reinterpret_cast<const float*>(row + scale_off)[c / gs]);
   }
 }
 

@@ -19,10 +19,9 @@
 //                   one rounding to the activation dtype): replaces a zero fill and an index_add whose
 //                   atomics add in no fixed order.
 #include <cub/block/block_scan.cuh>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include "mt_common.h"
+#include "mt_dtype.cuh"
 
 namespace {
 
@@ -179,31 +178,6 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-template <typename T>
-__device__ __forceinline__ float to_f(T v) {
-  return static_cast<float>(v);
-}
-template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <>
-__device__ __forceinline__ float to_f<__half>(__half v) {
-  return __half2float(v);
-}
-template <typename T>
-__device__ __forceinline__ T from_f(float v) {
-  return static_cast<T>(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) {
-  return __float2half_rn(v);
-}
-
 // One CTA per token (grid-stride); 16-byte vectors of N elements when the row allows it.
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
@@ -227,20 +201,20 @@ __global__ void __launch_bounds__(kRowThreads)
           const int4 raw = reinterpret_cast<const int4*>(back + (uint64_t)rows[d] * back_stride)[v];
           const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-          for (int i = 0; i < N; ++i) acc[i] += to_f<T>(e[i]);
+          for (int i = 0; i < N; ++i) acc[i] += mt::to_f<T>(e[i]);
         }
         int4 res;
         T* r = reinterpret_cast<T*>(&res);
 #pragma unroll
-        for (int i = 0; i < N; ++i) r[i] = from_f<T>(acc[i]);
+        for (int i = 0; i < N; ++i) r[i] = mt::from_f<T>(acc[i]);
         reinterpret_cast<int4*>(o)[v] = res;
       }
     } else {
       for (int c = threadIdx.x; c < hidden; c += kRowThreads) {
         float acc = 0.f;
         for (int d = 0; d < world; ++d)
-          if (rows[d] >= 0) acc += to_f<T>(back[(uint64_t)rows[d] * back_stride + c]);
-        o[c] = from_f<T>(acc);
+          if (rows[d] >= 0) acc += mt::to_f<T>(back[(uint64_t)rows[d] * back_stride + c]);
+        o[c] = mt::from_f<T>(acc);
       }
     }
   }
