@@ -158,3 +158,20 @@ def test_dense_single_rank_round_trip_and_lazy_counts() -> None:
         assert torch.allclose(out, x * w.sum(1, keepdim=True), atol=1e-6)
         again = buf.combine(torch.zeros_like(recv_x), handle)  # a second combine must not alias the first result
         assert torch.allclose(out, x * w.sum(1, keepdim=True), atol=1e-6) and not again.any()
+
+
+def test_recv_meta_hides_rows_past_the_live_counts() -> None:
+    """Device-resident layout: rows at or past sum(live_counts) are stale buffer contents; the ids RecvMeta
+    hands out mark them -1 (no local expert), so counts, weights and the expert layout ignore them."""
+    from moetune.runtime.buffer import RecvMeta
+
+    ids = torch.tensor([[0, 5], [1, 2], [3, 0], [2, 2]])  # rank 0 of 2 holds experts 0..3
+    wts = torch.tensor([[0.5, 0.5], [0.25, 0.75], [1.0, 0.0], [0.5, 0.5]])
+    meta = RecvMeta(ids, wts, None, torch.tensor([2, 1]), first_expert=0, num_local=4,
+                    live_counts=torch.tensor([2, 1]))  # 3 live rows; row 3 is stale
+    assert meta.raw_ids[3].tolist() == [-1, -1]
+    assert meta.tokens_per_expert == [2, 1, 1, 1]  # row 0: 0; row 1: 1, 2; row 2: 3, 0 (row 3 ignored)
+    assert meta.weights[3].tolist() == [0.0, 0.0]
+    rows, w = meta.expert_layout()
+    assert rows.tolist() == [0, 2, 1, 1, 2] and w.tolist() == [0.5, 0.0, 0.25, 0.75, 1.0]
+    assert meta.rows_per_rank == [2, 1]
