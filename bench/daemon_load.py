@@ -193,6 +193,8 @@ def summarize(xs: list[dict], key: str) -> dict:
 
 
 def main() -> int:
+    from moetune.runtime.launch import free_port
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
     ap.add_argument("--seconds", type=float, default=3.0)
@@ -222,9 +224,7 @@ def main() -> int:
     F.seed_profiles(store, facts)
     del store
     if a.transport == "tcp":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         endpoint, extra = f"tcp://127.0.0.1:{port}", ["--allow-insecure-tcp", "--pub-socket", f"ipc://{tmp}/run/events.sock"]
     else:
         endpoint, extra = None, []
@@ -261,9 +261,7 @@ def main() -> int:
     s.bind(str(stale / "daemon.sock"))
     s.close()
     down_stale = time_autoload(dict(env, MOETUNE_CLIENT_SOCKET=f"ipc://{stale / 'daemon.sock'}"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead_port = s.getsockname()[1]
+    dead_port = free_port()
     down_tcp = time_autoload(dict(env, MOETUNE_CLIENT_SOCKET=f"tcp://127.0.0.1:{dead_port}"))
 
     result = {

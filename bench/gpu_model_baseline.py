@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -28,12 +27,6 @@ from pathlib import Path
 
 MODELS = {"qwen3-30b": (2048, 8), "gpt-oss-120b": (2880, 4), "deepseek-v3": (7168, 8)}
 TOKENS = (128, 1024, 4096, 16384)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, fabric: str, q) -> None:
@@ -94,9 +87,11 @@ def _run(fabric: str, args: argparse.Namespace) -> list[dict]:
         os.environ["NCCL_P2P_DISABLE"] = "1"
     else:
         os.environ.pop("NCCL_P2P_DISABLE", None)
+    from moetune.runtime.launch import free_port
+
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, 2, port, args, fabric, q)) for r in range(2)]
     for p in procs:
         p.start()

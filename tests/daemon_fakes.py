@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +179,17 @@ def seed_profiles(store: Any, facts: FakeFacts, *, model: str = "qwen3-30b", ep_
         store.put_profile(rec)
         out.append(rec)
     return out
+
+
+@contextlib.contextmanager
+def seeded_daemon(tmp: Path, **proc_kw: Any) -> Iterator[tuple[DaemonProc, FakeFacts]]:
+    """A dgx-h100 capture and a store seeded with its profiles under `tmp`, and a daemon serving them
+    (ready on entry, killed on exit)."""
+    facts = make_capture(tmp / "capture")
+    seed_profiles(open_store(tmp / "moetune.db"), facts)
+    d = DaemonProc(tmp, **proc_kw)
+    try:
+        d.wait_ready()
+        yield d, facts
+    finally:
+        d.kill()

@@ -22,6 +22,7 @@ import daemon_fakes as F
 from moetune.runtime import autoload
 from moetune.runtime.client import FallbackWarning, ProfileClient, query_db_profiles
 from moetune.runtime.knobs import default_knobs
+from moetune.runtime.launch import free_port
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.cli import app
 
@@ -31,15 +32,8 @@ QWEN = MODELS["qwen3-30b"]
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("client")
-    facts = F.make_capture(tmp / "capture")
-    F.seed_profiles(F.open_store(tmp / "moetune.db"), facts)
-    d = F.DaemonProc(tmp, interval=0)
-    try:
-        d.wait_ready()
-        yield d, facts
-    finally:
-        d.kill()
+    with F.seeded_daemon(tmp_path_factory.mktemp("client"), interval=0) as up:
+        yield up
 
 
 def test_daemon_answer_no_warning(up) -> None:
@@ -93,9 +87,7 @@ def test_silent_daemon_bounded_then_defaults(tmp_path: Path) -> None:
 
 
 def test_tcp_nobody_listening_bounded(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     c = ProfileClient(f"tcp://127.0.0.1:{port}", db_path=tmp_path / "none.db", timeout_ms=200)
     t0 = time.monotonic()
     with pytest.warns(FallbackWarning):
@@ -177,9 +169,7 @@ def _rank(rank: int, world: int, port: int, q) -> None:
 def test_check_same_profile_across_ranks() -> None:
     import multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     ps = [ctx.Process(target=_rank, args=(r, 2, port, q)) for r in range(2)]

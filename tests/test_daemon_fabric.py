@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import sys
 import time
 import urllib.request
@@ -18,14 +17,9 @@ import daemon_fakes as F
 
 from moetune.runtime import wire
 from moetune.runtime.client import DaemonError, ProfileClient
+from moetune.runtime.launch import free_port
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _until(cond, timeout: float = 15.0, step: float = 0.05):
@@ -39,14 +33,10 @@ def _until(cond, timeout: float = 15.0, step: float = 0.05):
 
 
 def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
-    facts = F.make_capture(tmp_path / "capture")
-    F.seed_profiles(F.open_store(tmp_path / "moetune.db"), facts)
-    port = _free_port()
+    port = free_port()
     # the real re-tune: the tuner on the model backend (a preset of the node's family), 3 trials per study
-    d = F.DaemonProc(tmp_path, interval=0.2, extra=["--metrics-port", str(port)], hooks=False,
-                     env={"MOETUNE_TUNE_TRIALS": "3", "MOETUNE_TUNE_BACKEND": "model"})
-    try:
-        d.wait_ready()
+    with F.seeded_daemon(tmp_path, interval=0.2, extra=["--metrics-port", str(port)], hooks=False,
+                         env={"MOETUNE_TUNE_TRIALS": "3", "MOETUNE_TUNE_BACKEND": "model"}) as (d, facts):
         c = ProfileClient(d.endpoint, timeout_ms=1000)
         tracked = c.track(ep_size=2, tokens=3000, model="qwen3-30b")
         old = tracked.current
@@ -118,8 +108,6 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
         assert not (d.run_dir / "daemon.sock").exists() and not (d.run_dir / "events.sock").exists()
         info = json.loads((d.run_dir / "daemon.json").read_text())
         assert info["running"] is False and info["fingerprint"] == new_facts.fingerprint
-    finally:
-        d.kill()
 
 
 def test_discovery_failure_then_recovery(tmp_path: Path) -> None:

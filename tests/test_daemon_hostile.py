@@ -22,15 +22,8 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("hostile")
-    facts = F.make_capture(tmp / "capture")
-    F.seed_profiles(F.open_store(tmp / "moetune.db"), facts)
-    d = F.DaemonProc(tmp, interval=0)
-    try:
-        d.wait_ready()
+    with F.seeded_daemon(tmp_path_factory.mktemp("hostile"), interval=0) as (d, _facts):
         yield d
-    finally:
-        d.kill()
 
 
 def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:

@@ -29,11 +29,7 @@ def _until(cond, timeout: float = 15.0):
 
 
 def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
-    facts = F.make_capture(tmp_path / "capture")
-    F.seed_profiles(F.open_store(tmp_path / "moetune.db"), facts)
-    d = F.DaemonProc(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "60"})
-    try:
-        d.wait_ready()
+    with F.seeded_daemon(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "60"}) as (d, _facts):
         c = ProfileClient(d.endpoint, timeout_ms=1000)
         new_facts = F.set_port_state(tmp_path / "capture", "1: DOWN")
         # running, with its tuning run and job_started event persisted (run_id is shown only then)
@@ -48,8 +44,6 @@ def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
         assert c.status().profiles_stale == 3
         c.close()
         d.kill(9)  # no chance to clean up
-    finally:
-        d.kill()
     assert (d.run_dir / "daemon.sock").exists()  # left behind by kill -9
 
     con = sqlite3.connect(f"file:{d.db}?mode=ro", uri=True)
@@ -88,11 +82,7 @@ def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
 def test_cancel_running_job_and_bounded_queue(tmp_path: Path) -> None:
     from moetune.runtime.client import DaemonError
 
-    facts = F.make_capture(tmp_path / "capture")
-    F.seed_profiles(F.open_store(tmp_path / "moetune.db"), facts)
-    d = F.DaemonProc(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "60"})
-    try:
-        d.wait_ready()
+    with F.seeded_daemon(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "60"}) as (d, _facts):
         c = ProfileClient(d.endpoint, timeout_ms=1000)
         F.set_port_state(tmp_path / "capture", "1: DOWN")
         running = _until(lambda: c.status().jobs.running)
@@ -115,8 +105,6 @@ def test_cancel_running_job_and_bounded_queue(tmp_path: Path) -> None:
         for j in queued[1:]:
             c.retune(cancel=j.id)
         c.close()
-    finally:
-        d.kill()
 
 
 def test_second_daemon_refused_same_socket_or_same_database(tmp_path: Path) -> None:

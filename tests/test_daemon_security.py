@@ -18,17 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
 from moetune.runtime.client import DaemonUnavailable, ProfileClient
+from moetune.runtime.launch import free_port
 from moetune.tuner.cli import app
 from moetune.tuner.cli.keys import generate_keys
 from moetune.tuner.daemon import Daemon, DaemonConfigError
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +34,10 @@ def ipc_daemon():
     # a world-traversable parent (pytest's tmp root is 0700): only the runtime dir's own mode keeps others out
     tmp = Path(tempfile.mkdtemp(prefix="moetune-sec-", dir="/tmp"))
     os.chmod(tmp, 0o755)
-    facts = F.make_capture(tmp / "capture")
-    F.seed_profiles(F.open_store(tmp / "moetune.db"), facts)
-    d = F.DaemonProc(tmp, interval=0)
     try:
-        d.wait_ready()
-        yield d
+        with F.seeded_daemon(tmp, interval=0) as (d, _facts):
+            yield d
     finally:
-        d.kill()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -126,7 +117,7 @@ def test_group_mode(tmp_path: Path) -> None:
 def test_tcp_without_curve_refused(tmp_path: Path) -> None:
     facts = F.make_capture(tmp_path / "capture")
     store = F.open_store(tmp_path / "db.sqlite")
-    port = _free_port()
+    port = free_port()
     with pytest.raises(DaemonConfigError, match="CURVE"):
         Daemon(store=store, endpoint=f"tcp://127.0.0.1:{port}", discover=lambda: facts, rediscover_interval_s=0).start()
     # and through the command line: exit code 2 with a clear message, nothing listening
@@ -154,7 +145,7 @@ def test_curve_round_trip(tmp_path: Path) -> None:
     server_pub, _ = zmq.auth.load_certificate(str(public))
     facts = F.make_capture(tmp_path / "capture")
     F.seed_profiles(F.open_store(tmp_path / "moetune.db"), facts)
-    port, pub_port = _free_port(), _free_port()
+    port, pub_port = free_port(), free_port()
     cfg = tmp_path / "moetune.toml"
     cfg.write_text(f'[daemon]\ncurve_secret_key_file = "{secret}"\ncurve_public_key_file = "{public}"\n')
     d = F.DaemonProc(tmp_path, endpoint=f"tcp://127.0.0.1:{port}", interval=0,
