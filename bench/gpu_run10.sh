@@ -6,11 +6,8 @@
 # Results in $OUT/run10.tgz.
 #   source bench/device_env.sh; bash bench/gpu_run10.sh
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 MOETUNE_ONESIDED_TIMEOUT_S=5
-OUT=${OUT:-./bench_out}; R="$OUT/run10"; mkdir -p "$R"
-t0=$SECONDS
-stage() { local n=$1 t=$2; shift 2; echo "=== [$n] $(date -u +%T)" >&2; timeout --kill-after=10 "$t" "$@"; echo "=== [$n] rc=$? at $((SECONDS - t0)) s" >&2; }
-stage build 120 python3 -c "from moetune.runtime import csrc_build as b; i = b.build(); print(i.path, 'built' if i.built else 'cached')" >&2
+RUN=run10 ONESIDED_TIMEOUT_S=5; source "$(dirname "$0")/gpu_run_common.sh"
+build_csrc
 PT=""; python3 -c "import pytest_timeout" 2>/dev/null && PT="--timeout=150"
 stage tests 200 python3 -m pytest tests/test_gpu_pack.py tests/test_gpu_onesided.py -q -rA -p no:cacheprovider $PT \
   --junitxml="$R/gpu_tests.xml" > "$R/gpu_tests.log" 2>&1
@@ -29,5 +26,4 @@ for b in 400 0; do
     > "$R/busy$b/table.txt" 2>&1
   tail -12 "$R/busy$b/table.txt"
 done
-tar czf "$OUT/run10.tgz" -C "$OUT" run10 && rm -rf "$R"
-echo "total $((SECONDS - t0)) s"
+finish

@@ -5,11 +5,8 @@
 # fp8 + pipelining comparison twice (NCCL defaults). Results in $OUT/run11.tgz.
 #   source bench/device_env.sh; bash bench/gpu_run11.sh
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 MOETUNE_ONESIDED_TIMEOUT_S=5
-OUT=${OUT:-./bench_out}; R="$OUT/run11"; mkdir -p "$R"
-t0=$SECONDS
-stage() { local n=$1 t=$2; shift 2; echo "=== [$n] $(date -u +%T)" >&2; timeout --kill-after=10 "$t" "$@"; echo "=== [$n] rc=$? at $((SECONDS - t0)) s" >&2; }
-stage build 120 python3 -c "from moetune.runtime import csrc_build as b; i = b.build(); print(i.path, 'built' if i.built else 'cached')" >&2
+RUN=run11 ONESIDED_TIMEOUT_S=5; source "$(dirname "$0")/gpu_run_common.sh"
+build_csrc
 mkdir -p "$R/bench_ep"
 stage bench_ep 120 python3 bench/onesided_bench_ep.py --out "$R/bench_ep" --timeout 110 --iters 50 --warmup 10 --no-verify \
   --variants nvlink,collective --tokens 128,1024 > "$R/bench_ep/table.txt" 2>&1
@@ -28,5 +25,4 @@ for n in 1 2; do
   stage "host_staged$n" 100 env OUT="$R/hs$n" ENVSETS= bash bench/gpu_host_staged.sh > "$R/hs$n/table.txt" 2>&1
   cat "$R/hs$n/table.txt"
 done
-tar czf "$OUT/run11.tgz" -C "$OUT" run11 && rm -rf "$R"
-echo "total $((SECONDS - t0)) s"
+finish

@@ -5,11 +5,8 @@
 # the one-CTA plan forced (MOETUNE_PLAN_MODE=1) side by side. Results in $OUT/run13.tgz.
 #   source bench/device_env.sh; bash bench/gpu_run13.sh
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 MOETUNE_ONESIDED_TIMEOUT_S=10
-OUT=${OUT:-./bench_out}; R="$OUT/run13"; mkdir -p "$R"
-t0=$SECONDS
-stage() { local n=$1 t=$2; shift 2; echo "=== [$n] $(date -u +%T)" >&2; timeout --kill-after=10 "$t" "$@"; echo "=== [$n] rc=$? at $((SECONDS - t0)) s" >&2; }
-stage build 120 python3 -c "from moetune.runtime import csrc_build as b; i = b.build(); print(i.path, 'built' if i.built else 'cached')" >&2
+RUN=run13 ONESIDED_TIMEOUT_S=10; source "$(dirname "$0")/gpu_run_common.sh"
+build_csrc
 PT=""; python3 -c "import pytest_timeout" 2>/dev/null && PT="--timeout=150"
 stage tests 240 python3 -m pytest tests/test_gpu_pack.py tests/test_gpu_onesided.py -q -rA -p no:cacheprovider $PT \
   --junitxml="$R/gpu_tests.xml" > "$R/gpu_tests.log" 2>&1
@@ -23,5 +20,4 @@ tail -13 "$R/auto/table.txt"
 MOETUNE_PLAN_MODE=1 stage bench_ep_one_cta 100 python3 bench/onesided_bench_ep.py --out "$R/one_cta" --timeout 90 \
   --iters 20 --warmup 5 --no-verify --variants nvlink --tokens 16384 > "$R/one_cta/table.txt" 2>&1
 tail -3 "$R/one_cta/table.txt"
-tar czf "$OUT/run13.tgz" -C "$OUT" run13 && rm -rf "$R"
-echo "total $((SECONDS - t0)) s"
+finish

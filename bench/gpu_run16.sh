@@ -4,11 +4,8 @@
 # the fp8 kernels on and off (MOETUNE_FUSED_FP8) side by side. Results in $OUT/run16.tgz.
 #   source bench/device_env.sh; bash bench/gpu_run16.sh
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 MOETUNE_ONESIDED_TIMEOUT_S=10
-OUT=${OUT:-./bench_out}; R="$OUT/run16"; mkdir -p "$R"
-t0=$SECONDS
-stage() { local n=$1 t=$2; shift 2; echo "=== [$n] $(date -u +%T)" >&2; timeout --kill-after=10 "$t" "$@"; echo "=== [$n] rc=$? at $((SECONDS - t0)) s" >&2; }
-stage build 120 python3 -c "from moetune.runtime import csrc_build as b; i = b.build(); print(i.path, 'built' if i.built else 'cached')" >&2
+RUN=run16 ONESIDED_TIMEOUT_S=10; source "$(dirname "$0")/gpu_run_common.sh"
+build_csrc
 stage tests 120 python3 -m pytest tests/test_gpu_pack.py -q -rA -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
 grep -E "FAILED|ERROR|passed|failed" "$R/gpu_tests.log" | tail -8
 for t in collective nvlink; do
@@ -23,5 +20,4 @@ for f in 1 0; do
     > "$R/fused$f/table.txt" 2>&1
   cat "$R/fused$f/table.txt"
 done
-tar czf "$OUT/run16.tgz" -C "$OUT" run16 && rm -rf "$R"
-echo "total $((SECONDS - t0)) s"
+finish

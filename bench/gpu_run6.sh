@@ -4,11 +4,8 @@
 # Qwen3-30B S=128 with the packing kernels on and off (MOETUNE_FUSED_PACK). Results in $OUT/run6.tgz.
 #   source bench/device_env.sh; bash bench/gpu_run6.sh
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 MOETUNE_ONESIDED_TIMEOUT_S=5
-OUT=${OUT:-./bench_out}; R="$OUT/run6"; mkdir -p "$R"
-t0=$SECONDS
-stage() { local n=$1 t=$2; shift 2; echo "=== [$n] $(date -u +%T)" >&2; timeout --kill-after=10 "$t" "$@"; echo "=== [$n] rc=$? at $((SECONDS - t0)) s" >&2; }
-stage build 120 python3 -c "from moetune.runtime import csrc_build as b; i = b.build(); print(i.path, 'built' if i.built else 'cached')"
+RUN=run6 ONESIDED_TIMEOUT_S=5; source "$(dirname "$0")/gpu_run_common.sh"
+build_csrc
 PT=""; python3 -c "import pytest_timeout" 2>/dev/null && PT="--timeout=150"
 stage tests 200 python3 -m pytest tests/test_gpu_pack.py tests/test_gpu_onesided.py -q -rA -p no:cacheprovider $PT \
   --junitxml="$R/gpu_tests.xml" > "$R/gpu_tests.log" 2>&1
@@ -20,5 +17,4 @@ for f in 0 1; do
     --tokens 128 --no-layer --iters 30 --warmup 5 --cuda-graph --json > "$R/nvlink_s128_fused$f.json"
   python3 -c "import json,sys; r=json.loads([l for l in open(sys.argv[1]) if l.startswith('{')][-1]); print({k: round(r[k]['median'],1) for k in ('dispatch_us','combine_us','roundtrip_us','graph_roundtrip_us','dispatch_host_us') if r.get(k)})" "$R/nvlink_s128_fused$f.json"
 done
-tar czf "$OUT/run6.tgz" -C "$OUT" run6 && rm -rf "$R"
-echo "total $((SECONDS - t0)) s"
+finish

@@ -1,0 +1,12 @@
+# Sourced by bench/gpu_run*.sh after setting RUN (the results folder's name) and ONESIDED_TIMEOUT_S:
+# the node's settings, $R (this run's folder under $OUT), `stage NAME TIMEOUT_S CMD...` (bounded, its
+# progress lines on stderr so stdout stays for results), `build_csrc` and `finish` (one $OUT/$RUN.tgz).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export MOETUNE_ONESIDED_TIMEOUT_S=${ONESIDED_TIMEOUT_S:-5}
+OUT=${OUT:-./bench_out}; R="$OUT/$RUN"; mkdir -p "$R"
+t0=$SECONDS
+stage() { local n=$1 t=$2; shift 2; echo "=== [$n] $(date -u +%T)" >&2; timeout --kill-after=10 "$t" "$@"; echo "=== [$n] rc=$? at $((SECONDS - t0)) s" >&2; }
+build_csrc() {
+  stage build 120 python3 -c "from moetune.runtime import csrc_build as b; i = b.build(); print(i.path, 'built' if i.built else 'cached')" >&2
+}
+finish() { tar czf "$OUT/$RUN.tgz" -C "$OUT" "$RUN" && rm -rf "$R"; echo "total $((SECONDS - t0)) s"; }
