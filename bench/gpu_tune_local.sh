@@ -16,7 +16,7 @@ export NCCL_P2P_DISABLE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-./bench_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-WORK=$(mktemp -d /tmp/moetune-gpu-tune.XXXX) || exit 1
+WORK=$(mktemp -d -t moetune-gpu-tune.XXXXXX) || exit 1
 trap 'rm -rf "$WORK"' EXIT  # scratch databases and logs; what matters is written to $OUT
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }

@@ -137,33 +137,26 @@ def choose_preset(facts: Any, *, nodes: int = 1) -> str | None:
 def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     """The default re-tune: the tuner's `tune_profiles` on the new facts, per (EP size, nodes) group.
 
-    Cancellation is checked between groups and, when the tuner takes an `on_trial` callback, after every
-    trial (the callback stops the study and raises JobCancelled)."""
-    import inspect
-
+    Cancellation is checked between groups and after every trial (the `on_trial` callback stops the study
+    and raises JobCancelled)."""
     from moetune.tuner.search import tune_profiles
 
     tune = ctx.tune
-    extra: dict[str, Any] = {}
-    if "on_trial" in inspect.signature(tune_profiles).parameters:
 
-        def on_trial(_name: str, study: Any, _trial: Any) -> None:
-            if ctx.cancel.is_set():
-                study.stop()
-                raise JobCancelled(f"job {ctx.job.id} cancelled")
+    def on_trial(_name: str, study: Any, _trial: Any) -> None:
+        if ctx.cancel.is_set():
+            study.stop()
+            raise JobCancelled(f"job {ctx.job.id} cancelled")
 
-        extra["on_trial"] = on_trial
-    params = inspect.signature(tune_profiles).parameters
     backend = getattr(tune, "backend", "model")
     out: list[ProfileRecord] = []
     for (ep, nodes), (shapes, buckets) in sorted(group_keys(ctx.keys).items()):
         ctx.check_cancel()
         preset = getattr(tune, "preset", None)
-        kw = dict(extra)
-        if backend == "model" and "node_model" in params:
+        node_model = backend == "model"
+        if node_model:
             # the model of a preset, keyed to THIS node's fingerprint (the profiles say backend model:<preset>)
             preset = preset or choose_preset(ctx.facts, nodes=nodes)
-            kw["node_model"] = True
         out += tune_profiles(
             ctx.store,
             ctx.facts,
@@ -176,7 +169,8 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
             ep_size=ep,
             nodes=nodes,
             progress=False,
-            **kw,
+            on_trial=on_trial,
+            node_model=node_model,
         )
     return [r for r in out if r.status == "current"]
 

@@ -512,25 +512,13 @@ def _now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def tune_profiles(store: Any, facts: Any, *, models: list[ModelShape], tokens: list[int],
-                  backend: str | BenchmarkBackend = "model", preset: str | None = None, trials: int = 40,
-                  timeout_s: float | None = None, ep_size: int | None = None, nodes: int = 1,
-                  progress: bool = True, storage: str | None = None, seed: int | None = 0,
-                  families: Sequence[str] | None = None, policy_override: str | Path | None = None,
-                  routing: str = "uniform", local_options: Mapping[str, Any] | None = None,
-                  on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
-                  node_model: bool = False) -> list[ProfileRecord]:
+def tune_profiles(store: Any, facts: Any, **options: Any) -> list[ProfileRecord]:
     """Tune each family × shape × token bucket; write the winners through `store.put_profile`.
 
-    Returns the best record of every study (status "current" when the store took it as current).
-    See `tune_profiles_detailed` for the reasons and study summaries.
+    Takes the keywords of `tune_profiles_detailed` and returns the best record of every study (status
+    "current" when the store took it as current); that function also gives the reasons and study summaries.
     """
-    results = tune_profiles_detailed(
-        store, facts, models=models, tokens=tokens, backend=backend, preset=preset, trials=trials,
-        timeout_s=timeout_s, ep_size=ep_size, nodes=nodes, progress=progress, storage=storage, seed=seed,
-        families=families, policy_override=policy_override, routing=routing, local_options=local_options,
-        on_trial=on_trial, node_model=node_model)
-    return [r.record for r in results if r.record is not None]
+    return [r.record for r in tune_profiles_detailed(store, facts, **options) if r.record is not None]
 
 
 def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], tokens: list[int],
