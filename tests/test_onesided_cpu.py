@@ -310,12 +310,23 @@ EXCHANGE_VARIANTS = [
 ]
 
 
+def _run_ranks(rank_main, world: int) -> None:
+    """One thread per simulated rank; each must finish within 120 s."""
+    import threading
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+
+
 def _sim_exchange(lib: ctypes.CDLL, variant: tuple, *, async_delay_us: int = -1, timeout_s: float = 5.0,
                   iters: int = 40, skew: bool = False) -> tuple[list[str], list[int], bytes]:
     """Run counts + exchange `iters` times on one CPU thread per rank (csrc/proxy_xchg.h, the code the
     kernels run) against real proxy engines; async_delay_us >= 0: asynchronous simulated streams, every
     copy delayed that long. Returns (failures, engine 0's stats, engine 0's diagnostic line)."""
-    import threading
 
     import numpy as np
 
@@ -379,12 +390,7 @@ def _sim_exchange(lib: ctypes.CDLL, variant: tuple, *, async_delay_us: int = -1,
             except BaseException as e:
                 failures.append(f"rank {r}: {e}")
 
-        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
+        _run_ranks(rank_main, world)
         st = (ctypes.c_uint64 * 10)()
         lib.mt_proxy_stats(engines[0], st, 10)
         buf = ctypes.create_string_buffer(512)
@@ -551,7 +557,6 @@ def _alias_run(lib: ctypes.CDLL, host_wait: int, iters: int = 8) -> list[str]:
     stream) aliased onto ONE simulated hardware queue; after each launch the caller queues work behind the
     kernel on its compute stream (as the GPU tests do: an event for NCCL, a copy to the host), then waits
     for it. Returns the failures seen."""
-    import threading
 
     import numpy as np
 
@@ -599,12 +604,7 @@ def _alias_run(lib: ctypes.CDLL, host_wait: int, iters: int = 8) -> list[str]:
                     failures.append(f"rank {r} call {it + 1}: error record {list(err)[:8]}")
                     return
 
-        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
+        _run_ranks(rank_main, world)
         return failures
     finally:
         for x in ctxs:
