@@ -120,6 +120,11 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def _dense_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, contiguous (what the kernels read through raw pointers); no copy when it already is."""
+    return (t if t.dtype == dtype else t.to(dtype)).contiguous()
+
+
 def _nonzero_rows(mask: torch.Tensor, size: int, fill: int = 0) -> torch.Tensor:
     """nonzero() of a bool matrix with a known upper bound `size` on the count (no device sync where torch
     allows it); rows past the real count hold `fill` in every column."""
@@ -578,11 +583,9 @@ class EPBuffer:
         elif code:
             raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {msg}")
         s = x.shape[0]
-        idx = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)
-        idx = idx.contiguous()
-        if self._gather:
-            topk_weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-            topk_weights = topk_weights.contiguous()
+        idx = _dense_as(topk_idx, torch.int64)
+        if self._pack_lib is not None:  # the kernels read fp32 weights
+            topk_weights = _dense_as(topk_weights, torch.float32)
         inv = None
         if self._pack_lib is not None:
             send, tok, send_counts, inv = self._pack_fused(x, idx, topk_weights, s)
@@ -622,7 +625,8 @@ class EPBuffer:
                     s: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The same packing in two launches (csrc/ep_pack.cu): plan (counts, token order and the inverse
         map combine reduces with) and rows (the wire rows written straight from x, ids and weights; no
-        stage copy). With a gathering transport (nvlink) only the plan: send is None."""
+        stage copy). With a gathering transport (nvlink) only the plan: send is None. idx int64 and
+        topk_weights fp32, both contiguous."""
         w, lib = self.world, self._pack_lib
         tok = torch.empty(s * w, dtype=torch.int64, device=self.device)
         inv = torch.empty(s, w, dtype=torch.int64, device=self.device)
@@ -637,12 +641,11 @@ class EPBuffer:
 
                 csrc_build.check(lib, rc, "EP packing")
             return None, tok, send_counts, inv
-        wts = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-        wts = wts.contiguous()
         x = x.contiguous()
         send = self._send_rows(s * w)
         if rc == 0 and s:
-            rc = lib.mt_pack_rows(x.data_ptr(), self.payload_bytes, idx.data_ptr(), wts.data_ptr(), s, self.topk, s * w,
+            rc = lib.mt_pack_rows(x.data_ptr(), self.payload_bytes, idx.data_ptr(), topk_weights.data_ptr(), s, self.topk,
+                                  s * w,
                                   tok.data_ptr(), send.data_ptr(), self.row_bytes, self.id_off, self.weight_off, stream)
         if rc:
             from . import csrc_build
@@ -805,9 +808,7 @@ class EPBuffer:
                                                                  for v in self._stage_views]
         payload, ids, wts, scales = views
         if self.fp8 and self._fp8_lib is not None:  # payload, scales, ids and weights in one launch
-            idx = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)
-            w = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-            x, idx, w = x.contiguous(), idx.contiguous(), w.contiguous()
+            x, idx, w = x.contiguous(), _dense_as(topk_idx, torch.int64), _dense_as(topk_weights, torch.float32)
             rc = self._fp8_lib.mt_fp8_quant_rows(
                 x.data_ptr(), _DTYPE_CODE[x.dtype], s, self.hidden, self.scale_groups, idx.data_ptr(), w.data_ptr(),
                 self.topk, stage.data_ptr(), self.row_bytes, self.id_off, self.weight_off, self.scale_off,
