@@ -11,18 +11,20 @@ OUT=${OUT:-./bench_out}; mkdir -p "$OUT"
 # ENVSETS="...;..." overrides the NCCL settings tried (';'-separated, an empty item = NCCL's defaults)
 IFS=';' read -r -a ENVS <<< "${ENVSETS-;NCCL_SHM_USE_CUDA_MEMCPY=1;NCCL_SHM_USE_CUDA_MEMCPY=1 NCCL_SHM_MEMCPY_MODE=3}"
 [ ${#ENVS[@]} -eq 0 ] && ENVS=("")
-# CASES="layout|knobs;..." overrides the cases
+# CASES="layout|knobs[|env];..." overrides the cases; the optional env applies to that case alone (e.g.
+# MOETUNE_HS_NATIVE=0: host_staged through NCCL's own staging, the collective with NCCL_P2P_DISABLE=1)
 DEFAULT_CASES="packed|pipeline_depth=1;dense|pipeline_depth=1;dense|compression=fp8_e4m3,pipeline_depth=2,channels=2"
 DEFAULT_CASES="$DEFAULT_CASES;packed|compression=fp8_e4m3,pipeline_depth=2,channels=2;packed|compression=fp8_e4m3,pipeline_depth=4,channels=4"
 DEFAULT_CASES="$DEFAULT_CASES;dense|compression=fp8_e4m3,pipeline_depth=4,channels=4"
 IFS=';' read -r -a CASE_LIST <<< "${CASES:-$DEFAULT_CASES}"
 for envset in "${ENVS[@]}"; do
   for case in "${CASE_LIST[@]}"; do
-    layout=${case%%|*}; kn=${case#*|}
-    r=$(env $envset timeout 40 moetune bench ep --world 2 --backend nccl --transport host_staged --model qwen3-30b \
+    layout=${case%%|*}; kn=${case#*|}; cenv=""
+    if [[ $kn == *"|"* ]]; then cenv=${kn#*|}; kn=${kn%%|*}; fi
+    r=$(env $envset $cenv timeout 40 moetune bench ep --world 2 --backend nccl --transport host_staged --model qwen3-30b \
         --tokens 4096 --layout "$layout" --knobs "$kn" --iters 30 --warmup 5 --no-layer --json 2>"$OUT/hs_err.txt" | tail -1)
     e=""; [ -z "$r" ] && e=$(tail -c 300 "$OUT/hs_err.txt" | tr -d '"\\' | tr '\n' ' ')  # why it failed
-    echo "{\"env\": \"$envset\", \"layout\": \"$layout\", \"knobs\": \"$kn\", \"result\": ${r:-null}, \"stderr_tail\": \"$e\"}" >> "$OUT/host_staged.jsonl"
+    echo "{\"env\": \"$envset${cenv:+ $cenv}\", \"layout\": \"$layout\", \"knobs\": \"$kn\", \"result\": ${r:-null}, \"stderr_tail\": \"$e\"}" >> "$OUT/host_staged.jsonl"
   done
 done
 python3 - "$OUT/host_staged.jsonl" <<'PY'

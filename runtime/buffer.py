@@ -369,6 +369,10 @@ class EPBuffer:
             # never compressed) are wider than the dispatch rows
             combine_row_bytes = self.model.hidden * torch.empty(0, dtype=self.dtype).element_size()
             reserve(max(1, self.max_tokens), max(self.row_bytes, combine_row_bytes))
+        stage = getattr(self.transport, "stage_capacity", None)
+        if callable(stage):  # host_staged: one staging slot per block, a block being at most one chunk's tokens
+            combine_row_bytes = self.model.hidden * torch.empty(0, dtype=self.dtype).element_size()
+            stage(-(-max(1, self.max_tokens) // self.num_chunks), max(self.row_bytes, combine_row_bytes))
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
         self._stage_views: Any = None
         self._stage: torch.Tensor | None = None  # token rows [max_tokens + 1 spare, row_bytes], reused (dense: the send rows)

@@ -28,7 +28,7 @@ from ctypes import POINTER, c_char_p, c_double, c_int, c_int64, c_uint64, c_void
 from pathlib import Path
 from typing import NamedTuple
 
-ABI_VERSION = 12
+ABI_VERSION = 13
 LIB_NAME = "libmoetune_csrc.so"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo")
 _BUILD_TIMEOUT_S = 600
@@ -222,6 +222,12 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
                 c_uint64, c_uint64, c_uint64]
     ),
     "mt_fp8_dequant_rows": (c_int, [c_void_p, c_uint64, c_int64, c_int, c_int, c_uint64, c_int, c_void_p, c_uint64]),
+    # host_staged.cu: staging through shared pinned host memory (host_staged transport)
+    "mt_hs_create": (c_int, [c_int, c_int, c_void_p, c_uint64, c_double, _PP]),
+    "mt_hs_send": (c_int, [c_void_p, c_uint64, c_void_p, c_uint64, c_uint64, c_uint64, c_uint64, c_int, c_uint64]),
+    "mt_hs_recv": (c_int, [c_void_p, c_uint64, c_void_p, c_uint64, c_uint64, c_uint64, c_uint64, c_int, c_uint64]),
+    "mt_hs_error": (c_int, [c_void_p, _PI]),
+    "mt_hs_destroy": (c_int, [c_void_p]),
     # proxy engine
     "mt_proxy_create": (c_int, [c_int, c_int, _P64, _P64, _P64, c_int, c_int, c_int, c_int, _PP]),
     "mt_proxy_set_peer_data": (c_int, [c_void_p, _P64, c_int]),

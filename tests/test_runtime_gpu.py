@@ -24,3 +24,18 @@ def test_nccl_two_gpus_match_dense_reference() -> None:
     for rank_rows in res:
         for name, err, bound in rank_rows:
             assert err < bound, (name, err, bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_host_staged_copy_engines_match_the_collective() -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    res = launch(runtime_cases.case_gpu_host_staged, 2, backend="nccl", timeout_s=60, join_timeout_s=280,
+                 env={"MOETUNE_ONESIDED_TIMEOUT_S": "3", "NCCL_P2P_DISABLE": "1"})
+    for rep in res:
+        assert all(rep["native"]) and rep["native"], rep["native"]
+        assert rep["mismatch"] == [], rep["mismatch"]
+        assert rep["pieces_ok"]
+    assert "timeout waiting for a data signal" in res[0]["timeout"], res[0]["timeout"]
+    assert "(peer 1)" in res[0]["timeout"]

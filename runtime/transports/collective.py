@@ -7,13 +7,13 @@ travel first in a small equal-split all-to-all (`exchange_blocks`). With pipelin
 combine can travel while later dispatch chunks are still in flight (NCCL runs each communicator on its
 own CUDA stream; gloo runs async work handles).
 
-`host_staged` is this same class with NCCL peer-to-peer disabled (NCCL_P2P_DISABLE=1, set before NCCL
-initialises): NCCL then stages every transfer through host memory.
+Run with NCCL peer-to-peer disabled (NCCL_P2P_DISABLE=1, set before NCCL initialises), NCCL stages every
+transfer through host memory itself; `host_staged` (host_staged.py) stages through host memory with the copy
+engines instead, and falls back to this class where it cannot.
 """
 
 from __future__ import annotations
 
-import os
 from typing import ClassVar
 
 import torch
@@ -140,17 +140,3 @@ def release_channels() -> None:
             pass
     _EXTRA_GROUPS.clear()
 
-
-class HostStagedTransport(CollectiveTransport):
-    """The collective over host memory: NCCL with NCCL_P2P_DISABLE=1 (gloo on CPU is host memory anyway)."""
-
-    name: ClassVar[str] = "host_staged"
-
-    @classmethod
-    def availability(cls, device: torch.device | None = None) -> Availability:
-        base = CollectiveTransport.availability(device)
-        if not base.ok:
-            return base
-        if device is not None and device.type == "cuda" and os.environ.get("NCCL_P2P_DISABLE", "0") != "1":
-            return Availability(True, "NCCL collective; set NCCL_P2P_DISABLE=1 before NCCL initialises to stage through host memory")
-        return Availability(True, "collective staged through host memory")

@@ -15,8 +15,9 @@ from .base import Availability, EPTransport
 # name → "module:ClassName" (module relative to moetune.runtime.transports or absolute).
 _REGISTRY: dict[str, str] = {
     "collective": ".collective:CollectiveTransport",
-    # The same collective over host memory: run with NCCL_P2P_DISABLE=1 (set before NCCL initialises).
-    "host_staged": ".collective:HostStagedTransport",
+    # Through pinned host memory by the copy engines (NCCL's staging with NCCL_P2P_DISABLE=1 where the
+    # compiled library is missing or MOETUNE_HS_NATIVE=0).
+    "host_staged": ".host_staged:HostStagedTransport",
     # One-sided transports come from the csrc branch; until their modules exist they report themselves absent.
     "nvlink": ".nvlink:NvlinkTransport",
     "proxy": ".proxy:ProxyTransport",

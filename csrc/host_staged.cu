@@ -1,0 +1,179 @@
+// The `host_staged` transport's data path: rows cross PCIe twice through pinned host memory that every
+// rank of the node maps (a shared file, registered with cudaHostRegister), moved by the copy engines.
+//
+// One staging slot carries one block from a sender to a receiver. Its two flags live in the same shared
+// memory: `ready` (written by the sender after its device->host copy) and `ack` (written by the receiver
+// after its host->device copy). The k-th use of a slot carries sequence number seq = k (from 1); both
+// sides count the uses, since every rank posts the same exchanges in the same order. Everything is
+// ordered on the callers' CUDA streams, so no host thread waits:
+//
+//   sender stream  : wait ack >= seq-1 (slot drained) -> cudaMemcpyAsync D2H -> cuStreamWriteValue64(ready, seq)
+//   receiver stream: wait ready >= seq                 -> cudaMemcpyAsync H2D -> cuStreamWriteValue64(ack, seq)
+//
+// cuStreamWriteValue64 without NO_MEMORY_BARRIER makes the stream's earlier work (the copy) visible
+// before the flag. The waits are one-thread kernels with a bounded spin (mt::wait_word): a peer that
+// never arrives costs one timeout recorded in the error record, never a hang.
+#include <string.h>
+
+#include "mt_common.h"
+
+#ifndef MT_HOST_SIM
+#include <cuda.h>
+
+namespace {
+
+typedef CUresult (*PfnWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+
+enum { HS_ERR_TIMEOUT_DRAIN = 8 };  // waited too long for the receiver to drain a staging slot
+
+struct HsCtx {
+  int device = 0;
+  int rank = 0;
+  uint8_t* host_base = nullptr;  // the shared staging memory in this process
+  uint8_t* dev_base = nullptr;   // its device alias
+  uint64_t bytes = 0;
+  int* err_host = nullptr;  // error record (host-mapped)
+  int* err_dev = nullptr;
+  int* abort_dev = nullptr;  // device memory: set after the first timeout, later waits give up at once
+  uint64_t timeout_ns = 0;
+  PfnWriteValue64 write64 = nullptr;
+};
+
+__global__ void hs_wait_kernel(const uint64_t* flag, uint64_t target, mt::WaitCtx w, int code, int peer, int slot) {
+  bool ok;
+  mt::wait_word(w, flag, target, true, code, peer, slot, &ok);
+}
+
+int wait_flag(HsCtx* c, uint64_t off, uint64_t target, int code, int peer, cudaStream_t s) {
+  mt::WaitCtx w;
+  w.err = c->err_dev;
+  w.abort_flag = c->abort_dev;
+  w.timeout_ns = c->timeout_ns;
+  w.rank = c->rank;
+  hs_wait_kernel<<<1, 1, 0, s>>>(reinterpret_cast<const uint64_t*>(c->dev_base + off), target, w, code, peer,
+                                 (int)(off / 8));
+  MT_CUDA(cudaGetLastError());
+  return 0;
+}
+
+int write_flag(HsCtx* c, uint64_t off, uint64_t value, cudaStream_t s) {
+  CUresult r = c->write64((CUstream)s, (CUdeviceptr)(c->dev_base + off), value, 0);
+  MT_REQUIRE(r == CUDA_SUCCESS, 300, "host_staged: cuStreamWriteValue64 failed (CUresult %d)", (int)r);
+  return 0;
+}
+
+int check_range(HsCtx* c, uint64_t off, uint64_t n, const char* what) {
+  MT_REQUIRE(off + n <= c->bytes && off + n >= off, 301,
+             "host_staged: %s [%llu, +%llu) outside the staging memory (%llu bytes)", what,
+             (unsigned long long)off, (unsigned long long)n, (unsigned long long)c->bytes);
+  return 0;
+}
+
+}  // namespace
+
+// Register `bytes` of shared host memory at `host_base` (page aligned) for this process and device.
+MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, double timeout_s, void** out) {
+  MT_REQUIRE(host_base != nullptr && bytes > 0 && ((uintptr_t)host_base & 4095u) == 0, 310,
+             "host_staged: staging memory must be a non-empty page-aligned region");
+  MT_CUDA(cudaSetDevice(device));
+  HsCtx* c = new HsCtx();
+  c->device = device;
+  c->rank = rank;
+  c->bytes = bytes;
+  c->timeout_ns = (uint64_t)(timeout_s * 1e9);
+  cudaDriverEntryPointQueryResult q;
+  void* fn = nullptr;
+  cudaError_t ce = cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &q);
+  if (ce != cudaSuccess || q != cudaDriverEntryPointSuccess || fn == nullptr) {
+    mt::set_error("host_staged: cuStreamWriteValue64 not available from the driver (%s, query %d)",
+                  cudaGetErrorName(ce), (int)q);
+    delete c;
+    return 311;
+  }
+  c->write64 = (PfnWriteValue64)fn;
+  ce = cudaHostRegister(host_base, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (ce != cudaSuccess) {
+    cudaGetLastError();
+    mt::set_error("host_staged: cudaHostRegister of %llu bytes failed: %s (%s)", (unsigned long long)bytes,
+                  cudaGetErrorName(ce), cudaGetErrorString(ce));
+    delete c;
+    return 312;
+  }
+  c->host_base = (uint8_t*)host_base;
+  void* dp = nullptr;
+  ce = cudaHostGetDevicePointer(&dp, host_base, 0);
+  if (ce == cudaSuccess) {
+    c->dev_base = (uint8_t*)dp;
+    ce = cudaHostAlloc((void**)&c->err_host, MT_ERR_WORDS * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable);
+  }
+  if (ce == cudaSuccess) {
+    memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
+    ce = cudaHostGetDevicePointer((void**)&c->err_dev, c->err_host, 0);
+  }
+  if (ce == cudaSuccess) ce = cudaMalloc((void**)&c->abort_dev, sizeof(int));
+  if (ce == cudaSuccess) ce = cudaMemset(c->abort_dev, 0, sizeof(int));
+  if (ce != cudaSuccess) {
+    cudaGetLastError();
+    mt::set_error("host_staged: setup failed: %s (%s)", cudaGetErrorName(ce), cudaGetErrorString(ce));
+    if (c->err_host) cudaFreeHost(c->err_host);
+    if (c->abort_dev) cudaFree(c->abort_dev);
+    cudaHostUnregister(host_base);
+    delete c;
+    return 313;
+  }
+  *out = c;
+  return 0;
+}
+
+// Sender side of one block: wait until slot's ack >= seq - 1, copy nbytes from src (device) into the slot,
+// then set the slot's ready flag to seq. Offsets are bytes from the staging memory's base.
+MT_API int mt_hs_send(void* h, uint64_t data_off, const void* src, uint64_t nbytes, uint64_t ready_off,
+                      uint64_t ack_off, uint64_t seq, int peer, uint64_t stream) {
+  HsCtx* c = (HsCtx*)h;
+  cudaStream_t s = (cudaStream_t)stream;
+  int rc;
+  if ((rc = check_range(c, data_off, nbytes, "send slot")) || (rc = check_range(c, ready_off, 8, "ready flag")) ||
+      (rc = check_range(c, ack_off, 8, "ack flag")))
+    return rc;
+  MT_REQUIRE(seq >= 1, 302, "host_staged: sequence numbers start at 1");
+  if (seq > 1 && (rc = wait_flag(c, ack_off, seq - 1, HS_ERR_TIMEOUT_DRAIN, peer, s))) return rc;
+  if (nbytes) MT_CUDA(cudaMemcpyAsync(c->host_base + data_off, src, nbytes, cudaMemcpyDeviceToHost, s));
+  return write_flag(c, ready_off, seq, s);
+}
+
+// Receiver side: wait until the slot's ready flag >= seq, copy nbytes out of it into dst (device), then
+// set the slot's ack flag to seq (the sender may refill it).
+MT_API int mt_hs_recv(void* h, uint64_t data_off, void* dst, uint64_t nbytes, uint64_t ready_off, uint64_t ack_off,
+                      uint64_t seq, int peer, uint64_t stream) {
+  HsCtx* c = (HsCtx*)h;
+  cudaStream_t s = (cudaStream_t)stream;
+  int rc;
+  if ((rc = check_range(c, data_off, nbytes, "receive slot")) || (rc = check_range(c, ready_off, 8, "ready flag")) ||
+      (rc = check_range(c, ack_off, 8, "ack flag")))
+    return rc;
+  MT_REQUIRE(seq >= 1, 302, "host_staged: sequence numbers start at 1");
+  if ((rc = wait_flag(c, ready_off, seq, MT_ERR_TIMEOUT_SIGNAL, peer, s))) return rc;
+  if (nbytes) MT_CUDA(cudaMemcpyAsync(dst, c->host_base + data_off, nbytes, cudaMemcpyHostToDevice, s));
+  return write_flag(c, ack_off, seq, s);
+}
+
+// The error record (MT_ERR_WORDS ints: code, rank, peer, slot, ...); code 0 = no error. Read without a sync.
+MT_API int mt_hs_error(void* h, int* words) {
+  HsCtx* c = (HsCtx*)h;
+  memcpy(words, (const void*)c->err_host, MT_ERR_WORDS * sizeof(int));
+  return 0;
+}
+
+MT_API int mt_hs_destroy(void* h) {
+  HsCtx* c = (HsCtx*)h;
+  if (c == nullptr) return 0;
+  cudaSetDevice(c->device);
+  cudaDeviceSynchronize();  // no copy may still touch the memory being unregistered
+  if (c->err_host) cudaFreeHost(c->err_host);
+  if (c->abort_dev) cudaFree(c->abort_dev);
+  cudaError_t ce = cudaHostUnregister(c->host_base);
+  delete c;
+  MT_CUDA(ce);
+  return 0;
+}
+#endif

@@ -1,0 +1,342 @@
+"""The `host_staged` transport: rows staged through pinned host memory by the GPUs' copy engines.
+
+For nodes whose GPUs cannot reach each other directly (PCIe boxes with peer-to-peer off): every block
+crosses PCIe twice, device → host on the sender, host → device on the receiver (DESIGN §1). The host
+memory is one shared file under /dev/shm (mode 0600, unlinked as soon as every rank has mapped it, so
+nothing is left behind by a crash) that each rank registers with CUDA (`cudaHostRegister`). It holds,
+for every (lane, sender, receiver), a ring of `RING` staging slots, and two flags per slot (`ready`,
+`ack`); csrc/host_staged.cu orders copy → flag → wait on the CUDA streams, so no host thread ever waits
+for a transfer and the copies run on the copy engines, not on SMs.
+
+One posted exchange moves each block whole through one slot (blocks larger than a slot go through
+consecutive slots). So an exchange is store-and-forward: the receiver's host → device copy starts when
+the sender's device → host copy has ended. What overlaps the two crossings is the EP buffer's
+`pipeline_depth`: with n chunks, chunk i+1 goes down to host memory while chunk i comes up on the
+other side, and the combine of chunk i travels while later dispatch chunks still do. `channels` gives
+each set of chunks its own pair of CUDA streams (lanes), so chunks on different lanes move at once.
+
+The count exchange and the input checks stay on the process group (NCCL, with NCCL_P2P_DISABLE=1 on
+such nodes, which the benchmarks set). Without the compiled library, on CPU, with one rank, or with
+MOETUNE_HS_NATIVE=0 the transport is the collective over NCCL's own staging (NCCL_P2P_DISABLE=1),
+which is what `host_staged` meant before this module; `native` says which one runs.
+All ranks of the group must share one host (the staging memory is a node-local file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import secrets
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from .. import csrc_build
+from ..knobs import Knobs
+from ._onesided import decode_error, timeout_s
+from .base import Availability
+from .collective import CollectiveTransport
+
+RING = 2  # staging slots per (lane, sender, receiver): double buffering
+DEFAULT_SLOT_BYTES = 8 << 20  # when the EP buffer did not size the slots (stage_capacity)
+_PAGE = 4096
+_SHM_DIR = "/dev/shm"
+_NAME_BYTES = 64
+ERR_DRAIN = 8  # csrc: waited too long for the receiver to drain a staging slot
+
+
+class HostStagedError(RuntimeError):
+    """A staged transfer failed on the GPU (a peer never arrived) or the staging memory could not be set up."""
+
+
+def native_requested() -> bool:
+    return os.environ.get("MOETUNE_HS_NATIVE", "1") != "0"
+
+
+class _StagedWork:
+    """What exchange_async/gather_async/reduce_scatter_async return: wait() orders the current stream
+    after the copies (then runs `finish`, e.g. the reduce-scatter's sum) and raises a recorded GPU error."""
+
+    def __init__(self, events: list[torch.cuda.Event], device: torch.device, check: Callable[[], None],
+                 finish: Callable[[], None] | None = None):
+        self._events, self._device, self._check, self._finish = events, device, check, finish
+
+    def wait(self) -> bool:
+        cur = torch.cuda.current_stream(self._device)
+        for e in self._events:
+            cur.wait_event(e)
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        self._check()
+        return True
+
+
+class HostStagedTransport(CollectiveTransport):
+    name: ClassVar[str] = "host_staged"
+    # the sequence numbers of the slots are host state passed per call: a replayed graph would reuse them
+    graph_capturable: ClassVar[bool] = False
+
+    def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device, *, channels: int = 1):
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        lib, why = None, ""
+        if device.type == "cuda" and world > 1 and native_requested():
+            ok, why = csrc_build.availability()
+            if ok:
+                try:
+                    lib = csrc_build.load()
+                except Exception as e:  # a node without a working nvcc keeps NCCL's staging
+                    lib, why = None, f"{type(e).__name__}: {e}"
+        if device.type == "cuda" and world > 1 and dist.is_initialized():
+            # every rank must take the same path (the NCCL path builds extra communicators collectively)
+            flag = torch.tensor([1 if lib is not None else 0], dtype=torch.int64, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            if int(flag.item()) == 0 and lib is not None:
+                lib, why = None, "another rank cannot run the native path"
+        self.native = lib is not None
+        self.native_reason = "copy engines through shared pinned host memory" if self.native else (
+            why or ("MOETUNE_HS_NATIVE=0" if not native_requested() else "needs CUDA and more than one rank"))
+        super().__init__(group, knobs, device, channels=1 if self.native else channels)
+        self.lib = lib
+        self.lanes = max(1, channels)
+        self.slot_bytes = DEFAULT_SLOT_BYTES
+        self._h = ctypes.c_void_p()
+        self._mm: mmap.mmap | None = None
+        self._anchor: ctypes.Array | None = None
+        self._streams: list[tuple[torch.cuda.Stream, torch.cuda.Stream]] = []
+        # uses of each (lane, peer) ring so far, as sender and as receiver (the slot and seq follow from it)
+        self._sent = [[0] * self.world for _ in range(self.lanes)]
+        self._recvd = [[0] * self.world for _ in range(self.lanes)]
+
+    @classmethod
+    def availability(cls, device: torch.device | None = None) -> Availability:
+        base = CollectiveTransport.availability(device)
+        if not base.ok:
+            return base
+        if device is not None and device.type == "cuda":
+            ok, why = csrc_build.availability()
+            if ok and native_requested():
+                return Availability(True, "copy engines through shared pinned host memory (csrc/host_staged.cu)")
+            if os.environ.get("NCCL_P2P_DISABLE", "0") != "1":
+                return Availability(True, "NCCL's staging; set NCCL_P2P_DISABLE=1 before NCCL initialises "
+                                          f"({'MOETUNE_HS_NATIVE=0' if ok else why})")
+            return Availability(True, f"NCCL's staging through host memory ({'MOETUNE_HS_NATIVE=0' if ok else why})")
+        return Availability(True, "collective staged through host memory")
+
+    # -- staging memory ------------------------------------------------------------------------------
+    def stage_capacity(self, rows: int, row_bytes: int) -> None:
+        """Size the slots for blocks of up to `rows` rows of `row_bytes` (collective: every rank, same
+        arguments) and set up the staging memory. Larger blocks still work, through several slots."""
+        if not self.native or self._mm is not None:
+            return
+        self.slot_bytes = max(_PAGE, -(-max(1, rows) * max(1, row_bytes) // _PAGE) * _PAGE)
+        self._setup()
+
+    def _pair(self, src: int, dst: int) -> int:
+        return src * (self.world - 1) + (dst if dst < src else dst - 1)
+
+    def _slot_index(self, lane: int, src: int, dst: int, slot: int) -> int:
+        return (lane * self.world * (self.world - 1) + self._pair(src, dst)) * RING + slot
+
+    def _offsets(self, lane: int, src: int, dst: int, slot: int) -> tuple[int, int, int]:
+        """(data, ready flag, ack flag) byte offsets of one slot in the staging memory."""
+        i = self._slot_index(lane, src, dst, slot)
+        return self._data_base + i * self.slot_bytes, 8 * i, self._ack_base + 8 * i
+
+    def _setup(self) -> None:
+        n_slots = self.lanes * self.world * (self.world - 1) * RING
+        self._ack_base = 8 * n_slots
+        self._data_base = -(-16 * n_slots // _PAGE) * _PAGE
+        nbytes = self._data_base + n_slots * self.slot_bytes
+        name, problem = "", ""
+        if self.rank == 0:
+            try:
+                st = os.statvfs(_SHM_DIR)
+                free = st.f_bavail * st.f_frsize
+                if free < nbytes:
+                    raise OSError(f"{_SHM_DIR} has {free >> 20} MiB free, the staging memory needs {nbytes >> 20} MiB")
+                name = os.path.join(_SHM_DIR, f"moetune-hs-{os.getpid()}-{secrets.token_hex(8)}")
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # owner only
+                try:
+                    os.ftruncate(fd, nbytes)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                problem, name = f"{type(e).__name__}: {e}", ""
+        name = self._broadcast_name(name)
+        if name and not problem:
+            try:
+                fd = os.open(name, os.O_RDWR)
+                try:
+                    if os.fstat(fd).st_size != nbytes:
+                        raise OSError(f"{name} has {os.fstat(fd).st_size} bytes, expected {nbytes} (not one host?)")
+                    self._mm = mmap.mmap(fd, nbytes)
+                finally:
+                    os.close(fd)
+                self._anchor = ctypes.c_char.from_buffer(self._mm)
+                rc = self.lib.mt_hs_create(self.device.index or 0, self.rank, ctypes.addressof(self._anchor), nbytes,
+                                           timeout_s(), ctypes.byref(self._h))
+                if rc:
+                    raise HostStagedError(self.lib.mt_last_error().decode(errors="replace"))
+            except (OSError, HostStagedError) as e:
+                problem = f"{type(e).__name__}: {e}"
+        elif not problem:
+            problem = "rank 0 could not create the staging memory"
+        ok = self._agree(not problem)
+        if self.rank == 0 and name:
+            try:
+                os.unlink(name)  # every rank has it mapped (or gave up): nothing stays in /dev/shm
+            except OSError:
+                pass
+        if not ok:
+            self._release()
+            raise HostStagedError(
+                f"host_staged on rank {self.rank}: the staging memory could not be set up on every rank"
+                + (f" ({problem})" if problem else "") + "; MOETUNE_HS_NATIVE=0 uses NCCL's staging instead")
+        self._streams = [(torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) for _ in range(self.lanes)]
+
+    def _broadcast_name(self, name: str) -> str:
+        raw = name.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
+        t = torch.tensor(list(raw), dtype=torch.uint8, device=self.device)
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
+        return bytes(t.cpu().tolist()).rstrip(b"\0").decode()
+
+    def _agree(self, ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def check(self) -> None:
+        """Raise HostStagedError when a wait on the GPU timed out (read from host memory, no sync)."""
+        if not self._h:
+            return
+        words = (ctypes.c_int * 16)()
+        self.lib.mt_hs_error(self._h, words)
+        if words[0]:
+            what = ("timeout waiting for a peer to drain a staging slot" if words[0] == ERR_DRAIN
+                    else decode_error(list(words)))
+            raise HostStagedError(f"host_staged on rank {self.rank}: {what} (peer {words[2]}); the peer is gone or "
+                                  f"stalled beyond MOETUNE_ONESIDED_TIMEOUT_S={timeout_s():g}")
+
+    # -- moving blocks ---------------------------------------------------------------------------------
+    def _call(self, fn: Callable[..., int], *args: object) -> None:
+        rc = fn(*args)
+        if rc:
+            raise HostStagedError(f"host_staged on rank {self.rank}: {self.lib.mt_last_error().decode(errors='replace')}")
+
+    def _move(self, lane: int, sends: list[tuple[int, int, int]], recvs: list[tuple[int, int, int]],
+              local: tuple[torch.Tensor, torch.Tensor] | None) -> list[torch.cuda.Event]:
+        """Post (peer, device address, bytes) blocks out and in on lane's streams, after the current stream's
+        work; `local` = (dst, src) is this rank's own block (a device copy). Returns the streams' end events."""
+        if self._mm is None:
+            self._setup()
+        self.check()
+        cur = torch.cuda.current_stream(self.device)
+        s_out, s_in = self._streams[lane]
+        start = cur.record_event()
+        s_out.wait_event(start)
+        s_in.wait_event(start)
+        for peer, ptr, n in sends:
+            self._pieces(lane, self.rank, peer, ptr, n, s_out, self._sent, self.lib.mt_hs_send)
+        if local is not None and local[0].numel():
+            with torch.cuda.stream(s_in):
+                local[0].copy_(local[1])
+        for peer, ptr, n in recvs:
+            self._pieces(lane, peer, self.rank, ptr, n, s_in, self._recvd, self.lib.mt_hs_recv)
+        return [s_out.record_event(), s_in.record_event()]
+
+    def _pieces(self, lane: int, src: int, dst: int, ptr: int, n: int, stream: torch.cuda.Stream,
+                uses: list[list[int]], fn: Callable[..., int]) -> None:
+        """One block through consecutive slots of the (lane, src → dst) ring; both sides cut it alike."""
+        peer = dst if src == self.rank else src
+        off = 0
+        while off < n:
+            piece = min(self.slot_bytes, n - off)
+            k = uses[lane][peer]
+            uses[lane][peer] = k + 1
+            data, ready, ack = self._offsets(lane, src, dst, k % RING)
+            self._call(fn, self._h, data, ptr + off, piece, ready, ack, k // RING + 1, peer, stream.cuda_stream)
+            off += piece
+
+    def _lane(self, channel: int) -> int:
+        return channel % self.lanes
+
+    # -- what the EP buffer uses (same contracts as CollectiveTransport) -------------------------------------
+    def exchange_async(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                       out: torch.Tensor | None = None, *, channel: int = 0):
+        if not self.native:
+            return super().exchange_async(send, send_splits, recv_splits, out, channel=channel)
+        rows = sum(recv_splits)
+        if out is None:
+            out = torch.empty((rows, *send.shape[1:]), dtype=send.dtype, device=send.device)
+        row = math.prod(send.shape[1:]) * send.element_size()
+        s_off = [0]
+        r_off = [0]
+        for d in range(self.world):
+            s_off.append(s_off[-1] + send_splits[d])
+            r_off.append(r_off[-1] + recv_splits[d])
+        sends = [(p, send.data_ptr() + s_off[p] * row, send_splits[p] * row) for p in range(self.world)
+                 if p != self.rank and send_splits[p]]
+        recvs = [(p, out.data_ptr() + r_off[p] * row, recv_splits[p] * row) for p in range(self.world)
+                 if p != self.rank and recv_splits[p]]
+        me = self.rank
+        local = (out[r_off[me] : r_off[me + 1]], send[s_off[me] : s_off[me + 1]])
+        events = self._move(self._lane(channel), sends, recvs, local)
+        return out, _StagedWork(events, self.device, self.check)
+
+    def gather_async(self, out: torch.Tensor, inp: torch.Tensor, *, channel: int = 0):
+        if not self.native:
+            return super().gather_async(out, inp, channel=channel)
+        n = inp.shape[0]
+        nb = inp.numel() * inp.element_size()
+        peers = [p for p in range(self.world) if p != self.rank]
+        sends = [(p, inp.data_ptr(), nb) for p in peers] if nb else []
+        recvs = [(p, out[p * n].data_ptr(), nb) for p in peers] if nb else []
+        events = self._move(self._lane(channel), sends, recvs, (out[self.rank * n : (self.rank + 1) * n], inp))
+        return _StagedWork(events, self.device, self.check)
+
+    def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, *, channel: int = 0):
+        if not self.native:
+            return super().reduce_scatter_async(out, inp, channel=channel)
+        n = out.shape[0]
+        nb = out.numel() * out.element_size()
+        peers = [p for p in range(self.world) if p != self.rank]
+        got = torch.empty((len(peers), *out.shape), dtype=out.dtype, device=out.device)
+        sends = [(p, inp[p * n].data_ptr(), nb) for p in peers] if nb else []
+        recvs = [(p, got[i].data_ptr(), nb) for i, p in enumerate(peers)] if nb else []
+        events = self._move(self._lane(channel), sends, recvs, None)
+        mine = inp[self.rank * n : (self.rank + 1) * n]
+
+        def finish() -> None:
+            # every rank's block in rank order; with two ranks one rounding, as a sum in the collective
+            blocks = [got[i] for i in range(self.rank)] + [mine] + [got[i] for i in range(self.rank, len(peers))]
+            if len(blocks) == 2:
+                torch.add(blocks[0], blocks[1], out=out)
+            else:
+                acc = blocks[0].float()
+                for b in blocks[1:]:
+                    acc += b.float()
+                out.copy_(acc)
+
+        return _StagedWork(events, self.device, self.check, finish)
+
+    # -- teardown ---------------------------------------------------------------------------------------
+    def _release(self) -> None:
+        if self._h:
+            self.lib.mt_hs_destroy(self._h)  # waits for the device: no copy still touches the memory
+            self._h = ctypes.c_void_p()
+        self._anchor = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # an exported view is still alive somewhere: the mapping goes with the process
+                pass
+            self._mm = None
+
+    def close(self) -> None:
+        self._release()
+        super().close()
