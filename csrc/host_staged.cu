@@ -23,6 +23,7 @@
 namespace {
 
 typedef CUresult (*PfnWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+typedef CUresult (*PfnWaitValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
 enum { HS_ERR_TIMEOUT_DRAIN = 8 };  // waited too long for the receiver to drain a staging slot
 
@@ -37,6 +38,8 @@ struct HsCtx {
   int* abort_dev = nullptr;  // device memory: set after the first timeout, later waits give up at once
   uint64_t timeout_ns = 0;
   PfnWriteValue64 write64 = nullptr;
+  PfnWaitValue64 wait64 = nullptr;  // wait_mode 1: the driver's stream wait (no SM, no timeout)
+  int wait_mode = 0;
 };
 
 __global__ void hs_wait_kernel(const uint64_t* flag, uint64_t target, mt::WaitCtx w, int code, int peer, int slot) {
@@ -45,6 +48,11 @@ __global__ void hs_wait_kernel(const uint64_t* flag, uint64_t target, mt::WaitCt
 }
 
 int wait_flag(HsCtx* c, uint64_t off, uint64_t target, int code, int peer, cudaStream_t s) {
+  if (c->wait_mode == 1) {
+    CUresult r = c->wait64((CUstream)s, (CUdeviceptr)(c->dev_base + off), target, CU_STREAM_WAIT_VALUE_GEQ);
+    MT_REQUIRE(r == CUDA_SUCCESS, 303, "host_staged: cuStreamWaitValue64 failed (CUresult %d)", (int)r);
+    return 0;
+  }
   mt::WaitCtx w;
   w.err = c->err_dev;
   w.abort_flag = c->abort_dev;
@@ -72,7 +80,10 @@ int check_range(HsCtx* c, uint64_t off, uint64_t n, const char* what) {
 }  // namespace
 
 // Register `bytes` of shared host memory at `host_base` (page aligned) for this process and device.
-MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, double timeout_s, void** out) {
+// wait_mode 0: waits are one-thread spin kernels with a timeout; 1: cuStreamWaitValue64 (for comparison).
+MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, double timeout_s, int wait_mode,
+                        void** out) {
+  MT_REQUIRE(wait_mode == 0 || wait_mode == 1, 314, "host_staged: wait_mode %d is not 0 or 1", wait_mode);
   MT_REQUIRE(host_base != nullptr && bytes > 0 && ((uintptr_t)host_base & 4095u) == 0, 310,
              "host_staged: staging memory must be a non-empty page-aligned region");
   MT_CUDA(cudaSetDevice(device));
@@ -91,6 +102,18 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
     return 311;
   }
   c->write64 = (PfnWriteValue64)fn;
+  c->wait_mode = wait_mode;
+  if (wait_mode == 1) {
+    fn = nullptr;
+    ce = cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 12000, cudaEnableDefault, &q);
+    if (ce != cudaSuccess || q != cudaDriverEntryPointSuccess || fn == nullptr) {
+      mt::set_error("host_staged: cuStreamWaitValue64 not available from the driver (%s, query %d)",
+                    cudaGetErrorName(ce), (int)q);
+      delete c;
+      return 315;
+    }
+    c->wait64 = (PfnWaitValue64)fn;
+  }
   ce = cudaHostRegister(host_base, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
   if (ce != cudaSuccess) {
     cudaGetLastError();

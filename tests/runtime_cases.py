@@ -274,6 +274,7 @@ def case_gpu_host_staged(rank: int, world: int) -> dict:
     rep["pieces_ok"] = bool(torch.equal(out, want))
     # a peer that never posts: rank 0 waits on the GPU until the timeout, then check() names it
     torch.cuda.synchronize()
+    rep["flags"] = {f"{a}->{b}": t.flag_values(0, a, b) for a, b in ((0, 1), (1, 0))}
     if rank == 0:
         t.exchange_async(rows, [256] * world, [256] * world)
         torch.cuda.synchronize()

@@ -37,5 +37,5 @@ def test_host_staged_copy_engines_match_the_collective() -> None:
         assert all(rep["native"]) and rep["native"], rep["native"]
         assert rep["mismatch"] == [], rep["mismatch"]
         assert rep["pieces_ok"]
-    assert "timeout waiting for a data signal" in res[0]["timeout"], res[0]["timeout"]
+    assert "timeout waiting for a data signal" in res[0]["timeout"], (res[0]["timeout"], res[0]["flags"], res[1]["flags"])
     assert "(peer 1)" in res[0]["timeout"]

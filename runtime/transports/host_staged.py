@@ -53,6 +53,12 @@ class HostStagedError(RuntimeError):
     """A staged transfer failed on the GPU (a peer never arrived) or the staging memory could not be set up."""
 
 
+def _wait_mode() -> int:
+    """MOETUNE_HS_WAIT=memop waits with cuStreamWaitValue64 (no SM, but no timeout either); the default is a
+    one-thread spin kernel that gives up after MOETUNE_ONESIDED_TIMEOUT_S."""
+    return 1 if os.environ.get("MOETUNE_HS_WAIT", "kernel") == "memop" else 0
+
+
 def native_requested() -> bool:
     return os.environ.get("MOETUNE_HS_NATIVE", "1") != "0"
 
@@ -179,7 +185,7 @@ class HostStagedTransport(CollectiveTransport):
                     os.close(fd)
                 self._anchor = ctypes.c_char.from_buffer(self._mm)
                 rc = self.lib.mt_hs_create(self.device.index or 0, self.rank, ctypes.addressof(self._anchor), nbytes,
-                                           timeout_s(), ctypes.byref(self._h))
+                                           timeout_s(), _wait_mode(), ctypes.byref(self._h))
                 if rc:
                     raise HostStagedError(self.lib.mt_last_error().decode(errors="replace"))
             except (OSError, HostStagedError) as e:
@@ -222,6 +228,17 @@ class HostStagedTransport(CollectiveTransport):
             raise HostStagedError(f"host_staged on rank {self.rank}: {what} (peer {words[2]}); the peer is gone or "
                                   f"stalled beyond MOETUNE_ONESIDED_TIMEOUT_S={timeout_s():g}")
 
+    def flag_values(self, lane: int, src: int, dst: int) -> list[tuple[int, int]]:
+        """(ready, ack) of each slot of the (lane, src -> dst) ring, read by the CPU (diagnostics; no sync)."""
+        if self._mm is None:
+            return []
+        out = []
+        for slot in range(RING):
+            _data, ready, ack = self._offsets(lane, src, dst, slot)
+            out.append((int.from_bytes(self._mm[ready : ready + 8], "little"),
+                        int.from_bytes(self._mm[ack : ack + 8], "little")))
+        return out
+
     # -- moving blocks ---------------------------------------------------------------------------------
     def _call(self, fn: Callable[..., int], *args: object) -> None:
         rc = fn(*args)
@@ -231,7 +248,11 @@ class HostStagedTransport(CollectiveTransport):
     def _move(self, lane: int, sends: list[tuple[int, int, int]], recvs: list[tuple[int, int, int]],
               local: tuple[torch.Tensor, torch.Tensor] | None) -> list[torch.cuda.Event]:
         """Post (peer, device address, bytes) blocks out and in on lane's streams, after the current stream's
-        work; `local` = (dst, src) is this rank's own block (a device copy). Returns the streams' end events."""
+        work; `local` = (dst, src) is this rank's own block (a device copy). Returns the streams' end events.
+
+        Pieces are posted send j, receive j, send j+1, ...: should the two streams share one hardware queue
+        (CUDA_DEVICE_MAX_CONNECTIONS), a send that waits for the peer to drain slot j-RING still comes after
+        this rank's own receive of piece j-RING, so with two ranks the ring cannot deadlock."""
         if self._mm is None:
             self._setup()
         self.check()
@@ -240,27 +261,29 @@ class HostStagedTransport(CollectiveTransport):
         start = cur.record_event()
         s_out.wait_event(start)
         s_in.wait_event(start)
-        for peer, ptr, n in sends:
-            self._pieces(lane, self.rank, peer, ptr, n, s_out, self._sent, self.lib.mt_hs_send)
         if local is not None and local[0].numel():
             with torch.cuda.stream(s_in):
                 local[0].copy_(local[1])
-        for peer, ptr, n in recvs:
-            self._pieces(lane, peer, self.rank, ptr, n, s_in, self._recvd, self.lib.mt_hs_recv)
+        out = [a for peer, ptr, n in sends for a in self._pieces(lane, self.rank, peer, ptr, n, self._sent)]
+        inc = [a for peer, ptr, n in recvs for a in self._pieces(lane, peer, self.rank, ptr, n, self._recvd)]
+        for j in range(max(len(out), len(inc))):
+            if j < len(out):
+                self._call(self.lib.mt_hs_send, self._h, *out[j], s_out.cuda_stream)
+            if j < len(inc):
+                self._call(self.lib.mt_hs_recv, self._h, *inc[j], s_in.cuda_stream)
         return [s_out.record_event(), s_in.record_event()]
 
-    def _pieces(self, lane: int, src: int, dst: int, ptr: int, n: int, stream: torch.cuda.Stream,
-                uses: list[list[int]], fn: Callable[..., int]) -> None:
-        """One block through consecutive slots of the (lane, src → dst) ring; both sides cut it alike."""
+    def _pieces(self, lane: int, src: int, dst: int, ptr: int, n: int, uses: list[list[int]]) -> list[tuple]:
+        """One block cut for consecutive slots of the (lane, src -> dst) ring (both sides cut it alike):
+        the (data, address, bytes, ready, ack, seq, peer) of each piece."""
         peer = dst if src == self.rank else src
-        off = 0
-        while off < n:
-            piece = min(self.slot_bytes, n - off)
+        pieces = []
+        for off in range(0, n, self.slot_bytes):
             k = uses[lane][peer]
             uses[lane][peer] = k + 1
             data, ready, ack = self._offsets(lane, src, dst, k % RING)
-            self._call(fn, self._h, data, ptr + off, piece, ready, ack, k // RING + 1, peer, stream.cuda_stream)
-            off += piece
+            pieces.append((data, ptr + off, min(self.slot_bytes, n - off), ready, ack, k // RING + 1, peer))
+        return pieces
 
     def _lane(self, channel: int) -> int:
         return channel % self.lanes
