@@ -40,7 +40,14 @@ struct HsCtx {
   PfnWriteValue64 write64 = nullptr;
   PfnWaitValue64 wait64 = nullptr;  // wait_mode 1: the driver's stream wait (no SM, no timeout)
   int wait_mode = 0;
+  int lanes = 0;
+  cudaStream_t* s_out = nullptr;  // per lane: device -> host copies
+  cudaStream_t* s_in = nullptr;   // per lane: host -> device copies
+  cudaEvent_t* ev = nullptr;      // per lane, HS_TICKETS tickets x {start, out done, in done}
+  unsigned* next_ticket = nullptr;
 };
+
+constexpr int HS_TICKETS = 64;  // exchanges of one lane that may be in flight before a ticket's events are reused
 
 __global__ void hs_wait_kernel(const uint64_t* flag, uint64_t target, mt::WaitCtx w, int code, int peer, int slot) {
   bool ok;
@@ -70,6 +77,23 @@ int write_flag(HsCtx* c, uint64_t off, uint64_t value, cudaStream_t s) {
   return 0;
 }
 
+void free_lanes(HsCtx* c) {
+  for (int l = 0; l < c->lanes; ++l) {
+    if (c->s_out && c->s_out[l]) cudaStreamDestroy(c->s_out[l]);
+    if (c->s_in && c->s_in[l]) cudaStreamDestroy(c->s_in[l]);
+  }
+  for (int i = 0; c->ev && i < c->lanes * HS_TICKETS * 3; ++i)
+    if (c->ev[i]) cudaEventDestroy(c->ev[i]);
+  delete[] c->s_out;
+  delete[] c->s_in;
+  delete[] c->ev;
+  delete[] c->next_ticket;
+  c->s_out = c->s_in = nullptr;
+  c->ev = nullptr;
+  c->next_ticket = nullptr;
+  c->lanes = 0;
+}
+
 int check_range(HsCtx* c, uint64_t off, uint64_t n, const char* what) {
   MT_REQUIRE(off + n <= c->bytes && off + n >= off, 301,
              "host_staged: %s [%llu, +%llu) outside the staging memory (%llu bytes)", what,
@@ -82,8 +106,9 @@ int check_range(HsCtx* c, uint64_t off, uint64_t n, const char* what) {
 // Register `bytes` of shared host memory at `host_base` (page aligned) for this process and device.
 // wait_mode 0: waits are one-thread spin kernels with a timeout; 1: cuStreamWaitValue64 (for comparison).
 MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, double timeout_s, int wait_mode,
-                        void** out) {
+                        int lanes, void** out) {
   MT_REQUIRE(wait_mode == 0 || wait_mode == 1, 314, "host_staged: wait_mode %d is not 0 or 1", wait_mode);
+  MT_REQUIRE(lanes >= 1 && lanes <= 64, 316, "host_staged: lanes %d outside 1..64", lanes);
   MT_REQUIRE(host_base != nullptr && bytes > 0 && ((uintptr_t)host_base & 4095u) == 0, 310,
              "host_staged: staging memory must be a non-empty page-aligned region");
   MT_CUDA(cudaSetDevice(device));
@@ -135,11 +160,25 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
   }
   if (ce == cudaSuccess) ce = cudaMalloc((void**)&c->abort_dev, sizeof(int));
   if (ce == cudaSuccess) ce = cudaMemset(c->abort_dev, 0, sizeof(int));
+  if (ce == cudaSuccess) {
+    c->lanes = lanes;
+    c->s_out = new cudaStream_t[lanes]();
+    c->s_in = new cudaStream_t[lanes]();
+    c->ev = new cudaEvent_t[(size_t)lanes * HS_TICKETS * 3]();
+    c->next_ticket = new unsigned[lanes]();
+    for (int l = 0; l < lanes && ce == cudaSuccess; ++l) {
+      ce = cudaStreamCreateWithFlags(&c->s_out[l], cudaStreamNonBlocking);
+      if (ce == cudaSuccess) ce = cudaStreamCreateWithFlags(&c->s_in[l], cudaStreamNonBlocking);
+    }
+    for (int i = 0; i < lanes * HS_TICKETS * 3 && ce == cudaSuccess; ++i)
+      ce = cudaEventCreateWithFlags(&c->ev[i], cudaEventDisableTiming);
+  }
   if (ce != cudaSuccess) {
     cudaGetLastError();
     mt::set_error("host_staged: setup failed: %s (%s)", cudaGetErrorName(ce), cudaGetErrorString(ce));
     if (c->err_host) cudaFreeHost(c->err_host);
     if (c->abort_dev) cudaFree(c->abort_dev);
+    free_lanes(c);
     cudaHostUnregister(host_base);
     delete c;
     return 313;
@@ -180,6 +219,50 @@ MT_API int mt_hs_recv(void* h, uint64_t data_off, void* dst, uint64_t nbytes, ui
   return write_flag(c, ack_off, seq, s);
 }
 
+// One exchange on a lane, in one call: both lane streams start after `cur_stream`'s work so far; the local
+// block (if any) is a device copy on the receive stream; the pieces go send 0, receive 0, send 1, ...
+// (ops: 7 words each: data offset, device address, bytes, ready offset, ack offset, seq, peer). *ticket
+// names the exchange for mt_hs_wait.
+MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const uint64_t* out_ops, int n_in,
+                      const uint64_t* in_ops, void* local_dst, const void* local_src, uint64_t local_bytes,
+                      int* ticket) {
+  HsCtx* c = (HsCtx*)h;
+  MT_REQUIRE(lane >= 0 && lane < c->lanes, 304, "host_staged: lane %d outside 0..%d", lane, c->lanes - 1);
+  unsigned t = c->next_ticket[lane]++ % HS_TICKETS;
+  cudaEvent_t* ev = c->ev + ((size_t)lane * HS_TICKETS + t) * 3;
+  cudaStream_t so = c->s_out[lane], si = c->s_in[lane];
+  MT_CUDA(cudaEventRecord(ev[0], (cudaStream_t)cur_stream));
+  MT_CUDA(cudaStreamWaitEvent(so, ev[0], 0));
+  MT_CUDA(cudaStreamWaitEvent(si, ev[0], 0));
+  if (local_bytes) MT_CUDA(cudaMemcpyAsync(local_dst, local_src, local_bytes, cudaMemcpyDeviceToDevice, si));
+  int rc;
+  for (int j = 0; j < n_out || j < n_in; ++j) {
+    if (j < n_out) {
+      const uint64_t* o = out_ops + 7 * j;
+      if ((rc = mt_hs_send(h, o[0], (const void*)o[1], o[2], o[3], o[4], o[5], (int)o[6], (uint64_t)so))) return rc;
+    }
+    if (j < n_in) {
+      const uint64_t* o = in_ops + 7 * j;
+      if ((rc = mt_hs_recv(h, o[0], (void*)o[1], o[2], o[3], o[4], o[5], (int)o[6], (uint64_t)si))) return rc;
+    }
+  }
+  MT_CUDA(cudaEventRecord(ev[1], so));
+  MT_CUDA(cudaEventRecord(ev[2], si));
+  *ticket = (int)t;
+  return 0;
+}
+
+// Make `cur_stream` wait for exchange `ticket` of `lane` (both its copies and its flags).
+MT_API int mt_hs_wait(void* h, int lane, int ticket, uint64_t cur_stream) {
+  HsCtx* c = (HsCtx*)h;
+  MT_REQUIRE(lane >= 0 && lane < c->lanes && ticket >= 0 && ticket < HS_TICKETS, 305,
+             "host_staged: lane %d / ticket %d out of range", lane, ticket);
+  cudaEvent_t* ev = c->ev + ((size_t)lane * HS_TICKETS + ticket) * 3;
+  MT_CUDA(cudaStreamWaitEvent((cudaStream_t)cur_stream, ev[1], 0));
+  MT_CUDA(cudaStreamWaitEvent((cudaStream_t)cur_stream, ev[2], 0));
+  return 0;
+}
+
 // The error record (MT_ERR_WORDS ints: code, rank, peer, slot, ...); code 0 = no error. Read without a sync.
 MT_API int mt_hs_error(void* h, int* words) {
   HsCtx* c = (HsCtx*)h;
@@ -194,6 +277,7 @@ MT_API int mt_hs_destroy(void* h) {
   cudaDeviceSynchronize();  // no copy may still touch the memory being unregistered
   if (c->err_host) cudaFreeHost(c->err_host);
   if (c->abort_dev) cudaFree(c->abort_dev);
+  free_lanes(c);
   cudaError_t ce = cudaHostUnregister(c->host_base);
   delete c;
   MT_CUDA(ce);

@@ -64,21 +64,20 @@ def native_requested() -> bool:
 
 
 class _StagedWork:
-    """What exchange_async/gather_async/reduce_scatter_async return: wait() orders the current stream
-    after the copies (then runs `finish`, e.g. the reduce-scatter's sum) and raises a recorded GPU error."""
+    """What exchange_async/gather_async/reduce_scatter_async return: wait() orders the current stream after
+    the exchange's copies (then runs `finish`, e.g. the reduce-scatter's sum) and raises a recorded GPU error."""
 
-    def __init__(self, events: list[torch.cuda.Event], device: torch.device, check: Callable[[], None],
+    def __init__(self, transport: HostStagedTransport, lane: int, ticket: int,
                  finish: Callable[[], None] | None = None):
-        self._events, self._device, self._check, self._finish = events, device, check, finish
+        self._t, self._lane, self._ticket, self._finish = transport, lane, ticket, finish
 
     def wait(self) -> bool:
-        cur = torch.cuda.current_stream(self._device)
-        for e in self._events:
-            cur.wait_event(e)
+        t = self._t
+        t._call(t.lib.mt_hs_wait, t._h, self._lane, self._ticket, torch.cuda.current_stream(t.device).cuda_stream)
         if self._finish is not None:
             self._finish()
             self._finish = None
-        self._check()
+        t.check()
         return True
 
 
@@ -113,7 +112,6 @@ class HostStagedTransport(CollectiveTransport):
         self._h = ctypes.c_void_p()
         self._mm: mmap.mmap | None = None
         self._anchor: ctypes.Array | None = None
-        self._streams: list[tuple[torch.cuda.Stream, torch.cuda.Stream]] = []
         # uses of each (lane, peer) ring so far, as sender and as receiver (the slot and seq follow from it)
         self._sent = [[0] * self.world for _ in range(self.lanes)]
         self._recvd = [[0] * self.world for _ in range(self.lanes)]
@@ -185,7 +183,7 @@ class HostStagedTransport(CollectiveTransport):
                     os.close(fd)
                 self._anchor = ctypes.c_char.from_buffer(self._mm)
                 rc = self.lib.mt_hs_create(self.device.index or 0, self.rank, ctypes.addressof(self._anchor), nbytes,
-                                           timeout_s(), _wait_mode(), ctypes.byref(self._h))
+                                           timeout_s(), _wait_mode(), self.lanes, ctypes.byref(self._h))
                 if rc:
                     raise HostStagedError(self.lib.mt_last_error().decode(errors="replace"))
             except (OSError, HostStagedError) as e:
@@ -203,7 +201,6 @@ class HostStagedTransport(CollectiveTransport):
             raise HostStagedError(
                 f"host_staged on rank {self.rank}: the staging memory could not be set up on every rank"
                 + (f" ({problem})" if problem else "") + "; MOETUNE_HS_NATIVE=0 uses NCCL's staging instead")
-        self._streams = [(torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) for _ in range(self.lanes)]
 
     def _broadcast_name(self, name: str) -> str:
         raw = name.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
@@ -246,9 +243,10 @@ class HostStagedTransport(CollectiveTransport):
             raise HostStagedError(f"host_staged on rank {self.rank}: {self.lib.mt_last_error().decode(errors='replace')}")
 
     def _move(self, lane: int, sends: list[tuple[int, int, int]], recvs: list[tuple[int, int, int]],
-              local: tuple[torch.Tensor, torch.Tensor] | None) -> list[torch.cuda.Event]:
+              local: tuple[torch.Tensor, torch.Tensor] | None) -> int:
         """Post (peer, device address, bytes) blocks out and in on lane's streams, after the current stream's
-        work; `local` = (dst, src) is this rank's own block (a device copy). Returns the streams' end events.
+        work; `local` = (dst, src) is this rank's own block (a device copy). One library call; returns the
+        exchange's ticket for mt_hs_wait.
 
         Pieces are posted send j, receive j, send j+1, ...: should the two streams share one hardware queue
         (CUDA_DEVICE_MAX_CONNECTIONS), a send that waits for the peer to drain slot j-RING still comes after
@@ -256,22 +254,16 @@ class HostStagedTransport(CollectiveTransport):
         if self._mm is None:
             self._setup()
         self.check()
-        cur = torch.cuda.current_stream(self.device)
-        s_out, s_in = self._streams[lane]
-        start = cur.record_event()
-        s_out.wait_event(start)
-        s_in.wait_event(start)
-        if local is not None and local[0].numel():
-            with torch.cuda.stream(s_in):
-                local[0].copy_(local[1])
         out = [a for peer, ptr, n in sends for a in self._pieces(lane, self.rank, peer, ptr, n, self._sent)]
         inc = [a for peer, ptr, n in recvs for a in self._pieces(lane, peer, self.rank, ptr, n, self._recvd)]
-        for j in range(max(len(out), len(inc))):
-            if j < len(out):
-                self._call(self.lib.mt_hs_send, self._h, *out[j], s_out.cuda_stream)
-            if j < len(inc):
-                self._call(self.lib.mt_hs_recv, self._h, *inc[j], s_in.cuda_stream)
-        return [s_out.record_event(), s_in.record_event()]
+        ops_out = (ctypes.c_uint64 * (7 * len(out) or 1))(*[v for op in out for v in op])
+        ops_in = (ctypes.c_uint64 * (7 * len(inc) or 1))(*[v for op in inc for v in op])
+        nb = local[0].numel() * local[0].element_size() if local is not None else 0
+        ticket = ctypes.c_int()
+        self._call(self.lib.mt_hs_post, self._h, lane, torch.cuda.current_stream(self.device).cuda_stream,
+                   len(out), ops_out, len(inc), ops_in, local[0].data_ptr() if nb else None,
+                   local[1].data_ptr() if nb else None, nb, ctypes.byref(ticket))
+        return ticket.value
 
     def _pieces(self, lane: int, src: int, dst: int, ptr: int, n: int, uses: list[list[int]]) -> list[tuple]:
         """One block cut for consecutive slots of the (lane, src -> dst) ring (both sides cut it alike):
@@ -308,8 +300,8 @@ class HostStagedTransport(CollectiveTransport):
                  if p != self.rank and recv_splits[p]]
         me = self.rank
         local = (out[r_off[me] : r_off[me + 1]], send[s_off[me] : s_off[me + 1]])
-        events = self._move(self._lane(channel), sends, recvs, local)
-        return out, _StagedWork(events, self.device, self.check)
+        lane = self._lane(channel)
+        return out, _StagedWork(self, lane, self._move(lane, sends, recvs, local))
 
     def gather_async(self, out: torch.Tensor, inp: torch.Tensor, *, channel: int = 0):
         if not self.native:
@@ -319,8 +311,8 @@ class HostStagedTransport(CollectiveTransport):
         peers = [p for p in range(self.world) if p != self.rank]
         sends = [(p, inp.data_ptr(), nb) for p in peers] if nb else []
         recvs = [(p, out[p * n].data_ptr(), nb) for p in peers] if nb else []
-        events = self._move(self._lane(channel), sends, recvs, (out[self.rank * n : (self.rank + 1) * n], inp))
-        return _StagedWork(events, self.device, self.check)
+        lane = self._lane(channel)
+        return _StagedWork(self, lane, self._move(lane, sends, recvs, (out[self.rank * n : (self.rank + 1) * n], inp)))
 
     def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, *, channel: int = 0):
         if not self.native:
@@ -331,7 +323,8 @@ class HostStagedTransport(CollectiveTransport):
         got = torch.empty((len(peers), *out.shape), dtype=out.dtype, device=out.device)
         sends = [(p, inp[p * n].data_ptr(), nb) for p in peers] if nb else []
         recvs = [(p, got[i].data_ptr(), nb) for i, p in enumerate(peers)] if nb else []
-        events = self._move(self._lane(channel), sends, recvs, None)
+        lane = self._lane(channel)
+        ticket = self._move(lane, sends, recvs, None)
         mine = inp[self.rank * n : (self.rank + 1) * n]
 
         def finish() -> None:
@@ -345,7 +338,7 @@ class HostStagedTransport(CollectiveTransport):
                     acc += b.float()
                 out.copy_(acc)
 
-        return _StagedWork(events, self.device, self.check, finish)
+        return _StagedWork(self, lane, ticket, finish)
 
     # -- teardown ---------------------------------------------------------------------------------------
     def _release(self) -> None:
