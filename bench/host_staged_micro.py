@@ -105,6 +105,11 @@ def rank_main(rank: int, world: int, cfg: dict) -> dict:
         a = [x.tolist() for x in allsums]
         ok = ok and a[0][1] == a[1][0] and a[1][1] == a[0][0]
     rep["bytes_ok"] = ok
+    rep["host_stats"] = {k: (round(us, 1), n) for k, (us, n) in t.host_stats().items()}
+    t0 = time.perf_counter()
+    for _ in range(100):
+        t.check()
+    rep["check_us"] = (time.perf_counter() - t0) * 1e4
     rep["flags"] = {f"{x}->{y}": t.flag_values(0, x, y) for x, y in ((0, 1), (1, 0))}
     torch.cuda.synchronize()
     t.check()

@@ -14,6 +14,7 @@
 // before the flag. The waits are one-thread kernels with a bounded spin (mt::wait_word): a peer that
 // never arrives costs one timeout recorded in the error record, never a hang.
 #include <string.h>
+#include <time.h>
 
 #include "mt_common.h"
 
@@ -45,6 +46,27 @@ struct HsCtx {
   cudaStream_t* s_in = nullptr;   // per lane: host -> device copies
   cudaEvent_t* ev = nullptr;      // per lane, HS_TICKETS tickets x {start, out done, in done}
   unsigned* next_ticket = nullptr;
+  // host time spent in each kind of CUDA call (ns) and calls, for mt_hs_stats: 0 events/stream waits,
+  // 1 local copy, 2 wait launches, 3 staging copies, 4 flag writes
+  uint64_t stat_ns[5] = {0, 0, 0, 0, 0};
+  uint64_t stat_calls[5] = {0, 0, 0, 0, 0};
+};
+
+uint64_t host_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+struct Timed {  // adds the scope's host time to one stat
+  HsCtx* c;
+  int k;
+  uint64_t t0;
+  Timed(HsCtx* c_, int k_) : c(c_), k(k_), t0(host_ns()) {}
+  ~Timed() {
+    c->stat_ns[k] += host_ns() - t0;
+    c->stat_calls[k] += 1;
+  }
 };
 
 constexpr int HS_TICKETS = 64;  // exchanges of one lane that may be in flight before a ticket's events are reused
@@ -55,6 +77,7 @@ __global__ void hs_wait_kernel(const uint64_t* flag, uint64_t target, mt::WaitCt
 }
 
 int wait_flag(HsCtx* c, uint64_t off, uint64_t target, int code, int peer, cudaStream_t s) {
+  Timed tm(c, 2);
   if (c->wait_mode == 1) {
     CUresult r = c->wait64((CUstream)s, (CUdeviceptr)(c->dev_base + off), target, CU_STREAM_WAIT_VALUE_GEQ);
     MT_REQUIRE(r == CUDA_SUCCESS, 303, "host_staged: cuStreamWaitValue64 failed (CUresult %d)", (int)r);
@@ -72,6 +95,7 @@ int wait_flag(HsCtx* c, uint64_t off, uint64_t target, int code, int peer, cudaS
 }
 
 int write_flag(HsCtx* c, uint64_t off, uint64_t value, cudaStream_t s) {
+  Timed tm(c, 4);
   CUresult r = c->write64((CUstream)s, (CUdeviceptr)(c->dev_base + off), value, 0);
   MT_REQUIRE(r == CUDA_SUCCESS, 300, "host_staged: cuStreamWriteValue64 failed (CUresult %d)", (int)r);
   return 0;
@@ -199,7 +223,10 @@ MT_API int mt_hs_send(void* h, uint64_t data_off, const void* src, uint64_t nbyt
     return rc;
   MT_REQUIRE(seq >= 1, 302, "host_staged: sequence numbers start at 1");
   if (seq > 1 && (rc = wait_flag(c, ack_off, seq - 1, HS_ERR_TIMEOUT_DRAIN, peer, s))) return rc;
-  if (nbytes) MT_CUDA(cudaMemcpyAsync(c->host_base + data_off, src, nbytes, cudaMemcpyDeviceToHost, s));
+  if (nbytes) {
+    Timed tm(c, 3);
+    MT_CUDA(cudaMemcpyAsync(c->host_base + data_off, src, nbytes, cudaMemcpyDeviceToHost, s));
+  }
   return write_flag(c, ready_off, seq, s);
 }
 
@@ -215,7 +242,10 @@ MT_API int mt_hs_recv(void* h, uint64_t data_off, void* dst, uint64_t nbytes, ui
     return rc;
   MT_REQUIRE(seq >= 1, 302, "host_staged: sequence numbers start at 1");
   if ((rc = wait_flag(c, ready_off, seq, MT_ERR_TIMEOUT_SIGNAL, peer, s))) return rc;
-  if (nbytes) MT_CUDA(cudaMemcpyAsync(dst, c->host_base + data_off, nbytes, cudaMemcpyHostToDevice, s));
+  if (nbytes) {
+    Timed tm(c, 3);
+    MT_CUDA(cudaMemcpyAsync(dst, c->host_base + data_off, nbytes, cudaMemcpyHostToDevice, s));
+  }
   return write_flag(c, ack_off, seq, s);
 }
 
@@ -231,10 +261,16 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
   unsigned t = c->next_ticket[lane]++ % HS_TICKETS;
   cudaEvent_t* ev = c->ev + ((size_t)lane * HS_TICKETS + t) * 3;
   cudaStream_t so = c->s_out[lane], si = c->s_in[lane];
-  MT_CUDA(cudaEventRecord(ev[0], (cudaStream_t)cur_stream));
-  MT_CUDA(cudaStreamWaitEvent(so, ev[0], 0));
-  MT_CUDA(cudaStreamWaitEvent(si, ev[0], 0));
-  if (local_bytes) MT_CUDA(cudaMemcpyAsync(local_dst, local_src, local_bytes, cudaMemcpyDeviceToDevice, si));
+  {
+    Timed tm(c, 0);
+    MT_CUDA(cudaEventRecord(ev[0], (cudaStream_t)cur_stream));
+    MT_CUDA(cudaStreamWaitEvent(so, ev[0], 0));
+    MT_CUDA(cudaStreamWaitEvent(si, ev[0], 0));
+  }
+  if (local_bytes) {
+    Timed tm(c, 1);
+    MT_CUDA(cudaMemcpyAsync(local_dst, local_src, local_bytes, cudaMemcpyDeviceToDevice, si));
+  }
   int rc;
   for (int j = 0; j < n_out || j < n_in; ++j) {
     if (j < n_out) {
@@ -246,8 +282,11 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
       if ((rc = mt_hs_recv(h, o[0], (void*)o[1], o[2], o[3], o[4], o[5], (int)o[6], (uint64_t)si))) return rc;
     }
   }
-  MT_CUDA(cudaEventRecord(ev[1], so));
-  MT_CUDA(cudaEventRecord(ev[2], si));
+  {
+    Timed tm(c, 0);
+    MT_CUDA(cudaEventRecord(ev[1], so));
+    MT_CUDA(cudaEventRecord(ev[2], si));
+  }
   *ticket = (int)t;
   return 0;
 }
@@ -260,6 +299,17 @@ MT_API int mt_hs_wait(void* h, int lane, int ticket, uint64_t cur_stream) {
   cudaEvent_t* ev = c->ev + ((size_t)lane * HS_TICKETS + ticket) * 3;
   MT_CUDA(cudaStreamWaitEvent((cudaStream_t)cur_stream, ev[1], 0));
   MT_CUDA(cudaStreamWaitEvent((cudaStream_t)cur_stream, ev[2], 0));
+  return 0;
+}
+
+// out[0..4]: host ns spent in event/stream waits, local copies, wait launches, staging copies, flag writes;
+// out[5..9]: how many of each.
+MT_API int mt_hs_stats(void* h, uint64_t* out) {
+  HsCtx* c = (HsCtx*)h;
+  for (int i = 0; i < 5; ++i) {
+    out[i] = c->stat_ns[i];
+    out[5 + i] = c->stat_calls[i];
+  }
   return 0;
 }
 

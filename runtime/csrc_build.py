@@ -226,6 +226,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mt_hs_create": (c_int, [c_int, c_int, c_void_p, c_uint64, c_double, c_int, c_int, _PP]),
     "mt_hs_post": (c_int, [c_void_p, c_int, c_uint64, c_int, _P64, c_int, _P64, c_void_p, c_void_p, c_uint64, _PI]),
     "mt_hs_wait": (c_int, [c_void_p, c_int, c_int, c_uint64]),
+    "mt_hs_stats": (c_int, [c_void_p, _P64]),
     "mt_hs_send": (c_int, [c_void_p, c_uint64, c_void_p, c_uint64, c_uint64, c_uint64, c_uint64, c_int, c_uint64]),
     "mt_hs_recv": (c_int, [c_void_p, c_uint64, c_void_p, c_uint64, c_uint64, c_uint64, c_uint64, c_int, c_uint64]),
     "mt_hs_error": (c_int, [c_void_p, _PI]),

@@ -430,6 +430,9 @@ def _profile(roundtrip, device: torch.device, rank: int, iters: int = 5) -> str 
             if device.type == "cuda":
                 torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / iters * 1e6
+    trace = os.environ.get("MOETUNE_PROFILE_TRACE")
+    if trace:  # the timeline too (every rank: copies on both sides), for chrome://tracing or Perfetto
+        prof.export_chrome_trace(f"{trace}.rank{rank}.json")
     if rank != 0:
         return None
     ka = prof.key_averages()

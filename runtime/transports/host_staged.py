@@ -236,6 +236,15 @@ class HostStagedTransport(CollectiveTransport):
                         int.from_bytes(self._mm[ack : ack + 8], "little")))
         return out
 
+    def host_stats(self) -> dict[str, tuple[float, int]]:
+        """Host time (µs) and calls spent in each kind of CUDA call the staging made (diagnostics)."""
+        if not self._h:
+            return {}
+        v = (ctypes.c_uint64 * 10)()
+        self.lib.mt_hs_stats(self._h, v)
+        names = ("events", "local_copy", "wait_launch", "staging_copy", "flag_write")
+        return {n: (v[i] / 1e3, int(v[5 + i])) for i, n in enumerate(names)}
+
     # -- moving blocks ---------------------------------------------------------------------------------
     def _call(self, fn: Callable[..., int], *args: object) -> None:
         rc = fn(*args)
