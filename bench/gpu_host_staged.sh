@@ -30,10 +30,10 @@ done
 python3 - "$OUT/host_staged.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-print(f"{'env':50s} {'layout':7s} {'knobs':50s} {'dispatch':>9s} {'combine':>9s} {'roundtrip':>10s}")
+print(f"{'env':50s} {'layout':7s} {'knobs':50s} {'dispatch':>9s} {'combine':>9s} {'roundtrip':>10s} {'rt host':>8s}")
 for r in rows:
     res = r["result"] or {}
     m = lambda k: (res.get(k) or {}).get("median")
     f = lambda v: f"{v:9.0f}" if v is not None else f"{'FAIL':>9s}"
-    print(f"{r['env'] or '(default)':50s} {r['layout']:7s} {r['knobs']:50s} {f(m('dispatch_us'))} {f(m('combine_us'))} {f(m('roundtrip_us')):>10s}")
+    print(f"{r['env'] or '(default)':50s} {r['layout']:7s} {r['knobs']:50s} {f(m('dispatch_us'))} {f(m('combine_us'))} {f(m('roundtrip_us')):>10s} {f(m('roundtrip_host_us')):>8s}")
 PY

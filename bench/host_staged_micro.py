@@ -7,6 +7,7 @@ Per rank, both ranks at once (as in an exchange), median of --iters after --warm
   staged_n{N}         the transport's dense dispatch (gather_async) of --mb MB per rank cut into N chunks, all
                       on one lane and posted back to back, then waited for (N=1: store-and-forward)
   host_n{N}           the host's time to post those N chunks
+  pieces{R}           one such block staged in pieces of R rows (chunk_tokens=R): double buffering in one call
 Writes one JSON line per environment setting to --out/host_staged_micro.jsonl.
   source bench/device_env.sh; python3 bench/host_staged_micro.py --out $OUT/micro
 """
@@ -105,6 +106,24 @@ def rank_main(rank: int, world: int, cfg: dict) -> dict:
         a = [x.tolist() for x in allsums]
         ok = ok and a[0][1] == a[1][0] and a[1][1] == a[0][0]
     rep["bytes_ok"] = ok
+    # one block staged in pieces of chunk_tokens rows (the staging message size), double-buffered in one call
+    for pr in cfg["pieces"]:
+        tp = HostStagedTransport(None, Knobs(transport="host_staged", chunk_tokens=pr), dev, channels=1)
+        tp.stage_capacity(rows, 4096)
+        tmp = torch.empty(world * rows, 4096, dtype=torch.uint8, device=dev)
+        ph: list[float] = []
+
+        def piece_run(tp=tp, tmp=tmp, ph=ph) -> None:
+            h0 = time.perf_counter()
+            w = tp.gather_async(tmp, src)
+            ph.append((time.perf_counter() - h0) * 1e6)
+            w.wait()
+
+        rep[f"pieces{pr}_us"] = _events_us(piece_run, iters, warmup, dev, barrier)
+        rep[f"pieces{pr}_host_us"] = statistics.median(ph[warmup:])
+        torch.cuda.synchronize()
+        tp.check()
+        tp.close()
     rep["host_stats"] = {k: (round(us, 1), n) for k, (us, n) in t.host_stats().items()}
     t0 = time.perf_counter()
     for _ in range(100):
@@ -122,12 +141,14 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--mb", type=float, default=17.17, help="MB per rank (default: Qwen3-30B S=4096 bf16 dispatch rows)")
     ap.add_argument("--chunks", default="1,2,4,8")
+    ap.add_argument("--pieces", default="256,512,1024", help="chunk_tokens values (rows of 4096 B) for one staged block")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--label", default="", help="a name for this environment setting in the output")
     ap.add_argument("--dry-run", action="store_true", help="check the arguments and exit")
     a = ap.parse_args()
-    cfg = {"mb": a.mb, "chunks": [int(c) for c in a.chunks.split(",")], "iters": a.iters, "warmup": a.warmup}
+    cfg = {"mb": a.mb, "chunks": [int(c) for c in a.chunks.split(",")], "iters": a.iters, "warmup": a.warmup,
+           "pieces": [int(c) for c in a.pieces.split(",") if c]}
     if a.dry_run:
         print("dry-run", json.dumps(cfg))
         return 0

@@ -47,8 +47,9 @@ rows and dequantisation are one launch each (csrc/ep_fp8.cu, the bytes of fp8.py
 
 Knobs used by the collective transport: compression / scale_granularity (fp8 dispatch), pipeline_depth
 (tokens split into that many chunks, see pipeline.py) and channels (communicators per direction, chunks
-round-robin over them; at most MAX_COMM_CHANNELS). chunk_tokens, signalling, fences, QPs and num_sms
-belong to the one-sided transports and are ignored here.
+round-robin over them; at most MAX_COMM_CHANNELS); `host_staged` (copy engines through host memory) also
+uses chunk_tokens, its staging message (rows of the wider direction per slot; see host_staged.py).
+Signalling, fences, QPs and num_sms belong to the one-sided transports and are ignored here.
 
 * device-resident (one-sided transports, nvlink and proxy): the packed rows, but no count ever reaches the
   host. A plan kernel orders the rows for each rank (rank, token), padded to S × world (csrc/ep_pack.cu);

@@ -231,8 +231,9 @@ def case_gpu(rank: int, world: int) -> list[tuple[str, float, float]]:
 
 def case_gpu_host_staged(rank: int, world: int) -> dict:
     """On CUDA: host_staged through the copy engines gives the same bytes as the NCCL collective (same
-    inputs, both layouts, pipelined or not, repeated calls wrapping the slot rings); blocks larger than a
-    slot go through several; a peer that never posts is a timeout error, not a hang."""
+    inputs, both layouts, pipelined or not, staged whole or in chunk_tokens pieces, repeated calls wrapping
+    the slot rings); blocks larger than a slot go through several; a peer that never posts is a timeout
+    error, not a hang."""
     from moetune.runtime.pipeline import pipelined_moe, weighted_rows
     from moetune.runtime.transports.host_staged import HostStagedError, HostStagedTransport
 
@@ -244,7 +245,8 @@ def case_gpu_host_staged(rank: int, world: int) -> dict:
     idx, w = generate_routing(s, model.experts, model.topk, routing="zipf:1.2", seed=rank + 3, device=dev)
     rep: dict = {"mismatch": [], "native": []}
     for dense in (True, False):
-        for kn in ("pipeline_depth=1", "compression=fp8_e4m3,pipeline_depth=2,channels=2", "pipeline_depth=4"):
+        for kn in ("pipeline_depth=1", "compression=fp8_e4m3,pipeline_depth=2,channels=2", "pipeline_depth=4",
+                   "chunk_tokens=64", "compression=fp8_e4m3,chunk_tokens=32,pipeline_depth=2"):
             outs = {}
             for tr in ("collective", "host_staged"):
                 buf = EPBuffer(knobs=Knobs.parse(f"transport={tr},{kn}"), model=model, max_tokens=400, device=dev,

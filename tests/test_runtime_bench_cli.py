@@ -83,7 +83,7 @@ def test_bench_ep_reports_host_issue_time_and_profile_tables() -> None:
                               "--iters", "2", "--warmup", "1", "--no-layer", "--profile", "--json", "--timeout", "30"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout.strip().splitlines()[-1])
-    for phase in ("dispatch_host_us", "combine_host_us"):
+    for phase in ("dispatch_host_us", "combine_host_us", "roundtrip_host_us"):
         assert rep[phase]["median"] > 0, (phase, rep[phase])
     assert "round trips under the profiler" in rep["profile"] and "cpu_time_total" in rep["profile"]
     assert rep["graph_roundtrip_us"] is None and rep["graph_pair_us"] is None  # not asked for

@@ -200,7 +200,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         return comm.combine(weighted_rows(recv, meta), handle)
 
     times: dict[str, list[float]] = {"dispatch": [], "combine": [], "roundtrip": [], "layer": []}
-    host: dict[str, list[float]] = {"dispatch": [], "combine": []}  # host time to issue the call (no sync)
+    host: dict[str, list[float]] = {"dispatch": [], "combine": [], "roundtrip": []}  # host time to issue (no sync)
     rt_out = None
     for it in range(warmup + iters):
         keep = it >= warmup
@@ -233,11 +233,14 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         # the round trip as one span (pipelined when pipeline_depth > 1)
         _barrier(device)
         t0 = timer.mark()
+        h0 = time.perf_counter()
         rt_out = roundtrip()
+        h1 = time.perf_counter()
         t1 = timer.mark()
         timer.sync()
         if keep:
             times["roundtrip"].append(timer.us(t0, t1))
+            host["roundtrip"].append((h1 - h0) * 1e6)
         if layer is not None and measure_layer:
             _barrier(device)
             t0 = timer.mark()
@@ -320,6 +323,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         # this rank's (rank 0's) host time to issue each call; includes any host sync inside the call
         "dispatch_host_us": spread(host["dispatch"]),
         "combine_host_us": spread(host["combine"]),
+        "roundtrip_host_us": spread(host["roundtrip"]),
         "graph_roundtrip_us": graph_us,
         "graph_error": graph_err,
         "graph_roundtrip_rel_err": graph_rel,

@@ -8,12 +8,15 @@ for every (lane, sender, receiver), a ring of `RING` staging slots, and two flag
 `ack`); csrc/host_staged.cu orders copy → flag → wait on the CUDA streams, so no host thread ever waits
 for a transfer and the copies run on the copy engines, not on SMs.
 
-One posted exchange moves each block whole through one slot (blocks larger than a slot go through
-consecutive slots). So an exchange is store-and-forward: the receiver's host → device copy starts when
-the sender's device → host copy has ended. What overlaps the two crossings is the EP buffer's
-`pipeline_depth`: with n chunks, chunk i+1 goes down to host memory while chunk i comes up on the
-other side, and the combine of chunk i travels while later dispatch chunks still do. `channels` gives
-each set of chunks its own pair of CUDA streams (lanes), so chunks on different lanes move at once.
+Two knobs overlap the two crossings:
+* `chunk_tokens` (the staging message size): each block is cut into pieces of that many rows, which go
+  through the ring of slots one after another, so piece j+1 goes down to host memory while the receiver
+  brings piece j up (double buffering inside one exchange, posted by one library call). With 0 a
+  block goes whole through one slot: store-and-forward, the receiver's host → device copy starts when
+  the sender's device → host copy has ended.
+* `pipeline_depth` (the EP buffer's chunks): chunk i+1 travels while chunk i is computed, and the
+  combine of chunk i travels while later dispatch chunks still do. `channels` gives each set of chunks
+  its own pair of CUDA streams (lanes), so chunks on different lanes move at once.
 
 The count exchange and the input checks stay on the process group (NCCL, with NCCL_P2P_DISABLE=1 on
 such nodes, which the benchmarks set). Without the compiled library, on CPU, with one rank, or with
@@ -134,9 +137,12 @@ class HostStagedTransport(CollectiveTransport):
     # -- staging memory ------------------------------------------------------------------------------
     def stage_capacity(self, rows: int, row_bytes: int) -> None:
         """Size the slots for blocks of up to `rows` rows of `row_bytes` (collective: every rank, same
-        arguments) and set up the staging memory. Larger blocks still work, through several slots."""
+        arguments) and set up the staging memory. With chunk_tokens a slot holds that many rows (the
+        staging message); larger blocks always work, through consecutive slots."""
         if not self.native or self._mm is not None:
             return
+        if self.knobs.chunk_tokens:
+            rows = min(rows, self.knobs.chunk_tokens)
         self.slot_bytes = max(_PAGE, -(-max(1, rows) * max(1, row_bytes) // _PAGE) * _PAGE)
         self._setup()
 

@@ -155,11 +155,12 @@ def _print_table(rep: dict) -> None:
     for col in ("median µs", "p10 µs", "p90 µs"):
         t.add_column(col, justify="right")
     for name in ("dispatch_us", "combine_us", "roundtrip_us", "layer_us", "graph_roundtrip_us", "graph_pair_us",
-                 "dispatch_host_us", "combine_host_us"):
+                 "dispatch_host_us", "combine_host_us", "roundtrip_host_us"):
         s = rep.get(name)
         if s:
             label = {"graph_roundtrip_us": "roundtrip (CUDA graph)", "graph_pair_us": "dispatch + combine (CUDA graph)", "dispatch_host_us": "dispatch, host issue (rank 0)",
-                     "combine_host_us": "combine, host issue (rank 0)"}.get(name, name[:-3])
+                     "combine_host_us": "combine, host issue (rank 0)",
+                     "roundtrip_host_us": "roundtrip, host issue (rank 0)"}.get(name, name[:-3])
             t.add_row(label, _fmt(s["median"]), _fmt(s["p10"]), _fmt(s["p90"]))
     c.print(t)
     if rep.get("graph_error"):
