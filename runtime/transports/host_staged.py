@@ -66,6 +66,29 @@ def native_requested() -> bool:
     return os.environ.get("MOETUNE_HS_NATIVE", "1") != "0"
 
 
+def piece_sizes(n: int, slot: int) -> list[int]:
+    """How a block of n bytes is cut for slots of `slot` bytes. A block that fits goes whole. A larger one
+    starts and ends with smaller pieces (slot/8, /4, /2, page-aligned): the receiver's first copy can
+    start after a short first piece instead of a full slot, and the last one ends soon after the sender's
+    (the pipeline's fill and drain); the middle is cut into equal pieces of at most a slot."""
+    if n <= slot:
+        return [n] if n else []
+    ramp = [r for r in (slot >> 3, slot >> 2, slot >> 1) if r >= _PAGE]
+    ramp = [r // _PAGE * _PAGE for r in ramp]
+    head: list[int] = []
+    tail: list[int] = []
+    rest = n
+    for r in ramp:  # only while a full slot still remains for the middle
+        if rest >= 2 * r + slot:
+            head.append(r)
+            tail.insert(0, r)
+            rest -= 2 * r
+    k = -(-rest // slot)
+    base = min(slot, -(-rest // k // _PAGE) * _PAGE)  # page-aligned offsets on both sides of every copy
+    mid = [base] * (rest // base) + ([rest % base] if rest % base else [])
+    return head + mid + tail
+
+
 class _StagedWork:
     """What exchange_async/gather_async/reduce_scatter_async return: wait() orders the current stream after
     the exchange's copies (then runs `finish`, e.g. the reduce-scatter's sum) and raises a recorded GPU error."""
@@ -285,11 +308,13 @@ class HostStagedTransport(CollectiveTransport):
         the (data, address, bytes, ready, ack, seq, peer) of each piece."""
         peer = dst if src == self.rank else src
         pieces = []
-        for off in range(0, n, self.slot_bytes):
+        off = 0
+        for size in piece_sizes(n, self.slot_bytes):
             k = uses[lane][peer]
             uses[lane][peer] = k + 1
             data, ready, ack = self._offsets(lane, src, dst, k % RING)
-            pieces.append((data, ptr + off, min(self.slot_bytes, n - off), ready, ack, k // RING + 1, peer))
+            pieces.append((data, ptr + off, size, ready, ack, k // RING + 1, peer))
+            off += size
         return pieces
 
     def _lane(self, channel: int) -> int:

@@ -1,0 +1,112 @@
+"""host_staged's staging layout and cutting, and its fallback, on the CPU box (the copy-engine path itself
+is tested on GPUs in test_runtime_gpu.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.launch import launch
+from moetune.runtime.transports import host_staged as hs
+
+
+def _bare(world: int, rank: int, lanes: int, slot: int) -> hs.HostStagedTransport:
+    """A transport with the layout fields set and no staging memory (enough for the offset arithmetic)."""
+    t = hs.HostStagedTransport.__new__(hs.HostStagedTransport)
+    t.world, t.rank, t.lanes, t.slot_bytes = world, rank, lanes, slot
+    t._sent = [[0] * world for _ in range(lanes)]
+    t._recvd = [[0] * world for _ in range(lanes)]
+    n_slots = lanes * world * (world - 1) * hs.RING
+    t._ack_base = 8 * n_slots
+    t._data_base = -(-16 * n_slots // 4096) * 4096
+    return t
+
+
+@pytest.mark.parametrize("world,lanes", [(2, 1), (2, 4), (3, 2), (8, 2)])
+def test_every_slot_has_its_own_data_and_flags(world: int, lanes: int) -> None:
+    slot = 8192
+    t = _bare(world, 0, lanes, slot)
+    seen_data, seen_flags = set(), set()
+    for lane in range(lanes):
+        for src in range(world):
+            for dst in range(world):
+                if src == dst:
+                    continue
+                for s in range(hs.RING):
+                    data, ready, ack = t._offsets(lane, src, dst, s)
+                    assert data % 4096 == 0 and data >= t._data_base
+                    assert ready < t._ack_base <= ack < t._data_base
+                    seen_data.add(data)
+                    seen_flags.update((ready, ack))
+    n = lanes * world * (world - 1) * hs.RING
+    assert len(seen_data) == n and len(seen_flags) == 2 * n
+    assert max(seen_data) + slot == t._data_base + n * slot  # the last slot ends where the memory ends
+
+
+def test_pieces_cover_the_block_and_fit_the_slots() -> None:
+    rng = random.Random(5)
+    for _ in range(3000):
+        slot = rng.randint(1, 3000) * 4096
+        n = rng.randint(0, 30 * slot + 7)
+        p = hs.piece_sizes(n, slot)
+        assert sum(p) == n and all(0 < x <= slot for x in p)
+    assert hs.piece_sizes(100, 4096) == [100]  # a block that fits goes whole (store-and-forward)
+    ramp = hs.piece_sizes(17170432, 4292608)
+    assert ramp[0] < ramp[1] < ramp[2] and ramp[-1] < ramp[-2] < ramp[-3]  # short fill and drain
+
+
+def test_sender_and_receiver_cut_a_block_alike() -> None:
+    """Rank 0's send pieces to rank 1 and rank 1's receive pieces from rank 0 use the same slots, flags and
+    sequence numbers, call after call (the ring wraps)."""
+    slot = 64 * 1024
+    a, b = _bare(2, 0, 1, slot), _bare(2, 1, 1, slot)
+    for n in (0, 100, slot, 3 * slot + 5, 1 << 20, 7):
+        out = a._pieces(0, 0, 1, 1000, n, a._sent)
+        inc = b._pieces(0, 0, 1, 9000, n, b._recvd)
+        assert [(d, sz, r, k, q) for d, _p, sz, r, k, q, _peer in out] == \
+               [(d, sz, r, k, q) for d, _p, sz, r, k, q, _peer in inc]
+        assert [p[6] for p in out] == [1] * len(out) and [p[6] for p in inc] == [0] * len(inc)
+    # the k-th use of a (lane, pair) ring takes slot k mod RING with sequence number k // RING + 1
+    uses = a._sent[0][1]
+    assert uses == b._recvd[0][0] and uses > 2 * hs.RING
+
+
+def test_chunk_tokens_sizes_the_staging_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = _bare(2, 0, 1, 0)
+    t.native, t._mm, t.knobs = True, None, Knobs(transport="host_staged", chunk_tokens=512)
+    monkeypatch.setattr(t, "_setup", lambda: None)
+    t.stage_capacity(4096, 4192)
+    assert t.slot_bytes == 512 * 4192  # a page multiple already
+    t.knobs = Knobs(transport="host_staged")
+    t.stage_capacity(4096, 4192)  # chunk_tokens=0: one block per slot (store-and-forward)
+    assert t.slot_bytes == 4096 * 4192
+
+
+def _gloo_case(rank: int, world: int) -> dict:
+    import torch
+
+    from moetune.runtime import EPBuffer, get_model
+    from moetune.runtime.routing import generate_routing
+
+    model = get_model("custom:64,32,8,2,float32")
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(rank))
+    idx, w = generate_routing(40, 8, 2, routing="uniform", seed=rank)
+    outs = []
+    for tr in ("collective", "host_staged"):
+        buf = EPBuffer(knobs=Knobs.parse(f"transport={tr},pipeline_depth=2,chunk_tokens=8"), model=model,
+                       max_tokens=40, dense=False)
+        recv, meta, h = buf.dispatch(x, idx, w)
+        outs.append(buf.combine(recv * meta.weights.sum(1, keepdim=True), h))
+        native = getattr(buf.transport, "native", None), getattr(buf.transport, "native_reason", "")
+        buf.close()
+    return {"equal": bool(torch.equal(outs[0], outs[1])), "native": native}
+
+
+@pytest.mark.timeout(120)
+def test_without_cuda_it_is_the_collective() -> None:
+    """On CPU (gloo) host_staged runs the collective's path and says why."""
+    for rep in launch(_gloo_case, 2, timeout_s=60):
+        assert rep["equal"]
+        assert rep["native"][0] is False and "CUDA" in rep["native"][1]
