@@ -113,7 +113,8 @@ def ep(
         "dense": {"auto": None, "dense": True, "packed": False}[layout], "graph": cuda_graph,
         "profile": profile,
     }
-    # host_staged = the collective with NCCL peer-to-peer off: set before NCCL initialises in the ranks
+    # host_staged stands for a node without GPU peer-to-peer: NCCL must not use it either (the count exchange,
+    # and NCCL's own staging where the copy-engine path is off); set before NCCL initialises in the ranks
     env = {"NCCL_P2P_DISABLE": "1"} if k.transport == "host_staged" and backend == "nccl" else {}
     try:
         if torchrun:
