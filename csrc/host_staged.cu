@@ -118,6 +118,18 @@ void free_lanes(HsCtx* c) {
   c->lanes = 0;
 }
 
+// A driver entry point (the library links without libcuda); nonzero with the error set when it is missing.
+int driver_fn(const char* name, void** fn) {
+  cudaDriverEntryPointQueryResult q;
+  *fn = nullptr;
+  cudaError_t ce = cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &q);
+  if (ce != cudaSuccess || q != cudaDriverEntryPointSuccess || *fn == nullptr) {
+    mt::set_error("host_staged: %s not available from the driver (%s, query %d)", name, cudaGetErrorName(ce), (int)q);
+    return 1;
+  }
+  return 0;
+}
+
 int check_range(HsCtx* c, uint64_t off, uint64_t n, const char* what) {
   MT_REQUIRE(off + n <= c->bytes && off + n >= off, 301,
              "host_staged: %s [%llu, +%llu) outside the staging memory (%llu bytes)", what,
@@ -141,29 +153,21 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
   c->rank = rank;
   c->bytes = bytes;
   c->timeout_ns = (uint64_t)(timeout_s * 1e9);
-  cudaDriverEntryPointQueryResult q;
   void* fn = nullptr;
-  cudaError_t ce = cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &q);
-  if (ce != cudaSuccess || q != cudaDriverEntryPointSuccess || fn == nullptr) {
-    mt::set_error("host_staged: cuStreamWriteValue64 not available from the driver (%s, query %d)",
-                  cudaGetErrorName(ce), (int)q);
+  if (driver_fn("cuStreamWriteValue64", &fn)) {
     delete c;
     return 311;
   }
   c->write64 = (PfnWriteValue64)fn;
   c->wait_mode = wait_mode;
   if (wait_mode == 1) {
-    fn = nullptr;
-    ce = cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 12000, cudaEnableDefault, &q);
-    if (ce != cudaSuccess || q != cudaDriverEntryPointSuccess || fn == nullptr) {
-      mt::set_error("host_staged: cuStreamWaitValue64 not available from the driver (%s, query %d)",
-                    cudaGetErrorName(ce), (int)q);
+    if (driver_fn("cuStreamWaitValue64", &fn)) {
       delete c;
       return 315;
     }
     c->wait64 = (PfnWaitValue64)fn;
   }
-  ce = cudaHostRegister(host_base, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  cudaError_t ce = cudaHostRegister(host_base, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
   if (ce != cudaSuccess) {
     cudaGetLastError();
     mt::set_error("host_staged: cudaHostRegister of %llu bytes failed: %s (%s)", (unsigned long long)bytes,
