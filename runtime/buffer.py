@@ -364,16 +364,15 @@ class EPBuffer:
         # MOETUNE_NVL_GATHER=0 packs first instead (for side-by-side measurements)
         self._gather = (self._pack_lib is not None and hasattr(self.transport, "dispatch_gather")
                         and os.environ.get("MOETUNE_NVL_GATHER", "1") != "0")
+        # transport buffers are sized for the larger of the two directions: with compression the combine rows
+        # (activation dtype, never compressed) are wider than the dispatch rows
+        widest_row = max(self.row_bytes, self.model.hidden * torch.empty(0, dtype=self.dtype).element_size())
         reserve = getattr(self.transport, "reserve", None)
         if callable(reserve):  # one-sided transports: size the symmetric receive buffer once (collective)
-            # for the larger of the two directions: with compression the combine rows (activation dtype,
-            # never compressed) are wider than the dispatch rows
-            combine_row_bytes = self.model.hidden * torch.empty(0, dtype=self.dtype).element_size()
-            reserve(max(1, self.max_tokens), max(self.row_bytes, combine_row_bytes))
+            reserve(max(1, self.max_tokens), widest_row)
         stage = getattr(self.transport, "stage_capacity", None)
         if callable(stage):  # host_staged: one staging slot per block, a block being at most one chunk's tokens
-            combine_row_bytes = self.model.hidden * torch.empty(0, dtype=self.dtype).element_size()
-            stage(-(-max(1, self.max_tokens) // self.num_chunks), max(self.row_bytes, combine_row_bytes))
+            stage(-(-max(1, self.max_tokens) // self.num_chunks), widest_row)
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
         self._stage_views: Any = None
         self._stage: torch.Tensor | None = None  # token rows [max_tokens + 1 spare, row_bytes], reused (dense: the send rows)
