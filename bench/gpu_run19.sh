@@ -8,19 +8,15 @@ set -uo pipefail
 RUN=run19 ONESIDED_TIMEOUT_S=10; source "$(dirname "$0")/gpu_run_common.sh"
 nvidia-smi topo -m > "$R/topo.txt" 2>&1
 build_csrc
-stage tests 150 python3 -m pytest tests/test_runtime_gpu.py -q -rA -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
-grep -E "FAILED|ERROR|passed|failed|Error" "$R/gpu_tests.log" | tail -12
+gpu_tests 150 tests/test_runtime_gpu.py
 N="MOETUNE_HS_NATIVE=0"
 C="packed|pipeline_depth=1|$N;dense|pipeline_depth=1|$N;packed|pipeline_depth=1;dense|pipeline_depth=1"
 C="$C;dense|compression=fp8_e4m3,pipeline_depth=1;dense|pipeline_depth=4"
 C="$C;dense|compression=fp8_e4m3,pipeline_depth=2;dense|compression=fp8_e4m3,pipeline_depth=4"
 C="$C;dense|compression=fp8_e4m3,pipeline_depth=8;dense|compression=fp8_e4m3,pipeline_depth=4,channels=2"
 C="$C;packed|compression=fp8_e4m3,pipeline_depth=4;dense|compression=fp8_e4m3,pipeline_depth=2,channels=2|$N"
-mkdir -p "$R/a" "$R/b"
-stage host_staged_a 220 env OUT="$R/a" ENVSETS= CASES="$C" bash bench/gpu_host_staged.sh > "$R/a/table.txt" 2>&1
-cat "$R/a/table.txt"
+hs_launch a 220 "$C"
 C2="packed|pipeline_depth=1|$N;dense|pipeline_depth=1|$N;dense|pipeline_depth=1;dense|compression=fp8_e4m3,pipeline_depth=4"
 C2="$C2;dense|compression=fp8_e4m3,pipeline_depth=8;packed|pipeline_depth=1"
-stage host_staged_b 100 env OUT="$R/b" ENVSETS= CASES="$C2" bash bench/gpu_host_staged.sh > "$R/b/table.txt" 2>&1
-cat "$R/b/table.txt"
+hs_launch b 100 "$C2"
 finish

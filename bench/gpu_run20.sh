@@ -8,12 +8,10 @@ set -uo pipefail
 RUN=run20 ONESIDED_TIMEOUT_S=10; source "$(dirname "$0")/gpu_run_common.sh"
 export NCCL_P2P_DISABLE=1
 build_csrc
-stage tests 100 python3 -m pytest tests/test_runtime_gpu.py -k host_staged -q -rA -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
-grep -E "FAILED|ERROR|passed|failed|Error" "$R/gpu_tests.log" | tail -12
+gpu_tests 100 tests/test_runtime_gpu.py -k host_staged
 for e in "" "CUDA_DEVICE_MAX_CONNECTIONS=32" "MOETUNE_HS_WAIT=memop" "CUDA_DEVICE_MAX_CONNECTIONS=32 MOETUNE_HS_WAIT=memop"; do
   stage "micro $e" 60 env $e python3 bench/host_staged_micro.py --out "$R" --label "${e:-default}" 2>> "$R/micro_err.txt" | cut -c1-400
 done
 C="dense|pipeline_depth=1;dense|compression=fp8_e4m3,pipeline_depth=2;dense|compression=fp8_e4m3,pipeline_depth=4;dense|pipeline_depth=4"
-stage host_staged 90 env CUDA_DEVICE_MAX_CONNECTIONS=32 OUT="$R" ENVSETS= CASES="$C" bash bench/gpu_host_staged.sh > "$R/table.txt" 2>&1
-cat "$R/table.txt"
+hs_launch . 90 "$C" CUDA_DEVICE_MAX_CONNECTIONS=32
 finish

@@ -9,8 +9,7 @@ set -uo pipefail
 RUN=run21 ONESIDED_TIMEOUT_S=10; source "$(dirname "$0")/gpu_run_common.sh"
 export NCCL_P2P_DISABLE=1
 build_csrc
-stage tests 100 python3 -m pytest tests/test_runtime_gpu.py -k host_staged -q -rA -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
-grep -E "FAILED|ERROR|passed|failed|Error" "$R/gpu_tests.log" | tail -12
+gpu_tests 100 tests/test_runtime_gpu.py -k host_staged
 for e in "" "CUDA_DEVICE_MAX_CONNECTIONS=32"; do
   stage "micro $e" 60 env $e python3 bench/host_staged_micro.py --out "$R" --label "${e:-default}" 2>> "$R/micro_err.txt" | cut -c1-330
 done
@@ -18,10 +17,7 @@ N="MOETUNE_HS_NATIVE=0"
 C="packed|pipeline_depth=1|$N;dense|pipeline_depth=1|$N;dense|pipeline_depth=1;packed|pipeline_depth=1"
 C="$C;dense|compression=fp8_e4m3,pipeline_depth=1;dense|compression=fp8_e4m3,pipeline_depth=2;dense|compression=fp8_e4m3,pipeline_depth=4"
 C="$C;dense|pipeline_depth=2;dense|pipeline_depth=4;packed|compression=fp8_e4m3,pipeline_depth=2;dense|compression=fp8_e4m3,pipeline_depth=2,channels=2|$N"
-mkdir -p "$R/a" "$R/b"
-stage host_staged_a 200 env OUT="$R/a" ENVSETS= CASES="$C" bash bench/gpu_host_staged.sh > "$R/a/table.txt" 2>&1
-cat "$R/a/table.txt"
+hs_launch a 200 "$C"
 C2="packed|pipeline_depth=1|$N;dense|pipeline_depth=1|$N;dense|pipeline_depth=1;dense|compression=fp8_e4m3,pipeline_depth=2;dense|compression=fp8_e4m3,pipeline_depth=4"
-stage host_staged_b 100 env CUDA_DEVICE_MAX_CONNECTIONS=32 OUT="$R/b" ENVSETS= CASES="$C2" bash bench/gpu_host_staged.sh > "$R/b/table.txt" 2>&1
-cat "$R/b/table.txt"
+hs_launch b 100 "$C2" CUDA_DEVICE_MAX_CONNECTIONS=32
 finish

@@ -9,18 +9,14 @@ set -uo pipefail
 RUN=run23 ONESIDED_TIMEOUT_S=10; source "$(dirname "$0")/gpu_run_common.sh"
 export NCCL_P2P_DISABLE=1
 build_csrc
-stage tests 150 python3 -m pytest tests/test_runtime_gpu.py -q -rA -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
-grep -E "FAILED|ERROR|passed|failed|Error" "$R/gpu_tests.log" | tail -12
+gpu_tests 150 tests/test_runtime_gpu.py
 stage micro 60 python3 bench/host_staged_micro.py --out "$R" --label default --chunks 1,2 2>> "$R/micro_err.txt" | cut -c1-900
 N="MOETUNE_HS_NATIVE=0"; F="compression=fp8_e4m3"
 C="packed|pipeline_depth=1|$N;dense|pipeline_depth=1|$N;dense|pipeline_depth=1;dense|chunk_tokens=512"
 C="$C;dense|$F;dense|$F,chunk_tokens=256;dense|$F,chunk_tokens=512;dense|$F,chunk_tokens=1024"
 C="$C;dense|$F,chunk_tokens=512,pipeline_depth=2;packed|pipeline_depth=1;packed|$F,chunk_tokens=512"
 C="$C;dense|$F,chunk_tokens=512|MOETUNE_HS_WAIT=memop"
-mkdir -p "$R/a" "$R/b"
-stage host_staged_a 230 env OUT="$R/a" ENVSETS= CASES="$C" bash bench/gpu_host_staged.sh > "$R/a/table.txt" 2>&1
-cat "$R/a/table.txt"
+hs_launch a 230 "$C"
 C2="packed|pipeline_depth=1|$N;dense|pipeline_depth=1|$N;dense|pipeline_depth=1;dense|$F,chunk_tokens=512;dense|$F,chunk_tokens=512,pipeline_depth=2"
-stage host_staged_b 100 env OUT="$R/b" ENVSETS= CASES="$C2" bash bench/gpu_host_staged.sh > "$R/b/table.txt" 2>&1
-cat "$R/b/table.txt"
+hs_launch b 100 "$C2"
 finish

@@ -8,15 +8,11 @@ set -uo pipefail
 RUN=run24 ONESIDED_TIMEOUT_S=10; source "$(dirname "$0")/gpu_run_common.sh"
 export NCCL_P2P_DISABLE=1
 build_csrc
-stage tests 150 python3 -m pytest tests -m gpu -q -rA -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
-grep -E "FAILED|ERROR|passed|failed" "$R/gpu_tests.log" | tail -12
+gpu_tests 150 tests -m gpu
 N="MOETUNE_HS_NATIVE=0"; F="compression=fp8_e4m3"
 C="packed|pipeline_depth=1|$N;dense|pipeline_depth=1|$N;dense|pipeline_depth=1;dense|chunk_tokens=1024"
 C="$C;dense|$F;dense|$F,chunk_tokens=512;dense|$F,chunk_tokens=1024;dense|$F,chunk_tokens=2048;dense|$F,chunk_tokens=1024,pipeline_depth=2"
-mkdir -p "$R/a" "$R/b"
-stage host_staged_a 160 env OUT="$R/a" ENVSETS= CASES="$C" bash bench/gpu_host_staged.sh > "$R/a/table.txt" 2>&1
-cat "$R/a/table.txt"
+hs_launch a 160 "$C"
 C2="packed|pipeline_depth=1|$N;dense|pipeline_depth=1|$N;dense|pipeline_depth=1;dense|$F,chunk_tokens=1024;dense|$F,chunk_tokens=512"
-stage host_staged_b 90 env OUT="$R/b" ENVSETS= CASES="$C2" bash bench/gpu_host_staged.sh > "$R/b/table.txt" 2>&1
-cat "$R/b/table.txt"
+hs_launch b 90 "$C2"
 finish

@@ -6,10 +6,8 @@ set -uo pipefail
 RUN=run25 ONESIDED_TIMEOUT_S=10; source "$(dirname "$0")/gpu_run_common.sh"
 export NCCL_P2P_DISABLE=1
 build_csrc
-stage tests 60 python3 -m pytest tests/test_runtime_gpu.py -k host_staged -q -rA -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
-grep -E "FAILED|ERROR|passed|failed" "$R/gpu_tests.log" | tail -5
+gpu_tests 60 tests/test_runtime_gpu.py -k host_staged
 N="MOETUNE_HS_NATIVE=0"; F="compression=fp8_e4m3"
 C="packed|pipeline_depth=1|$N;dense|pipeline_depth=1|$N;dense|pipeline_depth=1;dense|$F,chunk_tokens=1024"
-stage host_staged 75 env OUT="$R" ENVSETS= CASES="$C" bash bench/gpu_host_staged.sh > "$R/table.txt" 2>&1
-cat "$R/table.txt"
+hs_launch . 75 "$C"
 finish

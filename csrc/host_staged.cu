@@ -215,42 +215,24 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
   return 0;
 }
 
-// Sender side of one block: wait until slot's ack >= seq - 1, copy nbytes from src (device) into the slot,
-// then set the slot's ready flag to seq. Offsets are bytes from the staging memory's base.
-MT_API int mt_hs_send(void* h, uint64_t data_off, const void* src, uint64_t nbytes, uint64_t ready_off,
-                      uint64_t ack_off, uint64_t seq, int peer, uint64_t stream) {
-  HsCtx* c = (HsCtx*)h;
-  cudaStream_t s = (cudaStream_t)stream;
+// One piece through one slot, on stream s: wait until `wait_off` >= wait_target (0: no wait), copy nbytes
+// (device -> slot when `to_host`, slot -> device otherwise), then write seq into `signal_off`. The sender
+// waits for the slot's ack (drained) and signals ready; the receiver waits for ready and signals ack.
+static int stage_piece(HsCtx* c, uint64_t data_off, void* dev, uint64_t nbytes, bool to_host, uint64_t wait_off,
+                       uint64_t wait_target, int wait_code, uint64_t signal_off, uint64_t seq, int peer, cudaStream_t s) {
   int rc;
-  if ((rc = check_range(c, data_off, nbytes, "send slot")) || (rc = check_range(c, ready_off, 8, "ready flag")) ||
-      (rc = check_range(c, ack_off, 8, "ack flag")))
+  if ((rc = check_range(c, data_off, nbytes, "staging slot")) || (rc = check_range(c, wait_off, 8, "flag")) ||
+      (rc = check_range(c, signal_off, 8, "flag")))
     return rc;
   MT_REQUIRE(seq >= 1, 302, "host_staged: sequence numbers start at 1");
-  if (seq > 1 && (rc = wait_flag(c, ack_off, seq - 1, HS_ERR_TIMEOUT_DRAIN, peer, s))) return rc;
+  if (wait_target && (rc = wait_flag(c, wait_off, wait_target, wait_code, peer, s))) return rc;
   if (nbytes) {
     Timed tm(c, 3);
-    MT_CUDA(cudaMemcpyAsync(c->host_base + data_off, src, nbytes, cudaMemcpyDeviceToHost, s));
+    uint8_t* slot = c->host_base + data_off;
+    MT_CUDA(to_host ? cudaMemcpyAsync(slot, dev, nbytes, cudaMemcpyDeviceToHost, s)
+                    : cudaMemcpyAsync(dev, slot, nbytes, cudaMemcpyHostToDevice, s));
   }
-  return write_flag(c, ready_off, seq, s);
-}
-
-// Receiver side: wait until the slot's ready flag >= seq, copy nbytes out of it into dst (device), then
-// set the slot's ack flag to seq (the sender may refill it).
-MT_API int mt_hs_recv(void* h, uint64_t data_off, void* dst, uint64_t nbytes, uint64_t ready_off, uint64_t ack_off,
-                      uint64_t seq, int peer, uint64_t stream) {
-  HsCtx* c = (HsCtx*)h;
-  cudaStream_t s = (cudaStream_t)stream;
-  int rc;
-  if ((rc = check_range(c, data_off, nbytes, "receive slot")) || (rc = check_range(c, ready_off, 8, "ready flag")) ||
-      (rc = check_range(c, ack_off, 8, "ack flag")))
-    return rc;
-  MT_REQUIRE(seq >= 1, 302, "host_staged: sequence numbers start at 1");
-  if ((rc = wait_flag(c, ready_off, seq, MT_ERR_TIMEOUT_SIGNAL, peer, s))) return rc;
-  if (nbytes) {
-    Timed tm(c, 3);
-    MT_CUDA(cudaMemcpyAsync(dst, c->host_base + data_off, nbytes, cudaMemcpyHostToDevice, s));
-  }
-  return write_flag(c, ack_off, seq, s);
+  return write_flag(c, signal_off, seq, s);
 }
 
 // One exchange on a lane, in one call: both lane streams start after `cur_stream`'s work so far; the local
@@ -278,12 +260,16 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
   int rc;
   for (int j = 0; j < n_out || j < n_in; ++j) {
     if (j < n_out) {
-      const uint64_t* o = out_ops + 7 * j;
-      if ((rc = mt_hs_send(h, o[0], (const void*)o[1], o[2], o[3], o[4], o[5], (int)o[6], (uint64_t)so))) return rc;
+      const uint64_t* o = out_ops + 7 * j;  // sender: wait for ack >= seq - 1, signal ready
+      if ((rc = stage_piece(c, o[0], (void*)o[1], o[2], true, o[4], o[5] - 1, HS_ERR_TIMEOUT_DRAIN, o[3], o[5],
+                            (int)o[6], so)))
+        return rc;
     }
     if (j < n_in) {
-      const uint64_t* o = in_ops + 7 * j;
-      if ((rc = mt_hs_recv(h, o[0], (void*)o[1], o[2], o[3], o[4], o[5], (int)o[6], (uint64_t)si))) return rc;
+      const uint64_t* o = in_ops + 7 * j;  // receiver: wait for ready >= seq, signal ack
+      if ((rc = stage_piece(c, o[0], (void*)o[1], o[2], false, o[3], o[5], MT_ERR_TIMEOUT_SIGNAL, o[4], o[5],
+                            (int)o[6], si)))
+        return rc;
     }
   }
   {

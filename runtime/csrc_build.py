@@ -28,7 +28,7 @@ from ctypes import POINTER, c_char_p, c_double, c_int, c_int64, c_uint64, c_void
 from pathlib import Path
 from typing import NamedTuple
 
-ABI_VERSION = 13
+ABI_VERSION = 14
 LIB_NAME = "libmoetune_csrc.so"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo")
 _BUILD_TIMEOUT_S = 600
@@ -227,8 +227,6 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mt_hs_post": (c_int, [c_void_p, c_int, c_uint64, c_int, _P64, c_int, _P64, c_void_p, c_void_p, c_uint64, _PI]),
     "mt_hs_wait": (c_int, [c_void_p, c_int, c_int, c_uint64]),
     "mt_hs_stats": (c_int, [c_void_p, _P64]),
-    "mt_hs_send": (c_int, [c_void_p, c_uint64, c_void_p, c_uint64, c_uint64, c_uint64, c_uint64, c_int, c_uint64]),
-    "mt_hs_recv": (c_int, [c_void_p, c_uint64, c_void_p, c_uint64, c_uint64, c_uint64, c_uint64, c_int, c_uint64]),
     "mt_hs_error": (c_int, [c_void_p, _PI]),
     "mt_hs_destroy": (c_int, [c_void_p]),
     # proxy engine

@@ -56,6 +56,13 @@ class HostStagedError(RuntimeError):
     """A staged transfer failed on the GPU (a peer never arrived) or the staging memory could not be set up."""
 
 
+def _all_ranks(ok: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """True when `ok` holds on every rank of the group (collective)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
 def _wait_mode() -> int:
     """MOETUNE_HS_WAIT=memop waits with cuStreamWaitValue64 (no SM, but no timeout either); the default is a
     one-thread spin kernel that gives up after MOETUNE_ONESIDED_TIMEOUT_S."""
@@ -108,9 +115,7 @@ class HostStagedTransport(CollectiveTransport):
                     lib, why = None, f"{type(e).__name__}: {e}"
         if device.type == "cuda" and world > 1 and dist.is_initialized():
             # every rank must take the same path (the NCCL path builds extra communicators collectively)
-            flag = torch.tensor([1 if lib is not None else 0], dtype=torch.int64, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-            if int(flag.item()) == 0 and lib is not None:
+            if not _all_ranks(lib is not None, group, device) and lib is not None:
                 lib, why = None, "another rank cannot run the native path"
         self.native = lib is not None
         self.native_reason = "copy engines through shared pinned host memory" if self.native else (
@@ -125,6 +130,7 @@ class HostStagedTransport(CollectiveTransport):
         # uses of each (lane, peer) ring so far, as sender and as receiver (the slot and seq follow from it)
         self._sent = [[0] * self.world for _ in range(self.lanes)]
         self._recvd = [[0] * self.world for _ in range(self.lanes)]
+        self._peers = [p for p in range(self.world) if p != self.rank]
 
     @classmethod
     def availability(cls, device: torch.device | None = None) -> Availability:
@@ -203,7 +209,7 @@ class HostStagedTransport(CollectiveTransport):
                 problem = f"{type(e).__name__}: {e}"
         elif not problem:
             problem = "rank 0 could not create the staging memory"
-        ok = self._agree(not problem)
+        ok = _all_ranks(not problem, self.group, self.device)
         if self.rank == 0 and name:
             try:
                 os.unlink(name)  # every rank has it mapped (or gave up): nothing stays in /dev/shm
@@ -220,11 +226,6 @@ class HostStagedTransport(CollectiveTransport):
         t = torch.tensor(list(raw), dtype=torch.uint8, device=self.device)
         dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
         return bytes(t.cpu().tolist()).rstrip(b"\0").decode()
-
-    def _agree(self, ok: bool) -> bool:
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
 
     def check(self) -> None:
         """Raise HostStagedError when a wait on the GPU timed out (read from host memory, no sync)."""
@@ -264,11 +265,11 @@ class HostStagedTransport(CollectiveTransport):
         if rc:
             raise HostStagedError(f"host_staged on rank {self.rank}: {self.lib.mt_last_error().decode(errors='replace')}")
 
-    def _move(self, lane: int, sends: list[tuple[int, int, int]], recvs: list[tuple[int, int, int]],
-              local: tuple[torch.Tensor, torch.Tensor] | None) -> int:
-        """Post (peer, device address, bytes) blocks out and in on lane's streams, after the current stream's
-        work; `local` = (dst, src) is this rank's own block (a device copy). One library call; returns the
-        exchange's ticket for mt_hs_wait.
+    def _move(self, channel: int, sends: list[tuple[int, int, int]], recvs: list[tuple[int, int, int]],
+              local: tuple[torch.Tensor, torch.Tensor] | None, finish: Callable[[], None] | None = None) -> _StagedWork:
+        """Post (peer, device address, bytes) blocks out and in on the streams of the channel's lane, after the
+        current stream's work; `local` = (dst, src) is this rank's own block (a device copy). One library
+        call; the returned work's wait() orders the current stream after it, then runs `finish`.
 
         Pieces are posted send j, receive j, send j+1, ...: should the two streams share one hardware queue
         (CUDA_DEVICE_MAX_CONNECTIONS), a send that waits for the peer to drain slot j-RING still comes after
@@ -276,6 +277,7 @@ class HostStagedTransport(CollectiveTransport):
         if self._mm is None:
             self._setup()
         self.check()
+        lane = channel % self.lanes
         out = [a for peer, ptr, n in sends for a in self._pieces(lane, self.rank, peer, ptr, n, self._sent)]
         inc = [a for peer, ptr, n in recvs for a in self._pieces(lane, peer, self.rank, ptr, n, self._recvd)]
         ops_out = (ctypes.c_uint64 * (7 * len(out) or 1))(*[v for op in out for v in op])
@@ -285,7 +287,7 @@ class HostStagedTransport(CollectiveTransport):
         self._call(self.lib.mt_hs_post, self._h, lane, torch.cuda.current_stream(self.device).cuda_stream,
                    len(out), ops_out, len(inc), ops_in, local[0].data_ptr() if nb else None,
                    local[1].data_ptr() if nb else None, nb, ctypes.byref(ticket))
-        return ticket.value
+        return _StagedWork(self, lane, ticket.value, finish)
 
     def _pieces(self, lane: int, src: int, dst: int, ptr: int, n: int, uses: list[list[int]]) -> list[tuple]:
         """One block cut for consecutive slots of the (lane, src -> dst) ring (both sides cut it alike):
@@ -300,9 +302,6 @@ class HostStagedTransport(CollectiveTransport):
             pieces.append((data, ptr + off, size, ready, ack, k // RING + 1, peer))
             off += size
         return pieces
-
-    def _lane(self, channel: int) -> int:
-        return channel % self.lanes
 
     # -- what the EP buffer uses (same contracts as CollectiveTransport) -------------------------------------
     def exchange_async(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
@@ -323,32 +322,27 @@ class HostStagedTransport(CollectiveTransport):
         recvs = [(p, out.data_ptr() + r_off[p] * row, recv_splits[p] * row) for p in range(self.world)
                  if p != self.rank and recv_splits[p]]
         me = self.rank
-        local = (out[r_off[me] : r_off[me + 1]], send[s_off[me] : s_off[me + 1]])
-        lane = self._lane(channel)
-        return out, _StagedWork(self, lane, self._move(lane, sends, recvs, local))
+        return out, self._move(channel, sends, recvs, (out[r_off[me] : r_off[me + 1]], send[s_off[me] : s_off[me + 1]]))
 
     def gather_async(self, out: torch.Tensor, inp: torch.Tensor, *, channel: int = 0):
         if not self.native:
             return super().gather_async(out, inp, channel=channel)
         n = inp.shape[0]
         nb = inp.numel() * inp.element_size()
-        peers = [p for p in range(self.world) if p != self.rank]
+        peers = self._peers
         sends = [(p, inp.data_ptr(), nb) for p in peers] if nb else []
         recvs = [(p, out[p * n].data_ptr(), nb) for p in peers] if nb else []
-        lane = self._lane(channel)
-        return _StagedWork(self, lane, self._move(lane, sends, recvs, (out[self.rank * n : (self.rank + 1) * n], inp)))
+        return self._move(channel, sends, recvs, (out[self.rank * n : (self.rank + 1) * n], inp))
 
     def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, *, channel: int = 0):
         if not self.native:
             return super().reduce_scatter_async(out, inp, channel=channel)
         n = out.shape[0]
         nb = out.numel() * out.element_size()
-        peers = [p for p in range(self.world) if p != self.rank]
+        peers = self._peers
         got = torch.empty((len(peers), *out.shape), dtype=out.dtype, device=out.device)
         sends = [(p, inp[p * n].data_ptr(), nb) for p in peers] if nb else []
         recvs = [(p, got[i].data_ptr(), nb) for i, p in enumerate(peers)] if nb else []
-        lane = self._lane(channel)
-        ticket = self._move(lane, sends, recvs, None)
         mine = inp[self.rank * n : (self.rank + 1) * n]
 
         def finish() -> None:
@@ -362,7 +356,7 @@ class HostStagedTransport(CollectiveTransport):
                     acc += b.float()
                 out.copy_(acc)
 
-        return _StagedWork(self, lane, ticket, finish)
+        return self._move(channel, sends, recvs, None, finish)
 
     # -- teardown ---------------------------------------------------------------------------------------
     def _release(self) -> None:
