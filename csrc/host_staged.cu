@@ -1,15 +1,17 @@
 // The `host_staged` transport's data path: rows cross PCIe twice through pinned host memory that every
 // rank of the node maps (a shared file, registered with cudaHostRegister), moved by the copy engines.
 //
-// One staging slot carries one block from a sender to a receiver. Its two flags live in the same shared
-// memory: `ready` (written by the sender after its device->host copy) and `ack` (written by the receiver
-// after its host->device copy). The k-th use of a slot carries sequence number seq = k (from 1); both
-// sides count the uses, since every rank posts the same exchanges in the same order. Everything is
-// ordered on the callers' CUDA streams, so no host thread waits:
+// One staging slot carries one piece from a sender to a receiver at a time. Its flag lives in the same
+// shared memory and says whether the slot is full: the sender fills it, the receiver empties it, so the
+// two sides take turns on every slot. Everything is ordered on the callers' CUDA streams, so no host
+// thread waits:
 //
-//   sender stream  : wait ack >= seq-1 (slot drained) -> cudaMemcpyAsync D2H -> cuStreamWriteValue64(ready, seq)
-//   receiver stream: wait ready >= seq                 -> cudaMemcpyAsync H2D -> cuStreamWriteValue64(ack, seq)
+//   sender stream  : wait flag == EMPTY -> cudaMemcpyAsync D2H -> cuStreamWriteValue64(flag, FULL)
+//   receiver stream: wait flag == FULL  -> cudaMemcpyAsync H2D -> cuStreamWriteValue64(flag, EMPTY)
 //
+// Both sides go through a (lane, sender, receiver) ring of slots in the same order (every rank posts the
+// same exchanges in the same order), and the values are constants: the same operations can be captured
+// in a CUDA graph and replayed any number of times, mixed with eager calls.
 // cuStreamWriteValue64 without NO_MEMORY_BARRIER makes the stream's earlier work (the copy) visible
 // before the flag. The waits are one-thread kernels with a bounded spin (mt::wait_word): a peer that
 // never arrives costs one timeout recorded in the error record, never a hang.
@@ -27,6 +29,7 @@ typedef CUresult (*PfnWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned 
 typedef CUresult (*PfnWaitValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
 enum { HS_ERR_TIMEOUT_DRAIN = 8 };  // waited too long for the receiver to drain a staging slot
+constexpr uint64_t HS_EMPTY = 0, HS_FULL = 1;  // a slot's flag
 
 struct HsCtx {
   int device = 0;
@@ -69,17 +72,19 @@ struct Timed {  // adds the scope's host time to one stat
   }
 };
 
+constexpr int HS_OP_WORDS = 5;  // one piece for mt_hs_post: data offset, device address, bytes, flag offset, peer
 constexpr int HS_TICKETS = 64;  // exchanges of one lane that may be in flight before a ticket's events are reused
 
-__global__ void hs_wait_kernel(const uint64_t* flag, uint64_t target, mt::WaitCtx w, int code, int peer, int slot) {
+__global__ void hs_wait_kernel(const uint64_t* flag, uint64_t want, mt::WaitCtx w, int code, int peer, int slot) {
   bool ok;
-  mt::wait_word(w, flag, target, true, code, peer, slot, &ok);
+  mt::wait_word(w, flag, want, mt::MT_WAIT_EQ, code, peer, slot, &ok);
 }
 
-int wait_flag(HsCtx* c, uint64_t off, uint64_t target, int code, int peer, cudaStream_t s) {
+// Make stream s wait until the flag at `off` equals `want`.
+int wait_flag(HsCtx* c, uint64_t off, uint64_t want, int code, int peer, cudaStream_t s) {
   Timed tm(c, 2);
   if (c->wait_mode == 1) {
-    CUresult r = c->wait64((CUstream)s, (CUdeviceptr)(c->dev_base + off), target, CU_STREAM_WAIT_VALUE_GEQ);
+    CUresult r = c->wait64((CUstream)s, (CUdeviceptr)(c->dev_base + off), want, CU_STREAM_WAIT_VALUE_EQ);
     MT_REQUIRE(r == CUDA_SUCCESS, 303, "host_staged: cuStreamWaitValue64 failed (CUresult %d)", (int)r);
     return 0;
   }
@@ -88,7 +93,7 @@ int wait_flag(HsCtx* c, uint64_t off, uint64_t target, int code, int peer, cudaS
   w.abort_flag = c->abort_dev;
   w.timeout_ns = c->timeout_ns;
   w.rank = c->rank;
-  hs_wait_kernel<<<1, 1, 0, s>>>(reinterpret_cast<const uint64_t*>(c->dev_base + off), target, w, code, peer,
+  hs_wait_kernel<<<1, 1, 0, s>>>(reinterpret_cast<const uint64_t*>(c->dev_base + off), want, w, code, peer,
                                  (int)(off / 8));
   MT_CUDA(cudaGetLastError());
   return 0;
@@ -215,30 +220,29 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
   return 0;
 }
 
-// One piece through one slot, on stream s: wait until `wait_off` >= wait_target (0: no wait), copy nbytes
-// (device -> slot when `to_host`, slot -> device otherwise), then write seq into `signal_off`. The sender
-// waits for the slot's ack (drained) and signals ready; the receiver waits for ready and signals ack.
-static int stage_piece(HsCtx* c, uint64_t data_off, void* dev, uint64_t nbytes, bool to_host, uint64_t wait_off,
-                       uint64_t wait_target, int wait_code, uint64_t signal_off, uint64_t seq, int peer, cudaStream_t s) {
-  int rc;
-  if ((rc = check_range(c, data_off, nbytes, "staging slot")) || (rc = check_range(c, wait_off, 8, "flag")) ||
-      (rc = check_range(c, signal_off, 8, "flag")))
+// One piece through one slot on stream s: wait until the slot's flag says it is ours (sender: empty,
+// receiver: full), copy nbytes (device -> slot when `to_host`, slot -> device otherwise), hand the slot over.
+static int stage_piece(HsCtx* c, const uint64_t* op, bool to_host, cudaStream_t s) {
+  uint64_t data_off = op[0], nbytes = op[2], flag_off = op[3];
+  void* dev = (void*)op[1];
+  int peer = (int)op[4], rc;
+  if ((rc = check_range(c, data_off, nbytes, "staging slot")) || (rc = check_range(c, flag_off, 8, "flag"))) return rc;
+  if ((rc = wait_flag(c, flag_off, to_host ? HS_EMPTY : HS_FULL, to_host ? HS_ERR_TIMEOUT_DRAIN : MT_ERR_TIMEOUT_SIGNAL,
+                      peer, s)))
     return rc;
-  MT_REQUIRE(seq >= 1, 302, "host_staged: sequence numbers start at 1");
-  if (wait_target && (rc = wait_flag(c, wait_off, wait_target, wait_code, peer, s))) return rc;
   if (nbytes) {
     Timed tm(c, 3);
     uint8_t* slot = c->host_base + data_off;
     MT_CUDA(to_host ? cudaMemcpyAsync(slot, dev, nbytes, cudaMemcpyDeviceToHost, s)
                     : cudaMemcpyAsync(dev, slot, nbytes, cudaMemcpyHostToDevice, s));
   }
-  return write_flag(c, signal_off, seq, s);
+  return write_flag(c, flag_off, to_host ? HS_FULL : HS_EMPTY, s);
 }
 
 // One exchange on a lane, in one call: both lane streams start after `cur_stream`'s work so far; the local
 // block (if any) is a device copy on the receive stream; the pieces go send 0, receive 0, send 1, ...
-// (ops: 7 words each: data offset, device address, bytes, ready offset, ack offset, seq, peer). *ticket
-// names the exchange for mt_hs_wait.
+// (ops: HS_OP_WORDS words each: data offset, device address, bytes, flag offset, peer). *ticket names the
+// exchange for mt_hs_wait. Capturable in a CUDA graph (cur_stream capturing: the lane streams join it).
 MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const uint64_t* out_ops, int n_in,
                       const uint64_t* in_ops, void* local_dst, const void* local_src, uint64_t local_bytes,
                       int* ticket) {
@@ -259,18 +263,8 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
   }
   int rc;
   for (int j = 0; j < n_out || j < n_in; ++j) {
-    if (j < n_out) {
-      const uint64_t* o = out_ops + 7 * j;  // sender: wait for ack >= seq - 1, signal ready
-      if ((rc = stage_piece(c, o[0], (void*)o[1], o[2], true, o[4], o[5] - 1, HS_ERR_TIMEOUT_DRAIN, o[3], o[5],
-                            (int)o[6], so)))
-        return rc;
-    }
-    if (j < n_in) {
-      const uint64_t* o = in_ops + 7 * j;  // receiver: wait for ready >= seq, signal ack
-      if ((rc = stage_piece(c, o[0], (void*)o[1], o[2], false, o[3], o[5], MT_ERR_TIMEOUT_SIGNAL, o[4], o[5],
-                            (int)o[6], si)))
-        return rc;
-    }
+    if (j < n_out && (rc = stage_piece(c, out_ops + HS_OP_WORDS * j, true, so))) return rc;
+    if (j < n_in && (rc = stage_piece(c, in_ops + HS_OP_WORDS * j, false, si))) return rc;
   }
   {
     Timed tm(c, 0);

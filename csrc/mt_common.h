@@ -151,14 +151,17 @@ MT_DEV void report(const WaitCtx& w, int code, int peer, int slot, uint64_t epoc
   fence_system();
 }
 
-// Spin until *p >= target (ge=true) or (*p >> MT_TAG_SHIFT) == target (ge=false). Returns the last
-// value seen; on timeout reports `code` and returns with ok=false.
-MT_DEV uint64_t wait_word(const WaitCtx& w, const uint64_t* p, uint64_t target, bool ge, int code, int peer, int slot,
+// How wait_word compares (callers may pass true/false for GE/TAG).
+enum { MT_WAIT_TAG = 0, MT_WAIT_GE = 1, MT_WAIT_EQ = 2 };
+
+// Spin until *p >= target (MT_WAIT_GE), (*p >> MT_TAG_SHIFT) == target (MT_WAIT_TAG) or *p == target
+// (MT_WAIT_EQ). Returns the last value seen; on timeout reports `code` and returns with ok=false.
+MT_DEV uint64_t wait_word(const WaitCtx& w, const uint64_t* p, uint64_t target, int how, int code, int peer, int slot,
                           bool* ok) {
   uint64_t v = ld_acquire_sys(p);
   uint64_t t0 = 0;
   uint32_t spins = 0;
-  while (ge ? (v < target) : ((v >> MT_TAG_SHIFT) != target)) {
+  while (how == MT_WAIT_GE ? (v < target) : how == MT_WAIT_EQ ? (v != target) : ((v >> MT_TAG_SHIFT) != target)) {
     if ((++spins & 1023u) == 0) {
       uint64_t t = now_ns();
       if (t0 == 0) t0 = t;

@@ -229,11 +229,61 @@ def case_gpu(rank: int, world: int) -> list[tuple[str, float, float]]:
     return out
 
 
+def _host_staged_graph_replays(dev: torch.device, model, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> list[str]:
+    """host_staged round trips captured in a CUDA graph (dense layout, no host sync) give the bytes of the
+    same round trips run eagerly, replay after replay, with new inputs and eager calls in between (the
+    slots are taken in the captured order each time). Returns what differed."""
+    from moetune.runtime.pipeline import pipelined_moe, weighted_rows
+
+    bad = []
+    inputs = [x, (x.float() * -0.5 + 1).to(x.dtype), x.flip(0)]
+    for kn in ("compression=fp8_e4m3,chunk_tokens=64", "chunk_tokens=0",
+               "compression=fp8_e4m3,pipeline_depth=2,channels=2,chunk_tokens=32"):
+        buf = EPBuffer(knobs=Knobs.parse(f"transport=host_staged,{kn}"), model=model, max_tokens=400, device=dev,
+                       dense=True, check_inputs=False)
+        xs = x.clone()
+
+        def rt(buf: EPBuffer = buf, xs: torch.Tensor = xs) -> torch.Tensor:
+            if buf.num_chunks > 1:
+                return pipelined_moe(buf, xs, idx, w, weighted_rows)
+            recv, meta, h = buf.dispatch(xs, idx, w)
+            return buf.combine(weighted_rows(recv, meta), h)
+
+        want = []
+        for inp in inputs:  # eager
+            xs.copy_(inp)
+            want.append(rt().clone())
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            rt()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = rt()
+        for rep in range(2):
+            for i, inp in enumerate(inputs):
+                xs.copy_(inp)
+                g.replay()
+                got = out.clone()
+                if not torch.equal(got, want[i]):
+                    bad.append(f"{kn} replay {rep} input {i}: max diff {(got.float() - want[i].float()).abs().max().item()}")
+                if i == 1:  # an eager round trip between replays takes the next slots on both ranks
+                    xs.copy_(inputs[0])
+                    if not torch.equal(rt(), want[0]):
+                        bad.append(f"{kn} eager call between replays differs")
+        torch.cuda.synchronize()
+        buf.transport.check()
+        del g
+        buf.close()
+    return bad
+
+
 def case_gpu_host_staged(rank: int, world: int) -> dict:
     """On CUDA: host_staged through the copy engines gives the same bytes as the NCCL collective (same
     inputs, both layouts, pipelined or not, staged whole or in chunk_tokens pieces, repeated calls wrapping
-    the slot rings); blocks larger than a slot go through several; a peer that never posts is a timeout
-    error, not a hang."""
+    the slot rings); captured in a CUDA graph it replays correctly; blocks larger than a slot go through
+    several; a peer that never posts is a timeout error, not a hang."""
     from moetune.runtime.pipeline import pipelined_moe, weighted_rows
     from moetune.runtime.transports.host_staged import HostStagedError, HostStagedTransport
 
@@ -265,6 +315,7 @@ def case_gpu_host_staged(rank: int, world: int) -> dict:
             for i, (a, b) in enumerate(zip(outs["collective"], outs["host_staged"], strict=True)):
                 if not torch.equal(a, b):
                     rep["mismatch"].append(f"dense={dense} {kn} result {i}: max diff {(a.float() - b.float()).abs().max().item()}")
+    rep["graph"] = _host_staged_graph_replays(dev, model, x, idx, w)
     # pieces: slots of 64 KiB, a 1 MiB block per peer
     t = HostStagedTransport(None, Knobs(transport="host_staged"), dev, channels=1)
     t.stage_capacity(16, 4096)

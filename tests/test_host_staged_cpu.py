@@ -19,8 +19,7 @@ def _bare(world: int, rank: int, lanes: int, slot: int) -> hs.HostStagedTranspor
     t._sent = [[0] * world for _ in range(lanes)]
     t._recvd = [[0] * world for _ in range(lanes)]
     n_slots = lanes * world * (world - 1) * hs.RING
-    t._ack_base = 8 * n_slots
-    t._data_base = -(-16 * n_slots // 4096) * 4096
+    t._data_base = -(-8 * n_slots // 4096) * 4096
     return t
 
 
@@ -35,13 +34,13 @@ def test_every_slot_has_its_own_data_and_flags(world: int, lanes: int) -> None:
                 if src == dst:
                     continue
                 for s in range(hs.RING):
-                    data, ready, ack = t._offsets(lane, src, dst, s)
+                    data, flag = t._offsets(lane, src, dst, s)
                     assert data % 4096 == 0 and data >= t._data_base
-                    assert ready < t._ack_base <= ack < t._data_base
+                    assert flag % 8 == 0 and flag + 8 <= t._data_base
                     seen_data.add(data)
-                    seen_flags.update((ready, ack))
+                    seen_flags.add(flag)
     n = lanes * world * (world - 1) * hs.RING
-    assert len(seen_data) == n and len(seen_flags) == 2 * n
+    assert len(seen_data) == n and len(seen_flags) == n
     assert max(seen_data) + slot == t._data_base + n * slot  # the last slot ends where the memory ends
 
 
@@ -58,19 +57,23 @@ def test_pieces_cover_the_block_and_fit_the_slots() -> None:
 
 
 def test_sender_and_receiver_cut_a_block_alike() -> None:
-    """Rank 0's send pieces to rank 1 and rank 1's receive pieces from rank 0 use the same slots, flags and
-    sequence numbers, call after call (the ring wraps)."""
+    """Rank 0's send pieces to rank 1 and rank 1's receive pieces from rank 0 use the same slots and flags
+    in the same order, call after call (the ring wraps)."""
     slot = 64 * 1024
     a, b = _bare(2, 0, 1, slot), _bare(2, 1, 1, slot)
+    flags = []
     for n in (0, 100, slot, 3 * slot + 5, 1 << 20, 7):
         out = a._pieces(0, 0, 1, 1000, n, a._sent)
         inc = b._pieces(0, 0, 1, 9000, n, b._recvd)
-        assert [(d, sz, r, k, q) for d, _p, sz, r, k, q, _peer in out] == \
-               [(d, sz, r, k, q) for d, _p, sz, r, k, q, _peer in inc]
-        assert [p[6] for p in out] == [1] * len(out) and [p[6] for p in inc] == [0] * len(inc)
-    # the k-th use of a (lane, pair) ring takes slot k mod RING with sequence number k // RING + 1
+        assert [(d, sz, f) for d, _p, sz, f, _peer in out] == [(d, sz, f) for d, _p, sz, f, _peer in inc]
+        assert [p[4] for p in out] == [1] * len(out) and [p[4] for p in inc] == [0] * len(inc)
+        assert [p[1] - 1000 for p in out] == [p[1] - 9000 for p in inc] == [i * slot for i in range(len(out))]
+        flags += [p[3] for p in out]
+    # the k-th use of a (lane, pair) ring takes slot k mod RING: the slots alternate
     uses = a._sent[0][1]
-    assert uses == b._recvd[0][0] and uses > 2 * hs.RING
+    assert uses == b._recvd[0][0] == len(flags) and uses > 2 * hs.RING
+    assert flags == [a._offsets(0, 0, 1, k % hs.RING)[1] for k in range(uses)]
+    assert len(set(flags)) == hs.RING
 
 
 def test_chunk_tokens_sizes_the_staging_message(monkeypatch: pytest.MonkeyPatch) -> None:

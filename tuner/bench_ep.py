@@ -263,7 +263,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
             poison = None
             if buf is not None and buf.resident:  # a replay that moved nothing would leave these bytes behind
                 poison = buf.transport.data.local.fill_  # type: ignore[attr-defined]
-            graph_us, graph_err, graph_rel = _graph_roundtrip(roundtrip, device, iters, warmup, check_output, poison)
+            graph_us, graph_err, graph_rel = _graph_roundtrip(roundtrip, device, iters, warmup, check_output, poison, x)
             if buf is not None and graph_err is None and buf.num_chunks == 1:
                 # dispatch and combine alone (no expert op between): the received rows go straight back, so
                 # every token comes back times the number of ranks that received it -- those holding one of
@@ -281,7 +281,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
                 def check_pair(out: torch.Tensor) -> float:
                     return max_rel_err(out, x.float() * hits)
 
-                pair_us, pair_err, pair_rel = _graph_roundtrip(pair, device, iters, warmup, check_pair, poison)
+                pair_us, pair_err, pair_rel = _graph_roundtrip(pair, device, iters, warmup, check_pair, poison, x)
 
     err = None
     if verify and layer is not None:
@@ -364,13 +364,14 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
     return rep
 
 
-def _graph_roundtrip(roundtrip, device: torch.device, iters: int, warmup: int, check_output, poison=None
-                     ) -> tuple[dict | None, str | None, float | None]:
+def _graph_roundtrip(roundtrip, device: torch.device, iters: int, warmup: int, check_output, poison=None,
+                     x: torch.Tensor | None = None) -> tuple[dict | None, str | None, float | None]:
     """Capture one round trip in a CUDA graph (every rank) and time `iters` replays, each started together
-    after a barrier. Then, with the receive buffer poisoned first (`poison(255)`: NaN bytes), one more
-    replay whose output is checked (`check_output(out)` -> relative error), so a graph that moves nothing
-    cannot pass. Returns (the slowest rank's median and spread, None, the worst rank's error) or
-    (None, why it failed, None). Capture fails where the layout syncs with the host (packed collective)."""
+    after a barrier. Then one more replay whose output is checked (`check_output(out)` -> relative error),
+    with the graph's input `x` replaced by new values first (restored after) and the receive buffer
+    poisoned (`poison(255)`: NaN bytes), so a graph that moves nothing, or moves stale rows, cannot pass.
+    Returns (the slowest rank's median and spread, None, the worst rank's error) or (None, why it failed,
+    None). Capture fails where the layout syncs with the host (packed collective)."""
     if device.type != "cuda":
         return None, "CUDA graphs need a GPU", None
     err = ""
@@ -404,13 +405,19 @@ def _graph_roundtrip(roundtrip, device: torch.device, iters: int, warmup: int, c
         timer.sync()
         if it >= warmup:
             samples.append(timer.us(t0, t1))
+    _barrier(device)  # every rank's last replay (and the peers' stores into the buffers) is complete
     if poison is not None:
-        _barrier(device)  # every rank's last replay (and the peers' stores into this buffer) is complete
         poison(255)
+    kept = None
+    if x is not None:  # check_output reads x: it expects the new values
+        kept = x.clone()
+        x.copy_((x.float() * -0.75 + 0.25).to(x.dtype))
     _barrier(device)
     g.replay()
     torch.cuda.synchronize(device)
     rel = torch.tensor([check_output(out)], dtype=torch.float64, device=device)
+    if kept is not None:
+        x.copy_(kept)
     t = torch.tensor(samples, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

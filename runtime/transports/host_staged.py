@@ -4,9 +4,11 @@ For nodes whose GPUs cannot reach each other directly (PCIe boxes with peer-to-p
 crosses PCIe twice, device → host on the sender, host → device on the receiver (DESIGN §1). The host
 memory is one shared file under /dev/shm (mode 0600, unlinked as soon as every rank has mapped it, so
 nothing is left behind by a crash) that each rank registers with CUDA (`cudaHostRegister`). It holds,
-for every (lane, sender, receiver), a ring of `RING` staging slots, and two flags per slot (`ready`,
-`ack`); csrc/host_staged.cu orders copy → flag → wait on the CUDA streams, so no host thread ever waits
-for a transfer and the copies run on the copy engines, not on SMs.
+for every (lane, sender, receiver), a ring of `RING` staging slots, each with a full/empty flag (the
+sender fills a slot, the receiver empties it); csrc/host_staged.cu orders wait → copy → flag on the CUDA
+streams, so no host thread ever waits for a transfer and the copies run on the copy engines, not on SMs.
+The flag values are constants, so an exchange can be captured in a CUDA graph and replayed (the EP
+buffer's dense layout, which has no host sync, captures whole).
 
 Two knobs overlap the two crossings:
 * `chunk_tokens` (the staging message size): each block is cut into pieces of that many rows, which go
@@ -50,6 +52,7 @@ _PAGE = 4096
 _SHM_DIR = "/dev/shm"
 _NAME_BYTES = 64
 ERR_DRAIN = 8  # csrc: waited too long for the receiver to drain a staging slot
+_OP_WORDS = 5  # csrc HS_OP_WORDS: one piece for mt_hs_post
 
 
 class HostStagedError(RuntimeError):
@@ -100,8 +103,8 @@ class _StagedWork:
 
 class HostStagedTransport(CollectiveTransport):
     name: ClassVar[str] = "host_staged"
-    # the sequence numbers of the slots are host state passed per call: a replayed graph would reuse them
-    graph_capturable: ClassVar[bool] = False
+    # full/empty flags with constant values: a replay takes the slots in the captured order on every rank
+    graph_capturable: ClassVar[bool] = True
 
     def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device, *, channels: int = 1):
         world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -127,7 +130,7 @@ class HostStagedTransport(CollectiveTransport):
         self._h = ctypes.c_void_p()
         self._mm: mmap.mmap | None = None
         self._anchor: ctypes.Array | None = None
-        # uses of each (lane, peer) ring so far, as sender and as receiver (the slot and seq follow from it)
+        # uses of each (lane, peer) ring so far, as sender and as receiver (the next slot follows from it)
         self._sent = [[0] * self.world for _ in range(self.lanes)]
         self._recvd = [[0] * self.world for _ in range(self.lanes)]
         self._peers = [p for p in range(self.world) if p != self.rank]
@@ -165,15 +168,14 @@ class HostStagedTransport(CollectiveTransport):
     def _slot_index(self, lane: int, src: int, dst: int, slot: int) -> int:
         return (lane * self.world * (self.world - 1) + self._pair(src, dst)) * RING + slot
 
-    def _offsets(self, lane: int, src: int, dst: int, slot: int) -> tuple[int, int, int]:
-        """(data, ready flag, ack flag) byte offsets of one slot in the staging memory."""
+    def _offsets(self, lane: int, src: int, dst: int, slot: int) -> tuple[int, int]:
+        """(data, flag) byte offsets of one slot in the staging memory: the flags first, then the data."""
         i = self._slot_index(lane, src, dst, slot)
-        return self._data_base + i * self.slot_bytes, 8 * i, self._ack_base + 8 * i
+        return self._data_base + i * self.slot_bytes, 8 * i
 
     def _setup(self) -> None:
         n_slots = self.lanes * self.world * (self.world - 1) * RING
-        self._ack_base = 8 * n_slots
-        self._data_base = -(-16 * n_slots // _PAGE) * _PAGE
+        self._data_base = -(-8 * n_slots // _PAGE) * _PAGE
         nbytes = self._data_base + n_slots * self.slot_bytes
         name, problem = "", ""
         if self.rank == 0:
@@ -239,16 +241,13 @@ class HostStagedTransport(CollectiveTransport):
             raise HostStagedError(f"host_staged on rank {self.rank}: {what} (peer {words[2]}); the peer is gone or "
                                   f"stalled beyond MOETUNE_ONESIDED_TIMEOUT_S={timeout_s():g}")
 
-    def flag_values(self, lane: int, src: int, dst: int) -> list[tuple[int, int]]:
-        """(ready, ack) of each slot of the (lane, src -> dst) ring, read by the CPU (diagnostics; no sync)."""
+    def flag_values(self, lane: int, src: int, dst: int) -> list[int]:
+        """The flag of each slot of the (lane, src -> dst) ring (1 = full, 0 = empty), read by the CPU
+        (diagnostics; no sync)."""
         if self._mm is None:
             return []
-        out = []
-        for slot in range(RING):
-            _data, ready, ack = self._offsets(lane, src, dst, slot)
-            out.append((int.from_bytes(self._mm[ready : ready + 8], "little"),
-                        int.from_bytes(self._mm[ack : ack + 8], "little")))
-        return out
+        flags = [self._offsets(lane, src, dst, slot)[1] for slot in range(RING)]
+        return [int.from_bytes(self._mm[f : f + 8], "little") for f in flags]
 
     def host_stats(self) -> dict[str, tuple[float, int]]:
         """Host time (µs) and calls spent in each kind of CUDA call the staging made (diagnostics)."""
@@ -280,8 +279,8 @@ class HostStagedTransport(CollectiveTransport):
         lane = channel % self.lanes
         out = [a for peer, ptr, n in sends for a in self._pieces(lane, self.rank, peer, ptr, n, self._sent)]
         inc = [a for peer, ptr, n in recvs for a in self._pieces(lane, peer, self.rank, ptr, n, self._recvd)]
-        ops_out = (ctypes.c_uint64 * (7 * len(out) or 1))(*[v for op in out for v in op])
-        ops_in = (ctypes.c_uint64 * (7 * len(inc) or 1))(*[v for op in inc for v in op])
+        ops_out = (ctypes.c_uint64 * (_OP_WORDS * len(out) or 1))(*[v for op in out for v in op])
+        ops_in = (ctypes.c_uint64 * (_OP_WORDS * len(inc) or 1))(*[v for op in inc for v in op])
         nb = local[0].numel() * local[0].element_size() if local is not None else 0
         ticket = ctypes.c_int()
         self._call(self.lib.mt_hs_post, self._h, lane, torch.cuda.current_stream(self.device).cuda_stream,
@@ -290,16 +289,16 @@ class HostStagedTransport(CollectiveTransport):
         return _StagedWork(self, lane, ticket.value, finish)
 
     def _pieces(self, lane: int, src: int, dst: int, ptr: int, n: int, uses: list[list[int]]) -> list[tuple]:
-        """One block cut for consecutive slots of the (lane, src -> dst) ring (both sides cut it alike):
-        the (data, address, bytes, ready, ack, seq, peer) of each piece."""
+        """One block cut for consecutive slots of the (lane, src -> dst) ring (both sides cut it alike, and
+        both count the ring's uses alike): the (data, address, bytes, flag, peer) of each piece."""
         peer = dst if src == self.rank else src
         pieces = []
         off = 0
         for size in piece_sizes(n, self.slot_bytes):
             k = uses[lane][peer]
             uses[lane][peer] = k + 1
-            data, ready, ack = self._offsets(lane, src, dst, k % RING)
-            pieces.append((data, ptr + off, size, ready, ack, k // RING + 1, peer))
+            data, flag = self._offsets(lane, src, dst, k % RING)
+            pieces.append((data, ptr + off, size, flag, peer))
             off += size
         return pieces
 

@@ -37,7 +37,7 @@ def ep(
     seed: int = typer.Option(0, "--seed", help="Seed of activations, routing and weights."),
     layout: str = typer.Option("auto", "--layout", help="Collective wire layout: auto, dense (all-gather/reduce-scatter) or packed (counts + all_to_all)."),
     profile: bool = typer.Option(False, "--profile", help="Also run 5 round trips under torch.profiler and print rank 0's tables (top ops by device and by host time)."),
-    cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture dispatch → identity experts → combine in one CUDA graph, and dispatch → combine alone in another, and time their replays (as a serving engine's decode graph runs them); each is checked once after poisoning the receive buffer. Needs a layout without host syncs (dense collective, nvlink; proxy cannot be replayed); reports graph_roundtrip_us / graph_pair_us or why not."),
+    cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture dispatch → identity experts → combine in one CUDA graph, and dispatch → combine alone in another, and time their replays (as a serving engine's decode graph runs them); each is checked once with new inputs and a poisoned receive buffer. Needs a layout without host syncs (dense collective or host_staged, nvlink; proxy cannot be replayed); reports graph_roundtrip_us / graph_pair_us or why not."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds any collective may wait before failing."),
     serve: bool = typer.Option(False, "--serve", help="Persistent worker: launch the ranks once, then read one JSON case per line on stdin and print one JSON result per line (see moetune.tuner.bench_worker); only --world, --backend and --timeout apply."),
 ) -> None:
