@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -316,8 +317,13 @@ def case_gpu_host_staged(rank: int, world: int) -> dict:
                 if not torch.equal(a, b):
                     rep["mismatch"].append(f"dense={dense} {kn} result {i}: max diff {(a.float() - b.float()).abs().max().item()}")
     rep["graph"] = _host_staged_graph_replays(dev, model, x, idx, w)
-    # pieces: slots of 64 KiB, a 1 MiB block per peer
-    t = HostStagedTransport(None, Knobs(transport="host_staged"), dev, channels=1)
+    # pieces: slots of 64 KiB, a 1 MiB block per peer, through a ring of 3 slots
+    os.environ["MOETUNE_HS_SLOTS"] = "3"
+    try:
+        t = HostStagedTransport(None, Knobs(transport="host_staged"), dev, channels=1)
+    finally:
+        del os.environ["MOETUNE_HS_SLOTS"]
+    rep["ring"] = t.ring
     t.stage_capacity(16, 4096)
     rows = torch.arange(world * 256 * 1024, dtype=torch.int32, device=dev).reshape(world * 256, 1024) + rank * 10**8
     out, work = t.exchange_async(rows, [256] * world, [256] * world)

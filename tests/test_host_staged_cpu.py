@@ -12,34 +12,34 @@ from moetune.runtime.launch import launch
 from moetune.runtime.transports import host_staged as hs
 
 
-def _bare(world: int, rank: int, lanes: int, slot: int) -> hs.HostStagedTransport:
+def _bare(world: int, rank: int, lanes: int, slot: int, ring: int = hs.RING) -> hs.HostStagedTransport:
     """A transport with the layout fields set and no staging memory (enough for the offset arithmetic)."""
     t = hs.HostStagedTransport.__new__(hs.HostStagedTransport)
-    t.world, t.rank, t.lanes, t.slot_bytes = world, rank, lanes, slot
+    t.world, t.rank, t.lanes, t.slot_bytes, t.ring = world, rank, lanes, slot, ring
     t._sent = [[0] * world for _ in range(lanes)]
     t._recvd = [[0] * world for _ in range(lanes)]
-    n_slots = lanes * world * (world - 1) * hs.RING
+    n_slots = lanes * world * (world - 1) * ring
     t._data_base = -(-8 * n_slots // 4096) * 4096
     return t
 
 
-@pytest.mark.parametrize("world,lanes", [(2, 1), (2, 4), (3, 2), (8, 2)])
-def test_every_slot_has_its_own_data_and_flags(world: int, lanes: int) -> None:
+@pytest.mark.parametrize("world,lanes,ring", [(2, 1, 2), (2, 4, 2), (3, 2, 2), (8, 2, 2), (2, 2, 4), (3, 1, 16)])
+def test_every_slot_has_its_own_data_and_flags(world: int, lanes: int, ring: int) -> None:
     slot = 8192
-    t = _bare(world, 0, lanes, slot)
+    t = _bare(world, 0, lanes, slot, ring)
     seen_data, seen_flags = set(), set()
     for lane in range(lanes):
         for src in range(world):
             for dst in range(world):
                 if src == dst:
                     continue
-                for s in range(hs.RING):
+                for s in range(ring):
                     data, flag = t._offsets(lane, src, dst, s)
                     assert data % 4096 == 0 and data >= t._data_base
                     assert flag % 8 == 0 and flag + 8 <= t._data_base
                     seen_data.add(data)
                     seen_flags.add(flag)
-    n = lanes * world * (world - 1) * hs.RING
+    n = lanes * world * (world - 1) * ring
     assert len(seen_data) == n and len(seen_flags) == n
     assert max(seen_data) + slot == t._data_base + n * slot  # the last slot ends where the memory ends
 
@@ -56,11 +56,12 @@ def test_pieces_cover_the_block_and_fit_the_slots() -> None:
     assert hs.piece_sizes(0, 4096) == []
 
 
-def test_sender_and_receiver_cut_a_block_alike() -> None:
+@pytest.mark.parametrize("ring", [2, 3])
+def test_sender_and_receiver_cut_a_block_alike(ring: int) -> None:
     """Rank 0's send pieces to rank 1 and rank 1's receive pieces from rank 0 use the same slots and flags
     in the same order, call after call (the ring wraps)."""
     slot = 64 * 1024
-    a, b = _bare(2, 0, 1, slot), _bare(2, 1, 1, slot)
+    a, b = _bare(2, 0, 1, slot, ring), _bare(2, 1, 1, slot, ring)
     flags = []
     for n in (0, 100, slot, 3 * slot + 5, 1 << 20, 7):
         out = a._pieces(0, 0, 1, 1000, n, a._sent)
@@ -69,11 +70,22 @@ def test_sender_and_receiver_cut_a_block_alike() -> None:
         assert [p[4] for p in out] == [1] * len(out) and [p[4] for p in inc] == [0] * len(inc)
         assert [p[1] - 1000 for p in out] == [p[1] - 9000 for p in inc] == [i * slot for i in range(len(out))]
         flags += [p[3] for p in out]
-    # the k-th use of a (lane, pair) ring takes slot k mod RING: the slots alternate
+    # the k-th use of a (lane, pair) ring takes slot k mod ring: the slots take turns
     uses = a._sent[0][1]
-    assert uses == b._recvd[0][0] == len(flags) and uses > 2 * hs.RING
-    assert flags == [a._offsets(0, 0, 1, k % hs.RING)[1] for k in range(uses)]
-    assert len(set(flags)) == hs.RING
+    assert uses == b._recvd[0][0] == len(flags) and uses > 2 * ring
+    assert flags == [a._offsets(0, 0, 1, k % ring)[1] for k in range(uses)]
+    assert len(set(flags)) == ring
+
+
+def test_ring_slots_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOETUNE_HS_SLOTS", raising=False)
+    assert hs.ring_slots() == hs.RING
+    monkeypatch.setenv("MOETUNE_HS_SLOTS", "4")
+    assert hs.ring_slots() == 4
+    for bad in ("1", "17", "four", "2.5"):
+        monkeypatch.setenv("MOETUNE_HS_SLOTS", bad)
+        with pytest.raises(ValueError, match="MOETUNE_HS_SLOTS"):
+            hs.ring_slots()
 
 
 def test_chunk_tokens_sizes_the_staging_message(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,7 +36,7 @@ def test_host_staged_copy_engines_match_the_collective() -> None:
     for rep in res:
         assert all(rep["native"]) and rep["native"], rep["native"]
         assert rep["mismatch"] == [], rep["mismatch"]
-        assert rep["pieces_ok"]
+        assert rep["pieces_ok"] and rep["ring"] == 3, rep["ring"]
         assert rep["graph"] == [], rep["graph"]
     # rank 0 waits for data from rank 1 (or, its sends having filled the ring, for rank 1 to drain a slot)
     assert "timeout waiting for a" in res[0]["timeout"], (res[0]["timeout"], res[0]["flags"], res[1]["flags"])

@@ -4,7 +4,7 @@ For nodes whose GPUs cannot reach each other directly (PCIe boxes with peer-to-p
 crosses PCIe twice, device → host on the sender, host → device on the receiver (DESIGN §1). The host
 memory is one shared file under /dev/shm (mode 0600, unlinked as soon as every rank has mapped it, so
 nothing is left behind by a crash) that each rank registers with CUDA (`cudaHostRegister`). It holds,
-for every (lane, sender, receiver), a ring of `RING` staging slots, each with a full/empty flag (the
+for every (lane, sender, receiver), a ring of staging slots (`ring_slots()`), each with a full/empty flag (the
 sender fills a slot, the receiver empties it); csrc/host_staged.cu orders wait → copy → flag on the CUDA
 streams, so no host thread ever waits for a transfer and the copies run on the copy engines, not on SMs.
 The flag values are constants, so an exchange can be captured in a CUDA graph and replayed (the EP
@@ -46,7 +46,8 @@ from ._onesided import decode_error, timeout_s
 from .base import Availability
 from .collective import CollectiveTransport
 
-RING = 2  # staging slots per (lane, sender, receiver): double buffering
+RING = 2  # staging slots per (lane, sender, receiver) by default: double buffering
+MAX_RING = 16
 DEFAULT_SLOT_BYTES = 8 << 20  # when the EP buffer did not size the slots (stage_capacity)
 _PAGE = 4096
 _SHM_DIR = "/dev/shm"
@@ -70,6 +71,21 @@ def _wait_mode() -> int:
     """MOETUNE_HS_WAIT=memop waits with cuStreamWaitValue64 (no SM, but no timeout either); the default is a
     one-thread spin kernel that gives up after MOETUNE_ONESIDED_TIMEOUT_S."""
     return 1 if os.environ.get("MOETUNE_HS_WAIT", "kernel") == "memop" else 0
+
+
+def ring_slots() -> int:
+    """Staging slots per (lane, sender, receiver): MOETUNE_HS_SLOTS, default RING. More slots let a sender
+    run further ahead of its receiver (it waits for a slot to drain less often), for more host memory."""
+    raw = os.environ.get("MOETUNE_HS_SLOTS", "")
+    if not raw:
+        return RING
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 2 <= n <= MAX_RING:
+        raise ValueError(f"MOETUNE_HS_SLOTS={raw!r}: expected an integer from 2 to {MAX_RING}")
+    return n
 
 
 def native_requested() -> bool:
@@ -127,6 +143,7 @@ class HostStagedTransport(CollectiveTransport):
         self.lib = lib
         self.lanes = max(1, channels)
         self.slot_bytes = DEFAULT_SLOT_BYTES
+        self.ring = ring_slots()
         self._h = ctypes.c_void_p()
         self._mm: mmap.mmap | None = None
         self._anchor: ctypes.Array | None = None
@@ -166,7 +183,7 @@ class HostStagedTransport(CollectiveTransport):
         return src * (self.world - 1) + (dst if dst < src else dst - 1)
 
     def _slot_index(self, lane: int, src: int, dst: int, slot: int) -> int:
-        return (lane * self.world * (self.world - 1) + self._pair(src, dst)) * RING + slot
+        return (lane * self.world * (self.world - 1) + self._pair(src, dst)) * self.ring + slot
 
     def _offsets(self, lane: int, src: int, dst: int, slot: int) -> tuple[int, int]:
         """(data, flag) byte offsets of one slot in the staging memory: the flags first, then the data."""
@@ -174,7 +191,7 @@ class HostStagedTransport(CollectiveTransport):
         return self._data_base + i * self.slot_bytes, 8 * i
 
     def _setup(self) -> None:
-        n_slots = self.lanes * self.world * (self.world - 1) * RING
+        n_slots = self.lanes * self.world * (self.world - 1) * self.ring
         self._data_base = -(-8 * n_slots // _PAGE) * _PAGE
         nbytes = self._data_base + n_slots * self.slot_bytes
         name, problem = "", ""
@@ -198,7 +215,8 @@ class HostStagedTransport(CollectiveTransport):
                 fd = os.open(name, os.O_RDWR)
                 try:
                     if os.fstat(fd).st_size != nbytes:
-                        raise OSError(f"{name} has {os.fstat(fd).st_size} bytes, expected {nbytes} (not one host?)")
+                        raise OSError(f"{name} has {os.fstat(fd).st_size} bytes, expected {nbytes} (not one host, or "
+                                      "another MOETUNE_HS_SLOTS?)")
                     self._mm = mmap.mmap(fd, nbytes)
                 finally:
                     os.close(fd)
@@ -246,7 +264,7 @@ class HostStagedTransport(CollectiveTransport):
         (diagnostics; no sync)."""
         if self._mm is None:
             return []
-        flags = [self._offsets(lane, src, dst, slot)[1] for slot in range(RING)]
+        flags = [self._offsets(lane, src, dst, slot)[1] for slot in range(self.ring)]
         return [int.from_bytes(self._mm[f : f + 8], "little") for f in flags]
 
     def host_stats(self) -> dict[str, tuple[float, int]]:
@@ -271,8 +289,8 @@ class HostStagedTransport(CollectiveTransport):
         call; the returned work's wait() orders the current stream after it, then runs `finish`.
 
         Pieces are posted send j, receive j, send j+1, ...: should the two streams share one hardware queue
-        (CUDA_DEVICE_MAX_CONNECTIONS), a send that waits for the peer to drain slot j-RING still comes after
-        this rank's own receive of piece j-RING, so with two ranks the ring cannot deadlock."""
+        (CUDA_DEVICE_MAX_CONNECTIONS), a send that waits for the peer to drain slot j-ring still comes after
+        this rank's own receive of piece j-ring, so with two ranks the ring cannot deadlock."""
         if self._mm is None:
             self._setup()
         self.check()
@@ -297,7 +315,7 @@ class HostStagedTransport(CollectiveTransport):
         for size in piece_sizes(n, self.slot_bytes):
             k = uses[lane][peer]
             uses[lane][peer] = k + 1
-            data, flag = self._offsets(lane, src, dst, k % RING)
+            data, flag = self._offsets(lane, src, dst, k % self.ring)
             pieces.append((data, ptr + off, size, flag, peer))
             off += size
         return pieces
