@@ -45,9 +45,9 @@ struct HsCtx {
   PfnWaitValue64 wait64 = nullptr;  // wait_mode 1: the driver's stream wait (no SM, no timeout)
   int wait_mode = 0;
   int lanes = 0;
-  cudaStream_t* s_out = nullptr;  // per lane, HS_STREAMS: device -> host copies
-  cudaStream_t* s_in = nullptr;   // per lane, HS_STREAMS: host -> device copies
-  cudaEvent_t* ev = nullptr;      // per lane, HS_TICKETS tickets x HS_EVENTS (start, then each stream done)
+  cudaStream_t* s_out = nullptr;  // per lane: device -> host copies
+  cudaStream_t* s_in = nullptr;   // per lane: host -> device copies
+  cudaEvent_t* ev = nullptr;      // per lane, HS_TICKETS tickets x {start, out done, in done}
   unsigned* next_ticket = nullptr;
   // host time spent in each kind of CUDA call (ns) and calls, for mt_hs_stats: 0 events/stream waits,
   // 1 local copy, 2 wait launches, 3 staging copies, 4 flag writes
@@ -72,13 +72,7 @@ struct Timed {  // adds the scope's host time to one stat
   }
 };
 
-// One piece for mt_hs_post: data offset, device address, bytes, flag offset, peer, stream (< HS_STREAMS).
-constexpr int HS_OP_WORDS = 6;
-// Copy streams per direction and lane. Consecutive slots go to different streams, so that one piece's wait
-// and flag (a few us in which a single stream's copy engine idles) overlap the next piece's copy. Every use
-// of one slot stays on one stream: that keeps a side's uses of the slot in order.
-constexpr int HS_STREAMS = 2;
-constexpr int HS_EVENTS = 1 + 2 * HS_STREAMS;
+constexpr int HS_OP_WORDS = 5;  // one piece for mt_hs_post: data offset, device address, bytes, flag offset, peer
 constexpr int HS_TICKETS = 64;  // exchanges of one lane that may be in flight before a ticket's events are reused
 
 __global__ void hs_wait_kernel(const uint64_t* flag, uint64_t want, mt::WaitCtx w, int code, int peer, int slot) {
@@ -113,11 +107,11 @@ int write_flag(HsCtx* c, uint64_t off, uint64_t value, cudaStream_t s) {
 }
 
 void free_lanes(HsCtx* c) {
-  for (int i = 0; i < c->lanes * HS_STREAMS; ++i) {
-    if (c->s_out && c->s_out[i]) cudaStreamDestroy(c->s_out[i]);
-    if (c->s_in && c->s_in[i]) cudaStreamDestroy(c->s_in[i]);
+  for (int l = 0; l < c->lanes; ++l) {
+    if (c->s_out && c->s_out[l]) cudaStreamDestroy(c->s_out[l]);
+    if (c->s_in && c->s_in[l]) cudaStreamDestroy(c->s_in[l]);
   }
-  for (int i = 0; c->ev && i < c->lanes * HS_TICKETS * HS_EVENTS; ++i)
+  for (int i = 0; c->ev && i < c->lanes * HS_TICKETS * 3; ++i)
     if (c->ev[i]) cudaEventDestroy(c->ev[i]);
   delete[] c->s_out;
   delete[] c->s_in;
@@ -201,15 +195,15 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
   if (ce == cudaSuccess) ce = cudaMemset(c->abort_dev, 0, sizeof(int));
   if (ce == cudaSuccess) {
     c->lanes = lanes;
-    c->s_out = new cudaStream_t[lanes * HS_STREAMS]();
-    c->s_in = new cudaStream_t[lanes * HS_STREAMS]();
-    c->ev = new cudaEvent_t[(size_t)lanes * HS_TICKETS * HS_EVENTS]();
+    c->s_out = new cudaStream_t[lanes]();
+    c->s_in = new cudaStream_t[lanes]();
+    c->ev = new cudaEvent_t[(size_t)lanes * HS_TICKETS * 3]();
     c->next_ticket = new unsigned[lanes]();
-    for (int i = 0; i < lanes * HS_STREAMS && ce == cudaSuccess; ++i) {
-      ce = cudaStreamCreateWithFlags(&c->s_out[i], cudaStreamNonBlocking);
-      if (ce == cudaSuccess) ce = cudaStreamCreateWithFlags(&c->s_in[i], cudaStreamNonBlocking);
+    for (int l = 0; l < lanes && ce == cudaSuccess; ++l) {
+      ce = cudaStreamCreateWithFlags(&c->s_out[l], cudaStreamNonBlocking);
+      if (ce == cudaSuccess) ce = cudaStreamCreateWithFlags(&c->s_in[l], cudaStreamNonBlocking);
     }
-    for (int i = 0; i < lanes * HS_TICKETS * HS_EVENTS && ce == cudaSuccess; ++i)
+    for (int i = 0; i < lanes * HS_TICKETS * 3 && ce == cudaSuccess; ++i)
       ce = cudaEventCreateWithFlags(&c->ev[i], cudaEventDisableTiming);
   }
   if (ce != cudaSuccess) {
@@ -226,16 +220,12 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
   return 0;
 }
 
-// One piece through one slot on one of `streams` (the op picks which): wait until the slot's flag says it
-// is ours (sender: empty, receiver: full), copy nbytes (device -> slot when `to_host`, slot -> device
-// otherwise), hand the slot over.
-static int stage_piece(HsCtx* c, const uint64_t* op, bool to_host, const cudaStream_t* streams) {
+// One piece through one slot on stream s: wait until the slot's flag says it is ours (sender: empty,
+// receiver: full), copy nbytes (device -> slot when `to_host`, slot -> device otherwise), hand the slot over.
+static int stage_piece(HsCtx* c, const uint64_t* op, bool to_host, cudaStream_t s) {
   uint64_t data_off = op[0], nbytes = op[2], flag_off = op[3];
   void* dev = (void*)op[1];
   int peer = (int)op[4], rc;
-  MT_REQUIRE(op[5] < HS_STREAMS, 306, "host_staged: stream %llu outside 0..%d", (unsigned long long)op[5],
-             HS_STREAMS - 1);
-  cudaStream_t s = streams[op[5]];
   if ((rc = check_range(c, data_off, nbytes, "staging slot")) || (rc = check_range(c, flag_off, 8, "flag"))) return rc;
   if ((rc = wait_flag(c, flag_off, to_host ? HS_EMPTY : HS_FULL, to_host ? HS_ERR_TIMEOUT_DRAIN : MT_ERR_TIMEOUT_SIGNAL,
                       peer, s)))
@@ -251,7 +241,7 @@ static int stage_piece(HsCtx* c, const uint64_t* op, bool to_host, const cudaStr
 
 // One exchange on a lane, in one call: both lane streams start after `cur_stream`'s work so far; the local
 // block (if any) is a device copy on the receive stream; the pieces go send 0, receive 0, send 1, ...
-// (ops: HS_OP_WORDS words each: data offset, device address, bytes, flag offset, peer, stream). *ticket names the
+// (ops: HS_OP_WORDS words each: data offset, device address, bytes, flag offset, peer). *ticket names the
 // exchange for mt_hs_wait. Capturable in a CUDA graph (cur_stream capturing: the lane streams join it).
 MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const uint64_t* out_ops, int n_in,
                       const uint64_t* in_ops, void* local_dst, const void* local_src, uint64_t local_bytes,
@@ -259,20 +249,17 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
   HsCtx* c = (HsCtx*)h;
   MT_REQUIRE(lane >= 0 && lane < c->lanes, 304, "host_staged: lane %d outside 0..%d", lane, c->lanes - 1);
   unsigned t = c->next_ticket[lane]++ % HS_TICKETS;
-  cudaEvent_t* ev = c->ev + ((size_t)lane * HS_TICKETS + t) * HS_EVENTS;
-  const cudaStream_t* so = c->s_out + lane * HS_STREAMS;
-  const cudaStream_t* si = c->s_in + lane * HS_STREAMS;
+  cudaEvent_t* ev = c->ev + ((size_t)lane * HS_TICKETS + t) * 3;
+  cudaStream_t so = c->s_out[lane], si = c->s_in[lane];
   {
     Timed tm(c, 0);
     MT_CUDA(cudaEventRecord(ev[0], (cudaStream_t)cur_stream));
-    for (int k = 0; k < HS_STREAMS; ++k) {
-      MT_CUDA(cudaStreamWaitEvent(so[k], ev[0], 0));
-      MT_CUDA(cudaStreamWaitEvent(si[k], ev[0], 0));
-    }
+    MT_CUDA(cudaStreamWaitEvent(so, ev[0], 0));
+    MT_CUDA(cudaStreamWaitEvent(si, ev[0], 0));
   }
   if (local_bytes) {
     Timed tm(c, 1);
-    MT_CUDA(cudaMemcpyAsync(local_dst, local_src, local_bytes, cudaMemcpyDeviceToDevice, si[0]));
+    MT_CUDA(cudaMemcpyAsync(local_dst, local_src, local_bytes, cudaMemcpyDeviceToDevice, si));
   }
   int rc;
   for (int j = 0; j < n_out || j < n_in; ++j) {
@@ -281,10 +268,8 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
   }
   {
     Timed tm(c, 0);
-    for (int k = 0; k < HS_STREAMS; ++k) {
-      MT_CUDA(cudaEventRecord(ev[1 + 2 * k], so[k]));
-      MT_CUDA(cudaEventRecord(ev[2 + 2 * k], si[k]));
-    }
+    MT_CUDA(cudaEventRecord(ev[1], so));
+    MT_CUDA(cudaEventRecord(ev[2], si));
   }
   *ticket = (int)t;
   return 0;
@@ -295,8 +280,9 @@ MT_API int mt_hs_wait(void* h, int lane, int ticket, uint64_t cur_stream) {
   HsCtx* c = (HsCtx*)h;
   MT_REQUIRE(lane >= 0 && lane < c->lanes && ticket >= 0 && ticket < HS_TICKETS, 305,
              "host_staged: lane %d / ticket %d out of range", lane, ticket);
-  cudaEvent_t* ev = c->ev + ((size_t)lane * HS_TICKETS + ticket) * HS_EVENTS;
-  for (int k = 1; k < HS_EVENTS; ++k) MT_CUDA(cudaStreamWaitEvent((cudaStream_t)cur_stream, ev[k], 0));
+  cudaEvent_t* ev = c->ev + ((size_t)lane * HS_TICKETS + ticket) * 3;
+  MT_CUDA(cudaStreamWaitEvent((cudaStream_t)cur_stream, ev[1], 0));
+  MT_CUDA(cudaStreamWaitEvent((cudaStream_t)cur_stream, ev[2], 0));
   return 0;
 }
 

@@ -15,7 +15,7 @@ from moetune.runtime.transports import host_staged as hs
 def _bare(world: int, rank: int, lanes: int, slot: int, ring: int = hs.RING) -> hs.HostStagedTransport:
     """A transport with the layout fields set and no staging memory (enough for the offset arithmetic)."""
     t = hs.HostStagedTransport.__new__(hs.HostStagedTransport)
-    t.world, t.rank, t.lanes, t.slot_bytes, t.ring, t.streams = world, rank, lanes, slot, ring, hs.COPY_STREAMS
+    t.world, t.rank, t.lanes, t.slot_bytes, t.ring = world, rank, lanes, slot, ring
     t._sent = [[0] * world for _ in range(lanes)]
     t._recvd = [[0] * world for _ in range(lanes)]
     n_slots = lanes * world * (world - 1) * ring
@@ -66,9 +66,7 @@ def test_sender_and_receiver_cut_a_block_alike(ring: int) -> None:
     for n in (0, 100, slot, 3 * slot + 5, 1 << 20, 7):
         out = a._pieces(0, 0, 1, 1000, n, a._sent)
         inc = b._pieces(0, 0, 1, 9000, n, b._recvd)
-        assert [(d, sz, f) for d, _p, sz, f, _peer, _s in out] == [(d, sz, f) for d, _p, sz, f, _peer, _s in inc]
-        # every use of a slot is copied on the same stream (its uses stay in order), consecutive slots on others
-        assert all(p[5] == ((p[3] // 8) % ring) % hs.COPY_STREAMS for p in out + inc)
+        assert [(d, sz, f) for d, _p, sz, f, _peer in out] == [(d, sz, f) for d, _p, sz, f, _peer in inc]
         assert [p[4] for p in out] == [1] * len(out) and [p[4] for p in inc] == [0] * len(inc)
         assert [p[1] - 1000 for p in out] == [p[1] - 9000 for p in inc] == [i * slot for i in range(len(out))]
         flags += [p[3] for p in out]
@@ -79,15 +77,7 @@ def test_sender_and_receiver_cut_a_block_alike(ring: int) -> None:
     assert len(set(flags)) == ring
 
 
-def test_ring_slots_and_streams_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MOETUNE_HS_STREAMS", raising=False)
-    assert hs.copy_streams() == hs.COPY_STREAMS == 2
-    monkeypatch.setenv("MOETUNE_HS_STREAMS", "1")
-    assert hs.copy_streams() == 1
-    for bad in ("0", "3", "two"):
-        monkeypatch.setenv("MOETUNE_HS_STREAMS", bad)
-        with pytest.raises(ValueError, match="MOETUNE_HS_STREAMS"):
-            hs.copy_streams()
+def test_ring_slots_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MOETUNE_HS_SLOTS", raising=False)
     assert hs.ring_slots() == hs.RING
     monkeypatch.setenv("MOETUNE_HS_SLOTS", "4")

@@ -53,8 +53,7 @@ _PAGE = 4096
 _SHM_DIR = "/dev/shm"
 _NAME_BYTES = 64
 ERR_DRAIN = 8  # csrc: waited too long for the receiver to drain a staging slot
-_OP_WORDS = 6  # csrc HS_OP_WORDS: one piece for mt_hs_post
-COPY_STREAMS = 2  # csrc HS_STREAMS: copy streams per direction and lane
+_OP_WORDS = 5  # csrc HS_OP_WORDS: one piece for mt_hs_post
 
 
 class HostStagedError(RuntimeError):
@@ -87,17 +86,6 @@ def ring_slots() -> int:
     if not 2 <= n <= MAX_RING:
         raise ValueError(f"MOETUNE_HS_SLOTS={raw!r}: expected an integer from 2 to {MAX_RING}")
     return n
-
-
-def copy_streams() -> int:
-    """Copy streams per direction used (MOETUNE_HS_STREAMS, 1 or COPY_STREAMS = the default): with two,
-    consecutive slots alternate between them, so one piece's wait and flag overlap the next one's copy."""
-    raw = os.environ.get("MOETUNE_HS_STREAMS", "")
-    if raw in ("", str(COPY_STREAMS)):
-        return COPY_STREAMS
-    if raw != "1":
-        raise ValueError(f"MOETUNE_HS_STREAMS={raw!r}: expected 1 or {COPY_STREAMS}")
-    return 1
 
 
 def native_requested() -> bool:
@@ -156,7 +144,6 @@ class HostStagedTransport(CollectiveTransport):
         self.lanes = max(1, channels)
         self.slot_bytes = DEFAULT_SLOT_BYTES
         self.ring = ring_slots()
-        self.streams = copy_streams()
         self._h = ctypes.c_void_p()
         self._mm: mmap.mmap | None = None
         self._anchor: ctypes.Array | None = None
@@ -321,17 +308,15 @@ class HostStagedTransport(CollectiveTransport):
 
     def _pieces(self, lane: int, src: int, dst: int, ptr: int, n: int, uses: list[list[int]]) -> list[tuple]:
         """One block cut for consecutive slots of the (lane, src -> dst) ring (both sides cut it alike, and
-        both count the ring's uses alike): the (data, address, bytes, flag, peer, copy stream) of each piece.
-        A slot is always copied on the same stream (slot mod streams), so each side's uses of it stay in order."""
+        both count the ring's uses alike): the (data, address, bytes, flag, peer) of each piece."""
         peer = dst if src == self.rank else src
         pieces = []
         off = 0
         for size in piece_sizes(n, self.slot_bytes):
             k = uses[lane][peer]
             uses[lane][peer] = k + 1
-            slot = k % self.ring
-            data, flag = self._offsets(lane, src, dst, slot)
-            pieces.append((data, ptr + off, size, flag, peer, slot % self.streams))
+            data, flag = self._offsets(lane, src, dst, k % self.ring)
+            pieces.append((data, ptr + off, size, flag, peer))
             off += size
         return pieces
 
