@@ -3,6 +3,7 @@
 # alternate, so one piece's wait and flag overlap the next piece's copy); MOETUNE_HS_STREAMS=1 is the one-stream
 # path of runs 26-27, for comparison in the same launch. The transport's GPU test, then Qwen3-30B S=4096
 # host-staged round trips, eager and replayed from a CUDA graph (--cuda-graph), in two launches.
+# Measured at commit "host_staged: two copy streams per direction"; the next commit removed them (slower).
 #   source bench/device_env.sh; bash bench/gpu_run28.sh        -> $OUT/run28.tgz
 set -uo pipefail
 RUN=run28 ONESIDED_TIMEOUT_S=10; source "$(dirname "$0")/gpu_run_common.sh"
