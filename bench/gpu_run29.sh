@@ -3,6 +3,7 @@
 # waits for the slot, copies it from host memory and hands it back) against the copy engine (wait kernel, then
 # a copy-engine copy: run 22's timeline shows ~10 us between the two, per piece). The transport's GPU test both
 # ways, then Qwen3-30B S=4096 host-staged round trips, eager and replayed from a CUDA graph, in two launches.
+# Measured at commit "host_staged: MOETUNE_HS_RECV_SMS=N ..."; removed in the commit after its results (slower).
 #   source bench/device_env.sh; bash bench/gpu_run29.sh        -> $OUT/run29.tgz
 set -uo pipefail
 RUN=run29 ONESIDED_TIMEOUT_S=10; source "$(dirname "$0")/gpu_run_common.sh"

@@ -44,8 +44,6 @@ struct HsCtx {
   PfnWriteValue64 write64 = nullptr;
   PfnWaitValue64 wait64 = nullptr;  // wait_mode 1: the driver's stream wait (no SM, no timeout)
   int wait_mode = 0;
-  int recv_blocks = 0;        // > 0: the receiver's wait + copy is one SM kernel of that many blocks
-  unsigned* done_dev = nullptr;  // per lane: blocks of the current receive kernel that finished reading
   int lanes = 0;
   cudaStream_t* s_out = nullptr;  // per lane: device -> host copies
   cudaStream_t* s_in = nullptr;   // per lane: host -> device copies
@@ -82,15 +80,6 @@ __global__ void hs_wait_kernel(const uint64_t* flag, uint64_t want, mt::WaitCtx 
   mt::wait_word(w, flag, want, mt::MT_WAIT_EQ, code, peer, slot, &ok);
 }
 
-mt::WaitCtx wait_ctx(const HsCtx* c) {
-  mt::WaitCtx w;
-  w.err = c->err_dev;
-  w.abort_flag = c->abort_dev;
-  w.timeout_ns = c->timeout_ns;
-  w.rank = c->rank;
-  return w;
-}
-
 // Make stream s wait until the flag at `off` equals `want`.
 int wait_flag(HsCtx* c, uint64_t off, uint64_t want, int code, int peer, cudaStream_t s) {
   Timed tm(c, 2);
@@ -99,56 +88,15 @@ int wait_flag(HsCtx* c, uint64_t off, uint64_t want, int code, int peer, cudaStr
     MT_REQUIRE(r == CUDA_SUCCESS, 303, "host_staged: cuStreamWaitValue64 failed (CUresult %d)", (int)r);
     return 0;
   }
-  mt::WaitCtx w = wait_ctx(c);
+  mt::WaitCtx w;
+  w.err = c->err_dev;
+  w.abort_flag = c->abort_dev;
+  w.timeout_ns = c->timeout_ns;
+  w.rank = c->rank;
   hs_wait_kernel<<<1, 1, 0, s>>>(reinterpret_cast<const uint64_t*>(c->dev_base + off), want, w, code, peer,
                                  (int)(off / 8));
   MT_CUDA(cudaGetLastError());
   return 0;
-}
-
-constexpr int HS_RECV_THREADS = 512;
-
-// The receiver's side of one piece on SMs, in one kernel: wait until the slot is full, copy it from host
-// memory to the device with 16-byte loads (.cv: never a cached copy of an earlier use of the slot), and
-// the last block to finish reading hands the slot back (empty). No wait -> copy-engine hand-off per piece.
-__global__ void __launch_bounds__(HS_RECV_THREADS)
-    hs_recv_kernel(const uint8_t* src, uint8_t* dst, uint64_t nbytes, uint64_t* flag, unsigned* done, mt::WaitCtx w,
-                   int peer, int slot) {
-  __shared__ int go;
-  if (threadIdx.x == 0) {
-    bool ok;
-    mt::wait_word(w, flag, HS_FULL, mt::MT_WAIT_EQ, MT_ERR_TIMEOUT_SIGNAL, peer, slot, &ok);
-    go = ok;
-  }
-  __syncthreads();
-  if (!go) return;
-  const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x, nth = (uint64_t)gridDim.x * blockDim.x;
-  uint64_t vec_bytes = 0;
-  if ((((uintptr_t)src | (uintptr_t)dst) & 15) == 0) {
-    const uint4* sv = reinterpret_cast<const uint4*>(src);
-    uint4* dv = reinterpret_cast<uint4*>(dst);
-    const uint64_t n = nbytes / 16;
-    uint64_t i = tid;
-    for (; i + 3 * nth < n; i += 4 * nth) {  // four loads in flight per thread: PCIe reads are slow to return
-      uint4 a = __ldcv(sv + i), b = __ldcv(sv + i + nth), c = __ldcv(sv + i + 2 * nth), d = __ldcv(sv + i + 3 * nth);
-      dv[i] = a;
-      dv[i + nth] = b;
-      dv[i + 2 * nth] = c;
-      dv[i + 3 * nth] = d;
-    }
-    for (; i < n; i += nth) dv[i] = __ldcv(sv + i);
-    vec_bytes = n * 16;
-  }
-  for (uint64_t i = vec_bytes + tid; i < nbytes; i += nth) dst[i] = __ldcv(src + i);
-  __syncthreads();  // this block's reads are done
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(done, 1u) == gridDim.x - 1) {  // every block has read its share: the slot may be refilled
-      atomicExch(done, 0u);
-      __threadfence_system();
-      mt::st_release_sys(flag, HS_EMPTY);
-    }
-  }
 }
 
 int write_flag(HsCtx* c, uint64_t off, uint64_t value, cudaStream_t s) {
@@ -198,12 +146,10 @@ int check_range(HsCtx* c, uint64_t off, uint64_t n, const char* what) {
 
 // Register `bytes` of shared host memory at `host_base` (page aligned) for this process and device.
 // wait_mode 0: waits are one-thread spin kernels with a timeout; 1: cuStreamWaitValue64 (for comparison).
-// recv_blocks > 0: receive each piece with one SM kernel of that many blocks instead of wait + copy engine.
 MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, double timeout_s, int wait_mode,
-                        int lanes, int recv_blocks, void** out) {
+                        int lanes, void** out) {
   MT_REQUIRE(wait_mode == 0 || wait_mode == 1, 314, "host_staged: wait_mode %d is not 0 or 1", wait_mode);
   MT_REQUIRE(lanes >= 1 && lanes <= 64, 316, "host_staged: lanes %d outside 1..64", lanes);
-  MT_REQUIRE(recv_blocks >= 0 && recv_blocks <= 1024, 317, "host_staged: recv_blocks %d outside 0..1024", recv_blocks);
   MT_REQUIRE(host_base != nullptr && bytes > 0 && ((uintptr_t)host_base & 4095u) == 0, 310,
              "host_staged: staging memory must be a non-empty page-aligned region");
   MT_CUDA(cudaSetDevice(device));
@@ -212,7 +158,6 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
   c->rank = rank;
   c->bytes = bytes;
   c->timeout_ns = (uint64_t)(timeout_s * 1e9);
-  c->recv_blocks = recv_blocks;
   void* fn = nullptr;
   if (driver_fn("cuStreamWriteValue64", &fn)) {
     delete c;
@@ -248,8 +193,6 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
   }
   if (ce == cudaSuccess) ce = cudaMalloc((void**)&c->abort_dev, sizeof(int));
   if (ce == cudaSuccess) ce = cudaMemset(c->abort_dev, 0, sizeof(int));
-  if (ce == cudaSuccess) ce = cudaMalloc((void**)&c->done_dev, lanes * sizeof(unsigned));
-  if (ce == cudaSuccess) ce = cudaMemset(c->done_dev, 0, lanes * sizeof(unsigned));
   if (ce == cudaSuccess) {
     c->lanes = lanes;
     c->s_out = new cudaStream_t[lanes]();
@@ -268,7 +211,6 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
     mt::set_error("host_staged: setup failed: %s (%s)", cudaGetErrorName(ce), cudaGetErrorString(ce));
     if (c->err_host) cudaFreeHost(c->err_host);
     if (c->abort_dev) cudaFree(c->abort_dev);
-    if (c->done_dev) cudaFree(c->done_dev);
     free_lanes(c);
     cudaHostUnregister(host_base);
     delete c;
@@ -280,20 +222,11 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
 
 // One piece through one slot on stream s: wait until the slot's flag says it is ours (sender: empty,
 // receiver: full), copy nbytes (device -> slot when `to_host`, slot -> device otherwise), hand the slot over.
-static int stage_piece(HsCtx* c, const uint64_t* op, bool to_host, cudaStream_t s, int lane) {
+static int stage_piece(HsCtx* c, const uint64_t* op, bool to_host, cudaStream_t s) {
   uint64_t data_off = op[0], nbytes = op[2], flag_off = op[3];
   void* dev = (void*)op[1];
   int peer = (int)op[4], rc;
   if ((rc = check_range(c, data_off, nbytes, "staging slot")) || (rc = check_range(c, flag_off, 8, "flag"))) return rc;
-  if (!to_host && c->recv_blocks > 0) {  // on SMs: wait, copy and hand back in one kernel
-    Timed tm(c, 3);
-    mt::WaitCtx w = wait_ctx(c);
-    hs_recv_kernel<<<c->recv_blocks, HS_RECV_THREADS, 0, s>>>(c->dev_base + data_off, (uint8_t*)dev, nbytes,
-                                                              (uint64_t*)(c->dev_base + flag_off), c->done_dev + lane,
-                                                              w, peer, (int)(flag_off / 8));
-    MT_CUDA(cudaGetLastError());
-    return 0;
-  }
   if ((rc = wait_flag(c, flag_off, to_host ? HS_EMPTY : HS_FULL, to_host ? HS_ERR_TIMEOUT_DRAIN : MT_ERR_TIMEOUT_SIGNAL,
                       peer, s)))
     return rc;
@@ -330,8 +263,8 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
   }
   int rc;
   for (int j = 0; j < n_out || j < n_in; ++j) {
-    if (j < n_out && (rc = stage_piece(c, out_ops + HS_OP_WORDS * j, true, so, lane))) return rc;
-    if (j < n_in && (rc = stage_piece(c, in_ops + HS_OP_WORDS * j, false, si, lane))) return rc;
+    if (j < n_out && (rc = stage_piece(c, out_ops + HS_OP_WORDS * j, true, so))) return rc;
+    if (j < n_in && (rc = stage_piece(c, in_ops + HS_OP_WORDS * j, false, si))) return rc;
   }
   {
     Timed tm(c, 0);
@@ -378,7 +311,6 @@ MT_API int mt_hs_destroy(void* h) {
   cudaDeviceSynchronize();  // no copy may still touch the memory being unregistered
   if (c->err_host) cudaFreeHost(c->err_host);
   if (c->abort_dev) cudaFree(c->abort_dev);
-  if (c->done_dev) cudaFree(c->done_dev);
   free_lanes(c);
   cudaError_t ce = cudaHostUnregister(c->host_base);
   delete c;

@@ -77,15 +77,7 @@ def test_sender_and_receiver_cut_a_block_alike(ring: int) -> None:
     assert len(set(flags)) == ring
 
 
-def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MOETUNE_HS_RECV_SMS", raising=False)
-    assert hs.recv_blocks() == 0  # the copy engine
-    monkeypatch.setenv("MOETUNE_HS_RECV_SMS", "32")
-    assert hs.recv_blocks() == 32
-    for bad in ("-1", "1025", "many"):
-        monkeypatch.setenv("MOETUNE_HS_RECV_SMS", bad)
-        with pytest.raises(ValueError, match="MOETUNE_HS_RECV_SMS"):
-            hs.recv_blocks()
+def test_ring_slots_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MOETUNE_HS_SLOTS", raising=False)
     assert hs.ring_slots() == hs.RING
     monkeypatch.setenv("MOETUNE_HS_SLOTS", "4")

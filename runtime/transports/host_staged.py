@@ -88,19 +88,6 @@ def ring_slots() -> int:
     return n
 
 
-def recv_blocks() -> int:
-    """MOETUNE_HS_RECV_SMS=N (1..1024) receives each piece with one SM kernel of N blocks (wait, copy from
-    host memory, hand the slot back) instead of a wait then a copy-engine copy; 0 (default) = copy engine."""
-    raw = os.environ.get("MOETUNE_HS_RECV_SMS", "") or "0"
-    try:
-        n = int(raw)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= 1024:
-        raise ValueError(f"MOETUNE_HS_RECV_SMS={raw!r}: expected an integer from 0 (copy engine) to 1024")
-    return n
-
-
 def native_requested() -> bool:
     return os.environ.get("MOETUNE_HS_NATIVE", "1") != "0"
 
@@ -157,7 +144,6 @@ class HostStagedTransport(CollectiveTransport):
         self.lanes = max(1, channels)
         self.slot_bytes = DEFAULT_SLOT_BYTES
         self.ring = ring_slots()
-        self.recv_blocks = recv_blocks()
         self._h = ctypes.c_void_p()
         self._mm: mmap.mmap | None = None
         self._anchor: ctypes.Array | None = None
@@ -236,8 +222,7 @@ class HostStagedTransport(CollectiveTransport):
                     os.close(fd)
                 self._anchor = ctypes.c_char.from_buffer(self._mm)
                 rc = self.lib.mt_hs_create(self.device.index or 0, self.rank, ctypes.addressof(self._anchor), nbytes,
-                                           timeout_s(), _wait_mode(), self.lanes, self.recv_blocks,
-                                           ctypes.byref(self._h))
+                                           timeout_s(), _wait_mode(), self.lanes, ctypes.byref(self._h))
                 if rc:
                     raise HostStagedError(self.lib.mt_last_error().decode(errors="replace"))
             except (OSError, HostStagedError) as e:
