@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# Run 31 on the 2x H200 node (~1 min): the timeline of host_staged's round trip on the final code, to see what a
-# piece costs on the device. `moetune bench ep --profile` with the timeline exported (MOETUNE_PROFILE_TRACE) for
-# dense fp8 with chunk_tokens=512, Qwen3-30B S=4096, with the spin-kernel waits and with cuStreamWaitValue64.
+# Run 31 on the 2x H200 node (~2.5 min): a sender waits once per ring (every slot empty) before a block's first
+# piece, then fills up to a ring of pieces back to back (MOETUNE_HS_SENDER_WAIT=piece: a wait per piece, as in
+# runs 26-30), with rings of 2 and 8 slots (MOETUNE_HS_SLOTS). The transport's GPU test with both ring sizes, then
+# Qwen3-30B S=4096 host-staged round trips, eager and replayed from a CUDA graph, side by side in one launch.
 #   source bench/device_env.sh; bash bench/gpu_run31.sh        -> $OUT/run31.tgz
 set -uo pipefail
 RUN=run31 ONESIDED_TIMEOUT_S=10; source "$(dirname "$0")/gpu_run_common.sh"
 export NCCL_P2P_DISABLE=1
 build_csrc
-for wait in kernel memop; do
-  stage "profile $wait" 60 env MOETUNE_HS_WAIT=$wait MOETUNE_PROFILE_TRACE="$R/trace_$wait" moetune bench ep --world 2 \
-    --backend nccl --transport host_staged --model qwen3-30b --tokens 4096 --layout dense \
-    --knobs compression=fp8_e4m3,chunk_tokens=512 --iters 10 --warmup 3 --no-layer --profile --json > "$R/$wait.json" 2> "$R/$wait.err"
-  python3 -c "import json,sys; r=json.loads([l for l in open(sys.argv[1]) if l.startswith('{')][-1]); print(sys.argv[2], {k: round(r[k]['median']) for k in ('dispatch_us','combine_us','roundtrip_us','roundtrip_host_us') if r.get(k)})" "$R/$wait.json" "$wait" || tail -3 "$R/$wait.err"
-done
-for f in "$R"/trace_*.json; do gzip "$f"; done
+gpu_tests 60 tests/test_runtime_gpu.py -k host_staged
+stage "tests, 8 slots" 60 env MOETUNE_HS_SLOTS=8 python3 -m pytest tests/test_runtime_gpu.py -k host_staged -q -rA \
+  -p no:cacheprovider > "$R/gpu_tests_8_slots.log" 2>&1
+grep -E "FAILED|ERROR|passed|failed|Error" "$R/gpu_tests_8_slots.log" | tail -6
+N="MOETUNE_HS_NATIVE=0"; F="compression=fp8_e4m3"; S8="MOETUNE_HS_SLOTS=8"
+C="dense|pipeline_depth=1|$N;dense|$F,chunk_tokens=1024|MOETUNE_HS_SENDER_WAIT=piece;dense|$F,chunk_tokens=1024"
+C="$C;dense|$F,chunk_tokens=1024|$S8;dense|$F,chunk_tokens=512|$S8;dense|$F,chunk_tokens=256|$S8"
+C="$C;dense|$F,chunk_tokens=256|MOETUNE_HS_SLOTS=16 MOETUNE_HS_WAIT=memop"
+hs_launch a 110 "$C" EP_ARGS=--cuda-graph
 finish
