@@ -3,6 +3,7 @@
 # piece, then fills up to a ring of pieces back to back (MOETUNE_HS_SENDER_WAIT=piece: a wait per piece, as in
 # runs 26-30), with rings of 2 and 8 slots (MOETUNE_HS_SLOTS). The transport's GPU test with both ring sizes, then
 # Qwen3-30B S=4096 host-staged round trips, eager and replayed from a CUDA graph, side by side in one launch.
+# Measured at commit 6b5022a (branch hs-ring-wait); the code was reverted after its results (wrong with 2 slots).
 #   source bench/device_env.sh; bash bench/gpu_run31.sh        -> $OUT/run31.tgz
 set -uo pipefail
 RUN=run31 ONESIDED_TIMEOUT_S=10; source "$(dirname "$0")/gpu_run_common.sh"

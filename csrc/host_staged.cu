@@ -72,26 +72,20 @@ struct Timed {  // adds the scope's host time to one stat
   }
 };
 
-// One piece for mt_hs_post: data offset, device address, bytes, flag offset, peer, then what to wait for before
-// the copy: the first of `count` consecutive flags (offset, count; count 0 = no wait).
-constexpr int HS_OP_WORDS = 7;
-constexpr int HS_MAX_WAIT_FLAGS = 64;
+constexpr int HS_OP_WORDS = 5;  // one piece for mt_hs_post: data offset, device address, bytes, flag offset, peer
 constexpr int HS_TICKETS = 64;  // exchanges of one lane that may be in flight before a ticket's events are reused
 
-__global__ void hs_wait_kernel(const uint64_t* flags, int count, uint64_t want, mt::WaitCtx w, int code, int peer,
-                               int slot) {
-  bool ok = true;
-  for (int i = 0; i < count && ok; ++i) mt::wait_word(w, flags + i, want, mt::MT_WAIT_EQ, code, peer, slot + i, &ok);
+__global__ void hs_wait_kernel(const uint64_t* flag, uint64_t want, mt::WaitCtx w, int code, int peer, int slot) {
+  bool ok;
+  mt::wait_word(w, flag, want, mt::MT_WAIT_EQ, code, peer, slot, &ok);
 }
 
-// Make stream s wait until the `count` consecutive flags from `off` all equal `want`.
-int wait_flags(HsCtx* c, uint64_t off, int count, uint64_t want, int code, int peer, cudaStream_t s) {
+// Make stream s wait until the flag at `off` equals `want`.
+int wait_flag(HsCtx* c, uint64_t off, uint64_t want, int code, int peer, cudaStream_t s) {
   Timed tm(c, 2);
   if (c->wait_mode == 1) {
-    for (int i = 0; i < count; ++i) {
-      CUresult r = c->wait64((CUstream)s, (CUdeviceptr)(c->dev_base + off + 8 * i), want, CU_STREAM_WAIT_VALUE_EQ);
-      MT_REQUIRE(r == CUDA_SUCCESS, 303, "host_staged: cuStreamWaitValue64 failed (CUresult %d)", (int)r);
-    }
+    CUresult r = c->wait64((CUstream)s, (CUdeviceptr)(c->dev_base + off), want, CU_STREAM_WAIT_VALUE_EQ);
+    MT_REQUIRE(r == CUDA_SUCCESS, 303, "host_staged: cuStreamWaitValue64 failed (CUresult %d)", (int)r);
     return 0;
   }
   mt::WaitCtx w;
@@ -99,7 +93,7 @@ int wait_flags(HsCtx* c, uint64_t off, int count, uint64_t want, int code, int p
   w.abort_flag = c->abort_dev;
   w.timeout_ns = c->timeout_ns;
   w.rank = c->rank;
-  hs_wait_kernel<<<1, 1, 0, s>>>(reinterpret_cast<const uint64_t*>(c->dev_base + off), count, want, w, code, peer,
+  hs_wait_kernel<<<1, 1, 0, s>>>(reinterpret_cast<const uint64_t*>(c->dev_base + off), want, w, code, peer,
                                  (int)(off / 8));
   MT_CUDA(cudaGetLastError());
   return 0;
@@ -226,22 +220,15 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
   return 0;
 }
 
-// One piece through one slot on stream s: wait until the op's flags say the slots are ours (sender: empty,
+// One piece through one slot on stream s: wait until the slot's flag says it is ours (sender: empty,
 // receiver: full), copy nbytes (device -> slot when `to_host`, slot -> device otherwise), hand the slot over.
-// A receiver waits for its own slot; a sender waits for every slot of the ring before a block's first piece
-// and then only for pieces past the ring (the caller says which): each checked slot is one this stream filled
-// last, so empty means drained, also when the exchange is replayed from a graph.
 static int stage_piece(HsCtx* c, const uint64_t* op, bool to_host, cudaStream_t s) {
-  uint64_t data_off = op[0], nbytes = op[2], flag_off = op[3], wait_off = op[5], wait_count = op[6];
+  uint64_t data_off = op[0], nbytes = op[2], flag_off = op[3];
   void* dev = (void*)op[1];
   int peer = (int)op[4], rc;
-  MT_REQUIRE(wait_count <= HS_MAX_WAIT_FLAGS, 306, "host_staged: %llu flags to wait for (at most %d)",
-             (unsigned long long)wait_count, HS_MAX_WAIT_FLAGS);
-  if ((rc = check_range(c, data_off, nbytes, "staging slot")) || (rc = check_range(c, flag_off, 8, "flag")) ||
-      (rc = check_range(c, wait_off, 8 * wait_count, "flags")))
-    return rc;
-  if (wait_count && (rc = wait_flags(c, wait_off, (int)wait_count, to_host ? HS_EMPTY : HS_FULL,
-                                     to_host ? HS_ERR_TIMEOUT_DRAIN : MT_ERR_TIMEOUT_SIGNAL, peer, s)))
+  if ((rc = check_range(c, data_off, nbytes, "staging slot")) || (rc = check_range(c, flag_off, 8, "flag"))) return rc;
+  if ((rc = wait_flag(c, flag_off, to_host ? HS_EMPTY : HS_FULL, to_host ? HS_ERR_TIMEOUT_DRAIN : MT_ERR_TIMEOUT_SIGNAL,
+                      peer, s)))
     return rc;
   if (nbytes) {
     Timed tm(c, 3);
@@ -254,8 +241,8 @@ static int stage_piece(HsCtx* c, const uint64_t* op, bool to_host, cudaStream_t 
 
 // One exchange on a lane, in one call: both lane streams start after `cur_stream`'s work so far; the local
 // block (if any) is a device copy on the receive stream; the pieces go send 0, receive 0, send 1, ...
-// (ops: HS_OP_WORDS words each: data offset, device address, bytes, flag offset, peer, wait offset, wait
-// count). *ticket names the exchange for mt_hs_wait. Capturable in a CUDA graph (cur_stream capturing: the lane streams join it).
+// (ops: HS_OP_WORDS words each: data offset, device address, bytes, flag offset, peer). *ticket names the
+// exchange for mt_hs_wait. Capturable in a CUDA graph (cur_stream capturing: the lane streams join it).
 MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const uint64_t* out_ops, int n_in,
                       const uint64_t* in_ops, void* local_dst, const void* local_src, uint64_t local_bytes,
                       int* ticket) {

@@ -115,7 +115,7 @@ def test_bench_scripts_dry_run(tmp_path: Path) -> None:
         assert "dry-run" in r.stdout
     for sh in ("bench/gpu_onesided.sh", "bench/gpu_run10.sh", "bench/gpu_run11.sh", "bench/gpu_run12.sh",
                "bench/gpu_host_staged.sh", "bench/gpu_run13.sh", "bench/gpu_run14.sh", "bench/gpu_run16.sh",
-               "bench/gpu_run_common.sh", "bench/gpu_run6.sh", "bench/gpu_run19.sh", "bench/gpu_run20.sh", "bench/gpu_run21.sh", "bench/gpu_run22.sh", "bench/gpu_run23.sh", "bench/gpu_run24.sh", "bench/gpu_run25.sh", "bench/gpu_run26.sh", "bench/gpu_run27.sh", "bench/gpu_run28.sh", "bench/gpu_run29.sh", "bench/gpu_run30.sh", "bench/gpu_run31.sh"):
+               "bench/gpu_run_common.sh", "bench/gpu_run6.sh", "bench/gpu_run19.sh", "bench/gpu_run20.sh", "bench/gpu_run21.sh", "bench/gpu_run22.sh", "bench/gpu_run23.sh", "bench/gpu_run24.sh", "bench/gpu_run25.sh", "bench/gpu_run26.sh", "bench/gpu_run27.sh", "bench/gpu_run28.sh", "bench/gpu_run29.sh", "bench/gpu_run30.sh", "bench/gpu_run31.sh", "bench/gpu_run32.sh"):
         r = subprocess.run(["bash", "-n", sh], cwd=ROOT, capture_output=True, text=True, timeout=30)
         assert r.returncode == 0, (sh, r.stderr)
 

@@ -53,7 +53,7 @@ _PAGE = 4096
 _SHM_DIR = "/dev/shm"
 _NAME_BYTES = 64
 ERR_DRAIN = 8  # csrc: waited too long for the receiver to drain a staging slot
-_OP_WORDS = 7  # csrc HS_OP_WORDS: one piece for mt_hs_post
+_OP_WORDS = 5  # csrc HS_OP_WORDS: one piece for mt_hs_post
 
 
 class HostStagedError(RuntimeError):
@@ -87,15 +87,6 @@ def ring_slots() -> int:
     if not 2 <= n <= MAX_RING:
         raise ValueError(f"MOETUNE_HS_SLOTS={raw!r}: expected an integer from 2 to {MAX_RING}")
     return n
-
-
-def sender_waits_per_ring() -> bool:
-    """MOETUNE_HS_SENDER_WAIT=piece makes a sender wait for each piece's slot (the one-wait-per-ring default
-    is `ring`; see `_pieces`), for comparison."""
-    raw = os.environ.get("MOETUNE_HS_SENDER_WAIT", "ring")
-    if raw not in ("ring", "piece"):
-        raise ValueError(f"MOETUNE_HS_SENDER_WAIT={raw!r}: expected 'ring' or 'piece'")
-    return raw == "ring"
 
 
 def native_requested() -> bool:
@@ -154,7 +145,6 @@ class HostStagedTransport(CollectiveTransport):
         self.lanes = max(1, channels)
         self.slot_bytes = DEFAULT_SLOT_BYTES
         self.ring = ring_slots()
-        self.ring_wait = sender_waits_per_ring()
         self._h = ctypes.c_void_p()
         self._mm: mmap.mmap | None = None
         self._anchor: ctypes.Array | None = None
@@ -319,24 +309,15 @@ class HostStagedTransport(CollectiveTransport):
 
     def _pieces(self, lane: int, src: int, dst: int, ptr: int, n: int, uses: list[list[int]]) -> list[tuple]:
         """One block cut for consecutive slots of the (lane, src -> dst) ring (both sides cut it alike, and
-        both count the ring's uses alike): the (data, address, bytes, flag, peer, wait flag, wait count) of
-        each piece. A receiver waits for each piece's slot to be full. A sender waits once, before the first
-        piece, for every slot of the ring to be empty, then fills up to a ring of pieces back to back and
-        waits per piece only past that (fewer waits between its copies)."""
-        sender = src == self.rank
-        peer = dst if sender else src
-        ring_flags = self._offsets(lane, src, dst, 0)[1]  # the ring's flags are consecutive words
+        both count the ring's uses alike): the (data, address, bytes, flag, peer) of each piece."""
+        peer = dst if src == self.rank else src
         pieces = []
         off = 0
-        for i, size in enumerate(piece_sizes(n, self.slot_bytes)):
+        for size in piece_sizes(n, self.slot_bytes):
             k = uses[lane][peer]
             uses[lane][peer] = k + 1
             data, flag = self._offsets(lane, src, dst, k % self.ring)
-            if not sender or i >= self.ring or not self.ring_wait:
-                wait = (flag, 1)
-            else:
-                wait = (ring_flags, self.ring) if i == 0 else (0, 0)
-            pieces.append((data, ptr + off, size, flag, peer, *wait))
+            pieces.append((data, ptr + off, size, flag, peer))
             off += size
         return pieces
 
