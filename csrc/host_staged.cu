@@ -12,6 +12,10 @@
 // Both sides go through a (lane, sender, receiver) ring of slots in the same order (every rank posts the
 // same exchanges in the same order), and the values are constants: the same operations can be captured
 // in a CUDA graph and replayed any number of times, mixed with eager calls.
+// Each side also reads back the flag it wrote itself one use of the slot earlier, with the ring's other
+// pieces (their waits and copies) in between. Run 31 waited for a slot right after writing its flag, with
+// nothing between, and read it stale (so it seems): keep a wait per piece, and if the ring's uses must come
+// closer, give each side a flag only the other writes.
 // cuStreamWriteValue64 without NO_MEMORY_BARRIER makes the stream's earlier work (the copy) visible
 // before the flag. The waits are one-thread kernels with a bounded spin (mt::wait_word): a peer that
 // never arrives costs one timeout recorded in the error record, never a hang.
