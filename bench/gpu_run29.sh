@@ -10,9 +10,7 @@ RUN=run29 ONESIDED_TIMEOUT_S=10; source "$(dirname "$0")/gpu_run_common.sh"
 export NCCL_P2P_DISABLE=1
 build_csrc
 gpu_tests 90 tests/test_runtime_gpu.py -k host_staged
-stage "tests, SM receive" 90 env MOETUNE_HS_RECV_SMS=32 python3 -m pytest tests/test_runtime_gpu.py -k host_staged -q -rA \
-  -p no:cacheprovider > "$R/gpu_tests_sm_recv.log" 2>&1
-grep -E "FAILED|ERROR|passed|failed|Error" "$R/gpu_tests_sm_recv.log" | tail -6
+MOETUNE_HS_RECV_SMS=32 GPU_LOG=gpu_tests_sm_recv gpu_tests 90 tests/test_runtime_gpu.py -k host_staged
 N="MOETUNE_HS_NATIVE=0"; F="compression=fp8_e4m3"; SM="MOETUNE_HS_RECV_SMS=32"
 C="packed|pipeline_depth=1|$N;dense|pipeline_depth=1|$N;dense|$F,chunk_tokens=1024;dense|$F,chunk_tokens=512"
 C="$C;dense|$F,chunk_tokens=1024|$SM;dense|$F,chunk_tokens=512|$SM;dense|$F,chunk_tokens=256|$SM;dense|$F,chunk_tokens=128|$SM"

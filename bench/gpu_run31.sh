@@ -10,9 +10,7 @@ RUN=run31 ONESIDED_TIMEOUT_S=10; source "$(dirname "$0")/gpu_run_common.sh"
 export NCCL_P2P_DISABLE=1
 build_csrc
 gpu_tests 60 tests/test_runtime_gpu.py -k host_staged
-stage "tests, 8 slots" 60 env MOETUNE_HS_SLOTS=8 python3 -m pytest tests/test_runtime_gpu.py -k host_staged -q -rA \
-  -p no:cacheprovider > "$R/gpu_tests_8_slots.log" 2>&1
-grep -E "FAILED|ERROR|passed|failed|Error" "$R/gpu_tests_8_slots.log" | tail -6
+MOETUNE_HS_SLOTS=8 GPU_LOG=gpu_tests_8_slots gpu_tests 60 tests/test_runtime_gpu.py -k host_staged
 N="MOETUNE_HS_NATIVE=0"; F="compression=fp8_e4m3"; S8="MOETUNE_HS_SLOTS=8"
 C="dense|pipeline_depth=1|$N;dense|$F,chunk_tokens=1024|MOETUNE_HS_SENDER_WAIT=piece;dense|$F,chunk_tokens=1024"
 C="$C;dense|$F,chunk_tokens=1024|$S8;dense|$F,chunk_tokens=512|$S8;dense|$F,chunk_tokens=256|$S8"

@@ -10,9 +10,11 @@ build_csrc() {
   stage build 120 python3 -c "from moetune.runtime import csrc_build as b; i = b.build(); print(i.path, 'built' if i.built else 'cached')" >&2
 }
 finish() { tar czf "$OUT/$RUN.tgz" -C "$OUT" "$RUN" && rm -rf "$R"; echo "total $((SECONDS - t0)) s"; }
-# gpu_tests LIMIT_S PYTEST_ARGS...: the GPU tests into $R/gpu_tests.log, the summary lines printed
-gpu_tests() { local t=$1; shift; stage tests "$t" python3 -m pytest "$@" -q -rA -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
-  grep -E "FAILED|ERROR|passed|failed|Error" "$R/gpu_tests.log" | tail -12; }
+# gpu_tests LIMIT_S PYTEST_ARGS...: the GPU tests into $R/$GPU_LOG.log (default gpu_tests), the summary lines
+# printed; settings for the tests go before the call (e.g. `MOETUNE_HS_SLOTS=8 GPU_LOG=x gpu_tests ...`)
+gpu_tests() { local t=$1 log="$R/${GPU_LOG:-gpu_tests}.log"; shift
+  stage "tests ${GPU_LOG:-}" "$t" python3 -m pytest "$@" -q -rA -p no:cacheprovider > "$log" 2>&1
+  grep -E "FAILED|ERROR|passed|failed|Error" "$log" | tail -12; }
 # hs_launch DIR LIMIT_S CASES [VAR=value...]: one launch of bench/gpu_host_staged.sh (its CASES, the extra env)
 # into $R/DIR ("." = $R itself), its table printed
 hs_launch() { local d=$1 t=$2 c=$3; shift 3; mkdir -p "$R/$d"

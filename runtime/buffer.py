@@ -73,6 +73,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import csrc_build
 from .fp8 import dequantise, fp8_available, num_scale_groups, quantise_into
 from .knobs import KnobError, Knobs
 from .shapes import ModelShape
@@ -379,14 +380,16 @@ class EPBuffer:
         self._send: torch.Tensor | None = None  # packed layout: send rows [max_tokens * world, row_bytes], reused
         self._stage_hi = 0  # dense layout: stage rows [0, _stage_hi) may hold real expert ids
 
+    def _stream(self) -> int:
+        """The current CUDA stream, as the compiled kernels take it."""
+        return int(torch.cuda.current_stream(self.device).cuda_stream)
+
     @staticmethod
     def _fp8_library(lib: Any) -> Any:
         if os.environ.get("MOETUNE_FUSED_FP8", "1") == "0":
             return None
         if lib is not None:
             return lib
-        from . import csrc_build
-
         try:  # builds on first use (cached); a node without nvcc keeps the torch ops
             return csrc_build.load() if csrc_build.availability()[0] else None
         except Exception:
@@ -402,11 +405,8 @@ class EPBuffer:
         if n:
             rc = self._fp8_lib.mt_fp8_dequant_rows(rows.data_ptr(), rows.stride(0), n, self.hidden, self.scale_groups,
                                                    self.scale_off, _DTYPE_CODE[self.dtype], out.data_ptr(),
-                                                   int(torch.cuda.current_stream(self.device).cuda_stream))
-            if rc:
-                from . import csrc_build
-
-                csrc_build.check(self._fp8_lib, rc, "fp8 dequantisation")
+                                                   self._stream())
+            csrc_build.check(self._fp8_lib, rc, "fp8 dequantisation")
         return out
 
     # -- layout of one wire row ---------------------------------------------------------------------
@@ -636,24 +636,18 @@ class EPBuffer:
         inv = torch.empty(s, w, dtype=torch.int64, device=self.device)
         send_counts = torch.empty(w, dtype=torch.int64, device=self.device)
         scratch = torch.empty(max(1, lib.mt_pack_plan_scratch(s, w)), dtype=torch.int32, device=self.device)
-        stream = int(torch.cuda.current_stream(self.device).cuda_stream)
+        stream = self._stream()
         rc = lib.mt_pack_plan(idx.data_ptr(), s, self.topk, self.model.experts, w, tok.data_ptr(),
                               send_counts.data_ptr(), inv.data_ptr(), scratch.data_ptr(), _PLAN_MODE, stream)
+        csrc_build.check(lib, rc, "EP packing")
         if self._gather:
-            if rc:
-                from . import csrc_build
-
-                csrc_build.check(lib, rc, "EP packing")
             return None, tok, send_counts, inv
         x = x.contiguous()
         send = self._send_rows(s * w)
-        if rc == 0 and s:
-            rc = lib.mt_pack_rows(x.data_ptr(), self.payload_bytes, idx.data_ptr(), topk_weights.data_ptr(), s, self.topk,
-                                  s * w,
-                                  tok.data_ptr(), send.data_ptr(), self.row_bytes, self.id_off, self.weight_off, stream)
-        if rc:
-            from . import csrc_build
-
+        if s:
+            rc = lib.mt_pack_rows(x.data_ptr(), self.payload_bytes, idx.data_ptr(), topk_weights.data_ptr(), s,
+                                  self.topk, s * w, tok.data_ptr(), send.data_ptr(), self.row_bytes, self.id_off,
+                                  self.weight_off, stream)
             csrc_build.check(lib, rc, "EP packing")
         return send, tok, send_counts, inv
 
@@ -703,11 +697,8 @@ class EPBuffer:
             lib = self._pack_lib
             rc = lib.mt_combine_reduce(back.data_ptr(), back.stride(0), handle._inv.data_ptr(), s, self.world, h,
                                        _DTYPE_CODE[handle.dtype],
-                                       out.data_ptr(), int(torch.cuda.current_stream(self.device).cuda_stream))
-            if rc:
-                from . import csrc_build
-
-                csrc_build.check(lib, rc, "combine reduce")
+                                       out.data_ptr(), self._stream())
+            csrc_build.check(lib, rc, "combine reduce")
         return out
 
     def plan(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
@@ -816,11 +807,8 @@ class EPBuffer:
             rc = self._fp8_lib.mt_fp8_quant_rows(
                 x.data_ptr(), _DTYPE_CODE[x.dtype], s, self.hidden, self.scale_groups, idx.data_ptr(), w.data_ptr(),
                 self.topk, stage.data_ptr(), self.row_bytes, self.id_off, self.weight_off, self.scale_off,
-                int(torch.cuda.current_stream(self.device).cuda_stream))
-            if rc:
-                from . import csrc_build
-
-                csrc_build.check(self._fp8_lib, rc, "fp8 quantisation")
+                self._stream())
+            csrc_build.check(self._fp8_lib, rc, "fp8 quantisation")
             return stage
         if self.fp8:
             quantise_into(x, payload, scales, self.knobs.scale_granularity)

@@ -39,7 +39,6 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], kwargs: dic
     except BaseException:
         res = {"error": traceback.format_exc()}
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(res, default=str))
-
     destroy_group_quietly()
 
 

@@ -85,8 +85,7 @@ class NvlinkTransport(OneSidedTransport):
         out = torch.empty(self.world, dtype=torch.int64, device=self.device)
         self._counts_epoch += 1
         rc = self.lib.mt_nvl_counts(self._h, sc.data_ptr(), out.data_ptr(), self._stream())
-        if rc:
-            csrc_build.check(self.lib, rc, "mt_nvl_counts")
+        csrc_build.check(self.lib, rc, "mt_nvl_counts")
         self._keep_counts = sc
         return out
 
@@ -122,8 +121,7 @@ class NvlinkTransport(OneSidedTransport):
         self._epoch += 1
         rc = self.lib.mt_nvl_exchange_strided(self._h, rows.data_ptr(), max(stride, rb), rb, sc.data_ptr(),
                                               rcv.data_ptr(), None, self._coupled, self._group, self._stream())
-        if rc:
-            csrc_build.check(self.lib, rc, "mt_nvl_exchange_strided")
+        csrc_build.check(self.lib, rc, "mt_nvl_exchange_strided")
         self._keep = (rows, sc, rcv)
         return self._recv_rows(rows.dtype, (rows.shape[1],), rb, self._epoch)
 
@@ -158,8 +156,7 @@ class NvlinkTransport(OneSidedTransport):
             idx.data_ptr(), weights.data_ptr(), k, row_bytes, id_off, weight_off, sc.data_ptr(), out.data_ptr(),
             self._coupled, self._group, self._stream(),
         )
-        if rc:
-            csrc_build.check(self.lib, rc, "mt_nvl_exchange_gather")
+        csrc_build.check(self.lib, rc, "mt_nvl_exchange_gather")
         self._keep = (x, tok, idx, weights, sc)
         return self._recv_rows(torch.uint8, (row_bytes,), row_bytes, self._epoch), out
 
@@ -172,8 +169,7 @@ class NvlinkTransport(OneSidedTransport):
             self._h, send.data_ptr(), rb, sc.data_ptr(), rcv.data_ptr() if rcv is not None else None,
             recv_out.data_ptr() if recv_out is not None else None, self._coupled, self._group, self._stream(),
         )
-        if rc:
-            csrc_build.check(self.lib, rc, "mt_nvl_exchange")
+        csrc_build.check(self.lib, rc, "mt_nvl_exchange")
         self._keep = (send, sc, rcv)
         return self._recv_view(send, rb, self._epoch)
 

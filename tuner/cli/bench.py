@@ -146,6 +146,15 @@ def _fmt(v: float) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.1f}"
 
 
+# the timed phases of a report, in table order, and their labels
+_PHASES = {
+    "dispatch_us": "dispatch", "combine_us": "combine", "roundtrip_us": "roundtrip", "layer_us": "layer",
+    "graph_roundtrip_us": "roundtrip (CUDA graph)", "graph_pair_us": "dispatch + combine (CUDA graph)",
+    "dispatch_host_us": "dispatch, host issue (rank 0)", "combine_host_us": "combine, host issue (rank 0)",
+    "roundtrip_host_us": "roundtrip, host issue (rank 0)",
+}
+
+
 def _print_table(rep: dict) -> None:
     c = Console()
     kn = rep["knobs"]
@@ -155,13 +164,9 @@ def _print_table(rep: dict) -> None:
     t.add_column("phase")
     for col in ("median µs", "p10 µs", "p90 µs"):
         t.add_column(col, justify="right")
-    for name in ("dispatch_us", "combine_us", "roundtrip_us", "layer_us", "graph_roundtrip_us", "graph_pair_us",
-                 "dispatch_host_us", "combine_host_us", "roundtrip_host_us"):
+    for name, label in _PHASES.items():
         s = rep.get(name)
         if s:
-            label = {"graph_roundtrip_us": "roundtrip (CUDA graph)", "graph_pair_us": "dispatch + combine (CUDA graph)", "dispatch_host_us": "dispatch, host issue (rank 0)",
-                     "combine_host_us": "combine, host issue (rank 0)",
-                     "roundtrip_host_us": "roundtrip, host issue (rank 0)"}.get(name, name[:-3])
             t.add_row(label, _fmt(s["median"]), _fmt(s["p10"]), _fmt(s["p90"]))
     c.print(t)
     if rep.get("graph_error"):
