@@ -108,6 +108,7 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc's 
 # the plan kernel's shape: 0 = by token count (one CTA for small S, a grid above), 1 = one CTA, 2 = grid;
 # MOETUNE_PLAN_MODE picks one for side-by-side measurements
 _PLAN_MODE = int(os.environ.get("MOETUNE_PLAN_MODE", "0") or 0)
+_SHARED_LANES = os.environ.get("MOETUNE_EP_COMBINE_LANES", "own") == "shared"
 
 
 def hit_probability(experts: int, topk: int, world: int) -> float:
@@ -344,7 +345,10 @@ class EPBuffer:
         # `channels`: communicators the chunks of one direction are spread over (round-robin by chunk);
         # with pipelining, combine gets its own set so it travels while later dispatch chunks still move.
         self.comm_channels = min(knobs.channels, MAX_COMM_CHANNELS)
-        n_groups = self.comm_channels * (2 if self.num_chunks > 1 else 1)
+        # MOETUNE_EP_COMBINE_LANES=shared puts combine on the dispatch set instead (side-by-side measurements:
+        # a host-staged lane's copy streams then carry dispatch d0..dN, then combine c0..cN, back to back)
+        self._combine_base = self.comm_channels if self.num_chunks > 1 and not _SHARED_LANES else 0
+        n_groups = self.comm_channels + self._combine_base
         cls = get_transport(knobs.transport)
         if hasattr(cls, "exchange_async"):
             self.transport: EPTransport = cls(group, knobs, self.device, channels=n_groups)
@@ -921,7 +925,7 @@ class EPBuffer:
         """Send chunk c's expert output rows back (the reverse of its dispatch)."""
         ch = handle.chunks[c]
         rows = rows.contiguous()
-        channel = c % self.comm_channels + (self.comm_channels if self.num_chunks > 1 else 0)
+        channel = c % self.comm_channels + self._combine_base
         if handle.dense:
             if c == 0 or handle._combine_out is None:  # a fresh result per combine (the handle may be reused)
                 handle._combine_out = torch.empty(self.max_tokens, handle.hidden, dtype=handle.dtype, device=handle.device)
