@@ -65,6 +65,7 @@ Signalling, fences, QPs and num_sms belong to the one-sided transports and are i
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass, field
@@ -109,6 +110,35 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc's 
 # MOETUNE_PLAN_MODE picks one for side-by-side measurements
 _PLAN_MODE = int(os.environ.get("MOETUNE_PLAN_MODE", "0") or 0)
 _SHARED_LANES = os.environ.get("MOETUNE_EP_COMBINE_LANES", "own") == "shared"
+
+
+def _chunk_weights(n: int) -> list[float]:
+    """Relative chunk sizes of the dense layout: equal, or MOETUNE_EP_CHUNK_WEIGHTS (n comma-separated
+    positive numbers, for side-by-side measurements of uneven chunks)."""
+    raw = os.environ.get("MOETUNE_EP_CHUNK_WEIGHTS", "")
+    if not raw:
+        return [1.0] * n
+    try:
+        w = [float(v) for v in raw.split(",")]
+    except ValueError:
+        w = []
+    if len(w) != n or min(w) <= 0:
+        raise KnobError(f"MOETUNE_EP_CHUNK_WEIGHTS={raw!r}: expected {n} positive numbers (one per pipeline chunk)",
+                        ("pipeline_depth",))
+    return w
+
+
+def _dense_bounds(cap: int, n: int) -> list[int]:
+    """Token boundaries of the dense layout's n chunks over cap slots (n + 1 values from 0 to cap)."""
+    w = _chunk_weights(n)
+    if len(set(w)) == 1:
+        cs = max(1, math.ceil(cap / n))
+        return [min(c * cs, cap) for c in range(n + 1)]
+    tot, acc, out = sum(w), 0.0, [0]
+    for v in w:
+        acc += v
+        out.append(min(cap, round(cap * acc / tot)))
+    return out
 
 
 def hit_probability(experts: int, topk: int, world: int) -> float:
@@ -377,7 +407,8 @@ class EPBuffer:
             reserve(max(1, self.max_tokens), widest_row)
         stage = getattr(self.transport, "stage_capacity", None)
         if callable(stage):  # host_staged: one staging slot per block, a block being at most one chunk's tokens
-            stage(-(-max(1, self.max_tokens) // self.num_chunks), widest_row)
+            b = _dense_bounds(self.max_tokens, self.num_chunks) if self.dense else [0, -(-self.max_tokens // self.num_chunks)]
+            stage(max(1, *(hi - lo for lo, hi in itertools.pairwise(b))), widest_row)
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
         self._stage_views: Any = None
         self._stage: torch.Tensor | None = None  # token rows [max_tokens + 1 spare, row_bytes], reused (dense: the send rows)
@@ -557,10 +588,9 @@ class EPBuffer:
         if self._stage_hi > s:  # rows a larger earlier dispatch filled: mark them empty again
             self._stage_views[1].narrow(0, s, self._stage_hi - s).fill_(-1)
         self._stage_hi = s
-        cs = max(1, math.ceil(cap / self.num_chunks))
+        bounds = _dense_bounds(cap, self.num_chunks)
         chunks = []
-        for c in range(self.num_chunks):
-            c0, c1 = min(c * cs, cap), min((c + 1) * cs, cap)
+        for c0, c1 in itertools.pairwise(bounds):
             chunks.append(_Chunk(c0, c1, [c1 - c0] * w, [c1 - c0] * w, w * c0, []))
         handle = Handle(s, self.hidden, self.dtype, self.device, chunks, w * cap, dense=True)
         handle._recv_buf = torch.empty(w * cap, self.row_bytes, dtype=torch.uint8, device=self.device)
