@@ -17,10 +17,25 @@
 // nothing between, and read it stale (so it seems): keep a wait per piece, and if the ring's uses must come
 // closer, give each side a flag only the other writes.
 // cuStreamWriteValue64 without NO_MEMORY_BARRIER makes the stream's earlier work (the copy) visible
-// before the flag. The waits are one-thread kernels with a bounded spin (mt::wait_word): a peer that
-// never arrives costs one timeout recorded in the error record, never a hang.
+// before the flag.
+//
+// Waits (wait_mode): 1 (the default) is cuStreamWaitValue64, done by the GPU's front end without an SM and
+// the quickest hand-off to the copy after it (run 34: 769-795 us against 858-893 for a round trip). It has
+// no timeout of its own, so a watchdog thread gives it one: each lane stream writes a busy word when it
+// enters an exchange and clears it when it leaves; a stream that stays busy while none of its lane's flags
+// changes for the timeout has lost its peer. The watchdog then records the error and releases the stream
+// (writes the values it waits for, again and again while it stays busy), so a lost peer costs one
+// timeout and an error from check(), never a hang; the data moved after that are garbage, as with 0.
+// 0 is a one-thread spin kernel per wait with its own bounded spin (mt::wait_word).
 #include <string.h>
 #include <time.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 #include "mt_common.h"
 
@@ -46,8 +61,16 @@ struct HsCtx {
   int* abort_dev = nullptr;  // device memory: set after the first timeout, later waits give up at once
   uint64_t timeout_ns = 0;
   PfnWriteValue64 write64 = nullptr;
-  PfnWaitValue64 wait64 = nullptr;  // wait_mode 1: the driver's stream wait (no SM, no timeout)
+  PfnWaitValue64 wait64 = nullptr;  // wait_mode 1: the driver's stream wait (no SM; the watchdog times it)
   int wait_mode = 0;
+  // wait_mode 1: per lane two busy words (out, in stream; host-mapped), the flags each lane has used (with
+  // the side this rank takes on them and the peer), and the watchdog thread
+  uint64_t* busy_host = nullptr;
+  uint64_t* busy_dev = nullptr;
+  std::mutex flags_mu;
+  std::vector<std::vector<uint64_t>> lane_flags;  // per lane: flag offset | sender bit (1 << 63) | peer << 48
+  std::thread watchdog;
+  std::atomic<bool> stop{false};
   int lanes = 0;
   cudaStream_t* s_out = nullptr;  // per lane: device -> host copies
   cudaStream_t* s_in = nullptr;   // per lane: host -> device copies
@@ -103,11 +126,82 @@ int wait_flag(HsCtx* c, uint64_t off, uint64_t want, int code, int peer, cudaStr
   return 0;
 }
 
-int write_flag(HsCtx* c, uint64_t off, uint64_t value, cudaStream_t s) {
+int write_word(HsCtx* c, uint64_t* dev_addr, uint64_t value, cudaStream_t s) {
   Timed tm(c, 4);
-  CUresult r = c->write64((CUstream)s, (CUdeviceptr)(c->dev_base + off), value, 0);
+  CUresult r = c->write64((CUstream)s, (CUdeviceptr)dev_addr, value, 0);
   MT_REQUIRE(r == CUDA_SUCCESS, 300, "host_staged: cuStreamWriteValue64 failed (CUresult %d)", (int)r);
   return 0;
+}
+
+int write_flag(HsCtx* c, uint64_t off, uint64_t value, cudaStream_t s) {
+  return write_word(c, (uint64_t*)(c->dev_base + off), value, s);
+}
+
+// Remember that `lane` waits on the flag at `off` (as sender or receiver of `peer`), for the watchdog.
+void note_flag(HsCtx* c, int lane, uint64_t off, bool sender, int peer) {
+  uint64_t key = off | (sender ? (1ull << 63) : 0) | ((uint64_t)(peer & 0x7fff) << 48);
+  std::lock_guard<std::mutex> g(c->flags_mu);
+  std::vector<uint64_t>& v = c->lane_flags[lane];
+  if (std::find(v.begin(), v.end(), key) == v.end()) v.push_back(key);
+}
+
+constexpr uint64_t HS_FLAG_OFF_MASK = (1ull << 48) - 1;
+
+// wait_mode 1's timeout (see the top of the file): polls every millisecond.
+void watchdog_loop(HsCtx* c) {
+  const int lanes = c->lanes;
+  std::vector<std::vector<uint64_t>> last(lanes);
+  std::vector<uint64_t> progress(lanes, host_ns());
+  bool aborted = false;
+  while (!c->stop.load(std::memory_order_relaxed)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    uint64_t now = host_ns();
+    for (int l = 0; l < lanes; ++l) {
+      std::vector<uint64_t> keys;
+      {
+        std::lock_guard<std::mutex> g(c->flags_mu);
+        keys = c->lane_flags[l];
+      }
+      std::vector<uint64_t> vals(keys.size());
+      for (size_t i = 0; i < keys.size(); ++i)
+        vals[i] = __atomic_load_n((uint64_t*)(c->host_base + (keys[i] & HS_FLAG_OFF_MASK)), __ATOMIC_ACQUIRE);
+      bool busy_out = __atomic_load_n(&c->busy_host[2 * l], __ATOMIC_ACQUIRE) != 0;
+      bool busy_in = __atomic_load_n(&c->busy_host[2 * l + 1], __ATOMIC_ACQUIRE) != 0;
+      if (vals != last[l] || !(busy_out || busy_in)) progress[l] = now;
+      last[l] = vals;
+      if (!aborted && (busy_out || busy_in) && now - progress[l] > c->timeout_ns) {
+        // name a flag this lane may be stuck on: a slot still full (sender waits for the drain) or still
+        // empty (receiver waits for the data)
+        int code = busy_in ? MT_ERR_TIMEOUT_SIGNAL : HS_ERR_TIMEOUT_DRAIN, peer = -1, slot = -1;
+        for (size_t i = 0; i < keys.size() && peer < 0; ++i) {
+          bool sender = (keys[i] >> 63) != 0;
+          if (sender == !busy_in && vals[i] == (sender ? HS_FULL : HS_EMPTY)) {
+            peer = (int)((keys[i] >> 48) & 0x7fff);
+            slot = (int)((keys[i] & HS_FLAG_OFF_MASK) / 8);
+          }
+        }
+        volatile int* e = c->err_host;
+        if (e[0] == 0) {
+          e[1] = c->rank;
+          e[2] = peer;
+          e[3] = slot;
+          e[7] = busy_in ? (int)HS_FULL : (int)HS_EMPTY;
+          __atomic_thread_fence(__ATOMIC_SEQ_CST);
+          e[0] = code;
+        }
+        aborted = true;
+      }
+      if (aborted && (busy_out || busy_in)) {
+        // release: every wait of a busy stream sees the value it wants (the data are garbage from here on)
+        for (uint64_t k : keys) {
+          bool sender = (k >> 63) != 0;
+          if ((sender && busy_out) || (!sender && busy_in))
+            __atomic_store_n((uint64_t*)(c->host_base + (k & HS_FLAG_OFF_MASK)), sender ? HS_EMPTY : HS_FULL,
+                             __ATOMIC_RELEASE);
+        }
+      }
+    }
+  }
 }
 
 void free_lanes(HsCtx* c) {
@@ -149,7 +243,7 @@ int check_range(HsCtx* c, uint64_t off, uint64_t n, const char* what) {
 }  // namespace
 
 // Register `bytes` of shared host memory at `host_base` (page aligned) for this process and device.
-// wait_mode 0: waits are one-thread spin kernels with a timeout; 1: cuStreamWaitValue64 (for comparison).
+// wait_mode 1: waits are cuStreamWaitValue64, timed by the watchdog thread; 0: one-thread spin kernels.
 MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, double timeout_s, int wait_mode,
                         int lanes, void** out) {
   MT_REQUIRE(wait_mode == 0 || wait_mode == 1, 314, "host_staged: wait_mode %d is not 0 or 1", wait_mode);
@@ -195,6 +289,13 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
     memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
     ce = cudaHostGetDevicePointer((void**)&c->err_dev, c->err_host, 0);
   }
+  if (ce == cudaSuccess)
+    ce = cudaHostAlloc((void**)&c->busy_host, 2 * (size_t)lanes * sizeof(uint64_t),
+                       cudaHostAllocMapped | cudaHostAllocPortable);
+  if (ce == cudaSuccess) {
+    memset(c->busy_host, 0, 2 * (size_t)lanes * sizeof(uint64_t));
+    ce = cudaHostGetDevicePointer((void**)&c->busy_dev, c->busy_host, 0);
+  }
   if (ce == cudaSuccess) ce = cudaMalloc((void**)&c->abort_dev, sizeof(int));
   if (ce == cudaSuccess) ce = cudaMemset(c->abort_dev, 0, sizeof(int));
   if (ce == cudaSuccess) {
@@ -214,23 +315,27 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
     cudaGetLastError();
     mt::set_error("host_staged: setup failed: %s (%s)", cudaGetErrorName(ce), cudaGetErrorString(ce));
     if (c->err_host) cudaFreeHost(c->err_host);
+    if (c->busy_host) cudaFreeHost(c->busy_host);
     if (c->abort_dev) cudaFree(c->abort_dev);
     free_lanes(c);
     cudaHostUnregister(host_base);
     delete c;
     return 313;
   }
+  c->lane_flags.resize(lanes);
+  if (wait_mode == 1) c->watchdog = std::thread(watchdog_loop, c);
   *out = c;
   return 0;
 }
 
 // One piece through one slot on stream s: wait until the slot's flag says it is ours (sender: empty,
 // receiver: full), copy nbytes (device -> slot when `to_host`, slot -> device otherwise), hand the slot over.
-static int stage_piece(HsCtx* c, const uint64_t* op, bool to_host, cudaStream_t s) {
+static int stage_piece(HsCtx* c, int lane, const uint64_t* op, bool to_host, cudaStream_t s) {
   uint64_t data_off = op[0], nbytes = op[2], flag_off = op[3];
   void* dev = (void*)op[1];
   int peer = (int)op[4], rc;
   if ((rc = check_range(c, data_off, nbytes, "staging slot")) || (rc = check_range(c, flag_off, 8, "flag"))) return rc;
+  if (c->wait_mode == 1) note_flag(c, lane, flag_off, to_host, peer);
   if ((rc = wait_flag(c, flag_off, to_host ? HS_EMPTY : HS_FULL, to_host ? HS_ERR_TIMEOUT_DRAIN : MT_ERR_TIMEOUT_SIGNAL,
                       peer, s)))
     return rc;
@@ -261,14 +366,22 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
     MT_CUDA(cudaStreamWaitEvent(so, ev[0], 0));
     MT_CUDA(cudaStreamWaitEvent(si, ev[0], 0));
   }
+  int rc;
+  if (c->wait_mode == 1) {  // busy while inside this exchange (the watchdog's view)
+    if ((rc = write_word(c, c->busy_dev + 2 * lane, 1, so)) || (rc = write_word(c, c->busy_dev + 2 * lane + 1, 1, si)))
+      return rc;
+  }
   if (local_bytes) {
     Timed tm(c, 1);
     MT_CUDA(cudaMemcpyAsync(local_dst, local_src, local_bytes, cudaMemcpyDeviceToDevice, si));
   }
-  int rc;
   for (int j = 0; j < n_out || j < n_in; ++j) {
-    if (j < n_out && (rc = stage_piece(c, out_ops + HS_OP_WORDS * j, true, so))) return rc;
-    if (j < n_in && (rc = stage_piece(c, in_ops + HS_OP_WORDS * j, false, si))) return rc;
+    if (j < n_out && (rc = stage_piece(c, lane, out_ops + HS_OP_WORDS * j, true, so))) return rc;
+    if (j < n_in && (rc = stage_piece(c, lane, in_ops + HS_OP_WORDS * j, false, si))) return rc;
+  }
+  if (c->wait_mode == 1) {  // left it (before the events: in a capture, every node must join back)
+    if ((rc = write_word(c, c->busy_dev + 2 * lane, 0, so)) || (rc = write_word(c, c->busy_dev + 2 * lane + 1, 0, si)))
+      return rc;
   }
   {
     Timed tm(c, 0);
@@ -312,8 +425,14 @@ MT_API int mt_hs_destroy(void* h) {
   HsCtx* c = (HsCtx*)h;
   if (c == nullptr) return 0;
   cudaSetDevice(c->device);
-  cudaDeviceSynchronize();  // no copy may still touch the memory being unregistered
+  cudaDeviceSynchronize();  // no copy may still touch the memory being unregistered (the watchdog still
+                            // releases a stream whose peer is gone)
+  if (c->watchdog.joinable()) {
+    c->stop = true;
+    c->watchdog.join();
+  }
   if (c->err_host) cudaFreeHost(c->err_host);
+  if (c->busy_host) cudaFreeHost(c->busy_host);
   if (c->abort_dev) cudaFree(c->abort_dev);
   free_lanes(c);
   cudaError_t ce = cudaHostUnregister(c->host_base);

@@ -109,14 +109,25 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc's 
 # the plan kernel's shape: 0 = by token count (one CTA for small S, a grid above), 1 = one CTA, 2 = grid;
 # MOETUNE_PLAN_MODE picks one for side-by-side measurements
 _PLAN_MODE = int(os.environ.get("MOETUNE_PLAN_MODE", "0") or 0)
-_SHARED_LANES = os.environ.get("MOETUNE_EP_COMBINE_LANES", "own") == "shared"
+
+
+def _combine_shares(cls: type, device: torch.device) -> bool:
+    """Whether pipelined combines go on the dispatch communicators/lanes: the transport's preference
+    (`combine_shares_lanes(device)`, else no), or MOETUNE_EP_COMBINE_LANES=own|shared (side-by-side runs)."""
+    raw = os.environ.get("MOETUNE_EP_COMBINE_LANES", "")
+    if raw not in ("", "own", "shared"):
+        raise ValueError(f"MOETUNE_EP_COMBINE_LANES={raw!r}: expected 'own' or 'shared'")
+    if raw:
+        return raw == "shared"
+    pref = getattr(cls, "combine_shares_lanes", None)
+    return bool(pref(device)) if callable(pref) else False
 
 
 def _chunk_weights(n: int) -> list[float]:
     """Relative chunk sizes of the dense layout: equal, or MOETUNE_EP_CHUNK_WEIGHTS (n comma-separated
-    positive numbers, for side-by-side measurements of uneven chunks)."""
+    positive numbers, for side-by-side measurements of uneven chunks; ignored with one chunk)."""
     raw = os.environ.get("MOETUNE_EP_CHUNK_WEIGHTS", "")
-    if not raw:
+    if not raw or n == 1:
         return [1.0] * n
     try:
         w = [float(v) for v in raw.split(",")]
@@ -373,13 +384,12 @@ class EPBuffer:
         self.dense = self._choose_dense(dense, get_transport(knobs.transport))
         self._agree()
         # `channels`: communicators the chunks of one direction are spread over (round-robin by chunk);
-        # with pipelining, combine gets its own set so it travels while later dispatch chunks still move.
+        # with pipelining, combine gets its own set so it travels while later dispatch chunks still move,
+        # unless the transport does better with both on one set (host_staged's copy streams).
         self.comm_channels = min(knobs.channels, MAX_COMM_CHANNELS)
-        # MOETUNE_EP_COMBINE_LANES=shared puts combine on the dispatch set instead (side-by-side measurements:
-        # a host-staged lane's copy streams then carry dispatch d0..dN, then combine c0..cN, back to back)
-        self._combine_base = self.comm_channels if self.num_chunks > 1 and not _SHARED_LANES else 0
-        n_groups = self.comm_channels + self._combine_base
         cls = get_transport(knobs.transport)
+        self._combine_base = self.comm_channels if self.num_chunks > 1 and not _combine_shares(cls, self.device) else 0
+        n_groups = self.comm_channels + self._combine_base
         if hasattr(cls, "exchange_async"):
             self.transport: EPTransport = cls(group, knobs, self.device, channels=n_groups)
         else:

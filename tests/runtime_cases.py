@@ -331,18 +331,27 @@ def case_gpu_host_staged(rank: int, world: int) -> dict:
     want = torch.cat([torch.arange(256 * 1024, dtype=torch.int32, device=dev).reshape(256, 1024) + rank * 256 * 1024
                       + src * 10**8 for src in range(world)])
     rep["pieces_ok"] = bool(torch.equal(out, want))
-    # a peer that never posts: rank 0 waits on the GPU until the timeout, then check() names it
-    torch.cuda.synchronize()
-    rep["flags"] = {f"{a}->{b}": t.flag_values(0, a, b) for a, b in ((0, 1), (1, 0))}
-    if rank == 0:
-        t.exchange_async(rows, [256] * world, [256] * world)
-        torch.cuda.synchronize()
-        try:
-            t.check()
-            rep["timeout"] = "no error"
-        except HostStagedError as e:
-            rep["timeout"] = str(e)
-    else:
-        rep["timeout"] = "skipped"
     t.close()
+    # a peer that never posts: rank 0 waits on the GPU until the timeout (the watchdog's for memop waits,
+    # the spin kernel's own otherwise), then check() names it, and the device is free again (synchronize returns)
+    for mode in ("memop", "kernel"):
+        os.environ["MOETUNE_HS_WAIT"] = mode
+        try:
+            t = HostStagedTransport(None, Knobs(transport="host_staged"), dev, channels=1)
+            t.stage_capacity(16, 4096)
+        finally:
+            del os.environ["MOETUNE_HS_WAIT"]
+        rep["flags"] = {f"{a}->{b}": t.flag_values(0, a, b) for a, b in ((0, 1), (1, 0))}
+        key = "timeout" if mode == "memop" else "timeout_kernel"
+        if rank == 0:
+            t.exchange_async(rows, [256] * world, [256] * world)
+            torch.cuda.synchronize()
+            try:
+                t.check()
+                rep[key] = "no error"
+            except HostStagedError as e:
+                rep[key] = str(e)
+        else:
+            rep[key] = "skipped"
+        t.close()
     return rep

@@ -88,6 +88,16 @@ def test_ring_slots_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
             hs.ring_slots()
 
 
+def test_wait_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOETUNE_HS_WAIT", raising=False)
+    assert hs._wait_mode() == 1  # cuStreamWaitValue64 with the watchdog
+    monkeypatch.setenv("MOETUNE_HS_WAIT", "kernel")
+    assert hs._wait_mode() == 0
+    monkeypatch.setenv("MOETUNE_HS_WAIT", "spin")
+    with pytest.raises(ValueError, match="MOETUNE_HS_WAIT"):
+        hs._wait_mode()
+
+
 def test_chunk_tokens_sizes_the_staging_message(monkeypatch: pytest.MonkeyPatch) -> None:
     t = _bare(2, 0, 1, 0)
     t.native, t._mm, t.knobs = True, None, Knobs(transport="host_staged", chunk_tokens=512)

@@ -130,3 +130,19 @@ def test_fp8_dispatch_within_documented_bound() -> None:
     _check(res, FP8_LAYER_REL_ERR_BOUND)
     # fp8 really is lossy (the comparison is not vacuous)
     assert max(r["err"] for rows in res for r in rows) > 1e-4
+
+
+@pytest.mark.timeout(60)
+def test_uneven_chunks_and_shared_lanes_give_equal_results() -> None:
+    """MOETUNE_EP_CHUNK_WEIGHTS (uneven dense chunks) and MOETUNE_EP_COMBINE_LANES=shared (combine on the
+    dispatch communicators) change only the schedule: the same results as one chunk."""
+    base = {"model": "custom:64,32,16,4,float32", "tokens": [37, 29], "routing": "zipf:1.5", "seed": 7}
+    configs = [dict(base, depth=1, dense=True)]
+    configs += [dict(base, depth=4, dense=dense, channels=ch) for dense in (True, False) for ch in (1, 2)]
+    res = launch(runtime_cases.case_equivalence, 2, args=(configs,), timeout_s=20, join_timeout_s=55,
+                 env={"MOETUNE_EP_CHUNK_WEIGHTS": "1,3,2,1", "MOETUNE_EP_COMBINE_LANES": "shared"})
+    _check(res)
+    for rank_rows in res:
+        outs = [r["out"] for r in rank_rows]
+        for o in outs[1:]:
+            assert torch.allclose(o, outs[0], rtol=1e-5, atol=1e-6)

@@ -175,3 +175,36 @@ def test_recv_meta_hides_rows_past_the_live_counts() -> None:
     rows, w = meta.expert_layout()
     assert rows.tolist() == [0, 2, 1, 1, 2] and w.tolist() == [0.5, 0.0, 0.25, 0.75, 1.0]
     assert meta.rows_per_rank == [2, 1]
+
+
+def test_dense_chunk_bounds_equal_and_weighted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.runtime import buffer as b
+
+    monkeypatch.delenv("MOETUNE_EP_CHUNK_WEIGHTS", raising=False)
+    assert b._dense_bounds(4096, 4) == [0, 1024, 2048, 3072, 4096]
+    assert b._dense_bounds(10, 4) == [0, 3, 6, 9, 10]
+    assert b._dense_bounds(2, 4) == [0, 1, 2, 2, 2]  # more chunks than slots: empty chunks at the end
+    monkeypatch.setenv("MOETUNE_EP_CHUNK_WEIGHTS", "1,2,2,1")
+    assert b._dense_bounds(4096, 4) == [0, 683, 2048, 3413, 4096]
+    for bad in ("1,2,2", "1,0,2,1", "a,b,c,d"):
+        monkeypatch.setenv("MOETUNE_EP_CHUNK_WEIGHTS", bad)
+        with pytest.raises(KnobError, match="MOETUNE_EP_CHUNK_WEIGHTS"):
+            b._dense_bounds(4096, 4)
+
+
+def test_combine_lanes_follow_the_transport_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.runtime import buffer as b
+    from moetune.runtime.transports.collective import CollectiveTransport
+    from moetune.runtime.transports.host_staged import HostStagedTransport
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("MOETUNE_EP_COMBINE_LANES", raising=False)
+    assert b._combine_shares(CollectiveTransport, cpu) is False
+    assert b._combine_shares(HostStagedTransport, cpu) is False  # on CPU it is the collective
+    monkeypatch.setenv("MOETUNE_EP_COMBINE_LANES", "shared")
+    assert b._combine_shares(CollectiveTransport, cpu) is True
+    monkeypatch.setenv("MOETUNE_EP_COMBINE_LANES", "own")
+    assert b._combine_shares(HostStagedTransport, cpu) is False
+    monkeypatch.setenv("MOETUNE_EP_COMBINE_LANES", "both")
+    with pytest.raises(ValueError, match="MOETUNE_EP_COMBINE_LANES"):
+        b._combine_shares(CollectiveTransport, cpu)

@@ -46,7 +46,8 @@ from ._onesided import decode_error, timeout_s
 from .base import Availability
 from .collective import CollectiveTransport
 
-RING = 2  # staging slots per (lane, sender, receiver) by default: double buffering
+RING = 4  # staging slots per (lane, sender, receiver) by default (2 is double buffering; 4 lets a pipelined
+# sender run ahead of its receiver: run 34)
 MAX_RING = 16
 DEFAULT_SLOT_BYTES = 8 << 20  # when the EP buffer did not size the slots (stage_capacity)
 _PAGE = 4096
@@ -68,15 +69,19 @@ def _all_ranks(ok: bool, group: dist.ProcessGroup | None, device: torch.device) 
 
 
 def _wait_mode() -> int:
-    """MOETUNE_HS_WAIT=memop waits with cuStreamWaitValue64 (no SM, but no timeout either); the default is a
-    one-thread spin kernel that gives up after MOETUNE_ONESIDED_TIMEOUT_S."""
-    return 1 if os.environ.get("MOETUNE_HS_WAIT", "kernel") == "memop" else 0
+    """How the GPU waits for a slot's flag, MOETUNE_HS_WAIT: `memop` (default) is cuStreamWaitValue64, no SM
+    and the quickest hand-off to the copy (run 34), timed by the library's watchdog thread; `kernel` is a
+    one-thread spin kernel per wait with its own timeout. Both give up after MOETUNE_ONESIDED_TIMEOUT_S."""
+    raw = os.environ.get("MOETUNE_HS_WAIT", "memop")
+    if raw not in ("memop", "kernel"):
+        raise ValueError(f"MOETUNE_HS_WAIT={raw!r}: expected 'memop' or 'kernel'")
+    return 1 if raw == "memop" else 0
 
 
 def ring_slots() -> int:
     """Staging slots per (lane, sender, receiver): MOETUNE_HS_SLOTS (the same on every rank), default RING.
     More slots let a sender run further ahead of its receiver, for more host memory (on the H200 node, 4
-    slots gave nothing over 2: run 27)."""
+    slots gave nothing over 2 unpipelined, run 27, and 769 against 795 us with pipeline_depth 4, run 34)."""
     raw = os.environ.get("MOETUNE_HS_SLOTS", "")
     if not raw:
         return RING
@@ -152,6 +157,13 @@ class HostStagedTransport(CollectiveTransport):
         self._sent = [[0] * self.world for _ in range(self.lanes)]
         self._recvd = [[0] * self.world for _ in range(self.lanes)]
         self._peers = [p for p in range(self.world) if p != self.rank]
+
+    @classmethod
+    def combine_shares_lanes(cls, device: torch.device) -> bool:
+        """Pipelined, combine goes on the dispatch lane where the copy engines move the rows: each copy stream
+        then carries d0..dN, then c0..cN back to back (run 34: 769-795 against 827-892 us with combine on
+        its own lane). NCCL's staging keeps its own communicators for combine."""
+        return device.type == "cuda" and native_requested() and csrc_build.availability()[0]
 
     @classmethod
     def availability(cls, device: torch.device | None = None) -> Availability:
