@@ -21,11 +21,12 @@
 //
 // Waits (wait_mode): 1 (the default) is cuStreamWaitValue64, done by the GPU's front end without an SM and
 // the quickest hand-off to the copy after it (run 34: 769-795 us against 858-893 for a round trip). It has
-// no timeout of its own, so a watchdog thread gives it one: each lane stream writes a busy word when it
-// enters an exchange and clears it when it leaves; a stream that stays busy while none of its lane's flags
-// changes for the timeout has lost its peer. The watchdog then records the error and releases the stream
-// (writes the values it waits for, again and again while it stays busy), so a lost peer costs one
-// timeout and an error from check(), never a hang; the data moved after that are garbage, as with 0.
+// no timeout of its own, so a watchdog thread gives it one. A lane is stuck when none of its flags has
+// changed for the timeout while either a slot it filled is still full (its receiver is gone: the sender
+// waits, or will) or its receive stream is inside an exchange (a busy word the stream sets when it enters
+// and clears when it leaves, with no memory barrier: no data depend on it). The watchdog then records the
+// error and releases the lane (writes the values its waits want, again and again), so a lost peer costs
+// one timeout and an error from check(), never a hang; what moves after that is garbage, as with 0.
 // 0 is a one-thread spin kernel per wait with its own bounded spin (mt::wait_word).
 #include <string.h>
 #include <time.h>
@@ -63,8 +64,8 @@ struct HsCtx {
   PfnWriteValue64 write64 = nullptr;
   PfnWaitValue64 wait64 = nullptr;  // wait_mode 1: the driver's stream wait (no SM; the watchdog times it)
   int wait_mode = 0;
-  // wait_mode 1: per lane two busy words (out, in stream; host-mapped), the flags each lane has used (with
-  // the side this rank takes on them and the peer), and the watchdog thread
+  // wait_mode 1: per lane a busy word (its receive stream is inside an exchange; host-mapped), the flags
+  // each lane has used (with the side this rank takes on them and the peer), and the watchdog thread
   uint64_t* busy_host = nullptr;
   uint64_t* busy_dev = nullptr;
   std::mutex flags_mu;
@@ -126,9 +127,11 @@ int wait_flag(HsCtx* c, uint64_t off, uint64_t want, int code, int peer, cudaStr
   return 0;
 }
 
-int write_word(HsCtx* c, uint64_t* dev_addr, uint64_t value, cudaStream_t s) {
+// no_barrier: the write need not wait for the stream's earlier writes to become visible (no data behind it)
+int write_word(HsCtx* c, uint64_t* dev_addr, uint64_t value, cudaStream_t s, bool no_barrier = false) {
   Timed tm(c, 4);
-  CUresult r = c->write64((CUstream)s, (CUdeviceptr)dev_addr, value, 0);
+  CUresult r = c->write64((CUstream)s, (CUdeviceptr)dev_addr, value,
+                          no_barrier ? CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER : 0);
   MT_REQUIRE(r == CUDA_SUCCESS, 300, "host_staged: cuStreamWriteValue64 failed (CUresult %d)", (int)r);
   return 0;
 }
@@ -163,19 +166,20 @@ void watchdog_loop(HsCtx* c) {
         keys = c->lane_flags[l];
       }
       std::vector<uint64_t> vals(keys.size());
-      for (size_t i = 0; i < keys.size(); ++i)
+      bool full_out = false;  // a slot this rank filled is still full
+      for (size_t i = 0; i < keys.size(); ++i) {
         vals[i] = __atomic_load_n((uint64_t*)(c->host_base + (keys[i] & HS_FLAG_OFF_MASK)), __ATOMIC_ACQUIRE);
-      bool busy_out = __atomic_load_n(&c->busy_host[2 * l], __ATOMIC_ACQUIRE) != 0;
-      bool busy_in = __atomic_load_n(&c->busy_host[2 * l + 1], __ATOMIC_ACQUIRE) != 0;
-      if (vals != last[l] || !(busy_out || busy_in)) progress[l] = now;
+        if ((keys[i] >> 63) != 0 && vals[i] == HS_FULL) full_out = true;
+      }
+      bool busy_in = __atomic_load_n(&c->busy_host[l], __ATOMIC_ACQUIRE) != 0;
+      if (vals != last[l] || !(full_out || busy_in)) progress[l] = now;
       last[l] = vals;
-      if (!aborted && (busy_out || busy_in) && now - progress[l] > c->timeout_ns) {
-        // name a flag this lane may be stuck on: a slot still full (sender waits for the drain) or still
-        // empty (receiver waits for the data)
-        int code = busy_in ? MT_ERR_TIMEOUT_SIGNAL : HS_ERR_TIMEOUT_DRAIN, peer = -1, slot = -1;
+      if (!aborted && (full_out || busy_in) && now - progress[l] > c->timeout_ns) {
+        // name the peer: of a slot still full (its receiver never drained it), else of one still empty
+        int code = full_out ? HS_ERR_TIMEOUT_DRAIN : MT_ERR_TIMEOUT_SIGNAL, peer = -1, slot = -1;
         for (size_t i = 0; i < keys.size() && peer < 0; ++i) {
           bool sender = (keys[i] >> 63) != 0;
-          if (sender == !busy_in && vals[i] == (sender ? HS_FULL : HS_EMPTY)) {
+          if (sender == full_out && vals[i] == (sender ? HS_FULL : HS_EMPTY)) {
             peer = (int)((keys[i] >> 48) & 0x7fff);
             slot = (int)((keys[i] & HS_FLAG_OFF_MASK) / 8);
           }
@@ -185,17 +189,17 @@ void watchdog_loop(HsCtx* c) {
           e[1] = c->rank;
           e[2] = peer;
           e[3] = slot;
-          e[7] = busy_in ? (int)HS_FULL : (int)HS_EMPTY;
+          e[7] = full_out ? (int)HS_EMPTY : (int)HS_FULL;
           __atomic_thread_fence(__ATOMIC_SEQ_CST);
           e[0] = code;
         }
         aborted = true;
       }
-      if (aborted && (busy_out || busy_in)) {
-        // release: every wait of a busy stream sees the value it wants (the data are garbage from here on)
+      if (aborted) {
+        // release: every wait of the lane sees the value it wants (the data are garbage from here on)
         for (uint64_t k : keys) {
           bool sender = (k >> 63) != 0;
-          if ((sender && busy_out) || (!sender && busy_in))
+          if (sender || busy_in)
             __atomic_store_n((uint64_t*)(c->host_base + (k & HS_FLAG_OFF_MASK)), sender ? HS_EMPTY : HS_FULL,
                              __ATOMIC_RELEASE);
         }
@@ -290,10 +294,10 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
     ce = cudaHostGetDevicePointer((void**)&c->err_dev, c->err_host, 0);
   }
   if (ce == cudaSuccess)
-    ce = cudaHostAlloc((void**)&c->busy_host, 2 * (size_t)lanes * sizeof(uint64_t),
+    ce = cudaHostAlloc((void**)&c->busy_host, (size_t)lanes * sizeof(uint64_t),
                        cudaHostAllocMapped | cudaHostAllocPortable);
   if (ce == cudaSuccess) {
-    memset(c->busy_host, 0, 2 * (size_t)lanes * sizeof(uint64_t));
+    memset(c->busy_host, 0, (size_t)lanes * sizeof(uint64_t));
     ce = cudaHostGetDevicePointer((void**)&c->busy_dev, c->busy_host, 0);
   }
   if (ce == cudaSuccess) ce = cudaMalloc((void**)&c->abort_dev, sizeof(int));
@@ -367,10 +371,8 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
     MT_CUDA(cudaStreamWaitEvent(si, ev[0], 0));
   }
   int rc;
-  if (c->wait_mode == 1) {  // busy while inside this exchange (the watchdog's view)
-    if ((rc = write_word(c, c->busy_dev + 2 * lane, 1, so)) || (rc = write_word(c, c->busy_dev + 2 * lane + 1, 1, si)))
-      return rc;
-  }
+  // the receive stream is busy while inside this exchange (the watchdog's view)
+  if (c->wait_mode == 1 && (rc = write_word(c, c->busy_dev + lane, 1, si, true))) return rc;
   if (local_bytes) {
     Timed tm(c, 1);
     MT_CUDA(cudaMemcpyAsync(local_dst, local_src, local_bytes, cudaMemcpyDeviceToDevice, si));
@@ -379,10 +381,8 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
     if (j < n_out && (rc = stage_piece(c, lane, out_ops + HS_OP_WORDS * j, true, so))) return rc;
     if (j < n_in && (rc = stage_piece(c, lane, in_ops + HS_OP_WORDS * j, false, si))) return rc;
   }
-  if (c->wait_mode == 1) {  // left it (before the events: in a capture, every node must join back)
-    if ((rc = write_word(c, c->busy_dev + 2 * lane, 0, so)) || (rc = write_word(c, c->busy_dev + 2 * lane + 1, 0, si)))
-      return rc;
-  }
+  // left it (before the event: in a capture, every node must join back)
+  if (c->wait_mode == 1 && (rc = write_word(c, c->busy_dev + lane, 0, si, true))) return rc;
   {
     Timed tm(c, 0);
     MT_CUDA(cudaEventRecord(ev[1], so));

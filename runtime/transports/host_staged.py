@@ -107,15 +107,19 @@ def piece_sizes(n: int, slot: int) -> list[int]:
 
 class _StagedWork:
     """What exchange_async/gather_async/reduce_scatter_async return: wait() orders the current stream after
-    the exchange's copies (then runs `finish`, e.g. the reduce-scatter's sum) and raises a recorded GPU error."""
+    the exchange's copies (then runs `finish`, e.g. the reduce-scatter's sum) and raises a recorded GPU error.
+    Until then it holds the tensors the copies read and write: the caching allocator only knows the stream
+    they were made on, and a caller may drop its send rows right after posting (run 35: a pipelined
+    combine's expert rows were reused by the next chunk before the lane stream had copied them)."""
 
     def __init__(self, transport: HostStagedTransport, lane: int, ticket: int,
-                 finish: Callable[[], None] | None = None):
-        self._t, self._lane, self._ticket, self._finish = transport, lane, ticket, finish
+                 finish: Callable[[], None] | None = None, keep: tuple[torch.Tensor, ...] = ()):
+        self._t, self._lane, self._ticket, self._finish, self._keep = transport, lane, ticket, finish, keep
 
     def wait(self) -> bool:
         t = self._t
         t._call(t.lib.mt_hs_wait, t._h, self._lane, self._ticket, torch.cuda.current_stream(t.device).cuda_stream)
+        self._keep = ()  # the current stream now comes after the copies: reusing the memory is safe
         if self._finish is not None:
             self._finish()
             self._finish = None
@@ -296,10 +300,12 @@ class HostStagedTransport(CollectiveTransport):
             raise HostStagedError(f"host_staged on rank {self.rank}: {self.lib.mt_last_error().decode(errors='replace')}")
 
     def _move(self, channel: int, sends: list[tuple[int, int, int]], recvs: list[tuple[int, int, int]],
-              local: tuple[torch.Tensor, torch.Tensor] | None, finish: Callable[[], None] | None = None) -> _StagedWork:
+              local: tuple[torch.Tensor, torch.Tensor] | None, finish: Callable[[], None] | None = None,
+              keep: tuple[torch.Tensor, ...] = ()) -> _StagedWork:
         """Post (peer, device address, bytes) blocks out and in on the streams of the channel's lane, after the
         current stream's work; `local` = (dst, src) is this rank's own block (a device copy). One library
-        call; the returned work's wait() orders the current stream after it, then runs `finish`.
+        call; the returned work's wait() orders the current stream after it, then runs `finish`; it holds
+        `keep` (the tensors behind the addresses) until then.
 
         Pieces are posted send j, receive j, send j+1, ...: should the two streams share one hardware queue
         (CUDA_DEVICE_MAX_CONNECTIONS), a send that waits for the peer to drain slot j-ring still comes after
@@ -317,7 +323,7 @@ class HostStagedTransport(CollectiveTransport):
         self._call(self.lib.mt_hs_post, self._h, lane, torch.cuda.current_stream(self.device).cuda_stream,
                    len(out), ops_out, len(inc), ops_in, local[0].data_ptr() if nb else None,
                    local[1].data_ptr() if nb else None, nb, ctypes.byref(ticket))
-        return _StagedWork(self, lane, ticket.value, finish)
+        return _StagedWork(self, lane, ticket.value, finish, keep)
 
     def _pieces(self, lane: int, src: int, dst: int, ptr: int, n: int, uses: list[list[int]]) -> list[tuple]:
         """One block cut for consecutive slots of the (lane, src -> dst) ring (both sides cut it alike, and
@@ -352,7 +358,8 @@ class HostStagedTransport(CollectiveTransport):
         recvs = [(p, out.data_ptr() + r_off[p] * row, recv_splits[p] * row) for p in range(self.world)
                  if p != self.rank and recv_splits[p]]
         me = self.rank
-        return out, self._move(channel, sends, recvs, (out[r_off[me] : r_off[me + 1]], send[s_off[me] : s_off[me + 1]]))
+        return out, self._move(channel, sends, recvs, (out[r_off[me] : r_off[me + 1]], send[s_off[me] : s_off[me + 1]]),
+                               keep=(send, out))
 
     def gather_async(self, out: torch.Tensor, inp: torch.Tensor, *, channel: int = 0):
         if not self.native:
@@ -362,7 +369,7 @@ class HostStagedTransport(CollectiveTransport):
         peers = self._peers
         sends = [(p, inp.data_ptr(), nb) for p in peers] if nb else []
         recvs = [(p, out[p * n].data_ptr(), nb) for p in peers] if nb else []
-        return self._move(channel, sends, recvs, (out[self.rank * n : (self.rank + 1) * n], inp))
+        return self._move(channel, sends, recvs, (out[self.rank * n : (self.rank + 1) * n], inp), keep=(out, inp))
 
     def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, *, channel: int = 0):
         if not self.native:
@@ -386,7 +393,7 @@ class HostStagedTransport(CollectiveTransport):
                     acc += b.float()
                 out.copy_(acc)
 
-        return self._move(channel, sends, recvs, None, finish)
+        return self._move(channel, sends, recvs, None, finish, keep=(inp, got))
 
     # -- teardown ---------------------------------------------------------------------------------------
     def _release(self) -> None:
