@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run 36 on the 2x H200 node (~6 min): run 35's code with two fixes: host_staged's work keeps the tensors its copies
+# Run 36 on the 2x H200 node (~6 min; every native host_staged case failed: cuStreamWriteValue64 refused the
+# busy word's NO_MEMORY_BARRIER flag with CUDA_ERROR_INVALID_VALUE; rerun as run 37): run 35's code with two fixes: host_staged's work keeps the tensors its copies
 # use until wait() (run 35's GPU test found the packed layout at pipeline_depth 4 wrong: a pipelined combine's
 # expert rows were reused before the lane stream copied them), and the watchdog needs one busy word per lane
 # (receive stream, written without a memory barrier) instead of two with barriers. (1) every GPU test, (2) two

@@ -24,7 +24,8 @@
 // no timeout of its own, so a watchdog thread gives it one. A lane is stuck when none of its flags has
 // changed for the timeout while either a slot it filled is still full (its receiver is gone: the sender
 // waits, or will) or its receive stream is inside an exchange (a busy word the stream sets when it enters
-// and clears when it leaves, with no memory barrier: no data depend on it). The watchdog then records the
+// and clears when it leaves; CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER was refused there with
+// CUDA_ERROR_INVALID_VALUE in run 36, so these writes keep the barrier). The watchdog then records the
 // error and releases the lane (writes the values its waits want, again and again), so a lost peer costs
 // one timeout and an error from check(), never a hang; what moves after that is garbage, as with 0.
 // 0 is a one-thread spin kernel per wait with its own bounded spin (mt::wait_word).
@@ -127,11 +128,9 @@ int wait_flag(HsCtx* c, uint64_t off, uint64_t want, int code, int peer, cudaStr
   return 0;
 }
 
-// no_barrier: the write need not wait for the stream's earlier writes to become visible (no data behind it)
-int write_word(HsCtx* c, uint64_t* dev_addr, uint64_t value, cudaStream_t s, bool no_barrier = false) {
+int write_word(HsCtx* c, uint64_t* dev_addr, uint64_t value, cudaStream_t s) {
   Timed tm(c, 4);
-  CUresult r = c->write64((CUstream)s, (CUdeviceptr)dev_addr, value,
-                          no_barrier ? CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER : 0);
+  CUresult r = c->write64((CUstream)s, (CUdeviceptr)dev_addr, value, 0);
   MT_REQUIRE(r == CUDA_SUCCESS, 300, "host_staged: cuStreamWriteValue64 failed (CUresult %d)", (int)r);
   return 0;
 }
@@ -372,7 +371,7 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
   }
   int rc;
   // the receive stream is busy while inside this exchange (the watchdog's view)
-  if (c->wait_mode == 1 && (rc = write_word(c, c->busy_dev + lane, 1, si, true))) return rc;
+  if (c->wait_mode == 1 && (rc = write_word(c, c->busy_dev + lane, 1, si))) return rc;
   if (local_bytes) {
     Timed tm(c, 1);
     MT_CUDA(cudaMemcpyAsync(local_dst, local_src, local_bytes, cudaMemcpyDeviceToDevice, si));
@@ -382,7 +381,7 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
     if (j < n_in && (rc = stage_piece(c, lane, in_ops + HS_OP_WORDS * j, false, si))) return rc;
   }
   // left it (before the event: in a capture, every node must join back)
-  if (c->wait_mode == 1 && (rc = write_word(c, c->busy_dev + lane, 0, si, true))) return rc;
+  if (c->wait_mode == 1 && (rc = write_word(c, c->busy_dev + lane, 0, si))) return rc;
   {
     Timed tm(c, 0);
     MT_CUDA(cudaEventRecord(ev[1], so));
