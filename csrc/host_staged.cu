@@ -13,9 +13,10 @@
 // same exchanges in the same order), and the values are constants: the same operations can be captured
 // in a CUDA graph and replayed any number of times, mixed with eager calls.
 // Each side also reads back the flag it wrote itself one use of the slot earlier, with the ring's other
-// pieces (their waits and copies) in between. Run 31 waited for a slot right after writing its flag, with
-// nothing between, and read it stale (so it seems): keep a wait per piece, and if the ring's uses must come
-// closer, give each side a flag only the other writes.
+// pieces (their waits and copies) in between. Run 31 (one sender wait per ring) went wrong in the packed
+// layout at pipeline_depth 4 and was blamed on such a read; run 35 showed the same failure (same case, max
+// diff ~4.6) with a wait per piece, caused by send rows freed before the lane stream had copied them (the
+// Python side now holds them until wait()), so that blame was probably wrong, but it was never re-tested.
 // cuStreamWriteValue64 without NO_MEMORY_BARRIER makes the stream's earlier work (the copy) visible
 // before the flag.
 //

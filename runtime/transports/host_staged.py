@@ -6,7 +6,8 @@ memory is one shared file under /dev/shm (mode 0600, unlinked as soon as every r
 nothing is left behind by a crash) that each rank registers with CUDA (`cudaHostRegister`). It holds,
 for every (lane, sender, receiver), a ring of staging slots (`ring_slots()`), each with a full/empty flag (the
 sender fills a slot, the receiver empties it); csrc/host_staged.cu orders wait → copy → flag on the CUDA
-streams, so no host thread ever waits for a transfer and the copies run on the copy engines, not on SMs.
+streams, so no host thread ever waits for a transfer and the copies run on the copy engines, not on SMs
+(the waits are cuStreamWaitValue64, given their timeout by a watchdog thread; see _wait_mode).
 The flag values are constants, so an exchange can be captured in a CUDA graph and replayed (the EP
 buffer's dense layout, which has no host sync, captures whole).
 
@@ -17,8 +18,9 @@ Two knobs overlap the two crossings:
   block goes whole through one slot: store-and-forward, the receiver's host → device copy starts when
   the sender's device → host copy has ended.
 * `pipeline_depth` (the EP buffer's chunks): chunk i+1 travels while chunk i is computed, and the
-  combine of chunk i travels while later dispatch chunks still do. `channels` gives each set of chunks
-  its own pair of CUDA streams (lanes), so chunks on different lanes move at once.
+  combine of chunk i travels while later dispatch chunks still do. The combines go on the dispatch lane
+  (`combine_shares_lanes`), so each copy stream carries d0..dN and then c0..cN back to back; `channels`
+  spreads the chunks over that many pairs of CUDA streams (lanes), which then move at once.
 
 The count exchange and the input checks stay on the process group (NCCL, with NCCL_P2P_DISABLE=1 on
 such nodes, which the benchmarks set). Without the compiled library, on CPU, with one rank, or with
