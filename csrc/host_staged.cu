@@ -23,15 +23,12 @@
 // Waits (wait_mode): 1 (the default) is cuStreamWaitValue64, done by the GPU's front end without an SM and
 // the quickest hand-off to the copy after it (run 34: 769-795 us against 858-893 for a round trip). It has
 // no timeout of its own, so a watchdog thread gives it one. A lane is stuck when none of its flags has
-// changed for the timeout while a slot it filled is still full (its receiver is gone or never came: the
-// sender waits, or will) or its receive stream is inside an exchange that sends nothing to one of the
-// peers it receives from (a busy word the stream sets and clears; an exchange that also sends to each of
-// them shows a lost peer by the full slot, and the word would cost two stream writes: run 37). A peer
-// that dies in the middle of an exchange after draining every slot of ours shows neither, so each
-// watchdog also beats a heartbeat word in the shared memory, and a peer whose heartbeat stops for the
-// timeout is gone. Either way the watchdog records the error and releases the lane (writes the values its
-// waits want, again and again), so a lost peer costs one timeout and an error from check(), never a hang;
-// what moves after that is garbage, as with 0.
+// changed for the timeout while either a slot it filled is still full (its receiver is gone: the sender
+// waits, or will) or its receive stream is inside an exchange (a busy word the stream sets when it enters
+// and clears when it leaves; CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER was refused there with
+// CUDA_ERROR_INVALID_VALUE in run 36, so these writes keep the barrier). The watchdog then records the
+// error and releases the lane (writes the values its waits want, again and again), so a lost peer costs
+// one timeout and an error from check(), never a hang; what moves after that is garbage, as with 0.
 // 0 is a one-thread spin kernel per wait with its own bounded spin (mt::wait_word).
 #include <string.h>
 #include <time.h>
@@ -53,10 +50,7 @@ namespace {
 typedef CUresult (*PfnWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 typedef CUresult (*PfnWaitValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
-enum {
-  HS_ERR_TIMEOUT_DRAIN = 8,  // waited too long for the receiver to drain a staging slot
-  HS_ERR_PEER_GONE = 9,      // a peer's watchdog heartbeat stopped (its process ended or froze)
-};
+enum { HS_ERR_TIMEOUT_DRAIN = 8 };  // waited too long for the receiver to drain a staging slot
 constexpr uint64_t HS_EMPTY = 0, HS_FULL = 1;  // a slot's flag
 
 struct HsCtx {
@@ -80,8 +74,6 @@ struct HsCtx {
   std::vector<std::vector<uint64_t>> lane_flags;  // per lane: flag offset | sender bit (1 << 63) | peer << 48
   std::thread watchdog;
   std::atomic<bool> stop{false};
-  std::atomic<int64_t> hb_off{-1};  // the heartbeat words (one per rank) in the staging memory, once known
-  std::atomic<int> world{0};
   int lanes = 0;
   cudaStream_t* s_out = nullptr;  // per lane: device -> host copies
   cudaStream_t* s_in = nullptr;   // per lane: host -> device copies
@@ -163,38 +155,10 @@ void watchdog_loop(HsCtx* c) {
   const int lanes = c->lanes;
   std::vector<std::vector<uint64_t>> last(lanes);
   std::vector<uint64_t> progress(lanes, host_ns());
-  std::vector<uint64_t> hb_seen, hb_since;  // per peer: its last heartbeat value (0: none yet), and since when
-  uint64_t beat = 0;
   bool aborted = false;
   while (!c->stop.load(std::memory_order_relaxed)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
     uint64_t now = host_ns();
-    int64_t hb = c->hb_off.load();
-    int world = c->world.load();
-    if (hb >= 0) {
-      uint64_t* words = (uint64_t*)(c->host_base + hb);
-      __atomic_store_n(&words[c->rank], ++beat, __ATOMIC_RELEASE);
-      hb_seen.resize(world, 0);
-      hb_since.resize(world, now);
-      for (int p = 0; p < world && !aborted; ++p) {
-        if (p == c->rank) continue;
-        uint64_t v = __atomic_load_n(&words[p], __ATOMIC_ACQUIRE);
-        if (v != hb_seen[p]) {
-          hb_seen[p] = v;
-          hb_since[p] = now;
-        } else if (v != 0 && now - hb_since[p] > c->timeout_ns) {  // 0: that peer has no watchdog (spin kernels)
-          volatile int* e = c->err_host;
-          if (e[0] == 0) {
-            e[1] = c->rank;
-            e[2] = p;
-            e[3] = -1;
-            __atomic_thread_fence(__ATOMIC_SEQ_CST);
-            e[0] = HS_ERR_PEER_GONE;
-          }
-          aborted = true;
-        }
-      }
-    }
     for (int l = 0; l < lanes; ++l) {
       std::vector<uint64_t> keys;
       {
@@ -232,12 +196,12 @@ void watchdog_loop(HsCtx* c) {
         aborted = true;
       }
       if (aborted) {
-        // release: every wait of the lane sees the value it wants (the data are garbage from here on; a
-        // live peer then finds its own slots stuck and gives up after its timeout too)
+        // release: every wait of the lane sees the value it wants (the data are garbage from here on)
         for (uint64_t k : keys) {
           bool sender = (k >> 63) != 0;
-          __atomic_store_n((uint64_t*)(c->host_base + (k & HS_FLAG_OFF_MASK)), sender ? HS_EMPTY : HS_FULL,
-                           __ATOMIC_RELEASE);
+          if (sender || busy_in)
+            __atomic_store_n((uint64_t*)(c->host_base + (k & HS_FLAG_OFF_MASK)), sender ? HS_EMPTY : HS_FULL,
+                             __ATOMIC_RELEASE);
         }
       }
     }
@@ -368,18 +332,6 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
   return 0;
 }
 
-// Where the heartbeat words are: `world` 64-bit words at byte `offset` of the staging memory, one per rank
-// (zeroed by the caller); from then on the watchdog (wait_mode 1) beats this rank's and watches the others.
-MT_API int mt_hs_heartbeat(void* h, uint64_t offset, int world) {
-  HsCtx* c = (HsCtx*)h;
-  MT_REQUIRE(world >= 1 && offset % 8 == 0 && offset + 8ull * world <= c->bytes && c->rank < world, 317,
-             "host_staged: heartbeat words [%llu, +%d x 8) outside the staging memory or rank %d >= world",
-             (unsigned long long)offset, world, c->rank);
-  c->world = world;
-  c->hb_off = (int64_t)offset;
-  return 0;
-}
-
 // One piece through one slot on stream s: wait until the slot's flag says it is ours (sender: empty,
 // receiver: full), copy nbytes (device -> slot when `to_host`, slot -> device otherwise), hand the slot over.
 static int stage_piece(HsCtx* c, int lane, const uint64_t* op, bool to_host, cudaStream_t s) {
@@ -419,15 +371,8 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
     MT_CUDA(cudaStreamWaitEvent(si, ev[0], 0));
   }
   int rc;
-  // the receive stream is busy while inside this exchange, when it receives from a peer it sends nothing to
-  // (the watchdog's view; see the top of the file)
-  bool mark = false;
-  for (int i = 0; c->wait_mode == 1 && i < n_in && !mark; ++i) {
-    mark = true;
-    for (int j = 0; j < n_out && mark; ++j)
-      if (out_ops[HS_OP_WORDS * j + 4] == in_ops[HS_OP_WORDS * i + 4]) mark = false;
-  }
-  if (mark && (rc = write_word(c, c->busy_dev + lane, 1, si))) return rc;
+  // the receive stream is busy while inside this exchange (the watchdog's view)
+  if (c->wait_mode == 1 && (rc = write_word(c, c->busy_dev + lane, 1, si))) return rc;
   if (local_bytes) {
     Timed tm(c, 1);
     MT_CUDA(cudaMemcpyAsync(local_dst, local_src, local_bytes, cudaMemcpyDeviceToDevice, si));
@@ -437,7 +382,7 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
     if (j < n_in && (rc = stage_piece(c, lane, in_ops + HS_OP_WORDS * j, false, si))) return rc;
   }
   // left it (before the event: in a capture, every node must join back)
-  if (mark && (rc = write_word(c, c->busy_dev + lane, 0, si))) return rc;
+  if (c->wait_mode == 1 && (rc = write_word(c, c->busy_dev + lane, 0, si))) return rc;
   {
     Timed tm(c, 0);
     MT_CUDA(cudaEventRecord(ev[1], so));

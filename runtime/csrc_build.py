@@ -28,7 +28,7 @@ from ctypes import POINTER, c_char_p, c_double, c_int, c_int64, c_uint64, c_void
 from pathlib import Path
 from typing import NamedTuple
 
-ABI_VERSION = 16
+ABI_VERSION = 15
 LIB_NAME = "libmoetune_csrc.so"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo")
 _BUILD_TIMEOUT_S = 600
@@ -225,7 +225,6 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     # host_staged.cu: staging through shared pinned host memory (host_staged transport)
     "mt_hs_create": (c_int, [c_int, c_int, c_void_p, c_uint64, c_double, c_int, c_int, _PP]),
     "mt_hs_post": (c_int, [c_void_p, c_int, c_uint64, c_int, _P64, c_int, _P64, c_void_p, c_void_p, c_uint64, _PI]),
-    "mt_hs_heartbeat": (c_int, [c_void_p, c_uint64, c_int]),
     "mt_hs_wait": (c_int, [c_void_p, c_int, c_int, c_uint64]),
     "mt_hs_stats": (c_int, [c_void_p, _P64]),
     "mt_hs_error": (c_int, [c_void_p, _PI]),

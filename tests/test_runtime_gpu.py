@@ -43,5 +43,3 @@ def test_host_staged_copy_engines_match_the_collective() -> None:
     for key in ("timeout", "timeout_kernel"):
         assert "timeout waiting for a" in res[0][key], (key, res[0][key], res[0]["flags"], res[1]["flags"])
         assert "(peer 1)" in res[0][key]
-    # a peer whose heartbeat stopped (it closed its transport) while rank 0 waited on it: an error, not a hang
-    assert "heartbeat stopped" in res[0]["peer_gone"] and "(peer 1)" in res[0]["peer_gone"], res[0]["peer_gone"]

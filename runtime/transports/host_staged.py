@@ -56,7 +56,6 @@ _PAGE = 4096
 _SHM_DIR = "/dev/shm"
 _NAME_BYTES = 64
 ERR_DRAIN = 8  # csrc: waited too long for the receiver to drain a staging slot
-ERR_PEER_GONE = 9  # csrc: a peer's watchdog heartbeat stopped
 _OP_WORDS = 5  # csrc HS_OP_WORDS: one piece for mt_hs_post
 
 
@@ -99,13 +98,6 @@ def ring_slots() -> int:
 
 def native_requested() -> bool:
     return os.environ.get("MOETUNE_HS_NATIVE", "1") != "0"
-
-
-def layout_bases(n_slots: int, world: int) -> tuple[int, int]:
-    """(heartbeat, data) byte offsets of the staging memory: a flag per slot from 0, then a heartbeat word per
-    rank (beaten by each rank's watchdog, csrc/host_staged.cu), then the slots' data from the next page."""
-    hb = 8 * n_slots
-    return hb, -(-(hb + 8 * world) // _PAGE) * _PAGE
 
 
 def piece_sizes(n: int, slot: int) -> list[int]:
@@ -219,7 +211,7 @@ class HostStagedTransport(CollectiveTransport):
 
     def _setup(self) -> None:
         n_slots = self.lanes * self.world * (self.world - 1) * self.ring
-        self._hb_base, self._data_base = layout_bases(n_slots, self.world)
+        self._data_base = -(-8 * n_slots // _PAGE) * _PAGE
         nbytes = self._data_base + n_slots * self.slot_bytes
         name, problem = "", ""
         if self.rank == 0:
@@ -250,7 +242,7 @@ class HostStagedTransport(CollectiveTransport):
                 self._anchor = ctypes.c_char.from_buffer(self._mm)
                 rc = self.lib.mt_hs_create(self.device.index or 0, self.rank, ctypes.addressof(self._anchor), nbytes,
                                            timeout_s(), _wait_mode(), self.lanes, ctypes.byref(self._h))
-                if rc or self.lib.mt_hs_heartbeat(self._h, self._hb_base, self.world):
+                if rc:
                     raise HostStagedError(self.lib.mt_last_error().decode(errors="replace"))
             except (OSError, HostStagedError) as e:
                 problem = f"{type(e).__name__}: {e}"
@@ -282,7 +274,6 @@ class HostStagedTransport(CollectiveTransport):
         self.lib.mt_hs_error(self._h, words)
         if words[0]:
             what = ("timeout waiting for a peer to drain a staging slot" if words[0] == ERR_DRAIN
-                    else "a peer's heartbeat stopped (its process ended or froze)" if words[0] == ERR_PEER_GONE
                     else decode_error(list(words)))
             raise HostStagedError(f"host_staged on rank {self.rank}: {what} (peer {words[2]}); the peer is gone or "
                                   f"stalled beyond MOETUNE_ONESIDED_TIMEOUT_S={timeout_s():g}")
