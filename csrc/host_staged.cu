@@ -155,17 +155,17 @@ void watchdog_loop(HsCtx* c) {
   const int lanes = c->lanes;
   std::vector<std::vector<uint64_t>> last(lanes);
   std::vector<uint64_t> progress(lanes, host_ns());
+  std::vector<uint64_t> keys, vals;  // reused every poll (no allocation once the lanes' flags are known)
   bool aborted = false;
   while (!c->stop.load(std::memory_order_relaxed)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
     uint64_t now = host_ns();
     for (int l = 0; l < lanes; ++l) {
-      std::vector<uint64_t> keys;
       {
         std::lock_guard<std::mutex> g(c->flags_mu);
-        keys = c->lane_flags[l];
+        keys.assign(c->lane_flags[l].begin(), c->lane_flags[l].end());
       }
-      std::vector<uint64_t> vals(keys.size());
+      vals.resize(keys.size());
       bool full_out = false;  // a slot this rank filled is still full
       for (size_t i = 0; i < keys.size(); ++i) {
         vals[i] = __atomic_load_n((uint64_t*)(c->host_base + (keys[i] & HS_FLAG_OFF_MASK)), __ATOMIC_ACQUIRE);
@@ -173,7 +173,7 @@ void watchdog_loop(HsCtx* c) {
       }
       bool busy_in = __atomic_load_n(&c->busy_host[l], __ATOMIC_ACQUIRE) != 0;
       if (vals != last[l] || !(full_out || busy_in)) progress[l] = now;
-      last[l] = vals;
+      last[l].assign(vals.begin(), vals.end());
       if (!aborted && (full_out || busy_in) && now - progress[l] > c->timeout_ns) {
         // name the peer: of a slot still full (its receiver never drained it), else of one still empty
         int code = full_out ? HS_ERR_TIMEOUT_DRAIN : MT_ERR_TIMEOUT_SIGNAL, peer = -1, slot = -1;

@@ -383,6 +383,8 @@ class EPBuffer:
         self._layout()
         self.dense = self._choose_dense(dense, get_transport(knobs.transport))
         self._agree()
+        # the dense layout's chunk boundaries over the max_tokens slots: fixed for the buffer's life
+        self._dense_chunks = _dense_bounds(self.max_tokens, self.num_chunks) if self.dense else []
         # `channels`: communicators the chunks of one direction are spread over (round-robin by chunk);
         # with pipelining, combine gets its own set so it travels while later dispatch chunks still move,
         # unless the transport does better with both on one set (host_staged's copy streams).
@@ -417,7 +419,7 @@ class EPBuffer:
             reserve(max(1, self.max_tokens), widest_row)
         stage = getattr(self.transport, "stage_capacity", None)
         if callable(stage):  # host_staged: one staging slot per block, a block being at most one chunk's tokens
-            b = _dense_bounds(self.max_tokens, self.num_chunks) if self.dense else [0, -(-self.max_tokens // self.num_chunks)]
+            b = self._dense_chunks or [0, -(-self.max_tokens // self.num_chunks)]
             stage(max(1, *(hi - lo for lo, hi in itertools.pairwise(b))), widest_row)
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
         self._stage_views: Any = None
@@ -598,9 +600,8 @@ class EPBuffer:
         if self._stage_hi > s:  # rows a larger earlier dispatch filled: mark them empty again
             self._stage_views[1].narrow(0, s, self._stage_hi - s).fill_(-1)
         self._stage_hi = s
-        bounds = _dense_bounds(cap, self.num_chunks)
         chunks = []
-        for c0, c1 in itertools.pairwise(bounds):
+        for c0, c1 in itertools.pairwise(self._dense_chunks):
             chunks.append(_Chunk(c0, c1, [c1 - c0] * w, [c1 - c0] * w, w * c0, []))
         handle = Handle(s, self.hidden, self.dtype, self.device, chunks, w * cap, dense=True)
         handle._recv_buf = torch.empty(w * cap, self.row_bytes, dtype=torch.uint8, device=self.device)

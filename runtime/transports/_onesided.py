@@ -72,6 +72,13 @@ def _all_gather_ints(values: list[int], group: dist.ProcessGroup | None, device:
     return [flat[i * n : (i + 1) * n] for i in range(world)]
 
 
+def all_ok(ok: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """True when `ok` holds on every rank of the group (collective: keeps the ranks' next steps in line)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
 def _barrier(group: dist.ProcessGroup | None, device: torch.device) -> None:
     t = torch.ones(1, device=device)
     dist.all_reduce(t, group=group)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..knobs import Knobs, default_knobs
 from ..launch import destroy_group_quietly, free_port
+from ._onesided import all_ok
 
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -91,9 +92,7 @@ def barrier(device: torch.device) -> None:
 
 def _agree(err: str | None, device: torch.device) -> bool:
     """All ranks learn whether any failed (keeps collectives in step). True = all fine."""
-    flag = torch.tensor([1.0 if err else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0
+    return all_ok(not err, None, device)
 
 
 def transport_class(name: str) -> type:

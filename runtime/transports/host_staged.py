@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .. import csrc_build
 from ..knobs import Knobs
-from ._onesided import decode_error, timeout_s
+from ._onesided import all_ok, decode_error, timeout_s
 from .base import Availability
 from .collective import CollectiveTransport
 
@@ -61,13 +61,6 @@ _OP_WORDS = 5  # csrc HS_OP_WORDS: one piece for mt_hs_post
 
 class HostStagedError(RuntimeError):
     """A staged transfer failed on the GPU (a peer never arrived) or the staging memory could not be set up."""
-
-
-def _all_ranks(ok: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """True when `ok` holds on every rank of the group (collective)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
 
 
 def _wait_mode() -> int:
@@ -146,7 +139,7 @@ class HostStagedTransport(CollectiveTransport):
                     lib, why = None, f"{type(e).__name__}: {e}"
         if device.type == "cuda" and world > 1 and dist.is_initialized():
             # every rank must take the same path (the NCCL path builds extra communicators collectively)
-            if not _all_ranks(lib is not None, group, device) and lib is not None:
+            if not all_ok(lib is not None, group, device) and lib is not None:
                 lib, why = None, "another rank cannot run the native path"
         self.native = lib is not None
         self.native_reason = "copy engines through shared pinned host memory" if self.native else (
@@ -248,7 +241,7 @@ class HostStagedTransport(CollectiveTransport):
                 problem = f"{type(e).__name__}: {e}"
         elif not problem:
             problem = "rank 0 could not create the staging memory"
-        ok = _all_ranks(not problem, self.group, self.device)
+        ok = all_ok(not problem, self.group, self.device)
         if self.rank == 0 and name:
             try:
                 os.unlink(name)  # every rank has it mapped (or gave up): nothing stays in /dev/shm
