@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moetune.tuner.calibration import calibrate, read_rows, rows_to_points
-from moetune.tuner.fabric_model import load_preset
+from moetune.tuner.fabric_model.calibration import calibrate, read_rows, rows_to_points
+from moetune.tuner.fabric_model.predict import load_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT / "bench/results/2026-11-30_h200x2_nccl_baseline.jsonl"  # = shared/data/h200x2_baseline.jsonl

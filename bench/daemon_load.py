@@ -3,7 +3,7 @@
 
     python bench/daemon_load.py [--transport ipc|tcp] [--seconds 3] [--clients 1,16,64,256] [--out bench/results]
 
-Starts `python -m moetune.tuner.daemon` on a tmp dir (ipc, or tcp 127.0.0.1 with allow_insecure_tcp for the
+Starts `python -m moetune.tuner.daemon.server` on a tmp dir (ipc, or tcp 127.0.0.1 with allow_insecure_tcp for the
 test), seeds a database with profiles (tests/daemon_fakes.py: the real Store when importable), then for each
 client count N runs two phases with DEALER sockets spread over client processes (bounded: N <= 256,
 each phase `--seconds` long):
@@ -156,7 +156,7 @@ from moetune.runtime.shapes import MODELS
 import gc
 gc.collect()  # do not charge the client import for a full collection of torch's objects that is due anyway
 t0 = time.perf_counter()
-from moetune.runtime.autoload import autoload_profile  # what the daemon client adds: pyzmq, wire schemas
+from moetune.runtime.profiles.autoload import autoload_profile  # what the daemon client adds: pyzmq, wire schemas
 t1 = time.perf_counter()
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -193,7 +193,7 @@ def summarize(xs: list[dict], key: str) -> dict:
 
 
 def main() -> int:
-    from moetune.runtime.launch import free_port
+    from moetune.runtime.testing.launch import free_port
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
@@ -275,7 +275,7 @@ def main() -> int:
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "note": "2-core shared CI box; other jobs may run at the same time (see loadavg); client processes run on the same cores as the daemon",
-        "store": "moetune.tuner.store.Store",
+        "store": "moetune.tuner.store.store.Store",
         "phases": phases,
         "autoload_daemon_up": {"call": summarize(up, "autoload_ms"), "import": summarize(up, "import_ms"),
                                "runtime_package_import": summarize(up, "runtime_pkg_ms"),

@@ -19,7 +19,7 @@ CAPTURES = Path(__file__).resolve().parents[1] / "tests" / "captures"
 
 def main() -> None:
     t = time.perf_counter()
-    from moetune.tuner.discovery import discover
+    from moetune.tuner.fabric.discovery import discover
 
     imp = time.perf_counter() - t
     live = []

@@ -20,7 +20,7 @@ PY="${PYTHON:-python3}"
 
 # Use the installed `moetune` when there is one; otherwise import the source tree through a tiny shim
 # (moetune is a namespace package whose subpackages are this repository's folders).
-if ! "$PY" -c "import moetune.tuner.discovery" 2>/dev/null; then
+if ! "$PY" -c "import moetune.tuner.fabric.discovery" 2>/dev/null; then
   SHIM="$(mktemp -d)"
   mkdir -p "$SHIM/moetune"
   for d in tuner runtime policies migrations csrc; do ln -s "$ROOT/$d" "$SHIM/moetune/$d"; done
@@ -58,9 +58,9 @@ put(check="cli fabric capture (wall, incl. python start)", seconds=round(t1 - t0
 put(check="cli fabric show --json (wall, incl. python start)", seconds=round(t2 - t1, 3), ok=rc_show == 0)
 
 t = time.perf_counter()
-from moetune.tuner.discovery import discover  # noqa: E402
+from moetune.tuner.fabric.discovery import discover  # noqa: E402
 imp = time.perf_counter() - t
-put(check="import moetune.tuner.discovery", seconds=round(imp, 3), ok=True)
+put(check="import moetune.tuner.fabric.discovery", seconds=round(imp, 3), ok=True)
 times, f = [], None
 for _ in range(5):
     t = time.perf_counter()

@@ -87,7 +87,7 @@ def _run(fabric: str, args: argparse.Namespace) -> list[dict]:
         os.environ["NCCL_P2P_DISABLE"] = "1"
     else:
         os.environ.pop("NCCL_P2P_DISABLE", None)
-    from moetune.runtime.launch import free_port
+    from moetune.runtime.testing.launch import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -100,7 +100,7 @@ fi
 # semantics). If this stalls while the tests above pass, the host-completed calls are what fixed run 1.
 stage proxy_async_diag 45 "$PY" -c "
 import json, os
-from moetune.runtime.transports._selftest import spawn_world, check_exchange_worker
+from moetune.runtime.testing.selftest import spawn_world, check_exchange_worker
 v = ['fence_mode=proxy_drain,signalling=coupled,qps_per_pe=1|hostwait=0',
      'fence_mode=nic_ordered,signalling=decoupled,qps_per_pe=2,qp_mapping=peer_hash,chunk_tokens=16|hostwait=0']
 res = spawn_world(check_exchange_worker, 2, dict(transport='proxy', variants=v, iters=10), timeout_s=40)

@@ -50,7 +50,7 @@ def _ensure_moetune() -> None:
     inherited by the spawned ranks)."""
     try:
         import moetune.runtime
-        import moetune.tuner.bench_ep
+        import moetune.tuner.measure.ep
 
         return
     except ImportError as e:
@@ -65,7 +65,7 @@ def _ensure_moetune() -> None:
     sys.path.insert(0, str(shim.parent))
     for name in [m for m in sys.modules if m == "moetune" or m.startswith("moetune.")]:
         del sys.modules[name]
-    import moetune.tuner.bench_ep  # noqa: F401
+    import moetune.tuner.measure.ep  # noqa: F401
 
 
 MODELS = ("qwen3-30b", "gpt-oss-120b", "deepseek-v3")
@@ -133,7 +133,7 @@ def rank_main(rank: int, world: int, cases: list[dict], fabric: str, results: st
     import torch
     import torch.distributed as dist
 
-    from moetune.tuner.bench_ep import bench_case
+    from moetune.tuner.measure.ep import bench_case
 
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     hardware = torch.cuda.get_device_name() if cuda else "cpu"
@@ -196,7 +196,7 @@ def rank_main(rank: int, world: int, cases: list[dict], fabric: str, results: st
 
 
 def run_fabric(fabric: str, cases: list[dict], args, results: Path, deadline: float, run_id: str) -> None:
-    from moetune.runtime.launch import LaunchError, launch
+    from moetune.runtime.testing.launch import LaunchError, launch
 
     env = {"NCCL_P2P_DISABLE": "1"} if fabric == "host_staged" else {}
     backend = "gloo" if args.cpu else "nccl"

@@ -24,8 +24,8 @@ moetune() { "$PY" -c "from moetune.tuner.cli import main; main()" "$@"; }
 
 missing=$("$PY" - <<'EOF'
 import importlib.util
-need = ["optuna", "sqlalchemy", "alembic", "msgspec", "typer", "rich", "moetune.tuner.search", "moetune.tuner.discovery",
-        "moetune.tuner.store", "moetune.runtime"]
+need = ["optuna", "sqlalchemy", "alembic", "msgspec", "typer", "rich", "moetune.tuner.search.study", "moetune.tuner.fabric.discovery",
+        "moetune.tuner.store.store", "moetune.runtime"]
 print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
 EOF
 )

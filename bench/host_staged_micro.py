@@ -152,7 +152,7 @@ def main() -> int:
     if a.dry_run:
         print("dry-run", json.dumps(cfg))
         return 0
-    from moetune.runtime.launch import launch
+    from moetune.runtime.testing.launch import launch
 
     res = launch(rank_main, 2, backend="nccl", args=(cfg,), timeout_s=60, join_timeout_s=240)
     Path(a.out).mkdir(parents=True, exist_ok=True)

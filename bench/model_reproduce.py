@@ -17,8 +17,8 @@ from pathlib import Path
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.calibration import read_rows, rows_to_points
-from moetune.tuner.fabric_model import Workload, load_preset, predict, predict_transfers
+from moetune.tuner.fabric_model.calibration import read_rows, rows_to_points
+from moetune.tuner.fabric_model.predict import Workload, load_preset, predict, predict_transfers
 
 ROOT = Path(__file__).resolve().parents[1]
 SL = "slingshot11-libfabric-a100x4"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`moetune bench ep` over the issue-6 grid in ONE launch (2 ranks, NCCL): nvlink, proxy, collective, plain.
 
-Every case runs `moetune.tuner.bench_ep.bench_case` -- the code behind `moetune bench ep` -- in spawned
+Every case runs `moetune.tuner.measure.ep.bench_case` -- the code behind `moetune bench ep` -- in spawned
 ranks that stay up for all cases (a launch per case would cost ~10 s of start-up each):
   models qwen3-30b, deepseek-v3; S in {128, 1024, 16384} tokens per rank; variants
     nvlink          default knobs (num_sms=24)
@@ -79,7 +79,7 @@ def rank_main(rank: int, world: int, cases: list[dict], results: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from moetune.tuner.bench_ep import bench_case
+    from moetune.tuner.measure.ep import bench_case
 
     for case in cases:
         t0 = time.time()
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu and torch.cuda.device_count() < 2:
         print("onesided_bench_ep: needs 2 GPUs", file=sys.stderr)
         return 2
-    from moetune.runtime.launch import LaunchError, launch
+    from moetune.runtime.testing.launch import LaunchError, launch
 
     results = out / "bench_ep_onesided.jsonl"
     results.write_text("")

@@ -90,7 +90,7 @@ def bench_worker(rank: int, world: int, *, models: list[str], tokens: list[int],
     import torch.distributed as dist
 
     from moetune.runtime.shapes import get_model
-    from moetune.runtime.transports._selftest import barrier, knobs_for, split_spec, transport_class
+    from moetune.runtime.testing.selftest import barrier, knobs_for, split_spec, transport_class
 
     device = torch.device("cuda", rank)
     rows: list[dict] = []
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from moetune.runtime.shapes import get_model
-    from moetune.runtime.transports._selftest import knobs_for
+    from moetune.runtime.testing.selftest import knobs_for
 
     for tname, spec in variants:
         knobs_for(tname, spec)  # validate every knob set before touching a GPU
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.device_count() < args.world:
         print(f"onesided_ep: needs {args.world} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
-    from moetune.runtime.transports._selftest import spawn_world
+    from moetune.runtime.testing.selftest import spawn_world
 
     res = spawn_world(bench_worker, args.world, dict(models=models, tokens=tokens, iters=args.iters,
                                                      warmup=args.warmup, variants=variants, sms_sweep=sms,

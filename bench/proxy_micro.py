@@ -41,17 +41,17 @@ MODES = {
     "decoupled_drain+batch": ("proxy_drain", "decoupled", 64),
     "decoupled_ordered+batch": ("nic_ordered", "decoupled", 64),
 }
-SLOTS_PER_PE = 128  # as moetune.tuner.microbench.SLOTS_PER_PE
+SLOTS_PER_PE = 128  # as moetune.tuner.measure.micro.SLOTS_PER_PE
 
 
 def pes_for(c: int) -> int:
-    from moetune.tuner.microbench import proxy_pes
+    from moetune.tuner.measure.micro import proxy_pes
 
     return proxy_pes(c)
 
 
 def build_requests(P, c: int, size: int, signalling: str | None, src_base: int):
-    from moetune.tuner.microbench import proxy_requests
+    from moetune.tuner.measure.micro import proxy_requests
 
     return proxy_requests(c, size, signalling, src_base)
 

@@ -17,7 +17,7 @@ import torch
 from moetune.runtime import EPBuffer, Knobs, get_model
 from moetune.runtime.pipeline import pipelined_moe, weighted_rows
 from moetune.runtime.routing import generate_routing
-from moetune.tuner.bench_ep import PlainA2A
+from moetune.tuner.measure.ep import PlainA2A
 
 
 def main() -> None:

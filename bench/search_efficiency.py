@@ -69,16 +69,16 @@ def run_case(args: tuple[str, str, int, int, float, bool]) -> dict[str, Any]:
     import optuna
 
     from moetune.runtime.shapes import get_model
-    from moetune.tuner.backends import (
+    from moetune.tuner.search.backends import (
         CallableBackend,
         Measurement,
         ModelBackend,
         TuneWorkload,
         preset_gpus_per_node,
     )
-    from moetune.tuner.policy import load_policy
-    from moetune.tuner.search import make_sampler, run_study
-    from moetune.tuner.search_space import SearchSpace
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+    from moetune.tuner.search.study import make_sampler, run_study
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     warnings.simplefilter("ignore")
@@ -86,7 +86,7 @@ def run_case(args: tuple[str, str, int, int, float, bool]) -> dict[str, Any]:
         preset = _Synth(preset_name)
         backend = ModelBackend(preset, predictor=_synthetic)
     else:
-        from moetune.tuner import fabric_model
+        from moetune.tuner.fabric_model import predict as fabric_model
 
         preset = fabric_model.load_preset(preset_name)
         backend = ModelBackend(preset)

@@ -50,7 +50,7 @@ def _layer_timer(rank: int, world: int, port: int, model_name: str, tokens: int,
         layers = [rt.MoELayer(model, None, Knobs.from_dict(s), max_tokens=tokens, device=dev, dtype=torch.bfloat16)
                   for s in settings]
         try:  # the same inputs and routing as `moetune bench ep` (what the tuner measured)
-            from moetune.tuner.bench_ep import _inputs
+            from moetune.tuner.measure.ep import _inputs
 
             x, idx, w = _inputs(rank, model, torch.bfloat16, tokens, "uniform", 0, dev)
 
@@ -102,7 +102,7 @@ def by_subprocess(model: str, tokens: int, settings: list[dict[str, Any]], world
                   timeout_s: float, comm: str = "nccl") -> list[list[float]]:
     from moetune.runtime.knobs import Knobs
     from moetune.runtime.shapes import get_model
-    from moetune.tuner.backends import LocalBackend, TuneWorkload
+    from moetune.tuner.search.backends import LocalBackend, TuneWorkload
 
     be = LocalBackend(world=world, comm_backend=comm, repeats=1, timeout_s=timeout_s, family=family)
     wl = TuneWorkload(model=get_model(model), tokens=tokens, nodes=1, gpus_per_node=world)
@@ -127,8 +127,8 @@ def main() -> int:
     ap.add_argument("--comm", default="nccl", help="nccl (GPUs) or gloo (CPU plumbing check)")
     a = ap.parse_args()
 
-    from moetune.runtime.policy_defaults import policy_default_knobs
-    from moetune.tuner.backends import LocalBackend
+    from moetune.runtime.profiles.policy_defaults import policy_default_knobs
+    from moetune.tuner.search.backends import LocalBackend
 
     rows = json.loads(a.tuned_json.read_text())
     row = next((r for r in rows if r["tokens"] == a.tokens and r["family"] == a.family and r.get("knobs")), None)

@@ -20,7 +20,7 @@ import time
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.backends import LocalBackend, TuneWorkload
+from moetune.tuner.search.backends import LocalBackend, TuneWorkload
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Alembic environment for moetune's own schema.
 
 moetune keeps its revision in `moetune_alembic_version` (Optuna's storage, which may share the same
-SQLite file, uses Alembic's default `alembic_version`). Run programmatically by moetune.tuner.store,
+SQLite file, uses Alembic's default `alembic_version`). Run programmatically by moetune.tuner.store.store,
 which passes an open connection in `config.attributes["connection"]`; no alembic.ini is needed.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from moetune.tuner.store_models import Base
+from moetune.tuner.store.models import Base
 
 VERSION_TABLE = "moetune_alembic_version"
 OWN_TABLES = frozenset(Base.metadata.tables) | {VERSION_TABLE}

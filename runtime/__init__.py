@@ -5,13 +5,13 @@ Stays light: torch, pyzmq and msgspec only; never imports the tuner, Optuna or S
 
 from typing import TYPE_CHECKING, Any
 
-from .knobs import KnobError, Knobs, default_knobs
-from .profile_record import ProfileKey, ProfileRecord, nearest_bucket
-from .shapes import MODELS, ModelShape, get_model
+from moetune.runtime.knobs import KnobError, Knobs, default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord, nearest_bucket
+from moetune.runtime.shapes import MODELS, ModelShape, get_model
 
 if TYPE_CHECKING:
-    from .buffer import EPBuffer, Handle, RecvMeta
-    from .moe_layer import MoELayer, dense_reference
+    from moetune.runtime.buffer.facade import EPBuffer, Handle, RecvMeta
+    from moetune.runtime.moe_layer import MoELayer, dense_reference
 
 # The torch-backed parts load on first use, so the daemon and the client (wire schemas, knobs, profile
 # records) never pay for importing torch.

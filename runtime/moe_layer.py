@@ -22,10 +22,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .buffer import TORCH_DTYPES, EPBuffer, RecvMeta
-from .knobs import Knobs
-from .pipeline import pipelined_moe
-from .shapes import ModelShape
+from moetune.runtime.buffer.facade import TORCH_DTYPES, EPBuffer, RecvMeta
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.pipeline import pipelined_moe
+from moetune.runtime.shapes import ModelShape
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from .buffer import EPBuffer, RecvMeta
+from moetune.runtime.buffer.facade import EPBuffer, RecvMeta
 
 ExpertFn = Callable[[torch.Tensor, RecvMeta], torch.Tensor]
 

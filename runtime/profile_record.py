@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from .knobs import Knobs
+from moetune.runtime.knobs import Knobs
 
 ProfileStatus = Literal["current", "stale", "superseded"]
 

@@ -28,8 +28,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from .knobs import Knobs
-from .profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_REQUEST_BYTES = 65536

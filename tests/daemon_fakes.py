@@ -1,6 +1,6 @@
 """Helpers of the daemon tests.
 
-- `DaemonProc`: `python -m moetune.tuner.daemon` as a subprocess on a tmp dir (real Store, real discovery of a
+- `DaemonProc`: `python -m moetune.tuner.daemon.server` as a subprocess on a tmp dir (real Store, real discovery of a
   `--capture` copied from tests/captures); always killed by the test's teardown.
 - `make_capture` / `set_port_state`: a capture to discover, and a scripted hardware change (an IB port goes down).
 - `fake_retune(ctx)` (`--retune-hook`): writes one new profile per key on the new fabric, after sleeping
@@ -25,7 +25,7 @@ from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 
 
 def open_store(path: str | Path) -> Any:
-    from moetune.tuner.store import Store
+    from moetune.tuner.store.store import Store
 
     return Store(path)
 
@@ -59,7 +59,7 @@ def make_capture(dest: Path, name: str = "dgx-h100") -> Any:
     """Copy one of the fabric tests' captures to `dest` (the daemon's --capture) and discover it."""
     import shutil
 
-    from moetune.tuner.discovery import discover
+    from moetune.tuner.fabric.discovery import discover
 
     shutil.copytree(CAPTURES / name, dest)
     return discover(dest)
@@ -67,7 +67,7 @@ def make_capture(dest: Path, name: str = "dgx-h100") -> Any:
 
 def set_port_state(capture: Path, state: str = "1: DOWN", dev: str = "mlx5_0", port: int = 1) -> Any:
     """Script a hardware change in a capture: an InfiniBand port goes down (or up). Returns the new facts."""
-    from moetune.tuner.discovery import discover
+    from moetune.tuner.fabric.discovery import discover
 
     f = capture / "sys" / "class" / "infiniband" / dev / "ports" / str(port) / "state"
     tmp = f.with_suffix(".tmp")
@@ -102,7 +102,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 
 class DaemonProc:
-    """`python -m moetune.tuner.daemon` in a tmp dir with the fakes injected; always killed by close()."""
+    """`python -m moetune.tuner.daemon.server` in a tmp dir with the fakes injected; always killed by close()."""
 
     def __init__(self, tmp: Path, *, endpoint: str | None = None, extra: list[str] | None = None,
                  env: dict[str, str] | None = None, interval: float = 0.2, hooks: bool = True):
@@ -114,7 +114,7 @@ class DaemonProc:
         self.endpoint = endpoint or f"ipc://{self.run_dir / 'daemon.sock'}"
         self.db = tmp / "moetune.db"
         self.capture = tmp / "capture"
-        args = [sys.executable, "-m", "moetune.tuner.daemon", "--socket", self.endpoint, "--db", str(self.db),
+        args = [sys.executable, "-m", "moetune.tuner.daemon.server", "--socket", self.endpoint, "--db", str(self.db),
                 "--capture", str(self.capture), "--rediscover-interval", str(interval), "--log-level", "info"]
         if hooks:
             # real discovery of the --capture directory; the re-tune is faked (no Optuna in daemon tests)
@@ -128,7 +128,7 @@ class DaemonProc:
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=self.log, env=e)
 
     def wait_ready(self, timeout: float = 20.0, **client_kw: Any) -> Any:
-        from moetune.runtime.client import DaemonUnavailable, ProfileClient
+        from moetune.runtime.profiles.client import DaemonUnavailable, ProfileClient
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moetune.tuner import microbench
+from moetune.tuner.measure import micro as microbench
 
 
 def test_plan_says_why_each_benchmark_does_not_apply_on_a_cpu_node() -> None:
@@ -42,7 +42,7 @@ def test_proxy_request_batches_follow_the_signalling(c: int) -> None:
 
 
 def test_report_draws_signalled_efficiency_and_tabulates_fence_cost(tmp_path) -> None:
-    from moetune.tuner.report import ReportData, write_report
+    from moetune.tuner.bringup.report import ReportData, write_report
 
     rows = []
     for d in ("0->1", "1->0"):

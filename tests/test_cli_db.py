@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.tuner.cli import app
-from moetune.tuner.store import Store, head_revision
+from moetune.tuner.store.store import Store, head_revision
 
 runner = CliRunner()
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from moetune.tuner import config as config_mod
-from moetune.tuner import paths
-from moetune.tuner.config import ConfigError, load_config, resolve_db_path
+from moetune.runtime import config as config_mod
+from moetune.runtime import paths
+from moetune.runtime.config import ConfigError, load_config, resolve_db_path
 
 
 @pytest.fixture

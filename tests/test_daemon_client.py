@@ -19,11 +19,11 @@ from typer.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
-from moetune.runtime import autoload
-from moetune.runtime.client import FallbackWarning, ProfileClient, query_db_profiles
 from moetune.runtime.knobs import default_knobs
-from moetune.runtime.launch import free_port
+from moetune.runtime.profiles import autoload
+from moetune.runtime.profiles.client import FallbackWarning, ProfileClient, query_db_profiles
 from moetune.runtime.shapes import MODELS
+from moetune.runtime.testing.launch import free_port
 from moetune.tuner.cli import app
 
 pytestmark = pytest.mark.timeout(60)

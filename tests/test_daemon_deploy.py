@@ -11,7 +11,7 @@ from moetune.tuner.cli import app
 
 
 def test_systemd_unit() -> None:
-    text = (resources.files("moetune.tuner") / "deploy" / "moetune.service").read_text()
+    text = (resources.files("moetune.tuner.daemon") / "deploy" / "moetune.service").read_text()
     cp = configparser.ConfigParser(strict=False, interpolation=None)
     cp.optionxform = str  # keep the case of systemd keys
     cp.read_string(text)

@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
 from moetune.runtime import wire
-from moetune.runtime.client import DaemonError, ProfileClient
-from moetune.runtime.launch import free_port
+from moetune.runtime.profiles.client import DaemonError, ProfileClient
+from moetune.runtime.testing.launch import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -113,7 +113,7 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
 def test_discovery_failure_then_recovery(tmp_path: Path) -> None:
     """No facts at start: nothing is served as current (not_found), status says why; once discovery
     works the profiles of that fabric are served and a fabric_changed is published."""
-    from moetune.tuner.daemon import Daemon
+    from moetune.tuner.daemon.server import Daemon
 
     store = F.open_store(tmp_path / "moetune.db")
     facts = F.FakeFacts({"gpu_model": "H200", "gpu_count": 2})

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
-from moetune.runtime.client import ProfileClient
+from moetune.runtime.profiles.client import ProfileClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,7 +36,7 @@ def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
         running = _until(lambda: (j := c.status().jobs.running) is not None and j.run_id is not None and j)
         assert running.fingerprint == new_facts.fingerprint and running.keys == 3
         # while the re-tune runs the stale profile is not served as current
-        from moetune.runtime.client import DaemonError
+        from moetune.runtime.profiles.client import DaemonError
 
         with pytest.raises(DaemonError) as ei:
             c.get_profile(ep_size=2, tokens=3000, model="qwen3-30b")
@@ -80,7 +80,7 @@ def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
 
 
 def test_cancel_running_job_and_bounded_queue(tmp_path: Path) -> None:
-    from moetune.runtime.client import DaemonError
+    from moetune.runtime.profiles.client import DaemonError
 
     with F.seeded_daemon(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "60"}) as (d, _facts):
         c = ProfileClient(d.endpoint, timeout_ms=1000)

@@ -17,11 +17,11 @@ from typer.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
-from moetune.runtime.client import DaemonUnavailable, ProfileClient
-from moetune.runtime.launch import free_port
+from moetune.runtime.profiles.client import DaemonUnavailable, ProfileClient
+from moetune.runtime.testing.launch import free_port
 from moetune.tuner.cli import app
 from moetune.tuner.cli.keys import generate_keys
-from moetune.tuner.daemon import Daemon, DaemonConfigError
+from moetune.tuner.daemon.server import Daemon, DaemonConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -188,7 +188,7 @@ def test_other_user_reads_database_readonly(tmp_path: Path) -> None:
     import shutil
     import tempfile
 
-    from moetune.runtime.client import query_db_profiles
+    from moetune.runtime.profiles.client import query_db_profiles
     from moetune.runtime.shapes import MODELS
 
     base = Path(tempfile.mkdtemp(prefix="moetune-ro-", dir="/tmp"))

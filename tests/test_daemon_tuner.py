@@ -12,19 +12,19 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
-from moetune.runtime.client import ProfileClient
-from moetune.tuner.daemon import Daemon, TuneSettings
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.tuner.daemon.server import Daemon, TuneSettings
 
 pytestmark = pytest.mark.timeout(90)
 
 
 def test_real_tuner_retune_after_fabric_change(tmp_path: Path) -> None:
-    pytest.importorskip("moetune.tuner.search", reason="the tuner (issue 7) is not merged yet")
+    pytest.importorskip("moetune.tuner.search.study", reason="the tuner (issue 7) is not merged yet")
     cap = tmp_path / "capture"
     facts = F.make_capture(cap, "dgx-h100")
     store = F.open_store(tmp_path / "moetune.db")
     F.seed_profiles(store, facts, ep_size=8, buckets=(64, 1024))
-    from moetune.tuner.discovery import discover
+    from moetune.tuner.fabric.discovery import discover
 
     d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/daemon.sock", discover=lambda: discover(cap),
                tune=TuneSettings(backend="model", trials=3, timeout_s=60), rediscover_interval_s=0.1).start(background=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moetune.runtime.client import ProfileClient
+from moetune.runtime.profiles.client import ProfileClient
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -26,7 +26,7 @@ def _layer_rank(rank: int, world: int, endpoint: str) -> dict:
     import torch
 
     from moetune.runtime import MoELayer, get_model
-    from moetune.runtime.autoload import check_same_profile, last_resolution
+    from moetune.runtime.profiles.autoload import check_same_profile, last_resolution
 
     os.environ["MOETUNE_DAEMON_SOCKET"] = endpoint
     layer = MoELayer(get_model(MODEL), knobs=None, max_tokens=128, device=torch.device("cpu"), dtype=torch.float32)
@@ -43,7 +43,7 @@ def _moetune(*args: str, env: dict, timeout: float) -> subprocess.CompletedProce
 
 
 def test_profile_serve_autoload_change_retune(tmp_path: Path) -> None:
-    from moetune.runtime.launch import launch
+    from moetune.runtime.testing.launch import launch
 
     cap = tmp_path / "capture"
     shutil.copytree(CAPTURES / "cpu-laptop", cap)

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from moetune.tuner.capture import capture_node
-from moetune.tuner.discovery import CaptureSource, discover
-from moetune.tuner.fabric_facts import FabricFacts
+from moetune.tuner.fabric.capture import capture_node
+from moetune.tuner.fabric.discovery import CaptureSource, discover
+from moetune.tuner.fabric.facts import FabricFacts
 
 CAPTURES = pathlib.Path(__file__).resolve().parent / "captures"
 
@@ -147,7 +147,7 @@ def test_capture_drops_process_list(tmp_path: pathlib.Path) -> None:
 
 
 def test_capture_refuses_non_empty_dir(tmp_path: pathlib.Path) -> None:
-    from moetune.tuner.capture import CaptureWriteError
+    from moetune.tuner.fabric.capture import CaptureWriteError
 
     (tmp_path / "x").write_text("keep me")
     with pytest.raises(CaptureWriteError, match="not an empty directory"):

@@ -10,7 +10,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from moetune.tuner.discovery import LiveSource, discover
+from moetune.tuner.fabric.discovery import LiveSource, discover
 
 CAPTURES = pathlib.Path(__file__).resolve().parent / "captures"
 runner = CliRunner()
@@ -77,7 +77,7 @@ def test_diff_against_hash_is_clear_without_traceback(tmp_path: pathlib.Path, mo
 
 
 def test_diff_against_stored_fingerprint(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("moetune.tuner.store", reason="the store (branch found) is not merged here")
+    pytest.importorskip("moetune.tuner.store.store", reason="the store (branch found) is not merged here")
     monkeypatch.setenv("MOETUNE_HOME", str(tmp_path))
     res = invoke("fabric", "show", "--from", str(CAPTURES / "dgx-h100"), "--record", "--json")
     assert res.exit_code == 0, res.output
@@ -137,7 +137,7 @@ def test_live_prefetch_runs_in_parallel() -> None:
 
 
 def test_nvml_hang_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    import moetune.tuner.discovery as d
+    import moetune.tuner.fabric.discovery as d
 
     monkeypatch.setattr(d, "_nvml_facts", lambda: time.sleep(3) or None)
     monkeypatch.setattr(d.shutil, "which", lambda name: None)

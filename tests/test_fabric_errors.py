@@ -9,9 +9,9 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from moetune.tuner.capture import capture_node
 from moetune.tuner.cli import app
-from moetune.tuner.discovery import CaptureError, CaptureSource, DiscoveryError, discover
+from moetune.tuner.fabric.capture import capture_node
+from moetune.tuner.fabric.discovery import CaptureError, CaptureSource, DiscoveryError, discover
 
 CAPTURES = pathlib.Path(__file__).resolve().parent / "captures"
 XML = "commands/nvidia-smi_-q_-x"

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
-from moetune.tuner.discovery import discover
-from moetune.tuner.fingerprint import diff_facts, fingerprint
+from moetune.tuner.fabric.discovery import discover
+from moetune.tuner.fabric.fingerprint import diff_facts, fingerprint
 
 CAPTURES = pathlib.Path(__file__).resolve().parent / "captures"
 XML = "commands/nvidia-smi_-q_-x"

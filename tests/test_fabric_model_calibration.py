@@ -9,8 +9,8 @@ import pytest
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.calibration import calibrate, calibrated_preset, read_rows, rows_to_points
-from moetune.tuner.fabric_model import Workload, load_preset, predict
+from moetune.tuner.fabric_model.calibration import calibrate, calibrated_preset, read_rows, rows_to_points
+from moetune.tuner.fabric_model.predict import Workload, load_preset, predict
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "bench/results/2026-11-30_h200x2_run11/2026-11-30_h200x2_run11_nccl_baseline_warm.jsonl"
@@ -104,7 +104,7 @@ def test_bad_measurement_files_are_clear_errors(tmp_path: Path) -> None:
 
 
 def test_fit_transfer_microbenchmarks_recovers_proxy_cost() -> None:
-    from moetune.tuner.fabric_model import predict_transfers
+    from moetune.tuner.fabric_model.predict import predict_transfers
 
     truth = load_preset("slingshot11-libfabric-a100x4").with_params({"proxy.put_us": 1.2, "nic.rtt_us": 6.0})
     rows = []

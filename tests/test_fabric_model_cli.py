@@ -85,7 +85,7 @@ def test_calibrate_writes_a_loadable_preset(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["summary"]["points"] == 8 and d["summary"]["max_abs_rel_err"] < 0.2
-    from moetune.tuner.fabric_model import load_preset
+    from moetune.tuner.fabric_model.predict import load_preset
 
     assert load_preset(str(out)).calibration["points"] == 8
     r = runner.invoke(app, ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(tmp_path / "missing.jsonl")])

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-import moetune.tuner.model_queue as model_queue
+import moetune.tuner.fabric_model.queue as model_queue
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.fabric_model import (
+from moetune.tuner.fabric_model.predict import (
     PresetError,
     Workload,
     load_preset,
@@ -17,7 +17,7 @@ from moetune.tuner.fabric_model import (
     predict_transfers,
     transfers_per_peer,
 )
-from moetune.tuner.model_routing import expert_inclusion, pe_loads, spread_quantiles
+from moetune.tuner.fabric_model.routing import expert_inclusion, pe_loads, spread_quantiles
 
 SLINGSHOT = "slingshot11-libfabric-a100x4"
 QWEN = get_model("qwen3-30b")

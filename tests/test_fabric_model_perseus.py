@@ -11,7 +11,7 @@ import pytest
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.fabric_model import Workload, predict, predict_transfers
+from moetune.tuner.fabric_model.predict import Workload, predict, predict_transfers
 
 SLINGSHOT = "slingshot11-libfabric-a100x4"
 COUPLED = Knobs(transport="proxy", signalling="coupled", fence_mode="proxy_drain", qp_mapping="peer_hash")

@@ -84,7 +84,7 @@ def _record(row: dict) -> None:
 
 
 def _check_world(transport: str, variants: list[str], iters: int, timeout_s: float = 75) -> None:
-    from moetune.runtime.transports._selftest import check_exchange_worker, spawn_world
+    from moetune.runtime.testing.selftest import check_exchange_worker, spawn_world
 
     res = spawn_world(check_exchange_worker, NEED, dict(transport=transport, variants=variants, iters=iters),
                       timeout_s=timeout_s)
@@ -125,7 +125,7 @@ def test_proxy_exchange_matches_nccl_with_poisoned_buffers() -> None:
 
 @needs_gpus
 def test_missing_peer_raises_instead_of_hanging() -> None:
-    from moetune.runtime.transports._selftest import spawn_world, timeout_worker
+    from moetune.runtime.testing.selftest import spawn_world, timeout_worker
 
     t0 = time.time()
     res = spawn_world(timeout_worker, NEED, {}, timeout_s=60)
@@ -139,7 +139,7 @@ def test_missing_peer_raises_instead_of_hanging() -> None:
 def test_epbuffer_with_onesided_transports_equals_collective() -> None:
     """Dense reference through the runtime's EPBuffer, when the runtime branch is merged and wired."""
     import moetune.runtime as rt
-    from moetune.runtime.transports._selftest import epbuffer_worker, spawn_world
+    from moetune.runtime.testing.selftest import epbuffer_worker, spawn_world
 
     if not hasattr(rt, "EPBuffer"):
         try:

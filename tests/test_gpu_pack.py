@@ -31,7 +31,7 @@ class _Packer:
     """The attributes EPBuffer's packing methods read, for one (model, world) without a process group."""
 
     def __init__(self, model, world: int, max_tokens: int, lib):
-        from moetune.runtime.buffer import EPBuffer
+        from moetune.runtime.buffer.facade import EPBuffer
         from moetune.runtime.knobs import Knobs
 
         self.world, self.model, self.max_tokens = world, model, max_tokens
@@ -63,7 +63,7 @@ def test_pack_kernels_equal_the_torch_path(world: int, s: int, mode: int, monkey
     idx = idx.cuda()
     w = torch.rand(s, m.topk, generator=g).cuda()
     p = _Packer(m, world, max(s, 1), lib)
-    from moetune.runtime import buffer
+    from moetune.runtime.buffer import facade as buffer
 
     monkeypatch.setattr(buffer, "_PLAN_MODE", mode)
     send_f, tok_f, cnt_f, inv = p._pack_fused(x, idx, w, s)

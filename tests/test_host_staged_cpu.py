@@ -8,7 +8,7 @@ import random
 import pytest
 
 from moetune.runtime.knobs import Knobs
-from moetune.runtime.launch import launch
+from moetune.runtime.testing.launch import launch
 from moetune.runtime.transports import host_staged as hs
 
 

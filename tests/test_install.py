@@ -21,6 +21,7 @@ DATA = {
     "migrations": ("moetune/migrations", {".py", ".mako"}),
     "policies": ("moetune/policies", {".toml"}),
     "csrc": ("moetune/csrc", {".cu", ".cuh", ".cpp", ".h"}),
+    "tuner": ("moetune/tuner", {".toml", ".service"}),
 }
 
 
@@ -71,9 +72,11 @@ def test_wheel_holds_moetune_only_with_data(wheel):
     assert all(n.split("/")[0] in ("moetune",) or n.split("/")[0].startswith("moetune-") for n in names)
     for required in (
         "moetune/tuner/__init__.py",
-        "moetune/tuner/store.py",
-        "moetune/tuner/store_models.py",
-        "moetune/tuner/config.py",
+        "moetune/tuner/store/store.py",
+        "moetune/tuner/store/models.py",
+        "moetune/runtime/config.py",
+        "moetune/tuner/fabric_model/presets/nvlink-h200x2.toml",
+        "moetune/tuner/daemon/deploy/moetune.service",
         "moetune/tuner/cli/__init__.py",
         "moetune/runtime/__init__.py",
         "moetune/runtime/knobs.py",
@@ -123,7 +126,7 @@ def test_fresh_venv_install(wheel, tmp_path):
     assert r.returncode == 0 and "upgraded empty ->" in r.stdout, r.stdout + r.stderr
     r = run(str(env_dir / "bin" / "moetune"), "db", "check", "--db", str(db))
     assert r.returncode == 0, r.stdout + r.stderr
-    r = run(str(py), "-c", "import moetune.runtime, moetune.tuner, moetune.tuner.store as s; print(s.__file__); print(s.MIGRATIONS_DIR)")
+    r = run(str(py), "-c", "import moetune.runtime, moetune.tuner, moetune.tuner.store.store as s; print(s.__file__); print(s.MIGRATIONS_DIR)")
     assert r.returncode == 0, r.stderr
     store_file, migrations = r.stdout.split()
     assert Path(store_file).is_relative_to(env_dir) and Path(migrations).is_relative_to(env_dir)

@@ -456,7 +456,7 @@ def test_epbuffer_reserves_the_receive_buffer_of_onesided_transports(monkeypatch
     rows go through exchange() with counts per rank, returning a padded capacity view (as nvlink/proxy do)."""
     import torch
 
-    from moetune.runtime import buffer as B
+    from moetune.runtime.buffer import facade as B
     from moetune.runtime.knobs import default_knobs
     from moetune.runtime.shapes import get_model
     from moetune.runtime.transports.base import Availability, EPTransport

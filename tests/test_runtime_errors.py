@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moetune.runtime.launch import launch
+from moetune.runtime.testing.launch import launch
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the cases by name
 runtime_cases = importlib.import_module("runtime_cases")
@@ -57,7 +57,7 @@ def test_ranks_with_different_knobs_refuse_to_build() -> None:
 
 @pytest.mark.timeout(60)
 def test_launch_reports_a_failing_rank_without_hanging() -> None:
-    from moetune.runtime.launch import LaunchError
+    from moetune.runtime.testing.launch import LaunchError
 
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as ei:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetune.runtime.launch import launch
+from moetune.runtime.testing.launch import launch
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the cases by name
 runtime_cases = importlib.import_module("runtime_cases")

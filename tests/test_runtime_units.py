@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moetune.runtime import EPBuffer, KnobError, Knobs, MoELayer, dense_reference, get_model
-from moetune.runtime.autoload import autoload_knobs
 from moetune.runtime.fp8 import FP8_LAYER_REL_ERR_BOUND, dequantise, quantise
 from moetune.runtime.moe_layer import max_rel_err
+from moetune.runtime.profiles.autoload import autoload_knobs
 from moetune.runtime.routing import expert_load, generate_routing, parse_routing
 from moetune.runtime.transports.registry import available_transports, get_transport
 
@@ -131,7 +131,7 @@ def test_quantise_into_matches_quantise_in_strided_rows() -> None:
 
 
 def test_dense_layout_choice() -> None:
-    from moetune.runtime.buffer import DENSE_AUTO_MAX_WASTE, hit_probability
+    from moetune.runtime.buffer.facade import DENSE_AUTO_MAX_WASTE, hit_probability
 
     # 2 ranks, top-8 of 128: a token misses a rank with probability ~0.4 %
     assert 1 - hit_probability(128, 8, 2) < 0.005
@@ -163,7 +163,7 @@ def test_dense_single_rank_round_trip_and_lazy_counts() -> None:
 def test_recv_meta_hides_rows_past_the_live_counts() -> None:
     """Device-resident layout: rows at or past sum(live_counts) are stale buffer contents; the ids RecvMeta
     hands out mark them -1 (no local expert), so counts, weights and the expert layout ignore them."""
-    from moetune.runtime.buffer import RecvMeta
+    from moetune.runtime.buffer.facade import RecvMeta
 
     ids = torch.tensor([[0, 5], [1, 2], [3, 0], [2, 2]])  # rank 0 of 2 holds experts 0..3
     wts = torch.tensor([[0.5, 0.5], [0.25, 0.75], [1.0, 0.0], [0.5, 0.5]])
@@ -178,7 +178,7 @@ def test_recv_meta_hides_rows_past_the_live_counts() -> None:
 
 
 def test_dense_chunk_bounds_equal_and_weighted(monkeypatch: pytest.MonkeyPatch) -> None:
-    from moetune.runtime import buffer as b
+    from moetune.runtime.buffer import facade as b
 
     monkeypatch.delenv("MOETUNE_EP_CHUNK_WEIGHTS", raising=False)
     assert b._dense_bounds(4096, 4) == [0, 1024, 2048, 3072, 4096]
@@ -193,7 +193,7 @@ def test_dense_chunk_bounds_equal_and_weighted(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_combine_lanes_follow_the_transport_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from moetune.runtime import buffer as b
+    from moetune.runtime.buffer import facade as b
     from moetune.runtime.transports.collective import CollectiveTransport
     from moetune.runtime.transports.host_staged import HostStagedTransport
 

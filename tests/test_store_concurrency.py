@@ -29,7 +29,7 @@ WORKER = textwrap.dedent(
 
     from moetune.runtime.knobs import default_knobs
     from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-    from moetune.tuner.store import Store
+    from moetune.tuner.store.store import Store
 
     barrier("open")  # both open (and migrate) a database that does not exist yet
     store = Store(db)
@@ -108,7 +108,7 @@ def test_two_processes_write_at_once(tmp_path):
 def test_threads_share_one_store(tmp_path):
     import threading
 
-    from moetune.tuner.store import Store
+    from moetune.tuner.store.store import Store
 
     errors: list[str] = []
     with Store(tmp_path / "t.db") as s:
@@ -133,7 +133,7 @@ def test_threads_share_one_store(tmp_path):
 def test_store_survives_fork(tmp_path):
     import os
 
-    from moetune.tuner.store import Store
+    from moetune.tuner.store.store import Store
 
     with Store(tmp_path / "f.db") as s:
         s.add_event(kind="parent", reason="before fork")

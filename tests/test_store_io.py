@@ -10,8 +10,8 @@ import pytest
 
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.tuner import store as store_mod
-from moetune.tuner.store import ProfileImportError, Store
+from moetune.tuner.store import store as store_mod
+from moetune.tuner.store.store import ProfileImportError, Store
 
 
 def key(fp: str = "fp-a", bucket: int = 128, family: str = "nvlink") -> ProfileKey:

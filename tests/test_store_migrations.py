@@ -8,7 +8,7 @@ import pytest
 
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.tuner.store import VERSION_TABLE, Store, StoreError, head_revision
+from moetune.tuner.store.store import VERSION_TABLE, Store, StoreError, head_revision
 
 OWN = {"fingerprints", "measurements", "tuning_runs", "profiles", "events"}
 

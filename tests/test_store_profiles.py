@@ -9,8 +9,8 @@ from sqlalchemy.exc import IntegrityError
 
 from moetune.runtime.knobs import Knobs, default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.tuner.store import Store, StoreError
-from moetune.tuner.store_models import Profile
+from moetune.tuner.store.models import Profile
+from moetune.tuner.store.store import Store, StoreError
 
 
 def key(**over) -> ProfileKey:
@@ -231,7 +231,7 @@ def test_memory_store():
 
 
 def test_default_path_comes_from_config(tmp_path, monkeypatch):
-    from moetune.tuner import paths
+    from moetune.runtime import paths
 
     monkeypatch.setattr(paths, "SYSTEM_CONFIG", tmp_path / "etc.toml")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

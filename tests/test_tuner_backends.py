@@ -13,7 +13,7 @@ import pytest
 
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.shapes import MODELS
-from moetune.tuner.backends import (
+from moetune.tuner.search.backends import (
     CallableBackend,
     LocalBackend,
     Measurement,
@@ -22,9 +22,9 @@ from moetune.tuner.backends import (
     knob_environment,
     summarize,
 )
-from moetune.tuner.policy import load_policy
-from moetune.tuner.search import run_study
-from moetune.tuner.search_space import SearchSpace
+from moetune.tuner.search.policy import load_policy
+from moetune.tuner.search.space import SearchSpace
+from moetune.tuner.search.study import run_study
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 
@@ -194,7 +194,7 @@ def test_local_tune_remeasures_incumbent_side_by_side(fake_bench: list[str], tmp
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     make_store = mod.make_store
 
-    from moetune.tuner.search import _Fam, tune_profiles_detailed
+    from moetune.tuner.search.study import _Fam, tune_profiles_detailed
 
     class Facts:
         fingerprint, software_hash, gpu_count = "c" * 64, "d" * 64, 2

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from moetune.runtime.knobs import KnobError, Knobs
-from moetune.runtime.policy_defaults import policy_default_knobs, policy_file_candidates
-from moetune.tuner.policy import PolicyError, load_policy, load_policy_file, packaged_families
+from moetune.runtime.profiles.policy_defaults import policy_default_knobs, policy_file_candidates
+from moetune.tuner.search.policy import PolicyError, load_policy, load_policy_file, packaged_families
 
 FAMILIES = ["nvlink", "host_staged", "collective", "proxy:ibrc", "proxy:libfabric/cxi", "proxy:libfabric/efa", "ibgda"]
 EXPECTED_FILES = {"nvlink", "host_staged", "collective", "proxy_ibrc", "proxy_libfabric", "ibgda"}

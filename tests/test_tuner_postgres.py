@@ -87,8 +87,8 @@ def pg_url():
 WORKER = textwrap.dedent('''
     import sys, time
     from moetune.runtime.shapes import MODELS
-    from moetune.tuner.backends import CallableBackend
-    from moetune.tuner.search import tune_profiles_detailed, _Fam
+    from moetune.tuner.search.backends import CallableBackend
+    from moetune.tuner.search.study import tune_profiles_detailed, _Fam
 
     class Facts:
         fingerprint = "p" * 64
@@ -111,7 +111,7 @@ WORKER = textwrap.dedent('''
 def test_two_processes_share_one_study(pg_url: str, tmp_path: Path) -> None:
     import optuna
 
-    from moetune.tuner.search import make_storage
+    from moetune.tuner.search.study import make_storage
 
     trials = 30
     script = tmp_path / "worker.py"

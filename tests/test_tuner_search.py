@@ -20,9 +20,10 @@ import pytest
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.profile_record import ProfileKey
 from moetune.runtime.shapes import MODELS
-from moetune.tuner.backends import CallableBackend, TuneWorkload
-from moetune.tuner.policy import load_policy
-from moetune.tuner.search import (
+from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+from moetune.tuner.search.policy import load_policy
+from moetune.tuner.search.space import SearchSpace
+from moetune.tuner.search.study import (
     enqueue_warm_start,
     finished_trials,
     make_sampler,
@@ -31,12 +32,11 @@ from moetune.tuner.search import (
     study_name,
     tune_profiles_detailed,
 )
-from moetune.tuner.search_space import SearchSpace
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 
 # A stand-in profile store with the contract's semantics (one transaction per put; the gain must beat
-# the noise), used until moetune.tuner.store lands; the real Store is used when it is importable.
+# the noise), used until moetune.tuner.store.store lands; the real Store is used when it is importable.
 STORE_SRC = textwrap.dedent('''
     import json, sqlite3
     from moetune.runtime.profile_record import ProfileRecord
@@ -87,7 +87,7 @@ STORE_SRC = textwrap.dedent('''
 
 def make_store(path: Path):
     try:
-        from moetune.tuner.store import Store  # type: ignore[attr-defined]
+        from moetune.tuner.store.store import Store  # type: ignore[attr-defined]
 
         return Store(path)
     except ImportError:
@@ -105,7 +105,7 @@ class Facts:
 
     @property
     def transports(self):
-        from moetune.tuner.search import _Fam
+        from moetune.tuner.search.study import _Fam
 
         return [_Fam("proxy:ibrc"), _Fam("host_staged")]
 
@@ -202,12 +202,12 @@ DRIVER = textwrap.dedent('''
     import sys, time
     sys.path.insert(0, {testdir!r})
     from moetune.runtime.shapes import MODELS
-    from moetune.tuner.backends import CallableBackend
-    from moetune.tuner.search import tune_profiles_detailed
+    from moetune.tuner.search.backends import CallableBackend
+    from moetune.tuner.search.study import tune_profiles_detailed
     ns = {{}}
     exec(open({store_src!r}).read(), ns)
     try:
-        from moetune.tuner.store import Store
+        from moetune.tuner.store.store import Store
         store = Store({db!r})
     except ImportError:
         store = ns["MiniStore"]({db!r})
@@ -241,8 +241,8 @@ def test_kill_9_mid_study_then_rerun_completes(tmp_path: Path) -> None:
         class _F:
             def __init__(self, name): self.name = name
     ''') + textwrap.dedent(inspect.getsource(Facts)).replace(
-        "from moetune.tuner.search import _Fam\n\n        return [_Fam", "return [_F").replace("_Fam(", "_F(")
-        + "\nfrom moetune.runtime.knobs import Knobs\nfrom moetune.tuner.backends import TuneWorkload\n"
+        "from moetune.tuner.search.study import _Fam\n\n        return [_Fam", "return [_F").replace("_Fam(", "_F(")
+        + "\nfrom moetune.runtime.knobs import Knobs\nfrom moetune.tuner.search.backends import TuneWorkload\n"
         + textwrap.dedent(inspect.getsource(synthetic)))
     db, sdb = tmp_path / "moetune.db", tmp_path / "studies.db"
     trials = 60
@@ -282,7 +282,7 @@ def test_kill_9_mid_study_then_rerun_completes(tmp_path: Path) -> None:
 
 
 def test_neighbour_bucket_warm_starts_and_cross_bucket_pruning(tmp_path: Path) -> None:
-    from moetune.tuner.search import BucketPrior, _Objective
+    from moetune.tuner.search.study import BucketPrior, _Objective
 
     url = f"sqlite:///{tmp_path / 'n.db'}"
     res = tune_profiles_detailed(None, Facts(), models=[MODELS["qwen3-30b"]], tokens=[1024, 128],
@@ -321,7 +321,7 @@ CAPTURES = Path(__file__).parent / "captures"
     ("perlmutter", {"nvlink", "proxy:libfabric/cxi", "host_staged", "collective"}),
 ])
 def test_only_discovered_transports_are_tuned(tmp_path: Path, capture: str, families: set[str]) -> None:
-    from moetune.tuner.discovery import discover
+    from moetune.tuner.fabric.discovery import discover
 
     facts = discover(CAPTURES / capture)
     store = make_store(tmp_path / "m.db")

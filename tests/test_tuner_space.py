@@ -9,8 +9,8 @@ import optuna
 import pytest
 
 from moetune.runtime.knobs import PER_PE, QUEUED, KnobError, Knobs
-from moetune.tuner.policy import load_policy
-from moetune.tuner.search_space import SearchSpace, sample_infeasible_free
+from moetune.tuner.search.policy import load_policy
+from moetune.tuner.search.space import SearchSpace, sample_infeasible_free
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

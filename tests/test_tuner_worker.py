@@ -13,7 +13,7 @@ import pytest
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.backends import LocalBackend, TuneWorkload
+from moetune.tuner.search.backends import LocalBackend, TuneWorkload
 
 MODEL = "custom:64,32,8,2"
 WL = TuneWorkload(model=get_model(MODEL), tokens=16, nodes=1, gpus_per_node=2)

@@ -21,9 +21,9 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from .. import csrc_build
-from ..knobs import Knobs
-from .base import Availability, EPTransport
+from moetune.runtime import csrc_build
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.transports.base import Availability, EPTransport
 
 MAX_WORLD = 8
 MAX_SLOTS = 1024

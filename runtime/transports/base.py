@@ -14,7 +14,7 @@ from typing import ClassVar, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..knobs import Knobs
+from moetune.runtime.knobs import Knobs
 
 
 class Availability(NamedTuple):

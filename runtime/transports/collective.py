@@ -19,8 +19,8 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from ..knobs import Knobs
-from .base import Availability, EPTransport
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.transports.base import Availability, EPTransport
 
 _EXTRA_GROUPS: dict[tuple, dist.ProcessGroup] = {}
 # torch >= 2.13 names them *_single (the old names warn); older torch only has the old names

@@ -42,11 +42,11 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from .. import csrc_build
-from ..knobs import Knobs
-from ._onesided import all_ok, decode_error, timeout_s
-from .base import Availability
-from .collective import CollectiveTransport
+from moetune.runtime import csrc_build
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.transports._onesided import all_ok, decode_error, timeout_s
+from moetune.runtime.transports.base import Availability
+from moetune.runtime.transports.collective import CollectiveTransport
 
 RING = 4  # staging slots per (lane, sender, receiver) by default (2 is double buffering; 4 lets a pipelined
 # sender run ahead of its receiver: run 34)

@@ -17,10 +17,15 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from .. import csrc_build
-from ..knobs import Knobs
-from ._onesided import OneSidedTransport, one_sided_availability, timeout_s, u64_array
-from .base import Availability
+from moetune.runtime import csrc_build
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.transports._onesided import (
+    OneSidedTransport,
+    one_sided_availability,
+    timeout_s,
+    u64_array,
+)
+from moetune.runtime.transports.base import Availability
 
 
 class NvlinkTransport(OneSidedTransport):

@@ -7,9 +7,9 @@ Importing this module never touches CUDA; `availability()` says whether each can
 
 from __future__ import annotations
 
-from .base import EPTransport
-from .nvlink import NvlinkTransport
-from .proxy import ProxyTransport
+from moetune.runtime.transports.base import EPTransport
+from moetune.runtime.transports.nvlink import NvlinkTransport
+from moetune.runtime.transports.proxy import ProxyTransport
 
 ONESIDED_TRANSPORTS: dict[str, type[EPTransport]] = {
     NvlinkTransport.name: NvlinkTransport,

@@ -25,9 +25,9 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from .. import csrc_build
-from ..knobs import KnobError, Knobs
-from ._onesided import (
+from moetune.runtime import csrc_build
+from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.transports._onesided import (
     MAX_SLOTS,
     OneSidedError,
     OneSidedTransport,
@@ -35,7 +35,7 @@ from ._onesided import (
     timeout_s,
     u64_array,
 )
-from .base import Availability
+from moetune.runtime.transports.base import Availability
 
 FENCE_MODES = {"none": 0, "proxy_drain": 1, "nic_ordered": 2}
 QP_MAPPINGS = {"round_robin": 0, "peer_hash": 1}

@@ -10,7 +10,7 @@ import importlib
 
 import torch
 
-from .base import Availability, EPTransport
+from moetune.runtime.transports.base import Availability, EPTransport
 
 # name → "module:ClassName" (module relative to moetune.runtime.transports or absolute).
 _REGISTRY: dict[str, str] = {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from .. import __version__
-from . import bench, db, fabric, keys, model, profile, profiles, query, serve, tune
+from moetune.tuner import __version__
+from moetune.tuner.cli import bench, db, fabric, keys, model, profile, profiles, query, serve, tune
 
 app = typer.Typer(
     name="moetune",

@@ -39,21 +39,21 @@ def ep(
     profile: bool = typer.Option(False, "--profile", help="Also run 5 round trips under torch.profiler and print rank 0's tables (top ops by device and by host time)."),
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture dispatch → identity experts → combine in one CUDA graph, and dispatch → combine alone in another, and time their replays (as a serving engine's decode graph runs them); each is checked once more with new inputs (and, for the device-resident layout, a poisoned receive buffer). Needs a layout without host syncs (dense collective or host_staged, nvlink; proxy cannot be replayed); reports graph_roundtrip_us / graph_pair_us or why not."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds any collective may wait before failing."),
-    serve: bool = typer.Option(False, "--serve", help="Persistent worker: launch the ranks once, then read one JSON case per line on stdin and print one JSON result per line (see moetune.tuner.bench_worker); only --world, --backend and --timeout apply."),
+    serve: bool = typer.Option(False, "--serve", help="Persistent worker: launch the ranks once, then read one JSON case per line on stdin and print one JSON result per line (see moetune.tuner.measure.worker); only --world, --backend and --timeout apply."),
 ) -> None:
     """Time EP dispatch, combine and the whole MoE layer; with --verify, the error vs the dense reference."""
     if serve:
-        from .. import bench_worker
+        from moetune.tuner.measure import worker as bench_worker
 
         if backend not in ("gloo", "nccl"):
             _fail(f"--backend must be gloo or nccl, got {backend!r}")
         if world < 1:
             _fail(f"--world must be >= 1, got {world}")
         raise typer.Exit(bench_worker.serve(world, backend, timeout))
-    from ...runtime import KnobError, Knobs, get_model
-    from ...runtime.launch import LaunchError, launch
-    from ...runtime.routing import parse_routing
-    from .. import bench_ep
+    from moetune.runtime import KnobError, Knobs, get_model
+    from moetune.runtime.routing import parse_routing
+    from moetune.runtime.testing.launch import LaunchError, launch
+    from moetune.tuner.measure import ep as bench_ep
 
     if backend not in ("gloo", "nccl"):
         _fail(f"--backend must be gloo or nccl, got {backend!r}")
@@ -67,7 +67,7 @@ def ep(
         _fail(str(e))
     try:
         if transport:  # that transport's safe defaults under the --knobs overrides
-            from ...runtime.knobs import default_knobs
+            from moetune.runtime.knobs import default_knobs
 
             k = Knobs.parse(knobs, base=default_knobs(transport)).replace(transport=transport)
         else:
@@ -97,7 +97,7 @@ def ep(
     if cuda_graph and backend != "nccl":
         _fail("--cuda-graph needs --backend nccl (CUDA graphs exist on GPUs only)")
     if k.transport not in ("collective", "host_staged") and impl == "moetune":
-        from ...runtime.transports.registry import available_transports
+        from moetune.runtime.transports.registry import available_transports
 
         av = available_transports("cuda" if backend == "nccl" else "cpu").get(k.transport)
         if av is None or not av.ok:

@@ -32,7 +32,7 @@ def print_json(obj: Any) -> None:
 
 
 def db_path(db: Path | None, config: Path | None) -> Path:
-    from ..config import ConfigError, resolve_db_path
+    from moetune.runtime.config import ConfigError, resolve_db_path
 
     try:
         return resolve_db_path(db, config)
@@ -45,7 +45,7 @@ def open_store(
     db: Path | None, config: Path | None, *, upgrade: bool = True, must_exist: bool = False
 ) -> Iterator[Any]:
     """Open the store for a command; errors become a red message and exit status 2."""
-    from ..store import Store, StoreError
+    from moetune.tuner.store.store import Store, StoreError
 
     path = db_path(db, config)
     if must_exist and not path.is_file():
@@ -116,7 +116,7 @@ def current(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Show the database's schema revision and the newest one this moetune knows."""
-    from ..store import head_revision
+    from moetune.tuner.store.store import head_revision
 
     with open_store(db, config, upgrade=False, must_exist=True) as store:
         rev, head = store.current_revision(), head_revision()

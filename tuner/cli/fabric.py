@@ -24,7 +24,7 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def _discover(from_dir: Path | None, timeout_s: float) -> Any:
-    from ..discovery import DiscoveryError, discover
+    from moetune.tuner.fabric.discovery import DiscoveryError, discover
 
     try:
         return discover(from_dir, timeout_s=timeout_s)
@@ -131,8 +131,8 @@ def capture(
     timeout_s: float = typer.Option(1.5, "--timeout", min=0.1, max=60.0, help="Timeout per external command (s)."),
 ) -> None:
     """Save what discovery reads on this node (sys/, proc/, commands/) for support or tests."""
-    from ..capture import capture_node
-    from ..discovery import DiscoveryError, discover
+    from moetune.tuner.fabric.capture import capture_node
+    from moetune.tuner.fabric.discovery import DiscoveryError, discover
 
     try:
         path = capture_node(dest, timeout_s=timeout_s)
@@ -150,7 +150,7 @@ def capture(
 
 def _open_store(readonly: bool = True) -> Any:
     try:
-        from ..store import Store
+        from moetune.tuner.store.store import Store
     except ImportError as e:
         raise _fail(f"the fingerprint store is not available in this installation ({e}); "
                     "compare against a capture instead: --against DIR")
@@ -190,7 +190,7 @@ def diff(
     timeout_s: float = typer.Option(1.5, "--timeout", min=0.1, max=60.0, help="Timeout per external command (s)."),
 ) -> None:
     """Why the fabric changed: readable reasons (exit 0: same fingerprint, 1: changed)."""
-    from ..fingerprint import diff_facts, fingerprint
+    from moetune.tuner.fabric.fingerprint import diff_facts, fingerprint
 
     if against is not None and Path(against).is_dir():
         old_f = _discover(Path(against), timeout_s)

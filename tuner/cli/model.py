@@ -27,8 +27,7 @@ def _build(preset: str, model: str, nodes: int, tokens: int, gpus_per_node: int 
            routing: str, tile: int):
     from moetune.runtime.knobs import KnobError, Knobs, default_knobs
     from moetune.runtime.shapes import get_model
-
-    from ..fabric_model import Workload, load_preset
+    from moetune.tuner.fabric_model.predict import Workload, load_preset
 
     try:
         pr = load_preset(preset)
@@ -67,8 +66,7 @@ def predict_cmd(
 ) -> None:
     """Predict one EP dispatch + combine (MODELLED, not measured)."""
     from moetune.runtime.knobs import KnobError
-
-    from ..fabric_model import predict
+    from moetune.tuner.fabric_model.predict import predict
 
     pr, w, k = _build(preset, model, nodes, tokens, gpus_per_node, knobs, routing, tile)
     if phase not in ("both", "dispatch", "combine"):
@@ -135,8 +133,7 @@ def sweep_cmd(
 ) -> None:
     """Sweep one variable for each fence mode the transport allows (MODELLED)."""
     from moetune.runtime.knobs import ALLOWED_FENCE_MODES, KnobError
-
-    from ..fabric_model import Workload, predict, transfers_per_peer
+    from moetune.tuner.fabric_model.predict import Workload, predict, transfers_per_peer
 
     if over not in ("group_size", "nodes", "tokens"):
         _fail(f"--over must be group_size, nodes or tokens, got {over!r}")
@@ -238,7 +235,7 @@ def _plot(series: dict[str, list[dict]], over: str, out: Path, title: str) -> No
 @app.command("presets")
 def presets_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """List the shipped fabric presets."""
-    from ..fabric_model import list_presets, load_preset
+    from moetune.tuner.fabric_model.predict import list_presets, load_preset
 
     items = []
     for name in list_presets():
@@ -267,7 +264,7 @@ def calibrate_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the fit report as JSON."),
 ) -> None:
     """Fit preset parameters to measurements and report the fit error per point and overall."""
-    from ..calibration import calibrate, calibrated_preset, read_rows
+    from moetune.tuner.fabric_model.calibration import calibrate, calibrated_preset, read_rows
 
     try:
         rows = read_rows(data)

@@ -16,8 +16,8 @@ def _fail(console: Console, message: str) -> None:
 
 
 def _open(db: Path | None, config: Path | None):
-    from ..config import ConfigError, load_config
-    from ..store import Store
+    from moetune.runtime.config import ConfigError, load_config
+    from moetune.tuner.store.store import Store
 
     cfg = load_config(config)
     try:
@@ -49,9 +49,8 @@ def profile(
     import optuna
 
     from moetune.runtime.knobs import KnobError
-
-    from ..bringup import Bringup, Plan
-    from ..discovery import DiscoveryError
+    from moetune.tuner.bringup.flow import Bringup, Plan
+    from moetune.tuner.fabric.discovery import DiscoveryError
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("moetune").setLevel(logging.WARNING)
@@ -120,8 +119,8 @@ def report(
     capture: Path | None = typer.Option(None, "--capture", help="Report on the node a capture describes."),
 ) -> None:
     """Write the bring-up report (Markdown + PNG plots) of this node from the database."""
-    from ..bringup import report_from_store
-    from ..discovery import DiscoveryError, discover
+    from moetune.tuner.bringup.flow import report_from_store
+    from moetune.tuner.fabric.discovery import DiscoveryError, discover
 
     console = Console()
     _cfg, store = _open(db, config)

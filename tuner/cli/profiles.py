@@ -10,7 +10,7 @@ import msgspec
 import typer
 from rich.table import Table
 
-from .db import CONFIG_HELP, DB_HELP, fail, open_store, out, print_json
+from moetune.tuner.cli.db import CONFIG_HELP, DB_HELP, fail, open_store, out, print_json
 
 app = typer.Typer(help="Tuned profiles in the database: list, show, delete, export, import.", no_args_is_help=True)
 
@@ -142,7 +142,7 @@ def import_cmd(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Import profiles: all or nothing, validated before anything is written."""
-    from ..store import ProfileImportError
+    from moetune.tuner.store.store import ProfileImportError
 
     with open_store(db, config) as store:
         try:

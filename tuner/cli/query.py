@@ -16,7 +16,7 @@ import typer
 
 
 def _config(config: Path | None) -> Any:
-    from ..daemon import _load_config
+    from moetune.tuner.daemon.server import _load_config
 
     try:
         return _load_config(config)
@@ -26,7 +26,7 @@ def _config(config: Path | None) -> Any:
 
 
 def make_client(socket: str | None, config: Path | None, timeout_ms: int | None, db: Path | None = None) -> Any:
-    from moetune.runtime.client import ProfileClient
+    from moetune.runtime.profiles.client import ProfileClient
 
     cfg = _config(config)
     endpoint = socket or cfg.client.socket if hasattr(cfg, "client") else socket or cfg.daemon.socket
@@ -41,7 +41,7 @@ def make_client(socket: str | None, config: Path | None, timeout_ms: int | None,
 
 
 def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms: int, **fields: Any) -> Any:
-    from moetune.runtime.client import DaemonError, DaemonUnavailable
+    from moetune.runtime.profiles.client import DaemonError, DaemonUnavailable
 
     client = make_client(socket, config, timeout_ms)
     try:

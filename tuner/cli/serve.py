@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
         retune_hook: str = typer.Option(None, "--retune-hook", hidden=True),
     ) -> None:
         """Serve tuned profiles over ZeroMQ; rediscover the fabric and re-tune when it changes."""
-        from ..daemon import DaemonConfigError, run_daemon
+        from moetune.tuner.daemon.server import DaemonConfigError, run_daemon
 
         try:
             code = run_daemon(socket=socket, pub_socket=pub_socket, db=str(db) if db else None, config=config,
@@ -46,7 +46,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Ask the daemon how it is doing (uptime, database, last discovery, jobs)."""
-        from .query import daemon_call, print_json
+        from moetune.tuner.cli.query import daemon_call, print_json
 
         st = daemon_call("status", socket=socket, config=config, timeout_ms=timeout_ms)
         if json_out:
@@ -78,7 +78,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Queue a re-tune of stale profiles in the daemon (or cancel a job)."""
-        from .query import daemon_call, print_json
+        from moetune.tuner.cli.query import daemon_call, print_json
 
         res = daemon_call("retune", socket=socket, config=config, timeout_ms=timeout_ms, all=all_ or None, cancel=cancel, reason=reason)
         if json_out:

@@ -38,14 +38,14 @@ def _parse_tokens(text: str) -> list[int]:
 
 def _open_store(db: Path | None, *, readonly: bool = False):
     try:
-        from moetune.tuner.store import Store  # type: ignore[attr-defined]
+        from moetune.tuner.store.store import Store  # type: ignore[attr-defined]
     except ImportError as e:
         _fail(f"the profile store is not available in this build ({e})")
     return Store(db, readonly=readonly)
 
 
 def _storage_url(storage: str | None, db: Path | None, store=None) -> str:
-    from moetune.tuner.search import _store_db_path, default_storage_url
+    from moetune.tuner.search.study import _store_db_path, default_storage_url
 
     if storage:
         return storage
@@ -92,7 +92,7 @@ def tune(
     toks = _parse_tokens(tokens)
     cfg_trials, cfg_timeout, cfg_backend = 40, None, "model"
     try:
-        from moetune.tuner.config import load_config  # type: ignore[attr-defined]
+        from moetune.runtime.config import load_config  # type: ignore[attr-defined]
 
         cfg = load_config()
         cfg_trials, cfg_timeout, cfg_backend = int(cfg.tune.trials), cfg.tune.timeout_s, str(cfg.tune.backend)
@@ -107,7 +107,7 @@ def tune(
     if timeout is None and cfg_timeout:
         timeout = float(cfg_timeout)
     if policy is not None:
-        from moetune.tuner.policy import PolicyError, load_policy, packaged_families
+        from moetune.tuner.search.policy import PolicyError, load_policy, packaged_families
 
         if not policy.exists():
             raise typer.BadParameter(f"{policy} does not exist", param_hint="--policy")
@@ -126,7 +126,7 @@ def tune(
     local_opts: dict = {}
     if backend == "local" or preset is None or node_model:
         try:
-            from moetune.tuner.discovery import discover  # type: ignore[attr-defined]
+            from moetune.tuner.fabric.discovery import discover  # type: ignore[attr-defined]
         except ImportError as e:
             _fail(f"fabric discovery is not available in this build ({e}); use --backend model --preset P")
         facts = discover(capture)
@@ -135,7 +135,7 @@ def tune(
         local_opts = {"world": world or (gpus if gpus >= 2 else 2), "comm_backend": comm or ("nccl" if gpus else "gloo"),
                       "repeats": repeats, "timeout_s": trial_timeout}
     store = _open_store(db)
-    from moetune.tuner.search import tune_profiles_detailed
+    from moetune.tuner.search.study import tune_profiles_detailed
 
     try:
         results = tune_profiles_detailed(
@@ -200,11 +200,11 @@ def show(
     """Summarise the studies (or one study: best setting, speed-up over the default, importances)."""
     import optuna
 
-    from moetune.tuner.search import describe_study, list_studies
+    from moetune.tuner.search.study import describe_study, list_studies
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = _storage_url(storage, db)
-    from moetune.tuner.search import sqlite_path
+    from moetune.tuner.search.study import sqlite_path
 
     p = sqlite_path(url)
     if p is not None and not p.exists():

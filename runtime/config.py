@@ -1,0 +1,252 @@
+"""moetune's configuration: TOML files overridden by `MOETUNE_*` environment variables.
+
+Order (later wins): built-in defaults, `/etc/moetune/moetune.toml`, `~/.config/moetune/moetune.toml`
+(`$XDG_CONFIG_HOME` respected), the file given with `--config` (or `$MOETUNE_CONFIG`), then
+`MOETUNE_<SECTION>_<KEY>` variables (e.g. `MOETUNE_DAEMON_SOCKET`). `MOETUNE_HOME` moves the default
+database and socket directory.
+
+An unknown section or key, a wrong type or a bad value in a file is a `ConfigError` that names the key
+and the file (or the variable). Unknown `MOETUNE_*` variables are ignored (other tools may own them).
+Paths in a file (`[store] db`, the CURVE key files) are relative to that file's directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moetune.runtime import paths
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_PATH_KEYS = {("store", "db"), ("daemon", "curve_secret_key_file"), ("daemon", "curve_public_key_file")}
+
+
+class ConfigError(ValueError):
+    """A configuration file or variable is wrong; the message names the key and where it came from."""
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    db: str = ""  # resolved by load_config to a full path
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    socket: str = ""  # resolved by load_config: ipc://<runtime dir>/daemon.sock
+    pub_socket: str = ""  # resolved by load_config: ipc://<runtime dir>/events.sock
+    group: str = ""  # unix group allowed on the IPC directory ("" = owner only)
+    allow_insecure_tcp: bool = False
+    curve_secret_key_file: str = ""
+    curve_public_key_file: str = ""
+    rediscover_interval_s: float = 60.0
+    metrics_port: int = 0  # 0 = no Prometheus endpoint
+    max_request_bytes: int = 65536
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    trials: int = 40
+    timeout_s: float = 600.0
+    backend: str = "model"
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    timeout_ms: int = 200
+    socket: str = ""  # resolved by load_config: the daemon's socket
+
+
+@dataclass(frozen=True)
+class Config:
+    store: StoreConfig = field(default_factory=StoreConfig)
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    # Where the values came from, in the order applied (files and "environment").
+    sources: tuple[str, ...] = ()
+
+    @property
+    def db_path(self) -> Path:
+        return Path(self.store.db)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
+
+
+_SECTIONS: dict[str, type] = {
+    "store": StoreConfig,
+    "daemon": DaemonConfig,
+    "tune": TuneConfig,
+    "client": ClientConfig,
+}
+
+
+@functools.cache
+def _fields(section: str) -> dict[str, type]:
+    """Key name -> Python type of one section."""
+    return typing.get_type_hints(_SECTIONS[section])
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _check_value(section: str, key: str, value: Any, where: str) -> Any:
+    """Type-check one value from a file; returns it (ints widened to float where a number is wanted)."""
+    want = _fields(section)[key]
+    ok = (
+        (want is bool and isinstance(value, bool))
+        or (want is int and isinstance(value, int) and not isinstance(value, bool))
+        or (want is float and isinstance(value, int | float) and not isinstance(value, bool))
+        or (want is str and isinstance(value, str))
+    )
+    if not ok:
+        raise ConfigError(
+            f"{section}.{key} in {where}: expected {_TYPE_NAMES[want]}, got {type(value).__name__} {value!r}"
+        )
+    return float(value) if want is float else value
+
+
+def _parse_env_value(section: str, key: str, raw: str, var: str) -> Any:
+    want = _fields(section)[key]
+    where = f"environment variable {var}"
+    if want is str:
+        return raw
+    if want is bool:
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{section}.{key} in {where}: expected true or false, got {raw!r}")
+    try:
+        return want(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{section}.{key} in {where}: expected {_TYPE_NAMES[want]}, got {raw!r}") from None
+
+
+def _check_ranges(values: dict[str, dict[str, Any]], origin: dict[tuple[str, str], str]) -> None:
+    def fail(section: str, key: str, msg: str) -> None:
+        where = origin.get((section, key), "defaults")
+        raise ConfigError(f"{section}.{key} in {where}: {msg}")
+
+    d, t, c = values["daemon"], values["tune"], values["client"]
+    if d["log_level"].lower() not in LOG_LEVELS:
+        fail("daemon", "log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {d['log_level']!r}")
+    if not 0 <= d["metrics_port"] <= 65535:
+        fail("daemon", "metrics_port", f"must be in 0..65535, got {d['metrics_port']}")
+    if d["max_request_bytes"] < 64:
+        fail("daemon", "max_request_bytes", f"must be >= 64, got {d['max_request_bytes']}")
+    if d["rediscover_interval_s"] < 0:
+        fail("daemon", "rediscover_interval_s", f"must be >= 0, got {d['rediscover_interval_s']}")
+    if t["trials"] < 1:
+        fail("tune", "trials", f"must be >= 1, got {t['trials']}")
+    if t["timeout_s"] <= 0:
+        fail("tune", "timeout_s", f"must be > 0, got {t['timeout_s']}")
+    if c["timeout_ms"] < 1:
+        fail("client", "timeout_ms", f"must be >= 1, got {c['timeout_ms']}")
+    for section, key in (("daemon", "socket"), ("daemon", "pub_socket"), ("client", "socket")):
+        v = values[section][key]
+        if v and "://" not in v:
+            fail(section, key, f"expected a ZeroMQ endpoint like ipc:///path or tcp://host:port, got {v!r}")
+
+
+def _resolve_path(value: str, base: Path | None) -> str:
+    if not value:
+        return value
+    p = Path(value).expanduser()
+    if not p.is_absolute() and base is not None:
+        p = base / p
+    return str(p)
+
+
+def _apply_file(path: Path, values: dict[str, dict[str, Any]], origin: dict[tuple[str, str], str]) -> None:
+    where = str(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where}: not valid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: cannot read: {e}") from None
+    for section, table in data.items():
+        if section not in _SECTIONS:
+            raise ConfigError(f"unknown section [{section}] in {where} (known: {', '.join(_SECTIONS)})")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section} in {where}: expected a table [{section}], got {type(table).__name__}")
+        known = _fields(section)
+        for key, value in table.items():
+            if key not in known:
+                raise ConfigError(f"unknown key {section}.{key} in {where} (known: {', '.join(known)})")
+            value = _check_value(section, key, value, where)
+            if (section, key) in _PATH_KEYS:
+                value = _resolve_path(value, path.parent)
+            values[section][key] = value
+            origin[(section, key)] = where
+
+
+def _apply_env(env: Mapping[str, str], values: dict[str, dict[str, Any]], origin: dict[tuple[str, str], str]) -> bool:
+    used = False
+    for section in _SECTIONS:
+        for key in _fields(section):
+            var = f"MOETUNE_{section.upper()}_{key.upper()}"
+            if var in env:
+                value = _parse_env_value(section, key, env[var], var)
+                if (section, key) in _PATH_KEYS:
+                    value = _resolve_path(value, Path.cwd())
+                values[section][key] = value
+                origin[(section, key)] = f"environment variable {var}"
+                used = True
+    return used
+
+
+def config_files(config_file: Path | None = None, env: Mapping[str, str] = os.environ) -> list[Path]:
+    """The files load_config reads, in order (those that do not exist are skipped, except --config)."""
+    files = [paths.SYSTEM_CONFIG, paths.user_config_path(env)]
+    explicit = config_file or (Path(env["MOETUNE_CONFIG"]) if env.get("MOETUNE_CONFIG") else None)
+    if explicit is not None:
+        files.append(Path(explicit).expanduser())
+    return files
+
+
+def load_config(config_file: Path | None = None, env: Mapping[str, str] = os.environ) -> Config:
+    """Defaults ← /etc ← user file ← `config_file` (or $MOETUNE_CONFIG) ← MOETUNE_* variables."""
+    values: dict[str, dict[str, Any]] = {s: dataclasses.asdict(cls()) for s, cls in _SECTIONS.items()}
+    origin: dict[tuple[str, str], str] = {}
+    sources: list[str] = []
+    files = config_files(config_file, env)
+    explicit = files[2] if len(files) > 2 else None
+    for f in files:
+        if f.is_file():
+            _apply_file(f, values, origin)
+            sources.append(str(f))
+        elif f is explicit:
+            raise ConfigError(f"config file {f} does not exist")
+    if _apply_env(env, values, origin):
+        sources.append("environment")
+    _check_ranges(values, origin)
+
+    run = paths.runtime_dir(env)
+    if not values["store"]["db"]:
+        values["store"]["db"] = str(paths.default_db_path(env))
+    if not values["daemon"]["socket"]:
+        values["daemon"]["socket"] = f"ipc://{run / 'daemon.sock'}"
+    if not values["daemon"]["pub_socket"]:
+        values["daemon"]["pub_socket"] = f"ipc://{run / 'events.sock'}"
+    if not values["client"]["socket"]:
+        values["client"]["socket"] = values["daemon"]["socket"]
+    values["daemon"]["log_level"] = values["daemon"]["log_level"].lower()
+    return Config(**{s: cls(**values[s]) for s, cls in _SECTIONS.items()}, sources=tuple(sources))
+
+
+def resolve_db_path(db: Path | str | None = None, config_file: Path | None = None, env: Mapping[str, str] = os.environ) -> Path:
+    """`db` when given, else the configured database path (`[store] db`, `$MOETUNE_HOME`, XDG)."""
+    if db is not None and str(db) != "":
+        return Path(db).expanduser()
+    return load_config(config_file, env).db_path

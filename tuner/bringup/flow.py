@@ -1,0 +1,385 @@
+"""`moetune profile`: the bring-up flow an engineer runs when a node comes up.
+
+discovery → microbenchmarks of each transport present → calibration of this node's fabric model →
+tuning of the planned shapes and token buckets → profiles stored → summary and report.
+
+Each stage records its completion in a state file beside the database, keyed by the fabric
+fingerprint, so Ctrl-C and a rerun continue where it stopped (tuning itself resumes through Optuna's
+RDB storage). A changed fingerprint starts over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moetune.runtime.shapes import get_model
+
+STAGES = ("discover", "microbench", "calibrate", "tune", "compare", "report")
+
+
+@dataclass
+class Plan:
+    """What to tune at bring-up. `--plan FILE` (TOML) sets these fields; unknown keys are errors."""
+
+    models: list[str] = field(default_factory=lambda: ["qwen3-30b"])
+    tokens: list[int] = field(default_factory=lambda: [128, 1024, 4096])
+    backend: str = "auto"  # auto: local on GPUs, local gloo on CPU
+    trials: int = 16
+    repeats: int = 3
+    iters: int = 20  # timed iterations inside each repeat
+    compare_rounds: int = 2  # interleaved rounds of the tuned-vs-default comparison
+    trial_timeout_s: float = 120.0
+    microbench_sizes: list[int] = field(default_factory=list)  # empty: the default sweep
+    world: int = 2
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(models=["qwen3-30b"], tokens=[128, 1024], trials=4, repeats=1, iters=10, compare_rounds=1,
+                   trial_timeout_s=60.0)
+
+    @classmethod
+    def from_file(cls, path: Path, base: Plan) -> Plan:
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"plan file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"plan file {path}: not valid TOML: {e}") from None
+        data = raw.get("plan", raw)
+        known = {f for f in asdict(base)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"plan file {path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+        merged = {**asdict(base), **data}
+        for key, value in merged.items():
+            want = type(asdict(base)[key])
+            if want is float and isinstance(value, int):
+                merged[key] = float(value)
+            elif not isinstance(merged[key], want):
+                raise ValueError(f"plan file {path}: key {key!r} must be {want.__name__}, got {type(value).__name__}")
+        plan = cls(**merged)
+        plan.validate(str(path))
+        return plan
+
+    def validate(self, where: str = "plan") -> None:
+        if not self.models:
+            raise ValueError(f"{where}: no models to tune")
+        for m in self.models:
+            try:
+                get_model(m)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+        if not self.tokens or any(t <= 0 for t in self.tokens):
+            raise ValueError(f"{where}: tokens must be positive integers, got {self.tokens}")
+        if self.trials < 1:
+            raise ValueError(f"{where}: trials must be >= 1, got {self.trials}")
+        if self.backend not in ("auto", "local", "model"):
+            raise ValueError(f"{where}: backend must be auto, local or model, got {self.backend!r}")
+
+
+class BringupState:
+    """Completed stages and their results, persisted atomically after each stage."""
+
+    def __init__(self, path: Path, fingerprint: str, plan: Plan):
+        self.path = path
+        self.data: dict[str, Any] = {"fingerprint": fingerprint, "plan": asdict(plan), "done": {}}
+        if path.exists():
+            try:
+                old = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                old = {}
+            # Resume only the same node and the same plan; anything else starts over.
+            if old.get("fingerprint") == fingerprint and old.get("plan") == asdict(plan):
+                self.data = old
+
+    def done(self, stage: str) -> bool:
+        return stage in self.data["done"]
+
+    def result(self, stage: str) -> Any:
+        return self.data["done"].get(stage)
+
+    def mark(self, stage: str, result: Any) -> None:
+        self.data["done"][stage] = result
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        os.replace(tmp, self.path)
+
+
+StageFn = Callable[[], Any]
+
+
+@dataclass
+class BucketResult:
+    model: str
+    tokens: int
+    family: str
+    default_us: float
+    default_spread: float
+    tuned_us: float
+    tuned_spread: float
+    knobs: str
+    written: bool
+    reason: str
+    source: str
+
+
+def _node_line(facts: Any) -> str:
+    if facts.gpu_count:
+        return f"{facts.gpu_count} × {facts.gpu_model}"
+    return "no GPU (CPU only)"
+
+
+def base_preset_for(facts: Any) -> str:
+    """The shipped preset closest to this node, the starting point of its calibration."""
+    names = set(facts.transport_names)
+    if "nvlink" in names:
+        return "nvlink-h200x2"
+    if "proxy:ibrc" in names:
+        return "ndr-ibrc-h100x8"
+    if any(n.startswith("proxy:libfabric") for n in names):
+        return "slingshot11-libfabric-a100x4"
+    return "pcie4-consumer-4090x4"
+
+
+class Bringup:
+    """The stages of `moetune profile`, each resumable; `console` shows progress."""
+
+    def __init__(self, *, store: Any, plan: Plan, state_dir: Path, console: Any, capture: Path | None = None,
+                 report_dir: Path | None = None, storage: str | None = None):
+        from moetune.tuner.fabric.discovery import discover
+
+        self.store, self.plan, self.console, self.storage = store, plan, console, storage
+        self.facts = discover(capture)
+        self.capture = capture
+        self.state = BringupState(state_dir / f"bringup-{self.facts.fingerprint}.json", self.facts.fingerprint, plan)
+        self.report_dir = report_dir or state_dir / "report"
+        gpus = self.facts.gpu_count
+        self.comm_backend = "nccl" if gpus >= 2 else "gloo"
+        self.world = min(plan.world, gpus) if gpus >= 2 else plan.world
+
+    # -- stages ------------------------------------------------------------------------------------
+    def stage_discover(self) -> dict:
+        self.store.upsert_fingerprint(self.facts.fingerprint, self.facts.to_dict())
+        return {"fingerprint": self.facts.fingerprint, "transports": [[t.name, t.reason] for t in self.facts.transports]}
+
+    def stage_microbench(self) -> list[dict]:
+        from moetune.tuner.measure import micro as microbench
+
+        rows: list[dict] = []
+        sizes = self.plan.microbench_sizes or (microbench.QUICK_SIZES if self.plan.trials <= 8 else microbench.DEFAULT_SIZES)
+        applicable = [(b, why) for b, ok, why in microbench.plan(self.facts.transport_names, self.facts.gpu_count,
+                                                                  self.plan.models[0]) if ok]
+        from rich.progress import Progress
+
+        with Progress(console=self.console, transient=True) as bar:
+            task = bar.add_task("microbenchmarks", total=len(applicable))
+            for bench, _why in applicable:
+                bar.update(task, description=f"microbenchmark {bench.transport} ({bench.runner})")
+                try:
+                    results = bench.run(sizes if bench.runner != "a2a" else (),
+                                        iters=5 if self.plan.trials <= 8 else 20)
+                except RuntimeError as e:
+                    self.console.print(f"[yellow]microbenchmark {bench.transport}/{bench.runner} failed: {e}[/]")
+                    results = []
+                for r in results:
+                    extra = dict(r.extra or {}, direction=r.direction)
+                    self.store.add_measurement(fingerprint=self.facts.fingerprint, kind=r.kind, transport=r.transport,
+                                               size_bytes=r.size_bytes, value=r.value, spread=r.spread, unit=r.unit,
+                                               extra=extra)
+                    rows.append(asdict(r))
+                bar.advance(task)
+        return rows
+
+    def stage_calibrate(self) -> dict:
+        import datetime as dt
+
+        from moetune.tuner.fabric_model.calibration import calibrate, calibrated_preset
+
+        rows = [r["extra"] for r in self.state.result("microbench") or [] if (r.get("extra") or {}).get("probe")]
+        base = base_preset_for(self.facts)
+        if not rows:
+            return {"base": base, "skipped": "no measurement the model can describe"}
+        rep = calibrate(base, rows, rounds=15)
+        today = dt.date.today().isoformat()
+        preset = calibrated_preset(rep, [f"moetune profile on {self.facts.fingerprint}"], today)
+        path = self.state.path.parent / f"node-{self.facts.fingerprint}.toml"
+        path.write_text(preset.to_toml())
+        s = rep.summary()
+        return {"base": base, "preset_file": str(path), "points": s["points"],
+                "mean_abs_rel_err": s["mean_abs_rel_err"], "max_abs_rel_err": s["max_abs_rel_err"]}
+
+    def _backend(self) -> Any:
+        from moetune.tuner.search.backends import LocalBackend
+
+        # On CPU the fp8 error is the same arithmetic as on GPU: the search space already keeps compression
+        # within the policy's budget by its measured expected error, so trials skip the costly re-check.
+        return LocalBackend(world=self.world, comm_backend=self.comm_backend, repeats=self.plan.repeats,
+                            timeout_s=self.plan.trial_timeout_s, metric="comm", iters=self.plan.iters,
+                            verify_compression=self.comm_backend == "nccl", persistent=True)
+
+    def runtime_policy_dir(self) -> Path:
+        """Policy overrides for measuring the real runtime: its collective transport splits a layer by
+        pipeline_depth and has no copy kernels, so chunk_tokens and num_sms (knobs the fabric model and
+        the one-sided transports act on) are pinned and the trials go to the knobs that act."""
+        d = self.state.path.parent / "runtime-policies"
+        d.mkdir(parents=True, exist_ok=True)
+        for fam in ("collective", "host_staged"):
+            (d / f"{fam}.toml").write_text(
+                f'[policy]\nfamily = "{fam}"\n\n[knobs]\nchunk_tokens = [0]\nnum_sms = [24]\n')
+        return d
+
+    def stage_tune(self) -> list[dict]:
+        from moetune.tuner.search.study import tune_profiles_detailed
+
+        models = [get_model(m) for m in self.plan.models]
+        be = self._backend()
+        try:
+            res = tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
+                                         backend=be, trials=self.plan.trials, progress=True,
+                                         storage=self.storage, ep_size=self.world, seed=0,
+                                         policy_override=self.runtime_policy_dir())
+        finally:
+            be.close()  # the persistent bench workers
+        out = []
+        for r in res:
+            if r.record is None:
+                continue
+            k = r.record.key
+            out.append({"family": k.transport_family, "tokens": k.token_bucket, "key": k.to_dict(),
+                        "software_versions": r.record.software_versions, "knobs": r.record.knobs.to_dict(), "latency_us": r.record.latency_us,
+                        "spread_us": r.record.spread_us, "written": r.written, "reason": r.reason,
+                        "model": next(m.name for m in models if (m.hidden, m.intermediate, m.experts, m.topk)
+                                      == (k.hidden, k.intermediate, k.experts, k.topk))})
+        return out
+
+    def stage_compare(self) -> list[dict]:
+        """Tuned against the policy default for every bucket, measured side by side (interleaved)."""
+        be = self._backend()
+        try:
+            return self._compare_with(be)
+        finally:
+            be.close()  # the persistent bench workers
+
+    def _compare_with(self, be: Any) -> list[dict]:
+        from moetune.runtime.knobs import Knobs
+        from moetune.tuner.search.backends import TuneWorkload
+        from moetune.tuner.search.policy import load_policy
+
+        out = []
+        for t in self.state.result("tune") or []:
+            tuned = Knobs.from_dict(t["knobs"])
+            default = load_policy(t["family"], self.runtime_policy_dir()).defaults
+            wl = TuneWorkload(model=get_model(t["model"]), tokens=t["tokens"], nodes=1, gpus_per_node=self.world)
+            be.family = t["family"]
+            if tuned == default:
+                m = be.compare([default], wl, rounds=self.plan.compare_rounds)
+                md, mt = m[0], m[0]
+            else:
+                md, mt = be.compare([default, tuned], wl, rounds=self.plan.compare_rounds)
+            # The side-by-side measurement decides what is stored: the tuned setting only when its gain
+            # beats the noise of both, otherwise the policy default (never a profile slower than it).
+            keep_tuned = md.ok and mt.ok and md.median_us - mt.median_us > max(md.spread_us, mt.spread_us)
+            if not md.ok and mt.ok:
+                keep_tuned = True
+            winner, m = (tuned, mt) if keep_tuned else (default, md)
+            written, reason = self._store_decision(t, winner, m, "tuned" if keep_tuned else "policy default", be.label)
+            row = asdict(BucketResult(
+                model=t["model"], tokens=t["tokens"], family=t["family"],
+                default_us=md.median_us if md.ok else float("nan"), default_spread=md.spread_us if md.ok else 0.0,
+                tuned_us=mt.median_us if mt.ok else float("nan"), tuned_spread=mt.spread_us if mt.ok else 0.0,
+                knobs=",".join(f"{k}={v}" for k, v in tuned.to_dict().items() if v != default.to_dict().get(k)),
+                written=written, reason=reason, source=be.label))
+            row["stored"] = "tuned" if keep_tuned else "policy default"
+            self.store.add_measurement(fingerprint=self.facts.fingerprint, kind="tuned_vs_default",
+                                       transport=t["family"], size_bytes=None, value=row["tuned_us"],
+                                       spread=row["tuned_spread"], unit="us", extra=row)
+            out.append(row)
+        return out
+
+    def _store_decision(self, t: dict, knobs: Any, m: Any, which: str, backend: str) -> tuple[bool, str]:
+        """Write the bucket's profile from the side-by-side measurement (replacing the search's record)."""
+        from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+
+        if not m.ok:
+            return False, f"not stored: {m.error}"
+        # the same key (and software versions) the search wrote its record under
+        rec = ProfileRecord(key=ProfileKey(**t["key"]), knobs=knobs, latency_us=m.median_us, spread_us=m.spread_us,
+                            backend=backend, software_versions=t["software_versions"])
+        return self.store.put_profile(rec, force_reason=f"{which} kept after a side-by-side re-measurement")
+
+    def stage_report(self) -> str:
+        from moetune.tuner.bringup.report import ReportData, write_report
+
+        data = ReportData(node=_node_line(self.facts), fingerprint=self.facts.fingerprint,
+                          measurements=self.state.result("microbench") or [],
+                          tuned=[t for t in self.state.result("compare") or [] if t["tuned_us"] == t["tuned_us"]],
+                          importances=self._importances(),
+                          transports=[(t.name, t.reason) for t in self.facts.transports])
+        cal = self.state.result("calibrate") or {}
+        if "mean_abs_rel_err" in cal:
+            data.notes.append(f"node fabric model calibrated from {cal['base']} on {cal['points']} measured points: "
+                              f"mean error {100 * cal['mean_abs_rel_err']:.1f}%, max {100 * cal['max_abs_rel_err']:.1f}% "
+                              f"({cal['preset_file']})")
+        if self.comm_backend == "gloo":
+            data.notes.append("no GPUs here: the measured transport is gloo between CPU processes")
+        return str(write_report(data, self.report_dir))
+
+    def _importances(self) -> dict[str, dict[str, float]]:
+        try:
+            import optuna
+
+            from moetune.tuner.search.study import default_storage_url, list_studies
+
+            url = self.storage or default_storage_url(getattr(self.store, "path", None))
+            out = {}
+            for s in list_studies(url):
+                name = s["study"]
+                if self.facts.fingerprint[:12] not in name:
+                    continue
+                study = optuna.load_study(study_name=name, storage=url)
+                done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+                if len({tuple(sorted(t.params.items())) for t in done}) >= 3:
+                    out[name.split("/", 1)[-1]] = optuna.importance.get_param_importances(study)
+            return out
+        except Exception as e:  # importances are a nicety: never fail the report for them
+            self.console.print(f"[yellow]parameter importances not available: {e}[/]")
+            return {}
+
+    def run(self) -> dict[str, Any]:
+        for stage in STAGES:
+            if self.state.done(stage):
+                self.console.print(f"[dim]✓ {stage} (done earlier; resuming)[/]")
+                continue
+            self.console.print(f"[bold]→ {stage}[/]")
+            result = getattr(self, f"stage_{stage}")()
+            self.state.mark(stage, result)
+        return self.state.data["done"]
+
+
+def report_from_store(store: Any, facts: Any, out_dir: Path) -> Path:
+    """Rebuild the report of this node from what the database holds (`moetune report`)."""
+    from moetune.tuner.bringup.report import ReportData, write_report
+
+    rows = store.list_measurements(fingerprint=facts.fingerprint)
+    measurements, tuned = [], {}
+    for r in rows:
+        extra = dict(r["extra"] or {})
+        if r["kind"] == "tuned_vs_default":
+            tuned[(extra.get("model"), extra.get("tokens"), extra.get("family"))] = extra  # the latest wins
+        else:
+            measurements.append({"transport": r["transport"], "kind": r["kind"], "direction": extra.get("direction", ""),
+                                 "size_bytes": r["size_bytes"], "value": r["value"], "spread": r["spread"],
+                                 "unit": r["unit"], "extra": extra})
+    data = ReportData(node=_node_line(facts), fingerprint=facts.fingerprint, measurements=measurements,
+                      tuned=[t for t in tuned.values() if t.get("tuned_us") == t.get("tuned_us")],
+                      transports=[(t.name, t.reason) for t in facts.transports])
+    if not measurements and not tuned:
+        data.notes.append("nothing measured on this node yet: run `moetune profile`")
+    return write_report(data, out_dir)

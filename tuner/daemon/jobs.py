@@ -1,0 +1,411 @@
+"""Re-tune jobs of the daemon: a bounded queue, one job at a time, cancellable, persisted in the store.
+
+Persistence (so that a `kill -9` leaves nothing ambiguous): every job state change is an event in the
+store (`job_queued`, `job_started`, `job_finished`, details carry the job id, the tuning-run id and the
+keys), and a running job holds a `tuning_runs` row with status `running`. On restart,
+`recover_jobs()` marks every run the previous daemon left `running` as `failed` (and its job as
+failed, reason "interrupted"), then re-queues the interrupted and the still-queued jobs as new jobs:
+the job is both marked failed and resumed.
+
+Cancellation: a queued job is dropped at once; a running job is told through `ctx.cancel` (an Event)
+that the re-tune function checks between shape groups.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.shapes import MODELS, ModelShape
+from moetune.runtime.wire import JobInfo
+
+log = logging.getLogger("moetune.daemon.jobs")
+
+JOB_EVENTS = ("job_queued", "job_started", "job_finished")
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+class JobCancelled(Exception):
+    pass
+
+
+class Job:
+    def __init__(self, job_id: int, *, reason: str, old_fingerprint: str | None, keys: list[ProfileKey], all_current: bool = False):
+        self.id = job_id
+        self.reason = reason
+        self.old_fingerprint = old_fingerprint
+        self.keys = keys  # the stale (or current, with all_current) keys to re-tune
+        self.all_current = all_current
+        self.state = "queued"
+        self.run_id: int | None = None
+        self.written = 0
+        self.message = ""
+        self.created = now()
+        self.finished = ""
+        self.cancel = threading.Event()
+        self.fingerprint: str | None = None
+        self.started_recorded = False  # the job_started event is in the store
+
+    def info(self) -> JobInfo:
+        return JobInfo(id=self.id, state=self.state, reason=self.reason, fingerprint=self.fingerprint or self.old_fingerprint,
+                       keys=len(self.keys), run_id=self.run_id if self.started_recorded else None, written=self.written, message=self.message,
+                       created=self.created, finished=self.finished)
+
+    def details(self) -> dict[str, Any]:
+        return {"job_id": self.id, "run_id": self.run_id, "old_fingerprint": self.old_fingerprint,
+                "fingerprint": self.fingerprint, "all_current": self.all_current,
+                "keys": [k.to_dict() for k in self.keys], "state": self.state, "written": self.written,
+                "message": self.message}
+
+
+class JobContext:
+    """What a re-tune function gets: the store, the new facts, the keys, a cancel flag, the tune config."""
+
+    def __init__(self, *, store: Any, facts: Any, job: Job, tune: Any = None):
+        self.store = store
+        self.facts = facts
+        self.job = job
+        self.keys = job.keys
+        self.cancel = job.cancel
+        self.tune = tune
+
+    def check_cancel(self) -> None:
+        if self.cancel.is_set():
+            raise JobCancelled(f"job {self.job.id} cancelled")
+
+
+RetuneFn = Callable[[JobContext], list[ProfileRecord]]
+
+
+def _shape_of(key: ProfileKey) -> ModelShape:
+    for m in MODELS.values():
+        if (m.hidden, m.intermediate, m.experts, m.topk, m.dtype) == (key.hidden, key.intermediate, key.experts, key.topk, key.dtype):
+            return m
+    name = f"custom:{key.hidden},{key.intermediate},{key.experts},{key.topk},{key.dtype}"
+    return ModelShape(name=name, hidden=key.hidden, intermediate=key.intermediate, experts=key.experts, topk=key.topk, dtype=key.dtype)
+
+
+def group_keys(keys: list[ProfileKey]) -> dict[tuple[int, int], tuple[list[ModelShape], list[int]]]:
+    """(ep_size, nodes) -> (shapes, token buckets) to re-tune (each group is one tune_profiles call)."""
+    groups: dict[tuple[int, int], tuple[dict[str, ModelShape], set[int]]] = {}
+    for k in keys:
+        shapes, buckets = groups.setdefault((k.ep_size, k.nodes), ({}, set()))
+        m = _shape_of(k)
+        shapes[m.name] = m
+        buckets.add(k.token_bucket)
+    return {g: (list(s.values()), sorted(b)) for g, (s, b) in groups.items()}
+
+
+def choose_preset(facts: Any, *, nodes: int = 1) -> str | None:
+    """A fabric-model preset for the re-tune on the `model` backend when none is configured: one whose
+    family the node offers (NVLink/PCIe families within a node, network families across nodes), preferring
+    the node's GPU count."""
+    try:
+        from moetune.tuner.fabric_model.predict import list_presets, load_preset
+    except ImportError:
+        return None
+    fams = [getattr(t, "name", t) for t in getattr(facts, "transports", None) or []]
+    local = ("nvlink", "host_staged")
+    wanted = [f for f in fams if (f in local) == (nodes == 1)] or fams
+    gpus = getattr(facts, "gpu_count", None)
+    best: tuple[int, int, str] | None = None
+    for name in list_presets():
+        try:
+            p = load_preset(name)
+        except Exception:
+            continue
+        if p.family not in wanted:
+            continue
+        score = (wanted.index(p.family), 0 if getattr(p, "gpus_per_node", None) == gpus else 1, name)
+        if best is None or score < best:
+            best = score
+    return best[2] if best else None
+
+
+def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
+    """The default re-tune: the tuner's `tune_profiles` on the new facts, per (EP size, nodes) group.
+
+    Cancellation is checked between groups and after every trial (the `on_trial` callback stops the study
+    and raises JobCancelled)."""
+    from moetune.tuner.search.study import tune_profiles
+
+    tune = ctx.tune
+
+    def on_trial(_name: str, study: Any, _trial: Any) -> None:
+        if ctx.cancel.is_set():
+            study.stop()
+            raise JobCancelled(f"job {ctx.job.id} cancelled")
+
+    backend = getattr(tune, "backend", "model")
+    out: list[ProfileRecord] = []
+    for (ep, nodes), (shapes, buckets) in sorted(group_keys(ctx.keys).items()):
+        ctx.check_cancel()
+        preset = getattr(tune, "preset", None)
+        node_model = backend == "model"
+        if node_model:
+            # the model of a preset, keyed to THIS node's fingerprint (the profiles say backend model:<preset>)
+            preset = preset or choose_preset(ctx.facts, nodes=nodes)
+        out += tune_profiles(
+            ctx.store,
+            ctx.facts,
+            models=shapes,
+            tokens=buckets,
+            backend=backend,
+            preset=preset,
+            trials=int(getattr(tune, "trials", 40)),
+            timeout_s=getattr(tune, "timeout_s", None),
+            ep_size=ep,
+            nodes=nodes,
+            progress=False,
+            on_trial=on_trial,
+            node_model=node_model,
+        )
+    return [r for r in out if r.status == "current"]
+
+
+class JobManager:
+    """Bounded queue + one worker thread. Thread-safe; `info()` is cheap (read by the serving loop)."""
+
+    def __init__(
+        self,
+        *,
+        store: Any,
+        facts_fn: Callable[[], Any],
+        retune: RetuneFn,
+        on_done: Callable[[Job, list[ProfileRecord]], None],
+        tune: Any = None,
+        capacity: int = 4,
+        metrics: Any = None,
+        first_id: int = 1,
+    ):
+        self.store = store
+        self.facts_fn = facts_fn
+        self.retune = retune
+        self.on_done = on_done
+        self.tune = tune
+        self.capacity = capacity
+        self.metrics = metrics
+        self._q: queue.Queue[Job | None] = queue.Queue(maxsize=capacity + 1)  # + the stop sentinel
+        self._queued: dict[int, Job] = {}
+        self._recent: collections.deque[Job] = collections.deque(maxlen=16)
+        self.running: Job | None = None
+        self._ids = itertools.count(first_id)
+        self._lock = threading.Lock()
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetune-writer")
+        self._thread = threading.Thread(target=self._loop, name="moetune-jobs", daemon=True)
+        self._stopping = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _event(self, kind: str, job: Job, reason: str) -> None:
+        try:
+            self.store.add_event(kind=kind, reason=reason, details=job.details())
+        except Exception as e:  # the store is the daemon's; a failed event must not kill the worker
+            log.error("cannot record %s for job %s: %s", kind, job.id, e)
+
+    def submit(self, *, reason: str, old_fingerprint: str | None, keys: list[ProfileKey], all_current: bool = False,
+               persist_async: bool = False) -> Job:
+        """Queue a job; raises queue.Full when the queue is at capacity.
+
+        The job_queued event is written BEFORE the worker can see the job, so the events of one job are
+        always in order (queued < started < finished) for recover_jobs(). With `persist_async` (the
+        serving loop) that write and the hand-over happen on a writer thread, so the caller never waits
+        on the database; the job is listed as queued at once."""
+        with self._lock:
+            if self._stopping:
+                raise queue.Full("the daemon is stopping")
+            if len(self._queued) >= self.capacity:
+                raise queue.Full(f"{self.capacity} jobs queued")
+            job = Job(next(self._ids), reason=reason, old_fingerprint=old_fingerprint, keys=keys, all_current=all_current)
+            self._queued[job.id] = job  # reserves its place: at most `capacity` jobs queued or being persisted
+        if persist_async:
+            self._writer.submit(self._persist_and_enqueue, job)
+        else:
+            self._persist_and_enqueue(job)
+        log.info("queued re-tune job %d (%d keys): %s", job.id, len(keys), reason)
+        return job
+
+    def _persist_and_enqueue(self, job: Job) -> None:
+        self._event("job_queued", job, job.reason)
+        self._q.put(job)  # never blocks long: _queued (which bounds the queue) was reserved above
+
+    def cancel(self, job_id: int) -> Job | None:
+        with self._lock:
+            job = self._queued.get(job_id)
+            if job is None and self.running is not None and self.running.id == job_id:
+                job = self.running
+            if job is None:
+                return None
+            job.cancel.set()
+            return job
+
+    def info(self) -> tuple[list[JobInfo], JobInfo | None, list[JobInfo]]:
+        with self._lock:
+            queued = [j.info() for j in self._queued.values()]
+            running = self.running.info() if self.running else None
+            recent = [j.info() for j in self._recent]
+        return queued, running, recent
+
+    def queued_count(self) -> int:
+        return len(self._queued)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            with self._lock:
+                self._queued.pop(job.id, None)
+                if job.cancel.is_set():
+                    job.state, job.finished, job.message = "cancelled", now(), "cancelled while queued"
+                    self._recent.append(job)
+                    cancelled_early = True
+                else:
+                    self.running = job
+                    job.state = "running"
+                    cancelled_early = False
+            if cancelled_early:
+                self._event("job_finished", job, job.message)
+                if self.metrics:
+                    self.metrics.job_finished("cancelled")
+                continue
+            self._run(job)
+
+    def _run(self, job: Job) -> None:
+        written: list[ProfileRecord] = []
+        t0 = time.monotonic()
+        try:
+            facts = self.facts_fn()
+            if facts is None:
+                raise RuntimeError("no fabric facts (discovery failed)")
+            job.fingerprint = facts.fingerprint
+            job.run_id = self.store.start_run(study_name=f"moetune-daemon-job-{job.id}", storage=str(getattr(self.store, "url", "")),
+                                              backend=str(getattr(self.tune, "backend", "model")))
+            self._event("job_started", job, f"started job {job.id}: {job.reason}")
+            job.started_recorded = True  # from here on a restart finds this job `started` (run_id shown)
+            written = list(self.retune(JobContext(store=self.store, facts=facts, job=job, tune=self.tune)) or [])
+            job.written = len(written)
+            job.state = "done"
+            job.message = f"{len(written)} profile(s) written in {time.monotonic() - t0:.1f} s"
+        except JobCancelled as e:
+            job.state, job.message = "cancelled", str(e)
+        except Exception as e:
+            log.exception("re-tune job %d failed", job.id)
+            job.state, job.message = "failed", f"{type(e).__name__}: {e}"
+        job.finished = now()
+        if job.run_id is not None:
+            try:
+                best = min((r.latency_us for r in written), default=None)
+                self.store.finish_run(job.run_id, status=job.state, trials=len(written), best_value=best)
+            except Exception as e:
+                log.error("cannot finish run %s: %s", job.run_id, e)
+        self._event("job_finished", job, job.message)
+        if self.metrics:
+            self.metrics.job_finished(job.state)
+        try:
+            self.on_done(job, written)
+        except Exception:
+            log.exception("after job %d", job.id)
+        with self._lock:
+            self.running = None
+            self._recent.append(job)
+        log.info("job %d %s: %s", job.id, job.state, job.message)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel the queue and the running job; wait a bounded time; mark what is left failed."""
+        with self._lock:
+            self._stopping = True
+            for j in self._queued.values():
+                j.cancel.set()
+            if self.running is not None:
+                self.running.cancel.set()
+        self._writer.shutdown(wait=True)  # queued jobs reach the store (and the queue) before the sentinel
+        try:
+            self._q.put(None, timeout=timeout)  # wakes the worker after the queued (cancelled) jobs
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+        with self._lock:
+            job = self.running
+        if job is not None and self._thread.is_alive():
+            # the re-tune did not return in time: record it as failed now (the process is exiting)
+            job.state, job.finished, job.message = "failed", now(), "daemon stopped during the job"
+            if job.run_id is not None:
+                try:
+                    self.store.finish_run(job.run_id, status="failed", trials=0, best_value=None)
+                except Exception as e:
+                    log.error("cannot finish run %s: %s", job.run_id, e)
+            self._event("job_finished", job, job.message)
+
+
+def _ev(e: Any, name: str) -> Any:
+    return e[name] if isinstance(e, dict) else getattr(e, name)
+
+
+def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]], int]:
+    """After a restart: mark the jobs the last daemon left running as failed; return the jobs to resume.
+
+    Returns (jobs to re-queue as event details dicts, the next free job id).
+    """
+    events = sorted(store.list_events(limit=limit), key=lambda e: _ev(e, "id"))
+    last: dict[int, tuple[str, dict[str, Any]]] = {}
+    max_id = 0
+    for e in events:
+        kind = _ev(e, "kind")
+        if kind not in JOB_EVENTS:
+            continue
+        d = _ev(e, "details") or {}
+        jid = d.get("job_id")
+        if not isinstance(jid, int):
+            continue
+        max_id = max(max_id, jid)
+        last[jid] = (kind, d)
+    resume: list[dict[str, Any]] = []
+    for jid, (kind, d) in sorted(last.items()):
+        if kind == "job_finished":
+            continue
+        if kind == "job_started":
+            run_id = d.get("run_id")
+            if isinstance(run_id, int):
+                try:
+                    store.finish_run(run_id, status="failed", trials=0, best_value=None)
+                except Exception as e:
+                    log.error("cannot mark run %s failed: %s", run_id, e)
+            d = {**d, "state": "failed", "message": "interrupted: the daemon stopped during the job"}
+            store.add_event(kind="job_finished", reason=f"job {jid} interrupted (daemon restarted); resuming", details=d)
+        else:  # queued, never started
+            d = {**d, "state": "cancelled", "message": "the daemon restarted before the job ran; re-queued"}
+            store.add_event(kind="job_finished", reason=f"job {jid} re-queued after a restart", details=d)
+        resume.append(d)
+    # runs left `running` without a job event (e.g. killed between start_run and the event)
+    if hasattr(store, "list_runs"):
+        for r in store.list_runs(limit=200):
+            if _ev(r, "status") == "running" and str(_ev(r, "study_name")).startswith("moetune-daemon-job-"):
+                try:
+                    store.finish_run(_ev(r, "id"), status="failed", trials=0, best_value=None)
+                except Exception as e:
+                    log.error("cannot mark run %s failed: %s", _ev(r, "id"), e)
+    return resume, max_id + 1
+
+
+def keys_from_details(d: dict[str, Any]) -> list[ProfileKey]:
+    out = []
+    for k in d.get("keys") or []:
+        try:
+            out.append(ProfileKey(**k))
+        except (TypeError, ValueError):
+            continue
+    return out

@@ -1,0 +1,1 @@
+"""The fabric as found: facts, discovery from live/captured machines, fingerprint, transport families."""

@@ -1,0 +1,120 @@
+"""`moetune fabric capture DIR`: save exactly what discovery reads on this node.
+
+Layout (DIR):
+  sys/...                      files under /sys discovery read, at their real paths
+  proc/...                     files under /proc discovery read (modules, driver version, kernel release)
+  commands/<argv joined by _>  stdout of each external command (e.g. commands/nvidia-smi_topo_-m)
+  python/packages.json         versions of the Python distributions discovery looks up
+  gpu_api.json                 NVML/torch GPU facts, only when nvidia-smi was absent
+  manifest.json                format, time, moetune version, each command's status/rc/seconds, file sizes
+
+`moetune fabric show --from DIR` (CaptureSource) reads it back through the same parsers. The manifest's
+sizes let a truncated file be reported as such.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from moetune.tuner.fabric.discovery import (
+    CAPTURE_FORMAT,
+    GPU_API_FILE,
+    MANIFEST_FILE,
+    PACKAGES_FILE,
+    SMI_XML,
+    DiscoveryError,
+    LiveSource,
+    RecordingSource,
+    Source,
+    command_key,
+    discover_from,
+)
+from moetune.tuner.fabric.facts import FabricFacts
+
+_PROCESSES = re.compile(r"<processes>.*?</processes>", re.S)
+
+
+class CaptureWriteError(DiscoveryError):
+    """The capture directory cannot be written."""
+
+
+def _rel(path: str) -> str:
+    rel = path.lstrip("/")
+    if not rel or ".." in Path(rel).parts:
+        raise CaptureWriteError(path, "refusing to write a path outside the capture")
+    return rel
+
+
+def write_capture(rec: RecordingSource, dest: Path, facts: FabricFacts) -> Path:
+    files: dict[str, int] = {}
+    for path in rec.dirs:  # directories listed, even empty ones (e.g. /sys/class/infiniband with no HCA)
+        (dest / _rel(path)).mkdir(parents=True, exist_ok=True)
+    for path, data in rec.files.items():
+        p = dest / _rel(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+        files[_rel(path)] = len(data)
+    # Entries discovery only listed (never read), e.g. /sys/class/infiniband/X/device/net/<netdev>:
+    # kept as empty directories so that listing the capture answers what listing the node did.
+    for path, entries in rec.dirs.items():
+        for name in entries:
+            if name in (".", "..") or "/" in name:
+                continue
+            p = dest / _rel(path) / name
+            if not p.exists():
+                p.mkdir(parents=True, exist_ok=True)
+    commands: dict[str, Any] = {}
+    (dest / "commands").mkdir(parents=True, exist_ok=True)
+    for argv, res in rec.commands.items():
+        key = command_key(argv)
+        commands[key] = {"argv": list(argv), "status": res.status, "rc": res.rc, "seconds": round(res.seconds, 4)}
+        if res.status in ("ok", "failed"):
+            text = res.stdout
+            if tuple(argv) == SMI_XML:  # running processes (names, pids) are nobody's business: not kept
+                text, n = _PROCESSES.subn("<processes>\n\t\t</processes>", text)
+                if n:
+                    commands[key]["scrubbed"] = "processes"
+            data = text.encode()
+            (dest / "commands" / key).write_bytes(data)
+            files["commands/" + key] = len(data)
+    if rec.package_versions is not None:
+        p = dest / PACKAGES_FILE
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(rec.package_versions, indent=1, sort_keys=True) + "\n")
+    if rec.gpu_api_data is not None:
+        (dest / GPU_API_FILE).write_text(json.dumps(rec.gpu_api_data, indent=1, sort_keys=True) + "\n")
+    manifest = {
+        "format": CAPTURE_FORMAT,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "moetune": facts.software.get("moetune", "none"),
+        "fingerprint": facts.fingerprint,
+        "discovery_seconds": facts.seconds,
+        "commands": commands,
+        "files": dict(sorted(files.items())),
+    }
+    (dest / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+    return dest
+
+
+def capture_node(dest: Path | str, *, timeout_s: float = 1.5, source: Source | None = None) -> Path:
+    """Discover this node (or `source`) and write everything discovery read under `dest`."""
+    dest = Path(dest)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise CaptureWriteError(dest, "already exists and is not an empty directory")
+    live = source if source is not None else LiveSource(timeout_s=timeout_s)
+    rec = RecordingSource(live)
+    try:
+        facts = discover_from(rec)
+    finally:
+        if isinstance(live, LiveSource):
+            live.close()
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        write_capture(rec, dest, facts)
+    except OSError as e:
+        raise CaptureWriteError(dest, f"cannot write the capture: {e.strerror or e}")
+    return dest

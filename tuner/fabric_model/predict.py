@@ -1,0 +1,632 @@
+"""The fabric model: predicted (MODELLED) cost of one EP dispatch and combine on a fabric.
+
+Nothing here is a curve fit of end results; the model carries the mechanisms (DESIGN §1, §2):
+
+* queued transports (`proxy`, `ibgda`): one representative source PE's requests are replayed in FIFO
+  order. A CPU proxy drains its FIFO with one thread (a per-request issue cost); IBGDA posts from GPU
+  CTAs instead (SM time, which competes with compute). Each request lands on a queue pair (QP mapping
+  `peer_hash`: a group's PUTs and its signals share one QP; `round_robin`: requests rotate over the
+  peer's QPs). A QP is an in-order pipeline (per-message overhead + per-byte cost); all QPs share the
+  NIC link (per-byte cost). A message completes (ack back) one round trip after it left the wire; the
+  round trip of each destination is the median plus a deterministic, seeded quantile of an exponential
+  tail, so the slowest destination sets a drain's cost.
+* fences: `proxy_drain` stops the proxy until everything earlier on its channel completed (NVSHMEM:
+  libfabric fence = quiet; IBRC fence = quiet once a device has more than one RC QP), then the proxy
+  walks every PE once (per-PE cost); `nic_ordered` only flags the next signal, which the NIC holds
+  until the earlier requests on its own QP completed (a NIC stall; the proxy never waits).
+* signals are extra small messages (one per transfer; coupled: PUT, FENCE, SIGNAL per transfer;
+  decoupled: a group's PUTs, one FENCE, the group's signals).
+* intra-node peers go over NVLink (no proxy: launch latency + bytes / bandwidth, signals as device
+  writes) when the preset has NVLink; `host_staged` crosses PCIe twice (device→host, host→device) in
+  chunks with double buffering (pipeline_depth) and duplex links; `collective` is an NCCL-style
+  all-to-all that sends k copies per token.
+* fp8 halves payload bytes and adds scale bytes (per token: 4 B; per 128 channels: H/128 × 4 B).
+
+Every number this module returns is modelled (`Prediction.modelled` is always True).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import msgspec
+
+from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.shapes import ModelShape, get_model
+from moetune.tuner.fabric_model.presets import Preset, PresetError, list_presets, load_preset
+from moetune.tuner.fabric_model.queue import run_queue
+from moetune.tuner.fabric_model.routing import parse_routing, pe_loads, spread_quantiles
+
+__all__ = [
+    "Prediction",
+    "Preset",
+    "PresetError",
+    "TransferPrediction",
+    "Workload",
+    "list_presets",
+    "load_preset",
+    "predict",
+    "predict_transfers",
+]
+
+SIGNAL_BYTES = 8
+MAX_MESSAGES = 2_000_000  # guard against absurd chunking
+
+
+class Workload(msgspec.Struct, frozen=True):
+    """One EP layer's workload. `model` may be a ModelShape or a name/`custom:H,I,E,K` spec."""
+
+    model: ModelShape
+    tokens_per_gpu: int
+    nodes: int
+    gpus_per_node: int
+    routing: str = "uniform"
+    tile: int = 128
+    # False: GPUs of a node may not talk peer-to-peer (NCCL_P2P_DISABLE=1): intra-node traffic is staged.
+    p2p: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, str):
+            msgspec.structs.force_setattr(self, "model", get_model(self.model))
+        if not isinstance(self.model, ModelShape):
+            raise ValueError(f"model must be a ModelShape or a model name, got {type(self.model).__name__}")
+        for name in ("tokens_per_gpu", "nodes", "gpus_per_node", "tile"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        if self.tokens_per_gpu < 1:
+            raise ValueError(f"tokens_per_gpu must be >= 1, got {self.tokens_per_gpu}")
+        if self.tokens_per_gpu > 1 << 22:
+            raise ValueError(f"tokens_per_gpu {self.tokens_per_gpu} is beyond what the model handles (4M)")
+        if self.nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {self.nodes}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if self.tile < 1:
+            raise ValueError(f"tile must be >= 1, got {self.tile}")
+        pes = self.nodes * self.gpus_per_node
+        if self.model.experts % pes != 0:
+            raise ValueError(
+                f"{self.model.experts} experts of {self.model.name} do not divide evenly over "
+                f"{pes} GPUs ({self.nodes} nodes x {self.gpus_per_node})"
+            )
+        parse_routing(self.routing)
+
+    @property
+    def pes(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class Prediction(msgspec.Struct, kw_only=True):
+    """A MODELLED prediction for one dispatch + combine of one EP layer, per GPU (PE)."""
+
+    latency_us: float
+    dispatch_us: float
+    combine_us: float
+    fences: int
+    proxy_stalls: int
+    nic_stalls: int
+    bytes_on_wire: float
+    transfers: int
+    phases: dict[str, float]
+    modelled: bool = True
+    layer_us: float = 0.0  # dispatch + expert compute (modelled) + combine
+    expert_us: float = 0.0
+    preset: str = ""
+    transport: str = ""
+    notes: list[str] = msgspec.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+class TransferPrediction(msgspec.Struct, kw_only=True):
+    """MODELLED microbenchmark: N concurrent transfers of one size from one PE (Perseus-style)."""
+
+    time_us: float
+    put_only_us: float
+    throughput_gbps: float
+    put_only_gbps: float
+    relative_throughput: float
+    fence_time_us: float
+    fence_share: float
+    fences: int
+    proxy_stalls: int
+    nic_stalls: int
+    modelled: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+# ---------------------------------------------------------------------------------------------------
+# parameters, flattened for speed
+# ---------------------------------------------------------------------------------------------------
+class _P:
+    __slots__ = tuple(
+        ["name", "sms", "tflops", "eff", "hbm", "sm_copy", "launch", "has_nvl", "nvl_egress", "nvl_peer", "nvl_lat", "nvl_sig", "d2h", "h2d", "memcpy", "host_mem", "duplex", "c_alpha", "c_sync", "c_peer", "c_intra", "c_nic_eff", "c_host_alpha", "c_host_chunk", "has_nic", "nic_bw", "qp_bw", "msg_o", "sig_o", "rtt", "tail", "shared_qps", "has_proxy", "put_us", "sig_us", "flag_us", "fence_us", "fence_pe_us", "poll_us", "fence_quiet", "proxy_intra", "has_ibgda", "post_sm_us", "wqe_fetch_us"]
+    )
+
+
+_PCACHE: dict[int, tuple[Preset, _P]] = {}
+
+
+def _params(preset: Preset) -> _P:
+    hit = _PCACHE.get(id(preset))
+    if hit is not None and hit[0] is preset:
+        return hit[1]
+    g = preset.get
+    p = _P()
+    p.name = preset.name
+    p.sms, p.tflops, p.eff = g("gpu.sms"), g("gpu.tflops_bf16"), g("gpu.gemm_efficiency")
+    p.hbm, p.sm_copy, p.launch = g("gpu.hbm_gbps") * 1e3, g("gpu.sm_copy_gbps") * 1e3, g("gpu.launch_us")
+    p.has_nvl = preset.has("nvlink")
+    if p.has_nvl:
+        p.nvl_egress, p.nvl_peer = g("nvlink.egress_gbps") * 1e3, g("nvlink.peer_gbps") * 1e3
+        p.nvl_lat, p.nvl_sig = g("nvlink.latency_us"), g("nvlink.signal_us")
+    p.d2h, p.h2d = g("pcie.d2h_gbps") * 1e3, g("pcie.h2d_gbps") * 1e3
+    p.memcpy, p.host_mem, p.duplex = g("pcie.memcpy_us"), g("pcie.host_mem_gbps") * 1e3, bool(g("pcie.duplex"))
+    p.c_alpha, p.c_peer = g("collective.alpha_us"), g("collective.per_peer_us")
+    p.c_sync = g("collective.sync_us")
+    p.c_intra, p.c_nic_eff = g("collective.intra_gbps") * 1e3, g("collective.nic_efficiency")
+    p.c_host_alpha, p.c_host_chunk = g("collective.host_alpha_us"), g("collective.host_chunk_kb") * 1024.0
+    p.has_nic = preset.has("nic")
+    if p.has_nic:
+        p.nic_bw, p.qp_bw = g("nic.gbps") * 1e3, g("nic.qp_gbps") * 1e3
+        p.msg_o, p.sig_o = g("nic.msg_overhead_us"), g("nic.signal_overhead_us")
+        p.rtt, p.tail, p.shared_qps = g("nic.rtt_us"), g("nic.tail_us"), int(g("nic.shared_qps"))
+    p.has_proxy = preset.has("proxy")
+    if p.has_proxy:
+        p.put_us, p.sig_us, p.flag_us = g("proxy.put_us"), g("proxy.signal_us"), g("proxy.fence_flag_us")
+        p.fence_us, p.fence_pe_us, p.poll_us = g("proxy.fence_us"), g("proxy.fence_per_pe_us"), g("proxy.poll_us")
+        p.fence_quiet, p.proxy_intra = g("proxy.fence_quiet"), bool(g("proxy.serves_intra_node"))
+    p.has_ibgda = preset.has("ibgda")
+    if p.has_ibgda:
+        p.post_sm_us, p.wqe_fetch_us = g("ibgda.post_sm_us"), g("ibgda.wqe_fetch_us")
+    if len(_PCACHE) > 256:  # calibration builds many short-lived presets
+        _PCACHE.clear()
+    _PCACHE[id(preset)] = (preset, p)
+    return p
+
+
+def _as_preset(preset: Preset | str) -> Preset:
+    return preset if isinstance(preset, Preset) else load_preset(preset)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the queued (proxy / IBGDA) mechanism: one source PE's requests replayed in FIFO order
+# ---------------------------------------------------------------------------------------------------
+def _rtts(p: _P, n: int) -> list[float]:
+    q = spread_quantiles(n)
+    return [p.rtt + p.tail * x for x in q]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the microbenchmark: N concurrent transfers of one size (what Perseus measured)
+# ---------------------------------------------------------------------------------------------------
+def predict_transfers(
+    preset: Preset | str,
+    nodes: int,
+    transfers: int,
+    size_bytes: int,
+    knobs: Knobs,
+    *,
+    destinations: int | None = None,
+    gpus_per_node: int | None = None,
+) -> TransferPrediction:
+    """MODELLED: one PE issues `transfers` concurrent signalled transfers of `size_bytes` each.
+
+    The transfers spread evenly over `destinations` remote PEs (default: every PE on the other nodes),
+    in destination order. Put-only is the same requests without signals and fences, completed by one
+    quiet. `fence_share` is the share of the communication time the ordering costs: 1 - T(no ordering)
+    / T, where "no ordering" replays the same PUTs and signals with fences removed (a counterfactual).
+    Uses the same mechanism code as `predict`.
+    """
+    preset = _as_preset(preset)
+    p = _params(preset)
+    if knobs.transport not in ("proxy", "ibgda"):
+        raise KnobError("the transfer microbenchmark models queued transports (proxy, ibgda)", ("transport",))
+    _check_transport(preset, knobs)
+    gpn = gpus_per_node or preset.gpus_per_node
+    if preset.max_nodes and nodes > preset.max_nodes:
+        raise ValueError(f"preset {preset.name!r} has no network between nodes; use nodes=1")
+    if nodes < 1 or transfers < 1 or size_bytes < 1 or gpn < 1:
+        raise ValueError("nodes, transfers, size_bytes and gpus_per_node must be >= 1")
+    if not p.has_nic:
+        raise ValueError(f"preset {preset.name!r} has no NIC to model transfers on")
+    ndest = destinations if destinations is not None else (nodes - 1) * gpn
+    if ndest < 1:
+        raise ValueError("the microbenchmark needs at least one remote destination (nodes >= 2)")
+    npes = nodes * gpn if destinations is None else ndest + 1
+    per = [transfers // ndest + (1 if i < transfers % ndest else 0) for i in range(ndest)]
+    rtts = _rtts(p, ndest)
+    dests = [(rtts[i], [(float(size_bytes), per[i], 1, 0.0, 0.0)]) for i in range(ndest) if per[i]]
+    if knobs.signalling == "decoupled" and knobs.group_size:
+        for _, runs in dests:
+            if runs[0][1] % knobs.group_size:
+                raise KnobError(f"group_size {knobs.group_size} does not divide {runs[0][1]} transfers per "
+                                "destination", ("group_size",))
+    fence = "drain" if knobs.fence_mode == "proxy_drain" else "nic"
+    kw = dict(npes=npes, group=knobs.group_size, qp_mapping=knobs.qp_mapping, qps=knobs.qps_per_pe,
+              num_sms=knobs.num_sms)
+    r = run_queue(p, knobs.transport, dests, signalling=knobs.signalling, fence=fence, **kw)
+    r_off = run_queue(p, knobs.transport, dests, signalling=knobs.signalling, fence="off", **kw)
+    r_put = run_queue(p, knobs.transport, dests, signalling="none", fence="off", **kw)
+    total = float(transfers) * size_bytes
+    t = r.max_ack
+    t_put = r_put.max_ack
+    fence_time = max(0.0, t - r_off.max_ack)
+    return TransferPrediction(
+        time_us=t, put_only_us=t_put, throughput_gbps=total / t / 1e3, put_only_gbps=total / t_put / 1e3,
+        relative_throughput=t_put / t, fence_time_us=fence_time, fence_share=fence_time / t,
+        fences=r.fences, proxy_stalls=r.proxy_stalls, nic_stalls=r.nic_stalls,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# predict: one EP dispatch + combine
+# ---------------------------------------------------------------------------------------------------
+def _check_transport(preset: Preset, knobs: Knobs) -> None:
+    if knobs.transport not in preset.transports:
+        raise KnobError(
+            f"transport {knobs.transport!r} is not available on preset {preset.name!r} "
+            f"(available: {', '.join(preset.transports)})",
+            ("transport",),
+        )
+
+
+def _token_bytes(model: ModelShape, knobs: Knobs, *, dispatch: bool) -> float:
+    from moetune.runtime.shapes import DTYPES
+
+    h = model.hidden
+    if dispatch and knobs.compression == "fp8_e4m3":
+        scales = 4.0 if knobs.scale_granularity == "per_token" else math.ceil(h / 128) * 4.0
+        return h * 1.0 + scales
+    return float(h * DTYPES[model.dtype])
+
+
+class _Phase:
+    __slots__ = ("bytes", "fences", "nic_stalls", "parts", "proxy_stalls", "sm_us", "transfers", "us")
+
+    def __init__(self) -> None:
+        self.us = 0.0
+        self.fences = self.proxy_stalls = self.nic_stalls = self.transfers = 0
+        self.bytes = 0.0
+        self.sm_us = 0.0
+        self.parts: dict[str, float] = {}
+
+
+def _nvlink_time(p: _P, bytes_per_peer: list[float], groups: int, num_sms: int) -> float:
+    """GPU stores into peers' memory over NVLink: no proxy, signals as device writes."""
+    if not bytes_per_peer:
+        return p.launch
+    total = sum(bytes_per_peer)
+    bw = min(p.nvl_egress, num_sms * p.sm_copy, p.hbm)
+    t = max(total / bw, max(bytes_per_peer) / p.nvl_peer)
+    # each group's signal follows a system fence + flag store; spread over the communicating CTAs
+    sig = p.nvl_sig * math.ceil(groups / max(1, num_sms))
+    return p.launch + t + p.nvl_lat + sig
+
+
+def _staged_time(p: _P, bytes_out: float, bytes_in: float, chunks: int, depth: int, gpn: int,
+                 nic_bytes: float = 0.0) -> float:
+    """Device→host→device through pinned host memory (PCIe crossed twice), chunked and pipelined."""
+    if bytes_out <= 0 and bytes_in <= 0:
+        return 0.0
+    n = max(1, chunks)
+    a = bytes_out / n / p.d2h  # this GPU's outgoing chunk, device → host
+    b = bytes_in / n / p.h2d  # an incoming chunk, host → device
+    c = (nic_bytes / n / (p.nic_bw * p.c_nic_eff)) if nic_bytes > 0 else 0.0
+    if not p.duplex:
+        # both directions share the GPU's link: the stages cannot overlap on it
+        a = b = a + b
+    ov = p.memcpy
+    if depth <= 1:
+        t = n * (a + b + c + 2 * ov + (ov if c else 0.0))
+    else:
+        # double buffering: chunk i+1 goes out while chunk i comes in; deeper pipelines hide the
+        # per-copy launch overhead too
+        hide = min(depth - 1, 4)
+        stage = max(a, b, c) + ov / hide
+        t = (a + b + c + 2 * ov) + (n - 1) * stage
+    # every staged byte is written to host memory once and read back once, by every GPU of the node
+    host = gpn * max(bytes_out, bytes_in) * 2.0 / p.host_mem
+    return max(t, host)
+
+
+def _route(w: Workload) -> tuple[Any, int, int]:
+    s = parse_routing(w.routing)
+    loads = pe_loads(w.model.experts, w.model.topk, s, w.pes)
+    return loads, loads.shape[1], w.gpus_per_node
+
+
+def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, t0: float) -> _Phase:
+    """Dispatch (source PE 0 sends each remote expert its tokens) or combine (the most loaded PE
+    returns its experts' outputs to every token owner) over proxy/IBGDA + NVLink inside the node."""
+    ph = _Phase()
+    S = w.tokens_per_gpu
+    P, G = w.pes, w.gpus_per_node
+    epp = loads.shape[1]
+    tb = _token_bytes(w.model, knobs, dispatch=dispatch)
+    kind = knobs.transport
+    intra_by_proxy = kind == "proxy" and p.proxy_intra
+    nvl_intra = p.has_nvl and w.p2p and not intra_by_proxy
+    row_sums = loads.sum(axis=1)
+    if dispatch:
+        remote_pes = [d for d in range(G, P)]
+        local_pes = list(range(1, G))
+        per_dest = {d: [S * float(x) * tb for x in loads[d]] for d in range(1, P)}
+    else:
+        src = int(row_sums.argmax())
+        node = src // G
+        remote_pes = [d for d in range(P) if d // G != node]
+        remote_pes = remote_pes[(node * G) % max(1, len(remote_pes)):] + remote_pes[: (node * G) % max(1, len(remote_pes))]
+        local_pes = [d for d in range(node * G, node * G + G) if d != src]
+        mine = [S * float(x) * tb for x in loads[src]]
+        per_dest = {d: mine for d in range(P) if d != src}
+    if intra_by_proxy:
+        remote_pes = local_pes + remote_pes
+        local_pes = []
+    elif not nvl_intra and local_pes:
+        # no NVLink (or P2P disabled): intra-node peers go through the NIC loopback / proxy like remote
+        remote_pes = local_pes + remote_pes
+        local_pes = []
+    if remote_pes and not p.has_nic and not intra_by_proxy:
+        raise ValueError(f"preset {p.name!r} has no network: it cannot reach PEs on other nodes")
+    # transfers: one per (source PE, remote expert), split into tiles of `tile` tokens (each tile is
+    # one PUT with its own signal, as tile-based EP kernels send them); chunk_tokens further splits a
+    # tile into NIC messages
+    ck = knobs.chunk_tokens
+    pack_bw = min(max(1, knobs.num_sms) * p.sm_copy, p.hbm / 2.0)
+    acc = t0 + p.launch
+    dests = []
+    rtts = _rtts(p, len(remote_pes)) if remote_pes else []
+    nmsg = 0
+    total_bytes = 0.0
+    for i, d in enumerate(remote_pes):
+        runs = []
+        for b in per_dest[d]:
+            tk = b / tb
+            n = max(1, math.ceil(tk / w.tile - 1e-9))
+            tile_b = b / n
+            m = max(1, math.ceil(tk / n / ck - 1e-9)) if ck else 1
+            step = tile_b / pack_bw
+            runs.append((tile_b, n, m, acc + step, step))
+            acc += b / pack_bw
+            nmsg += n * m
+            total_bytes += b
+        dests.append((rtts[i], runs))
+    if nmsg > MAX_MESSAGES:
+        raise ValueError(f"chunk_tokens={ck} gives {nmsg} messages per PE; use larger chunks")
+    fence = "drain" if knobs.fence_mode == "proxy_drain" else "nic"
+    t_net = t0
+    if dests:
+        r = run_queue(
+            p, kind, dests, npes=P, signalling=knobs.signalling, group=knobs.group_size, fence=fence,
+            qp_mapping=knobs.qp_mapping, qps=knobs.qps_per_pe, num_sms=knobs.num_sms, t0=t0,
+        )
+        # receiver ingress: the most loaded receiver takes bytes from every other PE
+        if dispatch:
+            ing = float(row_sums.max()) * S * tb * (P - (G if nvl_intra else 1))
+        else:
+            ing = float(row_sums.mean()) * S * tb * (P - (G if nvl_intra else 1))
+        ing_t = t0 + p.launch + ing / p.nic_bw + p.rtt
+        t_net = max(r.last_arrive, ing_t)
+        ph.fences, ph.proxy_stalls, ph.nic_stalls = r.fences, r.proxy_stalls, r.nic_stalls
+        ph.parts = {
+            "proxy_issue" if kind == "proxy" else "gpu_post": r.issue_busy,
+            "fence_proxy_blocked": r.fence_busy,
+            "fence_wait_completion": r.fence_wait,
+            "nic_stall_held_sum": r.nic_wait,
+            "wire": r.wire_us,
+            "ingress_bound": ing_t - t0,
+        }
+        ph.sm_us = 0.0 if kind == "proxy" else r.issue_busy
+        ph.transfers = r.transfers
+        ph.bytes += total_bytes + r.signals * SIGNAL_BYTES
+    t_nvl = t0
+    if local_pes:
+        bpp = [sum(per_dest[d]) for d in local_pes]
+        groups = len(local_pes) * (epp if knobs.signalling == "coupled" else
+                                   max(1, epp // (knobs.group_size or epp)))
+        t_nvl = t0 + _nvlink_time(p, bpp, groups, knobs.num_sms)
+        ph.parts["nvlink"] = t_nvl - t0
+        ph.bytes += sum(bpp)
+    # IBGDA: SM time spent posting delays the compute the same SMs would do
+    sm_pen = ph.sm_us / p.sms if kind == "ibgda" else 0.0
+    ph.parts["sm_contention"] = sm_pen
+    ph.us = max(t_net, t_nvl) - t0 + sm_pen
+    if not dests and not local_pes:  # EP size 1: the kernel still launches
+        ph.us = p.launch
+    return ph
+
+
+def _phase_nvlink(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads) -> _Phase:
+    ph = _Phase()
+    if w.nodes > 1:
+        raise KnobError("transport 'nvlink' does not reach other nodes; use proxy, ibgda or collective",
+                        ("transport",))
+    if not p.has_nvl:
+        raise KnobError(f"preset {p.name!r} has no NVLink", ("transport",))
+    S, G = w.tokens_per_gpu, w.gpus_per_node
+    tb = _token_bytes(w.model, knobs, dispatch=dispatch)
+    epp = loads.shape[1]
+    row = loads.sum(axis=1)
+    if dispatch:
+        bpp = [S * float(row[d]) * tb for d in range(1, G)]
+    else:
+        h = int(row.argmax())
+        bpp = [S * float(row[h]) * tb] * (G - 1)
+    groups = (G - 1) * (epp if knobs.signalling == "coupled" else max(1, epp // (knobs.group_size or epp)))
+    ph.us = _nvlink_time(p, bpp, groups, knobs.num_sms)
+    ph.bytes = sum(bpp) + groups * SIGNAL_BYTES
+    ph.transfers = (G - 1) * epp
+    ph.parts = {"nvlink": ph.us}
+    return ph
+
+
+def _bytes_out_in(w: Workload, loads, tb: float, dispatch: bool, copies: bool) -> tuple[float, float, int]:
+    """(bytes out to other PEs, bytes in from other PEs, other PEs) of the busiest PE."""
+    S, P = w.tokens_per_gpu, w.pes
+    row = loads.sum(axis=1)
+    if copies:  # collective: k copies per token, shared out by destination load
+        frac_remote = 1.0 - float(row[0]) / w.model.topk
+        out = S * w.model.topk * tb * frac_remote
+        inn = S * tb * float(row.max()) * (P - 1)
+    else:
+        out = S * tb * float(row.sum() - row[0])
+        inn = S * tb * float(row.max()) * (P - 1)
+    if not dispatch:
+        out, inn = inn, out
+    return out, inn, P - 1
+
+
+def _phase_collective(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads) -> _Phase:
+    """NCCL-style all-to-all (k copies per token), intra-node over NVLink or staged, inter-node NIC."""
+    ph = _Phase()
+    P, G = w.pes, w.gpus_per_node
+    tb = _token_bytes(w.model, knobs, dispatch=dispatch)
+    out, inn, peers = _bytes_out_in(w, loads, tb, dispatch, copies=True)
+    if peers == 0:
+        ph.us = p.launch
+        return ph
+    intra_share = (G - 1) / (P - 1)
+    io, ii = out * intra_share, inn * intra_share
+    eo, ei = out - io, inn - ii
+    staged = not (p.has_nvl and w.p2p)
+    if staged:
+        chunks = max(1, math.ceil(max(io, ii) / p.c_host_chunk))
+        t_intra = p.c_host_alpha + _staged_time(p, io, ii, chunks, 2, G)
+    else:
+        # launch, then the ranks' handshake and the data streaming overlap: the longer one counts
+        t_intra = p.c_alpha + max(p.c_sync, max(io, ii) / p.c_intra)
+    t_inter = 0.0
+    if eo > 0 or ei > 0:
+        if not p.has_nic:
+            raise ValueError(f"preset {p.name!r} has no network: it cannot reach PEs on other nodes")
+        t_inter = p.c_alpha + max(p.c_sync, max(eo, ei) / (p.nic_bw * p.c_nic_eff)) + p.rtt
+    ph.us = max(t_intra, t_inter) + peers * p.c_peer
+    ph.bytes = out
+    ph.transfers = peers
+    ph.parts = {"collective_intra": t_intra, "collective_inter": t_inter, "per_peer": peers * p.c_peer}
+    return ph
+
+
+def _phase_host_staged(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads) -> _Phase:
+    """moetune's staged transport: tokens for one peer packed contiguously, D2H, (NIC), H2D."""
+    ph = _Phase()
+    G = w.gpus_per_node
+    tb = _token_bytes(w.model, knobs, dispatch=dispatch)
+    out, inn, peers = _bytes_out_in(w, loads, tb, dispatch, copies=False)
+    if peers == 0:
+        ph.us = p.launch
+        return ph
+    nic_bytes = 0.0
+    if w.nodes > 1:
+        if not p.has_nic:
+            raise ValueError(f"preset {p.name!r} has no network: it cannot reach PEs on other nodes")
+        nic_bytes = out * (w.pes - G) / (w.pes - 1)
+    per_peer_tokens = out / tb / peers
+    ck = knobs.chunk_tokens
+    chunks_per_peer = max(1, math.ceil(per_peer_tokens / ck)) if ck else 1
+    chunks = peers * chunks_per_peer
+    pack_bw = min(max(1, knobs.num_sms) * p.sm_copy, p.hbm / 2.0)
+    t = p.launch + out / pack_bw + _staged_time(p, out, inn, chunks, knobs.pipeline_depth, G, nic_bytes)
+    if nic_bytes:
+        t += p.rtt
+    ph.us = t
+    ph.bytes = out
+    ph.transfers = chunks
+    ph.parts = {"staged": t}
+    return ph
+
+
+def transfers_per_peer(w: Workload) -> int:
+    """Transfers (tile PUTs) one PE sends one peer under uniform routing: experts per PE x tiles per
+    expert. A decoupled group size must divide it (Knobs.check_workload)."""
+    per_expert = w.tokens_per_gpu * w.model.topk / w.model.experts
+    return (w.model.experts // w.pes) * max(1, math.ceil(per_expert / w.tile - 1e-9))
+
+
+def _expert_us(p: _P, w: Workload, loads) -> float:
+    """Modelled expert FFN time on the most loaded PE (tile-padded grouped GEMMs)."""
+    S, P = w.tokens_per_gpu, w.pes
+    row = loads[int(loads.sum(axis=1).argmax())]
+    rows = [math.ceil(S * P * float(x) / w.tile) * w.tile for x in row]
+    flops = sum(rows) * 6.0 * w.model.hidden * w.model.intermediate
+    return flops / (p.tflops * 1e6 * p.eff)
+
+
+def predict(
+    preset: Preset | str,
+    workload: Workload,
+    knobs: Knobs,
+    *,
+    phase: Literal["both", "dispatch", "combine"] = "both",
+) -> Prediction:
+    """MODELLED cost of one dispatch and/or combine per GPU. Unsafe knobs raise KnobError; a workload
+    the preset cannot run raises ValueError; an unknown preset raises PresetError (a ValueError)."""
+    preset = _as_preset(preset)
+    if not isinstance(knobs, Knobs):
+        raise KnobError(f"expected Knobs, got {type(knobs).__name__}")
+    if phase not in ("both", "dispatch", "combine"):
+        raise ValueError(f"phase must be both, dispatch or combine, got {phase!r}")
+    _check_transport(preset, knobs)
+    p = _params(preset)
+    w = workload
+    loads, _epp, _ = _route(w)
+    if knobs.transport in ("proxy", "ibgda"):
+        knobs.check_workload(transfers_per_peer(w))
+        if knobs.transport == "proxy" and not p.has_proxy:
+            raise KnobError(f"preset {preset.name!r} has no CPU proxy", ("transport",))
+        if knobs.transport == "ibgda" and not p.has_ibgda:
+            raise KnobError(f"preset {preset.name!r} has no IBGDA", ("transport",))
+    elif knobs.transport == "nvlink":
+        knobs.check_workload(transfers_per_peer(w))
+    if w.nodes > 1 and (not p.has_nic or (preset.max_nodes and w.nodes > preset.max_nodes)):
+        raise ValueError(f"preset {preset.name!r} has no network between nodes; use nodes=1")
+    phases_out: dict[str, float] = {}
+    res: dict[str, _Phase] = {}
+    for name in ("dispatch", "combine"):
+        if phase not in ("both", name):
+            continue
+        disp = name == "dispatch"
+        if knobs.transport in ("proxy", "ibgda"):
+            ph = _phase_queued(p, w, knobs, dispatch=disp, loads=loads, t0=0.0)
+        elif knobs.transport == "nvlink":
+            ph = _phase_nvlink(p, w, knobs, dispatch=disp, loads=loads)
+        elif knobs.transport == "collective":
+            ph = _phase_collective(p, w, knobs, dispatch=disp, loads=loads)
+        else:
+            ph = _phase_host_staged(p, w, knobs, dispatch=disp, loads=loads)
+        res[name] = ph
+        phases_out[name] = ph.us
+        for k, v in ph.parts.items():
+            phases_out[f"{name}.{k}"] = v
+    d = res.get("dispatch")
+    c = res.get("combine")
+    d_us = d.us if d else 0.0
+    c_us = c.us if c else 0.0
+    e_us = _expert_us(p, w, loads)
+    phases_out["expert"] = e_us
+    all_ph = [x for x in (d, c) if x]
+    notes = ["MODELLED: predicted by the fabric model from preset parameters, not measured"]
+    if knobs.transport == "collective":
+        notes.append("collective: k copies per token on the wire (NCCL all_to_all_single semantics)")
+    return Prediction(
+        latency_us=d_us + c_us,
+        dispatch_us=d_us,
+        combine_us=c_us,
+        fences=sum(x.fences for x in all_ph),
+        proxy_stalls=sum(x.proxy_stalls for x in all_ph),
+        nic_stalls=sum(x.nic_stalls for x in all_ph),
+        bytes_on_wire=sum(x.bytes for x in all_ph),
+        transfers=sum(x.transfers for x in all_ph),
+        phases=phases_out,
+        layer_us=d_us + e_us + c_us,
+        expert_us=e_us,
+        preset=preset.name,
+        transport=knobs.transport,
+        notes=notes,
+    )

@@ -1,0 +1,225 @@
+"""Fabric presets for the fabric model: data files (tuner/fabric_model/presets/*.toml) with a source per parameter.
+
+A preset describes one fabric (GPUs per node, NVLink, PCIe, NIC, CPU proxy, collective library) as
+physical parameters. Every numeric parameter must name its source in the file's `[sources]` table
+(key = dotted parameter path): a datasheet, a paper, a measurement file, or "assumed: ..." where the
+value is an engineering estimate. `load_preset` refuses a file where a parameter has no source.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from moetune.runtime.knobs import TRANSPORTS
+
+# Parameter sections the model reads, and the keys each must (or may) hold.
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "gpu": ("sms", "tflops_bf16", "gemm_efficiency", "hbm_gbps", "sm_copy_gbps", "launch_us"),
+    "pcie": ("d2h_gbps", "h2d_gbps", "memcpy_us", "host_mem_gbps"),
+    "collective": ("alpha_us", "sync_us", "per_peer_us", "intra_gbps", "nic_efficiency", "host_alpha_us",
+                   "host_chunk_kb"),
+}
+OPTIONAL: dict[str, tuple[str, ...]] = {
+    "nvlink": ("egress_gbps", "peer_gbps", "latency_us", "signal_us"),
+    "nic": ("gbps", "qp_gbps", "msg_overhead_us", "signal_overhead_us", "rtt_us", "tail_us", "shared_qps"),
+    "proxy": ("put_us", "signal_us", "fence_flag_us", "fence_us", "fence_per_pe_us", "poll_us"),
+    "ibgda": ("post_sm_us", "wqe_fetch_us"),
+}
+FENCE_QUIET = ("always", "multi_qp", "never")
+
+
+class PresetError(ValueError):
+    """A preset cannot be found or is malformed."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One fabric described by physical parameters (all numbers carry a source)."""
+
+    name: str
+    family: str
+    transports: tuple[str, ...]
+    gpus_per_node: int
+    description: str
+    params: Mapping[str, Mapping[str, Any]]
+    sources: Mapping[str, str]
+    path: str | None = None
+    calibration: Mapping[str, Any] = field(default_factory=dict)
+    # 0 = no limit; 1 = a single box (no network between nodes)
+    max_nodes: int = 0
+
+    # -- access -------------------------------------------------------------------------------
+    def has(self, section: str) -> bool:
+        return section in self.params
+
+    def get(self, dotted: str) -> Any:
+        section, key = dotted.split(".", 1)
+        try:
+            return self.params[section][key]
+        except KeyError:
+            raise PresetError(f"preset {self.name!r} has no parameter {dotted!r}") from None
+
+    def numeric(self) -> dict[str, float]:
+        """All numeric parameters as {dotted: value} (what calibration can fit)."""
+        out: dict[str, float] = {}
+        for section, table in self.params.items():
+            for key, value in table.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    out[f"{section}.{key}"] = float(value)
+        return out
+
+    def with_params(self, changes: Mapping[str, float], *, source: str | None = None,
+                    name: str | None = None, calibration: Mapping[str, Any] | None = None) -> Preset:
+        """A copy with some numeric parameters replaced (their source becomes `source` if given)."""
+        params = {s: dict(t) for s, t in self.params.items()}
+        sources = dict(self.sources)
+        for dotted, value in changes.items():
+            section, key = dotted.split(".", 1)
+            if section not in params or key not in params[section]:
+                raise PresetError(f"preset {self.name!r} has no parameter {dotted!r}")
+            old = params[section][key]
+            params[section][key] = round(value) if isinstance(old, int) and not isinstance(old, bool) else float(value)
+            if source:
+                sources[dotted] = source
+        return Preset(
+            name=name or self.name, family=self.family, transports=self.transports,
+            gpus_per_node=self.gpus_per_node, description=self.description, params=params,
+            sources=sources, path=None, calibration=dict(calibration if calibration is not None else self.calibration),
+            max_nodes=self.max_nodes,
+        )
+
+    def to_toml(self) -> str:
+        """Serialise back to the preset file format (round-trips through `load_preset`)."""
+        lines = [
+            f"name = {_tq(self.name)}",
+            f"family = {_tq(self.family)}",
+            f"transports = [{', '.join(_tq(t) for t in self.transports)}]",
+            f"gpus_per_node = {self.gpus_per_node}",
+            f"description = {_tq(self.description)}",
+        ]
+        if self.max_nodes:
+            lines.append(f"max_nodes = {self.max_nodes}")
+        for section, table in self.params.items():
+            lines += ["", f"[{section}]"]
+            lines += [f"{k} = {_tv(v)}" for k, v in table.items()]
+        if self.calibration:
+            lines += ["", "[calibration]"]
+            lines += [f"{k} = {_tv(v)}" for k, v in self.calibration.items()]
+        lines += ["", "[sources]"]
+        lines += [f"{_tq(k)} = {_tq(v)}" for k, v in sorted(self.sources.items())]
+        return "\n".join(lines) + "\n"
+
+
+def _tq(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _tv(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return repr(float(f"{v:.6g}"))
+    if isinstance(v, str):
+        return _tq(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_tv(x) for x in v) + "]"
+    raise PresetError(f"cannot write {v!r} to TOML")
+
+
+def _preset_dir():
+    return resources.files("moetune.tuner.fabric_model.presets")
+
+
+def list_presets() -> list[str]:
+    """Names of the presets shipped with the package."""
+    return sorted(p.name[: -len(".toml")] for p in _preset_dir().iterdir() if p.name.endswith(".toml"))
+
+
+_CACHE: dict[str, Preset] = {}
+
+
+def load_preset(name_or_path: str | Path) -> Preset:
+    """A shipped preset by name, or a preset file by path. Raises PresetError (a ValueError)."""
+    key = str(name_or_path)
+    if key in _CACHE:
+        return _CACHE[key]
+    path: Path | None = None
+    if key.endswith(".toml") or "/" in key or Path(key).is_file():
+        path = Path(key)
+        if not path.is_file():
+            raise PresetError(f"preset file {key!r} does not exist")
+        text = path.read_text()
+    else:
+        res = _preset_dir() / f"{key}.toml"
+        if not res.is_file():
+            raise PresetError(f"unknown preset {key!r}; known: {', '.join(list_presets())}")
+        text = res.read_text()
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise PresetError(f"preset {key!r}: not valid TOML ({e})") from None
+    preset = _parse(data, str(path) if path else None)
+    _CACHE[key] = preset
+    return preset
+
+
+def _parse(data: dict[str, Any], path: str | None) -> Preset:
+    name = data.get("name")
+    where = f"preset {name or path!r}"
+    for k in ("name", "family", "transports", "gpus_per_node"):
+        if k not in data:
+            raise PresetError(f"{where}: missing top-level key {k!r}")
+    transports = tuple(data["transports"])
+    for t in transports:
+        if t not in TRANSPORTS:
+            raise PresetError(f"{where}: unknown transport {t!r} (known: {', '.join(TRANSPORTS)})")
+    gpn = data["gpus_per_node"]
+    if not isinstance(gpn, int) or gpn < 1:
+        raise PresetError(f"{where}: gpus_per_node must be a positive integer")
+    sources = data.get("sources", {})
+    params: dict[str, dict[str, Any]] = {}
+    for section in (*REQUIRED, *OPTIONAL):
+        if section not in data:
+            if section in REQUIRED:
+                raise PresetError(f"{where}: missing section [{section}]")
+            continue
+        table = dict(data[section])
+        want = REQUIRED.get(section) or OPTIONAL[section]
+        missing = [k for k in want if k not in table]
+        if missing:
+            raise PresetError(f"{where}: [{section}] lacks {', '.join(missing)}")
+        params[section] = table
+    # Non-numeric switches.
+    if "proxy" in params:
+        fq = params["proxy"].get("fence_quiet")
+        if fq not in FENCE_QUIET:
+            raise PresetError(f"{where}: proxy.fence_quiet must be one of {FENCE_QUIET}, got {fq!r}")
+        params["proxy"].setdefault("serves_intra_node", False)
+    if "nic" not in params and any(t in ("proxy", "ibgda") for t in transports) and not params.get("proxy", {}).get("serves_intra_node"):
+        raise PresetError(f"{where}: proxy/ibgda transports need a [nic] section")
+    if "pcie" in params:
+        params["pcie"].setdefault("duplex", True)
+    for section, table in params.items():
+        for key, value in table.items():
+            if isinstance(value, (bool, str)):
+                continue
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise PresetError(f"{where}: {section}.{key} must be a finite number >= 0, got {value!r}")
+            if f"{section}.{key}" not in sources:
+                raise PresetError(f"{where}: parameter {section}.{key} has no entry in [sources]")
+    max_nodes = data.get("max_nodes", 0)
+    if not isinstance(max_nodes, int) or max_nodes < 0:
+        raise PresetError(f"{where}: max_nodes must be an integer >= 0")
+    return Preset(
+        name=str(name), family=str(data["family"]), transports=transports, gpus_per_node=gpn,
+        description=str(data.get("description", "")), params=params, sources=dict(sources), path=path,
+        calibration=dict(data.get("calibration", {})), max_nodes=max_nodes,
+    )

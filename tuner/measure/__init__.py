@@ -1,0 +1,1 @@
+"""Measurement: the EP benchmark, the trial worker subprocess and the fabric micro-benchmarks."""

@@ -1,0 +1,745 @@
+"""Benchmark backends: where a knob set is measured.
+
+One small base (`BenchmarkBackend.evaluate(knobs, workload) -> Measurement`) and plain
+implementations, as Optuna's samplers subclass `BaseSampler`:
+
+- `ModelBackend`: the fabric model (`moetune.tuner.fabric_model.predict.predict`) on a preset, or any
+  predictor callable (tests inject synthetic objectives). Every number it gives is modelled.
+- `LocalBackend`: the real runtime on this node, in its own process group so that environment-level knobs
+  (NCCL_*, NVSHMEM_*) take effect: by default a persistent bench worker per environment
+  (`moetune.tuner.measure.worker`: the ranks stay up across trials), or `moetune bench ep --json` in a fresh
+  subprocess per run (`persistent=False`); a timeout per run (a hung run is killed with its whole group
+  and recorded as failed; a fresh worker serves the next run), repeats, median and spread.
+- `CallableBackend`: any `f(knobs, workload) -> float` (synthetic objectives, tests).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.shapes import MODELS, ModelShape
+
+# Called after each repeat with (step, value so far); returns True when the trial should stop (pruned).
+ReportFn = Callable[[int, float], bool]
+
+
+@dataclass(frozen=True)
+class TuneWorkload:
+    """What one study tunes for: a model shape, tokens per GPU, the EP layout and the routing."""
+
+    model: ModelShape
+    tokens: int
+    nodes: int = 1
+    gpus_per_node: int = 1
+    routing: str = "uniform"
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {self.tokens}")
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"nodes and gpus_per_node must be >= 1, got {self.nodes}, {self.gpus_per_node}")
+
+    @property
+    def ep_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        m = self.model
+        return {"model": m.name, "hidden": m.hidden, "intermediate": m.intermediate, "experts": m.experts,
+                "topk": m.topk, "dtype": m.dtype, "tokens": self.tokens, "nodes": self.nodes,
+                "gpus_per_node": self.gpus_per_node, "routing": self.routing}
+
+
+@dataclass
+class Measurement:
+    median_us: float
+    spread_us: float
+    samples: list[float]
+    ok: bool
+    error: str | None = None
+    # The setting may never run here (unsafe / outside the policy): recorded as infeasible, not failed.
+    infeasible: bool = False
+    pruned: bool = False
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def failed(cls, error: str, *, infeasible: bool = False, details: dict[str, Any] | None = None) -> Measurement:
+        return cls(math.nan, math.nan, [], False, error, infeasible, False, details or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"median_us": self.median_us, "spread_us": self.spread_us, "samples": list(self.samples),
+                "ok": self.ok, "error": self.error, "infeasible": self.infeasible, "pruned": self.pruned,
+                "details": self.details}
+
+
+def summarize(samples: Sequence[float]) -> tuple[float, float]:
+    """Median and spread (half the p10..p90 range; half the range below 5 samples)."""
+    xs = sorted(samples)
+    med = statistics.median(xs)
+    if len(xs) < 5:
+        return med, (xs[-1] - xs[0]) / 2
+    q = statistics.quantiles(xs, n=10, method="inclusive")
+    return med, (q[-1] - q[0]) / 2
+
+
+class BenchmarkBackend(ABC):
+    name: str = "backend"
+
+    @property
+    def label(self) -> str:
+        """What measured a profile (ProfileRecord.backend), e.g. `model:ndr-ibrc-h100x8`, `local:nccl`."""
+        return self.name
+
+    @property
+    def modelled(self) -> bool:
+        return False
+
+    def supports(self, family: str) -> bool:
+        return True
+
+    @abstractmethod
+    def evaluate(self, knobs: Knobs, workload: TuneWorkload, *, report: ReportFn | None = None) -> Measurement:
+        """Measure one knob set. Never raises for a bad setting or a failed run: returns ok=False."""
+
+    def compare(self, candidates: Sequence[Knobs], workload: TuneWorkload, *, rounds: int = 3) -> list[Measurement]:
+        """Measure several settings side by side: interleaved rounds (A B A B ...), pooled per setting."""
+        pooled: list[list[float]] = [[] for _ in candidates]
+        errors: list[str | None] = [None] * len(candidates)
+        details: list[dict[str, Any]] = [{} for _ in candidates]
+        for _ in range(rounds):
+            for i, k in enumerate(candidates):
+                if errors[i]:
+                    continue
+                m = self.evaluate(k, workload)
+                if not m.ok:
+                    errors[i] = m.error or "failed"
+                    continue
+                pooled[i].extend(m.samples)
+                details[i] = m.details
+        out = []
+        for i in range(len(candidates)):
+            if errors[i] or not pooled[i]:
+                out.append(Measurement.failed(errors[i] or "no samples"))
+            else:
+                med, spread = summarize(pooled[i])
+                out.append(Measurement(med, spread, pooled[i], True, details=details[i]))
+        return out
+
+
+class CallableBackend(BenchmarkBackend):
+    """`fn(knobs, workload) -> float` (µs) or a Measurement; exceptions become failed measurements."""
+
+    def __init__(self, fn: Callable[[Knobs, TuneWorkload], float | Measurement], name: str = "callable"):
+        self.fn = fn
+        self.name = name
+
+    def evaluate(self, knobs: Knobs, workload: TuneWorkload, *, report: ReportFn | None = None) -> Measurement:
+        try:
+            v = self.fn(knobs, workload)
+        except KnobError as e:
+            return Measurement.failed(str(e), infeasible=True)
+        except Exception as e:
+            return Measurement.failed(f"{type(e).__name__}: {e}")
+        if isinstance(v, Measurement):
+            return v
+        return Measurement(float(v), 0.0, [float(v)], True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the fabric model
+
+
+def _preset_name(preset: Any) -> str:
+    for attr in ("name", "id"):
+        v = getattr(preset, attr, None)
+        if isinstance(v, str) and v:
+            return v
+    return str(preset)
+
+
+def preset_gpus_per_node(preset: Any) -> int:
+    """GPUs per node of a preset (an attribute if the model gives one, else the `x4` in its name)."""
+    for attr in ("gpus_per_node", "gpus", "gpu_count"):
+        v = getattr(preset, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    import re
+
+    m = re.search(r"x(\d+)$", _preset_name(preset))
+    return int(m.group(1)) if m else 1
+
+
+def preset_family(preset: Any) -> str:
+    fam = getattr(preset, "family", None)
+    if not isinstance(fam, str) or not fam:
+        raise ValueError(f"preset {_preset_name(preset)!r} names no transport family")
+    return fam
+
+
+def preset_link_rates(preset: Any) -> dict[str, float]:
+    """Link rates a preset states (best effort, for the analytic priors): link_gbps (GB/s), nic_gbit."""
+    out: dict[str, float] = {}
+    params = getattr(preset, "params", None) or getattr(preset, "parameters", None) or {}
+    if not isinstance(params, Mapping):
+        params = getattr(params, "__dict__", {}) or {}
+
+    def val(name: str) -> float | None:
+        for src in (params, getattr(preset, "__dict__", {})):
+            v = src.get(name) if isinstance(src, Mapping) else None
+            if isinstance(v, Mapping) and "value" in v:
+                v = v["value"]
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                return float(v)
+        v = getattr(preset, name, None)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+
+    for name in ("nvlink_gbps", "link_gbps", "pcie_gbps", "intra_gbps"):
+        v = val(name)
+        if v:
+            out["link_gbps"] = v
+            break
+    for name in ("nic_gbit", "nic_rate_gbit", "nic_gbps_bits"):
+        v = val(name)
+        if v:
+            out["nic_gbit"] = v
+            break
+    else:
+        v = val("nic_gbps")
+        if v:
+            out["nic_gbit"] = v * 8
+    return out
+
+
+class ModelBackend(BenchmarkBackend):
+    """The fabric model on a preset (or a predictor callable for tests). Deterministic: spread 0."""
+
+    def __init__(self, preset: Any = None, *, predictor: Callable[[Knobs, TuneWorkload], Any] | None = None,
+                 routing: str | None = None, tile: int | None = None):
+        if preset is None and predictor is None:
+            raise ValueError("ModelBackend needs a preset (name, path or Preset) or a predictor")
+        self._fm: Any = None
+        if predictor is None:
+            from moetune.tuner.fabric_model import (
+                predict as fabric_model,  # the model branch; imported only when used
+            )
+
+            self._fm = fabric_model
+            self.preset = fabric_model.load_preset(preset) if isinstance(preset, str) else preset
+        else:
+            self.preset = preset
+        self.predictor = predictor
+        self.tile = tile
+        self.routing = routing
+        self.name = f"model:{_preset_name(self.preset)}" if self.preset is not None else "model:custom"
+
+    @property
+    def modelled(self) -> bool:
+        return True
+
+    def supports(self, family: str) -> bool:
+        if self.preset is None:
+            return True
+        from moetune.tuner.search.policy import transport_of_family
+
+        fams = getattr(self.preset, "transports", None)
+        try:
+            return family == preset_family(self.preset) or (fams is not None and transport_of_family(family) in fams
+                                                              and transport_of_family(family) != "proxy")
+        except (ValueError, KnobError):
+            return False
+
+    def _predict(self, knobs: Knobs, workload: TuneWorkload) -> Any:
+        if self.predictor is not None:
+            return self.predictor(knobs, workload)
+        kw: dict[str, Any] = {"routing": self.routing or workload.routing}
+        if self.tile is not None:
+            kw["tile"] = self.tile
+        wl = self._fm.Workload(model=workload.model, tokens_per_gpu=workload.tokens, nodes=workload.nodes,
+                               gpus_per_node=workload.gpus_per_node, **kw)
+        return self._fm.predict(self.preset, wl, knobs)
+
+    def evaluate(self, knobs: Knobs, workload: TuneWorkload, *, report: ReportFn | None = None) -> Measurement:
+        try:
+            pred = self._predict(knobs, workload)
+        except KnobError as e:
+            return Measurement.failed(f"unsafe or impossible setting: {e}", infeasible=True)
+        except Exception as e:
+            return Measurement.failed(f"model error: {type(e).__name__}: {e}")
+        if isinstance(pred, (int, float)):
+            lat, details = float(pred), {}
+        else:
+            lat = float(pred.latency_us)
+            details = {k: getattr(pred, k) for k in ("dispatch_us", "combine_us", "fences", "proxy_stalls",
+                                                    "nic_stalls", "bytes_on_wire", "transfers") if hasattr(pred, k)}
+        details["modelled"] = True
+        if not math.isfinite(lat) or lat <= 0:
+            return Measurement.failed(f"model returned a non-positive latency {lat}")
+        return Measurement(lat, 0.0, [lat], True, details=_jsonable(details))
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, (str, bool, int, float)) or v is None:
+            out[k] = v
+        elif isinstance(v, Mapping):
+            out[k] = _jsonable(dict(v))
+        else:
+            try:
+                out[k] = float(v)
+            except (TypeError, ValueError):
+                out[k] = str(v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# the real runtime
+
+
+def knob_environment(knobs: Knobs, family: str) -> dict[str, str]:
+    """Environment-level settings a knob set implies (must be set before communicators exist)."""
+    env: dict[str, str] = {}
+    if knobs.transport == "host_staged":
+        env["NCCL_P2P_DISABLE"] = "1"
+    if family.startswith("proxy:ibrc"):
+        env.update(NVSHMEM_REMOTE_TRANSPORT="ibrc", NVSHMEM_IB_ENABLE_IBGDA="0")
+    elif family.startswith("proxy:libfabric"):
+        env["NVSHMEM_REMOTE_TRANSPORT"] = "libfabric"
+        if "/" in family:
+            env["NVSHMEM_LIBFABRIC_PROVIDER"] = family.split("/", 1)[1]
+    elif knobs.transport == "ibgda":
+        env.update(NVSHMEM_IB_ENABLE_IBGDA="1", NVSHMEM_IBGDA_NUM_RC_PER_PE=str(knobs.qps_per_pe))
+    return env
+
+
+def model_spec(model: ModelShape) -> str:
+    """The `--model` argument naming `model` for `moetune bench ep`."""
+    if MODELS.get(model.name) == model:
+        return model.name
+    return f"custom:{model.hidden},{model.intermediate},{model.experts},{model.topk},{model.dtype}"
+
+
+def knobs_arg(knobs: Knobs) -> str:
+    return ",".join(f"{k}={v}" for k, v in knobs.to_dict().items())
+
+
+def _last_json_object(text: str) -> dict[str, Any] | None:
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                return obj
+    try:
+        obj = json.loads(text)
+        return obj if isinstance(obj, dict) else None
+    except json.JSONDecodeError:
+        return None
+
+
+def run_in_group(argv: Sequence[str], *, env: Mapping[str, str], timeout_s: float,
+                 cwd: str | None = None) -> tuple[int | None, str, str, float]:
+    """Run argv in its own process group; on timeout kill the whole group. Returns (rc|None, out, err, s)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(list(argv), env=dict(env), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err, time.monotonic() - t0
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            out, err = "", ""
+        return None, out or "", err or "", time.monotonic() - t0
+    except BaseException:
+        _kill_group(proc)
+        raise
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.kill()
+    except ProcessLookupError:
+        pass
+
+
+class _WorkerDied(RuntimeError):
+    pass
+
+
+class _WorkerTimeout(RuntimeError):
+    pass
+
+
+class BenchWorker:
+    """One persistent bench worker process (`python -m moetune.tuner.measure.worker`) in its own process
+    group, with a bounded wait on every answer. Its stdout lines and stderr tail are read by threads."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str]):
+        self.argv = list(argv)
+        self.proc = subprocess.Popen(self.argv, env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.ready = False
+        self.next_id = 0
+        self.started = time.monotonic()
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr_tail.append, False),
+                         daemon=True).start()
+
+    @staticmethod
+    def _pump(stream: Any, sink: Callable[[Any], None], eof_marker: bool) -> None:
+        try:
+            for line in stream:
+                sink(line.rstrip("\n"))
+        except (ValueError, OSError):
+            pass
+        finally:
+            if eof_marker:
+                sink(None)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _next(self, deadline: float) -> dict[str, Any]:
+        """The next protocol line; _WorkerTimeout at the deadline, _WorkerDied at EOF or garbled output."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _WorkerTimeout()
+            try:
+                line = self.lines.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if line is None:
+                raise _WorkerDied()
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                obj = None
+            if not isinstance(obj, dict):
+                raise _WorkerDied(f"garbled worker output (no JSON object): {line[:200]!r}")
+            return obj
+
+    def start(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready:
+            if self._next(deadline).get("ready"):
+                self.ready = True
+
+    def request(self, case: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        self.next_id += 1
+        cid = self.next_id
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({**case, "id": cid}) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            raise _WorkerDied() from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            obj = self._next(deadline)
+            if obj.get("id") == cid:
+                return obj
+
+    def exit_status(self, wait_s: float = 10.0) -> int | None:
+        try:
+            return self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def error_tail(self) -> str:
+        time.sleep(0.05)  # let the stderr reader catch up
+        return " | ".join([ln for ln in self.stderr_tail if ln.strip()][-3:])
+
+    def kill(self) -> None:
+        _kill_group(self.proc)
+        self.exit_status(10)
+        self._close_pipes()
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """EOF on stdin ends the worker cleanly; the group is killed if it does not end within wait_s."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+        if self.exit_status(wait_s) is None:
+            _kill_group(self.proc)
+            self.exit_status(10)
+        else:
+            try:  # stragglers of the group (the ranks' helpers), if any
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        for s in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                if s is not None:
+                    s.close()
+            except (OSError, ValueError):
+                pass
+
+
+def _close_workers(workers: dict[Any, BenchWorker]) -> None:
+    for w in list(workers.values()):
+        try:
+            w.close(wait_s=5)
+        except Exception:
+            pass
+    workers.clear()
+
+
+def _default_comm_backend(world: int) -> str:
+    try:
+        import torch
+
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    except Exception:
+        return "gloo"
+
+
+class LocalBackend(BenchmarkBackend):
+    """The real runtime: one bench run per repeat, with a timeout, in its own process group.
+
+    `metric`: which figure of the bench result is minimised: "layer" (the whole layer, so pipelining
+    that overlaps communication with expert compute counts), or "comm" (dispatch + combine).
+    `persistent`: keep the ranks up across runs: one bench worker (`moetune.tuner.measure.worker`) per
+    distinct environment (`knob_environment`), started lazily; a run that times out or kills its
+    worker is recorded failed and the next run starts a fresh worker. Default: persistent unless
+    `command` or `extra_args` are given. `close()` ends the workers (also at exit).
+    `command`: the argv prefix to run instead of `moetune bench ep` per run (tests point it at fakes;
+    implies `persistent=False`).
+    """
+
+    def __init__(self, *, world: int = 2, comm_backend: str | None = None, repeats: int = 3, timeout_s: float = 120.0,
+                 metric: str = "layer", family: str | None = None, command: Sequence[str] | None = None,
+                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, verify_compression: bool = True,
+                 error_budget: float | None = None, iters: int | None = None, persistent: bool | None = None,
+                 worker_command: Sequence[str] | None = None):
+        if repeats < 1:
+            raise ValueError("repeats must be >= 1")
+        if metric not in ("layer", "comm"):
+            raise ValueError(f"metric must be 'layer' or 'comm', got {metric!r}")
+        self.world = world
+        # NCCL when this node has the GPUs for the world, gloo otherwise (a daemon's re-tune on a CPU node)
+        self.comm_backend = comm_backend or _default_comm_backend(world)
+        self.repeats = repeats
+        self.timeout_s = timeout_s
+        self.metric = metric
+        self.family = family
+        self.command = list(command) if command else [sys.executable, "-c", "from moetune.tuner.cli import main; main()",
+                                                       "bench", "ep"]
+        self.extra_args = list(extra_args)
+        self.env = dict(env) if env is not None else None
+        self.verify_compression = verify_compression
+        self.error_budget = error_budget
+        self.iters = iters  # timed iterations inside each repeat (None: the bench's default)
+        self.name = f"local:{self.comm_backend}"
+        self._runtime_has: dict[str, bool] = {}
+        if persistent is None:
+            persistent = not command and not extra_args
+        elif persistent and extra_args:
+            raise ValueError("extra_args apply to the subprocess-per-run mode only (persistent=False)")
+        self.persistent = persistent
+        self.worker_command = list(worker_command) if worker_command else [sys.executable, "-m",
+                                                                           "moetune.tuner.measure.worker"]
+        self.collective_timeout_s = 60.0  # what `moetune bench ep --timeout` defaults to
+        self._workers: dict[tuple[tuple[str, str], ...], BenchWorker] = {}
+        self._lock = threading.Lock()  # one run at a time per worker set (studies may run trials in threads)
+        self._finalizer = weakref.finalize(self, _close_workers, self._workers)
+
+    def close(self) -> None:
+        """End the persistent workers (a later run starts fresh ones)."""
+        with self._lock:
+            _close_workers(self._workers)
+
+    def __enter__(self) -> LocalBackend:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def runtime_has(self, transport: str) -> bool:
+        """Whether the runtime registers `transport` (True when the registry cannot be read)."""
+        if transport not in self._runtime_has:
+            try:
+                from moetune.runtime.transports.registry import get_transport  # type: ignore[import-not-found]
+            except Exception:
+                return True
+            try:
+                get_transport(transport)
+                self._runtime_has[transport] = True
+            except Exception:
+                self._runtime_has[transport] = False
+        return self._runtime_has[transport]
+
+    def runtime_knobs(self, knobs: Knobs) -> Knobs:
+        """host_staged is the collective through host memory (NCCL_P2P_DISABLE=1 in the environment)
+        when the runtime has no transport of that name."""
+        if knobs.transport == "host_staged" and not self.runtime_has("host_staged"):
+            return knobs.replace(transport="collective")
+        return knobs
+
+    def argv(self, knobs: Knobs, workload: TuneWorkload) -> list[str]:
+        rk = self.runtime_knobs(knobs)
+        argv = [*self.command, "--world", str(self.world), "--backend", self.comm_backend,
+                "--model", model_spec(workload.model), "--tokens", str(workload.tokens),
+                "--routing", workload.routing, "--knobs", knobs_arg(rk), "--json"]
+        if self.verify_compression and knobs.compression != "none":
+            argv.append("--verify")
+        elif self.metric == "comm":
+            argv.append("--no-layer")  # dispatch + combine only: no expert weights to build
+        if self.iters is not None:
+            argv += ["--iters", str(self.iters), "--warmup", str(max(1, self.iters // 4))]
+        return argv + self.extra_args
+
+    def case(self, knobs: Knobs, workload: TuneWorkload) -> dict[str, Any]:
+        """The bench worker's case for one run (the same run `argv` describes)."""
+        rk = self.runtime_knobs(knobs)
+        verify = bool(self.verify_compression and knobs.compression != "none")
+        case: dict[str, Any] = {"model": model_spec(workload.model), "tokens": workload.tokens,
+                                "routing": workload.routing, "knobs": rk.to_dict(), "verify": verify,
+                                "layer": verify or self.metric != "comm"}
+        if self.iters is not None:
+            case.update(iters=self.iters, warmup=max(1, self.iters // 4))
+        return case
+
+    def worker_argv(self) -> list[str]:
+        return [*self.worker_command, "--world", str(self.world), "--backend", self.comm_backend,
+                "--timeout", f"{self.collective_timeout_s:g}"]
+
+    def environment(self, knobs: Knobs) -> dict[str, str]:
+        env = dict(os.environ if self.env is None else self.env)
+        env.update(knob_environment(knobs, self.family or knobs.transport))
+        return env
+
+    def _value(self, res: Mapping[str, Any]) -> float:
+        def med(key: str) -> float | None:
+            v = res.get(key)
+            if isinstance(v, Mapping):
+                v = v.get("median")
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+        if self.metric == "layer" and med("layer_us") is not None:
+            return med("layer_us")  # type: ignore[return-value]
+        d, c = med("dispatch_us"), med("combine_us")
+        if d is None or c is None:
+            raise ValueError("bench result has neither layer_us nor dispatch_us + combine_us")
+        return d + c
+
+    def _run_persistent(self, knobs: Knobs, workload: TuneWorkload) -> tuple[dict[str, Any] | None, float, str | None]:
+        """One run through this environment's worker: (result, seconds, error)."""
+        key = tuple(sorted(knob_environment(knobs, self.family or knobs.transport).items()))
+        w = self._workers.get(key)
+        if w is not None and not w.alive():
+            w.kill()
+            del self._workers[key]
+            w = None
+        if w is None:
+            w = self._workers[key] = BenchWorker(self.worker_argv(), self.environment(knobs))
+        t0 = time.monotonic()
+        phase = "starting the bench worker"
+        try:
+            if not w.ready:
+                w.start(self.timeout_s)
+            t0, phase = time.monotonic(), ""
+            res = w.request(self.case(knobs, workload), self.timeout_s)
+        except _WorkerTimeout:
+            w.kill()
+            self._workers.pop(key, None)
+            what = f" {phase}" if phase else ""
+            return None, time.monotonic() - t0, f"timed out after {self.timeout_s:g} s{what} (process group killed)"
+        except _WorkerDied as e:
+            rc = w.exit_status(2.0 if e.args else 10.0)
+            tail = w.error_tail()
+            w.kill()
+            self._workers.pop(key, None)
+            if e.args:  # garbled output from a live worker
+                return None, time.monotonic() - t0, str(e.args[0])
+            return None, time.monotonic() - t0, f"exit status {rc}: {tail[:400]}"
+        secs = time.monotonic() - t0
+        if "error" in res:
+            return None, secs, f"bench error: {res['error']}"[:600]
+        return res, secs, None
+
+    def run_once(self, knobs: Knobs, workload: TuneWorkload) -> tuple[float | None, dict[str, Any], str | None]:
+        if self.persistent:
+            with self._lock:
+                res, secs, error = self._run_persistent(knobs, workload)
+            if error is not None:
+                return None, {"seconds": secs}, error
+        else:
+            rc, out, err, secs = run_in_group(self.argv(knobs, workload), env=self.environment(knobs),
+                                              timeout_s=self.timeout_s)
+            if rc is None:
+                return None, {"seconds": secs}, f"timed out after {self.timeout_s:g} s (process group killed)"
+            if rc != 0:
+                tail = " | ".join((err or out).strip().splitlines()[-3:])
+                return None, {"seconds": secs}, f"exit status {rc}: {tail[:400]}"
+            res = _last_json_object(out)
+            if res is None:
+                return None, {"seconds": secs}, "no JSON object on stdout"
+        assert res is not None
+        try:
+            value = self._value(res)
+        except ValueError as e:
+            return None, {"seconds": secs}, str(e)
+        details = {k: res[k] for k in ("dispatch_us", "combine_us", "layer_us", "max_rel_err", "world", "backend")
+                   if k in res}
+        details["seconds"] = secs
+        return value, details, None
+
+    def evaluate(self, knobs: Knobs, workload: TuneWorkload, *, report: ReportFn | None = None) -> Measurement:
+        samples: list[float] = []
+        details: dict[str, Any] = {}
+        for i in range(self.repeats):
+            value, det, error = self.run_once(knobs, workload)
+            if error is not None:
+                return Measurement.failed(error, details=_jsonable(det))
+            err = det.get("max_rel_err")
+            if self.error_budget is not None and isinstance(err, (int, float)) and err > self.error_budget:
+                return Measurement.failed(f"measured relative error {err:.4g} over the budget {self.error_budget:g}",
+                                          infeasible=True, details=_jsonable(det))
+            samples.append(float(value))  # type: ignore[arg-type]
+            details = det
+            if report is not None and i < self.repeats - 1 and report(i, statistics.median(samples)):
+                med, spread = summarize(samples)
+                return Measurement(med, spread, samples, True, pruned=True, details=_jsonable(details))
+        med, spread = summarize(samples)
+        # Within-run spread of one repeat (p10..p90 of its iterations) when the runtime reports it.
+        key = "layer_us" if self.metric == "layer" else "dispatch_us"
+        inner = details.get(key)
+        if isinstance(inner, Mapping) and isinstance(inner.get("p90"), (int, float)) and isinstance(inner.get("p10"), (int, float)):
+            spread = max(spread, (inner["p90"] - inner["p10"]) / 2)
+        return Measurement(med, spread, samples, True, details=_jsonable(details))

@@ -1,0 +1,410 @@
+"""Transport policies: per fabric family, the knobs the tuner may touch, their values, the default
+(untuned) setting, analytic priors and the error budget for compression.
+
+Packaged policies live in `moetune.policies/<family>.toml`; a user policy (a file, or a directory of
+files named like the packaged ones) overrides them table by table (lists are replaced, not merged).
+Every error names the file and the key.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from moetune.runtime.knobs import (
+    ALLOWED_FENCE_MODES,
+    COMPRESSIONS,
+    FENCE_MODES,
+    QP_MAPPINGS,
+    QUEUED,
+    SIGNALLINGS,
+    TRANSPORTS,
+    KnobError,
+    Knobs,
+)
+from moetune.runtime.profiles.policy_defaults import policy_file_candidates
+
+SCALE_GRANULARITIES: tuple[str, ...] = ("per_token", "per_128")
+KNOB_NAMES: tuple[str, ...] = tuple(Knobs.__struct_fields__)
+# Knobs that take values from a fixed vocabulary.
+CATEGORICAL: dict[str, tuple[str, ...]] = {
+    "signalling": SIGNALLINGS,
+    "fence_mode": FENCE_MODES,
+    "qp_mapping": QP_MAPPINGS,
+    "compression": COMPRESSIONS,
+    "scale_granularity": SCALE_GRANULARITIES,
+}
+# Integer knobs and their hard limits (runtime/knobs.py validation).
+INTEGER: dict[str, tuple[int, int]] = {
+    "group_size": (0, 1 << 20),
+    "qps_per_pe": (1, 64),
+    "chunk_tokens": (0, 1 << 20),
+    "pipeline_depth": (1, 16),
+    "num_sms": (1, 264),
+    "channels": (1, 64),
+}
+KNOWN_TABLES = ("policy", "defaults", "knobs", "priors", "compression")
+KNOWN_PRIORS = ("link_gbps", "link_efficiency", "sm_copy_gbps", "nic_gbit", "qp_gbps")
+ENV_POLICY = "MOETUNE_POLICY"
+
+
+class PolicyError(ValueError):
+    """A policy file is missing, malformed or inconsistent. The message names the file and the key."""
+
+    def __init__(self, source: str, key: str, message: str):
+        self.source = source
+        self.key = key
+        super().__init__(f"{source}: {key}: {message}" if key else f"{source}: {message}")
+
+
+@dataclass(frozen=True)
+class KnobSpec:
+    """The values one knob may take: an explicit list, or an integer range with a step."""
+
+    name: str
+    choices: tuple[Any, ...] = ()
+    low: int | None = None
+    high: int | None = None
+    step: int = 1
+
+    @property
+    def is_range(self) -> bool:
+        return self.low is not None
+
+    def values(self) -> tuple[Any, ...]:
+        if self.is_range:
+            assert self.low is not None and self.high is not None
+            return tuple(range(self.low, self.high + 1, self.step))
+        return self.choices
+
+    def contains(self, value: Any) -> bool:
+        if self.is_range:
+            assert self.low is not None and self.high is not None
+            return isinstance(value, int) and self.low <= value <= self.high and (value - self.low) % self.step == 0
+        return value in self.choices
+
+    def nearest(self, value: Any) -> Any:
+        """The allowed value closest to `value` (log distance for integers)."""
+        vals = self.values()
+        if value in vals:
+            return value
+        if isinstance(value, (int, float)) and all(isinstance(v, int) for v in vals):
+            lv = math.log(max(value, 0.5))
+            return min(vals, key=lambda v: (abs(math.log(max(v, 0.5)) - lv), v))
+        return vals[0]
+
+
+@dataclass(frozen=True)
+class Policy:
+    family: str
+    transport: str
+    description: str
+    defaults: Knobs
+    knobs: dict[str, KnobSpec]
+    # "divisors" (per PE plus the proper divisors of the transfers per remote PE) or explicit sizes.
+    group_size: str | tuple[int, ...] | None
+    priors: dict[str, float]
+    error_budget: float
+    expected_error: dict[str, float]
+    sources: tuple[str, ...] = field(default_factory=tuple)
+
+    def allowed(self, name: str) -> tuple[Any, ...]:
+        """The values of a knob the tuner may try (the default alone when the knob is not searched)."""
+        if name == "group_size":
+            raise KnobError("group_size values depend on the workload: use SearchSpace", ("group_size",))
+        spec = self.knobs.get(name)
+        return spec.values() if spec else (getattr(self.defaults, name),)
+
+    def compression_error(self, compression: str, granularity: str) -> float:
+        if compression == "none":
+            return 0.0
+        return self.expected_error.get(f"{compression}/{granularity}", math.inf)
+
+    def compression_allowed(self, compression: str, granularity: str) -> bool:
+        return self.compression_error(compression, granularity) <= self.error_budget
+
+    def to_dict(self) -> dict[str, Any]:
+        knobs: dict[str, Any] = {}
+        for n, s in self.knobs.items():
+            knobs[n] = {"min": s.low, "max": s.high, "step": s.step} if s.is_range else list(s.choices)
+        if self.group_size is not None:
+            knobs["group_size"] = self.group_size if isinstance(self.group_size, str) else list(self.group_size)
+        return {
+            "family": self.family, "transport": self.transport, "description": self.description,
+            "defaults": self.defaults.to_dict(), "knobs": knobs, "priors": dict(self.priors),
+            "error_budget": self.error_budget, "expected_error": dict(self.expected_error),
+            "sources": list(self.sources),
+        }
+
+
+# ---------------------------------------------------------------------------------------------------
+# reading
+
+
+def _read_toml_text(text: str, source: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise PolicyError(source, "", f"not valid TOML ({e})") from None
+
+
+def _packaged(stem: str) -> tuple[dict[str, Any], str] | None:
+    res = resources.files("moetune.policies") / f"{stem}.toml"
+    if not res.is_file():
+        return None
+    source = f"moetune.policies/{stem}.toml"
+    return _read_toml_text(res.read_text(encoding="utf-8"), source), source
+
+
+def packaged_families() -> list[str]:
+    """Families with a packaged policy file (the `[policy] family` of each)."""
+    out = []
+    for res in sorted(resources.files("moetune.policies").iterdir(), key=lambda r: r.name):
+        if res.name.endswith(".toml"):
+            data = _read_toml_text(res.read_text(encoding="utf-8"), f"moetune.policies/{res.name}")
+            fam = data.get("policy", {}).get("family") if isinstance(data.get("policy"), dict) else None
+            out.append(fam or res.name[:-5])
+    return out
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _override_for(family: str, override: Path) -> list[tuple[dict[str, Any], str]]:
+    """The override tables that apply to `family` from a user file or directory."""
+    if not override.exists():
+        raise PolicyError(str(override), "", "user policy path does not exist")
+    found: list[tuple[dict[str, Any], str]] = []
+    if override.is_dir():
+        for stem in reversed(policy_file_candidates(family)):  # least specific first
+            p = override / f"{stem}.toml"
+            if p.is_file():
+                found.append((_read_toml_text(p.read_text(encoding="utf-8"), str(p)), str(p)))
+        return found
+    data = _read_toml_text(override.read_text(encoding="utf-8"), str(override))
+    target = data.get("policy", {}).get("family") if isinstance(data.get("policy"), dict) else None
+    if target is None or _family_matches(family, target):
+        data = {k: v for k, v in data.items() if k != "policy"} if target is None else data
+        found.append((data, str(override)))
+    return found
+
+
+def _family_matches(family: str, target: str) -> bool:
+    """`proxy:libfabric` applies to `proxy:libfabric/cxi`; an exact name to itself."""
+    return family == target or family.startswith(target + "/") or family.startswith(target + ":")
+
+
+def load_policy(family: str, override: str | Path | None = None) -> Policy:
+    """The validated policy of `family`, with a user override merged on top.
+
+    `override`: a policy file (its `[policy] family` says which family it refines; without one it
+    applies to every family) or a directory of files named like the packaged ones. When None,
+    `$MOETUNE_POLICY` is used if set.
+    """
+    if override is None and os.environ.get(ENV_POLICY):
+        override = os.environ[ENV_POLICY]
+    data: dict[str, Any] | None = None
+    sources: list[str] = []
+    for stem in policy_file_candidates(family):
+        got = _packaged(stem)
+        if got is not None:
+            data, src = got
+            sources.append(src)
+            break
+    if override is not None:
+        for over, src in _override_for(family, Path(override)):
+            data = _merge(data or {}, over)
+            sources.append(src)
+    if data is None:
+        raise PolicyError(
+            f"moetune.policies/{policy_file_candidates(family)[0] if policy_file_candidates(family) else family}.toml",
+            "", f"no policy for transport family {family!r}")
+    pol = validate_policy(data, source=" + ".join(sources), family=family, sources=tuple(sources))
+    # The policy applies to the family asked for (`proxy:libfabric/cxi` from proxy_libfabric.toml).
+    return replace(pol, family=family)
+
+
+def load_policy_file(path: str | Path) -> Policy:
+    """Validate a single, complete policy file (what `moetune tune --policy` checks first)."""
+    p = Path(path)
+    data = _read_toml_text(p.read_text(encoding="utf-8"), str(p))
+    fam = data.get("policy", {}).get("family") if isinstance(data.get("policy"), dict) else None
+    return validate_policy(data, source=str(p), family=fam or p.stem, sources=(str(p),))
+
+
+# ---------------------------------------------------------------------------------------------------
+# validation
+
+
+def _table(data: dict[str, Any], name: str, source: str, required: bool = True) -> dict[str, Any]:
+    t = data.get(name)
+    if t is None:
+        if required:
+            raise PolicyError(source, f"[{name}]", "missing table")
+        return {}
+    if not isinstance(t, dict):
+        raise PolicyError(source, f"[{name}]", f"must be a table, got {type(t).__name__}")
+    return t
+
+
+def _knob_spec(name: str, raw: Any, source: str) -> KnobSpec:
+    key = f"knobs.{name}"
+    if isinstance(raw, dict):
+        if name not in INTEGER:
+            raise PolicyError(source, key, "a {min, max, step} range only applies to integer knobs")
+        unknown = set(raw) - {"min", "max", "step"}
+        if unknown:
+            raise PolicyError(source, key, f"unknown range field(s) {sorted(unknown)}; expected min, max, step")
+        try:
+            low, high, step = raw["min"], raw["max"], raw.get("step", 1)
+        except KeyError as e:
+            raise PolicyError(source, key, f"range needs {e.args[0]!r}") from None
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high, step)):
+            raise PolicyError(source, key, "min, max and step must be integers")
+        lo, hi = INTEGER[name]
+        if step < 1 or low > high or low < lo or high > hi:
+            raise PolicyError(source, key, f"need {lo} <= min <= max <= {hi} and step >= 1, got {raw}")
+        return KnobSpec(name, low=low, high=high, step=step)
+    if not isinstance(raw, list) or not raw:
+        raise PolicyError(source, key, f"must be a non-empty list of values or a {{min, max, step}} range, got {raw!r}")
+    if len(set(raw)) != len(raw):
+        raise PolicyError(source, key, f"duplicate values in {raw}")
+    if name in CATEGORICAL:
+        bad = [v for v in raw if v not in CATEGORICAL[name]]
+        if bad:
+            raise PolicyError(source, key, f"unknown value(s) {bad}; allowed: {', '.join(CATEGORICAL[name])}")
+    else:
+        lo, hi = INTEGER[name]
+        bad = [v for v in raw if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi]
+        if bad:
+            raise PolicyError(source, key, f"value(s) {bad} are not integers in {lo}..{hi}")
+    return KnobSpec(name, choices=tuple(raw))
+
+
+def validate_policy(data: dict[str, Any], *, source: str, family: str, sources: tuple[str, ...] = ()) -> Policy:
+    unknown = set(data) - set(KNOWN_TABLES)
+    if unknown:
+        raise PolicyError(source, f"[{sorted(unknown)[0]}]", f"unknown table; known: {', '.join(KNOWN_TABLES)}")
+    pol = _table(data, "policy", source)
+    fam = pol.get("family", family)
+    if not isinstance(fam, str) or not fam:
+        raise PolicyError(source, "policy.family", f"must be a non-empty string, got {fam!r}")
+    transport = pol.get("transport")
+    if transport not in TRANSPORTS:
+        raise PolicyError(source, "policy.transport", f"must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    description = pol.get("description", "")
+    if not isinstance(description, str):
+        raise PolicyError(source, "policy.description", "must be a string")
+
+    raw_defaults = _table(data, "defaults", source)
+    try:
+        defaults = Knobs.from_dict(dict(raw_defaults))
+    except KnobError as e:
+        raise PolicyError(source, "defaults", str(e)) from None
+    if defaults.transport != transport:
+        raise PolicyError(source, "defaults.transport",
+                          f"{defaults.transport!r} differs from policy.transport {transport!r}")
+
+    raw_knobs = _table(data, "knobs", source, required=False)
+    specs: dict[str, KnobSpec] = {}
+    group: str | tuple[int, ...] | None = None
+    for name, raw in raw_knobs.items():
+        if name == "transport":
+            raise PolicyError(source, "knobs.transport", "the transport is fixed by the family (policy.transport)")
+        if name not in KNOB_NAMES:
+            raise PolicyError(source, f"knobs.{name}", f"unknown knob; known: {', '.join(KNOB_NAMES)}")
+        if name == "group_size":
+            if raw == "divisors":
+                group = "divisors"
+                continue
+            spec = _knob_spec(name, raw, source)
+            group = tuple(spec.values())
+            continue
+        specs[name] = _knob_spec(name, raw, source)
+
+    # Knob-level consistency with the transport.
+    if "fence_mode" in specs:
+        bad = [v for v in specs["fence_mode"].values() if v not in ALLOWED_FENCE_MODES[transport]]
+        if bad:
+            raise PolicyError(source, "knobs.fence_mode", f"{bad} not possible on transport {transport!r} "
+                              f"(allowed: {', '.join(ALLOWED_FENCE_MODES[transport])})")
+    if transport not in QUEUED:
+        for name in ("qps_per_pe", "qp_mapping"):
+            if name in specs and specs[name].values() != (getattr(defaults, name),):
+                raise PolicyError(source, f"knobs.{name}", f"queue pairs only exist on proxy/ibgda, not {transport!r}")
+    for name, spec in specs.items():
+        dv = getattr(defaults, name)
+        if not spec.contains(dv):
+            raise PolicyError(source, f"defaults.{name}", f"default {dv!r} is not among the allowed values {list(spec.values())}")
+    if isinstance(group, tuple) and defaults.group_size not in group and defaults.signalling == "decoupled":
+        raise PolicyError(source, "defaults.group_size", f"default {defaults.group_size} not among {list(group)}")
+
+    raw_priors = _table(data, "priors", source, required=False)
+    priors: dict[str, float] = {}
+    for k, v in raw_priors.items():
+        if k not in KNOWN_PRIORS:
+            raise PolicyError(source, f"priors.{k}", f"unknown prior; known: {', '.join(KNOWN_PRIORS)}")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            raise PolicyError(source, f"priors.{k}", f"must be a positive number, got {v!r}")
+        priors[k] = float(v)
+    if "link_efficiency" in priors and priors["link_efficiency"] > 1:
+        raise PolicyError(source, "priors.link_efficiency", f"must be in (0, 1], got {priors['link_efficiency']}")
+
+    comp = _table(data, "compression", source, required=False)
+    unknown_c = set(comp) - {"error_budget", "expected_error"}
+    if unknown_c:
+        raise PolicyError(source, f"compression.{sorted(unknown_c)[0]}", "unknown key; known: error_budget, expected_error")
+    budget = comp.get("error_budget", 0.0)
+    if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 <= budget < 1:
+        raise PolicyError(source, "compression.error_budget", f"must be a number in [0, 1), got {budget!r}")
+    expected_raw = comp.get("expected_error", {})
+    if not isinstance(expected_raw, dict):
+        raise PolicyError(source, "compression.expected_error", "must be a table of \"compression/granularity\" = bound")
+    expected: dict[str, float] = {}
+    for k, v in expected_raw.items():
+        parts = k.split("/")
+        if len(parts) != 2 or parts[0] not in COMPRESSIONS or parts[0] == "none" or parts[1] not in SCALE_GRANULARITIES:
+            raise PolicyError(source, f"compression.expected_error.{k}",
+                              "keys are \"<compression>/<granularity>\", e.g. \"fp8_e4m3/per_token\"")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+            raise PolicyError(source, f"compression.expected_error.{k}", f"must be a number >= 0, got {v!r}")
+        expected[k] = float(v)
+    if "compression" in specs:
+        for c in specs["compression"].values():
+            if c == "none":
+                continue
+            grans = specs["scale_granularity"].values() if "scale_granularity" in specs else (defaults.scale_granularity,)
+            missing = [g for g in grans if f"{c}/{g}" not in expected]
+            if missing:
+                raise PolicyError(source, f"compression.expected_error.\"{c}/{missing[0]}\"",
+                                  f"knobs.compression allows {c!r} but no error bound is given for it")
+    if defaults.compression != "none" and expected.get(f"{defaults.compression}/{defaults.scale_granularity}", math.inf) > budget:
+        raise PolicyError(source, "defaults.compression", "the default compression exceeds the error budget")
+    return Policy(family=fam, transport=transport, description=description, defaults=defaults, knobs=specs,
+                  group_size=group, priors=priors, error_budget=float(budget), expected_error=expected,
+                  sources=sources or (source,))
+
+
+def transport_of_family(family: str) -> str:
+    """Knobs.transport for a discovery family name (`proxy:libfabric/cxi` → `proxy`)."""
+    head = family.split(":", 1)[0].split("/", 1)[0]
+    if head not in TRANSPORTS:
+        raise KnobError(f"unknown transport family {family!r}", ("transport",))
+    return head
+
+
+def load_policies(families: Iterable[str], override: str | Path | None = None) -> dict[str, Policy]:
+    return {f: load_policy(f, override) for f in families}

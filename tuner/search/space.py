@@ -1,0 +1,284 @@
+"""The search space: one transport family's policy applied to one workload.
+
+One decision tree serves Optuna's define-by-run sampling (`suggest`) and the exhaustive grid
+(`enumerate`), so the grid is exactly the space the search samples. The tree is built so that it
+cannot produce an infeasible setting:
+
+- `group_size` is asked only when signalling is decoupled, among per PE (0) and the proper divisors of
+  the transfers per remote PE;
+- `fence_mode` only where the transport has more than one way to order (proxy transports);
+- `qps_per_pe` only on queued transports (proxy, ibgda); `qp_mapping` only with more than one QP and
+  never with `nic_ordered` (a peer's PUTs and SIGNAL must share a QP: peer_hash is implied);
+- `scale_granularity` only with compression; a compression is offered only within the error budget.
+
+Parameters with a single possible value are fixed, not asked. `check` re-validates any knob set
+(e.g. a warm-start point) against the same rules before it can be benchmarked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from moetune.runtime.knobs import ALLOWED_FENCE_MODES, ONE_SIDED, PER_PE, QUEUED, KnobError, Knobs
+from moetune.tuner.search.policy import KnobSpec, Policy
+
+Chooser = Callable[[str, KnobSpec], Any]
+
+# Order in which the plain (unconditional) knobs are asked, after the structural ones.
+_PLAIN = ("chunk_tokens", "pipeline_depth", "num_sms", "channels")
+
+
+def transfers_per_peer(experts: int, ep_size: int) -> int:
+    """Transfers one PE sends to one remote PE per dispatch: one per expert that PE holds."""
+    return max(1, experts // max(1, ep_size))
+
+
+def group_choices(policy: Policy, tpp: int) -> tuple[int, ...]:
+    """Group sizes for decoupled signalling: per PE (0) first, then proper divisors of `tpp`."""
+    divisors = [d for d in range(1, tpp) if tpp % d == 0]
+    if policy.group_size is None:
+        return (PER_PE,)
+    if policy.group_size == "divisors":
+        return (PER_PE, *divisors)
+    # An explicit list: keep what applies to this workload (0 always; a size equal to tpp is per PE).
+    out = [PER_PE]
+    for g in policy.group_size:  # type: ignore[union-attr]
+        if g > 0 and g < tpp and tpp % g == 0 and g not in out:
+            out.append(g)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    knobs: dict[str, Any]
+    reason: str
+
+
+class SearchSpace:
+    """The feasible knob sets of one family for one workload."""
+
+    def __init__(self, policy: Policy, *, experts: int, ep_size: int, link_rates: Mapping[str, float] | None = None):
+        self.policy = policy
+        self.transport = policy.transport
+        self.tpp = transfers_per_peer(experts, ep_size)
+        self.link_rates = dict(link_rates or {})
+        d = policy.defaults
+        one_sided = self.transport in ONE_SIDED
+        self.spec: dict[str, KnobSpec] = {}
+
+        def spec(name: str, values: tuple[Any, ...]) -> None:
+            self.spec[name] = KnobSpec(name, choices=tuple(values))
+
+        sig = policy.allowed("signalling") if one_sided else (d.signalling,)
+        spec("signalling", sig)
+        spec("group_size", group_choices(policy, self.tpp))
+        fences = tuple(f for f in policy.allowed("fence_mode") if f in ALLOWED_FENCE_MODES[self.transport])
+        spec("fence_mode", fences or (ALLOWED_FENCE_MODES[self.transport][0],))
+        queued = self.transport in QUEUED
+        spec("qps_per_pe", policy.allowed("qps_per_pe") if queued else (1,))
+        spec("qp_mapping", policy.allowed("qp_mapping") if queued else (d.qp_mapping,))
+        comps = tuple(c for c in policy.allowed("compression")
+                      if c == "none" or any(policy.compression_allowed(c, g) for g in policy.allowed("scale_granularity")))
+        spec("compression", comps or ("none",))
+        for name in _PLAIN:
+            s = policy.knobs.get(name)
+            self.spec[name] = s if s is not None else KnobSpec(name, choices=(getattr(d, name),))
+
+    # -- the decision tree ---------------------------------------------------------------------------
+    def _build(self, choose: Chooser) -> Knobs:
+        d = self.policy.defaults
+        k: dict[str, Any] = {"transport": self.transport}
+
+        def ask(name: str, values: tuple[Any, ...] | None = None) -> Any:
+            s = self.spec[name] if values is None else KnobSpec(name, choices=values)
+            vals = s.values()
+            if len(vals) == 1:
+                return vals[0]
+            return choose(name, s)
+
+        k["signalling"] = ask("signalling")
+        k["group_size"] = ask("group_size") if k["signalling"] == "decoupled" else PER_PE
+        k["fence_mode"] = ask("fence_mode")
+        k["qps_per_pe"] = ask("qps_per_pe")
+        if k["qps_per_pe"] == 1:
+            # One QP: mapping makes no difference; keep the policy default (valid with any fence mode).
+            k["qp_mapping"] = d.qp_mapping
+        elif k["fence_mode"] == "nic_ordered":
+            k["qp_mapping"] = "peer_hash"  # the only safe mapping: never ask
+        else:
+            k["qp_mapping"] = ask("qp_mapping")
+        k["compression"] = ask("compression")
+        if k["compression"] == "none":
+            k["scale_granularity"] = "per_token"
+        else:
+            grans = tuple(g for g in self.policy.allowed("scale_granularity")
+                          if self.policy.compression_allowed(k["compression"], g))
+            # Same choices for every compression value that can reach here (one compression today).
+            k["scale_granularity"] = ask("scale_granularity", grans)
+        for name in _PLAIN:
+            k[name] = ask(name)
+        return Knobs.from_dict(k)
+
+    # -- Optuna ----------------------------------------------------------------------------------------
+    def suggest(self, trial: Any) -> Knobs:
+        """Ask `trial` (an optuna.Trial) for one feasible knob set."""
+
+        def choose(name: str, s: KnobSpec) -> Any:
+            if s.is_range:
+                return trial.suggest_int(name, s.low, s.high, step=s.step)
+            return trial.suggest_categorical(name, list(s.choices))
+
+        return self._build(choose)
+
+    def params_of(self, knobs: Knobs) -> dict[str, Any]:
+        """The Optuna parameters that produce `knobs` (for enqueue_trial). Raises KnobError if it can't."""
+        self.check(knobs)
+        params: dict[str, Any] = {}
+        target = knobs.to_dict()
+
+        def choose(name: str, s: KnobSpec) -> Any:
+            v = target[name]
+            if not s.contains(v):
+                raise KnobError(f"{v!r} is not in this search space ({list(s.values())})", (name,))
+            params[name] = v
+            return v
+
+        got = self._build(choose)
+        if got != knobs:
+            diff = sorted(n for n, v in got.to_dict().items() if target[n] != v)
+            raise KnobError("the knob set is outside the search space's structure", tuple(diff))
+        return params
+
+    def knobs_from_params(self, params: Mapping[str, Any]) -> Knobs:
+        """Rebuild the knob set of a finished trial from its parameters."""
+        return self._build(lambda name, s: params[name])
+
+    # -- grid ------------------------------------------------------------------------------------------
+    def enumerate(self) -> Iterator[Knobs]:
+        """Every point of the space (depth-first over the same decision tree as `suggest`)."""
+        stack: list[list[int]] = [[]]
+        while stack:
+            prefix = stack.pop()
+            taken: list[int] = []
+
+            def choose(name: str, s: KnobSpec, prefix: list[int] = prefix, taken: list[int] = taken) -> Any:
+                vals = s.values()
+                depth = len(taken)
+                if depth < len(prefix):
+                    idx = prefix[depth]
+                else:
+                    idx = 0
+                    for j in range(len(vals) - 1, 0, -1):
+                        stack.append([*taken, j])
+                taken.append(idx)
+                return vals[idx]
+
+            yield self._build(choose)
+
+    def size(self) -> int:
+        return sum(1 for _ in self.enumerate())
+
+    # -- constraints -------------------------------------------------------------------------------------
+    def check(self, knobs: Knobs) -> None:
+        """Raise KnobError when `knobs` may not be benchmarked under this policy and workload."""
+        p = self.policy
+        if knobs.transport != self.transport:
+            raise KnobError(f"transport {knobs.transport!r} is not this family's ({self.transport!r})", ("transport",))
+        knobs.check_workload(self.tpp)
+        if knobs.compression != "none" and not p.compression_allowed(knobs.compression, knobs.scale_granularity):
+            raise KnobError(
+                f"{knobs.compression}/{knobs.scale_granularity} has an error bound of "
+                f"{p.compression_error(knobs.compression, knobs.scale_granularity):g}, over the policy's budget of "
+                f"{p.error_budget:g}", ("compression", "scale_granularity"))
+        for name, s in self.spec.items():
+            if name in ("group_size", "qp_mapping", "scale_granularity"):
+                continue
+            v = getattr(knobs, name)
+            if not s.contains(v):
+                raise KnobError(f"{v!r} is not allowed by the {p.family} policy ({list(s.values())})", (name,))
+        if knobs.signalling == "decoupled" and knobs.group_size not in self.spec["group_size"].values():
+            raise KnobError(f"group size {knobs.group_size} is not offered for {self.tpp} transfers per PE", ("group_size",))
+
+    def feasible(self, knobs: Knobs) -> tuple[bool, str]:
+        try:
+            self.check(knobs)
+        except KnobError as e:
+            return False, str(e)
+        return True, ""
+
+    # -- warm start ------------------------------------------------------------------------------------
+    def project(self, knobs: Knobs) -> Knobs:
+        """The nearest point of the space to `knobs` (each knob snapped to its allowed values)."""
+        target = knobs.to_dict()
+
+        def choose(name: str, s: KnobSpec) -> Any:
+            return s.nearest(target.get(name))
+
+        return self._build(choose)
+
+    def priors(self) -> list[tuple[str, Knobs]]:
+        """Warm-start points: the policy default, then analytic priors (per-PE groups; SM and QP counts
+        from link bandwidth, DeepEP-style), each projected into the space, duplicates dropped."""
+        p = self.policy
+        pr = p.priors
+        eff = pr.get("link_efficiency", 0.9)
+        link = self.link_rates.get("link_gbps", pr.get("link_gbps"))
+        sms = math.ceil(link * eff / pr.get("sm_copy_gbps", 20.0)) if link else p.defaults.num_sms
+        nic_gbit = self.link_rates.get("nic_gbit", pr.get("nic_gbit"))
+        qps = math.ceil(nic_gbit / 8 * eff / pr.get("qp_gbps", 12.5)) if nic_gbit else p.defaults.qps_per_pe
+        base = p.defaults.to_dict()
+        fences = self.spec["fence_mode"].values()
+        fence = "nic_ordered" if "nic_ordered" in fences else base["fence_mode"]
+        analytic = dict(base, signalling="decoupled" if "decoupled" in self.spec["signalling"].values() else base["signalling"],
+                        group_size=PER_PE, fence_mode=fence, qp_mapping="peer_hash", num_sms=sms, qps_per_pe=qps)
+        points: list[tuple[str, dict[str, Any]]] = [("policy_default", base), ("prior:per_pe", analytic)]
+        if "fp8_e4m3" in self.spec["compression"].values():
+            grans = [g for g in p.allowed("scale_granularity") if p.compression_allowed("fp8_e4m3", g)]
+            points.append(("prior:per_pe+fp8", dict(analytic, compression="fp8_e4m3", scale_granularity=grans[-1])))
+        depths = self.spec["pipeline_depth"].values()
+        if len(depths) > 1:
+            chunks = [c for c in self.spec["chunk_tokens"].values() if c > 0]
+            pipelined = dict(analytic, pipeline_depth=2 if 2 in depths else depths[1])
+            if chunks:
+                pipelined["chunk_tokens"] = chunks[0]
+            if "fp8_e4m3" in self.spec["compression"].values():
+                pipelined.update(compression=points[-1][1]["compression"], scale_granularity=points[-1][1]["scale_granularity"])
+            points.append(("prior:pipelined", pipelined))
+        out: list[tuple[str, Knobs]] = []
+        seen: set[Knobs] = set()
+        for name, raw in points:
+            try:
+                kn = self.project(_lenient_knobs(raw))
+            except KnobError:
+                continue
+            if kn not in seen and self.feasible(kn)[0]:
+                seen.add(kn)
+                out.append((name, kn))
+        return out
+
+
+def _lenient_knobs(raw: dict[str, Any]) -> Knobs:
+    """A Knobs from a raw dict, dropping combinations projection will fix anyway."""
+    raw = dict(raw)
+    if raw.get("signalling") == "coupled":
+        raw["group_size"] = PER_PE
+    if raw.get("transport") not in QUEUED:
+        raw["qps_per_pe"] = 1
+    raw["qps_per_pe"] = max(1, min(64, int(raw.get("qps_per_pe", 1))))
+    raw["num_sms"] = max(1, min(264, int(raw.get("num_sms", 24))))
+    if raw.get("compression") == "none":
+        raw["scale_granularity"] = "per_token"
+    if raw.get("fence_mode") == "nic_ordered" and raw.get("qps_per_pe", 1) > 1:
+        raw["qp_mapping"] = "peer_hash"
+    return Knobs.from_dict(raw)
+
+
+def sample_infeasible_free(space: SearchSpace, n: int, seed: int = 0) -> list[Knobs]:
+    """n random points drawn through the decision tree (used by tests and the CLI's dry run)."""
+    import random
+
+    rng = random.Random(seed)
+    return [space._build(lambda name, s: rng.choice(s.values())) for _ in range(n)]
