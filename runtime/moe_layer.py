@@ -148,8 +148,58 @@ class MoELayer(nn.Module):
         return out.to(self.dtype)
 
     @torch.no_grad()
+    def local_forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The whole layer on this rank's experts, no exchange: the path for world 1.
+
+        Sort the (token, slot) pairs by expert, two grouped GEMMs, weighted `index_add_` back. Every step stays
+        on the device (expert offsets from `searchsorted`, no `.item()`), so it captures in a CUDA graph; an
+        EPBuffer round trip at world 1 only adds launches and, in the packed layout, a host copy.
+        """
+        s, k = topk_idx.shape
+        flat = topk_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok = torch.div(order, k, rounding_mode="floor")
+        xs = x.index_select(0, tok)
+        wp = topk_weights.reshape(-1).index_select(0, order).float()
+        n_exp = self.w_gate_up.shape[0]
+        if self.use_grouped_mm:
+            bounds = torch.arange(1, n_exp + 1, device=flat.device, dtype=flat.dtype)
+            offs = torch.searchsorted(flat.index_select(0, order), bounds).to(torch.int32)
+            hg = torch._grouped_mm(xs, self.w_gate_up.transpose(-2, -1), offs=offs)
+            i = self.model.intermediate
+            y = torch._grouped_mm(F.silu(hg[:, :i]) * hg[:, i:], self.w_down.transpose(-2, -1), offs=offs)
+        else:  # CPU / no grouped GEMM: a loop over the experts present (syncs; not capturable)
+            counts = torch.bincount(flat, minlength=n_exp).tolist()
+            parts, start = [], 0
+            for e, n in enumerate(counts):
+                if n:
+                    parts.append(swiglu(xs[start : start + n], self.w_gate_up[e], self.w_down[e]))
+                start += n
+            y = torch.cat(parts) if parts else xs.new_zeros(0, self.model.hidden)
+        out = torch.zeros(s, self.model.hidden, dtype=torch.float32, device=x.device)
+        out.index_add_(0, tok, y.float() * wp.unsqueeze(1))
+        return out.to(self.dtype)
+
+    def _check_x(self, x: torch.Tensor) -> None:
+        h = self.model.hidden
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != h:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be a [S, {h}] tensor, got {got}")
+        if x.device != self.device or x.dtype != self.dtype:
+            raise ValueError(f"x must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
+
+    def _check_local(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        self._check_x(x)
+        s, k = x.shape[0], self.model.topk
+        if tuple(topk_idx.shape) != (s, k) or tuple(topk_weights.shape) != (s, k):
+            raise ValueError(f"topk_idx and topk_weights must be [{s}, {k}], got {tuple(topk_idx.shape)} and {tuple(topk_weights.shape)}")
+
+    @torch.no_grad()
     def forward_routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The layer with given routing (benchmarks inject uniform/Zipf routing here)."""
+        if self.buffer.world == 1:
+            self._check_local(x, topk_idx, topk_weights)
+            return self.local_forward(x, topk_idx.long(), topk_weights)
         if self.buffer.num_chunks > 1:
             return pipelined_moe(self.buffer, x, topk_idx, topk_weights, self.experts)
         recv_x, meta, handle = self.buffer.dispatch(x, topk_idx, topk_weights)
@@ -157,6 +207,8 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.buffer.world == 1:
+            self._check_x(x)
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.model.hidden:
             # Still take part in the collective input check so every rank reports the problem.
             s = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetune.runtime import EPBuffer, KnobError, Knobs, MoELayer, dense_reference, get_model
+from moetune.runtime import EPBuffer, KnobError, Knobs, ModelShape, MoELayer, dense_reference, get_model
 from moetune.runtime.fp8 import FP8_LAYER_REL_ERR_BOUND, dequantise, quantise
 from moetune.runtime.moe_layer import max_rel_err
 from moetune.runtime.profiles.autoload import autoload_knobs
@@ -208,3 +208,23 @@ def test_combine_lanes_follow_the_transport_or_the_environment(monkeypatch: pyte
     monkeypatch.setenv("MOETUNE_EP_COMBINE_LANES", "both")
     with pytest.raises(ValueError, match="MOETUNE_EP_COMBINE_LANES"):
         b._combine_shares(CollectiveTransport, cpu)
+
+
+def test_world1_layer_runs_locally_without_the_buffer(monkeypatch) -> None:
+    """At world 1 the layer sorts by expert and runs the grouped GEMMs itself: no dispatch/combine round trip."""
+    model = ModelShape(name="t", hidden=32, intermediate=16, experts=8, topk=2, dtype="float32")
+    layer = MoELayer(model, knobs=Knobs(), max_tokens=64, seed=3)
+
+    def no_exchange(*a, **k):
+        raise AssertionError("world-1 layer must not use the EP buffer")
+
+    monkeypatch.setattr(layer.buffer, "dispatch", no_exchange)
+    x = torch.randn(37, 32)
+    out = layer(x)
+    assert max_rel_err(out, dense_reference(x, model, seed=3)) < 1e-5
+    idx = torch.zeros(5, 2, dtype=torch.long)  # every token to expert 0, other experts empty
+    w = torch.full((5, 2), 0.5)
+    xs = torch.randn(5, 32)
+    assert max_rel_err(layer.forward_routed(xs, idx, w), dense_reference(xs, model, seed=3, topk_idx=idx, topk_weights=w)) < 1e-5
+    with pytest.raises(ValueError, match=r"x must be a \[S, 32\]"):
+        layer(torch.randn(4, 31))
