@@ -28,6 +28,7 @@ enum {
   MK_ERR_SCHED_TIMEOUT = 1,  // the scheduler waited past the timeout for a task's inputs
   MK_ERR_PROC_TIMEOUT = 2,   // a processor waited past the timeout for a queue slot
   MK_ERR_QUEUE_FULL = 3,     // more tasks than queue slots (a sizing bug; nothing written out of bounds)
+  MK_ERR_BAD_EXPERT = 4,     // a given routing named an expert outside 0..E-1 (the row is dropped)
   MK_ERR_WORDS = 8           // [1] = where (slot or tile), [2] = detail, [3] = waited ns
 };
 
@@ -75,6 +76,8 @@ const char* mk_last_error(void);
 int mk_occupancy(int64_t bm, int64_t stages, int* per_sm, int* sms);
 // Launch the routing kernels (gate GEMM + softmax/top-k/lists) on `stream`.
 int mk_route(const MkParams* p, void* stream);
+// Given routing (p->topk_idx / p->topk_w filled by the caller): reset + per-expert row lists.
+int mk_route_given(const MkParams* p, void* stream);
 // Launch the persistent expert kernel on `stream` (needs mk_route's outputs).
 int mk_experts(const MkParams* p, void* stream);
 

@@ -487,7 +487,38 @@ __global__ void __launch_bounds__(THREADS) k_experts(const MkParams p) {
   }
 }
 
-// ---- routing ----------------------------------------------------------------------------------------------
+// ---- routing ----------
+// Zero the counters of the expert kernel and bump the launch epoch (one block; the next kernels see it).
+__device__ void reset_ctl(const MkParams& p) {
+  const int tid = threadIdx.x;
+  for (int i = tid; i < p.E; i += blockDim.x) p.counts[i] = 0;
+  for (int i = tid; i < p.max_tiles; i += blockDim.x) p.g1done[i] = 0;
+  for (int i = tid; i < p.max_ctiles; i += blockDim.x) p.comb[i] = 0;
+  if (tid == 0) {
+    p.ctl[MK_CTL_HEAD] = 0;
+    p.ctl[MK_CTL_TOTAL] = 0;
+    p.ctl[MK_CTL_ABORT] = 0;
+    p.ctl[MK_CTL_PUBLISHED] = 0;
+    const int ep = p.ctl[MK_CTL_EPOCH] + 1;
+    p.ctl[MK_CTL_EPOCH] = ep == 0 ? 1 : ep;
+  }
+}
+
+__global__ void k_reset(const MkParams p) { reset_ctl(p); }
+
+// Given routing (topk_idx / topk_w already filled): build the per-expert row lists.
+__global__ void k_lists(const MkParams p) {
+  const int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= p.S * p.K) return;
+  const int e = p.topk_idx[row];
+  if (e < 0 || e >= p.E) {
+    report(p, MK_ERR_BAD_EXPERT, row, e, 0);
+    return;
+  }
+  const int pos = atomicAdd(&p.counts[e], 1);
+  p.lists[(int64_t)e * p.S_cap + pos] = (int)row;
+}
+// ----------------------------------------------------------------------------------------------------------
 // Gate logits [S, E] fp32 = x . Wg^T on the tensor cores (bf16 products are exact in fp32; fp32 accumulate).
 // Block (0, 0) also resets the expert kernel's counters and bumps the launch epoch: the next kernels in the
 // stream see it, and nothing here needs a host step (CUDA-graph safe).
@@ -495,19 +526,7 @@ template <class T>
 __global__ void __launch_bounds__(THREADS) k_logits(const MkParams p) {
   extern __shared__ __align__(128) char smem[];
   const int tid = threadIdx.x;
-  if (blockIdx.x == 0 && blockIdx.y == 0) {
-    for (int i = tid; i < p.E; i += THREADS) p.counts[i] = 0;
-    for (int i = tid; i < p.max_tiles; i += THREADS) p.g1done[i] = 0;
-    for (int i = tid; i < p.max_ctiles; i += THREADS) p.comb[i] = 0;
-    if (tid == 0) {
-      p.ctl[MK_CTL_HEAD] = 0;
-      p.ctl[MK_CTL_TOTAL] = 0;
-      p.ctl[MK_CTL_ABORT] = 0;
-      p.ctl[MK_CTL_PUBLISHED] = 0;
-      int ep = p.ctl[MK_CTL_EPOCH] + 1;
-      p.ctl[MK_CTL_EPOCH] = ep == 0 ? 1 : ep;
-    }
-  }
+  if (blockIdx.x == 0 && blockIdx.y == 0) reset_ctl(p);
   const int stages = (int)p.stages;
   Meta md = meta<T>(smem, stages);
   const int t0 = blockIdx.x * T::BM, e0 = blockIdx.y * BN;
@@ -700,6 +719,19 @@ int mk_occupancy(int64_t bm, int64_t stages, int* per_sm, int* sms) {
 int mk_route(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
   return p->bm == 16 ? launch_route<Small>(p, (cudaStream_t)stream) : launch_route<Large>(p, (cudaStream_t)stream);
+}
+
+int mk_route_given(const MkParams* p, void* stream) {
+  if (check_params(p)) return 1;
+  cudaStream_t s = (cudaStream_t)stream;
+  k_reset<<<1, 256, 0, s>>>(*p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return fail("k_reset launch", e);
+  if (p->S > 0) {
+    k_lists<<<(unsigned)((p->S * p->K + 255) / 256), 256, 0, s>>>(*p);
+    if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_lists launch", e);
+  }
+  return 0;
 }
 
 int mk_experts(const MkParams* p, void* stream) {

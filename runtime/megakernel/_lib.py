@@ -107,6 +107,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mk_last_error": (c_char_p, []),
     "mk_occupancy": (c_int, [c_int64, c_int64, _PI, _PI]),
     "mk_route": (c_int, [_P, c_void_p]),
+    "mk_route_given": (c_int, [_P, c_void_p]),
     "mk_experts": (c_int, [_P, c_void_p]),
 }
 

@@ -20,7 +20,7 @@ from .config import ConfigError, MegakernelConfig
 
 BN = 128
 ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor timed out waiting for a queue slot",
-             3: "task queue too small"}
+             3: "task queue too small", 4: "routing names an expert out of range"}
 CTL_TOTAL, CTL_TILES, CTL_PUBLISHED = 1, 5, 4
 
 
@@ -136,6 +136,23 @@ class MegakernelMoE:
     @torch.no_grad()
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [S, H] bf16 on the layer's device -> [S, H] bf16. No host sync (graph-capturable)."""
+        return self._run(x, out, given=False)
+
+    __call__ = forward
+
+    @torch.no_grad()
+    def forward_routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer with given routing ([S, K] expert ids and weights; tests and benchmarks inject routing here)."""
+        s, k = x.shape[0], self.model.topk
+        if tuple(topk_idx.shape) != (s, k) or tuple(topk_weights.shape) != (s, k):
+            raise ValueError(f"megakernel: routing must be [S, {k}] = [{s}, {k}], got {tuple(topk_idx.shape)}, "
+                             f"{tuple(topk_weights.shape)}")
+        self.topk_idx[:s].copy_(topk_idx)
+        self.topk_w[:s].copy_(topk_weights)
+        return self._run(x, out, given=True)
+
+    def _run(self, x: torch.Tensor, out: torch.Tensor | None, *, given: bool) -> torch.Tensor:
         s = x.shape[0] if x.dim() == 2 else -1
         if x.dim() != 2 or x.shape[1] != self.model.hidden or x.dtype != torch.bfloat16 or x.device != self.device:
             raise ValueError(f"megakernel: x must be bf16 [S, {self.model.hidden}] on {self.device}, got "
@@ -152,11 +169,12 @@ class MegakernelMoE:
         p.x, p.out, p.S, p.stall_tile = x.data_ptr(), out.data_ptr(), s, self.stall_tile
         stream = torch.cuda.current_stream(self.device).cuda_stream
         ref = ctypes.byref(p)
-        _lib.check(self.lib, self.lib.mk_route(ref, stream), "mk_route")
+        if given:
+            _lib.check(self.lib, self.lib.mk_route_given(ref, stream), "mk_route_given")
+        else:
+            _lib.check(self.lib, self.lib.mk_route(ref, stream), "mk_route")
         _lib.check(self.lib, self.lib.mk_experts(ref, stream), "mk_experts")
         return out
-
-    __call__ = forward
 
     # ---- inspection ----------------------------------------------------------------------------------
     def routing(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
