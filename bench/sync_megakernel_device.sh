@@ -5,8 +5,8 @@ set -eu
 WT=$(cd "$(dirname "$0")/.." && pwd)
 DEST=${1:-/work/main/.mk}
 mkdir -p "$DEST/lib" "$DEST/whl" "$DEST/tests" "$DEST/bench"
-rsync -a --delete --exclude __pycache__ "$WT/runtime/" "$DEST/runtime/"
-rsync -a --delete --exclude __pycache__ "$WT/csrc/" "$DEST/csrc/"
+rm -rf "$DEST/runtime" "$DEST/csrc"; cp -r "$WT/runtime" "$DEST/runtime"
+cp -r "$WT/csrc" "$DEST/csrc"; find "$DEST" -name __pycache__ -prune -exec rm -rf {} +
 cp "$WT/tests/test_megakernel_gpu.py" "$DEST/tests/"
 cp "$WT/bench/megakernel_bench.py" "$DEST/bench/"
 cp "$WT/bench/megakernel_device.sh" "$DEST/run.sh"

@@ -69,12 +69,13 @@ def test_pick_bm():
     c = MegakernelConfig()
     assert c.pick_bm(1, 8, 128) == 16
     assert c.pick_bm(128, 8, 128) == 16  # 8 rows per expert
-    assert c.pick_bm(4096, 8, 128) == 64
+    assert c.pick_bm(1024, 8, 128) == 64
+    assert c.pick_bm(4096, 8, 128) == 128
     assert MegakernelConfig(bm=64).pick_bm(1, 8, 128) == 64
 
 
 # ---- the scheduler model ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bm", [16, 64])
+@pytest.mark.parametrize("bm", [16, 64, 128])
 @pytest.mark.parametrize(("s", "mode"), [(1, "uniform"), (7, "zipf"), (100, "uniform"), (300, "zipf"), (50, "one")])
 def test_plan_counts(s, mode, bm):
     e, k = 16, 4

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 1
+#define MK_ABI_VERSION 2
 
 // ctl[] words (int32), one set per layer instance.
 enum {
@@ -43,7 +43,7 @@ typedef struct MkParams {
   const void* w2;      // [E, H, I]
   void* out;           // [S, H]
   // routing results / scratch
-  float* logits;       // [S_cap, E] fp32
+  float* logits;       // [logit_splits_max, S, E] fp32 partial gate logits (split over H)
   int32_t* topk_idx;   // [S_cap, K]
   float* topk_w;       // [S_cap, K]  renormalised weights; row (t, j) is t*K + j
   int32_t* counts;     // [E]
@@ -61,13 +61,14 @@ typedef struct MkParams {
   int64_t* err;        // [MK_ERR_WORDS]
   // sizes
   int64_t S, S_cap, H, I, E, K;
-  int64_t bm;          // m-tile rows: 16 or 64
+  int64_t bm;          // m-tile rows: 16, 64 or 128
   int64_t stages;      // cp.async pipeline depth, 2..6
   int64_t combine_tokens;  // tokens per combine task
   int64_t q_cap, max_tiles, max_ctiles;
   int64_t grid;        // CTAs of the persistent launch: 1 scheduler + grid-1 processors
   int64_t timeout_ns;
   int64_t stall_tile;  // test hook: this m-tile's GEMM2 is never released (-1: off)
+  int64_t logit_splits_max;  // planes in `logits` (the gate GEMM splits H into up to this many parts)
 } MkParams;
 
 int mk_abi_version(void);

@@ -41,21 +41,21 @@ int fail_msg(const char* msg) {
 
 constexpr int BK = 64;        // k elements per pipeline stage (128 bytes per row: 8 chunks of 16 B)
 constexpr int BN = 128;       // n rows of weights per tile
-constexpr int THREADS = 128;  // 4 warps per CTA in every kernel here
+constexpr int THREADS = 128;  // the routing kernels' block; tile kernels use Tile::THREADS
 
 template <int BM_, int WM_, int WN_>
 struct Tile {
-  static constexpr int BM = BM_, WM = WM_, WN = WN_;
+  static constexpr int BM = BM_, WM = WM_, WN = WN_, THREADS = WM * WN * 32;
   static constexpr int WTM = BM / WM, WTN = BN / WN;
   static constexpr int MT = WTM / 16, NT = WTN / 8;
   static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
   // Per-task metadata after the pipeline stages: A row offsets, B row offsets, row ids.
   static constexpr int META = BM * 8 + BN * 8 + BM * 4;
-  static_assert(WM * WN == THREADS / 32, "4 warps");
   static_assert(MT >= 1 && NT % 2 == 0, "warp tile");
 };
-using Small = Tile<16, 1, 4>;  // decode: 16 rows x 128, each warp 16 x 32
-using Large = Tile<64, 2, 2>;  // prefill: 64 rows x 128, each warp 32 x 64
+using Small = Tile<16, 1, 4>;   // decode: 16 rows x 128, 4 warps of 16 x 32
+using Large = Tile<64, 2, 2>;   // 64 rows x 128, 4 warps of 32 x 64
+using Huge = Tile<128, 2, 4>;   // prefill: 128 rows x 128, 8 warps of 64 x 32 (twice Large's FLOP per L2 byte)
 
 __host__ __device__ constexpr int smem_bytes(int stage_bytes, int meta, int stages) { return stage_bytes * stages + meta; }
 
@@ -95,6 +95,9 @@ __device__ __forceinline__ int ld_acquire(const int32_t* p) {
 __device__ __forceinline__ void st_release(int32_t* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+__device__ __forceinline__ void st_relaxed(int32_t* p, int v) {
+  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ void red_add(int32_t* p, int v) {
   asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
@@ -130,13 +133,13 @@ __device__ __forceinline__ void load_stage(char* smem, int stages, int kt, const
   char* sB = sA + T::A_BYTES;
   const int k0 = kt * BK;
 #pragma unroll
-  for (int c = tid; c < T::BM * 8; c += THREADS) {
+  for (int c = tid; c < T::BM * 8; c += T::THREADS) {
     const int r = c >> 3, ch = c & 7;
     const int64_t off = a_off[r];
     cp_async16(su32(sA + (r * 8 + (ch ^ (r & 7))) * 16), a_base + (off < 0 ? 0 : off) + k0 + ch * 8, off < 0 ? 0 : 16);
   }
 #pragma unroll
-  for (int c = tid; c < BN * 8; c += THREADS) {
+  for (int c = tid; c < BN * 8; c += T::THREADS) {
     const int r = c >> 3, ch = c & 7;
     const int64_t off = b_off[r];
     cp_async16(su32(sB + (r * 8 + (ch ^ (r & 7))) * 16), b_base + (off < 0 ? 0 : off) + k0 + ch * 8, off < 0 ? 0 : 16);
@@ -222,13 +225,13 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
   const int stages = (int)p.stages;
   Meta md = meta<T>(smem, stages);
   const int cnt = p.counts[e];  // written by the routing kernel (earlier in the stream)
-  for (int r = tid; r < T::BM; r += THREADS) {
+  for (int r = tid; r < T::BM; r += T::THREADS) {
     const int m = mt * T::BM + r;
     const int v = m < cnt ? p.lists[(int64_t)e * p.S_cap + m] : -1;
     md.row_id[r] = v;
     md.a_off[r] = v < 0 ? -1 : (kind == MK_TASK_GEMM1 ? (int64_t)(v / K) * H : (int64_t)v * I);
   }
-  for (int n = tid; n < BN; n += THREADS) {
+  for (int n = tid; n < BN; n += T::THREADS) {
     if (kind == MK_TASK_GEMM1) {
       // interleave: tile row 2q = gate row nb*64+q, row 2q+1 = up row I+nb*64+q, so each thread's
       // accumulator pair (c0, c1) is (gate, up) of one intermediate column: SwiGLU in registers.
@@ -294,7 +297,7 @@ __device__ void run_combine(const MkParams& p, int ct) {
   const int chunks = H / 8;
   const bf16* y = (const bf16*)p.y;
   bf16* out = (bf16*)p.out;
-  for (int i = threadIdx.x; i < (t1 - t0) * chunks; i += THREADS) {
+  for (int i = threadIdx.x; i < (t1 - t0) * chunks; i += blockDim.x) {
     const int t = t0 + i / chunks, c = i % chunks;
     float s[8];
 #pragma unroll
@@ -367,11 +370,17 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
     st_release(&p.ctl[MK_CTL_TOTAL], (int)total + 1);
   }
   // every GEMM1 task is ready at once (routing finished before this launch)
-  for (int i = tid; i < g1; i += THREADS) {
-    const int tile = i / N1, nb = i % N1;
-    const int e = tile_expert(base, E, tile);
-    p.q_task[i] = enc(MK_TASK_GEMM1, e, tile - base[e], nb, tile);
-    st_release(&p.q_flag[i], epoch);
+  // Release in batches: task words, then ONE fence per thread, then relaxed flag stores (a release per
+  // flag would serialise a full fence per task: measured ~100 us per layer in run 1).
+  for (int c0 = 0; c0 < g1; c0 += (int)blockDim.x * 8) {
+    const int hi = min(g1, c0 + (int)blockDim.x * 8);
+    for (int i = c0 + tid; i < hi; i += blockDim.x) {
+      const int tile = i / N1, nb = i % N1;
+      const int e = tile_expert(base, E, tile);
+      p.q_task[i] = enc(MK_TASK_GEMM1, e, tile - base[e], nb, tile);
+    }
+    __threadfence();
+    for (int i = c0 + tid; i < hi; i += blockDim.x) st_relaxed(&p.q_flag[i], epoch);
   }
   if (warp != 0) return;
   // subscriber: poll the readiness counters, publish what became ready; fail after timeout_ns without progress
@@ -392,14 +401,16 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         ready = v == N1 && tile != (int)p.stall_tile;
       }
       const unsigned m = __ballot_sync(~0u, ready);
+      const int pos = tail + __popc(m & ((1u << lane) - 1)) * N2;
       if (ready) {
-        const int pos = tail + __popc(m & ((1u << lane) - 1)) * N2;
         const int e = tile_expert(base, E, tile);
         p.rel[tile] = epoch;
-        for (int nb = 0; nb < N2; ++nb) {
-          p.q_task[pos + nb] = enc(MK_TASK_GEMM2, e, tile - base[e], nb, tile);
-          st_release(&p.q_flag[pos + nb], epoch);
-        }
+        for (int nb = 0; nb < N2; ++nb) p.q_task[pos + nb] = enc(MK_TASK_GEMM2, e, tile - base[e], nb, tile);
+      }
+      if (m) {
+        __threadfence();  // one fence for the warp's batch, then relaxed flags (release pattern)
+        if (ready)
+          for (int nb = 0; nb < N2; ++nb) st_relaxed(&p.q_flag[pos + nb], epoch);
       }
       tail += __popc(m) * N2;
       got += __popc(m);
@@ -414,11 +425,14 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         ready = v == ntok * K * N2;
       }
       const unsigned m = __ballot_sync(~0u, ready);
+      const int pos = tail + __popc(m & ((1u << lane) - 1));
       if (ready) {
-        const int pos = tail + __popc(m & ((1u << lane) - 1));
         rel_ct[ct] = epoch;
         p.q_task[pos] = enc(MK_TASK_COMBINE, 0, ct, 0, 0);
-        st_release(&p.q_flag[pos], epoch);
+      }
+      if (m) {
+        __threadfence();
+        if (ready) st_relaxed(&p.q_flag[pos], epoch);
       }
       tail += __popc(m);
       got += __popc(m);
@@ -444,7 +458,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
 
 // ---- the persistent kernel ------------------------------------------------------------------------------
 template <class T>
-__global__ void __launch_bounds__(THREADS) k_experts(const MkParams p) {
+__global__ void __launch_bounds__(T::THREADS) k_experts(const MkParams p) {
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t s_task;
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
@@ -457,6 +471,7 @@ __global__ void __launch_bounds__(THREADS) k_experts(const MkParams p) {
       uint64_t task = 0;  // 0: no more work
       const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
       const uint64_t since = gtime();
+      unsigned ns = 32;
       for (;;) {
         if (i < p.q_cap && ld_acquire(&p.q_flag[i]) == epoch) {
           task = *(volatile uint64_t*)&p.q_task[i];
@@ -470,7 +485,8 @@ __global__ void __launch_bounds__(THREADS) k_experts(const MkParams p) {
           report(p, MK_ERR_PROC_TIMEOUT, i, tot - 1, (int64_t)waited);
           break;
         }
-        __nanosleep(32);
+        __nanosleep(ns);
+        ns = min(ns * 2, 512u);  // back off: hundreds of waiting CTAs must not crowd the L2 lines they poll
       }
       s_task = task;
     }
@@ -522,19 +538,24 @@ __global__ void k_lists(const MkParams p) {
 // Gate logits [S, E] fp32 = x . Wg^T on the tensor cores (bf16 products are exact in fp32; fp32 accumulate).
 // Block (0, 0) also resets the expert kernel's counters and bumps the launch epoch: the next kernels in the
 // stream see it, and nothing here needs a host step (CUDA-graph safe).
+// Split over H (blockIdx.z of gridDim.z): each split writes its own partial [S, E] plane; k_topk adds the
+// planes in a fixed order, so the logits stay bit-reproducible (no float atomics) while few tokens still
+// spread the 0.5 MB gate matrix over many SMs.
 template <class T>
-__global__ void __launch_bounds__(THREADS) k_logits(const MkParams p) {
+__global__ void __launch_bounds__(T::THREADS) k_logits(const MkParams p) {
   extern __shared__ __align__(128) char smem[];
   const int tid = threadIdx.x;
-  if (blockIdx.x == 0 && blockIdx.y == 0) reset_ctl(p);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) reset_ctl(p);
   const int stages = (int)p.stages;
   Meta md = meta<T>(smem, stages);
   const int t0 = blockIdx.x * T::BM, e0 = blockIdx.y * BN;
-  for (int r = tid; r < T::BM; r += THREADS) md.a_off[r] = t0 + r < p.S ? (int64_t)(t0 + r) * p.H : -1;
-  for (int n = tid; n < BN; n += THREADS) md.b_off[n] = e0 + n < p.E ? (int64_t)(e0 + n) * p.H : -1;
+  const int kspan = (int)p.H / (int)gridDim.z, k0 = blockIdx.z * kspan;
+  for (int r = tid; r < T::BM; r += T::THREADS) md.a_off[r] = t0 + r < p.S ? (int64_t)(t0 + r) * p.H + k0 : -1;
+  for (int n = tid; n < BN; n += T::THREADS) md.b_off[n] = e0 + n < p.E ? (int64_t)(e0 + n) * p.H + k0 : -1;
   __syncthreads();
   float acc[T::MT][T::NT][4];
-  gemm_tile<T>(acc, smem, stages, (const bf16*)p.x, md.a_off, (const bf16*)p.wg, md.b_off, (int)p.H);
+  gemm_tile<T>(acc, smem, stages, (const bf16*)p.x, md.a_off, (const bf16*)p.wg, md.b_off, kspan);
+  float* logits = p.logits + (int64_t)blockIdx.z * p.S * p.E;
   const int lane = tid & 31, warp = tid >> 5, wm = warp / T::WN, wn = warp % T::WN;
 #pragma unroll
   for (int i = 0; i < T::MT; ++i)
@@ -545,8 +566,8 @@ __global__ void __launch_bounds__(THREADS) k_logits(const MkParams p) {
 #pragma unroll
       for (int j = 0; j < T::NT; ++j) {
         const int e = e0 + wn * T::WTN + j * 8 + 2 * (lane & 3);
-        if (e < p.E) p.logits[(int64_t)t * p.E + e] = acc[i][j][2 * half];
-        if (e + 1 < p.E) p.logits[(int64_t)t * p.E + e + 1] = acc[i][j][2 * half + 1];
+        if (e < p.E) logits[(int64_t)t * p.E + e] = acc[i][j][2 * half];
+        if (e + 1 < p.E) logits[(int64_t)t * p.E + e + 1] = acc[i][j][2 * half + 1];
       }
     }
 }
@@ -555,7 +576,7 @@ constexpr int MAXE_PER_LANE = 16;  // E <= 512
 constexpr int MAXK = 16;
 
 // Softmax (fp32), top-k (ties: lower expert first), renormalise; append (t, j) to its expert's list.
-__global__ void __launch_bounds__(THREADS) k_topk(const MkParams p) {
+__global__ void __launch_bounds__(THREADS) k_topk(const MkParams p, int splits) {
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5);
   if (t >= p.S) return;
@@ -566,7 +587,12 @@ __global__ void __launch_bounds__(THREADS) k_topk(const MkParams p) {
 #pragma unroll
   for (int i = 0; i < MAXE_PER_LANE; ++i) {
     const int e = lane + 32 * i;
-    v[i] = e < E ? lg[e] : -INFINITY;
+    float a = -INFINITY;
+    if (e < E) {
+      a = lg[e];
+      for (int z = 1; z < splits; ++z) a += lg[(int64_t)z * p.S * E + e];  // fixed order: reproducible
+    }
+    v[i] = a;
     m = fmaxf(m, v[i]);
   }
 #pragma unroll
@@ -633,16 +659,18 @@ template <class T>
 cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kernel (enough for MAX_STAGES)
   static bool done = false;
   if (done) return cudaSuccess;
-  cudaError_t e = cudaFuncSetAttribute(k_experts<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_for<T>(MAX_STAGES));
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_for<T>(MAX_STAGES));
+  const int most = smem_for<T>(MAX_STAGES) <= 227 * 1024 ? smem_for<T>(MAX_STAGES) : 227 * 1024;
+  cudaError_t e = cudaFuncSetAttribute(k_experts<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
   done = e == cudaSuccess;
   return e;
 }
 
 int check_params(const MkParams* p) {
   if (!p) return fail_msg("mk: null params");
-  if (p->bm != 16 && p->bm != 64) return fail_msg("mk: bm must be 16 or 64");
+  if (p->bm != 16 && p->bm != 64 && p->bm != 128) return fail_msg("mk: bm must be 16, 64 or 128");
+  if (p->bm == 128 && smem_for<Huge>((int)p->stages) > 227 * 1024) return fail_msg("mk: bm=128 allows stages <= 6");
+  if (p->logit_splits_max < 1) return fail_msg("mk: logit_splits_max must be >= 1");
   if (p->stages < 2 || p->stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..6");
   if (p->H % BN || p->I % 64 || (2 * p->I) / BN > 4095 || p->H / BN > 4095)
     return fail_msg("mk: hidden must be a multiple of 128 and intermediate of 64");
@@ -664,10 +692,13 @@ int occupancy(int64_t bm, int64_t stages, int* per_sm, int* sms) {
     return fail("cudaDeviceGetAttribute", e);
   if (bm == 16) {
     if ((e = prepare<Small>()) != cudaSuccess) return fail("cudaFuncSetAttribute", e);
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, k_experts<Small>, THREADS, smem_for<Small>((int)stages));
-  } else {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, k_experts<Small>, Small::THREADS, smem_for<Small>((int)stages));
+  } else if (bm == 64) {
     if ((e = prepare<Large>()) != cudaSuccess) return fail("cudaFuncSetAttribute", e);
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, k_experts<Large>, THREADS, smem_for<Large>((int)stages));
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, k_experts<Large>, Large::THREADS, smem_for<Large>((int)stages));
+  } else {
+    if ((e = prepare<Huge>()) != cudaSuccess) return fail("cudaFuncSetAttribute", e);
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, k_experts<Huge>, Huge::THREADS, smem_for<Huge>((int)stages));
   }
   if (e != cudaSuccess) return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
   return 0;
@@ -679,10 +710,18 @@ int launch_route(const MkParams* p, cudaStream_t s) {
   if (e != cudaSuccess) return fail("cudaFuncSetAttribute", e);
   dim3 grid((unsigned)((p->S + T::BM - 1) / T::BM), (unsigned)((p->E + BN - 1) / BN));
   if (grid.x == 0) grid.x = 1;  // S = 0 still resets the counters
-  k_logits<T><<<grid, THREADS, smem_for<T>((int)p->stages), s>>>(*p);
+  // split H until about two waves of CTAs (each split a multiple of BK, at most logit_splits_max planes)
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  int splits = 1;
+  while (splits * 2 <= p->logit_splits_max && p->H % (splits * 2 * BK) == 0 &&
+         (int64_t)grid.x * grid.y * splits * 2 <= 2 * sms)
+    splits *= 2;
+  grid.z = splits;
+  k_logits<T><<<grid, T::THREADS, smem_for<T>((int)p->stages), s>>>(*p);
   if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_logits launch", e);
   if (p->S > 0) {
-    k_topk<<<(unsigned)((p->S + 3) / 4), THREADS, 0, s>>>(*p);
+    k_topk<<<(unsigned)((p->S + 3) / 4), THREADS, 0, s>>>(*p, splits);
     if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_topk launch", e);
   }
   return 0;
@@ -697,7 +736,7 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
              per_sm * sms, per_sm, sms);
     return 1;
   }
-  k_experts<T><<<(unsigned)p->grid, THREADS, smem_for<T>((int)p->stages), s>>>(*p);
+  k_experts<T><<<(unsigned)p->grid, T::THREADS, smem_for<T>((int)p->stages), s>>>(*p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail("k_experts launch", e);
   return 0;
@@ -711,14 +750,15 @@ int mk_abi_version(void) { return MK_ABI_VERSION; }
 const char* mk_last_error(void) { return g_err; }
 
 int mk_occupancy(int64_t bm, int64_t stages, int* per_sm, int* sms) {
-  if (bm != 16 && bm != 64) return fail_msg("mk: bm must be 16 or 64");
+  if (bm != 16 && bm != 64 && bm != 128) return fail_msg("mk: bm must be 16, 64 or 128");
   if (stages < 2 || stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..6");
   return occupancy(bm, stages, per_sm, sms);
 }
 
 int mk_route(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
-  return p->bm == 16 ? launch_route<Small>(p, (cudaStream_t)stream) : launch_route<Large>(p, (cudaStream_t)stream);
+  // the gate GEMM needs no big tiles: 16-row tiles for few tokens, 64 otherwise
+  return p->S <= 64 ? launch_route<Small>(p, (cudaStream_t)stream) : launch_route<Large>(p, (cudaStream_t)stream);
 }
 
 int mk_route_given(const MkParams* p, void* stream) {
@@ -737,7 +777,8 @@ int mk_route_given(const MkParams* p, void* stream) {
 int mk_experts(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
   if (p->S == 0) return 0;
-  return p->bm == 16 ? launch_experts<Small>(p, (cudaStream_t)stream) : launch_experts<Large>(p, (cudaStream_t)stream);
+  cudaStream_t s = (cudaStream_t)stream;
+  return p->bm == 16 ? launch_experts<Small>(p, s) : p->bm == 64 ? launch_experts<Large>(p, s) : launch_experts<Huge>(p, s);
 }
 
 }  // extern "C"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import csrc_build as _cb
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 LIB_NAME = "libmoetune_moe.so"
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
 FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo", "-cudart=static", *ARCH_FLAGS)
@@ -36,7 +36,8 @@ class MkParams(Structure):
         *((n, c_void_p) for n in ("x", "wg", "w1", "w2", "out", "logits", "topk_idx", "topk_w", "counts", "lists",
                                   "h", "y", "ctl", "g1done", "comb", "rel", "tile_base", "q_task", "q_flag", "err")),
         *((n, c_int64) for n in ("S", "S_cap", "H", "I", "E", "K", "bm", "stages", "combine_tokens", "q_cap",
-                                 "max_tiles", "max_ctiles", "grid", "timeout_ns", "stall_tile")),
+                                 "max_tiles", "max_ctiles", "grid", "timeout_ns", "stall_tile",
+                                 "logit_splits_max")),
     ]
 
 

@@ -18,8 +18,9 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MegakernelConfig:
-    bm: int = 0               # rows per m-tile: 16 (decode) or 64 (prefill); 0 = by rows per expert
+    bm: int = 0               # rows per m-tile: 16 (decode), 64 or 128 (prefill); 0 = by rows per expert
     bm_switch_rows: int = 32  # bm=0: use 64 once the average rows per expert (S*topk/E) reaches this
+    bm_large_rows: int = 128  # bm=0: use 128 once the average rows per expert reaches this
     stages: int = 4           # cp.async pipeline depth (2..6): weight tiles in flight per CTA
     ctas_per_sm: int = 0      # resident CTAs per SM (0 = as many as fit)
     processor_ctas: int = 0   # processor CTAs (0 = every resident CTA but the scheduler's)
@@ -28,6 +29,7 @@ class MegakernelConfig:
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
+        "bm_large_rows": (1, 1 << 20),
         "stages": (2, 6),
         "ctas_per_sm": (0, 32),
         "processor_ctas": (0, 1 << 16),
@@ -41,8 +43,8 @@ class MegakernelConfig:
             want = float if f.type in ("float", float) else int
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not isinstance(v, int)):
                 raise ConfigError(f"megakernel config: {f.name} must be {want.__name__}, got {v!r}")
-        if self.bm not in (0, 16, 64):
-            raise ConfigError(f"megakernel config: bm must be 0 (auto), 16 or 64, got {self.bm}")
+        if self.bm not in (0, 16, 64, 128):
+            raise ConfigError(f"megakernel config: bm must be 0 (auto), 16, 64 or 128, got {self.bm}")
         for name, (lo, hi) in self._RANGES.items():
             v = getattr(self, name)
             if not lo <= v <= hi:
@@ -82,4 +84,7 @@ class MegakernelConfig:
         """The m-tile rows for S = `tokens`: host-side arithmetic only, so CUDA-graph capture is unaffected."""
         if self.bm:
             return self.bm
-        return 64 if tokens * topk >= self.bm_switch_rows * experts else 16
+        rows = tokens * topk
+        if rows >= self.bm_large_rows * experts:
+            return 128
+        return 64 if rows >= self.bm_switch_rows * experts else 16

@@ -68,14 +68,16 @@ class MegakernelMoE:
         self.lib = _lib.load()
 
         cfg = self.config
-        bm_min = 64 if cfg.bm == 64 else 16
+        bm_min = cfg.bm or 16
         self.max_tiles = e + -(-max_tokens * k // bm_min)  # sum_e ceil(c_e / bm) <= S*K/bm + E
         self.max_ctiles = -(-max_tokens // cfg.combine_tokens)
         self.n1, self.n2 = 2 * i // BN, h // BN
         self.q_cap = self.max_tiles * (self.n1 + self.n2) + self.max_ctiles
         dev, i32 = self.device, torch.int32
         z = torch.zeros
-        self.logits = z(max_tokens, e, dtype=torch.float32, device=dev)
+        # the gate GEMM splits H into up to this many partial planes (more CTAs for few tokens), capped at 64 MB
+        self.logit_splits = max(1, min(16, (64 << 20) // (max_tokens * e * 4)))
+        self.logits = z(self.logit_splits * max_tokens * e, dtype=torch.float32, device=dev)
         self.topk_idx = z(max_tokens, k, dtype=i32, device=dev)
         self.topk_w = z(max_tokens, k, dtype=torch.float32, device=dev)
         self.counts = z(e, dtype=i32, device=dev)
@@ -130,6 +132,7 @@ class MegakernelMoE:
             p.q_cap, p.max_tiles, p.max_ctiles = self.q_cap, self.max_tiles, self.max_ctiles
             p.grid = self.grid(bm)
             p.timeout_ns = int(cfg.timeout_ms * 1e6)
+            p.logit_splits_max = self.logit_splits
             self._params[bm] = p
         return p
 
