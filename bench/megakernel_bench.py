@@ -109,7 +109,7 @@ def main() -> int:
     ap.add_argument("--rotate", type=int, default=4)
     ap.add_argument("--config", default="", help="MegakernelConfig text, e.g. bm=16,stages=4")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--sweep-tokens", default="1,128,4096")
+    ap.add_argument("--sweep-tokens", default="1,16,128,1024,4096")
     ap.add_argument("--sha", default=os.environ.get("GIT_SHA", "unknown"))
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -150,7 +150,7 @@ def main() -> int:
     if a.sweep:
         base = MegakernelConfig.parse(a.config)
         variants = [{}, {"bm": 16}, {"bm": 64}, {"bm": 128}, {"stages": 2}, {"stages": 3}, {"stages": 6},
-                    {"ctas_per_sm": 1}, {"ctas_per_sm": 2}, {"combine_tokens": 4}, {"combine_tokens": 64},
+                    {"ctas_per_sm": 1}, {"ctas_per_sm": 2}, {"combine_tokens": 2}, {"combine_tokens": 32},
                     {"processor_ctas": 66}]
         for s in [int(t) for t in a.sweep_tokens.split(",")]:
             xs = [torch.randn(s, model.hidden, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(a.rotate)]

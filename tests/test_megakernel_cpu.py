@@ -40,7 +40,8 @@ def _routing(s: int, e: int, k: int, *, mode: str, seed: int = 0) -> list[list[i
 # ---- config ---------------------------------------------------------------------------------------------
 def test_config_defaults_and_parse():
     c = MegakernelConfig()
-    assert c.bm == 0 and c.stages == 4
+    assert c.bm == 0 and c.stages == 0
+    assert (c.pick_stages(16), c.pick_stages(128), MegakernelConfig(stages=5).pick_stages(128)) == (4, 3, 5)
     p = MegakernelConfig.parse("bm=16, stages=3,timeout_ms=250")
     assert (p.bm, p.stages, p.timeout_ms) == (16, 3, 250.0)
     assert MegakernelConfig.parse("") == c
@@ -49,7 +50,7 @@ def test_config_defaults_and_parse():
 
 @pytest.mark.parametrize(
     ("text", "field"),
-    [("bm=32", "bm"), ("stages=1", "stages"), ("stages=7", "stages"), ("combine_tokens=0", "combine_tokens"),
+    [("bm=32", "bm"), ("stages=1", "stages"), ("stages=-1", "stages"), ("stages=7", "stages"), ("combine_tokens=0", "combine_tokens"),
      ("timeout_ms=0", "timeout_ms"), ("ctas_per_sm=-1", "ctas_per_sm"), ("bogus=1", "bogus"), ("stages=x", "stages"),
      ("stages", "expected name=value")],
 )
@@ -85,7 +86,8 @@ def test_plan_counts(s, mode, bm):
     tiles = sum(-(-counts[x] // bm) for x in range(e))
     assert p.n_tiles == tiles and p.n1 == 2 and p.n2 == 2
     assert p.n_ctiles == -(-s // 16)
-    assert p.total == tiles * 4 + p.n_ctiles
+    assert p.nc == 4  # H = 256: 32 chunks of 8 columns, 4 blocks
+    assert p.total == tiles * 4 + p.n_ctiles * p.nc
     assert sum(len(r) for r in p.rows) == s * k
     assert sum(p.ctile_target) == s * k * p.n2
     assert len(p.gemm1_tasks()) == tiles * p.n1
@@ -105,7 +107,7 @@ def test_simulation_runs_every_task_once_in_dependency_order(s, mode, procs):
     assert r.published == p.total
     assert len(r.executed) == p.total
     kinds = Counter(t.kind for t in r.executed)
-    assert kinds == {sch.GEMM1: p.n_tiles * p.n1, sch.GEMM2: p.n_tiles * p.n2, sch.COMBINE: p.n_ctiles}
+    assert kinds == {sch.GEMM1: p.n_tiles * p.n1, sch.GEMM2: p.n_tiles * p.n2, sch.COMBINE: p.n_ctiles * p.nc}
     assert len(set(r.executed)) == p.total  # no task twice
     # release order: a tile's GEMM2s complete after all its GEMM1s; every token's combine comes last for it
     pos = {t: i for i, t in enumerate(r.executed)}

@@ -289,16 +289,20 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
   }
 }
 
-// COMBINE task: out[t] = sum_j y[t*K + j] in slot order (fp32), for the tile's tokens.
-__device__ void run_combine(const MkParams& p, int ct) {
+// Column blocks per combine tile: the tile's work is split over H so the combine at the end of the layer
+// (on the critical path) runs on many CTAs (run 2: 16-token combine tasks cost 46 us at S=128 over 4-token ones).
+__host__ __device__ __forceinline__ int combine_blocks(int64_t H) { return (H / 8) % 4 == 0 ? 4 : 1; }
+
+// COMBINE task: out[t] = sum_j y[t*K + j] in slot order (fp32), for the tile's tokens, column block cb.
+__device__ void run_combine(const MkParams& p, int ct, int cb) {
   const int K = (int)p.K, H = (int)p.H;
   const int t0 = ct * (int)p.combine_tokens;
   const int t1 = min((int)p.S, t0 + (int)p.combine_tokens);
-  const int chunks = H / 8;
+  const int chunks = H / 8 / combine_blocks(H), c0 = cb * chunks;
   const bf16* y = (const bf16*)p.y;
   bf16* out = (bf16*)p.out;
   for (int i = threadIdx.x; i < (t1 - t0) * chunks; i += blockDim.x) {
-    const int t = t0 + i / chunks, c = i % chunks;
+    const int t = t0 + i / chunks, c = c0 + i % chunks;
     float s[8];
 #pragma unroll
     for (int q = 0; q < 8; ++q) s[q] = 0.f;
@@ -360,7 +364,8 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   const int n_tiles = base[E];
   const int n_ct = (int)((p.S + CT - 1) / CT);
   const int g1 = n_tiles * N1;
-  const int64_t total = (int64_t)n_tiles * (N1 + N2) + n_ct;
+  const int NC = combine_blocks(p.H);
+  const int64_t total = (int64_t)n_tiles * (N1 + N2) + (int64_t)n_ct * NC;
   if (total > p.q_cap || n_tiles > p.max_tiles || n_ct > p.max_ctiles) {
     if (tid == 0) report(p, MK_ERR_QUEUE_FULL, total, p.q_cap, 0);
     return;
@@ -425,16 +430,17 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         ready = v == ntok * K * N2;
       }
       const unsigned m = __ballot_sync(~0u, ready);
-      const int pos = tail + __popc(m & ((1u << lane) - 1));
+      const int pos = tail + __popc(m & ((1u << lane) - 1)) * NC;
       if (ready) {
         rel_ct[ct] = epoch;
-        p.q_task[pos] = enc(MK_TASK_COMBINE, 0, ct, 0, 0);
+        for (int cb = 0; cb < NC; ++cb) p.q_task[pos + cb] = enc(MK_TASK_COMBINE, 0, ct, cb, 0);
       }
       if (m) {
         __threadfence();
-        if (ready) st_relaxed(&p.q_flag[pos], epoch);
+        if (ready)
+          for (int cb = 0; cb < NC; ++cb) st_relaxed(&p.q_flag[pos + cb], epoch);
       }
-      tail += __popc(m);
+      tail += __popc(m) * NC;
       got += __popc(m);
     }
     released += got;
@@ -497,7 +503,7 @@ __global__ void __launch_bounds__(T::THREADS) k_experts(const MkParams p) {
     const int kind = (int)(task >> 61), e = (int)((task >> 48) & 0x1fff), mt = (int)((task >> 32) & 0xffff);
     const int nb = (int)((task >> 20) & 0xfff), tile = (int)(task & 0xfffff);
     if (kind == MK_TASK_COMBINE)
-      run_combine(p, mt);
+      run_combine(p, mt, nb);
     else
       run_gemm<T>(p, smem, kind, e, mt, nb, tile);
   }

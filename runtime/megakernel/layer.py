@@ -72,7 +72,9 @@ class MegakernelMoE:
         self.max_tiles = e + -(-max_tokens * k // bm_min)  # sum_e ceil(c_e / bm) <= S*K/bm + E
         self.max_ctiles = -(-max_tokens // cfg.combine_tokens)
         self.n1, self.n2 = 2 * i // BN, h // BN
-        self.q_cap = self.max_tiles * (self.n1 + self.n2) + self.max_ctiles
+        from .schedule import combine_blocks
+
+        self.q_cap = self.max_tiles * (self.n1 + self.n2) + self.max_ctiles * combine_blocks(h)
         dev, i32 = self.device, torch.int32
         z = torch.zeros
         # the gate GEMM splits H into up to this many partial planes (more CTAs for few tokens), capped at 64 MB
@@ -102,14 +104,14 @@ class MegakernelMoE:
         if bm not in self._grids:
             per_sm, sms = ctypes.c_int(0), ctypes.c_int(0)
             with torch.cuda.device(self.device):
-                _lib.check(self.lib, self.lib.mk_occupancy(bm, self.config.stages, ctypes.byref(per_sm),
+                _lib.check(self.lib, self.lib.mk_occupancy(bm, self.config.pick_stages(bm), ctypes.byref(per_sm),
                                                            ctypes.byref(sms)), "mk_occupancy")
             if per_sm.value < 1:
-                raise ConfigError(f"megakernel config: stages={self.config.stages} leaves no resident CTA")
+                raise ConfigError(f"megakernel config: stages={self.config.pick_stages(bm)} leaves no resident CTA")
             per = self.config.ctas_per_sm or per_sm.value
             if per > per_sm.value:
                 raise ConfigError(f"megakernel config: ctas_per_sm={per} but only {per_sm.value} fit per SM "
-                                  f"(bm={bm}, stages={self.config.stages})")
+                                  f"(bm={bm}, stages={self.config.pick_stages(bm)})")
             resident = per * sms.value
             procs = self.config.processor_ctas or resident - 1
             if procs + 1 > resident:
@@ -128,7 +130,7 @@ class MegakernelMoE:
                 setattr(p, name, getattr(self, name).data_ptr())
             p.wg, p.w1, p.w2 = self.gate.data_ptr(), self.w_gate_up.data_ptr(), self.w_down.data_ptr()
             p.S_cap, p.H, p.I, p.E, p.K = self.max_tokens, m.hidden, m.intermediate, m.experts, m.topk
-            p.bm, p.stages, p.combine_tokens = bm, cfg.stages, cfg.combine_tokens
+            p.bm, p.stages, p.combine_tokens = bm, cfg.pick_stages(bm), cfg.combine_tokens
             p.q_cap, p.max_tiles, p.max_ctiles = self.q_cap, self.max_tiles, self.max_ctiles
             p.grid = self.grid(bm)
             p.timeout_ns = int(cfg.timeout_ms * 1e6)

@@ -2,7 +2,7 @@
 
 The GPU scheduler and this model share every formula: m-tiles per expert ceil(count / bm) numbered
 expert-major, N1 = 2I/128 GEMM1 n-blocks and N2 = H/128 GEMM2 n-blocks per m-tile, one combine task per
-`combine_tokens` tokens, the release rules (GEMM2 of an m-tile once its N1 GEMM1 tasks are done; a combine
+`combine_tokens` tokens and column block (4 blocks when H/8 divides by 4), the release rules (GEMM2 of an m-tile once its N1 GEMM1 tasks are done; a combine
 tile once it has seen tokens x topk x N2 finished GEMM2 rows) and the queue discipline (processors claim
 slots in order; one producer publishes). `simulate` runs it step by step on the CPU so the dependency
 logic, the task counts and the timeout path are tested without a GPU; the GPU tests compare the kernel's
@@ -33,6 +33,7 @@ class Task:
 class Plan:
     n1: int
     n2: int
+    nc: int                        # combine tasks (column blocks) per combine tile
     tile_base: tuple[int, ...]     # exclusive prefix of m-tiles per expert; [E] = total m-tiles
     n_tiles: int
     n_ctiles: int
@@ -71,11 +72,17 @@ def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: 
     base = [0]
     for e in range(experts):
         base.append(base[-1] + -(-len(rows[e]) // bm))
-    n1, n2 = 2 * intermediate // BN, hidden // BN
+    n1, n2, nc = 2 * intermediate // BN, hidden // BN, combine_blocks(hidden)
     n_tiles = base[-1]
     n_ct = -(-s // combine_tokens)
     target = tuple((min(s, (c + 1) * combine_tokens) - c * combine_tokens) * k * n2 for c in range(n_ct))
-    return Plan(n1, n2, tuple(base), n_tiles, n_ct, n_tiles * (n1 + n2) + n_ct, tuple(map(tuple, rows)), target)
+    return Plan(n1, n2, nc, tuple(base), n_tiles, n_ct, n_tiles * (n1 + n2) + n_ct * nc, tuple(map(tuple, rows)),
+                target)
+
+
+def combine_blocks(hidden: int) -> int:
+    """Column blocks per combine tile (combine_blocks in mk_moe.cu)."""
+    return 4 if (hidden // 8) % 4 == 0 else 1
 
 
 @dataclass
@@ -129,7 +136,7 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
             for c in range(p.n_ctiles):
                 if not rel_ct[c] and comb[c] == p.ctile_target[c]:
                     rel_ct[c] = True
-                    queue.append(Task(COMBINE, 0, c, 0, 0))
+                    queue += [Task(COMBINE, 0, c, cb, 0) for cb in range(p.nc)]
                     got += 1
             released += got
             if got or total_seen != seen:
