@@ -63,7 +63,7 @@ def phase_times(mk, xs: list[torch.Tensor], warmup: int, iters: int) -> dict[str
     import ctypes
 
     s = xs[0].shape[0]
-    p = mk._template(mk.config.pick_bm(s, mk.model.topk, mk.model.experts))
+    p = mk._template(mk.config.pick_bm(s, mk.model.topk, mk.model.experts), s)
     out = torch.empty_like(xs[0])
     stream = torch.cuda.current_stream().cuda_stream
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
@@ -151,7 +151,7 @@ def main() -> int:
         base = MegakernelConfig.parse(a.config)
         variants = [{}, {"bm": 16}, {"bm": 64}, {"bm": 128}, {"stages": 2}, {"stages": 3}, {"stages": 6},
                     {"ctas_per_sm": 1}, {"ctas_per_sm": 2}, {"combine_tokens": 2}, {"combine_tokens": 32},
-                    {"processor_ctas": 66}]
+                    {"processor_ctas": 66}, {"k_rotate": 1}, {"k_rotate": 1, "stages": 6}]
         for s in [int(t) for t in a.sweep_tokens.split(",")]:
             xs = [torch.randn(s, model.hidden, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(a.rotate)]
             for v in variants:

@@ -127,11 +127,11 @@ using bf16 = __nv_bfloat16;
 
 template <class T>
 __device__ __forceinline__ void load_stage(char* smem, int stages, int kt, const bf16* a_base, const int64_t* a_off,
-                                           const bf16* b_base, const int64_t* b_off) {
+                                           const bf16* b_base, const int64_t* b_off, int rot, int KT) {
   const int tid = threadIdx.x;
   char* sA = smem + (kt % stages) * T::STAGE;
   char* sB = sA + T::A_BYTES;
-  const int k0 = kt * BK;
+  const int k0 = ((kt + rot) % KT) * BK;
 #pragma unroll
   for (int c = tid; c < T::BM * 8; c += T::THREADS) {
     const int r = c >> 3, ch = c & 7;
@@ -148,7 +148,8 @@ __device__ __forceinline__ void load_stage(char* smem, int stages, int kt, const
 
 template <class T>
 __device__ __forceinline__ void gemm_tile(float (&acc)[T::MT][T::NT][4], char* smem, int stages, const bf16* a_base,
-                                          const int64_t* a_off, const bf16* b_base, const int64_t* b_off, int K) {
+                                          const int64_t* a_off, const bf16* b_base, const int64_t* b_off, int K,
+                                          int rot = 0) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
 #pragma unroll
@@ -158,14 +159,17 @@ __device__ __forceinline__ void gemm_tile(float (&acc)[T::MT][T::NT][4], char* s
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
   const int KT = K / BK;
+  // rot: start the k loop at k-tile `rot` (per task, not per CTA, so the summation order - and the result -
+  // does not depend on which CTA runs the task); spreads concurrent tasks over DRAM pages and channels.
+  rot = KT ? rot % KT : 0;
   for (int s = 0; s < stages - 1; ++s) {
-    if (s < KT) load_stage<T>(smem, stages, s, a_base, a_off, b_base, b_off);
+    if (s < KT) load_stage<T>(smem, stages, s, a_base, a_off, b_base, b_off, rot, KT);
     cp_commit();
   }
   for (int kt = 0; kt < KT; ++kt) {
     cp_wait(stages - 2);
     __syncthreads();  // tile kt landed for every thread; slot (kt-1) % stages is free again
-    if (kt + stages - 1 < KT) load_stage<T>(smem, stages, kt + stages - 1, a_base, a_off, b_base, b_off);
+    if (kt + stages - 1 < KT) load_stage<T>(smem, stages, kt + stages - 1, a_base, a_off, b_base, b_off, rot, KT);
     cp_commit();
     const char* sA = smem + (kt % stages) * T::STAGE;
     const char* sB = sA + T::A_BYTES;
@@ -244,10 +248,11 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
   }
   __syncthreads();
   float acc[T::MT][T::NT][4];
+  const int rot = p.k_rotate ? e * 7 + nb * 3 + mt : 0;
   if (kind == MK_TASK_GEMM1)
-    gemm_tile<T>(acc, smem, stages, (const bf16*)p.x, md.a_off, (const bf16*)p.w1, md.b_off, H);
+    gemm_tile<T>(acc, smem, stages, (const bf16*)p.x, md.a_off, (const bf16*)p.w1, md.b_off, H, rot);
   else
-    gemm_tile<T>(acc, smem, stages, (const bf16*)p.h, md.a_off, (const bf16*)p.w2, md.b_off, I);
+    gemm_tile<T>(acc, smem, stages, (const bf16*)p.h, md.a_off, (const bf16*)p.w2, md.b_off, I, rot);
 
   bf16* h = (bf16*)p.h;
   bf16* y = (bf16*)p.y;

@@ -95,33 +95,34 @@ class MegakernelMoE:
         self.q_flag = z(self.q_cap, dtype=i32, device=dev)
         self.err = z(8, dtype=torch.int64, device=dev)
         self.stall_tile = -1  # test hook: this m-tile's GEMM2 is never released
-        self._params: dict[int, _lib.MkParams] = {}
-        self._grids: dict[int, int] = {}
+        self._params: dict[tuple[int, int], _lib.MkParams] = {}
+        self._grids: dict[tuple[int, int], int] = {}
 
     # ---- launch plumbing ---------------------------------------------------------------------------
-    def grid(self, bm: int) -> int:
-        """CTAs of the persistent launch for m-tile rows `bm`: 1 scheduler + processors, all resident."""
-        if bm not in self._grids:
+    def grid(self, bm: int, stages: int) -> int:
+        """CTAs of the persistent launch for (bm, stages): 1 scheduler + processors, all resident."""
+        if (bm, stages) not in self._grids:
             per_sm, sms = ctypes.c_int(0), ctypes.c_int(0)
             with torch.cuda.device(self.device):
-                _lib.check(self.lib, self.lib.mk_occupancy(bm, self.config.pick_stages(bm), ctypes.byref(per_sm),
+                _lib.check(self.lib, self.lib.mk_occupancy(bm, stages, ctypes.byref(per_sm),
                                                            ctypes.byref(sms)), "mk_occupancy")
             if per_sm.value < 1:
-                raise ConfigError(f"megakernel config: stages={self.config.pick_stages(bm)} leaves no resident CTA")
+                raise ConfigError(f"megakernel config: stages={stages} leaves no resident CTA")
             per = self.config.ctas_per_sm or per_sm.value
             if per > per_sm.value:
                 raise ConfigError(f"megakernel config: ctas_per_sm={per} but only {per_sm.value} fit per SM "
-                                  f"(bm={bm}, stages={self.config.pick_stages(bm)})")
+                                  f"(bm={bm}, stages={stages})")
             resident = per * sms.value
             procs = self.config.processor_ctas or resident - 1
             if procs + 1 > resident:
                 raise ConfigError(f"megakernel config: processor_ctas={procs} + 1 scheduler exceeds the {resident} "
                                   "resident CTAs")
-            self._grids[bm] = procs + 1
-        return self._grids[bm]
+            self._grids[(bm, stages)] = procs + 1
+        return self._grids[(bm, stages)]
 
-    def _template(self, bm: int) -> _lib.MkParams:
-        p = self._params.get(bm)
+    def _template(self, bm: int, tokens: int) -> _lib.MkParams:
+        stages = self.config.pick_stages(bm, tokens, self.model.topk, self.model.experts)
+        p = self._params.get((bm, stages))
         if p is None:
             m, cfg = self.model, self.config
             p = _lib.MkParams()
@@ -130,12 +131,13 @@ class MegakernelMoE:
                 setattr(p, name, getattr(self, name).data_ptr())
             p.wg, p.w1, p.w2 = self.gate.data_ptr(), self.w_gate_up.data_ptr(), self.w_down.data_ptr()
             p.S_cap, p.H, p.I, p.E, p.K = self.max_tokens, m.hidden, m.intermediate, m.experts, m.topk
-            p.bm, p.stages, p.combine_tokens = bm, cfg.pick_stages(bm), cfg.combine_tokens
+            p.bm, p.stages, p.combine_tokens = bm, stages, cfg.combine_tokens
             p.q_cap, p.max_tiles, p.max_ctiles = self.q_cap, self.max_tiles, self.max_ctiles
-            p.grid = self.grid(bm)
+            p.grid = self.grid(bm, stages)
             p.timeout_ns = int(cfg.timeout_ms * 1e6)
             p.logit_splits_max = self.logit_splits
-            self._params[bm] = p
+            p.k_rotate = cfg.k_rotate
+            self._params[(bm, stages)] = p
         return p
 
     @torch.no_grad()
@@ -169,8 +171,7 @@ class MegakernelMoE:
             out = torch.empty(s, self.model.hidden, dtype=torch.bfloat16, device=self.device)
         if s == 0:
             return out
-        bm = self.config.pick_bm(s, self.model.topk, self.model.experts)
-        p = self._template(bm)
+        p = self._template(self.config.pick_bm(s, self.model.topk, self.model.experts), s)
         p.x, p.out, p.S, p.stall_tile = x.data_ptr(), out.data_ptr(), s, self.stall_tile
         stream = torch.cuda.current_stream(self.device).cuda_stream
         ref = ctypes.byref(p)
