@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 3
+#define MK_ABI_VERSION 4
 
 // ctl[] words (int32), one set per layer instance.
 enum {
@@ -69,7 +69,6 @@ typedef struct MkParams {
   int64_t timeout_ns;
   int64_t stall_tile;  // test hook: this m-tile's GEMM2 is never released (-1: off)
   int64_t logit_splits_max;  // planes in `logits` (the gate GEMM splits H into up to this many parts)
-  int64_t k_rotate;    // 1: each expert task starts its k loop at a task-dependent k-tile (deterministic)
 } MkParams;
 
 int mk_abi_version(void);

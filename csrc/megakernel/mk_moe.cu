@@ -43,9 +43,9 @@ constexpr int BK = 64;        // k elements per pipeline stage (128 bytes per ro
 constexpr int BN = 128;       // n rows of weights per tile
 constexpr int THREADS = 128;  // the routing kernels' block; tile kernels use Tile::THREADS
 
-template <int BM_, int WM_, int WN_>
+template <int BM_, int WM_, int WN_, int MINB_>
 struct Tile {
-  static constexpr int BM = BM_, WM = WM_, WN = WN_, THREADS = WM * WN * 32;
+  static constexpr int BM = BM_, WM = WM_, WN = WN_, THREADS = WM * WN * 32, MINB = MINB_;
   static constexpr int WTM = BM / WM, WTN = BN / WN;
   static constexpr int MT = WTM / 16, NT = WTN / 8;
   static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
@@ -53,9 +53,10 @@ struct Tile {
   static constexpr int META = BM * 8 + BN * 8 + BM * 4;
   static_assert(MT >= 1 && NT % 2 == 0, "warp tile");
 };
-using Small = Tile<16, 1, 4>;   // decode: 16 rows x 128, 4 warps of 16 x 32
-using Large = Tile<64, 2, 2>;   // 64 rows x 128, 4 warps of 32 x 64
-using Huge = Tile<128, 2, 4>;   // prefill: 128 rows x 128, 8 warps of 64 x 32 (twice Large's FLOP per L2 byte)
+using Small = Tile<16, 1, 4, 1>;   // decode: 16 rows x 128, 4 warps of 16 x 32
+using Large = Tile<64, 2, 2, 1>;   // 64 rows x 128, 4 warps of 32 x 64
+using Huge = Tile<128, 2, 4, 2>;  // prefill: 128 rows x 128, 8 warps of 64 x 32 (twice Large's FLOP per L2 byte);
+                                  // 2 CTAs/SM need <= 128 registers (run 4: 1 CTA/SM was 1.6x slower)
 
 __host__ __device__ constexpr int smem_bytes(int stage_bytes, int meta, int stages) { return stage_bytes * stages + meta; }
 
@@ -127,11 +128,11 @@ using bf16 = __nv_bfloat16;
 
 template <class T>
 __device__ __forceinline__ void load_stage(char* smem, int stages, int kt, const bf16* a_base, const int64_t* a_off,
-                                           const bf16* b_base, const int64_t* b_off, int rot, int KT) {
+                                           const bf16* b_base, const int64_t* b_off) {
   const int tid = threadIdx.x;
   char* sA = smem + (kt % stages) * T::STAGE;
   char* sB = sA + T::A_BYTES;
-  const int k0 = ((kt + rot) % KT) * BK;
+  const int k0 = kt * BK;
 #pragma unroll
   for (int c = tid; c < T::BM * 8; c += T::THREADS) {
     const int r = c >> 3, ch = c & 7;
@@ -148,8 +149,7 @@ __device__ __forceinline__ void load_stage(char* smem, int stages, int kt, const
 
 template <class T>
 __device__ __forceinline__ void gemm_tile(float (&acc)[T::MT][T::NT][4], char* smem, int stages, const bf16* a_base,
-                                          const int64_t* a_off, const bf16* b_base, const int64_t* b_off, int K,
-                                          int rot = 0) {
+                                          const int64_t* a_off, const bf16* b_base, const int64_t* b_off, int K) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
 #pragma unroll
@@ -159,17 +159,14 @@ __device__ __forceinline__ void gemm_tile(float (&acc)[T::MT][T::NT][4], char* s
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
   const int KT = K / BK;
-  // rot: start the k loop at k-tile `rot` (per task, not per CTA, so the summation order - and the result -
-  // does not depend on which CTA runs the task); spreads concurrent tasks over DRAM pages and channels.
-  rot = KT ? rot % KT : 0;
   for (int s = 0; s < stages - 1; ++s) {
-    if (s < KT) load_stage<T>(smem, stages, s, a_base, a_off, b_base, b_off, rot, KT);
+    if (s < KT) load_stage<T>(smem, stages, s, a_base, a_off, b_base, b_off);
     cp_commit();
   }
   for (int kt = 0; kt < KT; ++kt) {
     cp_wait(stages - 2);
     __syncthreads();  // tile kt landed for every thread; slot (kt-1) % stages is free again
-    if (kt + stages - 1 < KT) load_stage<T>(smem, stages, kt + stages - 1, a_base, a_off, b_base, b_off, rot, KT);
+    if (kt + stages - 1 < KT) load_stage<T>(smem, stages, kt + stages - 1, a_base, a_off, b_base, b_off);
     cp_commit();
     const char* sA = smem + (kt % stages) * T::STAGE;
     const char* sB = sA + T::A_BYTES;
@@ -248,11 +245,10 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
   }
   __syncthreads();
   float acc[T::MT][T::NT][4];
-  const int rot = p.k_rotate ? e * 7 + nb * 3 + mt : 0;
   if (kind == MK_TASK_GEMM1)
-    gemm_tile<T>(acc, smem, stages, (const bf16*)p.x, md.a_off, (const bf16*)p.w1, md.b_off, H, rot);
+    gemm_tile<T>(acc, smem, stages, (const bf16*)p.x, md.a_off, (const bf16*)p.w1, md.b_off, H);
   else
-    gemm_tile<T>(acc, smem, stages, (const bf16*)p.h, md.a_off, (const bf16*)p.w2, md.b_off, I, rot);
+    gemm_tile<T>(acc, smem, stages, (const bf16*)p.h, md.a_off, (const bf16*)p.w2, md.b_off, I);
 
   bf16* h = (bf16*)p.h;
   bf16* y = (bf16*)p.y;
@@ -469,7 +465,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
 
 // ---- the persistent kernel ------------------------------------------------------------------------------
 template <class T>
-__global__ void __launch_bounds__(T::THREADS) k_experts(const MkParams p) {
+__global__ void __launch_bounds__(T::THREADS, T::MINB) k_experts(const MkParams p) {
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t s_task;
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch

@@ -25,7 +25,6 @@ class MegakernelConfig:
     ctas_per_sm: int = 0      # resident CTAs per SM (0 = as many as fit)
     processor_ctas: int = 0   # processor CTAs (0 = every resident CTA but the scheduler's)
     combine_tokens: int = 8   # tokens per combine tile (each tile runs as 4 column-block tasks)
-    k_rotate: int = 0         # 1: expert tasks start their k loop at a task-dependent offset (deterministic)
     timeout_ms: float = 2000.0  # a wait without progress longer than this is an error, not a hang
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
@@ -35,7 +34,6 @@ class MegakernelConfig:
         "ctas_per_sm": (0, 32),
         "processor_ctas": (0, 1 << 16),
         "combine_tokens": (1, 4096),
-        "k_rotate": (0, 1),
         "timeout_ms": (1e-3, 3.6e6),
     }
 

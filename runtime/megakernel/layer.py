@@ -136,7 +136,6 @@ class MegakernelMoE:
             p.grid = self.grid(bm, stages)
             p.timeout_ns = int(cfg.timeout_ms * 1e6)
             p.logit_splits_max = self.logit_splits
-            p.k_rotate = cfg.k_rotate
             self._params[(bm, stages)] = p
         return p
 
