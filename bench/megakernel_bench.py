@@ -1,0 +1,198 @@
+"""Benchmark: the MoE megakernel against the plain torch path, side by side in ONE process, eager and graph.
+
+Whole layer from x to output with routing included, Qwen3-30B-A3B shape by default (hidden 2048,
+intermediate 768, 128 experts, top-8, bf16). Torch path: gate GEMM (fp32), softmax, top-k, renormalise,
+stable sort by expert, two `torch._grouped_mm`, SwiGLU, weighted `index_add_` in fp32. Each case: median of
+`--iters` timed calls after `--warmup`, CUDA events around each call, inputs rotated over `--rotate` tensors
+(graph mode: one captured graph per input). Prints a table (last) and writes JSON with git SHA, date, GPU,
+torch version and the command. `--sweep` also times the megakernel's settings (graph replay) per S.
+
+    python bench/megakernel_bench.py --tokens 1,16,128,1024,4096 --out results.json [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def torch_layer(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, k: int) -> torch.Tensor:
+    s, e, i = x.shape[0], gate.shape[0], w2.shape[2]
+    probs = torch.softmax(x.float() @ gate.float().t(), dim=-1)
+    w, idx = probs.topk(k, dim=-1)
+    w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    flat = idx.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    rows = order // k
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    hg = torch._grouped_mm(x.index_select(0, rows), w1.transpose(-2, -1), offs=offs)
+    a = F.silu(hg[:, :i]) * hg[:, i:]
+    y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
+    out = torch.zeros(s, x.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, rows, y.float() * w.reshape(-1)[order].unsqueeze(1))
+    return out.to(torch.bfloat16)
+
+
+def time_calls(fns: list, warmup: int, iters: int) -> float:
+    """Median µs of single calls (CUDA events), rotating over `fns` (one per input set)."""
+    for j in range(warmup):
+        fns[j % len(fns)]()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for j in range(iters):
+        starts[j].record()
+        fns[j % len(fns)]()
+        ends[j].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends, strict=True))
+
+
+def phase_times(mk, xs: list[torch.Tensor], warmup: int, iters: int) -> dict[str, float]:
+    """Median µs of the routing launches and of the persistent launch, each between its own events (eager)."""
+    import ctypes
+
+    s = xs[0].shape[0]
+    p = mk._template(mk.config.pick_bm(s, mk.model.topk, mk.model.experts), s)
+    out = torch.empty_like(xs[0])
+    stream = torch.cuda.current_stream().cuda_stream
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
+    for j in range(warmup + iters):
+        p.x, p.out, p.S, p.stall_tile = xs[j % len(xs)].data_ptr(), out.data_ptr(), s, -1
+        e = ev[j - warmup] if j >= warmup else None
+        if e:
+            e[0].record()
+        mk.lib.mk_route(ctypes.byref(p), stream)
+        if e:
+            e[1].record()
+        mk.lib.mk_experts(ctypes.byref(p), stream)
+        if e:
+            e[2].record()
+    torch.cuda.synchronize()
+    return {"mk_route_us": statistics.median(e[0].elapsed_time(e[1]) * 1e3 for e in ev),
+            "mk_experts_us": statistics.median(e[1].elapsed_time(e[2]) * 1e3 for e in ev)}
+
+
+def graphs_of(fn, xs: list[torch.Tensor]) -> list:
+    """One CUDA graph per input; returns their replay callables."""
+    out = []
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x in xs:
+            fn(x)
+    torch.cuda.current_stream().wait_stream(side)
+    for x in xs:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(x)
+        out.append(g.replay)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-30b")
+    ap.add_argument("--tokens", default="1,16,128,1024,4096")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--rotate", type=int, default=4)
+    ap.add_argument("--config", default="", help="MegakernelConfig text, e.g. bm=16,stages=4")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-tokens", default="1,16,128,1024,4096")
+    ap.add_argument("--sha", default=os.environ.get("GIT_SHA", "unknown"))
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+
+    from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
+    from moetune.runtime.moe_layer import max_rel_err
+    from moetune.runtime.shapes import get_model
+
+    model = get_model(a.model)
+    tokens = [int(t) for t in a.tokens.split(",")]
+    smax = max(tokens + [int(t) for t in a.sweep_tokens.split(",")] if a.sweep else tokens)
+    mk = MegakernelMoE(model, max_tokens=smax, config=MegakernelConfig.parse(a.config))
+    w1, w2, gate, k = mk.w_gate_up, mk.w_down, mk.gate, model.topk
+    wbytes_expert = (w1[0].numel() + w2[0].numel()) * 2
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(1)
+    rows = []
+    for s in tokens:
+        xs = [torch.randn(s, model.hidden, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(a.rotate)]
+        ref = torch_layer(xs[0], gate, w1, w2, k)
+        got = mk.forward(xs[0])
+        torch.cuda.synchronize()
+        mk.check()
+        err = max_rel_err(got, ref)
+        touched = int(torch.unique(mk.routing(s)[0]).numel())
+        floor_us = touched * wbytes_expert / 4.2e12 * 1e6
+        r = {"S": s, "rel_err_vs_torch": err, "experts_touched": touched, "weight_floor_us_at_4.2TBps": floor_us}
+        r.update(phase_times(mk, xs, a.warmup, a.iters))
+        r["megakernel_eager_us"] = time_calls([lambda x=x: mk.forward(x) for x in xs], a.warmup, a.iters)
+        r["megakernel_graph_us"] = time_calls(graphs_of(mk.forward, xs), a.warmup, a.iters)
+        r["torch_eager_us"] = time_calls([lambda x=x: torch_layer(x, gate, w1, w2, k) for x in xs], a.warmup, a.iters)
+        r["torch_graph_us"] = time_calls(graphs_of(lambda x: torch_layer(x, gate, w1, w2, k), xs), a.warmup, a.iters)
+        mk.check()
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+    sweep = []
+    if a.sweep:
+        base = MegakernelConfig.parse(a.config)
+        variants = [{}, {"bm": 16}, {"bm": 64}, {"bm": 128}, {"stages": 2}, {"stages": 3}, {"stages": 6},
+                    {"ctas_per_sm": 1}, {"ctas_per_sm": 2}, {"combine_tokens": 2}, {"combine_tokens": 32},
+                    {"processor_ctas": 66}]
+        for s in [int(t) for t in a.sweep_tokens.split(",")]:
+            xs = [torch.randn(s, model.hidden, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(a.rotate)]
+            for v in variants:
+                cfg = MegakernelConfig.from_dict({**base.to_dict(), **v})
+                m = None
+                try:
+                    m = MegakernelMoE(model, max_tokens=s, config=cfg, w_gate_up=w1, w_down=w2, gate=gate)
+                    us = time_calls(graphs_of(m.forward, xs), a.warmup, a.iters)
+                    m.check()
+                    rec = {"S": s, "change": v, "graph_us": us}
+                except Exception as e:  # a setting that does not fit (e.g. ctas_per_sm over occupancy)
+                    rec = {"S": s, "change": v, "error": str(e)[:200]}
+                sweep.append(rec)
+                print(json.dumps(rec), flush=True)
+                del m
+            torch.cuda.empty_cache()
+
+    meta = {
+        "git_sha": a.sha, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "host": platform.node(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "model": a.model, "config": MegakernelConfig.parse(a.config).to_dict(), "warmup": a.warmup,
+        "iters": a.iters, "rotate": a.rotate, "statistic": "median of single-call CUDA-event times (us)",
+    }
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows, "sweep": sweep}, f, indent=1)
+    if sweep:
+        print("\nsweep (graph replay us; change vs the base config):")
+        for s in sorted({r["S"] for r in sweep}):
+            cells = [f"{json.dumps(r['change'])}:{r.get('graph_us', float('nan')):.1f}" for r in sweep if r["S"] == s]
+            print(f"S={s}: " + "  ".join(cells))
+    print(f"\n{meta['gpu']}  torch {meta['torch']}  sha {a.sha}")
+    print(f"{'S':>6} {'mk graph':>9} {'mk eager':>9} {'route':>6} {'experts':>7} {'torch graph':>11} {'torch eager':>11} "
+          f"{'floor':>7} {'err':>8}")
+    for r in rows:
+        print(f"{r['S']:>6} {r['megakernel_graph_us']:>9.1f} {r['megakernel_eager_us']:>9.1f} {r['mk_route_us']:>6.1f} "
+              f"{r['mk_experts_us']:>7.1f} {r['torch_graph_us']:>11.1f} {r['torch_eager_us']:>11.1f} "
+              f"{r['weight_floor_us_at_4.2TBps']:>7.1f} {r['rel_err_vs_torch']:>8.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

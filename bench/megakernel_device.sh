@@ -1,0 +1,28 @@
+#!/bin/bash
+# Device-side driver for the megakernel (run from the folder sync_megakernel_device.sh fills):
+# import shim, prebuilt library (else build there), GPU tests, benchmark. Logs under $OUT.
+#   bash run.sh [tests|bench|all] [extra pytest -k expression]
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+cd "$(dirname "$0")"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site whl/*.whl >/dev/null 2>&1 \
+  || echo "wheel install failed"
+mkdir -p /tmp/shim/moetune
+for d in runtime csrc; do ln -sfn "$PWD/$d" "/tmp/shim/moetune/$d"; done
+export PYTHONPATH=/tmp/shim:/tmp/site
+export MOETUNE_MK_LIB=$PWD/lib/libmoetune_moe.so
+if ! python3 -c "from moetune.runtime.megakernel import _lib; _lib.load()"; then
+  echo "carried library does not load: building here"; unset MOETUNE_MK_LIB; export MOETUNE_CACHE=/tmp/mkcache
+  python3 -c "from moetune.runtime.megakernel import _lib; print(_lib.build())"
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+what=${1:-all}; kexpr=${2:-}
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfEs ${kexpr:+-k "$kexpr"} \
+    tests/test_megakernel_gpu.py ${PYTEST_EXTRA:-} 2>&1 | tee "$OUT/tests.log" | tail -40
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout ${BENCH_TIMEOUT:-240} python3 bench/megakernel_bench.py --sha "$(cat SHA)" --out "$OUT/bench.json" ${BENCH_ARGS:-} \
+    2>&1 | tee "$OUT/bench.log" | tail -${BENCH_TAIL:-12}
+fi

@@ -1,0 +1,18 @@
+#!/bin/bash
+# Build libmoetune_moe.so here and copy what a device run needs into <main checkout>/.mk (git-ignored there;
+# the device tool sends the session's main checkout, not this worktree): run with carry [".mk"].
+set -eu
+WT=$(cd "$(dirname "$0")/.." && pwd)
+DEST=${1:-/work/main/.mk}
+mkdir -p "$DEST/lib" "$DEST/whl" "$DEST/tests" "$DEST/bench"
+rm -rf "$DEST/runtime" "$DEST/csrc"; cp -r "$WT/runtime" "$DEST/runtime"
+cp -r "$WT/csrc" "$DEST/csrc"; find "$DEST" -name __pycache__ -prune -exec rm -rf {} +
+cp "$WT/tests/test_megakernel_gpu.py" "$DEST/tests/"
+cp "$WT/bench/megakernel_bench.py" "$DEST/bench/"
+cp "$WT/bench/megakernel_device.sh" "$DEST/run.sh"
+printf '[pytest]\nmarkers =\n    gpu: needs CUDA\n    slow: long\naddopts = --import-mode=importlib\n' > "$DEST/pytest.ini"
+git -C "$WT" rev-parse --short HEAD > "$DEST/SHA"
+nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -shared -Xcompiler -fPIC,-O3 -lineinfo -cudart=static \
+  -o "$DEST/lib/libmoetune_moe.so" "$WT"/csrc/megakernel/*.cu
+cp /tmp/mkwhl/*.whl "$DEST/whl/" 2>/dev/null || true
+du -sh "$DEST"

@@ -1,0 +1,87 @@
+// The MoE megakernel's plain C ABI (libmoetune_moe.so), mirrored by runtime/megakernel/_lib.py.
+//
+// Every field of MkParams is 8 bytes wide (pointers and int64), so the ctypes mirror has no padding
+// questions. The caller owns every buffer (torch tensors); the library allocates nothing.
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MK_ABI_VERSION 4
+
+// ctl[] words (int32), one set per layer instance.
+enum {
+  MK_CTL_HEAD = 0,       // next queue slot a processor claims (atomicAdd)
+  MK_CTL_TOTAL = 1,      // total tasks + 1 once the scheduler has counted them (0 = not yet)
+  MK_CTL_ABORT = 2,      // set on the first error: every spin gives up
+  MK_CTL_EPOCH = 3,      // launch number (queue flags carry it; never 0)
+  MK_CTL_PUBLISHED = 4,  // tasks the scheduler has published (diagnostics)
+  MK_CTL_TILES = 5,      // m-tiles this launch (diagnostics)
+  MK_CTL_WORDS = 8
+};
+
+// err[] (int64): sticky until the host clears it. err[0] = code.
+enum {
+  MK_OK = 0,
+  MK_ERR_SCHED_TIMEOUT = 1,  // the scheduler waited past the timeout for a task's inputs
+  MK_ERR_PROC_TIMEOUT = 2,   // a processor waited past the timeout for a queue slot
+  MK_ERR_QUEUE_FULL = 3,     // more tasks than queue slots (a sizing bug; nothing written out of bounds)
+  MK_ERR_BAD_EXPERT = 4,     // a given routing named an expert outside 0..E-1 (the row is dropped)
+  MK_ERR_WORDS = 8           // [1] = where (slot or tile), [2] = detail, [3] = waited ns
+};
+
+// Task kinds (bits 61..63 of a queue word).
+enum { MK_TASK_GEMM1 = 1, MK_TASK_GEMM2 = 2, MK_TASK_COMBINE = 3 };
+
+typedef struct MkParams {
+  // layer inputs (bf16, contiguous)
+  const void* x;       // [S, H]
+  const void* wg;      // [E, H]   gate
+  const void* w1;      // [E, 2I, H] first I rows gate, last I rows up
+  const void* w2;      // [E, H, I]
+  void* out;           // [S, H]
+  // routing results / scratch
+  float* logits;       // [logit_splits_max, S, E] fp32 partial gate logits (split over H)
+  int32_t* topk_idx;   // [S_cap, K]
+  float* topk_w;       // [S_cap, K]  renormalised weights; row (t, j) is t*K + j
+  int32_t* counts;     // [E]
+  int32_t* lists;      // [E, S_cap]  rows t*K + j routed to each expert (order: atomics; results do not depend on it)
+  void* h;             // [S_cap*K, I] bf16   SwiGLU activations per (token, slot)
+  void* y;             // [S_cap*K, H] bf16   weighted expert output per (token, slot)
+  // scheduler state
+  int32_t* ctl;        // [MK_CTL_WORDS]
+  int32_t* g1done;     // [max_tiles]  finished GEMM1 n-blocks per m-tile
+  int32_t* comb;       // [max_ctiles] finished (row, GEMM2 n-block) pairs per combine tile
+  int32_t* rel;        // [max_tiles + max_ctiles] epoch of release (scheduler-private)
+  int32_t* tile_base;  // [E + 1] first m-tile id of each expert
+  uint64_t* q_task;    // [q_cap]
+  int32_t* q_flag;     // [q_cap] epoch when the slot's task is published
+  int64_t* err;        // [MK_ERR_WORDS]
+  // sizes
+  int64_t S, S_cap, H, I, E, K;
+  int64_t bm;          // m-tile rows: 16, 64 or 128
+  int64_t stages;      // cp.async pipeline depth, 2..6
+  int64_t combine_tokens;  // tokens per combine task
+  int64_t q_cap, max_tiles, max_ctiles;
+  int64_t grid;        // CTAs of the persistent launch: 1 scheduler + grid-1 processors
+  int64_t timeout_ns;
+  int64_t stall_tile;  // test hook: this m-tile's GEMM2 is never released (-1: off)
+  int64_t logit_splits_max;  // planes in `logits` (the gate GEMM splits H into up to this many parts)
+} MkParams;
+
+int mk_abi_version(void);
+const char* mk_last_error(void);
+// Resident CTAs per SM of the persistent kernel for (bm, stages), and the SM count of the current device.
+int mk_occupancy(int64_t bm, int64_t stages, int* per_sm, int* sms);
+// Launch the routing kernels (gate GEMM + softmax/top-k/lists) on `stream`.
+int mk_route(const MkParams* p, void* stream);
+// Given routing (p->topk_idx / p->topk_w filled by the caller): reset + per-expert row lists.
+int mk_route_given(const MkParams* p, void* stream);
+// Launch the persistent expert kernel on `stream` (needs mk_route's outputs).
+int mk_experts(const MkParams* p, void* stream);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,146 @@
+"""Build and load the megakernel's own shared library (csrc/megakernel/ -> libmoetune_moe.so).
+
+Kept apart from `csrc_build`'s library so the two build and cache independently (this one needs the
+sm_90a target for Hopper-only instructions; the transports' library builds for any arch). It reuses
+`csrc_build`'s nvcc lookup, version probe, cache root and its content-hash + file-lock scheme: the key
+hashes the sources, the nvcc version, the flags and the ABI version.
+
+Environment:
+  MOETUNE_MK_LIB   a prebuilt libmoetune_moe.so to load instead of building
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import subprocess
+import threading
+from ctypes import POINTER, Structure, c_char_p, c_int, c_int64, c_void_p
+from pathlib import Path
+
+from .. import csrc_build as _cb
+
+ABI_VERSION = 4
+LIB_NAME = "libmoetune_moe.so"
+ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
+FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo", "-cudart=static", *ARCH_FLAGS)
+_BUILD_TIMEOUT_S = 600
+
+
+class MkParams(Structure):
+    """Mirror of `MkParams` in csrc/megakernel/mk_api.h (every field 8 bytes: no padding)."""
+
+    _fields_ = [
+        *((n, c_void_p) for n in ("x", "wg", "w1", "w2", "out", "logits", "topk_idx", "topk_w", "counts", "lists",
+                                  "h", "y", "ctl", "g1done", "comb", "rel", "tile_base", "q_task", "q_flag", "err")),
+        *((n, c_int64) for n in ("S", "S_cap", "H", "I", "E", "K", "bm", "stages", "combine_tokens", "q_cap",
+                                 "max_tiles", "max_ctiles", "grid", "timeout_ns", "stall_tile",
+                                 "logit_splits_max")),
+    ]
+
+
+def source_dir() -> Path:
+    return _cb.csrc_dir() / "megakernel"
+
+
+def sources() -> list[Path]:
+    return sorted(source_dir().glob("*.cu"))
+
+
+def _inputs() -> list[Path]:
+    d = source_dir()
+    return sorted([*d.glob("*.cu"), *d.glob("*.h"), *d.glob("*.cuh")])
+
+
+def build_key(nvcc_ver: str) -> str:
+    h = hashlib.sha256()
+    for p in _inputs():
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    h.update(nvcc_ver.encode())
+    h.update(" ".join(FLAGS).encode())
+    h.update(str(ABI_VERSION).encode())
+    return "mk-" + h.hexdigest()[:20]
+
+
+def build_command(nvcc: str, out: Path) -> list[str]:
+    return [nvcc, *FLAGS, "-o", str(out), *map(str, sources())]
+
+
+def build(*, force: bool = False) -> Path:
+    """Compile (or find in the cache) libmoetune_moe.so; raises csrc_build.BuildError with nvcc's output."""
+    nvcc = _cb.find_nvcc()
+    if nvcc is None:
+        raise _cb.BuildError("nvcc not found (set MOETUNE_NVCC or CUDA_HOME, or MOETUNE_MK_LIB)")
+    if not sources():
+        raise _cb.BuildError(f"no megakernel sources in {source_dir()}")
+    ver = _cb.nvcc_version(nvcc)
+    out_dir = _cb.cache_root() / build_key(ver)
+    lib = out_dir / LIB_NAME
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "w") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)  # concurrent processes: the first builds, the others wait
+        try:
+            if lib.exists() and not force:
+                return lib
+            tmp = out_dir / f".{LIB_NAME}.{os.getpid()}.tmp"
+            cmd = build_command(nvcc, tmp)
+            try:
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise _cb.BuildError(f"nvcc timed out after {_BUILD_TIMEOUT_S} s: {' '.join(cmd)}") from None
+            log = f"$ {' '.join(cmd)}\n{ver}\n{res.stdout}{res.stderr}"
+            (out_dir / "build.log").write_text(log)
+            if res.returncode != 0 or not tmp.exists():
+                raise _cb.BuildError(f"nvcc failed (exit {res.returncode}):\n{log}")
+            os.replace(tmp, lib)
+            return lib
+        finally:
+            fcntl.flock(lockf, fcntl.LOCK_UN)
+
+
+_P = POINTER(MkParams)
+_PI = POINTER(c_int)
+SIGNATURES: dict[str, tuple[object, list[object]]] = {
+    "mk_abi_version": (c_int, []),
+    "mk_last_error": (c_char_p, []),
+    "mk_occupancy": (c_int, [c_int64, c_int64, _PI, _PI]),
+    "mk_route": (c_int, [_P, c_void_p]),
+    "mk_route_given": (c_int, [_P, c_void_p]),
+    "mk_experts": (c_int, [_P, c_void_p]),
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def load() -> ctypes.CDLL:
+    """Build once (cached) and load the library; raises csrc_build.BuildError with the reason."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        pre = os.environ.get("MOETUNE_MK_LIB")
+        path = Path(pre) if pre else build()
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise _cb.BuildError(f"cannot load {path}: {e}") from None
+        for name, (res, args) in SIGNATURES.items():
+            fn = getattr(lib, name, None)
+            if fn is None:
+                raise _cb.BuildError(f"{path} lacks {name}: stale build?")
+            fn.restype = res
+            fn.argtypes = args
+        if lib.mk_abi_version() != ABI_VERSION:
+            raise _cb.BuildError(f"{path}: ABI {lib.mk_abi_version()}, expected {ABI_VERSION}")
+        _lib = lib
+        return lib
+
+
+def check(lib: ctypes.CDLL, rc: int, what: str) -> None:
+    if rc != 0:
+        msg = lib.mk_last_error()
+        raise _cb.CsrcError(f"{what} failed: {msg.decode(errors='replace') if msg else rc}")

@@ -1,0 +1,210 @@
+"""MegakernelMoE: the whole MoE layer on one GPU as routing (two small kernels) + ONE persistent kernel.
+
+Same weights and outputs as `MoELayer` / `dense_reference` (built from `expert_weights` / `gate_weight`
+with the same seed, or passed in). `forward(x)` issues three launches on the current stream and never
+synchronises with the host, so it can be captured in a CUDA graph. Errors inside the kernel (a wait that
+timed out) land in a device-side record: `check()` reads it (a host sync) and raises `MegakernelError`.
+
+Imports only torch and the standard library (no msgspec, tuner or optuna).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from . import _lib
+from .config import ConfigError, MegakernelConfig
+
+BN = 128
+ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor timed out waiting for a queue slot",
+             3: "task queue too small", 4: "routing names an expert out of range"}
+CTL_TOTAL, CTL_TILES, CTL_PUBLISHED = 1, 5, 4
+
+
+class MegakernelError(RuntimeError):
+    """The persistent kernel reported an error (timeout, queue overflow)."""
+
+
+class MegakernelMoE:
+    """A forward-only bf16 SwiGLU MoE layer (softmax top-k routing, renormalised) on one GPU.
+
+    Args:
+        model: anything with `hidden`, `intermediate`, `experts`, `topk` (a `ModelShape`).
+        max_tokens: the largest S that `forward` takes (sizes the scratch buffers).
+        config: tile sizes, pipeline depth, CTAs, timeout (`MegakernelConfig`).
+        w_gate_up [E, 2I, H], w_down [E, H, I], gate [E, H]: bf16 weights; built from `seed` when omitted.
+    """
+
+    def __init__(self, model: Any, *, max_tokens: int, device: torch.device | str | None = None, seed: int = 0,
+                 config: MegakernelConfig | None = None, w_gate_up: torch.Tensor | None = None,
+                 w_down: torch.Tensor | None = None, gate: torch.Tensor | None = None):
+        self.model = model
+        self.config = config or MegakernelConfig()
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        h, i, e, k = model.hidden, model.intermediate, model.experts, model.topk
+        if h % BN or i % 64:
+            raise ValueError(f"megakernel: hidden must be a multiple of 128 and intermediate of 64, got {h}, {i}")
+        if max_tokens < 1:
+            raise ValueError(f"megakernel: max_tokens must be >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+        bf = torch.bfloat16
+        if w_gate_up is None or w_down is None or gate is None:
+            from ..moe_layer import expert_weights, gate_weight  # torch + the layer's generators only
+
+            w1s, w2s = zip(*(expert_weights(model, x, seed=seed, device=self.device, dtype=bf) for x in range(e)),
+                           strict=True)
+            w_gate_up = torch.stack(w1s)
+            w_down = torch.stack(w2s)
+            gate = gate_weight(model, seed=seed, device=self.device, dtype=bf)
+        for name, t, shape in (("w_gate_up", w_gate_up, (e, 2 * i, h)), ("w_down", w_down, (e, h, i)),
+                               ("gate", gate, (e, h))):
+            if tuple(t.shape) != shape or t.dtype != bf or t.device != self.device:
+                raise ValueError(f"megakernel: {name} must be bf16 {shape} on {self.device}, got "
+                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        self.w_gate_up, self.w_down, self.gate = w_gate_up.contiguous(), w_down.contiguous(), gate.contiguous()
+        self.lib = _lib.load()
+
+        cfg = self.config
+        bm_min = cfg.bm or 16
+        self.max_tiles = e + -(-max_tokens * k // bm_min)  # sum_e ceil(c_e / bm) <= S*K/bm + E
+        self.max_ctiles = -(-max_tokens // cfg.combine_tokens)
+        self.n1, self.n2 = 2 * i // BN, h // BN
+        from .schedule import combine_blocks
+
+        self.q_cap = self.max_tiles * (self.n1 + self.n2) + self.max_ctiles * combine_blocks(h)
+        dev, i32 = self.device, torch.int32
+        z = torch.zeros
+        # the gate GEMM splits H into up to this many partial planes (more CTAs for few tokens), capped at 64 MB
+        self.logit_splits = max(1, min(16, (64 << 20) // (max_tokens * e * 4)))
+        self.logits = z(self.logit_splits * max_tokens * e, dtype=torch.float32, device=dev)
+        self.topk_idx = z(max_tokens, k, dtype=i32, device=dev)
+        self.topk_w = z(max_tokens, k, dtype=torch.float32, device=dev)
+        self.counts = z(e, dtype=i32, device=dev)
+        self.lists = z(e, max_tokens, dtype=i32, device=dev)
+        self.h = z(max_tokens * k, i, dtype=bf, device=dev)
+        self.y = z(max_tokens * k, h, dtype=bf, device=dev)
+        self.ctl = z(8, dtype=i32, device=dev)
+        self.g1done = z(self.max_tiles, dtype=i32, device=dev)
+        self.comb = z(self.max_ctiles, dtype=i32, device=dev)
+        self.rel = z(self.max_tiles + self.max_ctiles, dtype=i32, device=dev)
+        self.tile_base = z(e + 1, dtype=i32, device=dev)
+        self.q_task = z(self.q_cap, dtype=torch.int64, device=dev)
+        self.q_flag = z(self.q_cap, dtype=i32, device=dev)
+        self.err = z(8, dtype=torch.int64, device=dev)
+        self.stall_tile = -1  # test hook: this m-tile's GEMM2 is never released
+        self._params: dict[tuple[int, int], _lib.MkParams] = {}
+        self._grids: dict[tuple[int, int], int] = {}
+
+    # ---- launch plumbing ---------------------------------------------------------------------------
+    def grid(self, bm: int, stages: int) -> int:
+        """CTAs of the persistent launch for (bm, stages): 1 scheduler + processors, all resident."""
+        if (bm, stages) not in self._grids:
+            per_sm, sms = ctypes.c_int(0), ctypes.c_int(0)
+            with torch.cuda.device(self.device):
+                _lib.check(self.lib, self.lib.mk_occupancy(bm, stages, ctypes.byref(per_sm),
+                                                           ctypes.byref(sms)), "mk_occupancy")
+            if per_sm.value < 1:
+                raise ConfigError(f"megakernel config: stages={stages} leaves no resident CTA")
+            per = self.config.ctas_per_sm or per_sm.value
+            if per > per_sm.value:
+                raise ConfigError(f"megakernel config: ctas_per_sm={per} but only {per_sm.value} fit per SM "
+                                  f"(bm={bm}, stages={stages})")
+            resident = per * sms.value
+            procs = self.config.processor_ctas or resident - 1
+            if procs + 1 > resident:
+                raise ConfigError(f"megakernel config: processor_ctas={procs} + 1 scheduler exceeds the {resident} "
+                                  "resident CTAs")
+            self._grids[(bm, stages)] = procs + 1
+        return self._grids[(bm, stages)]
+
+    def _template(self, bm: int, tokens: int) -> _lib.MkParams:
+        stages = self.config.pick_stages(bm, tokens, self.model.topk, self.model.experts)
+        p = self._params.get((bm, stages))
+        if p is None:
+            m, cfg = self.model, self.config
+            p = _lib.MkParams()
+            for name in ("logits", "topk_idx", "topk_w", "counts", "lists", "h", "y", "ctl", "g1done", "comb", "rel",
+                         "tile_base", "q_task", "q_flag", "err"):
+                setattr(p, name, getattr(self, name).data_ptr())
+            p.wg, p.w1, p.w2 = self.gate.data_ptr(), self.w_gate_up.data_ptr(), self.w_down.data_ptr()
+            p.S_cap, p.H, p.I, p.E, p.K = self.max_tokens, m.hidden, m.intermediate, m.experts, m.topk
+            p.bm, p.stages, p.combine_tokens = bm, stages, cfg.combine_tokens
+            p.q_cap, p.max_tiles, p.max_ctiles = self.q_cap, self.max_tiles, self.max_ctiles
+            p.grid = self.grid(bm, stages)
+            p.timeout_ns = int(cfg.timeout_ms * 1e6)
+            p.logit_splits_max = self.logit_splits
+            self._params[(bm, stages)] = p
+        return p
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [S, H] bf16 on the layer's device -> [S, H] bf16. No host sync (graph-capturable)."""
+        return self._run(x, out, given=False)
+
+    __call__ = forward
+
+    @torch.no_grad()
+    def forward_routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer with given routing ([S, K] expert ids and weights; tests and benchmarks inject routing here)."""
+        s, k = x.shape[0], self.model.topk
+        if tuple(topk_idx.shape) != (s, k) or tuple(topk_weights.shape) != (s, k):
+            raise ValueError(f"megakernel: routing must be [S, {k}] = [{s}, {k}], got {tuple(topk_idx.shape)}, "
+                             f"{tuple(topk_weights.shape)}")
+        self.topk_idx[:s].copy_(topk_idx)
+        self.topk_w[:s].copy_(topk_weights)
+        return self._run(x, out, given=True)
+
+    def _run(self, x: torch.Tensor, out: torch.Tensor | None, *, given: bool) -> torch.Tensor:
+        s = x.shape[0] if x.dim() == 2 else -1
+        if x.dim() != 2 or x.shape[1] != self.model.hidden or x.dtype != torch.bfloat16 or x.device != self.device:
+            raise ValueError(f"megakernel: x must be bf16 [S, {self.model.hidden}] on {self.device}, got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+        if s > self.max_tokens:
+            raise ValueError(f"megakernel: S={s} exceeds max_tokens={self.max_tokens}")
+        x = x.contiguous()
+        if out is None:
+            out = torch.empty(s, self.model.hidden, dtype=torch.bfloat16, device=self.device)
+        if s == 0:
+            return out
+        p = self._template(self.config.pick_bm(s, self.model.topk, self.model.experts), s)
+        p.x, p.out, p.S, p.stall_tile = x.data_ptr(), out.data_ptr(), s, self.stall_tile
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        ref = ctypes.byref(p)
+        if given:
+            _lib.check(self.lib, self.lib.mk_route_given(ref, stream), "mk_route_given")
+        else:
+            _lib.check(self.lib, self.lib.mk_route(ref, stream), "mk_route")
+        _lib.check(self.lib, self.lib.mk_experts(ref, stream), "mk_experts")
+        return out
+
+    # ---- inspection ----------------------------------------------------------------------------------
+    def routing(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last forward's routing for its S tokens: (expert ids int64 [S, K], weights fp32 [S, K])."""
+        return self.topk_idx[:s].long(), self.topk_w[:s]
+
+    def error(self) -> tuple[int, str, list[int]] | None:
+        """(code, text, record) of the first error since the last `clear_error`, else None. Syncs."""
+        rec = self.err.tolist()
+        if rec[0] == 0:
+            return None
+        return rec[0], ERR_NAMES.get(rec[0], "unknown error"), rec
+
+    def check(self) -> None:
+        """Raise MegakernelError if the kernel reported an error (a host sync)."""
+        e = self.error()
+        if e is not None:
+            code, text, rec = e
+            raise MegakernelError(f"megakernel error {code}: {text} (where={rec[1]}, detail={rec[2]}, "
+                                  f"waited={rec[3] / 1e6:.1f} ms)")
+
+    def clear_error(self) -> None:
+        self.err.zero_()
+
+    def counters(self) -> dict[str, int]:
+        """The last launch's task total, m-tiles and published tasks as the kernel counted them. Syncs."""
+        c = self.ctl.tolist()
+        return {"total": c[CTL_TOTAL] - 1, "tiles": c[CTL_TILES], "published": c[CTL_PUBLISHED]}

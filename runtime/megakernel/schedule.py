@@ -1,0 +1,202 @@
+"""A faithful Python model of the megakernel's task graph and scheduler (csrc/megakernel/mk_moe.cu).
+
+The GPU scheduler and this model share every formula: m-tiles per expert ceil(count / bm) numbered
+expert-major, N1 = 2I/128 GEMM1 n-blocks and N2 = H/128 GEMM2 n-blocks per m-tile, one combine task per
+`combine_tokens` tokens and column block (4 blocks when H/8 divides by 4), the release rules (GEMM2 of an m-tile once its N1 GEMM1 tasks are done; a combine
+tile once it has seen tokens x topk x N2 finished GEMM2 rows) and the queue discipline (processors claim
+slots in order; one producer publishes). `simulate` runs it step by step on the CPU so the dependency
+logic, the task counts and the timeout path are tested without a GPU; the GPU tests compare the kernel's
+own counts (ctl words) with `plan`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+BN = 128  # weight rows per tile (BN in mk_moe.cu)
+
+GEMM1, GEMM2, COMBINE = 1, 2, 3
+ERR_SCHED_TIMEOUT, ERR_PROC_TIMEOUT = 1, 2
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: int
+    expert: int
+    mtile: int  # m-tile within the expert (combine: the combine tile)
+    nblock: int
+    tile: int   # global m-tile id (combine: 0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    n1: int
+    n2: int
+    nc: int                        # combine tasks (column blocks) per combine tile
+    tile_base: tuple[int, ...]     # exclusive prefix of m-tiles per expert; [E] = total m-tiles
+    n_tiles: int
+    n_ctiles: int
+    total: int
+    rows: tuple[tuple[int, ...], ...]  # per expert: rows t*K + j in list order
+    ctile_target: tuple[int, ...]  # finished (row, GEMM2 n-block) pairs each combine tile waits for
+
+    def tile_expert(self, tile: int) -> int:
+        lo, hi = 0, len(self.tile_base) - 2
+        while lo < hi:  # largest e with base[e] <= tile (the kernel's binary search)
+            mid = (lo + hi + 1) >> 1
+            if self.tile_base[mid] <= tile:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def gemm1_tasks(self) -> list[Task]:
+        out = []
+        for i in range(self.n_tiles * self.n1):
+            tile, nb = divmod(i, self.n1)
+            e = self.tile_expert(tile)
+            out.append(Task(GEMM1, e, tile - self.tile_base[e], nb, tile))
+        return out
+
+
+def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: int, bm: int,
+         combine_tokens: int) -> Plan:
+    """The task graph for routing `topk_idx` ([S][K] expert ids)."""
+    s = len(topk_idx)
+    k = len(topk_idx[0]) if s else 0
+    rows: list[list[int]] = [[] for _ in range(experts)]
+    for t, sel in enumerate(topk_idx):
+        for j, e in enumerate(sel):
+            rows[e].append(t * k + j)
+    base = [0]
+    for e in range(experts):
+        base.append(base[-1] + -(-len(rows[e]) // bm))
+    n1, n2, nc = 2 * intermediate // BN, hidden // BN, combine_blocks(hidden)
+    n_tiles = base[-1]
+    n_ct = -(-s // combine_tokens)
+    target = tuple((min(s, (c + 1) * combine_tokens) - c * combine_tokens) * k * n2 for c in range(n_ct))
+    return Plan(n1, n2, nc, tuple(base), n_tiles, n_ct, n_tiles * (n1 + n2) + n_ct * nc, tuple(map(tuple, rows)),
+                target)
+
+
+def combine_blocks(hidden: int) -> int:
+    """Column blocks per combine tile (combine_blocks in mk_moe.cu)."""
+    return 4 if (hidden // 8) % 4 == 0 else 1
+
+
+@dataclass
+class SimResult:
+    executed: list[Task] = field(default_factory=list)  # in completion order
+    error: int = 0
+    error_where: int = -1
+    published: int = 0
+    steps: int = 0
+
+
+def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: int, stall_tile: int = -1,
+             timeout_steps: int = 50, seed: int = 0, max_steps: int = 1_000_000) -> SimResult:
+    """Run the scheduler and `processors` processor CTAs in lock-step rounds; tasks take 1..3 rounds.
+
+    Each round: the subscriber sweeps the counters once and publishes what is ready; each idle processor
+    claims the next slot (atomicAdd order) and starts it once published; running tasks finish at random
+    times (seeded) and bump their counters. Asserts the dependency rules on every task start.
+    """
+    rng = random.Random(seed)
+    res = SimResult()
+    queue: list[Task] = p.gemm1_tasks()
+    g1done = [0] * p.n_tiles
+    comb = [0] * p.n_ctiles
+    rel_tile = [False] * p.n_tiles
+    rel_ct = [False] * p.n_ctiles
+    done_g2: set[tuple[int, int]] = set()
+    head = 0
+    # per processor: None (idle), ("wait", slot, since) or ("run", task, finish_step)
+    state: list[tuple | None] = [None] * processors
+    sched_since = 0
+    seen = -1
+    released = 0
+    need = p.n_tiles + p.n_ctiles
+    sched_done = need == 0
+    step = 0
+    while step < max_steps:
+        step += 1
+        # subscriber sweep
+        if not sched_done and not res.error:
+            got = 0
+            # progress = any unreleased counter moved (the kernel compares the sum with the last sweep's)
+            total_seen = sum(g1done[t] for t in range(p.n_tiles) if not rel_tile[t]) + sum(
+                comb[c] for c in range(p.n_ctiles) if not rel_ct[c])
+            for tile in range(p.n_tiles):
+                if not rel_tile[tile] and tile != stall_tile and g1done[tile] == p.n1:
+                    rel_tile[tile] = True
+                    e = p.tile_expert(tile)
+                    queue += [Task(GEMM2, e, tile - p.tile_base[e], nb, tile) for nb in range(p.n2)]
+                    got += 1
+            for c in range(p.n_ctiles):
+                if not rel_ct[c] and comb[c] == p.ctile_target[c]:
+                    rel_ct[c] = True
+                    queue += [Task(COMBINE, 0, c, cb, 0) for cb in range(p.nc)]
+                    got += 1
+            released += got
+            if got or total_seen != seen:
+                sched_since, seen = step, total_seen
+            elif step - sched_since > timeout_steps:
+                res.error, res.error_where = ERR_SCHED_TIMEOUT, released
+            sched_done = released == need
+        # processors
+        busy = False
+        for i in range(processors):
+            st = state[i]
+            if st is None:
+                st = state[i] = ("wait", head, step)
+                head += 1
+            if st[0] == "wait":
+                slot = st[1]
+                if slot < len(queue):
+                    t = queue[slot]
+                    _check_ready(p, t, g1done, done_g2, topk, bm, combine_tokens)
+                    state[i] = ("run", t, step + rng.randint(1, 3))
+                    busy = True
+                elif slot >= p.total or res.error:
+                    state[i] = ("exit",)
+                elif step - st[2] > timeout_steps:
+                    res.error, res.error_where = res.error or ERR_PROC_TIMEOUT, slot
+                    state[i] = ("exit",)
+                else:
+                    busy = True
+            elif st[0] == "run":
+                busy = True
+                if step >= st[2]:
+                    t = st[1]
+                    res.executed.append(t)
+                    if t.kind == GEMM1:
+                        g1done[t.tile] += 1
+                    elif t.kind == GEMM2:
+                        done_g2.add((t.tile, t.nblock))
+                        for r in _tile_rows(p, t, bm):
+                            comb[(r // topk) // combine_tokens] += 1
+                    state[i] = None
+        if not busy and (sched_done or res.error):
+            break
+    res.published = len(queue)
+    res.steps = step
+    return res
+
+
+def _tile_rows(p: Plan, t: Task, bm: int) -> tuple[int, ...]:
+    return p.rows[t.expert][t.mtile * bm : (t.mtile + 1) * bm]
+
+
+def _check_ready(p: Plan, t: Task, g1done: list[int], done_g2: set[tuple[int, int]], topk: int, bm: int,
+                 ct: int) -> None:
+    if t.kind == GEMM2:
+        assert g1done[t.tile] == p.n1, f"GEMM2 of tile {t.tile} started with {g1done[t.tile]}/{p.n1} GEMM1 done"
+    elif t.kind == COMBINE:
+        toks = set(range(t.mtile * ct, min(len(p.ctile_target) * ct, (t.mtile + 1) * ct)))
+        for tile in range(p.n_tiles):
+            e = p.tile_expert(tile)
+            rows = p.rows[e][(tile - p.tile_base[e]) * bm : (tile - p.tile_base[e] + 1) * bm]
+            if any(r // topk in toks for r in rows):
+                for nb in range(p.n2):
+                    assert (tile, nb) in done_g2, f"combine {t.mtile} started before GEMM2 ({tile}, {nb})"

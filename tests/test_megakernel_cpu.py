@@ -1,0 +1,190 @@
+"""CPU tests of the megakernel: its config, the Python model of its scheduler, its C ABI mirror and build.
+
+The scheduler model (`runtime/megakernel/schedule.py`) shares its formulas with the CUDA scheduler; the
+GPU tests compare the kernel's own task counts with `plan`. Here: task counts, dependency release order
+(asserted on every task start inside `simulate`), empty experts, all tokens to one expert, the timeout path.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from moetune.runtime.megakernel import ConfigError, MegakernelConfig
+from moetune.runtime.megakernel import schedule as sch
+
+H, INTER = 256, 128  # N1 = 2, N2 = 2: small graphs that still have several n-blocks
+
+
+def _routing(s: int, e: int, k: int, *, mode: str, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    if mode == "one":  # every token's first slot to expert 0, the rest to 1..k-1
+        return [list(range(k)) for _ in range(s)]
+    weights = [1.0] * e if mode == "uniform" else [1.0 / (x + 1) ** 1.2 for x in range(e)]
+    out = []
+    for _ in range(s):
+        sel: list[int] = []
+        while len(sel) < k:
+            x = rng.choices(range(e), weights)[0]
+            if x not in sel:
+                sel.append(x)
+        out.append(sel)
+    return out
+
+
+# ---- config ---------------------------------------------------------------------------------------------
+def test_config_defaults_and_parse():
+    c = MegakernelConfig()
+    assert c.bm == 0 and c.stages == 0
+    assert c.pick_stages(16, 128, 8, 128) == 4 and c.pick_stages(16, 1, 8, 128) == 6
+    assert c.pick_stages(64, 1024, 8, 128) == 3 and MegakernelConfig(stages=5).pick_stages(128, 1, 8, 128) == 5
+    p = MegakernelConfig.parse("bm=16, stages=3,timeout_ms=250")
+    assert (p.bm, p.stages, p.timeout_ms) == (16, 3, 250.0)
+    assert MegakernelConfig.parse("") == c
+    assert MegakernelConfig.from_dict(p.to_dict()) == p
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [("bm=32", "bm"), ("stages=1", "stages"), ("stages=-1", "stages"), ("stages=7", "stages"), ("combine_tokens=0", "combine_tokens"),
+     ("timeout_ms=0", "timeout_ms"), ("ctas_per_sm=-1", "ctas_per_sm"), ("bogus=1", "bogus"), ("stages=x", "stages"),
+     ("stages", "expected name=value")],
+)
+def test_config_errors_name_the_field(text, field):
+    with pytest.raises(ConfigError, match=field):
+        MegakernelConfig.parse(text)
+
+
+def test_config_type_errors():
+    with pytest.raises(ConfigError, match="stages"):
+        MegakernelConfig(stages=3.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="bm"):
+        MegakernelConfig(bm=True)  # type: ignore[arg-type]
+
+
+def test_pick_bm():
+    c = MegakernelConfig()
+    assert c.pick_bm(1, 8, 128) == 16
+    assert c.pick_bm(128, 8, 128) == 16  # 8 rows per expert
+    assert c.pick_bm(1024, 8, 128) == 64
+    assert c.pick_bm(4096, 8, 128) == 128
+    assert MegakernelConfig(bm=64).pick_bm(1, 8, 128) == 64
+
+
+# ---- the scheduler model ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bm", [16, 64, 128])
+@pytest.mark.parametrize(("s", "mode"), [(1, "uniform"), (7, "zipf"), (100, "uniform"), (300, "zipf"), (50, "one")])
+def test_plan_counts(s, mode, bm):
+    e, k = 16, 4
+    idx = _routing(s, e, k, mode=mode, seed=s)
+    p = sch.plan(idx, experts=e, hidden=H, intermediate=INTER, bm=bm, combine_tokens=16)
+    counts = Counter(x for row in idx for x in row)
+    tiles = sum(-(-counts[x] // bm) for x in range(e))
+    assert p.n_tiles == tiles and p.n1 == 2 and p.n2 == 2
+    assert p.n_ctiles == -(-s // 16)
+    assert p.nc == 4  # H = 256: 32 chunks of 8 columns, 4 blocks
+    assert p.total == tiles * 4 + p.n_ctiles * p.nc
+    assert sum(len(r) for r in p.rows) == s * k
+    assert sum(p.ctile_target) == s * k * p.n2
+    assert len(p.gemm1_tasks()) == tiles * p.n1
+    # empty experts own no tile
+    for x in range(e):
+        assert (p.tile_base[x + 1] - p.tile_base[x]) == -(-counts[x] // bm)
+
+
+@pytest.mark.parametrize("procs", [1, 3, 40])
+@pytest.mark.parametrize(("s", "mode"), [(1, "uniform"), (37, "zipf"), (200, "uniform"), (64, "one")])
+def test_simulation_runs_every_task_once_in_dependency_order(s, mode, procs):
+    e, k, bm, ct = 16, 4, 16, 8
+    idx = _routing(s, e, k, mode=mode, seed=7 * s + procs)
+    p = sch.plan(idx, experts=e, hidden=H, intermediate=INTER, bm=bm, combine_tokens=ct)
+    r = sch.simulate(p, processors=procs, bm=bm, topk=k, combine_tokens=ct, seed=procs)
+    assert r.error == 0
+    assert r.published == p.total
+    assert len(r.executed) == p.total
+    kinds = Counter(t.kind for t in r.executed)
+    assert kinds == {sch.GEMM1: p.n_tiles * p.n1, sch.GEMM2: p.n_tiles * p.n2, sch.COMBINE: p.n_ctiles * p.nc}
+    assert len(set(r.executed)) == p.total  # no task twice
+    # release order: a tile's GEMM2s complete after all its GEMM1s; every token's combine comes last for it
+    pos = {t: i for i, t in enumerate(r.executed)}
+    for tile in range(p.n_tiles):
+        g1 = [pos[t] for t in r.executed if t.kind == sch.GEMM1 and t.tile == tile]
+        g2 = [pos[t] for t in r.executed if t.kind == sch.GEMM2 and t.tile == tile]
+        assert max(g1) < min(g2)
+
+
+def test_all_tokens_to_one_expert_many_tiles():
+    e, k, bm = 16, 1, 16
+    idx = [[3] for _ in range(100)]
+    p = sch.plan(idx, experts=e, hidden=H, intermediate=INTER, bm=bm, combine_tokens=16)
+    assert p.n_tiles == 7 and p.tile_base[3] == 0 and p.tile_base[4] == 7 and p.tile_base[e] == 7
+    assert {p.tile_expert(t) for t in range(7)} == {3}
+    r = sch.simulate(p, processors=5, bm=bm, topk=k, combine_tokens=16)
+    assert r.error == 0 and len(r.executed) == p.total
+
+
+def test_stalled_tile_times_out_without_hanging():
+    e, k, bm = 16, 4, 16
+    idx = _routing(64, e, k, mode="uniform", seed=3)
+    p = sch.plan(idx, experts=e, hidden=H, intermediate=INTER, bm=bm, combine_tokens=16)
+    r = sch.simulate(p, processors=6, bm=bm, topk=k, combine_tokens=16, stall_tile=2, timeout_steps=20)
+    assert r.error in (sch.ERR_SCHED_TIMEOUT, sch.ERR_PROC_TIMEOUT)
+    assert len(r.executed) < p.total
+    assert not any(t.kind == sch.GEMM2 and t.tile == 2 for t in r.executed)
+    assert r.steps < 10_000  # ended by the timeout, not by the step cap
+
+
+def test_simulation_checks_dependencies():
+    """The model's own assertion fires if a GEMM2 were released early (so the order test can fail)."""
+    idx = _routing(20, 16, 4, mode="uniform", seed=1)
+    p = sch.plan(idx, experts=16, hidden=H, intermediate=INTER, bm=16, combine_tokens=16)
+    bad = sch.Plan(p.n1 - 1, *list(vars(p).values())[1:])  # claims one GEMM1 n-block fewer than published
+    with pytest.raises(AssertionError, match="GEMM2"):
+        sch._check_ready(bad, sch.Task(sch.GEMM2, 0, 0, 0, 0), [p.n1 - 2] * p.n_tiles, set(), 4, 16, 16)
+
+
+# ---- the C ABI mirror and the build command -----------------------------------------------------------------
+def _header() -> str:
+    from moetune.runtime.megakernel import _lib
+
+    return (_lib.source_dir() / "mk_api.h").read_text()
+
+
+def test_ctypes_struct_matches_header():
+    from moetune.runtime.megakernel import _lib
+
+    body = re.search(r"typedef struct MkParams \{(.*?)\} MkParams;", _header(), re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    names: list[str] = []
+    for decl in filter(None, (d.strip() for d in body.split(";"))):
+        first, *rest = decl.split(",")
+        names += [re.findall(r"\w+", first)[-1], *(r.strip() for r in rest)]
+    assert names == [f[0] for f in _lib.MkParams._fields_]
+    assert re.search(r"#define MK_ABI_VERSION (\d+)", _header()).group(1) == str(_lib.ABI_VERSION)
+
+
+def test_build_command_shape(tmp_path):
+    from moetune.runtime.megakernel import _lib
+
+    cmd = _lib.build_command("/x/nvcc", tmp_path / "lib.so")
+    assert cmd[0] == "/x/nvcc"
+    for flag in ("-gencode=arch=compute_90a,code=sm_90a", "-shared", "-O3", "-std=c++17", "-cudart=static"):
+        assert flag in cmd
+    assert [Path(c).name for c in cmd if c.endswith(".cu")] == ["mk_moe.cu"]
+    k1 = _lib.build_key("nvcc 13.0")
+    assert k1 == _lib.build_key("nvcc 13.0") != _lib.build_key("nvcc 12.9")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists(), reason="no nvcc")
+def test_library_compiles(tmp_path, monkeypatch):
+    from moetune.runtime.megakernel import _lib
+
+    monkeypatch.setenv("MOETUNE_CACHE", str(tmp_path))
+    lib = _lib.build()
+    assert lib.exists() and lib.stat().st_size > 0
