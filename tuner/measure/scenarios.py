@@ -675,7 +675,7 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8) 
     mine = [r for r in rows if r["scenario"] == s.name and R.fnum(r["median"]) is not None]
     real = [r for r in mine if r["source"] != "smoke"]
     use = real or mine
-    head = [f"### {s.name}", "", s.question.splitlines()[0] if s.question else "",
+    head = [f"### {s.name}", "", " ".join(s.question.split()),
             f"Driver `{s.driver}`; needs {s.needs.describe()} ({s.needs.hardware}).", ""]
     if not use:
         return [*head, f"No rows yet: `moetune bench run {s.name}`.", ""]
