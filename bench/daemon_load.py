@@ -208,6 +208,8 @@ def main() -> int:
     ap.add_argument("--pin", action="store_true",
                     help="pin the daemon (all its threads) to CPU 0 and the client processes to the other CPUs")
     ap.add_argument("--nice", type=int, default=0, help="os.nice() increment for the bench and the daemon it starts")
+    ap.add_argument("--no-autoload", action="store_true",
+                    help="skip the runtime start-up / fallback timings (a smoke run of the load phases only)")
     a = ap.parse_args()
     if a.nice:
         os.nice(a.nice)
@@ -249,20 +251,10 @@ def main() -> int:
                 phases.append(r)
                 print(json.dumps(r), flush=True)
         env = dict(os.environ, MOETUNE_CLIENT_SOCKET=d.endpoint, MOETUNE_STORE_DB=str(d.db))
-        up = time_autoload(env)
+        up = [] if a.no_autoload else time_autoload(env)
     finally:
         d.kill(15)
-    env = dict(os.environ, MOETUNE_CLIENT_SOCKET=d.endpoint, MOETUNE_STORE_DB=str(d.db))
-    down_nosock = time_autoload(env)
-    # a stale socket file (a daemon killed -9 leaves one): connect is refused, the client waits its budget
-    stale = tmp / "stale"
-    stale.mkdir()
-    s = socket.socket(socket.AF_UNIX)
-    s.bind(str(stale / "daemon.sock"))
-    s.close()
-    down_stale = time_autoload(dict(env, MOETUNE_CLIENT_SOCKET=f"ipc://{stale / 'daemon.sock'}"))
-    dead_port = free_port()
-    down_tcp = time_autoload(dict(env, MOETUNE_CLIENT_SOCKET=f"tcp://127.0.0.1:{dead_port}"))
+    auto = _time_fallbacks(tmp, d) if not a.no_autoload else None
 
     result = {
         "date": datetime.now(UTC).isoformat(),
@@ -277,15 +269,12 @@ def main() -> int:
         "note": "2-core shared CI box; other jobs may run at the same time (see loadavg); client processes run on the same cores as the daemon",
         "store": "moetune.tuner.store.store.Store",
         "phases": phases,
-        "autoload_daemon_up": {"call": summarize(up, "autoload_ms"), "import": summarize(up, "import_ms"),
-                               "runtime_package_import": summarize(up, "runtime_pkg_ms"),
-                               "sources": sorted({x["source"] for x in up})},
-        "autoload_daemon_down": {
-            "no_socket": {"call": summarize(down_nosock, "autoload_ms"), "sources": sorted({x["source"] for x in down_nosock})},
-            "stale_socket": {"call": summarize(down_stale, "autoload_ms"), "sources": sorted({x["source"] for x in down_stale})},
-            "tcp_nobody": {"call": summarize(down_tcp, "autoload_ms"), "sources": sorted({x["source"] for x in down_tcp})},
-        },
     }
+    if auto is not None:
+        result["autoload_daemon_up"] = {"call": summarize(up, "autoload_ms"), "import": summarize(up, "import_ms"),
+                                        "runtime_package_import": summarize(up, "runtime_pkg_ms"),
+                                        "sources": sorted({x["source"] for x in up})}
+        result["autoload_daemon_down"] = auto
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{datetime.now(UTC):%Y-%m-%d}_daemon_load{'' if a.transport == 'ipc' else '_tcp'}.json"
@@ -301,12 +290,31 @@ def main() -> int:
     for r in phases:
         print(f"{r['clients']:>7} {r['mode']:>6} {r['req_per_s']:>9.0f} {r['p50_us']:>8.0f} {r['p99_us']:>8.0f} {r['errors']:>6}"
               f" {r['daemon_cpu_us_per_req']:>10.1f}")
+    if auto is None:
+        return 0
     au = result["autoload_daemon_up"]
     print(f"autoload, daemon up: call {au['call']['median_ms']} ms median; importing the client adds "
           f"{au['import']['median_ms']} ms (the runtime package itself: {au['runtime_package_import']['median_ms']} ms)")
     for k, v in result["autoload_daemon_down"].items():
         print(f"autoload, daemon down ({k}): {v['call']['median_ms']} ms median, {v['call']['max_ms']} ms max -> {v['sources']}")
     return 0
+
+
+def _time_fallbacks(tmp: Path, d) -> dict:
+    """The runtime's start-up with the daemon down: no socket file, a stale socket file (a daemon killed -9
+    leaves one: connect is refused, the client waits its budget) and tcp with nobody listening."""
+    from moetune.runtime.testing.launch import free_port
+
+    env = dict(os.environ, MOETUNE_CLIENT_SOCKET=d.endpoint, MOETUNE_STORE_DB=str(d.db))
+    stale = tmp / "stale"
+    stale.mkdir()
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(stale / "daemon.sock"))
+    s.close()
+    runs = {"no_socket": time_autoload(env),
+            "stale_socket": time_autoload(dict(env, MOETUNE_CLIENT_SOCKET=f"ipc://{stale / 'daemon.sock'}")),
+            "tcp_nobody": time_autoload(dict(env, MOETUNE_CLIENT_SOCKET=f"tcp://127.0.0.1:{free_port()}"))}
+    return {k: {"call": summarize(v, "autoload_ms"), "sources": sorted({x["source"] for x in v})} for k, v in runs.items()}
 
 
 if __name__ == "__main__":

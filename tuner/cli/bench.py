@@ -176,3 +176,90 @@ def _print_table(rep: dict) -> None:
     if rep.get("max_rel_err") is not None:
         colour = "green" if rep.get("verify_ok", True) else "red"
         c.print(f"verify: max relative error [{colour}]{rep['max_rel_err']:.3g}[/{colour}] (bound {rep['verify_bound']:.3g})")
+
+
+# -- named scenarios (bench/scenarios/*.toml; tuner/measure/scenarios.py) -------------------------------------
+
+
+@app.command("list")
+def list_scenarios(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object per scenario."),
+) -> None:
+    """The named benchmark scenarios, what each needs (GPUs, world, backend) and its cases (baseline first)."""
+    from moetune.tuner.measure import scenarios as S
+
+    try:
+        scns = S.load_all()
+    except S.ScenarioError as e:
+        _fail(str(e))
+    if as_json:
+        for s in scns.values():
+            typer.echo(json.dumps({"name": s.name, "driver": s.driver, "gpus": s.needs.gpus, "world": s.needs.world,
+                                   "backend": s.needs.backend, "hardware": s.needs.hardware, "launches": s.launches,
+                                   "cases": [c.name for c in s.cases], "metrics": list(s.metrics),
+                                   "smoke": "skip: " + s.smoke_skip if s.smoke_skip else "cpu"}))
+        return
+    t = Table(title="benchmark scenarios (bench/scenarios/)")
+    for col in ("scenario", "needs", "driver", "cases (baseline first)", "smoke"):
+        t.add_column(col)
+    for s in scns.values():
+        t.add_row(s.name, s.needs.describe(), s.driver, ", ".join(c.name for c in s.cases),
+                  "no CPU variant" if s.smoke_skip else "gloo/CPU")
+    Console().print(t)
+
+
+@app.command("run")
+def run_scenario(
+    scenario: str = typer.Argument(..., help="A scenario name (`moetune bench list`)."),
+    case: str = typer.Option(None, "--case", help="Run only this case (with the baseline first and last)."),
+    launches: int = typer.Option(None, "--launches", help="Launches (default: the scenario's; 1 with --smoke)."),
+    smoke: bool = typer.Option(False, "--smoke", help="Tiny sizes on CPU/gloo: checks the plumbing, rows marked source=smoke."),
+    results: str = typer.Option(None, "--results", help="CSV to append to (default bench/results/summary.csv)."),
+) -> None:
+    """Run every case of a scenario side by side, several launches; append stamped rows to summary.csv."""
+    from pathlib import Path
+
+    from moetune.tuner.measure import results as R
+    from moetune.tuner.measure import scenarios as S
+
+    try:
+        s = S.get(scenario)
+        rows = S.run(s, case=case, launches=launches, smoke=smoke, results=Path(results) if results else S.SUMMARY_CSV,
+                     progress=lambda m: _err.print(f"[dim]{m}[/dim]"))
+    except (S.ScenarioError, R.ResultsError) as e:
+        _fail(str(e))
+    t = Table(title=f"{scenario}: {len(rows)} rows appended ({'smoke' if smoke else 'measured'})")
+    for col in ("launch", "case", "metric", "median", "p10", "p90", "note"):
+        t.add_column(col)
+    shown = next((m for m in s.metrics if any(r["metric"] == m for r in rows)), None)
+    for r in rows:
+        if r["metric"] == shown or str(r.get("note", "")).startswith("FAILED"):
+            t.add_row(r["launch"], r["case"], r["metric"], _fmt(r.get("median")), _fmt(r.get("p10")), _fmt(r.get("p90")),
+                      str(r.get("note") or ""))
+    Console().print(t)
+    if all(str(r.get("note", "")).startswith("FAILED") for r in rows):
+        _err.print("[red]every case failed[/red]")
+        raise typer.Exit(1)
+
+
+@app.command("summarize")
+def summarize_scenarios(
+    results: str = typer.Option(None, "--results", help="CSV to read (default bench/results/summary.csv)."),
+    out: str = typer.Option(None, "--out", help="Markdown to write (default BENCHMARKS.md); '-' prints it."),
+) -> None:
+    """Regenerate BENCHMARKS.md from summary.csv: per scenario its latest batch, medians / p10 / p90, ratios."""
+    from pathlib import Path
+
+    from moetune.tuner.measure import results as R
+    from moetune.tuner.measure import scenarios as S
+
+    try:
+        md = S.summarize(S.load_all(), R.read_rows(Path(results) if results else S.SUMMARY_CSV))
+    except (S.ScenarioError, R.ResultsError) as e:
+        _fail(str(e))
+    if out == "-":
+        typer.echo(md, nl=False)
+        return
+    path = Path(out) if out else S.BENCHMARKS_MD
+    path.write_text(md, encoding="utf-8")
+    _err.print(f"wrote {path} ({md.count(chr(10))} lines)")

@@ -1,0 +1,116 @@
+"""One-off conversion of the 2026-11-30 lab notebook (bench/results/*) into summary.csv rows, source=imported.
+
+    python bench/import_history.py RESULTS_DIR > rows.csv   (RESULTS_DIR: the unpacked archive)
+
+Each row's git SHA is the commit that added its raw file (`git log --diff-filter=A`), its date the day of the
+run, its hardware the machine BENCHMARKS.md names. Only numbers the raw files hold are written; a failed case
+becomes a row with an empty median and note FAILED. Kept so the conversion can be reviewed and re-run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from moetune.tuner.measure import results as R
+from moetune.tuner.measure import scenarios as S
+
+ROOT = Path(__file__).resolve().parents[1]
+H200 = {"gpu": "NVIDIA H200", "gpu_count": 2, "torch": "2.11.0+cu130", "nccl": "2.28.9", "cuda": "13.0",
+        "hardware": "2x NVIDIA H200 (NV18 NVLink), driver 580.159.04", "fabric_fingerprint": "fb7949d8f6691bdd"}
+CPU = {"gpu": "none", "gpu_count": 0, "hardware": "2 CPU cores (Intel Xeon VM), no GPU"}
+
+
+def added_sha(path: Path) -> str:
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    out = subprocess.run(["git", "-C", str(ROOT), "log", "--diff-filter=A", "--format=%H", "--", str(rel)],
+                         capture_output=True, text=True).stdout.split()
+    return out[-1] if out else "unknown"
+
+
+def rows_for(scenario: str, launch: str, per_case: list[tuple[str, dict[str, S.Stat], str]], src: Path,
+             machine: dict[str, Any], command: str, world: int = 1, backend: str = "none") -> list[dict[str, Any]]:
+    sha = added_sha(src)
+    base = S.get(scenario).baseline.name
+    out = []
+    for pos, (case, metrics, note) in enumerate(per_case):
+        common = {"scenario": scenario, "case": case, "baseline": case == base, "position": pos, "launch": launch,
+                  "source": "imported", "date": "2026-11-30", "git_sha": sha, "git_dirty": False, "world": world,
+                  "backend": backend, "command": command, **machine}
+        if not metrics:
+            out.append({**common, "metric": S.get(scenario).metrics[0], "note": f"FAILED: {note}"[:300]})
+        for m, st in metrics.items():
+            out.append({**common, "metric": m, "unit": st.unit, "median": st.median, "p10": st.p10, "p90": st.p90,
+                        "n": st.n, "note": f"from {src.relative_to(ROOT / 'bench/results') if src.is_relative_to(ROOT / 'bench/results') else src.name}"})
+    return out
+
+
+def host_staged(res: Path) -> list[dict[str, Any]]:
+    scn = S.get("host-staged-fp8-pipelined")
+    named = {(c.args.get("layout"), c.args.get("knobs"), " ".join(f"{k}={v}" for k, v in c.env.items())): c.name
+             for c in scn.cases}
+    rows = []
+    for f in sorted(res.glob("*/**/host_staged.jsonl")):
+        run = re.search(r"run(\d+\w*)", str(f.relative_to(res))).group(0)
+        sub = f.parent.name if f.parent.name != f"2026-11-30_h200x2_{run}" else ""
+        launch = f"{run}{sub}"
+        per, date = [], "2026-11-30"
+        for ln in f.read_text().splitlines():
+            if not ln.strip():
+                continue
+            r = json.loads(ln)
+            env = r.get("env", "").strip()
+            case = named.get((r["layout"], r["knobs"], env)) or f"{r['layout']}|{r['knobs']}" + (f"|{env}" if env else "")
+            rep = r.get("result") or {}
+            per.append((case, S._from_report(rep) if rep else {}, (r.get("stderr_tail") or "no result")[:200]))
+            date = rep.get("date") or date
+        cmd = f"bench/gpu_host_staged.sh (launch {launch}; CASES in that run's script)"
+        rows += [{**r, "date": date[:19] + "Z"} for r in rows_for(scn.name, launch, per, f, H200, cmd, world=2, backend="nccl")]
+    return rows
+
+
+def main() -> int:
+    res = Path(sys.argv[1]).resolve()
+    rows = host_staged(res)
+    for i, ln in enumerate((res / "fabric_discovery_cpu.jsonl").read_text().splitlines()):
+        d = json.loads(ln)
+        per = S.discovery_metrics(d)
+        rows += rows_for("fabric-discovery", f"cpu-{i + 1}", [(c, m, "") for c, m in per.items()],
+                         res / "fabric_discovery_cpu.jsonl", CPU, d.get("command", ""))
+    for name, case in (("2026-11-30_daemon_load.json", "ipc"), ("2026-11-30_daemon_load_tcp.json", "tcp"),
+                       ("2026-11-30_daemon_load_busy.json", "ipc")):
+        d = json.loads((res / name).read_text())
+        rows += rows_for("daemon-load", name.removesuffix(".json"), [(case, S.daemon_metrics(d), "")], res / name, CPU,
+                         d.get("command", ""))
+    d = json.loads((res / "search_efficiency.json").read_text())
+    per = S.search_metrics(d)
+    rows += rows_for("search-efficiency", "cpu-1", [(c, per[c], "") for c in ("random", "tpe", "cold-tpe")],
+                     res / "search_efficiency.json", CPU, d["meta"]["command"])
+    d = json.loads((res / "2026-11-30_fabric_model_cpu.json").read_text())
+    rows += rows_for("fabric-model", "cpu-1", [("presets", S.model_metrics(d), "")], res / "2026-11-30_fabric_model_cpu.json",
+                     CPU, "python bench/model_reproduce.py --out bench/results/2026-11-30_fabric_model_cpu.json")
+    f = res / "2026-11-30_cpu_runtime_host_cost.txt"
+    runs: list[list[tuple[str, dict[str, S.Stat], str]]] = [[]]
+    for ln in f.read_text().splitlines():
+        m = re.match(r"^(\w+)\s+([\d.]+) us/roundtrip", ln)
+        if m:
+            if any(c == m.group(1).replace("_", "-") for c, _, _ in runs[-1]):
+                runs.append([])
+            runs[-1].append((m.group(1).replace("_", "-"), {"host_us_per_roundtrip": S.Stat(float(m.group(2)), unit="us")}, ""))
+    for i, per in enumerate(runs):
+        rows += rows_for("runtime-host-cost", f"cpu-{i + 1}", per, f, CPU, "python bench/runtime_host_cost.py")
+    f = res / "2026-11-30_h200x2_run1" / "proxy_micro.jsonl"
+    per_mode = S.proxy_metrics([json.loads(x) for x in f.read_text().splitlines() if x.strip()])
+    rows += rows_for("proxy-fences", "run1", list((c, m, "") for c, m in per_mode.items()), f, H200,
+                     "python bench/proxy_micro.py", world=1)
+    R.append_rows(ROOT / "bench/results/summary.csv", rows)
+    print(f"{len(rows)} rows imported")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

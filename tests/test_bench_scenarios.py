@@ -1,0 +1,110 @@
+"""The benchmark scenarios stay runnable: every file parses and names a registered driver, every scenario runs
+in smoke mode on gloo/CPU through `moetune bench run --smoke` (the real CLI and drivers, tiny sizes, 1 launch)
+and appends fully stamped rows, and `moetune bench summarize` turns the rows into a short BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetune.tuner.measure import results as R
+from moetune.tuner.measure import scenarios as S
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = S.load_all()
+STAMP = ("git_sha", "date", "moetune", "torch", "gpu", "fabric_fingerprint", "hardware", "command", "launch", "source")
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", "from moetune.tuner.cli import main; main()", "bench", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_scenario_parses_and_names_a_driver() -> None:
+    assert len(SCENARIOS) >= 8
+    for s in SCENARIOS.values():
+        assert s.driver in S.DRIVERS, s.name
+        assert s.question and s.metrics and s.cases[0].smoke
+        assert s.smoke_skip or s.smoke_needs.gpus == 0, f"{s.name}: a smoke variant must run without GPUs"
+
+
+def test_plan_puts_the_baseline_first_and_last() -> None:
+    s = SCENARIOS["host-staged-fp8-pipelined"]
+    seq = [c.name for c in S.plan(s, None, smoke=False)]
+    assert seq[0] == seq[-1] == "bf16-nccl-staging" and len(seq) == len(s.cases) + 1
+    assert [c.name for c in S.plan(s, "fp8-depth4", smoke=False)] == ["bf16-nccl-staging", "fp8-depth4", "bf16-nccl-staging"]
+    assert "fp8-depth4-kernel-wait" not in [c.name for c in S.plan(s, None, smoke=True)]
+    smoke = S.plan(s, None, smoke=True)[1]
+    assert smoke.args["tokens"] == 16 and smoke.env["NCCL_P2P_DISABLE"] == "1"
+
+
+def test_bad_scenario_files_are_clear_errors(tmp_path: Path) -> None:
+    (tmp_path / "x.toml").write_text('name = "x"\ndriver = "nope"\nquestion = "q"\nmetrics = ["m"]\n[[cases]]\nname = "a"\n')
+    with pytest.raises(S.ScenarioError, match="unknown driver 'nope'"):
+        S.load(tmp_path / "x.toml")
+    (tmp_path / "y.toml").write_text('name = "z"\n')
+    with pytest.raises(S.ScenarioError, match="must equal the file's stem"):
+        S.load(tmp_path / "y.toml")
+    with pytest.raises(S.ScenarioError, match="no case 'nope'"):
+        S.plan(SCENARIOS["daemon-load"], "nope", smoke=False)
+
+
+def test_run_refuses_a_gpu_scenario_on_this_machine_without_a_traceback(tmp_path: Path) -> None:
+    out = tmp_path / "s.csv"
+    with pytest.raises(S.ScenarioError, match="needs 2 GPUs"):
+        S.run(SCENARIOS["ep-roundtrip-qwen3-s128"], results=out, gpus=0)
+    r = _cli("run", "ep-roundtrip-qwen3-s128", "--results", str(out))
+    if r.returncode == 0:
+        pytest.skip("this machine has the GPUs")
+    assert r.returncode == 2 and "needs 2 GPUs" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("run", "no-such-scenario", "--results", str(out))
+    assert r.returncode == 2 and "no scenario 'no-such-scenario'" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+@pytest.mark.timeout(180)
+def test_every_scenario_runs_in_smoke_mode_and_summarizes(tmp_path: Path) -> None:
+    out = tmp_path / "summary.csv"
+    ran = []
+    for s in SCENARIOS.values():
+        if s.smoke_skip:  # the scenario says why no CPU variant can exist
+            with pytest.raises(S.ScenarioError, match="no CPU smoke variant"):
+                S.run(s, smoke=True, results=out)
+            continue
+        rows = S.run(s, smoke=True, results=out, gpus=0)
+        failed = [r for r in rows if str(r.get("note", "")).startswith("FAILED")]
+        assert not failed, failed
+        assert {r["case"] for r in rows} == {c.name for c in s.cases if c.smoke}, s.name
+        ran.append(s.name)
+    assert {"host-staged-fp8-pipelined", "ep-roundtrip-qwen3-s128", "daemon-load", "fabric-discovery"} <= set(ran)
+    rows = R.read_rows(out)  # what was appended reads back with every column, stamped
+    assert {r["scenario"] for r in rows} == set(ran)
+    for r in rows:
+        assert set(r) == set(R.COLUMNS)
+        assert r["source"] == "smoke" and all(r[c] for c in STAMP), r
+        assert len(r["git_sha"]) == 40 and r["git_dirty"] in ("0", "1")
+    md_path = tmp_path / "BENCHMARKS.md"
+    r = _cli("summarize", "--results", str(out), "--out", str(md_path))
+    assert r.returncode == 0, r.stderr
+    md = md_path.read_text()
+    assert md.count("\n") <= 200
+    for name in SCENARIOS:
+        assert f"### {name}" in md
+    assert "SMOKE" in md and "(baseline)" in md
+
+
+def test_list_shows_needs() -> None:
+    r = _cli("list", "--json")
+    assert r.returncode == 0, r.stderr
+    assert '"name": "host-staged-fp8-pipelined"' in r.stdout and '"gpus": 2' in r.stdout
+
+
+def test_committed_summary_and_benchmarks_md_agree() -> None:
+    rows = R.read_rows(S.SUMMARY_CSV)
+    assert rows and all(r["git_sha"] for r in rows)
+    md = S.BENCHMARKS_MD.read_text()
+    assert md == S.summarize(SCENARIOS, rows), "BENCHMARKS.md is stale: run `moetune bench summarize`"
+    assert md.count("\n") <= 200
