@@ -8,7 +8,7 @@ mkdir -p "$DEST/lib" "$DEST/whl" "$DEST/tests" "$DEST/bench"
 rm -rf "$DEST/runtime" "$DEST/csrc"; cp -r "$WT/runtime" "$DEST/runtime"
 cp -r "$WT/csrc" "$DEST/csrc"; find "$DEST" -name __pycache__ -prune -exec rm -rf {} +
 cp "$WT/tests/test_megakernel_gpu.py" "$DEST/tests/"
-cp "$WT/bench/megakernel_bench.py" "$DEST/bench/"
+cp "$WT/bench/megakernel_bench.py" "$WT/bench/megakernel_profile.py" "$DEST/bench/"
 cp "$WT/bench/megakernel_device.sh" "$DEST/run.sh"
 printf '[pytest]\nmarkers =\n    gpu: needs CUDA\n    slow: long\naddopts = --import-mode=importlib\n' > "$DEST/pytest.ini"
 git -C "$WT" rev-parse --short HEAD > "$DEST/SHA"

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 4
+#define MK_ABI_VERSION 5
 
 // ctl[] words (int32), one set per layer instance.
 enum {
@@ -62,13 +62,14 @@ typedef struct MkParams {
   // sizes
   int64_t S, S_cap, H, I, E, K;
   int64_t bm;          // m-tile rows: 16, 64 or 128
-  int64_t stages;      // cp.async pipeline depth, 2..6
+  int64_t stages;      // cp.async pipeline depth, 2..12 (shared memory: bm=16 <= 12, 64 <= 8, 128 <= 6)
   int64_t combine_tokens;  // tokens per combine task
   int64_t q_cap, max_tiles, max_ctiles;
   int64_t grid;        // CTAs of the persistent launch: 1 scheduler + grid-1 processors
   int64_t timeout_ns;
   int64_t stall_tile;  // test hook: this m-tile's GEMM2 is never released (-1: off)
-  int64_t logit_splits_max;  // planes in `logits` (the gate GEMM splits H into up to this many parts)
+  int64_t logit_splits_max;  // planes in `logits` (the gate GEMM splits H into up to this many parts, <= 16)
+  int64_t l2_prefetch_bytes; // prefetch the touched experts' W_down into L2 during GEMM1 when it is <= this (0 = off)
 } MkParams;
 
 int mk_abi_version(void);

@@ -69,11 +69,12 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 // wait until at most n groups are pending (n is a run-time pipeline depth, the PTX needs an immediate)
 __device__ __forceinline__ void cp_wait(int n) {
   switch (n) {
-    case 0: asm volatile("cp.async.wait_group 0;\n" ::); break;
-    case 1: asm volatile("cp.async.wait_group 1;\n" ::); break;
-    case 2: asm volatile("cp.async.wait_group 2;\n" ::); break;
-    case 3: asm volatile("cp.async.wait_group 3;\n" ::); break;
-    default: asm volatile("cp.async.wait_group 4;\n" ::); break;
+#define MK_CP_WAIT(k) \
+  case k: asm volatile("cp.async.wait_group " #k ";\n" ::); break;
+    MK_CP_WAIT(0) MK_CP_WAIT(1) MK_CP_WAIT(2) MK_CP_WAIT(3) MK_CP_WAIT(4) MK_CP_WAIT(5) MK_CP_WAIT(6) MK_CP_WAIT(7)
+    MK_CP_WAIT(8) MK_CP_WAIT(9)
+#undef MK_CP_WAIT
+    default: asm volatile("cp.async.wait_group 10;\n" ::); break;
   }
 }
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
@@ -106,6 +107,11 @@ __device__ __forceinline__ uint64_t gtime() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
   return t;
+}
+
+// Bulk prefetch of [p, p + bytes) into L2 (no shared memory, no completion to wait for); 16-byte multiples.
+__device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ptr), "r"(bytes) : "memory");
 }
 
 // First error wins; the abort flag makes every other wait give up at once.
@@ -388,7 +394,27 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
     __threadfence();
     for (int i = c0 + tid; i < hi; i += blockDim.x) st_relaxed(&p.q_flag[i], epoch);
   }
-  if (warp != 0) return;
+  if (warp != 0) {
+    // Decode: while GEMM1 streams W_gate_up, pull the touched experts' W_down into L2 (one bulk prefetch per
+    // 64 KB), so the GEMM2 tasks, on the critical path after GEMM1, read L2 instead of DRAM. Only when it fits
+    // (l2_prefetch_bytes; 0 = off).
+    if (p.l2_prefetch_bytes > 0) {
+      const int64_t per_e = p.H * p.I * 2;
+      int touched = 0;
+      for (int e = 0; e < E; ++e) touched += base[e + 1] > base[e];
+      if (touched * per_e <= p.l2_prefetch_bytes) {
+        constexpr int CH = 65536;
+        const int nch = (int)((per_e + CH - 1) / CH);
+        const char* w2 = (const char*)p.w2;
+        for (int i = tid - 32; i < E * nch; i += (int)blockDim.x - 32) {
+          const int e = i / nch, c = i % nch;
+          if (base[e + 1] > base[e])
+            prefetch_l2(w2 + e * per_e + (int64_t)c * CH, (uint32_t)min((int64_t)CH, per_e - (int64_t)c * CH));
+        }
+      }
+    }
+    return;
+  }
   // subscriber: poll the readiness counters, publish what became ready; fail after timeout_ns without progress
   int tail = g1, released = 0;
   const int need = n_tiles + n_ct;
@@ -581,25 +607,50 @@ __global__ void __launch_bounds__(T::THREADS) k_logits(const MkParams p) {
 
 constexpr int MAXE_PER_LANE = 16;  // E <= 512
 constexpr int MAXK = 16;
+constexpr int MAX_SPLITS = 16;     // logit planes k_topk adds (layer.py caps logit_splits at 16)
+constexpr int TOPK_TOKENS = THREADS / 32;  // one warp per token
 
 // Softmax (fp32), top-k (ties: lower expert first), renormalise; append (t, j) to its expert's list.
+// Phase 1: the whole block adds the split planes of its tokens' logits into shared memory, every load of a
+// thread issued before its first add (run 5 under ncu: 24 us at S=1 when each lane chained its 16 plane
+// loads one after another); the planes are added in plane order, so the logits are the same bits as before.
+// Phase 2: one warp per token: softmax, top-k, renormalise.
 __global__ void __launch_bounds__(THREADS) k_topk(const MkParams p, int splits) {
+  __shared__ float s_lg[TOPK_TOKENS][32 * MAXE_PER_LANE];
   const int lane = threadIdx.x & 31;
-  const int t = blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5);
-  if (t >= p.S) return;
+  const int t0 = blockIdx.x * TOPK_TOKENS;
   const int E = (int)p.E, K = (int)p.K;
-  const float* lg = p.logits + (int64_t)t * E;
+  const int ntok = min(TOPK_TOKENS, (int)p.S - t0);
+  const int64_t plane = p.S * p.E;
+  for (int i0 = 0; i0 < ntok * E; i0 += THREADS * 4) {
+    float part[4][MAX_SPLITS];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = i0 + r * THREADS + threadIdx.x;
+      const bool ok = i < ntok * E;
+      const float* src = p.logits + (int64_t)(t0 + (ok ? i / E : 0)) * E + (ok ? i % E : 0);
+#pragma unroll
+      for (int z = 0; z < MAX_SPLITS; ++z) part[r][z] = ok && z < splits ? __ldg(src + z * plane) : 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = i0 + r * THREADS + threadIdx.x;
+      float a = part[r][0];
+#pragma unroll
+      for (int z = 1; z < MAX_SPLITS; ++z)
+        if (z < splits) a += part[r][z];  // fixed order: reproducible
+      if (i < ntok * E) s_lg[i / E][i % E] = a;
+    }
+  }
+  __syncthreads();
+  const int tl = threadIdx.x >> 5, t = t0 + tl;
+  if (tl >= ntok) return;
   float v[MAXE_PER_LANE];
   float m = -INFINITY;
 #pragma unroll
   for (int i = 0; i < MAXE_PER_LANE; ++i) {
     const int e = lane + 32 * i;
-    float a = -INFINITY;
-    if (e < E) {
-      a = lg[e];
-      for (int z = 1; z < splits; ++z) a += lg[(int64_t)z * p.S * E + e];  // fixed order: reproducible
-    }
-    v[i] = a;
+    v[i] = e < E ? s_lg[tl][e] : -INFINITY;
     m = fmaxf(m, v[i]);
   }
 #pragma unroll
@@ -657,7 +708,7 @@ __global__ void __launch_bounds__(THREADS) k_topk(const MkParams p, int splits) 
 }
 
 // ---- host side ----------------------------------------------------------------------------------------------
-constexpr int MAX_STAGES = 6;
+constexpr int MAX_STAGES = 12;  // bm=16 only: 12 x 18 KB fits one CTA per SM
 
 template <class T>
 int smem_for(int stages) { return smem_bytes(T::STAGE, T::META, stages); }
@@ -676,9 +727,14 @@ cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kerne
 int check_params(const MkParams* p) {
   if (!p) return fail_msg("mk: null params");
   if (p->bm != 16 && p->bm != 64 && p->bm != 128) return fail_msg("mk: bm must be 16, 64 or 128");
-  if (p->bm == 128 && smem_for<Huge>((int)p->stages) > 227 * 1024) return fail_msg("mk: bm=128 allows stages <= 6");
-  if (p->logit_splits_max < 1) return fail_msg("mk: logit_splits_max must be >= 1");
-  if (p->stages < 2 || p->stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..6");
+  if (p->logit_splits_max < 1 || p->logit_splits_max > MAX_SPLITS) return fail_msg("mk: logit_splits_max must be in 1..16");
+  if (p->stages < 2 || p->stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..12");
+  {
+    const int st = (int)p->stages;
+    const int smem = p->bm == 16 ? smem_for<Small>(st) : p->bm == 64 ? smem_for<Large>(st) : smem_for<Huge>(st);
+    if (smem > 227 * 1024) return fail_msg("mk: stages too deep for bm (shared memory > 227 KB: bm=16 <= 12, 64 <= 8, 128 <= 6)");
+  }
+  if (p->l2_prefetch_bytes < 0) return fail_msg("mk: l2_prefetch_bytes must be >= 0");
   if (p->H % BN || p->I % 64 || (2 * p->I) / BN > 4095 || p->H / BN > 4095)
     return fail_msg("mk: hidden must be a multiple of 128 and intermediate of 64");
   if (p->E < 1 || p->E > 32 * MAXE_PER_LANE) return fail_msg("mk: experts must be in 1..512");
@@ -712,7 +768,10 @@ int occupancy(int64_t bm, int64_t stages, int* per_sm, int* sms) {
 }
 
 template <class T>
-int launch_route(const MkParams* p, cudaStream_t s) {
+int launch_route(const MkParams* pp, cudaStream_t s) {
+  MkParams q = *pp;
+  q.stages = pp->stages < 4 ? pp->stages : 4;  // the gate GEMM's own depth: 0.5 MB of weights, no deep pipeline
+  const MkParams* p = &q;
   cudaError_t e = prepare<T>();
   if (e != cudaSuccess) return fail("cudaFuncSetAttribute", e);
   dim3 grid((unsigned)((p->S + T::BM - 1) / T::BM), (unsigned)((p->E + BN - 1) / BN));
@@ -758,7 +817,7 @@ const char* mk_last_error(void) { return g_err; }
 
 int mk_occupancy(int64_t bm, int64_t stages, int* per_sm, int* sms) {
   if (bm != 16 && bm != 64 && bm != 128) return fail_msg("mk: bm must be 16, 64 or 128");
-  if (stages < 2 || stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..6");
+  if (stages < 2 || stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..12");
   return occupancy(bm, stages, per_sm, sms);
 }
 

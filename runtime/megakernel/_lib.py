@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import csrc_build as _cb
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 LIB_NAME = "libmoetune_moe.so"
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
 FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo", "-cudart=static", *ARCH_FLAGS)
@@ -37,7 +37,7 @@ class MkParams(Structure):
                                   "h", "y", "ctl", "g1done", "comb", "rel", "tile_base", "q_task", "q_flag", "err")),
         *((n, c_int64) for n in ("S", "S_cap", "H", "I", "E", "K", "bm", "stages", "combine_tokens", "q_cap",
                                  "max_tiles", "max_ctiles", "grid", "timeout_ns", "stall_tile",
-                                 "logit_splits_max")),
+                                 "logit_splits_max", "l2_prefetch_bytes")),
     ]
 
 

@@ -21,20 +21,24 @@ class MegakernelConfig:
     bm: int = 0               # rows per m-tile: 16 (decode), 64 or 128 (prefill); 0 = by rows per expert
     bm_switch_rows: int = 32  # bm=0: use 64 once the average rows per expert (S*topk/E) reaches this
     bm_large_rows: int = 128  # bm=0: use 128 once the average rows per expert reaches this
-    stages: int = 0           # cp.async pipeline depth (2..6): weight tiles in flight per CTA; 0 = pick_stages
+    stages: int = 0           # cp.async pipeline depth (2..12; shared memory caps bm=64 at 8, bm=128 at 6): weight
+                              # tiles in flight per CTA; 0 = pick_stages
     ctas_per_sm: int = 0      # resident CTAs per SM (0 = as many as fit)
     processor_ctas: int = 0   # processor CTAs (0 = every resident CTA but the scheduler's)
     combine_tokens: int = 8   # tokens per combine tile (each tile runs as 4 column-block tasks)
     timeout_ms: float = 2000.0  # a wait without progress longer than this is an error, not a hang
+    l2_prefetch_mb: float = 32.0  # prefetch the touched experts' W_down into L2 during GEMM1 when it is at most
+                                  # this many MB (decode: S=1 touches 8 experts = 25 MB); 0 = off
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
         "bm_large_rows": (1, 1 << 20),
-        "stages": (0, 6),
+        "stages": (0, 12),
         "ctas_per_sm": (0, 32),
         "processor_ctas": (0, 1 << 16),
         "combine_tokens": (1, 4096),
         "timeout_ms": (1e-3, 3.6e6),
+        "l2_prefetch_mb": (0, 1024),
     }
 
     def __post_init__(self) -> None:
@@ -46,7 +50,7 @@ class MegakernelConfig:
         if self.bm not in (0, 16, 64, 128):
             raise ConfigError(f"megakernel config: bm must be 0 (auto), 16, 64 or 128, got {self.bm}")
         if self.stages == 1:
-            raise ConfigError("megakernel config: stages must be 0 (auto) or in [2, 6], got 1")
+            raise ConfigError("megakernel config: stages must be 0 (auto) or in [2, 12], got 1")
         for name, (lo, hi) in self._RANGES.items():
             v = getattr(self, name)
             if not lo <= v <= hi:
@@ -85,12 +89,13 @@ class MegakernelConfig:
     def pick_stages(self, bm: int, tokens: int, topk: int, experts: int) -> int:
         """Pipeline depth when `stages` is 0, from runs 2-3 (H200, Qwen3-30B shape): bm 64/128 at 3 stages
         (2 CTAs/SM) 17% (S=1024) to 35% (S=4096) faster than at 4; fewer rows than experts (S=1) 10% faster
-        at 6 (more weight bytes in flight per CTA); otherwise 4 (within 4% of 2-3)."""
+        at 6 than at 4 (more weight bytes in flight per CTA), and run 6 deepens that to 12 (one CTA per SM with
+        11 x 16 KB of weights in flight); otherwise 4 (within 4% of 2-3)."""
         if self.stages:
             return self.stages
         if bm >= 64:
             return 3
-        return 6 if tokens * topk < experts else 4
+        return 12 if tokens * topk < experts else 4
 
     def pick_bm(self, tokens: int, topk: int, experts: int) -> int:
         """The m-tile rows for S = `tokens`: host-side arithmetic only, so CUDA-graph capture is unaffected."""
