@@ -151,7 +151,7 @@ def main() -> int:
         base = MegakernelConfig.parse(a.config)
         variants = [{}, {"bm": 16}, {"bm": 64}, {"bm": 128}, {"stages": 2}, {"stages": 3}, {"stages": 6},
                     {"stages": 8}, {"stages": 12}, {"ctas_per_sm": 1}, {"ctas_per_sm": 2}, {"combine_tokens": 2},
-                    {"combine_tokens": 32}, {"processor_ctas": 66}, {"l2_prefetch_mb": 0}]
+                    {"combine_tokens": 32}, {"processor_ctas": 66}]
         for s in [int(t) for t in a.sweep_tokens.split(",")]:
             xs = [torch.randn(s, model.hidden, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(a.rotate)]
             for v in variants:

@@ -41,7 +41,7 @@ def _routing(s: int, e: int, k: int, *, mode: str, seed: int = 0) -> list[list[i
 def test_config_defaults_and_parse():
     c = MegakernelConfig()
     assert c.bm == 0 and c.stages == 0
-    assert c.pick_stages(16, 128, 8, 128) == 4 and c.pick_stages(16, 1, 8, 128) == 12
+    assert c.pick_stages(16, 128, 8, 128) == 3 and c.pick_stages(16, 1, 8, 128) == 6
     assert c.pick_stages(64, 1024, 8, 128) == 3 and MegakernelConfig(stages=5).pick_stages(128, 1, 8, 128) == 5
     p = MegakernelConfig.parse("bm=16, stages=3,timeout_ms=250")
     assert (p.bm, p.stages, p.timeout_ms) == (16, 3, 250.0)

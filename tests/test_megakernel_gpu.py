@@ -130,7 +130,7 @@ def test_all_tokens_to_one_expert(layer, model, s):
     _check(layer, model, x, out, idx, w)
 
 
-@pytest.mark.parametrize("cfg", ["bm=16,stages=2", "bm=16,stages=12,l2_prefetch_mb=1024", "bm=64,stages=8,l2_prefetch_mb=0",
+@pytest.mark.parametrize("cfg", ["bm=16,stages=2", "bm=16,stages=12", "bm=64,stages=8",
                                  "bm=64,stages=6", "bm=128,stages=3", "bm=128,stages=5", "bm=16,stages=3,ctas_per_sm=1,combine_tokens=5",
                                  "processor_ctas=7"])
 def test_configs(model, layer, cfg):

@@ -69,7 +69,6 @@ typedef struct MkParams {
   int64_t timeout_ns;
   int64_t stall_tile;  // test hook: this m-tile's GEMM2 is never released (-1: off)
   int64_t logit_splits_max;  // planes in `logits` (the gate GEMM splits H into up to this many parts, <= 16)
-  int64_t l2_prefetch_bytes; // prefetch the touched experts' W_down into L2 during GEMM1 when it is <= this (0 = off)
 } MkParams;
 
 int mk_abi_version(void);

@@ -109,11 +109,6 @@ __device__ __forceinline__ uint64_t gtime() {
   return t;
 }
 
-// Bulk prefetch of [p, p + bytes) into L2 (no shared memory, no completion to wait for); 16-byte multiples.
-__device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ptr), "r"(bytes) : "memory");
-}
-
 // First error wins; the abort flag makes every other wait give up at once.
 __device__ void report(const MkParams& p, int64_t code, int64_t where, int64_t detail, int64_t waited) {
   if (atomicCAS((unsigned long long*)p.err, 0ull, (unsigned long long)code) == 0ull) {
@@ -394,27 +389,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
     __threadfence();
     for (int i = c0 + tid; i < hi; i += blockDim.x) st_relaxed(&p.q_flag[i], epoch);
   }
-  if (warp != 0) {
-    // Decode: while GEMM1 streams W_gate_up, pull the touched experts' W_down into L2 (one bulk prefetch per
-    // 64 KB), so the GEMM2 tasks, on the critical path after GEMM1, read L2 instead of DRAM. Only when it fits
-    // (l2_prefetch_bytes; 0 = off).
-    if (p.l2_prefetch_bytes > 0) {
-      const int64_t per_e = p.H * p.I * 2;
-      int touched = 0;
-      for (int e = 0; e < E; ++e) touched += base[e + 1] > base[e];
-      if (touched * per_e <= p.l2_prefetch_bytes) {
-        constexpr int CH = 65536;
-        const int nch = (int)((per_e + CH - 1) / CH);
-        const char* w2 = (const char*)p.w2;
-        for (int i = tid - 32; i < E * nch; i += (int)blockDim.x - 32) {
-          const int e = i / nch, c = i % nch;
-          if (base[e + 1] > base[e])
-            prefetch_l2(w2 + e * per_e + (int64_t)c * CH, (uint32_t)min((int64_t)CH, per_e - (int64_t)c * CH));
-        }
-      }
-    }
-    return;
-  }
+  if (warp != 0) return;
   // subscriber: poll the readiness counters, publish what became ready; fail after timeout_ns without progress
   int tail = g1, released = 0;
   const int need = n_tiles + n_ct;
@@ -645,10 +620,15 @@ __global__ void __launch_bounds__(THREADS) k_topk(const MkParams p, int splits) 
   __syncthreads();
   const int tl = threadIdx.x >> 5, t = t0 + tl;
   if (tl >= ntok) return;
+  // One warp's serial chain is the whole cost at small S (run 7 under ncu: 13.6 us at S=1 with every loop
+  // running to 32 * MAXE_PER_LANE): loops stop at E (warp-uniform), and each lane keeps its best unpicked
+  // expert, rescanning only after its own pick.
+  const int NI = (E + 31) / 32;
   float v[MAXE_PER_LANE];
   float m = -INFINITY;
 #pragma unroll
   for (int i = 0; i < MAXE_PER_LANE; ++i) {
+    if (i >= NI) break;
     const int e = lane + 32 * i;
     v[i] = e < E ? s_lg[tl][e] : -INFINITY;
     m = fmaxf(m, v[i]);
@@ -658,28 +638,36 @@ __global__ void __launch_bounds__(THREADS) k_topk(const MkParams p, int splits) 
   float s = 0.f;
 #pragma unroll
   for (int i = 0; i < MAXE_PER_LANE; ++i) {
+    if (i >= NI) break;
     v[i] = lane + 32 * i < E ? expf(v[i] - m) : 0.f;
     s += v[i];
   }
 #pragma unroll
   for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(~0u, s, o);
 #pragma unroll
-  for (int i = 0; i < MAXE_PER_LANE; ++i) v[i] = lane + 32 * i < E ? v[i] / s : -1.f;
+  for (int i = 0; i < MAXE_PER_LANE; ++i) {
+    if (i >= NI) break;
+    v[i] = lane + 32 * i < E ? v[i] / s : -1.f;
+  }
   unsigned taken = 0;
   float sel_v[MAXK];
   int sel_i[MAXK];
   float sum = 0.f;
+  float lv = -2.f;  // this lane's best unpicked (value, expert): ties keep the lower index
+  int li = 1 << 30;
+#pragma unroll
+  for (int i = 0; i < MAXE_PER_LANE; ++i) {
+    if (i >= NI) break;
+    if (v[i] > lv) {
+      lv = v[i];
+      li = lane + 32 * i;
+    }
+  }
 #pragma unroll
   for (int j = 0; j < MAXK; ++j) {
     if (j >= K) break;
-    float bv = -2.f;
-    int bi = 1 << 30;
-#pragma unroll
-    for (int i = 0; i < MAXE_PER_LANE; ++i)
-      if (!((taken >> i) & 1) && v[i] > bv) {  // ascending index within a lane: ties keep the lower
-        bv = v[i];
-        bi = lane + 32 * i;
-      }
+    float bv = lv;
+    int bi = li;
 #pragma unroll
     for (int o = 16; o; o >>= 1) {
       const float ov = __shfl_xor_sync(~0u, bv, o);
@@ -689,7 +677,19 @@ __global__ void __launch_bounds__(THREADS) k_topk(const MkParams p, int splits) 
         bi = oi;
       }
     }
-    if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+    if ((bi & 31) == lane) {  // the winner's lane rescans its unpicked experts
+      taken |= 1u << (bi >> 5);
+      lv = -2.f;
+      li = 1 << 30;
+#pragma unroll
+      for (int i = 0; i < MAXE_PER_LANE; ++i) {
+        if (i >= NI) break;
+        if (!((taken >> i) & 1) && v[i] > lv) {
+          lv = v[i];
+          li = lane + 32 * i;
+        }
+      }
+    }
     sel_v[j] = bv;
     sel_i[j] = bi;
     sum += bv;
@@ -709,6 +709,9 @@ __global__ void __launch_bounds__(THREADS) k_topk(const MkParams p, int splits) 
 
 // ---- host side ----------------------------------------------------------------------------------------------
 constexpr int MAX_STAGES = 12;  // bm=16 only: 12 x 18 KB fits one CTA per SM
+// Dynamic shared memory a CTA may opt into: 227 KB less room for the kernels' static shared memory (run 7:
+// asking for the whole 227 KB failed with "invalid argument").
+constexpr int SMEM_MAX = 227 * 1024 - 1024;
 
 template <class T>
 int smem_for(int stages) { return smem_bytes(T::STAGE, T::META, stages); }
@@ -717,7 +720,7 @@ template <class T>
 cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kernel (enough for MAX_STAGES)
   static bool done = false;
   if (done) return cudaSuccess;
-  const int most = smem_for<T>(MAX_STAGES) <= 227 * 1024 ? smem_for<T>(MAX_STAGES) : 227 * 1024;
+  const int most = smem_for<T>(MAX_STAGES) <= SMEM_MAX ? smem_for<T>(MAX_STAGES) : SMEM_MAX;
   cudaError_t e = cudaFuncSetAttribute(k_experts<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
   done = e == cudaSuccess;
@@ -732,9 +735,8 @@ int check_params(const MkParams* p) {
   {
     const int st = (int)p->stages;
     const int smem = p->bm == 16 ? smem_for<Small>(st) : p->bm == 64 ? smem_for<Large>(st) : smem_for<Huge>(st);
-    if (smem > 227 * 1024) return fail_msg("mk: stages too deep for bm (shared memory > 227 KB: bm=16 <= 12, 64 <= 8, 128 <= 6)");
+    if (smem > SMEM_MAX) return fail_msg("mk: stages too deep for bm (shared memory > 227 KB: bm=16 <= 12, 64 <= 8, 128 <= 6)");
   }
-  if (p->l2_prefetch_bytes < 0) return fail_msg("mk: l2_prefetch_bytes must be >= 0");
   if (p->H % BN || p->I % 64 || (2 * p->I) / BN > 4095 || p->H / BN > 4095)
     return fail_msg("mk: hidden must be a multiple of 128 and intermediate of 64");
   if (p->E < 1 || p->E > 32 * MAXE_PER_LANE) return fail_msg("mk: experts must be in 1..512");

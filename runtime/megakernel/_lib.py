@@ -37,7 +37,7 @@ class MkParams(Structure):
                                   "h", "y", "ctl", "g1done", "comb", "rel", "tile_base", "q_task", "q_flag", "err")),
         *((n, c_int64) for n in ("S", "S_cap", "H", "I", "E", "K", "bm", "stages", "combine_tokens", "q_cap",
                                  "max_tiles", "max_ctiles", "grid", "timeout_ns", "stall_tile",
-                                 "logit_splits_max", "l2_prefetch_bytes")),
+                                 "logit_splits_max")),
     ]
 
 

@@ -27,8 +27,6 @@ class MegakernelConfig:
     processor_ctas: int = 0   # processor CTAs (0 = every resident CTA but the scheduler's)
     combine_tokens: int = 8   # tokens per combine tile (each tile runs as 4 column-block tasks)
     timeout_ms: float = 2000.0  # a wait without progress longer than this is an error, not a hang
-    l2_prefetch_mb: float = 32.0  # prefetch the touched experts' W_down into L2 during GEMM1 when it is at most
-                                  # this many MB (decode: S=1 touches 8 experts = 25 MB); 0 = off
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -38,7 +36,6 @@ class MegakernelConfig:
         "processor_ctas": (0, 1 << 16),
         "combine_tokens": (1, 4096),
         "timeout_ms": (1e-3, 3.6e6),
-        "l2_prefetch_mb": (0, 1024),
     }
 
     def __post_init__(self) -> None:
@@ -89,13 +86,13 @@ class MegakernelConfig:
     def pick_stages(self, bm: int, tokens: int, topk: int, experts: int) -> int:
         """Pipeline depth when `stages` is 0, from runs 2-3 (H200, Qwen3-30B shape): bm 64/128 at 3 stages
         (2 CTAs/SM) 17% (S=1024) to 35% (S=4096) faster than at 4; fewer rows than experts (S=1) 10% faster
-        at 6 than at 4 (more weight bytes in flight per CTA), and run 6 deepens that to 12 (one CTA per SM with
-        11 x 16 KB of weights in flight); otherwise 4 (within 4% of 2-3)."""
+        at 6 than at 4 (more weight bytes in flight per CTA; run 8: 8 or 12 stages, one CTA per SM, within 4%);
+        bm=16 with as many rows as experts (S=16..128) at 3: run 8, 3-4% faster than 4, 6+ up to 2x slower."""
         if self.stages:
             return self.stages
         if bm >= 64:
             return 3
-        return 12 if tokens * topk < experts else 4
+        return 6 if tokens * topk < experts else 3
 
     def pick_bm(self, tokens: int, topk: int, experts: int) -> int:
         """The m-tile rows for S = `tokens`: host-side arithmetic only, so CUDA-graph capture is unaffected."""

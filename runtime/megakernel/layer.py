@@ -136,7 +136,6 @@ class MegakernelMoE:
             p.grid = self.grid(bm, stages)
             p.timeout_ns = int(cfg.timeout_ms * 1e6)
             p.logit_splits_max = self.logit_splits
-            p.l2_prefetch_bytes = int(cfg.l2_prefetch_mb * (1 << 20))
             self._params[(bm, stages)] = p
         return p
 
