@@ -78,15 +78,32 @@ def group_nodes(group: Any = None) -> int:
     return len({int(b.item()) for b in bufs})
 
 
-def runtime_transport_problem(name: str) -> str | None:
-    """Why the runtime's transport registry cannot give transport `name` (None when it can)."""
+_availability: dict[tuple[str, str], str | None] = {}
+
+
+def runtime_transport_problem(name: str, device: Any = None) -> str | None:
+    """Why this runtime cannot run transport `name` on `device` (None when it can): not in the transport
+    registry (a served `ibgda`), its module missing, or (with a `device`; EPBuffer always gives one)
+    unavailable there (nvlink on a CPU device). Cached per process: availability may load the compiled library."""
+    ck = (name, str(device))
+    if ck in _availability:
+        return _availability[ck]
     from moetune.runtime.transports.registry import get_transport
 
+    why: str | None = None
     try:
-        get_transport(name)
+        cls = get_transport(name)
+        if device is not None:
+            import torch
+
+            avail = cls.availability(torch.device(device))
+            why = None if avail.ok else avail.reason
     except (KeyError, ImportError, TypeError) as e:
-        return str(e).strip("'\"")
-    return None
+        why = str(e).strip("'\"")
+    except Exception as e:  # an availability probe that fails says the transport cannot be used here
+        why = f"availability check failed: {type(e).__name__}: {e}"
+    _availability[ck] = why
+    return why
 
 
 def autoload_profile(
@@ -118,7 +135,7 @@ def autoload_profile(
             res = Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}",
                              status="default", message="MOETUNE_AUTOLOAD=0")
         else:
-            res = _resolve(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, client=client)
+            res = _resolve(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device, client=client)
         apply_env(res.env)
         log.info("moetune: knobs from %s (profile %s, %.1f ms)", res.source, res.profile_hash, res.elapsed_ms)
         if client is None:
@@ -127,13 +144,15 @@ def autoload_profile(
         return res
 
 
-def _resolve(*, model: ModelShape, ep_size: int, nodes: int, max_tokens: int, client: ProfileClient | None) -> Resolution:
+def _resolve(
+    *, model: ModelShape, ep_size: int, nodes: int, max_tokens: int, device: Any, client: ProfileClient | None
+) -> Resolution:
     own = client is None
     try:
         c = client or ProfileClient()
         try:
             return c.resolve(model=model, ep_size=ep_size, tokens=max_tokens, nodes=nodes,
-                             transport_ok=runtime_transport_problem)
+                             transport_ok=lambda name: runtime_transport_problem(name, device))
         finally:
             if own:
                 c.close()
