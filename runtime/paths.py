@@ -6,6 +6,7 @@ Every function takes the environment as a mapping (default `os.environ`) so test
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -56,3 +57,82 @@ def runtime_dir(env: Mapping[str, str] = os.environ) -> Path:
     if xdg and Path(xdg).is_absolute():
         return Path(xdg) / "moetune"
     return Path("/tmp") / f"moetune-{os.getuid()}"
+
+
+# -- the daemon's runtime directory, as the runtime client finds it ---------------------------------
+SOCKET_NAME = "daemon.sock"
+PUB_SOCKET_NAME = "events.sock"
+INFO_NAME = "daemon.json"
+SYSTEM_RUNTIME_DIR = Path("/run/moetune")
+
+
+def runtime_dir_candidates(env: Mapping[str, str] = os.environ) -> list[Path]:
+    """Where a client looks for a daemon: `runtime_dir(env)` first (the daemon's own default), then the
+    system service's `/run/moetune`, then `/tmp/moetune-<uid>`, without duplicates."""
+    out: list[Path] = []
+    xdg = env.get("XDG_RUNTIME_DIR", "")
+    for d in (
+        runtime_dir(env),
+        Path(xdg) / "moetune" if xdg and Path(xdg).is_absolute() else None,
+        SYSTEM_RUNTIME_DIR,
+        Path("/tmp") / f"moetune-{os.getuid()}",
+    ):
+        if d is not None and d not in out:
+            out.append(d)
+    return out
+
+
+def ipc_path(endpoint: str) -> Path | None:
+    """The filesystem path of an `ipc://` endpoint (None for tcp:// and others)."""
+    return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
+
+
+def untrusted_dir_reason(d: Path) -> str | None:
+    """Why the runtime must not trust sockets or `daemon.json` in directory `d` (None when it may).
+
+    Trusted: not group- or world-writable, and owned by the current user or root, or created where only
+    root can create (a parent owned by root and writable by nobody else: systemd's `RuntimeDirectory=`
+    under /run hands `/run/moetune` to the service user). A `/tmp/moetune-<uid>` made by another user
+    (/tmp is world-writable) is refused.
+    """
+    try:
+        st = os.stat(d)
+        parent = os.stat(d.parent)
+    except OSError as e:
+        return f"cannot stat {d}: {e.strerror or e}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{d} is not a directory"
+    if st.st_mode & 0o022:
+        return f"{d} is group- or world-writable (mode {st.st_mode & 0o777:o})"
+    uid = os.getuid()
+    if st.st_uid in (uid, 0):
+        return None
+    if parent.st_uid == 0 and not parent.st_mode & 0o022:
+        return None
+    return f"{d} is owned by uid {st.st_uid}, not by this user (uid {uid}) or root, in a directory others can write"
+
+
+def default_endpoint(env: Mapping[str, str] = os.environ) -> str:
+    """The daemon endpoint a client uses: `MOETUNE_CLIENT_SOCKET`, else `MOETUNE_DAEMON_SOCKET`, else the
+    first candidate runtime directory holding `daemon.sock`, else the daemon's default location."""
+    for var in ("MOETUNE_CLIENT_SOCKET", "MOETUNE_DAEMON_SOCKET"):
+        if env.get(var):
+            return env[var]
+    cands = runtime_dir_candidates(env)
+    for d in cands:
+        try:
+            os.stat(d / SOCKET_NAME)
+        except OSError:
+            continue
+        return f"ipc://{d / SOCKET_NAME}"
+    return f"ipc://{cands[0] / SOCKET_NAME}"
+
+
+def client_db_path(info_db: str | None = None, env: Mapping[str, str] = os.environ) -> Path:
+    """The database the runtime reads when the daemon is down: `MOETUNE_STORE_DB`, else the one the
+    daemon named in `daemon.json`, else `default_db_path(env)`."""
+    if env.get("MOETUNE_STORE_DB"):
+        return Path(env["MOETUNE_STORE_DB"]).expanduser()
+    if info_db:
+        return Path(info_db)
+    return default_db_path(env)

@@ -13,6 +13,8 @@ import msgspec
 from moetune.runtime.knobs import Knobs
 
 ProfileStatus = Literal["current", "stale", "superseded"]
+# Where a profile's numbers come from: measured on the node of its key, the node's calibrated model, a shipped preset.
+Provenance = Literal["measured", "node_model", "preset"]
 
 TOKEN_BUCKETS: tuple[int, ...] = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
@@ -64,9 +66,15 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     spread_us: float
     backend: str  # which benchmark backend measured it: model:<preset>, local:nccl, local:gloo, ...
     status: ProfileStatus = "current"
+    provenance: Provenance = "measured"
+    measured_on: str = ""  # what the numbers were measured on (empty unless measured)
     software_versions: dict[str, str] = {}
     created: str = ""
     updated: str = ""
+
+    def is_tuned_for(self, fingerprint: str, software: str) -> bool:
+        """Measured on exactly this fabric fingerprint and software: the only profiles applied as tuned."""
+        return self.provenance == "measured" and self.key.fingerprint == fingerprint and self.key.software == software
 
     @property
     def profile_hash(self) -> str:

@@ -76,7 +76,7 @@ def set_port_state(capture: Path, state: str = "1: DOWN", dev: str = "mlx5_0", p
     return discover(capture)
 
 
-def make_record(key: ProfileKey, *, latency_us: float = 10.0, num_sms: int = 24, backend: str = "model:fake") -> ProfileRecord:
+def make_record(key: ProfileKey, *, latency_us: float = 10.0, num_sms: int = 24, backend: str = "local:fake") -> ProfileRecord:
     knobs = default_knobs("nvlink").replace(num_sms=num_sms)
     return ProfileRecord(key=key, knobs=knobs, latency_us=latency_us, spread_us=0.1, backend=backend)
 
@@ -193,3 +193,21 @@ def seeded_daemon(tmp: Path, **proc_kw: Any) -> Iterator[tuple[DaemonProc, FakeF
         yield d, facts
     finally:
         d.kill()
+
+
+def pretend_node(monkeypatch: Any, facts: Any, proc: Path) -> None:
+    """Make the runtime's cheap node checks (moetune.runtime.profiles.node_identity) read `facts`' node:
+    a /proc with its GPUs' UUIDs and driver version under `proc`, and its torch/moetune versions."""
+    from moetune.runtime.profiles import node_identity
+
+    d = facts.to_dict() if hasattr(facts, "to_dict") else dict(facts)
+    sw = d.get("software", {}) or {}
+    nv = proc / "driver" / "nvidia"
+    for i, g in enumerate(d.get("gpus", []) or []):
+        (nv / "gpus" / f"0000:{i:02x}:00.0").mkdir(parents=True, exist_ok=True)
+        (nv / "gpus" / f"0000:{i:02x}:00.0" / "information").write_text(f"Model: \t {g.get('model')}\nGPU UUID: \t {g.get('uuid')}\n")
+    if sw.get("driver") not in (None, "", "none"):
+        nv.mkdir(parents=True, exist_ok=True)
+        (nv / "version").write_text(f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {sw['driver']}  Sat Aug 19 2023\n")
+    monkeypatch.setattr(node_identity, "PROC_ROOT", proc)
+    monkeypatch.setattr(node_identity, "_dist_version", lambda name: sw.get(name) if sw.get(name) not in (None, "none") else None)

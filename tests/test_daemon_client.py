@@ -47,8 +47,12 @@ def test_daemon_answer_no_warning(up) -> None:
     assert res.epoch and res.env == {"NVSHMEM_REMOTE_TRANSPORT": "none"}
 
 
-def test_fallback_to_readonly_database(up, caplog: pytest.LogCaptureFixture) -> None:
-    d, _facts = up
+def test_fallback_to_readonly_database(up, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+                                       tmp_path: Path) -> None:
+    """No daemon, no daemon.json: the database's recorded fingerprint that matches this node (here: the
+    captured node, as node_identity reads it) says which profiles are this node's."""
+    d, facts = up
+    F.pretend_node(monkeypatch, facts, tmp_path / "proc")
     dead = f"ipc://{d.tmp}/nowhere/daemon.sock"
     c = ProfileClient(dead, db_path=d.db)
     before = d.db.stat().st_mtime_ns
@@ -144,9 +148,11 @@ def test_launcher_env() -> None:
     assert env == {"NVSHMEM_IB_ENABLE_IBGDA": "0", "NVSHMEM_REMOTE_TRANSPORT": "libfabric", "NVSHMEM_LIBFABRIC_PROVIDER": "cxi"}
     assert autoload.launcher_env(default_knobs("collective").replace(channels=4), "collective") == {
         "NCCL_MIN_NCHANNELS": "4", "NCCL_MAX_NCHANNELS": "4"}
-    applied = autoload.apply_env({"PATH": "/evil", "NCCL_X_TEST_ONLY": "1"})
-    assert applied == {"NCCL_X_TEST_ONLY": "1"} and os.environ["PATH"] != "/evil"
-    del os.environ["NCCL_X_TEST_ONLY"]
+    # only what launcher_env can produce is exported (test_trust_client covers the allow-list)
+    os.environ.pop("NCCL_MIN_NCHANNELS", None)
+    applied = autoload.apply_env({"PATH": "/evil", "NCCL_X_TEST_ONLY": "1", "NCCL_MIN_NCHANNELS": "4"})
+    assert applied == {"NCCL_MIN_NCHANNELS": "4"} and os.environ["PATH"] != "/evil" and "NCCL_X_TEST_ONLY" not in os.environ
+    del os.environ["NCCL_MIN_NCHANNELS"]
 
 
 def _rank(rank: int, world: int, port: int, q) -> None:
@@ -184,8 +190,9 @@ def test_check_same_profile_across_ranks() -> None:
         assert "rank 0: aaaa" in differ and "rank 1: bbbb" in differ, differ
 
 
-def test_query_status_retune_commands(up) -> None:
+def test_query_status_retune_commands(up, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     d, facts = up
+    F.pretend_node(monkeypatch, facts, tmp_path / "proc")  # the database fallback trusts only this node's profiles
     r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "3000", "--format", "json",
                                  "--socket", d.endpoint])
     assert r.exit_code == 0, r.output

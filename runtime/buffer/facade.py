@@ -366,7 +366,7 @@ class EPBuffer:
         if knobs is None:
             from moetune.runtime.profiles.autoload import autoload_knobs
 
-            knobs = autoload_knobs(model=model, ep_size=self.world, nodes=1, max_tokens=self.max_tokens, device=self.device)
+            knobs = autoload_knobs(model=model, ep_size=self.world, group=group, max_tokens=self.max_tokens, device=self.device)
         self.knobs = knobs
         if knobs.compression == "fp8_e4m3":
             if not fp8_available():

@@ -1,20 +1,25 @@
 """Auto-load the tuned knobs when an EP buffer or MoE layer is made without explicit knobs.
 
-`autoload_knobs(model=..., ep_size=..., nodes=..., max_tokens=..., device=...)`:
+`autoload_knobs(model=..., ep_size=..., group=..., max_tokens=..., device=...)`:
 1. asks the daemon (`get_profile`, one round trip) for the current profile of this node's fabric, the
    model shape, the EP size and node count, at the token bucket nearest `max_tokens`; the daemon
    fills in the fingerprint of the fabric it discovered;
-2. when the daemon is down or silent, reads the daemon's database read-only. The runtime never runs
-   fabric discovery itself (that is tuner code): it uses the fingerprint the daemon cached in
-   `daemon.json` in its runtime directory, and without one, any current profile of the same shape and
-   EP size (the most recently updated fingerprint);
+2. when the daemon is down, silent or its reply does not validate, reads the daemon's database
+   read-only, trusting only profiles measured on this node (identity: `node_identity`);
 3. else the policy default of the transport family (`policy_default_knobs`), else `default_knobs`.
-Steps 2 and 3 warn loudly. The whole chain is bounded (`MOETUNE_CLIENT_TIMEOUT_MS`, 200 ms default).
+Every fallback warns once, naming the sources and why. The whole chain is bounded
+(`MOETUNE_CLIENT_TIMEOUT_MS`, 200 ms default) and never raises: whatever goes wrong ends in step 3.
 
-The profile's environment-level settings (NVSHMEM_*, NCCL_*) are exported to `os.environ` right away,
-before any communicator exists. Variables already set in the environment are left alone (what the user
-set explicitly wins, as explicit knobs do: with explicit knobs this module is not called at all).
-Results are cached per process and key, so the many layers of one model cost one lookup.
+`nodes` is the number of hosts the process group spans: the ranks all-gather a hash of their host name
+(construction is collective already). Counting hosts is exact for any group, where LOCAL_WORLD_SIZE
+describes only the launcher's whole world. A profile whose transport this runtime's registry does not
+have (a served `ibgda` profile) is passed over.
+
+The profile's environment-level settings (NVSHMEM_*, NCCL_*; only those `launcher_env` produces) are
+exported to `os.environ` right away, before any communicator exists. Variables already set in the
+environment are left alone (what the user set explicitly wins, as explicit knobs do: with explicit knobs
+this module is not called at all). Results are cached per process and key, so the many layers of one
+model cost one lookup.
 
 `MOETUNE_AUTOLOAD=0` skips the daemon and the database (policy defaults, no warning).
 
@@ -23,15 +28,21 @@ Results are cached per process and key, so the many layers of one model cost one
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import socket
 import threading
 from typing import Any
 
-from moetune.runtime.knobs import Knobs
+from moetune.runtime.knobs import Knobs, default_knobs
 from moetune.runtime.profile_record import nearest_bucket
-from moetune.runtime.profiles.client import ProfileClient, Resolution, policy_or_default
+from moetune.runtime.profiles.client import ProfileClient, Resolution, policy_or_default, warn_fallback
+from moetune.runtime.profiles.launcher_env import apply_env, launcher_env
 from moetune.runtime.shapes import ModelShape
+
+__all__ = ["ProfileMismatch", "apply_env", "autoload_knobs", "autoload_profile", "check_same_profile", "clear_cache",
+           "group_nodes", "last_resolution", "launcher_env"]
 
 log = logging.getLogger("moetune.autoload")
 
@@ -44,65 +55,76 @@ class ProfileMismatch(RuntimeError):
     """Ranks of one group loaded different profiles."""
 
 
-def launcher_env(knobs: Knobs, transport_family: str | None, nodes: int = 1) -> dict[str, str]:
-    """The environment a launcher must export for a knob set (read by NVSHMEM/NCCL at init).
+def _group_device(group: Any) -> Any:
+    import torch
+    import torch.distributed as dist
 
-    - proxy:<provider>: NVSHMEM_IB_ENABLE_IBGDA=0 and NVSHMEM_REMOTE_TRANSPORT=<ibrc|ucx|libfabric>
-      (+ NVSHMEM_LIBFABRIC_PROVIDER for libfabric/<provider>);
-    - ibgda: NVSHMEM_IB_ENABLE_IBGDA=1, NVSHMEM_IBGDA_NUM_RC_PER_PE=<qps_per_pe>;
-    - nvlink on one node: NVSHMEM_REMOTE_TRANSPORT=none (no network transport needed);
-    - collective/host_staged: NCCL_MIN_NCHANNELS/NCCL_MAX_NCHANNELS=<channels> when channels > 1.
-    """
-    env: dict[str, str] = {}
-    fam = transport_family or knobs.transport
-    if knobs.transport == "proxy":
-        env["NVSHMEM_IB_ENABLE_IBGDA"] = "0"
-        provider = fam.split(":", 1)[1] if ":" in fam else ""
-        if provider.startswith("libfabric"):
-            env["NVSHMEM_REMOTE_TRANSPORT"] = "libfabric"
-            if "/" in provider:
-                env["NVSHMEM_LIBFABRIC_PROVIDER"] = provider.split("/", 1)[1]
-        elif provider in ("ibrc", "ucx"):
-            env["NVSHMEM_REMOTE_TRANSPORT"] = provider
-    elif knobs.transport == "ibgda":
-        env["NVSHMEM_IB_ENABLE_IBGDA"] = "1"
-        env["NVSHMEM_IBGDA_NUM_RC_PER_PE"] = str(knobs.qps_per_pe)
-    elif knobs.transport == "nvlink" and nodes == 1:
-        env["NVSHMEM_REMOTE_TRANSPORT"] = "none"
-    elif knobs.transport in ("collective", "host_staged") and knobs.channels > 1:
-        env["NCCL_MIN_NCHANNELS"] = str(knobs.channels)
-        env["NCCL_MAX_NCHANNELS"] = str(knobs.channels)
-    return env
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
-def apply_env(env: dict[str, str], *, override: bool = False) -> dict[str, str]:
-    """Export NVSHMEM_*/NCCL_* settings; variables already set win unless `override`. Returns what was set."""
-    applied: dict[str, str] = {}
-    for k, v in env.items():
-        if not (k.startswith("NVSHMEM_") or k.startswith("NCCL_")):
-            log.warning("moetune: ignoring a non NVSHMEM/NCCL variable from a profile: %s", k)
-            continue
-        if k in os.environ and not override:
-            if os.environ[k] != v:
-                log.info("moetune: keeping %s=%s from the environment (profile wants %s)", k, os.environ[k], v)
-            continue
-        os.environ[k] = v
-        applied[k] = v
-    return applied
+def group_nodes(group: Any = None) -> int:
+    """How many hosts the ranks of `group` run on (1 without torch.distributed). Collective."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+        return 1
+    host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "little")
+    mine = torch.tensor([host], dtype=torch.int64, device=_group_device(group))
+    bufs = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(bufs, mine, group=group)
+    return len({int(b.item()) for b in bufs})
+
+
+_availability: dict[tuple[str, str], str | None] = {}
+
+
+def runtime_transport_problem(name: str, device: Any = None) -> str | None:
+    """Why this runtime cannot run transport `name` on `device` (None when it can): not in the transport
+    registry (a served `ibgda`), its module missing, or (with a `device`; EPBuffer always gives one)
+    unavailable there (nvlink on a CPU device). Cached per process: availability may load the compiled library."""
+    ck = (name, str(device))
+    if ck in _availability:
+        return _availability[ck]
+    from moetune.runtime.transports.registry import get_transport
+
+    why: str | None = None
+    try:
+        cls = get_transport(name)
+        if device is not None:
+            import torch
+
+            avail = cls.availability(torch.device(device))
+            why = None if avail.ok else avail.reason
+    except (KeyError, ImportError, TypeError) as e:
+        why = str(e).strip("'\"")
+    except Exception as e:  # an availability probe that fails says the transport cannot be used here
+        why = f"availability check failed: {type(e).__name__}: {e}"
+    _availability[ck] = why
+    return why
 
 
 def autoload_profile(
     *,
     model: ModelShape,
     ep_size: int,
-    nodes: int = 1,
+    nodes: int | None = None,
     max_tokens: int,
     device: Any = None,
+    group: Any = None,
     client: ProfileClient | None = None,
     use_cache: bool = True,
 ) -> Resolution:
-    """The full resolution (knobs, hash, source, env) for this process; env exported to os.environ."""
+    """The full resolution (knobs, hash, source, env) for this process; env exported to os.environ.
+
+    `nodes` defaults to `group_nodes(group)`. Never raises for what the daemon, the database or the
+    policy files hold: the last resort is the built-in default, with a warning.
+    """
     global _last
+    if nodes is None:
+        nodes = group_nodes(group)
     key = (model, ep_size, nodes, nearest_bucket(max_tokens))
     with _lock:
         if use_cache and client is None and key in _cache:
@@ -113,13 +135,7 @@ def autoload_profile(
             res = Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}",
                              status="default", message="MOETUNE_AUTOLOAD=0")
         else:
-            own = client is None
-            c = client or ProfileClient()
-            try:
-                res = c.resolve(model=model, ep_size=ep_size, tokens=max_tokens, nodes=nodes)
-            finally:
-                if own:
-                    c.close()
+            res = _resolve(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device, client=client)
         apply_env(res.env)
         log.info("moetune: knobs from %s (profile %s, %.1f ms)", res.source, res.profile_hash, res.elapsed_ms)
         if client is None:
@@ -128,9 +144,32 @@ def autoload_profile(
         return res
 
 
-def autoload_knobs(*, model: ModelShape, ep_size: int, nodes: int = 1, max_tokens: int, device: Any = None) -> Knobs:
+def _resolve(
+    *, model: ModelShape, ep_size: int, nodes: int, max_tokens: int, device: Any, client: ProfileClient | None
+) -> Resolution:
+    own = client is None
+    try:
+        c = client or ProfileClient()
+        try:
+            return c.resolve(model=model, ep_size=ep_size, tokens=max_tokens, nodes=nodes,
+                             transport_ok=lambda name: runtime_transport_problem(name, device))
+        finally:
+            if own:
+                c.close()
+    except Exception as e:  # a bug or an environment we did not foresee must not stop the model from loading
+        knobs = default_knobs("collective")
+        msg = f"profile lookup failed ({type(e).__name__}: {e}); using the built-in default for collective"
+        warn_fallback(f"moetune: NO tuned profile ({msg})")
+        return Resolution(knobs=knobs, source="default", profile_hash=f"default:{knobs.digest()}", status="default",
+                          family="collective", message=msg)
+
+
+def autoload_knobs(
+    *, model: ModelShape, ep_size: int, nodes: int | None = None, max_tokens: int, device: Any = None, group: Any = None
+) -> Knobs:
     """Knobs for an EP buffer / MoE layer made without explicit knobs (see the module docstring)."""
-    return autoload_profile(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device).knobs
+    return autoload_profile(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device,
+                            group=group).knobs
 
 
 def last_resolution() -> Resolution | None:
@@ -162,9 +201,7 @@ def check_same_profile(group: Any, profile_hash: str) -> None:
     if world <= 1:
         return
     raw = profile_hash.encode()[:HASH_BYTES].ljust(HASH_BYTES, b"\0")
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _group_device(group)
     mine = torch.tensor(list(raw), dtype=torch.uint8, device=device)
     bufs = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(bufs, mine, group=group)

@@ -10,16 +10,21 @@ the changes whose version is above it. `TrackedProfile` does exactly that for on
 
 Fallback chain (`resolve`): daemon -> the daemon's database opened read-only with the stdlib sqlite3
 module -> policy defaults (`policy_default_knobs(family)`, else `default_knobs`), all inside a bounded
-time (`timeout_ms`, 200 ms by default); every fallback warns loudly (warnings.warn + logging.WARNING).
+time (`timeout_ms`, 200 ms by default). A fallback warns ONCE per resolution (warnings.warn +
+logging.WARNING), naming every source tried and why it was passed over.
 
-Where things are found (the runtime does not read the TOML config; it mirrors the tuner's defaults):
-- endpoint: `MOETUNE_CLIENT_SOCKET`, else `MOETUNE_DAEMON_SOCKET`, else the first runtime directory
-  holding `daemon.sock` among `$MOETUNE_HOME/run`, `$XDG_RUNTIME_DIR/moetune`, `/run/moetune`,
-  `/tmp/moetune-<uid>`;
-- the daemon writes `daemon.json` next to its socket (endpoint, PUB endpoint, database path, last
-  fingerprint and transport families); the fallback reads it for the database and the fingerprint;
-- database: `MOETUNE_STORE_DB`, else `daemon.json`'s db, else `$MOETUNE_HOME/moetune.db`, else
-  `$XDG_DATA_HOME/moetune/moetune.db` (or `~/.local/share/moetune/moetune.db`).
+Trust (issue 19): a profile is applied as tuned only when it was measured on this node's fingerprint and
+software (`ProfileRecord.is_tuned_for`; the node's identity: `node_identity`). A modelled profile (the
+node's calibrated model or a shipped preset) is used only with `allow_modelled=True` (or
+`MOETUNE_CLIENT_ALLOW_MODELLED=1`) and then labelled MODELLED in the warning and the resolution. A reply
+that does not validate (not JSON, wrong types, another protocol version, unknown fields) is `BadReply`
+and falls back like a silent daemon. A profile whose transport this runtime does not have falls back
+too. Sockets and `daemon.json` are used only from a runtime directory this user may trust
+(`paths.untrusted_dir_reason`); environment variables only as `launcher_env` produces them.
+
+Where things are found: `moetune.runtime.paths` (`default_endpoint`, `runtime_dir_candidates`,
+`client_db_path`); the daemon writes `daemon.json` next to its socket (endpoint, PUB endpoint, database
+path, fingerprint, software hash and transport families of the node).
 """
 
 from __future__ import annotations
@@ -32,29 +37,49 @@ import sqlite3
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import msgspec.inspect as mi
 import zmq
 
 from moetune.runtime import wire
 from moetune.runtime.knobs import KnobError, Knobs, default_knobs
+from moetune.runtime.paths import (
+    INFO_NAME,
+    PUB_SOCKET_NAME,
+    SOCKET_NAME,
+    client_db_path,
+    default_endpoint,
+    ipc_path,
+    runtime_dir_candidates,
+    untrusted_dir_reason,
+)
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord, nearest_bucket
+from moetune.runtime.profiles import node_identity
+from moetune.runtime.profiles.launcher_env import allowed_env, launcher_env
 from moetune.runtime.shapes import ModelShape
+
+__all__ = [
+    "INFO_NAME", "PUB_SOCKET_NAME", "SOCKET_NAME", "BadReply", "DaemonError", "DaemonUnavailable", "FallbackWarning",
+    "ProfileClient", "Resolution", "TrackedProfile", "default_endpoint", "pick_profile", "policy_or_default",
+    "query_db_profiles", "read_daemon_info", "runtime_dir_candidates", "warn_fallback",
+]
 
 log = logging.getLogger("moetune.client")
 
-SOCKET_NAME = "daemon.sock"
-PUB_SOCKET_NAME = "events.sock"
-INFO_NAME = "daemon.json"
-DB_NAME = "moetune.db"
 DEFAULT_TIMEOUT_MS = 200
+_TRUE = ("1", "true", "yes", "on")
 
 
 class DaemonUnavailable(RuntimeError):
     """No reply from the daemon within the time budget (or no daemon socket at all)."""
+
+
+class BadReply(RuntimeError):
+    """The daemon's reply does not validate: not JSON, wrong types, another protocol version, unknown fields."""
 
 
 class DaemonError(RuntimeError):
@@ -71,63 +96,41 @@ class FallbackWarning(RuntimeWarning):
 
 
 # -- where things live ------------------------------------------------------------------------------
-def runtime_dir_candidates(env: Mapping[str, str] = os.environ) -> list[Path]:
-    out: list[Path] = []
-    if env.get("MOETUNE_HOME"):
-        out.append(Path(env["MOETUNE_HOME"]).expanduser() / "run")
-    xdg = env.get("XDG_RUNTIME_DIR", "")
-    if xdg and Path(xdg).is_absolute():
-        out.append(Path(xdg) / "moetune")
-    out.append(Path("/run/moetune"))
-    out.append(Path("/tmp") / f"moetune-{os.getuid()}")
-    return out
-
-
-def _ipc_path(endpoint: str) -> Path | None:
-    return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
-
-
-def default_endpoint(env: Mapping[str, str] = os.environ) -> str:
-    for var in ("MOETUNE_CLIENT_SOCKET", "MOETUNE_DAEMON_SOCKET"):
-        if env.get(var):
-            return env[var]
-    cands = runtime_dir_candidates(env)
-    for d in cands:
-        try:
-            os.stat(d / SOCKET_NAME)
-        except OSError:
-            continue
-        return f"ipc://{d / SOCKET_NAME}"
-    return f"ipc://{cands[0] / SOCKET_NAME}"
-
-
 def read_daemon_info(endpoint: str | None = None, env: Mapping[str, str] = os.environ) -> dict[str, Any] | None:
-    """The `daemon.json` the daemon keeps next to its IPC socket (None when absent or unreadable)."""
+    """The `daemon.json` the daemon keeps next to its IPC socket (None when absent, unreadable or in a
+    directory this user may not trust). The path it was read from is under the key `_dir`."""
     dirs: list[Path] = []
-    p = _ipc_path(endpoint) if endpoint else None
+    p = ipc_path(endpoint) if endpoint else None
     if p is not None:
         dirs.append(p.parent)
-    dirs += runtime_dir_candidates(env)
+    dirs += [d for d in runtime_dir_candidates(env) if d not in dirs]
     for d in dirs:
+        f = d / INFO_NAME
+        if not f.exists():
+            continue
+        why = untrusted_dir_reason(d)
+        if why is not None:
+            log.warning("moetune: ignoring %s: %s", f, why)
+            continue
         try:
-            data = json.loads((d / INFO_NAME).read_text())
+            data = json.loads(f.read_text())
         except (OSError, ValueError):
             continue
         if isinstance(data, dict):
+            data["_dir"] = str(d)
             return data
     return None
 
 
-def default_db_path(info: Mapping[str, Any] | None = None, env: Mapping[str, str] = os.environ) -> Path:
-    if env.get("MOETUNE_STORE_DB"):
-        return Path(env["MOETUNE_STORE_DB"]).expanduser()
-    if info and isinstance(info.get("db"), str) and info["db"]:
-        return Path(info["db"])
-    if env.get("MOETUNE_HOME"):
-        return Path(env["MOETUNE_HOME"]).expanduser() / DB_NAME
-    xdg = env.get("XDG_DATA_HOME", "")
-    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path(env.get("HOME") or Path.home()) / ".local" / "share"
-    return base / "moetune" / DB_NAME
+def provenance_of(obj: Any) -> str:
+    """measured | node_model | preset. Records of a store without the provenance column (and replies of
+    a daemon that does not send it) say so only through the backend name: model:* is never measured."""
+    backend = str(getattr(obj, "backend", "") or "")
+    fp = str(getattr(getattr(obj, "key", None), "fingerprint", "") or "")
+    if backend.startswith("model") or backend.startswith("preset") or fp.startswith("preset:"):
+        return "node_model" if backend in ("model:node", "node_model") else "preset"
+    p = getattr(obj, "provenance", None)
+    return p if p in ("measured", "node_model", "preset") else "measured"
 
 
 # -- the read-only database fallback ----------------------------------------------------------------
@@ -135,6 +138,27 @@ _PROFILE_COLUMNS = (
     "fingerprint, software, transport_family, ep_size, nodes, hidden, intermediate, experts, topk, dtype, "
     "token_bucket, knobs, latency_us, spread_us, backend, status, software_versions, created, updated"
 )
+_PROVENANCE_COLUMNS = ", provenance, measured_on"  # a store from before issue 19 has neither
+
+
+def db_read(db_path: str | Path, sql: str, args: list[Any] | tuple[Any, ...] = (), timeout_s: float = 0.05) -> list[tuple]:
+    """Rows of one query on the database opened read-only (stdlib sqlite3, never SQLAlchemy, never a write).
+
+    Raises FileNotFoundError, sqlite3.Error or OSError when the file cannot be read.
+    """
+    path = Path(db_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no database at {path}")
+    uri = f"{path.resolve().as_uri()}?mode=ro"
+    try:
+        return _ro_query(uri, sql, list(args), timeout_s)
+    except sqlite3.OperationalError as e:
+        # A WAL database whose -shm/-wal files are gone (the daemon closed it) in a directory we may not
+        # write (/var/lib/moetune) cannot be opened mode=ro; immutable=1 can, and is safe exactly when
+        # nobody writes, which is when this fallback runs (the daemon is down).
+        if "unable to open" not in str(e) and "readonly database" not in str(e):
+            raise
+        return _ro_query(uri + "&immutable=1", sql, list(args), timeout_s)
 
 
 def query_db_profiles(
@@ -152,31 +176,22 @@ def query_db_profiles(
 ) -> list[ProfileRecord]:
     """Current profiles of one shape/EP size from the store's `profiles` table, opened read-only.
 
-    The ONE place the runtime reads the database (stdlib sqlite3, `file:...?mode=ro`, no SQLAlchemy).
-    Columns as defined by moetune's store (tuner/store_models.py, table `profiles`). Rows that do not
-    parse are skipped. Raises sqlite3.Error / OSError when the file cannot be read.
+    The ONE place the runtime reads profiles from the database. Columns as defined by moetune's store
+    (`moetune.tuner.store.models`, table `profiles`). Rows that do not parse are skipped. Each record's
+    provenance is the column's where the store has one, else what the backend name says (`provenance_of`).
     """
-    path = Path(db_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no database at {path}")
-    uri = f"{path.resolve().as_uri()}?mode=ro"
-    sql = (
-        f"SELECT {_PROFILE_COLUMNS} FROM profiles WHERE status = 'current' AND ep_size = ? AND nodes = ? "
-        "AND hidden = ? AND intermediate = ? AND experts = ? AND topk = ? AND dtype = ?"
-    )
+    where = (" FROM profiles WHERE status = 'current' AND ep_size = ? AND nodes = ? "
+             "AND hidden = ? AND intermediate = ? AND experts = ? AND topk = ? AND dtype = ?")
     args: list[Any] = [ep_size, nodes, hidden, intermediate, experts, topk, dtype]
     if fingerprint:
-        sql += " AND fingerprint = ?"
+        where += " AND fingerprint = ?"
         args.append(fingerprint)
     try:
-        rows = _ro_query(uri, sql, args, timeout_s)
+        rows = db_read(db_path, f"SELECT {_PROFILE_COLUMNS}{_PROVENANCE_COLUMNS}{where}", args, timeout_s)
     except sqlite3.OperationalError as e:
-        # A WAL database whose -shm/-wal files are gone (the daemon closed it) in a directory we may not
-        # write (/var/lib/moetune) cannot be opened mode=ro; immutable=1 can, and is safe exactly when
-        # nobody writes, which is when this fallback runs (the daemon is down).
-        if "unable to open" not in str(e) and "readonly database" not in str(e):
+        if "no such column" not in str(e):
             raise
-        rows = _ro_query(uri + "&immutable=1", sql, args, timeout_s)
+        rows = db_read(db_path, f"SELECT {_PROFILE_COLUMNS}{where}", args, timeout_s)
     out: list[ProfileRecord] = []
     for r in rows:
         try:
@@ -186,13 +201,16 @@ def query_db_profiles(
             )
             knobs = Knobs.from_dict(json.loads(r[11]) if isinstance(r[11], str) else r[11])
             sv = json.loads(r[16]) if isinstance(r[16], str) and r[16] else {}
-            out.append(
-                ProfileRecord(
-                    key=key, knobs=knobs, latency_us=float(r[12]), spread_us=float(r[13]), backend=str(r[14]),
-                    status=r[15], software_versions=sv if isinstance(sv, dict) else {}, created=r[17] or "",
-                    updated=r[18] or "",
-                )
+            prov = r[19] if len(r) > 19 else "measured"  # legacy store: the backend name decides below
+            if prov not in ("measured", "node_model", "preset"):
+                raise ValueError(f"unknown provenance {prov!r}")
+            rec = ProfileRecord(
+                key=key, knobs=knobs, latency_us=float(r[12]), spread_us=float(r[13]), backend=str(r[14]),
+                status=r[15], software_versions=sv if isinstance(sv, dict) else {}, created=r[17] or "",
+                updated=r[18] or "", provenance=prov, measured_on=str(r[20] or "") if len(r) > 20 else "",
             )
+            rec = msgspec.structs.replace(rec, provenance=provenance_of(rec))
+            out.append(rec)
         except (ValueError, TypeError, KnobError, msgspec.ValidationError) as e:
             log.debug("skipping an unreadable profile row: %s", e)
     return out
@@ -204,6 +222,12 @@ def _ro_query(uri: str, sql: str, args: list[Any], timeout_s: float) -> list[tup
         return conn.execute(sql, args).fetchall()
     finally:
         conn.close()
+
+
+def node_identity_from_db(db_path: str | Path, timeout_s: float = 0.05) -> tuple[node_identity.NodeIdentity | None, str]:
+    """This node's identity from the database's recorded fingerprints (see `node_identity`)."""
+    rows = db_read(db_path, "SELECT hash, facts, last_seen FROM fingerprints ORDER BY last_seen DESC LIMIT 16", (), timeout_s)
+    return node_identity.from_fingerprint_rows(rows)
 
 
 def pick_profile(
@@ -229,6 +253,52 @@ def pick_profile(
     return min(at, key=lambda r: r.latency_us)
 
 
+# -- validating replies ----------------------------------------------------------------------------
+def _unknown_fields(obj: Any, t: Any, path: str = "") -> list[str]:
+    """Keys of `obj` (decoded JSON) that type `t` (msgspec.inspect) does not define, recursively."""
+    if isinstance(t, mi.StructType) and isinstance(obj, dict):
+        known = {f.encode_name: f for f in t.fields}
+        out = [f"{path}{k}" for k in obj if k not in known]
+        for k, f in known.items():
+            if k in obj:
+                out += _unknown_fields(obj[k], f.type, f"{path}{k}.")
+        return out
+    if isinstance(t, mi.ListType) and isinstance(obj, list):
+        return [u for i, x in enumerate(obj) for u in _unknown_fields(x, t.item_type, f"{path}{i}.")]
+    if isinstance(t, mi.UnionType):
+        return [u for sub in t.types for u in _unknown_fields(obj, sub, path)]
+    return []
+
+
+_REPLY_INFO = mi.type_info(wire.RawReply)
+
+
+def _decode_reply(frame: bytes) -> wire.RawReply:
+    """The reply envelope; BadReply when it is not JSON, has wrong types, unknown fields or another version."""
+    try:
+        rep = wire.reply_decoder.decode(frame)
+        unknown = _unknown_fields(msgspec.json.decode(frame), _REPLY_INFO)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise BadReply(f"reply does not validate: {e}") from None
+    if rep.v != wire.PROTOCOL_VERSION:
+        raise BadReply(f"reply of protocol version {rep.v}, this runtime speaks {wire.PROTOCOL_VERSION} "
+                       "(version skew: upgrade the daemon and the runtime together)")
+    if unknown:
+        raise BadReply(f"reply has unknown fields {', '.join(unknown[:5])} (a newer daemon?)")
+    return rep
+
+
+def _decode_result(op: str, raw: msgspec.Raw) -> Any:
+    try:
+        res = wire.decode_result(op, raw)
+        unknown = _unknown_fields(msgspec.json.decode(raw), mi.type_info(wire.RESULT_TYPES[op]))
+    except (msgspec.DecodeError, msgspec.ValidationError, KnobError, ValueError, TypeError) as e:
+        raise BadReply(f"{op} result does not validate: {e}") from None
+    if unknown:
+        raise BadReply(f"{op} result has unknown fields {', '.join(unknown[:5])} (a newer daemon?)")
+    return res
+
+
 # -- the client -------------------------------------------------------------------------------------
 class Resolution(msgspec.Struct, kw_only=True):
     """What the fallback chain settled on."""
@@ -243,6 +313,8 @@ class Resolution(msgspec.Struct, kw_only=True):
     message: str = ""
     elapsed_ms: float = 0.0
     epoch: str | None = None
+    provenance: str = ""  # measured | node_model | preset for a profile; "" for defaults
+    tuned: bool = False  # measured on this node's fingerprint and software
 
 
 _ids = itertools.count(1)
@@ -263,6 +335,7 @@ class ProfileClient:
         db_path: str | Path | None = None,
         context: zmq.Context | None = None,
         env: Mapping[str, str] = os.environ,
+        allow_modelled: bool | None = None,
     ):
         self.endpoint = endpoint or default_endpoint(env)
         if timeout_ms is None:
@@ -272,6 +345,9 @@ class ProfileClient:
                 timeout_ms = DEFAULT_TIMEOUT_MS
         self.timeout_ms = max(1, int(timeout_ms))
         self.retries = max(0, int(retries))
+        if allow_modelled is None:
+            allow_modelled = env.get("MOETUNE_CLIENT_ALLOW_MODELLED", "").strip().lower() in _TRUE
+        self.allow_modelled = bool(allow_modelled)  # use modelled profiles (labelled MODELLED) when no tuned one
         self._env = env
         self._db_path = Path(db_path) if db_path else None
         self._curve = None
@@ -323,7 +399,7 @@ class ProfileClient:
         self.close()
 
     def daemon_socket_exists(self) -> bool:
-        p = _ipc_path(self.endpoint)
+        p = ipc_path(self.endpoint)
         if p is None:
             return True
         try:
@@ -332,12 +408,20 @@ class ProfileClient:
             return False
         return True
 
+    def _check_endpoint(self) -> None:
+        """DaemonUnavailable unless the IPC socket exists in a directory this user may trust."""
+        if not self.daemon_socket_exists():
+            raise DaemonUnavailable(f"no daemon socket at {self.endpoint} (absent or not accessible)")
+        p = ipc_path(self.endpoint)
+        why = untrusted_dir_reason(p.parent) if p is not None else None
+        if why is not None:
+            raise DaemonUnavailable(f"not connecting to {self.endpoint}: {why}")
+
     # -- requests --------------------------------------------------------------------------------
     def request(self, op: str, *, timeout_ms: int | None = None, **fields: Any) -> Any:
         """Send one request; return the typed result. DaemonUnavailable after the retries time out."""
         budget = (timeout_ms if timeout_ms is not None else self.timeout_ms) / 1000.0
-        if not self.daemon_socket_exists():
-            raise DaemonUnavailable(f"no daemon socket at {self.endpoint} (absent or not accessible)")
+        self._check_endpoint()
         deadline = time.monotonic() + budget
         attempts = self.retries + 1
         for attempt in range(attempts):
@@ -359,10 +443,7 @@ class ProfileClient:
                 if wait <= 0 or not sock.poll(max(1, int(wait * 1000)), zmq.POLLIN):
                     break
                 frame = sock.recv()
-                try:
-                    rep = wire.reply_decoder.decode(frame)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
+                rep = _decode_reply(frame)
                 if rep.id != rid:
                     continue  # a late reply to an earlier request
                 if self.epoch is not None and rep.epoch != self.epoch:
@@ -372,7 +453,7 @@ class ProfileClient:
                 if not rep.ok:
                     err = rep.error or wire.ErrorInfo(code=wire.E_INTERNAL, message="no error given")
                     raise DaemonError(err.code, err.message)
-                return wire.decode_result(op, rep.result)
+                return _decode_result(op, rep.result)
             self._reset()  # Lazy Pirate: never reuse a socket that timed out
         raise DaemonUnavailable(f"no reply from the daemon at {self.endpoint} within {budget * 1000:.0f} ms")
 
@@ -461,52 +542,149 @@ class ProfileClient:
         nodes: int = 1,
         transport_family: str | None = None,
         budget_ms: int | None = None,
+        transport_ok: Callable[[str], str | None] | None = None,
     ) -> Resolution:
-        """Daemon -> read-only database -> policy defaults, inside `budget_ms` (default timeout_ms)."""
-        from moetune.runtime.profiles.autoload import launcher_env  # local: autoload imports this module
+        """Daemon -> read-only database -> policy defaults, inside `budget_ms` (default timeout_ms).
 
+        `transport_ok(name)` says why this runtime cannot run transport `name` (None when it can); a
+        profile needing such a transport is passed over. Never raises for what the daemon or the database
+        hold; one warning names every source passed over and why.
+        """
         t0 = time.monotonic()
         budget = (budget_ms if budget_ms is not None else self.timeout_ms) / 1000.0
         problems: list[str] = []
-        try:
-            res = self.get_profile(ep_size=ep_size, tokens=tokens, nodes=nodes, model=model,
-                                   transport_family=transport_family, timeout_ms=int(budget * 1000))
-            return Resolution(knobs=res.knobs, source="daemon", profile_hash=res.profile_hash, status=res.status,
-                              env=res.env, key=res.key, family=res.key.transport_family, epoch=self.epoch,
-                              elapsed_ms=(time.monotonic() - t0) * 1000)
-        except DaemonUnavailable as e:
-            problems.append(f"daemon: {e}")
-        except DaemonError as e:
-            problems.append(f"daemon: {e}")
         info = read_daemon_info(self.endpoint, self._env)
-        fingerprint = info.get("fingerprint") if info else None
+        ident = node_identity.from_daemon_info(info, str(info.get("_dir"))) if info else None
+
+        def finish(res: Resolution, headline: str) -> Resolution:
+            res.elapsed_ms = (time.monotonic() - t0) * 1000
+            if problems:
+                res.message = "; ".join(problems)
+                warn_fallback(f"moetune: {headline} ({res.message})")
+            return res
+
+        # 1. the daemon (it knows the node: it discovered the fabric)
         try:
-            db = self._db_path or default_db_path(info, self._env)
-            recs = query_db_profiles(db, ep_size=ep_size, nodes=nodes, hidden=model.hidden, intermediate=model.intermediate,
-                                     experts=model.experts, topk=model.topk, dtype=model.dtype)
-            # The daemon caches the last fingerprint in daemon.json; without it, any current profile
-            # of this shape and EP size is taken (the most recently updated fingerprint).
-            rec = pick_profile(recs, tokens, fingerprint=fingerprint, transport_family=transport_family)
-            if rec is None and fingerprint:
-                problems.append(f"database {db}: no current profile for fingerprint {fingerprint}")
-            elif rec is None:
-                problems.append(f"database {db}: no current profile for this shape/EP size")
-            if rec is not None:
-                msg = "; ".join(problems) + f"; using the read-only database {db}"
-                _warn(f"moetune: tuned profile not served by the daemon ({msg})")
-                return Resolution(knobs=rec.knobs, source="database", profile_hash=rec.profile_hash, status=rec.status,
-                                  env=launcher_env(rec.knobs, rec.key.transport_family, nodes), key=rec.key,
-                                  family=rec.key.transport_family, message=msg, elapsed_ms=(time.monotonic() - t0) * 1000)
+            r = self.get_profile(ep_size=ep_size, tokens=tokens, nodes=nodes, model=model,
+                                 transport_family=transport_family, timeout_ms=int(budget * 1000))
+            prov = provenance_of(r)
+            verdict, why = self._judge(r.key, r.knobs, prov, ident, transport_ok)
+            if verdict is None:
+                problems.append(f"daemon served profile {r.profile_hash}: {why}")
+            else:
+                env, refused = allowed_env(r.env)
+                problems += [f"daemon reply: not exporting {x}" for x in refused]
+                if verdict == "modelled":
+                    problems.append(f"daemon served a MODELLED profile ({why}); used because allow_modelled is set")
+                res = Resolution(knobs=r.knobs, source="daemon", profile_hash=r.profile_hash, status=r.status, env=env,
+                                 key=r.key, family=r.key.transport_family, epoch=self.epoch, provenance=prov,
+                                 tuned=verdict == "tuned")
+                return finish(res, "using a MODELLED profile, not a tuned one" if verdict == "modelled"
+                              else "daemon reply partly refused")
+        except (DaemonUnavailable, DaemonError, BadReply) as e:
+            problems.append(f"daemon: {e}")
+
+        # 2. the database, read-only: only with this node's identity known
+        db = self._db_path or client_db_path(info.get("db") if info and isinstance(info.get("db"), str) else None, self._env)
+        try:
+            why_no_ident = ""
+            if ident is None:
+                ident, why_no_ident = node_identity_from_db(db)
+            if ident is None:
+                problems.append(f"database {db}: not used, this node's identity is unknown ({why_no_ident})")
+            else:
+                recs = query_db_profiles(db, ep_size=ep_size, nodes=nodes, hidden=model.hidden,
+                                         intermediate=model.intermediate, experts=model.experts, topk=model.topk,
+                                         dtype=model.dtype)
+                if transport_family:
+                    recs = [x for x in recs if x.key.transport_family == transport_family]
+                rec, verdict, passed = self._pick_trusted(recs, tokens, ident, transport_ok)
+                if rec is None:
+                    what = f"; passed over: {'; '.join(passed[:4])}" if passed else ""
+                    problems.append(f"database {db}: no profile measured on this node ({ident.source}) for this "
+                                    f"shape/EP size/nodes{what}")
+                else:
+                    env = launcher_env(rec.knobs, rec.key.transport_family, nodes)
+                    if verdict == "modelled":
+                        problems.append(f"using a MODELLED profile ({rec.provenance}, backend {rec.backend}, fingerprint "
+                                        f"{rec.key.fingerprint}) from the read-only database {db} because allow_modelled is set")
+                    else:
+                        problems.append(f"using the read-only database {db}")
+                    res = Resolution(knobs=rec.knobs, source="database", profile_hash=rec.profile_hash, status=rec.status,
+                                     env=env, key=rec.key, family=rec.key.transport_family, provenance=rec.provenance,
+                                     tuned=verdict == "tuned")
+                    return finish(res, "using a MODELLED profile, not a tuned one" if verdict == "modelled"
+                                  else "tuned profile not served by the daemon")
         except (OSError, sqlite3.Error) as e:
-            problems.append(f"database: {e}")
+            problems.append(f"database {db}: {e}")
+
+        # 3. the policy default of the node's preferred family (one this runtime has)
         family = transport_family or _cached_family(info, nodes)
+        why = _transport_problem(family, None, transport_ok)
+        if why is not None:
+            problems.append(f"transport family {family}: {why}")
+            family = "collective"
         knobs, source = policy_or_default(family)
+        if _transport_problem(family, knobs, transport_ok) is not None:
+            knobs, source = default_knobs("collective"), "default"
         what = "the policy default" if source == "policy" else "the built-in default"
-        msg = "; ".join(problems) + f"; using {what} for {family}"
-        _warn(f"moetune: NO tuned profile ({msg})")
-        return Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}", status="default",
-                          env=launcher_env(knobs, family, nodes), family=family, message=msg,
-                          elapsed_ms=(time.monotonic() - t0) * 1000)
+        problems.append(f"using {what} for {family}")
+        res = Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}", status="default",
+                         env=launcher_env(knobs, family, nodes), family=family)
+        return finish(res, "NO tuned profile")
+
+    def _judge(
+        self, key: ProfileKey, knobs: Knobs, provenance: str, ident: node_identity.NodeIdentity | None,
+        transport_ok: Callable[[str], str | None] | None,
+    ) -> tuple[str | None, str]:
+        """("tuned" | "modelled" | None, why): may this profile be applied here, and as what?"""
+        why = _transport_problem(key.transport_family, knobs, transport_ok)
+        if why is not None:
+            return None, why
+        foreign = ident is not None and (key.fingerprint != ident.fingerprint or key.software != ident.software)
+        if provenance == "measured":
+            if foreign:
+                assert ident is not None
+                return None, (f"measured on another node or software (fingerprint {key.fingerprint}, software "
+                              f"{key.software}; this node: {ident.fingerprint}, {ident.software})")
+            return "tuned", ""
+        label = f"MODELLED ({provenance}, fingerprint {key.fingerprint}), not measured on this node"
+        if foreign and not key.fingerprint.startswith("preset:"):
+            return None, f"{label}, and for another node"
+        if not self.allow_modelled:
+            return None, f"{label}; not applied as tuned (allow_modelled=True or MOETUNE_CLIENT_ALLOW_MODELLED=1 to use it)"
+        return "modelled", label
+
+    def _pick_trusted(
+        self, recs: list[ProfileRecord], tokens: int, ident: node_identity.NodeIdentity,
+        transport_ok: Callable[[str], str | None] | None,
+    ) -> tuple[ProfileRecord | None, str | None, list[str]]:
+        """The nearest-bucket tuned profile, else (with allow_modelled) a modelled one; plus what was passed over."""
+        by: dict[str, list[ProfileRecord]] = {"tuned": [], "modelled": []}
+        passed: list[str] = []
+        for r in recs:
+            verdict, why = self._judge(r.key, r.knobs, r.provenance, ident, transport_ok)
+            if verdict is None:
+                passed.append(f"{r.profile_hash}: {why}")
+            else:
+                by[verdict].append(r)
+        for verdict in ("tuned", "modelled"):
+            rec = pick_profile(by[verdict], tokens)
+            if rec is not None:
+                return rec, verdict, passed
+        return None, None, passed
+
+
+def _transport_problem(family: str, knobs: Knobs | None, transport_ok: Callable[[str], str | None] | None) -> str | None:
+    """Why this runtime cannot run a profile of `family` with `knobs` (None when it can, or nobody asks)."""
+    if transport_ok is None:
+        return None
+    names = [family.split(":", 1)[0]] + ([knobs.transport] if knobs is not None else [])
+    for name in dict.fromkeys(names):
+        why = transport_ok(name)
+        if why is not None:
+            return f"transport {name!r} is not available in this runtime ({why})"
+    return None
 
 
 def _cached_family(info: Mapping[str, Any] | None, nodes: int = 1) -> str:
@@ -536,7 +714,7 @@ def policy_or_default(family: str) -> tuple[Knobs, str]:
         return default_knobs("collective"), "default"
 
 
-def _warn(message: str) -> None:
+def warn_fallback(message: str) -> None:
     warnings.warn(message, FallbackWarning, stacklevel=3)
     log.warning(message)
 

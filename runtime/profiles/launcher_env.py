@@ -1,0 +1,101 @@
+"""The environment a knob set needs before any communicator exists (read by NVSHMEM/NCCL at init).
+
+`launcher_env` is the ONE function that turns knobs into variables; the daemon calls it to fill a reply's
+`env`, the runtime calls it for database and default profiles. `ENV_RULES` lists every variable it can
+produce with the values it can produce, and `apply_env` exports nothing else: a reply asking for
+`NCCL_NET_PLUGIN` (a library NCCL loads) or `NVSHMEM_REMOTE_TRANSPORT=../evil` is refused, whoever sent it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from moetune.runtime.knobs import Knobs
+
+log = logging.getLogger("moetune.autoload")
+
+_POS_INT = re.compile(r"[1-9][0-9]{0,5}")
+# Every variable launcher_env can set, with the values it can set (a test enumerates launcher_env's
+# outputs over every transport and family and checks both directions).
+ENV_RULES: dict[str, re.Pattern[str]] = {
+    "NVSHMEM_IB_ENABLE_IBGDA": re.compile(r"[01]"),
+    "NVSHMEM_REMOTE_TRANSPORT": re.compile(r"ibrc|ucx|libfabric|none"),
+    "NVSHMEM_LIBFABRIC_PROVIDER": re.compile(r"[a-z][a-z0-9_]{0,31}"),  # cxi, efa, verbs, ...
+    "NVSHMEM_IBGDA_NUM_RC_PER_PE": _POS_INT,
+    "NCCL_MIN_NCHANNELS": _POS_INT,
+    "NCCL_MAX_NCHANNELS": _POS_INT,
+}
+
+
+def launcher_env(knobs: Knobs, transport_family: str | None, nodes: int = 1) -> dict[str, str]:
+    """The environment a launcher must export for a knob set.
+
+    - proxy:<provider>: NVSHMEM_IB_ENABLE_IBGDA=0 and NVSHMEM_REMOTE_TRANSPORT=<ibrc|ucx|libfabric>
+      (+ NVSHMEM_LIBFABRIC_PROVIDER for libfabric/<provider>);
+    - ibgda: NVSHMEM_IB_ENABLE_IBGDA=1, NVSHMEM_IBGDA_NUM_RC_PER_PE=<qps_per_pe>;
+    - nvlink on one node: NVSHMEM_REMOTE_TRANSPORT=none (no network transport needed);
+    - collective/host_staged: NCCL_MIN_NCHANNELS/NCCL_MAX_NCHANNELS=<channels> when channels > 1.
+    """
+    env: dict[str, str] = {}
+    fam = transport_family or knobs.transport
+    if knobs.transport == "proxy":
+        env["NVSHMEM_IB_ENABLE_IBGDA"] = "0"
+        provider = fam.split(":", 1)[1] if ":" in fam else ""
+        if provider.startswith("libfabric"):
+            env["NVSHMEM_REMOTE_TRANSPORT"] = "libfabric"
+            if "/" in provider:
+                env["NVSHMEM_LIBFABRIC_PROVIDER"] = provider.split("/", 1)[1]
+        elif provider in ("ibrc", "ucx"):
+            env["NVSHMEM_REMOTE_TRANSPORT"] = provider
+    elif knobs.transport == "ibgda":
+        env["NVSHMEM_IB_ENABLE_IBGDA"] = "1"
+        env["NVSHMEM_IBGDA_NUM_RC_PER_PE"] = str(knobs.qps_per_pe)
+    elif knobs.transport == "nvlink" and nodes == 1:
+        env["NVSHMEM_REMOTE_TRANSPORT"] = "none"
+    elif knobs.transport in ("collective", "host_staged") and knobs.channels > 1:
+        env["NCCL_MIN_NCHANNELS"] = str(knobs.channels)
+        env["NCCL_MAX_NCHANNELS"] = str(knobs.channels)
+    return env
+
+
+def env_refusal(name: object, value: object) -> str | None:
+    """Why `name=value` may not be exported (None when launcher_env could have produced it)."""
+    if not isinstance(name, str) or not isinstance(value, str):
+        return "not a string"
+    rule = ENV_RULES.get(name)
+    if rule is None:
+        return f"{name[:64]} is not a variable moetune sets"
+    if not rule.fullmatch(value):
+        return f"{name}={value[:64]!r} is not a value moetune sets"
+    return None
+
+
+def allowed_env(env: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Split `env` into the variables launcher_env can produce and the reasons the others were refused."""
+    kept: dict[str, str] = {}
+    refused: list[str] = []
+    for k, v in env.items():
+        why = env_refusal(k, v)
+        if why is None:
+            kept[k] = v
+        else:
+            refused.append(why)
+    return kept, refused
+
+
+def apply_env(env: dict[str, str], *, override: bool = False) -> dict[str, str]:
+    """Export the allowed variables of `env`; variables already set win unless `override`. Returns what was set."""
+    kept, refused = allowed_env(env)
+    for why in refused:
+        log.warning("moetune: not exporting a variable from a profile: %s", why)
+    applied: dict[str, str] = {}
+    for k, v in kept.items():
+        if k in os.environ and not override:
+            if os.environ[k] != v:
+                log.info("moetune: keeping %s=%s from the environment (profile wants %s)", k, os.environ[k], v)
+            continue
+        os.environ[k] = v
+        applied[k] = v
+    return applied

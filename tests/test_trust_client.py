@@ -1,0 +1,421 @@
+"""Issue 19 on the runtime side: the client applies as tuned only profiles measured on this node, exports
+only what launcher_env produces, trusts only its own runtime directory, falls back (never raises) on any
+reply that does not validate or any transport it lacks, counts nodes from the process group, and warns
+once per fallback naming every source and reason. Issue 20: one path module, no import cycle."""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime import paths, wire
+from moetune.runtime.knobs import TRANSPORTS, default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profiles import autoload, client, launcher_env, node_identity
+from moetune.runtime.profiles.client import FallbackWarning, ProfileClient
+from moetune.runtime.shapes import MODELS
+
+pytestmark = pytest.mark.timeout(90)
+QWEN = MODELS["qwen3-30b"]
+RUNTIME = Path(client.__file__).resolve().parents[1]
+FP, SW = "f" * 16, "5" * 16  # this node, as daemon.json says
+
+
+def key(fp: str = FP, sw: str = SW, family: str = "nvlink", bucket: int = 64, nodes: int = 1) -> ProfileKey:
+    return ProfileKey(fingerprint=fp, software=sw, transport_family=family, ep_size=2, nodes=nodes, hidden=QWEN.hidden,
+                      intermediate=QWEN.intermediate, experts=QWEN.experts, topk=QWEN.topk, dtype=QWEN.dtype,
+                      token_bucket=bucket)
+
+
+def result(k: ProfileKey | None = None, *, backend: str = "local:nccl", knobs: Any = None, env: dict | None = None) -> dict:
+    k = k or key()
+    kn = knobs or default_knobs("nvlink").replace(num_sms=40)
+    rec = ProfileRecord(key=k, knobs=kn, latency_us=20.0, spread_us=0.1, backend=backend)
+    res = wire.ProfileResult.from_record(rec, env=env if env is not None else {"NVSHMEM_REMOTE_TRANSPORT": "none"})
+    return msgspec.to_builtins(res)
+
+
+def ok_reply(rid: Any, res: Any, **extra: Any) -> bytes:
+    return json.dumps({"v": 1, "id": rid, "ok": True, "epoch": "e1", "result": res, **extra}).encode()
+
+
+class FakeDaemon:
+    """A ROUTER on ipc://<dir>/daemon.sock answering every request with `answer(request) -> frame`."""
+
+    def __init__(self, run: Path, answer: Callable[[dict], bytes], info: dict | None = None):
+        run.mkdir(parents=True, exist_ok=True)
+        os.chmod(run, 0o700)
+        self.endpoint = f"ipc://{run / 'daemon.sock'}"
+        self.requests: list[dict] = []
+        self._answer = answer
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.bind(self.endpoint)
+        if info is not None:
+            (run / "daemon.json").write_text(json.dumps(info))
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(20):
+                continue
+            ident, body = self._sock.recv_multipart()
+            req = json.loads(body)
+            self.requests.append(req)
+            self._sock.send_multipart([ident, self._answer(req)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(2)
+        self._sock.close(linger=0)
+
+
+@pytest.fixture
+def fake(tmp_path: Path):
+    made: list[FakeDaemon] = []
+
+    def make(answer: Callable[[dict], bytes], info: dict | None = None, run: Path | None = None) -> FakeDaemon:
+        d = FakeDaemon(run or tmp_path / "run", answer, {"fingerprint": FP, "software": SW, "transports": ["nvlink"],
+                                                          "db": str(tmp_path / "none.db")} if info is None else info)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def resolve(endpoint: str, tmp_path: Path, **kw: Any) -> tuple[client.Resolution, list[str]]:
+    allow = kw.pop("allow_modelled", None)
+    db = kw.pop("db_path", tmp_path / "none.db")
+    c = ProfileClient(endpoint, db_path=db, timeout_ms=200, allow_modelled=allow, env={})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = c.resolve(model=QWEN, ep_size=2, tokens=100, **kw)
+    finally:
+        c.close()
+    return res, [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+
+
+# -- issue 20: one path module, no cycle, torch-free client ---------------------------------------------
+def _imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return out
+
+
+def test_no_import_cycle_and_one_path_module() -> None:
+    assert "moetune.runtime.profiles.autoload" not in _imports(RUNTIME / "profiles" / "client.py")
+    assert "moetune.runtime.profiles.autoload" not in _imports(RUNTIME / "profiles" / "launcher_env.py")
+    assert autoload.launcher_env is launcher_env.launcher_env  # re-exported for the daemon
+    # the client keeps no path logic of its own
+    src = ast.parse((RUNTIME / "profiles" / "client.py").read_text())
+    defined = {n.name for n in src.body if isinstance(n, ast.FunctionDef)}
+    assert not defined & {"runtime_dir_candidates", "default_endpoint", "default_db_path", "_ipc_path"}
+    assert client.default_endpoint is paths.default_endpoint
+
+
+def test_client_and_config_agree_on_paths(tmp_path: Path) -> None:
+    """Where the daemon listens by default (config) is where the client looks first (they had drifted)."""
+    from moetune.runtime.config import load_config
+
+    for env in ({"MOETUNE_HOME": str(tmp_path / "h"), "HOME": str(tmp_path)},
+                {"XDG_RUNTIME_DIR": str(tmp_path / "x"), "HOME": str(tmp_path)}, {"HOME": str(tmp_path)}):
+        cfg = load_config(env=env)
+        assert paths.default_endpoint(env) == cfg.client.socket == cfg.daemon.socket
+        assert paths.client_db_path(None, env) == cfg.db_path
+
+
+def test_client_import_leaves_torch_out() -> None:
+    code = "import sys, moetune.runtime.profiles.client, moetune.runtime.profiles.autoload; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# -- point 3: only profiles measured on this node, in every path ---------------------------------------------
+def test_daemon_modelled_profile_is_not_tuned(fake, tmp_path: Path) -> None:
+    d = fake(lambda req: ok_reply(req["id"], result(backend="model:nvlink-h200x2")))
+    res, warned = resolve(d.endpoint, tmp_path)
+    assert res.source in ("policy", "default") and not res.tuned
+    assert len(warned) == 1 and "MODELLED" in warned[0] and "nvlink-h200x2" not in res.profile_hash
+    # explicit opt-in: used, and labelled
+    res, warned = resolve(d.endpoint, tmp_path, allow_modelled=True)
+    assert res.source == "daemon" and res.provenance == "preset" and not res.tuned
+    assert len(warned) == 1 and "MODELLED" in warned[0]
+
+
+def test_daemon_profile_of_another_node_is_refused(fake, tmp_path: Path) -> None:
+    d = fake(lambda req: ok_reply(req["id"], result(key(sw="6" * 16))))
+    res, warned = resolve(d.endpoint, tmp_path, allow_modelled=True)
+    assert res.source in ("policy", "default") and "another node or software" in warned[0]
+    d2 = fake(lambda req: ok_reply(req["id"], result()), run=tmp_path / "run2")
+    res, warned = resolve(d2.endpoint, tmp_path)
+    assert res.source == "daemon" and res.tuned and res.provenance == "measured" and not warned
+
+
+def _seed_db(db: Path, facts: dict, records: list[ProfileRecord]) -> None:
+    store = F.open_store(db)
+    fps = {facts["_fp"]} | {r.key.fingerprint for r in records}
+    for fp in fps:
+        store.upsert_fingerprint(fp, facts["facts"] if fp == facts["_fp"] else {"gpus": [{"uuid": "GPU-elsewhere"}]})
+    for r in records:
+        ok, why = store.put_profile(r)
+        assert ok, why
+
+
+def _local_facts() -> dict:
+    """Facts of a node like this one, GPU-less (no /proc/driver/nvidia in the test's fake proc)."""
+    sw = {"driver": "none", "torch": "2.4.1", "moetune": "0.1.0"}
+    return {"gpus": [], "software": sw}
+
+
+def test_database_without_daemon_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    facts = _local_facts()
+    F.pretend_node(monkeypatch, facts, tmp_path / "proc")
+    mine_sw = node_identity.software_hash(facts)
+    db = tmp_path / "moetune.db"
+    preset = ProfileRecord(key=key("preset:nvlink-h200x2", "0" * 16, bucket=64), knobs=default_knobs("nvlink").replace(num_sms=8),
+                           latency_us=1.0, spread_us=0.0, backend="model:nvlink-h200x2")
+    foreign = ProfileRecord(key=key("a" * 16, "b" * 16, bucket=64), knobs=default_knobs("nvlink").replace(num_sms=16),
+                            latency_us=2.0, spread_us=0.0, backend="local:nccl")
+    _seed_db(db, {"_fp": "c" * 16, "facts": facts}, [preset, foreign])
+    nowhere = f"ipc://{tmp_path}/nowhere/daemon.sock"
+    # no profile measured on this node: nothing from the database, and the warning says why
+    res, warned = resolve(nowhere, tmp_path, db_path=db)
+    assert res.source in ("policy", "default") and len(warned) == 1
+    assert "MODELLED" in warned[0] and "another node" in warned[0]
+    # opt-in: the preset, labelled
+    res, warned = resolve(nowhere, tmp_path, db_path=db, allow_modelled=True)
+    assert res.source == "database" and res.provenance == "preset" and "MODELLED" in warned[0]
+    # measured here: the database fallback serves it as tuned (same fingerprint, other software: not)
+    mine = ProfileRecord(key=key("c" * 16, mine_sw, bucket=64), knobs=default_knobs("nvlink").replace(num_sms=24),
+                         latency_us=50.0, spread_us=0.0, backend="local:nccl")
+    other_sw = ProfileRecord(key=key("c" * 16, "9" * 16, bucket=1024), knobs=default_knobs("nvlink").replace(num_sms=32),
+                             latency_us=5.0, spread_us=0.0, backend="local:nccl")
+    _seed_db(db, {"_fp": "c" * 16, "facts": facts}, [mine, other_sw])
+    res, warned = resolve(nowhere, tmp_path, db_path=db)
+    assert res.source == "database" and res.tuned and res.profile_hash == mine.profile_hash
+    assert len(warned) == 1 and "read-only database" in warned[0]
+
+
+def test_database_identity_refused_on_another_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A database recorded on another node (GPU UUIDs, torch version differ) gives no identity: refused."""
+    recorded = {"gpus": [{"uuid": "GPU-aaaa", "model": "H100"}], "software": {"torch": "2.4.1", "moetune": "0.1.0"}}
+    here = {"gpus": [{"uuid": "GPU-bbbb", "model": "H100"}], "software": {"torch": "2.4.1", "moetune": "0.1.0"}}
+    F.pretend_node(monkeypatch, here, tmp_path / "proc")
+    db = tmp_path / "moetune.db"
+    rec = ProfileRecord(key=key("c" * 16, node_identity.software_hash(recorded)), knobs=default_knobs("nvlink"),
+                        latency_us=5.0, spread_us=0.0, backend="local:nccl")
+    _seed_db(db, {"_fp": "c" * 16, "facts": recorded}, [rec])
+    res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db)
+    assert res.source in ("policy", "default")
+    assert "identity is unknown" in warned[0] and "UUIDs differ" in warned[0]
+
+
+def test_runtime_software_hash_is_the_tuner_one() -> None:
+    from moetune.tuner.fabric.discovery import discover
+    from moetune.tuner.fabric.fingerprint import software_hash
+
+    for cap in ("dgx-h100", "aws-p5", "cpu-laptop"):
+        d = discover(F.CAPTURES / cap).to_dict()
+        assert node_identity.software_hash(d) == software_hash(d)
+
+
+# -- point 6: the environment allow-list; the runtime directory ---------------------------------------------
+def test_env_allow_list_is_launcher_env() -> None:
+    produced: dict[str, set[str]] = {}
+    families = ["nvlink", "collective", "host_staged", "ibgda", "proxy:ibrc", "proxy:ucx", "proxy:libfabric",
+                "proxy:libfabric/cxi", "proxy:libfabric/efa", "proxy:libfabric/verbs"]
+    for t in TRANSPORTS:
+        for fam in families:
+            for n in (1, 2):
+                for v in (1, 2, 4, 16):
+                    k = default_knobs(t)
+                    k = k.replace(channels=v) if t in ("collective", "host_staged") else k
+                    k = k.replace(qps_per_pe=v) if t == "ibgda" else k
+                    for name, val in launcher_env.launcher_env(k, fam, n).items():
+                        assert launcher_env.env_refusal(name, val) is None, (name, val)
+                        produced.setdefault(name, set()).add(val)
+    assert set(produced) == set(launcher_env.ENV_RULES)
+    for name, val in [("NCCL_NET_PLUGIN", "libevil.so"), ("LD_PRELOAD", "/x.so"), ("NCCL_MIN_NCHANNELS", "4; rm"),
+                      ("NVSHMEM_REMOTE_TRANSPORT", "../lib"), ("NVSHMEM_LIBFABRIC_PROVIDER", "cxi/../../x"),
+                      ("NCCL_MAX_NCHANNELS", "0"), ("NCCL_DEBUG_FILE", "/etc/passwd")]:
+        assert launcher_env.env_refusal(name, val) is not None, name
+
+
+def test_reply_env_filtered_before_export(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = {"NCCL_NET_PLUGIN": "libevil.so", "LD_PRELOAD": "/tmp/x.so", "NVSHMEM_REMOTE_TRANSPORT": "none",
+           "NCCL_MIN_NCHANNELS": "a"}
+    d = fake(lambda req: ok_reply(req["id"], result(env=bad)))
+    for var in bad:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", d.endpoint)
+    autoload.clear_cache()
+    with pytest.warns(FallbackWarning, match="NCCL_NET_PLUGIN"):
+        res = autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=100)
+    autoload.clear_cache()
+    assert res.source == "daemon" and res.env == {"NVSHMEM_REMOTE_TRANSPORT": "none"}
+    assert "NCCL_NET_PLUGIN" not in os.environ and "LD_PRELOAD" not in os.environ and "NCCL_MIN_NCHANNELS" not in os.environ
+    assert os.environ.get("NVSHMEM_REMOTE_TRANSPORT") == "none"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a directory owned by another user")
+def test_runtime_dir_of_another_user_is_refused(fake, tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"  # like /tmp: world-writable, sticky
+    tmp.mkdir()
+    os.chmod(tmp, 0o1777)
+    run = tmp / f"moetune-{os.getuid()}"
+    d = fake(lambda req: ok_reply(req["id"], result()), run=run)
+    os.chown(run, 65534, 65534)
+    assert "owned by uid 65534" in (paths.untrusted_dir_reason(run) or "")
+    res, warned = resolve(d.endpoint, tmp_path)
+    assert res.source in ("policy", "default") and not d.requests
+    assert "owned by uid 65534" in warned[0]
+    assert client.read_daemon_info(d.endpoint, {}) is None
+    # ours again, but group-writable: refused too
+    os.chown(run, os.getuid(), os.getgid())
+    os.chmod(run, 0o770)
+    assert "group- or world-writable" in (paths.untrusted_dir_reason(run) or "")
+    os.chmod(run, 0o700)
+    assert paths.untrusted_dir_reason(run) is None
+
+
+def test_root_made_dir_for_a_service_user_is_trusted(tmp_path: Path) -> None:
+    """/run/moetune as systemd makes it (owned by the service user, mode 0750, in root's 0755 /run)."""
+    parent = tmp_path / "run"
+    parent.mkdir(mode=0o755)
+    d = parent / "moetune"
+    d.mkdir(mode=0o750)
+    if os.getuid() == 0:
+        os.chown(d, 65534, 65534)
+    assert paths.untrusted_dir_reason(d) is None
+
+
+# -- point 7: replies that do not validate fall back, never raise -------------------------------------------
+def _garbage(kind: str) -> Callable[[dict], bytes]:
+    def answer(req: dict) -> bytes:
+        rid = req["id"]
+        if kind == "not_json":
+            return b"\x93\xa3abc not json"
+        if kind == "wrong_types":
+            r = result()
+            r["key"]["ep_size"] = "two"
+            return ok_reply(rid, r)
+        if kind == "bad_knobs":
+            r = result()
+            r["knobs"]["num_sms"] = -3
+            return ok_reply(rid, r)
+        if kind == "newer_version":
+            return json.dumps({"v": 2, "id": rid, "ok": True, "epoch": "e", "result": result()}).encode()
+        if kind == "unknown_envelope_field":
+            return ok_reply(rid, result(), signature="x")
+        if kind == "unknown_result_field":
+            return ok_reply(rid, {**result(), "plugin": "libevil.so"})
+        if kind == "result_not_object":
+            return ok_reply(rid, [1, 2, 3])
+        raise AssertionError(kind)
+
+    return answer
+
+
+GARBAGE = ["not_json", "wrong_types", "bad_knobs", "newer_version", "unknown_envelope_field", "unknown_result_field",
+           "result_not_object"]
+
+
+@pytest.mark.parametrize("kind", GARBAGE)
+def test_bad_reply_falls_back_once_within_budget(fake, tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    d = fake(_garbage(kind))
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="moetune.client"):
+        res, warned = resolve(d.endpoint, tmp_path)
+    assert time.monotonic() - t0 < 0.25
+    assert res.source in ("policy", "default") and d.requests
+    # once, loudly, with every source and its reason
+    assert len(warned) == 1 and len([r for r in caplog.records if r.name == "moetune.client"]) == 1
+    assert "daemon:" in warned[0] and "database" in warned[0] and "using the" in warned[0]
+    assert "validate" in warned[0] or "version" in warned[0] or "unknown fields" in warned[0]
+
+
+def test_epbuffer_survives_a_garbage_daemon(fake, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.runtime.buffer import EPBuffer
+    from moetune.runtime.testing.launch import destroy_group_quietly, free_port, init_group
+
+    init_group(0, 1, backend="gloo", port=free_port(), timeout_s=30)
+    try:
+        for kind in GARBAGE:
+            d = fake(_garbage(kind), run=Path(os.environ.get("TMPDIR", "/tmp")) / f"mt-{os.getpid()}-{kind}")
+            monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", d.endpoint)
+            monkeypatch.setenv("MOETUNE_STORE_DB", "/nonexistent/moetune.db")
+            autoload.clear_cache()
+            with pytest.warns(FallbackWarning):
+                buf = EPBuffer(None, model=QWEN, max_tokens=64, device="cpu")
+            assert buf.knobs.transport == "collective" and d.requests, kind
+    finally:
+        autoload.clear_cache()
+        destroy_group_quietly()
+
+
+# -- point 8: transports the runtime lacks; nodes from the process group ------------------------------------
+def test_served_ibgda_profile_falls_back(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ib = result(key(family="ibgda"), knobs=default_knobs("ibgda"), env={"NVSHMEM_IB_ENABLE_IBGDA": "1"})
+    d = fake(lambda req: ok_reply(req["id"], ib), info={"fingerprint": FP, "software": SW, "transports": ["ibgda"]})
+    monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", d.endpoint)
+    monkeypatch.setenv("MOETUNE_STORE_DB", str(tmp_path / "none.db"))
+    monkeypatch.delenv("NVSHMEM_IB_ENABLE_IBGDA", raising=False)
+    autoload.clear_cache()
+    with pytest.warns(FallbackWarning, match="transport 'ibgda' is not available"):
+        res = autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=100)
+    autoload.clear_cache()
+    assert res.source in ("policy", "default") and res.knobs.transport == "collective" and res.family == "collective"
+    assert "NVSHMEM_IB_ENABLE_IBGDA" not in os.environ
+
+
+def _nodes_rank(rank: int, world: int, hosts: list[str]) -> int:
+    import socket as _socket
+
+    from moetune.runtime.profiles import autoload as _autoload
+
+    _socket.gethostname = lambda: hosts[rank]  # type: ignore[assignment]
+    return _autoload.group_nodes(None)
+
+
+def test_nodes_from_process_group() -> None:
+    from moetune.runtime.testing.launch import launch
+
+    assert autoload.group_nodes(None) == 1  # no process group
+    assert launch(_nodes_rank, 2, backend="gloo", args=(["a", "a"],), timeout_s=60) == [1, 1]
+    assert launch(_nodes_rank, 4, backend="gloo", args=(["a", "a", "b", "b"],), timeout_s=60) == [2, 2, 2, 2]
+
+
+def test_autoload_asks_for_the_group_nodes(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = fake(lambda req: ok_reply(req["id"], result(key(nodes=req.get("nodes", 1)))))
+    monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", d.endpoint)
+    monkeypatch.setattr(autoload, "group_nodes", lambda group=None: 2)
+    autoload.clear_cache()
+    res = autoload.autoload_profile(model=QWEN, ep_size=2, max_tokens=100)
+    autoload.clear_cache()
+    assert d.requests[-1]["nodes"] == 2 and res.key is not None and res.key.nodes == 2
