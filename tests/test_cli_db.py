@@ -30,7 +30,7 @@ def fill(db) -> None:
         for b in (16, 128):
             key = ProfileKey(
                 fingerprint="fp-cli", software="sw", transport_family="nvlink", ep_size=2, nodes=1, hidden=7168,
-                intermediate=2048, experts=256, topk=8, dtype="bf16", token_bucket=b,
+                intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=b,
             )
             s.put_profile(ProfileRecord(key=key, knobs=default_knobs("nvlink"), latency_us=float(b), spread_us=0.5, backend="model:t"))
 
