@@ -465,6 +465,16 @@ class Store:
                 return min((r for _i, r in got if r.key.token_bucket == bucket), key=lambda r: r.latency_us)
         return None
 
+    def provenance_of(self, key: ProfileKey, profile_hash: str | None = None) -> tuple[str, str] | None:
+        """(provenance, measured_on) of the newest stored profile for `key` (with this hash, if given):
+        for callers that hold a key from elsewhere (a daemon reply, the runtime's fallback)."""
+        q = select(Profile.provenance, Profile.measured_on).where(*_key_where(key))
+        if profile_hash is not None:
+            q = q.where(Profile.profile_hash == profile_hash)
+        with self._read() as s:
+            row = s.execute(q.order_by((Profile.status == "current").desc(), Profile.id.desc()).limit(1)).first()
+        return None if row is None else (row.provenance, row.measured_on)
+
     def get_profile(self, profile_id: int) -> ProfileRecord | None:
         """One profile by id (None when absent or unreadable: the warning names it)."""
         with self._read() as s:
