@@ -246,7 +246,7 @@ def test_hostile_import_is_rejected_and_database_byte_identical(tmp_path, name):
         assert where in msg, msg
     assert sha(db) == before
     r = runner.invoke(app, ["profiles", "import", str(f), "--db", str(db)])
-    assert r.exit_code == 2 and r.exception is None or isinstance(r.exception, SystemExit), r.output
+    assert r.exit_code == 2 and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
     assert "Traceback" not in r.output and "database unchanged" in r.output
     assert sha(db) == before
 
@@ -259,7 +259,7 @@ def test_out_of_range_numbers_are_clean_errors(tmp_path):
             s.import_bytes(doc)
         with pytest.raises(ValueError, match="latency_us"):
             s.put_profile(rec(float("nan"), "local:nccl"))
-        with pytest.raises(ValueError, match="key.hidden"):
+        with pytest.raises(ValueError, match=r"key\.hidden"):
             s.put_profile(ProfileRecord(key=ProfileKey(**{**key().to_dict(), "hidden": 1 << 64}),
                                         knobs=default_knobs("nvlink"), latency_us=1.0, spread_us=0.0, backend="x"))
         assert s.list_profiles() == []
