@@ -13,8 +13,10 @@ import msgspec
 from moetune.runtime.knobs import Knobs
 
 ProfileStatus = Literal["current", "stale", "superseded"]
-# Where a profile's numbers come from: measured on the node of its key, the node's calibrated model, a shipped preset.
+# What a profile's numbers are: measured on the key's fingerprint and software, predicted by this node's
+# calibrated fabric model, or predicted by a shipped preset (another machine's model).
 Provenance = Literal["measured", "node_model", "preset"]
+PROVENANCES: tuple[str, ...] = ("measured", "node_model", "preset")
 
 TOKEN_BUCKETS: tuple[int, ...] = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
@@ -29,6 +31,48 @@ def nearest_bucket(tokens: int, buckets: tuple[int, ...] | list[int] = TOKEN_BUC
 
     t = max(tokens, 1)
     return min(sorted(buckets), key=lambda b: (abs(math.log(b) - math.log(t)), -b))
+
+
+def nearest_bucket_within(tokens: int, buckets: tuple[int, ...] | list[int], max_steps: int = 1) -> int | None:
+    """The stored bucket nearest to `tokens`, or None when it is more than `max_steps` steps of the
+    TOKEN_BUCKETS ladder away from the bucket `tokens` falls in (a profile tuned for 16 tokens says
+    nothing about 4096: the caller falls back instead)."""
+    if not buckets:
+        return None
+    chosen = nearest_bucket(tokens, buckets)
+    rung = TOKEN_BUCKETS.index(nearest_bucket(tokens))
+    # A bucket off the ladder (an old database) counts as the rung it is nearest to.
+    got = TOKEN_BUCKETS.index(nearest_bucket(chosen))
+    return chosen if abs(got - rung) <= max_steps else None
+
+
+def provenance_of_backend(backend: str) -> Provenance:
+    """What a backend's numbers are: `local:*` measured, `model:node:*` this node's calibrated model,
+    any other `model:*` a preset. An unknown backend is modelled: never trusted as measured."""
+    if backend.startswith("model:node:"):
+        return "node_model"
+    if backend.startswith("model:"):
+        return "preset"
+    if backend.startswith("local:"):
+        return "measured"
+    return "node_model"
+
+
+def unlabelled_provenance(backend: str) -> Provenance:
+    """The provenance of a record that carries none (an older peer or export): modelled, never measured,
+    since nothing says which fingerprint and software it was measured on."""
+    p = provenance_of_backend(backend)
+    return "node_model" if p == "measured" else p
+
+
+def default_measured_on(provenance: str, backend: str, fingerprint: str) -> str:
+    """`measured_on` when a record does not say: the preset's name for a preset, the key's fingerprint
+    for a measurement, unknown ("") for a node model of unknown origin."""
+    if provenance == "preset":
+        return "preset:" + backend.removeprefix("model:")
+    if provenance == "measured":
+        return fingerprint
+    return ""
 
 
 class ProfileKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -64,17 +108,28 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     knobs: Knobs
     latency_us: float
     spread_us: float
-    backend: str  # which benchmark backend measured it: model:<preset>, local:nccl, local:gloo, ...
+    backend: str  # which benchmark backend measured it: model:<preset>, model:node:<fp>, local:nccl, ...
     status: ProfileStatus = "current"
-    provenance: Provenance = "measured"
-    measured_on: str = ""  # what the numbers were measured on (empty unless measured)
     software_versions: dict[str, str] = {}
     created: str = ""
     updated: str = ""
+    # Left out (an older peer): derived from the backend, and never "measured" (unlabelled_provenance).
+    provenance: Provenance | msgspec.UnsetType = msgspec.UNSET
+    measured_on: str = ""  # fingerprint measured or calibrated on; `preset:<name>` for a preset
+
+    def __post_init__(self) -> None:
+        if self.provenance is msgspec.UNSET:
+            self.provenance = unlabelled_provenance(self.backend)
+        elif self.provenance not in PROVENANCES:
+            raise ValueError(f"provenance must be one of {', '.join(PROVENANCES)}, got {self.provenance!r}")
+        if not self.measured_on:
+            self.measured_on = default_measured_on(self.provenance, self.backend, self.key.fingerprint)
 
     def is_tuned_for(self, fingerprint: str, software: str) -> bool:
-        """Measured on exactly this fabric fingerprint and software: the only profiles applied as tuned."""
-        return self.provenance == "measured" and self.key.fingerprint == fingerprint and self.key.software == software
+        """Measured on exactly this fabric and software: the only profile the runtime applies as tuned."""
+        return (
+            self.provenance == "measured" and self.key.fingerprint == fingerprint and self.key.software == software
+        )
 
     @property
     def profile_hash(self) -> str:

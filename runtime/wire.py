@@ -29,7 +29,13 @@ import msgspec
 from msgspec import Meta
 
 from moetune.runtime.knobs import Knobs
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profile_record import (
+    ProfileKey,
+    ProfileRecord,
+    Provenance,
+    default_measured_on,
+    unlabelled_provenance,
+)
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_REQUEST_BYTES = 65536
@@ -166,6 +172,15 @@ class ProfileResult(msgspec.Struct, kw_only=True):
     env: dict[str, str] = {}
     updated: str = ""
     version: int = 0  # the daemon's change version when this was read
+    # An older daemon sends neither: the profile then counts as modelled, never as measured.
+    provenance: Provenance | msgspec.UnsetType = msgspec.UNSET
+    measured_on: str = ""
+
+    def __post_init__(self) -> None:
+        if self.provenance is msgspec.UNSET:
+            self.provenance = unlabelled_provenance(self.backend)
+        if not self.measured_on:
+            self.measured_on = default_measured_on(self.provenance, self.backend, self.key.fingerprint)
 
     @classmethod
     def from_record(cls, rec: ProfileRecord, *, env: dict[str, str], version: int = 0) -> ProfileResult:
@@ -180,6 +195,8 @@ class ProfileResult(msgspec.Struct, kw_only=True):
             env=env,
             updated=rec.updated or rec.created,
             version=version,
+            provenance=rec.provenance,
+            measured_on=rec.measured_on,
         )
 
 

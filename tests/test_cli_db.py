@@ -30,7 +30,7 @@ def fill(db) -> None:
         for b in (16, 128):
             key = ProfileKey(
                 fingerprint="fp-cli", software="sw", transport_family="nvlink", ep_size=2, nodes=1, hidden=7168,
-                intermediate=2048, experts=256, topk=8, dtype="bf16", token_bucket=b,
+                intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=b,
             )
             s.put_profile(ProfileRecord(key=key, knobs=default_knobs("nvlink"), latency_us=float(b), spread_us=0.5, backend="model:t"))
 
@@ -147,3 +147,75 @@ def test_profiles_export_import(tmp_path):
 def test_group_help(group):
     r = run(group, "--help")
     assert r.exit_code == 0
+
+
+# -- issue 19 point 10: every command that touches the database takes --db and --config ------------
+def _commands():
+    import typer.main
+
+    try:  # typer >= 0.25 vendors click as typer._click; older ones depend on click
+        import click
+    except ImportError:
+        from typer import _click as click
+
+    from moetune.tuner.cli import app as root
+
+    cmd = typer.main.get_command(root)
+    ctx = click.Context(cmd)
+    found = {}
+
+    def walk(c, path):
+        if hasattr(c, "list_commands"):
+            if path and getattr(c, "callback", None) is not None and c.params:
+                found[" ".join(path)] = c  # a group that is itself a command (`moetune tune`)
+            for n in c.list_commands(ctx):
+                walk(c.get_command(ctx, n), [*path, n])
+        else:
+            found[" ".join(path)] = c
+
+    walk(cmd, [])
+    return found
+
+
+DB_COMMANDS = ["profile", "report", "query", "serve", "db path", "db upgrade", "db downgrade", "db current",
+               "db check", "profiles list", "profiles show", "profiles delete", "profiles export", "profiles import"]
+# Commands that touch the database but are owned by other modules (tuner/cli/tune.py, tuner/cli/fabric.py):
+# they lack an option today; reported to the lead, not changed here.
+NOT_OWNED = ["tune", "tune show", "fabric show", "fabric diff"]
+
+
+@pytest.mark.parametrize(
+    "name", DB_COMMANDS + [pytest.param(n, marks=pytest.mark.xfail(reason="owned elsewhere; lacks --db or --config"))
+                           for n in NOT_OWNED]
+)
+def test_database_commands_take_db_and_config(name):
+    cmds = _commands()
+    assert name in cmds, sorted(cmds)
+    opts = {o for p in cmds[name].params for o in getattr(p, "opts", [])}
+    assert {"--db", "--config"} <= opts, f"`moetune {name}` lacks {sorted({'--db', '--config'} - opts)}"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["db", "upgrade", "--revision", "nonsense"],
+        ["db", "downgrade", "nonsense", "--yes"],
+        ["profiles", "show", "not-a-number"],
+        ["profiles", "show", str(1 << 70)],
+        ["profiles", "delete", "99", "--yes"],
+        ["profiles", "list", "--status", "best"],
+        ["profiles", "export", "/nonexistent-dir/x.json"],
+        ["profiles", "import", "/"],
+        ["profiles", "import", "/nonexistent.json"],
+    ],
+)
+def test_bad_input_gives_no_traceback(tmp_path, args):
+    db = tmp_path / "t.db"
+    Store(db).close()
+    before = db.read_bytes()
+    r = runner.invoke(app, [*args, "--db", str(db)])
+    assert r.exit_code != 0
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.output
+    if args[0] == "profiles":
+        assert db.read_bytes() == before

@@ -10,20 +10,20 @@ import pytest
 
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.tuner.store import store as store_mod
+from moetune.tuner.store import io as io_mod
 from moetune.tuner.store.store import ProfileImportError, Store
 
 
 def key(fp: str = "fp-a", bucket: int = 128, family: str = "nvlink") -> ProfileKey:
     return ProfileKey(
         fingerprint=fp, software="sw", transport_family=family, ep_size=2, nodes=1, hidden=7168,
-        intermediate=2048, experts=256, topk=8, dtype="bf16", token_bucket=bucket,
+        intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=bucket,
     )
 
 
 def rec(lat: float, spread: float = 1.0, **kw) -> ProfileRecord:
     return ProfileRecord(
-        key=key(**kw), knobs=default_knobs("nvlink").replace(num_sms=20), latency_us=lat, spread_us=spread,
+        key=key(**kw), knobs=default_knobs(kw.get("family", "nvlink")).replace(num_sms=20), latency_us=lat, spread_us=spread,
         backend="local:nccl", software_versions={"nccl": "2.28", "torch": "2.13.0"},
     )
 
@@ -160,7 +160,7 @@ def _mutations():
         "wrong_type_knob": (wrong_type_knob, "Expected `int`, got `float`"),
         "bad_knob_combo": (bad_knob_combo, "fence_mode"),
         "bad_status": (bad_status, "status"),
-        "negative_latency": (negative_latency, "profiles[5]: latency_us"),
+        "negative_latency": (negative_latency, "profiles[5].latency_us"),
         "zero_ep": (zero_ep, "ep_size must be > 0"),
         "missing_field": (missing_field, "missing required field `backend`"),
         "two_current": (two_current, "both current for the same key"),
@@ -226,7 +226,7 @@ def test_failure_while_writing_rolls_everything_back(src, tmp_path, monkeypatch)
     with Store(db) as t:
         t.put_profile(rec(3.0, fp="fp-z"))
     before = sha(db)
-    real = store_mod._row_from_record
+    real = io_mod.row_from_record
     calls = {"n": 0}
 
     def flaky(*a, **kw):
@@ -235,7 +235,7 @@ def test_failure_while_writing_rolls_everything_back(src, tmp_path, monkeypatch)
             raise RuntimeError("disk on fire")
         return real(*a, **kw)
 
-    monkeypatch.setattr(store_mod, "_row_from_record", flaky)
+    monkeypatch.setattr(io_mod, "row_from_record", flaky)
     with Store(db) as t:
         with pytest.raises(RuntimeError, match="disk on fire"):
             t.import_profiles(f)

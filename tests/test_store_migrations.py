@@ -40,7 +40,7 @@ def populate(s: Store) -> None:
     for b in (16, 128, 1024):
         key = ProfileKey(
             fingerprint="fp", software="sw", transport_family="nvlink", ep_size=2, nodes=1, hidden=4096,
-            intermediate=1024, experts=64, topk=6, dtype="bf16", token_bucket=b,
+            intermediate=1024, experts=64, topk=6, dtype="bfloat16", token_bucket=b,
         )
         s.put_profile(ProfileRecord(key=key, knobs=default_knobs("nvlink"), latency_us=10.0 * b, spread_us=1.0, backend="m"))
     s.add_event(kind="hardware", reason="test")

@@ -24,7 +24,7 @@ def key(**over) -> ProfileKey:
         intermediate=2048,
         experts=256,
         topk=8,
-        dtype="bf16",
+        dtype="bfloat16",
         token_bucket=128,
     )
     base.update(over)
@@ -150,14 +150,16 @@ def test_find_profile_nearest_bucket_and_family(store):
     store.put_profile(rec(15.0, token_bucket=128, transport_family="collective", knobs=default_knobs("collective")))
     q = dict(
         fingerprint="fp-a", software="sw-1", ep_size=2, nodes=1, hidden=7168, intermediate=2048, experts=256,
-        topk=8, dtype="bf16",
+        topk=8, dtype="bfloat16",
     )
     assert store.find_profile(**q, tokens=100).key.token_bucket == 128
     # Without a family: the fastest at that bucket.
     assert store.find_profile(**q, tokens=100).key.transport_family == "collective"
     assert store.find_profile(**q, tokens=100, transport_family="nvlink").latency_us == 20.0
     assert store.find_profile(**q, tokens=1).key.token_bucket == 16
-    assert store.find_profile(**q, tokens=100000).key.token_bucket == 1024
+    # 100000 tokens is the 65536 bucket, six rungs above the nearest stored one: no profile, fall back.
+    assert store.find_profile(**q, tokens=100000) is None
+    assert store.find_profile(**q, tokens=100000, max_bucket_steps=6).key.token_bucket == 1024
     assert store.find_profile(**{**q, "software": "other"}, tokens=100) is None
     assert store.find_profile(**q, tokens=100, transport_family="ibgda") is None
 

@@ -15,6 +15,14 @@ from moetune.tuner.cli.db import CONFIG_HELP, DB_HELP, fail, open_store, out, pr
 app = typer.Typer(help="Tuned profiles in the database: list, show, delete, export, import.", no_args_is_help=True)
 
 STATUSES = ("current", "stale", "superseded")
+PROVENANCES = ("measured", "node_model", "preset")
+MAX_ID = (1 << 63) - 1  # SQLite INTEGER
+# Rich labels: anything not measured is said loudly.
+PROVENANCE_LABEL = {
+    "measured": "[green]measured[/]",
+    "node_model": "[yellow]MODELLED[/] (node)",
+    "preset": "[red]PRESET[/]",
+}
 
 
 def _record_json(pid: int, rec: Any) -> dict[str, Any]:
@@ -26,23 +34,33 @@ def _check_status(status: str | None) -> None:
         raise typer.BadParameter(f"must be one of {', '.join(STATUSES)}, got {status!r}", param_hint="--status")
 
 
+def _check_provenance(provenance: str | None) -> None:
+    if provenance is not None and provenance not in PROVENANCES:
+        raise typer.BadParameter(
+            f"must be one of {', '.join(PROVENANCES)}, got {provenance!r}", param_hint="--provenance"
+        )
+
+
 @app.command("list")
 def list_cmd(
     status: str | None = typer.Option(None, "--status", help="current, stale or superseded."),
     fingerprint: str | None = typer.Option(None, "--fingerprint", help="Only this fabric fingerprint."),
+    provenance: str | None = typer.Option(None, "--provenance", help="measured, node_model or preset."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
-    """List stored profiles."""
+    """List stored profiles, with where their numbers come from (measured, MODELLED, PRESET)."""
     _check_status(status)
+    _check_provenance(provenance)
     with open_store(db, config) as store:
-        rows = store.list_profiles(status=status, fingerprint=fingerprint)
+        rows = store.list_profiles(status=status, fingerprint=fingerprint, provenance=provenance)
     if json_out:
         print_json([_record_json(pid, rec) for pid, rec in rows])
         return
     table = Table(title=f"{len(rows)} profile(s)", title_justify="left")
-    for col in ("id", "status", "family", "fingerprint", "ep", "h/i/e/k", "dtype", "tokens", "µs", "backend", "updated"):
+    cols = ("id", "status", "provenance", "family", "fingerprint", "ep", "h/i/e/k", "dtype", "tokens", "µs", "backend", "updated")
+    for col in cols:
         right = col in ("id", "ep", "tokens", "µs")
         table.add_column(col, justify="right" if right else "left", min_width=len(col))
     colour = {"current": "green", "stale": "yellow", "superseded": "dim"}
@@ -51,6 +69,7 @@ def list_cmd(
         table.add_row(
             str(pid),
             f"[{colour[r.status]}]{r.status}[/]",
+            PROVENANCE_LABEL[str(r.provenance)],
             k.transport_family,
             k.fingerprint[:10],
             f"{k.ep_size}" if k.nodes == 1 else f"{k.ep_size}/{k.nodes}n",
@@ -66,7 +85,7 @@ def list_cmd(
 
 @app.command()
 def show(
-    profile_id: int = typer.Argument(..., help="Profile id (see `moetune profiles list`)."),
+    profile_id: int = typer.Argument(..., min=1, max=MAX_ID, help="Profile id (see `moetune profiles list`)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
@@ -88,6 +107,8 @@ def show(
         table.add_row(f"knobs.{name}", str(value))
     table.add_row("latency_us", f"{rec.latency_us:.3f} ± {rec.spread_us:.3f}")
     table.add_row("backend", rec.backend)
+    table.add_row("provenance", PROVENANCE_LABEL[str(rec.provenance)])
+    table.add_row("measured_on", rec.measured_on or "(unknown)")
     for name, value in sorted(rec.software_versions.items()):
         table.add_row(f"software.{name}", value)
     table.add_row("created", rec.created)
@@ -97,7 +118,7 @@ def show(
 
 @app.command()
 def delete(
-    profile_id: int = typer.Argument(..., help="Profile id."),
+    profile_id: int = typer.Argument(..., min=1, max=MAX_ID, help="Profile id."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask."),
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),

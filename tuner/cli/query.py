@@ -56,6 +56,29 @@ def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms:
         client.close()
 
 
+def provenance_of(res: Any, db: Path | None, config: Path | None) -> tuple[str, str]:
+    """(provenance, measured_on) of a resolution: from the reply when it says, else from the database;
+    a policy or built-in default is its own kind; "unknown" when nothing says."""
+    p = getattr(res, "provenance", None)
+    if p:
+        return str(p), str(getattr(res, "measured_on", "") or "")
+    if res.key is None:
+        return str(res.source), ""
+    from moetune.tuner.store.store import Store, StoreError
+
+    path = db or Path(_config(config).store.db)
+    try:
+        with Store(path, readonly=True) as store:
+            got = store.provenance_of(res.key, res.profile_hash)
+    except (StoreError, OSError):
+        got = None
+    return got if got is not None else ("unknown", "")
+
+
+PROVENANCE_LABEL = {"measured": "[green]measured[/]", "node_model": "[yellow]MODELLED[/] (node model)",
+                    "preset": "[red]PRESET[/] (another machine's model)", "unknown": "[red]UNKNOWN[/]"}
+
+
 def print_json(obj: Any) -> None:
     typer.echo(msgspec.json.encode(obj).decode())
 
@@ -98,7 +121,9 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"export {k}={v}")
             typer.echo(f"export MOETUNE_PROFILE_HASH={res.profile_hash}")
             return
+        provenance, measured_on = provenance_of(res, db, config)
         out = {"source": res.source, "profile_hash": res.profile_hash, "status": res.status,
+               "provenance": provenance, "measured_on": measured_on,
                "knobs": res.knobs.to_dict(), "env": res.env, "key": res.key.to_dict() if res.key else None,
                "family": res.family, "message": res.message}
         if fmt == "json":
@@ -112,6 +137,9 @@ def register(app: typer.Typer) -> None:
         t.add_row("source", res.source)
         t.add_row("profile", res.profile_hash)
         t.add_row("status", res.status)
+        t.add_row("provenance", PROVENANCE_LABEL.get(provenance, provenance))
+        if measured_on:
+            t.add_row("measured on", measured_on)
         if res.key:
             t.add_row("fingerprint", res.key.fingerprint)
             t.add_row("family", res.key.transport_family)

@@ -1,4 +1,5 @@
-"""The profile store: SQLAlchemy models, the Store API, schema migrations and export/import.
+"""The profile store: `models` (tables; the only thing migrations import), `store` (the Store API),
+`_schema` (schema versions and migrating), `io` (export/import), `validate` (record checks).
 
 The public names load lazily from their modules, so importing one submodule does not import the rest.
 """
@@ -7,20 +8,21 @@ from typing import Any
 
 _LAZY = {
     "BUSY_TIMEOUT_S": ".store",
-    "EXPORT_FORMAT": ".store",
-    "EXPORT_VERSION": ".store",
-    "ExportedFingerprint": ".store",
-    "ImportResult": ".store",
-    "MIGRATIONS_DIR": ".store",
-    "ProfileImportError": ".store",
-    "ProfilesFile": ".store",
+    "EXPORT_FORMAT": ".io",
+    "EXPORT_VERSION": ".io",
+    "ExportedFingerprint": ".io",
+    "ImportResult": ".io",
+    "MIGRATIONS_DIR": "._schema",
+    "ProfileImportError": ".io",
+    "ProfilesFile": ".io",
     "Row": ".store",
+    "SchemaVersionManager": "._schema",
     "Store": ".store",
-    "StoreError": ".store",
-    "VERSION_TABLE": ".store",
-    "head_revision": ".store",
+    "StoreError": "._schema",
+    "VERSION_TABLE": "._schema",
+    "head_revision": "._schema",
     "now": ".store",
-    "parse_export": ".store",
+    "parse_export": ".io",
 }
 
 
@@ -45,6 +47,7 @@ __all__ = [
     "ProfileImportError",
     "ProfilesFile",
     "Row",
+    "SchemaVersionManager",
     "Store",
     "StoreError",
     "head_revision",

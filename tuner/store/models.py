@@ -6,9 +6,12 @@ JSON columns hold canonical facts, knobs, software versions and free-form detail
 
 Plain `sqlite3` readers (the runtime's fallback, which has no SQLAlchemy) read current profiles with:
 
-    SELECT knobs, latency_us, spread_us, backend, token_bucket, transport_family, profile_hash
+    SELECT knobs, latency_us, spread_us, backend, token_bucket, transport_family, profile_hash,
+           provenance, measured_on
     FROM profiles WHERE status = 'current' AND fingerprint = ? AND software = ? AND ep_size = ?
       AND nodes = ? AND hidden = ? AND intermediate = ? AND experts = ? AND topk = ? AND dtype = ?
+
+and add `AND provenance = 'measured'` for what may be applied as tuned (column added by migration 0003).
 
 (`knobs` is the JSON of `Knobs.to_dict()`; open with `file:PATH?mode=ro`, uri=True.)
 """
@@ -30,6 +33,7 @@ NAMING = {
 }
 
 PROFILE_STATUSES = ("current", "stale", "superseded")
+PROVENANCES = ("measured", "node_model", "preset")
 # The columns that make a profile key (ProfileKey's fields, same names).
 PROFILE_KEY_COLUMNS = (
     "fingerprint",
@@ -124,9 +128,14 @@ class Profile(Base):
     profile_hash: Mapped[str] = mapped_column(String(32))
     created: Mapped[str] = mapped_column(String(40))
     updated: Mapped[str] = mapped_column(String(40))
+    # Added by migration 0003: measured / node_model / preset, and the fingerprint (or `preset:<name>`)
+    # the numbers come from.
+    provenance: Mapped[str] = mapped_column(String(16))
+    measured_on: Mapped[str] = mapped_column(String(160))
 
     __table_args__ = (
         CheckConstraint("status IN ('current', 'stale', 'superseded')", name="status"),
+        CheckConstraint("provenance IN ('measured', 'node_model', 'preset')", name="provenance"),
         CheckConstraint("latency_us >= 0 AND spread_us >= 0", name="latency"),
         # At most one current profile per key: a partial unique index.
         Index(

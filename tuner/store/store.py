@@ -1,9 +1,9 @@
-"""The profile store: SQLite through SQLAlchemy 2.0, schema managed by Alembic (migrations/).
+"""The Store API: the profile database (SQLite through SQLAlchemy 2.0, schema by Alembic in migrations/).
 
 Every connection runs with WAL, a busy timeout, foreign keys on and `synchronous=NORMAL`; every write
 transaction starts with `BEGIN IMMEDIATE`, so two processes writing at once queue on the busy timeout
 instead of failing on a lock upgrade. The database upgrades itself on first use (unless read-only).
-moetune's Alembic revision lives in `moetune_alembic_version`, so Optuna can share the file.
+Schema versions: `_schema`; export/import: `io`; record checks: `validate`; the tables: `models`.
 
 The exchange type is `moetune.runtime.profile_record.ProfileRecord`.
 """
@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import functools
 import os
 import sqlite3
-import tempfile
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
 from sqlalchemy import Engine, create_engine, delete, event, func, select, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL
@@ -29,41 +26,59 @@ from sqlalchemy.exc import DatabaseError, IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
 
-from moetune.runtime.knobs import KnobError, Knobs
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord, nearest_bucket
-from moetune.tuner.store.models import (
-    PROFILE_KEY_COLUMNS,
-    Event,
-    Fingerprint,
-    Measurement,
-    Profile,
-    TuningRun,
+from moetune.runtime.profile_record import (
+    PROVENANCES,
+    ProfileKey,
+    ProfileRecord,
+    nearest_bucket_within,
 )
+from moetune.tuner.store import io as _io
+from moetune.tuner.store._rows import (
+    PROVENANCE_RANK,
+    current_of,
+    decide,
+    records,
+    row_from_record,
+    select_records,
+)
+from moetune.tuner.store._schema import (
+    MIGRATIONS_DIR,
+    VERSION_TABLE,
+    SchemaVersionManager,
+    StoreError,
+    head_revision,
+)
+from moetune.tuner.store.io import (
+    EXPORT_FORMAT,
+    EXPORT_VERSION,
+    ExportedFingerprint,
+    ImportResult,
+    ProfileImportError,
+    ProfilesFile,
+    parse_export,
+)
+from moetune.tuner.store.models import Event, Fingerprint, Measurement, Profile, TuningRun
+from moetune.tuner.store.validate import check_record
 
-VERSION_TABLE = "moetune_alembic_version"
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
-EXPORT_FORMAT = "moetune-profiles"
-EXPORT_VERSION = 1
 BUSY_TIMEOUT_S = 30.0
 
 __all__ = [
+    "BUSY_TIMEOUT_S",
     "EXPORT_FORMAT",
     "EXPORT_VERSION",
+    "MIGRATIONS_DIR",
     "VERSION_TABLE",
+    "ExportedFingerprint",
     "ImportResult",
     "ProfileImportError",
+    "ProfilesFile",
     "Row",
     "Store",
     "StoreError",
+    "head_revision",
+    "now",
+    "parse_export",
 ]
-
-
-class StoreError(RuntimeError):
-    """The database cannot be opened, is at an unknown revision, or a stored value is invalid."""
-
-
-class ProfileImportError(ValueError):
-    """An import file is corrupt or invalid; nothing was written."""
 
 
 class Row(dict):
@@ -76,71 +91,11 @@ class Row(dict):
             raise AttributeError(name) from None
 
 
-class ImportResult(msgspec.Struct, kw_only=True):
-    """What `import_profiles` did."""
-
-    inserted: int = 0  # profile rows written
-    current: int = 0  # of which now current
-    replaced: int = 0  # existing current profiles superseded by an imported one that beat the noise
-    kept_superseded: int = 0  # imported current profiles that did not beat the stored one (kept as history)
-    skipped: int = 0  # already in the database (same key, knobs and creation time)
-    fingerprints: int = 0  # fingerprint rows added
-
-
-class ExportedFingerprint(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    hash: str
-    facts: dict[str, Any]
-    first_seen: str
-    last_seen: str
-
-
-class ProfilesFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The export file (JSON)."""
-
-    format: str
-    version: int
-    moetune_version: str = ""
-    fingerprints: list[ExportedFingerprint] = []
-    profiles: list[ProfileRecord] = []
-
 
 def now() -> str:
     """UTC now as ISO-8601 (the store's timestamp format)."""
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds")
 
-
-def _moetune_version() -> str:
-    from moetune.tuner import __version__
-
-    return __version__
-
-
-def _alembic_config(connection: Any = None) -> Any:
-    from alembic.config import Config as AlembicConfig
-
-    cfg = AlembicConfig()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    cfg.set_main_option("path_separator", "os")
-    if connection is not None:
-        cfg.attributes["connection"] = connection
-    return cfg
-
-
-@functools.cache
-def head_revision() -> str:
-    """The newest schema revision this moetune knows."""
-    from alembic.script import ScriptDirectory
-
-    head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
-    assert head is not None
-    return head
-
-
-@functools.cache
-def _known_revisions() -> frozenset[str]:
-    from alembic.script import ScriptDirectory
-
-    return frozenset(sc.revision for sc in ScriptDirectory.from_config(_alembic_config()).walk_revisions())
 
 
 def _on_connect(readonly: bool) -> Any:
@@ -184,34 +139,6 @@ def _on_begin(conn: Any) -> None:
     mode = conn.get_execution_options().get("moetune_begin", "DEFERRED")
     conn.exec_driver_sql(f"BEGIN {mode}")
 
-
-def _record(p: Profile) -> ProfileRecord:
-    try:
-        key = ProfileKey(**{c: getattr(p, c) for c in PROFILE_KEY_COLUMNS})
-        knobs = Knobs.from_dict(dict(p.knobs))
-    except (KnobError, ValueError, TypeError) as e:
-        raise StoreError(f"profile {p.id} in the database is invalid for this moetune: {e}") from None
-    return ProfileRecord(
-        key=key,
-        knobs=knobs,
-        latency_us=p.latency_us,
-        spread_us=p.spread_us,
-        backend=p.backend,
-        status=p.status,  # type: ignore[arg-type]
-        software_versions=dict(p.software_versions or {}),
-        created=p.created,
-        updated=p.updated,
-    )
-
-
-def _key_filter(key: ProfileKey) -> list[Any]:
-    return [getattr(Profile, c) == getattr(key, c) for c in PROFILE_KEY_COLUMNS]
-
-
-def _beats_noise(old: Profile, new: ProfileRecord) -> tuple[bool, float, float]:
-    gain = old.latency_us - new.latency_us
-    noise = max(old.spread_us, new.spread_us)
-    return gain > noise, gain, noise
 
 
 class Store:
@@ -315,96 +242,28 @@ class Store:
         return optuna.storages.RDBStorage(self.url, engine_kwargs={"connect_args": {"timeout": BUSY_TIMEOUT_S}})
 
     # -- schema ------------------------------------------------------------------------------------
+    @property
+    def schema(self) -> SchemaVersionManager:
+        return SchemaVersionManager(self)
+
     def current_revision(self) -> str | None:
         """The schema revision recorded in the database (None: empty or not a moetune database)."""
-        from alembic.runtime.migration import MigrationContext
-
-        with self._db_errors(), self._engine.connect() as conn:
-            ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
-            rev = ctx.get_current_revision()
-            conn.rollback()
-        return rev
+        return self.schema.current_revision()
 
     def _ensure_schema(self, *, upgrade: bool) -> None:
-        head = head_revision()
-        rev = self.current_revision()
-        if rev == head:
-            return
-        if rev is not None and rev not in _known_revisions():
-            raise StoreError(
-                f"{self.path} is at schema revision {rev}, unknown to this moetune (newest known: {head}); "
-                "it was written by a newer moetune"
-            )
-        if not upgrade:
-            raise StoreError(
-                f"{self.path} is at schema revision {rev or 'none'}, this moetune needs {head}: "
-                "run `moetune db upgrade`"
-            )
-        self.upgrade()
+        self.schema.ensure(upgrade=upgrade)
 
     def upgrade(self, revision: str = "head") -> None:
         """Migrate up to `revision` (one transaction; concurrent openers wait, then find it done)."""
-        self._migrate("upgrade", revision)
+        self.schema.migrate("upgrade", revision)
 
     def downgrade(self, revision: str) -> None:
         """Migrate down to `revision` ("base" drops every moetune table; other tables are untouched)."""
-        self._migrate("downgrade", revision)
-
-    def _migrate(self, direction: Literal["upgrade", "downgrade"], revision: str) -> None:
-        from alembic import command
-
-        if self.readonly:
-            raise StoreError(f"{self.path} is opened read-only")
-        self._after_fork()
-        with self._db_errors(), self._writer.connect() as conn:
-            raw = conn.connection.driver_connection
-            assert raw is not None
-            # Table rebuilds (batch migrations) need foreign keys off; they can only change outside a
-            # transaction. Checked again before commit.
-            raw.execute("PRAGMA foreign_keys = OFF")
-            try:
-                with conn.begin():
-                    getattr(command, direction)(_alembic_config(conn), revision)
-                    bad = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
-                    if bad:
-                        raise StoreError(f"migration {direction} to {revision} broke foreign keys: {bad[:5]}")
-            finally:
-                raw.execute("PRAGMA foreign_keys = ON")
+        self.schema.migrate("downgrade", revision)
 
     def check(self) -> dict[str, Any]:
         """Revision vs head, schema drift against the models, `PRAGMA integrity_check`, foreign keys."""
-        from alembic.autogenerate import compare_metadata
-        from alembic.runtime.migration import MigrationContext
-
-        from moetune.tuner.store.models import Base
-
-        head = head_revision()
-        rev = self.current_revision()
-        with self._db_errors(), self._engine.connect() as conn:
-            integrity = [r[0] for r in conn.exec_driver_sql("PRAGMA integrity_check").fetchall()]
-            fk = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
-            own = set(Base.metadata.tables) | {VERSION_TABLE}
-            ctx = MigrationContext.configure(
-                conn,
-                opts={
-                    "version_table": VERSION_TABLE,
-                    "compare_type": True,
-                    "include_name": lambda name, type_, _p: type_ != "table" or name in own,
-                },
-            )
-            diff = [str(d) for d in compare_metadata(ctx, Base.metadata)] if rev is not None else []
-            conn.rollback()
-        ok = rev == head and integrity == ["ok"] and not fk and not diff
-        return {
-            "path": str(self.path),
-            "revision": rev,
-            "head": head,
-            "at_head": rev == head,
-            "integrity": integrity,
-            "foreign_key_errors": len(fk),
-            "schema_diff": diff,
-            "ok": ok,
-        }
+        return self.schema.check()
 
     # -- fingerprints ------------------------------------------------------------------------------
     @staticmethod
@@ -516,43 +375,41 @@ class Store:
 
     # -- profiles ----------------------------------------------------------------------------------
     def put_profile(self, rec: ProfileRecord, *, force_reason: str | None = None) -> tuple[bool, str]:
-        """Insert a profile. It becomes `current` when its key has no current profile (a `stale` one
-        is always replaced) or when it beats the current one by more than the noise
-        (old.latency_us - new.latency_us > max(old.spread_us, new.spread_us)); the old one becomes
-        `superseded`. Otherwise nothing is written. A record whose status is not `current` is stored
-        as history. `force_reason` replaces the current one without the gate: for a decision taken on
-        better evidence (a side-by-side re-measurement of both settings), named in the reason.
-        Returns (written_as_current, reason)."""
-        _check_record(rec)
+        """Insert a profile; returns (written_as_current, reason).
+
+        The gate compares like with like (`_rows.decide`): a measured profile always replaces a modelled
+        current one (node_model over preset likewise); a modelled profile never displaces a measured one:
+        it is stored as `superseded` history, still listed with its provenance. Between two of the same
+        provenance the new one must beat the noise (old.latency_us - new.latency_us >
+        max(old.spread_us, new.spread_us)), else nothing is written. A key with no current profile (a
+        `stale` one does not count) takes the new one. A record whose status is not `current` is stored
+        as history. `force_reason` skips the noise rule (a side-by-side re-measurement of both settings),
+        never the provenance order."""
+        check_record(rec)
         ts = now()
         with self._write() as s:
             self._ensure_fingerprint(s, rec.key.fingerprint, ts)
             if rec.status != "current":
-                s.add(_row_from_record(rec, ts))
+                s.add(row_from_record(rec, ts))
                 return False, f"stored as {rec.status}"
-            old = s.scalar(select(Profile).where(*_key_filter(rec.key), Profile.status == "current"))
+            old = s.execute(current_of(rec.key)).first()
             if old is None:
-                s.add(_row_from_record(rec, ts))
+                s.add(row_from_record(rec, ts))
                 return True, "no current profile for this key"
-            better, gain, noise = _beats_noise(old, rec)
-            if force_reason is not None:
-                better = True
+            better, reason = decide(old, rec, force_reason=force_reason)
             if not better:
-                return False, (
-                    f"kept the current profile {old.id}: gain {gain:.3f} us does not beat the noise {noise:.3f} us"
-                )
-            old.status = "superseded"
-            old.updated = ts
-            s.flush()  # the old row leaves `current` before the new one arrives (unique index)
-            s.add(_row_from_record(rec, ts))
-            if force_reason is not None:
-                return True, f"replaced profile {old.id}: {force_reason}"
-            return True, f"replaced profile {old.id}: gain {gain:.3f} us beats the noise {noise:.3f} us"
+                if PROVENANCE_RANK[str(rec.provenance)] < PROVENANCE_RANK.get(old.provenance, 0):
+                    s.add(row_from_record(rec, ts, status="superseded"))
+                    return False, reason + " (stored as superseded history)"
+                return False, reason
+            s.execute(update(Profile).where(Profile.id == old.id).values(status="superseded", updated=ts))
+            s.add(row_from_record(rec, ts))
+            return True, reason
 
     def get_current(self, key: ProfileKey) -> ProfileRecord | None:
         with self._read() as s:
-            p = s.scalar(select(Profile).where(*_key_filter(key), Profile.status == "current"))
-            return None if p is None else _record(p)
+            got = records(s.execute(select_records().where(*_key_where(key), Profile.status == "current")))
+        return got[0][1] if got else None
 
     def find_profile(
         self,
@@ -568,9 +425,19 @@ class Store:
         dtype: str,
         tokens: int,
         transport_family: str | None = None,
+        measured_only: bool = False,
+        max_bucket_steps: int = 1,
     ) -> ProfileRecord | None:
-        """The current profile at the token bucket nearest to `tokens` among those stored for this
-        shape; without `transport_family`, the fastest family at that bucket."""
+        """The current profile at the stored token bucket nearest to `tokens`, at most `max_bucket_steps`
+        steps of the bucket ladder away (further: None, the caller falls back). Measured profiles come
+        first: a modelled one is returned only where no measured one is stored for this shape
+        (never with `measured_only`). Without `transport_family`, the fastest family at that bucket.
+        The record carries its `provenance`; `rec.is_tuned_for(fingerprint, software)` says whether it
+        may be applied as tuned. An unknown dtype is a ValueError (moetune writes `bfloat16`, not `bf16`)."""
+        from moetune.runtime.shapes import DTYPES
+
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
         where = [
             Profile.status == "current",
             Profile.fingerprint == fingerprint,
@@ -586,33 +453,48 @@ class Store:
         if transport_family is not None:
             where.append(Profile.transport_family == transport_family)
         with self._read() as s:
-            buckets = sorted(set(s.scalars(select(Profile.token_bucket).where(*where))))
-            if not buckets:
-                return None
-            bucket = nearest_bucket(tokens, buckets)
-            p = s.scalar(
-                select(Profile)
-                .where(*where, Profile.token_bucket == bucket)
-                .order_by(Profile.latency_us, Profile.id)
-                .limit(1)
-            )
-            return None if p is None else _record(p)
+            for provenance in sorted(PROVENANCES, key=lambda p: -PROVENANCE_RANK[p]):
+                if measured_only and provenance != "measured":
+                    break
+                got = records(s.execute(select_records().where(*where, Profile.provenance == provenance)))
+                if not got:
+                    continue
+                bucket = nearest_bucket_within(tokens, sorted({r.key.token_bucket for _i, r in got}), max_bucket_steps)
+                if bucket is None:
+                    continue
+                return min((r for _i, r in got if r.key.token_bucket == bucket), key=lambda r: r.latency_us)
+        return None
+
+    def provenance_of(self, key: ProfileKey, profile_hash: str | None = None) -> tuple[str, str] | None:
+        """(provenance, measured_on) of the newest stored profile for `key` (with this hash, if given):
+        for callers that hold a key from elsewhere (a daemon reply, the runtime's fallback)."""
+        q = select(Profile.provenance, Profile.measured_on).where(*_key_where(key))
+        if profile_hash is not None:
+            q = q.where(Profile.profile_hash == profile_hash)
+        with self._read() as s:
+            row = s.execute(q.order_by((Profile.status == "current").desc(), Profile.id.desc()).limit(1)).first()
+        return None if row is None else (row.provenance, row.measured_on)
 
     def get_profile(self, profile_id: int) -> ProfileRecord | None:
+        """One profile by id (None when absent or unreadable: the warning names it)."""
         with self._read() as s:
-            p = s.get(Profile, profile_id)
-            return None if p is None else _record(p)
+            got = records(s.execute(select_records().where(Profile.id == profile_id)))
+        return got[0][1] if got else None
 
     def list_profiles(
-        self, *, status: str | None = None, fingerprint: str | None = None
+        self, *, status: str | None = None, fingerprint: str | None = None, provenance: str | None = None
     ) -> list[tuple[int, ProfileRecord]]:
-        q = select(Profile).order_by(Profile.id)
+        """(id, record) in id order; each record says its provenance. A row this moetune cannot read is
+        skipped with a warning naming its id (one bad row must not hide the rest, nor stop a daemon)."""
+        q = select_records().order_by(Profile.id)
         if status is not None:
             q = q.where(Profile.status == status)
         if fingerprint is not None:
             q = q.where(Profile.fingerprint == fingerprint)
+        if provenance is not None:
+            q = q.where(Profile.provenance == provenance)
         with self._read() as s:
-            return [(p.id, _record(p)) for p in s.scalars(q)]
+            return records(s.execute(q))
 
     def delete_profile(self, profile_id: int) -> bool:
         with self._write() as s:
@@ -651,182 +533,27 @@ class Store:
         with self._read() as s:
             return [_row(e) for e in s.scalars(select(Event).order_by(Event.id.desc()).limit(limit))]
 
-    # -- export / import ---------------------------------------------------------------------------
+    # -- export / import (moetune.tuner.store.io) ----------------------------------------------------
     def dump_profiles(self, *, status: str | None = None, fingerprint: str | None = None) -> bytes:
         """The export document (JSON bytes, deterministic: same database → same bytes)."""
-        profiles = [rec for _id, rec in self.list_profiles(status=status, fingerprint=fingerprint)]
-        hashes = sorted({r.key.fingerprint for r in profiles})
-        with self._read() as s:
-            fps = {fp.hash: fp for fp in s.scalars(select(Fingerprint).where(Fingerprint.hash.in_(hashes)))}
-        doc = ProfilesFile(
-            format=EXPORT_FORMAT,
-            version=EXPORT_VERSION,
-            moetune_version=_moetune_version(),
-            fingerprints=[
-                ExportedFingerprint(
-                    hash=h, facts=dict(fps[h].facts), first_seen=fps[h].first_seen, last_seen=fps[h].last_seen
-                )
-                for h in hashes
-                if h in fps
-            ],
-            profiles=profiles,
-        )
-        return msgspec.json.format(msgspec.json.encode(doc, order="deterministic"), indent=2) + b"\n"
+        return _io.dump_profiles(self, status=status, fingerprint=fingerprint)
 
-    def export_profiles(
-        self, path: str | Path, *, status: str | None = None, fingerprint: str | None = None
-    ) -> int:
+    def export_profiles(self, path: str | Path, *, status: str | None = None, fingerprint: str | None = None) -> int:
         """Write the profiles (with their fingerprints' facts) to a JSON file atomically; returns how many."""
-        data = self.dump_profiles(status=status, fingerprint=fingerprint)
-        n = len(msgspec.json.decode(data)["profiles"])
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        return n
+        return _io.export_profiles(self, path, status=status, fingerprint=fingerprint)
 
     def import_profiles(self, path: str | Path) -> ImportResult:
-        """Import an export file: everything is validated first, then written in one transaction.
-        Raises ProfileImportError (nothing written) on any problem. Never creates two current profiles
-        for one key: an imported current profile replaces a stored one only when it beats the noise,
-        else it is kept as `superseded`. Records already present are skipped."""
-        path = Path(path)
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise ProfileImportError(f"cannot read {path}: {e.strerror or e}") from None
-        return self.import_bytes(data, source=str(path))
+        """Import an export file, all or nothing; ProfileImportError (nothing written) names the problem."""
+        return _io.import_profiles(self, path)
 
     def import_bytes(self, data: bytes, *, source: str = "<data>") -> ImportResult:
-        doc = parse_export(data, source=source)
-        result = ImportResult()
-        ts = now()
-        try:
-            with self._write() as s:
-                for fp in doc.fingerprints:
-                    have = s.scalar(select(Fingerprint).where(Fingerprint.hash == fp.hash))
-                    if have is None:
-                        s.add(Fingerprint(hash=fp.hash, facts=fp.facts, first_seen=fp.first_seen, last_seen=fp.last_seen))
-                        result.fingerprints += 1
-                    elif not have.facts and fp.facts:  # a placeholder learns its facts
-                        have.facts = fp.facts
-                s.flush()
-                for rec in doc.profiles:
-                    before = s.scalar(select(func.count(Fingerprint.id)).where(Fingerprint.hash == rec.key.fingerprint))
-                    if not before:
-                        self._ensure_fingerprint(s, rec.key.fingerprint, ts)
-                        result.fingerprints += 1
-                    dup = s.scalar(
-                        select(Profile.id).where(
-                            *_key_filter(rec.key),
-                            Profile.profile_hash == rec.profile_hash,
-                            Profile.created == rec.created,
-                        )
-                    )
-                    if dup is not None:
-                        result.skipped += 1
-                        continue
-                    row = _row_from_record(rec, ts, keep_times=True)
-                    if rec.status == "current":
-                        old = s.scalar(select(Profile).where(*_key_filter(rec.key), Profile.status == "current"))
-                        if old is not None:
-                            if _beats_noise(old, rec)[0]:
-                                old.status = "superseded"
-                                old.updated = ts
-                                s.flush()
-                                result.replaced += 1
-                            else:
-                                row.status = "superseded"
-                                result.kept_superseded += 1
-                    s.add(row)
-                    s.flush()
-                    result.inserted += 1
-                    result.current += row.status == "current"
-        except IntegrityError as e:
-            raise ProfileImportError(f"{source}: rejected by the database, nothing imported: {e.orig}") from None
-        return result
+        return _io.import_bytes(self, data, source=source)
 
 
-def parse_export(data: bytes, *, source: str = "<data>") -> ProfilesFile:
-    """Decode and validate an export document completely; raises ProfileImportError naming the problem."""
-    try:
-        raw = msgspec.json.decode(data)
-    except msgspec.DecodeError as e:
-        raise ProfileImportError(f"{source}: not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ProfileImportError(f"{source}: expected a JSON object, got {type(raw).__name__}")
-    if raw.get("format") != EXPORT_FORMAT:
-        raise ProfileImportError(f"{source}: not a moetune profiles file (format {raw.get('format')!r}, expected {EXPORT_FORMAT!r})")
-    if raw.get("version") != EXPORT_VERSION:
-        raise ProfileImportError(
-            f"{source}: unsupported format version {raw.get('version')!r} (this moetune reads {EXPORT_VERSION})"
-        )
-    try:
-        doc = msgspec.convert(raw, ProfilesFile)
-    except (msgspec.ValidationError, KnobError, ValueError, TypeError) as e:
-        raise ProfileImportError(f"{source}: invalid: {e}") from None
-    seen_fp: set[str] = set()
-    for i, fp in enumerate(doc.fingerprints):
-        if not fp.hash:
-            raise ProfileImportError(f"{source}: fingerprints[{i}].hash is empty")
-        if fp.hash in seen_fp:
-            raise ProfileImportError(f"{source}: fingerprints[{i}]: fingerprint {fp.hash} appears twice")
-        seen_fp.add(fp.hash)
-    current: dict[ProfileKey, int] = {}
-    for i, rec in enumerate(doc.profiles):
-        try:
-            _check_record(rec)
-        except ValueError as e:
-            raise ProfileImportError(f"{source}: profiles[{i}]: {e}") from None
-        if rec.status == "current":
-            if rec.key in current:
-                raise ProfileImportError(
-                    f"{source}: profiles[{current[rec.key]}] and profiles[{i}] are both current for the same key "
-                    f"({_key_text(rec.key)})"
-                )
-            current[rec.key] = i
-    return doc
+def _key_where(key: ProfileKey) -> list[Any]:
+    from moetune.tuner.store._rows import key_filter
 
-
-def _key_text(key: ProfileKey) -> str:
-    return (
-        f"{key.fingerprint[:12]} {key.transport_family} ep{key.ep_size}x{key.nodes} "
-        f"h{key.hidden}/i{key.intermediate}/e{key.experts}/k{key.topk} {key.dtype} t{key.token_bucket}"
-    )
-
-
-def _check_record(rec: ProfileRecord) -> None:
-    import math
-
-    for name in ("latency_us", "spread_us"):
-        v = getattr(rec, name)
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {v}")
-    if not rec.key.fingerprint:
-        raise ValueError("key.fingerprint must not be empty")
-    if rec.status not in ("current", "stale", "superseded"):
-        raise ValueError(f"status must be current, stale or superseded, got {rec.status!r}")
-
-
-def _row_from_record(rec: ProfileRecord, ts: str, *, keep_times: bool = False) -> Profile:
-    return Profile(
-        **{c: getattr(rec.key, c) for c in PROFILE_KEY_COLUMNS},
-        knobs=rec.knobs.to_dict(),
-        latency_us=float(rec.latency_us),
-        spread_us=float(rec.spread_us),
-        backend=rec.backend,
-        status=rec.status,
-        software_versions=dict(rec.software_versions),
-        profile_hash=rec.profile_hash,
-        created=rec.created or ts,
-        updated=(rec.updated or rec.created or ts) if keep_times else ts,
-    )
+    return key_filter(key)
 
 
 def _row(obj: Any) -> Row:

@@ -1,0 +1,147 @@
+"""Schema versions: which Alembic revision a database is at, and moving it (Optuna's `_VersionManager`).
+
+moetune's revision lives in `moetune_alembic_version`, so an Optuna study can share the file. Every error
+says what to run.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from moetune.tuner.store.store import Store
+
+VERSION_TABLE = "moetune_alembic_version"
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+
+
+class StoreError(RuntimeError):
+    """The database cannot be opened, is at an unknown revision, or a stored value is invalid."""
+
+
+def alembic_config(connection: Any = None) -> Any:
+    from alembic.config import Config as AlembicConfig
+
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("path_separator", "os")
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+@functools.cache
+def head_revision() -> str:
+    """The newest schema revision this moetune knows."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+@functools.cache
+def known_revisions() -> frozenset[str]:
+    from alembic.script import ScriptDirectory
+
+    return frozenset(sc.revision for sc in ScriptDirectory.from_config(alembic_config()).walk_revisions())
+
+
+class SchemaVersionManager:
+    """The schema of one store's database: its revision, compatibility, upgrade/downgrade, check."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def _where(self) -> str:
+        return "" if self._store.memory else f" --db {self._store.path}"
+
+    def current_revision(self) -> str | None:
+        """The revision recorded in the database (None: empty or not a moetune database)."""
+        from alembic.runtime.migration import MigrationContext
+
+        with self._store._db_errors(), self._store.engine.connect() as conn:
+            ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+            rev = ctx.get_current_revision()
+            conn.rollback()
+        return rev
+
+    def ensure(self, *, upgrade: bool) -> None:
+        """At head, or upgraded to it when allowed; else a StoreError naming the command to run."""
+        head = head_revision()
+        rev = self.current_revision()
+        if rev == head:
+            return
+        path = self._store.path
+        if rev is not None and rev not in known_revisions():
+            raise StoreError(
+                f"{path} is at schema revision {rev}, unknown to this moetune (newest known: {head}); it was "
+                f"written by a newer moetune: upgrade moetune, or with the newer one run "
+                f"`moetune db downgrade {head} --yes{self._where()}`"
+            )
+        if not upgrade:
+            raise StoreError(
+                f"{path} is at schema revision {rev or 'none'}, this moetune needs {head}: "
+                f"run `moetune db upgrade{self._where()}`"
+            )
+        self.migrate("upgrade", "head")
+
+    def migrate(self, direction: Literal["upgrade", "downgrade"], revision: str) -> None:
+        """One transaction; concurrent openers wait on the write lock, then find it done."""
+        from alembic import command
+
+        store = self._store
+        if store.readonly:
+            raise StoreError(f"{store.path} is opened read-only")
+        store._after_fork()
+        with store._db_errors(), store._writer.connect() as conn:
+            raw = conn.connection.driver_connection
+            assert raw is not None
+            # Table rebuilds (batch migrations) need foreign keys off; they can only change outside a
+            # transaction. Checked again before commit.
+            raw.execute("PRAGMA foreign_keys = OFF")
+            try:
+                with conn.begin():
+                    getattr(command, direction)(alembic_config(conn), revision)
+                    bad = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                    if bad:
+                        raise StoreError(f"migration {direction} to {revision} broke foreign keys: {bad[:5]}")
+            finally:
+                raw.execute("PRAGMA foreign_keys = ON")
+
+    def check(self) -> dict[str, Any]:
+        """Revision vs head, schema drift against the models, `PRAGMA integrity_check`, foreign keys."""
+        from alembic.autogenerate import compare_metadata
+        from alembic.runtime.migration import MigrationContext
+
+        from moetune.tuner.store.models import Base
+
+        head = head_revision()
+        rev = self.current_revision()
+        with self._store._db_errors(), self._store.engine.connect() as conn:
+            integrity = [r[0] for r in conn.exec_driver_sql("PRAGMA integrity_check").fetchall()]
+            fk = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+            own = set(Base.metadata.tables) | {VERSION_TABLE}
+            ctx = MigrationContext.configure(
+                conn,
+                opts={
+                    "version_table": VERSION_TABLE,
+                    "compare_type": True,
+                    "include_name": lambda name, type_, _p: type_ != "table" or name in own,
+                },
+            )
+            diff = [str(d) for d in compare_metadata(ctx, Base.metadata)] if rev is not None else []
+            conn.rollback()
+        ok = rev == head and integrity == ["ok"] and not fk and not diff
+        return {
+            "path": str(self._store.path),
+            "revision": rev,
+            "head": head,
+            "at_head": rev == head,
+            "integrity": integrity,
+            "foreign_key_errors": len(fk),
+            "schema_diff": diff,
+            "ok": ok,
+        }

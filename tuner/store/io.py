@@ -1,0 +1,220 @@
+"""Export and import of profiles: a deterministic JSON document, imported all or nothing.
+
+An import is validated completely before anything is written (`parse_export`), then written in one
+transaction; a rejected import leaves the database file byte-identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+
+from moetune.runtime.knobs import KnobError
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.tuner.store._rows import current_of, decide, key_filter, row_from_record
+from moetune.tuner.store.models import Fingerprint, Profile
+from moetune.tuner.store.validate import FieldError, check_import_record
+
+if TYPE_CHECKING:
+    from moetune.tuner.store.store import Store
+
+EXPORT_FORMAT = "moetune-profiles"
+EXPORT_VERSION = 1
+
+
+class ProfileImportError(ValueError):
+    """An import file is corrupt or invalid; nothing was written."""
+
+
+class ImportResult(msgspec.Struct, kw_only=True):
+    """What an import did."""
+
+    inserted: int = 0  # profile rows written
+    current: int = 0  # of which now current
+    replaced: int = 0  # existing current profiles superseded by an imported one
+    kept_superseded: int = 0  # imported current profiles that did not replace the stored one (kept as history)
+    skipped: int = 0  # already in the database (same key, knobs and creation time)
+    fingerprints: int = 0  # fingerprint rows added
+
+
+class ExportedFingerprint(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    hash: str
+    facts: dict[str, Any]
+    first_seen: str
+    last_seen: str
+
+
+class ProfilesFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The export file (JSON)."""
+
+    format: str
+    version: int
+    moetune_version: str = ""
+    fingerprints: list[ExportedFingerprint] = []
+    profiles: list[ProfileRecord] = []
+
+
+def _moetune_version() -> str:
+    from moetune.tuner import __version__
+
+    return __version__
+
+
+def dump_profiles(store: Store, *, status: str | None = None, fingerprint: str | None = None) -> bytes:
+    """The export document (JSON bytes, deterministic: same database → same bytes)."""
+    profiles = [rec for _id, rec in store.list_profiles(status=status, fingerprint=fingerprint)]
+    hashes = sorted({r.key.fingerprint for r in profiles})
+    with store._read() as s:
+        fps = {fp.hash: fp for fp in s.scalars(select(Fingerprint).where(Fingerprint.hash.in_(hashes)))}
+    doc = ProfilesFile(
+        format=EXPORT_FORMAT,
+        version=EXPORT_VERSION,
+        moetune_version=_moetune_version(),
+        fingerprints=[
+            ExportedFingerprint(hash=h, facts=dict(fps[h].facts), first_seen=fps[h].first_seen, last_seen=fps[h].last_seen)
+            for h in hashes
+            if h in fps
+        ],
+        profiles=profiles,
+    )
+    return msgspec.json.format(msgspec.json.encode(doc, order="deterministic"), indent=2) + b"\n"
+
+
+def export_profiles(store: Store, path: str | Path, *, status: str | None = None, fingerprint: str | None = None) -> int:
+    """Write the profiles (with their fingerprints' facts) to a JSON file atomically; returns how many."""
+    data = dump_profiles(store, status=status, fingerprint=fingerprint)
+    n = len(msgspec.json.decode(data)["profiles"])
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return n
+
+
+def _key_text(key: ProfileKey) -> str:
+    return (
+        f"{key.fingerprint[:12]} {key.transport_family} ep{key.ep_size}x{key.nodes} "
+        f"h{key.hidden}/i{key.intermediate}/e{key.experts}/k{key.topk} {key.dtype} t{key.token_bucket}"
+    )
+
+
+def parse_export(data: bytes, *, source: str = "<data>") -> ProfilesFile:
+    """Decode and validate an export document completely; ProfileImportError names the profile and field."""
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError as e:
+        raise ProfileImportError(f"{source}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ProfileImportError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+    if raw.get("format") != EXPORT_FORMAT:
+        raise ProfileImportError(f"{source}: not a moetune profiles file (format {str(raw.get('format'))[:64]!r}, expected {EXPORT_FORMAT!r})")
+    if raw.get("version") != EXPORT_VERSION:
+        raise ProfileImportError(
+            f"{source}: unsupported format version {str(raw.get('version'))[:32]} (this moetune reads {EXPORT_VERSION})"
+        )
+    try:
+        doc = msgspec.convert(raw, ProfilesFile)
+    except (msgspec.ValidationError, KnobError, ValueError, TypeError) as e:
+        raise ProfileImportError(f"{source}: invalid: {e}") from None
+    now = _dt.datetime.now(_dt.UTC)
+    seen_fp: set[str] = set()
+    for i, fp in enumerate(doc.fingerprints):
+        if not fp.hash:
+            raise ProfileImportError(f"{source}: fingerprints[{i}].hash is empty")
+        if fp.hash in seen_fp:
+            raise ProfileImportError(f"{source}: fingerprints[{i}]: fingerprint {fp.hash} appears twice")
+        seen_fp.add(fp.hash)
+        for name in ("first_seen", "last_seen"):
+            try:
+                _dt.datetime.fromisoformat(getattr(fp, name))
+            except ValueError:
+                raise ProfileImportError(f"{source}: fingerprints[{i}].{name}: not an ISO-8601 date") from None
+    current: dict[ProfileKey, int] = {}
+    for i, rec in enumerate(doc.profiles):
+        try:
+            check_import_record(rec, now)
+        except FieldError as e:
+            raise ProfileImportError(f"{source}: profiles[{i}].{e}") from None
+        if rec.status == "current":
+            if rec.key in current:
+                raise ProfileImportError(
+                    f"{source}: profiles[{current[rec.key]}] and profiles[{i}] are both current for the same key "
+                    f"({_key_text(rec.key)})"
+                )
+            current[rec.key] = i
+    return doc
+
+
+def import_bytes(store: Store, data: bytes, *, source: str = "<data>") -> ImportResult:
+    """Import an export document: validated first, then one transaction. Never two current profiles for
+    one key: an imported current profile replaces a stored one only through the replacement gate
+    (modelled never displaces measured; like with like beats the noise), else it is kept as `superseded`.
+    Records already present are skipped."""
+    from moetune.tuner.store.store import now
+
+    doc = parse_export(data, source=source)
+    result = ImportResult()
+    ts = now()
+    try:
+        with store._write() as s:
+            for fp in doc.fingerprints:
+                have = s.scalar(select(Fingerprint).where(Fingerprint.hash == fp.hash))
+                if have is None:
+                    s.add(Fingerprint(hash=fp.hash, facts=fp.facts, first_seen=fp.first_seen, last_seen=fp.last_seen))
+                    result.fingerprints += 1
+                elif not have.facts and fp.facts:  # a placeholder learns its facts
+                    have.facts = fp.facts
+            s.flush()
+            for rec in doc.profiles:
+                before = s.scalar(select(func.count(Fingerprint.id)).where(Fingerprint.hash == rec.key.fingerprint))
+                if not before:
+                    store._ensure_fingerprint(s, rec.key.fingerprint, ts)
+                    result.fingerprints += 1
+                dup = s.scalar(
+                    select(Profile.id).where(
+                        *key_filter(rec.key), Profile.profile_hash == rec.profile_hash, Profile.created == rec.created
+                    )
+                )
+                if dup is not None:
+                    result.skipped += 1
+                    continue
+                row = row_from_record(rec, ts, keep_times=True)
+                if rec.status == "current":
+                    old = s.execute(current_of(rec.key)).first()
+                    if old is not None:
+                        if decide(old, rec)[0]:
+                            s.execute(update(Profile).where(Profile.id == old.id).values(status="superseded", updated=ts))
+                            result.replaced += 1
+                        else:
+                            row.status = "superseded"
+                            result.kept_superseded += 1
+                s.add(row)
+                s.flush()
+                result.inserted += 1
+                result.current += row.status == "current"
+    except IntegrityError as e:
+        raise ProfileImportError(f"{source}: rejected by the database, nothing imported: {e.orig}") from None
+    return result
+
+
+def import_profiles(store: Store, path: str | Path) -> ImportResult:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ProfileImportError(f"cannot read {path}: {e.strerror or e}") from None
+    return import_bytes(store, data, source=str(path))

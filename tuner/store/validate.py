@@ -1,0 +1,109 @@
+"""What a profile record must satisfy to be stored (`check_record`) and, stricter, to be imported from a
+file someone else wrote (`check_import_record`). Errors name the field."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+from typing import Any
+
+import msgspec
+
+from moetune.runtime.knobs import TRANSPORTS
+from moetune.runtime.profile_record import PROVENANCES, TOKEN_BUCKETS, ProfileRecord
+from moetune.runtime.shapes import DTYPES
+
+STATUSES = ("current", "stale", "superseded")
+SQLITE_INT_MAX = (1 << 63) - 1
+# A clock a little ahead of ours is not a forged date; more than this is.
+FUTURE_SLACK = _dt.timedelta(minutes=5)
+
+
+class FieldError(ValueError):
+    """A record field that is not acceptable; str() is `field: why`."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def family_transport(family: str) -> str:
+    """Knobs.transport for a transport family name (`proxy:libfabric/cxi` → `proxy`)."""
+    return family.split(":", 1)[0].split("/", 1)[0]
+
+
+def _big_ints(obj: Any, path: str) -> list[str]:
+    if isinstance(obj, bool):
+        return []
+    if isinstance(obj, int):
+        return [path] if not -SQLITE_INT_MAX - 1 <= obj <= SQLITE_INT_MAX else []
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in _big_ints(v, f"{path}.{k}")]
+    if isinstance(obj, list):
+        return [p for i, v in enumerate(obj) for p in _big_ints(v, f"{path}[{i}]")]
+    return []
+
+
+def check_record(rec: ProfileRecord) -> None:
+    """What every stored profile satisfies (the database's own constraints, said before it is asked)."""
+    for name in ("latency_us", "spread_us"):
+        v = getattr(rec, name)
+        if not math.isfinite(v) or v < 0:
+            raise FieldError(name, f"must be a finite number >= 0, got {v}")
+    if not rec.key.fingerprint:
+        raise FieldError("key.fingerprint", "must not be empty")
+    if rec.status not in STATUSES:
+        raise FieldError("status", f"must be one of {', '.join(STATUSES)}, got {rec.status!r}")
+    if rec.provenance not in PROVENANCES:
+        raise FieldError("provenance", f"must be one of {', '.join(PROVENANCES)}, got {rec.provenance!r}")
+    for where, obj in (("key", rec.key.to_dict()), ("knobs", rec.knobs.to_dict())):
+        big = _big_ints(obj, where)
+        if big:
+            raise FieldError(big[0], f"integer out of range (at most {SQLITE_INT_MAX})")
+
+
+def _parse_time(field: str, value: str, now: _dt.datetime) -> None:
+    try:
+        t = _dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise FieldError(field, f"not an ISO-8601 date: {value[:64]!r}") from None
+    if t.tzinfo is None:
+        raise FieldError(field, f"date without a time zone: {value[:64]!r}")
+    if t > now + FUTURE_SLACK:
+        raise FieldError(field, f"date in the future: {value[:64]!r} (it would win every 'newest' comparison)")
+
+
+def check_import_record(rec: ProfileRecord, now: _dt.datetime | None = None) -> None:
+    """`check_record` plus what a file from elsewhere may get wrong: a key no moetune would write."""
+    check_record(rec)
+    key = rec.key
+    if not rec.latency_us > 0:
+        raise FieldError("latency_us", f"must be > 0, got {rec.latency_us}")
+    if key.dtype not in DTYPES:
+        raise FieldError("key.dtype", f"unknown dtype {key.dtype[:64]!r} (known: {', '.join(DTYPES)})")
+    if key.token_bucket not in TOKEN_BUCKETS:
+        raise FieldError("key.token_bucket", f"{key.token_bucket} is not a token bucket ({', '.join(map(str, TOKEN_BUCKETS))})")
+    if key.topk > key.experts:
+        raise FieldError("key.topk", f"top-k {key.topk} is above the expert count {key.experts}")
+    transport = family_transport(key.transport_family)
+    if transport not in TRANSPORTS:
+        raise FieldError("key.transport_family", f"unknown transport family {key.transport_family[:64]!r}")
+    if rec.knobs.transport != transport:
+        raise FieldError(
+            "knobs.transport",
+            f"knobs for transport {rec.knobs.transport!r} under a {key.transport_family!r} key",
+        )
+    now = now or _dt.datetime.now(_dt.UTC)
+    for name in ("created", "updated"):
+        if getattr(rec, name):
+            _parse_time(name, getattr(rec, name), now)
+    if rec.provenance == "measured" and rec.measured_on != key.fingerprint:
+        raise FieldError("measured_on", f"a measured profile is measured on its key's fingerprint, got {rec.measured_on[:64]!r}")
+    if rec.provenance == "preset" and not rec.measured_on.startswith("preset:"):
+        raise FieldError("measured_on", f"a preset profile names its preset (preset:NAME), got {rec.measured_on[:64]!r}")
+
+
+def field_of_validation_error(err: msgspec.ValidationError) -> str:
+    """`$.profiles[3].key.dtype` → `profiles[3].key.dtype` (msgspec's path, for messages)."""
+    msg = str(err)
+    return msg.rsplit(" - at `$.", 1)[-1].rstrip("`") if " - at `$." in msg else ""
