@@ -195,6 +195,16 @@ def case_knob_mismatch(rank: int, world: int) -> str:
     return "NO ERROR"
 
 
+def case_options_mismatch(rank: int, world: int) -> str:
+    """Same knobs, different runtime options on rank 1: the buffer refuses to build on every rank."""
+    model = get_model("custom:64,32,8,2,float32")
+    try:
+        EPBuffer(knobs=Knobs(), model=model, max_tokens=32, options={"onesided_timeout_s": 20.0 + rank})
+    except ValueError as e:
+        return str(e)
+    return "NO ERROR"
+
+
 def case_crash_one(rank: int, world: int) -> int:
     """Rank 1 dies before the collective; rank 0's collective must end with an error (bounded timeout)."""
     import torch.distributed as dist
