@@ -8,6 +8,10 @@ database and socket directory.
 An unknown section or key, a wrong type or a bad value in a file is a `ConfigError` that names the key
 and the file (or the variable). Unknown `MOETUNE_*` variables are ignored (other tools may own them).
 Paths in a file (`[store] db`, the CURVE key files) are relative to that file's directory.
+
+The `[runtime]` section holds the EP data path's options (runtime/options.py: `RuntimeOptions`); its
+variables are the options' own (`MOETUNE_HS_NATIVE`, ...), applied by `RuntimeOptions.resolve`, not here.
+This module only type-checks the section; the options check the values.
 """
 
 from __future__ import annotations
@@ -62,6 +66,24 @@ class TuneConfig:
 class ClientConfig:
     timeout_ms: int = 200
     socket: str = ""  # resolved by load_config: the daemon's socket
+    allow_modelled: bool = False  # apply a MODELLED (node model / preset) profile when no measured one exists
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Mirrors `RuntimeOptions` (runtime/options.py; a test keeps the two in step), in TOML types."""
+
+    hs_native: bool = True
+    symm: str = "torch"
+    onesided_timeout_s: float = 20.0
+    chunk_weights: str = ""  # comma-separated positive numbers, one per pipeline chunk ("" = equal)
+    proxy_batch: int = 1
+    proxy_peer_access: bool = True
+    proxy_host_wait: bool = True
+    plan_mode: int = 0
+    nvl_gather: bool = True
+    fused_pack: bool = True
+    fused_fp8: bool = True
 
 
 @dataclass(frozen=True)
@@ -70,8 +92,11 @@ class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     # Where the values came from, in the order applied (files and "environment").
     sources: tuple[str, ...] = ()
+    # (section, key) -> the file or variable that set it (keys left at their default are absent)
+    origin: Mapping[tuple[str, str], str] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def db_path(self) -> Path:
@@ -80,13 +105,26 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
 
+    def origin_of(self, section: str, key: str) -> str:
+        """Where `section.key` was set: a file, a variable, or "defaults"."""
+        return self.origin.get((section, key), "defaults")
+
 
 _SECTIONS: dict[str, type] = {
     "store": StoreConfig,
     "daemon": DaemonConfig,
     "tune": TuneConfig,
     "client": ClientConfig,
+    "runtime": RuntimeConfig,
 }
+SECTIONS = _SECTIONS  # the schema, for the settings doc (runtime/options.py)
+# Sections whose keys have no MOETUNE_<SECTION>_<KEY> variable (runtime: the options' own variables).
+_NO_ENV = frozenset({"runtime"})
+
+
+def env_name(section: str, key: str) -> str:
+    """The variable that overrides `section.key` ("" for the [runtime] section: see runtime/options.py)."""
+    return "" if section in _NO_ENV else f"MOETUNE_{section.upper()}_{key.upper()}"
 
 
 @functools.cache
@@ -96,6 +134,11 @@ def _fields(section: str) -> dict[str, type]:
 
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+
+
+def type_name(section: str, key: str) -> str:
+    """The TOML type of `section.key`, in words."""
+    return _TYPE_NAMES[_fields(section)[key]]
 
 
 def _check_value(section: str, key: str, value: Any, where: str) -> Any:
@@ -195,8 +238,8 @@ def _apply_env(env: Mapping[str, str], values: dict[str, dict[str, Any]], origin
     used = False
     for section in _SECTIONS:
         for key in _fields(section):
-            var = f"MOETUNE_{section.upper()}_{key.upper()}"
-            if var in env:
+            var = env_name(section, key)
+            if var and var in env:
                 value = _parse_env_value(section, key, env[var], var)
                 if (section, key) in _PATH_KEYS:
                     value = _resolve_path(value, Path.cwd())
@@ -242,7 +285,7 @@ def load_config(config_file: Path | None = None, env: Mapping[str, str] = os.env
     if not values["client"]["socket"]:
         values["client"]["socket"] = values["daemon"]["socket"]
     values["daemon"]["log_level"] = values["daemon"]["log_level"].lower()
-    return Config(**{s: cls(**values[s]) for s, cls in _SECTIONS.items()}, sources=tuple(sources))
+    return Config(**{s: cls(**values[s]) for s, cls in _SECTIONS.items()}, sources=tuple(sources), origin=origin)
 
 
 def resolve_db_path(db: Path | str | None = None, config_file: Path | None = None, env: Mapping[str, str] = os.environ) -> Path:

@@ -18,12 +18,18 @@ FenceMode = Literal["proxy_drain", "nic_ordered", "none"]
 QpMapping = Literal["round_robin", "peer_hash"]
 Compression = Literal["none", "fp8_e4m3"]
 ScaleGranularity = Literal["per_token", "per_128"]
+WaitMode = Literal["memop", "kernel"]
+CombineLanes = Literal["auto", "own", "shared"]
 
 TRANSPORTS: tuple[str, ...] = ("nvlink", "proxy", "ibgda", "host_staged", "collective")
 SIGNALLINGS: tuple[str, ...] = ("coupled", "decoupled")
 FENCE_MODES: tuple[str, ...] = ("proxy_drain", "nic_ordered", "none")
 QP_MAPPINGS: tuple[str, ...] = ("round_robin", "peer_hash")
 COMPRESSIONS: tuple[str, ...] = ("none", "fp8_e4m3")
+WAIT_MODES: tuple[str, ...] = ("memop", "kernel")
+COMBINE_LANES: tuple[str, ...] = ("auto", "own", "shared")
+# host_staged's ring of staging slots per (lane, sender, receiver): 2 is double buffering
+MIN_STAGING_SLOTS, MAX_STAGING_SLOTS = 2, 16
 
 # Who can enforce PUT-before-SIGNAL on each transport.
 #  - proxy: the CPU proxy drains (proxy_drain) or the queue/NIC orders it (nic_ordered);
@@ -73,6 +79,12 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     pipeline_depth: int = 1
     num_sms: int = 24
     channels: int = 1
+    # host_staged only (runs 27-34 measured each; the defaults were the fastest on the H200 node):
+    # staging slots per (lane, sender, receiver) ring, and how the GPU waits for a slot's flag
+    staging_slots: int = 4
+    wait_mode: WaitMode = "memop"
+    # pipelined combines on their own communicators/lanes or on the dispatch ones; auto = the transport's choice
+    combine_lanes: CombineLanes = "auto"
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -178,6 +190,41 @@ def _validate(k: Knobs) -> None:
         raise KnobError(f"must be in 1..64, got {k.channels}", ("channels",))
     if k.compression == "none" and k.scale_granularity != "per_token":
         raise KnobError("a scale granularity only applies with compression", ("scale_granularity", "compression"))
+    if not MIN_STAGING_SLOTS <= k.staging_slots <= MAX_STAGING_SLOTS:
+        raise KnobError(f"must be in {MIN_STAGING_SLOTS}..{MAX_STAGING_SLOTS}, got {k.staging_slots}", ("staging_slots",))
+    defaults = Knobs.__struct_defaults__
+    for name in ("staging_slots", "wait_mode"):
+        if k.transport != "host_staged" and getattr(k, name) != defaults[Knobs.__struct_fields__.index(name)]:
+            raise KnobError(f"staging slots and their waits only exist on host_staged, not {k.transport!r}",
+                            (name, "transport"))
+    if k.transport in ONE_SIDED and k.combine_lanes != "auto":
+        raise KnobError(f"combine lanes apply to the collective transports, not {k.transport!r}",
+                        ("combine_lanes", "transport"))
+
+
+# What each knob means, for docs/settings.md (runtime/options.py generates it): name -> (values, meaning).
+KNOB_DOCS: dict[str, tuple[str, str]] = {
+    "transport": (" / ".join(f"`{t}`" for t in TRANSPORTS), "How rows move between the ranks."),
+    "signalling": ("`coupled` / `decoupled`", "One-sided transports: a signal per transfer, or one per group."),
+    "group_size": ("int >= 0", "Transfers per fence when decoupled; 0 = all transfers to one peer."),
+    "fence_mode": ("`proxy_drain` / `nic_ordered` / `none`", "Who orders PUT before SIGNAL (allowed values depend "
+                   "on the transport)."),
+    "qp_mapping": ("`round_robin` / `peer_hash`", "proxy/ibgda: how transfers map to queue pairs."),
+    "qps_per_pe": ("int 1..64", "proxy/ibgda: queue pairs per remote PE."),
+    "compression": ("`none` / `fp8_e4m3`", "Dispatch rows on the wire (combine is never compressed)."),
+    "scale_granularity": ("`per_token` / `per_128`", "fp8 scales per token or per 128 values."),
+    "chunk_tokens": ("int >= 0", "Tokens per message (host_staged: rows per staging slot); 0 = one message per peer."),
+    "pipeline_depth": ("int 1..16", "Chunks the tokens are split into (1 = no pipelining)."),
+    "num_sms": ("int 1..264", "SMs the one-sided kernels use."),
+    "channels": ("int 1..64", "Communicators (lanes) per direction the chunks are spread over (at most 8 used)."),
+    "staging_slots": (f"int {MIN_STAGING_SLOTS}..{MAX_STAGING_SLOTS}", "host_staged: slots per (lane, sender, "
+                      "receiver) ring; more let a sender run further ahead (was `MOETUNE_HS_SLOTS`)."),
+    "wait_mode": ("`memop` / `kernel`", "host_staged: a slot's flag is waited for by cuStreamWaitValue64 (`memop`, "
+                  "a watchdog thread times it) or a one-thread spin kernel (was `MOETUNE_HS_WAIT`)."),
+    "combine_lanes": ("`auto` / `own` / `shared`", "Pipelined combines on their own communicators/lanes or on the "
+                      "dispatch ones; `auto` = the transport's preference (host_staged native: shared; was "
+                      "`MOETUNE_EP_COMBINE_LANES`)."),
+}
 
 
 def default_knobs(transport: str) -> Knobs:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.runtime.knobs import default_knobs
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord, provenance_of_backend
 
 
 def open_store(path: str | Path) -> Any:
@@ -78,7 +78,9 @@ def set_port_state(capture: Path, state: str = "1: DOWN", dev: str = "mlx5_0", p
 
 def make_record(key: ProfileKey, *, latency_us: float = 10.0, num_sms: int = 24, backend: str = "local:fake") -> ProfileRecord:
     knobs = default_knobs("nvlink").replace(num_sms=num_sms)
-    return ProfileRecord(key=key, knobs=knobs, latency_us=latency_us, spread_us=0.1, backend=backend)
+    # A fake measurement on the key's own node: writers of measured profiles must say so (never derived).
+    return ProfileRecord(key=key, knobs=knobs, latency_us=latency_us, spread_us=0.1, backend=backend,
+                         provenance=provenance_of_backend(backend))
 
 
 def fake_retune(ctx: Any) -> list[ProfileRecord]:

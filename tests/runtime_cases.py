@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -61,8 +60,8 @@ class GlooResident(EPTransport):
     name = "nvlink"
     device_counts = True
 
-    def __init__(self, group, knobs, device):
-        super().__init__(group, knobs, device)
+    def __init__(self, group, knobs, device, **kw):
+        super().__init__(group, knobs, device, **kw)
         self.cap_rows = 0
         self.gen = torch.Generator().manual_seed(1234 + self.rank)
 
@@ -106,7 +105,7 @@ def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
             knobs = default_knobs("nvlink").replace(compression=cfg.get("compression", "none"))
         else:
             knobs = Knobs(pipeline_depth=cfg.get("depth", 1), compression=cfg.get("compression", "none"),
-                          channels=cfg.get("channels", 1))
+                          channels=cfg.get("channels", 1), combine_lanes=cfg.get("combine_lanes", "auto"))
         tokens = cfg["tokens"]
         routing = cfg.get("routing", "uniform")
         seed = cfg.get("seed", 0)
@@ -191,6 +190,16 @@ def case_knob_mismatch(rank: int, world: int) -> str:
     model = get_model("custom:64,32,8,2,float32")
     try:
         EPBuffer(knobs=Knobs(pipeline_depth=1 + rank), model=model, max_tokens=32)
+    except ValueError as e:
+        return str(e)
+    return "NO ERROR"
+
+
+def case_options_mismatch(rank: int, world: int) -> str:
+    """Same knobs, different runtime options on rank 1: the buffer refuses to build on every rank."""
+    model = get_model("custom:64,32,8,2,float32")
+    try:
+        EPBuffer(knobs=Knobs(), model=model, max_tokens=32, options={"onesided_timeout_s": 20.0 + rank})
     except ValueError as e:
         return str(e)
     return "NO ERROR"
@@ -318,11 +327,7 @@ def case_gpu_host_staged(rank: int, world: int) -> dict:
                     rep["mismatch"].append(f"dense={dense} {kn} result {i}: max diff {(a.float() - b.float()).abs().max().item()}")
     rep["graph"] = _host_staged_graph_replays(dev, model, x, idx, w)
     # pieces: slots of 64 KiB, a 1 MiB block per peer, through a ring of 3 slots
-    os.environ["MOETUNE_HS_SLOTS"] = "3"
-    try:
-        t = HostStagedTransport(None, Knobs(transport="host_staged"), dev, channels=1)
-    finally:
-        del os.environ["MOETUNE_HS_SLOTS"]
+    t = HostStagedTransport(None, Knobs(transport="host_staged", staging_slots=3), dev, channels=1)
     rep["ring"] = t.ring
     t.stage_capacity(16, 4096)
     rows = torch.arange(world * 256 * 1024, dtype=torch.int32, device=dev).reshape(world * 256, 1024) + rank * 10**8
@@ -335,12 +340,8 @@ def case_gpu_host_staged(rank: int, world: int) -> dict:
     # a peer that never posts: rank 0 waits on the GPU until the timeout (the watchdog's for memop waits,
     # the spin kernel's own otherwise), then check() names it, and the device is free again (synchronize returns)
     for mode in ("memop", "kernel"):
-        os.environ["MOETUNE_HS_WAIT"] = mode
-        try:
-            t = HostStagedTransport(None, Knobs(transport="host_staged"), dev, channels=1)
-            t.stage_capacity(16, 4096)
-        finally:
-            del os.environ["MOETUNE_HS_WAIT"]
+        t = HostStagedTransport(None, Knobs(transport="host_staged", wait_mode=mode), dev, channels=1)
+        t.stage_capacity(16, 4096)
         rep["flags"] = {f"{a}->{b}": t.flag_values(0, a, b) for a, b in ((0, 1), (1, 0))}
         key = "timeout" if mode == "memop" else "timeout_kernel"
         if rank == 0:

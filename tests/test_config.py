@@ -39,7 +39,7 @@ def test_defaults(env, tmp_path):
     assert cfg.daemon.allow_insecure_tcp is False and cfg.daemon.group == ""
     assert (cfg.tune.trials, cfg.tune.timeout_s, cfg.tune.backend) == (40, 600.0, "model")
     assert cfg.client.timeout_ms == 200 and cfg.daemon.rediscover_interval_s == 60.0
-    assert set(cfg.to_dict()) == {"store", "daemon", "tune", "client"}
+    assert set(cfg.to_dict()) == {"store", "daemon", "tune", "client", "runtime"}
 
 
 def test_moetune_home_and_xdg(env, tmp_path):

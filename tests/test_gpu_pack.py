@@ -33,6 +33,7 @@ class _Packer:
     def __init__(self, model, world: int, max_tokens: int, lib):
         from moetune.runtime.buffer.facade import EPBuffer
         from moetune.runtime.knobs import Knobs
+        from moetune.runtime.options import RuntimeOptions
 
         self.world, self.model, self.max_tokens = world, model, max_tokens
         self.hidden, self.topk, self.experts_per_rank = model.hidden, model.topk, model.experts // world
@@ -40,6 +41,7 @@ class _Packer:
         self._stage = self._stage_views = self._send = None
         self._pack_lib = lib
         self._gather = False
+        self.options = RuntimeOptions()
         self._cls = EPBuffer
         EPBuffer._layout(self)
 
@@ -63,9 +65,9 @@ def test_pack_kernels_equal_the_torch_path(world: int, s: int, mode: int, monkey
     idx = idx.cuda()
     w = torch.rand(s, m.topk, generator=g).cuda()
     p = _Packer(m, world, max(s, 1), lib)
-    from moetune.runtime.buffer import facade as buffer
+    from moetune.runtime.options import RuntimeOptions
 
-    monkeypatch.setattr(buffer, "_PLAN_MODE", mode)
+    p.options = RuntimeOptions(plan_mode=mode)
     send_f, tok_f, cnt_f, inv = p._pack_fused(x, idx, w, s)
     send_f, tok_f, cnt_f = send_f.clone(), tok_f.clone(), cnt_f.clone()  # the torch path reuses the send buffer
     send_t, tok_t, cnt_t = p._pack_torch(x, idx, idx, w, s)

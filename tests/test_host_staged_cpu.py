@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from moetune.runtime.knobs import Knobs
+from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.testing.launch import launch
 from moetune.runtime.transports import host_staged as hs
 
 
-def _bare(world: int, rank: int, lanes: int, slot: int, ring: int = hs.RING) -> hs.HostStagedTransport:
+def _bare(world: int, rank: int, lanes: int, slot: int, ring: int = 4) -> hs.HostStagedTransport:
     """A transport with the layout fields set and no staging memory (enough for the offset arithmetic)."""
     t = hs.HostStagedTransport.__new__(hs.HostStagedTransport)
     t.world, t.rank, t.lanes, t.slot_bytes, t.ring = world, rank, lanes, slot, ring
@@ -77,25 +77,29 @@ def test_sender_and_receiver_cut_a_block_alike(ring: int) -> None:
     assert len(set(flags)) == ring
 
 
-def test_ring_slots_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MOETUNE_HS_SLOTS", raising=False)
-    assert hs.ring_slots() == hs.RING
-    monkeypatch.setenv("MOETUNE_HS_SLOTS", "4")
-    assert hs.ring_slots() == 4
+def test_staging_slots_are_a_knob() -> None:
+    assert Knobs(transport="host_staged").staging_slots == 4
+    assert Knobs.parse("transport=host_staged,staging_slots=3").staging_slots == 3
     for bad in ("1", "17", "four", "2.5"):
-        monkeypatch.setenv("MOETUNE_HS_SLOTS", bad)
-        with pytest.raises(ValueError, match="MOETUNE_HS_SLOTS"):
-            hs.ring_slots()
+        with pytest.raises(KnobError, match="staging_slots"):
+            Knobs.parse(f"transport=host_staged,staging_slots={bad}")
+    with pytest.raises(KnobError, match="staging_slots"):
+        Knobs(transport="collective", staging_slots=8)  # no staging slots there
 
 
-def test_wait_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MOETUNE_HS_WAIT", raising=False)
-    assert hs._wait_mode() == 1  # cuStreamWaitValue64 with the watchdog
-    monkeypatch.setenv("MOETUNE_HS_WAIT", "kernel")
-    assert hs._wait_mode() == 0
-    monkeypatch.setenv("MOETUNE_HS_WAIT", "spin")
-    with pytest.raises(ValueError, match="MOETUNE_HS_WAIT"):
-        hs._wait_mode()
+def test_wait_mode_is_a_knob() -> None:
+    assert hs.wait_mode_code(Knobs(transport="host_staged")) == 1  # cuStreamWaitValue64 with the watchdog
+    assert hs.wait_mode_code(Knobs(transport="host_staged", wait_mode="kernel")) == 0
+    with pytest.raises(KnobError, match="wait_mode"):
+        Knobs.parse("transport=host_staged,wait_mode=spin")
+
+
+def test_retired_variables_are_an_error_not_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.runtime.options import RuntimeOptionError, RuntimeOptions
+
+    monkeypatch.setenv("MOETUNE_HS_SLOTS", "8")
+    with pytest.raises(RuntimeOptionError, match=r"MOETUNE_HS_SLOTS.*staging_slots"):
+        RuntimeOptions.resolve(env={"MOETUNE_HS_SLOTS": "8"})
 
 
 def test_chunk_tokens_sizes_the_staging_message(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -134,13 +134,14 @@ def test_fp8_dispatch_within_documented_bound() -> None:
 
 @pytest.mark.timeout(60)
 def test_uneven_chunks_and_shared_lanes_give_equal_results() -> None:
-    """MOETUNE_EP_CHUNK_WEIGHTS (uneven dense chunks) and MOETUNE_EP_COMBINE_LANES=shared (combine on the
-    dispatch communicators) change only the schedule: the same results as one chunk."""
+    """The option chunk_weights (MOETUNE_EP_CHUNK_WEIGHTS: uneven dense chunks) and the knob combine_lanes=shared
+    (combine on the dispatch communicators) change only the schedule: the same results as one chunk."""
     base = {"model": "custom:64,32,16,4,float32", "tokens": [37, 29], "routing": "zipf:1.5", "seed": 7}
     configs = [dict(base, depth=1, dense=True)]
-    configs += [dict(base, depth=4, dense=dense, channels=ch) for dense in (True, False) for ch in (1, 2)]
+    configs += [dict(base, depth=4, dense=dense, channels=ch, combine_lanes="shared")
+                for dense in (True, False) for ch in (1, 2)]
     res = launch(runtime_cases.case_equivalence, 2, args=(configs,), timeout_s=20, join_timeout_s=55,
-                 env={"MOETUNE_EP_CHUNK_WEIGHTS": "1,3,2,1", "MOETUNE_EP_COMBINE_LANES": "shared"})
+                 env={"MOETUNE_EP_CHUNK_WEIGHTS": "1,3,2,1"})
     _check(res)
     for rank_rows in res:
         outs = [r["out"] for r in rank_rows]

@@ -56,6 +56,13 @@ def test_ranks_with_different_knobs_refuse_to_build() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_ranks_with_different_runtime_options_refuse_to_build() -> None:
+    res = launch(runtime_cases.case_options_mismatch, 2, timeout_s=10, join_timeout_s=50)
+    for msg in res:
+        assert "differ from rank 0 in runtime options" in msg, msg
+
+
+@pytest.mark.timeout(60)
 def test_launch_reports_a_failing_rank_without_hanging() -> None:
     from moetune.runtime.testing.launch import LaunchError
 

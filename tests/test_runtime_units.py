@@ -177,37 +177,37 @@ def test_recv_meta_hides_rows_past_the_live_counts() -> None:
     assert meta.rows_per_rank == [2, 1]
 
 
-def test_dense_chunk_bounds_equal_and_weighted(monkeypatch: pytest.MonkeyPatch) -> None:
-    from moetune.runtime.buffer import facade as b
+def test_dense_chunk_bounds_equal_and_weighted() -> None:
+    from moetune.runtime.buffer import _dense as b
+    from moetune.runtime.options import RuntimeOptionError, RuntimeOptions
 
-    monkeypatch.delenv("MOETUNE_EP_CHUNK_WEIGHTS", raising=False)
     assert b._dense_bounds(4096, 4) == [0, 1024, 2048, 3072, 4096]
     assert b._dense_bounds(10, 4) == [0, 3, 6, 9, 10]
     assert b._dense_bounds(2, 4) == [0, 1, 2, 2, 2]  # more chunks than slots: empty chunks at the end
-    monkeypatch.setenv("MOETUNE_EP_CHUNK_WEIGHTS", "1,2,2,1")
-    assert b._dense_bounds(4096, 4) == [0, 683, 2048, 3413, 4096]
-    for bad in ("1,2,2", "1,0,2,1", "a,b,c,d"):
-        monkeypatch.setenv("MOETUNE_EP_CHUNK_WEIGHTS", bad)
-        with pytest.raises(KnobError, match="MOETUNE_EP_CHUNK_WEIGHTS"):
-            b._dense_bounds(4096, 4)
+    weights = RuntimeOptions.from_env({"MOETUNE_EP_CHUNK_WEIGHTS": "1,2,2,1"}).chunk_weights
+    assert b._dense_bounds(4096, 4, weights) == [0, 683, 2048, 3413, 4096]
+    assert b._dense_bounds(4096, 1, weights) == [0, 4096]  # one chunk: weights do not apply
+    with pytest.raises(KnobError, match="chunk_weights"):
+        b._dense_bounds(4096, 4, (1.0, 2.0, 2.0))
+    for bad in ("1,0,2,1", "a,b,c,d"):
+        with pytest.raises(RuntimeOptionError, match="MOETUNE_EP_CHUNK_WEIGHTS"):
+            RuntimeOptions.from_env({"MOETUNE_EP_CHUNK_WEIGHTS": bad})
 
 
-def test_combine_lanes_follow_the_transport_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_combine_lanes_follow_the_transport_or_the_knob() -> None:
     from moetune.runtime.buffer import facade as b
+    from moetune.runtime.options import RuntimeOptions
     from moetune.runtime.transports.collective import CollectiveTransport
     from moetune.runtime.transports.host_staged import HostStagedTransport
 
-    cpu = torch.device("cpu")
-    monkeypatch.delenv("MOETUNE_EP_COMBINE_LANES", raising=False)
-    assert b._combine_shares(CollectiveTransport, cpu) is False
-    assert b._combine_shares(HostStagedTransport, cpu) is False  # on CPU it is the collective
-    monkeypatch.setenv("MOETUNE_EP_COMBINE_LANES", "shared")
-    assert b._combine_shares(CollectiveTransport, cpu) is True
-    monkeypatch.setenv("MOETUNE_EP_COMBINE_LANES", "own")
-    assert b._combine_shares(HostStagedTransport, cpu) is False
-    monkeypatch.setenv("MOETUNE_EP_COMBINE_LANES", "both")
-    with pytest.raises(ValueError, match="MOETUNE_EP_COMBINE_LANES"):
-        b._combine_shares(CollectiveTransport, cpu)
+    cpu, opts = torch.device("cpu"), RuntimeOptions()
+    auto = Knobs()
+    assert b._combine_shares(CollectiveTransport, cpu, auto, opts) is False
+    assert b._combine_shares(HostStagedTransport, cpu, auto, opts) is False  # on CPU it is the collective
+    assert b._combine_shares(CollectiveTransport, cpu, Knobs(combine_lanes="shared"), opts) is True
+    assert b._combine_shares(HostStagedTransport, cpu, Knobs(transport="host_staged", combine_lanes="own"), opts) is False
+    with pytest.raises(KnobError, match="combine_lanes"):
+        Knobs.parse("combine_lanes=both")
 
 
 def test_world1_layer_runs_locally_without_the_buffer(monkeypatch) -> None:

@@ -1,19 +1,21 @@
 """The EP dispatch/combine buffer (`EPBuffer`): one facade over the wire layouts.
 
-The public names load lazily from their modules, so importing one submodule does not import the rest.
+`facade` holds EPBuffer (construction, dispatch/combine entry points); `_meta` what a dispatch returns
+(RecvMeta, Handle, dtype tables); `_packed`, `_dense`, `_resident` one wire layout each. The public names
+load lazily from their modules, so importing one submodule does not import the rest.
 """
 
 from typing import Any
 
 _LAZY = {
-    "DENSE_AUTO_MAX_BYTES": ".facade",
-    "DENSE_AUTO_MAX_WASTE": ".facade",
+    "DENSE_AUTO_MAX_BYTES": "._dense",
+    "DENSE_AUTO_MAX_WASTE": "._dense",
     "EPBuffer": ".facade",
-    "Handle": ".facade",
+    "Handle": "._meta",
     "MAX_COMM_CHANNELS": ".facade",
-    "RecvMeta": ".facade",
-    "TORCH_DTYPES": ".facade",
-    "hit_probability": ".facade",
+    "RecvMeta": "._meta",
+    "TORCH_DTYPES": "._meta",
+    "hit_probability": "._dense",
 }
 
 

@@ -66,271 +66,71 @@ Signalling, fences, QPs and num_sms belong to the one-sided transports and are i
 from __future__ import annotations
 
 import itertools
-import math
-import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from moetune.runtime import csrc_build
+from moetune.runtime.buffer._dense import (
+    DENSE_AUTO_MAX_BYTES,
+    DENSE_AUTO_MAX_WASTE,
+    _dense_bounds,
+    _DenseLayout,
+    hit_probability,
+)
+from moetune.runtime.buffer._meta import (
+    _DTYPE_CODE,
+    _ERRORS,
+    _RANGE_ERROR,
+    TORCH_DTYPES,
+    Handle,
+    RecvMeta,
+    _align,
+    _dense_as,
+)
+from moetune.runtime.buffer._packed import _PackedLayout
+from moetune.runtime.buffer._resident import _ResidentLayout
 from moetune.runtime.fp8 import dequantise, fp8_available, num_scale_groups, quantise_into
 from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.transports.base import EPTransport
 from moetune.runtime.transports.registry import get_transport
 
-TORCH_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+__all__ = ["DENSE_AUTO_MAX_BYTES", "DENSE_AUTO_MAX_WASTE", "MAX_COMM_CHANNELS", "TORCH_DTYPES", "EPBuffer", "Handle",
+           "RecvMeta", "hit_probability"]
 
-# Error codes carried in the counts exchange (column 0).
-_ERRORS: dict[int, str] = {
-    1: "x has the wrong shape",
-    2: "x has the wrong dtype",
-    3: "x is on the wrong device",
-    4: "more tokens than max_tokens",
-    5: "topk_idx has the wrong shape",
-    6: "topk_idx has the wrong dtype (needs an integer tensor)",
-    7: "topk_weights has the wrong shape",
-    8: "topk_weights has the wrong dtype (needs a floating-point tensor)",
-    9: "topk_idx/topk_weights on the wrong device",
-    10: "topk_idx holds expert ids out of range",
-}
-_RANGE_ERROR = 10
 MAX_COMM_CHANNELS = 8  # communicators per direction the collective transport spreads chunks over
 
 
-# Automatic dense layout (EPBuffer(dense=None)): when one dispatch's dense send to a peer is at most this many
-# bytes (latency-bound: the saved host sync and kernels matter more than bytes), or when uniform routing
-# sends all but this fraction of the tokens to every rank anyway (e.g. 2 ranks with top-8).
-DENSE_AUTO_MAX_BYTES = 2 << 20
-DENSE_AUTO_MAX_WASTE = 0.10
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc's activation dtype codes
-# the plan kernel's shape: 0 = by token count (one CTA for small S, a grid above), 1 = one CTA, 2 = grid;
-# MOETUNE_PLAN_MODE picks one for side-by-side measurements
-_PLAN_MODE = int(os.environ.get("MOETUNE_PLAN_MODE", "0") or 0)
+def _combine_shares(cls: type[EPTransport], device: torch.device, knobs: Knobs, options: RuntimeOptions) -> bool:
+    """Whether pipelined combines go on the dispatch communicators/lanes: the knob `combine_lanes`
+    (own / shared), or with `auto` the transport's preference (`combine_shares_lanes`)."""
+    if knobs.combine_lanes != "auto":
+        return knobs.combine_lanes == "shared"
+    return bool(cls.combine_shares_lanes(device, options))
 
 
-def _combine_shares(cls: type, device: torch.device) -> bool:
-    """Whether pipelined combines go on the dispatch communicators/lanes: the transport's preference
-    (`combine_shares_lanes(device)`, else no), or MOETUNE_EP_COMBINE_LANES=own|shared (side-by-side runs)."""
-    raw = os.environ.get("MOETUNE_EP_COMBINE_LANES", "")
-    if raw not in ("", "own", "shared"):
-        raise ValueError(f"MOETUNE_EP_COMBINE_LANES={raw!r}: expected 'own' or 'shared'")
-    if raw:
-        return raw == "shared"
-    pref = getattr(cls, "combine_shares_lanes", None)
-    return bool(pref(device)) if callable(pref) else False
-
-
-def _chunk_weights(n: int) -> list[float]:
-    """Relative chunk sizes of the dense layout: equal, or MOETUNE_EP_CHUNK_WEIGHTS (n comma-separated
-    positive numbers, for side-by-side measurements of uneven chunks; ignored with one chunk)."""
-    raw = os.environ.get("MOETUNE_EP_CHUNK_WEIGHTS", "")
-    if not raw or n == 1:
-        return [1.0] * n
-    try:
-        w = [float(v) for v in raw.split(",")]
-    except ValueError:
-        w = []
-    if len(w) != n or min(w) <= 0:
-        raise KnobError(f"MOETUNE_EP_CHUNK_WEIGHTS={raw!r}: expected {n} positive numbers (one per pipeline chunk)",
-                        ("pipeline_depth",))
-    return w
-
-
-def _dense_bounds(cap: int, n: int) -> list[int]:
-    """Token boundaries of the dense layout's n chunks over cap slots (n + 1 values from 0 to cap)."""
-    w = _chunk_weights(n)
-    if len(set(w)) == 1:
-        cs = max(1, math.ceil(cap / n))
-        return [min(c * cs, cap) for c in range(n + 1)]
-    tot, acc, out = sum(w), 0.0, [0]
-    for v in w:
-        acc += v
-        out.append(min(cap, round(cap * acc / tot)))
-    return out
-
-
-def hit_probability(experts: int, topk: int, world: int) -> float:
-    """Probability that a token with `topk` distinct uniformly chosen experts has one on a given rank."""
-    epr = experts // max(1, world)
-    if world <= 1:
-        return 1.0
-    return 1.0 - math.comb(experts - epr, topk) / math.comb(experts, topk)
-
-
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-def _dense_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t in `dtype`, contiguous (what the kernels read through raw pointers); no copy when it already is."""
-    return (t if t.dtype == dtype else t.to(dtype)).contiguous()
-
-
-def _nonzero_rows(mask: torch.Tensor, size: int, fill: int = 0) -> torch.Tensor:
-    """nonzero() of a bool matrix with a known upper bound `size` on the count (no device sync where torch
-    allows it); rows past the real count hold `fill` in every column."""
-    if hasattr(torch, "nonzero_static"):
-        try:
-            return torch.nonzero_static(mask, size=size, fill_value=fill)
-        except (RuntimeError, NotImplementedError):  # no kernel for this device in this torch build
-            pass
-    return torch.nonzero(mask)  # exact count, no padding: one host sync
-
-
-class RecvMeta:
-    """What arrived with the rows. M rows; k = model top-k.
-
-    local_expert_ids: int64 [M, k], the slot's expert id on this rank (0..E/world-1) or -1 when that slot's
-      expert lives on another rank. weights: float32 [M, k] (0 where the id is -1). Both are computed on
-      first use from the raw wire columns (`raw_ids`, `raw_weights`).
-    tokens_per_expert: (row, expert) pairs per local expert (host ints; also `.tokens_per_expert_tensor`).
-      The packed layout knows them from the counts exchange; the dense layout counts them on the device
-      on first use (that access is a host sync: the communication itself never needs it).
-    rows_per_rank: rows received from each source rank. num_pairs: sum(tokens_per_expert).
-    """
-
-    def __init__(self, raw_ids: torch.Tensor, raw_weights: torch.Tensor, tokens_per_expert: list[int] | None,
-                 rows_per_rank: list[int] | torch.Tensor, first_expert: int = 0, num_local: int | None = None,
-                 live_counts: torch.Tensor | None = None):
-        # device-resident layout: rows at or past sum(live_counts) (device counts per source rank) are stale
-        # buffer contents; on first use of the ids their ids become -1 (no local expert), so every property
-        # ignores them with no host sync (and a dispatch whose metadata is never read pays nothing for it)
-        self._raw_ids = raw_ids  # global expert ids as sent
-        self._live_counts = live_counts
-        self.first_expert = first_expert
-        self.raw_weights = raw_weights
-        self._tpe = tokens_per_expert
-        self.num_local = num_local if num_local is not None else len(tokens_per_expert or [])
-        self._rows_per_rank = rows_per_rank
-        self._valid: torch.Tensor | None = None
-
-    @property
-    def raw_ids(self) -> torch.Tensor:
-        if self._live_counts is not None:
-            ids = self._raw_ids
-            live = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1) < self._live_counts.sum()
-            self._raw_ids, self._live_counts = torch.where(live, ids, -1), None
-        return self._raw_ids
-
-    @property
-    def rows_per_rank(self) -> list[int]:
-        """Rows received from each source rank (device-resident layout: a host sync on first access)."""
-        if isinstance(self._rows_per_rank, torch.Tensor):
-            self._rows_per_rank = [int(v) for v in self._rows_per_rank.tolist()]
-        return self._rows_per_rank
-
-    @property
-    def tokens_per_expert(self) -> list[int]:
-        if self._tpe is None:
-            n = self.num_local
-            ids = self.raw_ids - self.first_expert
-            key = ids.clamp_(-1, n).remainder_(n + 1).reshape(-1)  # not on this rank -> bucket n
-            cnt = torch.zeros(n + 1, dtype=torch.int64, device=key.device)
-            cnt.scatter_add_(0, key, torch.ones(1, dtype=torch.int64, device=key.device).expand(key.shape[0]))
-            self._tpe = cnt[:n].tolist()
-        return self._tpe
-
-    @property
-    def num_pairs(self) -> int:
-        return sum(self.tokens_per_expert)
-
-    @property
-    def valid(self) -> torch.Tensor:
-        if self._valid is None:
-            n_local = max(1, self.num_local)
-            if self.first_expert % n_local == 0:  # rank × E/world: one division tells the owner rank
-                self._valid = torch.floor_divide(self.raw_ids, n_local) == self.first_expert // n_local
-            else:
-                self._valid = (self.raw_ids >= self.first_expert) & (self.raw_ids < self.first_expert + n_local)
-        return self._valid
-
-    @property
-    def local_expert_ids(self) -> torch.Tensor:
-        return torch.where(self.valid, self.raw_ids - self.first_expert, -1)
-
-    @property
-    def weights(self) -> torch.Tensor:
-        return torch.where(self.valid, self.raw_weights, 0.0)
-
-    @property
-    def tokens_per_expert_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.tokens_per_expert, dtype=torch.int64).to(self.raw_ids.device, non_blocking=True)
-
-    def expert_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, weight) of every (received row, local expert) pair, sorted by local expert: row int64 [P]
-        indexes recv_x, weight float32 [P]; expert j's pairs are the j-th block of `tokens_per_expert`."""
-        ids = self.raw_ids - self.first_expert
-        k = ids.shape[1]
-        n_local = self.num_local
-        # every slot not on this rank (local id < 0 or >= n_local) sorts last, behind the num_pairs real pairs
-        key = ids.clamp_(-1, n_local).remainder_(n_local + 1).reshape(-1)
-        order = torch.argsort(key, stable=True)[: self.num_pairs]
-        rows = torch.div(order, k, rounding_mode="floor")
-        return rows, self.raw_weights.reshape(-1).index_select(0, order)
-
-
-@dataclass
-class _Chunk:
-    t0: int
-    t1: int
-    send_splits: list[int]
-    recv_splits: list[int]
-    recv_offset: int
-    pairs_per_expert: list[int]  # received (row, local expert) pairs per local expert
-    send_tok: torch.Tensor | None = None  # token index (into x) of every sent row, in send order
-    send_offset: int = 0  # first row of this chunk in the dispatch's send rows
-
-    @property
-    def recv_rows(self) -> int:
-        return sum(self.recv_splits)
-
-
-@dataclass
-class Handle:
-    """Everything combine needs to send the rows back (opaque to users)."""
-
-    num_tokens: int
-    hidden: int
-    dtype: torch.dtype
-    device: torch.device
-    chunks: list[_Chunk]
-    num_recv: int
-    # dispatch-time state used while packing (dropped after the last chunk is packed)
-    _x: Any = field(default=None, repr=False)
-    _idx: Any = field(default=None, repr=False)
-    _w: Any = field(default=None, repr=False)
-    _mask: Any = field(default=None, repr=False)
-    _recv_buf: Any = field(default=None, repr=False)
-    dense: bool = False  # dense layout: every token slot of the capacity goes to every rank (see EPBuffer)
-    _combine_out: Any = field(default=None, repr=False)
-    num_send: int = 0  # packed layout: rows sent (all chunks)
-    _send_all: Any = field(default=None, repr=False)  # packed layout: the send rows of all chunks
-    _send_tok: Any = field(default=None, repr=False)  # packed layout: token index of every send row
-    # device-resident layout (one-sided transports): counts stay on the GPU
-    resident: bool = False
-    _send_counts: Any = field(default=None, repr=False)  # int64 [world] rows sent to each rank (device)
-    _recv_counts: Any = field(default=None, repr=False)  # int64 [world] rows received from each rank (device)
-    _inv: Any = field(default=None, repr=False)  # int64 [S, world]: send row of (token, rank) or -1 (kernels)
-
-    def send_splits(self) -> list[int]:
-        """Rows this rank sent to each rank in the dispatch (device-resident layout: a host sync)."""
-        if self.resident:
-            return [int(v) for v in self._send_counts.tolist()]
-        w = len(self.chunks[0].send_splits) if self.chunks else 0
-        return [sum(ch.send_splits[d] for ch in self.chunks) for d in range(w)]
-
-    def release_inputs(self) -> None:
-        self._x = self._idx = self._w = self._mask = None
-
-
-class EPBuffer:
+class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     """Dispatch/combine over the ranks of `group` with the knobs' transport (DESIGN §1–2).
 
     Construction is collective (every rank of the group, same arguments): ranks compare model, dtype,
-    max_tokens and knob digest, and raise ValueError on every rank when they differ.
+    max_tokens, the knobs' and the runtime options' digests, and raise ValueError on every rank when they differ.
+
+    Args:
+        group: the EP process group (None: the default group; without torch.distributed, one rank).
+        knobs: the setting to run (None: the tuned profile for this model and world, else the policy
+            default; see runtime/profiles/autoload.py).
+        model: the MoE shape (hidden H, experts E, top-k k, activation dtype).
+        max_tokens: the most tokens S one dispatch may carry (sizes every buffer; dense: the slots per rank).
+        device: where the tensors live (None: the current CUDA device with NCCL, else the CPU).
+        dtype: activation dtype, bfloat16 / float16 / float32 (None: the model's).
+        check_inputs: check dispatch/combine inputs on every rank so a wrong one is an error everywhere (one tiny
+            exchange and host sync; False allows CUDA-graph capture of the device-resident layout).
+        dense: the dense layout (True), the packed or device-resident one (False), or chosen from the shapes (None).
+        options: `RuntimeOptions`, or a mapping of option names overriding the `MOETUNE_*` variables and the
+            config's `[runtime]` section (None: those alone); see docs/settings.md.
     """
 
     def __init__(
@@ -344,8 +144,11 @@ class EPBuffer:
         dtype: torch.dtype | None = None,
         check_inputs: bool = True,
         dense: bool | None = None,
+        options: RuntimeOptions | dict[str, Any] | None = None,
     ):
         self.group = group
+        # the data path's switches, resolved once: explicit > MOETUNE_* variables > config [runtime] > defaults
+        self.options = RuntimeOptions.resolve(options)
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         if device is None:
@@ -384,43 +187,43 @@ class EPBuffer:
         self.dense = self._choose_dense(dense, get_transport(knobs.transport))
         self._agree()
         # the dense layout's chunk boundaries over the max_tokens slots: fixed for the buffer's life
-        self._dense_chunks = _dense_bounds(self.max_tokens, self.num_chunks) if self.dense else []
+        self._dense_chunks = (_dense_bounds(self.max_tokens, self.num_chunks, self.options.chunk_weights)
+                              if self.dense else [])
         # `channels`: communicators the chunks of one direction are spread over (round-robin by chunk);
         # with pipelining, combine gets its own set so it travels while later dispatch chunks still move,
         # unless the transport does better with both on one set (host_staged's copy streams).
         self.comm_channels = min(knobs.channels, MAX_COMM_CHANNELS)
         cls = get_transport(knobs.transport)
-        self._combine_base = self.comm_channels if self.num_chunks > 1 and not _combine_shares(cls, self.device) else 0
+        opts = self.options
+        self._combine_base = (self.comm_channels if self.num_chunks > 1
+                              and not _combine_shares(cls, self.device, knobs, opts) else 0)
         n_groups = self.comm_channels + self._combine_base
-        if hasattr(cls, "exchange_async"):
-            self.transport: EPTransport = cls(group, knobs, self.device, channels=n_groups)
+        if cls.async_exchange:
+            self.transport: EPTransport = cls(group, knobs, self.device, channels=n_groups, options=opts)
         else:
-            self.transport = cls(group, knobs, self.device)
-        self._fast = hasattr(self.transport, "exchange_async") and hasattr(self.transport, "exchange_blocks")
+            self.transport = cls(group, knobs, self.device, options=opts)
+        self._fast = cls.async_exchange
         # one-sided transports: the device-resident layout (counts never leave the GPU; see _plan_resident)
-        self.resident = bool(getattr(self.transport, "device_counts", False)) and not self.dense
+        self.resident = cls.device_counts and not self.dense
         # its packing in two kernels (csrc/ep_pack.cu) where the transport brought the compiled library;
-        # fp8 rows (quantised) and MOETUNE_FUSED_PACK=0 take the torch ops
-        lib = getattr(self.transport, "lib", None)
+        # fp8 rows (quantised) and the option fused_pack=False take the torch ops
+        lib = self.transport.lib
         self._pack_lib = (lib if self.resident and not self.fp8 and self.device.type == "cuda" and lib is not None
-                          and os.environ.get("MOETUNE_FUSED_PACK", "1") != "0" else None)
+                          and opts.fused_pack else None)
         # fp8 on a GPU: quantise into the wire rows and dequantise in one launch each (csrc/ep_fp8.cu), where
-        # the compiled library is at hand; the torch ops otherwise (same bytes). MOETUNE_FUSED_FP8=0: torch.
-        self._fp8_lib = self._fp8_library(lib) if self.fp8 and self.device.type == "cuda" else None
+        # the compiled library is at hand; the torch ops otherwise (same bytes), or with fused_fp8=False.
+        self._fp8_lib = self._fp8_library(lib) if self.fp8 and self.device.type == "cuda" and opts.fused_fp8 else None
         # nvlink: its exchange kernel writes the wire rows straight from the tokens (no packing launch);
-        # MOETUNE_NVL_GATHER=0 packs first instead (for side-by-side measurements)
-        self._gather = (self._pack_lib is not None and hasattr(self.transport, "dispatch_gather")
-                        and os.environ.get("MOETUNE_NVL_GATHER", "1") != "0")
+        # the option nvl_gather=False packs first instead (for side-by-side measurements)
+        self._gather = self._pack_lib is not None and cls.gathers_tokens and opts.nvl_gather
         # transport buffers are sized for the larger of the two directions: with compression the combine rows
         # (activation dtype, never compressed) are wider than the dispatch rows
         widest_row = max(self.row_bytes, self.model.hidden * torch.empty(0, dtype=self.dtype).element_size())
-        reserve = getattr(self.transport, "reserve", None)
-        if callable(reserve):  # one-sided transports: size the symmetric receive buffer once (collective)
-            reserve(max(1, self.max_tokens), widest_row)
-        stage = getattr(self.transport, "stage_capacity", None)
-        if callable(stage):  # host_staged: one staging slot per block, a block being at most one chunk's tokens
-            b = self._dense_chunks or [0, -(-self.max_tokens // self.num_chunks)]
-            stage(max(1, *(hi - lo for lo, hi in itertools.pairwise(b))), widest_row)
+        # one-sided transports size the symmetric receive buffer once (collective); host_staged one staging
+        # slot per block, a block being at most one chunk's tokens; the others do nothing
+        self.transport.reserve(max(1, self.max_tokens), widest_row)
+        b = self._dense_chunks or [0, -(-self.max_tokens // self.num_chunks)]
+        self.transport.stage_capacity(max(1, *(hi - lo for lo, hi in itertools.pairwise(b))), widest_row)
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
         self._stage_views: Any = None
         self._stage: torch.Tensor | None = None  # token rows [max_tokens + 1 spare, row_bytes], reused (dense: the send rows)
@@ -433,8 +236,6 @@ class EPBuffer:
 
     @staticmethod
     def _fp8_library(lib: Any) -> Any:
-        if os.environ.get("MOETUNE_FUSED_FP8", "1") == "0":
-            return None
         if lib is not None:
             return lib
         try:  # builds on first use (cached); a node without nvcc keeps the torch ops
@@ -475,10 +276,10 @@ class EPBuffer:
     def wire_bytes_per_row(self) -> int:
         return self.row_bytes
 
-    def _choose_dense(self, dense: bool | None, cls: type) -> bool:
+    def _choose_dense(self, dense: bool | None, cls: type[EPTransport]) -> bool:
         """The layout (see the module doc): `dense=None` picks it from the shapes alone, so every rank
         makes the same choice without talking."""
-        able = hasattr(cls, "gather_async") and hasattr(cls, "reduce_scatter_async")
+        able = cls.dense_collectives
         if dense is not None:
             if dense and not able:
                 raise ValueError(f"dense=True needs a collective transport, not {self.knobs.transport!r}")
@@ -494,8 +295,9 @@ class EPBuffer:
         if self.world == 1 or not dist.is_initialized():
             return
         digest = int(self.knobs.digest()[:15], 16)
+        options = int(self.options.digest()[:15], 16)
         mine = torch.tensor(
-            [digest, self.model.hidden, self.model.intermediate, self.model.experts, self.model.topk,
+            [digest, options, self.model.hidden, self.model.intermediate, self.model.experts, self.model.topk,
              self.max_tokens, list(TORCH_DTYPES.values()).index(self.dtype), int(self.dense)],
             dtype=torch.int64,
             device=self.device,
@@ -505,10 +307,12 @@ class EPBuffer:
         rows = torch.stack(got).cpu().tolist()
         bad = [r for r, row in enumerate(rows) if row != rows[0]]
         if bad:
-            names = ["knobs", "hidden", "intermediate", "experts", "topk", "max_tokens", "dtype", "dense"]
+            names = ["knobs", "runtime options", "hidden", "intermediate", "experts", "topk", "max_tokens", "dtype",
+                     "dense"]
             diff = sorted({names[i] for r in bad for i in range(len(names)) if rows[r][i] != rows[0][i]})
             raise ValueError(f"EPBuffer: ranks {bad} differ from rank 0 in {', '.join(diff)}; every rank must "
-                             "build the buffer with the same model, dtype, max_tokens, knobs and dense setting")
+                             "build the buffer with the same model, dtype, max_tokens, knobs, runtime options and "
+                             "dense setting")
 
     # -- input checks (host-side, no device sync) -----------------------------------------------------
     def _local_check(self, x: Any, topk_idx: Any, topk_weights: Any) -> tuple[int, str]:
@@ -538,25 +342,7 @@ class EPBuffer:
         return 0, ""
 
     # -- transport adapters -------------------------------------------------------------------------
-    def _exchange_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        if self._fast:
-            return self.transport.exchange_blocks(blocks)  # type: ignore[attr-defined]
-        w = self.world
-        ones = torch.ones(w, dtype=torch.int64, device=blocks.device)
-        out = self.transport.exchange(blocks.reshape(w, -1).contiguous(), ones, ones)
-        return out[:w].reshape(blocks.shape)
 
-    def _post(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], out: torch.Tensor, channel: int):
-        if self._fast:
-            _, work = self.transport.exchange_async(send, send_splits, recv_splits, out, channel=channel)  # type: ignore[attr-defined]
-            return work
-        got = self.transport.exchange(
-            send,
-            torch.tensor(send_splits, dtype=torch.int64, device=send.device),
-            torch.tensor(recv_splits, dtype=torch.int64, device=send.device),
-        )
-        out.copy_(got[: out.shape[0]])
-        return None
 
     # -- dispatch -------------------------------------------------------------------------------------
     def _raise_errors(self, peer_codes: dict[int, int], msg: str, idx: torch.Tensor | None) -> None:
@@ -576,175 +362,6 @@ class EPBuffer:
             text += "; reported by " + "; ".join(others)
         raise ValueError(text)
 
-    def _plan_dense(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
-        """Dense layout: write the tokens into the reused send rows; no counts, no host sync (one tiny
-        status all-gather and one sync when check_inputs is on)."""
-        w, e = self.world, self.model.experts
-        code, msg = self._local_check(x, topk_idx, topk_weights)
-        if self.check_inputs:
-            if code:
-                st = torch.full((1,), -code, dtype=torch.int64, device=self.device)
-            else:
-                st = ((topk_idx < 0) | (topk_idx >= e)).sum().reshape(1).to(torch.int64)
-            got = torch.empty(w, dtype=torch.int64, device=self.device)
-            work = self.transport.gather_async(got, st)  # type: ignore[attr-defined]
-            if work is not None:
-                work.wait()
-            codes = {r: (-v if v < 0 else (_RANGE_ERROR if v > 0 else 0)) for r, v in enumerate(got.tolist())}
-            self._raise_errors(codes, msg, topk_idx if code == 0 else None)
-        elif code:
-            # unchecked mode: only this rank knows (the others wait in the collective until its timeout)
-            raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {msg}")
-        s, cap = x.shape[0], self.max_tokens
-        self._write_stage(x, topk_idx, topk_weights, s)
-        if self._stage_hi > s:  # rows a larger earlier dispatch filled: mark them empty again
-            self._stage_views[1].narrow(0, s, self._stage_hi - s).fill_(-1)
-        self._stage_hi = s
-        chunks = []
-        for c0, c1 in itertools.pairwise(self._dense_chunks):
-            chunks.append(_Chunk(c0, c1, [c1 - c0] * w, [c1 - c0] * w, w * c0, []))
-        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, w * cap, dense=True)
-        handle._recv_buf = torch.empty(w * cap, self.row_bytes, dtype=torch.uint8, device=self.device)
-        return handle
-
-    def _plan_resident(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
-        """Device-resident layout (one-sided transports): the packed rows, with every count kept on the GPU.
-
-        The rows bound for each rank are ordered (rank, token), padded to the upper bound S x world; they are
-        packed into the reused send buffer, or (nvlink) built from the tokens by the exchange kernel itself.
-        The transport reads the per-rank counts on the GPU,
-        places the rows in the receivers' buffers at offsets it computes there, and hands back the counts
-        it received. No host sync anywhere (check_inputs=False), so dispatch + combine can be captured in
-        a CUDA graph. With check_inputs one tiny status exchange and its sync make a wrong input an error
-        on every rank. The receiver sees a capacity-padded view (world x max_tokens rows, the live ones
-        first); RecvMeta hides the stale rows.
-        """
-        w, e = self.world, self.model.experts
-        code, msg = self._local_check(x, topk_idx, topk_weights)
-        if self.check_inputs:
-            if code:
-                st = torch.full((w,), -code, dtype=torch.int64, device=self.device)
-            else:
-                st = ((topk_idx < 0) | (topk_idx >= e)).sum().reshape(1).to(torch.int64).expand(w).contiguous()
-            got = self.transport.exchange_counts(st)
-            codes = {r: (-v if v < 0 else (_RANGE_ERROR if v > 0 else 0)) for r, v in enumerate(got.tolist())}
-            self._raise_errors(codes, msg, topk_idx if code == 0 else None)
-        elif code:
-            raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {msg}")
-        s = x.shape[0]
-        idx = _dense_as(topk_idx, torch.int64)
-        if self._pack_lib is not None:  # the kernels read fp32 weights
-            topk_weights = _dense_as(topk_weights, torch.float32)
-        inv = None
-        if self._pack_lib is not None:
-            send, tok, send_counts, inv = self._pack_fused(x, idx, topk_weights, s)
-        else:
-            send, tok, send_counts = self._pack_torch(x, idx, topk_idx, topk_weights, s)
-        handle = Handle(s, self.hidden, self.dtype, self.device, [_Chunk(0, s, [], [], 0, [])], w * self.max_tokens,
-                        resident=True)
-        handle._send_all = send
-        handle._send_tok = tok
-        handle._send_counts = send_counts
-        handle._inv = inv
-        if self._gather:  # the exchange reads the tokens themselves
-            handle._x, handle._idx, handle._w = x, idx, topk_weights
-        return handle
-
-    def _pack_torch(self, x: torch.Tensor, idx: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                    s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The resident layout's packing with torch ops: (send rows [S*world, row_bytes], token of each row
-        padded with S, rows per rank)."""
-        w, e, epr = self.world, self.model.experts, self.experts_per_rank
-        # ids out of range land in bucket E -> "rank" w: counted nowhere, never sent
-        rank_key = torch.div(idx.clamp(-1, e).remainder_(e + 1), epr, rounding_mode="floor")
-        mask = torch.zeros(s, w + 1, dtype=torch.bool, device=self.device)
-        mask.scatter_(1, rank_key, True)
-        need = mask[:, :w]
-        send_counts = need.sum(0)  # int64 [w]
-        self._write_stage(x, topk_idx, topk_weights, s)
-        # (rank, token) pairs, rank-major, padded to S x world with token s: the stage's spare row when
-        # sending (never sent: the counts stop short of it) and the output's spare row in combine
-        tok = _nonzero_rows(need.t(), s * w, fill=s)[:, 1]
-        send = self._send_rows(tok.shape[0])  # S x world, or the exact count where torch lacks nonzero_static
-        if s:
-            torch.index_select(self._stage, 0, tok, out=send)  # type: ignore[arg-type]
-        return send, tok, send_counts
-
-    def _pack_fused(self, x: torch.Tensor, idx: torch.Tensor, topk_weights: torch.Tensor,
-                    s: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The same packing in two launches (csrc/ep_pack.cu): plan (counts, token order and the inverse
-        map combine reduces with) and rows (the wire rows written straight from x, ids and weights; no
-        stage copy). With a gathering transport (nvlink) only the plan: send is None. idx int64 and
-        topk_weights fp32, both contiguous."""
-        w, lib = self.world, self._pack_lib
-        tok = torch.empty(s * w, dtype=torch.int64, device=self.device)
-        inv = torch.empty(s, w, dtype=torch.int64, device=self.device)
-        send_counts = torch.empty(w, dtype=torch.int64, device=self.device)
-        scratch = torch.empty(max(1, lib.mt_pack_plan_scratch(s, w)), dtype=torch.int32, device=self.device)
-        stream = self._stream()
-        rc = lib.mt_pack_plan(idx.data_ptr(), s, self.topk, self.model.experts, w, tok.data_ptr(),
-                              send_counts.data_ptr(), inv.data_ptr(), scratch.data_ptr(), _PLAN_MODE, stream)
-        csrc_build.check(lib, rc, "EP packing")
-        if self._gather:
-            return None, tok, send_counts, inv
-        x = x.contiguous()
-        send = self._send_rows(s * w)
-        if s:
-            rc = lib.mt_pack_rows(x.data_ptr(), self.payload_bytes, idx.data_ptr(), topk_weights.data_ptr(), s,
-                                  self.topk, s * w, tok.data_ptr(), send.data_ptr(), self.row_bytes, self.id_off,
-                                  self.weight_off, stream)
-            csrc_build.check(lib, rc, "EP packing")
-        return send, tok, send_counts, inv
-
-    def _dispatch_resident(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
-                           ) -> tuple[torch.Tensor, RecvMeta, Handle]:
-        handle = self._plan_resident(x, topk_idx, topk_weights)
-        t = self.transport
-        send = handle._send_all
-        if self._gather:  # nvlink: one launch places the counts and writes the rows from the tokens
-            recv, recv_counts = t.dispatch_gather(  # type: ignore[attr-defined]
-                handle._x, handle._send_tok, handle._idx, handle._w, handle._send_counts, row_bytes=self.row_bytes,
-                id_off=self.id_off, weight_off=self.weight_off)
-        elif hasattr(t, "exchange_fused"):  # nvlink: the counts travel inside the exchange (one launch)
-            recv, recv_counts = t.exchange_fused(send, handle._send_counts)
-        else:
-            recv_counts = t.exchange_counts(handle._send_counts)
-            recv = t.exchange(send, handle._send_counts, recv_counts)
-        handle._recv_counts = recv_counts
-        handle.release_inputs()
-        rows = recv[: handle.num_recv]
-        payload, ids, wts, _scales = self._row_views(rows)
-        recv_x = self._dequant(rows) if self.fp8 else payload
-        meta = RecvMeta(ids, wts, None, recv_counts, first_expert=self.rank * self.experts_per_rank,
-                        num_local=self.experts_per_rank, live_counts=recv_counts)
-        return recv_x, meta, handle
-
-    def _combine_resident(self, expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
-        # back along the dispatch's paths: send what was received, receive what was sent (device counts);
-        # nvlink reads strided rows in place (e.g. recv_x itself, a view into the receive buffer)
-        t = self.transport
-        if hasattr(t, "exchange_strided"):
-            back = t.exchange_strided(expert_out, handle._recv_counts, handle._send_counts)  # type: ignore[attr-defined]
-        else:
-            back = t.exchange(expert_out.contiguous(), handle._recv_counts, handle._send_counts)
-        if handle._inv is not None:  # one kernel: every token's rows summed in rank order
-            return self._reduce(back, handle)
-        n = handle._send_tok.shape[0]
-        out = torch.zeros(handle.num_tokens + 1, handle.hidden, dtype=handle.dtype, device=handle.device)
-        if n:
-            out.index_add_(0, handle._send_tok, back[:n])
-        return out[: handle.num_tokens]
-
-    def _reduce(self, back: torch.Tensor, handle: Handle) -> torch.Tensor:
-        s, h = handle.num_tokens, handle.hidden
-        out = torch.empty(s, h, dtype=handle.dtype, device=handle.device)
-        if s:
-            lib = self._pack_lib
-            rc = lib.mt_combine_reduce(back.data_ptr(), back.stride(0), handle._inv.data_ptr(), s, self.world, h,
-                                       _DTYPE_CODE[handle.dtype],
-                                       out.data_ptr(), self._stream())
-            csrc_build.check(lib, rc, "combine reduce")
-        return out
 
     def plan(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
         """Check the inputs on every rank and exchange the counts (the one host sync of a dispatch).
@@ -754,74 +371,8 @@ class EPBuffer:
         """
         if self.dense:
             return self._plan_dense(x, topk_idx, topk_weights)
-        w, e, epr, n_chunks = self.world, self.model.experts, self.experts_per_rank, self.num_chunks
-        code, msg = self._local_check(x, topk_idx, topk_weights)
-        width = 2 + epr
-        s = x.shape[0] if code == 0 else 0
-        cs = max(1, math.ceil(s / n_chunks))
-        idx = tok_all = send_all = None
-        if code == 0:
-            idx = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)
-            # ids out of range (< 0 or >= E) all land in bucket E: counted, never indexed
-            key = idx.clamp(-1, e).remainder_(e + 1)
-            rank_key = torch.div(key, epr, rounding_mode="floor")  # W = the bad bucket
-            mask = torch.zeros(n_chunks * cs, w + 1, dtype=torch.bool, device=self.device)
-            mask[:s].scatter_(1, rank_key, True)
-            mask3 = mask.view(n_chunks, cs, w + 1)
-            rows = mask3.sum(1)  # [chunks, W+1]
-            if n_chunks > 1:
-                chunk_id = torch.div(torch.arange(s, device=self.device), cs, rounding_mode="floor")
-                key = torch.add(key, chunk_id.unsqueeze(1), alpha=e + 1)
-            cnt = torch.zeros(n_chunks * (e + 1), dtype=torch.int64, device=self.device)
-            flat = key.reshape(-1)
-            cnt.scatter_add_(0, flat, self._one.expand(flat.shape[0]))
-            cnt = cnt.view(n_chunks, e + 1)
-            nbad = cnt[:, e].reshape(1, n_chunks, 1).expand(w, n_chunks, 1)  # bad ids per chunk
-            counts = torch.cat(
-                [nbad, rows[:, :w].t().unsqueeze(2), cnt[:, :e].view(n_chunks, w, epr).permute(1, 0, 2)], dim=2
-            )
-            if s:
-                # Everything the payload needs is queued before the sync below, so the GPU builds the send
-                # rows while the host waits for the counts: token rows once (payload or fp8 + scale, ids,
-                # weights), then ONE gather of them in (chunk, destination, token) order. The order list is
-                # padded to its upper bound s*W (nonzero_static: no sync); the splits say how much is real.
-                self._write_stage(x, topk_idx, topk_weights, s)
-                pairs = _nonzero_rows(mask3[:, :, :w].permute(0, 2, 1), s * w)
-                tok_all = torch.add(pairs[:, 2], pairs[:, 0], alpha=cs)  # token index of every send row
-                send_all = self._send_rows(tok_all.shape[0])
-                torch.index_select(self._stage, 0, tok_all, out=send_all)  # type: ignore[arg-type]
-        else:
-            counts = torch.zeros(w, n_chunks, width, dtype=torch.int64, device=self.device)
-            counts[:, :, 0] = -code
-        recv = self._exchange_blocks(counts)
-        host = torch.cat([counts[:, :, :2].reshape(-1), recv.reshape(-1)]).tolist()
-        nsend = w * n_chunks * 2
-        send_h = [host[i : i + 2] for i in range(0, nsend, 2)]  # [(err, rows)] for (d, c)
-        recv_h = host[nsend:]
-        peer_err = {r: [recv_h[(r * n_chunks + c) * width] for c in range(n_chunks)] for r in range(w)}
-        peer_codes = {r: (_RANGE_ERROR if max(v) > 0 else -min(v)) for r, v in peer_err.items()}
-        self._raise_errors(peer_codes, msg, idx)
-        chunks: list[_Chunk] = []
-        off = soff = 0
-        for c in range(n_chunks):
-            t0, t1 = min(c * cs, s), min((c + 1) * cs, s)
-            send_splits = [send_h[d * n_chunks + c][1] for d in range(w)]
-            base = [(r * n_chunks + c) * width for r in range(w)]
-            recv_splits = [recv_h[b + 1] for b in base]
-            ppe = [sum(recv_h[b + 2 + j] for b in base) for j in range(epr)]
-            n = sum(send_splits)
-            ch = _Chunk(t0, t1, send_splits, recv_splits, off, ppe, send_offset=soff)
-            if tok_all is not None:
-                ch.send_tok = tok_all[soff : soff + n]
-            chunks.append(ch)
-            off += sum(recv_splits)
-            soff += n
-        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, off)
-        handle.num_send = soff
-        handle._send_all = send_all
-        handle._send_tok = tok_all[:soff] if tok_all is not None else None
-        handle._recv_buf = torch.empty(off, self.row_bytes, dtype=torch.uint8, device=self.device)
-        return handle
+        return self._plan_packed(x, topk_idx, topk_weights)
+
 
     def _row_views(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(payload, ids int64 [n, k], weights float32 [n, k], scales float32 [n, G] or None) views of wire
@@ -863,13 +414,6 @@ class EPBuffer:
         wts.copy_(topk_weights)
         return stage
 
-    def _send_rows(self, n: int) -> torch.Tensor:
-        """The packed layout's send rows: a reused buffer of max_tokens × world rows (the most one dispatch
-        can send: every token once to every rank). Safe to reuse: dispatch returns only after the current
-        stream has waited for its payload transfers."""
-        if self._send is None:
-            self._send = torch.empty(self.max_tokens * self.world, self.row_bytes, dtype=torch.uint8, device=self.device)
-        return self._send[:n]
 
     def pack(self, handle: Handle, c: int) -> torch.Tensor:
         """Chunk c's send rows (grouped by destination rank, rank order): a slice of the rows `plan` built."""
@@ -887,7 +431,7 @@ class EPBuffer:
         if handle.dense:
             if ch.t1 == ch.t0:
                 return None
-            return self.transport.gather_async(out, send, channel=c % self.comm_channels)  # type: ignore[attr-defined]
+            return self.transport.gather_async(out, send, channel=c % self.comm_channels)
         return self._post(send, ch.send_splits, ch.recv_splits, out, channel=c % self.comm_channels)
 
     def unpack(self, handle: Handle, c: int | None = None) -> tuple[torch.Tensor, RecvMeta]:
@@ -973,7 +517,7 @@ class EPBuffer:
             out = handle._combine_out[ch.t0 : ch.t1]
             if ch.t1 == ch.t0:
                 return out, None
-            return out, self.transport.reduce_scatter_async(out, rows, channel=channel)  # type: ignore[attr-defined]
+            return out, self.transport.reduce_scatter_async(out, rows, channel=channel)
         if c == 0 or handle._combine_out is None:  # one buffer for every chunk's rows (one index_add at the end)
             handle._combine_out = torch.empty(handle.num_send, handle.hidden, dtype=handle.dtype, device=handle.device)
         out = handle._combine_out[ch.send_offset : ch.send_offset + sum(ch.send_splits)]

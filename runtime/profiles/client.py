@@ -46,6 +46,7 @@ import msgspec.inspect as mi
 import zmq
 
 from moetune.runtime import wire
+from moetune.runtime.config import ClientConfig, ConfigError, load_config
 from moetune.runtime.knobs import KnobError, Knobs, default_knobs
 from moetune.runtime.paths import (
     INFO_NAME,
@@ -320,6 +321,15 @@ class Resolution(msgspec.Struct, kw_only=True):
 _ids = itertools.count(1)
 
 
+
+def _client_config(env: Mapping[str, str]) -> ClientConfig | None:
+    """The config's [client] section; a broken config file must not stop the runtime (warned, env used)."""
+    try:
+        return load_config(env=env).client
+    except ConfigError as e:
+        log.warning("moetune: ignoring the config for the profile client: %s", e)
+        return None
+
 class ProfileClient:
     """A DEALER client for the moetune daemon (one per process; not thread-safe)."""
 
@@ -337,16 +347,23 @@ class ProfileClient:
         env: Mapping[str, str] = os.environ,
         allow_modelled: bool | None = None,
     ):
-        self.endpoint = endpoint or default_endpoint(env)
+        cfg = _client_config(env)  # the TOML [client] section (+ MOETUNE_CLIENT_* variables); None if unreadable
+        self.endpoint = endpoint or (cfg.socket if cfg else default_endpoint(env))
         if timeout_ms is None:
-            try:
-                timeout_ms = int(env.get("MOETUNE_CLIENT_TIMEOUT_MS", DEFAULT_TIMEOUT_MS))
-            except ValueError:
-                timeout_ms = DEFAULT_TIMEOUT_MS
+            if cfg is not None:
+                timeout_ms = cfg.timeout_ms
+            else:
+                try:
+                    timeout_ms = int(env.get("MOETUNE_CLIENT_TIMEOUT_MS", DEFAULT_TIMEOUT_MS))
+                except ValueError:
+                    timeout_ms = DEFAULT_TIMEOUT_MS
         self.timeout_ms = max(1, int(timeout_ms))
         self.retries = max(0, int(retries))
         if allow_modelled is None:
-            allow_modelled = env.get("MOETUNE_CLIENT_ALLOW_MODELLED", "").strip().lower() in _TRUE
+            if cfg is not None:
+                allow_modelled = cfg.allow_modelled
+            else:
+                allow_modelled = env.get("MOETUNE_CLIENT_ALLOW_MODELLED", "").strip().lower() in _TRUE
         self.allow_modelled = bool(allow_modelled)  # use modelled profiles (labelled MODELLED) when no tuned one
         self._env = env
         self._db_path = Path(db_path) if db_path else None

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.runtime.knobs import Knobs, default_knobs
+from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.testing.launch import destroy_group_quietly, free_port
 from moetune.runtime.transports._onesided import all_ok
 
@@ -142,16 +143,9 @@ def check_exchange_worker(
                 h = int(opts.get("hidden", hidden))
                 fused = "fused" in opts
                 knobs = knobs_for(transport, spec)
-                saved = os.environ.get("MOETUNE_SYMM")
-                if "symm" in opts:  # "|symm=ipc": the CUDA IPC fallback instead of torch symmetric memory
-                    os.environ["MOETUNE_SYMM"] = opts["symm"]
-                try:
-                    t = cls(None, knobs, device, max_send_rows=max_rows, row_bytes=h * 2)
-                finally:
-                    if saved is None:
-                        os.environ.pop("MOETUNE_SYMM", None)
-                    else:
-                        os.environ["MOETUNE_SYMM"] = saved
+                # "|symm=ipc": the CUDA IPC fallback instead of torch symmetric memory
+                options = RuntimeOptions.resolve({"symm": opts["symm"]} if "symm" in opts else None)
+                t = cls(None, knobs, device, max_send_rows=max_rows, row_bytes=h * 2, options=options)
                 rec["symm_backend"] = t.symm_backend
                 rec["symm_torch_error"] = t.ctrl.torch_error or None
                 if opts.get("hostwait") == "0" and transport == "proxy":  # run 1's asynchronous proxy calls
@@ -232,13 +226,14 @@ def timeout_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvl
     """Rank 0 exchanges alone: it must raise OneSidedError within the timeout instead of hanging."""
     from moetune.runtime.transports._onesided import OneSidedError
 
-    os.environ["MOETUNE_ONESIDED_TIMEOUT_S"] = "2"
+    options = RuntimeOptions.resolve({"onesided_timeout_s": 2.0})
     device = torch.device("cuda", rank)
     out: dict[str, Any] = {}
     for name in transports:
         res: dict[str, Any] = {"raised": False}
         try:
-            t = transport_class(name)(None, default_knobs(name), device, max_send_rows=64, row_bytes=256)
+            t = transport_class(name)(None, default_knobs(name), device, max_send_rows=64, row_bytes=256,
+                                      options=options)
             barrier(device)
             if rank == 0:
                 t0 = time.monotonic()

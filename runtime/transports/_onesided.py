@@ -2,7 +2,7 @@
 
 Symmetric memory comes from torch (`torch.distributed._symmetric_memory`: `empty` + `rendezvous`,
 whose handle gives every peer's mapped buffer address), with plain CUDA IPC handles exchanged through
-the process group as the fallback (`MOETUNE_SYMM=ipc` forces it). Why torch and not NVSHMEM here: it
+the process group as the fallback (the runtime option `symm="ipc"` forces it). Why torch and not NVSHMEM here: it
 works in one build step on the target image (plain nvcc, no -rdc, no NVSHMEM device library, no
 module registration), and the kernels only need peer addresses to store into. NVSHMEM through
 nvshmem4py stays the road to more than one node (its IBRC/IBGDA/libfabric transports); nvshmem4py's
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from moetune.runtime import csrc_build
 from moetune.runtime.knobs import Knobs
+from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports.base import Availability, EPTransport
 
 MAX_WORLD = 8
@@ -42,10 +43,6 @@ ERR_NAMES = {
 
 class OneSidedError(RuntimeError):
     """A one-sided exchange failed on the GPU (timeout, overflow, mismatch) or in the proxy."""
-
-
-def timeout_s() -> float:
-    return float(os.environ.get("MOETUNE_ONESIDED_TIMEOUT_S", "20"))
 
 
 def decode_error(words: list[int]) -> str:
@@ -105,7 +102,8 @@ class SymmBuffer:
     as seen from this process. Collective: every rank constructs it in the same order.
     """
 
-    def __init__(self, nbytes: int, group: dist.ProcessGroup | None, device: torch.device, lib: ctypes.CDLL):
+    def __init__(self, nbytes: int, group: dist.ProcessGroup | None, device: torch.device, lib: ctypes.CDLL,
+                 mode: str = "torch"):
         self.nbytes = int(nbytes)
         self.group = group
         self.device = device
@@ -117,7 +115,6 @@ class SymmBuffer:
         self._ipc_ptrs: list[int] = []
         self._ipc_local = 0
         self._hdl: Any = None
-        mode = os.environ.get("MOETUNE_SYMM", "torch").lower()
         ok = False
         if mode != "ipc":
             try:
@@ -223,6 +220,11 @@ class OneSidedTransport(EPTransport):
 
     device_counts: ClassVar[bool] = True
 
+    @property
+    def timeout_s(self) -> float:
+        """Seconds a GPU wait may last before the peer counts as lost (runtime option onesided_timeout_s)."""
+        return self.options.onesided_timeout_s
+
     def __init__(
         self,
         group: dist.ProcessGroup | None,
@@ -231,8 +233,9 @@ class OneSidedTransport(EPTransport):
         *,
         max_send_rows: int | None = None,
         row_bytes: int | None = None,
+        options: RuntimeOptions | None = None,
     ):
-        super().__init__(group, knobs, device)
+        super().__init__(group, knobs, device, options=options)
         if not dist.is_initialized():
             raise RuntimeError(f"{self.name}: needs an initialised torch.distributed process group")
         if self.world > MAX_WORLD:
@@ -243,7 +246,7 @@ class OneSidedTransport(EPTransport):
         self.lib = csrc_build.load()
         ctrl_bytes = ctypes.c_uint64(0)
         self.lib.mt_ctrl_bytes(ctypes.byref(ctrl_bytes))
-        self.ctrl = SymmBuffer(_round(ctrl_bytes.value), group, self.device, self.lib)
+        self.ctrl = SymmBuffer(_round(ctrl_bytes.value), group, self.device, self.lib, self.options.symm)
         self.data: SymmBuffer | None = None
         self.data_bytes = 0  # one parity area
         self._epoch = 0
@@ -268,7 +271,7 @@ class OneSidedTransport(EPTransport):
             return
         if self.data is not None:
             self.data.close()
-        self.data = SymmBuffer(2 * per_parity, self.group, self.device, self.lib)
+        self.data = SymmBuffer(2 * per_parity, self.group, self.device, self.lib, self.options.symm)
         self.data_bytes = per_parity
         self._views = {}
         self._set_data()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.runtime.knobs import Knobs
+from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports.base import Availability, EPTransport
 
 _EXTRA_GROUPS: dict[tuple, dist.ProcessGroup] = {}
@@ -30,9 +31,12 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 class CollectiveTransport(EPTransport):
     name: ClassVar[str] = "collective"
+    async_exchange: ClassVar[bool] = True
+    dense_collectives: ClassVar[bool] = True
 
-    def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device, *, channels: int = 1):
-        super().__init__(group, knobs, device)
+    def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device, *, channels: int = 1,
+                 options: RuntimeOptions | None = None):
+        super().__init__(group, knobs, device, options=options)
         self.groups: list[dist.ProcessGroup | None] = [group]
         if dist.is_initialized() and channels > 1 and self.world > 1:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))

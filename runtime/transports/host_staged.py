@@ -4,10 +4,10 @@ For nodes whose GPUs cannot reach each other directly (PCIe boxes with peer-to-p
 crosses PCIe twice, device → host on the sender, host → device on the receiver (DESIGN §1). The host
 memory is one shared file under /dev/shm (mode 0600, unlinked as soon as every rank has mapped it, so
 nothing is left behind by a crash) that each rank registers with CUDA (`cudaHostRegister`). It holds,
-for every (lane, sender, receiver), a ring of staging slots (`ring_slots()`), each with a full/empty flag (the
+for every (lane, sender, receiver), a ring of staging slots (the knob `staging_slots`), each with a full/empty flag (the
 sender fills a slot, the receiver empties it); csrc/host_staged.cu orders wait → copy → flag on the CUDA
 streams, so no host thread ever waits for a transfer and the copies run on the copy engines, not on SMs
-(the waits are cuStreamWaitValue64, given their timeout by a watchdog thread; see _wait_mode).
+(the waits are cuStreamWaitValue64, given their timeout by a watchdog thread; the knob `wait_mode`).
 The flag values are constants, so an exchange can be captured in a CUDA graph and replayed (the EP
 buffer's dense layout, which has no host sync, captures whole).
 
@@ -19,12 +19,12 @@ Two knobs overlap the two crossings:
   the sender's device → host copy has ended.
 * `pipeline_depth` (the EP buffer's chunks): chunk i+1 travels while chunk i is computed, and the
   combine of chunk i travels while later dispatch chunks still do. The combines go on the dispatch lane
-  (`combine_shares_lanes`), so each copy stream carries d0..dN and then c0..cN back to back; `channels`
+  (`combine_shares_lanes`, unless the knob `combine_lanes` says otherwise), so each copy stream carries d0..dN and then c0..cN back to back; `channels`
   spreads the chunks over that many pairs of CUDA streams (lanes), which then move at once.
 
 The count exchange and the input checks stay on the process group (NCCL, with NCCL_P2P_DISABLE=1 on
-such nodes, which the benchmarks set). Without the compiled library, on CPU, with one rank, or with
-MOETUNE_HS_NATIVE=0 the transport is the collective over NCCL's own staging (NCCL_P2P_DISABLE=1),
+such nodes, which the benchmarks set). Without the compiled library, on CPU, with one rank, or with the
+runtime option hs_native=False (MOETUNE_HS_NATIVE=0) the transport is the collective over NCCL's own staging (NCCL_P2P_DISABLE=1),
 which is what `host_staged` meant before this module; `native` says which one runs.
 All ranks of the group must share one host (the staging memory is a node-local file).
 """
@@ -44,13 +44,14 @@ import torch.distributed as dist
 
 from moetune.runtime import csrc_build
 from moetune.runtime.knobs import Knobs
-from moetune.runtime.transports._onesided import all_ok, decode_error, timeout_s
+from moetune.runtime.options import RuntimeOptions
+from moetune.runtime.transports._onesided import all_ok, decode_error
 from moetune.runtime.transports.base import Availability
 from moetune.runtime.transports.collective import CollectiveTransport
 
-RING = 4  # staging slots per (lane, sender, receiver) by default (2 is double buffering; 4 lets a pipelined
-# sender run ahead of its receiver: run 34)
-MAX_RING = 16
+# Staging slots per (lane, sender, receiver) come from the knob `staging_slots` (default 4: 2 is double
+# buffering; 4 lets a pipelined sender run ahead of its receiver, run 34. On the H200 node, 4 slots gave
+# nothing over 2 unpipelined, run 27, and 769 against 795 us with pipeline_depth 4, run 34).
 DEFAULT_SLOT_BYTES = 8 << 20  # when the EP buffer did not size the slots (stage_capacity)
 _PAGE = 4096
 _SHM_DIR = "/dev/shm"
@@ -63,34 +64,11 @@ class HostStagedError(RuntimeError):
     """A staged transfer failed on the GPU (a peer never arrived) or the staging memory could not be set up."""
 
 
-def _wait_mode() -> int:
-    """How the GPU waits for a slot's flag, MOETUNE_HS_WAIT: `memop` (default) is cuStreamWaitValue64, no SM
-    and the quickest hand-off to the copy (run 34), timed by the library's watchdog thread; `kernel` is a
-    one-thread spin kernel per wait with its own timeout. Both give up after MOETUNE_ONESIDED_TIMEOUT_S."""
-    raw = os.environ.get("MOETUNE_HS_WAIT", "memop")
-    if raw not in ("memop", "kernel"):
-        raise ValueError(f"MOETUNE_HS_WAIT={raw!r}: expected 'memop' or 'kernel'")
-    return 1 if raw == "memop" else 0
-
-
-def ring_slots() -> int:
-    """Staging slots per (lane, sender, receiver): MOETUNE_HS_SLOTS (the same on every rank), default RING.
-    More slots let a sender run further ahead of its receiver, for more host memory (on the H200 node, 4
-    slots gave nothing over 2 unpipelined, run 27, and 769 against 795 us with pipeline_depth 4, run 34)."""
-    raw = os.environ.get("MOETUNE_HS_SLOTS", "")
-    if not raw:
-        return RING
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if not 2 <= n <= MAX_RING:
-        raise ValueError(f"MOETUNE_HS_SLOTS={raw!r}: expected an integer from 2 to {MAX_RING}")
-    return n
-
-
-def native_requested() -> bool:
-    return os.environ.get("MOETUNE_HS_NATIVE", "1") != "0"
+def wait_mode_code(knobs: Knobs) -> int:
+    """The library's code for the knob `wait_mode`: `memop` (1, default) is cuStreamWaitValue64, no SM and the
+    quickest hand-off to the copy (run 34), timed by the library's watchdog thread; `kernel` (0) is a one-thread
+    spin kernel per wait with its own timeout. Both give up after the option onesided_timeout_s."""
+    return 1 if knobs.wait_mode == "memop" else 0
 
 
 def piece_sizes(n: int, slot: int) -> list[int]:
@@ -127,10 +105,12 @@ class HostStagedTransport(CollectiveTransport):
     # full/empty flags with constant values: a replay takes the slots in the captured order on every rank
     graph_capturable: ClassVar[bool] = True
 
-    def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device, *, channels: int = 1):
+    def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device, *, channels: int = 1,
+                 options: RuntimeOptions | None = None):
         world = dist.get_world_size(group) if dist.is_initialized() else 1
+        options = options if options is not None else RuntimeOptions.resolve()
         lib, why = None, ""
-        if device.type == "cuda" and world > 1 and native_requested():
+        if device.type == "cuda" and world > 1 and options.hs_native:
             ok, why = csrc_build.availability()
             if ok:
                 try:
@@ -143,12 +123,13 @@ class HostStagedTransport(CollectiveTransport):
                 lib, why = None, "another rank cannot run the native path"
         self.native = lib is not None
         self.native_reason = "copy engines through shared pinned host memory" if self.native else (
-            why or ("MOETUNE_HS_NATIVE=0" if not native_requested() else "needs CUDA and more than one rank"))
-        super().__init__(group, knobs, device, channels=1 if self.native else channels)
+            why or ("hs_native=False (MOETUNE_HS_NATIVE=0)" if not options.hs_native
+                    else "needs CUDA and more than one rank"))
+        super().__init__(group, knobs, device, channels=1 if self.native else channels, options=options)
         self.lib = lib
         self.lanes = max(1, channels)
         self.slot_bytes = DEFAULT_SLOT_BYTES
-        self.ring = ring_slots()
+        self.ring = knobs.staging_slots  # the same on every rank: the buffer's agreement compares the knobs
         self._h = ctypes.c_void_p()
         self._mm: mmap.mmap | None = None
         self._anchor: ctypes.Array | None = None
@@ -158,20 +139,21 @@ class HostStagedTransport(CollectiveTransport):
         self._peers = [p for p in range(self.world) if p != self.rank]
 
     @classmethod
-    def combine_shares_lanes(cls, device: torch.device) -> bool:
+    def combine_shares_lanes(cls, device: torch.device, options: RuntimeOptions) -> bool:
         """Pipelined, combine goes on the dispatch lane where the copy engines move the rows: each copy stream
         then carries d0..dN, then c0..cN back to back (run 34: 769-795 against 827-892 us with combine on
         its own lane). NCCL's staging keeps its own communicators for combine."""
-        return device.type == "cuda" and native_requested() and csrc_build.availability()[0]
+        return device.type == "cuda" and options.hs_native and csrc_build.availability()[0]
 
     @classmethod
-    def availability(cls, device: torch.device | None = None) -> Availability:
+    def availability(cls, device: torch.device | None = None, options: RuntimeOptions | None = None) -> Availability:
         base = CollectiveTransport.availability(device)
         if not base.ok:
             return base
         if device is not None and device.type == "cuda":
+            native = (options if options is not None else RuntimeOptions.resolve()).hs_native
             ok, why = csrc_build.availability()
-            if ok and native_requested():
+            if ok and native:
                 return Availability(True, "copy engines through shared pinned host memory (csrc/host_staged.cu)")
             if os.environ.get("NCCL_P2P_DISABLE", "0") != "1":
                 return Availability(True, "NCCL's staging; set NCCL_P2P_DISABLE=1 before NCCL initialises "
@@ -228,13 +210,14 @@ class HostStagedTransport(CollectiveTransport):
                 try:
                     if os.fstat(fd).st_size != nbytes:
                         raise OSError(f"{name} has {os.fstat(fd).st_size} bytes, expected {nbytes} (not one host, or "
-                                      "another MOETUNE_HS_SLOTS?)")
+                                      "other staging_slots?)")
                     self._mm = mmap.mmap(fd, nbytes)
                 finally:
                     os.close(fd)
                 self._anchor = ctypes.c_char.from_buffer(self._mm)
                 rc = self.lib.mt_hs_create(self.device.index or 0, self.rank, ctypes.addressof(self._anchor), nbytes,
-                                           timeout_s(), _wait_mode(), self.lanes, ctypes.byref(self._h))
+                                           self.options.onesided_timeout_s, wait_mode_code(self.knobs), self.lanes,
+                                           ctypes.byref(self._h))
                 if rc:
                     raise HostStagedError(self.lib.mt_last_error().decode(errors="replace"))
             except (OSError, HostStagedError) as e:
@@ -251,7 +234,7 @@ class HostStagedTransport(CollectiveTransport):
             self._release()
             raise HostStagedError(
                 f"host_staged on rank {self.rank}: the staging memory could not be set up on every rank"
-                + (f" ({problem})" if problem else "") + "; MOETUNE_HS_NATIVE=0 uses NCCL's staging instead")
+                + (f" ({problem})" if problem else "") + "; hs_native=False (MOETUNE_HS_NATIVE=0) uses NCCL's staging instead")
 
     def _broadcast_name(self, name: str) -> str:
         raw = name.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
@@ -269,7 +252,8 @@ class HostStagedTransport(CollectiveTransport):
             what = ("timeout waiting for a peer to drain a staging slot" if words[0] == ERR_DRAIN
                     else decode_error(list(words)))
             raise HostStagedError(f"host_staged on rank {self.rank}: {what} (peer {words[2]}); the peer is gone or "
-                                  f"stalled beyond MOETUNE_ONESIDED_TIMEOUT_S={timeout_s():g}")
+                                  f"stalled beyond onesided_timeout_s={self.options.onesided_timeout_s:g} "
+                                  "(MOETUNE_ONESIDED_TIMEOUT_S)")
 
     def flag_values(self, lane: int, src: int, dst: int) -> list[int]:
         """The flag of each slot of the (lane, src -> dst) ring (1 = full, 0 = empty), read by the CPU

@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from moetune.runtime import csrc_build
 from moetune.runtime.knobs import Knobs
+from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports._onesided import (
     OneSidedTransport,
     one_sided_availability,
-    timeout_s,
     u64_array,
 )
 from moetune.runtime.transports.base import Availability
@@ -30,6 +30,9 @@ from moetune.runtime.transports.base import Availability
 
 class NvlinkTransport(OneSidedTransport):
     name: ClassVar[str] = "nvlink"
+    fused_counts: ClassVar[bool] = True
+    strided_combine: ClassVar[bool] = True
+    gathers_tokens: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -39,16 +42,17 @@ class NvlinkTransport(OneSidedTransport):
         *,
         max_send_rows: int | None = None,
         row_bytes: int | None = None,
+        options: RuntimeOptions | None = None,
     ):
         if knobs.transport != "nvlink":
             knobs = knobs.replace(transport="nvlink", fence_mode="none", qps_per_pe=1, qp_mapping="peer_hash")
-        super().__init__(group, knobs, device, max_send_rows=max_send_rows, row_bytes=row_bytes)
+        super().__init__(group, knobs, device, max_send_rows=max_send_rows, row_bytes=row_bytes, options=options)
         h = ctypes.c_void_p()
         csrc_build.check(
             self.lib,
             self.lib.mt_nvl_create(
                 self.device.index, self.rank, self.world, u64_array(self.ctrl.peer_ptrs), int(knobs.num_sms),
-                timeout_s(), ctypes.byref(h),
+                self.timeout_s, ctypes.byref(h),
             ),
             "mt_nvl_create",
         )

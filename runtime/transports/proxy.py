@@ -9,7 +9,7 @@ Knobs used: fence_mode (`proxy_drain`: the thread stops until every earlier tran
 `nic_ordered`: the signal is queued behind its data on the peer's stream), qp_mapping (`round_robin`,
 `peer_hash`), qps_per_pe (streams), signalling (`coupled`: a signal per PUT; `decoupled`: one signal
 per group of `group_size` PUTs, 0 = per PE), chunk_tokens (rows per PUT; 0 = one PUT per peer).
-`MOETUNE_PROXY_BATCH=N` (> 1) lets the proxy issue consecutive unsignalled PUTs of one QP stream as
+The runtime option `proxy_batch=N` (> 1; `MOETUNE_PROXY_BATCH`) lets the proxy issue consecutive unsignalled PUTs of one QP stream as
 one cudaMemcpyBatchAsync (off by default; bench/proxy_micro.py measures both).
 
 `ProxyEngine` is the engine on its own (used by bench/proxy_micro.py); its constructor validates the
@@ -19,7 +19,6 @@ fence/QP combination through `Knobs` unless a test helper passes `_allow_unsafe=
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import ClassVar
 
 import torch
@@ -27,12 +26,12 @@ import torch.distributed as dist
 
 from moetune.runtime import csrc_build
 from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports._onesided import (
     MAX_SLOTS,
     OneSidedError,
     OneSidedTransport,
     one_sided_availability,
-    timeout_s,
     u64_array,
 )
 from moetune.runtime.transports.base import Availability
@@ -86,6 +85,7 @@ class ProxyEngine:
         fence_mode: str = "proxy_drain",
         fifo_slots: int = 4096,
         batch: int = 1,
+        timeout_s: float = RuntimeOptions().onesided_timeout_s,
         _allow_unsafe: bool = False,
     ):
         if qp_mapping not in QP_MAPPINGS or fence_mode not in FENCE_MODES:
@@ -106,6 +106,7 @@ class ProxyEngine:
             "mt_proxy_create",
         )
         self.handle = h
+        self.timeout_s = float(timeout_s)
         if batch > 1:
             csrc_build.check(self.lib, self.lib.mt_proxy_set_batch(h, int(batch)), "mt_proxy_set_batch")
 
@@ -132,16 +133,16 @@ class ProxyEngine:
         self.lib.mt_proxy_reset_stats(self.handle)
 
     def enqueue(self, reqs: ctypes.Array, timeout: float | None = None) -> None:
-        csrc_build.check(self.lib, self.lib.mt_proxy_enqueue(self.handle, reqs, len(reqs), timeout or timeout_s()), "enqueue")
+        csrc_build.check(self.lib, self.lib.mt_proxy_enqueue(self.handle, reqs, len(reqs), timeout or self.timeout_s), "enqueue")
 
     def quiesce(self, timeout: float | None = None) -> None:
-        csrc_build.check(self.lib, self.lib.mt_proxy_quiesce(self.handle, timeout or timeout_s()), "quiesce")
+        csrc_build.check(self.lib, self.lib.mt_proxy_quiesce(self.handle, timeout or self.timeout_s), "quiesce")
 
     def bench(self, reqs: ctypes.Array, iters: int, value_base: int, value_step: int = 1) -> list[float]:
         out = (ctypes.c_double * iters)()
         csrc_build.check(
             self.lib,
-            self.lib.mt_proxy_bench(self.handle, reqs, len(reqs), iters, value_base, value_step, timeout_s(), out),
+            self.lib.mt_proxy_bench(self.handle, reqs, len(reqs), iters, value_base, value_step, self.timeout_s, out),
             "mt_proxy_bench",
         )
         return list(out)
@@ -173,11 +174,12 @@ class ProxyTransport(OneSidedTransport):
         max_send_rows: int | None = None,
         row_bytes: int | None = None,
         fifo_slots: int = 8192,
+        options: RuntimeOptions | None = None,
     ):
         if knobs.transport != "proxy":
             raise KnobError(f"ProxyTransport needs transport=proxy knobs, got {knobs.transport!r}", ("transport",))
-        super().__init__(group, knobs, device, max_send_rows=max_send_rows, row_bytes=row_bytes)
-        if os.environ.get("MOETUNE_PROXY_PEER_ACCESS", "1") == "1":
+        super().__init__(group, knobs, device, max_send_rows=max_send_rows, row_bytes=row_bytes, options=options)
+        if self.options.proxy_peer_access:
             # copy engines: enable peer access towards the other local GPUs (errors ignored: the
             # symmetric mappings already grant access; this only helps the runtime pick direct P2P)
             for other in range(torch.cuda.device_count()):
@@ -188,17 +190,17 @@ class ProxyTransport(OneSidedTransport):
         self.engine = ProxyEngine(
             self.device.index, list(ctrl), list(ctrl), [p + sig_off for p in ctrl],
             qps=knobs.qps_per_pe, qp_mapping=knobs.qp_mapping, fence_mode=knobs.fence_mode, fifo_slots=fifo_slots,
-            batch=int(os.environ.get("MOETUNE_PROXY_BATCH", "1")),
+            batch=self.options.proxy_batch, timeout_s=self.timeout_s,
         )
         h = ctypes.c_void_p()
         csrc_build.check(
             self.lib,
-            self.lib.mt_pxy_create(self.engine.handle, self.device.index, self.rank, self.world, ctrl[self.rank], timeout_s(), ctypes.byref(h)),
+            self.lib.mt_pxy_create(self.engine.handle, self.device.index, self.rank, self.world, ctrl[self.rank], self.timeout_s, ctypes.byref(h)),
             "mt_pxy_create",
         )
         self._h = h
         # host-completed calls (default): see mt_pxy_set_host_wait in csrc/proxy_gpu.cu for why
-        self.host_wait = os.environ.get("MOETUNE_PROXY_HOST_WAIT", "1") != "0"
+        self.host_wait = self.options.proxy_host_wait
         self.lib.mt_pxy_set_host_wait(h, 1 if self.host_wait else 0)
         self._err = (ctypes.c_int * 16)()
         ep = ctypes.c_void_p()

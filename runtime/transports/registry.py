@@ -18,7 +18,7 @@ _REGISTRY: dict[str, str] = {
     # Through pinned host memory by the copy engines (NCCL's staging with NCCL_P2P_DISABLE=1 where the
     # compiled library is missing or MOETUNE_HS_NATIVE=0).
     "host_staged": ".host_staged:HostStagedTransport",
-    # One-sided transports come from the csrc branch; until their modules exist they report themselves absent.
+    # One-sided transports (csrc/ kernels); without a CUDA device or the compiled library they say why not.
     "nvlink": ".nvlink:NvlinkTransport",
     "proxy": ".proxy:ProxyTransport",
 }

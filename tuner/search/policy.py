@@ -19,12 +19,16 @@ from typing import Any
 
 from moetune.runtime.knobs import (
     ALLOWED_FENCE_MODES,
+    COMBINE_LANES,
     COMPRESSIONS,
     FENCE_MODES,
+    MAX_STAGING_SLOTS,
+    MIN_STAGING_SLOTS,
     QP_MAPPINGS,
     QUEUED,
     SIGNALLINGS,
     TRANSPORTS,
+    WAIT_MODES,
     KnobError,
     Knobs,
 )
@@ -39,6 +43,8 @@ CATEGORICAL: dict[str, tuple[str, ...]] = {
     "qp_mapping": QP_MAPPINGS,
     "compression": COMPRESSIONS,
     "scale_granularity": SCALE_GRANULARITIES,
+    "wait_mode": WAIT_MODES,
+    "combine_lanes": COMBINE_LANES,
 }
 # Integer knobs and their hard limits (runtime/knobs.py validation).
 INTEGER: dict[str, tuple[int, int]] = {
@@ -48,6 +54,7 @@ INTEGER: dict[str, tuple[int, int]] = {
     "pipeline_depth": (1, 16),
     "num_sms": (1, 264),
     "channels": (1, 64),
+    "staging_slots": (MIN_STAGING_SLOTS, MAX_STAGING_SLOTS),
 }
 KNOWN_TABLES = ("policy", "defaults", "knobs", "priors", "compression")
 KNOWN_PRIORS = ("link_gbps", "link_efficiency", "sm_copy_gbps", "nic_gbit", "qp_gbps")

@@ -28,7 +28,7 @@ from moetune.tuner.search.policy import KnobSpec, Policy
 Chooser = Callable[[str, KnobSpec], Any]
 
 # Order in which the plain (unconditional) knobs are asked, after the structural ones.
-_PLAIN = ("chunk_tokens", "pipeline_depth", "num_sms", "channels")
+_PLAIN = ("chunk_tokens", "pipeline_depth", "num_sms", "channels", "staging_slots", "wait_mode", "combine_lanes")
 
 
 def transfers_per_peer(experts: int, ep_size: int) -> int:

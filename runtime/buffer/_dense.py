@@ -1,0 +1,92 @@
+"""The dense wire layout: every token slot of the capacity goes to every rank (no counts, no host sync).
+
+The dispatch is one all-gather of the token rows, the combine one reduce-scatter (the sum over ranks happens
+in the collective); see the EPBuffer module doc (runtime/buffer/facade.py) for when it pays.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from moetune.runtime.buffer._meta import _RANGE_ERROR, Handle, _Chunk
+from moetune.runtime.knobs import KnobError
+
+if TYPE_CHECKING:
+    from moetune.runtime.buffer.facade import EPBuffer
+
+# Automatic dense layout (EPBuffer(dense=None)): when one dispatch's dense send to a peer is at most this many
+# bytes (latency-bound: the saved host sync and kernels matter more than bytes), or when uniform routing
+# sends all but this fraction of the tokens to every rank anyway (e.g. 2 ranks with top-8).
+DENSE_AUTO_MAX_BYTES = 2 << 20
+DENSE_AUTO_MAX_WASTE = 0.10
+
+
+def _chunk_weights(n: int, weights: tuple[float, ...] = ()) -> list[float]:
+    """Relative chunk sizes of the dense layout: equal, or the option chunk_weights (n positive numbers, for
+    side-by-side measurements of uneven chunks; ignored with one chunk)."""
+    if not weights or n == 1:
+        return [1.0] * n
+    if len(weights) != n:
+        raise KnobError(f"the runtime option chunk_weights (MOETUNE_EP_CHUNK_WEIGHTS) has {len(weights)} weights, "
+                        f"pipeline_depth is {n}: expected one positive number per pipeline chunk", ("pipeline_depth",))
+    return list(weights)
+
+
+def _dense_bounds(cap: int, n: int, weights: tuple[float, ...] = ()) -> list[int]:
+    """Token boundaries of the dense layout's n chunks over cap slots (n + 1 values from 0 to cap)."""
+    w = _chunk_weights(n, weights)
+    if len(set(w)) == 1:
+        cs = max(1, math.ceil(cap / n))
+        return [min(c * cs, cap) for c in range(n + 1)]
+    tot, acc, out = sum(w), 0.0, [0]
+    for v in w:
+        acc += v
+        out.append(min(cap, round(cap * acc / tot)))
+    return out
+
+
+def hit_probability(experts: int, topk: int, world: int) -> float:
+    """Probability that a token with `topk` distinct uniformly chosen experts has one on a given rank."""
+    epr = experts // max(1, world)
+    if world <= 1:
+        return 1.0
+    return 1.0 - math.comb(experts - epr, topk) / math.comb(experts, topk)
+
+
+class _DenseLayout:
+    """EPBuffer's dense-layout steps (a mixin: the state lives on the EPBuffer)."""
+
+    def _plan_dense(self: EPBuffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
+        """Dense layout: write the tokens into the reused send rows; no counts, no host sync (one tiny
+        status all-gather and one sync when check_inputs is on)."""
+        w, e = self.world, self.model.experts
+        code, msg = self._local_check(x, topk_idx, topk_weights)
+        if self.check_inputs:
+            if code:
+                st = torch.full((1,), -code, dtype=torch.int64, device=self.device)
+            else:
+                st = ((topk_idx < 0) | (topk_idx >= e)).sum().reshape(1).to(torch.int64)
+            got = torch.empty(w, dtype=torch.int64, device=self.device)
+            work = self.transport.gather_async(got, st)
+            if work is not None:
+                work.wait()
+            codes = {r: (-v if v < 0 else (_RANGE_ERROR if v > 0 else 0)) for r, v in enumerate(got.tolist())}
+            self._raise_errors(codes, msg, topk_idx if code == 0 else None)
+        elif code:
+            # unchecked mode: only this rank knows (the others wait in the collective until its timeout)
+            raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {msg}")
+        s, cap = x.shape[0], self.max_tokens
+        self._write_stage(x, topk_idx, topk_weights, s)
+        if self._stage_hi > s:  # rows a larger earlier dispatch filled: mark them empty again
+            self._stage_views[1].narrow(0, s, self._stage_hi - s).fill_(-1)
+        self._stage_hi = s
+        chunks = []
+        for c0, c1 in itertools.pairwise(self._dense_chunks):
+            chunks.append(_Chunk(c0, c1, [c1 - c0] * w, [c1 - c0] * w, w * c0, []))
+        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, w * cap, dense=True)
+        handle._recv_buf = torch.empty(w * cap, self.row_bytes, dtype=torch.uint8, device=self.device)
+        return handle

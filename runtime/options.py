@@ -1,0 +1,441 @@
+"""RuntimeOptions: the data path's switches that are not knobs, typed, validated and parsed once.
+
+A knob (runtime/knobs.py) is what the tuner searches and a profile stores: it changes speed. An option
+changes *how* the runtime does the same work -- a fallback (NCCL's staging instead of the copy engines, CUDA
+IPC instead of torch's symmetric memory), a timeout, or the torch ops instead of a fused kernel for a
+side-by-side measurement. Options are explicit objects, as DeepEP's `Config`: `EPBuffer(..., options=...)`
+hands them to its transport, which never reads the environment itself.
+
+Where a value comes from (later wins): the defaults, the `[runtime]` section of the TOML config
+(runtime/config.py), the option's `MOETUNE_*` variable, then what the caller passes. `RuntimeOptions.resolve`
+does this once per EP buffer; nothing here is read at import time. Every rank of an EP group must run the
+same options: their digest joins the knobs' digest in the buffer's cross-rank agreement.
+
+Build and debug switches stay environment variables (as DeepEP's `EP_*` table): `ENV_VARIABLES` lists each
+with type, default and meaning, and `docs/settings.md` is generated from these tables
+(`python -m moetune.runtime.options --markdown > docs/settings.md`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from moetune.runtime import config as _config
+
+SymmMode = Literal["torch", "ipc"]
+SYMM_MODES: tuple[str, ...] = ("torch", "ipc")
+MAX_PLAN_MODE = 2
+
+
+class RuntimeOptionError(ValueError):
+    """A runtime option has a bad value; the message names the option, its variable and where it came from."""
+
+
+@dataclass(frozen=True)
+class OptionDoc:
+    """One row of the options table: the field, its variable, and what it means."""
+
+    name: str
+    env: str
+    type: str
+    meaning: str
+
+
+# The one place each option's variable and meaning are written down (docs/settings.md is generated from it).
+OPTION_DOCS: tuple[OptionDoc, ...] = (
+    OptionDoc("hs_native", "MOETUNE_HS_NATIVE", "bool",
+              "host_staged: the copy engines through shared pinned host memory (csrc/host_staged.cu); false keeps "
+              "the collective over NCCL's own staging (set NCCL_P2P_DISABLE=1 then)."),
+    OptionDoc("symm", "MOETUNE_SYMM", "`torch` or `ipc`",
+              "nvlink/proxy: symmetric memory from torch (`torch`, falling back to CUDA IPC where it fails) or "
+              "plain CUDA IPC handles exchanged through the process group (`ipc`)."),
+    OptionDoc("onesided_timeout_s", "MOETUNE_ONESIDED_TIMEOUT_S", "float > 0",
+              "Seconds a GPU wait (a peer's count, signal or staging slot) may last before the transport reports "
+              "the peer lost instead of hanging (nvlink, proxy, host_staged)."),
+    OptionDoc("chunk_weights", "MOETUNE_EP_CHUNK_WEIGHTS", "comma-separated floats > 0",
+              "Dense layout: relative sizes of the pipeline_depth chunks (one weight per chunk; empty = equal). "
+              "Measured in runs 33-34 without a gain; kept for side-by-side runs."),
+    OptionDoc("proxy_batch", "MOETUNE_PROXY_BATCH", "int >= 1",
+              "proxy: consecutive unsignalled PUTs of one QP stream the proxy may issue as one batch."),
+    OptionDoc("proxy_peer_access", "MOETUNE_PROXY_PEER_ACCESS", "bool",
+              "proxy: enable CUDA peer access towards the other local GPUs so copies take direct P2P."),
+    OptionDoc("proxy_host_wait", "MOETUNE_PROXY_HOST_WAIT", "bool",
+              "proxy: each call completes on the host (see mt_pxy_set_host_wait in csrc/proxy_gpu.cu); false "
+              "leaves calls asynchronous (run 1's behaviour)."),
+    OptionDoc("plan_mode", "MOETUNE_PLAN_MODE", "int 0..2",
+              "Device-resident layout: the plan kernel's shape, 0 = by token count, 1 = one CTA, 2 = a grid "
+              "(side-by-side measurements, run 13)."),
+    OptionDoc("nvl_gather", "MOETUNE_NVL_GATHER", "bool",
+              "nvlink: the exchange kernel builds the wire rows straight from the tokens; false packs first "
+              "(run 10's comparison)."),
+    OptionDoc("fused_pack", "MOETUNE_FUSED_PACK", "bool",
+              "Device-resident layout: pack with the compiled kernels (csrc/ep_pack.cu); false uses the torch ops."),
+    OptionDoc("fused_fp8", "MOETUNE_FUSED_FP8", "bool",
+              "fp8 on a GPU: quantise/dequantise in one launch each (csrc/ep_fp8.cu); false uses the torch ops "
+              "(the same bytes)."),
+)
+
+
+class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The data path's non-tuned switches. Defaults are what the runtime does without any setting."""
+
+    hs_native: bool = True
+    symm: SymmMode = "torch"
+    onesided_timeout_s: float = 20.0
+    chunk_weights: tuple[float, ...] = ()
+    proxy_batch: int = 1
+    proxy_peer_access: bool = True
+    proxy_host_wait: bool = True
+    plan_mode: int = 0
+    nvl_gather: bool = True
+    fused_pack: bool = True
+    fused_fp8: bool = True
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "") -> RuntimeOptions:
+        """Build from a mapping of option names to values; unknown names and wrong types raise
+        RuntimeOptionError naming the option (and `where` the values came from)."""
+        suffix = f" (from {where})" if where else ""
+        unknown = sorted(set(data) - set(cls.__struct_fields__))
+        if unknown:
+            raise RuntimeOptionError(f"unknown runtime option(s) {unknown}{suffix}; known: {', '.join(cls.__struct_fields__)}")
+        try:
+            return msgspec.convert(dict(data), cls)
+        except msgspec.ValidationError as e:
+            raise RuntimeOptionError(f"runtime option {_field_of(str(e))}{suffix}: {e}") from None
+        except RuntimeOptionError as e:
+            raise RuntimeOptionError(f"{e}{suffix}") from None
+
+    def replace(self, **changes: Any) -> RuntimeOptions:
+        return RuntimeOptions.from_dict({**self.to_dict(), **changes})
+
+    def digest(self) -> str:
+        """Stable short hash (ranks compare it next to the knobs' digest)."""
+        return hashlib.sha256(msgspec.json.encode(self.to_dict(), order="sorted")).hexdigest()[:16]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, base: RuntimeOptions | None = None) -> RuntimeOptions:
+        """`base` (or the defaults) with every option whose variable is set (non-empty) in `env` replaced."""
+        env = os.environ if env is None else env
+        _check_retired(env)
+        data = (base or cls()).to_dict()
+        for doc in OPTION_DOCS:
+            raw = env.get(doc.env, "")
+            if raw.strip():
+                data[doc.name] = _parse_env(doc, raw)
+        return cls.from_dict(data)
+
+    @classmethod
+    def resolve(cls, overrides: Mapping[str, Any] | RuntimeOptions | None = None, *,
+                env: Mapping[str, str] | None = None, config: _config.Config | None = None) -> RuntimeOptions:
+        """defaults ← config `[runtime]` ← `MOETUNE_*` variables ← `overrides`.
+
+        A `RuntimeOptions` passed as `overrides` is taken as is (the caller decided everything). `config`
+        defaults to `load_config(env=env)`."""
+        if isinstance(overrides, RuntimeOptions):
+            return overrides
+        env = os.environ if env is None else env
+        if config is None:
+            config = _config.load_config(env=env)
+        opts = cls.from_config(config)
+        opts = cls.from_env(env, base=opts)
+        if overrides:
+            opts = cls.from_dict({**opts.to_dict(), **dict(overrides)}, where="arguments")
+        return opts
+
+    @classmethod
+    def from_config(cls, config: _config.Config) -> RuntimeOptions:
+        """The defaults with the config's `[runtime]` section applied (errors name the key and the file)."""
+        section = dataclasses.asdict(config.runtime)
+        data = cls().to_dict()
+        for name, value in section.items():
+            if name == "chunk_weights":
+                value = _parse_floats(value, f"runtime.chunk_weights in {config.origin_of('runtime', name)}")
+            data[name] = value
+        try:
+            return cls.from_dict(data)
+        except RuntimeOptionError as e:
+            bad = [n for n in section if n in str(e)]
+            where = config.origin_of("runtime", bad[0]) if bad else "the config"
+            raise RuntimeOptionError(f"{e} (from {where})") from None
+
+
+def _field_of(message: str) -> str:
+    # msgspec says "... - at `$.name`"
+    return message.rsplit("$.", 1)[-1].rstrip("`").split("[")[0] if "$." in message else "value"
+
+
+def _doc(name: str) -> OptionDoc:
+    return next(d for d in OPTION_DOCS if d.name == name)
+
+
+def _fail(name: str, value: Any, expected: str) -> None:
+    raise RuntimeOptionError(f"runtime option {name} ({_doc(name).env}) = {value!r}: expected {expected}")
+
+
+def _validate(o: RuntimeOptions) -> None:
+    if not (o.onesided_timeout_s > 0 and math.isfinite(o.onesided_timeout_s)):
+        _fail("onesided_timeout_s", o.onesided_timeout_s, "a finite number of seconds > 0")
+    if any(not (w > 0 and math.isfinite(w)) for w in o.chunk_weights):
+        _fail("chunk_weights", o.chunk_weights, "positive numbers (one per pipeline chunk)")
+    if o.proxy_batch < 1:
+        _fail("proxy_batch", o.proxy_batch, "an integer >= 1")
+    if not 0 <= o.plan_mode <= MAX_PLAN_MODE:
+        _fail("plan_mode", o.plan_mode, f"an integer from 0 to {MAX_PLAN_MODE}")
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _parse_env(doc: OptionDoc, raw: str) -> Any:
+    kind = RuntimeOptions.__annotations__[doc.name]
+    text = raw.strip()
+    where = f"runtime option {doc.name} ({doc.env}={raw!r})"
+    if kind == "bool":
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise RuntimeOptionError(f"{where}: expected 1/0 (or true/false, yes/no, on/off)")
+    if kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise RuntimeOptionError(f"{where}: expected an integer") from None
+    if kind == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise RuntimeOptionError(f"{where}: expected a number") from None
+    if doc.name == "chunk_weights":
+        return _parse_floats(text, where)
+    if doc.name == "symm":
+        if text.lower() not in SYMM_MODES:
+            raise RuntimeOptionError(f"{where}: expected one of {', '.join(SYMM_MODES)}")
+        return text.lower()
+    return text
+
+
+def _parse_floats(text: str, where: str) -> tuple[float, ...]:
+    if not text.strip():
+        return ()
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise RuntimeOptionError(f"{where}: expected comma-separated positive numbers, got {text!r}") from None
+
+
+# -- variables that were data-path switches and are knobs now (or were removed) ---------------------------
+@dataclass(frozen=True)
+class RetiredVariable:
+    env: str
+    now: str  # what replaces it
+
+
+RETIRED: tuple[RetiredVariable, ...] = (
+    RetiredVariable("MOETUNE_HS_SLOTS", "the knob `staging_slots`"),
+    RetiredVariable("MOETUNE_HS_WAIT", "the knob `wait_mode`"),
+    RetiredVariable("MOETUNE_EP_COMBINE_LANES", "the knob `combine_lanes` (`own`/`shared`; `auto` = the transport's choice)"),
+    RetiredVariable("MOETUNE_HS_RECV_SMS", "nothing: receiving on SMs was slower (run 29) and removed"),
+    RetiredVariable("MOETUNE_HS_STREAMS", "nothing: two copy streams per direction were slower (run 28) and removed"),
+    RetiredVariable("MOETUNE_HS_SENDER_WAIT", "nothing: one wait per ring was no faster (run 31) and removed"),
+)
+
+
+def _check_retired(env: Mapping[str, str]) -> None:
+    """A retired speed switch that is still set would be ignored silently; say where it went instead."""
+    for r in RETIRED:
+        if env.get(r.env, "").strip() and r.now.startswith("the knob"):
+            raise RuntimeOptionError(f"{r.env} is no longer read: it is {r.now} now (pass it in the knobs, "
+                                     f"e.g. --knobs or Knobs(...)); unset {r.env}")
+
+
+# -- build and debug switches: environment variables only ------------------------------------------------
+@dataclass(frozen=True)
+class EnvVariable:
+    name: str
+    type: str
+    default: str
+    meaning: str
+    read_by: str
+
+
+ENV_VARIABLES: tuple[EnvVariable, ...] = (
+    EnvVariable("MOETUNE_HOME", "path", "unset",
+                "Moves the default database (`$MOETUNE_HOME/moetune.db`) and the daemon's socket directory "
+                "(`$MOETUNE_HOME/run`).", "runtime/paths.py"),
+    EnvVariable("MOETUNE_CONFIG", "path", "unset",
+                "A TOML config file read after /etc/moetune/moetune.toml and the user's file (as `--config`).",
+                "runtime/config.py"),
+    EnvVariable("MOETUNE_MK_LIB", "path", "unset",
+                "A prebuilt megakernel library (`libmoetune_moe.so`) to load instead of building csrc/megakernel/.",
+                "runtime/megakernel/_lib.py"),
+    EnvVariable("MOETUNE_CACHE", "path", "~/.cache/moetune",
+                "Cache root of the compiled library (`$MOETUNE_CACHE/build/<key>/`).", "runtime/csrc_build.py"),
+    EnvVariable("MOETUNE_NVCC", "path", "$CUDA_HOME/bin/nvcc, nvcc on PATH, /usr/local/cuda/bin/nvcc",
+                "The nvcc that builds csrc/.", "runtime/csrc_build.py"),
+    EnvVariable("MOETUNE_CUDA_ARCH", "e.g. `90` or `sm_90`", "the current GPU's compute capability, else 90",
+                "Target architecture of the csrc/ build.", "runtime/csrc_build.py"),
+    EnvVariable("MOETUNE_CSRC_LIB", "path", "unset",
+                "A prebuilt csrc/ library to load instead of building one.", "runtime/csrc_build.py"),
+    EnvVariable("MOETUNE_POLICY", "path (file or directory)", "unset",
+                "A user policy merged over the shipped policies (as `--policy`).", "tuner/search/policy.py"),
+    EnvVariable("MOETUNE_AUTOLOAD", "bool", "1",
+                "`0` skips the daemon and the database when an EP buffer is built without knobs (policy "
+                "defaults, no warning).", "runtime/profiles/autoload.py"),
+    EnvVariable("MOETUNE_PROFILE_HASH", "string", "unset",
+                "Printed by `moetune query --export` for launchers to record which profile a job ran; the "
+                "runtime does not read it.", "tuner/cli/query.py (written)"),
+    EnvVariable("MOETUNE_PROFILE_TRACE", "path prefix", "unset",
+                "`moetune bench ep --profile`: also export the torch profiler timeline there (debug).",
+                "tuner/measure/ep.py"),
+    EnvVariable("MOETUNE_TEST_HOOKS", "`1`", "unset",
+                "Honour the benchmark worker's test hooks (case fields such as `_test_sleep_s`); tests only.",
+                "tuner/measure/worker.py"),
+    EnvVariable("MOETUNE_WORKER_TRACEBACK", "`1`", "unset",
+                "The benchmark worker prints a failing case's full traceback (debug).", "tuner/measure/worker.py"),
+    EnvVariable("MOETUNE_FAKE_JOB_SLEEP", "float seconds", "0",
+                "The test daemon's fake tuning job holds this long (restart tests); tests only.",
+                "tests/daemon_fakes.py"),
+)
+
+
+# -- docs/settings.md ------------------------------------------------------------------------------------
+def _cell(v: Any) -> str:
+    if isinstance(v, bool):
+        return "`true`" if v else "`false`"
+    if isinstance(v, tuple):
+        return "`" + ",".join(f"{x:g}" for x in v) + "`" if v else "(empty)"
+    if v == "":
+        return "(empty)"
+    return f"`{v}`"
+
+
+def _esc(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _knob_rows() -> list[str]:
+    from moetune.runtime.knobs import KNOB_DOCS, Knobs
+
+    d = Knobs()
+    rows = ["| knob | type / values | default | meaning |", "| --- | --- | --- | --- |"]
+    for name in Knobs.__struct_fields__:
+        kind, meaning = KNOB_DOCS[name]
+        rows.append(f"| `{name}` | {_esc(kind)} | {_cell(getattr(d, name))} | {_esc(meaning)} |")
+    return rows
+
+
+def _config_rows() -> list[str]:
+    rows = ["| key | type | default | variable |", "| --- | --- | --- | --- |"]
+    for section, cls in _config.SECTIONS.items():
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            var = _config.env_name(section, f.name)
+            rows.append(f"| `{section}.{f.name}` | {_config.type_name(section, f.name)} | "
+                        f"{_cell(getattr(defaults, f.name))} | {f'`{var}`' if var else '(the option variable below)'} |")
+    return rows
+
+
+def settings_markdown() -> str:
+    """docs/settings.md: every knob, runtime option, config key and environment variable, from the code."""
+    d = RuntimeOptions()
+    out = [
+        "# Settings",
+        "",
+        "<!-- GENERATED by `python -m moetune.runtime.options --markdown > docs/settings.md`; do not edit by hand.",
+        "     tests/test_settings_doc.py fails when this file and the code disagree. -->",
+        "",
+        "moetune has three kinds of settings. **Knobs** change speed: the tuner searches them and a profile",
+        "stores them (`runtime/knobs.py`). **Runtime options** change how the data path does the same work",
+        "(fallbacks, timeouts, side-by-side switches): `EPBuffer(..., options=RuntimeOptions(...))`, else the",
+        "`[runtime]` section of the config, overridden by each option's variable (`runtime/options.py`). Every rank",
+        "of an EP group must use the same knobs and options: the buffer compares their digests when it is built.",
+        "**Build and debug variables** stay environment variables.",
+        "",
+        "## Knobs",
+        "",
+        "Pass them as `Knobs(...)`, `--knobs name=value,...`, or in a policy (`policies/*.toml`).",
+        "",
+        *_knob_rows(),
+        "",
+        "## Runtime options",
+        "",
+        "Order (later wins): default, config `[runtime]` key, variable, `EPBuffer(options=...)`.",
+        "Booleans in variables: `1`/`0` (or `true`/`false`, `yes`/`no`, `on`/`off`); an empty variable is unset.",
+        "",
+        "| option (`[runtime]` key) | variable | type | default | meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for doc in OPTION_DOCS:
+        out.append(f"| `{doc.name}` | `{doc.env}` | {_esc(doc.type)} | {_cell(getattr(d, doc.name))} | {_esc(doc.meaning)} |")
+    out += [
+        "",
+        "## Configuration file",
+        "",
+        "TOML, read in order (later wins): `/etc/moetune/moetune.toml`, `~/.config/moetune/moetune.toml`",
+        "(`$XDG_CONFIG_HOME` respected), `--config FILE` or `$MOETUNE_CONFIG`, then `MOETUNE_<SECTION>_<KEY>`",
+        "variables (the `[runtime]` section's variables are the option variables above). Unknown keys are errors.",
+        "",
+        *_config_rows(),
+        "",
+        "## Build and debug variables",
+        "",
+        "| variable | type | default | meaning | read by |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for v in ENV_VARIABLES:
+        out.append(f"| `{v.name}` | {_esc(v.type)} | {_esc(v.default)} | {_esc(v.meaning)} | {v.read_by} |")
+    out += [
+        "",
+        "## Retired variables",
+        "",
+        "Older benchmark scripts set these; the code no longer reads them. Setting one that became a knob is an",
+        "error when an EP buffer is built (it would otherwise be ignored silently).",
+        "",
+        "| variable | now |",
+        "| --- | --- |",
+    ]
+    for r in RETIRED:
+        out.append(f"| `{r.env}` | {_esc(r.now)} |")
+    return "\n".join(out) + "\n"
+
+
+def documented_variables() -> set[str]:
+    """Every `MOETUNE_*` name docs/settings.md documents."""
+    names = {d.env for d in OPTION_DOCS} | {v.name for v in ENV_VARIABLES} | {r.env for r in RETIRED}
+    for section, cls in _config.SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            var = _config.env_name(section, f.name)
+            if var:
+                names.add(var)
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args != ["--markdown"]:
+        print("usage: python -m moetune.runtime.options --markdown", file=sys.stderr)
+        return 2
+    sys.stdout.write(settings_markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""RuntimeOptions: typed, validated, parsed once from arguments > variables > the config's [runtime] section."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetune.runtime.config import ConfigError, RuntimeConfig, load_config
+from moetune.runtime.options import OPTION_DOCS, RuntimeOptionError, RuntimeOptions
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """An environment with no system/user config of its own."""
+    return {"HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+
+
+def test_every_option_has_one_doc_row_and_a_config_key() -> None:
+    fields = RuntimeOptions.__struct_fields__
+    assert [d.name for d in OPTION_DOCS] == list(fields)
+    assert len({d.env for d in OPTION_DOCS}) == len(fields)
+    # the config section mirrors the options, with the same defaults
+    cfg = {f.name: getattr(RuntimeConfig(), f.name) for f in dataclasses.fields(RuntimeConfig)}
+    assert list(cfg) == list(fields)
+    assert RuntimeOptions.from_config(load_config(env={"HOME": "/nonexistent"})) == RuntimeOptions()
+
+
+def test_variables_parse_and_bad_values_name_the_setting() -> None:
+    o = RuntimeOptions.from_env({"MOETUNE_HS_NATIVE": "0", "MOETUNE_SYMM": "IPC", "MOETUNE_ONESIDED_TIMEOUT_S": "3",
+                                 "MOETUNE_PROXY_BATCH": "16", "MOETUNE_EP_CHUNK_WEIGHTS": "1,2", "MOETUNE_PLAN_MODE": ""})
+    assert (o.hs_native, o.symm, o.onesided_timeout_s, o.proxy_batch, o.chunk_weights, o.plan_mode) == (
+        False, "ipc", 3.0, 16, (1.0, 2.0), 0)
+    for var, bad, option in (("MOETUNE_HS_NATIVE", "maybe", "hs_native"), ("MOETUNE_SYMM", "nvshmem", "symm"),
+                             ("MOETUNE_ONESIDED_TIMEOUT_S", "-1", "onesided_timeout_s"),
+                             ("MOETUNE_PROXY_BATCH", "0", "proxy_batch"), ("MOETUNE_PLAN_MODE", "7", "plan_mode"),
+                             ("MOETUNE_PROXY_BATCH", "lots", "proxy_batch")):
+        with pytest.raises(RuntimeOptionError) as e:
+            RuntimeOptions.from_env({var: bad})
+        assert option in str(e.value) and var in str(e.value) and bad in str(e.value), str(e.value)
+    with pytest.raises(RuntimeOptionError, match="unknown runtime option"):
+        RuntimeOptions.from_dict({"hs_natve": False})
+    with pytest.raises(RuntimeOptionError, match="plan_mode"):
+        RuntimeOptions(plan_mode=3)
+
+
+def test_order_arguments_over_variables_over_config(env: dict[str, str], tmp_path: Path) -> None:
+    cfg = tmp_path / "moetune.toml"
+    cfg.write_text('[runtime]\nsymm = "ipc"\nonesided_timeout_s = 5\nproxy_batch = 4\nchunk_weights = "1,3"\n')
+    e = {**env, "MOETUNE_CONFIG": str(cfg)}
+    o = RuntimeOptions.resolve(env=e)
+    assert (o.symm, o.onesided_timeout_s, o.proxy_batch, o.chunk_weights) == ("ipc", 5.0, 4, (1.0, 3.0))
+    o = RuntimeOptions.resolve(env={**e, "MOETUNE_PROXY_BATCH": "8"})
+    assert (o.symm, o.proxy_batch) == ("ipc", 8)
+    o = RuntimeOptions.resolve({"proxy_batch": 2}, env={**e, "MOETUNE_PROXY_BATCH": "8"})
+    assert o.proxy_batch == 2
+    given = RuntimeOptions(fused_fp8=False)
+    assert RuntimeOptions.resolve(given, env=e) is given
+
+
+def test_a_bad_config_value_names_the_key_and_the_file(env: dict[str, str], tmp_path: Path) -> None:
+    cfg = tmp_path / "moetune.toml"
+    cfg.write_text('[runtime]\nsymm = "nvshmem"\n')
+    with pytest.raises(RuntimeOptionError, match=rf"symm.*{cfg.name}"):
+        RuntimeOptions.resolve(env={**env, "MOETUNE_CONFIG": str(cfg)})
+    cfg.write_text("[runtime]\nproxy_batch = \"four\"\n")
+    with pytest.raises(ConfigError, match=r"runtime\.proxy_batch"):
+        load_config(env={**env, "MOETUNE_CONFIG": str(cfg)})
+    cfg.write_text("[runtime]\nno_such_switch = 1\n")
+    with pytest.raises(ConfigError, match=r"runtime\.no_such_switch"):
+        load_config(env={**env, "MOETUNE_CONFIG": str(cfg)})
+
+
+def test_nothing_is_read_at_import_time() -> None:
+    import importlib
+
+    import moetune.runtime.buffer._resident as resident
+    import moetune.runtime.buffer.facade as facade
+
+    for mod in (facade, resident):
+        importlib.reload(mod)
+        assert not hasattr(mod, "_PLAN_MODE")
+
+
+def test_the_buffer_takes_its_options_from_the_config(env: dict[str, str], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.runtime.buffer import EPBuffer
+    from moetune.runtime.knobs import Knobs
+    from moetune.runtime.moe_layer import MoELayer
+    from moetune.runtime.shapes import get_model
+
+    for k in list(__import__("os").environ):
+        if k.startswith("MOETUNE_"):
+            monkeypatch.delenv(k)
+    cfg = tmp_path / "moetune.toml"
+    cfg.write_text("[runtime]\nfused_fp8 = false\nonesided_timeout_s = 7.5\n")
+    monkeypatch.setenv("MOETUNE_CONFIG", str(cfg))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    m = get_model("custom:64,32,8,2,float32")
+    buf = EPBuffer(None, Knobs(), model=m, max_tokens=8, device="cpu")
+    assert (buf.options.fused_fp8, buf.options.onesided_timeout_s) == (False, 7.5)
+    assert buf.transport.options is buf.options  # the transport gets the buffer's options, not the environment
+    layer = MoELayer(m, knobs=Knobs(), max_tokens=8, device="cpu")
+    assert layer.buffer.options.onesided_timeout_s == 7.5
+    monkeypatch.setenv("MOETUNE_ONESIDED_TIMEOUT_S", "9")
+    assert EPBuffer(None, Knobs(), model=m, max_tokens=8, device="cpu").options.onesided_timeout_s == 9.0
+    explicit = EPBuffer(None, Knobs(), model=m, max_tokens=8, device="cpu", options={"onesided_timeout_s": 1.0})
+    assert explicit.options.onesided_timeout_s == 1.0 and explicit.options.fused_fp8 is False
+    x = torch.randn(4, m.hidden)
+    idx = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    recv, _meta, h = explicit.dispatch(x, idx, torch.ones(4, 2))
+    assert torch.allclose(explicit.combine(recv.contiguous(), h), x)
+
+
+def test_ranks_compare_the_options_digest() -> None:
+    a, b = RuntimeOptions(), RuntimeOptions(symm="ipc")
+    assert a.digest() == RuntimeOptions().digest() and a.digest() != b.digest()

@@ -1,0 +1,53 @@
+"""Every registered transport declares the capabilities the EP buffer reads, and implements what it declares."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from moetune.runtime.transports import base
+from moetune.runtime.transports.registry import get_transport, registered_transports
+
+_METHODS = {
+    "async_exchange": ("exchange_async", "exchange_blocks"),
+    "dense_collectives": ("gather_async", "reduce_scatter_async"),
+    "fused_counts": ("exchange_fused",),
+    "strided_combine": ("exchange_strided",),
+    "gathers_tokens": ("dispatch_gather",),
+}
+
+
+def test_the_base_class_declares_every_capability_with_a_default() -> None:
+    for name in base.CAPABILITIES:
+        assert isinstance(getattr(base.EPTransport, name), bool), name
+    assert set(_METHODS) <= set(base.CAPABILITIES)
+
+
+@pytest.mark.parametrize("name", registered_transports())
+def test_registered_transport_implements_what_it_declares(name: str) -> None:
+    cls = get_transport(name)
+    for cap in base.CAPABILITIES:
+        assert isinstance(getattr(cls, cap), bool), (name, cap)
+    for cap, methods in _METHODS.items():
+        for m in methods:
+            overridden = getattr(cls, m) is not getattr(base.EPTransport, m)
+            assert overridden == getattr(cls, cap), f"{name}: {cap}={getattr(cls, cap)} but {m} overridden={overridden}"
+    params = inspect.signature(cls.__init__).parameters
+    assert "options" in params, f"{name} must take options=RuntimeOptions"
+    if cls.async_exchange:
+        assert "channels" in params
+
+
+def test_the_buffer_does_not_probe_its_transport() -> None:
+    root = Path(base.__file__).resolve().parents[1] / "buffer"
+    probes = []
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr"):
+                target = ast.unparse(node.args[0]) if node.args else ""
+                if "transport" in target or target in ("cls", "t"):
+                    probes.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not probes, probes
