@@ -20,7 +20,6 @@ from moetune.tuner.search.backends import (
     ModelBackend,
     TuneWorkload,
     knob_environment,
-    summarize,
 )
 from moetune.tuner.search.policy import load_policy
 from moetune.tuner.search.space import SearchSpace
@@ -168,12 +167,6 @@ def test_model_backend_with_predictor() -> None:
     assert not err.ok and not err.infeasible and "boom" in (err.error or "")
     cb = CallableBackend(lambda k, w: Measurement(1.0, 0.1, [1.0], True))
     assert cb.evaluate(Knobs(), WL).spread_us == 0.1
-
-
-def test_summarize() -> None:
-    assert summarize([3.0, 1.0, 2.0]) == (2.0, 1.0)
-    med, spread = summarize([float(x) for x in range(11)])
-    assert med == 5.0 and spread == pytest.approx(4.0)
 
 
 def test_study_user_attrs_are_json(fake_bench: list[str]) -> None:
