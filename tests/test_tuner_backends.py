@@ -187,7 +187,7 @@ def test_local_tune_remeasures_incumbent_side_by_side(fake_bench: list[str], tmp
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     make_store = mod.make_store
 
-    from moetune.tuner.search.study import _Fam, tune_profiles_detailed
+    from moetune.tuner.search.tune import _Fam, tune_profiles_detailed
 
     class Facts:
         fingerprint, software_hash, gpu_count = "c" * 64, "d" * 64, 2

@@ -224,14 +224,12 @@ class ModelBackend(BenchmarkBackend):
                  routing: str | None = None, tile: int | None = None):
         if preset is None and predictor is None:
             raise ValueError("ModelBackend needs a preset (name, path or Preset) or a predictor")
-        self._fm: Any = None
         if predictor is None:
-            from moetune.tuner.fabric_model import (
-                predict as fabric_model,  # the model branch; imported only when used
-            )
+            # The fabric model loads only when a preset is modelled. Named by its module path: the package
+            # `moetune.tuner.fabric_model` re-exports a *function* called `predict`.
+            from moetune.tuner.fabric_model.presets import load_preset
 
-            self._fm = fabric_model
-            self.preset = fabric_model.load_preset(preset) if isinstance(preset, str) else preset
+            self.preset = load_preset(preset) if isinstance(preset, str) else preset
         else:
             self.preset = preset
         self.predictor = predictor
@@ -261,9 +259,11 @@ class ModelBackend(BenchmarkBackend):
         kw: dict[str, Any] = {"routing": self.routing or workload.routing}
         if self.tile is not None:
             kw["tile"] = self.tile
-        wl = self._fm.Workload(model=workload.model, tokens_per_gpu=workload.tokens, nodes=workload.nodes,
-                               gpus_per_node=workload.gpus_per_node, **kw)
-        return self._fm.predict(self.preset, wl, knobs)
+        from moetune.tuner.fabric_model.predict import Workload, predict
+
+        wl = Workload(model=workload.model, tokens_per_gpu=workload.tokens, nodes=workload.nodes,
+                      gpus_per_node=workload.gpus_per_node, **kw)
+        return predict(self.preset, wl, knobs)
 
     def evaluate(self, knobs: Knobs, workload: TuneWorkload, *, report: ReportFn | None = None) -> Measurement:
         try:
