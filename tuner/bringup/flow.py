@@ -236,7 +236,7 @@ class Bringup:
         return d
 
     def stage_tune(self) -> list[dict]:
-        from moetune.tuner.search.study import tune_profiles_detailed
+        from moetune.tuner.search.tune import tune_profiles_detailed
 
         models = [get_model(m) for m in self.plan.models]
         be = self._backend()
