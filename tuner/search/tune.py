@@ -23,7 +23,7 @@ from typing import Any
 
 import optuna
 
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord, nearest_bucket
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord, nearest_bucket, provenance_of_backend
 from moetune.runtime.shapes import ModelShape
 from moetune.tuner.search.backends import (
     BenchmarkBackend,
@@ -394,9 +394,11 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
                                      f"{meas.median_us:.1f} µs: gain within noise, incumbent kept")
     now = _now_iso()
     software = dict(getattr(facts, "software", {}) or {})
+    # Say what the numbers are: a local measurement on this node, or a prediction (node model / preset).
+    provenance = "measured" if isinstance(be, LocalBackend) else provenance_of_backend(be.label)
     rec = ProfileRecord(key=key, knobs=knobs, latency_us=float(meas.median_us), spread_us=float(meas.spread_us),
                         backend=be.label, status="current", software_versions={str(k): str(v) for k, v in software.items()},
-                        created=now, updated=now)
+                        created=now, updated=now, provenance=provenance)
     if store is None:
         return rec, False, "no store"
     written, reason = store.put_profile(rec)
