@@ -13,6 +13,9 @@ import msgspec
 from moetune.runtime.knobs import Knobs
 
 ProfileStatus = Literal["current", "stale", "superseded"]
+# How a profile's numbers were obtained: measured on `measured_on` (a fingerprint), predicted by the
+# node's own calibrated fabric model, or predicted by a shipped preset of other hardware.
+Provenance = Literal["measured", "node_model", "preset"]
 
 TOKEN_BUCKETS: tuple[int, ...] = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
@@ -67,6 +70,25 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     software_versions: dict[str, str] = {}
     created: str = ""
     updated: str = ""
+    provenance: Provenance = "measured"
+    measured_on: str = ""  # fingerprint it was measured/calibrated on, or preset:<name>
+
+    def __post_init__(self) -> None:
+        # Records from before provenance existed: infer it from the backend label.
+        if self.provenance == "measured" and not self.measured_on:
+            b = self.backend or ""
+            if b.startswith("node-model:"):
+                self.provenance = "node_model"
+            elif b.startswith("model:"):
+                self.provenance = "preset"
+        if not self.measured_on:
+            self.measured_on = (f"preset:{self.backend.split(':', 1)[1]}" if self.provenance == "preset"
+                                else self.key.fingerprint)
+
+    def is_tuned_for(self, fingerprint: str, software: str) -> bool:
+        """Measured on exactly this fabric and software: the only profile the runtime applies as tuned."""
+        return (self.provenance == "measured" and self.measured_on == fingerprint
+                and self.key.fingerprint == fingerprint and self.key.software == software)
 
     @property
     def profile_hash(self) -> str:
