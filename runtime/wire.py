@@ -166,6 +166,8 @@ class ProfileResult(msgspec.Struct, kw_only=True):
     env: dict[str, str] = {}
     updated: str = ""
     version: int = 0  # the daemon's change version when this was read
+    provenance: str = "measured"  # measured | node_model | preset (ProfileRecord.provenance)
+    measured_on: str = ""
 
     @classmethod
     def from_record(cls, rec: ProfileRecord, *, env: dict[str, str], version: int = 0) -> ProfileResult:
@@ -180,6 +182,8 @@ class ProfileResult(msgspec.Struct, kw_only=True):
             env=env,
             updated=rec.updated or rec.created,
             version=version,
+            provenance=rec.provenance,
+            measured_on=rec.measured_on,
         )
 
 
@@ -246,6 +250,8 @@ class StatusResult(msgspec.Struct, kw_only=True):
     profiles_stale: int
     requests: int
     jobs: JobsInfo
+    provenance: dict[str, int] = {}  # current profiles of this fingerprint by provenance
+    tune_notice: str = ""  # why the automatic re-tune cannot run on this node, when it cannot
 
 
 class RetuneResult(msgspec.Struct, kw_only=True):
