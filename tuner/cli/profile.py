@@ -15,16 +15,18 @@ def _fail(console: Console, message: str) -> None:
     raise typer.Exit(2)
 
 
-def _open(db: Path | None, config: Path | None):
+def _open(db: Path | None, config: Path | None, console: Console | None = None):
+    """(config, store) or a clear error (never a traceback) naming the bad key/file or database."""
     from moetune.runtime.config import ConfigError, load_config
     from moetune.tuner.store.store import Store
 
-    cfg = load_config(config)
+    console = console or Console(stderr=True)
     try:
-        path = db or cfg.db_path
-    except ConfigError as e:
-        raise typer.BadParameter(str(e)) from None
-    return cfg, Store(path)
+        cfg = load_config(config)
+        return cfg, Store(db or cfg.db_path)
+    except (ConfigError, RuntimeError, OSError) as e:  # ConfigError names key + file; StoreError the database
+        _fail(console, str(e))
+        raise  # unreachable: _fail exits
 
 
 def profile(
@@ -71,7 +73,7 @@ def profile(
         plan.validate("--model/--tokens/--trials")
     except ValueError as e:
         _fail(console, str(e))
-    _cfg, store = _open(db, config)
+    _cfg, store = _open(db, config, console)
     state_dir = Path(store.path).parent if getattr(store, "path", None) else Path.cwd()
     try:
         flow = Bringup(store=store, plan=plan, state_dir=state_dir, console=console, capture=capture,
@@ -123,7 +125,7 @@ def report(
     from moetune.tuner.fabric.discovery import DiscoveryError, discover
 
     console = Console()
-    _cfg, store = _open(db, config)
+    _cfg, store = _open(db, config, console)
     try:
         facts = discover(capture)
     except DiscoveryError as e:

@@ -831,10 +831,15 @@ def run_daemon(
     discover_hook: str | None = None,
     retune_hook: str | None = None,
     log_level: str | None = None,
+    curve_clients_dir: Path | None = None,
 ) -> int:
     """Build a Daemon from config + options and serve until SIGTERM/SIGINT. Returns the exit code."""
-    cfg = _load_config(config)
+    cfg = _load_config(config)  # ConfigError (a ValueError) names the key and the file
     d = cfg.daemon
+    if rediscover_interval is not None and rediscover_interval < 0:
+        raise DaemonConfigError(f"--rediscover-interval must be >= 0, got {rediscover_interval}")
+    if metrics_port is not None and not 0 <= metrics_port <= 65535:
+        raise DaemonConfigError(f"--metrics-port must be in 0..65535, got {metrics_port}")
     setup_logging(log_level or d.log_level)
     endpoint = socket or d.socket
     pub = pub_socket or (derive_pub_endpoint(endpoint) if socket else d.pub_socket)
@@ -857,6 +862,7 @@ def run_daemon(
         tune=TuneSettings(backend=cfg.tune.backend, trials=cfg.tune.trials, timeout_s=cfg.tune.timeout_s),
         rediscover_interval_s=d.rediscover_interval_s if rediscover_interval is None else rediscover_interval,
         max_request_bytes=d.max_request_bytes, curve_secret_key_file=d.curve_secret_key_file or None,
+        curve_clients_dir=curve_clients_dir,
         allow_insecure_tcp=d.allow_insecure_tcp if allow_insecure_tcp is None else allow_insecure_tcp,
         group=d.group, metrics_port=d.metrics_port if metrics_port is None else metrics_port, db_path=str(db_path),
     )
@@ -877,6 +883,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capture", type=Path)
     ap.add_argument("--allow-insecure-tcp", action="store_true", default=None)
     ap.add_argument("--log-level")
+    ap.add_argument("--curve-clients-dir", type=Path)
     # test/plugin hooks: module:callable
     ap.add_argument("--store-hook", help=argparse.SUPPRESS)
     ap.add_argument("--discover-hook", help=argparse.SUPPRESS)
@@ -885,8 +892,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_daemon(socket=a.socket, pub_socket=a.pub_socket, db=a.db, config=a.config, metrics_port=a.metrics_port,
                           rediscover_interval=a.rediscover_interval, capture=a.capture, allow_insecure_tcp=a.allow_insecure_tcp,
-                          store_hook=a.store_hook, discover_hook=a.discover_hook, retune_hook=a.retune_hook, log_level=a.log_level)
-    except (DaemonConfigError, ValueError, OSError, zmq.ZMQError) as e:  # config, key files, bind
+                          store_hook=a.store_hook, discover_hook=a.discover_hook, retune_hook=a.retune_hook, log_level=a.log_level,
+                          curve_clients_dir=a.curve_clients_dir)
+    except (DaemonConfigError, ValueError, OverflowError, OSError, zmq.ZMQError) as e:  # config, key files, bind
         print(f"moetune serve: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # StoreError: not a database, unknown revision, cannot open

@@ -63,6 +63,23 @@ def make_discover(capture: Path | None) -> Callable[[], Any]:
 
 
 
+def identity(facts: Any) -> str | None:
+    """Which physical GPUs the facts describe (`identity_hash`), None where unknown."""
+    try:
+        v = getattr(facts, "identity_hash", None)
+    except Exception:
+        return None
+    return v if isinstance(v, str) and v else None
+
+
+def same_hardware(old_fp: str | None, old_identity: str | None, facts: Any) -> bool:
+    """Same fingerprint and, where both sides know it, the same physical parts (a replaced GPU is a change)."""
+    if old_fp != facts.fingerprint:
+        return False
+    new_identity = identity(facts)
+    return old_identity is None or new_identity is None or old_identity == new_identity
+
+
 class FabricWatch:
     """Discovery rounds and fabric changes; mixed into Daemon (which sets the attributes used here)."""
 
@@ -105,14 +122,16 @@ class FabricWatch:
         if facts is None:
             return
         last = self._last_fabric_event()
-        if last is not None and last.get("fingerprint") != facts.fingerprint:
+        if last is not None and not same_hardware(last.get("fingerprint"), last.get("identity"), facts):
             self._fabric_changed(last.get("fingerprint"), last.get("facts") or {}, facts, rebuild=False)
             return
         self.facts = facts
         self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts))
-        if last is None:
-            self.store.add_event(kind="fabric_seen", reason="first discovery",
-                                 details={"fingerprint": facts.fingerprint, "facts": facts_dict(facts)})
+        if last is None or (last.get("identity") is None and identity(facts) is not None):
+            # the first discovery, or the first since GPU identities are recorded: the base to compare with
+            self.store.add_event(kind="fabric_seen", reason="first discovery" if last is None else "GPU identities recorded",
+                                 details={"fingerprint": facts.fingerprint, "identity": identity(facts),
+                                          "facts": facts_dict(facts)})
 
     def _fabric_changed(self, old_fp: str | None, old_facts: dict[str, Any], facts: Any, *, rebuild: bool = True) -> None:
         new_dict = facts_dict(facts)
@@ -125,7 +144,8 @@ class FabricWatch:
         self.metrics.fabric_changes += 1
         self.store.upsert_fingerprint(facts.fingerprint, new_dict)
         self.store.add_event(kind="fabric_changed", reason=reason,
-                             details={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "reasons": reasons, "facts": new_dict})
+                             details={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "identity": identity(facts),
+                                      "reasons": reasons, "facts": new_dict})
         stale_recs = [r for _, r in self.store.list_profiles(status="current", fingerprint=old_fp)] if old_fp else []
         if old_fp:
             self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000])
@@ -151,17 +171,18 @@ class FabricWatch:
         if facts is None:
             return
         old = self.facts
-        if old is not None and old.fingerprint == facts.fingerprint:
+        if old is not None and same_hardware(old.fingerprint, identity(old), facts):
             return
         if old is None:
             last = self._last_fabric_event()
-            if last is None or last.get("fingerprint") == facts.fingerprint:
+            if last is None or same_hardware(last.get("fingerprint"), last.get("identity"), facts):
                 with self._commit_lock:
                     self.facts = facts
                     self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts))
                     if last is None:
                         self.store.add_event(kind="fabric_seen", reason="first discovery",
-                                             details={"fingerprint": facts.fingerprint, "facts": facts_dict(facts)})
+                                             details={"fingerprint": facts.fingerprint, "identity": identity(facts),
+                                                      "facts": facts_dict(facts)})
                     self._write_info(running=True)
                     self._rebuild([dict(kind="fabric_changed", fingerprint=facts.fingerprint, reasons=["fabric discovered"])])
                 return
