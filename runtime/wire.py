@@ -61,7 +61,7 @@ ERROR_CODES: tuple[str, ...] = (
     E_INTERNAL,
 )
 
-Id = int | Annotated[str, Meta(max_length=128)]
+Id = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | Annotated[str, Meta(max_length=128)]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 PosInt = Annotated[int, Meta(ge=1, le=1 << 31)]
 Tokens = Annotated[int, Meta(ge=0, le=1 << 31)]
