@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
@@ -86,7 +85,7 @@ def test_retune_without_calibrated_model_says_so_and_writes_no_preset(tmp_path: 
 def test_tune_backend_validated(tmp_path: Path) -> None:
     from moetune.runtime.config import ConfigError, load_config
 
-    with pytest.raises(DaemonConfigError, match="tune.backend"):
+    with pytest.raises(DaemonConfigError, match=r"tune\.backend"):
         TuneSettings(backend="preset")
     cfg = tmp_path / "bad.toml"
     cfg.write_text('[tune]\nbackend = "presets"\n')
