@@ -114,6 +114,13 @@ def test_status_shows_provenance_counts(tmp_path: Path) -> None:
         got = {p.backend: p.provenance for p in c.list_profiles().profiles}
         assert got["model:nvlink-h200x2"] == "preset" and got["local:nccl"] == "measured"
         c.close()
+        from typer.testing import CliRunner
+
+        from moetune.tuner.cli import app
+
+        r = CliRunner().invoke(app, ["status", "--socket", d.endpoint], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        assert "measured: 2, node_model: 1, preset: 1" in r.output
     finally:
         d.stop()
 
