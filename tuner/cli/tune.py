@@ -46,14 +46,13 @@ def _load_config(config: Path | None):
         _fail(str(e))
 
 
-def _open_store(db: Path | None, *, readonly: bool = False, config: Path | None = None):
+def _open_store(db: Path | None, *, readonly: bool = False):
     try:
         from moetune.tuner.store.store import Store  # type: ignore[attr-defined]
     except ImportError as e:
         _fail(f"the profile store is not available in this build ({e})")
-    path = db if db is not None else _load_config(config).db_path
     try:
-        return Store(path, readonly=readonly)
+        return Store(db, readonly=readonly)
     except (RuntimeError, OSError, ValueError) as e:  # StoreError: not a database, newer schema, cannot open
         _fail(str(e))
 
@@ -143,7 +142,7 @@ def tune(
         gpus = int(getattr(facts, "gpu_count", 0) or 0)
         local_opts = {"world": world or (gpus if gpus >= 2 else 2), "comm_backend": comm or ("nccl" if gpus else "gloo"),
                       "repeats": repeats, "timeout_s": trial_timeout}
-    store = _open_store(db, config=config)
+    store = _open_store(db if db is not None else cfg.db_path)
     from moetune.tuner.search.study import tune_profiles_detailed
 
     try:
