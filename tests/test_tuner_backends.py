@@ -35,7 +35,7 @@ import json, os, subprocess, sys, time
 args = sys.argv[1:]
 knobs = dict(kv.split("=", 1) for kv in args[args.index("--knobs") + 1].split(","))
 pidfile = os.environ.get("FAKE_PIDFILE")
-if knobs["num_sms"] == "16":                      # hang, with a child in the same process group
+if knobs["channels"] == "2":                      # hang, with a child in the same process group
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     if pidfile:
         open(pidfile, "w").write(str(child.pid))
@@ -47,7 +47,7 @@ if knobs["chunk_tokens"] == "128":               # garbage on stdout
     print("not json at all")
     sys.exit(0)
 layer = 1000.0 / int(knobs["pipeline_depth"]) * (0.6 if knobs["compression"] != "none" else 1.0)
-layer *= 1 + abs(int(knobs["num_sms"]) - 24) / 100
+layer *= 1 + abs(int(knobs["channels"]) - 1) / 100
 print("some log line")
 print(json.dumps({"dispatch_us": {"median": layer / 3, "p10": layer / 3 - 1, "p90": layer / 3 + 1},
                   "combine_us": {"median": layer / 3, "p10": 0, "p90": 0},
@@ -99,7 +99,7 @@ def test_hung_run_is_killed_with_its_process_group(fake_bench: list[str], tmp_pa
     monkeypatch.setenv("FAKE_PIDFILE", str(pidfile))
     be = LocalBackend(command=fake_bench, repeats=2, timeout_s=1.5)
     t0 = time.monotonic()
-    m = be.evaluate(_host_staged(num_sms=16), WL)
+    m = be.evaluate(_host_staged(channels=2), WL)
     assert time.monotonic() - t0 < 10
     assert not m.ok and "timed out" in (m.error or "")
     child = int(pidfile.read_text())
@@ -130,7 +130,7 @@ def test_study_goes_on_after_hangs_and_crashes(fake_bench: list[str]) -> None:
     be = LocalBackend(command=fake_bench, repeats=1, timeout_s=1.0, family="host_staged")
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
     # Force one hang and one crash first (as a user's enqueued points would be).
-    study.enqueue_trial(pol_space.params_of(_host_staged(num_sms=16)))
+    study.enqueue_trial(pol_space.params_of(_host_staged(channels=2)))
     study.enqueue_trial(pol_space.params_of(_host_staged(pipeline_depth=4)))
     res = run_study(study, pol_space, be, WL, trials=12, prune=False)
     states = [t.state for t in study.trials]
@@ -140,7 +140,7 @@ def test_study_goes_on_after_hangs_and_crashes(fake_bench: list[str]) -> None:
     assert any("exit status 3" in t.user_attrs.get("error", "") for t in fails)
     assert states.count(optuna.trial.TrialState.COMPLETE) >= 4
     assert res.best_knobs is not None and res.best is not None and res.best.ok
-    assert res.best_knobs.num_sms != 16 and res.best_knobs.pipeline_depth != 4
+    assert res.best_knobs.channels != 2 and res.best_knobs.pipeline_depth != 4
 
 
 def test_compare_interleaves(fake_bench: list[str]) -> None:

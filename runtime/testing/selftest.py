@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from moetune.runtime.knobs import Knobs, default_knobs
 from moetune.runtime.options import RuntimeOptions
-from moetune.runtime.testing.launch import destroy_group_quietly, free_port
+from moetune.runtime.testing.launch import destroy_group_quietly, free_port, init_dist
 from moetune.runtime.transports._onesided import all_ok
 
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -32,11 +32,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], kwargs: dic
         os.environ.setdefault(k, v)
     res: Any
     try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group(
-            "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            device_id=torch.device("cuda", rank),
-        )
+        init_dist(rank, world, backend="nccl", port=port)
         res = fn(rank, world, **kwargs)
     except BaseException:
         res = {"error": traceback.format_exc()}
