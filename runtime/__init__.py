@@ -3,8 +3,9 @@
 Stays light: torch, pyzmq and msgspec only; never imports the tuner, Optuna or SQLAlchemy.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from moetune.runtime._lazy import lazy_getattr
 from moetune.runtime.knobs import KnobError, Knobs, default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord, nearest_bucket
 from moetune.runtime.shapes import MODELS, ModelShape, get_model
@@ -19,14 +20,7 @@ _LAZY = {"EPBuffer": ".buffer", "Handle": ".buffer", "RecvMeta": ".buffer", "MoE
          "dense_reference": ".moe_layer"}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = [
     "MODELS",

@@ -5,7 +5,7 @@
 load lazily from their modules, so importing one submodule does not import the rest.
 """
 
-from typing import Any
+from moetune.runtime._lazy import lazy_getattr
 
 _LAZY = {
     "DENSE_AUTO_MAX_BYTES": "._dense",
@@ -19,14 +19,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [

@@ -3,7 +3,7 @@
 The public names load lazily from their modules, so importing one submodule does not import the rest.
 """
 
-from typing import Any
+from moetune.runtime._lazy import lazy_getattr
 
 _LAZY = {
     "CACHE_LIMIT": ".index",
@@ -35,14 +35,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [
