@@ -33,14 +33,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, fabric: 
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if args.cpu:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        dev = torch.device("cpu")
-    else:
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    from moetune.runtime.testing.launch import init_dist
+
+    dev = init_dist(rank, world, backend="gloo" if args.cpu else "nccl", port=port)
     rows = []
     tokens = (8, 16) if args.cpu else TOKENS
     for model, (h, k) in MODELS.items():

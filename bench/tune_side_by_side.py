@@ -30,15 +30,10 @@ def _layer_timer(rank: int, world: int, port: int, model_name: str, tokens: int,
 
     from moetune.runtime.knobs import Knobs
     from moetune.runtime.shapes import get_model
+    from moetune.runtime.testing.launch import init_dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if comm == "nccl":
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
-    else:  # gloo on CPU: a plumbing check of this script, not a measurement that means anything
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    # gloo on CPU: a plumbing check of this script, not a measurement that means anything
+    dev = init_dist(rank, world, backend=comm, port=port)
 
     def sync() -> None:
         if dev.type == "cuda":

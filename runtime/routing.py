@@ -7,15 +7,23 @@ top-k trick (one vectorised pass). Weights are positive and sum to 1 per token (
 
 Everything is drawn on the CPU from a `torch.Generator` (the same stream on every machine) and then moved
 to `device`, so all ranks and the single-process reference can regenerate the same routing.
+
+`parse_routing` is the one parser of a routing spec for the whole project (the fabric model and the CLI
+use it too). They must not pay for torch, so torch is imported inside the generators, not here.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def parse_routing(spec: str) -> tuple[str, float]:
-    """`uniform` → ("uniform", 0.0); `zipf:1.2` → ("zipf", 1.2). Raises ValueError otherwise."""
+    """`uniform` → ("uniform", 0.0); `zipf:1.2` → ("zipf", 1.2); `zipf` → ("zipf", 1.0).
+
+    Case and surrounding blanks do not matter. Raises ValueError naming the spec otherwise."""
     spec = spec.strip().lower()
     if spec == "uniform":
         return "uniform", 0.0
@@ -33,6 +41,8 @@ def parse_routing(spec: str) -> tuple[str, float]:
 
 def expert_popularity(num_experts: int, s: float, *, seed: int = 0) -> torch.Tensor:
     """Zipf(s) probabilities over experts (float64, sums to 1), assigned through a seeded permutation."""
+    import torch
+
     ranks = torch.arange(1, num_experts + 1, dtype=torch.float64)
     p = ranks.pow(-s)
     p /= p.sum()
@@ -51,13 +61,18 @@ def generate_routing(
     routing: str = "uniform",
     seed: int = 0,
     device: torch.device | str | None = None,
-    weight_dtype: torch.dtype = torch.float32,
+    weight_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_idx int64 [S, k], topk_weights [S, k]) for `num_tokens` tokens.
 
     `seed` selects the token stream (use a different seed per rank); the Zipf popularity permutation
     depends only on the exponent and `popularity seed` 0, so every rank shares the same hot experts.
+    `weight_dtype`: the weights' dtype, float32 when not given.
     """
+    import torch
+
+    if weight_dtype is None:
+        weight_dtype = torch.float32
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     if not 1 <= topk <= num_experts:
@@ -78,4 +93,6 @@ def generate_routing(
 
 def expert_load(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens per expert (int64 [E])."""
+    import torch
+
     return torch.bincount(topk_idx.reshape(-1).long().cpu(), minlength=num_experts)

@@ -31,3 +31,21 @@ def test_runtime_never_imports_tuner_side() -> None:
         text = path.read_text()
         for name in banned:
             assert f"import {name}" not in text and f"from {name}" not in text, f"{path} imports {name}"
+
+
+def test_no_package_reexports_a_name_of_its_own_submodule() -> None:
+    """`from pkg import mod` must give the module: a lazily re-exported function of the same name shadows it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    clashes = []
+    for init in [*root.glob("tuner/**/__init__.py"), *root.glob("runtime/**/__init__.py")]:
+        pkg = init.parent
+        for node in ast.walk(ast.parse(init.read_text())):
+            if isinstance(node, ast.Dict):
+                for k in node.keys:
+                    if isinstance(k, ast.Constant) and isinstance(k.value, str):
+                        if (pkg / f"{k.value}.py").exists() or (pkg / k.value / "__init__.py").exists():
+                            clashes.append(f"{pkg.relative_to(root)}: {k.value}")
+    assert clashes == []

@@ -20,7 +20,6 @@ from moetune.tuner.search.backends import (
     ModelBackend,
     TuneWorkload,
     knob_environment,
-    summarize,
 )
 from moetune.tuner.search.policy import load_policy
 from moetune.tuner.search.space import SearchSpace
@@ -170,12 +169,6 @@ def test_model_backend_with_predictor() -> None:
     assert cb.evaluate(Knobs(), WL).spread_us == 0.1
 
 
-def test_summarize() -> None:
-    assert summarize([3.0, 1.0, 2.0]) == (2.0, 1.0)
-    med, spread = summarize([float(x) for x in range(11)])
-    assert med == 5.0 and spread == pytest.approx(4.0)
-
-
 def test_study_user_attrs_are_json(fake_bench: list[str]) -> None:
     space = SearchSpace(load_policy("host_staged"), experts=128, ep_size=2)
     study = optuna.create_study()
@@ -194,7 +187,7 @@ def test_local_tune_remeasures_incumbent_side_by_side(fake_bench: list[str], tmp
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     make_store = mod.make_store
 
-    from moetune.tuner.search.study import _Fam, tune_profiles_detailed
+    from moetune.tuner.search.tune import _Fam, tune_profiles_detailed
 
     class Facts:
         fingerprint, software_hash, gpu_count = "c" * 64, "d" * 64, 2

@@ -15,7 +15,7 @@ from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.cli import app
 from moetune.tuner.search.backends import CallableBackend, ModelBackend, TuneWorkload
-from moetune.tuner.search.study import _Fam, tune_profiles_detailed
+from moetune.tuner.search.tune import _Fam, tune_profiles_detailed
 
 runner = CliRunner()
 
@@ -72,7 +72,7 @@ def _mini_store(path: Path):
 
 def test_model_backend_run_and_show(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import moetune.tuner.cli.tune as tune_cli
-    import moetune.tuner.search.study as search
+    import moetune.tuner.search.tune as search
 
     monkeypatch.setattr(search, "make_backend", lambda *a, **k: ModelBackend(FakePreset(), predictor=_objective))
     monkeypatch.setattr(tune_cli, "_open_store", lambda db, readonly=False: _mini_store(tmp_path / "moetune.db"))
@@ -122,7 +122,7 @@ needs_real = pytest.mark.skipif(
 
 @needs_real
 def test_real_model_backend_end_to_end(tmp_path: Path) -> None:
-    from moetune.tuner.fabric_model import predict as fabric_model
+    fabric_model = importlib.import_module("moetune.tuner.fabric_model.predict")  # the package re-exports a function `predict`
 
     preset = "ndr-ibrc-h100x8" if "ndr-ibrc-h100x8" in fabric_model.list_presets() else fabric_model.list_presets()[0]
     r = _run("tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", preset,
@@ -135,7 +135,7 @@ def test_real_model_backend_end_to_end(tmp_path: Path) -> None:
 
 def test_node_model_keys_profiles_to_this_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--node-model: a calibrated preset of this node tunes its family under the node's own key."""
-    import moetune.tuner.search.study as search
+    import moetune.tuner.search.tune as search
 
     class Facts:
         fingerprint, software_hash, gpu_count = "n" * 64, "m" * 64, 4
@@ -152,7 +152,7 @@ def test_node_model_keys_profiles_to_this_node(tmp_path: Path, monkeypatch: pyte
 
 def test_workload_the_model_cannot_run_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import moetune.tuner.cli.tune as tune_cli
-    import moetune.tuner.search.study as search
+    import moetune.tuner.search.tune as search
 
     def nope(k: Knobs, wl: TuneWorkload) -> float:
         raise ValueError("preset 'fake-ibrc-x4' has no network between nodes; use nodes=1")

@@ -88,7 +88,7 @@ WORKER = textwrap.dedent('''
     import sys, time
     from moetune.runtime.shapes import MODELS
     from moetune.tuner.search.backends import CallableBackend
-    from moetune.tuner.search.study import tune_profiles_detailed, _Fam
+    from moetune.tuner.search.tune import _Fam, tune_profiles_detailed
 
     class Facts:
         fingerprint = "p" * 64

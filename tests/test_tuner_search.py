@@ -30,8 +30,8 @@ from moetune.tuner.search.study import (
     open_study,
     run_study,
     study_name,
-    tune_profiles_detailed,
 )
+from moetune.tuner.search.tune import tune_profiles_detailed
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 
@@ -105,7 +105,7 @@ class Facts:
 
     @property
     def transports(self):
-        from moetune.tuner.search.study import _Fam
+        from moetune.tuner.search.tune import _Fam
 
         return [_Fam("proxy:ibrc"), _Fam("host_staged")]
 
@@ -203,7 +203,7 @@ DRIVER = textwrap.dedent('''
     sys.path.insert(0, {testdir!r})
     from moetune.runtime.shapes import MODELS
     from moetune.tuner.search.backends import CallableBackend
-    from moetune.tuner.search.study import tune_profiles_detailed
+    from moetune.tuner.search.tune import tune_profiles_detailed
     ns = {{}}
     exec(open({store_src!r}).read(), ns)
     try:
@@ -241,7 +241,7 @@ def test_kill_9_mid_study_then_rerun_completes(tmp_path: Path) -> None:
         class _F:
             def __init__(self, name): self.name = name
     ''') + textwrap.dedent(inspect.getsource(Facts)).replace(
-        "from moetune.tuner.search.study import _Fam\n\n        return [_Fam", "return [_F").replace("_Fam(", "_F(")
+        "from moetune.tuner.search.tune import _Fam\n\n        return [_Fam", "return [_F").replace("_Fam(", "_F(")
         + "\nfrom moetune.runtime.knobs import Knobs\nfrom moetune.tuner.search.backends import TuneWorkload\n"
         + textwrap.dedent(inspect.getsource(synthetic)))
     db, sdb = tmp_path / "moetune.db", tmp_path / "studies.db"

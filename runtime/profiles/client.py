@@ -332,7 +332,7 @@ def _client_config(env: Mapping[str, str]) -> ClientConfig | None:
     """The config's [client] section; a broken config file must not stop the runtime (warned, env used)."""
     try:
         return load_config(env=env).client
-    except ConfigError as e:
+    except (ConfigError, OSError) as e:  # e.g. another user's unreadable ~/.config: fall back, never raise
         log.warning("moetune: ignoring the config for the profile client: %s", e)
         return None
 

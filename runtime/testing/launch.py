@@ -1,6 +1,8 @@
-"""Launch a function on N local ranks (torch.multiprocessing spawn, loopback rendezvous).
+"""Launch a function on N local ranks (torch.multiprocessing spawn, loopback rendezvous), and `init_dist`,
+the one way any process of this project joins a process group.
 
-Used by `moetune bench ep` and the tests. Every wait is bounded: the process group gets `timeout_s`
+Used by `moetune bench ep`, the tuner's measurement workers, the bench scripts and the tests; never by the
+data path (an import rule keeps it so). Every wait is bounded: the process group gets `timeout_s`
 (collectives that cannot complete raise instead of hanging) and the parent gives up after
 `join_timeout_s`, terminating the ranks it started.
 """
@@ -37,20 +39,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, world: int, *, backend: str, port: int, timeout_s: float) -> None:
-    if backend == "nccl":
-        torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
+def init_dist(rank: int, world: int, *, backend: str, port: int | None = None,
+              timeout_s: float | None = None) -> torch.device:
+    """Join the default process group as `rank` of `world`; return this rank's device.
+
+    The one place that calls `torch.distributed.init_process_group` (DeepEP's `init_dist` is the model):
+    spawned ranks, torchrun workers, measurement subprocesses and the bench scripts all join through it.
+
+    Args:
+        backend: "nccl" (one GPU per rank) or "gloo" (CPU).
+        port: a loopback TCP rendezvous on 127.0.0.1:`port` (ranks spawned on this machine); None joins
+            through the environment torchrun sets (env://: MASTER_ADDR, MASTER_PORT).
+        timeout_s: bound on every collective (they raise instead of hanging); None keeps torch's default.
+
+    Returns:
+        With nccl, `cuda:rank` for spawned ranks, `cuda:LOCAL_RANK` under torchrun (env://), modulo the
+        visible GPUs, made the current device and bound to the group; with gloo, the CPU.
+    """
     kwargs: dict[str, Any] = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    device = torch.device("cpu")
     if backend == "nccl":
-        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        **kwargs,
-    )
+        # spawned ranks are this machine's ranks; a torchrun worker's GPU is its rank on its node
+        local = rank if port is not None else int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    init_method = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world, **kwargs)
+    return device
 
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, backend: str, timeout_s: float,
@@ -58,7 +76,7 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, backend: st
     os.environ.update(env)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # share the cores between the ranks
     try:
-        init_group(rank, world, backend=backend, port=port, timeout_s=timeout_s)
+        init_dist(rank, world, backend=backend, port=port, timeout_s=timeout_s)
         result = fn(rank, world, *args)
         # plain pickle (bytes): tensors are copied, not shared through file descriptors that vanish when
         # this process exits before the parent reads them

@@ -236,7 +236,7 @@ class Bringup:
         return d
 
     def stage_tune(self) -> list[dict]:
-        from moetune.tuner.search.study import tune_profiles_detailed
+        from moetune.tuner.search.tune import tune_profiles_detailed
 
         models = [get_model(m) for m in self.plan.models]
         be = self._backend()
@@ -305,13 +305,14 @@ class Bringup:
 
     def _store_decision(self, t: dict, knobs: Any, m: Any, which: str, backend: str) -> tuple[bool, str]:
         """Write the bucket's profile from the side-by-side measurement (replacing the search's record)."""
-        from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+        from moetune.runtime.profile_record import ProfileKey, ProfileRecord, provenance_of_backend
 
         if not m.ok:
             return False, f"not stored: {m.error}"
         # the same key (and software versions) the search wrote its record under
         rec = ProfileRecord(key=ProfileKey(**t["key"]), knobs=knobs, latency_us=m.median_us, spread_us=m.spread_us,
-                            backend=backend, software_versions=t["software_versions"])
+                            backend=backend, software_versions=t["software_versions"],
+                            provenance=provenance_of_backend(backend))
         return self.store.put_profile(rec, force_reason=f"{which} kept after a side-by-side re-measurement")
 
     def stage_report(self) -> str:

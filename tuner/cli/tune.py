@@ -45,7 +45,8 @@ def _open_store(db: Path | None, *, readonly: bool = False):
 
 
 def _storage_url(storage: str | None, db: Path | None, store=None) -> str:
-    from moetune.tuner.search.study import _store_db_path, default_storage_url
+    from moetune.tuner.search.study import default_storage_url
+    from moetune.tuner.search.tune import _store_db_path
 
     if storage:
         return storage
@@ -135,7 +136,7 @@ def tune(
         local_opts = {"world": world or (gpus if gpus >= 2 else 2), "comm_backend": comm or ("nccl" if gpus else "gloo"),
                       "repeats": repeats, "timeout_s": trial_timeout}
     store = _open_store(db)
-    from moetune.tuner.search.study import tune_profiles_detailed
+    from moetune.tuner.search.tune import tune_profiles_detailed
 
     try:
         results = tune_profiles_detailed(

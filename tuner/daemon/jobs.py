@@ -139,7 +139,7 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
 
     Cancellation is checked between groups and after every trial (the `on_trial` callback stops the study
     and raises JobCancelled)."""
-    from moetune.tuner.search.study import tune_profiles
+    from moetune.tuner.search.tune import tune_profiles
 
     tune = ctx.tune
 

@@ -11,7 +11,6 @@ _LAZY = {
     "SIGNAL_BYTES": ".predict",
     "TransferPrediction": ".predict",
     "Workload": ".predict",
-    "predict": ".predict",
     "predict_transfers": ".predict",
     "transfers_per_peer": ".predict",
 }
@@ -33,7 +32,6 @@ __all__ = [
     "Prediction",
     "TransferPrediction",
     "Workload",
-    "predict",
     "predict_transfers",
     "transfers_per_peer",
 ]

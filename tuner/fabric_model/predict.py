@@ -33,10 +33,11 @@ from typing import Any, Literal
 import msgspec
 
 from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.routing import parse_routing
 from moetune.runtime.shapes import ModelShape, get_model
 from moetune.tuner.fabric_model.presets import Preset, PresetError, list_presets, load_preset
 from moetune.tuner.fabric_model.queue import run_queue
-from moetune.tuner.fabric_model.routing import parse_routing, pe_loads, spread_quantiles
+from moetune.tuner.fabric_model.routing import pe_loads, spread_quantiles
 
 __all__ = [
     "Prediction",
@@ -336,7 +337,7 @@ def _staged_time(p: _P, bytes_out: float, bytes_in: float, chunks: int, depth: i
 
 
 def _route(w: Workload) -> tuple[Any, int, int]:
-    s = parse_routing(w.routing)
+    _, s = parse_routing(w.routing)
     loads = pe_loads(w.model.experts, w.model.topk, s, w.pes)
     return loads, loads.shape[1], w.gpus_per_node
 

@@ -5,32 +5,19 @@ exponent s gives the expert of popularity rank r a weight r^-s; a token picks k 
 the probability that an expert is among a token's k is k·w_r capped at 1 (the excess is handed on to
 the less popular experts: "water filling"). Experts are laid on PEs by a fixed, seeded permutation of
 popularity ranks, so hot experts land on arbitrary (but reproducible) PEs.
+
+A routing spec (`uniform`, `zipf:1.2`) is parsed by `moetune.runtime.routing.parse_routing`, the same
+parser the runtime's generators use, so the model and a measurement accept the same workloads.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 
 PLACEMENT_SEED = 20261130
 SPREAD_SEED = 7
-
-
-def parse_routing(spec: str) -> float:
-    """'uniform' -> 0.0, 'zipf:1.2' -> 1.2. Raises ValueError otherwise."""
-    if spec == "uniform":
-        return 0.0
-    if spec.startswith("zipf:"):
-        try:
-            s = float(spec[5:])
-        except ValueError:
-            raise ValueError(f"routing {spec!r}: expected zipf:<exponent>, e.g. zipf:1.2") from None
-        if not math.isfinite(s) or not 0.0 <= s <= 4.0:
-            raise ValueError(f"routing {spec!r}: the Zipf exponent must be in [0, 4]")
-        return s
-    raise ValueError(f"routing {spec!r}: expected 'uniform' or 'zipf:<exponent>'")
 
 
 @functools.lru_cache(maxsize=256)

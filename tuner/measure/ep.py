@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import statistics
 import time
 from typing import Any
 
@@ -36,6 +35,8 @@ from moetune.runtime.knobs import KnobError, default_knobs
 from moetune.runtime.moe_layer import max_rel_err
 from moetune.runtime.pipeline import pipelined_moe, weighted_rows
 from moetune.runtime.routing import generate_routing
+from moetune.runtime.testing.launch import init_dist
+from moetune.tuner.measure.stats import Summary
 
 VERIFY_BOUNDS = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 1e-2}
 
@@ -44,18 +45,11 @@ def verify_bound(dtype: str, compression: str) -> float:
     return VERIFY_BOUNDS[dtype] + (FP8_LAYER_REL_ERR_BOUND if compression != "none" else 0.0)
 
 
-def spread(values: list[float]) -> dict[str, float]:
+def timing(values: list[float]) -> dict[str, float]:
+    """One timing of the report: {"median", "p10", "p90"} of `values` (NaN when nothing was timed)."""
     if not values:
         return {"median": float("nan"), "p10": float("nan"), "p90": float("nan")}
-    v = sorted(values)
-
-    def q(p: float) -> float:
-        i = p * (len(v) - 1)
-        lo = int(i)
-        hi = min(lo + 1, len(v) - 1)
-        return v[lo] + (v[hi] - v[lo]) * (i - lo)
-
-    return {"median": round(statistics.median(v), 3), "p10": round(q(0.1), 3), "p90": round(q(0.9), 3)}
+    return Summary.of(values).quantiles()
 
 
 class _Timer:
@@ -316,14 +310,14 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
     if rank != 0:
         return None
     rep: dict[str, Any] = {
-        "dispatch_us": spread(worst[0]),
-        "combine_us": spread(worst[1]),
-        "roundtrip_us": spread(worst[2]),
-        "layer_us": spread(worst[3]) if times["layer"] else None,
+        "dispatch_us": timing(worst[0]),
+        "combine_us": timing(worst[1]),
+        "roundtrip_us": timing(worst[2]),
+        "layer_us": timing(worst[3]) if times["layer"] else None,
         # this rank's (rank 0's) host time to issue each call; includes any host sync inside the call
-        "dispatch_host_us": spread(host["dispatch"]),
-        "combine_host_us": spread(host["combine"]),
-        "roundtrip_host_us": spread(host["roundtrip"]),
+        "dispatch_host_us": timing(host["dispatch"]),
+        "combine_host_us": timing(host["combine"]),
+        "roundtrip_host_us": timing(host["roundtrip"]),
         "graph_roundtrip_us": graph_us,
         "graph_error": graph_err,
         "graph_roundtrip_rel_err": graph_rel,
@@ -423,7 +417,7 @@ def _graph_roundtrip(roundtrip, device: torch.device, iters: int, warmup: int, c
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         dist.all_reduce(rel, op=dist.ReduceOp.MAX)
     del g
-    return spread(t.cpu().tolist()), None, float(rel.item())
+    return timing(t.cpu().tolist()), None, float(rel.item())
 
 
 def _profile(roundtrip, device: torch.device, rank: int, iters: int = 5) -> str | None:
@@ -479,10 +473,8 @@ def run_torchrun(cfg: dict[str, Any], timeout_s: float) -> dict[str, Any] | None
     """Join the group torchrun set up (env://) and run the case; rank 0 returns the report."""
     backend = cfg.get("backend", "gloo")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count()))
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        init_dist(rank, world, backend=backend, timeout_s=timeout_s)
     try:
         return bench_case(rank, world, cfg)
     finally:

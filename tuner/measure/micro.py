@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+
+from moetune.tuner.measure.stats import Summary
 
 DEFAULT_SIZES: tuple[int, ...] = tuple(2**p for p in range(10, 25, 2))  # 1 KiB .. 16 MiB
 QUICK_SIZES: tuple[int, ...] = (1024, 16384, 262144, 4194304)
@@ -33,7 +34,7 @@ class MicroResult:
     direction: str  # "0->1", "1->0"
     size_bytes: int
     value: float
-    spread: float  # (p90 - p10) / 2 of the samples
+    spread: float  # stats.Summary.spread of the samples
     unit: str
     extra: dict | None = None
 
@@ -158,26 +159,16 @@ def plan(transports: Sequence[str], gpu_count: int, model: str = "qwen3-30b") ->
 # -- subprocess side ---------------------------------------------------------------------------------
 
 
-def _spread(samples: list[float]) -> float:
-    if len(samples) < 3:
-        return 0.0
-    q = statistics.quantiles(samples, n=10)
-    return (q[-1] - q[0]) / 2
+def _median_spread(samples: list[float]) -> tuple[float, float]:
+    s = Summary.of(samples)
+    return s.median, s.spread
 
 
 def _init_pair(rank: int, port: int, backend: str):
     """Join the two-rank process group on loopback; returns this rank's device."""
-    import torch
-    import torch.distributed as dist
+    from moetune.runtime.testing.launch import init_dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=dev)
-        return dev
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    return torch.device("cpu")
+    return init_dist(rank, 2, backend=backend, port=port)
 
 
 def _p2p_rank(rank: int, port: int, backend: str, sizes: list[int], iters: int, transport: str, q) -> None:
@@ -232,8 +223,8 @@ def _p2p_rank(rank: int, port: int, backend: str, sizes: list[int], iters: int, 
                     bw.append(size * burst / (t2 - t1) / 1e9)
             if rank == src:
                 d = f"{src}->{1 - src}"
-                out.append(asdict(MicroResult(transport, "latency", d, size, statistics.median(lat), _spread(lat), "us")))
-                out.append(asdict(MicroResult(transport, "bandwidth", d, size, statistics.median(bw), _spread(bw), "GB/s")))
+                out.append(asdict(MicroResult(transport, "latency", d, size, *_median_spread(lat), "us")))
+                out.append(asdict(MicroResult(transport, "bandwidth", d, size, *_median_spread(bw), "GB/s")))
     gathered: list = [None, None]
     dist.all_gather_object(gathered, out)
     if rank == 0:
@@ -286,9 +277,9 @@ def _a2a_rank(rank: int, port: int, backend: str, tokens: list[int], iters: int,
             if it >= 3:
                 samples.append((time.perf_counter() - t0) * 1e3)
         if rank == 0:
-            ms = statistics.median(samples)
+            ms, ms_spread = _median_spread(samples)
             rows.append(asdict(MicroResult(fabric, "a2a_dispatch", "both", s * model.topk * model.hidden * 2, ms * 1e3,
-                                           _spread(samples) * 1e3, "us",
+                                           ms_spread * 1e3, "us",
                                            {"probe": "collective_a2a", "fabric": fabric, "model": model.name, "S": s,
                                             "world": 2, "ms": ms, "comm_backend": backend})))
     if rank == 0:
@@ -361,7 +352,7 @@ def _proxy_signalled(sizes: list[int], iters: int, label: str) -> list[dict]:
                         reqs, _, _ = proxy_requests(c, size, signalling, src.data_ptr())
                         t = eng.bench(reqs, warmup + iters, value_base=value)[warmup:]
                         value += warmup + iters
-                        t_med[(mode, c, size)] = (statistics.median(t), _spread(t))
+                        t_med[(mode, c, size)] = _median_spread(t)
                 finally:
                     eng.close()
         d = f"{a}->{b}"

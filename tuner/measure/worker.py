@@ -94,12 +94,12 @@ def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float,
     os.environ.update(env)
     import torch
 
-    from moetune.runtime.testing.launch import destroy_group_quietly, init_group
+    from moetune.runtime.testing.launch import destroy_group_quietly, init_dist
     from moetune.tuner.measure.ep import bench_case
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        init_group(rank, world, backend=backend, port=port, timeout_s=timeout_s)
+        init_dist(rank, world, backend=backend, port=port, timeout_s=timeout_s)
     except BaseException as e:
         outq.put((rank, READY, False, f"{type(e).__name__}: {e}"))
         return

@@ -1,4 +1,5 @@
-"""Search: the policy (what may be tuned), the space, the Optuna study and the measurement backends.
+"""Search: the policy (what may be tuned), the space, the Optuna study (`study`), the tuning driver that
+writes profiles (`tune`) and the measurement backends.
 
 The public names load lazily from their modules, so importing one submodule does not import the rest.
 """
@@ -9,10 +10,10 @@ _LAZY = {
     "BucketPrior": ".study",
     "FINISHED": ".study",
     "OPTUNA_DB_NAME": ".study",
-    "PresetFacts": ".study",
+    "PresetFacts": ".tune",
     "STUDY_PREFIX": ".study",
     "StudyResult": ".study",
-    "TuneResult": ".study",
+    "TuneResult": ".tune",
     "WARM_LOCK_SUFFIX": ".study",
     "WORKER": ".study",
     "completed": ".study",
@@ -20,14 +21,14 @@ _LAZY = {
     "describe_study": ".study",
     "dumps": ".study",
     "enqueue_warm_start": ".study",
-    "facts_link_rates": ".study",
+    "facts_link_rates": ".tune",
     "fail_interrupted": ".study",
-    "family_names": ".study",
+    "family_names": ".tune",
     "finished_trials": ".study",
     "is_sqlite": ".study",
     "list_studies": ".study",
     "log": ".study",
-    "make_backend": ".study",
+    "make_backend": ".tune",
     "make_sampler": ".study",
     "make_storage": ".study",
     "neighbour_bucket": ".study",
@@ -37,8 +38,8 @@ _LAZY = {
     "sqlite_path": ".study",
     "study_name": ".study",
     "summarize_study": ".study",
-    "tune_profiles": ".study",
-    "tune_profiles_detailed": ".study",
+    "tune_profiles": ".tune",
+    "tune_profiles_detailed": ".tune",
 }
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.shapes import MODELS, ModelShape
+from moetune.tuner.measure.stats import Summary, half_range
 
 # Called after each repeat with (step, value so far); returns True when the trial should stop (pruned).
 ReportFn = Callable[[int, float], bool]
@@ -88,16 +89,6 @@ class Measurement:
                 "details": self.details}
 
 
-def summarize(samples: Sequence[float]) -> tuple[float, float]:
-    """Median and spread (half the p10..p90 range; half the range below 5 samples)."""
-    xs = sorted(samples)
-    med = statistics.median(xs)
-    if len(xs) < 5:
-        return med, (xs[-1] - xs[0]) / 2
-    q = statistics.quantiles(xs, n=10, method="inclusive")
-    return med, (q[-1] - q[0]) / 2
-
-
 class BenchmarkBackend(ABC):
     name: str = "backend"
 
@@ -137,8 +128,8 @@ class BenchmarkBackend(ABC):
             if errors[i] or not pooled[i]:
                 out.append(Measurement.failed(errors[i] or "no samples"))
             else:
-                med, spread = summarize(pooled[i])
-                out.append(Measurement(med, spread, pooled[i], True, details=details[i]))
+                s = Summary.of(pooled[i])
+                out.append(Measurement(s.median, s.spread, pooled[i], True, details=details[i]))
         return out
 
 
@@ -233,14 +224,12 @@ class ModelBackend(BenchmarkBackend):
                  routing: str | None = None, tile: int | None = None):
         if preset is None and predictor is None:
             raise ValueError("ModelBackend needs a preset (name, path or Preset) or a predictor")
-        self._fm: Any = None
         if predictor is None:
-            from moetune.tuner.fabric_model import (
-                predict as fabric_model,  # the model branch; imported only when used
-            )
+            # The fabric model loads only when a preset is modelled. Named by its module path: the package
+            # `moetune.tuner.fabric_model` re-exports a *function* called `predict`.
+            from moetune.tuner.fabric_model.presets import load_preset
 
-            self._fm = fabric_model
-            self.preset = fabric_model.load_preset(preset) if isinstance(preset, str) else preset
+            self.preset = load_preset(preset) if isinstance(preset, str) else preset
         else:
             self.preset = preset
         self.predictor = predictor
@@ -270,9 +259,11 @@ class ModelBackend(BenchmarkBackend):
         kw: dict[str, Any] = {"routing": self.routing or workload.routing}
         if self.tile is not None:
             kw["tile"] = self.tile
-        wl = self._fm.Workload(model=workload.model, tokens_per_gpu=workload.tokens, nodes=workload.nodes,
-                               gpus_per_node=workload.gpus_per_node, **kw)
-        return self._fm.predict(self.preset, wl, knobs)
+        from moetune.tuner.fabric_model.predict import Workload, predict
+
+        wl = Workload(model=workload.model, tokens_per_gpu=workload.tokens, nodes=workload.nodes,
+                      gpus_per_node=workload.gpus_per_node, **kw)
+        return predict(self.preset, wl, knobs)
 
     def evaluate(self, knobs: Knobs, workload: TuneWorkload, *, report: ReportFn | None = None) -> Measurement:
         try:
@@ -734,12 +725,13 @@ class LocalBackend(BenchmarkBackend):
             samples.append(float(value))  # type: ignore[arg-type]
             details = det
             if report is not None and i < self.repeats - 1 and report(i, statistics.median(samples)):
-                med, spread = summarize(samples)
-                return Measurement(med, spread, samples, True, pruned=True, details=_jsonable(details))
-        med, spread = summarize(samples)
+                s = Summary.of(samples)
+                return Measurement(s.median, s.spread, samples, True, pruned=True, details=_jsonable(details))
+        s = Summary.of(samples)
+        spread = s.spread
         # Within-run spread of one repeat (p10..p90 of its iterations) when the runtime reports it.
         key = "layer_us" if self.metric == "layer" else "dispatch_us"
         inner = details.get(key)
         if isinstance(inner, Mapping) and isinstance(inner.get("p90"), (int, float)) and isinstance(inner.get("p10"), (int, float)):
-            spread = max(spread, (inner["p90"] - inner["p10"]) / 2)
-        return Measurement(med, spread, samples, True, details=_jsonable(details))
+            spread = max(spread, half_range(inner["p10"], inner["p90"]))
+        return Measurement(s.median, spread, samples, True, details=_jsonable(details))

@@ -1,4 +1,4 @@
-"""Optuna searches over the EP knobs, and `tune_profiles`, which turns studies into stored profiles.
+"""The Optuna study of one tuning key: storage, sampler, seeding, warm start, resume, and reading studies back.
 
 - Sampler: TPE, multivariate with `group=True` (it decomposes the conditional space), seeded.
 - Warm start: `enqueue_trial` of the policy default and the analytic priors (per-PE groups; SM and QP
@@ -10,13 +10,14 @@
   crash only runs what is missing and several workers on one study stop together.
 - A failed or hung run is a FAIL trial with its error in user attrs; a setting the backend calls unsafe
   is PRUNED with `infeasible` set; neither stops the study.
-- Across token buckets: buckets are tuned smallest first; the nearest smaller bucket's study of the same
-  key (from this run or an earlier one, found in the storage) warm-starts the next with its best
-  settings, and, with the local backend, a setting it measured ≥ 1.5× slower than its best is pruned
-  without being run (warm-start points are always measured).
+- Across token buckets: `neighbour_bucket` finds the nearest smaller bucket's study of the same key in
+  the storage; its best settings warm-start the next bucket and, with the local backend, a setting it
+  measured ≥ 1.5× slower than its best is pruned without being run (warm-start points are always measured).
 - Pruning within a trial: with the local backend and several repeats per trial, a MedianPruner stops a
   trial whose first repeats are already worse than the median. Both pay only where a measurement is
   expensive (a process launch); the model backend evaluates every sampled point (about a millisecond).
+
+`tune.py` drives these studies over families, shapes and buckets and writes the profiles.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ import math
 import os
 import socket
 import sqlite3
-import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,19 +39,13 @@ import optuna
 from optuna.trial import TrialState
 
 from moetune.runtime.knobs import KnobError, Knobs
-from moetune.runtime.profile_record import TOKEN_BUCKETS, ProfileKey, ProfileRecord, nearest_bucket
-from moetune.runtime.shapes import ModelShape
+from moetune.runtime.profile_record import TOKEN_BUCKETS, ProfileKey
 from moetune.tuner.search.backends import (
     BenchmarkBackend,
     LocalBackend,
     Measurement,
-    ModelBackend,
     TuneWorkload,
-    preset_family,
-    preset_gpus_per_node,
-    preset_link_rates,
 )
-from moetune.tuner.search.policy import Policy, PolicyError, load_policy
 from moetune.tuner.search.space import SearchSpace
 
 log = logging.getLogger("moetune.tuner.search.study")
@@ -362,262 +356,7 @@ def summarize_study(study: optuna.Study, space: SearchSpace, workload: TuneWorkl
 
 
 # ---------------------------------------------------------------------------------------------------
-# facts
-
-
-@dataclass
-class PresetFacts:
-    """Facts standing for a modelled fabric (a fabric-model preset, not this node)."""
-
-    preset: Any
-    name: str
-    family: str
-    gpus_per_node: int
-    link_rates: dict[str, float]
-
-    @classmethod
-    def from_preset(cls, preset: Any) -> PresetFacts:
-        name = getattr(preset, "name", None) or str(preset)
-        return cls(preset, name, preset_family(preset), preset_gpus_per_node(preset), preset_link_rates(preset))
-
-    @property
-    def transports(self) -> list[Any]:
-        return [_Fam(self.family, f"modelled by preset {self.name}")]
-
-    @property
-    def fingerprint(self) -> str:
-        digest = getattr(self.preset, "digest", None) or getattr(self.preset, "fingerprint", None)
-        tail = digest if isinstance(digest, str) and digest else hashlib.sha256(self.name.encode()).hexdigest()[:16]
-        return f"preset:{self.name}:{tail}"
-
-    @property
-    def software_hash(self) -> str:
-        return "modelled"
-
-    @property
-    def software(self) -> dict[str, str]:
-        return {"fabric_model": "modelled", "preset": self.name}
-
-    @property
-    def gpu_count(self) -> int:
-        return self.gpus_per_node
-
-    nodes: int = 1
-
-
-@dataclass
-class _Fam:
-    name: str
-    reason: str = ""
-
-
-def family_names(facts: Any) -> list[str]:
-    out = []
-    for t in getattr(facts, "transports", []) or []:
-        name = t if isinstance(t, str) else getattr(t, "name", None)
-        if name and name not in out:
-            out.append(name)
-    return out
-
-
-def facts_link_rates(facts: Any) -> dict[str, float]:
-    """Best-effort link rates from discovery facts, for the analytic priors (missing facts are fine)."""
-    if isinstance(facts, PresetFacts):
-        return dict(facts.link_rates)
-    out_attr: dict[str, float] = {}
-    nv = getattr(facts, "nvlink_gbs_per_gpu", None)
-    if isinstance(nv, (int, float)) and nv > 0:
-        out_attr["link_gbps"] = float(nv)
-    rates = [float(p.rate_gbps) for n in (getattr(facts, "nics", None) or [])
-             for p in (getattr(n, "active_ports", None) or []) if getattr(p, "rate_gbps", 0) > 0]
-    if rates:
-        out_attr["nic_gbit"] = max(rates)
-    if out_attr or hasattr(facts, "nvlink_gbs_per_gpu"):
-        return out_attr
-    try:
-        d = facts.to_dict() if hasattr(facts, "to_dict") else dict(facts)
-    except Exception:
-        return {}
-    out: dict[str, float] = {}
-    nic_rates = []
-    for nic in d.get("nics", []) or []:
-        ports = nic.get("ports", [nic]) if isinstance(nic, Mapping) else []
-        for p in ports:
-            if not isinstance(p, Mapping) or str(p.get("state", "ACTIVE")).upper().split(":")[-1].strip() not in ("ACTIVE", "4"):
-                continue
-            for k in ("rate_gbps", "rate_gbit", "rate"):
-                v = p.get(k)
-                if isinstance(v, str):
-                    try:
-                        v = float(v.split()[0])
-                    except (ValueError, IndexError):
-                        v = None
-                if isinstance(v, (int, float)) and v > 0:
-                    nic_rates.append(float(v))
-                    break
-    if nic_rates:
-        out["nic_gbit"] = max(nic_rates)
-    link_totals = []
-    for g in d.get("gpus", []) or []:
-        if not isinstance(g, Mapping):
-            continue
-        links = g.get("nvlinks") or g.get("nvlink") or []
-        if isinstance(links, list):
-            tot = 0.0
-            for ln in links:
-                if isinstance(ln, Mapping) and str(ln.get("state", "up")).lower() in ("up", "active", "1", "true"):
-                    v = ln.get("speed_gbps") or ln.get("gbps") or ln.get("speed")
-                    if isinstance(v, (int, float)):
-                        tot += float(v)
-            if tot:
-                link_totals.append(tot)
-    if link_totals:
-        out["link_gbps"] = min(link_totals)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# tune_profiles
-
-
-@dataclass
-class TuneResult:
-    record: ProfileRecord | None
-    written: bool
-    reason: str
-    study: StudyResult
-
-
-def make_backend(backend: str | BenchmarkBackend, preset: str | None = None, **local_kw: Any) -> BenchmarkBackend:
-    if isinstance(backend, BenchmarkBackend):
-        return backend
-    if backend == "model":
-        if preset is None:
-            from moetune.tuner.fabric_model import predict as fabric_model
-
-            finder = getattr(fabric_model, "preset_for_facts", None)
-            if finder is None:
-                raise ValueError("the model backend needs --preset: a preset name, or a calibrated preset file of "
-                                 "this node (`moetune model calibrate --out FILE`) with --node-model")
-            return ModelBackend(finder(local_kw.get("facts")))
-        return ModelBackend(preset)
-    if backend == "local":
-        local_kw.pop("facts", None)
-        return LocalBackend(**local_kw)
-    raise ValueError(f"unknown backend {backend!r}; expected model or local")
-
-
-def _now_iso() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def tune_profiles(store: Any, facts: Any, **options: Any) -> list[ProfileRecord]:
-    """Tune each family × shape × token bucket; write the winners through `store.put_profile`.
-
-    Takes the keywords of `tune_profiles_detailed` and returns the best record of every study (status
-    "current" when the store took it as current); that function also gives the reasons and study summaries.
-    """
-    return [r.record for r in tune_profiles_detailed(store, facts, **options) if r.record is not None]
-
-
-def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], tokens: list[int],
-                           backend: str | BenchmarkBackend = "model", preset: str | None = None, trials: int = 40,
-                           timeout_s: float | None = None, ep_size: int | None = None, nodes: int = 1,
-                           progress: bool = True, storage: str | None = None, seed: int | None = 0,
-                           families: Sequence[str] | None = None, policy_override: str | Path | None = None,
-                           routing: str = "uniform", local_options: Mapping[str, Any] | None = None,
-                           on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
-                           node_model: bool = False) -> list[TuneResult]:
-    if trials < 1:
-        raise ValueError(f"trials must be >= 1, got {trials}")
-    if not models or not tokens:
-        raise ValueError("nothing to tune: give at least one model and one token count")
-    if any(t < 1 for t in tokens):
-        raise ValueError(f"token counts must be >= 1, got {tokens}")
-    if nodes < 1:
-        raise ValueError(f"nodes must be >= 1, got {nodes}")
-    be = make_backend(backend, preset, facts=facts, **dict(local_options or {}))
-    if isinstance(be, ModelBackend) and be.preset is not None and preset is not None:
-        if node_model and facts is not None:
-            # A calibrated model of THIS node: profiles carry the node's key; only its family is tuned.
-            fam = preset_family(be.preset)
-            if families is None:
-                families = [fam]
-            elif fam not in families:
-                raise ValueError(f"the calibrated preset models {fam!r}, not {list(families)}")
-        else:
-            facts = PresetFacts.from_preset(be.preset)
-    if facts is None:
-        raise ValueError("no fabric facts: run discovery or give a preset")
-    gpn = getattr(facts, "gpus_per_node", None) or getattr(facts, "gpu_count", None) or 1
-    if ep_size is None:
-        ep_size = int(gpn) * nodes
-    if ep_size % nodes:
-        raise ValueError(f"ep_size {ep_size} is not divisible by nodes {nodes}")
-    gpus_per_node = ep_size // nodes
-    for m in models:
-        if m.experts % ep_size:
-            raise ValueError(f"{m.name}: {m.experts} experts do not divide evenly over an EP group of {ep_size}")
-    fams = family_names(facts)
-    if families:
-        missing = [f for f in families if f not in fams]
-        if missing:
-            raise ValueError(f"transport families {missing} were not found on this fabric (found: {', '.join(fams)})")
-        fams = [f for f in fams if f in families]
-    policies: dict[str, Policy] = {}
-    for f in fams:
-        if not be.supports(f):
-            log.info("family %s skipped: backend %s cannot measure it", f, be.label)
-            continue
-        try:
-            policies[f] = load_policy(f, policy_override)
-        except PolicyError as e:
-            if "no policy for transport family" in str(e):
-                log.warning("family %s skipped: %s", f, e)
-                continue
-            raise
-    if not policies:
-        raise ValueError(f"no transport family to tune (found {fams}; backend {be.label})")
-    # The measured-error check of compressed trials follows each family's policy unless set explicitly.
-    explicit_budget = isinstance(be, LocalBackend) and be.error_budget is not None
-    url = storage or default_storage_url(getattr(store, "path", None) or _store_db_path(store))
-    st = make_storage(url)
-    rates = facts_link_rates(facts)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-
-    bar = _Progress(progress)
-    out: list[TuneResult] = []
-    try:
-        for fam, pol in policies.items():
-            for model in models:
-                for tok in sorted(set(tokens)):
-                    bucket = nearest_bucket(tok)
-                    key = ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family=fam,
-                                     ep_size=ep_size, nodes=nodes, hidden=model.hidden, intermediate=model.intermediate,
-                                     experts=model.experts, topk=model.topk, dtype=model.dtype, token_bucket=bucket)
-                    wl = TuneWorkload(model=model, tokens=bucket, nodes=nodes, gpus_per_node=gpus_per_node, routing=routing)
-                    space = SearchSpace(pol, experts=model.experts, ep_size=ep_size, link_rates=rates)
-                    if isinstance(be, LocalBackend):
-                        be.family = fam
-                        if not explicit_budget:
-                            be.error_budget = pol.error_budget
-                    elif isinstance(be, ModelBackend):
-                        # A workload the model cannot run at all (too many nodes for the preset, ...) is
-                        # one clear error, not a study of failed trials.
-                        m = be.evaluate(pol.defaults, wl)
-                        if not m.ok and not m.infeasible:
-                            raise ValueError(f"{be.label} cannot evaluate {model.name} on {nodes} node(s) × "
-                                             f"{gpus_per_node} GPUs at S={bucket}: {m.error}")
-                    name = study_name(key, be.label, model.name)
-                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    out.append(_tune_one(store, st, url, name, key, space, be, wl, trials=trials, timeout_s=left,
-                                         seed=seed, bar=bar, facts=facts, on_trial=on_trial,
-                                         neighbour=neighbour_bucket(st, key, be.label, model.name)))
-    finally:
-        bar.close()
-        if be is not backend and isinstance(be, LocalBackend):
-            be.close()  # built here (a backend name): end its persistent bench workers
-    return out
+# neighbouring token buckets
 
 
 def neighbour_bucket(storage: optuna.storages.BaseStorage, key: ProfileKey, backend_label: str,
@@ -646,137 +385,6 @@ def neighbour_bucket(storage: optuna.storages.BaseStorage, key: ProfileKey, back
             return BucketPrior(b, name, values)
     return None
 
-
-def _store_db_path(store: Any) -> str | None:
-    url = getattr(store, "url", None)
-    if isinstance(url, str) and url.startswith("sqlite:///"):
-        return url[len("sqlite:///"):]
-    return None
-
-
-def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, key: ProfileKey,
-              space: SearchSpace, be: BenchmarkBackend, wl: TuneWorkload, *, trials: int, timeout_s: float | None,
-              seed: int | None, bar: _Progress, facts: Any,
-              on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None,
-              neighbour: BucketPrior | None = None) -> TuneResult:
-    run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label) if store is not None else None
-    status = "failed"
-    result: StudyResult | None = None
-    try:
-        study = open_study(name, st, seed=seed, n_startup_trials=min(10, max(3, trials // 5)))
-        if is_sqlite(url):
-            fail_interrupted(study)
-        study.set_user_attr("key", key.to_dict())
-        task = bar.add(f"{key.transport_family} {wl.model.name} S={wl.tokens}", trials, finished_trials(study))
-
-        def cb(s: optuna.Study, t: optuna.trial.FrozenTrial) -> None:
-            bar.update(task, finished_trials(s), _best_value(s))
-            if on_trial is not None:
-                on_trial(name, s, t)
-
-        extra = []
-        if neighbour is not None:
-            study.set_user_attr("neighbour_bucket", {"bucket": neighbour.bucket, "study": neighbour.study_name})
-            extra = [(f"bucket_transfer:{neighbour.bucket}:{i}", k) for i, k in enumerate(neighbour.top())
-                     if space.feasible(k)[0]]
-        # Cross-bucket pruning pays where a measurement is expensive (the local backend: a process launch
-        # per run); a model prediction costs about a millisecond, so there every sampled point is evaluated.
-        cross = neighbour if isinstance(be, LocalBackend) else None
-        result = run_study(study, space, be, wl, trials=trials, timeout_s=timeout_s, callbacks=[cb], extra_warm=extra,
-                           shared=not is_sqlite(url), cross=cross)
-        bar.update(task, finished_trials(study), _best_value(study))
-        record, written, reason = _write_profile(store, key, be, result, facts)
-        status = "done" if result.best_knobs is not None else "no_result"
-        return TuneResult(record, written, reason, result)
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
-    finally:
-        if store is not None and run_id is not None:
-            best_value = result.best.median_us if result is not None and result.best is not None else None
-            store.finish_run(run_id, status=status, trials=result.trials if result else 0, best_value=best_value)
-
-
-def _best_value(study: optuna.Study) -> float | None:
-    done = completed(study)
-    return min(t.value for t in done) if done else None  # type: ignore[type-var]
-
-
-def _redact(url: str) -> str:
-    """Storage URL without a password (it is recorded in the run table)."""
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        cred, host = rest.rsplit("@", 1)
-        user = cred.split(":", 1)[0]
-        return f"{scheme}://{user}:***@{host}"
-    return url
-
-
-def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: StudyResult,
-                   facts: Any) -> tuple[ProfileRecord | None, bool, str]:
-    if result.best_knobs is None or result.best is None:
-        return None, False, "no successful trial"
-    knobs, meas = result.best_knobs, result.best
-    incumbent = store.get_current(key) if store is not None else None
-    if isinstance(be, LocalBackend):
-        # Measure the winner again beside the incumbent (or the policy default): same conditions.
-        rival = incumbent.knobs if incumbent is not None else None
-        cands = [knobs] + ([rival] if rival is not None and rival != knobs else [])
-        ms = be.compare(cands, result.workload, rounds=max(2, be.repeats))
-        if not ms[0].ok:
-            return None, False, f"the winner failed when measured again: {ms[0].error}"
-        meas = ms[0]
-        if len(ms) > 1 and ms[1].ok:
-            gain = ms[1].median_us - meas.median_us
-            if gain <= max(ms[1].spread_us, meas.spread_us):
-                return None, False, (f"incumbent re-measured side by side at {ms[1].median_us:.1f} µs vs "
-                                     f"{meas.median_us:.1f} µs: gain within noise, incumbent kept")
-    now = _now_iso()
-    software = dict(getattr(facts, "software", {}) or {})
-    rec = ProfileRecord(key=key, knobs=knobs, latency_us=float(meas.median_us), spread_us=float(meas.spread_us),
-                        backend=be.label, status="current", software_versions={str(k): str(v) for k, v in software.items()},
-                        created=now, updated=now)
-    if store is None:
-        return rec, False, "no store"
-    written, reason = store.put_profile(rec)
-    if not written:
-        rec.status = "superseded"
-    return rec, written, reason
-
-
-# ---------------------------------------------------------------------------------------------------
-# progress
-
-
-class _Progress:
-    """A Rich progress bar per study (trials, best so far); silent when disabled."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self._p = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            # progress goes to stderr, so `--json` output on stdout stays parseable
-            self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                               TextColumn("best {task.fields[best]}"), TimeElapsedColumn(), transient=False,
-                               console=Console(stderr=True))
-            self._p.start()
-
-    def add(self, desc: str, total: int, done: int) -> Any:
-        if self._p is None:
-            return None
-        return self._p.add_task(desc, total=total, completed=min(done, total), best="-")
-
-    def update(self, task: Any, done: int, best: float | None) -> None:
-        if self._p is None or task is None:
-            return
-        self._p.update(task, completed=done, best="-" if best is None else f"{best:,.1f} µs")
-
-    def close(self) -> None:
-        if self._p is not None:
-            self._p.stop()
 
 
 # ---------------------------------------------------------------------------------------------------

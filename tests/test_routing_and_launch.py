@@ -1,0 +1,72 @@
+"""One routing parser for the runtime and the fabric model; one process-group helper (init_dist)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import moetune.tuner.fabric_model.routing as model_routing
+from moetune.runtime.routing import parse_routing
+from moetune.runtime.shapes import get_model
+from moetune.runtime.testing.launch import free_port, launch
+from moetune.tuner.fabric_model.predict import Workload
+
+
+def test_fabric_model_has_no_parser_of_its_own() -> None:
+    assert not hasattr(model_routing, "parse_routing")
+
+
+def test_fabric_model_accepts_what_the_runtime_accepts() -> None:
+    qwen = get_model("qwen3-30b")
+    # spellings the runtime's generators accept; the model's old parser refused the first two
+    for spec in ("zipf", " ZIPF:1.2 ", "zipf:6", "uniform"):
+        parse_routing(spec)
+        Workload(qwen, 256, 4, 4, routing=spec)
+    with pytest.raises(ValueError, match="routing"):
+        Workload(qwen, 256, 4, 4, routing="zipf:11")
+
+
+def test_parse_routing_stays_torch_free() -> None:
+    code = ("import sys; from moetune.runtime.routing import parse_routing; "
+            "import moetune.tuner.fabric_model.predict; parse_routing('zipf:1.1'); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def _group_facts(rank: int, world: int) -> tuple[int, int, str]:
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size(), dist.get_backend()
+
+
+def test_launch_joins_through_init_dist() -> None:
+    assert launch(_group_facts, 2, timeout_s=60) == [(0, 2, "gloo"), (1, 2, "gloo")]
+
+
+def test_init_dist_env_rendezvous_like_torchrun() -> None:
+    code = ("import torch.distributed as dist; from moetune.runtime.testing.launch import init_dist; "
+            "dev = init_dist(0, 1, backend='gloo', timeout_s=30); "
+            "print(dev.type, dist.get_world_size()); dist.destroy_process_group()")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["cpu", "1"]
+
+
+def test_init_process_group_is_called_in_one_place() -> None:
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sites = []
+    for d in ("tuner", "runtime", "bench"):
+        for path in sorted((root / d).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "init_process_group":
+                    sites.append(str(path.relative_to(root)))
+    # runtime/testing/selftest.py belongs to another change (it spawns NCCL ranks of its own)
+    assert sorted(set(sites) - {"runtime/testing/selftest.py"}) == ["runtime/testing/launch.py"]
