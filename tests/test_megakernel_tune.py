@@ -134,3 +134,48 @@ def test_profile_on_a_two_gpu_node_plans_both(tmp_path: Path) -> None:
     c = Bringup(store=F.open_store(tmp_path / "d.db"), plan=Plan(), state_dir=tmp_path / "s2",
                 console=Console(file=io.StringIO()), capture=CAPTURES / "rtx4090x4")
     assert c.tune_ep and not c.mk_ok and "sm_90" in c.mk_why
+
+
+# -- the benchmark: `moetune bench moe` and the scenario -------------------------------------------------------
+def test_bench_moe_cli_and_scenario_smoke(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+    from moetune.tuner.measure import scenarios as S
+
+    r = CliRunner().invoke(app, ["bench", "moe", "--model", "custom:128,64,8,2", "--tokens", "4,16", "--iters", "2",
+                                 "--warmup", "0", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    skipped = [c for c in rep["cases"] if "skipped" in c]
+    assert skipped and skipped[0]["engine"] == "megakernel" and "no CUDA device" in skipped[0]["skipped"]
+    unf = [c for c in rep["cases"] if c.get("engine") == "unfused"]
+    assert [c["S"] for c in unf] == [4, 16] and all(c["eager_us"]["median"] > 0 and "weight_floor_us" in c for c in unf)
+    bad = CliRunner().invoke(app, ["bench", "moe", "--engine", "fused"])
+    assert bad.exit_code == 2 and "engines must be among" in bad.output and "Traceback" not in bad.output
+
+    s = S.get("moe-megakernel-vs-unfused")
+    assert s.driver == "moe" and [c.name for c in s.cases] == ["unfused", "megakernel"]
+    rows = S.run(s, smoke=True, results=tmp_path / "summary.csv", gpus=0)
+    assert {r["case"] for r in rows} == {"unfused"} and all(r["source"] == "smoke" for r in rows)
+    assert {r["metric"] for r in rows} == {"layer_us[S=4]", "layer_us[S=16]"}
+    assert all(r["git_sha"] and r["hardware"] and "moetune bench moe" in r["command"] for r in rows)
+    # outside smoke mode on CPU, the megakernel case is a row naming why it was skipped
+    seq = [*S.plan(s, None, smoke=True), S.Resolved("megakernel", {**s.smoke_args, "engine": "megakernel"}, {})]
+    out = S.DRIVERS["moe"](seq, S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+    mk = next(c for c in out if c.case == "megakernel")
+    assert not mk.metrics and mk.error.startswith("SKIPPED") and "no CUDA device" in mk.error
+
+
+def test_imported_megakernel_rows_are_in_the_summary() -> None:
+    from moetune.tuner.measure import results as R
+    from moetune.tuner.measure import scenarios as S
+
+    rows = [r for r in R.read_rows(S.SUMMARY_CSV) if r["scenario"] == "moe-megakernel-vs-unfused"]
+    imported = [r for r in rows if r["source"] == "imported"]
+    assert {r["git_sha"][:7] for r in imported} == {"610d837", "711d9d4"}
+    got = {(r["git_sha"][:7], r["case"], r["metric"]): float(r["median"]) for r in imported}
+    assert got[("711d9d4", "megakernel", "graph_us[S=128]")] == pytest.approx(351.9, abs=0.1)
+    assert got[("610d837", "unfused", "layer_us[S=4096]")] == pytest.approx(2008.7, abs=0.1)
