@@ -326,3 +326,30 @@ def test_autoload_megakernel_profile_from_the_database(tmp_path: Path, monkeypat
                             tokens=16)
     assert got is not None and got.key.transport_family == "collective"
     json.dumps(res.knobs.to_dict())
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (the megakernel is built for sm_90a)")
+def test_gpu_layer_engines_agree_and_capture() -> None:
+    model = QWEN
+    mk = MoELayer(model, None, Knobs(engine="megakernel"), max_tokens=256, device="cuda", engine="megakernel")
+    un = MoELayer(model, None, Knobs(), max_tokens=256, device="cuda", engine="unfused")
+    assert mk.engine == "megakernel" and un.engine == "unfused"
+    from moetune.runtime.moe_layer import max_rel_err
+
+    for s in (1, 7, 128):
+        x = torch.randn(s, model.hidden, device="cuda").to(torch.bfloat16)
+        assert max_rel_err(mk(x), un(x)) <= 1e-2
+    x = torch.randn(128, model.hidden, device="cuda").to(torch.bfloat16)
+    want = mk(x).clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = mk(x)
+    g.replay()
+    torch.cuda.synchronize()
+    mk.megakernel.check()
+    assert torch.equal(got, want)
