@@ -67,6 +67,10 @@ class ClientConfig:
     timeout_ms: int = 200
     socket: str = ""  # resolved by load_config: the daemon's socket
     allow_modelled: bool = False  # apply a MODELLED (node model / preset) profile when no measured one exists
+    # TCP with CURVE: the daemon's public key file, and this client's key pair (`moetune keys client`), whose
+    # public half must be in the daemon's allow-list; "" = a throwaway key pair (refused by the daemon).
+    curve_server_key_file: str = ""
+    curve_secret_key_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -186,8 +190,10 @@ def _check_ranges(values: dict[str, dict[str, Any]], origin: dict[tuple[str, str
         fail("daemon", "log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {d['log_level']!r}")
     if not 0 <= d["metrics_port"] <= 65535:
         fail("daemon", "metrics_port", f"must be in 0..65535, got {d['metrics_port']}")
-    if d["max_request_bytes"] < 64:
-        fail("daemon", "max_request_bytes", f"must be >= 64, got {d['max_request_bytes']}")
+    if not 64 <= d["max_request_bytes"] <= 1 << 24:
+        fail("daemon", "max_request_bytes", f"must be in 64..{1 << 24}, got {d['max_request_bytes']}")
+    if t["backend"] not in ("model", "local"):
+        fail("tune", "backend", f"must be model (this node's calibrated model) or local (measure), got {t['backend']!r}")
     if d["rediscover_interval_s"] < 0:
         fail("daemon", "rediscover_interval_s", f"must be >= 0, got {d['rediscover_interval_s']}")
     if t["trials"] < 1:

@@ -112,6 +112,25 @@ def untrusted_dir_reason(d: Path) -> str | None:
     return f"{d} is owned by uid {st.st_uid}, not by this user (uid {uid}) or root, in a directory others can write"
 
 
+def untrusted_socket_reason(sock: Path) -> str | None:
+    """Why the runtime must not connect to the IPC socket `sock` (None when it may).
+
+    A socket in a trusted directory (`untrusted_dir_reason`) is trusted. In a sticky world-writable
+    directory such as /tmp, a socket that is a real socket (not a link) owned by this user or root is
+    trusted too: the sticky bit keeps anyone else from removing or replacing it.
+    """
+    why = untrusted_dir_reason(sock.parent)
+    if why is None:
+        return None
+    try:
+        d, s = os.stat(sock.parent), os.lstat(sock)
+    except OSError as e:
+        return f"cannot stat {sock}: {e.strerror or e}"
+    if d.st_mode & stat.S_ISVTX and stat.S_ISSOCK(s.st_mode) and s.st_uid in (os.getuid(), 0):
+        return None
+    return why
+
+
 def default_endpoint(env: Mapping[str, str] = os.environ) -> str:
     """The daemon endpoint a client uses: `MOETUNE_CLIENT_SOCKET`, else `MOETUNE_DAEMON_SOCKET`, else the
     first candidate runtime directory holding `daemon.sock`, else the daemon's default location."""

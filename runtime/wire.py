@@ -67,7 +67,7 @@ ERROR_CODES: tuple[str, ...] = (
     E_INTERNAL,
 )
 
-Id = int | Annotated[str, Meta(max_length=128)]
+Id = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | Annotated[str, Meta(max_length=128)]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 PosInt = Annotated[int, Meta(ge=1, le=1 << 31)]
 Tokens = Annotated[int, Meta(ge=0, le=1 << 31)]
@@ -263,6 +263,8 @@ class StatusResult(msgspec.Struct, kw_only=True):
     profiles_stale: int
     requests: int
     jobs: JobsInfo
+    provenance: dict[str, int] = {}  # current profiles of this fingerprint by provenance
+    tune_notice: str = ""  # why the automatic re-tune cannot run on this node, when it cannot
 
 
 class RetuneResult(msgspec.Struct, kw_only=True):

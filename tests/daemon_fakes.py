@@ -76,6 +76,27 @@ def set_port_state(capture: Path, state: str = "1: DOWN", dev: str = "mlx5_0", p
     return discover(capture)
 
 
+def facts_after_port_change(capture: Path, state: str = "1: DOWN") -> Any:
+    """The facts `set_port_state(capture, state)` will produce, computed on a copy (nothing changes yet)."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as t:
+        cp = Path(t) / "capture"
+        shutil.copytree(capture, cp)
+        return set_port_state(cp, state)
+
+
+def write_node_model(directory: Path, fingerprint: str, base: str = "nvlink-h200x2") -> Path:
+    """Stand in for `moetune profile`'s calibration: node-<fingerprint>.toml beside the database (a
+    shipped preset's numbers; what matters here is that the daemon reads this node's file)."""
+    from moetune.tuner.fabric_model.presets import load_preset
+
+    path = directory / f"node-{fingerprint}.toml"
+    path.write_text(load_preset(base).to_toml())
+    return path
+
+
 def make_record(key: ProfileKey, *, latency_us: float = 10.0, num_sms: int = 24, backend: str = "local:fake") -> ProfileRecord:
     knobs = default_knobs("nvlink").replace(num_sms=num_sms)
     # A fake measurement on the key's own node: writers of measured profiles must say so (never derived).

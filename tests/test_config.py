@@ -52,13 +52,13 @@ def test_moetune_home_and_xdg(env, tmp_path):
 
 
 def test_precedence_system_user_explicit_env(env, tmp_path):
-    write(paths.SYSTEM_CONFIG, '[store]\ndb = "/var/lib/moetune/moetune.db"\n[tune]\ntrials = 10\nbackend = "sys"\n[daemon]\nlog_level = "debug"\n')
+    write(paths.SYSTEM_CONFIG, '[store]\ndb = "/var/lib/moetune/moetune.db"\n[tune]\ntrials = 10\nbackend = "local"\n[daemon]\nlog_level = "debug"\n')
     write(user_file(tmp_path), '[tune]\ntrials = 20\n[daemon]\nmetrics_port = 9100\n')
     explicit = write(tmp_path / "x.toml", '[tune]\ntrials = 30\n[client]\ntimeout_ms = 50\n')
 
     cfg = load_config(env=env)
     assert cfg.store.db == "/var/lib/moetune/moetune.db"
-    assert (cfg.tune.trials, cfg.tune.backend, cfg.daemon.log_level, cfg.daemon.metrics_port) == (20, "sys", "debug", 9100)
+    assert (cfg.tune.trials, cfg.tune.backend, cfg.daemon.log_level, cfg.daemon.metrics_port) == (20, "local", "debug", 9100)
     assert cfg.sources == (str(paths.SYSTEM_CONFIG), str(user_file(tmp_path)))
 
     cfg = load_config(explicit, env=env)

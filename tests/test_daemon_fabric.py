@@ -34,9 +34,12 @@ def _until(cond, timeout: float = 15.0, step: float = 0.05):
 
 def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
     port = free_port()
-    # the real re-tune: the tuner on the model backend (a preset of the node's family), 3 trials per study
+    # the real re-tune: the tuner on the model backend, 3 trials per study. Since issue 19 the model is
+    # this node's calibrated one (what `moetune profile` writes for the new fingerprint), never a preset
+    # of other hardware: the test puts that file where the daemon looks (beside the database).
     with F.seeded_daemon(tmp_path, interval=0.2, extra=["--metrics-port", str(port)], hooks=False,
                          env={"MOETUNE_TUNE_TRIALS": "3", "MOETUNE_TUNE_BACKEND": "model"}) as (d, facts):
+        F.write_node_model(tmp_path, F.facts_after_port_change(tmp_path / "capture").fingerprint)
         c = ProfileClient(d.endpoint, timeout_ms=1000)
         tracked = c.track(ep_size=2, tokens=3000, model="qwen3-30b")
         old = tracked.current
@@ -72,7 +75,9 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
 
         _until(picked_up)
         assert tracked.current.profile_hash != old.profile_hash and tracked.current.status == "current"
-        assert tracked.current.backend.startswith("model:")  # tuned on the fabric model (modelled)
+        # tuned on this node's calibrated model: labelled as such, never as a preset or a measurement
+        assert tracked.current.backend == f"model:node:{new_facts.fingerprint}"
+        assert tracked.current.provenance == "node_model" and tracked.current.measured_on == new_facts.fingerprint
         assert tracked.current.version > old.version
         _until(lambda: "profile_updated" in [ch.kind for ch in w.poll_changes(100)] or None)
         fab = c.fabric()

@@ -166,3 +166,60 @@ def test_same_id_different_keys_never_mixed(daemon: F.DaemonProc) -> None:
     assert answers == {10: {64}, 1000: {1024}, 9000: {4096}}
     s.close()
     ctx.term()
+
+
+def _db_hash(db: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(db.parent.glob(db.name + "*")):
+        if p.suffix != ".daemon-lock":
+            h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+def test_hostile_pass_leaves_the_database_byte_identical(tmp_path: Path) -> None:
+    """Malformed msgpack, wrong types, huge ints, unknown ops, wrong versions, oversized frames: each gets a
+    clear error code (oversized: dropped), the daemon lives, and the database does not change by one byte."""
+    with F.seeded_daemon(tmp_path, interval=0) as (d, _facts):
+        time.sleep(0.5)  # start-up writes (events) are done
+        before = _db_hash(d.db)
+        huge = str(1 << 200).encode()
+        cases = [
+            (msgspec.msgpack.encode({"v": 1, "id": 1, "op": "hello"}), wire.E_BAD_JSON),
+            (msgspec.msgpack.encode({"v": 1, "id": 2, "op": "retune", "all": True}), wire.E_BAD_JSON),
+            (b'{"v":1,"id":3,"op":"get_profile","ep_size":' + huge + b',"tokens":3,"model":"qwen3-30b"}', None),
+            (b'{"v":1,"id":' + huge + b',"op":"hello"}', None),
+            (b'{"v":' + huge + b',"id":5,"op":"hello"}', None),
+            (b'{"v":1,"id":6,"op":"retune","all":"yes"}', wire.E_INVALID_FIELD),
+            (b'{"v":1,"id":7,"op":"retune","cancel":' + huge + b'}', None),
+            (b'{"v":1,"id":8,"op":"list_profiles","limit":1e308}', wire.E_INVALID_FIELD),
+            (b'{"v":1,"id":9,"op":"list_profiles","status":"deleted"}', wire.E_INVALID_FIELD),
+            (b'{"v":1,"id":10,"op":"drop_table"}', wire.E_UNKNOWN_OP),
+            (b'{"v":2,"id":11,"op":"retune","all":true}', wire.E_UNSUPPORTED_VERSION),
+            (b'{"v":"1","id":12,"op":"retune","all":true}', wire.E_UNSUPPORTED_VERSION),
+            (b'{"v":true,"id":13,"op":"retune","all":true}', wire.E_UNSUPPORTED_VERSION),
+            (b'[1,2,3]', wire.E_BAD_REQUEST),
+            (b'{"v":1,"id":14,"op":"retune","all":true,"reason":"' + b"x" * 600 + b'"}', wire.E_INVALID_FIELD),
+        ]
+        ctx = zmq.Context()
+        s = _dealer(ctx, d.endpoint)
+        try:
+            for frame, code in cases:
+                s.send(frame)
+                rep = json.loads(s.recv())
+                assert rep["ok"] is False, (frame[:80], rep)
+                assert rep["error"]["message"], rep
+                if code is not None:
+                    assert rep["error"]["code"] == code, (frame[:80], rep)
+            s.send(b"{" + b" " * (70 * 1024 * 1024))  # over ZMQ_MAXMSGSIZE: the connection is dropped
+            time.sleep(0.5)
+            s2 = _dealer(ctx, d.endpoint)
+            s2.send(b'{"v":1,"id":99,"op":"hello"}')
+            assert json.loads(s2.recv())["ok"] is True  # alive
+            s2.close()
+        finally:
+            s.close()
+            ctx.term()
+        assert d.proc.poll() is None
+        assert _db_hash(d.db) == before

@@ -148,12 +148,19 @@ def test_curve_round_trip(tmp_path: Path) -> None:
     port, pub_port = free_port(), free_port()
     cfg = tmp_path / "moetune.toml"
     cfg.write_text(f'[daemon]\ncurve_secret_key_file = "{secret}"\ncurve_public_key_file = "{public}"\n')
+    # the daemon lets in only allowed client keys (issue 19): this client's public key is in keys/clients/
+    from moetune.tuner.cli.keys import allow_client
+
+    cpub_file, csec_file = generate_keys(tmp_path / "client", "client")
+    allow_client(cpub_file, tmp_path / "keys" / "clients")
+    cpub, csec = zmq.auth.load_certificate(str(csec_file))
+    ck = dict(curve_server_key=server_pub, curve_public_key=cpub, curve_secret_key=csec)
     d = F.DaemonProc(tmp_path, endpoint=f"tcp://127.0.0.1:{port}", interval=0,
                      extra=["--config", str(cfg), "--pub-socket", f"tcp://127.0.0.1:{pub_port}"])
     try:
-        hello = d.wait_ready(curve_server_key=server_pub)
+        hello = d.wait_ready(**ck)
         assert hello.pub_endpoint.endswith(str(pub_port))
-        c = ProfileClient(d.endpoint, timeout_ms=2000, curve_server_key=server_pub)
+        c = ProfileClient(d.endpoint, timeout_ms=2000, **ck)
         assert c.get_profile(ep_size=2, tokens=100, model="qwen3-30b").key.token_bucket == 64
         c.subscribe(hello.pub_endpoint)
         c.close()

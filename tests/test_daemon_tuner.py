@@ -1,5 +1,6 @@
 """The default re-tune job with the real tuner (model backend, few trials): a fabric change on a capture
-makes the profiles stale and the daemon's job writes new current profiles for the new fingerprint."""
+makes the profiles stale and the daemon's job writes new current profiles for the new fingerprint, from
+this node's calibrated fabric model (never from a shipped preset of other hardware, issue 19)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def test_real_tuner_retune_after_fabric_change(tmp_path: Path) -> None:
                tune=TuneSettings(backend="model", trials=3, timeout_s=60), rediscover_interval_s=0.1).start(background=True)
     try:
         c = ProfileClient(d.endpoint, timeout_ms=2000)
+        F.write_node_model(tmp_path, F.facts_after_port_change(cap).fingerprint)  # `moetune profile` ran here
         new = F.set_port_state(cap, "1: DOWN")
         deadline = time.monotonic() + 60
         done = None
@@ -41,7 +43,7 @@ def test_real_tuner_retune_after_fabric_change(tmp_path: Path) -> None:
         assert done.written >= 2
         prof = c.get_profile(ep_size=8, tokens=1000, model="qwen3-30b")
         assert prof.key.fingerprint == new.fingerprint and prof.status == "current"
-        assert prof.backend.startswith("model")
+        assert prof.backend == f"model:node:{new.fingerprint}" and prof.provenance == "node_model"
         c.close()
     finally:
         d.stop()

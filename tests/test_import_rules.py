@@ -6,15 +6,13 @@ absolute module it names, relative imports included. Imports under `if TYPE_CHEC
 they count for no rule.
 
 Each rule is a function from the import graph to a list of violations. It is tested twice: on the real
-tree (no violation, except single known cases marked `xfail(strict=True)` with the reason, so the mark
-has to go when the case is fixed) and on a small synthetic tree with a planted violation (so the checker
+tree (no violation) and on a small synthetic tree with a planted violation (so the checker
 itself is shown to catch it).
 """
 
 from __future__ import annotations
 
 import ast
-import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -113,11 +111,6 @@ def _under(module: str, prefix: str) -> bool:
 
 def _fmt(i: Import, why: str) -> str:
     return f"{i.source} imports {i.target} (line {i.line}): {why}"
-
-
-def _unlined(violation: str) -> str:
-    """A violation without its line number (known cases must survive edits elsewhere in the file)."""
-    return re.sub(r" \(line \d+\)", "", violation)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,22 +263,6 @@ RULES: dict[str, Callable[[Graph], list[str]]] = {
     "6": rule6_no_import_cycles,
 }
 
-# Violations on today's tree that need another change: each is one xfail(strict=True) case below. A known
-# case is the start of the violations it stands for (line numbers left out).
-KNOWN: dict[str, list[tuple[str, str]]] = {
-    "6": [("import cycle: moetune.runtime.profiles.autoload -> moetune.runtime.profiles.client -> "
-           "moetune.runtime.profiles.autoload",
-           "client.py imports autoload.launcher_env inside a function; being broken in another change "
-           "(launcher_env moves out of autoload)")],
-    "5": [("moetune.tuner.search.tune imports rich",
-           "tune_profiles_detailed(progress=True) draws a Rich bar itself; it needs a progress callback that "
-           "tuner/cli/tune.py (another engineer's file) passes"),
-          ("moetune.tuner.bringup.flow imports rich",
-           "Bringup.stage_microbench draws a Rich bar on the console the CLI hands it; it needs a progress "
-           "callback that tuner/cli/profile.py (another engineer's file) passes")],
-}
-
-
 @pytest.fixture(scope="module")
 def tree() -> Graph:
     return build_graph(ROOT, PACKAGES)
@@ -294,22 +271,14 @@ def tree() -> Graph:
 def test_the_tree_is_read(tree: Graph) -> None:
     # the checker sees relative and function-level imports of the real tree (else the rules prove nothing)
     assert "moetune.runtime.knobs" in tree.modules and "moetune.tuner.cli" in tree.modules
-    assert any(i.source == "moetune.runtime.profiles.client" and i.target == "moetune.runtime.profiles.autoload"
+    assert any(i.source == "moetune.runtime.buffer.facade" and i.target == "moetune.runtime.profiles.autoload"
                for i in tree.imports)  # an import inside a function
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_rule_holds_on_the_tree(tree: Graph, rule: str) -> None:
-    known = tuple(v for v, _ in KNOWN.get(rule, []))
-    left = [v for v in RULES[rule](tree) if not _unlined(v).startswith(known)] if known else RULES[rule](tree)
+    left = RULES[rule](tree)
     assert not left, f"rule {rule}:\n" + "\n".join(left)
-
-
-@pytest.mark.parametrize("rule,violation", [
-    pytest.param(rule, v, marks=pytest.mark.xfail(strict=True, reason=why), id=f"rule{rule}-known{n}")
-    for rule, cases in KNOWN.items() for n, (v, why) in enumerate(cases)])
-def test_known_violation_is_fixed(tree: Graph, rule: str, violation: str) -> None:
-    assert not [v for v in RULES[rule](tree) if _unlined(v).startswith(violation)]
 
 
 def test_profile_client_leaves_torch_out() -> None:

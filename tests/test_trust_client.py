@@ -27,7 +27,7 @@ import daemon_fakes as F
 
 from moetune.runtime import paths, wire
 from moetune.runtime.knobs import TRANSPORTS, default_knobs
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord, provenance_of_backend
 from moetune.runtime.profiles import autoload, client, launcher_env, node_identity
 from moetune.runtime.profiles.client import FallbackWarning, ProfileClient
 from moetune.runtime.shapes import MODELS
@@ -47,7 +47,8 @@ def key(fp: str = FP, sw: str = SW, family: str = "nvlink", bucket: int = 64, no
 def result(k: ProfileKey | None = None, *, backend: str = "local:nccl", knobs: Any = None, env: dict | None = None) -> dict:
     k = k or key()
     kn = knobs or default_knobs("nvlink").replace(num_sms=40)
-    rec = ProfileRecord(key=k, knobs=kn, latency_us=20.0, spread_us=0.1, backend=backend)
+    rec = ProfileRecord(key=k, knobs=kn, latency_us=20.0, spread_us=0.1, backend=backend,
+                        provenance=provenance_of_backend(backend))
     res = wire.ProfileResult.from_record(rec, env=env if env is not None else {"NVSHMEM_REMOTE_TRANSPORT": "none"})
     return msgspec.to_builtins(res)
 
@@ -201,7 +202,7 @@ def test_database_without_daemon_json(tmp_path: Path, monkeypatch: pytest.Monkey
     preset = ProfileRecord(key=key("preset:nvlink-h200x2", "0" * 16, bucket=64), knobs=default_knobs("nvlink").replace(num_sms=8),
                            latency_us=1.0, spread_us=0.0, backend="model:nvlink-h200x2")
     foreign = ProfileRecord(key=key("a" * 16, "b" * 16, bucket=64), knobs=default_knobs("nvlink").replace(num_sms=16),
-                            latency_us=2.0, spread_us=0.0, backend="local:nccl")
+                            latency_us=2.0, spread_us=0.0, backend="local:nccl", provenance="measured")
     _seed_db(db, {"_fp": "c" * 16, "facts": facts}, [preset, foreign])
     nowhere = f"ipc://{tmp_path}/nowhere/daemon.sock"
     # no profile measured on this node: nothing from the database, and the warning says why
@@ -213,9 +214,9 @@ def test_database_without_daemon_json(tmp_path: Path, monkeypatch: pytest.Monkey
     assert res.source == "database" and res.provenance == "preset" and "MODELLED" in warned[0]
     # measured here: the database fallback serves it as tuned (same fingerprint, other software: not)
     mine = ProfileRecord(key=key("c" * 16, mine_sw, bucket=64), knobs=default_knobs("nvlink").replace(num_sms=24),
-                         latency_us=50.0, spread_us=0.0, backend="local:nccl")
+                         latency_us=50.0, spread_us=0.0, backend="local:nccl", provenance="measured")
     other_sw = ProfileRecord(key=key("c" * 16, "9" * 16, bucket=1024), knobs=default_knobs("nvlink").replace(num_sms=32),
-                             latency_us=5.0, spread_us=0.0, backend="local:nccl")
+                             latency_us=5.0, spread_us=0.0, backend="local:nccl", provenance="measured")
     _seed_db(db, {"_fp": "c" * 16, "facts": facts}, [mine, other_sw])
     res, warned = resolve(nowhere, tmp_path, db_path=db)
     assert res.source == "database" and res.tuned and res.profile_hash == mine.profile_hash
@@ -229,7 +230,7 @@ def test_database_identity_refused_on_another_node(tmp_path: Path, monkeypatch: 
     F.pretend_node(monkeypatch, here, tmp_path / "proc")
     db = tmp_path / "moetune.db"
     rec = ProfileRecord(key=key("c" * 16, node_identity.software_hash(recorded)), knobs=default_knobs("nvlink"),
-                        latency_us=5.0, spread_us=0.0, backend="local:nccl")
+                        latency_us=5.0, spread_us=0.0, backend="local:nccl", provenance="measured")
     _seed_db(db, {"_fp": "c" * 16, "facts": recorded}, [rec])
     res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db)
     assert res.source in ("policy", "default")
@@ -362,9 +363,9 @@ def test_bad_reply_falls_back_once_within_budget(fake, tmp_path: Path, kind: str
 
 def test_epbuffer_survives_a_garbage_daemon(fake, monkeypatch: pytest.MonkeyPatch) -> None:
     from moetune.runtime.buffer import EPBuffer
-    from moetune.runtime.testing.launch import destroy_group_quietly, free_port, init_group
+    from moetune.runtime.testing.launch import destroy_group_quietly, free_port, init_dist
 
-    init_group(0, 1, backend="gloo", port=free_port(), timeout_s=30)
+    init_dist(0, 1, backend="gloo", port=free_port(), timeout_s=30)
     try:
         for kind in GARBAGE:
             d = fake(_garbage(kind), run=Path(os.environ.get("TMPDIR", "/tmp")) / f"mt-{os.getpid()}-{kind}")
@@ -419,3 +420,45 @@ def test_autoload_asks_for_the_group_nodes(fake, tmp_path: Path, monkeypatch: py
     res = autoload.autoload_profile(model=QWEN, ep_size=2, max_tokens=100)
     autoload.clear_cache()
     assert d.requests[-1]["nodes"] == 2 and res.key is not None and res.key.nodes == 2
+
+
+def test_pick_profile_prefers_measured_and_limits_the_bucket_distance() -> None:
+    """Point 1: a modelled 27 µs must not win over a measured 60 µs; a profile far from the asked tokens is none."""
+    from moetune.runtime.knobs import default_knobs
+    from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+    from moetune.runtime.profiles.client import pick_profile
+
+    def rec(family: str, bucket: int, lat: float, backend: str, prov: str) -> ProfileRecord:
+        key = ProfileKey(fingerprint="f" * 16, software="s" * 16, transport_family=family, ep_size=2, nodes=1,
+                         hidden=2048, intermediate=768, experts=128, topk=8, dtype="bfloat16", token_bucket=bucket)
+        return ProfileRecord(key=key, knobs=default_knobs(family), latency_us=lat, spread_us=1.0, backend=backend,
+                             provenance=prov)
+
+    measured = rec("collective", 4096, 60.0, "local:nccl", "measured")
+    preset = rec("nvlink", 4096, 27.0, "model:nvlink-h200x2", "preset")
+    node = rec("host_staged", 4096, 20.0, "model:node:ffff", "node_model")
+    assert pick_profile([preset, measured, node], 3000) is measured
+    assert pick_profile([preset, node], 3000) is node
+    assert pick_profile([measured], 16) is None  # 4096 is many rungs from 16 tokens
+    assert pick_profile([measured], 2048) is measured  # one rung away
+
+
+def test_socket_in_a_sticky_shared_dir_is_trusted_only_when_ours(tmp_path: Path) -> None:
+    import socket as _socket
+
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    sock = shared / "moetune.sock"
+    s = _socket.socket(_socket.AF_UNIX)
+    s.bind(str(sock))
+    try:
+        assert paths.untrusted_socket_reason(sock) is None  # ours, and the sticky bit keeps others from swapping it
+        os.chmod(shared, 0o777)  # not sticky: anyone could have replaced it
+        assert "world-writable" in (paths.untrusted_socket_reason(sock) or "")
+        os.chmod(shared, 0o1777)
+        if os.getuid() == 0:
+            os.chown(sock, 65534, 65534)  # someone else's socket squatting the name
+            assert paths.untrusted_socket_reason(sock) is not None
+    finally:
+        s.close()

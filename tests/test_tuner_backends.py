@@ -196,7 +196,7 @@ def test_local_tune_remeasures_incumbent_side_by_side(fake_bench: list[str], tmp
 
     store = make_store(tmp_path / "m.db")
     be = LocalBackend(command=fake_bench, comm_backend="nccl", repeats=1, timeout_s=2)
-    kw = dict(models=[MODELS["qwen3-30b"]], tokens=[1024], backend=be, trials=5, progress=False,
+    kw = dict(models=[MODELS["qwen3-30b"]], tokens=[1024], backend=be, trials=5,
               families=["host_staged"])
     first = tune_profiles_detailed(store, Facts(), storage=f"sqlite:///{tmp_path / 'a.db'}", **kw)
     assert first[0].written and first[0].record.backend == "local:nccl"

@@ -109,8 +109,7 @@ def test_show_lists_studies_written_by_tune_profiles(tmp_path: Path) -> None:
 
     url = f"sqlite:///{tmp_path / 's.db'}"
     tune_profiles_detailed(None, Facts(), models=[MODELS["gpt-oss-120b"]], tokens=[4096],
-                           backend=CallableBackend(lambda k, w: 10.0 / k.pipeline_depth), trials=6, storage=url,
-                           progress=False)
+                           backend=CallableBackend(lambda k, w: 10.0 / k.pipeline_depth), trials=6, storage=url)
     r = _run("tune", "show", "--storage", url)
     assert r.exit_code == 0 and "host_staged" in r.output
 
@@ -144,7 +143,7 @@ def test_node_model_keys_profiles_to_this_node(tmp_path: Path, monkeypatch: pyte
 
     monkeypatch.setattr(search, "make_backend", lambda *a, **k: ModelBackend(FakePreset(), predictor=_objective))
     res = search.tune_profiles_detailed(None, Facts(), models=[MODELS["qwen3-30b"]], tokens=[128], backend="model",
-                                        preset="calibrated.toml", node_model=True, trials=4, progress=False,
+                                        preset="calibrated.toml", node_model=True, trials=4,
                                         storage=f"sqlite:///{tmp_path / 's.db'}")
     assert [r.study.family for r in res] == ["proxy:ibrc"]
     assert res[0].record.key.fingerprint == "n" * 64 and res[0].record.key.ep_size == 4

@@ -102,7 +102,7 @@ WORKER = textwrap.dedent('''
         return 100.0 + k.num_sms + (50 if k.signalling == "coupled" else 0) + (30 if k.compression == "none" else 0)
 
     res = tune_profiles_detailed(None, Facts(), models=[MODELS["qwen3-30b"]], tokens=[1024],
-                                 backend=CallableBackend(f), trials={trials}, storage={url!r}, progress=False,
+                                 backend=CallableBackend(f), trials={trials}, storage={url!r},
                                  seed=int(sys.argv[1]), families=["proxy:ibrc"])
     print("DONE", res[0].study.trials, res[0].study.best_knobs is not None)
 ''')

@@ -163,7 +163,7 @@ def test_resume_runs_only_the_missing_trials_and_gate(tmp_path: Path) -> None:
         calls.append(k)
         return synthetic(k, wl)
 
-    kw = dict(models=[MODELS["qwen3-30b"]], tokens=[100], backend=CallableBackend(f), storage=url, progress=False,
+    kw = dict(models=[MODELS["qwen3-30b"]], tokens=[100], backend=CallableBackend(f), storage=url,
               families=["proxy:ibrc"])
     r1 = tune_profiles_detailed(store, Facts(), trials=8, **kw)
     assert len(calls) == 8 and r1[0].written
@@ -216,7 +216,7 @@ DRIVER = textwrap.dedent('''
         time.sleep({sleep})
         return ns["synthetic"](k, wl)
     res = tune_profiles_detailed(store, facts, models=[MODELS["qwen3-30b"]], tokens=[128], backend=CallableBackend(f),
-                                 trials={trials}, storage={url!r}, progress=False, families=["proxy:ibrc"])
+                                 trials={trials}, storage={url!r}, families=["proxy:ibrc"])
     print("DONE", res[0].written, res[0].study.trials)
 ''')
 
@@ -286,7 +286,7 @@ def test_neighbour_bucket_warm_starts_and_cross_bucket_pruning(tmp_path: Path) -
 
     url = f"sqlite:///{tmp_path / 'n.db'}"
     res = tune_profiles_detailed(None, Facts(), models=[MODELS["qwen3-30b"]], tokens=[1024, 128],
-                                 backend=CallableBackend(synthetic), trials=8, storage=url, progress=False,
+                                 backend=CallableBackend(synthetic), trials=8, storage=url,
                                  families=["proxy:ibrc"])
     assert [r.study.workload.tokens for r in res] == [128, 1024]
     big = optuna.load_study(study_name=res[1].study.study_name, storage=url)
@@ -332,7 +332,7 @@ def test_only_discovered_transports_are_tuned(tmp_path: Path, capture: str, fami
         return synthetic(k, wl)
 
     res = tune_profiles_detailed(store, facts, models=[MODELS["qwen3-30b"]], tokens=[256], backend=CallableBackend(f),
-                                 trials=5, storage=f"sqlite:///{tmp_path / 's.db'}", progress=False)
+                                 trials=5, storage=f"sqlite:///{tmp_path / 's.db'}")
     assert {r.study.family for r in res} == families
     for r in res:
         key = r.record.key

@@ -57,8 +57,9 @@ from moetune.runtime.paths import (
     ipc_path,
     runtime_dir_candidates,
     untrusted_dir_reason,
+    untrusted_socket_reason,
 )
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord, nearest_bucket
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord, nearest_bucket_within
 from moetune.runtime.profiles import node_identity
 from moetune.runtime.profiles.launcher_env import allowed_env, launcher_env
 from moetune.runtime.shapes import ModelShape
@@ -231,14 +232,19 @@ def node_identity_from_db(db_path: str | Path, timeout_s: float = 0.05) -> tuple
     return node_identity.from_fingerprint_rows(rows)
 
 
+_PROVENANCE_RANK = {"measured": 0, "node_model": 1, "preset": 2}
+
+
 def pick_profile(
     records: list[ProfileRecord], tokens: int, *, fingerprint: str | None = None, transport_family: str | None = None
 ) -> ProfileRecord | None:
-    """The profile at the nearest token bucket among `records` (one shape/EP size).
+    """The profile at the nearest token bucket among `records` (one shape/EP size), or None when that
+    bucket is more than one rung of TOKEN_BUCKETS away from `tokens` (`nearest_bucket_within`).
 
     With several fingerprints (fingerprint unknown) the most recently updated fingerprint wins; with
-    several transport families at the chosen bucket, the lowest latency wins (unless one is asked for).
-    Engine families (`megakernel`: a whole layer's latency, not an exchange's) are picked only by name.
+    several transport families at the chosen bucket, measured beats the node model beats a preset, then
+    the lowest latency wins (unless one family is asked for). Engine families (`megakernel`: a whole layer's
+    latency, not an exchange's) are picked only by name.
     """
     recs = [r for r in records if r.status == "current"]
     if fingerprint:
@@ -252,9 +258,13 @@ def pick_profile(
     if len({r.key.fingerprint for r in recs}) > 1:
         newest = max(recs, key=lambda r: r.updated or r.created)
         recs = [r for r in recs if r.key.fingerprint == newest.key.fingerprint]
-    bucket = nearest_bucket(tokens, sorted({r.key.token_bucket for r in recs}))
+    bucket = nearest_bucket_within(tokens, sorted({r.key.token_bucket for r in recs}))
+    if bucket is None:  # the nearest stored bucket is too far from `tokens` to say anything about it
+        return None
     at = [r for r in recs if r.key.token_bucket == bucket]
-    return min(at, key=lambda r: r.latency_us)
+    # A measurement beats a prediction whatever the numbers say: modelled and measured latencies are not
+    # one kind of number (a preset's 27 µs must not win over a measured 60 µs).
+    return min(at, key=lambda r: (_PROVENANCE_RANK.get(provenance_of(r), len(_PROVENANCE_RANK)), r.latency_us))
 
 
 ENGINE_FAMILIES = frozenset({"megakernel"})
@@ -374,11 +384,20 @@ class ProfileClient:
         self._env = env
         self._db_path = Path(db_path) if db_path else None
         self._curve = None
-        key_file = env.get("MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE", "")
-        if curve_server_key is None and key_file and self.endpoint.startswith("tcp://"):
+        key_file = (cfg.curve_server_key_file if cfg else "") or env.get("MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE", "")
+        own_file = cfg.curve_secret_key_file if cfg else ""
+        if self.endpoint.startswith("tcp://") and (key_file or own_file):
             from zmq.auth import load_certificate
 
-            curve_server_key, _ = load_certificate(key_file)
+            try:
+                if curve_server_key is None and key_file:
+                    curve_server_key, _ = load_certificate(key_file)
+                if own_file and (curve_public_key is None or curve_secret_key is None):
+                    curve_public_key, curve_secret_key = load_certificate(own_file)
+                    if not curve_secret_key:
+                        raise ValueError(f"{own_file} holds no secret key")
+            except (OSError, ValueError) as e:  # a bad key file means no daemon, not a crash: fall back
+                log.warning("moetune: CURVE key files unusable (%s); the daemon will not answer", e)
         if curve_server_key is not None:
             if curve_public_key is None or curve_secret_key is None:
                 curve_public_key, curve_secret_key = zmq.curve_keypair()
@@ -436,7 +455,7 @@ class ProfileClient:
         if not self.daemon_socket_exists():
             raise DaemonUnavailable(f"no daemon socket at {self.endpoint} (absent or not accessible)")
         p = ipc_path(self.endpoint)
-        why = untrusted_dir_reason(p.parent) if p is not None else None
+        why = untrusted_socket_reason(p) if p is not None else None
         if why is not None:
             raise DaemonUnavailable(f"not connecting to {self.endpoint}: {why}")
 

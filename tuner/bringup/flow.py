@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.runtime.shapes import get_model
+from moetune.tuner.search.progress import NoProgress, Progress
 
 STAGES = ("discover", "microbench", "calibrate", "tune", "compare", "report")
 
@@ -152,11 +153,16 @@ class Bringup:
     """The stages of `moetune profile`, each resumable; `console` shows progress."""
 
     def __init__(self, *, store: Any, plan: Plan, state_dir: Path, console: Any, capture: Path | None = None,
+<<<<<<< HEAD
                  report_dir: Path | None = None, storage: str | None = None, mk_measure: Any = None):
+=======
+                 report_dir: Path | None = None, storage: str | None = None, progress: Progress | None = None):
+>>>>>>> main
         from moetune.tuner.fabric.discovery import discover
         from moetune.tuner.fabric.families import megakernel_family
 
         self.store, self.plan, self.console, self.storage = store, plan, console, storage
+        self.progress: Progress = progress or NoProgress()  # drawn by the CLI (rich stays in tuner/cli/)
         self.facts = discover(capture)
         self.capture = capture
         self.state = BringupState(state_dir / f"bringup-{self.facts.fingerprint}.json", self.facts.fingerprint, plan)
@@ -181,25 +187,23 @@ class Bringup:
         sizes = self.plan.microbench_sizes or (microbench.QUICK_SIZES if self.plan.trials <= 8 else microbench.DEFAULT_SIZES)
         applicable = [(b, why) for b, ok, why in microbench.plan(self.facts.transport_names, self.facts.gpu_count,
                                                                   self.plan.models[0]) if ok]
-        from rich.progress import Progress
-
-        with Progress(console=self.console, transient=True) as bar:
-            task = bar.add_task("microbenchmarks", total=len(applicable))
-            for bench, _why in applicable:
-                bar.update(task, description=f"microbenchmark {bench.transport} ({bench.runner})")
-                try:
-                    results = bench.run(sizes if bench.runner != "a2a" else (),
-                                        iters=5 if self.plan.trials <= 8 else 20)
-                except RuntimeError as e:
-                    self.console.print(f"[yellow]microbenchmark {bench.transport}/{bench.runner} failed: {e}[/]")
-                    results = []
-                for r in results:
-                    extra = dict(r.extra or {}, direction=r.direction)
-                    self.store.add_measurement(fingerprint=self.facts.fingerprint, kind=r.kind, transport=r.transport,
-                                               size_bytes=r.size_bytes, value=r.value, spread=r.spread, unit=r.unit,
-                                               extra=extra)
-                    rows.append(asdict(r))
-                bar.advance(task)
+        bar = self.progress
+        task = bar.add("microbenchmarks", len(applicable))
+        for i, (bench, _why) in enumerate(applicable):
+            bar.update(task, i, description=f"microbenchmark {bench.transport} ({bench.runner})")
+            try:
+                results = bench.run(sizes if bench.runner != "a2a" else (),
+                                    iters=5 if self.plan.trials <= 8 else 20)
+            except RuntimeError as e:
+                self.console.print(f"[yellow]microbenchmark {bench.transport}/{bench.runner} failed: {e}[/]")
+                results = []
+            for r in results:
+                extra = dict(r.extra or {}, direction=r.direction)
+                self.store.add_measurement(fingerprint=self.facts.fingerprint, kind=r.kind, transport=r.transport,
+                                           size_bytes=r.size_bytes, value=r.value, spread=r.spread, unit=r.unit,
+                                           extra=extra)
+                rows.append(asdict(r))
+        bar.update(task, len(applicable), description="microbenchmarks")
         return rows
 
     def stage_calibrate(self) -> dict:
@@ -250,6 +254,7 @@ class Bringup:
         from moetune.tuner.search.tune import tune_profiles_detailed
 
         models = [get_model(m) for m in self.plan.models]
+<<<<<<< HEAD
         res = []
         if self.tune_ep:
             be = self._backend()
@@ -265,6 +270,16 @@ class Bringup:
                                           backend=self._mk_backend(), trials=self.plan.trials, progress=True,
                                           storage=self.storage, ep_size=1, nodes=1, seed=0, families=["megakernel"],
                                           policy_override=self.runtime_policy_dir())
+=======
+        be = self._backend()
+        try:
+            res = tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
+                                         backend=be, trials=self.plan.trials, progress=self.progress,
+                                         storage=self.storage, ep_size=self.world, seed=0,
+                                         policy_override=self.runtime_policy_dir())
+        finally:
+            be.close()  # the persistent bench workers
+>>>>>>> main
         out = []
         for r in res:
             if r.record is None:

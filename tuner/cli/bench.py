@@ -259,6 +259,12 @@ def list_scenarios(
     Console().print(t)
 
 
+def _fingerprint() -> str:
+    from moetune.tuner.fabric.discovery import discover
+
+    return discover().fingerprint
+
+
 @app.command("run")
 def run_scenario(
     scenario: str = typer.Argument(..., help="A scenario name (`moetune bench list`)."),
@@ -276,7 +282,7 @@ def run_scenario(
     try:
         s = S.get(scenario)
         rows = S.run(s, case=case, launches=launches, smoke=smoke, results=Path(results) if results else S.SUMMARY_CSV,
-                     progress=lambda m: _err.print(f"[dim]{m}[/dim]"))
+                     progress=lambda m: _err.print(f"[dim]{m}[/dim]"), fingerprint=_fingerprint)
     except (S.ScenarioError, R.ResultsError) as e:
         _fail(str(e))
     t = Table(title=f"{scenario}: {len(rows)} rows appended ({'smoke' if smoke else 'measured'})")

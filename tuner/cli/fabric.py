@@ -111,12 +111,14 @@ def show(
     from_dir: Path | None = typer.Option(None, "--from", help="Analyse a capture directory instead of this node."),
     as_json: bool = typer.Option(False, "--json", help="Print the facts, hashes and transports as JSON."),
     record: bool = typer.Option(False, "--record", help="Also record the fingerprint and its facts in the store."),
+    db: Path | None = typer.Option(None, "--db", help="Profile database (default: configured)."),
+    config: Path | None = typer.Option(None, "--config", help="TOML config file."),
     timeout_s: float = typer.Option(1.5, "--timeout", min=0.1, max=60.0, help="Timeout per external command (s)."),
 ) -> None:
     """Discover the fabric (or read a capture) and show facts, fingerprint and transport families."""
     f = _discover(from_dir, timeout_s)
     if record:
-        store = _open_store(readonly=False)
+        store = _open_store(readonly=False, db=db, config=config)
         store.upsert_fingerprint(f.fingerprint, f.to_dict())
     if as_json:
         typer.echo(json.dumps(_summary(f), indent=1))
@@ -148,20 +150,22 @@ def capture(
                    f"transports: {', '.join(f.transport_names)}")
 
 
-def _open_store(readonly: bool = True) -> Any:
+def _open_store(readonly: bool = True, db: Path | None = None, config: Path | None = None) -> Any:
     try:
+        from moetune.runtime.config import resolve_db_path
         from moetune.tuner.store.store import Store
     except ImportError as e:
         raise _fail(f"the fingerprint store is not available in this installation ({e}); "
                     "compare against a capture instead: --against DIR")
     try:
-        return Store(readonly=readonly) if readonly else Store()
+        path = resolve_db_path(db, config)
+        return Store(path, readonly=readonly) if readonly else Store(path)
     except Exception as e:  # the store reports its own configuration / database problems
         raise _fail(f"cannot open the store: {e}")
 
 
-def _stored_facts(fp_hash: str | None) -> tuple[str, dict[str, Any]]:
-    store = _open_store(readonly=True)
+def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | None = None) -> tuple[str, dict[str, Any]]:
+    store = _open_store(readonly=True, db=db, config=config)
     rows: list[Any] = []
     if fp_hash is not None and hasattr(store, "get_fingerprint"):
         row = store.get_fingerprint(fp_hash)
@@ -188,6 +192,8 @@ def diff(
     from_dir: Path | None = typer.Option(None, "--from", help="Compare this capture instead of the live node."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     timeout_s: float = typer.Option(1.5, "--timeout", min=0.1, max=60.0, help="Timeout per external command (s)."),
+    db: Path | None = typer.Option(None, "--db", help="Profile database (default: configured)."),
+    config: Path | None = typer.Option(None, "--config", help="TOML config file."),
 ) -> None:
     """Why the fabric changed: readable reasons (exit 0: same fingerprint, 1: changed)."""
     from moetune.tuner.fabric.fingerprint import diff_facts, fingerprint
@@ -196,7 +202,7 @@ def diff(
         old_f = _discover(Path(against), timeout_s)
         old_hash, old = old_f.fingerprint, old_f.to_dict()
     elif against is None or re.fullmatch(r"[0-9a-fA-F]{4,64}", against):
-        old_hash, old = _stored_facts(against.lower() if against else None)
+        old_hash, old = _stored_facts(against.lower() if against else None, db, config)
         old_hash = fingerprint(old) if old.get("gpus") is not None else old_hash
     else:
         raise _fail(f"--against {against!r} is neither a capture directory nor a fingerprint hash")

@@ -1,8 +1,14 @@
-"""`moetune keys`: CURVE keys for a daemon listening on TCP."""
+"""`moetune keys`: CURVE keys for a daemon listening on TCP.
+
+The daemon authenticates clients too: it lets in only the client public keys found in its allow-list
+directory, `clients/` beside its secret key (or `--curve-clients-dir`). `moetune keys client` makes a
+client key pair and puts its public key there; `moetune keys allow` adds a public key made elsewhere.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import typer
@@ -50,3 +56,64 @@ def generate(
         typer.echo(json.dumps({"public": str(public), "secret": str(secret)}))
     else:
         typer.echo(f"public key: {public}\nsecret key: {secret}  (set daemon.curve_secret_key_file to this)")
+
+
+def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -> Path:
+    """Copy a client's public key file into the daemon's allow-list directory (created 0700)."""
+    import zmq.auth
+
+    try:
+        public, secret = zmq.auth.load_certificate(str(public_file))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{public_file} is not a CURVE public key file: {e}") from None
+    if not public:
+        raise ValueError(f"{public_file} holds no public key")
+    clients_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    dest = clients_dir / (public_file.name if public_file.suffix == ".key" else f"{public_file.stem}.key")
+    if dest.exists() and not force:
+        raise FileExistsError(f"{dest} exists (use --force to overwrite)")
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    old = os.umask(0o177)
+    try:
+        if secret:  # a secret key file: write only its public half
+            tmp.write_text(f"metadata\ncurve\n    public-key = \"{public.decode()}\"\n")
+        else:
+            shutil.copyfile(public_file, tmp)
+    finally:
+        os.umask(old)
+    os.replace(tmp, dest)
+    return dest
+
+
+@app.command("client")
+def client(
+    server_keys: Path = typer.Argument(..., help="The directory of the daemon's key pair (its allow-list is clients/ there)."),
+    name: str = typer.Option(..., "--name", help="The client's name (file stem)."),
+    out: Path = typer.Option(None, "--out", help="Where the client's key pair goes (default: SERVER_KEYS/client-NAME)."),
+    clients_dir: Path = typer.Option(None, "--clients-dir", help="The daemon's allow-list (default: SERVER_KEYS/clients)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing keys."),
+) -> None:
+    """Generate a client key pair and add its public key to the daemon's allow-list."""
+    try:
+        public, secret = generate_keys(out or server_keys / f"client-{name}", name, force=force)
+        allowed = allow_client(public, clients_dir or server_keys / "clients", force=force)
+    except (OSError, ValueError) as e:
+        typer.secho(f"moetune keys client: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"client key pair: {public}, {secret}\nallowed: {allowed} (restart the daemon to apply)")
+
+
+@app.command("allow")
+def allow(
+    public_file: Path = typer.Argument(..., help="A client's public key file (NAME.key)."),
+    server_keys: Path = typer.Argument(..., help="The directory of the daemon's key pair."),
+    clients_dir: Path = typer.Option(None, "--clients-dir", help="The daemon's allow-list (default: SERVER_KEYS/clients)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an allowed key of the same name."),
+) -> None:
+    """Add a client's public key to the daemon's allow-list."""
+    try:
+        allowed = allow_client(public_file, clients_dir or server_keys / "clients", force=force)
+    except (OSError, ValueError) as e:
+        typer.secho(f"moetune keys allow: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"allowed: {allowed} (restart the daemon to apply)")

@@ -9,22 +9,26 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moetune.tuner.cli._progress import RichProgress
+
 
 def _fail(console: Console, message: str) -> None:
     console.print(f"[red]error:[/] {message}")
     raise typer.Exit(2)
 
 
-def _open(db: Path | None, config: Path | None):
+def _open(db: Path | None, config: Path | None, console: Console | None = None):
+    """(config, store) or a clear error (never a traceback) naming the bad key/file or database."""
     from moetune.runtime.config import ConfigError, load_config
     from moetune.tuner.store.store import Store
 
-    cfg = load_config(config)
+    console = console or Console(stderr=True)
     try:
-        path = db or cfg.db_path
-    except ConfigError as e:
-        raise typer.BadParameter(str(e)) from None
-    return cfg, Store(path)
+        cfg = load_config(config)
+        return cfg, Store(db or cfg.db_path)
+    except (ConfigError, RuntimeError, OSError) as e:  # ConfigError names key + file; StoreError the database
+        _fail(console, str(e))
+        raise  # unreachable: _fail exits
 
 
 def profile(
@@ -71,11 +75,11 @@ def profile(
         plan.validate("--model/--tokens/--trials")
     except ValueError as e:
         _fail(console, str(e))
-    _cfg, store = _open(db, config)
+    _cfg, store = _open(db, config, console)
     state_dir = Path(store.path).parent if getattr(store, "path", None) else Path.cwd()
     try:
         flow = Bringup(store=store, plan=plan, state_dir=state_dir, console=console, capture=capture,
-                       report_dir=report_dir)
+                       report_dir=report_dir, progress=None if as_json else RichProgress())
     except DiscoveryError as e:
         _fail(console, str(e))
     if restart and flow.state.path.exists():
@@ -88,8 +92,10 @@ def profile(
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: run the same command again to continue where it stopped[/]")
         raise typer.Exit(130) from None
-    except (ValueError, KnobError, RuntimeError) as e:
+    except (ValueError, KnobError, RuntimeError, OSError) as e:
         _fail(console, f"{e} (finished stages are kept; rerun to continue)")
+    finally:
+        flow.progress.close()
     rows = done.get("compare") or []
     if as_json:
         typer.echo(json.dumps({"fingerprint": flow.facts.fingerprint, "db": str(store.path), "profiles": rows,
@@ -123,7 +129,7 @@ def report(
     from moetune.tuner.fabric.discovery import DiscoveryError, discover
 
     console = Console()
-    _cfg, store = _open(db, config)
+    _cfg, store = _open(db, config, console)
     try:
         facts = discover(capture)
     except DiscoveryError as e:

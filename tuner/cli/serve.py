@@ -21,19 +21,22 @@ def register(app: typer.Typer) -> None:
         capture: Path = typer.Option(None, "--capture", help="Discover from this capture directory instead of the live node."),
         allow_insecure_tcp: bool = typer.Option(None, "--allow-insecure-tcp/--no-allow-insecure-tcp", help="Allow tcp:// without CURVE (trusted loopback tests only)."),
         log_level: str = typer.Option(None, "--log-level", help="debug|info|warning|error."),
+        curve_clients_dir: Path = typer.Option(None, "--curve-clients-dir", help="Allow-list of client public keys for tcp:// with CURVE (default: clients/ beside the server's secret key)."),
         store_hook: str = typer.Option(None, "--store-hook", hidden=True),
         discover_hook: str = typer.Option(None, "--discover-hook", hidden=True),
         retune_hook: str = typer.Option(None, "--retune-hook", hidden=True),
     ) -> None:
         """Serve tuned profiles over ZeroMQ; rediscover the fabric and re-tune when it changes."""
+        import zmq
+
         from moetune.tuner.daemon.server import DaemonConfigError, run_daemon
 
         try:
             code = run_daemon(socket=socket, pub_socket=pub_socket, db=str(db) if db else None, config=config,
                               metrics_port=metrics_port, rediscover_interval=rediscover_interval, capture=capture,
                               allow_insecure_tcp=allow_insecure_tcp, store_hook=store_hook, discover_hook=discover_hook,
-                              retune_hook=retune_hook, log_level=log_level)
-        except (DaemonConfigError, ValueError, OSError, RuntimeError) as e:
+                              retune_hook=retune_hook, log_level=log_level, curve_clients_dir=curve_clients_dir)
+        except (DaemonConfigError, ValueError, OverflowError, OSError, RuntimeError, zmq.ZMQError) as e:
             typer.secho(f"moetune serve: {e}", fg="red", err=True)
             raise typer.Exit(2) from None
         raise typer.Exit(code)
@@ -61,6 +64,11 @@ def register(app: typer.Typer) -> None:
                   "last_discovery_message"):
             t.add_row(k, str(getattr(st, k)))
         t.add_row("uptime_s", f"{st.uptime_s:.1f}")
+        prov = getattr(st, "provenance", None) or {}
+        if prov:  # how the profiles served for this fabric were obtained
+            t.add_row("provenance", ", ".join(f"{k}: {v}" for k, v in prov.items()))
+        if getattr(st, "tune_notice", ""):
+            t.add_row("re-tune", f"[yellow]{st.tune_notice}[/]")
         j = st.jobs
         t.add_row("jobs", f"running: {j.running.id if j.running else '-'}, queued: {len(j.queued)}/{j.capacity}")
         for r in j.recent[-5:]:

@@ -36,12 +36,25 @@ def _parse_tokens(text: str) -> list[int]:
     return out
 
 
+def _load_config(config: Path | None):
+    """The configuration, or a clear error naming the key and file (never silently the defaults)."""
+    from moetune.runtime.config import ConfigError, load_config
+
+    try:
+        return load_config(config)
+    except ConfigError as e:
+        _fail(str(e))
+
+
 def _open_store(db: Path | None, *, readonly: bool = False):
     try:
         from moetune.tuner.store.store import Store  # type: ignore[attr-defined]
     except ImportError as e:
         _fail(f"the profile store is not available in this build ({e})")
-    return Store(db, readonly=readonly)
+    try:
+        return Store(db, readonly=readonly)
+    except (RuntimeError, OSError, ValueError) as e:  # StoreError: not a database, newer schema, cannot open
+        _fail(str(e))
 
 
 def _storage_url(storage: str | None, db: Path | None, store=None) -> str:
@@ -65,6 +78,7 @@ def tune(
     storage: str = typer.Option(None, "--storage", help="Optuna storage URL (default: SQLite next to the profile db; postgresql://... to share a study)."),
     seed: int = typer.Option(0, "--seed", help="Sampler seed."),
     db: Path = typer.Option(None, "--db", help="Profile database (default: configured)."),
+    config: Path = typer.Option(None, "--config", help="TOML config file (its [tune] section gives the defaults)."),
     nodes: int = typer.Option(1, "--nodes", help="Nodes in the EP group."),
     ep_size: int = typer.Option(None, "--ep-size", help="EP group size (default: GPUs per node × nodes)."),
     family: list[str] = typer.Option(None, "--family", "-f", help="Only these transport families (repeatable), e.g. host_staged."),
@@ -91,14 +105,8 @@ def tune(
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--model")
     toks = _parse_tokens(tokens)
-    cfg_trials, cfg_timeout, cfg_backend = 40, None, "model"
-    try:
-        from moetune.runtime.config import load_config  # type: ignore[attr-defined]
-
-        cfg = load_config()
-        cfg_trials, cfg_timeout, cfg_backend = int(cfg.tune.trials), cfg.tune.timeout_s, str(cfg.tune.backend)
-    except Exception:
-        pass
+    cfg = _load_config(config)
+    cfg_trials, cfg_timeout, cfg_backend = int(cfg.tune.trials), cfg.tune.timeout_s, str(cfg.tune.backend)
     backend = backend or cfg_backend
     if backend not in ("model", "local"):
         raise typer.BadParameter(f"expected model or local, got {backend!r}", param_hint="--backend")
@@ -135,20 +143,25 @@ def tune(
         gpus = int(getattr(facts, "gpu_count", 0) or 0)
         local_opts = {"world": world or (gpus if gpus >= 2 else 2), "comm_backend": comm or ("nccl" if gpus else "gloo"),
                       "repeats": repeats, "timeout_s": trial_timeout}
-    store = _open_store(db)
+    store = _open_store(db if db is not None else cfg.db_path)
+    from moetune.tuner.cli._progress import RichProgress
     from moetune.tuner.search.tune import tune_profiles_detailed
 
+    bar = None if as_json else RichProgress()
     try:
         results = tune_profiles_detailed(
             store, facts, models=shapes, tokens=toks, backend=backend, preset=preset, trials=trials, timeout_s=timeout,
             ep_size=ep_size or (local_opts.get("world") if backend == "local" else None), nodes=nodes,
-            progress=not as_json, storage=storage, seed=seed, families=family or None, policy_override=policy,
+            progress=bar, storage=storage, seed=seed, families=family or None, policy_override=policy,
             routing=routing, local_options=local_opts, node_model=node_model)
     except (ValueError, OSError) as e:
         _fail(str(e))
     except KeyboardInterrupt:
         err.print("[yellow]interrupted: the study is saved; run the same command again to resume[/yellow]")
         raise typer.Exit(130)
+    finally:
+        if bar is not None:
+            bar.close()
     rows = []
     for r in results:
         rec = r.record
@@ -196,6 +209,7 @@ def show(
     study: str = typer.Option(None, "--study", "-s", help="Study name (default: list the studies)."),
     storage: str = typer.Option(None, "--storage", help="Optuna storage URL."),
     db: Path = typer.Option(None, "--db", help="Profile database (the studies file sits next to it)."),
+    config: Path = typer.Option(None, "--config", help="TOML config file (for the default database)."),
     as_json: bool = typer.Option(False, "--json", help="JSON output."),
 ) -> None:
     """Summarise the studies (or one study: best setting, speed-up over the default, importances)."""
@@ -204,6 +218,8 @@ def show(
     from moetune.tuner.search.study import describe_study, list_studies
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if db is None and not storage:
+        db = _load_config(config).db_path
     url = _storage_url(storage, db)
     from moetune.tuner.search.study import sqlite_path
 

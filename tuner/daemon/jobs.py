@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
@@ -57,6 +58,7 @@ class Job:
         self.cancel = threading.Event()
         self.fingerprint: str | None = None
         self.started_recorded = False  # the job_started event is in the store
+        self.impossible = False  # failed because no profile true for this node could be produced
 
     def info(self) -> JobInfo:
         return JobInfo(id=self.id, state=self.state, reason=self.reason, fingerprint=self.fingerprint or self.old_fingerprint,
@@ -108,69 +110,102 @@ def group_keys(keys: list[ProfileKey]) -> dict[tuple[int, int], tuple[list[Model
     return {g: (list(s.values()), sorted(b)) for g, (s, b) in groups.items()}
 
 
-def choose_preset(facts: Any, *, nodes: int = 1) -> str | None:
-    """A fabric-model preset for the re-tune on the `model` backend when none is configured: one whose
-    family the node offers (NVLink/PCIe families within a node, network families across nodes), preferring
-    the node's GPU count."""
+TUNE_BACKENDS = ("model", "local")  # [tune] backend: this node's calibrated model, or measure on this node
+
+
+class RetuneImpossible(RuntimeError):
+    """The automatic re-tune cannot produce a profile that is true for this node (said, not guessed)."""
+
+
+def node_model_file(store: Any, fingerprint: str, directory: str | Path | None = None) -> Path:
+    """Where `moetune profile` leaves this node's calibrated fabric model: node-<fingerprint>.toml in the
+    bring-up state directory, which is the database's directory."""
+    base = Path(directory) if directory else Path(getattr(store, "path", "") or ".").parent
+    return base / f"node-{fingerprint}.toml"
+
+
+class _ProvenanceStore:
+    """The store as the re-tune writes to it: every record is labelled with how it was obtained and on
+    which fingerprint, whatever the search code set (a modelled number is never taken as measured)."""
+
+    def __init__(self, store: Any, provenance: str, measured_on: str):
+        self._store, self._prov, self._on = store, provenance, measured_on
+
+    def put_profile(self, rec: ProfileRecord, **kw: Any) -> tuple[bool, str]:
+        rec.provenance = self._prov  # type: ignore[assignment]
+        rec.measured_on = self._on
+        return self._store.put_profile(rec, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def _backend_for(ctx: JobContext) -> tuple[Any, str | None, str]:
+    """(backend, calibrated preset file or None, provenance) for this node; RetuneImpossible otherwise."""
+    tune, facts = ctx.tune, ctx.facts
+    backend = getattr(tune, "backend", "model")
+    if backend == "local":
+        return "local", None, "measured"
+    if backend != "model":
+        raise RetuneImpossible(f"unknown tune.backend {backend!r} (expected one of {', '.join(TUNE_BACKENDS)})")
+    path = node_model_file(ctx.store, facts.fingerprint, getattr(tune, "node_model_dir", None))
+    if not path.is_file():
+        raise RetuneImpossible(
+            f"cannot re-tune fabric {facts.fingerprint}: no calibrated model of this node ({path} does not exist) "
+            "and [tune] backend is \"model\"; run `moetune profile` on this node, or set [tune] backend = \"local\" "
+            "to measure. Still serving the profiles that remain valid.")
+    from moetune.tuner.fabric_model.presets import load_preset
+    from moetune.tuner.search.backends import ModelBackend
+
     try:
-        from moetune.tuner.fabric_model.predict import list_presets, load_preset
-    except ImportError:
-        return None
-    fams = [getattr(t, "name", t) for t in getattr(facts, "transports", None) or []]
-    local = ("nvlink", "host_staged")
-    wanted = [f for f in fams if (f in local) == (nodes == 1)] or fams
-    gpus = getattr(facts, "gpu_count", None)
-    best: tuple[int, int, str] | None = None
-    for name in list_presets():
-        try:
-            p = load_preset(name)
-        except Exception:
-            continue
-        if p.family not in wanted:
-            continue
-        score = (wanted.index(p.family), 0 if getattr(p, "gpus_per_node", None) == gpus else 1, name)
-        if best is None or score < best:
-            best = score
-    return best[2] if best else None
+        preset = load_preset(path)
+    except (OSError, ValueError) as e:
+        raise RetuneImpossible(f"cannot re-tune fabric {facts.fingerprint}: the calibrated model {path} is unreadable: {e}") from None
+    be = ModelBackend(preset)
+    be.name = f"model:node:{facts.fingerprint}"  # not model:<preset>: this node's own calibrated model
+    return be, str(path), "node_model"
 
 
 def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     """The default re-tune: the tuner's `tune_profiles` on the new facts, per (EP size, nodes) group.
+
+    It measures on this node (`[tune] backend = "local"`) or predicts with this node's calibrated fabric
+    model (what `moetune profile` wrote for this fingerprint). It never takes a shipped preset (another
+    machine) as this node's profile: without a calibrated model it fails with RetuneImpossible, which the
+    daemon reports in the job, its log and `status`.
 
     Cancellation is checked between groups and after every trial (the `on_trial` callback stops the study
     and raises JobCancelled)."""
     from moetune.tuner.search.tune import tune_profiles
 
     tune = ctx.tune
+    be, preset_file, provenance = _backend_for(ctx)
+    store = _ProvenanceStore(ctx.store, provenance, ctx.facts.fingerprint)
 
     def on_trial(_name: str, study: Any, _trial: Any) -> None:
         if ctx.cancel.is_set():
             study.stop()
             raise JobCancelled(f"job {ctx.job.id} cancelled")
 
-    backend = getattr(tune, "backend", "model")
+    gpus = int(getattr(ctx.facts, "gpu_count", 0) or 0)
+    local_options = {"world": min(gpus, 8) if gpus >= 2 else 2} if be == "local" else None
     out: list[ProfileRecord] = []
     for (ep, nodes), (shapes, buckets) in sorted(group_keys(ctx.keys).items()):
         ctx.check_cancel()
-        preset = getattr(tune, "preset", None)
-        node_model = backend == "model"
-        if node_model:
-            # the model of a preset, keyed to THIS node's fingerprint (the profiles say backend model:<preset>)
-            preset = preset or choose_preset(ctx.facts, nodes=nodes)
         out += tune_profiles(
-            ctx.store,
+            store,
             ctx.facts,
             models=shapes,
             tokens=buckets,
-            backend=backend,
-            preset=preset,
+            backend=be,
+            preset=preset_file,
             trials=int(getattr(tune, "trials", 40)),
             timeout_s=getattr(tune, "timeout_s", None),
             ep_size=ep,
             nodes=nodes,
-            progress=False,
             on_trial=on_trial,
-            node_model=node_model,
+            node_model=preset_file is not None,
+            local_options=local_options,
         )
     return [r for r in out if r.status == "current"]
 
@@ -302,6 +337,9 @@ class JobManager:
             job.message = f"{len(written)} profile(s) written in {time.monotonic() - t0:.1f} s"
         except JobCancelled as e:
             job.state, job.message = "cancelled", str(e)
+        except RetuneImpossible as e:  # said plainly, no traceback: the daemon keeps serving what is valid
+            log.warning("re-tune job %d cannot run: %s", job.id, e)
+            job.state, job.message, job.impossible = "failed", str(e), True
         except Exception as e:
             log.exception("re-tune job %d failed", job.id)
             job.state, job.message = "failed", f"{type(e).__name__}: {e}"

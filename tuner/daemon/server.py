@@ -1,20 +1,22 @@
-"""The moetune daemon: serves tuned profiles over ZeroMQ and keeps them true to the hardware.
+"""The moetune daemon: lifecycle, sockets and security; it serves tuned profiles over ZeroMQ.
 
 Threads:
 - the serving loop (`serve_forever`, main thread under `moetune serve`): one ROUTER socket polled with
   `zmq.Poller`; each request is one JSON frame decoded with msgspec into the schemas of
-  `moetune.runtime.wire`; answers come from an in-memory `ProfileIndex` (current profiles only) with a
-  read-through cache of encoded results, so the hot path runs no SQL. The index is rebuilt (and the
-  cache dropped) after every write the daemon makes; the swap is a single reference assignment.
-- the discovery worker: rediscovers the fabric every `rediscover_interval_s`; on a fingerprint change it
-  records an event (with `diff_facts` reasons), marks the old fingerprint's profiles `stale`, rebuilds
-  the index, publishes `fabric_changed` and `profile_stale`, and queues a re-tune job;
-- the job worker (`daemon_jobs.JobManager`): one job at a time from a bounded queue; each job's state is
-  persisted as events + a tuning run so that a restart after `kill -9` marks it failed and resumes it.
-The PUB socket is shared by the two workers under a lock; the serving loop never waits on them.
+  `moetune.runtime.wire` and answered by `handlers` from the in-memory `index.ProfileIndex`, so the
+  hot path runs no SQL. The index is rebuilt after every write; the swap is one reference assignment.
+- the list worker: uncached `list_profiles` requests (which may read the store's history and encode a
+  thousand profiles) are answered here and the replies handed back over an inproc socket, so that list
+  requests never hold up `get_profile`; its queue is bounded (a full queue answers `busy`).
+- the discovery worker (`watch.FabricWatch`): rediscovery and hardware-change handling;
+- the job worker (`jobs.JobManager`): one re-tune job at a time from a bounded queue.
+The PUB socket is shared by the workers under a lock; the serving loop never waits on them.
 
-Security: the default endpoint is `ipc://` in a runtime directory created 0700 (0750 with a configured
-group); the socket file is 0600 (0660). `tcp://` needs CURVE keys unless `allow_insecure_tcp`.
+Security: the daemon never deletes or chmods what it did not create. The IPC directory is created
+0700 (0750 with a configured group) and marked as ours; an existing directory is used as it is. An
+existing file at the socket path is refused unless it is a dead socket this daemon's owner record
+proves was ours. `tcp://` needs CURVE keys unless `allow_insecure_tcp`, and then clients are
+authenticated by pyzmq's ZAP authenticator against an allow-list of client public keys.
 The daemon is the single writer of its database; everyone else opens it read-only.
 """
 
@@ -32,6 +34,7 @@ import os
 import queue
 import signal
 import socket as pysocket
+import stat
 import sys
 import threading
 import time
@@ -39,7 +42,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -47,19 +49,32 @@ import msgspec
 import zmq
 
 from moetune.runtime import wire
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.runtime.profiles.autoload import launcher_env
-from moetune.runtime.profiles.client import INFO_NAME, PUB_SOCKET_NAME, pick_profile
-from moetune.runtime.shapes import get_model
-from moetune.tuner import __version__
-from moetune.tuner.daemon.jobs import JobManager, RetuneFn, keys_from_details, recover_jobs, tuner_retune
+from moetune.runtime.profile_record import ProfileRecord
+from moetune.runtime.profiles.client import INFO_NAME, PUB_SOCKET_NAME
+from moetune.tuner.daemon import handlers
+from moetune.tuner.daemon.index import CACHE_LIMIT, LIST_CACHE_LIMIT, ProfileIndex, ShapeKey, read_profiles
+from moetune.tuner.daemon.jobs import (
+    TUNE_BACKENDS,
+    JobManager,
+    RetuneFn,
+    keys_from_details,
+    recover_jobs,
+    tuner_retune,
+)
 from moetune.tuner.daemon.metrics import DaemonMetrics, start_metrics_server
+from moetune.tuner.daemon.watch import FabricWatch, default_diff, make_discover, transport_names
 
 log = logging.getLogger("moetune.daemon")
 
-_GP_KEY_FIELDS = tuple(f for f in wire.GetProfile.__struct_fields__ if f not in ("v", "id"))
-CACHE_LIMIT = 4096  # encoded results kept per index version (bounded: hostile clients cannot grow it)
+__all__ = ["CACHE_LIMIT", "Daemon", "DaemonConfigError", "ProfileIndex", "ShapeKey", "TuneSettings", "default_diff",
+           "make_discover"]
+
 HARD_CAP_FACTOR = 16  # ZMQ_MAXMSGSIZE = this x max_request_bytes: bigger frames drop the connection
+MAX_REQUEST_BYTES_LIMIT = 16 << 20  # a request cap above this is a configuration mistake
+LIST_QUEUE = 8  # uncached list requests waiting for the list worker; more are answered `busy`
+RUNTIME_MARK = ".moetune-runtime-dir"  # in a directory the daemon created: proof that it may tighten it
+ZAP_DOMAIN = "moetune"  # the domain our sockets ask the ZAP authenticator about
+OWNER_SUFFIX = ".moetune-owner"  # ".<socket name>.moetune-owner": the (dev, inode) of a socket we bound
 
 
 class DaemonConfigError(ValueError):
@@ -75,106 +90,12 @@ class TuneSettings:
     backend: str = "model"
     trials: int = 40
     timeout_s: float | None = 600.0
-    preset: str | None = None
+    preset: str | None = None  # only for tests/explicit use: a preset never stands for this node by default
+    node_model_dir: str | None = None  # where `moetune profile` left node-<fingerprint>.toml (default: beside the db)
 
-
-# -- facts helpers -------------------------------------------------------------------------------
-def _facts_dict(facts: Any) -> dict[str, Any]:
-    try:
-        d = facts.to_dict()
-    except AttributeError:
-        d = dict(facts)
-    return d if isinstance(d, dict) else {}
-
-
-def _transport_names(facts: Any) -> list[str]:
-    out = []
-    for t in getattr(facts, "transports", None) or []:
-        name = getattr(t, "name", t)
-        if isinstance(name, str):
-            out.append(name)
-    return out
-
-
-def default_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    try:
-        from moetune.tuner.fabric.fingerprint import diff_facts
-    except ImportError:
-        try:
-            from moetune.tuner.fabric.discovery import diff_facts  # type: ignore[no-redef]
-        except ImportError:
-            diff_facts = None  # type: ignore[assignment]
-    if diff_facts is not None:
-        return list(diff_facts(old, new)) or ["facts changed"]
-    keys = sorted(set(old) | set(new))
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)] or ["facts changed"]
-
-
-def make_discover(capture: Path | None) -> Callable[[], Any]:
-    def _discover() -> Any:
-        from moetune.tuner.fabric.discovery import discover
-
-        return discover(capture)
-
-    return _discover
-
-
-# -- the index the serving loop reads --------------------------------------------------------------
-ShapeKey = tuple[str, int, int, int, int, int, int, str]
-
-
-class ProfileIndex:
-    """Current profiles grouped by (fingerprint, ep, nodes, shape); immutable once built (except the cache)."""
-
-    def __init__(self, records: list[ProfileRecord], *, version: int, facts: Any, stale: list[ProfileRecord]):
-        self.version = version
-        self.fingerprint: str | None = getattr(facts, "fingerprint", None) if facts is not None else None
-        self.software: str | None = getattr(facts, "software_hash", None) if facts is not None else None
-        self.groups: dict[ShapeKey, list[ProfileRecord]] = {}
-        for r in records:
-            if r.status != "current":
-                continue  # a stale profile is never served as current
-            k = r.key
-            self.groups.setdefault((k.fingerprint, k.ep_size, k.nodes, k.hidden, k.intermediate, k.experts, k.topk, k.dtype), []).append(r)
-        self.records = [r for r in records if r.status == "current"]
-        self.stale = stale
-        self.cache: dict[Any, Any] = {}
-        self.list_cache: dict[Any, bytes] = {}
-
-    @property
-    def current_count(self) -> int:
-        return len(self.records)
-
-    def lookup(self, req: wire.GetProfile) -> tuple[bool, Any]:
-        """(True, encoded ProfileResult as msgspec.Raw) or (False, (code, message))."""
-        if req.model is not None:
-            try:
-                m = get_model(req.model)
-            except ValueError as e:
-                return False, (wire.E_INVALID_FIELD, str(e))
-            h, i, e_, k, dt = m.hidden, m.intermediate, m.experts, m.topk, m.dtype
-            h, i, e_, k = req.hidden or h, req.intermediate or i, req.experts or e_, req.topk or k
-            dt = req.dtype or dt
-        else:
-            missing = [f for f in ("hidden", "intermediate", "experts", "topk") if getattr(req, f) is None]
-            if missing:
-                return False, (wire.E_MISSING_FIELD, f"give `model` or all of hidden/intermediate/experts/topk (missing {', '.join(missing)})")
-            h, i, e_, k, dt = req.hidden, req.intermediate, req.experts, req.topk, req.dtype or "bfloat16"
-        if req.ep_size % req.nodes:
-            return False, (wire.E_INVALID_FIELD, f"ep_size {req.ep_size} is not divisible by nodes {req.nodes}")
-        fp = req.fingerprint or self.fingerprint
-        if fp is None:
-            return False, (wire.E_NOT_FOUND, "the daemon has not discovered its fabric (yet); no profile is current")
-        recs = self.groups.get((fp, req.ep_size, req.nodes, h, i, e_, k, dt), [])
-        if req.software:
-            recs = [r for r in recs if r.key.software == req.software]
-        rec = pick_profile(recs, req.tokens, transport_family=req.transport_family)
-        if rec is None:
-            return False, (wire.E_NOT_FOUND, f"no current profile for fingerprint {fp}, ep {req.ep_size}, nodes {req.nodes}, "
-                                             f"shape {h}x{i}x{e_}/top{k} {dt}")
-        res = wire.ProfileResult.from_record(rec, env=launcher_env(rec.knobs, rec.key.transport_family, rec.key.nodes),
-                                             version=self.version)
-        return True, msgspec.Raw(wire.encoder.encode(res))
+    def __post_init__(self) -> None:
+        if self.backend not in TUNE_BACKENDS:
+            raise DaemonConfigError(f"tune.backend must be one of {', '.join(TUNE_BACKENDS)}, got {self.backend!r}")
 
 
 # -- filesystem security -----------------------------------------------------------------------------
@@ -190,25 +111,53 @@ def _group_id(group: str) -> int | None:
             raise DaemonConfigError(f"unknown unix group {group!r} (daemon.group)") from None
 
 
-def prepare_runtime_dir(d: Path, group: str = "") -> None:
-    """Create (or tighten) the directory of the IPC sockets: ours, 0700, or 0750 with `group`."""
+def prepare_runtime_dir(d: Path, group: str = "") -> bool:
+    """Make sure the directory of an IPC socket is safe to bind in. Returns True when we created it.
+
+    A missing directory is created 0700 (0750 with `group`) and marked as ours; only a directory with
+    our mark is ever chmod-ed or chown-ed again. An existing directory is used as it is, provided a
+    stranger cannot replace our socket in it: it must be ours, or not writable by others, or sticky
+    (like /tmp, where only a file's owner may remove it)."""
     gid = _group_id(group)
     mode = 0o750 if gid is not None else 0o700
-    old = os.umask(0o077)
-    try:
-        d.mkdir(parents=True, exist_ok=True, mode=mode)
-    finally:
-        os.umask(old)
+    created = False
+    if not d.exists() and not d.is_symlink():
+        d.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        old = os.umask(0o077)
+        try:
+            d.mkdir(mode=mode)
+            created = True
+        except FileExistsError:
+            pass  # raced with someone: treat it as an existing directory
+        finally:
+            os.umask(old)
     st = os.lstat(d)
-    import stat
-
     if not stat.S_ISDIR(st.st_mode):
-        raise DaemonConfigError(f"runtime directory {d} is not a directory")
-    if st.st_uid != os.getuid():
-        raise DaemonConfigError(f"runtime directory {d} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
-    if gid is not None:
-        os.chown(d, -1, gid)
-    os.chmod(d, mode)
+        raise DaemonConfigError(f"socket directory {d} is not a directory")
+    mark = d / RUNTIME_MARK
+    if created:
+        fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+    ours = st.st_uid == os.getuid() and _owned_file(mark)
+    if ours:
+        if gid is not None:
+            os.chown(d, -1, gid)
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(d, mode)
+        return created
+    others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if st.st_uid != os.getuid() and others_write and not st.st_mode & stat.S_ISVTX:
+        raise DaemonConfigError(f"socket directory {d} belongs to uid {st.st_uid} and others may write in it "
+                                "without the sticky bit: anyone could replace the socket; use a directory of your own")
+    return created
+
+
+def _owned_file(p: Path) -> bool:
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
 
 
 def _socket_alive(path: Path) -> bool:
@@ -223,8 +172,83 @@ def _socket_alive(path: Path) -> bool:
         s.close()
 
 
+def _owner_record(p: Path) -> Path:
+    return p.with_name(f".{p.name}{OWNER_SUFFIX}")
+
+
+def _read_owner_record(p: Path) -> tuple[int, int] | None:
+    """The (dev, inode) our record says we bound at `p`; None without a record of ours."""
+    rec = _owner_record(p)
+    if not _owned_file(rec):
+        return None
+    try:
+        d = json.loads(rec.read_text())
+        return int(d["dev"]), int(d["ino"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _proven_ours(p: Path) -> bool:
+    """`p` is a socket owned by us that our owner record names (same device and inode)."""
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid() and _read_owner_record(p) == (st.st_dev, st.st_ino)
+
+
+def check_socket_path(p: Path) -> None:
+    """Refuse to bind over anything but a stale socket we can prove is ours (which is removed)."""
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise DaemonConfigError(f"{p} exists and is not a socket: refusing to replace it (choose another --socket)")
+    if _socket_alive(p):
+        raise DaemonConfigError(f"another daemon is listening on {p}")
+    if not _proven_ours(p):
+        raise DaemonConfigError(f"{p} is a dead socket that no record shows this daemon created: "
+                                "remove it yourself if it is safe, or choose another --socket")
+    p.unlink()  # left over by a daemon of ours that was killed
+    _owner_record(p).unlink(missing_ok=True)
+
+
+def _record_owner(p: Path) -> None:
+    st = os.lstat(p)
+    rec = _owner_record(p)
+    if rec.exists() or rec.is_symlink():
+        if not _owned_file(rec):
+            raise DaemonConfigError(f"{rec} exists and is not ours: refusing to replace it")
+        rec.unlink()
+    fd = os.open(rec, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"dev": st.st_dev, "ino": st.st_ino, "pid": os.getpid()}, f)
+
+
 def _ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
+
+
+def _tcp_port(endpoint: str, what: str) -> int:
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise DaemonConfigError(f"{what} {endpoint!r}: expected tcp://HOST:PORT with a port in 1..65535")
+    return int(port)
+
+
+def check_endpoint(endpoint: str, what: str) -> None:
+    """A clear error for an endpoint ZeroMQ would reject with a cryptic one (or accept by surprise)."""
+    if endpoint.startswith("tcp://"):
+        _tcp_port(endpoint, what)
+    elif endpoint.startswith("ipc://"):
+        p = _ipc_path(endpoint)
+        if p is None or not str(p) or not p.is_absolute():
+            raise DaemonConfigError(f"{what} {endpoint!r}: expected ipc:///absolute/path")
+        if len(str(p).encode()) > 107:
+            raise DaemonConfigError(f"{what} {endpoint!r}: a unix socket path is at most 107 bytes")
+    elif not endpoint.startswith("inproc://"):
+        raise DaemonConfigError(f"unsupported {what} {endpoint!r}: use ipc:// or tcp://")
 
 
 def derive_pub_endpoint(endpoint: str) -> str:
@@ -232,9 +256,11 @@ def derive_pub_endpoint(endpoint: str) -> str:
     if p is not None:
         return f"ipc://{p.parent / PUB_SOCKET_NAME}"
     if endpoint.startswith("tcp://"):
-        host, _, port = endpoint[len("tcp://") :].rpartition(":")
-        if port.isdigit():
-            return f"tcp://{host}:{int(port) + 1}"
+        port = _tcp_port(endpoint, "socket")
+        if port >= 65535:
+            raise DaemonConfigError(f"the PUB port would be {port + 1} (socket port + 1), over 65535: set --pub-socket")
+        host = endpoint[len("tcp://") :].rpartition(":")[0]
+        return f"tcp://{host}:{port + 1}"
     raise DaemonConfigError(f"cannot derive a PUB endpoint from {endpoint!r}; configure daemon.pub_socket")
 
 
@@ -242,10 +268,35 @@ def load_curve_keys(secret_file: str | Path) -> tuple[bytes, bytes]:
     """(public, secret) Z85 keys from a `moetune keys generate` secret key file."""
     import zmq.auth
 
-    public, secret = zmq.auth.load_certificate(str(secret_file))
+    try:
+        public, secret = zmq.auth.load_certificate(str(secret_file))
+    except (OSError, ValueError) as e:
+        raise DaemonConfigError(f"cannot read the CURVE key file {secret_file}: {e}") from None
     if not secret:
         raise DaemonConfigError(f"{secret_file} holds no secret key")
     return public, secret
+
+
+def default_clients_dir(secret_file: str | Path) -> Path:
+    """Where the allow-list of client public keys lives by default: `clients/` beside the server key."""
+    return Path(secret_file).parent / "clients"
+
+
+def load_client_keys(directory: Path) -> list[bytes]:
+    """The client public keys in `directory` (`*.key` files written by `moetune keys`)."""
+    import zmq.auth
+
+    if not directory.is_dir():
+        raise DaemonConfigError(f"the CURVE client allow-list {directory} is not a directory: "
+                                "run `moetune keys client KEYDIR NAME` to create it with a client key")
+    keys = []
+    for f in sorted(directory.glob("*.key")):
+        try:
+            public, _ = zmq.auth.load_certificate(str(f))
+        except (OSError, ValueError) as e:
+            raise DaemonConfigError(f"cannot read the client key {f}: {e}") from None
+        keys.append(public)
+    return keys
 
 
 # -- JSON logs ------------------------------------------------------------------------------------------
@@ -277,7 +328,7 @@ def setup_logging(level: str = "info") -> None:
 
 
 # -- the daemon ---------------------------------------------------------------------------------------
-class Daemon:
+class Daemon(FabricWatch):
     def __init__(
         self,
         *,
@@ -291,6 +342,7 @@ class Daemon:
         rediscover_interval_s: float = 60.0,
         max_request_bytes: int = wire.DEFAULT_MAX_REQUEST_BYTES,
         curve_secret_key_file: str | None = None,
+        curve_clients_dir: str | Path | None = None,
         allow_insecure_tcp: bool = False,
         group: str = "",
         metrics_port: int = 0,
@@ -298,15 +350,22 @@ class Daemon:
         db_path: str = "",
         job_capacity: int = 4,
     ):
+        check_endpoint(endpoint, "socket")
+        if not 64 <= max_request_bytes <= MAX_REQUEST_BYTES_LIMIT:
+            raise DaemonConfigError(f"daemon.max_request_bytes must be in 64..{MAX_REQUEST_BYTES_LIMIT}, got {max_request_bytes}")
         self.store = store
         self.endpoint = endpoint
         self.pub_endpoint = pub_endpoint or derive_pub_endpoint(endpoint)
+        check_endpoint(self.pub_endpoint, "pub_socket")
         self._discover = discover
         self._diff = diff
         self.tune = tune or TuneSettings()
         self.interval = rediscover_interval_s
         self.max_request_bytes = max_request_bytes
         self.curve_secret_key_file = curve_secret_key_file
+        self.curve_clients_dir = Path(curve_clients_dir) if curve_clients_dir else (
+            default_clients_dir(curve_secret_key_file) if curve_secret_key_file else None)
+        self._auth: Any = None  # the ZAP authenticator thread (tcp + CURVE)
         self.allow_insecure_tcp = allow_insecure_tcp
         self.group = group
         self.metrics_port = metrics_port
@@ -318,7 +377,11 @@ class Daemon:
         self.facts: Any = None
         self.version = 0
         self._last_discovery = ("", False, "not run yet")
-        self._index = ProfileIndex([], version=0, facts=None, stale=[])
+        self.index = ProfileIndex([], version=0, facts=None, stale=[])
+        self.tune_notice = ""  # why the automatic re-tune cannot run here (shown by `status`), else ""
+        self._lists: queue.Queue[tuple[list[bytes], wire.ListProfiles] | None] = queue.Queue(maxsize=LIST_QUEUE)
+        self._list_endpoint = f"inproc://moetune-lists-{self.epoch}"
+        self._list_pull: zmq.Socket | None = None
         self._commit_lock = threading.RLock()
         self._pub_lock = threading.Lock()
         self._stop = threading.Event()
@@ -331,19 +394,12 @@ class Daemon:
         self._metrics_server: Any = None
         self._bound_paths: list[Path] = []
         self._lock_fd: int | None = None
+        self._jobs_started = False
         self.jobs = JobManager(store=store, facts_fn=lambda: self.facts, retune=retune_job or tuner_retune,
                                on_done=self._job_done, tune=self.tune, capacity=job_capacity, metrics=self.metrics)
-        self._handlers: dict[type, Callable[[Any], Any]] = {
-            wire.Hello: self._op_hello,
-            wire.GetProfile: self._op_get_profile,
-            wire.ListProfiles: self._op_list_profiles,
-            wire.Fabric: self._op_fabric,
-            wire.Status: self._op_status,
-            wire.Retune: self._op_retune,
-        }
         g = self.metrics.gauges
-        g["profiles_current"] = lambda: self._index.current_count
-        g["profiles_stale"] = lambda: len(self._index.stale)
+        g["profiles_current"] = lambda: self.index.current_count
+        g["profiles_stale"] = lambda: len(self.index.stale)
         g["jobs_queued"] = lambda: self.jobs.queued_count()
         g["jobs_running"] = lambda: 1 if self.jobs.running else 0
         g["uptime_seconds"] = lambda: time.time() - self.started
@@ -354,7 +410,11 @@ class Daemon:
         """Discover, recover jobs, bind, start the workers (and the serving loop when `background`)."""
         self._check_transport_security()
         self._lock_database()  # the single writer: before anything is written
-        self._bind()  # refuses when another daemon listens on the socket; requests wait in ZeroMQ meanwhile
+        try:
+            self._bind()  # refuses when another daemon listens on the socket; requests wait in ZeroMQ meanwhile
+        except BaseException:
+            self._close()
+            raise
         resume = self._recover()
         self._startup_discovery()
         self._resume(resume)
@@ -363,12 +423,16 @@ class Daemon:
         if self.metrics_port:
             self._metrics_server = start_metrics_server(self.metrics, self.metrics_port, self.metrics_addr)
         self.jobs.start()
+        self._jobs_started = True
+        lt = threading.Thread(target=self._list_loop, name="moetune-lists", daemon=True)
+        lt.start()
+        self._threads.append(lt)
         if self.interval > 0 and self._discover is not None:
             t = threading.Thread(target=self._discovery_loop, name="moetune-discovery", daemon=True)
             t.start()
             self._threads.append(t)
         log.info("serving", extra={"endpoint": self.endpoint, "pub_endpoint": self.pub_endpoint, "epoch": self.epoch,
-                                   "db": self.db_path, "fingerprint": self._index.fingerprint})
+                                   "db": self.db_path, "fingerprint": self.index.fingerprint})
         # Everything loaded so far (SQLAlchemy, Alembic, the index) lives for the whole run: move it out of
         # the cyclic GC's generations so that full collections do not rescan it (tail latency).
         gc.collect()
@@ -388,7 +452,10 @@ class Daemon:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self.jobs.stop(timeout=5.0)
+        if self._jobs_started:
+            self.jobs.stop(timeout=5.0)
+        with contextlib.suppress(queue.Full):
+            self._lists.put(None, timeout=2)
         for t in self._threads:
             t.join(2)
         with self._pub_lock:
@@ -398,13 +465,19 @@ class Daemon:
         if self._router is not None:
             self._router.close(linger=0)
             self._router = None
+        if self._list_pull is not None:
+            self._list_pull.close(linger=0)
+            self._list_pull = None
+        if self._auth is not None:
+            with contextlib.suppress(Exception):
+                self._auth.stop()
+            self._auth = None
         if self._metrics_server is not None:
             with contextlib.suppress(Exception):
                 self._metrics_server[0].shutdown()
-        for p in self._bound_paths:
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
-        self._write_info(running=False)
+        self._unlink_bound()
+        if self._info_path() is not None and self._info_path().parent.exists():
+            self._write_info(running=False)
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
@@ -451,21 +524,37 @@ class Daemon:
                 )
         if self.curve_secret_key_file:
             load_curve_keys(self.curve_secret_key_file)
+            if any(ep.startswith("tcp://") for ep in (self.endpoint, self.pub_endpoint)):
+                assert self.curve_clients_dir is not None
+                if not load_client_keys(self.curve_clients_dir):
+                    log.warning("the CURVE client allow-list %s is empty: every client will be refused "
+                                "(add one with `moetune keys client`)", self.curve_clients_dir)
+
+    def _start_authenticator(self) -> None:
+        """pyzmq's ZAP authenticator: a CURVE client is let in only when its public key is in the allow-list."""
+        if self._auth is not None:
+            return
+        from zmq.auth.thread import ThreadAuthenticator
+
+        assert self.curve_clients_dir is not None
+        auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("moetune.daemon.zap"))
+        auth.start()
+        auth.configure_curve(domain=ZAP_DOMAIN, location=str(self.curve_clients_dir))
+        self._auth = auth
 
     def _prepare_ipc(self, endpoint: str) -> Path | None:
         p = _ipc_path(endpoint)
         if p is None:
             return None
         prepare_runtime_dir(p.parent, self.group)
-        if p.exists() or p.is_symlink():
-            if _socket_alive(p):
-                raise DaemonConfigError(f"another daemon is listening on {p}")
-            p.unlink()  # left over by a daemon that was killed
+        check_socket_path(p)
         return p
 
     def _secure(self, s: zmq.Socket, endpoint: str) -> None:
         if endpoint.startswith("tcp://") and self.curve_secret_key_file:
             public, secret = load_curve_keys(self.curve_secret_key_file)
+            self._start_authenticator()
+            s.zap_domain = ZAP_DOMAIN.encode()
             s.curve_secretkey = secret
             s.curve_publickey = public
             s.curve_server = True
@@ -482,10 +571,11 @@ class Daemon:
         finally:
             os.umask(old)
         if p is not None:
+            self._bound_paths.append(p)  # we created it: ours to chmod and, at exit, to remove
+            _record_owner(p)
             if gid is not None:
                 os.chown(p, -1, gid)
             os.chmod(p, 0o660 if gid is not None else 0o600)
-            self._bound_paths.append(p)
 
     def _bind(self) -> None:
         r = self._ctx.socket(zmq.ROUTER)
@@ -494,12 +584,25 @@ class Daemon:
         r.setsockopt(zmq.MAXMSGSIZE, self.max_request_bytes * HARD_CAP_FACTOR)
         r.sndhwm = 10000
         r.rcvhwm = 10000
-        self._bind_one(r, self.endpoint)
         self._router = r
+        self._bind_one(r, self.endpoint)
         p = self._ctx.socket(zmq.PUB)
         p.linger = 0
-        self._bind_one(p, self.pub_endpoint)
         self._pub = p
+        self._bind_one(p, self.pub_endpoint)
+        pull = self._ctx.socket(zmq.PULL)
+        pull.linger = 0
+        pull.bind(self._list_endpoint)
+        self._list_pull = pull
+
+    def _unlink_bound(self) -> None:
+        """Remove the sockets we bound, only while they are still the files we created."""
+        for p in self._bound_paths:
+            with contextlib.suppress(OSError):
+                if _proven_ours(p):
+                    p.unlink()
+                _owner_record(p).unlink(missing_ok=True)
+        self._bound_paths = []
 
     def _info_path(self) -> Path | None:
         p = _ipc_path(self.endpoint)
@@ -515,8 +618,11 @@ class Daemon:
             "pid": os.getpid() if running else None, "running": running, "updated": now(),
             "fingerprint": getattr(self.facts, "fingerprint", None),
             "software": getattr(self.facts, "software_hash", None),
-            "transports": _transport_names(self.facts) if self.facts is not None else [],
+            "transports": transport_names(self.facts) if self.facts is not None else [],
         }
+        if (path.exists() or path.is_symlink()) and not _owned_file(path):
+            log.warning("not writing %s: a file there is not ours", path)
+            return
         tmp = path.with_name(f".{INFO_NAME}.{os.getpid()}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640 if self.group else 0o600)
@@ -532,10 +638,11 @@ class Daemon:
     # -- serving loop ------------------------------------------------------------------------------
     def serve_forever(self) -> None:
         """Answer requests until stop() or a signal. Runs in the calling thread."""
-        assert self._router is not None, "start() first"
-        router = self._router
+        assert self._router is not None and self._list_pull is not None, "start() first"
+        router, pull = self._router, self._list_pull
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
         handle = self._handle
         observe = self.metrics.observe
         perf = time.perf_counter
@@ -544,6 +651,13 @@ class Daemon:
             while not stop.is_set():
                 if not poller.poll(100):
                     continue
+                while True:  # replies of the list worker
+                    try:
+                        out = pull.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    with contextlib.suppress(zmq.ZMQError):
+                        router.send_multipart(out, zmq.NOBLOCK)
                 for _ in range(1024):
                     try:
                         frames = router.recv_multipart(zmq.NOBLOCK)
@@ -560,7 +674,9 @@ class Daemon:
                     else:
                         self.metrics.dropped_frames += 1
                         continue
-                    reply, op, outcome = handle(body)
+                    reply, op, outcome = handle(body, head)
+                    if reply is None:
+                        continue  # handed to the list worker, which answers
                     try:
                         router.send_multipart([*head, reply], zmq.NOBLOCK)
                     except zmq.ZMQError:  # peer gone (ROUTER_MANDATORY) or its queue full: drop
@@ -570,14 +686,25 @@ class Daemon:
             if self._serve_thread is None:
                 self._close()
 
-    def _handle(self, frame: bytes) -> tuple[bytes, str, str]:
+    def _handle(self, frame: bytes, head: list[bytes] | None = None) -> tuple[bytes | None, str, str]:
+        """Decode one request and answer it; None when the reply will come from the list worker."""
         try:
             req = wire.decode_request(frame, self.max_request_bytes)
         except wire.WireError as e:
             return wire.encode_error(e.req_id, self.epoch, e.code, e.message), "invalid", e.code
         op = req.__struct_config__.tag
         try:
-            ok, payload = self._handlers[type(req)](req)
+            res = handlers.HANDLERS[type(req)](self, req)
+            if res is handlers.DEFERRED:
+                if head is None:  # a direct call (tests): answer inline
+                    res = True, msgspec.Raw(self._list_page(req))
+                else:
+                    try:
+                        self._lists.put_nowait((head, req))
+                        return None, op, "deferred"
+                    except queue.Full:
+                        res = False, (wire.E_BUSY, f"{LIST_QUEUE} list requests are waiting: retry later")
+            ok, payload = res
         except Exception as e:
             log.exception("op %s failed", op)
             return wire.encode_error(req.id, self.epoch, wire.E_INTERNAL, f"{type(e).__name__}: {e}"), op, wire.E_INTERNAL
@@ -586,115 +713,50 @@ class Daemon:
         code, message = payload
         return wire.encode_error(req.id, self.epoch, code, message), op, code
 
-    # -- ops -----------------------------------------------------------------------------------------
-    def _op_get_profile(self, req: wire.GetProfile) -> tuple[bool, Any]:
-        idx = self._index
-        key = attrgetter(*_GP_KEY_FIELDS)(req)  # every field but v/id
-        hit = idx.cache.get(key)
-        if hit is None:
-            hit = idx.lookup(req)
-            if len(idx.cache) < CACHE_LIMIT:
-                idx.cache[key] = hit
-        if hit[0]:
-            self.metrics.profiles_served += 1
-        return hit
+    def _list_page(self, req: wire.ListProfiles) -> bytes:
+        idx = self.index
+        history = None
+        if req.status in ("superseded", "all"):  # the history lives in the store only
+            history = read_profiles(self.store, status=None if req.status == "all" else req.status,
+                                    fingerprint=req.fingerprint)
+        raw = idx.list_page(req.status, req.fingerprint, req.limit, history)
+        if len(idx.list_cache) < LIST_CACHE_LIMIT:
+            idx.list_cache[(req.status, req.fingerprint, req.limit)] = raw
+        return raw
 
-    def _op_hello(self, req: wire.Hello) -> tuple[bool, Any]:
-        idx = self._index
-        return True, wire.HelloResult(protocol=wire.PROTOCOL_VERSION, daemon_version=__version__, epoch=self.epoch,
-                                      pub_endpoint=self.pub_endpoint, version=idx.version, fingerprint=idx.fingerprint,
-                                      ops=list(wire.OPS))
-
-    def _op_list_profiles(self, req: wire.ListProfiles) -> tuple[bool, Any]:
-        idx = self._index
-        key = (req.status, req.fingerprint, req.limit)
-        raw = idx.list_cache.get(key)
-        if raw is None:
-            if req.status == "current":
-                recs = idx.records
-            elif req.status == "stale":
-                recs = idx.stale
-            else:  # history: read from the store (rare, not the hot path; WAL readers never block)
-                rows = self.store.list_profiles(status=None if req.status == "all" else req.status, fingerprint=req.fingerprint)
-                recs = [r for _, r in rows]
-            if req.fingerprint:
-                recs = [r for r in recs if r.key.fingerprint == req.fingerprint]
-            res = wire.ListProfilesResult(
-                version=idx.version, fingerprint=idx.fingerprint,
-                profiles=[wire.ProfileResult.from_record(r, env=launcher_env(r.knobs, r.key.transport_family, r.key.nodes),
-                                                         version=idx.version) for r in recs[: req.limit]],
-            )
-            raw = wire.encoder.encode(res)
-            if len(idx.list_cache) < 64:
-                idx.list_cache[key] = raw
-        return True, msgspec.Raw(raw)
-
-    def _op_fabric(self, req: wire.Fabric) -> tuple[bool, Any]:
-        f = self.facts
-        when, ok, msg = self._last_discovery
-        return True, wire.FabricResult(fingerprint=getattr(f, "fingerprint", None), software=getattr(f, "software_hash", None),
-                                       transports=_transport_names(f) if f is not None else [],
-                                       facts=_facts_dict(f) if f is not None else {}, discovered_at=when, ok=ok, message=msg)
-
-    def _jobs_info(self) -> wire.JobsInfo:
-        queued, running, recent = self.jobs.info()
-        return wire.JobsInfo(queued=queued, running=running, recent=recent, capacity=self.jobs.capacity)
-
-    def _op_status(self, req: wire.Status) -> tuple[bool, Any]:
-        idx = self._index
-        when, ok, msg = self._last_discovery
-        return True, wire.StatusResult(
-            epoch=self.epoch, daemon_version=__version__, pid=os.getpid(), uptime_s=time.time() - self.started,
-            db=self.db_path, endpoint=self.endpoint, pub_endpoint=self.pub_endpoint, version=idx.version,
-            fingerprint=idx.fingerprint, last_discovery=when, last_discovery_ok=ok, last_discovery_message=msg,
-            profiles_current=idx.current_count, profiles_stale=len(idx.stale), requests=self.metrics.total_requests(),
-            jobs=self._jobs_info(),
-        )
-
-    def _op_retune(self, req: wire.Retune) -> tuple[bool, Any]:
-        if req.cancel is not None:
-            job = self.jobs.cancel(req.cancel)
-            if job is None:
-                return False, (wire.E_NOT_FOUND, f"no queued or running job {req.cancel}")
-            return True, wire.RetuneResult(job=job.info(), message=f"cancelling job {job.id}")
-        idx = self._index
-        if idx.fingerprint is None:
-            return False, (wire.E_NOT_FOUND, "the fabric is unknown (discovery failed); nothing to re-tune for")
-        keys = self._retune_keys(idx, all_current=req.all)
-        if not keys:
-            return True, wire.RetuneResult(job=None, message="nothing to re-tune: no stale profile lacks a current one")
+    def _list_loop(self) -> None:
+        """The list worker: answers uncached list_profiles off the serving thread."""
+        push = self._ctx.socket(zmq.PUSH)
+        push.linger = 0
+        push.connect(self._list_endpoint)
         try:
-            job = self.jobs.submit(reason=req.reason, old_fingerprint=None, keys=keys, all_current=req.all,
-                                   persist_async=True)  # the serving loop never waits on the database
-        except queue.Full:
-            return False, (wire.E_BUSY, f"the job queue is full ({self.jobs.capacity} jobs)")
-        return True, wire.RetuneResult(job=job.info(), message=f"queued job {job.id} for {len(keys)} key(s)")
-
-    @staticmethod
-    def _retune_keys(idx: ProfileIndex, *, all_current: bool) -> list[ProfileKey]:
-        def tkey(k: ProfileKey) -> tuple:
-            return (k.ep_size, k.nodes, k.hidden, k.intermediate, k.experts, k.topk, k.dtype, k.token_bucket)
-
-        have = {tkey(r.key) for r in idx.records if r.key.fingerprint == idx.fingerprint}
-        out: dict[tuple, ProfileKey] = {}
-        for r in idx.stale:
-            if tkey(r.key) not in have:
-                out.setdefault(tkey(r.key), r.key)
-        if all_current:
-            for r in idx.records:
-                if r.key.fingerprint == idx.fingerprint:
-                    out.setdefault(tkey(r.key), r.key)
-        return list(out.values())
+            while True:
+                item = self._lists.get()
+                if item is None:
+                    return
+                head, req = item
+                t0 = time.perf_counter()
+                try:
+                    reply = wire.encode_ok(req.id, self.epoch, msgspec.Raw(self._list_page(req)))
+                    outcome = "ok"
+                except Exception as e:
+                    log.exception("list_profiles failed")
+                    reply = wire.encode_error(req.id, self.epoch, wire.E_INTERNAL, f"{type(e).__name__}: {e}")
+                    outcome = wire.E_INTERNAL
+                push.send_multipart([*head, reply])
+                self.metrics.observe("list_profiles", outcome, time.perf_counter() - t0)
+        finally:
+            push.close(linger=0)
 
     # -- writes (worker threads) -------------------------------------------------------------------
     def _rebuild(self, changes: list[dict[str, Any]] | None = None) -> None:
         """Re-read the store into a new index; then publish `changes` with fresh versions."""
         changes = changes or []
         with self._commit_lock:
-            current = [r for _, r in self.store.list_profiles(status="current")]
-            stale = [r for _, r in self.store.list_profiles(status="stale")]
+            current = read_profiles(self.store, status="current")
+            stale = read_profiles(self.store, status="stale")
             version = self.version + len(changes)
-            self._index = ProfileIndex(current, version=version, facts=self.facts, stale=stale)
+            self.index = ProfileIndex(current, version=version, facts=self.facts, stale=stale)
             first = self.version + 1
             self.version = version
             for n, ch in enumerate(changes):
@@ -709,107 +771,6 @@ class Daemon:
             except zmq.ZMQError as e:
                 log.warning("cannot publish %s: %s", change.kind, e)
         log.info("published %s v%d", change.kind, change.version, extra={"fingerprint": change.fingerprint})
-
-    def _last_fabric_event(self) -> dict[str, Any] | None:
-        for e in self.store.list_events(limit=500):  # newest first
-            kind = e["kind"] if isinstance(e, dict) else e.kind
-            if kind in ("fabric_seen", "fabric_changed"):
-                d = e["details"] if isinstance(e, dict) else e.details
-                if isinstance(d, dict) and d.get("fingerprint"):
-                    return d
-        return None
-
-    def _discover_once(self) -> Any:
-        """Run discovery once and record the outcome (status op, metrics); None when it failed."""
-        try:
-            facts = self._discover()  # type: ignore[misc]
-        except Exception as e:
-            self._last_discovery = (now(), False, f"{type(e).__name__}: {e}")
-            self.metrics.discovery("error")
-            log.error("fabric discovery failed: %s", e)
-            return None
-        self.metrics.discovery("ok")
-        self._last_discovery = (now(), True, "")
-        return facts
-
-    def _startup_discovery(self) -> None:
-        if self._discover is None:
-            self._last_discovery = (now(), False, "no discovery configured")
-            return
-        facts = self._discover_once()
-        if facts is None:
-            return
-        last = self._last_fabric_event()
-        if last is not None and last.get("fingerprint") != facts.fingerprint:
-            self._fabric_changed(last.get("fingerprint"), last.get("facts") or {}, facts, rebuild=False)
-            return
-        self.facts = facts
-        self.store.upsert_fingerprint(facts.fingerprint, _facts_dict(facts))
-        if last is None:
-            self.store.add_event(kind="fabric_seen", reason="first discovery",
-                                 details={"fingerprint": facts.fingerprint, "facts": _facts_dict(facts)})
-
-    def _fabric_changed(self, old_fp: str | None, old_facts: dict[str, Any], facts: Any, *, rebuild: bool = True) -> None:
-        new_dict = _facts_dict(facts)
-        try:
-            reasons = self._diff(old_facts, new_dict) if old_facts else ["no previous facts recorded"]
-        except Exception as e:
-            reasons = [f"facts changed (diff failed: {e})"]
-        reason = "; ".join(reasons)[:4000]
-        log.warning("fabric changed", extra={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "reasons": reasons})
-        self.metrics.fabric_changes += 1
-        self.store.upsert_fingerprint(facts.fingerprint, new_dict)
-        self.store.add_event(kind="fabric_changed", reason=reason,
-                             details={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "reasons": reasons, "facts": new_dict})
-        stale_recs = [r for _, r in self.store.list_profiles(status="current", fingerprint=old_fp)] if old_fp else []
-        if old_fp:
-            self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000])
-        with self._commit_lock:
-            self.facts = facts
-            self._write_info(running=True)
-            changes = [dict(kind="fabric_changed", fingerprint=facts.fingerprint, old_fingerprint=old_fp, reasons=reasons)]
-            if stale_recs:
-                changes.append(dict(kind="profile_stale", fingerprint=old_fp, profiles=[r.profile_hash for r in stale_recs],
-                                    keys=[r.key for r in stale_recs], reasons=reasons))
-            if rebuild:
-                self._rebuild(changes)
-        if stale_recs:
-            try:
-                self.jobs.submit(reason=f"fabric changed: {reason}"[:512], old_fingerprint=old_fp,
-                                 keys=[r.key for r in stale_recs])
-            except queue.Full:
-                log.error("job queue full: the re-tune after the fabric change was not queued")
-
-    def rediscover(self) -> None:
-        """One discovery round (the worker calls this every interval)."""
-        facts = self._discover_once()
-        if facts is None:
-            return
-        old = self.facts
-        if old is not None and old.fingerprint == facts.fingerprint:
-            return
-        if old is None:
-            last = self._last_fabric_event()
-            if last is None or last.get("fingerprint") == facts.fingerprint:
-                with self._commit_lock:
-                    self.facts = facts
-                    self.store.upsert_fingerprint(facts.fingerprint, _facts_dict(facts))
-                    if last is None:
-                        self.store.add_event(kind="fabric_seen", reason="first discovery",
-                                             details={"fingerprint": facts.fingerprint, "facts": _facts_dict(facts)})
-                    self._write_info(running=True)
-                    self._rebuild([dict(kind="fabric_changed", fingerprint=facts.fingerprint, reasons=["fabric discovered"])])
-                return
-            self._fabric_changed(last.get("fingerprint"), last.get("facts") or {}, facts)
-            return
-        self._fabric_changed(old.fingerprint, _facts_dict(old), facts)
-
-    def _discovery_loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.rediscover()
-            except Exception:
-                log.exception("discovery round failed")
 
     def _recover(self) -> list[dict[str, Any]]:
         resume, next_id = recover_jobs(self.store)
@@ -828,6 +789,10 @@ class Daemon:
                 log.error("job queue full: job %s not resumed", d.get("job_id"))
 
     def _job_done(self, job: Any, written: list[ProfileRecord]) -> None:
+        if getattr(job, "impossible", False):
+            self.tune_notice = job.message
+        elif job.state == "done":
+            self.tune_notice = ""
         changes = []
         if written:
             changes.append(dict(kind="profile_updated", fingerprint=getattr(self.facts, "fingerprint", None),
@@ -866,10 +831,15 @@ def run_daemon(
     discover_hook: str | None = None,
     retune_hook: str | None = None,
     log_level: str | None = None,
+    curve_clients_dir: Path | None = None,
 ) -> int:
     """Build a Daemon from config + options and serve until SIGTERM/SIGINT. Returns the exit code."""
-    cfg = _load_config(config)
+    cfg = _load_config(config)  # ConfigError (a ValueError) names the key and the file
     d = cfg.daemon
+    if rediscover_interval is not None and rediscover_interval < 0:
+        raise DaemonConfigError(f"--rediscover-interval must be >= 0, got {rediscover_interval}")
+    if metrics_port is not None and not 0 <= metrics_port <= 65535:
+        raise DaemonConfigError(f"--metrics-port must be in 0..65535, got {metrics_port}")
     setup_logging(log_level or d.log_level)
     endpoint = socket or d.socket
     pub = pub_socket or (derive_pub_endpoint(endpoint) if socket else d.pub_socket)
@@ -892,6 +862,7 @@ def run_daemon(
         tune=TuneSettings(backend=cfg.tune.backend, trials=cfg.tune.trials, timeout_s=cfg.tune.timeout_s),
         rediscover_interval_s=d.rediscover_interval_s if rediscover_interval is None else rediscover_interval,
         max_request_bytes=d.max_request_bytes, curve_secret_key_file=d.curve_secret_key_file or None,
+        curve_clients_dir=curve_clients_dir,
         allow_insecure_tcp=d.allow_insecure_tcp if allow_insecure_tcp is None else allow_insecure_tcp,
         group=d.group, metrics_port=d.metrics_port if metrics_port is None else metrics_port, db_path=str(db_path),
     )
@@ -912,6 +883,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capture", type=Path)
     ap.add_argument("--allow-insecure-tcp", action="store_true", default=None)
     ap.add_argument("--log-level")
+    ap.add_argument("--curve-clients-dir", type=Path)
     # test/plugin hooks: module:callable
     ap.add_argument("--store-hook", help=argparse.SUPPRESS)
     ap.add_argument("--discover-hook", help=argparse.SUPPRESS)
@@ -920,8 +892,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_daemon(socket=a.socket, pub_socket=a.pub_socket, db=a.db, config=a.config, metrics_port=a.metrics_port,
                           rediscover_interval=a.rediscover_interval, capture=a.capture, allow_insecure_tcp=a.allow_insecure_tcp,
-                          store_hook=a.store_hook, discover_hook=a.discover_hook, retune_hook=a.retune_hook, log_level=a.log_level)
-    except (DaemonConfigError, ValueError, OSError, zmq.ZMQError) as e:  # config, key files, bind
+                          store_hook=a.store_hook, discover_hook=a.discover_hook, retune_hook=a.retune_hook, log_level=a.log_level,
+                          curve_clients_dir=a.curve_clients_dir)
+    except (DaemonConfigError, ValueError, OverflowError, OSError, zmq.ZMQError) as e:  # config, key files, bind
         print(f"moetune serve: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # StoreError: not a database, unknown revision, cannot open

@@ -329,6 +329,10 @@ def _nvml_facts() -> dict[str, Any] | None:
                 "pci_bus_id": s(pynvml.nvmlDeviceGetPciInfo(h).busId),
                 "memory_mib": int(pynvml.nvmlDeviceGetMemoryInfo(h).total) // (1024 * 1024),
             }
+            try:
+                g["serial"] = s(pynvml.nvmlDeviceGetSerial(h))
+            except Exception:  # not every board reports one (consumer GPUs): the UUID still identifies it
+                g["serial"] = ""
             for key, fn in (
                 ("compute_capability", pynvml.nvmlDeviceGetCudaComputeCapability),
                 ("pcie_gen_max", pynvml.nvmlDeviceGetMaxPcieLinkGeneration),
@@ -601,6 +605,7 @@ def parse_smi_xml(text: str, where: str, src: Source) -> tuple[list[dict[str, An
             "pci_bus_id": bus,
             "name": name,
             "uuid": (g.findtext("uuid") or "").strip(),
+            "serial": _serial(g.findtext("serial")),
             "memory_mib": mem or 0,
             "compute_capability": (g.findtext("compute_cap") or "").strip(),
             "pcie_gen_max": _int_or_none(g.findtext(link + "pcie_gen/max_link_gen"), where, f"GPU {bus} PCIe max gen", src),
@@ -685,6 +690,12 @@ def parse_matrix(text: str, where: str, src: Source, what: str, value_re: re.Pat
                 raise src.error(where, f"row {toks[0]}: unknown entry {v!r}")
         rows[toks[0]] = vals
     return {"cols": cols, "rows": rows, "legend": legend}
+
+
+def _serial(text: Any) -> str:
+    """A board serial, or "" where the tool says it has none."""
+    v = str(text or "").strip()
+    return "" if v.upper() in ("N/A", "NOT SUPPORTED", "[N/A]", "0") else v
 
 
 _GPU_HDR = re.compile(r"^GPU\s+(\d+)\s*:\s*(.*?)\s*(?:\(UUID:\s*([^)\s]+)\s*\))?\s*$")
@@ -850,6 +861,7 @@ def _gpu_api_rows(api: dict[str, Any]) -> list[dict[str, Any]]:
                 "pci_bus_id": normalize_bus_id(str(g.get("pci_bus_id", ""))),
                 "name": str(g["name"]),
                 "uuid": str(g.get("uuid", "")),
+                "serial": _serial(g.get("serial")),
                 "memory_mib": int(g.get("memory_mib") or 0),
                 "compute_capability": str(g.get("compute_capability", "")),
                 "pcie_gen_max": None if g.get("pcie_gen_max") is None else int(g["pcie_gen_max"]),
@@ -917,6 +929,7 @@ def _discover_gpus(src: Source, facts: FabricFacts, tools: dict[str, str]) -> di
                 index=i,
                 model=d["name"],
                 uuid=d["uuid"],
+                serial=d.get("serial", ""),
                 pci_bus_id=d["pci_bus_id"],
                 memory_mib=d["memory_mib"],
                 compute_capability=cc,

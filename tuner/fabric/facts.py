@@ -38,6 +38,7 @@ class GPU(msgspec.Struct, kw_only=True):
     index: int  # nvidia-smi index (PCI bus order)
     model: str
     uuid: str = ""
+    serial: str = ""  # the board serial (nvidia-smi <serial>, NVML): with the UUID, which part sits in the slot
     pci_bus_id: str = ""
     memory_mib: int = 0
     compute_capability: str = ""  # "9.0"
@@ -213,6 +214,14 @@ class FabricFacts(msgspec.Struct, kw_only=True):
         from moetune.tuner.fabric.fingerprint import fingerprint
 
         return fingerprint(self.to_dict())
+
+    @property
+    def identity_hash(self) -> str:
+        """Which physical GPUs these are (UUIDs and serials): a part replaced by another of the same model
+        changes this, not the fingerprint (which stays shared by identical nodes)."""
+        from moetune.tuner.fabric.fingerprint import identity_hash
+
+        return identity_hash(self.to_dict())
 
     @property
     def hardware_hash(self) -> str:

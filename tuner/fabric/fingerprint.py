@@ -9,8 +9,11 @@ recomputed and diffed without the node. What goes in:
   (nvidia_peermem, dma-buf), libfabric fabric providers, node count;
 - software: driver, CUDA, CUDA runtime, NCCL, NVSHMEM, torch, nvshmem4py, libfabric, moetune.
 
-Never in it: names and order of devices (GPU index, PCI bus id, UUID, NIC names), temperatures, clocks,
+Never in it: names and order of devices (GPU index, PCI bus id, UUID, serial, NIC names), temperatures, clocks,
 free memory, processes, uptime, the current PCIe generation (drops at idle), how long discovery took.
+Which physical parts are present (UUIDs, serials) is the companion `identity_hash`: a GPU swapped for
+another of the same model keeps the fingerprint (identical nodes share profiles) but changes the
+identity, and `diff_facts` says "GPU 1 replaced: serial A → B".
 Each GPU and NIC becomes a descriptor; descriptors are sorted, so any reordering of devices hashes the
 same.
 """
@@ -120,6 +123,23 @@ def canonical_software(facts: dict[str, Any]) -> dict[str, Any]:
     return {"v": FINGERPRINT_VERSION, **{k: str(sw.get(k, "none")) for k in SOFTWARE_LABELS}}
 
 
+def identity_hash(facts: dict[str, Any]) -> str:
+    """Hash of which physical GPUs the node holds (serials, else UUIDs), in any order. The fingerprint
+    leaves them out so identical nodes share profiles; this companion hash changes when a part is
+    swapped for another of the same model, which is a hardware change all the same."""
+    ids = sorted(f"{g.get('serial') or ''}/{g.get('uuid') or ''}" for g in facts.get("gpus", []) or [])
+    return _hash({"gpus": ids})
+
+
+def _replacement(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """'serial A → B' (or 'UUID A → B') when the GPU in a slot is another part; '' when it is the same."""
+    if a.get("serial") and b.get("serial") and a["serial"] != b["serial"]:
+        return f"serial {a['serial']} → {b['serial']}"
+    if a.get("uuid") and b.get("uuid") and a["uuid"] != b["uuid"]:
+        return f"UUID {a['uuid']} → {b['uuid']}"
+    return ""
+
+
 def hardware_hash(facts: dict[str, Any]) -> str:
     return _hash({"hardware": canonical_hardware(facts)})
 
@@ -182,6 +202,9 @@ def _diff_gpu(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Reasons for one matched GPU, with '{G}' where its label goes."""
     out: list[str] = []
     label = "{G}"
+    replaced = _replacement(a, b)
+    if replaced:
+        out.append(f"{label} replaced: {replaced}")
     if a.get("model") != b.get("model"):
         out.append(f"{label} model {_fmt(a.get('model'))} → {_fmt(b.get('model'))}")
     if a.get("memory_mib") != b.get("memory_mib"):

@@ -608,8 +608,11 @@ def _git(*args: str) -> str:
         return ""
 
 
-def machine_facts(backend: str) -> dict[str, Any]:
-    """The stamp every row carries: code (git SHA + dirty), versions, GPU, fabric fingerprint, hardware."""
+def machine_facts(backend: str, fingerprint: Callable[[], str] | None = None) -> dict[str, Any]:
+    """The stamp every row carries: code (git SHA + dirty), versions, GPU, fabric fingerprint, hardware.
+
+    `fingerprint` computes the fabric fingerprint (the CLI passes discovery's; measure does not import
+    fabric, import rule 3)."""
     import torch
 
     from moetune.tuner import __version__
@@ -624,9 +627,7 @@ def machine_facts(backend: str) -> dict[str, Any]:
         except (RuntimeError, AttributeError):
             nccl = ""
     try:
-        from moetune.tuner.fabric.discovery import discover
-
-        fp = discover().fingerprint
+        fp = fingerprint() if fingerprint is not None else "unknown (not given)"
     except Exception as e:  # discovery is a stamp here, not the measurement: say why it is missing
         fp = f"unknown ({type(e).__name__})"
     gpu = torch.cuda.get_device_name(0) if gpus else "none"
@@ -670,7 +671,7 @@ def check_machine(s: Scenario, smoke: bool, gpus: int) -> Needs:
 
 def run(s: Scenario, *, case: str | None = None, launches: int | None = None, smoke: bool = False,
         results: Path = SUMMARY_CSV, progress: Callable[[str], None] | None = None,
-        gpus: int | None = None) -> list[dict[str, Any]]:
+        gpus: int | None = None, fingerprint: Callable[[], str] | None = None) -> list[dict[str, Any]]:
     """Run the scenario's launches, append one row per (case, launch, metric) to `results`, return the rows."""
     if gpus is None:
         import torch
@@ -681,7 +682,7 @@ def run(s: Scenario, *, case: str | None = None, launches: int | None = None, sm
     n_launch = launches if launches is not None else (1 if smoke else s.launches)
     if n_launch < 1:
         raise ScenarioError(f"--launches must be >= 1, got {n_launch}")
-    facts = machine_facts(needs.backend)
+    facts = machine_facts(needs.backend, fingerprint)
     base = s.baseline.name
     rows: list[dict[str, Any]] = []
     for li in range(n_launch):

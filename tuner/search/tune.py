@@ -35,6 +35,7 @@ from moetune.tuner.search.backends import (
     preset_link_rates,
 )
 from moetune.tuner.search.policy import Policy, PolicyError, load_policy
+from moetune.tuner.search.progress import NoProgress, Progress
 from moetune.tuner.search.space import SearchSpace
 from moetune.tuner.search.study import (
     BucketPrior,
@@ -211,7 +212,7 @@ def tune_profiles(store: Any, facts: Any, **options: Any) -> list[ProfileRecord]
 def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], tokens: list[int],
                            backend: str | BenchmarkBackend = "model", preset: str | None = None, trials: int = 40,
                            timeout_s: float | None = None, ep_size: int | None = None, nodes: int = 1,
-                           progress: bool = True, storage: str | None = None, seed: int | None = 0,
+                           progress: Progress | None = None, storage: str | None = None, seed: int | None = 0,
                            families: Sequence[str] | None = None, policy_override: str | Path | None = None,
                            routing: str = "uniform", local_options: Mapping[str, Any] | None = None,
                            on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
@@ -282,7 +283,7 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
     rates = facts_link_rates(facts)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
-    bar = _Progress(progress)
+    bar: Progress = progress or NoProgress()
     out: list[TuneResult] = []
     try:
         for fam, pol in policies.items():
@@ -311,7 +312,6 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
                                          seed=seed, bar=bar, facts=facts, on_trial=on_trial,
                                          neighbour=neighbour_bucket(st, key, be.label, model.name)))
     finally:
-        bar.close()
         if be is not backend and isinstance(be, LocalBackend):
             be.close()  # built here (a backend name): end its persistent bench workers
     return out
@@ -326,7 +326,7 @@ def _store_db_path(store: Any) -> str | None:
 
 def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, key: ProfileKey,
               space: SearchSpace, be: BenchmarkBackend, wl: TuneWorkload, *, trials: int, timeout_s: float | None,
-              seed: int | None, bar: _Progress, facts: Any,
+              seed: int | None, bar: Progress, facts: Any,
               on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None,
               neighbour: BucketPrior | None = None) -> TuneResult:
     run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label) if store is not None else None
@@ -414,40 +414,3 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
     if not written:
         rec.status = "superseded"
     return rec, written, reason
-
-
-# ---------------------------------------------------------------------------------------------------
-# progress
-
-
-class _Progress:
-    """A Rich progress bar per study (trials, best so far); silent when disabled."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self._p = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            # progress goes to stderr, so `--json` output on stdout stays parseable
-            self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                               TextColumn("best {task.fields[best]}"), TimeElapsedColumn(), transient=False,
-                               console=Console(stderr=True))
-            self._p.start()
-
-    def add(self, desc: str, total: int, done: int) -> Any:
-        if self._p is None:
-            return None
-        return self._p.add_task(desc, total=total, completed=min(done, total), best="-")
-
-    def update(self, task: Any, done: int, best: float | None) -> None:
-        if self._p is None or task is None:
-            return
-        self._p.update(task, completed=done, best="-" if best is None else f"{best:,.1f} µs")
-
-    def close(self) -> None:
-        if self._p is not None:
-            self._p.stop()
-
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as _dt
 import logging
 from typing import Any
 
@@ -115,3 +116,8 @@ def row_from_record(rec: ProfileRecord, ts: str, *, keep_times: bool = False, st
         provenance=rec.provenance,
         measured_on=rec.measured_on,
     )
+
+
+def now() -> str:
+    """UTC now as ISO-8601 (the store's timestamp format)."""
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds")

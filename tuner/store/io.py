@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 
 from moetune.runtime.knobs import KnobError
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.tuner.store._rows import current_of, decide, key_filter, row_from_record
+from moetune.tuner.store._rows import current_of, decide, key_filter, now, row_from_record
 from moetune.tuner.store.models import Fingerprint, Profile
 from moetune.tuner.store.validate import FieldError, check_import_record
 
@@ -164,7 +164,6 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>") -> Import
     one key: an imported current profile replaces a stored one only through the replacement gate
     (modelled never displaces measured; like with like beats the noise), else it is kept as `superseded`.
     Records already present are skipped."""
-    from moetune.tuner.store.store import now
 
     doc = parse_export(data, source=source)
     result = ImportResult()

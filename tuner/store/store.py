@@ -11,7 +11,6 @@ The exchange type is `moetune.runtime.profile_record.ProfileRecord`.
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import os
 import sqlite3
 import urllib.parse
@@ -37,6 +36,7 @@ from moetune.tuner.store._rows import (
     PROVENANCE_RANK,
     current_of,
     decide,
+    now,
     records,
     row_from_record,
     select_records,
@@ -90,11 +90,6 @@ class Row(dict):
         except KeyError:
             raise AttributeError(name) from None
 
-
-
-def now() -> str:
-    """UTC now as ISO-8601 (the store's timestamp format)."""
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds")
 
 
 

@@ -1,0 +1,131 @@
+"""One function per wire op: `(daemon, request) -> (ok, result | (code, message))`.
+
+They run on the serving loop and read only the in-memory index, the job manager's cheap `info()` and
+the last discovery; the one exception, an uncached `list_profiles`, is handed to the list worker
+(`DEFERRED`) so that a burst of list requests never holds up `get_profile`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from collections.abc import Callable
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from moetune.runtime import wire
+from moetune.runtime.profile_record import ProfileKey
+from moetune.tuner import __version__
+from moetune.tuner.daemon.index import CACHE_LIMIT, ProfileIndex
+from moetune.tuner.daemon.watch import facts_dict, transport_names
+
+if TYPE_CHECKING:
+    from moetune.tuner.daemon.server import Daemon
+
+Result = tuple[bool, Any]
+DEFERRED: Result = (True, None)  # the list worker sends the reply
+
+_GP_KEY_FIELDS = tuple(f for f in wire.GetProfile.__struct_fields__ if f not in ("v", "id"))
+_gp_key = attrgetter(*_GP_KEY_FIELDS)
+
+
+def get_profile(d: Daemon, req: wire.GetProfile) -> Result:
+    idx = d.index
+    key = _gp_key(req)  # every field but v/id
+    hit = idx.cache.get(key)
+    if hit is None:
+        hit = idx.lookup(req)
+        if len(idx.cache) < CACHE_LIMIT:
+            idx.cache[key] = hit
+    if hit[0]:
+        d.metrics.profiles_served += 1
+    return hit
+
+
+def hello(d: Daemon, req: wire.Hello) -> Result:
+    idx = d.index
+    return True, wire.HelloResult(protocol=wire.PROTOCOL_VERSION, daemon_version=__version__, epoch=d.epoch,
+                                  pub_endpoint=d.pub_endpoint, version=idx.version, fingerprint=idx.fingerprint,
+                                  ops=list(wire.OPS))
+
+
+def list_profiles(d: Daemon, req: wire.ListProfiles) -> Result:
+    raw = d.index.list_cache.get((req.status, req.fingerprint, req.limit))
+    if raw is not None:
+        return True, msgspec.Raw(raw)
+    return DEFERRED
+
+
+def fabric(d: Daemon, req: wire.Fabric) -> Result:
+    f = d.facts
+    when, ok, msg = d._last_discovery
+    return True, wire.FabricResult(fingerprint=getattr(f, "fingerprint", None), software=getattr(f, "software_hash", None),
+                                   transports=transport_names(f) if f is not None else [],
+                                   facts=facts_dict(f) if f is not None else {}, discovered_at=when, ok=ok, message=msg)
+
+
+def _jobs_info(d: Daemon) -> wire.JobsInfo:
+    queued, running, recent = d.jobs.info()
+    return wire.JobsInfo(queued=queued, running=running, recent=recent, capacity=d.jobs.capacity)
+
+
+def status(d: Daemon, req: wire.Status) -> Result:
+    idx = d.index
+    when, ok, msg = d._last_discovery
+    return True, wire.StatusResult(
+        epoch=d.epoch, daemon_version=__version__, pid=os.getpid(), uptime_s=time.time() - d.started,
+        db=d.db_path, endpoint=d.endpoint, pub_endpoint=d.pub_endpoint, version=idx.version,
+        fingerprint=idx.fingerprint, last_discovery=when, last_discovery_ok=ok, last_discovery_message=msg,
+        profiles_current=idx.current_count, profiles_stale=len(idx.stale), requests=d.metrics.total_requests(),
+        jobs=_jobs_info(d), provenance=idx.provenance_counts(), tune_notice=d.tune_notice,
+    )
+
+
+def retune(d: Daemon, req: wire.Retune) -> Result:
+    if req.cancel is not None:
+        job = d.jobs.cancel(req.cancel)
+        if job is None:
+            return False, (wire.E_NOT_FOUND, f"no queued or running job {req.cancel}")
+        return True, wire.RetuneResult(job=job.info(), message=f"cancelling job {job.id}")
+    idx = d.index
+    if idx.fingerprint is None:
+        return False, (wire.E_NOT_FOUND, "the fabric is unknown (discovery failed); nothing to re-tune for")
+    keys = retune_keys(idx, all_current=req.all)
+    if not keys:
+        return True, wire.RetuneResult(job=None, message="nothing to re-tune: no stale profile lacks a current one")
+    try:
+        job = d.jobs.submit(reason=req.reason, old_fingerprint=None, keys=keys, all_current=req.all,
+                            persist_async=True)  # the serving loop never waits on the database
+    except queue.Full:
+        return False, (wire.E_BUSY, f"the job queue is full ({d.jobs.capacity} jobs)")
+    return True, wire.RetuneResult(job=job.info(), message=f"queued job {job.id} for {len(keys)} key(s)")
+
+
+def retune_keys(idx: ProfileIndex, *, all_current: bool) -> list[ProfileKey]:
+    """Stale keys without a current profile of this fingerprint (+ every current one with `all_current`)."""
+    def tkey(k: ProfileKey) -> tuple:
+        return (k.ep_size, k.nodes, k.hidden, k.intermediate, k.experts, k.topk, k.dtype, k.token_bucket)
+
+    have = {tkey(r.key) for r in idx.records if r.key.fingerprint == idx.fingerprint}
+    out: dict[tuple, ProfileKey] = {}
+    for r in idx.stale:
+        if tkey(r.key) not in have:
+            out.setdefault(tkey(r.key), r.key)
+    if all_current:
+        for r in idx.records:
+            if r.key.fingerprint == idx.fingerprint:
+                out.setdefault(tkey(r.key), r.key)
+    return list(out.values())
+
+
+HANDLERS: dict[type, Callable[[Any, Any], Result]] = {
+    wire.Hello: hello,
+    wire.GetProfile: get_profile,
+    wire.ListProfiles: list_profiles,
+    wire.Fabric: fabric,
+    wire.Status: status,
+    wire.Retune: retune,
+}

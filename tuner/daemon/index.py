@@ -1,0 +1,134 @@
+"""The daemon's in-memory profile index: what the serving loop reads, so the hot path runs no SQL.
+
+An index is built from the store on a worker thread (never the serving loop) and swapped in with one
+reference assignment. It is immutable once built except for its bounded caches of encoded replies.
+Reading tolerates one bad row: it is skipped with a warning instead of stopping the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import msgspec
+
+from moetune.runtime import wire
+from moetune.runtime.profile_record import ProfileRecord
+from moetune.runtime.profiles.autoload import launcher_env
+from moetune.runtime.profiles.client import pick_profile
+from moetune.runtime.shapes import get_model
+
+log = logging.getLogger("moetune.daemon")
+
+CACHE_LIMIT = 4096  # encoded results kept per index version (bounded: hostile clients cannot grow it)
+LIST_CACHE_LIMIT = 64
+LIST_PAGE_MAX = 1000  # at most this many profiles in one list_profiles reply, whatever `limit` asks
+PROVENANCES = ("measured", "node_model", "preset")
+
+ShapeKey = tuple[str, int, int, int, int, int, int, str]
+
+
+def read_profiles(store: Any, *, status: str | None, fingerprint: str | None = None) -> list[ProfileRecord]:
+    """The store's profiles of `status`; a row this moetune cannot read is skipped with a warning."""
+    try:
+        return [r for _, r in store.list_profiles(status=status, fingerprint=fingerprint)]
+    except RuntimeError as e:  # StoreError: one invalid row fails the whole listing
+        log.warning("reading profiles row by row after: %s", e)
+    return _read_skipping(store, status=status, fingerprint=fingerprint)
+
+
+def _read_skipping(store: Any, *, status: str | None, fingerprint: str | None) -> list[ProfileRecord]:
+    from sqlalchemy import select
+
+    from moetune.tuner.store.models import Profile
+    from moetune.tuner.store.store import _record
+
+    q = select(Profile).order_by(Profile.id)
+    if status is not None:
+        q = q.where(Profile.status == status)
+    if fingerprint is not None:
+        q = q.where(Profile.fingerprint == fingerprint)
+    out: list[ProfileRecord] = []
+    with store._read() as s:
+        for p in s.scalars(q):
+            try:
+                out.append(_record(p))
+            except (RuntimeError, ValueError, TypeError) as e:
+                log.warning("skipped unreadable profile row %s: %s", p.id, e)
+    return out
+
+
+def encode_profile(rec: ProfileRecord, version: int) -> wire.ProfileResult:
+    return wire.ProfileResult.from_record(rec, env=launcher_env(rec.knobs, rec.key.transport_family, rec.key.nodes),
+                                         version=version)
+
+
+class ProfileIndex:
+    """Current profiles grouped by (fingerprint, ep, nodes, shape); immutable once built (except the caches)."""
+
+    def __init__(self, records: list[ProfileRecord], *, version: int, facts: Any, stale: list[ProfileRecord]):
+        self.version = version
+        self.fingerprint: str | None = getattr(facts, "fingerprint", None) if facts is not None else None
+        self.software: str | None = getattr(facts, "software_hash", None) if facts is not None else None
+        self.groups: dict[ShapeKey, list[ProfileRecord]] = {}
+        for r in records:
+            if r.status != "current":
+                continue  # a stale profile is never served as current
+            k = r.key
+            self.groups.setdefault((k.fingerprint, k.ep_size, k.nodes, k.hidden, k.intermediate, k.experts, k.topk, k.dtype), []).append(r)
+        self.records = [r for r in records if r.status == "current"]
+        self.stale = stale
+        self.cache: dict[Any, Any] = {}
+        self.list_cache: dict[Any, bytes] = {}
+
+    @property
+    def current_count(self) -> int:
+        return len(self.records)
+
+    def provenance_counts(self) -> dict[str, int]:
+        """How the current profiles of this node's fingerprint were obtained (what `status` shows)."""
+        mine = [r for r in self.records if self.fingerprint is None or r.key.fingerprint == self.fingerprint]
+        c = Counter(r.provenance for r in mine)
+        return {p: c.get(p, 0) for p in PROVENANCES}
+
+    def lookup(self, req: wire.GetProfile) -> tuple[bool, Any]:
+        """(True, encoded ProfileResult as msgspec.Raw) or (False, (code, message))."""
+        if req.model is not None:
+            try:
+                m = get_model(req.model)
+            except ValueError as e:
+                return False, (wire.E_INVALID_FIELD, str(e))
+            h, i, e_, k, dt = m.hidden, m.intermediate, m.experts, m.topk, m.dtype
+            h, i, e_, k = req.hidden or h, req.intermediate or i, req.experts or e_, req.topk or k
+            dt = req.dtype or dt
+        else:
+            missing = [f for f in ("hidden", "intermediate", "experts", "topk") if getattr(req, f) is None]
+            if missing:
+                return False, (wire.E_MISSING_FIELD, f"give `model` or all of hidden/intermediate/experts/topk (missing {', '.join(missing)})")
+            h, i, e_, k, dt = req.hidden, req.intermediate, req.experts, req.topk, req.dtype or "bfloat16"
+        if req.ep_size % req.nodes:
+            return False, (wire.E_INVALID_FIELD, f"ep_size {req.ep_size} is not divisible by nodes {req.nodes}")
+        fp = req.fingerprint or self.fingerprint
+        if fp is None:
+            return False, (wire.E_NOT_FOUND, "the daemon has not discovered its fabric (yet); no profile is current")
+        recs = self.groups.get((fp, req.ep_size, req.nodes, h, i, e_, k, dt), [])
+        if req.software:
+            recs = [r for r in recs if r.key.software == req.software]
+        rec = pick_profile(recs, req.tokens, transport_family=req.transport_family)
+        if rec is None:
+            return False, (wire.E_NOT_FOUND, f"no current profile for fingerprint {fp}, ep {req.ep_size}, nodes {req.nodes}, "
+                                             f"shape {h}x{i}x{e_}/top{k} {dt}")
+        return True, msgspec.Raw(wire.encoder.encode(encode_profile(rec, self.version)))
+
+    def list_page(self, status: str, fingerprint: str | None, limit: int,
+                  history: list[ProfileRecord] | None = None) -> bytes:
+        """An encoded ListProfilesResult of at most LIST_PAGE_MAX profiles. `history` (superseded/all)
+        comes from the store, read by the caller off the serving thread."""
+        recs = self.records if status == "current" else self.stale if status == "stale" else (history or [])
+        if fingerprint:
+            recs = [r for r in recs if r.key.fingerprint == fingerprint]
+        n = min(limit, LIST_PAGE_MAX)
+        res = wire.ListProfilesResult(version=self.version, fingerprint=self.fingerprint,
+                                      profiles=[encode_profile(r, self.version) for r in recs[:n]])
+        return wire.encoder.encode(res)

@@ -1,0 +1,199 @@
+"""Rediscovery and hardware-change handling of the daemon (the discovery worker's side).
+
+Every `rediscover_interval_s` the fabric is discovered again; on a fingerprint change the daemon records
+an event with `diff_facts` reasons (a replaced GPU included), marks the old fingerprint's profiles
+`stale`, rebuilds the index, publishes `fabric_changed` and `profile_stale`, and queues a re-tune job.
+`FabricWatch` is mixed into `Daemon`; it uses the daemon's store, index and job manager.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("moetune.daemon")
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def facts_dict(facts: Any) -> dict[str, Any]:
+    try:
+        d = facts.to_dict()
+    except AttributeError:
+        d = dict(facts)
+    return d if isinstance(d, dict) else {}
+
+
+def transport_names(facts: Any) -> list[str]:
+    out = []
+    for t in getattr(facts, "transports", None) or []:
+        name = getattr(t, "name", t)
+        if isinstance(name, str):
+            out.append(name)
+    return out
+
+
+def default_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    try:
+        from moetune.tuner.fabric.fingerprint import diff_facts
+    except ImportError:
+        try:
+            from moetune.tuner.fabric.discovery import diff_facts  # type: ignore[no-redef]
+        except ImportError:
+            diff_facts = None  # type: ignore[assignment]
+    if diff_facts is not None:
+        return list(diff_facts(old, new)) or ["facts changed"]
+    keys = sorted(set(old) | set(new))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)] or ["facts changed"]
+
+
+def make_discover(capture: Path | None) -> Callable[[], Any]:
+    def _discover() -> Any:
+        from moetune.tuner.fabric.discovery import discover
+
+        return discover(capture)
+
+    return _discover
+
+
+
+def identity(facts: Any) -> str | None:
+    """Which physical GPUs the facts describe (`identity_hash`), None where unknown."""
+    try:
+        v = getattr(facts, "identity_hash", None)
+    except Exception:
+        return None
+    return v if isinstance(v, str) and v else None
+
+
+def same_hardware(old_fp: str | None, old_identity: str | None, facts: Any) -> bool:
+    """Same fingerprint and, where both sides know it, the same physical parts (a replaced GPU is a change)."""
+    if old_fp != facts.fingerprint:
+        return False
+    new_identity = identity(facts)
+    return old_identity is None or new_identity is None or old_identity == new_identity
+
+
+class FabricWatch:
+    """Discovery rounds and fabric changes; mixed into Daemon (which sets the attributes used here)."""
+
+    store: Any
+    facts: Any
+    interval: float
+    metrics: Any
+    jobs: Any
+    _discover: Callable[[], Any] | None
+    _diff: Callable[[dict, dict], list[str]]
+    _last_discovery: tuple[str, bool, str]
+
+    def _last_fabric_event(self) -> dict[str, Any] | None:
+        for e in self.store.list_events(limit=500):  # newest first
+            kind = e["kind"] if isinstance(e, dict) else e.kind
+            if kind in ("fabric_seen", "fabric_changed"):
+                d = e["details"] if isinstance(e, dict) else e.details
+                if isinstance(d, dict) and d.get("fingerprint"):
+                    return d
+        return None
+
+    def _discover_once(self) -> Any:
+        """Run discovery once and record the outcome (status op, metrics); None when it failed."""
+        try:
+            facts = self._discover()  # type: ignore[misc]
+        except Exception as e:
+            self._last_discovery = (now(), False, f"{type(e).__name__}: {e}")
+            self.metrics.discovery("error")
+            log.error("fabric discovery failed: %s", e)
+            return None
+        self.metrics.discovery("ok")
+        self._last_discovery = (now(), True, "")
+        return facts
+
+    def _startup_discovery(self) -> None:
+        if self._discover is None:
+            self._last_discovery = (now(), False, "no discovery configured")
+            return
+        facts = self._discover_once()
+        if facts is None:
+            return
+        last = self._last_fabric_event()
+        if last is not None and not same_hardware(last.get("fingerprint"), last.get("identity"), facts):
+            self._fabric_changed(last.get("fingerprint"), last.get("facts") or {}, facts, rebuild=False)
+            return
+        self.facts = facts
+        self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts))
+        if last is None or (last.get("identity") is None and identity(facts) is not None):
+            # the first discovery, or the first since GPU identities are recorded: the base to compare with
+            self.store.add_event(kind="fabric_seen", reason="first discovery" if last is None else "GPU identities recorded",
+                                 details={"fingerprint": facts.fingerprint, "identity": identity(facts),
+                                          "facts": facts_dict(facts)})
+
+    def _fabric_changed(self, old_fp: str | None, old_facts: dict[str, Any], facts: Any, *, rebuild: bool = True) -> None:
+        new_dict = facts_dict(facts)
+        try:
+            reasons = self._diff(old_facts, new_dict) if old_facts else ["no previous facts recorded"]
+        except Exception as e:
+            reasons = [f"facts changed (diff failed: {e})"]
+        reason = "; ".join(reasons)[:4000]
+        log.warning("fabric changed", extra={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "reasons": reasons})
+        self.metrics.fabric_changes += 1
+        self.store.upsert_fingerprint(facts.fingerprint, new_dict)
+        self.store.add_event(kind="fabric_changed", reason=reason,
+                             details={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "identity": identity(facts),
+                                      "reasons": reasons, "facts": new_dict})
+        stale_recs = [r for _, r in self.store.list_profiles(status="current", fingerprint=old_fp)] if old_fp else []
+        if old_fp:
+            self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000])
+        with self._commit_lock:
+            self.facts = facts
+            self._write_info(running=True)
+            changes = [dict(kind="fabric_changed", fingerprint=facts.fingerprint, old_fingerprint=old_fp, reasons=reasons)]
+            if stale_recs:
+                changes.append(dict(kind="profile_stale", fingerprint=old_fp, profiles=[r.profile_hash for r in stale_recs],
+                                    keys=[r.key for r in stale_recs], reasons=reasons))
+            if rebuild:
+                self._rebuild(changes)
+        if stale_recs:
+            try:
+                self.jobs.submit(reason=f"fabric changed: {reason}"[:512], old_fingerprint=old_fp,
+                                 keys=[r.key for r in stale_recs])
+            except queue.Full:
+                log.error("job queue full: the re-tune after the fabric change was not queued")
+
+    def rediscover(self) -> None:
+        """One discovery round (the worker calls this every interval)."""
+        facts = self._discover_once()
+        if facts is None:
+            return
+        old = self.facts
+        if old is not None and same_hardware(old.fingerprint, identity(old), facts):
+            return
+        if old is None:
+            last = self._last_fabric_event()
+            if last is None or same_hardware(last.get("fingerprint"), last.get("identity"), facts):
+                with self._commit_lock:
+                    self.facts = facts
+                    self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts))
+                    if last is None:
+                        self.store.add_event(kind="fabric_seen", reason="first discovery",
+                                             details={"fingerprint": facts.fingerprint, "identity": identity(facts),
+                                                      "facts": facts_dict(facts)})
+                    self._write_info(running=True)
+                    self._rebuild([dict(kind="fabric_changed", fingerprint=facts.fingerprint, reasons=["fabric discovered"])])
+                return
+            self._fabric_changed(last.get("fingerprint"), last.get("facts") or {}, facts)
+            return
+        self._fabric_changed(old.fingerprint, facts_dict(old), facts)
+
+    def _discovery_loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.rediscover()
+            except Exception:
+                log.exception("discovery round failed")
+
