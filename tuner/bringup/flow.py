@@ -153,11 +153,8 @@ class Bringup:
     """The stages of `moetune profile`, each resumable; `console` shows progress."""
 
     def __init__(self, *, store: Any, plan: Plan, state_dir: Path, console: Any, capture: Path | None = None,
-<<<<<<< HEAD
-                 report_dir: Path | None = None, storage: str | None = None, mk_measure: Any = None):
-=======
-                 report_dir: Path | None = None, storage: str | None = None, progress: Progress | None = None):
->>>>>>> main
+                 report_dir: Path | None = None, storage: str | None = None, progress: Progress | None = None,
+                 mk_measure: Any = None):
         from moetune.tuner.fabric.discovery import discover
         from moetune.tuner.fabric.families import megakernel_family
 
@@ -254,32 +251,21 @@ class Bringup:
         from moetune.tuner.search.tune import tune_profiles_detailed
 
         models = [get_model(m) for m in self.plan.models]
-<<<<<<< HEAD
         res = []
         if self.tune_ep:
             be = self._backend()
             try:
                 res = tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
-                                             backend=be, trials=self.plan.trials, progress=True,
+                                             backend=be, trials=self.plan.trials, progress=self.progress,
                                              storage=self.storage, ep_size=self.world, seed=0,
                                              policy_override=self.runtime_policy_dir())
             finally:
                 be.close()  # the persistent bench workers
         if self.mk_ok:
             res += tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
-                                          backend=self._mk_backend(), trials=self.plan.trials, progress=True,
+                                          backend=self._mk_backend(), trials=self.plan.trials, progress=self.progress,
                                           storage=self.storage, ep_size=1, nodes=1, seed=0, families=["megakernel"],
                                           policy_override=self.runtime_policy_dir())
-=======
-        be = self._backend()
-        try:
-            res = tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
-                                         backend=be, trials=self.plan.trials, progress=self.progress,
-                                         storage=self.storage, ep_size=self.world, seed=0,
-                                         policy_override=self.runtime_policy_dir())
-        finally:
-            be.close()  # the persistent bench workers
->>>>>>> main
         out = []
         for r in res:
             if r.record is None:
