@@ -80,6 +80,7 @@ class RuntimeConfig:
     hs_native: bool = True
     symm: str = "torch"
     onesided_timeout_s: float = 20.0
+    megakernel_timeout_s: float = 2.0
     chunk_weights: str = ""  # comma-separated positive numbers, one per pipeline chunk ("" = equal)
     proxy_batch: int = 1
     proxy_peer_access: bool = True

@@ -20,6 +20,7 @@ Compression = Literal["none", "fp8_e4m3"]
 ScaleGranularity = Literal["per_token", "per_128"]
 WaitMode = Literal["memop", "kernel"]
 CombineLanes = Literal["auto", "own", "shared"]
+Engine = Literal["unfused", "megakernel"]
 
 TRANSPORTS: tuple[str, ...] = ("nvlink", "proxy", "ibgda", "host_staged", "collective")
 SIGNALLINGS: tuple[str, ...] = ("coupled", "decoupled")
@@ -28,6 +29,18 @@ QP_MAPPINGS: tuple[str, ...] = ("round_robin", "peer_hash")
 COMPRESSIONS: tuple[str, ...] = ("none", "fp8_e4m3")
 WAIT_MODES: tuple[str, ...] = ("memop", "kernel")
 COMBINE_LANES: tuple[str, ...] = ("auto", "own", "shared")
+ENGINES: tuple[str, ...] = ("unfused", "megakernel")
+# The megakernel's m-tile rows (csrc/megakernel: 16 decode, 64/128 prefill; 0 = by rows per expert) and the
+# limits of its other knobs (runtime/megakernel/config.py checks the same; shared memory caps stages further).
+MK_BMS: tuple[int, ...] = (0, 16, 64, 128)
+MK_MAX_STAGES = 12
+MK_MAX_CTAS_PER_SM = 32
+MK_MAX_PROCESSOR_CTAS = 1 << 16
+MK_MAX_COMBINE_TOKENS = 4096
+# Knobs added with the megakernel (issue 17). Left out of `canonical()` at their defaults, so the digest and
+# the profile hash of every setting that existed before them stay what stores and peers hold.
+MK_KNOBS: tuple[str, ...] = ("engine", "mk_bm", "mk_stages", "mk_ctas_per_sm", "mk_processor_ctas",
+                             "mk_combine_tokens")
 # host_staged's ring of staging slots per (lane, sender, receiver): 2 is double buffering
 MIN_STAGING_SLOTS, MAX_STAGING_SLOTS = 2, 16
 
@@ -85,6 +98,15 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     wait_mode: WaitMode = "memop"
     # pipelined combines on their own communicators/lanes or on the dispatch ones; auto = the transport's choice
     combine_lanes: CombineLanes = "auto"
+    # The MoE layer's engine at world 1: the unfused chain (route, sort, grouped GEMMs, combine) or the
+    # persistent megakernel (runtime/megakernel). The mk_* knobs are the megakernel's settings that moved its
+    # latency by >= 5% on an H200 (bench/results/megakernel/README.md); 0 = auto where the kernel picks.
+    engine: Engine = "unfused"
+    mk_bm: int = 0
+    mk_stages: int = 0
+    mk_ctas_per_sm: int = 0
+    mk_processor_ctas: int = 0
+    mk_combine_tokens: int = 8
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -124,9 +146,18 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
         data.update(changes)
         return Knobs.from_dict(data)
 
+    def canonical(self) -> dict[str, Any]:
+        """What the digest and profile hashes cover: every knob, less the megakernel's at their defaults
+        (so settings from before they existed keep their hashes)."""
+        d = self.to_dict()
+        for name in MK_KNOBS:
+            if d[name] == _DEFAULTS[name]:
+                del d[name]
+        return d
+
     def digest(self) -> str:
         """Stable short hash of the setting (ranks compare it to be sure they run the same)."""
-        return hashlib.sha256(msgspec.json.encode(self.to_dict(), order="sorted")).hexdigest()[:16]
+        return hashlib.sha256(msgspec.json.encode(self.canonical(), order="sorted")).hexdigest()[:16]
 
     # -- workload-dependent checks ---------------------------------------------------------------
     def effective_group_size(self, transfers_per_peer: int) -> int:
@@ -200,6 +231,30 @@ def _validate(k: Knobs) -> None:
     if k.transport in ONE_SIDED and k.combine_lanes != "auto":
         raise KnobError(f"combine lanes apply to the collective transports, not {k.transport!r}",
                         ("combine_lanes", "transport"))
+    _validate_megakernel(k)
+
+
+def _validate_megakernel(k: Knobs) -> None:
+    if k.mk_bm not in MK_BMS:
+        raise KnobError(f"must be 0 (auto), 16, 64 or 128, got {k.mk_bm}", ("mk_bm",))
+    if not (k.mk_stages == 0 or 2 <= k.mk_stages <= MK_MAX_STAGES):
+        raise KnobError(f"must be 0 (auto) or in 2..{MK_MAX_STAGES}, got {k.mk_stages}", ("mk_stages",))
+    if not 0 <= k.mk_ctas_per_sm <= MK_MAX_CTAS_PER_SM:
+        raise KnobError(f"must be in 0..{MK_MAX_CTAS_PER_SM} (0 = as many as fit), got {k.mk_ctas_per_sm}",
+                        ("mk_ctas_per_sm",))
+    if not 0 <= k.mk_processor_ctas <= MK_MAX_PROCESSOR_CTAS:
+        raise KnobError(f"must be in 0..{MK_MAX_PROCESSOR_CTAS} (0 = every resident CTA but the scheduler), "
+                        f"got {k.mk_processor_ctas}", ("mk_processor_ctas",))
+    if not 1 <= k.mk_combine_tokens <= MK_MAX_COMBINE_TOKENS:
+        raise KnobError(f"must be in 1..{MK_MAX_COMBINE_TOKENS}, got {k.mk_combine_tokens}", ("mk_combine_tokens",))
+    if k.engine != "megakernel":
+        changed = [n for n in MK_KNOBS[1:] if getattr(k, n) != _DEFAULTS[n]]
+        if changed:
+            raise KnobError(f"megakernel settings only apply with engine=megakernel, not {k.engine!r}",
+                            (changed[0], "engine"))
+
+
+_DEFAULTS: dict[str, Any] = dict(zip(Knobs.__struct_fields__, Knobs.__struct_defaults__, strict=True))
 
 
 # What each knob means, for docs/settings.md (runtime/options.py generates it): name -> (values, meaning).
@@ -224,6 +279,18 @@ KNOB_DOCS: dict[str, tuple[str, str]] = {
     "combine_lanes": ("`auto` / `own` / `shared`", "Pipelined combines on their own communicators/lanes or on the "
                       "dispatch ones; `auto` = the transport's preference (host_staged native: shared; was "
                       "`MOETUNE_EP_COMBINE_LANES`)."),
+    "engine": ("`unfused` / `megakernel`", "The MoE layer's engine at world 1: the unfused chain (route, sort, two "
+               "grouped GEMMs, weighted combine) or one persistent kernel after routing (needs an sm_90 GPU, bf16 "
+               "and nvcc; elsewhere the layer falls back to `unfused` with a warning)."),
+    "mk_bm": ("`0` / `16` / `64` / `128`", "megakernel: token rows per m-tile; 0 = 16 for decode, 64/128 once the "
+              "rows per expert reach 32/128."),
+    "mk_stages": (f"`0` or int 2..{MK_MAX_STAGES}", "megakernel: cp.async pipeline depth (weight tiles in flight "
+                  "per CTA; shared memory caps bm=64 at 8, bm=128 at 6); 0 = by tile and rows per expert."),
+    "mk_ctas_per_sm": (f"int 0..{MK_MAX_CTAS_PER_SM}", "megakernel: resident CTAs per SM; 0 = as many as fit."),
+    "mk_processor_ctas": (f"int 0..{MK_MAX_PROCESSOR_CTAS}", "megakernel: CTAs that run tasks; 0 = every resident "
+                          "CTA but the scheduler's."),
+    "mk_combine_tokens": (f"int 1..{MK_MAX_COMBINE_TOKENS}", "megakernel: tokens per combine tile (each runs as 4 "
+                          "column-block tasks)."),
 }
 
 

@@ -9,6 +9,10 @@ The local experts run as two grouped GEMMs (`torch._grouped_mm` over the rows so
 where torch has it and it works for this device and dtype (probed once, checked against a plain matmul),
 otherwise as a loop over experts. The layer is forward-only (inference): parameters do not require grad.
 
+At world 1 the layer has two engines (the knob `engine`, or `engine=` here): `unfused` runs `local_forward`
+(the chain below, no exchange) and `megakernel` runs routing + one persistent kernel (`runtime/megakernel`)
+on the same weight tensors. How the engine is chosen and when it falls back: runtime/megakernel/engine.py.
+
 Weights are generated deterministically from `seed` (one generator per expert, on the layer's device), so
 every rank builds only its own experts and `dense_reference` rebuilds any expert for verification.
 """
@@ -16,6 +20,7 @@ every rank builds only its own experts and `dense_reference` rebuilds any expert
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,33 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetune.runtime.buffer.facade import TORCH_DTYPES, EPBuffer, RecvMeta
-from moetune.runtime.knobs import Knobs
+from moetune.runtime.knobs import ENGINES, Knobs
+from moetune.runtime.megakernel import engine as _engine
 from moetune.runtime.pipeline import pipelined_moe
 from moetune.runtime.shapes import ModelShape
+from moetune.runtime.weights import _generator, expert_weights, gate_weight
 
-
-def _generator(device: torch.device, seed: int) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
-
-
-def expert_weights(
-    model: ModelShape, expert: int, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W_gate_up [2I, H], W_down [H, I]) of global expert `expert`, deterministic in (seed, expert, device type)."""
-    device = torch.device(device)
-    h, i = model.hidden, model.intermediate
-    g = _generator(device, seed * 1_000_003 + 7 * expert + 1)
-    w1 = torch.randn(2 * i, h, generator=g, device=device, dtype=torch.float32) * (h**-0.5)
-    w2 = torch.randn(h, i, generator=g, device=device, dtype=torch.float32) * (i**-0.5)
-    return w1.to(dtype), w2.to(dtype)
-
-
-def gate_weight(model: ModelShape, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    device = torch.device(device)
-    g = _generator(device, seed * 1_000_003 + 999_983)
-    return (torch.randn(model.experts, model.hidden, generator=g, device=device, dtype=torch.float32) * (model.hidden**-0.5)).to(dtype)
+__all__ = ["MoELayer", "dense_reference", "expert_weights", "gate_weight", "grouped_mm_usable", "max_rel_err", "route",
+           "swiglu"]
 
 
 def route(x: torch.Tensor, gate_w: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +73,12 @@ def grouped_mm_usable(device_type: str, device_index: int | None, dtype: torch.d
 
 
 class MoELayer(nn.Module):
-    """An expert-parallel MoE layer. Construction is collective over `group` (it builds an EPBuffer)."""
+    """An expert-parallel MoE layer. Construction is collective over `group` (it builds an EPBuffer).
+
+    `engine`: None (the knobs' `engine`; without knobs, at world 1, the `megakernel` profile's), `"unfused"`
+    or `"megakernel"` (world 1 only; raises `MegakernelUnavailable` where it cannot run). After construction
+    `self.engine` says which engine runs and `self.engine_note` why, when it is not the one asked for.
+    """
 
     def __init__(
         self,
@@ -101,8 +92,11 @@ class MoELayer(nn.Module):
         seed: int = 0,
         use_grouped_mm: bool | None = None,
         buffer: EPBuffer | None = None,
+        engine: str | None = None,
     ):
         super().__init__()
+        if engine is not None and engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)} or None, got {engine!r}")
         self.model = model
         self.buffer = buffer or EPBuffer(group, knobs, model=model, max_tokens=max_tokens, device=device, dtype=dtype)
         self.device = self.buffer.device
@@ -118,6 +112,67 @@ class MoELayer(nn.Module):
         if use_grouped_mm is None:
             use_grouped_mm = grouped_mm_usable(self.device.type, self.device.index, self.dtype, model.hidden, model.intermediate)
         self.use_grouped_mm = use_grouped_mm
+        self.engine = "unfused"
+        self.engine_note = ""
+        self.engine_knobs: Knobs | None = None  # the knob set the megakernel runs with
+        self.engine_resolution: Any = None  # the autoload Resolution when the megakernel profile was looked up
+        self.megakernel: Any = None
+        self._setup_engine(engine, knobs, max_tokens)
+
+    # -- engine ------------------------------------------------------------------------------------------
+    def _setup_engine(self, engine: str | None, knobs: Knobs | None, max_tokens: int) -> None:
+        """Pick the engine (runtime/megakernel/engine.py has the rules) and build the megakernel when chosen."""
+        if engine == "unfused":
+            return
+        world1 = self.buffer.world == 1
+        wanted: Knobs | None = None
+        if knobs is not None:
+            wanted = knobs if knobs.engine == "megakernel" else None
+            if engine == "megakernel" and wanted is None:
+                wanted = knobs.replace(engine="megakernel")
+        elif engine == "megakernel" or (world1 and _engine.megakernel_problem(self.device, self.dtype, self.model) is None):
+            if world1:
+                from moetune.runtime.profiles.autoload import autoload_profile
+
+                res = autoload_profile(model=self.model, ep_size=1, nodes=1, max_tokens=max(1, max_tokens),
+                                       device=self.device, transport_family=_engine.ENGINE_FAMILY)
+                self.engine_resolution = res
+                if res.knobs.engine == "megakernel":
+                    wanted = res.knobs
+                elif engine == "megakernel":
+                    wanted = res.knobs.replace(engine="megakernel")
+            else:
+                wanted = Knobs(engine="megakernel")
+        elif world1 and self.device.type == "cuda":  # auto on a GPU that cannot run it: say so once
+            why = _engine.megakernel_problem(self.device, self.dtype, self.model)
+            self.engine_note = str(why)
+            _engine.warn_fallback_once(str(why))
+            return
+        if wanted is None:
+            return
+        if not world1:
+            why: str | None = (f"it runs the layer on one GPU (world 1); this group has {self.buffer.world} ranks")
+        else:
+            why = _engine.megakernel_problem(self.device, self.dtype, self.model)
+        if why is None:
+            from moetune.runtime.megakernel.config import MegakernelConfig
+
+            try:
+                self.megakernel = _engine.build_megakernel(
+                    self.model, max_tokens=max(1, max_tokens), device=self.device, seed=self.seed,
+                    config=MegakernelConfig.from_knobs(wanted, self.buffer.options),
+                    w_gate_up=self.w_gate_up.data, w_down=self.w_down.data, gate=self.gate.data)
+            except (RuntimeError, ValueError, OSError) as e:  # build/load errors, a setting that does not fit
+                why = f"{type(e).__name__}: {e}"
+        if why is not None:
+            self.engine_note = why
+            if engine == "megakernel":
+                raise _engine.MegakernelUnavailable(f"engine='megakernel' was asked for, but the megakernel cannot "
+                                                    f"run here: {why}")
+            _engine.warn_fallback_once(why)
+            return
+        self.engine = "megakernel"
+        self.engine_knobs = wanted
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(x, self.gate, self.model.topk)
@@ -197,6 +252,9 @@ class MoELayer(nn.Module):
     @torch.no_grad()
     def forward_routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The layer with given routing (benchmarks inject uniform/Zipf routing here)."""
+        if self.megakernel is not None:
+            self._check_local(x, topk_idx, topk_weights)
+            return self.megakernel.forward_routed(x, topk_idx, topk_weights)
         if self.buffer.world == 1:
             self._check_local(x, topk_idx, topk_weights)
             return self.local_forward(x, topk_idx.long(), topk_weights)
@@ -207,6 +265,9 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.megakernel is not None:  # routing + one persistent kernel, no host sync (capturable)
+            self._check_x(x)
+            return self.megakernel.forward(x)
         if self.buffer.world == 1:
             self._check_x(x)
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.model.hidden:

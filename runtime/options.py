@@ -61,6 +61,10 @@ OPTION_DOCS: tuple[OptionDoc, ...] = (
     OptionDoc("onesided_timeout_s", "MOETUNE_ONESIDED_TIMEOUT_S", "float > 0",
               "Seconds a GPU wait (a peer's count, signal or staging slot) may last before the transport reports "
               "the peer lost instead of hanging (nvlink, proxy, host_staged)."),
+    OptionDoc("megakernel_timeout_s", "MOETUNE_MK_TIMEOUT_S", "float > 0",
+              "Seconds the MoE megakernel's scheduler or a processor may wait without progress before the kernel "
+              "ends with an error record (read by `MegakernelMoE.check()`) instead of hanging. Its own option: a "
+              "layer's waits are on-GPU task readiness, microseconds apart, not a peer's transfers."),
     OptionDoc("chunk_weights", "MOETUNE_EP_CHUNK_WEIGHTS", "comma-separated floats > 0",
               "Dense layout: relative sizes of the pipeline_depth chunks (one weight per chunk; empty = equal). "
               "Measured in runs 33-34 without a gain; kept for side-by-side runs."),
@@ -91,6 +95,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     hs_native: bool = True
     symm: SymmMode = "torch"
     onesided_timeout_s: float = 20.0
+    megakernel_timeout_s: float = 2.0
     chunk_weights: tuple[float, ...] = ()
     proxy_batch: int = 1
     proxy_peer_access: bool = True
@@ -191,6 +196,8 @@ def _fail(name: str, value: Any, expected: str) -> None:
 def _validate(o: RuntimeOptions) -> None:
     if not (o.onesided_timeout_s > 0 and math.isfinite(o.onesided_timeout_s)):
         _fail("onesided_timeout_s", o.onesided_timeout_s, "a finite number of seconds > 0")
+    if not (o.megakernel_timeout_s > 0 and math.isfinite(o.megakernel_timeout_s)):
+        _fail("megakernel_timeout_s", o.megakernel_timeout_s, "a finite number of seconds > 0")
     if any(not (w > 0 and math.isfinite(w)) for w in o.chunk_weights):
         _fail("chunk_weights", o.chunk_weights, "positive numbers (one per pipeline chunk)")
     if o.proxy_batch < 1:

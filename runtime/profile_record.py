@@ -134,5 +134,5 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def profile_hash(self) -> str:
         """Hash of key + knobs: what all ranks compare to be sure they hold the same profile."""
-        payload = {"key": self.key.to_dict(), "knobs": self.knobs.to_dict()}
+        payload = {"key": self.key.to_dict(), "knobs": self.knobs.canonical()}  # stable across new knobs
         return hashlib.sha256(msgspec.json.encode(payload, order="sorted")).hexdigest()[:16]

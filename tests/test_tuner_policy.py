@@ -13,7 +13,7 @@ from moetune.runtime.profiles.policy_defaults import policy_default_knobs, polic
 from moetune.tuner.search.policy import PolicyError, load_policy, load_policy_file, packaged_families
 
 FAMILIES = ["nvlink", "host_staged", "collective", "proxy:ibrc", "proxy:libfabric/cxi", "proxy:libfabric/efa", "ibgda"]
-EXPECTED_FILES = {"nvlink", "host_staged", "collective", "proxy_ibrc", "proxy_libfabric", "ibgda"}
+EXPECTED_FILES = {"nvlink", "host_staged", "collective", "proxy_ibrc", "proxy_libfabric", "ibgda", "megakernel"}
 
 
 def _packaged_text(stem: str) -> str:

@@ -1,7 +1,11 @@
 """MegakernelConfig: the megakernel's tunable settings, typed and validated (stdlib only).
 
-A small frozen dataclass so it can later fold into `Knobs`: `parse("bm=16,stages=4")`, `from_dict`,
-`to_dict`; every error names the field. 0 in `bm`, `ctas_per_sm` and `processor_ctas` means "pick from
+A view: the tunable fields are the knobs `mk_bm`, `mk_stages`, `mk_ctas_per_sm`, `mk_processor_ctas`,
+`mk_combine_tokens` (runtime/knobs.py, the one vocabulary the tuner searches and profiles store) and the
+timeout is the runtime option `megakernel_timeout_s`: build it with `MegakernelConfig.from_knobs(knobs,
+options)`. `bm_switch_rows` / `bm_large_rows` (the auto tile's thresholds) stay here: no knob for them.
+`parse("bm=16,stages=4")`, `from_dict` and `to_dict` remain for benchmarks and tests; every error names the
+field. 0 in `bm`, `ctas_per_sm` and `processor_ctas` means "pick from
 the shape / the occupancy query".
 """
 
@@ -9,7 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from moetune.runtime.knobs import Knobs
+    from moetune.runtime.options import RuntimeOptions
 
 
 class ConfigError(ValueError):
@@ -26,7 +34,7 @@ class MegakernelConfig:
     ctas_per_sm: int = 0      # resident CTAs per SM (0 = as many as fit)
     processor_ctas: int = 0   # processor CTAs (0 = every resident CTA but the scheduler's)
     combine_tokens: int = 8   # tokens per combine tile (each tile runs as 4 column-block tasks)
-    timeout_ms: float = 2000.0  # a wait without progress longer than this is an error, not a hang
+    timeout_ms: float = 2000.0  # (RuntimeOptions.megakernel_timeout_s) a wait without progress longer than this is an error, not a hang
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -52,6 +60,16 @@ class MegakernelConfig:
             v = getattr(self, name)
             if not lo <= v <= hi:
                 raise ConfigError(f"megakernel config: {name} must be in [{lo:g}, {hi:g}], got {v}")
+
+    @classmethod
+    def from_knobs(cls, knobs: Knobs, options: RuntimeOptions | None = None) -> MegakernelConfig:
+        """The megakernel's settings as the knobs and runtime options say (options None: their defaults)."""
+        from moetune.runtime.options import RuntimeOptions
+
+        opts = options if options is not None else RuntimeOptions()
+        return cls(bm=knobs.mk_bm, stages=knobs.mk_stages, ctas_per_sm=knobs.mk_ctas_per_sm,
+                   processor_ctas=knobs.mk_processor_ctas, combine_tokens=knobs.mk_combine_tokens,
+                   timeout_ms=float(opts.megakernel_timeout_s) * 1000.0)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MegakernelConfig:

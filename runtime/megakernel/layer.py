@@ -52,7 +52,7 @@ class MegakernelMoE:
         self.max_tokens = max_tokens
         bf = torch.bfloat16
         if w_gate_up is None or w_down is None or gate is None:
-            from ..moe_layer import expert_weights, gate_weight  # torch + the layer's generators only
+            from ..weights import expert_weights, gate_weight  # torch + the generators only
 
             w1s, w2s = zip(*(expert_weights(model, x, seed=seed, device=self.device, dtype=bf) for x in range(e)),
                            strict=True)

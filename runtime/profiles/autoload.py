@@ -21,6 +21,9 @@ environment are left alone (what the user set explicitly wins, as explicit knobs
 this module is not called at all). Results are cached per process and key, so the many layers of one
 model cost one lookup.
 
+`transport_family="megakernel"` looks up the MoE megakernel's profile instead (a world-1 `MoELayer` does: ep_size
+1, nodes 1); "can this runtime run it" is then the megakernel's own check (runtime/megakernel/engine.py).
+
 `MOETUNE_AUTOLOAD=0` skips the daemon and the database (policy defaults, no warning).
 
 `check_same_profile(group, profile_hash)` all-gathers the hash across ranks and raises when they differ.
@@ -88,6 +91,15 @@ def runtime_transport_problem(name: str, device: Any = None) -> str | None:
     ck = (name, str(device))
     if ck in _availability:
         return _availability[ck]
+    if name == "megakernel":  # not a transport: the one-GPU MoE kernel (its device, arch and build checks)
+        from moetune.runtime.megakernel.engine import megakernel_problem
+
+        try:
+            why_mk = megakernel_problem(device)
+        except Exception as e:  # a probe that fails says it cannot be used here
+            why_mk = f"availability check failed: {type(e).__name__}: {e}"
+        _availability[ck] = why_mk
+        return why_mk
     from moetune.runtime.transports.registry import get_transport
 
     why: str | None = None
@@ -116,6 +128,7 @@ def autoload_profile(
     group: Any = None,
     client: ProfileClient | None = None,
     use_cache: bool = True,
+    transport_family: str | None = None,
 ) -> Resolution:
     """The full resolution (knobs, hash, source, env) for this process; env exported to os.environ.
 
@@ -125,17 +138,18 @@ def autoload_profile(
     global _last
     if nodes is None:
         nodes = group_nodes(group)
-    key = (model, ep_size, nodes, nearest_bucket(max_tokens))
+    key = (model, ep_size, nodes, nearest_bucket(max_tokens), transport_family)
     with _lock:
         if use_cache and client is None and key in _cache:
             _last = _cache[key]
             return _last
         if os.environ.get("MOETUNE_AUTOLOAD", "1").lower() in ("0", "off", "false", "no"):
-            knobs, source = policy_or_default("collective")
+            knobs, source = policy_or_default(transport_family or "collective")
             res = Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}",
-                             status="default", message="MOETUNE_AUTOLOAD=0")
+                             status="default", family=transport_family, message="MOETUNE_AUTOLOAD=0")
         else:
-            res = _resolve(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device, client=client)
+            res = _resolve(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device, client=client,
+                           transport_family=transport_family)
         apply_env(res.env)
         log.info("moetune: knobs from %s (profile %s, %.1f ms)", res.source, res.profile_hash, res.elapsed_ms)
         if client is None:
@@ -145,13 +159,15 @@ def autoload_profile(
 
 
 def _resolve(
-    *, model: ModelShape, ep_size: int, nodes: int, max_tokens: int, device: Any, client: ProfileClient | None
+    *, model: ModelShape, ep_size: int, nodes: int, max_tokens: int, device: Any, client: ProfileClient | None,
+    transport_family: str | None = None,
 ) -> Resolution:
     own = client is None
     try:
         c = client or ProfileClient()
         try:
             return c.resolve(model=model, ep_size=ep_size, tokens=max_tokens, nodes=nodes,
+                             transport_family=transport_family,
                              transport_ok=lambda name: runtime_transport_problem(name, device))
         finally:
             if own:

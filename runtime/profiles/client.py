@@ -243,13 +243,16 @@ def pick_profile(
 
     With several fingerprints (fingerprint unknown) the most recently updated fingerprint wins; with
     several transport families at the chosen bucket, measured beats the node model beats a preset, then
-    the lowest latency wins (unless one family is asked for).
+    the lowest latency wins (unless one family is asked for). Engine families (`megakernel`: a whole layer's
+    latency, not an exchange's) are picked only by name.
     """
     recs = [r for r in records if r.status == "current"]
     if fingerprint:
         recs = [r for r in recs if r.key.fingerprint == fingerprint]
     if transport_family:
         recs = [r for r in recs if r.key.transport_family == transport_family]
+    else:
+        recs = [r for r in recs if r.key.transport_family not in ENGINE_FAMILIES]
     if not recs:
         return None
     if len({r.key.fingerprint for r in recs}) > 1:
@@ -262,6 +265,9 @@ def pick_profile(
     # A measurement beats a prediction whatever the numbers say: modelled and measured latencies are not
     # one kind of number (a preset's 27 µs must not win over a measured 60 µs).
     return min(at, key=lambda r: (_PROVENANCE_RANK.get(provenance_of(r), len(_PROVENANCE_RANK)), r.latency_us))
+
+
+ENGINE_FAMILIES = frozenset({"megakernel"})
 
 
 # -- validating replies ----------------------------------------------------------------------------
@@ -634,7 +640,7 @@ class ProfileClient:
                                          dtype=model.dtype)
                 if transport_family:
                     recs = [x for x in recs if x.key.transport_family == transport_family]
-                rec, verdict, passed = self._pick_trusted(recs, tokens, ident, transport_ok)
+                rec, verdict, passed = self._pick_trusted(recs, tokens, ident, transport_ok, transport_family)
                 if rec is None:
                     what = f"; passed over: {'; '.join(passed[:4])}" if passed else ""
                     problems.append(f"database {db}: no profile measured on this node ({ident.source}) for this "
@@ -693,7 +699,7 @@ class ProfileClient:
 
     def _pick_trusted(
         self, recs: list[ProfileRecord], tokens: int, ident: node_identity.NodeIdentity,
-        transport_ok: Callable[[str], str | None] | None,
+        transport_ok: Callable[[str], str | None] | None, transport_family: str | None = None,
     ) -> tuple[ProfileRecord | None, str | None, list[str]]:
         """The nearest-bucket tuned profile, else (with allow_modelled) a modelled one; plus what was passed over."""
         by: dict[str, list[ProfileRecord]] = {"tuned": [], "modelled": []}
@@ -705,7 +711,7 @@ class ProfileClient:
             else:
                 by[verdict].append(r)
         for verdict in ("tuned", "modelled"):
-            rec = pick_profile(by[verdict], tokens)
+            rec = pick_profile(by[verdict], tokens, transport_family=transport_family)
             if rec is not None:
                 return rec, verdict, passed
         return None, None, passed
@@ -716,6 +722,8 @@ def _transport_problem(family: str, knobs: Knobs | None, transport_ok: Callable[
     if transport_ok is None:
         return None
     names = [family.split(":", 1)[0]] + ([knobs.transport] if knobs is not None else [])
+    if family in ENGINE_FAMILIES:  # the engine's own check covers it (its world-1 buffer carries no traffic)
+        names = [family]
     for name in dict.fromkeys(names):
         why = transport_ok(name)
         if why is not None:

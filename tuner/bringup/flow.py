@@ -153,8 +153,10 @@ class Bringup:
     """The stages of `moetune profile`, each resumable; `console` shows progress."""
 
     def __init__(self, *, store: Any, plan: Plan, state_dir: Path, console: Any, capture: Path | None = None,
-                 report_dir: Path | None = None, storage: str | None = None, progress: Progress | None = None):
+                 report_dir: Path | None = None, storage: str | None = None, progress: Progress | None = None,
+                 mk_measure: Any = None):
         from moetune.tuner.fabric.discovery import discover
+        from moetune.tuner.fabric.families import megakernel_family
 
         self.store, self.plan, self.console, self.storage = store, plan, console, storage
         self.progress: Progress = progress or NoProgress()  # drawn by the CLI (rich stays in tuner/cli/)
@@ -165,6 +167,10 @@ class Bringup:
         gpus = self.facts.gpu_count
         self.comm_backend = "nccl" if gpus >= 2 else "gloo"
         self.world = min(plan.world, gpus) if gpus >= 2 else plan.world
+        # EP transports need a peer GPU: a one-GPU node tunes only the MoE megakernel (its own family, ep_size 1)
+        self.tune_ep = gpus != 1
+        self.mk_ok, self.mk_why = megakernel_family(self.facts)
+        self.mk_measure = mk_measure  # tests inject the megakernel's timing (LocalBackend.mk_measure)
 
     # -- stages ------------------------------------------------------------------------------------
     def stage_discover(self) -> dict:
@@ -224,6 +230,12 @@ class Bringup:
                             timeout_s=self.plan.trial_timeout_s, metric="comm", iters=self.plan.iters,
                             verify_compression=self.comm_backend == "nccl", persistent=True)
 
+    def _mk_backend(self) -> Any:
+        from moetune.tuner.search.backends import LocalBackend
+
+        return LocalBackend(world=1, comm_backend="nccl", repeats=self.plan.repeats, iters=self.plan.iters,
+                            timeout_s=self.plan.trial_timeout_s, family="megakernel", mk_measure=self.mk_measure)
+
     def runtime_policy_dir(self) -> Path:
         """Policy overrides for measuring the real runtime: its collective transport splits a layer by
         pipeline_depth and has no copy kernels, so chunk_tokens and num_sms (knobs the fabric model and
@@ -239,14 +251,21 @@ class Bringup:
         from moetune.tuner.search.tune import tune_profiles_detailed
 
         models = [get_model(m) for m in self.plan.models]
-        be = self._backend()
-        try:
-            res = tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
-                                         backend=be, trials=self.plan.trials, progress=self.progress,
-                                         storage=self.storage, ep_size=self.world, seed=0,
-                                         policy_override=self.runtime_policy_dir())
-        finally:
-            be.close()  # the persistent bench workers
+        res = []
+        if self.tune_ep:
+            be = self._backend()
+            try:
+                res = tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
+                                             backend=be, trials=self.plan.trials, progress=self.progress,
+                                             storage=self.storage, ep_size=self.world, seed=0,
+                                             policy_override=self.runtime_policy_dir())
+            finally:
+                be.close()  # the persistent bench workers
+        if self.mk_ok:
+            res += tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
+                                          backend=self._mk_backend(), trials=self.plan.trials, progress=self.progress,
+                                          storage=self.storage, ep_size=1, nodes=1, seed=0, families=["megakernel"],
+                                          policy_override=self.runtime_policy_dir())
         out = []
         for r in res:
             if r.record is None:
@@ -261,13 +280,14 @@ class Bringup:
 
     def stage_compare(self) -> list[dict]:
         """Tuned against the policy default for every bucket, measured side by side (interleaved)."""
-        be = self._backend()
+        be = self._backend() if self.tune_ep else None
         try:
             return self._compare_with(be)
         finally:
-            be.close()  # the persistent bench workers
+            if be is not None:
+                be.close()  # the persistent bench workers
 
-    def _compare_with(self, be: Any) -> list[dict]:
+    def _compare_with(self, ep_be: Any) -> list[dict]:
         from moetune.runtime.knobs import Knobs
         from moetune.tuner.search.backends import TuneWorkload
         from moetune.tuner.search.policy import load_policy
@@ -276,7 +296,10 @@ class Bringup:
         for t in self.state.result("tune") or []:
             tuned = Knobs.from_dict(t["knobs"])
             default = load_policy(t["family"], self.runtime_policy_dir()).defaults
-            wl = TuneWorkload(model=get_model(t["model"]), tokens=t["tokens"], nodes=1, gpus_per_node=self.world)
+            mk = t["family"] == "megakernel"
+            be = self._mk_backend() if mk else ep_be
+            wl = TuneWorkload(model=get_model(t["model"]), tokens=t["tokens"], nodes=1,
+                              gpus_per_node=1 if mk else self.world)
             be.family = t["family"]
             if tuned == default:
                 m = be.compare([default], wl, rounds=self.plan.compare_rounds)
@@ -297,6 +320,11 @@ class Bringup:
                 knobs=",".join(f"{k}={v}" for k, v in tuned.to_dict().items() if v != default.to_dict().get(k)),
                 written=written, reason=reason, source=be.label))
             row["stored"] = "tuned" if keep_tuned else "policy default"
+            if not keep_tuned:
+                row["why_default"] = ("the tuned setting is the default" if tuned == default else
+                                      f"tuned {mt.median_us:.1f} ± {mt.spread_us:.1f} µs did not beat the default "
+                                      f"{md.median_us:.1f} ± {md.spread_us:.1f} µs by more than the spread"
+                                      if mt.ok and md.ok else f"tuned run failed: {mt.error}")
             self.store.add_measurement(fingerprint=self.facts.fingerprint, kind="tuned_vs_default",
                                        transport=t["family"], size_bytes=None, value=row["tuned_us"],
                                        spread=row["tuned_spread"], unit="us", extra=row)
@@ -328,8 +356,17 @@ class Bringup:
             data.notes.append(f"node fabric model calibrated from {cal['base']} on {cal['points']} measured points: "
                               f"mean error {100 * cal['mean_abs_rel_err']:.1f}%, max {100 * cal['max_abs_rel_err']:.1f}% "
                               f"({cal['preset_file']})")
-        if self.comm_backend == "gloo":
+        if self.facts.gpu_count == 1:
+            data.notes.append("EP transports need >= 2 GPUs: this node has 1, so no exchange was tuned; the MoE "
+                              "megakernel (the whole layer on one GPU, family `megakernel`) is what was tuned")
+        elif self.comm_backend == "gloo":
             data.notes.append("no GPUs here: the measured transport is gloo between CPU processes")
+        if not self.mk_ok:
+            data.notes.append(f"MoE megakernel not tuned: {self.mk_why}")
+        for t in self.state.result("compare") or []:
+            if t["family"] == "megakernel" and t.get("stored") == "policy default":
+                data.notes.append(f"megakernel {t['model']} S={t['tokens']}: the policy default was kept: "
+                                  f"{t.get('why_default', t['reason'])}")
         return str(write_report(data, self.report_dir))
 
     def _importances(self) -> dict[str, dict[str, float]]:

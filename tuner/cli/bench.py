@@ -181,6 +181,57 @@ def _print_table(rep: dict) -> None:
 # -- named scenarios (bench/scenarios/*.toml; tuner/measure/scenarios.py) -------------------------------------
 
 
+@app.command("moe")
+def moe(
+    engine: str = typer.Option("megakernel,unfused", "--engine", help="Engines to time side by side in this process: megakernel, unfused (comma-separated)."),
+    model: str = typer.Option("qwen3-30b", "--model", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K[,dtype]."),
+    tokens: str = typer.Option("1,16,128,1024,4096", "--tokens", help="Token counts S (comma-separated)."),
+    cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture one CUDA graph per input and time its replays."),
+    knobs: str = typer.Option("", "--knobs", help="The megakernel's knobs, e.g. mk_bm=16,mk_stages=3 (engine=megakernel is implied)."),
+    iters: int = typer.Option(50, "--iters", help="Timed single calls per case."),
+    warmup: int = typer.Option(10, "--warmup", help="Untimed calls first."),
+    rotate: int = typer.Option(4, "--rotate", help="Input tensors rotated over (one graph each)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of weights and inputs."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """The whole MoE layer (routing included) on one device: each engine per S, with the H200 floors beside."""
+    from moetune.runtime import KnobError, Knobs, get_model
+    from moetune.tuner.measure import moe as M
+
+    try:
+        shape = get_model(model)
+        toks = [int(t) for t in tokens.split(",") if t.strip()]
+        engines = [e.strip() for e in engine.split(",") if e.strip()]
+        mk = Knobs.parse(knobs, base=Knobs(engine="megakernel"))
+    except (ValueError, KnobError) as e:
+        _fail(str(e))
+    if min(iters, warmup + 1, rotate) < 1:
+        _fail("--iters and --rotate must be >= 1, --warmup >= 0")
+    try:
+        rep = M.bench_moe(shape, toks, engines, graph=cuda_graph, iters=iters, warmup=warmup, rotate=rotate, seed=seed,
+                          knobs=mk)
+    except ValueError as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(rep))
+        return
+    t = Table(title=f"MoE layer {rep['model']} on {rep['device']} (µs, median of {iters}; floors: weights at "
+                    f"{M.READ_TBPS} TB/s, tensor cores at {M.TENSOR_TFLOPS:g} TFLOP/s)")
+    for col in ("S", "engine", "eager", "graph", "weight floor", "tensor floor", "rel err vs unfused"):
+        t.add_column(col, justify="right")
+    for c in rep["cases"]:
+        if "skipped" in c:
+            continue
+        g = c.get("graph_us", {}).get("median")
+        err = c.get("rel_err_vs_unfused")
+        t.add_row(str(c["S"]), c["engine"], _fmt(c["eager_us"]["median"]), "-" if g is None else _fmt(g),
+                  _fmt(c["weight_floor_us"]), _fmt(c["tensor_floor_us"]), "-" if err is None else f"{err:.2e}")
+    Console().print(t)
+    for c in rep["cases"]:
+        if "skipped" in c:
+            _err.print(f"[yellow]{c['engine']} skipped:[/yellow] {c['skipped']}")
+
+
 @app.command("list")
 def list_scenarios(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per scenario."),

@@ -161,3 +161,21 @@ def classify(f: FabricFacts) -> tuple[list[TransportFamily], list[TransportFamil
         nccl = f.software.get("nccl", "none")
         put(True, "collective", f"always available: NCCL all-to-all (NCCL {nccl})")
     return have, missing
+
+
+# Engine families: not a way to move rows between GPUs but a layer implementation with its own knobs, tuned
+# and served like a transport family (ProfileKey.transport_family, ep_size 1, nodes 1). Kept out of
+# `classify` (and so out of the fabric fingerprint): a node's fabric did not change when the runtime grew one.
+MEGAKERNEL = "megakernel"
+
+
+def megakernel_family(f: Any) -> tuple[bool, str]:
+    """Whether this node can run the MoE megakernel (runtime/megakernel: sm_90a only), and why."""
+    gpus = list(getattr(f, "gpus", None) or [])
+    if not gpus:
+        return False, "no GPU"
+    hopper = [g for g in gpus if str(getattr(g, "compute_capability", "")).strip() == "9.0"]
+    if not hopper:
+        caps = sorted({str(getattr(g, "compute_capability", "") or "?") for g in gpus})
+        return False, f"the megakernel is built for sm_90 (Hopper); this node's GPUs are compute capability {', '.join(caps)}"
+    return True, f"{len(hopper)} sm_90 GPU{'s' if len(hopper) != 1 else ''}: the MoE layer in one persistent kernel, per GPU"

@@ -541,6 +541,63 @@ def proxy_metrics(rows: list[dict[str, Any]]) -> dict[str, dict[str, Stat]]:
     return m
 
 
+def moe_command(args: dict[str, Any], engines: Sequence[str]) -> str:
+    """The `moetune bench moe` command that measures these cases on its own."""
+    a = ["moetune", "bench", "moe", "--engine", ",".join(engines), "--model", str(args.get("model", "qwen3-30b")),
+         "--tokens", ",".join(map(str, args.get("tokens", [128])))]
+    for k in ("iters", "warmup", "rotate", "knobs"):
+        if args.get(k) not in (None, ""):
+            a += ["--" + k, str(args[k])]
+    if args.get("cuda_graph"):
+        a.append("--cuda-graph")
+    return " ".join(map(shlex.quote, a)) + " --json"
+
+
+_MOE_KEYS = ("model", "tokens", "engine", "iters", "warmup", "rotate", "knobs", "cuda_graph", "seed")
+
+
+@driver("moe", single_shot=True)
+def run_moe(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
+    """The MoE layer's engines (`engine` per case) in ONE process (tuner/measure/moe.py), per S: metrics
+    `layer_us[S=N]` (eager) and `graph_us[S=N]` (CUDA-graph replay). An engine that cannot run here is a case
+    without rows and its reason."""
+    from moetune.runtime.knobs import KnobError, Knobs
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe as M
+
+    for c in cases:
+        unknown = set(c.args) - set(_MOE_KEYS)
+        if unknown:
+            raise ScenarioError(f"case {c.name}: unknown moe argument(s) {sorted(unknown)}; known: {', '.join(_MOE_KEYS)}")
+    a = cases[0].args
+    engines = list(dict.fromkeys(str(c.args.get("engine", c.name)) for c in cases))
+    cmd = moe_command(a, engines)
+    try:
+        toks = a.get("tokens", [128])
+        rep = M.bench_moe(get_model(str(a.get("model", "qwen3-30b"))), toks if isinstance(toks, list) else [int(toks)],
+                          engines, graph=bool(a.get("cuda_graph")), iters=int(a.get("iters", 50)),
+                          warmup=int(a.get("warmup", 10)), rotate=int(a.get("rotate", 4)), seed=int(a.get("seed", 0)),
+                          knobs=Knobs.parse(str(a.get("knobs", "")), base=Knobs(engine="megakernel")))
+    except (ValueError, KnobError, RuntimeError) as e:
+        return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
+    per: dict[str, dict[str, Stat]] = {}
+    skipped: dict[str, str] = {}
+    for r in rep["cases"]:
+        if "skipped" in r:
+            skipped[r["engine"]] = r["skipped"]
+            continue
+        m = per.setdefault(r["engine"], {})
+        for key, name in (("eager_us", "layer_us"), ("graph_us", "graph_us")):
+            if key in r:
+                q = r[key]
+                m[f"{name}[S={r['S']}]"] = Stat(q["median"], q["p10"], q["p90"], rep["iters"], "us")
+    out = []
+    for c in cases:
+        eng = str(c.args.get("engine", c.name))
+        out.append(CaseResult(c.name, per.get(eng, {}), cmd, f"SKIPPED: {skipped[eng]}" if eng in skipped else ""))
+    return out
+
+
 # -- running a scenario ----------------------------------------------------------------------------------------
 
 

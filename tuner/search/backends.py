@@ -36,6 +36,8 @@ from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.tuner.measure.stats import Summary, half_range
 
+MEGAKERNEL = "megakernel"  # the engine family: measured in-process on one GPU, not through `bench ep`
+
 # Called after each repeat with (step, value so far); returns True when the trial should stop (pruned).
 ReportFn = Callable[[int, float], bool]
 
@@ -242,6 +244,8 @@ class ModelBackend(BenchmarkBackend):
         return True
 
     def supports(self, family: str) -> bool:
+        if family == MEGAKERNEL:  # the fabric model predicts exchanges, not a kernel's tiles
+            return False
         if self.preset is None:
             return True
         from moetune.tuner.search.policy import transport_of_family
@@ -537,7 +541,8 @@ class LocalBackend(BenchmarkBackend):
                  metric: str = "layer", family: str | None = None, command: Sequence[str] | None = None,
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, verify_compression: bool = True,
                  error_budget: float | None = None, iters: int | None = None, persistent: bool | None = None,
-                 worker_command: Sequence[str] | None = None):
+                 worker_command: Sequence[str] | None = None,
+                 mk_measure: Callable[[Knobs, TuneWorkload], Mapping[str, Sequence[float]]] | None = None):
         if repeats < 1:
             raise ValueError("repeats must be >= 1")
         if metric not in ("layer", "comm"):
@@ -569,6 +574,14 @@ class LocalBackend(BenchmarkBackend):
         self._workers: dict[tuple[tuple[str, str], ...], BenchWorker] = {}
         self._lock = threading.Lock()  # one run at a time per worker set (studies may run trials in threads)
         self._finalizer = weakref.finalize(self, _close_workers, self._workers)
+        # family `megakernel`: the one-GPU MoE kernel timed in this process (tuner/measure/moe.py); tests inject
+        # a fake `(knobs, workload) -> {"graph_us": samples, "eager_us": samples}`
+        self.mk_measure = mk_measure
+        self.mk_iters = iters or 50
+
+    @property
+    def label(self) -> str:
+        return "local:megakernel" if self.family == MEGAKERNEL else self.name
 
     def close(self) -> None:
         """End the persistent workers (a later run starts fresh ones)."""
@@ -711,7 +724,44 @@ class LocalBackend(BenchmarkBackend):
         details["seconds"] = secs
         return value, details, None
 
+    def _measure_megakernel(self, knobs: Knobs, workload: TuneWorkload) -> Mapping[str, Sequence[float]]:
+        from moetune.tuner.measure.moe import measure_megakernel
+
+        return measure_megakernel(knobs, workload.model, workload.tokens, iters=self.mk_iters,
+                                  warmup=max(3, self.mk_iters // 5))
+
+    def evaluate_megakernel(self, knobs: Knobs, workload: TuneWorkload) -> Measurement:
+        """The whole layer on this GPU: graph-replay samples (what a serving engine replays) are the value,
+        eager ones go in the details. A setting this GPU cannot hold (ConfigError) is infeasible."""
+        if knobs.engine != "megakernel":
+            return Measurement.failed(f"family megakernel needs engine=megakernel, got {knobs.engine!r}", infeasible=True)
+        if workload.ep_size != 1:
+            return Measurement.failed(f"the megakernel runs on one GPU; workload has ep_size {workload.ep_size}",
+                                      infeasible=True)
+        measure = self.mk_measure or self._measure_megakernel
+        graph: list[float] = []
+        eager: list[float] = []
+        for _ in range(self.repeats):
+            try:
+                got = measure(knobs, workload)
+            except (KnobError, ValueError) as e:  # ConfigError is a ValueError: a tile/stage/CTA count that does not fit
+                return Measurement.failed(f"setting does not fit: {e}", infeasible=True)
+            except Exception as e:  # build, launch or kernel error: this trial failed, the study goes on
+                return Measurement.failed(f"megakernel run failed: {type(e).__name__}: {e}"[:600])
+            graph += [float(v) for v in got.get("graph_us", ())]
+            eager += [float(v) for v in got.get("eager_us", ())]
+        value = graph or eager
+        if not value:
+            return Measurement.failed("the megakernel measurement returned no samples")
+        s = Summary.of(value)
+        details: dict[str, Any] = {"timing": "graph" if graph else "eager"}
+        if eager:
+            details["eager_us"] = round(Summary.of(eager).median, 3)
+        return Measurement(s.median, s.spread, value, True, details=details)
+
     def evaluate(self, knobs: Knobs, workload: TuneWorkload, *, report: ReportFn | None = None) -> Measurement:
+        if self.family == MEGAKERNEL:
+            return self.evaluate_megakernel(knobs, workload)
         samples: list[float] = []
         details: dict[str, Any] = {}
         for i in range(self.repeats):

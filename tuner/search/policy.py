@@ -21,9 +21,15 @@ from moetune.runtime.knobs import (
     ALLOWED_FENCE_MODES,
     COMBINE_LANES,
     COMPRESSIONS,
+    ENGINES,
     FENCE_MODES,
     MAX_STAGING_SLOTS,
     MIN_STAGING_SLOTS,
+    MK_KNOBS,
+    MK_MAX_COMBINE_TOKENS,
+    MK_MAX_CTAS_PER_SM,
+    MK_MAX_PROCESSOR_CTAS,
+    MK_MAX_STAGES,
     QP_MAPPINGS,
     QUEUED,
     SIGNALLINGS,
@@ -45,6 +51,7 @@ CATEGORICAL: dict[str, tuple[str, ...]] = {
     "scale_granularity": SCALE_GRANULARITIES,
     "wait_mode": WAIT_MODES,
     "combine_lanes": COMBINE_LANES,
+    "engine": ENGINES,
 }
 # Integer knobs and their hard limits (runtime/knobs.py validation).
 INTEGER: dict[str, tuple[int, int]] = {
@@ -55,7 +62,15 @@ INTEGER: dict[str, tuple[int, int]] = {
     "num_sms": (1, 264),
     "channels": (1, 64),
     "staging_slots": (MIN_STAGING_SLOTS, MAX_STAGING_SLOTS),
+    "mk_bm": (0, 128),
+    "mk_stages": (0, MK_MAX_STAGES),
+    "mk_ctas_per_sm": (0, MK_MAX_CTAS_PER_SM),
+    "mk_processor_ctas": (0, MK_MAX_PROCESSOR_CTAS),
+    "mk_combine_tokens": (1, MK_MAX_COMBINE_TOKENS),
 }
+# Families that are not a transport: the MoE megakernel runs the layer on one GPU (ep_size 1); its policy's
+# transport is the one a world-1 layer builds its (idle) EP buffer with.
+FAMILY_TRANSPORT: dict[str, str] = {"megakernel": "collective"}
 KNOWN_TABLES = ("policy", "defaults", "knobs", "priors", "compression")
 KNOWN_PRIORS = ("link_gbps", "link_efficiency", "sm_copy_gbps", "nic_gbit", "qp_gbps")
 ENV_POLICY = "MOETUNE_POLICY"
@@ -353,6 +368,12 @@ def validate_policy(data: dict[str, Any], *, source: str, family: str, sources: 
             if name in specs and specs[name].values() != (getattr(defaults, name),):
                 raise PolicyError(source, f"knobs.{name}", f"queue pairs only exist on proxy/ibgda, not {transport!r}")
     for name, spec in specs.items():
+        if name in MK_KNOBS:  # values the knob check refuses (mk_bm=32, mk_stages=1) or without engine=megakernel
+            for v in spec.values():
+                try:
+                    defaults.replace(**{name: v})
+                except KnobError as e:
+                    raise PolicyError(source, f"knobs.{name}", f"value {v!r}: {e}") from None
         dv = getattr(defaults, name)
         if not spec.contains(dv):
             raise PolicyError(source, f"defaults.{name}", f"default {dv!r} is not among the allowed values {list(spec.values())}")
@@ -408,6 +429,8 @@ def validate_policy(data: dict[str, Any], *, source: str, family: str, sources: 
 def transport_of_family(family: str) -> str:
     """Knobs.transport for a discovery family name (`proxy:libfabric/cxi` → `proxy`)."""
     head = family.split(":", 1)[0].split("/", 1)[0]
+    if head in FAMILY_TRANSPORT:
+        return FAMILY_TRANSPORT[head]
     if head not in TRANSPORTS:
         raise KnobError(f"unknown transport family {family!r}", ("transport",))
     return head

@@ -28,7 +28,8 @@ from moetune.tuner.search.policy import KnobSpec, Policy
 Chooser = Callable[[str, KnobSpec], Any]
 
 # Order in which the plain (unconditional) knobs are asked, after the structural ones.
-_PLAIN = ("chunk_tokens", "pipeline_depth", "num_sms", "channels", "staging_slots", "wait_mode", "combine_lanes")
+_PLAIN = ("chunk_tokens", "pipeline_depth", "num_sms", "channels", "staging_slots", "wait_mode", "combine_lanes",
+          "engine", "mk_bm", "mk_stages", "mk_ctas_per_sm", "mk_processor_ctas", "mk_combine_tokens")
 
 
 def transfers_per_peer(experts: int, ep_size: int) -> int:

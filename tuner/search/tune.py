@@ -248,6 +248,15 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
         if m.experts % ep_size:
             raise ValueError(f"{m.name}: {m.experts} experts do not divide evenly over an EP group of {ep_size}")
     fams = family_names(facts)
+    if families and "megakernel" in families:  # an engine family: asked for by name, on a node that can run it
+        from moetune.tuner.fabric.families import megakernel_family
+
+        ok, why = megakernel_family(facts)
+        if not ok:
+            raise ValueError(f"family megakernel cannot be tuned here: {why}")
+        if ep_size != 1 or nodes != 1:
+            raise ValueError(f"family megakernel runs on one GPU: tune it with ep_size 1 and nodes 1, got {ep_size}, {nodes}")
+        fams = [*fams, "megakernel"]
     if families:
         missing = [f for f in families if f not in fams]
         if missing:

@@ -447,6 +447,8 @@ class Store:
         ]
         if transport_family is not None:
             where.append(Profile.transport_family == transport_family)
+        else:  # an engine family's latency is a whole layer's, not an exchange's: picked by name only
+            where.append(Profile.transport_family != "megakernel")
         with self._read() as s:
             for provenance in sorted(PROVENANCES, key=lambda p: -PROVENANCE_RANK[p]):
                 if measured_only and provenance != "measured":

@@ -28,8 +28,10 @@ class FieldError(ValueError):
 
 
 def family_transport(family: str) -> str:
-    """Knobs.transport for a transport family name (`proxy:libfabric/cxi` → `proxy`)."""
-    return family.split(":", 1)[0].split("/", 1)[0]
+    """Knobs.transport for a transport family name (`proxy:libfabric/cxi` → `proxy`; the one-GPU `megakernel`
+    engine family runs with the world-1 layer's `collective`)."""
+    head = family.split(":", 1)[0].split("/", 1)[0]
+    return "collective" if head == "megakernel" else head
 
 
 def _big_ints(obj: Any, path: str) -> list[str]:

@@ -1,0 +1,93 @@
+"""Which engine a world-1 `MoELayer` runs: the unfused chain or the megakernel, and why not the megakernel.
+
+The choice (the knob `engine`; `MoELayer(..., engine=...)` overrides it):
+- `engine="megakernel"` passed to the layer is a request: where the megakernel cannot run, the layer raises
+  `MegakernelUnavailable` naming the reason (a caller who asked for it must not get a silently slower layer).
+- Knobs with `engine=megakernel` (explicit, or from a profile) are a preference: where it cannot run, the
+  layer falls back to the unfused engine with ONE `EngineFallbackWarning` per process and reason.
+- Neither (no knobs, no engine): at world 1 on a device where the megakernel can run, the layer auto-loads the
+  profile of family `megakernel` (daemon -> read-only database -> policy default, runtime/profiles/autoload.py)
+  and runs the engine it names. On a CUDA device where it cannot run, one warning says why; on a CPU device
+  the unfused engine is the only one and is chosen silently.
+
+`megakernel_problem` is cheap (no build, no launch); building the library may still fail later, which
+`MoELayer` turns into the same request-or-fallback decision. Imports torch lazily (the autoload chain calls
+`megakernel_problem` for the `megakernel` family).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from typing import Any
+
+log = logging.getLogger("moetune.megakernel")
+
+ENGINE_FAMILY = "megakernel"  # the ProfileKey transport_family of megakernel profiles (ep_size 1, nodes 1)
+
+
+class MegakernelUnavailable(RuntimeError):
+    """`engine="megakernel"` was asked for where the megakernel cannot run; the message says why."""
+
+
+class EngineFallbackWarning(UserWarning):
+    """The layer runs the unfused engine although the knobs or the profile named the megakernel."""
+
+
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def warn_fallback_once(reason: str) -> None:
+    """One warning per process and reason (many layers of one model share it)."""
+    with _warn_lock:
+        if reason in _warned:
+            return
+        _warned.add(reason)
+    msg = f"moetune: MoE layer runs the UNFUSED engine: the megakernel cannot run here ({reason})"
+    warnings.warn(msg, EngineFallbackWarning, stacklevel=3)
+    log.warning(msg)
+
+
+def reset_warnings() -> None:
+    """Forget which fallbacks were warned about (tests)."""
+    with _warn_lock:
+        _warned.clear()
+
+
+def megakernel_problem(device: Any, dtype: Any = None, model: Any = None) -> str | None:
+    """Why the megakernel cannot run a layer on `device` (with `dtype` activations and `model`'s shape), or None.
+
+    Checks: a CUDA device, an sm_90 GPU (the kernel is built for sm_90a only), bf16, hidden % 128 and
+    intermediate % 64, and a way to get the library (nvcc, or a prebuilt one in MOETUNE_MK_LIB)."""
+    import torch
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type != "cuda":
+        return f"no CUDA device (the layer is on {dev})"
+    if not torch.cuda.is_available():
+        return "CUDA is not available to torch"
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(idx)
+    if (major, minor) != (9, 0):
+        return f"it needs an sm_90 (Hopper) GPU; {torch.cuda.get_device_name(idx)} is sm_{major}{minor}"
+    if dtype is not None and dtype != torch.bfloat16:
+        return f"it runs bfloat16 activations, the layer's are {dtype}"
+    if model is not None and (model.hidden % 128 or model.intermediate % 64):
+        return (f"it needs hidden % 128 == 0 and intermediate % 64 == 0, got hidden {model.hidden}, "
+                f"intermediate {model.intermediate}")
+    if not os.environ.get("MOETUNE_MK_LIB"):
+        from moetune.runtime import csrc_build
+
+        if csrc_build.find_nvcc() is None:
+            return "no nvcc to build csrc/megakernel (set MOETUNE_NVCC or CUDA_HOME, or MOETUNE_MK_LIB to a prebuilt library)"
+    return None
+
+
+def build_megakernel(model: Any, **kwargs: Any) -> Any:
+    """`MegakernelMoE(model, **kwargs)`: one seam, so CPU tests can stand a fake in for the CUDA layer."""
+    from moetune.runtime.megakernel.layer import MegakernelMoE
+
+    return MegakernelMoE(model, **kwargs)

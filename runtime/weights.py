@@ -1,0 +1,36 @@
+"""The MoE layer's weights, generated deterministically from a seed (one generator per expert, on the device).
+
+Every rank builds only its own experts, `dense_reference` rebuilds any expert for verification, and the
+megakernel (runtime/megakernel/layer.py) builds the same tensors; `moe_layer` re-exports these names.
+Imports only torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetune.runtime.shapes import ModelShape
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def expert_weights(
+    model: ModelShape, expert: int, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_gate_up [2I, H], W_down [H, I]) of global expert `expert`, deterministic in (seed, expert, device type)."""
+    device = torch.device(device)
+    h, i = model.hidden, model.intermediate
+    g = _generator(device, seed * 1_000_003 + 7 * expert + 1)
+    w1 = torch.randn(2 * i, h, generator=g, device=device, dtype=torch.float32) * (h**-0.5)
+    w2 = torch.randn(h, i, generator=g, device=device, dtype=torch.float32) * (i**-0.5)
+    return w1.to(dtype), w2.to(dtype)
+
+
+def gate_weight(model: ModelShape, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    device = torch.device(device)
+    g = _generator(device, seed * 1_000_003 + 999_983)
+    return (torch.randn(model.experts, model.hidden, generator=g, device=device, dtype=torch.float32) * (model.hidden**-0.5)).to(dtype)

@@ -1,0 +1,355 @@
+"""Issue 17, deliverables 2-3 on CPU: the megakernel's knobs in the one vocabulary (validated, digested, in the
+policy), MegakernelConfig as a view of the knobs and options, the layer's engine choice and fallback, and the
+auto-load of a `megakernel` profile from a daemon and from the read-only database."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgspec
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+from test_trust_client import FP, SW, FakeDaemon, _local_facts, _seed_db, ok_reply
+
+from moetune.runtime import wire
+from moetune.runtime.knobs import MK_KNOBS, KnobError, Knobs
+from moetune.runtime.megakernel import MegakernelConfig
+from moetune.runtime.megakernel import engine as E
+from moetune.runtime.moe_layer import MoELayer
+from moetune.runtime.options import RuntimeOptionError, RuntimeOptions
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profiles import autoload, node_identity
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.shapes import MODELS, ModelShape
+
+pytestmark = pytest.mark.timeout(120)
+QWEN = MODELS["qwen3-30b"]
+TINY = ModelShape(name="tiny", hidden=128, intermediate=64, experts=4, topk=2, dtype="bfloat16")
+
+
+# -- knobs ----------------------------------------------------------------------------------------------------
+def test_megakernel_knobs_validated_with_the_knob_named() -> None:
+    k = Knobs(engine="megakernel", mk_bm=64, mk_stages=3, mk_ctas_per_sm=2, mk_combine_tokens=32)
+    assert Knobs.parse("engine=megakernel,mk_bm=64,mk_stages=3,mk_ctas_per_sm=2,mk_combine_tokens=32") == k
+    assert Knobs.from_dict(k.to_dict()) == k
+    for bad, name in ((dict(mk_bm=32), "mk_bm"), (dict(mk_stages=1), "mk_stages"), (dict(mk_stages=13), "mk_stages"),
+                      (dict(mk_ctas_per_sm=-1), "mk_ctas_per_sm"), (dict(mk_combine_tokens=0), "mk_combine_tokens"),
+                      (dict(mk_processor_ctas=1 << 17), "mk_processor_ctas")):
+        with pytest.raises(KnobError) as e:
+            Knobs(engine="megakernel", **bad)
+        assert name in e.value.knobs
+    with pytest.raises(KnobError, match="only apply with engine=megakernel") as e:
+        Knobs(mk_bm=16)
+    assert e.value.knobs == ("mk_bm", "engine")
+    with pytest.raises(KnobError):
+        Knobs.parse("engine=fused")
+
+
+def test_digest_covers_megakernel_knobs_and_keeps_old_hashes() -> None:
+    old = Knobs()
+    legacy = {k: v for k, v in old.to_dict().items() if k not in MK_KNOBS}  # the knob set before issue 17
+    assert old.digest() == hashlib.sha256(msgspec.json.encode(legacy, order="sorted")).hexdigest()[:16]
+    mk = Knobs(engine="megakernel")
+    digests = {old.digest(), mk.digest(), mk.replace(mk_bm=16).digest(), mk.replace(mk_stages=3).digest(),
+               mk.replace(mk_ctas_per_sm=1).digest(), mk.replace(mk_processor_ctas=66).digest(),
+               mk.replace(mk_combine_tokens=2).digest()}
+    assert len(digests) == 7
+    key = ProfileKey(fingerprint=FP, software=SW, transport_family="megakernel", ep_size=1, nodes=1, hidden=128,
+                     intermediate=64, experts=4, topk=2, dtype="bfloat16", token_bucket=16)
+    a = ProfileRecord(key=key, knobs=mk, latency_us=1.0, spread_us=0.0, backend="local:megakernel", provenance="measured")
+    b = ProfileRecord(key=key, knobs=mk.replace(mk_bm=16), latency_us=1.0, spread_us=0.0, backend="local:megakernel",
+                      provenance="measured")
+    assert a.profile_hash != b.profile_hash
+
+
+def test_config_is_a_view_of_knobs_and_options() -> None:
+    k = Knobs(engine="megakernel", mk_bm=128, mk_stages=3, mk_ctas_per_sm=2, mk_processor_ctas=100, mk_combine_tokens=2)
+    cfg = MegakernelConfig.from_knobs(k, RuntimeOptions(megakernel_timeout_s=0.25))
+    assert (cfg.bm, cfg.stages, cfg.ctas_per_sm, cfg.processor_ctas, cfg.combine_tokens) == (128, 3, 2, 100, 2)
+    assert cfg.timeout_ms == 250.0
+    auto = MegakernelConfig.from_knobs(Knobs())  # the defaults are today's auto behaviour
+    assert auto == MegakernelConfig()
+
+
+def test_megakernel_timeout_option() -> None:
+    assert RuntimeOptions.from_env({"MOETUNE_MK_TIMEOUT_S": "0.5"}).megakernel_timeout_s == 0.5
+    for bad in ("0", "-1", "inf", "soon"):
+        with pytest.raises(RuntimeOptionError, match=r"MOETUNE_MK_TIMEOUT_S|megakernel_timeout_s"):
+            RuntimeOptions.from_env({"MOETUNE_MK_TIMEOUT_S": bad})
+
+
+def test_policy_and_space_of_the_megakernel_family(tmp_path: Path) -> None:
+    from moetune.tuner.search.policy import PolicyError, load_policy, transport_of_family
+    from moetune.tuner.search.space import SearchSpace
+
+    pol = load_policy("megakernel")
+    assert pol.defaults.engine == "megakernel" and transport_of_family("megakernel") == "collective"
+    space = SearchSpace(pol, experts=QWEN.experts, ep_size=1)
+    seen = list(space.enumerate())
+    assert seen and all(k.engine == "megakernel" for k in seen)
+    assert {k.mk_bm for k in seen} == {0, 16, 64, 128} and {k.mk_stages for k in seen} >= {0, 3, 6}
+    bad = tmp_path / "megakernel.toml"
+    bad.write_text('[policy]\nfamily = "megakernel"\n\n[knobs]\nmk_bm = [0, 32]\n')
+    with pytest.raises(PolicyError, match=r"knobs\.mk_bm"):
+        load_policy("megakernel", bad)
+
+
+# -- the layer's engine -----------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch: pytest.MonkeyPatch):
+    E.reset_warnings()
+    autoload.clear_cache()
+    monkeypatch.setattr(autoload, "_availability", {})
+    monkeypatch.setenv("MOETUNE_AUTOLOAD", "0")  # no daemon or database unless a test sets one up
+    yield
+    E.reset_warnings()
+    autoload.clear_cache()
+
+
+def _layer(**kw: Any) -> MoELayer:
+    return MoELayer(TINY, None, kw.pop("knobs", None), max_tokens=16, device="cpu", dtype=torch.bfloat16, **kw)
+
+
+def _engine_warnings(caught: list) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, E.EngineFallbackWarning)]
+
+
+def test_engine_requested_where_it_cannot_run_raises() -> None:
+    with pytest.raises(E.MegakernelUnavailable, match="no CUDA device"):
+        _layer(engine="megakernel")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        _layer(engine="fused")
+
+
+def test_engine_from_knobs_falls_back_with_one_warning() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = _layer(knobs=Knobs(engine="megakernel"))
+        b = _layer(knobs=Knobs(engine="megakernel"))
+    assert a.engine == b.engine == "unfused" and "no CUDA device" in a.engine_note
+    msgs = _engine_warnings(caught)
+    assert len(msgs) == 1 and "UNFUSED" in msgs[0] and "no CUDA device" in msgs[0]
+    x = torch.randn(5, TINY.hidden).to(torch.bfloat16)
+    assert a(x).shape == (5, TINY.hidden)  # the unfused engine runs
+
+
+def test_auto_engine_on_cpu_is_unfused_silently() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer = _layer()
+    assert layer.engine == "unfused" and not _engine_warnings(caught) and layer.engine_resolution is None
+
+
+class FakeMegakernel:
+    """Stands in for MegakernelMoE on CPU: records what it was built with; forward is the unfused math."""
+
+    built: ClassVar[list[FakeMegakernel]] = []
+
+    def __init__(self, model: Any, **kw: Any):
+        self.model, self.kw, self.calls = model, kw, 0
+        FakeMegakernel.built.append(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from moetune.runtime.moe_layer import route
+
+        idx, w = route(x, self.kw["gate"], self.model.topk)
+        return self.forward_routed(x, idx, w)
+
+    def forward_routed(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.layer.local_forward(x, idx.long(), w)
+
+
+@pytest.fixture
+def fake_mk(monkeypatch: pytest.MonkeyPatch):
+    FakeMegakernel.built = []
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    monkeypatch.setattr(E, "build_megakernel", FakeMegakernel)
+    return FakeMegakernel
+
+
+def test_megakernel_engine_runs_the_same_weights(fake_mk) -> None:
+    knobs = Knobs(engine="megakernel", mk_bm=16, mk_stages=3)
+    layer = MoELayer(TINY, None, knobs, max_tokens=16, device="cpu", dtype=torch.bfloat16,
+                     buffer=None)
+    assert layer.engine == "megakernel" and layer.engine_knobs == knobs
+    mk = fake_mk.built[-1]
+    mk.layer = layer
+    cfg = mk.kw["config"]
+    assert (cfg.bm, cfg.stages, cfg.timeout_ms) == (16, 3, layer.buffer.options.megakernel_timeout_s * 1000)
+    assert mk.kw["w_gate_up"].data_ptr() == layer.w_gate_up.data_ptr()  # shared, not copied
+    assert mk.kw["w_down"].data_ptr() == layer.w_down.data_ptr() and mk.kw["gate"].data_ptr() == layer.gate.data_ptr()
+    x = torch.randn(7, TINY.hidden).to(torch.bfloat16)
+    out = layer(x)
+    assert mk.calls == 1
+    ref = MoELayer(TINY, None, Knobs(), max_tokens=16, device="cpu", dtype=torch.bfloat16)
+    assert ref.engine == "unfused"
+    assert torch.equal(out, ref(x))
+    idx, w = layer.route(x)
+    layer.forward_routed(x, idx, w)
+    assert mk.calls == 2
+
+
+def test_engine_unfused_argument_wins(fake_mk) -> None:
+    layer = _layer(knobs=Knobs(engine="megakernel"), engine="unfused")
+    assert layer.engine == "unfused" and not fake_mk.built
+
+
+def test_build_failure_falls_back_or_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.runtime.csrc_build import BuildError
+
+    def broken(model: Any, **kw: Any) -> Any:
+        raise BuildError("nvcc failed (exit 1)")
+
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    monkeypatch.setattr(E, "build_megakernel", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer = _layer(knobs=Knobs(engine="megakernel"))
+    assert layer.engine == "unfused" and "nvcc failed" in _engine_warnings(caught)[0]
+    with pytest.raises(E.MegakernelUnavailable, match="nvcc failed"):
+        _layer(engine="megakernel")
+
+
+def test_auto_engine_uses_the_megakernel_policy_default(fake_mk) -> None:
+    layer = _layer()  # no knobs, no engine, MOETUNE_AUTOLOAD=0: the megakernel policy's defaults
+    assert layer.engine == "megakernel" and layer.engine_resolution.family == "megakernel"
+    assert layer.engine_knobs == Knobs(engine="megakernel")
+
+
+# -- auto-load of a megakernel profile -------------------------------------------------------------------------
+def mk_key(fp: str = FP, sw: str = SW, bucket: int = 16) -> ProfileKey:
+    return ProfileKey(fingerprint=fp, software=sw, transport_family="megakernel", ep_size=1, nodes=1,
+                      hidden=QWEN.hidden, intermediate=QWEN.intermediate, experts=QWEN.experts, topk=QWEN.topk,
+                      dtype=QWEN.dtype, token_bucket=bucket)
+
+
+def mk_record(knobs: Knobs, *, backend: str = "local:megakernel", provenance: str = "measured", **kw: Any) -> ProfileRecord:
+    return ProfileRecord(key=mk_key(**kw), knobs=knobs, latency_us=240.0, spread_us=2.0, backend=backend,
+                         provenance=provenance)
+
+
+def _autoload(endpoint: str, db: Path) -> tuple[Any, list[str]]:
+    c = ProfileClient(endpoint, db_path=db, timeout_ms=300, env={})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = autoload.autoload_profile(model=QWEN, ep_size=1, nodes=1, max_tokens=16, device="cuda:0", client=c,
+                                            transport_family="megakernel")
+    finally:
+        c.close()
+    return res, [str(w.message) for w in caught]
+
+
+def test_autoload_megakernel_profile_from_a_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOETUNE_AUTOLOAD")
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)  # a GPU that can run it
+    tuned = Knobs(engine="megakernel", mk_bm=64, mk_stages=3)
+
+    def answer(req: dict) -> bytes:
+        rec = mk_record(tuned)
+        return ok_reply(req["id"], msgspec.to_builtins(wire.ProfileResult.from_record(rec, env={})))
+
+    d = FakeDaemon(tmp_path / "run", answer, {"fingerprint": FP, "software": SW, "transports": ["collective"],
+                                               "db": str(tmp_path / "none.db")})
+    try:
+        res, warned = _autoload(d.endpoint, tmp_path / "none.db")
+    finally:
+        d.close()
+    assert d.requests[0]["transport_family"] == "megakernel" and d.requests[0]["ep_size"] == 1
+    assert res.source == "daemon" and res.tuned and res.knobs == tuned and not warned
+
+
+def test_autoload_megakernel_modelled_or_unrunnable_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOETUNE_AUTOLOAD")
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    modelled = mk_record(Knobs(engine="megakernel", mk_bm=16), backend="model:node:abc", provenance="node_model")
+
+    def answer(req: dict) -> bytes:
+        return ok_reply(req["id"], msgspec.to_builtins(wire.ProfileResult.from_record(modelled, env={})))
+
+    d = FakeDaemon(tmp_path / "run", answer, {"fingerprint": FP, "software": SW, "transports": ["collective"],
+                                               "db": str(tmp_path / "none.db")})
+    try:
+        res, warned = _autoload(d.endpoint, tmp_path / "none.db")
+    finally:
+        d.close()
+    assert res.source == "policy" and not res.tuned and res.knobs == Knobs(engine="megakernel")
+    assert len(warned) == 1 and "MODELLED" in warned[0]
+    # a node where the megakernel cannot run: the daemon's profile is passed over, never raised
+    monkeypatch.setattr(autoload, "_availability", {})
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: "sm_80")
+    d = FakeDaemon(tmp_path / "run3", lambda req: ok_reply(req["id"], msgspec.to_builtins(
+        wire.ProfileResult.from_record(mk_record(Knobs(engine="megakernel")), env={}))),
+        {"fingerprint": FP, "software": SW, "transports": ["collective"], "db": str(tmp_path / "none.db")})
+    try:
+        res, warned = _autoload(d.endpoint, tmp_path / "none.db")
+    finally:
+        d.close()
+    assert res.source != "daemon" and any("sm_80" in w for w in warned)
+
+
+def test_autoload_megakernel_profile_from_the_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOETUNE_AUTOLOAD")
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    facts = _local_facts()
+    F.pretend_node(monkeypatch, facts, tmp_path / "proc")
+    sw = node_identity.software_hash(facts)
+    db = tmp_path / "moetune.db"
+    fp = "c" * 16
+    tuned = Knobs(engine="megakernel", mk_bm=16, mk_stages=3)
+    coll = ProfileRecord(key=msgspec.structs.replace(mk_key(fp, sw), transport_family="collective"),
+                         knobs=Knobs(channels=2), latency_us=5.0, spread_us=0.0, backend="local:nccl",
+                         provenance="measured")
+    _seed_db(db, {"_fp": fp, "facts": facts}, [mk_record(tuned, fp=fp, sw=sw), coll])
+    res, warned = _autoload(f"ipc://{tmp_path}/nowhere/daemon.sock", db)
+    assert res.source == "database" and res.tuned and res.knobs == tuned and res.family == "megakernel"
+    assert len(warned) == 1 and "read-only database" in warned[0]
+    # the EP buffer's own lookup (no family) never gets the engine's profile, although it is "faster"
+    c = ProfileClient(f"ipc://{tmp_path}/nowhere/daemon.sock", db_path=db, timeout_ms=300, env={})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = c.resolve(model=QWEN, ep_size=1, tokens=16, nodes=1)
+    c.close()
+    assert plain.family == "collective" and plain.knobs.engine == "unfused"
+    store = F.open_store(db)
+    got = store.find_profile(fingerprint=fp, software=sw, ep_size=1, nodes=1, hidden=QWEN.hidden,
+                            intermediate=QWEN.intermediate, experts=QWEN.experts, topk=QWEN.topk, dtype=QWEN.dtype,
+                            tokens=16)
+    assert got is not None and got.key.transport_family == "collective"
+    json.dumps(res.knobs.to_dict())
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (the megakernel is built for sm_90a)")
+def test_gpu_layer_engines_agree_and_capture() -> None:
+    model = QWEN
+    mk = MoELayer(model, None, Knobs(engine="megakernel"), max_tokens=256, device="cuda", engine="megakernel")
+    un = MoELayer(model, None, Knobs(), max_tokens=256, device="cuda", engine="unfused")
+    assert mk.engine == "megakernel" and un.engine == "unfused"
+    from moetune.runtime.moe_layer import max_rel_err
+
+    for s in (1, 7, 128):
+        x = torch.randn(s, model.hidden, device="cuda").to(torch.bfloat16)
+        assert max_rel_err(mk(x), un(x)) <= 1e-2
+    x = torch.randn(128, model.hidden, device="cuda").to(torch.bfloat16)
+    want = mk(x).clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = mk(x)
+    g.replay()
+    torch.cuda.synchronize()
+    mk.megakernel.check()
+    assert torch.equal(got, want)

@@ -1,0 +1,181 @@
+"""Issue 17, deliverable 4 on CPU: the local backend measures the `megakernel` family through an injected
+measurement, a tune stores a better knob set as measured, a not-better one keeps the policy default and says
+why, and `moetune profile`'s bring-up on a one-H200 capture tunes the megakernel and says EP needs >= 2 GPUs."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.shapes import MODELS
+from moetune.tuner.search.backends import LocalBackend, ModelBackend, TuneWorkload
+
+pytestmark = pytest.mark.timeout(240)
+CAPTURES = Path(__file__).resolve().parent / "captures"
+QWEN = MODELS["qwen3-30b"]
+
+
+def fast_bm16(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+    """A GPU stand-in: bm=16 with 3 stages is 30% faster than anything else; eager 1% slower than graph."""
+    base = 300.0 * (0.7 if (knobs.mk_bm, knobs.mk_stages) == (16, 3) else 1.0)
+    return {"graph_us": [base, base + 1, base - 1], "eager_us": [base * 1.01] * 3}
+
+
+def flat(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+    """Every setting the same within noise: nothing beats the default."""
+    return {"graph_us": [300.0, 303.0, 297.0], "eager_us": [301.0] * 3}
+
+
+def test_backend_measures_the_megakernel_family() -> None:
+    be = LocalBackend(world=1, family="megakernel", repeats=2, mk_measure=fast_bm16)
+    wl = TuneWorkload(model=QWEN, tokens=128)
+    m = be.evaluate(Knobs(engine="megakernel", mk_bm=16, mk_stages=3), wl)
+    assert m.ok and m.median_us == pytest.approx(210.0) and len(m.samples) == 6 and m.details["timing"] == "graph"
+    assert m.details["eager_us"] == pytest.approx(212.1)
+    assert be.label == "local:megakernel"
+    assert not be.evaluate(Knobs(), wl).ok  # engine unfused is not this family
+
+    def too_big(knobs: Knobs, wl: TuneWorkload) -> Any:
+        from moetune.runtime.megakernel.config import ConfigError
+
+        raise ConfigError("megakernel config: ctas_per_sm=2 but only 1 fit per SM")
+
+    m = LocalBackend(world=1, family="megakernel", mk_measure=too_big).evaluate(Knobs(engine="megakernel"), wl)
+    assert not m.ok and m.infeasible and "ctas_per_sm" in m.error
+    assert not ModelBackend(predictor=lambda k, w: 1.0, preset=object()).supports("megakernel")
+
+
+def _facts(name: str) -> Any:
+    from moetune.tuner.fabric.discovery import discover
+
+    return discover(CAPTURES / name)
+
+
+def test_tune_stores_a_better_setting_as_measured(tmp_path: Path) -> None:
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    store = F.open_store(tmp_path / "m.db")
+    facts = _facts("h200x1")
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    be = LocalBackend(world=1, family="megakernel", repeats=1, mk_measure=fast_bm16)
+    res = tune_profiles_detailed(store, facts, models=[QWEN], tokens=[128], backend=be, trials=40, progress=False,
+                                 storage=f"sqlite:///{tmp_path / 'opt.db'}", ep_size=1, nodes=1, families=["megakernel"])
+    rec = res[0].record
+    assert rec is not None and res[0].written
+    assert rec.provenance == "measured" and rec.backend == "local:megakernel"
+    assert rec.key.transport_family == "megakernel" and rec.key.ep_size == 1 and rec.key.nodes == 1
+    assert (rec.knobs.mk_bm, rec.knobs.mk_stages, rec.knobs.engine) == (16, 3, "megakernel")
+    with pytest.raises(ValueError, match="ep_size 1"):
+        tune_profiles_detailed(store, facts, models=[QWEN], tokens=[128], backend=be, trials=2, progress=False,
+                               storage=f"sqlite:///{tmp_path / 'opt.db'}", ep_size=2, families=["megakernel"])
+    with pytest.raises(ValueError, match="no GPU"):
+        tune_profiles_detailed(store, _facts("cpu-laptop"), models=[QWEN], tokens=[128], backend=be, trials=2,
+                               progress=False, storage=f"sqlite:///{tmp_path / 'opt.db'}", ep_size=1,
+                               families=["megakernel"])
+
+
+def _bringup(tmp_path: Path, capture: str, measure: Any) -> Any:
+    from moetune.tuner.bringup.flow import Bringup, Plan
+
+    plan = Plan(models=["qwen3-30b"], tokens=[16], trials=12, repeats=1, iters=5, compare_rounds=2)
+    console = Console(file=io.StringIO(), width=200)
+    store = F.open_store(tmp_path / "b.db")
+    b = Bringup(store=store, plan=plan, state_dir=tmp_path / "state", console=console, capture=CAPTURES / capture,
+                storage=f"sqlite:///{tmp_path / 'opt.db'}", mk_measure=measure)
+    b.state.mark("discover", b.stage_discover())
+    b.state.mark("microbench", [])
+    b.state.mark("calibrate", {"skipped": "test"})
+    for stage in ("tune", "compare"):
+        b.state.mark(stage, getattr(b, f"stage_{stage}")())
+    return b, store
+
+
+def test_profile_on_a_one_gpu_node_tunes_the_megakernel(tmp_path: Path) -> None:
+    b, store = _bringup(tmp_path, "h200x1", fast_bm16)
+    tuned = b.state.result("tune")
+    assert [t["family"] for t in tuned] == ["megakernel"]  # no EP transport on one GPU
+    cmp = b.state.result("compare")
+    assert cmp[0]["stored"] == "tuned" and cmp[0]["tuned_us"] < cmp[0]["default_us"]
+    from moetune.runtime.profile_record import ProfileKey
+
+    rec = store.get_current(ProfileKey(**tuned[0]["key"]))
+    assert rec is not None and rec.provenance == "measured" and rec.knobs.mk_bm == 16
+    report = Path(b.stage_report()).read_text()
+    assert "EP transports need >= 2 GPUs" in report and "megakernel" in report
+
+
+def test_profile_keeps_the_default_when_the_tuned_setting_is_not_better(tmp_path: Path) -> None:
+    b, store = _bringup(tmp_path, "h200x1", flat)
+    cmp = b.state.result("compare")[0]
+    assert cmp["stored"] == "policy default"
+    from moetune.runtime.profile_record import ProfileKey
+
+    rec = store.get_current(ProfileKey(**b.state.result("tune")[0]["key"]))
+    assert rec is not None and rec.knobs == Knobs(engine="megakernel") and rec.provenance == "measured"
+    report = Path(b.stage_report()).read_text()
+    assert "the policy default was kept" in report
+
+
+def test_profile_on_a_two_gpu_node_plans_both(tmp_path: Path) -> None:
+    from moetune.tuner.bringup.flow import Bringup, Plan
+
+    b = Bringup(store=F.open_store(tmp_path / "c.db"), plan=Plan(), state_dir=tmp_path / "s",
+                console=Console(file=io.StringIO()), capture=CAPTURES / "h200x2")
+    assert b.tune_ep and b.mk_ok
+    c = Bringup(store=F.open_store(tmp_path / "d.db"), plan=Plan(), state_dir=tmp_path / "s2",
+                console=Console(file=io.StringIO()), capture=CAPTURES / "rtx4090x4")
+    assert c.tune_ep and not c.mk_ok and "sm_90" in c.mk_why
+
+
+# -- the benchmark: `moetune bench moe` and the scenario -------------------------------------------------------
+def test_bench_moe_cli_and_scenario_smoke(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+    from moetune.tuner.measure import scenarios as S
+
+    r = CliRunner().invoke(app, ["bench", "moe", "--model", "custom:128,64,8,2", "--tokens", "4,16", "--iters", "2",
+                                 "--warmup", "0", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    skipped = [c for c in rep["cases"] if "skipped" in c]
+    assert skipped and skipped[0]["engine"] == "megakernel" and "no CUDA device" in skipped[0]["skipped"]
+    unf = [c for c in rep["cases"] if c.get("engine") == "unfused"]
+    assert [c["S"] for c in unf] == [4, 16] and all(c["eager_us"]["median"] > 0 and "weight_floor_us" in c for c in unf)
+    bad = CliRunner().invoke(app, ["bench", "moe", "--engine", "fused"])
+    assert bad.exit_code == 2 and "engines must be among" in bad.output and "Traceback" not in bad.output
+
+    s = S.get("moe-megakernel-vs-unfused")
+    assert s.driver == "moe" and [c.name for c in s.cases] == ["unfused", "megakernel"]
+    rows = S.run(s, smoke=True, results=tmp_path / "summary.csv", gpus=0)
+    assert {r["case"] for r in rows} == {"unfused"} and all(r["source"] == "smoke" for r in rows)
+    assert {r["metric"] for r in rows} == {"layer_us[S=4]", "layer_us[S=16]"}
+    assert all(r["git_sha"] and r["hardware"] and "moetune bench moe" in r["command"] for r in rows)
+    # outside smoke mode on CPU, the megakernel case is a row naming why it was skipped
+    seq = [*S.plan(s, None, smoke=True), S.Resolved("megakernel", {**s.smoke_args, "engine": "megakernel"}, {})]
+    out = S.DRIVERS["moe"](seq, S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+    mk = next(c for c in out if c.case == "megakernel")
+    assert not mk.metrics and mk.error.startswith("SKIPPED") and "no CUDA device" in mk.error
+
+
+def test_imported_megakernel_rows_are_in_the_summary() -> None:
+    from moetune.tuner.measure import results as R
+    from moetune.tuner.measure import scenarios as S
+
+    rows = [r for r in R.read_rows(S.SUMMARY_CSV) if r["scenario"] == "moe-megakernel-vs-unfused"]
+    imported = [r for r in rows if r["source"] == "imported"]
+    assert {r["git_sha"][:7] for r in imported} == {"610d837", "711d9d4"}
+    got = {(r["git_sha"][:7], r["case"], r["metric"]): float(r["median"]) for r in imported}
+    assert got[("711d9d4", "megakernel", "graph_us[S=128]")] == pytest.approx(351.9, abs=0.1)
+    assert got[("610d837", "unfused", "layer_us[S=4096]")] == pytest.approx(2008.7, abs=0.1)

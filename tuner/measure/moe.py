@@ -1,0 +1,172 @@
+"""Timing the whole MoE layer on one device: the megakernel and the unfused engine, side by side in one process.
+
+Used by the tuner's local backend (family `megakernel`: one knob set at one token count), by
+`moetune bench moe` and by the `moe` scenario driver. Every figure is the whole layer from `x` to the output
+with routing included: single calls timed with CUDA events (perf_counter on CPU), `warmup` untimed calls
+first, inputs rotated over `rotate` tensors; with `graph`, one CUDA graph captured per input and replayed.
+The floors printed beside the figures are the issue's: reading the touched experts' weights at 4.2 TB/s
+(the read rate measured on an H200) and the SwiGLU GEMMs at 790 TFLOP/s (bf16, measured there).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.shapes import ModelShape
+from moetune.tuner.measure.stats import Summary
+
+READ_TBPS = 4.2
+TENSOR_TFLOPS = 790.0
+ENGINES = ("megakernel", "unfused")
+
+
+def experts_touched(model: ModelShape, tokens: int) -> float:
+    """Expected distinct experts that S tokens route to (uniform top-k): E (1 - (1 - K/E)^S)."""
+    return model.experts * (1.0 - (1.0 - model.topk / model.experts) ** max(tokens, 0))
+
+
+def floors(model: ModelShape, tokens: int) -> dict[str, float]:
+    """µs the layer cannot beat on an H200: reading the weights it touches, and its tensor-core work."""
+    per_expert = 3 * model.hidden * model.intermediate * 2  # W_gate_up [2I, H] + W_down [H, I], bf16
+    read = experts_touched(model, tokens) * per_expert + model.experts * model.hidden * 2
+    flops = 2.0 * tokens * model.topk * 3 * model.hidden * model.intermediate
+    return {"weight_floor_us": read / (READ_TBPS * 1e12) * 1e6, "tensor_floor_us": flops / (TENSOR_TFLOPS * 1e12) * 1e6}
+
+
+def time_calls(fns: Sequence[Callable[[], Any]], *, warmup: int, iters: int, cuda: bool) -> list[float]:
+    """µs of each of `iters` single calls, rotating over `fns` (one per input), after `warmup` calls."""
+    for j in range(warmup):
+        fns[j % len(fns)]()
+    if not cuda:
+        out = []
+        for j in range(iters):
+            t0 = time.perf_counter()
+            fns[j % len(fns)]()
+            out.append((time.perf_counter() - t0) * 1e6)
+        return out
+    import torch
+
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for j, (a, b) in enumerate(ev):
+        a.record()
+        fns[j % len(fns)]()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) * 1000.0 for a, b in ev]
+
+
+def graphs_of(fn: Callable[[Any], Any], xs: Sequence[Any]) -> list[Callable[[], Any]]:
+    """One captured CUDA graph per input (after a warm-up call on a side stream); replay callables."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for x in xs:
+            fn(x)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    out = []
+    for x in xs:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(x)
+        out.append(g.replay)
+    return out
+
+
+def _inputs(model: ModelShape, tokens: int, rotate: int, device: Any, dtype: Any, seed: int) -> list[Any]:
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(tokens, model.hidden, generator=g).to(device=device, dtype=dtype) for _ in range(rotate)]
+
+
+def time_layer(forward: Callable[[Any], Any], xs: Sequence[Any], *, warmup: int, iters: int, graph: bool,
+               cuda: bool) -> dict[str, list[float]]:
+    """{"eager_us": samples, "graph_us": samples (graph and cuda only)} for one layer callable."""
+    out = {"eager_us": time_calls([lambda x=x: forward(x) for x in xs], warmup=warmup, iters=iters, cuda=cuda)}
+    if graph and cuda:
+        out["graph_us"] = time_calls(graphs_of(forward, xs), warmup=warmup, iters=iters, cuda=True)
+    return out
+
+
+_weights: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
+
+
+def measure_megakernel(knobs: Knobs, model: ModelShape, tokens: int, *, iters: int = 50, warmup: int = 10,
+                       rotate: int = 4, seed: int = 0, options: Any = None) -> dict[str, list[float]]:
+    """The megakernel with `knobs` at `tokens` tokens on the current GPU: graph replay and eager samples (µs).
+
+    Weights are built once per (model, device, seed) and reused across knob sets (a study's trials). Raises
+    what the layer raises: `ConfigError` for a setting that does not fit this GPU, `MegakernelError` when
+    the kernel reports one, the build's errors."""
+    import torch
+
+    from moetune.runtime.megakernel.config import MegakernelConfig
+    from moetune.runtime.megakernel.layer import MegakernelMoE
+    from moetune.runtime.moe_layer import expert_weights, gate_weight
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    key = (model, str(dev), seed)
+    if key not in _weights:
+        bf = torch.bfloat16
+        w1, w2 = zip(*(expert_weights(model, e, seed=seed, device=dev, dtype=bf) for e in range(model.experts)), strict=True)
+        _weights.clear()  # one model's weights at a time (GBs)
+        _weights[key] = (torch.stack(w1), torch.stack(w2), gate_weight(model, seed=seed, device=dev, dtype=bf))
+    w_gate_up, w_down, gate = _weights[key]
+    mk = MegakernelMoE(model, max_tokens=max(1, tokens), device=dev, config=MegakernelConfig.from_knobs(knobs, options),
+                       w_gate_up=w_gate_up, w_down=w_down, gate=gate)
+    xs = _inputs(model, tokens, rotate, dev, torch.bfloat16, seed + 1)
+    res = time_layer(mk.forward, xs, warmup=warmup, iters=iters, graph=True, cuda=True)
+    mk.check()  # a timed-out wait is an error, not a fast trial
+    return res
+
+
+def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], *, graph: bool = False,
+              iters: int = 50, warmup: int = 10, rotate: int = 4, seed: int = 0, device: str | None = None,
+              knobs: Knobs | None = None) -> dict[str, Any]:
+    """Both engines in this process, per S: {"cases": [{engine, S, eager_us, graph_us, ...}], "floors": ...}.
+
+    An engine that cannot run here (the megakernel on CPU) is reported `skipped` with the reason. The
+    megakernel runs with `knobs` (default: the `engine=megakernel` defaults)."""
+    import torch
+
+    from moetune.runtime.megakernel.engine import MegakernelUnavailable
+    from moetune.runtime.moe_layer import MoELayer, max_rel_err
+
+    bad = [e for e in engines if e not in ENGINES]
+    if bad or not engines:
+        raise ValueError(f"engines must be among {', '.join(ENGINES)}, got {list(engines)}")
+    if not tokens or any(t < 1 for t in tokens):
+        raise ValueError(f"tokens must be positive integers, got {list(tokens)}")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    smax = max(tokens)
+    layers: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for eng in engines:
+        mk_knobs = (knobs or Knobs(engine="megakernel")) if eng == "megakernel" else Knobs()
+        try:
+            layers[eng] = MoELayer(model, None, mk_knobs, max_tokens=smax, device=dev, dtype=dtype, seed=seed,
+                                   engine=eng)
+        except MegakernelUnavailable as e:
+            skipped[eng] = str(e)
+    cases: list[dict[str, Any]] = [{"engine": e, "skipped": why} for e, why in skipped.items()]
+    for s in tokens:
+        xs = _inputs(model, s, rotate, dev, dtype, seed + s)
+        ref = layers["unfused"](xs[0]) if "unfused" in layers else None
+        for eng, layer in layers.items():
+            row: dict[str, Any] = {"engine": eng, "S": s, **floors(model, s)}
+            for k, v in time_layer(layer.forward, xs, warmup=warmup, iters=iters, graph=graph, cuda=cuda).items():
+                row[k] = Summary.of(v).quantiles()
+            if ref is not None and eng != "unfused":
+                row["rel_err_vs_unfused"] = max_rel_err(layer(xs[0]), ref)
+            cases.append(row)
+    return {"model": model.name, "device": str(dev), "graph": graph and cuda, "iters": iters, "warmup": warmup,
+            "rotate": rotate, "cases": cases}
