@@ -78,7 +78,7 @@ typedef struct MkParams {
   int64_t split_k1;      // split-K parts of each GEMM1 task (1..16; 1 = none): bm = 16 launches with <= sk_max_tiles m-tiles
   int64_t split_k2;      // the same for GEMM2
   int64_t sk_max_tiles;  // m-tiles the partial-sum buffer holds (0: split-K off)
-  float* sk_part;        // [sk_max_tiles * (N1 + N2) slots][16 parts][acc registers][threads] fp32 partial sums
+  float* sk_part;        // [sk_max_tiles * (N1 + N2) slots][max(split_k1, split_k2) parts][16 acc registers][128 threads] fp32
   int32_t* sk_cnt;       // [sk_max_tiles * (N1 + N2)] finished parts per slot (zeroed by the routing kernels)
 } MkParams;
 

@@ -78,7 +78,7 @@ MK_HD int sk_slot(int gemm2, int tile, int nb, int n1, int n2, int max_tiles) {
 }
 // Float index of accumulator register i of thread t in split part ks of a slot (parts of one slot
 // adjacent; registers of a part strided by the thread count so a warp's stores coalesce). Every slot has
-// room for `max_splits` parts.
+// room for `max_splits` parts (the kernel passes max(split_k1, split_k2)).
 MK_HD int64_t sk_index(int slot, int ks, int i, int t, int threads, int nacc, int max_splits) {
   return (((int64_t)slot * max_splits + ks) * nacc + i) * threads + t;
 }

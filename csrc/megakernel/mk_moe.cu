@@ -302,13 +302,14 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
     const int N1 = (int)(2 * p.I / BN), N2 = (int)(p.H / BN);
     const int slot = mkidx::sk_slot(kind == MK_TASK_GEMM2, tile, nb, N1, N2, (int)p.sk_max_tiles);
     float* part = p.sk_part;
+    const int stride = (int)(p.split_k1 > p.split_k2 ? p.split_k1 : p.split_k2);  // parts room per slot
 #pragma unroll
     for (int i = 0; i < T::MT; ++i)
 #pragma unroll
       for (int j = 0; j < T::NT; ++j)
 #pragma unroll
         for (int c = 0; c < 4; ++c)
-          __stcg(part + mkidx::sk_index(slot, ks, (i * T::NT + j) * 4 + c, tid, T::THREADS, T::NACC, MK_MAX_SPLITS),
+          __stcg(part + mkidx::sk_index(slot, ks, (i * T::NT + j) * 4 + c, tid, T::THREADS, T::NACC, stride),
                  acc[i][j][c]);
     __syncthreads();  // every part stored before thread 0's fence + count
     if (tid == 0) {
@@ -325,9 +326,9 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int q = (i * T::NT + j) * 4 + c;
-          float sum = __ldcg(part + mkidx::sk_index(slot, 0, q, tid, T::THREADS, T::NACC, MK_MAX_SPLITS));
+          float sum = __ldcg(part + mkidx::sk_index(slot, 0, q, tid, T::THREADS, T::NACC, stride));
           for (int z = 1; z < splits; ++z)  // fixed order: reproducible bits
-            sum += __ldcg(part + mkidx::sk_index(slot, z, q, tid, T::THREADS, T::NACC, MK_MAX_SPLITS));
+            sum += __ldcg(part + mkidx::sk_index(slot, z, q, tid, T::THREADS, T::NACC, stride));
           acc[i][j][c] = sum;
         }
   }
