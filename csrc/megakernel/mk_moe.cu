@@ -56,7 +56,7 @@ struct Tile {
   static constexpr int NACC = MT * NT * 4;  // fp32 accumulators per thread
   static constexpr bool WG = false;         // mma.sync core (the wgmma core is WgTile below)
   static constexpr int ALIGN = 0;           // extra dynamic shared memory for aligning the tiles
-  static_assert(MT >= 1 && NT % 2 == 0, "warp tile");
+  static_assert(MT >= 1 && NT % 2 == 0 && NACC <= 64, "warp tile");
 };
 using Small = Tile<16, 1, 4, 1>;   // decode: 16 rows x 128, 4 warps of 16 x 32
 using Large = Tile<64, 2, 2, 1>;   // 64 rows x 128, 4 warps of 32 x 64
@@ -365,7 +365,6 @@ struct WgTile {
                                   // keeps the consumers' 64 accumulators + descriptors off the spill path)
   static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
   static constexpr int META = BM * 8 + BN * 8 + BM * 4 + 16 + 2 * 8 * 16;  // + full/empty barriers (<= 16 stages)
-  static constexpr int NACC = 64;
   static constexpr bool WG = true;
   static constexpr int ALIGN = 1024;  // the 128-byte swizzle needs 1024-byte aligned tiles
   static_assert(A_BYTES % 1024 == 0 && STAGE % 1024 == 0, "stage tiles must stay 1024-byte aligned");
