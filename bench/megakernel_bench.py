@@ -8,6 +8,11 @@ stable sort by expert, two `torch._grouped_mm`, SwiGLU, weighted `index_add_` in
 torch version and the command. `--sweep` also times the megakernel's settings (graph replay) per S.
 
     python bench/megakernel_bench.py --tokens 1,16,128,1024,4096 --out results.json [--sweep]
+        [--compare "core=mma;core=wgmma;split_k1=4,split_k2=2"]
+
+`--compare`: ';'-separated MegakernelConfig texts, each timed per S in the same process on the same inputs
+(graph replay, eager, experts-kernel alone) with its error against the torch path: the side-by-side table of
+core=mma vs core=wgmma (and split-K) that NEXT_RUN.md asks for.
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ def main() -> int:
     ap.add_argument("--config", default="", help="MegakernelConfig text, e.g. bm=16,stages=4")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-tokens", default="1,16,128,1024,4096")
+    ap.add_argument("--compare", default="", help="';'-separated configs timed side by side per S")
     ap.add_argument("--sha", default=os.environ.get("GIT_SHA", "unknown"))
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -169,6 +175,33 @@ def main() -> int:
                 del m
             torch.cuda.empty_cache()
 
+    compare = []
+    if a.compare:
+        cfgs = [c.strip() for c in a.compare.split(";")]
+        for s in tokens:
+            xs = [torch.randn(s, model.hidden, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(a.rotate)]
+            ref = torch_layer(xs[0], gate, w1, w2, k)
+            for text in cfgs:
+                m = None
+                try:
+                    cfg = MegakernelConfig.parse(text)
+                    m = MegakernelMoE(model, max_tokens=s, config=cfg, w_gate_up=w1, w_down=w2, gate=gate)
+                    got = m.forward(xs[0])
+                    torch.cuda.synchronize()
+                    m.check()
+                    rec = {"S": s, "config": text, "bm": cfg.pick_bm(s, k, model.experts),
+                           "rel_err_vs_torch": max_rel_err(got, ref)}
+                    rec.update(phase_times(m, xs, a.warmup, a.iters))
+                    rec["graph_us"] = time_calls(graphs_of(m.forward, xs), a.warmup, a.iters)
+                    rec["eager_us"] = time_calls([lambda x=x, m=m: m.forward(x) for x in xs], a.warmup, a.iters)
+                    m.check()
+                except Exception as e:  # a path that fails must not hide the others' figures
+                    rec = {"S": s, "config": text, "error": str(e)[:300]}
+                compare.append(rec)
+                print(json.dumps(rec), flush=True)
+                del m
+            torch.cuda.empty_cache()
+
     meta = {
         "git_sha": a.sha, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -178,12 +211,21 @@ def main() -> int:
     }
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows, "sweep": sweep}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows, "sweep": sweep, "compare": compare}, f, indent=1)
     if sweep:
         print("\nsweep (graph replay us; change vs the base config):")
         for s in sorted({r["S"] for r in sweep}):
             cells = [f"{json.dumps(r['change'])}:{r.get('graph_us', float('nan')):.1f}" for r in sweep if r["S"] == s]
             print(f"S={s}: " + "  ".join(cells))
+    if compare:
+        print("\nside by side (us; graph / eager / experts kernel; err vs torch):")
+        print(f"{'S':>6} {'config':<34} {'bm':>4} {'graph':>8} {'eager':>8} {'experts':>8} {'err':>8}")
+        for r in compare:
+            if "error" in r:
+                print(f"{r['S']:>6} {r['config']:<34} ERROR {r['error'][:80]}")
+            else:
+                print(f"{r['S']:>6} {r['config']:<34} {r['bm']:>4} {r['graph_us']:>8.1f} {r['eager_us']:>8.1f} "
+                      f"{r['mk_experts_us']:>8.1f} {r['rel_err_vs_torch']:>8.1e}")
     print(f"\n{meta['gpu']}  torch {meta['torch']}  sha {a.sha}")
     print(f"{'S':>6} {'mk graph':>9} {'mk eager':>9} {'route':>6} {'experts':>7} {'torch graph':>11} {'torch eager':>11} "
           f"{'floor':>7} {'err':>8}")

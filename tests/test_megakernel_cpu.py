@@ -188,3 +188,105 @@ def test_library_compiles(tmp_path, monkeypatch):
     monkeypatch.setenv("MOETUNE_CACHE", str(tmp_path))
     lib = _lib.build()
     assert lib.exists() and lib.stat().st_size > 0
+
+
+# ---- the wgmma core and decode split-K (index math on the CPU; the kernels themselves need a GPU) --------------
+def test_config_core_and_split_fields():
+    c = MegakernelConfig()
+    assert (c.core, c.split_k1, c.split_k2) == ("mma", 1, 1)  # today's behaviour stays the default
+    w = MegakernelConfig.parse("core=wgmma,split_k1=4,split_k2=2,split_max_tiles=8")
+    assert (w.core, w.split_k1, w.split_k2, w.split_max_tiles) == ("wgmma", 4, 2, 8)
+    assert MegakernelConfig.from_dict(w.to_dict()) == w
+    assert w.pick_stages(128, 4096, 8, 128) == 4 and c.pick_stages(128, 4096, 8, 128) == 3
+    assert w.pick_stages(16, 1, 8, 128) == 6  # bm=16 always runs the mma core
+
+
+@pytest.mark.parametrize(("text", "field"), [("core=tma", "core"), ("split_k1=0", "split_k1"),
+                                             ("split_k2=17", "split_k2"), ("split_max_tiles=0", "split_max_tiles")])
+def test_config_core_split_errors(text, field):
+    with pytest.raises(ConfigError, match=field):
+        MegakernelConfig.parse(text)
+    with pytest.raises(ConfigError, match="core"):
+        MegakernelConfig(core=1)  # type: ignore[arg-type]
+
+
+def test_index_math_host_compiled(tmp_path):
+    """mk_index.h compiled for the host: the stage tiles are Hopper's 128-byte swizzle, every wgmma descriptor
+    (per stage, consumer, k16 slice) addresses exactly what the producer stored, the accumulator fragment
+    covers the 64 x 128 tile once in (gate, up) pairs, task words round-trip, split-K parts never overlap."""
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    import subprocess
+
+    from moetune.runtime.megakernel import _lib
+
+    src = Path(__file__).parent / "megakernel" / "index_check.cpp"
+    exe = tmp_path / "index_check"
+    subprocess.run([cxx, "-std=c++17", "-O1", f"-I{_lib.source_dir()}", str(src), "-o", str(exe)], check=True,
+                   capture_output=True, text=True)
+    res = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.startswith("ok "), res.stdout + res.stderr
+
+
+def test_split_reduction_is_fixed_order():
+    """The last part's CTA adds the parts in part order, whatever order they finished in: the same bits for
+    every completion order; adding in completion order would not be (fp32 addition is not associative)."""
+    import itertools
+    import struct
+
+    rng = random.Random(5)
+    parts = [[rng.uniform(-1, 1) * 10 ** rng.randint(-3, 3) for _ in range(64)] for _ in range(4)]
+    want = sch.reduce_parts(parts)
+    bits = {struct.pack("64f", *sch.reduce_parts(parts)) for _ in itertools.permutations(range(4))}
+    assert len(bits) == 1
+    by_completion = {struct.pack("64f", *sch.reduce_parts([parts[i] for i in perm]))
+                     for perm in itertools.permutations(range(4))}
+    assert len(by_completion) > 1  # so the fixed order is what makes the result reproducible
+    assert want == sch.reduce_parts(parts)
+
+
+@pytest.mark.parametrize(("bm", "tiles_cap", "want"), [(16, 32, (4, 2)), (64, 32, (1, 1)), (16, 2, (1, 1))])
+def test_plan_with_split_k(bm, tiles_cap, want):
+    e, k = 16, 4
+    idx = _routing(3, e, k, mode="uniform", seed=9)  # 12 rows: <= 12 m-tiles
+    p = sch.plan(idx, experts=e, hidden=H, intermediate=INTER, bm=bm, combine_tokens=16, split_k1=4, split_k2=2,
+                 split_max_tiles=tiles_cap)
+    assert (p.ks1, p.ks2) == want
+    assert p.total == p.n_tiles * (p.n1 * p.ks1 + p.n2 * p.ks2) + p.n_ctiles * p.nc
+    g1 = p.gemm1_tasks()
+    assert len(g1) == p.n_tiles * p.n1 * p.ks1
+    assert len({(t.tile, t.nblock, t.part) for t in g1}) == len(g1)
+    assert all(t.parts == p.ks1 and 0 <= t.part < p.ks1 for t in g1)
+
+
+@pytest.mark.parametrize("procs", [1, 5, 60])
+@pytest.mark.parametrize(("s", "mode"), [(1, "uniform"), (5, "zipf"), (4, "one")])
+def test_simulation_with_split_k(s, mode, procs):
+    e, k, bm, ct = 16, 4, 16, 8
+    idx = _routing(s, e, k, mode=mode, seed=11 * s + procs)
+    p = sch.plan(idx, experts=e, hidden=H, intermediate=INTER, bm=bm, combine_tokens=ct, split_k1=4, split_k2=2,
+                 split_max_tiles=32)
+    assert (p.ks1, p.ks2) == (4, 2)
+    r = sch.simulate(p, processors=procs, bm=bm, topk=k, combine_tokens=ct, seed=procs)
+    assert r.error == 0 and r.published == p.total and len(r.executed) == p.total
+    assert len(set(r.executed)) == p.total
+    kinds = Counter(t.kind for t in r.executed)
+    assert kinds == {sch.GEMM1: p.n_tiles * p.n1 * 4, sch.GEMM2: p.n_tiles * p.n2 * 2, sch.COMBINE: p.n_ctiles * p.nc}
+    pos = {t: i for i, t in enumerate(r.executed)}
+    for tile in range(p.n_tiles):  # every part of every GEMM1 n-block before any GEMM2 part of the tile
+        g1 = [pos[t] for t in r.executed if t.kind == sch.GEMM1 and t.tile == tile]
+        g2 = [pos[t] for t in r.executed if t.kind == sch.GEMM2 and t.tile == tile]
+        assert len(g1) == p.n1 * 4 and max(g1) < min(g2)
+
+
+def test_kernel_source_mirrors_split_rule():
+    """sk_splits in mk_moe.cu is the rule schedule.splits models (bm = 16, m-tiles within the buffer)."""
+    from moetune.runtime.megakernel import _lib
+
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    assert "want > 1 && bm == 16 && n_tiles <= p.sk_max_tiles" in src
+    assert "fence.proxy.async.shared::cta" in src and "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in src
+    hdr = _header()
+    assert re.search(r"#define MK_MAX_SPLITS (\d+)", hdr).group(1) == str(_lib.MAX_SPLITS)
+    assert "MK_CORE_MMA = 0, MK_CORE_WGMMA = 1" in hdr and _lib.CORES == {"mma": 0, "wgmma": 1}

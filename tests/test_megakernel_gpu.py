@@ -91,7 +91,8 @@ def _check(layer, model, x, out, idx, w, tol=1e-2):
     cfg = layer.config
     bm = cfg.pick_bm(x.shape[0], model.topk, model.experts)
     p = schedule.plan(idx.tolist(), experts=model.experts, hidden=model.hidden, intermediate=model.intermediate,
-                      bm=bm, combine_tokens=cfg.combine_tokens)
+                      bm=bm, combine_tokens=cfg.combine_tokens, split_k1=cfg.split_k1, split_k2=cfg.split_k2,
+                      split_max_tiles=layer.sk_tiles)
     c = layer.counters()
     assert (c["total"], c["tiles"], c["published"]) == (p.total, p.n_tiles, p.total)
     return err
@@ -207,3 +208,76 @@ def test_never_ready_task_times_out(model, layer):
     idx, w = _routing(64, model.experts, model.topk, "uniform", seed=1)
     out = m.forward_routed(x, idx, w, out=_poisoned(64, model.hidden))
     _check(m, model, x, out, idx, w)
+
+
+# ---- new paths (branch mk-wgmma): the wgmma core for bm 64/128 and decode split-K ----------------------------
+# Each runs every S against dense_reference with poisoned output, twice more for bit-identical bits, and its
+# task counts against the CPU model. NEXT_RUN.md: if these pass, the bench decides the defaults.
+NEW_PATHS = ["core=wgmma", "core=wgmma,bm=64", "core=wgmma,bm=128", "core=wgmma,bm=64,stages=6",
+             "core=wgmma,bm=128,stages=6", "core=wgmma,bm=128,stages=2", "split_k1=4,split_k2=2",
+             "split_k1=2,split_k2=1", "split_k1=8,split_k2=4,stages=3", "core=wgmma,split_k1=4,split_k2=2"]
+
+
+@pytest.fixture(scope="module")
+def new_layers(model, layer):
+    from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
+
+    cache: dict[str, object] = {}
+
+    def get(cfg: str):
+        if cfg not in cache:
+            cache[cfg] = MegakernelMoE(model, max_tokens=4096, config=MegakernelConfig.parse(cfg),
+                                       w_gate_up=layer.w_gate_up, w_down=layer.w_down, gate=layer.gate)
+        return cache[cfg]
+
+    return get
+
+
+@pytest.mark.parametrize("s", SIZES)
+@pytest.mark.parametrize("cfg", NEW_PATHS)
+def test_new_path_matches_reference(new_layers, model, cfg, s):
+    m = new_layers(cfg)
+    x = _x(s, model.hidden, seed=700 + s)
+    idx, w = _routing(s, model.experts, model.topk, "zipf" if s % 2 else "uniform", seed=s)
+    out = m.forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
+    _check(m, model, x, out, idx, w)
+    first = out.clone()
+    for _ in range(2):
+        again = m.forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
+        torch.cuda.synchronize()
+        assert torch.equal(first.view(torch.int16), again.view(torch.int16)), "not bit-identical across runs"
+    m.check()
+
+
+@pytest.mark.parametrize("cfg", ["core=wgmma", "split_k1=4,split_k2=2"])
+@pytest.mark.parametrize("s", [1, 1000, 4096])
+def test_new_path_gate_routing_and_graph(new_layers, model, cfg, s):
+    m = new_layers(cfg)
+    x = _x(s, model.hidden, seed=800 + s)
+    out = m.forward(x, out=_poisoned(s, model.hidden))
+    idx, w = m.routing(s)
+    _check(m, model, x, out, idx.clone(), w.clone())
+    _graph_replays(m, model, s, 50)
+
+
+@pytest.mark.parametrize("s", [7, 4096])
+def test_new_path_all_tokens_to_one_expert(new_layers, model, s):
+    for cfg in ("core=wgmma", "split_k1=4,split_k2=2"):
+        m = new_layers(cfg)
+        x = _x(s, model.hidden, seed=900 + s)
+        idx, w = _routing(s, model.experts, model.topk, "one", seed=s)
+        out = m.forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
+        _check(m, model, x, out, idx, w)
+
+
+def test_wgmma_matches_mma_closely(new_layers, layer, model):
+    """Same routing, both cores at bm=128: fp32 accumulation in a different order, so close, not equal."""
+    from moetune.runtime.moe_layer import max_rel_err
+
+    s = 4096
+    x = _x(s, model.hidden, seed=1000)
+    idx, w = _routing(s, model.experts, model.topk, "uniform", seed=1)
+    a = layer.forward_routed(x, idx, w).clone()
+    b = new_layers("core=wgmma").forward_routed(x, idx, w)
+    torch.cuda.synchronize()
+    assert max_rel_err(b, a) <= 1e-2

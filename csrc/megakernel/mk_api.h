@@ -9,7 +9,8 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 5
+#define MK_ABI_VERSION 6
+#define MK_MAX_SPLITS 16  // split-K parts per GEMM task (decode)
 
 // ctl[] words (int32), one set per layer instance.
 enum {
@@ -31,6 +32,9 @@ enum {
   MK_ERR_BAD_EXPERT = 4,     // a given routing named an expert outside 0..E-1 (the row is dropped)
   MK_ERR_WORDS = 8           // [1] = where (slot or tile), [2] = detail, [3] = waited ns
 };
+
+// GEMM cores (MkParams.core). The wgmma core serves bm = 64 / 128 only; bm = 16 always runs mma.
+enum { MK_CORE_MMA = 0, MK_CORE_WGMMA = 1 };
 
 // Task kinds (bits 61..63 of a queue word).
 enum { MK_TASK_GEMM1 = 1, MK_TASK_GEMM2 = 2, MK_TASK_COMBINE = 3 };
@@ -69,12 +73,19 @@ typedef struct MkParams {
   int64_t timeout_ns;
   int64_t stall_tile;  // test hook: this m-tile's GEMM2 is never released (-1: off)
   int64_t logit_splits_max;  // planes in `logits` (the gate GEMM splits H into up to this many parts, <= 16)
+  // ABI 6: GEMM core and decode split-K
+  int64_t core;          // MK_CORE_MMA (mma.sync, ldmatrix) or MK_CORE_WGMMA (sm_90a warpgroup MMA, bm >= 64)
+  int64_t split_k1;      // split-K parts of each GEMM1 task (1..16; 1 = none): bm = 16 launches with <= sk_max_tiles m-tiles
+  int64_t split_k2;      // the same for GEMM2
+  int64_t sk_max_tiles;  // m-tiles the partial-sum buffer holds (0: split-K off)
+  float* sk_part;        // [sk_max_tiles * (N1 + N2) slots][max(split_k1, split_k2) parts][16 acc registers][128 threads] fp32
+  int32_t* sk_cnt;       // [sk_max_tiles * (N1 + N2)] finished parts per slot (zeroed by the routing kernels)
 } MkParams;
 
 int mk_abi_version(void);
 const char* mk_last_error(void);
-// Resident CTAs per SM of the persistent kernel for (bm, stages), and the SM count of the current device.
-int mk_occupancy(int64_t bm, int64_t stages, int* per_sm, int* sms);
+// Resident CTAs per SM of the persistent kernel for (bm, stages, core), and the SM count of the current device.
+int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int* per_sm, int* sms);
 // Launch the routing kernels (gate GEMM + softmax/top-k/lists) on `stream`.
 int mk_route(const MkParams* p, void* stream);
 // Given routing (p->topk_idx / p->topk_w filled by the caller): reset + per-expert row lists.

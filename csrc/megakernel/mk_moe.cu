@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "mk_api.h"
+#include "mk_index.h"
 
 namespace {
 
@@ -50,8 +51,12 @@ struct Tile {
   static constexpr int MT = WTM / 16, NT = WTN / 8;
   static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
   // Per-task metadata after the pipeline stages: A row offsets, B row offsets, row ids.
-  static constexpr int META = BM * 8 + BN * 8 + BM * 4;
-  static_assert(MT >= 1 && NT % 2 == 0, "warp tile");
+  // (+16: the split-K "last part" flag)
+  static constexpr int META = BM * 8 + BN * 8 + BM * 4 + 16;
+  static constexpr int NACC = MT * NT * 4;  // fp32 accumulators per thread
+  static constexpr bool WG = false;         // mma.sync core (the wgmma core is WgTile below)
+  static constexpr int ALIGN = 0;           // extra dynamic shared memory for aligning the tiles
+  static_assert(MT >= 1 && NT % 2 == 0 && NACC <= 64, "warp tile");
 };
 using Small = Tile<16, 1, 4, 1>;   // decode: 16 rows x 128, 4 warps of 16 x 32
 using Large = Tile<64, 2, 2, 1>;   // 64 rows x 128, 4 warps of 32 x 64
@@ -200,14 +205,13 @@ __device__ __forceinline__ void gemm_tile(float (&acc)[T::MT][T::NT][4], char* s
 }
 
 // ---- task encoding -----------------------------------------------------------------------------------
-__device__ __forceinline__ uint64_t enc(int kind, int e, int mt, int nb, int tile) {
-  return ((uint64_t)kind << 61) | ((uint64_t)e << 48) | ((uint64_t)mt << 32) | ((uint64_t)nb << 20) | (uint64_t)tile;
-}
+using mkidx::enc;  // kind, splits-1, expert, m-tile, n-field (nb + N * ks), tile: see mk_index.h
 
 struct Meta {
   int64_t* a_off;
   int64_t* b_off;
   int* row_id;
+  int* last;  // split-K: this CTA finished the slot's last part
 };
 template <class T>
 __device__ __forceinline__ Meta meta(char* smem, int stages) {
@@ -215,28 +219,25 @@ __device__ __forceinline__ Meta meta(char* smem, int stages) {
   m.a_off = (int64_t*)(smem + T::STAGE * stages);
   m.b_off = m.a_off + T::BM;
   m.row_id = (int*)(m.b_off + BN);
+  m.last = m.row_id + T::BM;
   return m;
 }
 
-// GEMM1 / GEMM2 task of m-tile `tile` = (e, mt), n-block nb.
+// Per-task metadata: A row offsets (token rows of x for GEMM1, (token, slot) rows of h for GEMM2) and
+// B row offsets (GEMM1: interleaved gate/up rows, so each accumulator pair (c0, c1) is (gate, up) of one
+// intermediate column and SwiGLU runs in registers; GEMM2: 128 rows of W_down). Any block size.
 template <class T>
-__device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp / T::WN, wn = warp % T::WN;
-  const int K = (int)p.K, H = (int)p.H, I = (int)p.I;
-  const int stages = (int)p.stages;
-  Meta md = meta<T>(smem, stages);
+__device__ __forceinline__ void fill_meta(const MkParams& p, const Meta& md, int kind, int e, int mt, int nb) {
+  const int tid = threadIdx.x, K = (int)p.K, H = (int)p.H, I = (int)p.I;
   const int cnt = p.counts[e];  // written by the routing kernel (earlier in the stream)
-  for (int r = tid; r < T::BM; r += T::THREADS) {
+  for (int r = tid; r < T::BM; r += blockDim.x) {
     const int m = mt * T::BM + r;
     const int v = m < cnt ? p.lists[(int64_t)e * p.S_cap + m] : -1;
     md.row_id[r] = v;
     md.a_off[r] = v < 0 ? -1 : (kind == MK_TASK_GEMM1 ? (int64_t)(v / K) * H : (int64_t)v * I);
   }
-  for (int n = tid; n < BN; n += T::THREADS) {
+  for (int n = tid; n < BN; n += blockDim.x) {
     if (kind == MK_TASK_GEMM1) {
-      // interleave: tile row 2q = gate row nb*64+q, row 2q+1 = up row I+nb*64+q, so each thread's
-      // accumulator pair (c0, c1) is (gate, up) of one intermediate column: SwiGLU in registers.
       const int q = n >> 1;
       const int64_t row = (n & 1) ? (int64_t)I + nb * 64 + q : (int64_t)nb * 64 + q;
       md.b_off[n] = ((int64_t)e * 2 * I + row) * H;
@@ -244,15 +245,94 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
       md.b_off[n] = ((int64_t)e * H + nb * BN + n) * I;
     }
   }
+}
+
+// Epilogue of one accumulator pair: row r of the tile (its (token, slot) id v >= 0), tile column c (even).
+// GEMM1: (c0, c1) = (gate, up) of intermediate column nb*64 + c/2 -> h = silu(gate) * up (bf16).
+// GEMM2: columns nb*128 + c, c+1 of y = acc * routing weight (bf16).
+__device__ __forceinline__ void store_pair(const MkParams& p, int kind, int nb, int v, int c, float c0, float c1) {
+  if (kind == MK_TASK_GEMM1) {
+    ((bf16*)p.h)[(int64_t)v * p.I + nb * 64 + (c >> 1)] = __float2bfloat16(c0 / (1.f + __expf(-c0)) * c1);
+  } else {
+    const float w = p.topk_w[v];
+    *(__nv_bfloat162*)((bf16*)p.y + (int64_t)v * p.H + nb * BN + c) = __floats2bfloat162_rn(c0 * w, c1 * w);
+  }
+}
+
+// After the epilogue's stores (every thread past a barrier): one fence, then the readiness counters.
+template <class T>
+__device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, int kind, int tile) {
+  if (threadIdx.x == 0) {
+    __threadfence();  // fence + relaxed reds = release: the subscriber's acquire sees h / y
+    if (kind == MK_TASK_GEMM1) {
+      red_add(&p.g1done[tile], 1);
+    } else {
+      const int K = (int)p.K;
+      for (int r = 0; r < T::BM; ++r) {
+        const int v = md.row_id[r];
+        if (v >= 0) red_add(&p.comb[(v / K) / (int)p.combine_tokens], 1);
+      }
+    }
+  }
+}
+
+// GEMM1 / GEMM2 task of m-tile `tile` = (e, mt), n-block nb, split-K part ks of `splits` (mma.sync core).
+// Split-K (decode, bm=16): part ks covers k in [ks, ks+1) * K/splits; each part stores its fp32
+// accumulators in its own place of p.sk_part, then counts itself in p.sk_cnt[slot]; the CTA that counts
+// last adds the parts in part order 0, 1, .., splits-1 (whatever order they finished in: bit-identical
+// results run to run) and runs the epilogue and the readiness signal. The other parts signal nothing.
+template <class T>
+__device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, int ks, int splits) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / T::WN, wn = warp % T::WN;
+  const int H = (int)p.H, I = (int)p.I;
+  const int stages = (int)p.stages;
+  Meta md = meta<T>(smem, stages);
+  fill_meta<T>(p, md, kind, e, mt, nb);
   __syncthreads();
   float acc[T::MT][T::NT][4];
+  const int Kfull = kind == MK_TASK_GEMM1 ? H : I, Kpart = Kfull / splits, k0 = ks * Kpart;
   if (kind == MK_TASK_GEMM1)
-    gemm_tile<T>(acc, smem, stages, (const bf16*)p.x, md.a_off, (const bf16*)p.w1, md.b_off, H);
+    gemm_tile<T>(acc, smem, stages, (const bf16*)p.x + k0, md.a_off, (const bf16*)p.w1 + k0, md.b_off, Kpart);
   else
-    gemm_tile<T>(acc, smem, stages, (const bf16*)p.h, md.a_off, (const bf16*)p.w2, md.b_off, I);
+    gemm_tile<T>(acc, smem, stages, (const bf16*)p.h + k0, md.a_off, (const bf16*)p.w2 + k0, md.b_off, Kpart);
 
-  bf16* h = (bf16*)p.h;
-  bf16* y = (bf16*)p.y;
+  if constexpr (T::BM == 16) if (splits > 1) {  // decode tiles only (the scheduler splits nothing else):
+    // the larger tiles keep their register budget (bm=128 is launch-bounded to 128 for 2 CTAs/SM)
+    const int N1 = (int)(2 * p.I / BN), N2 = (int)(p.H / BN);
+    const int slot = mkidx::sk_slot(kind == MK_TASK_GEMM2, tile, nb, N1, N2, (int)p.sk_max_tiles);
+    float* part = p.sk_part;
+    const int stride = (int)(p.split_k1 > p.split_k2 ? p.split_k1 : p.split_k2);  // parts room per slot
+#pragma unroll
+    for (int i = 0; i < T::MT; ++i)
+#pragma unroll
+      for (int j = 0; j < T::NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          __stcg(part + mkidx::sk_index(slot, ks, (i * T::NT + j) * 4 + c, tid, T::THREADS, T::NACC, stride),
+                 acc[i][j][c]);
+    __syncthreads();  // every part stored before thread 0's fence + count
+    if (tid == 0) {
+      __threadfence();
+      *md.last = atomicAdd(&p.sk_cnt[slot], 1) == splits - 1;
+    }
+    __syncthreads();
+    if (!*md.last) return;  // uniform: another part's CTA finishes the slot
+    __threadfence();        // acquire side: the other parts' stores are visible (they fenced before counting)
+#pragma unroll
+    for (int i = 0; i < T::MT; ++i)
+#pragma unroll
+      for (int j = 0; j < T::NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int q = (i * T::NT + j) * 4 + c;
+          float sum = __ldcg(part + mkidx::sk_index(slot, 0, q, tid, T::THREADS, T::NACC, stride));
+          for (int z = 1; z < splits; ++z)  // fixed order: reproducible bits
+            sum += __ldcg(part + mkidx::sk_index(slot, z, q, tid, T::THREADS, T::NACC, stride));
+          acc[i][j][c] = sum;
+        }
+  }
+
 #pragma unroll
   for (int i = 0; i < T::MT; ++i)
 #pragma unroll
@@ -260,35 +340,179 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
       const int r = wm * T::WTM + i * 16 + (lane >> 2) + half * 8;
       const int v = md.row_id[r];
       if (v < 0) continue;
-      if (kind == MK_TASK_GEMM1) {
 #pragma unroll
-        for (int j = 0; j < T::NT; ++j) {
-          const float g = acc[i][j][2 * half], u = acc[i][j][2 * half + 1];
-          const int col = nb * 64 + (wn * T::WTN + j * 8) / 2 + (lane & 3);
-          h[(int64_t)v * I + col] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
-        }
-      } else {
-        const float w = p.topk_w[v];
-#pragma unroll
-        for (int j = 0; j < T::NT; ++j) {
-          const int col = nb * BN + wn * T::WTN + j * 8 + 2 * (lane & 3);
-          *(__nv_bfloat162*)(y + (int64_t)v * H + col) =
-              __floats2bfloat162_rn(acc[i][j][2 * half] * w, acc[i][j][2 * half + 1] * w);
-        }
-      }
+      for (int j = 0; j < T::NT; ++j)
+        store_pair(p, kind, nb, v, wn * T::WTN + j * 8 + 2 * (lane & 3), acc[i][j][2 * half], acc[i][j][2 * half + 1]);
     }
   __syncthreads();  // every thread's stores issued before thread 0's fence + signal
-  if (tid == 0) {
-    __threadfence();  // fence + relaxed reds = release: the subscriber's acquire sees h / y
-    if (kind == MK_TASK_GEMM1) {
-      red_add(&p.g1done[tile], 1);
-    } else {
-      for (int r = 0; r < T::BM; ++r) {
-        const int v = md.row_id[r];
-        if (v >= 0) red_add(&p.comb[(v / K) / (int)p.combine_tokens], 1);
+  signal_done<T>(p, md, kind, tile);
+}
+
+// ---- the wgmma core (sm_90a): GEMM1/GEMM2 tasks with bm = 64 or 128 ---------------------------------------
+// Warp-specialised: warpgroup 0 is the producer (128 threads copy A = gathered token rows and B = 128
+// weight rows into the swizzled stage tiles with cp.async), warpgroups 1..BM/64 are consumers (each owns
+// 64 rows of the tile: wgmma m64n128k16, four per 64-wide k stage, fp32 accumulators in registers).
+// Stages hand over through mbarriers: full[s] (count 128: every producer thread arrives once its own
+// cp.async group for the stage has landed AND it has run fence.proxy.async.shared::cta, so its
+// generic-proxy writes are visible to the async proxy the wgmma reads through), empty[s] (count 128 per
+// consumer warpgroup: each consumer thread arrives once the wgmmas that read the stage have completed).
+// Producer and consumers walk one running stage counter `it` across the CTA's tasks, so the barrier
+// phases never need re-initialising. Each producer thread keeps up to stages-1 of its own groups in flight.
+template <int BM_>
+struct WgTile {
+  static constexpr int BM = BM_, CONSUMERS = BM / 64, THREADS = 128 * (1 + CONSUMERS);
+  static constexpr int MINB = 1;  // bm=64: 2 CTAs/SM still fit by shared memory at <= 4 stages (launch bound 1
+                                  // keeps the consumers' 64 accumulators + descriptors off the spill path)
+  static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
+  static constexpr int META = BM * 8 + BN * 8 + BM * 4 + 16 + 2 * 8 * 16;  // + full/empty barriers (<= 16 stages)
+  static constexpr bool WG = true;
+  static constexpr int ALIGN = 1024;  // the 128-byte swizzle needs 1024-byte aligned tiles
+  static_assert(A_BYTES % 1024 == 0 && STAGE % 1024 == 0, "stage tiles must stay 1024-byte aligned");
+};
+using WgLarge = WgTile<64>;  // 256 threads: 1 producer + 1 consumer warpgroup
+using WgHuge = WgTile<128>;  // 384 threads: 1 producer + 2 consumer warpgroups
+
+__device__ __forceinline__ char* align_smem(char* smem, int align) {
+  if (!align) return smem;
+  const uint32_t a = su32(smem);
+  return smem + ((align - (a & (align - 1))) & (align - 1));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!ok);
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void acc_fence(float (&d)[N]) {  // keep the compiler from moving accumulator accesses
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// D[64 x 128] (+)= A[64 x 16] . B[128 x 16]^T, both K-major in shared memory (descriptors), fp32 accumulate.
+// scale_d = 0 ignores D's old value (the first k step of a tile).
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <class T>
+struct WgBars {
+  uint32_t full, empty;  // shared addresses of full[0], empty[0] (8 bytes apart per stage)
+};
+template <class T>
+__device__ __forceinline__ WgBars<T> wg_bars(const Meta& md) {
+  const uint32_t b = (su32(md.last + 4) + 7u) & ~7u;
+  return {b, b + 8u * 16u};
+}
+
+template <class T>
+__device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, uint32_t& it) {
+  const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
+  const int stages = (int)p.stages;
+  Meta md = meta<T>(smem, stages);
+  const WgBars<T> bars = wg_bars<T>(md);
+  fill_meta<T>(p, md, kind, e, mt, nb);
+  __syncthreads();
+  const int K = kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I;
+  const int KT = K / BK;
+  const uint32_t s0 = su32(smem);
+  if (wg == 0) {
+    // ---- producer: thread t copies chunk (t & 7) of rows (t >> 3) + 16 q, for A and B ----
+    const bf16* a_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h;
+    const bf16* b_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.w1 : (const bf16*)p.w2;
+    const int ch = t & 7, r0 = t >> 3;
+    const bf16* asrc[T::BM / 16];
+    int abytes[T::BM / 16];
+    const bf16* bsrc[BN / 16];
+#pragma unroll
+    for (int q = 0; q < T::BM / 16; ++q) {
+      const int64_t off = md.a_off[r0 + 16 * q];
+      asrc[q] = a_base + (off < 0 ? 0 : off) + ch * 8;
+      abytes[q] = off < 0 ? 0 : 16;  // rows past the expert's count: zero-filled
+    }
+#pragma unroll
+    for (int q = 0; q < BN / 16; ++q) bsrc[q] = b_base + md.b_off[r0 + 16 * q] + ch * 8;
+    const int lag = stages - 1;
+    for (int kt = 0; kt < KT; ++kt) {
+      const uint32_t g = it + kt, slot = g % stages;
+      mbar_wait(bars.empty + 8 * slot, ((g / stages) & 1) ^ 1);  // a fresh barrier passes parity 1 at once
+      const uint32_t sA = s0 + slot * T::STAGE, sB = sA + T::A_BYTES;
+#pragma unroll
+      for (int q = 0; q < T::BM / 16; ++q)
+        cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
+#pragma unroll
+      for (int q = 0; q < BN / 16; ++q) cp_async16(sB + mkidx::swz_off(r0 + 16 * q, ch * 8), bsrc[q] + kt * BK, 16);
+      cp_commit();
+      if (kt >= lag) {  // stage kt - lag has landed for this thread: publish it
+        cp_wait(lag);
+        fence_proxy_async();
+        mbar_arrive(bars.full + 8 * ((g - lag) % stages));
+      }
+    }
+    cp_wait(0);
+    fence_proxy_async();
+    for (int kt = KT > lag ? KT - lag : 0; kt < KT; ++kt) mbar_arrive(bars.full + 8 * ((it + kt) % stages));
+  } else {
+    // ---- consumer warpgroup c = wg - 1: rows 64c .. 64c+63 ----
+    const int c = wg - 1;
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0.f;
+    for (int kt = 0; kt < KT; ++kt) {
+      const uint32_t g = it + kt, slot = g % stages;
+      mbar_wait(bars.full + 8 * slot, (g / stages) & 1);
+      const uint32_t sA = s0 + slot * T::STAGE + c * 64 * 128, sB = s0 + slot * T::STAGE + T::A_BYTES;
+      acc_fence(d);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk)
+        wgmma_m64n128k16(d, mkidx::wg_desc(sA + kk * 32), mkidx::wg_desc(sB + kk * 32), kt > 0 || kk > 0);
+      wg_commit();
+      acc_fence(d);
+      wg_wait<1>();  // the previous stage's wgmmas are done: hand its slot back
+      if (kt > 0) mbar_arrive(bars.empty + 8 * ((g - 1) % stages));
+    }
+    wg_wait<0>();
+    acc_fence(d);
+    if (KT > 0) mbar_arrive(bars.empty + 8 * ((it + KT - 1) % stages));
+    // epilogue straight from the fragment (mk_index.h: acc_row / acc_col)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = 64 * c + (int)mkidx::acc_row(t, 2 * half);
+      const int v = md.row_id[r];
+      if (v < 0) continue;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int i = 4 * j + 2 * half;
+        store_pair(p, kind, nb, v, (int)mkidx::acc_col(t, i), d[i], d[i + 1]);
       }
     }
   }
+  it += KT;
+  __syncthreads();  // every consumer's stores issued (and the producer done) before thread 0's fence + signal
+  signal_done<T>(p, md, kind, tile);
 }
 
 // Column blocks per combine tile: the tile's work is split over H so the combine at the end of the layer
@@ -336,6 +560,12 @@ __device__ __forceinline__ int tile_expert(const int* base, int E, int tile) {
   return lo;
 }
 
+// Split-K parts for a GEMM of this launch (schedule.splits mirrors it): decode tiles (bm = 16) only, and
+// only when the launch's m-tiles fit the partial-sum buffer (p.sk_max_tiles).
+__device__ __forceinline__ int sk_splits(const MkParams& p, int64_t want, int n_tiles, int bm) {
+  return (want > 1 && bm == 16 && n_tiles <= p.sk_max_tiles) ? (int)want : 1;
+}
+
 // ---- the scheduler CTA ----------------------------------------------------------------------------------
 template <class T>
 __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
@@ -365,9 +595,12 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   __syncthreads();
   const int n_tiles = base[E];
   const int n_ct = (int)((p.S + CT - 1) / CT);
-  const int g1 = n_tiles * N1;
   const int NC = combine_blocks(p.H);
-  const int64_t total = (int64_t)n_tiles * (N1 + N2) + (int64_t)n_ct * NC;
+  // split-K parts of each GEMM1 / GEMM2 task (1 = none): decode tiles only, and only while the m-tiles fit
+  // the partial-sum buffer (sk_splits: the same rule as schedule.splits)
+  const int KS1 = sk_splits(p, p.split_k1, n_tiles, bm), KS2 = sk_splits(p, p.split_k2, n_tiles, bm);
+  const int g1 = n_tiles * N1 * KS1;
+  const int64_t total = (int64_t)g1 + (int64_t)n_tiles * N2 * KS2 + (int64_t)n_ct * NC;
   if (total > p.q_cap || n_tiles > p.max_tiles || n_ct > p.max_ctiles) {
     if (tid == 0) report(p, MK_ERR_QUEUE_FULL, total, p.q_cap, 0);
     return;
@@ -382,9 +615,9 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   for (int c0 = 0; c0 < g1; c0 += (int)blockDim.x * 8) {
     const int hi = min(g1, c0 + (int)blockDim.x * 8);
     for (int i = c0 + tid; i < hi; i += blockDim.x) {
-      const int tile = i / N1, nb = i % N1;
+      const int tile = i / (N1 * KS1), nf = i % (N1 * KS1);  // n-field = nb + N1 * ks
       const int e = tile_expert(base, E, tile);
-      p.q_task[i] = enc(MK_TASK_GEMM1, e, tile - base[e], nb, tile);
+      p.q_task[i] = enc(MK_TASK_GEMM1, e, tile - base[e], nf, tile, KS1);
     }
     __threadfence();
     for (int i = c0 + tid; i < hi; i += blockDim.x) st_relaxed(&p.q_flag[i], epoch);
@@ -408,18 +641,19 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         ready = v == N1 && tile != (int)p.stall_tile;
       }
       const unsigned m = __ballot_sync(~0u, ready);
-      const int pos = tail + __popc(m & ((1u << lane) - 1)) * N2;
+      const int G2 = N2 * KS2;  // GEMM2 tasks per m-tile (n-field = nb + N2 * ks)
+      const int pos = tail + __popc(m & ((1u << lane) - 1)) * G2;
       if (ready) {
         const int e = tile_expert(base, E, tile);
         p.rel[tile] = epoch;
-        for (int nb = 0; nb < N2; ++nb) p.q_task[pos + nb] = enc(MK_TASK_GEMM2, e, tile - base[e], nb, tile);
+        for (int nf = 0; nf < G2; ++nf) p.q_task[pos + nf] = enc(MK_TASK_GEMM2, e, tile - base[e], nf, tile, KS2);
       }
       if (m) {
         __threadfence();  // one fence for the warp's batch, then relaxed flags (release pattern)
         if (ready)
-          for (int nb = 0; nb < N2; ++nb) st_relaxed(&p.q_flag[pos + nb], epoch);
+          for (int nf = 0; nf < G2; ++nf) st_relaxed(&p.q_flag[pos + nf], epoch);
       }
-      tail += __popc(m) * N2;
+      tail += __popc(m) * G2;
       got += __popc(m);
     }
     for (int b = 0; b < n_ct; b += 32) {
@@ -467,12 +701,25 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
 // ---- the persistent kernel ------------------------------------------------------------------------------
 template <class T>
 __global__ void __launch_bounds__(T::THREADS, T::MINB) k_experts(const MkParams p) {
-  extern __shared__ __align__(128) char smem[];
+  extern __shared__ __align__(128) char smem_raw[];
   __shared__ uint64_t s_task;
+  char* smem = align_smem(smem_raw, T::ALIGN);
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
   if (blockIdx.x == 0) {
     scheduler<T>(p, smem, epoch);
     return;
+  }
+  uint32_t it = 0;  // wgmma core: running k-stage counter (mbarrier phases) across this CTA's tasks
+  if constexpr (T::WG) {
+    if (threadIdx.x == 0) {
+      const WgBars<T> b = wg_bars<T>(meta<T>(smem, (int)p.stages));
+      for (int s = 0; s < (int)p.stages; ++s) {
+        mbar_init(b.full + 8 * s, 128);
+        mbar_init(b.empty + 8 * s, 128 * T::CONSUMERS);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
   }
   for (;;) {
     if (threadIdx.x == 0) {
@@ -502,12 +749,17 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) k_experts(const MkParams 
     const uint64_t task = s_task;
     __syncthreads();  // everyone read s_task before thread 0 may overwrite it
     if (task == 0) return;
-    const int kind = (int)(task >> 61), e = (int)((task >> 48) & 0x1fff), mt = (int)((task >> 32) & 0xffff);
-    const int nb = (int)((task >> 20) & 0xfff), tile = (int)(task & 0xfffff);
-    if (kind == MK_TASK_COMBINE)
-      run_combine(p, mt, nb);
-    else
-      run_gemm<T>(p, smem, kind, e, mt, nb, tile);
+    const int kind = mkidx::t_kind(task), e = mkidx::t_expert(task), mt = mkidx::t_mtile(task);
+    const int nf = mkidx::t_nfield(task), tile = mkidx::t_tile(task), splits = mkidx::t_splits(task);
+    if (kind == MK_TASK_COMBINE) {
+      run_combine(p, mt, nf);
+    } else {
+      const int N = kind == MK_TASK_GEMM1 ? (int)(2 * p.I / BN) : (int)(p.H / BN);
+      if constexpr (T::WG)
+        run_gemm_wg<T>(p, smem, kind, e, mt, nf, tile, it);  // never split (the scheduler splits bm=16 only)
+      else
+        run_gemm<T>(p, smem, kind, e, mt, nf % N, tile, nf / N, splits);
+    }
   }
 }
 
@@ -518,6 +770,10 @@ __device__ void reset_ctl(const MkParams& p) {
   for (int i = tid; i < p.E; i += blockDim.x) p.counts[i] = 0;
   for (int i = tid; i < p.max_tiles; i += blockDim.x) p.g1done[i] = 0;
   for (int i = tid; i < p.max_ctiles; i += blockDim.x) p.comb[i] = 0;
+  if (p.sk_cnt) {
+    const int64_t n = p.sk_max_tiles * (2 * p.I / BN + p.H / BN);
+    for (int64_t i = tid; i < n; i += blockDim.x) p.sk_cnt[i] = 0;
+  }
   if (tid == 0) {
     p.ctl[MK_CTL_HEAD] = 0;
     p.ctl[MK_CTL_TOTAL] = 0;
@@ -714,7 +970,7 @@ constexpr int MAX_STAGES = 12;  // bm=16 only: 12 x 18 KB fits one CTA per SM
 constexpr int SMEM_MAX = 227 * 1024 - 1024;
 
 template <class T>
-int smem_for(int stages) { return smem_bytes(T::STAGE, T::META, stages); }
+int smem_for(int stages) { return smem_bytes(T::STAGE, T::META, stages) + T::ALIGN; }
 
 template <class T>
 cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kernel (enough for MAX_STAGES)
@@ -722,9 +978,15 @@ cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kerne
   if (done) return cudaSuccess;
   const int most = smem_for<T>(MAX_STAGES) <= SMEM_MAX ? smem_for<T>(MAX_STAGES) : SMEM_MAX;
   cudaError_t e = cudaFuncSetAttribute(k_experts<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
-  if (e == cudaSuccess) e = cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+  if constexpr (!T::WG)  // the gate GEMM runs on the mma core only
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
   done = e == cudaSuccess;
   return e;
+}
+
+int expert_smem(int64_t bm, int64_t core, int st) {
+  if (core == MK_CORE_WGMMA && bm >= 64) return bm == 64 ? smem_for<WgLarge>(st) : smem_for<WgHuge>(st);
+  return bm == 16 ? smem_for<Small>(st) : bm == 64 ? smem_for<Large>(st) : smem_for<Huge>(st);
 }
 
 int check_params(const MkParams* p) {
@@ -732,12 +994,18 @@ int check_params(const MkParams* p) {
   if (p->bm != 16 && p->bm != 64 && p->bm != 128) return fail_msg("mk: bm must be 16, 64 or 128");
   if (p->logit_splits_max < 1 || p->logit_splits_max > MAX_SPLITS) return fail_msg("mk: logit_splits_max must be in 1..16");
   if (p->stages < 2 || p->stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..12");
-  {
-    const int st = (int)p->stages;
-    const int smem = p->bm == 16 ? smem_for<Small>(st) : p->bm == 64 ? smem_for<Large>(st) : smem_for<Huge>(st);
-    if (smem > SMEM_MAX) return fail_msg("mk: stages too deep for bm (shared memory > 227 KB: bm=16 <= 12, 64 <= 8, 128 <= 6)");
-  }
-  if (p->H % BN || p->I % 64 || (2 * p->I) / BN > 4095 || p->H / BN > 4095)
+  if (p->core != MK_CORE_MMA && p->core != MK_CORE_WGMMA) return fail_msg("mk: core must be 0 (mma) or 1 (wgmma)");
+  if (expert_smem(p->bm, p->core, (int)p->stages) > SMEM_MAX)
+    return fail_msg("mk: stages too deep for bm (shared memory > 226 KB: bm=16 <= 12, 64 <= 8, 128 <= 6; wgmma 64 <= 9, "
+                    "128 <= 6)");
+  if (p->split_k1 < 1 || p->split_k1 > MK_MAX_SPLITS || p->split_k2 < 1 || p->split_k2 > MK_MAX_SPLITS)
+    return fail_msg("mk: split_k1 / split_k2 must be in 1..16");
+  if (p->H % (p->split_k1 * BK) || p->I % (p->split_k2 * BK))
+    return fail_msg("mk: split-K parts must be multiples of 64 (hidden % (64 split_k1), intermediate % (64 split_k2))");
+  if ((p->split_k1 > 1 || p->split_k2 > 1) && p->sk_max_tiles > 0 && (!p->sk_part || !p->sk_cnt))
+    return fail_msg("mk: split-K needs sk_part and sk_cnt");
+  if (p->sk_max_tiles < 0 || p->sk_max_tiles >= (1 << 20)) return fail_msg("mk: sk_max_tiles out of range");
+  if (p->H % BN || p->I % 64 || (2 * p->I) / BN * p->split_k1 > 4095 || p->H / BN * p->split_k2 > 4095)
     return fail_msg("mk: hidden must be a multiple of 128 and intermediate of 64");
   if (p->E < 1 || p->E > 32 * MAXE_PER_LANE) return fail_msg("mk: experts must be in 1..512");
   if (p->K < 1 || p->K > MAXK || p->K > p->E) return fail_msg("mk: topk must be in 1..min(16, experts)");
@@ -749,24 +1017,27 @@ int check_params(const MkParams* p) {
   return 0;
 }
 
-int occupancy(int64_t bm, int64_t stages, int* per_sm, int* sms) {
+template <class T>
+int occupancy_of(int64_t stages, int* per_sm) {
+  cudaError_t e = prepare<T>();
+  if (e != cudaSuccess) return fail("cudaFuncSetAttribute", e);
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, k_experts<T>, T::THREADS, smem_for<T>((int)stages));
+  if (e != cudaSuccess) return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
+  return 0;
+}
+
+// The wgmma core serves bm = 64 / 128 when asked for; bm = 16 always runs the mma core.
+bool use_wgmma(int64_t bm, int64_t core) { return core == MK_CORE_WGMMA && bm >= 64; }
+
+int occupancy(int64_t bm, int64_t stages, int64_t core, int* per_sm, int* sms) {
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return fail("cudaGetDevice", e);
   if ((e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
     return fail("cudaDeviceGetAttribute", e);
-  if (bm == 16) {
-    if ((e = prepare<Small>()) != cudaSuccess) return fail("cudaFuncSetAttribute", e);
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, k_experts<Small>, Small::THREADS, smem_for<Small>((int)stages));
-  } else if (bm == 64) {
-    if ((e = prepare<Large>()) != cudaSuccess) return fail("cudaFuncSetAttribute", e);
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, k_experts<Large>, Large::THREADS, smem_for<Large>((int)stages));
-  } else {
-    if ((e = prepare<Huge>()) != cudaSuccess) return fail("cudaFuncSetAttribute", e);
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, k_experts<Huge>, Huge::THREADS, smem_for<Huge>((int)stages));
-  }
-  if (e != cudaSuccess) return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
-  return 0;
+  if (use_wgmma(bm, core)) return bm == 64 ? occupancy_of<WgLarge>(stages, per_sm) : occupancy_of<WgHuge>(stages, per_sm);
+  return bm == 16 ? occupancy_of<Small>(stages, per_sm) : bm == 64 ? occupancy_of<Large>(stages, per_sm)
+                                                                  : occupancy_of<Huge>(stages, per_sm);
 }
 
 template <class T>
@@ -798,7 +1069,7 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
 template <class T>
 int launch_experts(const MkParams* p, cudaStream_t s) {
   int per_sm = 0, sms = 0;
-  if (occupancy(T::BM, p->stages, &per_sm, &sms)) return 1;
+  if (occupancy(T::BM, p->stages, T::WG ? MK_CORE_WGMMA : MK_CORE_MMA, &per_sm, &sms)) return 1;
   if (p->grid < 2 || p->grid > (int64_t)per_sm * sms) {
     snprintf(g_err, sizeof g_err, "mk: grid %lld not in 2..%d (resident CTAs: %d per SM x %d SMs)", (long long)p->grid,
              per_sm * sms, per_sm, sms);
@@ -817,10 +1088,12 @@ extern "C" {
 int mk_abi_version(void) { return MK_ABI_VERSION; }
 const char* mk_last_error(void) { return g_err; }
 
-int mk_occupancy(int64_t bm, int64_t stages, int* per_sm, int* sms) {
+int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int* per_sm, int* sms) {
   if (bm != 16 && bm != 64 && bm != 128) return fail_msg("mk: bm must be 16, 64 or 128");
   if (stages < 2 || stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..12");
-  return occupancy(bm, stages, per_sm, sms);
+  if (core != MK_CORE_MMA && core != MK_CORE_WGMMA) return fail_msg("mk: core must be 0 (mma) or 1 (wgmma)");
+  if (expert_smem(bm, core, (int)stages) > SMEM_MAX) return fail_msg("mk: stages too deep for bm (shared memory)");
+  return occupancy(bm, stages, core, per_sm, sms);
 }
 
 int mk_route(const MkParams* p, void* stream) {
@@ -846,6 +1119,7 @@ int mk_experts(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
   if (p->S == 0) return 0;
   cudaStream_t s = (cudaStream_t)stream;
+  if (use_wgmma(p->bm, p->core)) return p->bm == 64 ? launch_experts<WgLarge>(p, s) : launch_experts<WgHuge>(p, s);
   return p->bm == 16 ? launch_experts<Small>(p, s) : p->bm == 64 ? launch_experts<Large>(p, s) : launch_experts<Huge>(p, s);
 }
 

@@ -7,6 +7,8 @@ options)`. `bm_switch_rows` / `bm_large_rows` (the auto tile's thresholds) stay 
 `parse("bm=16,stages=4")`, `from_dict` and `to_dict` remain for benchmarks and tests; every error names the
 field. 0 in `bm`, `ctas_per_sm` and `processor_ctas` means "pick from
 the shape / the occupancy query".
+`core` ("mma" | "wgmma") and the decode split-K fields are not knobs yet: they wait for a GPU run
+(bench/results/megakernel/NEXT_RUN.md).
 """
 
 from __future__ import annotations
@@ -35,6 +37,19 @@ class MegakernelConfig:
     processor_ctas: int = 0   # processor CTAs (0 = every resident CTA but the scheduler's)
     combine_tokens: int = 8   # tokens per combine tile (each tile runs as 4 column-block tasks)
     timeout_ms: float = 2000.0  # (RuntimeOptions.megakernel_timeout_s) a wait without progress longer than this is an error, not a hang
+    # GEMM core of the bm=64/128 tasks: "mma" (mma.sync m16n8k16 + ldmatrix, measured in runs 1-8) or "wgmma"
+    # (sm_90a warpgroup MMA m64n128k16 from 128-byte-swizzled shared memory, producer warpgroup + mbarriers).
+    # The default stays "mma" until a GPU run verifies wgmma (bench/results/megakernel/NEXT_RUN.md: compiled,
+    # HGMMA in the SASS, no spills, never run on a GPU yet). bm=16 (decode) always runs the mma core.
+    core: str = "mma"
+    # Decode split-K: each GEMM1 (GEMM2) task of a bm=16 launch runs as split_k1 (split_k2) parts over K, and
+    # the CTA finishing a task's last part adds the parts' fp32 partials in part order (bit-identical run to
+    # run; the bits differ from split 1, which sums K in one pass). Only while the launch's m-tiles fit the
+    # partial buffer (split_max_tiles); 1 = off (today's behaviour, the default until a GPU run decides).
+    # At S=1 (8 m-tiles, 96 GEMM1 tasks of 512 KB for ~263 CTAs) split_k1=4, split_k2=2 gives 384 + 256 tasks.
+    split_k1: int = 1
+    split_k2: int = 1
+    split_max_tiles: int = 16  # m-tiles the split-K partial buffer holds (8 KB per part and (m-tile, n-block))
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -44,16 +59,26 @@ class MegakernelConfig:
         "processor_ctas": (0, 1 << 16),
         "combine_tokens": (1, 4096),
         "timeout_ms": (1e-3, 3.6e6),
+        "split_k1": (1, 16),
+        "split_k2": (1, 16),
+        "split_max_tiles": (1, 4096),
     }
+    CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.type in ("str", str):
+                if not isinstance(v, str):
+                    raise ConfigError(f"megakernel config: {f.name} must be str, got {v!r}")
+                continue
             want = float if f.type in ("float", float) else int
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not isinstance(v, int)):
                 raise ConfigError(f"megakernel config: {f.name} must be {want.__name__}, got {v!r}")
         if self.bm not in (0, 16, 64, 128):
             raise ConfigError(f"megakernel config: bm must be 0 (auto), 16, 64 or 128, got {self.bm}")
+        if self.core not in self.CORES:
+            raise ConfigError(f"megakernel config: core must be one of {', '.join(self.CORES)}, got {self.core!r}")
         if self.stages == 1:
             raise ConfigError("megakernel config: stages must be 0 (auto) or in [2, 12], got 1")
         for name, (lo, hi) in self._RANGES.items():
@@ -91,7 +116,8 @@ class MegakernelConfig:
                 raise ConfigError(f"megakernel config: expected name=value, got {part!r}")
             if key not in names:
                 raise ConfigError(f"megakernel config: unknown field {key!r}; known: {', '.join(names)}")
-            typ = float if names[key].type in ("float", float) else int
+            ftype = names[key].type
+            typ = float if ftype in ("float", float) else str if ftype in ("str", str) else int
             try:
                 out[key] = typ(val.strip())
             except ValueError:
@@ -109,7 +135,9 @@ class MegakernelConfig:
         if self.stages:
             return self.stages
         if bm >= 64:
-            return 3
+            # wgmma core: one producer warpgroup streams stages-1 tiles ahead per CTA; 4 stages = 128 KB
+            # (bm=128, 1 CTA/SM) / 96 KB (bm=64, 2 CTAs/SM). Unmeasured: NEXT_RUN.md sweeps 3..6.
+            return 4 if self.core == "wgmma" else 3
         return 6 if tokens * topk < experts else 3
 
     def pick_bm(self, tokens: int, topk: int, experts: int) -> int:

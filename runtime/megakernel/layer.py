@@ -74,7 +74,11 @@ class MegakernelMoE:
         self.n1, self.n2 = 2 * i // BN, h // BN
         from .schedule import combine_blocks
 
-        self.q_cap = self.max_tiles * (self.n1 + self.n2) + self.max_ctiles * combine_blocks(h)
+        # decode split-K: bm=16 launches with <= split_max_tiles m-tiles run split_k1 / split_k2 parts per task
+        self.sk_on = (cfg.split_k1 > 1 or cfg.split_k2 > 1) and bm_min == 16
+        self.sk_tiles = min(cfg.split_max_tiles, self.max_tiles) if self.sk_on else 0
+        split_tasks = self.sk_tiles * (self.n1 * cfg.split_k1 + self.n2 * cfg.split_k2)
+        self.q_cap = max(self.max_tiles * (self.n1 + self.n2), split_tasks) + self.max_ctiles * combine_blocks(h)
         dev, i32 = self.device, torch.int32
         z = torch.zeros
         # the gate GEMM splits H into up to this many partial planes (more CTAs for few tokens), capped at 64 MB
@@ -94,6 +98,10 @@ class MegakernelMoE:
         self.q_task = z(self.q_cap, dtype=torch.int64, device=dev)
         self.q_flag = z(self.q_cap, dtype=i32, device=dev)
         self.err = z(8, dtype=torch.int64, device=dev)
+        slots = self.sk_tiles * (self.n1 + self.n2)
+        self.sk_part = z(max(1, slots * max(cfg.split_k1, cfg.split_k2) * _lib.SK_PART_FLOATS), dtype=torch.float32,
+                         device=dev)
+        self.sk_cnt = z(max(1, slots), dtype=i32, device=dev)
         self.stall_tile = -1  # test hook: this m-tile's GEMM2 is never released
         self._params: dict[tuple[int, int], _lib.MkParams] = {}
         self._grids: dict[tuple[int, int], int] = {}
@@ -104,7 +112,7 @@ class MegakernelMoE:
         if (bm, stages) not in self._grids:
             per_sm, sms = ctypes.c_int(0), ctypes.c_int(0)
             with torch.cuda.device(self.device):
-                _lib.check(self.lib, self.lib.mk_occupancy(bm, stages, ctypes.byref(per_sm),
+                _lib.check(self.lib, self.lib.mk_occupancy(bm, stages, _lib.CORES[self.config.core], ctypes.byref(per_sm),
                                                            ctypes.byref(sms)), "mk_occupancy")
             if per_sm.value < 1:
                 raise ConfigError(f"megakernel config: stages={stages} leaves no resident CTA")
@@ -127,7 +135,7 @@ class MegakernelMoE:
             m, cfg = self.model, self.config
             p = _lib.MkParams()
             for name in ("logits", "topk_idx", "topk_w", "counts", "lists", "h", "y", "ctl", "g1done", "comb", "rel",
-                         "tile_base", "q_task", "q_flag", "err"):
+                         "tile_base", "q_task", "q_flag", "err", "sk_part", "sk_cnt"):
                 setattr(p, name, getattr(self, name).data_ptr())
             p.wg, p.w1, p.w2 = self.gate.data_ptr(), self.w_gate_up.data_ptr(), self.w_down.data_ptr()
             p.S_cap, p.H, p.I, p.E, p.K = self.max_tokens, m.hidden, m.intermediate, m.experts, m.topk
@@ -136,6 +144,8 @@ class MegakernelMoE:
             p.grid = self.grid(bm, stages)
             p.timeout_ns = int(cfg.timeout_ms * 1e6)
             p.logit_splits_max = self.logit_splits
+            p.core = _lib.CORES[cfg.core]
+            p.split_k1, p.split_k2, p.sk_max_tiles = cfg.split_k1, cfg.split_k2, self.sk_tiles
             self._params[(bm, stages)] = p
         return p
 

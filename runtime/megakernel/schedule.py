@@ -4,7 +4,8 @@ The GPU scheduler and this model share every formula: m-tiles per expert ceil(co
 expert-major, N1 = 2I/128 GEMM1 n-blocks and N2 = H/128 GEMM2 n-blocks per m-tile, one combine task per
 `combine_tokens` tokens and column block (4 blocks when H/8 divides by 4), the release rules (GEMM2 of an m-tile once its N1 GEMM1 tasks are done; a combine
 tile once it has seen tokens x topk x N2 finished GEMM2 rows) and the queue discipline (processors claim
-slots in order; one producer publishes). `simulate` runs it step by step on the CPU so the dependency
+slots in order; one producer publishes), and decode split-K (`splits`: a GEMM task runs as parts over K;
+the part that finishes last adds all parts in part order and alone signals readiness). `simulate` runs it step by step on the CPU so the dependency
 logic, the task counts and the timeout path are tested without a GPU; the GPU tests compare the kernel's
 own counts (ctl words) with `plan`.
 """
@@ -27,6 +28,8 @@ class Task:
     mtile: int  # m-tile within the expert (combine: the combine tile)
     nblock: int
     tile: int   # global m-tile id (combine: 0)
+    part: int = 0   # split-K part (0..parts-1)
+    parts: int = 1  # split-K parts of this GEMM task (1: not split)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class Plan:
     total: int
     rows: tuple[tuple[int, ...], ...]  # per expert: rows t*K + j in list order
     ctile_target: tuple[int, ...]  # finished (row, GEMM2 n-block) pairs each combine tile waits for
+    ks1: int = 1                   # split-K parts per GEMM1 / GEMM2 task this launch (`splits`)
+    ks2: int = 1
 
     def tile_expert(self, tile: int) -> int:
         lo, hi = 0, len(self.tile_base) - 2
@@ -52,17 +57,44 @@ class Plan:
         return lo
 
     def gemm1_tasks(self) -> list[Task]:
+        """Queue order of the kernel: tile-major, then n-field = nb + N1 * part."""
         out = []
-        for i in range(self.n_tiles * self.n1):
-            tile, nb = divmod(i, self.n1)
+        for i in range(self.n_tiles * self.n1 * self.ks1):
+            tile, nf = divmod(i, self.n1 * self.ks1)
             e = self.tile_expert(tile)
-            out.append(Task(GEMM1, e, tile - self.tile_base[e], nb, tile))
+            out.append(Task(GEMM1, e, tile - self.tile_base[e], nf % self.n1, tile, nf // self.n1, self.ks1))
         return out
+
+    def gemm2_tasks(self, tile: int) -> list[Task]:
+        e = self.tile_expert(tile)
+        return [Task(GEMM2, e, tile - self.tile_base[e], nf % self.n2, tile, nf // self.n2, self.ks2)
+                for nf in range(self.n2 * self.ks2)]
+
+
+def splits(want: int, *, n_tiles: int, bm: int, max_tiles: int) -> int:
+    """Split-K parts of a GEMM task this launch (sk_splits in mk_moe.cu): decode tiles (bm = 16) only, and only
+    while the launch's m-tiles fit the partial-sum buffer (`max_tiles`, 0 = none)."""
+    return want if want > 1 and bm == 16 and n_tiles <= max_tiles else 1
+
+
+def reduce_parts(parts: list[list[float]]) -> list[float]:
+    """The split-K reduction of mk_moe.cu in fp32: sum = p[0]; sum += p[1]; ... in part order, whatever order
+    the parts finished in. Every add rounds to fp32 (struct round trip), so this is the kernel's arithmetic."""
+    import struct
+
+    def f32(x: float) -> float:
+        return struct.unpack("f", struct.pack("f", x))[0]
+
+    out = [f32(v) for v in parts[0]]
+    for p in parts[1:]:
+        out = [f32(a + f32(b)) for a, b in zip(out, p, strict=True)]
+    return out
 
 
 def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: int, bm: int,
-         combine_tokens: int) -> Plan:
-    """The task graph for routing `topk_idx` ([S][K] expert ids)."""
+         combine_tokens: int, split_k1: int = 1, split_k2: int = 1, split_max_tiles: int = 0) -> Plan:
+    """The task graph for routing `topk_idx` ([S][K] expert ids); `split_*` as MegakernelConfig (the layer
+    passes its partial buffer's m-tiles, `MegakernelMoE.sk_tiles`, as `split_max_tiles`)."""
     s = len(topk_idx)
     k = len(topk_idx[0]) if s else 0
     rows: list[list[int]] = [[] for _ in range(experts)]
@@ -76,8 +108,10 @@ def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: 
     n_tiles = base[-1]
     n_ct = -(-s // combine_tokens)
     target = tuple((min(s, (c + 1) * combine_tokens) - c * combine_tokens) * k * n2 for c in range(n_ct))
-    return Plan(n1, n2, nc, tuple(base), n_tiles, n_ct, n_tiles * (n1 + n2) + n_ct * nc, tuple(map(tuple, rows)),
-                target)
+    ks1 = splits(split_k1, n_tiles=n_tiles, bm=bm, max_tiles=split_max_tiles)
+    ks2 = splits(split_k2, n_tiles=n_tiles, bm=bm, max_tiles=split_max_tiles)
+    return Plan(n1, n2, nc, tuple(base), n_tiles, n_ct, n_tiles * (n1 * ks1 + n2 * ks2) + n_ct * nc,
+                tuple(map(tuple, rows)), target, ks1, ks2)
 
 
 def combine_blocks(hidden: int) -> int:
@@ -110,6 +144,7 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
     rel_tile = [False] * p.n_tiles
     rel_ct = [False] * p.n_ctiles
     done_g2: set[tuple[int, int]] = set()
+    parts_done: dict[tuple[int, int, int], int] = {}  # split-K: finished parts per (kind, tile, nb) slot
     head = 0
     # per processor: None (idle), ("wait", slot, since) or ("run", task, finish_step)
     state: list[tuple | None] = [None] * processors
@@ -130,8 +165,7 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
             for tile in range(p.n_tiles):
                 if not rel_tile[tile] and tile != stall_tile and g1done[tile] == p.n1:
                     rel_tile[tile] = True
-                    e = p.tile_expert(tile)
-                    queue += [Task(GEMM2, e, tile - p.tile_base[e], nb, tile) for nb in range(p.n2)]
+                    queue += p.gemm2_tasks(tile)
                     got += 1
             for c in range(p.n_ctiles):
                 if not rel_ct[c] and comb[c] == p.ctile_target[c]:
@@ -170,6 +204,13 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
                 if step >= st[2]:
                     t = st[1]
                     res.executed.append(t)
+                    state[i] = None
+                    if t.parts > 1:  # only the part that finishes last signals (after the fixed-order sum)
+                        key = (t.kind, t.tile, t.nblock)
+                        parts_done[key] = parts_done.get(key, 0) + 1
+                        assert parts_done[key] <= t.parts, f"slot {key} finished {parts_done[key]} parts"
+                        if parts_done[key] < t.parts:
+                            continue
                     if t.kind == GEMM1:
                         g1done[t.tile] += 1
                     elif t.kind == GEMM2:

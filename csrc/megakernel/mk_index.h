@@ -1,0 +1,86 @@
+// Index arithmetic of the megakernel shared by the device code (mk_moe.cu) and a host-compiled CPU test
+// (tests/test_megakernel_cpu.py builds a small C++ program with g++ against this header): shared-memory
+// swizzle, wgmma shared-memory descriptors, wgmma accumulator fragment coordinates, task words and the
+// split-K partial-buffer layout. Pure integer functions; no CUDA types.
+#pragma once
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define MK_HD __host__ __device__ __forceinline__
+#else
+#define MK_HD inline
+#endif
+
+namespace mkidx {
+
+// ---- shared tiles: [rows][64] bf16 (128 bytes a row, 8 chunks of 16 B), chunk index XOR (row & 7) ----
+// Byte offset of element (row, k), 0 <= k < 64, inside a tile whose base is 1024-byte aligned. This is the
+// layout Hopper's 128-byte swizzle (CU_TENSOR_MAP_SWIZZLE_128B; wgmma descriptor layout type 1) defines:
+// address bits [4:6] XOR bits [7:9] of the unswizzled row-major address, so the same tile feeds ldmatrix
+// (mma core) and wgmma (wgmma core) unchanged.
+MK_HD uint32_t swz_off(uint32_t row, uint32_t k) {
+  return row * 128u + ((((k >> 3) ^ (row & 7u)) & 7u) << 4) + (k & 7u) * 2u;
+}
+// The hardware rule, written as the PTX ISA states it, for the test to compare with swz_off.
+MK_HD uint32_t swizzle128(uint32_t linear_byte) { return linear_byte ^ (((linear_byte >> 7) & 7u) << 4); }
+
+// ---- wgmma shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format", sm_90) ---------------
+// bits 0-13 start address >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4,
+// 49-51 base offset (0: tiles 1024-byte aligned), 62-63 layout (1 = 128-byte swizzle).
+// K-major operand in the layout above: 8-row core-matrix groups 1024 bytes apart (SBO = 1024); the
+// leading offset is unused for a swizzled K-major operand whose k16 slice stays inside one 128-byte row
+// (set to 1 as CUTLASS does). A k16 step inside the 64-wide tile advances the start address by 32 bytes:
+// the hardware applies the swizzle to the computed address, so the XOR pattern stays the one the
+// producers wrote (the tile base must be 1024-byte aligned for that).
+constexpr uint64_t DESC_SWIZZLE_128B = 1;
+MK_HD uint64_t wg_desc(uint32_t smem_addr, uint32_t sbo_bytes = 1024, uint32_t lbo_bytes = 16) {
+  uint64_t d = 0;
+  d |= (uint64_t)((smem_addr & 0x3FFFFu) >> 4);
+  d |= (uint64_t)((lbo_bytes & 0x3FFFFu) >> 4) << 16;
+  d |= (uint64_t)((sbo_bytes & 0x3FFFFu) >> 4) << 32;
+  d |= DESC_SWIZZLE_128B << 62;
+  return d;
+}
+MK_HD uint32_t desc_start(uint64_t d) { return (uint32_t)(d & 0x3FFFu) << 4; }
+MK_HD uint32_t desc_lbo(uint64_t d) { return (uint32_t)((d >> 16) & 0x3FFFu) << 4; }
+MK_HD uint32_t desc_sbo(uint64_t d) { return (uint32_t)((d >> 32) & 0x3FFFu) << 4; }
+MK_HD uint32_t desc_layout(uint64_t d) { return (uint32_t)(d >> 62); }
+// Shared address (byte) of element (row, k) that a wgmma reading descriptor `d` (K-major, 128-byte
+// swizzle) sees for row `row` and k element `k` of its k16 slice: the model the CPU test checks against
+// swz_off (start + row group * SBO + row-in-group * 128 + k * 2, then the swizzle of the address bits).
+MK_HD uint32_t desc_elem_addr(uint64_t d, uint32_t row, uint32_t k) {
+  const uint32_t lin = desc_start(d) + (row >> 3) * desc_sbo(d) + (row & 7u) * 128u + k * 2u;
+  return swizzle128(lin);
+}
+
+// ---- wgmma m64nNk16 f32 accumulator fragment: register i of thread t (0..127) of the warpgroup -------
+// row = 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)
+MK_HD uint32_t acc_row(uint32_t t, uint32_t i) { return 16u * (t >> 5) + ((t & 31u) >> 2) + 8u * ((i >> 1) & 1u); }
+MK_HD uint32_t acc_col(uint32_t t, uint32_t i) { return 8u * (i >> 2) + 2u * (t & 3u) + (i & 1u); }
+
+// ---- task words: kind 61-63, splits-1 57-60, expert 48-56, m-tile 32-47, n-field 20-31, tile 0-19 -----
+// n-field = nb + N * ks (N = n-blocks of the GEMM; ks the split-K part, 0 without split-K).
+MK_HD uint64_t enc(int kind, int e, int mt, int nfield, int tile, int splits = 1) {
+  return ((uint64_t)kind << 61) | ((uint64_t)(splits - 1) << 57) | ((uint64_t)e << 48) | ((uint64_t)mt << 32) |
+         ((uint64_t)nfield << 20) | (uint64_t)tile;
+}
+MK_HD int t_kind(uint64_t w) { return (int)(w >> 61); }
+MK_HD int t_splits(uint64_t w) { return (int)((w >> 57) & 0xf) + 1; }
+MK_HD int t_expert(uint64_t w) { return (int)((w >> 48) & 0x1ff); }
+MK_HD int t_mtile(uint64_t w) { return (int)((w >> 32) & 0xffff); }
+MK_HD int t_nfield(uint64_t w) { return (int)((w >> 20) & 0xfff); }
+MK_HD int t_tile(uint64_t w) { return (int)(w & 0xfffff); }
+
+// ---- split-K (decode): partial sums of (GEMM, m-tile, n-block) "slots" -------------------------------
+// Slot of a GEMM1 task: tile * N1 + nb; of a GEMM2 task: max_tiles * N1 + tile * N2 + nb.
+MK_HD int sk_slot(int gemm2, int tile, int nb, int n1, int n2, int max_tiles) {
+  return gemm2 ? max_tiles * n1 + tile * n2 + nb : tile * n1 + nb;
+}
+// Float index of accumulator register i of thread t in split part ks of a slot (parts of one slot
+// adjacent; registers of a part strided by the thread count so a warp's stores coalesce). Every slot has
+// room for `max_splits` parts (the kernel passes max(split_k1, split_k2)).
+MK_HD int64_t sk_index(int slot, int ks, int i, int t, int threads, int nacc, int max_splits) {
+  return (((int64_t)slot * max_splits + ks) * nacc + i) * threads + t;
+}
+
+}  // namespace mkidx

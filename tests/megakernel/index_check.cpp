@@ -1,0 +1,119 @@
+// Host-compiled check of csrc/megakernel/mk_index.h (built and run by tests/test_megakernel_cpu.py with g++).
+// Prints "ok <n checks>" or the first failure and exits non-zero.
+#include <stdio.h>
+#include <stdlib.h>
+#include <set>
+#include <vector>
+
+#include "mk_index.h"
+
+using namespace mkidx;
+static long n_checks = 0;
+#define CHECK(c, ...)                       \
+  do {                                      \
+    ++n_checks;                             \
+    if (!(c)) {                             \
+      printf("FAIL %s: ", #c);              \
+      printf(__VA_ARGS__);                  \
+      printf("\n");                         \
+      exit(1);                              \
+    }                                       \
+  } while (0)
+
+int main() {
+  // 1. the tile layout is Hopper's 128-byte swizzle of the row-major [rows][64] bf16 tile, and the mma
+  //    core's inline formula (load_stage / ldmatrix addressing in mk_moe.cu) is the same map
+  for (uint32_t r = 0; r < 256; ++r)
+    for (uint32_t k = 0; k < 64; ++k) {
+      CHECK(swz_off(r, k) == swizzle128(r * 128 + k * 2), "r=%u k=%u", r, k);
+      if (k % 8 == 0) CHECK(swz_off(r, k) == (r * 8 + ((k / 8) ^ (r & 7))) * 16, "mma formula r=%u k=%u", r, k);
+    }
+  // a tile's bytes are a permutation (no two elements share a byte pair)
+  {
+    std::set<uint32_t> seen;
+    for (uint32_t r = 0; r < 128; ++r)
+      for (uint32_t k = 0; k < 64; ++k) seen.insert(swz_off(r, k));
+    CHECK(seen.size() == 128 * 64 && *seen.rbegin() == 128 * 128 - 2, "size %zu", seen.size());
+  }
+  // 2. descriptor fields
+  const uint64_t d0 = wg_desc(0x12400);
+  CHECK(desc_start(d0) == 0x12400 && desc_sbo(d0) == 1024 && desc_lbo(d0) == 16 && desc_layout(d0) == 1, "fields");
+  CHECK((d0 >> 62) == 1 && ((d0 >> 49) & 7) == 0, "layout / base offset bits");
+  CHECK((uint32_t)(d0 >> 32) == 0x40000040u, "high word %08x (the SASS shows MOV R, 0x40000040)", (uint32_t)(d0 >> 32));
+  // 3. what a wgmma reads through the descriptor of k16 slice kk of consumer c's 64 rows (A) or the 128 rows
+  //    (B) of stage s, is exactly the element the producer stored there (base = 1024-aligned stage tile)
+  const uint32_t stage_bytes[2] = {64 * 128 + 128 * 128, 128 * 128 + 128 * 128};  // bm = 64, 128
+  for (int t = 0; t < 2; ++t)
+    for (uint32_t s = 0; s < 6; ++s) {
+      const uint32_t smem0 = 0x400 * 3;  // the aligned dynamic-smem start (any multiple of 1024)
+      const uint32_t sA = smem0 + s * stage_bytes[t], a_bytes = (t ? 128 : 64) * 128, sB = sA + a_bytes;
+      CHECK(sA % 1024 == 0 && sB % 1024 == 0, "alignment");
+      for (uint32_t kk = 0; kk < 4; ++kk) {
+        for (uint32_t c = 0; c < (t ? 2u : 1u); ++c) {
+          const uint64_t da = wg_desc(sA + c * 64 * 128 + kk * 32);
+          for (uint32_t r = 0; r < 64; ++r)
+            for (uint32_t k = 0; k < 16; ++k)
+              CHECK(desc_elem_addr(da, r, k) == sA + swz_off(64 * c + r, kk * 16 + k), "A t=%d s=%u kk=%u c=%u r=%u k=%u",
+                    t, s, kk, c, r, k);
+        }
+        const uint64_t db = wg_desc(sB + kk * 32);
+        for (uint32_t n = 0; n < 128; ++n)
+          for (uint32_t k = 0; k < 16; ++k)
+            CHECK(desc_elem_addr(db, n, k) == sB + swz_off(n, kk * 16 + k), "B s=%u kk=%u n=%u k=%u", s, kk, n, k);
+      }
+    }
+  // 4. accumulator fragment: 128 threads x 64 registers cover the 64 x 128 tile once; pairs (i, i+1), i even,
+  //    are adjacent columns of one row (the epilogue's (gate, up) / bf16x2 pairs), first column even
+  {
+    std::vector<int> hit(64 * 128, 0);
+    for (uint32_t t = 0; t < 128; ++t)
+      for (uint32_t i = 0; i < 64; ++i) {
+        const uint32_t r = acc_row(t, i), c = acc_col(t, i);
+        CHECK(r < 64 && c < 128, "range t=%u i=%u", t, i);
+        hit[r * 128 + c]++;
+        if (i % 2 == 0) CHECK(acc_row(t, i + 1) == r && acc_col(t, i + 1) == c + 1 && c % 2 == 0, "pair t=%u i=%u", t, i);
+        // PTX ISA wgmma D fragment (m64nNk16, f32): row = warp*16 + lane/4 (+8 for registers 2,3 of each 4)
+        CHECK(r == (t / 32) * 16 + (t % 32) / 4 + ((i % 4) >= 2 ? 8 : 0) && c == (i / 4) * 8 + (t % 4) * 2 + (i % 2),
+              "ptx layout t=%u i=%u", t, i);
+      }
+    for (int x = 0; x < 64 * 128; ++x) CHECK(hit[x] == 1, "element %d hit %d times", x, hit[x]);
+  }
+  // 5. task words round-trip at the field limits
+  const int kinds[3] = {1, 2, 3};
+  for (int kind : kinds)
+    for (int splits : {1, 2, 4, 16})
+      for (int e : {0, 1, 127, 511})
+        for (int mt : {0, 7, 65535})
+          for (int nf : {0, 11, 47, 4095})
+            for (int tile : {0, 3, (1 << 20) - 1}) {
+              const uint64_t w = enc(kind, e, mt, nf, tile, splits);
+              CHECK(t_kind(w) == kind && t_splits(w) == splits && t_expert(w) == e && t_mtile(w) == mt &&
+                        t_nfield(w) == nf && t_tile(w) == tile,
+                    "kind=%d splits=%d e=%d mt=%d nf=%d tile=%d", kind, splits, e, mt, nf, tile);
+            }
+  // 6. split-K partial buffer: every (slot, part, register, thread) has its own float, inside the buffer
+  {
+    const int n1 = 12, n2 = 16, max_tiles = 16, threads = 128, nacc = 16;
+    for (int stride : {2, 4}) {
+      const int64_t size = (int64_t)max_tiles * (n1 + n2) * stride * nacc * threads;
+      std::vector<char> used(size, 0);
+      for (int g2 = 0; g2 < 2; ++g2)
+        for (int tile = 0; tile < max_tiles; ++tile)
+          for (int nb = 0; nb < (g2 ? n2 : n1); ++nb) {
+            const int slot = sk_slot(g2, tile, nb, n1, n2, max_tiles);
+            CHECK(slot >= 0 && slot < max_tiles * (n1 + n2), "slot %d", slot);
+            for (int ks = 0; ks < stride; ++ks)
+              for (int i = 0; i < nacc; ++i)
+                for (int t = 0; t < threads; t += 31) {
+                  const int64_t x = sk_index(slot, ks, i, t, threads, nacc, stride);
+                  CHECK(x >= 0 && x < size && !used[x], "index %lld", (long long)x);
+                  used[x] = 1;
+                }
+          }
+      // a warp's 32 threads store 32 consecutive floats (coalesced)
+      CHECK(sk_index(3, 1, 5, 17, threads, nacc, stride) + 1 == sk_index(3, 1, 5, 18, threads, nacc, stride), "stride");
+    }
+  }
+  printf("ok %ld\n", n_checks);
+  return 0;
+}
