@@ -214,3 +214,10 @@ def test_bad_input_gives_no_traceback(tmp_path, args):
     assert "Traceback" not in r.output
     if args[0] == "profiles":
         assert db.read_bytes() == before
+
+
+def test_report_of_a_missing_database_is_an_error_and_creates_nothing(tmp_path):
+    where = tmp_path / "not-there"
+    r = run("report", "--db", str(where / "m.db"))
+    assert r.exit_code == 2 and "no database at" in r.output and "Traceback" not in r.output
+    assert not where.exists()

@@ -17,15 +17,17 @@ def _fail(console: Console, message: str) -> None:
     raise typer.Exit(2)
 
 
-def _open(db: Path | None, config: Path | None, console: Console | None = None):
-    """(config, store) or a clear error (never a traceback) naming the bad key/file or database."""
+def _open(db: Path | None, config: Path | None, console: Console | None = None, *, readonly: bool = False):
+    """(config, store) or a clear error (never a traceback) naming the bad key/file or database.
+
+    `readonly`: the database must exist (a report of nothing would only create an empty one)."""
     from moetune.runtime.config import ConfigError, load_config
     from moetune.tuner.store.store import Store
 
     console = console or Console(stderr=True)
     try:
         cfg = load_config(config)
-        return cfg, Store(db or cfg.db_path)
+        return cfg, Store(db or cfg.db_path, readonly=readonly)
     except (ConfigError, RuntimeError, OSError) as e:  # ConfigError names key + file; StoreError the database
         _fail(console, str(e))
         raise  # unreachable: _fail exits
@@ -129,7 +131,7 @@ def report(
     from moetune.tuner.fabric.discovery import DiscoveryError, discover
 
     console = Console()
-    _cfg, store = _open(db, config, console)
+    _cfg, store = _open(db, config, console, readonly=True)
     try:
         facts = discover(capture)
     except DiscoveryError as e:
