@@ -30,7 +30,7 @@ print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
 EOF
 )
 if [ -n "$missing" ]; then
-  echo "missing Python modules: $missing (carry wheels: optuna alembic sqlalchemy greenlet colorlog mako msgspec; install moetune with pip -e .)"
+  echo "missing Python modules: $missing (bring wheels: optuna alembic sqlalchemy greenlet colorlog mako msgspec; install moetune with pip -e .)"
   exit 2
 fi
 nvidia-smi -L || true

@@ -1,9 +1,10 @@
 #!/bin/bash
-# Build libmoetune_moe.so here and copy what a device run needs into <main checkout>/.mk (git-ignored there;
-# the device tool sends the session's main checkout, not this worktree): run with carry [".mk"].
+# Build libmoetune_moe.so on this machine (nvcc only, no GPU needed) and stage everything a GPU run of the
+# megakernel needs in one self-contained folder (default: .mk/ in this checkout, git-ignored). Copy that folder
+# to the GPU machine and run `bash run.sh all` in it (tests, then the benchmark; see bench/megakernel_device.sh).
 set -eu
 WT=$(cd "$(dirname "$0")/.." && pwd)
-DEST=${1:-/work/main/.mk}
+DEST=${1:-$WT/.mk}
 mkdir -p "$DEST/lib" "$DEST/whl" "$DEST/tests" "$DEST/bench"
 rm -rf "$DEST/runtime" "$DEST/csrc"; cp -r "$WT/runtime" "$DEST/runtime"
 cp -r "$WT/csrc" "$DEST/csrc"; find "$DEST" -name __pycache__ -prune -exec rm -rf {} +
@@ -14,5 +15,6 @@ printf '[pytest]\nmarkers =\n    gpu: needs CUDA\n    slow: long\naddopts = --im
 git -C "$WT" rev-parse --short HEAD > "$DEST/SHA"
 nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -shared -Xcompiler -fPIC,-O3 -lineinfo -cudart=static \
   -o "$DEST/lib/libmoetune_moe.so" "$WT"/csrc/megakernel/*.cu
-cp /tmp/mkwhl/*.whl "$DEST/whl/" 2>/dev/null || true
+# wheels the GPU machine lacks (msgspec for the runtime's schemas), if downloaded beforehand into $WHEELS
+cp "${WHEELS:-/nonexistent}"/*.whl "$DEST/whl/" 2>/dev/null || true
 du -sh "$DEST"

@@ -210,7 +210,7 @@ def test_never_ready_task_times_out(model, layer):
     _check(m, model, x, out, idx, w)
 
 
-# ---- new paths (branch mk-wgmma): the wgmma core for bm 64/128 and decode split-K ----------------------------
+# ---- new paths (off by default until a GPU run verifies them): the wgmma core for bm 64/128 and decode split-K ----------------------------
 # Each runs every S against dense_reference with poisoned output, twice more for bit-identical bits, and its
 # task counts against the CPU model. NEXT_RUN.md: if these pass, the bench decides the defaults.
 NEW_PATHS = ["core=wgmma", "core=wgmma,bm=64", "core=wgmma,bm=128", "core=wgmma,bm=64,stages=6",
