@@ -45,6 +45,7 @@ class FakeFacts:
         self.hardware_hash = self.fingerprint
         self.transports = [FakeTransport(t) for t in d.get("transports", ["nvlink"])]
         self.gpu_count = d.get("gpu_count", 2)
+        self.link_rates: dict[str, float] = {}
         self.gpu_model = d.get("gpu_model", "H200")
         self.nodes = 1
 
