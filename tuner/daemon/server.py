@@ -705,7 +705,7 @@ class Daemon(FabricWatch):
                     except queue.Full:
                         res = False, (wire.E_BUSY, f"{LIST_QUEUE} list requests are waiting: retry later")
             ok, payload = res
-        except Exception as e:
+        except Exception as e:  # broad: the request handler's boundary; the client gets E_INTERNAL
             log.exception("op %s failed", op)
             return wire.encode_error(req.id, self.epoch, wire.E_INTERNAL, f"{type(e).__name__}: {e}"), op, wire.E_INTERNAL
         if ok:
@@ -739,7 +739,7 @@ class Daemon(FabricWatch):
                 try:
                     reply = wire.encode_ok(req.id, self.epoch, msgspec.Raw(self._list_page(req)))
                     outcome = "ok"
-                except Exception as e:
+                except Exception as e:  # broad: the list worker's boundary; the client gets E_INTERNAL
                     log.exception("list_profiles failed")
                     reply = wire.encode_error(req.id, self.epoch, wire.E_INTERNAL, f"{type(e).__name__}: {e}")
                     outcome = wire.E_INTERNAL

@@ -479,7 +479,7 @@ def _close_workers(workers: dict[Any, BenchWorker]) -> None:
     for w in list(workers.values()):
         try:
             w.close(wait_s=5)
-        except Exception:
+        except Exception:  # broad: best effort at shutdown; one worker must not leave the others running
             pass
     workers.clear()
 
@@ -489,7 +489,7 @@ def _default_comm_backend(world: int) -> str:
         import torch
 
         return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
-    except Exception:
+    except (ImportError, RuntimeError):
         return "gloo"
 
 
@@ -568,12 +568,12 @@ class LocalBackend(BenchmarkBackend):
         if transport not in self._runtime_has:
             try:
                 from moetune.runtime.transports.registry import get_transport  # type: ignore[import-not-found]
-            except Exception:
+            except ImportError:
                 return True
             try:
                 get_transport(transport)
                 self._runtime_has[transport] = True
-            except Exception:
+            except (KeyError, ImportError):  # unknown name; registered but not importable here
                 self._runtime_has[transport] = False
         return self._runtime_has[transport]
 
