@@ -31,12 +31,7 @@ def facts_dict(facts: Any) -> dict[str, Any]:
 
 
 def transport_names(facts: Any) -> list[str]:
-    out = []
-    for t in getattr(facts, "transports", None) or []:
-        name = getattr(t, "name", t)
-        if isinstance(name, str):
-            out.append(name)
-    return out
+    return [t.name for t in facts.transports]
 
 
 def default_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

@@ -224,9 +224,10 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
             raise ValueError(f"{m.name}: {m.experts} experts do not divide evenly over an EP group of {ep_size}")
     fams = family_names(facts)
     if families and "megakernel" in families:  # an engine family: asked for by name, on a node that can run it
+        from moetune.tuner.fabric.facts import FabricFacts
         from moetune.tuner.fabric.families import megakernel_family
 
-        ok, why = megakernel_family(facts)
+        ok, why = megakernel_family(facts) if isinstance(facts, FabricFacts) else (False, "a modelled fabric has no GPU")
         if not ok:
             raise ValueError(f"family megakernel cannot be tuned here: {why}")
         if ep_size != 1 or nodes != 1:
