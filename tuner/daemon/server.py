@@ -413,7 +413,7 @@ class Daemon(FabricWatch):
         self._lock_database()  # the single writer: before anything is written
         try:
             self._bind()  # refuses when another daemon listens on the socket; requests wait in ZeroMQ meanwhile
-        except BaseException:
+        except BaseException:  # close what was opened, then re-raise
             self._close()
             raise
         resume = self._recover()

@@ -336,7 +336,7 @@ def run_in_group(argv: Sequence[str], *, env: Mapping[str, str], timeout_s: floa
         except subprocess.TimeoutExpired:
             out, err = "", ""
         return None, out or "", err or "", time.monotonic() - t0
-    except BaseException:
+    except BaseException:  # kill the run's process group, then re-raise
         _kill_group(proc)
         raise
 
