@@ -54,7 +54,7 @@ def csrc_dir() -> Path:
         from moetune import csrc as _csrc  # the package that ships the .cu/.cpp files
 
         return Path(_csrc.__file__).resolve().parent
-    except Exception:  # pragma: no cover - running from a bare checkout
+    except ImportError:  # pragma: no cover - running from a bare checkout
         return Path(__file__).resolve().parents[1] / "csrc"
 
 
@@ -101,7 +101,7 @@ def cuda_arch() -> str:
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
             return f"sm_{major}{minor}"
-    except Exception:
+    except (ImportError, RuntimeError):  # no torch, or CUDA unusable: build for the default arch
         pass
     return "sm_90"
 
@@ -308,7 +308,7 @@ def availability() -> tuple[bool, str]:
     """Whether the compiled library can be used here (CUDA device, nvcc or prebuilt lib, loads)."""
     try:
         import torch
-    except Exception as e:  # pragma: no cover
+    except ImportError as e:  # pragma: no cover
         return False, f"torch not importable: {e}"
     if not torch.cuda.is_available():
         return False, f"no CUDA device visible to torch {torch.__version__} (CPU build or no driver)"

@@ -43,8 +43,10 @@ class FakeFacts:
         self.software_hash = hashlib.sha256(json.dumps(self.software, sort_keys=True).encode()).hexdigest()[:16]
         self.fingerprint = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
         self.hardware_hash = self.fingerprint
+        self.identity_hash = ""  # unknown: a fake names no physical GPU
         self.transports = [FakeTransport(t) for t in d.get("transports", ["nvlink"])]
         self.gpu_count = d.get("gpu_count", 2)
+        self.link_rates: dict[str, float] = {}
         self.gpu_model = d.get("gpu_model", "H200")
         self.nodes = 1
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -51,7 +52,7 @@ def test_backend_measures_the_megakernel_family() -> None:
 
     m = LocalBackend(world=1, family="megakernel", mk_measure=too_big).evaluate(Knobs(engine="megakernel"), wl)
     assert not m.ok and m.infeasible and "ctas_per_sm" in m.error
-    assert not ModelBackend(predictor=lambda k, w: 1.0, preset=object()).supports("megakernel")
+    assert not ModelBackend(predictor=lambda k, w: 1.0, preset=SimpleNamespace(name="fake")).supports("megakernel")
 
 
 def _facts(name: str) -> Any:

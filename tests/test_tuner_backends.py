@@ -192,6 +192,7 @@ def test_local_tune_remeasures_incumbent_side_by_side(fake_bench: list[str], tmp
     class Facts:
         fingerprint, software_hash, gpu_count = "c" * 64, "d" * 64, 2
         software: dict = {}  # noqa: RUF012
+        link_rates: dict = {}  # noqa: RUF012
         transports = (_Fam("host_staged"), _Fam("collective"))
 
     store = make_store(tmp_path / "m.db")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -55,6 +55,7 @@ class FakePreset:
     family: str = "proxy:ibrc"
     gpus_per_node: int = 4
     transports: tuple = ("proxy",)
+    params: dict = field(default_factory=dict)
 
 
 def _objective(k: Knobs, wl: TuneWorkload) -> float:
@@ -105,6 +106,8 @@ def test_model_backend_run_and_show(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_show_lists_studies_written_by_tune_profiles(tmp_path: Path) -> None:
     class Facts:
         fingerprint, software_hash, gpu_count = "a" * 64, "b" * 64, 2
+        software: dict = {}  # noqa: RUF012
+        link_rates: dict = {}  # noqa: RUF012
         transports = (_Fam("host_staged"),)
 
     url = f"sqlite:///{tmp_path / 's.db'}"
@@ -139,6 +142,7 @@ def test_node_model_keys_profiles_to_this_node(tmp_path: Path, monkeypatch: pyte
     class Facts:
         fingerprint, software_hash, gpu_count = "n" * 64, "m" * 64, 4
         software: dict = {}  # noqa: RUF012
+        link_rates: dict = {}  # noqa: RUF012
         transports = (_Fam("proxy:ibrc"), _Fam("host_staged"), _Fam("collective"))
 
     monkeypatch.setattr(search, "make_backend", lambda *a, **k: ModelBackend(FakePreset(), predictor=_objective))

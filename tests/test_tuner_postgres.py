@@ -94,6 +94,7 @@ WORKER = textwrap.dedent('''
         fingerprint = "p" * 64
         software_hash = "q" * 64
         software = {{}}
+        link_rates = {{}}
         gpu_count = 4
         transports = [_Fam("proxy:ibrc")]
 

@@ -109,8 +109,7 @@ class Facts:
 
         return [_Fam("proxy:ibrc"), _Fam("host_staged")]
 
-    def to_dict(self):
-        return {"nics": [{"ports": [{"state": "ACTIVE", "rate_gbps": 400}]}]}
+    link_rates = {"nic_gbit": 400.0}  # noqa: RUF012
 
 
 def synthetic(k: Knobs, wl: TuneWorkload) -> float:
@@ -341,3 +340,26 @@ def test_only_discovered_transports_are_tuned(tmp_path: Path, capture: str, fami
         assert store.get_current(key) is not None
         assert r.record.software_versions == {k: str(v) for k, v in facts.software.items()}
     assert seen == {load_policy(fam).transport for fam in families}
+
+
+def test_preset_facts_carry_the_preset_link_rates() -> None:
+    """A preset's NVLink and NIC rates reach the analytic priors (the old probe read flat keys a
+    preset never has, so every preset gave none)."""
+    from moetune.tuner.fabric_model.presets import load_preset
+    from moetune.tuner.search.tune import PresetFacts, facts_link_rates
+
+    preset = load_preset("ndr-ibrc-h100x8")
+    facts = PresetFacts.from_preset(preset)
+    assert facts.gpu_count == preset.gpus_per_node == 8
+    assert facts_link_rates(facts) == {"link_gbps": preset.get("nvlink.egress_gbps"),
+                                       "nic_gbit": preset.get("nic.gbps") * 8}
+
+
+def test_discovered_facts_give_link_rates() -> None:
+    from moetune.tuner.fabric.discovery import discover
+    from moetune.tuner.search.tune import facts_link_rates
+
+    facts = discover(Path(__file__).parent / "captures" / "dgx-h100")
+    rates = facts_link_rates(facts)
+    assert rates["link_gbps"] == facts.nvlink_gbs_per_gpu > 0
+    assert rates["nic_gbit"] == max(p.rate_gbps for n in facts.nics for p in n.active_ports)

@@ -375,7 +375,7 @@ class Bringup:
 
             from moetune.tuner.search.study import default_storage_url, list_studies
 
-            url = self.storage or default_storage_url(getattr(self.store, "path", None))
+            url = self.storage or default_storage_url(self.store.path)
             out = {}
             for s in list_studies(url):
                 name = s["study"]

@@ -104,7 +104,7 @@ def downgrade(
     with open_store(db, config, upgrade=False, must_exist=True) as store:
         try:
             store.downgrade(revision)
-        except Exception as e:
+        except Exception as e:  # broad: the CLI's boundary; Alembic and the database fail in many types
             raise fail(f"downgrade of {store.path} to {revision} failed: {e}") from None
         out.print(f"{store.path}: at revision {store.current_revision() or 'base'}")
 

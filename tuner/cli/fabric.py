@@ -167,10 +167,10 @@ def _open_store(readonly: bool = True, db: Path | None = None, config: Path | No
 def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | None = None) -> tuple[str, dict[str, Any]]:
     store = _open_store(readonly=True, db=db, config=config)
     rows: list[Any] = []
-    if fp_hash is not None and hasattr(store, "get_fingerprint"):
+    if fp_hash is not None:
         row = store.get_fingerprint(fp_hash)
         rows = [row] if row is not None else []
-    if not rows and hasattr(store, "list_fingerprints"):
+    if not rows:
         allrows = list(store.list_fingerprints())
         rows = allrows if fp_hash is None else [r for r in allrows if str(r["hash"]).startswith(fp_hash)]
         if fp_hash is not None and len(rows) > 1:
@@ -179,7 +179,7 @@ def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | No
         raise _fail(f"fingerprint {fp_hash} is not in the store" if fp_hash else "the store holds no fingerprint yet; "
                     "record one with `moetune fabric show --record` or pass --against DIR")
     row = rows[0]
-    facts = row["facts"] if isinstance(row, dict) else getattr(row, "facts", None)
+    facts = row["facts"]
     if not facts:
         raise _fail(f"the store has fingerprint {row['hash']} but not its facts")
     return str(row["hash"]), facts

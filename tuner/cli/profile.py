@@ -78,7 +78,7 @@ def profile(
     except ValueError as e:
         _fail(console, str(e))
     _cfg, store = _open(db, config, console)
-    state_dir = Path(store.path).parent if getattr(store, "path", None) else Path.cwd()
+    state_dir = Path(store.path).parent
     try:
         flow = Bringup(store=store, plan=plan, state_dir=state_dir, console=console, capture=capture,
                        report_dir=report_dir, progress=None if as_json else RichProgress())

@@ -9,13 +9,17 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import typer
 
+if TYPE_CHECKING:
+    from moetune.runtime.config import Config
+    from moetune.runtime.profiles.client import Resolution
 
-def _config(config: Path | None) -> Any:
+
+def _config(config: Path | None) -> Config:
     from moetune.tuner.daemon.server import _load_config
 
     try:
@@ -29,14 +33,14 @@ def make_client(socket: str | None, config: Path | None, timeout_ms: int | None,
     from moetune.runtime.profiles.client import ProfileClient
 
     cfg = _config(config)
-    endpoint = socket or cfg.client.socket if hasattr(cfg, "client") else socket or cfg.daemon.socket
+    endpoint = socket or cfg.client.socket
     server_key = None
-    key_file = getattr(cfg.daemon, "curve_public_key_file", "")
+    key_file = cfg.daemon.curve_public_key_file
     if endpoint.startswith("tcp://") and key_file:
         import zmq.auth
 
         server_key, _ = zmq.auth.load_certificate(key_file)
-    return ProfileClient(endpoint, timeout_ms=timeout_ms or getattr(getattr(cfg, "client", None), "timeout_ms", 200),
+    return ProfileClient(endpoint, timeout_ms=timeout_ms or cfg.client.timeout_ms,
                          curve_server_key=server_key, db_path=db or Path(cfg.store.db))
 
 
@@ -56,12 +60,11 @@ def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms:
         client.close()
 
 
-def provenance_of(res: Any, db: Path | None, config: Path | None) -> tuple[str, str]:
+def provenance_of(res: Resolution, db: Path | None, config: Path | None) -> tuple[str, str]:
     """(provenance, measured_on) of a resolution: from the reply when it says, else from the database;
     a policy or built-in default is its own kind; "unknown" when nothing says."""
-    p = getattr(res, "provenance", None)
-    if p:
-        return str(p), str(getattr(res, "measured_on", "") or "")
+    if res.provenance:  # the reply names no node: measured_on comes only from the database
+        return res.provenance, ""
     if res.key is None:
         return str(res.source), ""
     from moetune.tuner.store.store import Store, StoreError

@@ -64,10 +64,10 @@ def register(app: typer.Typer) -> None:
                   "last_discovery_message"):
             t.add_row(k, str(getattr(st, k)))
         t.add_row("uptime_s", f"{st.uptime_s:.1f}")
-        prov = getattr(st, "provenance", None) or {}
+        prov = st.provenance
         if prov:  # how the profiles served for this fabric were obtained
             t.add_row("provenance", ", ".join(f"{k}: {v}" for k, v in prov.items()))
-        if getattr(st, "tune_notice", ""):
+        if st.tune_notice:
             t.add_row("re-tune", f"[yellow]{st.tune_notice}[/]")
         j = st.jobs
         t.add_row("jobs", f"running: {j.running.id if j.running else '-'}, queued: {len(j.queued)}/{j.capacity}")

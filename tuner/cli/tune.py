@@ -59,11 +59,10 @@ def _open_store(db: Path | None, *, readonly: bool = False):
 
 def _storage_url(storage: str | None, db: Path | None, store=None) -> str:
     from moetune.tuner.search.study import default_storage_url
-    from moetune.tuner.search.tune import _store_db_path
 
     if storage:
         return storage
-    return default_storage_url(db or (_store_db_path(store) if store is not None else None))
+    return default_storage_url(db or (store.path if store is not None else None))
 
 
 @app.callback(invoke_without_command=True)
@@ -140,7 +139,7 @@ def tune(
             _fail(f"fabric discovery is not available in this build ({e}); use --backend model --preset P")
         facts = discover(capture)
     if backend == "local":
-        gpus = int(getattr(facts, "gpu_count", 0) or 0)
+        gpus = facts.gpu_count
         local_opts = {"world": world or (gpus if gpus >= 2 else 2), "comm_backend": comm or ("nccl" if gpus else "gloo"),
                       "repeats": repeats, "timeout_s": trial_timeout}
     store = _open_store(db if db is not None else cfg.db_path)

@@ -62,7 +62,8 @@ def list_profiles(d: Daemon, req: wire.ListProfiles) -> Result:
 def fabric(d: Daemon, req: wire.Fabric) -> Result:
     f = d.facts
     when, ok, msg = d._last_discovery
-    return True, wire.FabricResult(fingerprint=getattr(f, "fingerprint", None), software=getattr(f, "software_hash", None),
+    return True, wire.FabricResult(fingerprint=f.fingerprint if f is not None else None,
+                                   software=f.software_hash if f is not None else None,
                                    transports=transport_names(f) if f is not None else [],
                                    facts=facts_dict(f) if f is not None else {}, discovered_at=when, ok=ok, message=msg)
 

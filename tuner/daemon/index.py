@@ -69,8 +69,8 @@ class ProfileIndex:
 
     def __init__(self, records: list[ProfileRecord], *, version: int, facts: Any, stale: list[ProfileRecord]):
         self.version = version
-        self.fingerprint: str | None = getattr(facts, "fingerprint", None) if facts is not None else None
-        self.software: str | None = getattr(facts, "software_hash", None) if facts is not None else None
+        self.fingerprint: str | None = facts.fingerprint if facts is not None else None
+        self.software: str | None = facts.software_hash if facts is not None else None
         self.groups: dict[ShapeKey, list[ProfileRecord]] = {}
         for r in records:
             if r.status != "current":

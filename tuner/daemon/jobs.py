@@ -23,11 +23,16 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.runtime.wire import JobInfo
+from moetune.tuner.store import StoreError
+
+if TYPE_CHECKING:
+    from moetune.tuner.daemon.server import TuneSettings
+    from moetune.tuner.store.store import Store
 
 log = logging.getLogger("moetune.daemon.jobs")
 
@@ -75,7 +80,7 @@ class Job:
 class JobContext:
     """What a re-tune function gets: the store, the new facts, the keys, a cancel flag, the tune config."""
 
-    def __init__(self, *, store: Any, facts: Any, job: Job, tune: Any = None):
+    def __init__(self, *, store: Any, facts: Any, job: Job, tune: TuneSettings):
         self.store = store
         self.facts = facts
         self.job = job
@@ -117,10 +122,10 @@ class RetuneImpossible(RuntimeError):
     """The automatic re-tune cannot produce a profile that is true for this node (said, not guessed)."""
 
 
-def node_model_file(store: Any, fingerprint: str, directory: str | Path | None = None) -> Path:
+def node_model_file(store: Store, fingerprint: str, directory: str | Path | None = None) -> Path:
     """Where `moetune profile` leaves this node's calibrated fabric model: node-<fingerprint>.toml in the
     bring-up state directory, which is the database's directory."""
-    base = Path(directory) if directory else Path(getattr(store, "path", "") or ".").parent
+    base = Path(directory) if directory else Path(store.path).parent
     return base / f"node-{fingerprint}.toml"
 
 
@@ -143,12 +148,12 @@ class _ProvenanceStore:
 def _backend_for(ctx: JobContext) -> tuple[Any, str | None, str]:
     """(backend, calibrated preset file or None, provenance) for this node; RetuneImpossible otherwise."""
     tune, facts = ctx.tune, ctx.facts
-    backend = getattr(tune, "backend", "model")
+    backend = tune.backend
     if backend == "local":
         return "local", None, "measured"
     if backend != "model":
         raise RetuneImpossible(f"unknown tune.backend {backend!r} (expected one of {', '.join(TUNE_BACKENDS)})")
-    path = node_model_file(ctx.store, facts.fingerprint, getattr(tune, "node_model_dir", None))
+    path = node_model_file(ctx.store, facts.fingerprint, tune.node_model_dir)
     if not path.is_file():
         raise RetuneImpossible(
             f"cannot re-tune fabric {facts.fingerprint}: no calibrated model of this node ({path} does not exist) "
@@ -187,7 +192,7 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
             study.stop()
             raise JobCancelled(f"job {ctx.job.id} cancelled")
 
-    gpus = int(getattr(ctx.facts, "gpu_count", 0) or 0)
+    gpus = ctx.facts.gpu_count
     local_options = {"world": min(gpus, 8) if gpus >= 2 else 2} if be == "local" else None
     out: list[ProfileRecord] = []
     for (ep, nodes), (shapes, buckets) in sorted(group_keys(ctx.keys).items()):
@@ -199,8 +204,8 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
             tokens=buckets,
             backend=be,
             preset=preset_file,
-            trials=int(getattr(tune, "trials", 40)),
-            timeout_s=getattr(tune, "timeout_s", None),
+            trials=tune.trials,
+            timeout_s=tune.timeout_s,
             ep_size=ep,
             nodes=nodes,
             on_trial=on_trial,
@@ -220,7 +225,7 @@ class JobManager:
         facts_fn: Callable[[], Any],
         retune: RetuneFn,
         on_done: Callable[[Job, list[ProfileRecord]], None],
-        tune: Any = None,
+        tune: TuneSettings,
         capacity: int = 4,
         metrics: Any = None,
         first_id: int = 1,
@@ -327,8 +332,8 @@ class JobManager:
             if facts is None:
                 raise RuntimeError("no fabric facts (discovery failed)")
             job.fingerprint = facts.fingerprint
-            job.run_id = self.store.start_run(study_name=f"moetune-daemon-job-{job.id}", storage=str(getattr(self.store, "url", "")),
-                                              backend=str(getattr(self.tune, "backend", "model")))
+            job.run_id = self.store.start_run(study_name=f"moetune-daemon-job-{job.id}", storage=str(self.store.url),
+                                              backend=self.tune.backend)
             self._event("job_started", job, f"started job {job.id}: {job.reason}")
             job.started_recorded = True  # from here on a restart finds this job `started` (run_id shown)
             written = list(self.retune(JobContext(store=self.store, facts=facts, job=job, tune=self.tune)) or [])
@@ -340,7 +345,7 @@ class JobManager:
         except RetuneImpossible as e:  # said plainly, no traceback: the daemon keeps serving what is valid
             log.warning("re-tune job %d cannot run: %s", job.id, e)
             job.state, job.message, job.impossible = "failed", str(e), True
-        except Exception as e:
+        except Exception as e:  # broad: the worker thread's boundary; the job fails, the daemon serves on
             log.exception("re-tune job %d failed", job.id)
             job.state, job.message = "failed", f"{type(e).__name__}: {e}"
         job.finished = now()
@@ -348,14 +353,14 @@ class JobManager:
             try:
                 best = min((r.latency_us for r in written), default=None)
                 self.store.finish_run(job.run_id, status=job.state, trials=len(written), best_value=best)
-            except Exception as e:
+            except Exception as e:  # broad: in the worker thread; a run row left open must not stop the queue
                 log.error("cannot finish run %s: %s", job.run_id, e)
         self._event("job_finished", job, job.message)
         if self.metrics:
             self.metrics.job_finished(job.state)
         try:
             self.on_done(job, written)
-        except Exception:
+        except Exception:  # broad: the server's callback runs in the worker thread, which must survive it
             log.exception("after job %d", job.id)
         with self._lock:
             self.running = None
@@ -384,13 +389,9 @@ class JobManager:
             if job.run_id is not None:
                 try:
                     self.store.finish_run(job.run_id, status="failed", trials=0, best_value=None)
-                except Exception as e:
+                except Exception as e:  # broad: best effort while the daemon exits
                     log.error("cannot finish run %s: %s", job.run_id, e)
             self._event("job_finished", job, job.message)
-
-
-def _ev(e: Any, name: str) -> Any:
-    return e[name] if isinstance(e, dict) else getattr(e, name)
 
 
 def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]], int]:
@@ -398,14 +399,14 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]]
 
     Returns (jobs to re-queue as event details dicts, the next free job id).
     """
-    events = sorted(store.list_events(limit=limit), key=lambda e: _ev(e, "id"))
+    events = sorted(store.list_events(limit=limit), key=lambda e: e["id"])
     last: dict[int, tuple[str, dict[str, Any]]] = {}
     max_id = 0
     for e in events:
-        kind = _ev(e, "kind")
+        kind = e["kind"]
         if kind not in JOB_EVENTS:
             continue
-        d = _ev(e, "details") or {}
+        d = e["details"] or {}
         jid = d.get("job_id")
         if not isinstance(jid, int):
             continue
@@ -420,7 +421,7 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]]
             if isinstance(run_id, int):
                 try:
                     store.finish_run(run_id, status="failed", trials=0, best_value=None)
-                except Exception as e:
+                except StoreError as e:
                     log.error("cannot mark run %s failed: %s", run_id, e)
             d = {**d, "state": "failed", "message": "interrupted: the daemon stopped during the job"}
             store.add_event(kind="job_finished", reason=f"job {jid} interrupted (daemon restarted); resuming", details=d)
@@ -429,13 +430,12 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]]
             store.add_event(kind="job_finished", reason=f"job {jid} re-queued after a restart", details=d)
         resume.append(d)
     # runs left `running` without a job event (e.g. killed between start_run and the event)
-    if hasattr(store, "list_runs"):
-        for r in store.list_runs(limit=200):
-            if _ev(r, "status") == "running" and str(_ev(r, "study_name")).startswith("moetune-daemon-job-"):
-                try:
-                    store.finish_run(_ev(r, "id"), status="failed", trials=0, best_value=None)
-                except Exception as e:
-                    log.error("cannot mark run %s failed: %s", _ev(r, "id"), e)
+    for r in store.list_runs(limit=200):
+        if r["status"] == "running" and str(r["study_name"]).startswith("moetune-daemon-job-"):
+            try:
+                store.finish_run(r["id"], status="failed", trials=0, best_value=None)
+            except StoreError as e:
+                log.error("cannot mark run %s failed: %s", r["id"], e)
     return resume, max_id + 1
 
 

@@ -89,7 +89,7 @@ class DaemonMetrics:
         for name, fn in list(self.gauges.items()):
             try:
                 value = float(fn())
-            except Exception:
+            except Exception:  # broad: one failing gauge must not break the whole /metrics scrape
                 continue
             yield GaugeMetricFamily(f"moetune_{name}", name.replace("_", " "), value=value)
 

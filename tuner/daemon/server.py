@@ -55,6 +55,7 @@ from moetune.tuner.daemon import handlers
 from moetune.tuner.daemon.index import CACHE_LIMIT, LIST_CACHE_LIMIT, ProfileIndex, ShapeKey, read_profiles
 from moetune.tuner.daemon.jobs import (
     TUNE_BACKENDS,
+    Job,
     JobManager,
     RetuneFn,
     keys_from_details,
@@ -412,7 +413,7 @@ class Daemon(FabricWatch):
         self._lock_database()  # the single writer: before anything is written
         try:
             self._bind()  # refuses when another daemon listens on the socket; requests wait in ZeroMQ meanwhile
-        except BaseException:
+        except BaseException:  # close what was opened, then re-raise
             self._close()
             raise
         resume = self._recover()
@@ -616,8 +617,8 @@ class Daemon(FabricWatch):
         data = {
             "endpoint": self.endpoint, "pub_endpoint": self.pub_endpoint, "db": self.db_path, "epoch": self.epoch,
             "pid": os.getpid() if running else None, "running": running, "updated": now(),
-            "fingerprint": getattr(self.facts, "fingerprint", None),
-            "software": getattr(self.facts, "software_hash", None),
+            "fingerprint": self.facts.fingerprint if self.facts is not None else None,
+            "software": self.facts.software_hash if self.facts is not None else None,
             "transports": transport_names(self.facts) if self.facts is not None else [],
         }
         if (path.exists() or path.is_symlink()) and not _owned_file(path):
@@ -705,7 +706,7 @@ class Daemon(FabricWatch):
                     except queue.Full:
                         res = False, (wire.E_BUSY, f"{LIST_QUEUE} list requests are waiting: retry later")
             ok, payload = res
-        except Exception as e:
+        except Exception as e:  # broad: the request handler's boundary; the client gets E_INTERNAL
             log.exception("op %s failed", op)
             return wire.encode_error(req.id, self.epoch, wire.E_INTERNAL, f"{type(e).__name__}: {e}"), op, wire.E_INTERNAL
         if ok:
@@ -739,7 +740,7 @@ class Daemon(FabricWatch):
                 try:
                     reply = wire.encode_ok(req.id, self.epoch, msgspec.Raw(self._list_page(req)))
                     outcome = "ok"
-                except Exception as e:
+                except Exception as e:  # broad: the list worker's boundary; the client gets E_INTERNAL
                     log.exception("list_profiles failed")
                     reply = wire.encode_error(req.id, self.epoch, wire.E_INTERNAL, f"{type(e).__name__}: {e}")
                     outcome = wire.E_INTERNAL
@@ -788,14 +789,14 @@ class Daemon(FabricWatch):
             except queue.Full:
                 log.error("job queue full: job %s not resumed", d.get("job_id"))
 
-    def _job_done(self, job: Any, written: list[ProfileRecord]) -> None:
-        if getattr(job, "impossible", False):
+    def _job_done(self, job: Job, written: list[ProfileRecord]) -> None:
+        if job.impossible:
             self.tune_notice = job.message
         elif job.state == "done":
             self.tune_notice = ""
         changes = []
         if written:
-            changes.append(dict(kind="profile_updated", fingerprint=getattr(self.facts, "fingerprint", None),
+            changes.append(dict(kind="profile_updated", fingerprint=self.facts.fingerprint if self.facts is not None else None,
                                 profiles=[r.profile_hash for r in written], keys=[r.key for r in written],
                                 reasons=[f"job {job.id}: {job.reason}"[:512]]))
         self._rebuild(changes)

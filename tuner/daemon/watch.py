@@ -31,26 +31,13 @@ def facts_dict(facts: Any) -> dict[str, Any]:
 
 
 def transport_names(facts: Any) -> list[str]:
-    out = []
-    for t in getattr(facts, "transports", None) or []:
-        name = getattr(t, "name", t)
-        if isinstance(name, str):
-            out.append(name)
-    return out
+    return [t.name for t in facts.transports]
 
 
 def default_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    try:
-        from moetune.tuner.fabric.fingerprint import diff_facts
-    except ImportError:
-        try:
-            from moetune.tuner.fabric.discovery import diff_facts  # type: ignore[no-redef]
-        except ImportError:
-            diff_facts = None  # type: ignore[assignment]
-    if diff_facts is not None:
-        return list(diff_facts(old, new)) or ["facts changed"]
-    keys = sorted(set(old) | set(new))
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)] or ["facts changed"]
+    from moetune.tuner.fabric.fingerprint import diff_facts
+
+    return list(diff_facts(old, new)) or ["facts changed"]
 
 
 def make_discover(capture: Path | None) -> Callable[[], Any]:
@@ -65,11 +52,7 @@ def make_discover(capture: Path | None) -> Callable[[], Any]:
 
 def identity(facts: Any) -> str | None:
     """Which physical GPUs the facts describe (`identity_hash`), None where unknown."""
-    try:
-        v = getattr(facts, "identity_hash", None)
-    except Exception:
-        return None
-    return v if isinstance(v, str) and v else None
+    return facts.identity_hash or None
 
 
 def same_hardware(old_fp: str | None, old_identity: str | None, facts: Any) -> bool:
@@ -105,7 +88,7 @@ class FabricWatch:
         """Run discovery once and record the outcome (status op, metrics); None when it failed."""
         try:
             facts = self._discover()  # type: ignore[misc]
-        except Exception as e:
+        except Exception as e:  # broad: discovery runs commands and a user's hook; its failure is a status, not a crash
             self._last_discovery = (now(), False, f"{type(e).__name__}: {e}")
             self.metrics.discovery("error")
             log.error("fabric discovery failed: %s", e)
@@ -137,7 +120,7 @@ class FabricWatch:
         new_dict = facts_dict(facts)
         try:
             reasons = self._diff(old_facts, new_dict) if old_facts else ["no previous facts recorded"]
-        except Exception as e:
+        except Exception as e:  # broad: old stored facts or a diff hook may fail; the change is handled anyway
             reasons = [f"facts changed (diff failed: {e})"]
         reason = "; ".join(reasons)[:4000]
         log.warning("fabric changed", extra={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "reasons": reasons})
@@ -194,6 +177,6 @@ class FabricWatch:
         while not self._stop.wait(self.interval):
             try:
                 self.rediscover()
-            except Exception:
+            except Exception:  # broad: the discovery thread's loop must outlive one bad round
                 log.exception("discovery round failed")
 

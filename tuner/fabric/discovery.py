@@ -287,7 +287,7 @@ class LiveSource(Source):
                 if torch.cuda.is_available():
                     v = torch.cuda.nccl.version()
                     out[TORCH_NCCL_KEY] = ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
-            except Exception:
+            except Exception:  # broad: a best-effort version stamp; a broken CUDA setup must not stop discovery
                 pass
         return out
 
@@ -308,11 +308,11 @@ class LiveSource(Source):
 def _nvml_facts() -> dict[str, Any] | None:
     try:
         import pynvml  # nvidia-ml-py
-    except Exception:
+    except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-    except Exception:
+    except pynvml.NVMLError:
         return None
 
     def s(x: Any) -> str:
@@ -331,7 +331,7 @@ def _nvml_facts() -> dict[str, Any] | None:
             }
             try:
                 g["serial"] = s(pynvml.nvmlDeviceGetSerial(h))
-            except Exception:  # not every board reports one (consumer GPUs): the UUID still identifies it
+            except pynvml.NVMLError:  # not every board reports one (consumer GPUs): the UUID still identifies it
                 g["serial"] = ""
             for key, fn in (
                 ("compute_capability", pynvml.nvmlDeviceGetCudaComputeCapability),
@@ -342,13 +342,13 @@ def _nvml_facts() -> dict[str, Any] | None:
                 try:
                     v = fn(h)
                     g[key] = f"{v[0]}.{v[1]}" if isinstance(v, tuple) else int(v)
-                except Exception:
+                except pynvml.NVMLError:
                     pass
             links = []
             for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
                 try:
                     active = pynvml.nvmlDeviceGetNvLinkState(h, link) == 1
-                except Exception:
+                except pynvml.NVMLError:
                     break
                 links.append({"link": link, "active": active})
             g["nvlinks"] = links
@@ -358,15 +358,15 @@ def _nvml_facts() -> dict[str, Any] | None:
             out["driver"] = s(pynvml.nvmlSystemGetDriverVersion())
             v = pynvml.nvmlSystemGetCudaDriverVersion()
             out["cuda"] = f"{v // 1000}.{(v % 1000) // 10}"
-        except Exception:
+        except pynvml.NVMLError:
             pass
         return out
-    except Exception:
+    except Exception:  # broad: this runs in a thread with no caller to raise to; any failure falls back to torch
         return None
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:
+        except pynvml.NVMLError:
             pass
 
 
@@ -390,7 +390,7 @@ def _torch_facts() -> dict[str, Any] | None:
                 }
             )
         return {"api": "torch", "gpus": gpus}
-    except Exception:
+    except Exception:  # broad: the last-resort GPU source; a broken CUDA setup means no GPUs, not a crash
         return None
 
 

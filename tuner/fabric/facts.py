@@ -179,6 +179,18 @@ class FabricFacts(msgspec.Struct, kw_only=True):
         return round(min(sum(lk.speed_gbs for lk in g.active_links) for g in self.gpus), 3)
 
     @property
+    def link_rates(self) -> dict[str, float]:
+        """Rates for the tuner's analytic priors: link_gbps (NVLink GB/s per GPU), nic_gbit (fastest
+        ACTIVE port, Gbit/s); a key is absent where this node has no such link."""
+        out: dict[str, float] = {}
+        if self.nvlink_gbs_per_gpu > 0:
+            out["link_gbps"] = float(self.nvlink_gbs_per_gpu)
+        rates = [float(p.rate_gbps) for n in self.nics for p in n.active_ports if p.rate_gbps > 0]
+        if rates:
+            out["nic_gbit"] = max(rates)
+        return out
+
+    @property
     def network_gbs(self) -> float:
         """Scale-out bandwidth of the node in GB/s (ACTIVE ports' rate / 8): InfiniBand, EFA and Slingshot
         ports; RoCE ports only when there are none of those (RoCE beside IB is usually storage)."""

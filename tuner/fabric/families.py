@@ -169,13 +169,13 @@ def classify(f: FabricFacts) -> tuple[list[TransportFamily], list[TransportFamil
 MEGAKERNEL = "megakernel"
 
 
-def megakernel_family(f: Any) -> tuple[bool, str]:
+def megakernel_family(f: FabricFacts) -> tuple[bool, str]:
     """Whether this node can run the MoE megakernel (runtime/megakernel: sm_90a only), and why."""
-    gpus = list(getattr(f, "gpus", None) or [])
+    gpus = f.gpus
     if not gpus:
         return False, "no GPU"
-    hopper = [g for g in gpus if str(getattr(g, "compute_capability", "")).strip() == "9.0"]
+    hopper = [g for g in gpus if g.compute_capability.strip() == "9.0"]
     if not hopper:
-        caps = sorted({str(getattr(g, "compute_capability", "") or "?") for g in gpus})
+        caps = sorted({g.compute_capability or "?" for g in gpus})
         return False, f"the megakernel is built for sm_90 (Hopper); this node's GPUs are compute capability {', '.join(caps)}"
     return True, f"{len(hopper)} sm_90 GPU{'s' if len(hopper) != 1 else ''}: the MoE layer in one persistent kernel, per GPU"

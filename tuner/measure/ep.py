@@ -353,7 +353,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
     if device.type == "cuda" and hasattr(torch.cuda, "nccl"):
         try:
             rep["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
-        except Exception:
+        except Exception:  # broad: a best-effort version stamp
             pass
     return rep
 

@@ -100,7 +100,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float,
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         init_dist(rank, world, backend=backend, port=port, timeout_s=timeout_s)
-    except BaseException as e:
+    except BaseException as e:  # broad: a rank process reports to its parent, never dies silently
         outq.put((rank, READY, False, f"{type(e).__name__}: {e}"))
         return
     outq.put((rank, READY, True, None))
@@ -119,7 +119,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float,
                     time.sleep(float(cfg["_test_sleep_s"]))
                 rep = bench_case(rank, world, cfg)
                 outq.put((rank, cid, True, pickle.dumps(rep)))
-            except Exception as e:
+            except Exception as e:  # broad: a worker process; the case fails, the worker serves on
                 outq.put((rank, cid, False, f"{type(e).__name__}: {e}"))
                 if os.environ.get("MOETUNE_WORKER_TRACEBACK") == "1":
                     traceback.print_exc()
@@ -199,7 +199,7 @@ def serve(world: int, backend: str, timeout_s: float, stdin: Any = None, stdout:
             cid = case.get("id") if isinstance(case, dict) else None
             try:
                 cfg = case_config(case, world, backend)
-            except Exception as e:
+            except Exception as e:  # broad: a worker process; a bad case is answered, not fatal
                 emit({"id": cid, "error": f"{type(e).__name__}: {e}"})
                 continue
             tag = ("case", n)
@@ -227,7 +227,7 @@ def serve(world: int, backend: str, timeout_s: float, stdin: Any = None, stdout:
         for q in inqs:
             try:
                 q.put(None)
-            except Exception:
+            except Exception:  # broad: best effort while shutting the ranks down
                 pass
         for p in procs:
             p.join(timeout=5 if status == 0 else 0.5)

@@ -30,11 +30,14 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.tuner.measure.stats import Summary, half_range
+
+if TYPE_CHECKING:
+    from moetune.tuner.fabric_model.presets import Preset
 
 MEGAKERNEL = "megakernel"  # the engine family: measured in-process on one GPU, not through `bench ep`
 
@@ -147,7 +150,7 @@ class CallableBackend(BenchmarkBackend):
             v = self.fn(knobs, workload)
         except KnobError as e:
             return Measurement.failed(str(e), infeasible=True)
-        except Exception as e:
+        except Exception as e:  # broad: a trial's failure is recorded, the study goes on
             return Measurement.failed(f"{type(e).__name__}: {e}")
         if isinstance(v, Measurement):
             return v
@@ -158,64 +161,30 @@ class CallableBackend(BenchmarkBackend):
 # the fabric model
 
 
-def _preset_name(preset: Any) -> str:
-    for attr in ("name", "id"):
-        v = getattr(preset, attr, None)
-        if isinstance(v, str) and v:
-            return v
-    return str(preset)
+def _preset_name(preset: Preset) -> str:
+    return preset.name
 
 
-def preset_gpus_per_node(preset: Any) -> int:
-    """GPUs per node of a preset (an attribute if the model gives one, else the `x4` in its name)."""
-    for attr in ("gpus_per_node", "gpus", "gpu_count"):
-        v = getattr(preset, attr, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    import re
-
-    m = re.search(r"x(\d+)$", _preset_name(preset))
-    return int(m.group(1)) if m else 1
+def preset_gpus_per_node(preset: Preset) -> int:
+    return preset.gpus_per_node
 
 
-def preset_family(preset: Any) -> str:
-    fam = getattr(preset, "family", None)
-    if not isinstance(fam, str) or not fam:
-        raise ValueError(f"preset {_preset_name(preset)!r} names no transport family")
-    return fam
+def preset_family(preset: Preset) -> str:
+    if not preset.family:
+        raise ValueError(f"preset {preset.name!r} names no transport family")
+    return preset.family
 
 
-def preset_link_rates(preset: Any) -> dict[str, float]:
-    """Link rates a preset states (best effort, for the analytic priors): link_gbps (GB/s), nic_gbit."""
+def preset_link_rates(preset: Preset) -> dict[str, float]:
+    """The rates a preset states, for the analytic priors: link_gbps (NVLink egress, GB/s) and nic_gbit
+    (the NIC's rate in Gbit/s; the preset gives GB/s); a key is absent where the preset has no such link."""
     out: dict[str, float] = {}
-    params = getattr(preset, "params", None) or getattr(preset, "parameters", None) or {}
-    if not isinstance(params, Mapping):
-        params = getattr(params, "__dict__", {}) or {}
-
-    def val(name: str) -> float | None:
-        for src in (params, getattr(preset, "__dict__", {})):
-            v = src.get(name) if isinstance(src, Mapping) else None
-            if isinstance(v, Mapping) and "value" in v:
-                v = v["value"]
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-                return float(v)
-        v = getattr(preset, name, None)
-        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
-
-    for name in ("nvlink_gbps", "link_gbps", "pcie_gbps", "intra_gbps"):
-        v = val(name)
-        if v:
-            out["link_gbps"] = v
-            break
-    for name in ("nic_gbit", "nic_rate_gbit", "nic_gbps_bits"):
-        v = val(name)
-        if v:
-            out["nic_gbit"] = v
-            break
-    else:
-        v = val("nic_gbps")
-        if v:
-            out["nic_gbit"] = v * 8
+    link = preset.params.get("nvlink", {}).get("egress_gbps")
+    if isinstance(link, (int, float)) and link > 0:
+        out["link_gbps"] = float(link)
+    nic = preset.params.get("nic", {}).get("gbps")
+    if isinstance(nic, (int, float)) and nic > 0:
+        out["nic_gbit"] = float(nic) * 8
     return out
 
 
@@ -250,9 +219,9 @@ class ModelBackend(BenchmarkBackend):
             return True
         from moetune.tuner.search.policy import transport_of_family
 
-        fams = getattr(self.preset, "transports", None)
+        fams = self.preset.transports
         try:
-            return family == preset_family(self.preset) or (fams is not None and transport_of_family(family) in fams
+            return family == preset_family(self.preset) or (transport_of_family(family) in fams
                                                               and transport_of_family(family) != "proxy")
         except (ValueError, KnobError):
             return False
@@ -274,7 +243,7 @@ class ModelBackend(BenchmarkBackend):
             pred = self._predict(knobs, workload)
         except KnobError as e:
             return Measurement.failed(f"unsafe or impossible setting: {e}", infeasible=True)
-        except Exception as e:
+        except Exception as e:  # broad: a trial's failure is recorded, the study goes on
             return Measurement.failed(f"model error: {type(e).__name__}: {e}")
         if isinstance(pred, (int, float)):
             lat, details = float(pred), {}
@@ -367,7 +336,7 @@ def run_in_group(argv: Sequence[str], *, env: Mapping[str, str], timeout_s: floa
         except subprocess.TimeoutExpired:
             out, err = "", ""
         return None, out or "", err or "", time.monotonic() - t0
-    except BaseException:
+    except BaseException:  # kill the run's process group, then re-raise
         _kill_group(proc)
         raise
 
@@ -510,7 +479,7 @@ def _close_workers(workers: dict[Any, BenchWorker]) -> None:
     for w in list(workers.values()):
         try:
             w.close(wait_s=5)
-        except Exception:
+        except Exception:  # broad: best effort at shutdown; one worker must not leave the others running
             pass
     workers.clear()
 
@@ -520,7 +489,7 @@ def _default_comm_backend(world: int) -> str:
         import torch
 
         return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
-    except Exception:
+    except (ImportError, RuntimeError):
         return "gloo"
 
 
@@ -599,12 +568,12 @@ class LocalBackend(BenchmarkBackend):
         if transport not in self._runtime_has:
             try:
                 from moetune.runtime.transports.registry import get_transport  # type: ignore[import-not-found]
-            except Exception:
+            except ImportError:
                 return True
             try:
                 get_transport(transport)
                 self._runtime_has[transport] = True
-            except Exception:
+            except (KeyError, ImportError):  # unknown name; registered but not importable here
                 self._runtime_has[transport] = False
         return self._runtime_has[transport]
 

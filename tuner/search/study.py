@@ -67,7 +67,7 @@ def default_storage_url(db_path: str | Path | None = None) -> str:
             from moetune.runtime.config import load_config
 
             db_path = load_config().db_path
-        except Exception:
+        except (ValueError, OSError):  # ConfigError is a ValueError: fall back to the default home
             import os
 
             home = os.environ.get("MOETUNE_HOME") or str(Path.home() / ".local" / "share" / "moetune")
@@ -368,7 +368,7 @@ def neighbour_bucket(storage: optuna.storages.BaseStorage, key: ProfileKey, back
 
     try:
         names = set(optuna.get_all_study_names(storage))
-    except Exception:
+    except Exception:  # broad: the warm start is optional; an unreadable storage only means no neighbour
         return None
     for b in sorted((b for b in TOKEN_BUCKETS if b < key.token_bucket), reverse=True):
         name = study_name(msgspec.structs.replace(key, token_bucket=b), backend_label, model_name)
@@ -422,7 +422,7 @@ def describe_study(storage: str, name: str) -> dict[str, Any]:
                 importances = {k: float(v) for k, v in optuna.importance.get_param_importances(study).items()}
         else:
             importance_note = "needs at least 2 complete trials"
-    except Exception as e:
+    except Exception as e:  # broad: importances are a nicety of the summary, never its failure
         importance_note = f"unavailable: {e}"
     return {
         "study": name,

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import optuna
 
@@ -52,6 +52,9 @@ from moetune.tuner.search.study import (
     study_name,
 )
 
+if TYPE_CHECKING:
+    from moetune.tuner.fabric_model.presets import Preset
+
 log = logging.getLogger("moetune.tuner.search.tune")
 
 
@@ -59,30 +62,57 @@ log = logging.getLogger("moetune.tuner.search.tune")
 # facts
 
 
+class FamilyLike(Protocol):
+    """A transport family as facts list it (`TransportFamily` of discovery, `_Fam` of a preset)."""
+
+    @property
+    def name(self) -> str: ...
+
+
+class TuneFacts(Protocol):
+    """What tuning reads from facts: discovery's `FabricFacts` or `PresetFacts` (test fakes follow it)."""
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def software_hash(self) -> str: ...
+
+    @property
+    def software(self) -> Mapping[str, str]: ...
+
+    @property
+    def gpu_count(self) -> int: ...
+
+    @property
+    def transports(self) -> Sequence[FamilyLike]: ...
+
+    @property
+    def link_rates(self) -> Mapping[str, float]: ...
+
+
 @dataclass
 class PresetFacts:
     """Facts standing for a modelled fabric (a fabric-model preset, not this node)."""
 
-    preset: Any
+    preset: Preset
     name: str
     family: str
     gpus_per_node: int
     link_rates: dict[str, float]
 
     @classmethod
-    def from_preset(cls, preset: Any) -> PresetFacts:
-        name = getattr(preset, "name", None) or str(preset)
-        return cls(preset, name, preset_family(preset), preset_gpus_per_node(preset), preset_link_rates(preset))
+    def from_preset(cls, preset: Preset) -> PresetFacts:
+        return cls(preset, preset.name, preset_family(preset), preset_gpus_per_node(preset), preset_link_rates(preset))
 
     @property
-    def transports(self) -> list[Any]:
+    def transports(self) -> list[_Fam]:
         return [_Fam(self.family, f"modelled by preset {self.name}")]
 
     @property
     def fingerprint(self) -> str:
-        digest = getattr(self.preset, "digest", None) or getattr(self.preset, "fingerprint", None)
-        tail = digest if isinstance(digest, str) and digest else hashlib.sha256(self.name.encode()).hexdigest()[:16]
-        return f"preset:{self.name}:{tail}"
+        # A preset names its fabric; the digest of its name keeps keys of two presets apart.
+        return f"preset:{self.name}:{hashlib.sha256(self.name.encode()).hexdigest()[:16]}"
 
     @property
     def software_hash(self) -> str:
@@ -105,69 +135,14 @@ class _Fam:
     reason: str = ""
 
 
-def family_names(facts: Any) -> list[str]:
-    out = []
-    for t in getattr(facts, "transports", []) or []:
-        name = t if isinstance(t, str) else getattr(t, "name", None)
-        if name and name not in out:
-            out.append(name)
-    return out
+def family_names(facts: TuneFacts) -> list[str]:
+    """The transport families of `facts`, in order, each once."""
+    return list(dict.fromkeys(t.name for t in facts.transports))
 
 
-def facts_link_rates(facts: Any) -> dict[str, float]:
-    """Best-effort link rates from discovery facts, for the analytic priors (missing facts are fine)."""
-    if isinstance(facts, PresetFacts):
-        return dict(facts.link_rates)
-    out_attr: dict[str, float] = {}
-    nv = getattr(facts, "nvlink_gbs_per_gpu", None)
-    if isinstance(nv, (int, float)) and nv > 0:
-        out_attr["link_gbps"] = float(nv)
-    rates = [float(p.rate_gbps) for n in (getattr(facts, "nics", None) or [])
-             for p in (getattr(n, "active_ports", None) or []) if getattr(p, "rate_gbps", 0) > 0]
-    if rates:
-        out_attr["nic_gbit"] = max(rates)
-    if out_attr or hasattr(facts, "nvlink_gbs_per_gpu"):
-        return out_attr
-    try:
-        d = facts.to_dict() if hasattr(facts, "to_dict") else dict(facts)
-    except Exception:
-        return {}
-    out: dict[str, float] = {}
-    nic_rates = []
-    for nic in d.get("nics", []) or []:
-        ports = nic.get("ports", [nic]) if isinstance(nic, Mapping) else []
-        for p in ports:
-            if not isinstance(p, Mapping) or str(p.get("state", "ACTIVE")).upper().split(":")[-1].strip() not in ("ACTIVE", "4"):
-                continue
-            for k in ("rate_gbps", "rate_gbit", "rate"):
-                v = p.get(k)
-                if isinstance(v, str):
-                    try:
-                        v = float(v.split()[0])
-                    except (ValueError, IndexError):
-                        v = None
-                if isinstance(v, (int, float)) and v > 0:
-                    nic_rates.append(float(v))
-                    break
-    if nic_rates:
-        out["nic_gbit"] = max(nic_rates)
-    link_totals = []
-    for g in d.get("gpus", []) or []:
-        if not isinstance(g, Mapping):
-            continue
-        links = g.get("nvlinks") or g.get("nvlink") or []
-        if isinstance(links, list):
-            tot = 0.0
-            for ln in links:
-                if isinstance(ln, Mapping) and str(ln.get("state", "up")).lower() in ("up", "active", "1", "true"):
-                    v = ln.get("speed_gbps") or ln.get("gbps") or ln.get("speed")
-                    if isinstance(v, (int, float)):
-                        tot += float(v)
-            if tot:
-                link_totals.append(tot)
-    if link_totals:
-        out["link_gbps"] = min(link_totals)
-    return out
+def facts_link_rates(facts: TuneFacts) -> dict[str, float]:
+    """Link rates for the analytic priors: link_gbps (GB/s), nic_gbit (Gbit/s); empty where unknown."""
+    return dict(facts.link_rates)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -200,7 +175,7 @@ def _now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def tune_profiles(store: Any, facts: Any, **options: Any) -> list[ProfileRecord]:
+def tune_profiles(store: Any, facts: TuneFacts | None, **options: Any) -> list[ProfileRecord]:
     """Tune each family × shape × token bucket; write the winners through `store.put_profile`.
 
     Takes the keywords of `tune_profiles_detailed` and returns the best record of every study (status
@@ -209,7 +184,7 @@ def tune_profiles(store: Any, facts: Any, **options: Any) -> list[ProfileRecord]
     return [r.record for r in tune_profiles_detailed(store, facts, **options) if r.record is not None]
 
 
-def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], tokens: list[int],
+def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[ModelShape], tokens: list[int],
                            backend: str | BenchmarkBackend = "model", preset: str | None = None, trials: int = 40,
                            timeout_s: float | None = None, ep_size: int | None = None, nodes: int = 1,
                            progress: Progress | None = None, storage: str | None = None, seed: int | None = 0,
@@ -238,7 +213,7 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
             facts = PresetFacts.from_preset(be.preset)
     if facts is None:
         raise ValueError("no fabric facts: run discovery or give a preset")
-    gpn = getattr(facts, "gpus_per_node", None) or getattr(facts, "gpu_count", None) or 1
+    gpn = facts.gpu_count or 1
     if ep_size is None:
         ep_size = int(gpn) * nodes
     if ep_size % nodes:
@@ -249,9 +224,10 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
             raise ValueError(f"{m.name}: {m.experts} experts do not divide evenly over an EP group of {ep_size}")
     fams = family_names(facts)
     if families and "megakernel" in families:  # an engine family: asked for by name, on a node that can run it
+        from moetune.tuner.fabric.facts import FabricFacts
         from moetune.tuner.fabric.families import megakernel_family
 
-        ok, why = megakernel_family(facts)
+        ok, why = megakernel_family(facts) if isinstance(facts, FabricFacts) else (False, "a modelled fabric has no GPU")
         if not ok:
             raise ValueError(f"family megakernel cannot be tuned here: {why}")
         if ep_size != 1 or nodes != 1:
@@ -278,7 +254,7 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
         raise ValueError(f"no transport family to tune (found {fams}; backend {be.label})")
     # The measured-error check of compressed trials follows each family's policy unless set explicitly.
     explicit_budget = isinstance(be, LocalBackend) and be.error_budget is not None
-    url = storage or default_storage_url(getattr(store, "path", None) or _store_db_path(store))
+    url = storage or default_storage_url(store.path if store is not None else None)
     st = make_storage(url)
     rates = facts_link_rates(facts)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -317,16 +293,9 @@ def tune_profiles_detailed(store: Any, facts: Any, *, models: list[ModelShape], 
     return out
 
 
-def _store_db_path(store: Any) -> str | None:
-    url = getattr(store, "url", None)
-    if isinstance(url, str) and url.startswith("sqlite:///"):
-        return url[len("sqlite:///"):]
-    return None
-
-
 def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, key: ProfileKey,
               space: SearchSpace, be: BenchmarkBackend, wl: TuneWorkload, *, trials: int, timeout_s: float | None,
-              seed: int | None, bar: Progress, facts: Any,
+              seed: int | None, bar: Progress, facts: TuneFacts,
               on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None,
               neighbour: BucketPrior | None = None) -> TuneResult:
     run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label) if store is not None else None
@@ -383,7 +352,7 @@ def _redact(url: str) -> str:
 
 
 def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: StudyResult,
-                   facts: Any) -> tuple[ProfileRecord | None, bool, str]:
+                   facts: TuneFacts) -> tuple[ProfileRecord | None, bool, str]:
     if result.best_knobs is None or result.best is None:
         return None, False, "no successful trial"
     knobs, meas = result.best_knobs, result.best
@@ -402,7 +371,7 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
                 return None, False, (f"incumbent re-measured side by side at {ms[1].median_us:.1f} µs vs "
                                      f"{meas.median_us:.1f} µs: gain within noise, incumbent kept")
     now = _now_iso()
-    software = dict(getattr(facts, "software", {}) or {})
+    software = dict(facts.software)
     # Say what the numbers are: a local measurement on this node, or a prediction (node model / preset).
     provenance = "measured" if isinstance(be, LocalBackend) else provenance_of_backend(be.label)
     rec = ProfileRecord(key=key, knobs=knobs, latency_us=float(meas.median_us), spread_us=float(meas.spread_us),

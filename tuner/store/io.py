@@ -98,7 +98,7 @@ def export_profiles(store: Store, path: str | Path, *, status: str | None = None
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # remove our temporary file, then re-raise
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
