@@ -236,3 +236,14 @@ def pretend_node(monkeypatch: Any, facts: Any, proc: Path) -> None:
         (nv / "version").write_text(f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {sw['driver']}  Sat Aug 19 2023\n")
     monkeypatch.setattr(node_identity, "PROC_ROOT", proc)
     monkeypatch.setattr(node_identity, "_dist_version", lambda name: sw.get(name) if sw.get(name) not in (None, "none") else None)
+
+
+def until(cond: Any, timeout: float = 15.0, step: float = 0.05) -> Any:
+    """Poll `cond()` until it returns something truthy (returned); TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(step)
+    raise TimeoutError("condition not met")

@@ -22,14 +22,6 @@ from moetune.runtime.testing.launch import free_port
 pytestmark = pytest.mark.timeout(60)
 
 
-def _until(cond, timeout: float = 15.0, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(step)
-    raise TimeoutError("condition not met")
 
 
 def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
@@ -57,7 +49,7 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
             kinds.extend(ch.kind for ch in w.poll_changes(100))
             return "profile_stale" in kinds
 
-        _until(saw_stale)
+        F.until(saw_stale)
         assert "fabric_changed" in kinds
         # from now on the old profile is never served: not_found until the re-tune lands, then the new one
         # (test_daemon_restart holds a job open to see the not_found window for sure)
@@ -73,13 +65,13 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
             tracked.refresh(200)
             return tracked.current is not None and tracked.current.key.fingerprint == new_facts.fingerprint
 
-        _until(picked_up)
+        F.until(picked_up)
         assert tracked.current.profile_hash != old.profile_hash and tracked.current.status == "current"
         # tuned on this node's calibrated model: labelled as such, never as a preset or a measurement
         assert tracked.current.backend == f"model:node:{new_facts.fingerprint}"
         assert tracked.current.provenance == "node_model" and tracked.current.measured_on == new_facts.fingerprint
         assert tracked.current.version > old.version
-        _until(lambda: "profile_updated" in [ch.kind for ch in w.poll_changes(100)] or None)
+        F.until(lambda: "profile_updated" in [ch.kind for ch in w.poll_changes(100)] or None)
         fab = c.fabric()
         assert fab.fingerprint == new_facts.fingerprint and fab.ok and "proxy:ibrc" in fab.transports
         mlx5_0 = next(n for n in fab.facts["nics"] if n["name"] == "mlx5_0")
@@ -142,7 +134,7 @@ def test_discovery_failure_then_recovery(tmp_path: Path) -> None:
         assert not st.last_discovery_ok and "timed out" in st.last_discovery_message and st.fingerprint is None
         time.sleep(0.2)
         state["facts"] = facts
-        changes = _until(lambda: c.poll_changes(100))
+        changes = F.until(lambda: c.poll_changes(100))
         assert changes[0].kind == "fabric_changed" and changes[0].fingerprint == facts.fingerprint
         assert c.get_profile(ep_size=2, tokens=64, model="qwen3-30b").key.fingerprint == facts.fingerprint
         c.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sqlite3
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,6 @@ from moetune.runtime.profiles.client import ProfileClient
 pytestmark = pytest.mark.timeout(60)
 
 
-def _until(cond, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise TimeoutError("condition not met")
 
 
 def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
@@ -33,7 +24,7 @@ def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
         c = ProfileClient(d.endpoint, timeout_ms=1000)
         new_facts = F.set_port_state(tmp_path / "capture", "1: DOWN")
         # running, with its tuning run and job_started event persisted (run_id is shown only then)
-        running = _until(lambda: (j := c.status().jobs.running) is not None and j.run_id is not None and j)
+        running = F.until(lambda: (j := c.status().jobs.running) is not None and j.run_id is not None and j)
         assert running.fingerprint == new_facts.fingerprint and running.keys == 3
         # while the re-tune runs the stale profile is not served as current
         from moetune.runtime.profiles.client import DaemonError
@@ -60,7 +51,7 @@ def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
             st = c.status()
             return [j for j in st.jobs.recent if j.state == "done"]
 
-        done = _until(resumed_done)
+        done = F.until(resumed_done)
         assert "resumed job" in done[0].reason and done[0].written == 3
         prof = c.get_profile(ep_size=2, tokens=3000, model="qwen3-30b")
         assert prof.key.fingerprint == new_facts.fingerprint and prof.status == "current"
@@ -85,7 +76,7 @@ def test_cancel_running_job_and_bounded_queue(tmp_path: Path) -> None:
     with F.seeded_daemon(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "60"}) as (d, _facts):
         c = ProfileClient(d.endpoint, timeout_ms=1000)
         F.set_port_state(tmp_path / "capture", "1: DOWN")
-        running = _until(lambda: c.status().jobs.running)
+        running = F.until(lambda: c.status().jobs.running)
         # the queue is bounded (4): the 5th queued job is refused with `busy`, the daemon keeps answering
         queued = []
         with pytest.raises(DaemonError) as ei:
@@ -101,7 +92,7 @@ def test_cancel_running_job_and_bounded_queue(tmp_path: Path) -> None:
             recent = {j.id: j.state for j in c.status().jobs.recent}
             return recent.get(running.id) == "cancelled" and recent.get(queued[0].id) == "cancelled"
 
-        _until(cancelled)
+        F.until(cancelled)
         for j in queued[1:]:
             c.retune(cancel=j.id)
         c.close()

@@ -25,25 +25,12 @@ import daemon_fakes as F
 from moetune.runtime import wire
 from moetune.runtime.profile_record import ProfileKey
 from moetune.runtime.profiles.client import DaemonError, DaemonUnavailable, ProfileClient
+from moetune.runtime.testing.launch import free_port
 from moetune.tuner.daemon.server import Daemon, DaemonConfigError, TuneSettings
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _until(cond, timeout: float = 30.0, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(step)
-    raise TimeoutError("condition not met")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _daemon(tmp: Path, store, **kw) -> Daemon:
@@ -65,7 +52,7 @@ def test_retune_without_calibrated_model_says_so_and_writes_no_preset(tmp_path: 
     try:
         c = ProfileClient(d.endpoint, timeout_ms=2000)
         new = F.set_port_state(cap, "1: DOWN")  # no node-<new>.toml: `moetune profile` never ran on this fabric
-        job = _until(lambda: next((j for j in c.status().jobs.recent if j.state in ("done", "failed")), None))
+        job = F.until(lambda: next((j for j in c.status().jobs.recent if j.state in ("done", "failed")), None), timeout=30.0)
         assert job.state == "failed" and "no calibrated model of this node" in job.message, job
         st = c.status()
         assert "moetune profile" in st.tune_notice and st.fingerprint == new.fingerprint
@@ -197,7 +184,7 @@ def test_curve_unknown_client_gets_nothing_not_even_a_retune(tmp_path: Path) -> 
     facts = F.FakeFacts({"gpu_model": "H200"})
     store = F.open_store(tmp_path / "moetune.db")
     F.seed_profiles(store, facts)
-    port, pub_port = _free_port(), _free_port()
+    port, pub_port = free_port(), free_port()
     d = _daemon(tmp_path, store, endpoint=f"tcp://127.0.0.1:{port}", pub_endpoint=f"tcp://127.0.0.1:{pub_port}",
                 curve_secret_key_file=str(server_secret), discover=lambda: facts, rediscover_interval_s=0,
                 retune_job=F.fake_retune)
@@ -230,7 +217,7 @@ def test_curve_client_key_pair_from_the_config(tmp_path: Path) -> None:
     facts = F.FakeFacts({"gpu_model": "H200"})
     store = F.open_store(tmp_path / "moetune.db")
     F.seed_profiles(store, facts)
-    port, pub_port = _free_port(), _free_port()
+    port, pub_port = free_port(), free_port()
     d = _daemon(tmp_path, store, endpoint=f"tcp://127.0.0.1:{port}", pub_endpoint=f"tcp://127.0.0.1:{pub_port}",
                 curve_secret_key_file=str(server_secret), discover=lambda: facts, rediscover_interval_s=0)
     cfg = tmp_path / "client.toml"
@@ -424,7 +411,7 @@ def test_replaced_gpu_marks_profiles_stale_and_retunes(tmp_path: Path) -> None:
         c = ProfileClient(d.endpoint, timeout_ms=2000)
         before = c.get_profile(ep_size=2, tokens=3000, model="qwen3-30b")
         _replace_gpu(cap, 1)
-        job = _until(lambda: next((j for j in c.status().jobs.recent if j.state == "done"), None))
+        job = F.until(lambda: next((j for j in c.status().jobs.recent if j.state == "done"), None), timeout=30.0)
         assert job.written == 3 and "GPU 1 replaced: serial" in job.reason
         after = c.get_profile(ep_size=2, tokens=3000, model="qwen3-30b")
         assert after.profile_hash != before.profile_hash and after.latency_us == 8.0  # re-measured

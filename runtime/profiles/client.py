@@ -59,7 +59,13 @@ from moetune.runtime.paths import (
     untrusted_dir_reason,
     untrusted_socket_reason,
 )
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord, nearest_bucket_within
+from moetune.runtime.profile_record import (
+    ProfileKey,
+    ProfileRecord,
+    nearest_bucket_within,
+    provenance_of_backend,
+    unlabelled_provenance,
+)
 from moetune.runtime.profiles import node_identity
 from moetune.runtime.profiles.launcher_env import allowed_env, launcher_env
 from moetune.runtime.shapes import ModelShape
@@ -124,15 +130,13 @@ def read_daemon_info(endpoint: str | None = None, env: Mapping[str, str] = os.en
     return None
 
 
-def provenance_of(obj: Any) -> str:
-    """measured | node_model | preset. Records of a store without the provenance column (and replies of
-    a daemon that does not send it) say so only through the backend name: model:* is never measured."""
-    backend = str(getattr(obj, "backend", "") or "")
-    fp = str(getattr(getattr(obj, "key", None), "fingerprint", "") or "")
-    if backend.startswith("model") or backend.startswith("preset") or fp.startswith("preset:"):
-        return "node_model" if backend in ("model:node", "node_model") else "preset"
-    p = getattr(obj, "provenance", None)
-    return p if p in ("measured", "node_model", "preset") else "measured"
+def provenance_of(rec: ProfileRecord | wire.ProfileResult) -> str:
+    """measured | node_model | preset, as the record says (records and replies without the field derive it
+    from the backend in their own `__post_init__`). A claimed measurement by a backend that does not measure
+    (`model:*`, unknown) is taken as modelled: the label alone never makes a number measured."""
+    if rec.provenance == "measured" and provenance_of_backend(rec.backend) != "measured":
+        return unlabelled_provenance(rec.backend)
+    return str(rec.provenance)
 
 
 # -- the read-only database fallback ----------------------------------------------------------------

@@ -129,28 +129,13 @@ def node_model_file(store: Store, fingerprint: str, directory: str | Path | None
     return base / f"node-{fingerprint}.toml"
 
 
-class _ProvenanceStore:
-    """The store as the re-tune writes to it: every record is labelled with how it was obtained and on
-    which fingerprint, whatever the search code set (a modelled number is never taken as measured)."""
-
-    def __init__(self, store: Any, provenance: str, measured_on: str):
-        self._store, self._prov, self._on = store, provenance, measured_on
-
-    def put_profile(self, rec: ProfileRecord, **kw: Any) -> tuple[bool, str]:
-        rec.provenance = self._prov  # type: ignore[assignment]
-        rec.measured_on = self._on
-        return self._store.put_profile(rec, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-
-def _backend_for(ctx: JobContext) -> tuple[Any, str | None, str]:
-    """(backend, calibrated preset file or None, provenance) for this node; RetuneImpossible otherwise."""
+def _backend_for(ctx: JobContext) -> tuple[Any, str | None]:
+    """(backend, calibrated preset file or None) for this node; RetuneImpossible otherwise. The search labels
+    what it writes from these: a local measurement is measured, this node's calibrated model node_model."""
     tune, facts = ctx.tune, ctx.facts
     backend = tune.backend
     if backend == "local":
-        return "local", None, "measured"
+        return "local", None
     if backend != "model":
         raise RetuneImpossible(f"unknown tune.backend {backend!r} (expected one of {', '.join(TUNE_BACKENDS)})")
     path = node_model_file(ctx.store, facts.fingerprint, tune.node_model_dir)
@@ -166,9 +151,7 @@ def _backend_for(ctx: JobContext) -> tuple[Any, str | None, str]:
         preset = load_preset(path)
     except (OSError, ValueError) as e:
         raise RetuneImpossible(f"cannot re-tune fabric {facts.fingerprint}: the calibrated model {path} is unreadable: {e}") from None
-    be = ModelBackend(preset)
-    be.name = f"model:node:{facts.fingerprint}"  # not model:<preset>: this node's own calibrated model
-    return be, str(path), "node_model"
+    return ModelBackend(preset), str(path)
 
 
 def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
@@ -184,8 +167,7 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     from moetune.tuner.search.tune import tune_profiles
 
     tune = ctx.tune
-    be, preset_file, provenance = _backend_for(ctx)
-    store = _ProvenanceStore(ctx.store, provenance, ctx.facts.fingerprint)
+    be, preset_file = _backend_for(ctx)
 
     def on_trial(_name: str, study: Any, _trial: Any) -> None:
         if ctx.cancel.is_set():
@@ -198,7 +180,7 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     for (ep, nodes), (shapes, buckets) in sorted(group_keys(ctx.keys).items()):
         ctx.check_cancel()
         out += tune_profiles(
-            store,
+            ctx.store,
             ctx.facts,
             models=shapes,
             tokens=buckets,

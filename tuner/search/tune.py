@@ -203,7 +203,9 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
     be = make_backend(backend, preset, facts=facts, **dict(local_options or {}))
     if isinstance(be, ModelBackend) and be.preset is not None and preset is not None:
         if node_model and facts is not None:
-            # A calibrated model of THIS node: profiles carry the node's key; only its family is tuned.
+            # A calibrated model of THIS node: profiles carry the node's key and say they are its model
+            # (the label decides their provenance, node_model, not a preset's); only its family is tuned.
+            be.name = f"model:node:{facts.fingerprint}"
             fam = preset_family(be.preset)
             if families is None:
                 families = [fam]
@@ -374,9 +376,11 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
     software = dict(facts.software)
     # Say what the numbers are: a local measurement on this node, or a prediction (node model / preset).
     provenance = "measured" if isinstance(be, LocalBackend) else provenance_of_backend(be.label)
+    on_node = provenance != "preset"  # measured here, or predicted by this node's own calibrated model
     rec = ProfileRecord(key=key, knobs=knobs, latency_us=float(meas.median_us), spread_us=float(meas.spread_us),
                         backend=be.label, status="current", software_versions={str(k): str(v) for k, v in software.items()},
-                        created=now, updated=now, provenance=provenance)
+                        created=now, updated=now, provenance=provenance,
+                        measured_on=facts.fingerprint if on_node else "")
     if store is None:
         return rec, False, "no store"
     written, reason = store.put_profile(rec)
