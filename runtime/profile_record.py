@@ -18,6 +18,11 @@ ProfileStatus = Literal["current", "stale", "superseded"]
 Provenance = Literal["measured", "node_model", "preset"]
 PROVENANCES: tuple[str, ...] = ("measured", "node_model", "preset")
 
+# Profile families that are engines, not transports: the whole one-GPU MoE layer (ep_size 1). A lookup gets
+# one only when it names it; an EP buffer asking for "any transport" never does.
+MEGAKERNEL_FAMILY = "megakernel"
+ENGINE_FAMILIES: frozenset[str] = frozenset({MEGAKERNEL_FAMILY})
+
 TOKEN_BUCKETS: tuple[int, ...] = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 

@@ -23,9 +23,11 @@ import threading
 import warnings
 from typing import Any
 
+from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
+
 log = logging.getLogger("moetune.megakernel")
 
-ENGINE_FAMILY = "megakernel"  # the ProfileKey transport_family of megakernel profiles (ep_size 1, nodes 1)
+ENGINE_FAMILY = MEGAKERNEL_FAMILY  # the ProfileKey transport_family of megakernel profiles (ep_size 1, nodes 1)
 
 
 class MegakernelUnavailable(RuntimeError):

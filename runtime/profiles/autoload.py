@@ -39,7 +39,7 @@ import threading
 from typing import Any
 
 from moetune.runtime.knobs import Knobs, default_knobs
-from moetune.runtime.profile_record import nearest_bucket
+from moetune.runtime.profile_record import MEGAKERNEL_FAMILY, nearest_bucket
 from moetune.runtime.profiles.client import ProfileClient, Resolution, policy_or_default, warn_fallback
 from moetune.runtime.profiles.launcher_env import apply_env, launcher_env
 from moetune.runtime.shapes import ModelShape
@@ -91,7 +91,7 @@ def runtime_transport_problem(name: str, device: Any = None) -> str | None:
     ck = (name, str(device))
     if ck in _availability:
         return _availability[ck]
-    if name == "megakernel":  # not a transport: the one-GPU MoE kernel (its device, arch and build checks)
+    if name == MEGAKERNEL_FAMILY:  # not a transport: the one-GPU MoE kernel (its device, arch and build checks)
         from moetune.runtime.megakernel.engine import megakernel_problem
 
         try:

@@ -60,6 +60,7 @@ from moetune.runtime.paths import (
     untrusted_socket_reason,
 )
 from moetune.runtime.profile_record import (
+    ENGINE_FAMILIES,
     ProfileKey,
     ProfileRecord,
     nearest_bucket_within,
@@ -271,7 +272,6 @@ def pick_profile(
     return min(at, key=lambda r: (_PROVENANCE_RANK.get(provenance_of(r), len(_PROVENANCE_RANK)), r.latency_us))
 
 
-ENGINE_FAMILIES = frozenset({"megakernel"})
 
 
 # -- validating replies ----------------------------------------------------------------------------

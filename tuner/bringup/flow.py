@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
 from moetune.runtime.shapes import get_model
 from moetune.tuner.search.progress import NoProgress, Progress
 
@@ -296,7 +297,7 @@ class Bringup:
         for t in self.state.result("tune") or []:
             tuned = Knobs.from_dict(t["knobs"])
             default = load_policy(t["family"], self.runtime_policy_dir()).defaults
-            mk = t["family"] == "megakernel"
+            mk = t["family"] == MEGAKERNEL_FAMILY
             be = self._mk_backend() if mk else ep_be
             wl = TuneWorkload(model=get_model(t["model"]), tokens=t["tokens"], nodes=1,
                               gpus_per_node=1 if mk else self.world)
@@ -364,7 +365,7 @@ class Bringup:
         if not self.mk_ok:
             data.notes.append(f"MoE megakernel not tuned: {self.mk_why}")
         for t in self.state.result("compare") or []:
-            if t["family"] == "megakernel" and t.get("stored") == "policy default":
+            if t["family"] == MEGAKERNEL_FAMILY and t.get("stored") == "policy default":
                 data.notes.append(f"megakernel {t['model']} S={t['tokens']}: the policy default was kept: "
                                   f"{t.get('why_default', t['reason'])}")
         return str(write_report(data, self.report_dir))

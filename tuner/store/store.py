@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
 
 from moetune.runtime.profile_record import (
+    ENGINE_FAMILIES,
     PROVENANCES,
     ProfileKey,
     ProfileRecord,
@@ -448,7 +449,7 @@ class Store:
         if transport_family is not None:
             where.append(Profile.transport_family == transport_family)
         else:  # an engine family's latency is a whole layer's, not an exchange's: picked by name only
-            where.append(Profile.transport_family != "megakernel")
+            where.append(Profile.transport_family.not_in(ENGINE_FAMILIES))
         with self._read() as s:
             for provenance in sorted(PROVENANCES, key=lambda p: -PROVENANCE_RANK[p]):
                 if measured_only and provenance != "measured":

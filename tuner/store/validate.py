@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from moetune.runtime.knobs import TRANSPORTS
-from moetune.runtime.profile_record import PROVENANCES, TOKEN_BUCKETS, ProfileRecord
+from moetune.runtime.profile_record import ENGINE_FAMILIES, PROVENANCES, TOKEN_BUCKETS, ProfileRecord
 from moetune.runtime.shapes import DTYPES
 
 STATUSES = ("current", "stale", "superseded")
@@ -31,7 +31,7 @@ def family_transport(family: str) -> str:
     """Knobs.transport for a transport family name (`proxy:libfabric/cxi` → `proxy`; the one-GPU `megakernel`
     engine family runs with the world-1 layer's `collective`)."""
     head = family.split(":", 1)[0].split("/", 1)[0]
-    return "collective" if head == "megakernel" else head
+    return "collective" if head in ENGINE_FAMILIES else head
 
 
 def _big_ints(obj: Any, path: str) -> list[str]:
