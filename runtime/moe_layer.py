@@ -265,11 +265,11 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.megakernel is not None:  # routing + one persistent kernel, no host sync (capturable)
+        if self.megakernel is not None or self.buffer.world == 1:  # one rank: no exchange, checked once here
             self._check_x(x)
-            return self.megakernel.forward(x)
-        if self.buffer.world == 1:
-            self._check_x(x)
+            if self.megakernel is not None:  # routing + one persistent kernel, no host sync (capturable)
+                return self.megakernel.forward(x)
+            return self.local_forward(x, *self.route(x))
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.model.hidden:
             # Still take part in the collective input check so every rank reports the problem.
             s = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else 0
