@@ -26,26 +26,8 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
 
-
-def torch_layer(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, k: int) -> torch.Tensor:
-    s, e, i = x.shape[0], gate.shape[0], w2.shape[2]
-    probs = torch.softmax(x.float() @ gate.float().t(), dim=-1)
-    w, idx = probs.topk(k, dim=-1)
-    w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-    flat = idx.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    rows = order // k
-    counts = torch.zeros(e, dtype=torch.int32, device=x.device).index_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    hg = torch._grouped_mm(x.index_select(0, rows), w1.transpose(-2, -1), offs=offs)
-    a = F.silu(hg[:, :i]) * hg[:, i:]
-    y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
-    out = torch.zeros(s, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, rows, y.float() * w.reshape(-1)[order].unsqueeze(1))
-    return out.to(torch.bfloat16)
+from moetune.runtime.testing.baselines import plain_torch_moe as torch_layer
 
 
 def time_calls(fns: list, warmup: int, iters: int) -> float:

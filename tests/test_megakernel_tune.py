@@ -158,7 +158,7 @@ def test_bench_moe_cli_and_scenario_smoke(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "engines must be among" in bad.output and "Traceback" not in bad.output
 
     s = S.get("moe-megakernel-vs-unfused")
-    assert s.driver == "moe" and [c.name for c in s.cases] == ["unfused", "megakernel"]
+    assert s.driver == "moe" and [c.name for c in s.cases] == ["unfused", "megakernel", "torch"]
     rows = S.run(s, smoke=True, results=tmp_path / "summary.csv", gpus=0)
     assert {r["case"] for r in rows} == {"unfused"} and all(r["source"] == "smoke" for r in rows)
     assert {r["metric"] for r in rows} == {"layer_us[S=4]", "layer_us[S=16]"}

@@ -183,7 +183,7 @@ def _print_table(rep: dict) -> None:
 
 @app.command("moe")
 def moe(
-    engine: str = typer.Option("megakernel,unfused", "--engine", help="Engines to time side by side in this process: megakernel, unfused (comma-separated)."),
+    engine: str = typer.Option("megakernel,unfused,torch", "--engine", help="Engines to time side by side in this process: megakernel, unfused, torch (the plain torch path: gate, top-k, sort, two grouped GEMMs, index_add; comma-separated)."),
     model: str = typer.Option("qwen3-30b", "--model", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K[,dtype]."),
     tokens: str = typer.Option("1,16,128,1024,4096", "--tokens", help="Token counts S (comma-separated)."),
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture one CUDA graph per input and time its replays."),

@@ -20,7 +20,7 @@ from moetune.tuner.measure.stats import Summary
 
 READ_TBPS = 4.2
 TENSOR_TFLOPS = 790.0
-ENGINES = ("megakernel", "unfused")
+ENGINES = ("megakernel", "unfused", "torch")  # torch: the plain torch path (runtime.testing.baselines)
 
 
 def experts_touched(model: ModelShape, tokens: int) -> float:
@@ -127,6 +127,18 @@ def measure_megakernel(knobs: Knobs, model: ModelShape, tokens: int, *, iters: i
     return res
 
 
+class _Fn:
+    """A bare function with the layers' call interface (`forward` and `__call__`)."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+
+    def forward(self, x: Any) -> Any:
+        return self.fn(x)
+
+    __call__ = forward
+
+
 def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], *, graph: bool = False,
               iters: int = 50, warmup: int = 10, rotate: int = 4, seed: int = 0, device: str | None = None,
               knobs: Knobs | None = None) -> dict[str, Any]:
@@ -151,12 +163,25 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
     layers: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     for eng in engines:
+        if eng == "torch":
+            continue
         mk_knobs = (knobs or Knobs(engine="megakernel")) if eng == "megakernel" else Knobs()
         try:
             layers[eng] = MoELayer(model, None, mk_knobs, max_tokens=smax, device=dev, dtype=dtype, seed=seed,
                                    engine=eng)
         except MegakernelUnavailable as e:
             skipped[eng] = str(e)
+    if "torch" in engines:  # same weights as the unfused layer (built for them if not timed)
+        src = layers.get("unfused") or MoELayer(model, None, Knobs(), max_tokens=smax, device=dev, dtype=dtype,
+                                                seed=seed, engine="unfused")
+        if cuda:
+            from moetune.runtime.testing.baselines import plain_torch_moe
+
+            g, w1, w2, k = src.gate.data, src.w_gate_up.data, src.w_down.data, model.topk
+            layers["torch"] = _Fn(lambda x: plain_torch_moe(x, g, w1, w2, k))
+        else:
+            skipped["torch"] = "the plain torch path needs torch._grouped_mm on a CUDA device"
+        layers = {e: layers[e] for e in engines if e in layers}  # the order asked for
     cases: list[dict[str, Any]] = [{"engine": e, "skipped": why} for e, why in skipped.items()]
     for s in tokens:
         xs = _inputs(model, s, rotate, dev, dtype, seed + s)
