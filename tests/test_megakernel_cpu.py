@@ -290,3 +290,76 @@ def test_kernel_source_mirrors_split_rule():
     hdr = _header()
     assert re.search(r"#define MK_MAX_SPLITS (\d+)", hdr).group(1) == str(_lib.MAX_SPLITS)
     assert "MK_CORE_MMA = 0, MK_CORE_WGMMA = 1" in hdr and _lib.CORES == {"mma": 0, "wgmma": 1}
+
+
+# ---- the wgmma core's stage pipeline (full/empty mbarriers), modelled step by step ----------------------------
+def _stage_pipeline(stages: int, kts: list[int], *, publish_first: bool) -> str:
+    """Run the producer and one consumer warpgroup of run_gemm_wg over tasks of `kts` k-stages each, as the kernel
+    orders their barrier operations, stepping whichever can move; 'ok', or 'deadlock at ...' when neither can.
+
+    Producer, per stage kt of a task (g = it + kt, lag = stages - 1): with publish_first (the kernel now), publish
+    stage kt - lag (once kt >= lag), then wait for slot g to be empty, then copy it; without it (the first cut),
+    wait, copy, then publish. After the loop it publishes its last min(KT, lag) stages. Consumer, per stage:
+    wait full[g], issue the wgmmas, and release stage g - 1 (wgmma.wait_group 1); after the loop, release the
+    last. Slot g is empty once stage g - stages was released (or g < stages); full once stage g was published."""
+    lag = stages - 1
+    prod: list[tuple[str, int]] = []
+    cons: list[tuple[str, int]] = []
+    it = 0
+    for kt_n in kts:
+        for kt in range(kt_n):
+            g = it + kt
+            if publish_first and kt >= lag:
+                prod.append(("publish", g - lag))
+            prod.append(("wait_empty", g))
+            if not publish_first and kt >= lag:
+                prod.append(("publish", g - lag))
+            cons += [("wait_full", g)] + ([("release", g - 1)] if kt > 0 else [])
+        prod += [("publish", it + kt) for kt in range(max(kt_n - lag, 0), kt_n)]
+        cons += [("release", it + kt_n - 1)] if kt_n else []
+        prod.append(("sync", it))  # the task's closing __syncthreads
+        cons.append(("sync", it))
+        it += kt_n
+    published: set[int] = set()
+    released: set[int] = set()
+    pi = ci = 0
+    while pi < len(prod) or ci < len(cons):
+        moved = False
+        if pi < len(prod):
+            op, g = prod[pi]
+            if op == "publish":
+                published.add(g)
+            if op != "wait_empty" or g < stages or g - stages in released:
+                if op != "sync" or (ci < len(cons) and cons[ci] == ("sync", g)):
+                    pi, moved = pi + 1, True
+        if ci < len(cons):
+            op, g = cons[ci]
+            if op == "release":
+                released.add(g)
+            if op == "release" or (op == "wait_full" and g in published) or (op == "sync" and prod[pi - 1] == ("sync", g)):
+                ci, moved = ci + 1, True
+        if not moved:
+            return f"deadlock at producer {prod[pi] if pi < len(prod) else 'done'}, consumer {cons[ci] if ci < len(cons) else 'done'}"
+    assert published == released == set(range(it))
+    return "ok"
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 6, 9])
+def test_wgmma_stage_pipeline_never_deadlocks(stages: int) -> None:
+    """Tasks of 1..40 k-stages back to back (GEMM1 of Qwen3-30B has 32, GEMM2 12): every one completes."""
+    for kts in ([1], [stages - 1], [stages], [stages + 1], [32], [12], [32, 12, 1, 32], list(range(1, 41))):
+        assert _stage_pipeline(stages, kts, publish_first=True) == "ok", (stages, kts)
+
+
+def test_wgmma_stage_pipeline_model_catches_the_first_cut() -> None:
+    """The order the first wgmma cut had (publish after the slot wait) deadlocks once a task has more k-stages
+    than `stages`: what hung the first GPU run of the wgmma core; the model sees it, and the kernel has the fix."""
+    from moetune.runtime.megakernel import _lib
+
+    assert _stage_pipeline(4, [4], publish_first=False) == "ok"
+    assert _stage_pipeline(4, [5], publish_first=False).startswith("deadlock")
+    assert _stage_pipeline(3, [32], publish_first=False).startswith("deadlock")
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    body = src[src.index("void run_gemm_wg("):]
+    assert body.index("mbar_arrive(bars.full") < body.index("mbar_wait(p, bars.empty"), "publish must precede the slot wait"
+    assert "report(p, MK_ERR_PIPE_TIMEOUT" in src and "MK_ERR_PIPE_TIMEOUT = 5" in _header()

@@ -30,6 +30,7 @@ enum {
   MK_ERR_PROC_TIMEOUT = 2,   // a processor waited past the timeout for a queue slot
   MK_ERR_QUEUE_FULL = 3,     // more tasks than queue slots (a sizing bug; nothing written out of bounds)
   MK_ERR_BAD_EXPERT = 4,     // a given routing named an expert outside 0..E-1 (the row is dropped)
+  MK_ERR_PIPE_TIMEOUT = 5,   // a wgmma-core stage barrier (shared memory pipeline) waited past the timeout
   MK_ERR_WORDS = 8           // [1] = where (slot or tile), [2] = detail, [3] = waited ns
 };
 

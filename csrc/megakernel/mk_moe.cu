@@ -383,15 +383,29 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t ok = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!ok);
+__device__ __forceinline__ bool mbar_try(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+// Wait for the phase of `parity` to complete; bounded like every other wait in the kernel: after the timeout
+// it reports MK_ERR_PIPE_TIMEOUT (where = stage counter) and returns, and it returns at once once another
+// wait has aborted the launch. The tile is garbage then, but the launch ends and the host sees the error.
+__device__ __forceinline__ void mbar_wait(const MkParams& p, uint32_t bar, uint32_t parity, uint32_t g) {
+  if (mbar_try(bar, parity)) return;
+  const uint64_t since = gtime();
+  while (!mbar_try(bar, parity)) {
+    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return;
+    const uint64_t waited = gtime() - since;
+    if (waited > (uint64_t)p.timeout_ns) {
+      report(p, MK_ERR_PIPE_TIMEOUT, g, parity, (int64_t)waited);
+      return;
+    }
+  }
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -457,7 +471,12 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
     const int lag = stages - 1;
     for (int kt = 0; kt < KT; ++kt) {
       const uint32_t g = it + kt, slot = g % stages;
-      mbar_wait(bars.empty + 8 * slot, ((g / stages) & 1) ^ 1);  // a fresh barrier passes parity 1 at once
+      if (kt >= lag) {  // stage kt - lag has landed for this thread: publish it BEFORE waiting for a free slot
+        cp_wait(lag - 1);  // (consumers free stage j only after stage j+1 is full: publishing after the wait
+        fence_proxy_async();  // below deadlocked as soon as a task had more k stages than `stages`)
+        mbar_arrive(bars.full + 8 * ((g - lag) % stages));
+      }
+      mbar_wait(p, bars.empty + 8 * slot, ((g / stages) & 1) ^ 1, g);  // a fresh barrier passes parity 1 at once
       const uint32_t sA = s0 + slot * T::STAGE, sB = sA + T::A_BYTES;
 #pragma unroll
       for (int q = 0; q < T::BM / 16; ++q)
@@ -465,11 +484,6 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
 #pragma unroll
       for (int q = 0; q < BN / 16; ++q) cp_async16(sB + mkidx::swz_off(r0 + 16 * q, ch * 8), bsrc[q] + kt * BK, 16);
       cp_commit();
-      if (kt >= lag) {  // stage kt - lag has landed for this thread: publish it
-        cp_wait(lag);
-        fence_proxy_async();
-        mbar_arrive(bars.full + 8 * ((g - lag) % stages));
-      }
     }
     cp_wait(0);
     fence_proxy_async();
@@ -482,7 +496,7 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
     for (int kt = 0; kt < KT; ++kt) {
       const uint32_t g = it + kt, slot = g % stages;
-      mbar_wait(bars.full + 8 * slot, (g / stages) & 1);
+      mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
       const uint32_t sA = s0 + slot * T::STAGE + c * 64 * 128, sB = s0 + slot * T::STAGE + T::A_BYTES;
       acc_fence(d);
       wg_fence();

@@ -20,7 +20,8 @@ from .config import ConfigError, MegakernelConfig
 
 BN = 128
 ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor timed out waiting for a queue slot",
-             3: "task queue too small", 4: "routing names an expert out of range"}
+             3: "task queue too small", 4: "routing names an expert out of range",
+             5: "a wgmma stage barrier (shared-memory pipeline) timed out"}
 CTL_TOTAL, CTL_TILES, CTL_PUBLISHED = 1, 5, 4
 
 

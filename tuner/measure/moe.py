@@ -178,7 +178,7 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
             from moetune.runtime.testing.baselines import plain_torch_moe
 
             g, w1, w2, k = src.gate.data, src.w_gate_up.data, src.w_down.data, model.topk
-            layers["torch"] = _Fn(lambda x: plain_torch_moe(x, g, w1, w2, k))
+            layers["torch"] = _Fn(lambda x, g=g, w1=w1, w2=w2, k=k: plain_torch_moe(x, g, w1, w2, k))
         else:
             skipped["torch"] = "the plain torch path needs torch._grouped_mm on a CUDA device"
         layers = {e: layers[e] for e in engines if e in layers}  # the order asked for
@@ -188,8 +188,8 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
         ref = layers["unfused"](xs[0]) if "unfused" in layers else None
         for eng, layer in layers.items():
             row: dict[str, Any] = {"engine": eng, "S": s, **floors(model, s)}
-            for k, v in time_layer(layer.forward, xs, warmup=warmup, iters=iters, graph=graph, cuda=cuda).items():
-                row[k] = Summary.of(v).quantiles()
+            for name, v in time_layer(layer.forward, xs, warmup=warmup, iters=iters, graph=graph, cuda=cuda).items():
+                row[name] = Summary.of(v).quantiles()
             if ref is not None and eng != "unfused":
                 row["rel_err_vs_unfused"] = max_rel_err(layer(xs[0]), ref)
             cases.append(row)
