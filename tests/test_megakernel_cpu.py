@@ -336,7 +336,7 @@ def _stage_pipeline(stages: int, kts: list[int], *, publish_first: bool) -> str:
             op, g = cons[ci]
             if op == "release":
                 released.add(g)
-            if op == "release" or (op == "wait_full" and g in published) or (op == "sync" and prod[pi - 1] == ("sync", g)):
+            if op == "release" or (op == "wait_full" and g in published) or (op == "sync" and pi > 0 and prod[pi - 1] == ("sync", g)):
                 ci, moved = ci + 1, True
         if not moved:
             return f"deadlock at producer {prod[pi] if pi < len(prod) else 'done'}, consumer {cons[ci] if ci < len(cons) else 'done'}"
