@@ -21,6 +21,7 @@ ScaleGranularity = Literal["per_token", "per_128"]
 WaitMode = Literal["memop", "kernel"]
 CombineLanes = Literal["auto", "own", "shared"]
 Engine = Literal["unfused", "megakernel"]
+MkCore = Literal["mma", "wgmma"]
 
 TRANSPORTS: tuple[str, ...] = ("nvlink", "proxy", "ibgda", "host_staged", "collective")
 SIGNALLINGS: tuple[str, ...] = ("coupled", "decoupled")
@@ -30,6 +31,8 @@ COMPRESSIONS: tuple[str, ...] = ("none", "fp8_e4m3")
 WAIT_MODES: tuple[str, ...] = ("memop", "kernel")
 COMBINE_LANES: tuple[str, ...] = ("auto", "own", "shared")
 ENGINES: tuple[str, ...] = ("unfused", "megakernel")
+MK_CORES: tuple[str, ...] = ("mma", "wgmma")
+MK_MAX_SPLIT_K = 16
 # The megakernel's m-tile rows (csrc/megakernel: 16 decode, 64/128 prefill; 0 = by rows per expert) and the
 # limits of its other knobs (runtime/megakernel/config.py checks the same; shared memory caps stages further).
 MK_BMS: tuple[int, ...] = (0, 16, 64, 128)
@@ -40,7 +43,7 @@ MK_MAX_COMBINE_TOKENS = 4096
 # Knobs added with the megakernel (issue 17). Left out of `canonical()` at their defaults, so the digest and
 # the profile hash of every setting that existed before them stay what stores and peers hold.
 MK_KNOBS: tuple[str, ...] = ("engine", "mk_bm", "mk_stages", "mk_ctas_per_sm", "mk_processor_ctas",
-                             "mk_combine_tokens")
+                             "mk_combine_tokens", "mk_core", "mk_split_k")
 # host_staged's ring of staging slots per (lane, sender, receiver): 2 is double buffering
 MIN_STAGING_SLOTS, MAX_STAGING_SLOTS = 2, 16
 
@@ -107,6 +110,11 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     mk_ctas_per_sm: int = 0
     mk_processor_ctas: int = 0
     mk_combine_tokens: int = 8
+    # GEMM core of the bm=64/128 tiles (run 10: wgmma 17% faster at S=1024, 14% at 4096 with bm=64) and the
+    # decode split-K factor of both GEMMs (run 10: 2 parts 15% faster at S=1; applies while a launch's m-tiles
+    # fit the partial buffer, i.e. S <= 2 for Qwen3-30B)
+    mk_core: MkCore = "wgmma"
+    mk_split_k: int = 2
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -247,6 +255,10 @@ def _validate_megakernel(k: Knobs) -> None:
                         f"got {k.mk_processor_ctas}", ("mk_processor_ctas",))
     if not 1 <= k.mk_combine_tokens <= MK_MAX_COMBINE_TOKENS:
         raise KnobError(f"must be in 1..{MK_MAX_COMBINE_TOKENS}, got {k.mk_combine_tokens}", ("mk_combine_tokens",))
+    if k.mk_core not in MK_CORES:
+        raise KnobError(f"must be one of {', '.join(MK_CORES)}, got {k.mk_core!r}", ("mk_core",))
+    if not 1 <= k.mk_split_k <= MK_MAX_SPLIT_K:
+        raise KnobError(f"must be in 1..{MK_MAX_SPLIT_K} (1 = no split), got {k.mk_split_k}", ("mk_split_k",))
     if k.engine != "megakernel":
         changed = [n for n in MK_KNOBS[1:] if getattr(k, n) != _DEFAULTS[n]]
         if changed:
@@ -291,6 +303,10 @@ KNOB_DOCS: dict[str, tuple[str, str]] = {
                           "CTA but the scheduler's."),
     "mk_combine_tokens": (f"int 1..{MK_MAX_COMBINE_TOKENS}", "megakernel: tokens per combine tile (each runs as 4 "
                           "column-block tasks)."),
+    "mk_core": ("`mma` / `wgmma`", "megakernel: GEMM core of the 64/128-row tiles (mma.sync, or Hopper's warpgroup "
+                "MMA fed by a producer warpgroup); 16-row tiles always use mma."),
+    "mk_split_k": (f"int 1..{MK_MAX_SPLIT_K}", "megakernel: decode split-K, parts per GEMM task over K (1 = none); "
+                   "applies while a 16-row launch's m-tiles fit the partial buffer (16)."),
 }
 
 

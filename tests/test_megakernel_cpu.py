@@ -42,7 +42,8 @@ def test_config_defaults_and_parse():
     c = MegakernelConfig()
     assert c.bm == 0 and c.stages == 0
     assert c.pick_stages(16, 128, 8, 128) == 3 and c.pick_stages(16, 1, 8, 128) == 6
-    assert c.pick_stages(64, 1024, 8, 128) == 3 and MegakernelConfig(stages=5).pick_stages(128, 1, 8, 128) == 5
+    assert c.pick_stages(64, 1024, 8, 128) == 4 and MegakernelConfig(stages=5).pick_stages(128, 1, 8, 128) == 5
+    assert MegakernelConfig(core="mma").pick_stages(64, 1024, 8, 128) == 3
     p = MegakernelConfig.parse("bm=16, stages=3,timeout_ms=250")
     assert (p.bm, p.stages, p.timeout_ms) == (16, 3, 250.0)
     assert MegakernelConfig.parse("") == c
@@ -72,7 +73,8 @@ def test_pick_bm():
     assert c.pick_bm(1, 8, 128) == 16
     assert c.pick_bm(128, 8, 128) == 16  # 8 rows per expert
     assert c.pick_bm(1024, 8, 128) == 64
-    assert c.pick_bm(4096, 8, 128) == 128
+    assert c.pick_bm(4096, 8, 128) == 64  # wgmma (the default core): bm=64 beat 128 at S=4096 in run 10
+    assert MegakernelConfig(core="mma").pick_bm(4096, 8, 128) == 128
     assert MegakernelConfig(bm=64).pick_bm(1, 8, 128) == 64
 
 
@@ -193,11 +195,11 @@ def test_library_compiles(tmp_path, monkeypatch):
 # ---- the wgmma core and decode split-K (index math on the CPU; the kernels themselves need a GPU) --------------
 def test_config_core_and_split_fields():
     c = MegakernelConfig()
-    assert (c.core, c.split_k1, c.split_k2) == ("mma", 1, 1)  # today's behaviour stays the default
-    w = MegakernelConfig.parse("core=wgmma,split_k1=4,split_k2=2,split_max_tiles=8")
-    assert (w.core, w.split_k1, w.split_k2, w.split_max_tiles) == ("wgmma", 4, 2, 8)
+    assert (c.core, c.split_k1, c.split_k2) == ("wgmma", 2, 2)  # run 10's faster settings
+    w = MegakernelConfig.parse("core=mma,split_k1=4,split_k2=1,split_max_tiles=8")
+    assert (w.core, w.split_k1, w.split_k2, w.split_max_tiles) == ("mma", 4, 1, 8)
     assert MegakernelConfig.from_dict(w.to_dict()) == w
-    assert w.pick_stages(128, 4096, 8, 128) == 4 and c.pick_stages(128, 4096, 8, 128) == 3
+    assert c.pick_stages(128, 4096, 8, 128) == 4 and w.pick_stages(128, 4096, 8, 128) == 3
     assert w.pick_stages(16, 1, 8, 128) == 6  # bm=16 always runs the mma core
 
 

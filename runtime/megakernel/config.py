@@ -1,14 +1,12 @@
 """MegakernelConfig: the megakernel's tunable settings, typed and validated (stdlib only).
 
 A view: the tunable fields are the knobs `mk_bm`, `mk_stages`, `mk_ctas_per_sm`, `mk_processor_ctas`,
-`mk_combine_tokens` (runtime/knobs.py, the one vocabulary the tuner searches and profiles store) and the
+`mk_combine_tokens`, `mk_core` and `mk_split_k` (both GEMMs' split-K) (runtime/knobs.py, the one vocabulary the tuner searches and profiles store) and the
 timeout is the runtime option `megakernel_timeout_s`: build it with `MegakernelConfig.from_knobs(knobs,
 options)`. `bm_switch_rows` / `bm_large_rows` (the auto tile's thresholds) stay here: no knob for them.
 `parse("bm=16,stages=4")`, `from_dict` and `to_dict` remain for benchmarks and tests; every error names the
 field. 0 in `bm`, `ctas_per_sm` and `processor_ctas` means "pick from
 the shape / the occupancy query".
-`core` ("mma" | "wgmma") and the decode split-K fields are not knobs yet: they wait for a GPU run
-(bench/results/megakernel/NEXT_RUN.md).
 """
 
 from __future__ import annotations
@@ -37,18 +35,18 @@ class MegakernelConfig:
     processor_ctas: int = 0   # processor CTAs (0 = every resident CTA but the scheduler's)
     combine_tokens: int = 8   # tokens per combine tile (each tile runs as 4 column-block tasks)
     timeout_ms: float = 2000.0  # (RuntimeOptions.megakernel_timeout_s) a wait without progress longer than this is an error, not a hang
-    # GEMM core of the bm=64/128 tasks: "mma" (mma.sync m16n8k16 + ldmatrix, measured in runs 1-8) or "wgmma"
-    # (sm_90a warpgroup MMA m64n128k16 from 128-byte-swizzled shared memory, producer warpgroup + mbarriers).
-    # The default stays "mma" until a GPU run verifies wgmma (bench/results/megakernel/NEXT_RUN.md: compiled,
-    # HGMMA in the SASS, no spills, never run on a GPU yet). bm=16 (decode) always runs the mma core.
-    core: str = "mma"
+    # GEMM core of the bm=64/128 tasks: "mma" (mma.sync m16n8k16 + ldmatrix) or "wgmma" (sm_90a warpgroup MMA
+    # m64n128k16 from 128-byte-swizzled shared memory, producer warpgroup + mbarriers). Run 10 (H200): wgmma
+    # 17% faster at S=1024 (578 vs 693 us), and with bm=64 14% faster at S=4096 (1754 vs 2037). bm=16
+    # (decode) always runs the mma core.
+    core: str = "wgmma"
     # Decode split-K: each GEMM1 (GEMM2) task of a bm=16 launch runs as split_k1 (split_k2) parts over K, and
     # the CTA finishing a task's last part adds the parts' fp32 partials in part order (bit-identical run to
     # run; the bits differ from split 1, which sums K in one pass). Only while the launch's m-tiles fit the
-    # partial buffer (split_max_tiles); 1 = off (today's behaviour, the default until a GPU run decides).
-    # At S=1 (8 m-tiles, 96 GEMM1 tasks of 512 KB for ~263 CTAs) split_k1=4, split_k2=2 gives 384 + 256 tasks.
-    split_k1: int = 1
-    split_k2: int = 1
+    # partial buffer (split_max_tiles); 1 = off. Run 10 at S=1 (8 m-tiles, 96 GEMM1 tasks of 512 KB for ~263
+    # CTAs): 2 + 2 parts 73.9 us, 4 + 2 81.9, 8 + 4 88.4, none 86.5.
+    split_k1: int = 2
+    split_k2: int = 2
     split_max_tiles: int = 16  # m-tiles the split-K partial buffer holds (8 KB per part and (m-tile, n-block))
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
@@ -94,6 +92,7 @@ class MegakernelConfig:
         opts = options if options is not None else RuntimeOptions()
         return cls(bm=knobs.mk_bm, stages=knobs.mk_stages, ctas_per_sm=knobs.mk_ctas_per_sm,
                    processor_ctas=knobs.mk_processor_ctas, combine_tokens=knobs.mk_combine_tokens,
+                   core=knobs.mk_core, split_k1=knobs.mk_split_k, split_k2=knobs.mk_split_k,
                    timeout_ms=float(opts.megakernel_timeout_s) * 1000.0)
 
     @classmethod
@@ -136,7 +135,7 @@ class MegakernelConfig:
             return self.stages
         if bm >= 64:
             # wgmma core: one producer warpgroup streams stages-1 tiles ahead per CTA; 4 stages = 128 KB
-            # (bm=128, 1 CTA/SM) / 96 KB (bm=64, 2 CTAs/SM). Unmeasured: NEXT_RUN.md sweeps 3..6.
+            # (bm=128, 1 CTA/SM) / 96 KB (bm=64, 2 CTAs/SM). Run 10 at S=1024: 4 stages 578 us, 3 587, 6 920.
             return 4 if self.core == "wgmma" else 3
         return 6 if tokens * topk < experts else 3
 
@@ -146,5 +145,5 @@ class MegakernelConfig:
             return self.bm
         rows = tokens * topk
         if rows >= self.bm_large_rows * experts:
-            return 128
+            return 128 if self.core == "mma" else 64  # run 10, S=4096: wgmma bm=64 1754 us, bm=128 2233
         return 64 if rows >= self.bm_switch_rows * experts else 16

@@ -25,10 +25,12 @@ from moetune.runtime.knobs import (
     FENCE_MODES,
     MAX_STAGING_SLOTS,
     MIN_STAGING_SLOTS,
+    MK_CORES,
     MK_KNOBS,
     MK_MAX_COMBINE_TOKENS,
     MK_MAX_CTAS_PER_SM,
     MK_MAX_PROCESSOR_CTAS,
+    MK_MAX_SPLIT_K,
     MK_MAX_STAGES,
     QP_MAPPINGS,
     QUEUED,
@@ -52,6 +54,7 @@ CATEGORICAL: dict[str, tuple[str, ...]] = {
     "wait_mode": WAIT_MODES,
     "combine_lanes": COMBINE_LANES,
     "engine": ENGINES,
+    "mk_core": MK_CORES,
 }
 # Integer knobs and their hard limits (runtime/knobs.py validation).
 INTEGER: dict[str, tuple[int, int]] = {
@@ -67,6 +70,7 @@ INTEGER: dict[str, tuple[int, int]] = {
     "mk_ctas_per_sm": (0, MK_MAX_CTAS_PER_SM),
     "mk_processor_ctas": (0, MK_MAX_PROCESSOR_CTAS),
     "mk_combine_tokens": (1, MK_MAX_COMBINE_TOKENS),
+    "mk_split_k": (1, MK_MAX_SPLIT_K),
 }
 # Families that are not a transport: the MoE megakernel runs the layer on one GPU (ep_size 1); its policy's
 # transport is the one a world-1 layer builds its (idle) EP buffer with.
