@@ -220,7 +220,7 @@ __device__ __forceinline__ void load_stage(char* smem, int stages, int kt, const
 // read B rows j/2 * 64 + wn * 16 + (j & 1) * 8 ..: blocks j and j + 2 are a (gate, up) pair in GEMM1.
 template <class T>
 __device__ __forceinline__ int b_col(int wn, int j) {
-  return T::TMA ? (j >> 1) * 64 + wn * 16 + (j & 1) * 8 : wn * T::WTN + j * 8;
+  return T::TMA ? mkidx::tma_bcol(wn, j) : wn * T::WTN + j * 8;
 }
 
 // One 64-wide k stage of the warp's tile from shared memory (ldmatrix + mma.sync).
