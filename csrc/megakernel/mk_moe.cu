@@ -64,7 +64,7 @@ struct Tile {
                                                 // 128-byte swizzle repeats every 1024 bytes from the tile base)
   static_assert(MT >= 1 && NT % 2 == 0 && NACC <= 64, "warp tile");
   // TMA tiles hold B as two 64-row boxes (GEMM1: gate rows, then up rows); the warp-to-column map below
-  // (b_row) gives each warp 16 columns of both halves, so a warp holds (gate, up) pairs: 4 warps of 32.
+  // (b_col) gives each warp 16 columns of both halves, so a warp holds (gate, up) pairs: 4 warps of 32.
   static_assert(!TMA || (WN == 4 && NT == 4 && A_BYTES % 1024 == 0 && STAGE % 1024 == 0), "TMA tile shape");
 };
 using Small = Tile<16, 1, 4, 1>;   // decode: 16 rows x 128, 4 warps of 16 x 32
