@@ -170,6 +170,23 @@ def test_ctypes_struct_matches_header():
     assert re.search(r"#define MK_ABI_VERSION (\d+)", _header()).group(1) == str(_lib.ABI_VERSION)
 
 
+def test_ctypes_signatures_match_header():
+    """Every exported function's argument count and 64-bit integer positions match mk_api.h (mk_occupancy
+    gained `tma` in ABI 7: a stale mirror would pass the per_sm pointer as tma)."""
+    from ctypes import c_int64
+
+    from moetune.runtime.megakernel import _lib
+
+    hdr = re.sub(r"//[^\n]*", "", _header())
+    for name, (_res, args) in _lib.SIGNATURES.items():
+        m = re.search(rf"\b{name}\(([^)]*)\);", hdr)
+        assert m, name
+        params = [a.strip() for a in m.group(1).split(",") if a.strip() and a.strip() != "void"]
+        assert len(params) == len(args), name
+        for decl, ct in zip(params, args, strict=True):
+            assert (decl.startswith("int64_t") and "*" not in decl) == (ct is c_int64), f"{name}: {decl}"
+
+
 def test_build_command_shape(tmp_path):
     from moetune.runtime.megakernel import _lib
 
@@ -198,12 +215,16 @@ def test_config_core_and_split_fields():
     assert (c.core, c.split_k1, c.split_k2) == ("wgmma", 2, 2)  # run 10's faster settings
     w = MegakernelConfig.parse("core=mma,split_k1=4,split_k2=1,split_max_tiles=8")
     assert (w.core, w.split_k1, w.split_k2, w.split_max_tiles) == ("mma", 4, 1, 8)
+    assert c.tma == 0 and w.tma == 0  # B tiles by cp.async unless asked
+    t = MegakernelConfig.parse("core=wgmma,tma=1")
+    assert (t.core, t.tma) == ("wgmma", 1) and MegakernelConfig.from_dict(t.to_dict()) == t
     assert MegakernelConfig.from_dict(w.to_dict()) == w
     assert c.pick_stages(128, 4096, 8, 128) == 4 and w.pick_stages(128, 4096, 8, 128) == 3
     assert w.pick_stages(16, 1, 8, 128) == 6  # bm=16 always runs the mma core
 
 
-@pytest.mark.parametrize(("text", "field"), [("core=tma", "core"), ("split_k1=0", "split_k1"),
+@pytest.mark.parametrize(("text", "field"), [("core=tma", "core"), ("split_k1=0", "split_k1"), ("tma=2", "tma"),
+                                             ("tma=-1", "tma"), ("tma=yes", "tma"),
                                              ("split_k2=17", "split_k2"), ("split_max_tiles=0", "split_max_tiles")])
 def test_config_core_split_errors(text, field):
     with pytest.raises(ConfigError, match=field):

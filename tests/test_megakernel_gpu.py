@@ -215,7 +215,10 @@ def test_never_ready_task_times_out(model, layer):
 # task counts against the CPU model. NEXT_RUN.md: if these pass, the bench decides the defaults.
 NEW_PATHS = ["core=wgmma", "core=wgmma,bm=64", "core=wgmma,bm=128", "core=wgmma,bm=64,stages=6",
              "core=wgmma,bm=128,stages=6", "core=wgmma,bm=128,stages=2", "split_k1=4,split_k2=2",
-             "split_k1=2,split_k2=1", "split_k1=8,split_k2=4,stages=3", "core=wgmma,split_k1=4,split_k2=2"]
+             "split_k1=2,split_k2=1", "split_k1=8,split_k2=4,stages=3", "core=wgmma,split_k1=4,split_k2=2",
+             # weight tiles by TMA (tma=1): wgmma producer, and the bm=16 mma tile (also with split-K)
+             "core=wgmma,tma=1", "core=wgmma,bm=128,tma=1", "core=wgmma,bm=64,stages=8,tma=1", "bm=16,tma=1",
+             "bm=16,tma=1,stages=12", "bm=16,tma=1,split_k1=4,split_k2=2"]
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +252,7 @@ def test_new_path_matches_reference(new_layers, model, cfg, s):
     m.check()
 
 
-@pytest.mark.parametrize("cfg", ["core=wgmma", "split_k1=4,split_k2=2"])
+@pytest.mark.parametrize("cfg", ["core=wgmma", "split_k1=4,split_k2=2", "core=wgmma,tma=1", "bm=16,tma=1"])
 @pytest.mark.parametrize("s", [1, 1000, 4096])
 def test_new_path_gate_routing_and_graph(new_layers, model, cfg, s):
     m = new_layers(cfg)
@@ -281,3 +284,22 @@ def test_wgmma_matches_mma_closely(new_layers, layer, model):
     b = new_layers("core=wgmma").forward_routed(x, idx, w)
     torch.cuda.synchronize()
     assert max_rel_err(b, a) <= 1e-2
+
+
+@pytest.mark.parametrize(("cfg", "exact"), [("bm=16", True), ("core=wgmma,bm=64", False), ("core=wgmma,bm=128", False)])
+def test_tma_matches_cp_async(new_layers, model, cfg, exact):
+    """tma=1 changes how the weight tiles arrive and which tile column holds which weight row, not the
+    products: on the mma core every output element is the same mma sequence (bit-identical); on the wgmma
+    core at least close (the same k order per element is expected, not assumed)."""
+    from moetune.runtime.moe_layer import max_rel_err
+
+    for s in (1, 200, 4096):
+        x = _x(s, model.hidden, seed=1100 + s)
+        idx, w = _routing(s, model.experts, model.topk, "zipf", seed=s)
+        a = new_layers(cfg).forward_routed(x, idx, w).clone()
+        b = new_layers(cfg + ",tma=1").forward_routed(x, idx, w)
+        torch.cuda.synchronize()
+        if exact:
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"S={s}"
+        else:
+            assert max_rel_err(b, a) <= 1e-2, f"S={s}"

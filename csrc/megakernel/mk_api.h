@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 6
+#define MK_ABI_VERSION 7
 #define MK_MAX_SPLITS 16  // split-K parts per GEMM task (decode)
 
 // ctl[] words (int32), one set per layer instance.
@@ -30,7 +30,7 @@ enum {
   MK_ERR_PROC_TIMEOUT = 2,   // a processor waited past the timeout for a queue slot
   MK_ERR_QUEUE_FULL = 3,     // more tasks than queue slots (a sizing bug; nothing written out of bounds)
   MK_ERR_BAD_EXPERT = 4,     // a given routing named an expert outside 0..E-1 (the row is dropped)
-  MK_ERR_PIPE_TIMEOUT = 5,   // a wgmma-core stage barrier (shared memory pipeline) waited past the timeout
+  MK_ERR_PIPE_TIMEOUT = 5,   // a stage mbarrier (wgmma core, TMA tiles) waited past the timeout
   MK_ERR_WORDS = 8           // [1] = where (slot or tile), [2] = detail, [3] = waited ns
 };
 
@@ -81,12 +81,15 @@ typedef struct MkParams {
   int64_t sk_max_tiles;  // m-tiles the partial-sum buffer holds (0: split-K off)
   float* sk_part;        // [sk_max_tiles * (N1 + N2) slots][max(split_k1, split_k2) parts][16 acc registers][128 threads] fp32
   int32_t* sk_cnt;       // [sk_max_tiles * (N1 + N2)] finished parts per slot (zeroed by the routing kernels)
+  // ABI 7
+  int64_t tma_b;  // 1: expert tasks load the weight (B) tiles by TMA (wgmma core, and bm = 16 on the mma core;
+                  // bm = 64 / 128 on the mma core keep cp.async); 0: every thread's cp.async (default)
 } MkParams;
 
 int mk_abi_version(void);
 const char* mk_last_error(void);
-// Resident CTAs per SM of the persistent kernel for (bm, stages, core), and the SM count of the current device.
-int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int* per_sm, int* sms);
+// Resident CTAs per SM of the persistent kernel for (bm, stages, core, tma), and the SM count of the current device.
+int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int* per_sm, int* sms);
 // Launch the routing kernels (gate GEMM + softmax/top-k/lists) on `stream`.
 int mk_route(const MkParams* p, void* stream);
 // Given routing (p->topk_idx / p->topk_w filled by the caller): reset + per-expert row lists.

@@ -24,6 +24,21 @@ MK_HD uint32_t swz_off(uint32_t row, uint32_t k) {
 // The hardware rule, written as the PTX ISA states it, for the test to compare with swz_off.
 MK_HD uint32_t swizzle128(uint32_t linear_byte) { return linear_byte ^ (((linear_byte >> 7) & 7u) << 4); }
 
+// ---- TMA tiles (MkParams.tma_b): the B tile is two boxes of 64 rows x 64 k, box b at tile byte 8192 b ----
+// Where the TMA (CU_TENSOR_MAP_SWIZZLE_128B) writes element (r, k) of a box whose shared-memory destination
+// `dst` is 1024-byte aligned, as the CUDA / PTX docs define the 128-byte swizzle: the box is row-major with
+// 128-byte rows, and 16-byte chunk c of row r of each 1024-byte (8-row) atom goes to chunk c ^ (r % 8).
+// Written from that rule, not from swz_off, so the CPU test can compare the two.
+MK_HD uint32_t tma_box_dst(uint32_t dst, uint32_t r, uint32_t k) {
+  return dst + (r / 8u) * 1024u + (r % 8u) * 128u + (((k / 8u) ^ (r % 8u)) * 16u) + (k % 8u) * 2u;
+}
+// Weight row (inside expert e's [2I, H] block) of GEMM1 tile row n of n-block nb: box 0 = gate rows
+// nb*64.., box 1 = up rows I + nb*64.. (the cp.async tiles interleave them instead: fill_meta).
+MK_HD int64_t tma_gemm1_row(int nb, int n, int64_t I) { return n < 64 ? (int64_t)nb * 64 + n : I + nb * 64 + (n - 64); }
+// mma core, TMA tile (bm = 16: 4 warps by column): first tile column of n8 block j (0..3) of warp wn; blocks
+// j and j + 2 hold the same 16 columns of each half, so a warp owns (gate, up) pairs for SwiGLU.
+MK_HD int tma_bcol(int wn, int j) { return (j >> 1) * 64 + wn * 16 + (j & 1) * 8; }
+
 // ---- wgmma shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format", sm_90) ---------------
 // bits 0-13 start address >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4,
 // 49-51 base offset (0: tiles 1024-byte aligned), 62-63 layout (1 = 128-byte swizzle).

@@ -18,8 +18,11 @@
 // the slot index passes the task total. All CTAs are resident (grid <= occupancy x SMs, checked), so a
 // processor waiting for a slot never blocks the work that slot waits on. Every wait is bounded by the
 // globaltimer and ends in an error record + abort flag, never a hang.
+#include <cuda.h>  // CUtensorMap (the encode entry point comes through the runtime: no -lcuda)
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
+#include <mutex>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -44,22 +47,29 @@ constexpr int BK = 64;        // k elements per pipeline stage (128 bytes per ro
 constexpr int BN = 128;       // n rows of weights per tile
 constexpr int THREADS = 128;  // the routing kernels' block; tile kernels use Tile::THREADS
 
-template <int BM_, int WM_, int WN_, int MINB_>
+template <int BM_, int WM_, int WN_, int MINB_, bool TMA_ = false>
 struct Tile {
   static constexpr int BM = BM_, WM = WM_, WN = WN_, THREADS = WM * WN * 32, MINB = MINB_;
+  static constexpr bool TMA = TMA_;  // B (weights) by one TMA pair per stage on an mbarrier (expert tasks only)
   static constexpr int WTM = BM / WM, WTN = BN / WN;
   static constexpr int MT = WTM / 16, NT = WTN / 8;
   static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
   // Per-task metadata after the pipeline stages: A row offsets, B row offsets, row ids.
   // (+16: the split-K "last part" flag)
-  static constexpr int META = BM * 8 + BN * 8 + BM * 4 + 16;
+  // (TMA: + one mbarrier per stage, <= 16 stages, 8 bytes for their alignment)
+  static constexpr int META = BM * 8 + BN * 8 + BM * 4 + 16 + (TMA ? 8 + 16 * 8 : 0);
   static constexpr int NACC = MT * NT * 4;  // fp32 accumulators per thread
   static constexpr bool WG = false;         // mma.sync core (the wgmma core is WgTile below)
-  static constexpr int ALIGN = 0;           // extra dynamic shared memory for aligning the tiles
+  static constexpr int ALIGN = TMA ? 1024 : 0;  // extra dynamic shared memory for aligning the tiles (the TMA's
+                                                // 128-byte swizzle repeats every 1024 bytes from the tile base)
   static_assert(MT >= 1 && NT % 2 == 0 && NACC <= 64, "warp tile");
+  // TMA tiles hold B as two 64-row boxes (GEMM1: gate rows, then up rows); the warp-to-column map below
+  // (b_col) gives each warp 16 columns of both halves, so a warp holds (gate, up) pairs: 4 warps of 32.
+  static_assert(!TMA || (WN == 4 && NT == 4 && A_BYTES % 1024 == 0 && STAGE % 1024 == 0), "TMA tile shape");
 };
 using Small = Tile<16, 1, 4, 1>;   // decode: 16 rows x 128, 4 warps of 16 x 32
 using Large = Tile<64, 2, 2, 1>;   // 64 rows x 128, 4 warps of 32 x 64
+using SmallTma = Tile<16, 1, 4, 1, true>;  // decode with B by TMA (opt-in: MkParams.tma_b)
 using Huge = Tile<128, 2, 4, 2>;  // prefill: 128 rows x 128, 8 warps of 64 x 32 (twice Large's FLOP per L2 byte);
                                   // 2 CTAs/SM need <= 128 registers (run 4: 1 CTA/SM was 1.6x slower)
 
@@ -114,6 +124,35 @@ __device__ __forceinline__ uint64_t gtime() {
   return t;
 }
 
+// ---- TMA (cp.async.bulk.tensor) and mbarrier helpers ----
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Raise the barrier's expected transaction bytes without arriving (the arrival count stays the threads').
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Arrive and expect `bytes` (barriers of count 1 that only the TMA issuer arrives on).
+__device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One box of a 2-D tensor map (inner coordinate x = k element, outer y = weight row) into shared memory at
+// dst; its bytes count down the transaction count of the mbarrier `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          dst),
+      "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
+}
+constexpr int TMA_BOX_ROWS = 64;  // B tile = two boxes of 64 rows x 64 k (128 bytes a row, 8 KB each)
+
 // First error wins; the abort flag makes every other wait give up at once.
 __device__ void report(const MkParams& p, int64_t code, int64_t where, int64_t detail, int64_t waited) {
   if (atomicCAS((unsigned long long*)p.err, 0ull, (unsigned long long)code) == 0ull) {
@@ -125,6 +164,30 @@ __device__ void report(const MkParams& p, int64_t code, int64_t where, int64_t d
   atomicExch(&p.ctl[MK_CTL_ABORT], 1);
 }
 
+__device__ __forceinline__ bool mbar_try(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+// Wait for the phase of `parity` to complete; bounded like every other wait in the kernel: after the timeout
+// it reports MK_ERR_PIPE_TIMEOUT (where = stage counter) and returns, and it returns at once once another
+// wait has aborted the launch. The tile is garbage then, but the launch ends and the host sees the error.
+__device__ __forceinline__ void mbar_wait(const MkParams& p, uint32_t bar, uint32_t parity, uint32_t g) {
+  if (mbar_try(bar, parity)) return;
+  const uint64_t since = gtime();
+  while (!mbar_try(bar, parity)) {
+    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return;
+    const uint64_t waited = gtime() - since;
+    if (waited > (uint64_t)p.timeout_ns) {
+      report(p, MK_ERR_PIPE_TIMEOUT, g, parity, (int64_t)waited);
+      return;
+    }
+  }
+}
 // ---- the tile GEMM: acc[BM x 128] = A[BM rows, K] . B[128 rows, K]^T (bf16 in, fp32 accumulate) -------
 // A row r starts at a_base + a_off[r]; B row n at b_base + b_off[n] (offset < 0: a zero row). Shared tiles
 // are [rows][64] bf16 with the 16-byte chunk index XOR-swizzled by (row & 7): conflict-free for both the
@@ -153,6 +216,42 @@ __device__ __forceinline__ void load_stage(char* smem, int stages, int kt, const
   }
 }
 
+// Tile column of accumulator n8 block j of warp column wn (lane's first column: + 2 * (lane & 3)). TMA tiles
+// read B rows j/2 * 64 + wn * 16 + (j & 1) * 8 ..: blocks j and j + 2 are a (gate, up) pair in GEMM1.
+template <class T>
+__device__ __forceinline__ int b_col(int wn, int j) {
+  return T::TMA ? mkidx::tma_bcol(wn, j) : wn * T::WTN + j * 8;
+}
+
+// One 64-wide k stage of the warp's tile from shared memory (ldmatrix + mma.sync).
+template <class T>
+__device__ __forceinline__ void mma_stage(float (&acc)[T::MT][T::NT][4], const char* sA, const char* sB, int wm,
+                                          int wn, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk) {
+    uint32_t a[T::MT][4], b[T::NT][2];
+#pragma unroll
+    for (int i = 0; i < T::MT; ++i) {
+      const int row = wm * T::WTM + i * 16 + (lane & 15), ch = kk * 2 + (lane >> 4);
+      ldsm_x4(a[i], su32(sA + (row * 8 + (ch ^ (row & 7))) * 16));
+    }
+#pragma unroll
+    for (int j = 0; j < T::NT / 2; ++j) {
+      const int row = b_col<T>(wn, 2 * j) + (lane & 7) + ((lane >> 4) << 3), ch = kk * 2 + ((lane >> 3) & 1);
+      uint32_t r[4];
+      ldsm_x4(r, su32(sB + (row * 8 + (ch ^ (row & 7))) * 16));
+      b[2 * j][0] = r[0];
+      b[2 * j][1] = r[1];
+      b[2 * j + 1][0] = r[2];
+      b[2 * j + 1][1] = r[3];
+    }
+#pragma unroll
+    for (int i = 0; i < T::MT; ++i)
+#pragma unroll
+      for (int j = 0; j < T::NT; ++j) mma16816(acc[i][j], a[i], b[j][0], b[j][1]);
+  }
+}
+
 template <class T>
 __device__ __forceinline__ void gemm_tile(float (&acc)[T::MT][T::NT][4], char* smem, int stages, const bf16* a_base,
                                           const int64_t* a_off, const bf16* b_base, const int64_t* b_off, int K) {
@@ -175,32 +274,66 @@ __device__ __forceinline__ void gemm_tile(float (&acc)[T::MT][T::NT][4], char* s
     if (kt + stages - 1 < KT) load_stage<T>(smem, stages, kt + stages - 1, a_base, a_off, b_base, b_off);
     cp_commit();
     const char* sA = smem + (kt % stages) * T::STAGE;
-    const char* sB = sA + T::A_BYTES;
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      uint32_t a[T::MT][4], b[T::NT][2];
-#pragma unroll
-      for (int i = 0; i < T::MT; ++i) {
-        const int row = wm * T::WTM + i * 16 + (lane & 15), ch = kk * 2 + (lane >> 4);
-        ldsm_x4(a[i], su32(sA + (row * 8 + (ch ^ (row & 7))) * 16));
-      }
-#pragma unroll
-      for (int j = 0; j < T::NT / 2; ++j) {
-        const int row = wn * T::WTN + j * 16 + (lane & 7) + ((lane >> 4) << 3), ch = kk * 2 + ((lane >> 3) & 1);
-        uint32_t r[4];
-        ldsm_x4(r, su32(sB + (row * 8 + (ch ^ (row & 7))) * 16));
-        b[2 * j][0] = r[0];
-        b[2 * j][1] = r[1];
-        b[2 * j + 1][0] = r[2];
-        b[2 * j + 1][1] = r[3];
-      }
-#pragma unroll
-      for (int i = 0; i < T::MT; ++i)
-#pragma unroll
-        for (int j = 0; j < T::NT; ++j) mma16816(acc[i][j], a[i], b[j][0], b[j][1]);
-    }
+    mma_stage<T>(acc, sA, sA + T::A_BYTES, wm, wn, lane);
   }
   cp_wait(0);
+  __syncthreads();  // shared memory free for the caller
+}
+
+// Expert tasks of a TMA tile (T::TMA): A rows by every thread with cp.async as above; the B tile by thread 0
+// as two TMA boxes (rows brow.. and brow2.., k from kb) completing on the stage's mbarrier (count 1:
+// arrive.expect_tx). Stage g = it + kt (the CTA's running counter, so the barrier phases carry across
+// tasks) sits in slot g % stages with parity (g / stages) & 1. Each thread still waits for its own A
+// group, then the barrier, then the CTA barrier that also frees the slot of stage kt-1 for the next copy.
+template <class T>
+__device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], const MkParams& p, char* smem, uint32_t bars,
+                                              uint32_t& it, const bf16* a_base, const int64_t* a_off,
+                                              const CUtensorMap* bmap, int brow, int brow2, int kb, int K) {
+  static_assert(T::TMA, "TMA tile");
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / T::WN, wn = warp % T::WN;
+  const int stages = (int)p.stages;
+#pragma unroll
+  for (int i = 0; i < T::MT; ++i)
+#pragma unroll
+    for (int j = 0; j < T::NT; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+  const int KT = K / BK;
+  auto issue = [&](int kt) {
+    const uint32_t slot = (it + kt) % stages;
+    char* sA = smem + slot * T::STAGE;
+    const int k0 = kt * BK;
+#pragma unroll
+    for (int c = tid; c < T::BM * 8; c += T::THREADS) {
+      const int r = c >> 3, ch = c & 7;
+      const int64_t off = a_off[r];
+      cp_async16(su32(sA + (r * 8 + (ch ^ (r & 7))) * 16), a_base + (off < 0 ? 0 : off) + k0 + ch * 8,
+                 off < 0 ? 0 : 16);
+    }
+    if (tid == 0) {
+      const uint32_t bar = bars + 8 * slot, sB = su32(sA + T::A_BYTES);
+      mbar_arrive_tx(bar, T::B_BYTES);
+      tma_load_2d(sB, bmap, kb + k0, brow, bar);
+      tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kb + k0, brow2, bar);
+    }
+  };
+  for (int s = 0; s < stages - 1; ++s) {
+    if (s < KT) issue(s);
+    cp_commit();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    const uint32_t g = it + kt, slot = g % stages;
+    cp_wait(stages - 2);  // this thread's A rows of stage kt landed
+    mbar_wait(p, bars + 8 * slot, (g / stages) & 1, g);  // the B tile of stage kt landed
+    __syncthreads();  // every thread's A rows landed; slot of stage kt-1 is free again
+    if (kt + stages - 1 < KT) issue(kt + stages - 1);
+    cp_commit();
+    const char* sA = smem + slot * T::STAGE;
+    mma_stage<T>(acc, sA, sA + T::A_BYTES, wm, wn, lane);
+  }
+  cp_wait(0);
+  it += KT;
   __syncthreads();  // shared memory free for the caller
 }
 
@@ -222,6 +355,8 @@ __device__ __forceinline__ Meta meta(char* smem, int stages) {
   m.last = m.row_id + T::BM;
   return m;
 }
+// Shared address of the first stage mbarrier (8-byte aligned, after the metadata; TMA and wgmma tiles).
+__device__ __forceinline__ uint32_t bar_base(const Meta& md) { return (su32(md.last + 4) + 7u) & ~7u; }
 
 // Per-task metadata: A row offsets (token rows of x for GEMM1, (token, slot) rows of h for GEMM2) and
 // B row offsets (GEMM1: interleaved gate/up rows, so each accumulator pair (c0, c1) is (gate, up) of one
@@ -259,6 +394,14 @@ __device__ __forceinline__ void store_pair(const MkParams& p, int kind, int nb, 
   }
 }
 
+// GEMM1 epilogue of a TMA tile (gate rows 0..63, up rows 64..127): gate columns q, q+1 (g0, g1) and their up
+// columns (u0, u1) -> h columns nb*64 + q, q+1; the same arithmetic as store_pair's, so the same bits.
+__device__ __forceinline__ void store_h2(const MkParams& p, int nb, int v, int q, float g0, float g1, float u0,
+                                         float u1) {
+  *(__nv_bfloat162*)((bf16*)p.h + (int64_t)v * p.I + nb * 64 + q) =
+      __floats2bfloat162_rn(g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1);
+}
+
 // After the epilogue's stores (every thread past a barrier): one fence, then the readiness counters.
 template <class T>
 __device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, int kind, int tile) {
@@ -282,7 +425,8 @@ __device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, i
 // last adds the parts in part order 0, 1, .., splits-1 (whatever order they finished in: bit-identical
 // results run to run) and runs the epilogue and the readiness signal. The other parts signal nothing.
 template <class T>
-__device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, int ks, int splits) {
+__device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, int ks, int splits,
+                         uint32_t& it, const CUtensorMap* tm1, const CUtensorMap* tm2) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
   const int H = (int)p.H, I = (int)p.I;
@@ -292,7 +436,13 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
   __syncthreads();
   float acc[T::MT][T::NT][4];
   const int Kfull = kind == MK_TASK_GEMM1 ? H : I, Kpart = Kfull / splits, k0 = ks * Kpart;
-  if (kind == MK_TASK_GEMM1)
+  if constexpr (T::TMA) {  // B boxes: GEMM1 gate rows, up rows; GEMM2 128 consecutive rows of W_down[e]
+    const int brow = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
+    const int brow2 = kind == MK_TASK_GEMM1 ? brow + I : brow + TMA_BOX_ROWS;
+    const bf16* a_base = (kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h) + k0;
+    gemm_tile_tma<T>(acc, p, smem, bar_base(md), it, a_base, md.a_off, kind == MK_TASK_GEMM1 ? tm1 : tm2, brow, brow2,
+                     k0, Kpart);
+  } else if (kind == MK_TASK_GEMM1)
     gemm_tile<T>(acc, smem, stages, (const bf16*)p.x + k0, md.a_off, (const bf16*)p.w1 + k0, md.b_off, Kpart);
   else
     gemm_tile<T>(acc, smem, stages, (const bf16*)p.h + k0, md.a_off, (const bf16*)p.w2 + k0, md.b_off, Kpart);
@@ -340,9 +490,16 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
       const int r = wm * T::WTM + i * 16 + (lane >> 2) + half * 8;
       const int v = md.row_id[r];
       if (v < 0) continue;
+      if (T::TMA && kind == MK_TASK_GEMM1) {  // blocks j (gate) and j + 2 (up) hold the same h columns
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          store_h2(p, nb, v, b_col<T>(wn, j) + 2 * (lane & 3), acc[i][j][2 * half], acc[i][j][2 * half + 1],
+                   acc[i][j + 2][2 * half], acc[i][j + 2][2 * half + 1]);
+        continue;
+      }
 #pragma unroll
       for (int j = 0; j < T::NT; ++j)
-        store_pair(p, kind, nb, v, wn * T::WTN + j * 8 + 2 * (lane & 3), acc[i][j][2 * half], acc[i][j][2 * half + 1]);
+        store_pair(p, kind, nb, v, b_col<T>(wn, j) + 2 * (lane & 3), acc[i][j][2 * half], acc[i][j][2 * half + 1]);
     }
   __syncthreads();  // every thread's stores issued before thread 0's fence + signal
   signal_done<T>(p, md, kind, tile);
@@ -358,9 +515,12 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
 // consumer warpgroup: each consumer thread arrives once the wgmmas that read the stage have completed).
 // Producer and consumers walk one running stage counter `it` across the CTA's tasks, so the barrier
 // phases never need re-initialising. Each producer thread keeps up to stages-1 of its own groups in flight.
-template <int BM_>
+template <int BM_, bool TMA_ = false>
 struct WgTile {
   static constexpr int BM = BM_, CONSUMERS = BM / 64, THREADS = 128 * (1 + CONSUMERS);
+  // TMA: producer thread 0 loads each stage's B tile as two boxes (mbarrier.expect_tx on full[s]: the 128
+  // arrivals stay the producer threads' A rows); GEMM1's tile is then gate rows 0..63, up rows 64..127.
+  static constexpr bool TMA = TMA_;
   static constexpr int MINB = 1;  // bm=64: 2 CTAs/SM still fit by shared memory at <= 4 stages (launch bound 1
                                   // keeps the consumers' 64 accumulators + descriptors off the spill path)
   static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
@@ -371,41 +531,13 @@ struct WgTile {
 };
 using WgLarge = WgTile<64>;  // 256 threads: 1 producer + 1 consumer warpgroup
 using WgHuge = WgTile<128>;  // 384 threads: 1 producer + 2 consumer warpgroups
+using WgLargeTma = WgTile<64, true>;  // the same with B by TMA (opt-in: MkParams.tma_b)
+using WgHugeTma = WgTile<128, true>;
 
 __device__ __forceinline__ char* align_smem(char* smem, int align) {
   if (!align) return smem;
   const uint32_t a = su32(smem);
   return smem + ((align - (a & (align - 1))) & (align - 1));
-}
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ bool mbar_try(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
-// Wait for the phase of `parity` to complete; bounded like every other wait in the kernel: after the timeout
-// it reports MK_ERR_PIPE_TIMEOUT (where = stage counter) and returns, and it returns at once once another
-// wait has aborted the launch. The tile is garbage then, but the launch ends and the host sees the error.
-__device__ __forceinline__ void mbar_wait(const MkParams& p, uint32_t bar, uint32_t parity, uint32_t g) {
-  if (mbar_try(bar, parity)) return;
-  const uint64_t since = gtime();
-  while (!mbar_try(bar, parity)) {
-    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return;
-    const uint64_t waited = gtime() - since;
-    if (waited > (uint64_t)p.timeout_ns) {
-      report(p, MK_ERR_PIPE_TIMEOUT, g, parity, (int64_t)waited);
-      return;
-    }
-  }
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -437,12 +569,13 @@ struct WgBars {
 };
 template <class T>
 __device__ __forceinline__ WgBars<T> wg_bars(const Meta& md) {
-  const uint32_t b = (su32(md.last + 4) + 7u) & ~7u;
+  const uint32_t b = bar_base(md);
   return {b, b + 8u * 16u};
 }
 
 template <class T>
-__device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, uint32_t& it) {
+__device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, uint32_t& it,
+                            const CUtensorMap* tm1, const CUtensorMap* tm2) {
   const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
   const int stages = (int)p.stages;
   Meta md = meta<T>(smem, stages);
@@ -468,6 +601,10 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
     }
 #pragma unroll
     for (int q = 0; q < BN / 16; ++q) bsrc[q] = b_base + md.b_off[r0 + 16 * q] + ch * 8;
+    // TMA: the B tile's two boxes start at weight rows brow and brow2 (GEMM1: gate, up; GEMM2: 128 rows)
+    const CUtensorMap* bmap = kind == MK_TASK_GEMM1 ? tm1 : tm2;
+    const int brow = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
+    const int brow2 = kind == MK_TASK_GEMM1 ? brow + (int)p.I : brow + TMA_BOX_ROWS;
     const int lag = stages - 1;
     for (int kt = 0; kt < KT; ++kt) {
       const uint32_t g = it + kt, slot = g % stages;
@@ -478,11 +615,21 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
       }
       mbar_wait(p, bars.empty + 8 * slot, ((g / stages) & 1) ^ 1, g);  // a fresh barrier passes parity 1 at once
       const uint32_t sA = s0 + slot * T::STAGE, sB = sA + T::A_BYTES;
+      if constexpr (T::TMA) {
+        if (t == 0) {  // expect_tx before the copies: thread 0's own arrival (later) keeps the phase open until then
+          const uint32_t full = bars.full + 8 * slot;
+          mbar_expect_tx(full, T::B_BYTES);
+          tma_load_2d(sB, bmap, kt * BK, brow, full);
+          tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full);
+        }
+      }
 #pragma unroll
       for (int q = 0; q < T::BM / 16; ++q)
         cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
+      if constexpr (!T::TMA) {
 #pragma unroll
-      for (int q = 0; q < BN / 16; ++q) cp_async16(sB + mkidx::swz_off(r0 + 16 * q, ch * 8), bsrc[q] + kt * BK, 16);
+        for (int q = 0; q < BN / 16; ++q) cp_async16(sB + mkidx::swz_off(r0 + 16 * q, ch * 8), bsrc[q] + kt * BK, 16);
+      }
       cp_commit();
     }
     cp_wait(0);
@@ -517,6 +664,15 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
       const int r = 64 * c + (int)mkidx::acc_row(t, 2 * half);
       const int v = md.row_id[r];
       if (v < 0) continue;
+      if (T::TMA && kind == MK_TASK_GEMM1) {
+        // gate column cc sits in register i, its up column cc + 64 in register i + 32 of the same thread
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int i = 4 * j + 2 * half;
+          store_h2(p, nb, v, (int)mkidx::acc_col(t, i), d[i], d[i + 1], d[i + 32], d[i + 33]);
+        }
+        continue;
+      }
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int i = 4 * j + 2 * half;
@@ -714,7 +870,10 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
 
 // ---- the persistent kernel ------------------------------------------------------------------------------
 template <class T>
-__global__ void __launch_bounds__(T::THREADS, T::MINB) k_experts(const MkParams p) {
+__global__ void __launch_bounds__(T::THREADS, T::MINB)
+    k_experts(const MkParams p, const __grid_constant__ CUtensorMap tm1, const __grid_constant__ CUtensorMap tm2) {
+  // tm1 / tm2: W_gate_up as [E*2I, H] and W_down as [E*H, I] (bf16, 64 x 64 boxes, 128-byte swizzle); read
+  // only by TMA tiles (T::TMA), zeros otherwise
   extern __shared__ __align__(128) char smem_raw[];
   __shared__ uint64_t s_task;
   char* smem = align_smem(smem_raw, T::ALIGN);
@@ -723,7 +882,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) k_experts(const MkParams 
     scheduler<T>(p, smem, epoch);
     return;
   }
-  uint32_t it = 0;  // wgmma core: running k-stage counter (mbarrier phases) across this CTA's tasks
+  uint32_t it = 0;  // wgmma core and TMA tiles: running k-stage counter (mbarrier phases) across this CTA's tasks
   if constexpr (T::WG) {
     if (threadIdx.x == 0) {
       const WgBars<T> b = wg_bars<T>(meta<T>(smem, (int)p.stages));
@@ -734,6 +893,19 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) k_experts(const MkParams 
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
+  } else if constexpr (T::TMA) {
+    if (threadIdx.x == 0) {
+      const uint32_t b = bar_base(meta<T>(smem, (int)p.stages));
+      for (int s = 0; s < (int)p.stages; ++s) mbar_init(b + 8 * s, 1);  // thread 0's arrive.expect_tx + the bytes
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
+  if constexpr (T::TMA) {
+    if (threadIdx.x == 0) {  // the descriptors are read by every copy: fetch them early
+      tma_prefetch_desc(&tm1);
+      tma_prefetch_desc(&tm2);
+    }
   }
   for (;;) {
     if (threadIdx.x == 0) {
@@ -770,9 +942,9 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) k_experts(const MkParams 
     } else {
       const int N = kind == MK_TASK_GEMM1 ? (int)(2 * p.I / BN) : (int)(p.H / BN);
       if constexpr (T::WG)
-        run_gemm_wg<T>(p, smem, kind, e, mt, nf, tile, it);  // never split (the scheduler splits bm=16 only)
+        run_gemm_wg<T>(p, smem, kind, e, mt, nf, tile, it, &tm1, &tm2);  // never split (the scheduler splits bm=16 only)
       else
-        run_gemm<T>(p, smem, kind, e, mt, nf % N, tile, nf / N, splits);
+        run_gemm<T>(p, smem, kind, e, mt, nf % N, tile, nf / N, splits, it, &tm1, &tm2);
     }
   }
 }
@@ -992,15 +1164,32 @@ cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kerne
   if (done) return cudaSuccess;
   const int most = smem_for<T>(MAX_STAGES) <= SMEM_MAX ? smem_for<T>(MAX_STAGES) : SMEM_MAX;
   cudaError_t e = cudaFuncSetAttribute(k_experts<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
-  if constexpr (!T::WG)  // the gate GEMM runs on the mma core only
+  if constexpr (!T::WG && !T::TMA)  // the gate GEMM runs on the mma core only, B by cp.async
     if (e == cudaSuccess) e = cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
   done = e == cudaSuccess;
   return e;
 }
 
-int expert_smem(int64_t bm, int64_t core, int st) {
-  if (core == MK_CORE_WGMMA && bm >= 64) return bm == 64 ? smem_for<WgLarge>(st) : smem_for<WgHuge>(st);
-  return bm == 16 ? smem_for<Small>(st) : bm == 64 ? smem_for<Large>(st) : smem_for<Huge>(st);
+// The wgmma core serves bm = 64 / 128 when asked for; bm = 16 always runs the mma core.
+bool use_wgmma(int64_t bm, int64_t core) { return core == MK_CORE_WGMMA && bm >= 64; }
+// B by TMA (tma_b = 1) exists for the wgmma tiles and the bm = 16 mma tile; bm = 64 / 128 on the mma core
+// keep cp.async.
+bool use_tma(int64_t bm, int64_t core, int64_t tma) { return tma != 0 && (use_wgmma(bm, core) || bm == 16); }
+
+// Call f(Tile{}) with the expert kernel's tile type for (bm, core, tma).
+template <class F>
+int with_tile(int64_t bm, int64_t core, int64_t tma, F&& f) {
+  const bool t = use_tma(bm, core, tma);
+  if (use_wgmma(bm, core)) {
+    if (bm == 64) return t ? f(WgLargeTma{}) : f(WgLarge{});
+    return t ? f(WgHugeTma{}) : f(WgHuge{});
+  }
+  if (bm == 16) return t ? f(SmallTma{}) : f(Small{});
+  return bm == 64 ? f(Large{}) : f(Huge{});
+}
+
+int expert_smem(int64_t bm, int64_t core, int64_t tma, int st) {
+  return with_tile(bm, core, tma, [&](auto tile) { return smem_for<decltype(tile)>(st); });
 }
 
 int check_params(const MkParams* p) {
@@ -1009,7 +1198,8 @@ int check_params(const MkParams* p) {
   if (p->logit_splits_max < 1 || p->logit_splits_max > MAX_SPLITS) return fail_msg("mk: logit_splits_max must be in 1..16");
   if (p->stages < 2 || p->stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..12");
   if (p->core != MK_CORE_MMA && p->core != MK_CORE_WGMMA) return fail_msg("mk: core must be 0 (mma) or 1 (wgmma)");
-  if (expert_smem(p->bm, p->core, (int)p->stages) > SMEM_MAX)
+  if (p->tma_b != 0 && p->tma_b != 1) return fail_msg("mk: tma_b must be 0 or 1");
+  if (expert_smem(p->bm, p->core, p->tma_b, (int)p->stages) > SMEM_MAX)
     return fail_msg("mk: stages too deep for bm (shared memory > 226 KB: bm=16 <= 12, 64 <= 8, 128 <= 6; wgmma 64 <= 9, "
                     "128 <= 6)");
   if (p->split_k1 < 1 || p->split_k1 > MK_MAX_SPLITS || p->split_k2 < 1 || p->split_k2 > MK_MAX_SPLITS)
@@ -1040,18 +1230,67 @@ int occupancy_of(int64_t stages, int* per_sm) {
   return 0;
 }
 
-// The wgmma core serves bm = 64 / 128 when asked for; bm = 16 always runs the mma core.
-bool use_wgmma(int64_t bm, int64_t core) { return core == MK_CORE_WGMMA && bm >= 64; }
-
-int occupancy(int64_t bm, int64_t stages, int64_t core, int* per_sm, int* sms) {
+int occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int* per_sm, int* sms) {
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return fail("cudaGetDevice", e);
   if ((e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
     return fail("cudaDeviceGetAttribute", e);
-  if (use_wgmma(bm, core)) return bm == 64 ? occupancy_of<WgLarge>(stages, per_sm) : occupancy_of<WgHuge>(stages, per_sm);
-  return bm == 16 ? occupancy_of<Small>(stages, per_sm) : bm == 64 ? occupancy_of<Large>(stages, per_sm)
-                                                                  : occupancy_of<Huge>(stages, per_sm);
+  return with_tile(bm, core, tma, [&](auto tile) { return occupancy_of<decltype(tile)>(stages, per_sm); });
+}
+
+// ---- tensor maps of the weights (TMA tiles) ----
+// cuTensorMapEncodeTiled through the runtime's driver entry point (the library links no libcuda). Encoded
+// maps are cached by (address, rows, cols): a launch (or a graph capture, which copies the kernel
+// parameters by value) re-encodes nothing for weights it has seen.
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = (PFN_cuTensorMapEncodeTiled_v12000)f;
+  });
+  return fn;
+}
+
+struct MapEntry {
+  const void* ptr;
+  uint64_t rows, cols;
+  CUtensorMap map;
+};
+
+// bf16 matrix [rows, cols] (row-major, contiguous) -> map with 64 x 64 boxes and the 128-byte swizzle: a box
+// lands in shared memory as mkidx::swz_off lays a tile out (chunk c of row r at chunk c ^ (r & 7)).
+int weight_map(const void* ptr, uint64_t rows, uint64_t cols, CUtensorMap* out) {
+  static std::mutex mu;
+  static MapEntry cache[32];
+  static int used = 0, next = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  for (int i = 0; i < used; ++i)
+    if (cache[i].ptr == ptr && cache[i].rows == rows && cache[i].cols == cols) {
+      *out = cache[i].map;
+      return 0;
+    }
+  PFN_cuTensorMapEncodeTiled_v12000 enc = encode_fn();
+  if (!enc) return fail_msg("mk: cuTensorMapEncodeTiled not available from the driver");
+  if ((uintptr_t)ptr % 16 || (cols * 2) % 16) return fail_msg("mk: TMA needs 16-byte aligned weights and rows");
+  const cuuint64_t dims[2] = {cols, rows}, strides[1] = {cols * 2};
+  const cuuint32_t box[2] = {BK, TMA_BOX_ROWS}, estr[2] = {1, 1};
+  CUtensorMap m;
+  const CUresult r = enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
+                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    snprintf(g_err, sizeof g_err, "mk: cuTensorMapEncodeTiled failed (CUresult %d)", (int)r);
+    return 1;
+  }
+  MapEntry& slot = cache[used < 32 ? used++ : next++ % 32];  // full: replace the oldest entries in turn
+  slot = {ptr, rows, cols, m};
+  *out = m;
+  return 0;
 }
 
 template <class T>
@@ -1083,13 +1322,20 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
 template <class T>
 int launch_experts(const MkParams* p, cudaStream_t s) {
   int per_sm = 0, sms = 0;
-  if (occupancy(T::BM, p->stages, T::WG ? MK_CORE_WGMMA : MK_CORE_MMA, &per_sm, &sms)) return 1;
+  if (occupancy(T::BM, p->stages, T::WG ? MK_CORE_WGMMA : MK_CORE_MMA, T::TMA, &per_sm, &sms)) return 1;
   if (p->grid < 2 || p->grid > (int64_t)per_sm * sms) {
     snprintf(g_err, sizeof g_err, "mk: grid %lld not in 2..%d (resident CTAs: %d per SM x %d SMs)", (long long)p->grid,
              per_sm * sms, per_sm, sms);
     return 1;
   }
-  k_experts<T><<<(unsigned)p->grid, T::THREADS, smem_for<T>((int)p->stages), s>>>(*p);
+  CUtensorMap tm1, tm2;
+  memset(&tm1, 0, sizeof tm1);
+  memset(&tm2, 0, sizeof tm2);
+  if constexpr (T::TMA) {
+    if (weight_map(p->w1, (uint64_t)(p->E * 2 * p->I), (uint64_t)p->H, &tm1)) return 1;
+    if (weight_map(p->w2, (uint64_t)(p->E * p->H), (uint64_t)p->I, &tm2)) return 1;
+  }
+  k_experts<T><<<(unsigned)p->grid, T::THREADS, smem_for<T>((int)p->stages), s>>>(*p, tm1, tm2);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail("k_experts launch", e);
   return 0;
@@ -1102,12 +1348,13 @@ extern "C" {
 int mk_abi_version(void) { return MK_ABI_VERSION; }
 const char* mk_last_error(void) { return g_err; }
 
-int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int* per_sm, int* sms) {
+int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int* per_sm, int* sms) {
   if (bm != 16 && bm != 64 && bm != 128) return fail_msg("mk: bm must be 16, 64 or 128");
   if (stages < 2 || stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..12");
   if (core != MK_CORE_MMA && core != MK_CORE_WGMMA) return fail_msg("mk: core must be 0 (mma) or 1 (wgmma)");
-  if (expert_smem(bm, core, (int)stages) > SMEM_MAX) return fail_msg("mk: stages too deep for bm (shared memory)");
-  return occupancy(bm, stages, core, per_sm, sms);
+  if (tma != 0 && tma != 1) return fail_msg("mk: tma must be 0 or 1");
+  if (expert_smem(bm, core, tma, (int)stages) > SMEM_MAX) return fail_msg("mk: stages too deep for bm (shared memory)");
+  return occupancy(bm, stages, core, tma, per_sm, sms);
 }
 
 int mk_route(const MkParams* p, void* stream) {
@@ -1133,8 +1380,7 @@ int mk_experts(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
   if (p->S == 0) return 0;
   cudaStream_t s = (cudaStream_t)stream;
-  if (use_wgmma(p->bm, p->core)) return p->bm == 64 ? launch_experts<WgLarge>(p, s) : launch_experts<WgHuge>(p, s);
-  return p->bm == 16 ? launch_experts<Small>(p, s) : p->bm == 64 ? launch_experts<Large>(p, s) : launch_experts<Huge>(p, s);
+  return with_tile(p->bm, p->core, p->tma_b, [&](auto tile) { return launch_experts<decltype(tile)>(p, s); });
 }
 
 }  // extern "C"

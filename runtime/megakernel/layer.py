@@ -113,8 +113,8 @@ class MegakernelMoE:
         if (bm, stages) not in self._grids:
             per_sm, sms = ctypes.c_int(0), ctypes.c_int(0)
             with torch.cuda.device(self.device):
-                _lib.check(self.lib, self.lib.mk_occupancy(bm, stages, _lib.CORES[self.config.core], ctypes.byref(per_sm),
-                                                           ctypes.byref(sms)), "mk_occupancy")
+                _lib.check(self.lib, self.lib.mk_occupancy(bm, stages, _lib.CORES[self.config.core], self.config.tma,
+                                                           ctypes.byref(per_sm), ctypes.byref(sms)), "mk_occupancy")
             if per_sm.value < 1:
                 raise ConfigError(f"megakernel config: stages={stages} leaves no resident CTA")
             per = self.config.ctas_per_sm or per_sm.value
@@ -147,6 +147,7 @@ class MegakernelMoE:
             p.logit_splits_max = self.logit_splits
             p.core = _lib.CORES[cfg.core]
             p.split_k1, p.split_k2, p.sk_max_tiles = cfg.split_k1, cfg.split_k2, self.sk_tiles
+            p.tma_b = cfg.tma
             self._params[(bm, stages)] = p
         return p
 

@@ -114,6 +114,63 @@ int main() {
       CHECK(sk_index(3, 1, 5, 17, threads, nacc, stride) + 1 == sk_index(3, 1, 5, 18, threads, nacc, stride), "stride");
     }
   }
+  // 7. TMA tiles (MkParams.tma_b): the two 64-row boxes of a B tile land exactly where swz_off (cp.async, the
+  //    ldmatrix reads) and the wgmma descriptors (section 3) expect tile rows 0..63 and 64..127
+  {
+    // stage tiles: bm = 16 mma (A 2 KB + B 16 KB), wgmma bm = 64 / 128; the B tile's base is 1024-aligned
+    const uint32_t a_bytes[3] = {16 * 128, 64 * 128, 128 * 128};
+    for (int t = 0; t < 3; ++t)
+      for (uint32_t s = 0; s < 12; ++s) {
+        const uint32_t sB = 0x400 * 5 + s * (a_bytes[t] + 128 * 128) + a_bytes[t];
+        CHECK(sB % 1024 == 0, "B tile alignment t=%d s=%u", t, s);
+        for (uint32_t b = 0; b < 2; ++b)
+          for (uint32_t r = 0; r < 64; ++r)
+            for (uint32_t k = 0; k < 64; ++k)
+              CHECK(tma_box_dst(sB + 8192 * b, r, k) == sB + swz_off(64 * b + r, k), "box t=%d s=%u b=%u r=%u k=%u", t,
+                    s, b, r, k);
+      }
+    // the hardware rule as an address-bit XOR on the whole (1024-aligned) shared address, too
+    for (uint32_t r = 0; r < 64; ++r)
+      for (uint32_t k = 0; k < 64; k += 8)
+        CHECK(tma_box_dst(0x2400, r, k) == swizzle128(0x2400 + r * 128 + k * 2), "xor form r=%u k=%u", r, k);
+    const int64_t I = 768;
+    for (int nb = 0; nb < 12; ++nb) {
+      // the cp.async tile interleaves (gate, up) rows (fill_meta); the TMA tile stacks them: the same rows
+      std::set<int64_t> inter, stacked;
+      for (int n = 0; n < 128; ++n) {
+        inter.insert((n & 1) ? I + nb * 64 + n / 2 : (int64_t)nb * 64 + n / 2);
+        stacked.insert(tma_gemm1_row(nb, n, I));
+      }
+      CHECK(inter == stacked, "GEMM1 rows nb=%d", nb);
+      // mma core (bm = 16, warps by column): block j and j + 2 of a warp are gate / up of the same h columns,
+      // the ldmatrix x4 of block pair (2j, 2j+1) reads those rows, and 4 warps cover 64 h columns once
+      std::vector<int> h(64, 0), g2(128, 0);
+      for (int wn = 0; wn < 4; ++wn)
+        for (int lane = 0; lane < 32; ++lane) {
+          for (int j = 0; j < 2; ++j) {
+            const int m = lane >> 3;  // ldmatrix matrix this lane addresses: (n8 block 2j + m/2, k half m % 2)
+            const int row = tma_bcol(wn, 2 * j) + (lane & 7) + ((lane >> 4) << 3);
+            CHECK(row == tma_bcol(wn, 2 * j + (m >> 1)) + (lane & 7) && ((lane >> 3) & 1) == (m & 1), "ldsm lane %d", lane);
+            for (int e = 0; e < 2; ++e) {
+              const int c = tma_bcol(wn, j) + 2 * (lane & 3) + e, u = tma_bcol(wn, j + 2) + 2 * (lane & 3) + e;
+              CHECK(c < 64 && u == c + 64, "pair wn=%d lane=%d j=%d", wn, lane, j);
+              CHECK(tma_gemm1_row(nb, c, I) == nb * 64 + c && tma_gemm1_row(nb, u, I) == I + nb * 64 + c, "rows");
+              if ((lane >> 2) == 0) h[c]++;
+            }
+          }
+          for (int j = 0; j < 4; ++j)
+            for (int e = 0; e < 2; ++e)
+              if ((lane >> 2) == 0) g2[tma_bcol(wn, j) + 2 * (lane & 3) + e]++;
+        }
+      for (int c = 0; c < 64; ++c) CHECK(h[c] == 1, "h column %d hit %d", c, h[c]);
+      for (int c = 0; c < 128; ++c) CHECK(g2[c] == 1, "GEMM2 column %d hit %d", c, g2[c]);
+    }
+    // wgmma core: register i < 32 holds gate column c < 64, register i + 32 its up column c + 64 (same row)
+    for (uint32_t t = 0; t < 128; ++t)
+      for (uint32_t i = 0; i < 32; ++i)
+        CHECK(acc_col(t, i) < 64 && acc_col(t, i + 32) == acc_col(t, i) + 64 && acc_row(t, i + 32) == acc_row(t, i),
+              "wgmma pair t=%u i=%u", t, i);
+  }
   printf("ok %ld\n", n_checks);
   return 0;
 }
