@@ -31,8 +31,8 @@ if [ "$what" = ncu ] || [ "$what" = all-ncu ]; then
   for s in ${NCU_TOKENS:-1 4096}; do
     timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --kernel-name regex:'k_experts|k_logits|k_topk' \
       --launch-skip 3 --launch-count 3 --section SpeedOfLight --section Occupancy --section WarpStateStats \
-      --section LaunchStats --metrics gpu__time_duration.sum,dram__bytes_read.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+      --section LaunchStats --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
       python3 bench/megakernel_profile.py --tokens "$s" ${NCU_CONFIG:+--config "$NCU_CONFIG"} > "$OUT/ncu_S$s.txt" 2>&1
-    echo "ncu S=$s rc=$?"; grep -E "^  k_|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|hmma|dram__bytes|Stall|Warp Cycles Per Issued" "$OUT/ncu_S$s.txt" | head -60
+    echo "ncu S=$s rc=$?"; grep -E "^  k_|Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|hmma|dram__bytes|lts__t_bytes|Stall|Warp Cycles Per Issued" "$OUT/ncu_S$s.txt" | head -60
   done
 fi

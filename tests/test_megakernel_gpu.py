@@ -213,7 +213,9 @@ def test_never_ready_task_times_out(model, layer):
 # ---- new paths (off by default until a GPU run verifies them): the wgmma core for bm 64/128 and decode split-K ----------------------------
 # Each runs every S against dense_reference with poisoned output, twice more for bit-identical bits, and its
 # task counts against the CPU model. NEXT_RUN.md: if these pass, the bench decides the defaults.
-NEW_PATHS = ["core=wgmma", "core=wgmma,bm=64", "core=wgmma,bm=128", "core=wgmma,bm=64,stages=6",
+NEW_PATHS = [# the mma core and no split-K: the defaults before run 10, still selectable (mk_core, mk_split_k)
+             "core=mma", "core=mma,bm=64", "core=mma,bm=128", "split_k1=1,split_k2=1", "core=mma,split_k1=1,split_k2=1",
+             "core=wgmma", "core=wgmma,bm=64", "core=wgmma,bm=128", "core=wgmma,bm=64,stages=6",
              "core=wgmma,bm=128,stages=6", "core=wgmma,bm=128,stages=2", "split_k1=4,split_k2=2",
              "split_k1=2,split_k2=1", "split_k1=8,split_k2=4,stages=3", "core=wgmma,split_k1=4,split_k2=2",
              # weight tiles by TMA (tma=1): wgmma producer, and the bm=16 mma tile (also with split-K)
