@@ -1,7 +1,7 @@
 #!/bin/bash
 # Device-side driver for the megakernel (run from the folder sync_megakernel_device.sh fills):
 # import shim, prebuilt library (else build there), GPU tests, benchmark. Logs under $OUT.
-#   bash run.sh [tests|bench|all] [extra pytest -k expression]
+#   bash run.sh [tests|bench|all|trace|ncu] [extra pytest -k expression]
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -25,6 +25,13 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout ${BENCH_TIMEOUT:-240} python3 bench/megakernel_bench.py --sha "$(cat SHA)" --out "$OUT/bench.json" ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/bench.log" | tail -${BENCH_TAIL:-12}
+fi
+if [ "$what" = trace ]; then
+  # per-kernel device time and the gaps between kernels inside one CUDA-graph replay (torch.profiler)
+  for s in ${TRACE_TOKENS:-1 1024 4096}; do
+    timeout ${TRACE_TIMEOUT:-60} python3 bench/megakernel_profile.py --tokens "$s" --trace --calls 20 \
+      ${TRACE_CONFIG:+--config "$TRACE_CONFIG"} 2>&1 | grep -E "^trace|^  kernel|^  gap|Error|error" | tee -a "$OUT/trace.log"
+  done
 fi
 if [ "$what" = ncu ] || [ "$what" = all-ncu ]; then
   # a few counters of the routing kernels and the persistent kernel, per S (NCU_TOKENS), clocks left alone
