@@ -215,7 +215,7 @@ def test_config_core_and_split_fields():
     assert (c.core, c.split_k1, c.split_k2) == ("wgmma", 2, 2)  # run 10's faster settings
     w = MegakernelConfig.parse("core=mma,split_k1=4,split_k2=1,split_max_tiles=8")
     assert (w.core, w.split_k1, w.split_k2, w.split_max_tiles) == ("mma", 4, 1, 8)
-    assert c.tma == 0 and w.tma == 0  # B tiles by cp.async unless asked
+    assert c.tma == 1 and MegakernelConfig.parse("tma=0").tma == 0  # run 11: TMA weight tiles by default
     t = MegakernelConfig.parse("core=wgmma,tma=1")
     assert (t.core, t.tma) == ("wgmma", 1) and MegakernelConfig.from_dict(t.to_dict()) == t
     assert MegakernelConfig.from_dict(w.to_dict()) == w

@@ -220,7 +220,9 @@ NEW_PATHS = [# the mma core and no split-K: the defaults before run 10, still se
              "split_k1=2,split_k2=1", "split_k1=8,split_k2=4,stages=3", "core=wgmma,split_k1=4,split_k2=2",
              # weight tiles by TMA (tma=1): wgmma producer, and the bm=16 mma tile (also with split-K)
              "core=wgmma,tma=1", "core=wgmma,bm=128,tma=1", "core=wgmma,bm=64,stages=8,tma=1", "bm=16,tma=1",
-             "bm=16,tma=1,stages=12", "bm=16,tma=1,split_k1=4,split_k2=2"]
+             "bm=16,tma=1,stages=12", "bm=16,tma=1,split_k1=4,split_k2=2",
+             # cp.async weight tiles (tma=0), the default before run 11
+             "tma=0", "core=wgmma,bm=128,tma=0", "bm=16,tma=0,split_k1=1,split_k2=1"]
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +290,8 @@ def test_wgmma_matches_mma_closely(new_layers, layer, model):
     assert max_rel_err(b, a) <= 1e-2
 
 
-@pytest.mark.parametrize(("cfg", "exact"), [("bm=16", True), ("core=wgmma,bm=64", False), ("core=wgmma,bm=128", False)])
+@pytest.mark.parametrize(("cfg", "exact"), [("bm=16,tma=0", True), ("core=wgmma,bm=64,tma=0", False),
+                                           ("core=wgmma,bm=128,tma=0", False)])
 def test_tma_matches_cp_async(new_layers, model, cfg, exact):
     """tma=1 changes how the weight tiles arrive and which tile column holds which weight row, not the
     products: on the mma core every output element is the same mma sequence (bit-identical); on the wgmma
@@ -299,7 +302,7 @@ def test_tma_matches_cp_async(new_layers, model, cfg, exact):
         x = _x(s, model.hidden, seed=1100 + s)
         idx, w = _routing(s, model.experts, model.topk, "zipf", seed=s)
         a = new_layers(cfg).forward_routed(x, idx, w).clone()
-        b = new_layers(cfg + ",tma=1").forward_routed(x, idx, w)
+        b = new_layers(cfg.replace("tma=0", "tma=1")).forward_routed(x, idx, w)
         torch.cuda.synchronize()
         if exact:
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"S={s}"
