@@ -171,6 +171,90 @@ int main() {
         CHECK(acc_col(t, i) < 64 && acc_col(t, i + 32) == acc_col(t, i) + 64 && acc_row(t, i + 32) == acc_row(t, i),
               "wgmma pair t=%u i=%u", t, i);
   }
+  // 8. the wide tile (bn = 256, wgmma core, bm = 128): stage = A 128 rows (16 KB) + B 256 rows (32 KB), <= 4 stages
+  {
+    const int64_t I = 768, H = 2048;
+    const uint32_t a_bytes = 128 * 128, b_bytes = 256 * 128, stage = a_bytes + b_bytes;
+    for (uint32_t s = 0; s < 4; ++s) {
+      const uint32_t sA = 0x400 * 7 + s * stage, sB = sA + a_bytes;
+      CHECK(sA % 1024 == 0 && sB % 1024 == 0 && sB + b_bytes <= 227 * 1024, "wide alignment s=%u", s);
+      for (uint32_t kk = 0; kk < 4; ++kk) {
+        // each consumer's A descriptor (64 rows) and the shared B descriptor (256 rows) read what was stored
+        for (uint32_t c = 0; c < 2; ++c) {
+          const uint64_t da = wg_desc(sA + c * 64 * 128 + kk * 32);
+          for (uint32_t r = 0; r < 64; ++r)
+            for (uint32_t k = 0; k < 16; ++k)
+              CHECK(desc_elem_addr(da, r, k) == sA + swz_off(64 * c + r, kk * 16 + k), "wide A s=%u kk=%u c=%u r=%u", s,
+                    kk, c, r);
+        }
+        const uint64_t db = wg_desc(sB + kk * 32);
+        CHECK(desc_start(db) == sB + kk * 32 && desc_sbo(db) == 1024, "wide B desc");
+        for (uint32_t n = 0; n < 256; ++n)
+          for (uint32_t k = 0; k < 16; ++k)
+            CHECK(desc_elem_addr(db, n, k) == sB + swz_off(n, kk * 16 + k), "wide B s=%u kk=%u n=%u k=%u", s, kk, n, k);
+      }
+      // the four TMA boxes land as tile rows 64 b .. 64 b + 63, where the descriptors read them
+      for (uint32_t b = 0; b < 4; ++b)
+        for (uint32_t r = 0; r < 64; ++r)
+          for (uint32_t k = 0; k < 64; ++k)
+            CHECK(tma_box_dst(sB + 8192 * b, r, k) == sB + swz_off(64 * b + r, k), "wide box s=%u b=%u r=%u k=%u", s, b,
+                  r, k);
+    }
+    // weight rows: box b starts at tile row 64 b's weight row and its 64 rows are consecutive (what cp.async's
+    // b_off rows hold, fill_meta); a wide task's rows are exactly those of the two 128-column n-blocks it covers
+    for (int nb = 0; nb < 12; nb += 2) {
+      std::set<int64_t> wide1, narrow1;
+      for (int n = 0; n < 256; ++n) {
+        const int b = n / 64, r = n % 64;
+        CHECK(wide_box_row(0, nb, b, I) + r == wide_gemm1_row(nb, n, I), "GEMM1 box rows nb=%d n=%d", nb, n);
+        CHECK(wide_box_row(1, nb, b, I) + r == wide_gemm2_row(nb, n), "GEMM2 box rows nb=%d n=%d", nb, n);
+        wide1.insert(wide_gemm1_row(nb, n, I));
+      }
+      for (int q = 0; q < 2; ++q)
+        for (int n = 0; n < 128; ++n) narrow1.insert((n & 1) ? I + (nb + q) * 64 + n / 2 : (int64_t)(nb + q) * 64 + n / 2);
+      CHECK(wide1 == narrow1 && wide1.size() == 256, "wide GEMM1 rows nb=%d", nb);
+      CHECK(wide_gemm1_row(nb, 255, I) < 2 * I && wide_gemm2_row(nb + 4, 255) < H, "row range nb=%d", nb);
+    }
+    // the m64n256 fragment: 128 threads x 128 registers cover 64 x 256 once (PTX layout); the epilogue's pairs
+    std::vector<int> hit(64 * 256, 0), h(64 * 128, 0), y(64 * 256, 0);
+    for (uint32_t t = 0; t < 128; ++t)
+      for (uint32_t i = 0; i < 128; ++i) {
+        const uint32_t r = acc_row(t, i), c = acc_col(t, i);
+        CHECK(r < 64 && c < 256, "wide range t=%u i=%u", t, i);
+        CHECK(r == (t / 32) * 16 + (t % 32) / 4 + ((i % 4) >= 2 ? 8 : 0) && c == (i / 4) * 8 + (t % 4) * 2 + (i % 2),
+              "wide ptx layout t=%u i=%u", t, i);
+        hit[r * 256 + c]++;
+      }
+    for (int x = 0; x < 64 * 256; ++x) CHECK(hit[x] == 1, "wide element %d hit %d times", x, hit[x]);
+    const int nb = 6;  // any even n-block
+    for (uint32_t t = 0; t < 128; ++t)
+      for (int half = 0; half < 2; ++half) {
+        // GEMM1 (run_gemm_wg: j < NACC/8, i = 4j + 2 half, up register i + NACC/2): (gate, up) of one h column
+        for (int j = 0; j < 16; ++j) {
+          const uint32_t i = 4 * j + 2 * half, r = acc_row(t, i);
+          for (uint32_t e = 0; e < 2; ++e) {
+            const uint32_t gc = acc_col(t, i + e), uc = acc_col(t, i + 64 + e);
+            CHECK(acc_row(t, i + e) == r && acc_row(t, i + 64 + e) == r && gc < 128 && uc == gc + 128,
+                  "wide pair t=%u i=%u", t, i);
+            CHECK(gc == acc_col(t, i) + e, "store_h2 columns q, q+1 t=%u i=%u", t, i);
+            // gate row nb*64 + q and up row I + nb*64 + q: h column nb*64 + q (store_h2's column)
+            CHECK(wide_gemm1_row(nb, gc, I) == nb * 64 + gc && wide_gemm1_row(nb, uc, I) == I + nb * 64 + gc,
+                  "wide (gate, up) rows t=%u i=%u", t, i);
+            h[r * 128 + gc]++;
+          }
+        }
+        // GEMM2 (j < NACC/4): y columns nb*128 + c, c + 1 from W_down rows nb*128 + c (n-blocks nb, nb + 1)
+        for (int j = 0; j < 32; ++j) {
+          const uint32_t i = 4 * j + 2 * half, r = acc_row(t, i), c = acc_col(t, i);
+          CHECK(acc_col(t, i + 1) == c + 1 && acc_row(t, i + 1) == r && c % 2 == 0, "y pair t=%u i=%u", t, i);
+          CHECK(wide_gemm2_row(nb, c) == (int64_t)nb * 128 + c, "W_down row");
+          y[r * 256 + c]++;
+          y[r * 256 + c + 1]++;
+        }
+      }
+    for (int x = 0; x < 64 * 128; ++x) CHECK(h[x] == 1, "wide h element (%d, %d) hit %d", x / 128, x % 128, h[x]);
+    for (int x = 0; x < 64 * 256; ++x) CHECK(y[x] == 1, "wide y element (%d, %d) hit %d", x / 256, x % 256, y[x]);
+  }
   printf("ok %ld\n", n_checks);
   return 0;
 }
