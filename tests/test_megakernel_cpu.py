@@ -236,7 +236,9 @@ def test_config_core_split_errors(text, field):
 def test_index_math_host_compiled(tmp_path):
     """mk_index.h compiled for the host: the stage tiles are Hopper's 128-byte swizzle, every wgmma descriptor
     (per stage, consumer, k16 slice) addresses exactly what the producer stored, the accumulator fragment
-    covers the 64 x 128 tile once in (gate, up) pairs, task words round-trip, split-K parts never overlap."""
+    covers the 64 x 128 tile once in (gate, up) pairs, task words round-trip, split-K parts never overlap; the wide
+    tile (bn=256): its four TMA boxes and 256-row B descriptors, and the m64n256 fragment covering 64 x 256 once with
+    (gate, up) in registers i and i + 64 of one thread."""
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler")
@@ -386,3 +388,102 @@ def test_wgmma_stage_pipeline_model_catches_the_first_cut() -> None:
     body = src[src.index("void run_gemm_wg("):]
     assert body.index("mbar_arrive(bars.full") < body.index("mbar_wait(p, bars.empty"), "publish must precede the slot wait"
     assert "report(p, MK_ERR_PIPE_TIMEOUT" in src and "MK_ERR_PIPE_TIMEOUT = 5" in _header()
+
+
+# ---- the wide tile (bn=256: 128 x 256 per task, wgmma core, bm=128) ---------------------------------------------
+def test_config_wide_tile():
+    c = MegakernelConfig.parse("core=wgmma,bm=128,bn=256,tma=1")
+    assert (c.core, c.bm, c.bn, c.tma) == ("wgmma", 128, 256, 1) and MegakernelConfig.from_dict(c.to_dict()) == c
+    assert MegakernelConfig().bn == 128 and MegakernelConfig().pick_bn(128) == 128  # opt-in
+    assert c.pick_bn(128) == 256 and c.pick_stages(128, 4096, 8, 128) == 4  # 4 x 48 KB stages fit
+    auto = MegakernelConfig.parse("bn=256")
+    assert auto.bm == 0 and auto.core == "wgmma"
+    # bm=0 with bn=256: the wide tile wherever auto picks a prefill tile, bm=16 (128 columns) for decode sizes
+    assert auto.pick_bm(4096, 8, 128) == 128 and auto.pick_bm(1000, 8, 128) == 128
+    assert auto.pick_bm(1, 8, 128) == 16 and auto.pick_bn(16) == 128 and auto.pick_bn(128) == 256
+    assert MegakernelConfig.parse("bm=128,bn=256,stages=2").stages == 2
+
+
+@pytest.mark.parametrize("text", ["bn=64", "bn=192", "bn=512", "bn=256,core=mma", "bn=256,bm=64", "bn=256,bm=16",
+                                  "bn=256,bm=128,stages=5", "bn=x"])
+def test_config_wide_tile_errors(text):
+    with pytest.raises(ConfigError, match=r"bn|stages"):
+        MegakernelConfig.parse(text)
+
+
+def test_plan_wide_tile_counts_qwen_shape():
+    """Qwen3-30B shape: 2I/256 = 6 GEMM1 and H/256 = 8 GEMM2 tasks per m-tile (half the 128-column tile's),
+    each on an even n-block; thresholds stay in 128-column n-blocks (N1 = 12, N2 = 16)."""
+    e, k, hid, inter = 128, 8, 2048, 768
+    idx = _routing(512, e, k, mode="zipf", seed=2)
+    narrow = sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=128, combine_tokens=8)
+    wide = sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=128, combine_tokens=8, bn=256)
+    assert (wide.n1, wide.n2, wide.nblk) == (12, 16, 2) and wide.n_tiles == narrow.n_tiles
+    assert wide.ctile_target == narrow.ctile_target
+    assert wide.total == wide.n_tiles * (6 + 8) + wide.n_ctiles * wide.nc
+    assert narrow.total - wide.total == wide.n_tiles * (6 + 8)
+    g1 = wide.gemm1_tasks()
+    assert len(g1) == wide.n_tiles * 6 and all(t.nblock % 2 == 0 and t.part == 0 for t in g1)
+    assert {(t.tile, t.nblock + q) for t in g1 for q in (0, 1)} == {(t, nb) for t in range(wide.n_tiles) for nb in range(12)}
+    g2 = wide.gemm2_tasks(0)
+    assert [t.nblock for t in g2] == list(range(0, 16, 2))
+    with pytest.raises(ValueError, match="bn=256"):
+        sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=64, combine_tokens=8, bn=256)
+    with pytest.raises(ValueError, match="bn=256"):
+        sch.plan(idx, experts=e, hidden=2048 + 128, intermediate=inter, bm=128, combine_tokens=8, bn=256)
+    with pytest.raises(ValueError, match="bn"):
+        sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=128, combine_tokens=8, bn=192)
+
+
+@pytest.mark.parametrize("procs", [1, 7, 300])
+@pytest.mark.parametrize(("s", "mode"), [(1, "uniform"), (40, "zipf"), (300, "uniform"), (64, "one")])
+def test_simulation_wide_tile(s, mode, procs):
+    """Dependency-order simulation with two n-blocks per task: every GEMM2 starts after its m-tile's GEMM1 n-blocks
+    are all counted (asserted inside `simulate` at each start), every combine after its rows' GEMM2 n-blocks."""
+    e, k, ct, hid, inter = 16, 4, 8, 512, 256  # N1 = N2 = 4 -> 2 wide tasks each
+    idx = _routing(s, e, k, mode=mode, seed=13 * s + procs)
+    p = sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=128, combine_tokens=ct, bn=256)
+    r = sch.simulate(p, processors=procs, bm=128, topk=k, combine_tokens=ct, seed=procs)
+    assert r.error == 0 and r.published == p.total and len(r.executed) == p.total
+    assert len(set(r.executed)) == p.total
+    kinds = Counter(t.kind for t in r.executed)
+    assert kinds == {sch.GEMM1: p.n_tiles * 2, sch.GEMM2: p.n_tiles * 2, sch.COMBINE: p.n_ctiles * p.nc}
+    pos = {t: i for i, t in enumerate(r.executed)}
+    for tile in range(p.n_tiles):
+        g1 = [pos[t] for t in r.executed if t.kind == sch.GEMM1 and t.tile == tile]
+        g2 = [pos[t] for t in r.executed if t.kind == sch.GEMM2 and t.tile == tile]
+        assert len(g1) == 2 and len(g2) == 2 and max(g1) < min(g2)
+
+
+def test_wide_tile_stalled_tile_times_out():
+    idx = _routing(200, 16, 4, mode="uniform", seed=4)
+    p = sch.plan(idx, experts=16, hidden=512, intermediate=256, bm=128, combine_tokens=8, bn=256)
+    r = sch.simulate(p, processors=9, bm=128, topk=4, combine_tokens=8, stall_tile=1, timeout_steps=20)
+    assert r.error in (sch.ERR_SCHED_TIMEOUT, sch.ERR_PROC_TIMEOUT) and len(r.executed) < p.total
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_wide_tile_stage_pipeline(stages):
+    """The wide tile runs the same producer / consumer barrier protocol at 2..4 stages (48 KB each; 5 do not fit):
+    GEMM1 tasks of 2048/64 = 32 k-stages and GEMM2 tasks of 768/64 = 12, back to back, in any mix."""
+    rng = random.Random(stages)
+    mix = [rng.choice((32, 12)) for _ in range(40)]
+    for kts in ([32] * 6 + [12] * 8, mix, [1, 2, 3, 4, 5, 32, 12]):
+        assert _stage_pipeline(stages, kts, publish_first=True) == "ok", (stages, kts)
+    stage, meta, align = 128 * 128 + 256 * 128, 128 * 8 + 256 * 8 + 128 * 4 + 16 + 2 * 8 * 16, 1024
+    smem_max = 227 * 1024 - 1024  # SMEM_MAX in mk_moe.cu
+    assert stage * 4 + meta + align <= smem_max < stage * 5 + meta + align
+
+
+def test_kernel_source_wide_tile():
+    """The kernel has the wide tile's pieces the CPU checks model: m64n256k16 consumers, two n-blocks counted per
+    task, the scheduler's half task count, the bn checks; the ABI mirror carries bn."""
+    from moetune.runtime.megakernel import _lib
+
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in src
+    assert "red_add(&p.g1done[tile], T::NBLK)" in src and "T::NBLK);" in src
+    assert "const int g1 = n_tiles * (N1 / W) * KS1;" in src and "nf * W" in src
+    assert "using WgWideTma = WgTile<128, true, 256>;" in src and "mkidx::wide_box_row" in src
+    assert "bn = 256 needs hidden and 2 x intermediate to be multiples of 256" in src
+    assert [f[0] for f in _lib.MkParams._fields_][-1] == "bn" and _lib.ABI_VERSION == 8

@@ -92,7 +92,7 @@ def _check(layer, model, x, out, idx, w, tol=1e-2):
     bm = cfg.pick_bm(x.shape[0], model.topk, model.experts)
     p = schedule.plan(idx.tolist(), experts=model.experts, hidden=model.hidden, intermediate=model.intermediate,
                       bm=bm, combine_tokens=cfg.combine_tokens, split_k1=cfg.split_k1, split_k2=cfg.split_k2,
-                      split_max_tiles=layer.sk_tiles)
+                      split_max_tiles=layer.sk_tiles, bn=cfg.pick_bn(bm))
     c = layer.counters()
     assert (c["total"], c["tiles"], c["published"]) == (p.total, p.n_tiles, p.total)
     return err
@@ -222,7 +222,11 @@ NEW_PATHS = [# the mma core and no split-K: the defaults before run 10, still se
              "core=wgmma,tma=1", "core=wgmma,bm=128,tma=1", "core=wgmma,bm=64,stages=8,tma=1", "bm=16,tma=1",
              "bm=16,tma=1,stages=12", "bm=16,tma=1,split_k1=4,split_k2=2",
              # cp.async weight tiles (tma=0), the default before run 11
-             "tma=0", "core=wgmma,bm=128,tma=0", "bm=16,tma=0,split_k1=1,split_k2=1"]
+             "tma=0", "core=wgmma,bm=128,tma=0", "bm=16,tma=0,split_k1=1,split_k2=1",
+             # the wide tile (bn=256: 128 x 256 per task, m64n256k16 consumers; bm=0 runs it from S=1000 up, bm=16
+             # below), B by TMA or cp.async, 2..4 stages
+             "bm=128,bn=256,tma=1", "bn=256,tma=1", "bm=128,bn=256,tma=1,stages=3", "bm=128,bn=256,tma=1,stages=2",
+             "bm=128,bn=256,tma=0", "bm=128,bn=256,stages=3,tma=0"]
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +260,8 @@ def test_new_path_matches_reference(new_layers, model, cfg, s):
     m.check()
 
 
-@pytest.mark.parametrize("cfg", ["core=wgmma", "split_k1=4,split_k2=2", "core=wgmma,tma=1", "bm=16,tma=1"])
+@pytest.mark.parametrize("cfg", ["core=wgmma", "split_k1=4,split_k2=2", "core=wgmma,tma=1", "bm=16,tma=1",
+                                 "bm=128,bn=256,tma=1"])
 @pytest.mark.parametrize("s", [1, 1000, 4096])
 def test_new_path_gate_routing_and_graph(new_layers, model, cfg, s):
     m = new_layers(cfg)
@@ -269,7 +274,7 @@ def test_new_path_gate_routing_and_graph(new_layers, model, cfg, s):
 
 @pytest.mark.parametrize("s", [7, 4096])
 def test_new_path_all_tokens_to_one_expert(new_layers, model, s):
-    for cfg in ("core=wgmma", "split_k1=4,split_k2=2"):
+    for cfg in ("core=wgmma", "split_k1=4,split_k2=2", "bm=128,bn=256,tma=1", "bm=128,bn=256"):
         m = new_layers(cfg)
         x = _x(s, model.hidden, seed=900 + s)
         idx, w = _routing(s, model.experts, model.topk, "one", seed=s)
@@ -290,8 +295,22 @@ def test_wgmma_matches_mma_closely(new_layers, layer, model):
     assert max_rel_err(b, a) <= 1e-2
 
 
+def test_wide_tile_matches_narrow_closely(new_layers, model):
+    """The wide tile (bn=256) against the 128-column wgmma tile at bm=128, same routing: the same products per
+    output element (k16 steps in the same order are expected, not assumed), so at least close."""
+    from moetune.runtime.moe_layer import max_rel_err
+
+    for s in (1000, 4096):
+        x = _x(s, model.hidden, seed=1200 + s)
+        idx, w = _routing(s, model.experts, model.topk, "uniform", seed=s)
+        a = new_layers("core=wgmma,bm=128,tma=1").forward_routed(x, idx, w).clone()
+        b = new_layers("bm=128,bn=256,tma=1").forward_routed(x, idx, w)
+        torch.cuda.synchronize()
+        assert max_rel_err(b, a) <= 1e-2, f"S={s}"
+
+
 @pytest.mark.parametrize(("cfg", "exact"), [("bm=16,tma=0", True), ("core=wgmma,bm=64,tma=0", False),
-                                           ("core=wgmma,bm=128,tma=0", False)])
+                                           ("core=wgmma,bm=128,tma=0", False), ("bm=128,bn=256,tma=0", False)])
 def test_tma_matches_cp_async(new_layers, model, cfg, exact):
     """tma=1 changes how the weight tiles arrive and which tile column holds which weight row, not the
     products: on the mma core every output element is the same mma sequence (bit-identical); on the wgmma

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 7
+#define MK_ABI_VERSION 8
 #define MK_MAX_SPLITS 16  // split-K parts per GEMM task (decode)
 
 // ctl[] words (int32), one set per layer instance.
@@ -84,12 +84,17 @@ typedef struct MkParams {
   // ABI 7
   int64_t tma_b;  // 1: expert tasks load the weight (B) tiles by TMA (wgmma core, and bm = 16 on the mma core;
                   // bm = 64 / 128 on the mma core keep cp.async); 0: every thread's cp.async (default)
+  // ABI 8
+  int64_t bn;  // columns per GEMM task: 128 (default), or 256 (the wide tile: wgmma core with bm = 128 only; hidden
+               // and 2 x intermediate multiples of 256). A wide task covers two 128-column n-blocks (nb even, nb + 1)
+               // and counts both in the readiness counters, so g1done / comb thresholds stay per 128 columns.
 } MkParams;
 
 int mk_abi_version(void);
 const char* mk_last_error(void);
-// Resident CTAs per SM of the persistent kernel for (bm, stages, core, tma), and the SM count of the current device.
-int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int* per_sm, int* sms);
+// Resident CTAs per SM of the persistent kernel for (bm, stages, core, tma, bn), and the SM count of the current
+// device (ABI 8: bn added).
+int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t bn, int* per_sm, int* sms);
 // Launch the routing kernels (gate GEMM + softmax/top-k/lists) on `stream`.
 int mk_route(const MkParams* p, void* stream);
 // Given routing (p->topk_idx / p->topk_w filled by the caller): reset + per-expert row lists.

@@ -35,6 +35,21 @@ MK_HD uint32_t tma_box_dst(uint32_t dst, uint32_t r, uint32_t k) {
 // Weight row (inside expert e's [2I, H] block) of GEMM1 tile row n of n-block nb: box 0 = gate rows
 // nb*64.., box 1 = up rows I + nb*64.. (the cp.async tiles interleave them instead: fill_meta).
 MK_HD int64_t tma_gemm1_row(int nb, int n, int64_t I) { return n < 64 ? (int64_t)nb * 64 + n : I + nb * 64 + (n - 64); }
+// ---- the wide tile (MkParams.bn = 256: wgmma core, bm = 128, 128 x 256 per task) ---------------------
+// A wide task covers the two 128-column n-blocks nb (even) and nb + 1. Its B tile is 256 rows, stacked the
+// same way for cp.async and TMA: GEMM1 rows 0..127 = gate rows nb*64 .. nb*64+127, rows 128..255 = the up rows
+// of the same 128 intermediate columns, so in the m64n256 fragment register i (< 64) holds gate column c and
+// register i + 64 its up column c + 128 of the same row (one thread: SwiGLU in registers); GEMM2 rows 0..255
+// = W_down rows nb*128 .. nb*128+255 (y columns nb*128 + c). Weight row inside expert e's block:
+MK_HD int64_t wide_gemm1_row(int nb, int n, int64_t I) {
+  return n < 128 ? (int64_t)nb * 64 + n : I + (int64_t)nb * 64 + (n - 128);
+}
+MK_HD int64_t wide_gemm2_row(int nb, int n) { return (int64_t)nb * 128 + n; }
+// TMA: box b (0..3) of 64 rows lands at tile byte 8192 b and starts at the weight row of its first tile row
+// (boxes never straddle the gate / up halves: 128 is a multiple of the box's 64 rows).
+MK_HD int64_t wide_box_row(int gemm2, int nb, int b, int64_t I) {
+  return gemm2 ? wide_gemm2_row(nb, 64 * b) : wide_gemm1_row(nb, 64 * b, I);
+}
 // mma core, TMA tile (bm = 16: 4 warps by column): first tile column of n8 block j (0..3) of warp wn; blocks
 // j and j + 2 hold the same 16 columns of each half, so a warp owns (gate, up) pairs for SwiGLU.
 MK_HD int tma_bcol(int wn, int j) { return (j >> 1) * 64 + wn * 16 + (j & 1) * 8; }

@@ -51,6 +51,7 @@ template <int BM_, int WM_, int WN_, int MINB_, bool TMA_ = false>
 struct Tile {
   static constexpr int BM = BM_, WM = WM_, WN = WN_, THREADS = WM * WN * 32, MINB = MINB_;
   static constexpr bool TMA = TMA_;  // B (weights) by one TMA pair per stage on an mbarrier (expert tasks only)
+  static constexpr int BNT = BN, NBLK = 1;  // tile columns, 128-column n-blocks per task (wide tile: WgTile)
   static constexpr int WTM = BM / WM, WTN = BN / WN;
   static constexpr int MT = WTM / 16, NT = WTN / 8;
   static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
@@ -351,7 +352,7 @@ __device__ __forceinline__ Meta meta(char* smem, int stages) {
   Meta m;
   m.a_off = (int64_t*)(smem + T::STAGE * stages);
   m.b_off = m.a_off + T::BM;
-  m.row_id = (int*)(m.b_off + BN);
+  m.row_id = (int*)(m.b_off + T::BNT);
   m.last = m.row_id + T::BM;
   return m;
 }
@@ -371,8 +372,11 @@ __device__ __forceinline__ void fill_meta(const MkParams& p, const Meta& md, int
     md.row_id[r] = v;
     md.a_off[r] = v < 0 ? -1 : (kind == MK_TASK_GEMM1 ? (int64_t)(v / K) * H : (int64_t)v * I);
   }
-  for (int n = tid; n < BN; n += blockDim.x) {
-    if (kind == MK_TASK_GEMM1) {
+  for (int n = tid; n < T::BNT; n += blockDim.x) {
+    if constexpr (T::NBLK == 2) {  // the wide tile: gate rows stacked over up rows (mk_index.h: wide_gemm1_row)
+      md.b_off[n] = kind == MK_TASK_GEMM1 ? ((int64_t)e * 2 * I + mkidx::wide_gemm1_row(nb, n, I)) * H
+                                          : ((int64_t)e * H + mkidx::wide_gemm2_row(nb, n)) * I;
+    } else if (kind == MK_TASK_GEMM1) {
       const int q = n >> 1;
       const int64_t row = (n & 1) ? (int64_t)I + nb * 64 + q : (int64_t)nb * 64 + q;
       md.b_off[n] = ((int64_t)e * 2 * I + row) * H;
@@ -408,12 +412,12 @@ __device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, i
   if (threadIdx.x == 0) {
     __threadfence();  // fence + relaxed reds = release: the subscriber's acquire sees h / y
     if (kind == MK_TASK_GEMM1) {
-      red_add(&p.g1done[tile], 1);
+      red_add(&p.g1done[tile], T::NBLK);  // a wide task finishes two 128-column n-blocks
     } else {
       const int K = (int)p.K;
       for (int r = 0; r < T::BM; ++r) {
         const int v = md.row_id[r];
-        if (v >= 0) red_add(&p.comb[(v / K) / (int)p.combine_tokens], 1);
+        if (v >= 0) red_add(&p.comb[(v / K) / (int)p.combine_tokens], T::NBLK);
       }
     }
   }
@@ -515,16 +519,27 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
 // consumer warpgroup: each consumer thread arrives once the wgmmas that read the stage have completed).
 // Producer and consumers walk one running stage counter `it` across the CTA's tasks, so the barrier
 // phases never need re-initialising. Each producer thread keeps up to stages-1 of its own groups in flight.
-template <int BM_, bool TMA_ = false>
+//
+// The wide tile (BNT = 256, MkParams.bn = 256; bm = 128 only): 128 rows x 256 columns per task, twice the
+// FLOP per L2 byte of 128 x 128 (run 10: the bm=64 x 128 core moved ~7 GB through L2 per S=4096 layer, at
+// about the L2's bandwidth). Same roles: two consumer warpgroups, each m64n256k16 (128 fp32 accumulators a
+// thread), one producer; a stage is A 16 KB + B 32 KB = 48 KB, so <= 4 stages fit. B rows are stacked gate
+// over up (mk_index.h: wide_gemm1_row) for cp.async and TMA alike: the (gate, up) pair of an h column is
+// registers i and i + 64 of one thread. The scheduler keeps its 128-column n-blocks: a wide task runs n-blocks
+// nb (even) and nb + 1 and counts both, so the readiness thresholds are the 128-column tile's.
+template <int BM_, bool TMA_ = false, int BNT_ = 128>
 struct WgTile {
   static constexpr int BM = BM_, CONSUMERS = BM / 64, THREADS = 128 * (1 + CONSUMERS);
+  static constexpr int BNT = BNT_, NBLK = BNT / BN;  // tile columns (B rows), 128-column n-blocks per task
+  static constexpr int NACC = BNT / 2;                // fp32 accumulators per consumer thread (m64 x BNT)
+  static_assert(BNT == 128 || (BNT == 256 && BM == 128), "wide tile: bm = 128 only");
   // TMA: producer thread 0 loads each stage's B tile as two boxes (mbarrier.expect_tx on full[s]: the 128
   // arrivals stay the producer threads' A rows); GEMM1's tile is then gate rows 0..63, up rows 64..127.
   static constexpr bool TMA = TMA_;
   static constexpr int MINB = 1;  // bm=64: 2 CTAs/SM still fit by shared memory at <= 4 stages (launch bound 1
                                   // keeps the consumers' 64 accumulators + descriptors off the spill path)
-  static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
-  static constexpr int META = BM * 8 + BN * 8 + BM * 4 + 16 + 2 * 8 * 16;  // + full/empty barriers (<= 16 stages)
+  static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BNT * BK * 2, STAGE = A_BYTES + B_BYTES;
+  static constexpr int META = BM * 8 + BNT * 8 + BM * 4 + 16 + 2 * 8 * 16;  // + full/empty barriers (<= 16 stages)
   static constexpr bool WG = true;
   static constexpr int ALIGN = 1024;  // the 128-byte swizzle needs 1024-byte aligned tiles
   static_assert(A_BYTES % 1024 == 0 && STAGE % 1024 == 0, "stage tiles must stay 1024-byte aligned");
@@ -533,6 +548,8 @@ using WgLarge = WgTile<64>;  // 256 threads: 1 producer + 1 consumer warpgroup
 using WgHuge = WgTile<128>;  // 384 threads: 1 producer + 2 consumer warpgroups
 using WgLargeTma = WgTile<64, true>;  // the same with B by TMA (opt-in: MkParams.tma_b)
 using WgHugeTma = WgTile<128, true>;
+using WgWide = WgTile<128, false, 256>;   // bn = 256: 384 threads, 128 x 256 per task (opt-in: MkParams.bn)
+using WgWideTma = WgTile<128, true, 256>;  // the same with B by TMA (four 64-row boxes per stage)
 
 __device__ __forceinline__ char* align_smem(char* smem, int align) {
   if (!align) return smem;
@@ -561,6 +578,23 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, ui
       "%64, %65, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// D[64 x 256] (+)= A[64 x 16] . B[256 x 16]^T: the wide tile's consumer step (128 accumulators a thread).
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, "
+      "%128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+__device__ __forceinline__ void wgmma_tile(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  wgmma_m64n128k16(d, da, db, scale_d);
+}
+__device__ __forceinline__ void wgmma_tile(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+  wgmma_m64n256k16(d, da, db, scale_d);
 }
 
 template <class T>
@@ -592,7 +626,7 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
     const int ch = t & 7, r0 = t >> 3;
     const bf16* asrc[T::BM / 16];
     int abytes[T::BM / 16];
-    const bf16* bsrc[BN / 16];
+    const bf16* bsrc[T::BNT / 16];
 #pragma unroll
     for (int q = 0; q < T::BM / 16; ++q) {
       const int64_t off = md.a_off[r0 + 16 * q];
@@ -600,11 +634,14 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
       abytes[q] = off < 0 ? 0 : 16;  // rows past the expert's count: zero-filled
     }
 #pragma unroll
-    for (int q = 0; q < BN / 16; ++q) bsrc[q] = b_base + md.b_off[r0 + 16 * q] + ch * 8;
+    for (int q = 0; q < T::BNT / 16; ++q) bsrc[q] = b_base + md.b_off[r0 + 16 * q] + ch * 8;
     // TMA: the B tile's two boxes start at weight rows brow and brow2 (GEMM1: gate, up; GEMM2: 128 rows)
     const CUtensorMap* bmap = kind == MK_TASK_GEMM1 ? tm1 : tm2;
     const int brow = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
     const int brow2 = kind == MK_TASK_GEMM1 ? brow + (int)p.I : brow + TMA_BOX_ROWS;
+    // wide tile: four boxes, box b at tile row 64 b from weight row wbase + wide_box_row (gate, gate, up, up
+    // for GEMM1; 256 consecutive rows for GEMM2)
+    const int64_t wbase = kind == MK_TASK_GEMM1 ? e * 2 * p.I : e * p.H;
     const int lag = stages - 1;
     for (int kt = 0; kt < KT; ++kt) {
       const uint32_t g = it + kt, slot = g % stages;
@@ -619,8 +656,15 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
         if (t == 0) {  // expect_tx before the copies: thread 0's own arrival (later) keeps the phase open until then
           const uint32_t full = bars.full + 8 * slot;
           mbar_expect_tx(full, T::B_BYTES);
-          tma_load_2d(sB, bmap, kt * BK, brow, full);
-          tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full);
+          if constexpr (T::NBLK == 2) {
+#pragma unroll
+            for (int b = 0; b < 4; ++b)
+              tma_load_2d(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK,
+                          (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full);
+          } else {
+            tma_load_2d(sB, bmap, kt * BK, brow, full);
+            tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full);
+          }
         }
       }
 #pragma unroll
@@ -628,7 +672,8 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
         cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
       if constexpr (!T::TMA) {
 #pragma unroll
-        for (int q = 0; q < BN / 16; ++q) cp_async16(sB + mkidx::swz_off(r0 + 16 * q, ch * 8), bsrc[q] + kt * BK, 16);
+        for (int q = 0; q < T::BNT / 16; ++q)
+          cp_async16(sB + mkidx::swz_off(r0 + 16 * q, ch * 8), bsrc[q] + kt * BK, 16);
       }
       cp_commit();
     }
@@ -638,9 +683,9 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
   } else {
     // ---- consumer warpgroup c = wg - 1: rows 64c .. 64c+63 ----
     const int c = wg - 1;
-    float d[64];
+    float d[T::NACC];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) d[i] = 0.f;
+    for (int i = 0; i < T::NACC; ++i) d[i] = 0.f;
     for (int kt = 0; kt < KT; ++kt) {
       const uint32_t g = it + kt, slot = g % stages;
       mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
@@ -649,7 +694,7 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk)
-        wgmma_m64n128k16(d, mkidx::wg_desc(sA + kk * 32), mkidx::wg_desc(sB + kk * 32), kt > 0 || kk > 0);
+        wgmma_tile(d, mkidx::wg_desc(sA + kk * 32), mkidx::wg_desc(sB + kk * 32), kt > 0 || kk > 0);
       wg_commit();
       acc_fence(d);
       wg_wait<1>();  // the previous stage's wgmmas are done: hand its slot back
@@ -664,17 +709,19 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
       const int r = 64 * c + (int)mkidx::acc_row(t, 2 * half);
       const int v = md.row_id[r];
       if (v < 0) continue;
-      if (T::TMA && kind == MK_TASK_GEMM1) {
-        // gate column cc sits in register i, its up column cc + 64 in register i + 32 of the same thread
+      if ((T::TMA || T::NBLK == 2) && kind == MK_TASK_GEMM1) {
+        // gate column cc sits in register i, its up column cc + BNT/2 in register i + NACC/2 of the same thread
+        // (64 + 32 for the 128-column tile, 128 + 64 for the wide one: gate rows stacked over up rows)
+        constexpr int UP = T::NACC / 2;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < T::NACC / 8; ++j) {
           const int i = 4 * j + 2 * half;
-          store_h2(p, nb, v, (int)mkidx::acc_col(t, i), d[i], d[i + 1], d[i + 32], d[i + 33]);
+          store_h2(p, nb, v, (int)mkidx::acc_col(t, i), d[i], d[i + 1], d[i + UP], d[i + UP + 1]);
         }
         continue;
       }
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
+      for (int j = 0; j < T::NACC / 4; ++j) {
         const int i = 4 * j + 2 * half;
         store_pair(p, kind, nb, v, (int)mkidx::acc_col(t, i), d[i], d[i + 1]);
       }
@@ -769,8 +816,11 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   // split-K parts of each GEMM1 / GEMM2 task (1 = none): decode tiles only, and only while the m-tiles fit
   // the partial-sum buffer (sk_splits: the same rule as schedule.splits)
   const int KS1 = sk_splits(p, p.split_k1, n_tiles, bm), KS2 = sk_splits(p, p.split_k2, n_tiles, bm);
-  const int g1 = n_tiles * N1 * KS1;
-  const int64_t total = (int64_t)g1 + (int64_t)n_tiles * N2 * KS2 + (int64_t)n_ct * NC;
+  // the wide tile (T::NBLK = 2) runs two 128-column n-blocks per task: half the GEMM tasks, n-field = even nb
+  // (never split: split-K is for bm = 16 only, so the n-field is nb itself)
+  constexpr int W = T::NBLK;
+  const int g1 = n_tiles * (N1 / W) * KS1;
+  const int64_t total = (int64_t)g1 + (int64_t)n_tiles * (N2 / W) * KS2 + (int64_t)n_ct * NC;
   if (total > p.q_cap || n_tiles > p.max_tiles || n_ct > p.max_ctiles) {
     if (tid == 0) report(p, MK_ERR_QUEUE_FULL, total, p.q_cap, 0);
     return;
@@ -785,9 +835,9 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   for (int c0 = 0; c0 < g1; c0 += (int)blockDim.x * 8) {
     const int hi = min(g1, c0 + (int)blockDim.x * 8);
     for (int i = c0 + tid; i < hi; i += blockDim.x) {
-      const int tile = i / (N1 * KS1), nf = i % (N1 * KS1);  // n-field = nb + N1 * ks
+      const int tile = i / (N1 / W * KS1), nf = i % (N1 / W * KS1);  // n-field = nb + N1 * ks
       const int e = tile_expert(base, E, tile);
-      p.q_task[i] = enc(MK_TASK_GEMM1, e, tile - base[e], nf, tile, KS1);
+      p.q_task[i] = enc(MK_TASK_GEMM1, e, tile - base[e], nf * W, tile, KS1);
     }
     __threadfence();
     for (int i = c0 + tid; i < hi; i += blockDim.x) st_relaxed(&p.q_flag[i], epoch);
@@ -811,12 +861,12 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         ready = v == N1 && tile != (int)p.stall_tile;
       }
       const unsigned m = __ballot_sync(~0u, ready);
-      const int G2 = N2 * KS2;  // GEMM2 tasks per m-tile (n-field = nb + N2 * ks)
+      const int G2 = N2 / W * KS2;  // GEMM2 tasks per m-tile (n-field = nb + N2 * ks; wide: even nb)
       const int pos = tail + __popc(m & ((1u << lane) - 1)) * G2;
       if (ready) {
         const int e = tile_expert(base, E, tile);
         p.rel[tile] = epoch;
-        for (int nf = 0; nf < G2; ++nf) p.q_task[pos + nf] = enc(MK_TASK_GEMM2, e, tile - base[e], nf, tile, KS2);
+        for (int nf = 0; nf < G2; ++nf) p.q_task[pos + nf] = enc(MK_TASK_GEMM2, e, tile - base[e], nf * W, tile, KS2);
       }
       if (m) {
         __threadfence();  // one fence for the warp's batch, then relaxed flags (release pattern)
@@ -1176,10 +1226,19 @@ bool use_wgmma(int64_t bm, int64_t core) { return core == MK_CORE_WGMMA && bm >=
 // keep cp.async.
 bool use_tma(int64_t bm, int64_t core, int64_t tma) { return tma != 0 && (use_wgmma(bm, core) || bm == 16); }
 
-// Call f(Tile{}) with the expert kernel's tile type for (bm, core, tma).
+// The wide tile (bn = 256) exists for the wgmma core at bm = 128 only (check_bn).
+bool use_wide(int64_t bm, int64_t core, int64_t bn) { return bn == 256 && use_wgmma(bm, core) && bm == 128; }
+const char* check_bn(int64_t bm, int64_t core, int64_t bn) {
+  if (bn != 128 && bn != 256) return "mk: bn must be 128 or 256";
+  if (bn == 256 && !use_wide(bm, core, bn)) return "mk: bn = 256 (the wide tile) needs core = wgmma and bm = 128";
+  return nullptr;
+}
+
+// Call f(Tile{}) with the expert kernel's tile type for (bm, core, tma, bn).
 template <class F>
-int with_tile(int64_t bm, int64_t core, int64_t tma, F&& f) {
+int with_tile(int64_t bm, int64_t core, int64_t tma, int64_t bn, F&& f) {
   const bool t = use_tma(bm, core, tma);
+  if (use_wide(bm, core, bn)) return t ? f(WgWideTma{}) : f(WgWide{});
   if (use_wgmma(bm, core)) {
     if (bm == 64) return t ? f(WgLargeTma{}) : f(WgLarge{});
     return t ? f(WgHugeTma{}) : f(WgHuge{});
@@ -1188,8 +1247,8 @@ int with_tile(int64_t bm, int64_t core, int64_t tma, F&& f) {
   return bm == 64 ? f(Large{}) : f(Huge{});
 }
 
-int expert_smem(int64_t bm, int64_t core, int64_t tma, int st) {
-  return with_tile(bm, core, tma, [&](auto tile) { return smem_for<decltype(tile)>(st); });
+int expert_smem(int64_t bm, int64_t core, int64_t tma, int64_t bn, int st) {
+  return with_tile(bm, core, tma, bn, [&](auto tile) { return smem_for<decltype(tile)>(st); });
 }
 
 int check_params(const MkParams* p) {
@@ -1199,9 +1258,12 @@ int check_params(const MkParams* p) {
   if (p->stages < 2 || p->stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..12");
   if (p->core != MK_CORE_MMA && p->core != MK_CORE_WGMMA) return fail_msg("mk: core must be 0 (mma) or 1 (wgmma)");
   if (p->tma_b != 0 && p->tma_b != 1) return fail_msg("mk: tma_b must be 0 or 1");
-  if (expert_smem(p->bm, p->core, p->tma_b, (int)p->stages) > SMEM_MAX)
+  if (const char* m = check_bn(p->bm, p->core, p->bn)) return fail_msg(m);
+  if (p->bn == 256 && (p->H % 256 || (2 * p->I) % 256))
+    return fail_msg("mk: bn = 256 needs hidden and 2 x intermediate to be multiples of 256");
+  if (expert_smem(p->bm, p->core, p->tma_b, p->bn, (int)p->stages) > SMEM_MAX)
     return fail_msg("mk: stages too deep for bm (shared memory > 226 KB: bm=16 <= 12, 64 <= 8, 128 <= 6; wgmma 64 <= 9, "
-                    "128 <= 6)");
+                    "128 <= 6, 128 with bn=256 <= 4)");
   if (p->split_k1 < 1 || p->split_k1 > MK_MAX_SPLITS || p->split_k2 < 1 || p->split_k2 > MK_MAX_SPLITS)
     return fail_msg("mk: split_k1 / split_k2 must be in 1..16");
   if (p->H % (p->split_k1 * BK) || p->I % (p->split_k2 * BK))
@@ -1230,13 +1292,13 @@ int occupancy_of(int64_t stages, int* per_sm) {
   return 0;
 }
 
-int occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int* per_sm, int* sms) {
+int occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t bn, int* per_sm, int* sms) {
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return fail("cudaGetDevice", e);
   if ((e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
     return fail("cudaDeviceGetAttribute", e);
-  return with_tile(bm, core, tma, [&](auto tile) { return occupancy_of<decltype(tile)>(stages, per_sm); });
+  return with_tile(bm, core, tma, bn, [&](auto tile) { return occupancy_of<decltype(tile)>(stages, per_sm); });
 }
 
 // ---- tensor maps of the weights (TMA tiles) ----
@@ -1322,7 +1384,7 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
 template <class T>
 int launch_experts(const MkParams* p, cudaStream_t s) {
   int per_sm = 0, sms = 0;
-  if (occupancy(T::BM, p->stages, T::WG ? MK_CORE_WGMMA : MK_CORE_MMA, T::TMA, &per_sm, &sms)) return 1;
+  if (occupancy(T::BM, p->stages, T::WG ? MK_CORE_WGMMA : MK_CORE_MMA, T::TMA, T::BNT, &per_sm, &sms)) return 1;
   if (p->grid < 2 || p->grid > (int64_t)per_sm * sms) {
     snprintf(g_err, sizeof g_err, "mk: grid %lld not in 2..%d (resident CTAs: %d per SM x %d SMs)", (long long)p->grid,
              per_sm * sms, per_sm, sms);
@@ -1348,13 +1410,14 @@ extern "C" {
 int mk_abi_version(void) { return MK_ABI_VERSION; }
 const char* mk_last_error(void) { return g_err; }
 
-int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int* per_sm, int* sms) {
+int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t bn, int* per_sm, int* sms) {
   if (bm != 16 && bm != 64 && bm != 128) return fail_msg("mk: bm must be 16, 64 or 128");
   if (stages < 2 || stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..12");
   if (core != MK_CORE_MMA && core != MK_CORE_WGMMA) return fail_msg("mk: core must be 0 (mma) or 1 (wgmma)");
   if (tma != 0 && tma != 1) return fail_msg("mk: tma must be 0 or 1");
-  if (expert_smem(bm, core, tma, (int)stages) > SMEM_MAX) return fail_msg("mk: stages too deep for bm (shared memory)");
-  return occupancy(bm, stages, core, tma, per_sm, sms);
+  if (const char* m = check_bn(bm, core, bn)) return fail_msg(m);
+  if (expert_smem(bm, core, tma, bn, (int)stages) > SMEM_MAX) return fail_msg("mk: stages too deep for bm (shared memory)");
+  return occupancy(bm, stages, core, tma, bn, per_sm, sms);
 }
 
 int mk_route(const MkParams* p, void* stream) {
@@ -1380,7 +1443,7 @@ int mk_experts(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
   if (p->S == 0) return 0;
   cudaStream_t s = (cudaStream_t)stream;
-  return with_tile(p->bm, p->core, p->tma_b, [&](auto tile) { return launch_experts<decltype(tile)>(p, s); });
+  return with_tile(p->bm, p->core, p->tma_b, p->bn, [&](auto tile) { return launch_experts<decltype(tile)>(p, s); });
 }
 
 }  // extern "C"

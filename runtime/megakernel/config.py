@@ -7,7 +7,8 @@ options)`. `bm_switch_rows` / `bm_large_rows` (the auto tile's thresholds) stay 
 `parse("bm=16,stages=4")`, `from_dict` and `to_dict` remain for benchmarks and tests; every error names the
 field. 0 in `bm`, `ctas_per_sm` and `processor_ctas` means "pick from
 the shape / the occupancy query".
-`tma` (TMA loads of the weight tiles) is a setting, not a knob: it moved latency by 2-3.5% (run 11).
+`tma` (TMA loads of the weight tiles) is a setting, not a knob: it moved latency by 2-3.5% (run 11); `bn`
+(the wide 128 x 256 tile) is opt-in until a GPU run verifies and measures it.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ class MegakernelConfig:
     # decode tile; bm=64/128 on the mma core ignore it. Run 11 (H200): correct, and 2-3.5% faster at every S
     # (S=1 72.0 vs 74.6 us, 1024 569 vs 582, 4096 1728 vs 1755): the default, but under the 5% that makes a knob.
     tma: int = 1
+    # Columns per GEMM task: 128, or 256 = the wide tile (wgmma core, bm = 128: two consumer warpgroups of
+    # m64n256k16, 48 KB stages so stages <= 4), twice the FLOP per L2 byte of a 128 x 128 tile. bm = 0 (auto)
+    # with bn = 256 runs the wide tile wherever auto would pick a 64/128-row tile, and the bm = 16 decode tile
+    # (always 128 columns) below that: a 128 x 256 tile for a handful of rows per expert would compute 8x the
+    # rows it has. The layer's hidden size and 2 x intermediate must be multiples of 256 (checked at launch).
+    bn: int = 128
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -84,6 +91,13 @@ class MegakernelConfig:
             raise ConfigError(f"megakernel config: bm must be 0 (auto), 16, 64 or 128, got {self.bm}")
         if self.core not in self.CORES:
             raise ConfigError(f"megakernel config: core must be one of {', '.join(self.CORES)}, got {self.core!r}")
+        if self.bn not in (128, 256):
+            raise ConfigError(f"megakernel config: bn must be 128 or 256, got {self.bn}")
+        if self.bn == 256 and (self.core != "wgmma" or self.bm not in (0, 128)):
+            raise ConfigError(f"megakernel config: bn=256 (the wide tile) needs core=wgmma and bm=128 (or bm=0), "
+                              f"got core={self.core}, bm={self.bm}")
+        if self.bn == 256 and self.stages > 4:
+            raise ConfigError(f"megakernel config: stages must be <= 4 with bn=256 (48 KB per stage), got {self.stages}")
         if self.stages == 1:
             raise ConfigError("megakernel config: stages must be 0 (auto) or in [2, 12], got 1")
         for name, (lo, hi) in self._RANGES.items():
@@ -151,6 +165,13 @@ class MegakernelConfig:
         if self.bm:
             return self.bm
         rows = tokens * topk
+        if self.bn == 256:  # the wide tile is bm=128; decode sizes keep the bm=16 tile (see `bn`)
+            return 128 if rows >= self.bm_switch_rows * experts else 16
         if rows >= self.bm_large_rows * experts:
             return 128 if self.core == "mma" else 64  # run 10, S=4096: wgmma bm=64 1754 us, bm=128 2233
         return 64 if rows >= self.bm_switch_rows * experts else 16
+
+    def pick_bn(self, bm: int) -> int:
+        """Columns per GEMM task for a launch with m-tile `bm`: `bn` where the wide tile exists (wgmma, bm=128),
+        else 128 (bn=256 with bm=0 still runs bm=16 decode launches, on 128 columns)."""
+        return self.bn if bm == 128 and self.core == "wgmma" else 128

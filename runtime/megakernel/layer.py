@@ -66,9 +66,12 @@ class MegakernelMoE:
                 raise ValueError(f"megakernel: {name} must be bf16 {shape} on {self.device}, got "
                                  f"{t.dtype} {tuple(t.shape)} on {t.device}")
         self.w_gate_up, self.w_down, self.gate = w_gate_up.contiguous(), w_down.contiguous(), gate.contiguous()
+        cfg = self.config
+        if cfg.bn == 256 and (h % 256 or (2 * i) % 256):
+            raise ConfigError(f"megakernel config: bn=256 needs hidden and 2 x intermediate to be multiples of 256, "
+                              f"got {h}, {2 * i}")
         self.lib = _lib.load()
 
-        cfg = self.config
         bm_min = cfg.bm or 16
         self.max_tiles = e + -(-max_tokens * k // bm_min)  # sum_e ceil(c_e / bm) <= S*K/bm + E
         self.max_ctiles = -(-max_tokens // cfg.combine_tokens)
@@ -114,7 +117,8 @@ class MegakernelMoE:
             per_sm, sms = ctypes.c_int(0), ctypes.c_int(0)
             with torch.cuda.device(self.device):
                 _lib.check(self.lib, self.lib.mk_occupancy(bm, stages, _lib.CORES[self.config.core], self.config.tma,
-                                                           ctypes.byref(per_sm), ctypes.byref(sms)), "mk_occupancy")
+                                                           self.config.pick_bn(bm), ctypes.byref(per_sm),
+                                                           ctypes.byref(sms)), "mk_occupancy")
             if per_sm.value < 1:
                 raise ConfigError(f"megakernel config: stages={stages} leaves no resident CTA")
             per = self.config.ctas_per_sm or per_sm.value
@@ -148,6 +152,7 @@ class MegakernelMoE:
             p.core = _lib.CORES[cfg.core]
             p.split_k1, p.split_k2, p.sk_max_tiles = cfg.split_k1, cfg.split_k2, self.sk_tiles
             p.tma_b = cfg.tma
+            p.bn = cfg.pick_bn(bm)  # 256: the wide tile (two 128-column n-blocks per task)
             self._params[(bm, stages)] = p
         return p
 

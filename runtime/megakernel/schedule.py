@@ -8,6 +8,10 @@ slots in order; one producer publishes), and decode split-K (`splits`: a GEMM ta
 the part that finishes last adds all parts in part order and alone signals readiness). `simulate` runs it step by step on the CPU so the dependency
 logic, the task counts and the timeout path are tested without a GPU; the GPU tests compare the kernel's
 own counts (ctl words) with `plan`.
+
+The wide tile (`bn=256`, MkParams.bn) keeps the 128-column n-block bookkeeping: a task covers n-blocks nb (even)
+and nb + 1 and counts both when it finishes (g1done += 2; each of its rows counts 2 in its combine tile), so
+the release thresholds are unchanged and a launch has half as many GEMM tasks (`Plan.nblk` = 2).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class Plan:
     ctile_target: tuple[int, ...]  # finished (row, GEMM2 n-block) pairs each combine tile waits for
     ks1: int = 1                   # split-K parts per GEMM1 / GEMM2 task this launch (`splits`)
     ks2: int = 1
+    nblk: int = 1                  # 128-column n-blocks per GEMM task: 2 for the wide tile (bn = 256)
 
     def tile_expert(self, tile: int) -> int:
         lo, hi = 0, len(self.tile_base) - 2
@@ -59,16 +64,19 @@ class Plan:
     def gemm1_tasks(self) -> list[Task]:
         """Queue order of the kernel: tile-major, then n-field = nb + N1 * part."""
         out = []
-        for i in range(self.n_tiles * self.n1 * self.ks1):
-            tile, nf = divmod(i, self.n1 * self.ks1)
+        w = self.nblk  # wide tile: task index -> first n-block 2 * index (never split: ks1 = 1)
+        for i in range(self.n_tiles * self.n1 // w * self.ks1):
+            tile, nf = divmod(i, self.n1 // w * self.ks1)
+            nf *= w
             e = self.tile_expert(tile)
             out.append(Task(GEMM1, e, tile - self.tile_base[e], nf % self.n1, tile, nf // self.n1, self.ks1))
         return out
 
     def gemm2_tasks(self, tile: int) -> list[Task]:
         e = self.tile_expert(tile)
-        return [Task(GEMM2, e, tile - self.tile_base[e], nf % self.n2, tile, nf // self.n2, self.ks2)
-                for nf in range(self.n2 * self.ks2)]
+        w = self.nblk
+        return [Task(GEMM2, e, tile - self.tile_base[e], nf * w % self.n2, tile, nf * w // self.n2, self.ks2)
+                for nf in range(self.n2 // w * self.ks2)]
 
 
 def splits(want: int, *, n_tiles: int, bm: int, max_tiles: int) -> int:
@@ -92,9 +100,15 @@ def reduce_parts(parts: list[list[float]]) -> list[float]:
 
 
 def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: int, bm: int,
-         combine_tokens: int, split_k1: int = 1, split_k2: int = 1, split_max_tiles: int = 0) -> Plan:
+         combine_tokens: int, split_k1: int = 1, split_k2: int = 1, split_max_tiles: int = 0, bn: int = BN) -> Plan:
     """The task graph for routing `topk_idx` ([S][K] expert ids); `split_*` as MegakernelConfig (the layer
-    passes its partial buffer's m-tiles, `MegakernelMoE.sk_tiles`, as `split_max_tiles`)."""
+    passes its partial buffer's m-tiles, `MegakernelMoE.sk_tiles`, as `split_max_tiles`); `bn` the launch's
+    columns per task (`MegakernelConfig.pick_bn(bm)`: 256 = the wide tile, bm = 128 only)."""
+    if bn not in (BN, 2 * BN):
+        raise ValueError(f"bn must be 128 or 256, got {bn}")
+    if bn == 2 * BN and (bm != 128 or hidden % bn or 2 * intermediate % bn):
+        raise ValueError(f"bn=256 needs bm=128 and hidden, 2 x intermediate multiples of 256, got bm={bm}, "
+                         f"{hidden}, {2 * intermediate}")
     s = len(topk_idx)
     k = len(topk_idx[0]) if s else 0
     rows: list[list[int]] = [[] for _ in range(experts)]
@@ -110,8 +124,9 @@ def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: 
     target = tuple((min(s, (c + 1) * combine_tokens) - c * combine_tokens) * k * n2 for c in range(n_ct))
     ks1 = splits(split_k1, n_tiles=n_tiles, bm=bm, max_tiles=split_max_tiles)
     ks2 = splits(split_k2, n_tiles=n_tiles, bm=bm, max_tiles=split_max_tiles)
-    return Plan(n1, n2, nc, tuple(base), n_tiles, n_ct, n_tiles * (n1 * ks1 + n2 * ks2) + n_ct * nc,
-                tuple(map(tuple, rows)), target, ks1, ks2)
+    w = bn // BN
+    return Plan(n1, n2, nc, tuple(base), n_tiles, n_ct, n_tiles * (n1 // w * ks1 + n2 // w * ks2) + n_ct * nc,
+                tuple(map(tuple, rows)), target, ks1, ks2, w)
 
 
 def combine_blocks(hidden: int) -> int:
@@ -211,12 +226,13 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
                         assert parts_done[key] <= t.parts, f"slot {key} finished {parts_done[key]} parts"
                         if parts_done[key] < t.parts:
                             continue
-                    if t.kind == GEMM1:
-                        g1done[t.tile] += 1
+                    if t.kind == GEMM1:  # a wide task (nblk = 2) finishes n-blocks nblock and nblock + 1
+                        g1done[t.tile] += p.nblk
                     elif t.kind == GEMM2:
-                        done_g2.add((t.tile, t.nblock))
+                        for q in range(p.nblk):
+                            done_g2.add((t.tile, t.nblock + q))
                         for r in _tile_rows(p, t, bm):
-                            comb[(r // topk) // combine_tokens] += 1
+                            comb[(r // topk) // combine_tokens] += p.nblk
                     state[i] = None
         if not busy and (sched_done or res.error):
             break

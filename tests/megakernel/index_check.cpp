@@ -1,7 +1,9 @@
 // Host-compiled check of csrc/megakernel/mk_index.h (built and run by tests/test_megakernel_cpu.py with g++).
 // Prints "ok <n checks>" or the first failure and exits non-zero.
 #include <stdio.h>
+#include <math.h>
 #include <stdlib.h>
+#include <string.h>
 #include <set>
 #include <vector>
 
@@ -170,6 +172,197 @@ int main() {
       for (uint32_t i = 0; i < 32; ++i)
         CHECK(acc_col(t, i) < 64 && acc_col(t, i + 32) == acc_col(t, i) + 64 && acc_row(t, i + 32) == acc_row(t, i),
               "wgmma pair t=%u i=%u", t, i);
+  }
+  // 8. the wide tile (bn = 256, wgmma core, bm = 128): stage = A 128 rows (16 KB) + B 256 rows (32 KB), <= 4 stages
+  {
+    const int64_t I = 768, H = 2048;
+    const uint32_t a_bytes = 128 * 128, b_bytes = 256 * 128, stage = a_bytes + b_bytes;
+    for (uint32_t s = 0; s < 4; ++s) {
+      const uint32_t sA = 0x400 * 7 + s * stage, sB = sA + a_bytes;
+      CHECK(sA % 1024 == 0 && sB % 1024 == 0 && sB + b_bytes <= 227 * 1024, "wide alignment s=%u", s);
+      for (uint32_t kk = 0; kk < 4; ++kk) {
+        // each consumer's A descriptor (64 rows) and the shared B descriptor (256 rows) read what was stored
+        for (uint32_t c = 0; c < 2; ++c) {
+          const uint64_t da = wg_desc(sA + c * 64 * 128 + kk * 32);
+          for (uint32_t r = 0; r < 64; ++r)
+            for (uint32_t k = 0; k < 16; ++k)
+              CHECK(desc_elem_addr(da, r, k) == sA + swz_off(64 * c + r, kk * 16 + k), "wide A s=%u kk=%u c=%u r=%u", s,
+                    kk, c, r);
+        }
+        const uint64_t db = wg_desc(sB + kk * 32);
+        CHECK(desc_start(db) == sB + kk * 32 && desc_sbo(db) == 1024, "wide B desc");
+        for (uint32_t n = 0; n < 256; ++n)
+          for (uint32_t k = 0; k < 16; ++k)
+            CHECK(desc_elem_addr(db, n, k) == sB + swz_off(n, kk * 16 + k), "wide B s=%u kk=%u n=%u k=%u", s, kk, n, k);
+      }
+      // the four TMA boxes land as tile rows 64 b .. 64 b + 63, where the descriptors read them
+      for (uint32_t b = 0; b < 4; ++b)
+        for (uint32_t r = 0; r < 64; ++r)
+          for (uint32_t k = 0; k < 64; ++k)
+            CHECK(tma_box_dst(sB + 8192 * b, r, k) == sB + swz_off(64 * b + r, k), "wide box s=%u b=%u r=%u k=%u", s, b,
+                  r, k);
+    }
+    // weight rows: box b starts at tile row 64 b's weight row and its 64 rows are consecutive (what cp.async's
+    // b_off rows hold, fill_meta); a wide task's rows are exactly those of the two 128-column n-blocks it covers
+    for (int nb = 0; nb < 12; nb += 2) {
+      std::set<int64_t> wide1, narrow1;
+      for (int n = 0; n < 256; ++n) {
+        const int b = n / 64, r = n % 64;
+        CHECK(wide_box_row(0, nb, b, I) + r == wide_gemm1_row(nb, n, I), "GEMM1 box rows nb=%d n=%d", nb, n);
+        CHECK(wide_box_row(1, nb, b, I) + r == wide_gemm2_row(nb, n), "GEMM2 box rows nb=%d n=%d", nb, n);
+        wide1.insert(wide_gemm1_row(nb, n, I));
+      }
+      for (int q = 0; q < 2; ++q)
+        for (int n = 0; n < 128; ++n) narrow1.insert((n & 1) ? I + (nb + q) * 64 + n / 2 : (int64_t)(nb + q) * 64 + n / 2);
+      CHECK(wide1 == narrow1 && wide1.size() == 256, "wide GEMM1 rows nb=%d", nb);
+      CHECK(wide_gemm1_row(nb, 255, I) < 2 * I && wide_gemm2_row(nb + 4, 255) < H, "row range nb=%d", nb);
+    }
+    // the m64n256 fragment: 128 threads x 128 registers cover 64 x 256 once (PTX layout); the epilogue's pairs
+    std::vector<int> hit(64 * 256, 0), h(64 * 128, 0), y(64 * 256, 0);
+    for (uint32_t t = 0; t < 128; ++t)
+      for (uint32_t i = 0; i < 128; ++i) {
+        const uint32_t r = acc_row(t, i), c = acc_col(t, i);
+        CHECK(r < 64 && c < 256, "wide range t=%u i=%u", t, i);
+        CHECK(r == (t / 32) * 16 + (t % 32) / 4 + ((i % 4) >= 2 ? 8 : 0) && c == (i / 4) * 8 + (t % 4) * 2 + (i % 2),
+              "wide ptx layout t=%u i=%u", t, i);
+        hit[r * 256 + c]++;
+      }
+    for (int x = 0; x < 64 * 256; ++x) CHECK(hit[x] == 1, "wide element %d hit %d times", x, hit[x]);
+    const int nb = 6;  // any even n-block
+    for (uint32_t t = 0; t < 128; ++t)
+      for (int half = 0; half < 2; ++half) {
+        // GEMM1 (run_gemm_wg: j < NACC/8, i = 4j + 2 half, up register i + NACC/2): (gate, up) of one h column
+        for (int j = 0; j < 16; ++j) {
+          const uint32_t i = 4 * j + 2 * half, r = acc_row(t, i);
+          for (uint32_t e = 0; e < 2; ++e) {
+            const uint32_t gc = acc_col(t, i + e), uc = acc_col(t, i + 64 + e);
+            CHECK(acc_row(t, i + e) == r && acc_row(t, i + 64 + e) == r && gc < 128 && uc == gc + 128,
+                  "wide pair t=%u i=%u", t, i);
+            CHECK(gc == acc_col(t, i) + e, "store_h2 columns q, q+1 t=%u i=%u", t, i);
+            // gate row nb*64 + q and up row I + nb*64 + q: h column nb*64 + q (store_h2's column)
+            CHECK(wide_gemm1_row(nb, gc, I) == nb * 64 + gc && wide_gemm1_row(nb, uc, I) == I + nb * 64 + gc,
+                  "wide (gate, up) rows t=%u i=%u", t, i);
+            h[r * 128 + gc]++;
+          }
+        }
+        // GEMM2 (j < NACC/4): y columns nb*128 + c, c + 1 from W_down rows nb*128 + c (n-blocks nb, nb + 1)
+        for (int j = 0; j < 32; ++j) {
+          const uint32_t i = 4 * j + 2 * half, r = acc_row(t, i), c = acc_col(t, i);
+          CHECK(acc_col(t, i + 1) == c + 1 && acc_row(t, i + 1) == r && c % 2 == 0, "y pair t=%u i=%u", t, i);
+          CHECK(wide_gemm2_row(nb, c) == (int64_t)nb * 128 + c, "W_down row");
+          y[r * 256 + c]++;
+          y[r * 256 + c + 1]++;
+        }
+      }
+    for (int x = 0; x < 64 * 128; ++x) CHECK(h[x] == 1, "wide h element (%d, %d) hit %d", x / 128, x % 128, h[x]);
+    for (int x = 0; x < 64 * 256; ++x) CHECK(y[x] == 1, "wide y element (%d, %d) hit %d", x / 256, x % 256, y[x]);
+  }
+  // 9. one wide task end to end on the index math: the producer's stores (TMA boxes for B, swz_off for A) into a
+  //    byte image of the stage, the wgmma reads through the descriptors, the fragment, the epilogue's columns;
+  //    GEMM1 (SwiGLU -> h) and GEMM2 (-> y) compared with the plain products (small exact integers: no rounding)
+  {
+    const int I = 256, H = 128, E = 2, ROWS = 128;  // 2I = 512 (N1 = 4), H = 128 (K of GEMM1)
+    std::vector<float> w1((size_t)E * 2 * I * H), w2((size_t)E * H * I), x((size_t)ROWS * H), hh((size_t)ROWS * I);
+    uint32_t seed = 1;
+    auto rnd = [&]() { seed = seed * 1103515245u + 12345u; return (float)((int)((seed >> 16) % 7) - 3); };
+    for (auto& v : w1) v = rnd();
+    for (auto& v : w2) v = rnd();
+    for (auto& v : x) v = rnd();
+    for (auto& v : hh) v = rnd();
+    const int e = 1;
+    std::vector<float> smem(96 * 1024 / 2);  // one stage image (A 16 KB + B 32 KB), indexed by byte / 2
+    for (int nb = 0; nb < 4; nb += 2) {  // GEMM1: wide tasks at n-blocks 0 and 2 of N1 = 4
+        const int K = H;
+        std::vector<double> D(128 * 256, 0.0);
+        for (int kt = 0; kt < K / 64; ++kt) {
+          const uint32_t sA = 0, sB = 128 * 128;
+          for (int r = 0; r < 128; ++r)  // producer: A rows by cp.async (swz_off)
+            for (int k = 0; k < 64; ++k) smem[(sA + swz_off(r, k)) / 2] = x[(size_t)r * H + kt * 64 + k];
+          for (int bx = 0; bx < 4; ++bx) {  // TMA: box bx from weight row e*2I + wide_box_row
+            const int64_t row0 = (int64_t)e * 2 * I + wide_box_row(0, nb, bx, I);
+            for (uint32_t r = 0; r < 64; ++r)
+              for (uint32_t k = 0; k < 64; ++k)
+                smem[tma_box_dst(sB + 8192 * bx, r, k) / 2] = w1[(size_t)(row0 + r) * H + kt * 64 + k];
+          }
+          for (int c = 0; c < 2; ++c)  // consumers: 4 k16 wgmmas through the descriptors
+            for (uint32_t kk = 0; kk < 4; ++kk) {
+              const uint64_t da = wg_desc(sA + c * 64 * 128 + kk * 32), db = wg_desc(sB + kk * 32);
+              for (uint32_t r = 0; r < 64; ++r)
+                for (uint32_t n = 0; n < 256; ++n) {
+                  double acc = 0;
+                  for (uint32_t k = 0; k < 16; ++k) acc += (double)smem[desc_elem_addr(da, r, k) / 2] * smem[desc_elem_addr(db, n, k) / 2];
+                  D[(64 * c + r) * 256 + n] += acc;
+                }
+            }
+        }
+        // epilogue as run_gemm_wg writes it: h column nb*64 + acc_col(t, i) from registers i, i+1 (gate), i+64, i+65 (up)
+        std::vector<int> wrote(ROWS * I, 0);
+        for (int c = 0; c < 2; ++c)
+          for (uint32_t t = 0; t < 128; ++t)
+            for (int half = 0; half < 2; ++half)
+              for (int j = 0; j < 16; ++j) {
+                const uint32_t i = 4 * j + 2 * half, r = 64 * c + acc_row(t, i), q = acc_col(t, i);
+                for (uint32_t z = 0; z < 2; ++z) {
+                  const double g = D[r * 256 + acc_col(t, i + z)], u = D[r * 256 + acc_col(t, i + 64 + z)];
+                  const int col = nb * 64 + q + z;
+                  double rg = 0, ru = 0;  // reference: gate row col, up row I + col of expert e
+                  for (int k = 0; k < H; ++k) {
+                    rg += (double)x[(size_t)r * H + k] * w1[((size_t)e * 2 * I + col) * H + k];
+                    ru += (double)x[(size_t)r * H + k] * w1[((size_t)e * 2 * I + I + col) * H + k];
+                  }
+                  CHECK(g == rg && u == ru, "GEMM1 e2e nb=%d r=%u col=%d: %g/%g vs %g/%g", nb, r, col, g, u, rg, ru);
+                  wrote[r * I + col]++;
+                }
+              }
+        for (int r = 0; r < ROWS; ++r)
+          for (int col = 0; col < I; ++col)
+            CHECK(wrote[r * I + col] == (col / 128 == nb / 2 ? 1 : 0), "GEMM1 e2e coverage nb=%d r=%d col=%d", nb, r, col);
+      }
+    // GEMM2 (K = I = 256, W_down [E, H2, I] with H2 = 512: n-blocks 0..3, wide tasks at nb = 0, 2)
+    const int H2 = 512;
+    std::vector<float> wd((size_t)E * H2 * I);
+    for (auto& v : wd) v = rnd();
+    for (int nb = 0; nb < 4; nb += 2) {
+      std::vector<double> D(128 * 256, 0.0);
+      for (int kt = 0; kt < I / 64; ++kt) {
+        const uint32_t sA = 0, sB = 128 * 128;
+        for (int r = 0; r < 128; ++r)
+          for (int k = 0; k < 64; ++k) smem[(sA + swz_off(r, k)) / 2] = hh[(size_t)r * I + kt * 64 + k];
+        for (int bx = 0; bx < 4; ++bx) {
+          const int64_t row0 = (int64_t)e * H2 + wide_box_row(1, nb, bx, I);
+          for (uint32_t r = 0; r < 64; ++r)
+            for (uint32_t k = 0; k < 64; ++k)
+              smem[tma_box_dst(sB + 8192 * bx, r, k) / 2] = wd[(size_t)(row0 + r) * I + kt * 64 + k];
+        }
+        for (int c = 0; c < 2; ++c)
+          for (uint32_t kk = 0; kk < 4; ++kk) {
+            const uint64_t da = wg_desc(sA + c * 64 * 128 + kk * 32), db = wg_desc(sB + kk * 32);
+            for (uint32_t r = 0; r < 64; ++r)
+              for (uint32_t n = 0; n < 256; ++n) {
+                double acc = 0;
+                for (uint32_t k = 0; k < 16; ++k) acc += (double)smem[desc_elem_addr(da, r, k) / 2] * smem[desc_elem_addr(db, n, k) / 2];
+                D[(64 * c + r) * 256 + n] += acc;
+              }
+          }
+      }
+      std::vector<int> wrote(ROWS * H2, 0);
+      for (int c = 0; c < 2; ++c)
+        for (uint32_t t = 0; t < 128; ++t)
+          for (int half = 0; half < 2; ++half)
+            for (int j = 0; j < 32; ++j) {  // store_pair: y columns nb*128 + acc_col(t, i), +1
+              const uint32_t i = 4 * j + 2 * half, r = 64 * c + acc_row(t, i);
+              for (uint32_t z = 0; z < 2; ++z) {
+                const int col = nb * 128 + (int)acc_col(t, i) + (int)z;
+                double ref = 0;
+                for (int k = 0; k < I; ++k) ref += (double)hh[(size_t)r * I + k] * wd[((size_t)e * H2 + col) * I + k];
+                CHECK(D[r * 256 + acc_col(t, i + z)] == ref, "GEMM2 e2e nb=%d r=%u col=%d", nb, r, col);
+                wrote[r * H2 + col]++;
+              }
+            }
+      for (int r = 0; r < ROWS; ++r)
+        for (int col = 0; col < H2; ++col)
+          CHECK(wrote[r * H2 + col] == (col / 256 == nb / 2 ? 1 : 0), "GEMM2 e2e coverage nb=%d r=%d col=%d", nb, r, col);
+    }
   }
   printf("ok %ld\n", n_checks);
   return 0;
