@@ -317,6 +317,9 @@ ENV_VARIABLES: tuple[EnvVariable, ...] = (
                 "tuner/measure/worker.py"),
     EnvVariable("MOETUNE_WORKER_TRACEBACK", "`1`", "unset",
                 "The benchmark worker prints a failing case's full traceback (debug).", "tuner/measure/worker.py"),
+    EnvVariable("MOETUNE_GIT_SHA", "40-hex commit", "unset",
+                "`moetune bench run`: the commit to stamp on result rows when the tree is not a git checkout (a copy "
+                "sent to a GPU machine); a real checkout's `git rev-parse HEAD` wins.", "tuner/measure/scenarios.py"),
     EnvVariable("MOETUNE_FAKE_JOB_SLEEP", "float seconds", "0",
                 "The test daemon's fake tuning job holds this long (restart tests); tests only.",
                 "tests/daemon_fakes.py"),

@@ -108,3 +108,12 @@ def test_committed_summary_and_benchmarks_md_agree() -> None:
     md = S.BENCHMARKS_MD.read_text()
     assert md == S.summarize(SCENARIOS, rows), "BENCHMARKS.md is stale: run `moetune bench summarize`"
     assert md.count("\n") <= 200
+
+
+def test_rows_of_a_tree_without_git_take_the_given_sha(monkeypatch) -> None:
+    """A tree copied to a GPU machine has no .git: MOETUNE_GIT_SHA stamps the rows (hex only), else 'unknown'."""
+    monkeypatch.setattr(S, "_git", lambda *a: "")
+    monkeypatch.setenv("MOETUNE_GIT_SHA", "0D90E94abc")
+    assert S.machine_facts("none", lambda: "fp")["git_sha"] == "0d90e94abc"
+    monkeypatch.setenv("MOETUNE_GIT_SHA", "not a sha; rm -rf")
+    assert S.machine_facts("none", lambda: "fp")["git_sha"] == "unknown"

@@ -608,6 +608,12 @@ def _git(*args: str) -> str:
         return ""
 
 
+def _given_sha() -> str:
+    """MOETUNE_GIT_SHA for a tree copied without its .git (checked: hex, 7-40 digits)."""
+    v = os.environ.get("MOETUNE_GIT_SHA", "").strip().lower()
+    return v if re.fullmatch(r"[0-9a-f]{7,40}", v) else ""
+
+
 def machine_facts(backend: str, fingerprint: Callable[[], str] | None = None) -> dict[str, Any]:
     """The stamp every row carries: code (git SHA + dirty), versions, GPU, fabric fingerprint, hardware.
 
@@ -633,7 +639,7 @@ def machine_facts(backend: str, fingerprint: Callable[[], str] | None = None) ->
     gpu = torch.cuda.get_device_name(0) if gpus else "none"
     cpu = platform.processor() or platform.machine()
     return {
-        "git_sha": _git("rev-parse", "HEAD") or "unknown",
+        "git_sha": _git("rev-parse", "HEAD") or _given_sha() or "unknown",
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "moetune": __version__, "torch": torch.__version__, "nccl": nccl, "cuda": torch.version.cuda or "",
         "gpu": gpu, "gpu_count": gpus, "fabric_fingerprint": fp,
