@@ -486,4 +486,226 @@ def test_kernel_source_wide_tile():
     assert "const int g1 = n_tiles * (N1 / W) * KS1;" in src and "nf * W" in src
     assert "using WgWideTma = WgTile<128, true, 256>;" in src and "mkidx::wide_box_row" in src
     assert "bn = 256 needs hidden and 2 x intermediate to be multiples of 256" in src
-    assert [f[0] for f in _lib.MkParams._fields_][-1] == "bn" and _lib.ABI_VERSION == 8
+    assert [f[0] for f in _lib.MkParams._fields_][-2] == "bn" and _lib.ABI_VERSION >= 8
+
+
+# ---- the overlap kernel (overlap=1): task slots + stage slots, modelled step by step -----------------------------
+END = None  # the end marker (task word 0)
+
+
+def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps: dict[int, int] | None = None,
+                      policy: str | int = "producer", publish_before_claim: bool = True,
+                      free_slot_after_signal: bool = True) -> str:
+    """k_experts_ov's protocol for one CTA: 'ok', 'deadlock at ...' when no actor can move, or 'slot ...' when a task
+    slot was overwritten while consumers still read it.
+
+    `tasks`: k-stages per task in claim order, 0 = a COMBINE task (the end marker follows the last). `deps[j] = i`:
+    queue slot j is published only once task i signalled (a GEMM2 waiting for a GEMM1 this CTA runs). Actors: the
+    producer warpgroup and `consumers` consumer warpgroups; `policy` picks among the actors that can move ('producer'
+    or 'consumers' first, or a random seed). Producer per task j: wait tempty (slot j & 1 free: the consumers finished
+    task j - 2), claim (waits until slot j is published), write the slot, arrive tfull; a GEMM task's stages as
+    wg_produce orders them (publish stage kt - lag before waiting for slot kt to be empty, the last min(KT, lag)
+    after the loop). With publish_before_claim off, those last publishes come after the NEXT claim (the wrong
+    order). Consumers per task: wait tfull, the vote (named barrier), read the word; end -> exit; COMBINE -> free
+    the slot, combine; GEMM -> wait full / release the previous stage, release the last, the epilogue reads the
+    slot's row ids, named barrier, consumer 0 signals, every consumer frees the slot (with free_slot_after_signal
+    off: right after reading the word, the wrong order)."""
+    deps = deps or {}
+    lag = stages - 1
+    n = len(tasks)
+    prod: list[tuple] = []
+    deferred: list[tuple] = []
+    it = 0
+    for j, kt_n in enumerate([*tasks, END]):
+        prod += [("wait_tempty", j), ("claim", j), *deferred, ("arrive_tfull", j)]
+        deferred = []
+        if kt_n is END:
+            break
+        for kt in range(kt_n):
+            g = it + kt
+            if kt >= lag:
+                prod.append(("publish", g - lag))
+            prod.append(("wait_empty", g))
+        tail = [("publish", it + kt) for kt in range(max(kt_n - lag, 0), kt_n)]
+        if publish_before_claim:
+            prod += tail
+        else:
+            deferred = tail
+        it += kt_n
+    total_stages = it
+    cons: list[list[tuple]] = []
+    for c in range(consumers):
+        ops: list[tuple] = []
+        it, nbar = 0, 0
+        for j, kt_n in enumerate([*tasks, END]):
+            ops += [("wait_tfull", j), ("bar_arrive", nbar), ("bar_wait", nbar), ("read_word", j)]
+            nbar += 1
+            if kt_n is END:
+                break
+            if kt_n == 0:
+                ops += [("arrive_tempty", j), ("combine", j)]
+                continue
+            if not free_slot_after_signal:
+                ops.append(("arrive_tempty", j))
+            for kt in range(kt_n):
+                g = it + kt
+                ops += [("wait_full", g)] + ([("release", g - 1)] if kt > 0 else [])
+            ops += [("release", it + kt_n - 1), ("read_slot", j), ("bar_arrive", nbar), ("bar_wait", nbar)]
+            nbar += 1
+            if c == 0:
+                ops += [("read_slot", j), ("signal", j)]
+            if free_slot_after_signal:
+                ops.append(("arrive_tempty", j))
+            it += kt_n
+        cons.append(ops)
+    actors = [prod, *cons]
+    pos = [0] * len(actors)
+    published: Counter = Counter()
+    released: Counter = Counter()
+    tfull: set[int] = set()
+    tempty: Counter = Counter()
+    bars: Counter = Counter()
+    slot: dict[int, int] = {}
+    done: set[int] = set()
+    claimed: Counter = Counter()
+    combined: Counter = Counter()
+    words: Counter = Counter()
+
+    def ready(op: tuple) -> bool:
+        kind, x = op
+        if kind == "wait_tempty":
+            return x < 2 or tempty[x - 2] == consumers
+        if kind == "claim":
+            return x >= n or x not in deps or deps[x] in done
+        if kind == "wait_empty":
+            return x < stages or released[x - stages] == consumers
+        if kind == "wait_tfull":
+            return x in tfull
+        if kind == "wait_full":
+            return published[x] > 0
+        if kind == "bar_wait":
+            return bars[x] == consumers
+        return True
+
+    def apply(a: int, op: tuple) -> str | None:
+        kind, x = op
+        if kind == "claim":
+            claimed[x] += 1
+            slot[x & 1] = x
+        elif kind == "arrive_tfull":
+            tfull.add(x)
+        elif kind == "publish":
+            published[x] += 1
+        elif kind == "release":
+            released[x] += 1
+        elif kind == "arrive_tempty":
+            tempty[x] += 1
+        elif kind == "bar_arrive":
+            bars[x] += 1
+        elif kind in ("read_word", "read_slot"):
+            if slot.get(x & 1) != x:
+                return f"slot {x & 1} holds task {slot.get(x & 1)} while consumer {a - 1} reads task {x} ({kind})"
+            if kind == "read_word" and a == 1:
+                words[x] += 1
+        elif kind == "signal":
+            done.add(x)
+        elif kind == "combine" and a == 1:
+            combined[x] += 1
+        return None
+
+    rng = random.Random(policy) if isinstance(policy, int) else None
+    while any(pos[a] < len(actors[a]) for a in range(len(actors))):
+        movable = [a for a in range(len(actors)) if pos[a] < len(actors[a]) and ready(actors[a][pos[a]])]
+        if not movable:
+            where = ", ".join(str(actors[a][pos[a]]) if pos[a] < len(actors[a]) else "done" for a in range(len(actors)))
+            return f"deadlock at {where}"
+        a = rng.choice(movable) if rng else (movable[0] if policy == "producer" else movable[-1])
+        bad = apply(a, actors[a][pos[a]])
+        if bad:
+            return bad
+        pos[a] += 1
+    gemm = [j for j, k in enumerate(tasks) if k]
+    assert all(published[g] == 1 for g in range(total_stages)) and len(published) == total_stages
+    assert all(released[g] == consumers for g in range(total_stages)) and len(released) == total_stages
+    assert claimed == Counter(range(n + 1)) and words == Counter(range(n + 1))  # every task + the end, once
+    assert done == set(gemm) and combined == Counter(j for j, k in enumerate(tasks) if not k)
+    return "ok"
+
+
+_OV_MIXES = [[32], [12], [0], [], [32, 12], [12, 32, 0, 0, 12], [32, 32, 12, 0, 32, 0, 0, 0, 12, 12, 32],
+             [1, 2, 3, 0, 5, 1], [0, 0, 0, 32, 0]]
+_OV_POLICIES = ["producer", "consumers", *range(6)]
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 6])
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_overlap_pipeline_never_deadlocks(stages: int, consumers: int) -> None:
+    """Mixes of GEMM1 (32 k-stages), GEMM2 (12), COMBINE (0) tasks and the end, with and without a next task that
+    waits for the current one, under several interleavings: every stage and task consumed exactly once."""
+    for tasks in _OV_MIXES:
+        chains = [{}, {j + 1: j for j, k in enumerate(tasks[:-1]) if k}]  # each task after a GEMM waits for it
+        for deps in chains:
+            for policy in _OV_POLICIES:
+                got = _overlap_pipeline(stages, tasks, consumers=consumers, deps=deps, policy=policy)
+                assert got == "ok", (stages, consumers, tasks, deps, policy, got)
+
+
+def test_overlap_pipeline_model_catches_wrong_orders() -> None:
+    """Two plausible wrong cuts the model rejects: (1) claiming the next task before publishing the current task's
+    last stages deadlocks when the next queue slot waits for the current task (GEMM2 after this CTA's GEMM1);
+    (2) freeing the task slot when the word is read, not after the signal, lets the producer overwrite the row ids
+    the epilogue and signal still read. Then the kernel source has the order the model assumes."""
+    from moetune.runtime.megakernel import _lib
+
+    assert _overlap_pipeline(4, [32, 12], deps={1: 0}) == "ok"
+    assert _overlap_pipeline(4, [32, 12], publish_before_claim=False) == "ok"  # harmless without the dependency
+    assert _overlap_pipeline(4, [32, 12], deps={1: 0}, publish_before_claim=False).startswith("deadlock")
+    assert _overlap_pipeline(3, [12, 32], deps={1: 0}, consumers=2, publish_before_claim=False).startswith("deadlock")
+    assert _overlap_pipeline(4, [32, 0, 12, 32], free_slot_after_signal=False).startswith("slot")
+    assert _overlap_pipeline(4, [32, 0, 12, 32], consumers=2, free_slot_after_signal=False).startswith("slot")
+
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    prod = src[src.index("void wg_produce("):src.index("void wg_consume(")]
+    # publish before the slot wait, and every stage published before wg_produce returns
+    assert prod.index("mbar_arrive(bars.full") < prod.index("mbar_wait(p, bars.empty")
+    assert "cp_wait(0);\n  fence_proxy_async();\n  for (int kt = KT > lag ? KT - lag : 0; kt < KT; ++kt) mbar_arrive(" in prod
+    kern = src[src.index("k_experts_ov(const MkParams p"):src.index("// ---- routing")]
+    loop = kern[kern.index("for (uint32_t j = 0;; ++j)"):]
+    assert "__syncthreads" not in loop, "no CTA barrier inside the overlap loop"
+    p_part, c_part = loop[:loop.index("// ---- consumer warpgroups")], loop[loop.index("// ---- consumer warpgroups"):]
+    order = ["mbar_wait_ok(p, tempty", "claim_task(p, epoch)", "named_sync(1, 128)", "fill_meta_part<T>(",
+             "mbar_arrive(tfull", "if (task == 0) return;", "wg_produce<T>("]
+    idx = [p_part.index(x) for x in order]
+    assert idx == sorted(idx) and p_part.count("claim_task(") == 1 and p_part.count("wg_produce<T>(") == 1
+    order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) return;", "MK_TASK_COMBINE",
+             "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T>(", "named_sync(2, NCONS)", "signal_done_here<T>(",
+             "mbar_arrive(tempty"]
+    pos, idx = 0, []
+    for x in order:
+        pos = c_part.index(x, pos)
+        idx.append(pos)
+    assert c_part.count("mbar_arrive(tempty") == 2  # the COMBINE path's early free and the GEMM path's after the signal
+    assert "mbar_init(tfull + 8 * s, 128);" in kern and "mbar_init(tempty + 8 * s, NCONS);" in kern
+    assert "2 * p.timeout_ns" in c_part  # the producer's claim timeout reports first (MK_ERR_PROC_TIMEOUT)
+    # signal_done_here counts what signal_done counts
+    sd = src[src.index("void signal_done("):src.index("void signal_done_here(")]
+    sdh = src[src.index("void signal_done_here("):]
+    sdh = sdh[:sdh.index("\n}\n")]
+    for line in ("red_add(&p.g1done[tile], T::NBLK);", "red_add(&p.comb[(v / K) / (int)p.combine_tokens], T::NBLK);",
+                 "__threadfence();"):
+        assert line in sd and line in sdh
+
+
+def test_config_overlap():
+    c = MegakernelConfig.parse("overlap=1")
+    assert c.overlap == 1 and c.core == "wgmma" and MegakernelConfig().overlap == 0
+    assert MegakernelConfig.from_dict(c.to_dict()) == c
+    for text in ("overlap=1,bm=128", "overlap=1,tma=0", "overlap=1,bm=128,bn=256", "overlap=1,stages=3"):
+        assert MegakernelConfig.parse(text).overlap == 1
+    for text in ("overlap=2", "overlap=-1", "overlap=1,core=mma", "overlap=1,bm=16"):
+        with pytest.raises(ConfigError, match="overlap"):
+            MegakernelConfig.parse(text)
+    from moetune.runtime.megakernel import _lib
+
+    assert [f[0] for f in _lib.MkParams._fields_][-1] == "overlap" and _lib.ABI_VERSION == 9
+    assert len(_lib.SIGNATURES["mk_occupancy"][1]) == 8

@@ -186,11 +186,14 @@ def test_cuda_graph_10000_replays(layer, model):
     _graph_replays(layer, model, 128, int(os.environ.get("MK_GRAPH_REPLAYS", "10000")))
 
 
-def test_never_ready_task_times_out(model, layer):
+@pytest.mark.parametrize("cfg", ["", "overlap=1,bm=64", "overlap=1,bm=128,bn=256"])
+def test_never_ready_task_times_out(model, layer, cfg):
+    """A GEMM2 that is never released: the launch ends (no hang), the error is recorded, the layer recovers. The
+    overlap kernel too: its producer spins on the queue slot while the consumers wait for a task word."""
     from moetune.runtime.megakernel import MegakernelConfig, MegakernelError, MegakernelMoE
 
-    m = MegakernelMoE(model, max_tokens=256, config=MegakernelConfig(timeout_ms=100.0), w_gate_up=layer.w_gate_up,
-                      w_down=layer.w_down, gate=layer.gate)
+    m = MegakernelMoE(model, max_tokens=256, config=MegakernelConfig.parse(cfg + ",timeout_ms=100"),
+                      w_gate_up=layer.w_gate_up, w_down=layer.w_down, gate=layer.gate)
     x = _x(64, model.hidden, seed=600)
     m.stall_tile = 0
     t0 = time.monotonic()
@@ -226,7 +229,12 @@ NEW_PATHS = [# the mma core and no split-K: the defaults before run 10, still se
              # the wide tile (bn=256: 128 x 256 per task, m64n256k16 consumers; bm=0 runs it from S=1000 up, bm=16
              # below), B by TMA or cp.async, 2..4 stages
              "bm=128,bn=256,tma=1", "bn=256,tma=1", "bm=128,bn=256,tma=1,stages=3", "bm=128,bn=256,tma=1,stages=2",
-             "bm=128,bn=256,tma=0", "bm=128,bn=256,stages=3,tma=0"]
+             "bm=128,bn=256,tma=0", "bm=128,bn=256,stages=3,tma=0",
+             # the cross-task overlap kernel (overlap=1: producer warpgroup claims ahead, double-buffered task slots,
+             # COMBINE on the consumer warpgroups); bm=0 runs it from the bm=64 sizes up, bm=16 below
+             "overlap=1", "overlap=1,bm=64", "overlap=1,bm=128", "overlap=1,tma=0", "overlap=1,bm=128,tma=0",
+             "overlap=1,bm=128,bn=256", "overlap=1,bm=128,bn=256,tma=0", "overlap=1,stages=3", "overlap=1,bm=64,stages=2",
+             "overlap=1,bm=64,stages=8"]
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +269,7 @@ def test_new_path_matches_reference(new_layers, model, cfg, s):
 
 
 @pytest.mark.parametrize("cfg", ["core=wgmma", "split_k1=4,split_k2=2", "core=wgmma,tma=1", "bm=16,tma=1",
-                                 "bm=128,bn=256,tma=1"])
+                                 "bm=128,bn=256,tma=1", "overlap=1", "overlap=1,bm=128", "overlap=1,bm=128,bn=256"])
 @pytest.mark.parametrize("s", [1, 1000, 4096])
 def test_new_path_gate_routing_and_graph(new_layers, model, cfg, s):
     m = new_layers(cfg)
@@ -274,7 +282,8 @@ def test_new_path_gate_routing_and_graph(new_layers, model, cfg, s):
 
 @pytest.mark.parametrize("s", [7, 4096])
 def test_new_path_all_tokens_to_one_expert(new_layers, model, s):
-    for cfg in ("core=wgmma", "split_k1=4,split_k2=2", "bm=128,bn=256,tma=1", "bm=128,bn=256"):
+    for cfg in ("core=wgmma", "split_k1=4,split_k2=2", "bm=128,bn=256,tma=1", "bm=128,bn=256", "overlap=1,bm=64",
+                "overlap=1,bm=128,bn=256"):
         m = new_layers(cfg)
         x = _x(s, model.hidden, seed=900 + s)
         idx, w = _routing(s, model.experts, model.topk, "one", seed=s)
@@ -327,3 +336,17 @@ def test_tma_matches_cp_async(new_layers, model, cfg, exact):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"S={s}"
         else:
             assert max_rel_err(b, a) <= 1e-2, f"S={s}"
+
+
+@pytest.mark.parametrize("cfg", ["bm=64", "bm=128", "bm=128,bn=256", "bm=64,tma=0", "bm=64,stages=3"])
+@pytest.mark.parametrize("s", [7, 1000, 4096])
+def test_overlap_matches_plain_exactly(new_layers, model, cfg, s):
+    """overlap=1 runs the same wgmma sequence per tile (k stages in order) and the same epilogue and combine
+    arithmetic as overlap=0: the same bits, whatever CTA ran which task."""
+    x = _x(s, model.hidden, seed=1100 + s)
+    idx, w = _routing(s, model.experts, model.topk, "zipf", seed=s)
+    a = new_layers(cfg).forward_routed(x, idx, w, out=_poisoned(s, model.hidden)).clone()
+    b = new_layers("overlap=1," + cfg).forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
+    torch.cuda.synchronize()
+    new_layers("overlap=1," + cfg).check()
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))

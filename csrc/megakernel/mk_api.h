@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 8
+#define MK_ABI_VERSION 9
 #define MK_MAX_SPLITS 16  // split-K parts per GEMM task (decode)
 
 // ctl[] words (int32), one set per layer instance.
@@ -88,13 +88,18 @@ typedef struct MkParams {
   int64_t bn;  // columns per GEMM task: 128 (default), or 256 (the wide tile: wgmma core with bm = 128 only; hidden
                // and 2 x intermediate multiples of 256). A wide task covers two 128-column n-blocks (nb even, nb + 1)
                // and counts both in the readiness counters, so g1done / comb thresholds stay per 128 columns.
+  // ABI 9
+  int64_t overlap;  // 1: the wgmma tiles run the cross-task overlap kernel (the producer warpgroup claims the next task
+                    // and loads its stages while the consumers finish the current one; COMBINE tasks run on the
+                    // consumer warpgroups); 0: k_experts as before (default). The mma core and bm = 16 ignore it.
 } MkParams;
 
 int mk_abi_version(void);
 const char* mk_last_error(void);
-// Resident CTAs per SM of the persistent kernel for (bm, stages, core, tma, bn), and the SM count of the current
-// device (ABI 8: bn added).
-int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t bn, int* per_sm, int* sms);
+// Resident CTAs per SM of the persistent kernel for (bm, stages, core, tma, bn, overlap), and the SM count of the
+// current device (ABI 8: bn added; ABI 9: overlap).
+int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t bn, int64_t overlap, int* per_sm,
+                 int* sms);
 // Launch the routing kernels (gate GEMM + softmax/top-k/lists) on `stream`.
 int mk_route(const MkParams* p, void* stream);
 // Given routing (p->topk_idx / p->topk_w filled by the caller): reset + per-expert row lists.

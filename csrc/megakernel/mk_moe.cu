@@ -386,6 +386,31 @@ __device__ __forceinline__ void fill_meta(const MkParams& p, const Meta& md, int
   }
 }
 
+template <class T>
+__device__ __forceinline__ void fill_meta_part(const MkParams& p, const Meta& md, int kind, int e, int mt, int nb, int first,
+                                               int stride) {
+  const int tid = first, K = (int)p.K, H = (int)p.H, I = (int)p.I;
+  const int cnt = p.counts[e];  // written by the routing kernel (earlier in the stream)
+  for (int r = tid; r < T::BM; r += stride) {
+    const int m = mt * T::BM + r;
+    const int v = m < cnt ? p.lists[(int64_t)e * p.S_cap + m] : -1;
+    md.row_id[r] = v;
+    md.a_off[r] = v < 0 ? -1 : (kind == MK_TASK_GEMM1 ? (int64_t)(v / K) * H : (int64_t)v * I);
+  }
+  for (int n = tid; n < T::BNT; n += stride) {
+    if constexpr (T::NBLK == 2) {  // the wide tile: gate rows stacked over up rows (mk_index.h: wide_gemm1_row)
+      md.b_off[n] = kind == MK_TASK_GEMM1 ? ((int64_t)e * 2 * I + mkidx::wide_gemm1_row(nb, n, I)) * H
+                                          : ((int64_t)e * H + mkidx::wide_gemm2_row(nb, n)) * I;
+    } else if (kind == MK_TASK_GEMM1) {
+      const int q = n >> 1;
+      const int64_t row = (n & 1) ? (int64_t)I + nb * 64 + q : (int64_t)nb * 64 + q;
+      md.b_off[n] = ((int64_t)e * 2 * I + row) * H;
+    } else {
+      md.b_off[n] = ((int64_t)e * H + nb * BN + n) * I;
+    }
+  }
+}
+
 // Epilogue of one accumulator pair: row r of the tile (its (token, slot) id v >= 0), tile column c (even).
 // GEMM1: (c0, c1) = (gate, up) of intermediate column nb*64 + c/2 -> h = silu(gate) * up (bf16).
 // GEMM2: columns nb*128 + c, c+1 of y = acc * routing weight (bf16).
@@ -410,6 +435,24 @@ __device__ __forceinline__ void store_h2(const MkParams& p, int nb, int v, int q
 template <class T>
 __device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, int kind, int tile) {
   if (threadIdx.x == 0) {
+    __threadfence();  // fence + relaxed reds = release: the subscriber's acquire sees h / y
+    if (kind == MK_TASK_GEMM1) {
+      red_add(&p.g1done[tile], T::NBLK);  // a wide task finishes two 128-column n-blocks
+    } else {
+      const int K = (int)p.K;
+      for (int r = 0; r < T::BM; ++r) {
+        const int v = md.row_id[r];
+        if (v >= 0) red_add(&p.comb[(v / K) / (int)p.combine_tokens], T::NBLK);
+      }
+    }
+  }
+}
+
+// signal_done's fence and counters, by the calling thread (the overlap kernel's elected consumer thread, past
+// the consumers' named barrier): the same readiness the scheduler sees.
+template <class T>
+__device__ __forceinline__ void signal_done_here(const MkParams& p, const Meta& md, int kind, int tile) {
+  {
     __threadfence();  // fence + relaxed reds = release: the subscriber's acquire sees h / y
     if (kind == MK_TASK_GEMM1) {
       red_add(&p.g1done[tile], T::NBLK);  // a wide task finishes two 128-column n-blocks
@@ -767,6 +810,38 @@ __device__ void run_combine(const MkParams& p, int ct, int cb) {
   }
 }
 
+// COMBINE task on threads first, first + stride, .. (the overlap kernel's consumer warpgroups); otherwise as
+// run_combine: out[t] = sum_j y[t*K + j] in slot order (fp32), for the tile's tokens, column block cb.
+__device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, int stride) {
+  const int K = (int)p.K, H = (int)p.H;
+  const int t0 = ct * (int)p.combine_tokens;
+  const int t1 = min((int)p.S, t0 + (int)p.combine_tokens);
+  const int chunks = H / 8 / combine_blocks(H), c0 = cb * chunks;
+  const bf16* y = (const bf16*)p.y;
+  bf16* out = (bf16*)p.out;
+  for (int i = first; i < (t1 - t0) * chunks; i += stride) {
+    const int t = t0 + i / chunks, c = c0 + i % chunks;
+    float s[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) s[q] = 0.f;
+    for (int j = 0; j < K; ++j) {
+      const uint4 v = __ldcg((const uint4*)(y + ((int64_t)t * K + j) * H + c * 8));
+      const __nv_bfloat162* b = (const __nv_bfloat162*)&v;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(b[q]);
+        s[2 * q] += f.x;
+        s[2 * q + 1] += f.y;
+      }
+    }
+    uint4 o;
+    __nv_bfloat162* ob = (__nv_bfloat162*)&o;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) ob[q] = __floats2bfloat162_rn(s[2 * q], s[2 * q + 1]);
+    *(uint4*)(out + (int64_t)t * H + c * 8) = o;
+  }
+}
+
 // Expert owning m-tile `tile` (base[] = exclusive prefix of m-tiles per expert, base[E] = total).
 __device__ __forceinline__ int tile_expert(const int* base, int E, int tile) {
   int lo = 0, hi = E - 1;
@@ -782,6 +857,214 @@ __device__ __forceinline__ int tile_expert(const int* base, int E, int tile) {
 __device__ __forceinline__ int sk_splits(const MkParams& p, int64_t want, int n_tiles, int bm) {
   return (want > 1 && bm == 16 && n_tiles <= p.sk_max_tiles) ? (int)want : 1;
 }
+
+// ---- cross-task overlap (MkParams.overlap = 1; the wgmma tiles only) ----------------------------------------------
+// k_experts_ov<T> runs the same tasks, the same stage pipeline and the same epilogue arithmetic as k_experts<T>, with
+// the roles split across tasks as well as within them:
+//   producer warpgroup (128 threads): its thread 0 waits until task slot s = j & 1 is free (tempty[s]: the consumers
+//     finished task j - 2), claims the next queue slot (claim_task: k_experts' protocol, timeouts and abort), and
+//     writes the task word into the slot; the warpgroup (named barrier 1) fills the slot's metadata (GEMM tasks),
+//     then each thread arrives on tfull[s] (count 128: release of its own writes) and, for a GEMM task, copies the
+//     task's stages (wg_produce: publish-before-wait, all stages published on return). Then it claims task j + 1,
+//     while the consumers still run task j's last stages and epilogue.
+//     Order that matters: the producer publishes EVERY stage of task j before it claims task j + 1. The queue slot
+//     it claims may hold a task that waits for task j (a GEMM2 of the m-tile task j is a GEMM1 of): if task j's
+//     last stages were still unpublished while the producer spins on that slot, neither would ever move.
+//   consumer warpgroups (128 x CONSUMERS threads): wait tfull[s], agree (bar.red.and on named barrier 2) that the
+//     wait succeeded, read the task word: 0 = end of work -> return; COMBINE -> free the slot, run the combine on
+//     the consumer threads (run_combine_part), next; GEMM -> wgmma stages (wg_consume) + epilogue, named barrier 2
+//     (every consumer's stores issued), the first consumer thread fences and counts (signal_done_here: the same
+//     counters as signal_done), every consumer thread arrives on tempty[s] (count 128 x CONSUMERS).
+//   No __syncthreads inside the loop. End of work: the producer hands the consumers task word 0 and returns.
+//   Abort / timeout: every wait is bounded; a failed tfull wait ends every consumer together (the vote), a failed
+//     tempty wait or claim makes the producer hand over word 0 and return. A consumer waits for a task up to twice
+//     the timeout, so a producer spinning on an unpublished queue slot reports MK_ERR_PROC_TIMEOUT first, as today.
+template <class T>
+struct OvSlot {  // one task slot: fill_meta's arrays and the task word
+  int64_t a_off[T::BM];
+  int64_t b_off[T::BNT];
+  int row_id[T::BM];
+  uint64_t task;
+};
+// Shared memory after the stages: two task slots, then full[16], empty[16], tfull[2], tempty[2] (8 bytes each).
+template <class T>
+constexpr int ov_meta_bytes() { return 2 * (int)sizeof(OvSlot<T>) + 8 * (16 + 16 + 2 + 2) + 8; }
+
+__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+// bar.sync on barrier `id` of n threads that also returns the AND of every participant's `ok` (uniform result).
+__device__ __forceinline__ bool named_sync_and(int id, int n, bool ok) {
+  uint32_t r;
+  asm volatile(
+      "{\n.reg .pred a, b;\nsetp.ne.u32 a, %1, 0;\nbar.red.and.pred b, %2, %3, a;\nselp.u32 %0, 1, 0, b;\n}\n"
+      : "=r"(r)
+      : "r"((uint32_t)ok), "r"(id), "r"(n)
+      : "memory");
+  return r != 0;
+}
+// mbar_wait that says whether the phase completed (false: the launch aborted, or this wait timed out after
+// `timeout` ns and reported MK_ERR_PIPE_TIMEOUT).
+__device__ __forceinline__ bool mbar_wait_ok(const MkParams& p, uint32_t bar, uint32_t parity, uint32_t g,
+                                             int64_t timeout) {
+  if (mbar_try(bar, parity)) return true;
+  const uint64_t since = gtime();
+  while (!mbar_try(bar, parity)) {
+    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return false;
+    const uint64_t waited = gtime() - since;
+    if (waited > (uint64_t)timeout) {
+      report(p, MK_ERR_PIPE_TIMEOUT, g, parity, (int64_t)waited);
+      return false;
+    }
+  }
+  return true;
+}
+// k_experts' claim by one thread: the next queue slot, waited for until published (the task word), past the
+// task total or aborted (0), or timed out (0 after reporting MK_ERR_PROC_TIMEOUT).
+__device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch) {
+  uint64_t task = 0;
+  const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
+  const uint64_t since = gtime();
+  unsigned ns = 32;
+  for (;;) {
+    if (i < p.q_cap && ld_acquire(&p.q_flag[i]) == epoch) {
+      task = *(volatile uint64_t*)&p.q_task[i];
+      break;
+    }
+    const int tot = ld_acquire(&p.ctl[MK_CTL_TOTAL]);
+    if (tot > 0 && i >= tot - 1) break;
+    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) break;
+    const uint64_t waited = gtime() - since;
+    if (waited > (uint64_t)p.timeout_ns) {
+      report(p, MK_ERR_PROC_TIMEOUT, i, tot - 1, (int64_t)waited);
+      break;
+    }
+    __nanosleep(ns);
+    ns = min(ns * 2, 512u);
+  }
+  return task;
+}
+
+// The producer warpgroup's part of one GEMM task (thread t of warpgroup 0; md: the task's metadata, it: the
+// running stage counter at the task's first stage): copy KT stages, publishing each landed stage before it
+// waits for a free slot, and publish the last min(KT, stages - 1) stages after the loop (cp.async.wait_group 0).
+// Returns with every stage of the task published: the consumers can finish the task without the producer.
+template <class T>
+__device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
+                                           int e, int nb, int KT, uint32_t it, int t, const CUtensorMap* tm1,
+                                           const CUtensorMap* tm2) {
+  const int stages = (int)p.stages;
+  // ---- producer: thread t copies chunk (t & 7) of rows (t >> 3) + 16 q, for A and B ----
+  const bf16* a_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h;
+  const bf16* b_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.w1 : (const bf16*)p.w2;
+  const int ch = t & 7, r0 = t >> 3;
+  const bf16* asrc[T::BM / 16];
+  int abytes[T::BM / 16];
+  const bf16* bsrc[T::BNT / 16];
+#pragma unroll
+  for (int q = 0; q < T::BM / 16; ++q) {
+    const int64_t off = md.a_off[r0 + 16 * q];
+    asrc[q] = a_base + (off < 0 ? 0 : off) + ch * 8;
+    abytes[q] = off < 0 ? 0 : 16;  // rows past the expert's count: zero-filled
+  }
+#pragma unroll
+  for (int q = 0; q < T::BNT / 16; ++q) bsrc[q] = b_base + md.b_off[r0 + 16 * q] + ch * 8;
+  // TMA: the B tile's two boxes start at weight rows brow and brow2 (GEMM1: gate, up; GEMM2: 128 rows)
+  const CUtensorMap* bmap = kind == MK_TASK_GEMM1 ? tm1 : tm2;
+  const int brow = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
+  const int brow2 = kind == MK_TASK_GEMM1 ? brow + (int)p.I : brow + TMA_BOX_ROWS;
+  // wide tile: four boxes, box b at tile row 64 b from weight row wbase + wide_box_row (gate, gate, up, up
+  // for GEMM1; 256 consecutive rows for GEMM2)
+  const int64_t wbase = kind == MK_TASK_GEMM1 ? e * 2 * p.I : e * p.H;
+  const int lag = stages - 1;
+  for (int kt = 0; kt < KT; ++kt) {
+    const uint32_t g = it + kt, slot = g % stages;
+    if (kt >= lag) {  // stage kt - lag has landed for this thread: publish it BEFORE waiting for a free slot
+      cp_wait(lag - 1);  // (consumers free stage j only after stage j+1 is full: publishing after the wait
+      fence_proxy_async();  // below deadlocked as soon as a task had more k stages than `stages`)
+      mbar_arrive(bars.full + 8 * ((g - lag) % stages));
+    }
+    mbar_wait(p, bars.empty + 8 * slot, ((g / stages) & 1) ^ 1, g);  // a fresh barrier passes parity 1 at once
+    const uint32_t sA = s0 + slot * T::STAGE, sB = sA + T::A_BYTES;
+    if constexpr (T::TMA) {
+      if (t == 0) {  // expect_tx before the copies: thread 0's own arrival (later) keeps the phase open until then
+        const uint32_t full = bars.full + 8 * slot;
+        mbar_expect_tx(full, T::B_BYTES);
+        if constexpr (T::NBLK == 2) {
+#pragma unroll
+          for (int b = 0; b < 4; ++b)
+            tma_load_2d(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK,
+                        (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full);
+        } else {
+          tma_load_2d(sB, bmap, kt * BK, brow, full);
+          tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full);
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < T::BM / 16; ++q)
+      cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
+    if constexpr (!T::TMA) {
+#pragma unroll
+      for (int q = 0; q < T::BNT / 16; ++q)
+        cp_async16(sB + mkidx::swz_off(r0 + 16 * q, ch * 8), bsrc[q] + kt * BK, 16);
+    }
+    cp_commit();
+  }
+  cp_wait(0);
+  fence_proxy_async();
+  for (int kt = KT > lag ? KT - lag : 0; kt < KT; ++kt) mbar_arrive(bars.full + 8 * ((it + kt) % stages));
+}
+
+// Consumer warpgroup c's part of one GEMM task (thread t): rows 64c .. 64c+63, wgmma from the stages, each stage
+// released once its wgmmas completed, then the epilogue from registers (h / y stores; no signal here).
+template <class T>
+__device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
+                                           int nb, int KT, uint32_t it, int t, int c) {
+  const int stages = (int)p.stages;
+  float d[T::NACC];
+#pragma unroll
+  for (int i = 0; i < T::NACC; ++i) d[i] = 0.f;
+  for (int kt = 0; kt < KT; ++kt) {
+    const uint32_t g = it + kt, slot = g % stages;
+    mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
+    const uint32_t sA = s0 + slot * T::STAGE + c * 64 * 128, sB = s0 + slot * T::STAGE + T::A_BYTES;
+    acc_fence(d);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk)
+      wgmma_tile(d, mkidx::wg_desc(sA + kk * 32), mkidx::wg_desc(sB + kk * 32), kt > 0 || kk > 0);
+    wg_commit();
+    acc_fence(d);
+    wg_wait<1>();  // the previous stage's wgmmas are done: hand its slot back
+    if (kt > 0) mbar_arrive(bars.empty + 8 * ((g - 1) % stages));
+  }
+  wg_wait<0>();
+  acc_fence(d);
+  if (KT > 0) mbar_arrive(bars.empty + 8 * ((it + KT - 1) % stages));
+  // epilogue straight from the fragment (mk_index.h: acc_row / acc_col)
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = 64 * c + (int)mkidx::acc_row(t, 2 * half);
+    const int v = md.row_id[r];
+    if (v < 0) continue;
+    if ((T::TMA || T::NBLK == 2) && kind == MK_TASK_GEMM1) {
+      // gate column cc sits in register i, its up column cc + BNT/2 in register i + NACC/2 of the same thread
+      // (64 + 32 for the 128-column tile, 128 + 64 for the wide one: gate rows stacked over up rows)
+      constexpr int UP = T::NACC / 2;
+#pragma unroll
+      for (int j = 0; j < T::NACC / 8; ++j) {
+        const int i = 4 * j + 2 * half;
+        store_h2(p, nb, v, (int)mkidx::acc_col(t, i), d[i], d[i + 1], d[i + UP], d[i + UP + 1]);
+      }
+      continue;
+    }
+#pragma unroll
+    for (int j = 0; j < T::NACC / 4; ++j) {
+      const int i = 4 * j + 2 * half;
+      store_pair(p, kind, nb, v, (int)mkidx::acc_col(t, i), d[i], d[i + 1]);
+    }
+  }
+}
+
 
 // ---- the scheduler CTA ----------------------------------------------------------------------------------
 template <class T>
@@ -999,6 +1282,101 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   }
 }
 
+// The overlap kernel (MkParams.overlap = 1, wgmma tiles): see "cross-task overlap" above for the protocol.
+template <class T>
+__global__ void __launch_bounds__(T::THREADS, T::MINB)
+    k_experts_ov(const MkParams p, const __grid_constant__ CUtensorMap tm1, const __grid_constant__ CUtensorMap tm2) {
+  static_assert(T::WG, "the overlap kernel runs the wgmma core only");
+  extern __shared__ __align__(128) char smem_raw[];
+  char* smem = align_smem(smem_raw, T::ALIGN);
+  const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
+  if (blockIdx.x == 0) {
+    scheduler<T>(p, smem, epoch);
+    return;
+  }
+  const int stages = (int)p.stages;
+  const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
+  constexpr int NCONS = 128 * T::CONSUMERS;  // consumer threads (named barrier 2)
+  OvSlot<T>* slots = (OvSlot<T>*)(smem + T::STAGE * stages);
+  const uint32_t b0 = (su32(slots + 2) + 7u) & ~7u;
+  const WgBars<T> bars = {b0, b0 + 8u * 16u};
+  const uint32_t tfull = b0 + 8u * 32u, tempty = tfull + 16u;
+  if (tid == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(bars.full + 8 * s, 128);
+      mbar_init(bars.empty + 8 * s, NCONS);
+    }
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(tfull + 8 * s, 128);     // every producer thread, after its metadata writes
+      mbar_init(tempty + 8 * s, NCONS);  // every consumer thread, after its last read of the slot
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();  // (before the loop only)
+  if constexpr (T::TMA) {
+    if (tid == 0) {
+      tma_prefetch_desc(&tm1);
+      tma_prefetch_desc(&tm2);
+    }
+  }
+  const uint32_t s0 = su32(smem);
+  uint32_t it = 0;  // running k-stage counter: the producer and the consumers see the same task sequence
+  if (wg == 0) {
+    // ---- producer warpgroup ----
+    for (uint32_t j = 0;; ++j) {
+      const uint32_t s = j & 1, ph = (j >> 1) & 1;
+      OvSlot<T>& sl = slots[s];
+      if (t == 0) {
+        uint64_t task = 0;  // slot s is free once the consumers finished task j - 2 (fresh barrier: parity 1 passes)
+        if (mbar_wait_ok(p, tempty + 8 * s, ph ^ 1, j, p.timeout_ns)) task = claim_task(p, epoch);
+        sl.task = task;
+      }
+      named_sync(1, 128);  // the task word, to the producer warpgroup
+      const uint64_t task = sl.task;
+      const int kind = mkidx::t_kind(task);
+      const bool gemm = task != 0 && kind != MK_TASK_COMBINE;
+      const int e = mkidx::t_expert(task), mt = mkidx::t_mtile(task), nb = mkidx::t_nfield(task);
+      const Meta md = {sl.a_off, sl.b_off, sl.row_id, nullptr};
+      if (gemm) {
+        fill_meta_part<T>(p, md, kind, e, mt, nb, t, 128);
+        named_sync(1, 128);  // every row's offsets written before any producer thread reads them
+      }
+      mbar_arrive(tfull + 8 * s);  // release: task word + metadata to the consumers
+      if (task == 0) return;       // end of work (or abort): the consumers see word 0 too
+      if (gemm) {
+        const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
+        wg_produce<T>(p, md, bars, s0, kind, e, nb, KT, it, t, &tm1, &tm2);  // returns with every stage published
+        it += KT;
+      }
+    }
+  } else {
+    // ---- consumer warpgroups ----
+    const int c = wg - 1, ct = tid - 128;
+    for (uint32_t j = 0;; ++j) {
+      const uint32_t s = j & 1, ph = (j >> 1) & 1;
+      const bool ok = mbar_wait_ok(p, tfull + 8 * s, ph, j, 2 * p.timeout_ns);
+      if (!named_sync_and(2, NCONS, ok)) return;  // abort / timeout: every consumer leaves together
+      const OvSlot<T>& sl = slots[s];
+      const uint64_t task = sl.task;
+      if (task == 0) return;  // end of work
+      const int kind = mkidx::t_kind(task), mt = mkidx::t_mtile(task), nf = mkidx::t_nfield(task);
+      if (kind == MK_TASK_COMBINE) {
+        mbar_arrive(tempty + 8 * s);  // the word was all it needed from the slot
+        run_combine_part(p, mt, nf, ct, NCONS);
+        continue;
+      }
+      const Meta md = {const_cast<int64_t*>(sl.a_off), const_cast<int64_t*>(sl.b_off), const_cast<int*>(sl.row_id),
+                       nullptr};
+      const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
+      wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c);
+      it += KT;
+      named_sync(2, NCONS);  // every consumer's stores issued before the fence + signal
+      if (ct == 0) signal_done_here<T>(p, md, kind, mkidx::t_tile(task));
+      mbar_arrive(tempty + 8 * s);  // (thread ct 0 after its signal: it reads row_id)
+    }
+  }
+}
+
 // ---- routing ----------
 // Zero the counters of the expert kernel and bump the launch epoch (one block; the next kernels see it).
 __device__ void reset_ctl(const MkParams& p) {
@@ -1207,6 +1585,12 @@ constexpr int SMEM_MAX = 227 * 1024 - 1024;
 
 template <class T>
 int smem_for(int stages) { return smem_bytes(T::STAGE, T::META, stages) + T::ALIGN; }
+// The overlap kernel (wgmma tiles): two task slots instead of one set of metadata.
+template <class T>
+int smem_for_ov(int stages) { return smem_bytes(T::STAGE, ov_meta_bytes<T>(), stages) + T::ALIGN; }
+// overlap = 1 runs k_experts_ov on the wgmma tiles; every other tile ignores it.
+template <class T>
+int smem_for(int stages, int64_t overlap) { return T::WG && overlap ? smem_for_ov<T>(stages) : smem_for<T>(stages); }
 
 template <class T>
 cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kernel (enough for MAX_STAGES)
@@ -1216,6 +1600,10 @@ cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kerne
   cudaError_t e = cudaFuncSetAttribute(k_experts<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
   if constexpr (!T::WG && !T::TMA)  // the gate GEMM runs on the mma core only, B by cp.async
     if (e == cudaSuccess) e = cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+  if constexpr (T::WG) {
+    const int ov = smem_for_ov<T>(MAX_STAGES) <= SMEM_MAX ? smem_for_ov<T>(MAX_STAGES) : SMEM_MAX;
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(k_experts_ov<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, ov);
+  }
   done = e == cudaSuccess;
   return e;
 }
@@ -1247,8 +1635,8 @@ int with_tile(int64_t bm, int64_t core, int64_t tma, int64_t bn, F&& f) {
   return bm == 64 ? f(Large{}) : f(Huge{});
 }
 
-int expert_smem(int64_t bm, int64_t core, int64_t tma, int64_t bn, int st) {
-  return with_tile(bm, core, tma, bn, [&](auto tile) { return smem_for<decltype(tile)>(st); });
+int expert_smem(int64_t bm, int64_t core, int64_t tma, int64_t bn, int64_t overlap, int st) {
+  return with_tile(bm, core, tma, bn, [&](auto tile) { return smem_for<decltype(tile)>(st, overlap); });
 }
 
 int check_params(const MkParams* p) {
@@ -1261,7 +1649,8 @@ int check_params(const MkParams* p) {
   if (const char* m = check_bn(p->bm, p->core, p->bn)) return fail_msg(m);
   if (p->bn == 256 && (p->H % 256 || (2 * p->I) % 256))
     return fail_msg("mk: bn = 256 needs hidden and 2 x intermediate to be multiples of 256");
-  if (expert_smem(p->bm, p->core, p->tma_b, p->bn, (int)p->stages) > SMEM_MAX)
+  if (p->overlap != 0 && p->overlap != 1) return fail_msg("mk: overlap must be 0 or 1");
+  if (expert_smem(p->bm, p->core, p->tma_b, p->bn, p->overlap, (int)p->stages) > SMEM_MAX)
     return fail_msg("mk: stages too deep for bm (shared memory > 226 KB: bm=16 <= 12, 64 <= 8, 128 <= 6; wgmma 64 <= 9, "
                     "128 <= 6, 128 with bn=256 <= 4)");
   if (p->split_k1 < 1 || p->split_k1 > MK_MAX_SPLITS || p->split_k2 < 1 || p->split_k2 > MK_MAX_SPLITS)
@@ -1284,21 +1673,28 @@ int check_params(const MkParams* p) {
 }
 
 template <class T>
-int occupancy_of(int64_t stages, int* per_sm) {
+int occupancy_of(int64_t stages, int64_t overlap, int* per_sm) {
   cudaError_t e = prepare<T>();
   if (e != cudaSuccess) return fail("cudaFuncSetAttribute", e);
+  if constexpr (T::WG) {
+    if (overlap) {
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, k_experts_ov<T>, T::THREADS, smem_for_ov<T>((int)stages));
+      if (e != cudaSuccess) return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
+      return 0;
+    }
+  }
   e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, k_experts<T>, T::THREADS, smem_for<T>((int)stages));
   if (e != cudaSuccess) return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
   return 0;
 }
 
-int occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t bn, int* per_sm, int* sms) {
+int occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t bn, int64_t overlap, int* per_sm, int* sms) {
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return fail("cudaGetDevice", e);
   if ((e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
     return fail("cudaDeviceGetAttribute", e);
-  return with_tile(bm, core, tma, bn, [&](auto tile) { return occupancy_of<decltype(tile)>(stages, per_sm); });
+  return with_tile(bm, core, tma, bn, [&](auto tile) { return occupancy_of<decltype(tile)>(stages, overlap, per_sm); });
 }
 
 // ---- tensor maps of the weights (TMA tiles) ----
@@ -1384,7 +1780,8 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
 template <class T>
 int launch_experts(const MkParams* p, cudaStream_t s) {
   int per_sm = 0, sms = 0;
-  if (occupancy(T::BM, p->stages, T::WG ? MK_CORE_WGMMA : MK_CORE_MMA, T::TMA, T::BNT, &per_sm, &sms)) return 1;
+  if (occupancy(T::BM, p->stages, T::WG ? MK_CORE_WGMMA : MK_CORE_MMA, T::TMA, T::BNT, p->overlap, &per_sm, &sms))
+    return 1;
   if (p->grid < 2 || p->grid > (int64_t)per_sm * sms) {
     snprintf(g_err, sizeof g_err, "mk: grid %lld not in 2..%d (resident CTAs: %d per SM x %d SMs)", (long long)p->grid,
              per_sm * sms, per_sm, sms);
@@ -1397,7 +1794,14 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
     if (weight_map(p->w1, (uint64_t)(p->E * 2 * p->I), (uint64_t)p->H, &tm1)) return 1;
     if (weight_map(p->w2, (uint64_t)(p->E * p->H), (uint64_t)p->I, &tm2)) return 1;
   }
-  k_experts<T><<<(unsigned)p->grid, T::THREADS, smem_for<T>((int)p->stages), s>>>(*p, tm1, tm2);
+  bool launched = false;
+  if constexpr (T::WG) {
+    if (p->overlap) {
+      k_experts_ov<T><<<(unsigned)p->grid, T::THREADS, smem_for_ov<T>((int)p->stages), s>>>(*p, tm1, tm2);
+      launched = true;
+    }
+  }
+  if (!launched) k_experts<T><<<(unsigned)p->grid, T::THREADS, smem_for<T>((int)p->stages), s>>>(*p, tm1, tm2);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail("k_experts launch", e);
   return 0;
@@ -1410,14 +1814,17 @@ extern "C" {
 int mk_abi_version(void) { return MK_ABI_VERSION; }
 const char* mk_last_error(void) { return g_err; }
 
-int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t bn, int* per_sm, int* sms) {
+int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t bn, int64_t overlap, int* per_sm,
+                 int* sms) {
   if (bm != 16 && bm != 64 && bm != 128) return fail_msg("mk: bm must be 16, 64 or 128");
   if (stages < 2 || stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..12");
   if (core != MK_CORE_MMA && core != MK_CORE_WGMMA) return fail_msg("mk: core must be 0 (mma) or 1 (wgmma)");
   if (tma != 0 && tma != 1) return fail_msg("mk: tma must be 0 or 1");
   if (const char* m = check_bn(bm, core, bn)) return fail_msg(m);
-  if (expert_smem(bm, core, tma, bn, (int)stages) > SMEM_MAX) return fail_msg("mk: stages too deep for bm (shared memory)");
-  return occupancy(bm, stages, core, tma, bn, per_sm, sms);
+  if (overlap != 0 && overlap != 1) return fail_msg("mk: overlap must be 0 or 1");
+  if (expert_smem(bm, core, tma, bn, overlap, (int)stages) > SMEM_MAX)
+    return fail_msg("mk: stages too deep for bm (shared memory)");
+  return occupancy(bm, stages, core, tma, bn, overlap, per_sm, sms);
 }
 
 int mk_route(const MkParams* p, void* stream) {

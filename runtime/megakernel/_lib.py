@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import csrc_build as _cb
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
 CORES = {"mma": 0, "wgmma": 1}  # MK_CORE_*
 SK_PART_FLOATS = 16 * 128  # fp32 per split-K part and slot: the bm=16 tile's 16 accumulators x 128 threads
@@ -44,6 +44,7 @@ class MkParams(Structure):
         ("sk_part", c_void_p), ("sk_cnt", c_void_p),
         ("tma_b", c_int64),
         ("bn", c_int64),  # ABI 8: columns per GEMM task (128, or 256: the wide tile)
+        ("overlap", c_int64),  # ABI 9: 1 = the wgmma tiles run the cross-task overlap kernel
     ]
 
 
@@ -112,7 +113,8 @@ _PI = POINTER(c_int)
 SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mk_abi_version": (c_int, []),
     "mk_last_error": (c_char_p, []),
-    "mk_occupancy": (c_int, [c_int64, c_int64, c_int64, c_int64, c_int64, _PI, _PI]),  # bm, stages, core, tma, bn
+    # bm, stages, core, tma, bn, overlap
+    "mk_occupancy": (c_int, [c_int64, c_int64, c_int64, c_int64, c_int64, c_int64, _PI, _PI]),
     "mk_route": (c_int, [_P, c_void_p]),
     "mk_route_given": (c_int, [_P, c_void_p]),
     "mk_experts": (c_int, [_P, c_void_p]),

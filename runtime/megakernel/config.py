@@ -8,7 +8,8 @@ options)`. `bm_switch_rows` / `bm_large_rows` (the auto tile's thresholds) stay 
 field. 0 in `bm`, `ctas_per_sm` and `processor_ctas` means "pick from
 the shape / the occupancy query".
 `tma` (TMA loads of the weight tiles) is a setting, not a knob: it moved latency by 2-3.5% (run 11); `bn`
-(the wide 128 x 256 tile) is opt-in until a GPU run verifies and measures it.
+(the wide 128 x 256 tile) is opt-in until a GPU run verifies and measures it, and so is `overlap` (the wgmma
+tiles' cross-task overlap kernel); neither is a knob.
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ class MegakernelConfig:
     # (always 128 columns) below that: a 128 x 256 tile for a handful of rows per expert would compute 8x the
     # rows it has. The layer's hidden size and 2 x intermediate must be multiples of 256 (checked at launch).
     bn: int = 128
+    # 1: the wgmma tiles (bm = 64 / 128, either bn) run the cross-task overlap kernel: the producer warpgroup claims
+    # the next task itself, prepares its metadata into one of two task slots and starts loading its stages while
+    # the consumer warpgroups still run the current task's last stages and epilogue (they synchronise on a named
+    # barrier, never the whole CTA, and signal completion exactly as before); COMBINE tasks run on the consumer
+    # warpgroups while the producer goes on. Same products in the same order: expected to give the same bits as overlap = 0.
+    # Opt-in until a GPU run verifies and measures it; launches on the bm = 16 decode tile (bm = 0 at small S)
+    # ignore it. Needs core = wgmma.
+    overlap: int = 0
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -74,6 +83,7 @@ class MegakernelConfig:
         "split_k2": (1, 16),
         "split_max_tiles": (1, 4096),
         "tma": (0, 1),
+        "overlap": (0, 1),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 
@@ -98,6 +108,9 @@ class MegakernelConfig:
                               f"got core={self.core}, bm={self.bm}")
         if self.bn == 256 and self.stages > 4:
             raise ConfigError(f"megakernel config: stages must be <= 4 with bn=256 (48 KB per stage), got {self.stages}")
+        if self.overlap and (self.core != "wgmma" or self.bm == 16):
+            raise ConfigError(f"megakernel config: overlap=1 needs core=wgmma and bm 0, 64 or 128, got core={self.core}, "
+                              f"bm={self.bm}")
         if self.stages == 1:
             raise ConfigError("megakernel config: stages must be 0 (auto) or in [2, 12], got 1")
         for name, (lo, hi) in self._RANGES.items():

@@ -117,7 +117,8 @@ class MegakernelMoE:
             per_sm, sms = ctypes.c_int(0), ctypes.c_int(0)
             with torch.cuda.device(self.device):
                 _lib.check(self.lib, self.lib.mk_occupancy(bm, stages, _lib.CORES[self.config.core], self.config.tma,
-                                                           self.config.pick_bn(bm), ctypes.byref(per_sm),
+                                                           self.config.pick_bn(bm), self.config.overlap,
+                                                           ctypes.byref(per_sm),
                                                            ctypes.byref(sms)), "mk_occupancy")
             if per_sm.value < 1:
                 raise ConfigError(f"megakernel config: stages={stages} leaves no resident CTA")
@@ -153,6 +154,7 @@ class MegakernelMoE:
             p.split_k1, p.split_k2, p.sk_max_tiles = cfg.split_k1, cfg.split_k2, self.sk_tiles
             p.tma_b = cfg.tma
             p.bn = cfg.pick_bn(bm)  # 256: the wide tile (two 128-column n-blocks per task)
+            p.overlap = cfg.overlap  # 1: the wgmma tiles' cross-task overlap kernel (other tiles ignore it)
             self._params[(bm, stages)] = p
         return p
 
