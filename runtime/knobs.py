@@ -43,7 +43,8 @@ MK_MAX_COMBINE_TOKENS = 4096
 # Knobs added with the megakernel (issue 17). Left out of `canonical()` at their defaults, so the digest and
 # the profile hash of every setting that existed before them stay what stores and peers hold.
 MK_KNOBS: tuple[str, ...] = ("engine", "mk_bm", "mk_stages", "mk_ctas_per_sm", "mk_processor_ctas",
-                             "mk_combine_tokens", "mk_core", "mk_split_k")
+                             "mk_combine_tokens", "mk_core", "mk_split_k", "mk_bn", "mk_overlap")
+MK_BNS: tuple[int, ...] = (0, 128, 256)
 # host_staged's ring of staging slots per (lane, sender, receiver): 2 is double buffering
 MIN_STAGING_SLOTS, MAX_STAGING_SLOTS = 2, 16
 
@@ -115,6 +116,10 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # fit the partial buffer, i.e. S <= 2 for Qwen3-30B)
     mk_core: MkCore = "wgmma"
     mk_split_k: int = 2
+    # columns per wgmma GEMM task (0 = auto: the 128 x 256 wide tile where the shape allows) and the wgmma tiles'
+    # cross-task overlap (run 12: together 23% faster at S=4096, 8% at 1024; each alone >= 5% somewhere)
+    mk_bn: int = 0
+    mk_overlap: int = 1
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -259,6 +264,15 @@ def _validate_megakernel(k: Knobs) -> None:
         raise KnobError(f"must be one of {', '.join(MK_CORES)}, got {k.mk_core!r}", ("mk_core",))
     if not 1 <= k.mk_split_k <= MK_MAX_SPLIT_K:
         raise KnobError(f"must be in 1..{MK_MAX_SPLIT_K} (1 = no split), got {k.mk_split_k}", ("mk_split_k",))
+    if k.mk_bn not in MK_BNS:
+        raise KnobError(f"must be 0 (auto), 128 or 256, got {k.mk_bn}", ("mk_bn",))
+    if k.mk_bn == 256 and (k.mk_core != "wgmma" or k.mk_bm not in (0, 128)):
+        raise KnobError(f"the wide tile (256) needs mk_core=wgmma and mk_bm 0 or 128, got {k.mk_core}, {k.mk_bm}",
+                        ("mk_bn", "mk_core", "mk_bm"))
+    if k.mk_bn == 256 and k.mk_stages > 4:
+        raise KnobError(f"the wide tile holds at most 4 stages (48 KB each), got {k.mk_stages}", ("mk_stages", "mk_bn"))
+    if k.mk_overlap not in (0, 1):
+        raise KnobError(f"must be 0 or 1, got {k.mk_overlap}", ("mk_overlap",))
     if k.engine != "megakernel":
         changed = [n for n in MK_KNOBS[1:] if getattr(k, n) != _DEFAULTS[n]]
         if changed:
@@ -305,6 +319,11 @@ KNOB_DOCS: dict[str, tuple[str, str]] = {
                           "column-block tasks)."),
     "mk_core": ("`mma` / `wgmma`", "megakernel: GEMM core of the 64/128-row tiles (mma.sync, or Hopper's warpgroup "
                 "MMA fed by a producer warpgroup); 16-row tiles always use mma."),
+    "mk_bn": ("`0` / `128` / `256`", "megakernel: columns per wgmma GEMM task; 256 = the 128 x 256 wide tile (two "
+              "consumer warpgroups of m64n256k16); 0 = 256 where the shape allows (hidden, 2 x intermediate multiples "
+              "of 256), else 128."),
+    "mk_overlap": ("`0` / `1`", "megakernel: 1 = the wgmma tiles overlap consecutive tasks (the producer warpgroup "
+                   "claims and loads the next task while the consumers finish the current one)."),
     "mk_split_k": (f"int 1..{MK_MAX_SPLIT_K}", "megakernel: decode split-K, parts per GEMM task over K (1 = none); "
                    "applies while a 16-row launch's m-tiles fit the partial buffer (16)."),
 }

@@ -394,8 +394,15 @@ def test_wgmma_stage_pipeline_model_catches_the_first_cut() -> None:
 def test_config_wide_tile():
     c = MegakernelConfig.parse("core=wgmma,bm=128,bn=256,tma=1")
     assert (c.core, c.bm, c.bn, c.tma) == ("wgmma", 128, 256, 1) and MegakernelConfig.from_dict(c.to_dict()) == c
-    assert MegakernelConfig().bn == 128 and MegakernelConfig().pick_bn(128) == 128  # opt-in
-    assert c.pick_bn(128) == 256 and c.pick_stages(128, 4096, 8, 128) == 4  # 4 x 48 KB stages fit
+    d = MegakernelConfig()
+    assert d.bn == 0 and d.pick_bn(128) == 128  # auto, not yet resolved against a shape
+    r = d.resolve(2048, 768)  # run 12: the wide tile is the default where the shape allows
+    assert r.bn == 256 and r.pick_bn(128) == 256 and r.pick_bm(4096, 8, 128) == 128 and r.pick_bm(1, 8, 128) == 16
+    assert d.resolve(2880, 2880).bn == 128  # hidden not a multiple of 256
+    assert MegakernelConfig(core="mma").resolve(2048, 768).bn == 128
+    assert MegakernelConfig(bm=64).resolve(2048, 768).bn == 128 and MegakernelConfig(stages=6).resolve(2048, 768).bn == 128
+    assert r.resolve(1, 1) is r  # a decided bn stays
+    assert c.pick_bn(128) == 256 and c.pick_stages(128, 4096, 8, 128) == 3  # run 12: 3 stages of 48 KB
     auto = MegakernelConfig.parse("bn=256")
     assert auto.bm == 0 and auto.core == "wgmma"
     # bm=0 with bn=256: the wide tile wherever auto picks a prefill tile, bm=16 (128 columns) for decode sizes
@@ -698,13 +705,15 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
 
 def test_config_overlap():
     c = MegakernelConfig.parse("overlap=1")
-    assert c.overlap == 1 and c.core == "wgmma" and MegakernelConfig().overlap == 0
+    assert c.overlap == 1 and c.core == "wgmma" and MegakernelConfig().overlap == 1  # the default since run 12
     assert MegakernelConfig.from_dict(c.to_dict()) == c
     for text in ("overlap=1,bm=128", "overlap=1,tma=0", "overlap=1,bm=128,bn=256", "overlap=1,stages=3"):
         assert MegakernelConfig.parse(text).overlap == 1
-    for text in ("overlap=2", "overlap=-1", "overlap=1,core=mma", "overlap=1,bm=16"):
+    for text in ("overlap=2", "overlap=-1"):
         with pytest.raises(ConfigError, match="overlap"):
             MegakernelConfig.parse(text)
+    for text in ("overlap=1,core=mma", "overlap=1,bm=16"):  # tiles without the wgmma core ignore it (the C side too)
+        assert MegakernelConfig.parse(text).overlap == 1
     from moetune.runtime.megakernel import _lib
 
     assert [f[0] for f in _lib.MkParams._fields_][-1] == "overlap" and _lib.ABI_VERSION == 9

@@ -232,9 +232,12 @@ NEW_PATHS = [# the mma core and no split-K: the defaults before run 10, still se
              "bm=128,bn=256,tma=0", "bm=128,bn=256,stages=3,tma=0",
              # the cross-task overlap kernel (overlap=1: producer warpgroup claims ahead, double-buffered task slots,
              # COMBINE on the consumer warpgroups); bm=0 runs it from the bm=64 sizes up, bm=16 below
-             "overlap=1", "overlap=1,bm=64", "overlap=1,bm=128", "overlap=1,tma=0", "overlap=1,bm=128,tma=0",
+             "overlap=1", "overlap=1,bm=64", "overlap=1,bm=128,bn=128", "overlap=1,tma=0", "overlap=1,bm=128,bn=128,tma=0",
              "overlap=1,bm=128,bn=256", "overlap=1,bm=128,bn=256,tma=0", "overlap=1,stages=3", "overlap=1,bm=64,stages=2",
-             "overlap=1,bm=64,stages=8"]
+             "overlap=1,bm=64,stages=8",
+             # run 12 made bn auto (256 where the shape allows) and overlap=1 the defaults: the narrow bm=128 tile
+             # and the run-11 default (no overlap, bm=64 x 128) stay covered
+             "bm=128,bn=128", "bm=128,bn=128,overlap=0", "overlap=0,bn=128", "overlap=0"]
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +272,7 @@ def test_new_path_matches_reference(new_layers, model, cfg, s):
 
 
 @pytest.mark.parametrize("cfg", ["core=wgmma", "split_k1=4,split_k2=2", "core=wgmma,tma=1", "bm=16,tma=1",
-                                 "bm=128,bn=256,tma=1", "overlap=1", "overlap=1,bm=128", "overlap=1,bm=128,bn=256"])
+                                 "bm=128,bn=256,tma=1", "overlap=1", "overlap=1,bm=128,bn=128", "overlap=1,bm=128,bn=256"])
 @pytest.mark.parametrize("s", [1, 1000, 4096])
 def test_new_path_gate_routing_and_graph(new_layers, model, cfg, s):
     m = new_layers(cfg)
@@ -338,14 +341,14 @@ def test_tma_matches_cp_async(new_layers, model, cfg, exact):
             assert max_rel_err(b, a) <= 1e-2, f"S={s}"
 
 
-@pytest.mark.parametrize("cfg", ["bm=64", "bm=128", "bm=128,bn=256", "bm=64,tma=0", "bm=64,stages=3"])
+@pytest.mark.parametrize("cfg", ["bm=64", "bm=128,bn=128", "bm=128,bn=256", "bm=64,tma=0", "bm=64,stages=3"])
 @pytest.mark.parametrize("s", [7, 1000, 4096])
 def test_overlap_matches_plain_exactly(new_layers, model, cfg, s):
     """overlap=1 runs the same wgmma sequence per tile (k stages in order) and the same epilogue and combine
     arithmetic as overlap=0: the same bits, whatever CTA ran which task."""
     x = _x(s, model.hidden, seed=1100 + s)
     idx, w = _routing(s, model.experts, model.topk, "zipf", seed=s)
-    a = new_layers(cfg).forward_routed(x, idx, w, out=_poisoned(s, model.hidden)).clone()
+    a = new_layers("overlap=0," + cfg).forward_routed(x, idx, w, out=_poisoned(s, model.hidden)).clone()
     b = new_layers("overlap=1," + cfg).forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
     torch.cuda.synchronize()
     new_layers("overlap=1," + cfg).check()

@@ -1,7 +1,7 @@
 """MegakernelConfig: the megakernel's tunable settings, typed and validated (stdlib only).
 
 A view: the tunable fields are the knobs `mk_bm`, `mk_stages`, `mk_ctas_per_sm`, `mk_processor_ctas`,
-`mk_combine_tokens`, `mk_core` and `mk_split_k` (both GEMMs' split-K) (runtime/knobs.py, the one vocabulary the tuner searches and profiles store) and the
+`mk_combine_tokens`, `mk_core`, `mk_split_k` (both GEMMs' split-K), `mk_bn` and `mk_overlap` (runtime/knobs.py, the one vocabulary the tuner searches and profiles store) and the
 timeout is the runtime option `megakernel_timeout_s`: build it with `MegakernelConfig.from_knobs(knobs,
 options)`. `bm_switch_rows` / `bm_large_rows` (the auto tile's thresholds) stay here: no knob for them.
 `parse("bm=16,stages=4")`, `from_dict` and `to_dict` remain for benchmarks and tests; every error names the
@@ -56,20 +56,22 @@ class MegakernelConfig:
     # decode tile; bm=64/128 on the mma core ignore it. Run 11 (H200): correct, and 2-3.5% faster at every S
     # (S=1 72.0 vs 74.6 us, 1024 569 vs 582, 4096 1728 vs 1755): the default, but under the 5% that makes a knob.
     tma: int = 1
-    # Columns per GEMM task: 128, or 256 = the wide tile (wgmma core, bm = 128: two consumer warpgroups of
-    # m64n256k16, 48 KB stages so stages <= 4), twice the FLOP per L2 byte of a 128 x 128 tile. bm = 0 (auto)
-    # with bn = 256 runs the wide tile wherever auto would pick a 64/128-row tile, and the bm = 16 decode tile
-    # (always 128 columns) below that: a 128 x 256 tile for a handful of rows per expert would compute 8x the
-    # rows it has. The layer's hidden size and 2 x intermediate must be multiples of 256 (checked at launch).
-    bn: int = 128
+    # Columns per GEMM task: 0 = auto, 128, or 256 = the wide tile (wgmma core, bm = 128: two consumer warpgroups
+    # of m64n256k16, 48 KB stages so stages <= 4), twice the FLOP per L2 byte of a 128 x 128 tile. With bn = 256
+    # (or auto resolving to it) and bm = 0 the wide tile runs wherever a 64/128-row tile would, and the bm = 16
+    # decode tile (always 128 columns) below that: a 128 x 256 tile for a handful of rows per expert would
+    # compute 8x the rows it has. Auto (`resolve`) is 256 where the core is wgmma, bm is 0 or 128 and hidden and
+    # 2 x intermediate are multiples of 256 (and stages <= 4), else 128. Run 12 (H200): with the overlap below, S=4096 1331 us vs
+    # 1614 (bn=128, bm=64), S=1024 526 vs 542; decode sizes unchanged (bm=16).
+    bn: int = 0
     # 1: the wgmma tiles (bm = 64 / 128, either bn) run the cross-task overlap kernel: the producer warpgroup claims
     # the next task itself, prepares its metadata into one of two task slots and starts loading its stages while
     # the consumer warpgroups still run the current task's last stages and epilogue (they synchronise on a named
     # barrier, never the whole CTA, and signal completion exactly as before); COMBINE tasks run on the consumer
-    # warpgroups while the producer goes on. Same products in the same order: expected to give the same bits as overlap = 0.
-    # Opt-in until a GPU run verifies and measures it; launches on the bm = 16 decode tile (bm = 0 at small S)
-    # ignore it. Needs core = wgmma.
-    overlap: int = 0
+    # warpgroups while the producer goes on. Same products in the same order: the same bits as overlap = 0
+    # (checked on the GPU). Run 12: 6% faster at S=4096 (1614 vs 1722 us, bm=64), 5% at 1024. The mma core and
+    # the bm = 16 decode tile ignore it.
+    overlap: int = 1
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -101,16 +103,13 @@ class MegakernelConfig:
             raise ConfigError(f"megakernel config: bm must be 0 (auto), 16, 64 or 128, got {self.bm}")
         if self.core not in self.CORES:
             raise ConfigError(f"megakernel config: core must be one of {', '.join(self.CORES)}, got {self.core!r}")
-        if self.bn not in (128, 256):
-            raise ConfigError(f"megakernel config: bn must be 128 or 256, got {self.bn}")
+        if self.bn not in (0, 128, 256):
+            raise ConfigError(f"megakernel config: bn must be 0 (auto), 128 or 256, got {self.bn}")
         if self.bn == 256 and (self.core != "wgmma" or self.bm not in (0, 128)):
             raise ConfigError(f"megakernel config: bn=256 (the wide tile) needs core=wgmma and bm=128 (or bm=0), "
                               f"got core={self.core}, bm={self.bm}")
         if self.bn == 256 and self.stages > 4:
             raise ConfigError(f"megakernel config: stages must be <= 4 with bn=256 (48 KB per stage), got {self.stages}")
-        if self.overlap and (self.core != "wgmma" or self.bm == 16):
-            raise ConfigError(f"megakernel config: overlap=1 needs core=wgmma and bm 0, 64 or 128, got core={self.core}, "
-                              f"bm={self.bm}")
         if self.stages == 1:
             raise ConfigError("megakernel config: stages must be 0 (auto) or in [2, 12], got 1")
         for name, (lo, hi) in self._RANGES.items():
@@ -126,7 +125,8 @@ class MegakernelConfig:
         opts = options if options is not None else RuntimeOptions()
         return cls(bm=knobs.mk_bm, stages=knobs.mk_stages, ctas_per_sm=knobs.mk_ctas_per_sm,
                    processor_ctas=knobs.mk_processor_ctas, combine_tokens=knobs.mk_combine_tokens,
-                   core=knobs.mk_core, split_k1=knobs.mk_split_k, split_k2=knobs.mk_split_k,
+                   core=knobs.mk_core, split_k1=knobs.mk_split_k, split_k2=knobs.mk_split_k, bn=knobs.mk_bn,
+                   overlap=knobs.mk_overlap,
                    timeout_ms=float(opts.megakernel_timeout_s) * 1000.0)
 
     @classmethod
@@ -160,6 +160,14 @@ class MegakernelConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def resolve(self, hidden: int, intermediate: int) -> MegakernelConfig:
+        """This config with `bn` = 0 (auto) decided for a layer of this shape (see `bn`)."""
+        if self.bn:
+            return self
+        wide = (self.core == "wgmma" and self.bm in (0, 128) and self.stages <= 4 and hidden % 256 == 0
+                and (2 * intermediate) % 256 == 0)
+        return dataclasses.replace(self, bn=256 if wide else 128)
+
     def pick_stages(self, bm: int, tokens: int, topk: int, experts: int) -> int:
         """Pipeline depth when `stages` is 0, from runs 2-3 (H200, Qwen3-30B shape): bm 64/128 at 3 stages
         (2 CTAs/SM) 17% (S=1024) to 35% (S=4096) faster than at 4; fewer rows than experts (S=1) 10% faster
@@ -167,6 +175,8 @@ class MegakernelConfig:
         bm=16 with as many rows as experts (S=16..128) at 3: run 8, 3-4% faster than 4, 6+ up to 2x slower."""
         if self.stages:
             return self.stages
+        if bm == 128 and self.bn == 256 and self.core == "wgmma":
+            return 3  # run 12, wide tile: S=4096 1331 us at 3 stages vs 1357 at 4; S=1024 526 vs 527
         if bm >= 64:
             # wgmma core: one producer warpgroup streams stages-1 tiles ahead per CTA; 4 stages = 128 KB
             # (bm=128, 1 CTA/SM) / 96 KB (bm=64, 2 CTAs/SM). Run 10 at S=1024: 4 stages 578 us, 3 587, 6 920.
@@ -187,4 +197,4 @@ class MegakernelConfig:
     def pick_bn(self, bm: int) -> int:
         """Columns per GEMM task for a launch with m-tile `bm`: `bn` where the wide tile exists (wgmma, bm=128),
         else 128 (bn=256 with bm=0 still runs bm=16 decode launches, on 128 columns)."""
-        return self.bn if bm == 128 and self.core == "wgmma" else 128
+        return (self.bn or 128) if bm == 128 and self.core == "wgmma" else 128  # bn 0: not resolved (`resolve`)

@@ -43,7 +43,7 @@ class MegakernelMoE:
                  config: MegakernelConfig | None = None, w_gate_up: torch.Tensor | None = None,
                  w_down: torch.Tensor | None = None, gate: torch.Tensor | None = None):
         self.model = model
-        self.config = config or MegakernelConfig()
+        self.config = (config or MegakernelConfig()).resolve(model.hidden, model.intermediate)  # bn auto -> 128/256
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         h, i, e, k = model.hidden, model.intermediate, model.experts, model.topk
         if h % BN or i % 64:

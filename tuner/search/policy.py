@@ -71,6 +71,8 @@ INTEGER: dict[str, tuple[int, int]] = {
     "mk_processor_ctas": (0, MK_MAX_PROCESSOR_CTAS),
     "mk_combine_tokens": (1, MK_MAX_COMBINE_TOKENS),
     "mk_split_k": (1, MK_MAX_SPLIT_K),
+    "mk_bn": (0, 256),
+    "mk_overlap": (0, 1),
 }
 # Families that are not a transport: the MoE megakernel runs the layer on one GPU (ep_size 1); its policy's
 # transport is the one a world-1 layer builds its (idle) EP buffer with.

@@ -30,7 +30,7 @@ Chooser = Callable[[str, KnobSpec], Any]
 # Order in which the plain (unconditional) knobs are asked, after the structural ones.
 _PLAIN = ("chunk_tokens", "pipeline_depth", "num_sms", "channels", "staging_slots", "wait_mode", "combine_lanes",
           "engine", "mk_bm", "mk_stages", "mk_ctas_per_sm", "mk_processor_ctas", "mk_combine_tokens",
-          "mk_core", "mk_split_k")
+          "mk_core", "mk_split_k", "mk_bn", "mk_overlap")
 
 
 def transfers_per_peer(experts: int, ep_size: int) -> int:
