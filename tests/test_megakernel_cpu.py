@@ -493,7 +493,7 @@ def test_kernel_source_wide_tile():
     assert "const int g1 = n_tiles * (N1 / W) * KS1;" in src and "nf * W" in src
     assert "using WgWideTma = WgTile<128, true, 256>;" in src and "mkidx::wide_box_row" in src
     assert "bn = 256 needs hidden and 2 x intermediate to be multiples of 256" in src
-    assert [f[0] for f in _lib.MkParams._fields_][-2] == "bn" and _lib.ABI_VERSION >= 8
+    assert "bn" in [f[0] for f in _lib.MkParams._fields_] and _lib.ABI_VERSION >= 8
 
 
 # ---- the overlap kernel (overlap=1): task slots + stage slots, modelled step by step -----------------------------
@@ -716,5 +716,17 @@ def test_config_overlap():
         assert MegakernelConfig.parse(text).overlap == 1
     from moetune.runtime.megakernel import _lib
 
-    assert [f[0] for f in _lib.MkParams._fields_][-1] == "overlap" and _lib.ABI_VERSION == 9
+    assert "overlap" in [f[0] for f in _lib.MkParams._fields_] and _lib.ABI_VERSION >= 9
     assert len(_lib.SIGNATURES["mk_occupancy"][1]) == 8
+
+
+def test_small_topk_setting_and_source():
+    """route_small_max (ABI 10): S up to it runs k_topk_small; the launch picks by S on the host (capturable)."""
+    from moetune.runtime.megakernel import _lib
+
+    assert MegakernelConfig().route_small_max == 1024 and MegakernelConfig.parse("route_small_max=0").route_small_max == 0
+    with pytest.raises(ConfigError, match="route_small_max"):
+        MegakernelConfig.parse("route_small_max=-1")
+    assert [f[0] for f in _lib.MkParams._fields_][-1] == "route_small_max" and _lib.ABI_VERSION == 10
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    assert "p->S <= p->route_small_max" in src and "k_topk_small<<<(unsigned)p->S, SMALL_THREADS" in src

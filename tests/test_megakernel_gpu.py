@@ -353,3 +353,21 @@ def test_overlap_matches_plain_exactly(new_layers, model, cfg, s):
     torch.cuda.synchronize()
     new_layers("overlap=1," + cfg).check()
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("s", [1, 7, 300, 1024])
+def test_small_topk_is_k_topks_bits(new_layers, model, s):
+    """k_topk_small (one block per token, rank selection; S <= route_small_max) against k_topk (one warp per
+    token; route_small_max=0): the same experts in the same order and the same weights, bit for bit, and the
+    same layer output."""
+    x = _x(s, model.hidden, seed=1300 + s)
+    a, b = new_layers("route_small_max=0"), new_layers("route_small_max=4096")
+    ya = a.forward(x).clone()
+    ia, wa = (t.clone() for t in a.routing(s))
+    yb = b.forward(x)
+    ib, wb = b.routing(s)
+    torch.cuda.synchronize()
+    assert torch.equal(ia, ib) and torch.equal(wa.view(torch.int32), wb.view(torch.int32)), f"S={s}"
+    assert torch.equal(ya.view(torch.int16), yb.view(torch.int16))
+    a.check()
+    b.check()

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 9
+#define MK_ABI_VERSION 10
 #define MK_MAX_SPLITS 16  // split-K parts per GEMM task (decode)
 
 // ctl[] words (int32), one set per layer instance.
@@ -92,6 +92,9 @@ typedef struct MkParams {
   int64_t overlap;  // 1: the wgmma tiles run the cross-task overlap kernel (the producer warpgroup claims the next task
                     // and loads its stages while the consumers finish the current one; COMBINE tasks run on the
                     // consumer warpgroups); 0: k_experts as before (default). The mma core and bm = 16 ignore it.
+  // ABI 10
+  int64_t route_small_max;  // launches with S <= this run k_topk_small (one block per token, rank selection) instead of
+                            // k_topk (one warp per token); 0 = always k_topk. Same bits either way.
 } MkParams;
 
 int mk_abi_version(void);

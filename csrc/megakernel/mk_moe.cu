@@ -1577,6 +1577,107 @@ __global__ void __launch_bounds__(THREADS) k_topk(const MkParams p, int splits) 
   }
 }
 
+// Top-k for small S: one block per token (blockIdx.x), thread tid owning experts tid + 128 q. The planes are
+// added in plane order and the softmax sum runs in warp 0 in k_topk's order (lane l: experts l, l+32, .., then
+// the xor tree), so probabilities, picks, their order and the renormalised weights are k_topk's bits. Selection:
+// each thread ranks its experts against all E (value desc, lower index on ties) from shared memory, a pass of
+// independent compares instead of K dependent rounds of shuffles; ranks < K are the picks in pick order.
+constexpr int SMALL_THREADS = 128;
+constexpr int SMALL_Q = 4;  // E <= 512
+__global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, int splits) {
+  __shared__ float s_p[SMALL_THREADS * SMALL_Q];
+  __shared__ float s_sel_v[MAXK];
+  __shared__ int s_sel_i[MAXK];
+  __shared__ float s_m, s_s;
+  const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
+  const int E = (int)p.E, K = (int)p.K;
+  const int64_t plane = p.S * p.E;
+  const float* row = p.logits + (int64_t)t * E;
+  float part[SMALL_Q][MAX_SPLITS];
+#pragma unroll
+  for (int q = 0; q < SMALL_Q; ++q) {
+    const int e = tid + SMALL_THREADS * q;
+#pragma unroll
+    for (int z = 0; z < MAX_SPLITS; ++z) part[q][z] = e < E && z < splits ? __ldg(row + e + z * plane) : 0.f;
+  }
+#pragma unroll
+  for (int q = 0; q < SMALL_Q; ++q) {
+    const int e = tid + SMALL_THREADS * q;
+    float a = part[q][0];
+#pragma unroll
+    for (int z = 1; z < MAX_SPLITS; ++z)
+      if (z < splits) a += part[q][z];  // plane order, as k_topk
+    if (e < E) s_p[e] = a;
+  }
+  __syncthreads();
+  if (tid < 32) {  // warp 0: max, exp, sum exactly as k_topk's warp does for its token
+    const int NI = (E + 31) / 32;
+    float m = -INFINITY;
+    for (int i = 0; i < NI; ++i) {
+      const int e = lane + 32 * i;
+      if (e < E) m = fmaxf(m, s_p[e]);
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
+    float sum = 0.f;
+    for (int i = 0; i < NI; ++i) {
+      const int e = lane + 32 * i;
+      const float x = e < E ? expf(s_p[e] - m) : 0.f;
+      if (e < E) s_p[e] = x;
+      sum += x;
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(~0u, sum, o);
+    if (lane == 0) s_s = sum;
+  }
+  __syncthreads();
+  const float denom_all = s_s;
+  float pv[SMALL_Q];
+#pragma unroll
+  for (int q = 0; q < SMALL_Q; ++q) {
+    const int e = tid + SMALL_THREADS * q;
+    pv[q] = e < E ? s_p[e] / denom_all : -1.f;
+  }
+  __syncthreads();  // everyone has read the exps before they become probabilities
+#pragma unroll
+  for (int q = 0; q < SMALL_Q; ++q) {
+    const int e = tid + SMALL_THREADS * q;
+    if (e < E) s_p[e] = pv[q];
+  }
+  __syncthreads();
+  int rank[SMALL_Q];
+#pragma unroll
+  for (int q = 0; q < SMALL_Q; ++q) rank[q] = 0;
+  for (int j = 0; j < E; ++j) {
+    const float o = s_p[j];  // broadcast read
+#pragma unroll
+    for (int q = 0; q < SMALL_Q; ++q) {
+      if (SMALL_THREADS * q >= E) break;  // block-uniform: E = 128 compares one expert per thread
+      const int e = tid + SMALL_THREADS * q;
+      rank[q] += (o > pv[q] || (o == pv[q] && j < e)) ? 1 : 0;
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < SMALL_Q; ++q) {
+    const int e = tid + SMALL_THREADS * q;
+    if (e < E && rank[q] < K) {
+      s_sel_v[rank[q]] = pv[q];
+      s_sel_i[rank[q]] = e;
+    }
+  }
+  __syncthreads();
+  if (tid < K) {
+    float sum = 0.f;
+    for (int j = 0; j < K; ++j) sum += s_sel_v[j];  // pick order, as k_topk
+    const float denom = fmaxf(sum, 1e-20f);
+    const int e = s_sel_i[tid], row_id = t * K + tid;
+    p.topk_idx[row_id] = e;
+    p.topk_w[row_id] = s_sel_v[tid] / denom;
+    const int pos = atomicAdd(&p.counts[e], 1);
+    p.lists[(int64_t)e * p.S_cap + pos] = row_id;
+  }
+}
+
 // ---- host side ----------------------------------------------------------------------------------------------
 constexpr int MAX_STAGES = 12;  // bm=16 only: 12 x 18 KB fits one CTA per SM
 // Dynamic shared memory a CTA may opt into: 227 KB less room for the kernels' static shared memory (run 7:
@@ -1770,7 +1871,10 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
   grid.z = splits;
   k_logits<T><<<grid, T::THREADS, smem_for<T>((int)p->stages), s>>>(*p);
   if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_logits launch", e);
-  if (p->S > 0) {
+  if (p->S > 0 && p->S <= p->route_small_max) {
+    k_topk_small<<<(unsigned)p->S, SMALL_THREADS, 0, s>>>(*p, splits);
+    if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_topk_small launch", e);
+  } else if (p->S > 0) {
     k_topk<<<(unsigned)((p->S + 3) / 4), THREADS, 0, s>>>(*p, splits);
     if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_topk launch", e);
   }

@@ -72,6 +72,11 @@ class MegakernelConfig:
     # (checked on the GPU). Run 12: 6% faster at S=4096 (1614 vs 1722 us, bm=64), 5% at 1024. The mma core and
     # the bm = 16 decode tile ignore it.
     overlap: int = 1
+    # Routing's top-k for launches of S <= route_small_max tokens: one 128-thread block per token (every thread
+    # ranks its experts against all E probabilities at once) instead of one warp per token walking K rounds of
+    # shuffles (run 11's trace: that kernel took 12 us at S=1, 13 at 1024, 31 at 4096). Same bits either way;
+    # 0 = always one warp per token.
+    route_small_max: int = 1024
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -86,6 +91,7 @@ class MegakernelConfig:
         "split_max_tiles": (1, 4096),
         "tma": (0, 1),
         "overlap": (0, 1),
+        "route_small_max": (0, 1 << 20),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 

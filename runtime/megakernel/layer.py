@@ -155,6 +155,7 @@ class MegakernelMoE:
             p.tma_b = cfg.tma
             p.bn = cfg.pick_bn(bm)  # 256: the wide tile (two 128-column n-blocks per task)
             p.overlap = cfg.overlap  # 1: the wgmma tiles' cross-task overlap kernel (other tiles ignore it)
+            p.route_small_max = cfg.route_small_max  # S up to which top-k runs one block per token
             self._params[(bm, stages)] = p
         return p
 

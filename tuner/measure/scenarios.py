@@ -609,7 +609,7 @@ def _git(*args: str) -> str:
 
 
 def _given_sha() -> str:
-    """MOETUNE_GIT_SHA for a tree copied without its .git (checked: hex, 7-40 digits)."""
+    """MOETUNE_GIT_SHA: the commit a copied tree is (the caller vouches for it; checked: hex, 7-40 digits)."""
     v = os.environ.get("MOETUNE_GIT_SHA", "").strip().lower()
     return v if re.fullmatch(r"[0-9a-f]{7,40}", v) else ""
 
@@ -638,9 +638,11 @@ def machine_facts(backend: str, fingerprint: Callable[[], str] | None = None) ->
         fp = f"unknown ({type(e).__name__})"
     gpu = torch.cuda.get_device_name(0) if gpus else "none"
     cpu = platform.processor() or platform.machine()
+    given = _given_sha()
     return {
-        "git_sha": _git("rev-parse", "HEAD") or _given_sha() or "unknown",
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # a given SHA wins: a tree copied to a GPU machine may carry a stale .git whose HEAD is not the tree
+        "git_sha": given or _git("rev-parse", "HEAD") or "unknown",
+        "git_dirty": False if given else bool(_git("status", "--porcelain", "--untracked-files=no")),
         "moetune": __version__, "torch": torch.__version__, "nccl": nccl, "cuda": torch.version.cuda or "",
         "gpu": gpu, "gpu_count": gpus, "fabric_fingerprint": fp,
         "hardware": f"{gpus}x {gpu}, {os.cpu_count()} CPU cores" if gpus else f"{os.cpu_count()} CPU cores ({cpu}), no GPU",
