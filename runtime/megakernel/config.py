@@ -74,9 +74,10 @@ class MegakernelConfig:
     overlap: int = 1
     # Routing's top-k for launches of S <= route_small_max tokens: one 128-thread block per token (every thread
     # ranks its experts against all E probabilities at once) instead of one warp per token walking K rounds of
-    # shuffles (run 11's trace: that kernel took 12 us at S=1, 13 at 1024, 31 at 4096). Same bits either way;
-    # 0 = always one warp per token.
-    route_small_max: int = 1024
+    # shuffles. Same bits either way; 0 = always one warp per token. Run 14 (routing µs, graph replay): S=1 16.6
+    # vs 20.9, S=16 17.6 vs 22.7, S=128 20.2 vs 24.0, but S=1024 35.8 vs 31.2 and 4096 80.1 vs 55.1; between 128
+    # and 1024 unmeasured, so the switch sits at 256.
+    route_small_max: int = 256
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
