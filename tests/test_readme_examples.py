@@ -49,3 +49,22 @@ def test_config_example_loads(tmp_path: Path) -> None:
     cfg.write_text(re.sub(r"\s+#.*$", "", block, flags=re.M) + "\n")
     c = load_config(cfg, env={"HOME": str(tmp_path)})
     assert c.tune.backend == "model" and c.client.allow_modelled is False and c.runtime.onesided_timeout_s == 20.0
+
+
+def test_megakernel_example_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The megakernel example as written: where the megakernel cannot run (here: no sm_90 GPU) asking for it
+    raises MegakernelUnavailable naming why; without `engine=` the same code runs the unfused layer."""
+    import torch
+
+    from moetune.runtime.megakernel.engine import MegakernelUnavailable
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("this checks the documented refusal; the GPU tests run the megakernel itself")
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path))
+    code = next(b for b in _blocks() if 'engine="megakernel"' in b and "MoELayer(" in b)
+    small = code.replace('"qwen3-30b"', '"custom:128,64,8,2"').replace("max_tokens=4096", "max_tokens=128")
+    with pytest.raises(MegakernelUnavailable, match="cannot run here"):
+        exec(compile(small, "README.md", "exec"), {})
+    ns: dict = {}
+    exec(compile(small.replace(', engine="megakernel"', ""), "README.md", "exec"), ns)
+    assert tuple(ns["y"].shape) == (16, 128) and ns["layer"].engine == "unfused"
