@@ -1,15 +1,15 @@
 """MegakernelConfig: the megakernel's tunable settings, typed and validated (stdlib only).
 
 A view: the tunable fields are the knobs `mk_bm`, `mk_stages`, `mk_ctas_per_sm`, `mk_processor_ctas`,
-`mk_combine_tokens`, `mk_core`, `mk_split_k` (both GEMMs' split-K), `mk_bn` and `mk_overlap` (runtime/knobs.py, the one vocabulary the tuner searches and profiles store) and the
-timeout is the runtime option `megakernel_timeout_s`: build it with `MegakernelConfig.from_knobs(knobs,
-options)`. `bm_switch_rows` / `bm_large_rows` (the auto tile's thresholds) stay here: no knob for them.
-`parse("bm=16,stages=4")`, `from_dict` and `to_dict` remain for benchmarks and tests; every error names the
-field. 0 in `bm`, `ctas_per_sm` and `processor_ctas` means "pick from
-the shape / the occupancy query".
-`tma` (TMA loads of the weight tiles) is a setting, not a knob: it moved latency by 2-3.5% (run 11); `bn`
-(the wide 128 x 256 tile) is opt-in until a GPU run verifies and measures it, and so is `overlap` (the wgmma
-tiles' cross-task overlap kernel); neither is a knob.
+`mk_combine_tokens`, `mk_core`, `mk_split_k` (both GEMMs' split-K), `mk_bn` and `mk_overlap` (runtime/knobs.py,
+the one vocabulary the tuner searches and profiles store) and the timeout is the runtime option
+`megakernel_timeout_s`: build it with `MegakernelConfig.from_knobs(knobs, options)`. `bm_switch_rows` /
+`bm_large_rows` (the auto tile's thresholds) stay here: no knob for them. `parse("bm=16,stages=4")`, `from_dict`
+and `to_dict` remain for benchmarks and tests; every error names the field. 0 in `bm`, `bn`, `ctas_per_sm` and
+`processor_ctas` means "pick from the shape / the occupancy query" (`resolve` decides `bn` for a layer's shape).
+Settings that are not knobs: `tma` (TMA loads of the weight tiles: 2-3.5% everywhere in run 11, under the 5% that
+makes a knob) and `route_small_max` (where routing switches top-k kernels: the small-S kernel won at every S up
+to 128 and lost from 1024 up in run 14, so only the crossover is left to place).
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ class MegakernelConfig:
     # of m64n256k16, 48 KB stages so stages <= 4), twice the FLOP per L2 byte of a 128 x 128 tile. With bn = 256
     # (or auto resolving to it) and bm = 0 the wide tile runs wherever a 64/128-row tile would, and the bm = 16
     # decode tile (always 128 columns) below that: a 128 x 256 tile for a handful of rows per expert would
-    # compute 8x the rows it has. Auto (`resolve`) is 256 where the core is wgmma, bm is 0 or 128 and hidden and
-    # 2 x intermediate are multiples of 256 (and stages <= 4), else 128. Run 12 (H200): with the overlap below, S=4096 1331 us vs
-    # 1614 (bn=128, bm=64), S=1024 526 vs 542; decode sizes unchanged (bm=16).
+    # compute 8x the rows it has. Auto (`resolve`) is 256 where the core is wgmma, bm is 0 or 128, stages <= 4
+    # and hidden and 2 x intermediate are multiples of 256, else 128. Run 12 (H200): with the overlap below,
+    # S=4096 1331 us vs 1614 (bn=128, bm=64), S=1024 526 vs 542; decode sizes unchanged (bm=16).
     bn: int = 0
     # 1: the wgmma tiles (bm = 64 / 128, either bn) run the cross-task overlap kernel: the producer warpgroup claims
     # the next task itself, prepares its metadata into one of two task slots and starts loading its stages while
