@@ -28,21 +28,13 @@ import sys
 import torch
 
 from moetune.runtime.testing.baselines import plain_torch_moe as torch_layer
+from moetune.runtime.testing.timing import graphs_of
+from moetune.runtime.testing.timing import time_calls as timed
 
 
 def time_calls(fns: list, warmup: int, iters: int) -> float:
     """Median µs of single calls (CUDA events), rotating over `fns` (one per input set)."""
-    for j in range(warmup):
-        fns[j % len(fns)]()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for j in range(iters):
-        starts[j].record()
-        fns[j % len(fns)]()
-        ends[j].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends, strict=True))
+    return statistics.median(timed(fns, warmup=warmup, iters=iters, cuda=True))
 
 
 def phase_times(mk, xs: list[torch.Tensor], warmup: int, iters: int) -> dict[str, float]:
@@ -68,23 +60,6 @@ def phase_times(mk, xs: list[torch.Tensor], warmup: int, iters: int) -> dict[str
     torch.cuda.synchronize()
     return {"mk_route_us": statistics.median(e[0].elapsed_time(e[1]) * 1e3 for e in ev),
             "mk_experts_us": statistics.median(e[1].elapsed_time(e[2]) * 1e3 for e in ev)}
-
-
-def graphs_of(fn, xs: list[torch.Tensor]) -> list:
-    """One CUDA graph per input; returns their replay callables."""
-    out = []
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for x in xs:
-            fn(x)
-    torch.cuda.current_stream().wait_stream(side)
-    for x in xs:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(x)
-        out.append(g.replay)
-    return out
 
 
 def main() -> int:

@@ -1,1 +1,1 @@
-"""Helpers for tests, benchmarks and self-tests: process groups, routing, the transports' selftest. Never imported by the data path."""
+"""Helpers for tests, benchmarks and self-tests: process groups, routing, the transports' selftest, the plain torch MoE baseline (`baselines`), timing (`timing`). Never imported by the data path."""

@@ -10,12 +10,12 @@ The floors printed beside the figures are the issue's: reading the touched exper
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import ModelShape
+from moetune.runtime.testing.timing import graphs_of, time_calls
 from moetune.tuner.measure.stats import Summary
 
 READ_TBPS = 4.2
@@ -34,49 +34,6 @@ def floors(model: ModelShape, tokens: int) -> dict[str, float]:
     read = experts_touched(model, tokens) * per_expert + model.experts * model.hidden * 2
     flops = 2.0 * tokens * model.topk * 3 * model.hidden * model.intermediate
     return {"weight_floor_us": read / (READ_TBPS * 1e12) * 1e6, "tensor_floor_us": flops / (TENSOR_TFLOPS * 1e12) * 1e6}
-
-
-def time_calls(fns: Sequence[Callable[[], Any]], *, warmup: int, iters: int, cuda: bool) -> list[float]:
-    """µs of each of `iters` single calls, rotating over `fns` (one per input), after `warmup` calls."""
-    for j in range(warmup):
-        fns[j % len(fns)]()
-    if not cuda:
-        out = []
-        for j in range(iters):
-            t0 = time.perf_counter()
-            fns[j % len(fns)]()
-            out.append((time.perf_counter() - t0) * 1e6)
-        return out
-    import torch
-
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for j, (a, b) in enumerate(ev):
-        a.record()
-        fns[j % len(fns)]()
-        b.record()
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) * 1000.0 for a, b in ev]
-
-
-def graphs_of(fn: Callable[[Any], Any], xs: Sequence[Any]) -> list[Callable[[], Any]]:
-    """One captured CUDA graph per input (after a warm-up call on a side stream); replay callables."""
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for x in xs:
-            fn(x)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    out = []
-    for x in xs:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(x)
-        out.append(g.replay)
-    return out
 
 
 def _inputs(model: ModelShape, tokens: int, rotate: int, device: Any, dtype: Any, seed: int) -> list[Any]:
@@ -127,18 +84,6 @@ def measure_megakernel(knobs: Knobs, model: ModelShape, tokens: int, *, iters: i
     return res
 
 
-class _Fn:
-    """A bare function with the layers' call interface (`forward` and `__call__`)."""
-
-    def __init__(self, fn: Callable[[Any], Any]) -> None:
-        self.fn = fn
-
-    def forward(self, x: Any) -> Any:
-        return self.fn(x)
-
-    __call__ = forward
-
-
 def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], *, graph: bool = False,
               iters: int = 50, warmup: int = 10, rotate: int = 4, seed: int = 0, device: str | None = None,
               knobs: Knobs | None = None) -> dict[str, Any]:
@@ -160,7 +105,8 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     smax = max(tokens)
-    layers: dict[str, Any] = {}
+    layers: dict[str, Any] = {}  # engine -> the MoELayer it runs on (torch: the unfused layer's weights)
+    fwd: dict[str, Callable[[Any], Any]] = {}  # engine -> its whole-layer call
     skipped: dict[str, str] = {}
     for eng in engines:
         if eng == "torch":
@@ -169,6 +115,7 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
         try:
             layers[eng] = MoELayer(model, None, mk_knobs, max_tokens=smax, device=dev, dtype=dtype, seed=seed,
                                    engine=eng)
+            fwd[eng] = layers[eng].forward
         except MegakernelUnavailable as e:
             skipped[eng] = str(e)
     if "torch" in engines:  # same weights as the unfused layer (built for them if not timed)
@@ -178,20 +125,19 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
             from moetune.runtime.testing.baselines import plain_torch_moe
 
             g, w1, w2, k = src.gate.data, src.w_gate_up.data, src.w_down.data, model.topk
-            layers["torch"] = _Fn(lambda x, g=g, w1=w1, w2=w2, k=k: plain_torch_moe(x, g, w1, w2, k))
+            fwd["torch"] = lambda x: plain_torch_moe(x, g, w1, w2, k)
         else:
             skipped["torch"] = "the plain torch path needs torch._grouped_mm on a CUDA device"
-        layers = {e: layers[e] for e in engines if e in layers}  # the order asked for
     cases: list[dict[str, Any]] = [{"engine": e, "skipped": why} for e, why in skipped.items()]
     for s in tokens:
         xs = _inputs(model, s, rotate, dev, dtype, seed + s)
-        ref = layers["unfused"](xs[0]) if "unfused" in layers else None
-        for eng, layer in layers.items():
+        ref = fwd["unfused"](xs[0]) if "unfused" in fwd else None
+        for eng in (e for e in engines if e in fwd):  # the order asked for
             row: dict[str, Any] = {"engine": eng, "S": s, **floors(model, s)}
-            for name, v in time_layer(layer.forward, xs, warmup=warmup, iters=iters, graph=graph, cuda=cuda).items():
+            for name, v in time_layer(fwd[eng], xs, warmup=warmup, iters=iters, graph=graph, cuda=cuda).items():
                 row[name] = Summary.of(v).quantiles()
             if ref is not None and eng != "unfused":
-                row["rel_err_vs_unfused"] = max_rel_err(layer(xs[0]), ref)
+                row["rel_err_vs_unfused"] = max_rel_err(fwd[eng](xs[0]), ref)
             cases.append(row)
     return {"model": model.name, "device": str(dev), "graph": graph and cuda, "iters": iters, "warmup": warmup,
             "rotate": rotate, "cases": cases}
