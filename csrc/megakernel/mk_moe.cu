@@ -650,131 +650,6 @@ __device__ __forceinline__ WgBars<T> wg_bars(const Meta& md) {
   return {b, b + 8u * 16u};
 }
 
-template <class T>
-__device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, uint32_t& it,
-                            const CUtensorMap* tm1, const CUtensorMap* tm2) {
-  const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
-  const int stages = (int)p.stages;
-  Meta md = meta<T>(smem, stages);
-  const WgBars<T> bars = wg_bars<T>(md);
-  fill_meta<T>(p, md, kind, e, mt, nb);
-  __syncthreads();
-  const int K = kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I;
-  const int KT = K / BK;
-  const uint32_t s0 = su32(smem);
-  if (wg == 0) {
-    // ---- producer: thread t copies chunk (t & 7) of rows (t >> 3) + 16 q, for A and B ----
-    const bf16* a_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h;
-    const bf16* b_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.w1 : (const bf16*)p.w2;
-    const int ch = t & 7, r0 = t >> 3;
-    const bf16* asrc[T::BM / 16];
-    int abytes[T::BM / 16];
-    const bf16* bsrc[T::BNT / 16];
-#pragma unroll
-    for (int q = 0; q < T::BM / 16; ++q) {
-      const int64_t off = md.a_off[r0 + 16 * q];
-      asrc[q] = a_base + (off < 0 ? 0 : off) + ch * 8;
-      abytes[q] = off < 0 ? 0 : 16;  // rows past the expert's count: zero-filled
-    }
-#pragma unroll
-    for (int q = 0; q < T::BNT / 16; ++q) bsrc[q] = b_base + md.b_off[r0 + 16 * q] + ch * 8;
-    // TMA: the B tile's two boxes start at weight rows brow and brow2 (GEMM1: gate, up; GEMM2: 128 rows)
-    const CUtensorMap* bmap = kind == MK_TASK_GEMM1 ? tm1 : tm2;
-    const int brow = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
-    const int brow2 = kind == MK_TASK_GEMM1 ? brow + (int)p.I : brow + TMA_BOX_ROWS;
-    // wide tile: four boxes, box b at tile row 64 b from weight row wbase + wide_box_row (gate, gate, up, up
-    // for GEMM1; 256 consecutive rows for GEMM2)
-    const int64_t wbase = kind == MK_TASK_GEMM1 ? e * 2 * p.I : e * p.H;
-    const int lag = stages - 1;
-    for (int kt = 0; kt < KT; ++kt) {
-      const uint32_t g = it + kt, slot = g % stages;
-      if (kt >= lag) {  // stage kt - lag has landed for this thread: publish it BEFORE waiting for a free slot
-        cp_wait(lag - 1);  // (consumers free stage j only after stage j+1 is full: publishing after the wait
-        fence_proxy_async();  // below deadlocked as soon as a task had more k stages than `stages`)
-        mbar_arrive(bars.full + 8 * ((g - lag) % stages));
-      }
-      mbar_wait(p, bars.empty + 8 * slot, ((g / stages) & 1) ^ 1, g);  // a fresh barrier passes parity 1 at once
-      const uint32_t sA = s0 + slot * T::STAGE, sB = sA + T::A_BYTES;
-      if constexpr (T::TMA) {
-        if (t == 0) {  // expect_tx before the copies: thread 0's own arrival (later) keeps the phase open until then
-          const uint32_t full = bars.full + 8 * slot;
-          mbar_expect_tx(full, T::B_BYTES);
-          if constexpr (T::NBLK == 2) {
-#pragma unroll
-            for (int b = 0; b < 4; ++b)
-              tma_load_2d(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK,
-                          (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full);
-          } else {
-            tma_load_2d(sB, bmap, kt * BK, brow, full);
-            tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full);
-          }
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < T::BM / 16; ++q)
-        cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
-      if constexpr (!T::TMA) {
-#pragma unroll
-        for (int q = 0; q < T::BNT / 16; ++q)
-          cp_async16(sB + mkidx::swz_off(r0 + 16 * q, ch * 8), bsrc[q] + kt * BK, 16);
-      }
-      cp_commit();
-    }
-    cp_wait(0);
-    fence_proxy_async();
-    for (int kt = KT > lag ? KT - lag : 0; kt < KT; ++kt) mbar_arrive(bars.full + 8 * ((it + kt) % stages));
-  } else {
-    // ---- consumer warpgroup c = wg - 1: rows 64c .. 64c+63 ----
-    const int c = wg - 1;
-    float d[T::NACC];
-#pragma unroll
-    for (int i = 0; i < T::NACC; ++i) d[i] = 0.f;
-    for (int kt = 0; kt < KT; ++kt) {
-      const uint32_t g = it + kt, slot = g % stages;
-      mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
-      const uint32_t sA = s0 + slot * T::STAGE + c * 64 * 128, sB = s0 + slot * T::STAGE + T::A_BYTES;
-      acc_fence(d);
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk)
-        wgmma_tile(d, mkidx::wg_desc(sA + kk * 32), mkidx::wg_desc(sB + kk * 32), kt > 0 || kk > 0);
-      wg_commit();
-      acc_fence(d);
-      wg_wait<1>();  // the previous stage's wgmmas are done: hand its slot back
-      if (kt > 0) mbar_arrive(bars.empty + 8 * ((g - 1) % stages));
-    }
-    wg_wait<0>();
-    acc_fence(d);
-    if (KT > 0) mbar_arrive(bars.empty + 8 * ((it + KT - 1) % stages));
-    // epilogue straight from the fragment (mk_index.h: acc_row / acc_col)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = 64 * c + (int)mkidx::acc_row(t, 2 * half);
-      const int v = md.row_id[r];
-      if (v < 0) continue;
-      if ((T::TMA || T::NBLK == 2) && kind == MK_TASK_GEMM1) {
-        // gate column cc sits in register i, its up column cc + BNT/2 in register i + NACC/2 of the same thread
-        // (64 + 32 for the 128-column tile, 128 + 64 for the wide one: gate rows stacked over up rows)
-        constexpr int UP = T::NACC / 2;
-#pragma unroll
-        for (int j = 0; j < T::NACC / 8; ++j) {
-          const int i = 4 * j + 2 * half;
-          store_h2(p, nb, v, (int)mkidx::acc_col(t, i), d[i], d[i + 1], d[i + UP], d[i + UP + 1]);
-        }
-        continue;
-      }
-#pragma unroll
-      for (int j = 0; j < T::NACC / 4; ++j) {
-        const int i = 4 * j + 2 * half;
-        store_pair(p, kind, nb, v, (int)mkidx::acc_col(t, i), d[i], d[i + 1]);
-      }
-    }
-  }
-  it += KT;
-  __syncthreads();  // every consumer's stores issued (and the producer done) before thread 0's fence + signal
-  signal_done<T>(p, md, kind, tile);
-}
-
 // Column blocks per combine tile: the tile's work is split over H so the combine at the end of the layer
 // (on the critical path) runs on many CTAs (run 2: 16-token combine tasks cost 46 us at S=128 over 4-token ones).
 __host__ __device__ __forceinline__ int combine_blocks(int64_t H) { return (H / 8) % 4 == 0 ? 4 : 1; }
@@ -1065,6 +940,25 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
   }
 }
 
+
+// One GEMM task on the whole CTA (overlap = 0): metadata, then producer and consumers as above, then the signal.
+template <class T>
+__device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, uint32_t& it,
+                            const CUtensorMap* tm1, const CUtensorMap* tm2) {
+  const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
+  Meta md = meta<T>(smem, (int)p.stages);
+  const WgBars<T> bars = wg_bars<T>(md);
+  fill_meta<T>(p, md, kind, e, mt, nb);
+  __syncthreads();
+  const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
+  if (wg == 0)
+    wg_produce<T>(p, md, bars, su32(smem), kind, e, nb, KT, it, t, tm1, tm2);
+  else
+    wg_consume<T>(p, md, bars, su32(smem), kind, nb, KT, it, t, wg - 1);
+  it += KT;
+  __syncthreads();  // every consumer's stores issued (and the producer done) before thread 0's fence + signal
+  signal_done<T>(p, md, kind, tile);
+}
 
 // ---- the scheduler CTA ----------------------------------------------------------------------------------
 template <class T>
@@ -1588,7 +1482,7 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
   __shared__ float s_p[SMALL_THREADS * SMALL_Q];
   __shared__ float s_sel_v[MAXK];
   __shared__ int s_sel_i[MAXK];
-  __shared__ float s_m, s_s;
+  __shared__ float s_s;
   const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
   const int E = (int)p.E, K = (int)p.K;
   const int64_t plane = p.S * p.E;
