@@ -361,31 +361,8 @@ __device__ __forceinline__ uint32_t bar_base(const Meta& md) { return (su32(md.l
 
 // Per-task metadata: A row offsets (token rows of x for GEMM1, (token, slot) rows of h for GEMM2) and
 // B row offsets (GEMM1: interleaved gate/up rows, so each accumulator pair (c0, c1) is (gate, up) of one
-// intermediate column and SwiGLU runs in registers; GEMM2: 128 rows of W_down). Any block size.
-template <class T>
-__device__ __forceinline__ void fill_meta(const MkParams& p, const Meta& md, int kind, int e, int mt, int nb) {
-  const int tid = threadIdx.x, K = (int)p.K, H = (int)p.H, I = (int)p.I;
-  const int cnt = p.counts[e];  // written by the routing kernel (earlier in the stream)
-  for (int r = tid; r < T::BM; r += blockDim.x) {
-    const int m = mt * T::BM + r;
-    const int v = m < cnt ? p.lists[(int64_t)e * p.S_cap + m] : -1;
-    md.row_id[r] = v;
-    md.a_off[r] = v < 0 ? -1 : (kind == MK_TASK_GEMM1 ? (int64_t)(v / K) * H : (int64_t)v * I);
-  }
-  for (int n = tid; n < T::BNT; n += blockDim.x) {
-    if constexpr (T::NBLK == 2) {  // the wide tile: gate rows stacked over up rows (mk_index.h: wide_gemm1_row)
-      md.b_off[n] = kind == MK_TASK_GEMM1 ? ((int64_t)e * 2 * I + mkidx::wide_gemm1_row(nb, n, I)) * H
-                                          : ((int64_t)e * H + mkidx::wide_gemm2_row(nb, n)) * I;
-    } else if (kind == MK_TASK_GEMM1) {
-      const int q = n >> 1;
-      const int64_t row = (n & 1) ? (int64_t)I + nb * 64 + q : (int64_t)nb * 64 + q;
-      md.b_off[n] = ((int64_t)e * 2 * I + row) * H;
-    } else {
-      md.b_off[n] = ((int64_t)e * H + nb * BN + n) * I;
-    }
-  }
-}
-
+// intermediate column and SwiGLU runs in registers; GEMM2: 128 rows of W_down), by threads first, first +
+// stride, .. (fill_meta: the whole CTA; the overlap kernel: its producer warpgroup).
 template <class T>
 __device__ __forceinline__ void fill_meta_part(const MkParams& p, const Meta& md, int kind, int e, int mt, int nb, int first,
                                                int stride) {
@@ -410,6 +387,10 @@ __device__ __forceinline__ void fill_meta_part(const MkParams& p, const Meta& md
     }
   }
 }
+template <class T>
+__device__ __forceinline__ void fill_meta(const MkParams& p, const Meta& md, int kind, int e, int mt, int nb) {
+  fill_meta_part<T>(p, md, kind, e, mt, nb, threadIdx.x, blockDim.x);
+}
 
 // Epilogue of one accumulator pair: row r of the tile (its (token, slot) id v >= 0), tile column c (even).
 // GEMM1: (c0, c1) = (gate, up) of intermediate column nb*64 + c/2 -> h = silu(gate) * up (bf16).
@@ -433,37 +414,22 @@ __device__ __forceinline__ void store_h2(const MkParams& p, int nb, int v, int q
 
 // After the epilogue's stores (every thread past a barrier): one fence, then the readiness counters.
 template <class T>
-__device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, int kind, int tile) {
-  if (threadIdx.x == 0) {
-    __threadfence();  // fence + relaxed reds = release: the subscriber's acquire sees h / y
-    if (kind == MK_TASK_GEMM1) {
-      red_add(&p.g1done[tile], T::NBLK);  // a wide task finishes two 128-column n-blocks
-    } else {
-      const int K = (int)p.K;
-      for (int r = 0; r < T::BM; ++r) {
-        const int v = md.row_id[r];
-        if (v >= 0) red_add(&p.comb[(v / K) / (int)p.combine_tokens], T::NBLK);
-      }
+__device__ __forceinline__ void signal_done_here(const MkParams& p, const Meta& md, int kind, int tile) {
+  __threadfence();  // fence + relaxed reds = release: the subscriber's acquire sees h / y
+  if (kind == MK_TASK_GEMM1) {
+    red_add(&p.g1done[tile], T::NBLK);  // a wide task finishes two 128-column n-blocks
+  } else {
+    const int K = (int)p.K;
+    for (int r = 0; r < T::BM; ++r) {
+      const int v = md.row_id[r];
+      if (v >= 0) red_add(&p.comb[(v / K) / (int)p.combine_tokens], T::NBLK);
     }
   }
 }
-
-// signal_done's fence and counters, by the calling thread (the overlap kernel's elected consumer thread, past
-// the consumers' named barrier): the same readiness the scheduler sees.
+// The same, by thread 0 of a CTA whose threads all passed a __syncthreads after their stores.
 template <class T>
-__device__ __forceinline__ void signal_done_here(const MkParams& p, const Meta& md, int kind, int tile) {
-  {
-    __threadfence();  // fence + relaxed reds = release: the subscriber's acquire sees h / y
-    if (kind == MK_TASK_GEMM1) {
-      red_add(&p.g1done[tile], T::NBLK);  // a wide task finishes two 128-column n-blocks
-    } else {
-      const int K = (int)p.K;
-      for (int r = 0; r < T::BM; ++r) {
-        const int v = md.row_id[r];
-        if (v >= 0) red_add(&p.comb[(v / K) / (int)p.combine_tokens], T::NBLK);
-      }
-    }
-  }
+__device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, int kind, int tile) {
+  if (threadIdx.x == 0) signal_done_here<T>(p, md, kind, tile);
 }
 
 // GEMM1 / GEMM2 task of m-tile `tile` = (e, mt), n-block nb, split-K part ks of `splits` (mma.sync core).
@@ -654,39 +620,8 @@ __device__ __forceinline__ WgBars<T> wg_bars(const Meta& md) {
 // (on the critical path) runs on many CTAs (run 2: 16-token combine tasks cost 46 us at S=128 over 4-token ones).
 __host__ __device__ __forceinline__ int combine_blocks(int64_t H) { return (H / 8) % 4 == 0 ? 4 : 1; }
 
-// COMBINE task: out[t] = sum_j y[t*K + j] in slot order (fp32), for the tile's tokens, column block cb.
-__device__ void run_combine(const MkParams& p, int ct, int cb) {
-  const int K = (int)p.K, H = (int)p.H;
-  const int t0 = ct * (int)p.combine_tokens;
-  const int t1 = min((int)p.S, t0 + (int)p.combine_tokens);
-  const int chunks = H / 8 / combine_blocks(H), c0 = cb * chunks;
-  const bf16* y = (const bf16*)p.y;
-  bf16* out = (bf16*)p.out;
-  for (int i = threadIdx.x; i < (t1 - t0) * chunks; i += blockDim.x) {
-    const int t = t0 + i / chunks, c = c0 + i % chunks;
-    float s[8];
-#pragma unroll
-    for (int q = 0; q < 8; ++q) s[q] = 0.f;
-    for (int j = 0; j < K; ++j) {
-      const uint4 v = __ldcg((const uint4*)(y + ((int64_t)t * K + j) * H + c * 8));
-      const __nv_bfloat162* b = (const __nv_bfloat162*)&v;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(b[q]);
-        s[2 * q] += f.x;
-        s[2 * q + 1] += f.y;
-      }
-    }
-    uint4 o;
-    __nv_bfloat162* ob = (__nv_bfloat162*)&o;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) ob[q] = __floats2bfloat162_rn(s[2 * q], s[2 * q + 1]);
-    *(uint4*)(out + (int64_t)t * H + c * 8) = o;
-  }
-}
-
-// COMBINE task on threads first, first + stride, .. (the overlap kernel's consumer warpgroups); otherwise as
-// run_combine: out[t] = sum_j y[t*K + j] in slot order (fp32), for the tile's tokens, column block cb.
+// COMBINE task: out[t] = sum_j y[t*K + j] in slot order (fp32), for the tile's tokens, column block cb, on
+// threads first, first + stride, .. (the whole CTA, or the overlap kernel's consumer warpgroups).
 __device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, int stride) {
   const int K = (int)p.K, H = (int)p.H;
   const int t0 = ct * (int)p.combine_tokens;
@@ -715,6 +650,10 @@ __device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, i
     for (int q = 0; q < 4; ++q) ob[q] = __floats2bfloat162_rn(s[2 * q], s[2 * q + 1]);
     *(uint4*)(out + (int64_t)t * H + c * 8) = o;
   }
+}
+
+__device__ __forceinline__ void run_combine(const MkParams& p, int ct, int cb) {
+  run_combine_part(p, ct, cb, threadIdx.x, blockDim.x);
 }
 
 // Expert owning m-tile `tile` (base[] = exclusive prefix of m-tiles per expert, base[E] = total).
@@ -813,7 +752,7 @@ __device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch) {
       break;
     }
     __nanosleep(ns);
-    ns = min(ns * 2, 512u);
+    ns = min(ns * 2, 512u);  // back off: hundreds of waiting CTAs must not crowd the L2 lines they poll
   }
   return task;
 }
@@ -1135,29 +1074,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     }
   }
   for (;;) {
-    if (threadIdx.x == 0) {
-      uint64_t task = 0;  // 0: no more work
-      const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
-      const uint64_t since = gtime();
-      unsigned ns = 32;
-      for (;;) {
-        if (i < p.q_cap && ld_acquire(&p.q_flag[i]) == epoch) {
-          task = *(volatile uint64_t*)&p.q_task[i];
-          break;
-        }
-        const int tot = ld_acquire(&p.ctl[MK_CTL_TOTAL]);
-        if (tot > 0 && i >= tot - 1) break;
-        if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) break;
-        const uint64_t waited = gtime() - since;
-        if (waited > (uint64_t)p.timeout_ns) {
-          report(p, MK_ERR_PROC_TIMEOUT, i, tot - 1, (int64_t)waited);
-          break;
-        }
-        __nanosleep(ns);
-        ns = min(ns * 2, 512u);  // back off: hundreds of waiting CTAs must not crowd the L2 lines they poll
-      }
-      s_task = task;
-    }
+    if (threadIdx.x == 0) s_task = claim_task(p, epoch);  // 0: no more work
     __syncthreads();
     const uint64_t task = s_task;
     __syncthreads();  // everyone read s_task before thread 0 may overwrite it
