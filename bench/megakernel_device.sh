@@ -1,7 +1,7 @@
 #!/bin/bash
 # Device-side driver for the megakernel (run from the folder sync_megakernel_device.sh fills):
 # import shim, prebuilt library (else build there), GPU tests, benchmark. Logs under $OUT.
-#   bash run.sh [tests|bench|all|trace|ncu] [extra pytest -k expression]
+#   bash run.sh [tests|bench|all|trace|timeline|ncu] [extra pytest -k expression]
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -32,6 +32,14 @@ if [ "$what" = trace ]; then
     timeout ${TRACE_TIMEOUT:-60} python3 bench/megakernel_profile.py --tokens "$s" --trace --calls 20 \
       ${TRACE_CONFIG:+--config "$TRACE_CONFIG"} 2>&1 | grep -E "^trace|^  kernel|^  gap|Error|error" | tee -a "$OUT/trace.log"
   done
+fi
+if [ "$what" = timeline ]; then
+  # every task's publish / claim / done stamps of one launch per S and config (TL_CONFIGS: ';'-separated)
+  IFS=';' read -ra cfgs <<< "${TL_CONFIGS:-}"; [ ${#cfgs[@]} -eq 0 ] && cfgs=("")
+  for c in "${cfgs[@]}"; do for s in ${TL_TOKENS:-1 16 128 1024 4096}; do
+    timeout ${TL_TIMEOUT:-60} python3 bench/megakernel_profile.py --tokens "$s" --calls 3 ${c:+--config "$c"} \
+      --timeline "$OUT/timeline.jsonl" 2>&1 | grep -vE "^\s*$" | tail -8 | tee -a "$OUT/timeline.log"
+  done; done
 fi
 if [ "$what" = ncu ] || [ "$what" = all-ncu ]; then
   # a few counters of the routing kernels and the persistent kernel, per S (NCU_TOKENS), clocks left alone

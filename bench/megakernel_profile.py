@@ -6,11 +6,17 @@
 `--trace`: instead, replay one captured CUDA graph of the layer `--calls` times under torch.profiler and print
 each kernel's mean device time and the mean gap between consecutive kernels of a replay, at the clocks a
 benchmark runs at (ncu's replays run single kernels, often at idle clocks).
+
+`--timeline FILE`: after the calls, one more forward with the persistent kernel stamping every task
+(`MegakernelMoE.task_timeline`): prints where the launch's time goes per task kind and appends the raw
+timeline as one JSON line to FILE.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 
 import torch
 
@@ -21,6 +27,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--config", default="")
     ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--timeline", default="", help="append the task timeline (JSON line) to this file")
     a = ap.parse_args()
     from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
     from moetune.runtime.shapes import get_model
@@ -33,6 +40,48 @@ def main() -> None:
     mk.check()
     if a.trace:
         trace(mk, x, a.calls, a.tokens, a.config)
+    if a.timeline:
+        tl = mk.task_timeline(x)
+        summarize(tl)
+        with open(a.timeline, "a") as f:
+            f.write(json.dumps(tl) + "\n")
+
+
+def summarize(tl: dict) -> None:
+    """Where the persistent launch's time goes: per task kind, when tasks were published, claimed and done."""
+    tasks = [t for t in tl["tasks"] if t["done"] is not None]
+    ends = [c[1] for c in tl["ctas"] if c[1] is not None]
+    span = max(ends) if ends else 0.0
+    busy = sum(t["done"] - t["claimed"] for t in tasks)
+    sch = tl["sched"]
+    print(f"timeline S={tl['tokens']} bm={tl['bm']} grid={tl['grid']} span {span:.1f} us, CTA busy "
+          f"{100 * busy / max(1e-9, span * (tl['grid'] - 1)):.0f}%, scheduler start {sch['start']} "
+          f"gemm1 published {sch['gemm1_published']} end {sch['end']}")
+    for kind in ("gemm1", "gemm2", "combine"):
+        ts = [t for t in tasks if t["kind"] == kind]
+        if not ts:
+            continue
+        dur = sorted(t["done"] - t["claimed"] for t in ts)
+        wait = sorted(t["claimed"] - t["published"] for t in ts if t["published"] is not None)
+        print(f"  {kind:8s} n={len(ts):5d} published {min(t['published'] for t in ts):8.1f}.."
+              f"{max(t['published'] for t in ts):8.1f}  claimed {min(t['claimed'] for t in ts):8.1f}.."
+              f"{max(t['claimed'] for t in ts):8.1f}  done ..{max(t['done'] for t in ts):8.1f}  task us "
+              f"p50 {dur[len(dur) // 2]:7.2f} p90 {dur[9 * len(dur) // 10]:7.2f}  publish->claim p50 "
+              f"{wait[len(wait) // 2] if wait else 0:6.2f}")
+    # GEMM2 release latency: last GEMM1 done of the m-tile -> its GEMM2 published
+    last_g1: dict[int, float] = {}
+    for t in tasks:
+        if t["kind"] == "gemm1":
+            last_g1[t["tile"]] = max(last_g1.get(t["tile"], 0.0), t["done"])
+    rel = sorted(t["published"] - last_g1[t["tile"]] for t in tasks if t["kind"] == "gemm2" and t["tile"] in last_g1)
+    if rel:
+        print(f"  gemm1 done -> gemm2 published: p50 {rel[len(rel) // 2]:.2f} us, max {rel[-1]:.2f} us")
+
+
+def kname(full: str) -> str:
+    """`k_experts_ov<...>` from a demangled signature (`void (anonymous namespace)::k_experts_ov<...>(...)`)."""
+    m = re.search(r"(k_\w+)(<[^(]*>)?", full)
+    return m.group(1) + ("<" + m.group(2)[1:40] + ">" if m.group(2) else "") if m else full[:40]
 
 
 def trace(mk, x: torch.Tensor, calls: int, tokens: int, config: str) -> None:
@@ -56,10 +105,10 @@ def trace(mk, x: torch.Tensor, calls: int, tokens: int, config: str) -> None:
     gaps: dict[str, list[float]] = defaultdict(list)
     prev = None
     for e in kern:
-        name = e.name.split("<")[0].split("(")[0]
+        name = kname(e.name)
         dur[name].append(e.time_range.end - e.time_range.start)
         if prev is not None and 0 <= e.time_range.start - prev.time_range.end < 50:  # same replay
-            gaps[f"{prev.name.split('<')[0].split('(')[0]} -> {name}"].append(e.time_range.start - prev.time_range.end)
+            gaps[f"{kname(prev.name)} -> {name}"].append(e.time_range.start - prev.time_range.end)
         prev = e
     print(f"trace S={tokens} config={config or 'default'} replays={calls}")
     for n, v in dur.items():

@@ -141,6 +141,36 @@ def test_stalled_tile_times_out_without_hanging():
     assert r.steps < 10_000  # ended by the timeout, not by the step cap
 
 
+@pytest.mark.parametrize("procs", [1, 3, 40, 300])
+@pytest.mark.parametrize(("s", "mode", "sk"), [(1, "uniform", 2), (7, "zipf", 4), (200, "uniform", 1), (64, "one", 1)])
+def test_publish_all_runs_every_task_once_in_dependency_order(s, mode, sk, procs):
+    """publish_all: every task in the queue at launch, processors wait for inputs themselves. Whatever the number of
+    processors (1 included: it must never hold a slot that waits on a later one), every task runs once, each
+    after its inputs (asserted at each start), without a timeout."""
+    e, k, bm, ct = 16, 4, 16, 8
+    idx = _routing(s, e, k, mode=mode, seed=11 * s + procs)
+    p = sch.plan(idx, experts=e, hidden=H, intermediate=INTER, bm=bm, combine_tokens=ct, split_k1=sk, split_k2=sk,
+                 split_max_tiles=16)
+    order = p.all_tasks()
+    assert len(order) == p.total
+    kinds = [t.kind for t in order]
+    assert kinds == sorted(kinds)  # GEMM1s, then GEMM2s, then COMBINEs: a task waits only on earlier slots
+    r = sch.simulate(p, processors=procs, bm=bm, topk=k, combine_tokens=ct, seed=procs, publish_all=True)
+    assert r.error == 0
+    assert sorted(r.executed, key=order.index) == order
+
+
+def test_publish_all_stalled_tile_reports_input_timeout():
+    e, k, bm = 16, 4, 16
+    idx = _routing(64, e, k, mode="uniform", seed=3)
+    p = sch.plan(idx, experts=e, hidden=H, intermediate=INTER, bm=bm, combine_tokens=16)
+    r = sch.simulate(p, processors=6, bm=bm, topk=k, combine_tokens=16, stall_tile=2, timeout_steps=20,
+                     publish_all=True)
+    assert r.error == sch.ERR_INPUT_TIMEOUT and r.error_where == 2
+    assert not any(t.kind == sch.GEMM2 and t.tile == 2 for t in r.executed)
+    assert r.steps < 10_000
+
+
 def test_simulation_checks_dependencies():
     """The model's own assertion fires if a GEMM2 were released early (so the order test can fail)."""
     idx = _routing(20, 16, 4, mode="uniform", seed=1)
@@ -680,11 +710,12 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     loop = kern[kern.index("for (uint32_t j = 0;; ++j)"):]
     assert "__syncthreads" not in loop, "no CTA barrier inside the overlap loop"
     p_part, c_part = loop[:loop.index("// ---- consumer warpgroups")], loop[loop.index("// ---- consumer warpgroups"):]
-    order = ["mbar_wait_ok(p, tempty", "claim_task(p, epoch)", "named_sync(1, 128)", "fill_meta_part<T>(",
+    order = ["mbar_wait_ok(p, tempty", "claim_task(p, epoch, &sl.qi)", "named_sync(1, 128)", "fill_meta_part<T>(",
              "mbar_arrive(tfull", "if (task == 0) return;", "wg_produce<T>("]
     idx = [p_part.index(x) for x in order]
     assert idx == sorted(idx) and p_part.count("claim_task(") == 1 and p_part.count("wg_produce<T>(") == 1
-    order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) return;", "MK_TASK_COMBINE",
+    order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work",
+             "MK_TASK_COMBINE",
              "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T>(", "named_sync(2, NCONS)", "signal_done_here<T>(",
              "mbar_arrive(tempty"]
     pos, idx = 0, []
@@ -728,6 +759,25 @@ def test_small_topk_setting_and_source():
     assert MegakernelConfig().route_small_max == 256 and MegakernelConfig.parse("route_small_max=0").route_small_max == 0
     with pytest.raises(ConfigError, match="route_small_max"):
         MegakernelConfig.parse("route_small_max=-1")
-    assert [f[0] for f in _lib.MkParams._fields_][-1] == "route_small_max" and _lib.ABI_VERSION == 10
+    assert "route_small_max" in [f[0] for f in _lib.MkParams._fields_] and _lib.ABI_VERSION >= 10
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
     assert "p->S <= p->route_small_max" in src and "k_topk_small<<<(unsigned)p->S, SMALL_THREADS" in src
+
+
+def test_publish_all_and_trace_fields() -> None:
+    """ABI 11: the task timeline's buffer and publish_all travel in MkParams; publish_all is a validated 0/1 setting;
+    the stall hook and the input wait use the same error path as every other wait."""
+    from moetune.runtime.megakernel import ConfigError, MegakernelConfig, _lib
+
+    names = [f[0] for f in _lib.MkParams._fields_]
+    assert names[-2:] == ["trace", "publish_all"] and _lib.ABI_VERSION == 11
+    assert MegakernelConfig.parse("publish_all=1").publish_all == 1
+    with pytest.raises(ConfigError, match="publish_all"):
+        MegakernelConfig.parse("publish_all=2")
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    wait = src[src.index("void wait_inputs("):]
+    wait = wait[:wait.index("\n}\n")]
+    assert "MK_ERR_INPUT_TIMEOUT" in wait and "p.timeout_ns" in wait and "MK_CTL_ABORT" in wait
+    # the GEMM2's weight stages start before the wait, the A rows (its inputs) only after it
+    tma = src[src.index("void gemm_tile_tma("):src.index("// ---- task encoding")]
+    assert tma.index("issue_b(s);\n    wait_inputs(") < tma.index("issue_a(s);")

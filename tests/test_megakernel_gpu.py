@@ -186,7 +186,8 @@ def test_cuda_graph_10000_replays(layer, model):
     _graph_replays(layer, model, 128, int(os.environ.get("MK_GRAPH_REPLAYS", "10000")))
 
 
-@pytest.mark.parametrize("cfg", ["", "overlap=1,bm=64", "overlap=1,bm=128,bn=256"])
+@pytest.mark.parametrize("cfg", ["", "overlap=1,bm=64", "overlap=1,bm=128,bn=256", "publish_all=1",
+                                 "publish_all=1,tma=0"])
 def test_never_ready_task_times_out(model, layer, cfg):
     """A GEMM2 that is never released: the launch ends (no hang), the error is recorded, the layer recovers. The
     overlap kernel too: its producer spins on the queue slot while the consumers wait for a task word."""
@@ -237,7 +238,11 @@ NEW_PATHS = [# the mma core and no split-K: the defaults before run 10, still se
              "overlap=1,bm=64,stages=8",
              # run 12 made bn auto (256 where the shape allows) and overlap=1 the defaults: the narrow bm=128 tile
              # and the run-11 default (no overlap, bm=64 x 128) stay covered
-             "bm=128,bn=128", "bm=128,bn=128,overlap=0", "overlap=0,bn=128", "overlap=0"]
+             "bm=128,bn=128", "bm=128,bn=128,overlap=0", "overlap=0,bn=128", "overlap=0",
+             # publish_all (ABI 11): every task at launch, GEMM2 / COMBINE wait for their inputs in the processor
+             "publish_all=1", "publish_all=1,tma=0", "publish_all=1,split_k1=1,split_k2=1",
+             "publish_all=1,split_k1=4,split_k2=2", "publish_all=1,stages=12", "publish_all=1,core=mma,bm=64",
+             "publish_all=1,core=mma,bm=128"]
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +277,8 @@ def test_new_path_matches_reference(new_layers, model, cfg, s):
 
 
 @pytest.mark.parametrize("cfg", ["core=wgmma", "split_k1=4,split_k2=2", "core=wgmma,tma=1", "bm=16,tma=1",
-                                 "bm=128,bn=256,tma=1", "overlap=1", "overlap=1,bm=128,bn=128", "overlap=1,bm=128,bn=256"])
+                                 "bm=128,bn=256,tma=1", "overlap=1", "overlap=1,bm=128,bn=128", "overlap=1,bm=128,bn=256",
+                                 "publish_all=1"])
 @pytest.mark.parametrize("s", [1, 1000, 4096])
 def test_new_path_gate_routing_and_graph(new_layers, model, cfg, s):
     m = new_layers(cfg)
@@ -371,3 +377,37 @@ def test_small_topk_is_k_topks_bits(new_layers, model, s):
     assert torch.equal(ya.view(torch.int16), yb.view(torch.int16))
     a.check()
     b.check()
+
+
+@pytest.mark.parametrize(("cfg", "s"), [("", 1), ("", 7), ("", 128), ("", 300), ("split_k1=1,split_k2=1", 1),
+                                        ("tma=0", 7), ("core=mma,bm=64", 1000)])
+def test_publish_all_matches_plain_exactly(new_layers, model, cfg, s):
+    """publish_all changes who waits for a task's inputs, not the task's arithmetic: the same bits as publish_all=0."""
+    x = _x(s, model.hidden, seed=1400 + s)
+    idx, w = _routing(s, model.experts, model.topk, "zipf", seed=s)
+    a = new_layers(f"publish_all=0,{cfg}").forward_routed(x, idx, w, out=_poisoned(s, model.hidden)).clone()
+    m = new_layers(f"publish_all=1,{cfg}")
+    b = m.forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
+    torch.cuda.synchronize()
+    m.check()
+    assert m.counters()["published"] == m.counters()["total"]
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize(("cfg", "s"), [("", 1), ("publish_all=1", 1), ("", 128), ("", 1000)])
+def test_task_timeline(new_layers, model, cfg, s):
+    """Every executed task carries its stamps (published <= done, claimed <= done), the kinds add up to the
+    kernel's own total, and a traced forward leaves the layer's output unchanged."""
+    m = new_layers(cfg or "publish_all=0")
+    x = _x(s, model.hidden, seed=1500 + s)
+    ref = m.forward(x).clone()
+    tl = m.task_timeline(x)
+    tasks = tl["tasks"]
+    assert len(tasks) == m.counters()["total"] > 0
+    for t in tasks:
+        assert None not in (t["published"], t["claimed"], t["done"]), t
+        assert t["claimed"] <= t["done"] + 1e-3 and t["published"] <= t["done"] + 1e-3, t
+        assert 1 <= t["cta"] < tl["grid"]
+    assert {t["kind"] for t in tasks} == {"gemm1", "gemm2", "combine"}
+    assert all(c[0] is not None and c[1] is not None and c[0] <= c[1] for c in tl["ctas"])
+    torch.testing.assert_close(m.forward(x), ref, rtol=0, atol=0)

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 10
+#define MK_ABI_VERSION 11
 #define MK_MAX_SPLITS 16  // split-K parts per GEMM task (decode)
 
 // ctl[] words (int32), one set per layer instance.
@@ -31,7 +31,17 @@ enum {
   MK_ERR_QUEUE_FULL = 3,     // more tasks than queue slots (a sizing bug; nothing written out of bounds)
   MK_ERR_BAD_EXPERT = 4,     // a given routing named an expert outside 0..E-1 (the row is dropped)
   MK_ERR_PIPE_TIMEOUT = 5,   // a stage mbarrier (wgmma core, TMA tiles) waited past the timeout
+  MK_ERR_INPUT_TIMEOUT = 6,  // publish_all: a task waited past the timeout for its inputs (where = m-tile / combine tile)
   MK_ERR_WORDS = 8           // [1] = where (slot or tile), [2] = detail, [3] = waited ns
+};
+
+// Task timeline (MkParams.trace): scheduler words, then MK_TR_SLOT words per queue slot.
+enum {
+  MK_TR_SCHED_START = 0,  // the scheduler CTA began
+  MK_TR_SCHED_G1 = 1,     // every GEMM1 task published
+  MK_TR_SCHED_END = 2,    // the subscriber released its last task
+  MK_TR_HEAD = 8,
+  MK_TR_PUB = 0, MK_TR_CLAIM = 1, MK_TR_DONE = 2, MK_TR_CTA = 3, MK_TR_SLOT = 4
 };
 
 // GEMM cores (MkParams.core). The wgmma core serves bm = 64 / 128 only; bm = 16 always runs mma.
@@ -95,6 +105,14 @@ typedef struct MkParams {
   // ABI 10
   int64_t route_small_max;  // launches with S <= this run k_topk_small (one block per token, rank selection) instead of
                             // k_topk (one warp per token); 0 = always k_topk. Same bits either way.
+  // ABI 11
+  int64_t* trace;  // null (default), or globaltimer stamps (ns) of the persistent launch, for profiling the schedule:
+                   // [MK_TR_HEAD] scheduler words, then per queue slot MK_TR_SLOT words (published, claimed, done,
+                   // CTA), then per CTA (start, end). The host zeroes it; every stamp is a plain store.
+  int64_t publish_all;  // 1: the mma-core tiles (bm = 16 decode, and core = mma) publish every task at launch and a
+                        // processor waits for a GEMM2's / COMBINE's inputs itself, after starting the weight loads
+                        // that need none; 0: the subscriber publishes them as they become ready (the wgmma tiles
+                        // always do)
 } MkParams;
 
 int mk_abi_version(void);

@@ -124,6 +124,17 @@ __device__ __forceinline__ uint64_t gtime() {
   asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
   return t;
 }
+// Timeline stamps (MkParams.trace, profiling only; mk_api.h: MK_TR_*): word f of queue slot i, a scheduler word,
+// and this CTA's start (f = 0) or end (f = 1). One predictable branch each when tracing is off.
+__device__ __forceinline__ void tr_slot(const MkParams& p, int i, int f, int64_t v) {
+  if (p.trace && i >= 0 && i < p.q_cap) p.trace[MK_TR_HEAD + (int64_t)MK_TR_SLOT * i + f] = v;
+}
+__device__ __forceinline__ void tr_sched(const MkParams& p, int f) {
+  if (p.trace) p.trace[f] = (int64_t)gtime();
+}
+__device__ __forceinline__ void tr_cta(const MkParams& p, int f) {
+  if (p.trace) p.trace[MK_TR_HEAD + (int64_t)MK_TR_SLOT * p.q_cap + 2 * blockIdx.x + f] = (int64_t)gtime();
+}
 
 // ---- TMA (cp.async.bulk.tensor) and mbarrier helpers ----
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
@@ -188,6 +199,27 @@ __device__ __forceinline__ void mbar_wait(const MkParams& p, uint32_t bar, uint3
       return;
     }
   }
+}
+// publish_all: a task's inputs, waited for by the processor itself (thread 0 spins on the readiness counter with
+// acquire loads; the CTA barrier then hands what the producers published to every thread). Bounded like every
+// wait: after timeout_ns it reports MK_ERR_INPUT_TIMEOUT (where = the counter's tile); an aborted launch goes on
+// at once (the tile is garbage, the host sees the error). `never`: the test hook's stalled tile.
+__device__ __forceinline__ void wait_inputs(const MkParams& p, const int32_t* cnt, int need, bool never, int where) {
+  if (threadIdx.x == 0 && (never || ld_acquire(cnt) < need)) {
+    const uint64_t since = gtime();
+    unsigned ns = 32;
+    while (never || ld_acquire(cnt) < need) {
+      if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) break;
+      const uint64_t waited = gtime() - since;
+      if (waited > (uint64_t)p.timeout_ns) {
+        report(p, MK_ERR_INPUT_TIMEOUT, where, need, (int64_t)waited);
+        break;
+      }
+      __nanosleep(ns);
+      ns = min(ns * 2, 128u);  // a handful of counters, each polled by the few CTAs waiting on it
+    }
+  }
+  __syncthreads();
 }
 // ---- the tile GEMM: acc[BM x 128] = A[BM rows, K] . B[128 rows, K]^T (bf16 in, fp32 accumulate) -------
 // A row r starts at a_base + a_off[r]; B row n at b_base + b_off[n] (offset < 0: a zero row). Shared tiles
@@ -289,7 +321,8 @@ __device__ __forceinline__ void gemm_tile(float (&acc)[T::MT][T::NT][4], char* s
 template <class T>
 __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], const MkParams& p, char* smem, uint32_t bars,
                                               uint32_t& it, const bf16* a_base, const int64_t* a_off,
-                                              const CUtensorMap* bmap, int brow, int brow2, int kb, int K) {
+                                              const CUtensorMap* bmap, int brow, int brow2, int kb, int K,
+                                              const int32_t* dep, int need, bool never, int where) {
   static_assert(T::TMA, "TMA tile");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
@@ -301,9 +334,8 @@ __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], con
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
   const int KT = K / BK;
-  auto issue = [&](int kt) {
-    const uint32_t slot = (it + kt) % stages;
-    char* sA = smem + slot * T::STAGE;
+  auto issue_a = [&](int kt) {  // the A rows of stage kt (cp.async: this thread's group)
+    char* sA = smem + ((it + kt) % stages) * T::STAGE;
     const int k0 = kt * BK;
 #pragma unroll
     for (int c = tid; c < T::BM * 8; c += T::THREADS) {
@@ -312,15 +344,25 @@ __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], con
       cp_async16(su32(sA + (r * 8 + (ch ^ (r & 7))) * 16), a_base + (off < 0 ? 0 : off) + k0 + ch * 8,
                  off < 0 ? 0 : 16);
     }
+  };
+  auto issue_b = [&](int kt) {  // the weight tile of stage kt (thread 0: TMA on the stage's mbarrier)
     if (tid == 0) {
-      const uint32_t bar = bars + 8 * slot, sB = su32(sA + T::A_BYTES);
+      const uint32_t slot = (it + kt) % stages, bar = bars + 8 * slot;
+      const uint32_t sB = su32(smem + slot * T::STAGE + T::A_BYTES);
       mbar_arrive_tx(bar, T::B_BYTES);
-      tma_load_2d(sB, bmap, kb + k0, brow, bar);
-      tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kb + k0, brow2, bar);
+      tma_load_2d(sB, bmap, kb + kt * BK, brow, bar);
+      tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kb + kt * BK, brow2, bar);
     }
   };
+  if (dep) {  // publish_all: the first stages' weights need no inputs, so they stream while the task waits for them
+    for (int s = 0; s < stages - 1 && s < KT; ++s) issue_b(s);
+    wait_inputs(p, dep, need, never, where);
+  }
   for (int s = 0; s < stages - 1; ++s) {
-    if (s < KT) issue(s);
+    if (s < KT) {
+      issue_a(s);
+      if (!dep) issue_b(s);
+    }
     cp_commit();
   }
   for (int kt = 0; kt < KT; ++kt) {
@@ -328,7 +370,10 @@ __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], con
     cp_wait(stages - 2);  // this thread's A rows of stage kt landed
     mbar_wait(p, bars + 8 * slot, (g / stages) & 1, g);  // the B tile of stage kt landed
     __syncthreads();  // every thread's A rows landed; slot of stage kt-1 is free again
-    if (kt + stages - 1 < KT) issue(kt + stages - 1);
+    if (kt + stages - 1 < KT) {
+      issue_a(kt + stages - 1);
+      issue_b(kt + stages - 1);
+    }
     cp_commit();
     const char* sA = smem + slot * T::STAGE;
     mma_stage<T>(acc, sA, sA + T::A_BYTES, wm, wn, lane);
@@ -449,16 +494,22 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
   __syncthreads();
   float acc[T::MT][T::NT][4];
   const int Kfull = kind == MK_TASK_GEMM1 ? H : I, Kpart = Kfull / splits, k0 = ks * Kpart;
+  // publish_all: a GEMM2 waits here for its m-tile's GEMM1s (the TMA tile after starting its first weight stages)
+  const int32_t* dep = p.publish_all && kind == MK_TASK_GEMM2 ? p.g1done + tile : nullptr;
+  const int need = (int)(2 * p.I / BN);
   if constexpr (T::TMA) {  // B boxes: GEMM1 gate rows, up rows; GEMM2 128 consecutive rows of W_down[e]
     const int brow = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
     const int brow2 = kind == MK_TASK_GEMM1 ? brow + I : brow + TMA_BOX_ROWS;
     const bf16* a_base = (kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h) + k0;
     gemm_tile_tma<T>(acc, p, smem, bar_base(md), it, a_base, md.a_off, kind == MK_TASK_GEMM1 ? tm1 : tm2, brow, brow2,
-                     k0, Kpart);
-  } else if (kind == MK_TASK_GEMM1)
-    gemm_tile<T>(acc, smem, stages, (const bf16*)p.x + k0, md.a_off, (const bf16*)p.w1 + k0, md.b_off, Kpart);
-  else
-    gemm_tile<T>(acc, smem, stages, (const bf16*)p.h + k0, md.a_off, (const bf16*)p.w2 + k0, md.b_off, Kpart);
+                     k0, Kpart, dep, need, tile == (int)p.stall_tile, tile);
+  } else {
+    if (dep) wait_inputs(p, dep, need, tile == (int)p.stall_tile, tile);  // (cp.async tiles: nothing streams first)
+    if (kind == MK_TASK_GEMM1)
+      gemm_tile<T>(acc, smem, stages, (const bf16*)p.x + k0, md.a_off, (const bf16*)p.w1 + k0, md.b_off, Kpart);
+    else
+      gemm_tile<T>(acc, smem, stages, (const bf16*)p.h + k0, md.a_off, (const bf16*)p.w2 + k0, md.b_off, Kpart);
+  }
 
   if constexpr (T::BM == 16) if (splits > 1) {  // decode tiles only (the scheduler splits nothing else):
     // the larger tiles keep their register budget (bm=128 is launch-bounded to 128 for 2 CTAs/SM)
@@ -699,6 +750,7 @@ struct OvSlot {  // one task slot: fill_meta's arrays and the task word
   int64_t b_off[T::BNT];
   int row_id[T::BM];
   uint64_t task;
+  int qi;  // its queue slot (timeline stamps)
 };
 // Shared memory after the stages: two task slots, then full[16], empty[16], tfull[2], tempty[2] (8 bytes each).
 template <class T>
@@ -732,15 +784,20 @@ __device__ __forceinline__ bool mbar_wait_ok(const MkParams& p, uint32_t bar, ui
   return true;
 }
 // k_experts' claim by one thread: the next queue slot, waited for until published (the task word), past the
-// task total or aborted (0), or timed out (0 after reporting MK_ERR_PROC_TIMEOUT).
-__device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch) {
+// task total or aborted (0), or timed out (0 after reporting MK_ERR_PROC_TIMEOUT). *slot: the queue slot.
+__device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int* slot) {
   uint64_t task = 0;
   const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
+  *slot = i;
   const uint64_t since = gtime();
   unsigned ns = 32;
   for (;;) {
     if (i < p.q_cap && ld_acquire(&p.q_flag[i]) == epoch) {
       task = *(volatile uint64_t*)&p.q_task[i];
+      if (p.trace) {
+        tr_slot(p, i, MK_TR_CLAIM, (int64_t)gtime());
+        tr_slot(p, i, MK_TR_CTA, blockIdx.x);
+      }
       break;
     }
     const int tot = ld_acquire(&p.ctl[MK_CTL_TOTAL]);
@@ -906,6 +963,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   const int E = (int)p.E, K = (int)p.K, bm = T::BM;
   const int N1 = (int)(2 * p.I / BN), N2 = (int)(p.H / BN);
   const int CT = (int)p.combine_tokens;
+  if (tid == 0) tr_sched(p, MK_TR_SCHED_START);
   int* base = (int*)smem;  // [E + 1]
   // m-tiles per expert -> exclusive prefix (warp 0: each lane a contiguous run of experts, then a scan)
   if (warp == 0) {
@@ -945,18 +1003,45 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
     p.ctl[MK_CTL_TILES] = n_tiles;
     st_release(&p.ctl[MK_CTL_TOTAL], (int)total + 1);
   }
-  // every GEMM1 task is ready at once (routing finished before this launch)
+  // every GEMM1 task is ready at once (routing finished before this launch). publish_all (bm = 16 tiles): every
+  // task at once, GEMM2 tile-major after the GEMM1s and the COMBINEs last; a processor waits for a task's inputs
+  // itself (after starting its weight loads), which cannot deadlock: a task waits only for tasks in earlier queue
+  // slots, and slots are claimed in order by resident CTAs, so those are all claimed and never wait on later ones.
+  const bool all_now = p.publish_all && !T::WG;
+  const int G2 = N2 / W * KS2;  // GEMM2 tasks per m-tile (n-field = nb + N2 * ks; wide: even nb)
+  const int n_pub = all_now ? (int)total : g1;
   // Release in batches: task words, then ONE fence per thread, then relaxed flag stores (a release per
   // flag would serialise a full fence per task: measured ~100 us per layer in run 1).
-  for (int c0 = 0; c0 < g1; c0 += (int)blockDim.x * 8) {
-    const int hi = min(g1, c0 + (int)blockDim.x * 8);
+  for (int c0 = 0; c0 < n_pub; c0 += (int)blockDim.x * 8) {
+    const int hi = min(n_pub, c0 + (int)blockDim.x * 8);
     for (int i = c0 + tid; i < hi; i += blockDim.x) {
-      const int tile = i / (N1 / W * KS1), nf = i % (N1 / W * KS1);  // n-field = nb + N1 * ks
-      const int e = tile_expert(base, E, tile);
-      p.q_task[i] = enc(MK_TASK_GEMM1, e, tile - base[e], nf * W, tile, KS1);
+      if (i < g1) {
+        const int tile = i / (N1 / W * KS1), nf = i % (N1 / W * KS1);  // n-field = nb + N1 * ks
+        const int e = tile_expert(base, E, tile);
+        p.q_task[i] = enc(MK_TASK_GEMM1, e, tile - base[e], nf * W, tile, KS1);
+      } else if (i < g1 + n_tiles * G2) {
+        const int tile = (i - g1) / G2, nf = (i - g1) % G2;
+        const int e = tile_expert(base, E, tile);
+        p.q_task[i] = enc(MK_TASK_GEMM2, e, tile - base[e], nf * W, tile, KS2);
+      } else {
+        const int c = i - g1 - n_tiles * G2;
+        p.q_task[i] = enc(MK_TASK_COMBINE, 0, c / NC, c % NC, 0);
+      }
     }
     __threadfence();
     for (int i = c0 + tid; i < hi; i += blockDim.x) st_relaxed(&p.q_flag[i], epoch);
+    if (p.trace) {
+      const int64_t now = (int64_t)gtime();
+      for (int i = c0 + tid; i < hi; i += blockDim.x) tr_slot(p, i, MK_TR_PUB, now);
+    }
+  }
+  if (tid == 0) tr_sched(p, MK_TR_SCHED_G1);
+  if (all_now) {
+    if (tid == 0) {
+      p.ctl[MK_CTL_PUBLISHED] = (int)total;
+      tr_sched(p, MK_TR_SCHED_END);
+    }
+    return;
   }
   if (warp != 0) return;
   // subscriber: poll the readiness counters, publish what became ready; fail after timeout_ns without progress
@@ -977,7 +1062,6 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         ready = v == N1 && tile != (int)p.stall_tile;
       }
       const unsigned m = __ballot_sync(~0u, ready);
-      const int G2 = N2 / W * KS2;  // GEMM2 tasks per m-tile (n-field = nb + N2 * ks; wide: even nb)
       const int pos = tail + __popc(m & ((1u << lane) - 1)) * G2;
       if (ready) {
         const int e = tile_expert(base, E, tile);
@@ -988,6 +1072,10 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         __threadfence();  // one fence for the warp's batch, then relaxed flags (release pattern)
         if (ready)
           for (int nf = 0; nf < G2; ++nf) st_relaxed(&p.q_flag[pos + nf], epoch);
+        if (ready && p.trace) {
+          const int64_t now = (int64_t)gtime();
+          for (int nf = 0; nf < G2; ++nf) tr_slot(p, pos + nf, MK_TR_PUB, now);
+        }
       }
       tail += __popc(m) * G2;
       got += __popc(m);
@@ -1011,6 +1099,10 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         __threadfence();
         if (ready)
           for (int cb = 0; cb < NC; ++cb) st_relaxed(&p.q_flag[pos + cb], epoch);
+        if (ready && p.trace) {
+          const int64_t now = (int64_t)gtime();
+          for (int cb = 0; cb < NC; ++cb) tr_slot(p, pos + cb, MK_TR_PUB, now);
+        }
       }
       tail += __popc(m) * NC;
       got += __popc(m);
@@ -1031,7 +1123,10 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
       __nanosleep(64);
     }
   }
-  if (lane == 0) p.ctl[MK_CTL_PUBLISHED] = tail;
+  if (lane == 0) {
+    p.ctl[MK_CTL_PUBLISHED] = tail;
+    tr_sched(p, MK_TR_SCHED_END);
+  }
 }
 
 // ---- the persistent kernel ------------------------------------------------------------------------------
@@ -1073,15 +1168,24 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       tma_prefetch_desc(&tm2);
     }
   }
+  if (threadIdx.x == 0) tr_cta(p, 0);
+  int qi = -1;  // thread 0: the queue slot of the current task (timeline stamps)
   for (;;) {
-    if (threadIdx.x == 0) s_task = claim_task(p, epoch);  // 0: no more work
+    if (threadIdx.x == 0) s_task = claim_task(p, epoch, &qi);  // 0: no more work
     __syncthreads();
     const uint64_t task = s_task;
     __syncthreads();  // everyone read s_task before thread 0 may overwrite it
-    if (task == 0) return;
+    if (task == 0) {
+      if (threadIdx.x == 0) tr_cta(p, 1);
+      return;
+    }
     const int kind = mkidx::t_kind(task), e = mkidx::t_expert(task), mt = mkidx::t_mtile(task);
     const int nf = mkidx::t_nfield(task), tile = mkidx::t_tile(task), splits = mkidx::t_splits(task);
     if (kind == MK_TASK_COMBINE) {
+      if (p.publish_all && !T::WG) {  // its tokens' GEMM2 rows, waited for here (see the scheduler)
+        const int ct = (int)p.combine_tokens, ntok = min((int)p.S, (mt + 1) * ct) - mt * ct;
+        wait_inputs(p, p.comb + mt, ntok * (int)p.K * (int)(p.H / BN), false, mt);
+      }
       run_combine(p, mt, nf);
     } else {
       const int N = kind == MK_TASK_GEMM1 ? (int)(2 * p.I / BN) : (int)(p.H / BN);
@@ -1090,6 +1194,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       else
         run_gemm<T>(p, smem, kind, e, mt, nf % N, tile, nf / N, splits, it, &tm1, &tm2);
     }
+    if (threadIdx.x == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());  // GEMM: after its signal
   }
 }
 
@@ -1122,6 +1227,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       mbar_init(tempty + 8 * s, NCONS);  // every consumer thread, after its last read of the slot
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    tr_cta(p, 0);
   }
   __syncthreads();  // (before the loop only)
   if constexpr (T::TMA) {
@@ -1139,7 +1245,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       OvSlot<T>& sl = slots[s];
       if (t == 0) {
         uint64_t task = 0;  // slot s is free once the consumers finished task j - 2 (fresh barrier: parity 1 passes)
-        if (mbar_wait_ok(p, tempty + 8 * s, ph ^ 1, j, p.timeout_ns)) task = claim_task(p, epoch);
+        if (mbar_wait_ok(p, tempty + 8 * s, ph ^ 1, j, p.timeout_ns)) task = claim_task(p, epoch, &sl.qi);
         sl.task = task;
       }
       named_sync(1, 128);  // the task word, to the producer warpgroup
@@ -1169,11 +1275,16 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       if (!named_sync_and(2, NCONS, ok)) return;  // abort / timeout: every consumer leaves together
       const OvSlot<T>& sl = slots[s];
       const uint64_t task = sl.task;
-      if (task == 0) return;  // end of work
+      if (task == 0) {  // end of work
+        if (ct == 0) tr_cta(p, 1);
+        return;
+      }
       const int kind = mkidx::t_kind(task), mt = mkidx::t_mtile(task), nf = mkidx::t_nfield(task);
+      const int qi = sl.qi;
       if (kind == MK_TASK_COMBINE) {
         mbar_arrive(tempty + 8 * s);  // the word was all it needed from the slot
         run_combine_part(p, mt, nf, ct, NCONS);
+        if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
         continue;
       }
       const Meta md = {const_cast<int64_t*>(sl.a_off), const_cast<int64_t*>(sl.b_off), const_cast<int*>(sl.row_id),
@@ -1184,6 +1295,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       named_sync(2, NCONS);  // every consumer's stores issued before the fence + signal
       if (ct == 0) signal_done_here<T>(p, md, kind, mkidx::t_tile(task));
       mbar_arrive(tempty + 8 * s);  // (thread ct 0 after its signal: it reads row_id)
+      if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
     }
   }
 }

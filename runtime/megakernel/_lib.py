@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import csrc_build as _cb
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
 CORES = {"mma": 0, "wgmma": 1}  # MK_CORE_*
 SK_PART_FLOATS = 16 * 128  # fp32 per split-K part and slot: the bm=16 tile's 16 accumulators x 128 threads
@@ -46,7 +46,12 @@ class MkParams(Structure):
         ("bn", c_int64),  # ABI 8: columns per GEMM task (128, or 256: the wide tile)
         ("overlap", c_int64),  # ABI 9: 1 = the wgmma tiles run the cross-task overlap kernel
         ("route_small_max", c_int64),  # ABI 10: S up to which k_topk_small runs (0: never)
+        ("trace", c_void_p),  # ABI 11: null, or the task timeline's stamps (MK_TR_*)
+        ("publish_all", c_int64),  # ABI 11: 1 = the mma-core tiles publish every task at launch
     ]
+
+
+TR_HEAD, TR_SLOT = 8, 4  # MK_TR_HEAD, MK_TR_SLOT: scheduler words, words per queue slot
 
 
 def source_dir() -> Path:

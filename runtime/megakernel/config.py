@@ -78,6 +78,12 @@ class MegakernelConfig:
     # vs 20.9, S=16 17.6 vs 22.7, S=128 20.2 vs 24.0, but S=1024 35.8 vs 31.2 and 4096 80.1 vs 55.1; between 128
     # and 1024 unmeasured, so the switch sits at 256.
     route_small_max: int = 256
+    # 1: launches on the mma-core tiles (the bm = 16 decode tile, and bm 64/128 with core = mma) publish every task
+    # at launch (GEMM1s, then GEMM2s tile-major, then COMBINEs), and a processor that claims a GEMM2 starts its first
+    # weight stages (TMA) before it waits for the m-tile's GEMM1s itself; a COMBINE waits for its rows. The weights
+    # of the down projection then stream while the up projection still runs, and no task waits for a subscriber's
+    # sweep. 0: the subscriber publishes GEMM2 / COMBINE tasks as they become ready (the wgmma tiles always do).
+    publish_all: int = 0
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -93,6 +99,7 @@ class MegakernelConfig:
         "tma": (0, 1),
         "overlap": (0, 1),
         "route_small_max": (0, 1 << 20),
+        "publish_all": (0, 1),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 

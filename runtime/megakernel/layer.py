@@ -21,7 +21,8 @@ from .config import ConfigError, MegakernelConfig
 BN = 128
 ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor timed out waiting for a queue slot",
              3: "task queue too small", 4: "routing names an expert out of range",
-             5: "a wgmma stage barrier (shared-memory pipeline) timed out"}
+             5: "a wgmma stage barrier (shared-memory pipeline) timed out",
+             6: "a task timed out waiting for its inputs (publish_all)"}
 CTL_TOTAL, CTL_TILES, CTL_PUBLISHED = 1, 5, 4
 
 
@@ -107,6 +108,7 @@ class MegakernelMoE:
                          device=dev)
         self.sk_cnt = z(max(1, slots), dtype=i32, device=dev)
         self.stall_tile = -1  # test hook: this m-tile's GEMM2 is never released
+        self._trace: torch.Tensor | None = None  # task_timeline's stamps while it runs
         self._params: dict[tuple[int, int], _lib.MkParams] = {}
         self._grids: dict[tuple[int, int], int] = {}
 
@@ -156,6 +158,7 @@ class MegakernelMoE:
             p.bn = cfg.pick_bn(bm)  # 256: the wide tile (two 128-column n-blocks per task)
             p.overlap = cfg.overlap  # 1: the wgmma tiles' cross-task overlap kernel (other tiles ignore it)
             p.route_small_max = cfg.route_small_max  # S up to which top-k runs one block per token
+            p.publish_all = cfg.publish_all  # 1: mma-core tiles publish every task at launch
             self._params[(bm, stages)] = p
         return p
 
@@ -192,6 +195,7 @@ class MegakernelMoE:
             return out
         p = self._template(self.config.pick_bm(s, self.model.topk, self.model.experts), s)
         p.x, p.out, p.S, p.stall_tile = x.data_ptr(), out.data_ptr(), s, self.stall_tile
+        p.trace = self._trace.data_ptr() if self._trace is not None else None
         stream = torch.cuda.current_stream(self.device).cuda_stream
         ref = ctypes.byref(p)
         if given:
@@ -202,6 +206,50 @@ class MegakernelMoE:
         return out
 
     # ---- inspection ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def task_timeline(self, x: torch.Tensor) -> dict[str, Any]:
+        """One forward with the persistent kernel stamping every task (globaltimer, ns; profiling the schedule).
+
+        Returns times in µs from the first CTA's start: `tasks` (one dict per executed queue slot: kind, expert,
+        m-tile, n-field, parts, cta, published, claimed, done), `ctas` ([start, end] per processor CTA) and the
+        scheduler's stamps. Syncs; the stamps cost a few stores per task, so absolute times run slightly long.
+        """
+        s = x.shape[0]
+        if s < 1:
+            raise ValueError("megakernel: task_timeline needs at least one token")
+        bm = self.config.pick_bm(s, self.model.topk, self.model.experts)
+        grid = self.grid(bm, self.config.pick_stages(bm, s, self.model.topk, self.model.experts))
+        n = _lib.TR_HEAD + _lib.TR_SLOT * self.q_cap + 2 * grid
+        self._trace = torch.zeros(n, dtype=torch.int64, device=self.device)
+        try:
+            self.forward(x)
+            torch.cuda.synchronize(self.device)
+            self.check()
+            raw, words = self._trace.tolist(), self.q_task.tolist()
+        finally:
+            self._trace = None
+            for q in self._params.values():  # no launch template keeps the freed buffer
+                q.trace = None
+        cta_raw = raw[_lib.TR_HEAD + _lib.TR_SLOT * self.q_cap:]
+        starts = [cta_raw[2 * b] for b in range(1, grid) if cta_raw[2 * b]]
+        t0 = min(starts) if starts else 0
+
+        def us(v: int) -> float | None:
+            return (v - t0) / 1e3 if v else None
+
+        kinds = {1: "gemm1", 2: "gemm2", 3: "combine"}
+        tasks = []
+        for i in range(self.counters()["total"]):
+            pub, claim, done, cta = raw[_lib.TR_HEAD + _lib.TR_SLOT * i:_lib.TR_HEAD + _lib.TR_SLOT * (i + 1)]
+            w = words[i] & ((1 << 64) - 1)
+            tasks.append({"slot": i, "kind": kinds.get(w >> 61, "?"), "expert": (w >> 48) & 0x1FF,
+                          "mtile": (w >> 32) & 0xFFFF, "nfield": (w >> 20) & 0xFFF, "tile": w & 0xFFFFF,
+                          "parts": ((w >> 57) & 0xF) + 1, "cta": cta, "published": us(pub), "claimed": us(claim),
+                          "done": us(done)})
+        return {"tokens": s, "bm": bm, "grid": grid, "config": self.config.to_dict(),
+                "sched": {"start": us(raw[0]), "gemm1_published": us(raw[1]), "end": us(raw[2])},
+                "ctas": [[us(cta_raw[2 * b]), us(cta_raw[2 * b + 1])] for b in range(1, grid)], "tasks": tasks}
+
     def routing(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last forward's routing for its S tokens: (expert ids int64 [S, K], weights fp32 [S, K])."""
         return self.topk_idx[:s].long(), self.topk_w[:s]

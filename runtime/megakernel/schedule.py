@@ -12,6 +12,11 @@ own counts (ctl words) with `plan`.
 The wide tile (`bn=256`, MkParams.bn) keeps the 128-column n-block bookkeeping: a task covers n-blocks nb (even)
 and nb + 1 and counts both when it finishes (g1done += 2; each of its rows counts 2 in its combine tile), so
 the release thresholds are unchanged and a launch has half as many GEMM tasks (`Plan.nblk` = 2).
+
+`publish_all` (MkParams.publish_all, the mma-core tiles): the scheduler publishes every task at launch in the
+order of `all_tasks` (GEMM1s, then GEMM2s tile-major, then COMBINEs) and a processor that claims a GEMM2 or a
+COMBINE waits for its inputs itself (the kernel streams the GEMM2's first weight stages meanwhile). No
+deadlock: a task waits only for tasks in earlier slots, which resident CTAs claimed before it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass, field
 BN = 128  # weight rows per tile (BN in mk_moe.cu)
 
 GEMM1, GEMM2, COMBINE = 1, 2, 3
-ERR_SCHED_TIMEOUT, ERR_PROC_TIMEOUT = 1, 2
+ERR_SCHED_TIMEOUT, ERR_PROC_TIMEOUT, ERR_INPUT_TIMEOUT = 1, 2, 6
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,14 @@ class Plan:
         w = self.nblk
         return [Task(GEMM2, e, tile - self.tile_base[e], nf * w % self.n2, tile, nf * w // self.n2, self.ks2)
                 for nf in range(self.n2 // w * self.ks2)]
+
+
+    def all_tasks(self) -> list[Task]:
+        """publish_all's queue: every GEMM1, then every m-tile's GEMM2s (tile-major), then the COMBINEs."""
+        out = self.gemm1_tasks()
+        for tile in range(self.n_tiles):
+            out += self.gemm2_tasks(tile)
+        return out + [Task(COMBINE, 0, c, cb, 0) for c in range(self.n_ctiles) for cb in range(self.nc)]
 
 
 def splits(want: int, *, n_tiles: int, bm: int, max_tiles: int) -> int:
@@ -144,16 +157,19 @@ class SimResult:
 
 
 def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: int, stall_tile: int = -1,
-             timeout_steps: int = 50, seed: int = 0, max_steps: int = 1_000_000) -> SimResult:
+             timeout_steps: int = 50, seed: int = 0, max_steps: int = 1_000_000,
+             publish_all: bool = False) -> SimResult:
     """Run the scheduler and `processors` processor CTAs in lock-step rounds; tasks take 1..3 rounds.
 
     Each round: the subscriber sweeps the counters once and publishes what is ready; each idle processor
     claims the next slot (atomicAdd order) and starts it once published; running tasks finish at random
     times (seeded) and bump their counters. Asserts the dependency rules on every task start.
+    `publish_all`: every task is in the queue from the start; a processor holding a GEMM2 / COMBINE whose
+    inputs are not done waits (counted against `timeout_steps`: ERR_INPUT_TIMEOUT), then runs it.
     """
     rng = random.Random(seed)
     res = SimResult()
-    queue: list[Task] = p.gemm1_tasks()
+    queue: list[Task] = p.all_tasks() if publish_all else p.gemm1_tasks()
     g1done = [0] * p.n_tiles
     comb = [0] * p.n_ctiles
     rel_tile = [False] * p.n_tiles
@@ -167,7 +183,7 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
     seen = -1
     released = 0
     need = p.n_tiles + p.n_ctiles
-    sched_done = need == 0
+    sched_done = need == 0 or publish_all
     step = 0
     while step < max_steps:
         step += 1
@@ -202,7 +218,10 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
                 head += 1
             if st[0] == "wait":
                 slot = st[1]
-                if slot < len(queue):
+                if slot < len(queue) and publish_all:
+                    state[i] = ("inputs", queue[slot], step)
+                    st = state[i]
+                elif slot < len(queue):
                     t = queue[slot]
                     _check_ready(p, t, g1done, done_g2, topk, bm, combine_tokens)
                     state[i] = ("run", t, step + rng.randint(1, 3))
@@ -214,6 +233,20 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
                     state[i] = ("exit",)
                 else:
                     busy = True
+            if st[0] == "inputs":  # publish_all: the processor waits for the claimed task's inputs
+                t = st[1]
+                if not _inputs_done(p, t, g1done, comb, stall_tile):
+                    if res.error:
+                        state[i] = ("exit",)
+                    elif step - st[2] > timeout_steps:
+                        res.error, res.error_where = ERR_INPUT_TIMEOUT, t.tile if t.kind == GEMM2 else t.mtile
+                        state[i] = ("exit",)
+                    else:
+                        busy = True
+                    continue
+                _check_ready(p, t, g1done, done_g2, topk, bm, combine_tokens)
+                state[i] = ("run", t, step + rng.randint(1, 3))
+                busy = True
             elif st[0] == "run":
                 busy = True
                 if step >= st[2]:
@@ -239,6 +272,15 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
     res.published = len(queue)
     res.steps = step
     return res
+
+
+def _inputs_done(p: Plan, t: Task, g1done: list[int], comb: list[int], stall_tile: int) -> bool:
+    """publish_all: the counter a processor waits on for task t (the kernel's wait_inputs)."""
+    if t.kind == GEMM2:
+        return t.tile != stall_tile and g1done[t.tile] >= p.n1
+    if t.kind == COMBINE:
+        return comb[t.mtile] >= p.ctile_target[t.mtile]
+    return True
 
 
 def _tile_rows(p: Plan, t: Task, bm: int) -> tuple[int, ...]:
