@@ -761,7 +761,7 @@ def test_small_topk_setting_and_source():
         MegakernelConfig.parse("route_small_max=-1")
     assert "route_small_max" in [f[0] for f in _lib.MkParams._fields_] and _lib.ABI_VERSION >= 10
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
-    assert "p->S <= p->route_small_max" in src and "k_topk_small, dim3((unsigned)p->S), SMALL_THREADS" in src
+    assert "p->S <= p->route_small_max" in src and "k_topk_small<<<(unsigned)p->S, SMALL_THREADS" in src
 
 
 def test_publish_all_and_trace_fields() -> None:
@@ -770,7 +770,7 @@ def test_publish_all_and_trace_fields() -> None:
     from moetune.runtime.megakernel import ConfigError, MegakernelConfig, _lib
 
     names = [f[0] for f in _lib.MkParams._fields_]
-    assert names[-3:] == ["trace", "publish_all", "pdl"] and _lib.ABI_VERSION == 11
+    assert names[-2:] == ["trace", "publish_all"] and _lib.ABI_VERSION == 11
     assert MegakernelConfig.parse("publish_all=1").publish_all == 1
     with pytest.raises(ConfigError, match="publish_all"):
         MegakernelConfig.parse("publish_all=2")

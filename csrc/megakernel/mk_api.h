@@ -113,8 +113,6 @@ typedef struct MkParams {
                         // processor waits for a GEMM2's / COMBINE's inputs itself, after starting the weight loads
                         // that need none; 0: the subscriber publishes them as they become ready (the wgmma tiles
                         // always do)
-  int64_t pdl;  // 1: the top-k and expert kernels launch as programmatic dependents of the kernel before them (they
-                // start while it ends and wait for its results in griddepcontrol.wait); 0: plain launches
 } MkParams;
 
 int mk_abi_version(void);

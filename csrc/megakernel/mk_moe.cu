@@ -23,7 +23,6 @@
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <mutex>
-#include <utility>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -125,11 +124,6 @@ __device__ __forceinline__ uint64_t gtime() {
   asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
   return t;
 }
-// Programmatic dependent launch (MkParams.pdl): a kernel launched with it may start while the previous kernel of the
-// stream still runs; grid_dep_wait() returns once that kernel has completed and its writes are visible (a no-op
-// after a normal launch), and grid_dep_trigger() lets the next kernel start launching before this one ends.
-__device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void grid_dep_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 // Timeline stamps (MkParams.trace, profiling only; mk_api.h: MK_TR_*): word f of queue slot i, a scheduler word,
 // and this CTA's start (f = 0) or end (f = 1). One predictable branch each when tracing is off.
 __device__ __forceinline__ void tr_slot(const MkParams& p, int i, int f, int64_t v) {
@@ -1144,9 +1138,9 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   extern __shared__ __align__(128) char smem_raw[];
   __shared__ uint64_t s_task;
   char* smem = align_smem(smem_raw, T::ALIGN);
+  const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
   if (blockIdx.x == 0) {
-    grid_dep_wait();
-    scheduler<T>(p, smem, p.ctl[MK_CTL_EPOCH]);  // the epoch: bumped by the routing kernel before this launch
+    scheduler<T>(p, smem, epoch);
     return;
   }
   uint32_t it = 0;  // wgmma core and TMA tiles: running k-stage counter (mbarrier phases) across this CTA's tasks
@@ -1175,8 +1169,6 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     }
   }
   if (threadIdx.x == 0) tr_cta(p, 0);
-  grid_dep_wait();  // pdl: the routing kernels' outputs (counts, lists, weights, the epoch) from here on
-  const int epoch = p.ctl[MK_CTL_EPOCH];
   int qi = -1;  // thread 0: the queue slot of the current task (timeline stamps)
   for (;;) {
     if (threadIdx.x == 0) s_task = claim_task(p, epoch, &qi);  // 0: no more work
@@ -1213,9 +1205,9 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   static_assert(T::WG, "the overlap kernel runs the wgmma core only");
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = align_smem(smem_raw, T::ALIGN);
+  const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
   if (blockIdx.x == 0) {
-    grid_dep_wait();
-    scheduler<T>(p, smem, p.ctl[MK_CTL_EPOCH]);  // the epoch: bumped by the routing kernel before this launch
+    scheduler<T>(p, smem, epoch);
     return;
   }
   const int stages = (int)p.stages;
@@ -1245,8 +1237,6 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     }
   }
   const uint32_t s0 = su32(smem);
-  grid_dep_wait();  // pdl: the routing kernels' outputs from here on
-  const int epoch = p.ctl[MK_CTL_EPOCH];
   uint32_t it = 0;  // running k-stage counter: the producer and the consumers see the same task sequence
   if (wg == 0) {
     // ---- producer warpgroup ----
@@ -1356,7 +1346,6 @@ template <class T>
 __global__ void __launch_bounds__(T::THREADS) k_logits(const MkParams p) {
   extern __shared__ __align__(128) char smem[];
   const int tid = threadIdx.x;
-  grid_dep_trigger();  // pdl: the top-k kernel may launch (it waits for this grid's end)
   if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) reset_ctl(p);
   const int stages = (int)p.stages;
   Meta md = meta<T>(smem, stages);
@@ -1396,8 +1385,6 @@ constexpr int TOPK_TOKENS = THREADS / 32;  // one warp per token
 // Phase 2: one warp per token: softmax, top-k, renormalise.
 __global__ void __launch_bounds__(THREADS) k_topk(const MkParams p, int splits) {
   __shared__ float s_lg[TOPK_TOKENS][32 * MAXE_PER_LANE];
-  grid_dep_trigger();  // pdl: the expert kernel may launch once every block got here (it waits for this grid's end)
-  grid_dep_wait();     // pdl: the logits
   const int lane = threadIdx.x & 31;
   const int t0 = blockIdx.x * TOPK_TOKENS;
   const int E = (int)p.E, K = (int)p.K;
@@ -1525,8 +1512,6 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
   __shared__ float s_sel_v[MAXK];
   __shared__ int s_sel_i[MAXK];
   __shared__ float s_s;
-  grid_dep_trigger();  // pdl: as k_topk
-  grid_dep_wait();
   const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
   const int E = (int)p.E, K = (int)p.K;
   const int64_t plane = p.S * p.E;
@@ -1790,23 +1775,6 @@ int weight_map(const void* ptr, uint64_t rows, uint64_t cols, CUtensorMap* out) 
   return 0;
 }
 
-// Launch `k` on `s`, as a programmatic dependent launch of the stream's previous kernel when `pdl` (the kernel then
-// starts early and waits in grid_dep_wait for that kernel's end; recorded as such in a captured CUDA graph).
-template <class... P, class... A>
-cudaError_t launch_k(bool pdl, void (*k)(P...), dim3 grid, int threads, size_t smem, cudaStream_t s, A&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3((unsigned)threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute at[1];
-  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  at[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = at;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, k, std::forward<A>(args)...);
-}
-
 template <class T>
 int launch_route(const MkParams* pp, cudaStream_t s) {
   MkParams q = *pp;
@@ -1827,11 +1795,11 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
   k_logits<T><<<grid, T::THREADS, smem_for<T>((int)p->stages), s>>>(*p);
   if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_logits launch", e);
   if (p->S > 0 && p->S <= p->route_small_max) {
-    e = launch_k(p->pdl != 0, k_topk_small, dim3((unsigned)p->S), SMALL_THREADS, 0, s, *p, splits);
-    if (e != cudaSuccess) return fail("k_topk_small launch", e);
+    k_topk_small<<<(unsigned)p->S, SMALL_THREADS, 0, s>>>(*p, splits);
+    if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_topk_small launch", e);
   } else if (p->S > 0) {
-    e = launch_k(p->pdl != 0, k_topk, dim3((unsigned)((p->S + 3) / 4)), THREADS, 0, s, *p, splits);
-    if (e != cudaSuccess) return fail("k_topk launch", e);
+    k_topk<<<(unsigned)((p->S + 3) / 4), THREADS, 0, s>>>(*p, splits);
+    if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_topk launch", e);
   }
   return 0;
 }
@@ -1854,15 +1822,14 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
     if (weight_map(p->w2, (uint64_t)(p->E * p->H), (uint64_t)p->I, &tm2)) return 1;
   }
   bool launched = false;
-  cudaError_t e = cudaSuccess;
-  const dim3 grid((unsigned)p->grid);
   if constexpr (T::WG) {
     if (p->overlap) {
-      e = launch_k(p->pdl != 0, k_experts_ov<T>, grid, T::THREADS, smem_for_ov<T>((int)p->stages), s, *p, tm1, tm2);
+      k_experts_ov<T><<<(unsigned)p->grid, T::THREADS, smem_for_ov<T>((int)p->stages), s>>>(*p, tm1, tm2);
       launched = true;
     }
   }
-  if (!launched) e = launch_k(p->pdl != 0, k_experts<T>, grid, T::THREADS, smem_for<T>((int)p->stages), s, *p, tm1, tm2);
+  if (!launched) k_experts<T><<<(unsigned)p->grid, T::THREADS, smem_for<T>((int)p->stages), s>>>(*p, tm1, tm2);
+  cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail("k_experts launch", e);
   return 0;
 }

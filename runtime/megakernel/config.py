@@ -84,11 +84,6 @@ class MegakernelConfig:
     # of the down projection then stream while the up projection still runs, and no task waits for a subscriber's
     # sweep. 0: the subscriber publishes GEMM2 / COMBINE tasks as they become ready (the wgmma tiles always do).
     publish_all: int = 0
-    # 1: the top-k kernel and the persistent kernel launch as programmatic dependents of the kernel before each
-    # (cudaLaunchAttributeProgrammaticStreamSerialization; kept as such in a captured CUDA graph): their CTAs start
-    # while the previous kernel finishes and wait in griddepcontrol.wait for its results, so launch and prologue
-    # (barrier set-up, descriptor prefetch) overlap the routing. 0: plain launches.
-    pdl: int = 0
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -105,7 +100,6 @@ class MegakernelConfig:
         "overlap": (0, 1),
         "route_small_max": (0, 1 << 20),
         "publish_all": (0, 1),
-        "pdl": (0, 1),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 
