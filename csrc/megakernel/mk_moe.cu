@@ -322,7 +322,7 @@ template <class T>
 __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], const MkParams& p, char* smem, uint32_t bars,
                                               uint32_t& it, const bf16* a_base, const int64_t* a_off,
                                               const CUtensorMap* bmap, int brow, int brow2, int kb, int K,
-                                              const int32_t* dep, int need, bool never, int where) {
+                                              bool dep, const int32_t* cnt, int need, bool never, int where) {
   static_assert(T::TMA, "TMA tile");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
@@ -356,7 +356,7 @@ __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], con
   };
   if (dep) {  // publish_all: the first stages' weights need no inputs, so they stream while the task waits for them
     for (int s = 0; s < stages - 1 && s < KT; ++s) issue_b(s);
-    wait_inputs(p, dep, need, never, where);
+    wait_inputs(p, cnt, need, never, where);
   }
   for (int s = 0; s < stages - 1; ++s) {
     if (s < KT) {
@@ -495,16 +495,17 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
   float acc[T::MT][T::NT][4];
   const int Kfull = kind == MK_TASK_GEMM1 ? H : I, Kpart = Kfull / splits, k0 = ks * Kpart;
   // publish_all: a GEMM2 waits here for its m-tile's GEMM1s (the TMA tile after starting its first weight stages)
-  const int32_t* dep = p.publish_all && kind == MK_TASK_GEMM2 ? p.g1done + tile : nullptr;
+  const bool dep = p.publish_all && kind == MK_TASK_GEMM2;
+  const int32_t* cnt = p.g1done + tile;  // (always a valid address: run 15 read through a conditional null pointer)
   const int need = (int)(2 * p.I / BN);
   if constexpr (T::TMA) {  // B boxes: GEMM1 gate rows, up rows; GEMM2 128 consecutive rows of W_down[e]
     const int brow = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
     const int brow2 = kind == MK_TASK_GEMM1 ? brow + I : brow + TMA_BOX_ROWS;
     const bf16* a_base = (kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h) + k0;
     gemm_tile_tma<T>(acc, p, smem, bar_base(md), it, a_base, md.a_off, kind == MK_TASK_GEMM1 ? tm1 : tm2, brow, brow2,
-                     k0, Kpart, dep, need, tile == (int)p.stall_tile, tile);
+                     k0, Kpart, dep, cnt, need, tile == (int)p.stall_tile, tile);
   } else {
-    if (dep) wait_inputs(p, dep, need, tile == (int)p.stall_tile, tile);  // (cp.async tiles: nothing streams first)
+    if (dep) wait_inputs(p, cnt, need, tile == (int)p.stall_tile, tile);  // (cp.async tiles: nothing streams first)
     if (kind == MK_TASK_GEMM1)
       gemm_tile<T>(acc, smem, stages, (const bf16*)p.x + k0, md.a_off, (const bf16*)p.w1 + k0, md.b_off, Kpart);
     else
