@@ -242,10 +242,7 @@ NEW_PATHS = [# the mma core and no split-K: the defaults before run 10, still se
              # publish_all (ABI 11): every task at launch, GEMM2 / COMBINE wait for their inputs in the processor
              "publish_all=1", "publish_all=1,tma=0", "publish_all=1,split_k1=1,split_k2=1",
              "publish_all=1,split_k1=4,split_k2=2", "publish_all=1,bm=16,stages=12", "publish_all=1,core=mma,bm=64",
-             "publish_all=1,core=mma,bm=128", "publish_all=0", "publish_all=0,tma=0",
-             # l2_prefetch: bm=16 TMA tasks prefetch their weight rows into L2 first
-             "l2_prefetch=1", "l2_prefetch=1,publish_all=0", "l2_prefetch=1,split_k1=4,split_k2=2",
-             "l2_prefetch=1,bm=16,stages=12"]
+             "publish_all=1,core=mma,bm=128", "publish_all=0", "publish_all=0,tma=0"]
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +278,7 @@ def test_new_path_matches_reference(new_layers, model, cfg, s):
 
 @pytest.mark.parametrize("cfg", ["core=wgmma", "split_k1=4,split_k2=2", "core=wgmma,tma=1", "bm=16,tma=1",
                                  "bm=128,bn=256,tma=1", "overlap=1", "overlap=1,bm=128,bn=128", "overlap=1,bm=128,bn=256",
-                                 "publish_all=1", "l2_prefetch=1"])
+                                 "publish_all=1"])
 @pytest.mark.parametrize("s", [1, 1000, 4096])
 def test_new_path_gate_routing_and_graph(new_layers, model, cfg, s):
     m = new_layers(cfg)

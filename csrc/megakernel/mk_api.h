@@ -113,8 +113,6 @@ typedef struct MkParams {
                         // processor waits for a GEMM2's / COMBINE's inputs itself, after starting the weight loads
                         // that need none; 0: the subscriber publishes them as they become ready (the wgmma tiles
                         // always do)
-  int64_t l2_prefetch;  // 1: a bm = 16 TMA task first asks L2 for each of its 128 weight rows' whole k range (one bulk
-                        // prefetch per row), so the 128-byte stage copies read L2 instead of scattered DRAM pages
 } MkParams;
 
 int mk_abi_version(void);

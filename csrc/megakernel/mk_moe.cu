@@ -160,10 +160,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar)
       : "memory");
 }
-// One contiguous range into L2 (no shared memory, no completion to wait for): a hint the TMA copies then hit.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"((uint64_t)src), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
 }
@@ -326,18 +322,11 @@ template <class T>
 __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], const MkParams& p, char* smem, uint32_t bars,
                                               uint32_t& it, const bf16* a_base, const int64_t* a_off,
                                               const CUtensorMap* bmap, int brow, int brow2, int kb, int K,
-                                              bool dep, const int32_t* cnt, int need, bool never, int where,
-                                              const bf16* wmat, int ldw) {
+                                              bool dep, const int32_t* cnt, int need, bool never, int where) {
   static_assert(T::TMA, "TMA tile");
-  static_assert(T::THREADS == BN, "one weight row per thread for the L2 prefetch");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
   const int stages = (int)p.stages;
-  if (p.l2_prefetch) {  // thread t: its weight row's whole k range of this task, one contiguous request to L2 (the
-                        // stage copies then read 128 bytes of a row at a time from L2, not from DRAM)
-    const int64_t row = tid < TMA_BOX_ROWS ? brow + tid : brow2 + (tid - TMA_BOX_ROWS);
-    prefetch_l2_bulk(wmat + row * ldw + kb, (uint32_t)K * 2u);
-  }
 #pragma unroll
   for (int i = 0; i < T::MT; ++i)
 #pragma unroll
@@ -514,8 +503,7 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
     const int brow2 = kind == MK_TASK_GEMM1 ? brow + I : brow + TMA_BOX_ROWS;
     const bf16* a_base = (kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h) + k0;
     gemm_tile_tma<T>(acc, p, smem, bar_base(md), it, a_base, md.a_off, kind == MK_TASK_GEMM1 ? tm1 : tm2, brow, brow2,
-                     k0, Kpart, dep, cnt, need, tile == (int)p.stall_tile, tile,
-                     kind == MK_TASK_GEMM1 ? (const bf16*)p.w1 : (const bf16*)p.w2, Kfull);
+                     k0, Kpart, dep, cnt, need, tile == (int)p.stall_tile, tile);
   } else {
     if (dep) wait_inputs(p, cnt, need, tile == (int)p.stall_tile, tile);  // (cp.async tiles: nothing streams first)
     if (kind == MK_TASK_GEMM1)

@@ -86,11 +86,6 @@ class MegakernelConfig:
     # Runs 15-16 (H200, side by side): S=1 66.0 vs 68.6 us and 65.6 vs 70.7, S=16 240.4 vs 242.3 and 233.6 vs
     # 236.3, S=128 within 0.4%: the default, a setting (under 5% in one of the two runs).
     publish_all: int = 1
-    # 1: a bm = 16 task on TMA weight tiles first asks L2 for the whole k range of each of its 128 weight rows (one
-    # contiguous bulk prefetch per row), so its 128-byte stage copies find the rows in L2 instead of reading scattered
-    # DRAM pages one k stage at a time (ncu, run 16: the S=1 expert kernel at 29% of DRAM bandwidth, 42% of its
-    # stalls at the per-stage CTA barrier, waiting on the weight tiles). 0: off.
-    l2_prefetch: int = 0
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -107,7 +102,6 @@ class MegakernelConfig:
         "overlap": (0, 1),
         "route_small_max": (0, 1 << 20),
         "publish_all": (0, 1),
-        "l2_prefetch": (0, 1),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 
