@@ -242,9 +242,7 @@ NEW_PATHS = [# the mma core and no split-K: the defaults before run 10, still se
              # publish_all (ABI 11): every task at launch, GEMM2 / COMBINE wait for their inputs in the processor
              "publish_all=1", "publish_all=1,tma=0", "publish_all=1,split_k1=1,split_k2=1",
              "publish_all=1,split_k1=4,split_k2=2", "publish_all=1,bm=16,stages=12", "publish_all=1,core=mma,bm=64",
-             "publish_all=1,core=mma,bm=128", "publish_all=0", "publish_all=0,tma=0",
-             # k_rotate: bm=16 TMA tasks start their k walk at a per-task block
-             "k_rotate=1", "k_rotate=1,split_k1=4,split_k2=2", "k_rotate=1,publish_all=0"]
+             "publish_all=1,core=mma,bm=128", "publish_all=0", "publish_all=0,tma=0"]
 
 
 @pytest.fixture(scope="module")

@@ -113,8 +113,6 @@ typedef struct MkParams {
                         // processor waits for a GEMM2's / COMBINE's inputs itself, after starting the weight loads
                         // that need none; 0: the subscriber publishes them as they become ready (the wgmma tiles
                         // always do)
-  int64_t k_rotate;  // 1: a bm = 16 TMA task walks its k blocks starting at a block fixed by its weight rows (wrapping),
-                     // so concurrent tasks read different column offsets of their rows; 0: from k = 0
 } MkParams;
 
 int mk_abi_version(void);

@@ -334,13 +334,9 @@ __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], con
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
   const int KT = K / BK;
-  // k_rotate: stage kt covers k block (kt + rot) mod KT, rot fixed per task (its weight rows), so tasks running in
-  // lock-step do not all ask for the same column offset of their 4 KB-strided weight rows at once
-  const int rot = p.k_rotate && KT > 1 ? (int)((((unsigned)brow >> 6) * 5u + 3u) % (unsigned)KT) : 0;
-  auto kblk = [&](int kt) { return (kt + rot < KT ? kt + rot : kt + rot - KT) * BK; };
   auto issue_a = [&](int kt) {  // the A rows of stage kt (cp.async: this thread's group)
     char* sA = smem + ((it + kt) % stages) * T::STAGE;
-    const int k0 = kblk(kt);
+    const int k0 = kt * BK;
 #pragma unroll
     for (int c = tid; c < T::BM * 8; c += T::THREADS) {
       const int r = c >> 3, ch = c & 7;
@@ -354,8 +350,8 @@ __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], con
       const uint32_t slot = (it + kt) % stages, bar = bars + 8 * slot;
       const uint32_t sB = su32(smem + slot * T::STAGE + T::A_BYTES);
       mbar_arrive_tx(bar, T::B_BYTES);
-      tma_load_2d(sB, bmap, kb + kblk(kt), brow, bar);
-      tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kb + kblk(kt), brow2, bar);
+      tma_load_2d(sB, bmap, kb + kt * BK, brow, bar);
+      tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kb + kt * BK, brow2, bar);
     }
   };
   if (dep) {  // publish_all: the first stages' weights need no inputs, so they stream while the task waits for them
@@ -1576,7 +1572,6 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
   int rank[SMALL_Q];
 #pragma unroll
   for (int q = 0; q < SMALL_Q; ++q) rank[q] = 0;
-#pragma unroll 8
   for (int j = 0; j < E; ++j) {
     const float o = s_p[j];  // broadcast read
 #pragma unroll

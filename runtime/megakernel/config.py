@@ -86,11 +86,6 @@ class MegakernelConfig:
     # Runs 15-16 (H200, side by side): S=1 66.0 vs 68.6 us and 65.6 vs 70.7, S=16 240.4 vs 242.3 and 233.6 vs
     # 236.3, S=128 within 0.4%: the default, a setting (under 5% in one of the two runs).
     publish_all: int = 1
-    # 1: a bm = 16 task on TMA weight tiles walks its k blocks from a block fixed by its weight rows (wrapping round),
-    # so the decode launch's tasks, which otherwise run in lock-step over k, do not all read the same column offset of
-    # their 4 KB-strided weight rows at the same time (at S=1 the expert kernel reads its 75 MB at ~2 TB/s, S=16 at
-    # ~4 TB/s). Same products in another order: other bits than 0, still the same every run. 0: from k = 0.
-    k_rotate: int = 0
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -107,7 +102,6 @@ class MegakernelConfig:
         "overlap": (0, 1),
         "route_small_max": (0, 1 << 20),
         "publish_all": (0, 1),
-        "k_rotate": (0, 1),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 

@@ -159,7 +159,6 @@ class MegakernelMoE:
             p.overlap = cfg.overlap  # 1: the wgmma tiles' cross-task overlap kernel (other tiles ignore it)
             p.route_small_max = cfg.route_small_max  # S up to which top-k runs one block per token
             p.publish_all = cfg.publish_all  # 1: mma-core tiles publish every task at launch
-            p.k_rotate = cfg.k_rotate  # 1: bm=16 TMA tasks start their k walk at a per-task block
             self._params[(bm, stages)] = p
         return p
 
