@@ -439,14 +439,19 @@ __device__ __forceinline__ void fill_meta(const MkParams& p, const Meta& md, int
 
 // Epilogue of one accumulator pair: row r of the tile (its (token, slot) id v >= 0), tile column c (even).
 // GEMM1: (c0, c1) = (gate, up) of intermediate column nb*64 + c/2 -> h = silu(gate) * up (bf16).
-// GEMM2: columns nb*128 + c, c+1 of y = acc * routing weight (bf16).
-__device__ __forceinline__ void store_pair(const MkParams& p, int kind, int nb, int v, int c, float c0, float c1) {
+// GEMM2: columns nb*128 + c, c+1 of y = acc * w (bf16), w = the row's routing weight, which the caller loads ONCE
+// per row: loaded here, each pair's load waited behind the previous pair's y store (the compiler must assume they
+// may alias), a chain of L2 round trips that made a 128 x 256 GEMM2 task's epilogue cost ~30 us (run 19 timeline).
+__device__ __forceinline__ void store_pair(const MkParams& p, int kind, int nb, int v, int c, float c0, float c1,
+                                           float w) {
   if (kind == MK_TASK_GEMM1) {
     ((bf16*)p.h)[(int64_t)v * p.I + nb * 64 + (c >> 1)] = __float2bfloat16(c0 / (1.f + __expf(-c0)) * c1);
   } else {
-    const float w = p.topk_w[v];
     *(__nv_bfloat162*)((bf16*)p.y + (int64_t)v * p.H + nb * BN + c) = __floats2bfloat162_rn(c0 * w, c1 * w);
   }
+}
+__device__ __forceinline__ float row_weight(const MkParams& p, int kind, int v) {
+  return kind == MK_TASK_GEMM2 ? __ldg(p.topk_w + v) : 0.f;
 }
 
 // GEMM1 epilogue of a TMA tile (gate rows 0..63, up rows 64..127): gate columns q, q+1 (g0, g1) and their up
@@ -562,9 +567,10 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
                    acc[i][j + 2][2 * half], acc[i][j + 2][2 * half + 1]);
         continue;
       }
+      const float w = row_weight(p, kind, v);
 #pragma unroll
       for (int j = 0; j < T::NT; ++j)
-        store_pair(p, kind, nb, v, b_col<T>(wn, j) + 2 * (lane & 3), acc[i][j][2 * half], acc[i][j][2 * half + 1]);
+        store_pair(p, kind, nb, v, b_col<T>(wn, j) + 2 * (lane & 3), acc[i][j][2 * half], acc[i][j][2 * half + 1], w);
     }
   __syncthreads();  // every thread's stores issued before thread 0's fence + signal
   signal_done<T>(p, md, kind, tile);
@@ -918,21 +924,32 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
     const int r = 64 * c + (int)mkidx::acc_row(t, 2 * half);
     const int v = md.row_id[r];
     if (v < 0) continue;
-    if ((T::TMA || T::NBLK == 2) && kind == MK_TASK_GEMM1) {
-      // gate column cc sits in register i, its up column cc + BNT/2 in register i + NACC/2 of the same thread
-      // (64 + 32 for the 128-column tile, 128 + 64 for the wide one: gate rows stacked over up rows)
-      constexpr int UP = T::NACC / 2;
+    if (kind == MK_TASK_GEMM1) {
+      if constexpr (T::TMA || T::NBLK == 2) {
+        // gate column cc sits in register i, its up column cc + BNT/2 in register i + NACC/2 of the same thread
+        // (64 + 32 for the 128-column tile, 128 + 64 for the wide one: gate rows stacked over up rows)
+        constexpr int UP = T::NACC / 2;
 #pragma unroll
-      for (int j = 0; j < T::NACC / 8; ++j) {
-        const int i = 4 * j + 2 * half;
-        store_h2(p, nb, v, (int)mkidx::acc_col(t, i), d[i], d[i + 1], d[i + UP], d[i + UP + 1]);
+        for (int j = 0; j < T::NACC / 8; ++j) {
+          const int i = 4 * j + 2 * half;
+          store_h2(p, nb, v, (int)mkidx::acc_col(t, i), d[i], d[i + 1], d[i + UP], d[i + UP + 1]);
+        }
+      } else {  // interleaved (gate, up) columns: cp.async narrow tile
+#pragma unroll
+        for (int j = 0; j < T::NACC / 4; ++j) {
+          const int i = 4 * j + 2 * half;
+          store_pair(p, kind, nb, v, (int)mkidx::acc_col(t, i), d[i], d[i + 1], 0.f);
+        }
       }
       continue;
     }
+    // GEMM2: y row v, columns nb*128 + acc_col (store_pair's arithmetic), the routing weight loaded once for the row
+    const float w = __ldg(p.topk_w + v);
+    __nv_bfloat162* yrow = (__nv_bfloat162*)((bf16*)p.y + (int64_t)v * p.H + nb * BN);
 #pragma unroll
     for (int j = 0; j < T::NACC / 4; ++j) {
       const int i = 4 * j + 2 * half;
-      store_pair(p, kind, nb, v, (int)mkidx::acc_col(t, i), d[i], d[i + 1]);
+      yrow[mkidx::acc_col(t, i) >> 1] = __floats2bfloat162_rn(d[i] * w, d[i + 1] * w);
     }
   }
 }
