@@ -113,9 +113,6 @@ typedef struct MkParams {
                         // processor waits for a GEMM2's / COMBINE's inputs itself, after starting the weight loads
                         // that need none; 0: the subscriber publishes them as they become ready (the wgmma tiles
                         // always do)
-  int64_t prefetch_down_mb;  // > 0: a publish_all launch of split decode tasks asks L2 for the active experts' W_down
-                             // at its start when they total <= this many MB (evict_last), its GEMM1 weight copies
-                             // marked evict_first; 0: off
 } MkParams;
 
 int mk_abi_version(void);

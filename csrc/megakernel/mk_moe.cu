@@ -160,31 +160,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar)
       : "memory");
 }
-// The same copy with an L2 eviction-priority policy (createpolicy): evict_first for weights read once.
-__device__ __forceinline__ void tma_load_2d_hint(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar,
-                                                 uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3}], "
-      "[%4], %5;\n" ::"r"(dst),
-      "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar), "l"(policy)
-      : "memory");
-}
-__device__ __forceinline__ uint64_t policy_evict_first() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-  return pol;
-}
-__device__ __forceinline__ uint64_t policy_evict_last() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
-  return pol;
-}
-// A contiguous range into L2 with an eviction policy (no shared memory, nothing to wait for).
-__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes, uint64_t policy) {
-  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;\n" ::"l"((uint64_t)src), "r"(bytes),
-               "l"(policy)
-               : "memory");
-}
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
 }
@@ -347,8 +322,7 @@ template <class T>
 __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], const MkParams& p, char* smem, uint32_t bars,
                                               uint32_t& it, const bf16* a_base, const int64_t* a_off,
                                               const CUtensorMap* bmap, int brow, int brow2, int kb, int K,
-                                              bool dep, const int32_t* cnt, int need, bool never, int where,
-                                              bool once) {
+                                              bool dep, const int32_t* cnt, int need, bool never, int where) {
   static_assert(T::TMA, "TMA tile");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
@@ -371,20 +345,13 @@ __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], con
                  off < 0 ? 0 : 16);
     }
   };
-  // once: weights this launch reads once and nothing after needs (see prefetch_down): L2 may drop them first
-  const uint64_t pol = once && tid == 0 ? policy_evict_first() : 0;
   auto issue_b = [&](int kt) {  // the weight tile of stage kt (thread 0: TMA on the stage's mbarrier)
     if (tid == 0) {
       const uint32_t slot = (it + kt) % stages, bar = bars + 8 * slot;
       const uint32_t sB = su32(smem + slot * T::STAGE + T::A_BYTES);
       mbar_arrive_tx(bar, T::B_BYTES);
-      if (once) {
-        tma_load_2d_hint(sB, bmap, kb + kt * BK, brow, bar, pol);
-        tma_load_2d_hint(sB + TMA_BOX_ROWS * 128, bmap, kb + kt * BK, brow2, bar, pol);
-      } else {
-        tma_load_2d(sB, bmap, kb + kt * BK, brow, bar);
-        tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kb + kt * BK, brow2, bar);
-      }
+      tma_load_2d(sB, bmap, kb + kt * BK, brow, bar);
+      tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kb + kt * BK, brow2, bar);
     }
   };
   if (dep) {  // publish_all: the first stages' weights need no inputs, so they stream while the task waits for them
@@ -541,8 +508,7 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
     const int brow2 = kind == MK_TASK_GEMM1 ? brow + I : brow + TMA_BOX_ROWS;
     const bf16* a_base = (kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h) + k0;
     gemm_tile_tma<T>(acc, p, smem, bar_base(md), it, a_base, md.a_off, kind == MK_TASK_GEMM1 ? tm1 : tm2, brow, brow2,
-                     k0, Kpart, dep, cnt, need, tile == (int)p.stall_tile, tile,
-                     p.prefetch_down_mb > 0 && splits > 1 && kind == MK_TASK_GEMM1);
+                     k0, Kpart, dep, cnt, need, tile == (int)p.stall_tile, tile);
   } else {
     if (dep) wait_inputs(p, cnt, need, tile == (int)p.stall_tile, tile);  // (cp.async tiles: nothing streams first)
     if (kind == MK_TASK_GEMM1)
@@ -1092,29 +1058,6 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
     if (tid == 0) {
       p.ctl[MK_CTL_PUBLISHED] = (int)total;
       tr_sched(p, MK_TR_SCHED_END);
-    }
-    // prefetch_down: a launch of split decode tasks (a handful of experts) asks L2 now for every active expert's
-    // W_down (evict_last), which its GEMM1s (evict_first) leave in place, when they fit the budget: the GEMM2s that
-    // start after the GEMM1s then read L2 instead of beginning a second DRAM stream (run 20 timeline, S=1: 16 us
-    // from the last GEMM1 to the last GEMM2)
-    if (p.prefetch_down_mb > 0 && KS1 > 1) {
-      const int64_t per = p.H * p.I * 2;  // bytes of one expert's W_down
-      int active = 0;
-      for (int e0 = 0; e0 < E; e0 += blockDim.x) {
-        const int e = e0 + tid;
-        active += __syncthreads_count(e < E && base[e + 1] > base[e]);
-      }
-      if ((int64_t)active * per <= p.prefetch_down_mb * (1ll << 20)) {
-        const uint64_t pol = policy_evict_last();
-        constexpr int64_t CHUNK = 64 << 10;
-        const int64_t chunks = (per + CHUNK - 1) / CHUNK;
-        for (int64_t i = tid; i < (int64_t)E * chunks; i += blockDim.x) {
-          const int e = (int)(i / chunks);
-          if (base[e + 1] == base[e]) continue;
-          const int64_t off = (i % chunks) * CHUNK;
-          prefetch_l2((const char*)p.w2 + e * per + off, (uint32_t)min(CHUNK, per - off), pol);
-        }
-      }
     }
     return;
   }

@@ -48,7 +48,6 @@ class MkParams(Structure):
         ("route_small_max", c_int64),  # ABI 10: S up to which k_topk_small runs (0: never)
         ("trace", c_void_p),  # ABI 11: null, or the task timeline's stamps (MK_TR_*)
         ("publish_all", c_int64),  # ABI 11: 1 = the mma-core tiles publish every task at launch
-        ("prefetch_down_mb", c_int64),  # ABI 11: > 0 = tiny launches prefetch the active experts' W_down into L2
     ]
 
 

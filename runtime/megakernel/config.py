@@ -86,12 +86,6 @@ class MegakernelConfig:
     # Runs 15-16 (H200, side by side): S=1 66.0 vs 68.6 us and 65.6 vs 70.7, S=16 240.4 vs 242.3 and 233.6 vs
     # 236.3, S=128 within 0.4%: the default, a setting (under 5% in one of the two runs).
     publish_all: int = 1
-    # > 0: a publish_all launch whose decode tasks are split over K (a handful of experts: S of 1-2 tokens) has its
-    # scheduler CTA, idle once it published, ask L2 for the active experts' whole W_down at the launch's start
-    # (evict_last) when that totals at most this many MB, and marks the GEMM1 weight copies evict_first (read once):
-    # the GEMM2s that start after the GEMM1s then read L2 instead of opening a second DRAM stream (run 20, S=1: 16 us
-    # from the last GEMM1 to the last GEMM2 for 25 MB). 0: off. Same bits either way.
-    prefetch_down_mb: int = 0
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -108,7 +102,6 @@ class MegakernelConfig:
         "overlap": (0, 1),
         "route_small_max": (0, 1 << 20),
         "publish_all": (0, 1),
-        "prefetch_down_mb": (0, 1 << 16),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 

@@ -159,7 +159,6 @@ class MegakernelMoE:
             p.overlap = cfg.overlap  # 1: the wgmma tiles' cross-task overlap kernel (other tiles ignore it)
             p.route_small_max = cfg.route_small_max  # S up to which top-k runs one block per token
             p.publish_all = cfg.publish_all  # 1: mma-core tiles publish every task at launch
-            p.prefetch_down_mb = cfg.prefetch_down_mb  # > 0: tiny launches prefetch W_down into L2
             self._params[(bm, stages)] = p
         return p
 
