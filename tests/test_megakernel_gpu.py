@@ -411,3 +411,16 @@ def test_task_timeline(new_layers, model, cfg, s):
     assert {t["kind"] for t in tasks} == {"gemm1", "gemm2", "combine"}
     assert all(c[0] is not None and c[1] is not None and c[0] <= c[1] for c in tl["ctas"])
     torch.testing.assert_close(m.forward(x), ref, rtol=0, atol=0)
+
+
+def test_decode_stages_fit_one_wave(new_layers, model):
+    """Auto stages for decode: 6 while the split GEMM1 parts fit the processors of the 6-stage grid (S=1: 8 rows x 12
+    n-blocks x 2 parts = 192), 4 once they do not (S=2: 384), and a set `stages` always wins."""
+    m = new_layers("")
+    assert m.stages_for(16, 1) == 6 and m.stages_for(16, 2) == 4 and m.stages_for(16, 16) == 3
+    assert new_layers("stages=6").stages_for(16, 2) == 6
+    for s in (1, 2, 3):
+        x = _x(s, model.hidden, seed=1700 + s)
+        idx, w = _routing(s, model.experts, model.topk, "uniform", seed=s)
+        out = m.forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
+        _check(m, model, x, out, idx, w)

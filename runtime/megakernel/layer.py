@@ -136,8 +136,21 @@ class MegakernelMoE:
             self._grids[(bm, stages)] = procs + 1
         return self._grids[(bm, stages)]
 
+    def stages_for(self, bm: int, tokens: int) -> int:
+        """`config.pick_stages`, except that a decode launch (bm=16, fewer rows than experts) whose split GEMM1 parts
+        outnumber the processors of the 6-stage pipeline (2 CTAs/SM) runs 4 stages (3 CTAs/SM), so the parts run in
+        one wave (run 21, S=2: 384 parts for 263 processors, 86.1 us at 4 stages vs 93.2 at 6; S=1, 192 parts:
+        66.3 at 6 vs 67.2 at 4)."""
+        m, cfg = self.model, self.config
+        st = cfg.pick_stages(bm, tokens, m.topk, m.experts)
+        if cfg.stages or bm != 16 or st != 6:
+            return st
+        rows = tokens * m.topk  # <= experts here: at most one m-tile per row
+        parts = rows * self.n1 * (cfg.split_k1 if self.sk_on and rows <= self.sk_tiles else 1)
+        return st if parts <= self.grid(bm, st) - 1 else 4
+
     def _template(self, bm: int, tokens: int) -> _lib.MkParams:
-        stages = self.config.pick_stages(bm, tokens, self.model.topk, self.model.experts)
+        stages = self.stages_for(bm, tokens)
         p = self._params.get((bm, stages))
         if p is None:
             m, cfg = self.model, self.config
@@ -218,7 +231,7 @@ class MegakernelMoE:
         if s < 1:
             raise ValueError("megakernel: task_timeline needs at least one token")
         bm = self.config.pick_bm(s, self.model.topk, self.model.experts)
-        grid = self.grid(bm, self.config.pick_stages(bm, s, self.model.topk, self.model.experts))
+        grid = self.grid(bm, self.stages_for(bm, s))
         n = _lib.TR_HEAD + _lib.TR_SLOT * self.q_cap + 2 * grid
         self._trace = torch.zeros(n, dtype=torch.int64, device=self.device)
         try:
