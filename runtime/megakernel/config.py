@@ -8,8 +8,9 @@ the one vocabulary the tuner searches and profiles store) and the timeout is the
 and `to_dict` remain for benchmarks and tests; every error names the field. 0 in `bm`, `bn`, `ctas_per_sm` and
 `processor_ctas` means "pick from the shape / the occupancy query" (`resolve` decides `bn` for a layer's shape).
 Settings that are not knobs: `tma` (TMA loads of the weight tiles: 2-3.5% everywhere in run 11, under the 5% that
-makes a knob) and `route_small_max` (where routing switches top-k kernels: the small-S kernel won at every S up
-to 128 and lost from 1024 up in run 14, so only the crossover is left to place).
+makes a knob), `route_small_max` (where routing switches top-k kernels: the small-S kernel won at every S up
+to 128 and lost from 1024 up in run 14, so only the crossover is left to place) and `publish_all` (up to 7% at S=1,
+but 0 was never faster at any S in runs 15-19: nothing for a search to find).
 """
 
 from __future__ import annotations
