@@ -129,6 +129,12 @@ __device__ __forceinline__ uint64_t gtime() {
 __device__ __forceinline__ void tr_slot(const MkParams& p, int i, int f, int64_t v) {
   if (p.trace && i >= 0 && i < p.q_cap) p.trace[MK_TR_HEAD + (int64_t)MK_TR_SLOT * i + f] = v;
 }
+// Publish stamps of queue slots first, first + step, .. < end (one clock read for the batch).
+__device__ __forceinline__ void tr_published(const MkParams& p, int first, int end, int step) {
+  if (!p.trace) return;
+  const int64_t now = (int64_t)gtime();
+  for (int i = first; i < end; i += step) tr_slot(p, i, MK_TR_PUB, now);
+}
 __device__ __forceinline__ void tr_sched(const MkParams& p, int f) {
   if (p.trace) p.trace[f] = (int64_t)gtime();
 }
@@ -440,8 +446,8 @@ __device__ __forceinline__ void fill_meta(const MkParams& p, const Meta& md, int
 // Epilogue of one accumulator pair: row r of the tile (its (token, slot) id v >= 0), tile column c (even).
 // GEMM1: (c0, c1) = (gate, up) of intermediate column nb*64 + c/2 -> h = silu(gate) * up (bf16).
 // GEMM2: columns nb*128 + c, c+1 of y = acc * w (bf16), w = the row's routing weight, which the caller loads ONCE
-// per row: loaded here, each pair's load waited behind the previous pair's y store (the compiler must assume they
-// may alias), a chain of L2 round trips that made a 128 x 256 GEMM2 task's epilogue cost ~30 us (run 19 timeline).
+// per row (loaded here, each pair's load had to follow the previous pair's y store, which may alias it; run 20:
+// the wide-tile layer 2% faster from S=1024 with the load hoisted).
 __device__ __forceinline__ void store_pair(const MkParams& p, int kind, int nb, int v, int c, float c0, float c1,
                                            float w) {
   if (kind == MK_TASK_GEMM1) {
@@ -1021,7 +1027,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
     p.ctl[MK_CTL_TILES] = n_tiles;
     st_release(&p.ctl[MK_CTL_TOTAL], (int)total + 1);
   }
-  // every GEMM1 task is ready at once (routing finished before this launch). publish_all (bm = 16 tiles): every
+  // every GEMM1 task is ready at once (routing finished before this launch). publish_all (mma-core tiles): every
   // task at once, GEMM2 tile-major after the GEMM1s and the COMBINEs last; a processor waits for a task's inputs
   // itself (after starting its weight loads), which cannot deadlock: a task waits only for tasks in earlier queue
   // slots, and slots are claimed in order by resident CTAs, so those are all claimed and never wait on later ones.
@@ -1048,10 +1054,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
     }
     __threadfence();
     for (int i = c0 + tid; i < hi; i += blockDim.x) st_relaxed(&p.q_flag[i], epoch);
-    if (p.trace) {
-      const int64_t now = (int64_t)gtime();
-      for (int i = c0 + tid; i < hi; i += blockDim.x) tr_slot(p, i, MK_TR_PUB, now);
-    }
+    tr_published(p, c0 + tid, hi, blockDim.x);
   }
   if (tid == 0) tr_sched(p, MK_TR_SCHED_G1);
   if (all_now) {
@@ -1090,10 +1093,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         __threadfence();  // one fence for the warp's batch, then relaxed flags (release pattern)
         if (ready)
           for (int nf = 0; nf < G2; ++nf) st_relaxed(&p.q_flag[pos + nf], epoch);
-        if (ready && p.trace) {
-          const int64_t now = (int64_t)gtime();
-          for (int nf = 0; nf < G2; ++nf) tr_slot(p, pos + nf, MK_TR_PUB, now);
-        }
+        if (ready) tr_published(p, pos, pos + G2, 1);
       }
       tail += __popc(m) * G2;
       got += __popc(m);
@@ -1117,10 +1117,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         __threadfence();
         if (ready)
           for (int cb = 0; cb < NC; ++cb) st_relaxed(&p.q_flag[pos + cb], epoch);
-        if (ready && p.trace) {
-          const int64_t now = (int64_t)gtime();
-          for (int cb = 0; cb < NC; ++cb) tr_slot(p, pos + cb, MK_TR_PUB, now);
-        }
+        if (ready) tr_published(p, pos, pos + NC, 1);
       }
       tail += __popc(m) * NC;
       got += __popc(m);
