@@ -84,8 +84,8 @@ class MegakernelConfig:
     # weight stages (TMA) before it waits for the m-tile's GEMM1s itself; a COMBINE waits for its rows. The weights
     # of the down projection then stream while the up projection still runs, and no task waits for a subscriber's
     # sweep. 0: the subscriber publishes GEMM2 / COMBINE tasks as they become ready (the wgmma tiles always do).
-    # Runs 15-16 (H200, side by side): S=1 66.0 vs 68.6 us and 65.6 vs 70.7, S=16 240.4 vs 242.3 and 233.6 vs
-    # 236.3, S=128 within 0.4%: the default, a setting (under 5% in one of the two runs).
+    # Runs 15, 16, 17, 19 (H200, side by side, 1 vs 0): S=1 65.6 / 70.7, 66.0 / 68.6, 66.2 / 71.4, 66.5 / 69.4 us;
+    # S=16 1% faster, S=128 within 1%: the default (a setting: 0 was never the faster one).
     publish_all: int = 1
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {

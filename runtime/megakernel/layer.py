@@ -254,7 +254,7 @@ class MegakernelMoE:
         tasks = []
         for i in range(self.counters()["total"]):
             pub, claim, done, cta = raw[_lib.TR_HEAD + _lib.TR_SLOT * i:_lib.TR_HEAD + _lib.TR_SLOT * (i + 1)]
-            w = words[i] & ((1 << 64) - 1)
+            w = words[i] & ((1 << 64) - 1)  # the task word's fields (mk_index.h: enc)
             tasks.append({"slot": i, "kind": kinds.get(w >> 61, "?"), "expert": (w >> 48) & 0x1FF,
                           "mtile": (w >> 32) & 0xFFFF, "nfield": (w >> 20) & 0xFFF, "tile": w & 0xFFFFF,
                           "parts": ((w >> 57) & 0xF) + 1, "cta": cta, "published": us(pub), "claimed": us(claim),
