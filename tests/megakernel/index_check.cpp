@@ -271,6 +271,19 @@ int main() {
     for (auto& v : hh) v = rnd();
     const int e = 1;
     std::vector<float> smem(96 * 1024 / 2);  // one stage image (A 16 KB + B 32 KB), indexed by byte / 2
+    // the two consumer warpgroups of one stage: 4 k16 wgmmas each, operands read through the descriptors
+    auto consume = [&](uint32_t sA, uint32_t sB, std::vector<double>& D) {
+      for (int c = 0; c < 2; ++c)
+        for (uint32_t kk = 0; kk < 4; ++kk) {
+          const uint64_t da = wg_desc(sA + c * 64 * 128 + kk * 32), db = wg_desc(sB + kk * 32);
+          for (uint32_t r = 0; r < 64; ++r)
+            for (uint32_t n = 0; n < 256; ++n) {
+              double acc = 0;
+              for (uint32_t k = 0; k < 16; ++k) acc += (double)smem[desc_elem_addr(da, r, k) / 2] * smem[desc_elem_addr(db, n, k) / 2];
+              D[(64 * c + r) * 256 + n] += acc;
+            }
+        }
+    };
     for (int nb = 0; nb < 4; nb += 2) {  // GEMM1: wide tasks at n-blocks 0 and 2 of N1 = 4
         const int K = H;
         std::vector<double> D(128 * 256, 0.0);
@@ -284,16 +297,7 @@ int main() {
               for (uint32_t k = 0; k < 64; ++k)
                 smem[tma_box_dst(sB + 8192 * bx, r, k) / 2] = w1[(size_t)(row0 + r) * H + kt * 64 + k];
           }
-          for (int c = 0; c < 2; ++c)  // consumers: 4 k16 wgmmas through the descriptors
-            for (uint32_t kk = 0; kk < 4; ++kk) {
-              const uint64_t da = wg_desc(sA + c * 64 * 128 + kk * 32), db = wg_desc(sB + kk * 32);
-              for (uint32_t r = 0; r < 64; ++r)
-                for (uint32_t n = 0; n < 256; ++n) {
-                  double acc = 0;
-                  for (uint32_t k = 0; k < 16; ++k) acc += (double)smem[desc_elem_addr(da, r, k) / 2] * smem[desc_elem_addr(db, n, k) / 2];
-                  D[(64 * c + r) * 256 + n] += acc;
-                }
-            }
+          consume(sA, sB, D);
         }
         // epilogue as run_gemm_wg writes it: h column nb*64 + acc_col(t, i) from registers i, i+1 (gate), i+64, i+65 (up)
         std::vector<int> wrote(ROWS * I, 0);
@@ -334,16 +338,7 @@ int main() {
             for (uint32_t k = 0; k < 64; ++k)
               smem[tma_box_dst(sB + 8192 * bx, r, k) / 2] = wd[(size_t)(row0 + r) * I + kt * 64 + k];
         }
-        for (int c = 0; c < 2; ++c)
-          for (uint32_t kk = 0; kk < 4; ++kk) {
-            const uint64_t da = wg_desc(sA + c * 64 * 128 + kk * 32), db = wg_desc(sB + kk * 32);
-            for (uint32_t r = 0; r < 64; ++r)
-              for (uint32_t n = 0; n < 256; ++n) {
-                double acc = 0;
-                for (uint32_t k = 0; k < 16; ++k) acc += (double)smem[desc_elem_addr(da, r, k) / 2] * smem[desc_elem_addr(db, n, k) / 2];
-                D[(64 * c + r) * 256 + n] += acc;
-              }
-          }
+        consume(sA, sB, D);
       }
       std::vector<int> wrote(ROWS * H2, 0);
       for (int c = 0; c < 2; ++c)
