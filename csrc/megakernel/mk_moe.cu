@@ -468,24 +468,37 @@ __device__ __forceinline__ void store_h2(const MkParams& p, int nb, int v, int q
       __floats2bfloat162_rn(g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1);
 }
 
-// After the epilogue's stores (every thread past a barrier): one fence, then the readiness counters.
+// After the epilogue's stores, by threads first, first + stride, .. that all passed a barrier following every
+// store of the task: the readiness counters. GEMM1: thread 0 alone, one counter. GEMM2: each thread counts its
+// share of the rows in their combine tiles (one thread walking all 128 rows sat on the consumers' critical path,
+// run 20's timeline: GEMM2 tasks 2-2.5x GEMM1's time per k stage). Every counting thread fences first: fence +
+// relaxed red = release, cumulative over the barrier, so the subscriber's or a waiter's acquire sees h / y.
 template <class T>
-__device__ __forceinline__ void signal_done_here(const MkParams& p, const Meta& md, int kind, int tile) {
-  __threadfence();  // fence + relaxed reds = release: the subscriber's acquire sees h / y
+__device__ __forceinline__ void signal_rows(const MkParams& p, const Meta& md, int kind, int tile, int first,
+                                            int stride) {
   if (kind == MK_TASK_GEMM1) {
-    red_add(&p.g1done[tile], T::NBLK);  // a wide task finishes two 128-column n-blocks
-  } else {
-    const int K = (int)p.K;
-    for (int r = 0; r < T::BM; ++r) {
-      const int v = md.row_id[r];
-      if (v >= 0) red_add(&p.comb[(v / K) / (int)p.combine_tokens], T::NBLK);
+    if (first == 0) {
+      __threadfence();
+      red_add(&p.g1done[tile], T::NBLK);  // a wide task finishes two 128-column n-blocks
     }
+    return;
+  }
+  const int rows_per_ct = (int)p.K * (int)p.combine_tokens;  // (v / K) / combine_tokens, in one division
+  bool fenced = false;
+  for (int r = first; r < T::BM; r += stride) {
+    const int v = md.row_id[r];
+    if (v < 0) continue;
+    if (!fenced) {
+      __threadfence();
+      fenced = true;
+    }
+    red_add(&p.comb[v / rows_per_ct], T::NBLK);
   }
 }
-// The same, by thread 0 of a CTA whose threads all passed a __syncthreads after their stores.
+// The same over a whole CTA whose threads all passed a __syncthreads after their stores.
 template <class T>
 __device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, int kind, int tile) {
-  if (threadIdx.x == 0) signal_done_here<T>(p, md, kind, tile);
+  signal_rows<T>(p, md, kind, tile, threadIdx.x, blockDim.x);
 }
 
 // GEMM1 / GEMM2 task of m-tile `tile` = (e, mt), n-block nb, split-K part ks of `splits` (mma.sync core).
@@ -495,7 +508,7 @@ __device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, i
 // results run to run) and runs the epilogue and the readiness signal. The other parts signal nothing.
 template <class T>
 __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, int ks, int splits,
-                         uint32_t& it, const CUtensorMap* tm1, const CUtensorMap* tm2) {
+                         uint32_t& it, const CUtensorMap* tm1, const CUtensorMap* tm2, int qi) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
   const int H = (int)p.H, I = (int)p.I;
@@ -523,6 +536,7 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
       gemm_tile<T>(acc, smem, stages, (const bf16*)p.h + k0, md.a_off, (const bf16*)p.w2 + k0, md.b_off, Kpart);
   }
 
+  if (tid == 0) tr_slot(p, qi, MK_TR_MAIN, (int64_t)gtime());  // qi: thread 0's queue slot (timeline)
   if constexpr (T::BM == 16) if (splits > 1) {  // decode tiles only (the scheduler splits nothing else):
     // the larger tiles keep their register budget (bm=128 is launch-bounded to 128 for 2 CTAs/SM)
     const int N1 = (int)(2 * p.I / BN), N2 = (int)(p.H / BN);
@@ -751,7 +765,7 @@ __device__ __forceinline__ int sk_splits(const MkParams& p, int64_t want, int n_
 //   consumer warpgroups (128 x CONSUMERS threads): wait tfull[s], agree (bar.red.and on named barrier 2) that the
 //     wait succeeded, read the task word: 0 = end of work -> return; COMBINE -> free the slot, run the combine on
 //     the consumer threads (run_combine_part), next; GEMM -> wgmma stages (wg_consume) + epilogue, named barrier 2
-//     (every consumer's stores issued), the first consumer thread fences and counts (signal_done_here: the same
+//     (every consumer's stores issued), the consumer threads fence and count (signal_rows: the same
 //     counters as signal_done), every consumer thread arrives on tempty[s] (count 128 x CONSUMERS).
 //   No __syncthreads inside the loop. End of work: the producer hands the consumers task word 0 and returns.
 //   Abort / timeout: every wait is bounded; a failed tfull wait ends every consumer together (the vote), a failed
@@ -902,7 +916,7 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
 // released once its wgmmas completed, then the epilogue from registers (h / y stores; no signal here).
 template <class T>
 __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
-                                           int nb, int KT, uint32_t it, int t, int c) {
+                                           int nb, int KT, uint32_t it, int t, int c, int qi) {
   const int stages = (int)p.stages;
   float d[T::NACC];
 #pragma unroll
@@ -924,6 +938,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
   wg_wait<0>();
   acc_fence(d);
   if (KT > 0) mbar_arrive(bars.empty + 8 * ((it + KT - 1) % stages));
+  if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_MAIN, (int64_t)gtime());  // timeline: mainloop done
   // epilogue straight from the fragment (mk_index.h: acc_row / acc_col)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -964,7 +979,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
 // One GEMM task on the whole CTA (overlap = 0): metadata, then producer and consumers as above, then the signal.
 template <class T>
 __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, uint32_t& it,
-                            const CUtensorMap* tm1, const CUtensorMap* tm2) {
+                            const CUtensorMap* tm1, const CUtensorMap* tm2, int qi) {
   const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
   Meta md = meta<T>(smem, (int)p.stages);
   const WgBars<T> bars = wg_bars<T>(md);
@@ -974,7 +989,7 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
   if (wg == 0)
     wg_produce<T>(p, md, bars, su32(smem), kind, e, nb, KT, it, t, tm1, tm2);
   else
-    wg_consume<T>(p, md, bars, su32(smem), kind, nb, KT, it, t, wg - 1);
+    wg_consume<T>(p, md, bars, su32(smem), kind, nb, KT, it, t, wg - 1, qi);
   it += KT;
   __syncthreads();  // every consumer's stores issued (and the producer done) before thread 0's fence + signal
   signal_done<T>(p, md, kind, tile);
@@ -1152,6 +1167,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   // only by TMA tiles (T::TMA), zeros otherwise
   extern __shared__ __align__(128) char smem_raw[];
   __shared__ uint64_t s_task;
+  __shared__ int s_qi;  // the task's queue slot, for the timeline stamps of other threads
   char* smem = align_smem(smem_raw, T::ALIGN);
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
   if (blockIdx.x == 0) {
@@ -1186,9 +1202,13 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   if (threadIdx.x == 0) tr_cta(p, 0);
   int qi = -1;  // thread 0: the queue slot of the current task (timeline stamps)
   for (;;) {
-    if (threadIdx.x == 0) s_task = claim_task(p, epoch, &qi);  // 0: no more work
+    if (threadIdx.x == 0) {
+      s_task = claim_task(p, epoch, &qi);  // 0: no more work
+      s_qi = qi;
+    }
     __syncthreads();
     const uint64_t task = s_task;
+    const int slot = s_qi;
     __syncthreads();  // everyone read s_task before thread 0 may overwrite it
     if (task == 0) {
       if (threadIdx.x == 0) tr_cta(p, 1);
@@ -1205,9 +1225,9 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     } else {
       const int N = kind == MK_TASK_GEMM1 ? (int)(2 * p.I / BN) : (int)(p.H / BN);
       if constexpr (T::WG)
-        run_gemm_wg<T>(p, smem, kind, e, mt, nf, tile, it, &tm1, &tm2);  // never split (the scheduler splits bm=16 only)
+        run_gemm_wg<T>(p, smem, kind, e, mt, nf, tile, it, &tm1, &tm2, slot);  // never split (split-K: bm=16 only)
       else
-        run_gemm<T>(p, smem, kind, e, mt, nf % N, tile, nf / N, splits, it, &tm1, &tm2);
+        run_gemm<T>(p, smem, kind, e, mt, nf % N, tile, nf / N, splits, it, &tm1, &tm2, slot);
     }
     if (threadIdx.x == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());  // GEMM: after its signal
   }
@@ -1305,11 +1325,11 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       const Meta md = {const_cast<int64_t*>(sl.a_off), const_cast<int64_t*>(sl.b_off), const_cast<int*>(sl.row_id),
                        nullptr};
       const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
-      wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c);
+      wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi);
       it += KT;
-      named_sync(2, NCONS);  // every consumer's stores issued before the fence + signal
-      if (ct == 0) signal_done_here<T>(p, md, kind, mkidx::t_tile(task));
-      mbar_arrive(tempty + 8 * s);  // (thread ct 0 after its signal: it reads row_id)
+      named_sync(2, NCONS);  // every consumer's stores issued before the fences + signals
+      signal_rows<T>(p, md, kind, mkidx::t_tile(task), ct, NCONS);
+      mbar_arrive(tempty + 8 * s);  // (after its signal: it read row_id)
       if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
     }
   }
