@@ -161,6 +161,7 @@ def test_bench_moe_cli_and_scenario_smoke(tmp_path: Path) -> None:
     assert skipped and skipped[0]["engine"] == "megakernel" and "no CUDA device" in skipped[0]["skipped"]
     unf = [c for c in rep["cases"] if c.get("engine") == "unfused"]
     assert [c["S"] for c in unf] == [4, 16] and all(c["eager_us"]["median"] > 0 and "weight_floor_us" in c for c in unf)
+    assert all(c["plain_read_us"]["median"] > 0 for c in unf)  # measured here, beside the arithmetic floors
     bad = CliRunner().invoke(app, ["bench", "moe", "--engine", "fused"])
     assert bad.exit_code == 2 and "engines must be among" in bad.output and "Traceback" not in bad.output
 

@@ -5,11 +5,13 @@ Used by the tuner's local backend (family `megakernel`: one knob set at one toke
 with routing included: single calls timed with CUDA events (perf_counter on CPU), `warmup` untimed calls
 first, inputs rotated over `rotate` tensors; with `graph`, one CUDA graph captured per input and replayed.
 The floors printed beside the figures are the issue's: reading the touched experts' weights at 4.2 TB/s
-(the read rate measured on an H200) and the SwiGLU GEMMs at 790 TFLOP/s (bf16, measured there).
+(the read rate measured on an H200) and the SwiGLU GEMMs at 790 TFLOP/s (bf16, measured there); and, measured
+here in the same process, a plain read of as many experts' weights as S tokens are expected to touch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +52,18 @@ def time_layer(forward: Callable[[Any], Any], xs: Sequence[Any], *, warmup: int,
     if graph and cuda:
         out["graph_us"] = time_calls(graphs_of(forward, xs), warmup=warmup, iters=iters, cuda=True)
     return out
+
+
+def time_plain_read(w_gate_up: Any, w_down: Any, experts: int, *, warmup: int, iters: int, graph: bool,
+                    cuda: bool) -> list[float]:
+    """Samples (µs) of a plain read of `experts` experts' weights: two sums over the contiguous w_gate_up[:n] and
+    w_down[:n], replayed from a CUDA graph where `graph` (as the layers are). The floor as this device reaches it for
+    that many bytes (ramp-up and tail included), beside the arithmetic one at READ_TBPS: on an H200 the 75 MB of
+    eight experts read in 34 µs, 2.2 TB/s (bench/results/megakernel, run 20)."""
+    n = max(1, min(experts, w_gate_up.shape[0]))
+    out = time_layer(lambda _x: (w_gate_up[:n].sum(), w_down[:n].sum()), [None], warmup=warmup, iters=iters,
+                     graph=graph, cuda=cuda)
+    return out["graph_us" if graph and cuda else "eager_us"]
 
 
 _weights: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
@@ -118,9 +132,11 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
             fwd[eng] = layers[eng].forward
         except MegakernelUnavailable as e:
             skipped[eng] = str(e)
-    if "torch" in engines:  # same weights as the unfused layer (built for them if not timed)
+    src = layers.get("unfused") or layers.get("megakernel")  # whose weights the plain read sums
+    if "torch" in engines or src is None:  # same weights as the unfused layer (built for them if not timed)
         src = layers.get("unfused") or MoELayer(model, None, Knobs(), max_tokens=smax, device=dev, dtype=dtype,
                                                 seed=seed, engine="unfused")
+    if "torch" in engines:
         if cuda:
             from moetune.runtime.testing.baselines import plain_torch_moe
 
@@ -132,8 +148,10 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
     for s in tokens:
         xs = _inputs(model, s, rotate, dev, dtype, seed + s)
         ref = fwd["unfused"](xs[0]) if "unfused" in fwd else None
+        read = Summary.of(time_plain_read(src.w_gate_up.data, src.w_down.data, math.ceil(experts_touched(model, s)),
+                                          warmup=warmup, iters=iters, graph=graph, cuda=cuda)).quantiles()
         for eng in (e for e in engines if e in fwd):  # the order asked for
-            row: dict[str, Any] = {"engine": eng, "S": s, **floors(model, s)}
+            row: dict[str, Any] = {"engine": eng, "S": s, **floors(model, s), "plain_read_us": read}
             for name, v in time_layer(fwd[eng], xs, warmup=warmup, iters=iters, graph=graph, cuda=cuda).items():
                 row[name] = Summary.of(v).quantiles()
             if ref is not None and eng != "unfused":
