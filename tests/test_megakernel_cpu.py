@@ -520,7 +520,7 @@ def test_kernel_source_wide_tile():
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in src
     assert "red_add(&p.g1done[tile], T::NBLK)" in src and "T::NBLK);" in src
-    assert "const int g1 = n_tiles * (N1 / W) * KS1;" in src and "nf * W" in src
+    assert "q.G1 = (int)(2 * p.I / BN) / T::NBLK * q.KS1;" in src and "nf * W" in src
     assert "using WgWideTma = WgTile<128, true, 256>;" in src and "mkidx::wide_box_row" in src
     assert "bn = 256 needs hidden and 2 x intermediate to be multiples of 256" in src
     assert "bn" in [f[0] for f in _lib.MkParams._fields_] and _lib.ABI_VERSION >= 8
