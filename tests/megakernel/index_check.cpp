@@ -262,43 +262,44 @@ int main() {
   //    GEMM1 (SwiGLU -> h) and GEMM2 (-> y) compared with the plain products (small exact integers: no rounding)
   {
     const int I = 256, H = 128, E = 2, ROWS = 128;  // 2I = 512 (N1 = 4), H = 128 (K of GEMM1)
-    std::vector<float> w1((size_t)E * 2 * I * H), w2((size_t)E * H * I), x((size_t)ROWS * H), hh((size_t)ROWS * I);
+    std::vector<float> w1((size_t)E * 2 * I * H), x((size_t)ROWS * H), hh((size_t)ROWS * I);
     uint32_t seed = 1;
     auto rnd = [&]() { seed = seed * 1103515245u + 12345u; return (float)((int)((seed >> 16) % 7) - 3); };
     for (auto& v : w1) v = rnd();
-    for (auto& v : w2) v = rnd();
     for (auto& v : x) v = rnd();
     for (auto& v : hh) v = rnd();
     const int e = 1;
     std::vector<float> smem(96 * 1024 / 2);  // one stage image (A 16 KB + B 32 KB), indexed by byte / 2
-    // the two consumer warpgroups of one stage: 4 k16 wgmmas each, operands read through the descriptors
-    auto consume = [&](uint32_t sA, uint32_t sB, std::vector<double>& D) {
-      for (int c = 0; c < 2; ++c)
-        for (uint32_t kk = 0; kk < 4; ++kk) {
-          const uint64_t da = wg_desc(sA + c * 64 * 128 + kk * 32), db = wg_desc(sB + kk * 32);
+    // One wide task's k loop, stage by stage: the producer stores A (128 rows of `a`, row length K, by swz_off) and
+    // B (four TMA boxes, box bx from weight row b_row0 + wide_box_row(gemm2, nb, bx, I) of `b`) into the stage
+    // image, then the two consumer warpgroups run 4 k16 wgmmas each through the descriptors into D [128 x 256].
+    auto run_task = [&](const std::vector<float>& a, const std::vector<float>& b, int K, int gemm2, int nb,
+                        int64_t b_row0, std::vector<double>& D) {
+      const uint32_t sA = 0, sB = 128 * 128;
+      for (int kt = 0; kt < K / 64; ++kt) {
+        for (int r = 0; r < 128; ++r)
+          for (int k = 0; k < 64; ++k) smem[(sA + swz_off(r, k)) / 2] = a[(size_t)r * K + kt * 64 + k];
+        for (int bx = 0; bx < 4; ++bx) {
+          const int64_t row0 = b_row0 + wide_box_row(gemm2, nb, bx, I);
           for (uint32_t r = 0; r < 64; ++r)
-            for (uint32_t n = 0; n < 256; ++n) {
-              double acc = 0;
-              for (uint32_t k = 0; k < 16; ++k) acc += (double)smem[desc_elem_addr(da, r, k) / 2] * smem[desc_elem_addr(db, n, k) / 2];
-              D[(64 * c + r) * 256 + n] += acc;
-            }
+            for (uint32_t k = 0; k < 64; ++k)
+              smem[tma_box_dst(sB + 8192 * bx, r, k) / 2] = b[(size_t)(row0 + r) * K + kt * 64 + k];
         }
+        for (int c = 0; c < 2; ++c)
+          for (uint32_t kk = 0; kk < 4; ++kk) {
+            const uint64_t da = wg_desc(sA + c * 64 * 128 + kk * 32), db = wg_desc(sB + kk * 32);
+            for (uint32_t r = 0; r < 64; ++r)
+              for (uint32_t n = 0; n < 256; ++n) {
+                double acc = 0;
+                for (uint32_t k = 0; k < 16; ++k) acc += (double)smem[desc_elem_addr(da, r, k) / 2] * smem[desc_elem_addr(db, n, k) / 2];
+                D[(64 * c + r) * 256 + n] += acc;
+              }
+          }
+      }
     };
     for (int nb = 0; nb < 4; nb += 2) {  // GEMM1: wide tasks at n-blocks 0 and 2 of N1 = 4
-        const int K = H;
         std::vector<double> D(128 * 256, 0.0);
-        for (int kt = 0; kt < K / 64; ++kt) {
-          const uint32_t sA = 0, sB = 128 * 128;
-          for (int r = 0; r < 128; ++r)  // producer: A rows by cp.async (swz_off)
-            for (int k = 0; k < 64; ++k) smem[(sA + swz_off(r, k)) / 2] = x[(size_t)r * H + kt * 64 + k];
-          for (int bx = 0; bx < 4; ++bx) {  // TMA: box bx from weight row e*2I + wide_box_row
-            const int64_t row0 = (int64_t)e * 2 * I + wide_box_row(0, nb, bx, I);
-            for (uint32_t r = 0; r < 64; ++r)
-              for (uint32_t k = 0; k < 64; ++k)
-                smem[tma_box_dst(sB + 8192 * bx, r, k) / 2] = w1[(size_t)(row0 + r) * H + kt * 64 + k];
-          }
-          consume(sA, sB, D);
-        }
+        run_task(x, w1, H, 0, nb, (int64_t)e * 2 * I, D);  // K = H, weight rows from e * 2I
         // epilogue as run_gemm_wg writes it: h column nb*64 + acc_col(t, i) from registers i, i+1 (gate), i+64, i+65 (up)
         std::vector<int> wrote(ROWS * I, 0);
         for (int c = 0; c < 2; ++c)
@@ -328,18 +329,7 @@ int main() {
     for (auto& v : wd) v = rnd();
     for (int nb = 0; nb < 4; nb += 2) {
       std::vector<double> D(128 * 256, 0.0);
-      for (int kt = 0; kt < I / 64; ++kt) {
-        const uint32_t sA = 0, sB = 128 * 128;
-        for (int r = 0; r < 128; ++r)
-          for (int k = 0; k < 64; ++k) smem[(sA + swz_off(r, k)) / 2] = hh[(size_t)r * I + kt * 64 + k];
-        for (int bx = 0; bx < 4; ++bx) {
-          const int64_t row0 = (int64_t)e * H2 + wide_box_row(1, nb, bx, I);
-          for (uint32_t r = 0; r < 64; ++r)
-            for (uint32_t k = 0; k < 64; ++k)
-              smem[tma_box_dst(sB + 8192 * bx, r, k) / 2] = wd[(size_t)(row0 + r) * I + kt * 64 + k];
-        }
-        consume(sA, sB, D);
-      }
+      run_task(hh, wd, I, 1, nb, (int64_t)e * H2, D);  // K = I, weight rows from e * H2
       std::vector<int> wrote(ROWS * H2, 0);
       for (int c = 0; c < 2; ++c)
         for (uint32_t t = 0; t < 128; ++t)
