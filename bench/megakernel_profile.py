@@ -15,6 +15,7 @@ timeline as one JSON line to FILE.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 
@@ -68,6 +69,21 @@ def summarize(tl: dict) -> None:
               f"{max(t['claimed'] for t in ts):8.1f}  done ..{max(t['done'] for t in ts):8.1f}  task us "
               f"p50 {dur[len(dur) // 2]:7.2f} p90 {dur[9 * len(dur) // 10]:7.2f}  publish->claim p50 "
               f"{wait[len(wait) // 2] if wait else 0:6.2f}")
+    # per CTA, done to done of consecutive tasks (the overlap kernel claims ahead, so claim-to-done overstates a task);
+    # and the epilogue + signal: mainloop done -> done
+    by_cta: dict[int, list[dict]] = {}
+    for t in tasks:
+        by_cta.setdefault(t["cta"], []).append(t)
+    steady: dict[str, list[float]] = {}
+    for ts in by_cta.values():
+        ts.sort(key=lambda t: t["done"])
+        for a, b in itertools.pairwise(ts):
+            steady.setdefault(b["kind"], []).append(b["done"] - a["done"])
+    for kind, v in sorted(steady.items()):
+        v.sort()
+        epi = sorted(t["done"] - t["mainloop_done"] for t in tasks if t["kind"] == kind and t.get("mainloop_done"))
+        print(f"  {kind:8s} done-to-done p50 {v[len(v) // 2]:7.2f} us" +
+              (f", mainloop done -> done p50 {epi[len(epi) // 2]:6.2f} us" if epi else ""))
     # GEMM2 release latency: last GEMM1 done of the m-tile -> its GEMM2 published
     last_g1: dict[int, float] = {}
     for t in tasks:

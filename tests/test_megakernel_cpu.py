@@ -520,7 +520,7 @@ def test_kernel_source_wide_tile():
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in src
     assert "red_add(&p.g1done[tile], T::NBLK)" in src and "T::NBLK);" in src
-    assert "const int g1 = n_tiles * (N1 / W) * KS1;" in src and "nf * W" in src
+    assert "q.G1 = (int)(2 * p.I / BN) / T::NBLK * q.KS1;" in src and "nf * W" in src
     assert "using WgWideTma = WgTile<128, true, 256>;" in src and "mkidx::wide_box_row" in src
     assert "bn = 256 needs hidden and 2 x intermediate to be multiples of 256" in src
     assert "bn" in [f[0] for f in _lib.MkParams._fields_] and _lib.ABI_VERSION >= 8
@@ -716,7 +716,7 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     assert idx == sorted(idx) and p_part.count("claim_task(") == 1 and p_part.count("wg_produce<T>(") == 1
     order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work",
              "MK_TASK_COMBINE",
-             "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T>(", "named_sync(2, NCONS)", "signal_done_here<T>(",
+             "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T>(", "named_sync(2, NCONS)", "signal_rows<T>(",
              "mbar_arrive(tempty"]
     pos, idx = 0, []
     for x in order:
@@ -725,14 +725,15 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     assert c_part.count("mbar_arrive(tempty") == 2  # the COMBINE path's early free and the GEMM path's after the signal
     assert "mbar_init(tfull + 8 * s, 128);" in kern and "mbar_init(tempty + 8 * s, NCONS);" in kern
     assert "2 * p.timeout_ns" in c_part  # the producer's claim timeout reports first (MK_ERR_PROC_TIMEOUT)
-    # signal_done (thread 0 of a synchronised CTA) is signal_done_here: one place counts readiness
-    sdh = src[src.index("void signal_done_here("):]
-    sdh = sdh[:sdh.index("\n}\n")]
-    for line in ("red_add(&p.g1done[tile], T::NBLK);", "red_add(&p.comb[(v / K) / (int)p.combine_tokens], T::NBLK);",
-                 "__threadfence();"):
-        assert line in sdh
+    # signal_done (a synchronised CTA) is signal_rows over all its threads: one place counts readiness, and every
+    # counting thread fences before its first red (release after the barrier)
+    sr = src[src.index("void signal_rows("):]
+    sr = sr[:sr.index("\n}\n")]
+    for line in ("red_add(&p.g1done[tile], T::NBLK);", "red_add(&p.comb[v / rows_per_ct], T::NBLK);"):
+        assert line in sr and sr.rindex("__threadfence();", 0, sr.index(line)) >= 0
+    assert "(int)p.K * (int)p.combine_tokens" in sr  # (v / K) / combine_tokens == v / (K * combine_tokens)
     sd = src[src.index("void signal_done("):]
-    assert "if (threadIdx.x == 0) signal_done_here<T>(p, md, kind, tile);" in sd[:sd.index("\n}\n")]
+    assert "signal_rows<T>(p, md, kind, tile, threadIdx.x, blockDim.x);" in sd[:sd.index("\n}\n")]
 
 
 def test_config_overlap():

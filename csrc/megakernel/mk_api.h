@@ -41,7 +41,9 @@ enum {
   MK_TR_SCHED_G1 = 1,     // every GEMM1 task published
   MK_TR_SCHED_END = 2,    // the subscriber released its last task
   MK_TR_HEAD = 8,
-  MK_TR_PUB = 0, MK_TR_CLAIM = 1, MK_TR_DONE = 2, MK_TR_CTA = 3, MK_TR_SLOT = 4
+  MK_TR_PUB = 0, MK_TR_CLAIM = 1, MK_TR_DONE = 2, MK_TR_CTA = 3,
+  MK_TR_MAIN = 4,  // the GEMM mainloop done, epilogue next (the first consumer thread / thread 0)
+  MK_TR_SLOT = 5
 };
 
 // GEMM cores (MkParams.core). The wgmma core serves bm = 64 / 128 only; bm = 16 always runs mma.
@@ -108,7 +110,7 @@ typedef struct MkParams {
   // ABI 11
   int64_t* trace;  // null (default), or globaltimer stamps (ns) of the persistent launch, for profiling the schedule:
                    // [MK_TR_HEAD] scheduler words, then per queue slot MK_TR_SLOT words (published, claimed, done,
-                   // CTA), then per CTA (start, end). The host zeroes it; every stamp is a plain store.
+                   // CTA, mainloop done), then per CTA (start, end). The host zeroes it; every stamp is a plain store.
   int64_t publish_all;  // 1: the mma-core tiles (bm = 16 decode, and core = mma) publish every task at launch and a
                         // processor waits for a GEMM2's / COMBINE's inputs itself, after starting the weight loads
                         // that need none; 0: the subscriber publishes them as they become ready (the wgmma tiles

@@ -5,6 +5,8 @@
 #pragma once
 #include <stdint.h>
 
+#include "mk_api.h"  // MK_TASK_* (plain C)
+
 #if defined(__CUDACC__)
 #define MK_HD __host__ __device__ __forceinline__
 #else
@@ -100,6 +102,35 @@ MK_HD int t_expert(uint64_t w) { return (int)((w >> 48) & 0x1ff); }
 MK_HD int t_mtile(uint64_t w) { return (int)((w >> 32) & 0xffff); }
 MK_HD int t_nfield(uint64_t w) { return (int)((w >> 20) & 0xfff); }
 MK_HD int t_tile(uint64_t w) { return (int)(w & 0xfffff); }
+
+// ---- the queue ------------------------------------------------------------------------------------------
+// Expert owning m-tile `tile` (base[] = exclusive prefix of m-tiles per expert, base[E] = total).
+MK_HD int tile_expert(const int* base, int E, int tile) {
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {  // largest e with base[e] <= tile
+    const int mid = (lo + hi + 1) >> 1;
+    if (base[mid] <= tile) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+// The word of queue slot i when every task is published at once (publish_all): g1 = n_tiles * G1 GEMM1 tasks
+// tile-major (n-field = nb + N1 * ks, W n-blocks per task), then each m-tile's G2 GEMM2 tasks, then NC combine
+// tasks per combine tile. The scheduler writes these words; a processor can compute the one it claimed.
+MK_HD uint64_t queue_word(int i, const int* base, int E, int G1, int KS1, int G2, int KS2, int NC, int W) {
+  const int n_tiles = base[E], g1 = n_tiles * G1;
+  if (i < g1) {
+    const int tile = i / G1, nf = i % G1;
+    const int e = tile_expert(base, E, tile);
+    return enc(MK_TASK_GEMM1, e, tile - base[e], nf * W, tile, KS1);
+  }
+  if (i < g1 + n_tiles * G2) {
+    const int tile = (i - g1) / G2, nf = (i - g1) % G2;
+    const int e = tile_expert(base, E, tile);
+    return enc(MK_TASK_GEMM2, e, tile - base[e], nf * W, tile, KS2);
+  }
+  const int c = i - g1 - n_tiles * G2;
+  return enc(MK_TASK_COMBINE, 0, c / NC, c % NC, 0);
+}
 
 // ---- split-K (decode): partial sums of (GEMM, m-tile, n-block) "slots" -------------------------------
 // Slot of a GEMM1 task: tile * N1 + nb; of a GEMM2 task: max_tiles * N1 + tile * N2 + nb.

@@ -46,6 +46,8 @@ int fail_msg(const char* msg) {
 constexpr int BK = 64;        // k elements per pipeline stage (128 bytes per row: 8 chunks of 16 B)
 constexpr int BN = 128;       // n rows of weights per tile
 constexpr int THREADS = 128;  // the routing kernels' block; tile kernels use Tile::THREADS
+constexpr int MAXE_PER_LANE = 16;  // E <= 512 (32 lanes x 16)
+constexpr int LOCAL_MAX_E = 128;   // experts up to which processors derive the publish_all queue themselves
 
 template <int BM_, int WM_, int WN_, int MINB_, bool TMA_ = false>
 struct Tile {
@@ -468,24 +470,37 @@ __device__ __forceinline__ void store_h2(const MkParams& p, int nb, int v, int q
       __floats2bfloat162_rn(g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1);
 }
 
-// After the epilogue's stores (every thread past a barrier): one fence, then the readiness counters.
+// After the epilogue's stores, by threads first, first + stride, .. that all passed a barrier following every
+// store of the task: the readiness counters. GEMM1: thread 0 alone, one counter. GEMM2: each thread counts its
+// share of the rows in their combine tiles (one thread walking all 128 rows sat on the consumers' critical path,
+// run 20's timeline: GEMM2 tasks 2-2.5x GEMM1's time per k stage). Every counting thread fences first: fence +
+// relaxed red = release, cumulative over the barrier, so the subscriber's or a waiter's acquire sees h / y.
 template <class T>
-__device__ __forceinline__ void signal_done_here(const MkParams& p, const Meta& md, int kind, int tile) {
-  __threadfence();  // fence + relaxed reds = release: the subscriber's acquire sees h / y
+__device__ __forceinline__ void signal_rows(const MkParams& p, const Meta& md, int kind, int tile, int first,
+                                            int stride) {
   if (kind == MK_TASK_GEMM1) {
-    red_add(&p.g1done[tile], T::NBLK);  // a wide task finishes two 128-column n-blocks
-  } else {
-    const int K = (int)p.K;
-    for (int r = 0; r < T::BM; ++r) {
-      const int v = md.row_id[r];
-      if (v >= 0) red_add(&p.comb[(v / K) / (int)p.combine_tokens], T::NBLK);
+    if (first == 0) {
+      __threadfence();
+      red_add(&p.g1done[tile], T::NBLK);  // a wide task finishes two 128-column n-blocks
     }
+    return;
+  }
+  const int rows_per_ct = (int)p.K * (int)p.combine_tokens;  // (v / K) / combine_tokens, in one division
+  bool fenced = false;
+  for (int r = first; r < T::BM; r += stride) {
+    const int v = md.row_id[r];
+    if (v < 0) continue;
+    if (!fenced) {
+      __threadfence();
+      fenced = true;
+    }
+    red_add(&p.comb[v / rows_per_ct], T::NBLK);
   }
 }
-// The same, by thread 0 of a CTA whose threads all passed a __syncthreads after their stores.
+// The same over a whole CTA whose threads all passed a __syncthreads after their stores.
 template <class T>
 __device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, int kind, int tile) {
-  if (threadIdx.x == 0) signal_done_here<T>(p, md, kind, tile);
+  signal_rows<T>(p, md, kind, tile, threadIdx.x, blockDim.x);
 }
 
 // GEMM1 / GEMM2 task of m-tile `tile` = (e, mt), n-block nb, split-K part ks of `splits` (mma.sync core).
@@ -495,7 +510,7 @@ __device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, i
 // results run to run) and runs the epilogue and the readiness signal. The other parts signal nothing.
 template <class T>
 __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, int ks, int splits,
-                         uint32_t& it, const CUtensorMap* tm1, const CUtensorMap* tm2) {
+                         uint32_t& it, const CUtensorMap* tm1, const CUtensorMap* tm2, int qi) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
   const int H = (int)p.H, I = (int)p.I;
@@ -523,6 +538,7 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
       gemm_tile<T>(acc, smem, stages, (const bf16*)p.h + k0, md.a_off, (const bf16*)p.w2 + k0, md.b_off, Kpart);
   }
 
+  if (tid == 0) tr_slot(p, qi, MK_TR_MAIN, (int64_t)gtime());  // qi: thread 0's queue slot (timeline)
   if constexpr (T::BM == 16) if (splits > 1) {  // decode tiles only (the scheduler splits nothing else):
     // the larger tiles keep their register budget (bm=128 is launch-bounded to 128 for 2 CTAs/SM)
     const int N1 = (int)(2 * p.I / BN), N2 = (int)(p.H / BN);
@@ -720,15 +736,7 @@ __device__ __forceinline__ void run_combine(const MkParams& p, int ct, int cb) {
   run_combine_part(p, ct, cb, threadIdx.x, blockDim.x);
 }
 
-// Expert owning m-tile `tile` (base[] = exclusive prefix of m-tiles per expert, base[E] = total).
-__device__ __forceinline__ int tile_expert(const int* base, int E, int tile) {
-  int lo = 0, hi = E - 1;
-  while (lo < hi) {  // largest e with base[e] <= tile
-    const int mid = (lo + hi + 1) >> 1;
-    if (base[mid] <= tile) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
+using mkidx::tile_expert;  // expert owning an m-tile (mk_index.h)
 
 // Split-K parts for a GEMM of this launch (schedule.splits mirrors it): decode tiles (bm = 16) only, and
 // only when the launch's m-tiles fit the partial-sum buffer (p.sk_max_tiles).
@@ -751,7 +759,7 @@ __device__ __forceinline__ int sk_splits(const MkParams& p, int64_t want, int n_
 //   consumer warpgroups (128 x CONSUMERS threads): wait tfull[s], agree (bar.red.and on named barrier 2) that the
 //     wait succeeded, read the task word: 0 = end of work -> return; COMBINE -> free the slot, run the combine on
 //     the consumer threads (run_combine_part), next; GEMM -> wgmma stages (wg_consume) + epilogue, named barrier 2
-//     (every consumer's stores issued), the first consumer thread fences and counts (signal_done_here: the same
+//     (every consumer's stores issued), the consumer threads fence and count (signal_rows: the same
 //     counters as signal_done), every consumer thread arrives on tempty[s] (count 128 x CONSUMERS).
 //   No __syncthreads inside the loop. End of work: the producer hands the consumers task word 0 and returns.
 //   Abort / timeout: every wait is bounded; a failed tfull wait ends every consumer together (the vote), a failed
@@ -902,7 +910,7 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
 // released once its wgmmas completed, then the epilogue from registers (h / y stores; no signal here).
 template <class T>
 __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
-                                           int nb, int KT, uint32_t it, int t, int c) {
+                                           int nb, int KT, uint32_t it, int t, int c, int qi) {
   const int stages = (int)p.stages;
   float d[T::NACC];
 #pragma unroll
@@ -924,6 +932,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
   wg_wait<0>();
   acc_fence(d);
   if (KT > 0) mbar_arrive(bars.empty + 8 * ((it + KT - 1) % stages));
+  if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_MAIN, (int64_t)gtime());  // timeline: mainloop done
   // epilogue straight from the fragment (mk_index.h: acc_row / acc_col)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -964,7 +973,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
 // One GEMM task on the whole CTA (overlap = 0): metadata, then producer and consumers as above, then the signal.
 template <class T>
 __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, uint32_t& it,
-                            const CUtensorMap* tm1, const CUtensorMap* tm2) {
+                            const CUtensorMap* tm1, const CUtensorMap* tm2, int qi) {
   const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
   Meta md = meta<T>(smem, (int)p.stages);
   const WgBars<T> bars = wg_bars<T>(md);
@@ -974,52 +983,94 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
   if (wg == 0)
     wg_produce<T>(p, md, bars, su32(smem), kind, e, nb, KT, it, t, tm1, tm2);
   else
-    wg_consume<T>(p, md, bars, su32(smem), kind, nb, KT, it, t, wg - 1);
+    wg_consume<T>(p, md, bars, su32(smem), kind, nb, KT, it, t, wg - 1, qi);
   it += KT;
   __syncthreads();  // every consumer's stores issued (and the producer done) before thread 0's fence + signal
   signal_done<T>(p, md, kind, tile);
+}
+
+// ---- the launch's queue shape ---------------------------------------------------------------------------
+// base[] (exclusive prefix of m-tiles per expert, base[E] = all m-tiles) from the routing counts, by warp 0 (each
+// lane a contiguous run of experts, then a scan); the caller synchronises before reading it.
+template <class T>
+__device__ void tile_prefix(const MkParams& p, int* base) {
+  const int lane = threadIdx.x & 31, E = (int)p.E, bm = T::BM;
+  const int per = (E + 31) / 32, e0 = lane * per, e1 = min(E, e0 + per);
+  int sum = 0;
+  for (int e = e0; e < e1; ++e) sum += (p.counts[e] + bm - 1) / bm;
+  int incl = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(~0u, incl, o);
+    if (lane >= o) incl += n;
+  }
+  int run = incl - sum;
+  for (int e = e0; e < e1; ++e) {
+    base[e] = run;
+    run += (p.counts[e] + bm - 1) / bm;
+  }
+  if (lane == 31) base[E] = incl;
+}
+// What every role derives from base[]: tasks per m-tile, split-K parts, the totals.
+struct QueueShape {
+  int n_tiles, n_ct, NC, KS1, KS2, G1, G2;  // G1 / G2: GEMM1 / GEMM2 tasks per m-tile
+  int64_t total;
+  bool fits;  // within the queue and counter buffers (else MK_ERR_QUEUE_FULL)
+};
+template <class T>
+__device__ QueueShape queue_shape(const MkParams& p, const int* base) {
+  QueueShape q;
+  q.n_tiles = base[p.E];
+  q.n_ct = (int)((p.S + p.combine_tokens - 1) / p.combine_tokens);
+  q.NC = combine_blocks(p.H);
+  // split-K parts of each GEMM1 / GEMM2 task (1 = none): decode tiles only, and only while the m-tiles fit
+  // the partial-sum buffer (sk_splits: the same rule as schedule.splits)
+  q.KS1 = sk_splits(p, p.split_k1, q.n_tiles, T::BM);
+  q.KS2 = sk_splits(p, p.split_k2, q.n_tiles, T::BM);
+  // the wide tile (T::NBLK = 2) runs two 128-column n-blocks per task: half the GEMM tasks, n-field = even nb
+  // (never split: split-K is for bm = 16 only, so the n-field is nb itself)
+  q.G1 = (int)(2 * p.I / BN) / T::NBLK * q.KS1;
+  q.G2 = (int)(p.H / BN) / T::NBLK * q.KS2;
+  q.total = (int64_t)q.n_tiles * (q.G1 + q.G2) + (int64_t)q.n_ct * q.NC;
+  q.fits = q.total <= p.q_cap && q.n_tiles <= p.max_tiles && q.n_ct <= p.max_ctiles;
+  return q;
+}
+
+// publish_all on the mma-core tiles: the queue is a function of the routing counts alone, so a processor claims the
+// next slot (atomicAdd, as claim_task) and computes its word itself (mk_index.h: queue_word, the word the
+// scheduler also writes) instead of waiting for the scheduler to count, publish, fence and flag it: that handoff
+// took ~6 us at the start of every launch (run 20 timeline). 0: past the total, the queue does not fit, or aborted.
+template <class T>
+__device__ __forceinline__ uint64_t claim_local(const MkParams& p, const int* base, const QueueShape& q, int* slot) {
+  const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
+  *slot = i;
+  if (!q.fits || i >= q.total || *(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return 0;
+  if (p.trace) {
+    const int64_t now = (int64_t)gtime();
+    tr_slot(p, i, MK_TR_PUB, now);  // (no publish: computed at the claim)
+    tr_slot(p, i, MK_TR_CLAIM, now);
+    tr_slot(p, i, MK_TR_CTA, blockIdx.x);
+  }
+  return mkidx::queue_word(i, base, (int)p.E, q.G1, q.KS1, q.G2, q.KS2, q.NC, T::NBLK);
 }
 
 // ---- the scheduler CTA ----------------------------------------------------------------------------------
 template <class T>
 __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int E = (int)p.E, K = (int)p.K, bm = T::BM;
+  const int E = (int)p.E, K = (int)p.K;
   const int N1 = (int)(2 * p.I / BN), N2 = (int)(p.H / BN);
   const int CT = (int)p.combine_tokens;
   if (tid == 0) tr_sched(p, MK_TR_SCHED_START);
   int* base = (int*)smem;  // [E + 1]
-  // m-tiles per expert -> exclusive prefix (warp 0: each lane a contiguous run of experts, then a scan)
-  if (warp == 0) {
-    const int per = (E + 31) / 32, e0 = lane * per, e1 = min(E, e0 + per);
-    int sum = 0;
-    for (int e = e0; e < e1; ++e) sum += (p.counts[e] + bm - 1) / bm;
-    int incl = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int n = __shfl_up_sync(~0u, incl, o);
-      if (lane >= o) incl += n;
-    }
-    int run = incl - sum;
-    for (int e = e0; e < e1; ++e) {
-      base[e] = run;
-      run += (p.counts[e] + bm - 1) / bm;
-    }
-    if (lane == 31) base[E] = incl;
-  }
+  if (warp == 0) tile_prefix<T>(p, base);
   __syncthreads();
-  const int n_tiles = base[E];
-  const int n_ct = (int)((p.S + CT - 1) / CT);
-  const int NC = combine_blocks(p.H);
-  // split-K parts of each GEMM1 / GEMM2 task (1 = none): decode tiles only, and only while the m-tiles fit
-  // the partial-sum buffer (sk_splits: the same rule as schedule.splits)
-  const int KS1 = sk_splits(p, p.split_k1, n_tiles, bm), KS2 = sk_splits(p, p.split_k2, n_tiles, bm);
-  // the wide tile (T::NBLK = 2) runs two 128-column n-blocks per task: half the GEMM tasks, n-field = even nb
-  // (never split: split-K is for bm = 16 only, so the n-field is nb itself)
+  const QueueShape q = queue_shape<T>(p, base);
+  const int n_tiles = q.n_tiles, n_ct = q.n_ct, NC = q.NC, KS1 = q.KS1, KS2 = q.KS2, G2 = q.G2;
   constexpr int W = T::NBLK;
-  const int g1 = n_tiles * (N1 / W) * KS1;
-  const int64_t total = (int64_t)g1 + (int64_t)n_tiles * (N2 / W) * KS2 + (int64_t)n_ct * NC;
-  if (total > p.q_cap || n_tiles > p.max_tiles || n_ct > p.max_ctiles) {
+  const int g1 = n_tiles * q.G1;
+  const int64_t total = q.total;
+  if (!q.fits) {
     if (tid == 0) report(p, MK_ERR_QUEUE_FULL, total, p.q_cap, 0);
     return;
   }
@@ -1032,26 +1083,13 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   // itself (after starting its weight loads), which cannot deadlock: a task waits only for tasks in earlier queue
   // slots, and slots are claimed in order by resident CTAs, so those are all claimed and never wait on later ones.
   const bool all_now = p.publish_all && !T::WG;
-  const int G2 = N2 / W * KS2;  // GEMM2 tasks per m-tile (n-field = nb + N2 * ks; wide: even nb)
   const int n_pub = all_now ? (int)total : g1;
   // Release in batches: task words, then ONE fence per thread, then relaxed flag stores (a release per
   // flag would serialise a full fence per task: measured ~100 us per layer in run 1).
   for (int c0 = 0; c0 < n_pub; c0 += (int)blockDim.x * 8) {
     const int hi = min(n_pub, c0 + (int)blockDim.x * 8);
-    for (int i = c0 + tid; i < hi; i += blockDim.x) {
-      if (i < g1) {
-        const int tile = i / (N1 / W * KS1), nf = i % (N1 / W * KS1);  // n-field = nb + N1 * ks
-        const int e = tile_expert(base, E, tile);
-        p.q_task[i] = enc(MK_TASK_GEMM1, e, tile - base[e], nf * W, tile, KS1);
-      } else if (i < g1 + n_tiles * G2) {
-        const int tile = (i - g1) / G2, nf = (i - g1) % G2;
-        const int e = tile_expert(base, E, tile);
-        p.q_task[i] = enc(MK_TASK_GEMM2, e, tile - base[e], nf * W, tile, KS2);
-      } else {
-        const int c = i - g1 - n_tiles * G2;
-        p.q_task[i] = enc(MK_TASK_COMBINE, 0, c / NC, c % NC, 0);
-      }
-    }
+    for (int i = c0 + tid; i < hi; i += blockDim.x)  // n-field = nb + N1 * ks (mk_index.h: queue_word)
+      p.q_task[i] = mkidx::queue_word(i, base, E, N1 / W * KS1, KS1, G2, KS2, NC, W);
     __threadfence();
     for (int i = c0 + tid; i < hi; i += blockDim.x) st_relaxed(&p.q_flag[i], epoch);
     tr_published(p, c0 + tid, hi, blockDim.x);
@@ -1152,6 +1190,10 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   // only by TMA tiles (T::TMA), zeros otherwise
   extern __shared__ __align__(128) char smem_raw[];
   __shared__ uint64_t s_task;
+  __shared__ int s_qi;  // the task's queue slot, for the timeline stamps of other threads
+  // publish_all with E <= LOCAL_MAX_E: the m-tile prefix (claim_local). Static shared memory counts against every
+  // CTA: 129 ints still let the 4-stage decode tile keep 3 CTAs per SM (2 KB for E = 512 would not)
+  __shared__ int s_base[LOCAL_MAX_E + 1];
   char* smem = align_smem(smem_raw, T::ALIGN);
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
   if (blockIdx.x == 0) {
@@ -1184,11 +1226,23 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     }
   }
   if (threadIdx.x == 0) tr_cta(p, 0);
+  // publish_all (the mma-core tiles): every processor derives the queue from the counts (claim_local)
+  const bool local = p.publish_all && !T::WG && p.E <= LOCAL_MAX_E;
+  QueueShape qs = {};
+  if (local) {
+    if (threadIdx.x < 32) tile_prefix<T>(p, s_base);
+    __syncthreads();
+    qs = queue_shape<T>(p, s_base);
+  }
   int qi = -1;  // thread 0: the queue slot of the current task (timeline stamps)
   for (;;) {
-    if (threadIdx.x == 0) s_task = claim_task(p, epoch, &qi);  // 0: no more work
+    if (threadIdx.x == 0) {
+      s_task = local ? claim_local<T>(p, s_base, qs, &qi) : claim_task(p, epoch, &qi);  // 0: no more work
+      s_qi = qi;
+    }
     __syncthreads();
     const uint64_t task = s_task;
+    const int slot = s_qi;
     __syncthreads();  // everyone read s_task before thread 0 may overwrite it
     if (task == 0) {
       if (threadIdx.x == 0) tr_cta(p, 1);
@@ -1205,9 +1259,9 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     } else {
       const int N = kind == MK_TASK_GEMM1 ? (int)(2 * p.I / BN) : (int)(p.H / BN);
       if constexpr (T::WG)
-        run_gemm_wg<T>(p, smem, kind, e, mt, nf, tile, it, &tm1, &tm2);  // never split (the scheduler splits bm=16 only)
+        run_gemm_wg<T>(p, smem, kind, e, mt, nf, tile, it, &tm1, &tm2, slot);  // never split (split-K: bm=16 only)
       else
-        run_gemm<T>(p, smem, kind, e, mt, nf % N, tile, nf / N, splits, it, &tm1, &tm2);
+        run_gemm<T>(p, smem, kind, e, mt, nf % N, tile, nf / N, splits, it, &tm1, &tm2, slot);
     }
     if (threadIdx.x == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());  // GEMM: after its signal
   }
@@ -1305,11 +1359,11 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       const Meta md = {const_cast<int64_t*>(sl.a_off), const_cast<int64_t*>(sl.b_off), const_cast<int*>(sl.row_id),
                        nullptr};
       const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
-      wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c);
+      wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi);
       it += KT;
-      named_sync(2, NCONS);  // every consumer's stores issued before the fence + signal
-      if (ct == 0) signal_done_here<T>(p, md, kind, mkidx::t_tile(task));
-      mbar_arrive(tempty + 8 * s);  // (thread ct 0 after its signal: it reads row_id)
+      named_sync(2, NCONS);  // every consumer's stores issued before the fences + signals
+      signal_rows<T>(p, md, kind, mkidx::t_tile(task), ct, NCONS);
+      mbar_arrive(tempty + 8 * s);  // (after its signal: it read row_id)
       if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
     }
   }
@@ -1388,7 +1442,6 @@ __global__ void __launch_bounds__(T::THREADS) k_logits(const MkParams p) {
     }
 }
 
-constexpr int MAXE_PER_LANE = 16;  // E <= 512
 constexpr int MAXK = 16;
 constexpr int MAX_SPLITS = 16;     // logit planes k_topk adds (layer.py caps logit_splits at 16)
 constexpr int TOPK_TOKENS = THREADS / 32;  // one warp per token

@@ -349,6 +349,31 @@ int main() {
           CHECK(wrote[r * H2 + col] == (col / 256 == nb / 2 ? 1 : 0), "GEMM2 e2e coverage nb=%d r=%d col=%d", nb, r, col);
     }
   }
+  // 10. queue_word (publish_all: the scheduler writes these words and claim_local computes them): slot order
+  //     GEMM1s tile-major (n-field nb + N1 * ks), then every m-tile's GEMM2s, then the combines, each word naming
+  //     the expert that owns its m-tile; checked against a plain walk over experts and m-tiles
+  for (int trial = 0; trial < 40; ++trial) {
+    const int E = 1 + trial % 17, N1 = 12, N2 = 16, W = trial % 3 == 0 ? 2 : 1, KS1 = W == 2 ? 1 : 1 + trial % 3;
+    const int KS2 = W == 2 ? 1 : 1 + (trial / 3) % 2, NC = trial % 2 ? 4 : 1, n_ct = 1 + trial % 5;
+    std::vector<int> base(E + 1, 0);
+    uint32_t seed = 77 + trial;
+    for (int e = 0; e < E; ++e) {
+      seed = seed * 1103515245u + 12345u;
+      base[e + 1] = base[e] + (int)((seed >> 16) % 4);  // 0..3 m-tiles per expert, some empty
+    }
+    const int G1 = N1 / W * KS1, G2 = N2 / W * KS2;
+    std::vector<uint64_t> want;
+    for (int e = 0; e < E; ++e)  // m-tiles are numbered expert-major, so a walk over experts is tile order
+      for (int mt = 0; mt < base[e + 1] - base[e]; ++mt)
+        for (int nf = 0; nf < G1; ++nf) want.push_back(enc(MK_TASK_GEMM1, e, mt, nf * W, base[e] + mt, KS1));
+    for (int e = 0; e < E; ++e)
+      for (int mt = 0; mt < base[e + 1] - base[e]; ++mt)
+        for (int nf = 0; nf < G2; ++nf) want.push_back(enc(MK_TASK_GEMM2, e, mt, nf * W, base[e] + mt, KS2));
+    for (int c = 0; c < n_ct; ++c)
+      for (int cb = 0; cb < NC; ++cb) want.push_back(enc(MK_TASK_COMBINE, 0, c, cb, 0));
+    for (int i = 0; i < (int)want.size(); ++i)
+      CHECK(queue_word(i, base.data(), E, G1, KS1, G2, KS2, NC, W) == want[i], "queue_word trial %d slot %d", trial, i);
+  }
   printf("ok %ld\n", n_checks);
   return 0;
 }
