@@ -406,7 +406,9 @@ def test_task_timeline(new_layers, model, cfg, s):
     assert len(tasks) == m.counters()["total"] > 0
     for t in tasks:
         assert None not in (t["published"], t["claimed"], t["done"]), t
-        assert t["claimed"] <= t["done"] + 1e-3 and t["published"] <= t["done"] + 1e-3, t
+        assert t["claimed"] <= t["done"] + 1e-3, t
+        if cfg != "publish_all=1":  # publish_all: processors derive their tasks without waiting for the publish
+            assert t["published"] <= t["done"] + 1e-3, t
         assert 1 <= t["cta"] < tl["grid"]
     assert {t["kind"] for t in tasks} == {"gemm1", "gemm2", "combine"}
     assert all(c[0] is not None and c[1] is not None and c[0] <= c[1] for c in tl["ctas"])

@@ -43,7 +43,8 @@ enum {
   MK_TR_HEAD = 8,
   MK_TR_PUB = 0, MK_TR_CLAIM = 1, MK_TR_DONE = 2, MK_TR_CTA = 3,
   MK_TR_MAIN = 4,  // the GEMM mainloop done, epilogue next (the first consumer thread / thread 0)
-  MK_TR_SLOT = 5
+  MK_TR_EPI = 5,   // wgmma tiles: the first consumer thread's epilogue stores issued (signal next)
+  MK_TR_SLOT = 6
 };
 
 // GEMM cores (MkParams.core). The wgmma core serves bm = 64 / 128 only; bm = 16 always runs mma.
@@ -110,7 +111,7 @@ typedef struct MkParams {
   // ABI 11
   int64_t* trace;  // null (default), or globaltimer stamps (ns) of the persistent launch, for profiling the schedule:
                    // [MK_TR_HEAD] scheduler words, then per queue slot MK_TR_SLOT words (published, claimed, done,
-                   // CTA, mainloop done), then per CTA (start, end). The host zeroes it; every stamp is a plain store.
+                   // CTA, mainloop done, epilogue stores issued), then per CTA (start, end). The host zeroes it; every stamp is a plain store.
   int64_t publish_all;  // 1: the mma-core tiles (bm = 16 decode, and core = mma) publish every task at launch and a
                         // processor waits for a GEMM2's / COMBINE's inputs itself, after starting the weight loads
                         // that need none; 0: the subscriber publishes them as they become ready (the wgmma tiles

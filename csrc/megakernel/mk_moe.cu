@@ -446,14 +446,17 @@ __device__ __forceinline__ void fill_meta(const MkParams& p, const Meta& md, int
 }
 
 // Epilogue of one accumulator pair: row r of the tile (its (token, slot) id v >= 0), tile column c (even).
-// GEMM1: (c0, c1) = (gate, up) of intermediate column nb*64 + c/2 -> h = silu(gate) * up (bf16).
+// GEMM1: (c0, c1) = (gate, up) of intermediate column nb*64 + c/2 -> h = silu(gate) * up (bf16). The division is
+// __fdividef (a reciprocal and a multiply; 0 once 1 + exp(-gate) passes 2^126, where |silu| < 1e-36): the IEEE
+// `/` is a subroutine of a dozen instructions per element, and 128 of them per thread kept the GEMM1 epilogue
+// 4+ us long (run 25: S=1024 437 -> 400 us, S=4096 993 -> 934 us).
 // GEMM2: columns nb*128 + c, c+1 of y = acc * w (bf16), w = the row's routing weight, which the caller loads ONCE
 // per row (loaded here, each pair's load had to follow the previous pair's y store, which may alias it; run 20:
 // the wide-tile layer 2% faster from S=1024 with the load hoisted).
 __device__ __forceinline__ void store_pair(const MkParams& p, int kind, int nb, int v, int c, float c0, float c1,
                                            float w) {
   if (kind == MK_TASK_GEMM1) {
-    ((bf16*)p.h)[(int64_t)v * p.I + nb * 64 + (c >> 1)] = __float2bfloat16(c0 / (1.f + __expf(-c0)) * c1);
+    ((bf16*)p.h)[(int64_t)v * p.I + nb * 64 + (c >> 1)] = __float2bfloat16(__fdividef(c0, 1.f + __expf(-c0)) * c1);
   } else {
     *(__nv_bfloat162*)((bf16*)p.y + (int64_t)v * p.H + nb * BN + c) = __floats2bfloat162_rn(c0 * w, c1 * w);
   }
@@ -464,10 +467,13 @@ __device__ __forceinline__ float row_weight(const MkParams& p, int kind, int v) 
 
 // GEMM1 epilogue of a TMA tile (gate rows 0..63, up rows 64..127): gate columns q, q+1 (g0, g1) and their up
 // columns (u0, u1) -> h columns nb*64 + q, q+1; the same arithmetic as store_pair's, so the same bits.
+__device__ __forceinline__ uint32_t bf2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__device__ __forceinline__ uint32_t silu_pair(float g0, float g1, float u0, float u1) {
+  return bf2_bits(__floats2bfloat162_rn(__fdividef(g0, 1.f + __expf(-g0)) * u0, __fdividef(g1, 1.f + __expf(-g1)) * u1));
+}
 __device__ __forceinline__ void store_h2(const MkParams& p, int nb, int v, int q, float g0, float g1, float u0,
                                          float u1) {
-  *(__nv_bfloat162*)((bf16*)p.h + (int64_t)v * p.I + nb * 64 + q) =
-      __floats2bfloat162_rn(g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1);
+  *(uint32_t*)((bf16*)p.h + (int64_t)v * p.I + nb * 64 + q) = silu_pair(g0, g1, u0, u1);
 }
 
 // After the epilogue's stores, by threads first, first + stride, .. that all passed a barrier following every
@@ -773,9 +779,16 @@ struct OvSlot {  // one task slot: fill_meta's arrays and the task word
   uint64_t task;
   int qi;  // its queue slot (timeline stamps)
 };
-// Shared memory after the stages: two task slots, then full[16], empty[16], tfull[2], tempty[2] (8 bytes each).
+// Bytes of the staged epilogue (overlap kernel): per consumer warp 16 rows x 64 columns of bf16 (2 KB).
 template <class T>
-constexpr int ov_meta_bytes() { return 2 * (int)sizeof(OvSlot<T>) + 8 * (16 + 16 + 2 + 2) + 8; }
+constexpr int stage_out_bytes() {
+  if constexpr (T::WG) return T::CONSUMERS * 4 * 2048;
+  return 0;
+}
+// Shared memory after the stages: two task slots, then full[16], empty[16], tfull[2], tempty[2] (8 bytes each), then
+// (128-byte aligned) the consumer warps' epilogue buffers (wg_store_staged).
+template <class T>
+constexpr int ov_meta_bytes() { return 2 * (int)sizeof(OvSlot<T>) + 8 * (16 + 16 + 2 + 2) + 8 + 128 + stage_out_bytes<T>(); }
 
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 // bar.sync on barrier `id` of n threads that also returns the AND of every participant's `ok` (uniform result).
@@ -908,13 +921,97 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
 
 // Consumer warpgroup c's part of one GEMM task (thread t): rows 64c .. 64c+63, wgmma from the stages, each stage
 // released once its wgmmas completed, then the epilogue from registers (h / y stores; no signal here).
+// stmatrix .x4: four 8x8 b16 matrices, register i of every thread holds its (row lane/4, columns 2 (lane%4), +1)
+// of matrix i, which is the wgmma accumulator fragment's layout; lane l gives the address of row l%8 of matrix l/8.
+__device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
+
+// Epilogue through shared memory (the overlap kernel): the warp's 16 rows go out in chunks of 64 columns. Four
+// stmatrix.x4 put a chunk into the warp's 2 KB buffer (row r at r * 128, its 16-byte unit u at (u ^ (r & 7)) * 16:
+// no bank conflicts either way), then every lane copies 16-byte units to global memory, so a warp store writes four
+// whole 128-byte row segments (the fragment's own stores write 16 bytes of each of 8 rows: 4-8x the store
+// instructions; run 25's timeline: 2-4.4 us per task from mainloop done to stores issued). The values are
+// computed as the direct path computes them, so the outputs are the same bits.
+// GEMM1 (gate rows over up rows: the TMA and wide tiles): P(half, j) = silu pair of registers i, i+1 and i+UP,
+// i+UP+1 (i = 4j + 2 half) -> h columns nb*64 + 8j + .., GEMM2: (d[i], d[i+1]) * w -> y columns nb*128 + 8j + ..
+template <class T, bool G1>
+__device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& md, int nb, int t, int c,
+                                                const float (&d)[T::NACC], const float (&wrow)[2], uint32_t stg) {
+  constexpr int UP = T::NACC / 2;
+  constexpr int JN = G1 ? T::NACC / 8 : T::NACC / 4;  // 8-column groups of the output row
+  static_assert(JN % 8 == 0, "whole 64-column chunks");
+  const int lane = t & 31, w = t >> 5;
+  const uint32_t buf = stg + (uint32_t)(c * 4 + w) * 2048u;
+  const int row0 = 64 * c + 16 * w;
+  int vout[4];  // the rows this lane copies out: lane / 8 + 4 k of the warp's 16
+#pragma unroll
+  for (int k = 0; k < 4; ++k) vout[k] = md.row_id[row0 + (lane >> 3) + 4 * k];
+  const int mi = lane >> 3, rr = 8 * (mi & 1) + (lane & 7);  // the matrix and row whose address this lane gives
+#pragma unroll
+  for (int ch = 0; ch < JN / 8; ++ch) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      uint32_t r[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // matrix q: half q & 1, group j = 8 ch + 2 m + (q >> 1)
+        const int j = 8 * ch + 2 * m + (q >> 1), i = 4 * j + 2 * (q & 1);
+        if constexpr (G1)
+          r[q] = silu_pair(d[i], d[i + 1], d[i + UP], d[i + UP + 1]);
+        else
+          r[q] = bf2_bits(__floats2bfloat162_rn(d[i] * wrow[q & 1], d[i + 1] * wrow[q & 1]));
+      }
+      const int u = 2 * m + (mi >> 1);
+      stsm_x4(buf + rr * 128 + ((u ^ (rr & 7)) << 4), r[0], r[1], r[2], r[3]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int v = vout[k], row = (lane >> 3) + 4 * k, u = lane & 7;
+      if (v < 0) continue;
+      uint4 val;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                   : "r"(buf + row * 128 + ((u ^ (row & 7)) << 4)));
+      bf16* dst = G1 ? (bf16*)p.h + (int64_t)v * p.I + nb * 64 + ch * 64 + u * 8
+                     : (bf16*)p.y + (int64_t)v * p.H + nb * BN + ch * 64 + u * 8;
+      *reinterpret_cast<uint4*>(dst) = val;
+    }
+    __syncwarp();  // the buffer is rewritten by the next chunk
+  }
+}
+
 template <class T>
 __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
-                                           int nb, int KT, uint32_t it, int t, int c, int qi) {
+                                           int nb, int KT, uint32_t it, int t, int c, int qi, uint32_t stg = 0) {
   const int stages = (int)p.stages;
   float d[T::NACC];
 #pragma unroll
   for (int i = 0; i < T::NACC; ++i) d[i] = 0.f;
+  // Rows are filled in order, so a warpgroup whose first row is padding has nothing to compute: it only passes
+  // the stages on (waits full, frees empty), and the other warpgroup's wgmmas get the SM's tensor cores alone.
+  // (Uniform per warpgroup, as the .sync.aligned wgmma instructions need.)
+  const bool busy = md.row_id[64 * c] >= 0;
+  // GEMM2: the routing weights of this thread's two rows, loaded before the mainloop (off the epilogue's path)
+  float wrow[2] = {0.f, 0.f};
+  if (kind == MK_TASK_GEMM2) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int v = md.row_id[64 * c + (int)mkidx::acc_row(t, 2 * half)];
+      if (v >= 0) wrow[half] = __ldg(p.topk_w + v);
+    }
+  }
+  if (!busy) {  // each arrival lands in that fill's phase: the producer refilled the slot after the last phase
+    for (int kt = 0; kt < KT; ++kt) {
+      const uint32_t g = it + kt, slot = g % stages;
+      mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
+      mbar_arrive(bars.empty + 8 * slot);
+    }
+    return;  // every row padding: no stores
+  }
   for (int kt = 0; kt < KT; ++kt) {
     const uint32_t g = it + kt, slot = g % stages;
     mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
@@ -933,6 +1030,14 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
   acc_fence(d);
   if (KT > 0) mbar_arrive(bars.empty + 8 * ((it + KT - 1) % stages));
   if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_MAIN, (int64_t)gtime());  // timeline: mainloop done
+  if (stg && (kind == MK_TASK_GEMM2 || T::TMA || T::NBLK == 2)) {  // staged (overlap kernel; stacked GEMM1 tiles)
+    if (kind == MK_TASK_GEMM1)
+      wg_store_staged<T, true>(p, md, nb, t, c, d, wrow, stg);
+    else
+      wg_store_staged<T, false>(p, md, nb, t, c, d, wrow, stg);
+    if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_EPI, (int64_t)gtime());
+    return;
+  }
   // epilogue straight from the fragment (mk_index.h: acc_row / acc_col)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -958,8 +1063,8 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
       }
       continue;
     }
-    // GEMM2: y row v, columns nb*128 + acc_col (store_pair's arithmetic), the routing weight loaded once for the row
-    const float w = __ldg(p.topk_w + v);
+    // GEMM2: y row v, columns nb*128 + acc_col (store_pair's arithmetic), the row's routing weight loaded above
+    const float w = wrow[half];
     __nv_bfloat162* yrow = (__nv_bfloat162*)((bf16*)p.y + (int64_t)v * p.H + nb * BN);
 #pragma unroll
     for (int j = 0; j < T::NACC / 4; ++j) {
@@ -967,6 +1072,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
       yrow[mkidx::acc_col(t, i) >> 1] = __floats2bfloat162_rn(d[i] * w, d[i + 1] * w);
     }
   }
+  if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_EPI, (int64_t)gtime());  // timeline: its epilogue stores issued
 }
 
 
@@ -1286,6 +1392,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   const uint32_t b0 = (su32(slots + 2) + 7u) & ~7u;
   const WgBars<T> bars = {b0, b0 + 8u * 16u};
   const uint32_t tfull = b0 + 8u * 32u, tempty = tfull + 16u;
+  const uint32_t stg = (tempty + 16u + 127u) & ~127u;  // epilogue buffers
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) {
       mbar_init(bars.full + 8 * s, 128);
@@ -1359,7 +1466,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       const Meta md = {const_cast<int64_t*>(sl.a_off), const_cast<int64_t*>(sl.b_off), const_cast<int*>(sl.row_id),
                        nullptr};
       const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
-      wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi);
+      wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg);
       it += KT;
       named_sync(2, NCONS);  // every consumer's stores issued before the fences + signals
       signal_rows<T>(p, md, kind, mkidx::t_tile(task), ct, NCONS);

@@ -51,7 +51,7 @@ class MkParams(Structure):
     ]
 
 
-TR_HEAD, TR_SLOT = 8, 5  # MK_TR_HEAD, MK_TR_SLOT: scheduler words, words per queue slot
+TR_HEAD, TR_SLOT = 8, 6  # MK_TR_HEAD, MK_TR_SLOT: scheduler words, words per queue slot
 
 
 def source_dir() -> Path:

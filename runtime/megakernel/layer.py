@@ -224,7 +224,8 @@ class MegakernelMoE:
         """One forward with the persistent kernel stamping every task (globaltimer, ns; profiling the schedule).
 
         Returns times in µs from the first CTA's start: `tasks` (one dict per executed queue slot: kind, expert,
-        m-tile, n-field, parts, cta, published, claimed, mainloop_done (GEMMs: epilogue next), done), `ctas`
+        m-tile, n-field, parts, cta, published, claimed, mainloop_done (GEMMs: epilogue next), stores_issued (wgmma
+        tiles: signal next), done), `ctas`
         ([start, end] per processor CTA) and the
         scheduler's stamps. Syncs; the stamps cost a few stores per task, so absolute times run slightly long.
         """
@@ -254,12 +255,13 @@ class MegakernelMoE:
         kinds = {1: "gemm1", 2: "gemm2", 3: "combine"}
         tasks = []
         for i in range(self.counters()["total"]):
-            pub, claim, done, cta, main = raw[_lib.TR_HEAD + _lib.TR_SLOT * i:_lib.TR_HEAD + _lib.TR_SLOT * (i + 1)]
+            pub, claim, done, cta, main, epi = raw[_lib.TR_HEAD + _lib.TR_SLOT * i:_lib.TR_HEAD + _lib.TR_SLOT * (i + 1)]
             w = words[i] & ((1 << 64) - 1)  # the task word's fields (mk_index.h: enc)
             tasks.append({"slot": i, "kind": kinds.get(w >> 61, "?"), "expert": (w >> 48) & 0x1FF,
                           "mtile": (w >> 32) & 0xFFFF, "nfield": (w >> 20) & 0xFFF, "tile": w & 0xFFFFF,
                           "parts": ((w >> 57) & 0xF) + 1, "cta": cta, "published": us(pub), "claimed": us(claim),
-                          "mainloop_done": us(main), "done": us(done)})
+                          "mainloop_done": us(main), "stores_issued": us(epi),
+                          "done": us(done)})
         return {"tokens": s, "bm": bm, "grid": grid, "config": self.config.to_dict(),
                 "sched": {"start": us(raw[0]), "gemm1_published": us(raw[1]), "end": us(raw[2])},
                 "ctas": [[us(cta_raw[2 * b]), us(cta_raw[2 * b + 1])] for b in range(1, grid)], "tasks": tasks}
