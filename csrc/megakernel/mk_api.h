@@ -9,7 +9,10 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 11
+#define MK_ABI_VERSION 12
+// int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
+// the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
+#define MK_COUNT_STRIDE 32
 #define MK_MAX_SPLITS 16  // split-K parts per GEMM task (decode)
 
 // ctl[] words (int32), one set per layer instance.
@@ -64,7 +67,7 @@ typedef struct MkParams {
   float* logits;       // [logit_splits_max, S, E] fp32 partial gate logits (split over H)
   int32_t* topk_idx;   // [S_cap, K]
   float* topk_w;       // [S_cap, K]  renormalised weights; row (t, j) is t*K + j
-  int32_t* counts;     // [E]
+  int32_t* counts;     // [E * MK_COUNT_STRIDE]: expert e's row count at e * MK_COUNT_STRIDE (ABI 12)
   int32_t* lists;      // [E, S_cap]  rows t*K + j routed to each expert (order: atomics; results do not depend on it)
   void* h;             // [S_cap*K, I] bf16   SwiGLU activations per (token, slot)
   void* y;             // [S_cap*K, H] bf16   weighted expert output per (token, slot)

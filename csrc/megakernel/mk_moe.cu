@@ -420,7 +420,7 @@ template <class T>
 __device__ __forceinline__ void fill_meta_part(const MkParams& p, const Meta& md, int kind, int e, int mt, int nb, int first,
                                                int stride) {
   const int tid = first, K = (int)p.K, H = (int)p.H, I = (int)p.I;
-  const int cnt = p.counts[e];  // written by the routing kernel (earlier in the stream)
+  const int cnt = p.counts[e * MK_COUNT_STRIDE];  // written by the routing kernel (earlier in the stream)
   for (int r = tid; r < T::BM; r += stride) {
     const int m = mt * T::BM + r;
     const int v = m < cnt ? p.lists[(int64_t)e * p.S_cap + m] : -1;
@@ -947,9 +947,6 @@ __device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& m
   const int lane = t & 31, w = t >> 5;
   const uint32_t buf = stg + (uint32_t)(c * 4 + w) * 2048u;
   const int row0 = 64 * c + 16 * w;
-  int vout[4];  // the rows this lane copies out: lane / 8 + 4 k of the warp's 16
-#pragma unroll
-  for (int k = 0; k < 4; ++k) vout[k] = md.row_id[row0 + (lane >> 3) + 4 * k];
   const int mi = lane >> 3, rr = 8 * (mi & 1) + (lane & 7);  // the matrix and row whose address this lane gives
 #pragma unroll
   for (int ch = 0; ch < JN / 8; ++ch) {
@@ -970,7 +967,7 @@ __device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& m
     __syncwarp();
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const int v = vout[k], row = (lane >> 3) + 4 * k, u = lane & 7;
+      const int row = (lane >> 3) + 4 * k, u = lane & 7, v = md.row_id[row0 + row];  // (read here: registers)
       if (v < 0) continue;
       uint4 val;
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -1103,7 +1100,7 @@ __device__ void tile_prefix(const MkParams& p, int* base) {
   const int lane = threadIdx.x & 31, E = (int)p.E, bm = T::BM;
   const int per = (E + 31) / 32, e0 = lane * per, e1 = min(E, e0 + per);
   int sum = 0;
-  for (int e = e0; e < e1; ++e) sum += (p.counts[e] + bm - 1) / bm;
+  for (int e = e0; e < e1; ++e) sum += (p.counts[e * MK_COUNT_STRIDE] + bm - 1) / bm;
   int incl = sum;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -1113,7 +1110,7 @@ __device__ void tile_prefix(const MkParams& p, int* base) {
   int run = incl - sum;
   for (int e = e0; e < e1; ++e) {
     base[e] = run;
-    run += (p.counts[e] + bm - 1) / bm;
+    run += (p.counts[e * MK_COUNT_STRIDE] + bm - 1) / bm;
   }
   if (lane == 31) base[E] = incl;
 }
@@ -1480,7 +1477,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
 // Zero the counters of the expert kernel and bump the launch epoch (one block; the next kernels see it).
 __device__ void reset_ctl(const MkParams& p) {
   const int tid = threadIdx.x;
-  for (int i = tid; i < p.E; i += blockDim.x) p.counts[i] = 0;
+  for (int i = tid; i < p.E; i += blockDim.x) p.counts[i * MK_COUNT_STRIDE] = 0;
   for (int i = tid; i < p.max_tiles; i += blockDim.x) p.g1done[i] = 0;
   for (int i = tid; i < p.max_ctiles; i += blockDim.x) p.comb[i] = 0;
   if (p.sk_cnt) {
@@ -1508,7 +1505,7 @@ __global__ void k_lists(const MkParams p) {
     report(p, MK_ERR_BAD_EXPERT, row, e, 0);
     return;
   }
-  const int pos = atomicAdd(&p.counts[e], 1);
+  const int pos = atomicAdd(p.counts + e * MK_COUNT_STRIDE, 1);
   p.lists[(int64_t)e * p.S_cap + pos] = (int)row;
 }
 // ----------------------------------------------------------------------------------------------------------
@@ -1669,7 +1666,7 @@ __global__ void __launch_bounds__(THREADS) k_topk(const MkParams p, int splits) 
       const int e = sel_i[j], row = t * K + j;
       p.topk_idx[row] = e;
       p.topk_w[row] = sel_v[j] / denom;
-      const int pos = atomicAdd(&p.counts[e], 1);
+      const int pos = atomicAdd(p.counts + e * MK_COUNT_STRIDE, 1);
       p.lists[(int64_t)e * p.S_cap + pos] = row;
     }
   }
@@ -1771,7 +1768,7 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
     const int e = s_sel_i[tid], row_id = t * K + tid;
     p.topk_idx[row_id] = e;
     p.topk_w[row_id] = s_sel_v[tid] / denom;
-    const int pos = atomicAdd(&p.counts[e], 1);
+    const int pos = atomicAdd(p.counts + e * MK_COUNT_STRIDE, 1);
     p.lists[(int64_t)e * p.S_cap + pos] = row_id;
   }
 }

@@ -193,7 +193,9 @@ class MegakernelConfig:
         if self.stages:
             return self.stages
         if bm == 128 and self.bn == 256 and self.core == "wgmma":
-            return 3  # run 12, wide tile: S=4096 1331 us at 3 stages vs 1357 at 4; S=1024 526 vs 527
+            # run 12, wide tile: 3 stages (S=4096 1331 us vs 1357 at 4). Run 26, after the epilogue fixes, in three
+            # builds side by side: 4 stages 1.5-2% faster at S=1024 (398.5 vs 405.0 us) and 1-2% at S=4096
+            return 4
         if bm >= 64:
             # wgmma core: one producer warpgroup streams stages-1 tiles ahead per CTA; 4 stages = 128 KB
             # (bm=128, 1 CTA/SM) / 96 KB (bm=64, 2 CTAs/SM). Run 10 at S=1024: 4 stages 578 us, 3 587, 6 920.

@@ -91,7 +91,7 @@ class MegakernelMoE:
         self.logits = z(self.logit_splits * max_tokens * e, dtype=torch.float32, device=dev)
         self.topk_idx = z(max_tokens, k, dtype=i32, device=dev)
         self.topk_w = z(max_tokens, k, dtype=torch.float32, device=dev)
-        self.counts = z(e, dtype=i32, device=dev)
+        self.counts = z(e * _lib.COUNT_STRIDE, dtype=i32, device=dev)  # one 128-byte line per expert
         self.lists = z(e, max_tokens, dtype=i32, device=dev)
         self.h = z(max_tokens * k, i, dtype=bf, device=dev)
         self.y = z(max_tokens * k, h, dtype=bf, device=dev)
