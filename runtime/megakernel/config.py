@@ -194,7 +194,7 @@ class MegakernelConfig:
             return self.stages
         if bm == 128 and self.bn == 256 and self.core == "wgmma":
             # run 12, wide tile: 3 stages (S=4096 1331 us vs 1357 at 4). Run 26, after the epilogue fixes, in three
-            # builds side by side: 4 stages 1.5-2% faster at S=1024 (398.5 vs 405.0 us) and 1-2% at S=4096
+            # builds: 4 stages 1.6-2.2% faster at S=1024 (v3: 398.5 vs 405.0 us) and 0.4-1.5% at S=4096
             return 4
         if bm >= 64:
             # wgmma core: one producer warpgroup streams stages-1 tiles ahead per CTA; 4 stages = 128 KB
