@@ -720,6 +720,8 @@ __device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, i
     float s[8];
 #pragma unroll
     for (int q = 0; q < 8; ++q) s[q] = 0.f;
+    // (run 29: loading the slots 4 at a time before adding them left a COMBINE task at 3.8 us and moved the wide
+    // kernels' register allocation: the GEMM epilogues got 0.7 us slower. One slot at a time it stays.)
     for (int j = 0; j < K; ++j) {
       const uint4 v = __ldcg((const uint4*)(y + ((int64_t)t * K + j) * H + c * 8));
       const __nv_bfloat162* b = (const __nv_bfloat162*)&v;
@@ -1551,49 +1553,58 @@ constexpr int MAX_SPLITS = 16;     // logit planes k_topk adds (layer.py caps lo
 constexpr int TOPK_TOKENS = THREADS / 32;  // one warp per token
 
 // Softmax (fp32), top-k (ties: lower expert first), renormalise; append (t, j) to its expert's list.
-// Phase 1: the whole block adds the split planes of its tokens' logits into shared memory, every load of a
-// thread issued before its first add (run 5 under ncu: 24 us at S=1 when each lane chained its 16 plane
-// loads one after another); the planes are added in plane order, so the logits are the same bits as before.
-// Phase 2: one warp per token: softmax, top-k, renormalise.
-__global__ void __launch_bounds__(THREADS) k_topk(const MkParams p, int splits) {
-  __shared__ float s_lg[TOPK_TOKENS][32 * MAXE_PER_LANE];
+// Phase 1: the whole block adds the split planes of its tokens' logits into shared memory, a thread's loads of four
+// planes issued before their adds (run 5 under ncu: 24 us at S=1 when each lane chained its 16 plane loads one after
+// another); the planes are added in plane order, so the logits are the same bits as before.
+// Phase 2: one warp per token: softmax, top-k, renormalise. NI = experts per lane, a compile-time bound (E <= 32 NI):
+// with MAXE_PER_LANE-long arrays and runtime bounds, the unrolled loops ran predicated (ncu, run 27 at S=4096: 16.6
+// of 32 threads doing work per instruction) and 96 registers left 1.55 waves of blocks; each lane now keeps only its
+// own pick (lane j: pick j), and the 64-register bound fits S=4096's 1024 blocks in one wave.
+template <int NI>
+__global__ void __launch_bounds__(THREADS, 8) k_topk(const MkParams p, int splits) {
+  static_assert(NI >= 1 && NI <= MAXE_PER_LANE, "experts per lane");
+  __shared__ float s_lg[TOPK_TOKENS][32 * NI];
   const int lane = threadIdx.x & 31;
   const int t0 = blockIdx.x * TOPK_TOKENS;
   const int E = (int)p.E, K = (int)p.K;
   const int ntok = min(TOPK_TOKENS, (int)p.S - t0);
   const int64_t plane = p.S * p.E;
   for (int i0 = 0; i0 < ntok * E; i0 += THREADS * 4) {
-    float part[4][MAX_SPLITS];
+    const float* src[4];
+    bool ok[4];
+    float a[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int i = i0 + r * THREADS + threadIdx.x;
-      const bool ok = i < ntok * E;
-      const float* src = p.logits + (int64_t)(t0 + (ok ? i / E : 0)) * E + (ok ? i % E : 0);
+      ok[r] = i < ntok * E;
+      src[r] = p.logits + (int64_t)(t0 + (ok[r] ? i / E : 0)) * E + (ok[r] ? i % E : 0);
+      a[r] = 0.f;
+    }
+    for (int z0 = 0; z0 < splits; z0 += 4) {
+      float part[4][4];
 #pragma unroll
-      for (int z = 0; z < MAX_SPLITS; ++z) part[r][z] = ok && z < splits ? __ldg(src + z * plane) : 0.f;
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int z = 0; z < 4; ++z) part[r][z] = ok[r] && z0 + z < splits ? __ldg(src[r] + (z0 + z) * plane) : 0.f;
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int z = 0; z < 4; ++z)
+          if (z0 + z < splits) a[r] = z0 + z == 0 ? part[r][z] : a[r] + part[r][z];  // plane order: the same bits
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int i = i0 + r * THREADS + threadIdx.x;
-      float a = part[r][0];
-#pragma unroll
-      for (int z = 1; z < MAX_SPLITS; ++z)
-        if (z < splits) a += part[r][z];  // fixed order: reproducible
-      if (i < ntok * E) s_lg[i / E][i % E] = a;
+      if (ok[r]) s_lg[i / E][i % E] = a[r];
     }
   }
   __syncthreads();
   const int tl = threadIdx.x >> 5, t = t0 + tl;
   if (tl >= ntok) return;
-  // One warp's serial chain is the whole cost at small S (run 7 under ncu: 13.6 us at S=1 with every loop
-  // running to 32 * MAXE_PER_LANE): loops stop at E (warp-uniform), and each lane keeps its best unpicked
-  // expert, rescanning only after its own pick.
-  const int NI = (E + 31) / 32;
-  float v[MAXE_PER_LANE];
+  float v[NI];
   float m = -INFINITY;
 #pragma unroll
-  for (int i = 0; i < MAXE_PER_LANE; ++i) {
-    if (i >= NI) break;
+  for (int i = 0; i < NI; ++i) {
     const int e = lane + 32 * i;
     v[i] = e < E ? s_lg[tl][e] : -INFINITY;
     m = fmaxf(m, v[i]);
@@ -1602,35 +1613,27 @@ __global__ void __launch_bounds__(THREADS) k_topk(const MkParams p, int splits) 
   for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
   float s = 0.f;
 #pragma unroll
-  for (int i = 0; i < MAXE_PER_LANE; ++i) {
-    if (i >= NI) break;
+  for (int i = 0; i < NI; ++i) {
     v[i] = lane + 32 * i < E ? expf(v[i] - m) : 0.f;
     s += v[i];
   }
 #pragma unroll
   for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(~0u, s, o);
 #pragma unroll
-  for (int i = 0; i < MAXE_PER_LANE; ++i) {
-    if (i >= NI) break;
-    v[i] = lane + 32 * i < E ? v[i] / s : -1.f;
-  }
+  for (int i = 0; i < NI; ++i) v[i] = lane + 32 * i < E ? v[i] / s : -1.f;
   unsigned taken = 0;
-  float sel_v[MAXK];
-  int sel_i[MAXK];
-  float sum = 0.f;
+  float sum = 0.f, my_v = 0.f;
+  int my_i = 0;
   float lv = -2.f;  // this lane's best unpicked (value, expert): ties keep the lower index
   int li = 1 << 30;
 #pragma unroll
-  for (int i = 0; i < MAXE_PER_LANE; ++i) {
-    if (i >= NI) break;
+  for (int i = 0; i < NI; ++i) {
     if (v[i] > lv) {
       lv = v[i];
       li = lane + 32 * i;
     }
   }
-#pragma unroll
-  for (int j = 0; j < MAXK; ++j) {
-    if (j >= K) break;
+  for (int j = 0; j < K; ++j) {
     float bv = lv;
     int bi = li;
 #pragma unroll
@@ -1647,28 +1650,26 @@ __global__ void __launch_bounds__(THREADS) k_topk(const MkParams p, int splits) 
       lv = -2.f;
       li = 1 << 30;
 #pragma unroll
-      for (int i = 0; i < MAXE_PER_LANE; ++i) {
-        if (i >= NI) break;
+      for (int i = 0; i < NI; ++i) {
         if (!((taken >> i) & 1) && v[i] > lv) {
           lv = v[i];
           li = lane + 32 * i;
         }
       }
     }
-    sel_v[j] = bv;
-    sel_i[j] = bi;
-    sum += bv;
+    if (lane == j) {
+      my_v = bv;
+      my_i = bi;
+    }
+    sum += bv;  // warp-uniform: every lane adds the picks in pick order
   }
   const float denom = fmaxf(sum, 1e-20f);
-#pragma unroll
-  for (int j = 0; j < MAXK; ++j) {
-    if (j < K && lane == j) {
-      const int e = sel_i[j], row = t * K + j;
-      p.topk_idx[row] = e;
-      p.topk_w[row] = sel_v[j] / denom;
-      const int pos = atomicAdd(p.counts + e * MK_COUNT_STRIDE, 1);
-      p.lists[(int64_t)e * p.S_cap + pos] = row;
-    }
+  if (lane < K) {
+    const int row = t * K + lane;
+    p.topk_idx[row] = my_i;
+    p.topk_w[row] = my_v / denom;
+    const int pos = atomicAdd(p.counts + my_i * MK_COUNT_STRIDE, 1);
+    p.lists[(int64_t)my_i * p.S_cap + pos] = row;
   }
 }
 
@@ -1970,7 +1971,13 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
     k_topk_small<<<(unsigned)p->S, SMALL_THREADS, 0, s>>>(*p, splits);
     if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_topk_small launch", e);
   } else if (p->S > 0) {
-    k_topk<<<(unsigned)((p->S + 3) / 4), THREADS, 0, s>>>(*p, splits);
+    const unsigned blocks = (unsigned)((p->S + TOPK_TOKENS - 1) / TOPK_TOKENS);
+    const int ni = (int)(p->E + 31) / 32;  // experts per lane, rounded up to the instantiated bounds
+    if (ni <= 1) k_topk<1><<<blocks, THREADS, 0, s>>>(*p, splits);
+    else if (ni <= 2) k_topk<2><<<blocks, THREADS, 0, s>>>(*p, splits);
+    else if (ni <= 4) k_topk<4><<<blocks, THREADS, 0, s>>>(*p, splits);
+    else if (ni <= 8) k_topk<8><<<blocks, THREADS, 0, s>>>(*p, splits);
+    else k_topk<16><<<blocks, THREADS, 0, s>>>(*p, splits);
     if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_topk launch", e);
   }
   return 0;
