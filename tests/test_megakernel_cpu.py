@@ -760,7 +760,7 @@ def test_small_topk_setting_and_source():
     """route_small_max (ABI 10): S up to it runs k_topk_small; the launch picks by S on the host (capturable)."""
     from moetune.runtime.megakernel import _lib
 
-    assert MegakernelConfig().route_small_max == 256 and MegakernelConfig.parse("route_small_max=0").route_small_max == 0
+    assert MegakernelConfig().route_small_max == 0 and MegakernelConfig.parse("route_small_max=0").route_small_max == 0
     with pytest.raises(ConfigError, match="route_small_max"):
         MegakernelConfig.parse("route_small_max=-1")
     assert "route_small_max" in [f[0] for f in _lib.MkParams._fields_] and _lib.ABI_VERSION >= 10

@@ -8,8 +8,8 @@ the one vocabulary the tuner searches and profiles store) and the timeout is the
 and `to_dict` remain for benchmarks and tests; every error names the field. 0 in `bm`, `bn`, `ctas_per_sm` and
 `processor_ctas` means "pick from the shape / the occupancy query" (`resolve` decides `bn` for a layer's shape).
 Settings that are not knobs: `tma` (TMA loads of the weight tiles: 2-3.5% everywhere in run 11, under the 5% that
-makes a knob), `route_small_max` (where routing switches top-k kernels: the small-S kernel won at every S up
-to 128 and lost from 1024 up in run 14, so only the crossover is left to place) and `publish_all` (up to 7% at S=1,
+makes a knob), `route_small_max` (where routing switches top-k kernels: since run 30 the one-warp-per-token kernel
+wins at every measured S, so the default is 0; the block-per-token kernel stays selectable for shapes not measured) and `publish_all` (up to 7% at S=1,
 but 0 was never faster at any S in runs 15-19: nothing for a search to find).
 """
 
@@ -76,9 +76,11 @@ class MegakernelConfig:
     # Routing's top-k for launches of S <= route_small_max tokens: one 128-thread block per token (every thread
     # ranks its experts against all E probabilities at once) instead of one warp per token walking K rounds of
     # shuffles. Same bits either way; 0 = always one warp per token. Run 14 (routing µs, graph replay): S=1 16.6
-    # vs 20.9, S=16 17.6 vs 22.7, S=128 20.2 vs 24.0, but S=1024 35.8 vs 31.2 and 4096 80.1 vs 55.1; between 128
-    # and 1024 unmeasured, so the switch sits at 256.
-    route_small_max: int = 256
+    # vs 20.9, S=16 17.6 vs 22.7, S=128 20.2 vs 24.0, but S=1024 35.8 vs 31.2 and 4096 80.1 vs 55.1. Run 29 rewrote
+    # k_topk (experts per lane a template bound, 64 registers); run 30, the whole layer side by side in one process,
+    # graph µs, route_small_max 0 vs 256: S=1 59.2 vs 63.7, S=16 223.0 vs 225.3, S=128 320.1 vs 323.8. So 0: the
+    # block-per-token kernel no longer wins on the Qwen3-30B shape (E=128); it stays for shapes not measured.
+    route_small_max: int = 0
     # 1: launches on the mma-core tiles (the bm = 16 decode tile, and bm 64/128 with core = mma) publish every task
     # at launch (GEMM1s, then GEMM2s tile-major, then COMBINEs), and a processor that claims a GEMM2 starts its first
     # weight stages (TMA) before it waits for the m-tile's GEMM1s itself; a COMBINE waits for its rows. The weights
