@@ -379,6 +379,36 @@ def test_small_topk_is_k_topks_bits(new_layers, model, s):
     b.check()
 
 
+@pytest.mark.parametrize("spec", ["custom:256,128,16,4", "custom:256,128,40,6", "custom:256,128,256,8"])
+def test_topk_other_expert_counts(spec):
+    """k_topk is instantiated per experts-per-lane bound (E <= 32, 64, 128, 256, 512): for E = 16, 40 (not a
+    multiple of 32) and 256 its picks and weights are k_topk_small's bits, torch's route's experts for >= 99% of
+    the tokens, and the layer's output matches the dense reference."""
+    _need_gpu()
+    from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
+    from moetune.runtime.moe_layer import route
+    from moetune.runtime.shapes import get_model
+
+    m, s = get_model(spec), 300
+    x = _x(s, m.hidden, seed=1600 + m.experts)
+    a = MegakernelMoE(m, max_tokens=s, seed=0, config=MegakernelConfig.parse("route_small_max=0"))
+    b = MegakernelMoE(m, max_tokens=s, config=MegakernelConfig.parse("route_small_max=4096"), w_gate_up=a.w_gate_up,
+                      w_down=a.w_down, gate=a.gate)
+    ya = a.forward(x, out=_poisoned(s, m.hidden)).clone()
+    ia, wa = (t.clone() for t in a.routing(s))
+    yb = b.forward(x)
+    ib, wb = b.routing(s)
+    torch.cuda.synchronize()
+    assert torch.equal(ia, ib) and torch.equal(wa.view(torch.int32), wb.view(torch.int32)), spec
+    assert torch.equal(ya.view(torch.int16), yb.view(torch.int16))
+    assert int(ia.min()) >= 0 and int(ia.max()) < m.experts
+    ridx, _ = route(x, a.gate, m.topk)
+    same = (ia.sort(1).values == ridx.sort(1).values).all(1)
+    assert same.float().mean().item() >= 0.99
+    _check(a, m, x, ya, ia, wa)
+    b.check()
+
+
 @pytest.mark.parametrize(("cfg", "s"), [("", 1), ("", 7), ("", 128), ("", 300), ("split_k1=1,split_k2=1", 1),
                                         ("tma=0", 7), ("core=mma,bm=64", 1000)])
 def test_publish_all_matches_plain_exactly(new_layers, model, cfg, s):

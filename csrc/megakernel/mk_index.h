@@ -132,6 +132,17 @@ MK_HD uint64_t queue_word(int i, const int* base, int E, int G1, int KS1, int G2
   return enc(MK_TASK_COMBINE, 0, c / NC, c % NC, 0);
 }
 
+// ---- staged epilogue (the overlap kernel's wg_store_staged): a consumer warp's 16 rows x 64 columns of bf16 ------
+// Row r of the 2 KB buffer at r * 128, its 16-byte unit u (columns 8u .. 8u+7 of the chunk) at (u ^ (r & 7)) * 16:
+// the 8 rows of an 8x8 matrix, and the 8 units of a row, each land in distinct bank groups.
+MK_HD uint32_t stage_out_off(uint32_t row, uint32_t unit) { return row * 128u + ((unit ^ (row & 7u)) << 4); }
+// stmatrix .x4 number m (0..3) of chunk ch: lane l gives the address of row l & 7 of matrix l >> 3, which is warp
+// row stsm_row(l) and unit stsm_unit(m, l); register q of every thread holds matrix q, the accumulator pair of half
+// q & 1 (acc_row's + 8) in 8-column group stsm_group(ch, m, q) of the output row.
+MK_HD uint32_t stsm_row(uint32_t lane) { return 8u * ((lane >> 3) & 1u) + (lane & 7u); }
+MK_HD uint32_t stsm_unit(uint32_t m, uint32_t lane) { return 2u * m + (lane >> 4); }
+MK_HD uint32_t stsm_group(uint32_t ch, uint32_t m, uint32_t q) { return 8u * ch + 2u * m + (q >> 1); }
+
 // ---- split-K (decode): partial sums of (GEMM, m-tile, n-block) "slots" -------------------------------
 // Slot of a GEMM1 task: tile * N1 + nb; of a GEMM2 task: max_tiles * N1 + tile * N2 + nb.
 MK_HD int sk_slot(int gemm2, int tile, int nb, int n1, int n2, int max_tiles) {

@@ -949,22 +949,21 @@ __device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& m
   const int lane = t & 31, w = t >> 5;
   const uint32_t buf = stg + (uint32_t)(c * 4 + w) * 2048u;
   const int row0 = 64 * c + 16 * w;
-  const int mi = lane >> 3, rr = 8 * (mi & 1) + (lane & 7);  // the matrix and row whose address this lane gives
+  const uint32_t rr = mkidx::stsm_row(lane);  // the row whose address this lane gives to stmatrix
 #pragma unroll
   for (int ch = 0; ch < JN / 8; ++ch) {
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       uint32_t r[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {  // matrix q: half q & 1, group j = 8 ch + 2 m + (q >> 1)
-        const int j = 8 * ch + 2 * m + (q >> 1), i = 4 * j + 2 * (q & 1);
+      for (int q = 0; q < 4; ++q) {  // matrix q: half q & 1, 8-column group j
+        const int j = (int)mkidx::stsm_group(ch, m, q), i = 4 * j + 2 * (q & 1);
         if constexpr (G1)
           r[q] = silu_pair(d[i], d[i + 1], d[i + UP], d[i + UP + 1]);
         else
           r[q] = bf2_bits(__floats2bfloat162_rn(d[i] * wrow[q & 1], d[i + 1] * wrow[q & 1]));
       }
-      const int u = 2 * m + (mi >> 1);
-      stsm_x4(buf + rr * 128 + ((u ^ (rr & 7)) << 4), r[0], r[1], r[2], r[3]);
+      stsm_x4(buf + mkidx::stage_out_off(rr, mkidx::stsm_unit(m, lane)), r[0], r[1], r[2], r[3]);
     }
     __syncwarp();
 #pragma unroll
@@ -974,7 +973,7 @@ __device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& m
       uint4 val;
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                   : "r"(buf + row * 128 + ((u ^ (row & 7)) << 4)));
+                   : "r"(buf + mkidx::stage_out_off(row, u)));
       bf16* dst = G1 ? (bf16*)p.h + (int64_t)v * p.I + nb * 64 + ch * 64 + u * 8
                      : (bf16*)p.y + (int64_t)v * p.H + nb * BN + ch * 64 + u * 8;
       *reinterpret_cast<uint4*>(dst) = val;

@@ -374,6 +374,50 @@ int main() {
     for (int i = 0; i < (int)want.size(); ++i)
       CHECK(queue_word(i, base.data(), E, G1, KS1, G2, KS2, NC, W) == want[i], "queue_word trial %d slot %d", trial, i);
   }
+  // 11. the staged epilogue: stmatrix x4 number m of chunk ch, then the lanes' 16-byte copy-out, put accumulator
+  //     (warp row, column) of the fragment (acc_row / acc_col, register i = 4 j + 2 half) where the copy-out reads
+  //     that row's column; no two values share a byte pair, and neither side has bank conflicts
+  for (uint32_t ch = 0; ch < 4; ++ch) {
+    std::vector<int> buf(2048 / 2, -1);  // buffer element (2 bytes) -> the column it holds, per row below
+    std::vector<int> brow(2048 / 2, -1);
+    for (uint32_t m = 0; m < 4; ++m) {
+      // stmatrix semantics: matrix q's row rr (0..7) goes to the address lane 8 q + rr gives; its element c comes
+      // from thread 4 rr + c / 2, register q, half c % 2
+      for (uint32_t q = 0; q < 4; ++q) {
+        std::set<uint32_t> banks;
+        for (uint32_t r8 = 0; r8 < 8; ++r8) {
+          const uint32_t lane = 8 * q + r8, row = stsm_row(lane), unit = stsm_unit(m, lane);
+          const uint32_t off = stage_out_off(row, unit);
+          CHECK(off % 16 == 0 && off + 16 <= 2048, "stsm address ch=%u m=%u lane=%u", ch, m, lane);
+          banks.insert((off / 16) % 8);
+          for (uint32_t c = 0; c < 8; ++c) {
+            const uint32_t t = 4 * r8 + c / 2;  // the thread holding the element (lane within the warp)
+            const uint32_t j = stsm_group(ch, m, q), i = 4 * j + 2 * (q & 1) + (c & 1);
+            const uint32_t fr = acc_row(t, i), fc = acc_col(t, i);  // what the fragment says register i holds
+            CHECK(fr == row && fc == 64 * ch + 8 * unit + c, "fragment ch=%u m=%u q=%u r=%u c=%u: (%u, %u)", ch, m, q,
+                  r8, c, fr, fc);
+            const uint32_t e = (off + 2 * c) / 2;
+            CHECK(buf[e] < 0, "byte pair written twice ch=%u off=%u", ch, off + 2 * c);
+            buf[e] = (int)fc;
+            brow[e] = (int)fr;
+          }
+        }
+        CHECK(banks.size() == 8, "stmatrix rows share bank groups ch=%u m=%u q=%u", ch, m, q);
+      }
+    }
+    // copy-out: lane l, k = 0..3 reads unit l & 7 of row l / 8 + 4 k -> global columns 64 ch + 8 (l & 7) ..
+    for (uint32_t k = 0; k < 4; ++k) {
+      std::set<uint32_t> groups;
+      for (uint32_t lane = 0; lane < 32; ++lane) {
+        const uint32_t row = (lane >> 3) + 4 * k, unit = lane & 7, off = stage_out_off(row, unit);
+        groups.insert(off / 16 % 8 + 8 * (lane >> 3));
+        for (uint32_t c = 0; c < 8; ++c)
+          CHECK(buf[(off + 2 * c) / 2] == (int)(64 * ch + 8 * unit + c) && brow[(off + 2 * c) / 2] == (int)row,
+                "copy-out ch=%u row=%u unit=%u c=%u", ch, row, unit, c);
+      }
+      CHECK(groups.size() == 32, "copy-out bank groups k=%u", k);  // each row's 8 units in distinct bank groups
+    }
+  }
   printf("ok %ld\n", n_checks);
   return 0;
 }
