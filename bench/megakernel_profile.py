@@ -81,11 +81,12 @@ def summarize(tl: dict) -> None:
             steady.setdefault(b["kind"], []).append(b["done"] - a["done"])
     for kind, v in sorted(steady.items()):
         v.sort()
-        epi = sorted(t["done"] - t["mainloop_done"] for t in tasks if t["kind"] == kind and t.get("mainloop_done"))
-        sig = sorted(t["done"] - t["stores_issued"] for t in tasks if t["kind"] == kind and t.get("stores_issued"))
-        print(f"  {kind:8s} done-to-done p50 {v[len(v) // 2]:7.2f} us" +
-              (f", mainloop done -> done p50 {epi[len(epi) // 2]:6.2f} us" if epi else "") +
-              (f", stores issued -> done p50 {sig[len(sig) // 2]:6.2f} us" if sig else ""))
+        line = f"  {kind:8s} done-to-done p50 {v[len(v) // 2]:7.2f} us"
+        for stamp, label in (("mainloop_done", "mainloop done"), ("stores_issued", "stores issued")):
+            d = sorted(t["done"] - t[stamp] for t in tasks if t["kind"] == kind and t.get(stamp))
+            if d:
+                line += f", {label} -> done p50 {d[len(d) // 2]:6.2f} us"
+        print(line)
     # GEMM2 release latency: last GEMM1 done of the m-tile -> its GEMM2 published
     last_g1: dict[int, float] = {}
     for t in tasks:

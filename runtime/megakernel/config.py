@@ -9,8 +9,8 @@ and `to_dict` remain for benchmarks and tests; every error names the field. 0 in
 `processor_ctas` means "pick from the shape / the occupancy query" (`resolve` decides `bn` for a layer's shape).
 Settings that are not knobs: `tma` (TMA loads of the weight tiles: 2-3.5% everywhere in run 11, under the 5% that
 makes a knob), `route_small_max` (where routing switches top-k kernels: since run 30 the one-warp-per-token kernel
-wins at every measured S, so the default is 0; the block-per-token kernel stays selectable for shapes not measured) and `publish_all` (up to 7% at S=1,
-but 0 was never faster at any S in runs 15-19: nothing for a search to find).
+wins at every measured S, so the default is 0; the block-per-token kernel stays selectable for shapes not measured)
+and `publish_all` (up to 7% at S=1, but 0 was never faster at any S in runs 15-19: nothing for a search to find).
 """
 
 from __future__ import annotations
