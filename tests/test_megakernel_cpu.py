@@ -785,3 +785,64 @@ def test_publish_all_and_trace_fields() -> None:
     # the GEMM2's weight stages start before the wait, the A rows (its inputs) only after it
     tma = src[src.index("void gemm_tile_tma("):src.index("// ---- task encoding")]
     assert tma.index("issue_b(s);\n    wait_inputs(") < tma.index("issue_a(s);")
+
+
+def test_route_fused_abi_and_setting() -> None:
+    """ABI 13: route_fused travels last in MkParams, is a validated 0/1 setting (1 by default), the ctl buffer has the
+    header's word count and k_route's ticket / ready words sit where the header says (the ticket 8-byte aligned)."""
+    from moetune.runtime.megakernel import ConfigError, MegakernelConfig, _lib
+
+    hdr = _header()
+    assert [f[0] for f in _lib.MkParams._fields_][-1] == "route_fused" and _lib.ABI_VERSION >= 13
+    assert MegakernelConfig().route_fused == 1 and MegakernelConfig.parse("route_fused=0").route_fused == 0
+    with pytest.raises(ConfigError, match="route_fused"):
+        MegakernelConfig.parse("route_fused=2")
+    words = {k: int(v) for k, v in re.findall(r"(MK_CTL_\w+) = (\d+)", hdr)}
+    assert words["MK_CTL_WORDS"] == _lib.CTL_WORDS
+    assert words["MK_CTL_ROUTE_TICKET"] == _lib.CTL_ROUTE_TICKET and _lib.CTL_ROUTE_TICKET % 2 == 0
+    assert words["MK_CTL_ROUTE_READY"] == _lib.CTL_ROUTE_READY
+    assert max(v for k, v in words.items() if k != "MK_CTL_WORDS") < _lib.CTL_WORDS
+    # nothing but k_route touches its words: reset_ctl (run by every routing path) leaves them alone
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    reset = src[src.index("void reset_ctl("):]
+    reset = reset[:reset.index("\n}\n")]
+    assert "ROUTE" not in reset
+    route = src[src.index("__global__ void __launch_bounds__(T::THREADS, T::MINB) k_route("):src.index("// ---- host side")]
+    assert "MK_ERR_ROUTE_TIMEOUT" in route and "p.timeout_ns" in route  # the reset wait is bounded
+    assert route.index("reset_ctl(p)") < route.index("st_release(p.ctl + MK_CTL_ROUTE_READY")
+    assert route.index("cl.sync();  // no CTA leaves") < route.index("topk_row<NI>")
+
+
+def _route_tickets(n_ctas: int, launches: int, order_seed: int) -> list[tuple[int, int]]:
+    """A model of k_route's ticket words: CTAs of each launch arrive in a random order and draw (generation, count)
+    from one 64-bit word; count 0 resets and releases generation + 1; the last arrival moves the generation on.
+    Returns, per launch, (the value the waiters want, the value released)."""
+    import random
+
+    rng = random.Random(order_seed)
+    ticket, ready, out = 0, 0, []
+    for _ in range(launches):
+        wants, released = set(), None
+        for _cta in rng.sample(range(n_ctas), n_ctas):
+            v = ticket
+            ticket += 1
+            gen, count = v >> 32, v & 0xFFFFFFFF
+            if count + 1 == n_ctas:
+                ticket += (1 << 32) - n_ctas
+            wants.add(gen + 1)
+            if count == 0:
+                ready = released = gen + 1
+        assert len(wants) == 1 and released is not None
+        out.append((wants.pop(), released))
+        assert ticket & 0xFFFFFFFF == 0 and ready == ticket >> 32
+    return out
+
+
+@pytest.mark.parametrize("n_ctas", [1, 2, 8, 256])
+def test_route_ticket_model(n_ctas: int) -> None:
+    """Every CTA of a launch wants exactly the value its resetter releases, and never a value an earlier launch
+    released (a waiter must not pass on the previous launch's reset)."""
+    seen: set[int] = set()
+    for want, released in _route_tickets(n_ctas, 40, order_seed=n_ctas):
+        assert want == released and want not in seen
+        seen.add(want)
