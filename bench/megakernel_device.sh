@@ -44,7 +44,7 @@ fi
 if [ "$what" = ncu ] || [ "$what" = all-ncu ]; then
   # a few counters of the routing kernels and the persistent kernel, per S (NCU_TOKENS), clocks left alone
   for s in ${NCU_TOKENS:-1 4096}; do
-    timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --kernel-name regex:'k_experts|k_logits|k_topk|k_route' \
+    timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --kernel-name regex:'k_experts|k_logits|k_topk' \
       --launch-skip 3 --launch-count 3 --section SpeedOfLight --section Occupancy --section WarpStateStats \
       --section LaunchStats --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
       python3 bench/megakernel_profile.py --tokens "$s" ${NCU_CONFIG:+--config "$NCU_CONFIG"} > "$OUT/ncu_S$s.txt" 2>&1

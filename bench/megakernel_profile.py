@@ -1,6 +1,6 @@
 """Drive the megakernel for ncu: build the layer for S tokens, run `--calls` forwards (routing + persistent kernel).
 
-    ncu --clock-control none --kernel-name regex:'k_experts|k_logits|k_topk|k_route' --launch-skip 3 --launch-count 3 \
+    ncu --clock-control none --kernel-name regex:'k_experts|k_logits|k_topk' --launch-skip 3 --launch-count 3 \
         python bench/megakernel_profile.py --tokens 1
 
 `--trace`: instead, replay one captured CUDA graph of the layer `--calls` times under torch.profiler and print

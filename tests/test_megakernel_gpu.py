@@ -10,7 +10,6 @@ scheduler model's `plan`. Skipped with a reason without CUDA or without the libr
 
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 
@@ -378,59 +377,6 @@ def test_small_topk_is_k_topks_bits(new_layers, model, s):
     assert torch.equal(ya.view(torch.int16), yb.view(torch.int16))
     a.check()
     b.check()
-
-
-@pytest.mark.parametrize("s", [1, 7, 64, 65, 300, 1024, 4096])
-def test_fused_route_is_two_kernels_bits(new_layers, model, s):
-    """k_route (route_fused=1: the gate GEMM's splits as one cluster, partials added through distributed shared memory,
-    top-k in the same kernel) against k_logits + k_topk (route_fused=0, partial planes through global memory): the same
-    experts in the same order, the same weights and the same layer output, bit for bit, on both gate tiles (S <= 64:
-    16 rows, else 64)."""
-    x = _x(s, model.hidden, seed=1700 + s)
-    a, b = new_layers("route_fused=1"), new_layers("route_fused=0")
-    ya = a.forward(x, out=_poisoned(s, model.hidden)).clone()
-    ia, wa = (t.clone() for t in a.routing(s))
-    yb = b.forward(x, out=_poisoned(s, model.hidden))
-    ib, wb = b.routing(s)
-    torch.cuda.synchronize()
-    a.check()
-    b.check()
-    assert torch.equal(ia, ib) and torch.equal(wa.view(torch.int32), wb.view(torch.int32)), f"S={s}"
-    assert torch.equal(ya.view(torch.int16), yb.view(torch.int16))
-
-
-def test_fused_route_resets_every_launch(new_layers, model):
-    """k_route resets the expert kernel's counters itself (its first CTA; every top-k waits for the reset): routing
-    launched alone many times in a row (no expert kernel between them) must not pile rows into the lists, the layer
-    after it is still right, and the ticket words end each launch at count 0 with `ready` at the new generation."""
-    from moetune.runtime.megakernel import _lib
-
-    m = new_layers("route_fused=1")
-    s = 300
-    x = _x(s, model.hidden, seed=1800)
-    m.forward(x)
-    torch.cuda.synchronize()
-    gen0 = m.ctl.tolist()[_lib.CTL_ROUTE_TICKET + 1]
-    p = m._template(m.config.pick_bm(s, model.topk, model.experts), s)
-    p.x, p.S = x.data_ptr(), s
-    stream = torch.cuda.current_stream().cuda_stream
-    for _ in range(25):
-        _lib.check(m.lib, m.lib.mk_route(ctypes.byref(p), stream), "mk_route")
-    out = m.forward(x, out=_poisoned(s, model.hidden))
-    torch.cuda.synchronize()
-    m.check()
-    counts = m.counts.view(-1, _lib.COUNT_STRIDE)[:, 0]
-    assert int(counts.sum()) == s * model.topk
-    c = m.ctl.tolist()
-    assert c[_lib.CTL_ROUTE_TICKET] == 0 and c[_lib.CTL_ROUTE_TICKET + 1] == gen0 + 26
-    assert c[_lib.CTL_ROUTE_READY] == gen0 + 26
-    idx, w = (t.clone() for t in m.routing(s))
-    _check(m, model, x, out, idx, w)
-    # S = 0 through the library: one CTA resets and counts no rows
-    p.S = 0
-    _lib.check(m.lib, m.lib.mk_route(ctypes.byref(p), stream), "mk_route")
-    torch.cuda.synchronize()
-    assert int(m.counts.view(-1, _lib.COUNT_STRIDE)[:, 0].sum()) == 0 and m.ctl.tolist()[_lib.CTL_ROUTE_READY] == gen0 + 27
 
 
 @pytest.mark.parametrize("spec", ["custom:256,128,16,4", "custom:256,128,40,6", "custom:256,128,256,8"])

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 13
+#define MK_ABI_VERSION 12
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -23,13 +23,7 @@ enum {
   MK_CTL_EPOCH = 3,      // launch number (queue flags carry it; never 0)
   MK_CTL_PUBLISHED = 4,  // tasks the scheduler has published (diagnostics)
   MK_CTL_TILES = 5,      // m-tiles this launch (diagnostics)
-  // ABI 13, the fused routing kernel (k_route). Words 6-7: one 64-bit ticket, (generation << 32) | CTAs arrived
-  // this launch; the CTA drawing count 0 resets the expert kernel's counters, the last one to arrive moves the
-  // generation on. Word 8: the generation + 1 whose reset is done (release); a CTA's top-k waits for it. Never
-  // reset by anything but k_route itself (zero at allocation).
-  MK_CTL_ROUTE_TICKET = 6,
-  MK_CTL_ROUTE_READY = 8,
-  MK_CTL_WORDS = 16
+  MK_CTL_WORDS = 8
 };
 
 // err[] (int64): sticky until the host clears it. err[0] = code.
@@ -41,7 +35,6 @@ enum {
   MK_ERR_BAD_EXPERT = 4,     // a given routing named an expert outside 0..E-1 (the row is dropped)
   MK_ERR_PIPE_TIMEOUT = 5,   // a stage mbarrier (wgmma core, TMA tiles) waited past the timeout
   MK_ERR_INPUT_TIMEOUT = 6,  // publish_all: a task waited past the timeout for its inputs (where = m-tile / combine tile)
-  MK_ERR_ROUTE_TIMEOUT = 7,  // k_route: a CTA waited past the timeout for the counters' reset (its top-k is dropped)
   MK_ERR_WORDS = 8           // [1] = where (slot or tile), [2] = detail, [3] = waited ns
 };
 
@@ -126,11 +119,6 @@ typedef struct MkParams {
                         // processor waits for a GEMM2's / COMBINE's inputs itself, after starting the weight loads
                         // that need none; 0: the subscriber publishes them as they become ready (the wgmma tiles
                         // always do)
-  // ABI 13
-  int64_t route_fused;  // 1: routing is ONE kernel (k_route): the gate GEMM split over H across a thread-block cluster,
-                        // the partial logits added in plane order through distributed shared memory, softmax / top-k /
-                        // lists in the same kernel; 0: k_logits writes partial planes to global memory and k_topk
-                        // adds them (two launches). Same splits, same bits. S <= route_small_max runs k_topk_small.
 } MkParams;
 
 int mk_abi_version(void);

@@ -22,7 +22,6 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
-#include <cooperative_groups.h>
 #include <mutex>
 #include <stdint.h>
 #include <stdio.h>
@@ -1552,19 +1551,61 @@ constexpr int MAXK = 16;
 constexpr int MAX_SPLITS = 16;     // logit planes k_topk adds (layer.py caps logit_splits at 16)
 constexpr int TOPK_TOKENS = THREADS / 32;  // one warp per token
 
-// Softmax, top-k and renormalise of token t's E logits (lg: shared memory) by one warp; appends (t, j) to the picked
-// experts' lists. NI = experts per lane, a compile-time bound (E <= 32 NI): with MAXE_PER_LANE-long arrays and runtime
-// bounds the unrolled loops ran predicated (ncu, run 27 at S=4096: 16.6 of 32 threads doing work per instruction);
-// each lane keeps only its own pick (lane j: pick j). k_topk and k_route share it, so their picks are the same bits.
+// Softmax (fp32), top-k (ties: lower expert first), renormalise; append (t, j) to its expert's list.
+// Phase 1: the whole block adds the split planes of its tokens' logits into shared memory, a thread's loads of four
+// planes issued before their adds (run 5 under ncu: 24 us at S=1 when each lane chained its 16 plane loads one after
+// another); the planes are added in plane order, so the logits are the same bits as before.
+// Phase 2: one warp per token: softmax, top-k, renormalise. NI = experts per lane, a compile-time bound (E <= 32 NI):
+// with MAXE_PER_LANE-long arrays and runtime bounds, the unrolled loops ran predicated (ncu, run 27 at S=4096: 16.6
+// of 32 threads doing work per instruction) and 96 registers left 1.55 waves of blocks; each lane now keeps only its
+// own pick (lane j: pick j), and the 64-register bound fits S=4096's 1024 blocks in one wave.
 template <int NI>
-__device__ __forceinline__ void topk_row(const MkParams& p, const float* lg, int t, int lane) {
+__global__ void __launch_bounds__(THREADS, 8) k_topk(const MkParams p, int splits) {
+  static_assert(NI >= 1 && NI <= MAXE_PER_LANE, "experts per lane");
+  __shared__ float s_lg[TOPK_TOKENS][32 * NI];
+  const int lane = threadIdx.x & 31;
+  const int t0 = blockIdx.x * TOPK_TOKENS;
   const int E = (int)p.E, K = (int)p.K;
+  const int ntok = min(TOPK_TOKENS, (int)p.S - t0);
+  const int64_t plane = p.S * p.E;
+  for (int i0 = 0; i0 < ntok * E; i0 += THREADS * 4) {
+    const float* src[4];
+    bool ok[4];
+    float a[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = i0 + r * THREADS + threadIdx.x;
+      ok[r] = i < ntok * E;
+      src[r] = p.logits + (int64_t)(t0 + (ok[r] ? i / E : 0)) * E + (ok[r] ? i % E : 0);
+      a[r] = 0.f;
+    }
+    for (int z0 = 0; z0 < splits; z0 += 4) {
+      float part[4][4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int z = 0; z < 4; ++z) part[r][z] = ok[r] && z0 + z < splits ? __ldg(src[r] + (z0 + z) * plane) : 0.f;
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int z = 0; z < 4; ++z)
+          if (z0 + z < splits) a[r] = z0 + z == 0 ? part[r][z] : a[r] + part[r][z];  // plane order: the same bits
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = i0 + r * THREADS + threadIdx.x;
+      if (ok[r]) s_lg[i / E][i % E] = a[r];
+    }
+  }
+  __syncthreads();
+  const int tl = threadIdx.x >> 5, t = t0 + tl;
+  if (tl >= ntok) return;
   float v[NI];
   float m = -INFINITY;
 #pragma unroll
   for (int i = 0; i < NI; ++i) {
     const int e = lane + 32 * i;
-    v[i] = e < E ? lg[e] : -INFINITY;
+    v[i] = e < E ? s_lg[tl][e] : -INFINITY;
     m = fmaxf(m, v[i]);
   }
 #pragma unroll
@@ -1629,55 +1670,6 @@ __device__ __forceinline__ void topk_row(const MkParams& p, const float* lg, int
     const int pos = atomicAdd(p.counts + my_i * MK_COUNT_STRIDE, 1);
     p.lists[(int64_t)my_i * p.S_cap + pos] = row;
   }
-}
-
-// Softmax (fp32), top-k (ties: lower expert first), renormalise; append (t, j) to its expert's list.
-// Phase 1: the whole block adds the split planes of its tokens' logits into shared memory, a thread's loads of four
-// planes issued before their adds (run 5 under ncu: 24 us at S=1 when each lane chained its 16 plane loads one after
-// another); the planes are added in plane order, so the logits are the same bits as before.
-// Phase 2: one warp per token (topk_row); the 64-register bound fits S=4096's 1024 blocks in one wave (run 29: at 96
-// registers they took 1.55 waves).
-template <int NI>
-__global__ void __launch_bounds__(THREADS, 8) k_topk(const MkParams p, int splits) {
-  static_assert(NI >= 1 && NI <= MAXE_PER_LANE, "experts per lane");
-  __shared__ float s_lg[TOPK_TOKENS][32 * NI];
-  const int lane = threadIdx.x & 31;
-  const int t0 = blockIdx.x * TOPK_TOKENS;
-  const int E = (int)p.E;
-  const int ntok = min(TOPK_TOKENS, (int)p.S - t0);
-  const int64_t plane = p.S * p.E;
-  for (int i0 = 0; i0 < ntok * E; i0 += THREADS * 4) {
-    const float* src[4];
-    bool ok[4];
-    float a[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int i = i0 + r * THREADS + threadIdx.x;
-      ok[r] = i < ntok * E;
-      src[r] = p.logits + (int64_t)(t0 + (ok[r] ? i / E : 0)) * E + (ok[r] ? i % E : 0);
-      a[r] = 0.f;
-    }
-    for (int z0 = 0; z0 < splits; z0 += 4) {
-      float part[4][4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int z = 0; z < 4; ++z) part[r][z] = ok[r] && z0 + z < splits ? __ldg(src[r] + (z0 + z) * plane) : 0.f;
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int z = 0; z < 4; ++z)
-          if (z0 + z < splits) a[r] = z0 + z == 0 ? part[r][z] : a[r] + part[r][z];  // plane order: the same bits
-    }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int i = i0 + r * THREADS + threadIdx.x;
-      if (ok[r]) s_lg[i / E][i % E] = a[r];
-    }
-  }
-  __syncthreads();
-  const int tl = threadIdx.x >> 5;
-  if (tl < ntok) topk_row<NI>(p, s_lg[tl], t0 + tl, lane);
 }
 
 // Top-k for small S: one block per token (blockIdx.x), thread tid owning experts tid + 128 q. The planes are
@@ -1781,116 +1773,6 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
   }
 }
 
-// ---- fused routing: ONE kernel (MkParams.route_fused = 1) -------------------------------------------------------
-// Grid (row blocks, E / 128 column blocks, splits), clusters of (1, E / 128, splits) CTAs (<= 8): the CTAs of one row
-// block form a cluster. Each runs k_logits' GEMM for its (rows, 128 experts, H / splits) part and keeps the partial
-// [BM x 128] fp32 tile in its own shared memory; after a cluster barrier, cluster rank r owns rows r, r + size, ..
-// and adds every CTA's partial of them through distributed shared memory in plane order 0, 1, .. (k_topk's order:
-// the same logits, bits included), then runs topk_row per token. No partial planes through global memory, no second
-// launch (runs 27-31: k_logits + k_topk 14.2-35.4 us, the k_topk launch 7-11 us of it from S=1024 up).
-// The counters' reset: the expert kernel's counters (and the epoch) must be reset before any top-k atomic, by a CTA
-// of this same launch. Thread 0 of every CTA draws a ticket first thing; the CTA drawing count 0 resets and then
-// releases `ready` = generation + 1; every CTA's top-k waits (acquire, bounded) for that value. A waiter drew its
-// ticket after the resetter drew its own, so the resetter is running and waits for nothing before its release: no
-// deadlock whether or not the grid is resident at once. The last CTA to arrive moves the generation on.
-constexpr int ROUTE_MAX_CLUSTER = 8;  // portable cluster size
-
-template <class T>
-constexpr int route_partial_bytes() { return T::BM * BN * 4; }
-
-template <class T, int NI>
-__global__ void __launch_bounds__(T::THREADS, T::MINB) k_route(const MkParams p) {
-  namespace cg = cooperative_groups;
-  extern __shared__ __align__(128) char smem[];
-  __shared__ uint32_t s_want;
-  __shared__ int s_first;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  unsigned long long* ticket = (unsigned long long*)(p.ctl + MK_CTL_ROUTE_TICKET);
-  if (tid == 0) {
-    const unsigned long long n = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
-    const unsigned long long v = atomicAdd(ticket, 1ull);
-    const uint32_t count = (uint32_t)v;
-    if (count + 1 == n) atomicAdd(ticket, (1ull << 32) - n);  // every CTA of this launch has arrived
-    s_want = (uint32_t)(v >> 32) + 1u;
-    s_first = count == 0;
-  }
-  __syncthreads();
-  if (s_first) {  // CTA-uniform
-    reset_ctl(p);
-    __syncthreads();  // every thread's reset stores before thread 0's fence + release (cumulative over the barrier)
-    if (tid == 0) {
-      __threadfence();
-      st_release(p.ctl + MK_CTL_ROUTE_READY, (int)s_want);
-    }
-  }
-  // the gate GEMM part: k_logits' tile, kept in shared memory
-  const int stages = (int)p.stages;
-  Meta md = meta<T>(smem, stages);
-  const int t0 = blockIdx.x * T::BM, e0 = blockIdx.y * BN;
-  const int kspan = (int)p.H / (int)gridDim.z, k0 = blockIdx.z * kspan;
-  for (int r = tid; r < T::BM; r += T::THREADS) md.a_off[r] = t0 + r < p.S ? (int64_t)(t0 + r) * p.H + k0 : -1;
-  for (int n = tid; n < BN; n += T::THREADS) md.b_off[n] = e0 + n < p.E ? (int64_t)(e0 + n) * p.H + k0 : -1;
-  __syncthreads();
-  float acc[T::MT][T::NT][4];
-  gemm_tile<T>(acc, smem, stages, (const bf16*)p.x, md.a_off, (const bf16*)p.wg, md.b_off, kspan);  // ends synced
-  float* part = (float*)smem;  // [BM][128] over the free stages
-  const int wm = warp / T::WN, wn = warp % T::WN;
-#pragma unroll
-  for (int i = 0; i < T::MT; ++i)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = wm * T::WTM + i * 16 + (lane >> 2) + half * 8;
-#pragma unroll
-      for (int j = 0; j < T::NT; ++j)
-        *(float2*)(part + r * BN + wn * T::WTN + j * 8 + 2 * (lane & 3)) =
-            make_float2(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
-    }
-  cg::cluster_group cl = cg::this_cluster();
-  cl.sync();  // every partial of the row block written (release / acquire at cluster scope)
-  const int E = (int)p.E, ny = (int)gridDim.y, nz = (int)gridDim.z, csize = ny * nz;
-  const int rank = (int)blockIdx.y + ny * (int)blockIdx.z;  // cluster (1, ny, nz) spans the grid's y and z
-  const int nloc = (T::BM - rank + csize - 1) / csize;      // rows rank, rank + csize, .. < BM
-  float* lg = part + T::BM * BN;                             // [nloc][E]: this CTA's rows, all experts
-  for (int idx = tid; idx < nloc * E; idx += T::THREADS) {
-    const int lr = idx / E, e = idx - lr * E, r = rank + lr * csize;
-    if (t0 + r >= p.S) continue;
-    const int y = e / BN, c = e - y * BN;
-    float v[ROUTE_MAX_CLUSTER];
-#pragma unroll
-    for (int z = 0; z < ROUTE_MAX_CLUSTER; ++z)
-      if (z < nz) v[z] = cl.map_shared_rank(part, y + ny * z)[r * BN + c];  // every load issued before the adds
-    float a = v[0];
-#pragma unroll
-    for (int z = 1; z < ROUTE_MAX_CLUSTER; ++z)
-      if (z < nz) a += v[z];  // plane order: k_topk's bits
-    lg[lr * E + e] = a;
-  }
-  cl.sync();  // no CTA leaves (its shared memory) while a peer still reads its partial; lg complete
-  if (tid == 0) {  // the counters reset by this launch's first CTA (see above)
-    bool ok = ld_acquire(p.ctl + MK_CTL_ROUTE_READY) == (int)s_want;
-    if (!ok) {
-      const uint64_t since = gtime();
-      unsigned ns = 32;
-      while (!(ok = ld_acquire(p.ctl + MK_CTL_ROUTE_READY) == (int)s_want)) {
-        const uint64_t waited = gtime() - since;
-        if (waited > (uint64_t)p.timeout_ns) {
-          report(p, MK_ERR_ROUTE_TIMEOUT, blockIdx.x, (int64_t)s_want, (int64_t)waited);
-          break;
-        }
-        __nanosleep(ns);
-        ns = min(ns * 2, 256u);
-      }
-    }
-    s_first = ok;  // reused: may this CTA count its picks
-  }
-  __syncthreads();
-  if (!s_first) return;  // no reset seen: appending to stale counters could run past a list's end
-  for (int lr = warp; lr < nloc; lr += T::THREADS / 32) {
-    const int t = t0 + rank + lr * csize;
-    if (t < p.S) topk_row<NI>(p, lg + lr * E, t, lane);
-  }
-}
-
 // ---- host side ----------------------------------------------------------------------------------------------
 constexpr int MAX_STAGES = 12;  // bm=16 only: 12 x 18 KB fits one CTA per SM
 // Dynamic shared memory a CTA may opt into: 227 KB less room for the kernels' static shared memory (run 7:
@@ -1983,7 +1865,6 @@ int check_params(const MkParams* p) {
   if (p->max_tiles >= (1 << 20) || p->max_ctiles > (1 << 16)) return fail_msg("mk: too many tiles");
   if (p->combine_tokens < 1) return fail_msg("mk: combine_tokens must be >= 1");
   if (p->timeout_ns <= 0) return fail_msg("mk: timeout must be > 0");
-  if (p->route_fused != 0 && p->route_fused != 1) return fail_msg("mk: route_fused must be 0 or 1");
   return 0;
 }
 
@@ -2066,73 +1947,26 @@ int weight_map(const void* ptr, uint64_t rows, uint64_t cols, CUtensorMap* out) 
   return 0;
 }
 
-// Shared memory of k_route<T>: the GEMM's stages, or the partial tile + this CTA's reduced rows if that is more.
-template <class T>
-int route_smem(int stages, int64_t E, int csize) {
-  const int rows = (T::BM + csize - 1) / csize;
-  const int need = route_partial_bytes<T>() + rows * (int)E * 4;
-  return smem_for<T>(stages) > need ? smem_for<T>(stages) : need;
-}
-
-template <class T, int NI>
-int launch_k_route(const MkParams& p, dim3 grid, cudaStream_t s) {
-  static bool ready = false;  // the opt-in shared memory, once per instantiation
-  cudaError_t e;
-  if (!ready) {
-    const int most = smem_for<T>(4) > route_smem<T>(4, 32 * MAXE_PER_LANE, 1) ? smem_for<T>(4)
-                                                                                : route_smem<T>(4, 32 * MAXE_PER_LANE, 1);
-    if ((e = cudaFuncSetAttribute(k_route<T, NI>, cudaFuncAttributeMaxDynamicSharedMemorySize, most)) != cudaSuccess)
-      return fail("cudaFuncSetAttribute(k_route)", e);
-    ready = true;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = grid.y;
-  attr[0].val.clusterDim.z = grid.z;
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(T::THREADS);
-  cfg.dynamicSmemBytes = (size_t)route_smem<T>((int)p.stages, p.E, (int)(grid.y * grid.z));
-  cfg.stream = s;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if ((e = cudaLaunchKernelEx(&cfg, k_route<T, NI>, p)) != cudaSuccess) return fail("k_route launch", e);
-  return 0;
-}
-
 template <class T>
 int launch_route(const MkParams* pp, cudaStream_t s) {
   MkParams q = *pp;
-  const int most = T::BM == 128 ? 3 : 4;  // the gate GEMM's own depth: 0.5 MB of weights, no deep pipeline (bm = 128: 2 CTAs/SM)
-  q.stages = pp->stages < most ? pp->stages : most;
+  q.stages = pp->stages < 4 ? pp->stages : 4;  // the gate GEMM's own depth: 0.5 MB of weights, no deep pipeline
   const MkParams* p = &q;
   cudaError_t e = prepare<T>();
   if (e != cudaSuccess) return fail("cudaFuncSetAttribute", e);
   dim3 grid((unsigned)((p->S + T::BM - 1) / T::BM), (unsigned)((p->E + BN - 1) / BN));
   if (grid.x == 0) grid.x = 1;  // S = 0 still resets the counters
-  // split H until about two waves of CTAs (each split a multiple of BK, at most logit_splits_max planes, and the
-  // splits of a row block's column blocks one cluster of <= 8 CTAs: the same splits on every path, so k_route,
-  // k_topk and k_topk_small see the same logits, bits included)
+  // split H until about two waves of CTAs (each split a multiple of BK, at most logit_splits_max planes)
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   int splits = 1;
   while (splits * 2 <= p->logit_splits_max && p->H % (splits * 2 * BK) == 0 &&
-         (int64_t)grid.x * grid.y * splits * 2 <= 2 * sms && (int)grid.y * splits * 2 <= ROUTE_MAX_CLUSTER)
+         (int64_t)grid.x * grid.y * splits * 2 <= 2 * sms)
     splits *= 2;
   grid.z = splits;
-  const bool small = p->S > 0 && p->S <= p->route_small_max;
-  if (p->route_fused && !small) {
-    const int ni = (int)(p->E + 31) / 32;  // experts per lane, rounded up to the instantiated bounds
-    if (ni <= 1) return launch_k_route<T, 1>(*p, grid, s);
-    if (ni <= 2) return launch_k_route<T, 2>(*p, grid, s);
-    if (ni <= 4) return launch_k_route<T, 4>(*p, grid, s);
-    if (ni <= 8) return launch_k_route<T, 8>(*p, grid, s);
-    return launch_k_route<T, 16>(*p, grid, s);
-  }
   k_logits<T><<<grid, T::THREADS, smem_for<T>((int)p->stages), s>>>(*p);
   if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_logits launch", e);
-  if (small) {
+  if (p->S > 0 && p->S <= p->route_small_max) {
     k_topk_small<<<(unsigned)p->S, SMALL_THREADS, 0, s>>>(*p, splits);
     if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_topk_small launch", e);
   } else if (p->S > 0) {
@@ -2201,9 +2035,6 @@ int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t 
 int mk_route(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
   // the gate GEMM needs no big tiles: 16-row tiles for few tokens, 64 otherwise
-#ifdef MK_ROUTE_HUGE
-  if (p->S > 1024) return launch_route<Huge>(p, (cudaStream_t)stream);
-#endif
   return p->S <= 64 ? launch_route<Small>(p, (cudaStream_t)stream) : launch_route<Large>(p, (cudaStream_t)stream);
 }
 

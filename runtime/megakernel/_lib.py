@@ -22,10 +22,8 @@ from pathlib import Path
 
 from .. import csrc_build as _cb
 
-ABI_VERSION = 13
+ABI_VERSION = 12
 COUNT_STRIDE = 32  # MK_COUNT_STRIDE: int32 words per expert counter in MkParams.counts
-CTL_WORDS = 16  # MK_CTL_WORDS: int32 words of MkParams.ctl (ABI 13: k_route's ticket and ready words)
-CTL_ROUTE_TICKET, CTL_ROUTE_READY = 6, 8  # MK_CTL_ROUTE_*: the ticket's low word (count; +1: generation), ready
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
 CORES = {"mma": 0, "wgmma": 1}  # MK_CORE_*
 SK_PART_FLOATS = 16 * 128  # fp32 per split-K part and slot: the bm=16 tile's 16 accumulators x 128 threads
@@ -51,7 +49,6 @@ class MkParams(Structure):
         ("route_small_max", c_int64),  # ABI 10: S up to which k_topk_small runs (0: never)
         ("trace", c_void_p),  # ABI 11: null, or the task timeline's stamps (MK_TR_*)
         ("publish_all", c_int64),  # ABI 11: 1 = the mma-core tiles publish every task at launch
-        ("route_fused", c_int64),  # ABI 13: 1 = routing is one kernel (k_route: cluster GEMM + top-k)
     ]
 
 

@@ -89,11 +89,6 @@ class MegakernelConfig:
     # Runs 15, 16, 17, 19 (H200, side by side, 1 vs 0): S=1 65.6 / 70.7, 66.0 / 68.6, 66.2 / 71.4, 66.5 / 69.4 us;
     # S=16 1% faster, S=128 within 1%: the default (a setting: 0 was never the faster one).
     publish_all: int = 1
-    # 1: routing is ONE kernel (k_route): the gate GEMM's H splits run as one thread-block cluster per row block, the
-    # partial logits are added in plane order through distributed shared memory, and softmax / top-k / lists follow in
-    # the same kernel (the counters' reset by the launch's first CTA, which every top-k waits for). 0: k_logits writes
-    # the partial planes to global memory and k_topk adds them (two launches). Same splits, same bits.
-    route_fused: int = 1
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -110,7 +105,6 @@ class MegakernelConfig:
         "overlap": (0, 1),
         "route_small_max": (0, 1 << 20),
         "publish_all": (0, 1),
-        "route_fused": (0, 1),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 

@@ -22,8 +22,7 @@ BN = 128
 ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor timed out waiting for a queue slot",
              3: "task queue too small", 4: "routing names an expert out of range",
              5: "a wgmma stage barrier (shared-memory pipeline) timed out",
-             6: "a task timed out waiting for its inputs (publish_all)",
-             7: "the routing kernel timed out waiting for its counters' reset"}
+             6: "a task timed out waiting for its inputs (publish_all)"}
 CTL_TOTAL, CTL_TILES, CTL_PUBLISHED = 1, 5, 4
 
 
@@ -96,7 +95,7 @@ class MegakernelMoE:
         self.lists = z(e, max_tokens, dtype=i32, device=dev)
         self.h = z(max_tokens * k, i, dtype=bf, device=dev)
         self.y = z(max_tokens * k, h, dtype=bf, device=dev)
-        self.ctl = z(_lib.CTL_WORDS, dtype=i32, device=dev)
+        self.ctl = z(8, dtype=i32, device=dev)
         self.g1done = z(self.max_tiles, dtype=i32, device=dev)
         self.comb = z(self.max_ctiles, dtype=i32, device=dev)
         self.rel = z(self.max_tiles + self.max_ctiles, dtype=i32, device=dev)
@@ -173,7 +172,6 @@ class MegakernelMoE:
             p.overlap = cfg.overlap  # 1: the wgmma tiles' cross-task overlap kernel (other tiles ignore it)
             p.route_small_max = cfg.route_small_max  # S up to which top-k runs one block per token
             p.publish_all = cfg.publish_all  # 1: mma-core tiles publish every task at launch
-            p.route_fused = cfg.route_fused  # 1: routing is one kernel (k_route)
             self._params[(bm, stages)] = p
         return p
 
