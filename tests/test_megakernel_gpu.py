@@ -409,6 +409,23 @@ def test_topk_other_expert_counts(spec):
     b.check()
 
 
+@pytest.mark.parametrize("spec", ["custom:256,128,128,8", "custom:256,128,256,8"])
+def test_overlap_claims_either_way(spec):
+    """The overlap kernel's producer derives the GEMM1 queue words itself for E <= 128 (LOCAL_MAX_E) and waits for the
+    scheduler's publication above it: both ways the wide tile's output matches the dense reference, every row is
+    written, and the kernel counts the tasks the CPU model plans."""
+    _need_gpu()
+    from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
+    from moetune.runtime.shapes import get_model
+
+    m, s = get_model(spec), 2048
+    layer = MegakernelMoE(m, max_tokens=s, seed=0, config=MegakernelConfig.parse("bm=128,bn=256"))
+    x = _x(s, m.hidden, seed=1900 + m.experts)
+    out = layer.forward(x, out=_poisoned(s, m.hidden))
+    idx, w = (t.clone() for t in layer.routing(s))
+    _check(layer, m, x, out, idx, w)
+
+
 @pytest.mark.parametrize(("cfg", "s"), [("", 1), ("", 7), ("", 128), ("", 300), ("split_k1=1,split_k2=1", 1),
                                         ("tma=0", 7), ("core=mma,bm=64", 1000)])
 def test_publish_all_matches_plain_exactly(new_layers, model, cfg, s):

@@ -708,35 +708,70 @@ __host__ __device__ __forceinline__ int combine_blocks(int64_t H) { return (H / 
 
 // COMBINE task: out[t] = sum_j y[t*K + j] in slot order (fp32), for the tile's tokens, column block cb, on
 // threads first, first + stride, .. (the whole CTA, or the overlap kernel's consumer warpgroups).
+// One item = one token's 8 columns: K 16-byte loads of y, summed in slot order, one 16-byte store. y was written
+// long before (it is 134 MB at S=4096: mostly from DRAM), so a combine task is bound by how many loads each thread
+// has in flight. With top-k 8 (KK = 8) every load of a thread's next IT items is issued before the first add (16
+// loads in flight); any other K runs the general loop below.
+__device__ __forceinline__ void combine_add(float (&s)[8], const uint4& v) {
+  const __nv_bfloat162* b = (const __nv_bfloat162*)&v;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(b[q]);
+    s[2 * q] += f.x;
+    s[2 * q + 1] += f.y;
+  }
+}
+__device__ __forceinline__ uint4 combine_out(const float (&s)[8]) {
+  uint4 o;
+  __nv_bfloat162* ob = (__nv_bfloat162*)&o;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) ob[q] = __floats2bfloat162_rn(s[2 * q], s[2 * q + 1]);
+  return o;
+}
+template <int KK, int IT>
+__device__ __forceinline__ void combine_items(const MkParams& p, int t0, int c0, int chunks, int n, int first, int stride) {
+  const bf16* y = (const bf16*)p.y;
+  bf16* out = (bf16*)p.out;
+  const int H = (int)p.H;
+  for (int i0 = first; i0 < n; i0 += IT * stride) {
+    uint4 v[IT][KK];
+#pragma unroll
+    for (int u = 0; u < IT; ++u) {
+      const int i = i0 + u * stride;
+      if (i >= n) break;
+      const int t = t0 + i / chunks, c = c0 + i % chunks;
+      const uint4* src = (const uint4*)(y + (int64_t)t * KK * H + c * 8);
+#pragma unroll
+      for (int j = 0; j < KK; ++j) v[u][j] = __ldcg(src + (int64_t)j * (H / 8));
+    }
+#pragma unroll
+    for (int u = 0; u < IT; ++u) {
+      const int i = i0 + u * stride;
+      if (i >= n) break;
+      const int t = t0 + i / chunks, c = c0 + i % chunks;
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < KK; ++j) combine_add(acc, v[u][j]);  // slot order
+      *(uint4*)(out + (int64_t)t * H + c * 8) = combine_out(acc);
+    }
+  }
+}
 __device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, int stride) {
   const int K = (int)p.K, H = (int)p.H;
   const int t0 = ct * (int)p.combine_tokens;
   const int t1 = min((int)p.S, t0 + (int)p.combine_tokens);
-  const int chunks = H / 8 / combine_blocks(H), c0 = cb * chunks;
+  const int chunks = H / 8 / combine_blocks(H), c0 = cb * chunks, n = (t1 - t0) * chunks;
+  if (K == 8) {
+    combine_items<8, 1>(p, t0, c0, chunks, n, first, stride);
+    return;
+  }
   const bf16* y = (const bf16*)p.y;
   bf16* out = (bf16*)p.out;
-  for (int i = first; i < (t1 - t0) * chunks; i += stride) {
+  for (int i = first; i < n; i += stride) {
     const int t = t0 + i / chunks, c = c0 + i % chunks;
-    float s[8];
-#pragma unroll
-    for (int q = 0; q < 8; ++q) s[q] = 0.f;
-    // (run 29: loading the slots 4 at a time before adding them left a COMBINE task at 3.8 us and moved the wide
-    // kernels' register allocation: the GEMM epilogues got 0.7 us slower. One slot at a time it stays.)
-    for (int j = 0; j < K; ++j) {
-      const uint4 v = __ldcg((const uint4*)(y + ((int64_t)t * K + j) * H + c * 8));
-      const __nv_bfloat162* b = (const __nv_bfloat162*)&v;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(b[q]);
-        s[2 * q] += f.x;
-        s[2 * q + 1] += f.y;
-      }
-    }
-    uint4 o;
-    __nv_bfloat162* ob = (__nv_bfloat162*)&o;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) ob[q] = __floats2bfloat162_rn(s[2 * q], s[2 * q + 1]);
-    *(uint4*)(out + (int64_t)t * H + c * 8) = o;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < K; ++j) combine_add(acc, __ldcg((const uint4*)(y + ((int64_t)t * K + j) * H + c * 8)));
+    *(uint4*)(out + (int64_t)t * H + c * 8) = combine_out(acc);
   }
 }
 
@@ -821,10 +856,8 @@ __device__ __forceinline__ bool mbar_wait_ok(const MkParams& p, uint32_t bar, ui
 }
 // k_experts' claim by one thread: the next queue slot, waited for until published (the task word), past the
 // task total or aborted (0), or timed out (0 after reporting MK_ERR_PROC_TIMEOUT). *slot: the queue slot.
-__device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int* slot) {
+__device__ __forceinline__ uint64_t wait_slot(const MkParams& p, int epoch, int i) {
   uint64_t task = 0;
-  const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
-  *slot = i;
   const uint64_t since = gtime();
   unsigned ns = 32;
   for (;;) {
@@ -848,6 +881,11 @@ __device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int
     ns = min(ns * 2, 512u);  // back off: hundreds of waiting CTAs must not crowd the L2 lines they poll
   }
   return task;
+}
+__device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int* slot) {
+  const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
+  *slot = i;
+  return wait_slot(p, epoch, i);
 }
 
 // The producer warpgroup's part of one GEMM task (thread t of warpgroup 0; md: the task's metadata, it: the
@@ -1377,6 +1415,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     k_experts_ov(const MkParams p, const __grid_constant__ CUtensorMap tm1, const __grid_constant__ CUtensorMap tm2) {
   static_assert(T::WG, "the overlap kernel runs the wgmma core only");
   extern __shared__ __align__(128) char smem_raw[];
+  __shared__ int s_base[LOCAL_MAX_E + 1];  // the m-tile prefix of the counts (the producer's GEMM1 claims)
   char* smem = align_smem(smem_raw, T::ALIGN);
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
   if (blockIdx.x == 0) {
@@ -1414,12 +1453,36 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   uint32_t it = 0;  // running k-stage counter: the producer and the consumers see the same task sequence
   if (wg == 0) {
     // ---- producer warpgroup ----
+    // The GEMM1 slots (the queue's first n_tiles x G1) are a function of the routing counts: the producer derives
+    // their words itself (mk_index.h: queue_word, what the scheduler publishes too) instead of waiting ~5 us at the
+    // start of every launch for the scheduler to count, publish, fence and flag them (run 25 timeline: GEMM1s
+    // published 5.0-6.5 us after the first CTA started). Later slots wait for the subscriber as before.
+    const bool local = p.E <= LOCAL_MAX_E;
+    QueueShape qs = {};
+    if (local) {
+      if (t < 32) tile_prefix<T>(p, s_base);
+      named_sync(1, 128);
+      if (t == 0) qs = queue_shape<T>(p, s_base);
+    }
+    const int64_t g1 = local && qs.fits ? (int64_t)qs.n_tiles * qs.G1 : 0;
     for (uint32_t j = 0;; ++j) {
       const uint32_t s = j & 1, ph = (j >> 1) & 1;
       OvSlot<T>& sl = slots[s];
       if (t == 0) {
         uint64_t task = 0;  // slot s is free once the consumers finished task j - 2 (fresh barrier: parity 1 passes)
-        if (mbar_wait_ok(p, tempty + 8 * s, ph ^ 1, j, p.timeout_ns)) task = claim_task(p, epoch, &sl.qi);
+        if (mbar_wait_ok(p, tempty + 8 * s, ph ^ 1, j, p.timeout_ns)) {
+          const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
+          sl.qi = i;
+          if (i < g1 && !*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) {
+            task = mkidx::queue_word(i, s_base, (int)p.E, qs.G1, qs.KS1, qs.G2, qs.KS2, qs.NC, T::NBLK);
+            if (p.trace) {
+              tr_slot(p, i, MK_TR_CLAIM, (int64_t)gtime());
+              tr_slot(p, i, MK_TR_CTA, blockIdx.x);
+            }
+          } else {
+            task = wait_slot(p, epoch, i);
+          }
+        }
         sl.task = task;
       }
       named_sync(1, 128);  // the task word, to the producer warpgroup
