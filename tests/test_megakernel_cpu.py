@@ -713,17 +713,10 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     loop = kern[kern.index("for (uint32_t j = 0;; ++j)"):]
     assert "__syncthreads" not in loop, "no CTA barrier inside the overlap loop"
     p_part, c_part = loop[:loop.index("// ---- consumer warpgroups")], loop[loop.index("// ---- consumer warpgroups"):]
-    order = ["mbar_wait_ok(p, tempty", "atomicAdd(&p.ctl[MK_CTL_HEAD], 1)", "wait_slot(p, epoch, i)", "named_sync(1, 128)",
-             "fill_meta_part<T>(", "mbar_arrive(tfull", "if (task == 0) return;", "wg_produce<T>("]
+    order = ["mbar_wait_ok(p, tempty", "claim_task(p, epoch, &sl.qi)", "named_sync(1, 128)", "fill_meta_part<T>(",
+             "mbar_arrive(tfull", "if (task == 0) return;", "wg_produce<T>("]
     idx = [p_part.index(x) for x in order]
-    assert idx == sorted(idx) and p_part.count("wait_slot(") == 1 and p_part.count("wg_produce<T>(") == 1
-    # the producer's own GEMM1 words are the scheduler's: the same queue_word over the same m-tile prefix, and only
-    # below the GEMM1 count (later slots are GEMM2 / COMBINE tasks released by the subscriber)
-    assert "const int64_t g1 = local && qs.fits ? (int64_t)qs.n_tiles * qs.G1 : 0;" in kern
-    assert "if (i < g1 && " in p_part and "mkidx::queue_word(i, s_base, (int)p.E, qs.G1," in p_part
-    sched = src[src.index("__device__ void scheduler("):src.index("// ---- the persistent kernel")]
-    assert "mkidx::queue_word(i, base, E, N1 / W * KS1, KS1, G2, KS2, NC, W)" in sched
-    assert "q.G1 = (int)(2 * p.I / BN) / T::NBLK * q.KS1;" in src
+    assert idx == sorted(idx) and p_part.count("claim_task(") == 1 and p_part.count("wg_produce<T>(") == 1
     order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work",
              "MK_TASK_COMBINE",
              "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T>(", "named_sync(2, NCONS)", "signal_rows<T>(",

@@ -856,8 +856,10 @@ __device__ __forceinline__ bool mbar_wait_ok(const MkParams& p, uint32_t bar, ui
 }
 // k_experts' claim by one thread: the next queue slot, waited for until published (the task word), past the
 // task total or aborted (0), or timed out (0 after reporting MK_ERR_PROC_TIMEOUT). *slot: the queue slot.
-__device__ __forceinline__ uint64_t wait_slot(const MkParams& p, int epoch, int i) {
+__device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int* slot) {
   uint64_t task = 0;
+  const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
+  *slot = i;
   const uint64_t since = gtime();
   unsigned ns = 32;
   for (;;) {
@@ -881,11 +883,6 @@ __device__ __forceinline__ uint64_t wait_slot(const MkParams& p, int epoch, int 
     ns = min(ns * 2, 512u);  // back off: hundreds of waiting CTAs must not crowd the L2 lines they poll
   }
   return task;
-}
-__device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int* slot) {
-  const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
-  *slot = i;
-  return wait_slot(p, epoch, i);
 }
 
 // The producer warpgroup's part of one GEMM task (thread t of warpgroup 0; md: the task's metadata, it: the
@@ -1415,7 +1412,6 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     k_experts_ov(const MkParams p, const __grid_constant__ CUtensorMap tm1, const __grid_constant__ CUtensorMap tm2) {
   static_assert(T::WG, "the overlap kernel runs the wgmma core only");
   extern __shared__ __align__(128) char smem_raw[];
-  __shared__ int s_base[LOCAL_MAX_E + 1];  // the m-tile prefix of the counts (the producer's GEMM1 claims)
   char* smem = align_smem(smem_raw, T::ALIGN);
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
   if (blockIdx.x == 0) {
@@ -1453,36 +1449,12 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   uint32_t it = 0;  // running k-stage counter: the producer and the consumers see the same task sequence
   if (wg == 0) {
     // ---- producer warpgroup ----
-    // The GEMM1 slots (the queue's first n_tiles x G1) are a function of the routing counts: the producer derives
-    // their words itself (mk_index.h: queue_word, what the scheduler publishes too) instead of waiting ~5 us at the
-    // start of every launch for the scheduler to count, publish, fence and flag them (run 25 timeline: GEMM1s
-    // published 5.0-6.5 us after the first CTA started). Later slots wait for the subscriber as before.
-    const bool local = p.E <= LOCAL_MAX_E;
-    QueueShape qs = {};
-    if (local) {
-      if (t < 32) tile_prefix<T>(p, s_base);
-      named_sync(1, 128);
-      if (t == 0) qs = queue_shape<T>(p, s_base);
-    }
-    const int64_t g1 = local && qs.fits ? (int64_t)qs.n_tiles * qs.G1 : 0;
     for (uint32_t j = 0;; ++j) {
       const uint32_t s = j & 1, ph = (j >> 1) & 1;
       OvSlot<T>& sl = slots[s];
       if (t == 0) {
         uint64_t task = 0;  // slot s is free once the consumers finished task j - 2 (fresh barrier: parity 1 passes)
-        if (mbar_wait_ok(p, tempty + 8 * s, ph ^ 1, j, p.timeout_ns)) {
-          const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
-          sl.qi = i;
-          if (i < g1 && !*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) {
-            task = mkidx::queue_word(i, s_base, (int)p.E, qs.G1, qs.KS1, qs.G2, qs.KS2, qs.NC, T::NBLK);
-            if (p.trace) {
-              tr_slot(p, i, MK_TR_CLAIM, (int64_t)gtime());
-              tr_slot(p, i, MK_TR_CTA, blockIdx.x);
-            }
-          } else {
-            task = wait_slot(p, epoch, i);
-          }
-        }
+        if (mbar_wait_ok(p, tempty + 8 * s, ph ^ 1, j, p.timeout_ns)) task = claim_task(p, epoch, &sl.qi);
         sl.task = task;
       }
       named_sync(1, 128);  // the task word, to the producer warpgroup
