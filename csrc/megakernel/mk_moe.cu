@@ -1472,7 +1472,7 @@ __device__ void scheduler_pair(const MkParams& p, char* smem, int epoch) {
         mkidx::pair_tiles(k, base, pbase, E, &e, &a, &b);
         const int va = ld_acquire(&p.g1done[a]), vb = b < 0 ? N1 : ld_acquire(&p.g1done[b]);
         sum += va + vb;
-        ready = va == N1 && vb == N1 && a != (int)p.stall_tile && (b < 0 || b != (int)p.stall_tile);  // (-1: off)
+        ready = va == N1 && vb == N1 && a != (int)p.stall_tile && b != (int)p.stall_tile;
       }
       const unsigned m = __ballot_sync(~0u, ready);
       const int pos = tail + __popc(m & ((1u << lane) - 1)) * G2;
