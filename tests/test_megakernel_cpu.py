@@ -714,19 +714,19 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     assert "__syncthreads" not in loop, "no CTA barrier inside the overlap loop"
     p_part, c_part = loop[:loop.index("// ---- consumer warpgroups")], loop[loop.index("// ---- consumer warpgroups"):]
     order = ["mbar_wait_ok(p, tempty", "claim_task(p, epoch, &sl.qi)", "named_sync(1, 128)", "fill_meta_part<T>(",
-             "mbar_arrive(tfull", "if (task == 0) {", "wg_produce<T, PAIR>("]
+             "mbar_arrive(tfull", "if (task == 0) return;", "wg_produce<T>("]
     idx = [p_part.index(x) for x in order]
-    assert idx == sorted(idx) and p_part.count("claim_task(") == 1 and p_part.count("wg_produce<T, PAIR>(") == 1
+    assert idx == sorted(idx) and p_part.count("claim_task(") == 1 and p_part.count("wg_produce<T>(") == 1
     order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work",
              "MK_TASK_COMBINE",
-             "release_slot<PAIR>(tempty", "run_combine_part(", "wg_consume<T, PAIR>(", "named_sync(2, NCONS)",
-             "signal_rows<T>(", "release_slot<PAIR>(tempty"]
+             "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T>(", "named_sync(2, NCONS)", "signal_rows<T>(",
+             "mbar_arrive(tempty"]
     pos, idx = 0, []
     for x in order:
         pos = c_part.index(x, pos)
         idx.append(pos)
-    assert c_part.count("release_slot<PAIR>(tempty") == 2  # the COMBINE path's early free and the GEMM path's after the signal
-    assert "mbar_init(tfull + 8 * s, 128);" in kern and "mbar_init(tempty + 8 * s, NCONS * SIDES);" in kern
+    assert c_part.count("mbar_arrive(tempty") == 2  # the COMBINE path's early free and the GEMM path's after the signal
+    assert "mbar_init(tfull + 8 * s, 128);" in kern and "mbar_init(tempty + 8 * s, NCONS);" in kern
     assert "2 * p.timeout_ns" in c_part  # the producer's claim timeout reports first (MK_ERR_PROC_TIMEOUT)
     # signal_done (a synchronised CTA) is signal_rows over all its threads: one place counts readiness, and every
     # counting thread fences before its first red (release after the barrier)
@@ -774,7 +774,7 @@ def test_publish_all_and_trace_fields() -> None:
     from moetune.runtime.megakernel import ConfigError, MegakernelConfig, _lib
 
     names = [f[0] for f in _lib.MkParams._fields_]
-    assert names[names.index("trace"):][:2] == ["trace", "publish_all"] and _lib.ABI_VERSION >= 11
+    assert names[-2:] == ["trace", "publish_all"] and _lib.ABI_VERSION >= 11
     assert MegakernelConfig.parse("publish_all=1").publish_all == 1
     with pytest.raises(ConfigError, match="publish_all"):
         MegakernelConfig.parse("publish_all=2")
@@ -785,38 +785,3 @@ def test_publish_all_and_trace_fields() -> None:
     # the GEMM2's weight stages start before the wait, the A rows (its inputs) only after it
     tma = src[src.index("void gemm_tile_tma("):src.index("// ---- task encoding")]
     assert tma.index("issue_b(s);\n    wait_inputs(") < tma.index("issue_a(s);")
-
-
-def test_pair_mode_setting_plan_and_source() -> None:
-    """ABI 13: `pair` travels last in MkParams, a validated 0/1 setting that only the wide TMA tile's overlap kernel
-    runs; the CPU plan counts pair tasks (each expert's m-tiles in pairs, an odd last one with a NOP partner; two
-    COMBINE pairs per combine tile), and the kernel's pair protocol keeps its ordering rules."""
-    from moetune.runtime.megakernel import ConfigError, MegakernelConfig, _lib, schedule
-
-    assert [f[0] for f in _lib.MkParams._fields_][-1] == "pair" and _lib.ABI_VERSION >= 13
-    assert MegakernelConfig().pair == 0
-    with pytest.raises(ConfigError, match="pair"):
-        MegakernelConfig.parse("pair=2")
-    cfg = MegakernelConfig.parse("pair=1,bn=256")
-    assert cfg.pair_applies(128) and not cfg.pair_applies(16)
-    assert not MegakernelConfig.parse("pair=1,bn=256,tma=0").pair_applies(128)
-    assert not MegakernelConfig.parse("pair=1,bn=256,overlap=0").pair_applies(128)
-    assert not MegakernelConfig.parse("pair=1,bn=128").pair_applies(128)
-    # 3 experts with 300, 128 and 0 rows at bm=128: tiles 3, 1, 0 -> pairs 2 + 1; hidden 512 (G2 = 2), I 256 (G1 = 2)
-    idx = [[0]] * 300 + [[1]] * 128
-    p = schedule.plan(idx, experts=3, hidden=512, intermediate=256, bm=128, combine_tokens=8, bn=256, pair=True)
-    plain = schedule.plan(idx, experts=3, hidden=512, intermediate=256, bm=128, combine_tokens=8, bn=256)
-    assert p.n_tiles == plain.n_tiles == 4 and p.n_ctiles == 54
-    assert plain.total == 4 * (2 + 2) + 54 * 4 and p.total == 3 * (2 + 2) + 54 * 2
-    with pytest.raises(ValueError, match="pair mode"):
-        schedule.plan(idx, experts=3, hidden=512, intermediate=256, bm=128, combine_tokens=8, bn=128, pair=True)
-    src = (_lib.source_dir() / "mk_moe.cu").read_text()
-    kern = src[src.index("k_experts_ov(const MkParams p"):src.index("// ---- routing")]
-    # the leader hands the peer its word only after its own slot wait (which counts both CTAs' consumers)
-    assert kern.index("mbar_wait_ok(p, tempty + 8 * s, ph ^ 1") < kern.index("claim_pair(p, epoch")
-    assert kern.index("claim_pair(p, epoch") < kern.index("mbar_arrive_remote(mapa(pword + 8 * s, peer), 1)")
-    assert "mbar_init(bars.empty + 8 * s, NCONS * SIDES)" in kern and "mbar_init(tempty + 8 * s, NCONS * SIDES)" in kern
-    assert kern.count("cluster_sync_all()") == 2  # barriers initialised before use; nobody leaves before its peer
-    assert "if (!PAIR || mkidx::t_tile(task) != mkidx::NOP_TILE)" in kern  # a NOP side signals nothing
-    prod = src[src.index("void wg_produce("):src.index("void wg_consume(")]
-    assert "tma_load_2d_mcast(" in prod and "b < 2 * rank + 2" in prod

@@ -92,7 +92,7 @@ def _check(layer, model, x, out, idx, w, tol=1e-2):
     bm = cfg.pick_bm(x.shape[0], model.topk, model.experts)
     p = schedule.plan(idx.tolist(), experts=model.experts, hidden=model.hidden, intermediate=model.intermediate,
                       bm=bm, combine_tokens=cfg.combine_tokens, split_k1=cfg.split_k1, split_k2=cfg.split_k2,
-                      split_max_tiles=layer.sk_tiles, bn=cfg.pick_bn(bm), pair=cfg.pair_applies(bm))
+                      split_max_tiles=layer.sk_tiles, bn=cfg.pick_bn(bm))
     c = layer.counters()
     assert (c["total"], c["tiles"], c["published"]) == (p.total, p.n_tiles, p.total)
     return err
@@ -187,7 +187,7 @@ def test_cuda_graph_10000_replays(layer, model):
 
 
 @pytest.mark.parametrize("cfg", ["", "overlap=1,bm=64", "overlap=1,bm=128,bn=256", "publish_all=0",
-                                 "publish_all=1,tma=0", "pair=1,bm=128"])
+                                 "publish_all=1,tma=0"])
 def test_never_ready_task_times_out(model, layer, cfg):
     """A GEMM2 that is never released: the launch ends (no hang), the error is recorded, the layer recovers. The
     overlap kernel too: its producer spins on the queue slot while the consumers wait for a task word."""
@@ -242,10 +242,7 @@ NEW_PATHS = [# the mma core and no split-K: the defaults before run 10, still se
              # publish_all (ABI 11): every task at launch, GEMM2 / COMBINE wait for their inputs in the processor
              "publish_all=1", "publish_all=1,tma=0", "publish_all=1,split_k1=1,split_k2=1",
              "publish_all=1,split_k1=4,split_k2=2", "publish_all=1,bm=16,stages=12", "publish_all=1,core=mma,bm=64",
-             "publish_all=1,core=mma,bm=128", "publish_all=0", "publish_all=0,tma=0",
-             # pair mode (ABI 13): 2-CTA clusters sharing the wide TMA tile's weight tiles by multicast; bm=0 runs it
-             # from the wide sizes up (bm=16 below ignores it), bm=128 at every S (NOP partners at small S)
-             "pair=1", "pair=1,bm=128", "pair=1,bm=128,stages=3", "pair=1,bm=128,combine_tokens=3"]
+             "publish_all=1,core=mma,bm=128", "publish_all=0", "publish_all=0,tma=0"]
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +278,7 @@ def test_new_path_matches_reference(new_layers, model, cfg, s):
 
 @pytest.mark.parametrize("cfg", ["core=wgmma", "split_k1=4,split_k2=2", "core=wgmma,tma=1", "bm=16,tma=1",
                                  "bm=128,bn=256,tma=1", "overlap=1", "overlap=1,bm=128,bn=128", "overlap=1,bm=128,bn=256",
-                                 "publish_all=1", "pair=1", "pair=1,bm=128"])
+                                 "publish_all=1"])
 @pytest.mark.parametrize("s", [1, 1000, 4096])
 def test_new_path_gate_routing_and_graph(new_layers, model, cfg, s):
     m = new_layers(cfg)
@@ -295,7 +292,7 @@ def test_new_path_gate_routing_and_graph(new_layers, model, cfg, s):
 @pytest.mark.parametrize("s", [7, 4096])
 def test_new_path_all_tokens_to_one_expert(new_layers, model, s):
     for cfg in ("core=wgmma", "split_k1=4,split_k2=2", "bm=128,bn=256,tma=1", "bm=128,bn=256", "overlap=1,bm=64",
-                "overlap=1,bm=128,bn=256", "pair=1,bm=128"):
+                "overlap=1,bm=128,bn=256"):
         m = new_layers(cfg)
         x = _x(s, model.hidden, seed=900 + s)
         idx, w = _routing(s, model.experts, model.topk, "one", seed=s)
@@ -412,24 +409,8 @@ def test_topk_other_expert_counts(spec):
     b.check()
 
 
-@pytest.mark.parametrize("s", [1000, 2048, 4096])
-def test_pair_is_plain_bits(new_layers, model, s):
-    """Pair mode changes who loads each weight tile (half each, multicast into both CTAs), not any tile's arithmetic:
-    the same bits as the wide tile's plain overlap kernel, Zipf and uniform routing."""
-    for mode in ("zipf", "uniform"):
-        x = _x(s, model.hidden, seed=2000 + s)
-        idx, w = _routing(s, model.experts, model.topk, mode, seed=s)
-        a = new_layers("bm=128,bn=256,pair=0").forward_routed(x, idx, w, out=_poisoned(s, model.hidden)).clone()
-        m = new_layers("bm=128,bn=256,pair=1")
-        b = m.forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
-        torch.cuda.synchronize()
-        _check(m, model, x, b, idx, w)
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), mode
-
-
-@pytest.mark.parametrize("pair", [0, 1])
 @pytest.mark.parametrize("spec", ["custom:256,128,128,8", "custom:256,128,256,8"])
-def test_overlap_other_expert_counts(spec, pair):
+def test_overlap_other_expert_counts(spec):
     """The wide tile's overlap kernel on a small shape with 128 and 256 experts (the Qwen3 tests run 128 only): the
     output matches the dense reference, every row is written (including the top-k-8 COMBINE's fast path), and the
     kernel counts the tasks the CPU model plans."""
@@ -438,7 +419,7 @@ def test_overlap_other_expert_counts(spec, pair):
     from moetune.runtime.shapes import get_model
 
     m, s = get_model(spec), 2048
-    layer = MegakernelMoE(m, max_tokens=s, seed=0, config=MegakernelConfig.parse(f"bm=128,bn=256,pair={pair}"))
+    layer = MegakernelMoE(m, max_tokens=s, seed=0, config=MegakernelConfig.parse("bm=128,bn=256"))
     x = _x(s, m.hidden, seed=1900 + m.experts)
     out = layer.forward(x, out=_poisoned(s, m.hidden))
     idx, w = (t.clone() for t in layer.routing(s))

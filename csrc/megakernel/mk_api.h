@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 13
+#define MK_ABI_VERSION 12
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -119,10 +119,6 @@ typedef struct MkParams {
                         // processor waits for a GEMM2's / COMBINE's inputs itself, after starting the weight loads
                         // that need none; 0: the subscriber publishes them as they become ready (the wgmma tiles
                         // always do)
-  // ABI 13
-  int64_t pair;  // 1: the wide TMA tile's overlap kernel runs as 2-CTA clusters: each pair task is two m-tiles of one
-                 // expert (or one and a NOP) at the same n-block, and each weight tile is loaded once per pair, half
-                 // by each CTA, multicast into both (mk_index.h: pair mode). Other tiles ignore it.
 } MkParams;
 
 int mk_abi_version(void);

@@ -132,31 +132,6 @@ MK_HD uint64_t queue_word(int i, const int* base, int E, int G1, int KS1, int G2
   return enc(MK_TASK_COMBINE, 0, c / NC, c % NC, 0);
 }
 
-// ---- pair mode (MkParams.pair: 2-CTA clusters sharing each weight tile by TMA multicast) -------------------------
-// A pair task is two queue slots, 2q (cluster rank 0) and 2q + 1 (rank 1), with the same kind. GEMM pairs are two
-// m-tiles of ONE expert at the same n-field, so both CTAs need the same weight tile: pair j of expert e is tiles
-// base[e] + 2j and base[e] + 2j + 1; an expert's odd last tile gets a NOP partner (m-tile NOP_MTILE, tile NOP_TILE:
-// no rows, so its CTA receives the shared weights, computes, stores and signals nothing). pbase[] = exclusive prefix
-// of ceil(tiles / 2) per expert, pbase[E] = pairs. COMBINE pairs are column blocks (2m, 2m + 1) of one combine tile.
-constexpr int NOP_MTILE = 0xffff, NOP_TILE = 0xfffff;
-MK_HD void pair_tiles(int k, const int* base, const int* pbase, int E, int* e, int* a, int* b) {
-  const int ee = tile_expert(pbase, E, k);  // largest expert with pbase[e] <= k: the one owning pair k
-  *e = ee;
-  *a = base[ee] + 2 * (k - pbase[ee]);
-  *b = *a + 1 < base[ee + 1] ? *a + 1 : -1;
-}
-// The GEMM word of one side of a pair (tile < 0: the NOP partner; n-field nf * W as queue_word).
-MK_HD uint64_t pair_side(int kind, int e, int tile, const int* base, int nf, int W) {
-  return tile < 0 ? enc(kind, e, NOP_MTILE, nf * W, NOP_TILE) : enc(kind, e, tile - base[e], nf * W, tile);
-}
-// Slot i < 2 * pairs * G1 of the pair queue (every GEMM1 pair task published at once, pair-major).
-MK_HD uint64_t pair_gemm1_word(int i, const int* base, const int* pbase, int E, int G1, int W) {
-  const int q = i >> 1, k = q / G1, nf = q % G1;
-  int e, a, b;
-  pair_tiles(k, base, pbase, E, &e, &a, &b);
-  return pair_side(MK_TASK_GEMM1, e, (i & 1) ? b : a, base, nf, W);
-}
-
 // ---- staged epilogue (the overlap kernel's wg_store_staged): a consumer warp's 16 rows x 64 columns of bf16 ------
 // Row r of the 2 KB buffer at r * 128, its 16-byte unit u (columns 8u .. 8u+7 of the chunk) at (u ^ (r & 7)) * 16:
 // the 8 rows of an 8x8 matrix, and the 8 units of a row, each land in distinct bank groups.

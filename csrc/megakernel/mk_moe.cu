@@ -173,44 +173,6 @@ __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
 }
 constexpr int TMA_BOX_ROWS = 64;  // B tile = two boxes of 64 rows x 64 k (128 bytes a row, 8 KB each)
 
-// ---- 2-CTA clusters (pair mode) ----
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-// The shared::cluster address of this CTA's shared address `a` in cluster CTA `rank`.
-__device__ __forceinline__ uint32_t mapa(uint32_t a, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
-  return r;
-}
-// Arrive `count` times on an mbarrier of a CTA of the cluster (release at cluster scope: this thread's earlier
-// writes, shared memory of either CTA included, are visible to whoever completes a wait on that phase).
-__device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_bar, uint32_t count) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0], %1;\n" ::"r"(cluster_bar), "r"(count)
-               : "memory");
-}
-__device__ __forceinline__ void st_cluster_u64(uint32_t cluster_addr, uint64_t v) {
-  asm volatile("st.shared::cluster.u64 [%0], %1;\n" ::"r"(cluster_addr), "l"(v) : "memory");
-}
-__device__ __forceinline__ void st_cluster_u32(uint32_t cluster_addr, uint32_t v) {
-  asm volatile("st.shared::cluster.u32 [%0], %1;\n" ::"r"(cluster_addr), "r"(v) : "memory");
-}
-// One box into the same shared offset of every CTA in `mask`, each completing bytes on its own mbarrier at `bar`'s
-// offset (the receiving CTA's producer has expected them, or will: the phase stays open until its arrivals).
-__device__ __forceinline__ void tma_load_2d_mcast(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar,
-                                                  uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, "
-      "%3}], [%4], %5;\n" ::"r"(dst),
-      "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar), "h"(mask)
-      : "memory");
-}
-__device__ __forceinline__ void cluster_sync_all() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-
 // First error wins; the abort flag makes every other wait give up at once.
 __device__ void report(const MkParams& p, int64_t code, int64_t where, int64_t detail, int64_t waited) {
   if (atomicCAS((unsigned long long*)p.err, 0ull, (unsigned long long)code) == 0ull) {
@@ -860,10 +822,10 @@ constexpr int stage_out_bytes() {
   if constexpr (T::WG) return T::CONSUMERS * 4 * 2048;
   return 0;
 }
-// Shared memory after the stages: two task slots, then full[16], empty[16], tfull[2], tempty[2], pword[2] (8 bytes each), then
+// Shared memory after the stages: two task slots, then full[16], empty[16], tfull[2], tempty[2] (8 bytes each), then
 // (128-byte aligned) the consumer warps' epilogue buffers (wg_store_staged).
 template <class T>
-constexpr int ov_meta_bytes() { return 2 * (int)sizeof(OvSlot<T>) + 8 * (16 + 16 + 2 + 2 + 2) + 8 + 128 + stage_out_bytes<T>(); }
+constexpr int ov_meta_bytes() { return 2 * (int)sizeof(OvSlot<T>) + 8 * (16 + 16 + 2 + 2) + 8 + 128 + stage_out_bytes<T>(); }
 
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 // bar.sync on barrier `id` of n threads that also returns the AND of every participant's `ok` (uniform result).
@@ -875,27 +837,6 @@ __device__ __forceinline__ bool named_sync_and(int id, int n, bool ok) {
       : "r"((uint32_t)ok), "r"(id), "r"(n)
       : "memory");
   return r != 0;
-}
-// The same for a barrier another CTA of the cluster arrives on after writing this CTA's shared memory (acquire at
-// cluster scope: the pair leader's task words).
-__device__ __forceinline__ bool mbar_wait_cluster_ok(const MkParams& p, uint32_t bar, uint32_t parity, uint32_t g,
-                                                     int64_t timeout) {
-  const uint64_t since = gtime();
-  for (;;) {
-    uint32_t ok;
-    asm volatile(
-        "{\n.reg .pred q;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 q, [%1], %2;\nselp.u32 %0, 1, 0, q;\n}\n"
-        : "=r"(ok)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    if (ok) return true;
-    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return false;
-    const uint64_t waited = gtime() - since;
-    if (waited > (uint64_t)timeout) {
-      report(p, MK_ERR_PIPE_TIMEOUT, g, parity, (int64_t)waited);
-      return false;
-    }
-  }
 }
 // mbar_wait that says whether the phase completed (false: the launch aborted, or this wait timed out after
 // `timeout` ns and reported MK_ERR_PIPE_TIMEOUT).
@@ -948,13 +889,10 @@ __device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int
 // running stage counter at the task's first stage): copy KT stages, publishing each landed stage before it
 // waits for a free slot, and publish the last min(KT, stages - 1) stages after the loop (cp.async.wait_group 0).
 // Returns with every stage of the task published: the consumers can finish the task without the producer.
-// PAIR (pair mode, the wide TMA tile): the stage's four weight boxes are split between the cluster's two CTAs, each
-// multicasting its two into both; each CTA's full barrier expects the whole tile's bytes, and every empty barrier
-// counts both CTAs' consumers, so no CTA writes a stage slot its peer still reads.
-template <class T, bool PAIR = false>
+template <class T>
 __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
                                            int e, int nb, int KT, uint32_t it, int t, const CUtensorMap* tm1,
-                                           const CUtensorMap* tm2, int rank = 0) {
+                                           const CUtensorMap* tm2) {
   const int stages = (int)p.stages;
   // ---- producer: thread t copies chunk (t & 7) of rows (t >> 3) + 16 q, for A and B ----
   const bf16* a_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h;
@@ -992,13 +930,7 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
       if (t == 0) {  // expect_tx before the copies: thread 0's own arrival (later) keeps the phase open until then
         const uint32_t full = bars.full + 8 * slot;
         mbar_expect_tx(full, T::B_BYTES);
-        if constexpr (PAIR) {
-          static_assert(T::NBLK == 2, "pair mode: the wide tile");
-#pragma unroll
-          for (int b = 2 * rank; b < 2 * rank + 2; ++b)
-            tma_load_2d_mcast(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK,
-                              (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full, 0x3);
-        } else if constexpr (T::NBLK == 2) {
+        if constexpr (T::NBLK == 2) {
 #pragma unroll
           for (int b = 0; b < 4; ++b)
             tma_load_2d(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK,
@@ -1085,20 +1017,9 @@ __device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& m
   }
 }
 
-// Consumer release of a stage or task slot: this thread's arrival; in pair mode each warp also arrives (count 32) on the
-// peer CTA's barrier of the same slot, whose producer must not multicast into this CTA's slot before it is free.
-template <bool PAIR>
-__device__ __forceinline__ void release_slot(uint32_t bar, uint32_t peer) {
-  mbar_arrive(bar);
-  if constexpr (PAIR) {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive_remote(mapa(bar, peer), 32);
-  }
-}
-template <class T, bool PAIR = false>
+template <class T>
 __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
-                                           int nb, int KT, uint32_t it, int t, int c, int qi, uint32_t stg = 0,
-                                           uint32_t peer = 0) {
+                                           int nb, int KT, uint32_t it, int t, int c, int qi, uint32_t stg = 0) {
   const int stages = (int)p.stages;
   float d[T::NACC];
 #pragma unroll
@@ -1120,7 +1041,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
     for (int kt = 0; kt < KT; ++kt) {
       const uint32_t g = it + kt, slot = g % stages;
       mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
-      release_slot<PAIR>(bars.empty + 8 * slot, peer);
+      mbar_arrive(bars.empty + 8 * slot);
     }
     return;  // every row padding: no stores
   }
@@ -1136,11 +1057,11 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
     wg_commit();
     acc_fence(d);
     wg_wait<1>();  // the previous stage's wgmmas are done: hand its slot back
-    if (kt > 0) release_slot<PAIR>(bars.empty + 8 * ((g - 1) % stages), peer);
+    if (kt > 0) mbar_arrive(bars.empty + 8 * ((g - 1) % stages));
   }
   wg_wait<0>();
   acc_fence(d);
-  if (KT > 0) release_slot<PAIR>(bars.empty + 8 * ((it + KT - 1) % stages), peer);
+  if (KT > 0) mbar_arrive(bars.empty + 8 * ((it + KT - 1) % stages));
   if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_MAIN, (int64_t)gtime());  // timeline: mainloop done
   if (stg && (kind == MK_TASK_GEMM2 || T::TMA || T::NBLK == 2)) {  // staged (overlap kernel; stacked GEMM1 tiles)
     if (kind == MK_TASK_GEMM1)
@@ -1400,180 +1321,6 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   }
 }
 
-// Pair mode's scheduler (mk_index.h: pair mode). Queue slots come in pairs 2q / 2q + 1 (cluster ranks 0 / 1), the
-// task count and ctl[MK_CTL_TOTAL] in pair tasks: every GEMM1 pair at once (pair-major, as pair_gemm1_word), then
-// the subscriber releases a GEMM2 pair once both of its m-tiles' GEMM1s are done and a combine tile's two COMBINE
-// pairs once its rows are. `smem`: base[E + 1], pbase[E + 1].
-template <class T>
-__device__ void scheduler_pair(const MkParams& p, char* smem, int epoch) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int E = (int)p.E, K = (int)p.K;
-  const int N1 = (int)(2 * p.I / BN), N2 = (int)(p.H / BN);
-  const int CT = (int)p.combine_tokens;
-  constexpr int W = T::NBLK;
-  const int G1 = N1 / W, G2 = N2 / W, NC = combine_blocks(p.H), NCP = NC / 2;
-  if (tid == 0) tr_sched(p, MK_TR_SCHED_START);
-  int* base = (int*)smem;
-  int* pbase = base + E + 1;
-  if (warp == 0) {
-    tile_prefix<T>(p, base);
-    __syncwarp();
-    const int per = (E + 31) / 32, e0 = lane * per, e1 = min(E, e0 + per);
-    int sum = 0;
-    for (int e = e0; e < e1; ++e) sum += (base[e + 1] - base[e] + 1) / 2;
-    int incl = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int n = __shfl_up_sync(~0u, incl, o);
-      if (lane >= o) incl += n;
-    }
-    int run = incl - sum;
-    for (int e = e0; e < e1; ++e) {
-      pbase[e] = run;
-      run += (base[e + 1] - base[e] + 1) / 2;
-    }
-    if (lane == 31) pbase[E] = incl;
-  }
-  __syncthreads();
-  const int n_tiles = base[E], NP = pbase[E];
-  const int n_ct = (int)((p.S + CT - 1) / CT);
-  const int64_t total = (int64_t)NP * (G1 + G2) + (int64_t)n_ct * NCP;  // pair tasks
-  if (2 * total > p.q_cap || n_tiles > p.max_tiles || n_ct > p.max_ctiles || NC % 2) {
-    if (tid == 0) report(p, MK_ERR_QUEUE_FULL, 2 * total, p.q_cap, 0);
-    return;
-  }
-  if (tid == 0) {
-    p.ctl[MK_CTL_TILES] = n_tiles;
-    st_release(&p.ctl[MK_CTL_TOTAL], (int)total + 1);
-  }
-  const int g1 = 2 * NP * G1;  // slots
-  for (int c0 = 0; c0 < g1; c0 += (int)blockDim.x * 8) {
-    const int hi = min(g1, c0 + (int)blockDim.x * 8);
-    for (int i = c0 + tid; i < hi; i += blockDim.x) p.q_task[i] = mkidx::pair_gemm1_word(i, base, pbase, E, G1, W);
-    __threadfence();
-    for (int i = c0 + tid; i < hi; i += blockDim.x) st_relaxed(&p.q_flag[i], epoch);
-    tr_published(p, c0 + tid, hi, blockDim.x);
-  }
-  if (tid == 0) tr_sched(p, MK_TR_SCHED_G1);
-  if (warp != 0) return;
-  int tail = NP * G1, released = 0;  // pair tasks
-  const int need = NP + n_ct;
-  uint64_t since = gtime();
-  int32_t* rel_ct = p.rel + p.max_tiles;
-  long long seen = -1;
-  while (released < need) {
-    int got = 0;
-    long long sum = 0;
-    for (int b0 = 0; b0 < NP; b0 += 32) {
-      const int k = b0 + lane;
-      bool ready = false;
-      int e = 0, a = 0, b = -1;
-      if (k < NP && p.rel[k] != epoch) {
-        mkidx::pair_tiles(k, base, pbase, E, &e, &a, &b);
-        const int va = ld_acquire(&p.g1done[a]), vb = b < 0 ? N1 : ld_acquire(&p.g1done[b]);
-        sum += va + vb;
-        ready = va == N1 && vb == N1 && a != (int)p.stall_tile && b != (int)p.stall_tile;
-      }
-      const unsigned m = __ballot_sync(~0u, ready);
-      const int pos = tail + __popc(m & ((1u << lane) - 1)) * G2;
-      if (ready) {
-        p.rel[k] = epoch;
-        for (int nf = 0; nf < G2; ++nf) {
-          p.q_task[2 * (pos + nf)] = mkidx::pair_side(MK_TASK_GEMM2, e, a, base, nf, W);
-          p.q_task[2 * (pos + nf) + 1] = mkidx::pair_side(MK_TASK_GEMM2, e, b, base, nf, W);
-        }
-      }
-      if (m) {
-        __threadfence();
-        if (ready) {
-          for (int i = 2 * pos; i < 2 * (pos + G2); ++i) st_relaxed(&p.q_flag[i], epoch);
-          tr_published(p, 2 * pos, 2 * (pos + G2), 1);
-        }
-      }
-      tail += __popc(m) * G2;
-      got += __popc(m);
-    }
-    for (int b0 = 0; b0 < n_ct; b0 += 32) {
-      const int ct = b0 + lane;
-      bool ready = false;
-      if (ct < n_ct && rel_ct[ct] != epoch) {
-        const int ntok = min((int)p.S, (ct + 1) * CT) - ct * CT;
-        const int v = ld_acquire(&p.comb[ct]);
-        sum += v;
-        ready = v == ntok * K * N2;
-      }
-      const unsigned m = __ballot_sync(~0u, ready);
-      const int pos = tail + __popc(m & ((1u << lane) - 1)) * NCP;
-      if (ready) {
-        rel_ct[ct] = epoch;
-        for (int cb = 0; cb < NC; ++cb) p.q_task[2 * pos + cb] = enc(MK_TASK_COMBINE, 0, ct, cb, 0);
-      }
-      if (m) {
-        __threadfence();
-        if (ready) {
-          for (int cb = 0; cb < NC; ++cb) st_relaxed(&p.q_flag[2 * pos + cb], epoch);
-          tr_published(p, 2 * pos, 2 * pos + NC, 1);
-        }
-      }
-      tail += __popc(m) * NCP;
-      got += __popc(m);
-    }
-    released += got;
-#pragma unroll
-    for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(~0u, sum, o);
-    if (got || sum != seen) {
-      since = gtime();
-      seen = sum;
-    } else {
-      if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return;
-      const uint64_t waited = gtime() - since;
-      if (waited > (uint64_t)p.timeout_ns) {
-        if (lane == 0) report(p, MK_ERR_SCHED_TIMEOUT, released, need, (int64_t)waited);
-        return;
-      }
-      __nanosleep(64);
-    }
-  }
-  if (lane == 0) {
-    p.ctl[MK_CTL_PUBLISHED] = tail;
-    tr_sched(p, MK_TR_SCHED_END);
-  }
-}
-
-// The pair leader's claim (producer thread 0 of cluster rank 0): the next pair task's two words (0, 0 past the total,
-// aborted or timed out, as claim_task). *slot: the pair's first queue slot (2q).
-__device__ __forceinline__ void claim_pair(const MkParams& p, int epoch, uint64_t* w0, uint64_t* w1, int* slot) {
-  const int q = atomicAdd(&p.ctl[MK_CTL_HEAD], 1), i = 2 * q;
-  *slot = i;
-  *w0 = *w1 = 0;
-  const uint64_t since = gtime();
-  unsigned ns = 32;
-  for (;;) {
-    if (i + 1 < p.q_cap && ld_acquire(&p.q_flag[i]) == epoch && ld_acquire(&p.q_flag[i + 1]) == epoch) {
-      *w0 = *(volatile uint64_t*)&p.q_task[i];
-      *w1 = *(volatile uint64_t*)&p.q_task[i + 1];
-      if (p.trace) {
-        const int64_t now = (int64_t)gtime();
-        tr_slot(p, i, MK_TR_CLAIM, now);
-        tr_slot(p, i + 1, MK_TR_CLAIM, now);
-        tr_slot(p, i, MK_TR_CTA, blockIdx.x);
-        tr_slot(p, i + 1, MK_TR_CTA, blockIdx.x + 1);
-      }
-      return;
-    }
-    const int tot = ld_acquire(&p.ctl[MK_CTL_TOTAL]);
-    if (tot > 0 && q >= tot - 1) return;
-    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return;
-    const uint64_t waited = gtime() - since;
-    if (waited > (uint64_t)p.timeout_ns) {
-      report(p, MK_ERR_PROC_TIMEOUT, q, tot - 1, (int64_t)waited);
-      return;
-    }
-    __nanosleep(ns);
-    ns = min(ns * 2, 512u);
-  }
-}
-
 // ---- the persistent kernel ------------------------------------------------------------------------------
 template <class T>
 __global__ void __launch_bounds__(T::THREADS, T::MINB)
@@ -1660,13 +1407,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
 }
 
 // The overlap kernel (MkParams.overlap = 1, wgmma tiles): see "cross-task overlap" above for the protocol.
-// PAIR (MkParams.pair = 1, the wide TMA tile): launched as 2-CTA clusters. Cluster 0 is the scheduler and an idle CTA;
-// in every other cluster rank 0's producer claims a pair task (claim_pair) and writes rank 1's word and queue slot
-// into rank 1's task slot, then arrives on rank 1's pword[s] barrier; each CTA then runs its own side (fill_meta,
-// stages, epilogue, signals) while the weight tiles are multicast (wg_produce<T, true>). Both CTAs' consumers release
-// every stage and task slot on both CTAs' barriers (release_slot<true>), so each pipeline advances in step with its
-// peer's, and no CTA leaves before its peer (a cluster barrier at the end: the peer may still arrive on its barriers).
-template <class T, bool PAIR = false>
+template <class T>
 __global__ void __launch_bounds__(T::THREADS, T::MINB)
     k_experts_ov(const MkParams p, const __grid_constant__ CUtensorMap tm1, const __grid_constant__ CUtensorMap tm2) {
   static_assert(T::WG, "the overlap kernel runs the wgmma core only");
@@ -1674,40 +1415,30 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   char* smem = align_smem(smem_raw, T::ALIGN);
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
   if (blockIdx.x == 0) {
-    if constexpr (PAIR)
-      scheduler_pair<T>(p, smem, epoch);
-    else
-      scheduler<T>(p, smem, epoch);
+    scheduler<T>(p, smem, epoch);
     return;
   }
-  if (PAIR && blockIdx.x == 1) return;  // the scheduler's cluster partner: no pair, no work
   const int stages = (int)p.stages;
   const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
   constexpr int NCONS = 128 * T::CONSUMERS;  // consumer threads (named barrier 2)
   OvSlot<T>* slots = (OvSlot<T>*)(smem + T::STAGE * stages);
   const uint32_t b0 = (su32(slots + 2) + 7u) & ~7u;
   const WgBars<T> bars = {b0, b0 + 8u * 16u};
-  const uint32_t tfull = b0 + 8u * 32u, tempty = tfull + 16u, pword = tempty + 16u;  // pword: pair mode only
-  const uint32_t stg = ((PAIR ? pword + 16u : tempty + 16u) + 127u) & ~127u;  // epilogue buffers
-  const uint32_t rank = PAIR ? cluster_rank() : 0u, peer = rank ^ 1u;
-  constexpr int SIDES = PAIR ? 2 : 1;  // CTAs whose consumers release each slot
+  const uint32_t tfull = b0 + 8u * 32u, tempty = tfull + 16u;
+  const uint32_t stg = (tempty + 16u + 127u) & ~127u;  // epilogue buffers
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) {
       mbar_init(bars.full + 8 * s, 128);
-      mbar_init(bars.empty + 8 * s, NCONS * SIDES);
+      mbar_init(bars.empty + 8 * s, NCONS);
     }
     for (int s = 0; s < 2; ++s) {
-      mbar_init(tfull + 8 * s, 128);             // every producer thread, after its metadata writes
-      mbar_init(tempty + 8 * s, NCONS * SIDES);  // every consumer thread, after its last read of the slot
-      if constexpr (PAIR) mbar_init(pword + 8 * s, 1);  // rank 1: the leader's word written into this slot
+      mbar_init(tfull + 8 * s, 128);     // every producer thread, after its metadata writes
+      mbar_init(tempty + 8 * s, NCONS);  // every consumer thread, after its last read of the slot
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     tr_cta(p, 0);
   }
-  if constexpr (PAIR)
-    cluster_sync_all();  // both CTAs' barriers initialised before either arrives on the other's
-  else
-    __syncthreads();  // (before the loop only)
+  __syncthreads();  // (before the loop only)
   if constexpr (T::TMA) {
     if (tid == 0) {
       tma_prefetch_desc(&tm1);
@@ -1723,22 +1454,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       OvSlot<T>& sl = slots[s];
       if (t == 0) {
         uint64_t task = 0;  // slot s is free once the consumers finished task j - 2 (fresh barrier: parity 1 passes)
-        const bool free = mbar_wait_ok(p, tempty + 8 * s, ph ^ 1, j, p.timeout_ns);
-        if constexpr (PAIR) {
-          if (rank == 0) {  // (the peer's consumers freed its slot s too: tempty counts both CTAs')
-            uint64_t w1 = 0;
-            int i = -2;
-            if (free) claim_pair(p, epoch, &task, &w1, &i);
-            st_cluster_u64(mapa(su32(&sl.task), peer), w1);  // 0 as well: the end of work for both
-            st_cluster_u32(mapa(su32(&sl.qi), peer), (uint32_t)(i + 1));
-            mbar_arrive_remote(mapa(pword + 8 * s, peer), 1);
-            sl.qi = i;
-          } else if (free && mbar_wait_cluster_ok(p, pword + 8 * s, ph, j, 2 * p.timeout_ns)) {
-            task = sl.task;
-          }
-        } else {
-          if (free) task = claim_task(p, epoch, &sl.qi);
-        }
+        if (mbar_wait_ok(p, tempty + 8 * s, ph ^ 1, j, p.timeout_ns)) task = claim_task(p, epoch, &sl.qi);
         sl.task = task;
       }
       named_sync(1, 128);  // the task word, to the producer warpgroup
@@ -1752,13 +1468,10 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
         named_sync(1, 128);  // every row's offsets written before any producer thread reads them
       }
       mbar_arrive(tfull + 8 * s);  // release: task word + metadata to the consumers
-      if (task == 0) {             // end of work (or abort): the consumers see word 0 too
-        if constexpr (PAIR) break;
-        else return;
-      }
+      if (task == 0) return;       // end of work (or abort): the consumers see word 0 too
       if (gemm) {
         const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
-        wg_produce<T, PAIR>(p, md, bars, s0, kind, e, nb, KT, it, t, &tm1, &tm2, (int)rank);  // every stage published
+        wg_produce<T>(p, md, bars, s0, kind, e, nb, KT, it, t, &tm1, &tm2);  // returns with every stage published
         it += KT;
       }
     }
@@ -1768,21 +1481,17 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     for (uint32_t j = 0;; ++j) {
       const uint32_t s = j & 1, ph = (j >> 1) & 1;
       const bool ok = mbar_wait_ok(p, tfull + 8 * s, ph, j, 2 * p.timeout_ns);
-      if (!named_sync_and(2, NCONS, ok)) {  // abort / timeout: every consumer leaves together
-        if constexpr (PAIR) break;
-        else return;
-      }
+      if (!named_sync_and(2, NCONS, ok)) return;  // abort / timeout: every consumer leaves together
       const OvSlot<T>& sl = slots[s];
       const uint64_t task = sl.task;
       if (task == 0) {  // end of work
         if (ct == 0) tr_cta(p, 1);
-        if constexpr (PAIR) break;
-        else return;
+        return;
       }
       const int kind = mkidx::t_kind(task), mt = mkidx::t_mtile(task), nf = mkidx::t_nfield(task);
       const int qi = sl.qi;
       if (kind == MK_TASK_COMBINE) {
-        release_slot<PAIR>(tempty + 8 * s, peer);  // the word was all it needed from the slot
+        mbar_arrive(tempty + 8 * s);  // the word was all it needed from the slot
         run_combine_part(p, mt, nf, ct, NCONS);
         if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
         continue;
@@ -1790,16 +1499,14 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       const Meta md = {const_cast<int64_t*>(sl.a_off), const_cast<int64_t*>(sl.b_off), const_cast<int*>(sl.row_id),
                        nullptr};
       const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
-      wg_consume<T, PAIR>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg, peer);
+      wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg);
       it += KT;
       named_sync(2, NCONS);  // every consumer's stores issued before the fences + signals
-      if (!PAIR || mkidx::t_tile(task) != mkidx::NOP_TILE)  // a NOP side has no rows and no counter
-        signal_rows<T>(p, md, kind, mkidx::t_tile(task), ct, NCONS);
-      release_slot<PAIR>(tempty + 8 * s, peer);  // (after its signal: it read row_id)
+      signal_rows<T>(p, md, kind, mkidx::t_tile(task), ct, NCONS);
+      mbar_arrive(tempty + 8 * s);  // (after its signal: it read row_id)
       if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
     }
   }
-  if constexpr (PAIR) cluster_sync_all();  // the peer may still arrive on this CTA's barriers until it is done too
 }
 
 // ---- routing ----------
@@ -2116,10 +1823,6 @@ int smem_for_ov(int stages) { return smem_bytes(T::STAGE, ov_meta_bytes<T>(), st
 template <class T>
 int smem_for(int stages, int64_t overlap) { return T::WG && overlap ? smem_for_ov<T>(stages) : smem_for<T>(stages); }
 
-// Pair mode (MkParams.pair) exists for the wide TMA tile's overlap kernel; every other tile ignores it.
-template <class T>
-constexpr bool pair_tile() { return T::WG && T::TMA && T::NBLK == 2; }
-
 template <class T>
 cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kernel (enough for MAX_STAGES)
   static bool done = false;
@@ -2131,9 +1834,6 @@ cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kerne
   if constexpr (T::WG) {
     const int ov = smem_for_ov<T>(MAX_STAGES) <= SMEM_MAX ? smem_for_ov<T>(MAX_STAGES) : SMEM_MAX;
     if (e == cudaSuccess) e = cudaFuncSetAttribute(k_experts_ov<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, ov);
-    if constexpr (pair_tile<T>())
-      if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(k_experts_ov<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, ov);
   }
   done = e == cudaSuccess;
   return e;
@@ -2181,7 +1881,6 @@ int check_params(const MkParams* p) {
   if (p->bn == 256 && (p->H % 256 || (2 * p->I) % 256))
     return fail_msg("mk: bn = 256 needs hidden and 2 x intermediate to be multiples of 256");
   if (p->overlap != 0 && p->overlap != 1) return fail_msg("mk: overlap must be 0 or 1");
-  if (p->pair != 0 && p->pair != 1) return fail_msg("mk: pair must be 0 or 1");
   if (expert_smem(p->bm, p->core, p->tma_b, p->bn, p->overlap, (int)p->stages) > SMEM_MAX)
     return fail_msg("mk: stages too deep for bm (shared memory > 226 KB: bm=16 <= 12, 64 <= 8, 128 <= 6; wgmma 64 <= 9, "
                     "128 <= 6, 128 with bn=256 <= 4)");
@@ -2336,37 +2035,6 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
     if (weight_map(p->w2, (uint64_t)(p->E * p->H), (uint64_t)p->I, &tm2)) return 1;
   }
   bool launched = false;
-  if constexpr (pair_tile<T>()) {
-    if (p->overlap && p->pair) {
-      if (p->grid % 2) {
-        snprintf(g_err, sizeof g_err, "mk: pair mode needs an even grid (2-CTA clusters), got %lld", (long long)p->grid);
-        return 1;
-      }
-      cudaLaunchConfig_t cfg = {};
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = 2;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.gridDim = dim3((unsigned)p->grid);
-      cfg.blockDim = dim3(T::THREADS);
-      cfg.dynamicSmemBytes = (size_t)smem_for_ov<T>((int)p->stages);
-      cfg.stream = s;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      int clusters = 0;  // every cluster resident at once, like every CTA of the plain launch
-      cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, k_experts_ov<T, true>, &cfg);
-      if (e != cudaSuccess) return fail("cudaOccupancyMaxActiveClusters", e);
-      if (2 * (int64_t)clusters < p->grid) {
-        snprintf(g_err, sizeof g_err, "mk: pair mode: %d resident 2-CTA clusters, the grid needs %lld", clusters,
-                 (long long)p->grid / 2);
-        return 1;
-      }
-      if ((e = cudaLaunchKernelEx(&cfg, k_experts_ov<T, true>, *p, tm1, tm2)) != cudaSuccess)
-        return fail("k_experts_ov (pair) launch", e);
-      return 0;
-    }
-  }
   if constexpr (T::WG) {
     if (p->overlap) {
       k_experts_ov<T><<<(unsigned)p->grid, T::THREADS, smem_for_ov<T>((int)p->stages), s>>>(*p, tm1, tm2);

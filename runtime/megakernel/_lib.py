@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import csrc_build as _cb
 
-ABI_VERSION = 13
+ABI_VERSION = 12
 COUNT_STRIDE = 32  # MK_COUNT_STRIDE: int32 words per expert counter in MkParams.counts
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
 CORES = {"mma": 0, "wgmma": 1}  # MK_CORE_*
@@ -49,7 +49,6 @@ class MkParams(Structure):
         ("route_small_max", c_int64),  # ABI 10: S up to which k_topk_small runs (0: never)
         ("trace", c_void_p),  # ABI 11: null, or the task timeline's stamps (MK_TR_*)
         ("publish_all", c_int64),  # ABI 11: 1 = the mma-core tiles publish every task at launch
-        ("pair", c_int64),  # ABI 13: 1 = the wide TMA tile's overlap kernel runs as 2-CTA clusters (B multicast)
     ]
 
 

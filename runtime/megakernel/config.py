@@ -89,12 +89,6 @@ class MegakernelConfig:
     # Runs 15, 16, 17, 19 (H200, side by side, 1 vs 0): S=1 65.6 / 70.7, 66.0 / 68.6, 66.2 / 71.4, 66.5 / 69.4 us;
     # S=16 1% faster, S=128 within 1%: the default (a setting: 0 was never the faster one).
     publish_all: int = 1
-    # 1: the wide TMA tile's overlap kernel (bm = 128, bn = 256, tma = 1, overlap = 1) runs as 2-CTA clusters: each
-    # pair task is two m-tiles of one expert (an odd last one with a NOP partner) at the same n-block, and every
-    # weight tile is read from L2 once per pair, half by each CTA, and multicast into both (TMA .multicast::cluster).
-    # Runs 25-33 put the wide tile's mainloop at ~1.03 us per 48 KB stage against ~0.7 us of wgmma, with L2 at 73-82%:
-    # half the weight traffic through L2 per m-tile is what this tries. Other launches ignore it.
-    pair: int = 0
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -111,7 +105,6 @@ class MegakernelConfig:
         "overlap": (0, 1),
         "route_small_max": (0, 1 << 20),
         "publish_all": (0, 1),
-        "pair": (0, 1),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 
@@ -221,10 +214,6 @@ class MegakernelConfig:
         if rows >= self.bm_large_rows * experts:
             return 128 if self.core == "mma" else 64  # run 10, S=4096: wgmma bm=64 1754 us, bm=128 2233
         return 64 if rows >= self.bm_switch_rows * experts else 16
-
-    def pair_applies(self, bm: int) -> bool:
-        """Whether a launch with m-tile `bm` runs pair mode (`pair` on the wide TMA tile's overlap kernel)."""
-        return bool(self.pair) and self.pick_bn(bm) == 256 and self.core == "wgmma" and bool(self.tma) and bool(self.overlap)
 
     def pick_bn(self, bm: int) -> int:
         """Columns per GEMM task for a launch with m-tile `bm`: `bn` where the wide tile exists (wgmma, bm=128),

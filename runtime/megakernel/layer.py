@@ -133,13 +133,7 @@ class MegakernelMoE:
             if procs + 1 > resident:
                 raise ConfigError(f"megakernel config: processor_ctas={procs} + 1 scheduler exceeds the {resident} "
                                   "resident CTAs")
-            grid = procs + 1
-            if self.config.pair_applies(bm):  # 2-CTA clusters: an even grid (cluster 0: the scheduler, one idle)
-                grid -= grid % 2
-                if grid < 4:
-                    raise ConfigError(f"megakernel config: pair=1 needs at least 4 CTAs (the scheduler's cluster and "
-                                      f"one pair), got {grid}")
-            self._grids[(bm, stages)] = grid
+            self._grids[(bm, stages)] = procs + 1
         return self._grids[(bm, stages)]
 
     def stages_for(self, bm: int, tokens: int) -> int:
@@ -178,7 +172,6 @@ class MegakernelMoE:
             p.overlap = cfg.overlap  # 1: the wgmma tiles' cross-task overlap kernel (other tiles ignore it)
             p.route_small_max = cfg.route_small_max  # S up to which top-k runs one block per token
             p.publish_all = cfg.publish_all  # 1: mma-core tiles publish every task at launch
-            p.pair = int(cfg.pair_applies(bm))  # 1: 2-CTA clusters sharing the weight tiles (wide TMA tile)
             self._params[(bm, stages)] = p
         return p
 
@@ -260,8 +253,7 @@ class MegakernelMoE:
 
         kinds = {1: "gemm1", 2: "gemm2", 3: "combine"}
         tasks = []
-        slots = self.counters()["total"] * (2 if self.config.pair_applies(bm) else 1)  # pair mode: two per task
-        for i in range(slots):
+        for i in range(self.counters()["total"]):
             pub, claim, done, cta, main, epi = raw[_lib.TR_HEAD + _lib.TR_SLOT * i:_lib.TR_HEAD + _lib.TR_SLOT * (i + 1)]
             w = words[i] & ((1 << 64) - 1)  # the task word's fields (mk_index.h: enc)
             tasks.append({"slot": i, "kind": kinds.get(w >> 61, "?"), "expert": (w >> 48) & 0x1FF,

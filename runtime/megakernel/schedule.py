@@ -113,13 +113,10 @@ def reduce_parts(parts: list[list[float]]) -> list[float]:
 
 
 def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: int, bm: int,
-         combine_tokens: int, split_k1: int = 1, split_k2: int = 1, split_max_tiles: int = 0, bn: int = BN,
-         pair: bool = False) -> Plan:
+         combine_tokens: int, split_k1: int = 1, split_k2: int = 1, split_max_tiles: int = 0, bn: int = BN) -> Plan:
     """The task graph for routing `topk_idx` ([S][K] expert ids); `split_*` as MegakernelConfig (the layer
     passes its partial buffer's m-tiles, `MegakernelMoE.sk_tiles`, as `split_max_tiles`); `bn` the launch's
-    columns per task (`MegakernelConfig.pick_bn(bm)`: 256 = the wide tile, bm = 128 only). `pair`: the launch runs
-    pair mode (`MegakernelConfig.pair_applies`), whose `total` counts pair tasks: the m-tiles of each expert paired
-    (an odd last one with a NOP), each pair one task per n-block of either GEMM, and two per combine tile."""
+    columns per task (`MegakernelConfig.pick_bn(bm)`: 256 = the wide tile, bm = 128 only)."""
     if bn not in (BN, 2 * BN):
         raise ValueError(f"bn must be 128 or 256, got {bn}")
     if bn == 2 * BN and (bm != 128 or hidden % bn or 2 * intermediate % bn):
@@ -141,13 +138,8 @@ def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: 
     ks1 = splits(split_k1, n_tiles=n_tiles, bm=bm, max_tiles=split_max_tiles)
     ks2 = splits(split_k2, n_tiles=n_tiles, bm=bm, max_tiles=split_max_tiles)
     w = bn // BN
-    total = n_tiles * (n1 // w * ks1 + n2 // w * ks2) + n_ct * nc
-    if pair:
-        if bn != 2 * BN or nc % 2:
-            raise ValueError(f"pair mode needs the wide tile (bn=256) and an even number of combine blocks, got bn={bn}")
-        pairs = sum(-(-(base[e + 1] - base[e]) // 2) for e in range(experts))
-        total = pairs * (n1 // w + n2 // w) + n_ct * nc // 2
-    return Plan(n1, n2, nc, tuple(base), n_tiles, n_ct, total, tuple(map(tuple, rows)), target, ks1, ks2, w)
+    return Plan(n1, n2, nc, tuple(base), n_tiles, n_ct, n_tiles * (n1 // w * ks1 + n2 // w * ks2) + n_ct * nc,
+                tuple(map(tuple, rows)), target, ks1, ks2, w)
 
 
 def combine_blocks(hidden: int) -> int:
