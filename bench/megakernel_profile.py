@@ -10,6 +10,11 @@ benchmark runs at (ncu's replays run single kernels, often at idle clocks).
 `--timeline FILE`: after the calls, one more forward with the persistent kernel stamping every task
 (`MegakernelMoE.task_timeline`): prints where the launch's time goes per task kind and appends the raw
 timeline as one JSON line to FILE.
+
+`--feed`: no layer; how fast bulk copies (cp.async.bulk, the TMA engine, completing on mbarriers like the expert
+kernel's weight tiles) fill shared memory, one CTA per SM keeping `stages` copies of `chunk` bytes in flight and
+discarding them, from a span that stays in L2 (24 MB) and from one that does not (1 GB). Prints GB/s over all SMs
+and per SM: the delivery rate a stage pipeline of that depth can reach on this GPU (needs CuPy for the kernel).
 """
 
 from __future__ import annotations
@@ -29,7 +34,11 @@ def main() -> None:
     ap.add_argument("--config", default="")
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--timeline", default="", help="append the task timeline (JSON line) to this file")
+    ap.add_argument("--feed", action="store_true", help="bulk-copy delivery rate into shared memory (no layer)")
     a = ap.parse_args()
+    if a.feed:
+        feed()
+        return
     from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
     from moetune.runtime.shapes import get_model
 
@@ -134,6 +143,77 @@ def trace(mk, x: torch.Tensor, calls: int, tokens: int, config: str) -> None:
         print(f"  kernel {n:28s} n={len(v):4d} mean {sum(v) / len(v):8.2f} us")
     for n, v in gaps.items():
         print(f"  gap    {n:40s} n={len(v):4d} mean {sum(v) / len(v):6.2f} us")
+
+
+_FEED_SRC = r"""
+extern "C" __global__ void feed(const char* src, unsigned long long span, int iters, int stages, int chunk,
+                                unsigned long long* sink) {
+  extern __shared__ __align__(1024) unsigned char sm[];
+  __shared__ __align__(8) unsigned long long bar[16];
+  const unsigned sbase = (unsigned)__cvta_generic_to_shared(sm), bbase = (unsigned)__cvta_generic_to_shared(bar);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bbase + 8 * s));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const unsigned long long slots = span / chunk;
+  unsigned long long k = blockIdx.x;  // copy k reads chunk (k mod slots): the grid sweeps the span together
+  for (int s = 0; s < stages; ++s, k += gridDim.x) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bbase + 8 * s), "r"(chunk) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(sbase + s * chunk), "l"(src + (k % slots) * chunk), "r"(chunk), "r"(bbase + 8 * s) : "memory");
+  }
+  for (int i = 0; i < iters + stages; ++i) {
+    const int s = i % stages;
+    const unsigned ph = (unsigned)(i / stages) & 1u;
+    unsigned ok = 0;
+    while (!ok)
+      asm volatile("{\n.reg .pred q;\nmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\nselp.u32 %0, 1, 0, q;\n}"
+                   : "=r"(ok) : "r"(bbase + 8 * s), "r"(ph) : "memory");
+    if (i < iters) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bbase + 8 * s), "r"(chunk) : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   ::"r"(sbase + s * chunk), "l"(src + (k % slots) * chunk), "r"(chunk), "r"(bbase + 8 * s) : "memory");
+      k += gridDim.x;
+    }
+  }
+  sink[blockIdx.x] = k;
+}
+"""
+
+
+def feed() -> None:
+    """Bulk-copy delivery into shared memory (see the module doc); one process, median of 5 launches each."""
+    import statistics
+
+    try:
+        import cupy as cp
+    except ImportError:
+        raise SystemExit("--feed needs CuPy (the device image has it)") from None
+    kern = cp.RawKernel(_FEED_SRC, "feed")
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    sink = cp.zeros(sms, dtype=cp.uint64)
+    big = cp.zeros(1 << 30, dtype=cp.uint8)
+    for span_mb, stages, chunk in ((24, 4, 48 << 10), (24, 3, 48 << 10), (24, 8, 24 << 10), (24, 12, 16 << 10),
+                                   (1024, 4, 48 << 10), (1024, 12, 16 << 10)):
+        span = span_mb << 20
+        kern.max_dynamic_shared_size_bytes = stages * chunk
+        iters = 400
+        args = (big, cp.uint64(span), cp.int32(iters), cp.int32(stages), cp.int32(chunk), sink)
+        kern((sms,), (32,), args, shared_mem=stages * chunk)  # warm-up (and L2 fill for the small span)
+        times = []
+        for _ in range(5):
+            t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+            t0.record()
+            kern((sms,), (32,), args, shared_mem=stages * chunk)
+            t1.record()
+            t1.synchronize()
+            times.append(cp.cuda.get_elapsed_time(t0, t1) * 1e-3)
+        sec = statistics.median(times)
+        total = sms * (iters + stages) * chunk
+        print(f"feed span {span_mb:5d} MB  stages {stages:2d} x {chunk >> 10:2d} KB  {total / sec / 1e9:7.0f} GB/s  "
+              f"{total / sec / sms / 1e9:5.1f} GB/s per SM  ({sec * 1e6:.0f} us)")
 
 
 if __name__ == "__main__":
