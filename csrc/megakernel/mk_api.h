@@ -16,9 +16,11 @@ extern "C" {
 #define MK_MAX_SPLITS 16  // split-K parts per GEMM task (decode)
 
 // Rows of MkParams.h (ABI 13): the wide TMA tile's overlap kernel keeps h in m-tile order (row tile * 128 + r, GEMM2's
-// A tiles then load by TMA; at most E + ceil(S_cap K / 128) m-tiles of 128 rows), the other kernels at row (token,
-// slot) = t * K + j (S_cap K rows, always fewer).
-static inline int64_t mk_h_rows(int64_t S_cap, int64_t K, int64_t E) { return (E + (S_cap * K + 127) / 128) * 128; }
+// A tiles then load by TMA), the other kernels at row (token, slot) = t * K + j; h must hold the larger of the two.
+static inline int64_t mk_h_rows(int64_t S_cap, int64_t K, int64_t E) {
+  const int64_t by_tile = (E + (S_cap * K + 127) / 128) * 128;
+  return S_cap * K > by_tile ? S_cap * K : by_tile;
+}
 
 // ctl[] words (int32), one set per layer instance.
 enum {

@@ -56,9 +56,9 @@ TR_HEAD, TR_SLOT = 8, 6  # MK_TR_HEAD, MK_TR_SLOT: scheduler words, words per qu
 
 
 def h_rows(max_tokens: int, topk: int, experts: int) -> int:
-    """Rows of the layer's h buffer (mk_h_rows in mk_api.h, ABI 13): m-tile rows of 128 for the wide TMA tile's overlap
-    kernel (at most experts + ceil(tokens x topk / 128) m-tiles), which also cover the (token, slot) rows."""
-    return (experts + -(-max_tokens * topk // 128)) * 128
+    """Rows of the layer's h buffer (mk_h_rows in mk_api.h, ABI 13): (token, slot) rows, or m-tile rows of 128 for the
+    wide TMA tile's overlap kernel, whichever is more."""
+    return max(max_tokens * topk, (experts + -(-max_tokens * topk // 128)) * 128)
 
 
 def source_dir() -> Path:
