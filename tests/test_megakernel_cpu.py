@@ -714,13 +714,12 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     assert "__syncthreads" not in loop, "no CTA barrier inside the overlap loop"
     p_part, c_part = loop[:loop.index("// ---- consumer warpgroups")], loop[loop.index("// ---- consumer warpgroups"):]
     order = ["mbar_wait_ok(p, tempty", "claim_task(p, epoch, &sl.qi)", "named_sync(1, 128)", "fill_meta_part<T>(",
-             "mbar_arrive(tfull", "if (task == 0) return;", "wg_produce<T, SORTED>("]
+             "mbar_arrive(tfull", "if (task == 0) return;", "wg_produce<T>("]
     idx = [p_part.index(x) for x in order]
-    assert idx == sorted(idx) and p_part.count("claim_task(") == 1 and p_part.count("wg_produce<T, SORTED>(") == 1
+    assert idx == sorted(idx) and p_part.count("claim_task(") == 1 and p_part.count("wg_produce<T>(") == 1
     order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work",
              "MK_TASK_COMBINE",
-             "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg,",
-             "named_sync(2, NCONS)", "signal_rows<T>(",
+             "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T>(", "named_sync(2, NCONS)", "signal_rows<T>(",
              "mbar_arrive(tempty"]
     pos, idx = 0, []
     for x in order:
@@ -786,26 +785,3 @@ def test_publish_all_and_trace_fields() -> None:
     # the GEMM2's weight stages start before the wait, the A rows (its inputs) only after it
     tma = src[src.index("void gemm_tile_tma("):src.index("// ---- task encoding")]
     assert tma.index("issue_b(s);\n    wait_inputs(") < tma.index("issue_a(s);")
-
-
-def test_h_rows_cover_both_layouts() -> None:
-    """ABI 13: h holds (token, slot) rows for most kernels and m-tile rows (tile * 128 + r) for the wide TMA tile's
-    overlap kernel, whose GEMM2 loads its A tiles from h by TMA: the buffer is the larger of the two, the same formula
-    on both sides of the ABI, and the overlap kernel's GEMM1 epilogue and GEMM2 producer agree on the layout."""
-    from moetune.runtime.megakernel import _lib
-
-    assert _lib.ABI_VERSION >= 13
-    assert _lib.h_rows(4096, 8, 128) == (128 + 256) * 128 and _lib.h_rows(1, 8, 128) == (128 + 1) * 128
-    assert _lib.h_rows(100_000, 8, 16) == 800_000  # (token, slot) rows when they are more
-    hdr = _header()
-    assert "const int64_t by_tile = (E + (S_cap * K + 127) / 128) * 128;" in hdr
-    layer_src = (_lib.source_dir().parents[1] / "runtime" / "megakernel" / "layer.py").read_text()
-    assert "self.h = z(_lib.h_rows(max_tokens, k, e), i" in layer_src
-    src = (_lib.source_dir() / "mk_moe.cu").read_text()
-    kern = src[src.index("k_experts_ov(const MkParams p"):src.index("// ---- routing")]
-    assert "constexpr bool SORTED = T::TMA && T::NBLK == 2;" in kern
-    assert "SORTED ? (int64_t)mkidx::t_tile(task) * T::BM : -1" in kern  # the GEMM1 epilogue's m-tile rows
-    prod = src[src.index("void wg_produce("):src.index("void wg_consume(")]
-    assert "tma_load_2d(sA, tmh, kt * BK, tile * T::BM, full);" in prod
-    assert "mbar_expect_tx(full, T::B_BYTES + T::A_BYTES);" in prod
-    assert "mk_h_rows(p->S_cap, p->K, p->E)" in src

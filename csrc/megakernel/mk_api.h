@@ -9,18 +9,11 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 13
+#define MK_ABI_VERSION 12
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
 #define MK_MAX_SPLITS 16  // split-K parts per GEMM task (decode)
-
-// Rows of MkParams.h (ABI 13): the wide TMA tile's overlap kernel keeps h in m-tile order (row tile * 128 + r, GEMM2's
-// A tiles then load by TMA), the other kernels at row (token, slot) = t * K + j; h must hold the larger of the two.
-static inline int64_t mk_h_rows(int64_t S_cap, int64_t K, int64_t E) {
-  const int64_t by_tile = (E + (S_cap * K + 127) / 128) * 128;
-  return S_cap * K > by_tile ? S_cap * K : by_tile;
-}
 
 // ctl[] words (int32), one set per layer instance.
 enum {
@@ -76,7 +69,7 @@ typedef struct MkParams {
   float* topk_w;       // [S_cap, K]  renormalised weights; row (t, j) is t*K + j
   int32_t* counts;     // [E * MK_COUNT_STRIDE]: expert e's row count at e * MK_COUNT_STRIDE (ABI 12)
   int32_t* lists;      // [E, S_cap]  rows t*K + j routed to each expert (order: atomics; results do not depend on it)
-  void* h;             // [mk_h_rows, I] bf16   SwiGLU activations per (token, slot), or per m-tile row (see mk_h_rows)
+  void* h;             // [S_cap*K, I] bf16   SwiGLU activations per (token, slot)
   void* y;             // [S_cap*K, H] bf16   weighted expert output per (token, slot)
   // scheduler state
   int32_t* ctl;        // [MK_CTL_WORDS]

@@ -889,13 +889,10 @@ __device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int
 // running stage counter at the task's first stage): copy KT stages, publishing each landed stage before it
 // waits for a free slot, and publish the last min(KT, stages - 1) stages after the loop (cp.async.wait_group 0).
 // Returns with every stage of the task published: the consumers can finish the task without the producer.
-// SORTED (the wide TMA tile's overlap kernel): h holds each m-tile's rows contiguously (row tile * 128 + r, written so
-// by the GEMM1 epilogue), so a GEMM2's A tile is two TMA boxes of h (map tmh) like its weights, not 1024 gathered
-// 16-byte copies per stage.
-template <class T, bool SORTED = false>
+template <class T>
 __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
                                            int e, int nb, int KT, uint32_t it, int t, const CUtensorMap* tm1,
-                                           const CUtensorMap* tm2, const CUtensorMap* tmh = nullptr, int tile = 0) {
+                                           const CUtensorMap* tm2) {
   const int stages = (int)p.stages;
   // ---- producer: thread t copies chunk (t & 7) of rows (t >> 3) + 16 q, for A and B ----
   const bf16* a_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h;
@@ -932,13 +929,7 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
     if constexpr (T::TMA) {
       if (t == 0) {  // expect_tx before the copies: thread 0's own arrival (later) keeps the phase open until then
         const uint32_t full = bars.full + 8 * slot;
-        if (SORTED && kind == MK_TASK_GEMM2) {
-          mbar_expect_tx(full, T::B_BYTES + T::A_BYTES);
-          tma_load_2d(sA, tmh, kt * BK, tile * T::BM, full);
-          tma_load_2d(sA + TMA_BOX_ROWS * 128, tmh, kt * BK, tile * T::BM + TMA_BOX_ROWS, full);
-        } else {
-          mbar_expect_tx(full, T::B_BYTES);
-        }
+        mbar_expect_tx(full, T::B_BYTES);
         if constexpr (T::NBLK == 2) {
 #pragma unroll
           for (int b = 0; b < 4; ++b)
@@ -950,11 +941,9 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
         }
       }
     }
-    if (!SORTED || kind != MK_TASK_GEMM2) {
 #pragma unroll
-      for (int q = 0; q < T::BM / 16; ++q)
-        cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
-    }
+    for (int q = 0; q < T::BM / 16; ++q)
+      cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
     if constexpr (!T::TMA) {
 #pragma unroll
       for (int q = 0; q < T::BNT / 16; ++q)
@@ -988,8 +977,7 @@ __device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1,
 // i+UP+1 (i = 4j + 2 half) -> h columns nb*64 + 8j + .., GEMM2: (d[i], d[i+1]) * w -> y columns nb*128 + 8j + ..
 template <class T, bool G1>
 __device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& md, int nb, int t, int c,
-                                                const float (&d)[T::NACC], const float (&wrow)[2], uint32_t stg,
-                                                int64_t hrow0 = -1) {
+                                                const float (&d)[T::NACC], const float (&wrow)[2], uint32_t stg) {
   constexpr int UP = T::NACC / 2;
   constexpr int JN = G1 ? T::NACC / 8 : T::NACC / 4;  // 8-column groups of the output row
   static_assert(JN % 8 == 0, "whole 64-column chunks");
@@ -1021,8 +1009,7 @@ __device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& m
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
                    : "r"(buf + mkidx::stage_out_off(row, u)));
-      const int64_t hr = hrow0 < 0 ? (int64_t)v : hrow0 + row0 + row;  // sorted h: the m-tile's own rows
-      bf16* dst = G1 ? (bf16*)p.h + hr * p.I + nb * 64 + ch * 64 + u * 8
+      bf16* dst = G1 ? (bf16*)p.h + (int64_t)v * p.I + nb * 64 + ch * 64 + u * 8
                      : (bf16*)p.y + (int64_t)v * p.H + nb * BN + ch * 64 + u * 8;
       *reinterpret_cast<uint4*>(dst) = val;
     }
@@ -1032,8 +1019,7 @@ __device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& m
 
 template <class T>
 __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
-                                           int nb, int KT, uint32_t it, int t, int c, int qi, uint32_t stg = 0,
-                                           int64_t hrow0 = -1) {
+                                           int nb, int KT, uint32_t it, int t, int c, int qi, uint32_t stg = 0) {
   const int stages = (int)p.stages;
   float d[T::NACC];
 #pragma unroll
@@ -1079,7 +1065,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
   if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_MAIN, (int64_t)gtime());  // timeline: mainloop done
   if (stg && (kind == MK_TASK_GEMM2 || T::TMA || T::NBLK == 2)) {  // staged (overlap kernel; stacked GEMM1 tiles)
     if (kind == MK_TASK_GEMM1)
-      wg_store_staged<T, true>(p, md, nb, t, c, d, wrow, stg, hrow0);
+      wg_store_staged<T, true>(p, md, nb, t, c, d, wrow, stg);
     else
       wg_store_staged<T, false>(p, md, nb, t, c, d, wrow, stg);
     if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_EPI, (int64_t)gtime());
@@ -1423,10 +1409,8 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
 // The overlap kernel (MkParams.overlap = 1, wgmma tiles): see "cross-task overlap" above for the protocol.
 template <class T>
 __global__ void __launch_bounds__(T::THREADS, T::MINB)
-    k_experts_ov(const MkParams p, const __grid_constant__ CUtensorMap tm1, const __grid_constant__ CUtensorMap tm2,
-                 const __grid_constant__ CUtensorMap tmh) {
+    k_experts_ov(const MkParams p, const __grid_constant__ CUtensorMap tm1, const __grid_constant__ CUtensorMap tm2) {
   static_assert(T::WG, "the overlap kernel runs the wgmma core only");
-  constexpr bool SORTED = T::TMA && T::NBLK == 2;  // h in m-tile order, GEMM2's A by TMA (wg_produce)
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = align_smem(smem_raw, T::ALIGN);
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
@@ -1487,8 +1471,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       if (task == 0) return;       // end of work (or abort): the consumers see word 0 too
       if (gemm) {
         const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
-        wg_produce<T, SORTED>(p, md, bars, s0, kind, e, nb, KT, it, t, &tm1, &tm2, &tmh,
-                              mkidx::t_tile(task));  // returns with every stage published
+        wg_produce<T>(p, md, bars, s0, kind, e, nb, KT, it, t, &tm1, &tm2);  // returns with every stage published
         it += KT;
       }
     }
@@ -1516,8 +1499,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       const Meta md = {const_cast<int64_t*>(sl.a_off), const_cast<int64_t*>(sl.b_off), const_cast<int*>(sl.row_id),
                        nullptr};
       const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
-      wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg,
-                    SORTED ? (int64_t)mkidx::t_tile(task) * T::BM : -1);
+      wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg);
       it += KT;
       named_sync(2, NCONS);  // every consumer's stores issued before the fences + signals
       signal_rows<T>(p, md, kind, mkidx::t_tile(task), ct, NCONS);
@@ -2048,18 +2030,14 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
   CUtensorMap tm1, tm2;
   memset(&tm1, 0, sizeof tm1);
   memset(&tm2, 0, sizeof tm2);
-  CUtensorMap tmh;
-  memset(&tmh, 0, sizeof tmh);
   if constexpr (T::TMA) {
     if (weight_map(p->w1, (uint64_t)(p->E * 2 * p->I), (uint64_t)p->H, &tm1)) return 1;
     if (weight_map(p->w2, (uint64_t)(p->E * p->H), (uint64_t)p->I, &tm2)) return 1;
-    if (T::NBLK == 2 && p->overlap && weight_map(p->h, (uint64_t)mk_h_rows(p->S_cap, p->K, p->E), (uint64_t)p->I, &tmh))
-      return 1;
   }
   bool launched = false;
   if constexpr (T::WG) {
     if (p->overlap) {
-      k_experts_ov<T><<<(unsigned)p->grid, T::THREADS, smem_for_ov<T>((int)p->stages), s>>>(*p, tm1, tm2, tmh);
+      k_experts_ov<T><<<(unsigned)p->grid, T::THREADS, smem_for_ov<T>((int)p->stages), s>>>(*p, tm1, tm2);
       launched = true;
     }
   }

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import csrc_build as _cb
 
-ABI_VERSION = 13
+ABI_VERSION = 12
 COUNT_STRIDE = 32  # MK_COUNT_STRIDE: int32 words per expert counter in MkParams.counts
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
 CORES = {"mma": 0, "wgmma": 1}  # MK_CORE_*
@@ -53,12 +53,6 @@ class MkParams(Structure):
 
 
 TR_HEAD, TR_SLOT = 8, 6  # MK_TR_HEAD, MK_TR_SLOT: scheduler words, words per queue slot
-
-
-def h_rows(max_tokens: int, topk: int, experts: int) -> int:
-    """Rows of the layer's h buffer (mk_h_rows in mk_api.h, ABI 13): (token, slot) rows, or m-tile rows of 128 for the
-    wide TMA tile's overlap kernel, whichever is more."""
-    return max(max_tokens * topk, (experts + -(-max_tokens * topk // 128)) * 128)
 
 
 def source_dir() -> Path:

@@ -93,7 +93,7 @@ class MegakernelMoE:
         self.topk_w = z(max_tokens, k, dtype=torch.float32, device=dev)
         self.counts = z(e * _lib.COUNT_STRIDE, dtype=i32, device=dev)  # one 128-byte line per expert
         self.lists = z(e, max_tokens, dtype=i32, device=dev)
-        self.h = z(_lib.h_rows(max_tokens, k, e), i, dtype=bf, device=dev)  # (token, slot) or m-tile rows
+        self.h = z(max_tokens * k, i, dtype=bf, device=dev)
         self.y = z(max_tokens * k, h, dtype=bf, device=dev)
         self.ctl = z(8, dtype=i32, device=dev)
         self.g1done = z(self.max_tiles, dtype=i32, device=dev)
