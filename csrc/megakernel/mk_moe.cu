@@ -710,8 +710,9 @@ __host__ __device__ __forceinline__ int combine_blocks(int64_t H) { return (H / 
 // threads first, first + stride, .. (the whole CTA, or the overlap kernel's consumer warpgroups).
 // One item = one token's 8 columns: K 16-byte loads of y, summed in slot order, one 16-byte store. y was written
 // long before (it is 134 MB at S=4096: mostly from DRAM), so a combine task is bound by how many loads each thread
-// has in flight. With top-k 8 (KK = 8) every load of a thread's next IT items is issued before the first add (16
-// loads in flight); any other K runs the general loop below.
+// has in flight. With top-k 8 (KK = 8) all 8 loads of an item are issued before its first add (the compiler's own
+// unrolling kept 4 in flight: run 33, 2.9-3.1 instead of 3.8-3.9 us per task at S=1024-4096; two items' 16 loads
+// spilled 576 bytes in the wide kernels); any other K runs the general loop below.
 __device__ __forceinline__ void combine_add(float (&s)[8], const uint4& v) {
   const __nv_bfloat162* b = (const __nv_bfloat162*)&v;
 #pragma unroll
@@ -728,32 +729,21 @@ __device__ __forceinline__ uint4 combine_out(const float (&s)[8]) {
   for (int q = 0; q < 4; ++q) ob[q] = __floats2bfloat162_rn(s[2 * q], s[2 * q + 1]);
   return o;
 }
-template <int KK, int IT>
+template <int KK>
 __device__ __forceinline__ void combine_items(const MkParams& p, int t0, int c0, int chunks, int n, int first, int stride) {
   const bf16* y = (const bf16*)p.y;
   bf16* out = (bf16*)p.out;
   const int H = (int)p.H;
-  for (int i0 = first; i0 < n; i0 += IT * stride) {
-    uint4 v[IT][KK];
+  for (int i = first; i < n; i += stride) {
+    const int t = t0 + i / chunks, c = c0 + i % chunks;
+    const uint4* src = (const uint4*)(y + (int64_t)t * KK * H + c * 8);
+    uint4 v[KK];
 #pragma unroll
-    for (int u = 0; u < IT; ++u) {
-      const int i = i0 + u * stride;
-      if (i >= n) break;
-      const int t = t0 + i / chunks, c = c0 + i % chunks;
-      const uint4* src = (const uint4*)(y + (int64_t)t * KK * H + c * 8);
+    for (int j = 0; j < KK; ++j) v[j] = __ldcg(src + (int64_t)j * (H / 8));
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int j = 0; j < KK; ++j) v[u][j] = __ldcg(src + (int64_t)j * (H / 8));
-    }
-#pragma unroll
-    for (int u = 0; u < IT; ++u) {
-      const int i = i0 + u * stride;
-      if (i >= n) break;
-      const int t = t0 + i / chunks, c = c0 + i % chunks;
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < KK; ++j) combine_add(acc, v[u][j]);  // slot order
-      *(uint4*)(out + (int64_t)t * H + c * 8) = combine_out(acc);
-    }
+    for (int j = 0; j < KK; ++j) combine_add(acc, v[j]);  // slot order
+    *(uint4*)(out + (int64_t)t * H + c * 8) = combine_out(acc);
   }
 }
 __device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, int stride) {
@@ -762,7 +752,7 @@ __device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, i
   const int t1 = min((int)p.S, t0 + (int)p.combine_tokens);
   const int chunks = H / 8 / combine_blocks(H), c0 = cb * chunks, n = (t1 - t0) * chunks;
   if (K == 8) {
-    combine_items<8, 1>(p, t0, c0, chunks, n, first, stride);
+    combine_items<8>(p, t0, c0, chunks, n, first, stride);
     return;
   }
   const bf16* y = (const bf16*)p.y;
