@@ -112,10 +112,11 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     mk_processor_ctas: int = 0
     mk_combine_tokens: int = 8
     # GEMM core of the bm=64/128 tiles (run 10: wgmma 17% faster at S=1024, 14% at 4096 with bm=64) and the
-    # decode split-K factor of both GEMMs (run 10: 2 parts 15% faster at S=1; applies while a launch's m-tiles
-    # fit the partial buffer, i.e. S <= 2 for Qwen3-30B)
+    # decode split-K factor of both GEMMs (applies while a launch's m-tiles fit the partial buffer, i.e. S <= 2 for
+    # Qwen3-30B; run 10: 2 parts 15% faster at S=1; run 40, with the TMA decode tile and publish_all: no split
+    # faster, S=1 55.7 vs 59.6 us, S=2 63.9 vs 77.3, so 1)
     mk_core: MkCore = "wgmma"
-    mk_split_k: int = 2
+    mk_split_k: int = 1
     # columns per wgmma GEMM task (0 = auto: the 128 x 256 wide tile where the shape allows) and the wgmma tiles'
     # cross-task overlap (run 12: together 23% faster at S=4096, 8% at 1024; each alone >= 5% somewhere)
     mk_bn: int = 0

@@ -48,9 +48,11 @@ class MegakernelConfig:
     # the CTA finishing a task's last part adds the parts' fp32 partials in part order (bit-identical run to
     # run; the bits differ from split 1, which sums K in one pass). Only while the launch's m-tiles fit the
     # partial buffer (split_max_tiles); 1 = off. Run 10 at S=1 (8 m-tiles, 96 GEMM1 tasks of 512 KB for ~263
-    # CTAs): 2 + 2 parts 73.9 us, 4 + 2 81.9, 8 + 4 88.4, none 86.5.
-    split_k1: int = 2
-    split_k2: int = 2
+    # CTAs): 2 + 2 parts 73.9 us, 4 + 2 81.9, 8 + 4 88.4, none 86.5. Run 40 (the TMA decode tile, publish_all; one
+    # process, graph us, none / 2 + 2 / none): S=1 55.7 / 59.6 / 55.6, S=2 63.9 / 77.3 / 62.8, S=4 and 8 within 1%
+    # (no split applies there): off by default since then; `moetune profile` had stored no split at S=1 twice.
+    split_k1: int = 1
+    split_k2: int = 1
     split_max_tiles: int = 16  # m-tiles the split-K partial buffer holds (8 KB per part and (m-tile, n-block))
     # 1: the expert GEMMs load their weight tiles by TMA (one tensor copy of two 64-row boxes per stage,
     # completing on an mbarrier) instead of every thread's cp.async: the wgmma core (bm=64/128) and the bm=16
