@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,13 +103,29 @@ def _on_connect(readonly: bool) -> Any:
         cur.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         cur.execute("PRAGMA foreign_keys = ON")
         if not readonly:
-            mode = cur.execute("PRAGMA journal_mode").fetchone()[0]
-            if str(mode).lower() not in ("wal", "memory"):
-                cur.execute("PRAGMA journal_mode = WAL")
+            _wal(cur)
             cur.execute("PRAGMA synchronous = NORMAL")
         cur.close()
 
     return connect
+
+
+def _wal(cur: sqlite3.Cursor) -> None:
+    """Put the database in WAL mode (once per file; later connections find it so). The switch needs the file to itself
+    for a moment, and SQLite answers "database is locked" at once, without the busy wait, when another process is
+    opening or switching the same new file at that instant: two processes creating one store failed so 4 times in 100
+    (tests/test_store_concurrency.py: test_two_processes_open_a_new_store). Retried until BUSY_TIMEOUT_S."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    pause = 0.001
+    while str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() not in ("wal", "memory"):
+        try:
+            cur.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
 
 
 def _readonly_creator(path: Path) -> Any:
