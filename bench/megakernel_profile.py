@@ -146,6 +146,13 @@ def trace(mk, x: torch.Tensor, calls: int, tokens: int, config: str) -> None:
 
 
 _FEED_SRC = r"""
+// One copy of `chunk` bytes into stage s, completing on its mbarrier (which expects them).
+__device__ __forceinline__ void issue(unsigned sbase, unsigned bbase, int s, int chunk, const char* from) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bbase + 8 * s), "r"(chunk) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(sbase + s * chunk), "l"(from), "r"(chunk), "r"(bbase + 8 * s) : "memory");
+}
+
 extern "C" __global__ void feed(const char* src, unsigned long long span, int iters, int stages, int chunk,
                                 unsigned long long* sink) {
   extern __shared__ __align__(1024) unsigned char sm[];
@@ -159,11 +166,7 @@ extern "C" __global__ void feed(const char* src, unsigned long long span, int it
   if (threadIdx.x != 0) return;
   const unsigned long long slots = span / chunk;
   unsigned long long k = blockIdx.x;  // copy k reads chunk (k mod slots): the grid sweeps the span together
-  for (int s = 0; s < stages; ++s, k += gridDim.x) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bbase + 8 * s), "r"(chunk) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(sbase + s * chunk), "l"(src + (k % slots) * chunk), "r"(chunk), "r"(bbase + 8 * s) : "memory");
-  }
+  for (int s = 0; s < stages; ++s, k += gridDim.x) issue(sbase, bbase, s, chunk, src + (k % slots) * chunk);
   for (int i = 0; i < iters + stages; ++i) {
     const int s = i % stages;
     const unsigned ph = (unsigned)(i / stages) & 1u;
@@ -172,9 +175,7 @@ extern "C" __global__ void feed(const char* src, unsigned long long span, int it
       asm volatile("{\n.reg .pred q;\nmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\nselp.u32 %0, 1, 0, q;\n}"
                    : "=r"(ok) : "r"(bbase + 8 * s), "r"(ph) : "memory");
     if (i < iters) {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bbase + 8 * s), "r"(chunk) : "memory");
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(sbase + s * chunk), "l"(src + (k % slots) * chunk), "r"(chunk), "r"(bbase + 8 * s) : "memory");
+      issue(sbase, bbase, s, chunk, src + (k % slots) * chunk);
       k += gridDim.x;
     }
   }
