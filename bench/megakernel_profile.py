@@ -15,6 +15,13 @@ timeline as one JSON line to FILE.
 kernel's weight tiles) fill shared memory, one CTA per SM keeping `stages` copies of `chunk` bytes in flight and
 discarding them, from a span that stays in L2 (24 MB) and from one that does not (1 GB). Prints GB/s over all SMs
 and per SM: the delivery rate a stage pipeline of that depth can reach on this GPU (needs CuPy for the kernel).
+
+`--feed-tiles`: the wide tile's stage as the expert kernel loads it, without the wgmmas: per stage 32 KB of weights
+(either four 64-row x 64-column boxes of a [rows, 2048] bf16 matrix by the tensor-map TMA, 4 KB between rows, or one
+contiguous 32 KB bulk copy: a pre-tiled layout) and 16 KB of gathered rows (128 rows x 128 bytes of a 16 MB
+activation matrix, cp.async by 128 threads, completing on the same mbarrier). A task is 32 stages (K = 2048) of one
+256-row weight tile; `reuse` tasks in a row share a tile (the m-tiles of one expert at S = 4096 read each weight tile
+2-3 times), the weights span 768 MB (all of W_gate_up) or 24 MB (L2-resident).
 """
 
 from __future__ import annotations
@@ -35,9 +42,13 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--timeline", default="", help="append the task timeline (JSON line) to this file")
     ap.add_argument("--feed", action="store_true", help="bulk-copy delivery rate into shared memory (no layer)")
+    ap.add_argument("--feed-tiles", action="store_true", help="the wide tile's stage loads without compute (no layer)")
     a = ap.parse_args()
     if a.feed:
         feed()
+    if a.feed_tiles:
+        feed_tiles()
+    if a.feed or a.feed_tiles:
         return
     from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
     from moetune.runtime.shapes import get_model
@@ -216,6 +227,161 @@ def feed() -> None:
         print(f"feed span {span_mb:5d} MB  stages {stages:2d} x {chunk >> 10:2d} KB  {total / sec / 1e9:7.0f} GB/s  "
               f"{total / sec / sms / 1e9:5.1f} GB/s per SM  ({sec * 1e6:.0f} us)")
 
+
+_TILES_SRC = r"""
+// One CTA of 128 threads per SM keeps `stages` stages in flight. Stage = B (bmode 1: four 64 x 64 TMA boxes,
+// 2: one contiguous 32 KB bulk copy, 0: none) + A, 128 rows x 128 bytes (amode 1: gathered rows by cp.async,
+// 16 bytes a thread, 8 per thread; 2: gathered rows by TMA, one 1-row box per thread; 3: 16 KB contiguous bulk).
+// The gathered rows of a task are drawn once per task (a hash of task and row), as the kernel computes its row
+// pointers once per task.
+struct Rows {
+  int r[8];
+};
+__device__ __forceinline__ Rows task_rows(long long task, int xrows) {
+  Rows w;
+  for (int q = 0; q < 8; ++q) {
+    const unsigned r = (threadIdx.x >> 3) + 16 * q;
+    w.r[q] = (int)(((unsigned)(task * 131 + r) * 2654435761u) >> 8) & (xrows - 1);
+  }
+  return w;
+}
+__device__ __forceinline__ void stage(unsigned sb, unsigned bar, const void* tmap, const void* xmap,
+                                      const char* wflat, const char* x, int bmode, int amode, long long task,
+                                      int kt, int tiles, int reuse, int xrows, const Rows& rows) {
+  const int t = threadIdx.x;
+  const long long tile = (task / reuse) % tiles;
+  const unsigned tx = (bmode ? 32768u : 0u) + (amode >= 2 ? 16384u : 0u);
+  if (t == 0 && tx)
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(tx) : "memory");
+  if (t == 0 && bmode) {
+    if (bmode == 1) {
+      for (int b = 0; b < 4; ++b)
+        asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                     ::"r"(sb + 16384 + b * 8192), "l"(tmap), "r"(kt * 64), "r"((int)(tile * 256 + 64 * b)), "r"(bar)
+                     : "memory");
+    } else {
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   ::"r"(sb + 16384), "l"(wflat + (tile * 32 + kt) * 32768), "r"(32768), "r"(bar) : "memory");
+    }
+  }
+  if (amode == 1) {
+    const int ch = t & 7, r0 = t >> 3;
+    for (int q = 0; q < 8; ++q) {
+      const int r = r0 + 16 * q;
+      const char* src = x + (long long)rows.r[q] * 4096 + kt * 128 + ch * 16;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sb + r * 128 + ((ch ^ (r & 7)) << 4)), "l"(src)
+                   : "memory");
+    }
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+  } else if (amode == 2) {  // thread t: tile row t, x row drawn for it (rows.r[0] is row t >> 3: use a hash of t)
+    const int xr = (int)(((unsigned)(task * 131 + t) * 2654435761u) >> 8) & (xrows - 1);
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 ::"r"(sb + t * 128), "l"(xmap), "r"(kt * 64), "r"(xr), "r"(bar) : "memory");
+  } else if (amode == 3 && t == 0) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(sb), "l"(x + ((task * 32 + kt) * 16384) % ((long long)xrows * 4096)), "r"(16384), "r"(bar)
+                 : "memory");
+  }
+}
+
+extern "C" __global__ void feed_tiles(const void* tmap, const void* xmap, const char* wflat, const char* x,
+                                      int bmode, int amode, int tiles, int reuse, int xrows, int iters, int stages,
+                                      unsigned long long* sink) {
+  extern __shared__ __align__(1024) unsigned char sm[];
+  __shared__ __align__(8) unsigned long long bar[8];
+  const unsigned sbase = ((unsigned)__cvta_generic_to_shared(sm) + 1023u) & ~1023u;
+  const unsigned bbase = (unsigned)__cvta_generic_to_shared(bar);
+  if (threadIdx.x == 0) {
+    const int count = (bmode || amode >= 2 ? 1 : 0) + (amode == 1 ? 128 : 0);
+    for (int s = 0; s < stages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bbase + 8 * s), "r"(count));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  long long task = blockIdx.x;
+  int kt = 0;
+  Rows rows = task_rows(task, xrows);
+  for (int s = 0; s < stages; ++s) {
+    stage(sbase + s * 49152, bbase + 8 * s, tmap, xmap, wflat, x, bmode, amode, task, kt, tiles, reuse, xrows, rows);
+    if (++kt == 32) { kt = 0; task += gridDim.x; rows = task_rows(task, xrows); }
+  }
+  for (int i = 0; i < iters + stages; ++i) {
+    const int s = i % stages;
+    const unsigned ph = (unsigned)(i / stages) & 1u;
+    unsigned ok = 0;
+    while (!ok)
+      asm volatile("{\n.reg .pred q;\nmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\nselp.u32 %0, 1, 0, q;\n}"
+                   : "=r"(ok) : "r"(bbase + 8 * s), "r"(ph) : "memory");
+    __syncthreads();  // every thread saw the phase before the slot is refilled
+    if (i < iters) {
+      stage(sbase + s * 49152, bbase + 8 * s, tmap, xmap, wflat, x, bmode, amode, task, kt, tiles, reuse, xrows, rows);
+      if (++kt == 32) { kt = 0; task += gridDim.x; rows = task_rows(task, xrows); }
+    }
+  }
+  if (threadIdx.x == 0) sink[blockIdx.x] = task;
+}
+"""
+
+
+def _tensor_map(cp, ptr: int, rows: int, cols: int, box_rows: int = 64):
+    """A bf16 [rows, cols] tensor map with box_rows x 64 boxes and the 128-byte swizzle (the kernel's B map)."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    tm = (ctypes.c_uint8 * 128)()
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    dims, strides = (u64 * 2)(cols, rows), (u64 * 1)(cols * 2)
+    box, estr = (u32 * 2)(64, box_rows), (u32 * 2)(1, 1)
+    # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9, INTERLEAVE_NONE = 0, SWIZZLE_128B = 3, L2_PROMOTION_L2_256B = 3, OOB none
+    r = cuda.cuTensorMapEncodeTiled(tm, 9, 2, ctypes.c_void_p(ptr), dims, strides, box, estr, 0, 3, 3, 0)
+    if r != 0:
+        raise SystemExit(f"cuTensorMapEncodeTiled failed ({r})")
+    dev = cp.empty(128, dtype=cp.uint8)
+    dev.set(__import__("numpy").frombuffer(bytes(tm), dtype="uint8"))
+    return dev
+
+
+def feed_tiles() -> None:
+    """The wide tile's stage loads without compute (see the module doc); median of 5 launches each."""
+    import statistics
+
+    try:
+        import cupy as cp
+    except ImportError:
+        raise SystemExit("--feed-tiles needs CuPy (the device image has it)") from None
+    kern = cp.RawKernel(_TILES_SRC, "feed_tiles")
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    sink = cp.zeros(sms, dtype=cp.uint64)
+    w = cp.zeros(768 << 20, dtype=cp.uint8)  # 196608 rows x 4 KB: W_gate_up of 128 experts
+    x = cp.ones(16 << 20, dtype=cp.uint8)  # 4096 rows x 4 KB
+    tmap = _tensor_map(cp, w.data.ptr, (768 << 20) // 4096, 2048)
+    xmap = _tensor_map(cp, x.data.ptr, 4096, 2048, box_rows=1)
+    stages, iters = 4, 32 * 12
+    kern.max_dynamic_shared_size_bytes = stages * 49152 + 1024
+    amodes = ("none", "gather cp.async", "gather tma rows", "bulk 16 KB")
+    for span_mb in (768, 24):
+        tiles = (span_mb << 20) // (256 * 4096)
+        for reuse in (1, 3):
+            for bmode, amode in ((1, 0), (2, 0), (0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3), (2, 1), (2, 2)):
+                ints = (bmode, amode, tiles, reuse, 4096, iters, stages)
+                args = (tmap, xmap, w, x, *(cp.int32(v) for v in ints), sink)
+                kern((sms,), (128,), args, shared_mem=stages * 49152 + 1024)
+                times = []
+                for _ in range(5):
+                    t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+                    t0.record()
+                    kern((sms,), (128,), args, shared_mem=stages * 49152 + 1024)
+                    t1.record()
+                    t1.synchronize()
+                    times.append(cp.cuda.get_elapsed_time(t0, t1) * 1e-3)
+                sec = statistics.median(times)
+                per = (32768 if bmode else 0) + (16384 if amode else 0)
+                total = sms * (iters + stages) * per
+                b = ("none", "tma 4 boxes", "bulk 32 KB")[bmode]
+                print(
+                    f"feed-tiles W {span_mb:4d} MB reuse {reuse}  B {b:11s} A {amodes[amode]:15s} "
+                    f"{total / sec / 1e9:6.0f} GB/s {total / sec / sms / 1e9:5.1f} GB/s per SM "
+                    f"{sec / (iters + stages) * 1e6:5.2f} us per stage"
+                )
 
 if __name__ == "__main__":
     main()
