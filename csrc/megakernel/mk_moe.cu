@@ -83,6 +83,11 @@ __device__ __forceinline__ uint32_t su32(const void* p) { return (uint32_t)__cvt
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
+// Arrive on mbarrier `bar` once every cp.async this thread issued so far has landed (.noinc: the arrival counts
+// toward the barrier's expected count, so the producer threads are the count and never wait for their copies).
+__device__ __forceinline__ void cp_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // wait until at most n groups are pending (n is a run-time pipeline depth, the PTX needs an immediate)
 __device__ __forceinline__ void cp_wait(int n) {
@@ -622,6 +627,13 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
 // over up (mk_index.h: wide_gemm1_row) for cp.async and TMA alike: the (gate, up) pair of an h column is
 // registers i and i + 64 of one thread. The scheduler keeps its 128-column n-blocks: a wide task runs n-blocks
 // nb (even) and nb + 1 and counts both, so the readiness thresholds are the 128-column tile's.
+// Measurement builds only (the library is built without it): MK_PROBE bit 0 = the wgmma tiles' producer issues no
+// loads (stages are published empty), bit 1 = their consumers issue no wgmma (they wait for and free the stages).
+// Outputs are garbage; the task timeline then shows what the loads alone and the wgmmas alone cost (run 41).
+#ifndef MK_PROBE
+#define MK_PROBE 0
+#endif
+
 template <int BM_, bool TMA_ = false, int BNT_ = 128>
 struct WgTile {
   static constexpr int BM = BM_, CONSUMERS = BM / 64, THREADS = 128 * (1 + CONSUMERS);
@@ -876,9 +888,11 @@ __device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int
 }
 
 // The producer warpgroup's part of one GEMM task (thread t of warpgroup 0; md: the task's metadata, it: the
-// running stage counter at the task's first stage): copy KT stages, publishing each landed stage before it
-// waits for a free slot, and publish the last min(KT, stages - 1) stages after the loop (cp.async.wait_group 0).
-// Returns with every stage of the task published: the consumers can finish the task without the producer.
+// running stage counter at the task's first stage): copy KT stages, each as soon as its slot is free. A thread's
+// A rows (and the B rows of the cp.async tiles) arrive on full[s] when they land (cp.async.mbarrier.arrive.noinc),
+// so the producer never waits for its own copies (run 41: it used to wait for stage kt - stages + 1 before taking
+// slot kt, and the S=4096 experts kernel took 852 instead of 744 us). Returns with every stage of the task issued:
+// the consumers can finish the task without the producer.
 template <class T>
 __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
                                            int e, int nb, int KT, uint32_t it, int t, const CUtensorMap* tm1,
@@ -906,17 +920,11 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
   // wide tile: four boxes, box b at tile row 64 b from weight row wbase + wide_box_row (gate, gate, up, up
   // for GEMM1; 256 consecutive rows for GEMM2)
   const int64_t wbase = kind == MK_TASK_GEMM1 ? e * 2 * p.I : e * p.H;
-  const int lag = stages - 1;
   for (int kt = 0; kt < KT; ++kt) {
     const uint32_t g = it + kt, slot = g % stages;
-    if (kt >= lag) {  // stage kt - lag has landed for this thread: publish it BEFORE waiting for a free slot
-      cp_wait(lag - 1);  // (consumers free stage j only after stage j+1 is full: publishing after the wait
-      fence_proxy_async();  // below deadlocked as soon as a task had more k stages than `stages`)
-      mbar_arrive(bars.full + 8 * ((g - lag) % stages));
-    }
     mbar_wait(p, bars.empty + 8 * slot, ((g / stages) & 1) ^ 1, g);  // a fresh barrier passes parity 1 at once
     const uint32_t sA = s0 + slot * T::STAGE, sB = sA + T::A_BYTES;
-    if constexpr (T::TMA) {
+    if constexpr (T::TMA && !(MK_PROBE & 1)) {
       if (t == 0) {  // expect_tx before the copies: thread 0's own arrival (later) keeps the phase open until then
         const uint32_t full = bars.full + 8 * slot;
         mbar_expect_tx(full, T::B_BYTES);
@@ -931,19 +939,18 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
         }
       }
     }
+    if constexpr (!(MK_PROBE & 1)) {
 #pragma unroll
-    for (int q = 0; q < T::BM / 16; ++q)
-      cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
-    if constexpr (!T::TMA) {
+      for (int q = 0; q < T::BM / 16; ++q)
+        cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
+      if constexpr (!T::TMA) {
 #pragma unroll
-      for (int q = 0; q < T::BNT / 16; ++q)
-        cp_async16(sB + mkidx::swz_off(r0 + 16 * q, ch * 8), bsrc[q] + kt * BK, 16);
+        for (int q = 0; q < T::BNT / 16; ++q)
+          cp_async16(sB + mkidx::swz_off(r0 + 16 * q, ch * 8), bsrc[q] + kt * BK, 16);
+      }
     }
-    cp_commit();
+    cp_arrive_noinc(bars.full + 8 * slot);  // this thread's arrival on full[s], made when its copies have landed
   }
-  cp_wait(0);
-  fence_proxy_async();
-  for (int kt = KT > lag ? KT - lag : 0; kt < KT; ++kt) mbar_arrive(bars.full + 8 * ((it + kt) % stages));
 }
 
 // Consumer warpgroup c's part of one GEMM task (thread t): rows 64c .. 64c+63, wgmma from the stages, each stage
@@ -1038,20 +1045,29 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
   for (int kt = 0; kt < KT; ++kt) {
     const uint32_t g = it + kt, slot = g % stages;
     mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
+    fence_proxy_async();  // the producers' cp.async rows (generic proxy) before the wgmmas read them (async proxy)
     const uint32_t sA = s0 + slot * T::STAGE + c * 64 * 128, sB = s0 + slot * T::STAGE + T::A_BYTES;
     acc_fence(d);
     wg_fence();
+    if constexpr (!(MK_PROBE & 2)) {
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk)
-      wgmma_tile(d, mkidx::wg_desc(sA + kk * 32), mkidx::wg_desc(sB + kk * 32), kt > 0 || kk > 0);
+      for (int kk = 0; kk < BK / 16; ++kk)
+        wgmma_tile(d, mkidx::wg_desc(sA + kk * 32), mkidx::wg_desc(sB + kk * 32), kt > 0 || kk > 0);
+    }
     wg_commit();
     acc_fence(d);
-    wg_wait<1>();  // the previous stage's wgmmas are done: hand its slot back
-    if (kt > 0) mbar_arrive(bars.empty + 8 * ((g - 1) % stages));
+    if constexpr (T::CONSUMERS >= 2) {
+      wg_wait<0>();  // this stage's wgmmas are done: hand its slot back now, not once the next stage has landed
+      acc_fence(d);  // (the other consumer warpgroup's wgmmas keep the tensor cores busy meanwhile)
+      mbar_arrive(bars.empty + 8 * slot);
+    } else {
+      wg_wait<1>();  // one consumer warpgroup: keep a stage in flight; the previous stage's wgmmas are done
+      if (kt > 0) mbar_arrive(bars.empty + 8 * ((g - 1) % stages));
+    }
   }
   wg_wait<0>();
   acc_fence(d);
-  if (KT > 0) mbar_arrive(bars.empty + 8 * ((it + KT - 1) % stages));
+  if (T::CONSUMERS < 2 && KT > 0) mbar_arrive(bars.empty + 8 * ((it + KT - 1) % stages));
   if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_MAIN, (int64_t)gtime());  // timeline: mainloop done
   if (stg && (kind == MK_TASK_GEMM2 || T::TMA || T::NBLK == 2)) {  // staged (overlap kernel; stacked GEMM1 tiles)
     if (kind == MK_TASK_GEMM1)
