@@ -351,75 +351,133 @@ def test_kernel_source_mirrors_split_rule():
 
 
 # ---- the wgmma core's stage pipeline (full/empty mbarriers), modelled step by step ----------------------------
-def _stage_pipeline(stages: int, kts: list[int], *, publish_first: bool) -> str:
-    """Run the producer and one consumer warpgroup of run_gemm_wg over tasks of `kts` k-stages each, as the kernel
-    orders their barrier operations, stepping whichever can move; 'ok', or 'deadlock at ...' when neither can.
+def _run_actors(actors: list[list[tuple]], ready, apply, policy: str | int) -> str | None:
+    """Step actors (lists of ops) until all are done: 'deadlock at ...' when none can move, an apply() error, or
+    None. `policy`: 'first' / 'last' movable actor, or a random seed."""
+    pos = [0] * len(actors)
+    rng = random.Random(policy) if isinstance(policy, int) else None
+    while any(pos[a] < len(actors[a]) for a in range(len(actors))):
+        movable = [a for a in range(len(actors)) if pos[a] < len(actors[a]) and ready(a, actors[a][pos[a]])]
+        if not movable:
+            where = ", ".join(str(actors[a][pos[a]]) if pos[a] < len(actors[a]) else "done" for a in range(len(actors)))
+            return f"deadlock at {where}"
+        a = rng.choice(movable) if rng else (movable[0] if policy == "first" else movable[-1])
+        bad = apply(a, actors[a][pos[a]])
+        if bad:
+            return bad
+        pos[a] += 1
+    return None
 
-    Producer, per stage kt of a task (g = it + kt, lag = stages - 1): with publish_first (the kernel now), publish
-    stage kt - lag (once kt >= lag), then wait for slot g to be empty, then copy it; without it (the first cut),
-    wait, copy, then publish. After the loop it publishes its last min(KT, lag) stages. Consumer, per stage:
-    wait full[g], issue the wgmmas, and release stage g - 1 (wgmma.wait_group 1); after the loop, release the
-    last. Slot g is empty once stage g - stages was released (or g < stages); full once stage g was published."""
+
+def _stage_pipeline(stages: int, kts: list[int], *, producer: str = "async", early_release: bool = False,
+                    policy: str | int = "first") -> str:
+    """Run the producer and one consumer warpgroup of run_gemm_wg over tasks of `kts` k-stages each, as the kernel
+    orders their barrier operations; 'ok', or 'deadlock at ...' when nothing can move.
+
+    Producer, per stage g: `async` (the kernel since run 41): wait for slot g to be empty, issue the copies; the
+    copies land by themselves (a third actor lands issued stages in order: cp.async.mbarrier.arrive.noinc and the
+    TMA bytes). `publish_first` (runs 10-40): publish stage g - lag after its copies landed (the producer waits for
+    them), then wait for slot g, then copy; the last min(KT, lag) stages after the loop. `first_cut`: wait, copy,
+    then publish g - lag. Consumer, per stage: wait full[g], issue the wgmmas, release stage g - 1 (wgmma.wait_group
+    1) and the last after the loop; with `early_release` (two consumer warpgroups since run 41) release g itself
+    (wait_group 0). Slot g is empty once stage g - stages was released (or g < stages); full once published."""
     lag = stages - 1
-    prod: list[tuple[str, int]] = []
-    cons: list[tuple[str, int]] = []
+    prod: list[tuple] = []
+    cons: list[tuple] = []
+    land: list[tuple] = []
     it = 0
     for kt_n in kts:
         for kt in range(kt_n):
             g = it + kt
-            if publish_first and kt >= lag:
+            if producer == "publish_first" and kt >= lag:
                 prod.append(("publish", g - lag))
             prod.append(("wait_empty", g))
-            if not publish_first and kt >= lag:
+            if producer == "first_cut" and kt >= lag:
                 prod.append(("publish", g - lag))
-            cons += [("wait_full", g)] + ([("release", g - 1)] if kt > 0 else [])
-        prod += [("publish", it + kt) for kt in range(max(kt_n - lag, 0), kt_n)]
-        cons += [("release", it + kt_n - 1)] if kt_n else []
-        prod.append(("sync", it))  # the task's closing __syncthreads
+            if producer == "async":
+                prod.append(("issue", g))
+                land.append(("land", g))
+            cons.append(("wait_full", g))
+            if early_release:
+                cons.append(("release", g))
+            elif kt > 0:
+                cons.append(("release", g - 1))
+        if producer != "async":
+            prod += [("publish", it + kt) for kt in range(max(kt_n - lag, 0), kt_n)]
+        if kt_n and not early_release:
+            cons.append(("release", it + kt_n - 1))
+        prod.append(("sync", it))  # the task's closing __syncthreads (after the consumers' last wait)
         cons.append(("sync", it))
         it += kt_n
     published: set[int] = set()
+    issued: set[int] = set()
     released: set[int] = set()
-    pi = ci = 0
-    while pi < len(prod) or ci < len(cons):
-        moved = False
-        if pi < len(prod):
-            op, g = prod[pi]
-            if op == "publish":
-                published.add(g)
-            if op != "wait_empty" or g < stages or g - stages in released:
-                if op != "sync" or (ci < len(cons) and cons[ci] == ("sync", g)):
-                    pi, moved = pi + 1, True
-        if ci < len(cons):
-            op, g = cons[ci]
-            if op == "release":
-                released.add(g)
-            if op == "release" or (op == "wait_full" and g in published) or (op == "sync" and pi > 0 and prod[pi - 1] == ("sync", g)):
-                ci, moved = ci + 1, True
-        if not moved:
-            return f"deadlock at producer {prod[pi] if pi < len(prod) else 'done'}, consumer {cons[ci] if ci < len(cons) else 'done'}"
+    synced: Counter = Counter()
+
+    def ready(a: int, op: tuple) -> bool:
+        kind, g = op
+        if kind == "wait_empty":
+            return g < stages or g - stages in released
+        if kind == "wait_full":
+            return g in published
+        if kind == "land":
+            return g in issued
+        if kind == "sync":  # both arrive, then both pass (modelled as: the other side reached it too)
+            return synced[g] >= 1 or any(actors[b][min(idx[b], len(actors[b]) - 1)] == op for b in (0, 1) if b != a)
+        return True
+
+    def apply(a: int, op: tuple) -> None:
+        kind, g = op
+        idx[a] += 1
+        if kind == "publish" or kind == "land":
+            published.add(g)
+        elif kind == "issue":
+            issued.add(g)
+        elif kind == "release":
+            released.add(g)
+        elif kind == "sync":
+            synced[g] += 1
+
+    actors = [prod, cons, land]
+    idx = [0, 0, 0]
+    bad = _run_actors(actors, ready, apply, policy)
+    if bad:
+        return bad
     assert published == released == set(range(it))
     return "ok"
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4, 6, 9])
 def test_wgmma_stage_pipeline_never_deadlocks(stages: int) -> None:
-    """Tasks of 1..40 k-stages back to back (GEMM1 of Qwen3-30B has 32, GEMM2 12): every one completes."""
+    """Tasks of 1..40 k-stages back to back (GEMM1 of Qwen3-30B has 32, GEMM2 12): every one completes, with one
+    consumer warpgroup (release one stage late) and two (release at once), under several interleavings."""
     for kts in ([1], [stages - 1], [stages], [stages + 1], [32], [12], [32, 12, 1, 32], list(range(1, 41))):
-        assert _stage_pipeline(stages, kts, publish_first=True) == "ok", (stages, kts)
+        for early in (False, True):
+            for policy in ("first", "last", 1, 2):
+                assert _stage_pipeline(stages, kts, early_release=early, policy=policy) == "ok", (stages, kts, early)
 
 
 def test_wgmma_stage_pipeline_model_catches_the_first_cut() -> None:
     """The order the first wgmma cut had (publish after the slot wait) deadlocks once a task has more k-stages
-    than `stages`: what hung the first GPU run of the wgmma core; the model sees it, and the kernel has the fix."""
+    than `stages`: what hung the first GPU run of the wgmma core; the model sees it. Runs 10-40 published each stage
+    before the slot wait (correct); since run 41 the copies arrive by themselves and the kernel has that order."""
     from moetune.runtime.megakernel import _lib
 
-    assert _stage_pipeline(4, [4], publish_first=False) == "ok"
-    assert _stage_pipeline(4, [5], publish_first=False).startswith("deadlock")
-    assert _stage_pipeline(3, [32], publish_first=False).startswith("deadlock")
+    assert _stage_pipeline(4, [4], producer="first_cut") == "ok"
+    assert _stage_pipeline(4, [5], producer="first_cut").startswith("deadlock")
+    assert _stage_pipeline(3, [32], producer="first_cut").startswith("deadlock")
+    assert _stage_pipeline(3, [32, 12], producer="publish_first") == "ok"
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
-    body = src[src.index("void wg_produce("):]  # the producer half run_gemm_wg and the overlap kernel share
-    assert body.index("mbar_arrive(bars.full") < body.index("mbar_wait(p, bars.empty"), "publish must precede the slot wait"
+    body = src[src.index("void wg_produce("):src.index("void wg_consume(")]  # run_gemm_wg's and the overlap kernel's
+    loop = body[body.index("for (int kt = 0; kt < KT; ++kt)"):]
+    assert loop.index("mbar_wait(p, bars.empty") < loop.index("cp_async16(") < loop.index("cp_arrive_noinc(bars.full")
+    assert "cp_wait(" not in body and "mbar_arrive(bars.full" not in body, "the producer never waits for its copies"
+    assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in src
+    cons = src[src.index("void wg_consume("):]
+    cons = cons[:cons.index("\n}\n")]
+    early = cons[cons.index("if constexpr (T::CONSUMERS >= 2) {"):]
+    assert early.index("wg_wait<0>();") < early.index("mbar_arrive(bars.empty + 8 * slot);") < early.index("} else {")
+    assert cons.index("mbar_wait(p, bars.full") < cons.index("fence_proxy_async();") < cons.index("wgmma_tile(d,")
     assert "report(p, MK_ERR_PIPE_TIMEOUT" in src and "MK_ERR_PIPE_TIMEOUT = 5" in _header()
 
 
@@ -509,7 +567,8 @@ def test_wide_tile_stage_pipeline(stages):
     rng = random.Random(stages)
     mix = [rng.choice((32, 12)) for _ in range(40)]
     for kts in ([32] * 6 + [12] * 8, mix, [1, 2, 3, 4, 5, 32, 12]):
-        assert _stage_pipeline(stages, kts, publish_first=True) == "ok", (stages, kts)
+        for early in (False, True):
+            assert _stage_pipeline(stages, kts, early_release=early) == "ok", (stages, kts, early)
     stage, meta, align = 128 * 128 + 256 * 128, 128 * 8 + 256 * 8 + 128 * 4 + 16 + 2 * 8 * 16, 1024
     smem_max = 227 * 1024 - 1024  # SMEM_MAX in mk_moe.cu
     assert stage * 4 + meta + align <= smem_max < stage * 5 + meta + align
@@ -534,84 +593,90 @@ END = None  # the end marker (task word 0)
 
 
 def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps: dict[int, int] | None = None,
-                      policy: str | int = "producer", publish_before_claim: bool = True,
+                      policy: str | int = "first", flush_before_wait: bool = True,
                       free_slot_after_signal: bool = True) -> str:
     """k_experts_ov's protocol for one CTA: 'ok', 'deadlock at ...' when no actor can move, or 'slot ...' when a task
     slot was overwritten while consumers still read it.
 
     `tasks`: k-stages per task in claim order, 0 = a COMBINE task (the end marker follows the last). `deps[j] = i`:
     queue slot j is published only once task i signalled (a GEMM2 waiting for a GEMM1 this CTA runs). Actors: the
-    producer warpgroup and `consumers` consumer warpgroups; `policy` picks among the actors that can move ('producer'
-    or 'consumers' first, or a random seed). Producer per task j: wait tempty (slot j & 1 free: the consumers finished
-    task j - 2), claim (waits until slot j is published), write the slot, arrive tfull; a GEMM task's stages as
-    wg_produce orders them (publish stage kt - lag before waiting for slot kt to be empty, the last min(KT, lag)
-    after the loop). With publish_before_claim off, those last publishes come after the NEXT claim (the wrong
-    order). Consumers per task: wait tfull, the vote (named barrier), read the word; end -> exit; COMBINE -> free
-    the slot, combine; GEMM -> wait full / release the previous stage, release the last, the epilogue reads the
-    slot's row ids, named barrier, consumer 0 signals, every consumer frees the slot (with free_slot_after_signal
-    off: right after reading the word, the wrong order)."""
+    producer warpgroup, the copies landing by themselves (cp.async.mbarrier.arrive.noinc, TMA bytes) and `consumers`
+    consumer warpgroups; `policy` picks among the actors that can move ('first', 'last' or a random seed). Producer
+    per task j: wait tempty (slot j & 1 free: task j - 2 signalled), claim (waits until slot j is published), write
+    the slot, arrive tfull; a GEMM task's stages: wait for slot g to be empty, issue its copies. Consumers per task:
+    if a signal is pending, vote (named barrier, AND) on whether the next word is already there and send the signal
+    now unless every consumer saw it (`flush_before_wait`); wait tfull, the vote of the word, read it; end -> send
+    the pending signal, exit; COMBINE -> send it, free the slot, combine; GEMM -> stages (wait full; release the
+    previous stage with one consumer warpgroup, the stage itself with two), the pending signal sent at the second
+    stage, the epilogue reads the slot's row ids, named barrier; this task's signal becomes the pending one. Sending
+    a signal: consumer 0 reads the row ids and counts the task done, every consumer frees its slot (with
+    free_slot_after_signal off: the slot is freed right after the word is read, the wrong order)."""
     deps = deps or {}
-    lag = stages - 1
     n = len(tasks)
     prod: list[tuple] = []
-    deferred: list[tuple] = []
+    land: list[tuple] = []
     it = 0
     for j, kt_n in enumerate([*tasks, END]):
-        prod += [("wait_tempty", j), ("claim", j), *deferred, ("arrive_tfull", j)]
-        deferred = []
+        prod += [("wait_tempty", j), ("claim", j), ("arrive_tfull", j)]
         if kt_n is END:
             break
         for kt in range(kt_n):
-            g = it + kt
-            if kt >= lag:
-                prod.append(("publish", g - lag))
-            prod.append(("wait_empty", g))
-        tail = [("publish", it + kt) for kt in range(max(kt_n - lag, 0), kt_n)]
-        if publish_before_claim:
-            prod += tail
-        else:
-            deferred = tail
+            prod += [("wait_empty", it + kt), ("issue", it + kt)]
+            land.append(("land", it + kt))
         it += kt_n
     total_stages = it
     cons: list[list[tuple]] = []
-    for c in range(consumers):
+    for _ in range(consumers):
         ops: list[tuple] = []
-        it, nbar = 0, 0
+        it, nbar, pend = 0, 0, False
         for j, kt_n in enumerate([*tasks, END]):
+            if pend and flush_before_wait:
+                ops += [("vote", (nbar, j)), ("vote_wait", nbar), ("flush_unless", nbar)]
+                nbar += 1
             ops += [("wait_tfull", j), ("bar_arrive", nbar), ("bar_wait", nbar), ("read_word", j)]
             nbar += 1
             if kt_n is END:
+                ops.append(("flush", None))
                 break
             if kt_n == 0:
-                ops += [("arrive_tempty", j), ("combine", j)]
+                ops += [("flush", None), ("arrive_tempty", j), ("combine", j)]
+                pend = False
                 continue
             if not free_slot_after_signal:
                 ops.append(("arrive_tempty", j))
+            hook_at = 1 if kt_n > 1 else 0
             for kt in range(kt_n):
                 g = it + kt
-                ops += [("wait_full", g)] + ([("release", g - 1)] if kt > 0 else [])
-            ops += [("release", it + kt_n - 1), ("read_slot", j), ("bar_arrive", nbar), ("bar_wait", nbar)]
+                ops.append(("wait_full", g))
+                if kt == hook_at:
+                    ops.append(("flush", None))
+                if consumers >= 2:
+                    ops.append(("release", g))
+                elif kt > 0:
+                    ops.append(("release", g - 1))
+            if consumers < 2:
+                ops.append(("release", it + kt_n - 1))
+            ops += [("read_slot", j), ("bar_arrive", nbar), ("bar_wait", nbar), ("set_pending", j)]
             nbar += 1
-            if c == 0:
-                ops += [("read_slot", j), ("signal", j)]
-            if free_slot_after_signal:
-                ops.append(("arrive_tempty", j))
+            pend = True
             it += kt_n
         cons.append(ops)
-    actors = [prod, *cons]
-    pos = [0] * len(actors)
+    actors = [prod, land, *cons]
     published: Counter = Counter()
+    issued: set[int] = set()
     released: Counter = Counter()
     tfull: set[int] = set()
     tempty: Counter = Counter()
     bars: Counter = Counter()
+    votes: dict[int, list[bool]] = {}
     slot: dict[int, int] = {}
     done: set[int] = set()
     claimed: Counter = Counter()
     combined: Counter = Counter()
     words: Counter = Counter()
+    pending: dict[int, int | None] = {}
 
-    def ready(op: tuple) -> bool:
+    def ready(a: int, op: tuple) -> bool:
         kind, x = op
         if kind == "wait_tempty":
             return x < 2 or tempty[x - 2] == consumers
@@ -619,13 +684,30 @@ def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps
             return x >= n or x not in deps or deps[x] in done
         if kind == "wait_empty":
             return x < stages or released[x - stages] == consumers
+        if kind == "land":
+            return x in issued
         if kind == "wait_tfull":
             return x in tfull
         if kind == "wait_full":
             return published[x] > 0
         if kind == "bar_wait":
             return bars[x] == consumers
+        if kind == "vote_wait":
+            return len(votes.get(x, [])) == consumers
         return True
+
+    def send(a: int) -> str | None:
+        j = pending.get(a)
+        if j is None:
+            return None
+        if a == 2:  # consumer 0 counts the task done; its signal reads the row ids
+            if slot.get(j & 1) != j:
+                return f"slot {j & 1} holds task {slot.get(j & 1)} while consumer 0 signals task {j}"
+            done.add(j)
+        if free_slot_after_signal:
+            tempty[j] += 1
+        pending[a] = None
+        return None
 
     def apply(a: int, op: tuple) -> str | None:
         kind, x = op
@@ -634,7 +716,9 @@ def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps
             slot[x & 1] = x
         elif kind == "arrive_tfull":
             tfull.add(x)
-        elif kind == "publish":
+        elif kind == "issue":
+            issued.add(x)
+        elif kind == "land":
             published[x] += 1
         elif kind == "release":
             released[x] += 1
@@ -642,39 +726,39 @@ def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps
             tempty[x] += 1
         elif kind == "bar_arrive":
             bars[x] += 1
+        elif kind == "vote":
+            votes.setdefault(x[0], []).append(x[1] in tfull)
+        elif kind == "flush_unless":
+            if not all(votes[x]):
+                return send(a)
+        elif kind == "flush":
+            return send(a)
+        elif kind == "set_pending":
+            pending[a] = x
         elif kind in ("read_word", "read_slot"):
             if slot.get(x & 1) != x:
-                return f"slot {x & 1} holds task {slot.get(x & 1)} while consumer {a - 1} reads task {x} ({kind})"
-            if kind == "read_word" and a == 1:
+                return f"slot {x & 1} holds task {slot.get(x & 1)} while consumer {a - 2} reads task {x} ({kind})"
+            if kind == "read_word" and a == 2:
                 words[x] += 1
-        elif kind == "signal":
-            done.add(x)
-        elif kind == "combine" and a == 1:
+        elif kind == "combine" and a == 2:
             combined[x] += 1
         return None
 
-    rng = random.Random(policy) if isinstance(policy, int) else None
-    while any(pos[a] < len(actors[a]) for a in range(len(actors))):
-        movable = [a for a in range(len(actors)) if pos[a] < len(actors[a]) and ready(actors[a][pos[a]])]
-        if not movable:
-            where = ", ".join(str(actors[a][pos[a]]) if pos[a] < len(actors[a]) else "done" for a in range(len(actors)))
-            return f"deadlock at {where}"
-        a = rng.choice(movable) if rng else (movable[0] if policy == "producer" else movable[-1])
-        bad = apply(a, actors[a][pos[a]])
-        if bad:
-            return bad
-        pos[a] += 1
+    bad = _run_actors(actors, ready, apply, policy)
+    if bad:
+        return bad
     gemm = [j for j, k in enumerate(tasks) if k]
     assert all(published[g] == 1 for g in range(total_stages)) and len(published) == total_stages
     assert all(released[g] == consumers for g in range(total_stages)) and len(released) == total_stages
     assert claimed == Counter(range(n + 1)) and words == Counter(range(n + 1))  # every task + the end, once
     assert done == set(gemm) and combined == Counter(j for j, k in enumerate(tasks) if not k)
+    assert all(tempty[j] == consumers for j in range(n))
     return "ok"
 
 
 _OV_MIXES = [[32], [12], [0], [], [32, 12], [12, 32, 0, 0, 12], [32, 32, 12, 0, 32, 0, 0, 0, 12, 12, 32],
              [1, 2, 3, 0, 5, 1], [0, 0, 0, 32, 0]]
-_OV_POLICIES = ["producer", "consumers", *range(6)]
+_OV_POLICIES = ["first", "last", *range(6)]
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4, 6])
@@ -691,24 +775,20 @@ def test_overlap_pipeline_never_deadlocks(stages: int, consumers: int) -> None:
 
 
 def test_overlap_pipeline_model_catches_wrong_orders() -> None:
-    """Two plausible wrong cuts the model rejects: (1) claiming the next task before publishing the current task's
-    last stages deadlocks when the next queue slot waits for the current task (GEMM2 after this CTA's GEMM1);
-    (2) freeing the task slot when the word is read, not after the signal, lets the producer overwrite the row ids
-    the epilogue and signal still read. Then the kernel source has the order the model assumes."""
+    """Two plausible wrong cuts the model rejects: (1) holding a task's signal back while waiting for the next task
+    word deadlocks when the next queue slot waits for that task (a GEMM2 after this CTA's GEMM1); (2) freeing the
+    task slot when the word is read, not after the signal, lets the producer overwrite the row ids the epilogue and
+    the signal still read. Then the kernel source has the order the model assumes."""
     from moetune.runtime.megakernel import _lib
 
     assert _overlap_pipeline(4, [32, 12], deps={1: 0}) == "ok"
-    assert _overlap_pipeline(4, [32, 12], publish_before_claim=False) == "ok"  # harmless without the dependency
-    assert _overlap_pipeline(4, [32, 12], deps={1: 0}, publish_before_claim=False).startswith("deadlock")
-    assert _overlap_pipeline(3, [12, 32], deps={1: 0}, consumers=2, publish_before_claim=False).startswith("deadlock")
+    assert _overlap_pipeline(4, [32, 12], flush_before_wait=False) == "ok"  # harmless without the dependency
+    assert _overlap_pipeline(4, [32, 12], deps={1: 0}, flush_before_wait=False).startswith("deadlock")
+    assert _overlap_pipeline(3, [12, 32], deps={1: 0}, consumers=2, flush_before_wait=False).startswith("deadlock")
     assert _overlap_pipeline(4, [32, 0, 12, 32], free_slot_after_signal=False).startswith("slot")
     assert _overlap_pipeline(4, [32, 0, 12, 32], consumers=2, free_slot_after_signal=False).startswith("slot")
 
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
-    prod = src[src.index("void wg_produce("):src.index("void wg_consume(")]
-    # publish before the slot wait, and every stage published before wg_produce returns
-    assert prod.index("mbar_arrive(bars.full") < prod.index("mbar_wait(p, bars.empty")
-    assert "cp_wait(0);\n  fence_proxy_async();\n  for (int kt = KT > lag ? KT - lag : 0; kt < KT; ++kt) mbar_arrive(" in prod
     kern = src[src.index("k_experts_ov(const MkParams p"):src.index("// ---- routing")]
     loop = kern[kern.index("for (uint32_t j = 0;; ++j)"):]
     assert "__syncthreads" not in loop, "no CTA barrier inside the overlap loop"
@@ -717,15 +797,23 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
              "mbar_arrive(tfull", "if (task == 0) return;", "wg_produce<T>("]
     idx = [p_part.index(x) for x in order]
     assert idx == sorted(idx) and p_part.count("claim_task(") == 1 and p_part.count("wg_produce<T>(") == 1
-    order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work",
-             "MK_TASK_COMBINE",
-             "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T>(", "named_sync(2, NCONS)", "signal_rows<T>(",
-             "mbar_arrive(tempty"]
-    pos, idx = 0, []
+    # the pending signal: sent (fence + counts, then the slot freed) by flush(); before a wait with nothing in
+    # hand, at the end, before a COMBINE, and inside the next GEMM task (wg_consume's hook)
+    fl = c_part[c_part.index("auto flush = [&]() {"):c_part.index("for (uint32_t j = 0;; ++j)")]
+    assert fl.index("signal_rows<T>(p, pm, pend_kind, pend_tile, ct, NCONS);") < fl.index("mbar_arrive(tempty")
+    body = c_part[c_part.index("for (uint32_t j = 0;; ++j)"):]
+    order = ["if (pend && !named_sync_and(2, NCONS, mbar_test(tfull + 8 * s, ph))) flush();",
+             "mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work", "flush();",
+             "MK_TASK_COMBINE", "flush();", "mbar_arrive(tempty", "run_combine_part(",
+             "wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg, flush);", "named_sync(2, NCONS);",
+             "pend = true;"]
+    pos = 0
     for x in order:
-        pos = c_part.index(x, pos)
-        idx.append(pos)
-    assert c_part.count("mbar_arrive(tempty") == 2  # the COMBINE path's early free and the GEMM path's after the signal
+        pos = body.index(x, pos) + 1
+    assert "signal_rows" not in body and body.count("mbar_arrive(tempty") == 1  # only the COMBINE's early free
+    wc = src[src.index("void wg_consume("):]
+    wc = wc[:wc.index("\n}\n")]
+    assert wc.count("if (kt == hook_at) hook();") == 2 and wc.count("if (KT == 0) hook();") == 2
     assert "mbar_init(tfull + 8 * s, 128);" in kern and "mbar_init(tempty + 8 * s, NCONS);" in kern
     assert "2 * p.timeout_ns" in c_part  # the producer's claim timeout reports first (MK_ERR_PROC_TIMEOUT)
     # signal_done (a synchronised CTA) is signal_rows over all its threads: one place counts readiness, and every
