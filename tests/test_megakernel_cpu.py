@@ -593,7 +593,7 @@ END = None  # the end marker (task word 0)
 
 
 def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps: dict[int, int] | None = None,
-                      policy: str | int = "first", flush_before_wait: bool = True,
+                      policy: str | int = "first", defer_signal: bool = False, flush_before_wait: bool = True,
                       free_slot_after_signal: bool = True) -> str:
     """k_experts_ov's protocol for one CTA: 'ok', 'deadlock at ...' when no actor can move, or 'slot ...' when a task
     slot was overwritten while consumers still read it.
@@ -604,13 +604,13 @@ def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps
     consumer warpgroups; `policy` picks among the actors that can move ('first', 'last' or a random seed). Producer
     per task j: wait tempty (slot j & 1 free: task j - 2 signalled), claim (waits until slot j is published), write
     the slot, arrive tfull; a GEMM task's stages: wait for slot g to be empty, issue its copies. Consumers per task:
-    if a signal is pending, vote (named barrier, AND) on whether the next word is already there and send the signal
-    now unless every consumer saw it (`flush_before_wait`); wait tfull, the vote of the word, read it; end -> send
-    the pending signal, exit; COMBINE -> send it, free the slot, combine; GEMM -> stages (wait full; release the
-    previous stage with one consumer warpgroup, the stage itself with two), the pending signal sent at the second
-    stage, the epilogue reads the slot's row ids, named barrier; this task's signal becomes the pending one. Sending
-    a signal: consumer 0 reads the row ids and counts the task done, every consumer frees its slot (with
-    free_slot_after_signal off: the slot is freed right after the word is read, the wrong order)."""
+    wait tfull, the vote of the word, read it; end -> exit; COMBINE -> free the slot, combine; GEMM -> stages (wait
+    full; release the previous stage with one consumer warpgroup, the stage itself with two), the epilogue reads the
+    slot's row ids, named barrier, the signal: consumer 0 reads the row ids and counts the task done, every consumer
+    frees the slot (with free_slot_after_signal off: right after the word is read, the wrong order).
+    `defer_signal` (tried in run 42, slower, not in the kernel): a GEMM task's signal is held and sent at the next
+    GEMM task's second stage, before a COMBINE or the end, and (`flush_before_wait`) before waiting for a word that
+    is not there yet, decided by a vote (named barrier, AND) of the consumers."""
     deps = deps or {}
     n = len(tasks)
     prod: list[tuple] = []
@@ -630,7 +630,7 @@ def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps
         ops: list[tuple] = []
         it, nbar, pend = 0, 0, False
         for j, kt_n in enumerate([*tasks, END]):
-            if pend and flush_before_wait:
+            if pend and defer_signal and flush_before_wait:
                 ops += [("vote", (nbar, j)), ("vote_wait", nbar), ("flush_unless", nbar)]
                 nbar += 1
             ops += [("wait_tfull", j), ("bar_arrive", nbar), ("bar_wait", nbar), ("read_word", j)]
@@ -648,7 +648,7 @@ def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps
             for kt in range(kt_n):
                 g = it + kt
                 ops.append(("wait_full", g))
-                if kt == hook_at:
+                if kt == hook_at and defer_signal:
                     ops.append(("flush", None))
                 if consumers >= 2:
                     ops.append(("release", g))
@@ -658,7 +658,10 @@ def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps
                 ops.append(("release", it + kt_n - 1))
             ops += [("read_slot", j), ("bar_arrive", nbar), ("bar_wait", nbar), ("set_pending", j)]
             nbar += 1
-            pend = True
+            if defer_signal:
+                pend = True
+            else:
+                ops.append(("flush", None))  # the signal right away
             it += kt_n
         cons.append(ops)
     actors = [prod, land, *cons]
@@ -770,21 +773,27 @@ def test_overlap_pipeline_never_deadlocks(stages: int, consumers: int) -> None:
         chains = [{}, {j + 1: j for j, k in enumerate(tasks[:-1]) if k}]  # each task after a GEMM waits for it
         for deps in chains:
             for policy in _OV_POLICIES:
-                got = _overlap_pipeline(stages, tasks, consumers=consumers, deps=deps, policy=policy)
-                assert got == "ok", (stages, consumers, tasks, deps, policy, got)
+                for defer in (False, True):
+                    got = _overlap_pipeline(stages, tasks, consumers=consumers, deps=deps, policy=policy,
+                                            defer_signal=defer)
+                    assert got == "ok", (stages, consumers, tasks, deps, policy, defer, got)
 
 
 def test_overlap_pipeline_model_catches_wrong_orders() -> None:
-    """Two plausible wrong cuts the model rejects: (1) holding a task's signal back while waiting for the next task
-    word deadlocks when the next queue slot waits for that task (a GEMM2 after this CTA's GEMM1); (2) freeing the
-    task slot when the word is read, not after the signal, lets the producer overwrite the row ids the epilogue and
-    the signal still read. Then the kernel source has the order the model assumes."""
+    """Two plausible wrong cuts the model rejects: (1) holding a task's signal back (run 42's deferral) while waiting
+    for the next task word deadlocks when the next queue slot waits for that task (a GEMM2 after this CTA's GEMM1);
+    run 42 sent it before such a wait, which the model accepts; (2) freeing the task slot when the word is read, not
+    after the signal, lets the producer overwrite the row ids the epilogue and the signal still read. Then the kernel
+    source has the order the model assumes (the signal right after the task, as since run 12)."""
     from moetune.runtime.megakernel import _lib
 
     assert _overlap_pipeline(4, [32, 12], deps={1: 0}) == "ok"
-    assert _overlap_pipeline(4, [32, 12], flush_before_wait=False) == "ok"  # harmless without the dependency
-    assert _overlap_pipeline(4, [32, 12], deps={1: 0}, flush_before_wait=False).startswith("deadlock")
-    assert _overlap_pipeline(3, [12, 32], deps={1: 0}, consumers=2, flush_before_wait=False).startswith("deadlock")
+    for consumers in (1, 2):
+        assert _overlap_pipeline(4, [32, 12, 0, 12], deps={1: 0, 3: 1}, consumers=consumers, defer_signal=True) == "ok"
+    assert _overlap_pipeline(4, [32, 12], defer_signal=True, flush_before_wait=False) == "ok"  # no dependency
+    assert _overlap_pipeline(4, [32, 12], deps={1: 0}, defer_signal=True, flush_before_wait=False).startswith("deadlock")
+    assert _overlap_pipeline(3, [12, 32], deps={1: 0}, consumers=2, defer_signal=True,
+                             flush_before_wait=False).startswith("deadlock")
     assert _overlap_pipeline(4, [32, 0, 12, 32], free_slot_after_signal=False).startswith("slot")
     assert _overlap_pipeline(4, [32, 0, 12, 32], consumers=2, free_slot_after_signal=False).startswith("slot")
 
@@ -797,23 +806,13 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
              "mbar_arrive(tfull", "if (task == 0) return;", "wg_produce<T>("]
     idx = [p_part.index(x) for x in order]
     assert idx == sorted(idx) and p_part.count("claim_task(") == 1 and p_part.count("wg_produce<T>(") == 1
-    # the pending signal: sent (fence + counts, then the slot freed) by flush(); before a wait with nothing in
-    # hand, at the end, before a COMBINE, and inside the next GEMM task (wg_consume's hook)
-    fl = c_part[c_part.index("auto flush = [&]() {"):c_part.index("for (uint32_t j = 0;; ++j)")]
-    assert fl.index("signal_rows<T>(p, pm, pend_kind, pend_tile, ct, NCONS);") < fl.index("mbar_arrive(tempty")
-    body = c_part[c_part.index("for (uint32_t j = 0;; ++j)"):]
-    order = ["if (pend && !named_sync_and(2, NCONS, mbar_test(tfull + 8 * s, ph))) flush();",
-             "mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work", "flush();",
-             "MK_TASK_COMBINE", "flush();", "mbar_arrive(tempty", "run_combine_part(",
-             "wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg, flush);", "named_sync(2, NCONS);",
-             "pend = true;"]
+    order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work",
+             "MK_TASK_COMBINE", "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T>(", "named_sync(2, NCONS)",
+             "signal_rows<T>(", "mbar_arrive(tempty"]
     pos = 0
     for x in order:
-        pos = body.index(x, pos) + 1
-    assert "signal_rows" not in body and body.count("mbar_arrive(tempty") == 1  # only the COMBINE's early free
-    wc = src[src.index("void wg_consume("):]
-    wc = wc[:wc.index("\n}\n")]
-    assert wc.count("if (kt == hook_at) hook();") == 2 and wc.count("if (KT == 0) hook();") == 2
+        pos = c_part.index(x, pos) + 1
+    assert c_part.count("mbar_arrive(tempty") == 2  # the COMBINE path's early free and the GEMM path's after the signal
     assert "mbar_init(tfull + 8 * s, 128);" in kern and "mbar_init(tempty + 8 * s, NCONS);" in kern
     assert "2 * p.timeout_ns" in c_part  # the producer's claim timeout reports first (MK_ERR_PROC_TIMEOUT)
     # signal_done (a synchronised CTA) is signal_rows over all its threads: one place counts readiness, and every

@@ -463,11 +463,13 @@ def test_task_timeline(new_layers, model, cfg, s):
 
 
 def test_decode_stages_fit_one_wave(new_layers, model):
-    """Auto stages for decode: 6 while the split GEMM1 parts fit the processors of the 6-stage grid (S=1: 8 rows x 12
-    n-blocks x 2 parts = 192), 4 once they do not (S=2: 384), and a set `stages` always wins."""
-    m = new_layers("")
+    """Auto stages for decode: 6 while the GEMM1 tasks (split parts included) fit the processors of the 6-stage grid,
+    4 once they do not, and a set `stages` always wins. With 2 + 2 split parts: S=1 8 rows x 12 n-blocks x 2 = 192
+    fit, S=2 384 do not; without split-K (the default since run 40) S=2's 192 fit."""
+    m = new_layers("split_k1=2,split_k2=2")
     assert m.stages_for(16, 1) == 6 and m.stages_for(16, 2) == 4 and m.stages_for(16, 16) == 3
-    assert new_layers("stages=6").stages_for(16, 2) == 6
+    assert new_layers("stages=6,split_k1=2,split_k2=2").stages_for(16, 2) == 6
+    assert new_layers("").stages_for(16, 2) == 6
     for s in (1, 2, 3):
         x = _x(s, model.hidden, seed=1700 + s)
         idx, w = _routing(s, model.experts, model.topk, "uniform", seed=s)

@@ -198,15 +198,6 @@ __device__ __forceinline__ bool mbar_try(uint32_t bar, uint32_t parity) {
       : "memory");
   return ok != 0;
 }
-__device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {  // never suspends (test_wait)
-  uint32_t ok;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
 // Wait for the phase of `parity` to complete; bounded like every other wait in the kernel: after the timeout
 // it reports MK_ERR_PIPE_TIMEOUT (where = stage counter) and returns, and it returns at once once another
 // wait has aborted the launch. The tile is garbage then, but the launch ends and the host sees the error.
@@ -1023,16 +1014,9 @@ __device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& m
   }
 }
 
-struct NoHook {
-  __device__ __forceinline__ void operator()() const {}
-};
-// hook: called once by every consumer thread while the task's second stage computes (the overlap kernel signals
-// the previous task there, see k_experts_ov)
-template <class T, class Hook = NoHook>
+template <class T>
 __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
-                                           int nb, int KT, uint32_t it, int t, int c, int qi, uint32_t stg = 0,
-                                           Hook hook = {}) {
-  const int hook_at = KT > 1 ? 1 : 0;
+                                           int nb, int KT, uint32_t it, int t, int c, int qi, uint32_t stg = 0) {
   const int stages = (int)p.stages;
   float d[T::NACC];
 #pragma unroll
@@ -1055,9 +1039,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
       const uint32_t g = it + kt, slot = g % stages;
       mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
       mbar_arrive(bars.empty + 8 * slot);
-      if (kt == hook_at) hook();
     }
-    if (KT == 0) hook();
     return;  // every row padding: no stores
   }
   for (int kt = 0; kt < KT; ++kt) {
@@ -1074,7 +1056,6 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
     }
     wg_commit();
     acc_fence(d);
-    if (kt == hook_at) hook();  // (the stage's wgmmas run meanwhile)
     if constexpr (T::CONSUMERS >= 2) {
       wg_wait<0>();  // this stage's wgmmas are done: hand its slot back now, not once the next stage has landed
       acc_fence(d);  // (the other consumer warpgroup's wgmmas keep the tensor cores busy meanwhile)
@@ -1086,7 +1067,6 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
   }
   wg_wait<0>();
   acc_fence(d);
-  if (KT == 0) hook();
   if (T::CONSUMERS < 2 && KT > 0) mbar_arrive(bars.empty + 8 * ((it + KT - 1) % stages));
   if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_MAIN, (int64_t)gtime());  // timeline: mainloop done
   if (stg && (kind == MK_TASK_GEMM2 || T::TMA || T::NBLK == 2)) {  // staged (overlap kernel; stacked GEMM1 tiles)
@@ -1504,40 +1484,19 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   } else {
     // ---- consumer warpgroups ----
     const int c = wg - 1, ct = tid - 128;
-    // A GEMM task's readiness signal (fence + counter adds, then its slot freed) is deferred into the next GEMM
-    // task's second stage when that task is already in hand, so the fence's wait for the stores to land overlaps
-    // wgmmas instead of idling the consumers (run 42). With nothing in hand (next word not yet published, a
-    // COMBINE, the end) it is sent at once: a consumer never holds a signal while it waits, so no wait depends on
-    // a signal that is held back.
-    bool pend = false;
-    int pend_kind = 0, pend_tile = 0, pend_qi = 0;
-    uint32_t pend_s = 0;
-    auto flush = [&]() {
-      if (!pend) return;
-      const OvSlot<T>& ps = slots[pend_s];
-      const Meta pm = {const_cast<int64_t*>(ps.a_off), const_cast<int64_t*>(ps.b_off), const_cast<int*>(ps.row_id),
-                       nullptr};
-      signal_rows<T>(p, pm, pend_kind, pend_tile, ct, NCONS);  // stores: before named barrier 2 of their task
-      mbar_arrive(tempty + 8 * pend_s);                        // (after its signal: it read row_id)
-      if (ct == 0) tr_slot(p, pend_qi, MK_TR_DONE, (int64_t)gtime());
-      pend = false;
-    };
     for (uint32_t j = 0;; ++j) {
       const uint32_t s = j & 1, ph = (j >> 1) & 1;
-      if (pend && !named_sync_and(2, NCONS, mbar_test(tfull + 8 * s, ph))) flush();  // nothing in hand yet
       const bool ok = mbar_wait_ok(p, tfull + 8 * s, ph, j, 2 * p.timeout_ns);
       if (!named_sync_and(2, NCONS, ok)) return;  // abort / timeout: every consumer leaves together
       const OvSlot<T>& sl = slots[s];
       const uint64_t task = sl.task;
       if (task == 0) {  // end of work
-        flush();
         if (ct == 0) tr_cta(p, 1);
         return;
       }
       const int kind = mkidx::t_kind(task), mt = mkidx::t_mtile(task), nf = mkidx::t_nfield(task);
       const int qi = sl.qi;
       if (kind == MK_TASK_COMBINE) {
-        flush();
         mbar_arrive(tempty + 8 * s);  // the word was all it needed from the slot
         run_combine_part(p, mt, nf, ct, NCONS);
         if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
@@ -1546,14 +1505,12 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       const Meta md = {const_cast<int64_t*>(sl.a_off), const_cast<int64_t*>(sl.b_off), const_cast<int*>(sl.row_id),
                        nullptr};
       const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
-      wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg, flush);
+      wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg);
       it += KT;
-      named_sync(2, NCONS);  // every consumer's stores issued before any thread's fence + signal (deferred)
-      pend = true;
-      pend_kind = kind;
-      pend_tile = mkidx::t_tile(task);
-      pend_qi = qi;
-      pend_s = s;
+      named_sync(2, NCONS);  // every consumer's stores issued before the fences + signals
+      signal_rows<T>(p, md, kind, mkidx::t_tile(task), ct, NCONS);
+      mbar_arrive(tempty + 8 * s);  // (after its signal: it read row_id)
+      if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
     }
   }
 }
