@@ -3,8 +3,9 @@
 A view: the tunable fields are the knobs `mk_bm`, `mk_stages`, `mk_ctas_per_sm`, `mk_processor_ctas`,
 `mk_combine_tokens`, `mk_core`, `mk_split_k` (both GEMMs' split-K), `mk_bn` and `mk_overlap` (runtime/knobs.py,
 the one vocabulary the tuner searches and profiles store) and the timeout is the runtime option
-`megakernel_timeout_s`: build it with `MegakernelConfig.from_knobs(knobs, options)`. `bm_switch_rows` /
-`bm_large_rows` (the auto tile's thresholds) stay here: no knob for them. `parse("bm=16,stages=4")`, `from_dict`
+`megakernel_timeout_s`: build it with `MegakernelConfig.from_knobs(knobs, options)`. `bm_switch_rows`,
+`bm_large_rows` and `wide_switch_rows` (the auto tile's thresholds) stay here: no knob for them (`mk_bm` sets the
+tile outright). `parse("bm=16,stages=4")`, `from_dict`
 and `to_dict` remain for benchmarks and tests; every error names the field. 0 in `bm`, `bn`, `ctas_per_sm` and
 `processor_ctas` means "pick from the shape / the occupancy query" (`resolve` decides `bn` for a layer's shape).
 Settings that are not knobs: `tma` (TMA loads of the weight tiles: 2-3.5% everywhere in run 11, under the 5% that
@@ -33,6 +34,12 @@ class MegakernelConfig:
     bm: int = 0               # rows per m-tile: 16 (decode), 64 or 128 (prefill); 0 = by rows per expert
     bm_switch_rows: int = 32  # bm=0: use 64 once the average rows per expert (S*topk/E) reaches this
     bm_large_rows: int = 128  # bm=0: use 128 once the average rows per expert reaches this
+    # bm=0 with the wide tile (bn 256, or auto resolving to it): run it once the average rows per expert reaches
+    # this, the bm=16 decode tile below. Runs 43-44 (one process each, graph µs, decode tile / wide tile): 8 rows per
+    # expert (S=128) 322.6, 322.0 / 321.3 (run 43: 321.8 / 323.6), 10 (S=160) 330.1 / 324.1, 12 (S=192) 338.5 /
+    # 325.1, 16 (S=256) 373.8 / 328.6, 24 (S=384) 445.2 / 336.3. It was bm_switch_rows (32) until then, which the
+    # 128-column bm=64 tile keeps (run 43, S=256: 375.7 against the decode tile's 370.1).
+    wide_switch_rows: int = 10
     stages: int = 0           # cp.async pipeline depth (2..12; shared memory caps bm=64 at 8, bm=128 at 6): weight
                               # tiles in flight per CTA; 0 = pick_stages
     ctas_per_sm: int = 0      # resident CTAs per SM (0 = as many as fit)
@@ -61,7 +68,7 @@ class MegakernelConfig:
     tma: int = 1
     # Columns per GEMM task: 0 = auto, 128, or 256 = the wide tile (wgmma core, bm = 128: two consumer warpgroups
     # of m64n256k16, 48 KB stages so stages <= 4), twice the FLOP per L2 byte of a 128 x 128 tile. With bn = 256
-    # (or auto resolving to it) and bm = 0 the wide tile runs wherever a 64/128-row tile would, and the bm = 16
+    # (or auto resolving to it) and bm = 0 the wide tile runs from `wide_switch_rows` rows per expert, and the bm = 16
     # decode tile (always 128 columns) below that: a 128 x 256 tile for a handful of rows per expert would
     # compute 8x the rows it has. Auto (`resolve`) is 256 where the core is wgmma, bm is 0 or 128, stages <= 4
     # and hidden and 2 x intermediate are multiples of 256, else 128. Run 12 (H200): with the overlap below,
@@ -95,6 +102,7 @@ class MegakernelConfig:
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
         "bm_large_rows": (1, 1 << 20),
+        "wide_switch_rows": (1, 1 << 20),
         "stages": (0, 12),
         "ctas_per_sm": (0, 32),
         "processor_ctas": (0, 1 << 16),
@@ -212,7 +220,7 @@ class MegakernelConfig:
             return self.bm
         rows = tokens * topk
         if self.bn == 256:  # the wide tile is bm=128; decode sizes keep the bm=16 tile (see `bn`)
-            return 128 if rows >= self.bm_switch_rows * experts else 16
+            return 128 if rows >= self.wide_switch_rows * experts else 16
         if rows >= self.bm_large_rows * experts:
             return 128 if self.core == "mma" else 64  # run 10, S=4096: wgmma bm=64 1754 us, bm=128 2233
         return 64 if rows >= self.bm_switch_rows * experts else 16
