@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--config", default="")
     ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--back-to-back", action="store_true",
+                    help="--trace: replay without a sync between replays (as a benchmark loop does)")
+    ap.add_argument("--eager", action="store_true", help="--trace: eager forwards instead of graph replays")
     ap.add_argument("--timeline", default="", help="append the task timeline (JSON line) to this file")
     ap.add_argument("--feed", action="store_true", help="bulk-copy delivery rate into shared memory (no layer)")
     ap.add_argument("--feed-tiles", action="store_true", help="the wide tile's stage loads without compute (no layer)")
@@ -60,7 +63,7 @@ def main() -> None:
     torch.cuda.synchronize()
     mk.check()
     if a.trace:
-        trace(mk, x, a.calls, a.tokens, a.config)
+        trace(mk, x, a.calls, a.tokens, a.config, sync_each=not a.back_to_back, eager=a.eager)
     if a.timeline:
         tl = mk.task_timeline(x)
         summarize(tl)
@@ -123,21 +126,29 @@ def kname(full: str) -> str:
     return m.group(1) + ("<" + m.group(2)[1:40] + ">" if m.group(2) else "") if m else full[:40]
 
 
-def trace(mk, x: torch.Tensor, calls: int, tokens: int, config: str) -> None:
+def trace(mk, x: torch.Tensor, calls: int, tokens: int, config: str, sync_each: bool = True,
+          eager: bool = False) -> None:
     from collections import defaultdict
 
     from torch.profiler import ProfilerActivity, profile
 
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        mk.forward(x)
+    if eager:
+        def call() -> None:
+            mk.forward(x)
+    else:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            mk.forward(x)
+        call = g.replay
     for _ in range(5):
-        g.replay()
+        call()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            g.replay()
-            torch.cuda.synchronize()  # one replay at a time: gaps inside a replay only
+            call()
+            if sync_each:
+                torch.cuda.synchronize()  # one replay at a time: gaps inside a replay only
+        torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=8))
     kern = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     dur: dict[str, list[float]] = defaultdict(list)
@@ -146,10 +157,11 @@ def trace(mk, x: torch.Tensor, calls: int, tokens: int, config: str) -> None:
     for e in kern:
         name = kname(e.name)
         dur[name].append(e.time_range.end - e.time_range.start)
-        if prev is not None and 0 <= e.time_range.start - prev.time_range.end < 50:  # same replay
+        if prev is not None and 0 <= e.time_range.start - prev.time_range.end < (50 if sync_each else 5000):
             gaps[f"{kname(prev.name)} -> {name}"].append(e.time_range.start - prev.time_range.end)
         prev = e
-    print(f"trace S={tokens} config={config or 'default'} replays={calls}")
+    print(f"trace S={tokens} config={config or 'default'} replays={calls} "
+          f"{'one at a time' if sync_each else 'back to back'}{', eager' if eager else ''}")
     for n, v in dur.items():
         print(f"  kernel {n:28s} n={len(v):4d} mean {sum(v) / len(v):8.2f} us")
     for n, v in gaps.items():
