@@ -168,7 +168,17 @@ def trace(mk, x: torch.Tensor, calls: int, tokens: int, config: str, sync_each: 
         print(f"  gap    {n:40s} n={len(v):4d} mean {sum(v) / len(v):6.2f} us")
 
 
-_FEED_SRC = r"""
+_WAIT_SRC = r"""
+// Spin until the mbarrier at shared address `bar` completed the phase of parity `ph` (both probes' stage wait).
+__device__ __forceinline__ void wait_parity(unsigned bar, unsigned ph) {
+  unsigned ok = 0;
+  while (!ok)
+    asm volatile("{\n.reg .pred q;\nmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\nselp.u32 %0, 1, 0, q;\n}"
+                 : "=r"(ok) : "r"(bar), "r"(ph) : "memory");
+}
+"""
+
+_FEED_SRC = _WAIT_SRC + r"""
 // One copy of `chunk` bytes into stage s, completing on its mbarrier (which expects them).
 __device__ __forceinline__ void issue(unsigned sbase, unsigned bbase, int s, int chunk, const char* from) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bbase + 8 * s), "r"(chunk) : "memory");
@@ -193,10 +203,7 @@ extern "C" __global__ void feed(const char* src, unsigned long long span, int it
   for (int i = 0; i < iters + stages; ++i) {
     const int s = i % stages;
     const unsigned ph = (unsigned)(i / stages) & 1u;
-    unsigned ok = 0;
-    while (!ok)
-      asm volatile("{\n.reg .pred q;\nmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\nselp.u32 %0, 1, 0, q;\n}"
-                   : "=r"(ok) : "r"(bbase + 8 * s), "r"(ph) : "memory");
+    wait_parity(bbase + 8 * s, ph);
     if (i < iters) {
       issue(sbase, bbase, s, chunk, src + (k % slots) * chunk);
       k += gridDim.x;
@@ -207,17 +214,36 @@ extern "C" __global__ void feed(const char* src, unsigned long long span, int it
 """
 
 
-def feed() -> None:
-    """Bulk-copy delivery into shared memory (see the module doc); one process, median of 5 launches each."""
-    import statistics
-
+def _cupy(flag: str):
+    """CuPy, the SM count and a per-CTA sink for the probes' kernels (one CTA per SM)."""
     try:
         import cupy as cp
     except ImportError:
-        raise SystemExit("--feed needs CuPy (the device image has it)") from None
-    kern = cp.RawKernel(_FEED_SRC, "feed")
+        raise SystemExit(f"{flag} needs CuPy (the device image has it)") from None
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    sink = cp.zeros(sms, dtype=cp.uint64)
+    return cp, sms, cp.zeros(sms, dtype=cp.uint64)
+
+
+def _launch_s(cp, kern, threads: int, args: tuple, smem: int, sms: int) -> float:
+    """Median seconds of 5 launches of `kern` on one CTA per SM, after one warm-up launch."""
+    import statistics
+
+    kern((sms,), (threads,), args, shared_mem=smem)  # warm-up (and L2 fill for the small spans)
+    times = []
+    for _ in range(5):
+        t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+        t0.record()
+        kern((sms,), (threads,), args, shared_mem=smem)
+        t1.record()
+        t1.synchronize()
+        times.append(cp.cuda.get_elapsed_time(t0, t1) * 1e-3)
+    return statistics.median(times)
+
+
+def feed() -> None:
+    """Bulk-copy delivery into shared memory (see the module doc); one process, median of 5 launches each."""
+    cp, sms, sink = _cupy("--feed")
+    kern = cp.RawKernel(_FEED_SRC, "feed")
     big = cp.zeros(1 << 30, dtype=cp.uint8)
     for span_mb, stages, chunk in ((24, 4, 48 << 10), (24, 3, 48 << 10), (24, 8, 24 << 10), (24, 12, 16 << 10),
                                    (1024, 4, 48 << 10), (1024, 12, 16 << 10)):
@@ -225,22 +251,13 @@ def feed() -> None:
         kern.max_dynamic_shared_size_bytes = stages * chunk
         iters = 400
         args = (big, cp.uint64(span), cp.int32(iters), cp.int32(stages), cp.int32(chunk), sink)
-        kern((sms,), (32,), args, shared_mem=stages * chunk)  # warm-up (and L2 fill for the small span)
-        times = []
-        for _ in range(5):
-            t0, t1 = cp.cuda.Event(), cp.cuda.Event()
-            t0.record()
-            kern((sms,), (32,), args, shared_mem=stages * chunk)
-            t1.record()
-            t1.synchronize()
-            times.append(cp.cuda.get_elapsed_time(t0, t1) * 1e-3)
-        sec = statistics.median(times)
+        sec = _launch_s(cp, kern, 32, args, stages * chunk, sms)
         total = sms * (iters + stages) * chunk
         print(f"feed span {span_mb:5d} MB  stages {stages:2d} x {chunk >> 10:2d} KB  {total / sec / 1e9:7.0f} GB/s  "
               f"{total / sec / sms / 1e9:5.1f} GB/s per SM  ({sec * 1e6:.0f} us)")
 
 
-_TILES_SRC = r"""
+_TILES_SRC = _WAIT_SRC + r"""
 // One CTA of 128 threads per SM keeps `stages` stages in flight. Stage = B (bmode 1: four 64 x 64 TMA boxes,
 // 2: one contiguous 32 KB bulk copy, 0: none) + A, 128 rows x 128 bytes (amode 1: gathered rows by cp.async,
 // 16 bytes a thread, 8 per thread; 2: gathered rows by TMA, one 1-row box per thread; 3: 16 KB contiguous bulk).
@@ -319,10 +336,7 @@ extern "C" __global__ void feed_tiles(const void* tmap, const void* xmap, const 
   for (int i = 0; i < iters + stages; ++i) {
     const int s = i % stages;
     const unsigned ph = (unsigned)(i / stages) & 1u;
-    unsigned ok = 0;
-    while (!ok)
-      asm volatile("{\n.reg .pred q;\nmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\nselp.u32 %0, 1, 0, q;\n}"
-                   : "=r"(ok) : "r"(bbase + 8 * s), "r"(ph) : "memory");
+    wait_parity(bbase + 8 * s, ph);
     __syncthreads();  // every thread saw the phase before the slot is refilled
     if (i < iters) {
       stage(sbase + s * 49152, bbase + 8 * s, tmap, xmap, wflat, x, bmode, amode, task, kt, tiles, reuse, xrows, rows);
@@ -354,15 +368,8 @@ def _tensor_map(cp, ptr: int, rows: int, cols: int, box_rows: int = 64):
 
 def feed_tiles() -> None:
     """The wide tile's stage loads without compute (see the module doc); median of 5 launches each."""
-    import statistics
-
-    try:
-        import cupy as cp
-    except ImportError:
-        raise SystemExit("--feed-tiles needs CuPy (the device image has it)") from None
+    cp, sms, sink = _cupy("--feed-tiles")
     kern = cp.RawKernel(_TILES_SRC, "feed_tiles")
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    sink = cp.zeros(sms, dtype=cp.uint64)
     w = cp.zeros(768 << 20, dtype=cp.uint8)  # 196608 rows x 4 KB: W_gate_up of 128 experts
     x = cp.ones(16 << 20, dtype=cp.uint8)  # 4096 rows x 4 KB
     tmap = _tensor_map(cp, w.data.ptr, (768 << 20) // 4096, 2048)
@@ -376,16 +383,7 @@ def feed_tiles() -> None:
             for bmode, amode in ((1, 0), (2, 0), (0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3), (2, 1), (2, 2)):
                 ints = (bmode, amode, tiles, reuse, 4096, iters, stages)
                 args = (tmap, xmap, w, x, *(cp.int32(v) for v in ints), sink)
-                kern((sms,), (128,), args, shared_mem=stages * 49152 + 1024)
-                times = []
-                for _ in range(5):
-                    t0, t1 = cp.cuda.Event(), cp.cuda.Event()
-                    t0.record()
-                    kern((sms,), (128,), args, shared_mem=stages * 49152 + 1024)
-                    t1.record()
-                    t1.synchronize()
-                    times.append(cp.cuda.get_elapsed_time(t0, t1) * 1e-3)
-                sec = statistics.median(times)
+                sec = _launch_s(cp, kern, 128, args, stages * 49152 + 1024, sms)
                 per = (32768 if bmode else 0) + (16384 if amode else 0)
                 total = sms * (iters + stages) * per
                 b = ("none", "tma 4 boxes", "bulk 32 KB")[bmode]
