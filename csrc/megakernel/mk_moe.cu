@@ -891,7 +891,7 @@ __device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int
 // running stage counter at the task's first stage): copy KT stages, each as soon as its slot is free. A thread's
 // A rows (and the B rows of the cp.async tiles) arrive on full[s] when they land (cp.async.mbarrier.arrive.noinc),
 // so the producer never waits for its own copies (run 41: it used to wait for stage kt - stages + 1 before taking
-// slot kt, and the S=4096 experts kernel took 852 instead of 744 us). Returns with every stage of the task issued:
+// slot kt, and the S=4096 experts kernel took 852 instead of 743 us). Returns with every stage of the task issued:
 // the consumers can finish the task without the producer.
 template <class T>
 __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
