@@ -16,6 +16,8 @@ kernel's weight tiles) fill shared memory, one CTA per SM keeping `stages` copie
 discarding them, from a span that stays in L2 (24 MB) and from one that does not (1 GB). Prints GB/s over all SMs
 and per SM: the delivery rate a stage pipeline of that depth can reach on this GPU (needs CuPy for the kernel).
 
+`--route-splits S,..`: routing time against the cap on the gate GEMM's H splits (run 46).
+
 `--feed-tiles`: the wide tile's stage as the expert kernel loads it, without the wgmmas: per stage 32 KB of weights
 (either four 64-row x 64-column boxes of a [rows, 2048] bf16 matrix by the tensor-map TMA, 4 KB between rows, or one
 contiguous 32 KB bulk copy: a pre-tiled layout) and 16 KB of gathered rows (128 rows x 128 bytes of a 16 MB
@@ -46,7 +48,12 @@ def main() -> None:
     ap.add_argument("--timeline", default="", help="append the task timeline (JSON line) to this file")
     ap.add_argument("--feed", action="store_true", help="bulk-copy delivery rate into shared memory (no layer)")
     ap.add_argument("--feed-tiles", action="store_true", help="the wide tile's stage loads without compute (no layer)")
+    ap.add_argument("--route-splits", default="",
+                    help="S list: routing time against the cap on the gate GEMM's H splits (16 8 4 2 1 16)")
     a = ap.parse_args()
+    if a.route_splits:
+        route_splits([int(v) for v in a.route_splits.split(",")])
+        return
     if a.feed:
         feed()
     if a.feed_tiles:
@@ -69,6 +76,41 @@ def main() -> None:
         summarize(tl)
         with open(a.timeline, "a") as f:
             f.write(json.dumps(tl) + "\n")
+
+
+def route_splits(tokens: list[int]) -> None:
+    """Routing (mk_route: k_logits + k_topk) between CUDA events, each call followed by the experts kernel, median of
+    60 after 20, against the cap on the gate GEMM's H splits (`MegakernelMoE.logit_splits`), 16 first and last."""
+    import ctypes
+    import statistics
+
+    from moetune.runtime.megakernel import MegakernelMoE
+    from moetune.runtime.shapes import get_model
+
+    m = MegakernelMoE(get_model("qwen3-30b"), max_tokens=max(tokens))
+    st = torch.cuda.current_stream().cuda_stream
+    for s in tokens:
+        x = torch.randn(s, m.model.hidden, device="cuda").to(torch.bfloat16)
+        out = torch.empty_like(x)
+        res: dict[int, list[float]] = {}
+        for cap in (16, 8, 4, 2, 1, 16):
+            m.logit_splits = cap
+            m._params.clear()
+            p = m._template(m.config.pick_bm(s, m.model.topk, m.model.experts), s)
+            p.x, p.out, p.S, p.stall_tile = x.data_ptr(), out.data_ptr(), s, -1
+            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(60)]
+            for j in range(80):
+                if j >= 20:
+                    ev[j - 20][0].record()
+                m.lib.mk_route(ctypes.byref(p), st)
+                if j >= 20:
+                    ev[j - 20][1].record()
+                m.lib.mk_experts(ctypes.byref(p), st)
+            torch.cuda.synchronize()
+            m.check()
+            res.setdefault(cap, []).append(statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev))
+        print(f"S={s} routing us by split cap: "
+              + ", ".join(f"{c}: {' / '.join(f'{v:.1f}' for v in r)}" for c, r in res.items()))
 
 
 def summarize(tl: dict) -> None:
