@@ -140,13 +140,19 @@ def summarize(tl: dict) -> None:
     for t in tasks:
         by_cta.setdefault(t["cta"], []).append(t)
     steady: dict[str, list[float]] = {}
+    loops: dict[str, list[float]] = {}  # previous done -> mainloop done: the k loop of a task
     for ts in by_cta.values():
         ts.sort(key=lambda t: t["done"])
         for a, b in itertools.pairwise(ts):
             steady.setdefault(b["kind"], []).append(b["done"] - a["done"])
+            if b.get("mainloop_done"):  # the consumers start a task when they finish the one before on this CTA
+                loops.setdefault(b["kind"], []).append(b["mainloop_done"] - a["done"])
     for kind, v in sorted(steady.items()):
         v.sort()
         line = f"  {kind:8s} done-to-done p50 {v[len(v) // 2]:7.2f} us"
+        if kind in loops:
+            lp = sorted(loops[kind])
+            line += f", previous done -> mainloop done p50 {lp[len(lp) // 2]:6.2f} us"
         for stamp, label in (("mainloop_done", "mainloop done"), ("stores_issued", "stores issued")):
             d = sorted(t["done"] - t[stamp] for t in tasks if t["kind"] == kind and t.get(stamp))
             if d:
