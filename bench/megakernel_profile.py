@@ -80,35 +80,22 @@ def main() -> None:
 
 def route_splits(tokens: list[int]) -> None:
     """Routing (mk_route: k_logits + k_topk) between CUDA events, each call followed by the experts kernel, median of
-    60 after 20, against the cap on the gate GEMM's H splits (`MegakernelMoE.logit_splits`), 16 first and last."""
-    import ctypes
-    import statistics
+    60 after 20 (megakernel_bench's phase_times), against the cap on the gate GEMM's H splits
+    (`MegakernelMoE.logit_splits`), 16 first and last."""
+    from megakernel_bench import phase_times  # (this folder)
 
     from moetune.runtime.megakernel import MegakernelMoE
     from moetune.runtime.shapes import get_model
 
     m = MegakernelMoE(get_model("qwen3-30b"), max_tokens=max(tokens))
-    st = torch.cuda.current_stream().cuda_stream
     for s in tokens:
         x = torch.randn(s, m.model.hidden, device="cuda").to(torch.bfloat16)
-        out = torch.empty_like(x)
         res: dict[int, list[float]] = {}
         for cap in (16, 8, 4, 2, 1, 16):
             m.logit_splits = cap
-            m._params.clear()
-            p = m._template(m.config.pick_bm(s, m.model.topk, m.model.experts), s)
-            p.x, p.out, p.S, p.stall_tile = x.data_ptr(), out.data_ptr(), s, -1
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(60)]
-            for j in range(80):
-                if j >= 20:
-                    ev[j - 20][0].record()
-                m.lib.mk_route(ctypes.byref(p), st)
-                if j >= 20:
-                    ev[j - 20][1].record()
-                m.lib.mk_experts(ctypes.byref(p), st)
-            torch.cuda.synchronize()
+            m._params.clear()  # the launch templates carry the cap
+            res.setdefault(cap, []).append(phase_times(m, [x], 20, 60)["mk_route_us"])
             m.check()
-            res.setdefault(cap, []).append(statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev))
         print(f"S={s} routing us by split cap: "
               + ", ".join(f"{c}: {' / '.join(f'{v:.1f}' for v in r)}" for c, r in res.items()))
 

@@ -406,8 +406,8 @@ def _stage_pipeline(stages: int, kts: list[int], *, producer: str = "async", ear
             prod += [("publish", it + kt) for kt in range(max(kt_n - lag, 0), kt_n)]
         if kt_n and not early_release:
             cons.append(("release", it + kt_n - 1))
-        prod.append(("sync", it))  # the task's closing __syncthreads (after the consumers' last wait)
-        cons.append(("sync", it))
+        for side in (prod, cons):  # the task's closing __syncthreads (after the consumers' last wait)
+            side += [("sync_arrive", it), ("sync_wait", it)]
         it += kt_n
     published: set[int] = set()
     issued: set[int] = set()
@@ -422,25 +422,22 @@ def _stage_pipeline(stages: int, kts: list[int], *, producer: str = "async", ear
             return g in published
         if kind == "land":
             return g in issued
-        if kind == "sync":  # both arrive, then both pass (modelled as: the other side reached it too)
-            return synced[g] >= 1 or any(actors[b][min(idx[b], len(actors[b]) - 1)] == op for b in (0, 1) if b != a)
+        if kind == "sync_wait":  # both sides arrived
+            return synced[g] == 2
         return True
 
     def apply(a: int, op: tuple) -> None:
         kind, g = op
-        idx[a] += 1
         if kind == "publish" or kind == "land":
             published.add(g)
         elif kind == "issue":
             issued.add(g)
         elif kind == "release":
             released.add(g)
-        elif kind == "sync":
+        elif kind == "sync_arrive":
             synced[g] += 1
 
-    actors = [prod, cons, land]
-    idx = [0, 0, 0]
-    bad = _run_actors(actors, ready, apply, policy)
+    bad = _run_actors([prod, cons, land], ready, apply, policy)
     if bad:
         return bad
     assert published == released == set(range(it))

@@ -24,6 +24,7 @@ from .. import csrc_build as _cb
 
 ABI_VERSION = 12
 COUNT_STRIDE = 32  # MK_COUNT_STRIDE: int32 words per expert counter in MkParams.counts
+CTL_WORDS = 8  # MK_CTL_WORDS: int32 words of MkParams.ctl
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
 CORES = {"mma": 0, "wgmma": 1}  # MK_CORE_*
 SK_PART_FLOATS = 16 * 128  # fp32 per split-K part and slot: the bm=16 tile's 16 accumulators x 128 threads

@@ -95,7 +95,7 @@ class MegakernelMoE:
         self.lists = z(e, max_tokens, dtype=i32, device=dev)
         self.h = z(max_tokens * k, i, dtype=bf, device=dev)
         self.y = z(max_tokens * k, h, dtype=bf, device=dev)
-        self.ctl = z(8, dtype=i32, device=dev)
+        self.ctl = z(_lib.CTL_WORDS, dtype=i32, device=dev)
         self.g1done = z(self.max_tiles, dtype=i32, device=dev)
         self.comb = z(self.max_ctiles, dtype=i32, device=dev)
         self.rel = z(self.max_tiles + self.max_ctiles, dtype=i32, device=dev)
