@@ -852,7 +852,7 @@ def test_small_topk_setting_and_source():
         MegakernelConfig.parse("route_small_max=-1")
     assert "route_small_max" in [f[0] for f in _lib.MkParams._fields_] and _lib.ABI_VERSION >= 10
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
-    assert "p->S <= p->route_small_max" in src and "k_topk_small<<<(unsigned)p->S, SMALL_THREADS" in src
+    assert "p->S <= p->route_small_max" in src and "launch_k(k_topk_small, dim3((unsigned)p->S), SMALL_THREADS" in src
 
 
 def test_publish_all_and_trace_fields() -> None:
@@ -861,7 +861,7 @@ def test_publish_all_and_trace_fields() -> None:
     from moetune.runtime.megakernel import ConfigError, MegakernelConfig, _lib
 
     names = [f[0] for f in _lib.MkParams._fields_]
-    assert names[-2:] == ["trace", "publish_all"] and _lib.ABI_VERSION >= 11
+    assert names[names.index("trace") + 1] == "publish_all" and _lib.ABI_VERSION >= 11
     assert MegakernelConfig.parse("publish_all=1").publish_all == 1
     with pytest.raises(ConfigError, match="publish_all"):
         MegakernelConfig.parse("publish_all=2")
@@ -872,3 +872,36 @@ def test_publish_all_and_trace_fields() -> None:
     # the GEMM2's weight stages start before the wait, the A rows (its inputs) only after it
     tma = src[src.index("void gemm_tile_tma("):src.index("// ---- task encoding")]
     assert tma.index("issue_b(s);\n    wait_inputs(") < tma.index("issue_a(s);")
+
+
+def test_pdl_setting_and_source() -> None:
+    """pdl / prefetch_mb (ABI 13): validated settings (a prefetch only where the kernel waits for routing); every
+    kernel launched early waits for the one before it before it reads what that one wrote."""
+    from moetune.runtime.megakernel import _lib
+
+    cfg = MegakernelConfig.parse("pdl=1,prefetch_mb=40")
+    assert (cfg.pdl, cfg.prefetch_mb) == (1, 40) and (MegakernelConfig().pdl, MegakernelConfig().prefetch_mb) == (0, 0)
+    for text, field in (("pdl=2", "pdl"), ("pdl=1,prefetch_mb=-1", "prefetch_mb"), ("prefetch_mb=40", "needs pdl=1"),
+                        ("pdl=1,prefetch_mb=5000", "prefetch_mb")):
+        with pytest.raises(ConfigError, match=field):
+            MegakernelConfig.parse(text)
+    names = [f[0] for f in _lib.MkParams._fields_]
+    assert names[-2:] == ["pdl", "prefetch_bytes"] and _lib.ABI_VERSION >= 13
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    # both persistent kernels: pdl_enter (prefetch, then wait) before the launch epoch, the first routing result read
+    for name in ("k_experts(const MkParams p", "k_experts_ov(const MkParams p"):
+        body = src[src.index(name):]
+        assert body.index("pdl_enter(p);") < body.index("p.ctl[MK_CTL_EPOCH]")
+    enter = src[src.index("void pdl_enter("):]
+    enter = enter[:enter.index("\n}\n")]
+    assert enter.index("prefetch_w1(") < enter.index("griddep_wait();") and "if (!p.pdl) return;" in enter
+    # the top-k kernels let the persistent kernel start, then wait for the logits before reading any
+    for name in ("k_topk(const MkParams p, int splits)", "k_topk_small(const MkParams p, int splits)"):
+        body = src[src.index(name):]
+        assert body.index("griddep_launch();") < body.index("griddep_wait();") < body.index("p.logits")
+    kl = src[src.index("k_logits(const MkParams p)"):]
+    assert kl.index("if (p.pdl) griddep_launch();") < kl.index("gemm_tile<T>(")
+    # k_logits keeps plain stream order (it follows the previous layer's kernels); the others launch under pdl
+    assert "k_logits<T><<<" in src
+    assert src.count("p->pdl != 0") == 4  # k_topk_small, k_topk, both persistent kernels
+

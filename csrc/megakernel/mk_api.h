@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 12
+#define MK_ABI_VERSION 13
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -119,6 +119,14 @@ typedef struct MkParams {
                         // processor waits for a GEMM2's / COMBINE's inputs itself, after starting the weight loads
                         // that need none; 0: the subscriber publishes them as they become ready (the wgmma tiles
                         // always do)
+  // ABI 13
+  int64_t pdl;  // 1: programmatic dependent launch: k_topk and the persistent kernel are launched while the kernel
+                // before them still runs (griddepcontrol), wait for it before reading anything it writes, and the
+                // persistent kernel's CTAs that start early spend the routing time on prefetch_bytes; 0: plain
+                // stream order (default)
+  int64_t prefetch_bytes;  // pdl = 1: the persistent kernel's CTAs load the first this-many bytes of W_gate_up into
+                           // the L2 before they wait for routing (the DRAM idles while routing runs; the first GEMM1
+                           // tasks, expert-major, read those bytes first); 0 = none
 } MkParams;
 
 int mk_abi_version(void);

@@ -26,6 +26,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <utility>  // std::forward (launch_k)
 
 #include "mk_api.h"
 #include "mk_index.h"
@@ -175,6 +176,45 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
 }
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
+}
+// Programmatic dependent launch (MkParams.pdl): a kernel launched with the programmatic-serialization attribute may
+// start once every CTA of the kernel before it has run launch_dependents; wait returns once that kernel has finished
+// and its writes are visible. Both are no-ops for kernels launched in plain stream order.
+__device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+// The first prefetch_bytes of W_gate_up into the L2, spread over `ctas` CTAs: one 4-byte load per 256 bytes with the
+// 256-byte L2 fetch hint, the values folded into one register (MK_PF_BULK: cp.async.bulk.prefetch.L2 in 64 KB pieces instead; run 47 saw those drain at
+// ~0.7 TB/s from the routing kernels). Nothing uses the values: volatile asm keeps the loads.
+__device__ __forceinline__ void prefetch_w1(const MkParams& p, int cta, int ctas) {
+  const int64_t total = min(p.prefetch_bytes, p.E * 2 * p.I * p.H * 2) & ~(int64_t)255;
+  const char* base = (const char*)p.w1;
+#ifdef MK_PF_BULK
+  constexpr int64_t PIECE = 64 << 10;
+  const int64_t n = (total + PIECE - 1) / PIECE;
+  for (int64_t i = (int64_t)cta * blockDim.x + threadIdx.x; i < n; i += (int64_t)ctas * blockDim.x)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(base + i * PIECE),
+                 "r"((uint32_t)min(PIECE, total - i * PIECE))
+                 : "memory");
+#else
+  const int64_t n = total >> 8, step = (int64_t)ctas * blockDim.x;
+  uint32_t acc = 0;
+  for (int64_t i = (int64_t)cta * blockDim.x + threadIdx.x; i < n; i += 4 * step) {
+    uint32_t v[4] = {0, 0, 0, 0};  // four loads in flight per thread, then their values are used
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (i + u * step < n)
+        asm volatile("ld.global.nc.L1::no_allocate.L2::256B.b32 %0, [%1];\n" : "=r"(v[u]) : "l"(base + ((i + u * step) << 8)));
+    acc ^= v[0] ^ v[1] ^ v[2] ^ v[3];
+  }
+  if (p.S < 0) p.err[3] = acc;  // never true (S >= 0): a use of the values, so no compiler drops the loads
+#endif
+}
+// The persistent kernel's entry under pdl: prefetch while routing runs, then wait for it (nothing it wrote is read
+// before this returns: the launch epoch, the counts, the lists).
+__device__ __forceinline__ void pdl_enter(const MkParams& p) {
+  if (!p.pdl) return;
+  if (p.prefetch_bytes > 0) prefetch_w1(p, blockIdx.x, gridDim.x);
+  griddep_wait();
 }
 constexpr int TMA_BOX_ROWS = 64;  // B tile = two boxes of 64 rows x 64 k (128 bytes a row, 8 KB each)
 
@@ -1340,6 +1380,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   // CTA: 129 ints still let the 4-stage decode tile keep 3 CTAs per SM (2 KB for E = 512 would not)
   __shared__ int s_base[LOCAL_MAX_E + 1];
   char* smem = align_smem(smem_raw, T::ALIGN);
+  pdl_enter(p);  // pdl: routing may still run until here
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
   if (blockIdx.x == 0) {
     scheduler<T>(p, smem, epoch);
@@ -1419,6 +1460,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   static_assert(T::WG, "the overlap kernel runs the wgmma core only");
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = align_smem(smem_raw, T::ALIGN);
+  pdl_enter(p);  // pdl: routing may still run until here
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
   if (blockIdx.x == 0) {
     scheduler<T>(p, smem, epoch);
@@ -1561,6 +1603,7 @@ template <class T>
 __global__ void __launch_bounds__(T::THREADS) k_logits(const MkParams p) {
   extern __shared__ __align__(128) char smem[];
   const int tid = threadIdx.x;
+  if (p.pdl) griddep_launch();  // k_topk may start (it waits for this kernel before reading)
   if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) reset_ctl(p);
   const int stages = (int)p.stages;
   Meta md = meta<T>(smem, stages);
@@ -1604,6 +1647,10 @@ template <int NI>
 __global__ void __launch_bounds__(THREADS, 8) k_topk(const MkParams p, int splits) {
   static_assert(NI >= 1 && NI <= MAXE_PER_LANE, "experts per lane");
   __shared__ float s_lg[TOPK_TOKENS][32 * NI];
+  if (p.pdl) {  // the persistent kernel may start (it waits for this one); then wait for the logits
+    griddep_launch();
+    griddep_wait();
+  }
   const int lane = threadIdx.x & 31;
   const int t0 = blockIdx.x * TOPK_TOKENS;
   const int E = (int)p.E, K = (int)p.K;
@@ -1725,6 +1772,10 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
   __shared__ float s_sel_v[MAXK];
   __shared__ int s_sel_i[MAXK];
   __shared__ float s_s;
+  if (p.pdl) {  // as k_topk
+    griddep_launch();
+    griddep_wait();
+  }
   const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
   const int E = (int)p.E, K = (int)p.K;
   const int64_t plane = p.S * p.E;
@@ -1988,6 +2039,24 @@ int weight_map(const void* ptr, uint64_t rows, uint64_t cols, CUtensorMap* out) 
   return 0;
 }
 
+// Launch `kernel` on s; pdl: with programmatic stream serialization, so it may start before the kernel ahead of it
+// in the stream ends (it must griddep_wait before reading that kernel's results; see MkParams.pdl).
+template <class... P, class... A>
+cudaError_t launch_k(void (*kernel)(P...), dim3 grid, unsigned threads, size_t smem, cudaStream_t s, bool pdl,
+                     A&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
+
 template <class T>
 int launch_route(const MkParams* pp, cudaStream_t s) {
   MkParams q = *pp;
@@ -2008,16 +2077,13 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
   k_logits<T><<<grid, T::THREADS, smem_for<T>((int)p->stages), s>>>(*p);
   if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_logits launch", e);
   if (p->S > 0 && p->S <= p->route_small_max) {
-    k_topk_small<<<(unsigned)p->S, SMALL_THREADS, 0, s>>>(*p, splits);
-    if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_topk_small launch", e);
+    e = launch_k(k_topk_small, dim3((unsigned)p->S), SMALL_THREADS, 0, s, p->pdl != 0, *p, splits);
+    if (e != cudaSuccess) return fail("k_topk_small launch", e);
   } else if (p->S > 0) {
     const unsigned blocks = (unsigned)((p->S + TOPK_TOKENS - 1) / TOPK_TOKENS);
     const int ni = (int)(p->E + 31) / 32;  // experts per lane, rounded up to the instantiated bounds
-    if (ni <= 1) k_topk<1><<<blocks, THREADS, 0, s>>>(*p, splits);
-    else if (ni <= 2) k_topk<2><<<blocks, THREADS, 0, s>>>(*p, splits);
-    else if (ni <= 4) k_topk<4><<<blocks, THREADS, 0, s>>>(*p, splits);
-    else if (ni <= 8) k_topk<8><<<blocks, THREADS, 0, s>>>(*p, splits);
-    else k_topk<16><<<blocks, THREADS, 0, s>>>(*p, splits);
+    auto kt = ni <= 1 ? k_topk<1> : ni <= 2 ? k_topk<2> : ni <= 4 ? k_topk<4> : ni <= 8 ? k_topk<8> : k_topk<16>;
+    e = launch_k(kt, dim3(blocks), THREADS, 0, s, p->pdl != 0, *p, splits);
     if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_topk launch", e);
   }
   return 0;
@@ -2041,14 +2107,17 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
     if (weight_map(p->w2, (uint64_t)(p->E * p->H), (uint64_t)p->I, &tm2)) return 1;
   }
   bool launched = false;
+  cudaError_t e = cudaSuccess;
   if constexpr (T::WG) {
     if (p->overlap) {
-      k_experts_ov<T><<<(unsigned)p->grid, T::THREADS, smem_for_ov<T>((int)p->stages), s>>>(*p, tm1, tm2);
+      e = launch_k(k_experts_ov<T>, dim3((unsigned)p->grid), T::THREADS, smem_for_ov<T>((int)p->stages), s,
+                   p->pdl != 0, *p, tm1, tm2);
       launched = true;
     }
   }
-  if (!launched) k_experts<T><<<(unsigned)p->grid, T::THREADS, smem_for<T>((int)p->stages), s>>>(*p, tm1, tm2);
-  cudaError_t e = cudaGetLastError();
+  if (!launched)
+    e = launch_k(k_experts<T>, dim3((unsigned)p->grid), T::THREADS, smem_for<T>((int)p->stages), s, p->pdl != 0, *p,
+                 tm1, tm2);
   if (e != cudaSuccess) return fail("k_experts launch", e);
   return 0;
 }

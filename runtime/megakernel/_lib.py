@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import csrc_build as _cb
 
-ABI_VERSION = 12
+ABI_VERSION = 13
 COUNT_STRIDE = 32  # MK_COUNT_STRIDE: int32 words per expert counter in MkParams.counts
 CTL_WORDS = 8  # MK_CTL_WORDS: int32 words of MkParams.ctl
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
@@ -50,6 +50,8 @@ class MkParams(Structure):
         ("route_small_max", c_int64),  # ABI 10: S up to which k_topk_small runs (0: never)
         ("trace", c_void_p),  # ABI 11: null, or the task timeline's stamps (MK_TR_*)
         ("publish_all", c_int64),  # ABI 11: 1 = the mma-core tiles publish every task at launch
+        ("pdl", c_int64),  # ABI 13: 1 = programmatic dependent launch of k_topk and the persistent kernel
+        ("prefetch_bytes", c_int64),  # ABI 13: W_gate_up bytes the persistent kernel loads into L2 during routing
     ]
 
 

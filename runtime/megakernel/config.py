@@ -98,6 +98,16 @@ class MegakernelConfig:
     # Runs 15, 16, 17, 19 (H200, side by side, 1 vs 0): S=1 65.6 / 70.7, 66.0 / 68.6, 66.2 / 71.4, 66.5 / 69.4 us;
     # S=16 1% faster, S=128 within 1%: the default (a setting: 0 was never the faster one).
     publish_all: int = 1
+    # 1: programmatic dependent launch. k_topk and the persistent kernel are launched with the programmatic
+    # stream-serialization attribute: the persistent kernel's CTAs start while routing still runs (on the SMs the
+    # routing kernels leave free) and wait for it (griddepcontrol) before reading anything it wrote. What they can
+    # do meanwhile is `prefetch_mb`. Not yet measured: 0 (plain stream order) until it is.
+    pdl: int = 0
+    # With pdl = 1: MB of W_gate_up (from its start: the experts the first GEMM1 tasks run, expert-major) that the
+    # persistent kernel's early CTAs load into the L2 while routing runs (13-40 µs during which the DRAM would idle).
+    # The L2 holds 50 MB. Run 47 asked the routing kernels to do this (`cp.async.bulk.prefetch.L2`) and the layer got
+    # 32-35 µs slower: here the prefetching CTAs are the ones that would wait anyway. Not yet measured: 0.
+    prefetch_mb: int = 0
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -115,6 +125,8 @@ class MegakernelConfig:
         "overlap": (0, 1),
         "route_small_max": (0, 1 << 20),
         "publish_all": (0, 1),
+        "pdl": (0, 1),
+        "prefetch_mb": (0, 4096),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 
@@ -145,6 +157,9 @@ class MegakernelConfig:
             v = getattr(self, name)
             if not lo <= v <= hi:
                 raise ConfigError(f"megakernel config: {name} must be in [{lo:g}, {hi:g}], got {v}")
+        if self.prefetch_mb and not self.pdl:
+            raise ConfigError(f"megakernel config: prefetch_mb={self.prefetch_mb} needs pdl=1 (the persistent kernel "
+                              "prefetches only while it waits for routing)")
 
     @classmethod
     def from_knobs(cls, knobs: Knobs, options: RuntimeOptions | None = None) -> MegakernelConfig:
