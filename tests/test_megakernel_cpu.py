@@ -900,7 +900,7 @@ def test_pdl_setting_and_source() -> None:
         body = src[src.index(name):]
         assert body.index("griddep_launch();") < body.index("griddep_wait();") < body.index("p.logits")
     kl = src[src.index("k_logits(const MkParams p)"):]
-    assert kl.index("if (p.pdl) griddep_launch();") < kl.index("gemm_tile<T>(")
+    assert kl.index("gemm_tile<T>(") < kl.index("if (p.pdl) griddep_launch();") < kl.index("p.logits +")
     # k_logits keeps plain stream order (it follows the previous layer's kernels); the others launch under pdl
     assert "k_logits<T><<<" in src
     assert src.count("p->pdl != 0") == 4  # k_topk_small, k_topk, both persistent kernels

@@ -1603,7 +1603,6 @@ template <class T>
 __global__ void __launch_bounds__(T::THREADS) k_logits(const MkParams p) {
   extern __shared__ __align__(128) char smem[];
   const int tid = threadIdx.x;
-  if (p.pdl) griddep_launch();  // k_topk may start (it waits for this kernel before reading)
   if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) reset_ctl(p);
   const int stages = (int)p.stages;
   Meta md = meta<T>(smem, stages);
@@ -1614,6 +1613,10 @@ __global__ void __launch_bounds__(T::THREADS) k_logits(const MkParams p) {
   __syncthreads();
   float acc[T::MT][T::NT][4];
   gemm_tile<T>(acc, smem, stages, (const bf16*)p.x, md.a_off, (const bf16*)p.wg, md.b_off, kspan);
+  // pdl: k_topk (which waits for this kernel) may launch, and so the persistent kernel behind it, now that this
+  // CTA's loads are done: run 48's trace had the persistent kernel's L2 prefetch, started with k_logits, delay the
+  // gate GEMM's own DRAM reads by as much as it fetched (4.5 -> 12.4 us for 40 MB); k_topk reads the L2 only
+  if (p.pdl) griddep_launch();
   float* logits = p.logits + (int64_t)blockIdx.z * p.S * p.E;
   const int lane = tid & 31, warp = tid >> 5, wm = warp / T::WN, wn = warp % T::WN;
 #pragma unroll
