@@ -875,26 +875,22 @@ def test_publish_all_and_trace_fields() -> None:
 
 
 def test_pdl_setting_and_source() -> None:
-    """pdl / prefetch_mb (ABI 13): validated settings (a prefetch only where the kernel waits for routing); every
-    kernel launched early waits for the one before it before it reads what that one wrote."""
+    """pdl (ABI 13): a validated 0/1 setting, on by default; every kernel launched early waits for the one before it
+    before it reads what that one wrote."""
     from moetune.runtime.megakernel import _lib
 
-    cfg = MegakernelConfig.parse("pdl=1,prefetch_mb=40")
-    assert (cfg.pdl, cfg.prefetch_mb) == (1, 40) and (MegakernelConfig().pdl, MegakernelConfig().prefetch_mb) == (0, 0)
-    for text, field in (("pdl=2", "pdl"), ("pdl=1,prefetch_mb=-1", "prefetch_mb"), ("prefetch_mb=40", "needs pdl=1"),
-                        ("pdl=1,prefetch_mb=5000", "prefetch_mb")):
-        with pytest.raises(ConfigError, match=field):
-            MegakernelConfig.parse(text)
+    assert MegakernelConfig().pdl == 1 and MegakernelConfig.parse("pdl=0").pdl == 0
+    with pytest.raises(ConfigError, match="pdl"):
+        MegakernelConfig.parse("pdl=2")
     names = [f[0] for f in _lib.MkParams._fields_]
-    assert names[-2:] == ["pdl", "prefetch_bytes"] and _lib.ABI_VERSION >= 13
+    assert names[-1] == "pdl" and _lib.ABI_VERSION >= 13
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
-    # both persistent kernels: pdl_enter (prefetch, then wait) before the launch epoch, the first routing result read
+    # both persistent kernels wait before the launch epoch, the first routing result they read
     for name in ("k_experts(const MkParams p", "k_experts_ov(const MkParams p"):
         body = src[src.index(name):]
         assert body.index("pdl_enter(p);") < body.index("p.ctl[MK_CTL_EPOCH]")
     enter = src[src.index("void pdl_enter("):]
-    enter = enter[:enter.index("\n}\n")]
-    assert enter.index("prefetch_w1(") < enter.index("griddep_wait();") and "if (!p.pdl) return;" in enter
+    assert enter[:enter.index("\n}\n")].strip().endswith("if (p.pdl) griddep_wait();")
     # the top-k kernels let the persistent kernel start, then wait for the logits before reading any
     for name in ("k_topk(const MkParams p, int splits)", "k_topk_small(const MkParams p, int splits)"):
         body = src[src.index(name):]
@@ -904,4 +900,3 @@ def test_pdl_setting_and_source() -> None:
     # k_logits keeps plain stream order (it follows the previous layer's kernels); the others launch under pdl
     assert "k_logits<T><<<" in src
     assert src.count("p->pdl != 0") == 4  # k_topk_small, k_topk, both persistent kernels
-

@@ -187,7 +187,7 @@ def test_cuda_graph_10000_replays(layer, model):
 
 
 @pytest.mark.parametrize("cfg", ["", "overlap=1,bm=64", "overlap=1,bm=128,bn=256", "publish_all=0",
-                                 "publish_all=1,tma=0", "pdl=1,prefetch_mb=40", "pdl=1,bm=128,bn=256"])
+                                 "publish_all=1,tma=0", "pdl=0", "pdl=1,bm=128,bn=256"])
 def test_never_ready_task_times_out(model, layer, cfg):
     """A GEMM2 that is never released: the launch ends (no hang), the error is recorded, the layer recovers. The
     overlap kernel too: its producer spins on the queue slot while the consumers wait for a task word."""
@@ -278,7 +278,7 @@ def test_new_path_matches_reference(new_layers, model, cfg, s):
 
 @pytest.mark.parametrize("cfg", ["core=wgmma", "split_k1=4,split_k2=2", "core=wgmma,tma=1", "bm=16,tma=1",
                                  "bm=128,bn=256,tma=1", "overlap=1", "overlap=1,bm=128,bn=128", "overlap=1,bm=128,bn=256",
-                                 "publish_all=1", "pdl=1", "pdl=1,prefetch_mb=40", "pdl=1,overlap=0"])
+                                 "publish_all=1", "pdl=0", "pdl=1,overlap=0"])
 @pytest.mark.parametrize("s", [1, 1000, 4096])
 def test_new_path_gate_routing_and_graph(new_layers, model, cfg, s):
     m = new_layers(cfg)
@@ -477,15 +477,14 @@ def test_decode_stages_fit_one_wave(new_layers, model):
         _check(m, model, x, out, idx, w)
 
 
-@pytest.mark.parametrize("cfg", ["pdl=1", "pdl=1,prefetch_mb=40", "pdl=1,prefetch_mb=40,route_small_max=256",
-                                 "pdl=1,overlap=0", "pdl=1,core=mma,bm=64"])
+@pytest.mark.parametrize("cfg", ["pdl=1", "pdl=1,route_small_max=256", "pdl=1,overlap=0", "pdl=1,core=mma,bm=64",
+                                 "pdl=1,bm=128,bn=256"])
 @pytest.mark.parametrize("s", [1, 16, 128, 1000, 4096])
 def test_pdl_same_bits(new_layers, model, cfg, s):
-    """Programmatic dependent launch (and the L2 prefetch it makes room for) changes when kernels start, not what
-    they compute: the same routing and output bits as plain stream order, eagerly and from a CUDA graph; and a
-    forward with given routing (k_lists before the persistent kernel) too."""
-    base = cfg.replace("pdl=1", "pdl=0").replace(",prefetch_mb=40", "")
-    a, b = new_layers(cfg), new_layers(base)
+    """Programmatic dependent launch changes when kernels start, not what they compute: the same routing and output
+    bits as plain stream order, eagerly and from a CUDA graph; and a forward with given routing (k_lists before the
+    persistent kernel) too."""
+    a, b = new_layers(cfg), new_layers(cfg.replace("pdl=1", "pdl=0"))
     x = _x(s, model.hidden, seed=2300 + s)
     ya = a.forward(x, out=_poisoned(s, model.hidden)).clone()
     yb = b.forward(x, out=_poisoned(s, model.hidden)).clone()
@@ -501,4 +500,3 @@ def test_pdl_same_bits(new_layers, model, cfg, s):
     a.check()
     assert torch.equal(ga.view(torch.int16), gb.view(torch.int16))
     _graph_replays(a, model, s, 30)
-

@@ -121,12 +121,8 @@ typedef struct MkParams {
                         // always do)
   // ABI 13
   int64_t pdl;  // 1: programmatic dependent launch: k_topk and the persistent kernel are launched while the kernel
-                // before them still runs (griddepcontrol), wait for it before reading anything it writes, and the
-                // persistent kernel's CTAs that start early spend the routing time on prefetch_bytes; 0: plain
-                // stream order (default)
-  int64_t prefetch_bytes;  // pdl = 1: the persistent kernel's CTAs load the first this-many bytes of W_gate_up into
-                           // the L2 before they wait for routing (the DRAM idles while routing runs; the first GEMM1
-                           // tasks, expert-major, read those bytes first); 0 = none
+                // before them still runs (griddepcontrol) and wait for it before reading anything it writes; 0: plain
+                // stream order
 } MkParams;
 
 int mk_abi_version(void);

@@ -182,39 +182,11 @@ __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
 // and its writes are visible. Both are no-ops for kernels launched in plain stream order.
 __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-// The first prefetch_bytes of W_gate_up into the L2, spread over `ctas` CTAs: one 4-byte load per 256 bytes with the
-// 256-byte L2 fetch hint, the values folded into one register (MK_PF_BULK: cp.async.bulk.prefetch.L2 in 64 KB pieces instead; run 47 saw those drain at
-// ~0.7 TB/s from the routing kernels). Nothing uses the values: volatile asm keeps the loads.
-__device__ __forceinline__ void prefetch_w1(const MkParams& p, int cta, int ctas) {
-  const int64_t total = min(p.prefetch_bytes, p.E * 2 * p.I * p.H * 2) & ~(int64_t)255;
-  const char* base = (const char*)p.w1;
-#ifdef MK_PF_BULK
-  constexpr int64_t PIECE = 64 << 10;
-  const int64_t n = (total + PIECE - 1) / PIECE;
-  for (int64_t i = (int64_t)cta * blockDim.x + threadIdx.x; i < n; i += (int64_t)ctas * blockDim.x)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(base + i * PIECE),
-                 "r"((uint32_t)min(PIECE, total - i * PIECE))
-                 : "memory");
-#else
-  const int64_t n = total >> 8, step = (int64_t)ctas * blockDim.x;
-  uint32_t acc = 0;
-  for (int64_t i = (int64_t)cta * blockDim.x + threadIdx.x; i < n; i += 4 * step) {
-    uint32_t v[4] = {0, 0, 0, 0};  // four loads in flight per thread, then their values are used
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (i + u * step < n)
-        asm volatile("ld.global.nc.L1::no_allocate.L2::256B.b32 %0, [%1];\n" : "=r"(v[u]) : "l"(base + ((i + u * step) << 8)));
-    acc ^= v[0] ^ v[1] ^ v[2] ^ v[3];
-  }
-  if (p.S < 0) p.err[3] = acc;  // never true (S >= 0): a use of the values, so no compiler drops the loads
-#endif
-}
-// The persistent kernel's entry under pdl: prefetch while routing runs, then wait for it (nothing it wrote is read
-// before this returns: the launch epoch, the counts, the lists).
+// The persistent kernel's entry under pdl: wait for routing before reading anything it wrote (the launch epoch,
+// the counts, the lists). Run 48 also had the CTAs that start early load W_gate_up into the L2 meanwhile: the
+// routing kernels' own reads queued behind those loads and the layer got slower (prefetch_mb, dropped).
 __device__ __forceinline__ void pdl_enter(const MkParams& p) {
-  if (!p.pdl) return;
-  if (p.prefetch_bytes > 0) prefetch_w1(p, blockIdx.x, gridDim.x);
-  griddep_wait();
+  if (p.pdl) griddep_wait();
 }
 constexpr int TMA_BOX_ROWS = 64;  // B tile = two boxes of 64 rows x 64 k (128 bytes a row, 8 KB each)
 
@@ -1613,9 +1585,8 @@ __global__ void __launch_bounds__(T::THREADS) k_logits(const MkParams p) {
   __syncthreads();
   float acc[T::MT][T::NT][4];
   gemm_tile<T>(acc, smem, stages, (const bf16*)p.x, md.a_off, (const bf16*)p.wg, md.b_off, kspan);
-  // pdl: k_topk (which waits for this kernel) may launch, and so the persistent kernel behind it, now that this
-  // CTA's loads are done: run 48's trace had the persistent kernel's L2 prefetch, started with k_logits, delay the
-  // gate GEMM's own DRAM reads by as much as it fetched (4.5 -> 12.4 us for 40 MB); k_topk reads the L2 only
+  // pdl: k_topk (which waits for this kernel) may launch, and so the persistent kernel behind it, once this CTA's
+  // loads are done (a trigger at the kernel's start let run 48's L2 prefetch delay the gate GEMM's own reads)
   if (p.pdl) griddep_launch();
   float* logits = p.logits + (int64_t)blockIdx.z * p.S * p.E;
   const int lane = tid & 31, warp = tid >> 5, wm = warp / T::WN, wn = warp % T::WN;

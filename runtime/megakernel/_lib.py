@@ -51,7 +51,6 @@ class MkParams(Structure):
         ("trace", c_void_p),  # ABI 11: null, or the task timeline's stamps (MK_TR_*)
         ("publish_all", c_int64),  # ABI 11: 1 = the mma-core tiles publish every task at launch
         ("pdl", c_int64),  # ABI 13: 1 = programmatic dependent launch of k_topk and the persistent kernel
-        ("prefetch_bytes", c_int64),  # ABI 13: W_gate_up bytes the persistent kernel loads into L2 during routing
     ]
 
 

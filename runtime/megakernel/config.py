@@ -99,15 +99,14 @@ class MegakernelConfig:
     # S=16 1% faster, S=128 within 1%: the default (a setting: 0 was never the faster one).
     publish_all: int = 1
     # 1: programmatic dependent launch. k_topk and the persistent kernel are launched with the programmatic
-    # stream-serialization attribute: the persistent kernel's CTAs start while routing still runs (on the SMs the
-    # routing kernels leave free) and wait for it (griddepcontrol) before reading anything it wrote. What they can
-    # do meanwhile is `prefetch_mb`. Not yet measured: 0 (plain stream order) until it is.
-    pdl: int = 0
-    # With pdl = 1: MB of W_gate_up (from its start: the experts the first GEMM1 tasks run, expert-major) that the
-    # persistent kernel's early CTAs load into the L2 while routing runs (13-40 µs during which the DRAM would idle).
-    # The L2 holds 50 MB. Run 47 asked the routing kernels to do this (`cp.async.bulk.prefetch.L2`) and the layer got
-    # 32-35 µs slower: here the prefetching CTAs are the ones that would wait anyway. Not yet measured: 0.
-    prefetch_mb: int = 0
+    # stream-serialization attribute: each starts while the kernel before it still runs (the persistent kernel's CTAs
+    # on the SMs routing leaves free, its prologue done) and waits for it (griddepcontrol) before reading anything it
+    # wrote. Same bits (GPU tests). Runs 48-49 (H200, side by side in one process, graph µs, pdl 0 vs 1): S=1 55.9 vs
+    # 54.3 (three rounds), S=16 218.4 vs 216.5, S=128 323.7 vs 321.5, S=1024 365.1 vs 363.0; S=4096 within its
+    # power-cap spread. The default (a setting: under the 5% that makes a knob). Run 48 also let the early CTAs load
+    # the first MB of W_gate_up into the L2 while routing ran: routing's own reads queued behind them (k_logits 4.5
+    # -> 12.4 µs for 40 MB) and the layer got 2-8 µs slower with 16-40 MB, so that was dropped.
+    pdl: int = 1
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -126,7 +125,6 @@ class MegakernelConfig:
         "route_small_max": (0, 1 << 20),
         "publish_all": (0, 1),
         "pdl": (0, 1),
-        "prefetch_mb": (0, 4096),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 
@@ -157,9 +155,6 @@ class MegakernelConfig:
             v = getattr(self, name)
             if not lo <= v <= hi:
                 raise ConfigError(f"megakernel config: {name} must be in [{lo:g}, {hi:g}], got {v}")
-        if self.prefetch_mb and not self.pdl:
-            raise ConfigError(f"megakernel config: prefetch_mb={self.prefetch_mb} needs pdl=1 (the persistent kernel "
-                              "prefetches only while it waits for routing)")
 
     @classmethod
     def from_knobs(cls, knobs: Knobs, options: RuntimeOptions | None = None) -> MegakernelConfig:
