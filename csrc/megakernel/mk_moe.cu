@@ -2058,7 +2058,7 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
     const int ni = (int)(p->E + 31) / 32;  // experts per lane, rounded up to the instantiated bounds
     auto kt = ni <= 1 ? k_topk<1> : ni <= 2 ? k_topk<2> : ni <= 4 ? k_topk<4> : ni <= 8 ? k_topk<8> : k_topk<16>;
     e = launch_k(kt, dim3(blocks), THREADS, 0, s, p->pdl != 0, *p, splits);
-    if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_topk launch", e);
+    if (e != cudaSuccess) return fail("k_topk launch", e);
   }
   return 0;
 }
