@@ -895,6 +895,8 @@ def test_pdl_setting_and_source() -> None:
     for name in ("k_topk(const MkParams p, int splits)", "k_topk_small(const MkParams p, int splits)"):
         body = src[src.index(name):]
         assert body.index("griddep_launch();") < body.index("griddep_wait();") < body.index("p.logits")
+    code = re.sub(r"//[^\n]*", "", src)  # nothing a pdl predecessor wrote is read through the non-coherent path
+    assert "__ldg(" not in code and "ld.global.nc" not in code
     kl = src[src.index("k_logits(const MkParams p)"):]
     assert kl.index("gemm_tile<T>(") < kl.index("if (p.pdl) griddep_launch();") < kl.index("p.logits +")
     # k_logits keeps plain stream order (it follows the previous layer's kernels); the others launch under pdl

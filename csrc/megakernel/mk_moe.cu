@@ -179,7 +179,10 @@ __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
 }
 // Programmatic dependent launch (MkParams.pdl): a kernel launched with the programmatic-serialization attribute may
 // start once every CTA of the kernel before it has run launch_dependents; wait returns once that kernel has finished
-// and its writes are visible. Both are no-ops for kernels launched in plain stream order.
+// and its writes are visible. Both are no-ops for kernels launched in plain stream order. What a predecessor wrote
+// is never read through the non-coherent path (__ldg / ld.global.nc: only for data read-only while the kernel
+// lives, which an overlapping predecessor breaks); run 50 read logits and routing weights so and got routing bits
+// that differed from plain stream order in 3 of 410 GPU tests (k_topk_small at S = 128 .. 1024): __ldcg (L2) now.
 __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 // The persistent kernel's entry under pdl: wait for routing before reading anything it wrote (the launch epoch,
@@ -479,7 +482,7 @@ __device__ __forceinline__ void store_pair(const MkParams& p, int kind, int nb, 
   }
 }
 __device__ __forceinline__ float row_weight(const MkParams& p, int kind, int v) {
-  return kind == MK_TASK_GEMM2 ? __ldg(p.topk_w + v) : 0.f;
+  return kind == MK_TASK_GEMM2 ? __ldcg(p.topk_w + v) : 0.f;  // L2, not .nc: see griddep_wait
 }
 
 // GEMM1 epilogue of a TMA tile (gate rows 0..63, up rows 64..127): gate columns q, q+1 (g0, g1) and their up
@@ -1043,7 +1046,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int v = md.row_id[64 * c + (int)mkidx::acc_row(t, 2 * half)];
-      if (v >= 0) wrow[half] = __ldg(p.topk_w + v);
+      if (v >= 0) wrow[half] = __ldcg(p.topk_w + v);  // L2, not .nc: see griddep_wait
     }
   }
   if (!busy) {  // each arrival lands in that fill's phase: the producer refilled the slot after the last phase
@@ -1646,7 +1649,7 @@ __global__ void __launch_bounds__(THREADS, 8) k_topk(const MkParams p, int split
 #pragma unroll
       for (int r = 0; r < 4; ++r)
 #pragma unroll
-        for (int z = 0; z < 4; ++z) part[r][z] = ok[r] && z0 + z < splits ? __ldg(src[r] + (z0 + z) * plane) : 0.f;
+        for (int z = 0; z < 4; ++z) part[r][z] = ok[r] && z0 + z < splits ? __ldcg(src[r] + (z0 + z) * plane) : 0.f;
 #pragma unroll
       for (int r = 0; r < 4; ++r)
 #pragma unroll
@@ -1759,7 +1762,7 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
   for (int q = 0; q < SMALL_Q; ++q) {
     const int e = tid + SMALL_THREADS * q;
 #pragma unroll
-    for (int z = 0; z < MAX_SPLITS; ++z) part[q][z] = e < E && z < splits ? __ldg(row + e + z * plane) : 0.f;
+    for (int z = 0; z < MAX_SPLITS; ++z) part[q][z] = e < E && z < splits ? __ldcg(row + e + z * plane) : 0.f;
   }
 #pragma unroll
   for (int q = 0; q < SMALL_Q; ++q) {
