@@ -101,11 +101,13 @@ class MegakernelConfig:
     # 1: programmatic dependent launch. k_topk and the persistent kernel are launched with the programmatic
     # stream-serialization attribute: each starts while the kernel before it still runs (the persistent kernel's CTAs
     # on the SMs routing leaves free, its prologue done) and waits for it (griddepcontrol) before reading anything it
-    # wrote. Same bits (GPU tests). Runs 48-49 (H200, side by side in one process, graph µs, pdl 0 vs 1): S=1 55.9 vs
-    # 54.3 (three rounds), S=16 218.4 vs 216.5, S=128 323.7 vs 321.5, S=1024 365.1 vs 363.0; S=4096 within its
-    # power-cap spread. The default (a setting: under the 5% that makes a knob). Run 48 also let the early CTAs load
-    # the first MB of W_gate_up into the L2 while routing ran: routing's own reads queued behind them (k_logits 4.5
-    # -> 12.4 µs for 40 MB) and the layer got 2-8 µs slower with 16-40 MB, so that was dropped.
+    # wrote (never through the non-coherent path: run 50). Same bits (GPU tests). Runs 48-51 (H200, side by side in one
+    # process, graph µs, pdl 0 vs 1, two or three rounds each): S=1 55.9 vs 54.4 (run 48), 55.5 vs 54.3 (run 51);
+    # S=16 218.4 vs 216.5 (49), 213.0 vs 210.6 (51); S=128 323.7 vs 321.5 (49), 320.8 vs 319.7 (51); S=1024 365.1 vs
+    # 363.0 (48), 364.4 vs 361.8 (51); S=4096 within its power-cap spread. The default (a setting: under the 5% that
+    # makes a knob). Run 48 also let the early CTAs load the first MB of W_gate_up into the L2 while routing ran:
+    # routing's own reads queued behind them (k_logits 4.5 -> 12.4 µs for 40 MB) and the layer got 2-8 µs slower
+    # with 16-40 MB, so that was dropped.
     pdl: int = 1
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
