@@ -1608,6 +1608,10 @@ __global__ void __launch_bounds__(T::THREADS) k_logits(const MkParams p) {
     }
 }
 
+// S up to which the gate GEMM runs 16-row tiles (more CTAs for the same H splits), 64-row tiles above
+#ifndef MK_ROUTE_SMALL_TILE_S
+#define MK_ROUTE_SMALL_TILE_S 64
+#endif
 constexpr int MAXK = 16;
 constexpr int MAX_SPLITS = 16;     // logit planes k_topk adds (layer.py caps logit_splits at 16)
 constexpr int TOPK_TOKENS = THREADS / 32;  // one warp per token
@@ -2122,7 +2126,8 @@ int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t 
 int mk_route(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
   // the gate GEMM needs no big tiles: 16-row tiles for few tokens, 64 otherwise
-  return p->S <= 64 ? launch_route<Small>(p, (cudaStream_t)stream) : launch_route<Large>(p, (cudaStream_t)stream);
+  return p->S <= MK_ROUTE_SMALL_TILE_S ? launch_route<Small>(p, (cudaStream_t)stream)
+                                       : launch_route<Large>(p, (cudaStream_t)stream);
 }
 
 int mk_route_given(const MkParams* p, void* stream) {
