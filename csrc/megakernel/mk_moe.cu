@@ -1608,9 +1608,12 @@ __global__ void __launch_bounds__(T::THREADS) k_logits(const MkParams p) {
     }
 }
 
-// S up to which the gate GEMM runs 16-row tiles (more CTAs for the same H splits), 64-row tiles above
+// S up to which the gate GEMM runs 16-row tiles (more CTAs for the same H splits), 64-row tiles above. Run 52
+// (builds side by side, two rounds, routing / layer graph µs): 64 vs 256 at S=96 16.0-16.1 / 314.1-314.4 vs
+// 14.0-14.1 / 312.8-313.0, S=128 16.0-16.1 / 318.1-318.8 vs 14.0-14.3 / 316.0, S=192 16.5 / 324.1-324.7 vs
+// 14.7-14.8 / 321.1-322.5, S=256 16.5 / 326.7-326.8 vs 15.1-15.3 / 324.9. Not measured above 256.
 #ifndef MK_ROUTE_SMALL_TILE_S
-#define MK_ROUTE_SMALL_TILE_S 64
+#define MK_ROUTE_SMALL_TILE_S 256
 #endif
 constexpr int MAXK = 16;
 constexpr int MAX_SPLITS = 16;     // logit planes k_topk adds (layer.py caps logit_splits at 16)
@@ -2125,7 +2128,7 @@ int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t 
 
 int mk_route(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
-  // the gate GEMM needs no big tiles: 16-row tiles for few tokens, 64 otherwise
+  // the gate GEMM needs no big tiles: 16-row tiles up to MK_ROUTE_SMALL_TILE_S tokens, 64 otherwise
   return p->S <= MK_ROUTE_SMALL_TILE_S ? launch_route<Small>(p, (cudaStream_t)stream)
                                        : launch_route<Large>(p, (cudaStream_t)stream);
 }
