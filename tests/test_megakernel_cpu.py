@@ -802,10 +802,15 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     loop = kern[kern.index("for (uint32_t j = 0;; ++j)"):]
     assert "__syncthreads" not in loop, "no CTA barrier inside the overlap loop"
     p_part, c_part = loop[:loop.index("// ---- consumer warpgroups")], loop[loop.index("// ---- consumer warpgroups"):]
-    order = ["mbar_wait_ok(p, tempty", "claim_task(p, epoch, &sl.qi)", "named_sync(1, 128)", "fill_meta_part<T>(",
-             "mbar_arrive(tfull", "if (task == 0) return;", "wg_produce<T>("]
+    order = ["mbar_wait_ok(p, tempty", "claim_wg<T>(p, epoch, s_base, qs, g1_local, &sl.qi)", "named_sync(1, 128)",
+             "fill_meta_part<T>(", "mbar_arrive(tfull", "if (task == 0) return;", "wg_produce<T>("]
     idx = [p_part.index(x) for x in order]
-    assert idx == sorted(idx) and p_part.count("claim_task(") == 1 and p_part.count("wg_produce<T>(") == 1
+    assert idx == sorted(idx) and p_part.count("claim_wg<T>(") == 1 and p_part.count("wg_produce<T>(") == 1
+    # claim_wg: GEMM1 slots computed as the scheduler writes them (queue_word), every later slot waited for
+    cw = src[src.index("uint64_t claim_wg("):]
+    cw = cw[:cw.index("\n}\n")]
+    assert cw.index("if (i >= g1_local) return wait_slot(p, epoch, i, slot);") < cw.index("mkidx::queue_word(i, base")
+    assert "if (qs.fits) g1_local = qs.n_tiles * qs.G1;" in kern
     order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work",
              "MK_TASK_COMBINE", "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T>(", "named_sync(2, NCONS)",
              "signal_rows<T>(", "mbar_arrive(tempty"]

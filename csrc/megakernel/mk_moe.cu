@@ -883,11 +883,10 @@ __device__ __forceinline__ bool mbar_wait_ok(const MkParams& p, uint32_t bar, ui
   }
   return true;
 }
-// k_experts' claim by one thread: the next queue slot, waited for until published (the task word), past the
-// task total or aborted (0), or timed out (0 after reporting MK_ERR_PROC_TIMEOUT). *slot: the queue slot.
-__device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int* slot) {
+// k_experts' claim by one thread: the next queue slot (claim_task), waited for until published (the task word), past
+// the task total or aborted (0), or timed out (0 after reporting MK_ERR_PROC_TIMEOUT). *slot: the queue slot.
+__device__ __forceinline__ uint64_t wait_slot(const MkParams& p, int epoch, int i, int* slot) {
   uint64_t task = 0;
-  const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
   *slot = i;
   const uint64_t since = gtime();
   unsigned ns = 32;
@@ -912,6 +911,9 @@ __device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int
     ns = min(ns * 2, 512u);  // back off: hundreds of waiting CTAs must not crowd the L2 lines they poll
   }
   return task;
+}
+__device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int* slot) {
+  return wait_slot(p, epoch, atomicAdd(&p.ctl[MK_CTL_HEAD], 1), slot);
 }
 
 // The producer warpgroup's part of one GEMM task (thread t of warpgroup 0; md: the task's metadata, it: the
@@ -1220,6 +1222,30 @@ __device__ __forceinline__ uint64_t claim_local(const MkParams& p, const int* ba
   if (p.trace) {
     const int64_t now = (int64_t)gtime();
     tr_slot(p, i, MK_TR_PUB, now);  // (no publish: computed at the claim)
+    tr_slot(p, i, MK_TR_CLAIM, now);
+    tr_slot(p, i, MK_TR_CTA, blockIdx.x);
+  }
+  return mkidx::queue_word(i, base, (int)p.E, q.G1, q.KS1, q.G2, q.KS2, q.NC, T::NBLK);
+}
+
+// The overlap kernel's claim with MK_WG_LOCAL_G1: slots below g1_local (every GEMM1 task: the scheduler publishes them
+// all at once, a function of the routing counts alone) get their word computed here from the m-tile prefix, as
+// claim_local does for the mma-core tiles, instead of waiting for the scheduler to count, publish, fence and flag
+// them (run 47's timeline: the first GEMM1 published 4.4 us after the scheduler started at S=1024, 6.1 at 4096).
+// Later slots (GEMM2 / COMBINE, published as they become ready) are waited for as before.
+#ifndef MK_WG_LOCAL_G1
+#define MK_WG_LOCAL_G1 1
+#endif
+template <class T>
+__device__ __forceinline__ uint64_t claim_wg(const MkParams& p, int epoch, const int* base, const QueueShape& q,
+                                             int g1_local, int* slot) {
+  const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
+  if (i >= g1_local) return wait_slot(p, epoch, i, slot);
+  *slot = i;
+  if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return 0;
+  if (p.trace) {
+    const int64_t now = (int64_t)gtime();
+    tr_slot(p, i, MK_TR_PUB, now);  // (computed at the claim)
     tr_slot(p, i, MK_TR_CLAIM, now);
     tr_slot(p, i, MK_TR_CTA, blockIdx.x);
   }
@@ -1569,6 +1595,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     k_experts_ov(const MkParams p, const __grid_constant__ CUtensorMap tm1, const __grid_constant__ CUtensorMap tm2) {
   static_assert(T::WG, "the overlap kernel runs the wgmma core only");
   extern __shared__ __align__(128) char smem_raw[];
+  __shared__ int s_base[LOCAL_MAX_E + 1];  // MK_WG_LOCAL_G1: the m-tile prefix (claim_wg; in SMEM_MAX's 1 KB reserve)
   char* smem = align_smem(smem_raw, T::ALIGN);
   pdl_enter(p);  // pdl: routing may still run until here
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
@@ -1596,7 +1623,15 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     tr_cta(p, 0);
   }
+  const bool local = MK_WG_LOCAL_G1 && p.E <= LOCAL_MAX_E;
+  if (local && tid >= 32 && tid < 64) tile_prefix<T>(p, s_base);  // (warp 1: warp 0's thread 0 inits the barriers)
   __syncthreads();  // (before the loop only)
+  QueueShape qs = {};
+  int g1_local = 0;  // slots below: GEMM1 words computed at the claim (claim_wg)
+  if (local) {
+    qs = queue_shape<T>(p, s_base);
+    if (qs.fits) g1_local = qs.n_tiles * qs.G1;
+  }
   if constexpr (T::TMA) {
     if (tid == 0) {
       tma_prefetch_desc(&tm1);
@@ -1612,7 +1647,8 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       OvSlot<T>& sl = slots[s];
       if (t == 0) {
         uint64_t task = 0;  // slot s is free once the consumers finished task j - 2 (fresh barrier: parity 1 passes)
-        if (mbar_wait_ok(p, tempty + 8 * s, ph ^ 1, j, p.timeout_ns)) task = claim_task(p, epoch, &sl.qi);
+        if (mbar_wait_ok(p, tempty + 8 * s, ph ^ 1, j, p.timeout_ns))
+          task = claim_wg<T>(p, epoch, s_base, qs, g1_local, &sl.qi);
         sl.task = task;
       }
       named_sync(1, 128);  // the task word, to the producer warpgroup
