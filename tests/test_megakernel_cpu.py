@@ -828,7 +828,7 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
         assert line in sr and sr.rindex("__threadfence();", 0, sr.index(line)) >= 0
     assert "(int)p.K * (int)p.combine_tokens" in sr  # (v / K) / combine_tokens == v / (K * combine_tokens)
     sd = src[src.index("void signal_done("):]
-    assert "signal_rows<T>(p, md, kind, tile, nb, threadIdx.x, blockDim.x);" in sd[:sd.index("\n}\n")]
+    assert "signal_rows<T>(p, md, kind, tile, threadIdx.x, blockDim.x);" in sd[:sd.index("\n}\n")]
 
 
 def test_config_overlap():
@@ -888,7 +888,7 @@ def test_pdl_setting_and_source() -> None:
     with pytest.raises(ConfigError, match="pdl"):
         MegakernelConfig.parse("pdl=2")
     names = [f[0] for f in _lib.MkParams._fields_]
-    assert names[names.index("publish_all") + 1] == "pdl" and _lib.ABI_VERSION >= 13
+    assert names[-1] == "pdl" and _lib.ABI_VERSION >= 13
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
     # both persistent kernels wait before the launch epoch, the first routing result they read
     for name in ("k_experts(const MkParams p", "k_experts_ov(const MkParams p"):
@@ -907,98 +907,3 @@ def test_pdl_setting_and_source() -> None:
     # k_logits keeps plain stream order (it follows the previous layer's kernels); the others launch under pdl
     assert "k_logits<T><<<" in src
     assert src.count("p->pdl != 0") == 4  # k_topk_small, k_topk, both persistent kernels
-
-
-# ---- cb_order: GEMM2s published by combine column block, COMBINEs per column block (ABI 14) --------------------
-@pytest.mark.parametrize("procs", [1, 7, 60, 300])
-@pytest.mark.parametrize(("s", "mode", "hid", "bn"), [(1, "uniform", 512, 256), (40, "zipf", 512, 256),
-                                                     (300, "uniform", 2048, 256), (64, "one", 512, 256),
-                                                     (200, "uniform", 384, 128), (90, "zipf", 640, 128)])
-def test_cb_order_runs_every_task_once_in_dependency_order(s, mode, hid, bn, procs):
-    """cb_order's subscriber: every task once, each after its inputs (a COMBINE after every GEMM2 n-block feeding
-    its column block, asserted at each start), the queue fills in full and nothing times out; hidden sizes whose
-    column blocks are not whole n-blocks (384, 640: an n-block feeds two blocks) included."""
-    e, k, ct, inter = 16, 4, 8, 256
-    idx = _routing(s, e, k, mode=mode, seed=17 * s + procs)
-    p = sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=128, combine_tokens=ct, bn=bn)
-    r = sch.simulate(p, processors=procs, bm=128, topk=k, combine_tokens=ct, seed=procs, cb_order=True, hidden=hid)
-    assert r.error == 0 and r.published == p.total and len(r.executed) == p.total
-    assert len(set(r.executed)) == p.total
-    assert sorted(r.queue, key=lambda t: (t.kind, t.tile, t.mtile, t.nblock)) == sorted(
-        p.all_tasks(), key=lambda t: (t.kind, t.tile, t.mtile, t.nblock))  # the same tasks as the tile-major queue
-    pos = {t: i for i, t in enumerate(r.executed)}
-    for tile in range(p.n_tiles):
-        g1 = [pos[t] for t in r.executed if t.kind == sch.GEMM1 and t.tile == tile]
-        g2 = [pos[t] for t in r.executed if t.kind == sch.GEMM2 and t.tile == tile]
-        assert max(g1) < min(g2)
-
-
-def test_cb_order_publishes_low_blocks_first_and_overlaps_the_combine():
-    """With the look-ahead the queue's GEMM2s go by level within what is ready: in any window of published slots a
-    tile's level-L task never precedes a level-(L-1) task of a tile that was ready before it; and block 0's COMBINEs
-    sit in the queue before the last GEMM2 (the combine overlaps the last blocks), which tile-major never does."""
-    e, k, ct, hid, inter = 16, 4, 8, 2048, 256
-    idx = _routing(400, e, k, mode="uniform", seed=5)
-    p = sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=128, combine_tokens=ct, bn=256)
-    assert [p.g2_level(nf, hid) for nf in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert [p.cb_nblocks(c, hid) for c in range(4)] == [4, 4, 4, 4]
-    r = sch.simulate(p, processors=12, bm=128, topk=k, combine_tokens=ct, seed=3, cb_order=True, hidden=hid)
-    assert r.error == 0
-    q = r.queue
-    last_g2 = max(i for i, t in enumerate(q) if t.kind == sch.GEMM2)
-    first_c0 = min(i for i, t in enumerate(q) if t.kind == sch.COMBINE and t.nblock == 0)
-    assert first_c0 < last_g2
-    # every tile's level-0 tasks come before its level-3 tasks, and all level-0 tasks before the last level-3 one
-    g2 = [(i, t) for i, t in enumerate(q) if t.kind == sch.GEMM2]
-    lv = {i: p.g2_level(t.nblock // p.nblk, hid) for i, t in g2}
-    assert max(i for i, _ in g2 if lv[i] == 0) < max(i for i, _ in g2 if lv[i] == 3)
-    for tile in range(p.n_tiles):
-        mine = [(lv[i], i) for i, t in g2 if t.tile == tile]
-        assert [x for x, _ in sorted(mine, key=lambda a: a[1])] == sorted(x for x, _ in mine)
-    # tile-major (cb_order off) puts every COMBINE after... at least after the GEMM2s of the tokens' tiles
-    r0 = sch.simulate(p, processors=12, bm=128, topk=k, combine_tokens=ct, seed=3)
-    assert r0.error == 0
-
-
-def test_cb_order_stalled_tile_times_out():
-    idx = _routing(200, 16, 4, mode="uniform", seed=4)
-    p = sch.plan(idx, experts=16, hidden=512, intermediate=256, bm=128, combine_tokens=8, bn=256)
-    r = sch.simulate(p, processors=9, bm=128, topk=4, combine_tokens=8, stall_tile=1, timeout_steps=20,
-                     cb_order=True, hidden=512)
-    assert r.error in (sch.ERR_SCHED_TIMEOUT, sch.ERR_PROC_TIMEOUT) and len(r.executed) < p.total
-    assert not any(t.kind == sch.COMBINE for t in r.executed)  # no column block completes without tile 1
-    assert r.steps < 10_000
-    with pytest.raises(ValueError, match="hidden"):
-        sch.simulate(p, processors=9, bm=128, topk=4, combine_tokens=8, cb_order=True)
-
-
-def test_cb_order_check_catches_an_early_combine():
-    """The model's COMBINE check is per column block under cb_order: a block-0 COMBINE with a block-1 n-block missing
-    passes, with a block-0 n-block missing it fails."""
-    idx = _routing(20, 16, 4, mode="uniform", seed=1)
-    p = sch.plan(idx, experts=16, hidden=512, intermediate=256, bm=128, combine_tokens=8, bn=256)
-    done = {(tile, nb) for tile in range(p.n_tiles) for nb in range(p.n2)}
-    g1 = [p.n1] * p.n_tiles
-    sch._check_ready(p, sch.Task(sch.COMBINE, 0, 0, 0, 0), g1, done - {(0, 1)}, 4, 128, 8, 512)
-    with pytest.raises(AssertionError, match="combine"):
-        sch._check_ready(p, sch.Task(sch.COMBINE, 0, 0, 0, 0), g1, done - {(0, 0)}, 4, 128, 8, 512)
-
-
-def test_cb_order_setting_and_source() -> None:
-    """cb_order (ABI 14): a validated setting; in the kernel the GEMM2 signal under cb_order is one fenced count per
-    (n-block, column block) and the counters are zeroed by the routing kernels with the others."""
-    from moetune.runtime.megakernel import _lib
-
-    assert MegakernelConfig.parse("cb_order=1").cb_order == 1
-    with pytest.raises(ConfigError, match="cb_order"):
-        MegakernelConfig.parse("cb_order=2")
-    names = [f[0] for f in _lib.MkParams._fields_]
-    assert names[-1] == "cb_order" and _lib.ABI_VERSION >= 14 and _lib.CTL_WORDS == 64
-    src = (_lib.source_dir() / "mk_moe.cu").read_text()
-    sig = src[src.index("void signal_rows("):]
-    sig = sig[:sig.index("\n}\n")]
-    cb = sig[sig.index("if (T::WG && p.cb_order)"):]
-    assert cb.index("__threadfence();") < cb.index("red_add(&p.ctl[MK_CTL_CB + c], 1);")
-    reset = src[src.index("void reset_ctl("):]
-    assert "p.ctl[MK_CTL_CB + tid] = 0;" in reset[:reset.index("\n}\n")]
-    assert "subscriber_cb<T>(p, base, base + E + 1, q, epoch, g1);" in src

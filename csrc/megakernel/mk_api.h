@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 14
+#define MK_ABI_VERSION 13
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -23,10 +23,7 @@ enum {
   MK_CTL_EPOCH = 3,      // launch number (queue flags carry it; never 0)
   MK_CTL_PUBLISHED = 4,  // tasks the scheduler has published (diagnostics)
   MK_CTL_TILES = 5,      // m-tiles this launch (diagnostics)
-  // cb_order (ABI 14): finished (GEMM2 task n-block, combine column block) pairs per column block, words CB..CB+3,
-  // a 128-byte line away from the claim counter every processor hits
-  MK_CTL_CB = 32,
-  MK_CTL_WORDS = 64
+  MK_CTL_WORDS = 8
 };
 
 // err[] (int64): sticky until the host clears it. err[0] = code.
@@ -126,13 +123,6 @@ typedef struct MkParams {
   int64_t pdl;  // 1: programmatic dependent launch: k_topk and the persistent kernel are launched while the kernel
                 // before them still runs (griddepcontrol) and wait for it before reading anything it writes; 0: plain
                 // stream order
-  // ABI 14
-  int64_t cb_order;  // 1 (the wgmma tiles, whose subscriber publishes GEMM2 and COMBINE tasks): GEMM2 tasks are
-                     // published combine-column-block-major (every ready m-tile's block-0 tasks first), only as far
-                     // ahead of the processors' claims as the grid, and a column block's COMBINE tasks all at once
-                     // when its ctl[MK_CTL_CB + c] counter says every GEMM2 n-block feeding it is done: the combine
-                     // overlaps the last blocks' GEMM2s. 0: GEMM2s tile-major as they become ready, COMBINEs per
-                     // token tile (comb[]). Other tiles ignore it.
 } MkParams;
 
 int mk_abi_version(void);

@@ -132,23 +132,6 @@ MK_HD uint64_t queue_word(int i, const int* base, int E, int G1, int KS1, int G2
   return enc(MK_TASK_COMBINE, 0, c / NC, c % NC, 0);
 }
 
-// ---- combine column blocks (MkParams.cb_order) ------------------------------------------------------------
-// A COMBINE task sums columns [c H/NC, (c+1) H/NC) of its tokens (H/NC a multiple of 8, not always of 128); GEMM2
-// n-block nb (columns 128 nb .. 128 nb + 127) feeds the column blocks cb_first(nb) .. cb_last(nb), and counts one in
-// each when it is done. A column block's counter reaches n_tiles x cb_nblocks(c) once every m-tile's n-blocks that
-// feed it are done.
-constexpr int NB_COLS = 128;  // columns of a GEMM2 n-block (BN in mk_moe.cu)
-MK_HD int cb_first(int nb, int H, int NC) { return nb * NB_COLS / (H / NC); }
-MK_HD int cb_last(int nb, int H, int NC) { return (nb * NB_COLS + NB_COLS - 1) / (H / NC); }
-MK_HD int cb_nblocks(int c, int H, int NC) {
-  int n = 0;
-  for (int nb = 0; nb < H / NB_COLS; ++nb) n += cb_first(nb, H, NC) <= c && c <= cb_last(nb, H, NC);
-  return n;
-}
-// Publishing level of an m-tile's GEMM2 task nf (n-blocks W nf .. W nf + W - 1): the column block of its first column.
-// Levels never decrease with nf, and every n-block feeding block c sits in a task of level <= c.
-MK_HD int g2_level(int nf, int W, int H, int NC) { return cb_first(nf * W, H, NC); }
-
 // ---- staged epilogue (the overlap kernel's wg_store_staged): a consumer warp's 16 rows x 64 columns of bf16 ------
 // Row r of the 2 KB buffer at r * 128, its 16-byte unit u (columns 8u .. 8u+7 of the chunk) at (u ^ (r & 7)) * 16:
 // the 8 rows of an 8x8 matrix, and the 8 units of a row, each land in distinct bank groups.

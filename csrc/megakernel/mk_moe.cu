@@ -496,34 +496,18 @@ __device__ __forceinline__ void store_h2(const MkParams& p, int nb, int v, int q
   *(uint32_t*)((bf16*)p.h + (int64_t)v * p.I + nb * 64 + q) = silu_pair(g0, g1, u0, u1);
 }
 
-// Column blocks per combine tile: the tile's work is split over H so the combine at the end of the layer
-// (on the critical path) runs on many CTAs (run 2: 16-token combine tasks cost 46 us at S=128 over 4-token ones).
-__host__ __device__ __forceinline__ int combine_blocks(int64_t H) { return (H / 8) % 4 == 0 ? 4 : 1; }
-
 // After the epilogue's stores, by threads first, first + stride, .. that all passed a barrier following every
 // store of the task: the readiness counters. GEMM1: thread 0 alone, one counter. GEMM2: each thread counts its
 // share of the rows in their combine tiles (one thread walking all 128 rows sat on the consumers' critical path,
 // run 20's timeline: GEMM2 tasks 2-2.5x GEMM1's time per k stage). Every counting thread fences first: fence +
 // relaxed red = release, cumulative over the barrier, so the subscriber's or a waiter's acquire sees h / y.
-// cb_order (wgmma tiles): a GEMM2 counts its n-blocks in their combine column blocks instead, thread `first` == 0
-// alone: one fence and a count or two per task (not a fence per counting thread).
 template <class T>
-__device__ __forceinline__ void signal_rows(const MkParams& p, const Meta& md, int kind, int tile, int nb, int first,
+__device__ __forceinline__ void signal_rows(const MkParams& p, const Meta& md, int kind, int tile, int first,
                                             int stride) {
   if (kind == MK_TASK_GEMM1) {
     if (first == 0) {
       __threadfence();
       red_add(&p.g1done[tile], T::NBLK);  // a wide task finishes two 128-column n-blocks
-    }
-    return;
-  }
-  if (T::WG && p.cb_order) {
-    if (first == 0) {
-      const int H = (int)p.H, NC = combine_blocks(p.H);
-      __threadfence();
-      for (int w = 0; w < T::NBLK; ++w)
-        for (int c = mkidx::cb_first(nb + w, H, NC); c <= mkidx::cb_last(nb + w, H, NC); ++c)
-          red_add(&p.ctl[MK_CTL_CB + c], 1);
     }
     return;
   }
@@ -541,8 +525,8 @@ __device__ __forceinline__ void signal_rows(const MkParams& p, const Meta& md, i
 }
 // The same over a whole CTA whose threads all passed a __syncthreads after their stores.
 template <class T>
-__device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, int kind, int tile, int nb) {
-  signal_rows<T>(p, md, kind, tile, nb, threadIdx.x, blockDim.x);
+__device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, int kind, int tile) {
+  signal_rows<T>(p, md, kind, tile, threadIdx.x, blockDim.x);
 }
 
 // GEMM1 / GEMM2 task of m-tile `tile` = (e, mt), n-block nb, split-K part ks of `splits` (mma.sync core).
@@ -637,7 +621,7 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
         store_pair(p, kind, nb, v, b_col<T>(wn, j) + 2 * (lane & 3), acc[i][j][2 * half], acc[i][j][2 * half + 1], w);
     }
   __syncthreads();  // every thread's stores issued before thread 0's fence + signal
-  signal_done<T>(p, md, kind, tile, nb);
+  signal_done<T>(p, md, kind, tile);
 }
 
 // ---- the wgmma core (sm_90a): GEMM1/GEMM2 tasks with bm = 64 or 128 ---------------------------------------
@@ -744,6 +728,10 @@ __device__ __forceinline__ WgBars<T> wg_bars(const Meta& md) {
   const uint32_t b = bar_base(md);
   return {b, b + 8u * 16u};
 }
+
+// Column blocks per combine tile: the tile's work is split over H so the combine at the end of the layer
+// (on the critical path) runs on many CTAs (run 2: 16-token combine tasks cost 46 us at S=128 over 4-token ones).
+__host__ __device__ __forceinline__ int combine_blocks(int64_t H) { return (H / 8) % 4 == 0 ? 4 : 1; }
 
 // COMBINE task: out[t] = sum_j y[t*K + j] in slot order (fp32), for the tile's tokens, column block cb, on
 // threads first, first + stride, .. (the whole CTA, or the overlap kernel's consumer warpgroups).
@@ -1160,7 +1148,7 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
     wg_consume<T>(p, md, bars, su32(smem), kind, nb, KT, it, t, wg - 1, qi);
   it += KT;
   __syncthreads();  // every consumer's stores issued (and the producer done) before thread 0's fence + signal
-  signal_done<T>(p, md, kind, tile, nb);
+  signal_done<T>(p, md, kind, tile);
 }
 
 // ---- the launch's queue shape ---------------------------------------------------------------------------
@@ -1252,125 +1240,6 @@ __device__ __forceinline__ uint64_t claim_wg(const MkParams& p, int epoch, const
   return mkidx::queue_word(i, base, (int)p.E, q.G1, q.KS1, q.G2, q.KS2, q.NC, T::NBLK);
 }
 
-// cb_order's subscriber (warp 0 of the scheduler CTA, after the GEMM1 tasks are published at slots 0..tail-1).
-// Ready m-tiles go into `ready` (shared, in the order they became ready). Their GEMM2 tasks are published by
-// level (mk_index.h: g2_level, the combine column block of a task's first column): every ready tile's level-0 tasks
-// before any level-1 task, and so on, a level's tiles in ready order. So that a tile that becomes ready later still
-// goes first at the lower levels, tasks are published only while fewer than p.grid published slots wait unclaimed
-// (slots are claimed in order, so the order of the published tail is the order they run in). A column block's
-// COMBINE tasks are published together once its counter (ctl[MK_CTL_CB + c], counted by signal_rows) reaches
-// n_tiles x cb_nblocks(c); column block 0's combine then runs while the GEMM2s of the last blocks still do.
-// No deadlock: a published task's inputs are done, and while processors wait for a slot (head > tail) the budget
-// is positive, so every ready task gets published. Timeout as the tile-major subscriber's: no counter moved.
-template <class T>
-__device__ void subscriber_cb(const MkParams& p, const int* base, int* ready, const QueueShape& q, int epoch,
-                              int tail) {
-  const int lane = threadIdx.x & 31;
-  const int E = (int)p.E, H = (int)p.H, N1 = (int)(2 * p.I / BN);
-  const int n_tiles = q.n_tiles, n_ct = q.n_ct, NC = q.NC, G2 = q.G2;
-  constexpr int W = T::NBLK;
-  int lo[5], cur[4], target = 0;  // lo[L] .. lo[L+1] - 1: the task indices nf of level L; cur[L]: next ready index
-  for (int L = 0, nf = 0; L <= NC; ++L) {
-    while (nf < G2 && mkidx::g2_level(nf, W, H, NC) < L) ++nf;
-    lo[L] = nf;
-  }
-  lo[NC] = G2;
-  for (int L = 0; L < 4; ++L) cur[L] = 0;
-  if (lane < NC) target = n_tiles * mkidx::cb_nblocks(lane, H, NC);
-  int n_ready = 0, g2_pub = 0;
-  unsigned cb_rel = 0;  // column blocks whose COMBINE tasks are published
-  const unsigned cb_all = (1u << NC) - 1u;
-  uint64_t since = gtime();
-  long long seen = -1;
-  while (n_ready < n_tiles || g2_pub < n_tiles * G2 || cb_rel != cb_all) {
-    int got = 0;
-    long long sum = 0;
-    // 1. m-tiles whose GEMM1s are all done join the ready list
-    for (int b = 0; b < n_tiles && n_ready < n_tiles; b += 32) {
-      const int tile = b + lane;
-      bool ok = false;
-      if (tile < n_tiles && p.rel[tile] != epoch) {
-        const int v = ld_acquire(&p.g1done[tile]);
-        sum += v;
-        ok = v == N1 && tile != (int)p.stall_tile;
-      }
-      const unsigned m = __ballot_sync(~0u, ok);
-      if (ok) {
-        p.rel[tile] = epoch;
-        ready[n_ready + __popc(m & ((1u << lane) - 1))] = tile;
-      }
-      n_ready += __popc(m);
-      got += __popc(m);
-    }
-    __syncwarp();  // the list entries, to every lane
-    // 2. GEMM2 tasks, lowest level first, within the look-ahead budget
-    const int head = *(volatile int32_t*)&p.ctl[MK_CTL_HEAD];
-    if (lane == 0) sum += head;  // a claim is progress too (a long run of COMBINEs moves no counter)
-    int budget = (int)p.grid - (tail - head);
-    for (int L = 0; L < NC && budget > 0; ++L) {
-      const int per = lo[L + 1] - lo[L];
-      while (per > 0 && budget > 0 && cur[L] < n_ready) {
-        const int cnt = min(min(n_ready - cur[L], 32), (budget + per - 1) / per);
-        const int pos = tail + lane * per;
-        if (lane < cnt) {
-          const int tile = ready[cur[L] + lane], e = mkidx::tile_expert(base, E, tile);
-          for (int j = 0; j < per; ++j)
-            p.q_task[pos + j] = enc(MK_TASK_GEMM2, e, tile - base[e], (lo[L] + j) * W, tile, q.KS2);
-        }
-        __threadfence();  // one fence for the batch, then relaxed flags (release pattern)
-        if (lane < cnt) {
-          for (int j = 0; j < per; ++j) st_relaxed(&p.q_flag[pos + j], epoch);
-          tr_published(p, pos, pos + per, 1);
-        }
-        tail += cnt * per;
-        g2_pub += cnt * per;
-        cur[L] += cnt;
-        budget -= cnt * per;
-        got += cnt;
-      }
-    }
-    // 3. column blocks whose every feeding GEMM2 n-block is done: all their COMBINE tasks at once
-    bool ok = false;
-    if (lane < NC && !((cb_rel >> lane) & 1u)) {
-      const int v = ld_acquire(&p.ctl[MK_CTL_CB + lane]);
-      sum += v;
-      ok = v == target;
-    }
-    unsigned m = __ballot_sync(~0u, ok);
-    if (m) {
-      cb_rel |= m;
-      while (m) {
-        const int c = __ffs(m) - 1;
-        m &= m - 1;
-        for (int ct = lane; ct < n_ct; ct += 32) p.q_task[tail + ct] = enc(MK_TASK_COMBINE, 0, ct, c, 0);
-        __threadfence();
-        for (int ct = lane; ct < n_ct; ct += 32) st_relaxed(&p.q_flag[tail + ct], epoch);
-        tr_published(p, tail + lane, tail + n_ct, 32);
-        tail += n_ct;
-        ++got;
-      }
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(~0u, sum, o);
-    if (got || sum != seen) {
-      since = gtime();
-      seen = sum;
-    } else {
-      if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return;
-      const uint64_t waited = gtime() - since;
-      if (waited > (uint64_t)p.timeout_ns) {
-        if (lane == 0) report(p, MK_ERR_SCHED_TIMEOUT, n_ready + __popc(cb_rel), n_tiles + NC, (int64_t)waited);
-        return;
-      }
-      __nanosleep(64);
-    }
-  }
-  if (lane == 0) {
-    p.ctl[MK_CTL_PUBLISHED] = tail;
-    tr_sched(p, MK_TR_SCHED_END);
-  }
-}
-
 // ---- the scheduler CTA ----------------------------------------------------------------------------------
 template <class T>
 __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
@@ -1420,10 +1289,6 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
     return;
   }
   if (warp != 0) return;
-  if (T::WG && p.cb_order) {
-    subscriber_cb<T>(p, base, base + E + 1, q, epoch, g1);
-    return;
-  }
   // subscriber: poll the readiness counters, publish what became ready; fail after timeout_ns without progress
   int tail = g1, released = 0;
   const int need = n_tiles + n_ct;
@@ -1696,7 +1561,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg);
       it += KT;
       named_sync(2, NCONS);  // every consumer's stores issued before the fences + signals
-      signal_rows<T>(p, md, kind, mkidx::t_tile(task), nf, ct, NCONS);
+      signal_rows<T>(p, md, kind, mkidx::t_tile(task), ct, NCONS);
       mbar_arrive(tempty + 8 * s);  // (after its signal: it read row_id)
       if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
     }
@@ -1710,7 +1575,6 @@ __device__ void reset_ctl(const MkParams& p) {
   for (int i = tid; i < p.E; i += blockDim.x) p.counts[i * MK_COUNT_STRIDE] = 0;
   for (int i = tid; i < p.max_tiles; i += blockDim.x) p.g1done[i] = 0;
   for (int i = tid; i < p.max_ctiles; i += blockDim.x) p.comb[i] = 0;
-  if (tid < 4) p.ctl[MK_CTL_CB + tid] = 0;
   if (p.sk_cnt) {
     const int64_t n = p.sk_max_tiles * (2 * p.I / BN + p.H / BN);
     for (int64_t i = tid; i < n; i += blockDim.x) p.sk_cnt[i] = 0;
@@ -2113,7 +1977,6 @@ int check_params(const MkParams* p) {
   if (p->max_tiles >= (1 << 20) || p->max_ctiles > (1 << 16)) return fail_msg("mk: too many tiles");
   if (p->combine_tokens < 1) return fail_msg("mk: combine_tokens must be >= 1");
   if (p->timeout_ns <= 0) return fail_msg("mk: timeout must be > 0");
-  if (p->cb_order != 0 && p->cb_order != 1) return fail_msg("mk: cb_order must be 0 or 1");
   return 0;
 }
 
@@ -2266,13 +2129,6 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
   bool launched = false;
   cudaError_t e = cudaSuccess;
   if constexpr (T::WG) {
-    // cb_order: the scheduler CTA keeps the m-tile prefix and the ready list in its shared memory
-    const int64_t dyn = p->overlap ? smem_for_ov<T>((int)p->stages) : smem_for<T>((int)p->stages);
-    if (p->cb_order && (p->E + 1 + p->max_tiles) * 4 + T::ALIGN > dyn) {
-      snprintf(g_err, sizeof g_err, "mk: cb_order: %lld m-tiles do not fit the scheduler's shared memory (%lld bytes)",
-               (long long)p->max_tiles, (long long)dyn);
-      return 1;
-    }
     if (p->overlap) {
       e = launch_k(k_experts_ov<T>, dim3((unsigned)p->grid), T::THREADS, smem_for_ov<T>((int)p->stages), s,
                    p->pdl != 0, *p, tm1, tm2);

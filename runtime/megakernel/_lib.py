@@ -22,9 +22,9 @@ from pathlib import Path
 
 from .. import csrc_build as _cb
 
-ABI_VERSION = 14
+ABI_VERSION = 13
 COUNT_STRIDE = 32  # MK_COUNT_STRIDE: int32 words per expert counter in MkParams.counts
-CTL_WORDS = 64  # MK_CTL_WORDS: int32 words of MkParams.ctl
+CTL_WORDS = 8  # MK_CTL_WORDS: int32 words of MkParams.ctl
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
 CORES = {"mma": 0, "wgmma": 1}  # MK_CORE_*
 SK_PART_FLOATS = 16 * 128  # fp32 per split-K part and slot: the bm=16 tile's 16 accumulators x 128 threads
@@ -51,7 +51,6 @@ class MkParams(Structure):
         ("trace", c_void_p),  # ABI 11: null, or the task timeline's stamps (MK_TR_*)
         ("publish_all", c_int64),  # ABI 11: 1 = the mma-core tiles publish every task at launch
         ("pdl", c_int64),  # ABI 13: 1 = programmatic dependent launch of k_topk and the persistent kernel
-        ("cb_order", c_int64),  # ABI 14: 1 = the wgmma tiles publish GEMM2s by combine column block
     ]
 
 

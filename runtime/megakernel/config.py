@@ -109,14 +109,6 @@ class MegakernelConfig:
     # routing's own reads queued behind them (k_logits 4.5 -> 12.4 µs for 40 MB) and the layer got 2-8 µs slower
     # with 16-40 MB, so that was dropped.
     pdl: int = 1
-    # 1 (the wgmma tiles, whose GEMM2 and COMBINE tasks a subscriber publishes): GEMM2 tasks are published combine
-    # column block first (every ready m-tile's block-0 tasks before any block-1 task; kept only one grid of tasks
-    # ahead of the processors, so a tile that becomes ready later still goes first at the lower blocks), and a
-    # column block's COMBINE tasks as soon as every GEMM2 n-block feeding it is done: the combine of the first blocks
-    # runs while the last blocks' GEMM2s do, instead of as a tail after all of them (run 47: 16 µs at S=1024, 49 at
-    # 4096). A GEMM2 then signals with one fence and one count instead of a fence per counting thread. 0: GEMM2s
-    # tile-major as their m-tiles become ready, COMBINEs per token tile. Not yet measured: 0 until it is.
-    cb_order: int = 0
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -135,7 +127,6 @@ class MegakernelConfig:
         "route_small_max": (0, 1 << 20),
         "publish_all": (0, 1),
         "pdl": (0, 1),
-        "cb_order": (0, 1),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 

@@ -173,7 +173,6 @@ class MegakernelMoE:
             p.route_small_max = cfg.route_small_max  # S up to which top-k runs one block per token
             p.publish_all = cfg.publish_all  # 1: mma-core tiles publish every task at launch
             p.pdl = cfg.pdl  # 1: k_topk and the persistent kernel start while the kernel before them runs
-            p.cb_order = cfg.cb_order  # 1: wgmma tiles publish GEMM2s by combine column block
             self._params[(bm, stages)] = p
         return p
 

@@ -17,12 +17,6 @@ the release thresholds are unchanged and a launch has half as many GEMM tasks (`
 order of `all_tasks` (GEMM1s, then GEMM2s tile-major, then COMBINEs) and a processor that claims a GEMM2 or a
 COMBINE waits for its inputs itself (the kernel streams the GEMM2's first weight stages meanwhile). No
 deadlock: a task waits only for tasks in earlier slots, which resident CTAs claimed before it.
-
-`cb_order` (MkParams.cb_order, the wgmma tiles): the subscriber keeps ready m-tiles in a list and publishes their
-GEMM2 tasks by level (`Plan.g2_level`: the combine column block of a task's first column), lowest level first,
-only while fewer than `lookahead` published slots wait unclaimed; a GEMM2 counts each of its n-blocks in the column
-blocks it feeds (`Plan.cb_range`), and a column block's COMBINE tasks are published together once its count reaches
-n_tiles x `Plan.cb_nblocks`. The same helpers as mk_index.h (cb_first / cb_last / cb_nblocks / g2_level).
 """
 
 from __future__ import annotations
@@ -89,19 +83,6 @@ class Plan:
         return [Task(GEMM2, e, tile - self.tile_base[e], nf * w % self.n2, tile, nf * w // self.n2, self.ks2)
                 for nf in range(self.n2 // w * self.ks2)]
 
-
-    def cb_range(self, nb: int, hidden: int) -> range:
-        """Combine column blocks that GEMM2 n-block nb feeds (mk_index.h cb_first .. cb_last)."""
-        w = hidden // self.nc
-        return range(nb * BN // w, (nb * BN + BN - 1) // w + 1)
-
-    def cb_nblocks(self, c: int, hidden: int) -> int:
-        """n-blocks feeding column block c: its counter's target per m-tile."""
-        return sum(c in self.cb_range(nb, hidden) for nb in range(self.n2))
-
-    def g2_level(self, nf: int, hidden: int) -> int:
-        """Publishing level of GEMM2 task nf (first n-block nf * nblk): the column block of its first column."""
-        return self.cb_range(nf * self.nblk, hidden)[0]
 
     def all_tasks(self) -> list[Task]:
         """publish_all's queue: every GEMM1, then every m-tile's GEMM2s (tile-major), then the COMBINEs."""
@@ -173,13 +154,11 @@ class SimResult:
     error_where: int = -1
     published: int = 0
     steps: int = 0
-    queue: list[Task] = field(default_factory=list)  # cb_order: the queue in slot order
 
 
 def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: int, stall_tile: int = -1,
              timeout_steps: int = 50, seed: int = 0, max_steps: int = 1_000_000,
-             publish_all: bool = False, cb_order: bool = False, hidden: int = 0,
-             lookahead: int = 0) -> SimResult:
+             publish_all: bool = False) -> SimResult:
     """Run the scheduler and `processors` processor CTAs in lock-step rounds; tasks take 1..3 rounds.
 
     Each round: the subscriber sweeps the counters once and publishes what is ready; each idle processor
@@ -187,13 +166,7 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
     times (seeded) and bump their counters. Asserts the dependency rules on every task start.
     `publish_all`: every task is in the queue from the start; a processor holding a GEMM2 / COMBINE whose
     inputs are not done waits (counted against `timeout_steps`: ERR_INPUT_TIMEOUT), then runs it.
-    `cb_order` (needs `hidden`): the column-block subscriber above, `lookahead` published slots ahead of the claims
-    at most (the kernel's grid; 0: `processors`).
     """
-    if cb_order:
-        return _simulate_cb(p, processors=processors, bm=bm, topk=topk, combine_tokens=combine_tokens,
-                            stall_tile=stall_tile, timeout_steps=timeout_steps, seed=seed, max_steps=max_steps,
-                            hidden=hidden, lookahead=lookahead or processors)
     rng = random.Random(seed)
     res = SimResult()
     queue: list[Task] = p.all_tasks() if publish_all else p.gemm1_tasks()
@@ -301,110 +274,6 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
     return res
 
 
-def _simulate_cb(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: int, stall_tile: int,
-                 timeout_steps: int, seed: int, max_steps: int, hidden: int, lookahead: int) -> SimResult:
-    """`simulate` with cb_order's subscriber (subscriber_cb in mk_moe.cu), step by step as the kernel's warp does it:
-    ready list, levels, look-ahead budget, column-block counters."""
-    if hidden <= 0 or hidden // BN != p.n2:
-        raise ValueError(f"cb_order needs the layer's hidden size (n2 = {p.n2} n-blocks), got {hidden}")
-    rng = random.Random(seed)
-    res = SimResult()
-    queue: list[Task] = p.gemm1_tasks()
-    g2_per_tile = p.n2 // p.nblk * p.ks2
-    levels: list[list[int]] = [[] for _ in range(p.nc)]  # task indices nf of each level
-    for nf in range(g2_per_tile):
-        levels[p.g2_level(nf, hidden)].append(nf)
-    target = [p.n_tiles * p.cb_nblocks(c, hidden) for c in range(p.nc)]
-    g1done = [0] * p.n_tiles
-    cbcnt = [0] * p.nc
-    ready: list[int] = []
-    cur = [0] * p.nc
-    cb_rel = [False] * p.nc
-    done_g2: set[tuple[int, int]] = set()
-    head = 0
-    state: list[tuple | None] = [None] * processors
-    sched_since, seen = 0, -1
-    g2_pub = 0
-    step = 0
-
-    def sched_done() -> bool:
-        return len(ready) == p.n_tiles and g2_pub == p.n_tiles * g2_per_tile and all(cb_rel)
-
-    while step < max_steps:
-        step += 1
-        if not sched_done() and not res.error:
-            got = 0
-            # progress: a counter moved or a slot was claimed (a long run of COMBINEs moves no counter)
-            total_seen = sum(g1done[t] for t in range(p.n_tiles) if t not in ready) + sum(
-                cbcnt[c] for c in range(p.nc) if not cb_rel[c]) + head
-            for tile in range(p.n_tiles):  # 1. the ready list, in tile order within a sweep
-                if tile not in ready and tile != stall_tile and g1done[tile] == p.n1:
-                    ready.append(tile)
-                    got += 1
-            budget = lookahead - (len(queue) - head)  # 2. lowest level first, within the budget
-            for lv in range(p.nc):
-                per = len(levels[lv])
-                while per and budget > 0 and cur[lv] < len(ready):
-                    cnt = min(len(ready) - cur[lv], 32, -(-budget // per))
-                    for tile in ready[cur[lv]:cur[lv] + cnt]:
-                        e = p.tile_expert(tile)
-                        for nf in levels[lv]:
-                            nb = nf * p.nblk
-                            queue.append(Task(GEMM2, e, tile - p.tile_base[e], nb % p.n2, tile, nb // p.n2, p.ks2))
-                    cur[lv] += cnt
-                    g2_pub += cnt * per
-                    budget -= cnt * per
-                    got += cnt
-            for c in range(p.nc):  # 3. column blocks whose feeding n-blocks are all done
-                if not cb_rel[c] and cbcnt[c] == target[c]:
-                    cb_rel[c] = True
-                    queue += [Task(COMBINE, 0, ct, c, 0) for ct in range(p.n_ctiles)]
-                    got += 1
-            if got or total_seen != seen:
-                sched_since, seen = step, total_seen
-            elif step - sched_since > timeout_steps:
-                res.error, res.error_where = ERR_SCHED_TIMEOUT, len(ready) + sum(cb_rel)
-        busy = False
-        for i in range(processors):
-            st = state[i]
-            if st is None:
-                st = state[i] = ("wait", head, step)
-                head += 1
-            if st[0] == "wait":
-                slot = st[1]
-                if slot < len(queue):
-                    t = queue[slot]
-                    _check_ready(p, t, g1done, done_g2, topk, bm, combine_tokens, hidden)
-                    state[i] = ("run", t, step + rng.randint(1, 3))
-                    busy = True
-                elif slot >= p.total or res.error:
-                    state[i] = ("exit",)
-                elif step - st[2] > timeout_steps:
-                    res.error, res.error_where = res.error or ERR_PROC_TIMEOUT, slot
-                    state[i] = ("exit",)
-                else:
-                    busy = True
-            elif st[0] == "run":
-                busy = True
-                if step >= st[2]:
-                    t = st[1]
-                    res.executed.append(t)
-                    state[i] = None
-                    if t.kind == GEMM1:
-                        g1done[t.tile] += p.nblk
-                    elif t.kind == GEMM2:
-                        for q in range(p.nblk):
-                            done_g2.add((t.tile, t.nblock + q))
-                            for c in p.cb_range(t.nblock + q, hidden):
-                                cbcnt[c] += 1
-        if not busy and (sched_done() or res.error):
-            break
-    res.published = len(queue)
-    res.queue = queue
-    res.steps = step
-    return res
-
-
 def _inputs_done(p: Plan, t: Task, g1done: list[int], comb: list[int], stall_tile: int) -> bool:
     """publish_all: the counter a processor waits on for task t (the kernel's wait_inputs)."""
     if t.kind == GEMM2:
@@ -419,9 +288,7 @@ def _tile_rows(p: Plan, t: Task, bm: int) -> tuple[int, ...]:
 
 
 def _check_ready(p: Plan, t: Task, g1done: list[int], done_g2: set[tuple[int, int]], topk: int, bm: int,
-                 ct: int, hidden: int = 0) -> None:
-    """Assert task t's inputs are done. A COMBINE (token tile, column block) needs every GEMM2 n-block of its tokens'
-    rows; with `hidden` given, only the n-blocks feeding its column block (cb_order), else all of them."""
+                 ct: int) -> None:
     if t.kind == GEMM2:
         assert g1done[t.tile] == p.n1, f"GEMM2 of tile {t.tile} started with {g1done[t.tile]}/{p.n1} GEMM1 done"
     elif t.kind == COMBINE:
@@ -431,6 +298,4 @@ def _check_ready(p: Plan, t: Task, g1done: list[int], done_g2: set[tuple[int, in
             rows = p.rows[e][(tile - p.tile_base[e]) * bm : (tile - p.tile_base[e] + 1) * bm]
             if any(r // topk in toks for r in rows):
                 for nb in range(p.n2):
-                    if hidden and t.nblock not in p.cb_range(nb, hidden):
-                        continue
                     assert (tile, nb) in done_g2, f"combine {t.mtile} started before GEMM2 ({tile}, {nb})"

@@ -418,23 +418,6 @@ int main() {
       CHECK(groups.size() == 32, "copy-out bank groups k=%u", k);  // each row's 8 units in distinct bank groups
     }
   }
-  // combine column blocks (cb_order): an n-block feeds exactly the blocks its columns fall in, each block's target
-  // counts exactly the n-blocks with a column in it, and levels never decrease with the task index
-  for (int H : {384, 512, 640, 2048, 4096, 7168}) {
-    const int NC = (H / 8) % 4 == 0 ? 4 : 1, wcb = H / NC;
-    std::vector<int> feeds(NC, 0);
-    for (int nb = 0; nb < H / 128; ++nb) {
-      std::set<int> blocks;
-      for (int col = nb * 128; col < nb * 128 + 128; ++col) blocks.insert(col / wcb);
-      CHECK(*blocks.begin() == cb_first(nb, H, NC) && *blocks.rbegin() == cb_last(nb, H, NC) &&
-                (int)blocks.size() == cb_last(nb, H, NC) - cb_first(nb, H, NC) + 1, "cb range H=%d nb=%d", H, nb);
-      for (int c : blocks) ++feeds[c];
-    }
-    for (int c = 0; c < NC; ++c) CHECK(cb_nblocks(c, H, NC) == feeds[c], "cb_nblocks H=%d c=%d", H, c);
-    for (int W : {1, 2})
-      for (int nf = 1; nf < H / 128 / W; ++nf)
-        CHECK(g2_level(nf - 1, W, H, NC) <= g2_level(nf, W, H, NC), "level order H=%d W=%d nf=%d", H, W, nf);
-  }
   printf("ok %ld\n", n_checks);
   return 0;
 }
