@@ -73,6 +73,7 @@ struct Tile {
 };
 using Small = Tile<16, 1, 4, 1>;   // decode: 16 rows x 128, 4 warps of 16 x 32
 using Large = Tile<64, 2, 2, 1>;   // 64 rows x 128, 4 warps of 32 x 64
+using Mid = Tile<32, 1, 4, 1>;     // the gate GEMM only: 32 rows x 128, 4 warps of 32 x 32 (MK_ROUTE_MID_TILE_S)
 using SmallTma = Tile<16, 1, 4, 1, true>;  // decode with B by TMA (opt-in: MkParams.tma_b)
 using Huge = Tile<128, 2, 4, 2>;  // prefill: 128 rows x 128, 8 warps of 64 x 32 (twice Large's FLOP per L2 byte);
                                   // 2 CTAs/SM need <= 128 registers (run 4: 1 CTA/SM was 1.6x slower)
@@ -1648,6 +1649,9 @@ __global__ void __launch_bounds__(T::THREADS) k_logits(const MkParams p) {
 // (builds side by side, two rounds, routing / layer graph µs): 64 vs 256 at S=96 16.0-16.1 / 314.1-314.4 vs
 // 14.0-14.1 / 312.8-313.0, S=128 16.0-16.1 / 318.1-318.8 vs 14.0-14.3 / 316.0, S=192 16.5 / 324.1-324.7 vs
 // 14.7-14.8 / 321.1-322.5, S=256 16.5 / 326.7-326.8 vs 15.1-15.3 / 324.9. Not measured above 256.
+#ifndef MK_ROUTE_MID_TILE_S
+#define MK_ROUTE_MID_TILE_S 0  // S up to which the gate GEMM runs 32-row tiles above the 16-row ones (0: none)
+#endif
 #ifndef MK_ROUTE_SMALL_TILE_S
 #define MK_ROUTE_SMALL_TILE_S 256
 #endif
@@ -1916,6 +1920,15 @@ cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kerne
   return e;
 }
 
+template <class T>
+cudaError_t prepare_route() {  // the gate GEMM's limit (k_logits<T> at up to 4 stages: launch_route's cap)
+  static bool done = false;
+  if (done) return cudaSuccess;
+  const cudaError_t e = cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_for<T>(4));
+  done = e == cudaSuccess;
+  return e;
+}
+
 // The wgmma core serves bm = 64 / 128 when asked for; bm = 16 always runs the mma core.
 bool use_wgmma(int64_t bm, int64_t core) { return core == MK_CORE_WGMMA && bm >= 64; }
 // B by TMA (tma_b = 1) exists for the wgmma tiles and the bm = 16 mma tile; bm = 64 / 128 on the mma core
@@ -2082,7 +2095,7 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
   MkParams q = *pp;
   q.stages = pp->stages < 4 ? pp->stages : 4;  // the gate GEMM's own depth: 0.5 MB of weights, no deep pipeline
   const MkParams* p = &q;
-  cudaError_t e = prepare<T>();
+  cudaError_t e = prepare_route<T>();
   if (e != cudaSuccess) return fail("cudaFuncSetAttribute", e);
   dim3 grid((unsigned)((p->S + T::BM - 1) / T::BM), (unsigned)((p->E + BN - 1) / BN));
   if (grid.x == 0) grid.x = 1;  // S = 0 still resets the counters
@@ -2164,9 +2177,11 @@ int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t 
 
 int mk_route(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
-  // the gate GEMM needs no big tiles: 16-row tiles up to MK_ROUTE_SMALL_TILE_S tokens, 64 otherwise
-  return p->S <= MK_ROUTE_SMALL_TILE_S ? launch_route<Small>(p, (cudaStream_t)stream)
-                                       : launch_route<Large>(p, (cudaStream_t)stream);
+  // the gate GEMM needs no big tiles: 16-row tiles up to MK_ROUTE_SMALL_TILE_S tokens, 32-row up to
+  // MK_ROUTE_MID_TILE_S, 64 otherwise
+  if (p->S <= MK_ROUTE_SMALL_TILE_S) return launch_route<Small>(p, (cudaStream_t)stream);
+  if (p->S <= MK_ROUTE_MID_TILE_S) return launch_route<Mid>(p, (cudaStream_t)stream);
+  return launch_route<Large>(p, (cudaStream_t)stream);
 }
 
 int mk_route_given(const MkParams* p, void* stream) {
