@@ -73,7 +73,6 @@ struct Tile {
 };
 using Small = Tile<16, 1, 4, 1>;   // decode: 16 rows x 128, 4 warps of 16 x 32
 using Large = Tile<64, 2, 2, 1>;   // 64 rows x 128, 4 warps of 32 x 64
-using Mid = Tile<32, 1, 4, 1>;     // the gate GEMM only: 32 rows x 128, 4 warps of 32 x 32 (MK_ROUTE_MID_TILE_S)
 using SmallTma = Tile<16, 1, 4, 1, true>;  // decode with B by TMA (opt-in: MkParams.tma_b)
 using Huge = Tile<128, 2, 4, 2>;  // prefill: 128 rows x 128, 8 warps of 64 x 32 (twice Large's FLOP per L2 byte);
                                   // 2 CTAs/SM need <= 128 registers (run 4: 1 CTA/SM was 1.6x slower)
@@ -1648,12 +1647,12 @@ __global__ void __launch_bounds__(T::THREADS) k_logits(const MkParams p) {
 // S up to which the gate GEMM runs 16-row tiles (more CTAs for the same H splits), 64-row tiles above. Run 52
 // (builds side by side, two rounds, routing / layer graph µs): 64 vs 256 at S=96 16.0-16.1 / 314.1-314.4 vs
 // 14.0-14.1 / 312.8-313.0, S=128 16.0-16.1 / 318.1-318.8 vs 14.0-14.3 / 316.0, S=192 16.5 / 324.1-324.7 vs
-// 14.7-14.8 / 321.1-322.5, S=256 16.5 / 326.7-326.8 vs 15.1-15.3 / 324.9. Not measured above 256.
-#ifndef MK_ROUTE_MID_TILE_S
-#define MK_ROUTE_MID_TILE_S 0  // S up to which the gate GEMM runs 32-row tiles above the 16-row ones (0: none)
-#endif
+// 14.7-14.8 / 321.1-322.5, S=256 16.5 / 326.7-326.8 vs 15.1-15.3 / 324.9. Run 55 (the same, 256 vs 4096, split cap
+// 16): S=512 18.1 / 336.0, 336.0 vs 16.5 / 332.7, 333.8; S=1024 23.8 / 360.5, 361.7 vs 21.0 / 356.6, 357.0; but
+// S=2048 29.1 / 470.1, 473.4 vs 32.9 / 475.3, 478.6 and S=4096 39.6 vs 61.6 (routing). A 32-row tile up to 4096
+// (run 55) was no better than these two: S=1024 20.5 / 357.4, 356.8; S=2048 27.1 / 475.0, 468.5; S=4096 43.8.
 #ifndef MK_ROUTE_SMALL_TILE_S
-#define MK_ROUTE_SMALL_TILE_S 256
+#define MK_ROUTE_SMALL_TILE_S 1024
 #endif
 constexpr int MAXK = 16;
 constexpr int MAX_SPLITS = 16;     // logit planes k_topk adds (layer.py caps logit_splits at 16)
@@ -2177,11 +2176,9 @@ int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t 
 
 int mk_route(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
-  // the gate GEMM needs no big tiles: 16-row tiles up to MK_ROUTE_SMALL_TILE_S tokens, 32-row up to
-  // MK_ROUTE_MID_TILE_S, 64 otherwise
-  if (p->S <= MK_ROUTE_SMALL_TILE_S) return launch_route<Small>(p, (cudaStream_t)stream);
-  if (p->S <= MK_ROUTE_MID_TILE_S) return launch_route<Mid>(p, (cudaStream_t)stream);
-  return launch_route<Large>(p, (cudaStream_t)stream);
+  // the gate GEMM needs no big tiles: 16-row tiles up to MK_ROUTE_SMALL_TILE_S tokens, 64 otherwise
+  return p->S <= MK_ROUTE_SMALL_TILE_S ? launch_route<Small>(p, (cudaStream_t)stream)
+                                       : launch_route<Large>(p, (cudaStream_t)stream);
 }
 
 int mk_route_given(const MkParams* p, void* stream) {
