@@ -1454,9 +1454,6 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   }
 }
 
-#ifndef MK_OV_PRODUCER_COMBINE
-#define MK_OV_PRODUCER_COMBINE 1
-#endif
 // The overlap kernel (MkParams.overlap = 1, wgmma tiles): see "cross-task overlap" above for the protocol.
 template <class T>
 __global__ void __launch_bounds__(T::THREADS, T::MINB)
@@ -1474,10 +1471,6 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   const int stages = (int)p.stages;
   const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
   constexpr int NCONS = 128 * T::CONSUMERS;  // consumer threads (named barrier 2)
-  // threads that share a COMBINE task's items: the consumers, and with MK_OV_PRODUCER_COMBINE the producer warpgroup
-  // too (a combine task is a round trip of y loads per item a thread holds, and at the end of the layer the producer
-  // has no stages to load): items ct, ct + stride, .. on consumer ct; NCONS + t, .. on producer thread t
-  constexpr int OV_COMBINE_THREADS = MK_OV_PRODUCER_COMBINE ? NCONS + 128 : NCONS;
   OvSlot<T>* slots = (OvSlot<T>*)(smem + T::STAGE * stages);
   const uint32_t b0 = (su32(slots + 2) + 7u) & ~7u;
   const WgBars<T> bars = {b0, b0 + 8u * 16u};
@@ -1539,8 +1532,6 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
         const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
         wg_produce<T>(p, md, bars, s0, kind, e, nb, KT, it, t, &tm1, &tm2);  // returns with every stage published
         it += KT;
-      } else if (OV_COMBINE_THREADS > NCONS) {
-        run_combine_part(p, mt, nb, NCONS + t, OV_COMBINE_THREADS);  // its share of the items, then the next claim
       }
     }
   } else {
@@ -1560,7 +1551,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       const int qi = sl.qi;
       if (kind == MK_TASK_COMBINE) {
         mbar_arrive(tempty + 8 * s);  // the word was all it needed from the slot
-        run_combine_part(p, mt, nf, ct, OV_COMBINE_THREADS);
+        run_combine_part(p, mt, nf, ct, NCONS);
         if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
         continue;
       }
