@@ -166,13 +166,28 @@ __device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 // One box of a 2-D tensor map (inner coordinate x = k element, outer y = weight row) into shared memory at
-// dst; its bytes count down the transaction count of the mbarrier `bar`.
+// dst; its bytes count down the transaction count of the mbarrier `bar`. Only weight tiles come this way.
+// MK_W_L2_HINT = 1: with the L2 evict-first policy (most weights are read once a layer; the activations x, h, y and
+// the gate stay in the L2 longer).
+#ifndef MK_W_L2_HINT
+#define MK_W_L2_HINT 0
+#endif
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
+#if MK_W_L2_HINT
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3}], "
+      "[%4], %5;\n" ::"r"(dst),
+      "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar), "l"(pol)
+      : "memory");
+#else
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
           dst),
       "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar)
       : "memory");
+#endif
 }
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
