@@ -1469,6 +1469,9 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   }
 }
 
+#ifndef MK_SIG_LAST_WG
+#define MK_SIG_LAST_WG 0
+#endif
 // The overlap kernel (MkParams.overlap = 1, wgmma tiles): see "cross-task overlap" above for the protocol.
 template <class T>
 __global__ void __launch_bounds__(T::THREADS, T::MINB)
@@ -1486,6 +1489,10 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   const int stages = (int)p.stages;
   const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
   constexpr int NCONS = 128 * T::CONSUMERS;  // consumer threads (named barrier 2)
+  // MK_SIG_LAST_WG: the readiness signal's fences and counts (thread 0 of the pass for GEMM1, one row each for GEMM2)
+  // fall to the last consumer warpgroup instead of the first. Rows fill a tile in order, so the first warpgroup always
+  // has rows to compute in the next task while the last one often holds only padding and just passes the stages on.
+  const int SIG_FIRST = MK_SIG_LAST_WG && T::CONSUMERS > 1 ? (tid - 128 + 128) % NCONS : tid - 128;
   OvSlot<T>* slots = (OvSlot<T>*)(smem + T::STAGE * stages);
   const uint32_t b0 = (su32(slots + 2) + 7u) & ~7u;
   const WgBars<T> bars = {b0, b0 + 8u * 16u};
@@ -1576,7 +1583,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg);
       it += KT;
       named_sync(2, NCONS);  // every consumer's stores issued before the fences + signals
-      signal_rows<T>(p, md, kind, mkidx::t_tile(task), ct, NCONS);
+      signal_rows<T>(p, md, kind, mkidx::t_tile(task), SIG_FIRST, NCONS);
       mbar_arrive(tempty + 8 * s);  // (after its signal: it read row_id)
       if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
     }
