@@ -888,7 +888,7 @@ def test_pdl_setting_and_source() -> None:
     with pytest.raises(ConfigError, match="pdl"):
         MegakernelConfig.parse("pdl=2")
     names = [f[0] for f in _lib.MkParams._fields_]
-    assert names[-1] == "pdl" and _lib.ABI_VERSION >= 13
+    assert names[names.index("publish_all") + 1] == "pdl" and _lib.ABI_VERSION >= 13
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
     # both persistent kernels wait before the launch epoch, the first routing result they read
     for name in ("k_experts(const MkParams p", "k_experts_ov(const MkParams p"):
@@ -907,3 +907,25 @@ def test_pdl_setting_and_source() -> None:
     # k_logits keeps plain stream order (it follows the previous layer's kernels); the others launch under pdl
     assert "k_logits<T><<<" in src
     assert src.count("p->pdl != 0") == 4  # k_topk_small, k_topk, both persistent kernels
+
+
+def test_l2_evict_weights_setting_rule_and_source() -> None:
+    """l2_evict_weights (ABI 14: MkParams.l2_evict_w): validated; auto = evict-first while the launch's average rows per
+    expert fit one m-tile; the kernel passes the flag to every TMA weight load and rejects other values."""
+    from moetune.runtime.megakernel import _lib
+
+    auto = MegakernelConfig()
+    assert auto.l2_evict_weights == 2
+    # Qwen3-30B (E=128, top-8): decode tile S=128 -> 8 rows per expert (bm 16): on; the wide tile at S=1024 -> 64
+    # rows per expert (bm 128): on; S=4096 -> 256: off
+    assert [auto.evict_weights(bm, s, 8, 128) for bm, s in ((16, 1), (16, 128), (128, 1024), (128, 2048),
+                                                             (128, 4096))] == [1, 1, 1, 1, 0]
+    assert MegakernelConfig.parse("l2_evict_weights=0").evict_weights(16, 1, 8, 128) == 0
+    assert MegakernelConfig.parse("l2_evict_weights=1").evict_weights(128, 4096, 8, 128) == 1
+    with pytest.raises(ConfigError, match="l2_evict_weights"):
+        MegakernelConfig.parse("l2_evict_weights=3")
+    names = [f[0] for f in _lib.MkParams._fields_]
+    assert names[-1] == "l2_evict_w" and _lib.ABI_VERSION >= 14
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    assert src.count("tma_load_2d(") == src.count("p.l2_evict_w != 0);") + 1  # every call site, plus the definition
+    assert 'if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");' in src

@@ -500,3 +500,20 @@ def test_pdl_same_bits(new_layers, model, cfg, s):
     a.check()
     assert torch.equal(ga.view(torch.int16), gb.view(torch.int16))
     _graph_replays(a, model, s, 30)
+
+
+@pytest.mark.parametrize("s", [1, 16, 128, 1000, 4096])
+def test_l2_evict_weights_same_bits(new_layers, model, s):
+    """The weight tiles' L2 policy changes what stays cached, not what is computed: evict-first at every S and the
+    default policy give the same output bits, eagerly and from a CUDA graph."""
+    a, b = new_layers("l2_evict_weights=1"), new_layers("l2_evict_weights=0")
+    x = _x(s, model.hidden, seed=2700 + s)
+    ya = a.forward(x, out=_poisoned(s, model.hidden)).clone()
+    yb = b.forward(x, out=_poisoned(s, model.hidden)).clone()
+    torch.cuda.synchronize()
+    a.check()
+    b.check()
+    idx, w = a.routing(s)
+    _check(a, model, x, ya, idx.clone(), w.clone())
+    assert torch.equal(ya.view(torch.int16), yb.view(torch.int16))
+    _graph_replays(a, model, s, 30)

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 13
+#define MK_ABI_VERSION 14
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -123,6 +123,9 @@ typedef struct MkParams {
   int64_t pdl;  // 1: programmatic dependent launch: k_topk and the persistent kernel are launched while the kernel
                 // before them still runs (griddepcontrol) and wait for it before reading anything it writes; 0: plain
                 // stream order
+  // ABI 14
+  int64_t l2_evict_w;  // 1: the TMA weight tiles load with the L2 evict-first policy (the layer sets it for launches that
+                       // read each expert's weights about once); 0: the default policy
 } MkParams;
 
 int mk_abi_version(void);

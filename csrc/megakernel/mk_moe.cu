@@ -167,27 +167,25 @@ __device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
 }
 // One box of a 2-D tensor map (inner coordinate x = k element, outer y = weight row) into shared memory at
 // dst; its bytes count down the transaction count of the mbarrier `bar`. Only weight tiles come this way.
-// MK_W_L2_HINT = 1: with the L2 evict-first policy (most weights are read once a layer; the activations x, h, y and
-// the gate stay in the L2 longer).
-#ifndef MK_W_L2_HINT
-#define MK_W_L2_HINT 0
-#endif
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
-#if MK_W_L2_HINT
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3}], "
-      "[%4], %5;\n" ::"r"(dst),
-      "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar), "l"(pol)
-      : "memory");
-#else
+// evict_first (MkParams.l2_evict_w): with the L2 evict-first policy, for launches that read each expert's weights
+// about once; the activations (x, h, y) and the gate then stay in the L2 longer.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar,
+                                            bool evict_first) {
+  if (evict_first) {
+    uint64_t pol;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
+        "%3}], [%4], %5;\n" ::"r"(dst),
+        "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar), "l"(pol)
+        : "memory");
+    return;
+  }
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
           dst),
       "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar)
       : "memory");
-#endif
 }
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
@@ -393,8 +391,8 @@ __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], con
       const uint32_t slot = (it + kt) % stages, bar = bars + 8 * slot;
       const uint32_t sB = su32(smem + slot * T::STAGE + T::A_BYTES);
       mbar_arrive_tx(bar, T::B_BYTES);
-      tma_load_2d(sB, bmap, kb + kt * BK, brow, bar);
-      tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kb + kt * BK, brow2, bar);
+      tma_load_2d(sB, bmap, kb + kt * BK, brow, bar, p.l2_evict_w != 0);
+      tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kb + kt * BK, brow2, bar, p.l2_evict_w != 0);
     }
   };
   if (dep) {  // publish_all: the first stages' weights need no inputs, so they stream while the task waits for them
@@ -964,10 +962,10 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
 #pragma unroll
           for (int b = 0; b < 4; ++b)
             tma_load_2d(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK,
-                        (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full);
+                        (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full, p.l2_evict_w != 0);
         } else {
-          tma_load_2d(sB, bmap, kt * BK, brow, full);
-          tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full);
+          tma_load_2d(sB, bmap, kt * BK, brow, full, p.l2_evict_w != 0);
+          tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full, p.l2_evict_w != 0);
         }
       }
     }
@@ -1469,9 +1467,6 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   }
 }
 
-#ifndef MK_SIG_LAST_WG
-#define MK_SIG_LAST_WG 0
-#endif
 // The overlap kernel (MkParams.overlap = 1, wgmma tiles): see "cross-task overlap" above for the protocol.
 template <class T>
 __global__ void __launch_bounds__(T::THREADS, T::MINB)
@@ -1489,10 +1484,6 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   const int stages = (int)p.stages;
   const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
   constexpr int NCONS = 128 * T::CONSUMERS;  // consumer threads (named barrier 2)
-  // MK_SIG_LAST_WG: the readiness signal's fences and counts (thread 0 of the pass for GEMM1, one row each for GEMM2)
-  // fall to the last consumer warpgroup instead of the first. Rows fill a tile in order, so the first warpgroup always
-  // has rows to compute in the next task while the last one often holds only padding and just passes the stages on.
-  const int SIG_FIRST = MK_SIG_LAST_WG && T::CONSUMERS > 1 ? (tid - 128 + 128) % NCONS : tid - 128;
   OvSlot<T>* slots = (OvSlot<T>*)(smem + T::STAGE * stages);
   const uint32_t b0 = (su32(slots + 2) + 7u) & ~7u;
   const WgBars<T> bars = {b0, b0 + 8u * 16u};
@@ -1583,7 +1574,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg);
       it += KT;
       named_sync(2, NCONS);  // every consumer's stores issued before the fences + signals
-      signal_rows<T>(p, md, kind, mkidx::t_tile(task), SIG_FIRST, NCONS);
+      signal_rows<T>(p, md, kind, mkidx::t_tile(task), ct, NCONS);
       mbar_arrive(tempty + 8 * s);  // (after its signal: it read row_id)
       if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
     }
@@ -2011,6 +2002,7 @@ int check_params(const MkParams* p) {
   if (p->max_tiles >= (1 << 20) || p->max_ctiles > (1 << 16)) return fail_msg("mk: too many tiles");
   if (p->combine_tokens < 1) return fail_msg("mk: combine_tokens must be >= 1");
   if (p->timeout_ns <= 0) return fail_msg("mk: timeout must be > 0");
+  if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");
   return 0;
 }
 

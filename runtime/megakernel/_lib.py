@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import csrc_build as _cb
 
-ABI_VERSION = 13
+ABI_VERSION = 14
 COUNT_STRIDE = 32  # MK_COUNT_STRIDE: int32 words per expert counter in MkParams.counts
 CTL_WORDS = 8  # MK_CTL_WORDS: int32 words of MkParams.ctl
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
@@ -51,6 +51,7 @@ class MkParams(Structure):
         ("trace", c_void_p),  # ABI 11: null, or the task timeline's stamps (MK_TR_*)
         ("publish_all", c_int64),  # ABI 11: 1 = the mma-core tiles publish every task at launch
         ("pdl", c_int64),  # ABI 13: 1 = programmatic dependent launch of k_topk and the persistent kernel
+        ("l2_evict_w", c_int64),  # ABI 14: 1 = TMA weight tiles with the L2 evict-first policy
     ]
 
 

@@ -11,7 +11,8 @@ and `to_dict` remain for benchmarks and tests; every error names the field. 0 in
 Settings that are not knobs: `tma` (TMA loads of the weight tiles: 2-3.5% everywhere in run 11, under the 5% that
 makes a knob), `route_small_max` (where routing switches top-k kernels: since run 30 the one-warp-per-token kernel
 wins at every measured S, so the default is 0; the block-per-token kernel stays selectable for shapes not measured)
-and `publish_all` (up to 7% at S=1, but 0 was never faster at any S in runs 15-19: nothing for a search to find).
+and `publish_all` (up to 7% at S=1, but 0 was never faster at any S in runs 15-19: nothing for a search to find);
+`l2_evict_weights` follows a rule from the launch's rows per expert (run 58), nothing to search either.
 """
 
 from __future__ import annotations
@@ -109,6 +110,13 @@ class MegakernelConfig:
     # routing's own reads queued behind them (k_logits 4.5 -> 12.4 µs for 40 MB) and the layer got 2-8 µs slower
     # with 16-40 MB, so that was dropped.
     pdl: int = 1
+    # L2 policy of the weight tiles (TMA loads): 1 evict-first, 0 the default policy, 2 (auto) evict-first for launches
+    # whose average rows per expert fit one m-tile (tokens x topk <= experts x bm: each expert's weights are read about
+    # once, and evict-first keeps x, h, y and the gate in the L2 instead). Run 58 (always-on build vs off, each in its
+    # own process, two rounds, graph µs): S=16 212.9 / 213.4 vs 217.0 / 216.4; S=128 313.4 / 313.7 vs 321.3 / 320.7
+    # (experts kernel 300.5 vs 310.9, the plain read 297.9); S=1024 354.7 / 355.5 vs 357.4 / 357.1; but S=4096
+    # (four m-tiles per expert share their weights through the L2) experts kernel 732.5 vs 692.5-692.7.
+    l2_evict_weights: int = 2
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -127,6 +135,7 @@ class MegakernelConfig:
         "route_small_max": (0, 1 << 20),
         "publish_all": (0, 1),
         "pdl": (0, 1),
+        "l2_evict_weights": (0, 2),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 
@@ -236,6 +245,12 @@ class MegakernelConfig:
         if rows >= self.bm_large_rows * experts:
             return 128 if self.core == "mma" else 64  # run 10, S=4096: wgmma bm=64 1754 us, bm=128 2233
         return 64 if rows >= self.bm_switch_rows * experts else 16
+
+    def evict_weights(self, bm: int, tokens: int, topk: int, experts: int) -> int:
+        """MkParams.l2_evict_w for a launch of `tokens` with m-tile `bm` (see `l2_evict_weights`)."""
+        if self.l2_evict_weights != 2:
+            return self.l2_evict_weights
+        return 1 if tokens * topk <= experts * bm else 0
 
     def pick_bn(self, bm: int) -> int:
         """Columns per GEMM task for a launch with m-tile `bm`: `bn` where the wide tile exists (wgmma, bm=128),

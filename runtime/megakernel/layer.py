@@ -207,8 +207,10 @@ class MegakernelMoE:
             out = torch.empty(s, self.model.hidden, dtype=torch.bfloat16, device=self.device)
         if s == 0:
             return out
-        p = self._template(self.config.pick_bm(s, self.model.topk, self.model.experts), s)
+        bm = self.config.pick_bm(s, self.model.topk, self.model.experts)
+        p = self._template(bm, s)
         p.x, p.out, p.S, p.stall_tile = x.data_ptr(), out.data_ptr(), s, self.stall_tile
+        p.l2_evict_w = self.config.evict_weights(bm, s, self.model.topk, self.model.experts)
         p.trace = self._trace.data_ptr() if self._trace is not None else None
         stream = torch.cuda.current_stream(self.device).cuda_stream
         ref = ctypes.byref(p)
