@@ -1233,7 +1233,8 @@ __device__ __forceinline__ uint64_t claim_local(const MkParams& p, const int* ba
 // all at once, a function of the routing counts alone) get their word computed here from the m-tile prefix, as
 // claim_local does for the mma-core tiles, instead of waiting for the scheduler to count, publish, fence and flag
 // them (run 47's timeline: the first GEMM1 published 4.4 us after the scheduler started at S=1024, 6.1 at 4096).
-// Later slots (GEMM2 / COMBINE, published as they become ready) are waited for as before.
+// Later slots (GEMM2 / COMBINE, published as they become ready) are waited for as before. Run 54 (builds side by
+// side, two rounds, graph us): S=1024 365.1 / 364.5 against 368.4 / 367.6 with -DMK_WG_LOCAL_G1=0.
 #ifndef MK_WG_LOCAL_G1
 #define MK_WG_LOCAL_G1 1
 #endif
