@@ -477,6 +477,17 @@ def test_decode_stages_fit_one_wave(new_layers, model):
         _check(m, model, x, out, idx, w)
 
 
+def _forward_pair(a, b, x):
+    """One eager forward of layers a and b on the same x (outputs poisoned first), both checked for kernel errors."""
+    s, hidden = x.shape
+    ya = a.forward(x, out=_poisoned(s, hidden)).clone()
+    yb = b.forward(x, out=_poisoned(s, hidden)).clone()
+    torch.cuda.synchronize()
+    a.check()
+    b.check()
+    return ya, yb
+
+
 @pytest.mark.parametrize("cfg", ["pdl=1", "pdl=1,route_small_max=256", "pdl=1,overlap=0", "pdl=1,core=mma,bm=64",
                                  "pdl=1,bm=128,bn=256"])
 @pytest.mark.parametrize("s", [1, 16, 128, 1000, 4096])
@@ -486,11 +497,7 @@ def test_pdl_same_bits(new_layers, model, cfg, s):
     persistent kernel) too."""
     a, b = new_layers(cfg), new_layers(cfg.replace("pdl=1", "pdl=0"))
     x = _x(s, model.hidden, seed=2300 + s)
-    ya = a.forward(x, out=_poisoned(s, model.hidden)).clone()
-    yb = b.forward(x, out=_poisoned(s, model.hidden)).clone()
-    torch.cuda.synchronize()
-    a.check()
-    b.check()
+    ya, yb = _forward_pair(a, b, x)
     assert torch.equal(a.routing(s)[0], b.routing(s)[0])
     assert torch.equal(ya.view(torch.int16), yb.view(torch.int16))
     idx, w = _routing(s, model.experts, model.topk, "zipf", seed=s)
@@ -508,11 +515,7 @@ def test_l2_evict_weights_same_bits(new_layers, model, s):
     default policy give the same output bits, eagerly and from a CUDA graph."""
     a, b = new_layers("l2_evict_weights=1"), new_layers("l2_evict_weights=0")
     x = _x(s, model.hidden, seed=2700 + s)
-    ya = a.forward(x, out=_poisoned(s, model.hidden)).clone()
-    yb = b.forward(x, out=_poisoned(s, model.hidden)).clone()
-    torch.cuda.synchronize()
-    a.check()
-    b.check()
+    ya, yb = _forward_pair(a, b, x)
     idx, w = a.routing(s)
     _check(a, model, x, ya, idx.clone(), w.clone())
     assert torch.equal(ya.view(torch.int16), yb.view(torch.int16))
