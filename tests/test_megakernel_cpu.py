@@ -809,7 +809,9 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     # claim_wg: GEMM1 slots computed as the scheduler writes them (queue_word), every later slot waited for
     cw = src[src.index("uint64_t claim_wg("):]
     cw = cw[:cw.index("\n}\n")]
-    assert cw.index("if (i >= g1_local) return wait_slot(p, epoch, i, slot);") < cw.index("mkidx::queue_word(i, base")
+    assert cw.index("if (i >= g1_local) return wait_slot(p, epoch, i, slot);") < cw.index("local_word<T>(p, base, q, i)")
+    lw = src[src.index("uint64_t local_word("):]
+    assert "mkidx::queue_word(i, base" in lw[:lw.index("\n}\n")]
     assert "if (qs.fits) g1_local = qs.n_tiles * qs.G1;" in kern
     order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work",
              "MK_TASK_COMBINE", "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T>(", "named_sync(2, NCONS)",

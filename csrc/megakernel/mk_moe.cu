@@ -1215,11 +1215,9 @@ __device__ QueueShape queue_shape(const MkParams& p, const int* base) {
 // next slot (atomicAdd, as claim_task) and computes its word itself (mk_index.h: queue_word, the word the
 // scheduler also writes) instead of waiting for the scheduler to count, publish, fence and flag it: that handoff
 // took ~6 us at the start of every launch (run 20 timeline). 0: past the total, the queue does not fit, or aborted.
+// local_word: the word of claimed slot i computed from the m-tile prefix (no publish), with its timeline stamps.
 template <class T>
-__device__ __forceinline__ uint64_t claim_local(const MkParams& p, const int* base, const QueueShape& q, int* slot) {
-  const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
-  *slot = i;
-  if (!q.fits || i >= q.total || *(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return 0;
+__device__ __forceinline__ uint64_t local_word(const MkParams& p, const int* base, const QueueShape& q, int i) {
   if (p.trace) {
     const int64_t now = (int64_t)gtime();
     tr_slot(p, i, MK_TR_PUB, now);  // (no publish: computed at the claim)
@@ -1227,6 +1225,13 @@ __device__ __forceinline__ uint64_t claim_local(const MkParams& p, const int* ba
     tr_slot(p, i, MK_TR_CTA, blockIdx.x);
   }
   return mkidx::queue_word(i, base, (int)p.E, q.G1, q.KS1, q.G2, q.KS2, q.NC, T::NBLK);
+}
+template <class T>
+__device__ __forceinline__ uint64_t claim_local(const MkParams& p, const int* base, const QueueShape& q, int* slot) {
+  const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
+  *slot = i;
+  if (!q.fits || i >= q.total || *(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return 0;
+  return local_word<T>(p, base, q, i);
 }
 
 // The overlap kernel's claim with MK_WG_LOCAL_G1: slots below g1_local (every GEMM1 task: the scheduler publishes them
@@ -1245,13 +1250,7 @@ __device__ __forceinline__ uint64_t claim_wg(const MkParams& p, int epoch, const
   if (i >= g1_local) return wait_slot(p, epoch, i, slot);
   *slot = i;
   if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return 0;
-  if (p.trace) {
-    const int64_t now = (int64_t)gtime();
-    tr_slot(p, i, MK_TR_PUB, now);  // (computed at the claim)
-    tr_slot(p, i, MK_TR_CLAIM, now);
-    tr_slot(p, i, MK_TR_CTA, blockIdx.x);
-  }
-  return mkidx::queue_word(i, base, (int)p.E, q.G1, q.KS1, q.G2, q.KS2, q.NC, T::NBLK);
+  return local_word<T>(p, base, q, i);
 }
 
 // ---- the scheduler CTA ----------------------------------------------------------------------------------
@@ -1923,8 +1922,6 @@ cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kerne
   if (done) return cudaSuccess;
   const int most = smem_for<T>(MAX_STAGES) <= SMEM_MAX ? smem_for<T>(MAX_STAGES) : SMEM_MAX;
   cudaError_t e = cudaFuncSetAttribute(k_experts<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
-  if constexpr (!T::WG && !T::TMA)  // the gate GEMM runs on the mma core only, B by cp.async
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
   if constexpr (T::WG) {
     const int ov = smem_for_ov<T>(MAX_STAGES) <= SMEM_MAX ? smem_for_ov<T>(MAX_STAGES) : SMEM_MAX;
     if (e == cudaSuccess) e = cudaFuncSetAttribute(k_experts_ov<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, ov);
@@ -1933,11 +1930,13 @@ cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kerne
   return e;
 }
 
+constexpr int ROUTE_MAX_STAGES = 4;  // the gate GEMM's own depth: 0.5 MB of weights, no deep pipeline
 template <class T>
-cudaError_t prepare_route() {  // the gate GEMM's limit (k_logits<T> at up to 4 stages: launch_route's cap)
+cudaError_t prepare_route() {  // the gate GEMM's limit (k_logits<T> at up to ROUTE_MAX_STAGES)
   static bool done = false;
   if (done) return cudaSuccess;
-  const cudaError_t e = cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_for<T>(4));
+  const cudaError_t e =
+      cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_for<T>(ROUTE_MAX_STAGES));
   done = e == cudaSuccess;
   return e;
 }
@@ -2107,7 +2106,7 @@ cudaError_t launch_k(void (*kernel)(P...), dim3 grid, unsigned threads, size_t s
 template <class T>
 int launch_route(const MkParams* pp, cudaStream_t s) {
   MkParams q = *pp;
-  q.stages = pp->stages < 4 ? pp->stages : 4;  // the gate GEMM's own depth: 0.5 MB of weights, no deep pipeline
+  q.stages = pp->stages < ROUTE_MAX_STAGES ? pp->stages : ROUTE_MAX_STAGES;
   const MkParams* p = &q;
   cudaError_t e = prepare_route<T>();
   if (e != cudaSuccess) return fail("cudaFuncSetAttribute", e);
