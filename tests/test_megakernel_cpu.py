@@ -908,7 +908,15 @@ def test_pdl_setting_and_source() -> None:
     assert kl.index("gemm_tile<T>(") < kl.index("if (p.pdl) griddep_launch();") < kl.index("p.logits +")
     # k_logits keeps plain stream order (it follows the previous layer's kernels); the others launch under pdl
     assert "k_logits<T><<<" in src
-    assert src.count("p->pdl != 0") == 4  # k_topk_small, k_topk, both persistent kernels
+    assert src.count("p->pdl != 0") == 5  # k_topk_small, k_topk, both persistent kernels, the decode kernel
+    # the decode kernel waits before it reads the picks; its only non-coherent loads are the expert weights
+    dk = (_lib.source_dir() / "mk_decode.cuh").read_text()
+    body = dk[dk.index("k_decode(const MkParams p"):]
+    assert body.index("pdl_enter(p);") < body.index("p.topk_idx")
+    dcode = re.sub(r"//[^\n]*", "", dk)
+    assert dcode.count("ld_weights(") == 3 and dcode.count("ld.global.nc") == 2  # definition + 2 uses; 2 variants
+    assert all("ld_weights(g + v" in ln or "ld_weights(u + v" in ln or "uint4 ld_weights(" in ln
+               for ln in dcode.splitlines() if "ld_weights(" in ln)
 
 
 def test_l2_evict_weights_setting_rule_and_source() -> None:
@@ -927,7 +935,7 @@ def test_l2_evict_weights_setting_rule_and_source() -> None:
     with pytest.raises(ConfigError, match="l2_evict_weights"):
         MegakernelConfig.parse("l2_evict_weights=3")
     names = [f[0] for f in _lib.MkParams._fields_]
-    assert names[-1] == "l2_evict_w" and _lib.ABI_VERSION >= 14
+    assert names[names.index("pdl") + 1] == "l2_evict_w" and _lib.ABI_VERSION >= 14
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
     assert src.count("tma_load_2d(") == src.count("p.l2_evict_w != 0);") + 1  # every call site, plus the definition
     assert 'if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");' in src

@@ -89,11 +89,20 @@ def _check(layer, model, x, out, idx, w, tol=1e-2):
     err = max_rel_err(out, ref)
     assert err <= tol, f"relative error {err:.3e}"
     cfg = layer.config
+    c = layer.counters()
+    dg = layer.decode_grid(x.shape[0])
+    if dg is not None:  # the decode kernel counts its phase-1 ranges and row blocks (runtime/megakernel/decode.py)
+        from moetune.runtime.megakernel import decode
+
+        d = decode.plan(tokens=x.shape[0], topk=model.topk, hidden=model.hidden, intermediate=model.intermediate,
+                        grid=dg[0])
+        assert d.rows == dg[1]
+        assert (c["total"], c["tiles"], c["published"]) == (d.total, d.n_tiles, d.total)
+        return err
     bm = cfg.pick_bm(x.shape[0], model.topk, model.experts)
     p = schedule.plan(idx.tolist(), experts=model.experts, hidden=model.hidden, intermediate=model.intermediate,
                       bm=bm, combine_tokens=cfg.combine_tokens, split_k1=cfg.split_k1, split_k2=cfg.split_k2,
                       split_max_tiles=layer.sk_tiles, bn=cfg.pick_bn(bm))
-    c = layer.counters()
     assert (c["total"], c["tiles"], c["published"]) == (p.total, p.n_tiles, p.total)
     return err
 
@@ -242,7 +251,9 @@ NEW_PATHS = [# the mma core and no split-K: the defaults before run 10, still se
              # publish_all (ABI 11): every task at launch, GEMM2 / COMBINE wait for their inputs in the processor
              "publish_all=1", "publish_all=1,tma=0", "publish_all=1,split_k1=1,split_k2=1",
              "publish_all=1,split_k1=4,split_k2=2", "publish_all=1,bm=16,stages=12", "publish_all=1,core=mma,bm=64",
-             "publish_all=1,core=mma,bm=128", "publish_all=0", "publish_all=0,tma=0"]
+             "publish_all=1,core=mma,bm=128", "publish_all=0", "publish_all=0,tma=0",
+             # the task graph where the decode kernel would run (S = 1 here)
+             "decode=0", "decode=0,tma=0", "decode=0,split_k1=2,split_k2=2", "decode=0,publish_all=0"]
 
 
 @pytest.fixture(scope="module")
@@ -441,7 +452,7 @@ def test_publish_all_matches_plain_exactly(new_layers, model, cfg, s):
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@pytest.mark.parametrize(("cfg", "s"), [("", 1), ("publish_all=1", 1), ("", 128), ("", 1000)])
+@pytest.mark.parametrize(("cfg", "s"), [("decode=0", 1), ("publish_all=1,decode=0", 1), ("", 128), ("", 1000)])
 def test_task_timeline(new_layers, model, cfg, s):
     """Every executed task carries its stamps (published <= done, claimed <= done), the kinds add up to the
     kernel's own total, and a traced forward leaves the layer's output unchanged."""
@@ -454,7 +465,7 @@ def test_task_timeline(new_layers, model, cfg, s):
     for t in tasks:
         assert None not in (t["published"], t["claimed"], t["done"]), t
         assert t["claimed"] <= t["done"] + 1e-3, t
-        if cfg != "publish_all=1":  # publish_all: processors derive their tasks without waiting for the publish
+        if not cfg.startswith("publish_all=1"):  # publish_all: processors derive their tasks without waiting for the publish
             assert t["published"] <= t["done"] + 1e-3, t
         assert 1 <= t["cta"] < tl["grid"]
     assert {t["kind"] for t in tasks} == {"gemm1", "gemm2", "combine"}
@@ -466,7 +477,7 @@ def test_decode_stages_fit_one_wave(new_layers, model):
     """Auto stages for decode: 6 while the GEMM1 tasks (split parts included) fit the processors of the 6-stage grid,
     4 once they do not, and a set `stages` always wins. With 2 + 2 split parts: S=1 8 rows x 12 n-blocks x 2 = 192
     fit, S=2 384 do not; without split-K (the default since run 40) S=2's 192 fit."""
-    m = new_layers("split_k1=2,split_k2=2")
+    m = new_layers("split_k1=2,split_k2=2,decode=0")
     assert m.stages_for(16, 1) == 6 and m.stages_for(16, 2) == 4 and m.stages_for(16, 16) == 3
     assert new_layers("stages=6,split_k1=2,split_k2=2").stages_for(16, 2) == 6
     assert new_layers("").stages_for(16, 2) == 6
@@ -520,3 +531,106 @@ def test_l2_evict_weights_same_bits(new_layers, model, s):
     _check(a, model, x, ya, idx.clone(), w.clone())
     assert torch.equal(ya.view(torch.int16), yb.view(torch.int16))
     _graph_replays(a, model, s, 30)
+
+
+# ---- the decode kernel (csrc/megakernel/mk_decode.cuh): S x topk routed rows whose W_down rows fit each CTA -----------
+def test_decode_runs_where_it_fits(new_layers, model):
+    """On the Qwen3-30B shape one token fits (8 slots x 16 rows x 768 x 2 bytes per CTA), two do not; decode=0 never."""
+    m = new_layers("")
+    grid, rows = m.decode_grid(1)
+    assert grid == torch.cuda.get_device_properties(0).multi_processor_count and rows == -(-model.hidden // grid)
+    assert m.decode_grid(2) is None and m.decode_grid(0) is None
+    assert new_layers("decode=0").decode_grid(1) is None
+    with pytest.raises(ValueError, match="decode kernel"):
+        m.task_timeline(_x(1, model.hidden, seed=3000))
+
+
+@pytest.mark.parametrize("mode", ["gate", "uniform", "zipf", "one"])
+def test_decode_matches_reference_and_task_graph(new_layers, model, mode):
+    """Against the fp32 reference (every row written: the output is poisoned), bit-identical across runs and CUDA
+    graph replays, and close to the task graph's output for the same routing (different summation orders)."""
+    from moetune.runtime.moe_layer import max_rel_err
+
+    m, tg = new_layers(""), new_layers("decode=0")
+    for seed in range(3):
+        x = _x(1, model.hidden, seed=3100 + seed)
+        if mode == "gate":
+            out = m.forward(x, out=_poisoned(1, model.hidden))
+            idx, w = (t.clone() for t in m.routing(1))
+        else:
+            idx, w = _routing(1, model.experts, model.topk, mode, seed=seed)
+            out = m.forward_routed(x, idx, w, out=_poisoned(1, model.hidden))
+        _check(m, model, x, out, idx, w)
+        first = out.clone()
+        again = m.forward_routed(x, idx, w, out=_poisoned(1, model.hidden))
+        ref = tg.forward_routed(x, idx, w, out=_poisoned(1, model.hidden))
+        torch.cuda.synchronize()
+        tg.check()
+        assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+        assert max_rel_err(first, ref.float()) <= 1e-2
+    _graph_replays(m, model, 1, 100)
+
+
+def test_decode_stalled_slot_times_out(model, layer):
+    """A slot whose up projection never completes (test hook): the decode launch ends after the timeout with the error
+    recorded, and the layer recovers."""
+    from moetune.runtime.megakernel import MegakernelConfig, MegakernelError, MegakernelMoE
+
+    m = MegakernelMoE(model, max_tokens=4, config=MegakernelConfig.parse("timeout_ms=100"), w_gate_up=layer.w_gate_up,
+                      w_down=layer.w_down, gate=layer.gate)
+    assert m.decode_grid(1) is not None
+    x = _x(1, model.hidden, seed=3200)
+    m.stall_tile = 3
+    t0 = time.monotonic()
+    m.forward(x)
+    torch.cuda.synchronize()
+    assert time.monotonic() - t0 < 10.0
+    with pytest.raises(MegakernelError, match="timed out"):
+        m.check()
+    rec = m.error()
+    assert rec is not None and rec[2][1] == 3 and rec[2][3] >= 100_000_000
+    m.clear_error()
+    m.stall_tile = -1
+    idx, w = _routing(1, model.experts, model.topk, "uniform", seed=5)
+    out = m.forward_routed(x, idx, w, out=_poisoned(1, model.hidden))
+    _check(m, model, x, out, idx, w)
+
+
+def test_decode_bad_expert_is_reported(model, layer):
+    """Given routing naming an expert out of range: the error is recorded (as k_lists does for the task graph)."""
+    from moetune.runtime.megakernel import MegakernelError, MegakernelMoE
+
+    m = MegakernelMoE(model, max_tokens=1, w_gate_up=layer.w_gate_up, w_down=layer.w_down, gate=layer.gate)
+    idx, w = _routing(1, model.experts, model.topk, "uniform", seed=6)
+    idx[0, 2] = model.experts
+    m.forward_routed(_x(1, model.hidden, seed=3300), idx, w)
+    torch.cuda.synchronize()
+    with pytest.raises(MegakernelError, match="out of range"):
+        m.check()
+    m.clear_error()  # nothing read out of bounds: the context still works
+    idx[0, 2] = 0 if int(idx[0].min()) > 0 else int(idx[0].max()) + 1
+    x = _x(1, model.hidden, seed=3301)
+    out = m.forward_routed(x, idx, w, out=_poisoned(1, model.hidden))
+    _check(m, model, x, out, idx, w)
+
+
+@pytest.mark.parametrize(("spec", "tokens"), [("custom:256,128,16,4", [1, 2, 7]), ("custom:512,192,40,6", [1, 3]),
+                                              ("custom:1024,256,64,2", [1, 5])])
+def test_decode_other_shapes(spec, tokens):
+    """Other shapes, several tokens per launch (slots of different tokens, experts shared between tokens): the dense
+    reference, every row written, the kernel's task counts as modelled."""
+    _need_gpu()
+    from moetune.runtime.megakernel import MegakernelMoE
+    from moetune.runtime.shapes import get_model
+
+    m = get_model(spec)
+    layer = MegakernelMoE(m, max_tokens=max(tokens), seed=0)
+    for s in tokens:
+        assert layer.decode_grid(s) is not None, (spec, s)
+        x = _x(s, m.hidden, seed=3400 + s)
+        out = layer.forward(x, out=_poisoned(s, m.hidden))
+        idx, w = (t.clone() for t in layer.routing(s))
+        _check(layer, m, x, out, idx, w)
+        idx, w = _routing(s, m.experts, m.topk, "zipf", seed=s)
+        out = layer.forward_routed(x, idx, w, out=_poisoned(s, m.hidden))
+        _check(layer, m, x, out, idx, w)

@@ -1901,6 +1901,8 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
   }
 }
 
+#include "mk_decode.cuh"
+
 // ---- host side ----------------------------------------------------------------------------------------------
 constexpr int MAX_STAGES = 12;  // bm=16 only: 12 x 18 KB fits one CTA per SM
 // Dynamic shared memory a CTA may opt into: 227 KB less room for the kernels' static shared memory (run 7:
@@ -2003,6 +2005,7 @@ int check_params(const MkParams* p) {
   if (p->combine_tokens < 1) return fail_msg("mk: combine_tokens must be >= 1");
   if (p->timeout_ns <= 0) return fail_msg("mk: timeout must be > 0");
   if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");
+  if (p->decode != 0 && p->decode != 1) return fail_msg("mk: decode must be 0 or 1");
   return 0;
 }
 
@@ -2168,6 +2171,40 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
   return 0;
 }
 
+// The decode kernel's plan for S tokens on the current device, its shared-memory limit raised and one CTA per SM
+// checked resident (every CTA waits for pairs other CTAs compute); 1 + g_err where it does not fit.
+int decode_plan_for(int64_t S, int64_t H, int64_t I, int64_t K, DecPlan* out) {
+  if (S < 1 || S * K > DEC_MAX_SLOTS) return fail_msg("mk: decode takes 1..64 routed rows (S x topk)");
+  if (H % 8 || I % 8) return fail_msg("mk: decode needs hidden and intermediate to be multiples of 8");
+  int dev = 0, sms = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return fail("cudaGetDevice", e);
+  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
+    return fail("cudaDeviceGetAttribute", e);
+  const DecPlan d = dec_plan(S, H, I, K, sms);
+  if (d.bytes == 0 || d.bytes > SMEM_MAX) {
+    snprintf(g_err, sizeof g_err, "mk: decode: S x topk = %lld rows of W_down per CTA need %lld bytes of shared memory "
+             "(at most %d)", (long long)(S * K), (long long)S * K * d.rows * I * 2, SMEM_MAX);
+    return 1;
+  }
+  if ((e = cudaFuncSetAttribute(k_decode, cudaFuncAttributeMaxDynamicSharedMemorySize, d.bytes)) != cudaSuccess)
+    return fail("cudaFuncSetAttribute (k_decode)", e);
+  int per_sm = 0;
+  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_decode, DEC_THREADS, d.bytes)) != cudaSuccess)
+    return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor (k_decode)", e);
+  if (per_sm < 1) return fail_msg("mk: decode: no CTA of k_decode fits an SM");
+  *out = d;
+  return 0;
+}
+
+int launch_decode(const MkParams* p, cudaStream_t s) {
+  DecPlan d;
+  if (decode_plan_for(p->S, p->H, p->I, p->K, &d)) return 1;
+  const cudaError_t e = launch_k(k_decode, dim3((unsigned)d.grid), DEC_THREADS, (size_t)d.bytes, s, p->pdl != 0, *p, d);
+  if (e != cudaSuccess) return fail("k_decode launch", e);
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -2208,10 +2245,19 @@ int mk_route_given(const MkParams* p, void* stream) {
   return 0;
 }
 
+int mk_decode_grid(int64_t S, int64_t H, int64_t I, int64_t K, int* grid, int* rows) {
+  DecPlan d;
+  if (decode_plan_for(S, H, I, K, &d)) return 1;
+  *grid = d.grid;
+  *rows = d.rows;
+  return 0;
+}
+
 int mk_experts(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
   if (p->S == 0) return 0;
   cudaStream_t s = (cudaStream_t)stream;
+  if (p->decode) return launch_decode(p, s);
   return with_tile(p->bm, p->core, p->tma_b, p->bn, [&](auto tile) { return launch_experts<decltype(tile)>(p, s); });
 }
 

@@ -117,6 +117,11 @@ class MegakernelConfig:
     # (experts kernel 300.5 vs 310.9, the plain read 297.9); S=1024 354.7 / 355.5 vs 357.4 / 357.1; but S=4096
     # (four m-tiles per expert share their weights through the L2) experts kernel 732.5 vs 692.5-692.7.
     l2_evict_weights: int = 2
+    # 1: launches whose routed rows (S x topk) fit the decode kernel (csrc/megakernel/mk_decode.cuh: one CTA per SM,
+    # each CTA's rows of W_down for every row in its shared memory; on the Qwen3-30B shape S = 1) run it instead of
+    # the task graph: the up projection as row-pair GEMVs on every SM while the down projection's rows load, so both
+    # weights stream at once. 0: always the task graph.
+    decode: int = 1
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -136,6 +141,7 @@ class MegakernelConfig:
         "publish_all": (0, 1),
         "pdl": (0, 1),
         "l2_evict_weights": (0, 2),
+        "decode": (0, 1),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 

@@ -1,5 +1,8 @@
 """MegakernelMoE: the whole MoE layer on one GPU as routing (two small kernels) + ONE persistent kernel.
 
+Launches with a handful of routed rows (S x topk that fit `decode_grid`; S = 1 on the Qwen3-30B shape) run the
+decode kernel instead of the task graph's (`MegakernelConfig.decode`).
+
 Same weights and outputs as `MoELayer` / `dense_reference` (built from `expert_weights` / `gate_weight`
 with the same seed, or passed in). `forward(x)` issues three launches on the current stream and never
 synchronises with the host, so it can be captured in a CUDA graph. Errors inside the kernel (a wait that
@@ -107,10 +110,11 @@ class MegakernelMoE:
         self.sk_part = z(max(1, slots * max(cfg.split_k1, cfg.split_k2) * _lib.SK_PART_FLOATS), dtype=torch.float32,
                          device=dev)
         self.sk_cnt = z(max(1, slots), dtype=i32, device=dev)
-        self.stall_tile = -1  # test hook: this m-tile's GEMM2 is never released
+        self.stall_tile = -1  # test hook: this m-tile's GEMM2 (decode kernel: this slot's down projection) never starts
         self._trace: torch.Tensor | None = None  # task_timeline's stamps while it runs
         self._params: dict[tuple[int, int], _lib.MkParams] = {}
         self._grids: dict[tuple[int, int], int] = {}
+        self._decode: dict[int, tuple[int, int] | None] = {}
 
     # ---- launch plumbing ---------------------------------------------------------------------------
     def grid(self, bm: int, stages: int) -> int:
@@ -135,6 +139,20 @@ class MegakernelMoE:
                                   "resident CTAs")
             self._grids[(bm, stages)] = procs + 1
         return self._grids[(bm, stages)]
+
+    def decode_grid(self, tokens: int) -> tuple[int, int] | None:
+        """(CTAs, output rows per CTA) of the decode kernel for `tokens` tokens where `config.decode` is on and the
+        launch fits it (S x topk <= 64 routed rows, each CTA's rows of W_down in its shared memory), else None."""
+        if not self.config.decode or tokens < 1 or tokens * self.model.topk > 64:
+            return None
+        if tokens not in self._decode:
+            grid, rows = ctypes.c_int(0), ctypes.c_int(0)
+            m = self.model
+            with torch.cuda.device(self.device):
+                ok = self.lib.mk_decode_grid(tokens, m.hidden, m.intermediate, m.topk, ctypes.byref(grid),
+                                             ctypes.byref(rows)) == 0
+            self._decode[tokens] = (grid.value, rows.value) if ok else None
+        return self._decode[tokens]
 
     def stages_for(self, bm: int, tokens: int) -> int:
         """`config.pick_stages`, except that a decode launch (bm=16, fewer rows than experts) whose split GEMM1 parts
@@ -211,6 +229,7 @@ class MegakernelMoE:
         p = self._template(bm, s)
         p.x, p.out, p.S, p.stall_tile = x.data_ptr(), out.data_ptr(), s, self.stall_tile
         p.l2_evict_w = self.config.evict_weights(bm, s, self.model.topk, self.model.experts)
+        p.decode = 1 if self.decode_grid(s) is not None else 0
         p.trace = self._trace.data_ptr() if self._trace is not None else None
         stream = torch.cuda.current_stream(self.device).cuda_stream
         ref = ctypes.byref(p)
@@ -234,6 +253,9 @@ class MegakernelMoE:
         s = x.shape[0]
         if s < 1:
             raise ValueError("megakernel: task_timeline needs at least one token")
+        if self.decode_grid(s) is not None:
+            raise ValueError(f"megakernel: S={s} runs the decode kernel, which has no task timeline (a layer with "
+                             "config decode=0 runs the task graph at every S)")
         bm = self.config.pick_bm(s, self.model.topk, self.model.experts)
         grid = self.grid(bm, self.stages_for(bm, s))
         n = _lib.TR_HEAD + _lib.TR_SLOT * self.q_cap + 2 * grid

@@ -1,0 +1,210 @@
+// The decode kernel: the layer's expert work for a handful of routed rows in ONE launch of one CTA per SM.
+// Included by mk_moe.cu inside its anonymous namespace (it uses that file's PTX helpers, bounded waits and error
+// record); not a header of its own.
+//
+// Why a second kernel: at S = 1 the task graph's 16-row tiles compute 1 row in 16, its 96 GEMM1 tasks occupy 96
+// SMs, and the down projection's weights stream only once the up projection is done (run 15-20 timelines: the
+// GEMM1s at ~2.2 TB/s, 6 µs before the first task). Here every SM streams from the start:
+//   1. each CTA starts one bulk copy per slot of its R output rows of W_down[e] (R x I bf16, contiguous in the
+//      weight) into shared memory, on one mbarrier;
+//   2. it computes its share of the S*K*I (gate, up) row pairs as warp dot products with x (fp32 accumulate,
+//      h = silu(gate) * up rounded to bf16 as the tile kernels store it) and adds the pairs it finished to each
+//      slot's counter (g1done[slot]: release after the h stores);
+//   3. for each slot in (token, j) order, once its counter reaches I (acquire, bounded wait): acc[t, r] +=
+//      w[t, j] * (W_down row r . h) in fp32, one warp per row; then out = bf16(acc). Every output row is written
+//      by exactly one CTA, the slots are added in a fixed order: bit-identical runs.
+// The kernel counts its tasks (phase-1 ranges, phase-2 row blocks) in ctl like the task graph does, and
+// runtime/megakernel/schedule.py's decode_plan models them. All CTAs are resident (one per SM, checked by the
+// occupancy query at launch), so a CTA waiting for a slot never blocks the CTAs that finish it.
+
+constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
+constexpr int DEC_VEC = 8;          // 16-byte weight loads per lane in flight for each row of a pair
+constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
+
+// Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
+struct DecPlan {
+  int grid, rows;  // CTAs (one per SM), output rows per CTA (ceil(H / grid))
+  int x_off, w2_off, h_off, acc_off, bytes;
+};
+inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int sms) {
+  auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
+  DecPlan d = {};
+  d.grid = sms;
+  d.rows = (int)((H + sms - 1) / sms);
+  const int64_t slots = S * K;
+  const int64_t x_off = 128;  // [0, 8): the W_down copies' mbarrier
+  const int64_t w2_off = up(x_off + S * H * 2);
+  const int64_t h_off = up(w2_off + slots * d.rows * I * 2);
+  const int64_t acc_off = up(h_off + slots * I * 2);
+  const int64_t bytes = acc_off + S * d.rows * 4;
+  if (bytes > (1ll << 30)) return d;  // bytes stays 0: does not fit
+  d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.h_off = (int)h_off, d.acc_off = (int)acc_off, d.bytes = (int)bytes;
+  return d;
+}
+
+// 16 bytes of weights that this launch reads once: not kept in L1; with the L2 evict-first policy when asked.
+__device__ __forceinline__ uint4 ld_weights(const uint4* p, bool evict_first, uint64_t pol) {
+  uint4 v;
+  if (evict_first)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(pol));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+  return v;
+}
+// One contiguous run of bytes (a multiple of 16, 16-byte aligned) into shared memory, counted on mbarrier `bar`.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                          bool evict_first, uint64_t pol) {
+  if (evict_first)
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::
+            "r"(dst),
+        "l"(src), "r"(bytes), "r"(bar), "l"(pol)
+        : "memory");
+  else
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+// acc += the 8 bf16 products of a and b (fp32, in element order).
+__device__ __forceinline__ void dot8(float& acc, const uint4& a, const uint4& b) {
+  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
+  const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 u = __bfloat1622float2(x[i]), v = __bfloat1622float2(y[i]);
+    acc = fmaf(u.x, v.x, acc);
+    acc = fmaf(u.y, v.y, acc);
+  }
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
+  return v;
+}
+__device__ __forceinline__ void red_release(int32_t* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+__global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, const DecPlan d) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ int s_e[DEC_MAX_SLOTS];
+  __shared__ float s_w[DEC_MAX_SLOTS];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int K = (int)p.K, H = (int)p.H, I = (int)p.I, slots = (int)p.S * K;
+  const uint32_t bar = su32(smem);
+  const bf16* xs = (const bf16*)(smem + d.x_off);
+  const char* w2s = smem + d.w2_off;
+  bf16* hs = (bf16*)(smem + d.h_off);
+  float* acc = (float*)(smem + d.acc_off);
+  const int r0 = blockIdx.x * d.rows, nr = max(0, min(d.rows, H - r0));  // this CTA's output rows
+  const bool ev = p.l2_evict_w != 0;
+  uint64_t pol = 0;
+  if (ev) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  if (tid == 0) {
+    mbar_init(bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  pdl_enter(p);  // routing's picks and the counters' reset are visible from here
+  for (int s = tid; s < slots; s += DEC_THREADS) {
+    int e = __ldcg(p.topk_idx + s);
+    if (e < 0 || e >= p.E) {
+      if (blockIdx.x == 0) report(p, MK_ERR_BAD_EXPERT, s, e, 0);
+      e = -1;  // the slot adds nothing (as k_lists drops the row)
+    }
+    s_e[s] = e;
+    s_w[s] = __ldcg(p.topk_w + s);
+  }
+  for (int i = tid; i < (int)p.S * d.rows; i += DEC_THREADS) acc[i] = 0.f;
+  __syncthreads();
+  // 1. this CTA's rows of W_down for every slot, in flight while phase 2 streams the up projection
+  if (tid == 0 && nr > 0) {
+    const uint32_t each = (uint32_t)nr * I * 2;
+    uint32_t bytes = 0;
+    for (int s = 0; s < slots; ++s) bytes += s_e[s] >= 0 ? each : 0;
+    mbar_arrive_tx(bar, bytes);
+    for (int s = 0; s < slots; ++s)
+      if (s_e[s] >= 0)
+        bulk_load(su32(w2s) + (uint32_t)s * d.rows * I * 2, (const bf16*)p.w2 + ((int64_t)s_e[s] * H + r0) * I, each,
+                  bar, ev, pol);
+  }
+  for (int v = tid; v < (int)p.S * H / 8; v += DEC_THREADS) ((uint4*)xs)[v] = ((const uint4*)p.x)[v];
+  __syncthreads();
+  // 2. (gate, up) row pairs [q0, q1) of the S*K*I, one warp per pair
+  const int64_t P = (int64_t)slots * I;
+  const int64_t q0 = P * blockIdx.x / gridDim.x, q1 = P * (blockIdx.x + 1) / gridDim.x;
+  const int HV = H / 8;  // 16-byte vectors per weight row
+  for (int64_t q = q0 + warp; q < q1; q += DEC_WARPS) {
+    const int s = (int)(q / I), j = (int)(q % I), e = s_e[s];
+    if (e < 0) continue;
+    const uint4* g = (const uint4*)((const bf16*)p.w1 + ((int64_t)e * 2 * I + j) * H);
+    const uint4* u = g + (int64_t)I * HV;  // the up row: I rows further
+    const uint4* xv = (const uint4*)(xs + (int64_t)(s / K) * H);
+    float ag = 0.f, au = 0.f;
+    for (int v0 = 0; v0 < HV; v0 += 32 * DEC_VEC) {
+      uint4 a[DEC_VEC], b[DEC_VEC];
+#pragma unroll
+      for (int i = 0; i < DEC_VEC; ++i) {  // every load issued before the first product
+        const int v = v0 + lane + 32 * i;
+        a[i] = v < HV ? ld_weights(g + v, ev, pol) : make_uint4(0, 0, 0, 0);
+        b[i] = v < HV ? ld_weights(u + v, ev, pol) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < DEC_VEC; ++i) {
+        const int v = v0 + lane + 32 * i;
+        if (v < HV) {
+          const uint4 xx = xv[v];
+          dot8(ag, a[i], xx);
+          dot8(au, b[i], xx);
+        }
+      }
+    }
+    ag = warp_sum(ag);
+    au = warp_sum(au);
+    if (lane == 0) ((bf16*)p.h)[(int64_t)s * I + j] = __float2bfloat16(__fdividef(ag, 1.f + __expf(-ag)) * au);
+  }
+  __syncthreads();  // every warp's h stores before thread 0's fence and counters
+  if (tid == 0) {
+    int tasks = blockIdx.x == 0 ? 1 : 0;  // ctl[TOTAL] holds tasks + 1, as the task graph's scheduler leaves it
+    if (q1 > q0) {
+      __threadfence();
+      for (int s = (int)(q0 / I); s <= (int)((q1 - 1) / I); ++s) {
+        const int64_t lo = q0 > (int64_t)s * I ? q0 : (int64_t)s * I;
+        const int64_t hi = q1 < (int64_t)(s + 1) * I ? q1 : (int64_t)(s + 1) * I;
+        red_release(p.g1done + s, (int)(hi - lo));
+      }
+      ++tasks;
+    }
+    tasks += nr > 0 ? 1 : 0;  // phase 3 below always completes (a timed-out wait still ends it)
+    atomicAdd(p.ctl + MK_CTL_TOTAL, tasks);
+    atomicAdd(p.ctl + MK_CTL_PUBLISHED, tasks - (blockIdx.x == 0 ? 1 : 0));
+    if (blockIdx.x == 0) p.ctl[MK_CTL_TILES] = slots;
+  }
+  if (nr == 0) return;
+  // 3. the down projection of this CTA's rows, slot by slot as their h complete
+  mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
+  for (int s = 0; s < slots; ++s) {
+    if (s_e[s] < 0) continue;  // block-uniform
+    wait_inputs(p, p.g1done + s, I, s == p.stall_tile, s);
+    for (int v = tid; v < I / 8; v += DEC_THREADS)
+      ((uint4*)(hs + (int64_t)s * I))[v] = __ldcg((const uint4*)((const bf16*)p.h + (int64_t)s * I) + v);
+    __syncthreads();
+    const int t = s / K;
+    const float w = s_w[s];
+    const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
+    for (int r = warp; r < nr; r += DEC_WARPS) {
+      const uint4* wr = (const uint4*)(w2s + ((int64_t)s * d.rows + r) * I * 2);
+      float a = 0.f;
+      for (int v = lane; v < I / 8; v += 32) dot8(a, wr[v], hv[v]);
+      a = warp_sum(a);
+      if (lane == 0) acc[t * d.rows + r] += w * a;  // this warp alone owns row r: slots in order
+    }
+  }
+  __syncthreads();
+  bf16* out = (bf16*)p.out;
+  for (int i = tid; i < (int)p.S * nr; i += DEC_THREADS)
+    out[(int64_t)(i / nr) * H + r0 + i % nr] = __float2bfloat16(acc[(i / nr) * d.rows + i % nr]);
+}

@@ -1,0 +1,85 @@
+"""The decode kernel's work split on the CPU (runtime/megakernel/decode.py models csrc/megakernel/mk_decode.cuh):
+every (gate, up) pair computed once, every slot counter reaching I, every output row written once, in any CTA
+order; a slot that never completes ends in the timeout error. No GPU needed."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from moetune.runtime.megakernel import ConfigError, MegakernelConfig
+from moetune.runtime.megakernel import decode as dec
+
+SHAPES = [  # (tokens, topk, hidden, intermediate, grid)
+    (1, 8, 2048, 768, 132),   # Qwen3-30B-A3B at S = 1 on an H200: 128 CTAs with rows, 4 without
+    (2, 4, 1024, 256, 132),
+    (1, 2, 256, 64, 7),       # fewer pairs per CTA than warps, rows not a multiple of the grid
+    (3, 1, 128, 64, 200),     # more CTAs than output rows
+    (1, 1, 128, 64, 100),     # some CTAs with no pairs at all
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_pair_and_row_once_in_any_order(shape, seed):
+    s, k, h, i, g = shape
+    p = dec.plan(tokens=s, topk=k, hidden=h, intermediate=i, grid=g)
+    sim = dec.simulate(p, seed=seed)
+    assert sim.error == 0
+    assert sim.pairs_done == [1] * (s * k * i)
+    assert sim.counters == [i] * (s * k)
+    assert sim.rows_written == [1] * h
+
+
+def test_plan_counts_for_qwen3_at_one_token():
+    p = dec.plan(tokens=1, topk=8, hidden=2048, intermediate=768, grid=132)
+    assert p.rows == 16 and p.slots == p.n_tiles == 8
+    assert sum(r1 > r0 for r0, r1 in p.row_blocks) == 128
+    assert p.total == 132 + 128
+    # contiguous, disjoint ranges that cover the pairs: 6144 over 132 CTAs, 46 or 47 each
+    assert p.pair_ranges[0][0] == 0 and p.pair_ranges[-1][1] == 8 * 768
+    assert all(a[1] == b[0] for a, b in zip(p.pair_ranges, p.pair_ranges[1:], strict=False))
+    assert {q1 - q0 for q0, q1 in p.pair_ranges} == {46, 47}
+    # a CTA whose range spans two slots signals both, with the pairs it did of each
+    spans = [c for c in range(p.grid) if len(p.signals(c)) == 2]
+    assert spans and all(sum(n for _, n in p.signals(c)) == p.pair_ranges[c][1] - p.pair_ranges[c][0] for c in spans)
+
+
+def test_more_ctas_than_pairs_counts_only_working_ctas():
+    p = dec.plan(tokens=1, topk=1, hidden=128, intermediate=64, grid=100)
+    assert sum(q1 > q0 for q0, q1 in p.pair_ranges) == 64
+    assert p.total == 64 + 64  # rows = ceil(128 / 100) = 2: 64 CTAs hold rows
+    p2 = dec.plan(tokens=1, topk=1, hidden=128, intermediate=64, grid=200)
+    assert p2.rows == 1 and sum(r1 > r0 for r0, r1 in p2.row_blocks) == 128
+
+
+@pytest.mark.parametrize("stall", [0, 7])
+def test_stalled_slot_times_out_and_the_launch_ends(stall):
+    p = dec.plan(tokens=1, topk=8, hidden=2048, intermediate=768, grid=132)
+    sim = dec.simulate(p, seed=3, stall_slot=stall, timeout_polls=200)
+    assert (sim.error, sim.error_slot) == (dec.ERR_INPUT_TIMEOUT, stall)
+    assert sim.rows_written == [1] * 2048  # every CTA still ends (the rows are garbage; the host sees the error)
+
+
+def test_plan_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="grid"):
+        dec.plan(tokens=1, topk=8, hidden=2048, intermediate=768, grid=0)
+
+
+def test_model_formulas_are_the_kernels():
+    """The CUDA side's split (mk_decode.cuh) uses the same formulas as the model: rows ceil(H / grid), pair ranges
+    P c / G, one CTA per SM."""
+    from moetune.runtime.megakernel import _lib
+
+    src = (_lib.source_dir() / "mk_decode.cuh").read_text()
+    assert "d.rows = (int)((H + sms - 1) / sms);" in src and "d.grid = sms;" in src
+    assert re.search(r"q0 = P \* blockIdx\.x / gridDim\.x, q1 = P \* \(blockIdx\.x \+ 1\) / gridDim\.x", src)
+    assert "r0 = blockIdx.x * d.rows" in src
+
+
+def test_config_decode_field():
+    assert MegakernelConfig().decode == 1
+    assert MegakernelConfig.parse("decode=0").decode == 0
+    with pytest.raises(ConfigError, match="decode"):
+        MegakernelConfig.parse("decode=2")
