@@ -71,11 +71,25 @@ def main() -> None:
     mk.check()
     if a.trace:
         trace(mk, x, a.calls, a.tokens, a.config, sync_each=not a.back_to_back, eager=a.eager)
-    if a.timeline:
+    if a.timeline and mk.decode_grid(a.tokens) is not None:
+        tl = mk.decode_timeline(x)
+        summarize_decode(tl)
+        with open(a.timeline, "a") as f:
+            f.write(json.dumps(tl) + "\n")
+    elif a.timeline:
         tl = mk.task_timeline(x)
         summarize(tl)
         with open(a.timeline, "a") as f:
             f.write(json.dumps(tl) + "\n")
+
+
+def summarize_decode(tl: dict) -> None:
+    """Per decode-kernel phase stamp: min / median / max over the CTAs (µs from the first CTA's start)."""
+    print(f"decode timeline S={tl['tokens']} grid={tl['grid']} rows/CTA={tl['rows']}")
+    for name in tl["ctas"][0]:
+        v = sorted(c[name] for c in tl["ctas"] if c[name] is not None)
+        if v:
+            print(f"  {name:10s} n={len(v):4d} min {v[0]:7.2f} p50 {v[len(v) // 2]:7.2f} max {v[-1]:7.2f} us")
 
 
 def route_splits(tokens: list[int]) -> None:

@@ -541,8 +541,19 @@ def test_decode_runs_where_it_fits(new_layers, model):
     assert grid == torch.cuda.get_device_properties(0).multi_processor_count and rows == -(-model.hidden // grid)
     assert m.decode_grid(2) is None and m.decode_grid(0) is None
     assert new_layers("decode=0").decode_grid(1) is None
+    x = _x(1, model.hidden, seed=3000)
     with pytest.raises(ValueError, match="decode kernel"):
-        m.task_timeline(_x(1, model.hidden, seed=3000))
+        m.task_timeline(x)
+    ref = m.forward(x).clone()
+    tl = m.decode_timeline(x)  # every CTA's phases in order; the rows' owners also wait for W_down and the slots
+    assert tl["grid"] == grid and len(tl["ctas"]) == grid
+    for c, st in enumerate(tl["ctas"]):
+        order = ["start", "routed", "phase1", "signalled"] + (["w_down", "ready"] if c * rows < model.hidden else [])
+        times = [st[n] for n in order + ["end"]]
+        assert None not in times and times == sorted(times), (c, st)
+    torch.testing.assert_close(m.forward(x), ref, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="does not run the decode kernel"):
+        m.decode_timeline(_x(2, model.hidden, seed=3001))
 
 
 @pytest.mark.parametrize("mode", ["gate", "uniform", "zipf", "one"])

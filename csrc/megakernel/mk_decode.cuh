@@ -20,6 +20,14 @@
 constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
 constexpr int DEC_VEC = 8;          // 16-byte weight loads per lane in flight for each row of a pair
 constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
+// Timeline (MkParams.trace, profiling only): words per CTA after MK_TR_HEAD, stamped by thread 0.
+enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3, DEC_TR_W2 = 4, DEC_TR_READY = 5,
+       DEC_TR_END = 6, DEC_TR_WORDS = 8 };
+// Measurement builds (never the default): 1 = no W_down copies (phase 3 adds whatever shared memory holds),
+// 2 = no up-projection loads (phase 2 multiplies zeros), 3 = neither.
+#ifndef MK_DEC_PROBE
+#define MK_DEC_PROBE 0
+#endif
 
 // Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
 struct DecPlan {
@@ -85,6 +93,9 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
   return v;
 }
+__device__ __forceinline__ void dec_stamp(const MkParams& p, int f) {
+  if (p.trace && threadIdx.x == 0) p.trace[MK_TR_HEAD + DEC_TR_WORDS * blockIdx.x + f] = (int64_t)gtime();
+}
 __device__ __forceinline__ void red_release(int32_t* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
@@ -104,11 +115,13 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   const bool ev = p.l2_evict_w != 0;
   uint64_t pol = 0;
   if (ev) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  dec_stamp(p, DEC_TR_START);
   if (tid == 0) {
     mbar_init(bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   pdl_enter(p);  // routing's picks and the counters' reset are visible from here
+  dec_stamp(p, DEC_TR_ROUTED);
   for (int s = tid; s < slots; s += DEC_THREADS) {
     int e = __ldcg(p.topk_idx + s);
     if (e < 0 || e >= p.E) {
@@ -124,15 +137,16 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   if (tid == 0 && nr > 0) {
     const uint32_t each = (uint32_t)nr * I * 2;
     uint32_t bytes = 0;
-    for (int s = 0; s < slots; ++s) bytes += s_e[s] >= 0 ? each : 0;
+    for (int s = 0; s < slots; ++s) bytes += s_e[s] >= 0 && !(MK_DEC_PROBE & 1) ? each : 0;
     mbar_arrive_tx(bar, bytes);
     for (int s = 0; s < slots; ++s)
-      if (s_e[s] >= 0)
+      if (s_e[s] >= 0 && !(MK_DEC_PROBE & 1))
         bulk_load(su32(w2s) + (uint32_t)s * d.rows * I * 2, (const bf16*)p.w2 + ((int64_t)s_e[s] * H + r0) * I, each,
                   bar, ev, pol);
   }
   for (int v = tid; v < (int)p.S * H / 8; v += DEC_THREADS) ((uint4*)xs)[v] = ((const uint4*)p.x)[v];
   __syncthreads();
+  dec_stamp(p, DEC_TR_P1);
   // 2. (gate, up) row pairs [q0, q1) of the S*K*I, one warp per pair
   const int64_t P = (int64_t)slots * I;
   const int64_t q0 = P * blockIdx.x / gridDim.x, q1 = P * (blockIdx.x + 1) / gridDim.x;
@@ -149,8 +163,8 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
 #pragma unroll
       for (int i = 0; i < DEC_VEC; ++i) {  // every load issued before the first product
         const int v = v0 + lane + 32 * i;
-        a[i] = v < HV ? ld_weights(g + v, ev, pol) : make_uint4(0, 0, 0, 0);
-        b[i] = v < HV ? ld_weights(u + v, ev, pol) : make_uint4(0, 0, 0, 0);
+        a[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(g + v, ev, pol) : make_uint4(0, 0, 0, 0);
+        b[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(u + v, ev, pol) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int i = 0; i < DEC_VEC; ++i) {
@@ -183,12 +197,18 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     atomicAdd(p.ctl + MK_CTL_PUBLISHED, tasks - (blockIdx.x == 0 ? 1 : 0));
     if (blockIdx.x == 0) p.ctl[MK_CTL_TILES] = slots;
   }
-  if (nr == 0) return;
+  dec_stamp(p, DEC_TR_SIGNALLED);
+  if (nr == 0) {
+    dec_stamp(p, DEC_TR_END);
+    return;
+  }
   // 3. the down projection of this CTA's rows, slot by slot as their h complete
   mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
+  dec_stamp(p, DEC_TR_W2);
   for (int s = 0; s < slots; ++s) {
     if (s_e[s] < 0) continue;  // block-uniform
     wait_inputs(p, p.g1done + s, I, s == p.stall_tile, s);
+    dec_stamp(p, DEC_TR_READY);  // (the last slot's stamp stays: every h complete)
     for (int v = tid; v < I / 8; v += DEC_THREADS)
       ((uint4*)(hs + (int64_t)s * I))[v] = __ldcg((const uint4*)((const bf16*)p.h + (int64_t)s * I) + v);
     __syncthreads();
@@ -207,4 +227,5 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   bf16* out = (bf16*)p.out;
   for (int i = tid; i < (int)p.S * nr; i += DEC_THREADS)
     out[(int64_t)(i / nr) * H + r0 + i % nr] = __float2bfloat16(acc[(i / nr) * d.rows + i % nr]);
+  dec_stamp(p, DEC_TR_END);
 }

@@ -2200,6 +2200,7 @@ int decode_plan_for(int64_t S, int64_t H, int64_t I, int64_t K, DecPlan* out) {
 int launch_decode(const MkParams* p, cudaStream_t s) {
   DecPlan d;
   if (decode_plan_for(p->S, p->H, p->I, p->K, &d)) return 1;
+  if (p->S * p->K > p->max_tiles) return fail_msg("mk: decode: S x topk slot counters exceed max_tiles (g1done)");
   const cudaError_t e = launch_k(k_decode, dim3((unsigned)d.grid), DEC_THREADS, (size_t)d.bytes, s, p->pdl != 0, *p, d);
   if (e != cudaSuccess) return fail("k_decode launch", e);
   return 0;

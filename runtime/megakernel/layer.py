@@ -77,7 +77,8 @@ class MegakernelMoE:
         self.lib = _lib.load()
 
         bm_min = cfg.bm or 16
-        self.max_tiles = e + -(-max_tokens * k // bm_min)  # sum_e ceil(c_e / bm) <= S*K/bm + E
+        # sum_e ceil(c_e / bm) <= S*K/bm + E; the decode kernel counts per routed row (S*K <= 64) in g1done
+        self.max_tiles = max(e + -(-max_tokens * k // bm_min), min(max_tokens * k, 64))
         self.max_ctiles = -(-max_tokens // cfg.combine_tokens)
         self.n1, self.n2 = 2 * i // BN, h // BN
         from .schedule import combine_blocks
@@ -289,6 +290,34 @@ class MegakernelMoE:
         return {"tokens": s, "bm": bm, "grid": grid, "config": self.config.to_dict(),
                 "sched": {"start": us(raw[0]), "gemm1_published": us(raw[1]), "end": us(raw[2])},
                 "ctas": [[us(cta_raw[2 * b]), us(cta_raw[2 * b + 1])] for b in range(1, grid)], "tasks": tasks}
+
+    DECODE_STAMPS = ("start", "routed", "phase1", "signalled", "w_down", "ready", "end")  # mk_decode.cuh DEC_TR_*
+
+    @torch.no_grad()
+    def decode_timeline(self, x: torch.Tensor) -> dict[str, Any]:
+        """One forward of a decode launch with every CTA stamping its phases (globaltimer; profiling): per CTA, µs from
+        the first CTA's start to `routed` (routing's results visible), `phase1` (up projection begins), `signalled`
+        (its pairs done and counted), `w_down` (its down-projection rows landed), `ready` (the last slot complete) and
+        `end`; None where a CTA has no such step (no output rows). Syncs."""
+        s = x.shape[0]
+        dg = self.decode_grid(s)
+        if dg is None:
+            raise ValueError(f"megakernel: S={s} does not run the decode kernel (task_timeline traces the task graph)")
+        words = 8  # DEC_TR_WORDS
+        self._trace = torch.zeros(_lib.TR_HEAD + words * dg[0], dtype=torch.int64, device=self.device)
+        try:
+            self.forward(x)
+            torch.cuda.synchronize(self.device)
+            self.check()
+            raw = self._trace.tolist()[_lib.TR_HEAD:]
+        finally:
+            self._trace = None
+            for q in self._params.values():
+                q.trace = None
+        t0 = min(raw[words * c] for c in range(dg[0]))
+        ctas = [{n: (raw[words * c + f] - t0) / 1e3 if raw[words * c + f] else None
+                 for f, n in enumerate(self.DECODE_STAMPS)} for c in range(dg[0])]
+        return {"tokens": s, "grid": dg[0], "rows": dg[1], "config": self.config.to_dict(), "ctas": ctas}
 
     def routing(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last forward's routing for its S tokens: (expert ids int64 [S, K], weights fp32 [S, K])."""
