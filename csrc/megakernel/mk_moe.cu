@@ -245,21 +245,24 @@ __device__ __forceinline__ void mbar_wait(const MkParams& p, uint32_t bar, uint3
 // acquire loads; the CTA barrier then hands what the producers published to every thread). Bounded like every
 // wait: after timeout_ns it reports MK_ERR_INPUT_TIMEOUT (where = the counter's tile); an aborted launch goes on
 // at once (the tile is garbage, the host sees the error). `never`: the test hook's stalled tile.
-__device__ __forceinline__ void wait_inputs(const MkParams& p, const int32_t* cnt, int need, bool never, int where) {
-  if (threadIdx.x == 0 && (never || ld_acquire(cnt) < need)) {
-    const uint64_t since = gtime();
-    unsigned ns = 32;
-    while (never || ld_acquire(cnt) < need) {
-      if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) break;
-      const uint64_t waited = gtime() - since;
-      if (waited > (uint64_t)p.timeout_ns) {
-        report(p, MK_ERR_INPUT_TIMEOUT, where, need, (int64_t)waited);
-        break;
-      }
-      __nanosleep(ns);
-      ns = min(ns * 2, 128u);  // a handful of counters, each polled by the few CTAs waiting on it
+// wait_count: the calling thread's bounded wait for one counter (the decode kernel polls one slot per thread).
+__device__ __forceinline__ void wait_count(const MkParams& p, const int32_t* cnt, int need, bool never, int where) {
+  if (!never && ld_acquire(cnt) >= need) return;
+  const uint64_t since = gtime();
+  unsigned ns = 32;
+  while (never || ld_acquire(cnt) < need) {
+    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) break;
+    const uint64_t waited = gtime() - since;
+    if (waited > (uint64_t)p.timeout_ns) {
+      report(p, MK_ERR_INPUT_TIMEOUT, where, need, (int64_t)waited);
+      break;
     }
+    __nanosleep(ns);
+    ns = min(ns * 2, 128u);  // a handful of counters, each polled by the few CTAs waiting on it
   }
+}
+__device__ __forceinline__ void wait_inputs(const MkParams& p, const int32_t* cnt, int need, bool never, int where) {
+  if (threadIdx.x == 0) wait_count(p, cnt, need, never, where);
   __syncthreads();
 }
 // ---- the tile GEMM: acc[BM x 128] = A[BM rows, K] . B[128 rows, K]^T (bf16 in, fp32 accumulate) -------
