@@ -873,7 +873,7 @@ def test_publish_all_and_trace_fields() -> None:
     with pytest.raises(ConfigError, match="publish_all"):
         MegakernelConfig.parse("publish_all=2")
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
-    wait = src[src.index("void wait_inputs("):]
+    wait = src[src.index("void wait_count("):]
     wait = wait[:wait.index("\n}\n")]
     assert "MK_ERR_INPUT_TIMEOUT" in wait and "p.timeout_ns" in wait and "MK_CTL_ABORT" in wait
     # the GEMM2's weight stages start before the wait, the A rows (its inputs) only after it
