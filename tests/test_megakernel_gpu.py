@@ -548,7 +548,8 @@ def test_decode_runs_where_it_fits(new_layers, model):
     tl = m.decode_timeline(x)  # every CTA's phases in order; the rows' owners also wait for W_down and the slots
     assert tl["grid"] == grid and len(tl["ctas"]) == grid
     for c, st in enumerate(tl["ctas"]):
-        order = ["start", "routed", "phase1", "signalled"] + (["w_down", "ready"] if c * rows < model.hidden else [])
+        order = ["start", "routed", "phase1", "signalled"] + (["w_down", "ready", "h_loaded", "summed"]
+                                                              if c * rows < model.hidden else [])
         times = [st[n] for n in [*order, "end"]]
         assert None not in times and times == sorted(times), (c, st)
     torch.testing.assert_close(m.forward(x), ref, rtol=0, atol=0)

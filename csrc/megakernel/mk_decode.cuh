@@ -22,7 +22,7 @@ constexpr int DEC_VEC = 8;          // 16-byte weight loads per lane in flight f
 constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
 // Timeline (MkParams.trace, profiling only): words per CTA after MK_TR_HEAD, stamped by thread 0.
 enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3, DEC_TR_W2 = 4, DEC_TR_READY = 5,
-       DEC_TR_END = 6, DEC_TR_WORDS = 8 };
+       DEC_TR_H = 6, DEC_TR_SUMS = 7, DEC_TR_END = 8, DEC_TR_WORDS = 10 };
 // Measurement builds (never the default): 1 = no W_down copies (phase 3 adds whatever shared memory holds),
 // 2 = no up-projection loads (phase 2 multiplies zeros), 3 = neither.
 #ifndef MK_DEC_PROBE
@@ -32,7 +32,7 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 // Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
 struct DecPlan {
   int grid, rows;  // CTAs (one per SM), output rows per CTA (ceil(H / grid))
-  int x_off, w2_off, h_off, acc_off, bytes;
+  int x_off, w2_off, h_off, acc_off, stage_off, bytes;
 };
 inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int sms) {
   auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
@@ -44,9 +44,11 @@ inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int sms) {
   const int64_t w2_off = up(x_off + S * H * 2);
   const int64_t h_off = up(w2_off + slots * d.rows * I * 2);
   const int64_t acc_off = up(h_off + slots * I * 2);
-  const int64_t bytes = acc_off + S * d.rows * 4;
+  const int64_t stage_off = up(acc_off + S * d.rows * 4);  // this CTA's h elements: at most ceil(P / grid)
+  const int64_t bytes = stage_off + (slots * I / sms + 1) * 2;
   if (bytes > (1ll << 30)) return d;  // bytes stays 0: does not fit
-  d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.h_off = (int)h_off, d.acc_off = (int)acc_off, d.bytes = (int)bytes;
+  d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.h_off = (int)h_off, d.acc_off = (int)acc_off;
+  d.stage_off = (int)stage_off, d.bytes = (int)bytes;
   return d;
 }
 
@@ -111,6 +113,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   const char* w2s = smem + d.w2_off;
   bf16* hs = (bf16*)(smem + d.h_off);
   float* acc = (float*)(smem + d.acc_off);
+  bf16* hstage = (bf16*)(smem + d.stage_off);
   const int r0 = blockIdx.x * d.rows, nr = max(0, min(d.rows, H - r0));  // this CTA's output rows
   const bool ev = p.l2_evict_w != 0;
   uint64_t pol = 0;
@@ -147,11 +150,13 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
                   bar, ev, pol);
   }
   dec_stamp(p, DEC_TR_P1);
-  // 2. (gate, up) row pairs [q0, q1) of the S*K*I, one warp per pair
+  // 2. (gate, up) row pairs [q0, q1) of the S*K*I, one warp per pair, warps 1.. only: thread 0's copy instructions
+  // return only as the copy engine takes them (up to 8 µs into the launch in run 63's timeline), so warp 0's pairs
+  // would finish last
   const int64_t P = (int64_t)slots * I;
   const int64_t q0 = P * blockIdx.x / gridDim.x, q1 = P * (blockIdx.x + 1) / gridDim.x;
   const int HV = H / 8;  // 16-byte vectors per weight row
-  for (int64_t q = q0 + warp; q < q1; q += DEC_WARPS) {
+  for (int64_t q = q0 + warp - 1; warp > 0 && q < q1; q += DEC_WARPS - 1) {
     const int s = (int)(q / I), j = (int)(q % I), e = s_e[s];
     if (e < 0) continue;
     const uint4* g = (const uint4*)((const bf16*)p.w1 + ((int64_t)e * 2 * I + j) * H);
@@ -178,9 +183,12 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     }
     ag = warp_sum(ag);
     au = warp_sum(au);
-    if (lane == 0) ((bf16*)p.h)[(int64_t)s * I + j] = __float2bfloat16(__fdividef(ag, 1.f + __expf(-ag)) * au);
+    if (lane == 0) hstage[q - q0] = __float2bfloat16(__fdividef(ag, 1.f + __expf(-ag)) * au);
   }
-  __syncthreads();  // every warp's h stores before thread 0's fence and counters
+  __syncthreads();
+  // the range's h elements are contiguous in h (pair q is h[q]): whole lines, not one 2-byte store per pair
+  for (int64_t q = q0 + tid; q < q1; q += DEC_THREADS) ((bf16*)p.h)[q] = hstage[q - q0];
+  __syncthreads();  // every thread's h stores before thread 0's fence and counters
   if (tid == 0) {
     int tasks = blockIdx.x == 0 ? 1 : 0;  // ctl[TOTAL] holds tasks + 1, as the task graph's scheduler leaves it
     if (q1 > q0) {
@@ -212,6 +220,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   dec_stamp(p, DEC_TR_READY);
   for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
   __syncthreads();
+  dec_stamp(p, DEC_TR_H);
   for (int r = warp; r < nr; r += DEC_WARPS)
     for (int s = 0; s < slots; ++s) {
       if (s_e[s] < 0) continue;
@@ -222,6 +231,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
       a = warp_sum(a);
       if (lane == 0) acc[(s / K) * d.rows + r] += s_w[s] * a;  // this warp alone owns row r: slots in order
     }
+  dec_stamp(p, DEC_TR_SUMS);  // (warp 0's rows)
   __syncthreads();
   bf16* out = (bf16*)p.out;
   for (int i = tid; i < (int)p.S * nr; i += DEC_THREADS)

@@ -291,19 +291,22 @@ class MegakernelMoE:
                 "sched": {"start": us(raw[0]), "gemm1_published": us(raw[1]), "end": us(raw[2])},
                 "ctas": [[us(cta_raw[2 * b]), us(cta_raw[2 * b + 1])] for b in range(1, grid)], "tasks": tasks}
 
-    DECODE_STAMPS = ("start", "routed", "phase1", "signalled", "w_down", "ready", "end")  # mk_decode.cuh DEC_TR_*
+    # mk_decode.cuh DEC_TR_*: per CTA, DECODE_WORDS words
+    DECODE_STAMPS = ("start", "routed", "phase1", "signalled", "w_down", "ready", "h_loaded", "summed", "end")
+    DECODE_WORDS = 10
 
     @torch.no_grad()
     def decode_timeline(self, x: torch.Tensor) -> dict[str, Any]:
         """One forward of a decode launch with every CTA stamping its phases (globaltimer; profiling): per CTA, µs from
         the first CTA's start to `routed` (routing's results visible), `phase1` (up projection begins), `signalled`
         (its pairs done and counted), `w_down` (its down-projection rows landed), `ready` (the last slot complete) and
-        `end`; None where a CTA has no such step (no output rows). Syncs."""
+        `h_loaded` (every slot's h in shared memory), `summed` (warp 0's rows added) and `end`; None where a CTA has no
+        such step (no output rows). Syncs."""
         s = x.shape[0]
         dg = self.decode_grid(s)
         if dg is None:
             raise ValueError(f"megakernel: S={s} does not run the decode kernel (task_timeline traces the task graph)")
-        words = 8  # DEC_TR_WORDS
+        words = self.DECODE_WORDS
         self._trace = torch.zeros(_lib.TR_HEAD + words * dg[0], dtype=torch.int64, device=self.device)
         try:
             self.forward(x)
