@@ -17,6 +17,10 @@
 // runtime/megakernel/schedule.py's decode_plan models them. All CTAs are resident (one per SM, checked by the
 // occupancy query at launch), so a CTA waiting for a slot never blocks the CTAs that finish it.
 
+// Every loop of the kernel runs a few times per launch, most exactly once: unrolled copies would make each phase's
+// first pass a chain of instruction-cache misses (run 64's timeline: 9 µs for phase 3's 24 dot products per lane
+// before its loops were kept rolled).
+#define MK_ONCE _Pragma("unroll 1")
 constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
 constexpr int DEC_VEC = 8;          // 16-byte weight loads per lane in flight for each row of a pair
 constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
@@ -125,7 +129,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   }
   pdl_enter(p);  // routing's picks and the counters' reset are visible from here
   dec_stamp(p, DEC_TR_ROUTED);
-  for (int s = tid; s < slots; s += DEC_THREADS) {
+  MK_ONCE for (int s = tid; s < slots; s += DEC_THREADS) {
     int e = __ldcg(p.topk_idx + s);
     if (e < 0 || e >= p.E) {
       if (blockIdx.x == 0) report(p, MK_ERR_BAD_EXPERT, s, e, 0);
@@ -134,17 +138,17 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     s_e[s] = e;
     s_w[s] = __ldcg(p.topk_w + s);
   }
-  for (int i = tid; i < (int)p.S * d.rows; i += DEC_THREADS) acc[i] = 0.f;
+  MK_ONCE for (int i = tid; i < (int)p.S * d.rows; i += DEC_THREADS) acc[i] = 0.f;
   // x first: issued behind the W_down copies it waited 5 µs for them (run 62's timeline)
-  for (int v = tid; v < (int)p.S * H / 8; v += DEC_THREADS) ((uint4*)xs)[v] = ((const uint4*)p.x)[v];
+  MK_ONCE for (int v = tid; v < (int)p.S * H / 8; v += DEC_THREADS) ((uint4*)xs)[v] = ((const uint4*)p.x)[v];
   __syncthreads();
   // 1. this CTA's rows of W_down for every slot, in flight while phase 2 streams the up projection
   if (tid == 0 && nr > 0) {
     const uint32_t each = (uint32_t)nr * I * 2;
     uint32_t bytes = 0;
-    for (int s = 0; s < slots; ++s) bytes += s_e[s] >= 0 && !(MK_DEC_PROBE & 1) ? each : 0;
+    MK_ONCE for (int s = 0; s < slots; ++s) bytes += s_e[s] >= 0 && !(MK_DEC_PROBE & 1) ? each : 0;
     mbar_arrive_tx(bar, bytes);
-    for (int s = 0; s < slots; ++s)
+    MK_ONCE for (int s = 0; s < slots; ++s)
       if (s_e[s] >= 0 && !(MK_DEC_PROBE & 1))
         bulk_load(su32(w2s) + (uint32_t)s * d.rows * I * 2, (const bf16*)p.w2 + ((int64_t)s_e[s] * H + r0) * I, each,
                   bar, ev, pol);
@@ -156,14 +160,14 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   const int64_t P = (int64_t)slots * I;
   const int64_t q0 = P * blockIdx.x / gridDim.x, q1 = P * (blockIdx.x + 1) / gridDim.x;
   const int HV = H / 8;  // 16-byte vectors per weight row
-  for (int64_t q = q0 + warp - 1; warp > 0 && q < q1; q += DEC_WARPS - 1) {
+  MK_ONCE for (int64_t q = q0 + warp - 1; warp > 0 && q < q1; q += DEC_WARPS - 1) {
     const int s = (int)(q / I), j = (int)(q % I), e = s_e[s];
     if (e < 0) continue;
     const uint4* g = (const uint4*)((const bf16*)p.w1 + ((int64_t)e * 2 * I + j) * H);
     const uint4* u = g + (int64_t)I * HV;  // the up row: I rows further
     const uint4* xv = (const uint4*)(xs + (int64_t)(s / K) * H);
     float ag = 0.f, au = 0.f;
-    for (int v0 = 0; v0 < HV; v0 += 32 * DEC_VEC) {
+    MK_ONCE for (int v0 = 0; v0 < HV; v0 += 32 * DEC_VEC) {
       uint4 a[DEC_VEC], b[DEC_VEC];
 #pragma unroll
       for (int i = 0; i < DEC_VEC; ++i) {  // every load issued before the first product
@@ -187,13 +191,13 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   }
   __syncthreads();
   // the range's h elements are contiguous in h (pair q is h[q]): whole lines, not one 2-byte store per pair
-  for (int64_t q = q0 + tid; q < q1; q += DEC_THREADS) ((bf16*)p.h)[q] = hstage[q - q0];
+  MK_ONCE for (int64_t q = q0 + tid; q < q1; q += DEC_THREADS) ((bf16*)p.h)[q] = hstage[q - q0];
   __syncthreads();  // every thread's h stores before thread 0's fence and counters
   if (tid == 0) {
     int tasks = blockIdx.x == 0 ? 1 : 0;  // ctl[TOTAL] holds tasks + 1, as the task graph's scheduler leaves it
     if (q1 > q0) {
       __threadfence();
-      for (int s = (int)(q0 / I); s <= (int)((q1 - 1) / I); ++s) {
+      MK_ONCE for (int s = (int)(q0 / I); s <= (int)((q1 - 1) / I); ++s) {
         const int64_t lo = q0 > (int64_t)s * I ? q0 : (int64_t)s * I;
         const int64_t hi = q1 < (int64_t)(s + 1) * I ? q1 : (int64_t)(s + 1) * I;
         red_release(p.g1done + s, (int)(hi - lo));
@@ -218,23 +222,23 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   if (tid < slots && s_e[tid] >= 0) wait_count(p, p.g1done + tid, I, tid == p.stall_tile, tid);
   __syncthreads();
   dec_stamp(p, DEC_TR_READY);
-  for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
+  MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
   __syncthreads();
   dec_stamp(p, DEC_TR_H);
-  for (int r = warp; r < nr; r += DEC_WARPS)
-    for (int s = 0; s < slots; ++s) {
+  MK_ONCE for (int r = warp; r < nr; r += DEC_WARPS)
+    MK_ONCE for (int s = 0; s < slots; ++s) {
       if (s_e[s] < 0) continue;
       const uint4* wr = (const uint4*)(w2s + ((int64_t)s * d.rows + r) * I * 2);
       const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
       float a = 0.f;
-      for (int v = lane; v < I / 8; v += 32) dot8(a, wr[v], hv[v]);
+      MK_ONCE for (int v = lane; v < I / 8; v += 32) dot8(a, wr[v], hv[v]);
       a = warp_sum(a);
       if (lane == 0) acc[(s / K) * d.rows + r] += s_w[s] * a;  // this warp alone owns row r: slots in order
     }
   dec_stamp(p, DEC_TR_SUMS);  // (warp 0's rows)
   __syncthreads();
   bf16* out = (bf16*)p.out;
-  for (int i = tid; i < (int)p.S * nr; i += DEC_THREADS)
+  MK_ONCE for (int i = tid; i < (int)p.S * nr; i += DEC_THREADS)
     out[(int64_t)(i / nr) * H + r0 + i % nr] = __float2bfloat16(acc[(i / nr) * d.rows + i % nr]);
   dec_stamp(p, DEC_TR_END);
 }
