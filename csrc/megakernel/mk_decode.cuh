@@ -28,7 +28,7 @@ constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing i
 enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3, DEC_TR_W2 = 4, DEC_TR_READY = 5,
        DEC_TR_H = 6, DEC_TR_SUMS = 7, DEC_TR_END = 8, DEC_TR_WORDS = 10 };
 // Measurement builds (never the default): 1 = no W_down copies (phase 3 adds whatever shared memory holds),
-// 2 = no up-projection loads (phase 2 multiplies zeros), 3 = neither.
+// 2 = no up-projection loads (phase 2 multiplies zeros), 3 = neither; 4 (or-ed) = no down-projection sums.
 #ifndef MK_DEC_PROBE
 #define MK_DEC_PROBE 0
 #endif
@@ -225,16 +225,21 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
   __syncthreads();
   dec_stamp(p, DEC_TR_H);
-  MK_ONCE for (int r = warp; r < nr; r += DEC_WARPS)
-    MK_ONCE for (int s = 0; s < slots; ++s) {
+  // each lane adds w * (its part of the row . h) over a token's slots in order, then one warp sum per (token, row)
+  MK_ONCE for (int i = warp; i < (int)p.S * nr && !(MK_DEC_PROBE & 4); i += DEC_WARPS) {
+    const int t = i / nr, r = i % nr;
+    float y = 0.f;
+    MK_ONCE for (int s = t * K; s < (t + 1) * K; ++s) {
       if (s_e[s] < 0) continue;
       const uint4* wr = (const uint4*)(w2s + ((int64_t)s * d.rows + r) * I * 2);
       const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
       float a = 0.f;
       MK_ONCE for (int v = lane; v < I / 8; v += 32) dot8(a, wr[v], hv[v]);
-      a = warp_sum(a);
-      if (lane == 0) acc[(s / K) * d.rows + r] += s_w[s] * a;  // this warp alone owns row r: slots in order
+      y = fmaf(s_w[s], a, y);
     }
+    y = warp_sum(y);
+    if (lane == 0) acc[t * d.rows + r] = y;  // one warp owns each (token, row)
+  }
   dec_stamp(p, DEC_TR_SUMS);  // (warp 0's rows)
   __syncthreads();
   bf16* out = (bf16*)p.out;
