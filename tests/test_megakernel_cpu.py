@@ -914,7 +914,7 @@ def test_pdl_setting_and_source() -> None:
     body = dk[dk.index("k_decode(const MkParams p"):]
     assert body.index("pdl_enter(p);") < body.index("p.topk_idx")
     dcode = re.sub(r"//[^\n]*", "", dk)
-    assert dcode.count("ld_weights(") == 3 and dcode.count("ld.global.nc") == 2  # definition + 2 uses; 2 variants
+    assert dcode.count("ld_weights(") == 4 and dcode.count("ld.global.nc") == 2  # definition + 3 uses; 2 variants
     assert all("ld_weights(g + v" in ln or "ld_weights(u + v" in ln or "uint4 ld_weights(" in ln
                for ln in dcode.splitlines() if "ld_weights(" in ln)
 

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 15
+#define MK_ABI_VERSION 16
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -127,9 +127,12 @@ typedef struct MkParams {
   int64_t l2_evict_w;  // 1: the TMA weight tiles load with the L2 evict-first policy (the layer sets it for launches that
                        // read each expert's weights about once); 0: the default policy
   // ABI 15
-  int64_t decode;  // 1: mk_experts runs the decode kernel (one CTA per SM: row-pair GEMVs for the up projection while
-                   // each CTA's rows of the down projection load into shared memory; mk_decode_grid says where it
-                   // fits); 0: the task graph's persistent kernel
+  int64_t decode;  // 0: the task graph's persistent kernel. 1 / 2: mk_experts runs the decode kernel instead (one CTA
+                   // per SM: row-pair GEMVs for the up projection while each CTA's rows of the down projection load
+                   // into shared memory; mk_decode_grid says where it fits), with the picks given in topk_idx /
+                   // topk_w (1) or (ABI 16) routing from the gate in the kernel itself (2, no mk_route before it)
+  // ABI 16
+  int32_t* dec_cnt;  // [(64 + 3) * 32] the decode kernel's counters (zero between launches: its last CTA resets them)
 } MkParams;
 
 int mk_abi_version(void);
@@ -138,10 +141,10 @@ const char* mk_last_error(void);
 // current device (ABI 8: bn added; ABI 9: overlap).
 int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t bn, int64_t overlap, int* per_sm,
                  int* sms);
-// The decode kernel's launch for S tokens of this shape on the current device: 0 and its CTAs (*grid, one per SM) and
+// The decode kernel's launch for S tokens of this shape (E experts) on the current device: 0 and its CTAs (*grid, one per SM) and
 // output rows per CTA (*rows) where it fits (S x topk <= 64, each CTA's rows of W_down in its shared memory), else 1
 // and mk_last_error says why (ABI 15).
-int mk_decode_grid(int64_t S, int64_t H, int64_t I, int64_t K, int* grid, int* rows);
+int mk_decode_grid(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int* grid, int* rows);
 // Launch the routing kernels (gate GEMM + softmax/top-k/lists) on `stream`.
 int mk_route(const MkParams* p, void* stream);
 // Given routing (p->topk_idx / p->topk_w filled by the caller): reset + per-expert row lists.

@@ -5,16 +5,20 @@
 // Why a second kernel: at S = 1 the task graph's 16-row tiles compute 1 row in 16, its 96 GEMM1 tasks occupy 96
 // SMs, and the down projection's weights stream only once the up projection is done (run 15-20 timelines: the
 // GEMM1s at ~2.2 TB/s, 6 µs before the first task). Here every SM streams from the start:
+//   0. (decode = 2) routing in the kernel: the S x E gate dot products spread over the CTAs (a warp each, fp32),
+//      counted on one counter; every CTA then runs k_topk's warp selection (warp_topk) on the logits itself, so
+//      all CTAs hold the same picks without another kernel. decode = 1 reads given picks (topk_idx / topk_w).
 //   1. each CTA starts one bulk copy per slot of its R output rows of W_down[e] (R x I bf16, contiguous in the
 //      weight) into shared memory, on one mbarrier;
 //   2. it computes its share of the S*K*I (gate, up) row pairs as warp dot products with x (fp32 accumulate,
 //      h = silu(gate) * up rounded to bf16 as the tile kernels store it) and adds the pairs it finished to each
-//      slot's counter (g1done[slot]: release after the h stores);
-//   3. for each slot in (token, j) order, once its counter reaches I (acquire, bounded wait): acc[t, r] +=
-//      w[t, j] * (W_down row r . h) in fp32, one warp per row; then out = bf16(acc). Every output row is written
-//      by exactly one CTA, the slots are added in a fixed order: bit-identical runs.
-// The kernel counts its tasks (phase-1 ranges, phase-2 row blocks) in ctl like the task graph does, and
-// runtime/megakernel/schedule.py's decode_plan models them. All CTAs are resident (one per SM, checked by the
+//      slot's counter (release after the h stores);
+//   3. once every slot's counter reaches I (acquire, bounded waits): out[t, r] = sum over the token's slots in
+//      order of w[t, j] * (W_down row r . h) in fp32, then bf16. Every output row is written by exactly one CTA
+//      and the sums run in a fixed order: bit-identical runs.
+// The counters are the kernel's own (MkParams.dec_cnt): the last CTA to finish (a ticket) zeroes them and writes
+// the launch's task counts into ctl (phase-1 ranges and phase-3 row blocks, as runtime/megakernel/decode.py
+// models them), so a launch needs no reset kernel before it. All CTAs are resident (one per SM, checked by the
 // occupancy query at launch), so a CTA waiting for a slot never blocks the CTAs that finish it.
 
 // Every loop of the kernel runs a few times per launch, most exactly once: unrolled copies would make each phase's
@@ -24,6 +28,11 @@
 constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
 constexpr int DEC_VEC = 8;          // 16-byte weight loads per lane in flight for each row of a pair
 constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
+// MkParams.dec_cnt: int32 counters one 128-byte line apart (polled by every CTA): slot s's finished pairs at
+// DEC_STRIDE * s, the logits written, the tasks done, the exit ticket
+constexpr int DEC_STRIDE = 32;
+enum { DEC_CNT_LOGITS = DEC_MAX_SLOTS, DEC_CNT_TASKS = DEC_MAX_SLOTS + 1, DEC_CNT_TICKET = DEC_MAX_SLOTS + 2,
+       DEC_CNT_WORDS = (DEC_MAX_SLOTS + 3) * DEC_STRIDE };
 // Timeline (MkParams.trace, profiling only): words per CTA after MK_TR_HEAD, stamped by thread 0.
 enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3, DEC_TR_W2 = 4, DEC_TR_READY = 5,
        DEC_TR_H = 6, DEC_TR_SUMS = 7, DEC_TR_END = 8, DEC_TR_WORDS = 10 };
@@ -36,9 +45,9 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 // Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
 struct DecPlan {
   int grid, rows;  // CTAs (one per SM), output rows per CTA (ceil(H / grid))
-  int x_off, w2_off, h_off, acc_off, stage_off, bytes;
+  int x_off, w2_off, h_off, acc_off, stage_off, lg_off, bytes;
 };
-inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int sms) {
+inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int sms) {
   auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
   DecPlan d = {};
   d.grid = sms;
@@ -49,10 +58,11 @@ inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int sms) {
   const int64_t h_off = up(w2_off + slots * d.rows * I * 2);
   const int64_t acc_off = up(h_off + slots * I * 2);
   const int64_t stage_off = up(acc_off + S * d.rows * 4);  // this CTA's h elements: at most ceil(P / grid)
-  const int64_t bytes = stage_off + (slots * I / sms + 1) * 2;
+  const int64_t lg_off = up(stage_off + (slots * I / sms + 1) * 2);  // the S x E logits (routing in the kernel)
+  const int64_t bytes = lg_off + S * E * 4;
   if (bytes > (1ll << 30)) return d;  // bytes stays 0: does not fit
   d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.h_off = (int)h_off, d.acc_off = (int)acc_off;
-  d.stage_off = (int)stage_off, d.bytes = (int)bytes;
+  d.stage_off = (int)stage_off, d.lg_off = (int)lg_off, d.bytes = (int)bytes;
   return d;
 }
 
@@ -106,18 +116,22 @@ __device__ __forceinline__ void red_release(int32_t* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
+// NI: experts per lane of the in-kernel top-k (as k_topk's template bound)
+template <int NI>
 __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, const DecPlan d) {
   extern __shared__ __align__(128) char smem[];
   __shared__ int s_e[DEC_MAX_SLOTS];
   __shared__ float s_w[DEC_MAX_SLOTS];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int K = (int)p.K, H = (int)p.H, I = (int)p.I, slots = (int)p.S * K;
+  const int S = (int)p.S, K = (int)p.K, H = (int)p.H, I = (int)p.I, E = (int)p.E, slots = S * K;
   const uint32_t bar = su32(smem);
-  const bf16* xs = (const bf16*)(smem + d.x_off);
+  bf16* xs = (bf16*)(smem + d.x_off);
   const char* w2s = smem + d.w2_off;
   bf16* hs = (bf16*)(smem + d.h_off);
   float* acc = (float*)(smem + d.acc_off);
   bf16* hstage = (bf16*)(smem + d.stage_off);
+  float* lg = (float*)(smem + d.lg_off);
+  int32_t* cnt = p.dec_cnt;
   const int r0 = blockIdx.x * d.rows, nr = max(0, min(d.rows, H - r0));  // this CTA's output rows
   const bool ev = p.l2_evict_w != 0;
   uint64_t pol = 0;
@@ -127,21 +141,59 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     mbar_init(bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  pdl_enter(p);  // routing's picks and the counters' reset are visible from here
-  dec_stamp(p, DEC_TR_ROUTED);
-  MK_ONCE for (int s = tid; s < slots; s += DEC_THREADS) {
-    int e = __ldcg(p.topk_idx + s);
-    if (e < 0 || e >= p.E) {
-      if (blockIdx.x == 0) report(p, MK_ERR_BAD_EXPERT, s, e, 0);
-      e = -1;  // the slot adds nothing (as k_lists drops the row)
-    }
-    s_e[s] = e;
-    s_w[s] = __ldcg(p.topk_w + s);
-  }
-  MK_ONCE for (int i = tid; i < (int)p.S * d.rows; i += DEC_THREADS) acc[i] = 0.f;
-  // x first: issued behind the W_down copies it waited 5 µs for them (run 62's timeline)
-  MK_ONCE for (int v = tid; v < (int)p.S * H / 8; v += DEC_THREADS) ((uint4*)xs)[v] = ((const uint4*)p.x)[v];
+  pdl_enter(p);  // x (and given picks) from the kernels before are visible from here
+  MK_ONCE for (int v = tid; v < S * H / 8; v += DEC_THREADS) ((uint4*)xs)[v] = ((const uint4*)p.x)[v];
+  MK_ONCE for (int i = tid; i < S * d.rows; i += DEC_THREADS) acc[i] = 0.f;
   __syncthreads();
+  const int HV = H / 8;  // 16-byte vectors per weight row
+  if (p.decode == 2) {
+    // 0. the gate logits (t, e) of [l0, l1), a warp each, then the picks from all of them in every CTA
+    const int L = S * E, l0 = (int)((int64_t)L * blockIdx.x / gridDim.x), l1 = (int)((int64_t)L * (blockIdx.x + 1) / gridDim.x);
+    MK_ONCE for (int l = l0 + warp; l < l1; l += DEC_WARPS) {
+      const uint4* g = (const uint4*)((const bf16*)p.wg + (int64_t)(l % E) * H);
+      const uint4* xv = (const uint4*)(xs + (int64_t)(l / E) * H);
+      float a = 0.f;
+      MK_ONCE for (int v = lane; v < HV; v += 32) dot8(a, ld_weights(g + v, false, pol), xv[v]);
+      a = warp_sum(a);
+      if (lane == 0) p.logits[l] = a;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      if (l1 > l0) {
+        __threadfence();
+        red_release(cnt + DEC_STRIDE * DEC_CNT_LOGITS, l1 - l0);
+      }
+      wait_count(p, cnt + DEC_STRIDE * DEC_CNT_LOGITS, L, false, -1);
+    }
+    __syncthreads();
+    MK_ONCE for (int i = tid; i < L; i += DEC_THREADS) lg[i] = __ldcg(p.logits + i);
+    __syncthreads();
+    MK_ONCE for (int t = warp; t < S; t += DEC_WARPS) {
+      int e;
+      float w;
+      warp_topk<NI>(lg + (int64_t)t * E, E, K, lane, e, w);
+      if (lane < K) {
+        s_e[t * K + lane] = e;
+        s_w[t * K + lane] = w;
+        if (blockIdx.x == 0) {  // the layer's routing() reads them
+          p.topk_idx[t * K + lane] = e;
+          p.topk_w[t * K + lane] = w;
+        }
+      }
+    }
+  } else {
+    MK_ONCE for (int s = tid; s < slots; s += DEC_THREADS) {
+      int e = __ldcg(p.topk_idx + s);
+      if (e < 0 || e >= E) {
+        if (blockIdx.x == 0) report(p, MK_ERR_BAD_EXPERT, s, e, 0);
+        e = -1;  // the slot adds nothing (as k_lists drops the row)
+      }
+      s_e[s] = e;
+      s_w[s] = __ldcg(p.topk_w + s);
+    }
+  }
+  __syncthreads();
+  dec_stamp(p, DEC_TR_ROUTED);
   // 1. this CTA's rows of W_down for every slot, in flight while phase 2 streams the up projection
   if (tid == 0 && nr > 0) {
     const uint32_t each = (uint32_t)nr * I * 2;
@@ -159,7 +211,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   // would finish last
   const int64_t P = (int64_t)slots * I;
   const int64_t q0 = P * blockIdx.x / gridDim.x, q1 = P * (blockIdx.x + 1) / gridDim.x;
-  const int HV = H / 8;  // 16-byte vectors per weight row
   MK_ONCE for (int64_t q = q0 + warp - 1; warp > 0 && q < q1; q += DEC_WARPS - 1) {
     const int s = (int)(q / I), j = (int)(q % I), e = s_e[s];
     if (e < 0) continue;
@@ -194,56 +245,65 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   MK_ONCE for (int64_t q = q0 + tid; q < q1; q += DEC_THREADS) ((bf16*)p.h)[q] = hstage[q - q0];
   __syncthreads();  // every thread's h stores before thread 0's fence and counters
   if (tid == 0) {
-    int tasks = blockIdx.x == 0 ? 1 : 0;  // ctl[TOTAL] holds tasks + 1, as the task graph's scheduler leaves it
+    const int tasks = (q1 > q0 ? 1 : 0) + (nr > 0 ? 1 : 0);  // phase 3 below always completes (timeouts end it)
     if (q1 > q0) {
       __threadfence();
       MK_ONCE for (int s = (int)(q0 / I); s <= (int)((q1 - 1) / I); ++s) {
         const int64_t lo = q0 > (int64_t)s * I ? q0 : (int64_t)s * I;
         const int64_t hi = q1 < (int64_t)(s + 1) * I ? q1 : (int64_t)(s + 1) * I;
-        red_release(p.g1done + s, (int)(hi - lo));
+        red_release(cnt + DEC_STRIDE * s, (int)(hi - lo));
       }
-      ++tasks;
     }
-    tasks += nr > 0 ? 1 : 0;  // phase 3 below always completes (a timed-out wait still ends it)
-    atomicAdd(p.ctl + MK_CTL_TOTAL, tasks);
-    atomicAdd(p.ctl + MK_CTL_PUBLISHED, tasks - (blockIdx.x == 0 ? 1 : 0));
-    if (blockIdx.x == 0) p.ctl[MK_CTL_TILES] = slots;
+    red_add(cnt + DEC_STRIDE * DEC_CNT_TASKS, tasks);
   }
   dec_stamp(p, DEC_TR_SIGNALLED);
-  if (nr == 0) {
-    dec_stamp(p, DEC_TR_END);
-    return;
-  }
-  // 3. the down projection of this CTA's rows once every slot's h is complete: one thread polls each slot's counter
-  // (all at once: slot by slot, a poll, an h load and two barriers each cost 12 µs for 8 slots in run 62), then all
-  // h rows load together and each warp adds its rows' slots in order
-  mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
-  dec_stamp(p, DEC_TR_W2);
-  if (tid < slots && s_e[tid] >= 0) wait_count(p, p.g1done + tid, I, tid == p.stall_tile, tid);
-  __syncthreads();
-  dec_stamp(p, DEC_TR_READY);
-  MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
-  __syncthreads();
-  dec_stamp(p, DEC_TR_H);
-  // each lane adds w * (its part of the row . h) over a token's slots in order, then one warp sum per (token, row)
-  MK_ONCE for (int i = warp; i < (int)p.S * nr && !(MK_DEC_PROBE & 4); i += DEC_WARPS) {
-    const int t = i / nr, r = i % nr;
-    float y = 0.f;
-    MK_ONCE for (int s = t * K; s < (t + 1) * K; ++s) {
-      if (s_e[s] < 0) continue;
-      const uint4* wr = (const uint4*)(w2s + ((int64_t)s * d.rows + r) * I * 2);
-      const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
-      float a = 0.f;
-      MK_ONCE for (int v = lane; v < I / 8; v += 32) dot8(a, wr[v], hv[v]);
-      y = fmaf(s_w[s], a, y);
+  if (nr > 0) {
+    // 3. the down projection of this CTA's rows once every slot's h is complete: one thread polls each slot's
+    // counter (all at once: slot by slot, a poll, an h load and two barriers each took 12 µs for 8 slots in run
+    // 62), then all h rows load together and each warp sums its (token, row)s
+    mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
+    dec_stamp(p, DEC_TR_W2);
+    if (tid < slots && s_e[tid] >= 0) wait_count(p, cnt + DEC_STRIDE * tid, I, tid == p.stall_tile, tid);
+    __syncthreads();
+    dec_stamp(p, DEC_TR_READY);
+    MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
+    __syncthreads();
+    dec_stamp(p, DEC_TR_H);
+    // each lane adds w * (its part of the row . h) over a token's slots in order, then one warp sum per (token, row)
+    MK_ONCE for (int i = warp; i < S * nr && !(MK_DEC_PROBE & 4); i += DEC_WARPS) {
+      const int t = i / nr, r = i % nr;
+      float y = 0.f;
+      MK_ONCE for (int s = t * K; s < (t + 1) * K; ++s) {
+        if (s_e[s] < 0) continue;
+        const uint4* wr = (const uint4*)(w2s + ((int64_t)s * d.rows + r) * I * 2);
+        const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
+        float a = 0.f;
+        MK_ONCE for (int v = lane; v < I / 8; v += 32) dot8(a, wr[v], hv[v]);
+        y = fmaf(s_w[s], a, y);
+      }
+      y = warp_sum(y);
+      if (lane == 0) acc[t * d.rows + r] = y;  // one warp owns each (token, row)
     }
-    y = warp_sum(y);
-    if (lane == 0) acc[t * d.rows + r] = y;  // one warp owns each (token, row)
+    dec_stamp(p, DEC_TR_SUMS);  // (warp 0's rows)
+    __syncthreads();
+    bf16* out = (bf16*)p.out;
+    MK_ONCE for (int i = tid; i < S * nr; i += DEC_THREADS)
+      out[(int64_t)(i / nr) * H + r0 + i % nr] = __float2bfloat16(acc[(i / nr) * d.rows + i % nr]);
   }
-  dec_stamp(p, DEC_TR_SUMS);  // (warp 0's rows)
-  __syncthreads();
-  bf16* out = (bf16*)p.out;
-  MK_ONCE for (int i = tid; i < (int)p.S * nr; i += DEC_THREADS)
-    out[(int64_t)(i / nr) * H + r0 + i % nr] = __float2bfloat16(acc[(i / nr) * d.rows + i % nr]);
   dec_stamp(p, DEC_TR_END);
+  // the last CTA out (every other one is past its last wait) leaves the counters zero for the next launch and the
+  // launch's task counts where the task graph's scheduler leaves them
+  if (tid == 0) {
+    __threadfence();
+    if (atomicAdd(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1) == (int)gridDim.x - 1) {
+      __threadfence();
+      const int tasks = atomicExch(cnt + DEC_STRIDE * DEC_CNT_TASKS, 0);
+      p.ctl[MK_CTL_TOTAL] = tasks + 1;
+      p.ctl[MK_CTL_PUBLISHED] = tasks;
+      p.ctl[MK_CTL_TILES] = slots;
+      MK_ONCE for (int s = 0; s < slots; ++s) cnt[DEC_STRIDE * s] = 0;
+      cnt[DEC_STRIDE * DEC_CNT_LOGITS] = 0;
+      cnt[DEC_STRIDE * DEC_CNT_TICKET] = 0;
+    }
+  }
 }

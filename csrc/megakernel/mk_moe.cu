@@ -1674,65 +1674,16 @@ constexpr int MAXK = 16;
 constexpr int MAX_SPLITS = 16;     // logit planes k_topk adds (layer.py caps logit_splits at 16)
 constexpr int TOPK_TOKENS = THREADS / 32;  // one warp per token
 
-// Softmax (fp32), top-k (ties: lower expert first), renormalise; append (t, j) to its expert's list.
-// Phase 1: the whole block adds the split planes of its tokens' logits into shared memory, a thread's loads of four
-// planes issued before their adds (run 5 under ncu: 24 us at S=1 when each lane chained its 16 plane loads one after
-// another); the planes are added in plane order, so the logits are the same bits as before.
-// Phase 2: one warp per token: softmax, top-k, renormalise. NI = experts per lane, a compile-time bound (E <= 32 NI):
-// with MAXE_PER_LANE-long arrays and runtime bounds, the unrolled loops ran predicated (ncu, run 27 at S=4096: 16.6
-// of 32 threads doing work per instruction) and 96 registers left 1.55 waves of blocks; each lane now keeps only its
-// own pick (lane j: pick j), and the 64-register bound fits S=4096's 1024 blocks in one wave.
+// One warp's softmax (fp32), top-k (ties: lower expert first) and renormalisation of the E logits at lg (shared
+// memory): lane j < K gets pick j (expert, weight). k_topk and the decode kernel's routing share it.
 template <int NI>
-__global__ void __launch_bounds__(THREADS, 8) k_topk(const MkParams p, int splits) {
-  static_assert(NI >= 1 && NI <= MAXE_PER_LANE, "experts per lane");
-  __shared__ float s_lg[TOPK_TOKENS][32 * NI];
-  if (p.pdl) {  // the persistent kernel may start (it waits for this one); then wait for the logits
-    griddep_launch();
-    griddep_wait();
-  }
-  const int lane = threadIdx.x & 31;
-  const int t0 = blockIdx.x * TOPK_TOKENS;
-  const int E = (int)p.E, K = (int)p.K;
-  const int ntok = min(TOPK_TOKENS, (int)p.S - t0);
-  const int64_t plane = p.S * p.E;
-  for (int i0 = 0; i0 < ntok * E; i0 += THREADS * 4) {
-    const float* src[4];
-    bool ok[4];
-    float a[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int i = i0 + r * THREADS + threadIdx.x;
-      ok[r] = i < ntok * E;
-      src[r] = p.logits + (int64_t)(t0 + (ok[r] ? i / E : 0)) * E + (ok[r] ? i % E : 0);
-      a[r] = 0.f;
-    }
-    for (int z0 = 0; z0 < splits; z0 += 4) {
-      float part[4][4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int z = 0; z < 4; ++z) part[r][z] = ok[r] && z0 + z < splits ? __ldcg(src[r] + (z0 + z) * plane) : 0.f;
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int z = 0; z < 4; ++z)
-          if (z0 + z < splits) a[r] = z0 + z == 0 ? part[r][z] : a[r] + part[r][z];  // plane order: the same bits
-    }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int i = i0 + r * THREADS + threadIdx.x;
-      if (ok[r]) s_lg[i / E][i % E] = a[r];
-    }
-  }
-  __syncthreads();
-  const int tl = threadIdx.x >> 5, t = t0 + tl;
-  if (tl >= ntok) return;
+__device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lane, int& pick_e, float& pick_w) {
   float v[NI];
   float m = -INFINITY;
 #pragma unroll
   for (int i = 0; i < NI; ++i) {
     const int e = lane + 32 * i;
-    v[i] = e < E ? s_lg[tl][e] : -INFINITY;
+    v[i] = e < E ? lg[e] : -INFINITY;
     m = fmaxf(m, v[i]);
   }
 #pragma unroll
@@ -1790,10 +1741,70 @@ __global__ void __launch_bounds__(THREADS, 8) k_topk(const MkParams p, int split
     sum += bv;  // warp-uniform: every lane adds the picks in pick order
   }
   const float denom = fmaxf(sum, 1e-20f);
+  pick_e = my_i;
+  pick_w = my_v / denom;
+}
+
+// Softmax (fp32), top-k (ties: lower expert first), renormalise; append (t, j) to its expert's list.
+// Phase 1: the whole block adds the split planes of its tokens' logits into shared memory, a thread's loads of four
+// planes issued before their adds (run 5 under ncu: 24 us at S=1 when each lane chained its 16 plane loads one after
+// another); the planes are added in plane order, so the logits are the same bits as before.
+// Phase 2: one warp per token: softmax, top-k, renormalise. NI = experts per lane, a compile-time bound (E <= 32 NI):
+// with MAXE_PER_LANE-long arrays and runtime bounds, the unrolled loops ran predicated (ncu, run 27 at S=4096: 16.6
+// of 32 threads doing work per instruction) and 96 registers left 1.55 waves of blocks; each lane now keeps only its
+// own pick (lane j: pick j), and the 64-register bound fits S=4096's 1024 blocks in one wave.
+template <int NI>
+__global__ void __launch_bounds__(THREADS, 8) k_topk(const MkParams p, int splits) {
+  static_assert(NI >= 1 && NI <= MAXE_PER_LANE, "experts per lane");
+  __shared__ float s_lg[TOPK_TOKENS][32 * NI];
+  if (p.pdl) {  // the persistent kernel may start (it waits for this one); then wait for the logits
+    griddep_launch();
+    griddep_wait();
+  }
+  const int lane = threadIdx.x & 31;
+  const int t0 = blockIdx.x * TOPK_TOKENS;
+  const int E = (int)p.E, K = (int)p.K;
+  const int ntok = min(TOPK_TOKENS, (int)p.S - t0);
+  const int64_t plane = p.S * p.E;
+  for (int i0 = 0; i0 < ntok * E; i0 += THREADS * 4) {
+    const float* src[4];
+    bool ok[4];
+    float a[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = i0 + r * THREADS + threadIdx.x;
+      ok[r] = i < ntok * E;
+      src[r] = p.logits + (int64_t)(t0 + (ok[r] ? i / E : 0)) * E + (ok[r] ? i % E : 0);
+      a[r] = 0.f;
+    }
+    for (int z0 = 0; z0 < splits; z0 += 4) {
+      float part[4][4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int z = 0; z < 4; ++z) part[r][z] = ok[r] && z0 + z < splits ? __ldcg(src[r] + (z0 + z) * plane) : 0.f;
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int z = 0; z < 4; ++z)
+          if (z0 + z < splits) a[r] = z0 + z == 0 ? part[r][z] : a[r] + part[r][z];  // plane order: the same bits
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = i0 + r * THREADS + threadIdx.x;
+      if (ok[r]) s_lg[i / E][i % E] = a[r];
+    }
+  }
+  __syncthreads();
+  const int tl = threadIdx.x >> 5, t = t0 + tl;
+  if (tl >= ntok) return;
+  int my_i;
+  float my_w;
+  warp_topk<NI>(s_lg[tl], E, K, lane, my_i, my_w);
   if (lane < K) {
     const int row = t * K + lane;
     p.topk_idx[row] = my_i;
-    p.topk_w[row] = my_v / denom;
+    p.topk_w[row] = my_w;
     const int pos = atomicAdd(p.counts + my_i * MK_COUNT_STRIDE, 1);
     p.lists[(int64_t)my_i * p.S_cap + pos] = row;
   }
@@ -2008,7 +2019,8 @@ int check_params(const MkParams* p) {
   if (p->combine_tokens < 1) return fail_msg("mk: combine_tokens must be >= 1");
   if (p->timeout_ns <= 0) return fail_msg("mk: timeout must be > 0");
   if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");
-  if (p->decode != 0 && p->decode != 1) return fail_msg("mk: decode must be 0 or 1");
+  if (p->decode < 0 || p->decode > 2) return fail_msg("mk: decode must be 0, 1 or 2");
+  if (p->decode && !p->dec_cnt) return fail_msg("mk: decode needs dec_cnt");
   return 0;
 }
 
@@ -2176,7 +2188,26 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
 
 // The decode kernel's plan for S tokens on the current device, its shared-memory limit raised and one CTA per SM
 // checked resident (every CTA waits for pairs other CTAs compute); 1 + g_err where it does not fit.
-int decode_plan_for(int64_t S, int64_t H, int64_t I, int64_t K, DecPlan* out) {
+template <int NI>
+int decode_attrs(int bytes) {  // k_decode<NI>'s shared-memory limit raised and one CTA per SM resident
+  cudaError_t e = cudaFuncSetAttribute(k_decode<NI>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e != cudaSuccess) return fail("cudaFuncSetAttribute (k_decode)", e);
+  int per_sm = 0;
+  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_decode<NI>, DEC_THREADS, bytes)) != cudaSuccess)
+    return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor (k_decode)", e);
+  if (per_sm < 1) return fail_msg("mk: decode: no CTA of k_decode fits an SM");
+  return 0;
+}
+// Call f(k_decode<NI>) with the experts-per-lane bound of the in-kernel top-k (as k_topk's)
+template <class F>
+int with_decode(int64_t E, F&& f) {
+  const int ni = (int)(E + 31) / 32;
+  return ni <= 1 ? f(k_decode<1>, decode_attrs<1>) : ni <= 2 ? f(k_decode<2>, decode_attrs<2>)
+       : ni <= 4 ? f(k_decode<4>, decode_attrs<4>) : ni <= 8 ? f(k_decode<8>, decode_attrs<8>)
+       : f(k_decode<16>, decode_attrs<16>);
+}
+
+int decode_plan_for(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, DecPlan* out) {
   if (S < 1 || S * K > DEC_MAX_SLOTS) return fail_msg("mk: decode takes 1..64 routed rows (S x topk)");
   if (H % 8 || I % 8) return fail_msg("mk: decode needs hidden and intermediate to be multiples of 8");
   int dev = 0, sms = 0;
@@ -2184,29 +2215,25 @@ int decode_plan_for(int64_t S, int64_t H, int64_t I, int64_t K, DecPlan* out) {
   if (e != cudaSuccess) return fail("cudaGetDevice", e);
   if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
     return fail("cudaDeviceGetAttribute", e);
-  const DecPlan d = dec_plan(S, H, I, K, sms);
+  if (E < 1 || E > 32 * MAXE_PER_LANE) return fail_msg("mk: decode takes 1..512 experts");
+  const DecPlan d = dec_plan(S, H, I, K, E, sms);
   if (d.bytes == 0 || d.bytes > SMEM_MAX) {
     snprintf(g_err, sizeof g_err, "mk: decode: S x topk = %lld rows of W_down per CTA need %lld bytes of shared memory "
              "(at most %d)", (long long)(S * K), (long long)S * K * d.rows * I * 2, SMEM_MAX);
     return 1;
   }
-  if ((e = cudaFuncSetAttribute(k_decode, cudaFuncAttributeMaxDynamicSharedMemorySize, d.bytes)) != cudaSuccess)
-    return fail("cudaFuncSetAttribute (k_decode)", e);
-  int per_sm = 0;
-  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_decode, DEC_THREADS, d.bytes)) != cudaSuccess)
-    return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor (k_decode)", e);
-  if (per_sm < 1) return fail_msg("mk: decode: no CTA of k_decode fits an SM");
+  if (with_decode(E, [&](auto, auto attrs) { return attrs(d.bytes); })) return 1;
   *out = d;
   return 0;
 }
 
 int launch_decode(const MkParams* p, cudaStream_t s) {
   DecPlan d;
-  if (decode_plan_for(p->S, p->H, p->I, p->K, &d)) return 1;
-  if (p->S * p->K > p->max_tiles) return fail_msg("mk: decode: S x topk slot counters exceed max_tiles (g1done)");
-  const cudaError_t e = launch_k(k_decode, dim3((unsigned)d.grid), DEC_THREADS, (size_t)d.bytes, s, p->pdl != 0, *p, d);
-  if (e != cudaSuccess) return fail("k_decode launch", e);
-  return 0;
+  if (decode_plan_for(p->S, p->H, p->I, p->K, p->E, &d)) return 1;
+  return with_decode(p->E, [&](auto kernel, auto) {
+    const cudaError_t e = launch_k(kernel, dim3((unsigned)d.grid), DEC_THREADS, (size_t)d.bytes, s, p->pdl != 0, *p, d);
+    return e == cudaSuccess ? 0 : fail("k_decode launch", e);
+  });
 }
 
 }  // namespace
@@ -2249,9 +2276,9 @@ int mk_route_given(const MkParams* p, void* stream) {
   return 0;
 }
 
-int mk_decode_grid(int64_t S, int64_t H, int64_t I, int64_t K, int* grid, int* rows) {
+int mk_decode_grid(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int* grid, int* rows) {
   DecPlan d;
-  if (decode_plan_for(S, H, I, K, &d)) return 1;
+  if (decode_plan_for(S, H, I, K, E, &d)) return 1;
   *grid = d.grid;
   *rows = d.rows;
   return 0;

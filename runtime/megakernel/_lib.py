@@ -22,11 +22,12 @@ from pathlib import Path
 
 from .. import csrc_build as _cb
 
-ABI_VERSION = 15
+ABI_VERSION = 16
 COUNT_STRIDE = 32  # MK_COUNT_STRIDE: int32 words per expert counter in MkParams.counts
 CTL_WORDS = 8  # MK_CTL_WORDS: int32 words of MkParams.ctl
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
 CORES = {"mma": 0, "wgmma": 1}  # MK_CORE_*
+DEC_CNT_WORDS = (64 + 3) * 32  # the decode kernel's counters (mk_decode.cuh: DEC_CNT_WORDS)
 SK_PART_FLOATS = 16 * 128  # fp32 per split-K part and slot: the bm=16 tile's 16 accumulators x 128 threads
 LIB_NAME = "libmoetune_moe.so"
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
@@ -52,7 +53,8 @@ class MkParams(Structure):
         ("publish_all", c_int64),  # ABI 11: 1 = the mma-core tiles publish every task at launch
         ("pdl", c_int64),  # ABI 13: 1 = programmatic dependent launch of k_topk and the persistent kernel
         ("l2_evict_w", c_int64),  # ABI 14: 1 = TMA weight tiles with the L2 evict-first policy
-        ("decode", c_int64),  # ABI 15: 1 = mk_experts runs the decode kernel (mk_decode_grid: where it fits)
+        ("decode", c_int64),  # ABI 15: 1 / 2 = mk_experts runs the decode kernel (given picks / routing in it)
+        ("dec_cnt", c_void_p),  # ABI 16: the decode kernel's counters (DEC_CNT_WORDS int32, zero between launches)
     ]
 
 
@@ -129,8 +131,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mk_route": (c_int, [_P, c_void_p]),
     "mk_route_given": (c_int, [_P, c_void_p]),
     "mk_experts": (c_int, [_P, c_void_p]),
-    # S, H, I, K -> grid, rows
-    "mk_decode_grid": (c_int, [c_int64, c_int64, c_int64, c_int64, _PI, _PI]),
+    # S, H, I, K, E -> grid, rows
+    "mk_decode_grid": (c_int, [c_int64, c_int64, c_int64, c_int64, c_int64, _PI, _PI]),
 }
 
 _lock = threading.Lock()

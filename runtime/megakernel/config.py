@@ -119,8 +119,8 @@ class MegakernelConfig:
     l2_evict_weights: int = 2
     # 1: launches whose routed rows (S x topk) fit the decode kernel (csrc/megakernel/mk_decode.cuh: one CTA per SM,
     # each CTA's rows of W_down for every row in its shared memory; on the Qwen3-30B shape S = 1) run it instead of
-    # the task graph: the up projection as row-pair GEMVs on every SM while the down projection's rows load, so both
-    # weights stream at once. 0: always the task graph.
+    # routing + the task graph: ONE launch that routes from the gate, computes the up projection as row-pair GEMVs on
+    # every SM while the down projection's rows load, so both weights stream at once. 0: always the task graph.
     decode: int = 1
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {

@@ -1,10 +1,10 @@
 """MegakernelMoE: the whole MoE layer on one GPU as routing (two small kernels) + ONE persistent kernel.
 
 Launches with a handful of routed rows (S x topk that fit `decode_grid`; S = 1 on the Qwen3-30B shape) run the
-decode kernel instead of the task graph's (`MegakernelConfig.decode`).
+decode kernel instead (`MegakernelConfig.decode`): ONE launch for the whole layer, routing included.
 
 Same weights and outputs as `MoELayer` / `dense_reference` (built from `expert_weights` / `gate_weight`
-with the same seed, or passed in). `forward(x)` issues three launches on the current stream and never
+with the same seed, or passed in). `forward(x)` issues three launches (decode: one) on the current stream and never
 synchronises with the host, so it can be captured in a CUDA graph. Errors inside the kernel (a wait that
 timed out) land in a device-side record: `check()` reads it (a host sync) and raises `MegakernelError`.
 
@@ -26,7 +26,7 @@ ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor
              3: "task queue too small", 4: "routing names an expert out of range",
              5: "a wgmma stage barrier (shared-memory pipeline) timed out",
              6: "a task timed out waiting for its inputs (publish_all)"}
-CTL_TOTAL, CTL_TILES, CTL_PUBLISHED = 1, 5, 4
+CTL_TOTAL, CTL_ABORT, CTL_TILES, CTL_PUBLISHED = 1, 2, 5, 4
 
 
 class MegakernelError(RuntimeError):
@@ -77,8 +77,7 @@ class MegakernelMoE:
         self.lib = _lib.load()
 
         bm_min = cfg.bm or 16
-        # sum_e ceil(c_e / bm) <= S*K/bm + E; the decode kernel counts per routed row (S*K <= 64) in g1done
-        self.max_tiles = max(e + -(-max_tokens * k // bm_min), min(max_tokens * k, 64))
+        self.max_tiles = e + -(-max_tokens * k // bm_min)  # sum_e ceil(c_e / bm) <= S*K/bm + E
         self.max_ctiles = -(-max_tokens // cfg.combine_tokens)
         self.n1, self.n2 = 2 * i // BN, h // BN
         from .schedule import combine_blocks
@@ -100,6 +99,7 @@ class MegakernelMoE:
         self.h = z(max_tokens * k, i, dtype=bf, device=dev)
         self.y = z(max_tokens * k, h, dtype=bf, device=dev)
         self.ctl = z(_lib.CTL_WORDS, dtype=i32, device=dev)
+        self.dec_cnt = z(_lib.DEC_CNT_WORDS, dtype=i32, device=dev)  # the decode kernel's (zero between launches)
         self.g1done = z(self.max_tiles, dtype=i32, device=dev)
         self.comb = z(self.max_ctiles, dtype=i32, device=dev)
         self.rel = z(self.max_tiles + self.max_ctiles, dtype=i32, device=dev)
@@ -150,7 +150,7 @@ class MegakernelMoE:
             grid, rows = ctypes.c_int(0), ctypes.c_int(0)
             m = self.model
             with torch.cuda.device(self.device):
-                ok = self.lib.mk_decode_grid(tokens, m.hidden, m.intermediate, m.topk, ctypes.byref(grid),
+                ok = self.lib.mk_decode_grid(tokens, m.hidden, m.intermediate, m.topk, m.experts, ctypes.byref(grid),
                                              ctypes.byref(rows)) == 0
             self._decode[tokens] = (grid.value, rows.value) if ok else None
         return self._decode[tokens]
@@ -175,7 +175,7 @@ class MegakernelMoE:
             m, cfg = self.model, self.config
             p = _lib.MkParams()
             for name in ("logits", "topk_idx", "topk_w", "counts", "lists", "h", "y", "ctl", "g1done", "comb", "rel",
-                         "tile_base", "q_task", "q_flag", "err", "sk_part", "sk_cnt"):
+                         "tile_base", "q_task", "q_flag", "err", "sk_part", "sk_cnt", "dec_cnt"):
                 setattr(p, name, getattr(self, name).data_ptr())
             p.wg, p.w1, p.w2 = self.gate.data_ptr(), self.w_gate_up.data_ptr(), self.w_down.data_ptr()
             p.S_cap, p.H, p.I, p.E, p.K = self.max_tokens, m.hidden, m.intermediate, m.experts, m.topk
@@ -230,13 +230,14 @@ class MegakernelMoE:
         p = self._template(bm, s)
         p.x, p.out, p.S, p.stall_tile = x.data_ptr(), out.data_ptr(), s, self.stall_tile
         p.l2_evict_w = self.config.evict_weights(bm, s, self.model.topk, self.model.experts)
-        p.decode = 1 if self.decode_grid(s) is not None else 0
+        # the decode kernel routes from the gate itself (2) or reads the given picks (1): nothing launches before it
+        p.decode = 0 if self.decode_grid(s) is None else 1 if given else 2
         p.trace = self._trace.data_ptr() if self._trace is not None else None
         stream = torch.cuda.current_stream(self.device).cuda_stream
         ref = ctypes.byref(p)
-        if given:
+        if given and not p.decode:
             _lib.check(self.lib, self.lib.mk_route_given(ref, stream), "mk_route_given")
-        else:
+        elif not p.decode:
             _lib.check(self.lib, self.lib.mk_route(ref, stream), "mk_route")
         _lib.check(self.lib, self.lib.mk_experts(ref, stream), "mk_experts")
         return out
@@ -342,7 +343,10 @@ class MegakernelMoE:
                                   f"waited={rec[3] / 1e6:.1f} ms)")
 
     def clear_error(self) -> None:
+        """Forget the error record and lift the abort flag (the task graph's routing also lifts it every launch; the
+        decode kernel launches without a reset kernel before it)."""
         self.err.zero_()
+        self.ctl[CTL_ABORT] = 0
 
     def counters(self) -> dict[str, int]:
         """The last launch's task total, m-tiles and published tasks as the kernel counted them. Syncs."""
