@@ -45,7 +45,7 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 // Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
 struct DecPlan {
   int grid, rows;  // CTAs (one per SM), output rows per CTA (ceil(H / grid))
-  int x_off, w2_off, h_off, acc_off, stage_off, lg_off, bytes;
+  int x_off, w2_off, h_off, acc_off, stage_off, lg_off, part_off, bytes;
 };
 inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int sms) {
   auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
@@ -59,10 +59,11 @@ inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, i
   const int64_t acc_off = up(h_off + slots * I * 2);
   const int64_t stage_off = up(acc_off + S * d.rows * 4);  // this CTA's h elements: at most ceil(P / grid)
   const int64_t lg_off = up(stage_off + (slots * I / sms + 1) * 2);  // the S x E logits (routing in the kernel)
-  const int64_t bytes = lg_off + S * E * 4;
+  const int64_t part_off = up(lg_off + S * E * 4);  // phase 3's (slot, k part) sums per row: <= max(slots, 16) parts
+  const int64_t bytes = part_off + (slots > DEC_WARPS ? slots : DEC_WARPS) * d.rows * 4;
   if (bytes > (1ll << 30)) return d;  // bytes stays 0: does not fit
   d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.h_off = (int)h_off, d.acc_off = (int)acc_off;
-  d.stage_off = (int)stage_off, d.lg_off = (int)lg_off, d.bytes = (int)bytes;
+  d.stage_off = (int)stage_off, d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.bytes = (int)bytes;
   return d;
 }
 
@@ -131,6 +132,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   float* acc = (float*)(smem + d.acc_off);
   bf16* hstage = (bf16*)(smem + d.stage_off);
   float* lg = (float*)(smem + d.lg_off);
+  float* part = (float*)(smem + d.part_off);
   int32_t* cnt = p.dec_cnt;
   const int r0 = blockIdx.x * d.rows, nr = max(0, min(d.rows, H - r0));  // this CTA's output rows
   const bool ev = p.l2_evict_w != 0;
@@ -153,7 +155,17 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
       const uint4* g = (const uint4*)((const bf16*)p.wg + (int64_t)(l % E) * H);
       const uint4* xv = (const uint4*)(xs + (int64_t)(l / E) * H);
       float a = 0.f;
-      MK_ONCE for (int v = lane; v < HV; v += 32) dot8(a, ld_weights(g + v, false, pol), xv[v]);
+      MK_ONCE for (int v0 = 0; v0 < HV; v0 += 32 * DEC_VEC) {  // the row's loads in flight at once (run 66: one
+        uint4 w[DEC_VEC];                                        // at a time, routing took 8 µs)
+#pragma unroll
+        for (int i = 0; i < DEC_VEC; ++i) {
+          const int v = v0 + lane + 32 * i;
+          w[i] = v < HV ? ld_weights(g + v, false, pol) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < DEC_VEC; ++i)
+          if (v0 + lane + 32 * i < HV) dot8(a, w[i], xv[v0 + lane + 32 * i]);
+      }
       a = warp_sum(a);
       if (lane == 0) p.logits[l] = a;
     }
@@ -269,20 +281,43 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
     __syncthreads();
     dec_stamp(p, DEC_TR_H);
-    // each lane adds w * (its part of the row . h) over a token's slots in order, then one warp sum per (token, row)
-    MK_ONCE for (int i = warp; i < S * nr && !(MK_DEC_PROBE & 4); i += DEC_WARPS) {
+    // a warp per (slot, k part): its h part stays in registers while it walks the CTA's rows 16 at a time (each
+    // W_down element read from shared memory once; run 66: a warp per row reread every h and took 7 µs), the 16
+    // sums reduced across the warp; then each (token, row) adds w x its parts in slot order
+    const int KP = slots >= DEC_WARPS ? 1 : DEC_WARPS / slots, units = slots * KP, KV = I / 8;
+    MK_ONCE for (int u = warp; u < units && !(MK_DEC_PROBE & 4); u += DEC_WARPS) {
+      const int s = u / KP, kp = u % KP, v0 = KV * kp / KP, v1 = KV * (kp + 1) / KP;
+      if (s_e[s] < 0) continue;
+      const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
+      const uint4* wr = (const uint4*)(w2s + (int64_t)s * d.rows * I * 2);
+      MK_ONCE for (int rb = 0; rb < nr; rb += 16) {
+        float a[16];
+#pragma unroll
+        for (int r = 0; r < 16; ++r) a[r] = 0.f;
+        MK_ONCE for (int v = v0 + lane; v < v1; v += 32) {
+          const uint4 hh = hv[v];
+#pragma unroll
+          for (int r = 0; r < 16; ++r)
+            if (rb + r < nr) dot8(a[r], wr[(int64_t)(rb + r) * KV + v], hh);
+        }
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+          const float t = warp_sum(a[r]);
+          if (lane == 0 && rb + r < nr) part[u * d.rows + rb + r] = t;
+        }
+      }
+    }
+    __syncthreads();
+    MK_ONCE for (int i = tid; i < S * nr && !(MK_DEC_PROBE & 4); i += DEC_THREADS) {
       const int t = i / nr, r = i % nr;
       float y = 0.f;
       MK_ONCE for (int s = t * K; s < (t + 1) * K; ++s) {
         if (s_e[s] < 0) continue;
-        const uint4* wr = (const uint4*)(w2s + ((int64_t)s * d.rows + r) * I * 2);
-        const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
         float a = 0.f;
-        MK_ONCE for (int v = lane; v < I / 8; v += 32) dot8(a, wr[v], hv[v]);
+        MK_ONCE for (int kp = 0; kp < KP; ++kp) a += part[(s * KP + kp) * d.rows + r];
         y = fmaf(s_w[s], a, y);
       }
-      y = warp_sum(y);
-      if (lane == 0) acc[t * d.rows + r] = y;  // one warp owns each (token, row)
+      acc[t * d.rows + r] = y;
     }
     dec_stamp(p, DEC_TR_SUMS);  // (warp 0's rows)
     __syncthreads();
