@@ -117,45 +117,6 @@ __device__ __forceinline__ void red_release(int32_t* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
-// Phase 3's (slot, k part) sums of the CTA's rows into part[unit][row], for warp `warp`'s units. One copy of the code
-// (noinline): warp 0 runs it once early on whatever shared memory holds, so the real pass finds its instructions
-// cached (run 67's timeline: 6.5 µs for this phase cold, ~1 µs of shared-memory reads).
-__device__ __noinline__ void dec_sums(const char* w2s, const bf16* hs, float* part, const int* s_e, int slots, int KP,
-                                      int I, int rows, int nr, int warp, int lane) {
-  const int units = slots * KP, KV = I / 8;
-  MK_ONCE for (int u = warp; u < units; u += DEC_WARPS) {
-    const int s = u / KP, kp = u % KP, v0 = KV * kp / KP, v1 = KV * (kp + 1) / KP;
-    if (s_e[s] < 0) continue;
-    const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
-    const uint4* wr = (const uint4*)(w2s + (int64_t)s * rows * I * 2);
-    MK_ONCE for (int rb = 0; rb < nr; rb += 16) {
-      float a[16];
-#pragma unroll
-      for (int r = 0; r < 16; ++r) a[r] = 0.f;
-      MK_ONCE for (int v = v0 + lane; v < v1; v += 32) {
-        const uint4 hh = hv[v];
-#pragma unroll
-        for (int r = 0; r < 16; ++r)
-          if (rb + r < nr) dot8(a[r], wr[(int64_t)(rb + r) * KV + v], hh);
-      }
-#pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        const float t = warp_sum(a[r]);
-        if (lane == 0 && rb + r < nr) part[u * rows + rb + r] = t;
-      }
-    }
-  }
-}
-// k_topk's warp selection as one noinline copy, so a dry run on any values warms the code the real picks run.
-template <int NI>
-__device__ __noinline__ void dec_pick(const float* lg, int E, int K, int lane, int* e, float* w) {
-  int pe;
-  float pw;
-  warp_topk<NI>(lg, E, K, lane, pe, pw);
-  *e = pe;
-  *w = pw;
-}
-
 // NI: experts per lane of the in-kernel top-k (as k_topk's template bound)
 template <int NI>
 __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, const DecPlan d) {
@@ -208,12 +169,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
       a = warp_sum(a);
       if (lane == 0) p.logits[l] = a;
     }
-    if (warp == DEC_WARPS - 1) {  // (no logit here for S*E <= 15 x grid) the selection's code, warmed on any values
-      int e;
-      float w;
-      dec_pick<NI>(lg, E, K, lane, &e, &w);
-      if (e == INT32_MIN) s_w[0] = w;  // (never: keeps the call)
-    }
     __syncthreads();
     if (tid == 0) {
       if (l1 > l0) {
@@ -228,7 +183,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     MK_ONCE for (int t = warp; t < S; t += DEC_WARPS) {
       int e;
       float w;
-      dec_pick<NI>(lg + (int64_t)t * E, E, K, lane, &e, &w);
+      warp_topk<NI>(lg + (int64_t)t * E, E, K, lane, e, w);
       if (lane < K) {
         s_e[t * K + lane] = e;
         s_w[t * K + lane] = w;
@@ -263,8 +218,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
                   bar, ev, pol);
   }
   dec_stamp(p, DEC_TR_P1);
-  if (warp == 0 && nr > 0 && !(MK_DEC_PROBE & 4))  // phase 3's code, warmed on whatever shared memory holds
-    dec_sums(w2s, hs, part, s_e, slots, slots >= DEC_WARPS ? 1 : DEC_WARPS / slots, I, d.rows, nr, 0, lane);
   // 2. (gate, up) row pairs [q0, q1) of the S*K*I, one warp per pair, warps 1.. only: thread 0's copy instructions
   // return only as the copy engine takes them (up to 8 µs into the launch in run 63's timeline), so warp 0's pairs
   // would finish last
@@ -328,11 +281,32 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
     __syncthreads();
     dec_stamp(p, DEC_TR_H);
-    // a warp per (slot, k part): its h part in registers while it walks the CTA's rows 16 at a time (each W_down
-    // element read from shared memory once; run 66: a warp per row reread every h), the 16 sums reduced across the
-    // warp; then each (token, row) adds w x its parts in slot order
-    const int KP = slots >= DEC_WARPS ? 1 : DEC_WARPS / slots;
-    if (!(MK_DEC_PROBE & 4)) dec_sums(w2s, hs, part, s_e, slots, KP, I, d.rows, nr, warp, lane);
+    // a warp per (slot, k part): its h part stays in registers while it walks the CTA's rows 16 at a time (each
+    // W_down element read from shared memory once; run 66: a warp per row reread every h and took 7 µs), the 16
+    // sums reduced across the warp; then each (token, row) adds w x its parts in slot order
+    const int KP = slots >= DEC_WARPS ? 1 : DEC_WARPS / slots, units = slots * KP, KV = I / 8;
+    MK_ONCE for (int u = warp; u < units && !(MK_DEC_PROBE & 4); u += DEC_WARPS) {
+      const int s = u / KP, kp = u % KP, v0 = KV * kp / KP, v1 = KV * (kp + 1) / KP;
+      if (s_e[s] < 0) continue;
+      const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
+      const uint4* wr = (const uint4*)(w2s + (int64_t)s * d.rows * I * 2);
+      MK_ONCE for (int rb = 0; rb < nr; rb += 16) {
+        float a[16];
+#pragma unroll
+        for (int r = 0; r < 16; ++r) a[r] = 0.f;
+        MK_ONCE for (int v = v0 + lane; v < v1; v += 32) {
+          const uint4 hh = hv[v];
+#pragma unroll
+          for (int r = 0; r < 16; ++r)
+            if (rb + r < nr) dot8(a[r], wr[(int64_t)(rb + r) * KV + v], hh);
+        }
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+          const float t = warp_sum(a[r]);
+          if (lane == 0 && rb + r < nr) part[u * d.rows + rb + r] = t;
+        }
+      }
+    }
     __syncthreads();
     MK_ONCE for (int i = tid; i < S * nr && !(MK_DEC_PROBE & 4); i += DEC_THREADS) {
       const int t = i / nr, r = i % nr;
