@@ -12,7 +12,9 @@ Settings that are not knobs: `tma` (TMA loads of the weight tiles: 2-3.5% everyw
 makes a knob), `route_small_max` (where routing switches top-k kernels: since run 30 the one-warp-per-token kernel
 wins at every measured S, so the default is 0; the block-per-token kernel stays selectable for shapes not measured)
 and `publish_all` (up to 7% at S=1, but 0 was never faster at any S in runs 15-19: nothing for a search to find);
-`l2_evict_weights` follows a rule from the launch's rows per expert (run 58), nothing to search either.
+`l2_evict_weights` follows a rule from the launch's rows per expert (run 58), nothing to search either; `decode`
+(the decode kernel where a launch fits it: S=1 40.6 vs 54.1 µs in run 67) was never the slower one where it runs,
+and where it runs the tile knobs do not apply.
 """
 
 from __future__ import annotations
