@@ -38,11 +38,13 @@ def time_calls(fns: list, warmup: int, iters: int) -> float:
 
 
 def phase_times(mk, xs: list[torch.Tensor], warmup: int, iters: int) -> dict[str, float]:
-    """Median µs of the routing launches and of the persistent launch, each between its own events (eager)."""
+    """Median µs of the routing launches and of the persistent launch, each between its own events (eager). A decode
+    launch (`decode_grid`) routes inside its one kernel: routing reads ~0 and the second figure is the whole layer."""
     import ctypes
 
     s = xs[0].shape[0]
     p = mk._template(mk.config.pick_bm(s, mk.model.topk, mk.model.experts), s)
+    p.decode = 0 if mk.decode_grid(s) is None else 2  # as forward() sets it
     out = torch.empty_like(xs[0])
     stream = torch.cuda.current_stream().cuda_stream
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
@@ -51,7 +53,8 @@ def phase_times(mk, xs: list[torch.Tensor], warmup: int, iters: int) -> dict[str
         e = ev[j - warmup] if j >= warmup else None
         if e:
             e[0].record()
-        mk.lib.mk_route(ctypes.byref(p), stream)
+        if not p.decode:
+            mk.lib.mk_route(ctypes.byref(p), stream)
         if e:
             e[1].record()
         mk.lib.mk_experts(ctypes.byref(p), stream)
