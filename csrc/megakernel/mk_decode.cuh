@@ -21,9 +21,8 @@
 // models them), so a launch needs no reset kernel before it. All CTAs are resident (one per SM, checked by the
 // occupancy query at launch), so a CTA waiting for a slot never blocks the CTAs that finish it.
 
-// Every loop of the kernel runs a few times per launch, most exactly once: unrolled copies would make each phase's
-// first pass a chain of instruction-cache misses (run 64's timeline: 9 µs for phase 3's 24 dot products per lane
-// before its loops were kept rolled).
+// Every loop of the kernel runs a few times per launch, most exactly once, so none is unrolled (smaller code; run 65
+// against run 64: the same phase times, so the code size was not what made phase 3 slow, nor was warming it, run 68).
 #define MK_ONCE _Pragma("unroll 1")
 constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
 constexpr int DEC_VEC = 8;          // 16-byte weight loads per lane in flight for each row of a pair
@@ -319,7 +318,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
       }
       acc[t * d.rows + r] = y;
     }
-    dec_stamp(p, DEC_TR_SUMS);  // (warp 0's rows)
+    dec_stamp(p, DEC_TR_SUMS);  // (thread 0's share of the sums done)
     __syncthreads();
     bf16* out = (bf16*)p.out;
     MK_ONCE for (int i = tid; i < S * nr; i += DEC_THREADS)

@@ -2186,8 +2186,6 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
   return 0;
 }
 
-// The decode kernel's plan for S tokens on the current device, its shared-memory limit raised and one CTA per SM
-// checked resident (every CTA waits for pairs other CTAs compute); 1 + g_err where it does not fit.
 template <int NI>
 int decode_attrs(int bytes) {  // k_decode<NI>'s shared-memory limit raised and one CTA per SM resident
   cudaError_t e = cudaFuncSetAttribute(k_decode<NI>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
@@ -2207,6 +2205,8 @@ int with_decode(int64_t E, F&& f) {
        : f(k_decode<16>, decode_attrs<16>);
 }
 
+// The decode kernel's plan for S tokens on the current device, its shared-memory limit raised and one CTA per SM
+// checked resident (every CTA waits for pairs other CTAs compute); 1 + g_err where it does not fit.
 int decode_plan_for(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, DecPlan* out) {
   if (S < 1 || S * K > DEC_MAX_SLOTS) return fail_msg("mk: decode takes 1..64 routed rows (S x topk)");
   if (H % 8 || I % 8) return fail_msg("mk: decode needs hidden and intermediate to be multiples of 8");

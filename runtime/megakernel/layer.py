@@ -299,10 +299,10 @@ class MegakernelMoE:
     @torch.no_grad()
     def decode_timeline(self, x: torch.Tensor) -> dict[str, Any]:
         """One forward of a decode launch with every CTA stamping its phases (globaltimer; profiling): per CTA, µs from
-        the first CTA's start to `routed` (routing's results visible), `phase1` (up projection begins), `signalled`
-        (its pairs done and counted), `w_down` (its down-projection rows landed), `ready` (the last slot complete) and
-        `h_loaded` (every slot's h in shared memory), `summed` (warp 0's rows added) and `end`; None where a CTA has no
-        such step (no output rows). Syncs."""
+        the first CTA's start to `routed` (the picks known), `phase1` (thread 0 done issuing the W_down copies),
+        `signalled` (its pairs done and counted), `w_down` (its down-projection rows landed), `ready` (every slot
+        complete), `h_loaded` (every slot's h in shared memory), `summed` (thread 0's share of the sums done) and `end`;
+        None where a CTA has no such step (no output rows). Syncs."""
         s = x.shape[0]
         dg = self.decode_grid(s)
         if dg is None:
