@@ -144,7 +144,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   }
   pdl_enter(p);  // x (and given picks) from the kernels before are visible from here
   MK_ONCE for (int v = tid; v < S * H / 8; v += DEC_THREADS) ((uint4*)xs)[v] = ((const uint4*)p.x)[v];
-  MK_ONCE for (int i = tid; i < S * d.rows; i += DEC_THREADS) acc[i] = 0.f;
   __syncthreads();
   const int HV = H / 8;  // 16-byte vectors per weight row
   if (p.decode == 2) {

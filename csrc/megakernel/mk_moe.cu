@@ -2186,14 +2186,26 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
   return 0;
 }
 
+// k_decode<NI>'s shared-memory limit raised to `bytes` on device `dev` and one CTA per SM checked resident; done once
+// per (device, NI, size): every launch asks (mk_experts -> launch_decode), and these are driver calls.
 template <int NI>
-int decode_attrs(int bytes) {  // k_decode<NI>'s shared-memory limit raised and one CTA per SM resident
+int decode_attrs(int dev, int bytes) {
+  static std::mutex mu;
+  static int done[16][2];  // (device + 1, bytes) pairs already set for this NI
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& d : done)
+    if (d[0] == dev + 1 && d[1] == bytes) return 0;
   cudaError_t e = cudaFuncSetAttribute(k_decode<NI>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e != cudaSuccess) return fail("cudaFuncSetAttribute (k_decode)", e);
   int per_sm = 0;
   if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_decode<NI>, DEC_THREADS, bytes)) != cudaSuccess)
     return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor (k_decode)", e);
   if (per_sm < 1) return fail_msg("mk: decode: no CTA of k_decode fits an SM");
+  for (auto& d : done)
+    if (d[0] == 0) {
+      d[0] = dev + 1, d[1] = bytes;
+      break;
+    }
   return 0;
 }
 // Call f(k_decode<NI>) with the experts-per-lane bound of the in-kernel top-k (as k_topk's)
@@ -2222,7 +2234,7 @@ int decode_plan_for(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, DecPl
              "(at most %d)", (long long)(S * K), (long long)S * K * d.rows * I * 2, SMEM_MAX);
     return 1;
   }
-  if (with_decode(E, [&](auto, auto attrs) { return attrs(d.bytes); })) return 1;
+  if (with_decode(E, [&](auto, auto attrs) { return attrs(dev, d.bytes); })) return 1;
   *out = d;
   return 0;
 }
