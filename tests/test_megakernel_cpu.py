@@ -914,7 +914,10 @@ def test_pdl_setting_and_source() -> None:
     body = dk[dk.index("k_decode(const MkParams p"):]
     assert body.index("pdl_enter(p);") < body.index("p.topk_idx")
     dcode = re.sub(r"//[^\n]*", "", dk)
-    assert dcode.count("ld_weights(") == 4 and dcode.count("ld.global.nc") == 2  # definition + 3 uses; 2 variants
+    # definition + 4 uses (the gate row's first chunk before pdl_enter, the gate rows, phase 2's two); 2 variants
+    assert dcode.count("ld_weights(") == 5 and dcode.count("ld.global.nc") == 2
+    # the only loads before pdl_enter are gate weights (no kernel before writes them)
+    assert "p.x" not in body[:body.index("pdl_enter(p);")] and "ld_weights(g + v" in body[:body.index("pdl_enter(p);")]
     assert all("ld_weights(g + v" in ln or "ld_weights(u + v" in ln or "uint4 ld_weights(" in ln
                for ln in dcode.splitlines() if "ld_weights(" in ln)
 

@@ -93,8 +93,9 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
 }
-// acc += the 8 bf16 products of a and b (fp32, in element order).
-__device__ __forceinline__ void dot8(float& acc, const uint4& a, const uint4& b) {
+// acc += the 8 bf16 products of a and b (fp32, in element order). By value: with references into shared memory
+// the compiler read each operand as four 4-byte loads, a 4-way bank conflict each (run 69's excess wavefronts).
+__device__ __forceinline__ void dot8(float& acc, const uint4 a, const uint4 b) {
   const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
   const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
 #pragma unroll
@@ -142,23 +143,35 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     mbar_init(bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  const int HV = H / 8;  // 16-byte vectors per weight row
+  // routing's gate logits (t, e) of [l0, l1), a warp each: the first chunk of each warp's first gate row is loaded
+  // before pdl_enter (weights, which no kernel before writes), so its DRAM latency overlaps x's
+  const int L = S * E, l0 = (int)((int64_t)L * blockIdx.x / gridDim.x), l1 = (int)((int64_t)L * (blockIdx.x + 1) / gridDim.x);
+  uint4 gpre[DEC_VEC];
+  {
+    const uint4* g = (const uint4*)((const bf16*)p.wg + (int64_t)((l0 + warp) % E) * H);
+#pragma unroll
+    for (int i = 0; i < DEC_VEC; ++i) {
+      const int v = lane + 32 * i;
+      gpre[i] = p.decode == 2 && l0 + warp < l1 && v < HV ? ld_weights(g + v, false, pol) : make_uint4(0, 0, 0, 0);
+    }
+  }
   pdl_enter(p);  // x (and given picks) from the kernels before are visible from here
   MK_ONCE for (int v = tid; v < S * H / 8; v += DEC_THREADS) ((uint4*)xs)[v] = ((const uint4*)p.x)[v];
   __syncthreads();
-  const int HV = H / 8;  // 16-byte vectors per weight row
   if (p.decode == 2) {
-    // 0. the gate logits (t, e) of [l0, l1), a warp each, then the picks from all of them in every CTA
-    const int L = S * E, l0 = (int)((int64_t)L * blockIdx.x / gridDim.x), l1 = (int)((int64_t)L * (blockIdx.x + 1) / gridDim.x);
+    // 0. the logits, then the picks from all of them in every CTA
     MK_ONCE for (int l = l0 + warp; l < l1; l += DEC_WARPS) {
       const uint4* g = (const uint4*)((const bf16*)p.wg + (int64_t)(l % E) * H);
       const uint4* xv = (const uint4*)(xs + (int64_t)(l / E) * H);
       float a = 0.f;
       MK_ONCE for (int v0 = 0; v0 < HV; v0 += 32 * DEC_VEC) {  // the row's loads in flight at once (run 66: one
         uint4 w[DEC_VEC];                                        // at a time, routing took 8 µs)
+        const bool pre = l == l0 + warp && v0 == 0;
 #pragma unroll
         for (int i = 0; i < DEC_VEC; ++i) {
           const int v = v0 + lane + 32 * i;
-          w[i] = v < HV ? ld_weights(g + v, false, pol) : make_uint4(0, 0, 0, 0);
+          w[i] = pre ? gpre[i] : v < HV ? ld_weights(g + v, false, pol) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int i = 0; i < DEC_VEC; ++i)
@@ -216,12 +229,17 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
                   bar, ev, pol);
   }
   dec_stamp(p, DEC_TR_P1);
-  // 2. (gate, up) row pairs [q0, q1) of the S*K*I, one warp per pair, warps 1.. only: thread 0's copy instructions
-  // return only as the copy engine takes them (up to 8 µs into the launch in run 63's timeline), so warp 0's pairs
-  // would finish last
+  // 2. (gate, up) row pairs [q0, q1) of the S*K*I, one warp per pair. Thread 0's copy instructions return only as
+  // the copy engine takes them (up to 8 µs into the launch in run 63's timeline), so warp 0 starts late as it
+  // returns. Warps 1.. take R = ceil(n / warps) pairs each, warp 0 the rest (at most R): with 15 warps alone the
+  // 46-47 pairs of a CTA were 4 rounds, the last nearly empty
   const int64_t P = (int64_t)slots * I;
   const int64_t q0 = P * blockIdx.x / gridDim.x, q1 = P * (blockIdx.x + 1) / gridDim.x;
-  MK_ONCE for (int64_t q = q0 + warp - 1; warp > 0 && q < q1; q += DEC_WARPS - 1) {
+  const int n2 = (int)(q1 - q0), R2 = (n2 + DEC_WARPS - 1) / DEC_WARPS;
+  const int i_lo = warp ? warp - 1 : (DEC_WARPS - 1) * R2, i_step = warp ? DEC_WARPS - 1 : 1;
+  const int i_hi = warp ? min(n2, (DEC_WARPS - 1) * R2) : n2;
+  MK_ONCE for (int i2 = i_lo; i2 < i_hi; i2 += i_step) {
+    const int64_t q = q0 + i2;
     const int s = (int)(q / I), j = (int)(q % I), e = s_e[s];
     if (e < 0) continue;
     const uint4* g = (const uint4*)((const bf16*)p.w1 + ((int64_t)e * 2 * I + j) * H);
@@ -292,11 +310,13 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
         float a[16];
 #pragma unroll
         for (int r = 0; r < 16; ++r) a[r] = 0.f;
-        MK_ONCE for (int v = v0 + lane; v < v1; v += 32) {
-          const uint4 hh = hv[v];
+        MK_ONCE for (int v = v0 + lane; v < v1; v += 32) {  // the 16 rows' loads issued before any product
+          const uint4 hh = hv[v];                             // (rows past nr reread the last; their sums dropped)
+          uint4 w[16];
 #pragma unroll
-          for (int r = 0; r < 16; ++r)
-            if (rb + r < nr) dot8(a[r], wr[(int64_t)(rb + r) * KV + v], hh);
+          for (int r = 0; r < 16; ++r) w[r] = wr[(int64_t)min(rb + r, nr - 1) * KV + v];
+#pragma unroll
+          for (int r = 0; r < 16; ++r) dot8(a[r], w[r], hh);
         }
 #pragma unroll
         for (int r = 0; r < 16; ++r) {
