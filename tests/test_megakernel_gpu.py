@@ -548,10 +548,14 @@ def test_decode_runs_where_it_fits(new_layers, model):
     tl = m.decode_timeline(x)  # every CTA's phases in order; the rows' owners also wait for W_down and the slots
     assert tl["grid"] == grid and len(tl["ctas"]) == grid
     for c, st in enumerate(tl["ctas"]):
-        order = ["start", "routed", "phase1", "signalled"] + (["w_down", "ready", "h_loaded", "summed"]
-                                                              if c * rows < model.hidden else [])
+        owner = c * rows < model.hidden
+        order = ["start", "routed", "phase1", "signalled"] + (["ready", "h_loaded", "summed"] if owner else [])
         times = [st[n] for n in [*order, "end"]]
         assert None not in times and times == sorted(times), (c, st)
+        # the copies land after the picks and before the sums (stamped by thread 0 after its own pairs)
+        assert (st["w_down"] is not None and st["routed"] <= st["w_down"] <= st["ready"]) if owner else st["w_down"] is None
+        # routing in the kernel (decode=2): every logit written between the start and the picks
+        assert st["logits"] is None or st["start"] <= st["logits"] <= st["routed"], (c, st)
     torch.testing.assert_close(m.forward(x), ref, rtol=0, atol=0)
     with pytest.raises(ValueError, match="does not run the decode kernel"):
         m.decode_timeline(_x(2, model.hidden, seed=3001))

@@ -34,7 +34,7 @@ enum { DEC_CNT_LOGITS = DEC_MAX_SLOTS, DEC_CNT_TASKS = DEC_MAX_SLOTS + 1, DEC_CN
        DEC_CNT_WORDS = (DEC_MAX_SLOTS + 3) * DEC_STRIDE };
 // Timeline (MkParams.trace, profiling only): words per CTA after MK_TR_HEAD, stamped by thread 0.
 enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3, DEC_TR_W2 = 4, DEC_TR_READY = 5,
-       DEC_TR_H = 6, DEC_TR_SUMS = 7, DEC_TR_END = 8, DEC_TR_WORDS = 10 };
+       DEC_TR_H = 6, DEC_TR_SUMS = 7, DEC_TR_END = 8, DEC_TR_LOGITS = 9, DEC_TR_WORDS = 10 };
 // Measurement builds (never the default): 1 = no W_down copies (phase 3 adds whatever shared memory holds),
 // 2 = no up-projection loads (phase 2 multiplies zeros), 3 = neither; 4 (or-ed) = no down-projection sums.
 #ifndef MK_DEC_PROBE
@@ -58,8 +58,8 @@ inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, i
   const int64_t acc_off = up(h_off + slots * I * 2);
   const int64_t stage_off = up(acc_off + S * d.rows * 4);  // this CTA's h elements: at most ceil(P / grid)
   const int64_t lg_off = up(stage_off + (slots * I / sms + 1) * 2);  // the S x E logits (routing in the kernel)
-  const int64_t part_off = up(lg_off + S * E * 4);  // phase 3's (slot, k part) sums per row: <= max(slots, 16) parts
-  const int64_t bytes = part_off + (slots > DEC_WARPS ? slots : DEC_WARPS) * d.rows * 4;
+  const int64_t part_off = up(lg_off + S * E * 4);  // phase 3's per-slot sums of the CTA's rows
+  const int64_t bytes = part_off + slots * d.rows * 4;
   if (bytes > (1ll << 30)) return d;  // bytes stays 0: does not fit
   d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.h_off = (int)h_off, d.acc_off = (int)acc_off;
   d.stage_off = (int)stage_off, d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.bytes = (int)bytes;
@@ -95,14 +95,30 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
 }
 // acc += the 8 bf16 products of a and b (fp32, in element order). By value: with references into shared memory
 // the compiler read each operand as four 4-byte loads, a 4-way bank conflict each (run 69's excess wavefronts).
+// bf16 -> fp32 is the top half of the word: one shift or mask per element (the bf16 header's conversion of the
+// upper element compiled to two instructions)
+__device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
 __device__ __forceinline__ void dot8(float& acc, const uint4 a, const uint4 b) {
-  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
-  const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
+  const uint32_t x[4] = {a.x, a.y, a.z, a.w}, y[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 u = __bfloat1622float2(x[i]), v = __bfloat1622float2(y[i]);
-    acc = fmaf(u.x, v.x, acc);
-    acc = fmaf(u.y, v.y, acc);
+    acc = fmaf(bf_lo(x[i]), bf_lo(y[i]), acc);
+    acc = fmaf(bf_hi(x[i]), bf_hi(y[i]), acc);
+  }
+}
+// the 8 bf16 of b widened once (phase 3 multiplies one h chunk by several rows); dot8f = dot8 with b widened
+__device__ __forceinline__ void widen8(float (&f)[8], const uint4 b) {
+  const uint32_t y[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) f[2 * i] = bf_lo(y[i]), f[2 * i + 1] = bf_hi(y[i]);
+}
+__device__ __forceinline__ void dot8f(float& acc, const uint4 a, const float (&f)[8]) {
+  const uint32_t x[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc = fmaf(bf_lo(x[i]), f[2 * i], acc);
+    acc = fmaf(bf_hi(x[i]), f[2 * i + 1], acc);
   }
 }
 __device__ __forceinline__ float warp_sum(float v) {
@@ -188,6 +204,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
       }
       wait_count(p, cnt + DEC_STRIDE * DEC_CNT_LOGITS, L, false, -1);
     }
+    dec_stamp(p, DEC_TR_LOGITS);
     __syncthreads();
     MK_ONCE for (int i = tid; i < L; i += DEC_THREADS) lg[i] = __ldcg(p.logits + i);
     __syncthreads();
@@ -268,6 +285,10 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     au = warp_sum(au);
     if (lane == 0) hstage[q - q0] = __float2bfloat16(__fdividef(ag, 1.f + __expf(-ag)) * au);
   }
+  if (p.trace && tid == 0 && nr > 0) {  // timeline only: when the W_down copies landed (or warp 0's pairs were done)
+    mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
+    dec_stamp(p, DEC_TR_W2);
+  }
   __syncthreads();
   // the range's h elements are contiguous in h (pair q is h[q]): whole lines, not one 2-byte store per pair
   MK_ONCE for (int64_t q = q0 + tid; q < q1; q += DEC_THREADS) ((bf16*)p.h)[q] = hstage[q - q0];
@@ -290,51 +311,63 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     // counter (all at once: slot by slot, a poll, an h load and two barriers each took 12 µs for 8 slots in run
     // 62), then all h rows load together and each warp sums its (token, row)s
     mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
-    dec_stamp(p, DEC_TR_W2);
     if (tid < slots && s_e[tid] >= 0) wait_count(p, cnt + DEC_STRIDE * tid, I, tid == p.stall_tile, tid);
     __syncthreads();
     dec_stamp(p, DEC_TR_READY);
     MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
     __syncthreads();
     dec_stamp(p, DEC_TR_H);
-    // a warp per (slot, k part): its h part stays in registers while it walks the CTA's rows 16 at a time (each
-    // W_down element read from shared memory once; run 66: a warp per row reread every h and took 7 µs), the 16
-    // sums reduced across the warp; then each (token, row) adds w x its parts in slot order
-    const int KP = slots >= DEC_WARPS ? 1 : DEC_WARPS / slots, units = slots * KP, KV = I / 8;
+    // a warp per (slot, 8 rows): each lane walks whole 16-byte chunks of k (KV / 32 rounds, no idle lanes), its h
+    // chunk widened once for the 8 rows, the 8 rows' loads issued before their products; then one butterfly leaves
+    // each row's sum on 4 lanes (9 shuffles for 8 rows instead of 40). Run 70's ncu: the sums were issue-bound
+    // (~1,180 instructions a warp, half-idle second rounds, 80 shuffles a warp).
+    const int RB = (nr + 7) / 8, units = slots * RB, KV = I / 8;
     MK_ONCE for (int u = warp; u < units && !(MK_DEC_PROBE & 4); u += DEC_WARPS) {
-      const int s = u / KP, kp = u % KP, v0 = KV * kp / KP, v1 = KV * (kp + 1) / KP;
+      const int s = u / RB, rb = (u % RB) * 8;
       if (s_e[s] < 0) continue;
       const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
       const uint4* wr = (const uint4*)(w2s + (int64_t)s * d.rows * I * 2);
-      MK_ONCE for (int rb = 0; rb < nr; rb += 16) {
-        float a[16];
+      float a[8];
 #pragma unroll
-        for (int r = 0; r < 16; ++r) a[r] = 0.f;
-        MK_ONCE for (int v = v0 + lane; v < v1; v += 32) {  // the 16 rows' loads issued before any product
-          const uint4 hh = hv[v];                             // (rows past nr reread the last; their sums dropped)
-          uint4 w[16];
+      for (int r = 0; r < 8; ++r) a[r] = 0.f;
+      MK_ONCE for (int v = lane; v < KV; v += 32) {  // rows past nr reread the last; their sums are dropped
+        uint4 w[8];
 #pragma unroll
-          for (int r = 0; r < 16; ++r) w[r] = wr[(int64_t)min(rb + r, nr - 1) * KV + v];
+        for (int r = 0; r < 8; ++r) w[r] = wr[(int64_t)min(rb + r, nr - 1) * KV + v];
+        float hf[8];
+        widen8(hf, hv[v]);
 #pragma unroll
-          for (int r = 0; r < 16; ++r) dot8(a[r], w[r], hh);
-        }
-#pragma unroll
-        for (int r = 0; r < 16; ++r) {
-          const float t = warp_sum(a[r]);
-          if (lane == 0 && rb + r < nr) part[u * d.rows + rb + r] = t;
-        }
+        for (int r = 0; r < 8; ++r) dot8f(a[r], w[r], hf);
       }
+      // a[i] -> the warp's sum of row rb + 4 b4 + 2 b3 + b2 (b_k: lane bit k), on the lanes with b1 = b0 = 0
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const bool up = lane & 16;
+        const float send = up ? a[i] : a[i + 4];
+        a[i] = (up ? a[i + 4] : a[i]) + __shfl_xor_sync(~0u, send, 16);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const bool up = lane & 8;
+        const float send = up ? a[i] : a[i + 2];
+        a[i] = (up ? a[i + 2] : a[i]) + __shfl_xor_sync(~0u, send, 8);
+      }
+      {
+        const bool up = lane & 4;
+        const float send = up ? a[0] : a[1];
+        a[0] = (up ? a[1] : a[0]) + __shfl_xor_sync(~0u, send, 4);
+      }
+      a[0] += __shfl_xor_sync(~0u, a[0], 2);
+      a[0] += __shfl_xor_sync(~0u, a[0], 1);
+      const int row = rb + ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1);
+      if ((lane & 3) == 0 && row < nr) part[s * d.rows + row] = a[0];
     }
     __syncthreads();
     MK_ONCE for (int i = tid; i < S * nr && !(MK_DEC_PROBE & 4); i += DEC_THREADS) {
       const int t = i / nr, r = i % nr;
       float y = 0.f;
-      MK_ONCE for (int s = t * K; s < (t + 1) * K; ++s) {
-        if (s_e[s] < 0) continue;
-        float a = 0.f;
-        MK_ONCE for (int kp = 0; kp < KP; ++kp) a += part[(s * KP + kp) * d.rows + r];
-        y = fmaf(s_w[s], a, y);
-      }
+      MK_ONCE for (int s = t * K; s < (t + 1) * K; ++s)
+        if (s_e[s] >= 0) y = fmaf(s_w[s], part[s * d.rows + r], y);
       acc[t * d.rows + r] = y;
     }
     dec_stamp(p, DEC_TR_SUMS);  // (thread 0's share of the sums done)

@@ -293,14 +293,15 @@ class MegakernelMoE:
                 "ctas": [[us(cta_raw[2 * b]), us(cta_raw[2 * b + 1])] for b in range(1, grid)], "tasks": tasks}
 
     # mk_decode.cuh DEC_TR_*: per CTA, DECODE_WORDS words
-    DECODE_STAMPS = ("start", "routed", "phase1", "signalled", "w_down", "ready", "h_loaded", "summed", "end")
+    DECODE_STAMPS = ("start", "routed", "phase1", "signalled", "w_down", "ready", "h_loaded", "summed", "end", "logits")
     DECODE_WORDS = 10
 
     @torch.no_grad()
     def decode_timeline(self, x: torch.Tensor) -> dict[str, Any]:
         """One forward of a decode launch with every CTA stamping its phases (globaltimer; profiling): per CTA, µs from
-        the first CTA's start to `routed` (the picks known), `phase1` (thread 0 done issuing the W_down copies),
-        `signalled` (its pairs done and counted), `w_down` (its down-projection rows landed), `ready` (every slot
+        the first CTA's start to `logits` (every gate logit written: decode=2), `routed` (the picks known), `phase1`
+        (thread 0 done issuing the W_down copies), `signalled` (its pairs done and counted), `w_down` (its
+        down-projection rows landed, or warp 0's own pairs done if later), `ready` (every slot
         complete), `h_loaded` (every slot's h in shared memory), `summed` (thread 0's share of the sums done) and `end`;
         None where a CTA has no such step (no output rows). Syncs."""
         s = x.shape[0]
