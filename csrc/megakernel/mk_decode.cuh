@@ -40,6 +40,11 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 #ifndef MK_DEC_PROBE
 #define MK_DEC_PROBE 0
 #endif
+// Measurement builds: 1 = the CTA's (gate, up) rows prefetched into the L2 by the copy engine as phase 2 starts,
+// 2 = from its second round of pairs on
+#ifndef MK_DEC_PF
+#define MK_DEC_PF 0
+#endif
 
 // Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
 struct DecPlan {
@@ -234,6 +239,25 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   }
   __syncthreads();
   dec_stamp(p, DEC_TR_ROUTED);
+  const int64_t P = (int64_t)slots * I;
+  const int64_t q0 = P * blockIdx.x / gridDim.x, q1 = P * (blockIdx.x + 1) / gridDim.x;
+#if MK_DEC_PF
+  // measurement builds: the copy engine streams this CTA's (gate, up) rows from pair q0 + first on into the L2
+  if (tid == 0) {  // before the W_down copies, which phase 3 needs later
+    const int64_t first = MK_DEC_PF == 2 ? DEC_WARPS - 1 : 0;
+    MK_ONCE for (int64_t q = q0 + first; q < q1;) {
+      const int s = (int)(q / I), e = s_e[s];
+      const int64_t hi = min(q1, (int64_t)(s + 1) * I);
+      if (e >= 0) {
+        const bf16* g = (const bf16*)p.w1 + ((int64_t)e * 2 * I + (q - (int64_t)s * I)) * H;
+        const uint32_t bytes = (uint32_t)((hi - q) * H * 2);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(g), "r"(bytes) : "memory");
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(g + (int64_t)I * H), "r"(bytes) : "memory");
+      }
+      q = hi;
+    }
+  }
+#endif
   // 1. this CTA's rows of W_down for every slot, in flight while phase 2 streams the up projection
   if (tid == 0 && nr > 0) {
     const uint32_t each = (uint32_t)nr * I * 2;
@@ -250,8 +274,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   // the copy engine takes them (up to 8 µs into the launch in run 63's timeline), so warp 0 starts late as it
   // returns. Warps 1.. take R = ceil(n / warps) pairs each, warp 0 the rest (at most R): with 15 warps alone the
   // 46-47 pairs of a CTA were 4 rounds, the last nearly empty
-  const int64_t P = (int64_t)slots * I;
-  const int64_t q0 = P * blockIdx.x / gridDim.x, q1 = P * (blockIdx.x + 1) / gridDim.x;
   const int n2 = (int)(q1 - q0), R2 = (n2 + DEC_WARPS - 1) / DEC_WARPS;
   const int i_lo = warp ? warp - 1 : (DEC_WARPS - 1) * R2, i_step = warp ? DEC_WARPS - 1 : 1;
   const int i_hi = warp ? min(n2, (DEC_WARPS - 1) * R2) : n2;
