@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from moetune.runtime.megakernel import ConfigError, MegakernelConfig
+from moetune.runtime.megakernel import ConfigError, MegakernelConfig, _lib
 from moetune.runtime.megakernel import decode as dec
 
 SHAPES = [  # (tokens, topk, hidden, intermediate, grid)
@@ -83,3 +83,14 @@ def test_config_decode_field():
     assert MegakernelConfig.parse("decode=0").decode == 0
     with pytest.raises(ConfigError, match="decode"):
         MegakernelConfig.parse("decode=2")
+
+
+def test_counter_buffer_size_matches_the_kernel():
+    """The layer allocates the decode kernel's counters and logit words (`_lib.DEC_CNT_WORDS`, zeros): the size the
+    kernel indexes, and the logits past the counters (stored inverted, so zero means not yet written)."""
+    src = (_lib.source_dir() / "mk_decode.cuh").read_text()
+    consts = {n: int(v) for n, v in re.findall(r"\b(DEC_MAX_SLOTS|DEC_STRIDE|DEC_MAX_LOGITS) = (\d+)", src)}
+    assert set(consts) == {"DEC_MAX_SLOTS", "DEC_STRIDE", "DEC_MAX_LOGITS"}
+    assert "DEC_LOGIT0 = (DEC_MAX_SLOTS + 2) * DEC_STRIDE" in src and "DEC_CNT_WORDS = DEC_LOGIT0 + DEC_MAX_LOGITS" in src
+    assert (consts["DEC_MAX_SLOTS"] + 2) * consts["DEC_STRIDE"] + consts["DEC_MAX_LOGITS"] == _lib.DEC_CNT_WORDS
+    assert "~__float_as_int(a)" in src and "__int_as_float(~wait_logit(" in src

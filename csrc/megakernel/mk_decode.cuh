@@ -28,10 +28,12 @@ constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
 constexpr int DEC_VEC = 8;          // 16-byte weight loads per lane in flight for each row of a pair
 constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
 // MkParams.dec_cnt: int32 counters one 128-byte line apart (polled by every CTA): slot s's finished pairs at
-// DEC_STRIDE * s, the logits written, the tasks done, the exit ticket
-constexpr int DEC_STRIDE = 32;
-enum { DEC_CNT_LOGITS = DEC_MAX_SLOTS, DEC_CNT_TASKS = DEC_MAX_SLOTS + 1, DEC_CNT_TICKET = DEC_MAX_SLOTS + 2,
-       DEC_CNT_WORDS = (DEC_MAX_SLOTS + 3) * DEC_STRIDE };
+// DEC_STRIDE * s, the tasks done, the exit ticket; then the gate logits of in-kernel routing from word DEC_LOGIT0,
+// each stored as the bitwise NOT of its fp32 bits, so the zero the launch finds there means "not written yet" (the
+// NOT of a float the GPU's arithmetic produces is never zero: its NaNs are 0x7fffffff)
+constexpr int DEC_STRIDE = 32, DEC_MAX_LOGITS = 4096;  // S x E a decode launch with routing takes
+enum { DEC_CNT_TASKS = DEC_MAX_SLOTS, DEC_CNT_TICKET = DEC_MAX_SLOTS + 1, DEC_LOGIT0 = (DEC_MAX_SLOTS + 2) * DEC_STRIDE,
+       DEC_CNT_WORDS = DEC_LOGIT0 + DEC_MAX_LOGITS };
 // Timeline (MkParams.trace, profiling only): words per CTA after MK_TR_HEAD, stamped by thread 0.
 enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3, DEC_TR_W2 = 4, DEC_TR_READY = 5,
        DEC_TR_H = 6, DEC_TR_SUMS = 7, DEC_TR_END = 8, DEC_TR_LOGITS = 9, DEC_TR_WORDS = 10 };
@@ -134,6 +136,22 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ void dec_stamp(const MkParams& p, int f) {
   if (p.trace && threadIdx.x == 0) p.trace[MK_TR_HEAD + DEC_TR_WORDS * blockIdx.x + f] = (int64_t)gtime();
 }
+// A logit word of dec_cnt once written (non-zero), bounded like every wait: after timeout_ns it reports
+// MK_ERR_INPUT_TIMEOUT (where = -2 - the logit's index) and returns what it last read.
+__device__ __forceinline__ int wait_logit(const MkParams& p, const int32_t* w, int i) {
+  int v = ld_relaxed(w);
+  if (v != 0) return v;
+  const uint64_t since = gtime();
+  while ((v = ld_relaxed(w)) == 0) {
+    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) break;
+    const uint64_t waited = gtime() - since;
+    if (waited > (uint64_t)p.timeout_ns) {
+      report(p, MK_ERR_INPUT_TIMEOUT, -2 - i, 0, (int64_t)waited);
+      break;
+    }
+  }
+  return v;
+}
 __device__ __forceinline__ void red_release(int32_t* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
@@ -199,20 +217,16 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
           if (v0 + lane + 32 * i < HV) dot8(a, w[i], xv[v0 + lane + 32 * i]);
       }
       a = warp_sum(a);
-      if (lane == 0) p.logits[l] = a;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      if (l1 > l0) {
-        __threadfence();
-        red_release(cnt + DEC_STRIDE * DEC_CNT_LOGITS, l1 - l0);
+      if (lane == 0) {
+        p.logits[l] = a;  // the layer's routing buffer, as k_logits leaves it
+        st_relaxed(cnt + DEC_LOGIT0 + l, ~__float_as_int(a));
       }
-      wait_count(p, cnt + DEC_STRIDE * DEC_CNT_LOGITS, L, false, -1);
     }
+    // every logit polled where it lands (one L2 round trip; a counter of written logits and a reload after it took
+    // two, run 71's timeline)
+    MK_ONCE for (int i = tid; i < L; i += DEC_THREADS) lg[i] = __int_as_float(~wait_logit(p, cnt + DEC_LOGIT0 + i, i));
+    __syncthreads();
     dec_stamp(p, DEC_TR_LOGITS);
-    __syncthreads();
-    MK_ONCE for (int i = tid; i < L; i += DEC_THREADS) lg[i] = __ldcg(p.logits + i);
-    __syncthreads();
     MK_ONCE for (int t = warp; t < S; t += DEC_WARPS) {
       int e;
       float w;
@@ -410,7 +424,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
       p.ctl[MK_CTL_PUBLISHED] = tasks;
       p.ctl[MK_CTL_TILES] = slots;
       MK_ONCE for (int s = 0; s < slots; ++s) cnt[DEC_STRIDE * s] = 0;
-      cnt[DEC_STRIDE * DEC_CNT_LOGITS] = 0;
+      if (p.decode == 2) MK_ONCE for (int i = 0; i < S * E; ++i) cnt[DEC_LOGIT0 + i] = 0;
       cnt[DEC_STRIDE * DEC_CNT_TICKET] = 0;
     }
   }

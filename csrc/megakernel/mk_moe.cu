@@ -118,6 +118,11 @@ __device__ __forceinline__ int ld_acquire(const int32_t* p) {
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ int ld_relaxed(const int32_t* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 __device__ __forceinline__ void st_release(int32_t* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
@@ -2228,6 +2233,7 @@ int decode_plan_for(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, DecPl
   if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
     return fail("cudaDeviceGetAttribute", e);
   if (E < 1 || E > 32 * MAXE_PER_LANE) return fail_msg("mk: decode takes 1..512 experts");
+  if (S * E > DEC_MAX_LOGITS) return fail_msg("mk: decode takes at most 4096 gate logits (S x experts)");
   const DecPlan d = dec_plan(S, H, I, K, E, sms);
   if (d.bytes == 0 || d.bytes > SMEM_MAX) {
     snprintf(g_err, sizeof g_err, "mk: decode: S x topk = %lld rows of W_down per CTA need %lld bytes of shared memory "
