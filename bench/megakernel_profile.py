@@ -32,6 +32,7 @@ import argparse
 import itertools
 import json
 import re
+import statistics
 
 import torch
 
@@ -46,6 +47,9 @@ def main() -> None:
                     help="--trace: replay without a sync between replays (as a benchmark loop does)")
     ap.add_argument("--eager", action="store_true", help="--trace: eager forwards instead of graph replays")
     ap.add_argument("--timeline", default="", help="append the task timeline (JSON line) to this file")
+    ap.add_argument("--isolation", action="store_true",
+                    help="decode launches: graph replays back to back vs each behind a sleep kernel, and two traced "
+                         "launches in a row (the gap between them and each one's span)")
     ap.add_argument("--feed", action="store_true", help="bulk-copy delivery rate into shared memory (no layer)")
     ap.add_argument("--feed-tiles", action="store_true", help="the wide tile's stage loads without compute (no layer)")
     ap.add_argument("--route-splits", default="",
@@ -71,6 +75,8 @@ def main() -> None:
     mk.check()
     if a.trace:
         trace(mk, x, a.calls, a.tokens, a.config, sync_each=not a.back_to_back, eager=a.eager)
+    if a.isolation:
+        isolation(mk, x)
     if a.timeline and mk.decode_grid(a.tokens) is not None:
         tl = mk.decode_timeline(x)
         summarize_decode(tl)
@@ -81,6 +87,53 @@ def main() -> None:
         summarize(tl)
         with open(a.timeline, "a") as f:
             f.write(json.dumps(tl) + "\n")
+
+
+def isolation(mk, x: torch.Tensor, iters: int = 200) -> None:
+    """Where a decode launch's time goes outside its own stamps: the median graph replay between CUDA events back to
+    back (as the benchmarks time it) against each replay queued behind a ~20 µs sleep kernel (the queue stays full,
+    but no layer runs right before it); then two eager launches in a row, both stamping (MkParams.trace): the gap
+    from the first one's last CTA end to the second one's first CTA start, and each one's span."""
+    from moetune.runtime.megakernel import _lib
+    from moetune.runtime.testing.timing import graphs_of
+
+    g = graphs_of(mk.forward, [x])[0]
+
+    def timed(before) -> float:
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for _ in range(20):
+            g()
+        for a, b in ev:
+            before()
+            a.record()
+            g()
+            b.record()
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
+
+    b2b = timed(lambda: None)
+    slept = timed(lambda: torch.cuda._sleep(40_000))
+    b2b2 = timed(lambda: None)
+    print(f"isolation S={x.shape[0]}: graph replay back to back {b2b:.1f} / {b2b2:.1f} us, behind a sleep kernel "
+          f"{slept:.1f} us")
+    dg = mk.decode_grid(x.shape[0])
+    if dg is None:
+        return
+    words = mk.DECODE_WORDS
+    bufs = [torch.zeros(_lib.TR_HEAD + words * dg[0], dtype=torch.int64, device=mk.device) for _ in range(2)]
+    torch.cuda.synchronize()
+    for b in bufs:
+        mk._trace = b
+        mk.forward(x)
+    mk._trace = None
+    torch.cuda.synchronize()
+    for q in mk._params.values():
+        q.trace = None
+    st = [b.tolist()[_lib.TR_HEAD:] for b in bufs]
+    start = [min(r[words * c] for c in range(dg[0])) for r in st]
+    end = [max(r[words * c + 8] for c in range(dg[0])) for r in st]  # DEC_TR_END
+    print(f"isolation two traced launches: spans {(end[0] - start[0]) / 1e3:.2f} / {(end[1] - start[1]) / 1e3:.2f} us, "
+          f"gap from the first's last end to the second's first start {(start[1] - end[0]) / 1e3:.2f} us")
 
 
 def summarize_decode(tl: dict) -> None:
