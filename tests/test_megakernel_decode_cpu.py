@@ -91,6 +91,18 @@ def test_counter_buffer_size_matches_the_kernel():
     src = (_lib.source_dir() / "mk_decode.cuh").read_text()
     consts = {n: int(v) for n, v in re.findall(r"\b(DEC_MAX_SLOTS|DEC_STRIDE|DEC_MAX_LOGITS) = (\d+)", src)}
     assert set(consts) == {"DEC_MAX_SLOTS", "DEC_STRIDE", "DEC_MAX_LOGITS"}
-    assert "DEC_LOGIT0 = (DEC_MAX_SLOTS + 2) * DEC_STRIDE" in src and "DEC_CNT_WORDS = DEC_LOGIT0 + DEC_MAX_LOGITS" in src
-    assert (consts["DEC_MAX_SLOTS"] + 2) * consts["DEC_STRIDE"] + consts["DEC_MAX_LOGITS"] == _lib.DEC_CNT_WORDS
+    assert "DEC_LOGIT0 = (DEC_MAX_SLOTS + 1) * DEC_STRIDE" in src and "DEC_CNT_WORDS = DEC_LOGIT0 + DEC_MAX_LOGITS" in src
+    assert (consts["DEC_MAX_SLOTS"] + 1) * consts["DEC_STRIDE"] + consts["DEC_MAX_LOGITS"] == _lib.DEC_CNT_WORDS
     assert "~__float_as_int(a)" in src and "__int_as_float(~wait_logit(" in src
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_task_count_closed_form(shape):
+    """The CTA with the last exit ticket writes the task count without a counter: min(P, grid) CTAs have pairs
+    (the ranges P c / G grow by at most one per CTA when P < G) plus the CTAs with output rows."""
+    s, k, h, i, g = shape
+    p = dec.plan(tokens=s, topk=k, hidden=h, intermediate=i, grid=g)
+    rows = -(-h // g)
+    assert p.total == min(s * k * i, g) + min(g, -(-h // rows))
+    src = (_lib.source_dir() / "mk_decode.cuh").read_text()
+    assert "(int)min(P, (int64_t)gridDim.x) + min((int)gridDim.x, (H + d.rows - 1) / d.rows)" in src

@@ -16,8 +16,8 @@
 //   3. once every slot's counter reaches I (acquire, bounded waits): out[t, r] = sum over the token's slots in
 //      order of w[t, j] * (W_down row r . h) in fp32, then bf16. Every output row is written by exactly one CTA
 //      and the sums run in a fixed order: bit-identical runs.
-// The counters are the kernel's own (MkParams.dec_cnt): the last CTA to finish (a ticket) zeroes them and writes
-// the launch's task counts into ctl (phase-1 ranges and phase-3 row blocks, as runtime/megakernel/decode.py
+// The counters are the kernel's own (MkParams.dec_cnt): the CTA that takes the last exit ticket zeroes them and
+// writes the launch's task counts into ctl (phase-1 ranges and phase-3 row blocks, as runtime/megakernel/decode.py
 // models them), so a launch needs no reset kernel before it. All CTAs are resident (one per SM, checked by the
 // occupancy query at launch), so a CTA waiting for a slot never blocks the CTAs that finish it.
 
@@ -28,11 +28,11 @@ constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
 constexpr int DEC_VEC = 8;          // 16-byte weight loads per lane in flight for each row of a pair
 constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
 // MkParams.dec_cnt: int32 counters one 128-byte line apart (polled by every CTA): slot s's finished pairs at
-// DEC_STRIDE * s, the tasks done, the exit ticket; then the gate logits of in-kernel routing from word DEC_LOGIT0,
+// DEC_STRIDE * s, the exit ticket; then the gate logits of in-kernel routing from word DEC_LOGIT0,
 // each stored as the bitwise NOT of its fp32 bits, so the zero the launch finds there means "not written yet" (the
 // NOT of a float the GPU's arithmetic produces is never zero: its NaNs are 0x7fffffff)
 constexpr int DEC_STRIDE = 32, DEC_MAX_LOGITS = 4096;  // S x E a decode launch with routing takes
-enum { DEC_CNT_TASKS = DEC_MAX_SLOTS, DEC_CNT_TICKET = DEC_MAX_SLOTS + 1, DEC_LOGIT0 = (DEC_MAX_SLOTS + 2) * DEC_STRIDE,
+enum { DEC_CNT_TICKET = DEC_MAX_SLOTS, DEC_LOGIT0 = (DEC_MAX_SLOTS + 1) * DEC_STRIDE,
        DEC_CNT_WORDS = DEC_LOGIT0 + DEC_MAX_LOGITS };
 // Timeline (MkParams.trace, profiling only): words per CTA after MK_TR_HEAD, stamped by thread 0.
 enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3, DEC_TR_W2 = 4, DEC_TR_READY = 5,
@@ -41,11 +41,6 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 // 2 = no up-projection loads (phase 2 multiplies zeros), 3 = neither; 4 (or-ed) = no down-projection sums.
 #ifndef MK_DEC_PROBE
 #define MK_DEC_PROBE 0
-#endif
-// Measurement builds: 1 = the CTA's (gate, up) rows prefetched into the L2 by the copy engine as phase 2 starts,
-// 2 = from its second round of pairs on
-#ifndef MK_DEC_PF
-#define MK_DEC_PF 0
 #endif
 
 // Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
@@ -152,6 +147,11 @@ __device__ __forceinline__ int wait_logit(const MkParams& p, const int32_t* w, i
   }
   return v;
 }
+__device__ __forceinline__ int atom_add_acq_rel(int32_t* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
 __device__ __forceinline__ void red_release(int32_t* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
@@ -255,23 +255,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   dec_stamp(p, DEC_TR_ROUTED);
   const int64_t P = (int64_t)slots * I;
   const int64_t q0 = P * blockIdx.x / gridDim.x, q1 = P * (blockIdx.x + 1) / gridDim.x;
-#if MK_DEC_PF
-  // measurement builds: the copy engine streams this CTA's (gate, up) rows from pair q0 + first on into the L2
-  if (tid == 0) {  // before the W_down copies, which phase 3 needs later
-    const int64_t first = MK_DEC_PF == 2 ? DEC_WARPS - 1 : 0;
-    MK_ONCE for (int64_t q = q0 + first; q < q1;) {
-      const int s = (int)(q / I), e = s_e[s];
-      const int64_t hi = min(q1, (int64_t)(s + 1) * I);
-      if (e >= 0) {
-        const bf16* g = (const bf16*)p.w1 + ((int64_t)e * 2 * I + (q - (int64_t)s * I)) * H;
-        const uint32_t bytes = (uint32_t)((hi - q) * H * 2);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(g), "r"(bytes) : "memory");
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(g + (int64_t)I * H), "r"(bytes) : "memory");
-      }
-      q = hi;
-    }
-  }
-#endif
   // 1. this CTA's rows of W_down for every slot, in flight while phase 2 streams the up projection
   if (tid == 0 && nr > 0) {
     const uint32_t each = (uint32_t)nr * I * 2;
@@ -329,8 +312,12 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   // the range's h elements are contiguous in h (pair q is h[q]): whole lines, not one 2-byte store per pair
   MK_ONCE for (int64_t q = q0 + tid; q < q1; q += DEC_THREADS) ((bf16*)p.h)[q] = hstage[q - q0];
   __syncthreads();  // every thread's h stores before thread 0's fence and counters
+  // The exit ticket: the CTA that takes the last one is past every CTA's last counter access (each takes it after its
+  // own: its signals, and an owner's slot waits), so it zeroes the counters for the next launch. Taken early and its
+  // value read only at the end, the round trip overlaps phase 3 (a fence and a ticket after the last stamp, then a
+  // fence and an exchange in the last CTA, cost ~2 µs past the sums in run 71).
+  int ticket = 0;
   if (tid == 0) {
-    const int tasks = (q1 > q0 ? 1 : 0) + (nr > 0 ? 1 : 0);  // phase 3 below always completes (timeouts end it)
     if (q1 > q0) {
       __threadfence();
       MK_ONCE for (int s = (int)(q0 / I); s <= (int)((q1 - 1) / I); ++s) {
@@ -339,7 +326,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
         red_release(cnt + DEC_STRIDE * s, (int)(hi - lo));
       }
     }
-    red_add(cnt + DEC_STRIDE * DEC_CNT_TASKS, tasks);
+    if (nr == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
   }
   dec_stamp(p, DEC_TR_SIGNALLED);
   if (nr > 0) {
@@ -349,6 +336,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
     if (tid < slots && s_e[tid] >= 0) wait_count(p, cnt + DEC_STRIDE * tid, I, tid == p.stall_tile, tid);
     __syncthreads();
+    if (tid == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
     dec_stamp(p, DEC_TR_READY);
     MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
     __syncthreads();
@@ -413,19 +401,15 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
       out[(int64_t)(i / nr) * H + r0 + i % nr] = __float2bfloat16(acc[(i / nr) * d.rows + i % nr]);
   }
   dec_stamp(p, DEC_TR_END);
-  // the last CTA out (every other one is past its last wait) leaves the counters zero for the next launch and the
-  // launch's task counts where the task graph's scheduler leaves them
-  if (tid == 0) {
-    __threadfence();
-    if (atomicAdd(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1) == (int)gridDim.x - 1) {
-      __threadfence();
-      const int tasks = atomicExch(cnt + DEC_STRIDE * DEC_CNT_TASKS, 0);
-      p.ctl[MK_CTL_TOTAL] = tasks + 1;
-      p.ctl[MK_CTL_PUBLISHED] = tasks;
-      p.ctl[MK_CTL_TILES] = slots;
-      MK_ONCE for (int s = 0; s < slots; ++s) cnt[DEC_STRIDE * s] = 0;
-      if (p.decode == 2) MK_ONCE for (int i = 0; i < S * E; ++i) cnt[DEC_LOGIT0 + i] = 0;
-      cnt[DEC_STRIDE * DEC_CNT_TICKET] = 0;
-    }
+  // the last ticket: the counters zeroed, and the launch's task counts where the task graph's scheduler leaves them
+  // (a task per CTA with pairs, min(P, grid), and per CTA with rows; as runtime/megakernel/decode.py counts them)
+  if (tid == 0 && ticket == (int)gridDim.x - 1) {
+    const int tasks = (int)min(P, (int64_t)gridDim.x) + min((int)gridDim.x, (H + d.rows - 1) / d.rows);
+    p.ctl[MK_CTL_TOTAL] = tasks + 1;
+    p.ctl[MK_CTL_PUBLISHED] = tasks;
+    p.ctl[MK_CTL_TILES] = slots;
+    MK_ONCE for (int s = 0; s < slots; ++s) cnt[DEC_STRIDE * s] = 0;
+    if (p.decode == 2) MK_ONCE for (int i = 0; i < S * E; ++i) cnt[DEC_LOGIT0 + i] = 0;
+    cnt[DEC_STRIDE * DEC_CNT_TICKET] = 0;
   }
 }

@@ -1679,6 +1679,14 @@ constexpr int MAXK = 16;
 constexpr int MAX_SPLITS = 16;     // logit planes k_topk adds (layer.py caps logit_splits at 16)
 constexpr int TOPK_TOKENS = THREADS / 32;  // one warp per token
 
+// fp32 <-> an unsigned key with the same order (negatives bit-flipped, positives with the sign bit set)
+__device__ __forceinline__ unsigned ord_key(float f) {
+  const unsigned u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float ord_val(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
 // One warp's softmax (fp32), top-k (ties: lower expert first) and renormalisation of the E logits at lg (shared
 // memory): lane j < K gets pick j (expert, weight). k_topk and the decode kernel's routing share it.
 template <int NI>
@@ -1716,17 +1724,11 @@ __device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lan
     }
   }
   for (int j = 0; j < K; ++j) {
-    float bv = lv;
-    int bi = li;
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      const float ov = __shfl_xor_sync(~0u, bv, o);
-      const int oi = __shfl_xor_sync(~0u, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
+    // the warp's best (value, lowest expert on a tie) in two redux instructions on order-preserving integer keys
+    // (ten dependent shuffles per pick before; the same picks: the values are never -0 or NaN)
+    const unsigned key = ord_key(lv), kmax = __reduce_max_sync(~0u, key);
+    const int bi = (int)__reduce_min_sync(~0u, key == kmax ? (unsigned)li : 0x7fffffffu);
+    const float bv = ord_val(kmax);
     if ((bi & 31) == lane) {  // the winner's lane rescans its unpicked experts
       taken |= 1u << (bi >> 5);
       lv = -2.f;
