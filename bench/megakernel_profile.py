@@ -116,6 +116,20 @@ def isolation(mk, x: torch.Tensor, iters: int = 200) -> None:
     b2b2 = timed(lambda: None)
     print(f"isolation S={x.shape[0]}: graph replay back to back {b2b:.1f} / {b2b2:.1f} us, behind a sleep kernel "
           f"{slept:.1f} us")
+    try:  # the floor: an empty kernel of the decode launch's shape (one 512-thread CTA per SM, ~210 KB shared)
+        import cupy as cp
+    except ImportError:
+        return
+    k = cp.RawKernel('extern "C" __global__ void k_empty() {}', "k_empty")
+    k.max_dynamic_shared_size_bytes = 210 * 1024
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def empty() -> None:
+        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            k((sms,), (512,), (), shared_mem=210 * 1024)
+
+    g = graphs_of(lambda _x: empty(), [x])[0]
+    print(f"isolation: an empty kernel of that shape, graph replay back to back {timed(lambda: None):.1f} us")
     dg = mk.decode_grid(x.shape[0])
     if dg is None:
         return
