@@ -38,8 +38,8 @@ enum { DEC_CNT_TICKET = DEC_MAX_SLOTS, DEC_LOGIT0 = (DEC_MAX_SLOTS + 1) * DEC_ST
 enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3, DEC_TR_W2 = 4, DEC_TR_READY = 5,
        DEC_TR_H = 6, DEC_TR_SUMS = 7, DEC_TR_END = 8, DEC_TR_LOGITS = 9, DEC_TR_WORDS = 10 };
 // Measurement builds (never the default): 1 = no W_down copies (phase 3 adds whatever shared memory holds),
-// 2 = no up-projection loads (phase 2 multiplies zeros), 3 = neither; 4 (or-ed) = no down-projection sums; 8
-// (or-ed) = the top-k and the sums each run twice, stamped after the first run (phase1 / w_down): cold vs warm code.
+// 2 = no up-projection loads (phase 2 multiplies zeros), 3 = neither; 4 (or-ed) = no down-projection sums. (8, the
+// top-k and the sums run twice to compare cold and warm code, was removed after run 75: 08b82fb has it.)
 #ifndef MK_DEC_PROBE
 #define MK_DEC_PROBE 0
 #endif
@@ -96,26 +96,17 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
 }
-// acc += the 8 bf16 products of a and b (fp32, in element order). By value: with references into shared memory
-// the compiler read each operand as four 4-byte loads, a 4-way bank conflict each (run 69's excess wavefronts).
 // bf16 -> fp32 is the top half of the word: one shift or mask per element (the bf16 header's conversion of the
 // upper element compiled to two instructions)
 __device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
-__device__ __forceinline__ void dot8(float& acc, const uint4 a, const uint4 b) {
-  const uint32_t x[4] = {a.x, a.y, a.z, a.w}, y[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    acc = fmaf(bf_lo(x[i]), bf_lo(y[i]), acc);
-    acc = fmaf(bf_hi(x[i]), bf_hi(y[i]), acc);
-  }
-}
-// the 8 bf16 of b widened once (phase 3 multiplies one h chunk by several rows); dot8f = dot8 with b widened
+// the 8 bf16 of b widened (phase 3 widens one h chunk once for several rows)
 __device__ __forceinline__ void widen8(float (&f)[8], const uint4 b) {
   const uint32_t y[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) f[2 * i] = bf_lo(y[i]), f[2 * i + 1] = bf_hi(y[i]);
 }
+// acc += the 8 products of bf16 a and widened f (fp32, in element order)
 __device__ __forceinline__ void dot8f(float& acc, const uint4 a, const float (&f)[8]) {
   const uint32_t x[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
@@ -123,6 +114,13 @@ __device__ __forceinline__ void dot8f(float& acc, const uint4 a, const float (&f
     acc = fmaf(bf_lo(x[i]), f[2 * i], acc);
     acc = fmaf(bf_hi(x[i]), f[2 * i + 1], acc);
   }
+}
+// acc += the 8 bf16 products of a and b. By value: with references into shared memory nvcc read an operand as four
+// 4-byte loads, a 4-way bank conflict each (run 69's excess wavefronts, found in run 70's per-line table)
+__device__ __forceinline__ void dot8(float& acc, const uint4 a, const uint4 b) {
+  float f[8];
+  widen8(f, b);
+  dot8f(acc, a, f);
 }
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -231,10 +229,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     MK_ONCE for (int t = warp; t < S; t += DEC_WARPS) {
       int e;
       float w;
-      MK_ONCE for (int rep = 0; rep < (MK_DEC_PROBE & 8 ? 2 : 1); ++rep) {  // probe 8: the same code run twice
-        warp_topk<NI>(lg + (int64_t)t * E, E, K, lane, e, w);
-        if (MK_DEC_PROBE & 8 && rep == 0) dec_stamp(p, DEC_TR_P1);
-      }
+      warp_topk<NI>(lg + (int64_t)t * E, E, K, lane, e, w);
       if (lane < K) {
         s_e[t * K + lane] = e;
         s_w[t * K + lane] = w;
@@ -270,7 +265,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
         bulk_load(su32(w2s) + (uint32_t)s * d.rows * I * 2, (const bf16*)p.w2 + ((int64_t)s_e[s] * H + r0) * I, each,
                   bar, ev, pol);
   }
-  if (!(MK_DEC_PROBE & 8)) dec_stamp(p, DEC_TR_P1);
+  dec_stamp(p, DEC_TR_P1);
   // 2. (gate, up) row pairs [q0, q1) of the S*K*I, one warp per pair. Thread 0's copy instructions return only as
   // the copy engine takes them (up to 8 µs into the launch in run 63's timeline), so warp 0 starts late as it
   // returns. Warps 1.. take R = ceil(n / warps) pairs each, warp 0 the rest (at most R): with 15 warps alone the
@@ -308,7 +303,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     au = warp_sum(au);
     if (lane == 0) hstage[q - q0] = __float2bfloat16(__fdividef(ag, 1.f + __expf(-ag)) * au);
   }
-  if (p.trace && tid == 0 && nr > 0 && !(MK_DEC_PROBE & 8)) {  // timeline only: when the W_down copies landed (or warp 0's pairs were done)
+  if (p.trace && tid == 0 && nr > 0) {  // timeline only: when the W_down copies landed (or warp 0's pairs were done)
     mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
     dec_stamp(p, DEC_TR_W2);
   }
@@ -350,8 +345,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     // each row's sum on 4 lanes (9 shuffles for 8 rows instead of 40). Run 70's ncu: the sums were issue-bound
     // (~1,180 instructions a warp, half-idle second rounds, 80 shuffles a warp).
     const int RB = (nr + 7) / 8, units = slots * RB, KV = I / 8;
-    MK_ONCE for (int rep = 0; rep < (MK_DEC_PROBE & 8 ? 2 : 1); ++rep) {  // probe 8: the same code run twice
-    if (MK_DEC_PROBE & 8 && rep == 1) dec_stamp(p, DEC_TR_W2);
     MK_ONCE for (int u = warp; u < units && !(MK_DEC_PROBE & 4); u += DEC_WARPS) {
       const int s = u / RB, rb = (u % RB) * 8;
       if (s_e[s] < 0) continue;
@@ -391,7 +384,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
       a[0] += __shfl_xor_sync(~0u, a[0], 1);
       const int row = rb + ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1);
       if ((lane & 3) == 0 && row < nr) part[s * d.rows + row] = a[0];
-    }
     }
     __syncthreads();
     MK_ONCE for (int i = tid; i < S * nr && !(MK_DEC_PROBE & 4); i += DEC_THREADS) {
