@@ -13,7 +13,7 @@ makes a knob), `route_small_max` (where routing switches top-k kernels: since ru
 wins at every measured S, so the default is 0; the block-per-token kernel stays selectable for shapes not measured)
 and `publish_all` (up to 7% at S=1, but 0 was never faster at any S in runs 15-19: nothing for a search to find);
 `l2_evict_weights` follows a rule from the launch's rows per expert (run 58), nothing to search either; `decode`
-(the decode kernel where a launch fits it: S=1 40.6 vs 54.1 µs in run 67) was never the slower one where it runs,
+(the decode kernel where a launch fits it: S=1 35.9 vs 55.3 µs in run 76) was never the slower one where it runs,
 and where it runs the tile knobs do not apply.
 """
 
