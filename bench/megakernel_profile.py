@@ -18,6 +18,10 @@ and per SM: the delivery rate a stage pipeline of that depth can reach on this G
 
 `--route-splits S,..`: routing time against the cap on the gate GEMM's H splits (run 46).
 
+`--vs-lib NAME=PATH,..`: the layer's graph replay side by side in this process with the same layer launched from other
+builds of the library (e.g. an older commit's, or `-DMK_DEC_PROBE=16`, whose decode kernel returns at entry: the
+cost of replaying that launch shape with no work), inputs rotated over 8 tensors, the builds interleaved in rounds.
+
 `--feed-tiles`: the wide tile's stage as the expert kernel loads it, without the wgmmas: per stage 32 KB of weights
 (either four 64-row x 64-column boxes of a [rows, 2048] bf16 matrix by the tensor-map TMA, 4 KB between rows, or one
 contiguous 32 KB bulk copy: a pre-tiled layout) and 16 KB of gathered rows (128 rows x 128 bytes of a 16 MB
@@ -50,6 +54,8 @@ def main() -> None:
     ap.add_argument("--isolation", action="store_true",
                     help="graph replays back to back vs each behind a sleep kernel (does a layer cost more "
                          "right after another?)")
+    ap.add_argument("--vs-lib", default="",
+                    help="NAME=PATH,..: graph replays side by side with the layer launched from these library builds")
     ap.add_argument("--feed", action="store_true", help="bulk-copy delivery rate into shared memory (no layer)")
     ap.add_argument("--feed-tiles", action="store_true", help="the wide tile's stage loads without compute (no layer)")
     ap.add_argument("--route-splits", default="",
@@ -77,6 +83,8 @@ def main() -> None:
         trace(mk, x, a.calls, a.tokens, a.config, sync_each=not a.back_to_back, eager=a.eager)
     if a.isolation:
         isolation(mk, x)
+    if a.vs_lib:
+        vs_libs(mk, a.tokens, dict(v.split("=", 1) for v in a.vs_lib.split(",")))
     if a.timeline and mk.decode_grid(a.tokens) is not None:
         tl = mk.decode_timeline(x)
         summarize_decode(tl)
@@ -115,6 +123,32 @@ def isolation(mk, x: torch.Tensor, iters: int = 200) -> None:
     b2b2 = timed(lambda: None)
     print(f"isolation S={x.shape[0]}: graph replay back to back {b2b:.1f} / {b2b2:.1f} us, behind a sleep kernel "
           f"{slept:.1f} us")
+
+
+def vs_libs(mk, tokens: int, libs: dict[str, str], rounds: int = 3, iters: int = 200, rotate: int = 8) -> None:
+    """Median graph replay (CUDA events around each, back to back, inputs rotated) of the layer launched from its own
+    library ("this") and from each build in `libs`, in `rounds` interleaved rounds; prints and returns the medians."""
+    from pathlib import Path
+
+    from moetune.runtime.megakernel import _lib
+    from moetune.runtime.testing.timing import graphs_of, time_calls
+
+    xs = [torch.randn(tokens, mk.model.hidden, device="cuda").to(torch.bfloat16) for _ in range(rotate)]
+    own = mk.lib
+    graphs = {"this": graphs_of(mk.forward, xs)}
+    try:
+        for name, path in libs.items():
+            mk.lib = _lib.open_library(Path(path))
+            graphs[name] = graphs_of(mk.forward, xs)  # captured with that build's kernels
+    finally:
+        mk.lib = own
+    res: dict[str, list[float]] = {n: [] for n in graphs}
+    for _ in range(rounds):
+        for n, g in graphs.items():
+            res[n].append(statistics.median(time_calls(g, warmup=20, iters=iters, cuda=True)))
+    print(json.dumps({"vs_lib": {"tokens": tokens, "libs": libs, "rounds_us": res}}))
+    for n, v in res.items():
+        print(f"  S={tokens} {n:10s} graph replay " + " / ".join(f"{t:.1f}" for t in v) + " us")
 
 
 def summarize_decode(tl: dict) -> None:

@@ -8,14 +8,16 @@
 //   0. (decode = 2) routing in the kernel: the S x E gate dot products spread over the CTAs (a warp each, fp32),
 //      counted on one counter; every CTA then runs k_topk's warp selection (warp_topk) on the logits itself, so
 //      all CTAs hold the same picks without another kernel. decode = 1 reads given picks (topk_idx / topk_w).
-//   1. each CTA starts one bulk copy per slot of its R output rows of W_down[e] (R x I bf16, contiguous in the
-//      weight) into shared memory, on one mbarrier;
+//   1. each CTA starts one bulk copy per (slot, row) of its R output rows of W_down[e] into shared memory, on one
+//      mbarrier, each row 16 bytes longer than the weight's (so the 8 rows an ldmatrix reads fall in different
+//      banks);
 //   2. it computes its share of the S*K*I (gate, up) row pairs as warp dot products with x (fp32 accumulate,
 //      h = silu(gate) * up rounded to bf16 as the tile kernels store it) and adds the pairs it finished to each
 //      slot's counter (release after the h stores);
-//   3. once every slot's counter reaches I (acquire, bounded waits): out[t, r] = sum over the token's slots in
-//      order of w[t, j] * (W_down row r . h) in fp32, then bf16. Every output row is written by exactly one CTA
-//      and the sums run in a fixed order: bit-identical runs.
+//   3. once every slot's counter reaches I (acquire, bounded waits): the CTA's rows . h of every slot on the tensor
+//      cores (mma.sync m16n8k16: 16 rows x 8 slots, slot n's h in B's column n, the k steps split over the warps),
+//      then out[t, r] = sum over the token's slots in order of w[t, j] * (W_down row r . h) in fp32, then bf16.
+//      Every output row is written by exactly one CTA and the sums run in a fixed order: bit-identical runs.
 // The counters are the kernel's own (MkParams.dec_cnt): the CTA that takes the last exit ticket zeroes them and
 // writes the launch's task counts into ctl (phase-1 ranges and phase-3 row blocks, as runtime/megakernel/decode.py
 // models them), so a launch needs no reset kernel before it. All CTAs are resident (one per SM, checked by the
@@ -38,7 +40,8 @@ enum { DEC_CNT_TICKET = DEC_MAX_SLOTS, DEC_LOGIT0 = (DEC_MAX_SLOTS + 1) * DEC_ST
 enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3, DEC_TR_W2 = 4, DEC_TR_READY = 5,
        DEC_TR_H = 6, DEC_TR_SUMS = 7, DEC_TR_END = 8, DEC_TR_LOGITS = 9, DEC_TR_WORDS = 10 };
 // Measurement builds (never the default): 1 = no W_down copies (phase 3 adds whatever shared memory holds),
-// 2 = no up-projection loads (phase 2 multiplies zeros), 3 = neither; 4 (or-ed) = no down-projection sums. (8, the
+// 2 = no up-projection loads (phase 2 multiplies zeros), 3 = neither; 4 (or-ed) = no down-projection sums; 16 = the
+// kernel returns at entry (the launch with no work: what a graph replay of this launch shape costs). (8, the
 // top-k and the sums run twice to compare cold and warm code, was removed after run 75: 08b82fb has it.)
 #ifndef MK_DEC_PROBE
 #define MK_DEC_PROBE 0
@@ -47,25 +50,30 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 // Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
 struct DecPlan {
   int grid, rows;  // CTAs (one per SM), output rows per CTA (ceil(H / grid))
-  int x_off, w2_off, h_off, acc_off, stage_off, lg_off, part_off, bytes;
+  int w2_stride;   // bytes per W_down row in shared memory: I x 2 + 16 (ldmatrix's 8 rows in different banks)
+  int ksplit;      // phase 3's k splits: 16-row x 8-slot blocks x ksplit = about one unit per warp
+  int x_off, w2_off, h_off, stage_off, lg_off, part_off, red_off, bytes;
 };
 inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int sms) {
   auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
   DecPlan d = {};
   d.grid = sms;
   d.rows = (int)((H + sms - 1) / sms);
-  const int64_t slots = S * K;
+  const int64_t slots = S * K, blocks = (d.rows + 15) / 16 * ((slots + 7) / 8);
+  d.w2_stride = (int)(I * 2 + 16);
+  const int64_t ks = DEC_WARPS / blocks < I / 16 ? DEC_WARPS / blocks : I / 16;
+  d.ksplit = ks > 1 ? (int)ks : 1;
   const int64_t x_off = 128;  // [0, 8): the W_down copies' mbarrier
   const int64_t w2_off = up(x_off + S * H * 2);
-  const int64_t h_off = up(w2_off + slots * d.rows * I * 2);
-  const int64_t acc_off = up(h_off + slots * I * 2);
-  const int64_t stage_off = up(acc_off + S * d.rows * 4);  // this CTA's h elements: at most ceil(P / grid)
+  const int64_t h_off = up(w2_off + slots * d.rows * d.w2_stride);
+  const int64_t stage_off = up(h_off + slots * I * 2);  // this CTA's h elements: at most ceil(P / grid)
   const int64_t lg_off = up(stage_off + (slots * I / sms + 1) * 2);  // the S x E logits (routing in the kernel)
   const int64_t part_off = up(lg_off + S * E * 4);  // phase 3's per-slot sums of the CTA's rows
-  const int64_t bytes = part_off + slots * d.rows * 4;
+  const int64_t red_off = up(part_off + slots * d.rows * 4);  // phase 3's accumulator tiles, one per unit
+  const int64_t bytes = red_off + blocks * d.ksplit * 128 * 4;
   if (bytes > (1ll << 30)) return d;  // bytes stays 0: does not fit
-  d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.h_off = (int)h_off, d.acc_off = (int)acc_off;
-  d.stage_off = (int)stage_off, d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.bytes = (int)bytes;
+  d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.h_off = (int)h_off, d.stage_off = (int)stage_off;
+  d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.red_off = (int)red_off, d.bytes = (int)bytes;
   return d;
 }
 
@@ -167,15 +175,16 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   bf16* xs = (bf16*)(smem + d.x_off);
   const char* w2s = smem + d.w2_off;
   bf16* hs = (bf16*)(smem + d.h_off);
-  float* acc = (float*)(smem + d.acc_off);
   bf16* hstage = (bf16*)(smem + d.stage_off);
   float* lg = (float*)(smem + d.lg_off);
   float* part = (float*)(smem + d.part_off);
+  float* red = (float*)(smem + d.red_off);
   int32_t* cnt = p.dec_cnt;
   const int r0 = blockIdx.x * d.rows, nr = max(0, min(d.rows, H - r0));  // this CTA's output rows
   const bool ev = p.l2_evict_w != 0;
   uint64_t pol = 0;
   if (ev) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  if (MK_DEC_PROBE & 16) return;
   dec_stamp(p, DEC_TR_START);
   if (tid == 0) {
     mbar_init(bar, 1);
@@ -254,16 +263,22 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   dec_stamp(p, DEC_TR_ROUTED);
   const int64_t P = (int64_t)slots * I;
   const int64_t q0 = P * blockIdx.x / gridDim.x, q1 = P * (blockIdx.x + 1) / gridDim.x;
-  // 1. this CTA's rows of W_down for every slot, in flight while phase 2 streams the up projection
-  if (tid == 0 && nr > 0) {
-    const uint32_t each = (uint32_t)nr * I * 2;
-    uint32_t bytes = 0;
-    MK_ONCE for (int s = 0; s < slots; ++s) bytes += s_e[s] >= 0 && !(MK_DEC_PROBE & 1) ? each : 0;
-    mbar_arrive_tx(bar, bytes);
-    MK_ONCE for (int s = 0; s < slots; ++s)
+  // 1. this CTA's rows of W_down for every slot, in flight while phase 2 streams the up projection: a copy per
+  // (slot, row) into rows w2_stride bytes apart, issued by warp 0's lanes (the byte count on the mbarrier first)
+  if (warp == 0 && nr > 0) {
+    const uint32_t each = (uint32_t)I * 2;
+    if (lane == 0) {
+      uint32_t bytes = 0;
+      MK_ONCE for (int s = 0; s < slots; ++s) bytes += s_e[s] >= 0 && !(MK_DEC_PROBE & 1) ? each * nr : 0;
+      mbar_arrive_tx(bar, bytes);
+    }
+    __syncwarp();
+    MK_ONCE for (int c = lane; c < slots * nr; c += 32) {
+      const int s = c / nr, r = c % nr;
       if (s_e[s] >= 0 && !(MK_DEC_PROBE & 1))
-        bulk_load(su32(w2s) + (uint32_t)s * d.rows * I * 2, (const bf16*)p.w2 + ((int64_t)s_e[s] * H + r0) * I, each,
-                  bar, ev, pol);
+        bulk_load(su32(w2s) + (uint32_t)(s * d.rows + r) * d.w2_stride,
+                  (const bf16*)p.w2 + ((int64_t)s_e[s] * H + r0 + r) * I, each, bar, ev, pol);
+    }
   }
   dec_stamp(p, DEC_TR_P1);
   // 2. (gate, up) row pairs [q0, q1) of the S*K*I, one warp per pair. Thread 0's copy instructions return only as
@@ -340,64 +355,66 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
     __syncthreads();
     dec_stamp(p, DEC_TR_H);
-    // a warp per (slot, 8 rows): each lane walks whole 16-byte chunks of k (KV / 32 rounds, no idle lanes), its h
-    // chunk widened once for the 8 rows, the 8 rows' loads issued before their products; then one butterfly leaves
-    // each row's sum on 4 lanes (9 shuffles for 8 rows instead of 40). Run 70's ncu: the sums were issue-bound
-    // (~1,180 instructions a warp, half-idle second rounds, 80 shuffles a warp).
-    const int RB = (nr + 7) / 8, units = slots * RB, KV = I / 8;
+    // the down projection on the tensor cores: a unit is 16 rows x 8 slots (slot n's h in column n of B, zero
+    // elsewhere, so each column adds only its own slot) over a share of the k steps; the 8 slots' mma chains are
+    // independent. Run 75's FMA sums (a warp per slot and 8 rows) took ~2.2 µs of issue; this is ~1/8 the instructions.
+    const int RB = (nr + 15) / 16, SG = (slots + 7) / 8, KS = I / 16, ksplit = d.ksplit, units = RB * SG * ksplit;
+    const int g = lane >> 2, arow = (lane & 7) + 8 * ((lane >> 3) & 1), acol = 8 * (lane >> 4);
     MK_ONCE for (int u = warp; u < units && !(MK_DEC_PROBE & 4); u += DEC_WARPS) {
-      const int s = u / RB, rb = (u % RB) * 8;
-      if (s_e[s] < 0) continue;
-      const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
-      const uint4* wr = (const uint4*)(w2s + (int64_t)s * d.rows * I * 2);
-      float a[8];
+      const int ki = u % ksplit, sg = (u / ksplit) % SG, rb = u / ksplit / SG;
+      const int k_lo = KS * ki / ksplit, k_hi = KS * (ki + 1) / ksplit;
+      const int ar = min(rb * 16 + arow, nr - 1);  // rows past nr reread the last; their sums are dropped
+      float c[8][4];
+      uint32_t a_at[8];
+      const uint32_t* hw[8];
 #pragma unroll
-      for (int r = 0; r < 8; ++r) a[r] = 0.f;
-      MK_ONCE for (int v = lane; v < KV; v += 32) {  // rows past nr reread the last; their sums are dropped
-        uint4 w[8];
-#pragma unroll
-        for (int r = 0; r < 8; ++r) w[r] = wr[(int64_t)min(rb + r, nr - 1) * KV + v];
-        float hf[8];
-        widen8(hf, hv[v]);
-#pragma unroll
-        for (int r = 0; r < 8; ++r) dot8f(a[r], w[r], hf);
+      for (int n = 0; n < 8; ++n) {
+        c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
+        const int s = min(sg * 8 + n, slots - 1);
+        a_at[n] = su32(w2s + ((int64_t)s * d.rows + ar) * d.w2_stride + acol * 2);
+        hw[n] = (const uint32_t*)(hs + (int64_t)s * I) + (lane & 3);
       }
-      // a[i] -> the warp's sum of row rb + 4 b4 + 2 b3 + b2 (b_k: lane bit k), on the lanes with b1 = b0 = 0
+      MK_ONCE for (int kk = k_lo; kk < k_hi; ++kk) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const bool up = lane & 16;
-        const float send = up ? a[i] : a[i + 4];
-        a[i] = (up ? a[i + 4] : a[i]) + __shfl_xor_sync(~0u, send, 16);
+        for (int n = 0; n < 8; ++n) {
+          const int s = sg * 8 + n;
+          if (s >= slots || s_e[s] < 0) continue;  // warp-uniform
+          uint32_t a[4];
+          ldsm_x4(a, a_at[n] + kk * 32);
+          const uint32_t b0 = g == n ? hw[n][kk * 8] : 0u, b1 = g == n ? hw[n][kk * 8 + 4] : 0u;
+          mma16816(c[n], a, b0, b1);
+        }
       }
+      // lane (g, t) keeps rows g and g + 8 of columns 2t and 2t + 1: each from its own slot's chain
+      const int n0 = 2 * (lane & 3);
+      float o[4];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const bool up = lane & 8;
-        const float send = up ? a[i] : a[i + 2];
-        a[i] = (up ? a[i + 2] : a[i]) + __shfl_xor_sync(~0u, send, 8);
-      }
-      {
-        const bool up = lane & 4;
-        const float send = up ? a[0] : a[1];
-        a[0] = (up ? a[1] : a[0]) + __shfl_xor_sync(~0u, send, 4);
-      }
-      a[0] += __shfl_xor_sync(~0u, a[0], 2);
-      a[0] += __shfl_xor_sync(~0u, a[0], 1);
-      const int row = rb + ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1);
-      if ((lane & 3) == 0 && row < nr) part[s * d.rows + row] = a[0];
+      for (int n = 0; n < 8; n += 2)
+        if (n == n0) o[0] = c[n][0], o[1] = c[n + 1][1], o[2] = c[n][2], o[3] = c[n + 1][3];
+      *(float4*)(red + (int64_t)u * 128 + lane * 4) = make_float4(o[0], o[1], o[2], o[3]);
     }
     __syncthreads();
-    MK_ONCE for (int i = tid; i < S * nr && !(MK_DEC_PROBE & 4); i += DEC_THREADS) {
+    // per (slot, row): the k splits' sums in order
+    MK_ONCE for (int i = tid; i < RB * SG * 128 && !(MK_DEC_PROBE & 4); i += DEC_THREADS) {
+      const int l = (i & 127) >> 2, j = i & 3, sg = (i >> 7) % SG, rb = (i >> 7) / SG;
+      const int r = rb * 16 + (l >> 2) + 8 * (j >> 1), s = sg * 8 + 2 * (l & 3) + (j & 1);
+      if (r >= nr || s >= slots) continue;
+      const float* src = red + (int64_t)(i >> 7) * ksplit * 128 + (i & 127);
+      float v = 0.f;
+#pragma unroll 4
+      for (int k = 0; k < ksplit; ++k) v += src[k * 128];
+      part[s * d.rows + r] = v;
+    }
+    __syncthreads();
+    dec_stamp(p, DEC_TR_SUMS);
+    bf16* out = (bf16*)p.out;
+    MK_ONCE for (int i = tid; i < S * nr; i += DEC_THREADS) {
       const int t = i / nr, r = i % nr;
       float y = 0.f;
       MK_ONCE for (int s = t * K; s < (t + 1) * K; ++s)
         if (s_e[s] >= 0) y = fmaf(s_w[s], part[s * d.rows + r], y);
-      acc[t * d.rows + r] = y;
+      out[(int64_t)t * H + r0 + r] = __float2bfloat16(y);
     }
-    dec_stamp(p, DEC_TR_SUMS);  // (thread 0's share of the sums done)
-    __syncthreads();
-    bf16* out = (bf16*)p.out;
-    MK_ONCE for (int i = tid; i < S * nr; i += DEC_THREADS)
-      out[(int64_t)(i / nr) * H + r0 + i % nr] = __float2bfloat16(acc[(i / nr) * d.rows + i % nr]);
   }
   dec_stamp(p, DEC_TR_END);
   // the last ticket: the counters zeroed, and the launch's task counts where the task graph's scheduler leaves them

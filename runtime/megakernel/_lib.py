@@ -146,21 +146,26 @@ def load() -> ctypes.CDLL:
         if _lib is not None:
             return _lib
         pre = os.environ.get("MOETUNE_MK_LIB")
-        path = Path(pre) if pre else build()
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            raise _cb.BuildError(f"cannot load {path}: {e}") from None
-        for name, (res, args) in SIGNATURES.items():
-            fn = getattr(lib, name, None)
-            if fn is None:
-                raise _cb.BuildError(f"{path} lacks {name}: stale build?")
-            fn.restype = res
-            fn.argtypes = args
-        if lib.mk_abi_version() != ABI_VERSION:
-            raise _cb.BuildError(f"{path}: ABI {lib.mk_abi_version()}, expected {ABI_VERSION}")
-        _lib = lib
-        return lib
+        _lib = open_library(Path(pre) if pre else build())
+        return _lib
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """Load a built library at `path` with the entry points' signatures, checking its ABI (benchmarks also open
+    measurement builds this way, to time them side by side with the layer's own in one process)."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise _cb.BuildError(f"cannot load {path}: {e}") from None
+    for name, (res, args) in SIGNATURES.items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            raise _cb.BuildError(f"{path} lacks {name}: stale build?")
+        fn.restype = res
+        fn.argtypes = args
+    if lib.mk_abi_version() != ABI_VERSION:
+        raise _cb.BuildError(f"{path}: ABI {lib.mk_abi_version()}, expected {ABI_VERSION}")
+    return lib
 
 
 def check(lib: ctypes.CDLL, rc: int, what: str) -> None:
