@@ -127,7 +127,8 @@ def isolation(mk, x: torch.Tensor, iters: int = 200) -> None:
 
 def vs_libs(mk, tokens: int, libs: dict[str, str], rounds: int = 3, iters: int = 200, rotate: int = 8) -> None:
     """Median graph replay (CUDA events around each, back to back, inputs rotated) of the layer launched from its own
-    library ("this") and from each build in `libs`, in `rounds` interleaved rounds; prints and returns the medians."""
+    library ("this") and from each build in `libs`, and of a graph holding one 1-element torch kernel (what the
+    graph and the events cost by themselves), in `rounds` interleaved rounds; prints the medians."""
     from pathlib import Path
 
     from moetune.runtime.megakernel import _lib
@@ -142,6 +143,8 @@ def vs_libs(mk, tokens: int, libs: dict[str, str], rounds: int = 3, iters: int =
             graphs[name] = graphs_of(mk.forward, xs)  # captured with that build's kernels
     finally:
         mk.lib = own
+    one = torch.zeros(1, device="cuda")
+    graphs["torch_1elem"] = graphs_of(lambda _: one.add_(1), [None])  # a graph of one tiny torch kernel
     res: dict[str, list[float]] = {n: [] for n in graphs}
     for _ in range(rounds):
         for n, g in graphs.items():

@@ -8,14 +8,15 @@
 //   0. (decode = 2) routing in the kernel: the S x E gate dot products spread over the CTAs (a warp each, fp32),
 //      counted on one counter; every CTA then runs k_topk's warp selection (warp_topk) on the logits itself, so
 //      all CTAs hold the same picks without another kernel. decode = 1 reads given picks (topk_idx / topk_w).
-//   1. each CTA starts one bulk copy per (slot, row) of its R output rows of W_down[e] into shared memory, on one
-//      mbarrier, each row 16 bytes longer than the weight's (so the 8 rows an ldmatrix reads fall in different
-//      banks);
+//   1. each CTA starts one bulk copy per slot of its R output rows of W_down[e] (R x I bf16, contiguous in the
+//      weight) into shared memory, on one mbarrier, the slots 16 bytes more than R x I x 2 apart (so 8 slots' rows
+//      at the same k fall in different banks for ldmatrix);
 //   2. it computes its share of the S*K*I (gate, up) row pairs as warp dot products with x (fp32 accumulate,
 //      h = silu(gate) * up rounded to bf16 as the tile kernels store it) and adds the pairs it finished to each
 //      slot's counter (release after the h stores);
 //   3. once every slot's counter reaches I (acquire, bounded waits): the CTA's rows . h of every slot on the tensor
-//      cores (mma.sync m16n8k16: 16 rows x 8 slots, slot n's h in B's column n, the k steps split over the warps),
+//      cores (mma.sync m16n8k16: A's rows are 8 slots x 2 output rows, B's columns the 8 slots' h, the diagonal
+//      kept; the k steps split over the warps),
 //      then out[t, r] = sum over the token's slots in order of w[t, j] * (W_down row r . h) in fp32, then bf16.
 //      Every output row is written by exactly one CTA and the sums run in a fixed order: bit-identical runs.
 // The counters are the kernel's own (MkParams.dec_cnt): the CTA that takes the last exit ticket zeroes them and
@@ -50,7 +51,7 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 // Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
 struct DecPlan {
   int grid, rows;  // CTAs (one per SM), output rows per CTA (ceil(H / grid))
-  int w2_stride;   // bytes per W_down row in shared memory: I x 2 + 16 (ldmatrix's 8 rows in different banks)
+  int w2_slot;     // bytes from one slot's W_down rows to the next: rows x I x 2 + 16 (ldmatrix: no bank conflicts)
   int ksplit;      // phase 3's k splits: 16-row x 8-slot blocks x ksplit = about one unit per warp
   int x_off, w2_off, h_off, stage_off, lg_off, part_off, red_off, bytes;
 };
@@ -60,12 +61,12 @@ inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, i
   d.grid = sms;
   d.rows = (int)((H + sms - 1) / sms);
   const int64_t slots = S * K, blocks = (d.rows + 15) / 16 * ((slots + 7) / 8);
-  d.w2_stride = (int)(I * 2 + 16);
+  d.w2_slot = (int)(d.rows * I * 2 + 16);
   const int64_t ks = DEC_WARPS / blocks < I / 16 ? DEC_WARPS / blocks : I / 16;
   d.ksplit = ks > 1 ? (int)ks : 1;
   const int64_t x_off = 128;  // [0, 8): the W_down copies' mbarrier
   const int64_t w2_off = up(x_off + S * H * 2);
-  const int64_t h_off = up(w2_off + slots * d.rows * d.w2_stride);
+  const int64_t h_off = up(w2_off + slots * d.w2_slot);
   const int64_t stage_off = up(h_off + slots * I * 2);  // this CTA's h elements: at most ceil(P / grid)
   const int64_t lg_off = up(stage_off + (slots * I / sms + 1) * 2);  // the S x E logits (routing in the kernel)
   const int64_t part_off = up(lg_off + S * E * 4);  // phase 3's per-slot sums of the CTA's rows
@@ -263,22 +264,16 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   dec_stamp(p, DEC_TR_ROUTED);
   const int64_t P = (int64_t)slots * I;
   const int64_t q0 = P * blockIdx.x / gridDim.x, q1 = P * (blockIdx.x + 1) / gridDim.x;
-  // 1. this CTA's rows of W_down for every slot, in flight while phase 2 streams the up projection: a copy per
-  // (slot, row) into rows w2_stride bytes apart, issued by warp 0's lanes (the byte count on the mbarrier first)
-  if (warp == 0 && nr > 0) {
-    const uint32_t each = (uint32_t)I * 2;
-    if (lane == 0) {
-      uint32_t bytes = 0;
-      MK_ONCE for (int s = 0; s < slots; ++s) bytes += s_e[s] >= 0 && !(MK_DEC_PROBE & 1) ? each * nr : 0;
-      mbar_arrive_tx(bar, bytes);
-    }
-    __syncwarp();
-    MK_ONCE for (int c = lane; c < slots * nr; c += 32) {
-      const int s = c / nr, r = c % nr;
+  // 1. this CTA's rows of W_down for every slot, in flight while phase 2 streams the up projection
+  if (tid == 0 && nr > 0) {
+    const uint32_t each = (uint32_t)nr * I * 2;
+    uint32_t bytes = 0;
+    MK_ONCE for (int s = 0; s < slots; ++s) bytes += s_e[s] >= 0 && !(MK_DEC_PROBE & 1) ? each : 0;
+    mbar_arrive_tx(bar, bytes);
+    MK_ONCE for (int s = 0; s < slots; ++s)
       if (s_e[s] >= 0 && !(MK_DEC_PROBE & 1))
-        bulk_load(su32(w2s) + (uint32_t)(s * d.rows + r) * d.w2_stride,
-                  (const bf16*)p.w2 + ((int64_t)s_e[s] * H + r0 + r) * I, each, bar, ev, pol);
-    }
+        bulk_load(su32(w2s) + (uint32_t)s * d.w2_slot, (const bf16*)p.w2 + ((int64_t)s_e[s] * H + r0) * I, each,
+                  bar, ev, pol);
   }
   dec_stamp(p, DEC_TR_P1);
   // 2. (gate, up) row pairs [q0, q1) of the S*K*I, one warp per pair. Thread 0's copy instructions return only as
@@ -355,49 +350,50 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
     __syncthreads();
     dec_stamp(p, DEC_TR_H);
-    // the down projection on the tensor cores: a unit is 16 rows x 8 slots (slot n's h in column n of B, zero
-    // elsewhere, so each column adds only its own slot) over a share of the k steps; the 8 slots' mma chains are
-    // independent. Run 75's FMA sums (a warp per slot and 8 rows) took ~2.2 µs of issue; this is ~1/8 the instructions.
+    // the down projection on the tensor cores. A unit is 16 rows x 8 slots over a share of the k steps: per k step
+    // 8 mmas, one per row pair, each with A's row g = slot g's first row of the pair and row g + 8 its second, and
+    // B's column n = slot n's h, so D's diagonal holds the pair's sums (the other entries mix slots and are
+    // dropped; a NaN in an unused slot's rows or h stays in its own row and column). The slots' rows are 16 bytes
+    // apart in bank terms, so ldmatrix's 8 rows (8 slots) read without conflicts. Run 75's FMA sums (a warp per slot
+    // and 8 rows) took ~2.2 µs of issue; run 77's first mma version (one slot per mma, one at a time) 3.4.
     const int RB = (nr + 15) / 16, SG = (slots + 7) / 8, KS = I / 16, ksplit = d.ksplit, units = RB * SG * ksplit;
-    const int g = lane >> 2, arow = (lane & 7) + 8 * ((lane >> 3) & 1), acol = 8 * (lane >> 4);
+    const int g = lane >> 2, mi = lane >> 3;
     MK_ONCE for (int u = warp; u < units && !(MK_DEC_PROBE & 4); u += DEC_WARPS) {
       const int ki = u % ksplit, sg = (u / ksplit) % SG, rb = u / ksplit / SG;
       const int k_lo = KS * ki / ksplit, k_hi = KS * (ki + 1) / ksplit;
-      const int ar = min(rb * 16 + arow, nr - 1);  // rows past nr reread the last; their sums are dropped
-      float c[8][4];
+      // this lane's ldmatrix row: slot sg*8 + (lane & 7), row 2p + (mi & 1) of the block, k 8 (mi >> 1) of the step
+      // (slots past the last and rows past nr reread valid ones; their sums are dropped)
+      const int as = min(sg * 8 + (lane & 7), slots - 1);
       uint32_t a_at[8];
-      const uint32_t* hw[8];
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
-        const int s = min(sg * 8 + n, slots - 1);
-        a_at[n] = su32(w2s + ((int64_t)s * d.rows + ar) * d.w2_stride + acol * 2);
-        hw[n] = (const uint32_t*)(hs + (int64_t)s * I) + (lane & 3);
-      }
+      for (int q = 0; q < 8; ++q)
+        a_at[q] = su32(w2s + (int64_t)as * d.w2_slot + (int64_t)min(rb * 16 + 2 * q + (mi & 1), nr - 1) * I * 2 +
+                       (mi >> 1) * 16);
+      // this lane's B: slot sg*8 + g's h at k 2t, 2t + 1 and 2t + 8, 2t + 9 of the step
+      const uint32_t* hb = (const uint32_t*)(hs + (int64_t)min(sg * 8 + g, slots - 1) * I) + (lane & 3);
+      float c[8][4];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) c[q][0] = c[q][1] = c[q][2] = c[q][3] = 0.f;
       MK_ONCE for (int kk = k_lo; kk < k_hi; ++kk) {
+        uint32_t a[8][4];
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
-          const int s = sg * 8 + n;
-          if (s >= slots || s_e[s] < 0) continue;  // warp-uniform
-          uint32_t a[4];
-          ldsm_x4(a, a_at[n] + kk * 32);
-          const uint32_t b0 = g == n ? hw[n][kk * 8] : 0u, b1 = g == n ? hw[n][kk * 8 + 4] : 0u;
-          mma16816(c[n], a, b0, b1);
-        }
+        for (int q = 0; q < 8; ++q) ldsm_x4(a[q], a_at[q] + kk * 32);
+        const uint32_t b0 = hb[kk * 8], b1 = hb[kk * 8 + 4];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) mma16816(c[q], a[q], b0, b1);
       }
-      // lane (g, t) keeps rows g and g + 8 of columns 2t and 2t + 1: each from its own slot's chain
-      const int n0 = 2 * (lane & 3);
-      float o[4];
+      // D[g][g] and D[g + 8][g] (slot g, rows 2q and 2q + 1) sit on lane (g, t = g / 2) in c[q][g & 1], c[q][2 + (g & 1)]
+      if ((lane & 3) == g >> 1) {
+        float* o = red + (int64_t)u * 128 + g * 16;
 #pragma unroll
-      for (int n = 0; n < 8; n += 2)
-        if (n == n0) o[0] = c[n][0], o[1] = c[n + 1][1], o[2] = c[n][2], o[3] = c[n + 1][3];
-      *(float4*)(red + (int64_t)u * 128 + lane * 4) = make_float4(o[0], o[1], o[2], o[3]);
+        for (int q = 0; q < 8; ++q)
+          *(float2*)(o + 2 * q) = make_float2(g & 1 ? c[q][1] : c[q][0], g & 1 ? c[q][3] : c[q][2]);
+      }
     }
     __syncthreads();
     // per (slot, row): the k splits' sums in order
     MK_ONCE for (int i = tid; i < RB * SG * 128 && !(MK_DEC_PROBE & 4); i += DEC_THREADS) {
-      const int l = (i & 127) >> 2, j = i & 3, sg = (i >> 7) % SG, rb = (i >> 7) / SG;
-      const int r = rb * 16 + (l >> 2) + 8 * (j >> 1), s = sg * 8 + 2 * (l & 3) + (j & 1);
+      const int sg = (i >> 7) % SG, rb = (i >> 7) / SG, s = sg * 8 + ((i & 127) >> 4), r = rb * 16 + (i & 15);
       if (r >= nr || s >= slots) continue;
       const float* src = red + (int64_t)(i >> 7) * ksplit * 128 + (i & 127);
       float v = 0.f;
