@@ -119,6 +119,17 @@ def test_profile_on_a_one_gpu_node_tunes_the_megakernel(tmp_path: Path) -> None:
     assert rec is not None and rec.provenance == "measured" and rec.knobs.mk_bm == 16
     report = Path(b.stage_report()).read_text()
     assert "EP transports need >= 2 GPUs" in report and "megakernel" in report
+    # S=16 (128 routed rows) runs the task graph; the report says the decode kernel has no tile knobs
+    assert "qwen3-30b S=16) run the task graph" in report and "decode kernel, which has no tile knobs" in report
+
+
+def test_report_names_tuned_sizes_that_may_run_the_decode_kernel() -> None:
+    from moetune.tuner.bringup.flow import _decode_notes
+
+    rows = [{"family": "megakernel", "model": "qwen3-30b", "tokens": s} for s in (1, 128)]
+    notes = _decode_notes([*rows, {"family": "nvlink", "model": "qwen3-30b", "tokens": 4}])
+    assert len(notes) == 1 and notes[0].startswith("megakernel qwen3-30b S=1: 8 routed rows may run the decode kernel")
+    assert _decode_notes([{"family": "nvlink", "model": "qwen3-30b", "tokens": 1}]) == []
 
 
 def test_profile_keeps_the_default_when_the_tuned_setting_is_not_better(tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ import random
 from dataclasses import dataclass
 
 ERR_INPUT_TIMEOUT = 6  # MK_ERR_INPUT_TIMEOUT
+MAX_SLOTS = 64  # DEC_MAX_SLOTS: the most routed rows (S x topk) a decode launch takes; fewer where W_down rows
+                # do not fit each CTA's shared memory (S=1 only on qwen3-30b)
 
 
 @dataclass(frozen=True)

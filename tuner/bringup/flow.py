@@ -132,6 +132,25 @@ class BucketResult:
     source: str
 
 
+def _decode_notes(compared: list[dict[str, Any]]) -> list[str]:
+    """What the report says of the megakernel's decode kernel: launches of a few routed rows run it, and no tile knob
+    acts on it, so the tuned sizes that may run it are named and, otherwise, that none does."""
+    from moetune.runtime.megakernel.decode import MAX_SLOTS
+
+    sizes = sorted({(t["model"], t["tokens"]) for t in compared if t["family"] == MEGAKERNEL_FAMILY})
+    if not sizes:
+        return []
+    small = [(m, s) for m, s in sizes if s * get_model(m).topk <= MAX_SLOTS]
+    if not small:
+        return [f"megakernel: the tuned sizes ({', '.join(f'{m} S={s}' for m, s in sizes)}) run the task graph, "
+                f"where the tile knobs act; launches of at most {MAX_SLOTS} routed rows (S x topk) whose W_down rows "
+                "fit each CTA's shared memory (S=1 on qwen3-30b) run the decode kernel, which has no tile knobs, so "
+                "none was tuned for them"]
+    return [f"megakernel {m} S={s}: {s * get_model(m).topk} routed rows may run the decode kernel (where its W_down "
+            "rows fit each CTA's shared memory), on which the tile knobs do not act: a tuned setting and the default "
+            "then differ only by noise" for m, s in small]
+
+
 def _node_line(facts: Any) -> str:
     if facts.gpu_count:
         return f"{facts.gpu_count} × {facts.gpu_model}"
@@ -364,6 +383,7 @@ class Bringup:
             data.notes.append("no GPUs here: the measured transport is gloo between CPU processes")
         if not self.mk_ok:
             data.notes.append(f"MoE megakernel not tuned: {self.mk_why}")
+        data.notes.extend(_decode_notes(self.state.result("compare") or []))
         for t in self.state.result("compare") or []:
             if t["family"] == MEGAKERNEL_FAMILY and t.get("stored") == "policy default":
                 data.notes.append(f"megakernel {t['model']} S={t['tokens']}: the policy default was kept: "
