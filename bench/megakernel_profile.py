@@ -20,7 +20,8 @@ and per SM: the delivery rate a stage pipeline of that depth can reach on this G
 
 `--vs-lib NAME=PATH,..`: the layer's graph replay side by side in this process with the same layer launched from other
 builds of the library (e.g. an older commit's, or `-DMK_DEC_PROBE=16`, whose decode kernel returns at entry: the
-cost of replaying that launch shape with no work), inputs rotated over 8 tensors, the builds interleaved in rounds.
+cost of replaying that launch shape with no work), inputs rotated over 8 tensors, the builds interleaved in rounds;
+each build also as one graph of 20 forwards (µs per forward), and a graph of one 1-element torch kernel.
 
 `--feed-tiles`: the wide tile's stage as the expert kernel loads it, without the wgmmas: per stage 32 KB of weights
 (either four 64-row x 64-column boxes of a [rows, 2048] bf16 matrix by the tensor-map TMA, 4 KB between rows, or one
@@ -127,8 +128,9 @@ def isolation(mk, x: torch.Tensor, iters: int = 200) -> None:
 
 def vs_libs(mk, tokens: int, libs: dict[str, str], rounds: int = 3, iters: int = 200, rotate: int = 8) -> None:
     """Median graph replay (CUDA events around each, back to back, inputs rotated) of the layer launched from its own
-    library ("this") and from each build in `libs`, and of a graph holding one 1-element torch kernel (what the
-    graph and the events cost by themselves), in `rounds` interleaved rounds; prints the medians."""
+    library ("this") and from each build in `libs`, of a graph of 20 forwards of each (µs per forward: layers with no
+    host launch and no events between them), and of a graph holding one 1-element torch kernel (what the graph and
+    the events cost by themselves), in `rounds` interleaved rounds; prints the medians."""
     from pathlib import Path
 
     from moetune.runtime.megakernel import _lib
@@ -136,11 +138,18 @@ def vs_libs(mk, tokens: int, libs: dict[str, str], rounds: int = 3, iters: int =
 
     xs = [torch.randn(tokens, mk.model.hidden, device="cuda").to(torch.bfloat16) for _ in range(rotate)]
     own = mk.lib
-    graphs = {"this": graphs_of(mk.forward, xs)}
+    chained = 20
+
+    def chain(x: torch.Tensor) -> None:  # one graph of `chained` forwards: no host launch between layers
+        for _ in range(chained):
+            mk.forward(x)
+
+    graphs, per = {}, {}
     try:
-        for name, path in libs.items():
-            mk.lib = _lib.open_library(Path(path))
+        for name, path in {"this": "", **libs}.items():
+            mk.lib = _lib.open_library(Path(path)) if path else own
             graphs[name] = graphs_of(mk.forward, xs)  # captured with that build's kernels
+            graphs[f"{name}_x{chained}"], per[f"{name}_x{chained}"] = graphs_of(chain, xs[:2]), chained
     finally:
         mk.lib = own
     one = torch.zeros(1, device="cuda")
@@ -148,7 +157,7 @@ def vs_libs(mk, tokens: int, libs: dict[str, str], rounds: int = 3, iters: int =
     res: dict[str, list[float]] = {n: [] for n in graphs}
     for _ in range(rounds):
         for n, g in graphs.items():
-            res[n].append(statistics.median(time_calls(g, warmup=20, iters=iters, cuda=True)))
+            res[n].append(statistics.median(time_calls(g, warmup=20, iters=iters, cuda=True)) / per.get(n, 1))
     print(json.dumps({"vs_lib": {"tokens": tokens, "libs": libs, "rounds_us": res}}))
     for n, v in res.items():
         print(f"  S={tokens} {n:10s} graph replay " + " / ".join(f"{t:.1f}" for t in v) + " us")

@@ -9,16 +9,13 @@
 //      counted on one counter; every CTA then runs k_topk's warp selection (warp_topk) on the logits itself, so
 //      all CTAs hold the same picks without another kernel. decode = 1 reads given picks (topk_idx / topk_w).
 //   1. each CTA starts one bulk copy per slot of its R output rows of W_down[e] (R x I bf16, contiguous in the
-//      weight) into shared memory, on one mbarrier, the slots 16 bytes more than R x I x 2 apart (so 8 slots' rows
-//      at the same k fall in different banks for ldmatrix);
+//      weight) into shared memory, on one mbarrier;
 //   2. it computes its share of the S*K*I (gate, up) row pairs as warp dot products with x (fp32 accumulate,
 //      h = silu(gate) * up rounded to bf16 as the tile kernels store it) and adds the pairs it finished to each
 //      slot's counter (release after the h stores);
-//   3. once every slot's counter reaches I (acquire, bounded waits): the CTA's rows . h of every slot on the tensor
-//      cores (mma.sync m16n8k16: A's rows are 8 slots x 2 output rows, B's columns the 8 slots' h, the diagonal
-//      kept; the k steps split over the warps),
-//      then out[t, r] = sum over the token's slots in order of w[t, j] * (W_down row r . h) in fp32, then bf16.
-//      Every output row is written by exactly one CTA and the sums run in a fixed order: bit-identical runs.
+//   3. once every slot's counter reaches I (acquire, bounded waits): out[t, r] = sum over the token's slots in
+//      order of w[t, j] * (W_down row r . h) in fp32, then bf16. Every output row is written by exactly one CTA
+//      and the sums run in a fixed order: bit-identical runs.
 // The counters are the kernel's own (MkParams.dec_cnt): the CTA that takes the last exit ticket zeroes them and
 // writes the launch's task counts into ctl (phase-1 ranges and phase-3 row blocks, as runtime/megakernel/decode.py
 // models them), so a launch needs no reset kernel before it. All CTAs are resident (one per SM, checked by the
@@ -42,8 +39,10 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
        DEC_TR_H = 6, DEC_TR_SUMS = 7, DEC_TR_END = 8, DEC_TR_LOGITS = 9, DEC_TR_WORDS = 10 };
 // Measurement builds (never the default): 1 = no W_down copies (phase 3 adds whatever shared memory holds),
 // 2 = no up-projection loads (phase 2 multiplies zeros), 3 = neither; 4 (or-ed) = no down-projection sums; 16 = the
-// kernel returns at entry (the launch with no work: what a graph replay of this launch shape costs). (8, the
-// top-k and the sums run twice to compare cold and warm code, was removed after run 75: 08b82fb has it.)
+// kernel returns at entry (this launch shape with no work, timed side by side by megakernel_profile --vs-lib). (8,
+// the top-k and the sums run twice to compare cold and warm code, was removed after run 75: 08b82fb has it.)
+// Phase 3 on the tensor cores (mma.sync, 16 rows x 8 slots per mma, W_down rows laid out for conflict-free
+// ldmatrix) was no faster: 37.3 vs 36.2 µs graph replay side by side (run 78; 1d264de has it).
 #ifndef MK_DEC_PROBE
 #define MK_DEC_PROBE 0
 #endif
@@ -51,30 +50,25 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 // Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
 struct DecPlan {
   int grid, rows;  // CTAs (one per SM), output rows per CTA (ceil(H / grid))
-  int w2_slot;     // bytes from one slot's W_down rows to the next: rows x I x 2 + 16 (ldmatrix: no bank conflicts)
-  int ksplit;      // phase 3's k splits: 16-row x 8-slot blocks x ksplit = about one unit per warp
-  int x_off, w2_off, h_off, stage_off, lg_off, part_off, red_off, bytes;
+  int x_off, w2_off, h_off, acc_off, stage_off, lg_off, part_off, bytes;
 };
 inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int sms) {
   auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
   DecPlan d = {};
   d.grid = sms;
   d.rows = (int)((H + sms - 1) / sms);
-  const int64_t slots = S * K, blocks = (d.rows + 15) / 16 * ((slots + 7) / 8);
-  d.w2_slot = (int)(d.rows * I * 2 + 16);
-  const int64_t ks = DEC_WARPS / blocks < I / 16 ? DEC_WARPS / blocks : I / 16;
-  d.ksplit = ks > 1 ? (int)ks : 1;
+  const int64_t slots = S * K;
   const int64_t x_off = 128;  // [0, 8): the W_down copies' mbarrier
   const int64_t w2_off = up(x_off + S * H * 2);
-  const int64_t h_off = up(w2_off + slots * d.w2_slot);
-  const int64_t stage_off = up(h_off + slots * I * 2);  // this CTA's h elements: at most ceil(P / grid)
+  const int64_t h_off = up(w2_off + slots * d.rows * I * 2);
+  const int64_t acc_off = up(h_off + slots * I * 2);
+  const int64_t stage_off = up(acc_off + S * d.rows * 4);  // this CTA's h elements: at most ceil(P / grid)
   const int64_t lg_off = up(stage_off + (slots * I / sms + 1) * 2);  // the S x E logits (routing in the kernel)
   const int64_t part_off = up(lg_off + S * E * 4);  // phase 3's per-slot sums of the CTA's rows
-  const int64_t red_off = up(part_off + slots * d.rows * 4);  // phase 3's accumulator tiles, one per unit
-  const int64_t bytes = red_off + blocks * d.ksplit * 128 * 4;
+  const int64_t bytes = part_off + slots * d.rows * 4;
   if (bytes > (1ll << 30)) return d;  // bytes stays 0: does not fit
-  d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.h_off = (int)h_off, d.stage_off = (int)stage_off;
-  d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.red_off = (int)red_off, d.bytes = (int)bytes;
+  d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.h_off = (int)h_off, d.acc_off = (int)acc_off;
+  d.stage_off = (int)stage_off, d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.bytes = (int)bytes;
   return d;
 }
 
@@ -176,10 +170,10 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   bf16* xs = (bf16*)(smem + d.x_off);
   const char* w2s = smem + d.w2_off;
   bf16* hs = (bf16*)(smem + d.h_off);
+  float* acc = (float*)(smem + d.acc_off);
   bf16* hstage = (bf16*)(smem + d.stage_off);
   float* lg = (float*)(smem + d.lg_off);
   float* part = (float*)(smem + d.part_off);
-  float* red = (float*)(smem + d.red_off);
   int32_t* cnt = p.dec_cnt;
   const int r0 = blockIdx.x * d.rows, nr = max(0, min(d.rows, H - r0));  // this CTA's output rows
   const bool ev = p.l2_evict_w != 0;
@@ -272,7 +266,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     mbar_arrive_tx(bar, bytes);
     MK_ONCE for (int s = 0; s < slots; ++s)
       if (s_e[s] >= 0 && !(MK_DEC_PROBE & 1))
-        bulk_load(su32(w2s) + (uint32_t)s * d.w2_slot, (const bf16*)p.w2 + ((int64_t)s_e[s] * H + r0) * I, each,
+        bulk_load(su32(w2s) + (uint32_t)s * d.rows * I * 2, (const bf16*)p.w2 + ((int64_t)s_e[s] * H + r0) * I, each,
                   bar, ev, pol);
   }
   dec_stamp(p, DEC_TR_P1);
@@ -350,67 +344,64 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
     __syncthreads();
     dec_stamp(p, DEC_TR_H);
-    // the down projection on the tensor cores. A unit is 16 rows x 8 slots over a share of the k steps: per k step
-    // 8 mmas, one per row pair, each with A's row g = slot g's first row of the pair and row g + 8 its second, and
-    // B's column n = slot n's h, so D's diagonal holds the pair's sums (the other entries mix slots and are
-    // dropped; a NaN in an unused slot's rows or h stays in its own row and column). The slots' rows are 16 bytes
-    // apart in bank terms, so ldmatrix's 8 rows (8 slots) read without conflicts. Run 75's FMA sums (a warp per slot
-    // and 8 rows) took ~2.2 µs of issue; run 77's first mma version (one slot per mma, one at a time) 3.4.
-    const int RB = (nr + 15) / 16, SG = (slots + 7) / 8, KS = I / 16, ksplit = d.ksplit, units = RB * SG * ksplit;
-    const int g = lane >> 2, mi = lane >> 3;
+    // a warp per (slot, 8 rows): each lane walks whole 16-byte chunks of k (KV / 32 rounds, no idle lanes), its h
+    // chunk widened once for the 8 rows, the 8 rows' loads issued before their products; then one butterfly leaves
+    // each row's sum on 4 lanes (9 shuffles for 8 rows instead of 40). Run 70's ncu: the sums were issue-bound
+    // (~1,180 instructions a warp, half-idle second rounds, 80 shuffles a warp).
+    const int RB = (nr + 7) / 8, units = slots * RB, KV = I / 8;
     MK_ONCE for (int u = warp; u < units && !(MK_DEC_PROBE & 4); u += DEC_WARPS) {
-      const int ki = u % ksplit, sg = (u / ksplit) % SG, rb = u / ksplit / SG;
-      const int k_lo = KS * ki / ksplit, k_hi = KS * (ki + 1) / ksplit;
-      // this lane's ldmatrix row: slot sg*8 + (lane & 7), row 2p + (mi & 1) of the block, k 8 (mi >> 1) of the step
-      // (slots past the last and rows past nr reread valid ones; their sums are dropped)
-      const int as = min(sg * 8 + (lane & 7), slots - 1);
-      uint32_t a_at[8];
+      const int s = u / RB, rb = (u % RB) * 8;
+      if (s_e[s] < 0) continue;
+      const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
+      const uint4* wr = (const uint4*)(w2s + (int64_t)s * d.rows * I * 2);
+      float a[8];
 #pragma unroll
-      for (int q = 0; q < 8; ++q)
-        a_at[q] = su32(w2s + (int64_t)as * d.w2_slot + (int64_t)min(rb * 16 + 2 * q + (mi & 1), nr - 1) * I * 2 +
-                       (mi >> 1) * 16);
-      // this lane's B: slot sg*8 + g's h at k 2t, 2t + 1 and 2t + 8, 2t + 9 of the step
-      const uint32_t* hb = (const uint32_t*)(hs + (int64_t)min(sg * 8 + g, slots - 1) * I) + (lane & 3);
-      float c[8][4];
+      for (int r = 0; r < 8; ++r) a[r] = 0.f;
+      MK_ONCE for (int v = lane; v < KV; v += 32) {  // rows past nr reread the last; their sums are dropped
+        uint4 w[8];
 #pragma unroll
-      for (int q = 0; q < 8; ++q) c[q][0] = c[q][1] = c[q][2] = c[q][3] = 0.f;
-      MK_ONCE for (int kk = k_lo; kk < k_hi; ++kk) {
-        uint32_t a[8][4];
+        for (int r = 0; r < 8; ++r) w[r] = wr[(int64_t)min(rb + r, nr - 1) * KV + v];
+        float hf[8];
+        widen8(hf, hv[v]);
 #pragma unroll
-        for (int q = 0; q < 8; ++q) ldsm_x4(a[q], a_at[q] + kk * 32);
-        const uint32_t b0 = hb[kk * 8], b1 = hb[kk * 8 + 4];
-#pragma unroll
-        for (int q = 0; q < 8; ++q) mma16816(c[q], a[q], b0, b1);
+        for (int r = 0; r < 8; ++r) dot8f(a[r], w[r], hf);
       }
-      // D[g][g] and D[g + 8][g] (slot g, rows 2q and 2q + 1) sit on lane (g, t = g / 2) in c[q][g & 1], c[q][2 + (g & 1)]
-      if ((lane & 3) == g >> 1) {
-        float* o = red + (int64_t)u * 128 + g * 16;
+      // a[i] -> the warp's sum of row rb + 4 b4 + 2 b3 + b2 (b_k: lane bit k), on the lanes with b1 = b0 = 0
 #pragma unroll
-        for (int q = 0; q < 8; ++q)
-          *(float2*)(o + 2 * q) = make_float2(g & 1 ? c[q][1] : c[q][0], g & 1 ? c[q][3] : c[q][2]);
+      for (int i = 0; i < 4; ++i) {
+        const bool up = lane & 16;
+        const float send = up ? a[i] : a[i + 4];
+        a[i] = (up ? a[i + 4] : a[i]) + __shfl_xor_sync(~0u, send, 16);
       }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const bool up = lane & 8;
+        const float send = up ? a[i] : a[i + 2];
+        a[i] = (up ? a[i + 2] : a[i]) + __shfl_xor_sync(~0u, send, 8);
+      }
+      {
+        const bool up = lane & 4;
+        const float send = up ? a[0] : a[1];
+        a[0] = (up ? a[1] : a[0]) + __shfl_xor_sync(~0u, send, 4);
+      }
+      a[0] += __shfl_xor_sync(~0u, a[0], 2);
+      a[0] += __shfl_xor_sync(~0u, a[0], 1);
+      const int row = rb + ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1);
+      if ((lane & 3) == 0 && row < nr) part[s * d.rows + row] = a[0];
     }
     __syncthreads();
-    // per (slot, row): the k splits' sums in order
-    MK_ONCE for (int i = tid; i < RB * SG * 128 && !(MK_DEC_PROBE & 4); i += DEC_THREADS) {
-      const int sg = (i >> 7) % SG, rb = (i >> 7) / SG, s = sg * 8 + ((i & 127) >> 4), r = rb * 16 + (i & 15);
-      if (r >= nr || s >= slots) continue;
-      const float* src = red + (int64_t)(i >> 7) * ksplit * 128 + (i & 127);
-      float v = 0.f;
-#pragma unroll 4
-      for (int k = 0; k < ksplit; ++k) v += src[k * 128];
-      part[s * d.rows + r] = v;
-    }
-    __syncthreads();
-    dec_stamp(p, DEC_TR_SUMS);
-    bf16* out = (bf16*)p.out;
-    MK_ONCE for (int i = tid; i < S * nr; i += DEC_THREADS) {
+    MK_ONCE for (int i = tid; i < S * nr && !(MK_DEC_PROBE & 4); i += DEC_THREADS) {
       const int t = i / nr, r = i % nr;
       float y = 0.f;
       MK_ONCE for (int s = t * K; s < (t + 1) * K; ++s)
         if (s_e[s] >= 0) y = fmaf(s_w[s], part[s * d.rows + r], y);
-      out[(int64_t)t * H + r0 + r] = __float2bfloat16(y);
+      acc[t * d.rows + r] = y;
     }
+    dec_stamp(p, DEC_TR_SUMS);  // (thread 0's share of the sums done)
+    __syncthreads();
+    bf16* out = (bf16*)p.out;
+    MK_ONCE for (int i = tid; i < S * nr; i += DEC_THREADS)
+      out[(int64_t)(i / nr) * H + r0 + i % nr] = __float2bfloat16(acc[(i / nr) * d.rows + i % nr]);
   }
   dec_stamp(p, DEC_TR_END);
   // the last ticket: the counters zeroed, and the launch's task counts where the task graph's scheduler leaves them

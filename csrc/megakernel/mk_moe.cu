@@ -2228,8 +2228,7 @@ int with_decode(int64_t E, F&& f) {
 // checked resident (every CTA waits for pairs other CTAs compute); 1 + g_err where it does not fit.
 int decode_plan_for(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, DecPlan* out) {
   if (S < 1 || S * K > DEC_MAX_SLOTS) return fail_msg("mk: decode takes 1..64 routed rows (S x topk)");
-  if (H % 8 || I % 16)  // 16-byte rows; phase 3's k steps of 16
-    return fail_msg("mk: decode needs hidden a multiple of 8 and intermediate a multiple of 16");
+  if (H % 8 || I % 8) return fail_msg("mk: decode needs hidden and intermediate to be multiples of 8");
   int dev = 0, sms = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return fail("cudaGetDevice", e);
@@ -2239,9 +2238,8 @@ int decode_plan_for(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, DecPl
   if (S * E > DEC_MAX_LOGITS) return fail_msg("mk: decode takes at most 4096 gate logits (S x experts)");
   const DecPlan d = dec_plan(S, H, I, K, E, sms);
   if (d.bytes == 0 || d.bytes > SMEM_MAX) {
-    snprintf(g_err, sizeof g_err, "mk: decode: S x topk = %lld slots of %d W_down rows per CTA need %lld bytes of "
-             "shared memory (at most %d)", (long long)(S * K), d.rows,
-             (long long)S * K * d.rows * (I * 2 + 16), SMEM_MAX);
+    snprintf(g_err, sizeof g_err, "mk: decode: S x topk = %lld rows of W_down per CTA need %lld bytes of shared memory "
+             "(at most %d)", (long long)(S * K), (long long)S * K * d.rows * I * 2, SMEM_MAX);
     return 1;
   }
   if (with_decode(E, [&](auto, auto attrs) { return attrs(dev, d.bytes); })) return 1;
