@@ -631,12 +631,14 @@ def test_decode_bad_expert_is_reported(model, layer):
 
 
 @pytest.mark.parametrize(("spec", "tokens"), [("custom:256,128,16,4", [1, 2, 7]), ("custom:512,192,40,6", [1, 3]),
-                                              ("custom:1024,256,64,2", [1, 5])])
+                                              ("custom:1024,256,64,2", [1, 5]), ("custom:256,128,256,4", [1, 2])])
 def test_decode_other_shapes(spec, tokens):
     """Other shapes, several tokens per launch (slots of different tokens, experts shared between tokens): the dense
-    reference, every row written, the kernel's task counts as modelled."""
+    reference, every row written, the kernel's task counts as modelled. 256 experts: routing picks with warp_topk
+    (past DEC_RANK_MAX_E), the others rank with a thread per (token, expert)."""
     _need_gpu()
     from moetune.runtime.megakernel import MegakernelMoE
+    from moetune.runtime.moe_layer import route
     from moetune.runtime.shapes import get_model
 
     m = get_model(spec)
@@ -647,6 +649,9 @@ def test_decode_other_shapes(spec, tokens):
         out = layer.forward(x, out=_poisoned(s, m.hidden))
         idx, w = (t.clone() for t in layer.routing(s))
         _check(layer, m, x, out, idx, w)
+        ridx, rw = route(x, layer.gate, m.topk)  # the in-kernel picks against torch's routing (fp32 logits)
+        assert (idx.long().sort(1).values == ridx.sort(1).values).all(), (spec, s)
+        assert torch.allclose(w.sort(1).values, rw.float().sort(1).values, atol=1e-5, rtol=1e-4), (spec, s)
         idx, w = _routing(s, m.experts, m.topk, "zipf", seed=s)
         out = layer.forward_routed(x, idx, w, out=_poisoned(s, m.hidden))
         _check(layer, m, x, out, idx, w)
