@@ -634,8 +634,7 @@ def test_decode_bad_expert_is_reported(model, layer):
                                               ("custom:1024,256,64,2", [1, 5]), ("custom:256,128,256,4", [1, 2])])
 def test_decode_other_shapes(spec, tokens):
     """Other shapes, several tokens per launch (slots of different tokens, experts shared between tokens): the dense
-    reference, every row written, the kernel's task counts as modelled. 256 experts: routing picks with warp_topk
-    (past DEC_RANK_MAX_E), the others rank with a thread per (token, expert)."""
+    reference, every row written, the kernel's task counts as modelled, the in-kernel picks as torch's routing."""
     _need_gpu()
     from moetune.runtime.megakernel import MegakernelMoE
     from moetune.runtime.moe_layer import route

@@ -27,7 +27,6 @@
 constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
 constexpr int DEC_VEC = 8;          // 16-byte weight loads per lane in flight for each row of a pair
 constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
-constexpr int DEC_RANK_MAX_E = 128;  // experts up to which in-kernel routing ranks with a thread per (token, expert)
 // MkParams.dec_cnt: int32 counters one 128-byte line apart (polled by every CTA): slot s's finished pairs at
 // DEC_STRIDE * s, the exit ticket; then the gate logits of in-kernel routing from word DEC_LOGIT0,
 // each stored as the bitwise NOT of its fp32 bits, so the zero the launch finds there means "not written yet" (the
@@ -43,7 +42,9 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 // kernel returns at entry (this launch shape with no work, timed side by side by megakernel_profile --vs-lib). (8,
 // the top-k and the sums run twice to compare cold and warm code, was removed after run 75: 08b82fb has it.)
 // Phase 3 on the tensor cores (mma.sync, 16 rows x 8 slots per mma, W_down rows laid out for conflict-free
-// ldmatrix) was no faster: 37.3 vs 36.2 µs graph replay side by side (run 78; 1d264de has it).
+// ldmatrix) was no faster: 37.3 vs 36.2 µs graph replay side by side (run 78; 1d264de has it). Nor was routing that
+// ranks the softmax probabilities with a thread per (token, expert) instead of warp_topk's K rounds: 2.4 µs from the
+// logits to the picks against 1.7, 36.8 vs 36.2 µs (run 80; cac9227 has it).
 #ifndef MK_DEC_PROBE
 #define MK_DEC_PROBE 0
 #endif
@@ -164,7 +165,7 @@ template <int NI>
 __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, const DecPlan d) {
   extern __shared__ __align__(128) char smem[];
   __shared__ int s_e[DEC_MAX_SLOTS];
-  __shared__ float s_w[DEC_MAX_SLOTS], s_p[DEC_MAX_SLOTS];
+  __shared__ float s_w[DEC_MAX_SLOTS];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int S = (int)p.S, K = (int)p.K, H = (int)p.H, I = (int)p.I, E = (int)p.E, slots = S * K;
   const uint32_t bar = su32(smem);
@@ -231,55 +232,16 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     MK_ONCE for (int i = tid; i < L; i += DEC_THREADS) lg[i] = __int_as_float(~wait_logit(p, cnt + DEC_LOGIT0 + i, i));
     __syncthreads();
     dec_stamp(p, DEC_TR_LOGITS);
-    if (L <= DEC_THREADS && E <= DEC_RANK_MAX_E) {
-      // a warp's softmax per token (as k_topk), the probabilities back in lg; then each (token, expert) thread counts
-      // the experts ahead of it (higher, or equal and lower: warp_topk's pick order), so the K picks land at once
-      // instead of in K dependent rounds on one warp (run 79: 1.7 µs from the logits to the picks); the weights are
-      // the picks' probabilities over their sum in pick order, warp_topk's arithmetic: the same bits
-      MK_ONCE for (int t = warp; t < S; t += DEC_WARPS) {
-        float v[NI];
-        warp_softmax<NI>(lg + (int64_t)t * E, E, lane, v);
-        __syncwarp();
-#pragma unroll
-        for (int i = 0; i < NI; ++i)
-          if (lane + 32 * i < E) lg[(int64_t)t * E + lane + 32 * i] = v[i];
-      }
-      __syncthreads();
-      if (tid < L) {
-        const int t = tid / E, e = tid % E;
-        const float* pt = lg + (int64_t)t * E;
-        const float v = pt[e];
-        int rank = 0;
-#pragma unroll 8
-        for (int j = 0; j < E; ++j) {
-          const float u = pt[j];
-          rank += u > v || (u == v && j < e);
-        }
-        if (rank < K) s_e[t * K + rank] = e, s_p[t * K + rank] = v;
-      }
-      __syncthreads();
-      if (tid < slots) {
-        const int t = tid / K;
-        float sum = 0.f;
-        MK_ONCE for (int j = 0; j < K; ++j) sum += s_p[t * K + j];
-        s_w[tid] = s_p[tid] / fmaxf(sum, 1e-20f);
+    MK_ONCE for (int t = warp; t < S; t += DEC_WARPS) {
+      int e;
+      float w;
+      warp_topk<NI>(lg + (int64_t)t * E, E, K, lane, e, w);
+      if (lane < K) {
+        s_e[t * K + lane] = e;
+        s_w[t * K + lane] = w;
         if (blockIdx.x == 0) {  // the layer's routing() reads them
-          p.topk_idx[tid] = s_e[tid];
-          p.topk_w[tid] = s_w[tid];
-        }
-      }
-    } else {
-      MK_ONCE for (int t = warp; t < S; t += DEC_WARPS) {
-        int e;
-        float w;
-        warp_topk<NI>(lg + (int64_t)t * E, E, K, lane, e, w);
-        if (lane < K) {
-          s_e[t * K + lane] = e;
-          s_w[t * K + lane] = w;
-          if (blockIdx.x == 0) {  // the layer's routing() reads them
-            p.topk_idx[t * K + lane] = e;
-            p.topk_w[t * K + lane] = w;
-          }
+          p.topk_idx[t * K + lane] = e;
+          p.topk_w[t * K + lane] = w;
         }
       }
     }

@@ -1687,10 +1687,11 @@ __device__ __forceinline__ unsigned ord_key(float f) {
 __device__ __forceinline__ float ord_val(unsigned k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
-// One warp's softmax (fp32) of the E logits at lg (shared memory): v[i] = the probability of expert lane + 32 i,
-// -1 past E. warp_topk picks from it; the decode kernel ranks its values with a thread per expert.
+// One warp's softmax (fp32), top-k (ties: lower expert first) and renormalisation of the E logits at lg (shared
+// memory): lane j < K gets pick j (expert, weight). k_topk and the decode kernel's routing share it.
 template <int NI>
-__device__ __forceinline__ void warp_softmax(const float* lg, int E, int lane, float (&v)[NI]) {
+__device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lane, int& pick_e, float& pick_w) {
+  float v[NI];
   float m = -INFINITY;
 #pragma unroll
   for (int i = 0; i < NI; ++i) {
@@ -1710,13 +1711,6 @@ __device__ __forceinline__ void warp_softmax(const float* lg, int E, int lane, f
   for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(~0u, s, o);
 #pragma unroll
   for (int i = 0; i < NI; ++i) v[i] = lane + 32 * i < E ? v[i] / s : -1.f;
-}
-// One warp's softmax, top-k (ties: lower expert first) and renormalisation of the E logits at lg (shared memory):
-// lane j < K gets pick j (expert, weight). k_topk and the decode kernel's routing (past its ranked sizes) share it.
-template <int NI>
-__device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lane, int& pick_e, float& pick_w) {
-  float v[NI];
-  warp_softmax<NI>(lg, E, lane, v);
   unsigned taken = 0;
   float sum = 0.f, my_v = 0.f;
   int my_i = 0;
