@@ -46,6 +46,15 @@ def test_task_count_is_pairs_plus_row_owners():
     assert p2.rows == 1 and sum(r1 > r0 for r0, r1 in p2.row_blocks) == 128
 
 
+def test_static_pairs_are_disjoint_and_below_p0():
+    p = dec.plan(tokens=1, topk=8, hidden=2048, intermediate=768, grid=132)
+    assert p.static_end == 2 * 132 * 15
+    got = sorted(q for c in range(p.grid) for q in p.static_pairs(c))
+    assert got == list(range(p.static_end))
+    small = dec.plan(tokens=1, topk=1, hidden=128, intermediate=64, grid=100)  # fewer pairs than warps
+    assert small.static_end == 64 and sorted(q for c in range(100) for q in small.static_pairs(c)) == list(range(64))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_pairs_go_to_whichever_cta_asks(seed):
     """With the shared counter, some CTAs may take no pair at all (others took them all first) and still end; every
@@ -78,7 +87,13 @@ def test_model_formulas_are_the_kernels():
     src = (_lib.source_dir() / "mk_decode.cuh").read_text()
     assert "d.rows = (int)((H + sms - 1) / sms);" in src and "d.grid = sms;" in src
     assert "r0 = blockIdx.x * d.rows" in src
-    assert "int32_t* next = cnt + DEC_STRIDE * DEC_CNT_NEXT;" in src and src.count("atomicAdd(next, 1)") == 2
+    assert "int32_t* next = cnt + DEC_STRIDE * DEC_CNT_NEXT;" in src and src.count("atomicAdd(next, 1)") == 1
+    assert f"constexpr int DEC_STATIC_ROUNDS = {dec.STATIC_ROUNDS};" in src and "DEC_THREADS = 512" in src
+    assert dec.WARPS == 512 // 32
+    assert "const int W = (int)gridDim.x * (DEC_WARPS - 1), wg = (int)blockIdx.x * (DEC_WARPS - 1) + warp - 1;" in src
+    assert "const int P0 = (int)min(P, (int64_t)DEC_STATIC_ROUNDS * W);" in src
+    assert "if (warp > 0 && r < DEC_STATIC_ROUNDS && wg + r * W < P0) return wg + W * r++;" in src
+    assert "return lane == 0 ? P0 + atomicAdd(next, 1) : 0;" in src
     assert "cnt[DEC_STRIDE * DEC_CNT_NEXT] = 0;" in src
     assert "if (s_done[s]) red_release(cnt + DEC_STRIDE * s, s_done[s]);" in src
 

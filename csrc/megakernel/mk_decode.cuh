@@ -10,8 +10,8 @@
 //      all CTAs hold the same picks without another kernel. decode = 1 reads given picks (topk_idx / topk_w).
 //   1. each CTA starts one bulk copy per slot of its R output rows of W_down[e] (R x I bf16, contiguous in the
 //      weight) into shared memory, on one mbarrier;
-//   2. its warps take the S*K*I (gate, up) row pairs one at a time from a launch-wide counter and compute each as
-//      a warp dot product with x (fp32 accumulate, h = silu(gate) * up rounded to bf16 as the tile kernels store
+//   2. its warps take the S*K*I (gate, up) row pairs one at a time, the first DEC_STATIC_ROUNDS by warp index,
+//      then from a launch-wide counter, and compute each as a warp dot product with x (fp32 accumulate, h = silu(gate) * up rounded to bf16 as the tile kernels store
 //      it); once the counter runs out the CTA adds the pairs it finished to each slot's counter (release after the
 //      h stores);
 //   3. once every slot's counter reaches I (acquire, bounded waits): out[t, r] = sum over the token's slots in
@@ -28,6 +28,7 @@
 constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
 constexpr int DEC_VEC = 8;          // 16-byte weight loads per lane in flight for each row of a pair
 constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
+constexpr int DEC_STATIC_ROUNDS = 2;  // pairs per warp (1..) handed out by warp index before the counter's
 // MkParams.dec_cnt: int32 counters one 128-byte line apart (polled by every CTA): slot s's finished pairs at
 // DEC_STRIDE * s, the exit ticket, the next pair to hand out; then the gate logits of in-kernel routing from word
 // DEC_LOGIT0,
@@ -273,15 +274,24 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
                   bar, ev, pol);
   }
   dec_stamp(p, DEC_TR_P1);
-  // 2. (gate, up) row pairs handed out one at a time from a launch-wide counter: a warp asks for its next pair
-  // while its current one streams, so warps that stream faster take more (run 79: with fixed ranges of 46-47 pairs
-  // per CTA the CTAs finished over 23.9-26.4 µs, unrelated to when warp 0 got past the W_down copies or to the CTA).
-  // Thread 0's copy instructions return only as the copy engine takes them, so warp 0 joins late.
+  // 2. (gate, up) row pairs one at a time per warp: warps 1.. first take DEC_STATIC_ROUNDS by their index (pairs
+  // below P0), then every warp takes the rest from a launch-wide counter, asking for its next pair while the current
+  // one streams, so warps that stream faster take more (run 79: with fixed ranges of 46-47 pairs per CTA the CTAs
+  // finished over 23.9-26.4 µs, unrelated to the CTA or to when warp 0 got past the W_down copies). Every pair from
+  // the counter (run 81) was slower: 2112 warps asking one address at once queued ~3 µs before any load. Thread 0's
+  // copy instructions return only as the copy engine takes them, so warp 0 takes only counter pairs.
   int32_t* next = cnt + DEC_STRIDE * DEC_CNT_NEXT;
-  int q = lane == 0 ? atomicAdd(next, 1) : 0;
-  q = __shfl_sync(~0u, q, 0);
+  const int W = (int)gridDim.x * (DEC_WARPS - 1), wg = (int)blockIdx.x * (DEC_WARPS - 1) + warp - 1;
+  const int P0 = (int)min(P, (int64_t)DEC_STATIC_ROUNDS * W);
+  int r = 0;  // static pairs taken (warp-uniform)
+  auto take = [&]() -> int {  // this warp's next pair (on lane 0 where it comes from the counter)
+    if (warp > 0 && r < DEC_STATIC_ROUNDS && wg + r * W < P0) return wg + W * r++;
+    r = DEC_STATIC_ROUNDS;
+    return lane == 0 ? P0 + atomicAdd(next, 1) : 0;
+  };
+  int q = __shfl_sync(~0u, take(), 0);
   MK_ONCE while (q < P) {
-    const int qn = lane == 0 ? atomicAdd(next, 1) : 0;  // in flight while this pair's loads are
+    const int qn = take();  // the counter's answer is in flight while this pair's loads are
     const int s = q / I, j = q % I, e = s_e[s];
     if (e >= 0) {
       const uint4* g = (const uint4*)((const bf16*)p.w1 + ((int64_t)e * 2 * I + j) * H);
