@@ -34,35 +34,24 @@ def test_every_pair_and_row_once_in_any_order(shape, seed):
 
 def test_plan_counts_for_qwen3_at_one_token():
     p = dec.plan(tokens=1, topk=8, hidden=2048, intermediate=768, grid=132)
-    assert p.rows == 16 and p.slots == p.n_tiles == 8 and p.pairs == 8 * 768
+    assert p.rows == 16 and p.slots == p.n_tiles == 8
     assert sum(r1 > r0 for r0, r1 in p.row_blocks) == 128
-    assert p.total == 8 * 768 + 128
+    assert p.total == 132 + 128
+    # contiguous, disjoint ranges that cover the pairs: 6144 over 132 CTAs, 46 or 47 each
+    assert p.pair_ranges[0][0] == 0 and p.pair_ranges[-1][1] == 8 * 768
+    assert all(a[1] == b[0] for a, b in zip(p.pair_ranges, p.pair_ranges[1:], strict=False))
+    assert {q1 - q0 for q0, q1 in p.pair_ranges} == {46, 47}
+    # a CTA whose range spans two slots signals both, with the pairs it did of each
+    spans = [c for c in range(p.grid) if len(p.signals(c)) == 2]
+    assert spans and all(sum(n for _, n in p.signals(c)) == p.pair_ranges[c][1] - p.pair_ranges[c][0] for c in spans)
 
 
-def test_task_count_is_pairs_plus_row_owners():
+def test_more_ctas_than_pairs_counts_only_working_ctas():
     p = dec.plan(tokens=1, topk=1, hidden=128, intermediate=64, grid=100)
+    assert sum(q1 > q0 for q0, q1 in p.pair_ranges) == 64
     assert p.total == 64 + 64  # rows = ceil(128 / 100) = 2: 64 CTAs hold rows
     p2 = dec.plan(tokens=1, topk=1, hidden=128, intermediate=64, grid=200)
     assert p2.rows == 1 and sum(r1 > r0 for r0, r1 in p2.row_blocks) == 128
-
-
-def test_static_pairs_are_disjoint_and_below_p0():
-    p = dec.plan(tokens=1, topk=8, hidden=2048, intermediate=768, grid=132)
-    assert p.static_end == 2 * 132 * 15
-    got = sorted(q for c in range(p.grid) for q in p.static_pairs(c))
-    assert got == list(range(p.static_end))
-    small = dec.plan(tokens=1, topk=1, hidden=128, intermediate=64, grid=100)  # fewer pairs than warps
-    assert small.static_end == 64 and sorted(q for c in range(100) for q in small.static_pairs(c)) == list(range(64))
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_pairs_go_to_whichever_cta_asks(seed):
-    """With the shared counter, some CTAs may take no pair at all (others took them all first) and still end; every
-    pair is computed once and every slot counter reaches I."""
-    p = dec.plan(tokens=1, topk=2, hidden=256, intermediate=64, grid=200)
-    sim = dec.simulate(p, seed=seed)
-    assert sim.error == 0 and sim.pairs_done == [1] * 128 and sim.counters == [64, 64]
-    assert sim.rows_written == [1] * 256
 
 
 @pytest.mark.parametrize("stall", [0, 7])
@@ -79,23 +68,14 @@ def test_plan_rejects_bad_sizes():
 
 
 def test_model_formulas_are_the_kernels():
-    """The CUDA side's split (mk_decode.cuh) is the model's: rows ceil(H / grid), one CTA per SM, pairs handed out one
-    at a time from the DEC_CNT_NEXT counter (zeroed by the last CTA), each CTA's per-slot counts added once the
-    counter runs out."""
+    """The CUDA side's split (mk_decode.cuh) uses the same formulas as the model: rows ceil(H / grid), pair ranges
+    P c / G, one CTA per SM."""
     from moetune.runtime.megakernel import _lib
 
     src = (_lib.source_dir() / "mk_decode.cuh").read_text()
     assert "d.rows = (int)((H + sms - 1) / sms);" in src and "d.grid = sms;" in src
+    assert re.search(r"q0 = P \* blockIdx\.x / gridDim\.x, q1 = P \* \(blockIdx\.x \+ 1\) / gridDim\.x", src)
     assert "r0 = blockIdx.x * d.rows" in src
-    assert "int32_t* next = cnt + DEC_STRIDE * DEC_CNT_NEXT;" in src and src.count("atomicAdd(next, 1)") == 1
-    assert f"constexpr int DEC_STATIC_ROUNDS = {dec.STATIC_ROUNDS};" in src and "DEC_THREADS = 512" in src
-    assert dec.WARPS == 512 // 32
-    assert "const int W = (int)gridDim.x * (DEC_WARPS - 1), wg = (int)blockIdx.x * (DEC_WARPS - 1) + warp - 1;" in src
-    assert "const int P0 = (int)min(P, (int64_t)DEC_STATIC_ROUNDS * W);" in src
-    assert "if (warp > 0 && r < DEC_STATIC_ROUNDS && wg + r * W < P0) return wg + W * r++;" in src
-    assert "return lane == 0 ? P0 + atomicAdd(next, 1) : 0;" in src
-    assert "cnt[DEC_STRIDE * DEC_CNT_NEXT] = 0;" in src
-    assert "if (s_done[s]) red_release(cnt + DEC_STRIDE * s, s_done[s]);" in src
 
 
 def test_config_decode_field():
@@ -111,20 +91,19 @@ def test_counter_buffer_size_matches_the_kernel():
     src = (_lib.source_dir() / "mk_decode.cuh").read_text()
     consts = {n: int(v) for n, v in re.findall(r"\b(DEC_MAX_SLOTS|DEC_STRIDE|DEC_MAX_LOGITS) = (\d+)", src)}
     assert set(consts) == {"DEC_MAX_SLOTS", "DEC_STRIDE", "DEC_MAX_LOGITS"}
-    assert "DEC_LOGIT0 = (DEC_MAX_SLOTS + 2) * DEC_STRIDE" in src and "DEC_CNT_WORDS = DEC_LOGIT0 + DEC_MAX_LOGITS" in src
-    assert (consts["DEC_MAX_SLOTS"] + 2) * consts["DEC_STRIDE"] + consts["DEC_MAX_LOGITS"] == _lib.DEC_CNT_WORDS
+    assert "DEC_LOGIT0 = (DEC_MAX_SLOTS + 1) * DEC_STRIDE" in src and "DEC_CNT_WORDS = DEC_LOGIT0 + DEC_MAX_LOGITS" in src
+    assert (consts["DEC_MAX_SLOTS"] + 1) * consts["DEC_STRIDE"] + consts["DEC_MAX_LOGITS"] == _lib.DEC_CNT_WORDS
     assert consts["DEC_MAX_SLOTS"] == dec.MAX_SLOTS  # the bound the bring-up report names
     assert "~__float_as_int(a)" in src and "__int_as_float(~wait_logit(" in src
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_task_count_is_counted(shape):
-    """The CTA with the last exit ticket counts the tasks from the slot counters it zeroes (every pair computed, each
-    CTA's signals being before its ticket) plus the CTAs with output rows."""
+def test_task_count_closed_form(shape):
+    """The CTA with the last exit ticket writes the task count without a counter: min(P, grid) CTAs have pairs
+    (the ranges P c / G grow by at most one per CTA when P < G) plus the CTAs with output rows."""
     s, k, h, i, g = shape
     p = dec.plan(tokens=s, topk=k, hidden=h, intermediate=i, grid=g)
     rows = -(-h // g)
-    assert p.total == s * k * i + min(g, -(-h // rows))
+    assert p.total == min(s * k * i, g) + min(g, -(-h // rows))
     src = (_lib.source_dir() / "mk_decode.cuh").read_text()
-    assert "int tasks = min((int)gridDim.x, (H + d.rows - 1) / d.rows);" in src
-    assert "tasks += ld_relaxed(cnt + DEC_STRIDE * s);" in src
+    assert "(int)min(P, (int64_t)gridDim.x) + min((int)gridDim.x, (H + d.rows - 1) / d.rows)" in src

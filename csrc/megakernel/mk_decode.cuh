@@ -10,16 +10,15 @@
 //      all CTAs hold the same picks without another kernel. decode = 1 reads given picks (topk_idx / topk_w).
 //   1. each CTA starts one bulk copy per slot of its R output rows of W_down[e] (R x I bf16, contiguous in the
 //      weight) into shared memory, on one mbarrier;
-//   2. its warps take the S*K*I (gate, up) row pairs one at a time, the first DEC_STATIC_ROUNDS by warp index,
-//      then from a launch-wide counter, and compute each as a warp dot product with x (fp32 accumulate, h = silu(gate) * up rounded to bf16 as the tile kernels store
-//      it); once the counter runs out the CTA adds the pairs it finished to each slot's counter (release after the
-//      h stores);
+//   2. it computes its share of the S*K*I (gate, up) row pairs as warp dot products with x (fp32 accumulate,
+//      h = silu(gate) * up rounded to bf16 as the tile kernels store it) and adds the pairs it finished to each
+//      slot's counter (release after the h stores);
 //   3. once every slot's counter reaches I (acquire, bounded waits): out[t, r] = sum over the token's slots in
 //      order of w[t, j] * (W_down row r . h) in fp32, then bf16. Every output row is written by exactly one CTA
 //      and the sums run in a fixed order: bit-identical runs.
 // The counters are the kernel's own (MkParams.dec_cnt): the CTA that takes the last exit ticket zeroes them and
-// writes the launch's task counts into ctl (the pairs the slot counters add up to, and the phase-3 row blocks, as
-// runtime/megakernel/decode.py models them), so a launch needs no reset kernel before it. All CTAs are resident (one per SM, checked by the
+// writes the launch's task counts into ctl (phase-1 ranges and phase-3 row blocks, as runtime/megakernel/decode.py
+// models them), so a launch needs no reset kernel before it. All CTAs are resident (one per SM, checked by the
 // occupancy query at launch), so a CTA waiting for a slot never blocks the CTAs that finish it.
 
 // Every loop of the kernel runs a few times per launch, most exactly once, so none is unrolled (smaller code; run 65
@@ -28,14 +27,12 @@
 constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
 constexpr int DEC_VEC = 8;          // 16-byte weight loads per lane in flight for each row of a pair
 constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
-constexpr int DEC_STATIC_ROUNDS = 2;  // pairs per warp (1..) handed out by warp index before the counter's
 // MkParams.dec_cnt: int32 counters one 128-byte line apart (polled by every CTA): slot s's finished pairs at
-// DEC_STRIDE * s, the exit ticket, the next pair to hand out; then the gate logits of in-kernel routing from word
-// DEC_LOGIT0,
+// DEC_STRIDE * s, the exit ticket; then the gate logits of in-kernel routing from word DEC_LOGIT0,
 // each stored as the bitwise NOT of its fp32 bits, so the zero the launch finds there means "not written yet" (the
 // NOT of a float the GPU's arithmetic produces is never zero: its NaNs are 0x7fffffff)
 constexpr int DEC_STRIDE = 32, DEC_MAX_LOGITS = 4096;  // S x E a decode launch with routing takes
-enum { DEC_CNT_TICKET = DEC_MAX_SLOTS, DEC_CNT_NEXT = DEC_MAX_SLOTS + 1, DEC_LOGIT0 = (DEC_MAX_SLOTS + 2) * DEC_STRIDE,
+enum { DEC_CNT_TICKET = DEC_MAX_SLOTS, DEC_LOGIT0 = (DEC_MAX_SLOTS + 1) * DEC_STRIDE,
        DEC_CNT_WORDS = DEC_LOGIT0 + DEC_MAX_LOGITS };
 // Timeline (MkParams.trace, profiling only): words per CTA after MK_TR_HEAD, stamped by thread 0.
 enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3, DEC_TR_W2 = 4, DEC_TR_READY = 5,
@@ -47,7 +44,9 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 // Phase 3 on the tensor cores (mma.sync, 16 rows x 8 slots per mma, W_down rows laid out for conflict-free
 // ldmatrix) was no faster: 37.3 vs 36.2 µs graph replay side by side (run 78; 1d264de has it). Nor was routing that
 // ranks the softmax probabilities with a thread per (token, expert) instead of warp_topk's K rounds: 2.4 µs from the
-// logits to the picks against 1.7, 36.8 vs 36.2 µs (run 80; cac9227 has it).
+// logits to the picks against 1.7, 36.8 vs 36.2 µs (run 80; cac9227 has it), nor (gate, up) pairs handed out by one
+// launch-wide counter: 42.5 vs 36.2 µs, 2112 warps asking one address before their first loads (run 81; 089d10b
+// has it; branch pair-counter has a variant that hands out only the last round so).
 #ifndef MK_DEC_PROBE
 #define MK_DEC_PROBE 0
 #endif
@@ -55,7 +54,7 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 // Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
 struct DecPlan {
   int grid, rows;  // CTAs (one per SM), output rows per CTA (ceil(H / grid))
-  int x_off, w2_off, h_off, acc_off, lg_off, part_off, bytes;
+  int x_off, w2_off, h_off, acc_off, stage_off, lg_off, part_off, bytes;
 };
 inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int sms) {
   auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
@@ -67,12 +66,13 @@ inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, i
   const int64_t w2_off = up(x_off + S * H * 2);
   const int64_t h_off = up(w2_off + slots * d.rows * I * 2);
   const int64_t acc_off = up(h_off + slots * I * 2);
-  const int64_t lg_off = up(acc_off + S * d.rows * 4);  // the S x E logits (routing in the kernel)
+  const int64_t stage_off = up(acc_off + S * d.rows * 4);  // this CTA's h elements: at most ceil(P / grid)
+  const int64_t lg_off = up(stage_off + (slots * I / sms + 1) * 2);  // the S x E logits (routing in the kernel)
   const int64_t part_off = up(lg_off + S * E * 4);  // phase 3's per-slot sums of the CTA's rows
   const int64_t bytes = part_off + slots * d.rows * 4;
   if (bytes > (1ll << 30)) return d;  // bytes stays 0: does not fit
   d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.h_off = (int)h_off, d.acc_off = (int)acc_off;
-  d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.bytes = (int)bytes;
+  d.stage_off = (int)stage_off, d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.bytes = (int)bytes;
   return d;
 }
 
@@ -168,7 +168,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   extern __shared__ __align__(128) char smem[];
   __shared__ int s_e[DEC_MAX_SLOTS];
   __shared__ float s_w[DEC_MAX_SLOTS];
-  __shared__ int s_done[DEC_MAX_SLOTS];  // pairs of each slot this CTA finished
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int S = (int)p.S, K = (int)p.K, H = (int)p.H, I = (int)p.I, E = (int)p.E, slots = S * K;
   const uint32_t bar = su32(smem);
@@ -176,6 +175,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   const char* w2s = smem + d.w2_off;
   bf16* hs = (bf16*)(smem + d.h_off);
   float* acc = (float*)(smem + d.acc_off);
+  bf16* hstage = (bf16*)(smem + d.stage_off);
   float* lg = (float*)(smem + d.lg_off);
   float* part = (float*)(smem + d.part_off);
   int32_t* cnt = p.dec_cnt;
@@ -185,7 +185,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   if (ev) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
   if (MK_DEC_PROBE & 16) return;
   dec_stamp(p, DEC_TR_START);
-  if (tid < DEC_MAX_SLOTS) s_done[tid] = 0;  // (read after the barriers that end routing)
   if (tid == 0) {
     mbar_init(bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -262,6 +261,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   __syncthreads();
   dec_stamp(p, DEC_TR_ROUTED);
   const int64_t P = (int64_t)slots * I;
+  const int64_t q0 = P * blockIdx.x / gridDim.x, q1 = P * (blockIdx.x + 1) / gridDim.x;
   // 1. this CTA's rows of W_down for every slot, in flight while phase 2 streams the up projection
   if (tid == 0 && nr > 0) {
     const uint32_t each = (uint32_t)nr * I * 2;
@@ -274,71 +274,65 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
                   bar, ev, pol);
   }
   dec_stamp(p, DEC_TR_P1);
-  // 2. (gate, up) row pairs one at a time per warp: warps 1.. first take DEC_STATIC_ROUNDS by their index (pairs
-  // below P0), then every warp takes the rest from a launch-wide counter, asking for its next pair while the current
-  // one streams, so warps that stream faster take more (run 79: with fixed ranges of 46-47 pairs per CTA the CTAs
-  // finished over 23.9-26.4 µs, unrelated to the CTA or to when warp 0 got past the W_down copies). Every pair from
-  // the counter (run 81) was slower: 2112 warps asking one address at once queued ~3 µs before any load. Thread 0's
-  // copy instructions return only as the copy engine takes them, so warp 0 takes only counter pairs.
-  int32_t* next = cnt + DEC_STRIDE * DEC_CNT_NEXT;
-  const int W = (int)gridDim.x * (DEC_WARPS - 1), wg = (int)blockIdx.x * (DEC_WARPS - 1) + warp - 1;
-  const int P0 = (int)min(P, (int64_t)DEC_STATIC_ROUNDS * W);
-  int r = 0;  // static pairs taken (warp-uniform)
-  auto take = [&]() -> int {  // this warp's next pair (on lane 0 where it comes from the counter)
-    if (warp > 0 && r < DEC_STATIC_ROUNDS && wg + r * W < P0) return wg + W * r++;
-    r = DEC_STATIC_ROUNDS;
-    return lane == 0 ? P0 + atomicAdd(next, 1) : 0;
-  };
-  int q = __shfl_sync(~0u, take(), 0);
-  MK_ONCE while (q < P) {
-    const int qn = take();  // the counter's answer is in flight while this pair's loads are
-    const int s = q / I, j = q % I, e = s_e[s];
-    if (e >= 0) {
-      const uint4* g = (const uint4*)((const bf16*)p.w1 + ((int64_t)e * 2 * I + j) * H);
-      const uint4* u = g + (int64_t)I * HV;  // the up row: I rows further
-      const uint4* xv = (const uint4*)(xs + (int64_t)(s / K) * H);
-      float ag = 0.f, au = 0.f;
-      MK_ONCE for (int v0 = 0; v0 < HV; v0 += 32 * DEC_VEC) {
-        uint4 a[DEC_VEC], b[DEC_VEC];
+  // 2. (gate, up) row pairs [q0, q1) of the S*K*I, one warp per pair. Thread 0's copy instructions return only as
+  // the copy engine takes them (up to 8 µs into the launch in run 63's timeline), so warp 0 starts late as it
+  // returns. Warps 1.. take R = ceil(n / warps) pairs each, warp 0 the rest (at most R): with 15 warps alone the
+  // 46-47 pairs of a CTA were 4 rounds, the last nearly empty
+  const int n2 = (int)(q1 - q0), R2 = (n2 + DEC_WARPS - 1) / DEC_WARPS;
+  const int i_lo = warp ? warp - 1 : (DEC_WARPS - 1) * R2, i_step = warp ? DEC_WARPS - 1 : 1;
+  const int i_hi = warp ? min(n2, (DEC_WARPS - 1) * R2) : n2;
+  MK_ONCE for (int i2 = i_lo; i2 < i_hi; i2 += i_step) {
+    const int64_t q = q0 + i2;
+    const int s = (int)(q / I), j = (int)(q % I), e = s_e[s];
+    if (e < 0) continue;
+    const uint4* g = (const uint4*)((const bf16*)p.w1 + ((int64_t)e * 2 * I + j) * H);
+    const uint4* u = g + (int64_t)I * HV;  // the up row: I rows further
+    const uint4* xv = (const uint4*)(xs + (int64_t)(s / K) * H);
+    float ag = 0.f, au = 0.f;
+    MK_ONCE for (int v0 = 0; v0 < HV; v0 += 32 * DEC_VEC) {
+      uint4 a[DEC_VEC], b[DEC_VEC];
 #pragma unroll
-        for (int i = 0; i < DEC_VEC; ++i) {  // every load issued before the first product
-          const int v = v0 + lane + 32 * i;
-          a[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(g + v, ev, pol) : make_uint4(0, 0, 0, 0);
-          b[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(u + v, ev, pol) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int i = 0; i < DEC_VEC; ++i) {
-          const int v = v0 + lane + 32 * i;
-          if (v < HV) {
-            const uint4 xx = xv[v];
-            dot8(ag, a[i], xx);
-            dot8(au, b[i], xx);
-          }
-        }
+      for (int i = 0; i < DEC_VEC; ++i) {  // every load issued before the first product
+        const int v = v0 + lane + 32 * i;
+        a[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(g + v, ev, pol) : make_uint4(0, 0, 0, 0);
+        b[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(u + v, ev, pol) : make_uint4(0, 0, 0, 0);
       }
-      ag = warp_sum(ag);
-      au = warp_sum(au);
-      if (lane == 0) {
-        ((bf16*)p.h)[q] = __float2bfloat16(__fdividef(ag, 1.f + __expf(-ag)) * au);
-        atomicAdd(&s_done[s], 1);
+#pragma unroll
+      for (int i = 0; i < DEC_VEC; ++i) {
+        const int v = v0 + lane + 32 * i;
+        if (v < HV) {
+          const uint4 xx = xv[v];
+          dot8(ag, a[i], xx);
+          dot8(au, b[i], xx);
+        }
       }
     }
-    q = __shfl_sync(~0u, qn, 0);
+    ag = warp_sum(ag);
+    au = warp_sum(au);
+    if (lane == 0) hstage[q - q0] = __float2bfloat16(__fdividef(ag, 1.f + __expf(-ag)) * au);
   }
   if (p.trace && tid == 0 && nr > 0) {  // timeline only: when the W_down copies landed (or warp 0's pairs were done)
     mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
     dec_stamp(p, DEC_TR_W2);
   }
-  __syncthreads();  // every warp's h stores and pair counts before thread 0's fence and counters
+  __syncthreads();
+  // the range's h elements are contiguous in h (pair q is h[q]): whole lines, not one 2-byte store per pair
+  MK_ONCE for (int64_t q = q0 + tid; q < q1; q += DEC_THREADS) ((bf16*)p.h)[q] = hstage[q - q0];
+  __syncthreads();  // every thread's h stores before thread 0's fence and counters
   // The exit ticket: the CTA that takes the last one is past every CTA's last counter access (each takes it after its
   // own: its signals, and an owner's slot waits), so it zeroes the counters for the next launch. Taken early and its
   // value read only at the end, the round trip overlaps phase 3 (a fence and a ticket after the last stamp, then a
   // fence and an exchange in the last CTA, cost ~2 µs past the sums in run 71).
   int ticket = 0;
   if (tid == 0) {
-    __threadfence();
-    MK_ONCE for (int s = 0; s < slots; ++s)
-      if (s_done[s]) red_release(cnt + DEC_STRIDE * s, s_done[s]);
+    if (q1 > q0) {
+      __threadfence();
+      MK_ONCE for (int s = (int)(q0 / I); s <= (int)((q1 - 1) / I); ++s) {
+        const int64_t lo = q0 > (int64_t)s * I ? q0 : (int64_t)s * I;
+        const int64_t hi = q1 < (int64_t)(s + 1) * I ? q1 : (int64_t)(s + 1) * I;
+        red_release(cnt + DEC_STRIDE * s, (int)(hi - lo));
+      }
+    }
     if (nr == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
   }
   dec_stamp(p, DEC_TR_SIGNALLED);
@@ -415,18 +409,13 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   }
   dec_stamp(p, DEC_TR_END);
   // the last ticket: the counters zeroed, and the launch's task counts where the task graph's scheduler leaves them
-  // (the pairs the slot counters add up to, and a task per CTA with rows; as runtime/megakernel/decode.py counts
-  // them). Every CTA's signals came before its ticket, so the counters hold every pair computed.
+  // (a task per CTA with pairs, min(P, grid), and per CTA with rows; as runtime/megakernel/decode.py counts them)
   if (tid == 0 && ticket == (int)gridDim.x - 1) {
-    int tasks = min((int)gridDim.x, (H + d.rows - 1) / d.rows);
-    MK_ONCE for (int s = 0; s < slots; ++s) {
-      tasks += ld_relaxed(cnt + DEC_STRIDE * s);
-      cnt[DEC_STRIDE * s] = 0;
-    }
+    const int tasks = (int)min(P, (int64_t)gridDim.x) + min((int)gridDim.x, (H + d.rows - 1) / d.rows);
     p.ctl[MK_CTL_TOTAL] = tasks + 1;
     p.ctl[MK_CTL_PUBLISHED] = tasks;
     p.ctl[MK_CTL_TILES] = slots;
-    cnt[DEC_STRIDE * DEC_CNT_NEXT] = 0;
+    MK_ONCE for (int s = 0; s < slots; ++s) cnt[DEC_STRIDE * s] = 0;
     if (p.decode == 2) MK_ONCE for (int i = 0; i < S * E; ++i) cnt[DEC_LOGIT0 + i] = 0;
     cnt[DEC_STRIDE * DEC_CNT_TICKET] = 0;
   }
