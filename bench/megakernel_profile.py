@@ -62,6 +62,9 @@ def main() -> None:
     ap.add_argument("--route-splits", default="",
                     help="S list: routing time against the cap on the gate GEMM's H splits (16 8 4 2 1 16)")
     a = ap.parse_args()
+    libs = dict(v.split("=", 1) for v in a.vs_lib.split(",") if "=" in v) if a.vs_lib else {}
+    if a.vs_lib and (len(libs) != len(a.vs_lib.split(",")) or "this" in libs):
+        ap.error(f"--vs-lib takes NAME=PATH,.. (names other than 'this'), got {a.vs_lib!r}")
     if a.route_splits:
         route_splits([int(v) for v in a.route_splits.split(",")])
         return
@@ -85,7 +88,7 @@ def main() -> None:
     if a.isolation:
         isolation(mk, x)
     if a.vs_lib:
-        vs_libs(mk, a.tokens, dict(v.split("=", 1) for v in a.vs_lib.split(",")))
+        vs_libs(mk, a.tokens, libs)
     if a.timeline and mk.decode_grid(a.tokens) is not None:
         tl = mk.decode_timeline(x)
         summarize_decode(tl)
