@@ -62,8 +62,9 @@ def main() -> None:
     ap.add_argument("--route-splits", default="",
                     help="S list: routing time against the cap on the gate GEMM's H splits (16 8 4 2 1 16)")
     a = ap.parse_args()
-    libs = dict(v.split("=", 1) for v in a.vs_lib.split(",") if "=" in v) if a.vs_lib else {}
-    if a.vs_lib and (len(libs) != len(a.vs_lib.split(",")) or "this" in libs):
+    items = a.vs_lib.split(",") if a.vs_lib else []
+    libs = dict(v.split("=", 1) for v in items if "=" in v)
+    if len(libs) != len(items) or "this" in libs:
         ap.error(f"--vs-lib takes NAME=PATH,.. (names other than 'this'), got {a.vs_lib!r}")
     if a.route_splits:
         route_splits([int(v) for v in a.route_splits.split(",")])
