@@ -109,6 +109,10 @@ class MoELayer(nn.Module):
         self.w_gate_up = nn.Parameter(torch.stack(w1s), requires_grad=False)  # [E_local, 2I, H]
         self.w_down = nn.Parameter(torch.stack(w2s), requires_grad=False)  # [E_local, H, I]
         self.gate = nn.Parameter(gate_weight(model, seed=seed, device=self.device, dtype=self.dtype), requires_grad=False)
+        # the unfused path's constants: the gate in fp32 (route() widens it every call otherwise; remade when the
+        # gate is written, e.g. by load_state_dict) and searchsorted's expert edges 1..E
+        self._gate_f32: tuple[int, int, torch.Tensor] | None = None
+        self.register_buffer("_expert_ends", torch.arange(1, epr + 1, device=self.device), persistent=False)
         if use_grouped_mm is None:
             use_grouped_mm = grouped_mm_usable(self.device.type, self.device.index, self.dtype, model.hidden, model.intermediate)
         self.use_grouped_mm = use_grouped_mm
@@ -175,7 +179,15 @@ class MoELayer(nn.Module):
         self.engine_knobs = wanted
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(x, self.gate, self.model.topk)
+        """`route` with this layer's gate; its fp32 copy is kept while the gate's data and version stay the same
+        (the same bits: widening bf16 to fp32 is exact)."""
+        g = self.gate
+        if g.is_inference():  # made under inference_mode: no version counter to tell a rewrite by
+            return route(x, g, self.model.topk)
+        key = (g.data_ptr(), g._version)
+        if self._gate_f32 is None or self._gate_f32[:2] != key:
+            self._gate_f32 = (*key, g.detach().float())
+        return route(x, self._gate_f32[2], self.model.topk)
 
     @torch.no_grad()
     def experts(self, recv_x: torch.Tensor, meta: RecvMeta) -> torch.Tensor:
@@ -206,34 +218,44 @@ class MoELayer(nn.Module):
     def local_forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The whole layer on this rank's experts, no exchange: the path for world 1.
 
-        Sort the (token, slot) pairs by expert, two grouped GEMMs, weighted `index_add_` back. Every step stays
-        on the device (expert offsets from `searchsorted`, no `.item()`), so it captures in a CUDA graph; an
-        EPBuffer round trip at world 1 only adds launches and, in the packed layout, a host copy.
+        Sort the (token, slot) pairs by expert, two grouped GEMMs, then each row back to its (token, slot) place
+        and the token's k rows summed. Every step stays on the device (expert offsets from `searchsorted`, no
+        `.item()`), so it captures in a CUDA graph; an EPBuffer round trip at world 1 only adds launches and, in
+        the packed layout, a host copy. The routing weight scales the SwiGLU output (I wide) before the down
+        projection, which is linear, instead of y (H wide) after it; the rows are put back in place
+        (`index_copy_`, no atomics: the same bits every run) and summed in fp32 by the reduction, so no
+        [S*k, H] fp32 copy of y is written, scaled and scattered as in the plain torch path.
         """
         s, k = topk_idx.shape
         flat = topk_idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = torch.div(order, k, rounding_mode="floor")
         xs = x.index_select(0, tok)
-        wp = topk_weights.reshape(-1).index_select(0, order).float()
+        wp = topk_weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
         n_exp = self.w_gate_up.shape[0]
+        i = self.model.intermediate
         if self.use_grouped_mm:
-            bounds = torch.arange(1, n_exp + 1, device=flat.device, dtype=flat.dtype)
-            offs = torch.searchsorted(flat.index_select(0, order), bounds).to(torch.int32)
+            offs = torch.searchsorted(flat.index_select(0, order), self._expert_bounds(flat)).to(torch.int32)
             hg = torch._grouped_mm(xs, self.w_gate_up.transpose(-2, -1), offs=offs)
-            i = self.model.intermediate
-            y = torch._grouped_mm(F.silu(hg[:, :i]) * hg[:, i:], self.w_down.transpose(-2, -1), offs=offs)
+            a = F.silu(hg[:, :i]).mul_(hg[:, i:]).mul_(wp)
+            y = torch._grouped_mm(a, self.w_down.transpose(-2, -1), offs=offs)
         else:  # CPU / no grouped GEMM: a loop over the experts present (syncs; not capturable)
             counts = torch.bincount(flat, minlength=n_exp).tolist()
             parts, start = [], 0
             for e, n in enumerate(counts):
                 if n:
-                    parts.append(swiglu(xs[start : start + n], self.w_gate_up[e], self.w_down[e]))
+                    w1, w2 = self.w_gate_up[e], self.w_down[e]
+                    hg = xs[start : start + n] @ w1.t()
+                    parts.append((F.silu(hg[:, :i]) * hg[:, i:] * wp[start : start + n]) @ w2.t())
                 start += n
             y = torch.cat(parts) if parts else xs.new_zeros(0, self.model.hidden)
-        out = torch.zeros(s, self.model.hidden, dtype=torch.float32, device=x.device)
-        out.index_add_(0, tok, y.float() * wp.unsqueeze(1))
-        return out.to(self.dtype)
+        placed = torch.empty_like(y).index_copy_(0, order, y)  # row r of y is pair order[r] = (token, slot)
+        return placed.view(s, k, self.model.hidden).sum(dim=1)  # fp32 accumulation in the reduction, rounded once
+
+    def _expert_bounds(self, flat: torch.Tensor) -> torch.Tensor:
+        """1..E: searchsorted's right edges of the sorted expert ids (made once, not a kernel per forward)."""
+        b = self._expert_ends
+        return b if b.device == flat.device and b.dtype == flat.dtype else b.to(flat.device, flat.dtype)
 
     def _check_x(self, x: torch.Tensor) -> None:
         h = self.model.hidden
