@@ -2156,9 +2156,6 @@ int route_warp_attrs(int dev, int bytes) {
 // Routing in one kernel of one CTA per SM (mk_route_warp.cuh) where p asks for it (S <= route_warp_max) and it fits:
 // 0 launched, 1 error (g_err), -1 does not fit here (the caller runs k_logits + k_topk).
 int launch_route_warp(const MkParams* p, cudaStream_t s) {
-#ifdef MK_RW_OFF  // measurement build: always the two routing kernels
-  return -1;
-#endif
   if (p->S < 1 || p->S > p->route_warp_max || !p->dec_cnt || p->H % 8 || p->S * p->E > DEC_MAX_LOGITS ||
       p->E > 32 * MAXE_PER_LANE)
     return -1;

@@ -10,20 +10,14 @@
 //   3. token t's selection runs in one warp (CTA t % grid): it polls its E logits, then warp_topk (k_topk's code:
 //      the same softmax, picks, order and weights for the same logits) and appends the picks to the expert lists.
 // Block 0 resets the expert kernel's counters (reset_ctl) and releases a flag the list appends wait for (they
-// count on those counters). Each logit word is written by one warp and read by one (its token's selection), which
-// zeroes it after reading, and the S selection warps count the flag back down: the launch leaves every word zero
-// for the next without an exit ticket (the ticket and a last CTA zeroing the words cost ~1-2 µs at the end). The logits are fp32 sums in another order than the split planes',
+// count on those counters). Every CTA takes an exit ticket after its last access to the dec_cnt words; the CTA with
+// the last one zeroes them for the next launch. The logits are fp32 sums in another order than the split planes',
 // so a near-tie may pick differently from k_logits + k_topk; the same inputs give the same bits every run.
 // Included by mk_moe.cu after mk_decode.cuh (its helpers: ld_weights, dot8f, widen8, warp_sum, wait_logit, ...).
 
 using mkidx::RW_MAXG;  // tokens per warp item (mk_index.h: rw_range splits the items over the CTAs)
-constexpr int RW_RESET = 0;  // dec_cnt word (slot 0's counter line, which routing launches do not use): block 0 sets it
-                             // to S once it has reset the expert kernel's counters; each selection warp takes one
-
-// Measurement builds: where the persistent kernel may launch (0 at entry, 1 after the logits, 2 never before the end)
-#ifndef MK_RW_TRIGGER
-#define MK_RW_TRIGGER 0
-#endif
+constexpr int RW_RESET = 0;  // dec_cnt word (slot 0's counter line, which routing launches do not use): block 0 has
+                             // reset the expert kernel's counters
 
 template <int NI>
 __global__ void __launch_bounds__(DEC_THREADS, 1) k_route_warp(const MkParams p, int G, int lg_off) {
@@ -32,27 +26,16 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_route_warp(const MkParams p,
   const int S = (int)p.S, E = (int)p.E, H = (int)p.H, K = (int)p.K, HV = H / 8;
   int32_t* cnt = p.dec_cnt;
   // the persistent kernel may launch now: it waits (griddepcontrol) for this whole kernel before reading anything
-  if (p.pdl && MK_RW_TRIGGER == 0) griddep_launch();
-  const mkidx::RwRange r = mkidx::rw_range(blockIdx.x, gridDim.x, S, E, G);
-  // the first chunk of each warp's first gate row in flight before anything else (weights: no kernel before writes
-  // them), so its latency overlaps the reset and x's loads (as the decode kernel does)
-  uint4 gpre[DEC_VEC];
-  {
-    const uint4* g = (const uint4*)((const bf16*)p.wg + (int64_t)((r.i0 + warp) % E) * H);
-#pragma unroll
-    for (int i = 0; i < DEC_VEC; ++i) {
-      const int v = lane + 32 * i;
-      gpre[i] = r.i0 + warp < r.i1 && v < HV ? ld_weights(g + v, false, 0) : make_uint4(0, 0, 0, 0);
-    }
-  }
+  if (p.pdl) griddep_launch();
   if (blockIdx.x == 0) {
     reset_ctl(p);
     __syncthreads();
     if (tid == 0) {
       __threadfence();
-      st_release(cnt + RW_RESET, S);  // one pass for each token's selection warp
+      st_release(cnt + RW_RESET, 1);
     }
   }
+  const mkidx::RwRange r = mkidx::rw_range(blockIdx.x, gridDim.x, S, E, G);
   bf16* xs = (bf16*)smem;  // x rows [t0, t1)
   MK_ONCE for (int v = tid; v < (r.t1 - r.t0) * HV; v += DEC_THREADS)
     ((uint4*)xs)[v] = ((const uint4*)p.x)[(int64_t)r.t0 * HV + v];
@@ -69,7 +52,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_route_warp(const MkParams p,
 #pragma unroll
       for (int i = 0; i < DEC_VEC; ++i) {  // the chunk's loads in flight together
         const int v = v0 + lane + 32 * i;
-        w[i] = it == r.i0 + warp && v0 == 0 ? gpre[i] : v < HV ? ld_weights(g + v, false, 0) : make_uint4(0, 0, 0, 0);
+        w[i] = v < HV ? ld_weights(g + v, false, 0) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int i = 0; i < DEC_VEC; ++i) {
@@ -96,7 +79,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_route_warp(const MkParams p,
       }
     }
   }
-  if (p.pdl && MK_RW_TRIGGER == 1) griddep_launch();
   // 3. token t's selection in warp t / grid of CTA t % grid
   float* lg = (float*)(smem + lg_off) + warp * 32 * NI;
   MK_ONCE for (int t = blockIdx.x + (int)gridDim.x * warp; t < S; t += (int)gridDim.x * DEC_WARPS) {
@@ -111,17 +93,13 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_route_warp(const MkParams p,
         if (e >= E) continue;
         if (v[i] == 0) v[i] = wait_logit(p, w + e, t * E + e);  // not written yet: poll it (bounded)
         lg[e] = __int_as_float(~v[i]);
-        cnt[DEC_LOGIT0 + t * E + e] = 0;  // read once, by this warp alone: zero again for the next launch
       }
     }
     __syncwarp();
     int pick_e;
     float pick_w;
     warp_topk<NI>(lg, E, K, lane, pick_e, pick_w);
-    if (lane == 0) {  // the counters are zero before the first append; the last of the S warps leaves the flag 0
-      wait_count(p, cnt + RW_RESET, 1, false, -1);
-      atomicSub(cnt + RW_RESET, 1);
-    }
+    if (lane == 0) wait_count(p, cnt + RW_RESET, 1, false, -1);  // the counters are zero before the first append
     __syncwarp();
     if (lane < K) {
       const int row = t * K + lane;
@@ -131,5 +109,17 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_route_warp(const MkParams p,
       p.lists[(int64_t)pick_e * p.S_cap + pos] = row;
     }
     __syncwarp();
+  }
+  // the exit ticket: the last CTA is past every CTA's last dec_cnt access and zeroes the words for the next launch
+  __shared__ int s_last;
+  __syncthreads();
+  if (tid == 0) s_last = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1) == (int)gridDim.x - 1;
+  __syncthreads();
+  if (s_last) {
+    MK_ONCE for (int i = tid; i < S * E; i += DEC_THREADS) cnt[DEC_LOGIT0 + i] = 0;
+    if (tid == 0) {
+      cnt[RW_RESET] = 0;
+      cnt[DEC_STRIDE * DEC_CNT_TICKET] = 0;
+    }
   }
 }
