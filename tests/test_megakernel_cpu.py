@@ -862,20 +862,6 @@ def test_small_topk_setting_and_source():
     assert "p->S <= p->route_small_max" in src and "launch_k(k_topk_small, dim3((unsigned)p->S), SMALL_THREADS" in src
 
 
-def test_route_warp_setting() -> None:
-    """route_warp_max (ABI 17, the last MkParams field): validated; the layer's dec_cnt buffer holds the logit words
-    of every launch it may take (S x E <= 32768 past the counters)."""
-    from moetune.runtime.megakernel import _lib
-
-    assert MegakernelConfig.parse("route_warp_max=256").route_warp_max == 256
-    with pytest.raises(ConfigError, match="route_warp_max"):
-        MegakernelConfig.parse("route_warp_max=-1")
-    assert _lib.MkParams._fields_[-1][0] == "route_warp_max" and _lib.ABI_VERSION >= 17
-    from moetune.runtime.megakernel.decode import MAX_SLOTS
-
-    assert _lib.DEC_CNT_WORDS - (MAX_SLOTS + 1) * 32 == 32768  # mk_decode.cuh DEC_MAX_LOGITS: S <= 256 at E = 128
-
-
 def test_publish_all_and_trace_fields() -> None:
     """ABI 11: the task timeline's buffer and publish_all travel in MkParams; publish_all is a validated 0/1 setting;
     the stall hook and the input wait use the same error path as every other wait."""

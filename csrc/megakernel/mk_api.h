@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 17
+#define MK_ABI_VERSION 16
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -132,12 +132,7 @@ typedef struct MkParams {
                    // into shared memory; mk_decode_grid says where it fits), with the picks given in topk_idx /
                    // topk_w (1) or (ABI 16) routing from the gate in the kernel itself (2, no mk_route before it)
   // ABI 16
-  int32_t* dec_cnt;  // [(64 + 1) * 32 + 32768] the decode kernel's counters and the logit words of routing in one kernel
-                     // (zero between launches: the last CTA of the launch that used them resets them)
-  // ABI 17
-  int64_t route_warp_max;  // mk_route runs k_route_warp (routing in ONE kernel of one CTA per SM: the gate dot products
-                           // on every warp, selection per token in a warp) for 1 <= S <= this where it fits (S x E <=
-                           // 32768 logits, S x E <= 16 x the grid's warps), else k_logits + k_topk; 0 = never
+  int32_t* dec_cnt;  // [(64 + 3) * 32] the decode kernel's counters (zero between launches: its last CTA resets them)
 } MkParams;
 
 int mk_abi_version(void);

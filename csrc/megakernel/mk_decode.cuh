@@ -31,8 +31,7 @@ constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing i
 // DEC_STRIDE * s, the exit ticket; then the gate logits of in-kernel routing from word DEC_LOGIT0,
 // each stored as the bitwise NOT of its fp32 bits, so the zero the launch finds there means "not written yet" (the
 // NOT of a float the GPU's arithmetic produces is never zero: its NaNs are 0x7fffffff)
-constexpr int DEC_STRIDE = 32, DEC_MAX_LOGITS = 32768;  // S x E a launch with routing in it takes (decode,
-                                                         // k_route_warp)
+constexpr int DEC_STRIDE = 32, DEC_MAX_LOGITS = 4096;  // S x E a decode launch with routing takes
 enum { DEC_CNT_TICKET = DEC_MAX_SLOTS, DEC_LOGIT0 = (DEC_MAX_SLOTS + 1) * DEC_STRIDE,
        DEC_CNT_WORDS = DEC_LOGIT0 + DEC_MAX_LOGITS };
 // Timeline (MkParams.trace, profiling only): words per CTA after MK_TR_HEAD, stamped by thread 0.

@@ -155,23 +155,4 @@ MK_HD int64_t sk_index(int slot, int ks, int i, int t, int threads, int nacc, in
   return (((int64_t)slot * max_splits + ks) * nacc + i) * threads + t;
 }
 
-
-// ---- routing in one kernel (mk_route_warp.cuh): CTA b's warp items [i0, i1) of E x ceil(S / G) (item i: token
-// group i / E of G tokens, expert i % E) and the tokens whose x rows they read, [t0, t1) ----
-constexpr int RW_MAXG = 16;  // tokens per item at most: S x E <= RW_MAXG x the grid's warps
-struct RwRange {
-  int i0, i1, t0, t1;
-};
-MK_HD int rw_group(int64_t S, int64_t E, int warps) { return (int)((S * E + warps - 1) / warps); }  // G
-MK_HD RwRange rw_range(int b, int grid, int S, int E, int G) {
-  const int items = E * ((S + G - 1) / G);
-  RwRange r;
-  r.i0 = (int)((int64_t)items * b / grid);
-  r.i1 = (int)((int64_t)items * (b + 1) / grid);
-  const int last = (r.i1 - 1) / E * G + G;  // one past the last group's tokens
-  r.t0 = r.i1 > r.i0 ? r.i0 / E * G : 0;
-  r.t1 = r.i1 > r.i0 ? (last < S ? last : S) : 0;
-  return r;
-}
-
 }  // namespace mkidx

@@ -1923,7 +1923,6 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
 }
 
 #include "mk_decode.cuh"
-#include "mk_route_warp.cuh"
 
 // ---- host side ----------------------------------------------------------------------------------------------
 constexpr int MAX_STAGES = 12;  // bm=16 only: 12 x 18 KB fits one CTA per SM
@@ -2029,7 +2028,6 @@ int check_params(const MkParams* p) {
   if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");
   if (p->decode < 0 || p->decode > 2) return fail_msg("mk: decode must be 0, 1 or 2");
   if (p->decode && !p->dec_cnt) return fail_msg("mk: decode needs dec_cnt");
-  if (p->route_warp_max < 0) return fail_msg("mk: route_warp_max must be >= 0");
   return 0;
 }
 
@@ -2130,67 +2128,11 @@ cudaError_t launch_k(void (*kernel)(P...), dim3 grid, unsigned threads, size_t s
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 }
 
-// k_route_warp<NI>'s shared-memory limit raised to `bytes` on device `dev` (once per device, NI and size, as
-// decode_attrs) and one CTA per SM checked resident: its selection warps poll logits other CTAs write.
-template <int NI>
-int route_warp_attrs(int dev, int bytes) {
-  static std::mutex mu;
-  static int done[16][2];
-  std::lock_guard<std::mutex> lock(mu);
-  for (auto& d : done)
-    if (d[0] == dev + 1 && d[1] == bytes) return 0;
-  cudaError_t e = cudaFuncSetAttribute(k_route_warp<NI>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (e != cudaSuccess) return fail("cudaFuncSetAttribute (k_route_warp)", e);
-  int per_sm = 0;
-  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_route_warp<NI>, DEC_THREADS, bytes)) != cudaSuccess)
-    return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor (k_route_warp)", e);
-  if (per_sm < 1) return fail_msg("mk: no CTA of k_route_warp fits an SM");
-  for (auto& d : done)
-    if (d[0] == 0) {
-      d[0] = dev + 1, d[1] = bytes;
-      break;
-    }
-  return 0;
-}
-
-// Routing in one kernel of one CTA per SM (mk_route_warp.cuh) where p asks for it (S <= route_warp_max) and it fits:
-// 0 launched, 1 error (g_err), -1 does not fit here (the caller runs k_logits + k_topk).
-int launch_route_warp(const MkParams* p, cudaStream_t s) {
-  if (p->S < 1 || p->S > p->route_warp_max || !p->dec_cnt || p->H % 8 || p->S * p->E > DEC_MAX_LOGITS ||
-      p->E > 32 * MAXE_PER_LANE)
-    return -1;
-  int dev = 0, sms = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return fail("cudaGetDevice", e);
-  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
-    return fail("cudaDeviceGetAttribute", e);
-  const int S = (int)p->S, E = (int)p->E, G = mkidx::rw_group(p->S, p->E, sms * DEC_WARPS);
-  if (G > mkidx::RW_MAXG) return -1;
-  int rows = 0;  // the most x rows a CTA's items read
-  for (int b = 0; b < sms; ++b) {
-    const mkidx::RwRange r = mkidx::rw_range(b, sms, S, E, G);
-    rows = r.t1 - r.t0 > rows ? r.t1 - r.t0 : rows;
-  }
-  const int ni = (E + 31) / 32, nib = ni <= 1 ? 1 : ni <= 2 ? 2 : ni <= 4 ? 4 : ni <= 8 ? 8 : 16;
-  const int lg_off = (int)((rows * p->H * 2 + 127) / 128 * 128);
-  const int bytes = lg_off + DEC_WARPS * 32 * nib * 4;
-  if (bytes > SMEM_MAX) return -1;
-  auto go = [&](auto kernel, auto attrs) {
-    if (attrs(dev, bytes)) return 1;
-    const cudaError_t le = launch_k(kernel, dim3((unsigned)sms), DEC_THREADS, (size_t)bytes, s, false, *p, G, lg_off);
-    return le == cudaSuccess ? 0 : fail("k_route_warp launch", le);
-  };
-  return nib == 1 ? go(k_route_warp<1>, route_warp_attrs<1>) : nib == 2 ? go(k_route_warp<2>, route_warp_attrs<2>)
-       : nib == 4 ? go(k_route_warp<4>, route_warp_attrs<4>) : nib == 8 ? go(k_route_warp<8>, route_warp_attrs<8>)
-       : go(k_route_warp<16>, route_warp_attrs<16>);
-}
-
 template <class T>
 int launch_route(const MkParams* pp, cudaStream_t s) {
   MkParams q = *pp;
   q.stages = pp->stages < ROUTE_MAX_STAGES ? pp->stages : ROUTE_MAX_STAGES;
   const MkParams* p = &q;
-  if (const int rw = launch_route_warp(p, s); rw >= 0) return rw;
   cudaError_t e = prepare_route<T>();
   if (e != cudaSuccess) return fail("cudaFuncSetAttribute", e);
   dim3 grid((unsigned)((p->S + T::BM - 1) / T::BM), (unsigned)((p->E + BN - 1) / BN));
@@ -2293,10 +2235,7 @@ int decode_plan_for(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, DecPl
   if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
     return fail("cudaDeviceGetAttribute", e);
   if (E < 1 || E > 32 * MAXE_PER_LANE) return fail_msg("mk: decode takes 1..512 experts");
-  if (S * E > DEC_MAX_LOGITS) {
-    snprintf(g_err, sizeof g_err, "mk: decode takes at most %d gate logits (S x experts)", DEC_MAX_LOGITS);
-    return 1;
-  }
+  if (S * E > DEC_MAX_LOGITS) return fail_msg("mk: decode takes at most 4096 gate logits (S x experts)");
   const DecPlan d = dec_plan(S, H, I, K, E, sms);
   if (d.bytes == 0 || d.bytes > SMEM_MAX) {
     snprintf(g_err, sizeof g_err, "mk: decode: S x topk = %lld rows of W_down per CTA need %lld bytes of shared memory "

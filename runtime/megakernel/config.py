@@ -10,8 +10,7 @@ and `to_dict` remain for benchmarks and tests; every error names the field. 0 in
 `processor_ctas` means "pick from the shape / the occupancy query" (`resolve` decides `bn` for a layer's shape).
 Settings that are not knobs: `tma` (TMA loads of the weight tiles: 2-3.5% everywhere in run 11, under the 5% that
 makes a knob), `route_small_max` (where routing switches top-k kernels: since run 30 the one-warp-per-token kernel
-wins at every measured S, so the default is 0; the block-per-token kernel stays selectable for shapes not measured),
-`route_warp_max` (where routing runs as one kernel of one CTA per SM instead of two)
+wins at every measured S, so the default is 0; the block-per-token kernel stays selectable for shapes not measured)
 and `publish_all` (up to 7% at S=1, but 0 was never faster at any S in runs 15-19: nothing for a search to find);
 `l2_evict_weights` follows a rule from the launch's rows per expert (run 58), nothing to search either; `decode`
 (the decode kernel where a launch fits it: S=1 35.9 vs 55.3 µs in run 76) was never the slower one where it runs,
@@ -94,12 +93,6 @@ class MegakernelConfig:
     # graph µs, route_small_max 0 vs 256: S=1 59.2 vs 63.7, S=16 223.0 vs 225.3, S=128 320.1 vs 323.8. So 0: the
     # block-per-token kernel no longer wins on the Qwen3-30B shape (E=128); it stays for shapes not measured.
     route_small_max: int = 0
-    # Routing for launches of S <= route_warp_max tokens in ONE kernel of one CTA per SM (csrc/megakernel/
-    # mk_route_warp.cuh: the gate dot products on every warp, a warp per token for the selection, as the decode kernel
-    # routes) instead of the gate GEMM's split planes + k_topk; where it fits (S x experts <= 32768 and <= 16 x the
-    # grid's warps: S <= 264 at 128 experts on 132 SMs), else the two kernels. The picks are k_topk's for the same
-    # logits, but the logits are summed in another order (a near-tie may pick another expert). 0 = never.
-    route_warp_max: int = 0
     # 1: launches on the mma-core tiles (the bm = 16 decode tile, and bm 64/128 with core = mma) publish every task
     # at launch (GEMM1s, then GEMM2s tile-major, then COMBINEs), and a processor that claims a GEMM2 starts its first
     # weight stages (TMA) before it waits for the m-tile's GEMM1s itself; a COMBINE waits for its rows. The weights
@@ -147,7 +140,6 @@ class MegakernelConfig:
         "tma": (0, 1),
         "overlap": (0, 1),
         "route_small_max": (0, 1 << 20),
-        "route_warp_max": (0, 1 << 20),
         "publish_all": (0, 1),
         "pdl": (0, 1),
         "l2_evict_weights": (0, 2),

@@ -418,29 +418,6 @@ int main() {
       CHECK(groups.size() == 32, "copy-out bank groups k=%u", k);  // each row's 8 units in distinct bank groups
     }
   }
-  // routing in one kernel: the CTAs' item ranges cover E x ceil(S / G) items once, in order, and each item's tokens
-  // lie in its CTA's x rows [t0, t1) (what the CTA loads into shared memory)
-  for (int grid : {1, 7, 132})
-    for (int E : {1, 16, 40, 128, 256, 512})
-      for (int S : {1, 2, 7, 16, 33, 128, 256, 264, 300}) {
-        const int G = rw_group(S, E, grid * 16);
-        if (G > RW_MAXG) continue;
-        const int items = E * ((S + G - 1) / G);
-        int next = 0;
-        for (int b = 0; b < grid; ++b) {
-          const RwRange r = rw_range(b, grid, S, E, G);
-          CHECK(r.i0 == next && r.i1 >= r.i0, "S=%d E=%d grid=%d b=%d: [%d, %d) after %d", S, E, grid, b, r.i0, r.i1, next);
-          next = r.i1;
-          for (int it = r.i0; it < r.i1; ++it) {
-            const int tb = it / E * G, nt = S - tb < G ? S - tb : G;
-            CHECK(nt >= 1 && tb >= r.t0 && tb + nt <= r.t1 && r.t1 <= S, "S=%d E=%d b=%d item %d: tokens [%d, %d) not in "
-                  "[%d, %d)", S, E, b, it, tb, tb + nt, r.t0, r.t1);
-          }
-          CHECK(r.i1 > r.i0 || r.t1 == r.t0, "empty range loads rows S=%d E=%d b=%d", S, E, b);
-        }
-        CHECK(next == items && (int64_t)G * grid * 16 >= (int64_t)S * E, "S=%d E=%d grid=%d: %d of %d items", S, E, grid,
-              next, items);
-      }
   printf("ok %ld\n", n_checks);
   return 0;
 }
