@@ -344,10 +344,12 @@ class MegakernelMoE:
                                   f"waited={rec[3] / 1e6:.1f} ms)")
 
     def clear_error(self) -> None:
-        """Forget the error record and lift the abort flag (the task graph's routing also lifts it every launch; the
-        decode kernel launches without a reset kernel before it)."""
+        """Forget the error record, lift the abort flag and zero the decode kernel's counter words, which an aborted
+        launch may have left set (the task graph's routing also lifts the flag every launch; the decode kernel
+        launches without a reset kernel before it)."""
         self.err.zero_()
         self.ctl[CTL_ABORT] = 0
+        self.dec_cnt.zero_()  # words an aborted decode launch may have left set (slot counters, logits, ticket)
 
     def counters(self) -> dict[str, int]:
         """The last launch's task total, m-tiles and published tasks as the kernel counted them. Syncs."""
