@@ -161,11 +161,11 @@ __device__ __forceinline__ int wait_logit(const MkParams& p, const int32_t* w, i
   }
   return v;
 }
-// Four h words (MK_DEC_HWORDS) at w once every one is written (non-zero); bounded like every wait: after timeout_ns
+// Four h words (MK_DEC_HWORDS) at w once every one is written (non-zero), v being a first read of them (the caller
+// issues several first reads together: one round trip, not one per group); bounded like every wait: after timeout_ns
 // (or at once with `never`, the stall test hook) it reports MK_ERR_INPUT_TIMEOUT with where = the slot.
-__device__ __forceinline__ uint4 wait_hwords(const MkParams& p, const int32_t* w, bool never, int slot) {
-  uint4 v = __ldcg((const uint4*)w);
-  if (!never && v.x && v.y && v.z && v.w) return v;
+__device__ __forceinline__ uint4 wait_hwords(const MkParams& p, const int32_t* w, uint4 v, bool never, int slot) {
+  if (!never && v.x && v.y && v.z && v.w) return v;  // v: what the caller's first load read
   const uint64_t since = gtime();
   unsigned ns = 32;
   while (never || !(v.x && v.y && v.z && v.w)) {
@@ -374,10 +374,22 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     // 62), then all h rows load together and each warp sums its (token, row)s
     mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
     if (MK_DEC_HWORDS) {  // every slot's h words, four at a time, polled where they land (I % 8 == 0: none spans slots)
-      MK_ONCE for (int v = tid; v < slots * I / 4; v += DEC_THREADS) {
-        const int s = 4 * v / I;
-        const uint4 w = s_e[s] >= 0 ? wait_hwords(p, cnt + DEC_H0 + 4 * v, s == p.stall_tile, s) : make_uint4(0, 0, 0, 0);
-        ((uint2*)hs)[v] = make_uint2((w.x & 0xffffu) | (w.y << 16), (w.z & 0xffffu) | (w.w << 16));
+      constexpr int B = 4;  // groups of four words a thread reads before it checks any
+      const int n4 = slots * I / 4;
+      MK_ONCE for (int v0 = tid; v0 < n4; v0 += B * DEC_THREADS) {
+        uint4 w[B];
+#pragma unroll
+        for (int k = 0; k < B; ++k) {
+          const int v = v0 + k * DEC_THREADS;
+          w[k] = v < n4 && s_e[4 * v / I] >= 0 ? __ldcg((const uint4*)(cnt + DEC_H0) + v) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int k = 0; k < B; ++k) {
+          const int v = v0 + k * DEC_THREADS, s = 4 * v / I;
+          if (v >= n4) break;
+          if (s_e[s] >= 0) w[k] = wait_hwords(p, cnt + DEC_H0 + 4 * v, w[k], s == p.stall_tile, s);
+          ((uint2*)hs)[v] = make_uint2((w[k].x & 0xffffu) | (w[k].y << 16), (w[k].z & 0xffffu) | (w[k].w << 16));
+        }
       }
     } else if (tid < slots && s_e[tid] >= 0) {
       wait_count(p, cnt + DEC_STRIDE * tid, I, tid == p.stall_tile, tid);
