@@ -34,8 +34,6 @@ constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing i
 constexpr int DEC_STRIDE = 32, DEC_MAX_LOGITS = 4096;  // S x E a decode launch with routing takes
 enum { DEC_CNT_TICKET = DEC_MAX_SLOTS, DEC_LOGIT0 = (DEC_MAX_SLOTS + 1) * DEC_STRIDE,
        DEC_CNT_WORDS = DEC_LOGIT0 + DEC_MAX_LOGITS };
-// MK_DEC_HWORDS: pair q's h word at DEC_CNT_WORDS + q (the layer allocates DEC_MAX_SLOTS x intermediate of them)
-constexpr int DEC_H0 = DEC_CNT_WORDS;
 // Timeline (MkParams.trace, profiling only): words per CTA after MK_TR_HEAD, stamped by thread 0.
 enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3, DEC_TR_W2 = 4, DEC_TR_READY = 5,
        DEC_TR_H = 6, DEC_TR_SUMS = 7, DEC_TR_END = 8, DEC_TR_LOGITS = 9, DEC_TR_WORDS = 10 };
@@ -51,12 +49,6 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 // has it), nor two pairs per warp by index and the rest by the counter: 39.3 vs 36.2 (run 82; 43b181e).
 #ifndef MK_DEC_PROBE
 #define MK_DEC_PROBE 0
-#endif
-// 1: each (gate, up) pair's h is stored as its own word past DEC_CNT_WORDS in dec_cnt (0x10000 | bf16 bits: never 0),
-// where the CTAs summing the down projection poll it, as the logits are: the value is its own readiness flag, so no
-// fence, no slot counters and no second round trip to load h (measurement build until compared side by side).
-#ifndef MK_DEC_HWORDS
-#define MK_DEC_HWORDS 0
 #endif
 
 // Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
@@ -158,26 +150,6 @@ __device__ __forceinline__ int wait_logit(const MkParams& p, const int32_t* w, i
       report(p, MK_ERR_INPUT_TIMEOUT, -2 - i, 0, (int64_t)waited);
       break;
     }
-  }
-  return v;
-}
-// Four h words (MK_DEC_HWORDS) at w once every one is written (non-zero), v being a first read of them (the caller
-// issues several first reads together: one round trip, not one per group); bounded like every wait: after timeout_ns
-// (or at once with `never`, the stall test hook) it reports MK_ERR_INPUT_TIMEOUT with where = the slot.
-__device__ __forceinline__ uint4 wait_hwords(const MkParams& p, const int32_t* w, uint4 v, bool never, int slot) {
-  if (!never && v.x && v.y && v.z && v.w) return v;  // v: what the caller's first load read
-  const uint64_t since = gtime();
-  unsigned ns = 32;
-  while (never || !(v.x && v.y && v.z && v.w)) {
-    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) break;
-    const uint64_t waited = gtime() - since;
-    if (waited > (uint64_t)p.timeout_ns) {
-      report(p, MK_ERR_INPUT_TIMEOUT, slot, (int)p.I, (int64_t)waited);
-      break;
-    }
-    __nanosleep(ns);
-    ns = min(ns * 2, 128u);
-    v = __ldcg((const uint4*)w);
   }
   return v;
 }
@@ -337,11 +309,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     }
     ag = warp_sum(ag);
     au = warp_sum(au);
-    if (lane == 0) {
-      const bf16 hv = __float2bfloat16(__fdividef(ag, 1.f + __expf(-ag)) * au);
-      if (MK_DEC_HWORDS) st_relaxed(cnt + DEC_H0 + q, (int)(0x10000u | __bfloat16_as_ushort(hv)));
-      else hstage[q - q0] = hv;
-    }
+    if (lane == 0) hstage[q - q0] = __float2bfloat16(__fdividef(ag, 1.f + __expf(-ag)) * au);
   }
   if (p.trace && tid == 0 && nr > 0) {  // timeline only: when the W_down copies landed (or warp 0's pairs were done)
     mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
@@ -349,15 +317,15 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   }
   __syncthreads();
   // the range's h elements are contiguous in h (pair q is h[q]): whole lines, not one 2-byte store per pair
-  MK_ONCE for (int64_t q = q0 + tid; q < q1 && !MK_DEC_HWORDS; q += DEC_THREADS) ((bf16*)p.h)[q] = hstage[q - q0];
-  __syncthreads();  // every thread's h stores before thread 0's fence and counters (h words: before the ticket)
+  MK_ONCE for (int64_t q = q0 + tid; q < q1; q += DEC_THREADS) ((bf16*)p.h)[q] = hstage[q - q0];
+  __syncthreads();  // every thread's h stores before thread 0's fence and counters
   // The exit ticket: the CTA that takes the last one is past every CTA's last counter access (each takes it after its
   // own: its signals, and an owner's slot waits), so it zeroes the counters for the next launch. Taken early and its
   // value read only at the end, the round trip overlaps phase 3 (a fence and a ticket after the last stamp, then a
   // fence and an exchange in the last CTA, cost ~2 µs past the sums in run 71).
   int ticket = 0;
   if (tid == 0) {
-    if (q1 > q0 && !MK_DEC_HWORDS) {
+    if (q1 > q0) {
       __threadfence();
       MK_ONCE for (int s = (int)(q0 / I); s <= (int)((q1 - 1) / I); ++s) {
         const int64_t lo = q0 > (int64_t)s * I ? q0 : (int64_t)s * I;
@@ -373,32 +341,11 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     // counter (all at once: slot by slot, a poll, an h load and two barriers each took 12 µs for 8 slots in run
     // 62), then all h rows load together and each warp sums its (token, row)s
     mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
-    if (MK_DEC_HWORDS) {  // every slot's h words, four at a time, polled where they land (I % 8 == 0: none spans slots)
-      constexpr int B = 4;  // groups of four words a thread reads before it checks any
-      const int n4 = slots * I / 4;
-      MK_ONCE for (int v0 = tid; v0 < n4; v0 += B * DEC_THREADS) {
-        uint4 w[B];
-#pragma unroll
-        for (int k = 0; k < B; ++k) {
-          const int v = v0 + k * DEC_THREADS;
-          w[k] = v < n4 && s_e[4 * v / I] >= 0 ? __ldcg((const uint4*)(cnt + DEC_H0) + v) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int k = 0; k < B; ++k) {
-          const int v = v0 + k * DEC_THREADS, s = 4 * v / I;
-          if (v >= n4) break;
-          if (s_e[s] >= 0) w[k] = wait_hwords(p, cnt + DEC_H0 + 4 * v, w[k], s == p.stall_tile, s);
-          ((uint2*)hs)[v] = make_uint2((w[k].x & 0xffffu) | (w[k].y << 16), (w[k].z & 0xffffu) | (w[k].w << 16));
-        }
-      }
-    } else if (tid < slots && s_e[tid] >= 0) {
-      wait_count(p, cnt + DEC_STRIDE * tid, I, tid == p.stall_tile, tid);
-    }
+    if (tid < slots && s_e[tid] >= 0) wait_count(p, cnt + DEC_STRIDE * tid, I, tid == p.stall_tile, tid);
     __syncthreads();
     if (tid == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
     dec_stamp(p, DEC_TR_READY);
-    MK_ONCE for (int v = tid; v < slots * I / 8 && !MK_DEC_HWORDS; v += DEC_THREADS)
-      ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
+    MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
     __syncthreads();
     dec_stamp(p, DEC_TR_H);
     // a warp per (slot, 8 rows): each lane walks whole 16-byte chunks of k (KV / 32 rounds, no idle lanes), its h
@@ -461,12 +408,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
       out[(int64_t)(i / nr) * H + r0 + i % nr] = __float2bfloat16(acc[(i / nr) * d.rows + i % nr]);
   }
   dec_stamp(p, DEC_TR_END);
-  if (MK_DEC_HWORDS) {  // the last ticket's CTA zeroes the h words, all its threads (P words: 6144 at S = 1)
-    __shared__ int s_last;
-    if (tid == 0) s_last = ticket == (int)gridDim.x - 1;
-    __syncthreads();
-    if (s_last) MK_ONCE for (int64_t q = tid; q < P; q += DEC_THREADS) cnt[DEC_H0 + q] = 0;
-  }
   // the last ticket: the counters zeroed, and the launch's task counts where the task graph's scheduler leaves them
   // (a task per CTA with pairs, min(P, grid), and per CTA with rows; as runtime/megakernel/decode.py counts them)
   if (tid == 0 && ticket == (int)gridDim.x - 1) {

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import _lib, decode
+from . import _lib
 from .config import ConfigError, MegakernelConfig
 
 BN = 128
@@ -99,8 +99,7 @@ class MegakernelMoE:
         self.h = z(max_tokens * k, i, dtype=bf, device=dev)
         self.y = z(max_tokens * k, h, dtype=bf, device=dev)
         self.ctl = z(_lib.CTL_WORDS, dtype=i32, device=dev)
-        # the decode kernel's counters and logit words, then one h word per (slot, intermediate row) (zero between launches)
-        self.dec_cnt = z(_lib.DEC_CNT_WORDS + decode.MAX_SLOTS * i, dtype=i32, device=dev)
+        self.dec_cnt = z(_lib.DEC_CNT_WORDS, dtype=i32, device=dev)  # the decode kernel's (zero between launches)
         self.g1done = z(self.max_tiles, dtype=i32, device=dev)
         self.comb = z(self.max_ctiles, dtype=i32, device=dev)
         self.rel = z(self.max_tiles + self.max_ctiles, dtype=i32, device=dev)
