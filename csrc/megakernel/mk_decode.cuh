@@ -46,7 +46,9 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 // ranks the softmax probabilities with a thread per (token, expert) instead of warp_topk's K rounds: 2.4 µs from the
 // logits to the picks against 1.7, 36.8 vs 36.2 µs (run 80; cac9227 has it), nor (gate, up) pairs handed out by one
 // launch-wide counter: 42.5 vs 36.2 µs, 2112 warps asking one address before their first loads (run 81; 089d10b
-// has it), nor two pairs per warp by index and the rest by the counter: 39.3 vs 36.2 (run 82; 43b181e).
+// has it), nor two pairs per warp by index and the rest by the counter: 39.3 vs 36.2 (run 82; 43b181e), nor each
+// pair's h stored as its own polled word instead of the fenced slot counters and a reload (36.6 vs 36.3, runs 87-88;
+// 776f23c): the slots were ready at the same time, gated by the last CTA's pairs.
 #ifndef MK_DEC_PROBE
 #define MK_DEC_PROBE 0
 #endif

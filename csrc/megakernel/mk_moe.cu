@@ -2128,6 +2128,9 @@ cudaError_t launch_k(void (*kernel)(P...), dim3 grid, unsigned threads, size_t s
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 }
 
+// Routing as ONE kernel of one CTA per SM for few tokens (the gate dot products on every warp, logits polled where
+// they land, a warp per token selecting, as the decode kernel routes; f2eca64, 63d632c) was at most ~1 µs faster at
+// S=2..16 and slower from S=32 (runs 84-86): these two kernels stay.
 template <class T>
 int launch_route(const MkParams* pp, cudaStream_t s) {
   MkParams q = *pp;
