@@ -110,7 +110,7 @@ class MoELayer(nn.Module):
         self.w_down = nn.Parameter(torch.stack(w2s), requires_grad=False)  # [E_local, H, I]
         self.gate = nn.Parameter(gate_weight(model, seed=seed, device=self.device, dtype=self.dtype), requires_grad=False)
         # the unfused path's constants: the gate in fp32 (route() widens it every call otherwise; remade when the
-        # gate is written, e.g. by load_state_dict) and searchsorted's expert edges 1..E
+        # gate is written, e.g. by load_state_dict) and searchsorted's expert edges 1..E (int64, as the expert ids)
         self._gate_f32: tuple[int, int, torch.Tensor] | None = None
         self.register_buffer("_expert_ends", torch.arange(1, epr + 1, device=self.device), persistent=False)
         if use_grouped_mm is None:
@@ -235,7 +235,7 @@ class MoELayer(nn.Module):
         n_exp = self.w_gate_up.shape[0]
         i = self.model.intermediate
         if self.use_grouped_mm:
-            offs = torch.searchsorted(flat.index_select(0, order), self._expert_bounds(flat)).to(torch.int32)
+            offs = torch.searchsorted(flat.index_select(0, order), self._expert_ends).to(torch.int32)
             hg = torch._grouped_mm(xs, self.w_gate_up.transpose(-2, -1), offs=offs)
             a = F.silu(hg[:, :i]).mul_(hg[:, i:]).mul_(wp)
             y = torch._grouped_mm(a, self.w_down.transpose(-2, -1), offs=offs)
@@ -251,11 +251,6 @@ class MoELayer(nn.Module):
             y = torch.cat(parts) if parts else xs.new_zeros(0, self.model.hidden)
         placed = torch.empty_like(y).index_copy_(0, order, y)  # row r of y is pair order[r] = (token, slot)
         return placed.view(s, k, self.model.hidden).sum(dim=1)  # fp32 accumulation in the reduction, rounded once
-
-    def _expert_bounds(self, flat: torch.Tensor) -> torch.Tensor:
-        """1..E: searchsorted's right edges of the sorted expert ids (made once, not a kernel per forward)."""
-        b = self._expert_ends
-        return b if b.device == flat.device and b.dtype == flat.dtype else b.to(flat.device, flat.dtype)
 
     def _check_x(self, x: torch.Tensor) -> None:
         h = self.model.hidden
