@@ -1760,6 +1760,17 @@ __device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lan
 // with MAXE_PER_LANE-long arrays and runtime bounds, the unrolled loops ran predicated (ncu, run 27 at S=4096: 16.6
 // of 32 threads doing work per instruction) and 96 registers left 1.55 waves of blocks; each lane now keeps only its
 // own pick (lane j: pick j), and the 64-register bound fits S=4096's 1024 blocks in one wave.
+// 1 (default): k_topk stages the split planes in shared memory with one round of cp.async where stage_planes says it
+// can; 0: each thread's four loads at a time (the measurement build of run 92)
+#ifndef MK_TOPK_STAGE
+#define MK_TOPK_STAGE 1
+#endif
+// k_topk's planes go through shared memory when there are more than one round of them, every block's slice is whole
+// 16-byte vectors (S x E and E multiples of 4: plane and token offsets stay 16-byte aligned) and the buffer stays
+// within the default 48 KB with k_topk's own (the launch sizes it)
+__host__ __device__ inline bool stage_planes(const MkParams& p, int splits) {
+  return splits > 4 && p.E % 4 == 0 && (p.S * p.E) % 4 == 0 && (int64_t)splits * TOPK_TOKENS * p.E * 4 <= 40 * 1024;
+}
 template <int NI>
 __global__ void __launch_bounds__(THREADS, 8) k_topk(const MkParams p, int splits) {
   static_assert(NI >= 1 && NI <= MAXE_PER_LANE, "experts per lane");
@@ -1773,7 +1784,27 @@ __global__ void __launch_bounds__(THREADS, 8) k_topk(const MkParams p, int split
   const int E = (int)p.E, K = (int)p.K;
   const int ntok = min(TOPK_TOKENS, (int)p.S - t0);
   const int64_t plane = p.S * p.E;
-  for (int i0 = 0; i0 < ntok * E; i0 += THREADS * 4) {
+  const int n = ntok * E;
+  if (MK_TOPK_STAGE && stage_planes(p, splits)) {
+    // every plane's slice of this block's logits in flight at once (16-byte cp.async through the L2, none through L1:
+    // see griddep_wait), then added in plane order: the same bits as the loop below, in one L2 round trip instead of
+    // one per four planes (run 86's trace at S=16: k_topk 6.6 µs with 16 planes)
+    extern __shared__ __align__(16) float s_part[];  // [splits][n]
+    const int nv = n / 4;
+    for (int i = threadIdx.x; i < splits * nv; i += THREADS) {
+      const int z = i / nv, v = i % nv;
+      cp_async16(su32(s_part + (int64_t)z * n + 4 * v), p.logits + z * plane + (int64_t)t0 * E + 4 * v, 16);
+    }
+    cp_commit();
+    cp_wait(0);
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += THREADS) {
+      float a = s_part[i];
+      for (int z = 1; z < splits; ++z) a += s_part[z * n + i];
+      s_lg[i / E][i % E] = a;
+    }
+  } else
+  for (int i0 = 0; i0 < n; i0 += THREADS * 4) {
     const float* src[4];
     bool ok[4];
     float a[4];
@@ -2157,7 +2188,8 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
     const unsigned blocks = (unsigned)((p->S + TOPK_TOKENS - 1) / TOPK_TOKENS);
     const int ni = (int)(p->E + 31) / 32;  // experts per lane, rounded up to the instantiated bounds
     auto kt = ni <= 1 ? k_topk<1> : ni <= 2 ? k_topk<2> : ni <= 4 ? k_topk<4> : ni <= 8 ? k_topk<8> : k_topk<16>;
-    e = launch_k(kt, dim3(blocks), THREADS, 0, s, p->pdl != 0, *p, splits);
+    const size_t part = MK_TOPK_STAGE && stage_planes(*p, splits) ? (size_t)splits * TOPK_TOKENS * p->E * 4 : 0;
+    e = launch_k(kt, dim3(blocks), THREADS, part, s, p->pdl != 0, *p, splits);
     if (e != cudaSuccess) return fail("k_topk launch", e);
   }
   return 0;
