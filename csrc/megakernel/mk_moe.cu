@@ -1760,11 +1760,6 @@ __device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lan
 // with MAXE_PER_LANE-long arrays and runtime bounds, the unrolled loops ran predicated (ncu, run 27 at S=4096: 16.6
 // of 32 threads doing work per instruction) and 96 registers left 1.55 waves of blocks; each lane now keeps only its
 // own pick (lane j: pick j), and the 64-register bound fits S=4096's 1024 blocks in one wave.
-// 1 (default): k_topk stages the split planes in shared memory with one round of cp.async where stage_planes says it
-// can; 0: each thread's four loads at a time (the measurement build of run 92)
-#ifndef MK_TOPK_STAGE
-#define MK_TOPK_STAGE 1
-#endif
 // k_topk's planes go through shared memory when there are more than one round of them, every block's slice is whole
 // 16-byte vectors (S x E and E multiples of 4: plane and token offsets stay 16-byte aligned) and the buffer stays
 // within the default 48 KB with k_topk's own (the launch sizes it)
@@ -1785,10 +1780,11 @@ __global__ void __launch_bounds__(THREADS, 8) k_topk(const MkParams p, int split
   const int ntok = min(TOPK_TOKENS, (int)p.S - t0);
   const int64_t plane = p.S * p.E;
   const int n = ntok * E;
-  if (MK_TOPK_STAGE && stage_planes(p, splits)) {
+  if (stage_planes(p, splits)) {
     // every plane's slice of this block's logits in flight at once (16-byte cp.async through the L2, none through L1:
     // see griddep_wait), then added in plane order: the same bits as the loop below, in one L2 round trip instead of
-    // one per four planes (run 86's trace at S=16: k_topk 6.6 µs with 16 planes)
+    // one per four planes (run 92, S=128, pdl=0: k_topk 5.3 instead of 6.4 µs; the layer within 0.5 µs, its
+    // routing mostly hidden by pdl)
     extern __shared__ __align__(16) float s_part[];  // [splits][n]
     const int nv = n / 4;
     for (int i = threadIdx.x; i < splits * nv; i += THREADS) {
@@ -2188,7 +2184,7 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
     const unsigned blocks = (unsigned)((p->S + TOPK_TOKENS - 1) / TOPK_TOKENS);
     const int ni = (int)(p->E + 31) / 32;  // experts per lane, rounded up to the instantiated bounds
     auto kt = ni <= 1 ? k_topk<1> : ni <= 2 ? k_topk<2> : ni <= 4 ? k_topk<4> : ni <= 8 ? k_topk<8> : k_topk<16>;
-    const size_t part = MK_TOPK_STAGE && stage_planes(*p, splits) ? (size_t)splits * TOPK_TOKENS * p->E * 4 : 0;
+    const size_t part = stage_planes(*p, splits) ? (size_t)splits * TOPK_TOKENS * p->E * 4 : 0;
     e = launch_k(kt, dim3(blocks), THREADS, part, s, p->pdl != 0, *p, splits);
     if (e != cudaSuccess) return fail("k_topk launch", e);
   }
