@@ -47,10 +47,13 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, topk: int) -> tuple[torch.Tenso
     return idx, w
 
 
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert's FFN on rows x; `row_scale` ([rows, 1]) multiplies the activation before the down projection
+    (the routing weight, applied where the rows are I wide rather than H wide)."""
     i = w2.shape[1]
     h = x @ w1.t()
-    return (F.silu(h[:, :i]) * h[:, i:]) @ w2.t()
+    a = F.silu(h[:, :i]) * h[:, i:]
+    return (a if row_scale is None else a * row_scale) @ w2.t()
 
 
 @functools.lru_cache(maxsize=32)
@@ -244,9 +247,7 @@ class MoELayer(nn.Module):
             parts, start = [], 0
             for e, n in enumerate(counts):
                 if n:
-                    w1, w2 = self.w_gate_up[e], self.w_down[e]
-                    hg = xs[start : start + n] @ w1.t()
-                    parts.append((F.silu(hg[:, :i]) * hg[:, i:] * wp[start : start + n]) @ w2.t())
+                    parts.append(swiglu(xs[start : start + n], self.w_gate_up[e], self.w_down[e], wp[start : start + n]))
                 start += n
             y = torch.cat(parts) if parts else xs.new_zeros(0, self.model.hidden)
         placed = torch.empty_like(y).index_copy_(0, order, y)  # row r of y is pair order[r] = (token, slot)

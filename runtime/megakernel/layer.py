@@ -349,7 +349,7 @@ class MegakernelMoE:
         launches without a reset kernel before it)."""
         self.err.zero_()
         self.ctl[CTL_ABORT] = 0
-        self.dec_cnt.zero_()  # words an aborted decode launch may have left set (slot counters, logits, ticket)
+        self.dec_cnt.zero_()
 
     def counters(self) -> dict[str, int]:
         """The last launch's task total, m-tiles and published tasks as the kernel counted them. Syncs."""
