@@ -23,6 +23,11 @@ builds of the library (e.g. an older commit's, or `-DMK_DEC_PROBE=16`, whose dec
 cost of replaying that launch shape with no work), inputs rotated over 8 tensors, the builds interleaved in rounds;
 each build also as one graph of 20 forwards (µs per forward), and a graph of one 1-element torch kernel.
 
+`--bench-inputs`: the layer exactly as `moetune bench moe` builds it (seed 0) on the same rotated inputs, each input's
+graph replay timed on its own (interleaved, back to back), with its touched experts, the largest expert's rows and a
+plain read of that many experts' weights; then each input's task timeline (appended to `--timeline` if given).
+Why the benchmark's samples at one S spread (S=16: p10 ~186, median ~210 µs in runs 83-93).
+
 `--feed-tiles`: the wide tile's stage as the expert kernel loads it, without the wgmmas: per stage 32 KB of weights
 (either four 64-row x 64-column boxes of a [rows, 2048] bf16 matrix by the tensor-map TMA, 4 KB between rows, or one
 contiguous 32 KB bulk copy: a pre-tiled layout) and 16 KB of gathered rows (128 rows x 128 bytes of a 16 MB
@@ -59,6 +64,8 @@ def main() -> None:
                     help="NAME=PATH,..: graph replays side by side with the layer launched from these library builds")
     ap.add_argument("--feed", action="store_true", help="bulk-copy delivery rate into shared memory (no layer)")
     ap.add_argument("--feed-tiles", action="store_true", help="the wide tile's stage loads without compute (no layer)")
+    ap.add_argument("--bench-inputs", action="store_true",
+                    help="per-input times and timelines on `moetune bench moe`'s inputs at --tokens")
     ap.add_argument("--route-splits", default="",
                     help="S list: routing time against the cap on the gate GEMM's H splits (16 8 4 2 1 16)")
     a = ap.parse_args()
@@ -74,6 +81,9 @@ def main() -> None:
     if a.feed_tiles:
         feed_tiles()
     if a.feed or a.feed_tiles:
+        return
+    if a.bench_inputs:
+        bench_inputs(a.tokens, a.timeline)
         return
     from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
     from moetune.runtime.shapes import get_model
@@ -100,6 +110,60 @@ def main() -> None:
         summarize(tl)
         with open(a.timeline, "a") as f:
             f.write(json.dumps(tl) + "\n")
+
+
+def bench_inputs(tokens: int, timeline: str, rotate: int = 4, rounds: int = 25) -> None:
+    """Per-input graph replay medians on `moetune bench moe`'s inputs (tuner/measure/moe.py, seed 0), inputs
+    interleaved call by call as the benchmark rotates them; touched experts and rows of the fullest expert per input;
+    a plain read of each input's touched experts; then each input's task timeline."""
+    from moetune.runtime import Knobs, MoELayer
+    from moetune.runtime.shapes import get_model
+    from moetune.runtime.testing.timing import graphs_of
+    from moetune.tuner.measure.moe import _inputs, time_plain_read
+
+    model = get_model("qwen3-30b")
+    layer = MoELayer(model, None, Knobs(engine="megakernel"), max_tokens=tokens, device=torch.device("cuda"),
+                     dtype=torch.bfloat16, seed=0, engine="megakernel")
+    mk = layer.megakernel
+    xs = _inputs(model, tokens, rotate, torch.device("cuda"), torch.bfloat16, tokens)
+    graphs = graphs_of(layer.forward, xs)
+    samples: list[list[float]] = [[] for _ in xs]
+    for _ in range(10):
+        for g in graphs:
+            g()
+    ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in xs]
+          for _ in range(rounds * 4)]
+    for row in ev:
+        for g, (b, e) in zip(graphs, row, strict=True):
+            b.record()
+            g()
+            e.record()
+    torch.cuda.synchronize()
+    for row in ev:
+        for i, (b, e) in enumerate(row):
+            samples[i].append(b.elapsed_time(e) * 1e3)
+    out = []
+    for i, x in enumerate(xs):
+        idx = layer.route(x)[0]
+        counts = torch.bincount(idx.flatten(), minlength=model.experts)
+        touched = int((counts > 0).sum())
+        read = statistics.median(time_plain_read(layer.w_gate_up.data, layer.w_down.data, touched, warmup=5, iters=50,
+                                                 graph=True, cuda=True))
+        med = statistics.median(samples[i])
+        out.append({"input": i, "touched": touched, "max_rows": int(counts.max()), "graph_us": med,
+                    "p10": sorted(samples[i])[len(samples[i]) // 10], "plain_read_us": read})
+        print(f"  S={tokens} input {i}: experts {touched:3d}, max rows {int(counts.max()):3d}, graph {med:7.1f} us "
+              f"(p10 {out[-1]['p10']:.1f}), plain read of those experts {read:7.1f} us")
+    print(json.dumps({"bench_inputs": {"tokens": tokens, "inputs": out}}))
+    if mk.decode_grid(tokens) is not None:
+        return
+    for i, x in enumerate(xs):
+        print(f"-- input {i}")
+        tl = mk.task_timeline(x)
+        summarize(tl)
+        if timeline:
+            with open(timeline, "a") as f:
+                f.write(json.dumps({"input": i, **tl}) + "\n")
 
 
 def isolation(mk, x: torch.Tensor, iters: int = 200) -> None:
