@@ -107,3 +107,65 @@ def test_task_count_closed_form(shape):
     assert p.total == min(s * k * i, g) + min(g, -(-h // rows))
     src = (_lib.source_dir() / "mk_decode.cuh").read_text()
     assert "(int)min(P, (int64_t)gridDim.x) + min((int)gridDim.x, (H + d.rows - 1) / d.rows)" in src
+
+
+# ---- the streaming kernel: the same split over the touched experts (one counter each) ----------------------------
+STREAM_SHAPES = [  # (tokens, topk, hidden, intermediate, grid, touched experts)
+    (16, 8, 2048, 768, 132, 84),   # Qwen3-30B-A3B at S = 16 (bench input 1 of run 94: 84 experts)
+    (2, 8, 2048, 768, 132, 16),
+    (4, 2, 256, 64, 7, 1),         # every slot on one expert
+    (3, 4, 128, 64, 200, 5),       # more CTAs than units
+]
+
+
+@pytest.mark.parametrize("shape", STREAM_SHAPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_stream_every_unit_and_row_once_in_any_order(shape, seed):
+    s, k, h, i, g, touched = shape
+    p = dec.plan(tokens=s, topk=k, hidden=h, intermediate=i, grid=g, touched=touched)
+    assert p.n_tiles == touched and p.slots == s * k
+    sim = dec.simulate(p, seed=seed)
+    assert sim.error == 0
+    assert sim.pairs_done == [1] * (touched * i)
+    assert sim.counters == [i] * touched
+    assert sim.rows_written == [1] * h
+    assert p.total == min(touched * i, g) + min(g, -(-h // p.rows))
+
+
+def test_stream_stalled_expert_times_out_and_no_experts_is_empty():
+    p = dec.plan(tokens=16, topk=8, hidden=2048, intermediate=768, grid=132, touched=84)
+    sim = dec.simulate(p, seed=4, stall_slot=40, timeout_polls=100)
+    assert (sim.error, sim.error_slot) == (dec.ERR_INPUT_TIMEOUT, 40)
+    assert sim.rows_written == [1] * 2048
+    empty = dec.plan(tokens=2, topk=2, hidden=64, intermediate=32, grid=8, touched=0)  # every pick invalid
+    sim = dec.simulate(empty)
+    assert sim.error == 0 and sim.rows_written == [1] * 64 and empty.total == 0 + 8
+    with pytest.raises(ValueError, match="touched"):
+        dec.plan(tokens=2, topk=2, hidden=64, intermediate=32, grid=8, touched=5)
+
+
+def test_stream_kernel_formulas_and_plan():
+    """The streaming kernel splits nk x I units as the model does (U c / G per CTA, one counter per touched expert,
+    the same closed-form task count with U for P), sizes its ring from the shared memory left after its lists (at
+    least three entries, one below x) and is chosen only where the staged kernel does not fit."""
+    src = (_lib.source_dir() / "mk_decode.cuh").read_text()
+    body = src[src.index("k_decode_stream(const MkParams p"):]
+    assert re.search(r"u0 = U \* blockIdx\.x / gridDim\.x, u1 = U \* \(blockIdx\.x \+ 1\) / gridDim\.x", body)
+    assert "const int64_t U = (int64_t)nk * I;" in body and "red_release(cnt + DEC_STRIDE * k" in body
+    assert "(int)min(U, (int64_t)gridDim.x) + min((int)gridDim.x, (H + d.rows - 1) / d.rows)" in body
+    assert "p.ctl[MK_CTL_TILES] = nk;" in body
+    plan = src[src.index("inline DecPlan dec_stream_plan("):]
+    assert "if (ring < 3 || x_off < ring_off || (x_off - ring_off) / entry < 1) return d;" in plan
+    assert "const int64_t entry = up((int64_t)d.rows * I * 2 + S * I * 2)" in plan
+    mk = (_lib.source_dir() / "mk_moe.cu").read_text()
+    assert "DecPlan d = S * K <= DEC_STAGED_SLOTS ? dec_plan(S, H, I, K, E, sms) : DecPlan{};" in mk
+    assert "if (d.bytes == 0 || d.bytes > SMEM_MAX) d = dec_stream_plan(S, H, I, K, E, sms, SMEM_MAX);" in mk
+    consts = dict(re.findall(r"\b(DEC_STAGED_SLOTS|DEC_MAX_SLOTS) = (\d+)", src))
+    assert (int(consts["DEC_STAGED_SLOTS"]), int(consts["DEC_MAX_SLOTS"])) == (dec.STAGED_SLOTS, dec.MAX_SLOTS)
+
+
+def test_config_decode_stream_field():
+    assert MegakernelConfig().decode_stream == 1
+    assert MegakernelConfig.parse("decode_stream=0").decode_stream == 0
+    with pytest.raises(ConfigError, match="decode_stream"):
+        MegakernelConfig.parse("decode_stream=3")

@@ -26,9 +26,10 @@
 #define MK_ONCE _Pragma("unroll 1")
 constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
 constexpr int DEC_VEC = 8;          // 16-byte weight loads per lane in flight for each row of a pair
-constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
+constexpr int DEC_STAGED_SLOTS = 64;  // S*K rows the staged kernel takes (routing in static shared memory)
+constexpr int DEC_MAX_SLOTS = 256;    // S*K rows a decode launch takes (the streaming kernel; its lists in dynamic smem)
 // MkParams.dec_cnt: int32 counters one 128-byte line apart (polled by every CTA): slot s's finished pairs at
-// DEC_STRIDE * s, the exit ticket; then the gate logits of in-kernel routing from word DEC_LOGIT0,
+// DEC_STRIDE * s (the streaming kernel: touched expert k's finished rows at DEC_STRIDE * k), the exit ticket; then the gate logits of in-kernel routing from word DEC_LOGIT0,
 // each stored as the bitwise NOT of its fp32 bits, so the zero the launch finds there means "not written yet" (the
 // NOT of a float the GPU's arithmetic produces is never zero: its NaNs are 0x7fffffff)
 constexpr int DEC_STRIDE = 32, DEC_MAX_LOGITS = 4096;  // S x E a decode launch with routing takes
@@ -57,7 +58,11 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 struct DecPlan {
   int grid, rows;  // CTAs (one per SM), output rows per CTA (ceil(H / grid))
   int x_off, w2_off, h_off, acc_off, stage_off, lg_off, part_off, bytes;
+  // the streaming kernel (ring > 0): RING entries of `entry` bytes from ring_off (an expert's W_down rows of this CTA,
+  // then up to hcap h rows of its slots), the first `pre` of them below x; the slot lists at list_off
+  int ring, entry, pre, hcap, ring_off, list_off;
 };
+constexpr int DEC_RING_MAX = 16;  // entries (their mbarriers fill [0, 128) of the dynamic shared memory)
 inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int sms) {
   auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
   DecPlan d = {};
@@ -75,6 +80,34 @@ inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, i
   if (bytes > (1ll << 30)) return d;  // bytes stays 0: does not fit
   d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.h_off = (int)h_off, d.acc_off = (int)acc_off;
   d.stage_off = (int)stage_off, d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.bytes = (int)bytes;
+  return d;
+}
+
+// The streaming kernel's plan (ring = 0 where it does not fit smem_max bytes): the logits, per-position sums and
+// slot lists first, then the ring up to the limit with x in its last bytes (x is only read in phase 1; the entries it
+// overlaps are filled after). An entry holds S h rows: an expert takes at most one slot of each token (more only
+// with duplicate given picks, whose extra rows phase 2 reads from global). At least 3 entries (two in flight while
+// one is summed) and one below x, or it does not fit.
+inline DecPlan dec_stream_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int sms, int64_t smem_max) {
+  auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
+  DecPlan d = {};
+  d.grid = sms;
+  d.rows = (int)((H + sms - 1) / sms);
+  const int64_t slots = S * K;
+  if (slots > DEC_MAX_SLOTS) return d;
+  const int64_t lg_off = 8 * DEC_RING_MAX;  // the entries' mbarriers first
+  const int64_t part_off = up(lg_off + S * E * 4);        // [position][rows] fp32: each slot's down projection
+  const int64_t list_off = up(part_off + slots * d.rows * 4);
+  const int64_t ring_off = up(list_off + (6 * slots + 2) * 4);  // s_e, s_w, s_pos, k_slot, k_exp, k_off[slots + 1]
+  const int64_t entry = up((int64_t)d.rows * I * 2 + S * I * 2), xb = up(S * H * 2);
+  if (ring_off + xb > smem_max) return d;
+  int64_t ring = (smem_max - ring_off) / entry;
+  if (ring > DEC_RING_MAX) ring = DEC_RING_MAX;
+  const int64_t end = ring_off + ring * entry, x_off = end - xb;
+  if (ring < 3 || x_off < ring_off || (x_off - ring_off) / entry < 1) return d;
+  d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.list_off = (int)list_off, d.ring_off = (int)ring_off;
+  d.x_off = (int)x_off, d.ring = (int)ring, d.entry = (int)entry, d.pre = (int)((x_off - ring_off) / entry);
+  d.hcap = (int)S, d.bytes = (int)end;
   return d;
 }
 
@@ -164,34 +197,58 @@ __device__ __forceinline__ void red_release(int32_t* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
-// NI: experts per lane of the in-kernel top-k (as k_topk's template bound)
-template <int NI>
-__global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, const DecPlan d) {
-  extern __shared__ __align__(128) char smem[];
-  __shared__ int s_e[DEC_MAX_SLOTS];
-  __shared__ float s_w[DEC_MAX_SLOTS];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int S = (int)p.S, K = (int)p.K, H = (int)p.H, I = (int)p.I, E = (int)p.E, slots = S * K;
-  const uint32_t bar = su32(smem);
-  bf16* xs = (bf16*)(smem + d.x_off);
-  const char* w2s = smem + d.w2_off;
-  bf16* hs = (bf16*)(smem + d.h_off);
-  float* acc = (float*)(smem + d.acc_off);
-  bf16* hstage = (bf16*)(smem + d.stage_off);
-  float* lg = (float*)(smem + d.lg_off);
-  float* part = (float*)(smem + d.part_off);
-  int32_t* cnt = p.dec_cnt;
-  const int r0 = blockIdx.x * d.rows, nr = max(0, min(d.rows, H - r0));  // this CTA's output rows
-  const bool ev = p.l2_evict_w != 0;
-  uint64_t pol = 0;
-  if (ev) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-  if (MK_DEC_PROBE & 16) return;
-  dec_stamp(p, DEC_TR_START);
-  if (tid == 0) {
-    mbar_init(bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+// One warp's down projection of 8 rows rb.. of a CTA's W_down rows `wr` (shared memory, KV 16-byte chunks a row)
+// against one h row `hv` (shared memory; GLOBAL_H: global, read through the L2): each lane walks whole 16-byte chunks
+// of k (KV / 32 rounds, no idle lanes), its h chunk widened once for the 8 rows, the 8 rows' loads issued before their
+// products; then one butterfly leaves row rb + dec_row8(lane)'s sum on the lanes with lane & 3 == 0 (9 shuffles for
+// 8 rows instead of 40; run 70's ncu: the sums were issue-bound). Rows past nr reread the last; their sums are dropped.
+__device__ __forceinline__ int dec_row8(int lane) { return ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1); }
+template <bool GLOBAL_H>
+__device__ __forceinline__ float dec_rows8(const uint4* wr, const uint4* hv, int KV, int rb, int nr, int lane) {
+  float a[8];
+#pragma unroll
+  for (int r = 0; r < 8; ++r) a[r] = 0.f;
+  MK_ONCE for (int v = lane; v < KV; v += 32) {  // rows past nr reread the last; their sums are dropped
+    uint4 w[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) w[r] = wr[(int64_t)min(rb + r, nr - 1) * KV + v];
+    float hf[8];
+    widen8(hf, GLOBAL_H ? __ldcg(hv + v) : hv[v]);
+#pragma unroll
+    for (int r = 0; r < 8; ++r) dot8f(a[r], w[r], hf);
   }
-  const int HV = H / 8;  // 16-byte vectors per weight row
+  // a[i] -> the warp's sum of row rb + 4 b4 + 2 b3 + b2 (b_k: lane bit k), on the lanes with b1 = b0 = 0
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const bool up = lane & 16;
+    const float send = up ? a[i] : a[i + 4];
+    a[i] = (up ? a[i + 4] : a[i]) + __shfl_xor_sync(~0u, send, 16);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const bool up = lane & 8;
+    const float send = up ? a[i] : a[i + 2];
+    a[i] = (up ? a[i + 2] : a[i]) + __shfl_xor_sync(~0u, send, 8);
+  }
+  {
+    const bool up = lane & 4;
+    const float send = up ? a[0] : a[1];
+    a[0] = (up ? a[1] : a[0]) + __shfl_xor_sync(~0u, send, 4);
+  }
+  a[0] += __shfl_xor_sync(~0u, a[0], 2);
+  a[0] += __shfl_xor_sync(~0u, a[0], 1);
+  return a[0];
+}
+
+// Routing of a decode launch, every CTA alike: x into shared memory (xs), then either the picks from the gate
+// (decode = 2: the S x E logits spread over the grid's warps, each logit polled where it lands, then warp_topk per
+// token) or the given ones (decode = 1) into s_e / s_w (expert -1: a slot that adds nothing). The caller syncs.
+template <int NI>
+__device__ __forceinline__ void dec_route(const MkParams& p, bf16* xs, float* lg, int* s_e, float* s_w) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int S = (int)p.S, K = (int)p.K, H = (int)p.H, E = (int)p.E, slots = S * K, HV = H / 8;
+  int32_t* cnt = p.dec_cnt;
+  const uint64_t pol = 0;  // gate rows load with the default L2 policy
   // routing's gate logits (t, e) of [l0, l1), a warp each: the first chunk of each warp's first gate row is loaded
   // before pdl_enter (weights, which no kernel before writes), so its DRAM latency overlaps x's
   const int L = S * E, l0 = (int)((int64_t)L * blockIdx.x / gridDim.x), l1 = (int)((int64_t)L * (blockIdx.x + 1) / gridDim.x);
@@ -260,6 +317,37 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
       s_w[s] = __ldcg(p.topk_w + s);
     }
   }
+}
+
+// NI: experts per lane of the in-kernel top-k (as k_topk's template bound)
+template <int NI>
+__global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, const DecPlan d) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ int s_e[DEC_STAGED_SLOTS];
+  __shared__ float s_w[DEC_STAGED_SLOTS];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int S = (int)p.S, K = (int)p.K, H = (int)p.H, I = (int)p.I, E = (int)p.E, slots = S * K;
+  const uint32_t bar = su32(smem);
+  bf16* xs = (bf16*)(smem + d.x_off);
+  const char* w2s = smem + d.w2_off;
+  bf16* hs = (bf16*)(smem + d.h_off);
+  float* acc = (float*)(smem + d.acc_off);
+  bf16* hstage = (bf16*)(smem + d.stage_off);
+  float* lg = (float*)(smem + d.lg_off);
+  float* part = (float*)(smem + d.part_off);
+  int32_t* cnt = p.dec_cnt;
+  const int r0 = blockIdx.x * d.rows, nr = max(0, min(d.rows, H - r0));  // this CTA's output rows
+  const bool ev = p.l2_evict_w != 0;
+  uint64_t pol = 0;
+  if (ev) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  if (MK_DEC_PROBE & 16) return;
+  dec_stamp(p, DEC_TR_START);
+  if (tid == 0) {
+    mbar_init(bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  const int HV = H / 8;  // 16-byte vectors per weight row
+  dec_route<NI>(p, xs, lg, s_e, s_w);
   __syncthreads();
   dec_stamp(p, DEC_TR_ROUTED);
   const int64_t P = (int64_t)slots * I;
@@ -350,50 +438,16 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
     __syncthreads();
     dec_stamp(p, DEC_TR_H);
-    // a warp per (slot, 8 rows): each lane walks whole 16-byte chunks of k (KV / 32 rounds, no idle lanes), its h
-    // chunk widened once for the 8 rows, the 8 rows' loads issued before their products; then one butterfly leaves
-    // each row's sum on 4 lanes (9 shuffles for 8 rows instead of 40). Run 70's ncu: the sums were issue-bound
-    // (~1,180 instructions a warp, half-idle second rounds, 80 shuffles a warp).
+    // a warp per (slot, 8 rows) (dec_rows8)
     const int RB = (nr + 7) / 8, units = slots * RB, KV = I / 8;
     MK_ONCE for (int u = warp; u < units && !(MK_DEC_PROBE & 4); u += DEC_WARPS) {
       const int s = u / RB, rb = (u % RB) * 8;
       if (s_e[s] < 0) continue;
       const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
       const uint4* wr = (const uint4*)(w2s + (int64_t)s * d.rows * I * 2);
-      float a[8];
-#pragma unroll
-      for (int r = 0; r < 8; ++r) a[r] = 0.f;
-      MK_ONCE for (int v = lane; v < KV; v += 32) {  // rows past nr reread the last; their sums are dropped
-        uint4 w[8];
-#pragma unroll
-        for (int r = 0; r < 8; ++r) w[r] = wr[(int64_t)min(rb + r, nr - 1) * KV + v];
-        float hf[8];
-        widen8(hf, hv[v]);
-#pragma unroll
-        for (int r = 0; r < 8; ++r) dot8f(a[r], w[r], hf);
-      }
-      // a[i] -> the warp's sum of row rb + 4 b4 + 2 b3 + b2 (b_k: lane bit k), on the lanes with b1 = b0 = 0
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const bool up = lane & 16;
-        const float send = up ? a[i] : a[i + 4];
-        a[i] = (up ? a[i + 4] : a[i]) + __shfl_xor_sync(~0u, send, 16);
-      }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const bool up = lane & 8;
-        const float send = up ? a[i] : a[i + 2];
-        a[i] = (up ? a[i + 2] : a[i]) + __shfl_xor_sync(~0u, send, 8);
-      }
-      {
-        const bool up = lane & 4;
-        const float send = up ? a[0] : a[1];
-        a[0] = (up ? a[1] : a[0]) + __shfl_xor_sync(~0u, send, 4);
-      }
-      a[0] += __shfl_xor_sync(~0u, a[0], 2);
-      a[0] += __shfl_xor_sync(~0u, a[0], 1);
-      const int row = rb + ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1);
-      if ((lane & 3) == 0 && row < nr) part[s * d.rows + row] = a[0];
+      const float sum = dec_rows8<false>(wr, hv, KV, rb, nr, lane);
+      const int row = rb + dec_row8(lane);
+      if ((lane & 3) == 0 && row < nr) part[s * d.rows + row] = sum;
     }
     __syncthreads();
     MK_ONCE for (int i = tid; i < S * nr && !(MK_DEC_PROBE & 4); i += DEC_THREADS) {
@@ -418,6 +472,223 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     p.ctl[MK_CTL_PUBLISHED] = tasks;
     p.ctl[MK_CTL_TILES] = slots;
     MK_ONCE for (int s = 0; s < slots; ++s) cnt[DEC_STRIDE * s] = 0;
+    if (p.decode == 2) MK_ONCE for (int i = 0; i < S * E; ++i) cnt[DEC_LOGIT0 + i] = 0;
+    cnt[DEC_STRIDE * DEC_CNT_TICKET] = 0;
+  }
+}
+
+// ---- the streaming decode kernel ---------------------------------------------------------------------------------
+// Launches whose routed rows' W_down do not all fit a CTA's shared memory (S = 2 .. ~20 on the Qwen3-30B shape; the
+// task graph ran them before, in waves of 16-row tiles whose ends and drain left the DRAM idle ~14 µs at S = 16, run
+// 94's timelines). The same one launch of one CTA per SM and the same routing, then:
+//   lists: every CTA ranks the slots by (expert, slot): the touched experts k = 0 .. nk-1 ascending, expert k's slots
+//      at positions k_off[k] .. k_off[k+1]; position i's h row is h[i * I ..].
+//   1. the (touched expert, intermediate column) units [u0, u1) of the nk x I, contiguous per CTA, a warp each: the
+//      gate and up rows are read ONCE for all of the expert's slots (four at a time from the registers holding
+//      them), then the CTA adds its units of each expert to that expert's counter (release after the h stores).
+//   2. the down projection streams through a ring of d.ring entries, each one expert's W_down rows of this CTA (one
+//      bulk copy, rows x I contiguous in the weight) and its slots' h rows (cp.async by every thread), completing on
+//      the entry's mbarrier (count 1 + threads: thread 0's expect_tx and every thread's noinc arrive). The first
+//      d.pre entries' W_down copies are issued before phase 1 and land during it; the rest overlap x and are filled
+//      after. Once every expert counter is complete (bounded waits) the CTA walks the experts in order: wait for the
+//      entry, the warps take (slot, 8 rows) units (dec_rows8), then the entry is refilled with expert k + ring.
+//   3. out[t, r] = sum over the token's slots in slot order of w * part (fp32, then bf16), as the staged kernel.
+// The counters, the exit ticket and the reset are the staged kernel's, per touched expert instead of per slot.
+template <int NI>
+__global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams p, const DecPlan d) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ int s_nk;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int S = (int)p.S, K = (int)p.K, H = (int)p.H, I = (int)p.I, E = (int)p.E, slots = S * K;
+  const uint32_t bars = su32(smem);  // entry i's mbarrier at bars + 8 i
+  bf16* xs = (bf16*)(smem + d.x_off);
+  float* lg = (float*)(smem + d.lg_off);
+  float* part = (float*)(smem + d.part_off);  // [position][d.rows]
+  int* s_e = (int*)(smem + d.list_off);
+  float* s_w = (float*)(s_e + slots);
+  int* s_pos = (int*)(s_w + slots);  // slot -> position
+  int* k_slot = s_pos + slots;       // position -> slot
+  int* k_exp = k_slot + slots;       // touched expert k -> expert id
+  int* k_off = k_exp + slots;        // [nk + 1] first position of each touched expert
+  char* ring = smem + d.ring_off;
+  int32_t* cnt = p.dec_cnt;
+  const int r0 = blockIdx.x * d.rows, nr = max(0, min(d.rows, H - r0));  // this CTA's output rows
+  const bool ev = p.l2_evict_w != 0;
+  uint64_t pol = 0;
+  if (ev) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  if (MK_DEC_PROBE & 16) return;
+  dec_stamp(p, DEC_TR_START);
+  if (tid == 0) {
+    MK_ONCE for (int i = 0; i < d.ring; ++i) mbar_init(bars + 8 * i, 1 + DEC_THREADS);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  dec_route<NI>(p, xs, lg, s_e, s_w);
+  __syncthreads();
+  // lists: a slot's position is its rank by (expert, slot); slots naming no expert (-1) rank after every other
+  MK_ONCE for (int s = tid; s < slots; s += DEC_THREADS) {
+    const unsigned key = (unsigned)s_e[s];  // -1 -> the largest key
+    int r = 0;
+    MK_ONCE for (int o = 0; o < slots; ++o) {
+      const unsigned ko = (unsigned)s_e[o];
+      r += ko < key || (ko == key && o < s);
+    }
+    s_pos[s] = r;
+    k_slot[r] = s;
+  }
+  __syncthreads();
+  if (warp == 0) {  // a position starts a touched expert where its expert differs from the previous position's
+    int nk = 0, valid = 0;
+    MK_ONCE for (int base = 0; base < slots; base += 32) {
+      const int r = base + lane;
+      const int e = r < slots ? s_e[k_slot[r]] : -1;
+      const bool first = e >= 0 && (r == 0 || s_e[k_slot[r - 1]] != e);
+      const unsigned m = __ballot_sync(~0u, first);
+      if (first) {
+        const int k = nk + __popc(m & ((1u << lane) - 1));
+        k_exp[k] = e;
+        k_off[k] = r;
+      }
+      nk += __popc(m);
+      valid += __popc(__ballot_sync(~0u, e >= 0));
+    }
+    if (lane == 0) {
+      k_off[nk] = valid;
+      s_nk = nk;
+    }
+  }
+  __syncthreads();
+  const int nk = s_nk, KV = I / 8, HV = H / 8;
+  dec_stamp(p, DEC_TR_ROUTED);
+  const uint32_t wbytes = (uint32_t)nr * I * 2;
+  auto w2_rows = [&](int k) { return (const bf16*)p.w2 + ((int64_t)k_exp[k] * H + r0) * I; };
+  // 2 (early). the first d.pre entries' W_down rows, landing during phase 1
+  if (tid == 0 && nr > 0 && !(MK_DEC_PROBE & 1)) {
+    MK_ONCE for (int k = 0; k < min(d.pre, nk); ++k) {
+      mbar_arrive_tx(bars + 8 * k, wbytes);
+      bulk_load(su32(ring + (int64_t)k * d.entry), w2_rows(k), wbytes, bars + 8 * k, ev, pol);
+    }
+  }
+  dec_stamp(p, DEC_TR_P1);
+  // 1. (touched expert, column) units [u0, u1): warps 1.. take R each, warp 0 (which issued the copies) the rest
+  const int64_t U = (int64_t)nk * I;
+  const int64_t u0 = U * blockIdx.x / gridDim.x, u1 = U * (blockIdx.x + 1) / gridDim.x;
+  const int n2 = (int)(u1 - u0), R2 = (n2 + DEC_WARPS - 1) / DEC_WARPS;
+  const int i_lo = warp ? warp - 1 : (DEC_WARPS - 1) * R2, i_step = warp ? DEC_WARPS - 1 : 1;
+  const int i_hi = warp ? min(n2, (DEC_WARPS - 1) * R2) : n2;
+  MK_ONCE for (int i2 = i_lo; i2 < i_hi; i2 += i_step) {
+    const int64_t u = u0 + i2;
+    const int k = (int)(u / I), j = (int)(u % I), pa = k_off[k], pb = k_off[k + 1];
+    const uint4* g = (const uint4*)((const bf16*)p.w1 + ((int64_t)k_exp[k] * 2 * I + j) * H);
+    const uint4* uu = g + (int64_t)I * HV;  // the up row: I rows further
+    MK_ONCE for (int q0 = pa; q0 < pb; q0 += 4) {  // the expert's slots, four at a time (rows reread past four)
+      const int nq = min(4, pb - q0);
+      const uint4* xv[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) xv[q] = (const uint4*)(xs + (int64_t)(k_slot[min(q0 + q, pb - 1)] / K) * H);
+      float ag[4] = {0.f, 0.f, 0.f, 0.f}, au[4] = {0.f, 0.f, 0.f, 0.f};
+      MK_ONCE for (int v0 = 0; v0 < HV; v0 += 32 * DEC_VEC) {
+        uint4 a[DEC_VEC], b[DEC_VEC];
+#pragma unroll
+        for (int i = 0; i < DEC_VEC; ++i) {  // every load issued before the first product
+          const int v = v0 + lane + 32 * i;
+          a[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(g + v, ev, pol) : make_uint4(0, 0, 0, 0);
+          b[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(uu + v, ev, pol) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < DEC_VEC; ++i) {
+          const int v = v0 + lane + 32 * i;
+          if (v < HV) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+              if (q < nq) {
+                const uint4 xx = xv[q][v];
+                dot8(ag[q], a[i], xx);
+                dot8(au[q], b[i], xx);
+              }
+          }
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        if (q < nq) {
+          const float gs = warp_sum(ag[q]), us = warp_sum(au[q]);
+          if (lane == 0) ((bf16*)p.h)[(int64_t)(q0 + q) * I + j] = __float2bfloat16(__fdividef(gs, 1.f + __expf(-gs)) * us);
+        }
+    }
+  }
+  __syncthreads();  // every thread's h stores before thread 0's fence and counters
+  int ticket = 0;
+  if (tid == 0) {
+    if (u1 > u0) {
+      __threadfence();
+      MK_ONCE for (int k = (int)(u0 / I); k <= (int)((u1 - 1) / I); ++k) {
+        const int64_t lo = u0 > (int64_t)k * I ? u0 : (int64_t)k * I;
+        const int64_t hi = u1 < (int64_t)(k + 1) * I ? u1 : (int64_t)(k + 1) * I;
+        red_release(cnt + DEC_STRIDE * k, (int)(hi - lo));
+      }
+    }
+    if (nr == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
+  }
+  dec_stamp(p, DEC_TR_SIGNALLED);
+  if (nr > 0) {
+    if (tid < nk) wait_count(p, cnt + DEC_STRIDE * tid, I, tid == p.stall_tile, tid);
+    __syncthreads();  // every expert's h complete (and this CTA's x no longer read: the ring may overwrite it)
+    if (tid == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
+    dec_stamp(p, DEC_TR_READY);
+    // an entry's fill: W_down (thread 0, unless it went early) and the h rows of its first hcap positions (everyone)
+    auto fill = [&](int k, bool w2) {
+      char* ent = ring + (int64_t)(k % d.ring) * d.entry;
+      const uint32_t bar = bars + 8 * (k % d.ring);
+      if (w2 && tid == 0) {
+        const bool copy = !(MK_DEC_PROBE & 1);
+        mbar_arrive_tx(bar, copy ? wbytes : 0);
+        if (copy) bulk_load(su32(ent), w2_rows(k), wbytes, bar, ev, pol);
+      }
+      const int pa = k_off[k], np = min(k_off[k + 1] - pa, d.hcap);
+      const uint32_t hdst = su32(ent) + (uint32_t)d.rows * I * 2;
+      const char* hsrc = (const char*)p.h + (int64_t)pa * I * 2;
+      MK_ONCE for (int c = tid; c < np * KV; c += DEC_THREADS) cp_async16(hdst + 16u * c, hsrc + 16ll * c, 16);
+      cp_arrive_noinc(bar);
+    };
+    MK_ONCE for (int k = 0; k < min(d.ring, nk); ++k) fill(k, k >= d.pre);
+    dec_stamp(p, DEC_TR_H);
+    const int RB = (nr + 7) / 8;
+    MK_ONCE for (int k = 0; k < nk; ++k) {
+      const char* ent = ring + (int64_t)(k % d.ring) * d.entry;
+      mbar_wait(p, bars + 8 * (k % d.ring), (uint32_t)(k / d.ring) & 1, (uint32_t)k);
+      const int pa = k_off[k], units = (k_off[k + 1] - pa) * RB;
+      const uint4* wr = (const uint4*)ent;
+      MK_ONCE for (int u = warp; u < units && !(MK_DEC_PROBE & 4); u += DEC_WARPS) {
+        const int i = u / RB, rb = (u % RB) * 8;
+        const float sum = i < d.hcap
+            ? dec_rows8<false>(wr, (const uint4*)(ent + (int64_t)d.rows * I * 2) + (int64_t)i * KV, KV, rb, nr, lane)
+            : dec_rows8<true>(wr, (const uint4*)p.h + (int64_t)(pa + i) * KV, KV, rb, nr, lane);
+        const int row = rb + dec_row8(lane);
+        if ((lane & 3) == 0 && row < nr) part[(pa + i) * d.rows + row] = sum;
+      }
+      __syncthreads();  // the entry is free again
+      if (k + d.ring < nk) fill(k + d.ring, true);
+    }
+    __syncthreads();
+    bf16* out = (bf16*)p.out;
+    MK_ONCE for (int i = tid; i < S * nr && !(MK_DEC_PROBE & 4); i += DEC_THREADS) {
+      const int t = i / nr, r = i % nr;
+      float y = 0.f;
+      MK_ONCE for (int s = t * K; s < (t + 1) * K; ++s)
+        if (s_e[s] >= 0) y = fmaf(s_w[s], part[s_pos[s] * d.rows + r], y);
+      out[(int64_t)t * H + r0 + r] = __float2bfloat16(y);
+    }
+    dec_stamp(p, DEC_TR_SUMS);
+  }
+  dec_stamp(p, DEC_TR_END);
+  // the last ticket: the counters zeroed, and the launch's task counts (a task per CTA with units, min(U, grid), and
+  // per CTA with rows; as runtime/megakernel/decode.py counts them; tiles = the touched experts)
+  if (tid == 0 && ticket == (int)gridDim.x - 1) {
+    const int tasks = (int)min(U, (int64_t)gridDim.x) + min((int)gridDim.x, (H + d.rows - 1) / d.rows);
+    p.ctl[MK_CTL_TOTAL] = tasks + 1;
+    p.ctl[MK_CTL_PUBLISHED] = tasks;
+    p.ctl[MK_CTL_TILES] = nk;
+    MK_ONCE for (int k = 0; k < nk; ++k) cnt[DEC_STRIDE * k] = 0;
     if (p.decode == 2) MK_ONCE for (int i = 0; i < S * E; ++i) cnt[DEC_LOGIT0 + i] = 0;
     cnt[DEC_STRIDE * DEC_CNT_TICKET] = 0;
   }
