@@ -126,10 +126,10 @@ def test_stream_every_unit_and_row_once_in_any_order(shape, seed):
     assert p.n_tiles == touched and p.slots == s * k
     sim = dec.simulate(p, seed=seed)
     assert sim.error == 0
-    assert sim.pairs_done == [1] * (touched * i)
+    assert sim.pairs_done == [1] * (touched * i // 16)  # units of 16 columns
     assert sim.counters == [i] * touched
     assert sim.rows_written == [1] * h
-    assert p.total == min(touched * i, g) + min(g, -(-h // p.rows))
+    assert p.total == min(touched * i // 16, g) + min(g, -(-h // p.rows))
 
 
 def test_stream_stalled_expert_times_out_and_no_experts_is_empty():
@@ -142,21 +142,25 @@ def test_stream_stalled_expert_times_out_and_no_experts_is_empty():
     assert sim.error == 0 and sim.rows_written == [1] * 64 and empty.total == 0 + 8
     with pytest.raises(ValueError, match="touched"):
         dec.plan(tokens=2, topk=2, hidden=64, intermediate=32, grid=8, touched=5)
+    with pytest.raises(ValueError, match="16"):
+        dec.plan(tokens=2, topk=2, hidden=64, intermediate=40, grid=8, touched=2)
 
 
 def test_stream_kernel_formulas_and_plan():
-    """The streaming kernel splits nk x I units as the model does (U c / G per CTA, one counter per touched expert,
-    the same closed-form task count with U for P), sizes its ring from the shared memory left after its lists (at
-    least three entries, one below x) and is chosen only where the staged kernel does not fit."""
+    """The streaming kernel splits nk x I/16 units as the model does (U c / G per CTA, one counter per touched expert
+    counting 16 columns a unit, the same closed-form task count with U for P), sizes its ring from the shared memory
+    left after its lists (at least three entries, one below x) and is chosen only where the staged kernel does not
+    fit."""
     src = (_lib.source_dir() / "mk_decode.cuh").read_text()
     body = src[src.index("k_decode_stream(const MkParams p"):]
     assert re.search(r"u0 = U \* blockIdx\.x / gridDim\.x, u1 = U \* \(blockIdx\.x \+ 1\) / gridDim\.x", body)
-    assert "const int64_t U = (int64_t)nk * I;" in body and "red_release(cnt + DEC_STRIDE * k" in body
+    assert "const int JB = I / 16" in body and "const int64_t U = (int64_t)nk * JB;" in body
+    assert "red_release(cnt + DEC_STRIDE * k, (int)(hi - lo) * 16);" in body
     assert "(int)min(U, (int64_t)gridDim.x) + min((int)gridDim.x, (H + d.rows - 1) / d.rows)" in body
     assert "p.ctl[MK_CTL_TILES] = nk;" in body
     plan = src[src.index("inline DecPlan dec_stream_plan("):]
     assert "if (ring < 3 || x_off < ring_off || (x_off - ring_off) / entry < 1) return d;" in plan
-    assert "const int64_t entry = up((int64_t)d.rows * I * 2 + S * I * 2)" in plan
+    assert "const int64_t entry = up(((int64_t)d.rows + hcap) * (I * 2 + DEC_PAD))" in plan
     mk = (_lib.source_dir() / "mk_moe.cu").read_text()
     assert "DecPlan d = S * K <= DEC_STAGED_SLOTS ? dec_plan(S, H, I, K, E, sms) : DecPlan{};" in mk
     assert "if (d.bytes == 0 || d.bytes > SMEM_MAX) d = dec_stream_plan(S, H, I, K, E, sms, SMEM_MAX);" in mk

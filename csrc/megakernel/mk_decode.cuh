@@ -85,21 +85,23 @@ inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, i
 
 // The streaming kernel's plan (ring = 0 where it does not fit smem_max bytes): the logits, per-position sums and
 // slot lists first, then the ring up to the limit with x in its last bytes (x is only read in phase 1; the entries it
-// overlaps are filled after). An entry holds S h rows: an expert takes at most one slot of each token (more only
-// with duplicate given picks, whose extra rows phase 2 reads from global). At least 3 entries (two in flight while
-// one is summed) and one below x, or it does not fit.
+// overlaps are filled after). Rows in shared memory (x, W_down, h) are DEC_PAD bytes longer than their data, so the
+// eight rows of an mma fragment load fall in distinct banks. An entry holds an expert's W_down rows of the CTA and
+// DEC_HCAP h rows (an expert with more slots has the rest read from global). At least 3 entries and one below x.
+constexpr int DEC_PAD = 64, DEC_HCAP = 8;
 inline DecPlan dec_stream_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int sms, int64_t smem_max) {
   auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
   DecPlan d = {};
   d.grid = sms;
   d.rows = (int)((H + sms - 1) / sms);
   const int64_t slots = S * K;
-  if (slots > DEC_MAX_SLOTS) return d;
+  if (slots > DEC_MAX_SLOTS || H % 32 || I % 32) return d;
+  const int64_t hcap = S < DEC_HCAP ? S : DEC_HCAP;
   const int64_t lg_off = 8 * DEC_RING_MAX;  // the entries' mbarriers first
   const int64_t part_off = up(lg_off + S * E * 4);        // [position][rows] fp32: each slot's down projection
   const int64_t list_off = up(part_off + slots * d.rows * 4);
-  const int64_t ring_off = up(list_off + (6 * slots + 2) * 4);  // s_e, s_w, s_pos, k_slot, k_exp, k_off[slots + 1]
-  const int64_t entry = up((int64_t)d.rows * I * 2 + S * I * 2), xb = up(S * H * 2);
+  const int64_t ring_off = up(list_off + (6 * slots + 2 + E) * 4);  // s_e, s_w, s_pos, k_slot, k_exp, k_off, hist
+  const int64_t entry = up(((int64_t)d.rows + hcap) * (I * 2 + DEC_PAD)), xb = up(S * (H * 2 + DEC_PAD));
   if (ring_off + xb > smem_max) return d;
   int64_t ring = (smem_max - ring_off) / entry;
   if (ring > DEC_RING_MAX) ring = DEC_RING_MAX;
@@ -107,7 +109,7 @@ inline DecPlan dec_stream_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64
   if (ring < 3 || x_off < ring_off || (x_off - ring_off) / entry < 1) return d;
   d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.list_off = (int)list_off, d.ring_off = (int)ring_off;
   d.x_off = (int)x_off, d.ring = (int)ring, d.entry = (int)entry, d.pre = (int)((x_off - ring_off) / entry);
-  d.hcap = (int)S, d.bytes = (int)end;
+  d.hcap = (int)hcap, d.bytes = (int)end;
   return d;
 }
 
@@ -242,9 +244,10 @@ __device__ __forceinline__ float dec_rows8(const uint4* wr, const uint4* hv, int
 
 // Routing of a decode launch, every CTA alike: x into shared memory (xs), then either the picks from the gate
 // (decode = 2: the S x E logits spread over the grid's warps, each logit polled where it lands, then warp_topk per
-// token) or the given ones (decode = 1) into s_e / s_w (expert -1: a slot that adds nothing). The caller syncs.
+// token) or the given ones (decode = 1) into s_e / s_w (expert -1: a slot that adds nothing). x row t at xs + t * XS
+// (XS >= H elements: the streaming kernel pads rows for conflict-free fragment loads). The caller syncs.
 template <int NI>
-__device__ __forceinline__ void dec_route(const MkParams& p, bf16* xs, float* lg, int* s_e, float* s_w) {
+__device__ __forceinline__ void dec_route(const MkParams& p, bf16* xs, int XS, float* lg, int* s_e, float* s_w) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int S = (int)p.S, K = (int)p.K, H = (int)p.H, E = (int)p.E, slots = S * K, HV = H / 8;
   int32_t* cnt = p.dec_cnt;
@@ -262,13 +265,14 @@ __device__ __forceinline__ void dec_route(const MkParams& p, bf16* xs, float* lg
     }
   }
   pdl_enter(p);  // x (and given picks) from the kernels before are visible from here
-  MK_ONCE for (int v = tid; v < S * H / 8; v += DEC_THREADS) ((uint4*)xs)[v] = ((const uint4*)p.x)[v];
+  MK_ONCE for (int v = tid; v < S * HV; v += DEC_THREADS)
+    ((uint4*)(xs + (int64_t)(v / HV) * XS))[v % HV] = ((const uint4*)p.x)[v];
   __syncthreads();
   if (p.decode == 2) {
     // 0. the logits, then the picks from all of them in every CTA
     MK_ONCE for (int l = l0 + warp; l < l1; l += DEC_WARPS) {
       const uint4* g = (const uint4*)((const bf16*)p.wg + (int64_t)(l % E) * H);
-      const uint4* xv = (const uint4*)(xs + (int64_t)(l / E) * H);
+      const uint4* xv = (const uint4*)(xs + (int64_t)(l / E) * XS);
       float a = 0.f;
       MK_ONCE for (int v0 = 0; v0 < HV; v0 += 32 * DEC_VEC) {  // the row's loads in flight at once (run 66: one
         uint4 w[DEC_VEC];                                        // at a time, routing took 8 µs)
@@ -347,7 +351,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   const int HV = H / 8;  // 16-byte vectors per weight row
-  dec_route<NI>(p, xs, lg, s_e, s_w);
+  dec_route<NI>(p, xs, H, lg, s_e, s_w);
   __syncthreads();
   dec_stamp(p, DEC_TR_ROUTED);
   const int64_t P = (int64_t)slots * I;
@@ -477,29 +481,48 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   }
 }
 
+
 // ---- the streaming decode kernel ---------------------------------------------------------------------------------
-// Launches whose routed rows' W_down do not all fit a CTA's shared memory (S = 2 .. ~20 on the Qwen3-30B shape; the
+// Launches whose routed rows' W_down do not all fit a CTA's shared memory (S = 2 .. ~24 on the Qwen3-30B shape; the
 // task graph ran them before, in waves of 16-row tiles whose ends and drain left the DRAM idle ~14 µs at S = 16, run
 // 94's timelines). The same one launch of one CTA per SM and the same routing, then:
-//   lists: every CTA ranks the slots by (expert, slot): the touched experts k = 0 .. nk-1 ascending, expert k's slots
-//      at positions k_off[k] .. k_off[k+1]; position i's h row is h[i * I ..].
-//   1. the (touched expert, intermediate column) units [u0, u1) of the nk x I, contiguous per CTA, a warp each: the
-//      gate and up rows are read ONCE for all of the expert's slots (four at a time from the registers holding
-//      them), then the CTA adds its units of each expert to that expert's counter (release after the h stores).
-//   2. the down projection streams through a ring of d.ring entries, each one expert's W_down rows of this CTA (one
-//      bulk copy, rows x I contiguous in the weight) and its slots' h rows (cp.async by every thread), completing on
-//      the entry's mbarrier (count 1 + threads: thread 0's expect_tx and every thread's noinc arrive). The first
-//      d.pre entries' W_down copies are issued before phase 1 and land during it; the rest overlap x and are filled
-//      after. Once every expert counter is complete (bounded waits) the CTA walks the experts in order: wait for the
-//      entry, the warps take (slot, 8 rows) units (dec_rows8), then the entry is refilled with expert k + ring.
+//   lists: every CTA orders the slots by (expert, slot), the same in every CTA: the touched experts k = 0 .. nk-1
+//      ascending, expert k's slots at positions k_off[k] .. k_off[k+1]; position i's h row is h[i * I ..].
+//   1. the units (touched expert k, 16 intermediate columns) [u0, u1) of nk x I/16, contiguous per CTA, a warp each:
+//      the 16 gate and 16 up rows times up to 8 of the expert's x rows on the tensor cores (mma_chunk32), so the
+//      weights are read once for all of its tokens at a cost that does not grow with them; h = silu(gate) * up.
+//      Then the CTA adds its units' columns to each expert's counter (release after the h stores).
+//   2. the down projection streams through d.ring entries, each one expert's W_down rows of this CTA (a bulk copy per
+//      row) and up to DEC_HCAP of its h rows (cp.async), completing on the entry's mbarrier. The first d.pre entries'
+//      W_down rows are copied before phase 1 and land during it; the rest overlap x. Once every expert counter is
+//      complete (bounded waits), warp w < d.ring takes experts w, w + ring, ..: waits for its entry, multiplies the
+//      rows by the h rows on the tensor cores into per-position sums, and refills the entry with its next expert.
 //   3. out[t, r] = sum over the token's slots in slot order of w * part (fp32, then bf16), as the staged kernel.
 // The counters, the exit ticket and the reset are the staged kernel's, per touched expert instead of per slot.
+
+// One 32-wide k chunk of a 16-row x 8-column mma tile (c += A . B, bf16 in, fp32 accumulate) with k permuted so that
+// each lane's operands are one 16-byte run per row: lane (g = lane / 4, q = lane % 4) holds elements 8q .. 8q+7 of the
+// chunk of A rows g and g + 8 (ag, ag8) and of B column g (b). Step s of the two m16n8k16 steps takes words 2s and
+// 2s + 1 as its (k 2q, 2q+1) and (k 2q+8, 2q+9) pairs; A and B are permuted alike, so the sum is the chunk's.
+__device__ __forceinline__ void mma_chunk32(float (&c)[4], const uint4 ag, const uint4 ag8, const uint4 b) {
+  {
+    const uint32_t a[4] = {ag.x, ag8.x, ag.y, ag8.y};
+    mma16816(c, a, b.x, b.y);
+  }
+  {
+    const uint32_t a[4] = {ag.z, ag8.z, ag.w, ag8.w};
+    mma16816(c, a, b.z, b.w);
+  }
+}
+constexpr int DEC_DEPTH = 3;  // phase 1: 32-wide chunks of the four weight rows a lane has in flight
+
 template <int NI>
 __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams p, const DecPlan d) {
   extern __shared__ __align__(128) char smem[];
   __shared__ int s_nk;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q4 = lane & 3;
   const int S = (int)p.S, K = (int)p.K, H = (int)p.H, I = (int)p.I, E = (int)p.E, slots = S * K;
+  const int XS = H + DEC_PAD / 2, WROW = I * 2 + DEC_PAD;  // x row stride (elements), W_down / h row stride (bytes)
   const uint32_t bars = su32(smem);  // entry i's mbarrier at bars + 8 i
   bf16* xs = (bf16*)(smem + d.x_off);
   float* lg = (float*)(smem + d.lg_off);
@@ -510,6 +533,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams
   int* k_slot = s_pos + slots;       // position -> slot
   int* k_exp = k_slot + slots;       // touched expert k -> expert id
   int* k_off = k_exp + slots;        // [nk + 1] first position of each touched expert
+  int* base = k_off + slots + 1;     // [E] expert -> its first position
   char* ring = smem + d.ring_off;
   int32_t* cnt = p.dec_cnt;
   const int r0 = blockIdx.x * d.rows, nr = max(0, min(d.rows, H - r0));  // this CTA's output rows
@@ -519,101 +543,114 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams
   if (MK_DEC_PROBE & 16) return;
   dec_stamp(p, DEC_TR_START);
   if (tid == 0) {
-    MK_ONCE for (int i = 0; i < d.ring; ++i) mbar_init(bars + 8 * i, 1 + DEC_THREADS);
+    MK_ONCE for (int i = 0; i < d.ring; ++i) mbar_init(bars + 8 * i, 1 + 32);  // the filler's expect_tx + its warp's h
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  dec_route<NI>(p, xs, lg, s_e, s_w);
+  dec_route<NI>(p, xs, XS, lg, s_e, s_w);
+  for (int e = tid; e < E; e += DEC_THREADS) base[e] = 0;
   __syncthreads();
-  // lists: a slot's position is its rank by (expert, slot); slots naming no expert (-1) rank after every other
-  MK_ONCE for (int s = tid; s < slots; s += DEC_THREADS) {
-    const unsigned key = (unsigned)s_e[s];  // -1 -> the largest key
-    int r = 0;
-    MK_ONCE for (int o = 0; o < slots; ++o) {
-      const unsigned ko = (unsigned)s_e[o];
-      r += ko < key || (ko == key && o < s);
-    }
-    s_pos[s] = r;
-    k_slot[r] = s;
-  }
+  // lists: slots per expert, their exclusive scan (warp 0), then a slot's position: its expert's first position plus
+  // the lower slots on the same expert (the same order in every CTA: phase 1's writers and phase 2's readers agree)
+  MK_ONCE for (int s = tid; s < slots; s += DEC_THREADS)
+    if (s_e[s] >= 0) atomicAdd(base + s_e[s], 1);
   __syncthreads();
-  if (warp == 0) {  // a position starts a touched expert where its expert differs from the previous position's
-    int nk = 0, valid = 0;
-    MK_ONCE for (int base = 0; base < slots; base += 32) {
-      const int r = base + lane;
-      const int e = r < slots ? s_e[k_slot[r]] : -1;
-      const bool first = e >= 0 && (r == 0 || s_e[k_slot[r - 1]] != e);
-      const unsigned m = __ballot_sync(~0u, first);
-      if (first) {
+  if (warp == 0) {
+    int run = 0, nk = 0;
+    MK_ONCE for (int e0 = 0; e0 < E; e0 += 32) {
+      const int e = e0 + lane, n = e < E ? base[e] : 0;
+      int v = n;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(~0u, v, o);
+        if (lane >= o) v += t;
+      }
+      const int first = run + v - n;
+      if (e < E) base[e] = first;
+      const unsigned m = __ballot_sync(~0u, n > 0);
+      if (n > 0) {
         const int k = nk + __popc(m & ((1u << lane) - 1));
         k_exp[k] = e;
-        k_off[k] = r;
+        k_off[k] = first;
       }
       nk += __popc(m);
-      valid += __popc(__ballot_sync(~0u, e >= 0));
+      run += __shfl_sync(~0u, v, 31);
     }
     if (lane == 0) {
-      k_off[nk] = valid;
+      k_off[nk] = run;
       s_nk = nk;
     }
   }
   __syncthreads();
-  const int nk = s_nk, KV = I / 8, HV = H / 8;
+  MK_ONCE for (int s = tid; s < slots; s += DEC_THREADS) {
+    const int e = s_e[s];
+    if (e < 0) continue;
+    int r = base[e];
+    MK_ONCE for (int o = 0; o < s; ++o) r += s_e[o] == e;
+    s_pos[s] = r;
+    k_slot[r] = s;
+  }
+  __syncthreads();
+  const int nk = s_nk, HV = H / 8;
   dec_stamp(p, DEC_TR_ROUTED);
-  const uint32_t wbytes = (uint32_t)nr * I * 2;
-  auto w2_rows = [&](int k) { return (const bf16*)p.w2 + ((int64_t)k_exp[k] * H + r0) * I; };
+  const uint32_t wrow = (uint32_t)I * 2;
+  // an entry's W_down rows for touched expert k (expect_tx by the caller first): one bulk copy per row, by lanes
+  auto copy_w2 = [&](int k, char* ent, uint32_t bar, int first, int step) {
+    const bf16* src = (const bf16*)p.w2 + ((int64_t)k_exp[k] * H + r0) * I;
+    MK_ONCE for (int r = first; r < nr; r += step)
+      bulk_load(su32(ent + (int64_t)r * WROW), src + (int64_t)r * I, wrow, bar, ev, pol);
+  };
   // 2 (early). the first d.pre entries' W_down rows, landing during phase 1
-  if (tid == 0 && nr > 0 && !(MK_DEC_PROBE & 1)) {
+  if (tid == 0 && nr > 0) {
     MK_ONCE for (int k = 0; k < min(d.pre, nk); ++k) {
-      mbar_arrive_tx(bars + 8 * k, wbytes);
-      bulk_load(su32(ring + (int64_t)k * d.entry), w2_rows(k), wbytes, bars + 8 * k, ev, pol);
+      mbar_arrive_tx(bars + 8 * k, (MK_DEC_PROBE & 1) ? 0 : wrow * nr);
+      if (!(MK_DEC_PROBE & 1)) copy_w2(k, ring + (int64_t)k * d.entry, bars + 8 * k, 0, 1);
     }
   }
   dec_stamp(p, DEC_TR_P1);
-  // 1. (touched expert, column) units [u0, u1): warps 1.. take R each, warp 0 (which issued the copies) the rest
-  const int64_t U = (int64_t)nk * I;
+  // 1. units (touched expert, 16 columns) [u0, u1): warps 1.. take R each, warp 0 (which issued the copies) the rest
+  const int JB = I / 16, NCH = H / 32;
+  const int64_t U = (int64_t)nk * JB;
   const int64_t u0 = U * blockIdx.x / gridDim.x, u1 = U * (blockIdx.x + 1) / gridDim.x;
   const int n2 = (int)(u1 - u0), R2 = (n2 + DEC_WARPS - 1) / DEC_WARPS;
   const int i_lo = warp ? warp - 1 : (DEC_WARPS - 1) * R2, i_step = warp ? DEC_WARPS - 1 : 1;
   const int i_hi = warp ? min(n2, (DEC_WARPS - 1) * R2) : n2;
   MK_ONCE for (int i2 = i_lo; i2 < i_hi; i2 += i_step) {
     const int64_t u = u0 + i2;
-    const int k = (int)(u / I), j = (int)(u % I), pa = k_off[k], pb = k_off[k + 1];
-    const uint4* g = (const uint4*)((const bf16*)p.w1 + ((int64_t)k_exp[k] * 2 * I + j) * H);
-    const uint4* uu = g + (int64_t)I * HV;  // the up row: I rows further
-    MK_ONCE for (int q0 = pa; q0 < pb; q0 += 4) {  // the expert's slots, four at a time (rows reread past four)
-      const int nq = min(4, pb - q0);
-      const uint4* xv[4];
+    const int k = (int)(u / JB), j0 = (int)(u % JB) * 16, pa = k_off[k], pb = k_off[k + 1];
+    // lane's rows: gate j0 + g, j0 + g + 8 and the up rows I further; its 16 bytes of chunk ch at + 4 ch
+    const uint4* w0 = (const uint4*)((const bf16*)p.w1 + ((int64_t)k_exp[k] * 2 * I + j0 + g) * H) + q4;
+    const uint4* rows[4] = {w0, w0 + 8 * HV, w0 + (int64_t)I * HV, w0 + (int64_t)(I + 8) * HV};
+    MK_ONCE for (int t0 = pa; t0 < pb; t0 += 8) {  // the expert's slots, 8 at a time (mma columns; rows reread past 8)
+      const uint4* xv = (const uint4*)(xs + (int64_t)(k_slot[min(t0 + g, pb - 1)] / K) * XS) + q4;
+      float cg[4] = {0.f, 0.f, 0.f, 0.f}, cu[4] = {0.f, 0.f, 0.f, 0.f};
+      uint4 wv[DEC_DEPTH][4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) xv[q] = (const uint4*)(xs + (int64_t)(k_slot[min(q0 + q, pb - 1)] / K) * H);
-      float ag[4] = {0.f, 0.f, 0.f, 0.f}, au[4] = {0.f, 0.f, 0.f, 0.f};
-      MK_ONCE for (int v0 = 0; v0 < HV; v0 += 32 * DEC_VEC) {
-        uint4 a[DEC_VEC], b[DEC_VEC];
+      for (int dd = 0; dd < DEC_DEPTH; ++dd)
 #pragma unroll
-        for (int i = 0; i < DEC_VEC; ++i) {  // every load issued before the first product
-          const int v = v0 + lane + 32 * i;
-          a[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(g + v, ev, pol) : make_uint4(0, 0, 0, 0);
-          b[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(uu + v, ev, pol) : make_uint4(0, 0, 0, 0);
-        }
+        for (int r = 0; r < 4; ++r)
+          wv[dd][r] = dd < NCH && !(MK_DEC_PROBE & 2) ? ld_weights(rows[r] + 4 * dd, ev, pol) : make_uint4(0, 0, 0, 0);
+      MK_ONCE for (int c0 = 0; c0 < NCH; c0 += DEC_DEPTH) {
 #pragma unroll
-        for (int i = 0; i < DEC_VEC; ++i) {
-          const int v = v0 + lane + 32 * i;
-          if (v < HV) {
+        for (int dd = 0; dd < DEC_DEPTH; ++dd) {
+          const int ch = c0 + dd, nx = ch + DEC_DEPTH;
+          if (ch < NCH) {
+            const uint4 xb = xv[4 * ch];
+            mma_chunk32(cg, wv[dd][0], wv[dd][1], xb);
+            mma_chunk32(cu, wv[dd][2], wv[dd][3], xb);
 #pragma unroll
-            for (int q = 0; q < 4; ++q)
-              if (q < nq) {
-                const uint4 xx = xv[q][v];
-                dot8(ag[q], a[i], xx);
-                dot8(au[q], b[i], xx);
-              }
+            for (int r = 0; r < 4; ++r)
+              if (nx < NCH && !(MK_DEC_PROBE & 2)) wv[dd][r] = ld_weights(rows[r] + 4 * nx, ev, pol);
           }
         }
       }
+      // accumulator i: row j0 + g + 8 (i >> 1), column (position) t0 + 2 q4 + (i & 1)
 #pragma unroll
-      for (int q = 0; q < 4; ++q)
-        if (q < nq) {
-          const float gs = warp_sum(ag[q]), us = warp_sum(au[q]);
-          if (lane == 0) ((bf16*)p.h)[(int64_t)(q0 + q) * I + j] = __float2bfloat16(__fdividef(gs, 1.f + __expf(-gs)) * us);
-        }
+      for (int i = 0; i < 4; ++i) {
+        const int pos = t0 + 2 * q4 + (i & 1);
+        if (pos < pb)
+          ((bf16*)p.h)[(int64_t)pos * I + j0 + g + 8 * (i >> 1)] =
+              __float2bfloat16(__fdividef(cg[i], 1.f + __expf(-cg[i])) * cu[i]);
+      }
     }
   }
   __syncthreads();  // every thread's h stores before thread 0's fence and counters
@@ -621,10 +658,10 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams
   if (tid == 0) {
     if (u1 > u0) {
       __threadfence();
-      MK_ONCE for (int k = (int)(u0 / I); k <= (int)((u1 - 1) / I); ++k) {
-        const int64_t lo = u0 > (int64_t)k * I ? u0 : (int64_t)k * I;
-        const int64_t hi = u1 < (int64_t)(k + 1) * I ? u1 : (int64_t)(k + 1) * I;
-        red_release(cnt + DEC_STRIDE * k, (int)(hi - lo));
+      MK_ONCE for (int k = (int)(u0 / JB); k <= (int)((u1 - 1) / JB); ++k) {
+        const int64_t lo = u0 > (int64_t)k * JB ? u0 : (int64_t)k * JB;
+        const int64_t hi = u1 < (int64_t)(k + 1) * JB ? u1 : (int64_t)(k + 1) * JB;
+        red_release(cnt + DEC_STRIDE * k, (int)(hi - lo) * 16);
       }
     }
     if (nr == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
@@ -635,39 +672,49 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams
     __syncthreads();  // every expert's h complete (and this CTA's x no longer read: the ring may overwrite it)
     if (tid == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
     dec_stamp(p, DEC_TR_READY);
-    // an entry's fill: W_down (thread 0, unless it went early) and the h rows of its first hcap positions (everyone)
-    auto fill = [&](int k, bool w2) {
-      char* ent = ring + (int64_t)(k % d.ring) * d.entry;
-      const uint32_t bar = bars + 8 * (k % d.ring);
-      if (w2 && tid == 0) {
-        const bool copy = !(MK_DEC_PROBE & 1);
-        mbar_arrive_tx(bar, copy ? wbytes : 0);
-        if (copy) bulk_load(su32(ent), w2_rows(k), wbytes, bar, ev, pol);
+    if (warp < d.ring) {
+      char* ent = ring + (int64_t)warp * d.entry;
+      const uint32_t bar = bars + 8 * warp;
+      const char* hs = ent + (int64_t)d.rows * WROW;
+      // the entry's fill for expert k: W_down rows unless they went early, then its first hcap h rows (16 bytes a
+      // lane per cp.async), every lane's noinc arrive
+      auto fill = [&](int k, bool w2) {
+        if (w2) {
+          if (lane == 0) mbar_arrive_tx(bar, (MK_DEC_PROBE & 1) ? 0 : wrow * nr);
+          __syncwarp();  // the expected bytes before any copy completes
+          if (!(MK_DEC_PROBE & 1)) copy_w2(k, ent, bar, lane, 32);
+        }
+        const int pa = k_off[k], np = min(k_off[k + 1] - pa, d.hcap), KV = I / 8;
+        MK_ONCE for (int c = lane; c < np * KV; c += 32)
+          cp_async16(su32(hs + (int64_t)(c / KV) * WROW) + 16u * (c % KV), (const uint4*)p.h + (int64_t)pa * KV + c, 16);
+        cp_arrive_noinc(bar);
+      };
+      if (warp < nk) fill(warp, warp >= d.pre);
+      if (warp == 0) dec_stamp(p, DEC_TR_H);
+      MK_ONCE for (int k = warp, it = 0; k < nk; k += d.ring, ++it) {
+        mbar_wait(p, bar, (uint32_t)it & 1, (uint32_t)k);
+        const int pa = k_off[k], m = k_off[k + 1] - pa;
+        MK_ONCE for (int t0 = 0; t0 < m && !(MK_DEC_PROBE & 4); t0 += 8) {
+          const int tok = min(t0 + g, m - 1);  // this lane's B column: position pa + tok
+          const uint4* hv = tok < d.hcap ? (const uint4*)(hs + (int64_t)tok * WROW) + q4
+                                         : (const uint4*)p.h + (int64_t)(pa + tok) * (I / 8) + q4;
+          const bool glob = tok >= d.hcap;
+          MK_ONCE for (int rb = 0; rb < nr; rb += 16) {
+            const uint4* a0 = (const uint4*)(ent + (int64_t)min(rb + g, nr - 1) * WROW) + q4;
+            const uint4* a8 = (const uint4*)(ent + (int64_t)min(rb + g + 8, nr - 1) * WROW) + q4;
+            float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+            for (int ch = 0; ch < I / 32; ++ch) mma_chunk32(c, a0[4 * ch], a8[4 * ch], glob ? __ldcg(hv + 4 * ch) : hv[4 * ch]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {  // row rb + g + 8 (i >> 1), position pa + t0 + 2 q4 + (i & 1)
+              const int row = rb + g + 8 * (i >> 1), col = t0 + 2 * q4 + (i & 1);
+              if (row < nr && col < m) part[(pa + col) * d.rows + row] = c[i];
+            }
+          }
+        }
+        __syncwarp();  // the entry read by every lane before it is refilled
+        if (k + d.ring < nk) fill(k + d.ring, true);
       }
-      const int pa = k_off[k], np = min(k_off[k + 1] - pa, d.hcap);
-      const uint32_t hdst = su32(ent) + (uint32_t)d.rows * I * 2;
-      const char* hsrc = (const char*)p.h + (int64_t)pa * I * 2;
-      MK_ONCE for (int c = tid; c < np * KV; c += DEC_THREADS) cp_async16(hdst + 16u * c, hsrc + 16ll * c, 16);
-      cp_arrive_noinc(bar);
-    };
-    MK_ONCE for (int k = 0; k < min(d.ring, nk); ++k) fill(k, k >= d.pre);
-    dec_stamp(p, DEC_TR_H);
-    const int RB = (nr + 7) / 8;
-    MK_ONCE for (int k = 0; k < nk; ++k) {
-      const char* ent = ring + (int64_t)(k % d.ring) * d.entry;
-      mbar_wait(p, bars + 8 * (k % d.ring), (uint32_t)(k / d.ring) & 1, (uint32_t)k);
-      const int pa = k_off[k], units = (k_off[k + 1] - pa) * RB;
-      const uint4* wr = (const uint4*)ent;
-      MK_ONCE for (int u = warp; u < units && !(MK_DEC_PROBE & 4); u += DEC_WARPS) {
-        const int i = u / RB, rb = (u % RB) * 8;
-        const float sum = i < d.hcap
-            ? dec_rows8<false>(wr, (const uint4*)(ent + (int64_t)d.rows * I * 2) + (int64_t)i * KV, KV, rb, nr, lane)
-            : dec_rows8<true>(wr, (const uint4*)p.h + (int64_t)(pa + i) * KV, KV, rb, nr, lane);
-        const int row = rb + dec_row8(lane);
-        if ((lane & 3) == 0 && row < nr) part[(pa + i) * d.rows + row] = sum;
-      }
-      __syncthreads();  // the entry is free again
-      if (k + d.ring < nk) fill(k + d.ring, true);
     }
     __syncthreads();
     bf16* out = (bf16*)p.out;
@@ -682,7 +729,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams
   }
   dec_stamp(p, DEC_TR_END);
   // the last ticket: the counters zeroed, and the launch's task counts (a task per CTA with units, min(U, grid), and
-  // per CTA with rows; as runtime/megakernel/decode.py counts them; tiles = the touched experts)
+  // per CTA with rows, as runtime/megakernel/decode.py counts them with I/16 columns a unit; tiles = touched experts)
   if (tid == 0 && ticket == (int)gridDim.x - 1) {
     const int tasks = (int)min(U, (int64_t)gridDim.x) + min((int)gridDim.x, (H + d.rows - 1) / d.rows);
     p.ctl[MK_CTL_TOTAL] = tasks + 1;

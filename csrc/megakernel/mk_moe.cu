@@ -22,6 +22,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
+#include <algorithm>  // std::find (decode_attrs)
 #include <mutex>
 #include <stdint.h>
 #include <stdio.h>
@@ -2226,22 +2227,28 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
   return 0;
 }
 
-// A decode kernel's shared-memory limit raised to `bytes` on device `dev` and one CTA per SM checked resident; done
-// once per (kernel, device, size): every launch asks (mk_experts -> launch_decode), and these are driver calls.
+// A decode kernel's shared-memory limit raised to SMEM_MAX on device `dev` (once: launches of several sizes share the
+// function's attribute, so raising it to each size in turn left a larger launch over the last, smaller limit) and one
+// CTA per SM of `bytes` checked resident; done once per (kernel, device, size): every launch asks, and these are driver
+// calls.
 template <class Kern>
 int decode_attrs(Kern kernel, int dev, int bytes) {
   static std::mutex mu;
-  static std::vector<std::tuple<const void*, int, int>> done;  // (kernel, device, bytes) already set
+  static std::vector<std::tuple<const void*, int, int>> done;  // (kernel, device, bytes) checked; bytes -1: raised
   std::lock_guard<std::mutex> lock(mu);
-  for (const auto& t : done)
-    if (t == std::make_tuple((const void*)kernel, dev, bytes)) return 0;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (e != cudaSuccess) return fail("cudaFuncSetAttribute (decode kernel)", e);
+  const auto key = std::make_tuple((const void*)kernel, dev, bytes), raised = std::make_tuple((const void*)kernel, dev, -1);
+  if (std::find(done.begin(), done.end(), key) != done.end()) return 0;
+  cudaError_t e;
+  if (std::find(done.begin(), done.end(), raised) == done.end()) {
+    if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_MAX)) != cudaSuccess)
+      return fail("cudaFuncSetAttribute (decode kernel)", e);
+    done.push_back(raised);
+  }
   int per_sm = 0;
   if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, DEC_THREADS, bytes)) != cudaSuccess)
     return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor (decode kernel)", e);
   if (per_sm < 1) return fail_msg("mk: decode: no CTA of the decode kernel fits an SM");
-  done.emplace_back((const void*)kernel, dev, bytes);
+  done.push_back(key);
   return 0;
 }
 // Call f(kernel) with the decode kernel (staged, or streaming where `stream`) instantiated for the experts-per-lane

@@ -4,8 +4,8 @@ A launch has `grid` CTAs, one per SM. In the staged kernel CTA c computes the (g
 [P c / G, P (c + 1) / G) of the P = S x topk x I (pair q is slot q // I, intermediate column q % I) and then adds,
 for every slot its range touches, how many of that slot's pairs it finished to the slot's counter. The streaming
 kernel (`touched` given: routed rows whose W_down rows do not all fit a CTA) does the same over the touched experts
-instead of the slots (unit q is touched expert q // I, column q % I, computed once for all of its slots), with one
-counter per touched expert. CTA c owns output rows [c R, min((c + 1) R, H))
+instead of the slots, in units of 16 intermediate columns (unit q is touched expert q // (I/16), columns
+16 (q % (I/16)) .., computed once for all of its slots on the tensor cores), with one counter per touched expert. CTA c owns output rows [c R, min((c + 1) R, H))
 with R = ceil(H / G); it waits for each slot's counter to reach I, slot by slot in order, and adds that slot's down
 projection for its rows. `plan` gives the ranges and the task counts the kernel leaves in its ctl words (the GPU
 tests compare them); `simulate` runs the CTAs interleaved in a random order to check that every pair is computed
@@ -34,6 +34,7 @@ class DecodePlan:
     pair_ranges: tuple[tuple[int, int], ...]   # per CTA: [q0, q1) of the pairs (units)
     row_blocks: tuple[tuple[int, int], ...]    # per CTA: [r0, r1) of the output rows (empty past H)
     groups: int = 0                            # counters: slots (staged), touched experts (streaming)
+    cols: int = 1                              # intermediate columns a unit computes: 1 (staged), 16 (streaming)
 
     @property
     def total(self) -> int:
@@ -50,8 +51,8 @@ class DecodePlan:
         q0, q1 = self.pair_ranges[cta]
         if q1 <= q0:
             return []
-        i = self.intermediate
-        return [(s, min(q1, (s + 1) * i) - max(q0, s * i)) for s in range(q0 // i, (q1 - 1) // i + 1)]
+        i = self.intermediate // self.cols  # units per counter
+        return [(s, (min(q1, (s + 1) * i) - max(q0, s * i)) * self.cols) for s in range(q0 // i, (q1 - 1) // i + 1)]
 
 
 def plan(*, tokens: int, topk: int, hidden: int, intermediate: int, grid: int, touched: int | None = None) -> DecodePlan:
@@ -62,10 +63,12 @@ def plan(*, tokens: int, topk: int, hidden: int, intermediate: int, grid: int, t
     slots = tokens * topk
     if touched is not None and not 0 <= touched <= slots:
         raise ValueError(f"decode plan: touched experts must be in 0..{slots} (S x topk), got {touched}")
-    groups = slots if touched is None else touched
-    pairs = groups * intermediate
+    groups, cols = (slots, 1) if touched is None else (touched, 16)
+    if intermediate % cols:
+        raise ValueError(f"decode plan: the streaming kernel needs intermediate % 16 == 0, got {intermediate}")
+    pairs = groups * intermediate // cols
     rows = -(-hidden // grid)
-    return DecodePlan(grid=grid, rows=rows, slots=slots, intermediate=intermediate, hidden=hidden, groups=groups,
+    return DecodePlan(grid=grid, rows=rows, slots=slots, intermediate=intermediate, hidden=hidden, groups=groups, cols=cols,
                       pair_ranges=tuple((pairs * c // grid, pairs * (c + 1) // grid) for c in range(grid)),
                       row_blocks=tuple((min(c * rows, hidden), min((c + 1) * rows, hidden)) for c in range(grid)))
 
@@ -88,7 +91,7 @@ def simulate(p: DecodePlan, *, seed: int = 0, stall_slot: int = -1, timeout_poll
     complete."""
     rng = random.Random(seed)
     i = p.intermediate
-    sim = DecodeSim(pairs_done=[0] * (p.groups * i), counters=[0] * p.groups, rows_written=[0] * p.hidden)
+    sim = DecodeSim(pairs_done=[0] * (p.groups * i // p.cols), counters=[0] * p.groups, rows_written=[0] * p.hidden)
     state = [-1] * p.grid   # -1: pairs not done; s in 0..groups-1: waiting for counter s; groups: finished
     polls = [0] * p.grid
     running = list(range(p.grid))
