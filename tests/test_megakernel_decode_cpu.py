@@ -173,3 +173,49 @@ def test_config_decode_stream_field():
     assert MegakernelConfig.parse("decode_stream=0").decode_stream == 0
     with pytest.raises(ConfigError, match="decode_stream"):
         MegakernelConfig.parse("decode_stream=3")
+
+
+def _mma16816(a_regs, b_regs):
+    """m16n8k16 as the PTX ISA lays out its fragments: lane (g, q) holds A (row g + 8 ((i >> 1) & 1), k 2q + (i & 1)
+    + 8 (i >> 2)) as its element i = 0..7, B (k 2q + (i & 1) + 8 (i >> 1), column g) as element i = 0..3. Rebuilds A
+    and B from the lanes' elements and returns A @ B (16 x 8), with every element placed exactly once."""
+    import numpy as np
+
+    a, b = np.full((16, 16), np.nan), np.full((16, 8), np.nan)
+    for lane in range(32):
+        g, q = lane >> 2, lane & 3
+        for i in range(8):
+            a[g + 8 * ((i >> 1) & 1), 2 * q + (i & 1) + 8 * (i >> 2)] = a_regs[lane][i]
+        for i in range(4):
+            b[2 * q + (i & 1) + 8 * (i >> 1), g] = b_regs[lane][i]
+    assert not np.isnan(a).any() and not np.isnan(b).any()
+    return a @ b
+
+
+def _words(v, w):
+    """32-bit word w of a 16-byte run: its two bf16 elements, the lower one first."""
+    return [v[2 * w], v[2 * w + 1]]
+
+
+def test_permuted_k_mma_chunk_is_the_dot_product():
+    """mma_chunk32 (mk_decode.cuh): each lane passes its 16-byte runs (elements 8q .. 8q+7 of A rows g, g + 8 and of B
+    column g) as words 2s, 2s + 1 of step s; the two steps' products add up to the 32-wide chunk's A @ B."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    A, B = rng.standard_normal((16, 32)), rng.standard_normal((32, 8))
+    out = np.zeros((16, 8))
+    for s in range(2):
+        a_regs, b_regs = [], []
+        for lane in range(32):
+            g, q = lane >> 2, lane & 3
+            # the lane's 16 bytes of A rows g, g + 8 and of B column g
+            ag, ag8, xb = A[g, 8 * q:8 * q + 8], A[g + 8, 8 * q:8 * q + 8], B[8 * q:8 * q + 8, g]
+            # a = {ag.w[2s], ag8.w[2s], ag.w[2s+1], ag8.w[2s+1]}, b = {x.w[2s], x.w[2s+1]}
+            a_regs.append(_words(ag, 2 * s) + _words(ag8, 2 * s) + _words(ag, 2 * s + 1) + _words(ag8, 2 * s + 1))
+            b_regs.append(_words(xb, 2 * s) + _words(xb, 2 * s + 1))
+        out += _mma16816(a_regs, b_regs)
+    np.testing.assert_allclose(out, A @ B, rtol=1e-12, atol=1e-12)
+    src = (_lib.source_dir() / "mk_decode.cuh").read_text()
+    assert "const uint32_t a[4] = {ag.x, ag8.x, ag.y, ag8.y};" in src and "mma16816(c, a, b.x, b.y);" in src
+    assert "const uint32_t a[4] = {ag.z, ag8.z, ag.w, ag8.w};" in src and "mma16816(c, a, b.z, b.w);" in src
