@@ -53,6 +53,12 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 #ifndef MK_DEC_PROBE
 #define MK_DEC_PROBE 0
 #endif
+#ifndef MK_DEC_DEPTH
+#define MK_DEC_DEPTH 4  // the streaming kernel's phase-1 depth (DEC_DEPTH)
+#endif
+#ifndef MK_DEC_L2_256
+#define MK_DEC_L2_256 1  // the streaming kernel's 256-byte L2 fetches (ld_weights_256)
+#endif
 
 // Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
 struct DecPlan {
@@ -122,6 +128,23 @@ __device__ __forceinline__ uint4 ld_weights(const uint4* p, bool evict_first, ui
                  : "l"(p), "l"(pol));
   else
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+  return v;
+}
+// The same with a 256-byte L2 fetch on a miss: for loads that walk a row in short runs (the streaming kernel's mma
+// operands), so the DRAM sees whole 256-byte bursts instead of the 64 bytes a lane group asks for at a time.
+__device__ __forceinline__ uint4 ld_weights_256(const uint4* p, bool evict_first, uint64_t pol) {
+#if !MK_DEC_L2_256
+  return ld_weights(p, evict_first, pol);
+#endif
+  uint4 v;
+  if (evict_first)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4], %5;\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(pol));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
   return v;
@@ -514,7 +537,10 @@ __device__ __forceinline__ void mma_chunk32(float (&c)[4], const uint4 ag, const
     mma16816(c, a, b.z, b.w);
   }
 }
-constexpr int DEC_DEPTH = 3;  // phase 1: 32-wide chunks of the four weight rows a lane has in flight
+// phase 1: 32-wide chunks of the four weight rows a lane has in flight: 8 KB a warp, 128 KB an SM (an SM's share of
+// the DRAM rate, ~32 GB/s, at up to ~4 µs of loaded latency). MK_DEC_DEPTH / MK_DEC_L2_256 (0: no 256-byte L2
+// fetch) are for measurement builds only.
+constexpr int DEC_DEPTH = MK_DEC_DEPTH;
 
 template <int NI>
 __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams p, const DecPlan d) {
@@ -585,7 +611,8 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams
     const int e = s_e[s];
     if (e < 0) continue;
     int r = base[e];
-    MK_ONCE for (int o = 0; o < s; ++o) r += s_e[o] == e;
+#pragma unroll 8
+    for (int o = 0; o < s; ++o) r += s_e[o] == e;
     s_pos[s] = r;
     k_slot[r] = s;
   }
@@ -617,7 +644,8 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams
   MK_ONCE for (int i2 = i_lo; i2 < i_hi; i2 += i_step) {
     const int64_t u = u0 + i2;
     const int k = (int)(u / JB), j0 = (int)(u % JB) * 16, pa = k_off[k], pb = k_off[k + 1];
-    // lane's rows: gate j0 + g, j0 + g + 8 and the up rows I further; its 16 bytes of chunk ch at + 4 ch
+    // lane's rows: gate j0 + g, j0 + g + 8 and the up rows I further; its 16 bytes of chunk ch at + 4 ch (the four
+    // lanes of a row read 64 contiguous bytes a chunk; the 256-byte L2 fetch makes that whole bursts for the DRAM)
     const uint4* w0 = (const uint4*)((const bf16*)p.w1 + ((int64_t)k_exp[k] * 2 * I + j0 + g) * H) + q4;
     const uint4* rows[4] = {w0, w0 + 8 * HV, w0 + (int64_t)I * HV, w0 + (int64_t)(I + 8) * HV};
     MK_ONCE for (int t0 = pa; t0 < pb; t0 += 8) {  // the expert's slots, 8 at a time (mma columns; rows reread past 8)
@@ -628,7 +656,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams
       for (int dd = 0; dd < DEC_DEPTH; ++dd)
 #pragma unroll
         for (int r = 0; r < 4; ++r)
-          wv[dd][r] = dd < NCH && !(MK_DEC_PROBE & 2) ? ld_weights(rows[r] + 4 * dd, ev, pol) : make_uint4(0, 0, 0, 0);
+          wv[dd][r] = dd < NCH && !(MK_DEC_PROBE & 2) ? ld_weights_256(rows[r] + 4 * dd, ev, pol) : make_uint4(0, 0, 0, 0);
       MK_ONCE for (int c0 = 0; c0 < NCH; c0 += DEC_DEPTH) {
 #pragma unroll
         for (int dd = 0; dd < DEC_DEPTH; ++dd) {
@@ -639,7 +667,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams
             mma_chunk32(cu, wv[dd][2], wv[dd][3], xb);
 #pragma unroll
             for (int r = 0; r < 4; ++r)
-              if (nx < NCH && !(MK_DEC_PROBE & 2)) wv[dd][r] = ld_weights(rows[r] + 4 * nx, ev, pol);
+              if (nx < NCH && !(MK_DEC_PROBE & 2)) wv[dd][r] = ld_weights_256(rows[r] + 4 * nx, ev, pol);
           }
         }
       }
