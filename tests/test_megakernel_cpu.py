@@ -919,13 +919,16 @@ def test_pdl_setting_and_source() -> None:
         body = dk[dk.index(kernel):]
         assert body.index("dec_route<NI>(") < body.index("p.h)") and "pdl_enter" not in body[:body.index("dec_route<NI>(")]
     dcode = re.sub(r"//[^\n]*", "", dk)
-    # definition + 6 uses (the gate row's first chunk before pdl_enter, the gate rows, the staged kernel's gate and up
-    # rows, the streaming kernel's four rows in the prologue and the loop); 2 variants
-    assert dcode.count("ld_weights(") == 7 and dcode.count("ld.global.nc") == 2
+    # definition + 4 uses (the gate row's first chunk before pdl_enter, the gate rows, the staged kernel's gate and up
+    # rows) + ld_weights_256's measurement fallback; ld_weights_256: definition + the streaming kernel's two (prologue
+    # and loop); 2 variants each
+    assert dcode.count("ld_weights(") == 6 and dcode.count("ld_weights_256(") == 3 and dcode.count("ld.global.nc") == 4
     # the only loads before pdl_enter are gate weights (no kernel before writes them)
     assert "p.x" not in route[:route.index("pdl_enter(p);")] and "ld_weights(g + v" in route[:route.index("pdl_enter(p);")]
-    assert all(any(f"ld_weights({w}" in ln for w in ("g + v", "u + v", "rows[r] + 4 *")) or "uint4 ld_weights(" in ln
+    assert all(any(f"ld_weights({w}" in ln for w in ("g + v", "u + v", "p, evict_first, pol)")) or "uint4 ld_weights(" in ln
                for ln in dcode.splitlines() if "ld_weights(" in ln)
+    assert all("ld_weights_256(rows[r] + 4 *" in ln or "uint4 ld_weights_256(" in ln
+               for ln in dcode.splitlines() if "ld_weights_256(" in ln)
 
 
 def test_l2_evict_weights_setting_rule_and_source() -> None:
