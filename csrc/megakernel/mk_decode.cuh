@@ -54,7 +54,7 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 #define MK_DEC_PROBE 0
 #endif
 #ifndef MK_DEC_DEPTH
-#define MK_DEC_DEPTH 4  // the streaming kernel's phase-1 depth (DEC_DEPTH)
+#define MK_DEC_DEPTH 8  // the streaming kernel's phase-1 depth (DEC_DEPTH)
 #endif
 #ifndef MK_DEC_L2_256
 #define MK_DEC_L2_256 1  // the streaming kernel's 256-byte L2 fetches (ld_weights_256)
@@ -511,8 +511,8 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
 // 94's timelines). The same one launch of one CTA per SM and the same routing, then:
 //   lists: every CTA orders the slots by (expert, slot), the same in every CTA: the touched experts k = 0 .. nk-1
 //      ascending, expert k's slots at positions k_off[k] .. k_off[k+1]; position i's h row is h[i * I ..].
-//   1. the units (touched expert k, 16 intermediate columns) [u0, u1) of nk x I/16, contiguous per CTA, a warp each:
-//      the 16 gate and 16 up rows times up to 8 of the expert's x rows on the tensor cores (mma_chunk32), so the
+//   1. the units (touched expert k, 8 intermediate columns) [u0, u1) of nk x I/8, contiguous per CTA, a warp each:
+//      the 8 gate and 8 up rows (one 16-row tile) times up to 8 of the expert's x rows on the tensor cores (mma_chunk32), so the
 //      weights are read once for all of its tokens at a cost that does not grow with them; h = silu(gate) * up.
 //      Then the CTA adds its units' columns to each expert's counter (release after the h stores).
 //   2. the down projection streams through d.ring entries, each one expert's W_down rows of this CTA (a bulk copy per
@@ -537,7 +537,7 @@ __device__ __forceinline__ void mma_chunk32(float (&c)[4], const uint4 ag, const
     mma16816(c, a, b.z, b.w);
   }
 }
-// phase 1: 32-wide chunks of the four weight rows a lane has in flight: 8 KB a warp, 128 KB an SM (an SM's share of
+// phase 1: 32-wide chunks of the two weight rows a lane has in flight: 8 KB a warp, 128 KB an SM (an SM's share of
 // the DRAM rate, ~32 GB/s, at up to ~4 µs of loaded latency). MK_DEC_DEPTH / MK_DEC_L2_256 (0: no 256-byte L2
 // fetch) are for measurement builds only.
 constexpr int DEC_DEPTH = MK_DEC_DEPTH;
@@ -635,7 +635,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams
   }
   dec_stamp(p, DEC_TR_P1);
   // 1. units (touched expert, 16 columns) [u0, u1): warps 1.. take R each, warp 0 (which issued the copies) the rest
-  const int JB = I / 16, NCH = H / 32;
+  const int JB = I / 8, NCH = H / 32;
   const int64_t U = (int64_t)nk * JB;
   const int64_t u0 = U * blockIdx.x / gridDim.x, u1 = U * (blockIdx.x + 1) / gridDim.x;
   const int n2 = (int)(u1 - u0), R2 = (n2 + DEC_WARPS - 1) / DEC_WARPS;
@@ -643,41 +643,39 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams
   const int i_hi = warp ? min(n2, (DEC_WARPS - 1) * R2) : n2;
   MK_ONCE for (int i2 = i_lo; i2 < i_hi; i2 += i_step) {
     const int64_t u = u0 + i2;
-    const int k = (int)(u / JB), j0 = (int)(u % JB) * 16, pa = k_off[k], pb = k_off[k + 1];
-    // lane's rows: gate j0 + g, j0 + g + 8 and the up rows I further; its 16 bytes of chunk ch at + 4 ch (the four
+    const int k = (int)(u / JB), j0 = (int)(u % JB) * 8, pa = k_off[k], pb = k_off[k + 1];
+    // the tile's A rows: gate row j0 + g (rows 0..7) and its up row (rows 8..15), so one accumulator holds both halves
+    // of SwiGLU for the same (column, token) in the same thread. The lane's 16 bytes of chunk ch at + 4 ch (the four
     // lanes of a row read 64 contiguous bytes a chunk; the 256-byte L2 fetch makes that whole bursts for the DRAM)
     const uint4* w0 = (const uint4*)((const bf16*)p.w1 + ((int64_t)k_exp[k] * 2 * I + j0 + g) * H) + q4;
-    const uint4* rows[4] = {w0, w0 + 8 * HV, w0 + (int64_t)I * HV, w0 + (int64_t)(I + 8) * HV};
+    const uint4* rows[2] = {w0, w0 + (int64_t)I * HV};
     MK_ONCE for (int t0 = pa; t0 < pb; t0 += 8) {  // the expert's slots, 8 at a time (mma columns; rows reread past 8)
       const uint4* xv = (const uint4*)(xs + (int64_t)(k_slot[min(t0 + g, pb - 1)] / K) * XS) + q4;
-      float cg[4] = {0.f, 0.f, 0.f, 0.f}, cu[4] = {0.f, 0.f, 0.f, 0.f};
-      uint4 wv[DEC_DEPTH][4];
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+      uint4 wv[DEC_DEPTH][2];
 #pragma unroll
       for (int dd = 0; dd < DEC_DEPTH; ++dd)
 #pragma unroll
-        for (int r = 0; r < 4; ++r)
+        for (int r = 0; r < 2; ++r)
           wv[dd][r] = dd < NCH && !(MK_DEC_PROBE & 2) ? ld_weights_256(rows[r] + 4 * dd, ev, pol) : make_uint4(0, 0, 0, 0);
       MK_ONCE for (int c0 = 0; c0 < NCH; c0 += DEC_DEPTH) {
 #pragma unroll
         for (int dd = 0; dd < DEC_DEPTH; ++dd) {
           const int ch = c0 + dd, nx = ch + DEC_DEPTH;
           if (ch < NCH) {
-            const uint4 xb = xv[4 * ch];
-            mma_chunk32(cg, wv[dd][0], wv[dd][1], xb);
-            mma_chunk32(cu, wv[dd][2], wv[dd][3], xb);
+            mma_chunk32(c, wv[dd][0], wv[dd][1], xv[4 * ch]);
 #pragma unroll
-            for (int r = 0; r < 4; ++r)
+            for (int r = 0; r < 2; ++r)
               if (nx < NCH && !(MK_DEC_PROBE & 2)) wv[dd][r] = ld_weights_256(rows[r] + 4 * nx, ev, pol);
           }
         }
       }
-      // accumulator i: row j0 + g + 8 (i >> 1), column (position) t0 + 2 q4 + (i & 1)
+      // accumulator i: gate (i < 2) or up (i >= 2) of column j0 + g, position t0 + 2 q4 + (i & 1)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int pos = t0 + 2 * q4 + (i & 1);
+      for (int e = 0; e < 2; ++e) {
+        const int pos = t0 + 2 * q4 + e;
         if (pos < pb)
-          ((bf16*)p.h)[(int64_t)pos * I + j0 + g + 8 * (i >> 1)] =
-              __float2bfloat16(__fdividef(cg[i], 1.f + __expf(-cg[i])) * cu[i]);
+          ((bf16*)p.h)[(int64_t)pos * I + j0 + g] = __float2bfloat16(__fdividef(c[e], 1.f + __expf(-c[e])) * c[2 + e]);
       }
     }
   }
@@ -689,7 +687,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams
       MK_ONCE for (int k = (int)(u0 / JB); k <= (int)((u1 - 1) / JB); ++k) {
         const int64_t lo = u0 > (int64_t)k * JB ? u0 : (int64_t)k * JB;
         const int64_t hi = u1 < (int64_t)(k + 1) * JB ? u1 : (int64_t)(k + 1) * JB;
-        red_release(cnt + DEC_STRIDE * k, (int)(hi - lo) * 16);
+        red_release(cnt + DEC_STRIDE * k, (int)(hi - lo) * 8);
       }
     }
     if (nr == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);

@@ -4,8 +4,8 @@ A launch has `grid` CTAs, one per SM. In the staged kernel CTA c computes the (g
 [P c / G, P (c + 1) / G) of the P = S x topk x I (pair q is slot q // I, intermediate column q % I) and then adds,
 for every slot its range touches, how many of that slot's pairs it finished to the slot's counter. The streaming
 kernel (`touched` given: routed rows whose W_down rows do not all fit a CTA) does the same over the touched experts
-instead of the slots, in units of 16 intermediate columns (unit q is touched expert q // (I/16), columns
-16 (q % (I/16)) .., computed once for all of its slots on the tensor cores), with one counter per touched expert. CTA c owns output rows [c R, min((c + 1) R, H))
+instead of the slots, in units of 8 intermediate columns (unit q is touched expert q // (I/8), columns
+8 (q % (I/8)) .., computed once for all of its slots on the tensor cores), with one counter per touched expert. CTA c owns output rows [c R, min((c + 1) R, H))
 with R = ceil(H / G); it waits for each slot's counter to reach I, slot by slot in order, and adds that slot's down
 projection for its rows. `plan` gives the ranges and the task counts the kernel leaves in its ctl words (the GPU
 tests compare them); `simulate` runs the CTAs interleaved in a random order to check that every pair is computed
@@ -34,7 +34,7 @@ class DecodePlan:
     pair_ranges: tuple[tuple[int, int], ...]   # per CTA: [q0, q1) of the pairs (units)
     row_blocks: tuple[tuple[int, int], ...]    # per CTA: [r0, r1) of the output rows (empty past H)
     groups: int = 0                            # counters: slots (staged), touched experts (streaming)
-    cols: int = 1                              # intermediate columns a unit computes: 1 (staged), 16 (streaming)
+    cols: int = 1                              # intermediate columns a unit computes: 1 (staged), 8 (streaming)
 
     @property
     def total(self) -> int:
@@ -63,9 +63,9 @@ def plan(*, tokens: int, topk: int, hidden: int, intermediate: int, grid: int, t
     slots = tokens * topk
     if touched is not None and not 0 <= touched <= slots:
         raise ValueError(f"decode plan: touched experts must be in 0..{slots} (S x topk), got {touched}")
-    groups, cols = (slots, 1) if touched is None else (touched, 16)
+    groups, cols = (slots, 1) if touched is None else (touched, 8)
     if intermediate % cols:
-        raise ValueError(f"decode plan: the streaming kernel needs intermediate % 16 == 0, got {intermediate}")
+        raise ValueError(f"decode plan: the streaming kernel needs intermediate % 8 == 0, got {intermediate}")
     pairs = groups * intermediate // cols
     rows = -(-hidden // grid)
     return DecodePlan(grid=grid, rows=rows, slots=slots, intermediate=intermediate, hidden=hidden, groups=groups, cols=cols,
