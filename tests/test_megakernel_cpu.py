@@ -909,26 +909,17 @@ def test_pdl_setting_and_source() -> None:
     # k_logits keeps plain stream order (it follows the previous layer's kernels); the others launch under pdl
     assert "k_logits<T><<<" in src
     assert src.count("p->pdl != 0") == 5  # k_topk_small, k_topk, both persistent kernels, the decode kernel
-    # the decode kernels route first (dec_route), which waits before it reads x or the picks; their only
-    # non-coherent loads are the expert weights
+    # the decode kernel waits before it reads the picks; its only non-coherent loads are the expert weights
     dk = (_lib.source_dir() / "mk_decode.cuh").read_text()
-    route = dk[dk.index("void dec_route(const MkParams& p"):]
-    route = route[:route.index("\n}\n")]
-    assert route.index("pdl_enter(p);") < route.index("p.x") and route.index("pdl_enter(p);") < route.index("p.topk_idx")
-    for kernel in ("k_decode(const MkParams p", "k_decode_stream(const MkParams p"):
-        body = dk[dk.index(kernel):]
-        assert body.index("dec_route<NI>(") < body.index("p.h)") and "pdl_enter" not in body[:body.index("dec_route<NI>(")]
+    body = dk[dk.index("k_decode(const MkParams p"):]
+    assert body.index("pdl_enter(p);") < body.index("p.topk_idx")
     dcode = re.sub(r"//[^\n]*", "", dk)
-    # definition + 4 uses (the gate row's first chunk before pdl_enter, the gate rows, the staged kernel's gate and up
-    # rows) + ld_weights_256's measurement fallback; ld_weights_256: definition + the streaming kernel's two (prologue
-    # and loop); 2 variants each
-    assert dcode.count("ld_weights(") == 6 and dcode.count("ld_weights_256(") == 3 and dcode.count("ld.global.nc") == 4
+    # definition + 4 uses (the gate row's first chunk before pdl_enter, the gate rows, phase 2's two); 2 variants
+    assert dcode.count("ld_weights(") == 5 and dcode.count("ld.global.nc") == 2
     # the only loads before pdl_enter are gate weights (no kernel before writes them)
-    assert "p.x" not in route[:route.index("pdl_enter(p);")] and "ld_weights(g + v" in route[:route.index("pdl_enter(p);")]
-    assert all(any(f"ld_weights({w}" in ln for w in ("g + v", "u + v", "p, evict_first, pol)")) or "uint4 ld_weights(" in ln
+    assert "p.x" not in body[:body.index("pdl_enter(p);")] and "ld_weights(g + v" in body[:body.index("pdl_enter(p);")]
+    assert all("ld_weights(g + v" in ln or "ld_weights(u + v" in ln or "uint4 ld_weights(" in ln
                for ln in dcode.splitlines() if "ld_weights(" in ln)
-    assert all("ld_weights_256(rows[r] + 4 *" in ln or "uint4 ld_weights_256(" in ln
-               for ln in dcode.splitlines() if "ld_weights_256(" in ln)
 
 
 def test_l2_evict_weights_setting_rule_and_source() -> None:

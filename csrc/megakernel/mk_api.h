@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 17
+#define MK_ABI_VERSION 16
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -132,7 +132,7 @@ typedef struct MkParams {
                    // into shared memory; mk_decode_grid says where it fits), with the picks given in topk_idx /
                    // topk_w (1) or (ABI 16) routing from the gate in the kernel itself (2, no mk_route before it)
   // ABI 16
-  int32_t* dec_cnt;  // [(256 + 1) * 32 + 4096] (ABI 17; 64 slots before) the decode kernel's counters (zero between launches: its last CTA resets them)
+  int32_t* dec_cnt;  // [(64 + 3) * 32] the decode kernel's counters (zero between launches: its last CTA resets them)
 } MkParams;
 
 int mk_abi_version(void);
@@ -141,11 +141,10 @@ const char* mk_last_error(void);
 // current device (ABI 8: bn added; ABI 9: overlap).
 int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t bn, int64_t overlap, int* per_sm,
                  int* sms);
-// The decode kernel's launch for S tokens of this shape (E experts) on the current device: 0 and its CTAs (*grid, one per SM),
-// output rows per CTA (*rows) and *ring: 0 for the staged kernel (S x topk <= 64, every slot's rows of W_down in each
-// CTA's shared memory), else the streaming kernel's ring entries (S x topk <= 256, ABI 17) where it fits; else 1 and
-// mk_last_error says why (ABI 15).
-int mk_decode_grid(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int* grid, int* rows, int* ring);
+// The decode kernel's launch for S tokens of this shape (E experts) on the current device: 0 and its CTAs (*grid, one per SM) and
+// output rows per CTA (*rows) where it fits (S x topk <= 64, each CTA's rows of W_down in its shared memory), else 1
+// and mk_last_error says why (ABI 15).
+int mk_decode_grid(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int* grid, int* rows);
 // Launch the routing kernels (gate GEMM + softmax/top-k/lists) on `stream`.
 int mk_route(const MkParams* p, void* stream);
 // Given routing (p->topk_idx / p->topk_w filled by the caller): reset + per-expert row lists.

@@ -21,15 +21,21 @@
 // models them), so a launch needs no reset kernel before it. All CTAs are resident (one per SM, checked by the
 // occupancy query at launch), so a CTA waiting for a slot never blocks the CTAs that finish it.
 
+// A streaming variant for launches whose slots' W_down rows do not all fit a CTA (S = 2..24 here: the up projection
+// once per touched expert on mma tiles of 8 gate + 8 up rows x 8 tokens, then each CTA's W_down rows and h through a
+// ring of shared-memory entries; 8f8595d..dd41351) was slower than the task graph at every S measured side by side
+// (runs 94-97, graph µs: S=2 62.2 vs 59.4, 4 105.6 vs 95.9, 8 162.0 vs 138.2, 16 241.2 vs 199.7): its routing in the
+// kernel took 11 µs to the picks at S=16, no less than the routing kernels under pdl, its up projection streamed at
+// ~3.6-3.9 TB/s against the tile tasks' 4.2-4.3, and its phases met at a grid-wide wait. Dropped.
+
 // Every loop of the kernel runs a few times per launch, most exactly once, so none is unrolled (smaller code; run 65
 // against run 64: the same phase times, so the code size was not what made phase 3 slow, nor was warming it, run 68).
 #define MK_ONCE _Pragma("unroll 1")
 constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
 constexpr int DEC_VEC = 8;          // 16-byte weight loads per lane in flight for each row of a pair
-constexpr int DEC_STAGED_SLOTS = 64;  // S*K rows the staged kernel takes (routing in static shared memory)
-constexpr int DEC_MAX_SLOTS = 256;    // S*K rows a decode launch takes (the streaming kernel; its lists in dynamic smem)
+constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
 // MkParams.dec_cnt: int32 counters one 128-byte line apart (polled by every CTA): slot s's finished pairs at
-// DEC_STRIDE * s (the streaming kernel: touched expert k's finished rows at DEC_STRIDE * k), the exit ticket; then the gate logits of in-kernel routing from word DEC_LOGIT0,
+// DEC_STRIDE * s, the exit ticket; then the gate logits of in-kernel routing from word DEC_LOGIT0,
 // each stored as the bitwise NOT of its fp32 bits, so the zero the launch finds there means "not written yet" (the
 // NOT of a float the GPU's arithmetic produces is never zero: its NaNs are 0x7fffffff)
 constexpr int DEC_STRIDE = 32, DEC_MAX_LOGITS = 4096;  // S x E a decode launch with routing takes
@@ -53,22 +59,12 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 #ifndef MK_DEC_PROBE
 #define MK_DEC_PROBE 0
 #endif
-#ifndef MK_DEC_DEPTH
-#define MK_DEC_DEPTH 8  // the streaming kernel's phase-1 depth (DEC_DEPTH)
-#endif
-#ifndef MK_DEC_L2_256
-#define MK_DEC_L2_256 1  // the streaming kernel's 256-byte L2 fetches (ld_weights_256)
-#endif
 
 // Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
 struct DecPlan {
   int grid, rows;  // CTAs (one per SM), output rows per CTA (ceil(H / grid))
   int x_off, w2_off, h_off, acc_off, stage_off, lg_off, part_off, bytes;
-  // the streaming kernel (ring > 0): RING entries of `entry` bytes from ring_off (an expert's W_down rows of this CTA,
-  // then up to hcap h rows of its slots), the first `pre` of them below x; the slot lists at list_off
-  int ring, entry, pre, hcap, ring_off, list_off;
 };
-constexpr int DEC_RING_MAX = 16;  // entries (their mbarriers fill [0, 128) of the dynamic shared memory)
 inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int sms) {
   auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
   DecPlan d = {};
@@ -89,36 +85,6 @@ inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, i
   return d;
 }
 
-// The streaming kernel's plan (ring = 0 where it does not fit smem_max bytes): the logits, per-position sums and
-// slot lists first, then the ring up to the limit with x in its last bytes (x is only read in phase 1; the entries it
-// overlaps are filled after). Rows in shared memory (x, W_down, h) are DEC_PAD bytes longer than their data, so the
-// eight rows of an mma fragment load fall in distinct banks. An entry holds an expert's W_down rows of the CTA and
-// DEC_HCAP h rows (an expert with more slots has the rest read from global). At least 3 entries and one below x.
-constexpr int DEC_PAD = 64, DEC_HCAP = 8;
-inline DecPlan dec_stream_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int sms, int64_t smem_max) {
-  auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
-  DecPlan d = {};
-  d.grid = sms;
-  d.rows = (int)((H + sms - 1) / sms);
-  const int64_t slots = S * K;
-  if (slots > DEC_MAX_SLOTS || H % 32 || I % 32) return d;
-  const int64_t hcap = S < DEC_HCAP ? S : DEC_HCAP;
-  const int64_t lg_off = 8 * DEC_RING_MAX;  // the entries' mbarriers first
-  const int64_t part_off = up(lg_off + S * E * 4);        // [position][rows] fp32: each slot's down projection
-  const int64_t list_off = up(part_off + slots * d.rows * 4);
-  const int64_t ring_off = up(list_off + (6 * slots + 2 + E) * 4);  // s_e, s_w, s_pos, k_slot, k_exp, k_off, hist
-  const int64_t entry = up(((int64_t)d.rows + hcap) * (I * 2 + DEC_PAD)), xb = up(S * (H * 2 + DEC_PAD));
-  if (ring_off + xb > smem_max) return d;
-  int64_t ring = (smem_max - ring_off) / entry;
-  if (ring > DEC_RING_MAX) ring = DEC_RING_MAX;
-  const int64_t end = ring_off + ring * entry, x_off = end - xb;
-  if (ring < 3 || x_off < ring_off || (x_off - ring_off) / entry < 1) return d;
-  d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.list_off = (int)list_off, d.ring_off = (int)ring_off;
-  d.x_off = (int)x_off, d.ring = (int)ring, d.entry = (int)entry, d.pre = (int)((x_off - ring_off) / entry);
-  d.hcap = (int)hcap, d.bytes = (int)end;
-  return d;
-}
-
 // 16 bytes of weights that this launch reads once: not kept in L1; with the L2 evict-first policy when asked.
 __device__ __forceinline__ uint4 ld_weights(const uint4* p, bool evict_first, uint64_t pol) {
   uint4 v;
@@ -128,23 +94,6 @@ __device__ __forceinline__ uint4 ld_weights(const uint4* p, bool evict_first, ui
                  : "l"(p), "l"(pol));
   else
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-  return v;
-}
-// The same with a 256-byte L2 fetch on a miss: for loads that walk a row in short runs (the streaming kernel's mma
-// operands), so the DRAM sees whole 256-byte bursts instead of the 64 bytes a lane group asks for at a time.
-__device__ __forceinline__ uint4 ld_weights_256(const uint4* p, bool evict_first, uint64_t pol) {
-#if !MK_DEC_L2_256
-  return ld_weights(p, evict_first, pol);
-#endif
-  uint4 v;
-  if (evict_first)
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4], %5;\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(pol));
-  else
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
   return v;
@@ -222,59 +171,34 @@ __device__ __forceinline__ void red_release(int32_t* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
-// One warp's down projection of 8 rows rb.. of a CTA's W_down rows `wr` (shared memory, KV 16-byte chunks a row)
-// against one h row `hv` (shared memory; GLOBAL_H: global, read through the L2): each lane walks whole 16-byte chunks
-// of k (KV / 32 rounds, no idle lanes), its h chunk widened once for the 8 rows, the 8 rows' loads issued before their
-// products; then one butterfly leaves row rb + dec_row8(lane)'s sum on the lanes with lane & 3 == 0 (9 shuffles for
-// 8 rows instead of 40; run 70's ncu: the sums were issue-bound). Rows past nr reread the last; their sums are dropped.
-__device__ __forceinline__ int dec_row8(int lane) { return ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1); }
-template <bool GLOBAL_H>
-__device__ __forceinline__ float dec_rows8(const uint4* wr, const uint4* hv, int KV, int rb, int nr, int lane) {
-  float a[8];
-#pragma unroll
-  for (int r = 0; r < 8; ++r) a[r] = 0.f;
-  MK_ONCE for (int v = lane; v < KV; v += 32) {  // rows past nr reread the last; their sums are dropped
-    uint4 w[8];
-#pragma unroll
-    for (int r = 0; r < 8; ++r) w[r] = wr[(int64_t)min(rb + r, nr - 1) * KV + v];
-    float hf[8];
-    widen8(hf, GLOBAL_H ? __ldcg(hv + v) : hv[v]);
-#pragma unroll
-    for (int r = 0; r < 8; ++r) dot8f(a[r], w[r], hf);
-  }
-  // a[i] -> the warp's sum of row rb + 4 b4 + 2 b3 + b2 (b_k: lane bit k), on the lanes with b1 = b0 = 0
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const bool up = lane & 16;
-    const float send = up ? a[i] : a[i + 4];
-    a[i] = (up ? a[i + 4] : a[i]) + __shfl_xor_sync(~0u, send, 16);
-  }
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const bool up = lane & 8;
-    const float send = up ? a[i] : a[i + 2];
-    a[i] = (up ? a[i + 2] : a[i]) + __shfl_xor_sync(~0u, send, 8);
-  }
-  {
-    const bool up = lane & 4;
-    const float send = up ? a[0] : a[1];
-    a[0] = (up ? a[1] : a[0]) + __shfl_xor_sync(~0u, send, 4);
-  }
-  a[0] += __shfl_xor_sync(~0u, a[0], 2);
-  a[0] += __shfl_xor_sync(~0u, a[0], 1);
-  return a[0];
-}
-
-// Routing of a decode launch, every CTA alike: x into shared memory (xs), then either the picks from the gate
-// (decode = 2: the S x E logits spread over the grid's warps, each logit polled where it lands, then warp_topk per
-// token) or the given ones (decode = 1) into s_e / s_w (expert -1: a slot that adds nothing). x row t at xs + t * XS
-// (XS >= H elements: the streaming kernel pads rows for conflict-free fragment loads). The caller syncs.
+// NI: experts per lane of the in-kernel top-k (as k_topk's template bound)
 template <int NI>
-__device__ __forceinline__ void dec_route(const MkParams& p, bf16* xs, int XS, float* lg, int* s_e, float* s_w) {
+__global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, const DecPlan d) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ int s_e[DEC_MAX_SLOTS];
+  __shared__ float s_w[DEC_MAX_SLOTS];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int S = (int)p.S, K = (int)p.K, H = (int)p.H, E = (int)p.E, slots = S * K, HV = H / 8;
+  const int S = (int)p.S, K = (int)p.K, H = (int)p.H, I = (int)p.I, E = (int)p.E, slots = S * K;
+  const uint32_t bar = su32(smem);
+  bf16* xs = (bf16*)(smem + d.x_off);
+  const char* w2s = smem + d.w2_off;
+  bf16* hs = (bf16*)(smem + d.h_off);
+  float* acc = (float*)(smem + d.acc_off);
+  bf16* hstage = (bf16*)(smem + d.stage_off);
+  float* lg = (float*)(smem + d.lg_off);
+  float* part = (float*)(smem + d.part_off);
   int32_t* cnt = p.dec_cnt;
-  const uint64_t pol = 0;  // gate rows load with the default L2 policy
+  const int r0 = blockIdx.x * d.rows, nr = max(0, min(d.rows, H - r0));  // this CTA's output rows
+  const bool ev = p.l2_evict_w != 0;
+  uint64_t pol = 0;
+  if (ev) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  if (MK_DEC_PROBE & 16) return;
+  dec_stamp(p, DEC_TR_START);
+  if (tid == 0) {
+    mbar_init(bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  const int HV = H / 8;  // 16-byte vectors per weight row
   // routing's gate logits (t, e) of [l0, l1), a warp each: the first chunk of each warp's first gate row is loaded
   // before pdl_enter (weights, which no kernel before writes), so its DRAM latency overlaps x's
   const int L = S * E, l0 = (int)((int64_t)L * blockIdx.x / gridDim.x), l1 = (int)((int64_t)L * (blockIdx.x + 1) / gridDim.x);
@@ -288,14 +212,13 @@ __device__ __forceinline__ void dec_route(const MkParams& p, bf16* xs, int XS, f
     }
   }
   pdl_enter(p);  // x (and given picks) from the kernels before are visible from here
-  MK_ONCE for (int v = tid; v < S * HV; v += DEC_THREADS)
-    ((uint4*)(xs + (int64_t)(v / HV) * XS))[v % HV] = ((const uint4*)p.x)[v];
+  MK_ONCE for (int v = tid; v < S * H / 8; v += DEC_THREADS) ((uint4*)xs)[v] = ((const uint4*)p.x)[v];
   __syncthreads();
   if (p.decode == 2) {
     // 0. the logits, then the picks from all of them in every CTA
     MK_ONCE for (int l = l0 + warp; l < l1; l += DEC_WARPS) {
       const uint4* g = (const uint4*)((const bf16*)p.wg + (int64_t)(l % E) * H);
-      const uint4* xv = (const uint4*)(xs + (int64_t)(l / E) * XS);
+      const uint4* xv = (const uint4*)(xs + (int64_t)(l / E) * H);
       float a = 0.f;
       MK_ONCE for (int v0 = 0; v0 < HV; v0 += 32 * DEC_VEC) {  // the row's loads in flight at once (run 66: one
         uint4 w[DEC_VEC];                                        // at a time, routing took 8 µs)
@@ -344,37 +267,6 @@ __device__ __forceinline__ void dec_route(const MkParams& p, bf16* xs, int XS, f
       s_w[s] = __ldcg(p.topk_w + s);
     }
   }
-}
-
-// NI: experts per lane of the in-kernel top-k (as k_topk's template bound)
-template <int NI>
-__global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, const DecPlan d) {
-  extern __shared__ __align__(128) char smem[];
-  __shared__ int s_e[DEC_STAGED_SLOTS];
-  __shared__ float s_w[DEC_STAGED_SLOTS];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int S = (int)p.S, K = (int)p.K, H = (int)p.H, I = (int)p.I, E = (int)p.E, slots = S * K;
-  const uint32_t bar = su32(smem);
-  bf16* xs = (bf16*)(smem + d.x_off);
-  const char* w2s = smem + d.w2_off;
-  bf16* hs = (bf16*)(smem + d.h_off);
-  float* acc = (float*)(smem + d.acc_off);
-  bf16* hstage = (bf16*)(smem + d.stage_off);
-  float* lg = (float*)(smem + d.lg_off);
-  float* part = (float*)(smem + d.part_off);
-  int32_t* cnt = p.dec_cnt;
-  const int r0 = blockIdx.x * d.rows, nr = max(0, min(d.rows, H - r0));  // this CTA's output rows
-  const bool ev = p.l2_evict_w != 0;
-  uint64_t pol = 0;
-  if (ev) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-  if (MK_DEC_PROBE & 16) return;
-  dec_stamp(p, DEC_TR_START);
-  if (tid == 0) {
-    mbar_init(bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  const int HV = H / 8;  // 16-byte vectors per weight row
-  dec_route<NI>(p, xs, H, lg, s_e, s_w);
   __syncthreads();
   dec_stamp(p, DEC_TR_ROUTED);
   const int64_t P = (int64_t)slots * I;
@@ -465,16 +357,50 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
     __syncthreads();
     dec_stamp(p, DEC_TR_H);
-    // a warp per (slot, 8 rows) (dec_rows8)
+    // a warp per (slot, 8 rows): each lane walks whole 16-byte chunks of k (KV / 32 rounds, no idle lanes), its h
+    // chunk widened once for the 8 rows, the 8 rows' loads issued before their products; then one butterfly leaves
+    // each row's sum on 4 lanes (9 shuffles for 8 rows instead of 40). Run 70's ncu: the sums were issue-bound
+    // (~1,180 instructions a warp, half-idle second rounds, 80 shuffles a warp).
     const int RB = (nr + 7) / 8, units = slots * RB, KV = I / 8;
     MK_ONCE for (int u = warp; u < units && !(MK_DEC_PROBE & 4); u += DEC_WARPS) {
       const int s = u / RB, rb = (u % RB) * 8;
       if (s_e[s] < 0) continue;
       const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
       const uint4* wr = (const uint4*)(w2s + (int64_t)s * d.rows * I * 2);
-      const float sum = dec_rows8<false>(wr, hv, KV, rb, nr, lane);
-      const int row = rb + dec_row8(lane);
-      if ((lane & 3) == 0 && row < nr) part[s * d.rows + row] = sum;
+      float a[8];
+#pragma unroll
+      for (int r = 0; r < 8; ++r) a[r] = 0.f;
+      MK_ONCE for (int v = lane; v < KV; v += 32) {  // rows past nr reread the last; their sums are dropped
+        uint4 w[8];
+#pragma unroll
+        for (int r = 0; r < 8; ++r) w[r] = wr[(int64_t)min(rb + r, nr - 1) * KV + v];
+        float hf[8];
+        widen8(hf, hv[v]);
+#pragma unroll
+        for (int r = 0; r < 8; ++r) dot8f(a[r], w[r], hf);
+      }
+      // a[i] -> the warp's sum of row rb + 4 b4 + 2 b3 + b2 (b_k: lane bit k), on the lanes with b1 = b0 = 0
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const bool up = lane & 16;
+        const float send = up ? a[i] : a[i + 4];
+        a[i] = (up ? a[i + 4] : a[i]) + __shfl_xor_sync(~0u, send, 16);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const bool up = lane & 8;
+        const float send = up ? a[i] : a[i + 2];
+        a[i] = (up ? a[i + 2] : a[i]) + __shfl_xor_sync(~0u, send, 8);
+      }
+      {
+        const bool up = lane & 4;
+        const float send = up ? a[0] : a[1];
+        a[0] = (up ? a[1] : a[0]) + __shfl_xor_sync(~0u, send, 4);
+      }
+      a[0] += __shfl_xor_sync(~0u, a[0], 2);
+      a[0] += __shfl_xor_sync(~0u, a[0], 1);
+      const int row = rb + ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1);
+      if ((lane & 3) == 0 && row < nr) part[s * d.rows + row] = a[0];
     }
     __syncthreads();
     MK_ONCE for (int i = tid; i < S * nr && !(MK_DEC_PROBE & 4); i += DEC_THREADS) {
@@ -499,269 +425,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     p.ctl[MK_CTL_PUBLISHED] = tasks;
     p.ctl[MK_CTL_TILES] = slots;
     MK_ONCE for (int s = 0; s < slots; ++s) cnt[DEC_STRIDE * s] = 0;
-    if (p.decode == 2) MK_ONCE for (int i = 0; i < S * E; ++i) cnt[DEC_LOGIT0 + i] = 0;
-    cnt[DEC_STRIDE * DEC_CNT_TICKET] = 0;
-  }
-}
-
-
-// ---- the streaming decode kernel ---------------------------------------------------------------------------------
-// Launches whose routed rows' W_down do not all fit a CTA's shared memory (S = 2 .. ~24 on the Qwen3-30B shape; the
-// task graph ran them before, in waves of 16-row tiles whose ends and drain left the DRAM idle ~14 µs at S = 16, run
-// 94's timelines). The same one launch of one CTA per SM and the same routing, then:
-//   lists: every CTA orders the slots by (expert, slot), the same in every CTA: the touched experts k = 0 .. nk-1
-//      ascending, expert k's slots at positions k_off[k] .. k_off[k+1]; position i's h row is h[i * I ..].
-//   1. the units (touched expert k, 8 intermediate columns) [u0, u1) of nk x I/8, contiguous per CTA, a warp each:
-//      the 8 gate and 8 up rows (one 16-row tile) times up to 8 of the expert's x rows on the tensor cores (mma_chunk32), so the
-//      weights are read once for all of its tokens at a cost that does not grow with them; h = silu(gate) * up.
-//      Then the CTA adds its units' columns to each expert's counter (release after the h stores).
-//   2. the down projection streams through d.ring entries, each one expert's W_down rows of this CTA (a bulk copy per
-//      row) and up to DEC_HCAP of its h rows (cp.async), completing on the entry's mbarrier. The first d.pre entries'
-//      W_down rows are copied before phase 1 and land during it; the rest overlap x. Once every expert counter is
-//      complete (bounded waits), warp w < d.ring takes experts w, w + ring, ..: waits for its entry, multiplies the
-//      rows by the h rows on the tensor cores into per-position sums, and refills the entry with its next expert.
-//   3. out[t, r] = sum over the token's slots in slot order of w * part (fp32, then bf16), as the staged kernel.
-// The counters, the exit ticket and the reset are the staged kernel's, per touched expert instead of per slot.
-
-// One 32-wide k chunk of a 16-row x 8-column mma tile (c += A . B, bf16 in, fp32 accumulate) with k permuted so that
-// each lane's operands are one 16-byte run per row: lane (g = lane / 4, q = lane % 4) holds elements 8q .. 8q+7 of the
-// chunk of A rows g and g + 8 (ag, ag8) and of B column g (b). Step s of the two m16n8k16 steps takes words 2s and
-// 2s + 1 as its (k 2q, 2q+1) and (k 2q+8, 2q+9) pairs; A and B are permuted alike, so the sum is the chunk's.
-__device__ __forceinline__ void mma_chunk32(float (&c)[4], const uint4 ag, const uint4 ag8, const uint4 b) {
-  {
-    const uint32_t a[4] = {ag.x, ag8.x, ag.y, ag8.y};
-    mma16816(c, a, b.x, b.y);
-  }
-  {
-    const uint32_t a[4] = {ag.z, ag8.z, ag.w, ag8.w};
-    mma16816(c, a, b.z, b.w);
-  }
-}
-// phase 1: 32-wide chunks of the two weight rows a lane has in flight: 8 KB a warp, 128 KB an SM (an SM's share of
-// the DRAM rate, ~32 GB/s, at up to ~4 µs of loaded latency). MK_DEC_DEPTH / MK_DEC_L2_256 (0: no 256-byte L2
-// fetch) are for measurement builds only.
-constexpr int DEC_DEPTH = MK_DEC_DEPTH;
-
-template <int NI>
-__global__ void __launch_bounds__(DEC_THREADS, 1) k_decode_stream(const MkParams p, const DecPlan d) {
-  extern __shared__ __align__(128) char smem[];
-  __shared__ int s_nk;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q4 = lane & 3;
-  const int S = (int)p.S, K = (int)p.K, H = (int)p.H, I = (int)p.I, E = (int)p.E, slots = S * K;
-  const int XS = H + DEC_PAD / 2, WROW = I * 2 + DEC_PAD;  // x row stride (elements), W_down / h row stride (bytes)
-  const uint32_t bars = su32(smem);  // entry i's mbarrier at bars + 8 i
-  bf16* xs = (bf16*)(smem + d.x_off);
-  float* lg = (float*)(smem + d.lg_off);
-  float* part = (float*)(smem + d.part_off);  // [position][d.rows]
-  int* s_e = (int*)(smem + d.list_off);
-  float* s_w = (float*)(s_e + slots);
-  int* s_pos = (int*)(s_w + slots);  // slot -> position
-  int* k_slot = s_pos + slots;       // position -> slot
-  int* k_exp = k_slot + slots;       // touched expert k -> expert id
-  int* k_off = k_exp + slots;        // [nk + 1] first position of each touched expert
-  int* base = k_off + slots + 1;     // [E] expert -> its first position
-  char* ring = smem + d.ring_off;
-  int32_t* cnt = p.dec_cnt;
-  const int r0 = blockIdx.x * d.rows, nr = max(0, min(d.rows, H - r0));  // this CTA's output rows
-  const bool ev = p.l2_evict_w != 0;
-  uint64_t pol = 0;
-  if (ev) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-  if (MK_DEC_PROBE & 16) return;
-  dec_stamp(p, DEC_TR_START);
-  if (tid == 0) {
-    MK_ONCE for (int i = 0; i < d.ring; ++i) mbar_init(bars + 8 * i, 1 + 32);  // the filler's expect_tx + its warp's h
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  dec_route<NI>(p, xs, XS, lg, s_e, s_w);
-  for (int e = tid; e < E; e += DEC_THREADS) base[e] = 0;
-  __syncthreads();
-  // lists: slots per expert, their exclusive scan (warp 0), then a slot's position: its expert's first position plus
-  // the lower slots on the same expert (the same order in every CTA: phase 1's writers and phase 2's readers agree)
-  MK_ONCE for (int s = tid; s < slots; s += DEC_THREADS)
-    if (s_e[s] >= 0) atomicAdd(base + s_e[s], 1);
-  __syncthreads();
-  if (warp == 0) {
-    int run = 0, nk = 0;
-    MK_ONCE for (int e0 = 0; e0 < E; e0 += 32) {
-      const int e = e0 + lane, n = e < E ? base[e] : 0;
-      int v = n;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int t = __shfl_up_sync(~0u, v, o);
-        if (lane >= o) v += t;
-      }
-      const int first = run + v - n;
-      if (e < E) base[e] = first;
-      const unsigned m = __ballot_sync(~0u, n > 0);
-      if (n > 0) {
-        const int k = nk + __popc(m & ((1u << lane) - 1));
-        k_exp[k] = e;
-        k_off[k] = first;
-      }
-      nk += __popc(m);
-      run += __shfl_sync(~0u, v, 31);
-    }
-    if (lane == 0) {
-      k_off[nk] = run;
-      s_nk = nk;
-    }
-  }
-  __syncthreads();
-  MK_ONCE for (int s = tid; s < slots; s += DEC_THREADS) {
-    const int e = s_e[s];
-    if (e < 0) continue;
-    int r = base[e];
-#pragma unroll 8
-    for (int o = 0; o < s; ++o) r += s_e[o] == e;
-    s_pos[s] = r;
-    k_slot[r] = s;
-  }
-  __syncthreads();
-  const int nk = s_nk, HV = H / 8;
-  dec_stamp(p, DEC_TR_ROUTED);
-  const uint32_t wrow = (uint32_t)I * 2;
-  // an entry's W_down rows for touched expert k (expect_tx by the caller first): one bulk copy per row, by lanes
-  auto copy_w2 = [&](int k, char* ent, uint32_t bar, int first, int step) {
-    const bf16* src = (const bf16*)p.w2 + ((int64_t)k_exp[k] * H + r0) * I;
-    MK_ONCE for (int r = first; r < nr; r += step)
-      bulk_load(su32(ent + (int64_t)r * WROW), src + (int64_t)r * I, wrow, bar, ev, pol);
-  };
-  // 2 (early). the first d.pre entries' W_down rows, landing during phase 1
-  if (tid == 0 && nr > 0) {
-    MK_ONCE for (int k = 0; k < min(d.pre, nk); ++k) {
-      mbar_arrive_tx(bars + 8 * k, (MK_DEC_PROBE & 1) ? 0 : wrow * nr);
-      if (!(MK_DEC_PROBE & 1)) copy_w2(k, ring + (int64_t)k * d.entry, bars + 8 * k, 0, 1);
-    }
-  }
-  dec_stamp(p, DEC_TR_P1);
-  // 1. units (touched expert, 16 columns) [u0, u1): warps 1.. take R each, warp 0 (which issued the copies) the rest
-  const int JB = I / 8, NCH = H / 32;
-  const int64_t U = (int64_t)nk * JB;
-  const int64_t u0 = U * blockIdx.x / gridDim.x, u1 = U * (blockIdx.x + 1) / gridDim.x;
-  const int n2 = (int)(u1 - u0), R2 = (n2 + DEC_WARPS - 1) / DEC_WARPS;
-  const int i_lo = warp ? warp - 1 : (DEC_WARPS - 1) * R2, i_step = warp ? DEC_WARPS - 1 : 1;
-  const int i_hi = warp ? min(n2, (DEC_WARPS - 1) * R2) : n2;
-  MK_ONCE for (int i2 = i_lo; i2 < i_hi; i2 += i_step) {
-    const int64_t u = u0 + i2;
-    const int k = (int)(u / JB), j0 = (int)(u % JB) * 8, pa = k_off[k], pb = k_off[k + 1];
-    // the tile's A rows: gate row j0 + g (rows 0..7) and its up row (rows 8..15), so one accumulator holds both halves
-    // of SwiGLU for the same (column, token) in the same thread. The lane's 16 bytes of chunk ch at + 4 ch (the four
-    // lanes of a row read 64 contiguous bytes a chunk; the 256-byte L2 fetch makes that whole bursts for the DRAM)
-    const uint4* w0 = (const uint4*)((const bf16*)p.w1 + ((int64_t)k_exp[k] * 2 * I + j0 + g) * H) + q4;
-    const uint4* rows[2] = {w0, w0 + (int64_t)I * HV};
-    MK_ONCE for (int t0 = pa; t0 < pb; t0 += 8) {  // the expert's slots, 8 at a time (mma columns; rows reread past 8)
-      const uint4* xv = (const uint4*)(xs + (int64_t)(k_slot[min(t0 + g, pb - 1)] / K) * XS) + q4;
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
-      uint4 wv[DEC_DEPTH][2];
-#pragma unroll
-      for (int dd = 0; dd < DEC_DEPTH; ++dd)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          wv[dd][r] = dd < NCH && !(MK_DEC_PROBE & 2) ? ld_weights_256(rows[r] + 4 * dd, ev, pol) : make_uint4(0, 0, 0, 0);
-      MK_ONCE for (int c0 = 0; c0 < NCH; c0 += DEC_DEPTH) {
-#pragma unroll
-        for (int dd = 0; dd < DEC_DEPTH; ++dd) {
-          const int ch = c0 + dd, nx = ch + DEC_DEPTH;
-          if (ch < NCH) {
-            mma_chunk32(c, wv[dd][0], wv[dd][1], xv[4 * ch]);
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-              if (nx < NCH && !(MK_DEC_PROBE & 2)) wv[dd][r] = ld_weights_256(rows[r] + 4 * nx, ev, pol);
-          }
-        }
-      }
-      // accumulator i: gate (i < 2) or up (i >= 2) of column j0 + g, position t0 + 2 q4 + (i & 1)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int pos = t0 + 2 * q4 + e;
-        if (pos < pb)
-          ((bf16*)p.h)[(int64_t)pos * I + j0 + g] = __float2bfloat16(__fdividef(c[e], 1.f + __expf(-c[e])) * c[2 + e]);
-      }
-    }
-  }
-  __syncthreads();  // every thread's h stores before thread 0's fence and counters
-  int ticket = 0;
-  if (tid == 0) {
-    if (u1 > u0) {
-      __threadfence();
-      MK_ONCE for (int k = (int)(u0 / JB); k <= (int)((u1 - 1) / JB); ++k) {
-        const int64_t lo = u0 > (int64_t)k * JB ? u0 : (int64_t)k * JB;
-        const int64_t hi = u1 < (int64_t)(k + 1) * JB ? u1 : (int64_t)(k + 1) * JB;
-        red_release(cnt + DEC_STRIDE * k, (int)(hi - lo) * 8);
-      }
-    }
-    if (nr == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
-  }
-  dec_stamp(p, DEC_TR_SIGNALLED);
-  if (nr > 0) {
-    if (tid < nk) wait_count(p, cnt + DEC_STRIDE * tid, I, tid == p.stall_tile, tid);
-    __syncthreads();  // every expert's h complete (and this CTA's x no longer read: the ring may overwrite it)
-    if (tid == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
-    dec_stamp(p, DEC_TR_READY);
-    if (warp < d.ring) {
-      char* ent = ring + (int64_t)warp * d.entry;
-      const uint32_t bar = bars + 8 * warp;
-      const char* hs = ent + (int64_t)d.rows * WROW;
-      // the entry's fill for expert k: W_down rows unless they went early, then its first hcap h rows (16 bytes a
-      // lane per cp.async), every lane's noinc arrive
-      auto fill = [&](int k, bool w2) {
-        if (w2) {
-          if (lane == 0) mbar_arrive_tx(bar, (MK_DEC_PROBE & 1) ? 0 : wrow * nr);
-          __syncwarp();  // the expected bytes before any copy completes
-          if (!(MK_DEC_PROBE & 1)) copy_w2(k, ent, bar, lane, 32);
-        }
-        const int pa = k_off[k], np = min(k_off[k + 1] - pa, d.hcap), KV = I / 8;
-        MK_ONCE for (int c = lane; c < np * KV; c += 32)
-          cp_async16(su32(hs + (int64_t)(c / KV) * WROW) + 16u * (c % KV), (const uint4*)p.h + (int64_t)pa * KV + c, 16);
-        cp_arrive_noinc(bar);
-      };
-      if (warp < nk) fill(warp, warp >= d.pre);
-      if (warp == 0) dec_stamp(p, DEC_TR_H);
-      MK_ONCE for (int k = warp, it = 0; k < nk; k += d.ring, ++it) {
-        mbar_wait(p, bar, (uint32_t)it & 1, (uint32_t)k);
-        const int pa = k_off[k], m = k_off[k + 1] - pa;
-        MK_ONCE for (int t0 = 0; t0 < m && !(MK_DEC_PROBE & 4); t0 += 8) {
-          const int tok = min(t0 + g, m - 1);  // this lane's B column: position pa + tok
-          const uint4* hv = tok < d.hcap ? (const uint4*)(hs + (int64_t)tok * WROW) + q4
-                                         : (const uint4*)p.h + (int64_t)(pa + tok) * (I / 8) + q4;
-          const bool glob = tok >= d.hcap;
-          MK_ONCE for (int rb = 0; rb < nr; rb += 16) {
-            const uint4* a0 = (const uint4*)(ent + (int64_t)min(rb + g, nr - 1) * WROW) + q4;
-            const uint4* a8 = (const uint4*)(ent + (int64_t)min(rb + g + 8, nr - 1) * WROW) + q4;
-            float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-            for (int ch = 0; ch < I / 32; ++ch) mma_chunk32(c, a0[4 * ch], a8[4 * ch], glob ? __ldcg(hv + 4 * ch) : hv[4 * ch]);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {  // row rb + g + 8 (i >> 1), position pa + t0 + 2 q4 + (i & 1)
-              const int row = rb + g + 8 * (i >> 1), col = t0 + 2 * q4 + (i & 1);
-              if (row < nr && col < m) part[(pa + col) * d.rows + row] = c[i];
-            }
-          }
-        }
-        __syncwarp();  // the entry read by every lane before it is refilled
-        if (k + d.ring < nk) fill(k + d.ring, true);
-      }
-    }
-    __syncthreads();
-    bf16* out = (bf16*)p.out;
-    MK_ONCE for (int i = tid; i < S * nr && !(MK_DEC_PROBE & 4); i += DEC_THREADS) {
-      const int t = i / nr, r = i % nr;
-      float y = 0.f;
-      MK_ONCE for (int s = t * K; s < (t + 1) * K; ++s)
-        if (s_e[s] >= 0) y = fmaf(s_w[s], part[s_pos[s] * d.rows + r], y);
-      out[(int64_t)t * H + r0 + r] = __float2bfloat16(y);
-    }
-    dec_stamp(p, DEC_TR_SUMS);
-  }
-  dec_stamp(p, DEC_TR_END);
-  // the last ticket: the counters zeroed, and the launch's task counts (a task per CTA with units, min(U, grid), and
-  // per CTA with rows, as runtime/megakernel/decode.py counts them with I/16 columns a unit; tiles = touched experts)
-  if (tid == 0 && ticket == (int)gridDim.x - 1) {
-    const int tasks = (int)min(U, (int64_t)gridDim.x) + min((int)gridDim.x, (H + d.rows - 1) / d.rows);
-    p.ctl[MK_CTL_TOTAL] = tasks + 1;
-    p.ctl[MK_CTL_PUBLISHED] = tasks;
-    p.ctl[MK_CTL_TILES] = nk;
-    MK_ONCE for (int k = 0; k < nk; ++k) cnt[DEC_STRIDE * k] = 0;
     if (p.decode == 2) MK_ONCE for (int i = 0; i < S * E; ++i) cnt[DEC_LOGIT0 + i] = 0;
     cnt[DEC_STRIDE * DEC_CNT_TICKET] = 0;
   }

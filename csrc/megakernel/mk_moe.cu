@@ -22,14 +22,11 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
-#include <algorithm>  // std::find (decode_attrs)
 #include <mutex>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
-#include <tuple>
 #include <utility>  // std::forward (launch_k)
-#include <vector>
 
 #include "mk_api.h"
 #include "mk_index.h"
@@ -2227,47 +2224,53 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
   return 0;
 }
 
-// A decode kernel's shared-memory limit raised to SMEM_MAX on device `dev` (once: launches of several sizes share the
-// function's attribute, so raising it to each size in turn left a larger launch over the last, smaller limit) and one
-// CTA per SM of `bytes` checked resident; done once per (kernel, device, size): every launch asks, and these are driver
-// calls.
-template <class Kern>
-int decode_attrs(Kern kernel, int dev, int bytes) {
+// k_decode<NI>'s shared-memory limit raised to SMEM_MAX on device `dev` (once per device: launches of several sizes
+// share the function's attribute, so raising it to each launch's size in turn, as before, left a larger launch over a
+// smaller one's limit, as the streaming kernel's tests found in run 94) and one CTA per SM of `bytes` checked resident;
+// done once per (device, NI, size): every launch asks (mk_experts -> launch_decode), and these are driver calls.
+template <int NI>
+int decode_attrs(int dev, int bytes) {
   static std::mutex mu;
-  static std::vector<std::tuple<const void*, int, int>> done;  // (kernel, device, bytes) checked; bytes -1: raised
+  static int done[16][2];  // (device + 1, bytes) pairs checked; bytes -1: the limit raised on that device
   std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple((const void*)kernel, dev, bytes), raised = std::make_tuple((const void*)kernel, dev, -1);
-  if (std::find(done.begin(), done.end(), key) != done.end()) return 0;
+  bool raised = false;
+  for (auto& d : done) {
+    if (d[0] == dev + 1 && d[1] == bytes) return 0;
+    raised = raised || (d[0] == dev + 1 && d[1] == -1);
+  }
+  auto remember = [&](int b) {
+    for (auto& d : done)
+      if (d[0] == 0) {
+        d[0] = dev + 1, d[1] = b;
+        return;
+      }
+  };
   cudaError_t e;
-  if (std::find(done.begin(), done.end(), raised) == done.end()) {
-    if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_MAX)) != cudaSuccess)
-      return fail("cudaFuncSetAttribute (decode kernel)", e);
-    done.push_back(raised);
+  if (!raised) {
+    if ((e = cudaFuncSetAttribute(k_decode<NI>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_MAX)) != cudaSuccess)
+      return fail("cudaFuncSetAttribute (k_decode)", e);
+    remember(-1);
   }
   int per_sm = 0;
-  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, DEC_THREADS, bytes)) != cudaSuccess)
-    return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor (decode kernel)", e);
-  if (per_sm < 1) return fail_msg("mk: decode: no CTA of the decode kernel fits an SM");
-  done.push_back(key);
+  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_decode<NI>, DEC_THREADS, bytes)) != cudaSuccess)
+    return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor (k_decode)", e);
+  if (per_sm < 1) return fail_msg("mk: decode: no CTA of k_decode fits an SM");
+  remember(bytes);
   return 0;
 }
-// Call f(kernel) with the decode kernel (staged, or streaming where `stream`) instantiated for the experts-per-lane
-// bound of the in-kernel top-k (as k_topk's)
+// Call f(k_decode<NI>) with the experts-per-lane bound of the in-kernel top-k (as k_topk's)
 template <class F>
-int with_decode(int64_t E, bool stream, F&& f) {
+int with_decode(int64_t E, F&& f) {
   const int ni = (int)(E + 31) / 32;
-  if (stream)
-    return ni <= 1 ? f(k_decode_stream<1>) : ni <= 2 ? f(k_decode_stream<2>) : ni <= 4 ? f(k_decode_stream<4>)
-         : ni <= 8 ? f(k_decode_stream<8>) : f(k_decode_stream<16>);
-  return ni <= 1 ? f(k_decode<1>) : ni <= 2 ? f(k_decode<2>) : ni <= 4 ? f(k_decode<4>) : ni <= 8 ? f(k_decode<8>)
-       : f(k_decode<16>);
+  return ni <= 1 ? f(k_decode<1>, decode_attrs<1>) : ni <= 2 ? f(k_decode<2>, decode_attrs<2>)
+       : ni <= 4 ? f(k_decode<4>, decode_attrs<4>) : ni <= 8 ? f(k_decode<8>, decode_attrs<8>)
+       : f(k_decode<16>, decode_attrs<16>);
 }
 
-// The decode kernel's plan for S tokens on the current device: the staged kernel where every slot's W_down rows fit
-// a CTA's shared memory, else the streaming one (d.ring > 0) where its ring does; its shared-memory limit raised and
-// one CTA per SM checked resident (every CTA waits for work other CTAs do); 1 + g_err where neither fits.
+// The decode kernel's plan for S tokens on the current device, its shared-memory limit raised and one CTA per SM
+// checked resident (every CTA waits for pairs other CTAs compute); 1 + g_err where it does not fit.
 int decode_plan_for(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, DecPlan* out) {
-  if (S < 1 || S * K > DEC_MAX_SLOTS) return fail_msg("mk: decode takes 1..256 routed rows (S x topk)");
+  if (S < 1 || S * K > DEC_MAX_SLOTS) return fail_msg("mk: decode takes 1..64 routed rows (S x topk)");
   if (H % 8 || I % 8) return fail_msg("mk: decode needs hidden and intermediate to be multiples of 8");
   int dev = 0, sms = 0;
   cudaError_t e = cudaGetDevice(&dev);
@@ -2276,15 +2279,13 @@ int decode_plan_for(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, DecPl
     return fail("cudaDeviceGetAttribute", e);
   if (E < 1 || E > 32 * MAXE_PER_LANE) return fail_msg("mk: decode takes 1..512 experts");
   if (S * E > DEC_MAX_LOGITS) return fail_msg("mk: decode takes at most 4096 gate logits (S x experts)");
-  DecPlan d = S * K <= DEC_STAGED_SLOTS ? dec_plan(S, H, I, K, E, sms) : DecPlan{};
-  if (d.bytes == 0 || d.bytes > SMEM_MAX) d = dec_stream_plan(S, H, I, K, E, sms, SMEM_MAX);
+  const DecPlan d = dec_plan(S, H, I, K, E, sms);
   if (d.bytes == 0 || d.bytes > SMEM_MAX) {
-    snprintf(g_err, sizeof g_err, "mk: decode: S x topk = %lld rows: neither every slot's W_down rows (%lld bytes per "
-             "CTA) nor a ring of three experts' rows and S h rows next to x fit %d bytes of shared memory",
-             (long long)(S * K), (long long)S * K * ((H + sms - 1) / sms) * I * 2, SMEM_MAX);
+    snprintf(g_err, sizeof g_err, "mk: decode: S x topk = %lld rows of W_down per CTA need %lld bytes of shared memory "
+             "(at most %d)", (long long)(S * K), (long long)S * K * d.rows * I * 2, SMEM_MAX);
     return 1;
   }
-  if (with_decode(E, d.ring > 0, [&](auto kernel) { return decode_attrs(kernel, dev, d.bytes); })) return 1;
+  if (with_decode(E, [&](auto, auto attrs) { return attrs(dev, d.bytes); })) return 1;
   *out = d;
   return 0;
 }
@@ -2292,9 +2293,9 @@ int decode_plan_for(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, DecPl
 int launch_decode(const MkParams* p, cudaStream_t s) {
   DecPlan d;
   if (decode_plan_for(p->S, p->H, p->I, p->K, p->E, &d)) return 1;
-  return with_decode(p->E, d.ring > 0, [&](auto kernel) {
+  return with_decode(p->E, [&](auto kernel, auto) {
     const cudaError_t e = launch_k(kernel, dim3((unsigned)d.grid), DEC_THREADS, (size_t)d.bytes, s, p->pdl != 0, *p, d);
-    return e == cudaSuccess ? 0 : fail("decode kernel launch", e);
+    return e == cudaSuccess ? 0 : fail("k_decode launch", e);
   });
 }
 
@@ -2338,12 +2339,11 @@ int mk_route_given(const MkParams* p, void* stream) {
   return 0;
 }
 
-int mk_decode_grid(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int* grid, int* rows, int* ring) {
+int mk_decode_grid(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int* grid, int* rows) {
   DecPlan d;
   if (decode_plan_for(S, H, I, K, E, &d)) return 1;
   *grid = d.grid;
   *rows = d.rows;
-  *ring = d.ring;
   return 0;
 }
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from .. import csrc_build as _cb
 from .decode import MAX_SLOTS as _DEC_MAX_SLOTS
 
-ABI_VERSION = 17
+ABI_VERSION = 16
 COUNT_STRIDE = 32  # MK_COUNT_STRIDE: int32 words per expert counter in MkParams.counts
 CTL_WORDS = 8  # MK_CTL_WORDS: int32 words of MkParams.ctl
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
@@ -132,8 +132,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mk_route": (c_int, [_P, c_void_p]),
     "mk_route_given": (c_int, [_P, c_void_p]),
     "mk_experts": (c_int, [_P, c_void_p]),
-    # S, H, I, K, E -> grid, rows, ring (0: the staged kernel)
-    "mk_decode_grid": (c_int, [c_int64, c_int64, c_int64, c_int64, c_int64, _PI, _PI, _PI]),
+    # S, H, I, K, E -> grid, rows
+    "mk_decode_grid": (c_int, [c_int64, c_int64, c_int64, c_int64, c_int64, _PI, _PI]),
 }
 
 _lock = threading.Lock()

@@ -124,10 +124,6 @@ class MegakernelConfig:
     # routing + the task graph: ONE launch that routes from the gate, computes the up projection as row-pair GEMVs on
     # every SM while the down projection's rows load, so both weights stream at once. 0: always the task graph.
     decode: int = 1
-    # 1 (with decode = 1): launches whose slots' W_down rows do NOT all fit a CTA (S = 2 .. 16 on the Qwen3-30B shape,
-    # up to 256 routed rows) run the streaming decode kernel: the up projection once per touched expert, then each
-    # CTA's W_down rows stream through a ring of shared-memory entries. 0: those launches run the task graph.
-    decode_stream: int = 1
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -148,7 +144,6 @@ class MegakernelConfig:
         "pdl": (0, 1),
         "l2_evict_weights": (0, 2),
         "decode": (0, 1),
-        "decode_stream": (0, 1),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 

@@ -1,11 +1,8 @@
-"""The decode kernels' work split (csrc/megakernel/mk_decode.cuh), modelled on the CPU.
+"""The decode kernel's work split (csrc/megakernel/mk_decode.cuh), modelled on the CPU.
 
-A launch has `grid` CTAs, one per SM. In the staged kernel CTA c computes the (gate, up) row pairs
-[P c / G, P (c + 1) / G) of the P = S x topk x I (pair q is slot q // I, intermediate column q % I) and then adds,
-for every slot its range touches, how many of that slot's pairs it finished to the slot's counter. The streaming
-kernel (`touched` given: routed rows whose W_down rows do not all fit a CTA) does the same over the touched experts
-instead of the slots, in units of 8 intermediate columns (unit q is touched expert q // (I/8), columns
-8 (q % (I/8)) .., computed once for all of its slots on the tensor cores), with one counter per touched expert. CTA c owns output rows [c R, min((c + 1) R, H))
+A launch has `grid` CTAs, one per SM. CTA c computes the (gate, up) row pairs [P c / G, P (c + 1) / G) of the
+P = S x topk x I (pair q is slot q // I, intermediate column q % I) and then adds, for every slot its range touches,
+how many of that slot's pairs it finished to the slot's counter. CTA c owns output rows [c R, min((c + 1) R, H))
 with R = ceil(H / G); it waits for each slot's counter to reach I, slot by slot in order, and adds that slot's down
 projection for its rows. `plan` gives the ranges and the task counts the kernel leaves in its ctl words (the GPU
 tests compare them); `simulate` runs the CTAs interleaved in a random order to check that every pair is computed
@@ -19,9 +16,8 @@ import random
 from dataclasses import dataclass
 
 ERR_INPUT_TIMEOUT = 6  # MK_ERR_INPUT_TIMEOUT
-STAGED_SLOTS = 64  # DEC_STAGED_SLOTS: the most routed rows (S x topk) the staged kernel takes; fewer where every slot's
-                   # W_down rows do not fit each CTA's shared memory (S=1 only on qwen3-30b)
-MAX_SLOTS = 256  # DEC_MAX_SLOTS: the most routed rows a decode launch takes (the streaming kernel: S=2..16 on qwen3-30b)
+MAX_SLOTS = 64  # DEC_MAX_SLOTS: the most routed rows (S x topk) a decode launch takes; fewer where W_down rows
+                # do not fit each CTA's shared memory (S=1 only on qwen3-30b)
 
 
 @dataclass(frozen=True)
@@ -31,10 +27,8 @@ class DecodePlan:
     slots: int                                 # routed rows S x topk
     intermediate: int
     hidden: int
-    pair_ranges: tuple[tuple[int, int], ...]   # per CTA: [q0, q1) of the pairs (units)
+    pair_ranges: tuple[tuple[int, int], ...]   # per CTA: [q0, q1) of the pairs
     row_blocks: tuple[tuple[int, int], ...]    # per CTA: [r0, r1) of the output rows (empty past H)
-    groups: int = 0                            # counters: slots (staged), touched experts (streaming)
-    cols: int = 1                              # intermediate columns a unit computes: 1 (staged), 8 (streaming)
 
     @property
     def total(self) -> int:
@@ -43,32 +37,25 @@ class DecodePlan:
 
     @property
     def n_tiles(self) -> int:
-        """What the kernel reports as tiles: its counters (slots, or touched experts)."""
-        return self.groups
+        return self.slots
 
     def signals(self, cta: int) -> list[tuple[int, int]]:
-        """(counter, pairs) the CTA adds to the counters once its range is done, as the kernel's loop does."""
+        """(slot, pairs) the CTA adds to the slot counters once its range is done, as the kernel's loop does."""
         q0, q1 = self.pair_ranges[cta]
         if q1 <= q0:
             return []
-        i = self.intermediate // self.cols  # units per counter
-        return [(s, (min(q1, (s + 1) * i) - max(q0, s * i)) * self.cols) for s in range(q0 // i, (q1 - 1) // i + 1)]
+        i = self.intermediate
+        return [(s, min(q1, (s + 1) * i) - max(q0, s * i)) for s in range(q0 // i, (q1 - 1) // i + 1)]
 
 
-def plan(*, tokens: int, topk: int, hidden: int, intermediate: int, grid: int, touched: int | None = None) -> DecodePlan:
-    """The staged kernel's split, or with `touched` (distinct experts the launch's slots name) the streaming one's."""
+def plan(*, tokens: int, topk: int, hidden: int, intermediate: int, grid: int) -> DecodePlan:
     if tokens < 1 or topk < 1 or grid < 1 or hidden < 1 or intermediate < 1:
         raise ValueError(f"decode plan: tokens, topk, hidden, intermediate and grid must be >= 1, got {tokens}, "
                          f"{topk}, {hidden}, {intermediate}, {grid}")
     slots = tokens * topk
-    if touched is not None and not 0 <= touched <= slots:
-        raise ValueError(f"decode plan: touched experts must be in 0..{slots} (S x topk), got {touched}")
-    groups, cols = (slots, 1) if touched is None else (touched, 8)
-    if intermediate % cols:
-        raise ValueError(f"decode plan: the streaming kernel needs intermediate % 8 == 0, got {intermediate}")
-    pairs = groups * intermediate // cols
+    pairs = slots * intermediate
     rows = -(-hidden // grid)
-    return DecodePlan(grid=grid, rows=rows, slots=slots, intermediate=intermediate, hidden=hidden, groups=groups, cols=cols,
+    return DecodePlan(grid=grid, rows=rows, slots=slots, intermediate=intermediate, hidden=hidden,
                       pair_ranges=tuple((pairs * c // grid, pairs * (c + 1) // grid) for c in range(grid)),
                       row_blocks=tuple((min(c * rows, hidden), min((c + 1) * rows, hidden)) for c in range(grid)))
 
@@ -76,7 +63,7 @@ def plan(*, tokens: int, topk: int, hidden: int, intermediate: int, grid: int, t
 @dataclass
 class DecodeSim:
     pairs_done: list[int]       # times each pair was computed
-    counters: list[int]         # final counters (slots, or touched experts)
+    counters: list[int]         # final slot counters
     rows_written: list[int]     # times each output row was written
     error: int = 0              # 0, or ERR_INPUT_TIMEOUT
     error_slot: int = -1
@@ -85,14 +72,13 @@ class DecodeSim:
 def simulate(p: DecodePlan, *, seed: int = 0, stall_slot: int = -1, timeout_polls: int = 1000) -> DecodeSim:
     """Interleave the CTAs (a random runnable CTA takes one step at a time) until every CTA ends.
 
-    A CTA's steps: compute its pairs and signal; then per counter (slot, or touched expert), poll it (a poll that
-    sees it short stays on that counter; past `timeout_polls` polls it records the timeout, as the kernel's bounded
-    wait does, and goes on); once every counter is past, write its rows. `stall_slot`: that counter never reads as
-    complete."""
+    A CTA's steps: compute its pairs and signal; then per slot, poll the slot's counter (a poll that sees it short
+    stays on that slot; past `timeout_polls` polls it records the timeout, as the kernel's bounded wait does, and
+    goes on); once every slot is past, write its rows. `stall_slot`: that slot never reads as complete."""
     rng = random.Random(seed)
     i = p.intermediate
-    sim = DecodeSim(pairs_done=[0] * (p.groups * i // p.cols), counters=[0] * p.groups, rows_written=[0] * p.hidden)
-    state = [-1] * p.grid   # -1: pairs not done; s in 0..groups-1: waiting for counter s; groups: finished
+    sim = DecodeSim(pairs_done=[0] * (p.slots * i), counters=[0] * p.slots, rows_written=[0] * p.hidden)
+    state = [-1] * p.grid   # -1: pairs not done; s in 0..slots-1: waiting for slot s; slots: finished
     polls = [0] * p.grid
     running = list(range(p.grid))
     while running:
@@ -104,8 +90,8 @@ def simulate(p: DecodePlan, *, seed: int = 0, stall_slot: int = -1, timeout_poll
             for s, n in p.signals(c):
                 sim.counters[s] += n
             r0, r1 = p.row_blocks[c]
-            state[c] = 0 if r1 > r0 else p.groups
-        elif state[c] < p.groups:
+            state[c] = 0 if r1 > r0 else p.slots
+        elif state[c] < p.slots:
             s = state[c]
             if s != stall_slot and sim.counters[s] >= i:
                 state[c] += 1
@@ -117,7 +103,7 @@ def simulate(p: DecodePlan, *, seed: int = 0, stall_slot: int = -1, timeout_poll
                         sim.error, sim.error_slot = ERR_INPUT_TIMEOUT, s
                     state[c] += 1
                     polls[c] = 0
-        if state[c] == p.groups:
+        if state[c] == p.slots:
             r0, r1 = p.row_blocks[c]
             for r in range(r0, r1):
                 sim.rows_written[r] += 1

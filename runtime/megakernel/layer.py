@@ -115,7 +115,7 @@ class MegakernelMoE:
         self._trace: torch.Tensor | None = None  # task_timeline's stamps while it runs
         self._params: dict[tuple[int, int], _lib.MkParams] = {}
         self._grids: dict[tuple[int, int], int] = {}
-        self._decode: dict[int, tuple[int, int, int] | None] = {}  # tokens -> (grid, rows, ring) of mk_decode_grid
+        self._decode: dict[int, tuple[int, int] | None] = {}
 
     # ---- launch plumbing ---------------------------------------------------------------------------
     def grid(self, bm: int, stages: int) -> int:
@@ -143,30 +143,17 @@ class MegakernelMoE:
 
     def decode_grid(self, tokens: int) -> tuple[int, int] | None:
         """(CTAs, output rows per CTA) of the decode kernel for `tokens` tokens where `config.decode` is on and the
-        launch fits it (the staged kernel: S x topk <= 64 routed rows, each CTA's rows of W_down for every one of them
-        in its shared memory; else, with `config.decode_stream`, the streaming kernel's ring), else None."""
-        plan = self._decode_plan(tokens)
-        return None if plan is None else plan[:2]
-
-    def decode_ring(self, tokens: int) -> int:
-        """Ring entries of the streaming decode kernel that `tokens` tokens run (0: the staged kernel, or no decode)."""
-        plan = self._decode_plan(tokens)
-        return 0 if plan is None else plan[2]
-
-    def _decode_plan(self, tokens: int) -> tuple[int, int, int] | None:
+        launch fits it (S x topk <= 64 routed rows, each CTA's rows of W_down in its shared memory), else None."""
         if not self.config.decode:
             return None
         if tokens not in self._decode:
-            grid, rows, ring = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+            grid, rows = ctypes.c_int(0), ctypes.c_int(0)
             m = self.model
             with torch.cuda.device(self.device):
                 ok = self.lib.mk_decode_grid(tokens, m.hidden, m.intermediate, m.topk, m.experts, ctypes.byref(grid),
-                                             ctypes.byref(rows), ctypes.byref(ring)) == 0
-            self._decode[tokens] = (grid.value, rows.value, ring.value) if ok else None
-        plan = self._decode[tokens]
-        if plan is not None and plan[2] and not self.config.decode_stream:
-            return None
-        return plan
+                                             ctypes.byref(rows)) == 0
+            self._decode[tokens] = (grid.value, rows.value) if ok else None
+        return self._decode[tokens]
 
     def stages_for(self, bm: int, tokens: int) -> int:
         """`config.pick_stages`, except that a decode launch (bm=16, fewer rows than experts) whose split GEMM1 parts
@@ -316,10 +303,7 @@ class MegakernelMoE:
         (thread 0 done issuing the W_down copies), `signalled` (its pairs done and counted), `w_down` (its
         down-projection rows landed, or warp 0's own pairs done if later), `ready` (every slot
         complete), `h_loaded` (every slot's h in shared memory), `summed` (thread 0's share of the sums done) and `end`;
-        None where a CTA has no such step (no output rows). The streaming kernel (`ring` > 0) stamps `routed` once its
-        slot lists are built, `phase1` once the first entries' W_down copies are issued, `ready` once every touched
-        expert's counter is complete, `h_loaded` once the ring's first fill is issued, `summed` once its rows are
-        written, and no `w_down`. Syncs."""
+        None where a CTA has no such step (no output rows). Syncs."""
         s = x.shape[0]
         dg = self.decode_grid(s)
         if dg is None:
@@ -338,8 +322,7 @@ class MegakernelMoE:
         t0 = min(raw[words * c] for c in range(dg[0]))
         ctas = [{n: (raw[words * c + f] - t0) / 1e3 if raw[words * c + f] else None
                  for f, n in enumerate(self.DECODE_STAMPS)} for c in range(dg[0])]
-        return {"tokens": s, "grid": dg[0], "rows": dg[1], "ring": self.decode_ring(s), "config": self.config.to_dict(),
-                "ctas": ctas}
+        return {"tokens": s, "grid": dg[0], "rows": dg[1], "config": self.config.to_dict(), "ctas": ctas}
 
     def routing(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last forward's routing for its S tokens: (expert ids int64 [S, K], weights fp32 [S, K])."""
