@@ -26,7 +26,7 @@
 // ring of shared-memory entries; 8f8595d..dd41351) was slower than the task graph at every S measured side by side
 // (runs 94-97, graph µs: S=2 62.2 vs 59.4, 4 105.6 vs 95.9, 8 162.0 vs 138.2, 16 241.2 vs 199.7): its routing in the
 // kernel took 11 µs to the picks at S=16, no less than the routing kernels under pdl, its up projection streamed at
-// ~3.6-3.9 TB/s against the tile tasks' 4.2-4.3, and its phases met at a grid-wide wait. Dropped.
+// ~3.6-4.0 TB/s against the tile tasks' 4.2-4.3, and its phases met at a grid-wide wait. Dropped.
 
 // Every loop of the kernel runs a few times per launch, most exactly once, so none is unrolled (smaller code; run 65
 // against run 64: the same phase times, so the code size was not what made phase 3 slow, nor was warming it, run 68).

@@ -35,8 +35,12 @@ namespace {
 
 thread_local char g_err[512] = "";
 
+// Record the error and clear the runtime's last-error state: a launch that failed (cudaLaunchKernelEx returns the
+// error and also leaves it there) must not be reported again by the next launch's cudaGetLastError check (run 94b: a
+// decode launch's "invalid argument" came back as "k_logits launch" on the next layer).
 int fail(const char* what, cudaError_t e) {
   snprintf(g_err, sizeof g_err, "%s: %s", what, cudaGetErrorString(e));
+  (void)cudaGetLastError();
   return 1;
 }
 int fail_msg(const char* msg) {
