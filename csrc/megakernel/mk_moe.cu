@@ -199,11 +199,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
 }
-// One box of a 2-D tensor map into the L2 only (nothing waits for it; a hint the hardware may drop).
-__device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int x, int y) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"((uint64_t)map), "r"(x), "r"(y)
-               : "memory");
-}
 // Programmatic dependent launch (MkParams.pdl): a kernel launched with the programmatic-serialization attribute may
 // start once every CTA of the kernel before it has run launch_dependents; wait returns once that kernel has finished
 // and its writes are visible. Both are no-ops for kernels launched in plain stream order. What a predecessor wrote
@@ -215,6 +210,11 @@ __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wa
 // The persistent kernel's entry under pdl: wait for routing before reading anything it wrote (the launch epoch,
 // the counts, the lists). Run 48 also had the CTAs that start early load W_gate_up into the L2 meanwhile: the
 // routing kernels' own reads queued behind those loads and the layer got slower (prefetch_mb, dropped).
+// A speculative L2 prefetch of the first GEMM1 tasks' first weight stages by the CTAs before this wait (where every
+// expert surely has rows in one m-tile, slot i guessed as expert i / G1's n-block; 1c7b4d1's prefetch_first_tasks)
+// was no faster side by side (run 98, graph µs: S=128 311.9 / 311.5 / 312.4 vs 311.9 / 312.2 / 312.1 with 4 stages,
+// 316.6-317.0 with 8; S=1024 within that process's noise): the persistent kernel starts too late under pdl for the
+// DRAM to idle long before routing ends. Dropped.
 __device__ __forceinline__ void pdl_enter(const MkParams& p) {
   if (p.pdl) griddep_wait();
 }
@@ -1398,37 +1398,6 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   }
 }
 
-// Speculative L2 prefetch of the first GEMM1 tasks' first MK_PF_STAGES weight stages, by each processor CTA before
-// pdl_enter: under pdl the persistent kernel starts while k_topk still runs, after k_logits' own DRAM reads (its
-// trigger follows its loads), so the DRAM would idle until routing ends. Which task a queue slot holds needs the
-// routing; where every expert surely has rows and one m-tile holds them (S x K >= 4 E, and on average at most 3/4 of
-// bm rows per expert: S = 64 .. 128 on the bm = 16 tile, up to 1024 on the wide one), slot i is expert i / G1's
-// n-block (i % G1) x W, as queue_word lays out the GEMM1 tasks, and processor b takes slot b - 1's stages. A wrong
-// guess costs DRAM time only (nothing but the L2 sees what it fetched). MK_PF_STAGES = 0 builds it out.
-#ifndef MK_PF_STAGES
-#define MK_PF_STAGES 4
-#endif
-template <class T>
-__device__ __forceinline__ void prefetch_first_tasks(const MkParams& p, const CUtensorMap* tm1) {
-  if constexpr (T::TMA && MK_PF_STAGES > 0) {
-    const int64_t rows = p.S * p.K;
-    if (!p.pdl || threadIdx.x != 0 || blockIdx.x == 0 || rows < 4 * p.E || 4 * rows > 3 * (int64_t)T::BM * p.E) return;
-    const int G1 = (int)(2 * p.I / BN) / T::NBLK, i = (int)blockIdx.x - 1;
-    if (i >= p.E * G1) return;
-    const int e = i / G1, nb = (i % G1) * T::NBLK, KT = (int)(p.H / BK);
-    for (int kt = 0; kt < MK_PF_STAGES && kt < KT; ++kt) {
-      if constexpr (T::NBLK == 2) {
-#pragma unroll
-        for (int b = 0; b < 4; ++b)
-          tma_prefetch_2d(tm1, kt * BK, (int)(e * 2 * p.I + mkidx::wide_box_row(0, nb, b, p.I)));
-      } else {
-        tma_prefetch_2d(tm1, kt * BK, (int)(e * 2 * p.I + nb * 64));
-        tma_prefetch_2d(tm1, kt * BK, (int)(e * 2 * p.I + p.I + nb * 64));
-      }
-    }
-  }
-}
-
 // ---- the persistent kernel ------------------------------------------------------------------------------
 template <class T>
 __global__ void __launch_bounds__(T::THREADS, T::MINB)
@@ -1442,7 +1411,6 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   // CTA: 129 ints still let the 4-stage decode tile keep 3 CTAs per SM (2 KB for E = 512 would not)
   __shared__ int s_base[LOCAL_MAX_E + 1];
   char* smem = align_smem(smem_raw, T::ALIGN);
-  prefetch_first_tasks<T>(p, &tm1);
   pdl_enter(p);  // pdl: routing may still run until here
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
   if (blockIdx.x == 0) {
@@ -1524,7 +1492,6 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   extern __shared__ __align__(128) char smem_raw[];
   __shared__ int s_base[LOCAL_MAX_E + 1];  // MK_WG_LOCAL_G1: the m-tile prefix (claim_wg; in SMEM_MAX's 1 KB reserve)
   char* smem = align_smem(smem_raw, T::ALIGN);
-  prefetch_first_tasks<T>(p, &tm1);
   pdl_enter(p);  // pdl: routing may still run until here
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
   if (blockIdx.x == 0) {
