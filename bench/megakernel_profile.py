@@ -118,30 +118,17 @@ def bench_inputs(tokens: int, timeline: str, rotate: int = 4, rounds: int = 25) 
     a plain read of each input's touched experts; then each input's task timeline."""
     from moetune.runtime import Knobs, MoELayer
     from moetune.runtime.shapes import get_model
-    from moetune.runtime.testing.timing import graphs_of
-    from moetune.tuner.measure.moe import _inputs, time_plain_read
+    from moetune.runtime.testing.timing import graphs_of, time_calls
+    from moetune.tuner.measure.moe import layer_inputs, time_plain_read
 
     model = get_model("qwen3-30b")
     layer = MoELayer(model, None, Knobs(engine="megakernel"), max_tokens=tokens, device=torch.device("cuda"),
                      dtype=torch.bfloat16, seed=0, engine="megakernel")
     mk = layer.megakernel
-    xs = _inputs(model, tokens, rotate, torch.device("cuda"), torch.bfloat16, tokens)
-    graphs = graphs_of(layer.forward, xs)
-    samples: list[list[float]] = [[] for _ in xs]
-    for _ in range(10):
-        for g in graphs:
-            g()
-    ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in xs]
-          for _ in range(rounds * 4)]
-    for row in ev:
-        for g, (b, e) in zip(graphs, row, strict=True):
-            b.record()
-            g()
-            e.record()
-    torch.cuda.synchronize()
-    for row in ev:
-        for i, (b, e) in enumerate(row):
-            samples[i].append(b.elapsed_time(e) * 1e3)
+    xs = layer_inputs(model, tokens, rotate, torch.device("cuda"), torch.bfloat16, tokens)
+    # time_calls rotates the inputs call by call, as the benchmark does: sample j is input j % rotate's
+    flat = time_calls(graphs_of(layer.forward, xs), warmup=10, iters=rounds * 4 * len(xs), cuda=True)
+    samples = [flat[i::len(xs)] for i in range(len(xs))]
     out = []
     for i, x in enumerate(xs):
         idx = layer.route(x)[0]

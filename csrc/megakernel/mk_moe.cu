@@ -2240,31 +2240,26 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
 template <int NI>
 int decode_attrs(int dev, int bytes) {
   static std::mutex mu;
-  static int done[16][2];  // (device + 1, bytes) pairs checked; bytes -1: the limit raised on that device
+  static bool raised[64];  // per device (< 64): the limit raised to SMEM_MAX
+  static int done[16][2];  // (device + 1, bytes) pairs checked resident
   std::lock_guard<std::mutex> lock(mu);
-  bool raised = false;
-  for (auto& d : done) {
+  for (auto& d : done)
     if (d[0] == dev + 1 && d[1] == bytes) return 0;
-    raised = raised || (d[0] == dev + 1 && d[1] == -1);
-  }
-  auto remember = [&](int b) {
-    for (auto& d : done)
-      if (d[0] == 0) {
-        d[0] = dev + 1, d[1] = b;
-        return;
-      }
-  };
   cudaError_t e;
-  if (!raised) {
+  if (dev >= 64 || !raised[dev]) {
     if ((e = cudaFuncSetAttribute(k_decode<NI>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_MAX)) != cudaSuccess)
       return fail("cudaFuncSetAttribute (k_decode)", e);
-    remember(-1);
+    if (dev < 64) raised[dev] = true;
   }
   int per_sm = 0;
   if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_decode<NI>, DEC_THREADS, bytes)) != cudaSuccess)
     return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor (k_decode)", e);
   if (per_sm < 1) return fail_msg("mk: decode: no CTA of k_decode fits an SM");
-  remember(bytes);
+  for (auto& d : done)
+    if (d[0] == 0) {
+      d[0] = dev + 1, d[1] = bytes;
+      break;
+    }
   return 0;
 }
 // Call f(k_decode<NI>) with the experts-per-lane bound of the in-kernel top-k (as k_topk's)

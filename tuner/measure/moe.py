@@ -38,7 +38,8 @@ def floors(model: ModelShape, tokens: int) -> dict[str, float]:
     return {"weight_floor_us": read / (READ_TBPS * 1e12) * 1e6, "tensor_floor_us": flops / (TENSOR_TFLOPS * 1e12) * 1e6}
 
 
-def _inputs(model: ModelShape, tokens: int, rotate: int, device: Any, dtype: Any, seed: int) -> list[Any]:
+def layer_inputs(model: ModelShape, tokens: int, rotate: int, device: Any, dtype: Any, seed: int) -> list[Any]:
+    """The `rotate` input tensors [tokens, hidden] the benchmarks time a layer on (CPU generator, then `device`)."""
     import torch
 
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -92,7 +93,7 @@ def measure_megakernel(knobs: Knobs, model: ModelShape, tokens: int, *, iters: i
     w_gate_up, w_down, gate = _weights[key]
     mk = MegakernelMoE(model, max_tokens=max(1, tokens), device=dev, config=MegakernelConfig.from_knobs(knobs, options),
                        w_gate_up=w_gate_up, w_down=w_down, gate=gate)
-    xs = _inputs(model, tokens, rotate, dev, torch.bfloat16, seed + 1)
+    xs = layer_inputs(model, tokens, rotate, dev, torch.bfloat16, seed + 1)
     res = time_layer(mk.forward, xs, warmup=warmup, iters=iters, graph=True, cuda=True)
     mk.check()  # a timed-out wait is an error, not a fast trial
     return res
@@ -146,7 +147,7 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
             skipped["torch"] = "the plain torch path needs torch._grouped_mm on a CUDA device"
     cases: list[dict[str, Any]] = [{"engine": e, "skipped": why} for e, why in skipped.items()]
     for s in tokens:
-        xs = _inputs(model, s, rotate, dev, dtype, seed + s)
+        xs = layer_inputs(model, s, rotate, dev, dtype, seed + s)
         ref = fwd["unfused"](xs[0]) if "unfused" in fwd else None
         read = Summary.of(time_plain_read(src.w_gate_up.data, src.w_down.data, math.ceil(experts_touched(model, s)),
                                           warmup=warmup, iters=iters, graph=graph, cuda=cuda)).quantiles()
