@@ -102,7 +102,8 @@ def _check(layer, model, x, out, idx, w, tol=1e-2):
     bm = cfg.pick_bm(x.shape[0], model.topk, model.experts)
     p = schedule.plan(idx.tolist(), experts=model.experts, hidden=model.hidden, intermediate=model.intermediate,
                       bm=bm, combine_tokens=cfg.combine_tokens, split_k1=cfg.split_k1, split_k2=cfg.split_k2,
-                      split_max_tiles=layer.sk_tiles, bn=cfg.pick_bn(bm))
+                      split_max_tiles=layer.sk_tiles, bn=cfg.pick_bn(bm), tail_split=cfg.tail_split_for(bm),
+                      processors=layer.grid(bm, layer.stages_for(bm, x.shape[0])) - 1)
     assert (c["total"], c["tiles"], c["published"]) == (p.total, p.n_tiles, p.total)
     return err
 
@@ -253,7 +254,9 @@ NEW_PATHS = [# the mma core and no split-K: the defaults before run 10, still se
              "publish_all=1,split_k1=4,split_k2=2", "publish_all=1,bm=16,stages=12", "publish_all=1,core=mma,bm=64",
              "publish_all=1,core=mma,bm=128", "publish_all=0", "publish_all=0,tma=0",
              # the task graph where the decode kernel would run (S = 1 here)
-             "decode=0", "decode=0,tma=0", "decode=0,split_k1=2,split_k2=2", "decode=0,publish_all=0"]
+             "decode=0", "decode=0,tma=0", "decode=0,split_k1=2,split_k2=2", "decode=0,publish_all=0",
+             # tail halves (ABI 17): off, and more of the queue's tail split (every GEMM2 task at small S)
+             "tail_split=0", "tail_split=4", "tail_split=2,stages=3,decode=0"]
 
 
 @pytest.fixture(scope="module")
@@ -450,6 +453,33 @@ def test_publish_all_matches_plain_exactly(new_layers, model, cfg, s):
     m.check()
     assert m.counters()["published"] == m.counters()["total"]
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("s", [1, 7, 16, 128, 300, 1000])
+@pytest.mark.parametrize("tail", [1, 4])
+def test_tail_halves_match_whole_tasks_exactly(new_layers, model, tail, s):
+    """A half GEMM2 task computes its 64 columns with the same products in the same order as the whole task: the same
+    bits as tail_split=0, and the kernel's task total is the model's (halves included)."""
+    x = _x(s, model.hidden, seed=1700 + s)
+    idx, w = _routing(s, model.experts, model.topk, "zipf" if s % 2 else "uniform", seed=s)
+    a = new_layers("tail_split=0,decode=0").forward_routed(x, idx, w, out=_poisoned(s, model.hidden)).clone()
+    m = new_layers(f"tail_split={tail},decode=0")
+    b = m.forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
+    _check(m, model, x, b, idx, w)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_tail_halves_in_the_timeline(new_layers, model):
+    """At S=128 (bm=16, TMA, publish_all) the last (processors) GEMM2 tasks run as first and second halves."""
+    m = new_layers("")
+    tl = m.task_timeline(_x(128, model.hidden, seed=1800))
+    halves = [t for t in tl["tasks"] if t["cols"] != "all"]
+    whole = sum(t["kind"] == "gemm2" and t["cols"] == "all" for t in tl["tasks"])
+    assert tl["bm"] == 16 and len(halves) == 2 * min(tl["grid"] - 1, whole + len(halves) // 2) > 0
+    assert all(t["kind"] == "gemm2" for t in halves)
+    assert [t["cols"] for t in halves] == ["lo", "hi"] * (len(halves) // 2)
+    assert min(t["slot"] for t in halves) > max(t["slot"] for t in tl["tasks"] if t["cols"] == "all" and
+                                                t["kind"] == "gemm2")
 
 
 @pytest.mark.parametrize(("cfg", "s"), [("decode=0", 1), ("publish_all=1,decode=0", 1), ("", 128), ("", 1000)])

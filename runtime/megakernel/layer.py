@@ -86,7 +86,9 @@ class MegakernelMoE:
         self.sk_on = (cfg.split_k1 > 1 or cfg.split_k2 > 1) and bm_min == 16
         self.sk_tiles = min(cfg.split_max_tiles, self.max_tiles) if self.sk_on else 0
         split_tasks = self.sk_tiles * (self.n1 * cfg.split_k1 + self.n2 * cfg.split_k2)
-        self.q_cap = max(self.max_tiles * (self.n1 + self.n2), split_tasks) + self.max_ctiles * combine_blocks(h)
+        # tail_split: at most every GEMM2 task also takes a second slot (its two halves)
+        n2_slots = 2 * self.n2 if cfg.tail_split else self.n2
+        self.q_cap = max(self.max_tiles * (self.n1 + n2_slots), split_tasks) + self.max_ctiles * combine_blocks(h)
         dev, i32 = self.device, torch.int32
         z = torch.zeros
         # the gate GEMM splits H into up to this many partial planes (more CTAs for few tokens), capped at 64 MB
@@ -192,6 +194,7 @@ class MegakernelMoE:
             p.route_small_max = cfg.route_small_max  # S up to which top-k runs one block per token
             p.publish_all = cfg.publish_all  # 1: mma-core tiles publish every task at launch
             p.pdl = cfg.pdl  # 1: k_topk and the persistent kernel start while the kernel before them runs
+            p.tail_split = cfg.tail_split  # the bm = 16 TMA tile's last GEMM2 tasks as 64-column halves
             self._params[(bm, stages)] = p
         return p
 
@@ -278,14 +281,14 @@ class MegakernelMoE:
         def us(v: int) -> float | None:
             return (v - t0) / 1e3 if v else None
 
-        kinds = {1: "gemm1", 2: "gemm2", 3: "combine"}
+        kinds = {1: "gemm1", 2: "gemm2", 3: "combine", 4: "gemm2", 5: "gemm2"}  # 4 / 5: the tail's halves
         tasks = []
         for i in range(self.counters()["total"]):
             pub, claim, done, cta, main, epi = raw[_lib.TR_HEAD + _lib.TR_SLOT * i:_lib.TR_HEAD + _lib.TR_SLOT * (i + 1)]
             w = words[i] & ((1 << 64) - 1)  # the task word's fields (mk_index.h: enc)
             tasks.append({"slot": i, "kind": kinds.get(w >> 61, "?"), "expert": (w >> 48) & 0x1FF,
                           "mtile": (w >> 32) & 0xFFFF, "nfield": (w >> 20) & 0xFFF, "tile": w & 0xFFFFF,
-                          "parts": ((w >> 57) & 0xF) + 1, "cta": cta, "published": us(pub), "claimed": us(claim),
+                          "parts": ((w >> 57) & 0xF) + 1, "cols": {4: "lo", 5: "hi"}.get(w >> 61, "all"), "cta": cta, "published": us(pub), "claimed": us(claim),
                           "mainloop_done": us(main), "stores_issued": us(epi),
                           "done": us(done)})
         return {"tokens": s, "bm": bm, "grid": grid, "config": self.config.to_dict(),

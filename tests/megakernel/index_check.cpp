@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <algorithm>
 #include <set>
 #include <vector>
 
@@ -90,9 +91,16 @@ int main() {
             for (int tile : {0, 3, (1 << 20) - 1}) {
               const uint64_t w = enc(kind, e, mt, nf, tile, splits);
               CHECK(t_kind(w) == kind && t_splits(w) == splits && t_expert(w) == e && t_mtile(w) == mt &&
-                        t_nfield(w) == nf && t_tile(w) == tile,
+                        t_nfield(w) == nf && t_tile(w) == tile && t_half(w) == 0,
                     "kind=%d splits=%d e=%d mt=%d nf=%d tile=%d", kind, splits, e, mt, nf, tile);
             }
+  // 5b. the tail's half GEMM2 words run as GEMM2 and name their half; every other field intact
+  for (int half : {1, 2}) {
+    const uint64_t w = enc(MK_TASK_GEMM2_LO + half - 1, 511, 65535, 4095, (1 << 20) - 1, 1);
+    CHECK(t_kind(w) == MK_TASK_GEMM2 && t_half(w) == half && t_expert(w) == 511 && t_mtile(w) == 65535 &&
+              t_nfield(w) == 4095 && t_tile(w) == (1 << 20) - 1 && t_splits(w) == 1,
+          "half word %d", half);
+  }
   // 6. split-K partial buffer: every (slot, part, register, thread) has its own float, inside the buffer
   {
     const int n1 = 12, n2 = 16, max_tiles = 16, threads = 128, nacc = 16;
@@ -369,10 +377,24 @@ int main() {
     for (int e = 0; e < E; ++e)
       for (int mt = 0; mt < base[e + 1] - base[e]; ++mt)
         for (int nf = 0; nf < G2; ++nf) want.push_back(enc(MK_TASK_GEMM2, e, mt, nf * W, base[e] + mt, KS2));
+    const int g2_end = (int)want.size();
     for (int c = 0; c < n_ct; ++c)
       for (int cb = 0; cb < NC; ++cb) want.push_back(enc(MK_TASK_COMBINE, 0, c, cb, 0));
     for (int i = 0; i < (int)want.size(); ++i)
       CHECK(queue_word(i, base.data(), E, G1, KS1, G2, KS2, NC, W) == want[i], "queue_word trial %d slot %d", trial, i);
+    // the same queue with its last n_half GEMM2 tasks split: each becomes (LO, HI) in two adjacent slots, the
+    // earlier slots unchanged and the combines shifted by n_half
+    const int g2n = base[E] * G2, n_half = trial % 4 == 1 ? g2n : std::min(g2n, trial % 7);
+    std::vector<uint64_t> halved(want.begin(), want.begin() + g2_end - n_half);
+    for (int i = g2_end - n_half; i < g2_end; ++i) {
+      const uint64_t rest = want[i] & ((1ull << 61) - 1);
+      halved.push_back(((uint64_t)MK_TASK_GEMM2_LO << 61) | rest);
+      halved.push_back(((uint64_t)MK_TASK_GEMM2_HI << 61) | rest);
+    }
+    halved.insert(halved.end(), want.begin() + g2_end, want.end());
+    for (int i = 0; i < (int)halved.size(); ++i)
+      CHECK(queue_word(i, base.data(), E, G1, KS1, G2, KS2, NC, W, n_half) == halved[i],
+            "queue_word halves trial %d slot %d (n_half %d)", trial, i, n_half);
   }
   // 11. the staged epilogue: stmatrix x4 number m of chunk ch, then the lanes' 16-byte copy-out, put accumulator
   //     (warp row, column) of the fragment (acc_row / acc_col, register i = 4 j + 2 half) where the copy-out reads
