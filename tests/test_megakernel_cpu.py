@@ -93,7 +93,7 @@ def test_plan_counts(s, mode, bm):
     assert p.nc == 4  # H = 256: 32 chunks of 8 columns, 4 blocks
     assert p.total == tiles * 4 + p.n_ctiles * p.nc
     assert sum(len(r) for r in p.rows) == s * k
-    assert sum(p.ctile_target) == s * k * p.n2 * sch.COMB_UNITS  # 64-column halves of every n-block
+    assert sum(p.ctile_target) == s * k * p.n2
     assert len(p.gemm1_tasks()) == tiles * p.n1
     # empty experts own no tile
     for x in range(e):
@@ -163,37 +163,41 @@ def test_publish_all_runs_every_task_once_in_dependency_order(s, mode, sk, procs
 
 @pytest.mark.parametrize("procs", [1, 3, 40, 300])
 @pytest.mark.parametrize(("s", "mode", "tail"), [(7, "zipf", 1), (64, "uniform", 1), (200, "uniform", 4), (64, "one", 2)])
-def test_tail_halves_run_once_in_dependency_order(s, mode, tail, procs):
-    """tail_split: the last tail x procs GEMM2 tasks of publish_all's queue become (first half, second half) in adjacent
-    slots; every task still runs once after its inputs, and a combine starts only once both halves of every n-block
-    of its rows are done (the model counts halves as the kernel does: a full row 2, a half 1)."""
+def test_tail_parts_run_once_in_dependency_order(s, mode, tail, procs):
+    """tail_split: the last tail x procs GEMM2 tasks of publish_all's queue become their split-K parts in adjacent
+    slots; every part still runs once after its inputs, and a combine starts only once the last part of every n-block
+    of its rows is done (only that part signals)."""
     e, k, bm, ct = 16, 4, 16, 8
     idx = _routing(s, e, k, mode=mode, seed=13 * s + procs)
     whole = sch.plan(idx, experts=e, hidden=H, intermediate=INTER, bm=bm, combine_tokens=ct)
     p = sch.plan(idx, experts=e, hidden=H, intermediate=INTER, bm=bm, combine_tokens=ct, tail_split=tail,
                  processors=procs)
-    assert p.n_half == min(p.n_tiles * p.n2, tail * procs) > 0
-    assert p.total == whole.total + p.n_half
+    assert p.n_tail == min(p.n_tiles * p.n2, tail * procs) > 0
+    assert p.total == whole.total + (sch.TAIL_PARTS - 1) * p.n_tail
     order = p.all_tasks()
     assert len(order) == p.total
     g2 = [t for t in order if t.kind == sch.GEMM2]
-    cut = len(g2) - 2 * p.n_half
-    assert [t.half for t in g2[:cut]] == [0] * cut
-    assert [t.half for t in g2[cut:]] == [1, 2] * p.n_half
-    assert [dataclasses.replace(t, half=0) for t in g2[cut::2]] == [t for t in whole.all_tasks()
-                                                                     if t.kind == sch.GEMM2][-p.n_half:]
+    cut = len(g2) - sch.TAIL_PARTS * p.n_tail
+    assert not any(t.tail for t in g2[:cut]) and all(t.tail and t.parts == sch.TAIL_PARTS for t in g2[cut:])
+    assert [t.part for t in g2[cut:]] == list(range(sch.TAIL_PARTS)) * p.n_tail
+    assert [dataclasses.replace(t, part=0, parts=1, tail=False) for t in g2[cut::sch.TAIL_PARTS]] == [
+        t for t in whole.all_tasks() if t.kind == sch.GEMM2][-p.n_tail:]
     r = sch.simulate(p, processors=procs, bm=bm, topk=k, combine_tokens=ct, seed=procs, publish_all=True)
     assert r.error == 0
     assert sorted(r.executed, key=order.index) == order
 
 
-def test_tail_halves_only_where_the_kernel_splits():
-    """No halves under GEMM2 split-K, for the bigger tiles or the wide tile (the kernel's queue_shape rule)."""
+def test_tail_parts_only_where_the_kernel_splits():
+    """No tail under GEMM2 split-K or for the bigger tiles, and never longer than its slots hold (the kernel's
+    queue_shape rule: at most tail_slots / N2 - 1 m-tiles' worth of tasks)."""
     idx = _routing(64, 16, 4, mode="uniform", seed=5)
     kw = dict(experts=16, hidden=H, intermediate=INTER, combine_tokens=8, tail_split=1, processors=8)
-    assert sch.plan(idx, bm=16, **kw).n_half == 8
-    assert sch.plan(idx, bm=16, split_k2=2, split_max_tiles=64, **kw).n_half == 0
-    assert sch.plan(idx, bm=64, **kw).n_half == 0
+    assert sch.plan(idx, bm=16, **kw).n_tail == 8
+    assert sch.plan(idx, bm=16, split_k2=2, split_max_tiles=64, **kw).n_tail == 0
+    assert sch.plan(idx, bm=64, **kw).n_tail == 0
+    n2 = H // sch.BN
+    assert sch.plan(idx, bm=16, tail_slots=3 * n2, **kw).n_tail == min(8, 2 * n2)
+    assert sch.plan(idx, bm=16, tail_slots=n2, **kw).n_tail == 0
 
 
 def test_publish_all_stalled_tile_reports_input_timeout():
@@ -862,11 +866,11 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     # counting thread fences before its first red (release after the barrier)
     sr = src[src.index("void signal_rows("):]
     sr = sr[:sr.index("\n}\n")]
-    for line in ("red_add(&p.g1done[tile], T::NBLK);", "red_add(&p.comb[v / rows_per_ct], half ? 1 : COMB_UNITS * T::NBLK);"):
+    for line in ("red_add(&p.g1done[tile], T::NBLK);", "red_add(&p.comb[v / rows_per_ct], T::NBLK);"):
         assert line in sr and sr.rindex("__threadfence();", 0, sr.index(line)) >= 0
     assert "(int)p.K * (int)p.combine_tokens" in sr  # (v / K) / combine_tokens == v / (K * combine_tokens)
     sd = src[src.index("void signal_done("):]
-    assert "signal_rows<T>(p, md, kind, tile, threadIdx.x, blockDim.x, half);" in sd[:sd.index("\n}\n")]
+    assert "signal_rows<T>(p, md, kind, tile, threadIdx.x, blockDim.x);" in sd[:sd.index("\n}\n")]
 
 
 def test_config_overlap():

@@ -53,9 +53,10 @@ enum {
 // GEMM cores (MkParams.core). The wgmma core serves bm = 64 / 128 only; bm = 16 always runs mma.
 enum { MK_CORE_MMA = 0, MK_CORE_WGMMA = 1 };
 
-// Task kinds (bits 61..63 of a queue word). GEMM2_LO / GEMM2_HI (ABI 17, MkParams.tail_split): a GEMM2 task of
-// the queue's tail that covers only the first / the second 64 columns of its 128-column n-block (one TMA box).
-enum { MK_TASK_GEMM1 = 1, MK_TASK_GEMM2 = 2, MK_TASK_COMBINE = 3, MK_TASK_GEMM2_LO = 4, MK_TASK_GEMM2_HI = 5 };
+// Task kinds (bits 61..63 of a queue word). GEMM2_TAIL (ABI 17, MkParams.tail_split): one of MK_TAIL_PARTS split-K
+// parts of a GEMM2 task at the end of the queue (its partial sums in tail_part, not sk_part).
+enum { MK_TASK_GEMM1 = 1, MK_TASK_GEMM2 = 2, MK_TASK_COMBINE = 3, MK_TASK_GEMM2_TAIL = 4 };
+#define MK_TAIL_PARTS 2
 
 typedef struct MkParams {
   // layer inputs (bf16, contiguous)
@@ -75,7 +76,7 @@ typedef struct MkParams {
   // scheduler state
   int32_t* ctl;        // [MK_CTL_WORDS]
   int32_t* g1done;     // [max_tiles]  finished GEMM1 n-blocks per m-tile
-  int32_t* comb;       // [max_ctiles] finished (row, 64-column half of a GEMM2 n-block) pairs per combine tile
+  int32_t* comb;       // [max_ctiles] finished (row, GEMM2 n-block) pairs per combine tile
   int32_t* rel;        // [max_tiles + max_ctiles] epoch of release (scheduler-private)
   int32_t* tile_base;  // [E + 1] first m-tile id of each expert
   uint64_t* q_task;    // [q_cap]
@@ -104,7 +105,7 @@ typedef struct MkParams {
   // ABI 8
   int64_t bn;  // columns per GEMM task: 128 (default), or 256 (the wide tile: wgmma core with bm = 128 only; hidden
                // and 2 x intermediate multiples of 256). A wide task covers two 128-column n-blocks (nb even, nb + 1)
-               // and counts both in the readiness counters, so g1done / comb thresholds stay per 128 (64) columns.
+               // and counts both in the readiness counters, so g1done / comb thresholds stay per 128 columns.
   // ABI 9
   int64_t overlap;  // 1: the wgmma tiles run the cross-task overlap kernel (the producer warpgroup claims the next task
                     // and loads its stages while the consumers finish the current one; COMBINE tasks run on the
@@ -135,10 +136,14 @@ typedef struct MkParams {
   // ABI 16
   int32_t* dec_cnt;  // [(64 + 3) * 32] the decode kernel's counters (zero between launches: its last CTA resets them)
   // ABI 17
-  int64_t tail_split;  // 0..4: the bm = 16 TMA tile (publish_all, no GEMM2 split-K) runs the last tail_split x
-                       // (grid - 1) GEMM2 tasks of its queue as two 64-column halves each (GEMM2_LO, GEMM2_HI), so
-                       // the last wave drains in half a task's time; 0: off. q_cap must then hold max_tiles x (N1 +
-                       // 2 N2) GEMM tasks. comb counts 64-column halves either way (a full GEMM2 row counts 2).
+  int64_t tail_split;  // 0..4: bm = 16 launches with publish_all and no GEMM2 split-K run the last tail_split x
+                       // (grid - 1) GEMM2 tasks of their queue as MK_TAIL_PARTS split-K parts each (GEMM2_TAIL), so
+                       // the last wave's tasks are shorter; 0: off. q_cap must then hold max_tiles x (N1 +
+                       // MK_TAIL_PARTS x N2) GEMM tasks.
+  int64_t tail_slots;  // (GEMM2 m-tile mod tail_slots / N2, n-block) slots tail_part / tail_cnt hold; the queue's tail
+                       // is cut to (tail_slots / N2 - 1) x N2 tasks so no two of its tasks share a slot
+  float* tail_part;    // [tail_slots][MK_TAIL_PARTS][16 acc registers][128 threads] fp32 partial sums
+  int32_t* tail_cnt;   // [tail_slots] finished parts per slot (zeroed by the routing kernels)
 } MkParams;
 
 int mk_abi_version(void);

@@ -315,11 +315,9 @@ __device__ __forceinline__ int b_col(int wn, int j) {
 }
 
 // One 64-wide k stage of the warp's tile from shared memory (ldmatrix + mma.sync).
-// hmask (TMA tiles): the 64-row boxes of B to use (bit b: box b, the n8 blocks j with j / 2 == b); a half GEMM2
-// task loaded only its box, so the other box's blocks are skipped, not computed on stale shared memory.
 template <class T>
 __device__ __forceinline__ void mma_stage(float (&acc)[T::MT][T::NT][4], const char* sA, const char* sB, int wm,
-                                          int wn, int lane, int hmask = 3) {
+                                          int wn, int lane) {
 #pragma unroll
   for (int kk = 0; kk < BK / 16; ++kk) {
     uint32_t a[T::MT][4], b[T::NT][2];
@@ -330,7 +328,6 @@ __device__ __forceinline__ void mma_stage(float (&acc)[T::MT][T::NT][4], const c
     }
 #pragma unroll
     for (int j = 0; j < T::NT / 2; ++j) {
-      if (T::TMA && !((hmask >> j) & 1)) continue;
       const int row = b_col<T>(wn, 2 * j) + (lane & 7) + ((lane >> 4) << 3), ch = kk * 2 + ((lane >> 3) & 1);
       uint32_t r[4];
       ldsm_x4(r, su32(sB + (row * 8 + (ch ^ (row & 7))) * 16));
@@ -342,8 +339,7 @@ __device__ __forceinline__ void mma_stage(float (&acc)[T::MT][T::NT][4], const c
 #pragma unroll
     for (int i = 0; i < T::MT; ++i)
 #pragma unroll
-      for (int j = 0; j < T::NT; ++j)
-        if (!T::TMA || ((hmask >> (j >> 1)) & 1)) mma16816(acc[i][j], a[i], b[j][0], b[j][1]);
+      for (int j = 0; j < T::NT; ++j) mma16816(acc[i][j], a[i], b[j][0], b[j][1]);
   }
 }
 
@@ -384,8 +380,7 @@ template <class T>
 __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], const MkParams& p, char* smem, uint32_t bars,
                                               uint32_t& it, const bf16* a_base, const int64_t* a_off,
                                               const CUtensorMap* bmap, int brow, int brow2, int kb, int K,
-                                              bool dep, const int32_t* cnt, int need, bool never, int where,
-                                              int hmask) {
+                                              bool dep, const int32_t* cnt, int need, bool never, int where) {
   static_assert(T::TMA, "TMA tile");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
@@ -412,9 +407,9 @@ __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], con
     if (tid == 0) {
       const uint32_t slot = (it + kt) % stages, bar = bars + 8 * slot;
       const uint32_t sB = su32(smem + slot * T::STAGE + T::A_BYTES);
-      mbar_arrive_tx(bar, hmask == 3 ? T::B_BYTES : T::B_BYTES / 2);  // (hmask: the boxes this task loads)
-      if (hmask & 1) tma_load_2d(sB, bmap, kb + kt * BK, brow, bar, p.l2_evict_w != 0);
-      if (hmask & 2) tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kb + kt * BK, brow2, bar, p.l2_evict_w != 0);
+      mbar_arrive_tx(bar, T::B_BYTES);
+      tma_load_2d(sB, bmap, kb + kt * BK, brow, bar, p.l2_evict_w != 0);
+      tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kb + kt * BK, brow2, bar, p.l2_evict_w != 0);
     }
   };
   if (dep) {  // publish_all: the first stages' weights need no inputs, so they stream while the task waits for them
@@ -439,7 +434,7 @@ __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], con
     }
     cp_commit();
     const char* sA = smem + slot * T::STAGE;
-    mma_stage<T>(acc, sA, sA + T::A_BYTES, wm, wn, lane, hmask);
+    mma_stage<T>(acc, sA, sA + T::A_BYTES, wm, wn, lane);
   }
   cp_wait(0);
   it += KT;
@@ -536,11 +531,9 @@ __device__ __forceinline__ void store_h2(const MkParams& p, int nb, int v, int q
 // share of the rows in their combine tiles (one thread walking all 128 rows sat on the consumers' critical path,
 // run 20's timeline: GEMM2 tasks 2-2.5x GEMM1's time per k stage). Every counting thread fences first: fence +
 // relaxed red = release, cumulative over the barrier, so the subscriber's or a waiter's acquire sees h / y.
-// comb counts 64-column halves of GEMM2 n-blocks per row (COMB_UNITS per 128 columns): a tail half task counts 1.
-constexpr int COMB_UNITS = 2;
 template <class T>
 __device__ __forceinline__ void signal_rows(const MkParams& p, const Meta& md, int kind, int tile, int first,
-                                            int stride, int half = 0) {
+                                            int stride) {
   if (kind == MK_TASK_GEMM1) {
     if (first == 0) {
       __threadfence();
@@ -557,13 +550,13 @@ __device__ __forceinline__ void signal_rows(const MkParams& p, const Meta& md, i
       __threadfence();
       fenced = true;
     }
-    red_add(&p.comb[v / rows_per_ct], half ? 1 : COMB_UNITS * T::NBLK);
+    red_add(&p.comb[v / rows_per_ct], T::NBLK);
   }
 }
 // The same over a whole CTA whose threads all passed a __syncthreads after their stores.
 template <class T>
-__device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, int kind, int tile, int half = 0) {
-  signal_rows<T>(p, md, kind, tile, threadIdx.x, blockDim.x, half);
+__device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, int kind, int tile) {
+  signal_rows<T>(p, md, kind, tile, threadIdx.x, blockDim.x);
 }
 
 // GEMM1 / GEMM2 task of m-tile `tile` = (e, mt), n-block nb, split-K part ks of `splits` (mma.sync core).
@@ -571,11 +564,10 @@ __device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, i
 // accumulators in its own place of p.sk_part, then counts itself in p.sk_cnt[slot]; the CTA that counts
 // last adds the parts in part order 0, 1, .., splits-1 (whatever order they finished in: bit-identical
 // results run to run) and runs the epilogue and the readiness signal. The other parts signal nothing.
-// hcols (TMA tiles, GEMM2 only; mk_index.h t_half): 0 = all 128 columns, 1 / 2 = only the first / second 64.
+// tail (a GEMM2_TAIL part, MkParams.tail_split): the same with the tail's buffers and slots (mk_index.h tail_slot).
 template <class T>
 __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, int ks, int splits,
-                         uint32_t& it, const CUtensorMap* tm1, const CUtensorMap* tm2, int qi, int hcols) {
-  if constexpr (!T::TMA) hcols = 0;  // (the queue has halves only for TMA tiles: queue_shape)
+                         uint32_t& it, const CUtensorMap* tm1, const CUtensorMap* tm2, int qi, bool tail) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
   const int H = (int)p.H, I = (int)p.I;
@@ -594,7 +586,7 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
     const int brow2 = kind == MK_TASK_GEMM1 ? brow + I : brow + TMA_BOX_ROWS;
     const bf16* a_base = (kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h) + k0;
     gemm_tile_tma<T>(acc, p, smem, bar_base(md), it, a_base, md.a_off, kind == MK_TASK_GEMM1 ? tm1 : tm2, brow, brow2,
-                     k0, Kpart, dep, cnt, need, tile == (int)p.stall_tile, tile, hcols ? hcols : 3);
+                     k0, Kpart, dep, cnt, need, tile == (int)p.stall_tile, tile);
   } else {
     if (dep) wait_inputs(p, cnt, need, tile == (int)p.stall_tile, tile);  // (cp.async tiles: nothing streams first)
     if (kind == MK_TASK_GEMM1)
@@ -607,9 +599,11 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
   if constexpr (T::BM == 16) if (splits > 1) {  // decode tiles only (the scheduler splits nothing else):
     // the larger tiles keep their register budget (bm=128 is launch-bounded to 128 for 2 CTAs/SM)
     const int N1 = (int)(2 * p.I / BN), N2 = (int)(p.H / BN);
-    const int slot = mkidx::sk_slot(kind == MK_TASK_GEMM2, tile, nb, N1, N2, (int)p.sk_max_tiles);
-    float* part = p.sk_part;
-    const int stride = (int)(p.split_k1 > p.split_k2 ? p.split_k1 : p.split_k2);  // parts room per slot
+    const int slot = tail ? mkidx::tail_slot(tile, nb, N2, (int)(p.tail_slots / N2))
+                          : mkidx::sk_slot(kind == MK_TASK_GEMM2, tile, nb, N1, N2, (int)p.sk_max_tiles);
+    float* part = tail ? p.tail_part : p.sk_part;
+    int32_t* done_parts = tail ? p.tail_cnt : p.sk_cnt;
+    const int stride = tail ? MK_TAIL_PARTS : (int)(p.split_k1 > p.split_k2 ? p.split_k1 : p.split_k2);  // parts room
 #pragma unroll
     for (int i = 0; i < T::MT; ++i)
 #pragma unroll
@@ -621,7 +615,7 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
     __syncthreads();  // every part stored before thread 0's fence + count
     if (tid == 0) {
       __threadfence();
-      *md.last = atomicAdd(&p.sk_cnt[slot], 1) == splits - 1;
+      *md.last = atomicAdd(&done_parts[slot], 1) == splits - 1;
     }
     __syncthreads();
     if (!*md.last) return;  // uniform: another part's CTA finishes the slot
@@ -657,11 +651,10 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
       const float w = row_weight(p, kind, v);
 #pragma unroll
       for (int j = 0; j < T::NT; ++j)
-        if (!T::TMA || hcols == 0 || hcols == 1 + (j >> 1))  // a half task: its box's columns only
-          store_pair(p, kind, nb, v, b_col<T>(wn, j) + 2 * (lane & 3), acc[i][j][2 * half], acc[i][j][2 * half + 1], w);
+        store_pair(p, kind, nb, v, b_col<T>(wn, j) + 2 * (lane & 3), acc[i][j][2 * half], acc[i][j][2 * half + 1], w);
     }
   __syncthreads();  // every thread's stores issued before thread 0's fence + signal
-  signal_done<T>(p, md, kind, tile, hcols);
+  signal_done<T>(p, md, kind, tile);
 }
 
 // ---- the wgmma core (sm_90a): GEMM1/GEMM2 tasks with bm = 64 or 128 ---------------------------------------
@@ -1216,7 +1209,7 @@ __device__ void tile_prefix(const MkParams& p, int* base) {
 // What every role derives from base[]: tasks per m-tile, split-K parts, the totals.
 struct QueueShape {
   int n_tiles, n_ct, NC, KS1, KS2, G1, G2;  // G1 / G2: GEMM1 / GEMM2 tasks per m-tile
-  int n_half;  // the last GEMM2 tasks, run as two 64-column halves each (MkParams.tail_split; queue_word)
+  int n_tail;  // the last GEMM2 tasks, run as MK_TAIL_PARTS split-K parts each (MkParams.tail_split; queue_word)
   int64_t total;
   bool fits;  // within the queue and counter buffers (else MK_ERR_QUEUE_FULL)
 };
@@ -1234,14 +1227,17 @@ __device__ QueueShape queue_shape(const MkParams& p, const int* base) {
   // (never split: split-K is for bm = 16 only, so the n-field is nb itself)
   q.G1 = (int)(2 * p.I / BN) / T::NBLK * q.KS1;
   q.G2 = (int)(p.H / BN) / T::NBLK * q.KS2;
-  // tail_split: the bm = 16 TMA tile (its B is one 64-row box per half) with every task published at launch, so a
-  // half is a slot like any other; the last wave's tasks then end within about half a task's time of each other
-  // (the drain of the last GEMM2 wave was ~14 us at S=16 and 128 with 12-18 us tasks, runs 55 and 94a)
-  q.n_half = 0;
-  if constexpr (T::TMA && !T::WG)
-    if (p.publish_all && q.KS2 == 1 && p.tail_split > 0)
-      q.n_half = (int)min((int64_t)q.n_tiles * q.G2, p.tail_split * (p.grid - 1));
-  q.total = (int64_t)q.n_tiles * (q.G1 + q.G2) + q.n_half + (int64_t)q.n_ct * q.NC;
+  // tail_split: the bm = 16 tiles with every task published at launch (a part is a slot like any other) split the
+  // queue's last GEMM2 tasks over K, so the last wave's tasks end about half a task's time apart. The drain of that
+  // wave was ~14 us at S=16 and 128 with 12-18 us tasks (runs 55, 94a); halving their columns instead left each
+  // task as long (run 99: a CTA's stage is latency-bound, half the bytes per stage took the same time)
+  q.n_tail = 0;
+  if constexpr (T::BM == 16 && !T::WG)
+    if (p.publish_all && q.KS2 == 1 && p.tail_split > 0 && p.tail_slots >= 2 * (p.H / BN) &&
+        p.I % (MK_TAIL_PARTS * BK) == 0)
+      q.n_tail = (int)min(min((int64_t)q.n_tiles * q.G2, p.tail_split * (p.grid - 1)),
+                          (p.tail_slots / (p.H / BN) - 1) * q.G2);
+  q.total = (int64_t)q.n_tiles * (q.G1 + q.G2) + (int64_t)(MK_TAIL_PARTS - 1) * q.n_tail + (int64_t)q.n_ct * q.NC;
   q.fits = q.total <= p.q_cap && q.n_tiles <= p.max_tiles && q.n_ct <= p.max_ctiles;
   return q;
 }
@@ -1259,7 +1255,7 @@ __device__ __forceinline__ uint64_t local_word(const MkParams& p, const int* bas
     tr_slot(p, i, MK_TR_CLAIM, now);
     tr_slot(p, i, MK_TR_CTA, blockIdx.x);
   }
-  return mkidx::queue_word(i, base, (int)p.E, q.G1, q.KS1, q.G2, q.KS2, q.NC, T::NBLK, q.n_half);
+  return mkidx::queue_word(i, base, (int)p.E, q.G1, q.KS1, q.G2, q.KS2, q.NC, T::NBLK, q.n_tail);
 }
 template <class T>
 __device__ __forceinline__ uint64_t claim_local(const MkParams& p, const int* base, const QueueShape& q, int* slot) {
@@ -1323,7 +1319,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   for (int c0 = 0; c0 < n_pub; c0 += (int)blockDim.x * 8) {
     const int hi = min(n_pub, c0 + (int)blockDim.x * 8);
     for (int i = c0 + tid; i < hi; i += blockDim.x)  // n-field = nb + N1 * ks (mk_index.h: queue_word)
-      p.q_task[i] = mkidx::queue_word(i, base, E, N1 / W * KS1, KS1, G2, KS2, NC, W, q.n_half);
+      p.q_task[i] = mkidx::queue_word(i, base, E, N1 / W * KS1, KS1, G2, KS2, NC, W, q.n_tail);
     __threadfence();
     for (int i = c0 + tid; i < hi; i += blockDim.x) st_relaxed(&p.q_flag[i], epoch);
     tr_published(p, c0 + tid, hi, blockDim.x);
@@ -1377,7 +1373,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         const int ntok = min((int)p.S, (ct + 1) * CT) - ct * CT;
         const int v = ld_acquire(&p.comb[ct]);
         sum += v;
-        ready = v == ntok * K * N2 * COMB_UNITS;
+        ready = v == ntok * K * N2;
       }
       const unsigned m = __ballot_sync(~0u, ready);
       const int pos = tail + __popc(m & ((1u << lane) - 1)) * NC;
@@ -1488,7 +1484,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     if (kind == MK_TASK_COMBINE) {
       if (p.publish_all && !T::WG) {  // its tokens' GEMM2 rows, waited for here (see the scheduler)
         const int ct = (int)p.combine_tokens, ntok = min((int)p.S, (mt + 1) * ct) - mt * ct;
-        wait_inputs(p, p.comb + mt, ntok * (int)p.K * (int)(p.H / BN) * COMB_UNITS, false, mt);
+        wait_inputs(p, p.comb + mt, ntok * (int)p.K * (int)(p.H / BN), false, mt);
       }
       run_combine(p, mt, nf);
     } else {
@@ -1496,7 +1492,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       if constexpr (T::WG)
         run_gemm_wg<T>(p, smem, kind, e, mt, nf, tile, it, &tm1, &tm2, slot);  // never split (split-K: bm=16 only)
       else
-        run_gemm<T>(p, smem, kind, e, mt, nf % N, tile, nf / N, splits, it, &tm1, &tm2, slot, mkidx::t_half(task));
+        run_gemm<T>(p, smem, kind, e, mt, nf % N, tile, nf / N, splits, it, &tm1, &tm2, slot, mkidx::t_tail(task));
     }
     if (threadIdx.x == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());  // GEMM: after its signal
   }
@@ -1627,6 +1623,8 @@ __device__ void reset_ctl(const MkParams& p) {
     const int64_t n = p.sk_max_tiles * (2 * p.I / BN + p.H / BN);
     for (int64_t i = tid; i < n; i += blockDim.x) p.sk_cnt[i] = 0;
   }
+  if (p.tail_cnt)
+    for (int64_t i = tid; i < p.tail_slots; i += blockDim.x) p.tail_cnt[i] = 0;
   if (tid == 0) {
     p.ctl[MK_CTL_HEAD] = 0;
     p.ctl[MK_CTL_TOTAL] = 0;
@@ -2082,6 +2080,8 @@ int check_params(const MkParams* p) {
   if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");
   if (p->decode < 0 || p->decode > 2) return fail_msg("mk: decode must be 0, 1 or 2");
   if (p->tail_split < 0 || p->tail_split > 4) return fail_msg("mk: tail_split must be in 0..4");
+  if (p->tail_slots < 0 || p->tail_slots >= (1 << 24) || (p->tail_slots > 0 && (!p->tail_part || !p->tail_cnt)))
+    return fail_msg("mk: tail_slots must be in 0..2^24 with tail_part and tail_cnt");
   if (p->decode && !p->dec_cnt) return fail_msg("mk: decode needs dec_cnt");
   return 0;
 }

@@ -18,10 +18,9 @@ order of `all_tasks` (GEMM1s, then GEMM2s tile-major, then COMBINEs) and a proce
 COMBINE waits for its inputs itself (the kernel streams the GEMM2's first weight stages meanwhile). No
 deadlock: a task waits only for tasks in earlier slots, which resident CTAs claimed before it.
 
-Tail halves (`tail_split`, MkParams.tail_split; publish_all launches of the bm = 16 TMA tile): the last
-tail_split x processors GEMM2 tasks of that queue run as two tasks each, the first and the second 64 columns of the
-n-block (`Task.half` 1 and 2, in adjacent slots). The combine counters count 64-column halves: a full GEMM2 row
-counts 2 (x nblk), a half 1, and a combine tile waits for tokens x topk x N2 x 2.
+The tail (`tail_split`, MkParams.tail_split; publish_all launches with bm = 16 and no GEMM2 split-K): the last
+tail_split x processors GEMM2 tasks of that queue (at most what the tail's partial-sum slots hold) run as TAIL_PARTS
+split-K parts each, in adjacent slots (`Task.tail`); as for split-K, only the part that finishes last signals.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import random
 from dataclasses import dataclass, field
 
 BN = 128  # weight rows per tile (BN in mk_moe.cu)
-COMB_UNITS = 2  # combine-counter units per row and 128-column GEMM2 n-block (COMB_UNITS in mk_moe.cu)
+TAIL_PARTS = 2  # split-K parts of each GEMM2 task at the queue's tail (MK_TAIL_PARTS)
 
 GEMM1, GEMM2, COMBINE = 1, 2, 3
 ERR_SCHED_TIMEOUT, ERR_PROC_TIMEOUT, ERR_INPUT_TIMEOUT = 1, 2, 6
@@ -46,7 +45,7 @@ class Task:
     tile: int   # global m-tile id (combine: 0)
     part: int = 0   # split-K part (0..parts-1)
     parts: int = 1  # split-K parts of this GEMM task (1: not split)
-    half: int = 0   # GEMM2 of the queue's tail: 1 / 2 = only the first / second 64 columns (0: all 128)
+    tail: bool = False  # a split-K part of one of the queue's last GEMM2 tasks (MK_TASK_GEMM2_TAIL)
 
 
 @dataclass(frozen=True)
@@ -59,11 +58,11 @@ class Plan:
     n_ctiles: int
     total: int
     rows: tuple[tuple[int, ...], ...]  # per expert: rows t*K + j in list order
-    ctile_target: tuple[int, ...]  # finished (row, 64-column half of a GEMM2 n-block) pairs each combine tile waits for
+    ctile_target: tuple[int, ...]  # finished (row, GEMM2 n-block) pairs each combine tile waits for
     ks1: int = 1                   # split-K parts per GEMM1 / GEMM2 task this launch (`splits`)
     ks2: int = 1
     nblk: int = 1                  # 128-column n-blocks per GEMM task: 2 for the wide tile (bn = 256)
-    n_half: int = 0                # publish_all's last GEMM2 tasks, each run as two 64-column halves
+    n_tail: int = 0                # publish_all's last GEMM2 tasks, each run as TAIL_PARTS split-K parts
 
     def tile_expert(self, tile: int) -> int:
         lo, hi = 0, len(self.tile_base) - 2
@@ -94,12 +93,12 @@ class Plan:
 
 
     def all_tasks(self) -> list[Task]:
-        """publish_all's queue: every GEMM1, then every m-tile's GEMM2s (tile-major; the last `n_half` as a first and
-        a second half each), then the COMBINEs."""
+        """publish_all's queue: every GEMM1, then every m-tile's GEMM2s (tile-major; the last `n_tail` as TAIL_PARTS
+        split-K parts each, in part order), then the COMBINEs."""
         g2 = [t for tile in range(self.n_tiles) for t in self.gemm2_tasks(tile)]
-        cut = len(g2) - self.n_half
-        halves = [dataclasses.replace(t, half=h) for t in g2[cut:] for h in (1, 2)]
-        return (self.gemm1_tasks() + g2[:cut] + halves
+        cut = len(g2) - self.n_tail
+        parts = [dataclasses.replace(t, part=q, parts=TAIL_PARTS, tail=True) for t in g2[cut:] for q in range(TAIL_PARTS)]
+        return (self.gemm1_tasks() + g2[:cut] + parts
                 + [Task(COMBINE, 0, c, cb, 0) for c in range(self.n_ctiles) for cb in range(self.nc)])
 
 
@@ -125,11 +124,12 @@ def reduce_parts(parts: list[list[float]]) -> list[float]:
 
 def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: int, bm: int,
          combine_tokens: int, split_k1: int = 1, split_k2: int = 1, split_max_tiles: int = 0, bn: int = BN,
-         tail_split: int = 0, processors: int = 0) -> Plan:
+         tail_split: int = 0, processors: int = 0, tail_slots: int | None = None) -> Plan:
     """The task graph for routing `topk_idx` ([S][K] expert ids); `split_*` as MegakernelConfig (the layer
     passes its partial buffer's m-tiles, `MegakernelMoE.sk_tiles`, as `split_max_tiles`); `bn` the launch's
     columns per task (`MegakernelConfig.pick_bn(bm)`: 256 = the wide tile, bm = 128 only); `tail_split` the
-    launch's effective value (`MegakernelConfig.tail_split_for(bm)`) and `processors` its processor CTAs."""
+    launch's effective value (`MegakernelConfig.tail_split_for(bm)`), `processors` its processor CTAs and
+    `tail_slots` the layer's (`MegakernelMoE.tail_slots`; None: as many as needed)."""
     if bn not in (BN, 2 * BN):
         raise ValueError(f"bn must be 128 or 256, got {bn}")
     if bn == 2 * BN and (bm != 128 or hidden % bn or 2 * intermediate % bn):
@@ -147,15 +147,19 @@ def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: 
     n1, n2, nc = 2 * intermediate // BN, hidden // BN, combine_blocks(hidden)
     n_tiles = base[-1]
     n_ct = -(-s // combine_tokens)
-    target = tuple((min(s, (c + 1) * combine_tokens) - c * combine_tokens) * k * n2 * COMB_UNITS for c in range(n_ct))
+    target = tuple((min(s, (c + 1) * combine_tokens) - c * combine_tokens) * k * n2 for c in range(n_ct))
     ks1 = splits(split_k1, n_tiles=n_tiles, bm=bm, max_tiles=split_max_tiles)
     ks2 = splits(split_k2, n_tiles=n_tiles, bm=bm, max_tiles=split_max_tiles)
     w = bn // BN
-    # the kernel's rule (queue_shape): the bm = 16 tile without GEMM2 split-K; the caller passes 0 where it does not apply
-    n_half = min(n_tiles * n2, tail_split * processors) if bm == 16 and ks2 == 1 and w == 1 else 0
+    # the kernel's rule (queue_shape): bm = 16 without GEMM2 split-K, I a multiple of TAIL_PARTS x 64, the tail cut to
+    # span at most tail_slots / N2 consecutive m-tiles; the caller passes tail_split 0 where publish_all is off
+    n_tail = 0
+    if tail_split and bm == 16 and ks2 == 1 and w == 1 and intermediate % (TAIL_PARTS * 64) == 0:
+        cap = n_tiles * n2 if tail_slots is None else (tail_slots // n2 - 1) * n2
+        n_tail = max(0, min(n_tiles * n2, tail_split * processors, cap))
     return Plan(n1, n2, nc, tuple(base), n_tiles, n_ct,
-                n_tiles * (n1 // w * ks1 + n2 // w * ks2) + n_half + n_ct * nc,
-                tuple(map(tuple, rows)), target, ks1, ks2, w, n_half)
+                n_tiles * (n1 // w * ks1 + n2 // w * ks2) + (TAIL_PARTS - 1) * n_tail + n_ct * nc,
+                tuple(map(tuple, rows)), target, ks1, ks2, w, n_tail)
 
 
 def combine_blocks(hidden: int) -> int:
@@ -191,7 +195,6 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
     rel_tile = [False] * p.n_tiles
     rel_ct = [False] * p.n_ctiles
     done_g2: set[tuple[int, int]] = set()
-    halves_done: set[tuple[int, int, int]] = set()  # tail halves finished: (tile, nb, half)
     parts_done: dict[tuple[int, int, int], int] = {}  # split-K: finished parts per (kind, tile, nb) slot
     head = 0
     # per processor: None (idle), ("wait", slot, since) or ("run", task, finish_step)
@@ -278,19 +281,11 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
                             continue
                     if t.kind == GEMM1:  # a wide task (nblk = 2) finishes n-blocks nblock and nblock + 1
                         g1done[t.tile] += p.nblk
-                    elif t.kind == GEMM2 and t.half:  # one 64-column half: the n-block is done with both
-                        key = (t.tile, t.nblock, t.half)
-                        assert key not in halves_done, f"half {key} ran twice"
-                        halves_done.add(key)
-                        if (t.tile, t.nblock, 3 - t.half) in halves_done:
-                            done_g2.add((t.tile, t.nblock))
-                        for r in _tile_rows(p, t, bm):
-                            comb[(r // topk) // combine_tokens] += 1
                     elif t.kind == GEMM2:
                         for q in range(p.nblk):
                             done_g2.add((t.tile, t.nblock + q))
                         for r in _tile_rows(p, t, bm):
-                            comb[(r // topk) // combine_tokens] += COMB_UNITS * p.nblk
+                            comb[(r // topk) // combine_tokens] += p.nblk
                     state[i] = None
         if not busy and (sched_done or res.error):
             break
