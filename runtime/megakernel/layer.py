@@ -118,7 +118,7 @@ class MegakernelMoE:
         # bound); the kernel cuts a longer tail to what the slots hold.
         tail_tiles = 0
         if cfg.tail_split:
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
             tail_tiles = -(-cfg.tail_split * 4 * sms // self.n2) + 1
         self.tail_slots = tail_tiles * self.n2
         self.tail_part = z(max(1, self.tail_slots * _lib.TAIL_PARTS * _lib.SK_PART_FLOATS), dtype=torch.float32,
