@@ -7,7 +7,6 @@ GPU tests compare the kernel's own task counts with `plan`. Here: task counts, d
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import re
 import shutil
@@ -159,45 +158,6 @@ def test_publish_all_runs_every_task_once_in_dependency_order(s, mode, sk, procs
     r = sch.simulate(p, processors=procs, bm=bm, topk=k, combine_tokens=ct, seed=procs, publish_all=True)
     assert r.error == 0
     assert sorted(r.executed, key=order.index) == order
-
-
-@pytest.mark.parametrize("procs", [1, 3, 40, 300])
-@pytest.mark.parametrize(("s", "mode", "tail"), [(7, "zipf", 1), (64, "uniform", 1), (200, "uniform", 4), (64, "one", 2)])
-def test_tail_parts_run_once_in_dependency_order(s, mode, tail, procs):
-    """tail_split: the last tail x procs GEMM2 tasks of publish_all's queue become their split-K parts in adjacent
-    slots; every part still runs once after its inputs, and a combine starts only once the last part of every n-block
-    of its rows is done (only that part signals)."""
-    e, k, bm, ct = 16, 4, 16, 8
-    idx = _routing(s, e, k, mode=mode, seed=13 * s + procs)
-    whole = sch.plan(idx, experts=e, hidden=H, intermediate=INTER, bm=bm, combine_tokens=ct)
-    p = sch.plan(idx, experts=e, hidden=H, intermediate=INTER, bm=bm, combine_tokens=ct, tail_split=tail,
-                 processors=procs)
-    assert p.n_tail == min(p.n_tiles * p.n2, tail * procs) > 0
-    assert p.total == whole.total + (sch.TAIL_PARTS - 1) * p.n_tail
-    order = p.all_tasks()
-    assert len(order) == p.total
-    g2 = [t for t in order if t.kind == sch.GEMM2]
-    cut = len(g2) - sch.TAIL_PARTS * p.n_tail
-    assert not any(t.tail for t in g2[:cut]) and all(t.tail and t.parts == sch.TAIL_PARTS for t in g2[cut:])
-    assert [t.part for t in g2[cut:]] == list(range(sch.TAIL_PARTS)) * p.n_tail
-    assert [dataclasses.replace(t, part=0, parts=1, tail=False) for t in g2[cut::sch.TAIL_PARTS]] == [
-        t for t in whole.all_tasks() if t.kind == sch.GEMM2][-p.n_tail:]
-    r = sch.simulate(p, processors=procs, bm=bm, topk=k, combine_tokens=ct, seed=procs, publish_all=True)
-    assert r.error == 0
-    assert sorted(r.executed, key=order.index) == order
-
-
-def test_tail_parts_only_where_the_kernel_splits():
-    """No tail under GEMM2 split-K or for the bigger tiles, and never longer than its slots hold (the kernel's
-    queue_shape rule: at most tail_slots / N2 - 1 m-tiles' worth of tasks)."""
-    idx = _routing(64, 16, 4, mode="uniform", seed=5)
-    kw = dict(experts=16, hidden=H, intermediate=INTER, combine_tokens=8, tail_split=1, processors=8)
-    assert sch.plan(idx, bm=16, **kw).n_tail == 8
-    assert sch.plan(idx, bm=16, split_k2=2, split_max_tiles=64, **kw).n_tail == 0
-    assert sch.plan(idx, bm=64, **kw).n_tail == 0
-    n2 = H // sch.BN
-    assert sch.plan(idx, bm=16, tail_slots=3 * n2, **kw).n_tail == min(8, 2 * n2)
-    assert sch.plan(idx, bm=16, tail_slots=n2, **kw).n_tail == 0
 
 
 def test_publish_all_stalled_tile_reports_input_timeout():

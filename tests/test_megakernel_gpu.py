@@ -102,8 +102,7 @@ def _check(layer, model, x, out, idx, w, tol=1e-2):
     bm = cfg.pick_bm(x.shape[0], model.topk, model.experts)
     p = schedule.plan(idx.tolist(), experts=model.experts, hidden=model.hidden, intermediate=model.intermediate,
                       bm=bm, combine_tokens=cfg.combine_tokens, split_k1=cfg.split_k1, split_k2=cfg.split_k2,
-                      split_max_tiles=layer.sk_tiles, bn=cfg.pick_bn(bm), tail_split=cfg.tail_split_for(bm),
-                      processors=layer.grid(bm, layer.stages_for(bm, x.shape[0])) - 1, tail_slots=layer.tail_slots)
+                      split_max_tiles=layer.sk_tiles, bn=cfg.pick_bn(bm))
     assert (c["total"], c["tiles"], c["published"]) == (p.total, p.n_tiles, p.total)
     return err
 
@@ -254,9 +253,7 @@ NEW_PATHS = [# the mma core and no split-K: the defaults before run 10, still se
              "publish_all=1,split_k1=4,split_k2=2", "publish_all=1,bm=16,stages=12", "publish_all=1,core=mma,bm=64",
              "publish_all=1,core=mma,bm=128", "publish_all=0", "publish_all=0,tma=0",
              # the task graph where the decode kernel would run (S = 1 here)
-             "decode=0", "decode=0,tma=0", "decode=0,split_k1=2,split_k2=2", "decode=0,publish_all=0",
-             # tail halves (ABI 17): off, and more of the queue's tail split (every GEMM2 task at small S)
-             "tail_split=0", "tail_split=4", "tail_split=2,stages=3,decode=0"]
+             "decode=0", "decode=0,tma=0", "decode=0,split_k1=2,split_k2=2", "decode=0,publish_all=0"]
 
 
 @pytest.fixture(scope="module")
@@ -453,40 +450,6 @@ def test_publish_all_matches_plain_exactly(new_layers, model, cfg, s):
     m.check()
     assert m.counters()["published"] == m.counters()["total"]
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
-@pytest.mark.parametrize("s", [1, 7, 16, 128, 300, 1000])
-@pytest.mark.parametrize("tail", [1, 4])
-def test_tail_parts_correct_and_reproducible(new_layers, model, tail, s):
-    """The queue's last GEMM2 tasks as split-K parts: the reference's result, bit-identical run to run (the parts add
-    in part order), the kernel's task total the model's (parts included), and within the bf16 rounding of the
-    unsplit tasks (the fp32 sums associate differently, so not the same bits)."""
-    x = _x(s, model.hidden, seed=1700 + s)
-    idx, w = _routing(s, model.experts, model.topk, "zipf" if s % 2 else "uniform", seed=s)
-    a = new_layers("tail_split=0,decode=0").forward_routed(x, idx, w, out=_poisoned(s, model.hidden)).clone()
-    m = new_layers(f"tail_split={tail},decode=0")
-    b = m.forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
-    _check(m, model, x, b, idx, w)
-    again = m.forward_routed(x, idx, w, out=_poisoned(s, model.hidden)).clone()
-    torch.cuda.synchronize()
-    assert torch.equal(b.view(torch.int16), again.view(torch.int16)), "not bit-identical across runs"
-    from moetune.runtime.moe_layer import max_rel_err
-
-    assert max_rel_err(b, a) <= 1e-2
-
-
-def test_tail_parts_in_the_timeline(new_layers, model):
-    """At S=128 (bm=16, publish_all) the last (processors) GEMM2 tasks run as their split-K parts, after every whole one."""
-    from moetune.runtime.megakernel import _lib
-
-    m = new_layers("")
-    tl = m.task_timeline(_x(128, model.hidden, seed=1800))
-    parts = [t for t in tl["tasks"] if t["tail"]]
-    whole = [t for t in tl["tasks"] if t["kind"] == "gemm2" and not t["tail"]]
-    n_tail = min(tl["grid"] - 1, len(whole) + len(parts) // _lib.TAIL_PARTS, m.tail_slots - m.n2)
-    assert tl["bm"] == 16 and len(parts) == _lib.TAIL_PARTS * n_tail > 0
-    assert all(t["kind"] == "gemm2" and t["parts"] == _lib.TAIL_PARTS for t in parts)
-    assert min(t["slot"] for t in parts) > max(t["slot"] for t in whole)
 
 
 @pytest.mark.parametrize(("cfg", "s"), [("decode=0", 1), ("publish_all=1,decode=0", 1), ("", 128), ("", 1000)])

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 17
+#define MK_ABI_VERSION 16
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -53,10 +53,8 @@ enum {
 // GEMM cores (MkParams.core). The wgmma core serves bm = 64 / 128 only; bm = 16 always runs mma.
 enum { MK_CORE_MMA = 0, MK_CORE_WGMMA = 1 };
 
-// Task kinds (bits 61..63 of a queue word). GEMM2_TAIL (ABI 17, MkParams.tail_split): one of MK_TAIL_PARTS split-K
-// parts of a GEMM2 task at the end of the queue (its partial sums in tail_part, not sk_part).
-enum { MK_TASK_GEMM1 = 1, MK_TASK_GEMM2 = 2, MK_TASK_COMBINE = 3, MK_TASK_GEMM2_TAIL = 4 };
-#define MK_TAIL_PARTS 2
+// Task kinds (bits 61..63 of a queue word).
+enum { MK_TASK_GEMM1 = 1, MK_TASK_GEMM2 = 2, MK_TASK_COMBINE = 3 };
 
 typedef struct MkParams {
   // layer inputs (bf16, contiguous)
@@ -135,15 +133,6 @@ typedef struct MkParams {
                    // topk_w (1) or (ABI 16) routing from the gate in the kernel itself (2, no mk_route before it)
   // ABI 16
   int32_t* dec_cnt;  // [(64 + 3) * 32] the decode kernel's counters (zero between launches: its last CTA resets them)
-  // ABI 17
-  int64_t tail_split;  // 0..4: bm = 16 launches with publish_all and no GEMM2 split-K run the last tail_split x
-                       // (grid - 1) GEMM2 tasks of their queue as MK_TAIL_PARTS split-K parts each (GEMM2_TAIL), so
-                       // the last wave's tasks are shorter; 0: off. q_cap must then hold max_tiles x (N1 +
-                       // MK_TAIL_PARTS x N2) GEMM tasks.
-  int64_t tail_slots;  // (GEMM2 m-tile mod tail_slots / N2, n-block) slots tail_part / tail_cnt hold; the queue's tail
-                       // is cut to (tail_slots / N2 - 1) x N2 tasks so no two of its tasks share a slot
-  float* tail_part;    // [tail_slots][MK_TAIL_PARTS][16 acc registers][128 threads] fp32 partial sums
-  int32_t* tail_cnt;   // [tail_slots] finished parts per slot (zeroed by the routing kernels)
 } MkParams;
 
 int mk_abi_version(void);

@@ -96,16 +96,7 @@ MK_HD uint64_t enc(int kind, int e, int mt, int nfield, int tile, int splits = 1
   return ((uint64_t)kind << 61) | ((uint64_t)(splits - 1) << 57) | ((uint64_t)e << 48) | ((uint64_t)mt << 32) |
          ((uint64_t)nfield << 20) | (uint64_t)tile;
 }
-// The kind a task runs as: a part of a GEMM2 task at the queue's tail (MK_TASK_GEMM2_TAIL) is a GEMM2 split-K part;
-// t_tail says its partial sums go to the tail's buffer (tail_slot).
-MK_HD int t_kind(uint64_t w) {
-  const int k = (int)(w >> 61);
-  return k == MK_TASK_GEMM2_TAIL ? MK_TASK_GEMM2 : k;
-}
-MK_HD bool t_tail(uint64_t w) { return (int)(w >> 61) == MK_TASK_GEMM2_TAIL; }
-// Slot of a tail task (m-tile `tile`, n-block nb) among tail_tiles x n2: the tail spans at most tail_tiles
-// consecutive m-tiles (queue_shape cuts it to (tail_tiles - 1) x n2 tasks), so tile mod tail_tiles tells them apart.
-MK_HD int tail_slot(int tile, int nb, int n2, int tail_tiles) { return (tile % tail_tiles) * n2 + nb; }
+MK_HD int t_kind(uint64_t w) { return (int)(w >> 61); }
 MK_HD int t_splits(uint64_t w) { return (int)((w >> 57) & 0xf) + 1; }
 MK_HD int t_expert(uint64_t w) { return (int)((w >> 48) & 0x1ff); }
 MK_HD int t_mtile(uint64_t w) { return (int)((w >> 32) & 0xffff); }
@@ -124,30 +115,20 @@ MK_HD int tile_expert(const int* base, int E, int tile) {
 }
 // The word of queue slot i when every task is published at once (publish_all): g1 = n_tiles * G1 GEMM1 tasks
 // tile-major (n-field = nb + N1 * ks, W n-blocks per task), then each m-tile's G2 GEMM2 tasks, then NC combine
-// tasks per combine tile. The last n_tail GEMM2 tasks (MkParams.tail_split; only with KS2 = 1 and W = 1) take
-// MK_TAIL_PARTS slots each, their split-K parts in order (GEMM2_TAIL, n-field nb + G2 * part). The scheduler writes
-// these words; a processor can compute the one it claimed.
-MK_HD uint64_t queue_word(int i, const int* base, int E, int G1, int KS1, int G2, int KS2, int NC, int W,
-                          int n_tail = 0) {
-  const int n_tiles = base[E], g1 = n_tiles * G1, g2 = n_tiles * G2;
+// tasks per combine tile. The scheduler writes these words; a processor can compute the one it claimed.
+MK_HD uint64_t queue_word(int i, const int* base, int E, int G1, int KS1, int G2, int KS2, int NC, int W) {
+  const int n_tiles = base[E], g1 = n_tiles * G1;
   if (i < g1) {
     const int tile = i / G1, nf = i % G1;
     const int e = tile_expert(base, E, tile);
     return enc(MK_TASK_GEMM1, e, tile - base[e], nf * W, tile, KS1);
   }
-  const int full = g2 - n_tail;  // GEMM2 tasks before the tail's parts
-  if (i < g1 + full) {
+  if (i < g1 + n_tiles * G2) {
     const int tile = (i - g1) / G2, nf = (i - g1) % G2;
     const int e = tile_expert(base, E, tile);
     return enc(MK_TASK_GEMM2, e, tile - base[e], nf * W, tile, KS2);
   }
-  if (i < g1 + g2 + (MK_TAIL_PARTS - 1) * n_tail) {
-    const int j = i - g1 - full, t = full + j / MK_TAIL_PARTS, part = j % MK_TAIL_PARTS;
-    const int tile = t / G2, nb = t % G2;
-    const int e = tile_expert(base, E, tile);
-    return enc(MK_TASK_GEMM2_TAIL, e, tile - base[e], nb + G2 * part, tile, MK_TAIL_PARTS);
-  }
-  const int c = i - g1 - g2 - (MK_TAIL_PARTS - 1) * n_tail;
+  const int c = i - g1 - n_tiles * G2;
   return enc(MK_TASK_COMBINE, 0, c / NC, c % NC, 0);
 }
 

@@ -564,10 +564,9 @@ __device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, i
 // accumulators in its own place of p.sk_part, then counts itself in p.sk_cnt[slot]; the CTA that counts
 // last adds the parts in part order 0, 1, .., splits-1 (whatever order they finished in: bit-identical
 // results run to run) and runs the epilogue and the readiness signal. The other parts signal nothing.
-// tail (a GEMM2_TAIL part, MkParams.tail_split): the same with the tail's buffers and slots (mk_index.h tail_slot).
 template <class T>
 __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, int ks, int splits,
-                         uint32_t& it, const CUtensorMap* tm1, const CUtensorMap* tm2, int qi, bool tail) {
+                         uint32_t& it, const CUtensorMap* tm1, const CUtensorMap* tm2, int qi) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
   const int H = (int)p.H, I = (int)p.I;
@@ -599,11 +598,9 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
   if constexpr (T::BM == 16) if (splits > 1) {  // decode tiles only (the scheduler splits nothing else):
     // the larger tiles keep their register budget (bm=128 is launch-bounded to 128 for 2 CTAs/SM)
     const int N1 = (int)(2 * p.I / BN), N2 = (int)(p.H / BN);
-    const int slot = tail ? mkidx::tail_slot(tile, nb, N2, (int)(p.tail_slots / N2))
-                          : mkidx::sk_slot(kind == MK_TASK_GEMM2, tile, nb, N1, N2, (int)p.sk_max_tiles);
-    float* part = tail ? p.tail_part : p.sk_part;
-    int32_t* done_parts = tail ? p.tail_cnt : p.sk_cnt;
-    const int stride = tail ? MK_TAIL_PARTS : (int)(p.split_k1 > p.split_k2 ? p.split_k1 : p.split_k2);  // parts room
+    const int slot = mkidx::sk_slot(kind == MK_TASK_GEMM2, tile, nb, N1, N2, (int)p.sk_max_tiles);
+    float* part = p.sk_part;
+    const int stride = (int)(p.split_k1 > p.split_k2 ? p.split_k1 : p.split_k2);  // parts room per slot
 #pragma unroll
     for (int i = 0; i < T::MT; ++i)
 #pragma unroll
@@ -615,7 +612,7 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
     __syncthreads();  // every part stored before thread 0's fence + count
     if (tid == 0) {
       __threadfence();
-      *md.last = atomicAdd(&done_parts[slot], 1) == splits - 1;
+      *md.last = atomicAdd(&p.sk_cnt[slot], 1) == splits - 1;
     }
     __syncthreads();
     if (!*md.last) return;  // uniform: another part's CTA finishes the slot
@@ -1209,7 +1206,6 @@ __device__ void tile_prefix(const MkParams& p, int* base) {
 // What every role derives from base[]: tasks per m-tile, split-K parts, the totals.
 struct QueueShape {
   int n_tiles, n_ct, NC, KS1, KS2, G1, G2;  // G1 / G2: GEMM1 / GEMM2 tasks per m-tile
-  int n_tail;  // the last GEMM2 tasks, run as MK_TAIL_PARTS split-K parts each (MkParams.tail_split; queue_word)
   int64_t total;
   bool fits;  // within the queue and counter buffers (else MK_ERR_QUEUE_FULL)
 };
@@ -1227,17 +1223,7 @@ __device__ QueueShape queue_shape(const MkParams& p, const int* base) {
   // (never split: split-K is for bm = 16 only, so the n-field is nb itself)
   q.G1 = (int)(2 * p.I / BN) / T::NBLK * q.KS1;
   q.G2 = (int)(p.H / BN) / T::NBLK * q.KS2;
-  // tail_split: the bm = 16 tiles with every task published at launch (a part is a slot like any other) split the
-  // queue's last GEMM2 tasks over K, so the last wave's tasks end about half a task's time apart. The drain of that
-  // wave was ~14 us at S=16 and 128 with 12-18 us tasks (runs 55, 94a); halving their columns instead left each
-  // task as long (run 99: a CTA's stage is latency-bound, half the bytes per stage took the same time)
-  q.n_tail = 0;
-  if constexpr (T::BM == 16 && !T::WG)
-    if (p.publish_all && q.KS2 == 1 && p.tail_split > 0 && p.tail_slots >= 2 * (p.H / BN) &&
-        p.I % (MK_TAIL_PARTS * BK) == 0)
-      q.n_tail = (int)min(min((int64_t)q.n_tiles * q.G2, p.tail_split * (p.grid - 1)),
-                          (p.tail_slots / (p.H / BN) - 1) * q.G2);
-  q.total = (int64_t)q.n_tiles * (q.G1 + q.G2) + (int64_t)(MK_TAIL_PARTS - 1) * q.n_tail + (int64_t)q.n_ct * q.NC;
+  q.total = (int64_t)q.n_tiles * (q.G1 + q.G2) + (int64_t)q.n_ct * q.NC;
   q.fits = q.total <= p.q_cap && q.n_tiles <= p.max_tiles && q.n_ct <= p.max_ctiles;
   return q;
 }
@@ -1255,7 +1241,7 @@ __device__ __forceinline__ uint64_t local_word(const MkParams& p, const int* bas
     tr_slot(p, i, MK_TR_CLAIM, now);
     tr_slot(p, i, MK_TR_CTA, blockIdx.x);
   }
-  return mkidx::queue_word(i, base, (int)p.E, q.G1, q.KS1, q.G2, q.KS2, q.NC, T::NBLK, q.n_tail);
+  return mkidx::queue_word(i, base, (int)p.E, q.G1, q.KS1, q.G2, q.KS2, q.NC, T::NBLK);
 }
 template <class T>
 __device__ __forceinline__ uint64_t claim_local(const MkParams& p, const int* base, const QueueShape& q, int* slot) {
@@ -1319,7 +1305,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   for (int c0 = 0; c0 < n_pub; c0 += (int)blockDim.x * 8) {
     const int hi = min(n_pub, c0 + (int)blockDim.x * 8);
     for (int i = c0 + tid; i < hi; i += blockDim.x)  // n-field = nb + N1 * ks (mk_index.h: queue_word)
-      p.q_task[i] = mkidx::queue_word(i, base, E, N1 / W * KS1, KS1, G2, KS2, NC, W, q.n_tail);
+      p.q_task[i] = mkidx::queue_word(i, base, E, N1 / W * KS1, KS1, G2, KS2, NC, W);
     __threadfence();
     for (int i = c0 + tid; i < hi; i += blockDim.x) st_relaxed(&p.q_flag[i], epoch);
     tr_published(p, c0 + tid, hi, blockDim.x);
@@ -1492,7 +1478,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       if constexpr (T::WG)
         run_gemm_wg<T>(p, smem, kind, e, mt, nf, tile, it, &tm1, &tm2, slot);  // never split (split-K: bm=16 only)
       else
-        run_gemm<T>(p, smem, kind, e, mt, nf % N, tile, nf / N, splits, it, &tm1, &tm2, slot, mkidx::t_tail(task));
+        run_gemm<T>(p, smem, kind, e, mt, nf % N, tile, nf / N, splits, it, &tm1, &tm2, slot);
     }
     if (threadIdx.x == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());  // GEMM: after its signal
   }
@@ -1623,8 +1609,6 @@ __device__ void reset_ctl(const MkParams& p) {
     const int64_t n = p.sk_max_tiles * (2 * p.I / BN + p.H / BN);
     for (int64_t i = tid; i < n; i += blockDim.x) p.sk_cnt[i] = 0;
   }
-  if (p.tail_cnt)
-    for (int64_t i = tid; i < p.tail_slots; i += blockDim.x) p.tail_cnt[i] = 0;
   if (tid == 0) {
     p.ctl[MK_CTL_HEAD] = 0;
     p.ctl[MK_CTL_TOTAL] = 0;
@@ -2079,9 +2063,6 @@ int check_params(const MkParams* p) {
   if (p->timeout_ns <= 0) return fail_msg("mk: timeout must be > 0");
   if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");
   if (p->decode < 0 || p->decode > 2) return fail_msg("mk: decode must be 0, 1 or 2");
-  if (p->tail_split < 0 || p->tail_split > 4) return fail_msg("mk: tail_split must be in 0..4");
-  if (p->tail_slots < 0 || p->tail_slots >= (1 << 24) || (p->tail_slots > 0 && (!p->tail_part || !p->tail_cnt)))
-    return fail_msg("mk: tail_slots must be in 0..2^24 with tail_part and tail_cnt");
   if (p->decode && !p->dec_cnt) return fail_msg("mk: decode needs dec_cnt");
   return 0;
 }

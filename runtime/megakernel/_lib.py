@@ -23,13 +23,12 @@ from pathlib import Path
 from .. import csrc_build as _cb
 from .decode import MAX_SLOTS as _DEC_MAX_SLOTS
 
-ABI_VERSION = 17
+ABI_VERSION = 16
 COUNT_STRIDE = 32  # MK_COUNT_STRIDE: int32 words per expert counter in MkParams.counts
 CTL_WORDS = 8  # MK_CTL_WORDS: int32 words of MkParams.ctl
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
 CORES = {"mma": 0, "wgmma": 1}  # MK_CORE_*
 DEC_CNT_WORDS = (_DEC_MAX_SLOTS + 1) * 32 + 4096  # the decode kernel's counters and logits (mk_decode.cuh: DEC_CNT_WORDS)
-TAIL_PARTS = 2  # MK_TAIL_PARTS: split-K parts of each GEMM2 task at the queue's tail
 SK_PART_FLOATS = 16 * 128  # fp32 per split-K part and slot: the bm=16 tile's 16 accumulators x 128 threads
 LIB_NAME = "libmoetune_moe.so"
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
@@ -57,9 +56,6 @@ class MkParams(Structure):
         ("l2_evict_w", c_int64),  # ABI 14: 1 = TMA weight tiles with the L2 evict-first policy
         ("decode", c_int64),  # ABI 15: 1 / 2 = mk_experts runs the decode kernel (given picks / routing in it)
         ("dec_cnt", c_void_p),  # ABI 16: the decode kernel's counters (DEC_CNT_WORDS int32, zero between launches)
-        ("tail_split", c_int64),  # ABI 17: the queue's last GEMM2 tasks as split-K parts (x processors)
-        ("tail_slots", c_int64),  # ABI 17: slots of tail_part / tail_cnt
-        ("tail_part", c_void_p), ("tail_cnt", c_void_p),  # ABI 17: the tail's partial sums and part counters
     ]
 
 

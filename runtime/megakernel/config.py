@@ -124,13 +124,6 @@ class MegakernelConfig:
     # routing + the task graph: ONE launch that routes from the gate, computes the up projection as row-pair GEMVs on
     # every SM while the down projection's rows load, so both weights stream at once. 0: always the task graph.
     decode: int = 1
-    # bm = 16 launches with publish_all and no GEMM2 split-K run the last tail_split x (processor CTAs) GEMM2 tasks of
-    # their queue as two split-K parts each (half of K, their fp32 partial sums added in part order by the part that
-    # finishes last): the last wave's tasks are half as long, so the CTAs finish closer together. The drain of that
-    # wave was ~14 µs at S=16 and 128 (runs 55 and 94a: 12-18 µs tasks on 396 CTAs). 0: off. Halving the tail tasks'
-    # columns instead (run 99, one TMA box each) was slower side by side (S=16 222.5 vs 214.9 µs, S=128 319.9 vs
-    # 314.1): a CTA's stages are latency-bound, so half the bytes per stage took as long.
-    tail_split: int = 1
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -151,7 +144,6 @@ class MegakernelConfig:
         "pdl": (0, 1),
         "l2_evict_weights": (0, 2),
         "decode": (0, 1),
-        "tail_split": (0, 4),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 
@@ -267,11 +259,6 @@ class MegakernelConfig:
         if self.l2_evict_weights != 2:
             return self.l2_evict_weights
         return 1 if tokens * topk <= experts * bm else 0
-
-    def tail_split_for(self, bm: int) -> int:
-        """`tail_split` where a launch with m-tile `bm` applies it (bm = 16 with publish_all; the kernel also skips it
-        under GEMM2 split-K), else 0: what `schedule.plan` takes."""
-        return self.tail_split if bm == 16 and self.publish_all else 0
 
     def pick_bn(self, bm: int) -> int:
         """Columns per GEMM task for a launch with m-tile `bm`: `bn` where the wide tile exists (wgmma, bm=128),

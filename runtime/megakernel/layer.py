@@ -86,9 +86,7 @@ class MegakernelMoE:
         self.sk_on = (cfg.split_k1 > 1 or cfg.split_k2 > 1) and bm_min == 16
         self.sk_tiles = min(cfg.split_max_tiles, self.max_tiles) if self.sk_on else 0
         split_tasks = self.sk_tiles * (self.n1 * cfg.split_k1 + self.n2 * cfg.split_k2)
-        # tail_split: at most every GEMM2 task takes TAIL_PARTS slots (its split-K parts)
-        n2_slots = _lib.TAIL_PARTS * self.n2 if cfg.tail_split else self.n2
-        self.q_cap = max(self.max_tiles * (self.n1 + n2_slots), split_tasks) + self.max_ctiles * combine_blocks(h)
+        self.q_cap = max(self.max_tiles * (self.n1 + self.n2), split_tasks) + self.max_ctiles * combine_blocks(h)
         dev, i32 = self.device, torch.int32
         z = torch.zeros
         # the gate GEMM splits H into up to this many partial planes (more CTAs for few tokens), capped at 64 MB
@@ -113,17 +111,6 @@ class MegakernelMoE:
         self.sk_part = z(max(1, slots * max(cfg.split_k1, cfg.split_k2) * _lib.SK_PART_FLOATS), dtype=torch.float32,
                          device=dev)
         self.sk_cnt = z(max(1, slots), dtype=i32, device=dev)
-        # tail_split: (m-tile mod tail tiles, n-block) slots for the tail's split-K parts; the tail spans at most
-        # tail_split x processors / N2 + 1 consecutive m-tiles. Sized for 4 CTAs per SM (the bm = 16 tiles' register
-        # bound); the kernel cuts a longer tail to what the slots hold.
-        tail_tiles = 0
-        if cfg.tail_split:
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            tail_tiles = -(-cfg.tail_split * 4 * sms // self.n2) + 1
-        self.tail_slots = tail_tiles * self.n2
-        self.tail_part = z(max(1, self.tail_slots * _lib.TAIL_PARTS * _lib.SK_PART_FLOATS), dtype=torch.float32,
-                           device=dev)
-        self.tail_cnt = z(max(1, self.tail_slots), dtype=i32, device=dev)
         self.stall_tile = -1  # test hook: this m-tile's GEMM2 (decode kernel: this slot's down projection) never starts
         self._trace: torch.Tensor | None = None  # task_timeline's stamps while it runs
         self._params: dict[tuple[int, int], _lib.MkParams] = {}
@@ -188,7 +175,7 @@ class MegakernelMoE:
             m, cfg = self.model, self.config
             p = _lib.MkParams()
             for name in ("logits", "topk_idx", "topk_w", "counts", "lists", "h", "y", "ctl", "g1done", "comb", "rel",
-                         "tile_base", "q_task", "q_flag", "err", "sk_part", "sk_cnt", "dec_cnt", "tail_part", "tail_cnt"):
+                         "tile_base", "q_task", "q_flag", "err", "sk_part", "sk_cnt", "dec_cnt"):
                 setattr(p, name, getattr(self, name).data_ptr())
             p.wg, p.w1, p.w2 = self.gate.data_ptr(), self.w_gate_up.data_ptr(), self.w_down.data_ptr()
             p.S_cap, p.H, p.I, p.E, p.K = self.max_tokens, m.hidden, m.intermediate, m.experts, m.topk
@@ -205,7 +192,6 @@ class MegakernelMoE:
             p.route_small_max = cfg.route_small_max  # S up to which top-k runs one block per token
             p.publish_all = cfg.publish_all  # 1: mma-core tiles publish every task at launch
             p.pdl = cfg.pdl  # 1: k_topk and the persistent kernel start while the kernel before them runs
-            p.tail_split, p.tail_slots = cfg.tail_split, self.tail_slots  # the queue's last GEMM2s as split-K parts
             self._params[(bm, stages)] = p
         return p
 
@@ -292,14 +278,14 @@ class MegakernelMoE:
         def us(v: int) -> float | None:
             return (v - t0) / 1e3 if v else None
 
-        kinds = {1: "gemm1", 2: "gemm2", 3: "combine", 4: "gemm2"}  # 4: a split-K part of the tail (MK_TASK_GEMM2_TAIL)
+        kinds = {1: "gemm1", 2: "gemm2", 3: "combine"}
         tasks = []
         for i in range(self.counters()["total"]):
             pub, claim, done, cta, main, epi = raw[_lib.TR_HEAD + _lib.TR_SLOT * i:_lib.TR_HEAD + _lib.TR_SLOT * (i + 1)]
             w = words[i] & ((1 << 64) - 1)  # the task word's fields (mk_index.h: enc)
             tasks.append({"slot": i, "kind": kinds.get(w >> 61, "?"), "expert": (w >> 48) & 0x1FF,
                           "mtile": (w >> 32) & 0xFFFF, "nfield": (w >> 20) & 0xFFF, "tile": w & 0xFFFFF,
-                          "parts": ((w >> 57) & 0xF) + 1, "tail": w >> 61 == 4, "cta": cta, "published": us(pub), "claimed": us(claim),
+                          "parts": ((w >> 57) & 0xF) + 1, "cta": cta, "published": us(pub), "claimed": us(claim),
                           "mainloop_done": us(main), "stores_issued": us(epi),
                           "done": us(done)})
         return {"tokens": s, "bm": bm, "grid": grid, "config": self.config.to_dict(),

@@ -17,20 +17,14 @@ the release thresholds are unchanged and a launch has half as many GEMM tasks (`
 order of `all_tasks` (GEMM1s, then GEMM2s tile-major, then COMBINEs) and a processor that claims a GEMM2 or a
 COMBINE waits for its inputs itself (the kernel streams the GEMM2's first weight stages meanwhile). No
 deadlock: a task waits only for tasks in earlier slots, which resident CTAs claimed before it.
-
-The tail (`tail_split`, MkParams.tail_split; publish_all launches with bm = 16 and no GEMM2 split-K): the last
-tail_split x processors GEMM2 tasks of that queue (at most what the tail's partial-sum slots hold) run as TAIL_PARTS
-split-K parts each, in adjacent slots (`Task.tail`); as for split-K, only the part that finishes last signals.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass, field
 
 BN = 128  # weight rows per tile (BN in mk_moe.cu)
-TAIL_PARTS = 2  # split-K parts of each GEMM2 task at the queue's tail (MK_TAIL_PARTS)
 
 GEMM1, GEMM2, COMBINE = 1, 2, 3
 ERR_SCHED_TIMEOUT, ERR_PROC_TIMEOUT, ERR_INPUT_TIMEOUT = 1, 2, 6
@@ -45,7 +39,6 @@ class Task:
     tile: int   # global m-tile id (combine: 0)
     part: int = 0   # split-K part (0..parts-1)
     parts: int = 1  # split-K parts of this GEMM task (1: not split)
-    tail: bool = False  # a split-K part of one of the queue's last GEMM2 tasks (MK_TASK_GEMM2_TAIL)
 
 
 @dataclass(frozen=True)
@@ -62,7 +55,6 @@ class Plan:
     ks1: int = 1                   # split-K parts per GEMM1 / GEMM2 task this launch (`splits`)
     ks2: int = 1
     nblk: int = 1                  # 128-column n-blocks per GEMM task: 2 for the wide tile (bn = 256)
-    n_tail: int = 0                # publish_all's last GEMM2 tasks, each run as TAIL_PARTS split-K parts
 
     def tile_expert(self, tile: int) -> int:
         lo, hi = 0, len(self.tile_base) - 2
@@ -93,13 +85,11 @@ class Plan:
 
 
     def all_tasks(self) -> list[Task]:
-        """publish_all's queue: every GEMM1, then every m-tile's GEMM2s (tile-major; the last `n_tail` as TAIL_PARTS
-        split-K parts each, in part order), then the COMBINEs."""
-        g2 = [t for tile in range(self.n_tiles) for t in self.gemm2_tasks(tile)]
-        cut = len(g2) - self.n_tail
-        parts = [dataclasses.replace(t, part=q, parts=TAIL_PARTS, tail=True) for t in g2[cut:] for q in range(TAIL_PARTS)]
-        return (self.gemm1_tasks() + g2[:cut] + parts
-                + [Task(COMBINE, 0, c, cb, 0) for c in range(self.n_ctiles) for cb in range(self.nc)])
+        """publish_all's queue: every GEMM1, then every m-tile's GEMM2s (tile-major), then the COMBINEs."""
+        out = self.gemm1_tasks()
+        for tile in range(self.n_tiles):
+            out += self.gemm2_tasks(tile)
+        return out + [Task(COMBINE, 0, c, cb, 0) for c in range(self.n_ctiles) for cb in range(self.nc)]
 
 
 def splits(want: int, *, n_tiles: int, bm: int, max_tiles: int) -> int:
@@ -123,13 +113,10 @@ def reduce_parts(parts: list[list[float]]) -> list[float]:
 
 
 def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: int, bm: int,
-         combine_tokens: int, split_k1: int = 1, split_k2: int = 1, split_max_tiles: int = 0, bn: int = BN,
-         tail_split: int = 0, processors: int = 0, tail_slots: int | None = None) -> Plan:
+         combine_tokens: int, split_k1: int = 1, split_k2: int = 1, split_max_tiles: int = 0, bn: int = BN) -> Plan:
     """The task graph for routing `topk_idx` ([S][K] expert ids); `split_*` as MegakernelConfig (the layer
     passes its partial buffer's m-tiles, `MegakernelMoE.sk_tiles`, as `split_max_tiles`); `bn` the launch's
-    columns per task (`MegakernelConfig.pick_bn(bm)`: 256 = the wide tile, bm = 128 only); `tail_split` the
-    launch's effective value (`MegakernelConfig.tail_split_for(bm)`), `processors` its processor CTAs and
-    `tail_slots` the layer's (`MegakernelMoE.tail_slots`; None: as many as needed)."""
+    columns per task (`MegakernelConfig.pick_bn(bm)`: 256 = the wide tile, bm = 128 only)."""
     if bn not in (BN, 2 * BN):
         raise ValueError(f"bn must be 128 or 256, got {bn}")
     if bn == 2 * BN and (bm != 128 or hidden % bn or 2 * intermediate % bn):
@@ -151,15 +138,8 @@ def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: 
     ks1 = splits(split_k1, n_tiles=n_tiles, bm=bm, max_tiles=split_max_tiles)
     ks2 = splits(split_k2, n_tiles=n_tiles, bm=bm, max_tiles=split_max_tiles)
     w = bn // BN
-    # the kernel's rule (queue_shape): bm = 16 without GEMM2 split-K, I a multiple of TAIL_PARTS x 64, the tail cut to
-    # span at most tail_slots / N2 consecutive m-tiles; the caller passes tail_split 0 where publish_all is off
-    n_tail = 0
-    if tail_split and bm == 16 and ks2 == 1 and w == 1 and intermediate % (TAIL_PARTS * 64) == 0:
-        cap = n_tiles * n2 if tail_slots is None else (tail_slots // n2 - 1) * n2
-        n_tail = max(0, min(n_tiles * n2, tail_split * processors, cap))
-    return Plan(n1, n2, nc, tuple(base), n_tiles, n_ct,
-                n_tiles * (n1 // w * ks1 + n2 // w * ks2) + (TAIL_PARTS - 1) * n_tail + n_ct * nc,
-                tuple(map(tuple, rows)), target, ks1, ks2, w, n_tail)
+    return Plan(n1, n2, nc, tuple(base), n_tiles, n_ct, n_tiles * (n1 // w * ks1 + n2 // w * ks2) + n_ct * nc,
+                tuple(map(tuple, rows)), target, ks1, ks2, w)
 
 
 def combine_blocks(hidden: int) -> int:

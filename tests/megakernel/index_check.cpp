@@ -4,7 +4,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <algorithm>
 #include <set>
 #include <vector>
 
@@ -91,26 +90,9 @@ int main() {
             for (int tile : {0, 3, (1 << 20) - 1}) {
               const uint64_t w = enc(kind, e, mt, nf, tile, splits);
               CHECK(t_kind(w) == kind && t_splits(w) == splits && t_expert(w) == e && t_mtile(w) == mt &&
-                        t_nfield(w) == nf && t_tile(w) == tile && !t_tail(w),
+                        t_nfield(w) == nf && t_tile(w) == tile,
                     "kind=%d splits=%d e=%d mt=%d nf=%d tile=%d", kind, splits, e, mt, nf, tile);
             }
-  // 5b. a tail part's word runs as a GEMM2 and says it is the tail's; every other field intact
-  {
-    const uint64_t w = enc(MK_TASK_GEMM2_TAIL, 511, 65535, 4095, (1 << 20) - 1, MK_TAIL_PARTS);
-    CHECK(t_kind(w) == MK_TASK_GEMM2 && t_tail(w) && t_expert(w) == 511 && t_mtile(w) == 65535 &&
-              t_nfield(w) == 4095 && t_tile(w) == (1 << 20) - 1 && t_splits(w) == MK_TAIL_PARTS,
-          "tail word");
-  }
-  // 5c. tail slots: the tasks of any run of tail_tiles consecutive m-tiles get distinct slots inside the buffer
-  for (int tt : {2, 3, 27})
-    for (int first : {0, 5, 1000}) {
-      std::set<int> seen;
-      for (int tile = first; tile < first + tt; ++tile)
-        for (int nb = 0; nb < 16; ++nb) {
-          const int s = tail_slot(tile, nb, 16, tt);
-          CHECK(s >= 0 && s < tt * 16 && seen.insert(s).second, "tail_slot tt=%d tile=%d nb=%d", tt, tile, nb);
-        }
-    }
   // 6. split-K partial buffer: every (slot, part, register, thread) has its own float, inside the buffer
   {
     const int n1 = 12, n2 = 16, max_tiles = 16, threads = 128, nacc = 16;
@@ -387,26 +369,10 @@ int main() {
     for (int e = 0; e < E; ++e)
       for (int mt = 0; mt < base[e + 1] - base[e]; ++mt)
         for (int nf = 0; nf < G2; ++nf) want.push_back(enc(MK_TASK_GEMM2, e, mt, nf * W, base[e] + mt, KS2));
-    const int g2_end = (int)want.size();
     for (int c = 0; c < n_ct; ++c)
       for (int cb = 0; cb < NC; ++cb) want.push_back(enc(MK_TASK_COMBINE, 0, c, cb, 0));
     for (int i = 0; i < (int)want.size(); ++i)
       CHECK(queue_word(i, base.data(), E, G1, KS1, G2, KS2, NC, W) == want[i], "queue_word trial %d slot %d", trial, i);
-    // the same queue with its last n_tail GEMM2 tasks split over K (KS2 = 1, W = 1 only): each becomes its
-    // MK_TAIL_PARTS parts in adjacent slots (n-field nb + G2 * part), the earlier slots unchanged
-    if (KS2 != 1 || W != 1) continue;
-    const int g2n = base[E] * G2, n_tail = trial % 4 == 1 ? g2n : std::min(g2n, trial % 7);
-    std::vector<uint64_t> split(want.begin(), want.begin() + g2_end - n_tail);
-    for (int i = g2_end - n_tail; i < g2_end; ++i) {
-      const uint64_t w = want[i];
-      for (int part = 0; part < MK_TAIL_PARTS; ++part)
-        split.push_back(enc(MK_TASK_GEMM2_TAIL, t_expert(w), t_mtile(w), t_nfield(w) + G2 * part, t_tile(w),
-                            MK_TAIL_PARTS));
-    }
-    split.insert(split.end(), want.begin() + g2_end, want.end());
-    for (int i = 0; i < (int)split.size(); ++i)
-      CHECK(queue_word(i, base.data(), E, G1, KS1, G2, KS2, NC, W, n_tail) == split[i],
-            "queue_word tail trial %d slot %d (n_tail %d)", trial, i, n_tail);
   }
   // 11. the staged epilogue: stmatrix x4 number m of chunk ch, then the lanes' 16-byte copy-out, put accumulator
   //     (warp row, column) of the fragment (acc_row / acc_col, register i = 4 j + 2 half) where the copy-out reads
