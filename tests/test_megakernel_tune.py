@@ -173,6 +173,9 @@ def test_bench_moe_cli_and_scenario_smoke(tmp_path: Path) -> None:
     unf = [c for c in rep["cases"] if c.get("engine") == "unfused"]
     assert [c["S"] for c in unf] == [4, 16] and all(c["eager_us"]["median"] > 0 and "weight_floor_us" in c for c in unf)
     assert all(c["plain_read_us"]["median"] > 0 for c in unf)  # measured here, beside the arithmetic floors
+    meta = rep["meta"]  # the JSON is a result file: which code, where, when, by which command
+    assert meta["git_sha"] and "no GPU" in meta["hardware"] and meta["date"].endswith("Z")
+    assert "moetune bench moe --engine megakernel,unfused,torch --model custom:128,64,8,2 --tokens 4,16" in meta["command"]
     bad = CliRunner().invoke(app, ["bench", "moe", "--engine", "fused"])
     assert bad.exit_code == 2 and "engines must be among" in bad.output and "Traceback" not in bad.output
 

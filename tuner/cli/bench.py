@@ -212,6 +212,11 @@ def moe(
                           knobs=mk)
     except ValueError as e:
         _fail(str(e))
+    # the command as parsed, defaults included, so the result file says exactly what ran
+    cmd = (f"moetune bench moe --engine {','.join(engines)} --model {model} --tokens {','.join(map(str, toks))}"
+           f"{' --cuda-graph' if cuda_graph else ''}{f' --knobs {knobs}' if knobs else ''} --iters {iters} "
+           f"--warmup {warmup} --rotate {rotate} --seed {seed}")
+    rep["meta"] = _stamp(cmd)
     if as_json:
         typer.echo(json.dumps(rep))
         return
@@ -229,6 +234,9 @@ def moe(
                   _fmt(c["weight_floor_us"]), _fmt(c["tensor_floor_us"]), _fmt(c["plain_read_us"]["median"]),
                   "-" if err is None else f"{err:.2e}")
     Console().print(t)
+    m = rep["meta"]
+    _err.print(f"[dim]{m['date']}, git {m['git_sha'][:10]}{' (dirty)' if m['git_dirty'] else ''}, {m['hardware']}, "
+               f"torch {m['torch']}[/dim]")
     for c in rep["cases"]:
         if "skipped" in c:
             _err.print(f"[yellow]{c['engine']} skipped:[/yellow] {c['skipped']}")
@@ -259,6 +267,17 @@ def list_scenarios(
         t.add_row(s.name, s.needs.describe(), s.driver, ", ".join(c.name for c in s.cases),
                   "no CPU variant" if s.smoke_skip else "gloo/CPU")
     Console().print(t)
+
+
+def _stamp(command: str) -> dict:
+    """What a result file needs to be a result: code (git SHA), versions, hardware, date and the command."""
+    from datetime import UTC, datetime
+
+    from moetune.tuner.measure import scenarios as S
+
+    return {**S.machine_facts("local", fingerprint=_fingerprint),
+            "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "command": command}
 
 
 def _fingerprint() -> str:
