@@ -942,20 +942,3 @@ def test_l2_evict_weights_setting_rule_and_source() -> None:
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
     assert src.count("tma_load_2d(") == src.count("p.l2_evict_w != 0);") + 1  # every call site, plus the definition
     assert 'if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");' in src
-
-
-def test_drain_prefetch_setting_and_source() -> None:
-    """drain_prefetch (ABI 17: MkParams.drain_pf): validated here and in the library; only GEMM2 tasks of the queue's
-    last slots on the claim-local path prefetch, and only their stages the pipeline has not started yet."""
-    from moetune.runtime.megakernel import _lib
-
-    assert MegakernelConfig.parse("drain_prefetch=64").drain_prefetch == 64
-    for bad in ("drain_prefetch=-1", "drain_prefetch=2097152"):
-        with pytest.raises(ConfigError, match="drain_prefetch"):
-            MegakernelConfig.parse(bad)
-    names = [f[0] for f in _lib.MkParams._fields_]
-    assert names[-1] == "drain_pf" and _lib.ABI_VERSION >= 17
-    src = (_lib.source_dir() / "mk_moe.cu").read_text()
-    assert "local && kind == MK_TASK_GEMM2 && slot >= drain_from" in src
-    assert "for (int kt = stages - 1; kt < KT; ++kt) {" in src  # the stages issue_b has not issued at the start
-    assert 'return fail_msg("mk: drain_pf must be in 0..2^20");' in src

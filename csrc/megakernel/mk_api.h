@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 17
+#define MK_ABI_VERSION 16
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -133,11 +133,6 @@ typedef struct MkParams {
                    // topk_w (1) or (ABI 16) routing from the gate in the kernel itself (2, no mk_route before it)
   // ABI 16
   int32_t* dec_cnt;  // [(64 + 3) * 32] the decode kernel's counters (zero between launches: its last CTA resets them)
-  // ABI 17
-  int64_t drain_pf;  // >= 0: the bm = 16 TMA tile with publish_all (queue words computed at the claim): a GEMM2 task in
-                     // the last drain_pf GEMM2 slots of the queue asks the L2 for its whole W_down tile when it starts
-                     // (cp.async.bulk.prefetch.tensor), so the last wave's stages wait on the L2, not on DRAM latency
-                     // with a few stages in flight; 0: off. A cache hint only: results are the same bits either way.
 } MkParams;
 
 int mk_abi_version(void);

@@ -196,11 +196,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar)
       : "memory");
 }
-// The L2 only (no shared memory, no barrier): the box at (x, y) of `map` is fetched into the L2 for a later load.
-__device__ __forceinline__ void tma_prefetch_l2(const CUtensorMap* map, int x, int y) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"((uint64_t)map), "r"(x), "r"(y)
-               : "memory");
-}
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
 }
@@ -385,8 +380,7 @@ template <class T>
 __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], const MkParams& p, char* smem, uint32_t bars,
                                               uint32_t& it, const bf16* a_base, const int64_t* a_off,
                                               const CUtensorMap* bmap, int brow, int brow2, int kb, int K,
-                                              bool dep, const int32_t* cnt, int need, bool never, int where,
-                                              bool pf) {
+                                              bool dep, const int32_t* cnt, int need, bool never, int where) {
   static_assert(T::TMA, "TMA tile");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
@@ -418,11 +412,6 @@ __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], con
       tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kb + kt * BK, brow2, bar, p.l2_evict_w != 0);
     }
   };
-  if (pf && tid == 0)  // the last wave (MkParams.drain_pf): the stages the pipeline loads later, all asked of the L2 now
-    for (int kt = stages - 1; kt < KT; ++kt) {
-      tma_prefetch_l2(bmap, kb + kt * BK, brow);
-      tma_prefetch_l2(bmap, kb + kt * BK, brow2);
-    }
   if (dep) {  // publish_all: the first stages' weights need no inputs, so they stream while the task waits for them
     for (int s = 0; s < stages - 1 && s < KT; ++s) issue_b(s);
     wait_inputs(p, cnt, need, never, where);
@@ -577,7 +566,7 @@ __device__ __forceinline__ void signal_done(const MkParams& p, const Meta& md, i
 // results run to run) and runs the epilogue and the readiness signal. The other parts signal nothing.
 template <class T>
 __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt, int nb, int tile, int ks, int splits,
-                         uint32_t& it, const CUtensorMap* tm1, const CUtensorMap* tm2, int qi, bool pf = false) {
+                         uint32_t& it, const CUtensorMap* tm1, const CUtensorMap* tm2, int qi) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
   const int H = (int)p.H, I = (int)p.I;
@@ -596,7 +585,7 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
     const int brow2 = kind == MK_TASK_GEMM1 ? brow + I : brow + TMA_BOX_ROWS;
     const bf16* a_base = (kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h) + k0;
     gemm_tile_tma<T>(acc, p, smem, bar_base(md), it, a_base, md.a_off, kind == MK_TASK_GEMM1 ? tm1 : tm2, brow, brow2,
-                     k0, Kpart, dep, cnt, need, tile == (int)p.stall_tile, tile, pf);
+                     k0, Kpart, dep, cnt, need, tile == (int)p.stall_tile, tile);
   } else {
     if (dep) wait_inputs(p, cnt, need, tile == (int)p.stall_tile, tile);  // (cp.async tiles: nothing streams first)
     if (kind == MK_TASK_GEMM1)
@@ -1462,8 +1451,6 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     __syncthreads();
     qs = queue_shape<T>(p, s_base);
   }
-  // the first GEMM2 slot whose task prefetches its whole weight tile (drain_pf: the last drain_pf GEMM2 slots)
-  const int64_t drain_from = (int64_t)qs.n_tiles * (qs.G1 + qs.G2) - (p.drain_pf > 0 ? p.drain_pf : 0);
   int qi = -1;  // thread 0: the queue slot of the current task (timeline stamps)
   for (;;) {
     if (threadIdx.x == 0) {
@@ -1491,8 +1478,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       if constexpr (T::WG)
         run_gemm_wg<T>(p, smem, kind, e, mt, nf, tile, it, &tm1, &tm2, slot);  // never split (split-K: bm=16 only)
       else
-        run_gemm<T>(p, smem, kind, e, mt, nf % N, tile, nf / N, splits, it, &tm1, &tm2, slot,
-                    local && kind == MK_TASK_GEMM2 && slot >= drain_from);
+        run_gemm<T>(p, smem, kind, e, mt, nf % N, tile, nf / N, splits, it, &tm1, &tm2, slot);
     }
     if (threadIdx.x == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());  // GEMM: after its signal
   }
@@ -2078,7 +2064,6 @@ int check_params(const MkParams* p) {
   if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");
   if (p->decode < 0 || p->decode > 2) return fail_msg("mk: decode must be 0, 1 or 2");
   if (p->decode && !p->dec_cnt) return fail_msg("mk: decode needs dec_cnt");
-  if (p->drain_pf < 0 || p->drain_pf > (1 << 20)) return fail_msg("mk: drain_pf must be in 0..2^20");
   return 0;
 }
 

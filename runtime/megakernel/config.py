@@ -124,12 +124,6 @@ class MegakernelConfig:
     # routing + the task graph: ONE launch that routes from the gate, computes the up projection as row-pair GEMVs on
     # every SM while the down projection's rows load, so both weights stream at once. 0: always the task graph.
     decode: int = 1
-    # The bm = 16 TMA tile with publish_all: a GEMM2 task in the last `drain_prefetch` GEMM2 slots of the queue asks
-    # the L2 for its whole W_down tile when it starts. The last ~40 GEMM2 tasks are claimed 5-10 µs after the rest of
-    # the last wave and run alone at the end, their 3 stages in flight waiting on DRAM latency (run 100's timeline at
-    # S=16: 12.5 µs each, ending 6-7 µs after the others); from the L2 their stages come sooner. 0: off. A cache hint:
-    # the outputs are the same bits either way.
-    drain_prefetch: int = 0
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -150,7 +144,6 @@ class MegakernelConfig:
         "pdl": (0, 1),
         "l2_evict_weights": (0, 2),
         "decode": (0, 1),
-        "drain_prefetch": (0, 1 << 20),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 

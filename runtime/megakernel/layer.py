@@ -192,7 +192,6 @@ class MegakernelMoE:
             p.route_small_max = cfg.route_small_max  # S up to which top-k runs one block per token
             p.publish_all = cfg.publish_all  # 1: mma-core tiles publish every task at launch
             p.pdl = cfg.pdl  # 1: k_topk and the persistent kernel start while the kernel before them runs
-            p.drain_pf = cfg.drain_prefetch  # the last GEMM2 slots' weight tiles asked of the L2 at their start
             self._params[(bm, stages)] = p
         return p
 
