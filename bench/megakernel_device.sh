@@ -12,6 +12,8 @@ mkdir -p /tmp/shim/moetune
 for d in runtime csrc; do ln -sfn "$PWD/$d" "/tmp/shim/moetune/$d"; done
 export PYTHONPATH=/tmp/shim:/tmp/site
 export MOETUNE_MK_LIB=$PWD/lib/libmoetune_moe.so
+# the commit this folder was staged from: the stamp of every result (a stale .git on the device must not name it)
+[ -f SHA_FULL ] && export MOETUNE_GIT_SHA=$(cat SHA_FULL)
 if ! python3 -c "from moetune.runtime.megakernel import _lib; _lib.load()"; then
   echo "carried library does not load: building here"; unset MOETUNE_MK_LIB; export MOETUNE_CACHE=/tmp/mkcache
   python3 -c "from moetune.runtime.megakernel import _lib; print(_lib.build())"
