@@ -827,7 +827,7 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     sr = src[src.index("void signal_rows("):]
     sr = sr[:sr.index("\n}\n")]
     for line in ("red_add(&p.g1done[tile], T::NBLK);", "red_add(&p.comb[v / rows_per_ct], T::NBLK);"):
-        assert line in sr and sr.rindex("fence_acq_rel();", 0, sr.index(line)) >= 0
+        assert line in sr and sr.rindex("__threadfence();", 0, sr.index(line)) >= 0
     assert "(int)p.K * (int)p.combine_tokens" in sr  # (v / K) / combine_tokens == v / (K * combine_tokens)
     sd = src[src.index("void signal_done("):]
     assert "signal_rows<T>(p, md, kind, tile, threadIdx.x, blockDim.x);" in sd[:sd.index("\n}\n")]

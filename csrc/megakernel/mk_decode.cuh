@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   int ticket = 0;
   if (tid == 0) {
     if (q1 > q0) {
-      fence_acq_rel();
+      __threadfence();
       MK_ONCE for (int s = (int)(q0 / I); s <= (int)((q1 - 1) / I); ++s) {
         const int64_t lo = q0 > (int64_t)s * I ? q0 : (int64_t)s * I;
         const int64_t hi = q1 < (int64_t)(s + 1) * I ? q1 : (int64_t)(s + 1) * I;

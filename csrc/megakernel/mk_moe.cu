@@ -136,21 +136,6 @@ __device__ __forceinline__ void st_relaxed(int32_t* p, int v) {
 __device__ __forceinline__ void red_add(int32_t* p, int v) {
   asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
-// The fence of every release (stores, fence, relaxed red / flag stores) and acquire (a count seen, fence, loads)
-// pattern here: fence.acq_rel.gpu, all that message passing needs (cumulative over the CTA barrier before it), rather
-// than __threadfence's membar.gl (= fence.sc.gpu), which also orders this thread's later loads against every other
-// thread's stores (sequential consistency) and sits on the consumers' path once per task. MK_FENCE_SC=1 builds the
-// membar.gl fences (comparison builds).
-#ifndef MK_FENCE_SC
-#define MK_FENCE_SC 0
-#endif
-__device__ __forceinline__ void fence_acq_rel() {
-#if MK_FENCE_SC
-  __threadfence();
-#else
-  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-#endif
-}
 __device__ __forceinline__ uint64_t gtime() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
@@ -551,7 +536,7 @@ __device__ __forceinline__ void signal_rows(const MkParams& p, const Meta& md, i
                                             int stride) {
   if (kind == MK_TASK_GEMM1) {
     if (first == 0) {
-      fence_acq_rel();
+      __threadfence();
       red_add(&p.g1done[tile], T::NBLK);  // a wide task finishes two 128-column n-blocks
     }
     return;
@@ -562,7 +547,7 @@ __device__ __forceinline__ void signal_rows(const MkParams& p, const Meta& md, i
     const int v = md.row_id[r];
     if (v < 0) continue;
     if (!fenced) {
-      fence_acq_rel();
+      __threadfence();
       fenced = true;
     }
     red_add(&p.comb[v / rows_per_ct], T::NBLK);
@@ -626,12 +611,12 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
                  acc[i][j][c]);
     __syncthreads();  // every part stored before thread 0's fence + count
     if (tid == 0) {
-      fence_acq_rel();
+      __threadfence();
       *md.last = atomicAdd(&p.sk_cnt[slot], 1) == splits - 1;
     }
     __syncthreads();
     if (!*md.last) return;  // uniform: another part's CTA finishes the slot
-    fence_acq_rel();        // acquire side: the other parts' stores are visible (they fenced before counting)
+    __threadfence();        // acquire side: the other parts' stores are visible (they fenced before counting)
 #pragma unroll
     for (int i = 0; i < T::MT; ++i)
 #pragma unroll
@@ -1321,7 +1306,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
     const int hi = min(n_pub, c0 + (int)blockDim.x * 8);
     for (int i = c0 + tid; i < hi; i += blockDim.x)  // n-field = nb + N1 * ks (mk_index.h: queue_word)
       p.q_task[i] = mkidx::queue_word(i, base, E, N1 / W * KS1, KS1, G2, KS2, NC, W);
-    fence_acq_rel();
+    __threadfence();
     for (int i = c0 + tid; i < hi; i += blockDim.x) st_relaxed(&p.q_flag[i], epoch);
     tr_published(p, c0 + tid, hi, blockDim.x);
   }
@@ -1359,7 +1344,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         for (int nf = 0; nf < G2; ++nf) p.q_task[pos + nf] = enc(MK_TASK_GEMM2, e, tile - base[e], nf * W, tile, KS2);
       }
       if (m) {
-        fence_acq_rel();  // one fence for the warp's batch, then relaxed flags (release pattern)
+        __threadfence();  // one fence for the warp's batch, then relaxed flags (release pattern)
         if (ready)
           for (int nf = 0; nf < G2; ++nf) st_relaxed(&p.q_flag[pos + nf], epoch);
         if (ready) tr_published(p, pos, pos + G2, 1);
@@ -1383,7 +1368,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         for (int cb = 0; cb < NC; ++cb) p.q_task[pos + cb] = enc(MK_TASK_COMBINE, 0, ct, cb, 0);
       }
       if (m) {
-        fence_acq_rel();
+        __threadfence();
         if (ready)
           for (int cb = 0; cb < NC; ++cb) st_relaxed(&p.q_flag[pos + cb], epoch);
         if (ready) tr_published(p, pos, pos + NC, 1);
