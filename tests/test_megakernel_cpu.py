@@ -848,7 +848,7 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     idx = [p_part.index(x) for x in order]
     assert idx == sorted(idx) and p_part.count("claim_wg<T>(") == 1 and p_part.count("wg_produce<T, OV") == 1
     # the signalling warp: the word after tfull, the consumers' stores, the signal, then the slot freed
-    order = ["mbar_wait_ok(p, tfull", "if (task == 0) return;", "mbar_wait_ok(p, stored", "signal_rows<T>(",
+    order = ["mbar_wait_quiet(p, tfull", "if (task == 0) return;", "mbar_wait_quiet(p, stored", "signal_rows<T>(",
              "mbar_arrive(tempty"]
     idx = [s_part.index(x) for x in order]
     assert idx == sorted(idx) and s_part.count("mbar_arrive(tempty") == 1

@@ -909,6 +909,27 @@ __device__ __forceinline__ bool mbar_wait_ok(const MkParams& p, uint32_t bar, ui
   }
   return true;
 }
+// mbar_wait_ok for a warp that waits most of the time (the overlap kernel's signalling warp, one lane): it sleeps
+// between tries and reads the abort flag once a microsecond, so it takes no issue slots or L2 requests from the
+// warps that work beside it (run 104's first version polled like the others, and the mainloops got 40% slower).
+// The same bound: 2 x timeout, then MK_ERR_PIPE_TIMEOUT.
+__device__ __forceinline__ int mbar_wait_quiet(const MkParams& p, uint32_t bar, uint32_t parity, uint32_t g) {
+  if (mbar_try(bar, parity)) return 1;
+  const uint64_t since = gtime();
+  uint64_t checked = since;
+  while (!mbar_try(bar, parity)) {
+    __nanosleep(128);
+    const uint64_t now = gtime();
+    if (now - checked < 1000) continue;
+    checked = now;
+    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return 0;
+    if (now - since > 2 * (uint64_t)p.timeout_ns) {
+      report(p, MK_ERR_PIPE_TIMEOUT, g, parity, (int64_t)(now - since));
+      return 0;
+    }
+  }
+  return 1;
+}
 // k_experts' claim by one thread: the next queue slot (claim_task), waited for until published (the task word), past
 // the task total or aborted (0), or timed out (0 after reporting MK_ERR_PROC_TIMEOUT). *slot: the queue slot.
 __device__ __forceinline__ uint64_t wait_slot(const MkParams& p, int epoch, int i, int* slot) {
@@ -948,28 +969,35 @@ __device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int
 // so the producer never waits for its own copies (run 41: it used to wait for stage kt - stages + 1 before taking
 // slot kt, and the S=4096 experts kernel took 852 instead of 743 us). Returns with every stage of the task issued:
 // the consumers can finish the task without the producer.
-// NP: the threads that copy (128, the whole warpgroup; the overlap kernel's 96, warp 3 signals): with fewer than
-// 128, each copies chunks t, t + NP, .. of the tile's rows x 8 chunks, addresses from the task's metadata per stage.
+// NP: the threads that copy (128, the whole warpgroup; the overlap kernel's 96, warp 3 signals): thread t copies
+// chunk (t & 7) of rows (t >> 3) + RS q, RS = NP / 8 rows a pass (rows past the tile skipped when RS does not divide).
 template <class T, int NP = 128>
 __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
                                            int e, int nb, int KT, uint32_t it, int t, const CUtensorMap* tm1,
                                            const CUtensorMap* tm2) {
   const int stages = (int)p.stages;
-  // ---- producer: thread t copies chunk (t & 7) of rows (t >> 3) + 16 q, for A and B ----
+  // ---- producer: thread t copies chunk (t & 7) of rows (t >> 3) + RS q, for A and B ----
+  static_assert(NP % 8 == 0 && NP <= 128, "whole rows of 8 chunks a pass");
+  constexpr int RS = NP / 8, AQ = (T::BM + RS - 1) / RS, BQ = (T::BNT + RS - 1) / RS;
+  constexpr bool EXACT = T::BM % RS == 0 && T::BNT % RS == 0;
   const bf16* a_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h;
   const bf16* b_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.w1 : (const bf16*)p.w2;
   const int ch = t & 7, r0 = t >> 3;
-  const bf16* asrc[T::BM / 16];
-  int abytes[T::BM / 16];
-  const bf16* bsrc[T::BNT / 16];
+  const bf16* asrc[AQ];
+  int abytes[AQ];
+  const bf16* bsrc[BQ];
 #pragma unroll
-  for (int q = 0; q < T::BM / 16; ++q) {
-    const int64_t off = md.a_off[r0 + 16 * q];
+  for (int q = 0; q < AQ; ++q) {
+    const int r = r0 + RS * q;
+    const int64_t off = EXACT || r < T::BM ? md.a_off[r] : -1;
     asrc[q] = a_base + (off < 0 ? 0 : off) + ch * 8;
     abytes[q] = off < 0 ? 0 : 16;  // rows past the expert's count: zero-filled
   }
 #pragma unroll
-  for (int q = 0; q < T::BNT / 16; ++q) bsrc[q] = b_base + md.b_off[r0 + 16 * q] + ch * 8;
+  for (int q = 0; q < BQ; ++q) {
+    const int r = r0 + RS * q;
+    bsrc[q] = b_base + (EXACT || r < T::BNT ? md.b_off[r] : 0) + ch * 8;
+  }
   // TMA: the B tile's two boxes start at weight rows brow and brow2 (GEMM1: gate, up; GEMM2: 128 rows)
   const CUtensorMap* bmap = kind == MK_TASK_GEMM1 ? tm1 : tm2;
   const int brow = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
@@ -996,26 +1024,15 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
         }
       }
     }
-    if constexpr (!(MK_PROBE & 1) && NP == 128) {
+    if constexpr (!(MK_PROBE & 1)) {
 #pragma unroll
-      for (int q = 0; q < T::BM / 16; ++q)
-        cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
+      for (int q = 0; q < AQ; ++q)
+        if (EXACT || r0 + RS * q < T::BM) cp_async16(sA + mkidx::swz_off(r0 + RS * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
       if constexpr (!T::TMA) {
 #pragma unroll
-        for (int q = 0; q < T::BNT / 16; ++q)
-          cp_async16(sB + mkidx::swz_off(r0 + 16 * q, ch * 8), bsrc[q] + kt * BK, 16);
+        for (int q = 0; q < BQ; ++q)
+          if (EXACT || r0 + RS * q < T::BNT) cp_async16(sB + mkidx::swz_off(r0 + RS * q, ch * 8), bsrc[q] + kt * BK, 16);
       }
-    } else if constexpr (!(MK_PROBE & 1)) {
-      for (int c = t; c < T::BM * 8; c += NP) {
-        const int r = c >> 3, k8 = (c & 7) * 8;
-        const int64_t off = md.a_off[r];
-        cp_async16(sA + mkidx::swz_off(r, k8), a_base + (off < 0 ? 0 : off) + k8 + kt * BK, off < 0 ? 0 : 16);
-      }
-      if constexpr (!T::TMA)
-        for (int c = t; c < T::BNT * 8; c += NP) {
-          const int r = c >> 3, k8 = (c & 7) * 8;
-          cp_async16(sB + mkidx::swz_off(r, k8), b_base + md.b_off[r] + k8 + kt * BK, 16);
-        }
     }
     cp_arrive_noinc(bars.full + 8 * slot);  // this thread's arrival on full[s], made when its copies have landed
   }
@@ -1568,11 +1585,11 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     const int lane = t - OV_COPIERS;
     for (uint32_t j = 0;; ++j) {
       const uint32_t s = j & 1, ph = (j >> 1) & 1;
-      if (!mbar_wait_ok(p, tfull + 8 * s, ph, j, 2 * p.timeout_ns)) return;
+      if (!__shfl_sync(~0u, lane == 0 ? mbar_wait_quiet(p, tfull + 8 * s, ph, j) : 0, 0)) return;
       const OvSlot<T>& sl = slots[s];
       const uint64_t task = sl.task;
       if (task == 0) return;  // end of work (or abort)
-      if (!mbar_wait_ok(p, stored + 8 * s, ph, j, 2 * p.timeout_ns)) return;
+      if (!__shfl_sync(~0u, lane == 0 ? mbar_wait_quiet(p, stored + 8 * s, ph, j) : 0, 0)) return;
       const int kind = mkidx::t_kind(task);
       if (kind != MK_TASK_COMBINE) {
         const Meta md = {const_cast<int64_t*>(sl.a_off), const_cast<int64_t*>(sl.b_off), const_cast<int*>(sl.row_id),
