@@ -594,7 +594,7 @@ END = None  # the end marker (task word 0)
 
 def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps: dict[int, int] | None = None,
                       policy: str | int = "first", defer_signal: bool = False, flush_before_wait: bool = True,
-                      free_slot_after_signal: bool = True, signaller: bool = False) -> str:
+                      free_slot_after_signal: bool = True) -> str:
     """k_experts_ov's protocol for one CTA: 'ok', 'deadlock at ...' when no actor can move, or 'slot ...' when a task
     slot was overwritten while consumers still read it.
 
@@ -610,12 +610,7 @@ def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps
     frees the slot (with free_slot_after_signal off: right after the word is read, the wrong order).
     `defer_signal` (tried in run 42, slower, not in the kernel): a GEMM task's signal is held and sent at the next
     GEMM task's second stage, before a COMBINE or the end, and (`flush_before_wait`) before waiting for a word that
-    is not there yet, decided by a vote (named barrier, AND) of the consumers.
-    `signaller` (the kernel since run 104): the producer warpgroup's warp 3 signals instead. Consumers per task: wait
-    tfull, vote, read the word; COMBINE -> arrive `stored`, combine; GEMM -> stages, the epilogue reads the row ids,
-    arrive `stored`, next task. The signaller per task: wait tfull, read the word (end -> exit), wait until every
-    consumer arrived on `stored`, GEMM -> read the row ids and count the task done; then free the slot (tempty: its
-    one arrival; with free_slot_after_signal off, before it reads the row ids)."""
+    is not there yet, decided by a vote (named barrier, AND) of the consumers."""
     deps = deps or {}
     n = len(tasks)
     prod: list[tuple] = []
@@ -644,10 +639,10 @@ def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps
                 ops.append(("flush", None))
                 break
             if kt_n == 0:
-                ops += [("flush", None), ("arrive_stored" if signaller else "arrive_tempty", j), ("combine", j)]
+                ops += [("flush", None), ("arrive_tempty", j), ("combine", j)]
                 pend = False
                 continue
-            if not free_slot_after_signal and not signaller:
+            if not free_slot_after_signal:
                 ops.append(("arrive_tempty", j))
             hook_at = 1 if kt_n > 1 else 0
             for kt in range(kt_n):
@@ -661,10 +656,6 @@ def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps
                     ops.append(("release", g - 1))
             if consumers < 2:
                 ops.append(("release", it + kt_n - 1))
-            if signaller:  # the stores issued, the consumers go on; the signalling warp counts the task
-                ops += [("read_slot", j), ("arrive_stored", j)]
-                it += kt_n
-                continue
             ops += [("read_slot", j), ("bar_arrive", nbar), ("bar_wait", nbar), ("set_pending", j)]
             nbar += 1
             if defer_signal:
@@ -674,22 +665,6 @@ def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps
             it += kt_n
         cons.append(ops)
     actors = [prod, land, *cons]
-    if signaller:
-        sig: list[tuple] = []
-        for j, kt_n in enumerate([*tasks, END]):
-            sig += [("wait_tfull", j), ("sig_read", j)]
-            if kt_n is END:
-                break
-            sig.append(("wait_stored", j))
-            if not free_slot_after_signal:
-                sig.append(("arrive_tempty", j))
-            if kt_n:
-                sig += [("sig_read", j), ("sig_done", j)]
-            if free_slot_after_signal:
-                sig.append(("arrive_tempty", j))
-        actors.append(sig)
-    frees = 1 if signaller else consumers  # arrivals that free a task slot
-    stored: Counter = Counter()
     published: Counter = Counter()
     issued: set[int] = set()
     released: Counter = Counter()
@@ -707,9 +682,7 @@ def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps
     def ready(a: int, op: tuple) -> bool:
         kind, x = op
         if kind == "wait_tempty":
-            return x < 2 or tempty[x - 2] == frees
-        if kind == "wait_stored":
-            return stored[x] == consumers
+            return x < 2 or tempty[x - 2] == consumers
         if kind == "claim":
             return x >= n or x not in deps or deps[x] in done
         if kind == "wait_empty":
@@ -754,13 +727,6 @@ def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps
             released[x] += 1
         elif kind == "arrive_tempty":
             tempty[x] += 1
-        elif kind == "arrive_stored":
-            stored[x] += 1
-        elif kind == "sig_read":
-            if slot.get(x & 1) != x:
-                return f"slot {x & 1} holds task {slot.get(x & 1)} while the signaller reads task {x}"
-        elif kind == "sig_done":
-            done.add(x)
         elif kind == "bar_arrive":
             bars[x] += 1
         elif kind == "vote":
@@ -789,7 +755,7 @@ def _overlap_pipeline(stages: int, tasks: list[int], *, consumers: int = 1, deps
     assert all(released[g] == consumers for g in range(total_stages)) and len(released) == total_stages
     assert claimed == Counter(range(n + 1)) and words == Counter(range(n + 1))  # every task + the end, once
     assert done == set(gemm) and combined == Counter(j for j, k in enumerate(tasks) if not k)
-    assert all(tempty[j] == frees for j in range(n))
+    assert all(tempty[j] == consumers for j in range(n))
     return "ok"
 
 
@@ -807,10 +773,10 @@ def test_overlap_pipeline_never_deadlocks(stages: int, consumers: int) -> None:
         chains = [{}, {j + 1: j for j, k in enumerate(tasks[:-1]) if k}]  # each task after a GEMM waits for it
         for deps in chains:
             for policy in _OV_POLICIES:
-                for defer, sig in ((False, False), (True, False), (False, True)):
+                for defer in (False, True):
                     got = _overlap_pipeline(stages, tasks, consumers=consumers, deps=deps, policy=policy,
-                                            defer_signal=defer, signaller=sig)
-                    assert got == "ok", (stages, consumers, tasks, deps, policy, defer, sig, got)
+                                            defer_signal=defer)
+                    assert got == "ok", (stages, consumers, tasks, deps, policy, defer, got)
 
 
 def test_overlap_pipeline_model_catches_wrong_orders() -> None:
@@ -830,28 +796,16 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
                              flush_before_wait=False).startswith("deadlock")
     assert _overlap_pipeline(4, [32, 0, 12, 32], free_slot_after_signal=False).startswith("slot")
     assert _overlap_pipeline(4, [32, 0, 12, 32], consumers=2, free_slot_after_signal=False).startswith("slot")
-    for consumers in (1, 2):  # the signalling warp: the same two orders
-        assert _overlap_pipeline(4, [32, 12], deps={1: 0}, consumers=consumers, signaller=True) == "ok"
-        assert _overlap_pipeline(4, [32, 0, 12, 32], consumers=consumers, signaller=True,
-                                 free_slot_after_signal=False).startswith("slot")
 
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
     kern = src[src.index("k_experts_ov(const MkParams p"):src.index("// ---- routing")]
     loop = kern[kern.index("for (uint32_t j = 0;; ++j)"):]
     assert "__syncthreads" not in loop, "no CTA barrier inside the overlap loop"
-    s_part = loop[:loop.index("// ---- producer warpgroup")]
-    p_part = loop[loop.index("// ---- producer warpgroup"):loop.index("// ---- consumer warpgroups")]
-    c_part = loop[loop.index("// ---- consumer warpgroups"):]
-    order = ["mbar_wait_ok(p, tempty", "claim_wg<T>(p, epoch, s_base, qs, g1_local, &sl.qi)",
-             "named_sync(1, OV_COPIERS)", "fill_meta_part<T>(", "mbar_arrive(tfull", "if (task == 0) return;",
-             "wg_produce<T, OV_COPIERS>("]
+    p_part, c_part = loop[:loop.index("// ---- consumer warpgroups")], loop[loop.index("// ---- consumer warpgroups"):]
+    order = ["mbar_wait_ok(p, tempty", "claim_wg<T>(p, epoch, s_base, qs, g1_local, &sl.qi)", "named_sync(1, 128)",
+             "fill_meta_part<T>(", "mbar_arrive(tfull", "if (task == 0) return;", "wg_produce<T>("]
     idx = [p_part.index(x) for x in order]
-    assert idx == sorted(idx) and p_part.count("claim_wg<T>(") == 1 and p_part.count("wg_produce<T, OV") == 1
-    # the signalling warp: the word after tfull, the consumers' stores, the signal, then the slot freed
-    order = ["mbar_wait_quiet(p, tfull", "if (task == 0) return;", "mbar_wait_quiet(p, stored", "signal_rows<T>(",
-             "mbar_arrive(tempty"]
-    idx = [s_part.index(x) for x in order]
-    assert idx == sorted(idx) and s_part.count("mbar_arrive(tempty") == 1
+    assert idx == sorted(idx) and p_part.count("claim_wg<T>(") == 1 and p_part.count("wg_produce<T>(") == 1
     # claim_wg: GEMM1 slots computed as the scheduler writes them (queue_word), every later slot waited for
     cw = src[src.index("uint64_t claim_wg("):]
     cw = cw[:cw.index("\n}\n")]
@@ -860,13 +814,13 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     assert "mkidx::queue_word(i, base" in lw[:lw.index("\n}\n")]
     assert "if (qs.fits) g1_local = qs.n_tiles * qs.G1;" in kern
     order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work",
-             "MK_TASK_COMBINE", "mbar_arrive(stored", "run_combine_part(", "wg_consume<T>(", "mbar_arrive(stored"]
+             "MK_TASK_COMBINE", "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T>(", "named_sync(2, NCONS)",
+             "signal_rows<T>(", "mbar_arrive(tempty"]
     pos = 0
     for x in order:
         pos = c_part.index(x, pos) + 1
-    assert c_part.count("mbar_arrive(stored") == 2 and "tempty" not in c_part and "signal_rows" not in c_part
-    assert "mbar_init(tfull + 8 * s, OV_COPIERS);" in kern and "mbar_init(stored + 8 * s, NCONS);" in kern
-    assert "mbar_init(tempty + 8 * s, 32);" in kern and "constexpr int OV_COPIERS = 96;" in src
+    assert c_part.count("mbar_arrive(tempty") == 2  # the COMBINE path's early free and the GEMM path's after the signal
+    assert "mbar_init(tfull + 8 * s, 128);" in kern and "mbar_init(tempty + 8 * s, NCONS);" in kern
     assert "2 * p.timeout_ns" in c_part  # the producer's claim timeout reports first (MK_ERR_PROC_TIMEOUT)
     # signal_done (a synchronised CTA) is signal_rows over all its threads: one place counts readiness, and every
     # counting thread fences before its first red (release after the barrier)

@@ -837,25 +837,20 @@ __device__ __forceinline__ int sk_splits(const MkParams& p, int64_t want, int n_
 // ---- cross-task overlap (MkParams.overlap = 1; the wgmma tiles only) ----------------------------------------------
 // k_experts_ov<T> runs the same tasks, the same stage pipeline and the same epilogue arithmetic as k_experts<T>, with
 // the roles split across tasks as well as within them:
-//   producer warpgroup, warps 0-2 (OV_COPIERS = 96 threads): thread 0 waits until task slot s = j & 1 is free
-//     (tempty[s]: task j - 2 signalled), claims the next queue slot (claim_task: k_experts' protocol, timeouts and
-//     abort), and writes the task word into the slot; the 96 (named barrier 1) fill the slot's metadata (GEMM tasks),
-//     then each arrives on tfull[s] (count 96: release of its own writes) and, for a GEMM task, copies the
+//   producer warpgroup (128 threads): its thread 0 waits until task slot s = j & 1 is free (tempty[s]: the consumers
+//     finished task j - 2), claims the next queue slot (claim_task: k_experts' protocol, timeouts and abort), and
+//     writes the task word into the slot; the warpgroup (named barrier 1) fills the slot's metadata (GEMM tasks),
+//     then each thread arrives on tfull[s] (count 128: release of its own writes) and, for a GEMM task, copies the
 //     task's stages (wg_produce: publish-before-wait, all stages published on return). Then it claims task j + 1,
 //     while the consumers still run task j's last stages and epilogue.
 //     Order that matters: the producer publishes EVERY stage of task j before it claims task j + 1. The queue slot
 //     it claims may hold a task that waits for task j (a GEMM2 of the m-tile task j is a GEMM1 of): if task j's
 //     last stages were still unpublished while the producer spins on that slot, neither would ever move.
 //   consumer warpgroups (128 x CONSUMERS threads): wait tfull[s], agree (bar.red.and on named barrier 2) that the
-//     wait succeeded, read the task word: 0 = end of work -> return; COMBINE -> arrive on stored[s] (the word was all
-//     it needed), run the combine on the consumer threads (run_combine_part), next; GEMM -> wgmma stages
-//     (wg_consume) + epilogue, each consumer thread arrives on stored[s] (count 128 x CONSUMERS: its stores issued,
-//     its last read of the slot) and goes on to the next task.
-//   signalling warp (the producer warpgroup's warp 3, since run 104): per task, wait tfull[s] and read the word (0:
-//     return), wait stored[s], then for a GEMM the fence and the readiness counts (signal_rows over its 32 lanes: the
-//     same counters as signal_done; the fence is cumulative over the stored barrier's release / acquire), then arrive
-//     on tempty[s] (count 32). The signal's wait for the stores to reach the L2 (3 µs per GEMM2 task at S=1024, run
-//     102's timeline) is then off the consumers' path; before, the consumers met on named barrier 2 and signalled.
+//     wait succeeded, read the task word: 0 = end of work -> return; COMBINE -> free the slot, run the combine on
+//     the consumer threads (run_combine_part), next; GEMM -> wgmma stages (wg_consume) + epilogue, named barrier 2
+//     (every consumer's stores issued), the consumer threads fence and count (signal_rows: the same
+//     counters as signal_done), every consumer thread arrives on tempty[s] (count 128 x CONSUMERS).
 //   No __syncthreads inside the loop. End of work: the producer hands the consumers task word 0 and returns.
 //   Abort / timeout: every wait is bounded; a failed tfull wait ends every consumer together (the vote), a failed
 //     tempty wait or claim makes the producer hand over word 0 and return. A consumer waits for a task up to twice
@@ -874,13 +869,10 @@ constexpr int stage_out_bytes() {
   if constexpr (T::WG) return T::CONSUMERS * 4 * 2048;
   return 0;
 }
-// Shared memory after the stages: two task slots, then full[16], empty[16], tfull[2], tempty[2], stored[2] (8 bytes
-// each), then
+// Shared memory after the stages: two task slots, then full[16], empty[16], tfull[2], tempty[2] (8 bytes each), then
 // (128-byte aligned) the consumer warps' epilogue buffers (wg_store_staged).
 template <class T>
-constexpr int ov_meta_bytes() {
-  return 2 * (int)sizeof(OvSlot<T>) + 8 * (16 + 16 + 2 + 2 + 2) + 8 + 128 + stage_out_bytes<T>();
-}
+constexpr int ov_meta_bytes() { return 2 * (int)sizeof(OvSlot<T>) + 8 * (16 + 16 + 2 + 2) + 8 + 128 + stage_out_bytes<T>(); }
 
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 // bar.sync on barrier `id` of n threads that also returns the AND of every participant's `ok` (uniform result).
@@ -908,27 +900,6 @@ __device__ __forceinline__ bool mbar_wait_ok(const MkParams& p, uint32_t bar, ui
     }
   }
   return true;
-}
-// mbar_wait_ok for a warp that waits most of the time (the overlap kernel's signalling warp, one lane): it sleeps
-// between tries and reads the abort flag once a microsecond, so it takes no issue slots or L2 requests from the
-// warps that work beside it (run 104's first version polled like the others, and the mainloops got 40% slower).
-// The same bound: 2 x timeout, then MK_ERR_PIPE_TIMEOUT.
-__device__ __forceinline__ int mbar_wait_quiet(const MkParams& p, uint32_t bar, uint32_t parity, uint32_t g) {
-  if (mbar_try(bar, parity)) return 1;
-  const uint64_t since = gtime();
-  uint64_t checked = since;
-  while (!mbar_try(bar, parity)) {
-    __nanosleep(128);
-    const uint64_t now = gtime();
-    if (now - checked < 1000) continue;
-    checked = now;
-    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return 0;
-    if (now - since > 2 * (uint64_t)p.timeout_ns) {
-      report(p, MK_ERR_PIPE_TIMEOUT, g, parity, (int64_t)(now - since));
-      return 0;
-    }
-  }
-  return 1;
 }
 // k_experts' claim by one thread: the next queue slot (claim_task), waited for until published (the task word), past
 // the task total or aborted (0), or timed out (0 after reporting MK_ERR_PROC_TIMEOUT). *slot: the queue slot.
@@ -969,35 +940,26 @@ __device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int
 // so the producer never waits for its own copies (run 41: it used to wait for stage kt - stages + 1 before taking
 // slot kt, and the S=4096 experts kernel took 852 instead of 743 us). Returns with every stage of the task issued:
 // the consumers can finish the task without the producer.
-// NP: the threads that copy (128, the whole warpgroup; the overlap kernel's 96, warp 3 signals): thread t copies
-// chunk (t & 7) of rows (t >> 3) + RS q, RS = NP / 8 rows a pass (rows past the tile skipped when RS does not divide).
-template <class T, int NP = 128>
+template <class T>
 __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
                                            int e, int nb, int KT, uint32_t it, int t, const CUtensorMap* tm1,
                                            const CUtensorMap* tm2) {
   const int stages = (int)p.stages;
-  // ---- producer: thread t copies chunk (t & 7) of rows (t >> 3) + RS q, for A and B ----
-  static_assert(NP % 8 == 0 && NP <= 128, "whole rows of 8 chunks a pass");
-  constexpr int RS = NP / 8, AQ = (T::BM + RS - 1) / RS, BQ = (T::BNT + RS - 1) / RS;
-  constexpr bool EXACT = T::BM % RS == 0 && T::BNT % RS == 0;
+  // ---- producer: thread t copies chunk (t & 7) of rows (t >> 3) + 16 q, for A and B ----
   const bf16* a_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h;
   const bf16* b_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.w1 : (const bf16*)p.w2;
   const int ch = t & 7, r0 = t >> 3;
-  const bf16* asrc[AQ];
-  int abytes[AQ];
-  const bf16* bsrc[BQ];
+  const bf16* asrc[T::BM / 16];
+  int abytes[T::BM / 16];
+  const bf16* bsrc[T::BNT / 16];
 #pragma unroll
-  for (int q = 0; q < AQ; ++q) {
-    const int r = r0 + RS * q;
-    const int64_t off = EXACT || r < T::BM ? md.a_off[r] : -1;
+  for (int q = 0; q < T::BM / 16; ++q) {
+    const int64_t off = md.a_off[r0 + 16 * q];
     asrc[q] = a_base + (off < 0 ? 0 : off) + ch * 8;
     abytes[q] = off < 0 ? 0 : 16;  // rows past the expert's count: zero-filled
   }
 #pragma unroll
-  for (int q = 0; q < BQ; ++q) {
-    const int r = r0 + RS * q;
-    bsrc[q] = b_base + (EXACT || r < T::BNT ? md.b_off[r] : 0) + ch * 8;
-  }
+  for (int q = 0; q < T::BNT / 16; ++q) bsrc[q] = b_base + md.b_off[r0 + 16 * q] + ch * 8;
   // TMA: the B tile's two boxes start at weight rows brow and brow2 (GEMM1: gate, up; GEMM2: 128 rows)
   const CUtensorMap* bmap = kind == MK_TASK_GEMM1 ? tm1 : tm2;
   const int brow = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
@@ -1026,12 +988,12 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
     }
     if constexpr (!(MK_PROBE & 1)) {
 #pragma unroll
-      for (int q = 0; q < AQ; ++q)
-        if (EXACT || r0 + RS * q < T::BM) cp_async16(sA + mkidx::swz_off(r0 + RS * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
+      for (int q = 0; q < T::BM / 16; ++q)
+        cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
       if constexpr (!T::TMA) {
 #pragma unroll
-        for (int q = 0; q < BQ; ++q)
-          if (EXACT || r0 + RS * q < T::BNT) cp_async16(sB + mkidx::swz_off(r0 + RS * q, ch * 8), bsrc[q] + kt * BK, 16);
+        for (int q = 0; q < T::BNT / 16; ++q)
+          cp_async16(sB + mkidx::swz_off(r0 + 16 * q, ch * 8), bsrc[q] + kt * BK, 16);
       }
     }
     cp_arrive_noinc(bars.full + 8 * slot);  // this thread's arrival on full[s], made when its copies have landed
@@ -1436,9 +1398,6 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   }
 }
 
-// The overlap kernel's producer threads that copy (warps 0-2); warp 3 signals the tasks' readiness.
-constexpr int OV_COPIERS = 96;
-
 // ---- the persistent kernel ------------------------------------------------------------------------------
 template <class T>
 __global__ void __launch_bounds__(T::THREADS, T::MINB)
@@ -1545,17 +1504,16 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   OvSlot<T>* slots = (OvSlot<T>*)(smem + T::STAGE * stages);
   const uint32_t b0 = (su32(slots + 2) + 7u) & ~7u;
   const WgBars<T> bars = {b0, b0 + 8u * 16u};
-  const uint32_t tfull = b0 + 8u * 32u, tempty = tfull + 16u, stored = tempty + 16u;
-  const uint32_t stg = (stored + 16u + 127u) & ~127u;  // epilogue buffers
+  const uint32_t tfull = b0 + 8u * 32u, tempty = tfull + 16u;
+  const uint32_t stg = (tempty + 16u + 127u) & ~127u;  // epilogue buffers
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) {
-      mbar_init(bars.full + 8 * s, OV_COPIERS);
+      mbar_init(bars.full + 8 * s, 128);
       mbar_init(bars.empty + 8 * s, NCONS);
     }
     for (int s = 0; s < 2; ++s) {
-      mbar_init(tfull + 8 * s, OV_COPIERS);  // every copying producer thread, after its metadata writes
-      mbar_init(stored + 8 * s, NCONS);      // every consumer thread: its stores issued / its last read of the slot
-      mbar_init(tempty + 8 * s, 32);         // the signalling warp, after the task's signal
+      mbar_init(tfull + 8 * s, 128);     // every producer thread, after its metadata writes
+      mbar_init(tempty + 8 * s, NCONS);  // every consumer thread, after its last read of the slot
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     tr_cta(p, 0);
@@ -1577,30 +1535,8 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   }
   const uint32_t s0 = su32(smem);
   uint32_t it = 0;  // running k-stage counter: the producer and the consumers see the same task sequence
-  if (wg == 0 && t >= OV_COPIERS) {
-    // ---- the signalling warp (the producer warpgroup's warp 3): per task, once the consumers' stores are issued
-    // (stored[s], release / acquire at CTA scope), the fence (cumulative over that barrier) and the readiness counts,
-    // then the slot goes back to the producer. The consumers go on to the next task meanwhile: the signal's wait for
-    // the stores to reach the L2 (~3 µs a GEMM2 task at S=1024, run 102) is off their path.
-    const int lane = t - OV_COPIERS;
-    for (uint32_t j = 0;; ++j) {
-      const uint32_t s = j & 1, ph = (j >> 1) & 1;
-      if (!__shfl_sync(~0u, lane == 0 ? mbar_wait_quiet(p, tfull + 8 * s, ph, j) : 0, 0)) return;
-      const OvSlot<T>& sl = slots[s];
-      const uint64_t task = sl.task;
-      if (task == 0) return;  // end of work (or abort)
-      if (!__shfl_sync(~0u, lane == 0 ? mbar_wait_quiet(p, stored + 8 * s, ph, j) : 0, 0)) return;
-      const int kind = mkidx::t_kind(task);
-      if (kind != MK_TASK_COMBINE) {
-        const Meta md = {const_cast<int64_t*>(sl.a_off), const_cast<int64_t*>(sl.b_off), const_cast<int*>(sl.row_id),
-                         nullptr};
-        signal_rows<T>(p, md, kind, mkidx::t_tile(task), lane, 32);
-        if (lane == 0) tr_slot(p, sl.qi, MK_TR_DONE, (int64_t)gtime());
-      }
-      mbar_arrive(tempty + 8 * s);  // (after the signal: it read row_id)
-    }
-  } else if (wg == 0) {
-    // ---- producer warpgroup (warps 0-2 copy; warp 3 signals, above) ----
+  if (wg == 0) {
+    // ---- producer warpgroup ----
     for (uint32_t j = 0;; ++j) {
       const uint32_t s = j & 1, ph = (j >> 1) & 1;
       OvSlot<T>& sl = slots[s];
@@ -1610,21 +1546,21 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
           task = claim_wg<T>(p, epoch, s_base, qs, g1_local, &sl.qi);
         sl.task = task;
       }
-      named_sync(1, OV_COPIERS);  // the task word, to the copying producer threads
+      named_sync(1, 128);  // the task word, to the producer warpgroup
       const uint64_t task = sl.task;
       const int kind = mkidx::t_kind(task);
       const bool gemm = task != 0 && kind != MK_TASK_COMBINE;
       const int e = mkidx::t_expert(task), mt = mkidx::t_mtile(task), nb = mkidx::t_nfield(task);
       const Meta md = {sl.a_off, sl.b_off, sl.row_id, nullptr};
       if (gemm) {
-        fill_meta_part<T>(p, md, kind, e, mt, nb, t, OV_COPIERS);
-        named_sync(1, OV_COPIERS);  // every row's offsets written before any producer thread reads them
+        fill_meta_part<T>(p, md, kind, e, mt, nb, t, 128);
+        named_sync(1, 128);  // every row's offsets written before any producer thread reads them
       }
       mbar_arrive(tfull + 8 * s);  // release: task word + metadata to the consumers
       if (task == 0) return;       // end of work (or abort): the consumers see word 0 too
       if (gemm) {
         const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
-        wg_produce<T, OV_COPIERS>(p, md, bars, s0, kind, e, nb, KT, it, t, &tm1, &tm2);  // every stage published
+        wg_produce<T>(p, md, bars, s0, kind, e, nb, KT, it, t, &tm1, &tm2);  // returns with every stage published
         it += KT;
       }
     }
@@ -1644,7 +1580,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       const int kind = mkidx::t_kind(task), mt = mkidx::t_mtile(task), nf = mkidx::t_nfield(task);
       const int qi = sl.qi;
       if (kind == MK_TASK_COMBINE) {
-        mbar_arrive(stored + 8 * s);  // the word was all it needed from the slot
+        mbar_arrive(tempty + 8 * s);  // the word was all it needed from the slot
         run_combine_part(p, mt, nf, ct, NCONS);
         if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
         continue;
@@ -1654,7 +1590,10 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
       wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg);
       it += KT;
-      mbar_arrive(stored + 8 * s);  // this thread's stores issued: the signalling warp counts the rows
+      named_sync(2, NCONS);  // every consumer's stores issued before the fences + signals
+      signal_rows<T>(p, md, kind, mkidx::t_tile(task), ct, NCONS);
+      mbar_arrive(tempty + 8 * s);  // (after its signal: it read row_id)
+      if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
     }
   }
 }
