@@ -2167,6 +2167,10 @@ cudaError_t launch_k(void (*kernel)(P...), dim3 grid, unsigned threads, size_t s
 // Routing as ONE kernel of one CTA per SM for few tokens (the gate dot products on every warp, logits polled where
 // they land, a warp per token selecting, as the decode kernel routes; f2eca64, 63d632c) was at most ~1 µs faster at
 // S=2..16 and slower from S=32 (runs 84-86): these two kernels stay.
+// The gate GEMM's H splits double while its CTAs stay within MK_ROUTE_WAVES x the SMs (comparison builds vary it).
+#ifndef MK_ROUTE_WAVES
+#define MK_ROUTE_WAVES 2
+#endif
 template <class T>
 int launch_route(const MkParams* pp, cudaStream_t s) {
   MkParams q = *pp;
@@ -2181,7 +2185,7 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
   if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   int splits = 1;
   while (splits * 2 <= p->logit_splits_max && p->H % (splits * 2 * BK) == 0 &&
-         (int64_t)grid.x * grid.y * splits * 2 <= 2 * sms)
+         (int64_t)grid.x * grid.y * splits * 2 <= MK_ROUTE_WAVES * sms)
     splits *= 2;
   grid.z = splits;
   k_logits<T><<<grid, T::THREADS, smem_for<T>((int)p->stages), s>>>(*p);
