@@ -2168,6 +2168,8 @@ cudaError_t launch_k(void (*kernel)(P...), dim3 grid, unsigned threads, size_t s
 // they land, a warp per token selecting, as the decode kernel routes; f2eca64, 63d632c) was at most ~1 µs faster at
 // S=2..16 and slower from S=32 (runs 84-86): these two kernels stay.
 // The gate GEMM's H splits double while its CTAs stay within MK_ROUTE_WAVES x the SMs (comparison builds vary it).
+// Run 106 (builds side by side, graph µs, three rounds): 4 or 8 waves were slower at every size, S=512 334.7-342.3
+// vs 331.9-335.4, 1024 371.7-394.8 vs 357.5-366.0, 2048 552.0-571.2 vs 514.3-547.0, 4096 874.5-887.3 vs 837.1-844.4.
 #ifndef MK_ROUTE_WAVES
 #define MK_ROUTE_WAVES 2
 #endif
