@@ -275,7 +275,7 @@ def _stamp(command: str) -> dict:
 
     from moetune.tuner.measure import scenarios as S
 
-    return {**S.machine_facts("local", fingerprint=_fingerprint),
+    return {**S.machine_facts("none", fingerprint=_fingerprint),
             "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "command": command}
 
