@@ -123,6 +123,34 @@ def test_gate_routing_matches_reference(layer, model, s):
     assert torch.allclose(w[same].sort(1).values, rw[same].float().sort(1).values, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("s", [256, 300, 513, 2048, 2049, 3000])
+def test_cluster_routing(layer, model, s):
+    """Routing from 256 tokens runs as one cluster kernel (k_route: 8 H splits added across the cluster's shared
+    memory, tiles of 16, 64 or 128 tokens by S, a last tile part empty): torch's route's experts for >= 99% of the
+    tokens with its weights, each expert's list exactly its (token, slot) rows, the same bits on a second run, and
+    the layer's output against the dense reference."""
+    from moetune.runtime.moe_layer import route
+
+    x = _x(s, model.hidden, seed=2600 + s)
+    out = layer.forward(x, out=_poisoned(s, model.hidden)).clone()
+    idx, w = (t.clone() for t in layer.routing(s))
+    _check(layer, model, x, out, idx, w)
+    ridx, rw = route(x, layer.gate, model.topk)
+    same = (idx.sort(1).values == ridx.sort(1).values).all(1)
+    assert same.float().mean().item() >= 0.99
+    assert torch.allclose(w[same].sort(1).values, rw[same].float().sort(1).values, atol=1e-5, rtol=1e-4)
+    assert (idx.sort(1).values.diff(dim=1) > 0).all(), "an expert picked twice for one token"
+    counts = layer.counts.view(model.experts, -1)[:, 0].tolist()
+    flat = idx.flatten().tolist()
+    for e in range(model.experts):  # the expert's list holds exactly the (token, slot) rows routed to it
+        assert sorted(layer.lists[e, :counts[e]].tolist()) == [r for r, x in enumerate(flat) if x == e], f"expert {e}"
+    out2 = layer.forward(x, out=_poisoned(s, model.hidden))
+    idx2, w2 = layer.routing(s)
+    torch.cuda.synchronize()
+    assert torch.equal(idx, idx2) and torch.equal(w.view(torch.int32), w2.view(torch.int32))
+    assert torch.equal(out.view(torch.int16), out2.view(torch.int16))
+
+
 @pytest.mark.parametrize("s", SIZES)
 @pytest.mark.parametrize("mode", ["uniform", "zipf"])
 def test_given_routing_matches_reference(layer, model, s, mode):

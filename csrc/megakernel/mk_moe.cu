@@ -22,6 +22,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
+#include <cooperative_groups.h>  // the routing cluster's distributed shared memory (k_route)
 #include <mutex>
 #include <stdint.h>
 #include <stdio.h>
@@ -1619,7 +1620,10 @@ __device__ void reset_ctl(const MkParams& p) {
   }
 }
 
-__global__ void k_reset(const MkParams p) { reset_ctl(p); }
+__global__ void k_reset(const MkParams p) {
+  if (p.pdl) griddep_launch();  // k_route may start its gate GEMM meanwhile (it waits before its appends)
+  reset_ctl(p);
+}
 
 // Given routing (topk_idx / topk_w already filled): build the per-expert row lists.
 __global__ void k_lists(const MkParams p) {
@@ -1958,6 +1962,89 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
   }
 }
 
+// ---- Routing as one cluster kernel (S >= MK_ROUTE_FUSED_S, E <= BN) -----------------------------------------
+// k_logits + k_topk write the gate GEMM's split-H planes to the L2 and read them back, and the 16-row tiles re-read
+// the 0.5 MB gate once per tile: at S=1024 32 MB of gate reads and two dependent kernels, 12.2 + 6.4 µs (run 102).
+// Here the ROUTE_SPLITS CTAs of one token tile form a thread-block cluster, one H split each: every CTA leaves its
+// partial [BM, BN] logits in its own shared memory, then adds its BM / ROUTE_SPLITS tokens' rows from all the
+// cluster's CTAs (distributed shared memory) in split order and selects them with warp_topk. No planes, no second
+// kernel; the counters it appends to are zeroed by k_reset launched just before (waited for under pdl only where
+// the appends start).
+constexpr int ROUTE_SPLITS = 8;      // the cluster: 8 is the portable cluster size
+constexpr int ROUTE_LD = BN + 4;     // partial tile row pitch in floats (16-byte rows, writes spread over banks)
+template <class T>
+__global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
+  static_assert(T::BM % ROUTE_SPLITS == 0, "tokens per cluster rank");
+  extern __shared__ __align__(128) char smem[];
+  namespace cg = cooperative_groups;
+  cg::cluster_group cl = cg::this_cluster();
+  const int tid = threadIdx.x, z = (int)cl.block_rank();
+  const int stages = (int)p.stages;
+  Meta md = meta<T>(smem, stages);
+  const int t0 = blockIdx.x * T::BM;
+  const int kspan = (int)p.H / ROUTE_SPLITS, k0 = z * kspan;
+  for (int r = tid; r < T::BM; r += T::THREADS) md.a_off[r] = t0 + r < p.S ? (int64_t)(t0 + r) * p.H + k0 : -1;
+  for (int n = tid; n < BN; n += T::THREADS) md.b_off[n] = n < p.E ? (int64_t)n * p.H + k0 : -1;
+  __syncthreads();
+  float acc[T::MT][T::NT][4];
+  gemm_tile<T>(acc, smem, stages, (const bf16*)p.x, md.a_off, (const bf16*)p.wg, md.b_off, kspan);
+  if (p.pdl) griddep_launch();  // as k_logits: after this CTA's loads
+  float* part = (float*)smem;   // the stages are free again (gemm_tile ends on a CTA barrier)
+  const int lane = tid & 31, warp = tid >> 5, wm = warp / T::WN, wn = warp % T::WN;
+#pragma unroll
+  for (int i = 0; i < T::MT; ++i)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = wm * T::WTM + i * 16 + (lane >> 2) + half * 8;
+#pragma unroll
+      for (int j = 0; j < T::NT; ++j) {
+        const int c = wn * T::WTN + j * 8 + 2 * (lane & 3);
+        *(float2*)(part + r * ROUTE_LD + c) = make_float2(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
+      }
+    }
+  cl.sync();  // every split's partial tile is in its CTA's shared memory
+  constexpr int TPC = T::BM / ROUTE_SPLITS, V = BN / 4;  // tokens this CTA selects; float4s per row
+  float* lg = part + T::BM * ROUTE_LD;                   // [TPC][BN]: their logits
+  const float* rp[ROUTE_SPLITS];
+#pragma unroll
+  for (int q = 0; q < ROUTE_SPLITS; ++q) rp[q] = cl.map_shared_rank(part, q);
+  for (int v = tid; v < TPC * V; v += T::THREADS) {
+    const int off = (z * TPC + v / V) * ROUTE_LD + 4 * (v % V);
+    float4 b[ROUTE_SPLITS];
+#pragma unroll
+    for (int q = 0; q < ROUTE_SPLITS; ++q) b[q] = *(const float4*)(rp[q] + off);  // all in flight, then added
+    float4 a = b[0];
+#pragma unroll
+    for (int q = 1; q < ROUTE_SPLITS; ++q) {  // split order, as k_topk adds its planes
+      a.x += b[q].x;
+      a.y += b[q].y;
+      a.z += b[q].z;
+      a.w += b[q].w;
+    }
+    *(float4*)(lg + (v / V) * BN + 4 * (v % V)) = a;
+  }
+  cl.sync();  // no CTA leaves while another reads its tile; this CTA's lg is complete
+  if (p.pdl) griddep_wait();  // k_reset's zeroed counters (it ran ahead of this kernel)
+  const int E = (int)p.E, K = (int)p.K;
+  for (int tl = warp; tl < TPC; tl += T::THREADS / 32) {
+    const int t = t0 + z * TPC + tl;
+    if (t >= p.S) break;
+    int my_i;
+    float my_w;
+    warp_topk<BN / 32>(lg + tl * BN, E, K, lane, my_i, my_w);
+    if (lane < K) {
+      const int row = t * K + lane;
+      p.topk_idx[row] = my_i;
+      p.topk_w[row] = my_w;
+      const int pos = atomicAdd(p.counts + my_i * MK_COUNT_STRIDE, 1);
+      p.lists[(int64_t)my_i * p.S_cap + pos] = row;
+    }
+  }
+}
+static_assert(Small::STAGE * 4 >= (Small::BM * ROUTE_LD + Small::BM / ROUTE_SPLITS * BN) * 4, "k_route<Small>");
+static_assert(Large::STAGE * 4 >= (Large::BM * ROUTE_LD + Large::BM / ROUTE_SPLITS * BN) * 4, "k_route<Large>");
+static_assert(Huge::STAGE * 3 >= (Huge::BM * ROUTE_LD + Huge::BM / ROUTE_SPLITS * BN) * 4, "k_route<Huge>");
+
 #include "mk_decode.cuh"
 
 // ---- host side ----------------------------------------------------------------------------------------------
@@ -2206,6 +2293,51 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
   return 0;
 }
 
+// Routing by k_route (one cluster kernel) from MK_ROUTE_FUSED_S tokens, where top-k is not k_topk_small's; its
+// token tile is 16 rows up to MK_ROUTE_FUSED_SMALL_S, 64 up to MK_ROUTE_FUSED_LARGE_S, 128 above (about one wave of
+// clusters each: S=256, 1024, 2048 and 4096 launch 128, 128, 256 and 256 CTAs).
+#ifndef MK_ROUTE_FUSED_S
+#define MK_ROUTE_FUSED_S 256
+#endif
+#ifndef MK_ROUTE_FUSED_SMALL_S
+#define MK_ROUTE_FUSED_SMALL_S 256
+#endif
+#ifndef MK_ROUTE_FUSED_LARGE_S
+#define MK_ROUTE_FUSED_LARGE_S 2048
+#endif
+bool route_fused(const MkParams* p) {
+  return p->S >= MK_ROUTE_FUSED_S && p->S > p->route_small_max && p->E <= BN && p->H % (ROUTE_SPLITS * BK) == 0;
+}
+template <class T>
+int launch_route_fused(const MkParams* pp, cudaStream_t s, int stages) {
+  MkParams q = *pp;
+  q.stages = stages;
+  const int smem = smem_for<T>(stages);
+  static bool ready = false;
+  cudaError_t e = cudaSuccess;
+  if (!ready && (e = cudaFuncSetAttribute(k_route<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
+    return fail("cudaFuncSetAttribute(k_route)", e);
+  ready = true;
+  k_reset<<<1, 256, 0, s>>>(q);
+  if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_reset launch", e);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)((q.S + T::BM - 1) / T::BM), 1, ROUTE_SPLITS);
+  cfg.blockDim = dim3(T::THREADS);
+  cfg.dynamicSmemBytes = (size_t)smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = ROUTE_SPLITS;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = q.pdl ? 2 : 1;
+  if ((e = cudaLaunchKernelEx(&cfg, k_route<T>, q)) != cudaSuccess) return fail("k_route launch", e);
+  return 0;
+}
+
 template <class T>
 int launch_experts(const MkParams* p, cudaStream_t s) {
   int per_sm = 0, sms = 0;
@@ -2331,6 +2463,10 @@ int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t 
 
 int mk_route(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
+  if (route_fused(p))
+    return p->S <= MK_ROUTE_FUSED_SMALL_S   ? launch_route_fused<Small>(p, (cudaStream_t)stream, 4)
+           : p->S <= MK_ROUTE_FUSED_LARGE_S ? launch_route_fused<Large>(p, (cudaStream_t)stream, 4)
+                                            : launch_route_fused<Huge>(p, (cudaStream_t)stream, 3);
   // the gate GEMM needs no big tiles: 16-row tiles up to MK_ROUTE_SMALL_TILE_S tokens, 64 otherwise
   return p->S <= MK_ROUTE_SMALL_TILE_S ? launch_route<Small>(p, (cudaStream_t)stream)
                                        : launch_route<Large>(p, (cudaStream_t)stream);
