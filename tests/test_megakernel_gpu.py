@@ -400,11 +400,11 @@ def test_overlap_matches_plain_exactly(new_layers, model, cfg, s):
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@pytest.mark.parametrize("s", [1, 7, 300, 1024])
+@pytest.mark.parametrize("s", [1, 7, 200, 255])
 def test_small_topk_is_k_topks_bits(new_layers, model, s):
     """k_topk_small (one block per token, rank selection; S <= route_small_max) against k_topk (one warp per
     token; route_small_max=0): the same experts in the same order and the same weights, bit for bit, and the
-    same layer output."""
+    same layer output (below 256 tokens: from there routing is k_route's, test_cluster_routing)."""
     x = _x(s, model.hidden, seed=1300 + s)
     a, b = new_layers("route_small_max=0"), new_layers("route_small_max=4096")
     ya = a.forward(x).clone()

@@ -79,6 +79,7 @@ struct Tile {
 using Small = Tile<16, 1, 4, 1>;   // decode: 16 rows x 128, 4 warps of 16 x 32
 using Large = Tile<64, 2, 2, 1>;   // 64 rows x 128, 4 warps of 32 x 64
 using SmallTma = Tile<16, 1, 4, 1, true>;  // decode with B by TMA (opt-in: MkParams.tma_b)
+using Mid = Tile<32, 1, 4, 1>;     // routing only (k_route): 32 rows x 128, 4 warps of 32 x 32
 using Huge = Tile<128, 2, 4, 2>;  // prefill: 128 rows x 128, 8 warps of 64 x 32 (twice Large's FLOP per L2 byte);
                                   // 2 CTAs/SM need <= 128 registers (run 4: 1 CTA/SM was 1.6x slower)
 
@@ -1970,6 +1971,10 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
 // cluster's CTAs (distributed shared memory) in split order and selects them with warp_topk. No planes, no second
 // kernel; the counters it appends to are zeroed by k_reset launched just before (waited for under pdl only where
 // the appends start).
+// Measurement builds (never the default): MK_ROUTE_PROBE 1 = no gate GEMM (zeros), 2 = no top-k after the sums.
+#ifndef MK_ROUTE_PROBE
+#define MK_ROUTE_PROBE 0
+#endif
 constexpr int ROUTE_SPLITS = 8;      // the cluster: 8 is the portable cluster size
 constexpr int ROUTE_LD = BN + 4;     // partial tile row pitch in floats (16-byte rows, writes spread over banks)
 template <class T>
@@ -1987,7 +1992,11 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
   for (int n = tid; n < BN; n += T::THREADS) md.b_off[n] = n < p.E ? (int64_t)n * p.H + k0 : -1;
   __syncthreads();
   float acc[T::MT][T::NT][4];
+#if MK_ROUTE_PROBE & 1
+  for (auto& a : acc) for (auto& b : a) for (float& c : b) c = 0.f;
+#else
   gemm_tile<T>(acc, smem, stages, (const bf16*)p.x, md.a_off, (const bf16*)p.wg, md.b_off, kspan);
+#endif
   if (p.pdl) griddep_launch();  // as k_logits: after this CTA's loads
   float* part = (float*)smem;   // the stages are free again (gemm_tile ends on a CTA barrier)
   const int lane = tid & 31, warp = tid >> 5, wm = warp / T::WN, wn = warp % T::WN;
@@ -2024,6 +2033,9 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
     *(float4*)(lg + (v / V) * BN + 4 * (v % V)) = a;
   }
   cl.sync();  // no CTA leaves while another reads its tile; this CTA's lg is complete
+#if MK_ROUTE_PROBE & 2
+  return;
+#endif
   if (p.pdl) griddep_wait();  // k_reset's zeroed counters (it ran ahead of this kernel)
   const int E = (int)p.E, K = (int)p.K;
   for (int tl = warp; tl < TPC; tl += T::THREADS / 32) {
@@ -2043,6 +2055,7 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
 }
 static_assert(Small::STAGE * 4 >= (Small::BM * ROUTE_LD + Small::BM / ROUTE_SPLITS * BN) * 4, "k_route<Small>");
 static_assert(Large::STAGE * 4 >= (Large::BM * ROUTE_LD + Large::BM / ROUTE_SPLITS * BN) * 4, "k_route<Large>");
+static_assert(Mid::STAGE * 4 >= (Mid::BM * ROUTE_LD + Mid::BM / ROUTE_SPLITS * BN) * 4, "k_route<Mid>");
 static_assert(Huge::STAGE * 3 >= (Huge::BM * ROUTE_LD + Huge::BM / ROUTE_SPLITS * BN) * 4, "k_route<Huge>");
 
 #include "mk_decode.cuh"
@@ -2305,6 +2318,12 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
 #ifndef MK_ROUTE_FUSED_LARGE_S
 #define MK_ROUTE_FUSED_LARGE_S 2048
 #endif
+#ifndef MK_ROUTE_MID
+#define MK_ROUTE_MID 0
+#endif
+#ifndef MK_ROUTE_HUGE_STAGES
+#define MK_ROUTE_HUGE_STAGES 3
+#endif
 bool route_fused(const MkParams* p) {
   return p->S >= MK_ROUTE_FUSED_S && p->S > p->route_small_max && p->E <= BN && p->H % (ROUTE_SPLITS * BK) == 0;
 }
@@ -2465,8 +2484,12 @@ int mk_route(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
   if (route_fused(p))
     return p->S <= MK_ROUTE_FUSED_SMALL_S   ? launch_route_fused<Small>(p, (cudaStream_t)stream, 4)
+#if MK_ROUTE_MID
+           : p->S <= MK_ROUTE_FUSED_LARGE_S ? launch_route_fused<Mid>(p, (cudaStream_t)stream, 4)
+#else
            : p->S <= MK_ROUTE_FUSED_LARGE_S ? launch_route_fused<Large>(p, (cudaStream_t)stream, 4)
-                                            : launch_route_fused<Huge>(p, (cudaStream_t)stream, 3);
+#endif
+                                            : launch_route_fused<Huge>(p, (cudaStream_t)stream, MK_ROUTE_HUGE_STAGES);
   // the gate GEMM needs no big tiles: 16-row tiles up to MK_ROUTE_SMALL_TILE_S tokens, 64 otherwise
   return p->S <= MK_ROUTE_SMALL_TILE_S ? launch_route<Small>(p, (cudaStream_t)stream)
                                        : launch_route<Large>(p, (cudaStream_t)stream);
