@@ -79,7 +79,6 @@ struct Tile {
 using Small = Tile<16, 1, 4, 1>;   // decode: 16 rows x 128, 4 warps of 16 x 32
 using Large = Tile<64, 2, 2, 1>;   // 64 rows x 128, 4 warps of 32 x 64
 using SmallTma = Tile<16, 1, 4, 1, true>;  // decode with B by TMA (opt-in: MkParams.tma_b)
-using Mid = Tile<32, 1, 4, 1>;     // routing only (k_route): 32 rows x 128, 4 warps of 32 x 32
 using Huge = Tile<128, 2, 4, 2>;  // prefill: 128 rows x 128, 8 warps of 64 x 32 (twice Large's FLOP per L2 byte);
                                   // 2 CTAs/SM need <= 128 registers (run 4: 1 CTA/SM was 1.6x slower)
 
@@ -1963,7 +1962,7 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
   }
 }
 
-// ---- Routing as one cluster kernel (S >= MK_ROUTE_FUSED_S, E <= BN) -----------------------------------------
+// ---- Routing as one cluster kernel (MK_ROUTE_FUSED_S <= S <= MK_ROUTE_FUSED_MAX_S, E <= BN) ------------------
 // k_logits + k_topk write the gate GEMM's split-H planes to the L2 and read them back, and the 16-row tiles re-read
 // the 0.5 MB gate once per tile: at S=1024 32 MB of gate reads and two dependent kernels, 12.2 + 6.4 µs (run 102).
 // Here the ROUTE_SPLITS CTAs of one token tile form a thread-block cluster, one H split each: every CTA leaves its
@@ -1971,7 +1970,8 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
 // cluster's CTAs (distributed shared memory) in split order and selects them with warp_topk. No planes, no second
 // kernel; the counters it appends to are zeroed by k_reset launched just before (waited for under pdl only where
 // the appends start).
-// Measurement builds (never the default): MK_ROUTE_PROBE 1 = no gate GEMM (zeros), 2 = no top-k after the sums.
+// Measurement builds (never the default): MK_ROUTE_PROBE 1 = no gate GEMM (the partials a hash of (token, expert,
+// split), so the picks still spread over the experts), 2 = no cross-CTA sums (each CTA selects on its own split).
 #ifndef MK_ROUTE_PROBE
 #define MK_ROUTE_PROBE 0
 #endif
@@ -1993,7 +1993,9 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
   __syncthreads();
   float acc[T::MT][T::NT][4];
 #if MK_ROUTE_PROBE & 1
-  for (auto& a : acc) for (auto& b : a) for (float& c : b) c = 0.f;
+  for (int i = 0; i < T::MT; ++i)
+    for (int j = 0; j < T::NT; ++j)
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = (float)((((t0 + i) * 131 + j * 17 + c * 7 + z * 29 + tid) * 2654435761u) >> 20);
 #else
   gemm_tile<T>(acc, smem, stages, (const bf16*)p.x, md.a_off, (const bf16*)p.wg, md.b_off, kspan);
 #endif
@@ -2021,7 +2023,7 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
     const int off = (z * TPC + v / V) * ROUTE_LD + 4 * (v % V);
     float4 b[ROUTE_SPLITS];
 #pragma unroll
-    for (int q = 0; q < ROUTE_SPLITS; ++q) b[q] = *(const float4*)(rp[q] + off);  // all in flight, then added
+    for (int q = 0; q < ROUTE_SPLITS; ++q) b[q] = *(const float4*)(rp[MK_ROUTE_PROBE & 2 ? z : q] + off);  // all in flight, then added
     float4 a = b[0];
 #pragma unroll
     for (int q = 1; q < ROUTE_SPLITS; ++q) {  // split order, as k_topk adds its planes
@@ -2033,9 +2035,6 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
     *(float4*)(lg + (v / V) * BN + 4 * (v % V)) = a;
   }
   cl.sync();  // no CTA leaves while another reads its tile; this CTA's lg is complete
-#if MK_ROUTE_PROBE & 2
-  return;
-#endif
   if (p.pdl) griddep_wait();  // k_reset's zeroed counters (it ran ahead of this kernel)
   const int E = (int)p.E, K = (int)p.K;
   for (int tl = warp; tl < TPC; tl += T::THREADS / 32) {
@@ -2055,8 +2054,6 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
 }
 static_assert(Small::STAGE * 4 >= (Small::BM * ROUTE_LD + Small::BM / ROUTE_SPLITS * BN) * 4, "k_route<Small>");
 static_assert(Large::STAGE * 4 >= (Large::BM * ROUTE_LD + Large::BM / ROUTE_SPLITS * BN) * 4, "k_route<Large>");
-static_assert(Mid::STAGE * 4 >= (Mid::BM * ROUTE_LD + Mid::BM / ROUTE_SPLITS * BN) * 4, "k_route<Mid>");
-static_assert(Huge::STAGE * 3 >= (Huge::BM * ROUTE_LD + Huge::BM / ROUTE_SPLITS * BN) * 4, "k_route<Huge>");
 
 #include "mk_decode.cuh"
 
@@ -2306,26 +2303,23 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
   return 0;
 }
 
-// Routing by k_route (one cluster kernel) from MK_ROUTE_FUSED_S tokens, where top-k is not k_topk_small's; its
-// token tile is 16 rows up to MK_ROUTE_FUSED_SMALL_S, 64 up to MK_ROUTE_FUSED_LARGE_S, 128 above (about one wave of
-// clusters each: S=256, 1024, 2048 and 4096 launch 128, 128, 256 and 256 CTAs).
+// Routing by k_route (one cluster kernel) for MK_ROUTE_FUSED_S..MK_ROUTE_FUSED_MAX_S tokens, where top-k is not
+// k_topk_small's; its token tile is 16 rows up to MK_ROUTE_FUSED_SMALL_S, 64 above (S=256, 1024, 2048: 128, 128, 256
+// CTAs). Runs 107-108 (one H200, pdl=0 traces, routing µs): S=256 k_reset 1.3 + k_route 9.2 vs k_logits 5.9 + k_topk
+// 5.3; S=1024 1.3 + 15.0 vs 12.2 + 5.7; but S=4096 (128-row tiles, 256 CTAs) 1.5 + 35.5 vs 20.2 + 9.7, and a 32-row
+// tile at S=1024 20.8: above 2048 tokens the two kernels stay.
 #ifndef MK_ROUTE_FUSED_S
 #define MK_ROUTE_FUSED_S 256
 #endif
 #ifndef MK_ROUTE_FUSED_SMALL_S
 #define MK_ROUTE_FUSED_SMALL_S 256
 #endif
-#ifndef MK_ROUTE_FUSED_LARGE_S
-#define MK_ROUTE_FUSED_LARGE_S 2048
-#endif
-#ifndef MK_ROUTE_MID
-#define MK_ROUTE_MID 0
-#endif
-#ifndef MK_ROUTE_HUGE_STAGES
-#define MK_ROUTE_HUGE_STAGES 3
+#ifndef MK_ROUTE_FUSED_MAX_S
+#define MK_ROUTE_FUSED_MAX_S 2048
 #endif
 bool route_fused(const MkParams* p) {
-  return p->S >= MK_ROUTE_FUSED_S && p->S > p->route_small_max && p->E <= BN && p->H % (ROUTE_SPLITS * BK) == 0;
+  return p->S >= MK_ROUTE_FUSED_S && p->S <= MK_ROUTE_FUSED_MAX_S && p->S > p->route_small_max && p->E <= BN &&
+         p->H % (ROUTE_SPLITS * BK) == 0;
 }
 template <class T>
 int launch_route_fused(const MkParams* pp, cudaStream_t s, int stages) {
@@ -2483,13 +2477,8 @@ int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t 
 int mk_route(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
   if (route_fused(p))
-    return p->S <= MK_ROUTE_FUSED_SMALL_S   ? launch_route_fused<Small>(p, (cudaStream_t)stream, 4)
-#if MK_ROUTE_MID
-           : p->S <= MK_ROUTE_FUSED_LARGE_S ? launch_route_fused<Mid>(p, (cudaStream_t)stream, 4)
-#else
-           : p->S <= MK_ROUTE_FUSED_LARGE_S ? launch_route_fused<Large>(p, (cudaStream_t)stream, 4)
-#endif
-                                            : launch_route_fused<Huge>(p, (cudaStream_t)stream, MK_ROUTE_HUGE_STAGES);
+    return p->S <= MK_ROUTE_FUSED_SMALL_S ? launch_route_fused<Small>(p, (cudaStream_t)stream, 4)
+                                          : launch_route_fused<Large>(p, (cudaStream_t)stream, 4);
   // the gate GEMM needs no big tiles: 16-row tiles up to MK_ROUTE_SMALL_TILE_S tokens, 64 otherwise
   return p->S <= MK_ROUTE_SMALL_TILE_S ? launch_route<Small>(p, (cudaStream_t)stream)
                                        : launch_route<Large>(p, (cudaStream_t)stream);
