@@ -1700,101 +1700,69 @@ __device__ __forceinline__ unsigned ord_key(float f) {
 __device__ __forceinline__ float ord_val(unsigned k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
-// One warp's softmax (fp32), top-k (ties: lower expert first) and renormalisation of M tokens' E logits at lg,
-// lg + ld, .. (shared memory): lane j < K gets pick j of each (expert, weight). The M tokens' steps are independent,
-// so their shuffles and reductions overlap (k_route selects two tokens per warp). k_topk and the decode kernel's
-// routing share it (M = 1); every token's arithmetic is the same whatever M.
-template <int NI, int M = 1>
-__device__ __forceinline__ void warp_topk_m(const float* lg, int ld, int E, int K, int lane, int (&pick_e)[M],
-                                            float (&pick_w)[M]) {
-  float v[M][NI], mx[M], s[M];
+// One warp's softmax (fp32), top-k (ties: lower expert first) and renormalisation of the E logits at lg (shared
+// memory): lane j < K gets pick j (expert, weight). k_topk and the decode kernel's routing share it.
+template <int NI>
+__device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lane, int& pick_e, float& pick_w) {
+  float v[NI];
+  float m = -INFINITY;
 #pragma unroll
-  for (int t = 0; t < M; ++t) {
-    mx[t] = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      const int e = lane + 32 * i;
-      v[t][i] = e < E ? lg[t * ld + e] : -INFINITY;
-      mx[t] = fmaxf(mx[t], v[t][i]);
-    }
+  for (int i = 0; i < NI; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < E ? lg[e] : -INFINITY;
+    m = fmaxf(m, v[i]);
   }
 #pragma unroll
-  for (int o = 16; o; o >>= 1)
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
+  float s = 0.f;
 #pragma unroll
-    for (int t = 0; t < M; ++t) mx[t] = fmaxf(mx[t], __shfl_xor_sync(~0u, mx[t], o));
-#pragma unroll
-  for (int t = 0; t < M; ++t) {
-    s[t] = 0.f;
-#pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      v[t][i] = lane + 32 * i < E ? expf(v[t][i] - mx[t]) : 0.f;
-      s[t] += v[t][i];
-    }
+  for (int i = 0; i < NI; ++i) {
+    v[i] = lane + 32 * i < E ? expf(v[i] - m) : 0.f;
+    s += v[i];
   }
 #pragma unroll
-  for (int o = 16; o; o >>= 1)
+  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(~0u, s, o);
 #pragma unroll
-    for (int t = 0; t < M; ++t) s[t] += __shfl_xor_sync(~0u, s[t], o);
-  unsigned taken[M];
-  float sum[M], my_v[M], lv[M];  // lv / li: this lane's best unpicked (value, expert): ties keep the lower index
-  int my_i[M], li[M];
+  for (int i = 0; i < NI; ++i) v[i] = lane + 32 * i < E ? v[i] / s : -1.f;
+  unsigned taken = 0;
+  float sum = 0.f, my_v = 0.f;
+  int my_i = 0;
+  float lv = -2.f;  // this lane's best unpicked (value, expert): ties keep the lower index
+  int li = 1 << 30;
 #pragma unroll
-  for (int t = 0; t < M; ++t) {
-#pragma unroll
-    for (int i = 0; i < NI; ++i) v[t][i] = lane + 32 * i < E ? v[t][i] / s[t] : -1.f;
-    taken[t] = 0;
-    sum[t] = my_v[t] = 0.f;
-    my_i[t] = 0;
-    lv[t] = -2.f;
-    li[t] = 1 << 30;
-#pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      if (v[t][i] > lv[t]) {
-        lv[t] = v[t][i];
-        li[t] = lane + 32 * i;
-      }
+  for (int i = 0; i < NI; ++i) {
+    if (v[i] > lv) {
+      lv = v[i];
+      li = lane + 32 * i;
     }
   }
   for (int j = 0; j < K; ++j) {
+    // the warp's best (value, lowest expert on a tie) in two redux instructions on order-preserving integer keys
+    // (ten dependent shuffles per pick before; the same picks: the values are never -0 or NaN)
+    const unsigned key = ord_key(lv), kmax = __reduce_max_sync(~0u, key);
+    const int bi = (int)__reduce_min_sync(~0u, key == kmax ? (unsigned)li : 0x7fffffffu);
+    const float bv = ord_val(kmax);
+    if ((bi & 31) == lane) {  // the winner's lane rescans its unpicked experts
+      taken |= 1u << (bi >> 5);
+      lv = -2.f;
+      li = 1 << 30;
 #pragma unroll
-    for (int t = 0; t < M; ++t) {
-      // the warp's best (value, lowest expert on a tie) in two redux instructions on order-preserving integer keys
-      // (ten dependent shuffles per pick before; the same picks: the values are never -0 or NaN)
-      const unsigned key = ord_key(lv[t]), kmax = __reduce_max_sync(~0u, key);
-      const int bi = (int)__reduce_min_sync(~0u, key == kmax ? (unsigned)li[t] : 0x7fffffffu);
-      const float bv = ord_val(kmax);
-      if ((bi & 31) == lane) {  // the winner's lane rescans its unpicked experts
-        taken[t] |= 1u << (bi >> 5);
-        lv[t] = -2.f;
-        li[t] = 1 << 30;
-#pragma unroll
-        for (int i = 0; i < NI; ++i) {
-          if (!((taken[t] >> i) & 1) && v[t][i] > lv[t]) {
-            lv[t] = v[t][i];
-            li[t] = lane + 32 * i;
-          }
+      for (int i = 0; i < NI; ++i) {
+        if (!((taken >> i) & 1) && v[i] > lv) {
+          lv = v[i];
+          li = lane + 32 * i;
         }
       }
-      if (lane == j) {
-        my_v[t] = bv;
-        my_i[t] = bi;
-      }
-      sum[t] += bv;  // warp-uniform: every lane adds the picks in pick order
     }
+    if (lane == j) {
+      my_v = bv;
+      my_i = bi;
+    }
+    sum += bv;  // warp-uniform: every lane adds the picks in pick order
   }
-#pragma unroll
-  for (int t = 0; t < M; ++t) {
-    pick_e[t] = my_i[t];
-    pick_w[t] = my_v[t] / fmaxf(sum[t], 1e-20f);
-  }
-}
-template <int NI>
-__device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lane, int& pick_e, float& pick_w) {
-  int e[1];
-  float w[1];
-  warp_topk_m<NI, 1>(lg, 0, E, K, lane, e, w);
-  pick_e = e[0];
-  pick_w = w[0];
+  const float denom = fmaxf(sum, 1e-20f);
+  pick_e = my_i;
+  pick_w = my_v / denom;
 }
 
 // Softmax (fp32), top-k (ties: lower expert first), renormalise; append (t, j) to its expert's list.
@@ -2069,24 +2037,18 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
   cl.sync();  // no CTA leaves while another reads its tile; this CTA's lg is complete
   if (p.pdl) griddep_wait();  // k_reset's zeroed counters (it ran ahead of this kernel)
   const int E = (int)p.E, K = (int)p.K;
-  // each warp selects its TPC / warps tokens together (one after the other, the 64-row tile's two per warp took
-  // ~9 of k_route's 15 µs at S=1024 with the appends, run 109); a token past S selects zeros and appends nothing
-  constexpr int WARPS = T::THREADS / 32, PER = (TPC + WARPS - 1) / WARPS;
-  int my_i[PER];
-  float my_w[PER];
-  const int tl0 = warp * PER;
-  if (tl0 < TPC) {
-    warp_topk_m<BN / 32, PER>(lg + tl0 * BN, BN, E, K, lane, my_i, my_w);
-#pragma unroll
-    for (int u = 0; u < PER; ++u) {
-      const int t = t0 + z * TPC + tl0 + u;
-      if (tl0 + u < TPC && t < p.S && lane < K) {
-        const int row = t * K + lane;
-        p.topk_idx[row] = my_i[u];
-        p.topk_w[row] = my_w[u];
-        const int pos = atomicAdd(p.counts + my_i[u] * MK_COUNT_STRIDE, 1);
-        p.lists[(int64_t)my_i[u] * p.S_cap + pos] = row;
-      }
+  for (int tl = warp; tl < TPC; tl += T::THREADS / 32) {
+    const int t = t0 + z * TPC + tl;
+    if (t >= p.S) break;
+    int my_i;
+    float my_w;
+    warp_topk<BN / 32>(lg + tl * BN, E, K, lane, my_i, my_w);
+    if (lane < K) {
+      const int row = t * K + lane;
+      p.topk_idx[row] = my_i;
+      p.topk_w[row] = my_w;
+      const int pos = atomicAdd(p.counts + my_i * MK_COUNT_STRIDE, 1);
+      p.lists[(int64_t)my_i * p.S_cap + pos] = row;
     }
   }
 }
