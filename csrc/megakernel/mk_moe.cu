@@ -1765,6 +1765,14 @@ __device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lan
   pick_w = my_v / denom;
 }
 
+// Store pick `row` (= token * K + slot) and append it to its expert's list (k_topk and k_route).
+__device__ __forceinline__ void append_pick(const MkParams& p, int row, int e, float w) {
+  p.topk_idx[row] = e;
+  p.topk_w[row] = w;
+  const int pos = atomicAdd(p.counts + e * MK_COUNT_STRIDE, 1);
+  p.lists[(int64_t)e * p.S_cap + pos] = row;
+}
+
 // Softmax (fp32), top-k (ties: lower expert first), renormalise; append (t, j) to its expert's list.
 // Phase 1: the whole block adds the split planes of its tokens' logits into shared memory, a thread's loads of four
 // planes issued before their adds (run 5 under ncu: 24 us at S=1 when each lane chained its 16 plane loads one after
@@ -1848,13 +1856,7 @@ __global__ void __launch_bounds__(THREADS, 8) k_topk(const MkParams p, int split
   int my_i;
   float my_w;
   warp_topk<NI>(s_lg[tl], E, K, lane, my_i, my_w);
-  if (lane < K) {
-    const int row = t * K + lane;
-    p.topk_idx[row] = my_i;
-    p.topk_w[row] = my_w;
-    const int pos = atomicAdd(p.counts + my_i * MK_COUNT_STRIDE, 1);
-    p.lists[(int64_t)my_i * p.S_cap + pos] = row;
-  }
+  if (lane < K) append_pick(p, t * K + lane, my_i, my_w);
 }
 
 // Top-k for small S: one block per token (blockIdx.x), thread tid owning experts tid + 128 q. The planes are
@@ -2043,13 +2045,7 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
     int my_i;
     float my_w;
     warp_topk<BN / 32>(lg + tl * BN, E, K, lane, my_i, my_w);
-    if (lane < K) {
-      const int row = t * K + lane;
-      p.topk_idx[row] = my_i;
-      p.topk_w[row] = my_w;
-      const int pos = atomicAdd(p.counts + my_i * MK_COUNT_STRIDE, 1);
-      p.lists[(int64_t)my_i * p.S_cap + pos] = row;
-    }
+    if (lane < K) append_pick(p, t * K + lane, my_i, my_w);
   }
 }
 static_assert(Small::STAGE * 4 >= (Small::BM * ROUTE_LD + Small::BM / ROUTE_SPLITS * BN) * 4, "k_route<Small>");
