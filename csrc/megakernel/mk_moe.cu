@@ -1977,6 +1977,7 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
 #ifndef MK_ROUTE_PROBE
 #define MK_ROUTE_PROBE 0
 #endif
+constexpr int ROUTE_MAX_STAGES = 4;  // the gate GEMM's own depth: 0.5 MB of weights, no deep pipeline
 constexpr int ROUTE_SPLITS = 8;      // the cluster: 8 is the portable cluster size
 constexpr int ROUTE_LD = BN + 4;     // partial tile row pitch in floats (16-byte rows, writes spread over banks)
 template <class T>
@@ -2048,8 +2049,8 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
     if (lane < K) append_pick(p, t * K + lane, my_i, my_w);
   }
 }
-static_assert(Small::STAGE * 4 >= (Small::BM * ROUTE_LD + Small::BM / ROUTE_SPLITS * BN) * 4, "k_route<Small>");
-static_assert(Large::STAGE * 4 >= (Large::BM * ROUTE_LD + Large::BM / ROUTE_SPLITS * BN) * 4, "k_route<Large>");
+static_assert(Small::STAGE * ROUTE_MAX_STAGES >= (Small::BM * ROUTE_LD + Small::BM / ROUTE_SPLITS * BN) * 4, "k_route<Small>");
+static_assert(Large::STAGE * ROUTE_MAX_STAGES >= (Large::BM * ROUTE_LD + Large::BM / ROUTE_SPLITS * BN) * 4, "k_route<Large>");
 
 #include "mk_decode.cuh"
 
@@ -2082,7 +2083,6 @@ cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kerne
   return e;
 }
 
-constexpr int ROUTE_MAX_STAGES = 4;  // the gate GEMM's own depth: 0.5 MB of weights, no deep pipeline
 template <class T>
 cudaError_t prepare_route() {  // the gate GEMM's limit (k_logits<T> at up to ROUTE_MAX_STAGES)
   static bool done = false;
@@ -2318,10 +2318,10 @@ bool route_fused(const MkParams* p) {
          p->H % (ROUTE_SPLITS * BK) == 0;
 }
 template <class T>
-int launch_route_fused(const MkParams* pp, cudaStream_t s, int stages) {
+int launch_route_fused(const MkParams* pp, cudaStream_t s) {
   MkParams q = *pp;
-  q.stages = stages;
-  const int smem = smem_for<T>(stages);
+  q.stages = ROUTE_MAX_STAGES;  // H / 8 is a few k-steps: all of them in flight at once at H = 2048
+  const int smem = smem_for<T>(ROUTE_MAX_STAGES);
   static bool ready = false;
   cudaError_t e = cudaSuccess;
   if (!ready && (e = cudaFuncSetAttribute(k_route<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
@@ -2473,8 +2473,8 @@ int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t 
 int mk_route(const MkParams* p, void* stream) {
   if (check_params(p)) return 1;
   if (route_fused(p))
-    return p->S <= MK_ROUTE_FUSED_SMALL_S ? launch_route_fused<Small>(p, (cudaStream_t)stream, 4)
-                                          : launch_route_fused<Large>(p, (cudaStream_t)stream, 4);
+    return p->S <= MK_ROUTE_FUSED_SMALL_S ? launch_route_fused<Small>(p, (cudaStream_t)stream)
+                                          : launch_route_fused<Large>(p, (cudaStream_t)stream);
   // the gate GEMM needs no big tiles: 16-row tiles up to MK_ROUTE_SMALL_TILE_S tokens, 64 otherwise
   return p->S <= MK_ROUTE_SMALL_TILE_S ? launch_route<Small>(p, (cudaStream_t)stream)
                                        : launch_route<Large>(p, (cudaStream_t)stream);
