@@ -1765,7 +1765,7 @@ __device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lan
   pick_w = my_v / denom;
 }
 
-// Store pick `row` (= token * K + slot) and append it to its expert's list (k_topk; k_route counts its picks first).
+// Store pick `row` (= token * K + slot) and append it to its expert's list (k_topk and k_route).
 __device__ __forceinline__ void append_pick(const MkParams& p, int row, int e, float w) {
   p.topk_idx[row] = e;
   p.topk_w[row] = w;
@@ -2018,8 +2018,6 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
     }
   cl.sync();  // every split's partial tile is in its CTA's shared memory
   constexpr int TPC = T::BM / ROUTE_SPLITS, V = BN / 4;  // tokens this CTA selects; float4s per row
-  constexpr int WARPS = T::THREADS / 32, TPW = (TPC + WARPS - 1) / WARPS;  // tokens per warp
-  __shared__ int s_cnt[BN], s_base[BN];  // this CTA's picks per expert; their run's start in the expert's list
   float* lg = part + T::BM * ROUTE_LD;                   // [TPC][BN]: their logits
   const float* rp[ROUTE_SPLITS];
 #pragma unroll
@@ -2039,37 +2037,17 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
     }
     *(float4*)(lg + (v / V) * BN + 4 * (v % V)) = a;
   }
-  for (int e = tid; e < BN; e += T::THREADS) s_cnt[e] = 0;
-  cl.sync();  // no CTA leaves while another reads its tile; this CTA's lg and s_cnt are complete
-  // Appends: the CTA's picks are counted per expert in shared memory (a pick's rank there), then each expert's run
-  // is reserved with ONE atomic on its counter; a warp's two tokens (64-row tiles) thus wait for one L2 round trip,
-  // not one each (run 109: ~9 µs of k_route's 15 at S=1024 outside the GEMM and the sums).
-  const int E = (int)p.E, K = (int)p.K;
-  int pick_e[TPW], rank[TPW];
-#pragma unroll
-  for (int i = 0; i < TPW; ++i) {
-    const int tl = warp + i * WARPS, t = t0 + z * TPC + tl;
-    rank[i] = -1;
-    pick_e[i] = 0;
-    if (tl < TPC && t < p.S) {  // warp-uniform
-      float my_w;
-      warp_topk<BN / 32>(lg + tl * BN, E, K, lane, pick_e[i], my_w);
-      if (lane < K) {
-        p.topk_idx[t * K + lane] = pick_e[i];
-        p.topk_w[t * K + lane] = my_w;
-        rank[i] = atomicAdd(&s_cnt[pick_e[i]], 1);
-      }
-    }
-  }
-  __syncthreads();
+  cl.sync();  // no CTA leaves while another reads its tile; this CTA's lg is complete
   if (p.pdl) griddep_wait();  // k_reset's zeroed counters (it ran ahead of this kernel)
-  for (int e = tid; e < E; e += T::THREADS)
-    if (s_cnt[e]) s_base[e] = atomicAdd(p.counts + e * MK_COUNT_STRIDE, s_cnt[e]);
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < TPW; ++i)
-    if (rank[i] >= 0)
-      p.lists[(int64_t)pick_e[i] * p.S_cap + s_base[pick_e[i]] + rank[i]] = (t0 + z * TPC + warp + i * WARPS) * K + lane;
+  const int E = (int)p.E, K = (int)p.K;
+  for (int tl = warp; tl < TPC; tl += T::THREADS / 32) {
+    const int t = t0 + z * TPC + tl;
+    if (t >= p.S) break;
+    int my_i;
+    float my_w;
+    warp_topk<BN / 32>(lg + tl * BN, E, K, lane, my_i, my_w);
+    if (lane < K) append_pick(p, t * K + lane, my_i, my_w);
+  }
 }
 static_assert(Small::STAGE * ROUTE_MAX_STAGES >= (Small::BM * ROUTE_LD + Small::BM / ROUTE_SPLITS * BN) * 4, "k_route<Small>");
 static_assert(Large::STAGE * ROUTE_MAX_STAGES >= (Large::BM * ROUTE_LD + Large::BM / ROUTE_SPLITS * BN) * 4, "k_route<Large>");
