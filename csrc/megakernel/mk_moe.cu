@@ -2037,7 +2037,10 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
     }
     *(float4*)(lg + (v / V) * BN + 4 * (v % V)) = a;
   }
-  cl.sync();  // no CTA leaves while another reads its tile; this CTA's lg is complete
+  // This CTA is done reading the others' partial tiles: it says so now and waits for the others only before it exits
+  // (a CTA's shared memory must outlive every read of it), so the selection does not wait for the slowest reader.
+  cg::cluster_group::arrival_token read = cl.barrier_arrive();
+  __syncthreads();  // this CTA's lg is complete
   if (p.pdl) griddep_wait();  // k_reset's zeroed counters (it ran ahead of this kernel)
   const int E = (int)p.E, K = (int)p.K;
   for (int tl = warp; tl < TPC; tl += T::THREADS / 32) {
@@ -2048,6 +2051,7 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
     warp_topk<BN / 32>(lg + tl * BN, E, K, lane, my_i, my_w);
     if (lane < K) append_pick(p, t * K + lane, my_i, my_w);
   }
+  cl.barrier_wait(std::move(read));
 }
 static_assert(Small::STAGE * ROUTE_MAX_STAGES >= (Small::BM * ROUTE_LD + Small::BM / ROUTE_SPLITS * BN) * 4, "k_route<Small>");
 static_assert(Large::STAGE * ROUTE_MAX_STAGES >= (Large::BM * ROUTE_LD + Large::BM / ROUTE_SPLITS * BN) * 4, "k_route<Large>");
@@ -2303,9 +2307,11 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
 // k_topk_small's; its token tile is 16 rows up to MK_ROUTE_FUSED_SMALL_S, 64 above (S=256, 1024, 2048: 128, 128, 256
 // CTAs). Runs 107-108 (one H200, pdl=0 traces, routing µs): S=256 k_reset 1.3 + k_route 9.2 vs k_logits 5.9 + k_topk
 // 5.3; S=1024 1.3 + 15.0 vs 12.2 + 5.7; but S=4096 (128-row tiles, 256 CTAs) 1.5 + 35.5 vs 20.2 + 9.7, and a 32-row
-// tile at S=1024 20.8: above 2048 tokens the two kernels stay.
+// tile at S=1024 20.8: above 2048 tokens the two kernels stay. Below 256 (run 112, one cluster at S=16, eight at 128):
+// 1.4 + 8.8 vs 4.6 + 5.2 at S=16 and 1.3 + 8.8 vs 4.8 + 5.3 at 128 alone, yet the layer 0.5-1 µs faster side by side
+// (one kernel fewer for the persistent kernel to follow under pdl), so k_route from the first token.
 #ifndef MK_ROUTE_FUSED_S
-#define MK_ROUTE_FUSED_S 256
+#define MK_ROUTE_FUSED_S 1
 #endif
 #ifndef MK_ROUTE_FUSED_SMALL_S
 #define MK_ROUTE_FUSED_SMALL_S 256
