@@ -123,9 +123,9 @@ def test_gate_routing_matches_reference(layer, model, s):
     assert torch.allclose(w[same].sort(1).values, rw[same].float().sort(1).values, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("s", [2, 16, 129, 256, 300, 513, 2047, 2048])
+@pytest.mark.parametrize("s", [8, 16, 129, 256, 300, 513, 2047, 2048])
 def test_cluster_routing(layer, model, s):
-    """Routing for 2..2048 tokens runs as one cluster kernel (k_route: 8 H splits added across the cluster's
+    """Routing for 8..2048 tokens runs as one cluster kernel (k_route: 8 H splits added across the cluster's
     shared memory, tiles of 16 or 64 tokens by S, a last tile part empty): torch's route's experts for >= 99% of the
     tokens with its weights, each expert's list exactly its (token, slot) rows, the same bits on a second run, and
     the layer's output against the dense reference."""
@@ -405,7 +405,7 @@ def test_small_topk_is_k_topks_bits(s):
     """k_topk_small (one block per token, rank selection; S <= route_small_max) against k_topk (one warp per
     token; route_small_max=0): the same experts in the same order and the same weights, bit for bit, and the
     same layer output. On a hidden size that is not a multiple of 512 (128 experts, top-8), where routing is these
-    two kernels at every S; on the Qwen3 shape it is k_route's (test_cluster_routing)."""
+    two kernels at every S; on the Qwen3 shape from S=8 it is k_route's (test_cluster_routing)."""
     _need_gpu()
     from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
     from moetune.runtime.shapes import get_model

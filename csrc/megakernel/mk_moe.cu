@@ -2037,10 +2037,7 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
     }
     *(float4*)(lg + (v / V) * BN + 4 * (v % V)) = a;
   }
-  // This CTA is done reading the others' partial tiles: it says so now and waits for the others only before it exits
-  // (a CTA's shared memory must outlive every read of it), so the selection does not wait for the slowest reader.
-  cg::cluster_group::arrival_token read = cl.barrier_arrive();
-  __syncthreads();  // this CTA's lg is complete
+  cl.sync();  // no CTA leaves while another reads its tile; this CTA's lg is complete
   if (p.pdl) griddep_wait();  // k_reset's zeroed counters (it ran ahead of this kernel)
   const int E = (int)p.E, K = (int)p.K;
   for (int tl = warp; tl < TPC; tl += T::THREADS / 32) {
@@ -2051,7 +2048,6 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
     warp_topk<BN / 32>(lg + tl * BN, E, K, lane, my_i, my_w);
     if (lane < K) append_pick(p, t * K + lane, my_i, my_w);
   }
-  cl.barrier_wait(std::move(read));
 }
 static_assert(Small::STAGE * ROUTE_MAX_STAGES >= (Small::BM * ROUTE_LD + Small::BM / ROUTE_SPLITS * BN) * 4, "k_route<Small>");
 static_assert(Large::STAGE * ROUTE_MAX_STAGES >= (Large::BM * ROUTE_LD + Large::BM / ROUTE_SPLITS * BN) * 4, "k_route<Large>");
@@ -2243,22 +2239,39 @@ int weight_map(const void* ptr, uint64_t rows, uint64_t cols, CUtensorMap* out) 
   return 0;
 }
 
-// Launch `kernel` on s; pdl: with programmatic stream serialization, so it may start before the kernel ahead of it
-// in the stream ends (it must griddep_wait before reading that kernel's results; see MkParams.pdl).
+// Launch `kernel` on s in thread-block clusters of `cluster` (1 x 1 x 1: none); pdl: with programmatic stream
+// serialization, so it may start before the kernel ahead of it in the stream ends (it must griddep_wait before reading
+// that kernel's results; see MkParams.pdl).
 template <class... P, class... A>
-cudaError_t launch_k(void (*kernel)(P...), dim3 grid, unsigned threads, size_t smem, cudaStream_t s, bool pdl,
-                     A&&... args) {
+cudaError_t launch_kc(void (*kernel)(P...), dim3 grid, dim3 cluster, unsigned threads, size_t smem, cudaStream_t s,
+                      bool pdl, A&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (cluster.x * cluster.y * cluster.z > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster.x;
+    attr[n].val.clusterDim.y = cluster.y;
+    attr[n].val.clusterDim.z = cluster.z;
+    ++n;
+  }
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
+template <class... P, class... A>
+cudaError_t launch_k(void (*kernel)(P...), dim3 grid, unsigned threads, size_t smem, cudaStream_t s, bool pdl,
+                     A&&... args) {
+  return launch_kc(kernel, grid, dim3(1, 1, 1), threads, smem, s, pdl, std::forward<A>(args)...);
 }
 
 // Routing as ONE kernel of one CTA per SM for few tokens (the gate dot products on every warp, logits polled where
@@ -2307,11 +2320,12 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
 // k_topk_small's; its token tile is 16 rows up to MK_ROUTE_FUSED_SMALL_S, 64 above (S=256, 1024, 2048: 128, 128, 256
 // CTAs). Runs 107-108 (one H200, pdl=0 traces, routing µs): S=256 k_reset 1.3 + k_route 9.2 vs k_logits 5.9 + k_topk
 // 5.3; S=1024 1.3 + 15.0 vs 12.2 + 5.7; but S=4096 (128-row tiles, 256 CTAs) 1.5 + 35.5 vs 20.2 + 9.7, and a 32-row
-// tile at S=1024 20.8: above 2048 tokens the two kernels stay. Below 256 (run 112, one cluster at S=16, eight at 128):
-// 1.4 + 8.8 vs 4.6 + 5.2 at S=16 and 1.3 + 8.8 vs 4.8 + 5.3 at 128 alone, yet the layer 0.5-1 µs faster side by side
-// (one kernel fewer for the persistent kernel to follow under pdl), so k_route from the first token.
+// tile at S=1024 20.8: above 2048 tokens the two kernels stay. Below 256 (runs 112-113; one cluster at S=16, eight at
+// 128): 1.4 + 8.8 vs 4.6 + 5.2 µs at S=16 and 1.3 + 8.8 vs 4.8 + 5.3 at 128 alone, yet the layer side by side (graph
+// µs, three rounds) was faster with k_route from S=8 (142.1 vs 143.3, S=16 212.3 vs 213.3, 128 309.0 vs 310.5: one
+// kernel fewer for the persistent kernel to follow under pdl) and slower at S=2 (60.6 vs 59.9).
 #ifndef MK_ROUTE_FUSED_S
-#define MK_ROUTE_FUSED_S 1
+#define MK_ROUTE_FUSED_S 8
 #endif
 #ifndef MK_ROUTE_FUSED_SMALL_S
 #define MK_ROUTE_FUSED_SMALL_S 256
@@ -2335,22 +2349,9 @@ int launch_route_fused(const MkParams* pp, cudaStream_t s) {
   ready = true;
   k_reset<<<1, 256, 0, s>>>(q);
   if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_reset launch", e);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)((q.S + T::BM - 1) / T::BM), 1, ROUTE_SPLITS);
-  cfg.blockDim = dim3(T::THREADS);
-  cfg.dynamicSmemBytes = (size_t)smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = ROUTE_SPLITS;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = q.pdl ? 2 : 1;
-  if ((e = cudaLaunchKernelEx(&cfg, k_route<T>, q)) != cudaSuccess) return fail("k_route launch", e);
-  return 0;
+  e = launch_kc(k_route<T>, dim3((unsigned)((q.S + T::BM - 1) / T::BM), 1, ROUTE_SPLITS), dim3(1, 1, ROUTE_SPLITS),
+                T::THREADS, (size_t)smem, s, q.pdl != 0, q);
+  return e == cudaSuccess ? 0 : fail("k_route launch", e);
 }
 
 template <class T>
