@@ -2333,20 +2333,6 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
 #ifndef MK_ROUTE_FUSED_MAX_S
 #define MK_ROUTE_FUSED_MAX_S 2048
 #endif
-// k_route's pipeline depth: gemm_tile keeps stages - 1 k-steps in flight, and H / 8 is 4 of them at H = 2048, so 5
-// stages issue them all at once (4 waited for the first before issuing the last). The 16-row tile's 5 x 18 KB still
-// fit two CTAs per SM; the 64-row tile's 5 x 24 KB do not (S=2048's 256 CTAs would run in two waves), so measurement
-// builds set MK_ROUTE_STAGES_LARGE.
-#ifndef MK_ROUTE_STAGES_SMALL
-#define MK_ROUTE_STAGES_SMALL 5
-#endif
-#ifndef MK_ROUTE_STAGES_LARGE
-#define MK_ROUTE_STAGES_LARGE 4
-#endif
-template <class T>
-constexpr int route_fused_stages() {
-  return T::BM == Small::BM ? MK_ROUTE_STAGES_SMALL : MK_ROUTE_STAGES_LARGE;
-}
 bool route_fused(const MkParams* p) {
   return p->S >= MK_ROUTE_FUSED_S && p->S <= MK_ROUTE_FUSED_MAX_S && p->S > p->route_small_max && p->E <= BN &&
          p->H % (ROUTE_SPLITS * BK) == 0;
@@ -2354,8 +2340,8 @@ bool route_fused(const MkParams* p) {
 template <class T>
 int launch_route_fused(const MkParams* pp, cudaStream_t s) {
   MkParams q = *pp;
-  q.stages = route_fused_stages<T>();
-  const int smem = smem_for<T>((int)q.stages);
+  q.stages = ROUTE_MAX_STAGES;  // H / 8 is a few k-steps: all of them in flight at once at H = 2048
+  const int smem = smem_for<T>(ROUTE_MAX_STAGES);
   static bool ready = false;
   cudaError_t e = cudaSuccess;
   if (!ready && (e = cudaFuncSetAttribute(k_route<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
