@@ -356,6 +356,21 @@ __device__ __forceinline__ void gemm_tile(float (&acc)[T::MT][T::NT][4], char* s
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
   const int KT = K / BK;
+  if (KT <= stages) {  // no slot is reused: every k-step's loads in flight at once (the routing GEMMs' short spans:
+                       // stages - 1 ahead made H / 8 = 4 k-steps at H = 2048 wait for the first before the last issued)
+    for (int s = 0; s < KT; ++s) {
+      load_stage<T>(smem, stages, s, a_base, a_off, b_base, b_off);
+      cp_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+      cp_wait(KT - 1 - kt);
+      __syncthreads();  // tile kt landed for every thread
+      const char* sA = smem + kt * T::STAGE;
+      mma_stage<T>(acc, sA, sA + T::A_BYTES, wm, wn, lane);
+    }
+    __syncthreads();  // shared memory free for the caller
+    return;
+  }
   for (int s = 0; s < stages - 1; ++s) {
     if (s < KT) load_stage<T>(smem, stages, s, a_base, a_off, b_base, b_off);
     cp_commit();
@@ -2340,7 +2355,7 @@ bool route_fused(const MkParams* p) {
 template <class T>
 int launch_route_fused(const MkParams* pp, cudaStream_t s) {
   MkParams q = *pp;
-  q.stages = ROUTE_MAX_STAGES;  // H / 8 is a few k-steps: all of them in flight at once at H = 2048
+  q.stages = ROUTE_MAX_STAGES;  // H / 8 is a few k-steps: all of them in flight at once at H = 2048 (gemm_tile)
   const int smem = smem_for<T>(ROUTE_MAX_STAGES);
   static bool ready = false;
   cudaError_t e = cudaSuccess;
