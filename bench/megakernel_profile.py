@@ -185,7 +185,10 @@ def vs_libs(mk, tokens: int, libs: dict[str, str], rounds: int = 3, iters: int =
     """Median graph replay (CUDA events around each, back to back, inputs rotated) of the layer launched from its own
     library ("this") and from each build in `libs`, of a graph of 20 forwards of each (µs per forward: layers with no
     host launch and no events between them), and of a graph holding one 1-element torch kernel (what the graph and
-    the events cost by themselves), in `rounds` interleaved rounds; prints the medians."""
+    the events cost by themselves), in `rounds` interleaved rounds; prints the medians. Round r times the single
+    replays first, then the chains, each list rotated by r: a fixed order favoured whichever build ran first after the
+    previous round's tiny kernel by ~5 µs at S=1024 (run 116: the same library timed twice, 351.5-356.5 vs
+    357.0-363.7; the later builds ran right after a chain's sustained load)."""
     from pathlib import Path
 
     from moetune.runtime.megakernel import _lib
@@ -210,9 +213,12 @@ def vs_libs(mk, tokens: int, libs: dict[str, str], rounds: int = 3, iters: int =
     one = torch.zeros(1, device="cuda")
     graphs["torch_1elem"] = graphs_of(lambda _: one.add_(1), [None])  # a graph of one tiny torch kernel
     res: dict[str, list[float]] = {n: [] for n in graphs}
-    for _ in range(rounds):
-        for n, g in graphs.items():
-            res[n].append(statistics.median(time_calls(g, warmup=20, iters=iters, cuda=True)) / per.get(n, 1))
+    singles = [n for n in graphs if n not in per and n != "torch_1elem"]
+    chains = [n for n in graphs if n in per]
+    for r in range(rounds):
+        k1, k2 = r % len(singles), r % len(chains)
+        for n in singles[k1:] + singles[:k1] + chains[k2:] + chains[:k2] + ["torch_1elem"]:
+            res[n].append(statistics.median(time_calls(graphs[n], warmup=20, iters=iters, cuda=True)) / per.get(n, 1))
     print(json.dumps({"vs_lib": {"tokens": tokens, "libs": libs, "rounds_us": res}}))
     for n, v in res.items():
         print(f"  S={tokens} {n:10s} graph replay " + " / ".join(f"{t:.1f}" for t in v) + " us")
