@@ -181,6 +181,12 @@ def isolation(mk, x: torch.Tensor, iters: int = 200) -> None:
           f"{slept:.1f} us")
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """`names` rotated left by r: over as many rounds as names, each is timed first once (vs_libs)."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
 def vs_libs(mk, tokens: int, libs: dict[str, str], rounds: int = 3, iters: int = 200, rotate: int = 8) -> None:
     """Median graph replay (CUDA events around each, back to back, inputs rotated) of the layer launched from its own
     library ("this") and from each build in `libs`, of a graph of 20 forwards of each (µs per forward: layers with no
@@ -216,8 +222,7 @@ def vs_libs(mk, tokens: int, libs: dict[str, str], rounds: int = 3, iters: int =
     singles = [n for n in graphs if n not in per and n != "torch_1elem"]
     chains = [n for n in graphs if n in per]
     for r in range(rounds):
-        k1, k2 = r % len(singles), r % len(chains)
-        for n in singles[k1:] + singles[:k1] + chains[k2:] + chains[:k2] + ["torch_1elem"]:
+        for n in round_order(singles, r) + round_order(chains, r) + ["torch_1elem"]:
             res[n].append(statistics.median(time_calls(graphs[n], warmup=20, iters=iters, cuda=True)) / per.get(n, 1))
     print(json.dumps({"vs_lib": {"tokens": tokens, "libs": libs, "rounds_us": res}}))
     for n, v in res.items():

@@ -942,3 +942,21 @@ def test_l2_evict_weights_setting_rule_and_source() -> None:
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
     assert src.count("tma_load_2d(") == src.count("p.l2_evict_w != 0);") + 1  # every call site, plus the definition
     assert 'if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");' in src
+
+
+def test_vs_lib_rotates_which_build_is_timed_first():
+    """megakernel_profile --vs-lib times the builds in an order rotated each round (run 116: a fixed order favoured the
+    first build by ~5 us at S=1024): over as many rounds as builds, each build is first once and every round times
+    each build exactly once."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "megakernel_profile.py"
+    spec = importlib.util.spec_from_file_location("_mk_profile", path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    names = ["this", "base", "probe"]
+    orders = [mod.round_order(names, r) for r in range(len(names))]
+    assert [o[0] for o in orders] == names
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert orders[1] == ["base", "probe", "this"]
+    assert mod.round_order([], 2) == []
