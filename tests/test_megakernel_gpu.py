@@ -400,26 +400,33 @@ def test_overlap_matches_plain_exactly(new_layers, model, cfg, s):
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def _both_topk_kernels(spec: str, s: int, max_tokens: int, seed: int):
+    """One layer of shape `spec` routing with k_topk (route_small_max=0) and one with k_topk_small (4096) on the same
+    weights, each run on the same S tokens: (model, x, a, b, (ya, ia, wa), (yb, ib, wb)), a's output poisoned first."""
+    _need_gpu()
+    from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
+    from moetune.runtime.shapes import get_model
+
+    m = get_model(spec)
+    x = _x(s, m.hidden, seed=seed)
+    a = MegakernelMoE(m, max_tokens=max_tokens, seed=0, config=MegakernelConfig.parse("route_small_max=0"))
+    b = MegakernelMoE(m, max_tokens=max_tokens, config=MegakernelConfig.parse("route_small_max=4096"),
+                      w_gate_up=a.w_gate_up, w_down=a.w_down, gate=a.gate)
+    ya = a.forward(x, out=_poisoned(s, m.hidden)).clone()
+    ia, wa = (t.clone() for t in a.routing(s))
+    yb = b.forward(x)
+    ib, wb = b.routing(s)
+    torch.cuda.synchronize()
+    return m, x, a, b, (ya, ia, wa), (yb, ib, wb)
+
+
 @pytest.mark.parametrize("s", [1, 7, 200, 255])
 def test_small_topk_is_k_topks_bits(s):
     """k_topk_small (one block per token, rank selection; S <= route_small_max) against k_topk (one warp per
     token; route_small_max=0): the same experts in the same order and the same weights, bit for bit, and the
     same layer output. On a hidden size that is not a multiple of 512 (128 experts, top-8), where routing is these
     two kernels at every S; on the Qwen3 shape from S=8 it is k_route's (test_cluster_routing)."""
-    _need_gpu()
-    from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
-    from moetune.runtime.shapes import get_model
-
-    m = get_model("custom:768,256,128,8")
-    x = _x(s, m.hidden, seed=1300 + s)
-    a = MegakernelMoE(m, max_tokens=256, seed=0, config=MegakernelConfig.parse("route_small_max=0"))
-    b = MegakernelMoE(m, max_tokens=256, config=MegakernelConfig.parse("route_small_max=4096"), w_gate_up=a.w_gate_up,
-                      w_down=a.w_down, gate=a.gate)
-    ya = a.forward(x, out=_poisoned(s, m.hidden)).clone()
-    ia, wa = (t.clone() for t in a.routing(s))
-    yb = b.forward(x)
-    ib, wb = b.routing(s)
-    torch.cuda.synchronize()
+    m, x, a, b, (ya, ia, wa), (yb, ib, wb) = _both_topk_kernels("custom:768,256,128,8", s, 256, seed=1300 + s)
     assert torch.equal(ia, ib) and torch.equal(wa.view(torch.int32), wb.view(torch.int32)), f"S={s}"
     assert torch.equal(ya.view(torch.int16), yb.view(torch.int16))
     _check(a, m, x, ya, ia, wa)
@@ -432,21 +439,11 @@ def test_topk_other_expert_counts(spec):
     """k_topk is instantiated per experts-per-lane bound (E <= 32, 64, 128, 256, 512): for E = 16, 40 (not a
     multiple of 32) and 256 its picks and weights are k_topk_small's bits, torch's route's experts for >= 99% of
     the tokens, and the layer's output matches the dense reference."""
-    _need_gpu()
-    from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
     from moetune.runtime.moe_layer import route
     from moetune.runtime.shapes import get_model
 
-    m, s = get_model(spec), 300
-    x = _x(s, m.hidden, seed=1600 + m.experts)
-    a = MegakernelMoE(m, max_tokens=s, seed=0, config=MegakernelConfig.parse("route_small_max=0"))
-    b = MegakernelMoE(m, max_tokens=s, config=MegakernelConfig.parse("route_small_max=4096"), w_gate_up=a.w_gate_up,
-                      w_down=a.w_down, gate=a.gate)
-    ya = a.forward(x, out=_poisoned(s, m.hidden)).clone()
-    ia, wa = (t.clone() for t in a.routing(s))
-    yb = b.forward(x)
-    ib, wb = b.routing(s)
-    torch.cuda.synchronize()
+    s = 300
+    m, x, a, b, (ya, ia, wa), (yb, ib, wb) = _both_topk_kernels(spec, s, s, seed=1600 + get_model(spec).experts)
     assert torch.equal(ia, ib) and torch.equal(wa.view(torch.int32), wb.view(torch.int32)), spec
     assert torch.equal(ya.view(torch.int16), yb.view(torch.int16))
     assert int(ia.min()) >= 0 and int(ia.max()) < m.experts

@@ -2099,11 +2099,13 @@ cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kerne
 }
 
 template <class T>
-cudaError_t prepare_route() {  // the gate GEMM's limit (k_logits<T> at up to ROUTE_MAX_STAGES)
+cudaError_t prepare_route() {  // the routing kernels' limit (k_logits<T>, k_route<T> at up to ROUTE_MAX_STAGES)
   static bool done = false;
   if (done) return cudaSuccess;
-  const cudaError_t e =
+  cudaError_t e =
       cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_for<T>(ROUTE_MAX_STAGES));
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(k_route<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_for<T>(ROUTE_MAX_STAGES));
   done = e == cudaSuccess;
   return e;
 }
@@ -2356,16 +2358,12 @@ template <class T>
 int launch_route_fused(const MkParams* pp, cudaStream_t s) {
   MkParams q = *pp;
   q.stages = ROUTE_MAX_STAGES;  // H / 8 is a few k-steps: all of them in flight at once at H = 2048 (gemm_tile)
-  const int smem = smem_for<T>(ROUTE_MAX_STAGES);
-  static bool ready = false;
-  cudaError_t e = cudaSuccess;
-  if (!ready && (e = cudaFuncSetAttribute(k_route<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
-    return fail("cudaFuncSetAttribute(k_route)", e);
-  ready = true;
+  cudaError_t e = prepare_route<T>();
+  if (e != cudaSuccess) return fail("cudaFuncSetAttribute", e);
   k_reset<<<1, 256, 0, s>>>(q);
   if ((e = cudaGetLastError()) != cudaSuccess) return fail("k_reset launch", e);
   e = launch_kc(k_route<T>, dim3((unsigned)((q.S + T::BM - 1) / T::BM), 1, ROUTE_SPLITS), dim3(1, 1, ROUTE_SPLITS),
-                T::THREADS, (size_t)smem, s, q.pdl != 0, q);
+                T::THREADS, (size_t)smem_for<T>(ROUTE_MAX_STAGES), s, q.pdl != 0, q);
   return e == cudaSuccess ? 0 : fail("k_route launch", e);
 }
 
