@@ -349,6 +349,124 @@ int main() {
           CHECK(wrote[r * H2 + col] == (col / 256 == nb / 2 ? 1 : 0), "GEMM2 e2e coverage nb=%d r=%d col=%d", nb, r, col);
     }
   }
+  // 9b. one tall task (bm = 192, wgmma core, TMA) end to end on the index math: B by four boxes from tall_box_row,
+  //     consumer c's m64n256 on rows 64c.. and its m64n128 on rows 128..191 against B rows 128c.. (n-block nb + c),
+  //     then the epilogue's register choice (store_frag_staged: h / y column group j from register 4j + 2 half, the
+  //     gate register 32 further on from j = 8 in the main fragment's halves, up 32 after the gate)
+  {
+    const int I = 256, H = 128, E = 2, ROWS = 192, e = 1;
+    std::vector<float> w1((size_t)E * 2 * I * H), x((size_t)ROWS * H), hh((size_t)ROWS * I);
+    uint32_t seed = 5;
+    auto rnd = [&]() { seed = seed * 1103515245u + 12345u; return (float)((int)((seed >> 16) % 7) - 3); };
+    for (auto& v : w1) v = rnd();
+    for (auto& v : x) v = rnd();
+    for (auto& v : hh) v = rnd();
+    std::vector<float> smem(56 * 1024 / 2);  // one stage image (A 24 KB + B 32 KB)
+    auto run_tall = [&](const std::vector<float>& a, const std::vector<float>& b, int K, int gemm2, int nb,
+                        int64_t b_row0, std::vector<double>& D) {  // D [192 x 256]; rows 128.. by consumer halves
+      const uint32_t sA = 0, sB = 192 * 128;
+      CHECK(sB % 1024 == 0 && (sB + 128 * 128) % 1024 == 0 && (128 * 128) % 1024 == 0, "tall tile alignment");
+      for (int kt = 0; kt < K / 64; ++kt) {
+        for (int r = 0; r < ROWS; ++r)
+          for (int k = 0; k < 64; ++k) smem[(sA + swz_off(r, k)) / 2] = a[(size_t)r * K + kt * 64 + k];
+        for (int bx = 0; bx < 4; ++bx) {
+          const int64_t row0 = b_row0 + tall_box_row(gemm2, nb, bx, I);
+          for (uint32_t r = 0; r < 64; ++r)
+            for (uint32_t k = 0; k < 64; ++k)
+              smem[tma_box_dst(sB + 8192 * bx, r, k) / 2] = b[(size_t)(row0 + r) * K + kt * 64 + k];
+        }
+        for (int c = 0; c < 2; ++c)
+          for (uint32_t kk = 0; kk < 4; ++kk) {
+            const uint64_t da = wg_desc(sA + c * 64 * 128 + kk * 32), db = wg_desc(sB + kk * 32);
+            const uint64_t da2 = wg_desc(sA + 128 * 128 + kk * 32), db2 = wg_desc(sB + c * 128 * 128 + kk * 32);
+            for (uint32_t r = 0; r < 64; ++r) {
+              for (uint32_t n = 0; n < 256; ++n) {
+                double acc = 0;
+                for (uint32_t k = 0; k < 16; ++k) acc += (double)smem[desc_elem_addr(da, r, k) / 2] * smem[desc_elem_addr(db, n, k) / 2];
+                D[(64 * c + r) * 256 + n] += acc;
+              }
+              for (uint32_t n = 0; n < 128; ++n) {
+                double acc = 0;
+                for (uint32_t k = 0; k < 16; ++k) acc += (double)smem[desc_elem_addr(da2, r, k) / 2] * smem[desc_elem_addr(db2, n, k) / 2];
+                D[(128 + r) * 256 + 128 * c + n] += acc;
+              }
+            }
+          }
+      }
+    };
+    for (int nb = 0; nb < 4; nb += 2) {  // GEMM1
+      std::vector<double> D(ROWS * 256, 0.0);
+      run_tall(x, w1, H, 0, nb, (int64_t)e * 2 * I, D);
+      std::vector<int> wrote(ROWS * I, 0);
+      auto check_h = [&](uint32_t r, double g, double u, int col) {
+        double rg = 0, ru = 0;
+        for (int k = 0; k < H; ++k) {
+          rg += (double)x[(size_t)r * H + k] * w1[((size_t)e * 2 * I + col) * H + k];
+          ru += (double)x[(size_t)r * H + k] * w1[((size_t)e * 2 * I + I + col) * H + k];
+        }
+        CHECK(g == rg && u == ru, "tall GEMM1 nb=%d r=%u col=%d: %g/%g vs %g/%g", nb, r, col, g, u, rg, ru);
+        wrote[r * I + col]++;
+      };
+      for (int c = 0; c < 2; ++c)
+        for (uint32_t t = 0; t < 128; ++t)
+          for (int half = 0; half < 2; ++half) {
+            for (int j = 0; j < 16; ++j) {  // main fragment (HALVES)
+              const uint32_t i = 4 * j + 2 * half + 32 * (j >> 3), r = 64 * c + acc_row(t, i);
+              for (uint32_t z = 0; z < 2; ++z)
+                check_h(r, D[r * 256 + acc_col(t, i + z)], D[r * 256 + acc_col(t, i + 32 + z)], nb * 64 + 8 * j + 2 * (t & 3) + z);
+            }
+            for (int j = 0; j < 8; ++j) {  // rows 128.. of n-block nb + c
+              const uint32_t i = 4 * j + 2 * half, r = 128 + acc_row(t, i);
+              for (uint32_t z = 0; z < 2; ++z)
+                check_h(r, D[r * 256 + 128 * c + acc_col(t, i + z)], D[r * 256 + 128 * c + acc_col(t, i + 32 + z)],
+                        (nb + c) * 64 + 8 * j + 2 * (t & 3) + z);
+            }
+          }
+      for (int r = 0; r < ROWS; ++r)
+        for (int col = 0; col < I; ++col)
+          CHECK(wrote[r * I + col] == (col / 128 == nb / 2 ? 1 : 0), "tall GEMM1 coverage nb=%d r=%d col=%d", nb, r, col);
+    }
+    const int H2 = 512;  // GEMM2: W_down [E, H2, I]
+    std::vector<float> wd((size_t)E * H2 * I);
+    for (auto& v : wd) v = rnd();
+    for (int nb = 0; nb < 4; nb += 2) {
+      std::vector<double> D(ROWS * 256, 0.0);
+      run_tall(hh, wd, I, 1, nb, (int64_t)e * H2, D);
+      std::vector<int> wrote(ROWS * H2, 0);
+      auto check_y = [&](uint32_t r, double got, int col) {
+        double ref = 0;
+        for (int k = 0; k < I; ++k) ref += (double)hh[(size_t)r * I + k] * wd[((size_t)e * H2 + col) * I + k];
+        CHECK(got == ref, "tall GEMM2 nb=%d r=%u col=%d", nb, r, col);
+        wrote[r * H2 + col]++;
+      };
+      for (int c = 0; c < 2; ++c)
+        for (uint32_t t = 0; t < 128; ++t)
+          for (int half = 0; half < 2; ++half) {
+            for (int j = 0; j < 32; ++j) {
+              const uint32_t i = 4 * j + 2 * half, r = 64 * c + acc_row(t, i);
+              for (uint32_t z = 0; z < 2; ++z) check_y(r, D[r * 256 + acc_col(t, i + z)], nb * 128 + 8 * j + 2 * (t & 3) + z);
+            }
+            for (int j = 0; j < 16; ++j) {
+              const uint32_t i = 4 * j + 2 * half, r = 128 + acc_row(t, i);
+              for (uint32_t z = 0; z < 2; ++z)
+                check_y(r, D[r * 256 + 128 * c + acc_col(t, i + z)], (nb + c) * 128 + 8 * j + 2 * (t & 3) + z);
+            }
+          }
+      for (int r = 0; r < ROWS; ++r)
+        for (int col = 0; col < H2; ++col)
+          CHECK(wrote[r * H2 + col] == (col / 256 == nb / 2 ? 1 : 0), "tall GEMM2 coverage nb=%d r=%d col=%d", nb, r, col);
+    }
+    // the tall rows of a task are those of the wide task's two n-blocks, each half one n-block's (gate, up)
+    for (int nb = 0; nb < 12; nb += 2) {
+      std::set<int64_t> tall, wide;
+      for (int n = 0; n < 256; ++n) {
+        CHECK(tall_box_row(0, nb, n / 64, 1536) + n % 64 == tall_gemm1_row(nb, n, 1536), "tall box rows nb=%d n=%d", nb, n);
+        tall.insert(tall_gemm1_row(nb, n, 1536));
+        wide.insert(wide_gemm1_row(nb, n, 1536));
+      }
+      CHECK(tall == wide, "tall rows nb=%d", nb);
+    }
+  }
   // 10. queue_word (publish_all: the scheduler writes these words and claim_local computes them): slot order
   //     GEMM1s tile-major (n-field nb + N1 * ks), then every m-tile's GEMM2s, then the combines, each word naming
   //     the expert that owns its m-tile; checked against a plain walk over experts and m-tiles
