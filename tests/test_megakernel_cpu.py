@@ -560,52 +560,6 @@ def test_wide_tile_stalled_tile_times_out():
     assert r.error in (sch.ERR_SCHED_TIMEOUT, sch.ERR_PROC_TIMEOUT) and len(r.executed) < p.total
 
 
-# ---- the tall tile (bm=192: 192 x 256 per task, TMA, the overlap kernel) -----------------------------------------
-def test_config_tall_tile():
-    c = MegakernelConfig.parse("bm=192")
-    assert c.resolve(2048, 768).bn == 256 and c.pick_bn(192) == 256 and c.pick_stages(192, 4096, 8, 128) == 3
-    with pytest.raises(ConfigError, match="multiples of 256"):
-        c.resolve(2880, 2880)
-    auto = MegakernelConfig(tall_switch_rows=24).resolve(2048, 768)
-    # bm=0: the tall tile from tall_switch_rows rows per expert (S x topk >= 24 x 128 at S >= 384), the wide tile
-    # from wide_switch_rows (10), the decode tile below
-    assert auto.pick_bm(384, 8, 128) == 192 and auto.pick_bm(383, 8, 128) == 128 and auto.pick_bm(100, 8, 128) == 16
-    assert MegakernelConfig().resolve(2048, 768).pick_bm(4096, 8, 128) == 128  # off by default (tall_switch_rows 0)
-    assert MegakernelConfig(tall_switch_rows=24, stages=4).resolve(2048, 768).pick_bm(4096, 8, 128) == 128
-    assert MegakernelConfig(tall_switch_rows=24, tma=0).resolve(2048, 768).pick_bm(4096, 8, 128) == 128
-
-
-@pytest.mark.parametrize("text", ["bm=192,core=mma", "bm=192,bn=128", "bm=192,tma=0", "bm=192,overlap=0",
-                                  "bm=192,stages=4", "bm=96", "tall_switch_rows=-1"])
-def test_config_tall_tile_errors(text):
-    with pytest.raises(ConfigError, match=r"bm|tall_switch_rows"):
-        MegakernelConfig.parse(text)
-
-
-def test_plan_tall_tile_fewer_m_tiles():
-    """bm=192 numbers ceil(count / 192) m-tiles per expert: at S=4096 on the Qwen3-30B shape (about 256 rows per
-    expert) two per expert, where bm=128 needs three for every expert past 256 rows."""
-    e, k, hid, inter = 128, 8, 2048, 768
-    idx = _routing(4096, e, k, mode="uniform", seed=3)
-    wide = sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=128, combine_tokens=8, bn=256)
-    tall = sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=192, combine_tokens=8, bn=256)
-    counts = Counter(x for row in idx for x in row)
-    assert tall.n_tiles == sum(-(-counts[x] // 192) for x in range(e)) < wide.n_tiles
-    assert tall.total == tall.n_tiles * (6 + 8) + tall.n_ctiles * tall.nc
-    with pytest.raises(ValueError, match="bm=192"):
-        sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=192, combine_tokens=8)
-
-
-@pytest.mark.parametrize("procs", [1, 7, 300])
-@pytest.mark.parametrize(("s", "mode"), [(1, "uniform"), (300, "zipf"), (700, "uniform"), (64, "one")])
-def test_simulation_tall_tile(s, mode, procs):
-    e, k, ct, hid, inter = 16, 4, 8, 512, 256
-    idx = _routing(s, e, k, mode=mode, seed=17 * s + procs)
-    p = sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=192, combine_tokens=ct, bn=256)
-    r = sch.simulate(p, processors=procs, bm=192, topk=k, combine_tokens=ct, seed=procs)
-    assert r.error == 0 and r.published == p.total and len(set(r.executed)) == p.total == len(r.executed)
-
-
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_wide_tile_stage_pipeline(stages):
     """The wide tile runs the same producer / consumer barrier protocol at 2..4 stages (48 KB each; 5 do not fit):

@@ -52,18 +52,6 @@ MK_HD int64_t wide_gemm2_row(int nb, int n) { return (int64_t)nb * 128 + n; }
 MK_HD int64_t wide_box_row(int gemm2, int nb, int b, int64_t I) {
   return gemm2 ? wide_gemm2_row(nb, 64 * b) : wide_gemm1_row(nb, 64 * b, I);
 }
-// ---- the tall wide tile (bm = 192, bn = 256: 192 x 256 per task, TMA only) ---------------------------------
-// Its third 64-row group (tile rows 128..191) is split by columns between the two consumer warpgroups, warpgroup c
-// taking n-block nb + c (m64n128, 64 accumulators), so each 128-row half of the B tile must hold a whole n-block:
-// GEMM1 rows 0..63 = gate rows of n-block nb, 64..127 its up rows, 128..191 / 192..255 the same for nb + 1 (the
-// (gate, up) pair of an h column is register i and i + 32 of one 64-register half, as in the 128-column TMA
-// tile); GEMM2 as the wide tile (256 consecutive W_down rows).
-MK_HD int64_t tall_gemm1_row(int nb, int n, int64_t I) {
-  return ((n & 64) ? I : 0) + (int64_t)nb * 64 + (n >> 7) * 64 + (n & 63);
-}
-MK_HD int64_t tall_box_row(int gemm2, int nb, int b, int64_t I) {
-  return gemm2 ? wide_gemm2_row(nb, 64 * b) : tall_gemm1_row(nb, 64 * b, I);
-}
 // mma core, TMA tile (bm = 16: 4 warps by column): first tile column of n8 block j (0..3) of warp wn; blocks
 // j and j + 2 hold the same 16 columns of each half, so a warp owns (gate, up) pairs for SwiGLU.
 MK_HD int tma_bcol(int wn, int j) { return (j >> 1) * 64 + wn * 16 + (j & 1) * 8; }

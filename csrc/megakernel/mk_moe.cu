@@ -69,7 +69,6 @@ struct Tile {
   static constexpr int META = BM * 8 + BN * 8 + BM * 4 + 16 + (TMA ? 8 + 16 * 8 : 0);
   static constexpr int NACC = MT * NT * 4;  // fp32 accumulators per thread
   static constexpr bool WG = false;         // mma.sync core (the wgmma core is WgTile below)
-  static constexpr bool TALL = false;
   static constexpr int ALIGN = TMA ? 1024 : 0;  // extra dynamic shared memory for aligning the tiles (the TMA's
                                                 // 128-byte swizzle repeats every 1024 bytes from the tile base)
   static_assert(MT >= 1 && NT % 2 == 0 && NACC <= 64, "warp tile");
@@ -496,8 +495,7 @@ __device__ __forceinline__ void fill_meta_part(const MkParams& p, const Meta& md
   }
   for (int n = tid; n < T::BNT; n += stride) {
     if constexpr (T::NBLK == 2) {  // the wide tile: gate rows stacked over up rows (mk_index.h: wide_gemm1_row)
-      const int64_t g1 = T::TALL ? mkidx::tall_gemm1_row(nb, n, I) : mkidx::wide_gemm1_row(nb, n, I);
-      md.b_off[n] = kind == MK_TASK_GEMM1 ? ((int64_t)e * 2 * I + g1) * H
+      md.b_off[n] = kind == MK_TASK_GEMM1 ? ((int64_t)e * 2 * I + mkidx::wide_gemm1_row(nb, n, I)) * H
                                           : ((int64_t)e * H + mkidx::wide_gemm2_row(nb, n)) * I;
     } else if (kind == MK_TASK_GEMM1) {
       const int q = n >> 1;
@@ -699,16 +697,10 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
 
 template <int BM_, bool TMA_ = false, int BNT_ = 128>
 struct WgTile {
-  // TALL (bm = 192, wide, TMA, overlap kernel only): two consumer warpgroups own rows 0..63 / 64..127 (m64n256)
-  // and split rows 128..191 by n-block (m64n128 each: 192 accumulators a thread, so the warpgroups trade registers,
-  // setmaxnreg); an expert's rows past a multiple of 128 ride with the others instead of streaming its whole weight
-  // tile again for a few rows (run 102's S=4096 timeline: the third m-tiles of 64 experts, ~2.5% of the rows, took
-  // 15% of the GEMM task time)
-  static constexpr bool TALL = BM_ == 192;
-  static constexpr int BM = BM_, CONSUMERS = TALL ? 2 : BM / 64, THREADS = 128 * (1 + CONSUMERS);
+  static constexpr int BM = BM_, CONSUMERS = BM / 64, THREADS = 128 * (1 + CONSUMERS);
   static constexpr int BNT = BNT_, NBLK = BNT / BN;  // tile columns (B rows), 128-column n-blocks per task
   static constexpr int NACC = BNT / 2;                // fp32 accumulators per consumer thread (m64 x BNT)
-  static_assert(BNT == 128 || (BNT == 256 && (BM == 128 || (TALL && TMA_))), "wide tile: bm = 128, or 192 by TMA");
+  static_assert(BNT == 128 || (BNT == 256 && BM == 128), "wide tile: bm = 128 only");
   // TMA: producer thread 0 loads each stage's B tile as two boxes (mbarrier.expect_tx on full[s]: the 128
   // arrivals stay the producer threads' A rows); GEMM1's tile is then gate rows 0..63, up rows 64..127.
   static constexpr bool TMA = TMA_;
@@ -726,7 +718,6 @@ using WgLargeTma = WgTile<64, true>;  // the same with B by TMA (opt-in: MkParam
 using WgHugeTma = WgTile<128, true>;
 using WgWide = WgTile<128, false, 256>;   // bn = 256: 384 threads, 128 x 256 per task (opt-in: MkParams.bn)
 using WgWideTma = WgTile<128, true, 256>;  // the same with B by TMA (four 64-row boxes per stage)
-using WgTallTma = WgTile<192, true, 256>;  // bm = 192: 192 x 256 per task (3 stages of 56 KB; overlap kernel only)
 
 __device__ __forceinline__ char* align_smem(char* smem, int align) {
   if (!align) return smem;
@@ -899,14 +890,6 @@ constexpr int stage_out_bytes() {
 template <class T>
 constexpr int ov_meta_bytes() { return 2 * (int)sizeof(OvSlot<T>) + 8 * (16 + 16 + 2 + 2) + 8 + 128 + stage_out_bytes<T>(); }
 
-// Registers per thread of a warpgroup from here on (all its warps run it): the tall tile's producer gives registers
-// to its consumers (128 x 40 + 256 x 232 <= 64 K).
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-constexpr int TALL_PRODUCER_REGS = 40, TALL_CONSUMER_REGS = 232;
-
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 // bar.sync on barrier `id` of n threads that also returns the AND of every participant's `ok` (uniform result).
 __device__ __forceinline__ bool named_sync_and(int id, int n, bool ok) {
@@ -982,23 +965,17 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
   const bf16* a_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h;
   const bf16* b_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.w1 : (const bf16*)p.w2;
   const int ch = t & 7, r0 = t >> 3;
-  // (the tall tile's producer runs on 40 registers, setmaxnreg: it reads its 12 A rows' offsets per stage instead)
-  constexpr int AQ = T::TALL ? 1 : T::BM / 16, BQ = T::TMA ? 1 : T::BNT / 16;
-  const bf16* asrc[AQ];
-  int abytes[AQ];
-  const bf16* bsrc[BQ];
-  if constexpr (!T::TALL) {
+  const bf16* asrc[T::BM / 16];
+  int abytes[T::BM / 16];
+  const bf16* bsrc[T::BNT / 16];
 #pragma unroll
-    for (int q = 0; q < T::BM / 16; ++q) {
-      const int64_t off = md.a_off[r0 + 16 * q];
-      asrc[q] = a_base + (off < 0 ? 0 : off) + ch * 8;
-      abytes[q] = off < 0 ? 0 : 16;  // rows past the expert's count: zero-filled
-    }
+  for (int q = 0; q < T::BM / 16; ++q) {
+    const int64_t off = md.a_off[r0 + 16 * q];
+    asrc[q] = a_base + (off < 0 ? 0 : off) + ch * 8;
+    abytes[q] = off < 0 ? 0 : 16;  // rows past the expert's count: zero-filled
   }
-  if constexpr (!T::TMA) {
 #pragma unroll
-    for (int q = 0; q < T::BNT / 16; ++q) bsrc[q] = b_base + md.b_off[r0 + 16 * q] + ch * 8;
-  }
+  for (int q = 0; q < T::BNT / 16; ++q) bsrc[q] = b_base + md.b_off[r0 + 16 * q] + ch * 8;
   // TMA: the B tile's two boxes start at weight rows brow and brow2 (GEMM1: gate, up; GEMM2: 128 rows)
   const CUtensorMap* bmap = kind == MK_TASK_GEMM1 ? tm1 : tm2;
   const int brow = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
@@ -1018,9 +995,7 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
 #pragma unroll
           for (int b = 0; b < 4; ++b)
             tma_load_2d(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK,
-                        (int)(wbase + (T::TALL ? mkidx::tall_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)
-                                               : mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I))),
-                        full, p.l2_evict_w != 0);
+                        (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full, p.l2_evict_w != 0);
         } else {
           tma_load_2d(sB, bmap, kt * BK, brow, full, p.l2_evict_w != 0);
           tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full, p.l2_evict_w != 0);
@@ -1028,18 +1003,9 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
       }
     }
     if constexpr (!(MK_PROBE & 1)) {
-      if constexpr (T::TALL) {
 #pragma unroll
-        for (int q = 0; q < T::BM / 16; ++q) {
-          const int64_t off = md.a_off[r0 + 16 * q];
-          cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), a_base + (off < 0 ? 0 : off) + ch * 8 + kt * BK,
-                     off < 0 ? 0 : 16);
-        }
-      } else {
-#pragma unroll
-        for (int q = 0; q < T::BM / 16; ++q)
-          cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
-      }
+      for (int q = 0; q < T::BM / 16; ++q)
+        cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
       if constexpr (!T::TMA) {
 #pragma unroll
         for (int q = 0; q < T::BNT / 16; ++q)
@@ -1067,15 +1033,17 @@ __device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1,
 // whole 128-byte row segments (the fragment's own stores write 16 bytes of each of 8 rows: 4-8x the store
 // instructions; run 25's timeline: 2-4.4 us per task from mainloop done to stores issued). The values are
 // computed as the direct path computes them, so the outputs are the same bits.
-// One warp's 16 rows (tile rows row0..row0+15, the m64 fragment d of NACC registers) to h columns col0.. (G1) or y
-// columns col0.. (GEMM2), through the warp's 2 KB buffer `buf`. GEMM1: h column group j (8 columns) is the silu pair
-// of registers i = 4j + 2 half (gate) and i + UP (up); HALVES: the fragment is two 128-column halves that each hold
-// 64 gate then 64 up columns (the tall tile), so group j's gate register is 32 further on from j = 8.
-template <int NACC, bool G1, int UP, bool HALVES>
-__device__ __forceinline__ void store_frag_staged(const MkParams& p, const Meta& md, int64_t col0, int row0, int lane,
-                                                  const float (&d)[NACC], const float (&wrow)[2], uint32_t buf) {
-  constexpr int JN = G1 ? NACC / 8 : NACC / 4;  // 8-column groups of the output row
+// GEMM1 (gate rows over up rows: the TMA and wide tiles): P(half, j) = silu pair of registers i, i+1 and i+UP,
+// i+UP+1 (i = 4j + 2 half) -> h columns nb*64 + 8j + .., GEMM2: (d[i], d[i+1]) * w -> y columns nb*128 + 8j + ..
+template <class T, bool G1>
+__device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& md, int nb, int t, int c,
+                                                const float (&d)[T::NACC], const float (&wrow)[2], uint32_t stg) {
+  constexpr int UP = T::NACC / 2;
+  constexpr int JN = G1 ? T::NACC / 8 : T::NACC / 4;  // 8-column groups of the output row
   static_assert(JN % 8 == 0, "whole 64-column chunks");
+  const int lane = t & 31, w = t >> 5;
+  const uint32_t buf = stg + (uint32_t)(c * 4 + w) * 2048u;
+  const int row0 = 64 * c + 16 * w;
   const uint32_t rr = mkidx::stsm_row(lane);  // the row whose address this lane gives to stmatrix
 #pragma unroll
   for (int ch = 0; ch < JN / 8; ++ch) {
@@ -1084,7 +1052,7 @@ __device__ __forceinline__ void store_frag_staged(const MkParams& p, const Meta&
       uint32_t r[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {  // matrix q: half q & 1, 8-column group j
-        const int j = (int)mkidx::stsm_group(ch, m, q), i = 4 * j + 2 * (q & 1) + (G1 && HALVES ? 32 * (j >> 3) : 0);
+        const int j = (int)mkidx::stsm_group(ch, m, q), i = 4 * j + 2 * (q & 1);
         if constexpr (G1)
           r[q] = silu_pair(d[i], d[i + 1], d[i + UP], d[i + UP + 1]);
         else
@@ -1101,19 +1069,12 @@ __device__ __forceinline__ void store_frag_staged(const MkParams& p, const Meta&
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
                    : "r"(buf + mkidx::stage_out_off(row, u)));
-      bf16* dst = G1 ? (bf16*)p.h + (int64_t)v * p.I + col0 + ch * 64 + u * 8
-                     : (bf16*)p.y + (int64_t)v * p.H + col0 + ch * 64 + u * 8;
+      bf16* dst = G1 ? (bf16*)p.h + (int64_t)v * p.I + nb * 64 + ch * 64 + u * 8
+                     : (bf16*)p.y + (int64_t)v * p.H + nb * BN + ch * 64 + u * 8;
       *reinterpret_cast<uint4*>(dst) = val;
     }
     __syncwarp();  // the buffer is rewritten by the next chunk
   }
-}
-template <class T, bool G1>
-__device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& md, int nb, int t, int c,
-                                                const float (&d)[T::NACC], const float (&wrow)[2], uint32_t stg) {
-  const int w = t >> 5;
-  store_frag_staged<T::NACC, G1, T::NACC / 2, false>(p, md, G1 ? (int64_t)nb * 64 : (int64_t)nb * BN, 64 * c + 16 * w,
-                                                     t & 31, d, wrow, stg + (uint32_t)(c * 4 + w) * 2048u);
 }
 
 template <class T>
@@ -1216,88 +1177,6 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
   if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_EPI, (int64_t)gtime());  // timeline: its epilogue stores issued
 }
 
-
-// The tall tile's k loop for consumer warpgroup c: m64n256 on its rows 64c.. and, with TAILG, m64n128 on rows
-// 128..191 against B rows 128c.. (n-block nb + c). One commit per stage; the stage is freed once both are done.
-template <class T, bool TAILG>
-__device__ __forceinline__ void tall_mainloop(const MkParams& p, const WgBars<T>& bars, uint32_t s0, int KT, uint32_t it,
-                                              int c, float (&d)[128], float (&d2)[64]) {
-  const int stages = (int)p.stages;
-  for (int kt = 0; kt < KT; ++kt) {
-    const uint32_t g = it + kt, slot = g % stages;
-    mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
-    fence_proxy_async();  // the producers' cp.async rows (generic proxy) before the wgmmas read them (async proxy)
-    const uint32_t st = s0 + slot * T::STAGE, sA = st + c * 64 * 128, sB = st + T::A_BYTES;
-    const uint32_t sA2 = st + 128 * 128, sB2 = sB + c * 128 * 128;
-    acc_fence(d);
-    if constexpr (TAILG) acc_fence(d2);
-    wg_fence();
-    if constexpr (!(MK_PROBE & 2)) {
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {
-        wgmma_m64n256k16(d, mkidx::wg_desc(sA + kk * 32), mkidx::wg_desc(sB + kk * 32), kt > 0 || kk > 0);
-        if constexpr (TAILG)
-          wgmma_m64n128k16(d2, mkidx::wg_desc(sA2 + kk * 32), mkidx::wg_desc(sB2 + kk * 32), kt > 0 || kk > 0);
-      }
-    }
-    wg_commit();
-    acc_fence(d);
-    if constexpr (TAILG) acc_fence(d2);
-    wg_wait<0>();  // this stage's wgmmas are done: hand its slot back (the other warpgroup keeps the tensor cores busy)
-    acc_fence(d);
-    if constexpr (TAILG) acc_fence(d2);
-    mbar_arrive(bars.empty + 8 * slot);
-  }
-}
-
-// Consumer warpgroup c of a tall task (overlap kernel, staged epilogue): rows 64c..64c+63 of all 256 columns and rows
-// 128..191 of n-block nb + c. Rows fill in order, so rows 128.. hold a row only if rows 64c.. do.
-template <class T>
-__device__ __forceinline__ void wg_consume_tall(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0,
-                                                int kind, int nb, int KT, uint32_t it, int t, int c, int qi,
-                                                uint32_t stg) {
-  static_assert(T::TALL && T::TMA && T::NACC == 128, "the tall tile");
-  const bool busy = md.row_id[64 * c] >= 0, tail = md.row_id[128] >= 0;
-  float wrow[2] = {0.f, 0.f}, wrow2[2] = {0.f, 0.f};  // GEMM2: the routing weights of this thread's rows
-  if (kind == MK_TASK_GEMM2) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int v = md.row_id[64 * c + (int)mkidx::acc_row(t, 2 * half)];
-      if (v >= 0) wrow[half] = __ldcg(p.topk_w + v);  // L2, not .nc: see griddep_wait
-      const int v2 = md.row_id[128 + (int)mkidx::acc_row(t, 2 * half)];
-      if (v2 >= 0) wrow2[half] = __ldcg(p.topk_w + v2);
-    }
-  }
-  if (!busy) {  // every row of this warpgroup padding: pass the stages on (as wg_consume)
-    const int stages = (int)p.stages;
-    for (int kt = 0; kt < KT; ++kt) {
-      const uint32_t g = it + kt, slot = g % stages;
-      mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
-      mbar_arrive(bars.empty + 8 * slot);
-    }
-    return;
-  }
-  float d[128], d2[64];
-#pragma unroll
-  for (int i = 0; i < 128; ++i) d[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < 64; ++i) d2[i] = 0.f;
-  if (tail)  // (the test outside the k loop: inside it ptxas serialises the wgmmas, C7518)
-    tall_mainloop<T, true>(p, bars, s0, KT, it, c, d, d2);
-  else
-    tall_mainloop<T, false>(p, bars, s0, KT, it, c, d, d2);
-  if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_MAIN, (int64_t)gtime());  // timeline: mainloop done
-  const int w = t >> 5, lane = t & 31;
-  const uint32_t buf = stg + (uint32_t)(c * 4 + w) * 2048u;
-  if (kind == MK_TASK_GEMM1) {
-    store_frag_staged<128, true, 32, true>(p, md, (int64_t)nb * 64, 64 * c + 16 * w, lane, d, wrow, buf);
-    if (tail) store_frag_staged<64, true, 32, false>(p, md, (int64_t)(nb + c) * 64, 128 + 16 * w, lane, d2, wrow2, buf);
-  } else {
-    store_frag_staged<128, false, 64, false>(p, md, (int64_t)nb * BN, 64 * c + 16 * w, lane, d, wrow, buf);
-    if (tail) store_frag_staged<64, false, 32, false>(p, md, (int64_t)(nb + c) * BN, 128 + 16 * w, lane, d2, wrow2, buf);
-  }
-  if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_EPI, (int64_t)gtime());
-}
 
 // One GEMM task on the whole CTA (overlap = 0): metadata, then producer and consumers as above, then the signal.
 template <class T>
@@ -1672,12 +1551,6 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   }
   const uint32_t s0 = su32(smem);
   uint32_t it = 0;  // running k-stage counter: the producer and the consumers see the same task sequence
-  if constexpr (T::TALL) {
-    if (wg == 0)
-      setmaxnreg_dec<TALL_PRODUCER_REGS>();
-    else
-      setmaxnreg_inc<TALL_CONSUMER_REGS>();
-  }
   if (wg == 0) {
     // ---- producer warpgroup ----
     for (uint32_t j = 0;; ++j) {
@@ -1731,10 +1604,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       const Meta md = {const_cast<int64_t*>(sl.a_off), const_cast<int64_t*>(sl.b_off), const_cast<int*>(sl.row_id),
                        nullptr};
       const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
-      if constexpr (T::TALL)
-        wg_consume_tall<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg);
-      else
-        wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg);
+      wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg);
       it += KT;
       named_sync(2, NCONS);  // every consumer's stores issued before the fences + signals
       signal_rows<T>(p, md, kind, mkidx::t_tile(task), ct, NCONS);
@@ -2219,9 +2089,7 @@ cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kerne
   static bool done = false;
   if (done) return cudaSuccess;
   const int most = smem_for<T>(MAX_STAGES) <= SMEM_MAX ? smem_for<T>(MAX_STAGES) : SMEM_MAX;
-  cudaError_t e = cudaSuccess;
-  if constexpr (!T::TALL)  // (the tall tile runs the overlap kernel only)
-    e = cudaFuncSetAttribute(k_experts<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+  cudaError_t e = cudaFuncSetAttribute(k_experts<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
   if constexpr (T::WG) {
     const int ov = smem_for_ov<T>(MAX_STAGES) <= SMEM_MAX ? smem_for_ov<T>(MAX_STAGES) : SMEM_MAX;
     if (e == cudaSuccess) e = cudaFuncSetAttribute(k_experts_ov<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, ov);
@@ -2249,19 +2117,10 @@ bool use_wgmma(int64_t bm, int64_t core) { return core == MK_CORE_WGMMA && bm >=
 bool use_tma(int64_t bm, int64_t core, int64_t tma) { return tma != 0 && (use_wgmma(bm, core) || bm == 16); }
 
 // The wide tile (bn = 256) exists for the wgmma core at bm = 128 only (check_bn).
-bool use_wide(int64_t bm, int64_t core, int64_t bn) {
-  return bn == 256 && use_wgmma(bm, core) && (bm == 128 || bm == 192);
-}
+bool use_wide(int64_t bm, int64_t core, int64_t bn) { return bn == 256 && use_wgmma(bm, core) && bm == 128; }
 const char* check_bn(int64_t bm, int64_t core, int64_t bn) {
   if (bn != 128 && bn != 256) return "mk: bn must be 128 or 256";
-  if (bn == 256 && !use_wide(bm, core, bn)) return "mk: bn = 256 (the wide tile) needs core = wgmma and bm = 128 or 192";
-  return nullptr;
-}
-// bm = 192 (the tall tile) exists as the wide tile by TMA on the overlap kernel only.
-const char* check_tall(int64_t bm, int64_t core, int64_t tma, int64_t bn, int64_t overlap) {
-  if (bm != 192) return nullptr;
-  if (core != MK_CORE_WGMMA || bn != 256 || tma != 1 || overlap != 1)
-    return "mk: bm = 192 needs core = wgmma, bn = 256, tma_b = 1 and overlap = 1";
+  if (bn == 256 && !use_wide(bm, core, bn)) return "mk: bn = 256 (the wide tile) needs core = wgmma and bm = 128";
   return nullptr;
 }
 
@@ -2269,10 +2128,7 @@ const char* check_tall(int64_t bm, int64_t core, int64_t tma, int64_t bn, int64_
 template <class F>
 int with_tile(int64_t bm, int64_t core, int64_t tma, int64_t bn, F&& f) {
   const bool t = use_tma(bm, core, tma);
-  if (use_wide(bm, core, bn)) {
-    if (bm == 192) return f(WgTallTma{});  // (check_tall: TMA and the overlap kernel)
-    return t ? f(WgWideTma{}) : f(WgWide{});
-  }
+  if (use_wide(bm, core, bn)) return t ? f(WgWideTma{}) : f(WgWide{});
   if (use_wgmma(bm, core)) {
     if (bm == 64) return t ? f(WgLargeTma{}) : f(WgLarge{});
     return t ? f(WgHugeTma{}) : f(WgHuge{});
@@ -2287,19 +2143,18 @@ int expert_smem(int64_t bm, int64_t core, int64_t tma, int64_t bn, int64_t overl
 
 int check_params(const MkParams* p) {
   if (!p) return fail_msg("mk: null params");
-  if (p->bm != 16 && p->bm != 64 && p->bm != 128 && p->bm != 192) return fail_msg("mk: bm must be 16, 64, 128 or 192");
+  if (p->bm != 16 && p->bm != 64 && p->bm != 128) return fail_msg("mk: bm must be 16, 64 or 128");
   if (p->logit_splits_max < 1 || p->logit_splits_max > MAX_SPLITS) return fail_msg("mk: logit_splits_max must be in 1..16");
   if (p->stages < 2 || p->stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..12");
   if (p->core != MK_CORE_MMA && p->core != MK_CORE_WGMMA) return fail_msg("mk: core must be 0 (mma) or 1 (wgmma)");
   if (p->tma_b != 0 && p->tma_b != 1) return fail_msg("mk: tma_b must be 0 or 1");
   if (const char* m = check_bn(p->bm, p->core, p->bn)) return fail_msg(m);
-  if (const char* m = check_tall(p->bm, p->core, p->tma_b, p->bn, p->overlap)) return fail_msg(m);
   if (p->bn == 256 && (p->H % 256 || (2 * p->I) % 256))
     return fail_msg("mk: bn = 256 needs hidden and 2 x intermediate to be multiples of 256");
   if (p->overlap != 0 && p->overlap != 1) return fail_msg("mk: overlap must be 0 or 1");
   if (expert_smem(p->bm, p->core, p->tma_b, p->bn, p->overlap, (int)p->stages) > SMEM_MAX)
     return fail_msg("mk: stages too deep for bm (shared memory > 226 KB: bm=16 <= 12, 64 <= 8, 128 <= 6; wgmma 64 <= 9, "
-                    "128 <= 6, 128 with bn=256 <= 4, 192 <= 3)");
+                    "128 <= 6, 128 with bn=256 <= 4)");
   if (p->split_k1 < 1 || p->split_k1 > MK_MAX_SPLITS || p->split_k2 < 1 || p->split_k2 > MK_MAX_SPLITS)
     return fail_msg("mk: split_k1 / split_k2 must be in 1..16");
   if (p->H % (p->split_k1 * BK) || p->I % (p->split_k2 * BK))
@@ -2333,13 +2188,9 @@ int occupancy_of(int64_t stages, int64_t overlap, int* per_sm) {
       return 0;
     }
   }
-  if constexpr (T::TALL) {
-    return fail_msg("mk: bm = 192 runs the overlap kernel only");
-  } else {
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, k_experts<T>, T::THREADS, smem_for<T>((int)stages));
-    if (e != cudaSuccess) return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
-    return 0;
-  }
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, k_experts<T>, T::THREADS, smem_for<T>((int)stages));
+  if (e != cudaSuccess) return fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
+  return 0;
 }
 
 int occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t bn, int64_t overlap, int* per_sm, int* sms) {
@@ -2542,13 +2393,9 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
       launched = true;
     }
   }
-  if constexpr (!T::TALL) {
-    if (!launched)
-      e = launch_k(k_experts<T>, dim3((unsigned)p->grid), T::THREADS, smem_for<T>((int)p->stages), s, p->pdl != 0, *p,
-                   tm1, tm2);
-  } else if (!launched) {
-    return fail_msg("mk: bm = 192 runs the overlap kernel only");
-  }
+  if (!launched)
+    e = launch_k(k_experts<T>, dim3((unsigned)p->grid), T::THREADS, smem_for<T>((int)p->stages), s, p->pdl != 0, *p,
+                 tm1, tm2);
   if (e != cudaSuccess) return fail("k_experts launch", e);
   return 0;
 }
@@ -2632,13 +2479,12 @@ const char* mk_last_error(void) { return g_err; }
 
 int mk_occupancy(int64_t bm, int64_t stages, int64_t core, int64_t tma, int64_t bn, int64_t overlap, int* per_sm,
                  int* sms) {
-  if (bm != 16 && bm != 64 && bm != 128 && bm != 192) return fail_msg("mk: bm must be 16, 64, 128 or 192");
+  if (bm != 16 && bm != 64 && bm != 128) return fail_msg("mk: bm must be 16, 64 or 128");
   if (stages < 2 || stages > MAX_STAGES) return fail_msg("mk: stages must be in 2..12");
   if (core != MK_CORE_MMA && core != MK_CORE_WGMMA) return fail_msg("mk: core must be 0 (mma) or 1 (wgmma)");
   if (tma != 0 && tma != 1) return fail_msg("mk: tma must be 0 or 1");
   if (const char* m = check_bn(bm, core, bn)) return fail_msg(m);
   if (overlap != 0 && overlap != 1) return fail_msg("mk: overlap must be 0 or 1");
-  if (const char* m = check_tall(bm, core, tma, bn, overlap)) return fail_msg(m);
   if (expert_smem(bm, core, tma, bn, overlap, (int)stages) > SMEM_MAX)
     return fail_msg("mk: stages too deep for bm (shared memory)");
   return occupancy(bm, stages, core, tma, bn, overlap, per_sm, sms);

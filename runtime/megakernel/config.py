@@ -34,7 +34,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MegakernelConfig:
-    bm: int = 0               # rows per m-tile: 16 (decode), 64, 128 or 192 (prefill); 0 = by rows per expert
+    bm: int = 0               # rows per m-tile: 16 (decode), 64 or 128 (prefill); 0 = by rows per expert
     bm_switch_rows: int = 32  # bm=0: use 64 once the average rows per expert (S*topk/E) reaches this
     bm_large_rows: int = 128  # bm=0: use 128 once the average rows per expert reaches this
     # bm=0 with the wide tile (bn 256, or auto resolving to it): run it once the average rows per expert reaches
@@ -43,12 +43,6 @@ class MegakernelConfig:
     # 325.1, 16 (S=256) 373.8 / 328.6, 24 (S=384) 445.2 / 336.3. It was bm_switch_rows (32) until then, which the
     # 128-column bm=64 tile keeps (run 43, S=256: 375.7 against the decode tile's 370.1).
     wide_switch_rows: int = 10
-    # bm=0 with the wide tile: the tall tile (bm = 192: 192 x 256 per task, 3 stages of 56 KB, TMA and the overlap
-    # kernel only) once the average rows per expert reaches this; 0 = never. An expert's rows past a multiple of 128
-    # ride in its tall m-tiles instead of a third (S=4096) or second (S=2048) 128-row m-tile that streams the
-    # expert's whole weights again for a few rows (run 102's S=4096 timeline: those m-tiles' tasks, ~2.5% of the
-    # rows, took 15% of the GEMM task time).
-    tall_switch_rows: int = 0
     stages: int = 0           # cp.async pipeline depth (2..12; shared memory caps bm=64 at 8, bm=128 at 6): weight
                               # tiles in flight per CTA; 0 = pick_stages
     ctas_per_sm: int = 0      # resident CTAs per SM (0 = as many as fit)
@@ -135,7 +129,6 @@ class MegakernelConfig:
         "bm_switch_rows": (1, 1 << 20),
         "bm_large_rows": (1, 1 << 20),
         "wide_switch_rows": (1, 1 << 20),
-        "tall_switch_rows": (0, 1 << 20),
         "stages": (0, 12),
         "ctas_per_sm": (0, 32),
         "processor_ctas": (0, 1 << 16),
@@ -164,19 +157,14 @@ class MegakernelConfig:
             want = float if f.type in ("float", float) else int
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not isinstance(v, int)):
                 raise ConfigError(f"megakernel config: {f.name} must be {want.__name__}, got {v!r}")
-        if self.bm not in (0, 16, 64, 128, 192):
-            raise ConfigError(f"megakernel config: bm must be 0 (auto), 16, 64, 128 or 192, got {self.bm}")
-        if self.bm == 192 and (self.core != "wgmma" or self.bn not in (0, 256) or not self.tma or not self.overlap
-                               or self.stages > 3):
-            raise ConfigError("megakernel config: bm=192 (the tall tile) needs core=wgmma, bn 0 or 256, tma=1, "
-                              f"overlap=1 and stages <= 3, got core={self.core}, bn={self.bn}, tma={self.tma}, "
-                              f"overlap={self.overlap}, stages={self.stages}")
+        if self.bm not in (0, 16, 64, 128):
+            raise ConfigError(f"megakernel config: bm must be 0 (auto), 16, 64 or 128, got {self.bm}")
         if self.core not in self.CORES:
             raise ConfigError(f"megakernel config: core must be one of {', '.join(self.CORES)}, got {self.core!r}")
         if self.bn not in (0, 128, 256):
             raise ConfigError(f"megakernel config: bn must be 0 (auto), 128 or 256, got {self.bn}")
-        if self.bn == 256 and (self.core != "wgmma" or self.bm not in (0, 128, 192)):
-            raise ConfigError(f"megakernel config: bn=256 (the wide tile) needs core=wgmma and bm=128 or 192 (or bm=0), "
+        if self.bn == 256 and (self.core != "wgmma" or self.bm not in (0, 128)):
+            raise ConfigError(f"megakernel config: bn=256 (the wide tile) needs core=wgmma and bm=128 (or bm=0), "
                               f"got core={self.core}, bm={self.bm}")
         if self.bn == 256 and self.stages > 4:
             raise ConfigError(f"megakernel config: stages must be <= 4 with bn=256 (48 KB per stage), got {self.stages}")
@@ -234,11 +222,8 @@ class MegakernelConfig:
         """This config with `bn` = 0 (auto) decided for a layer of this shape (see `bn`)."""
         if self.bn:
             return self
-        wide = (self.core == "wgmma" and self.bm in (0, 128, 192) and self.stages <= 4 and hidden % 256 == 0
+        wide = (self.core == "wgmma" and self.bm in (0, 128) and self.stages <= 4 and hidden % 256 == 0
                 and (2 * intermediate) % 256 == 0)
-        if self.bm == 192 and not wide:
-            raise ConfigError(f"megakernel config: bm=192 (the tall tile) needs hidden and 2 x intermediate to be "
-                              f"multiples of 256, got {hidden} and {2 * intermediate}")
         return dataclasses.replace(self, bn=256 if wide else 128)
 
     def pick_stages(self, bm: int, tokens: int, topk: int, experts: int) -> int:
@@ -248,8 +233,6 @@ class MegakernelConfig:
         bm=16 with as many rows as experts (S=16..128) at 3: run 8, 3-4% faster than 4, 6+ up to 2x slower."""
         if self.stages:
             return self.stages
-        if bm == 192:
-            return 3  # 56 KB stages: 4 do not fit next to the task slots and epilogue buffers
         if bm == 128 and self.bn == 256 and self.core == "wgmma":
             # run 12, wide tile: 3 stages (S=4096 1331 us vs 1357 at 4). Run 26, after the epilogue fixes, in three
             # builds: 4 stages 1.6-2.2% faster at S=1024 (v3: 398.5 vs 405.0 us) and 0.4-1.5% at S=4096
@@ -265,10 +248,7 @@ class MegakernelConfig:
         if self.bm:
             return self.bm
         rows = tokens * topk
-        if self.bn == 256:  # the wide tile is bm=128 (192: tall_switch_rows); decode sizes keep the bm=16 tile
-            if (self.tall_switch_rows and rows >= self.tall_switch_rows * experts and self.tma and self.overlap
-                    and self.stages <= 3):
-                return 192
+        if self.bn == 256:  # the wide tile is bm=128; decode sizes keep the bm=16 tile (see `bn`)
             return 128 if rows >= self.wide_switch_rows * experts else 16
         if rows >= self.bm_large_rows * experts:
             return 128 if self.core == "mma" else 64  # run 10, S=4096: wgmma bm=64 1754 us, bm=128 2233
@@ -283,6 +263,4 @@ class MegakernelConfig:
     def pick_bn(self, bm: int) -> int:
         """Columns per GEMM task for a launch with m-tile `bm`: `bn` where the wide tile exists (wgmma, bm=128),
         else 128 (bn=256 with bm=0 still runs bm=16 decode launches, on 128 columns)."""
-        if bm == 192:
-            return 256
         return (self.bn or 128) if bm == 128 and self.core == "wgmma" else 128  # bn 0: not resolved (`resolve`)

@@ -116,14 +116,12 @@ def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: 
          combine_tokens: int, split_k1: int = 1, split_k2: int = 1, split_max_tiles: int = 0, bn: int = BN) -> Plan:
     """The task graph for routing `topk_idx` ([S][K] expert ids); `split_*` as MegakernelConfig (the layer
     passes its partial buffer's m-tiles, `MegakernelMoE.sk_tiles`, as `split_max_tiles`); `bn` the launch's
-    columns per task (`MegakernelConfig.pick_bn(bm)`: 256 = the wide tile, bm = 128 or 192)."""
+    columns per task (`MegakernelConfig.pick_bn(bm)`: 256 = the wide tile, bm = 128 only)."""
     if bn not in (BN, 2 * BN):
         raise ValueError(f"bn must be 128 or 256, got {bn}")
-    if bn == 2 * BN and (bm not in (128, 192) or hidden % bn or 2 * intermediate % bn):
-        raise ValueError(f"bn=256 needs bm=128 or 192 and hidden, 2 x intermediate multiples of 256, got bm={bm}, "
+    if bn == 2 * BN and (bm != 128 or hidden % bn or 2 * intermediate % bn):
+        raise ValueError(f"bn=256 needs bm=128 and hidden, 2 x intermediate multiples of 256, got bm={bm}, "
                          f"{hidden}, {2 * intermediate}")
-    if bm == 192 and bn != 2 * BN:
-        raise ValueError("bm=192 (the tall tile) runs 256 columns per task (bn=256)")
     s = len(topk_idx)
     k = len(topk_idx[0]) if s else 0
     rows: list[list[int]] = [[] for _ in range(experts)]
