@@ -283,17 +283,15 @@ def summarize(tl: dict) -> None:
               f"{wait[len(wait) // 2] if wait else 0:6.2f}")
     # per CTA, done to done of consecutive tasks (the overlap kernel claims ahead, so claim-to-done overstates a task);
     # and the epilogue + signal: mainloop done -> done
-    by_cta: dict[int, list[dict]] = {}
-    for t in tasks:
-        by_cta.setdefault(t["cta"], []).append(t)
+    per_slot = steady_of(tasks)
     steady: dict[str, list[float]] = {}
     loops: dict[str, list[float]] = {}  # previous done -> mainloop done: the k loop of a task
-    for ts in by_cta.values():
-        ts.sort(key=lambda t: t["done"])
-        for a, b in itertools.pairwise(ts):
-            steady.setdefault(b["kind"], []).append(b["done"] - a["done"])
-            if b.get("mainloop_done"):  # the consumers start a task when they finish the one before on this CTA
-                loops.setdefault(b["kind"], []).append(b["mainloop_done"] - a["done"])
+    for t in tasks:
+        if t["slot"] not in per_slot:
+            continue
+        steady.setdefault(t["kind"], []).append(per_slot[t["slot"]])
+        if t.get("mainloop_done"):  # the consumers start a task when they finish the one before on this CTA
+            loops.setdefault(t["kind"], []).append(t["mainloop_done"] - (t["done"] - per_slot[t["slot"]]))
     for kind, v in sorted(steady.items()):
         v.sort()
         line = f"  {kind:8s} done-to-done p50 {v[len(v) // 2]:7.2f} us"
@@ -305,6 +303,8 @@ def summarize(tl: dict) -> None:
             if d:
                 line += f", {label} -> done p50 {d[len(d) // 2]:6.2f} us"
         print(line)
+    for line in fill_lines(tl, per_slot):
+        print(line)
     # GEMM2 release latency: last GEMM1 done of the m-tile -> its GEMM2 published
     last_g1: dict[int, float] = {}
     for t in tasks:
@@ -313,6 +313,46 @@ def summarize(tl: dict) -> None:
     rel = sorted(t["published"] - last_g1[t["tile"]] for t in tasks if t["kind"] == "gemm2" and t["tile"] in last_g1)
     if rel:
         print(f"  gemm1 done -> gemm2 published: p50 {rel[len(rel) // 2]:.2f} us, max {rel[-1]:.2f} us")
+
+
+def steady_of(tasks: list[dict]) -> dict[int, float]:
+    """Per queue slot, the time from the previous task's done on the same CTA to this one's (the first task of a CTA
+    has none): what a task cost its CTA, since the overlap kernel claims the next task before this one ends."""
+    by_cta: dict[int, list[dict]] = {}
+    for t in tasks:
+        by_cta.setdefault(t["cta"], []).append(t)
+    out: dict[int, float] = {}
+    for ts in by_cta.values():
+        ts.sort(key=lambda t: t["done"])
+        for a, b in itertools.pairwise(ts):
+            out[b["slot"]] = b["done"] - a["done"]
+    return out
+
+
+FILL_BUCKETS = ((1, 16), (17, 64), (65, 127))  # routed rows of an m-tile short of bm; the rest: full
+
+
+def fill_lines(tl: dict, steady: dict[int, float]) -> list[str]:
+    """What GEMM tasks cost by how full their m-tile is (`rows`, from task_timeline): per kind and bucket the tasks,
+    their done-to-done p50 and their summed time per processor CTA, so a few rows that stream a whole weight tile show
+    (run 117: S=4096's third m-tiles of ~13 rows took 98 us of each CTA's 702)."""
+    procs = max(1, tl["grid"] - 1)
+    out = []
+    for kind in ("gemm1", "gemm2"):
+        ts = [t for t in tl["tasks"] if t["kind"] == kind and t.get("rows") is not None and t["slot"] in steady]
+        if not ts:
+            continue
+        total = sum(steady[t["slot"]] for t in ts)
+        cells = []
+        bm = tl["bm"]
+        for lo, hi in [(lo, min(hi, bm - 1)) for lo, hi in FILL_BUCKETS if lo < bm] + [(bm, bm)]:
+            d = sorted(steady[t["slot"]] for t in ts if lo <= t["rows"] <= hi)
+            if d:
+                name = "full" if lo == bm else f"{lo}-{hi} rows"
+                cells.append(f"{name}: {len(d)} p50 {d[len(d) // 2]:.1f} us, {sum(d) / procs:.1f} us/CTA "
+                             f"({100 * sum(d) / total:.0f}%)")
+        out.append(f"  {kind:8s} by m-tile rows: " + "; ".join(cells))
+    return out
 
 
 def kname(full: str) -> str:

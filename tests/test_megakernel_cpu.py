@@ -944,19 +944,47 @@ def test_l2_evict_weights_setting_rule_and_source() -> None:
     assert 'if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");' in src
 
 
-def test_vs_lib_rotates_which_build_is_timed_first():
-    """megakernel_profile --vs-lib times the builds in an order rotated each round (run 116: a fixed order favoured the
-    first build by ~5 us at S=1024): over as many rounds as builds, each build is first once and every round times
-    each build exactly once."""
+def _profile_tool():
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "bench" / "megakernel_profile.py"
     spec = importlib.util.spec_from_file_location("_mk_profile", path)
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def test_vs_lib_rotates_which_build_is_timed_first():
+    """megakernel_profile --vs-lib times the builds in an order rotated each round (run 116: a fixed order favoured the
+    first build by ~5 us at S=1024): over as many rounds as builds, each build is first once and every round times
+    each build exactly once."""
+    mod = _profile_tool()
     names = ["this", "base", "probe"]
     orders = [mod.round_order(names, r) for r in range(len(names))]
     assert [o[0] for o in orders] == names
     assert all(sorted(o) == sorted(names) for o in orders)
     assert orders[1] == ["base", "probe", "this"]
     assert mod.round_order([], 2) == []
+
+
+def test_timeline_costs_by_m_tile_rows():
+    """megakernel_profile's timeline summary charges each GEMM task the time since the previous task on its CTA ended
+    and sums it by how many routed rows its m-tile holds (run 117's nearly empty m-tiles)."""
+    mod = _profile_tool()
+
+    def task(slot, cta, done, kind="gemm1", rows=128):
+        return {"slot": slot, "cta": cta, "done": done, "kind": kind, "rows": rows}
+
+    tasks = [task(0, 1, 10.0), task(1, 1, 38.0), task(2, 1, 61.0, rows=13), task(3, 2, 9.0),
+             task(4, 2, 37.5, rows=70), task(5, 2, 50.0, kind="gemm2"), task(6, 2, 53.0, kind="combine", rows=None)]
+    steady = mod.steady_of(tasks)
+    assert steady == {1: 28.0, 2: 23.0, 4: 28.5, 5: 12.5, 6: 3.0}  # first task of each CTA: none
+    lines = mod.fill_lines({"grid": 3, "bm": 128, "tasks": tasks}, steady)
+    assert len(lines) == 2 and lines[0].startswith("  gemm1") and lines[1].startswith("  gemm2")
+    assert "1-16 rows: 1 p50 23.0 us, 11.5 us/CTA (29%)" in lines[0]
+    assert "65-127 rows: 1 p50 28.5 us" in lines[0] and "full: 1 p50 28.0 us, 14.0 us/CTA (35%)" in lines[0]
+    assert "17-64" not in lines[0] and lines[1].endswith("full: 1 p50 12.5 us, 6.2 us/CTA (100%)")
+    # bm=64: the 65-127 bucket does not exist and a 64-row m-tile is full
+    small = [task(0, 1, 1.0, rows=64), task(1, 1, 5.0, rows=64), task(2, 1, 8.0, rows=20)]
+    out = mod.fill_lines({"grid": 2, "bm": 64, "tasks": small}, mod.steady_of(small))
+    assert out == ["  gemm1    by m-tile rows: 17-63 rows: 1 p50 3.0 us, 3.0 us/CTA (43%); full: 1 p50 4.0 us, 4.0 us/CTA (57%)"]

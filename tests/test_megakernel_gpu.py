@@ -504,6 +504,16 @@ def test_task_timeline(new_layers, model, cfg, s):
         assert 1 <= t["cta"] < tl["grid"]
     assert {t["kind"] for t in tasks} == {"gemm1", "gemm2", "combine"}
     assert all(c[0] is not None and c[1] is not None and c[0] <= c[1] for c in tl["ctas"])
+    # each GEMM's m-tile rows: 1..bm, and per (kind, n-field) an expert's m-tiles add up to its routed rows
+    idx, _ = m.routing(s)
+    routed = torch.bincount(idx.flatten().long(), minlength=model.experts).tolist()
+    per: dict[tuple[str, int, int], int] = {}
+    for t in tasks:
+        if t["kind"] != "combine":
+            assert 1 <= t["rows"] <= tl["bm"], t
+            if t["parts"] == 1:
+                per[(t["kind"], t["nfield"], t["expert"])] = per.get((t["kind"], t["nfield"], t["expert"]), 0) + t["rows"]
+    assert per and all(v == routed[e] for (_, _, e), v in per.items())
     torch.testing.assert_close(m.forward(x), ref, rtol=0, atol=0)
 
 

@@ -249,8 +249,9 @@ class MegakernelMoE:
 
         Returns times in µs from the first CTA's start: `tasks` (one dict per executed queue slot: kind, expert,
         m-tile, n-field, parts, cta, published, claimed, mainloop_done (GEMMs: epilogue next), stores_issued (wgmma
-        tiles: signal next), done), `ctas` ([start, end] per processor CTA) and the scheduler's stamps. Syncs; the
-        stamps cost a few stores per task, so absolute times run slightly long.
+        tiles: signal next), done; GEMMs also `rows`: the m-tile's routed rows, at most bm), `ctas` ([start, end] per
+        processor CTA) and the scheduler's stamps. Syncs; the stamps cost a few stores per task, so absolute times
+        run slightly long.
         """
         s = x.shape[0]
         if s < 1:
@@ -267,6 +268,7 @@ class MegakernelMoE:
             torch.cuda.synchronize(self.device)
             self.check()
             raw, words = self._trace.tolist(), self.q_task.tolist()
+            counts = self.counts[::_lib.COUNT_STRIDE].tolist()  # this launch's rows per expert (reset by the next)
         finally:
             self._trace = None
             for q in self._params.values():  # no launch template keeps the freed buffer
@@ -288,6 +290,8 @@ class MegakernelMoE:
                           "parts": ((w >> 57) & 0xF) + 1, "cta": cta, "published": us(pub), "claimed": us(claim),
                           "mainloop_done": us(main), "stores_issued": us(epi),
                           "done": us(done)})
+            if tasks[-1]["kind"] in ("gemm1", "gemm2"):
+                tasks[-1]["rows"] = min(bm, counts[tasks[-1]["expert"]] - bm * tasks[-1]["mtile"])
         return {"tokens": s, "bm": bm, "grid": grid, "config": self.config.to_dict(),
                 "sched": {"start": us(raw[0]), "gemm1_published": us(raw[1]), "end": us(raw[2])},
                 "ctas": [[us(cta_raw[2 * b]), us(cta_raw[2 * b + 1])] for b in range(1, grid)], "tasks": tasks}
