@@ -181,24 +181,34 @@ def isolation(mk, x: torch.Tensor, iters: int = 200) -> None:
           f"{slept:.1f} us")
 
 
-def round_order(names: list[str], r: int) -> list[str]:
-    """`names` rotated left by r: over as many rounds as names, each is timed first once (vs_libs)."""
-    k = r % len(names) if names else 0
-    return names[k:] + names[:k]
+def paired_lines(res: dict[str, list[float]], base: str = "this") -> list[str]:
+    """Per build of an interleaved run: its median and the median, p10 and p90 of its sample minus `base`'s sample of
+    the same round (a build against itself comes out near 0 there, whatever the drift between rounds)."""
+    out = []
+    ref = res.get(base, [])
+    for n, v in res.items():
+        line = f"  {n:12s} median {statistics.median(v):8.1f} us"
+        if n != base and ref:
+            d = sorted(a - b for a, b in zip(v, ref, strict=True))
+            line += (f", minus {base} per round: median {statistics.median(d):+6.1f} p10 {d[len(d) // 10]:+6.1f} "
+                     f"p90 {d[9 * len(d) // 10]:+6.1f} us")
+        out.append(line)
+    return out
 
 
 def vs_libs(mk, tokens: int, libs: dict[str, str], rounds: int = 3, iters: int = 200, rotate: int = 8) -> None:
     """Median graph replay (CUDA events around each, back to back, inputs rotated) of the layer launched from its own
     library ("this") and from each build in `libs`, of a graph of 20 forwards of each (µs per forward: layers with no
     host launch and no events between them), and of a graph holding one 1-element torch kernel (what the graph and
-    the events cost by themselves), in `rounds` interleaved rounds; prints the medians. Round r times the single
+    the events cost by themselves), in `rounds` interleaved rounds; prints the medians; then the single replays
+    interleaved one by one (time_interleaved) with each build's per-round difference to "this". Round r times the single
     replays first, then the chains, each list rotated by r: a fixed order favoured whichever build ran first after the
     previous round's tiny kernel by ~5 µs at S=1024 (run 116: the same library timed twice, 351.5-356.5 vs
     357.0-363.7; the later builds ran right after a chain's sustained load)."""
     from pathlib import Path
 
     from moetune.runtime.megakernel import _lib
-    from moetune.runtime.testing.timing import graphs_of, time_calls
+    from moetune.runtime.testing.timing import graphs_of, interleave_order, time_calls, time_interleaved
 
     xs = [torch.randn(tokens, mk.model.hidden, device="cuda").to(torch.bfloat16) for _ in range(rotate)]
     own = mk.lib
@@ -222,11 +232,18 @@ def vs_libs(mk, tokens: int, libs: dict[str, str], rounds: int = 3, iters: int =
     singles = [n for n in graphs if n not in per and n != "torch_1elem"]
     chains = [n for n in graphs if n in per]
     for r in range(rounds):
-        for n in round_order(singles, r) + round_order(chains, r) + ["torch_1elem"]:
+        for n in interleave_order(singles, r) + interleave_order(chains, r) + ["torch_1elem"]:
             res[n].append(statistics.median(time_calls(graphs[n], warmup=20, iters=iters, cuda=True)) / per.get(n, 1))
-    print(json.dumps({"vs_lib": {"tokens": tokens, "libs": libs, "rounds_us": res}}))
+    # the single replays once more, interleaved replay by replay (one of each build per round, order rotated), so the
+    # drift between rounds cancels in each build's difference to "this" (run 117: 10-15 µs between rounds at S=1024)
+    paired = time_interleaved({n: graphs[n] for n in singles}, warmup=20, iters=iters * rounds, cuda=True)
+    print(json.dumps({"vs_lib": {"tokens": tokens, "libs": libs, "rounds_us": res,
+                                 "interleaved_us": {n: [round(t, 2) for t in v] for n, v in paired.items()}}}))
     for n, v in res.items():
         print(f"  S={tokens} {n:10s} graph replay " + " / ".join(f"{t:.1f}" for t in v) + " us")
+    print(f"  S={tokens} interleaved replay by replay ({iters * rounds} rounds):")
+    for line in paired_lines(paired):
+        print(line)
 
 
 def summarize_decode(tl: dict) -> None:

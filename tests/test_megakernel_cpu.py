@@ -958,13 +958,34 @@ def test_vs_lib_rotates_which_build_is_timed_first():
     """megakernel_profile --vs-lib times the builds in an order rotated each round (run 116: a fixed order favoured the
     first build by ~5 us at S=1024): over as many rounds as builds, each build is first once and every round times
     each build exactly once."""
-    mod = _profile_tool()
+    from moetune.runtime.testing.timing import interleave_order
+
     names = ["this", "base", "probe"]
-    orders = [mod.round_order(names, r) for r in range(len(names))]
+    orders = [interleave_order(names, r) for r in range(len(names))]
     assert [o[0] for o in orders] == names
     assert all(sorted(o) == sorted(names) for o in orders)
     assert orders[1] == ["base", "probe", "this"]
-    assert mod.round_order([], 2) == []
+    assert interleave_order([], 2) == []
+
+
+def test_time_interleaved_calls_each_entry_once_per_round_rotated():
+    """time_interleaved (the side-by-side tool's replay-by-replay mode): after the warm-up rounds, every round calls
+    each entry once, in the order rotated by the round, each entry's inputs in turn, and returns per entry one sample
+    per round."""
+    from moetune.runtime.testing.timing import time_interleaved
+
+    calls: list[str] = []
+    fns = {"a": [lambda: calls.append("a0"), lambda: calls.append("a1")], "b": [lambda: calls.append("b0")]}
+    out = time_interleaved(fns, warmup=1, iters=3, cuda=False)
+    assert calls == ["a0", "b0", "a0", "b0", "b0", "a1", "a0", "b0"]  # warm-up round, then rounds 0, 1 (rotated), 2
+    assert set(out) == {"a", "b"} and all(len(v) == 3 and min(v) >= 0 for v in out.values())
+
+
+def test_paired_lines_difference_per_round():
+    mod = _profile_tool()
+    lines = mod.paired_lines({"this": [350.0, 360.0, 370.0], "same": [351.0, 359.0, 372.0]})
+    assert lines[0] == "  this         median    360.0 us"
+    assert lines[1].startswith("  same         median    359.0 us, minus this per round: median   +1.0")
 
 
 def test_timeline_costs_by_m_tile_rows():

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["graphs_of", "time_calls"]
+__all__ = ["graphs_of", "interleave_order", "time_calls", "time_interleaved"]
 
 
 def time_calls(fns: Sequence[Callable[[], Any]], *, warmup: int, iters: int, cuda: bool) -> list[float]:
@@ -31,6 +31,52 @@ def time_calls(fns: Sequence[Callable[[], Any]], *, warmup: int, iters: int, cud
         b.record()
     torch.cuda.synchronize()
     return [a.elapsed_time(b) * 1000.0 for a, b in ev]
+
+
+def interleave_order(names: Sequence[str], j: int) -> list[str]:
+    """`names` rotated left by j: over as many rounds as names, each is called first once (time_interleaved)."""
+    k = j % len(names) if names else 0
+    return [*names[k:], *names[:k]]
+
+
+def time_interleaved(fns: dict[str, Sequence[Callable[[], Any]]], *, warmup: int, iters: int,
+                     cuda: bool) -> dict[str, list[float]]:
+    """µs of single calls of every entry, one call of each per round for `iters` rounds in an order rotated each round
+    (each entry's inputs rotated as time_calls does), after `warmup` such rounds. Entries are timed microseconds apart,
+    so a drift of the device's clock or temperature over the run moves them alike and the difference of two entries'
+    samples in the same round cancels it (run 117: whole rounds of 200 calls drifted 10-15 µs at S=1024)."""
+    names = list(fns)
+
+    def call(name: str, j: int) -> None:
+        f = fns[name]
+        f[j % len(f)]()
+
+    for j in range(warmup):
+        for n in interleave_order(names, j):
+            call(n, j)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    if not cuda:
+        for j in range(iters):
+            for n in interleave_order(names, j):
+                t0 = time.perf_counter()
+                call(n, j)
+                out[n].append((time.perf_counter() - t0) * 1e6)
+        return out
+    import torch
+
+    torch.cuda.synchronize()
+    ev: list[tuple[str, Any, Any]] = []
+    for j in range(iters):
+        for n in interleave_order(names, j):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            call(n, j)
+            b.record()
+            ev.append((n, a, b))
+    torch.cuda.synchronize()
+    for n, a, b in ev:
+        out[n].append(a.elapsed_time(b) * 1000.0)
+    return out
 
 
 def graphs_of(fn: Callable[[Any], Any], xs: Sequence[Any]) -> list[Callable[[], Any]]:
