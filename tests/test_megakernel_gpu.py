@@ -123,11 +123,11 @@ def test_gate_routing_matches_reference(layer, model, s):
     assert torch.allclose(w[same].sort(1).values, rw[same].float().sort(1).values, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("s", [8, 16, 129, 256, 300, 513, 2047, 2048])
+@pytest.mark.parametrize("s", [8, 16, 129, 256, 300, 513, 1000, 1024, 1025, 2048])
 def test_cluster_routing(layer, model, s):
-    """Routing for 8..2048 tokens runs as one cluster kernel (k_route: 8 H splits added across the cluster's
-    shared memory, tiles of 16 or 64 tokens by S, a last tile part empty): torch's route's experts for >= 99% of the
-    tokens with its weights, each expert's list exactly its (token, slot) rows, the same bits on a second run, and
+    """Routing for 8..1024 tokens runs as one cluster kernel (k_route: 8 H splits added across the cluster's
+    shared memory, tiles of 16 or 64 tokens by S, a last tile part empty), above that as k_logits + k_topk (1025,
+    2048): torch's route's experts for >= 99% of the tokens with its weights, each expert's list exactly its (token, slot) rows, the same bits on a second run, and
     the layer's output against the dense reference."""
     from moetune.runtime.moe_layer import route
 
