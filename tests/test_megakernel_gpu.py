@@ -127,7 +127,8 @@ def test_gate_routing_matches_reference(layer, model, s):
 def test_cluster_routing(layer, model, s):
     """Routing for 8..1024 tokens runs as one cluster kernel (k_route: 8 H splits added across the cluster's
     shared memory, tiles of 16 or 64 tokens by S, a last tile part empty), above that as k_logits + k_topk (1025,
-    2048): torch's route's experts for >= 99% of the tokens with its weights, each expert's list exactly its (token, slot) rows, the same bits on a second run, and
+    2048): torch's route's experts for >= 99% of the tokens with its weights, each expert's list exactly its
+    (token, slot) rows, the same bits on a second run, and
     the layer's output against the dense reference."""
     from moetune.runtime.moe_layer import route
 
@@ -511,8 +512,9 @@ def test_task_timeline(new_layers, model, cfg, s):
     for t in tasks:
         if t["kind"] != "combine":
             assert 1 <= t["rows"] <= tl["bm"], t
+            key = (t["kind"], t["nfield"], t["expert"])
             if t["parts"] == 1:
-                per[(t["kind"], t["nfield"], t["expert"])] = per.get((t["kind"], t["nfield"], t["expert"]), 0) + t["rows"]
+                per[key] = per.get(key, 0) + t["rows"]
     assert per and all(v == routed[e] for (_, _, e), v in per.items())
     torch.testing.assert_close(m.forward(x), ref, rtol=0, atol=0)
 

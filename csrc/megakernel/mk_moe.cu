@@ -2341,10 +2341,10 @@ int launch_route(const MkParams* pp, cudaStream_t s) {
 // +0.9 µs, 1024 +2.8, but 2048 -8.4 (256 CTAs: more than one wave), and k_route up to 4096 was 13.2 µs slower at
 // 4096: so up to 1024. Runs 107-108 (one H200, pdl=0 traces, routing µs): S=256 k_reset 1.3 + k_route 9.2 vs k_logits
 // 5.9 + k_topk 5.3; S=1024 1.3 + 15.0 vs 12.2 + 5.7; but S=4096 (128-row tiles, 256 CTAs) 1.5 + 35.5 vs 20.2 + 9.7,
-// and a 32-row tile at S=1024 20.8. Below 256 (runs 112-113; one cluster at S=16, eight at
-// 128): 1.4 + 8.8 vs 4.6 + 5.2 µs at S=16 and 1.3 + 8.8 vs 4.8 + 5.3 at 128 alone, yet the layer side by side (graph
-// µs, medians of three rounds) was faster with k_route from S=8 (142.1 vs 143.3, S=16 212.3 vs 213.2, 128 309.1 vs
-// 310.3: one kernel fewer for the persistent kernel to follow under pdl) and slower at S=2 (60.6 vs 59.9).
+// and a 32-row tile at S=1024 20.8. Below 256 (runs 112-113; one cluster at S=16, eight at 128): 1.4 + 8.8 vs
+// 4.6 + 5.2 µs at S=16 and 1.3 + 8.8 vs 4.8 + 5.3 at 128 alone, yet the layer side by side (graph µs, medians of three
+// rounds) was faster with k_route from S=8 (142.1 vs 143.3, S=16 212.3 vs 213.2, 128 309.1 vs 310.3: one kernel fewer
+// for the persistent kernel to follow under pdl) and slower at S=2 (60.6 vs 59.9).
 #ifndef MK_ROUTE_FUSED_S
 #define MK_ROUTE_FUSED_S 8
 #endif
