@@ -62,6 +62,8 @@ def main() -> None:
                          "right after another?)")
     ap.add_argument("--vs-lib", default="",
                     help="NAME=PATH,..: graph replays side by side with the layer launched from these library builds")
+    ap.add_argument("--vs-config", default="",
+                    help="NAME=CONFIG;..: the same, with layers of these configs (same weights) instead of builds")
     ap.add_argument("--feed", action="store_true", help="bulk-copy delivery rate into shared memory (no layer)")
     ap.add_argument("--feed-tiles", action="store_true", help="the wide tile's stage loads without compute (no layer)")
     ap.add_argument("--bench-inputs", action="store_true",
@@ -73,6 +75,10 @@ def main() -> None:
     libs = dict(v.split("=", 1) for v in items if "=" in v)
     if len(libs) != len(items) or "this" in libs:
         ap.error(f"--vs-lib takes NAME=PATH,.. (names other than 'this'), got {a.vs_lib!r}")
+    items = a.vs_config.split(";") if a.vs_config else []
+    configs = dict(v.split("=", 1) for v in items if "=" in v)
+    if len(configs) != len(items) or "this" in configs:
+        ap.error(f"--vs-config takes NAME=CONFIG;.. (names other than 'this'), got {a.vs_config!r}")
     if a.route_splits:
         route_splits([int(v) for v in a.route_splits.split(",")])
         return
@@ -100,6 +106,8 @@ def main() -> None:
         isolation(mk, x)
     if a.vs_lib:
         vs_libs(mk, a.tokens, libs)
+    if a.vs_config:
+        vs_configs(mk, a.tokens, configs)
     if a.timeline and mk.decode_grid(a.tokens) is not None:
         tl = mk.decode_timeline(x)
         summarize_decode(tl)
@@ -196,36 +204,64 @@ def paired_lines(res: dict[str, list[float]], base: str = "this") -> list[str]:
     return out
 
 
-def vs_libs(mk, tokens: int, libs: dict[str, str], rounds: int = 3, iters: int = 200, rotate: int = 8) -> None:
-    """Median graph replay (CUDA events around each, back to back, inputs rotated) of the layer launched from its own
-    library ("this") and from each build in `libs`, of a graph of 20 forwards of each (µs per forward: layers with no
-    host launch and no events between them), and of a graph holding one 1-element torch kernel (what the graph and
-    the events cost by themselves), in `rounds` interleaved rounds; prints the medians; then the single replays
-    interleaved one by one (time_interleaved) with each build's per-round difference to "this". Round r times the single
-    replays first, then the chains, each list rotated by r: a fixed order favoured whichever build ran first after the
-    previous round's tiny kernel by ~5 µs at S=1024 (run 116: the same library timed twice, 351.5-356.5 vs
-    357.0-363.7; the later builds ran right after a chain's sustained load)."""
+def vs_libs(mk, tokens: int, libs: dict[str, str], **kw: int) -> None:
+    """The layer launched from its own library ("this") and from each build in `libs` side by side (`side_by_side`)."""
     from pathlib import Path
 
     from moetune.runtime.megakernel import _lib
+
+    own = mk.lib
+
+    def capture(name: str, fn):
+        mk.lib = _lib.open_library(Path(libs[name])) if name in libs else own
+        try:
+            return fn(mk.forward)  # captured with that build's kernels
+        finally:
+            mk.lib = own
+
+    side_by_side(tokens, mk.model.hidden, ["this", *libs], capture, {"libs": libs}, **kw)
+
+
+def vs_configs(mk, tokens: int, configs: dict[str, str], **kw: int) -> None:
+    """The layer with its own config ("this") and with each config in `configs` (same weights) side by side."""
+    from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
+
+    layers = {"this": mk}
+    for name, text in configs.items():
+        layers[name] = MegakernelMoE(mk.model, max_tokens=tokens, config=MegakernelConfig.parse(text),
+                                     w_gate_up=mk.w_gate_up, w_down=mk.w_down, gate=mk.gate)
+    side_by_side(tokens, mk.model.hidden, list(layers), lambda name, fn: fn(layers[name].forward),
+                 {"configs": configs}, **kw)
+    for m in layers.values():
+        m.check()
+
+
+def side_by_side(tokens: int, hidden: int, names: list[str], capture, meta: dict, rounds: int = 3, iters: int = 200,
+                 rotate: int = 8) -> None:
+    """Median graph replay (CUDA events around each, back to back, inputs rotated) of each variant (`capture(name, f)`
+    calls f with that variant's forward while the graphs are captured), of a graph of 20 forwards of each (µs per
+    forward: layers with no host launch and no events between them), and of a graph holding one 1-element torch
+    kernel (what the graph and the events cost by themselves), in `rounds` interleaved rounds; prints the medians; then
+    the single replays interleaved one by one (time_interleaved) with each variant's per-round difference to "this".
+    Round r times the single replays first, then the chains, each list rotated by r: a fixed order favoured whichever
+    build ran first after the previous round's tiny kernel by ~5 µs at S=1024 (run 116: the same library timed twice,
+    351.5-356.5 vs 357.0-363.7; the later builds ran right after a chain's sustained load)."""
     from moetune.runtime.testing.timing import graphs_of, interleave_order, time_calls, time_interleaved
 
-    xs = [torch.randn(tokens, mk.model.hidden, device="cuda").to(torch.bfloat16) for _ in range(rotate)]
-    own = mk.lib
+    xs = [torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16) for _ in range(rotate)]
     chained = 20
 
-    def chain(x: torch.Tensor) -> None:  # one graph of `chained` forwards: no host launch between layers
-        for _ in range(chained):
-            mk.forward(x)
+    def chain_of(fwd):
+        def chain(x: torch.Tensor) -> None:  # one graph of `chained` forwards: no host launch between layers
+            for _ in range(chained):
+                fwd(x)
+        return chain
 
     graphs, per = {}, {}
-    try:
-        for name, path in {"this": "", **libs}.items():
-            mk.lib = _lib.open_library(Path(path)) if path else own
-            graphs[name] = graphs_of(mk.forward, xs)  # captured with that build's kernels
-            graphs[f"{name}_x{chained}"], per[f"{name}_x{chained}"] = graphs_of(chain, xs[:2]), chained
-    finally:
-        mk.lib = own
+    for name in names:
+        graphs[name] = capture(name, lambda fwd: graphs_of(fwd, xs))
+        graphs[f"{name}_x{chained}"] = capture(name, lambda fwd: graphs_of(chain_of(fwd), xs[:2]))
+        per[f"{name}_x{chained}"] = chained
     one = torch.zeros(1, device="cuda")
     graphs["torch_1elem"] = graphs_of(lambda _: one.add_(1), [None])  # a graph of one tiny torch kernel
     res: dict[str, list[float]] = {n: [] for n in graphs}
@@ -234,10 +270,10 @@ def vs_libs(mk, tokens: int, libs: dict[str, str], rounds: int = 3, iters: int =
     for r in range(rounds):
         for n in interleave_order(singles, r) + interleave_order(chains, r) + ["torch_1elem"]:
             res[n].append(statistics.median(time_calls(graphs[n], warmup=20, iters=iters, cuda=True)) / per.get(n, 1))
-    # the single replays once more, interleaved replay by replay (one of each build per round, order rotated), so the
-    # drift between rounds cancels in each build's difference to "this" (run 117: 10-15 µs between rounds at S=1024)
+    # the single replays once more, interleaved replay by replay (one of each variant per round, order rotated), so the
+    # drift between rounds cancels in each variant's difference to "this" (run 117: 10-15 µs between rounds at S=1024)
     paired = time_interleaved({n: graphs[n] for n in singles}, warmup=20, iters=iters * rounds, cuda=True)
-    print(json.dumps({"vs_lib": {"tokens": tokens, "libs": libs, "rounds_us": res,
+    print(json.dumps({"vs_lib": {"tokens": tokens, **meta, "rounds_us": res,
                                  "interleaved_us": {n: [round(t, 2) for t in v] for n, v in paired.items()}}}))
     for n, v in res.items():
         print(f"  S={tokens} {n:10s} graph replay " + " / ".join(f"{t:.1f}" for t in v) + " us")

@@ -553,6 +553,61 @@ def test_simulation_wide_tile(s, mode, procs):
         assert len(g1) == 2 and len(g2) == 2 and max(g1) < min(g2)
 
 
+def test_tail_rows_rule():
+    """An expert's last r = count % 128 rows (1 <= r <= tail) ride in its last full m-tile: 129 and 144 rows are one
+    m-tile, 145 two; one m-tile's worth or less never changes; the m-tiles cover the rows once, in order."""
+    assert [sch.expert_tiles(c, 128, 16) for c in (0, 1, 16, 127, 128, 129, 144, 145, 256, 257, 272, 273)] == \
+        [0, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 3]
+    assert [sch.expert_tiles(c, 128, 0) for c in (129, 144, 145)] == [2, 2, 2]
+    assert sch.expert_tiles(129, 128, 1) == 1 and sch.expert_tiles(130, 128, 1) == 2
+    for tail in (0, 1, 16):
+        for c in range(0, 600):
+            n = sch.expert_tiles(c, 128, tail)
+            ends = [sch.tile_end(c, mt, 128, tail) for mt in range(n)]
+            assert ends == [128 * (mt + 1) for mt in range(n - 1)] + ([c] if n else [])
+            assert all(1 <= e - 128 * mt <= 128 + tail for mt, e in enumerate(ends))
+
+
+@pytest.mark.parametrize("procs", [1, 7, 300])
+def test_simulation_tail_rows(procs):
+    """The wide tile with tail rows: experts of 129, 144, 145 and 272 rows own 1, 1, 2 and 2 m-tiles, every task runs
+    once in dependency order (simulate asserts each start) and the combine tiles see every row (ctile_target)."""
+    e, k, ct, hid, inter = 16, 1, 8, 512, 256
+    idx = [[0]] * 129 + [[1]] * 144 + [[2]] * 145 + [[3]] * 272 + [[4 + x % 12] for x in range(40)]
+    p = sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=128, combine_tokens=ct, bn=256, tail=16)
+    plain = sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=128, combine_tokens=ct, bn=256)
+    counts = Counter(x for row in idx for x in row)
+    assert [p.tile_base[x + 1] - p.tile_base[x] for x in range(4)] == [1, 1, 2, 2]
+    assert plain.n_tiles - p.n_tiles == 3  # experts 0, 1 and 3 lose their last m-tile
+    assert [len(p.tile_rows(x, mt)) for x in range(4) for mt in range(p.tile_base[x + 1] - p.tile_base[x])] == \
+        [129, 144, 128, 17, 128, 144]
+    for x in range(e):
+        tiles = [p.tile_rows(x, mt) for mt in range(p.tile_base[x + 1] - p.tile_base[x])]
+        assert sum(tiles, ()) == p.rows[x] and len(p.rows[x]) == counts[x]
+    r = sch.simulate(p, processors=procs, bm=128, topk=k, combine_tokens=ct, seed=procs)
+    assert r.error == 0 and len(r.executed) == p.total and len(set(r.executed)) == p.total
+    with pytest.raises(ValueError, match="tail"):
+        sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=128, combine_tokens=ct, tail=16)  # bn=128
+    with pytest.raises(ValueError, match="tail"):
+        sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=128, combine_tokens=ct, bn=256, tail=17)
+
+
+def test_config_tail_rows():
+    """tail_rows applies to the wide tile by TMA on the overlap kernel only (the library zeroes it elsewhere)."""
+    c = MegakernelConfig()
+    assert c.tail_rows == 16 and c.tail(128, 256) == 16
+    assert c.tail(128, 128) == 0 and c.tail(16, 128) == 0 and c.tail(64, 128) == 0
+    assert MegakernelConfig.parse("tma=0").tail(128, 256) == 0
+    assert MegakernelConfig.parse("overlap=0").tail(128, 256) == 0
+    assert MegakernelConfig.parse("tail_rows=0").tail(128, 256) == 0
+    assert MegakernelConfig.parse("tail_rows=4").tail(128, 256) == 4
+    with pytest.raises(ConfigError, match="tail_rows"):
+        MegakernelConfig.parse("tail_rows=17")
+    src = (Path(__file__).parents[1] / "csrc" / "megakernel" / "mk_moe.cu").read_text()
+    assert "if (!(T::XR > 0 && p->overlap)) q.tail_rows = 0;" in src
+    assert "static constexpr int XR = NBLK == 2 && TMA_ ? 16 : 0;" in src
+
+
 def test_wide_tile_stalled_tile_times_out():
     idx = _routing(200, 16, 4, mode="uniform", seed=4)
     p = sch.plan(idx, experts=16, hidden=512, intermediate=256, bm=128, combine_tokens=8, bn=256)
@@ -814,7 +869,7 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     assert "mkidx::queue_word(i, base" in lw[:lw.index("\n}\n")]
     assert "if (qs.fits) g1_local = qs.n_tiles * qs.G1;" in kern
     order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work",
-             "MK_TASK_COMBINE", "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T>(", "named_sync(2, NCONS)",
+             "MK_TASK_COMBINE", "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T, (T::XR > 0)>(", "named_sync(2, NCONS)",
              "signal_rows<T>(", "mbar_arrive(tempty"]
     pos = 0
     for x in order:

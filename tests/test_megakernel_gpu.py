@@ -102,7 +102,7 @@ def _check(layer, model, x, out, idx, w, tol=1e-2):
     bm = cfg.pick_bm(x.shape[0], model.topk, model.experts)
     p = schedule.plan(idx.tolist(), experts=model.experts, hidden=model.hidden, intermediate=model.intermediate,
                       bm=bm, combine_tokens=cfg.combine_tokens, split_k1=cfg.split_k1, split_k2=cfg.split_k2,
-                      split_max_tiles=layer.sk_tiles, bn=cfg.pick_bn(bm))
+                      split_max_tiles=layer.sk_tiles, bn=cfg.pick_bn(bm), tail=cfg.tail(bm, cfg.pick_bn(bm)))
     assert (c["total"], c["tiles"], c["published"]) == (p.total, p.n_tiles, p.total)
     return err
 
@@ -395,10 +395,63 @@ def test_overlap_matches_plain_exactly(new_layers, model, cfg, s):
     x = _x(s, model.hidden, seed=1100 + s)
     idx, w = _routing(s, model.experts, model.topk, "zipf", seed=s)
     a = new_layers("overlap=0," + cfg).forward_routed(x, idx, w, out=_poisoned(s, model.hidden)).clone()
-    b = new_layers("overlap=1," + cfg).forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
+    # (tail rows, which only the overlap kernel has, run on mma.sync: test_tail_rows compares those)
+    b = new_layers("overlap=1,tail_rows=0," + cfg).forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
     torch.cuda.synchronize()
-    new_layers("overlap=1," + cfg).check()
+    new_layers("overlap=1,tail_rows=0," + cfg).check()
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _tail_routing(s: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing whose first five slots give experts 0..11 the row counts below (an expert's rows all in one slot, each
+    slot's experts its own, so a token's picks stay distinct); slots 5.. pick among experts 12.. at random."""
+    cols = [[(0, 129), (1, 144), (2, s - 273)], [(3, 145), (4, 128), (5, s - 273)], [(6, 257), (7, s - 257)],
+            [(8, 272), (9, s - 272)], [(10, 273), (11, s - 273)]]
+    idx = torch.empty(s, k, dtype=torch.int64)
+    for j, col in enumerate(cols):
+        idx[:, j] = torch.cat([torch.full((n,), e) for e, n in col])
+    g = torch.Generator().manual_seed(seed)
+    idx[:, 5:] = 12 + torch.rand(s, 116, generator=g).argsort(1)[:, : k - 5]
+    w = torch.rand(s, k, generator=g)
+    return idx.cuda(), (w / w.sum(1, keepdim=True)).cuda()
+
+
+@pytest.mark.parametrize("cfg", ["bm=128,bn=256", "bm=128,bn=256,tail_rows=1"])
+def test_tail_rows(new_layers, model, cfg):
+    """An expert's last rows past a multiple of 128 (up to tail_rows) ride in its last full m-tile on mma.sync: experts
+    of 129, 144, 145, 128, 257, 272 and 273 rows. Reference within 1e-2 and the kernel's m-tile count the plan's (in
+    _check); against tail_rows=0: tokens without a tail row are the same bits (their m-tiles run the same wgmmas), the
+    others within 1e-2; the same bits run to run."""
+    from moetune.runtime.megakernel import _lib, schedule
+    from moetune.runtime.moe_layer import max_rel_err
+
+    s = 300
+    m, ref = new_layers(cfg), new_layers("bm=128,bn=256,tail_rows=0")
+    assert m.config.tail(128, 256) == (1 if "tail_rows=1" in cfg else 16) and ref.config.tail(128, 256) == 0
+    x = _x(s, model.hidden, seed=1900)
+    idx, w = _tail_routing(s, model.topk, seed=1901)
+    out = m.forward_routed(x, idx, w, out=_poisoned(s, model.hidden)).clone()
+    _check(m, model, x, out, idx, w)
+    base = ref.forward_routed(x, idx, w, out=_poisoned(s, model.hidden)).clone()
+    again = m.forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
+    torch.cuda.synchronize()
+    m.check()
+    assert torch.equal(out.view(torch.int16), again.view(torch.int16)), "not bit-identical across runs"
+    tail = m.config.tail(128, 256)
+    p = schedule.plan(idx.tolist(), experts=model.experts, hidden=model.hidden, intermediate=model.intermediate,
+                      bm=128, combine_tokens=m.config.combine_tokens, bn=256, tail=tail)
+    tails = {e: len(p.tile_rows(e, mt)) - 128 for e in range(model.experts)
+             for mt in range(p.tile_base[e + 1] - p.tile_base[e]) if len(p.tile_rows(e, mt)) > 128}
+    assert tails == ({0: 1, 1: 16, 6: 1, 8: 16} if tail == 16 else {0: 1, 6: 1})
+    # which (token, slot) rows rode in a tail: the kernel's own lists (their order is the routing atomics')
+    counts = m.counts[::_lib.COUNT_STRIDE].tolist()
+    tail_tokens = set()
+    for e, n in tails.items():
+        assert counts[e] % 128 == n
+        tail_tokens |= {r // model.topk for r in m.lists[e, counts[e] - n : counts[e]].tolist()}
+    plain = torch.tensor([t not in tail_tokens for t in range(s)], device="cuda")
+    assert torch.equal(out[plain].view(torch.int16), base[plain].view(torch.int16))
+    assert max_rel_err(out[~plain], base[~plain]) <= 1e-2
 
 
 def _both_topk_kernels(spec: str, s: int, max_tokens: int, seed: int):
@@ -487,7 +540,8 @@ def test_publish_all_matches_plain_exactly(new_layers, model, cfg, s):
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@pytest.mark.parametrize(("cfg", "s"), [("decode=0", 1), ("publish_all=1,decode=0", 1), ("", 128), ("", 1000)])
+@pytest.mark.parametrize(("cfg", "s"), [("decode=0", 1), ("publish_all=1,decode=0", 1), ("", 128), ("", 1000),
+                                        ("", 2048)])
 def test_task_timeline(new_layers, model, cfg, s):
     """Every executed task carries its stamps (published <= done, claimed <= done), the kinds add up to the
     kernel's own total, and a traced forward leaves the layer's output unchanged."""
@@ -509,9 +563,14 @@ def test_task_timeline(new_layers, model, cfg, s):
     idx, _ = m.routing(s)
     routed = torch.bincount(idx.flatten().long(), minlength=model.experts).tolist()
     per: dict[tuple[str, int, int], int] = {}
+    bm = tl["bm"]
+    tail = m.config.tail(bm, m.config.pick_bn(bm))
+    assert tail == (16 if s == 2048 else 0)  # (the wide tile by TMA on the overlap kernel: S=2048 here)
+    if tail:  # at ~128 +- 11 rows per expert some experts' last rows ride in their full m-tile
+        assert any(t["rows"] > bm for t in tasks if t["kind"] != "combine")
     for t in tasks:
         if t["kind"] != "combine":
-            assert 1 <= t["rows"] <= tl["bm"], t
+            assert 1 <= t["rows"] <= bm + tail, t
             key = (t["kind"], t["nfield"], t["expert"])
             if t["parts"] == 1:
                 per[key] = per.get(key, 0) + t["rows"]

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 16
+#define MK_ABI_VERSION 17
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -133,6 +133,10 @@ typedef struct MkParams {
                    // topk_w (1) or (ABI 16) routing from the gate in the kernel itself (2, no mk_route before it)
   // ABI 16
   int32_t* dec_cnt;  // [(64 + 3) * 32] the decode kernel's counters (zero between launches: its last CTA resets them)
+  // ABI 17
+  int64_t tail_rows;  // 0..16: an expert's last rows past a multiple of 128, up to this many, ride in its last full
+                      // m-tile (128 + r rows: mma.sync beside the wgmmas) instead of an m-tile of their own (mk_index.h:
+                      // expert_tiles). The wide tile (bn = 256) on the overlap kernel only; every other launch ignores it.
 } MkParams;
 
 int mk_abi_version(void);

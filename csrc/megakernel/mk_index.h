@@ -103,6 +103,19 @@ MK_HD int t_mtile(uint64_t w) { return (int)((w >> 32) & 0xffff); }
 MK_HD int t_nfield(uint64_t w) { return (int)((w >> 20) & 0xfff); }
 MK_HD int t_tile(uint64_t w) { return (int)(w & 0xfffff); }
 
+// ---- m-tiles ------------------------------------------------------------------------------------------
+// An expert with cnt routed rows owns ceil(cnt / bm) m-tiles, except that with `tail` > 0 (MkParams.tail_rows: the
+// wide tile on the overlap kernel) its last r = cnt % bm rows, 1 <= r <= tail, ride in its last full m-tile (bm + r
+// rows) instead of an m-tile of their own, whose tasks would stream the expert's whole weight tile again for them.
+MK_HD int expert_tiles(int cnt, int bm, int tail) {
+  const int n = (cnt + bm - 1) / bm, r = cnt % bm;
+  return tail > 0 && n > 1 && r > 0 && r <= tail ? n - 1 : n;
+}
+// One past the last of m-tile mt's rows in the expert's list (its first is mt * bm).
+MK_HD int tile_end(int cnt, int mt, int bm, int tail) {
+  return mt + 1 >= expert_tiles(cnt, bm, tail) ? cnt : (mt + 1) * bm;
+}
+
 // ---- the queue ------------------------------------------------------------------------------------------
 // Expert owning m-tile `tile` (base[] = exclusive prefix of m-tiles per expert, base[E] = total).
 MK_HD int tile_expert(const int* base, int E, int tile) {

@@ -69,6 +69,7 @@ struct Tile {
   static constexpr int META = BM * 8 + BN * 8 + BM * 4 + 16 + (TMA ? 8 + 16 * 8 : 0);
   static constexpr int NACC = MT * NT * 4;  // fp32 accumulators per thread
   static constexpr bool WG = false;         // mma.sync core (the wgmma core is WgTile below)
+  static constexpr int XR = 0;              // tail rows (WgTile)
   static constexpr int ALIGN = TMA ? 1024 : 0;  // extra dynamic shared memory for aligning the tiles (the TMA's
                                                 // 128-byte swizzle repeats every 1024 bytes from the tile base)
   static_assert(MT >= 1 && NT % 2 == 0 && NACC <= 64, "warp tile");
@@ -472,13 +473,19 @@ template <class T>
 __device__ __forceinline__ Meta meta(char* smem, int stages) {
   Meta m;
   m.a_off = (int64_t*)(smem + T::STAGE * stages);
-  m.b_off = m.a_off + T::BM;
+  m.b_off = m.a_off + T::BM + T::XR;
   m.row_id = (int*)(m.b_off + T::BNT);
-  m.last = m.row_id + T::BM;
+  m.last = m.row_id + T::BM + T::XR;
   return m;
 }
 // Shared address of the first stage mbarrier (8-byte aligned, after the metadata; TMA and wgmma tiles).
 __device__ __forceinline__ uint32_t bar_base(const Meta& md) { return (su32(md.last + 4) + 7u) & ~7u; }
+
+// Tail rows of this launch's m-tiles (MkParams.tail_rows): the tiles without a tail ring take none.
+template <class T>
+__device__ __forceinline__ int tail_of(const MkParams& p) {
+  return T::XR ? (int)min(p.tail_rows, (int64_t)T::XR) : 0;
+}
 
 // Per-task metadata: A row offsets (token rows of x for GEMM1, (token, slot) rows of h for GEMM2) and
 // B row offsets (GEMM1: interleaved gate/up rows, so each accumulator pair (c0, c1) is (gate, up) of one
@@ -489,9 +496,10 @@ __device__ __forceinline__ void fill_meta_part(const MkParams& p, const Meta& md
                                                int stride) {
   const int tid = first, K = (int)p.K, H = (int)p.H, I = (int)p.I;
   const int cnt = p.counts[e * MK_COUNT_STRIDE];  // written by the routing kernel (earlier in the stream)
-  for (int r = tid; r < T::BM; r += stride) {
+  const int end = mkidx::tile_end(cnt, mt, T::BM, tail_of<T>(p));  // (rows BM.. : the tail, XR > 0 only)
+  for (int r = tid; r < T::BM + T::XR; r += stride) {
     const int m = mt * T::BM + r;
-    const int v = m < cnt ? p.lists[(int64_t)e * p.S_cap + m] : -1;
+    const int v = m < end ? p.lists[(int64_t)e * p.S_cap + m] : -1;
     md.row_id[r] = v;
     md.a_off[r] = v < 0 ? -1 : (kind == MK_TASK_GEMM1 ? (int64_t)(v / K) * H : (int64_t)v * I);
   }
@@ -561,7 +569,7 @@ __device__ __forceinline__ void signal_rows(const MkParams& p, const Meta& md, i
   }
   const int rows_per_ct = (int)p.K * (int)p.combine_tokens;  // (v / K) / combine_tokens, in one division
   bool fenced = false;
-  for (int r = first; r < T::BM; r += stride) {
+  for (int r = first; r < T::BM + T::XR; r += stride) {
     const int v = md.row_id[r];
     if (v < 0) continue;
     if (!fenced) {
@@ -708,8 +716,12 @@ struct WgTile {
   static constexpr bool TMA = TMA_;
   static constexpr int MINB = 1;  // bm=64: 2 CTAs/SM still fit by shared memory at <= 4 stages (launch bound 1
                                   // keeps the consumers' 64 accumulators + descriptors off the spill path)
-  static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BNT * BK * 2, STAGE = A_BYTES + B_BYTES;
-  static constexpr int META = BM * 8 + BNT * 8 + BM * 4 + 16 + 2 * 8 * 16;  // + full/empty barriers (<= 16 stages)
+  // XR: rows an m-tile may hold past BM (MkParams.tail_rows, the wide tile only). Their A rows sit in a 2 KB ring
+  // at the end of each stage (X_OFF), computed by mma.sync from the consumer warps beside their wgmmas (wide_tail_mma)
+  static constexpr int XR = NBLK == 2 && TMA_ ? 16 : 0;
+  static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BNT * BK * 2, X_OFF = A_BYTES + B_BYTES;
+  static constexpr int STAGE = X_OFF + XR * BK * 2;
+  static constexpr int META = (BM + XR) * 8 + BNT * 8 + (BM + XR) * 4 + 16 + 2 * 8 * 16;  // + full/empty barriers
   static constexpr bool WG = true;
   static constexpr int ALIGN = 1024;  // the 128-byte swizzle needs 1024-byte aligned tiles
   static_assert(A_BYTES % 1024 == 0 && STAGE % 1024 == 0, "stage tiles must stay 1024-byte aligned");
@@ -875,9 +887,9 @@ __device__ __forceinline__ int sk_splits(const MkParams& p, int64_t want, int n_
 //     the timeout, so a producer spinning on an unpublished queue slot reports MK_ERR_PROC_TIMEOUT first, as today.
 template <class T>
 struct OvSlot {  // one task slot: fill_meta's arrays and the task word
-  int64_t a_off[T::BM];
+  int64_t a_off[T::BM + T::XR];
   int64_t b_off[T::BNT];
-  int row_id[T::BM];
+  int row_id[T::BM + T::XR];
   uint64_t task;
   int qi;  // its queue slot (timeline stamps)
 };
@@ -891,6 +903,14 @@ constexpr int stage_out_bytes() {
 // (128-byte aligned) the consumer warps' epilogue buffers (wg_store_staged).
 template <class T>
 constexpr int ov_meta_bytes() { return 2 * (int)sizeof(OvSlot<T>) + 8 * (16 + 16 + 2 + 2) + 8 + 128 + stage_out_bytes<T>(); }
+
+// Registers per thread of a warpgroup from here on (all its warps run it): the tail tile's producer gives registers
+// to its consumers (128 x 40 + 256 x 232 <= 64 K).
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+constexpr int TAIL_PRODUCER_REGS = 40, TAIL_CONSUMER_REGS = 232;
 
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 // bar.sync on barrier `id` of n threads that also returns the AND of every participant's `ok` (uniform result).
@@ -967,17 +987,28 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
   const bf16* a_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h;
   const bf16* b_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.w1 : (const bf16*)p.w2;
   const int ch = t & 7, r0 = t >> 3;
-  const bf16* asrc[T::BM / 16];
-  int abytes[T::BM / 16];
-  const bf16* bsrc[T::BNT / 16];
+  // LEAN: the tail tile's producer runs on 40 registers (setmaxnreg, k_experts_ov), so it reads its A rows' offsets
+  // from the task slot per stage instead of holding 8 pointers; thread t also copies chunk ch of tail row r0
+  constexpr bool LEAN = T::XR > 0;
+  static_assert(!LEAN || (T::TMA && T::XR == 16), "tail rows: one row per 8 producer threads, B by TMA");
+  constexpr int AQ = LEAN ? 1 : T::BM / 16, BQ = T::TMA ? 1 : T::BNT / 16;
+  const bf16* asrc[AQ];
+  int abytes[AQ];
+  const bf16* bsrc[BQ];
+  if constexpr (!LEAN) {
 #pragma unroll
-  for (int q = 0; q < T::BM / 16; ++q) {
-    const int64_t off = md.a_off[r0 + 16 * q];
-    asrc[q] = a_base + (off < 0 ? 0 : off) + ch * 8;
-    abytes[q] = off < 0 ? 0 : 16;  // rows past the expert's count: zero-filled
+    for (int q = 0; q < T::BM / 16; ++q) {
+      const int64_t off = md.a_off[r0 + 16 * q];
+      asrc[q] = a_base + (off < 0 ? 0 : off) + ch * 8;
+      abytes[q] = off < 0 ? 0 : 16;  // rows past the expert's count: zero-filled
+    }
   }
+  if constexpr (!T::TMA) {
 #pragma unroll
-  for (int q = 0; q < T::BNT / 16; ++q) bsrc[q] = b_base + md.b_off[r0 + 16 * q] + ch * 8;
+    for (int q = 0; q < T::BNT / 16; ++q) bsrc[q] = b_base + md.b_off[r0 + 16 * q] + ch * 8;
+  }
+  bool tail = false;  // this task's m-tile has tail rows (rows fill in order: row BM is the first)
+  if constexpr (LEAN) tail = md.row_id[T::BM] >= 0;
   // TMA: the B tile's two boxes start at weight rows brow and brow2 (GEMM1: gate, up; GEMM2: 128 rows)
   const CUtensorMap* bmap = kind == MK_TASK_GEMM1 ? tm1 : tm2;
   const int brow = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
@@ -1005,9 +1036,23 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
       }
     }
     if constexpr (!(MK_PROBE & 1)) {
+      if constexpr (LEAN) {
 #pragma unroll
-      for (int q = 0; q < T::BM / 16; ++q)
-        cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
+        for (int q = 0; q < T::BM / 16; ++q) {
+          const int64_t off = md.a_off[r0 + 16 * q];
+          cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), a_base + (off < 0 ? 0 : off) + ch * 8 + kt * BK,
+                     off < 0 ? 0 : 16);
+        }
+        if (tail) {  // tail row r0 into the stage's ring (zero-filled past the m-tile's rows)
+          const int64_t off = md.a_off[T::BM + r0];
+          cp_async16(sA + (T::X_OFF + mkidx::swz_off(r0, ch * 8)), a_base + (off < 0 ? 0 : off) + ch * 8 + kt * BK,
+                     off < 0 ? 0 : 16);
+        }
+      } else {
+#pragma unroll
+        for (int q = 0; q < T::BM / 16; ++q)
+          cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
+      }
       if constexpr (!T::TMA) {
 #pragma unroll
         for (int q = 0; q < T::BNT / 16; ++q)
@@ -1079,9 +1124,80 @@ __device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& m
   }
 }
 
+// ---- tail rows (T::XR = 16, the wide tile on the overlap kernel) ----
+// Consumer warp w8 = 4c + warp (0..7) computes the tail's 16 rows x 32 of the 256 tile columns on mma.sync m16n8k16
+// (four n8 blocks, 16 fp32 accumulators), A from the stage's ring, B from the stage's wgmma tile: GEMM1 gate columns
+// 16 w8 .. +15 (blocks 0, 1) and their up columns 128 + 16 w8 .. (blocks 2, 3), so a thread holds (gate, up) pairs;
+// GEMM2 columns 32 w8 .. +31. Blocks 2q, 2q + 1 are 8 columns apart: one ldmatrix.x4 per k16 step gives both.
+__device__ __forceinline__ int tail_bcol(bool g1, int w8, int q) { return g1 ? 128 * q + 16 * w8 : 32 * w8 + 16 * q; }
+// One stage (64 k) of the warp's tail tile; sX: the stage's ring, sB: its B tile (both 128-byte swizzled: swz_off).
+__device__ __forceinline__ void tail_mma_stage(float (&x)[4][4], uint32_t sX, uint32_t sB, bool g1, int w8, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk) {
+    uint32_t a[4];  // rows lane & 15, k 8 (lane >> 4) of this k16 step: a0..a3 of the m16n8k16 A fragment
+    ldsm_x4(a, sX + mkidx::swz_off(lane & 15, kk * 16 + 8 * (lane >> 4)));
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {  // lanes 0-7 / 8-15: block 2q at k 0-7 / 8-15; lanes 16-31: block 2q + 1
+      uint32_t b[4];
+      const int row = tail_bcol(g1, w8, q) + (lane & 7) + ((lane >> 4) << 3);
+      ldsm_x4(b, sB + mkidx::swz_off(row, kk * 16 + 8 * ((lane >> 3) & 1)));
+      mma16816(x[2 * q], a, b[0], b[1]);
+      mma16816(x[2 * q + 1], a, b[2], b[3]);
+    }
+  }
+}
+// The tail's epilogue from the fragments (16 rows: stores straight from registers). Accumulator i of block j: row
+// (lane >> 2) + 8 (i >> 1), column 2 (lane & 3) + (i & 1) of the block. xw: GEMM2's weights of the two rows.
+__device__ __forceinline__ void tail_store(const MkParams& p, const int* row_id, int kind, int nb, int w8, int lane,
+                                           const float (&x)[4][4], const float (&xw)[2]) {
+  const bool g1 = kind == MK_TASK_GEMM1;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int v = row_id[(lane >> 2) + 8 * half];
+    if (v < 0) continue;
+    const int i = 2 * half, c2 = 2 * (lane & 3);
+    if (g1) {  // gate block j, up block j + 2: h columns nb*64 + 16 w8 + 8 j + c2, +1
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        store_h2(p, nb, v, 16 * w8 + 8 * j + c2, x[j][i], x[j][i + 1], x[j + 2][i], x[j + 2][i + 1]);
+    } else {  // y columns nb*128 + 32 w8 + 8 j + c2, +1
+      __nv_bfloat162* yrow = (__nv_bfloat162*)((bf16*)p.y + (int64_t)v * p.H + nb * BN + 32 * w8 + c2);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) yrow[4 * j] = __floats2bfloat162_rn(x[j][i] * xw[half], x[j][i + 1] * xw[half]);
+    }
+  }
+}
+// The wide consumers' k loop with the tail (both warpgroups busy: a tail rides in a full m-tile): each stage's wgmmas
+// are issued, then the warp's tail mma.sync run while they execute, then the stage is freed once both are done.
 template <class T>
+__device__ __forceinline__ void tail_mainloop(const MkParams& p, const WgBars<T>& bars, uint32_t s0, bool g1, int KT,
+                                              uint32_t it, int c, int w8, int lane, float (&d)[T::NACC],
+                                              float (&x)[4][4]) {
+  const int stages = (int)p.stages;
+  for (int kt = 0; kt < KT; ++kt) {
+    const uint32_t g = it + kt, slot = g % stages;
+    mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
+    fence_proxy_async();  // the producers' cp.async rows (generic proxy) before the wgmmas read them (async proxy)
+    const uint32_t st = s0 + slot * T::STAGE, sA = st + c * 64 * 128, sB = st + T::A_BYTES;
+    acc_fence(d);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk)
+      wgmma_tile(d, mkidx::wg_desc(sA + kk * 32), mkidx::wg_desc(sB + kk * 32), kt > 0 || kk > 0);
+    wg_commit();
+    acc_fence(d);
+    tail_mma_stage(x, st + T::X_OFF, sB, g1, w8, lane);
+    wg_wait<0>();
+    acc_fence(d);
+    mbar_arrive(bars.empty + 8 * slot);  // (the ldmatrix reads are done: the mma.sync consumed them)
+  }
+}
+
+// XT: the overlap kernel's tail tiles (T::XR > 0; setmaxnreg gives the consumers the registers for x).
+template <class T, bool XT = false>
 __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
                                            int nb, int KT, uint32_t it, int t, int c, int qi, uint32_t stg = 0) {
+  static_assert(!XT || (T::XR == 16 && T::CONSUMERS == 2), "tail rows: the wide tile");
   const int stages = (int)p.stages;
   float d[T::NACC];
 #pragma unroll
@@ -1107,7 +1223,22 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
     }
     return;  // every row padding: no stores
   }
-  for (int kt = 0; kt < KT; ++kt) {
+  // tail rows: this m-tile holds rows past BM (then both warpgroups are busy); their fragments and GEMM2 weights
+  float x[4][4] = {}, xw[2] = {0.f, 0.f};
+  const int w8 = 4 * c + (t >> 5), lane = t & 31;
+  const bool tail = XT && md.row_id[T::BM] >= 0;
+  if constexpr (XT) {
+    if (tail && kind == MK_TASK_GEMM2) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int v = md.row_id[T::BM + (lane >> 2) + 8 * half];
+        if (v >= 0) xw[half] = __ldcg(p.topk_w + v);
+      }
+    }
+  }
+  if (tail) {  // (a branch outside the k loop: a test inside it would make ptxas serialise the wgmmas, C7518)
+    if constexpr (XT) tail_mainloop<T>(p, bars, s0, kind == MK_TASK_GEMM1, KT, it, c, w8, lane, d, x);
+  } else for (int kt = 0; kt < KT; ++kt) {
     const uint32_t g = it + kt, slot = g % stages;
     mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
     fence_proxy_async();  // the producers' cp.async rows (generic proxy) before the wgmmas read them (async proxy)
@@ -1139,9 +1270,13 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
       wg_store_staged<T, true>(p, md, nb, t, c, d, wrow, stg);
     else
       wg_store_staged<T, false>(p, md, nb, t, c, d, wrow, stg);
+    if constexpr (XT) {
+      if (tail) tail_store(p, md.row_id + T::BM, kind, nb, w8, lane, x, xw);
+    }
     if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_EPI, (int64_t)gtime());
     return;
   }
+  // (XT: never here; the overlap kernel's wide tile always takes the staged epilogue above)
   // epilogue straight from the fragment (mk_index.h: acc_row / acc_col)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -1204,10 +1339,10 @@ __device__ void run_gemm_wg(const MkParams& p, char* smem, int kind, int e, int 
 // lane a contiguous run of experts, then a scan); the caller synchronises before reading it.
 template <class T>
 __device__ void tile_prefix(const MkParams& p, int* base) {
-  const int lane = threadIdx.x & 31, E = (int)p.E, bm = T::BM;
+  const int lane = threadIdx.x & 31, E = (int)p.E, bm = T::BM, tail = tail_of<T>(p);
   const int per = (E + 31) / 32, e0 = lane * per, e1 = min(E, e0 + per);
   int sum = 0;
-  for (int e = e0; e < e1; ++e) sum += (p.counts[e * MK_COUNT_STRIDE] + bm - 1) / bm;
+  for (int e = e0; e < e1; ++e) sum += mkidx::expert_tiles(p.counts[e * MK_COUNT_STRIDE], bm, tail);
   int incl = sum;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -1217,7 +1352,7 @@ __device__ void tile_prefix(const MkParams& p, int* base) {
   int run = incl - sum;
   for (int e = e0; e < e1; ++e) {
     base[e] = run;
-    run += (p.counts[e * MK_COUNT_STRIDE] + bm - 1) / bm;
+    run += mkidx::expert_tiles(p.counts[e * MK_COUNT_STRIDE], bm, tail);
   }
   if (lane == 31) base[E] = incl;
 }
@@ -1553,6 +1688,12 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   }
   const uint32_t s0 = su32(smem);
   uint32_t it = 0;  // running k-stage counter: the producer and the consumers see the same task sequence
+  if constexpr (T::XR > 0) {  // the tail's fragments: registers from the (lean) producer to the consumers
+    if (wg == 0)
+      setmaxnreg_dec<TAIL_PRODUCER_REGS>();
+    else
+      setmaxnreg_inc<TAIL_CONSUMER_REGS>();
+  }
   if (wg == 0) {
     // ---- producer warpgroup ----
     for (uint32_t j = 0;; ++j) {
@@ -1606,7 +1747,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       const Meta md = {const_cast<int64_t*>(sl.a_off), const_cast<int64_t*>(sl.b_off), const_cast<int*>(sl.row_id),
                        nullptr};
       const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
-      wg_consume<T>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg);
+      wg_consume<T, (T::XR > 0)>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg);
       it += KT;
       named_sync(2, NCONS);  // every consumer's stores issued before the fences + signals
       signal_rows<T>(p, md, kind, mkidx::t_tile(task), ct, NCONS);
@@ -2176,6 +2317,7 @@ int check_params(const MkParams* p) {
   if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");
   if (p->decode < 0 || p->decode > 2) return fail_msg("mk: decode must be 0, 1 or 2");
   if (p->decode && !p->dec_cnt) return fail_msg("mk: decode needs dec_cnt");
+  if (p->tail_rows < 0 || p->tail_rows > 16) return fail_msg("mk: tail_rows must be in 0..16");
   return 0;
 }
 
@@ -2390,6 +2532,9 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
   }
   bool launched = false;
   cudaError_t e = cudaSuccess;
+  MkParams q = *p;  // tail rows: the overlap kernel's tail tile only (the other launches' m-tiles hold bm rows)
+  if (!(T::XR > 0 && p->overlap)) q.tail_rows = 0;
+  p = &q;
   if constexpr (T::WG) {
     if (p->overlap) {
       e = launch_k(k_experts_ov<T>, dim3((unsigned)p->grid), T::THREADS, smem_for_ov<T>((int)p->stages), s,

@@ -124,6 +124,12 @@ class MegakernelConfig:
     # routing + the task graph: ONE launch that routes from the gate, computes the up projection as row-pair GEMVs on
     # every SM while the down projection's rows load, so both weights stream at once. 0: always the task graph.
     decode: int = 1
+    # Launches on the wide tile by TMA with the overlap kernel (bm = 128, bn = 256, tma = 1, overlap = 1): an expert's
+    # last r rows past a multiple of 128, 1 <= r <= tail_rows, ride in its last full m-tile (128 + r rows; the consumer
+    # warps run them on mma.sync beside their wgmmas, A from a 2 KB ring per stage) instead of an m-tile of their own,
+    # whose tasks would stream the expert's whole weight tile again for them (run 119's timeline: m-tiles of 1-16 rows
+    # took 41.5 + 25.7 us of each CTA's time at S=4096, 71.6 + 34.6 at 2048). 0 = off; other launches ignore it.
+    tail_rows: int = 16
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -144,6 +150,7 @@ class MegakernelConfig:
         "pdl": (0, 1),
         "l2_evict_weights": (0, 2),
         "decode": (0, 1),
+        "tail_rows": (0, 16),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 
@@ -259,6 +266,12 @@ class MegakernelConfig:
         if self.l2_evict_weights != 2:
             return self.l2_evict_weights
         return 1 if tokens * topk <= experts * bm else 0
+
+    def tail(self, bm: int, bn: int) -> int:
+        """MkParams.tail_rows in effect for a launch of m-tile `bm` and `bn` columns (see `tail_rows`; the library
+        zeroes it for every other launch, so plans and timelines use this)."""
+        wide = bm == 128 and bn == 256 and self.core == "wgmma" and self.tma == 1 and self.overlap == 1
+        return self.tail_rows if wide else 0
 
     def pick_bn(self, bm: int) -> int:
         """Columns per GEMM task for a launch with m-tile `bm`: `bn` where the wide tile exists (wgmma, bm=128),

@@ -20,6 +20,7 @@ import torch
 
 from . import _lib
 from .config import ConfigError, MegakernelConfig
+from .schedule import tile_end
 
 BN = 128
 ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor timed out waiting for a queue slot",
@@ -188,6 +189,7 @@ class MegakernelMoE:
             p.split_k1, p.split_k2, p.sk_max_tiles = cfg.split_k1, cfg.split_k2, self.sk_tiles
             p.tma_b = cfg.tma
             p.bn = cfg.pick_bn(bm)  # 256: the wide tile (two 128-column n-blocks per task)
+            p.tail_rows = cfg.tail(bm, p.bn)  # an expert's last rows (<= 16) ride in its last full m-tile
             p.overlap = cfg.overlap  # 1: the wgmma tiles' cross-task overlap kernel (other tiles ignore it)
             p.route_small_max = cfg.route_small_max  # S up to which top-k runs one block per token
             p.publish_all = cfg.publish_all  # 1: mma-core tiles publish every task at launch
@@ -249,7 +251,7 @@ class MegakernelMoE:
 
         Returns times in µs from the first CTA's start: `tasks` (one dict per executed queue slot: kind, expert,
         m-tile, n-field, parts, cta, published, claimed, mainloop_done (GEMMs: epilogue next), stores_issued (wgmma
-        tiles: signal next), done; GEMMs also `rows`: the m-tile's routed rows, at most bm), `ctas` ([start, end] per
+        tiles: signal next), done; GEMMs also `rows`: the m-tile's routed rows, at most bm + the tail rows), `ctas` ([start, end] per
         processor CTA) and the scheduler's stamps. Syncs; the stamps cost a few stores per task, so absolute times
         run slightly long.
         """
@@ -260,6 +262,7 @@ class MegakernelMoE:
             raise ValueError(f"megakernel: S={s} runs the decode kernel, which has no task timeline (a layer with "
                              "config decode=0 runs the task graph at every S)")
         bm = self.config.pick_bm(s, self.model.topk, self.model.experts)
+        tail = self.config.tail(bm, self.config.pick_bn(bm))
         grid = self.grid(bm, self.stages_for(bm, s))
         n = _lib.TR_HEAD + _lib.TR_SLOT * self.q_cap + 2 * grid
         self._trace = torch.zeros(n, dtype=torch.int64, device=self.device)
@@ -291,7 +294,8 @@ class MegakernelMoE:
                           "mainloop_done": us(main), "stores_issued": us(epi),
                           "done": us(done)})
             if tasks[-1]["kind"] in ("gemm1", "gemm2"):
-                tasks[-1]["rows"] = min(bm, counts[tasks[-1]["expert"]] - bm * tasks[-1]["mtile"])
+                cnt, mt = counts[tasks[-1]["expert"]], tasks[-1]["mtile"]
+                tasks[-1]["rows"] = tile_end(cnt, mt, bm, tail) - bm * mt
         return {"tokens": s, "bm": bm, "grid": grid, "config": self.config.to_dict(),
                 "sched": {"start": us(raw[0]), "gemm1_published": us(raw[1]), "end": us(raw[2])},
                 "ctas": [[us(cta_raw[2 * b]), us(cta_raw[2 * b + 1])] for b in range(1, grid)], "tasks": tasks}

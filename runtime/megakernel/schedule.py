@@ -13,6 +13,9 @@ The wide tile (`bn=256`, MkParams.bn) keeps the 128-column n-block bookkeeping: 
 and nb + 1 and counts both when it finishes (g1done += 2; each of its rows counts 2 in its combine tile), so
 the release thresholds are unchanged and a launch has half as many GEMM tasks (`Plan.nblk` = 2).
 
+`tail` (MkParams.tail_rows, `MegakernelConfig.tail`): an expert's last r <= tail rows past a multiple of bm ride
+in its last full m-tile (`expert_tiles`, `tile_end`: mk_index.h's functions of the same names).
+
 `publish_all` (MkParams.publish_all, the mma-core tiles): the scheduler publishes every task at launch in the
 order of `all_tasks` (GEMM1s, then GEMM2s tile-major, then COMBINEs) and a processor that claims a GEMM2 or a
 COMBINE waits for its inputs itself (the kernel streams the GEMM2's first weight stages meanwhile). No
@@ -55,6 +58,13 @@ class Plan:
     ks1: int = 1                   # split-K parts per GEMM1 / GEMM2 task this launch (`splits`)
     ks2: int = 1
     nblk: int = 1                  # 128-column n-blocks per GEMM task: 2 for the wide tile (bn = 256)
+    bm: int = 16                   # rows per m-tile (the last may hold `tail` more)
+    tail: int = 0
+
+    def tile_rows(self, expert: int, mtile: int) -> tuple[int, ...]:
+        """The rows (t*K + j) m-tile `mtile` of `expert` computes."""
+        rows = self.rows[expert]
+        return rows[mtile * self.bm : tile_end(len(rows), mtile, self.bm, self.tail)]
 
     def tile_expert(self, tile: int) -> int:
         lo, hi = 0, len(self.tile_base) - 2
@@ -92,6 +102,18 @@ class Plan:
         return out + [Task(COMBINE, 0, c, cb, 0) for c in range(self.n_ctiles) for cb in range(self.nc)]
 
 
+def expert_tiles(count: int, bm: int, tail: int) -> int:
+    """m-tiles of an expert with `count` rows (mk_index.h: expert_tiles): ceil(count / bm), less one when its last
+    r = count % bm rows (1 <= r <= tail) ride in its last full m-tile."""
+    n, r = -(-count // bm), count % bm
+    return n - 1 if tail > 0 and n > 1 and 0 < r <= tail else n
+
+
+def tile_end(count: int, mtile: int, bm: int, tail: int) -> int:
+    """One past the last of m-tile `mtile`'s rows in its expert's list (mk_index.h: tile_end)."""
+    return count if mtile + 1 >= expert_tiles(count, bm, tail) else (mtile + 1) * bm
+
+
 def splits(want: int, *, n_tiles: int, bm: int, max_tiles: int) -> int:
     """Split-K parts of a GEMM task this launch (sk_splits in mk_moe.cu): decode tiles (bm = 16) only, and only
     while the launch's m-tiles fit the partial-sum buffer (`max_tiles`, 0 = none)."""
@@ -113,10 +135,14 @@ def reduce_parts(parts: list[list[float]]) -> list[float]:
 
 
 def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: int, bm: int,
-         combine_tokens: int, split_k1: int = 1, split_k2: int = 1, split_max_tiles: int = 0, bn: int = BN) -> Plan:
+         combine_tokens: int, split_k1: int = 1, split_k2: int = 1, split_max_tiles: int = 0, bn: int = BN,
+         tail: int = 0) -> Plan:
     """The task graph for routing `topk_idx` ([S][K] expert ids); `split_*` as MegakernelConfig (the layer
     passes its partial buffer's m-tiles, `MegakernelMoE.sk_tiles`, as `split_max_tiles`); `bn` the launch's
-    columns per task (`MegakernelConfig.pick_bn(bm)`: 256 = the wide tile, bm = 128 only)."""
+    columns per task (`MegakernelConfig.pick_bn(bm)`: 256 = the wide tile, bm = 128 only); `tail` its tail rows
+    (`MegakernelConfig.tail`: the wide tile only)."""
+    if tail and (bn != 2 * BN or not 0 < tail <= 16):
+        raise ValueError(f"tail rows (1..16) need the wide tile (bn=256), got tail={tail}, bn={bn}")
     if bn not in (BN, 2 * BN):
         raise ValueError(f"bn must be 128 or 256, got {bn}")
     if bn == 2 * BN and (bm != 128 or hidden % bn or 2 * intermediate % bn):
@@ -130,7 +156,7 @@ def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: 
             rows[e].append(t * k + j)
     base = [0]
     for e in range(experts):
-        base.append(base[-1] + -(-len(rows[e]) // bm))
+        base.append(base[-1] + expert_tiles(len(rows[e]), bm, tail))
     n1, n2, nc = 2 * intermediate // BN, hidden // BN, combine_blocks(hidden)
     n_tiles = base[-1]
     n_ct = -(-s // combine_tokens)
@@ -139,7 +165,7 @@ def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: 
     ks2 = splits(split_k2, n_tiles=n_tiles, bm=bm, max_tiles=split_max_tiles)
     w = bn // BN
     return Plan(n1, n2, nc, tuple(base), n_tiles, n_ct, n_tiles * (n1 // w * ks1 + n2 // w * ks2) + n_ct * nc,
-                tuple(map(tuple, rows)), target, ks1, ks2, w)
+                tuple(map(tuple, rows)), target, ks1, ks2, w, bm, tail)
 
 
 def combine_blocks(hidden: int) -> int:
@@ -284,7 +310,8 @@ def _inputs_done(p: Plan, t: Task, g1done: list[int], comb: list[int], stall_til
 
 
 def _tile_rows(p: Plan, t: Task, bm: int) -> tuple[int, ...]:
-    return p.rows[t.expert][t.mtile * bm : (t.mtile + 1) * bm]
+    assert bm == p.bm, f"simulated with bm={bm}, planned with {p.bm}"
+    return p.tile_rows(t.expert, t.mtile)
 
 
 def _check_ready(p: Plan, t: Task, g1done: list[int], done_g2: set[tuple[int, int]], topk: int, bm: int,
@@ -295,7 +322,7 @@ def _check_ready(p: Plan, t: Task, g1done: list[int], done_g2: set[tuple[int, in
         toks = set(range(t.mtile * ct, min(len(p.ctile_target) * ct, (t.mtile + 1) * ct)))
         for tile in range(p.n_tiles):
             e = p.tile_expert(tile)
-            rows = p.rows[e][(tile - p.tile_base[e]) * bm : (tile - p.tile_base[e] + 1) * bm]
+            rows = p.tile_rows(e, tile - p.tile_base[e])
             if any(r // topk in toks for r in rows):
                 for nb in range(p.n2):
                     assert (tile, nb) in done_g2, f"combine {t.mtile} started before GEMM2 ({tile}, {nb})"

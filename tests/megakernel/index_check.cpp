@@ -418,6 +418,24 @@ int main() {
       CHECK(groups.size() == 32, "copy-out bank groups k=%u", k);  // each row's 8 units in distinct bank groups
     }
   }
+  // 12. tail rows (MkParams.tail_rows): expert_tiles / tile_end as schedule.py's (test_tail_rows_rule's values), and
+  // for every count the m-tiles cover its rows once, in order, each of 1 .. bm + tail rows
+  {
+    const int cnts[] = {0, 1, 16, 127, 128, 129, 144, 145, 256, 257, 272, 273};
+    const int want[] = {0, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 3};
+    for (int i = 0; i < 12; ++i) CHECK(expert_tiles(cnts[i], 128, 16) == want[i], "expert_tiles(%d)", cnts[i]);
+    for (int tail = 0; tail <= 16; ++tail)
+      for (int c = 0; c < 600; ++c) {
+        const int n = expert_tiles(c, 128, tail);
+        int prev = 0;
+        for (int mt = 0; mt < n; ++mt) {
+          const int end = tile_end(c, mt, 128, tail);
+          CHECK(prev == mt * 128 && end - prev >= 1 && end - prev <= 128 + tail, "tile_end(%d, %d, %d)", c, mt, tail);
+          prev = end;
+        }
+        CHECK(prev == c, "tiles of %d rows (tail %d) end at %d", c, tail, prev);
+      }
+  }
   printf("ok %ld\n", n_checks);
   return 0;
 }
