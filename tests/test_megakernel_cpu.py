@@ -605,7 +605,7 @@ def test_config_tail_rows():
         MegakernelConfig.parse("tail_rows=17")
     src = (Path(__file__).parents[1] / "csrc" / "megakernel" / "mk_moe.cu").read_text()
     assert "if (!(T::XR > 0 && p->overlap)) q.tail_rows = 0;" in src
-    assert "static constexpr int XR = NBLK == 2 && TMA_ ? 16 : 0;" in src
+    assert "static constexpr int XR = MK_TAIL_RING && NBLK == 2 && TMA_ ? 16 : 0;" in src
 
 
 def test_wide_tile_stalled_tile_times_out():

@@ -705,6 +705,10 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
 #define MK_PROBE 0
 #endif
 
+// 0: no tail ring in any tile (the wide tile as before tail rows, for side-by-side builds; tail_rows then does nothing)
+#ifndef MK_TAIL_RING
+#define MK_TAIL_RING 1
+#endif
 template <int BM_, bool TMA_ = false, int BNT_ = 128>
 struct WgTile {
   static constexpr int BM = BM_, CONSUMERS = BM / 64, THREADS = 128 * (1 + CONSUMERS);
@@ -718,7 +722,7 @@ struct WgTile {
                                   // keeps the consumers' 64 accumulators + descriptors off the spill path)
   // XR: rows an m-tile may hold past BM (MkParams.tail_rows, the wide tile only). Their A rows sit in a 2 KB ring
   // at the end of each stage (X_OFF), computed by mma.sync from the consumer warps beside their wgmmas (wide_tail_mma)
-  static constexpr int XR = NBLK == 2 && TMA_ ? 16 : 0;
+  static constexpr int XR = MK_TAIL_RING && NBLK == 2 && TMA_ ? 16 : 0;
   static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BNT * BK * 2, X_OFF = A_BYTES + B_BYTES;
   static constexpr int STAGE = X_OFF + XR * BK * 2;
   static constexpr int META = (BM + XR) * 8 + BNT * 8 + (BM + XR) * 4 + 16 + 2 * 8 * 16;  // + full/empty barriers
