@@ -909,12 +909,14 @@ template <class T>
 constexpr int ov_meta_bytes() { return 2 * (int)sizeof(OvSlot<T>) + 8 * (16 + 16 + 2 + 2) + 8 + 128 + stage_out_bytes<T>(); }
 
 // Registers per thread of a warpgroup from here on (all its warps run it): the tail tile's producer gives registers
-// to its consumers (128 x 40 + 256 x 232 <= 64 K).
+// to its consumers (128 x 56 + 256 x 224 <= 384 x 168, what the launch holds). 56, not 40: at 40 the producer had to
+// read its A row offsets from shared memory every stage, and each stage's loads issued later (run 124: the layer
+// 20 us slower at S=1024 than without the tail ring, 66 at 4096).
 template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-constexpr int TAIL_PRODUCER_REGS = 40, TAIL_CONSUMER_REGS = 232;
+constexpr int TAIL_PRODUCER_REGS = 56, TAIL_CONSUMER_REGS = 224;
 
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 // bar.sync on barrier `id` of n threads that also returns the AND of every participant's `ok` (uniform result).
@@ -991,28 +993,24 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
   const bf16* a_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h;
   const bf16* b_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.w1 : (const bf16*)p.w2;
   const int ch = t & 7, r0 = t >> 3;
-  // LEAN: the tail tile's producer runs on 40 registers (setmaxnreg, k_experts_ov), so it reads its A rows' offsets
-  // from the task slot per stage instead of holding 8 pointers; thread t also copies chunk ch of tail row r0
-  constexpr bool LEAN = T::XR > 0;
-  static_assert(!LEAN || (T::TMA && T::XR == 16), "tail rows: one row per 8 producer threads, B by TMA");
-  constexpr int AQ = LEAN ? 1 : T::BM / 16, BQ = T::TMA ? 1 : T::BNT / 16;
+  // A rows 16 q + r0 of the tile (tail tiles: and tail row r0, A_Q = 9), chunk ch of each
+  static_assert(!T::XR || (T::TMA && T::XR == 16), "tail rows: one row per 8 producer threads, B by TMA");
+  constexpr int AQ = T::BM / 16 + (T::XR ? 1 : 0), BQ = T::TMA ? 1 : T::BNT / 16;
   const bf16* asrc[AQ];
   int abytes[AQ];
   const bf16* bsrc[BQ];
-  if constexpr (!LEAN) {
 #pragma unroll
-    for (int q = 0; q < T::BM / 16; ++q) {
-      const int64_t off = md.a_off[r0 + 16 * q];
-      asrc[q] = a_base + (off < 0 ? 0 : off) + ch * 8;
-      abytes[q] = off < 0 ? 0 : 16;  // rows past the expert's count: zero-filled
-    }
+  for (int q = 0; q < AQ; ++q) {
+    const int64_t off = md.a_off[r0 + 16 * q];
+    asrc[q] = a_base + (off < 0 ? 0 : off) + ch * 8;
+    abytes[q] = off < 0 ? 0 : 16;  // rows past the expert's count: zero-filled
   }
   if constexpr (!T::TMA) {
 #pragma unroll
     for (int q = 0; q < T::BNT / 16; ++q) bsrc[q] = b_base + md.b_off[r0 + 16 * q] + ch * 8;
   }
   bool tail = false;  // this task's m-tile has tail rows (rows fill in order: row BM is the first)
-  if constexpr (LEAN) tail = md.row_id[T::BM] >= 0;
+  if constexpr (T::XR > 0) tail = md.row_id[T::BM] >= 0;
   // TMA: the B tile's two boxes start at weight rows brow and brow2 (GEMM1: gate, up; GEMM2: 128 rows)
   const CUtensorMap* bmap = kind == MK_TASK_GEMM1 ? tm1 : tm2;
   const int brow = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
@@ -1040,22 +1038,12 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
       }
     }
     if constexpr (!(MK_PROBE & 1)) {
-      if constexpr (LEAN) {
 #pragma unroll
-        for (int q = 0; q < T::BM / 16; ++q) {
-          const int64_t off = md.a_off[r0 + 16 * q];
-          cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), a_base + (off < 0 ? 0 : off) + ch * 8 + kt * BK,
-                     off < 0 ? 0 : 16);
-        }
-        if (tail) {  // tail row r0 into the stage's ring (zero-filled past the m-tile's rows)
-          const int64_t off = md.a_off[T::BM + r0];
-          cp_async16(sA + (T::X_OFF + mkidx::swz_off(r0, ch * 8)), a_base + (off < 0 ? 0 : off) + ch * 8 + kt * BK,
-                     off < 0 ? 0 : 16);
-        }
-      } else {
-#pragma unroll
-        for (int q = 0; q < T::BM / 16; ++q)
-          cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
+      for (int q = 0; q < T::BM / 16; ++q)
+        cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
+      if constexpr (T::XR > 0) {
+        if (tail)  // tail row r0 into the stage's ring (zero-filled past the m-tile's rows)
+          cp_async16(sA + (T::X_OFF + mkidx::swz_off(r0, ch * 8)), asrc[AQ - 1] + kt * BK, abytes[AQ - 1]);
       }
       if constexpr (!T::TMA) {
 #pragma unroll
