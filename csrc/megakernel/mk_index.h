@@ -52,17 +52,6 @@ MK_HD int64_t wide_gemm2_row(int nb, int n) { return (int64_t)nb * 128 + n; }
 MK_HD int64_t wide_box_row(int gemm2, int nb, int b, int64_t I) {
   return gemm2 ? wide_gemm2_row(nb, 64 * b) : wide_gemm1_row(nb, 64 * b, I);
 }
-// The wide tile with the tail ring (WgTile::XR > 0) stacks GEMM1 by halves instead: each 128-row half of the B tile
-// holds one n-block's (gate, up) pairs, rows 0..63 the gate rows of n-block nb, 64..127 its up rows, 128..191 /
-// 192..255 the same for nb + 1, so an m-tile of at most 64 rows can run as two m64n128 halves, consumer warpgroup c
-// taking n-block nb + c (split mode); a full task's m64n256 fragment then has an h column's gate in register i and
-// its up in i + 32 (i < 32 or 64 <= i < 96). GEMM2 stays 256 consecutive W_down rows.
-MK_HD int64_t halves_gemm1_row(int nb, int n, int64_t I) {
-  return ((n & 64) ? I : 0) + (int64_t)nb * 64 + (n >> 7) * 64 + (n & 63);
-}
-MK_HD int64_t halves_box_row(int gemm2, int nb, int b, int64_t I) {
-  return gemm2 ? wide_gemm2_row(nb, 64 * b) : halves_gemm1_row(nb, 64 * b, I);
-}
 // mma core, TMA tile (bm = 16: 4 warps by column): first tile column of n8 block j (0..3) of warp wn; blocks
 // j and j + 2 hold the same 16 columns of each half, so a warp owns (gate, up) pairs for SwiGLU.
 MK_HD int tma_bcol(int wn, int j) { return (j >> 1) * 64 + wn * 16 + (j & 1) * 8; }

@@ -504,10 +504,8 @@ __device__ __forceinline__ void fill_meta_part(const MkParams& p, const Meta& md
     md.a_off[r] = v < 0 ? -1 : (kind == MK_TASK_GEMM1 ? (int64_t)(v / K) * H : (int64_t)v * I);
   }
   for (int n = tid; n < T::BNT; n += stride) {
-    if constexpr (T::NBLK == 2) {  // the wide tile: gate rows stacked over up rows (mk_index.h: wide_gemm1_row), by
-                                   // n-block halves with the tail ring (halves_gemm1_row)
-      const int64_t g1 = T::XR ? mkidx::halves_gemm1_row(nb, n, I) : mkidx::wide_gemm1_row(nb, n, I);
-      md.b_off[n] = kind == MK_TASK_GEMM1 ? ((int64_t)e * 2 * I + g1) * H
+    if constexpr (T::NBLK == 2) {  // the wide tile: gate rows stacked over up rows (mk_index.h: wide_gemm1_row)
+      md.b_off[n] = kind == MK_TASK_GEMM1 ? ((int64_t)e * 2 * I + mkidx::wide_gemm1_row(nb, n, I)) * H
                                           : ((int64_t)e * H + mkidx::wide_gemm2_row(nb, n)) * I;
     } else if (kind == MK_TASK_GEMM1) {
       const int q = n >> 1;
@@ -710,11 +708,6 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
 // 0: no tail ring in any tile (the wide tile as before tail rows, for side-by-side builds; tail_rows then does nothing)
 #ifndef MK_TAIL_RING
 #define MK_TAIL_RING 1
-#endif
-// 0: the tail ring's wide tile runs m-tiles of at most 64 rows on one consumer warpgroup (m64n256) as before split
-// mode (wg_consume_split; side-by-side builds)
-#ifndef MK_SPLIT_HALVES
-#define MK_SPLIT_HALVES 1
 #endif
 template <int BM_, bool TMA_ = false, int BNT_ = 128>
 struct WgTile {
@@ -1037,9 +1030,7 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
 #pragma unroll
           for (int b = 0; b < 4; ++b)
             tma_load_2d(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK,
-                        (int)(wbase + (T::XR ? mkidx::halves_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)
-                                             : mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I))),
-                        full, p.l2_evict_w != 0);
+                        (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full, p.l2_evict_w != 0);
         } else {
           tma_load_2d(sB, bmap, kt * BK, brow, full, p.l2_evict_w != 0);
           tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full, p.l2_evict_w != 0);
@@ -1081,16 +1072,17 @@ __device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1,
 // whole 128-byte row segments (the fragment's own stores write 16 bytes of each of 8 rows: 4-8x the store
 // instructions; run 25's timeline: 2-4.4 us per task from mainloop done to stores issued). The values are
 // computed as the direct path computes them, so the outputs are the same bits.
-// One warp's 16 rows (tile rows row0..row0+15, an m64 fragment d of NACC registers) to h columns col0.. (G1) or y
-// columns col0.. (GEMM2), through the warp's 2 KB buffer `buf`. GEMM1: h column group j (8 columns) is the silu pair
-// of registers i = 4j + 2 half (gate) and i + UP (up); HALVES: the fragment is two 128-column halves that each hold
-// 64 gate then 64 up columns (halves_gemm1_row), so group j's gate register is 32 further on from j = 8.
-// GEMM2: (d[i], d[i+1]) * w -> y columns col0 + 8j + ..
-template <int NACC, bool G1, int UP, bool HALVES>
-__device__ __forceinline__ void store_frag_staged(const MkParams& p, const Meta& md, int64_t col0, int row0, int lane,
-                                                  const float (&d)[NACC], const float (&wrow)[2], uint32_t buf) {
-  constexpr int JN = G1 ? NACC / 8 : NACC / 4;  // 8-column groups of the output row
+// GEMM1 (gate rows over up rows: the TMA and wide tiles): P(half, j) = silu pair of registers i, i+1 and i+UP,
+// i+UP+1 (i = 4j + 2 half) -> h columns nb*64 + 8j + .., GEMM2: (d[i], d[i+1]) * w -> y columns nb*128 + 8j + ..
+template <class T, bool G1>
+__device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& md, int nb, int t, int c,
+                                                const float (&d)[T::NACC], const float (&wrow)[2], uint32_t stg) {
+  constexpr int UP = T::NACC / 2;
+  constexpr int JN = G1 ? T::NACC / 8 : T::NACC / 4;  // 8-column groups of the output row
   static_assert(JN % 8 == 0, "whole 64-column chunks");
+  const int lane = t & 31, w = t >> 5;
+  const uint32_t buf = stg + (uint32_t)(c * 4 + w) * 2048u;
+  const int row0 = 64 * c + 16 * w;
   const uint32_t rr = mkidx::stsm_row(lane);  // the row whose address this lane gives to stmatrix
 #pragma unroll
   for (int ch = 0; ch < JN / 8; ++ch) {
@@ -1099,7 +1091,7 @@ __device__ __forceinline__ void store_frag_staged(const MkParams& p, const Meta&
       uint32_t r[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {  // matrix q: half q & 1, 8-column group j
-        const int j = (int)mkidx::stsm_group(ch, m, q), i = 4 * j + 2 * (q & 1) + (G1 && HALVES ? 32 * (j >> 3) : 0);
+        const int j = (int)mkidx::stsm_group(ch, m, q), i = 4 * j + 2 * (q & 1);
         if constexpr (G1)
           r[q] = silu_pair(d[i], d[i + 1], d[i + UP], d[i + UP + 1]);
         else
@@ -1116,33 +1108,20 @@ __device__ __forceinline__ void store_frag_staged(const MkParams& p, const Meta&
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
                    : "r"(buf + mkidx::stage_out_off(row, u)));
-      bf16* dst = G1 ? (bf16*)p.h + (int64_t)v * p.I + col0 + ch * 64 + u * 8
-                     : (bf16*)p.y + (int64_t)v * p.H + col0 + ch * 64 + u * 8;
+      bf16* dst = G1 ? (bf16*)p.h + (int64_t)v * p.I + nb * 64 + ch * 64 + u * 8
+                     : (bf16*)p.y + (int64_t)v * p.H + nb * BN + ch * 64 + u * 8;
       *reinterpret_cast<uint4*>(dst) = val;
     }
     __syncwarp();  // the buffer is rewritten by the next chunk
   }
 }
-// A consumer warpgroup's m64 x BNT fragment (rows 64c..), its warps' 16 rows each.
-template <class T, bool G1>
-__device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& md, int nb, int t, int c,
-                                                const float (&d)[T::NACC], const float (&wrow)[2], uint32_t stg) {
-  constexpr bool HALVES = G1 && T::XR > 0;  // (the tail ring's wide tile: halves_gemm1_row)
-  const int w = t >> 5;
-  store_frag_staged<T::NACC, G1, HALVES ? 32 : T::NACC / 2, HALVES>(
-      p, md, G1 ? (int64_t)nb * 64 : (int64_t)nb * BN, 64 * c + 16 * w, t & 31, d, wrow,
-      stg + (uint32_t)(c * 4 + w) * 2048u);
-}
 
 // ---- tail rows (T::XR = 16, the wide tile on the overlap kernel) ----
 // Consumer warp w8 = 4c + warp (0..7) computes the tail's 16 rows x 32 of the 256 tile columns on mma.sync m16n8k16
 // (four n8 blocks, 16 fp32 accumulators), A from the stage's ring, B from the stage's wgmma tile: GEMM1 gate columns
-// 16 w8 .. +15 (blocks 0, 1; tile rows 128 (w8 / 4) + 16 (w8 % 4) .., halves_gemm1_row) and their up columns 64 tile
-// rows further (blocks 2, 3), so a thread holds (gate, up) pairs; GEMM2 columns 32 w8 .. +31. Blocks 2q, 2q + 1 are 8
-// columns apart: one ldmatrix.x4 per k16 step gives both.
-__device__ __forceinline__ int tail_bcol(bool g1, int w8, int q) {
-  return g1 ? 128 * (w8 >> 2) + 16 * (w8 & 3) + 64 * q : 32 * w8 + 16 * q;
-}
+// 16 w8 .. +15 (blocks 0, 1) and their up columns 128 + 16 w8 .. (blocks 2, 3), so a thread holds (gate, up) pairs;
+// GEMM2 columns 32 w8 .. +31. Blocks 2q, 2q + 1 are 8 columns apart: one ldmatrix.x4 per k16 step gives both.
+__device__ __forceinline__ int tail_bcol(bool g1, int w8, int q) { return g1 ? 128 * q + 16 * w8 : 32 * w8 + 16 * q; }
 // One stage (64 k) of the warp's tail tile; sX: the stage's ring, sB: its B tile (both 128-byte swizzled: swz_off).
 __device__ __forceinline__ void tail_mma_stage(float (&x)[4][4], uint32_t sX, uint32_t sB, bool g1, int w8, int lane) {
 #pragma unroll
@@ -1206,64 +1185,11 @@ __device__ __forceinline__ void tail_mainloop(const MkParams& p, const WgBars<T>
   }
 }
 
-// Split mode (the tail ring's wide tile on the overlap kernel): an m-tile of at most 64 rows runs as two m64n128
-// halves, consumer warpgroup c on B rows 128c.. (n-block nb + c: halves_gemm1_row), instead of one warpgroup on
-// m64n256 while the other only passes the stages on: both issue wgmmas and each runs half the epilogue (S=1024's
-// experts hold 64 +- 8 rows: about half its GEMM tasks, whose epilogue the 4 stages in flight do not cover).
-template <class T>
-__device__ __forceinline__ void wg_consume_split(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0,
-                                                 int kind, int nb, int KT, uint32_t it, int t, int c, int qi,
-                                                 uint32_t stg) {
-  static_assert(T::NBLK == 2 && T::XR > 0, "split mode: the tail ring's wide tile");
-  const int stages = (int)p.stages;
-  float e[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) e[i] = 0.f;
-  float wrow[2] = {0.f, 0.f};  // GEMM2: the routing weights of this thread's rows (0..63 in both warpgroups)
-  if (kind == MK_TASK_GEMM2) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int v = md.row_id[(int)mkidx::acc_row(t, 2 * half)];
-      if (v >= 0) wrow[half] = __ldcg(p.topk_w + v);
-    }
-  }
-  for (int kt = 0; kt < KT; ++kt) {
-    const uint32_t g = it + kt, slot = g % stages;
-    mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
-    fence_proxy_async();  // the producers' cp.async rows (generic proxy) before the wgmmas read them (async proxy)
-    const uint32_t sA = s0 + slot * T::STAGE, sB = sA + T::A_BYTES + c * 128 * 128;
-    acc_fence(e);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk)
-      wgmma_m64n128k16(e, mkidx::wg_desc(sA + kk * 32), mkidx::wg_desc(sB + kk * 32), kt > 0 || kk > 0);
-    wg_commit();
-    acc_fence(e);
-    wg_wait<0>();
-    acc_fence(e);
-    mbar_arrive(bars.empty + 8 * slot);
-  }
-  if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_MAIN, (int64_t)gtime());  // timeline: mainloop done
-  const int w = t >> 5;
-  const uint32_t buf = stg + (uint32_t)(c * 4 + w) * 2048u;
-  if (kind == MK_TASK_GEMM1)
-    store_frag_staged<64, true, 32, false>(p, md, (int64_t)(nb + c) * 64, 16 * w, t & 31, e, wrow, buf);
-  else
-    store_frag_staged<64, false, 32, false>(p, md, (int64_t)nb * BN + 128 * c, 16 * w, t & 31, e, wrow, buf);
-  if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_EPI, (int64_t)gtime());
-}
-
-// XT: the overlap kernel's tail tiles (T::XR > 0; setmaxnreg gives the consumers the registers for x), with split mode.
+// XT: the overlap kernel's tail tiles (T::XR > 0; setmaxnreg gives the consumers the registers for x).
 template <class T, bool XT = false>
 __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
                                            int nb, int KT, uint32_t it, int t, int c, int qi, uint32_t stg = 0) {
   static_assert(!XT || (T::XR == 16 && T::CONSUMERS == 2), "tail rows: the wide tile");
-  if constexpr (XT) {
-    if (MK_SPLIT_HALVES && md.row_id[64] < 0) {  // at most 64 rows (uniform: rows fill in order)
-      wg_consume_split<T>(p, md, bars, s0, kind, nb, KT, it, t, c, qi, stg);
-      return;
-    }
-  }
   const int stages = (int)p.stages;
   float d[T::NACC];
 #pragma unroll
@@ -1352,14 +1278,12 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
     if (kind == MK_TASK_GEMM1) {
       if constexpr (T::TMA || T::NBLK == 2) {
         // gate column cc sits in register i, its up column cc + BNT/2 in register i + NACC/2 of the same thread
-        // (64 + 32 for the 128-column tile, 128 + 64 for the wide one: gate rows stacked over up rows); stacked by
-        // halves (the tail ring's wide tile), h column group j's gate is register 4j (+ 32 from j = 8), its up 32 on
-        constexpr bool HALVES = T::XR > 0;
-        constexpr int UP = HALVES ? 32 : T::NACC / 2;
+        // (64 + 32 for the 128-column tile, 128 + 64 for the wide one: gate rows stacked over up rows)
+        constexpr int UP = T::NACC / 2;
 #pragma unroll
         for (int j = 0; j < T::NACC / 8; ++j) {
-          const int i = 4 * j + 2 * half + (HALVES ? 32 * (j >> 3) : 0);
-          store_h2(p, nb, v, (int)mkidx::acc_col(t, 4 * j + 2 * half), d[i], d[i + 1], d[i + UP], d[i + UP + 1]);
+          const int i = 4 * j + 2 * half;
+          store_h2(p, nb, v, (int)mkidx::acc_col(t, i), d[i], d[i + 1], d[i + UP], d[i + UP + 1]);
         }
       } else {  // interleaved (gate, up) columns: cp.async narrow tile
 #pragma unroll

@@ -436,22 +436,6 @@ int main() {
         CHECK(prev == c, "tiles of %d rows (tail %d) end at %d", c, tail, prev);
       }
   }
-  // 13. the tail ring's wide tile stacks GEMM1 by halves: half c of the 256 B rows is n-block nb + c's 64 gate rows
-  // then its 64 up rows, each TMA box 64 consecutive weight rows, and the 256 rows are the gate and up rows of h
-  // columns nb*64 .. nb*64+127 once each
-  {
-    const int64_t I = 768;
-    for (int nb = 0; nb < 12; nb += 2) {
-      std::set<int64_t> seen;
-      for (int n = 0; n < 256; ++n) {
-        const int64_t row = halves_gemm1_row(nb, n, I), col = (n >> 7) * 64 + (n & 63);
-        CHECK(row == ((n & 64) ? I : 0) + nb * 64 + col, "halves row nb=%d n=%d", nb, n);
-        CHECK(halves_box_row(0, nb, n >> 6, I) + (n & 63) == row, "halves box nb=%d n=%d", nb, n);
-        seen.insert(row);
-      }
-      CHECK(seen.size() == 256 && *seen.begin() == nb * 64 && *seen.rbegin() == I + nb * 64 + 127, "halves cover nb=%d", nb);
-    }
-  }
   printf("ok %ld\n", n_checks);
   return 0;
 }
