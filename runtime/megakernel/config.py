@@ -129,6 +129,9 @@ class MegakernelConfig:
     # warps run them on mma.sync beside their wgmmas, A from a 2 KB ring per stage) instead of an m-tile of their own,
     # whose tasks would stream the expert's whole weight tile again for them (run 119's timeline: m-tiles of 1-16 rows
     # took 41.5 + 25.7 us of each CTA's time at S=4096, 71.6 + 34.6 at 2048). 0 = off; other launches ignore it.
+    # Runs 123-125 (one process, replay by replay, the same source without the ring minus this build, median): S=4096
+    # +63.2 us, 2048 +74.6, 1024 +1.4 (no tails there); within the build tail_rows=0 is 34.0 slower at 4096; the same
+    # bits either way (mma.sync adds each k16 step as wgmma does). A setting, not a knob: never the slower one.
     tail_rows: int = 16
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
