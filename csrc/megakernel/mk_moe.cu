@@ -721,7 +721,7 @@ struct WgTile {
   static constexpr int MINB = 1;  // bm=64: 2 CTAs/SM still fit by shared memory at <= 4 stages (launch bound 1
                                   // keeps the consumers' 64 accumulators + descriptors off the spill path)
   // XR: rows an m-tile may hold past BM (MkParams.tail_rows, the wide tile only). Their A rows sit in a 2 KB ring
-  // at the end of each stage (X_OFF), computed by mma.sync from the consumer warps beside their wgmmas (wide_tail_mma)
+  // at the end of each stage (X_OFF), computed by mma.sync from the consumer warps beside their wgmmas (tail_mainloop)
   static constexpr int XR = MK_TAIL_RING && NBLK == 2 && TMA_ ? 16 : 0;
   static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BNT * BK * 2, X_OFF = A_BYTES + B_BYTES;
   static constexpr int STAGE = X_OFF + XR * BK * 2;
@@ -1027,7 +1027,7 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
   const bf16* a_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h;
   const bf16* b_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.w1 : (const bf16*)p.w2;
   const int ch = t & 7, r0 = t >> 3;
-  // A rows 16 q + r0 of the tile (tail tiles: and tail row r0, A_Q = 9), chunk ch of each
+  // A rows 16 q + r0 of the tile (tail tiles: and tail row r0, AQ = 9), chunk ch of each
   static_assert(!T::XR || (T::TMA && T::XR == 16), "tail rows: one row per 8 producer threads, B by TMA");
   constexpr int AQ = T::BM / 16 + (T::XR ? 1 : 0), BQ = T::TMA ? 1 : T::BNT / 16;
   const bf16* asrc[AQ];
@@ -1714,7 +1714,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
   }
   const uint32_t s0 = su32(smem);
   uint32_t it = 0;  // running k-stage counter: the producer and the consumers see the same task sequence
-  if constexpr (T::XR > 0) {  // the tail's fragments: registers from the (lean) producer to the consumers
+  if constexpr (T::XR > 0) {  // the tail's fragments: registers from the producer to the consumers
     if (wg == 0)
       setmaxnreg_dec<TAIL_PRODUCER_REGS>();
     else
