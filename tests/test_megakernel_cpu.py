@@ -869,7 +869,7 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     assert "mkidx::queue_word(i, base" in lw[:lw.index("\n}\n")]
     assert "if (qs.fits) g1_local = qs.n_tiles * qs.G1;" in kern
     order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work",
-             "MK_TASK_COMBINE", "mbar_arrive(tempty", "run_combine_part<(T::XR > 0)>(", "wg_consume<T, (T::XR > 0)>(", "named_sync(2, NCONS)",
+             "MK_TASK_COMBINE", "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T, (T::XR > 0)>(", "named_sync(2, NCONS)",
              "signal_rows<T>(", "mbar_arrive(tempty"]
     pos = 0
     for x in order:

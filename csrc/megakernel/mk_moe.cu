@@ -837,47 +837,13 @@ __device__ __forceinline__ void combine_items(const MkParams& p, int t0, int c0,
     *(uint4*)(out + (int64_t)t * H + c * 8) = combine_out(acc);
   }
 }
-// The same, two items a thread at once (items i and i + stride): 2 KK loads in flight before the first add. For the
-// tail ring's consumers, whose 224 registers (setmaxnreg) hold them; each item summed in slot order as above.
-template <int KK>
-__device__ __forceinline__ void combine_items2(const MkParams& p, int t0, int c0, int chunks, int n, int first,
-                                               int stride) {
-  const bf16* y = (const bf16*)p.y;
-  bf16* out = (bf16*)p.out;
-  const int H = (int)p.H;
-  for (int i = first; i < n; i += 2 * stride) {
-    const int i2 = i + stride < n ? i + stride : i;  // (one item left: loaded twice, stored once)
-    const int ta = t0 + i / chunks, ca = c0 + i % chunks, tb = t0 + i2 / chunks, cb = c0 + i2 % chunks;
-    const uint4* sa = (const uint4*)(y + (int64_t)ta * KK * H + ca * 8);
-    const uint4* sb = (const uint4*)(y + (int64_t)tb * KK * H + cb * 8);
-    uint4 va[KK], vb[KK];
-#pragma unroll
-    for (int j = 0; j < KK; ++j) va[j] = __ldcg(sa + (int64_t)j * (H / 8));
-#pragma unroll
-    for (int j = 0; j < KK; ++j) vb[j] = __ldcg(sb + (int64_t)j * (H / 8));
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < KK; ++j) combine_add(acc, va[j]);  // slot order
-    *(uint4*)(out + (int64_t)ta * H + ca * 8) = combine_out(acc);
-    if (i2 == i) continue;
-    float acc2[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < KK; ++j) combine_add(acc2, vb[j]);
-    *(uint4*)(out + (int64_t)tb * H + cb * 8) = combine_out(acc2);
-  }
-}
-// PAIRS: combine_items2 (the tail ring's overlap kernel) for top-k 8.
-template <bool PAIRS = false>
 __device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, int stride) {
   const int K = (int)p.K, H = (int)p.H;
   const int t0 = ct * (int)p.combine_tokens;
   const int t1 = min((int)p.S, t0 + (int)p.combine_tokens);
   const int chunks = H / 8 / combine_blocks(H), c0 = cb * chunks, n = (t1 - t0) * chunks;
   if (K == 8) {
-    if constexpr (PAIRS)
-      combine_items2<8>(p, t0, c0, chunks, n, first, stride);
-    else
-      combine_items<8>(p, t0, c0, chunks, n, first, stride);
+    combine_items<8>(p, t0, c0, chunks, n, first, stride);
     return;
   }
   const bf16* y = (const bf16*)p.y;
@@ -1766,7 +1732,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       const int qi = sl.qi;
       if (kind == MK_TASK_COMBINE) {
         mbar_arrive(tempty + 8 * s);  // the word was all it needed from the slot
-        run_combine_part<(T::XR > 0)>(p, mt, nf, ct, NCONS);
+        run_combine_part(p, mt, nf, ct, NCONS);
         if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
         continue;
       }
