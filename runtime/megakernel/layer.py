@@ -251,9 +251,9 @@ class MegakernelMoE:
 
         Returns times in µs from the first CTA's start: `tasks` (one dict per executed queue slot: kind, expert,
         m-tile, n-field, parts, cta, published, claimed, mainloop_done (GEMMs: epilogue next), stores_issued (wgmma
-        tiles: signal next), done; GEMMs also `rows`: the m-tile's routed rows, at most bm + the tail rows), `ctas` ([start, end] per
-        processor CTA) and the scheduler's stamps. Syncs; the stamps cost a few stores per task, so absolute times
-        run slightly long.
+        tiles: signal next), done; GEMMs also `rows`: the m-tile's routed rows, at most bm + the tail rows), `ctas`
+        ([start, end] per processor CTA) and the scheduler's stamps. Syncs; the stamps cost a few stores per task, so
+        absolute times run slightly long.
         """
         s = x.shape[0]
         if s < 1:
