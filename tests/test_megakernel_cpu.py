@@ -592,17 +592,6 @@ def test_simulation_tail_rows(procs):
         sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=128, combine_tokens=ct, bn=256, tail=17)
 
 
-def test_config_b_prefetch():
-    """b_prefetch (weight k-steps asked of the L2 ahead of the copies) is checked here and by the library."""
-    assert MegakernelConfig().b_prefetch >= 0
-    assert MegakernelConfig.parse("b_prefetch=6").b_prefetch == 6
-    for bad in ("b_prefetch=17", "b_prefetch=-1"):
-        with pytest.raises(ConfigError, match="b_prefetch"):
-            MegakernelConfig.parse(bad)
-    src = (Path(__file__).parents[1] / "csrc" / "megakernel" / "mk_moe.cu").read_text()
-    assert 'if (p->b_prefetch < 0 || p->b_prefetch > 16) return fail_msg("mk: b_prefetch must be in 0..16");' in src
-
-
 def test_config_tail_rows():
     """tail_rows applies to the wide tile by TMA on the overlap kernel only (the library zeroes it elsewhere)."""
     c = MegakernelConfig()

@@ -447,22 +447,6 @@ def test_tail_rows(new_layers, model, cfg):
     assert torch.equal(out.view(torch.int16), base.view(torch.int16))
 
 
-@pytest.mark.parametrize("cfg", ["bm=128,bn=256", "bm=128,bn=128", "bm=64", "bm=128,bn=256,overlap=0"])
-@pytest.mark.parametrize("s", [300, 4096])
-def test_b_prefetch_same_bits(new_layers, model, cfg, s):
-    """Asking the L2 for a task's weight k-steps ahead of its copies (b_prefetch) moves no value: the same bits as
-    without it on every TMA tile, with the prefetch running past the task's last k-step (8 > GEMM2's 12 - 4 left)."""
-    x = _x(s, model.hidden, seed=2000 + s)
-    idx, w = _routing(s, model.experts, model.topk, "zipf", seed=s)
-    base = new_layers(cfg + ",b_prefetch=0").forward_routed(x, idx, w, out=_poisoned(s, model.hidden)).clone()
-    m = new_layers(cfg + ",b_prefetch=8")
-    out = m.forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
-    torch.cuda.synchronize()
-    m.check()
-    assert m.config.b_prefetch == 8 and m.config.tma == 1
-    assert torch.equal(out.view(torch.int16), base.view(torch.int16))
-
-
 def _both_topk_kernels(spec: str, s: int, max_tokens: int, seed: int):
     """One layer of shape `spec` routing with k_topk (route_small_max=0) and one with k_topk_small (4096) on the same
     weights, each run on the same S tokens: (model, x, a, b, (ya, ia, wa), (yb, ib, wb)), a's output poisoned first."""

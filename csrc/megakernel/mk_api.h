@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 18
+#define MK_ABI_VERSION 17
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -137,10 +137,6 @@ typedef struct MkParams {
   int64_t tail_rows;  // 0..16: an expert's last rows past a multiple of 128, up to this many, ride in its last full
                       // m-tile (128 + r rows: mma.sync beside the wgmmas) instead of an m-tile of their own (mk_index.h:
                       // expert_tiles). The wide tile (bn = 256) on the overlap kernel only; every other launch ignores it.
-  // ABI 18
-  int64_t b_prefetch;  // 0..16: k-steps of a task's weight tile the TMA producer asks the L2 for ahead of its shared-memory
-                       // copies (the first ones as soon as the task is claimed, before a stage is free); 0 = none.
-                       // The wgmma tiles with B by TMA only; every other launch ignores it.
 } MkParams;
 
 int mk_abi_version(void);

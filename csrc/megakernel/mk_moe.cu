@@ -198,12 +198,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar)
       : "memory");
 }
-// The same box asked of the L2 only (no shared memory, no barrier): its DRAM read starts now, so the copy issued once a
-// stage is free finds it in (or on its way to) the L2.
-__device__ __forceinline__ void tma_prefetch_l2(const CUtensorMap* map, int x, int y) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"((uint64_t)map), "r"(x), "r"(y)
-               : "memory");
-}
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
 }
@@ -1017,41 +1011,30 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
   }
   bool tail = false;  // this task's m-tile has tail rows (rows fill in order: row BM is the first)
   if constexpr (T::XR > 0) tail = md.row_id[T::BM] >= 0;
-  // TMA: the B tile's boxes of 64 weight rows x 64 k, box b at tile row 64 b. Wide tile: four boxes from weight row
-  // wbase + wide_box_row (gate, gate, up, up for GEMM1; 256 consecutive rows for GEMM2); else two boxes at brow, brow2
-  // (GEMM1: gate, up; GEMM2: 128 rows)
+  // TMA: the B tile's two boxes start at weight rows brow and brow2 (GEMM1: gate, up; GEMM2: 128 rows)
   const CUtensorMap* bmap = kind == MK_TASK_GEMM1 ? tm1 : tm2;
-  constexpr int NBOX = T::NBLK == 2 ? 4 : 2;
-  int box_row[NBOX];
-  if constexpr (T::NBLK == 2) {
-    const int64_t wbase = kind == MK_TASK_GEMM1 ? e * 2 * p.I : e * p.H;
-#pragma unroll
-    for (int b = 0; b < NBOX; ++b) box_row[b] = (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I));
-  } else {
-    box_row[0] = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
-    box_row[1] = kind == MK_TASK_GEMM1 ? box_row[0] + (int)p.I : box_row[0] + TMA_BOX_ROWS;
-  }
-  // b_prefetch: the L2 is asked for k-steps [kt, kt + pf) before stage kt waits for a free slot, the first pf of
-  // them as soon as the task is claimed (while the consumers still run the task before)
-  const int pf = T::TMA && !(MK_PROBE & 1) && t == 0 ? (int)p.b_prefetch : 0;
-  for (int k = 0; k < pf && k < KT; ++k)
-#pragma unroll
-    for (int b = 0; b < NBOX; ++b) tma_prefetch_l2(bmap, k * BK, box_row[b]);
+  const int brow = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
+  const int brow2 = kind == MK_TASK_GEMM1 ? brow + (int)p.I : brow + TMA_BOX_ROWS;
+  // wide tile: four boxes, box b at tile row 64 b from weight row wbase + wide_box_row (gate, gate, up, up
+  // for GEMM1; 256 consecutive rows for GEMM2)
+  const int64_t wbase = kind == MK_TASK_GEMM1 ? e * 2 * p.I : e * p.H;
   for (int kt = 0; kt < KT; ++kt) {
     const uint32_t g = it + kt, slot = g % stages;
-    if (pf && kt + pf < KT) {
-#pragma unroll
-      for (int b = 0; b < NBOX; ++b) tma_prefetch_l2(bmap, (kt + pf) * BK, box_row[b]);
-    }
     mbar_wait(p, bars.empty + 8 * slot, ((g / stages) & 1) ^ 1, g);  // a fresh barrier passes parity 1 at once
     const uint32_t sA = s0 + slot * T::STAGE, sB = sA + T::A_BYTES;
     if constexpr (T::TMA && !(MK_PROBE & 1)) {
       if (t == 0) {  // expect_tx before the copies: thread 0's own arrival (later) keeps the phase open until then
         const uint32_t full = bars.full + 8 * slot;
         mbar_expect_tx(full, T::B_BYTES);
+        if constexpr (T::NBLK == 2) {
 #pragma unroll
-        for (int b = 0; b < NBOX; ++b)
-          tma_load_2d(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK, box_row[b], full, p.l2_evict_w != 0);
+          for (int b = 0; b < 4; ++b)
+            tma_load_2d(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK,
+                        (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full, p.l2_evict_w != 0);
+        } else {
+          tma_load_2d(sB, bmap, kt * BK, brow, full, p.l2_evict_w != 0);
+          tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full, p.l2_evict_w != 0);
+        }
       }
     }
     if constexpr (!(MK_PROBE & 1)) {
@@ -2327,7 +2310,6 @@ int check_params(const MkParams* p) {
   if (p->decode < 0 || p->decode > 2) return fail_msg("mk: decode must be 0, 1 or 2");
   if (p->decode && !p->dec_cnt) return fail_msg("mk: decode needs dec_cnt");
   if (p->tail_rows < 0 || p->tail_rows > 16) return fail_msg("mk: tail_rows must be in 0..16");
-  if (p->b_prefetch < 0 || p->b_prefetch > 16) return fail_msg("mk: b_prefetch must be in 0..16");
   return 0;
 }
 

@@ -133,11 +133,6 @@ class MegakernelConfig:
     # +63.2 us, 2048 +74.6, 1024 +1.4 (no tails there); within the build tail_rows=0 is 34.0 slower at 4096; the same
     # bits either way (mma.sync adds each k16 step as wgmma does). A setting, not a knob: never the slower one.
     tail_rows: int = 16
-    # k-steps (64 k each) of a GEMM task's weight tile that the TMA producer asks the L2 for ahead of its shared-memory
-    # copies: the first ones as soon as the task is claimed, while the consumers still run the task before, then one
-    # step further at each stage, so the DRAM reads in flight per CTA are no longer capped by the free stages (run
-    # 102: one stage fewer cost S=1024 19 µs). The wgmma tiles with B by TMA only; 0 = none.
-    b_prefetch: int = 0
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -159,7 +154,6 @@ class MegakernelConfig:
         "l2_evict_weights": (0, 2),
         "decode": (0, 1),
         "tail_rows": (0, 16),
-        "b_prefetch": (0, 16),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 
