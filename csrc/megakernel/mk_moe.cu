@@ -983,7 +983,8 @@ __device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int
 // A rows (and the B rows of the cp.async tiles) arrive on full[s] when they land (cp.async.mbarrier.arrive.noinc),
 // so the producer never waits for its own copies (run 41: it used to wait for stage kt - stages + 1 before taking
 // slot kt, and the S=4096 experts kernel took 852 instead of 743 us). Returns with every stage of the task issued:
-// the consumers can finish the task without the producer.
+// the consumers can finish the task without the producer. (Asking the L2 for the task's next 2-8 weight k-steps ahead of
+// these copies, the first at the claim, was slower at every S: S=1024 +76..+98 µs, 4096 +32..+62; run 129, b56f1b5.)
 template <class T>
 __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
                                            int e, int nb, int KT, uint32_t it, int t, const CUtensorMap* tm1,
