@@ -231,8 +231,7 @@ class MoELayer(nn.Module):
         """
         s, k = topk_idx.shape
         flat = topk_idx.reshape(-1)
-        experts_sorted, order = torch.sort(flat, stable=True)  # (one kernel fewer than argsort + a gather: eager at
-        # small S is bound by the host's launches)
+        experts_sorted, order = torch.sort(flat, stable=True)  # the sorted ids too: the offsets need no gather
         tok = torch.div(order, k, rounding_mode="floor")
         xs = x.index_select(0, tok)
         wp = topk_weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
