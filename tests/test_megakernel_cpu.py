@@ -592,20 +592,6 @@ def test_simulation_tail_rows(procs):
         sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=128, combine_tokens=ct, bn=256, tail=17)
 
 
-def test_config_flip_rows():
-    """flip_rows applies where tail_rows does (the wide tile by TMA on the overlap kernel) and is range-checked here
-    and by the library."""
-    c = MegakernelConfig.parse("flip_rows=96")
-    assert c.flip(128, 256) == 96 and c.flip(128, 128) == 0 and c.flip(16, 128) == 0
-    assert MegakernelConfig.parse("flip_rows=96,overlap=0").flip(128, 256) == 0
-    for bad in ("flip_rows=113", "flip_rows=-1"):
-        with pytest.raises(ConfigError, match="flip_rows"):
-            MegakernelConfig.parse(bad)
-    src = (Path(__file__).parents[1] / "csrc" / "megakernel" / "mk_moe.cu").read_text()
-    assert 'if (p->flip_rows < 0 || p->flip_rows > 112) return fail_msg("mk: flip_rows must be in 0..112");' in src
-    assert "if (!(T::XR > 0 && p->overlap)) q.tail_rows = q.flip_rows = 0;" in src
-
-
 def test_config_tail_rows():
     """tail_rows applies to the wide tile by TMA on the overlap kernel only (the library zeroes it elsewhere)."""
     c = MegakernelConfig()
@@ -618,7 +604,7 @@ def test_config_tail_rows():
     with pytest.raises(ConfigError, match="tail_rows"):
         MegakernelConfig.parse("tail_rows=17")
     src = (Path(__file__).parents[1] / "csrc" / "megakernel" / "mk_moe.cu").read_text()
-    assert "if (!(T::XR > 0 && p->overlap)) q.tail_rows = q.flip_rows = 0;" in src
+    assert "if (!(T::XR > 0 && p->overlap)) q.tail_rows = 0;" in src
     assert "static constexpr int XR = MK_TAIL_RING && NBLK == 2 && TMA_ ? 16 : 0;" in src
 
 

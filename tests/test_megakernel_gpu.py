@@ -447,25 +447,6 @@ def test_tail_rows(new_layers, model, cfg):
     assert torch.equal(out.view(torch.int16), base.view(torch.int16))
 
 
-@pytest.mark.parametrize("s", [300, 1000, 4096])
-def test_flip_rows(new_layers, model, s):
-    """m-tiles of at most flip_rows rows run transposed (weight rows as wgmma's M, token rows as N): reference within
-    1e-2, and the same bits as without (so run-to-run identity holds whichever rows the routing atomics put in an
-    expert's partial m-tile); S=300 has m-tiles of 27-43 rows beside full ones and tails, 1000 and 4096 Zipf."""
-    x = _x(s, model.hidden, seed=2100 + s)
-    idx, w = _tail_routing(s, model.topk, seed=2101) if s == 300 else _routing(s, model.experts, model.topk, "zipf", seed=s)
-    base = new_layers("bm=128,bn=256,flip_rows=0").forward_routed(x, idx, w, out=_poisoned(s, model.hidden)).clone()
-    m = new_layers("bm=128,bn=256,flip_rows=112")
-    assert m.config.flip(128, 256) == 112
-    out = m.forward_routed(x, idx, w, out=_poisoned(s, model.hidden)).clone()
-    again = m.forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
-    torch.cuda.synchronize()
-    m.check()
-    _check(m, model, x, out, idx, w)
-    assert torch.equal(out.view(torch.int16), again.view(torch.int16)), "not bit-identical across runs"
-    assert torch.equal(out.view(torch.int16), base.view(torch.int16)), "flipped m-tiles changed the bits"
-
-
 def _both_topk_kernels(spec: str, s: int, max_tokens: int, seed: int):
     """One layer of shape `spec` routing with k_topk (route_small_max=0) and one with k_topk_small (4096) on the same
     weights, each run on the same S tokens: (model, x, a, b, (ya, ia, wa), (yb, ib, wb)), a's output poisoned first."""

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 18
+#define MK_ABI_VERSION 17
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -137,10 +137,6 @@ typedef struct MkParams {
   int64_t tail_rows;  // 0..16: an expert's last rows past a multiple of 128, up to this many, ride in its last full
                       // m-tile (128 + r rows: mma.sync beside the wgmmas) instead of an m-tile of their own (mk_index.h:
                       // expert_tiles). The wide tile (bn = 256) on the overlap kernel only; every other launch ignores it.
-  // ABI 18
-  int64_t flip_rows;  // 0..112: m-tiles of at most this many rows (and no tail) run transposed, the weight rows as wgmma's
-                      // M and the m-tile's rows as N (rounded up to 16); 0 = none. The wide tile on the overlap kernel
-                      // only, as tail_rows.
 } MkParams;
 
 int mk_abi_version(void);

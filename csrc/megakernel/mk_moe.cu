@@ -776,55 +776,6 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, u
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(da), "l"(db), "r"(scale_d));
 }
-
-// D[64 x N] (+)= A[64 x 16] . B[N x 16]^T for N = 16 .. 112: the flipped partial tasks (flip_task: weight rows as M,
-// the m-tile's token rows as N), N / 2 accumulators a thread.
-template <int N>
-__device__ __forceinline__ void wgmma_m64nk16(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
-  static_assert(N % 16 == 0 && N >= 16 && N <= 112, "flip: N = 16 .. 112");
-  if constexpr (N == 16)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(da), "l"(db), "r"(scale_d));
-  else if constexpr (N == 32)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(da), "l"(db), "r"(scale_d));
-  else if constexpr (N == 48)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23}, %24, %25, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
-        : "l"(da), "l"(db), "r"(scale_d));
-  else if constexpr (N == 64)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "r"(scale_d));
-  else if constexpr (N == 80)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
-        : "l"(da), "l"(db), "r"(scale_d));
-  else if constexpr (N == 96)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, %48, %49, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
-        : "l"(da), "l"(db), "r"(scale_d));
-  else if constexpr (N == 112)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %58, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55}, %56, %57, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
-        : "l"(da), "l"(db), "r"(scale_d));
-}
 __device__ __forceinline__ void wgmma_tile(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
   wgmma_m64n128k16(d, da, db, scale_d);
 }
@@ -1235,108 +1186,14 @@ __device__ __forceinline__ void tail_mainloop(const MkParams& p, const WgBars<T>
   }
 }
 
-// ---- flipped partial m-tiles (MkParams.flip_rows; the wide tile on the overlap kernel) ----
-// An m-tile of r <= flip_rows rows (no tail) computed transposed: D^T[weight rows x tokens] = W . X^T on wgmma
-// m64nNk16, the weight rows as M and the m-tile's token rows as N = r rounded up to 16, so its tensor work is N rows'
-// instead of 64 / 128 (wgmma's M per warpgroup); the stage layout is the same (both tiles K-major, 128-byte swizzle).
-// Warpgroup c takes weight boxes c and c + 2: GEMM1 gate and up rows of the same 64 h columns (SwiGLU in registers),
-// GEMM2 y columns 64 c and 128 + 64 c. Accumulator i: weight row acc_row(t, i) of the box, token row acc_col(t, i).
-// Rows fill an m-tile in order: its row count is where row_id turns negative (uniform over the warpgroup).
-__device__ __forceinline__ int filled_rows(const int* row_id, int bm) {
-  int lo = 0, hi = bm;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (row_id[mid] >= 0) lo = mid + 1; else hi = mid;
-  }
-  return lo;
-}
-template <class T, int N>
-__device__ __forceinline__ void flip_task(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0,
-                                          int kind, int nb, int KT, uint32_t it, int t, int c, int qi) {
-  const int stages = (int)p.stages;
-  float g[N / 2], u[N / 2];  // weight boxes c and c + 2
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) g[i] = u[i] = 0.f;
-  for (int kt = 0; kt < KT; ++kt) {
-    const uint32_t gs = it + kt, slot = gs % stages;
-    mbar_wait(p, bars.full + 8 * slot, (gs / stages) & 1, gs);
-    fence_proxy_async();  // the producers' cp.async rows (generic proxy) before the wgmmas read them (async proxy)
-    const uint32_t sA = s0 + slot * T::STAGE, sB = sA + T::A_BYTES;
-    acc_fence(g);
-    acc_fence(u);
-    wg_fence();
-    if constexpr (!(MK_PROBE & 2)) {
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {
-        const uint64_t dx = mkidx::wg_desc(sA + kk * 32);
-        wgmma_m64nk16<N>(g, mkidx::wg_desc(sB + c * TMA_BOX_ROWS * 128 + kk * 32), dx, kt > 0 || kk > 0);
-        wgmma_m64nk16<N>(u, mkidx::wg_desc(sB + (c + 2) * TMA_BOX_ROWS * 128 + kk * 32), dx, kt > 0 || kk > 0);
-      }
-    }
-    wg_commit();
-    wg_wait<0>();
-    acc_fence(g);
-    acc_fence(u);
-    mbar_arrive(bars.empty + 8 * slot);
-  }
-  if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_MAIN, (int64_t)gtime());
-  // the epilogue: per token row r of this thread, its routing weight (GEMM2) once, then both weight rows of it; the
-  // same arithmetic and roundings as wg_store_staged's, element by element
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int r = 8 * j + 2 * (t & 3) + e, v = md.row_id[r];
-      if (v < 0) continue;
-      if (kind == MK_TASK_GEMM1) {
-        bf16* hrow = (bf16*)p.h + (int64_t)v * p.I + nb * 64 + 64 * c;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int i = 4 * j + 2 * hh + e, m = (int)mkidx::acc_row(t, i);
-          hrow[m] = __float2bfloat16_rn(__fdividef(g[i], 1.f + __expf(-g[i])) * u[i]);
-        }
-      } else {
-        const float w = __ldcg(p.topk_w + v);  // L2, not .nc: see griddep_wait
-        bf16* yrow = (bf16*)p.y + (int64_t)v * p.H + nb * BN + 64 * c;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int i = 4 * j + 2 * hh + e, m = (int)mkidx::acc_row(t, i);
-          yrow[m] = __float2bfloat16_rn(g[i] * w);
-          yrow[128 + m] = __float2bfloat16_rn(u[i] * w);
-        }
-      }
-    }
-  if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_EPI, (int64_t)gtime());
-}
-// flip_task for r rows (1 <= r <= 112): N = r rounded up to 16
-template <class T>
-__device__ __forceinline__ void flip_dispatch(int r, const MkParams& p, const Meta& md, const WgBars<T>& bars,
-                                              uint32_t s0, int kind, int nb, int KT, uint32_t it, int t, int c, int qi) {
-  switch ((r + 15) >> 4) {
-    case 1: flip_task<T, 16>(p, md, bars, s0, kind, nb, KT, it, t, c, qi); break;
-    case 2: flip_task<T, 32>(p, md, bars, s0, kind, nb, KT, it, t, c, qi); break;
-    case 3: flip_task<T, 48>(p, md, bars, s0, kind, nb, KT, it, t, c, qi); break;
-    case 4: flip_task<T, 64>(p, md, bars, s0, kind, nb, KT, it, t, c, qi); break;
-    case 5: flip_task<T, 80>(p, md, bars, s0, kind, nb, KT, it, t, c, qi); break;
-    case 6: flip_task<T, 96>(p, md, bars, s0, kind, nb, KT, it, t, c, qi); break;
-    default: flip_task<T, 112>(p, md, bars, s0, kind, nb, KT, it, t, c, qi); break;
-  }
-}
-
+// (Partial m-tiles computed transposed, the weight rows as wgmma's M and the m-tile's rows as N = rows rounded up to
+// 16 (two m64nN wgmmas a warpgroup per k16 step): the same bits as this path, but slower at every S, S=4096 +43 µs
+// and 1024 +43 with N up to 112 (run 133, 887b44d): m64nN with N <= 112 runs below m64n256's rate per FLOP.)
 // XT: the overlap kernel's tail tiles (T::XR > 0; setmaxnreg gives the consumers the registers for x).
 template <class T, bool XT = false>
 __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
                                            int nb, int KT, uint32_t it, int t, int c, int qi, uint32_t stg = 0) {
   static_assert(!XT || (T::XR == 16 && T::CONSUMERS == 2), "tail rows: the wide tile");
-  if constexpr (XT) {  // a partial m-tile of at most flip_rows rows (no tail): transposed, both warpgroups busy
-    if (p.flip_rows > 0 && md.row_id[T::BM] < 0) {
-      const int r = filled_rows(md.row_id, T::BM);
-      if (r > 0 && r <= p.flip_rows) {
-        flip_dispatch<T>(r, p, md, bars, s0, kind, nb, KT, it, t, c, qi);
-        return;
-      }
-    }
-  }
   const int stages = (int)p.stages;
   float d[T::NACC];
 #pragma unroll
@@ -2457,7 +2314,6 @@ int check_params(const MkParams* p) {
   if (p->decode < 0 || p->decode > 2) return fail_msg("mk: decode must be 0, 1 or 2");
   if (p->decode && !p->dec_cnt) return fail_msg("mk: decode needs dec_cnt");
   if (p->tail_rows < 0 || p->tail_rows > 16) return fail_msg("mk: tail_rows must be in 0..16");
-  if (p->flip_rows < 0 || p->flip_rows > 112) return fail_msg("mk: flip_rows must be in 0..112");
   return 0;
 }
 
@@ -2672,8 +2528,8 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
   }
   bool launched = false;
   cudaError_t e = cudaSuccess;
-  MkParams q = *p;  // tail rows, flipped m-tiles: the overlap kernel's tail tile only
-  if (!(T::XR > 0 && p->overlap)) q.tail_rows = q.flip_rows = 0;
+  MkParams q = *p;  // tail rows: the overlap kernel's tail tile only (the other launches' m-tiles hold bm rows)
+  if (!(T::XR > 0 && p->overlap)) q.tail_rows = 0;
   p = &q;
   if constexpr (T::WG) {
     if (p->overlap) {

@@ -133,11 +133,6 @@ class MegakernelConfig:
     # +63.2 us, 2048 +74.6, 1024 +1.4 (no tails there); within the build tail_rows=0 is 34.0 slower at 4096; the same
     # bits either way (mma.sync adds each k16 step as wgmma does). A setting, not a knob: never the slower one.
     tail_rows: int = 16
-    # The same launches: an m-tile of at most flip_rows rows (no tail; an expert's last one) runs transposed, the weight
-    # rows as wgmma's M and the m-tile's rows as N (rounded up to 16), so its tensor work is its rows' instead of the 64
-    # or 128 rows wgmma's M pads it to (run 128's timeline at S=4096: m-tiles of 65-127 rows took as long as full ones).
-    # 0 = off; other launches ignore it.
-    flip_rows: int = 0
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -159,7 +154,6 @@ class MegakernelConfig:
         "l2_evict_weights": (0, 2),
         "decode": (0, 1),
         "tail_rows": (0, 16),
-        "flip_rows": (0, 112),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 
@@ -279,14 +273,8 @@ class MegakernelConfig:
     def tail(self, bm: int, bn: int) -> int:
         """MkParams.tail_rows in effect for a launch of m-tile `bm` and `bn` columns (see `tail_rows`; the library
         zeroes it for every other launch, so plans and timelines use this)."""
-        return self.tail_rows if self._tail_tile(bm, bn) else 0
-
-    def flip(self, bm: int, bn: int) -> int:
-        """MkParams.flip_rows in effect for a launch of m-tile `bm` and `bn` columns (see `flip_rows`: the tail tile's)."""
-        return self.flip_rows if self._tail_tile(bm, bn) else 0
-
-    def _tail_tile(self, bm: int, bn: int) -> bool:
-        return bm == 128 and bn == 256 and self.core == "wgmma" and self.tma == 1 and self.overlap == 1
+        wide = bm == 128 and bn == 256 and self.core == "wgmma" and self.tma == 1 and self.overlap == 1
+        return self.tail_rows if wide else 0
 
     def pick_bn(self, bm: int) -> int:
         """Columns per GEMM task for a launch with m-tile `bm`: `bn` where the wide tile exists (wgmma, bm=128),

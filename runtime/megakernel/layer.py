@@ -190,7 +190,6 @@ class MegakernelMoE:
             p.tma_b = cfg.tma
             p.bn = cfg.pick_bn(bm)  # 256: the wide tile (two 128-column n-blocks per task)
             p.tail_rows = cfg.tail(bm, p.bn)  # an expert's last rows (<= 16) ride in its last full m-tile
-            p.flip_rows = cfg.flip(bm, p.bn)  # m-tiles of at most this many rows run transposed
             p.overlap = cfg.overlap  # 1: the wgmma tiles' cross-task overlap kernel (other tiles ignore it)
             p.route_small_max = cfg.route_small_max  # S up to which top-k runs one block per token
             p.publish_all = cfg.publish_all  # 1: mma-core tiles publish every task at launch
