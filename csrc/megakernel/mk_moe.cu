@@ -1188,7 +1188,8 @@ __device__ __forceinline__ void tail_mainloop(const MkParams& p, const WgBars<T>
 
 // (Partial m-tiles computed transposed, the weight rows as wgmma's M and the m-tile's rows as N = rows rounded up to
 // 16 (two m64nN wgmmas a warpgroup per k16 step): the same bits as this path, but slower at every S, S=4096 +43 µs
-// and 1024 +43 with N up to 112 (run 133, 887b44d): m64nN with N <= 112 runs below m64n256's rate per FLOP.)
+// and 1024 +43 with N up to 112 (run 133, 887b44d): its tasks took longer on fewer FLOPs, S=4096's GEMM1 tasks of
+// 65-127 rows 29.3 µs against 26.9.)
 // XT: the overlap kernel's tail tiles (T::XR > 0; setmaxnreg gives the consumers the registers for x).
 template <class T, bool XT = false>
 __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
