@@ -28,6 +28,12 @@ graph replay timed on its own (interleaved, back to back), with its touched expe
 plain read of that many experts' weights; then each input's task timeline (appended to `--timeline` if given).
 Why the benchmark's samples at one S spread (S=16: p10 ~186, median ~210 µs in runs 83-93).
 
+`--sustained SECONDS`: the layer replayed back to back from one CUDA graph for SECONDS, once with this library and
+once with each `--vs-lib` build (3 s idle before each), nvidia-smi sampling the SM clock, the power and the software
+power cap every 50 ms beside it; per build the second half's mean replay time, clock, power and capped share. Where
+a size is bound by the power limit (S=4096 on an H200, run 132), what a build spends on the tensor work and on moving
+tiles: `-DMK_PROBE=1` (the wgmma tiles load nothing) and `-DMK_PROBE=2` (they issue no wgmma) split it.
+
 `--feed-tiles`: the wide tile's stage as the expert kernel loads it, without the wgmmas: per stage 32 KB of weights
 (either four 64-row x 64-column boxes of a [rows, 2048] bf16 matrix by the tensor-map TMA, 4 KB between rows, or one
 contiguous 32 KB bulk copy: a pre-tiled layout) and 16 KB of gathered rows (128 rows x 128 bytes of a 16 MB
@@ -64,6 +70,9 @@ def main() -> None:
                     help="NAME=PATH,..: graph replays side by side with the layer launched from these library builds")
     ap.add_argument("--vs-config", default="",
                     help="NAME=CONFIG;..: the same, with layers of these configs (same weights) instead of builds")
+    ap.add_argument("--sustained", type=float, default=0.0,
+                    help="SECONDS of back-to-back graph replays per build (this, then each --vs-lib build) with "
+                         "nvidia-smi's clock and power beside them")
     ap.add_argument("--feed", action="store_true", help="bulk-copy delivery rate into shared memory (no layer)")
     ap.add_argument("--feed-tiles", action="store_true", help="the wide tile's stage loads without compute (no layer)")
     ap.add_argument("--bench-inputs", action="store_true",
@@ -104,7 +113,9 @@ def main() -> None:
         trace(mk, x, a.calls, a.tokens, a.config, sync_each=not a.back_to_back, eager=a.eager)
     if a.isolation:
         isolation(mk, x)
-    if a.vs_lib:
+    if a.sustained > 0:
+        sustained(mk, x, libs, a.sustained)
+    elif a.vs_lib:
         vs_libs(mk, a.tokens, libs)
     if a.vs_config:
         vs_configs(mk, a.tokens, configs)
@@ -187,6 +198,73 @@ def isolation(mk, x: torch.Tensor, iters: int = 200) -> None:
     b2b2 = timed(lambda: None)
     print(f"isolation S={x.shape[0]}: graph replay back to back {b2b:.1f} / {b2b2:.1f} us, behind a sleep kernel "
           f"{slept:.1f} us")
+
+
+def sustained(mk, x: torch.Tensor, libs: dict[str, str], seconds: float, block: int = 200) -> None:
+    """Per build ("this", then `libs`): 3 s idle, then blocks of `block` back-to-back graph replays for `seconds`, with
+    nvidia-smi sampling beside them; prints and emits (JSON) each build's second half: replay µs, SM MHz, W, capped."""
+    import subprocess
+    import threading
+    import time
+    from pathlib import Path
+
+    from moetune.runtime.megakernel import _lib
+    from moetune.runtime.testing.timing import graphs_of
+
+    query = "clocks.sm,power.draw.instant,clocks_event_reasons.sw_power_cap"
+    try:
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "50"],
+                               stdout=subprocess.PIPE, text=True)
+    except OSError as e:
+        raise SystemExit(f"--sustained needs nvidia-smi: {e}") from None
+    samples: list[tuple[float, float, float, bool]] = []  # (time, MHz, W, capped)
+
+    def read() -> None:
+        assert smi.stdout is not None
+        for line in smi.stdout:
+            f = [v.strip() for v in line.split(",")]
+            try:
+                samples.append((time.time(), float(f[0]), float(f[1]), f[2].lower().startswith("active")))
+            except (ValueError, IndexError):
+                continue
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    own, out = mk.lib, {}
+    try:
+        for name in ["this", *libs]:
+            mk.lib = _lib.open_library(Path(libs[name])) if name in libs else own
+            g = graphs_of(mk.forward, [x])[0]
+            g()
+            torch.cuda.synchronize()
+            time.sleep(3.0)  # each build starts from the same idle state
+            t0, blocks = time.time(), []
+            while time.time() - t0 < seconds:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(block):
+                    g()
+                b.record()
+                blocks.append((a, b))
+                if len(blocks) > 1:
+                    blocks[-2][1].synchronize()  # one block in flight ahead: the host keeps the queue full
+            torch.cuda.synchronize()
+            t1 = time.time()
+            us = [a.elapsed_time(b) * 1e3 / block for a, b in blocks]
+            half = us[len(us) // 2:]
+            w = [v for v in samples if (t0 + t1) / 2 <= v[0] <= t1]
+            out[name] = {"replay_us": round(statistics.mean(half), 1), "first_block_us": round(us[0], 1),
+                         "sm_mhz": round(statistics.mean(v[1] for v in w)) if w else None,
+                         "power_w": round(statistics.mean(v[2] for v in w)) if w else None,
+                         "capped": f"{sum(v[3] for v in w)} of {len(w)}"}
+            r = out[name]
+            print(f"  S={x.shape[0]} {name:10s} sustained {seconds:g} s: second half {r['replay_us']} us a replay "
+                  f"(first {block}: {r['first_block_us']}), {r['sm_mhz']} MHz, {r['power_w']} W, power cap active in "
+                  f"{r['capped']} samples", flush=True)
+    finally:
+        mk.lib = own
+        smi.terminate()
+    print(json.dumps({"sustained": {"tokens": x.shape[0], "seconds": seconds, "libs": libs, "builds": out}}))
 
 
 def paired_lines(res: dict[str, list[float]], base: str = "this") -> list[str]:
