@@ -206,9 +206,7 @@ def sustained(mk, x: torch.Tensor, libs: dict[str, str], seconds: float, block: 
     import subprocess
     import threading
     import time
-    from pathlib import Path
 
-    from moetune.runtime.megakernel import _lib
     from moetune.runtime.testing.timing import graphs_of
 
     query = "clocks.sm,power.draw.instant,clocks_event_reasons.sw_power_cap"
@@ -233,7 +231,7 @@ def sustained(mk, x: torch.Tensor, libs: dict[str, str], seconds: float, block: 
     own, out = mk.lib, {}
     try:
         for name in ["this", *libs]:
-            mk.lib = _lib.open_library(Path(libs[name])) if name in libs else own
+            use_build(mk, libs, name, own)
             g = graphs_of(mk.forward, [x])[0]
             g()
             torch.cuda.synchronize()
@@ -282,16 +280,21 @@ def paired_lines(res: dict[str, list[float]], base: str = "this") -> list[str]:
     return out
 
 
-def vs_libs(mk, tokens: int, libs: dict[str, str], **kw: int) -> None:
-    """The layer launched from its own library ("this") and from each build in `libs` side by side (`side_by_side`)."""
+def use_build(mk, libs: dict[str, str], name: str, own) -> None:
+    """Launch `mk` from build `name` of `libs` ("this" or any name not in it: its own library `own`)."""
     from pathlib import Path
 
     from moetune.runtime.megakernel import _lib
 
+    mk.lib = _lib.open_library(Path(libs[name])) if name in libs else own
+
+
+def vs_libs(mk, tokens: int, libs: dict[str, str], **kw: int) -> None:
+    """The layer launched from its own library ("this") and from each build in `libs` side by side (`side_by_side`)."""
     own = mk.lib
 
     def capture(name: str, fn):
-        mk.lib = _lib.open_library(Path(libs[name])) if name in libs else own
+        use_build(mk, libs, name, own)
         try:
             return fn(mk.forward)  # captured with that build's kernels
         finally:
