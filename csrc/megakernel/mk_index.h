@@ -145,6 +145,71 @@ MK_HD uint64_t queue_word(int i, const int* base, int E, int G1, int KS1, int G2
   return enc(MK_TASK_COMBINE, 0, c / NC, c % NC, 0);
 }
 
+// ---- CTA pairs (the wide overlap kernel in clusters of two; MK_PAIR builds) ----------------------------
+// The two CTAs of a cluster run one unit of work at a time, stage by stage together: m-tiles a (rank 0) and b (rank 1,
+// -1: none) of the same n-block. Units are, first, each expert's m-tiles 2k, 2k + 1 (multicast: each CTA loads half
+// of the shared weight tile into both CTAs' shared memory), then the last m-tiles of the experts with an odd count,
+// two at a time in expert order (each CTA loads its own weight tile; the last one alone if they are odd in number).
+// odd[e]: experts before e with an odd m-tile count (odd[E] = all of them); base[] as tile_expert's.
+MK_HD int pair_units(const int* base, const int16_t* odd, int E) {
+  const int n = base[E], no = odd[E];
+  return (n - no) / 2 + (no + 1) / 2;
+}
+// m-tiles of unit u (a, b: global m-tile indices, b = -1 for none) and whether they share their weight tile.
+MK_HD void unit_tiles(int u, const int* base, const int16_t* odd, int E, int& a, int& b, bool& mc) {
+  const int n = base[E], no = odd[E], pmc = (n - no) / 2;
+  if (u < pmc) {  // largest e whose first pair index (base[e] - odd[e]) / 2 is <= u: the expert owning pair u
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if ((base[mid] - odd[mid]) / 2 <= u) lo = mid; else hi = mid - 1;
+    }
+    a = base[lo] + 2 * (u - (base[lo] - odd[lo]) / 2);
+    b = a + 1;
+    mc = true;
+    return;
+  }
+  mc = false;
+  const int l = 2 * (u - pmc);
+  for (int k = 0; k < 2; ++k) {  // the (l + k)-th odd expert: the largest e with odd[e] <= l + k; its last m-tile
+    int t = -1;
+    if (l + k < no) {
+      int lo = 0, hi = E - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (odd[mid] <= l + k) lo = mid; else hi = mid - 1;
+      }
+      t = base[lo + 1] - 1;
+    }
+    (k ? b : a) = t;
+  }
+}
+// A unit's task word: kind 61-63, shared weight tile 60, n-field 40-51, b + 1 20-39, a 0-19.
+MK_HD uint64_t enc_unit(int kind, bool mc, int nfield, int a, int b) {
+  return ((uint64_t)kind << 61) | ((uint64_t)mc << 60) | ((uint64_t)nfield << 40) | ((uint64_t)(b + 1) << 20) |
+         (uint64_t)a;
+}
+MK_HD bool u_mc(uint64_t w) { return (w >> 60) & 1; }
+MK_HD int u_nfield(uint64_t w) { return (int)((w >> 40) & 0xfff); }
+MK_HD int u_tile(uint64_t w, int rank) { return rank ? (int)((w >> 20) & 0xfffff) - 1 : (int)(w & 0xfffff); }
+// The queue of a paired launch: each unit's G1 GEMM1 tasks unit-major, then each unit's G2 GEMM2 tasks, then combines
+// (the word of slot i when published at once; the scheduler publishes GEMM2 words as their units become ready).
+MK_HD uint64_t unit_word(int i, const int* base, const int16_t* odd, int E, int G1, int G2, int NC, int W) {
+  const int U = pair_units(base, odd, E), g1 = U * G1;
+  int a, b;
+  bool mc;
+  if (i < g1) {
+    unit_tiles(i / G1, base, odd, E, a, b, mc);
+    return enc_unit(MK_TASK_GEMM1, mc, (i % G1) * W, a, b);
+  }
+  if (i < g1 + U * G2) {
+    unit_tiles((i - g1) / G2, base, odd, E, a, b, mc);
+    return enc_unit(MK_TASK_GEMM2, mc, ((i - g1) % G2) * W, a, b);
+  }
+  const int c = i - g1 - U * G2;
+  return enc(MK_TASK_COMBINE, 0, c / NC, c % NC, 0);
+}
+
 // ---- staged epilogue (the overlap kernel's wg_store_staged): a consumer warp's 16 rows x 64 columns of bf16 ------
 // Row r of the 2 KB buffer at r * 128, its 16-byte unit u (columns 8u .. 8u+7 of the chunk) at (u ^ (r & 7)) * 16:
 // the 8 rows of an 8x8 matrix, and the 8 units of a row, each land in distinct bank groups.
