@@ -865,7 +865,7 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     assert idx == sorted(idx) and p_part.count("claim_wg<T, PR>(") == 1 and p_part.count("wg_produce<T, PR>(") == 1
     # CTA pairs: rank 0 hands the claimed word to rank 1 (its slot, then its tword barrier); rank 1 waits for it
     hand = p_part[p_part.index("claim_wg<T, PR>("):p_part.index("named_sync(1, 128)")]
-    assert hand.index("st_peer_u64(su32(&sl.task), task);") < hand.index("mbar_arrive_peer(tword + 8 * s);")
+    assert hand.index("st_peer_u64(su32(&sl.task), task);") < hand.index("mbar_arrive_peer<true>(tword + 8 * s);")
     assert "mbar_wait_ok<true>(p, tword + 8 * s, ph, j, 2 * p.timeout_ns)" in hand
     assert kern.rstrip().endswith("if constexpr (PR) cluster_sync();  // neither CTA's shared memory goes while the "
                                   "other may still write into it\n}")

@@ -219,10 +219,16 @@ __device__ __forceinline__ void st_peer_u64(uint32_t local, uint64_t v) {
 __device__ __forceinline__ void st_peer_u32(uint32_t local, uint32_t v) {
   asm volatile("st.shared::cluster.u32 [%0], %1;\n" ::"r"(peer_addr(local)), "r"(v) : "memory");
 }
-// Arrive on the peer's mbarrier at the same offset as the local `bar` (release at cluster scope: what this thread
-// wrote before, also to the peer's shared memory, is visible to whoever the peer's phase completion releases).
+// Arrive on the peer's mbarrier at the same offset as the local `bar`. CL: release at cluster scope (what this thread
+// wrote before, also into the peer's shared memory, is visible to whoever the peer's phase completion releases; a
+// fence's cost); else the default .release.cta, enough to say "this CTA's reads of a stage are done" (the stage
+// frees, as CUTLASS's consumer release does for multicast pipelines).
+template <bool CL>
 __device__ __forceinline__ void mbar_arrive_peer(uint32_t bar) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(peer_addr(bar)) : "memory");
+  if constexpr (CL)
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(peer_addr(bar)) : "memory");
+  else
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(peer_addr(bar)) : "memory");
 }
 // try_wait with acquire at cluster scope (the peer's writes released by its arrival).
 __device__ __forceinline__ bool mbar_try_cluster(uint32_t bar, uint32_t parity) {
@@ -1014,7 +1020,7 @@ __device__ __forceinline__ void free_slot(uint32_t bar, uint32_t rank) {
     return;
   }
   __syncwarp();
-  if ((threadIdx.x & 31) == 0) mbar_arrive_peer(bar);
+  if ((threadIdx.x & 31) == 0) mbar_arrive_peer<true>(bar);  // (rank 0 then stores into this CTA's slot)
 }
 // k_experts' claim by one thread: the next queue slot (claim_task), waited for until published (the task word), past
 // the task total or aborted (0), or timed out (0 after reporting MK_ERR_PROC_TIMEOUT). *slot: the queue slot.
@@ -1206,7 +1212,7 @@ __device__ __forceinline__ void free_stage(uint32_t bar) {
   mbar_arrive(bar);
   if constexpr (PR) {
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive_peer(bar);
+    if ((threadIdx.x & 31) == 0) mbar_arrive_peer<false>(bar);
   }
 }
 
@@ -1856,7 +1862,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
           if constexpr (PR) {  // the unit to rank 1 (its slot s is free too: rank 0's tempty counts its consumers)
             st_peer_u64(su32(&sl.task), task);
             st_peer_u32(su32(&sl.qi), (uint32_t)sl.qi);
-            mbar_arrive_peer(tword + 8 * s);
+            mbar_arrive_peer<true>(tword + 8 * s);
           }
         } else if (!mbar_wait_ok<true>(p, tword + 8 * s, ph, j, 2 * p.timeout_ns)) {
           sl.task = 0;  // (else rank 0 wrote the word into this slot)
