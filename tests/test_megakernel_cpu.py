@@ -473,9 +473,7 @@ def test_wgmma_stage_pipeline_model_catches_the_first_cut() -> None:
     cons = src[src.index("void wg_consume("):]
     cons = cons[:cons.index("\n}\n")]
     early = cons[cons.index("if constexpr (T::CONSUMERS >= 2) {"):]
-    assert early.index("wg_wait<0>();") < early.index("free_stage<PR>(bars.empty + 8 * slot);") < early.index("} else {")
-    free = src[src.index("void free_stage("):]
-    assert free.index("mbar_arrive(bar);") < free.index("\n}\n"), "free_stage arrives on this CTA's empty barrier"
+    assert early.index("wg_wait<0>();") < early.index("mbar_arrive(bars.empty + 8 * slot);") < early.index("} else {")
     assert cons.index("mbar_wait(p, bars.full") < cons.index("fence_proxy_async();") < cons.index("wgmma_tile(d,")
     assert "report(p, MK_ERR_PIPE_TIMEOUT" in src and "MK_ERR_PIPE_TIMEOUT = 5" in _header()
 
@@ -859,32 +857,25 @@ def test_overlap_pipeline_model_catches_wrong_orders() -> None:
     loop = kern[kern.index("for (uint32_t j = 0;; ++j)"):]
     assert "__syncthreads" not in loop, "no CTA barrier inside the overlap loop"
     p_part, c_part = loop[:loop.index("// ---- consumer warpgroups")], loop[loop.index("// ---- consumer warpgroups"):]
-    order = ["mbar_wait_ok(p, tempty", "claim_wg<T, PR>(p, epoch, s_base, qs, g1_local, &sl.qi, s_odd)",
-             "named_sync(1, 128)", "fill_meta_part<T>(", "mbar_arrive(tfull", "if (task == 0) break;", "wg_produce<T, PR>("]
+    order = ["mbar_wait_ok(p, tempty", "claim_wg<T>(p, epoch, s_base, qs, g1_local, &sl.qi)", "named_sync(1, 128)",
+             "fill_meta_part<T>(", "mbar_arrive(tfull", "if (task == 0) return;", "wg_produce<T>("]
     idx = [p_part.index(x) for x in order]
-    assert idx == sorted(idx) and p_part.count("claim_wg<T, PR>(") == 1 and p_part.count("wg_produce<T, PR>(") == 1
-    # CTA pairs: rank 0 hands the claimed word to rank 1 (its slot, then its tword barrier); rank 1 waits for it
-    hand = p_part[p_part.index("claim_wg<T, PR>("):p_part.index("named_sync(1, 128)")]
-    assert hand.index("st_peer_u64(su32(&sl.task), task);") < hand.index("mbar_arrive_peer<true>(tword + 8 * s);")
-    assert "mbar_wait_ok<true>(p, tword + 8 * s, ph, j, 2 * p.timeout_ns)" in hand
-    assert kern.rstrip().endswith("if constexpr (PR) cluster_sync();  // neither CTA's shared memory goes while the "
-                                  "other may still write into it\n}")
+    assert idx == sorted(idx) and p_part.count("claim_wg<T>(") == 1 and p_part.count("wg_produce<T>(") == 1
     # claim_wg: GEMM1 slots computed as the scheduler writes them (queue_word), every later slot waited for
     cw = src[src.index("uint64_t claim_wg("):]
     cw = cw[:cw.index("\n}\n")]
-    assert cw.index("if (i >= g1_local) return wait_slot(p, epoch, i, slot);") < cw.index("local_word<T, PR>(p, base, q, i")
+    assert cw.index("if (i >= g1_local) return wait_slot(p, epoch, i, slot);") < cw.index("local_word<T>(p, base, q, i)")
     lw = src[src.index("uint64_t local_word("):]
     assert "mkidx::queue_word(i, base" in lw[:lw.index("\n}\n")]
-    assert "if (qs.fits) g1_local = qs.units * qs.G1;" in kern
+    assert "if (qs.fits) g1_local = qs.n_tiles * qs.G1;" in kern
     order = ["mbar_wait_ok(p, tfull", "named_sync_and(2, NCONS, ok)", "if (task == 0) {  // end of work",
-             "MK_TASK_COMBINE", "free_slot<PR>(tempty", "run_combine_part(", "wg_consume<T, (T::XR > 0), PR>(",
-             "named_sync(2, NCONS)", "signal_rows<T>(", "free_slot<PR>(tempty"]
+             "MK_TASK_COMBINE", "mbar_arrive(tempty", "run_combine_part(", "wg_consume<T, (T::XR > 0)>(", "named_sync(2, NCONS)",
+             "signal_rows<T>(", "mbar_arrive(tempty"]
     pos = 0
     for x in order:
         pos = c_part.index(x, pos) + 1
-    assert c_part.count("free_slot<PR>(tempty") == 2  # the COMBINE path's early free and the GEMM path's after the signal
-    assert "mbar_init(tfull + 8 * s, 128);" in kern and "mbar_init(tempty + 8 * s, NCONS + PEER_WARPS);" in kern
-    assert "constexpr int PEER_WARPS = PR ? 4 * T::CONSUMERS : 0;" in kern
+    assert c_part.count("mbar_arrive(tempty") == 2  # the COMBINE path's early free and the GEMM path's after the signal
+    assert "mbar_init(tfull + 8 * s, 128);" in kern and "mbar_init(tempty + 8 * s, NCONS);" in kern
     assert "2 * p.timeout_ns" in c_part  # the producer's claim timeout reports first (MK_ERR_PROC_TIMEOUT)
     # signal_done (a synchronised CTA) is signal_rows over all its threads: one place counts readiness, and every
     # counting thread fences before its first red (release after the barrier)
@@ -972,7 +963,7 @@ def test_pdl_setting_and_source() -> None:
     assert kl.index("gemm_tile<T>(") < kl.index("if (p.pdl) griddep_launch();") < kl.index("p.logits +")
     # k_logits keeps plain stream order (it follows the previous layer's kernels); the others launch under pdl
     assert "k_logits<T><<<" in src
-    assert src.count("p->pdl != 0") == 6  # k_topk_small, k_topk, both persistent kernels (+ paired), the decode kernel
+    assert src.count("p->pdl != 0") == 5  # k_topk_small, k_topk, both persistent kernels, the decode kernel
     # the decode kernel waits before it reads the picks; its only non-coherent loads are the expert weights
     dk = (_lib.source_dir() / "mk_decode.cuh").read_text()
     body = dk[dk.index("k_decode(const MkParams p"):]
@@ -1004,8 +995,7 @@ def test_l2_evict_weights_setting_rule_and_source() -> None:
     names = [f[0] for f in _lib.MkParams._fields_]
     assert names[names.index("pdl") + 1] == "l2_evict_w" and _lib.ABI_VERSION >= 14
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
-    # every call site, plus the definitions (tma_load_2d, tma_load_2d_pair)
-    assert src.count("tma_load_2d(") + src.count("tma_load_2d_pair(") == src.count("p.l2_evict_w != 0);") + 2
+    assert src.count("tma_load_2d(") == src.count("p.l2_evict_w != 0);") + 1  # every call site, plus the definition
     assert 'if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");' in src
 
 

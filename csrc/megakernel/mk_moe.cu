@@ -201,68 +201,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
 }
-// ---- CTA pairs (MK_PAIR builds: the wide overlap kernel in clusters of two, k_experts_ov<T, true>) ----
-// The peer's shared address of a local one (same offset in the other CTA of the pair), and what reaches it.
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t peer_addr(uint32_t local) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(local), "r"(cluster_rank() ^ 1u));
-  return r;
-}
-__device__ __forceinline__ void st_peer_u64(uint32_t local, uint64_t v) {
-  asm volatile("st.shared::cluster.u64 [%0], %1;\n" ::"r"(peer_addr(local)), "l"(v) : "memory");
-}
-__device__ __forceinline__ void st_peer_u32(uint32_t local, uint32_t v) {
-  asm volatile("st.shared::cluster.u32 [%0], %1;\n" ::"r"(peer_addr(local)), "r"(v) : "memory");
-}
-// Arrive on the peer's mbarrier at the same offset as the local `bar`. CL: release at cluster scope (what this thread
-// wrote before, also into the peer's shared memory, is visible to whoever the peer's phase completion releases; a
-// fence's cost); else the default .release.cta, enough to say "this CTA's reads of a stage are done" (the stage
-// frees, as CUTLASS's consumer release does for multicast pipelines).
-template <bool CL>
-__device__ __forceinline__ void mbar_arrive_peer(uint32_t bar) {
-  if constexpr (CL)
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(peer_addr(bar)) : "memory");
-  else
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(peer_addr(bar)) : "memory");
-}
-// try_wait with acquire at cluster scope (the peer's writes released by its arrival).
-__device__ __forceinline__ bool mbar_try_cluster(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// One box into the same shared offset of both CTAs of the pair, each CTA's mbarrier at `bar`'s offset counting it.
-__device__ __forceinline__ void tma_load_2d_pair(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar,
-                                                 bool evict_first) {
-  const uint16_t mask = 3;
-  if (evict_first) {
-    uint64_t pol;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster.L2::cache_hint "
-        "[%0], [%1, {%2, %3}], [%4], %5, %6;\n" ::"r"(dst),
-        "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar), "h"(mask), "l"(pol)
-        : "memory");
-    return;
-  }
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, "
-      "%3}], [%4], %5;\n" ::"r"(dst),
-      "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar), "h"(mask)
-      : "memory");
-}
 // Programmatic dependent launch (MkParams.pdl): a kernel launched with the programmatic-serialization attribute may
 // start once every CTA of the kernel before it has run launch_dependents; wait returns once that kernel has finished
 // and its writes are visible. Both are no-ops for kernels launched in plain stream order. What a predecessor wrote
@@ -558,11 +496,10 @@ __device__ __forceinline__ void fill_meta_part(const MkParams& p, const Meta& md
                                                int stride) {
   const int tid = first, K = (int)p.K, H = (int)p.H, I = (int)p.I;
   const int cnt = p.counts[e * MK_COUNT_STRIDE];  // written by the routing kernel (earlier in the stream)
-  // (rows BM.. : the tail, XR > 0 only); mt < 0: no m-tile (a CTA pair's unit with one), every row padding
-  const int end = mt < 0 ? 0 : mkidx::tile_end(cnt, mt, T::BM, tail_of<T>(p));
+  const int end = mkidx::tile_end(cnt, mt, T::BM, tail_of<T>(p));  // (rows BM.. : the tail, XR > 0 only)
   for (int r = tid; r < T::BM + T::XR; r += stride) {
     const int m = mt * T::BM + r;
-    const int v = mt >= 0 && m < end ? p.lists[(int64_t)e * p.S_cap + m] : -1;
+    const int v = m < end ? p.lists[(int64_t)e * p.S_cap + m] : -1;
     md.row_id[r] = v;
     md.a_off[r] = v < 0 ? -1 : (kind == MK_TASK_GEMM1 ? (int64_t)(v / K) * H : (int64_t)v * I);
   }
@@ -994,14 +931,11 @@ __device__ __forceinline__ bool named_sync_and(int id, int n, bool ok) {
 }
 // mbar_wait that says whether the phase completed (false: the launch aborted, or this wait timed out after
 // `timeout` ns and reported MK_ERR_PIPE_TIMEOUT).
-// CL: acquire at cluster scope (a barrier the CTA pair's peer arrives on, with what it wrote before).
-template <bool CL = false>
 __device__ __forceinline__ bool mbar_wait_ok(const MkParams& p, uint32_t bar, uint32_t parity, uint32_t g,
                                              int64_t timeout) {
-  auto done = [&] { return CL ? mbar_try_cluster(bar, parity) : mbar_try(bar, parity); };
-  if (done()) return true;
+  if (mbar_try(bar, parity)) return true;
   const uint64_t since = gtime();
-  while (!done()) {
+  while (!mbar_try(bar, parity)) {
     if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return false;
     const uint64_t waited = gtime() - since;
     if (waited > (uint64_t)timeout) {
@@ -1010,17 +944,6 @@ __device__ __forceinline__ bool mbar_wait_ok(const MkParams& p, uint32_t bar, ui
     }
   }
   return true;
-}
-// A consumer thread is done with task slot `bar` (tempty[s]). CTA pairs (PR): rank 0's tempty[s] counts rank 1's
-// consumer warps too (rank 0 writes rank 1's slot), so rank 1 arrives there, once per warp, instead of on its own.
-template <bool PR>
-__device__ __forceinline__ void free_slot(uint32_t bar, uint32_t rank) {
-  if (!PR || rank == 0) {
-    mbar_arrive(bar);
-    return;
-  }
-  __syncwarp();
-  if ((threadIdx.x & 31) == 0) mbar_arrive_peer<true>(bar);  // (rank 0 then stores into this CTA's slot)
 }
 // k_experts' claim by one thread: the next queue slot (claim_task), waited for until published (the task word), past
 // the task total or aborted (0), or timed out (0 after reporting MK_ERR_PROC_TIMEOUT). *slot: the queue slot.
@@ -1062,12 +985,10 @@ __device__ __forceinline__ uint64_t claim_task(const MkParams& p, int epoch, int
 // slot kt, and the S=4096 experts kernel took 852 instead of 743 us). Returns with every stage of the task issued:
 // the consumers can finish the task without the producer. (Asking the L2 for the task's next 2-8 weight k-steps ahead of
 // these copies, the first at the claim, was slower at every S: S=1024 +76..+98 µs, 4096 +32..+62; run 129, b56f1b5.)
-// bmode (CTA pairs, PR): 1 = this CTA loads its whole B tile (the default), 2 = half of the tile the pair shares, into
-// both CTAs (the other half comes from the peer; each CTA's full[s] expects the whole tile), 0 = none (no m-tile).
-template <class T, bool PR = false>
+template <class T>
 __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
                                            int e, int nb, int KT, uint32_t it, int t, const CUtensorMap* tm1,
-                                           const CUtensorMap* tm2, int bmode = 1) {
+                                           const CUtensorMap* tm2) {
   const int stages = (int)p.stages;
   // ---- producer: thread t copies chunk (t & 7) of rows (t >> 3) + 16 q, for A and B ----
   const bf16* a_base = kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h;
@@ -1103,23 +1024,14 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
     mbar_wait(p, bars.empty + 8 * slot, ((g / stages) & 1) ^ 1, g);  // a fresh barrier passes parity 1 at once
     const uint32_t sA = s0 + slot * T::STAGE, sB = sA + T::A_BYTES;
     if constexpr (T::TMA && !(MK_PROBE & 1)) {
-      if (t == 0 && bmode) {  // expect_tx before the copies: thread 0's own arrival (later) keeps the phase open until then
+      if (t == 0) {  // expect_tx before the copies: thread 0's own arrival (later) keeps the phase open until then
         const uint32_t full = bars.full + 8 * slot;
         mbar_expect_tx(full, T::B_BYTES);
         if constexpr (T::NBLK == 2) {
-          if (PR && bmode == 2) {  // boxes 2 rank, 2 rank + 1 into both CTAs (the peer's complete_tx may come first:
-            const int b0 = 2 * (int)cluster_rank();  // the phase stays open until this thread's own arrival)
 #pragma unroll
-            for (int b = b0; b < b0 + 2; ++b)
-              tma_load_2d_pair(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK,
-                               (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full,
-                               p.l2_evict_w != 0);
-          } else {
-#pragma unroll
-            for (int b = 0; b < 4; ++b)
-              tma_load_2d(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK,
-                          (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full, p.l2_evict_w != 0);
-          }
+          for (int b = 0; b < 4; ++b)
+            tma_load_2d(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK,
+                        (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full, p.l2_evict_w != 0);
         } else {
           tma_load_2d(sB, bmap, kt * BK, brow, full, p.l2_evict_w != 0);
           tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full, p.l2_evict_w != 0);
@@ -1205,17 +1117,6 @@ __device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& m
   }
 }
 
-// A consumer thread is done with stage slot `bar`'s tiles. CTA pairs (PR): the peer's producer writes into this CTA's
-// slot too (the shared half of the B tile), so each warp also arrives on the peer's empty barrier, once per warp.
-template <bool PR>
-__device__ __forceinline__ void free_stage(uint32_t bar) {
-  mbar_arrive(bar);
-  if constexpr (PR) {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive_peer<false>(bar);
-  }
-}
-
 // ---- tail rows (T::XR = 16, the wide tile on the overlap kernel) ----
 // Consumer warp w8 = 4c + warp (0..7) computes the tail's 16 rows x 32 of the 256 tile columns on mma.sync m16n8k16
 // (four n8 blocks, 16 fp32 accumulators), A from the stage's ring, B from the stage's wgmma tile: GEMM1 gate columns
@@ -1261,7 +1162,7 @@ __device__ __forceinline__ void tail_store(const MkParams& p, const int* row_id,
 }
 // The wide consumers' k loop with the tail (both warpgroups busy: a tail rides in a full m-tile): each stage's wgmmas
 // are issued, then the warp's tail mma.sync run while they execute, then the stage is freed once both are done.
-template <class T, bool PR>
+template <class T>
 __device__ __forceinline__ void tail_mainloop(const MkParams& p, const WgBars<T>& bars, uint32_t s0, bool g1, int KT,
                                               uint32_t it, int c, int w8, int lane, float (&d)[T::NACC],
                                               float (&x)[4][4]) {
@@ -1281,7 +1182,7 @@ __device__ __forceinline__ void tail_mainloop(const MkParams& p, const WgBars<T>
     tail_mma_stage(x, st + T::X_OFF, sB, g1, w8, lane);
     wg_wait<0>();
     acc_fence(d);
-    free_stage<PR>(bars.empty + 8 * slot);  // (the ldmatrix reads are done: the mma.sync consumed them)
+    mbar_arrive(bars.empty + 8 * slot);  // (the ldmatrix reads are done: the mma.sync consumed them)
   }
 }
 
@@ -1290,11 +1191,10 @@ __device__ __forceinline__ void tail_mainloop(const MkParams& p, const WgBars<T>
 // and 1024 +43 with N up to 112 (run 133, 887b44d): its tasks took longer on fewer FLOPs, S=4096's GEMM1 tasks of
 // 65-127 rows 29.3 µs against 26.9.)
 // XT: the overlap kernel's tail tiles (T::XR > 0; setmaxnreg gives the consumers the registers for x).
-template <class T, bool XT = false, bool PR = false>
+template <class T, bool XT = false>
 __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, const WgBars<T>& bars, uint32_t s0, int kind,
                                            int nb, int KT, uint32_t it, int t, int c, int qi, uint32_t stg = 0) {
   static_assert(!XT || (T::XR == 16 && T::CONSUMERS == 2), "tail rows: the wide tile");
-  static_assert(!PR || T::CONSUMERS == 2, "CTA pairs: the wide tile (each stage freed as soon as it is done)");
   const int stages = (int)p.stages;
   float d[T::NACC];
 #pragma unroll
@@ -1316,7 +1216,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
     for (int kt = 0; kt < KT; ++kt) {
       const uint32_t g = it + kt, slot = g % stages;
       mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
-      free_stage<PR>(bars.empty + 8 * slot);
+      mbar_arrive(bars.empty + 8 * slot);
     }
     return;  // every row padding: no stores
   }
@@ -1334,7 +1234,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
     }
   }
   if (tail) {  // (a branch outside the k loop: a test inside it would make ptxas serialise the wgmmas, C7518)
-    if constexpr (XT) tail_mainloop<T, PR>(p, bars, s0, kind == MK_TASK_GEMM1, KT, it, c, w8, lane, d, x);
+    if constexpr (XT) tail_mainloop<T>(p, bars, s0, kind == MK_TASK_GEMM1, KT, it, c, w8, lane, d, x);
   } else for (int kt = 0; kt < KT; ++kt) {
     const uint32_t g = it + kt, slot = g % stages;
     mbar_wait(p, bars.full + 8 * slot, (g / stages) & 1, g);
@@ -1352,7 +1252,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
     if constexpr (T::CONSUMERS >= 2) {
       wg_wait<0>();  // this stage's wgmmas are done: hand its slot back now, not once the next stage has landed
       acc_fence(d);  // (the other consumer warpgroup's wgmmas keep the tensor cores busy meanwhile)
-      free_stage<PR>(bars.empty + 8 * slot);
+      mbar_arrive(bars.empty + 8 * slot);
     } else {
       wg_wait<1>();  // one consumer warpgroup: keep a stage in flight; the previous stage's wgmmas are done
       if (kt > 0) mbar_arrive(bars.empty + 8 * ((g - 1) % stages));
@@ -1453,38 +1353,16 @@ __device__ void tile_prefix(const MkParams& p, int* base) {
   }
   if (lane == 31) base[E] = incl;
 }
-// CTA pairs: odd[e] = experts before e whose m-tile count is odd (odd[E]: all), by warp 0 as tile_prefix.
-template <class T>
-__device__ void odd_prefix(const MkParams& p, int16_t* odd) {
-  const int lane = threadIdx.x & 31, E = (int)p.E, bm = T::BM, tail = tail_of<T>(p);
-  const int per = (E + 31) / 32, e0 = lane * per, e1 = min(E, e0 + per);
-  int sum = 0;
-  for (int e = e0; e < e1; ++e) sum += mkidx::expert_tiles(p.counts[e * MK_COUNT_STRIDE], bm, tail) & 1;
-  int incl = sum;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int n = __shfl_up_sync(~0u, incl, o);
-    if (lane >= o) incl += n;
-  }
-  int run = incl - sum;
-  for (int e = e0; e < e1; ++e) {
-    odd[e] = (int16_t)run;
-    run += mkidx::expert_tiles(p.counts[e * MK_COUNT_STRIDE], bm, tail) & 1;
-  }
-  if (lane == 31) odd[E] = (int16_t)incl;
-}
 // What every role derives from base[]: tasks per m-tile, split-K parts, the totals.
 struct QueueShape {
-  int n_tiles, n_ct, NC, KS1, KS2, G1, G2;  // G1 / G2: GEMM1 / GEMM2 tasks per m-tile (CTA pairs: per unit)
-  int units;                                // m-tiles, or the CTA pairs' units (mk_index.h: pair_units)
+  int n_tiles, n_ct, NC, KS1, KS2, G1, G2;  // G1 / G2: GEMM1 / GEMM2 tasks per m-tile
   int64_t total;
   bool fits;  // within the queue and counter buffers (else MK_ERR_QUEUE_FULL)
 };
-template <class T, bool PR = false>
-__device__ QueueShape queue_shape(const MkParams& p, const int* base, const int16_t* odd = nullptr) {
+template <class T>
+__device__ QueueShape queue_shape(const MkParams& p, const int* base) {
   QueueShape q;
   q.n_tiles = base[p.E];
-  q.units = PR ? mkidx::pair_units(base, odd, (int)p.E) : q.n_tiles;
   q.n_ct = (int)((p.S + p.combine_tokens - 1) / p.combine_tokens);
   q.NC = combine_blocks(p.H);
   // split-K parts of each GEMM1 / GEMM2 task (1 = none): decode tiles only, and only while the m-tiles fit
@@ -1495,7 +1373,7 @@ __device__ QueueShape queue_shape(const MkParams& p, const int* base, const int1
   // (never split: split-K is for bm = 16 only, so the n-field is nb itself)
   q.G1 = (int)(2 * p.I / BN) / T::NBLK * q.KS1;
   q.G2 = (int)(p.H / BN) / T::NBLK * q.KS2;
-  q.total = (int64_t)q.units * (q.G1 + q.G2) + (int64_t)q.n_ct * q.NC;
+  q.total = (int64_t)q.n_tiles * (q.G1 + q.G2) + (int64_t)q.n_ct * q.NC;
   q.fits = q.total <= p.q_cap && q.n_tiles <= p.max_tiles && q.n_ct <= p.max_ctiles;
   return q;
 }
@@ -1505,16 +1383,14 @@ __device__ QueueShape queue_shape(const MkParams& p, const int* base, const int1
 // scheduler also writes) instead of waiting for the scheduler to count, publish, fence and flag it: that handoff
 // took ~6 us at the start of every launch (run 20 timeline). 0: past the total, the queue does not fit, or aborted.
 // local_word: the word of claimed slot i computed from the m-tile prefix (no publish), with its timeline stamps.
-template <class T, bool PR = false>
-__device__ __forceinline__ uint64_t local_word(const MkParams& p, const int* base, const QueueShape& q, int i,
-                                               const int16_t* odd = nullptr) {
+template <class T>
+__device__ __forceinline__ uint64_t local_word(const MkParams& p, const int* base, const QueueShape& q, int i) {
   if (p.trace) {
     const int64_t now = (int64_t)gtime();
     tr_slot(p, i, MK_TR_PUB, now);  // (no publish: computed at the claim)
     tr_slot(p, i, MK_TR_CLAIM, now);
     tr_slot(p, i, MK_TR_CTA, blockIdx.x);
   }
-  if constexpr (PR) return mkidx::unit_word(i, base, odd, (int)p.E, q.G1, q.G2, q.NC, T::NBLK);
   return mkidx::queue_word(i, base, (int)p.E, q.G1, q.KS1, q.G2, q.KS2, q.NC, T::NBLK);
 }
 template <class T>
@@ -1534,20 +1410,18 @@ __device__ __forceinline__ uint64_t claim_local(const MkParams& p, const int* ba
 #ifndef MK_WG_LOCAL_G1
 #define MK_WG_LOCAL_G1 1
 #endif
-template <class T, bool PR = false>
+template <class T>
 __device__ __forceinline__ uint64_t claim_wg(const MkParams& p, int epoch, const int* base, const QueueShape& q,
-                                             int g1_local, int* slot, const int16_t* odd = nullptr) {
+                                             int g1_local, int* slot) {
   const int i = atomicAdd(&p.ctl[MK_CTL_HEAD], 1);
   if (i >= g1_local) return wait_slot(p, epoch, i, slot);
   *slot = i;
   if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return 0;
-  return local_word<T, PR>(p, base, q, i, odd);
+  return local_word<T>(p, base, q, i);
 }
 
 // ---- the scheduler CTA ----------------------------------------------------------------------------------
-// PR: the CTA pairs' queue (units of two m-tiles: mk_index.h unit_word); a unit's GEMM2 tasks are ready once both
-// of its m-tiles' GEMM1 tasks are done.
-template <class T, bool PR = false>
+template <class T>
 __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int E = (int)p.E, K = (int)p.K;
@@ -1555,16 +1429,12 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   const int CT = (int)p.combine_tokens;
   if (tid == 0) tr_sched(p, MK_TR_SCHED_START);
   int* base = (int*)smem;  // [E + 1]
-  int16_t* odd = (int16_t*)(base + E + 1);  // [E + 1] (PR)
-  if (warp == 0) {
-    tile_prefix<T>(p, base);
-    if constexpr (PR) odd_prefix<T>(p, odd);
-  }
+  if (warp == 0) tile_prefix<T>(p, base);
   __syncthreads();
-  const QueueShape q = queue_shape<T, PR>(p, base, odd);
-  const int n_tiles = q.n_tiles, n_units = q.units, n_ct = q.n_ct, NC = q.NC, KS1 = q.KS1, KS2 = q.KS2, G2 = q.G2;
+  const QueueShape q = queue_shape<T>(p, base);
+  const int n_tiles = q.n_tiles, n_ct = q.n_ct, NC = q.NC, KS1 = q.KS1, KS2 = q.KS2, G2 = q.G2;
   constexpr int W = T::NBLK;
-  const int g1 = n_units * q.G1;
+  const int g1 = n_tiles * q.G1;
   const int64_t total = q.total;
   if (!q.fits) {
     if (tid == 0) report(p, MK_ERR_QUEUE_FULL, total, p.q_cap, 0);
@@ -1585,8 +1455,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   for (int c0 = 0; c0 < n_pub; c0 += (int)blockDim.x * 8) {
     const int hi = min(n_pub, c0 + (int)blockDim.x * 8);
     for (int i = c0 + tid; i < hi; i += blockDim.x)  // n-field = nb + N1 * ks (mk_index.h: queue_word)
-      p.q_task[i] = PR ? mkidx::unit_word(i, base, odd, E, q.G1, G2, NC, W)
-                       : mkidx::queue_word(i, base, E, N1 / W * KS1, KS1, G2, KS2, NC, W);
+      p.q_task[i] = mkidx::queue_word(i, base, E, N1 / W * KS1, KS1, G2, KS2, NC, W);
     __threadfence();
     for (int i = c0 + tid; i < hi; i += blockDim.x) st_relaxed(&p.q_flag[i], epoch);
     tr_published(p, c0 + tid, hi, blockDim.x);
@@ -1602,34 +1471,27 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   if (warp != 0) return;
   // subscriber: poll the readiness counters, publish what became ready; fail after timeout_ns without progress
   int tail = g1, released = 0;
-  const int need = n_units + n_ct;
+  const int need = n_tiles + n_ct;
   uint64_t since = gtime();
   int32_t* rel_ct = p.rel + p.max_tiles;
   long long seen = -1;  // sum of the unreleased counters last sweep: any change counts as progress
   while (released < need) {
     int got = 0;
     long long sum = 0;
-    for (int b = 0; b < n_units; b += 32) {
-      const int u = b + lane;  // an m-tile (PR: a unit of m-tiles tile, tb)
-      int tile = u, tb = -1;
-      bool mc = false, ready = false;
-      if (u < n_units && p.rel[u] != epoch) {
-        if constexpr (PR) mkidx::unit_tiles(u, base, odd, E, tile, tb, mc);
-        const int v = ld_acquire(&p.g1done[tile]), vb = tb >= 0 ? ld_acquire(&p.g1done[tb]) : N1;
-        sum += v + (tb >= 0 ? vb : 0);
-        ready = v == N1 && vb == N1 && tile != (int)p.stall_tile && (tb < 0 || tb != (int)p.stall_tile);
+    for (int b = 0; b < n_tiles; b += 32) {
+      const int tile = b + lane;
+      bool ready = false;
+      if (tile < n_tiles && p.rel[tile] != epoch) {
+        const int v = ld_acquire(&p.g1done[tile]);
+        sum += v;
+        ready = v == N1 && tile != (int)p.stall_tile;
       }
       const unsigned m = __ballot_sync(~0u, ready);
       const int pos = tail + __popc(m & ((1u << lane) - 1)) * G2;
       if (ready) {
-        p.rel[u] = epoch;
-        if constexpr (PR) {
-          for (int nf = 0; nf < G2; ++nf) p.q_task[pos + nf] = mkidx::enc_unit(MK_TASK_GEMM2, mc, nf * W, tile, tb);
-        } else {
-          const int e = tile_expert(base, E, tile);
-          for (int nf = 0; nf < G2; ++nf)
-            p.q_task[pos + nf] = enc(MK_TASK_GEMM2, e, tile - base[e], nf * W, tile, KS2);
-        }
+        const int e = tile_expert(base, E, tile);
+        p.rel[tile] = epoch;
+        for (int nf = 0; nf < G2; ++nf) p.q_task[pos + nf] = enc(MK_TASK_GEMM2, e, tile - base[e], nf * W, tile, KS2);
       }
       if (m) {
         __threadfence();  // one fence for the warp's batch, then relaxed flags (release pattern)
@@ -1773,66 +1635,47 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
 }
 
 // The overlap kernel (MkParams.overlap = 1, wgmma tiles): see "cross-task overlap" above for the protocol.
-// PR (MK_PAIR builds, the wide TMA tile): launched in clusters of two CTAs that run the queue's units together (mk_index.h
-// unit_tiles): rank 0's producer claims a unit and hands its word to rank 1 (a store into rank 1's slot, then an arrival
-// on rank 1's s_tword[s]); each CTA computes its own m-tile of the unit, stage by stage with the other: where the unit's
-// m-tiles share their weight tile, each producer loads half of each stage's B tile into both CTAs (TMA multicast), so
-// every stage slot is written by both producers, and each CTA's empty[s] counts the peer's consumer warps as well as
-// its own consumer threads; rank 0's tempty[s] counts rank 1's consumer warps (its slot s is free too). The pair's
-// COMBINE tasks are split over both CTAs' consumers. No thread leaves before the closing cluster barrier (the peer may
-// still write into this CTA's shared memory). The scheduler's cluster (CTAs 0 and 1) runs only the scheduler.
-template <class T, bool PR = false>
+template <class T>
 __global__ void __launch_bounds__(T::THREADS, T::MINB)
     k_experts_ov(const MkParams p, const __grid_constant__ CUtensorMap tm1, const __grid_constant__ CUtensorMap tm2) {
   static_assert(T::WG, "the overlap kernel runs the wgmma core only");
-  static_assert(!PR || (T::NBLK == 2 && T::TMA), "CTA pairs: the wide TMA tile");
   extern __shared__ __align__(128) char smem_raw[];
   __shared__ int s_base[LOCAL_MAX_E + 1];  // MK_WG_LOCAL_G1: the m-tile prefix (claim_wg; in SMEM_MAX's 1 KB reserve)
-  __shared__ int16_t s_odd[PR ? LOCAL_MAX_E + 1 : 1];  // PR: odd_prefix
-  __shared__ __align__(8) uint64_t s_tword[2];          // PR, rank 1: the unit's word arrived in slot s
   char* smem = align_smem(smem_raw, T::ALIGN);
   pdl_enter(p);  // pdl: routing may still run until here
   const int epoch = p.ctl[MK_CTL_EPOCH];  // bumped by the routing kernel before this launch
   if (blockIdx.x == 0) {
-    scheduler<T, PR>(p, smem, epoch);
+    scheduler<T>(p, smem, epoch);
     return;
   }
-  if (PR && blockIdx.x == 1) return;  // the scheduler's cluster peer: no pair to run with
-  const uint32_t rank = PR ? cluster_rank() : 0;
   const int stages = (int)p.stages;
   const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
-  constexpr int NCONS = 128 * T::CONSUMERS;              // consumer threads (named barrier 2)
-  constexpr int PEER_WARPS = PR ? 4 * T::CONSUMERS : 0;  // the peer's consumer warps (their arrivals, PR)
+  constexpr int NCONS = 128 * T::CONSUMERS;  // consumer threads (named barrier 2)
   OvSlot<T>* slots = (OvSlot<T>*)(smem + T::STAGE * stages);
   const uint32_t b0 = (su32(slots + 2) + 7u) & ~7u;
   const WgBars<T> bars = {b0, b0 + 8u * 16u};
-  const uint32_t tfull = b0 + 8u * 32u, tempty = tfull + 16u, tword = su32(s_tword);
+  const uint32_t tfull = b0 + 8u * 32u, tempty = tfull + 16u;
   const uint32_t stg = (tempty + 16u + 127u) & ~127u;  // epilogue buffers
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) {
       mbar_init(bars.full + 8 * s, 128);
-      mbar_init(bars.empty + 8 * s, NCONS + PEER_WARPS);
+      mbar_init(bars.empty + 8 * s, NCONS);
     }
     for (int s = 0; s < 2; ++s) {
-      mbar_init(tfull + 8 * s, 128);                  // every producer thread, after its metadata writes
-      mbar_init(tempty + 8 * s, NCONS + PEER_WARPS);  // every consumer thread, after its last read of the slot
-      if (PR) mbar_init(tword + 8 * s, 1);
+      mbar_init(tfull + 8 * s, 128);     // every producer thread, after its metadata writes
+      mbar_init(tempty + 8 * s, NCONS);  // every consumer thread, after its last read of the slot
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     tr_cta(p, 0);
   }
-  const bool local = PR || (MK_WG_LOCAL_G1 && p.E <= LOCAL_MAX_E);  // (PR: the host pairs only E <= LOCAL_MAX_E)
-  if (local && tid >= 32 && tid < 64) {  // (warp 1: warp 0's thread 0 inits the barriers)
-    tile_prefix<T>(p, s_base);
-    if constexpr (PR) odd_prefix<T>(p, s_odd);
-  }
+  const bool local = MK_WG_LOCAL_G1 && p.E <= LOCAL_MAX_E;
+  if (local && tid >= 32 && tid < 64) tile_prefix<T>(p, s_base);  // (warp 1: warp 0's thread 0 inits the barriers)
   __syncthreads();  // (before the loop only)
-  if constexpr (PR) cluster_sync();  // both CTAs' barriers initialised before either arrives on the other's
   QueueShape qs = {};
   int g1_local = 0;  // slots below: GEMM1 words computed at the claim (claim_wg)
   if (local) {
-    qs = queue_shape<T, PR>(p, s_base, s_odd);
-    if (qs.fits) g1_local = qs.units * qs.G1;
+    qs = queue_shape<T>(p, s_base);
+    if (qs.fits) g1_local = qs.n_tiles * qs.G1;
   }
   if constexpr (T::TMA) {
     if (tid == 0) {
@@ -1855,42 +1698,25 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
       OvSlot<T>& sl = slots[s];
       if (t == 0) {
         uint64_t task = 0;  // slot s is free once the consumers finished task j - 2 (fresh barrier: parity 1 passes)
-        if (rank == 0) {
-          if (mbar_wait_ok(p, tempty + 8 * s, ph ^ 1, j, p.timeout_ns))
-            task = claim_wg<T, PR>(p, epoch, s_base, qs, g1_local, &sl.qi, s_odd);
-          sl.task = task;
-          if constexpr (PR) {  // the unit to rank 1 (its slot s is free too: rank 0's tempty counts its consumers)
-            st_peer_u64(su32(&sl.task), task);
-            st_peer_u32(su32(&sl.qi), (uint32_t)sl.qi);
-            mbar_arrive_peer<true>(tword + 8 * s);
-          }
-        } else if (!mbar_wait_ok<true>(p, tword + 8 * s, ph, j, 2 * p.timeout_ns)) {
-          sl.task = 0;  // (else rank 0 wrote the word into this slot)
-        }
+        if (mbar_wait_ok(p, tempty + 8 * s, ph ^ 1, j, p.timeout_ns))
+          task = claim_wg<T>(p, epoch, s_base, qs, g1_local, &sl.qi);
+        sl.task = task;
       }
       named_sync(1, 128);  // the task word, to the producer warpgroup
       const uint64_t task = sl.task;
       const int kind = mkidx::t_kind(task);
       const bool gemm = task != 0 && kind != MK_TASK_COMBINE;
-      int e = mkidx::t_expert(task), mt = mkidx::t_mtile(task), nb = mkidx::t_nfield(task), bmode = 1;
-      if constexpr (PR) {  // this CTA's m-tile of the unit (-1: none; the unit's other m-tile names the expert)
-        const int tile = mkidx::u_tile(task, (int)rank);
-        e = tile_expert(s_base, (int)p.E, tile >= 0 ? tile : mkidx::u_tile(task, 0));
-        mt = tile >= 0 ? tile - s_base[e] : -1;
-        nb = mkidx::u_nfield(task);
-        bmode = mkidx::u_mc(task) ? 2 : tile >= 0 ? 1 : 0;
-      }
+      const int e = mkidx::t_expert(task), mt = mkidx::t_mtile(task), nb = mkidx::t_nfield(task);
       const Meta md = {sl.a_off, sl.b_off, sl.row_id, nullptr};
       if (gemm) {
         fill_meta_part<T>(p, md, kind, e, mt, nb, t, 128);
         named_sync(1, 128);  // every row's offsets written before any producer thread reads them
       }
       mbar_arrive(tfull + 8 * s);  // release: task word + metadata to the consumers
-      if (task == 0) break;        // end of work (or abort): the consumers see word 0 too
+      if (task == 0) return;       // end of work (or abort): the consumers see word 0 too
       if (gemm) {
         const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
-        // returns with every stage published
-        wg_produce<T, PR>(p, md, bars, s0, kind, e, nb, KT, it, t, &tm1, &tm2, bmode);
+        wg_produce<T>(p, md, bars, s0, kind, e, nb, KT, it, t, &tm1, &tm2);  // returns with every stage published
         it += KT;
       }
     }
@@ -1900,34 +1726,32 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB)
     for (uint32_t j = 0;; ++j) {
       const uint32_t s = j & 1, ph = (j >> 1) & 1;
       const bool ok = mbar_wait_ok(p, tfull + 8 * s, ph, j, 2 * p.timeout_ns);
-      if (!named_sync_and(2, NCONS, ok)) break;  // abort / timeout: every consumer leaves together
+      if (!named_sync_and(2, NCONS, ok)) return;  // abort / timeout: every consumer leaves together
       const OvSlot<T>& sl = slots[s];
       const uint64_t task = sl.task;
       if (task == 0) {  // end of work
         if (ct == 0) tr_cta(p, 1);
-        break;
+        return;
       }
       const int kind = mkidx::t_kind(task), mt = mkidx::t_mtile(task), nf = mkidx::t_nfield(task);
       const int qi = sl.qi;
       if (kind == MK_TASK_COMBINE) {
-        free_slot<PR>(tempty + 8 * s, rank);  // the word was all it needed from the slot
-        run_combine_part(p, mt, nf, (int)rank * NCONS + ct, PR ? 2 * NCONS : NCONS);  // (PR: half each)
+        mbar_arrive(tempty + 8 * s);  // the word was all it needed from the slot
+        run_combine_part(p, mt, nf, ct, NCONS);
         if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
         continue;
       }
       const Meta md = {const_cast<int64_t*>(sl.a_off), const_cast<int64_t*>(sl.b_off), const_cast<int*>(sl.row_id),
                        nullptr};
       const int KT = (kind == MK_TASK_GEMM1 ? (int)p.H : (int)p.I) / BK;
-      const int nb = PR ? mkidx::u_nfield(task) : nf, tile = PR ? mkidx::u_tile(task, (int)rank) : mkidx::t_tile(task);
-      wg_consume<T, (T::XR > 0), PR>(p, md, bars, s0, kind, nb, KT, it, t, c, qi, stg);
+      wg_consume<T, (T::XR > 0)>(p, md, bars, s0, kind, nf, KT, it, t, c, qi, stg);
       it += KT;
       named_sync(2, NCONS);  // every consumer's stores issued before the fences + signals
-      if (tile >= 0) signal_rows<T>(p, md, kind, tile, ct, NCONS);  // (PR: no m-tile, nothing to count)
-      free_slot<PR>(tempty + 8 * s, rank);  // (after its signal: it read row_id)
+      signal_rows<T>(p, md, kind, mkidx::t_tile(task), ct, NCONS);
+      mbar_arrive(tempty + 8 * s);  // (after its signal: it read row_id)
       if (ct == 0) tr_slot(p, qi, MK_TR_DONE, (int64_t)gtime());
     }
   }
-  if constexpr (PR) cluster_sync();  // neither CTA's shared memory goes while the other may still write into it
 }
 
 // ---- routing ----------
@@ -2409,10 +2233,6 @@ cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kerne
   if constexpr (T::WG) {
     const int ov = smem_for_ov<T>(MAX_STAGES) <= SMEM_MAX ? smem_for_ov<T>(MAX_STAGES) : SMEM_MAX;
     if (e == cudaSuccess) e = cudaFuncSetAttribute(k_experts_ov<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, ov);
-    if constexpr (T::NBLK == 2 && T::TMA) {
-      if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(k_experts_ov<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, ov);
-    }
   }
   done = e == cudaSuccess;
   return e;
@@ -2690,43 +2510,6 @@ int launch_route_fused(const MkParams* pp, cudaStream_t s) {
   return e == cudaSuccess ? 0 : fail("k_route launch", e);
 }
 
-// CTA pairs (k_experts_ov<T, true>, the wide TMA tile): launches with at least MK_PAIR_MIN_ROWS routed rows per
-// expert on average (0: never, the library's default; a measurement build sets it) and E <= LOCAL_MAX_E.
-#ifndef MK_PAIR_MIN_ROWS
-#define MK_PAIR_MIN_ROWS 0
-#endif
-bool use_pairs(const MkParams* p) {
-  return MK_PAIR_MIN_ROWS > 0 && p->E <= LOCAL_MAX_E && p->S * p->K >= (int64_t)MK_PAIR_MIN_ROWS * p->E;
-}
-// The paired launch's grid: p->grid rounded down to whole pairs, within the clusters of two that are resident at
-// once (cudaOccupancyMaxActiveClusters, asked once per stage count).
-template <class T>
-int pair_grid(const MkParams* p, int* grid) {
-  static std::mutex mu;
-  static int clusters[MAX_STAGES + 1];
-  std::lock_guard<std::mutex> lock(mu);
-  int& n = clusters[p->stages];
-  if (n == 0) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)(p->grid & ~1ll));
-    cfg.blockDim = dim3(T::THREADS);
-    cfg.dynamicSmemBytes = smem_for_ov<T>((int)p->stages);
-    cudaLaunchAttribute a;
-    a.id = cudaLaunchAttributeClusterDimension;
-    a.val.clusterDim.x = 2;
-    a.val.clusterDim.y = 1;
-    a.val.clusterDim.z = 1;
-    cfg.attrs = &a;
-    cfg.numAttrs = 1;
-    const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, k_experts_ov<T, true>, &cfg);
-    if (e != cudaSuccess) return fail("cudaOccupancyMaxActiveClusters", e);
-    if (n < 2) return fail_msg("mk: fewer than two CTA pairs resident");
-  }
-  const int64_t most = p->grid & ~(int64_t)1;
-  *grid = (int)(2 * n < most ? 2 * n : most);
-  return 0;
-}
-
 template <class T>
 int launch_experts(const MkParams* p, cudaStream_t s) {
   int per_sm = 0, sms = 0;
@@ -2750,16 +2533,7 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
   if (!(T::XR > 0 && p->overlap)) q.tail_rows = 0;
   p = &q;
   if constexpr (T::WG) {
-    if constexpr (T::NBLK == 2 && T::TMA) {
-      if (p->overlap && use_pairs(p)) {
-        int grid = 0;
-        if (pair_grid<T>(p, &grid)) return 1;
-        e = launch_kc(k_experts_ov<T, true>, dim3((unsigned)grid), dim3(2, 1, 1), T::THREADS,
-                      smem_for_ov<T>((int)p->stages), s, p->pdl != 0, *p, tm1, tm2);
-        launched = true;
-      }
-    }
-    if (p->overlap && !launched) {
+    if (p->overlap) {
       e = launch_k(k_experts_ov<T>, dim3((unsigned)p->grid), T::THREADS, smem_for_ov<T>((int)p->stages), s,
                    p->pdl != 0, *p, tm1, tm2);
       launched = true;

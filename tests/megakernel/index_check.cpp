@@ -436,59 +436,6 @@ int main() {
         CHECK(prev == c, "tiles of %d rows (tail %d) end at %d", c, tail, prev);
       }
   }
-  // 13. CTA pairs (mk_index.h unit_tiles / unit_word): every m-tile in exactly one unit; a multicast unit is two
-  //     consecutive m-tiles of one expert (an even one first), the rest are experts' last m-tiles where the count is
-  //     odd, two a unit in expert order (b = -1 only in the last unit); the words round-trip
-  for (int trial = 0; trial < 60; ++trial) {
-    const int E = 1 + trial % 23, G1 = 6, G2 = 8, NC = 1 + trial % 4, W = 2;
-    std::vector<int> base(E + 1, 0);
-    std::vector<int16_t> odd(E + 1, 0);
-    uint32_t seed = 991 + trial;
-    for (int e = 0; e < E; ++e) {
-      seed = seed * 1103515245u + 12345u;
-      const int n = (int)((seed >> 16) % 6);  // 0..5 m-tiles per expert
-      base[e + 1] = base[e] + n;
-      odd[e + 1] = (int16_t)(odd[e] + (n & 1));
-    }
-    const int U = pair_units(base.data(), odd.data(), E), n_tiles = base[E];
-    std::vector<int> seen(n_tiles, 0), owner(n_tiles, 0);
-    for (int e = 0; e < E; ++e)
-      for (int t = base[e]; t < base[e + 1]; ++t) owner[t] = e;
-    int last_odd = -1;
-    for (int u = 0; u < U; ++u) {
-      int a, b;
-      bool mc;
-      unit_tiles(u, base.data(), odd.data(), E, a, b, mc);
-      CHECK(a >= 0 && a < n_tiles && b >= -1 && b < n_tiles, "unit %d tiles %d %d (trial %d)", u, a, b, trial);
-      if (a < 0 || a >= n_tiles || b < -1 || b >= n_tiles) break;
-      seen[a]++;
-      if (b >= 0) seen[b]++;
-      if (mc) {
-        CHECK(b == a + 1 && owner[a] == owner[b] && (a - base[owner[a]]) % 2 == 0, "mc unit %d: %d %d", u, a, b);
-      } else {
-        for (int t : {a, b}) {
-          if (t < 0) continue;
-          const int e = owner[t], n = base[e + 1] - base[e];
-          CHECK(n % 2 == 1 && t == base[e + 1] - 1 && e > last_odd, "odd unit %d tile %d (expert %d)", u, t, e);
-          last_odd = e;
-        }
-        CHECK(b >= 0 || u == U - 1, "unit %d without a second m-tile is not the last", u);
-      }
-      for (int nf = 0; nf < G1; ++nf) {
-        const uint64_t w = unit_word(u * G1 + nf, base.data(), odd.data(), E, G1, G2, NC, W);
-        CHECK(t_kind(w) == MK_TASK_GEMM1 && u_mc(w) == mc && u_tile(w, 0) == a && u_tile(w, 1) == b &&
-                  u_nfield(w) == nf * W, "GEMM1 word unit %d nf %d", u, nf);
-      }
-      for (int nf = 0; nf < G2; ++nf) {
-        const uint64_t w = unit_word(U * G1 + u * G2 + nf, base.data(), odd.data(), E, G1, G2, NC, W);
-        CHECK(t_kind(w) == MK_TASK_GEMM2 && u_mc(w) == mc && u_tile(w, 0) == a && u_tile(w, 1) == b &&
-                  u_nfield(w) == nf * W, "GEMM2 word unit %d nf %d", u, nf);
-      }
-    }
-    for (int t = 0; t < n_tiles; ++t) CHECK(seen[t] == 1, "m-tile %d in %d units (trial %d)", t, seen[t], trial);
-    const uint64_t wc = unit_word(U * (G1 + G2) + NC + 1, base.data(), odd.data(), E, G1, G2, NC, W);
-    CHECK(wc == enc(MK_TASK_COMBINE, 0, (NC + 1) / NC, (NC + 1) % NC, 0), "combine word after the units (trial %d)", trial);
-  }
   printf("ok %ld\n", n_checks);
   return 0;
 }
