@@ -700,7 +700,9 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
 // nb (even) and nb + 1 and counts both, so the readiness thresholds are the 128-column tile's.
 // Measurement builds only (the library is built without it): MK_PROBE bit 0 = the wgmma tiles' producer issues no
 // loads (stages are published empty), bit 1 = their consumers issue no wgmma (they wait for and free the stages).
-// Outputs are garbage; the task timeline then shows what the loads alone and the wgmmas alone cost (run 41).
+// Outputs are garbage; the task timeline then shows what the loads alone and the wgmmas alone cost (run 41). Bit 2 =
+// no A rows (the gathered x / h cp.async copies), bit 3 = no B tile (the TMA weight boxes): which of the two draws the
+// power under the 700 W cap (run 137).
 #ifndef MK_PROBE
 #define MK_PROBE 0
 #endif
@@ -1023,7 +1025,7 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
     const uint32_t g = it + kt, slot = g % stages;
     mbar_wait(p, bars.empty + 8 * slot, ((g / stages) & 1) ^ 1, g);  // a fresh barrier passes parity 1 at once
     const uint32_t sA = s0 + slot * T::STAGE, sB = sA + T::A_BYTES;
-    if constexpr (T::TMA && !(MK_PROBE & 1)) {
+    if constexpr (T::TMA && !(MK_PROBE & 9)) {
       if (t == 0) {  // expect_tx before the copies: thread 0's own arrival (later) keeps the phase open until then
         const uint32_t full = bars.full + 8 * slot;
         mbar_expect_tx(full, T::B_BYTES);
@@ -1038,7 +1040,7 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
         }
       }
     }
-    if constexpr (!(MK_PROBE & 1)) {
+    if constexpr (!(MK_PROBE & 5)) {
 #pragma unroll
       for (int q = 0; q < T::BM / 16; ++q)
         cp_async16(sA + mkidx::swz_off(r0 + 16 * q, ch * 8), asrc[q] + kt * BK, abytes[q]);
