@@ -1423,6 +1423,10 @@ __device__ __forceinline__ uint64_t claim_wg(const MkParams& p, int epoch, const
 }
 
 // ---- the scheduler CTA ----------------------------------------------------------------------------------
+// MK_SUB_BATCH: readiness counters each subscriber lane loads together per batch (1: one at a time, as before run 140).
+#ifndef MK_SUB_BATCH
+#define MK_SUB_BATCH 4
+#endif
 template <class T>
 __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1472,6 +1476,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   }
   if (warp != 0) return;
   // subscriber: poll the readiness counters, publish what became ready; fail after timeout_ns without progress
+  constexpr int SW = MK_SUB_BATCH;  // counters a lane loads at once
   int tail = g1, released = 0;
   const int need = n_tiles + n_ct;
   uint64_t since = gtime();
@@ -1480,53 +1485,83 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   while (released < need) {
     int got = 0;
     long long sum = 0;
-    for (int b = 0; b < n_tiles; b += 32) {
-      const int tile = b + lane;
-      bool ready = false;
-      if (tile < n_tiles && p.rel[tile] != epoch) {
-        const int v = ld_acquire(&p.g1done[tile]);
-        sum += v;
-        ready = v == N1 && tile != (int)p.stall_tile;
+    // Each lane's SW entries of a batch load their counters together (relaxed: one latency per batch, not one per
+    // entry; run 128's timeline at S=4096: a sweep of 25 acquire loads in turn took ~24 us), then one fence per batch
+    // orders them before the flags (acquire for the counters read, release for the task words written).
+    for (int b = 0; b < n_tiles; b += 32 * SW) {
+      bool un[SW], rd[SW];
+      int v[SW], pos[SW];
+#pragma unroll
+      for (int u = 0; u < SW; ++u) {
+        const int tile = b + 32 * u + lane;
+        un[u] = tile < n_tiles && p.rel[tile] != epoch;
       }
-      const unsigned m = __ballot_sync(~0u, ready);
-      const int pos = tail + __popc(m & ((1u << lane) - 1)) * G2;
-      if (ready) {
-        const int e = tile_expert(base, E, tile);
-        p.rel[tile] = epoch;
-        for (int nf = 0; nf < G2; ++nf) p.q_task[pos + nf] = enc(MK_TASK_GEMM2, e, tile - base[e], nf * W, tile, KS2);
+#pragma unroll
+      for (int u = 0; u < SW; ++u) v[u] = un[u] ? ld_relaxed(&p.g1done[b + 32 * u + lane]) : 0;
+      unsigned any = 0;
+#pragma unroll
+      for (int u = 0; u < SW; ++u) {
+        const int tile = b + 32 * u + lane;
+        sum += v[u];
+        rd[u] = un[u] && v[u] == N1 && tile != (int)p.stall_tile;
+        const unsigned m = __ballot_sync(~0u, rd[u]);
+        pos[u] = tail + __popc(m & ((1u << lane) - 1)) * G2;
+        if (rd[u]) {
+          const int e = tile_expert(base, E, tile);
+          p.rel[tile] = epoch;
+          for (int nf = 0; nf < G2; ++nf)
+            p.q_task[pos[u] + nf] = enc(MK_TASK_GEMM2, e, tile - base[e], nf * W, tile, KS2);
+        }
+        tail += __popc(m) * G2;
+        got += __popc(m);
+        any |= m;
       }
-      if (m) {
+      if (any) {
         __threadfence();  // one fence for the warp's batch, then relaxed flags (release pattern)
-        if (ready)
-          for (int nf = 0; nf < G2; ++nf) st_relaxed(&p.q_flag[pos + nf], epoch);
-        if (ready) tr_published(p, pos, pos + G2, 1);
+#pragma unroll
+        for (int u = 0; u < SW; ++u) {
+          if (!rd[u]) continue;
+          for (int nf = 0; nf < G2; ++nf) st_relaxed(&p.q_flag[pos[u] + nf], epoch);
+          tr_published(p, pos[u], pos[u] + G2, 1);
+        }
       }
-      tail += __popc(m) * G2;
-      got += __popc(m);
     }
-    for (int b = 0; b < n_ct; b += 32) {
-      const int ct = b + lane;
-      bool ready = false;
-      if (ct < n_ct && rel_ct[ct] != epoch) {
+    for (int b = 0; b < n_ct; b += 32 * SW) {
+      bool un[SW], rd[SW];
+      int v[SW], pos[SW];
+#pragma unroll
+      for (int u = 0; u < SW; ++u) {
+        const int ct = b + 32 * u + lane;
+        un[u] = ct < n_ct && rel_ct[ct] != epoch;
+      }
+#pragma unroll
+      for (int u = 0; u < SW; ++u) v[u] = un[u] ? ld_relaxed(&p.comb[b + 32 * u + lane]) : 0;
+      unsigned any = 0;
+#pragma unroll
+      for (int u = 0; u < SW; ++u) {
+        const int ct = b + 32 * u + lane;
         const int ntok = min((int)p.S, (ct + 1) * CT) - ct * CT;
-        const int v = ld_acquire(&p.comb[ct]);
-        sum += v;
-        ready = v == ntok * K * N2;
+        sum += v[u];
+        rd[u] = un[u] && v[u] == ntok * K * N2;
+        const unsigned m = __ballot_sync(~0u, rd[u]);
+        pos[u] = tail + __popc(m & ((1u << lane) - 1)) * NC;
+        if (rd[u]) {
+          rel_ct[ct] = epoch;
+          for (int cb = 0; cb < NC; ++cb) p.q_task[pos[u] + cb] = enc(MK_TASK_COMBINE, 0, ct, cb, 0);
+        }
+        tail += __popc(m) * NC;
+        got += __popc(m);
+        any |= m;
       }
-      const unsigned m = __ballot_sync(~0u, ready);
-      const int pos = tail + __popc(m & ((1u << lane) - 1)) * NC;
-      if (ready) {
-        rel_ct[ct] = epoch;
-        for (int cb = 0; cb < NC; ++cb) p.q_task[pos + cb] = enc(MK_TASK_COMBINE, 0, ct, cb, 0);
-      }
-      if (m) {
+      if (any) {
         __threadfence();
-        if (ready)
-          for (int cb = 0; cb < NC; ++cb) st_relaxed(&p.q_flag[pos + cb], epoch);
-        if (ready) tr_published(p, pos, pos + NC, 1);
+#pragma unroll
+        for (int u = 0; u < SW; ++u) {
+          if (!rd[u]) continue;
+          for (int cb = 0; cb < NC; ++cb) st_relaxed(&p.q_flag[pos[u] + cb], epoch);
+          tr_published(p, pos[u], pos[u] + NC, 1);
+        }
       }
-      tail += __popc(m) * NC;
-      got += __popc(m);
     }
     released += got;
 #pragma unroll
