@@ -1427,6 +1427,34 @@ __device__ __forceinline__ uint64_t claim_wg(const MkParams& p, int epoch, const
 #ifndef MK_SUB_BATCH
 #define MK_SUB_BATCH 4
 #endif
+// The subscriber's batch (MK_SUB_BATCH = SW counters a lane): entries b + 32 u + lane below n not yet released
+// (rel[] != epoch) load their counters together, relaxed (one round trip for the batch, not one per entry).
+template <int SW>
+__device__ __forceinline__ void load_batch(const int32_t* cnt, const int32_t* rel, int epoch, int b, int n, int lane,
+                                           bool (&un)[SW], int (&v)[SW]) {
+#pragma unroll
+  for (int u = 0; u < SW; ++u) {
+    const int i = b + 32 * u + lane;
+    un[u] = i < n && rel[i] != epoch;
+  }
+#pragma unroll
+  for (int u = 0; u < SW; ++u) v[u] = un[u] ? ld_relaxed(cnt + b + 32 * u + lane) : 0;
+}
+// ... and its flags: one fence for the warp's batch (acquire for the counters read, release for the task words
+// written), then relaxed flag stores for the `tasks` queue slots from pos[u] of each entry published (rd[u]).
+template <int SW>
+__device__ __forceinline__ void flag_batch(const MkParams& p, int epoch, unsigned any, const bool (&rd)[SW],
+                                           const int (&pos)[SW], int tasks) {
+  if (!any) return;
+  __threadfence();
+#pragma unroll
+  for (int u = 0; u < SW; ++u) {
+    if (!rd[u]) continue;
+    for (int k = 0; k < tasks; ++k) st_relaxed(&p.q_flag[pos[u] + k], epoch);
+    tr_published(p, pos[u], pos[u] + tasks, 1);
+  }
+}
+
 template <class T>
 __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1485,19 +1513,12 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   while (released < need) {
     int got = 0;
     long long sum = 0;
-    // Each lane's SW entries of a batch load their counters together (relaxed: one latency per batch, not one per
-    // entry; run 128's timeline at S=4096: a sweep of 25 acquire loads in turn took ~24 us), then one fence per batch
-    // orders them before the flags (acquire for the counters read, release for the task words written).
+    // Each lane's SW entries of a batch load their counters together (load_batch; run 128's timeline at S=4096: a
+    // sweep of 25 acquire loads in turn took ~24 us), then one fence per batch orders them before the flags (flag_batch).
     for (int b = 0; b < n_tiles; b += 32 * SW) {
       bool un[SW], rd[SW];
       int v[SW], pos[SW];
-#pragma unroll
-      for (int u = 0; u < SW; ++u) {
-        const int tile = b + 32 * u + lane;
-        un[u] = tile < n_tiles && p.rel[tile] != epoch;
-      }
-#pragma unroll
-      for (int u = 0; u < SW; ++u) v[u] = un[u] ? ld_relaxed(&p.g1done[b + 32 * u + lane]) : 0;
+      load_batch<SW>(p.g1done, p.rel, epoch, b, n_tiles, lane, un, v);
       unsigned any = 0;
 #pragma unroll
       for (int u = 0; u < SW; ++u) {
@@ -1516,26 +1537,12 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         got += __popc(m);
         any |= m;
       }
-      if (any) {
-        __threadfence();  // one fence for the warp's batch, then relaxed flags (release pattern)
-#pragma unroll
-        for (int u = 0; u < SW; ++u) {
-          if (!rd[u]) continue;
-          for (int nf = 0; nf < G2; ++nf) st_relaxed(&p.q_flag[pos[u] + nf], epoch);
-          tr_published(p, pos[u], pos[u] + G2, 1);
-        }
-      }
+      flag_batch<SW>(p, epoch, any, rd, pos, G2);
     }
     for (int b = 0; b < n_ct; b += 32 * SW) {
       bool un[SW], rd[SW];
       int v[SW], pos[SW];
-#pragma unroll
-      for (int u = 0; u < SW; ++u) {
-        const int ct = b + 32 * u + lane;
-        un[u] = ct < n_ct && rel_ct[ct] != epoch;
-      }
-#pragma unroll
-      for (int u = 0; u < SW; ++u) v[u] = un[u] ? ld_relaxed(&p.comb[b + 32 * u + lane]) : 0;
+      load_batch<SW>(p.comb, rel_ct, epoch, b, n_ct, lane, un, v);
       unsigned any = 0;
 #pragma unroll
       for (int u = 0; u < SW; ++u) {
@@ -1553,15 +1560,7 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
         got += __popc(m);
         any |= m;
       }
-      if (any) {
-        __threadfence();
-#pragma unroll
-        for (int u = 0; u < SW; ++u) {
-          if (!rd[u]) continue;
-          for (int cb = 0; cb < NC; ++cb) st_relaxed(&p.q_flag[pos[u] + cb], epoch);
-          tr_published(p, pos[u], pos[u] + NC, 1);
-        }
-      }
+      flag_batch<SW>(p, epoch, any, rd, pos, NC);
     }
     released += got;
 #pragma unroll
