@@ -447,6 +447,23 @@ def summarize(tl: dict) -> None:
     rel = sorted(t["published"] - last_g1[t["tile"]] for t in tasks if t["kind"] == "gemm2" and t["tile"] in last_g1)
     if rel:
         print(f"  gemm1 done -> gemm2 published: p50 {rel[len(rel) // 2]:.2f} us, max {rel[-1]:.2f} us")
+    tail = combine_tail(tasks)
+    if tail:
+        print(tail)
+
+
+def combine_tail(tasks: list[dict]) -> str:
+    """The end of the layer after its last GEMM2: when the COMBINEs were published and done, relative to it (runs 128
+    and 140: is the tail the subscriber's publishing or the combines' own work?). '' without GEMM2s or COMBINEs."""
+    g2 = [t["done"] for t in tasks if t["kind"] == "gemm2" and t["done"] is not None]
+    cb = [t for t in tasks if t["kind"] == "combine" and t["done"] is not None and t["published"] is not None]
+    if not g2 or not cb:
+        return ""
+    last = max(g2)
+    after = sum(t["published"] > last for t in cb)
+    return (f"  combine tail: last gemm2 done {last:.1f} us; combines published until "
+            f"{max(t['published'] for t in cb) - last:+.1f}, done until {max(t['done'] for t in cb) - last:+.1f} us "
+            f"after it ({after} of {len(cb)} published after it)")
 
 
 def steady_of(tasks: list[dict]) -> dict[int, float]:

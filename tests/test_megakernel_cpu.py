@@ -1043,6 +1043,17 @@ def test_paired_lines_difference_per_round():
     assert lines[1].startswith("  same         median    359.0 us, minus this per round: median   +1.0")
 
 
+def test_timeline_combine_tail():
+    """megakernel_profile's timeline summary says how long after the last GEMM2 the COMBINEs were published and done."""
+    mod = _profile_tool()
+    tasks = [{"kind": "gemm2", "done": 100.0, "published": 50.0}, {"kind": "gemm2", "done": 120.0, "published": 60.0},
+             {"kind": "combine", "done": 118.0, "published": 110.0}, {"kind": "combine", "done": 135.5, "published": 124.0},
+             {"kind": "combine", "done": None, "published": 125.0}]
+    assert mod.combine_tail(tasks) == ("  combine tail: last gemm2 done 120.0 us; combines published until +4.0, done "
+                                       "until +15.5 us after it (1 of 2 published after it)")
+    assert mod.combine_tail(tasks[:2]) == ""
+
+
 def test_timeline_costs_by_m_tile_rows():
     """megakernel_profile's timeline summary charges each GEMM task the time since the previous task on its CTA ended
     and sums it by how many routed rows its m-tile holds (run 117's nearly empty m-tiles)."""

@@ -1438,7 +1438,7 @@ __device__ __forceinline__ void load_batch(const int32_t* cnt, const int32_t* re
     un[u] = i < n && rel[i] != epoch;
   }
 #pragma unroll
-  for (int u = 0; u < SW; ++u) v[u] = un[u] ? ld_relaxed(cnt + b + 32 * u + lane) : 0;
+  for (int u = 0; u < SW; ++u) v[u] = un[u] ? ld_relaxed(cnt + (b + 32 * u + lane)) : 0;
 }
 // ... and its flags: one fence for the warp's batch (acquire for the counters read, release for the task words
 // written), then relaxed flag stores for the `tasks` queue slots from pos[u] of each entry published (rd[u]).
