@@ -521,6 +521,48 @@ __device__ __forceinline__ void fill_meta(const MkParams& p, const Meta& md, int
   fill_meta_part<T>(p, md, kind, e, mt, nb, threadIdx.x, blockDim.x);
 }
 
+// y's L2 residency (MK_Y_L2, measurement builds): bit 0 = the GEMM2 epilogues store y with the L2 evict-last
+// policy, bit 1 = the combine loads y with evict-first, bit 2 = the combine discards the y lines it read (a dead y
+// is then never written back to DRAM).
+#ifndef MK_Y_L2
+#define MK_Y_L2 0
+#endif
+__device__ __forceinline__ void st_y16(void* dst, const uint4& v) {
+  if constexpr ((MK_Y_L2 & 1) != 0) {
+    uint64_t pol;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
+    asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;\n" ::"l"(dst), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w), "l"(pol)
+                 : "memory");
+  } else {
+    *reinterpret_cast<uint4*>(dst) = v;
+  }
+}
+__device__ __forceinline__ void st_y4(void* dst, __nv_bfloat162 v) {
+  if constexpr ((MK_Y_L2 & 1) != 0) {
+    uint64_t pol;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
+    asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;\n" ::"l"(dst), "r"(*reinterpret_cast<uint32_t*>(&v)),
+                 "l"(pol)
+                 : "memory");
+  } else {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = v;
+  }
+}
+__device__ __forceinline__ uint4 ld_y16(const uint4* src) {
+  if constexpr ((MK_Y_L2 & 2) != 0) {
+    uint64_t pol;
+    uint4 v;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+    asm volatile("ld.global.cg.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(src), "l"(pol));
+    return v;
+  } else {
+    return __ldcg(src);
+  }
+}
+
 // Epilogue of one accumulator pair: row r of the tile (its (token, slot) id v >= 0), tile column c (even).
 // GEMM1: (c0, c1) = (gate, up) of intermediate column nb*64 + c/2 -> h = silu(gate) * up (bf16). The division is
 // __fdividef (a reciprocal and a multiply; 0 once 1 + exp(-gate) passes 2^126, where |silu| < 1e-36): the IEEE
@@ -534,7 +576,7 @@ __device__ __forceinline__ void store_pair(const MkParams& p, int kind, int nb, 
   if (kind == MK_TASK_GEMM1) {
     ((bf16*)p.h)[(int64_t)v * p.I + nb * 64 + (c >> 1)] = __float2bfloat16(__fdividef(c0, 1.f + __expf(-c0)) * c1);
   } else {
-    *(__nv_bfloat162*)((bf16*)p.y + (int64_t)v * p.H + nb * BN + c) = __floats2bfloat162_rn(c0 * w, c1 * w);
+    st_y4((bf16*)p.y + (int64_t)v * p.H + nb * BN + c, __floats2bfloat162_rn(c0 * w, c1 * w));
   }
 }
 __device__ __forceinline__ float row_weight(const MkParams& p, int kind, int v) {
@@ -827,17 +869,43 @@ __device__ __forceinline__ void combine_items(const MkParams& p, int t0, int c0,
   const bf16* y = (const bf16*)p.y;
   bf16* out = (bf16*)p.out;
   const int H = (int)p.H;
+#if MK_Y_L2 & 4
+  // warp-uniform rounds (first is a multiple of 32 plus the lane, stride a multiple of 32): the 8 lanes that read a
+  // 128-byte line of y are done with it at the __syncwarp, and the first of them discards it
+  const int lane = threadIdx.x & 31;
+  for (int i0 = first - lane; i0 < n; i0 += stride) {
+    const int i = i0 + lane;
+    const bool on = i < n;
+    const int t = t0 + i / chunks, c = c0 + i % chunks;
+    const uint4* src = (const uint4*)(y + (int64_t)t * KK * H + c * 8);
+    if (on) {
+      uint4 v[KK];
+#pragma unroll
+      for (int j = 0; j < KK; ++j) v[j] = ld_y16(src + (int64_t)j * (H / 8));
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < KK; ++j) combine_add(acc, v[j]);  // slot order
+      *(uint4*)(out + (int64_t)t * H + c * 8) = combine_out(acc);
+    }
+    __syncwarp();
+    if (on && (c & 7) == 0)
+#pragma unroll
+      for (int j = 0; j < KK; ++j)
+        asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(src + (int64_t)j * (H / 8)) : "memory");
+  }
+#else
   for (int i = first; i < n; i += stride) {
     const int t = t0 + i / chunks, c = c0 + i % chunks;
     const uint4* src = (const uint4*)(y + (int64_t)t * KK * H + c * 8);
     uint4 v[KK];
 #pragma unroll
-    for (int j = 0; j < KK; ++j) v[j] = __ldcg(src + (int64_t)j * (H / 8));
+    for (int j = 0; j < KK; ++j) v[j] = ld_y16(src + (int64_t)j * (H / 8));
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < KK; ++j) combine_add(acc, v[j]);  // slot order
     *(uint4*)(out + (int64_t)t * H + c * 8) = combine_out(acc);
   }
+#endif
 }
 __device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, int stride) {
   const int K = (int)p.K, H = (int)p.H;
@@ -1111,9 +1179,10 @@ __device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& m
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
                    : "r"(buf + mkidx::stage_out_off(row, u)));
-      bf16* dst = G1 ? (bf16*)p.h + (int64_t)v * p.I + nb * 64 + ch * 64 + u * 8
-                     : (bf16*)p.y + (int64_t)v * p.H + nb * BN + ch * 64 + u * 8;
-      *reinterpret_cast<uint4*>(dst) = val;
+      if constexpr (G1)
+        *reinterpret_cast<uint4*>((bf16*)p.h + (int64_t)v * p.I + nb * 64 + ch * 64 + u * 8) = val;
+      else
+        st_y16((bf16*)p.y + (int64_t)v * p.H + nb * BN + ch * 64 + u * 8, val);
     }
     __syncwarp();  // the buffer is rewritten by the next chunk
   }
@@ -1158,7 +1227,7 @@ __device__ __forceinline__ void tail_store(const MkParams& p, const int* row_id,
     } else {  // y columns nb*128 + 32 w8 + 8 j + c2, +1
       __nv_bfloat162* yrow = (__nv_bfloat162*)((bf16*)p.y + (int64_t)v * p.H + nb * BN + 32 * w8 + c2);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) yrow[4 * j] = __floats2bfloat162_rn(x[j][i] * xw[half], x[j][i + 1] * xw[half]);
+      for (int j = 0; j < 4; ++j) st_y4(yrow + 4 * j, __floats2bfloat162_rn(x[j][i] * xw[half], x[j][i + 1] * xw[half]));
     }
   }
 }
@@ -1307,7 +1376,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
 #pragma unroll
     for (int j = 0; j < T::NACC / 4; ++j) {
       const int i = 4 * j + 2 * half;
-      yrow[mkidx::acc_col(t, i) >> 1] = __floats2bfloat162_rn(d[i] * w, d[i + 1] * w);
+      st_y4(yrow + (mkidx::acc_col(t, i) >> 1), __floats2bfloat162_rn(d[i] * w, d[i + 1] * w));
     }
   }
   if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_EPI, (int64_t)gtime());  // timeline: its epilogue stores issued
