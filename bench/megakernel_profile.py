@@ -21,7 +21,9 @@ and per SM: the delivery rate a stage pipeline of that depth can reach on this G
 `--vs-lib NAME=PATH,..`: the layer's graph replay side by side in this process with the same layer launched from other
 builds of the library (e.g. an older commit's, or `-DMK_DEC_PROBE=16`, whose decode kernel returns at entry: the
 cost of replaying that launch shape with no work), inputs rotated over 8 tensors, the builds interleaved in rounds;
-each build also as one graph of 20 forwards (µs per forward), and a graph of one 1-element torch kernel.
+each build also as one graph of 20 forwards (µs per forward), and a graph of one 1-element torch kernel; then the
+single replays and the 20-forward chains each interleaved round by round (a chain shows what a build leaves the
+next replay of itself, e.g. dirty L2 lines to write back, which interleaved single replays hand to another build).
 
 `--bench-inputs`: the layer exactly as `moetune bench moe` builds it (seed 0) on the same rotated inputs, each input's
 graph replay timed on its own (interleaved, back to back), with its touched experts, the largest expert's rows and a
@@ -354,12 +356,21 @@ def side_by_side(tokens: int, hidden: int, names: list[str], capture, meta: dict
     # the single replays once more, interleaved replay by replay (one of each variant per round, order rotated), so the
     # drift between rounds cancels in each variant's difference to "this" (run 117: 10-15 µs between rounds at S=1024)
     paired = time_interleaved({n: graphs[n] for n in singles}, warmup=20, iters=iters * rounds, cuda=True)
+    # and the chains the same way, one chain of each variant per round: a layer that changes what the NEXT replay
+    # finds in the L2 (dirty lines it leaves to be written back, run 142) gains or loses within its own chain, while
+    # single replays interleaved hand that effect to whichever variant runs next
+    chain_paired = time_interleaved({n: graphs[n] for n in chains}, warmup=5, iters=iters, cuda=True)
+    chain_paired = {n.removesuffix(f"_x{chained}"): [t / chained for t in v] for n, v in chain_paired.items()}
     print(json.dumps({"vs_lib": {"tokens": tokens, **meta, "rounds_us": res,
-                                 "interleaved_us": {n: [round(t, 2) for t in v] for n, v in paired.items()}}}))
+                                 "interleaved_us": {n: [round(t, 2) for t in v] for n, v in paired.items()},
+                                 "interleaved_chain_us": {n: [round(t, 2) for t in v] for n, v in chain_paired.items()}}}))
     for n, v in res.items():
         print(f"  S={tokens} {n:10s} graph replay " + " / ".join(f"{t:.1f}" for t in v) + " us")
     print(f"  S={tokens} interleaved replay by replay ({iters * rounds} rounds):")
     for line in paired_lines(paired):
+        print(line)
+    print(f"  S={tokens} interleaved chains of {chained} forwards, µs per forward ({iters} rounds):")
+    for line in paired_lines(chain_paired):
         print(line)
 
 

@@ -521,11 +521,13 @@ __device__ __forceinline__ void fill_meta(const MkParams& p, const Meta& md, int
   fill_meta_part<T>(p, md, kind, e, mt, nb, threadIdx.x, blockDim.x);
 }
 
-// y's L2 residency (MK_Y_L2, measurement builds): bit 0 = the GEMM2 epilogues store y with the L2 evict-last
-// policy, bit 1 = the combine loads y with evict-first, bit 2 = the combine discards the y lines it read (a dead y
-// is then never written back to DRAM).
+// y's L2 residency (MK_Y_L2): bit 0 = the GEMM2 epilogues store y with the L2 evict-last policy, bit 1 = the combine
+// loads y with evict-first, bit 2 = the combine discards the y lines it read, so a dead y is never written back to
+// DRAM while the next layer streams its weights. Run 142 (S=1024, y 33.5 MB): the kernel's DRAM writes 33.4 MB ->
+// 24.7 with all three, the same bits; what it saves shows in back-to-back replays of one build (see
+// megakernel_profile's interleaved chains). 0 builds the plain stores and loads (measurement builds).
 #ifndef MK_Y_L2
-#define MK_Y_L2 0
+#define MK_Y_L2 7
 #endif
 __device__ __forceinline__ void st_y16(void* dst, const uint4& v) {
   if constexpr ((MK_Y_L2 & 1) != 0) {
