@@ -871,9 +871,8 @@ __device__ __forceinline__ void combine_items(const MkParams& p, int t0, int c0,
   const bf16* y = (const bf16*)p.y;
   bf16* out = (bf16*)p.out;
   const int H = (int)p.H;
-#if MK_Y_L2 & 4
-  // warp-uniform rounds (first is a multiple of 32 plus the lane, stride a multiple of 32): the 8 lanes that read a
-  // 128-byte line of y are done with it at the __syncwarp, and the first of them discards it
+  // warp-uniform rounds (first is a multiple of 32 plus the lane, stride a multiple of 32): with MK_Y_L2 bit 2 the 8
+  // lanes that read a 128-byte line of y are done with it at the __syncwarp, and the first of them discards it
   const int lane = threadIdx.x & 31;
   for (int i0 = first - lane; i0 < n; i0 += stride) {
     const int i = i0 + lane;
@@ -889,25 +888,14 @@ __device__ __forceinline__ void combine_items(const MkParams& p, int t0, int c0,
       for (int j = 0; j < KK; ++j) combine_add(acc, v[j]);  // slot order
       *(uint4*)(out + (int64_t)t * H + c * 8) = combine_out(acc);
     }
-    __syncwarp();
-    if (on && (c & 7) == 0)
+    if constexpr ((MK_Y_L2 & 4) != 0) {
+      __syncwarp();
+      if (on && (c & 7) == 0)
 #pragma unroll
-      for (int j = 0; j < KK; ++j)
-        asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(src + (int64_t)j * (H / 8)) : "memory");
+        for (int j = 0; j < KK; ++j)
+          asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(src + (int64_t)j * (H / 8)) : "memory");
+    }
   }
-#else
-  for (int i = first; i < n; i += stride) {
-    const int t = t0 + i / chunks, c = c0 + i % chunks;
-    const uint4* src = (const uint4*)(y + (int64_t)t * KK * H + c * 8);
-    uint4 v[KK];
-#pragma unroll
-    for (int j = 0; j < KK; ++j) v[j] = ld_y16(src + (int64_t)j * (H / 8));
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < KK; ++j) combine_add(acc, v[j]);  // slot order
-    *(uint4*)(out + (int64_t)t * H + c * 8) = combine_out(acc);
-  }
-#endif
 }
 __device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, int stride) {
   const int K = (int)p.K, H = (int)p.H;
