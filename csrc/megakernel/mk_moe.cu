@@ -911,7 +911,8 @@ __device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, i
   for (int i = first; i < n; i += stride) {
     const int t = t0 + i / chunks, c = c0 + i % chunks;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < K; ++j) combine_add(acc, __ldcg((const uint4*)(y + ((int64_t)t * K + j) * H + c * 8)));
+    for (int j = 0; j < K; ++j)  // (evict-first where y was stored evict-last; this path discards nothing)
+      combine_add(acc, ld_y16((const uint4*)(y + ((int64_t)t * K + j) * H + c * 8)));
     *(uint4*)(out + (int64_t)t * H + c * 8) = combine_out(acc);
   }
 }
