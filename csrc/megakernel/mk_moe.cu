@@ -176,6 +176,17 @@ __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
 __device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
+// L2 eviction policies for the .L2::cache_hint forms (one instruction each, so made where they are used)
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ uint64_t l2_evict_last_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
 // One box of a 2-D tensor map (inner coordinate x = k element, outer y = weight row) into shared memory at
 // dst; its bytes count down the transaction count of the mbarrier `bar`. Only weight tiles come this way.
 // evict_first (MkParams.l2_evict_w): with the L2 evict-first policy, for launches that read each expert's weights
@@ -183,8 +194,7 @@ __device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar,
                                             bool evict_first) {
   if (evict_first) {
-    uint64_t pol;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+    const uint64_t pol = l2_evict_first_policy();
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
         "%3}], [%4], %5;\n" ::"r"(dst),
@@ -531,8 +541,7 @@ __device__ __forceinline__ void fill_meta(const MkParams& p, const Meta& md, int
 #endif
 __device__ __forceinline__ void st_y16(void* dst, const uint4& v) {
   if constexpr ((MK_Y_L2 & 1) != 0) {
-    uint64_t pol;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
+    const uint64_t pol = l2_evict_last_policy();
     asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;\n" ::"l"(dst), "r"(v.x), "r"(v.y),
                  "r"(v.z), "r"(v.w), "l"(pol)
                  : "memory");
@@ -542,8 +551,7 @@ __device__ __forceinline__ void st_y16(void* dst, const uint4& v) {
 }
 __device__ __forceinline__ void st_y4(void* dst, __nv_bfloat162 v) {
   if constexpr ((MK_Y_L2 & 1) != 0) {
-    uint64_t pol;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
+    const uint64_t pol = l2_evict_last_policy();
     asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;\n" ::"l"(dst), "r"(*reinterpret_cast<uint32_t*>(&v)),
                  "l"(pol)
                  : "memory");
@@ -553,9 +561,8 @@ __device__ __forceinline__ void st_y4(void* dst, __nv_bfloat162 v) {
 }
 __device__ __forceinline__ uint4 ld_y16(const uint4* src) {
   if constexpr ((MK_Y_L2 & 2) != 0) {
-    uint64_t pol;
+    const uint64_t pol = l2_evict_first_policy();
     uint4 v;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
     asm volatile("ld.global.cg.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(src), "l"(pol));
