@@ -618,12 +618,6 @@ __device__ __forceinline__ void signal_rows(const MkParams& p, const Meta& md, i
     }
     red_add(&p.comb[v / rows_per_ct], T::NBLK);
   }
-#if MK_H_DISCARD
-  // the m-tile's GEMM2s count themselves on top of its GEMM1s, so CTA 0's discard warps (discard_h) see its last
-  // GEMM2 done (thread 0 has row 0, always a valid row, so it fenced above)
-  if constexpr (T::WG)
-    if (first == 0) red_add(&p.g1done[tile], T::NBLK);
-#endif
 }
 // The same over a whole CTA whose threads all passed a __syncthreads after their stores.
 template <class T>
@@ -1518,40 +1512,6 @@ __device__ __forceinline__ void flag_batch(const MkParams& p, int epoch, unsigne
   }
 }
 
-#ifndef MK_H_DISCARD
-#define MK_H_DISCARD 0
-#endif
-#if MK_H_DISCARD
-// MK_H_DISCARD (measurement build): CTA 0's warps 1.. (idle after the first publication) discard each m-tile's h rows
-// from the L2 once its last GEMM2 has counted itself into g1done (`full` = N1 + N2), so a dead h is not written back
-// to DRAM. Warp w takes tiles w, w + nw, ... in turn; it leaves quietly on abort or after timeout_ns without progress
-// (the subscriber reports stalls). Rows must be whole 128-byte lines (2I a multiple of 128, h 128-byte aligned).
-template <class T>
-__device__ void discard_h(const MkParams& p, const int* base, int n_tiles, int full, int w, int nw, int lane) {
-  const int E = (int)p.E;
-  const int64_t row_bytes = 2 * p.I;
-  if (row_bytes % 128 != 0 || ((uintptr_t)p.h & 127) != 0) return;
-  const int lines = (int)(row_bytes / 128);
-  const char* h = (const char*)p.h;
-  uint64_t since = gtime();
-  for (int tile = w; tile < n_tiles; tile += nw) {
-    while (ld_relaxed(p.g1done + tile) != full) {
-      if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT] || gtime() - since > (uint64_t)p.timeout_ns) return;
-      __nanosleep(256);
-    }
-    __threadfence();  // acquire: every GEMM2 of the tile finished reading h before its count
-    since = gtime();
-    const int e = tile_expert(base, E, tile), mt = tile - base[e];
-    const int end = min(mkidx::tile_end(p.counts[e * MK_COUNT_STRIDE], mt, T::BM, tail_of<T>(p)),
-                        mt * T::BM + T::BM + T::XR);
-    for (int m = mt * T::BM + lane; m < end; m += 32) {
-      const char* row = h + (int64_t)p.lists[(int64_t)e * p.S_cap + m] * row_bytes;
-      for (int l = 0; l < lines; ++l) asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(row + 128 * l) : "memory");
-    }
-  }
-}
-#endif
-
 template <class T>
 __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1599,13 +1559,6 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
     }
     return;
   }
-#if MK_H_DISCARD
-  if constexpr (T::WG)
-    if (warp != 0) {
-      discard_h<T>(p, base, n_tiles, N1 + N2, warp - 1, (int)blockDim.x / 32 - 1, lane);
-      return;
-    }
-#endif
   if (warp != 0) return;
   // subscriber: poll the readiness counters, publish what became ready; fail after timeout_ns without progress
   constexpr int SW = MK_SUB_BATCH;  // counters a lane loads at once
