@@ -1016,9 +1016,9 @@ def test_l2_keep_y_setting_rule_and_source() -> None:
     assert 'if (p->y_l2 != 0 && p->y_l2 != 1) return fail_msg("mk: y_l2 must be 0 or 1");' in src
     # no y store bypasses st_y16 / st_y4: every address into y is one of their arguments or a `yrow` they store to
     lines = [ln for ln in src.splitlines() if "(bf16*)p.y +" in ln]
-    assert len(lines) == 4 and all("st_y16(y_keep(p), " in ln or "st_y4(y_keep(p), " in ln or "yrow = " in ln for ln in lines)
-    assert "yrow[" not in src and src.count("st_y4(y_keep(p), yrow") == 2
-    body = src[src.index("const bool keep = y_keep(p);"):]
+    assert len(lines) == 4 and all("st_y16(p.y_l2, " in ln or "st_y4(p.y_l2, " in ln or "yrow = " in ln for ln in lines)
+    assert "yrow[" not in src and src.count("st_y4(p.y_l2, yrow") == 2
+    body = src[src.index("const bool keep = p.y_l2 != 0;"):]
     body = body[:body.index("\n}\n")]
     assert body.index("if (!keep) continue;") < body.index("__syncwarp();") < body.index("discard.global.L2")
     assert "(c & 7) == 0" in body and "for (int i0 = first - lane; i0 < n; i0 += stride)" in body

@@ -537,15 +537,6 @@ __device__ __forceinline__ void fill_meta(const MkParams& p, const Meta& md, int
 // 24.7, the same bits; run 143 (20-forward chains interleaved with plain stores): S=512 9.1, 1024 12.0, 2048 6.7 µs a
 // forward faster, S=128 on the bm=16 tile 3.4 slower (run 144 with this flag: within a µs either way there), so the
 // layer's auto rule keeps it to the wide tile.
-// MK_Y_L2_CONST (measurement builds only): the policy fixed at compile time (0 / 1) whatever y_l2 says, to time the
-// launch setting against the branch-free code it replaced
-__device__ __forceinline__ bool y_keep(const MkParams& p) {
-#ifdef MK_Y_L2_CONST
-  return MK_Y_L2_CONST != 0;
-#else
-  return p.y_l2 != 0;
-#endif
-}
 __device__ __forceinline__ void st_y16(bool keep, void* dst, const uint4& v) {
   if (keep)
     asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;\n" ::"l"(dst), "r"(v.x), "r"(v.y),
@@ -584,7 +575,7 @@ __device__ __forceinline__ void store_pair(const MkParams& p, int kind, int nb, 
   if (kind == MK_TASK_GEMM1) {
     ((bf16*)p.h)[(int64_t)v * p.I + nb * 64 + (c >> 1)] = __float2bfloat16(__fdividef(c0, 1.f + __expf(-c0)) * c1);
   } else {
-    st_y4(y_keep(p), (bf16*)p.y + (int64_t)v * p.H + nb * BN + c, __floats2bfloat162_rn(c0 * w, c1 * w));
+    st_y4(p.y_l2, (bf16*)p.y + (int64_t)v * p.H + nb * BN + c, __floats2bfloat162_rn(c0 * w, c1 * w));
   }
 }
 __device__ __forceinline__ float row_weight(const MkParams& p, int kind, int v) {
@@ -880,7 +871,7 @@ __device__ __forceinline__ void combine_items(const MkParams& p, int t0, int c0,
   // warp-uniform rounds (first is a multiple of 32 plus the lane, stride a multiple of 32), so with y_l2 the 8 lanes
   // that read a 128-byte line of y are done with it at the __syncwarp, and the first of them discards it
   const int lane = threadIdx.x & 31;
-  const bool keep = y_keep(p);
+  const bool keep = p.y_l2 != 0;
   for (int i0 = first - lane; i0 < n; i0 += stride) {
     const int i = i0 + lane;
     const bool on = i < n;
@@ -918,7 +909,7 @@ __device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, i
     const int t = t0 + i / chunks, c = c0 + i % chunks;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int j = 0; j < K; ++j)  // (with y_l2 evict-first, so no evict-last line outlives it; nothing discarded)
-      combine_add(acc, ld_y16(y_keep(p), (const uint4*)(y + ((int64_t)t * K + j) * H + c * 8)));
+      combine_add(acc, ld_y16(p.y_l2 != 0, (const uint4*)(y + ((int64_t)t * K + j) * H + c * 8)));
     *(uint4*)(out + (int64_t)t * H + c * 8) = combine_out(acc);
   }
 }
@@ -1179,7 +1170,7 @@ __device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& m
       if constexpr (G1)
         *reinterpret_cast<uint4*>((bf16*)p.h + (int64_t)v * p.I + nb * 64 + ch * 64 + u * 8) = val;
       else
-        st_y16(y_keep(p), (bf16*)p.y + (int64_t)v * p.H + nb * BN + ch * 64 + u * 8, val);
+        st_y16(p.y_l2, (bf16*)p.y + (int64_t)v * p.H + nb * BN + ch * 64 + u * 8, val);
     }
     __syncwarp();  // the buffer is rewritten by the next chunk
   }
@@ -1225,7 +1216,7 @@ __device__ __forceinline__ void tail_store(const MkParams& p, const int* row_id,
       __nv_bfloat162* yrow = (__nv_bfloat162*)((bf16*)p.y + (int64_t)v * p.H + nb * BN + 32 * w8 + c2);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        st_y4(y_keep(p), yrow + 4 * j, __floats2bfloat162_rn(x[j][i] * xw[half], x[j][i + 1] * xw[half]));
+        st_y4(p.y_l2, yrow + 4 * j, __floats2bfloat162_rn(x[j][i] * xw[half], x[j][i + 1] * xw[half]));
     }
   }
 }
@@ -1374,7 +1365,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
 #pragma unroll
     for (int j = 0; j < T::NACC / 4; ++j) {
       const int i = 4 * j + 2 * half;
-      st_y4(y_keep(p), yrow + (mkidx::acc_col(t, i) >> 1), __floats2bfloat162_rn(d[i] * w, d[i + 1] * w));
+      st_y4(p.y_l2, yrow + (mkidx::acc_col(t, i) >> 1), __floats2bfloat162_rn(d[i] * w, d[i + 1] * w));
     }
   }
   if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_EPI, (int64_t)gtime());  // timeline: its epilogue stores issued
