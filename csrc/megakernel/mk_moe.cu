@@ -535,8 +535,7 @@ __device__ __forceinline__ void fill_meta(const MkParams& p, const Meta& md, int
 // combine loads it evict-first and then discards each 128-byte line it read, so a dead y is never written back to
 // DRAM while the next layer streams its weights. Run 142 (S=1024, y 33.5 MB): the kernel's DRAM writes 33.4 MB ->
 // 24.7, the same bits; run 143 (20-forward chains interleaved with plain stores): S=512 9.1, 1024 12.0, 2048 6.7 µs a
-// forward faster, S=128 on the bm=16 tile 3.4 slower (run 144 with this flag: within a µs either way there), so the
-// layer's auto rule keeps it to the wide tile.
+// forward faster, S=128 on the bm=16 tile 3.4 slower, so the layer's auto rule keeps it to the wide tile.
 __device__ __forceinline__ void st_y16(bool keep, void* dst, const uint4& v) {
   if (keep)
     asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;\n" ::"l"(dst), "r"(v.x), "r"(v.y),

@@ -139,10 +139,7 @@ class MegakernelConfig:
     # policy; 2 (auto) 1 for launches on the wide tile (bm = 128), 0 for the rest. Run 143 (20-forward chains of each
     # build interleaved round by round, µs a forward, 0 minus 1, median): S=512 +9.1, 1024 +12.0, 2048 +6.7, 4096 +3.2
     # (p10..p90 -13..+21), but S=128 (bm = 16) -3.4; the same bits either way (run 142). Back-to-back replays are where
-    # it shows: single replays interleaved build by build hand the write-backs a build spares to the next build. Run
-    # 144 (this setting, one library, chains against auto): S=1024 0 +13.2, 1 +0.8; S=128 0 +0.7, 1 -0.5 (the bm = 16
-    # launches within a µs either way, so auto keeps their plain stores; the kernels other than the default overlap
-    # kernel spill 28-40 bytes with the flag, not measured further).
+    # it shows: single replays interleaved build by build hand the write-backs a build spares to the next build.
     l2_keep_y: int = 2
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
