@@ -999,31 +999,6 @@ def test_l2_evict_weights_setting_rule_and_source() -> None:
     assert 'if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");' in src
 
 
-def test_l2_keep_y_setting_rule_and_source() -> None:
-    """l2_keep_y (ABI 18: MkParams.y_l2): validated; auto = on for the wide tile's launches (bm 128) only; the kernel
-    stores every y element through the policy helpers and the K = 8 combine discards only lines its warp finished."""
-    from moetune.runtime.megakernel import _lib
-
-    auto = MegakernelConfig()
-    assert auto.l2_keep_y == 2 and [auto.keep_y(bm) for bm in (16, 64, 128)] == [0, 0, 1]
-    assert MegakernelConfig.parse("l2_keep_y=0").keep_y(128) == 0
-    assert MegakernelConfig.parse("l2_keep_y=1").keep_y(16) == 1
-    with pytest.raises(ConfigError, match="l2_keep_y"):
-        MegakernelConfig.parse("l2_keep_y=3")
-    names = [f[0] for f in _lib.MkParams._fields_]
-    assert names[-1] == "y_l2" and names[names.index("tail_rows") + 1] == "y_l2" and _lib.ABI_VERSION >= 18
-    src = (_lib.source_dir() / "mk_moe.cu").read_text()
-    assert 'if (p->y_l2 != 0 && p->y_l2 != 1) return fail_msg("mk: y_l2 must be 0 or 1");' in src
-    # no y store bypasses st_y16 / st_y4: every address into y is one of their arguments or a `yrow` they store to
-    lines = [ln for ln in src.splitlines() if "(bf16*)p.y +" in ln]
-    assert len(lines) == 4 and all("st_y16(p.y_l2, " in ln or "st_y4(p.y_l2, " in ln or "yrow = " in ln for ln in lines)
-    assert "yrow[" not in src and src.count("st_y4(p.y_l2, yrow") == 2
-    body = src[src.index("const bool keep = p.y_l2 != 0;"):]
-    body = body[:body.index("\n}\n")]
-    assert body.index("if (!keep) continue;") < body.index("__syncwarp();") < body.index("discard.global.L2")
-    assert "(c & 7) == 0" in body and "for (int i0 = first - lane; i0 < n; i0 += stride)" in body
-
-
 def _profile_tool():
     import importlib.util
 

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 18
+#define MK_ABI_VERSION 17
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -137,9 +137,6 @@ typedef struct MkParams {
   int64_t tail_rows;  // 0..16: an expert's last rows past a multiple of 128, up to this many, ride in its last full
                       // m-tile (128 + r rows: mma.sync beside the wgmmas) instead of an m-tile of their own (mk_index.h:
                       // expert_tiles). The wide tile (bn = 256) on the overlap kernel only; every other launch ignores it.
-  // ABI 18
-  int64_t y_l2;  // 1: y is stored with the L2 evict-last policy and each COMBINE discards the y lines it read (a dead
-                 // y is never written back); 0: the default policy (the layer sets 1 for its wide-tile launches)
 } MkParams;
 
 int mk_abi_version(void);

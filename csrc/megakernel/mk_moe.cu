@@ -531,34 +531,45 @@ __device__ __forceinline__ void fill_meta(const MkParams& p, const Meta& md, int
   fill_meta_part<T>(p, md, kind, e, mt, nb, threadIdx.x, blockDim.x);
 }
 
-// y's L2 residency (MkParams.y_l2, ABI 18): with 1 the GEMM2 epilogues store y with the L2 evict-last policy, the
-// combine loads it evict-first and then discards each 128-byte line it read, so a dead y is never written back to
+// y's L2 residency (MK_Y_L2): bit 0 = the GEMM2 epilogues store y with the L2 evict-last policy, bit 1 = the combine
+// loads y with evict-first, bit 2 = the combine discards the y lines it read, so a dead y is never written back to
 // DRAM while the next layer streams its weights. Run 142 (S=1024, y 33.5 MB): the kernel's DRAM writes 33.4 MB ->
-// 24.7, the same bits; run 143 (20-forward chains interleaved with plain stores): S=512 9.1, 1024 12.0, 2048 6.7 µs a
-// forward faster, S=128 on the bm=16 tile 3.4 slower, so the layer's auto rule keeps it to the wide tile.
-__device__ __forceinline__ void st_y16(bool keep, void* dst, const uint4& v) {
-  if (keep)
+// 24.7 with all three, the same bits; what it saves shows in back-to-back replays of one build (see
+// megakernel_profile's interleaved chains). 0 builds the plain stores and loads (measurement builds).
+#ifndef MK_Y_L2
+#define MK_Y_L2 7
+#endif
+__device__ __forceinline__ void st_y16(void* dst, const uint4& v) {
+  if constexpr ((MK_Y_L2 & 1) != 0) {
+    const uint64_t pol = l2_evict_last_policy();
     asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;\n" ::"l"(dst), "r"(v.x), "r"(v.y),
-                 "r"(v.z), "r"(v.w), "l"(l2_evict_last_policy())
+                 "r"(v.z), "r"(v.w), "l"(pol)
                  : "memory");
-  else
+  } else {
     *reinterpret_cast<uint4*>(dst) = v;
+  }
 }
-__device__ __forceinline__ void st_y4(bool keep, void* dst, __nv_bfloat162 v) {
-  if (keep)
+__device__ __forceinline__ void st_y4(void* dst, __nv_bfloat162 v) {
+  if constexpr ((MK_Y_L2 & 1) != 0) {
+    const uint64_t pol = l2_evict_last_policy();
     asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;\n" ::"l"(dst), "r"(*reinterpret_cast<uint32_t*>(&v)),
-                 "l"(l2_evict_last_policy())
+                 "l"(pol)
                  : "memory");
-  else
+  } else {
     *reinterpret_cast<__nv_bfloat162*>(dst) = v;
+  }
 }
-__device__ __forceinline__ uint4 ld_y16(bool keep, const uint4* src) {
-  if (!keep) return __ldcg(src);
-  uint4 v;
-  asm volatile("ld.global.cg.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(src), "l"(l2_evict_first_policy()));
-  return v;
+__device__ __forceinline__ uint4 ld_y16(const uint4* src) {
+  if constexpr ((MK_Y_L2 & 2) != 0) {
+    const uint64_t pol = l2_evict_first_policy();
+    uint4 v;
+    asm volatile("ld.global.cg.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(src), "l"(pol));
+    return v;
+  } else {
+    return __ldcg(src);
+  }
 }
 
 // Epilogue of one accumulator pair: row r of the tile (its (token, slot) id v >= 0), tile column c (even).
@@ -574,7 +585,7 @@ __device__ __forceinline__ void store_pair(const MkParams& p, int kind, int nb, 
   if (kind == MK_TASK_GEMM1) {
     ((bf16*)p.h)[(int64_t)v * p.I + nb * 64 + (c >> 1)] = __float2bfloat16(__fdividef(c0, 1.f + __expf(-c0)) * c1);
   } else {
-    st_y4(p.y_l2, (bf16*)p.y + (int64_t)v * p.H + nb * BN + c, __floats2bfloat162_rn(c0 * w, c1 * w));
+    st_y4((bf16*)p.y + (int64_t)v * p.H + nb * BN + c, __floats2bfloat162_rn(c0 * w, c1 * w));
   }
 }
 __device__ __forceinline__ float row_weight(const MkParams& p, int kind, int v) {
@@ -867,10 +878,9 @@ __device__ __forceinline__ void combine_items(const MkParams& p, int t0, int c0,
   const bf16* y = (const bf16*)p.y;
   bf16* out = (bf16*)p.out;
   const int H = (int)p.H;
-  // warp-uniform rounds (first is a multiple of 32 plus the lane, stride a multiple of 32), so with y_l2 the 8 lanes
-  // that read a 128-byte line of y are done with it at the __syncwarp, and the first of them discards it
+  // warp-uniform rounds (first is a multiple of 32 plus the lane, stride a multiple of 32): with MK_Y_L2 bit 2 the 8
+  // lanes that read a 128-byte line of y are done with it at the __syncwarp, and the first of them discards it
   const int lane = threadIdx.x & 31;
-  const bool keep = p.y_l2 != 0;
   for (int i0 = first - lane; i0 < n; i0 += stride) {
     const int i = i0 + lane;
     const bool on = i < n;
@@ -879,18 +889,19 @@ __device__ __forceinline__ void combine_items(const MkParams& p, int t0, int c0,
     if (on) {
       uint4 v[KK];
 #pragma unroll
-      for (int j = 0; j < KK; ++j) v[j] = ld_y16(keep, src + (int64_t)j * (H / 8));
+      for (int j = 0; j < KK; ++j) v[j] = ld_y16(src + (int64_t)j * (H / 8));
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < KK; ++j) combine_add(acc, v[j]);  // slot order
       *(uint4*)(out + (int64_t)t * H + c * 8) = combine_out(acc);
     }
-    if (!keep) continue;
-    __syncwarp();
-    if (on && (c & 7) == 0)
+    if constexpr ((MK_Y_L2 & 4) != 0) {
+      __syncwarp();
+      if (on && (c & 7) == 0)
 #pragma unroll
-      for (int j = 0; j < KK; ++j)
-        asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(src + (int64_t)j * (H / 8)) : "memory");
+        for (int j = 0; j < KK; ++j)
+          asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(src + (int64_t)j * (H / 8)) : "memory");
+    }
   }
 }
 __device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, int stride) {
@@ -907,8 +918,8 @@ __device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, i
   for (int i = first; i < n; i += stride) {
     const int t = t0 + i / chunks, c = c0 + i % chunks;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < K; ++j)  // (with y_l2 evict-first, so no evict-last line outlives it; nothing discarded)
-      combine_add(acc, ld_y16(p.y_l2 != 0, (const uint4*)(y + ((int64_t)t * K + j) * H + c * 8)));
+    for (int j = 0; j < K; ++j)  // (evict-first where y was stored evict-last; this path discards nothing)
+      combine_add(acc, ld_y16((const uint4*)(y + ((int64_t)t * K + j) * H + c * 8)));
     *(uint4*)(out + (int64_t)t * H + c * 8) = combine_out(acc);
   }
 }
@@ -1169,7 +1180,7 @@ __device__ __forceinline__ void wg_store_staged(const MkParams& p, const Meta& m
       if constexpr (G1)
         *reinterpret_cast<uint4*>((bf16*)p.h + (int64_t)v * p.I + nb * 64 + ch * 64 + u * 8) = val;
       else
-        st_y16(p.y_l2, (bf16*)p.y + (int64_t)v * p.H + nb * BN + ch * 64 + u * 8, val);
+        st_y16((bf16*)p.y + (int64_t)v * p.H + nb * BN + ch * 64 + u * 8, val);
     }
     __syncwarp();  // the buffer is rewritten by the next chunk
   }
@@ -1214,8 +1225,7 @@ __device__ __forceinline__ void tail_store(const MkParams& p, const int* row_id,
     } else {  // y columns nb*128 + 32 w8 + 8 j + c2, +1
       __nv_bfloat162* yrow = (__nv_bfloat162*)((bf16*)p.y + (int64_t)v * p.H + nb * BN + 32 * w8 + c2);
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        st_y4(p.y_l2, yrow + 4 * j, __floats2bfloat162_rn(x[j][i] * xw[half], x[j][i + 1] * xw[half]));
+      for (int j = 0; j < 4; ++j) st_y4(yrow + 4 * j, __floats2bfloat162_rn(x[j][i] * xw[half], x[j][i + 1] * xw[half]));
     }
   }
 }
@@ -1364,7 +1374,7 @@ __device__ __forceinline__ void wg_consume(const MkParams& p, const Meta& md, co
 #pragma unroll
     for (int j = 0; j < T::NACC / 4; ++j) {
       const int i = 4 * j + 2 * half;
-      st_y4(p.y_l2, yrow + (mkidx::acc_col(t, i) >> 1), __floats2bfloat162_rn(d[i] * w, d[i + 1] * w));
+      st_y4(yrow + (mkidx::acc_col(t, i) >> 1), __floats2bfloat162_rn(d[i] * w, d[i + 1] * w));
     }
   }
   if (c == 0 && t == 0) tr_slot(p, qi, MK_TR_EPI, (int64_t)gtime());  // timeline: its epilogue stores issued
@@ -2405,7 +2415,6 @@ int check_params(const MkParams* p) {
   if (p->combine_tokens < 1) return fail_msg("mk: combine_tokens must be >= 1");
   if (p->timeout_ns <= 0) return fail_msg("mk: timeout must be > 0");
   if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");
-  if (p->y_l2 != 0 && p->y_l2 != 1) return fail_msg("mk: y_l2 must be 0 or 1");
   if (p->decode < 0 || p->decode > 2) return fail_msg("mk: decode must be 0, 1 or 2");
   if (p->decode && !p->dec_cnt) return fail_msg("mk: decode needs dec_cnt");
   if (p->tail_rows < 0 || p->tail_rows > 16) return fail_msg("mk: tail_rows must be in 0..16");

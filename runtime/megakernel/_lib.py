@@ -23,7 +23,7 @@ from pathlib import Path
 from .. import csrc_build as _cb
 from .decode import MAX_SLOTS as _DEC_MAX_SLOTS
 
-ABI_VERSION = 18
+ABI_VERSION = 17
 COUNT_STRIDE = 32  # MK_COUNT_STRIDE: int32 words per expert counter in MkParams.counts
 CTL_WORDS = 8  # MK_CTL_WORDS: int32 words of MkParams.ctl
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
@@ -57,7 +57,6 @@ class MkParams(Structure):
         ("decode", c_int64),  # ABI 15: 1 / 2 = mk_experts runs the decode kernel (given picks / routing in it)
         ("dec_cnt", c_void_p),  # ABI 16: the decode kernel's counters (DEC_CNT_WORDS int32, zero between launches)
         ("tail_rows", c_int64),  # ABI 17: an expert's last rows (<= 16) ride in its last full m-tile (wide tile)
-        ("y_l2", c_int64),  # ABI 18: 1 = y kept in the L2 (evict-last) and discarded by the combine that read it
     ]
 
 

@@ -12,8 +12,7 @@ Settings that are not knobs: `tma` (TMA loads of the weight tiles: 2-3.5% everyw
 makes a knob), `route_small_max` (where routing switches top-k kernels: since run 30 the one-warp-per-token kernel
 wins at every measured S, so the default is 0; the block-per-token kernel stays selectable for shapes not measured)
 and `publish_all` (up to 7% at S=1, but 0 was never faster at any S in runs 15-19: nothing for a search to find);
-`l2_evict_weights` follows a rule from the launch's rows per expert (run 58) and `l2_keep_y` one from its tile (run
-143), nothing to search either; `decode`
+`l2_evict_weights` follows a rule from the launch's rows per expert (run 58), nothing to search either; `decode`
 (the decode kernel where a launch fits it: S=1 35.9 vs 55.3 µs in run 76) was never the slower one where it runs,
 and where it runs the tile knobs do not apply.
 """
@@ -134,13 +133,6 @@ class MegakernelConfig:
     # +63.2 us, 2048 +74.6, 1024 +1.4 (no tails there); within the build tail_rows=0 is 34.0 slower at 4096; the same
     # bits either way (mma.sync adds each k16 step as wgmma does). A setting, not a knob: never the slower one.
     tail_rows: int = 16
-    # y (the GEMM2 outputs the combine reads back) in the L2: 1 stores it evict-last and has each combine discard the y
-    # lines it read, so a dead y is never written back to DRAM while the next layer streams its weights; 0 the default
-    # policy; 2 (auto) 1 for launches on the wide tile (bm = 128), 0 for the rest. Run 143 (20-forward chains of each
-    # build interleaved round by round, µs a forward, 0 minus 1, median): S=512 +9.1, 1024 +12.0, 2048 +6.7, 4096 +3.2
-    # (p10..p90 -13..+21), but S=128 (bm = 16) -3.4; the same bits either way (run 142). Back-to-back replays are where
-    # it shows: single replays interleaved build by build hand the write-backs a build spares to the next build.
-    l2_keep_y: int = 2
 
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
@@ -162,7 +154,6 @@ class MegakernelConfig:
         "l2_evict_weights": (0, 2),
         "decode": (0, 1),
         "tail_rows": (0, 16),
-        "l2_keep_y": (0, 2),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
 
@@ -284,12 +275,6 @@ class MegakernelConfig:
         zeroes it for every other launch, so plans and timelines use this)."""
         wide = bm == 128 and bn == 256 and self.core == "wgmma" and self.tma == 1 and self.overlap == 1
         return self.tail_rows if wide else 0
-
-    def keep_y(self, bm: int) -> int:
-        """MkParams.y_l2 for a launch with m-tile `bm` (see `l2_keep_y`)."""
-        if self.l2_keep_y != 2:
-            return self.l2_keep_y
-        return 1 if bm == 128 else 0
 
     def pick_bn(self, bm: int) -> int:
         """Columns per GEMM task for a launch with m-tile `bm`: `bn` where the wide tile exists (wgmma, bm=128),

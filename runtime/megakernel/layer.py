@@ -194,7 +194,6 @@ class MegakernelMoE:
             p.route_small_max = cfg.route_small_max  # S up to which top-k runs one block per token
             p.publish_all = cfg.publish_all  # 1: mma-core tiles publish every task at launch
             p.pdl = cfg.pdl  # 1: k_topk and the persistent kernel start while the kernel before them runs
-            p.y_l2 = cfg.keep_y(bm)  # 1: y kept in the L2 and discarded by the combine that read it
             self._params[(bm, stages)] = p
         return p
 
