@@ -979,15 +979,15 @@ def test_pdl_setting_and_source() -> None:
 
 def test_l2_evict_weights_setting_rule_and_source() -> None:
     """l2_evict_weights (ABI 14: MkParams.l2_evict_w): validated; auto = evict-first while the launch's average rows per
-    expert fit one m-tile; the kernel passes the flag to every TMA weight load and rejects other values."""
+    expert fill at most 3/4 of an m-tile; the kernel passes the flag to every TMA weight load and rejects other values."""
     from moetune.runtime.megakernel import _lib
 
     auto = MegakernelConfig()
     assert auto.l2_evict_weights == 2
     # Qwen3-30B (E=128, top-8): decode tile S=128 -> 8 rows per expert (bm 16): on; the wide tile at S=1024 -> 64
-    # rows per expert (bm 128): on; S=4096 -> 256: off
-    assert [auto.evict_weights(bm, s, 8, 128) for bm, s in ((16, 1), (16, 128), (128, 1024), (128, 2048),
-                                                             (128, 4096))] == [1, 1, 1, 1, 0]
+    # rows per expert (bm 128): on, up to S=1536 (96 = 3/4 of an m-tile); S=1792 (112), 2048 (128), 4096 (256): off
+    assert [auto.evict_weights(bm, s, 8, 128) for bm, s in ((16, 1), (16, 128), (128, 1024), (128, 1536), (128, 1537),
+                                                             (128, 2048), (128, 4096))] == [1, 1, 1, 1, 0, 0, 0]
     assert MegakernelConfig.parse("l2_evict_weights=0").evict_weights(16, 1, 8, 128) == 0
     assert MegakernelConfig.parse("l2_evict_weights=1").evict_weights(128, 4096, 8, 128) == 1
     with pytest.raises(ConfigError, match="l2_evict_weights"):

@@ -113,8 +113,12 @@ class MegakernelConfig:
     # with 16-40 MB, so that was dropped.
     pdl: int = 1
     # L2 policy of the weight tiles (TMA loads): 1 evict-first, 0 the default policy, 2 (auto) evict-first for launches
-    # whose average rows per expert fit one m-tile (tokens x topk <= experts x bm: each expert's weights are read about
-    # once, and evict-first keeps x, h, y and the gate in the L2 instead). Run 58 (always-on build vs off, each in its
+    # whose average rows per expert fill at most 3/4 of an m-tile (4 x tokens x topk <= 3 x experts x bm: each expert's
+    # weights are read about once, and evict-first keeps x, h, y and the gate in the L2 instead). Runs 145-146 (one
+    # process each, 20-forward chains, 0 minus 1, µs a forward, wide tile): S=1024 (64 rows per expert) +9.7, 1280 (80)
+    # +3.2, 1536 (96) +0.8 (p10 -5.1, p90 +3.9), 1792 (112) -3.0, 2048 (128) -8.6 (p10 -10.3, p90 -6.8): once the
+    # average nears a full m-tile, more experts spill into a second one and read their weights twice, which the
+    # default policy serves from the L2. The bound was a whole m-tile (S=2048 on) until then. Run 58 (always-on build vs off, each in its
     # own process, two rounds, graph µs): S=16 212.9 / 213.4 vs 217.0 / 216.4; S=128 313.4 / 313.7 vs 321.3 / 320.7
     # (experts kernel 300.5 vs 310.9, the plain read 297.9); S=1024 354.7 / 355.5 vs 357.4 / 357.1; but S=4096
     # (four m-tiles per expert share their weights through the L2) experts kernel 732.5 vs 692.5-692.7.
@@ -268,7 +272,7 @@ class MegakernelConfig:
         """MkParams.l2_evict_w for a launch of `tokens` with m-tile `bm` (see `l2_evict_weights`)."""
         if self.l2_evict_weights != 2:
             return self.l2_evict_weights
-        return 1 if tokens * topk <= experts * bm else 0
+        return 1 if 4 * tokens * topk <= 3 * experts * bm else 0
 
     def tail(self, bm: int, bn: int) -> int:
         """MkParams.tail_rows in effect for a launch of m-tile `bm` and `bn` columns (see `tail_rows`; the library
