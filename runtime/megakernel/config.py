@@ -118,8 +118,9 @@ class MegakernelConfig:
     # process each, 20-forward chains, 0 minus 1, µs a forward, wide tile): S=1024 (64 rows per expert) +9.7, 1280 (80)
     # +3.2, 1536 (96) +0.8 (p10 -5.1, p90 +3.9), 1792 (112) -3.0, 2048 (128) -8.6 (p10 -10.3, p90 -6.8): once the
     # average nears a full m-tile, more experts spill into a second one and read their weights twice, which the
-    # default policy serves from the L2. The bound was a whole m-tile (S=2048 on) until then. Run 58 (always-on build vs off, each in its
-    # own process, two rounds, graph µs): S=16 212.9 / 213.4 vs 217.0 / 216.4; S=128 313.4 / 313.7 vs 321.3 / 320.7
+    # default policy serves from the L2 (run 148, ncu at S=2048: evict-first reads 1.37 GB from DRAM, the default 1.34).
+    # The bound was a whole m-tile (S=2048 on) until then. Run 58 (always-on build vs off, each in its own process, two
+    # rounds, graph µs): S=16 212.9 / 213.4 vs 217.0 / 216.4; S=128 313.4 / 313.7 vs 321.3 / 320.7
     # (experts kernel 300.5 vs 310.9, the plain read 297.9); S=1024 354.7 / 355.5 vs 357.4 / 357.1; but S=4096
     # (four m-tiles per expert share their weights through the L2) experts kernel 732.5 vs 692.5-692.7.
     l2_evict_weights: int = 2
