@@ -110,7 +110,7 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     mk_stages: int = 0
     mk_ctas_per_sm: int = 0
     mk_processor_ctas: int = 0
-    mk_combine_tokens: int = 8
+    mk_combine_tokens: int = 0
     # GEMM core of the bm=64/128 tiles (run 10: wgmma 17% faster at S=1024, 14% at 4096 with bm=64) and the
     # decode split-K factor of both GEMMs (applies while a launch's m-tiles fit the partial buffer, i.e. S <= 2 for
     # Qwen3-30B; run 10: 2 parts 15% faster at S=1; run 40, with the TMA decode tile and publish_all: no split
@@ -259,8 +259,9 @@ def _validate_megakernel(k: Knobs) -> None:
     if not 0 <= k.mk_processor_ctas <= MK_MAX_PROCESSOR_CTAS:
         raise KnobError(f"must be in 0..{MK_MAX_PROCESSOR_CTAS} (0 = every resident CTA but the scheduler), "
                         f"got {k.mk_processor_ctas}", ("mk_processor_ctas",))
-    if not 1 <= k.mk_combine_tokens <= MK_MAX_COMBINE_TOKENS:
-        raise KnobError(f"must be in 1..{MK_MAX_COMBINE_TOKENS}, got {k.mk_combine_tokens}", ("mk_combine_tokens",))
+    if not 0 <= k.mk_combine_tokens <= MK_MAX_COMBINE_TOKENS:
+        raise KnobError(f"must be 0 (auto) or in 1..{MK_MAX_COMBINE_TOKENS}, got {k.mk_combine_tokens}",
+                        ("mk_combine_tokens",))
     if k.mk_core not in MK_CORES:
         raise KnobError(f"must be one of {', '.join(MK_CORES)}, got {k.mk_core!r}", ("mk_core",))
     if not 1 <= k.mk_split_k <= MK_MAX_SPLIT_K:
@@ -316,8 +317,8 @@ KNOB_DOCS: dict[str, tuple[str, str]] = {
     "mk_ctas_per_sm": (f"int 0..{MK_MAX_CTAS_PER_SM}", "megakernel: resident CTAs per SM; 0 = as many as fit."),
     "mk_processor_ctas": (f"int 0..{MK_MAX_PROCESSOR_CTAS}", "megakernel: CTAs that run tasks; 0 = every resident "
                           "CTA but the scheduler's."),
-    "mk_combine_tokens": (f"int 1..{MK_MAX_COMBINE_TOKENS}", "megakernel: tokens per combine tile (each runs as 4 "
-                          "column-block tasks)."),
+    "mk_combine_tokens": (f"int 0..{MK_MAX_COMBINE_TOKENS}", "megakernel: tokens per combine tile (each runs as 4 "
+                          "column-block tasks); 0 = 4 on the wide tile up to 64 rows per expert, else 8."),
     "mk_core": ("`mma` / `wgmma`", "megakernel: GEMM core of the 64/128-row tiles (mma.sync, or Hopper's warpgroup "
                 "MMA fed by a producer warpgroup); 16-row tiles always use mma."),
     "mk_bn": ("`0` / `128` / `256`", "megakernel: columns per wgmma GEMM task; 256 = the 128 x 256 wide tile (two "

@@ -52,7 +52,7 @@ def test_config_defaults_and_parse():
 
 @pytest.mark.parametrize(
     ("text", "field"),
-    [("bm=32", "bm"), ("stages=1", "stages"), ("stages=-1", "stages"), ("stages=13", "stages"), ("combine_tokens=0", "combine_tokens"),
+    [("bm=32", "bm"), ("stages=1", "stages"), ("stages=-1", "stages"), ("stages=13", "stages"), ("combine_tokens=-1", "combine_tokens"),
      ("timeout_ms=0", "timeout_ms"), ("ctas_per_sm=-1", "ctas_per_sm"), ("bogus=1", "bogus"), ("stages=x", "stages"),
      ("stages", "expected name=value")],
 )

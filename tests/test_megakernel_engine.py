@@ -41,7 +41,7 @@ def test_megakernel_knobs_validated_with_the_knob_named() -> None:
     assert Knobs.parse("engine=megakernel,mk_bm=64,mk_stages=3,mk_ctas_per_sm=2,mk_combine_tokens=32") == k
     assert Knobs.from_dict(k.to_dict()) == k
     for bad, name in ((dict(mk_bm=32), "mk_bm"), (dict(mk_stages=1), "mk_stages"), (dict(mk_stages=13), "mk_stages"),
-                      (dict(mk_ctas_per_sm=-1), "mk_ctas_per_sm"), (dict(mk_combine_tokens=0), "mk_combine_tokens"),
+                      (dict(mk_ctas_per_sm=-1), "mk_ctas_per_sm"), (dict(mk_combine_tokens=-1), "mk_combine_tokens"),
                       (dict(mk_processor_ctas=1 << 17), "mk_processor_ctas")):
         with pytest.raises(KnobError) as e:
             Knobs(engine="megakernel", **bad)

@@ -101,7 +101,8 @@ def _check(layer, model, x, out, idx, w, tol=1e-2):
         return err
     bm = cfg.pick_bm(x.shape[0], model.topk, model.experts)
     p = schedule.plan(idx.tolist(), experts=model.experts, hidden=model.hidden, intermediate=model.intermediate,
-                      bm=bm, combine_tokens=cfg.combine_tokens, split_k1=cfg.split_k1, split_k2=cfg.split_k2,
+                      bm=bm, combine_tokens=cfg.combine_tile(bm, cfg.pick_bn(bm), x.shape[0], model.topk, model.experts),
+                      split_k1=cfg.split_k1, split_k2=cfg.split_k2,
                       split_max_tiles=layer.sk_tiles, bn=cfg.pick_bn(bm), tail=cfg.tail(bm, cfg.pick_bn(bm)))
     assert (c["total"], c["tiles"], c["published"]) == (p.total, p.n_tiles, p.total)
     return err
@@ -436,7 +437,8 @@ def test_tail_rows(new_layers, model, cfg):
     assert torch.equal(out.view(torch.int16), again.view(torch.int16)), "not bit-identical across runs"
     tail = m.config.tail(128, 256)
     p = schedule.plan(idx.tolist(), experts=model.experts, hidden=model.hidden, intermediate=model.intermediate,
-                      bm=128, combine_tokens=m.config.combine_tokens, bn=256, tail=tail)
+                      bm=128, combine_tokens=m.config.combine_tile(128, 256, s, model.topk, model.experts), bn=256,
+                      tail=tail)
     tails = {e: len(p.tile_rows(e, mt)) - 128 for e in range(model.experts)
              for mt in range(p.tile_base[e + 1] - p.tile_base[e]) if len(p.tile_rows(e, mt)) > 128}
     assert tails == ({0: 1, 1: 16, 6: 1, 8: 16} if tail == 16 else {0: 1, 6: 1})

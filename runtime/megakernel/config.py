@@ -47,7 +47,11 @@ class MegakernelConfig:
                               # tiles in flight per CTA; 0 = pick_stages
     ctas_per_sm: int = 0      # resident CTAs per SM (0 = as many as fit)
     processor_ctas: int = 0   # processor CTAs (0 = every resident CTA but the scheduler's)
-    combine_tokens: int = 8   # tokens per combine tile (each tile runs as 4 column-block tasks)
+    # Tokens per combine tile (each tile runs as 4 column-block tasks); 0 = auto (`combine_tile`): 4 on the wide tile
+    # while the average rows per expert fit half an m-tile, 8 otherwise. Runs 145 and 147 (one process each, 20-forward
+    # chains, 4 minus 8, µs a forward): S=1024 -1.2 (p90 +1.7) and -1.6 (p10 -3.3, p90 0.0), where the combines run as a
+    # 13 µs tail after the last GEMM2 (run 148) and half-size tasks spread it better; S=4096 +9.9 (single replays +5.8).
+    combine_tokens: int = 0
     timeout_ms: float = 2000.0  # (RuntimeOptions.megakernel_timeout_s) a wait without progress longer than this is an error, not a hang
     # GEMM core of the bm=64/128 tasks: "mma" (mma.sync m16n8k16 + ldmatrix) or "wgmma" (sm_90a warpgroup MMA
     # m64n128k16 from 128-byte-swizzled shared memory, producer warpgroup + mbarriers). Run 10 (H200): wgmma
@@ -146,7 +150,7 @@ class MegakernelConfig:
         "stages": (0, 12),
         "ctas_per_sm": (0, 32),
         "processor_ctas": (0, 1 << 16),
-        "combine_tokens": (1, 4096),
+        "combine_tokens": (0, 4096),
         "timeout_ms": (1e-3, 3.6e6),
         "split_k1": (1, 16),
         "split_k2": (1, 16),
@@ -274,6 +278,12 @@ class MegakernelConfig:
         if self.l2_evict_weights != 2:
             return self.l2_evict_weights
         return 1 if 4 * tokens * topk <= 3 * experts * bm else 0
+
+    def combine_tile(self, bm: int, bn: int, tokens: int, topk: int, experts: int) -> int:
+        """MkParams.combine_tokens for a launch of `tokens` with m-tile `bm` and `bn` columns (see `combine_tokens`)."""
+        if self.combine_tokens:
+            return self.combine_tokens
+        return 4 if bm == 128 and bn == 256 and tokens * topk * 2 <= experts * bm else 8
 
     def tail(self, bm: int, bn: int) -> int:
         """MkParams.tail_rows in effect for a launch of m-tile `bm` and `bn` columns (see `tail_rows`; the library

@@ -79,7 +79,7 @@ class MegakernelMoE:
 
         bm_min = cfg.bm or 16
         self.max_tiles = e + -(-max_tokens * k // bm_min)  # sum_e ceil(c_e / bm) <= S*K/bm + E
-        self.max_ctiles = -(-max_tokens // cfg.combine_tokens)
+        self.max_ctiles = -(-max_tokens // (cfg.combine_tokens or 4))  # (auto's smallest tile: 4 tokens)
         self.n1, self.n2 = 2 * i // BN, h // BN
         from .schedule import combine_blocks
 
@@ -180,7 +180,7 @@ class MegakernelMoE:
                 setattr(p, name, getattr(self, name).data_ptr())
             p.wg, p.w1, p.w2 = self.gate.data_ptr(), self.w_gate_up.data_ptr(), self.w_down.data_ptr()
             p.S_cap, p.H, p.I, p.E, p.K = self.max_tokens, m.hidden, m.intermediate, m.experts, m.topk
-            p.bm, p.stages, p.combine_tokens = bm, stages, cfg.combine_tokens
+            p.bm, p.stages = bm, stages
             p.q_cap, p.max_tiles, p.max_ctiles = self.q_cap, self.max_tiles, self.max_ctiles
             p.grid = self.grid(bm, stages)
             p.timeout_ns = int(cfg.timeout_ms * 1e6)
@@ -232,6 +232,7 @@ class MegakernelMoE:
         p = self._template(bm, s)
         p.x, p.out, p.S, p.stall_tile = x.data_ptr(), out.data_ptr(), s, self.stall_tile
         p.l2_evict_w = self.config.evict_weights(bm, s, self.model.topk, self.model.experts)
+        p.combine_tokens = self.config.combine_tile(bm, p.bn, s, self.model.topk, self.model.experts)
         # the decode kernel routes from the gate itself (2) or reads the given picks (1): nothing launches before it
         p.decode = 0 if self.decode_grid(s) is None else 1 if given else 2
         p.trace = self._trace.data_ptr() if self._trace is not None else None

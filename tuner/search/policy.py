@@ -69,7 +69,7 @@ INTEGER: dict[str, tuple[int, int]] = {
     "mk_stages": (0, MK_MAX_STAGES),
     "mk_ctas_per_sm": (0, MK_MAX_CTAS_PER_SM),
     "mk_processor_ctas": (0, MK_MAX_PROCESSOR_CTAS),
-    "mk_combine_tokens": (1, MK_MAX_COMBINE_TOKENS),
+    "mk_combine_tokens": (0, MK_MAX_COMBINE_TOKENS),
     "mk_split_k": (1, MK_MAX_SPLIT_K),
     "mk_bn": (0, 256),
     "mk_overlap": (0, 1),
