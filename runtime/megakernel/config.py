@@ -51,6 +51,7 @@ class MegakernelConfig:
     # while the average rows per expert fit half an m-tile, 8 otherwise. Runs 145 and 147 (one process each, 20-forward
     # chains, 4 minus 8, µs a forward): S=1024 -1.2 (p90 +1.7) and -1.6 (p10 -3.3, p90 0.0), where the combines run as a
     # 13 µs tail after the last GEMM2 (run 148) and half-size tasks spread it better; S=4096 +9.9 (single replays +5.8).
+    # Run 149 (auto, 8 minus auto): S=1024 +1.7 (p10 +0.6, p90 +2.8), 512 +0.7, 256 0.0.
     combine_tokens: int = 0
     timeout_ms: float = 2000.0  # (RuntimeOptions.megakernel_timeout_s) a wait without progress longer than this is an error, not a hang
     # GEMM core of the bm=64/128 tasks: "mma" (mma.sync m16n8k16 + ldmatrix) or "wgmma" (sm_90a warpgroup MMA
