@@ -1015,12 +1015,20 @@ __device__ __forceinline__ bool mbar_wait_ok(const MkParams& p, uint32_t bar, ui
 }
 // k_experts' claim by one thread: the next queue slot (claim_task), waited for until published (the task word), past
 // the task total or aborted (0), or timed out (0 after reporting MK_ERR_PROC_TIMEOUT). *slot: the queue slot.
+// Measurement builds: MK_SLOT_POLL_NS = the longest back-off between polls, MK_SLOT_POLL_EVERY = polls of the flag per
+// look at the total, the abort flag and the clock (each a round trip to the L2 of its own).
+#ifndef MK_SLOT_POLL_NS
+#define MK_SLOT_POLL_NS 512
+#endif
+#ifndef MK_SLOT_POLL_EVERY
+#define MK_SLOT_POLL_EVERY 1
+#endif
 __device__ __forceinline__ uint64_t wait_slot(const MkParams& p, int epoch, int i, int* slot) {
   uint64_t task = 0;
   *slot = i;
   const uint64_t since = gtime();
   unsigned ns = 32;
-  for (;;) {
+  for (unsigned n = 0;; ++n) {
     if (i < p.q_cap && ld_acquire(&p.q_flag[i]) == epoch) {
       task = *(volatile uint64_t*)&p.q_task[i];
       if (p.trace) {
@@ -1029,16 +1037,18 @@ __device__ __forceinline__ uint64_t wait_slot(const MkParams& p, int epoch, int 
       }
       break;
     }
-    const int tot = ld_acquire(&p.ctl[MK_CTL_TOTAL]);
-    if (tot > 0 && i >= tot - 1) break;
-    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) break;
-    const uint64_t waited = gtime() - since;
-    if (waited > (uint64_t)p.timeout_ns) {
-      report(p, MK_ERR_PROC_TIMEOUT, i, tot - 1, (int64_t)waited);
-      break;
+    if (n % MK_SLOT_POLL_EVERY == 0) {
+      const int tot = ld_acquire(&p.ctl[MK_CTL_TOTAL]);
+      if (tot > 0 && i >= tot - 1) break;
+      if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) break;
+      const uint64_t waited = gtime() - since;
+      if (waited > (uint64_t)p.timeout_ns) {
+        report(p, MK_ERR_PROC_TIMEOUT, i, tot - 1, (int64_t)waited);
+        break;
+      }
     }
     __nanosleep(ns);
-    ns = min(ns * 2, 512u);  // back off: hundreds of waiting CTAs must not crowd the L2 lines they poll
+    ns = min(ns * 2, (unsigned)MK_SLOT_POLL_NS);  // back off: hundreds of waiting CTAs must not crowd the L2 lines they poll
   }
   return task;
 }
