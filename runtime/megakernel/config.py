@@ -166,6 +166,7 @@ class MegakernelConfig:
         "tail_rows": (0, 16),
     }
     CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
+    AUTO_COMBINE: ClassVar[tuple[int, int]] = (4, 8)  # combine_tokens = 0: the small tile (see combine_tile), the rest
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -284,7 +285,12 @@ class MegakernelConfig:
         """MkParams.combine_tokens for a launch of `tokens` with m-tile `bm` and `bn` columns (see `combine_tokens`)."""
         if self.combine_tokens:
             return self.combine_tokens
-        return 4 if bm == 128 and bn == 256 and tokens * topk * 2 <= experts * bm else 8
+        small, rest = self.AUTO_COMBINE
+        return small if bm == 128 and bn == 256 and tokens * topk * 2 <= experts * bm else rest
+
+    def combine_tile_min(self) -> int:
+        """The smallest combine tile any launch of this config runs (what the combine counters are sized for)."""
+        return self.combine_tokens or min(self.AUTO_COMBINE)
 
     def tail(self, bm: int, bn: int) -> int:
         """MkParams.tail_rows in effect for a launch of m-tile `bm` and `bn` columns (see `tail_rows`; the library

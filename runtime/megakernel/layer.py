@@ -79,7 +79,7 @@ class MegakernelMoE:
 
         bm_min = cfg.bm or 16
         self.max_tiles = e + -(-max_tokens * k // bm_min)  # sum_e ceil(c_e / bm) <= S*K/bm + E
-        self.max_ctiles = -(-max_tokens // (cfg.combine_tokens or 4))  # (auto's smallest tile: 4 tokens)
+        self.max_ctiles = -(-max_tokens // cfg.combine_tile_min())
         self.n1, self.n2 = 2 * i // BN, h // BN
         from .schedule import combine_blocks
 
