@@ -318,7 +318,7 @@ KNOB_DOCS: dict[str, tuple[str, str]] = {
     "mk_processor_ctas": (f"int 0..{MK_MAX_PROCESSOR_CTAS}", "megakernel: CTAs that run tasks; 0 = every resident "
                           "CTA but the scheduler's."),
     "mk_combine_tokens": (f"int 0..{MK_MAX_COMBINE_TOKENS}", "megakernel: tokens per combine tile (each runs as 4 "
-                          "column-block tasks); 0 = 4 on the wide tile up to 64 rows per expert, else 8."),
+                          "column-block tasks); 0 = 2 on the 16-row tile, 4 on the wide tile up to 64 rows per expert, else 8."),
     "mk_core": ("`mma` / `wgmma`", "megakernel: GEMM core of the 64/128-row tiles (mma.sync, or Hopper's warpgroup "
                 "MMA fed by a producer warpgroup); 16-row tiles always use mma."),
     "mk_bn": ("`0` / `128` / `256`", "megakernel: columns per wgmma GEMM task; 256 = the 128 x 256 wide tile (two "

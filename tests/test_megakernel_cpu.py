@@ -978,8 +978,9 @@ def test_pdl_setting_and_source() -> None:
 
 
 def test_combine_tokens_auto_rule() -> None:
-    """combine_tokens 0 (auto, the default of the knob and the config): 4-token combine tiles on the wide tile while the
-    average rows per expert fit half an m-tile, 8 elsewhere; an explicit value wins; negative values are refused."""
+    """combine_tokens 0 (auto, the default of the knob and the config): 2-token combine tiles on the 16-row decode tile,
+    4 on the wide tile while the average rows per expert fit half an m-tile, 8 elsewhere; an explicit value wins;
+    negative values are refused."""
     from moetune.runtime.knobs import KnobError, Knobs
 
     auto = MegakernelConfig()
@@ -987,9 +988,9 @@ def test_combine_tokens_auto_rule() -> None:
     assert MegakernelConfig.from_knobs(Knobs(engine="megakernel")).combine_tokens == 0
     # Qwen3-30B (E=128, top-8): the wide tile from S=160 (10 rows per expert); S=1024 -> 64 rows: 4; 1025 up: 8
     assert [auto.combine_tile(128, 256, s, 8, 128) for s in (160, 512, 1024, 1025, 2048, 4096)] == [4, 4, 4, 8, 8, 8]
-    # the decode tile, the 128-column tiles: 8 (not measured with 4)
+    # the decode tile: 2; the 128-column tiles: 8 (not measured with fewer)
     assert [auto.combine_tile(bm, bn, s, 8, 128) for bm, bn, s in ((16, 128, 16), (16, 128, 128), (128, 128, 1024),
-                                                                   (64, 128, 512))] == [8, 8, 8, 8]
+                                                                   (64, 128, 512))] == [2, 2, 8, 8]
     assert MegakernelConfig.parse("combine_tokens=16").combine_tile(128, 256, 1024, 8, 128) == 16
     with pytest.raises(ConfigError, match="combine_tokens"):
         MegakernelConfig.parse("combine_tokens=-1")
