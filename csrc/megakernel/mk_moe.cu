@@ -904,23 +904,11 @@ __device__ __forceinline__ void combine_items(const MkParams& p, int t0, int c0,
     }
   }
 }
-// Measurement build MK_COMBINE_PREFETCH=1: a combine task first asks the L2 for its whole y span (one bulk prefetch
-// per y row's column block, by the first participants), so the DRAM sees more than the 32 KB of loads in flight per
-// SM that the items' registers allow where y was evicted (S >= 2048).
-#ifndef MK_COMBINE_PREFETCH
-#define MK_COMBINE_PREFETCH 0
-#endif
 __device__ void run_combine_part(const MkParams& p, int ct, int cb, int first, int stride) {
   const int K = (int)p.K, H = (int)p.H;
   const int t0 = ct * (int)p.combine_tokens;
   const int t1 = min((int)p.S, t0 + (int)p.combine_tokens);
   const int chunks = H / 8 / combine_blocks(H), c0 = cb * chunks, n = (t1 - t0) * chunks;
-  if constexpr (MK_COMBINE_PREFETCH != 0) {
-    for (int r = first; r < (t1 - t0) * K; r += stride)
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"((const bf16*)p.y + ((int64_t)t0 * K + r) * H + c0 * 8),
-                   "r"(chunks * 16)
-                   : "memory");
-  }
   if (K == 8) {
     combine_items<8>(p, t0, c0, chunks, n, first, stride);
     return;
