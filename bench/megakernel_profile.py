@@ -25,6 +25,9 @@ each build also as one graph of 20 forwards (µs per forward), and a graph of on
 single replays and the 20-forward chains each interleaved round by round (a chain shows what a build leaves the
 next replay of itself, e.g. dirty L2 lines to write back, which interleaved single replays hand to another build).
 
+`--vs-config` compares MegakernelConfig strings (settings that are not knobs too, e.g. `l2_evict_weights`); knob sets
+have the named scenario `moe-megakernel-knobs` and `moetune bench knobs --vs ...` (tuner/measure/moe_compare.py).
+
 `--bench-inputs`: the layer exactly as `moetune bench moe` builds it (seed 0) on the same rotated inputs, each input's
 graph replay timed on its own (interleaved, back to back), with its touched experts, the largest expert's rows and a
 plain read of that many experts' weights; then each input's task timeline (appended to `--timeline` if given).

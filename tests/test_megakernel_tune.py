@@ -192,6 +192,68 @@ def test_bench_moe_cli_and_scenario_smoke(tmp_path: Path) -> None:
     assert not mk.metrics and mk.error.startswith("SKIPPED") and "no CUDA device" in mk.error
 
 
+def test_paired_differences_and_variant_parsing() -> None:
+    from moetune.runtime.knobs import KnobError, Knobs
+    from moetune.tuner.measure import moe_compare as MC
+
+    # per-round differences: a variant 2 µs slower in every round is +2 whatever the drift between rounds
+    base = [100.0 + 10 * i for i in range(10)]
+    d = MC.paired({"base": base, "slow": [b + 2.0 for b in base], "same": base}, "base")
+    assert d["slow"] == {"median": 2.0, "p10": 2.0, "p90": 2.0} and d["same"]["median"] == 0.0 and "base" not in d
+    mk = Knobs(engine="megakernel")
+    v = MC.parse_variants("ct8=mk_combine_tokens=8; narrow=mk_bn=128,mk_stages=3", mk)
+    assert v["ct8"] == mk.replace(mk_combine_tokens=8) and (v["narrow"].mk_bn, v["narrow"].mk_stages) == (128, 3)
+    assert MC.changed_knobs(v["narrow"]) == "engine=megakernel,mk_stages=3,mk_bn=128"
+    for bad, msg in (("ct8", "expected NAME=KNOBS"), ("a=mk_bm=16;a=mk_bm=64", "given twice"),
+                     ("base=mk_bm=16", "given twice"), ("", "at least one variant")):
+        with pytest.raises(ValueError, match=msg):
+            MC.parse_variants(bad, mk)
+    with pytest.raises(KnobError, match="unknown knob"):
+        MC.parse_variants("x=mk_nope=1", mk)
+
+
+def test_bench_knobs_cli_and_scenario_smoke(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+    from moetune.tuner.measure import scenarios as S
+
+    small = ["--model", "custom:128,64,8,2", "--tokens", "4,16", "--iters", "3", "--warmup", "0", "--chain", "2", "--json"]
+    r = CliRunner().invoke(app, ["bench", "knobs", "--knobs", "engine=unfused", "--vs", "again=", *small])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["base"] == "base" and rep["variants"] == {"base": "", "again": ""} and not rep["graph"]
+    assert [(c["variant"], c["S"]) for c in rep["cases"]] == [("base", 4), ("again", 4), ("base", 16), ("again", 16)]
+    again = [c for c in rep["cases"] if c["variant"] == "again"]
+    # the same seed builds the same weights: the two variants' outputs are the same numbers
+    assert all(c["rel_err_vs_base"] == 0.0 and len(c["minus_base_us"]) == 3 and c["chain_us"]["median"] > 0 for c in again)
+    assert rep["meta"]["git_sha"] and "moetune bench knobs --vs 'again=' --knobs engine=unfused" in rep["meta"]["command"]
+    # the megakernel where no sm_90 GPU is: every variant skipped, with the reason
+    r = CliRunner().invoke(app, ["bench", "knobs", "--vs", "ct8=mk_combine_tokens=8", *small])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [c["variant"] for c in rep["cases"]] == ["base", "ct8"] and all("no CUDA device" in c["skipped"] for c in rep["cases"])
+    for vs, msg in (("ct8", "expected NAME=KNOBS"), ("x=mk_nope=1", "unknown knob")):
+        bad = CliRunner().invoke(app, ["bench", "knobs", "--vs", vs])
+        assert bad.exit_code == 2 and msg in bad.output and "Traceback" not in bad.output
+
+    s = S.get("moe-megakernel-knobs")
+    assert s.driver == "moe-knobs" and s.cases[0].name == "defaults"
+    rows = S.run(s, smoke=True, results=tmp_path / "summary.csv", gpus=0)
+    got = {(r["case"], r["metric"]) for r in rows}
+    assert {("defaults", "layer_us[S=4]"), ("defaults", "chain_us[S=16]"), ("combine-8", "minus_base_us[S=16]"),
+            ("combine-8", "chain_minus_base_us[S=4]")} <= got
+    assert not any(m.startswith("minus_base") for c, m in got if c == "defaults")
+    assert all("moetune bench knobs --knobs engine=unfused --vs combine-8=" in r["command"] for r in rows)
+    # outside smoke mode on CPU: the megakernel cases are rows naming why they were skipped
+    seq = [S.Resolved(c.name, {**c.args, "model": "custom:128,64,8,2", "tokens": [4]}, {}) for c in S.plan(s, None, smoke=False)]
+    out = S.DRIVERS["moe-knobs"](seq[:2], S.Ctx(world=1, backend="none", smoke=False, tmp=tmp_path))
+    assert [c.case for c in out] == ["defaults", "combine-8"]
+    assert all(not c.metrics and c.error.startswith("SKIPPED") and "no CUDA device" in c.error for c in out)
+
+
 def test_imported_megakernel_rows_are_in_the_summary() -> None:
     from moetune.tuner.measure import results as R
     from moetune.tuner.measure import scenarios as S

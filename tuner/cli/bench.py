@@ -242,6 +242,64 @@ def moe(
             _err.print(f"[yellow]{c['engine']} skipped:[/yellow] {c['skipped']}")
 
 
+@app.command("knobs")
+def knobs_side_by_side(
+    vs: str = typer.Option(..., "--vs", help="Variants to set beside the base: NAME=KNOBS;NAME=KNOBS, each KNOBS on top of --knobs (e.g. 'ct8=mk_combine_tokens=8;narrow=mk_bn=128')."),
+    knobs: str = typer.Option("", "--knobs", help="The base variant's knobs (engine=megakernel is implied; engine=unfused for the unfused layer)."),
+    model: str = typer.Option("qwen3-30b", "--model", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K[,dtype]."),
+    tokens: str = typer.Option("16,128,1024", "--tokens", help="Token counts S (comma-separated)."),
+    iters: int = typer.Option(200, "--iters", help="Interleaved rounds (one call of each variant per round)."),
+    warmup: int = typer.Option(20, "--warmup", help="Untimed rounds first."),
+    rotate: int = typer.Option(8, "--rotate", help="Input tensors rotated over (one graph each)."),
+    chain: int = typer.Option(20, "--chain", help="Forwards per chain (one CUDA graph of back-to-back layers)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of weights and inputs."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Knob sets of the MoE layer side by side in one process, interleaved call by call, with each variant's
+    per-round difference to the base (the drift between rounds cancels in it). Single graph replays and chains of
+    --chain forwards (a setting that changes what one layer leaves the next shows in its own chain)."""
+    from moetune.runtime import KnobError, Knobs, get_model
+    from moetune.tuner.measure import moe_compare as MC
+
+    try:
+        shape = get_model(model)
+        toks = [int(t) for t in tokens.split(",") if t.strip()]
+        base = Knobs.parse(knobs, base=Knobs(engine="megakernel"))
+        variants = {"base": base, **MC.parse_variants(vs, base)}
+        rep = MC.compare_knobs(shape, toks, variants, iters=iters, warmup=warmup, rotate=rotate, chained=chain,
+                               seed=seed, progress=lambda m: _err.print(f"[dim]{m}[/dim]"))
+    except (ValueError, KnobError) as e:
+        _fail(str(e))
+    cmd = (f"moetune bench knobs --vs {vs!r}{f' --knobs {knobs}' if knobs else ''} --model {model} --tokens "
+           f"{','.join(map(str, toks))} --iters {iters} --warmup {warmup} --rotate {rotate} --chain {chain} --seed {seed}")
+    rep["meta"] = _stamp(cmd)
+    if as_json:
+        typer.echo(json.dumps(rep))
+        return
+    call = "single graph replays" if rep["graph"] else "single eager calls (no GPU: a plumbing check)"
+    t = Table(title=f"{rep['model']} on {rep['device']}: knob sets side by side, {iters} interleaved rounds (µs; "
+                    f"{call}, chains of {chain} per forward; minus base: per-round differences)")
+    for col in ("S", "variant", "single", "minus base (p10..p90)", "chain", "chain minus base (p10..p90)"):
+        t.add_column(col, justify="right")
+
+    def diff(q: dict | None) -> str:
+        return "-" if q is None else f"{q['median']:+.1f} ({q['p10']:+.1f}..{q['p90']:+.1f})"
+
+    for c in rep["cases"]:
+        if "skipped" not in c:
+            t.add_row(str(c["S"]), c["variant"], _fmt(c["single_us"]["median"]), diff(c.get("minus_base_us")),
+                      _fmt(c["chain_us"]["median"]), diff(c.get("chain_minus_base_us")))
+    Console().print(t)
+    for n, k in rep["variants"].items():
+        _err.print(f"[dim]{n}: {k or 'the defaults'}[/dim]")
+    for c in rep["cases"]:
+        if "skipped" in c:
+            _err.print(f"[yellow]{c['variant']} skipped:[/yellow] {c['skipped']}")
+    m = rep["meta"]
+    _err.print(f"[dim]{m['date']}, git {m['git_sha'][:10]}{' (dirty)' if m['git_dirty'] else ''}, {m['hardware']}, "
+               f"torch {m['torch']}[/dim]")
+
+
 @app.command("list")
 def list_scenarios(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per scenario."),

@@ -598,6 +598,57 @@ def run_moe(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     return out
 
 
+_KNOBS_KEYS = ("model", "tokens", "knobs", "iters", "warmup", "rotate", "chain", "seed")
+
+
+@driver("moe-knobs", single_shot=True)
+def run_moe_knobs(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
+    """Knob sets of the MoE layer (`knobs` per case: the first case's on top of engine=megakernel is the base, every
+    other case's on top of the base, as `moetune bench knobs --knobs BASE --vs ...` takes them) in ONE
+    process, interleaved call by call (tuner/measure/moe_compare.py). Metrics per S: `graph_us[S=N]` (single replays;
+    `layer_us` without a GPU), `chain_us[S=N]` (per forward in chains of `chain`), and for the other cases
+    `minus_base_us[S=N]` / `chain_minus_base_us[S=N]` (per-round differences to the base case)."""
+    from moetune.runtime.knobs import KnobError, Knobs
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe_compare as MC
+
+    for c in cases:
+        unknown = set(c.args) - set(_KNOBS_KEYS)
+        if unknown:
+            raise ScenarioError(f"case {c.name}: unknown moe-knobs argument(s) {sorted(unknown)}; known: "
+                                f"{', '.join(_KNOBS_KEYS)}")
+    a = cases[0].args
+    toks = a.get("tokens", [128])
+    toks = toks if isinstance(toks, list) else [int(toks)]
+    cmd = shlex.join(["moetune", "bench", "knobs", "--knobs", str(a.get("knobs", "")), "--vs",
+                      ";".join(f"{c.name}={c.args.get('knobs', '')}" for c in cases[1:]), "--model",
+                      str(a.get("model", "qwen3-30b")), "--tokens", ",".join(map(str, toks)),
+                      *(x for k in ("iters", "warmup", "rotate", "chain", "seed") if k in a for x in ("--" + k, str(a[k])))])
+    try:
+        base = Knobs.parse(str(a.get("knobs", "")), base=Knobs(engine="megakernel"))
+        variants = {cases[0].name: base, **{c.name: Knobs.parse(str(c.args.get("knobs", "")), base=base) for c in cases[1:]}}
+        rep = MC.compare_knobs(get_model(str(a.get("model", "qwen3-30b"))), [int(t) for t in toks], variants,
+                               iters=int(a.get("iters", 200)), warmup=int(a.get("warmup", 20)),
+                               rotate=int(a.get("rotate", 8)), chained=int(a.get("chain", 20)), seed=int(a.get("seed", 0)))
+    except (ValueError, KnobError, RuntimeError) as e:
+        return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
+    single = "graph_us" if rep["graph"] else "layer_us"
+    per: dict[str, dict[str, Stat]] = {}
+    skipped: dict[str, str] = {}
+    for r in rep["cases"]:
+        if "skipped" in r:
+            skipped[r["variant"]] = r["skipped"]
+            continue
+        m = per.setdefault(r["variant"], {})
+        for key, name in (("single_us", single), ("chain_us", "chain_us"), ("minus_base_us", "minus_base_us"),
+                          ("chain_minus_base_us", "chain_minus_base_us")):
+            if key in r:
+                q = r[key]
+                m[f"{name}[S={r['S']}]"] = Stat(q["median"], q["p10"], q["p90"], rep["iters"], "us")
+    return [CaseResult(c.name, per.get(c.name, {}), cmd, f"SKIPPED: {skipped[c.name]}" if c.name in skipped else "")
+            for c in cases]
+
+
 # -- running a scenario ----------------------------------------------------------------------------------------
 
 

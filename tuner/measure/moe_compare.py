@@ -1,0 +1,130 @@
+"""Knob sets of the MoE layer side by side in one process, interleaved call by call.
+
+What this answers ("is combine_tokens=2 faster than 8 at S=16?") is often a few µs on a layer of 200-800 µs. On an
+H200, whole rounds of 200 replays drift 10-15 µs against each other within one process and GPUs of one kind differ
+by up to ~55 µs at S=4096 (bench/results/megakernel, runs 117 and 145-146), so timing each variant in its own
+block, or in its own process, cannot resolve it. Here every variant is timed in rounds of one call each, the order
+rotated every round, and what is reported besides each variant's own median is its per-round difference to the
+base (the first variant): the drift moves both calls of a round alike and cancels in the difference.
+
+Two kinds of calls, each interleaved that way: single calls (a CUDA-graph replay per input on a GPU), and chains of
+`chained` forwards in one graph (µs per forward). A setting that changes what a layer leaves behind for the next
+one (dirty L2 lines to write back, run 142) shows within its own chain, while interleaved single calls hand that
+effect to whichever variant runs next. On a CPU (no graphs) both are eager calls timed with perf_counter: a
+plumbing check, not a measurement of the megakernel.
+
+Used by `moetune bench knobs` and the `moe-knobs` scenario driver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.shapes import ModelShape
+from moetune.runtime.testing.timing import graphs_of, time_interleaved
+from moetune.tuner.measure.moe import layer_inputs
+from moetune.tuner.measure.stats import Summary
+
+
+def parse_variants(text: str, base: Knobs) -> dict[str, Knobs]:
+    """`NAME=KNOBS;NAME=KNOBS` (each KNOBS as `--knobs` takes them, on top of `base`) -> {name: Knobs}.
+
+    Raises ValueError naming the item that is malformed or repeats a name, KnobError for a bad knob."""
+    out: dict[str, Knobs] = {}
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        name, sep, knobs = item.partition("=")
+        name = name.strip()
+        if not sep or not name or "," in name:
+            raise ValueError(f"expected NAME=KNOBS (e.g. ct8=mk_combine_tokens=8), got {item!r}")
+        if name in out or name == "base":
+            raise ValueError(f"variant name {name!r} given twice (or 'base', the name of --knobs' variant)")
+        out[name] = Knobs.parse(knobs, base=base)
+    if not out:
+        raise ValueError("give at least one variant: NAME=KNOBS;NAME=KNOBS")
+    return out
+
+
+def changed_knobs(k: Knobs, base: Knobs | None = None) -> str:
+    """The knobs of `k` that differ from `base` (default: the defaults), as `name=value,..` (`--knobs`' form)."""
+    ref = (base or Knobs()).to_dict()
+    return ",".join(f"{n}={v}" for n, v in k.to_dict().items() if ref.get(n) != v)
+
+
+def paired(samples: Mapping[str, Sequence[float]], base: str) -> dict[str, dict[str, float]]:
+    """Per variant other than `base`: median / p10 / p90 of its samples minus `base`'s of the same round."""
+    ref = samples[base]
+    return {n: Summary.of([a - b for a, b in zip(v, ref, strict=True)]).quantiles()
+            for n, v in samples.items() if n != base}
+
+
+def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[str, Knobs], *, iters: int = 200,
+                  warmup: int = 20, rotate: int = 8, chained: int = 20, seed: int = 0, device: str | None = None,
+                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every variant (the first is the base) at every S, side by side: {"cases": [{variant, S, single_us, chain_us,
+    minus_base_us, chain_minus_base_us, rel_err_vs_base}], ...}; the quantiles are µs (chains: per forward).
+
+    Each variant is one `MoELayer` built with its knobs (its `engine` knob picks the engine; the same seed, so the
+    same weights); a variant whose engine cannot run here is a case `{"variant", "skipped": why}`."""
+    import torch
+
+    from moetune.runtime.megakernel.engine import MegakernelUnavailable
+    from moetune.runtime.moe_layer import MoELayer, max_rel_err
+
+    names = list(variants)
+    if not names:
+        raise ValueError("compare_knobs needs at least one variant")
+    if not tokens or any(t < 1 for t in tokens):
+        raise ValueError(f"tokens must be positive integers, got {list(tokens)}")
+    if min(iters, rotate, chained) < 1 or warmup < 0:
+        raise ValueError(f"iters, rotate and chained must be >= 1 and warmup >= 0, got {iters}, {rotate}, {chained}, "
+                         f"{warmup}")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    layers: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for n in names:
+        try:
+            layers[n] = MoELayer(model, None, variants[n], max_tokens=max(tokens), device=dev, dtype=dtype, seed=seed,
+                                 engine=variants[n].engine)
+        except MegakernelUnavailable as e:
+            skipped[n] = str(e)
+    cases: list[dict[str, Any]] = [{"variant": n, "skipped": why} for n, why in skipped.items()]
+    run = [n for n in names if n in layers]
+    base = run[0] if run else names[0]
+    for s in tokens:
+        if not run:
+            break
+        if progress:
+            progress(f"S={s}: {len(run)} variants, {iters} interleaved rounds")
+        xs = layer_inputs(model, s, rotate, dev, dtype, seed + s)
+        ref = layers[base](xs[0])
+        single, chain = {}, {}
+        for n in run:
+            fwd = layers[n].forward
+
+            def chain_of(x: Any, fwd: Callable[[Any], Any] = fwd) -> None:  # forwards back to back, no host step between
+                for _ in range(chained):
+                    fwd(x)
+
+            if cuda:
+                single[n] = graphs_of(fwd, xs)
+                chain[n] = graphs_of(chain_of, xs[:2])
+            else:
+                single[n] = [lambda x=x, f=fwd: f(x) for x in xs]
+                chain[n] = [lambda x=x, c=chain_of: c(x) for x in xs[:2]]
+        one = time_interleaved(single, warmup=warmup, iters=iters, cuda=cuda)
+        many = {n: [t / chained for t in v]
+                for n, v in time_interleaved(chain, warmup=max(1, warmup // 4), iters=iters, cuda=cuda).items()}
+        d1, dn = paired(one, base), paired(many, base)
+        for n in run:
+            row: dict[str, Any] = {"variant": n, "S": s, "single_us": Summary.of(one[n]).quantiles(),
+                                   "chain_us": Summary.of(many[n]).quantiles()}
+            if n != base:
+                row.update(minus_base_us=d1[n], chain_minus_base_us=dn[n], rel_err_vs_base=max_rel_err(layers[n](xs[0]), ref))
+            cases.append(row)
+    return {"model": model.name, "device": str(dev), "graph": cuda, "iters": iters, "warmup": warmup, "rotate": rotate,
+            "chained": chained, "base": base, "variants": {n: changed_knobs(k) for n, k in variants.items()},
+            "cases": cases}
