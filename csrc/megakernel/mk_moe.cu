@@ -191,8 +191,18 @@ __device__ __forceinline__ uint64_t l2_evict_last_policy() {
 // dst; its bytes count down the transaction count of the mbarrier `bar`. Only weight tiles come this way.
 // evict_first (MkParams.l2_evict_w): with the L2 evict-first policy, for launches that read each expert's weights
 // about once; the activations (x, h, y) and the gate then stay in the L2 longer.
+// Measurement build MK_TILED_W=1: the weights' tensor maps address a k-tiled copy [cols / 64][rows][64] (made once
+// per weight matrix by the host, `tiled_weights`), so each 64 x 64 box is 8 KB of contiguous DRAM instead of 64
+// rows of 128 bytes a row pitch apart; the box lands in shared memory exactly as before. `rows` = the matrix's rows.
+#ifndef MK_TILED_W
+#define MK_TILED_W 0
+#endif
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar,
-                                            bool evict_first) {
+                                            bool evict_first, int64_t rows = 0) {
+  if constexpr (MK_TILED_W != 0) {
+    y = (int)((x / BK) * rows + y);
+    x = 0;
+  }
   if (evict_first) {
     const uint64_t pol = l2_evict_first_policy();
     asm volatile(
@@ -409,7 +419,8 @@ template <class T>
 __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], const MkParams& p, char* smem, uint32_t bars,
                                               uint32_t& it, const bf16* a_base, const int64_t* a_off,
                                               const CUtensorMap* bmap, int brow, int brow2, int kb, int K,
-                                              bool dep, const int32_t* cnt, int need, bool never, int where) {
+                                              bool dep, const int32_t* cnt, int need, bool never, int where,
+                                              int64_t wrows) {
   static_assert(T::TMA, "TMA tile");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
@@ -437,8 +448,8 @@ __device__ __forceinline__ void gemm_tile_tma(float (&acc)[T::MT][T::NT][4], con
       const uint32_t slot = (it + kt) % stages, bar = bars + 8 * slot;
       const uint32_t sB = su32(smem + slot * T::STAGE + T::A_BYTES);
       mbar_arrive_tx(bar, T::B_BYTES);
-      tma_load_2d(sB, bmap, kb + kt * BK, brow, bar, p.l2_evict_w != 0);
-      tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kb + kt * BK, brow2, bar, p.l2_evict_w != 0);
+      tma_load_2d(sB, bmap, kb + kt * BK, brow, bar, p.l2_evict_w != 0, wrows);
+      tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kb + kt * BK, brow2, bar, p.l2_evict_w != 0, wrows);
     }
   };
   if (dep) {  // publish_all: the first stages' weights need no inputs, so they stream while the task waits for them
@@ -662,7 +673,8 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
     const int brow2 = kind == MK_TASK_GEMM1 ? brow + I : brow + TMA_BOX_ROWS;
     const bf16* a_base = (kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h) + k0;
     gemm_tile_tma<T>(acc, p, smem, bar_base(md), it, a_base, md.a_off, kind == MK_TASK_GEMM1 ? tm1 : tm2, brow, brow2,
-                     k0, Kpart, dep, cnt, need, tile == (int)p.stall_tile, tile);
+                     k0, Kpart, dep, cnt, need, tile == (int)p.stall_tile, tile,
+                     kind == MK_TASK_GEMM1 ? p.E * 2 * p.I : p.E * p.H);
   } else {
     if (dep) wait_inputs(p, cnt, need, tile == (int)p.stall_tile, tile);  // (cp.async tiles: nothing streams first)
     if (kind == MK_TASK_GEMM1)
@@ -1097,6 +1109,7 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
   // wide tile: four boxes, box b at tile row 64 b from weight row wbase + wide_box_row (gate, gate, up, up
   // for GEMM1; 256 consecutive rows for GEMM2)
   const int64_t wbase = kind == MK_TASK_GEMM1 ? e * 2 * p.I : e * p.H;
+  const int64_t wrows = kind == MK_TASK_GEMM1 ? p.E * 2 * p.I : p.E * p.H;  // (MK_TILED_W's coordinates)
   for (int kt = 0; kt < KT; ++kt) {
     const uint32_t g = it + kt, slot = g % stages;
     mbar_wait(p, bars.empty + 8 * slot, ((g / stages) & 1) ^ 1, g);  // a fresh barrier passes parity 1 at once
@@ -1109,10 +1122,11 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
 #pragma unroll
           for (int b = 0; b < 4; ++b)
             tma_load_2d(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK,
-                        (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full, p.l2_evict_w != 0);
+                        (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full, p.l2_evict_w != 0,
+                        wrows);
         } else {
-          tma_load_2d(sB, bmap, kt * BK, brow, full, p.l2_evict_w != 0);
-          tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full, p.l2_evict_w != 0);
+          tma_load_2d(sB, bmap, kt * BK, brow, full, p.l2_evict_w != 0, wrows);
+          tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full, p.l2_evict_w != 0, wrows);
         }
       }
     }
@@ -2510,6 +2524,42 @@ int weight_map(const void* ptr, uint64_t rows, uint64_t cols, CUtensorMap* out) 
   return 0;
 }
 
+#if MK_TILED_W
+// MK_TILED_W: w [rows, cols] -> [cols / 64][rows][64] (16-byte chunks), one copy per matrix kept for the process
+// (a measurement build: twice the weights' memory). Made on the first eager launch; a capture finds it cached.
+__global__ void k_tile_w(const uint4* src, uint4* dst, int64_t rows, int64_t cols) {
+  const int64_t cc = cols / 8, n = rows * cc;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / cc, c = i % cc;
+    dst[((c / 8) * rows + r) * 8 + c % 8] = src[i];
+  }
+}
+const void* tiled_weights(const void* w, uint64_t rows, uint64_t cols, cudaStream_t s) {
+  static std::mutex mu;
+  static const void* keys[8];
+  static void* vals[8];
+  static int used = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  for (int i = 0; i < used; ++i)
+    if (keys[i] == w) return vals[i];
+  cudaStreamCaptureStatus cs;
+  if (used == 8 || cols % BK || cudaStreamIsCapturing(s, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone) {
+    fail_msg("mk: MK_TILED_W: no tiled copy (capturing before an eager launch, more than 8 matrices, or cols % 64)");
+    return nullptr;
+  }
+  void* d = nullptr;
+  if (cudaMalloc(&d, rows * cols * 2) != cudaSuccess) {
+    fail_msg("mk: MK_TILED_W: cudaMalloc of the tiled copy failed");
+    return nullptr;
+  }
+  k_tile_w<<<1024, 256, 0, s>>>((const uint4*)w, (uint4*)d, (int64_t)rows, (int64_t)cols);
+  cudaStreamSynchronize(s);
+  keys[used] = w;
+  vals[used++] = d;
+  return d;
+}
+#endif
+
 // Launch `kernel` on s in thread-block clusters of `cluster` (1 x 1 x 1: none); pdl: with programmatic stream
 // serialization, so it may start before the kernel ahead of it in the stream ends (it must griddep_wait before reading
 // that kernel's results; see MkParams.pdl).
@@ -2636,10 +2686,21 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
   CUtensorMap tm1, tm2;
   memset(&tm1, 0, sizeof tm1);
   memset(&tm2, 0, sizeof tm2);
+#if MK_TILED_W
+  if constexpr (T::TMA) {
+    const uint64_t r1 = (uint64_t)(p->E * 2 * p->I), r2 = (uint64_t)(p->E * p->H);
+    const void* t1 = tiled_weights(p->w1, r1, (uint64_t)p->H, s);
+    const void* t2 = t1 ? tiled_weights(p->w2, r2, (uint64_t)p->I, s) : nullptr;
+    if (!t2) return 1;
+    if (weight_map(t1, r1 * (uint64_t)(p->H / BK), BK, &tm1)) return 1;
+    if (weight_map(t2, r2 * (uint64_t)(p->I / BK), BK, &tm2)) return 1;
+  }
+#else
   if constexpr (T::TMA) {
     if (weight_map(p->w1, (uint64_t)(p->E * 2 * p->I), (uint64_t)p->H, &tm1)) return 1;
     if (weight_map(p->w2, (uint64_t)(p->E * p->H), (uint64_t)p->I, &tm2)) return 1;
   }
+#endif
   bool launched = false;
   cudaError_t e = cudaSuccess;
   MkParams q = *p;  // tail rows: the overlap kernel's tail tile only (the other launches' m-tiles hold bm rows)
