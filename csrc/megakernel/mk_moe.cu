@@ -2493,6 +2493,10 @@ struct MapEntry {
   CUtensorMap map;
 };
 
+// Measurement builds: MK_W_PROMO = the weight maps' L2 promotion (0 none, 1 64 B, 2 128 B, 3 256 B: the default).
+#ifndef MK_W_PROMO
+#define MK_W_PROMO 3
+#endif
 // bf16 matrix [rows, cols] (row-major, contiguous) -> map with 64 x 64 boxes and the 128-byte swizzle: a box
 // lands in shared memory as mkidx::swz_off lays a tile out (chunk c of row r at chunk c ^ (r & 7)).
 int weight_map(const void* ptr, uint64_t rows, uint64_t cols, CUtensorMap* out) {
@@ -2512,7 +2516,7 @@ int weight_map(const void* ptr, uint64_t rows, uint64_t cols, CUtensorMap* out) 
   const cuuint32_t box[2] = {BK, TMA_BOX_ROWS}, estr[2] = {1, 1};
   CUtensorMap m;
   const CUresult r = enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
-                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, (CUtensorMapL2promotion)MK_W_PROMO,
                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     snprintf(g_err, sizeof g_err, "mk: cuTensorMapEncodeTiled failed (CUresult %d)", (int)r);
