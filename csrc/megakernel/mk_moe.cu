@@ -2493,9 +2493,13 @@ struct MapEntry {
   CUtensorMap map;
 };
 
-// Measurement builds: MK_W_PROMO = the weight maps' L2 promotion (0 none, 1 64 B, 2 128 B, 3 256 B: the default).
+// The weight maps' L2 promotion (MK_W_PROMO: 0 none, 1 64 B, 2 128 B, 3 256 B): 128 B, a box row's width. A box reads
+// 64 rows of 128 bytes a row pitch apart; promoted to 256 B, each row also pulled the next k-stage's 128 bytes into
+// the L2 early (hit rate 36% against 19% without promotion, the same DRAM bytes), and that cost time: side by side,
+// 128 B (or none) against 256 B, chains of 20 forwards, S=1024 -3.8 µs a forward, S=16 -2.9 (run 155). (A k-tiled copy
+// of the weights, each box 8 KB contiguous, `MK_TILED_W`, gave S=1024 -6.1 at twice the weights' memory.)
 #ifndef MK_W_PROMO
-#define MK_W_PROMO 3
+#define MK_W_PROMO 2
 #endif
 // bf16 matrix [rows, cols] (row-major, contiguous) -> map with 64 x 64 boxes and the 128-byte swizzle: a box
 // lands in shared memory as mkidx::swz_off lays a tile out (chunk c of row r at chunk c ^ (r & 7)).
