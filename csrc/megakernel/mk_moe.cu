@@ -2490,26 +2490,34 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
 struct MapEntry {
   const void* ptr;
   uint64_t rows, cols;
+  CUtensorMapL2promotion promo;
   CUtensorMap map;
 };
 
-// The weight maps' L2 promotion (MK_W_PROMO: 0 none, 1 64 B, 2 128 B, 3 256 B): 128 B, a box row's width. A box reads
-// 64 rows of 128 bytes a row pitch apart; promoted to 256 B, each row also pulled the next k-stage's 128 bytes into
-// the L2 early (hit rate 36% against 19% without promotion, the same DRAM bytes), and that cost time: side by side,
-// 128 B (or none) against 256 B, chains of 20 forwards, S=1024 -3.8 µs a forward, S=16 -2.9 (run 155). (A k-tiled copy
-// of the weights, each box 8 KB contiguous, `MK_TILED_W`, gave S=1024 -6.1 at twice the weights' memory.)
+// The weight maps' L2 promotion (`w_promotion`; MK_W_PROMO forces one for measurement builds: 0 none, 1 64 B, 2 128 B,
+// 3 256 B). A box reads 64 rows of 128 bytes a row pitch apart; promoted to 256 B, each row also pulls the next
+// k-stage's 128 bytes into the L2 early (hit rate 36% against 19% without promotion at S=1024, the same DRAM bytes).
+// Where the weights load evict-first (each expert's read about once) that early half costs time: 128 B against 256 B
+// side by side, chains of 20 forwards, S=1024 -3.8 µs a forward, S=16 -2.9 (run 155), S=128 +1.0; where they load with
+// the default policy (m-tiles of one expert re-read them) it pays: S=2048 +4.2 with 128 B (run 156). So: 128 B for
+// evict-first launches, 256 B otherwise; a host-side choice of map, nothing in the kernel. (A k-tiled copy of the
+// weights, each box 8 KB contiguous, `MK_TILED_W`, gave S=1024 -6.1 at twice the weights' memory, run 155.)
 #ifndef MK_W_PROMO
-#define MK_W_PROMO 2
+#define MK_W_PROMO -1
 #endif
+CUtensorMapL2promotion w_promotion(const MkParams* p) {
+  if (MK_W_PROMO >= 0) return (CUtensorMapL2promotion)MK_W_PROMO;
+  return p->l2_evict_w ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+}
 // bf16 matrix [rows, cols] (row-major, contiguous) -> map with 64 x 64 boxes and the 128-byte swizzle: a box
 // lands in shared memory as mkidx::swz_off lays a tile out (chunk c of row r at chunk c ^ (r & 7)).
-int weight_map(const void* ptr, uint64_t rows, uint64_t cols, CUtensorMap* out) {
+int weight_map(const void* ptr, uint64_t rows, uint64_t cols, CUtensorMapL2promotion promo, CUtensorMap* out) {
   static std::mutex mu;
   static MapEntry cache[32];
   static int used = 0, next = 0;
   std::lock_guard<std::mutex> lock(mu);
   for (int i = 0; i < used; ++i)
-    if (cache[i].ptr == ptr && cache[i].rows == rows && cache[i].cols == cols) {
+    if (cache[i].ptr == ptr && cache[i].rows == rows && cache[i].cols == cols && cache[i].promo == promo) {
       *out = cache[i].map;
       return 0;
     }
@@ -2520,14 +2528,14 @@ int weight_map(const void* ptr, uint64_t rows, uint64_t cols, CUtensorMap* out) 
   const cuuint32_t box[2] = {BK, TMA_BOX_ROWS}, estr[2] = {1, 1};
   CUtensorMap m;
   const CUresult r = enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
-                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, (CUtensorMapL2promotion)MK_W_PROMO,
+                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     snprintf(g_err, sizeof g_err, "mk: cuTensorMapEncodeTiled failed (CUresult %d)", (int)r);
     return 1;
   }
   MapEntry& slot = cache[used < 32 ? used++ : next++ % 32];  // full: replace the oldest entries in turn
-  slot = {ptr, rows, cols, m};
+  slot = {ptr, rows, cols, promo, m};
   *out = m;
   return 0;
 }
@@ -2700,13 +2708,13 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
     const void* t1 = tiled_weights(p->w1, r1, (uint64_t)p->H, s);
     const void* t2 = t1 ? tiled_weights(p->w2, r2, (uint64_t)p->I, s) : nullptr;
     if (!t2) return 1;
-    if (weight_map(t1, r1 * (uint64_t)(p->H / BK), BK, &tm1)) return 1;
-    if (weight_map(t2, r2 * (uint64_t)(p->I / BK), BK, &tm2)) return 1;
+    if (weight_map(t1, r1 * (uint64_t)(p->H / BK), BK, w_promotion(p), &tm1)) return 1;
+    if (weight_map(t2, r2 * (uint64_t)(p->I / BK), BK, w_promotion(p), &tm2)) return 1;
   }
 #else
   if constexpr (T::TMA) {
-    if (weight_map(p->w1, (uint64_t)(p->E * 2 * p->I), (uint64_t)p->H, &tm1)) return 1;
-    if (weight_map(p->w2, (uint64_t)(p->E * p->H), (uint64_t)p->I, &tm2)) return 1;
+    if (weight_map(p->w1, (uint64_t)(p->E * 2 * p->I), (uint64_t)p->H, w_promotion(p), &tm1)) return 1;
+    if (weight_map(p->w2, (uint64_t)(p->E * p->H), (uint64_t)p->I, w_promotion(p), &tm2)) return 1;
   }
 #endif
   bool launched = false;
