@@ -178,6 +178,17 @@ def test_bench_moe_cli_and_scenario_smoke(tmp_path: Path) -> None:
     assert "moetune bench moe --engine megakernel,unfused,torch --model custom:128,64,8,2 --tokens 4,16" in meta["command"]
     bad = CliRunner().invoke(app, ["bench", "moe", "--engine", "fused"])
     assert bad.exit_code == 2 and "engines must be among" in bad.output and "Traceback" not in bad.output
+    bad = CliRunner().invoke(app, ["bench", "moe", "--rest", "-1"])
+    assert bad.exit_code == 2 and "--rest in 0..60" in bad.output and "Traceback" not in bad.output
+    # --rest idles before every timed block: two S x (plain read + the engine's eager block) = 4 rests here
+    import time
+
+    t0 = time.monotonic()
+    r = CliRunner().invoke(app, ["bench", "moe", "--engine", "unfused", "--model", "custom:128,64,8,2", "--tokens",
+                                 "4,16", "--iters", "2", "--warmup", "0", "--rest", "0.25", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["rest_s"] == 0.25 and rep["meta"]["command"].endswith("--rest 0.25") and time.monotonic() - t0 >= 1.0
 
     s = S.get("moe-megakernel-vs-unfused")
     assert s.driver == "moe" and [c.name for c in s.cases] == ["unfused", "megakernel", "torch"]

@@ -192,6 +192,7 @@ def moe(
     warmup: int = typer.Option(10, "--warmup", help="Untimed calls first."),
     rotate: int = typer.Option(4, "--rotate", help="Input tensors rotated over (one graph each)."),
     seed: int = typer.Option(0, "--seed", help="Seed of weights and inputs."),
+    rest: float = typer.Option(0.0, "--rest", help="Seconds of idle GPU before every timed block (0: back to back). Where the layer draws the power limit (S=4096 on an H200) a block timed right after another runs clocked down."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """The whole MoE layer (routing included) on one device: each engine per S, with the H200 floors beside."""
@@ -205,22 +206,23 @@ def moe(
         mk = Knobs.parse(knobs, base=Knobs(engine="megakernel"))
     except (ValueError, KnobError) as e:
         _fail(str(e))
-    if min(iters, warmup + 1, rotate) < 1:
-        _fail("--iters and --rotate must be >= 1, --warmup >= 0")
+    if min(iters, warmup + 1, rotate) < 1 or not 0 <= rest <= 60:
+        _fail("--iters and --rotate must be >= 1, --warmup >= 0, --rest in 0..60 seconds")
     try:
         rep = M.bench_moe(shape, toks, engines, graph=cuda_graph, iters=iters, warmup=warmup, rotate=rotate, seed=seed,
-                          knobs=mk)
+                          knobs=mk, rest_s=rest)
     except ValueError as e:
         _fail(str(e))
     # the command as parsed, defaults included, so the result file says exactly what ran
     cmd = (f"moetune bench moe --engine {','.join(engines)} --model {model} --tokens {','.join(map(str, toks))}"
            f"{' --cuda-graph' if cuda_graph else ''}{f' --knobs {knobs}' if knobs else ''} --iters {iters} "
-           f"--warmup {warmup} --rotate {rotate} --seed {seed}")
+           f"--warmup {warmup} --rotate {rotate} --seed {seed}{f' --rest {rest:g}' if rest else ''}")
     rep["meta"] = _stamp(cmd)
     if as_json:
         typer.echo(json.dumps(rep))
         return
-    t = Table(title=f"MoE layer {rep['model']} on {rep['device']} (µs, median of {iters}; floors: weights at "
+    t = Table(title=f"MoE layer {rep['model']} on {rep['device']} (µs, median of {iters}"
+                    f"{f', each block after {rest:g} s idle' if rest else ''}; floors: weights at "
                     f"{M.READ_TBPS} TB/s, tensor cores at {M.TENSOR_TFLOPS:g} TFLOP/s; plain read: two sums over "
                     "the expected experts' weights, measured here)")
     for col in ("S", "engine", "eager", "graph", "weight floor", "tensor floor", "plain read", "rel err vs unfused"):

@@ -12,6 +12,7 @@ here in the same process, a plain read of as many experts' weights as S tokens a
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,24 +47,44 @@ def layer_inputs(model: ModelShape, tokens: int, rotate: int, device: Any, dtype
     return [torch.randn(tokens, model.hidden, generator=g).to(device=device, dtype=dtype) for _ in range(rotate)]
 
 
+def settle(rest_s: float, cuda: bool) -> None:
+    """Idle `rest_s` seconds with the device drained, so the next timed block starts from a rested GPU.
+
+    Where a layer draws the GPU's power limit (an H200 at S=4096), a block timed right after another is clocked
+    down: in run 153 the megakernel layer took 696-698 µs a call in 60-call blocks after 2 s idle, graph or eager,
+    and 767-808 µs back to back, whichever mode ran first. So without a rest, the engine or mode timed second pays
+    for the first one's heat."""
+    if rest_s <= 0:
+        return
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+    time.sleep(rest_s)
+
+
 def time_layer(forward: Callable[[Any], Any], xs: Sequence[Any], *, warmup: int, iters: int, graph: bool,
-               cuda: bool) -> dict[str, list[float]]:
-    """{"eager_us": samples, "graph_us": samples (graph and cuda only)} for one layer callable."""
+               cuda: bool, rest_s: float = 0.0) -> dict[str, list[float]]:
+    """{"eager_us": samples, "graph_us": samples (graph and cuda only)} for one layer callable; `rest_s` idle
+    seconds before each block (`settle`)."""
+    settle(rest_s, cuda)
     out = {"eager_us": time_calls([lambda x=x: forward(x) for x in xs], warmup=warmup, iters=iters, cuda=cuda)}
     if graph and cuda:
-        out["graph_us"] = time_calls(graphs_of(forward, xs), warmup=warmup, iters=iters, cuda=True)
+        fns = graphs_of(forward, xs)
+        settle(rest_s, cuda)
+        out["graph_us"] = time_calls(fns, warmup=warmup, iters=iters, cuda=True)
     return out
 
 
 def time_plain_read(w_gate_up: Any, w_down: Any, experts: int, *, warmup: int, iters: int, graph: bool,
-                    cuda: bool) -> list[float]:
+                    cuda: bool, rest_s: float = 0.0) -> list[float]:
     """Samples (µs) of a plain read of `experts` experts' weights: two sums over the contiguous w_gate_up[:n] and
     w_down[:n], replayed from a CUDA graph where `graph` (as the layers are). The floor as this device reaches it for
     that many bytes (ramp-up and tail included), beside the arithmetic one at READ_TBPS: on an H200 the 75 MB of
     eight experts read in 34 µs, 2.2 TB/s (bench/results/megakernel, run 20)."""
     n = max(1, min(experts, w_gate_up.shape[0]))
     out = time_layer(lambda _x: (w_gate_up[:n].sum(), w_down[:n].sum()), [None], warmup=warmup, iters=iters,
-                     graph=graph, cuda=cuda)
+                     graph=graph, cuda=cuda, rest_s=rest_s)
     return out["graph_us" if graph and cuda else "eager_us"]
 
 
@@ -101,11 +122,12 @@ def measure_megakernel(knobs: Knobs, model: ModelShape, tokens: int, *, iters: i
 
 def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], *, graph: bool = False,
               iters: int = 50, warmup: int = 10, rotate: int = 4, seed: int = 0, device: str | None = None,
-              knobs: Knobs | None = None) -> dict[str, Any]:
+              knobs: Knobs | None = None, rest_s: float = 0.0) -> dict[str, Any]:
     """Both engines in this process, per S: {"cases": [{engine, S, eager_us, graph_us, ...}], "floors": ...}.
 
     An engine that cannot run here (the megakernel on CPU) is reported `skipped` with the reason. The
-    megakernel runs with `knobs` (default: the `engine=megakernel` defaults)."""
+    megakernel runs with `knobs` (default: the `engine=megakernel` defaults). `rest_s`: idle seconds before
+    every timed block (`settle`; 0: blocks back to back, each after the previous one's load)."""
     import torch
 
     from moetune.runtime.megakernel.engine import MegakernelUnavailable
@@ -150,13 +172,14 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
         xs = layer_inputs(model, s, rotate, dev, dtype, seed + s)
         ref = fwd["unfused"](xs[0]) if "unfused" in fwd else None
         read = Summary.of(time_plain_read(src.w_gate_up.data, src.w_down.data, math.ceil(experts_touched(model, s)),
-                                          warmup=warmup, iters=iters, graph=graph, cuda=cuda)).quantiles()
+                                          warmup=warmup, iters=iters, graph=graph, cuda=cuda, rest_s=rest_s)).quantiles()
         for eng in (e for e in engines if e in fwd):  # the order asked for
             row: dict[str, Any] = {"engine": eng, "S": s, **floors(model, s), "plain_read_us": read}
-            for name, v in time_layer(fwd[eng], xs, warmup=warmup, iters=iters, graph=graph, cuda=cuda).items():
+            for name, v in time_layer(fwd[eng], xs, warmup=warmup, iters=iters, graph=graph, cuda=cuda,
+                                      rest_s=rest_s).items():
                 row[name] = Summary.of(v).quantiles()
             if ref is not None and eng != "unfused":
                 row["rel_err_vs_unfused"] = max_rel_err(fwd[eng](xs[0]), ref)
             cases.append(row)
     return {"model": model.name, "device": str(dev), "graph": graph and cuda, "iters": iters, "warmup": warmup,
-            "rotate": rotate, "cases": cases}
+            "rotate": rotate, "rest_s": rest_s, "cases": cases}

@@ -545,7 +545,7 @@ def moe_command(args: dict[str, Any], engines: Sequence[str]) -> str:
     """The `moetune bench moe` command that measures these cases on its own."""
     a = ["moetune", "bench", "moe", "--engine", ",".join(engines), "--model", str(args.get("model", "qwen3-30b")),
          "--tokens", ",".join(map(str, args.get("tokens", [128])))]
-    for k in ("iters", "warmup", "rotate", "knobs"):
+    for k in ("iters", "warmup", "rotate", "knobs", "rest"):
         if args.get(k) not in (None, ""):
             a += ["--" + k, str(args[k])]
     if args.get("cuda_graph"):
@@ -553,7 +553,7 @@ def moe_command(args: dict[str, Any], engines: Sequence[str]) -> str:
     return " ".join(map(shlex.quote, a)) + " --json"
 
 
-_MOE_KEYS = ("model", "tokens", "engine", "iters", "warmup", "rotate", "knobs", "cuda_graph", "seed")
+_MOE_KEYS = ("model", "tokens", "engine", "iters", "warmup", "rotate", "knobs", "cuda_graph", "seed", "rest")
 
 
 @driver("moe", single_shot=True)
@@ -577,7 +577,8 @@ def run_moe(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
         rep = M.bench_moe(get_model(str(a.get("model", "qwen3-30b"))), toks if isinstance(toks, list) else [int(toks)],
                           engines, graph=bool(a.get("cuda_graph")), iters=int(a.get("iters", 50)),
                           warmup=int(a.get("warmup", 10)), rotate=int(a.get("rotate", 4)), seed=int(a.get("seed", 0)),
-                          knobs=Knobs.parse(str(a.get("knobs", "")), base=Knobs(engine="megakernel")))
+                          knobs=Knobs.parse(str(a.get("knobs", "")), base=Knobs(engine="megakernel")),
+                          rest_s=float(a.get("rest", 0.0)))
     except (ValueError, KnobError, RuntimeError) as e:
         return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
     per: dict[str, dict[str, Stat]] = {}
