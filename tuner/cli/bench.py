@@ -14,6 +14,19 @@ app = typer.Typer(help="Benchmarks on this node: EP dispatch/combine and transpo
 _err = Console(stderr=True)
 
 
+# options the layer benchmarks share
+def _model_opt() -> typer.models.OptionInfo:
+    return typer.Option("qwen3-30b", "--model", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K[,dtype].")
+
+
+def _seed_opt() -> typer.models.OptionInfo:
+    return typer.Option(0, "--seed", help="Seed of weights and inputs.")
+
+
+def _json_opt() -> typer.models.OptionInfo:
+    return typer.Option(False, "--json", help="Print one JSON object.")
+
+
 def _fail(msg: str) -> None:
     _err.print(f"[red]error:[/red] {msg}")
     raise typer.Exit(2)
@@ -31,7 +44,7 @@ def ep(
     warmup: int = typer.Option(5, "--warmup", help="Warm-up iterations (not timed)."),
     verify: bool = typer.Option(False, "--verify", help="Check the layer's output against the single-process dense reference."),
     layer: bool = typer.Option(True, "--layer/--no-layer", help="Also time the whole MoE layer (builds expert weights); --no-layer times dispatch and combine only."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    as_json: bool = _json_opt(),
     transport: str = typer.Option("", "--transport", help="Override the knobs' transport (collective, host_staged, ...)."),
     impl: str = typer.Option("moetune", "--impl", help="moetune (packed EPBuffer) or plain (unpacked all_to_all_single baseline)."),
     seed: int = typer.Option(0, "--seed", help="Seed of activations, routing and weights."),
@@ -184,16 +197,16 @@ def _print_table(rep: dict) -> None:
 @app.command("moe")
 def moe(
     engine: str = typer.Option("megakernel,unfused,torch", "--engine", help="Engines to time side by side in this process: megakernel, unfused, torch (the plain torch path: gate, top-k, sort, two grouped GEMMs, index_add; comma-separated)."),
-    model: str = typer.Option("qwen3-30b", "--model", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K[,dtype]."),
+    model: str = _model_opt(),
     tokens: str = typer.Option("1,16,128,1024,4096", "--tokens", help="Token counts S (comma-separated)."),
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture one CUDA graph per input and time its replays."),
     knobs: str = typer.Option("", "--knobs", help="The megakernel's knobs, e.g. mk_bm=16,mk_stages=3 (engine=megakernel is implied)."),
     iters: int = typer.Option(50, "--iters", help="Timed single calls per case."),
     warmup: int = typer.Option(10, "--warmup", help="Untimed calls first."),
     rotate: int = typer.Option(4, "--rotate", help="Input tensors rotated over (one graph each)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of weights and inputs."),
+    seed: int = _seed_opt(),
     rest: float = typer.Option(0.0, "--rest", help="Seconds of idle GPU before every timed block (0: back to back). Where the layer draws the power limit (S=4096 on an H200) a block timed right after another runs clocked down."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    as_json: bool = _json_opt(),
 ) -> None:
     """The whole MoE layer (routing included) on one device: each engine per S, with the H200 floors beside."""
     from moetune.runtime import KnobError, Knobs, get_model
@@ -248,14 +261,14 @@ def moe(
 def knobs_side_by_side(
     vs: str = typer.Option(..., "--vs", help="Variants to set beside the base: NAME=KNOBS;NAME=KNOBS, each KNOBS on top of --knobs (e.g. 'ct8=mk_combine_tokens=8;narrow=mk_bn=128')."),
     knobs: str = typer.Option("", "--knobs", help="The base variant's knobs (engine=megakernel is implied; engine=unfused for the unfused layer)."),
-    model: str = typer.Option("qwen3-30b", "--model", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K[,dtype]."),
+    model: str = _model_opt(),
     tokens: str = typer.Option("16,128,1024", "--tokens", help="Token counts S (comma-separated)."),
     iters: int = typer.Option(200, "--iters", help="Interleaved rounds (one call of each variant per round)."),
     warmup: int = typer.Option(20, "--warmup", help="Untimed rounds first."),
     rotate: int = typer.Option(8, "--rotate", help="Input tensors rotated over (one graph each)."),
     chain: int = typer.Option(20, "--chain", help="Forwards per chain (one CUDA graph of back-to-back layers)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of weights and inputs."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    seed: int = _seed_opt(),
+    as_json: bool = _json_opt(),
 ) -> None:
     """Knob sets of the MoE layer side by side in one process, interleaved call by call, with each variant's
     per-round difference to the base (the drift between rounds cancels in it). Single graph replays and chains of

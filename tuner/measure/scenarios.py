@@ -553,6 +553,24 @@ def moe_command(args: dict[str, Any], engines: Sequence[str]) -> str:
     return " ".join(map(shlex.quote, a)) + " --json"
 
 
+def _per_case(rep: dict[str, Any], who: str, keys: Sequence[tuple[str, str]]
+              ) -> tuple[dict[str, dict[str, Stat]], dict[str, str]]:
+    """A moe report's rows by `who` (engine / variant): {who: {"metric[S=N]": Stat}} for each (report key, metric
+    name) in `keys`, and {who: why} for the skipped ones."""
+    per: dict[str, dict[str, Stat]] = {}
+    skipped: dict[str, str] = {}
+    for r in rep["cases"]:
+        if "skipped" in r:
+            skipped[r[who]] = r["skipped"]
+            continue
+        m = per.setdefault(r[who], {})
+        for key, name in keys:
+            if key in r:
+                q = r[key]
+                m[f"{name}[S={r['S']}]"] = Stat(q["median"], q["p10"], q["p90"], rep["iters"], "us")
+    return per, skipped
+
+
 _MOE_KEYS = ("model", "tokens", "engine", "iters", "warmup", "rotate", "knobs", "cuda_graph", "seed", "rest")
 
 
@@ -581,17 +599,7 @@ def run_moe(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
                           rest_s=float(a.get("rest", 0.0)))
     except (ValueError, KnobError, RuntimeError) as e:
         return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
-    per: dict[str, dict[str, Stat]] = {}
-    skipped: dict[str, str] = {}
-    for r in rep["cases"]:
-        if "skipped" in r:
-            skipped[r["engine"]] = r["skipped"]
-            continue
-        m = per.setdefault(r["engine"], {})
-        for key, name in (("eager_us", "layer_us"), ("graph_us", "graph_us")):
-            if key in r:
-                q = r[key]
-                m[f"{name}[S={r['S']}]"] = Stat(q["median"], q["p10"], q["p90"], rep["iters"], "us")
+    per, skipped = _per_case(rep, "engine", (("eager_us", "layer_us"), ("graph_us", "graph_us")))
     out = []
     for c in cases:
         eng = str(c.args.get("engine", c.name))
@@ -634,18 +642,9 @@ def run_moe_knobs(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     except (ValueError, KnobError, RuntimeError) as e:
         return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
     single = "graph_us" if rep["graph"] else "layer_us"
-    per: dict[str, dict[str, Stat]] = {}
-    skipped: dict[str, str] = {}
-    for r in rep["cases"]:
-        if "skipped" in r:
-            skipped[r["variant"]] = r["skipped"]
-            continue
-        m = per.setdefault(r["variant"], {})
-        for key, name in (("single_us", single), ("chain_us", "chain_us"), ("minus_base_us", "minus_base_us"),
-                          ("chain_minus_base_us", "chain_minus_base_us")):
-            if key in r:
-                q = r[key]
-                m[f"{name}[S={r['S']}]"] = Stat(q["median"], q["p10"], q["p90"], rep["iters"], "us")
+    per, skipped = _per_case(rep, "variant", (("single_us", single), ("chain_us", "chain_us"),
+                                              ("minus_base_us", "minus_base_us"),
+                                              ("chain_minus_base_us", "chain_minus_base_us")))
     return [CaseResult(c.name, per.get(c.name, {}), cmd, f"SKIPPED: {skipped[c.name]}" if c.name in skipped else "")
             for c in cases]
 
