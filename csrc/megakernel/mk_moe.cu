@@ -218,6 +218,10 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar)
       : "memory");
 }
+// Rows of the weight matrix a task of `kind` reads (W_gate_up: E * 2I, W_down: E * H): tma_load_2d's `rows`.
+__device__ __forceinline__ int64_t weight_rows(const MkParams& p, int kind) {
+  return kind == MK_TASK_GEMM1 ? p.E * 2 * p.I : p.E * p.H;
+}
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
 }
@@ -673,8 +677,7 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
     const int brow2 = kind == MK_TASK_GEMM1 ? brow + I : brow + TMA_BOX_ROWS;
     const bf16* a_base = (kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h) + k0;
     gemm_tile_tma<T>(acc, p, smem, bar_base(md), it, a_base, md.a_off, kind == MK_TASK_GEMM1 ? tm1 : tm2, brow, brow2,
-                     k0, Kpart, dep, cnt, need, tile == (int)p.stall_tile, tile,
-                     kind == MK_TASK_GEMM1 ? p.E * 2 * p.I : p.E * p.H);
+                     k0, Kpart, dep, cnt, need, tile == (int)p.stall_tile, tile, weight_rows(p, kind));
   } else {
     if (dep) wait_inputs(p, cnt, need, tile == (int)p.stall_tile, tile);  // (cp.async tiles: nothing streams first)
     if (kind == MK_TASK_GEMM1)
@@ -1109,7 +1112,7 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
   // wide tile: four boxes, box b at tile row 64 b from weight row wbase + wide_box_row (gate, gate, up, up
   // for GEMM1; 256 consecutive rows for GEMM2)
   const int64_t wbase = kind == MK_TASK_GEMM1 ? e * 2 * p.I : e * p.H;
-  const int64_t wrows = kind == MK_TASK_GEMM1 ? p.E * 2 * p.I : p.E * p.H;  // (MK_TILED_W's coordinates)
+  const int64_t wrows = weight_rows(p, kind);  // (MK_TILED_W's coordinates)
   for (int kt = 0; kt < KT; ++kt) {
     const uint32_t g = it + kt, slot = g % stages;
     mbar_wait(p, bars.empty + 8 * slot, ((g / stages) & 1) ^ 1, g);  // a fresh barrier passes parity 1 at once

@@ -48,9 +48,10 @@ class MegakernelConfig:
     ctas_per_sm: int = 0      # resident CTAs per SM (0 = as many as fit)
     processor_ctas: int = 0   # processor CTAs (0 = every resident CTA but the scheduler's)
     # Tokens per combine tile (each tile runs as 4 column-block tasks); 0 = auto (`combine_tile`): 2 on the bm = 16
-    # decode tile, 4 on the wide tile while the average rows per expert fit half an m-tile, 8 otherwise. Runs 145 and 147 (one process each, 20-forward
-    # chains, 4 minus 8, µs a forward): S=1024 -1.2 (p90 +1.7) and -1.6 (p10 -3.3, p90 0.0), where the combines run as a
-    # 13 µs tail after the last GEMM2 (run 148) and half-size tasks spread it better; S=4096 +9.9 (single replays +5.8).
+    # decode tile, 4 on the wide tile while the average rows per expert fit half an m-tile, 8 otherwise. Runs 145 and
+    # 147 (one process each, 20-forward chains, 4 minus 8, µs a forward): S=1024 -1.2 (p90 +1.7) and -1.6 (p10 -3.3,
+    # p90 0.0), where the combines run as a 13 µs tail after the last GEMM2 (run 148) and half-size tasks spread it
+    # better; S=4096 +9.9 (single replays +5.8).
     # Run 149 (auto, 8 minus auto): S=1024 +1.7 (p10 +0.6, p90 +2.8), 512 +0.7, 256 0.0. Run 151 (the decode tile,
     # then 8; chains, minus 8): 2 tokens S=16 -2.8 (p10 -3.2, p90 -2.0), S=128 -3.2 (-3.9, -2.5); 4 tokens -1.6 / -0.9:
     # its COMBINEs wait inside for their rows (publish_all), so smaller ones finish sooner after the last GEMM2.
