@@ -124,6 +124,11 @@ class MoELayer(nn.Module):
         self.engine_knobs: Knobs | None = None  # the knob set the megakernel runs with
         self.engine_resolution: Any = None  # the autoload Resolution when the megakernel profile was looked up
         self.megakernel: Any = None
+        # True while the expert weights hold the megakernel's k-tiled layout (runtime/megakernel/weights.py): the
+        # parameters keep their shapes, and state_dict / load_state_dict speak the row-major layout either way
+        self.weights_tiled = False
+        self.register_state_dict_post_hook(_state_dict_row_major)
+        self.register_load_state_dict_pre_hook(_load_state_dict_tiled)
         self._setup_engine(engine, knobs, max_tokens)
 
     # -- engine ------------------------------------------------------------------------------------------
@@ -163,14 +168,22 @@ class MoELayer(nn.Module):
             why = _engine.megakernel_problem(self.device, self.dtype, self.model)
         if why is None:
             from moetune.runtime.megakernel.config import MegakernelConfig
+            from moetune.runtime.megakernel.weights import tile_, untile_
 
+            # the megakernel reads the expert weights k-tiled: this layer's parameters become that layout in place
+            # (no second copy of the weights); state_dict / load_state_dict convert (the hooks in __init__)
+            tile_(self.w_gate_up.data)
+            tile_(self.w_down.data)
             try:
                 self.megakernel = _engine.build_megakernel(
                     self.model, max_tokens=max(1, max_tokens), device=self.device, seed=self.seed,
                     config=MegakernelConfig.from_knobs(wanted, self.buffer.options),
-                    w_gate_up=self.w_gate_up.data, w_down=self.w_down.data, gate=self.gate.data)
+                    w_gate_up=self.w_gate_up.data, w_down=self.w_down.data, gate=self.gate.data, tiled=True)
+                self.weights_tiled = True
             except (RuntimeError, ValueError, OSError) as e:  # build/load errors, a setting that does not fit
                 why = f"{type(e).__name__}: {e}"
+                untile_(self.w_gate_up.data)  # the unfused path reads them row-major
+                untile_(self.w_down.data)
         if why is not None:
             self.engine_note = why
             if engine == "megakernel":
@@ -295,6 +308,31 @@ class MoELayer(nn.Module):
             return self.forward_routed(x, idx, torch.zeros(s, self.model.topk, device=self.device))
         idx, w = self.route(x)
         return self.forward_routed(x, idx, w)
+
+
+_TILED = ("w_gate_up", "w_down")
+
+
+def _state_dict_row_major(module: MoELayer, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+    """state_dict post-hook: the expert weights row-major (copies) where the layer holds them k-tiled."""
+    if module.weights_tiled:
+        from moetune.runtime.megakernel.weights import from_tiled
+
+        for name in _TILED:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = from_tiled(state_dict[prefix + name])
+
+
+def _load_state_dict_tiled(module: MoELayer, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """load_state_dict pre-hook: row-major expert weights into the k-tiled layout where the layer holds that
+    (a wrong shape is left for load_state_dict to report)."""
+    if module.weights_tiled:
+        from moetune.runtime.megakernel.weights import to_tiled
+
+        for name in _TILED:
+            v = state_dict.get(prefix + name)
+            if isinstance(v, torch.Tensor) and v.shape == getattr(module, name).shape:
+                state_dict[prefix + name] = to_tiled(v)
 
 
 @torch.no_grad()

@@ -973,7 +973,7 @@ def test_pdl_setting_and_source() -> None:
     assert dcode.count("ld_weights(") == 5 and dcode.count("ld.global.nc") == 2
     # the only loads before pdl_enter are gate weights (no kernel before writes them)
     assert "p.x" not in body[:body.index("pdl_enter(p);")] and "ld_weights(g + v" in body[:body.index("pdl_enter(p);")]
-    assert all("ld_weights(g + v" in ln or "ld_weights(u + v" in ln or "uint4 ld_weights(" in ln
+    assert all(any(f"ld_weights({w} + {i}" in ln for w in "gu" for i in "vo") or "uint4 ld_weights(" in ln
                for ln in dcode.splitlines() if "ld_weights(" in ln)
 
 
@@ -1096,3 +1096,32 @@ def test_timeline_costs_by_m_tile_rows():
     small = [task(0, 1, 1.0, rows=64), task(1, 1, 5.0, rows=64), task(2, 1, 8.0, rows=20)]
     out = mod.fill_lines({"grid": 2, "bm": 64, "tasks": small}, mod.steady_of(small))
     assert out == ["  gemm1    by m-tile rows: 17-63 rows: 1 p50 3.0 us, 3.0 us/CTA (43%); full: 1 p50 4.0 us, 4.0 us/CTA (57%)"]
+
+
+# ---- the k-tiled weight layout (runtime/megakernel/weights.py; mk_api.h ABI 18) ------------------------------
+def test_k_tiled_weights_layout_round_trip_and_in_place():
+    import torch
+
+    from moetune.runtime.megakernel.weights import from_tiled, tile_, to_tiled, untile_
+
+    e, n, k = 3, 10, 192  # rows = 30, three k planes
+    w = torch.arange(e * n * k, dtype=torch.float32).view(e, n, k)
+    t = to_tiled(w)
+    assert t.shape == w.shape and t.is_contiguous() and not torch.equal(t, w)
+    flat, rows = t.view(-1), e * n
+    for row, kk in ((0, 0), (7, 63), (13, 64), (29, 191), (17, 130)):
+        # the kernels' addressing: element (row, k) at ((k / 64) * rows + row) * 64 + k % 64; a 16-byte chunk v (8
+        # bf16) of row R at ((v / 8) * rows + R) * 8 + v % 8 in chunks (the decode kernel's W_gate_up loads)
+        assert flat[((kk // 64) * rows + row) * 64 + kk % 64] == w.view(rows, k)[row, kk]
+        v = kk // 8
+        assert flat[(((v >> 3) * rows + row) * 8 + (v & 7)) * 8 + kk % 8] == w.view(rows, k)[row, kk]
+    # a 64 x 64 box (rows r0.. of plane p) is contiguous: what one TMA box / one bulk copy reads
+    box = flat[(1 * rows + 4) * 64:(1 * rows + 4 + 16) * 64].view(16, 64)
+    assert torch.equal(box, w.view(rows, k)[4:20, 64:128])
+    assert torch.equal(from_tiled(t), w)
+    u = w.clone()
+    assert tile_(u) is u and torch.equal(u, t) and torch.equal(untile_(u), w)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        to_tiled(torch.zeros(2, 4, 100))
+    with pytest.raises(ValueError, match="contiguous"):
+        tile_(torch.zeros(4, 128).t())

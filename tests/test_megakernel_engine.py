@@ -149,12 +149,20 @@ def test_auto_engine_on_cpu_is_unfused_silently() -> None:
 
 
 class FakeMegakernel:
-    """Stands in for MegakernelMoE on CPU: records what it was built with; forward is the unfused math."""
+    """Stands in for MegakernelMoE on CPU: records what it was built with; forward is the unfused math on the
+    row-major form of the k-tiled weights it was handed (`layer`: an unfused layer holding those)."""
 
     built: ClassVar[list[FakeMegakernel]] = []
 
     def __init__(self, model: Any, **kw: Any):
+        from moetune.runtime.megakernel.weights import from_tiled
+
         self.model, self.kw, self.calls = model, kw, 0
+        self.layer = MoELayer(model, None, Knobs(), max_tokens=kw["max_tokens"], device=kw["device"],
+                              dtype=kw["w_gate_up"].dtype, seed=kw["seed"], engine="unfused")
+        assert kw["tiled"] is True  # MoELayer hands its parameters over k-tiled
+        self.layer.w_gate_up.data.copy_(from_tiled(kw["w_gate_up"]))
+        self.layer.w_down.data.copy_(from_tiled(kw["w_down"]))
         FakeMegakernel.built.append(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +190,6 @@ def test_megakernel_engine_runs_the_same_weights(fake_mk) -> None:
                      buffer=None)
     assert layer.engine == "megakernel" and layer.engine_knobs == knobs
     mk = fake_mk.built[-1]
-    mk.layer = layer
     cfg = mk.kw["config"]
     assert (cfg.bm, cfg.stages, cfg.timeout_ms) == (16, 3, layer.buffer.options.megakernel_timeout_s * 1000)
     assert mk.kw["w_gate_up"].data_ptr() == layer.w_gate_up.data_ptr()  # shared, not copied
@@ -196,6 +203,15 @@ def test_megakernel_engine_runs_the_same_weights(fake_mk) -> None:
     idx, w = layer.route(x)
     layer.forward_routed(x, idx, w)
     assert mk.calls == 2
+    # the parameters hold the megakernel's k-tiled layout; state_dict and load_state_dict speak row-major
+    assert layer.weights_tiled and not torch.equal(layer.w_gate_up, ref.w_gate_up)
+    sd = layer.state_dict()
+    assert torch.equal(sd["w_gate_up"], ref.w_gate_up) and torch.equal(sd["w_down"], ref.w_down)
+    assert torch.equal(ref.state_dict()["w_gate_up"], ref.w_gate_up)  # an unfused layer's stays as it is
+    new = {k: (v * 2 if k in ("w_gate_up", "w_down") else v) for k, v in sd.items()}
+    layer.load_state_dict(new)
+    assert torch.equal(layer.state_dict()["w_gate_up"], ref.w_gate_up * 2)
+    assert torch.equal(layer.w_gate_up.data, mk.kw["w_gate_up"])  # the same storage the megakernel reads
 
 
 def test_engine_unfused_argument_wins(fake_mk) -> None:
@@ -344,6 +360,10 @@ def test_gpu_layer_engines_agree_and_capture() -> None:
     for s in (1, 7, 128):
         x = torch.randn(s, model.hidden, device="cuda").to(torch.bfloat16)
         assert max_rel_err(mk(x), un(x)) <= 1e-2
+    # the megakernel layer holds its expert weights k-tiled in place; its state_dict is the unfused layer's
+    sd, ref = mk.state_dict(), un.state_dict()
+    assert mk.weights_tiled and not un.weights_tiled
+    assert all(torch.equal(sd[k], ref[k]) for k in ("w_gate_up", "w_down", "gate"))
     x = torch.randn(128, model.hidden, device="cuda").to(torch.bfloat16)
     want = mk(x).clone()
     g = torch.cuda.CUDAGraph()

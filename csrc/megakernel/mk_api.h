@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 17
+#define MK_ABI_VERSION 18
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -60,8 +60,10 @@ typedef struct MkParams {
   // layer inputs (bf16, contiguous)
   const void* x;       // [S, H]
   const void* wg;      // [E, H]   gate
-  const void* w1;      // [E, 2I, H] first I rows gate, last I rows up
-  const void* w2;      // [E, H, I]
+  // ABI 18: the expert weights are k-tiled: W [K / 64][rows][64], element (row, k) at ((k / 64) * rows + row) * 64 + k % 64
+  // (rows = E * 2I, K = H for w1; rows = E * H, K = I for w2; runtime/megakernel/weights.py converts)
+  const void* w1;      // [E, 2I, H] first I rows gate, last I rows up, k-tiled
+  const void* w2;      // [E, H, I], k-tiled
   void* out;           // [S, H]
   // routing results / scratch
   float* logits;       // [logit_splits_max, S, E] fp32 partial gate logits (split over H)

@@ -271,16 +271,25 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   dec_stamp(p, DEC_TR_ROUTED);
   const int64_t P = (int64_t)slots * I;
   const int64_t q0 = P * blockIdx.x / gridDim.x, q1 = P * (blockIdx.x + 1) / gridDim.x;
-  // 1. this CTA's rows of W_down for every slot, in flight while phase 2 streams the up projection
-  if (tid == 0 && nr > 0) {
-    const uint32_t each = (uint32_t)nr * I * 2;
-    uint32_t bytes = 0;
-    MK_ONCE for (int s = 0; s < slots; ++s) bytes += s_e[s] >= 0 && !(MK_DEC_PROBE & 1) ? each : 0;
-    mbar_arrive_tx(bar, bytes);
-    MK_ONCE for (int s = 0; s < slots; ++s)
+  // 1. this CTA's rows of W_down for every slot, in flight while phase 2 streams the up projection. W_down is
+  // k-tiled ([I / 64][E * H][64], mk_api.h): rows r0.. of plane kt are one contiguous run of nr x 128 bytes, copied to
+  // plane kt of the slot's [I / 64][d.rows][64] in shared memory; warp 0's lanes share the slots x I / 64 copies
+  // (lane 0 sets the byte count first).
+  const int KP = I / 64;  // k planes
+  if (warp == 0 && nr > 0) {
+    if (lane == 0) {
+      uint32_t bytes = 0;
+      MK_ONCE for (int s = 0; s < slots; ++s) bytes += s_e[s] >= 0 && !(MK_DEC_PROBE & 1) ? (uint32_t)nr * I * 2 : 0;
+      mbar_arrive_tx(bar, bytes);
+    }
+    __syncwarp();
+    MK_ONCE for (int c = lane; c < slots * KP; c += 32) {
+      const int s = c / KP, kt = c % KP;
       if (s_e[s] >= 0 && !(MK_DEC_PROBE & 1))
-        bulk_load(su32(w2s) + (uint32_t)s * d.rows * I * 2, (const bf16*)p.w2 + ((int64_t)s_e[s] * H + r0) * I, each,
-                  bar, ev, pol);
+        bulk_load(su32(w2s) + (uint32_t)(s * d.rows * I + kt * d.rows * 64) * 2,
+                  (const bf16*)p.w2 + ((int64_t)kt * E * H + (int64_t)s_e[s] * H + r0) * 64, (uint32_t)nr * 128, bar,
+                  ev, pol);
+    }
   }
   dec_stamp(p, DEC_TR_P1);
   // 2. (gate, up) row pairs [q0, q1) of the S*K*I, one warp per pair. Thread 0's copy instructions return only as
@@ -294,8 +303,10 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     const int64_t q = q0 + i2;
     const int s = (int)(q / I), j = (int)(q % I), e = s_e[s];
     if (e < 0) continue;
-    const uint4* g = (const uint4*)((const bf16*)p.w1 + ((int64_t)e * 2 * I + j) * H);
-    const uint4* u = g + (int64_t)I * HV;  // the up row: I rows further
+    // W_gate_up is k-tiled ([H / 64][E * 2I][64]): 16-byte chunk v of row R at ((v / 8) * E * 2I + R) * 8 + v % 8
+    const uint4* g = (const uint4*)p.w1 + ((int64_t)e * 2 * I + j) * 8;
+    const uint4* u = g + (int64_t)I * 8;  // the up row: I rows further
+    const int64_t plane = (int64_t)E * 2 * I * 8;  // chunks between k planes
     const uint4* xv = (const uint4*)(xs + (int64_t)(s / K) * H);
     float ag = 0.f, au = 0.f;
     MK_ONCE for (int v0 = 0; v0 < HV; v0 += 32 * DEC_VEC) {
@@ -303,8 +314,9 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
 #pragma unroll
       for (int i = 0; i < DEC_VEC; ++i) {  // every load issued before the first product
         const int v = v0 + lane + 32 * i;
-        a[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(g + v, ev, pol) : make_uint4(0, 0, 0, 0);
-        b[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(u + v, ev, pol) : make_uint4(0, 0, 0, 0);
+        const int64_t o = (v >> 3) * plane + (v & 7);
+        a[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(g + o, ev, pol) : make_uint4(0, 0, 0, 0);
+        b[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(u + o, ev, pol) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int i = 0; i < DEC_VEC; ++i) {
@@ -373,7 +385,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
       MK_ONCE for (int v = lane; v < KV; v += 32) {  // rows past nr reread the last; their sums are dropped
         uint4 w[8];
 #pragma unroll
-        for (int r = 0; r < 8; ++r) w[r] = wr[(int64_t)min(rb + r, nr - 1) * KV + v];
+        for (int r = 0; r < 8; ++r) w[r] = wr[((v >> 3) * d.rows + min(rb + r, nr - 1)) * 8 + (v & 7)];  // k planes
         float hf[8];
         widen8(hf, hv[v]);
 #pragma unroll

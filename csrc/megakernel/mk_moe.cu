@@ -191,18 +191,14 @@ __device__ __forceinline__ uint64_t l2_evict_last_policy() {
 // dst; its bytes count down the transaction count of the mbarrier `bar`. Only weight tiles come this way.
 // evict_first (MkParams.l2_evict_w): with the L2 evict-first policy, for launches that read each expert's weights
 // about once; the activations (x, h, y) and the gate then stay in the L2 longer.
-// Measurement build MK_TILED_W=1: the weights' tensor maps address a k-tiled copy [cols / 64][rows][64] (made once
-// per weight matrix by the host, `tiled_weights`), so each 64 x 64 box is 8 KB of contiguous DRAM instead of 64
-// rows of 128 bytes a row pitch apart; the box lands in shared memory exactly as before. `rows` = the matrix's rows.
-#ifndef MK_TILED_W
-#define MK_TILED_W 0
-#endif
+// The weights are k-tiled (mk_api.h: W [K / 64][rows][64]), so weight (row y, k element x) is row (x / 64) * rows + y
+// of the map's [K / 64 * rows, 64] matrix: each 64 x 64 box is 8 KB of contiguous DRAM instead of 64 rows of 128
+// bytes a row pitch apart (run 158: S=16 8.7, 128 10.0, 1024 8.1 µs a forward faster), and lands in shared memory
+// exactly as a row-major box did. `rows` = the weight matrix's rows (E * 2I or E * H).
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar,
-                                            bool evict_first, int64_t rows = 0) {
-  if constexpr (MK_TILED_W != 0) {
-    y = (int)((x / BK) * rows + y);
-    x = 0;
-  }
+                                            bool evict_first, int64_t rows) {
+  y = (int)((x / BK) * rows + y);
+  x = 0;
   if (evict_first) {
     const uint64_t pol = l2_evict_first_policy();
     asm volatile(
@@ -312,9 +308,11 @@ __device__ __forceinline__ void wait_inputs(const MkParams& p, const int32_t* cn
 // weights in flight per CTA: what decode sizes, bound by reading the weights, need).
 using bf16 = __nv_bfloat16;
 
+// b_rows = 0: B row-major (b_off[n] = row * K, the routing gate); else k-tiled weights of b_rows rows (b_off[n] =
+// row * 64, each k-step b_rows * 64 elements further).
 template <class T>
 __device__ __forceinline__ void load_stage(char* smem, int stages, int kt, const bf16* a_base, const int64_t* a_off,
-                                           const bf16* b_base, const int64_t* b_off) {
+                                           const bf16* b_base, const int64_t* b_off, int64_t b_rows) {
   const int tid = threadIdx.x;
   char* sA = smem + (kt % stages) * T::STAGE;
   char* sB = sA + T::A_BYTES;
@@ -328,8 +326,8 @@ __device__ __forceinline__ void load_stage(char* smem, int stages, int kt, const
 #pragma unroll
   for (int c = tid; c < BN * 8; c += T::THREADS) {
     const int r = c >> 3, ch = c & 7;
-    const int64_t off = b_off[r];
-    cp_async16(su32(sB + (r * 8 + (ch ^ (r & 7))) * 16), b_base + (off < 0 ? 0 : off) + k0 + ch * 8, off < 0 ? 0 : 16);
+    const int64_t off = b_off[r], kb = b_rows ? (int64_t)kt * b_rows * BK : k0;
+    cp_async16(su32(sB + (r * 8 + (ch ^ (r & 7))) * 16), b_base + (off < 0 ? 0 : off) + kb + ch * 8, off < 0 ? 0 : 16);
   }
 }
 
@@ -371,7 +369,8 @@ __device__ __forceinline__ void mma_stage(float (&acc)[T::MT][T::NT][4], const c
 
 template <class T>
 __device__ __forceinline__ void gemm_tile(float (&acc)[T::MT][T::NT][4], char* smem, int stages, const bf16* a_base,
-                                          const int64_t* a_off, const bf16* b_base, const int64_t* b_off, int K) {
+                                          const int64_t* a_off, const bf16* b_base, const int64_t* b_off, int K,
+                                          int64_t b_rows = 0) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
 #pragma unroll
@@ -386,7 +385,7 @@ __device__ __forceinline__ void gemm_tile(float (&acc)[T::MT][T::NT][4], char* s
                        // (One loop with KT or stages - 1 k-steps ahead does the same loads but ran k_route 0.5-0.6 µs
                        // and k_logits 0.4 µs slower, run 120.)
     for (int s = 0; s < KT; ++s) {
-      load_stage<T>(smem, stages, s, a_base, a_off, b_base, b_off);
+      load_stage<T>(smem, stages, s, a_base, a_off, b_base, b_off, b_rows);
       cp_commit();
     }
     for (int kt = 0; kt < KT; ++kt) {
@@ -399,13 +398,13 @@ __device__ __forceinline__ void gemm_tile(float (&acc)[T::MT][T::NT][4], char* s
     return;
   }
   for (int s = 0; s < stages - 1; ++s) {
-    if (s < KT) load_stage<T>(smem, stages, s, a_base, a_off, b_base, b_off);
+    if (s < KT) load_stage<T>(smem, stages, s, a_base, a_off, b_base, b_off, b_rows);
     cp_commit();
   }
   for (int kt = 0; kt < KT; ++kt) {
     cp_wait(stages - 2);
     __syncthreads();  // tile kt landed for every thread; slot (kt-1) % stages is free again
-    if (kt + stages - 1 < KT) load_stage<T>(smem, stages, kt + stages - 1, a_base, a_off, b_base, b_off);
+    if (kt + stages - 1 < KT) load_stage<T>(smem, stages, kt + stages - 1, a_base, a_off, b_base, b_off, b_rows);
     cp_commit();
     const char* sA = smem + (kt % stages) * T::STAGE;
     mma_stage<T>(acc, sA, sA + T::A_BYTES, wm, wn, lane);
@@ -530,14 +529,14 @@ __device__ __forceinline__ void fill_meta_part(const MkParams& p, const Meta& md
   }
   for (int n = tid; n < T::BNT; n += stride) {
     if constexpr (T::NBLK == 2) {  // the wide tile: gate rows stacked over up rows (mk_index.h: wide_gemm1_row)
-      md.b_off[n] = kind == MK_TASK_GEMM1 ? ((int64_t)e * 2 * I + mkidx::wide_gemm1_row(nb, n, I)) * H
-                                          : ((int64_t)e * H + mkidx::wide_gemm2_row(nb, n)) * I;
+      md.b_off[n] = kind == MK_TASK_GEMM1 ? ((int64_t)e * 2 * I + mkidx::wide_gemm1_row(nb, n, I)) * BK
+                                          : ((int64_t)e * H + mkidx::wide_gemm2_row(nb, n)) * BK;
     } else if (kind == MK_TASK_GEMM1) {
       const int q = n >> 1;
       const int64_t row = (n & 1) ? (int64_t)I + nb * 64 + q : (int64_t)nb * 64 + q;
-      md.b_off[n] = ((int64_t)e * 2 * I + row) * H;
+      md.b_off[n] = ((int64_t)e * 2 * I + row) * BK;  // (k-tiled weights: the row's first 64 k)
     } else {
-      md.b_off[n] = ((int64_t)e * H + nb * BN + n) * I;
+      md.b_off[n] = ((int64_t)e * H + nb * BN + n) * BK;
     }
   }
 }
@@ -680,10 +679,10 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
                      k0, Kpart, dep, cnt, need, tile == (int)p.stall_tile, tile, weight_rows(p, kind));
   } else {
     if (dep) wait_inputs(p, cnt, need, tile == (int)p.stall_tile, tile);  // (cp.async tiles: nothing streams first)
-    if (kind == MK_TASK_GEMM1)
-      gemm_tile<T>(acc, smem, stages, (const bf16*)p.x + k0, md.a_off, (const bf16*)p.w1 + k0, md.b_off, Kpart);
-    else
-      gemm_tile<T>(acc, smem, stages, (const bf16*)p.h + k0, md.a_off, (const bf16*)p.w2 + k0, md.b_off, Kpart);
+    const int64_t rows = weight_rows(p, kind);  // k-tiled: k0 is k0 / 64 planes in
+    const bf16* w = (kind == MK_TASK_GEMM1 ? (const bf16*)p.w1 : (const bf16*)p.w2) + (int64_t)(k0 / BK) * rows * BK;
+    gemm_tile<T>(acc, smem, stages, (kind == MK_TASK_GEMM1 ? (const bf16*)p.x : (const bf16*)p.h) + k0, md.a_off, w,
+                 md.b_off, Kpart, rows);
   }
 
   if (tid == 0) tr_slot(p, qi, MK_TR_MAIN, (int64_t)gtime());  // qi: thread 0's queue slot (timeline)
@@ -1112,7 +1111,7 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
   // wide tile: four boxes, box b at tile row 64 b from weight row wbase + wide_box_row (gate, gate, up, up
   // for GEMM1; 256 consecutive rows for GEMM2)
   const int64_t wbase = kind == MK_TASK_GEMM1 ? e * 2 * p.I : e * p.H;
-  const int64_t wrows = weight_rows(p, kind);  // (MK_TILED_W's coordinates)
+  const int64_t wrows = weight_rows(p, kind);  // the k-tiled weights' rows
   for (int kt = 0; kt < KT; ++kt) {
     const uint32_t g = it + kt, slot = g % stages;
     mbar_wait(p, bars.empty + 8 * slot, ((g / stages) & 1) ^ 1, g);  // a fresh barrier passes parity 1 at once
@@ -1143,8 +1142,8 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
       }
       if constexpr (!T::TMA) {
 #pragma unroll
-        for (int q = 0; q < T::BNT / 16; ++q)
-          cp_async16(sB + mkidx::swz_off(r0 + 16 * q, ch * 8), bsrc[q] + kt * BK, 16);
+        for (int q = 0; q < T::BNT / 16; ++q)  // k-tiled weights: k-step kt is kt planes of wrows x 64 further
+          cp_async16(sB + mkidx::swz_off(r0 + 16 * q, ch * 8), bsrc[q] + (int64_t)kt * wrows * BK, 16);
       }
     }
     cp_arrive_noinc(bars.full + 8 * slot);  // this thread's arrival on full[s], made when its copies have landed
@@ -2504,7 +2503,7 @@ struct MapEntry {
 // side by side, chains of 20 forwards, S=1024 -3.8 µs a forward, S=16 -2.9 (run 155), S=128 +1.0; where they load with
 // the default policy (m-tiles of one expert re-read them) it pays: S=2048 +4.2 with 128 B (run 156). So: 128 B for
 // evict-first launches, 256 B otherwise; a host-side choice of map, nothing in the kernel. (A k-tiled copy of the
-// weights, each box 8 KB contiguous, `MK_TILED_W`, gave S=1024 -6.1 at twice the weights' memory, run 155.)
+// weights, each box 8 KB contiguous, gave S=1024 -6.1 at twice the weights' memory in run 155: the layout since ABI 18.)
 #ifndef MK_W_PROMO
 #define MK_W_PROMO -1
 #endif
@@ -2543,41 +2542,6 @@ int weight_map(const void* ptr, uint64_t rows, uint64_t cols, CUtensorMapL2promo
   return 0;
 }
 
-#if MK_TILED_W
-// MK_TILED_W: w [rows, cols] -> [cols / 64][rows][64] (16-byte chunks), one copy per matrix kept for the process
-// (a measurement build: twice the weights' memory). Made on the first eager launch; a capture finds it cached.
-__global__ void k_tile_w(const uint4* src, uint4* dst, int64_t rows, int64_t cols) {
-  const int64_t cc = cols / 8, n = rows * cc;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = i / cc, c = i % cc;
-    dst[((c / 8) * rows + r) * 8 + c % 8] = src[i];
-  }
-}
-const void* tiled_weights(const void* w, uint64_t rows, uint64_t cols, cudaStream_t s) {
-  static std::mutex mu;
-  static const void* keys[8];
-  static void* vals[8];
-  static int used = 0;
-  std::lock_guard<std::mutex> lock(mu);
-  for (int i = 0; i < used; ++i)
-    if (keys[i] == w) return vals[i];
-  cudaStreamCaptureStatus cs;
-  if (used == 8 || cols % BK || cudaStreamIsCapturing(s, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone) {
-    fail_msg("mk: MK_TILED_W: no tiled copy (capturing before an eager launch, more than 8 matrices, or cols % 64)");
-    return nullptr;
-  }
-  void* d = nullptr;
-  if (cudaMalloc(&d, rows * cols * 2) != cudaSuccess) {
-    fail_msg("mk: MK_TILED_W: cudaMalloc of the tiled copy failed");
-    return nullptr;
-  }
-  k_tile_w<<<1024, 256, 0, s>>>((const uint4*)w, (uint4*)d, (int64_t)rows, (int64_t)cols);
-  cudaStreamSynchronize(s);
-  keys[used] = w;
-  vals[used++] = d;
-  return d;
-}
-#endif
 
 // Launch `kernel` on s in thread-block clusters of `cluster` (1 x 1 x 1: none); pdl: with programmatic stream
 // serialization, so it may start before the kernel ahead of it in the stream ends (it must griddep_wait before reading
@@ -2705,21 +2669,11 @@ int launch_experts(const MkParams* p, cudaStream_t s) {
   CUtensorMap tm1, tm2;
   memset(&tm1, 0, sizeof tm1);
   memset(&tm2, 0, sizeof tm2);
-#if MK_TILED_W
-  if constexpr (T::TMA) {
+  if constexpr (T::TMA) {  // the k-tiled weights as [K / 64 * rows, 64] matrices (tma_load_2d's coordinates)
     const uint64_t r1 = (uint64_t)(p->E * 2 * p->I), r2 = (uint64_t)(p->E * p->H);
-    const void* t1 = tiled_weights(p->w1, r1, (uint64_t)p->H, s);
-    const void* t2 = t1 ? tiled_weights(p->w2, r2, (uint64_t)p->I, s) : nullptr;
-    if (!t2) return 1;
-    if (weight_map(t1, r1 * (uint64_t)(p->H / BK), BK, w_promotion(p), &tm1)) return 1;
-    if (weight_map(t2, r2 * (uint64_t)(p->I / BK), BK, w_promotion(p), &tm2)) return 1;
+    if (weight_map(p->w1, r1 * (uint64_t)(p->H / BK), BK, w_promotion(p), &tm1)) return 1;
+    if (weight_map(p->w2, r2 * (uint64_t)(p->I / BK), BK, w_promotion(p), &tm2)) return 1;
   }
-#else
-  if constexpr (T::TMA) {
-    if (weight_map(p->w1, (uint64_t)(p->E * 2 * p->I), (uint64_t)p->H, w_promotion(p), &tm1)) return 1;
-    if (weight_map(p->w2, (uint64_t)(p->E * p->H), (uint64_t)p->I, w_promotion(p), &tm2)) return 1;
-  }
-#endif
   bool launched = false;
   cudaError_t e = cudaSuccess;
   MkParams q = *p;  // tail rows: the overlap kernel's tail tile only (the other launches' m-tiles hold bm rows)

@@ -23,7 +23,7 @@ from pathlib import Path
 from .. import csrc_build as _cb
 from .decode import MAX_SLOTS as _DEC_MAX_SLOTS
 
-ABI_VERSION = 17
+ABI_VERSION = 18
 COUNT_STRIDE = 32  # MK_COUNT_STRIDE: int32 words per expert counter in MkParams.counts
 CTL_WORDS = 8  # MK_CTL_WORDS: int32 words of MkParams.ctl
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task

@@ -21,6 +21,7 @@ import torch
 from . import _lib
 from .config import ConfigError, MegakernelConfig
 from .schedule import tile_end
+from .weights import from_tiled, to_tiled
 
 BN = 128
 ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor timed out waiting for a queue slot",
@@ -42,11 +43,14 @@ class MegakernelMoE:
         max_tokens: the largest S that `forward` takes (sizes the scratch buffers).
         config: tile sizes, pipeline depth, CTAs, timeout (`MegakernelConfig`).
         w_gate_up [E, 2I, H], w_down [E, H, I], gate [E, H]: bf16 weights; built from `seed` when omitted.
+            The layer holds the expert weights k-tiled (`weights.py`): row-major ones are copied into that layout
+            (the caller's tensors stay as they are); with `tiled=True` they are already k-tiled and used as they
+            are (shared, not copied: what `MoELayer` does with its own parameters).
     """
 
     def __init__(self, model: Any, *, max_tokens: int, device: torch.device | str | None = None, seed: int = 0,
                  config: MegakernelConfig | None = None, w_gate_up: torch.Tensor | None = None,
-                 w_down: torch.Tensor | None = None, gate: torch.Tensor | None = None):
+                 w_down: torch.Tensor | None = None, gate: torch.Tensor | None = None, tiled: bool = False):
         self.model = model
         self.config = (config or MegakernelConfig()).resolve(model.hidden, model.intermediate)  # bn auto -> 128/256
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
@@ -65,12 +69,18 @@ class MegakernelMoE:
             w_gate_up = torch.stack(w1s)
             w_down = torch.stack(w2s)
             gate = gate_weight(model, seed=seed, device=self.device, dtype=bf)
+            tiled = False
         for name, t, shape in (("w_gate_up", w_gate_up, (e, 2 * i, h)), ("w_down", w_down, (e, h, i)),
                                ("gate", gate, (e, h))):
             if tuple(t.shape) != shape or t.dtype != bf or t.device != self.device:
                 raise ValueError(f"megakernel: {name} must be bf16 {shape} on {self.device}, got "
                                  f"{t.dtype} {tuple(t.shape)} on {t.device}")
-        self.w_gate_up, self.w_down, self.gate = w_gate_up.contiguous(), w_down.contiguous(), gate.contiguous()
+        if tiled and not (w_gate_up.is_contiguous() and w_down.is_contiguous()):
+            raise ValueError("megakernel: k-tiled weights (tiled=True) must be contiguous")
+        # the expert weights as the kernels read them: k-tiled, shapes unchanged
+        self.w1t = w_gate_up if tiled else to_tiled(w_gate_up)
+        self.w2t = w_down if tiled else to_tiled(w_down)
+        self.gate = gate.contiguous()
         cfg = self.config
         if cfg.bn == 256 and (h % 256 or (2 * i) % 256):
             raise ConfigError(f"megakernel config: bn=256 needs hidden and 2 x intermediate to be multiples of 256, "
@@ -178,7 +188,7 @@ class MegakernelMoE:
             for name in ("logits", "topk_idx", "topk_w", "counts", "lists", "h", "y", "ctl", "g1done", "comb", "rel",
                          "tile_base", "q_task", "q_flag", "err", "sk_part", "sk_cnt", "dec_cnt"):
                 setattr(p, name, getattr(self, name).data_ptr())
-            p.wg, p.w1, p.w2 = self.gate.data_ptr(), self.w_gate_up.data_ptr(), self.w_down.data_ptr()
+            p.wg, p.w1, p.w2 = self.gate.data_ptr(), self.w1t.data_ptr(), self.w2t.data_ptr()
             p.S_cap, p.H, p.I, p.E, p.K = self.max_tokens, m.hidden, m.intermediate, m.experts, m.topk
             p.bm, p.stages = bm, stages
             p.q_cap, p.max_tiles, p.max_ctiles = self.q_cap, self.max_tiles, self.max_ctiles
@@ -343,6 +353,16 @@ class MegakernelMoE:
         if rec[0] == 0:
             return None
         return rec[0], ERR_NAMES.get(rec[0], "unknown error"), rec
+
+    @property
+    def w_gate_up(self) -> torch.Tensor:
+        """The gate/up weights [E, 2I, H] row-major: a new tensor each call (the layer holds them k-tiled)."""
+        return from_tiled(self.w1t)
+
+    @property
+    def w_down(self) -> torch.Tensor:
+        """The down weights [E, H, I] row-major: a new tensor each call (the layer holds them k-tiled)."""
+        return from_tiled(self.w2t)
 
     def check(self) -> None:
         """Raise MegakernelError if the kernel reported an error (a host sync)."""
