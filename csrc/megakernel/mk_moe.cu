@@ -1681,7 +1681,8 @@ __device__ void scheduler(const MkParams& p, char* smem, int epoch) {
 template <class T>
 __global__ void __launch_bounds__(T::THREADS, T::MINB)
     k_experts(const MkParams p, const __grid_constant__ CUtensorMap tm1, const __grid_constant__ CUtensorMap tm2) {
-  // tm1 / tm2: W_gate_up as [E*2I, H] and W_down as [E*H, I] (bf16, 64 x 64 boxes, 128-byte swizzle); read
+  // tm1 / tm2: the k-tiled W_gate_up as [H/64 * E*2I, 64] and W_down as [I/64 * E*H, 64] (bf16, 64 x 64 boxes,
+  // 128-byte swizzle; tma_load_2d maps (k, row) to them); read
   // only by TMA tiles (T::TMA), zeros otherwise
   extern __shared__ __align__(128) char smem_raw[];
   __shared__ uint64_t s_task;
