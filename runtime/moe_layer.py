@@ -81,6 +81,8 @@ class MoELayer(nn.Module):
     `engine`: None (the knobs' `engine`; without knobs, at world 1, the `megakernel` profile's), `"unfused"`
     or `"megakernel"` (world 1 only; raises `MegakernelUnavailable` where it cannot run). After construction
     `self.engine` says which engine runs and `self.engine_note` why, when it is not the one asked for.
+    With the megakernel, `w_gate_up` / `w_down` hold its k-tiled layout in place (`weights_tiled`; shapes unchanged,
+    runtime/megakernel/weights.py): `state_dict` and `load_state_dict` convert, so checkpoints stay row-major.
     """
 
     def __init__(
