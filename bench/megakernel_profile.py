@@ -315,7 +315,7 @@ def vs_configs(mk, tokens: int, configs: dict[str, str], **kw: int) -> None:
     layers = {"this": mk}
     for name, text in configs.items():
         layers[name] = MegakernelMoE(mk.model, max_tokens=tokens, config=MegakernelConfig.parse(text),
-                                     w_gate_up=mk.w_gate_up, w_down=mk.w_down, gate=mk.gate)
+                                     w_gate_up=mk.w1t, w_down=mk.w2t, gate=mk.gate, tiled=True)
     side_by_side(tokens, mk.model.hidden, list(layers), lambda name, fn: fn(layers[name].forward),
                  {"configs": configs}, **kw)
     for m in layers.values():

@@ -102,6 +102,7 @@ def measure_megakernel(knobs: Knobs, model: ModelShape, tokens: int, *, iters: i
 
     from moetune.runtime.megakernel.config import MegakernelConfig
     from moetune.runtime.megakernel.layer import MegakernelMoE
+    from moetune.runtime.megakernel.weights import tile_
     from moetune.runtime.moe_layer import expert_weights, gate_weight
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -109,11 +110,11 @@ def measure_megakernel(knobs: Knobs, model: ModelShape, tokens: int, *, iters: i
     if key not in _weights:
         bf = torch.bfloat16
         w1, w2 = zip(*(expert_weights(model, e, seed=seed, device=dev, dtype=bf) for e in range(model.experts)), strict=True)
-        _weights.clear()  # one model's weights at a time (GBs)
-        _weights[key] = (torch.stack(w1), torch.stack(w2), gate_weight(model, seed=seed, device=dev, dtype=bf))
+        _weights.clear()  # one model's weights at a time (GBs), k-tiled once for every trial's layer
+        _weights[key] = (tile_(torch.stack(w1)), tile_(torch.stack(w2)), gate_weight(model, seed=seed, device=dev, dtype=bf))
     w_gate_up, w_down, gate = _weights[key]
     mk = MegakernelMoE(model, max_tokens=max(1, tokens), device=dev, config=MegakernelConfig.from_knobs(knobs, options),
-                       w_gate_up=w_gate_up, w_down=w_down, gate=gate)
+                       w_gate_up=w_gate_up, w_down=w_down, gate=gate, tiled=True)
     xs = layer_inputs(model, tokens, rotate, dev, torch.bfloat16, seed + 1)
     res = time_layer(mk.forward, xs, warmup=warmup, iters=iters, graph=True, cuda=True)
     mk.check()  # a timed-out wait is an error, not a fast trial
