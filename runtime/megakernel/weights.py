@@ -10,6 +10,8 @@ can be tiled in place (`tile_`) and a module's parameters keep their shapes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 PLANE = 64  # k elements per plane (the kernels' BK)
@@ -34,18 +36,17 @@ def from_tiled(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _in_place(t: torch.Tensor, relaid: Callable[[torch.Tensor], torch.Tensor], what: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"{what} needs a contiguous tensor")
+    return t.copy_(relaid(t))
+
+
 def tile_(w: torch.Tensor) -> torch.Tensor:
     """Tile a contiguous tensor in place (a temporary copy of it while it runs); returns w."""
-    if not w.is_contiguous():
-        raise ValueError("tile_ needs a contiguous tensor")
-    w.copy_(to_tiled(w))
-    return w
+    return _in_place(w, to_tiled, "tile_")
 
 
-@torch.no_grad()
 def untile_(t: torch.Tensor) -> torch.Tensor:
     """The inverse of `tile_`, in place; returns t."""
-    if not t.is_contiguous():
-        raise ValueError("untile_ needs a contiguous tensor")
-    t.copy_(from_tiled(t))
-    return t
+    return _in_place(t, from_tiled, "untile_")
