@@ -78,6 +78,34 @@ def test_model_formulas_are_the_kernels():
     assert "r0 = blockIdx.x * d.rows" in src
 
 
+@pytest.mark.parametrize("n_pairs", [0, 1, 3, 4, 5, 16, 46, 47, 63, 373])
+@pytest.mark.parametrize("hidden", [128, 1024, 2048, 2560])
+def test_phase2_items_cover_every_pair_and_plane_once(n_pairs, hidden):
+    """Phase 2's items (GROUP pairs x VEC k planes) cover each (pair, plane) of the CTA exactly once, no warp takes
+    more than ceil(items / warps) of them (warp 0 the fewest: it starts late), and each pair's batches are distinct
+    slots of the kernel's partial sums."""
+    per_warp = dec.pair_items(n_pairs, hidden)
+    planes = hidden // dec.PLANE
+    seen = [(pr, kt) for rows in per_warp for pr, k0, k1 in rows for kt in range(k0, k1)]
+    assert sorted(seen) == [(pr, kt) for pr in range(n_pairs) for kt in range(planes)]
+    nb = -(-planes // dec.VEC)
+    items = -(-n_pairs // dec.GROUP) * nb
+    counts = [len({(pr // dec.GROUP, k0) for pr, k0, _ in rows}) for rows in per_warp]
+    assert sum(counts) == items and max(counts, default=0) <= -(-items // dec.WARPS) and counts[0] == min(counts)
+    batches = [(pr, k0 // dec.VEC) for rows in per_warp for pr, k0, _ in rows]
+    assert len(set(batches)) == len(batches) == n_pairs * nb
+
+
+def test_phase2_formulas_are_the_kernels():
+    """The kernel's phase-2 loop uses the model's split (pair_items) and constants."""
+    src = (_lib.source_dir() / "mk_decode.cuh").read_text()
+    assert f"DEC_VEC = {dec.VEC};" in src and "DEC_THREADS = 512" in src and dec.WARPS == 512 // 32
+    assert "const int items = (n2 + 3) / 4 * NB, R2 = (items + DEC_WARPS - 1) / DEC_WARPS;" in src
+    assert "const int i_lo = warp ? warp - 1 : (DEC_WARPS - 1) * R2, i_step = warp ? DEC_WARPS - 1 : 1;" in src
+    assert "const int pr = it / NB * 4 + (lane >> 3), kt0 = it % NB * DEC_VEC;" in src
+    assert "[it % NB * d.pairs + pr]" in src and "NB = (H / 64 + DEC_VEC - 1) / DEC_VEC" in src
+
+
 def test_config_decode_field():
     assert MegakernelConfig().decode == 1
     assert MegakernelConfig.parse("decode=0").decode == 0

@@ -156,8 +156,13 @@ def test_profile_on_a_two_gpu_node_plans_both(tmp_path: Path) -> None:
 
 
 # -- the benchmark: `moetune bench moe` and the scenario -------------------------------------------------------
-def test_bench_moe_cli_and_scenario_smoke(tmp_path: Path) -> None:
+def test_bench_moe_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import json
+
+    import torch
+
+    # the CPU path, also where a GPU is (the device runs time the GPU path with `moetune bench moe` itself)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
     from typer.testing import CliRunner
 
@@ -223,8 +228,12 @@ def test_paired_differences_and_variant_parsing() -> None:
         MC.parse_variants("x=mk_nope=1", mk)
 
 
-def test_bench_knobs_cli_and_scenario_smoke(tmp_path: Path) -> None:
+def test_bench_knobs_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import json
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path, as above
 
     from typer.testing import CliRunner
 

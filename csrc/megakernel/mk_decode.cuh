@@ -8,11 +8,11 @@
 //   0. (decode = 2) routing in the kernel: the S x E gate dot products spread over the CTAs (a warp each, fp32),
 //      counted on one counter; every CTA then runs k_topk's warp selection (warp_topk) on the logits itself, so
 //      all CTAs hold the same picks without another kernel. decode = 1 reads given picks (topk_idx / topk_w).
-//   1. each CTA starts one bulk copy per slot of its R output rows of W_down[e] (R x I bf16, contiguous in the
-//      weight) into shared memory, on one mbarrier;
-//   2. it computes its share of the S*K*I (gate, up) row pairs as warp dot products with x (fp32 accumulate,
-//      h = silu(gate) * up rounded to bf16 as the tile kernels store it) and adds the pairs it finished to each
-//      slot's counter (release after the h stores);
+//   1. each CTA starts bulk copies of its R output rows of W_down[e] per slot (R x 64 bf16 per k plane, contiguous
+//      in the k-tiled weight) into shared memory, on one mbarrier;
+//   2. it computes its share of the S*K*I (gate, up) row pairs as dot products with x, items of 4 pairs x 8 k planes
+//      per warp (fp32 accumulate, h = silu(gate) * up rounded to bf16 as the tile kernels store it) and adds the
+//      pairs it finished to each slot's counter (release after the h stores);
 //   3. once every slot's counter reaches I (acquire, bounded waits): out[t, r] = sum over the token's slots in
 //      order of w[t, j] * (W_down row r . h) in fp32, then bf16. Every output row is written by exactly one CTA
 //      and the sums run in a fixed order: bit-identical runs.
@@ -32,7 +32,7 @@
 // against run 64: the same phase times, so the code size was not what made phase 3 slow, nor was warming it, run 68).
 #define MK_ONCE _Pragma("unroll 1")
 constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
-constexpr int DEC_VEC = 8;          // 16-byte weight loads per lane in flight for each row of a pair
+constexpr int DEC_VEC = 8;  // 16-byte weight loads in flight per lane and row: a routing row's, or an item's k planes (phase 2)
 constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
 // MkParams.dec_cnt: int32 counters one 128-byte line apart (polled by every CTA): slot s's finished pairs at
 // DEC_STRIDE * s, the exit ticket; then the gate logits of in-kernel routing from word DEC_LOGIT0,
@@ -63,7 +63,8 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 // Shared-memory layout of a decode launch (offsets in bytes into the dynamic shared memory) and its grid.
 struct DecPlan {
   int grid, rows;  // CTAs (one per SM), output rows per CTA (ceil(H / grid))
-  int x_off, w2_off, h_off, acc_off, stage_off, lg_off, part_off, bytes;
+  int pairs;  // the most (gate, up) row pairs a CTA takes: ceil(S * K * I / grid)
+  int x_off, w2_off, h_off, acc_off, qpart_off, lg_off, part_off, bytes;
 };
 inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int sms) {
   auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
@@ -75,13 +76,14 @@ inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, i
   const int64_t w2_off = up(x_off + S * H * 2);
   const int64_t h_off = up(w2_off + slots * d.rows * I * 2);
   const int64_t acc_off = up(h_off + slots * I * 2);
-  const int64_t stage_off = up(acc_off + S * d.rows * 4);  // this CTA's h elements: at most ceil(P / grid)
-  const int64_t lg_off = up(stage_off + (slots * I / sms + 1) * 2);  // the S x E logits (routing in the kernel)
+  d.pairs = (int)((slots * I + sms - 1) / sms);
+  const int64_t qpart_off = up(acc_off + S * d.rows * 4);  // phase 2's sums: (gate, up) per pair and plane batch
+  const int64_t lg_off = up(qpart_off + (H / 64 + DEC_VEC - 1) / DEC_VEC * d.pairs * 8);  // the S x E logits
   const int64_t part_off = up(lg_off + S * E * 4);  // phase 3's per-slot sums of the CTA's rows
   const int64_t bytes = part_off + slots * d.rows * 4;
   if (bytes > (1ll << 30)) return d;  // bytes stays 0: does not fit
   d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.h_off = (int)h_off, d.acc_off = (int)acc_off;
-  d.stage_off = (int)stage_off, d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.bytes = (int)bytes;
+  d.qpart_off = (int)qpart_off, d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.bytes = (int)bytes;
   return d;
 }
 
@@ -184,7 +186,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   const char* w2s = smem + d.w2_off;
   bf16* hs = (bf16*)(smem + d.h_off);
   float* acc = (float*)(smem + d.acc_off);
-  bf16* hstage = (bf16*)(smem + d.stage_off);
+  float* qpart = (float*)(smem + d.qpart_off);  // phase 2's (gate, up) sums: [plane batch][pair][2]
   float* lg = (float*)(smem + d.lg_off);
   float* part = (float*)(smem + d.part_off);
   int32_t* cnt = p.dec_cnt;
@@ -292,45 +294,50 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     }
   }
   dec_stamp(p, DEC_TR_P1);
-  // 2. (gate, up) row pairs [q0, q1) of the S*K*I, one warp per pair. Thread 0's copy instructions return only as
-  // the copy engine takes them (up to 8 µs into the launch in run 63's timeline), so warp 0 starts late as it
-  // returns. Warps 1.. take R = ceil(n / warps) pairs each, warp 0 the rest (at most R): with 15 warps alone the
-  // 46-47 pairs of a CTA were 4 rounds, the last nearly empty
-  const int n2 = (int)(q1 - q0), R2 = (n2 + DEC_WARPS - 1) / DEC_WARPS;
+  // 2. (gate, up) row pairs [q0, q1) of the S*K*I. W_gate_up is k-tiled ([H / 64][E * 2I][64], mk_api.h): in each k
+  // plane the range's consecutive gate rows (and up rows) are consecutive 128-byte runs. An item is 4 consecutive
+  // pairs x DEC_VEC planes: lane 8 r + c loads chunk c of each plane of pair r's gate and up rows, so every load
+  // instruction reads 512 contiguous bytes of each matrix (a warp per pair read one 128-byte run from each of 4 planes
+  // 25 MB apart: 1.8 µs slower at S=1, run 160). The 8 lanes of a pair sum its batch of planes into qpart; the pair's
+  // h is formed after the barrier below. Thread 0's copy instructions return only as the copy engine takes them (up
+  // to 8 µs into the launch in run 63's timeline), so warp 0 starts late as it returns: warps 1.. take R2 = ceil(items
+  // / warps) items each, warp 0 the rest (at most R2).
+  const int n2 = (int)(q1 - q0), NB = (H / 64 + DEC_VEC - 1) / DEC_VEC;  // batches of DEC_VEC planes
+  const int items = (n2 + 3) / 4 * NB, R2 = (items + DEC_WARPS - 1) / DEC_WARPS;
   const int i_lo = warp ? warp - 1 : (DEC_WARPS - 1) * R2, i_step = warp ? DEC_WARPS - 1 : 1;
-  const int i_hi = warp ? min(n2, (DEC_WARPS - 1) * R2) : n2;
-  MK_ONCE for (int i2 = i_lo; i2 < i_hi; i2 += i_step) {
-    const int64_t q = q0 + i2;
-    const int s = (int)(q / I), j = (int)(q % I), e = s_e[s];
-    if (e < 0) continue;
-    // W_gate_up is k-tiled ([H / 64][E * 2I][64]): 16-byte chunk v of row R at ((v / 8) * E * 2I + R) * 8 + v % 8
-    const uint4* g = (const uint4*)p.w1 + ((int64_t)e * 2 * I + j) * 8;
-    const uint4* u = g + (int64_t)I * 8;  // the up row: I rows further
-    const int64_t plane = (int64_t)E * 2 * I * 8;  // chunks between k planes
-    const uint4* xv = (const uint4*)(xs + (int64_t)(s / K) * H);
+  const int i_hi = warp ? min(items, (DEC_WARPS - 1) * R2) : items;
+  const int64_t plane = (int64_t)E * 2 * I * 8;  // 16-byte chunks between k planes
+  const int c = lane & 7;
+  MK_ONCE for (int it = i_lo; it < i_hi; it += i_step) {
+    const int pr = it / NB * 4 + (lane >> 3), kt0 = it % NB * DEC_VEC;  // this lane's pair in the range, first plane
+    const int64_t q = q0 + pr;
+    const int s = pr < n2 ? (int)(q / I) : 0, e = pr < n2 ? s_e[s] : -1;
     float ag = 0.f, au = 0.f;
-    MK_ONCE for (int v0 = 0; v0 < HV; v0 += 32 * DEC_VEC) {
+    if (e >= 0) {
+      const uint4* g = (const uint4*)p.w1 + ((int64_t)e * 2 * I + q % I) * 8 + c + kt0 * plane;
+      const uint4* u = g + (int64_t)I * 8;  // the up row: I rows further
+      const uint4* xv = (const uint4*)(xs + (int64_t)(s / K) * H) + c + kt0 * 8;
+      const int np = min(DEC_VEC, H / 64 - kt0);
       uint4 a[DEC_VEC], b[DEC_VEC];
 #pragma unroll
       for (int i = 0; i < DEC_VEC; ++i) {  // every load issued before the first product
-        const int v = v0 + lane + 32 * i;
-        const int64_t o = (v >> 3) * plane + (v & 7);
-        a[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(g + o, ev, pol) : make_uint4(0, 0, 0, 0);
-        b[i] = v < HV && !(MK_DEC_PROBE & 2) ? ld_weights(u + o, ev, pol) : make_uint4(0, 0, 0, 0);
+        a[i] = i < np && !(MK_DEC_PROBE & 2) ? ld_weights(g + i * plane, ev, pol) : make_uint4(0, 0, 0, 0);
+        b[i] = i < np && !(MK_DEC_PROBE & 2) ? ld_weights(u + i * plane, ev, pol) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int i = 0; i < DEC_VEC; ++i) {
-        const int v = v0 + lane + 32 * i;
-        if (v < HV) {
-          const uint4 xx = xv[v];
+      for (int i = 0; i < DEC_VEC; ++i)
+        if (i < np) {
+          const uint4 xx = xv[i * 8];
           dot8(ag, a[i], xx);
           dot8(au, b[i], xx);
         }
-      }
     }
-    ag = warp_sum(ag);
-    au = warp_sum(au);
-    if (lane == 0) hstage[q - q0] = __float2bfloat16(__fdividef(ag, 1.f + __expf(-ag)) * au);
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {  // the pair's 8 lanes
+      ag += __shfl_xor_sync(~0u, ag, o);
+      au += __shfl_xor_sync(~0u, au, o);
+    }
+    if (c == 0 && pr < n2) reinterpret_cast<float2*>(qpart)[it % NB * d.pairs + pr] = make_float2(ag, au);
   }
   if (p.trace && tid == 0 && nr > 0) {  // timeline only: when the W_down copies landed (or warp 0's pairs were done)
     mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
@@ -338,7 +345,15 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   }
   __syncthreads();
   // the range's h elements are contiguous in h (pair q is h[q]): whole lines, not one 2-byte store per pair
-  MK_ONCE for (int64_t q = q0 + tid; q < q1; q += DEC_THREADS) ((bf16*)p.h)[q] = hstage[q - q0];
+  MK_ONCE for (int pr = tid; pr < n2; pr += DEC_THREADS) {
+    float2 gu = make_float2(0.f, 0.f);
+    MK_ONCE for (int b = 0; b < NB; ++b) {
+      const float2 v = reinterpret_cast<const float2*>(qpart)[b * d.pairs + pr];
+      gu.x += v.x;
+      gu.y += v.y;
+    }
+    ((bf16*)p.h)[q0 + pr] = __float2bfloat16(__fdividef(gu.x, 1.f + __expf(-gu.x)) * gu.y);
+  }
   __syncthreads();  // every thread's h stores before thread 0's fence and counters
   // The exit ticket: the CTA that takes the last one is past every CTA's last counter access (each takes it after its
   // own: its signals, and an owner's slot waits), so it zeroes the counters for the next launch. Taken early and its

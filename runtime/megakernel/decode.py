@@ -60,6 +60,33 @@ def plan(*, tokens: int, topk: int, hidden: int, intermediate: int, grid: int) -
                       row_blocks=tuple((min(c * rows, hidden), min((c + 1) * rows, hidden)) for c in range(grid)))
 
 
+PLANE = 64      # k elements per plane of the k-tiled weights (weights.PLANE)
+WARPS = 16      # DEC_WARPS
+VEC = 8         # DEC_VEC: k planes an item of phase 2 loads at once
+GROUP = 4       # consecutive pairs an item takes: 4 x 128 contiguous bytes of each plane per load
+
+
+def pair_items(n_pairs: int, hidden: int, *, warps: int = WARPS, vec: int = VEC) -> list[list[tuple[int, int, int]]]:
+    """Phase 2 inside one CTA: its `n_pairs` (gate, up) pairs split into items of GROUP consecutive pairs x `vec` k
+    planes, as the kernel's loop hands them to warps (warps 1.. take R = ceil(items / warps) each in a stride of
+    warps - 1, warp 0, which starts late, the rest). Per warp, in order: (pair, first plane, end plane) of every
+    row its lanes load; an item's sums go to batch `first plane // vec` of the pair."""
+    planes = hidden // PLANE
+    nb = -(-planes // vec)
+    items = -(-n_pairs // GROUP) * nb
+    r = -(-items // warps)
+    out: list[list[tuple[int, int, int]]] = []
+    for w in range(warps):
+        lo, step, hi = (w - 1, warps - 1, min(items, (warps - 1) * r)) if w else ((warps - 1) * r, 1, items)
+        rows = []
+        for it in range(lo, hi, step):
+            kt0 = it % nb * vec
+            rows += [(pr, kt0, min(kt0 + vec, planes)) for pr in range(it // nb * GROUP, it // nb * GROUP + GROUP)
+                     if pr < n_pairs]
+        out.append(rows)
+    return out
+
+
 @dataclass
 class DecodeSim:
     pairs_done: list[int]       # times each pair was computed
