@@ -973,7 +973,7 @@ def test_pdl_setting_and_source() -> None:
     assert dcode.count("ld_weights(") == 5 and dcode.count("ld.global.nc") == 2
     # the only loads before pdl_enter are gate weights (no kernel before writes them)
     assert "p.x" not in body[:body.index("pdl_enter(p);")] and "ld_weights(g + v" in body[:body.index("pdl_enter(p);")]
-    assert all(any(f"ld_weights({w} + {i}" in ln for w in "gu" for i in "vo") or "uint4 ld_weights(" in ln
+    assert all(any(f"ld_weights({w} + {i}" in ln for w in "gu" for i in ("v", "i * plane")) or "uint4 ld_weights(" in ln
                for ln in dcode.splitlines() if "ld_weights(" in ln)
 
 
