@@ -108,11 +108,16 @@ def test_fresh_venv_install(wheel, tmp_path):
         capture_output=True, text=True, timeout=180, env=env,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    # Dependencies (torch, SQLAlchemy, ...) come from this interpreter's site-packages, appended after
-    # the fresh venv's own, so nothing is downloaded. Added after installing, so pip never sees them.
+    # Dependencies (torch, SQLAlchemy, ...) come from this interpreter's site-packages (purelib and platlib, which
+    # differ where compiled packages live under lib64) and from PYTHONPATH folders that hold no moetune (where the
+    # dependencies were installed with --target), appended after the fresh venv's own, so nothing is downloaded and
+    # moetune is only the wheel's. Added after installing, so pip never sees them.
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True, timeout=60).stdout.strip())
-    (site / "_moetune_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    paths = sysconfig.get_paths()
+    extra = [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep) if d and not (Path(d) / "moetune").exists()]
+    deps = dict.fromkeys([paths["purelib"], paths["platlib"], *extra])
+    (site / "_moetune_test_deps.pth").write_text("".join(f"{d}\n" for d in deps))
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
 
