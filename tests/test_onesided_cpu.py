@@ -27,6 +27,22 @@ def test_transports_import_and_report_absence_without_cuda() -> None:
             assert "CUDA" in a.reason  # a clear reason, not an exception
 
 
+def test_one_sided_transports_refuse_a_cpu_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU machine too (here with the library and one GPU faked): a buffer on the CPU never gets nvlink or proxy,
+    so a CPU EPBuffer's fallback stays collective (the GPU machine's suite caught it, run 164)."""
+    import torch
+
+    from moetune.runtime import csrc_build
+    from moetune.runtime.transports.registry import get_transport
+
+    monkeypatch.setattr(csrc_build, "availability", lambda: (True, "built"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name in ("nvlink", "proxy"):
+        a = get_transport(name).availability(torch.device("cpu"))
+        assert not a.ok and "needs a CUDA device, the buffer is on cpu" in a.reason
+        assert get_transport(name).availability(torch.device("cuda", 0)).ok
+
+
 def test_csrc_build_module_reports_absence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from moetune.runtime import csrc_build
 

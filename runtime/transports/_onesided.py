@@ -206,6 +206,8 @@ def u64_array(values: list[int]) -> Any:
 
 
 def one_sided_availability(device: torch.device | None) -> Availability:
+    if device is not None and device.type != "cuda":  # GPU-initiated copies: a CPU buffer cannot take part
+        return Availability(False, f"needs a CUDA device, the buffer is on {device.type}")
     ok, why = csrc_build.availability()
     if not ok:
         return Availability(False, why)
