@@ -33,6 +33,11 @@ def _run(*args: str):
         (["tune", "--model", "qwen3-30b", "--backend", "cloud"], "expected model or local"),
         (["tune", "--model", "nonsense-7b"], "unknown model"),
         (["tune", "--model", "qwen3-30b", "--trials", "0"], "must be >= 1"),
+        # every list option's parse error names the option (one parser: tuner/cli/_args.py)
+        (["bench", "moe", "--tokens", "1,x"], "--tokens: expected comma-separated integers, got '1,x'"),
+        (["bench", "knobs", "--vs", "a=mk_bm=16", "--tokens", "16;1"], "--tokens: expected comma-separated integers"),
+        (["profile", "--tokens", "16, x"], "--tokens: expected comma-separated integers, got '16, x'"),
+        (["model", "sweep", "-p", "slingshot11-libfabric-a100x4", "--values", "1,two"], "--values: expected comma-separated"),
     ],
 )
 def test_bad_input_is_a_clear_error(args: list[str], words: str) -> None:

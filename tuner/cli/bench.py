@@ -1,4 +1,4 @@
-"""`moetune bench`: Benchmarks on this node: EP dispatch/combine and transport microbenchmarks."""
+"""`moetune bench`: benchmarks on this node (EP dispatch/combine, the MoE layer by engine, knob sets, named scenarios)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(help="Benchmarks on this node: EP dispatch/combine and transport microbenchmarks.", no_args_is_help=True)
+from moetune.tuner.cli._args import int_list
+
+app = typer.Typer(help="Benchmarks on this node: EP dispatch/combine, the MoE layer by engine (megakernel, unfused, "
+                  "torch), knob sets side by side, named scenarios.", no_args_is_help=True)
 
 _err = Console(stderr=True)
 
@@ -214,7 +217,7 @@ def moe(
 
     try:
         shape = get_model(model)
-        toks = [int(t) for t in tokens.split(",") if t.strip()]
+        toks = int_list(tokens, "--tokens")
         engines = [e.strip() for e in engine.split(",") if e.strip()]
         mk = Knobs.parse(knobs, base=Knobs(engine="megakernel"))
     except (ValueError, KnobError) as e:
@@ -278,7 +281,7 @@ def knobs_side_by_side(
 
     try:
         shape = get_model(model)
-        toks = [int(t) for t in tokens.split(",") if t.strip()]
+        toks = int_list(tokens, "--tokens")
         base = Knobs.parse(knobs, base=Knobs(engine="megakernel"))
         variants = {"base": base, **MC.parse_variants(vs, base)}
         rep = MC.compare_knobs(shape, toks, variants, iters=iters, warmup=warmup, rotate=rotate, chained=chain,

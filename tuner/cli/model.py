@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moetune.tuner.cli._args import int_list
+
 app = typer.Typer(help="The fabric model: predicted (modelled) dispatch/combine cost on any fabric.", no_args_is_help=True)
 
 _console = Console()
@@ -141,15 +143,15 @@ def sweep_cmd(
     modes = ALLOWED_FENCE_MODES[k0.transport]
     try:
         if values:
-            xs = [int(v) for v in values.split(",") if v.strip()]
+            xs = int_list(values, "--values")
         elif over == "group_size":
             xs = _divisors(transfers_per_peer(w0))
         elif over == "nodes":
             xs = [1, 2, 4, 8, 16]
         else:
             xs = [64, 256, 1024, 4096, 16384]
-    except ValueError:
-        _fail(f"--values must be integers, got {values!r}")
+    except ValueError as e:
+        _fail(str(e))
     if not xs:
         _fail("nothing to sweep")
     series: dict[str, list[dict]] = {}

@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moetune.tuner.cli._args import int_list
 from moetune.tuner.cli._progress import RichProgress
 
 
@@ -68,10 +69,7 @@ def profile(
         if model:
             plan.models = list(model)
         if tokens:
-            try:
-                plan.tokens = [int(t) for t in tokens.split(",") if t.strip()]
-            except ValueError:
-                _fail(console, f"--tokens must be comma-separated integers, got {tokens!r}")
+            plan.tokens = int_list(tokens, "--tokens")
         if trials is not None:
             plan.trials = trials
         plan.validate("--model/--tokens/--trials")

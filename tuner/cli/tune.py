@@ -15,6 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moetune.tuner.cli._args import int_list
+
 app = typer.Typer(help="Optuna searches over the EP knobs (`moetune tune --model M ...`; `moetune tune show`).",
                   invoke_without_command=True, no_args_is_help=False)
 
@@ -28,9 +30,9 @@ def _fail(msg: str) -> None:
 
 def _parse_tokens(text: str) -> list[int]:
     try:
-        out = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint="--tokens")
+        out = int_list(text, "--tokens")
+    except ValueError as e:
+        raise typer.BadParameter(str(e).removeprefix("--tokens: "), param_hint="--tokens") from None
     if not out or any(t < 1 for t in out):
         raise typer.BadParameter(f"token counts must be integers >= 1, got {text!r}", param_hint="--tokens")
     return out
