@@ -33,6 +33,10 @@
 #define MK_ONCE _Pragma("unroll 1")
 constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
 constexpr int DEC_VEC = 8;  // 16-byte weight loads in flight per lane and row: a routing row's, or an item's k planes (phase 2)
+#ifndef MK_DEC_PRE
+#define MK_DEC_PRE 3
+#endif
+constexpr int DEC_PRE = MK_DEC_PRE;  // phase 3's k-rounds of a warp's first unit held in registers (see phase 3)
 constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
 // MkParams.dec_cnt: int32 counters one 128-byte line apart (polled by every CTA): slot s's finished pairs at
 // DEC_STRIDE * s, the exit ticket; then the gate logits of in-kernel routing from word DEC_LOGIT0,
@@ -377,36 +381,49 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     // counter (all at once: slot by slot, a poll, an h load and two barriers each took 12 µs for 8 slots in run
     // 62), then all h rows load together and each warp sums its (token, row)s
     mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
-    if (tid < slots && s_e[tid] >= 0) wait_count(p, cnt + DEC_STRIDE * tid, I, tid == p.stall_tile, tid);
-    __syncthreads();
-    if (tid == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
-    dec_stamp(p, DEC_TR_READY);
-    MK_ONCE for (int v = tid; v < slots * I / 8; v += DEC_THREADS) ((uint4*)hs)[v] = __ldcg((const uint4*)p.h + v);
-    __syncthreads();
-    dec_stamp(p, DEC_TR_H);
     // a warp per (slot, 8 rows): each lane walks whole 16-byte chunks of k (KV / 32 rounds, no idle lanes), its h
     // chunk widened once for the 8 rows, the 8 rows' loads issued before their products; then one butterfly leaves
     // each row's sum on 4 lanes (9 shuffles for 8 rows instead of 40). Run 70's ncu: the sums were issue-bound
     // (~1,180 instructions a warp, half-idle second rounds, 80 shuffles a warp).
+    // The first DEC_PRE rounds of the warp's first unit read their W_down rows from shared memory into registers
+    // here, while the CTA waits for the slots (its 196 KB of W_down rows take ~0.8 µs of shared-memory bandwidth at
+    // S=1, which then is off the path after "ready"); each lane's h chunks come straight from the L2 (lane v only
+    // reads chunk v of its slot), not through a CTA-wide copy and its barrier.
     const int RB = (nr + 7) / 8, units = slots * RB, KV = I / 8;
-    MK_ONCE for (int u = warp; u < units && !(MK_DEC_PROBE & 4); u += DEC_WARPS) {
-      const int s = u / RB, rb = (u % RB) * 8;
-      if (s_e[s] < 0) continue;
-      const uint4* hv = (const uint4*)(hs + (int64_t)s * I);
+    uint4 wpre[DEC_PRE][8];
+    const bool pre = warp < units && !(MK_DEC_PROBE & 4);
+    if (pre) {
+      const int s = warp / RB, rb = (warp % RB) * 8;
       const uint4* wr = (const uint4*)(w2s + (int64_t)s * d.rows * I * 2);
-      float a[8];
 #pragma unroll
-      for (int r = 0; r < 8; ++r) a[r] = 0.f;
-      MK_ONCE for (int v = lane; v < KV; v += 32) {  // rows past nr reread the last; their sums are dropped
+      for (int j = 0; j < DEC_PRE; ++j) {
+        const int v = lane + 32 * j;
+#pragma unroll
+        for (int r = 0; r < 8; ++r)
+          wpre[j][r] = v < KV ? wr[((v >> 3) * d.rows + min(rb + r, nr - 1)) * 8 + (v & 7)] : make_uint4(0, 0, 0, 0);
+      }
+    }
+    if (tid < slots && s_e[tid] >= 0) wait_count(p, cnt + DEC_STRIDE * tid, I, tid == p.stall_tile, tid);
+    __syncthreads();
+    if (tid == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
+    dec_stamp(p, DEC_TR_READY);
+    dec_stamp(p, DEC_TR_H);  // (no CTA-wide h copy: each lane loads its own chunks below)
+    // unit u's rounds from v0 on (W_down rows from shared memory), then the butterfly: a[i] -> the warp's sum of row
+    // rb + 4 b4 + 2 b3 + b2 (b_k: lane bit k), on the lanes with b1 = b0 = 0, stored to part
+    auto unit_sums = [&](int u, float(&a)[8], int v0) {
+      const int s = u / RB, rb = (u % RB) * 8;
+      const uint4* hg = (const uint4*)p.h + (int64_t)s * KV;  // written by other CTAs: __ldcg, after the barrier
+      const uint4* wr = (const uint4*)(w2s + (int64_t)s * d.rows * I * 2);
+      MK_ONCE for (int v = v0; v < KV; v += 32) {  // rows past nr reread the last; their sums are dropped
+        const uint4 hc = __ldcg(hg + v);
         uint4 w[8];
 #pragma unroll
         for (int r = 0; r < 8; ++r) w[r] = wr[((v >> 3) * d.rows + min(rb + r, nr - 1)) * 8 + (v & 7)];  // k planes
         float hf[8];
-        widen8(hf, hv[v]);
+        widen8(hf, hc);
 #pragma unroll
         for (int r = 0; r < 8; ++r) dot8f(a[r], w[r], hf);
       }
-      // a[i] -> the warp's sum of row rb + 4 b4 + 2 b3 + b2 (b_k: lane bit k), on the lanes with b1 = b0 = 0
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const bool up = lane & 16;
@@ -428,6 +445,31 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
       a[0] += __shfl_xor_sync(~0u, a[0], 1);
       const int row = rb + ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1);
       if ((lane & 3) == 0 && row < nr) part[s * d.rows + row] = a[0];
+    };
+    if (pre && s_e[warp / RB] >= 0) {  // the warp's first unit: the rounds held in registers first
+      const uint4* hg = (const uint4*)p.h + (int64_t)(warp / RB) * KV;
+      uint4 hq[DEC_PRE];
+#pragma unroll
+      for (int j = 0; j < DEC_PRE; ++j) hq[j] = lane + 32 * j < KV ? __ldcg(hg + lane + 32 * j) : make_uint4(0, 0, 0, 0);
+      float a[8];
+#pragma unroll
+      for (int r = 0; r < 8; ++r) a[r] = 0.f;
+#pragma unroll
+      for (int j = 0; j < DEC_PRE; ++j)
+        if (lane + 32 * j < KV) {
+          float hf[8];
+          widen8(hf, hq[j]);
+#pragma unroll
+          for (int r = 0; r < 8; ++r) dot8f(a[r], wpre[j][r], hf);
+        }
+      unit_sums(warp, a, lane + 32 * DEC_PRE);
+    }
+    MK_ONCE for (int u = warp + DEC_WARPS; u < units && !(MK_DEC_PROBE & 4); u += DEC_WARPS) {
+      if (s_e[u / RB] < 0) continue;
+      float a[8];
+#pragma unroll
+      for (int r = 0; r < 8; ++r) a[r] = 0.f;
+      unit_sums(u, a, lane);
     }
     __syncthreads();
     MK_ONCE for (int i = tid; i < S * nr && !(MK_DEC_PROBE & 4); i += DEC_THREADS) {
