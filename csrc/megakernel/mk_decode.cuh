@@ -14,7 +14,8 @@
 //      per warp (fp32 accumulate, h = silu(gate) * up rounded to bf16 as the tile kernels store it) and adds the
 //      pairs it finished to each slot's counter (release after the h stores);
 //   3. once every slot's counter reaches I (acquire, bounded waits): out[t, r] = sum over the token's slots in
-//      order of w[t, j] * (W_down row r . h) in fp32, then bf16. Every output row is written by exactly one CTA
+//      order of w[t, j] * (W_down row r . h) in fp32, then bf16; each lane reads its h chunks from the L2, and
+//      the first k-rounds of its W_down rows were moved into registers while the CTA waited. Every output row is written by exactly one CTA
 //      and the sums run in a fixed order: bit-identical runs.
 // The counters are the kernel's own (MkParams.dec_cnt): the CTA that takes the last exit ticket zeroes them and
 // writes the launch's task counts into ctl (phase-1 ranges and phase-3 row blocks, as runtime/megakernel/decode.py
@@ -34,9 +35,11 @@
 constexpr int DEC_THREADS = 512, DEC_WARPS = DEC_THREADS / 32;
 constexpr int DEC_VEC = 8;  // 16-byte weight loads in flight per lane and row: a routing row's, or an item's k planes (phase 2)
 #ifndef MK_DEC_PRE
-#define MK_DEC_PRE 3
+#define MK_DEC_PRE 2
 #endif
-constexpr int DEC_PRE = MK_DEC_PRE;  // phase 3's k-rounds of a warp's first unit held in registers (see phase 3)
+// phase 3's k-rounds of a warp's first unit held in registers (see phase 3; 2 and 3 alike in run 167, 3 takes all 128
+// registers a thread of a 512-thread CTA may have)
+constexpr int DEC_PRE = MK_DEC_PRE;
 constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing in static shared memory)
 // MkParams.dec_cnt: int32 counters one 128-byte line apart (polled by every CTA): slot s's finished pairs at
 // DEC_STRIDE * s, the exit ticket; then the gate logits of in-kernel routing from word DEC_LOGIT0,
@@ -68,7 +71,7 @@ enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3,
 struct DecPlan {
   int grid, rows;  // CTAs (one per SM), output rows per CTA (ceil(H / grid))
   int pairs;  // the most (gate, up) row pairs a CTA takes: ceil(S * K * I / grid)
-  int x_off, w2_off, h_off, acc_off, qpart_off, lg_off, part_off, bytes;
+  int x_off, w2_off, acc_off, qpart_off, lg_off, part_off, bytes;
 };
 inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, int sms) {
   auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
@@ -78,15 +81,14 @@ inline DecPlan dec_plan(int64_t S, int64_t H, int64_t I, int64_t K, int64_t E, i
   const int64_t slots = S * K;
   const int64_t x_off = 128;  // [0, 8): the W_down copies' mbarrier
   const int64_t w2_off = up(x_off + S * H * 2);
-  const int64_t h_off = up(w2_off + slots * d.rows * I * 2);
-  const int64_t acc_off = up(h_off + slots * I * 2);
+  const int64_t acc_off = up(w2_off + slots * d.rows * I * 2);
   d.pairs = (int)((slots * I + sms - 1) / sms);
   const int64_t qpart_off = up(acc_off + S * d.rows * 4);  // phase 2's sums: (gate, up) per pair and plane batch
   const int64_t lg_off = up(qpart_off + (H / 64 + DEC_VEC - 1) / DEC_VEC * d.pairs * 8);  // the S x E logits
   const int64_t part_off = up(lg_off + S * E * 4);  // phase 3's per-slot sums of the CTA's rows
   const int64_t bytes = part_off + slots * d.rows * 4;
   if (bytes > (1ll << 30)) return d;  // bytes stays 0: does not fit
-  d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.h_off = (int)h_off, d.acc_off = (int)acc_off;
+  d.x_off = (int)x_off, d.w2_off = (int)w2_off, d.acc_off = (int)acc_off;
   d.qpart_off = (int)qpart_off, d.lg_off = (int)lg_off, d.part_off = (int)part_off, d.bytes = (int)bytes;
   return d;
 }
@@ -188,7 +190,6 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   const uint32_t bar = su32(smem);
   bf16* xs = (bf16*)(smem + d.x_off);
   const char* w2s = smem + d.w2_off;
-  bf16* hs = (bf16*)(smem + d.h_off);
   float* acc = (float*)(smem + d.acc_off);
   float* qpart = (float*)(smem + d.qpart_off);  // phase 2's (gate, up) sums: [plane batch][pair][2]
   float* lg = (float*)(smem + d.lg_off);
@@ -379,16 +380,17 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   if (nr > 0) {
     // 3. the down projection of this CTA's rows once every slot's h is complete: one thread polls each slot's
     // counter (all at once: slot by slot, a poll, an h load and two barriers each took 12 µs for 8 slots in run
-    // 62), then all h rows load together and each warp sums its (token, row)s
+    // 62), then each warp sums its (token, row)s
     mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
     // a warp per (slot, 8 rows): each lane walks whole 16-byte chunks of k (KV / 32 rounds, no idle lanes), its h
     // chunk widened once for the 8 rows, the 8 rows' loads issued before their products; then one butterfly leaves
     // each row's sum on 4 lanes (9 shuffles for 8 rows instead of 40). Run 70's ncu: the sums were issue-bound
     // (~1,180 instructions a warp, half-idle second rounds, 80 shuffles a warp).
     // The first DEC_PRE rounds of the warp's first unit read their W_down rows from shared memory into registers
-    // here, while the CTA waits for the slots (its 196 KB of W_down rows take ~0.8 µs of shared-memory bandwidth at
-    // S=1, which then is off the path after "ready"); each lane's h chunks come straight from the L2 (lane v only
-    // reads chunk v of its slot), not through a CTA-wide copy and its barrier.
+    // here, while the CTA waits for the slots (at S=1 its 196 KB of W_down rows are ~0.8 µs of shared-memory
+    // bandwidth); each lane's h chunks come straight from the L2 (lane v only reads chunk v of its slot), not
+    // through a CTA-wide copy and its barrier. Run 167, S=1 side by side: the sums done ~1.95 µs after "ready"
+    // instead of ~2.8, a forward 0.5 µs (single replays) / 0.6 µs (chains) faster; the same sums in the same order.
     const int RB = (nr + 7) / 8, units = slots * RB, KV = I / 8;
     uint4 wpre[DEC_PRE][8];
     const bool pre = warp < units && !(MK_DEC_PROBE & 4);
