@@ -78,6 +78,22 @@ def test_model_formulas_are_the_kernels():
     assert "r0 = blockIdx.x * d.rows" in src
 
 
+def test_phase3_moves_w_down_to_registers_during_the_slot_wait():
+    """Phase 3 (runs 167-168): each warp's first DEC_PRE k-rounds of W_down leave shared memory for registers once
+    the copies landed and before the slot poll; h comes from the L2 after the poll's barrier (no shared copy); the
+    warp's first unit takes the rounds held in registers, its later units all rounds from shared memory."""
+    from moetune.runtime.megakernel import _lib
+
+    src = (_lib.source_dir() / "mk_decode.cuh").read_text()
+    body = src[src.index("if (nr > 0) {\n    // 3."):]
+    order = [body.index(k) for k in ("mbar_wait(p, bar, 0", "wpre[j][r] = ", "wait_count(p, cnt + DEC_STRIDE * tid")]
+    order.append(body.index("__syncthreads();", order[-1]))
+    order.append(body.index("__ldcg(hg + "))
+    assert order == sorted(order)
+    assert "h_off" not in src and "constexpr int DEC_PRE = MK_DEC_PRE;" in src
+    assert "unit_sums(warp, a, lane + 32 * DEC_PRE);" in body and "for (int u = warp + DEC_WARPS; u < units" in body
+
+
 @pytest.mark.parametrize("n_pairs", [0, 1, 3, 4, 5, 16, 46, 47, 63, 373])
 @pytest.mark.parametrize("hidden", [128, 1024, 2048, 2560])
 def test_phase2_items_cover_every_pair_and_plane_once(n_pairs, hidden):

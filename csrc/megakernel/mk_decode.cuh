@@ -15,8 +15,8 @@
 //      pairs it finished to each slot's counter (release after the h stores);
 //   3. once every slot's counter reaches I (acquire, bounded waits): out[t, r] = sum over the token's slots in
 //      order of w[t, j] * (W_down row r . h) in fp32, then bf16; each lane reads its h chunks from the L2, and
-//      the first k-rounds of its W_down rows were moved into registers while the CTA waited. Every output row is written by exactly one CTA
-//      and the sums run in a fixed order: bit-identical runs.
+//      the first k-rounds of its W_down rows were moved into registers while the CTA waited. Every output row is
+//      written by exactly one CTA and the sums run in a fixed order: bit-identical runs.
 // The counters are the kernel's own (MkParams.dec_cnt): the CTA that takes the last exit ticket zeroes them and
 // writes the launch's task counts into ctl (phase-1 ranges and phase-3 row blocks, as runtime/megakernel/decode.py
 // models them), so a launch needs no reset kernel before it. All CTAs are resident (one per SM, checked by the
@@ -452,7 +452,8 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
       const uint4* hg = (const uint4*)p.h + (int64_t)(warp / RB) * KV;
       uint4 hq[DEC_PRE];
 #pragma unroll
-      for (int j = 0; j < DEC_PRE; ++j) hq[j] = lane + 32 * j < KV ? __ldcg(hg + lane + 32 * j) : make_uint4(0, 0, 0, 0);
+      for (int j = 0; j < DEC_PRE; ++j)
+        hq[j] = lane + 32 * j < KV ? __ldcg(hg + lane + 32 * j) : make_uint4(0, 0, 0, 0);
       float a[8];
 #pragma unroll
       for (int r = 0; r < 8; ++r) a[r] = 0.f;
