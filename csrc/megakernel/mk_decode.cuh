@@ -139,6 +139,13 @@ __device__ __forceinline__ void dot8f(float& acc, const uint4 a, const float (&f
     acc = fmaf(bf_hi(x[i]), f[2 * i + 1], acc);
   }
 }
+// a[r] += W row r's 8 bf16 . the 8 of h, for the 8 rows of a phase-3 unit (h widened once)
+__device__ __forceinline__ void dot_rows8(float (&a)[8], const uint4 (&w)[8], const uint4 h) {
+  float hf[8];
+  widen8(hf, h);
+#pragma unroll
+  for (int r = 0; r < 8; ++r) dot8f(a[r], w[r], hf);
+}
 // acc += the 8 bf16 products of a and b. By value: with references into shared memory nvcc read an operand as four
 // 4-byte loads, a 4-way bank conflict each (run 69's excess wavefronts, found in run 70's per-line table)
 __device__ __forceinline__ void dot8(float& acc, const uint4 a, const uint4 b) {
@@ -421,10 +428,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
         uint4 w[8];
 #pragma unroll
         for (int r = 0; r < 8; ++r) w[r] = wr[((v >> 3) * d.rows + min(rb + r, nr - 1)) * 8 + (v & 7)];  // k planes
-        float hf[8];
-        widen8(hf, hc);
-#pragma unroll
-        for (int r = 0; r < 8; ++r) dot8f(a[r], w[r], hf);
+        dot_rows8(a, w, hc);
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -459,12 +463,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
       for (int r = 0; r < 8; ++r) a[r] = 0.f;
 #pragma unroll
       for (int j = 0; j < DEC_PRE; ++j)
-        if (lane + 32 * j < KV) {
-          float hf[8];
-          widen8(hf, hq[j]);
-#pragma unroll
-          for (int r = 0; r < 8; ++r) dot8f(a[r], wpre[j][r], hf);
-        }
+        if (lane + 32 * j < KV) dot_rows8(a, wpre[j], hq[j]);
       unit_sums(warp, a, lane + 32 * DEC_PRE);
     }
     MK_ONCE for (int u = warp + DEC_WARPS; u < units && !(MK_DEC_PROBE & 4); u += DEC_WARPS) {

@@ -15,6 +15,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from .weights import PLANE  # k elements per plane of the k-tiled weights
+
 ERR_INPUT_TIMEOUT = 6  # MK_ERR_INPUT_TIMEOUT
 MAX_SLOTS = 64  # DEC_MAX_SLOTS: the most routed rows (S x topk) a decode launch takes; fewer where W_down rows
                 # do not fit each CTA's shared memory (S=1 only on qwen3-30b)
@@ -60,7 +62,6 @@ def plan(*, tokens: int, topk: int, hidden: int, intermediate: int, grid: int) -
                       row_blocks=tuple((min(c * rows, hidden), min((c + 1) * rows, hidden)) for c in range(grid)))
 
 
-PLANE = 64      # k elements per plane of the k-tiled weights (weights.PLANE)
 WARPS = 16      # DEC_WARPS
 VEC = 8         # DEC_VEC: k planes an item of phase 2 loads at once
 GROUP = 4       # consecutive pairs an item takes: 4 x 128 contiguous bytes of each plane per load

@@ -320,9 +320,9 @@ class MegakernelMoE:
         """One forward of a decode launch with every CTA stamping its phases (globaltimer; profiling): per CTA, µs from
         the first CTA's start to `logits` (every gate logit written: decode=2), `routed` (the picks known), `phase1`
         (thread 0 done issuing the W_down copies), `signalled` (its pairs done and counted), `w_down` (its
-        down-projection rows landed, or warp 0's own pairs done if later), `ready` (every slot
-        complete), `h_loaded` (every slot's h in shared memory), `summed` (thread 0's share of the sums done) and `end`;
-        None where a CTA has no such step (no output rows). Syncs."""
+        down-projection rows landed, or warp 0's own pairs done if later), `ready` (every slot complete), `h_loaded`
+        (stamped with `ready` since run 167: each lane loads its own h chunks in the sums), `summed` (thread 0's share
+        of the sums done) and `end`; None where a CTA has no such step (no output rows). Syncs."""
         s = x.shape[0]
         dg = self.decode_grid(s)
         if dg is None:

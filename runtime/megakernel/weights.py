@@ -17,22 +17,24 @@ import torch
 PLANE = 64  # k elements per plane (the kernels' BK)
 
 
-def to_tiled(w: torch.Tensor) -> torch.Tensor:
-    """A new tensor of w's shape [..., N, K] holding its elements k-tiled (all leading dims and N as the rows)."""
-    k = w.shape[-1]
+def _rows_planes(t: torch.Tensor) -> tuple[int, int]:
+    """(rows, k planes) of a weight tensor [..., N, K]: all leading dims and N are rows."""
+    k = t.shape[-1]
     if k % PLANE:
         raise ValueError(f"k-tiled weights need K to be a multiple of {PLANE}, got {k}")
-    rows = w.numel() // k
-    return w.reshape(rows, k // PLANE, PLANE).transpose(0, 1).contiguous().view(w.shape)
+    return t.numel() // k, k // PLANE
+
+
+def to_tiled(w: torch.Tensor) -> torch.Tensor:
+    """A new tensor of w's shape [..., N, K] holding its elements k-tiled (all leading dims and N as the rows)."""
+    rows, planes = _rows_planes(w)
+    return w.reshape(rows, planes, PLANE).transpose(0, 1).contiguous().view(w.shape)
 
 
 def from_tiled(t: torch.Tensor) -> torch.Tensor:
     """The row-major tensor (a new one) whose k-tiled form is t (both of shape [..., N, K])."""
-    k = t.shape[-1]
-    if k % PLANE:
-        raise ValueError(f"k-tiled weights need K to be a multiple of {PLANE}, got {k}")
-    rows = t.numel() // k
-    return t.reshape(k // PLANE, rows, PLANE).transpose(0, 1).contiguous().view(t.shape)
+    rows, planes = _rows_planes(t)
+    return t.reshape(planes, rows, PLANE).transpose(0, 1).contiguous().view(t.shape)
 
 
 @torch.no_grad()
