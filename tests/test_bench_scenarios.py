@@ -122,3 +122,41 @@ def test_rows_of_a_copied_tree_take_the_given_sha(monkeypatch) -> None:
     assert (f["git_sha"], f["git_dirty"]) == ("1de7e01fc0", True)
     monkeypatch.setattr(S, "_git", lambda *a: "")
     assert S.machine_facts("none", lambda: "fp")["git_sha"] == "unknown"
+
+
+def _moe_report(tokens: list[int], **over: object) -> dict:
+    """A `moetune bench moe --json` report of the moe-megakernel-vs-unfused measurement (its three engines)."""
+    meta = {"git_sha": "bd3e980e906d", "git_dirty": False, "moetune": "0+unknown", "torch": "2.11.0+cu130",
+            "nccl": "2.28.9", "cuda": "13.0", "gpu": "NVIDIA H200", "gpu_count": 1, "fabric_fingerprint": "2bb9",
+            "hardware": "1x NVIDIA H200, 16 CPU cores", "date": "2026-12-04T09:38:10Z",
+            "command": "moetune bench moe --engine megakernel,unfused,torch --model qwen3-30b --cuda-graph"}
+    q = {"median": 10.0, "p10": 9.0, "p90": 11.0}
+    cases = [{"engine": e, "S": s, "eager_us": q, "graph_us": {**q, "median": 8.0 + i}}
+             for i, e in enumerate(("megakernel", "unfused", "torch")) for s in tokens]
+    return {"model": "qwen3-30b", "graph": True, "iters": 50, "warmup": 10, "rotate": 4, "rest_s": 0.0,
+            "cases": cases, "meta": meta, **over}
+
+
+def test_a_bench_moe_report_imports_as_one_launch_only_where_it_is_the_scenarios_measurement(tmp_path: Path) -> None:
+    """`bench run --from-report`: a report measured on a GPU machine becomes one launch of the moe scenario, stamped
+    with the report's own code, hardware, date and command and marked imported; anything else is refused."""
+    s, out = SCENARIOS["moe-megakernel-vs-unfused"], tmp_path / "s.csv"
+    rows = S.import_moe_report(s, _moe_report([1, 16, 128, 1024, 4096]), origin="out163/bench_moe.json", results=out)
+    assert len(rows) == 3 * 5 * 2 and R.read_rows(out) and all(r["source"] == "imported" for r in rows)
+    assert {(r["git_sha"], r["date"], r["gpu"], r["launch"]) for r in rows} == {
+        ("bd3e980e906d", "2026-12-04T09:38:10Z", "NVIDIA H200", "20261204T093810Z-imported")}
+    g = {r["case"]: r["median"] for r in rows if r["metric"] == "graph_us[S=128]"}
+    assert g == {"megakernel": 8.0, "unfused": 9.0, "torch": 10.0}
+    assert [r["case"] for r in rows if r["metric"] == "graph_us[S=1]"] == ["unfused", "megakernel", "torch"]
+    assert all(r["note"] == "imported from out163/bench_moe.json" for r in rows)
+    for rep, words in ((_moe_report([1, 16, 128, 1024, 4096]), "in " + str(out) + " already"),
+                       (_moe_report([1]), "tokens [1] (scenario: [1, 16, 128, 1024, 4096])"),
+                       (_moe_report([1, 16, 128, 1024, 4096], iters=20), "iters 20 (scenario: 50)"),
+                       ({"cases": []}, "not a `moetune bench moe --json` report")):
+        with pytest.raises(S.ScenarioError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+            S.import_moe_report(s, rep, origin="x.json", results=out)
+    with pytest.raises(S.ScenarioError, match="only scenarios of driver moe"):
+        S.import_moe_report(SCENARIOS["daemon-load"], _moe_report([1]), origin="x.json", results=out)
+    assert len(R.read_rows(out)) == len(rows)  # nothing appended by a refused import
+    r = _cli("run", "moe-megakernel-vs-unfused", "--from-report", str(tmp_path / "none.json"), "--results", str(out))
+    assert r.returncode == 2 and "none.json" in r.stderr and "Traceback" not in r.stderr

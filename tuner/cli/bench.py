@@ -369,6 +369,9 @@ def run_scenario(
     launches: int = typer.Option(None, "--launches", help="Launches (default: the scenario's; 1 with --smoke)."),
     smoke: bool = typer.Option(False, "--smoke", help="Tiny sizes on CPU/gloo: checks the plumbing, rows marked source=smoke."),
     results: str = typer.Option(None, "--results", help="CSV to append to (default bench/results/summary.csv)."),
+    from_report: str = typer.Option(None, "--from-report", help="Run nothing: append a `moetune bench moe --json` "
+                                    "report measured elsewhere (a GPU machine) as one launch, source=imported, if it "
+                                    "measured what the scenario asks (driver moe)."),
 ) -> None:
     """Run every case of a scenario side by side, several launches; append stamped rows to summary.csv."""
     from pathlib import Path
@@ -376,13 +379,24 @@ def run_scenario(
     from moetune.tuner.measure import results as R
     from moetune.tuner.measure import scenarios as S
 
+    out = Path(results) if results else S.SUMMARY_CSV
     try:
         s = S.get(scenario)
-        rows = S.run(s, case=case, launches=launches, smoke=smoke, results=Path(results) if results else S.SUMMARY_CSV,
-                     progress=lambda m: _err.print(f"[dim]{m}[/dim]"), fingerprint=_fingerprint)
+        if from_report is not None:
+            if case is not None or launches is not None or smoke:
+                _fail("--from-report takes no --case, --launches or --smoke (the report is one launch of every case)")
+            try:
+                rep = json.loads(Path(from_report).read_text())
+            except (OSError, ValueError) as e:
+                _fail(f"--from-report {from_report}: {e}")
+            rows = S.import_moe_report(s, rep, origin=from_report, results=out)
+        else:
+            rows = S.run(s, case=case, launches=launches, smoke=smoke, results=out,
+                         progress=lambda m: _err.print(f"[dim]{m}[/dim]"), fingerprint=_fingerprint)
     except (S.ScenarioError, R.ResultsError) as e:
         _fail(str(e))
-    t = Table(title=f"{scenario}: {len(rows)} rows appended ({'smoke' if smoke else 'measured'})")
+    kind = "imported" if from_report is not None else "smoke" if smoke else "measured"
+    t = Table(title=f"{scenario}: {len(rows)} rows appended ({kind})")
     for col in ("launch", "case", "metric", "median", "p10", "p90", "note"):
         t.add_column(col)
     shown = next((m for m in s.metrics if any(r["metric"] == m for r in rows)), None)

@@ -742,7 +742,6 @@ def run(s: Scenario, *, case: str | None = None, launches: int | None = None, sm
     if n_launch < 1:
         raise ScenarioError(f"--launches must be >= 1, got {n_launch}")
     facts = machine_facts(needs.backend, fingerprint)
-    base = s.baseline.name
     rows: list[dict[str, Any]] = []
     for li in range(n_launch):
         stamp = dt.datetime.now(dt.UTC)
@@ -753,22 +752,78 @@ def run(s: Scenario, *, case: str | None = None, launches: int | None = None, sm
             ctx = Ctx(world=needs.world, backend=needs.backend, smoke=smoke, tmp=Path(tmp))
             t0 = time.monotonic()
             out = DRIVERS[s.driver](seq, ctx)
-        launch_rows = []
-        for pos, r in enumerate(out):
-            common = {"scenario": s.name, "case": r.case, "baseline": r.case == base, "position": pos, "launch": launch_id,
-                      "source": "smoke" if smoke else "measured", "date": stamp.strftime("%Y-%m-%dT%H:%M:%SZ"),
-                      "world": needs.world, "backend": needs.backend, "command": r.command, **facts}
-            if not r.metrics:
-                launch_rows.append({**common, "metric": s.metrics[0], "note": f"FAILED: {r.error}"[:300]})
-            for name, st in r.metrics.items():
-                launch_rows.append({**common, "metric": name, "unit": st.unit, "median": st.median, "p10": st.p10,
-                                    "p90": st.p90, "n": st.n, "note": r.error[:300]})
+        launch_rows = _launch_rows(s, out, launch_id, {"source": "smoke" if smoke else "measured",
+                                                        "date": stamp.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                                                        "world": needs.world, "backend": needs.backend, **facts})
         R.append_rows(results, launch_rows)
         rows += launch_rows
         if progress:
             failed = sum(1 for r in out if not r.metrics)
             progress(f"{s.name}: launch {li + 1} done in {time.monotonic() - t0:.1f} s, {len(launch_rows)} rows"
                      + (f", {failed} case run(s) FAILED" if failed else ""))
+    return rows
+
+
+def _launch_rows(s: Scenario, out: Sequence[CaseResult], launch_id: str, stamp: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (case, metric) of one launch (a case without metrics: one FAILED row), each with `stamp` (source,
+    date, world, backend and the machine facts)."""
+    rows: list[dict[str, Any]] = []
+    for pos, r in enumerate(out):
+        common = {"scenario": s.name, "case": r.case, "baseline": r.case == s.baseline.name, "position": pos,
+                  "launch": launch_id, "command": r.command, **stamp}
+        if not r.metrics:
+            rows.append({**common, "metric": s.metrics[0], "note": f"FAILED: {r.error}"[:300]})
+        for name, st in r.metrics.items():
+            rows.append({**common, "metric": name, "unit": st.unit, "median": st.median, "p10": st.p10, "p90": st.p90,
+                         "n": st.n, "note": r.error[:300]})
+    return rows
+
+
+_REPORT_FACTS = ("git_sha", "git_dirty", "moetune", "torch", "nccl", "cuda", "gpu", "gpu_count", "fabric_fingerprint",
+                 "hardware", "date", "command")
+
+
+def import_moe_report(s: Scenario, rep: dict[str, Any], *, origin: str, results: Path = SUMMARY_CSV
+                      ) -> list[dict[str, Any]]:
+    """A `moetune bench moe --json` report measured outside `bench run` (on a GPU machine the tree was copied to) as
+    one launch of scenario `s`, rows marked source=imported and stamped with the report's own code, versions,
+    hardware, date and command. Refused unless the report measured what the scenario asks (its driver is `moe`; the
+    same model, tokens, iterations, warm-ups, rotation, graph mode, idle and engines) and unless that launch is not
+    in `results` yet."""
+    if s.driver != "moe":
+        raise ScenarioError(f"{s.name}: only scenarios of driver moe take a bench moe report (this one: {s.driver})")
+    meta = rep.get("meta") if isinstance(rep, dict) else None
+    if not isinstance(meta, dict) or any(k not in meta for k in _REPORT_FACTS) or not isinstance(rep.get("cases"), list):
+        raise ScenarioError(f"{origin}: not a `moetune bench moe --json` report (its meta needs {', '.join(_REPORT_FACTS)})")
+    a = plan(s, None, False)[0].args
+    want = {"model": str(a.get("model", "qwen3-30b")), "tokens": sorted(a.get("tokens", [128])),
+            "iters": int(a.get("iters", 50)), "warmup": int(a.get("warmup", 10)), "rotate": int(a.get("rotate", 4)),
+            "graph": bool(a.get("cuda_graph")), "rest_s": float(a.get("rest", 0.0))}
+    got = {"model": rep.get("model"), "tokens": sorted({c.get("S") for c in rep["cases"]}), "iters": rep.get("iters"),
+           "warmup": rep.get("warmup"), "rotate": rep.get("rotate"), "graph": rep.get("graph"), "rest_s": rep.get("rest_s")}
+    differ = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+    if a.get("knobs") or "--knobs" in str(meta["command"]):
+        differ["knobs"] = (meta["command"], a.get("knobs", ""))
+    if differ:
+        raise ScenarioError(f"{origin}: the report did not measure what {s.name} asks: "
+                            + "; ".join(f"{k} {g!r} (scenario: {w!r})" for k, (g, w) in differ.items()))
+    per, skipped = _per_case(rep, "engine", (("eager_us", "layer_us"), ("graph_us", "graph_us")))
+    out = []
+    for c in s.cases:
+        eng = str(c.args.get("engine", c.name))
+        if eng not in per and eng not in skipped:
+            raise ScenarioError(f"{origin}: the report has no engine {eng!r} (case {c.name} of {s.name})")
+        out.append(CaseResult(c.name, per.get(eng, {}), str(meta["command"]),
+                              f"SKIPPED: {skipped[eng]}" if eng in skipped else ""))
+    launch_id = f"{str(meta['date']).replace('-', '').replace(':', '')}-imported"
+    if any(r["launch"] == launch_id and r["scenario"] == s.name for r in R.read_rows(results)):
+        raise ScenarioError(f"{origin}: launch {launch_id} of {s.name} is in {results} already")
+    stamp = {k: meta[k] for k in _REPORT_FACTS if k != "command"}
+    rows = _launch_rows(s, out, launch_id, {**stamp, "source": "imported", "world": s.needs.world,
+                                            "backend": s.needs.backend})
+    for r in rows:
+        r["note"] = (f"{r['note']}; " if r.get("note") else "") + f"imported from {origin}"
+    R.append_rows(results, rows)
     return rows
 
 
@@ -847,8 +902,9 @@ def summarize(scenarios: dict[str, Scenario], rows: list[dict[str, str]]) -> str
         "(baseline first and last in every launch, several launches) and appends stamped rows (git SHA, versions,",
         "GPU, fabric fingerprint, exact command). Tables show each scenario's latest batch (one git SHA, one machine):",
         "per case the median over launches of each launch's median / p10 / p90. The run history, the reasoning and",
-        f"the older numbers are in `docs/perf-notes.md`; {len(rows)} rows in summary.csv ({n_imp} imported from the",
-        "2026-11-30 lab notebook, raw logs in `bench/results/archive/`). MODELLED units are predictions, not measurements.",
+        f"the older numbers are in `docs/perf-notes.md`; {len(rows)} rows in summary.csv ({n_imp} imported: the",
+        "2026-11-30 lab notebook and reports measured on a GPU machine, `bench run --from-report`; raw logs in",
+        "`bench/results/archive/`). MODELLED units are predictions, not measurements.",
         "",
     ]
     for s in sorted(scenarios.values(), key=lambda s: s.name):
