@@ -767,7 +767,8 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
 // loads (stages are published empty), bit 1 = their consumers issue no wgmma (they wait for and free the stages).
 // Outputs are garbage; the task timeline then shows what the loads alone and the wgmmas alone cost (run 41). Bit 2 =
 // no A rows (the gathered x / h cp.async copies), bit 3 = no B tile (the TMA weight boxes): which of the two draws the
-// power under the 700 W cap (run 137).
+// power under the 700 W cap (run 137). Bit 4 = every TMA weight box from expert 0 (9.4 MB, kept in the L2, no
+// evict-first): the same L2 -> shared-memory bytes without the weights' DRAM reads.
 #ifndef MK_PROBE
 #define MK_PROBE 0
 #endif
@@ -1106,11 +1107,12 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
   if constexpr (T::XR > 0) tail = md.row_id[T::BM] >= 0;
   // TMA: the B tile's two boxes start at weight rows brow and brow2 (GEMM1: gate, up; GEMM2: 128 rows)
   const CUtensorMap* bmap = kind == MK_TASK_GEMM1 ? tm1 : tm2;
-  const int brow = kind == MK_TASK_GEMM1 ? (int)(e * 2 * p.I + nb * 64) : (int)(e * p.H + nb * BN);
+  const int we = MK_PROBE & 16 ? 0 : e;  // the expert whose weight boxes load
+  const int brow = kind == MK_TASK_GEMM1 ? (int)(we * 2 * p.I + nb * 64) : (int)(we * p.H + nb * BN);
   const int brow2 = kind == MK_TASK_GEMM1 ? brow + (int)p.I : brow + TMA_BOX_ROWS;
   // wide tile: four boxes, box b at tile row 64 b from weight row wbase + wide_box_row (gate, gate, up, up
   // for GEMM1; 256 consecutive rows for GEMM2)
-  const int64_t wbase = kind == MK_TASK_GEMM1 ? e * 2 * p.I : e * p.H;
+  const int64_t wbase = kind == MK_TASK_GEMM1 ? we * 2 * p.I : we * p.H;
   const int64_t wrows = weight_rows(p, kind);  // the k-tiled weights' rows
   for (int kt = 0; kt < KT; ++kt) {
     const uint32_t g = it + kt, slot = g % stages;
@@ -1124,11 +1126,12 @@ __device__ __forceinline__ void wg_produce(const MkParams& p, const Meta& md, co
 #pragma unroll
           for (int b = 0; b < 4; ++b)
             tma_load_2d(sB + b * TMA_BOX_ROWS * 128, bmap, kt * BK,
-                        (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full, p.l2_evict_w != 0,
-                        wrows);
+                        (int)(wbase + mkidx::wide_box_row(kind == MK_TASK_GEMM2, nb, b, p.I)), full,
+                        p.l2_evict_w != 0 && !(MK_PROBE & 16), wrows);
         } else {
-          tma_load_2d(sB, bmap, kt * BK, brow, full, p.l2_evict_w != 0, wrows);
-          tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full, p.l2_evict_w != 0, wrows);
+          tma_load_2d(sB, bmap, kt * BK, brow, full, p.l2_evict_w != 0 && !(MK_PROBE & 16), wrows);
+          tma_load_2d(sB + TMA_BOX_ROWS * 128, bmap, kt * BK, brow2, full,
+                      p.l2_evict_w != 0 && !(MK_PROBE & 16), wrows);
         }
       }
     }
