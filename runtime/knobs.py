@@ -8,6 +8,7 @@ divide the transfers per peer) live in `Knobs.check_workload`.
 from __future__ import annotations
 
 import hashlib
+import typing
 from typing import Any, Literal
 
 import msgspec
@@ -45,6 +46,9 @@ MK_MAX_COMBINE_TOKENS = 4096
 MK_KNOBS: tuple[str, ...] = ("engine", "mk_bm", "mk_stages", "mk_ctas_per_sm", "mk_processor_ctas",
                              "mk_combine_tokens", "mk_core", "mk_split_k", "mk_bn", "mk_overlap")
 MK_BNS: tuple[int, ...] = (0, 128, 256)
+# Upper bounds of the unbounded-looking integers: the C side takes them as 32-bit ints, and no workload has
+# a million transfers per fence or tokens per message
+MAX_GROUP_SIZE = MAX_CHUNK_TOKENS = 1 << 20
 # host_staged's ring of staging slots per (lane, sender, receiver): 2 is double buffering
 MIN_STAGING_SLOTS, MAX_STAGING_SLOTS = 2, 16
 
@@ -203,9 +207,23 @@ def _is_int(s: str) -> bool:
     return True
 
 
+def _check_types(k: Knobs) -> None:
+    # msgspec checks types in convert/decode only, not when a Knobs is constructed directly: a misspelt choice
+    # ("fp8") or a float would otherwise pass and be ignored or mis-hashed downstream
+    for name, choices in _CHOICES.items():
+        v = getattr(k, name)
+        if not isinstance(v, str) or v not in choices:
+            raise KnobError(f"must be one of {', '.join(choices)}, got {v!r}", (name,))
+    for name in _INTS:
+        v = getattr(k, name)
+        if type(v) is not int:
+            raise KnobError(f"must be an int, got {type(v).__name__} {v!r}", (name,))
+
+
 def _validate(k: Knobs) -> None:
-    if k.group_size < 0:
-        raise KnobError(f"must be >= 0 (0 = per PE), got {k.group_size}", ("group_size",))
+    _check_types(k)
+    if not 0 <= k.group_size <= MAX_GROUP_SIZE:
+        raise KnobError(f"must be in 0..{MAX_GROUP_SIZE} (0 = per PE), got {k.group_size}", ("group_size",))
     if k.signalling == "coupled" and k.group_size not in (PER_PE, 1):
         raise KnobError("a group size only applies when signalling=decoupled", ("group_size", "signalling"))
     allowed = ALLOWED_FENCE_MODES[k.transport]
@@ -225,8 +243,8 @@ def _validate(k: Knobs) -> None:
             "use qp_mapping=peer_hash or qps_per_pe=1",
             ("fence_mode", "qp_mapping", "qps_per_pe"),
         )
-    if k.chunk_tokens < 0:
-        raise KnobError(f"must be >= 0 (0 = no chunking), got {k.chunk_tokens}", ("chunk_tokens",))
+    if not 0 <= k.chunk_tokens <= MAX_CHUNK_TOKENS:
+        raise KnobError(f"must be in 0..{MAX_CHUNK_TOKENS} (0 = no chunking), got {k.chunk_tokens}", ("chunk_tokens",))
     if not 1 <= k.pipeline_depth <= 16:
         raise KnobError(f"must be in 1..16, got {k.pipeline_depth}", ("pipeline_depth",))
     if not 1 <= k.num_sms <= 264:
@@ -262,8 +280,6 @@ def _validate_megakernel(k: Knobs) -> None:
     if not 0 <= k.mk_combine_tokens <= MK_MAX_COMBINE_TOKENS:
         raise KnobError(f"must be 0 (auto) or in 1..{MK_MAX_COMBINE_TOKENS}, got {k.mk_combine_tokens}",
                         ("mk_combine_tokens",))
-    if k.mk_core not in MK_CORES:
-        raise KnobError(f"must be one of {', '.join(MK_CORES)}, got {k.mk_core!r}", ("mk_core",))
     if not 1 <= k.mk_split_k <= MK_MAX_SPLIT_K:
         raise KnobError(f"must be in 1..{MK_MAX_SPLIT_K} (1 = no split), got {k.mk_split_k}", ("mk_split_k",))
     if k.mk_bn not in MK_BNS:
@@ -283,20 +299,25 @@ def _validate_megakernel(k: Knobs) -> None:
 
 
 _DEFAULTS: dict[str, Any] = dict(zip(Knobs.__struct_fields__, Knobs.__struct_defaults__, strict=True))
+# each field's allowed strings (Literal fields) or int-ness, from the struct's own annotations
+_FIELD_TYPES = {f.name: f.type for f in msgspec.structs.fields(Knobs)}
+_CHOICES: dict[str, tuple[str, ...]] = {n: typing.get_args(tp) for n, tp in _FIELD_TYPES.items()
+                                        if typing.get_origin(tp) is Literal}
+_INTS: tuple[str, ...] = tuple(n for n, tp in _FIELD_TYPES.items() if tp is int)
 
 
 # What each knob means, for docs/settings.md (runtime/options.py generates it): name -> (values, meaning).
 KNOB_DOCS: dict[str, tuple[str, str]] = {
     "transport": (" / ".join(f"`{t}`" for t in TRANSPORTS), "How rows move between the ranks."),
     "signalling": ("`coupled` / `decoupled`", "One-sided transports: a signal per transfer, or one per group."),
-    "group_size": ("int >= 0", "Transfers per fence when decoupled; 0 = all transfers to one peer."),
+    "group_size": (f"int 0..{MAX_GROUP_SIZE}", "Transfers per fence when decoupled; 0 = all transfers to one peer."),
     "fence_mode": ("`proxy_drain` / `nic_ordered` / `none`", "Who orders PUT before SIGNAL (allowed values depend "
                    "on the transport)."),
     "qp_mapping": ("`round_robin` / `peer_hash`", "proxy/ibgda: how transfers map to queue pairs."),
     "qps_per_pe": ("int 1..64", "proxy/ibgda: queue pairs per remote PE."),
     "compression": ("`none` / `fp8_e4m3`", "Dispatch rows on the wire (combine is never compressed)."),
     "scale_granularity": ("`per_token` / `per_128`", "fp8 scales per token or per 128 values."),
-    "chunk_tokens": ("int >= 0", "Tokens per message (host_staged: rows per staging slot); 0 = one message per peer."),
+    "chunk_tokens": (f"int 0..{MAX_CHUNK_TOKENS}", "Tokens per message (host_staged: rows per staging slot); 0 = one message per peer."),
     "pipeline_depth": ("int 1..16", "Chunks the tokens are split into (1 = no pipelining)."),
     "num_sms": ("int 1..264", "SMs the one-sided kernels use."),
     "channels": ("int 1..64", "Communicators (lanes) per direction the chunks are spread over (at most 8 used)."),

@@ -14,7 +14,13 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"model shape: name must be a str, got {type(self.name).__name__}")
         for field in ("hidden", "intermediate", "experts", "topk"):
+            # the constructor does not type-check (msgspec does so only when decoding): 256.0 would pass here
+            if type(getattr(self, field)) is not int:
+                raise TypeError(f"model shape {self.name!r}: {field} must be an int, got "
+                                f"{type(getattr(self, field)).__name__} {getattr(self, field)!r}")
             if getattr(self, field) <= 0:
                 raise ValueError(f"model shape {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
         if self.topk > self.experts:
@@ -41,6 +47,8 @@ MODELS: dict[str, ModelShape] = {
 
 def get_model(spec: str) -> ModelShape:
     """A known name (`qwen3-30b`) or a custom shape `custom:H,I,E,K[,dtype]`."""
+    if not isinstance(spec, str):
+        raise TypeError(f"model spec must be a str (a name or custom:H,I,E,K[,dtype]), got {type(spec).__name__}")
     if spec in MODELS:
         return MODELS[spec]
     if spec.startswith("custom:"):

@@ -1016,7 +1016,8 @@ def test_l2_evict_weights_setting_rule_and_source() -> None:
     names = [f[0] for f in _lib.MkParams._fields_]
     assert names[names.index("pdl") + 1] == "l2_evict_w" and _lib.ABI_VERSION >= 14
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
-    assert src.count("tma_load_2d(") == src.count("p.l2_evict_w != 0,") + 1  # every call site, plus the definition
+    # every call site passes the launch's setting (the probe build of run 172 overrides it), plus the definition
+    assert src.count("tma_load_2d(") == src.count("p.l2_evict_w != 0,") + src.count("p.l2_evict_w != 0 && !(MK_PROBE & 16),") + 1
     assert 'if (p->l2_evict_w != 0 && p->l2_evict_w != 1) return fail_msg("mk: l2_evict_w must be 0 or 1");' in src
 
 

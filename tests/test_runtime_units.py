@@ -249,3 +249,31 @@ def test_world1_layer_runs_locally_without_the_buffer(monkeypatch) -> None:
     assert max_rel_err(layer.forward_routed(xs, idx, w), dense_reference(xs, model, seed=3, topk_idx=idx, topk_weights=w)) < 1e-5
     with pytest.raises(ValueError, match=r"x must be a \[S, 32\]"):
         layer(torch.randn(4, 31))
+
+
+@pytest.mark.parametrize("kw, name", [
+    ({"compression": "fp8"}, "compression"),     # a misspelt choice would have run uncompressed
+    ({"engine": "Megakernel"}, "engine"),         # ... or unfused
+    ({"transport": "nvlnk"}, "transport"),
+    ({"pipeline_depth": 2.5}, "pipeline_depth"),
+    ({"num_sms": 24.0}, "num_sms"),               # would hash differently from 24
+    ({"num_sms": "24"}, "num_sms"),
+    ({"group_size": True}, "group_size"),
+    ({"chunk_tokens": 1 << 32}, "chunk_tokens"),  # wraps to 0 as a C int
+    ({"transport": "proxy", "fence_mode": "proxy_drain", "signalling": "decoupled", "group_size": (1 << 20) + 1},
+     "group_size"),
+])
+def test_knobs_built_directly_check_types_and_limits(kw: dict, name: str) -> None:
+    with pytest.raises(KnobError) as e:
+        Knobs(**kw)
+    assert name in e.value.knobs and name in str(e.value)
+    assert Knobs(chunk_tokens=1 << 20).chunk_tokens == 1 << 20  # the limit itself is allowed
+
+
+@pytest.mark.parametrize("field, value", [("hidden", 256.0), ("topk", "2"), ("experts", True)])
+def test_model_shape_fields_must_be_ints(field: str, value: object) -> None:
+    d: dict = {"name": "x", "hidden": 256, "intermediate": 64, "experts": 8, "topk": 2, field: value}
+    with pytest.raises(TypeError, match=field):
+        ModelShape(**d)
+    with pytest.raises(TypeError, match="model spec must be a str"):
+        get_model(None)  # type: ignore[arg-type]

@@ -23,6 +23,8 @@ from moetune.runtime.knobs import (
     COMPRESSIONS,
     ENGINES,
     FENCE_MODES,
+    MAX_CHUNK_TOKENS,
+    MAX_GROUP_SIZE,
     MAX_STAGING_SLOTS,
     MIN_STAGING_SLOTS,
     MK_CORES,
@@ -58,9 +60,9 @@ CATEGORICAL: dict[str, tuple[str, ...]] = {
 }
 # Integer knobs and their hard limits (runtime/knobs.py validation).
 INTEGER: dict[str, tuple[int, int]] = {
-    "group_size": (0, 1 << 20),
+    "group_size": (0, MAX_GROUP_SIZE),
     "qps_per_pe": (1, 64),
-    "chunk_tokens": (0, 1 << 20),
+    "chunk_tokens": (0, MAX_CHUNK_TOKENS),
     "pipeline_depth": (1, 16),
     "num_sms": (1, 264),
     "channels": (1, 64),
