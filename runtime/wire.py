@@ -32,6 +32,7 @@ from moetune.runtime.knobs import Knobs
 from moetune.runtime.profile_record import (
     ProfileKey,
     ProfileRecord,
+    ProfileStatus,
     Provenance,
     default_measured_on,
     unlabelled_provenance,
@@ -165,7 +166,7 @@ class ProfileResult(msgspec.Struct, kw_only=True):
     key: ProfileKey
     knobs: Knobs
     profile_hash: str
-    status: str
+    status: ProfileStatus  # the store's statuses are all a daemon can send; anything else is not from one
     latency_us: float
     spread_us: float
     backend: str
@@ -338,9 +339,18 @@ def decode_request(frame: bytes, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> 
         raise _classify(frame, e) from None
     except msgspec.DecodeError as e:
         raise WireError(E_BAD_JSON, f"not valid JSON: {e}") from None
+    except Exception as e:  # broad: a hostile frame (e.g. nested 5000 deep: RecursionError) is bad input, not a crash
+        raise _undecodable(e) from None
     if req.v != PROTOCOL_VERSION:
         raise WireError(E_UNSUPPORTED_VERSION, f"protocol version {req.v} is not supported (want {PROTOCOL_VERSION})", req.id)
     return req
+
+
+def _undecodable(e: Exception) -> WireError:
+    """The bad-JSON error for a frame the decoder failed on in an unexpected way."""
+    if isinstance(e, RecursionError):
+        return WireError(E_BAD_JSON, "not valid JSON: nested too deeply")
+    return WireError(E_BAD_JSON, f"not valid JSON: {type(e).__name__}")
 
 
 def _classify(frame: bytes, err: msgspec.ValidationError) -> WireError:
@@ -350,6 +360,8 @@ def _classify(frame: bytes, err: msgspec.ValidationError) -> WireError:
         obj = msgspec.json.decode(frame)
     except msgspec.DecodeError as e:  # pragma: no cover - the typed decode would have said so
         return WireError(E_BAD_JSON, f"not valid JSON: {e}")
+    except Exception as e:  # broad: the typed decode can fail early on a frame this untyped one chokes on
+        return _undecodable(e)
     rid = _safe_id(obj)
     if not isinstance(obj, dict):
         return WireError(E_BAD_REQUEST, f"a request is a JSON object, got {type(obj).__name__}", rid)

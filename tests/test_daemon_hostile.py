@@ -48,7 +48,8 @@ def _hostile_frames(rng: random.Random) -> list[tuple[bytes, str]]:
         (b'{"v":9,"id":8,"op":"hello"}', wire.E_UNSUPPORTED_VERSION),
         (b"null", wire.E_BAD_REQUEST),
         (b'{"v":1,"id":9,"op":"hello","extra":[1,2,3]}', wire.E_UNKNOWN_FIELD),
-        (json.dumps({"v": 1, "id": 10, "op": "hello", "client": "x" * 70000}).encode(), wire.E_TOO_LARGE),
+        # over max_request_bytes but under ZMQ_MAXMSGSIZE (the cap + 1 KiB): answered, not dropped
+        (json.dumps({"v": 1, "id": 10, "op": "hello", "client": "x" * 65600}).encode(), wire.E_TOO_LARGE),
         (b'{"v":1,"id":11,"op":"get_profile","ep_size":2,"tokens":3000,"model":"qwen3-30b","fingerprint":"' + str(rng.random()).encode() + b'"}', wire.E_NOT_FOUND),
         (b"\x80\x81\x82msgpack?", wire.E_BAD_JSON),
         (b"\xac\xed\x00\x05pickle?", wire.E_BAD_JSON),

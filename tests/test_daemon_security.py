@@ -130,7 +130,7 @@ def test_tcp_without_curve_refused(tmp_path: Path) -> None:
     # explicitly allowed (trusted loopback test): serves
     d = F.DaemonProc(tmp_path, endpoint=f"tcp://127.0.0.1:{port}", extra=["--allow-insecure-tcp"], interval=0)
     try:
-        assert d.wait_ready().protocol == 1
+        assert d.wait_ready(allow_insecure_tcp=True).protocol == 1  # the client must opt in to plain text too
         assert "INSECURE" in d.read_log()
     finally:
         d.kill()

@@ -18,9 +18,12 @@ software (`ProfileRecord.is_tuned_for`; the node's identity: `node_identity`). A
 node's calibrated model or a shipped preset) is used only with `allow_modelled=True` (or
 `MOETUNE_CLIENT_ALLOW_MODELLED=1`) and then labelled MODELLED in the warning and the resolution. A reply
 that does not validate (not JSON, wrong types, another protocol version, unknown fields) is `BadReply`
-and falls back like a silent daemon. A profile whose transport this runtime does not have falls back
-too. Sockets and `daemon.json` are used only from a runtime directory this user may trust
-(`paths.untrusted_dir_reason`); environment variables only as `launcher_env` produces them.
+and falls back like a silent daemon; so is a reply that does not answer the request (another key, a bucket
+the daemon would not pick, a profile that is not current). A profile whose transport this runtime does not
+have falls back too. Sockets and `daemon.json` are used only from a runtime directory this user may trust
+(`paths.untrusted_dir_reason`); environment variables only as `launcher_env` computes them here from the
+profile's knobs (a reply's own `env` is never exported). A tcp:// endpoint is used only with CURVE (or,
+explicitly, plain text on loopback); the PUB endpoint a daemon names must be reached like its request socket.
 
 Where things are found: `moetune.runtime.paths` (`default_endpoint`, `runtime_dir_candidates`,
 `client_db_path`); the daemon writes `daemon.json` next to its socket (endpoint, PUB endpoint, database
@@ -29,6 +32,7 @@ path, fingerprint, software hash and transport families of the node).
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import logging
@@ -68,13 +72,13 @@ from moetune.runtime.profile_record import (
     unlabelled_provenance,
 )
 from moetune.runtime.profiles import node_identity
-from moetune.runtime.profiles.launcher_env import allowed_env, launcher_env
+from moetune.runtime.profiles.launcher_env import allowed_env, env_refusal, launcher_env
 from moetune.runtime.shapes import ModelShape
 
 __all__ = [
     "INFO_NAME", "PUB_SOCKET_NAME", "SOCKET_NAME", "BadReply", "DaemonError", "DaemonUnavailable", "FallbackWarning",
-    "ProfileClient", "Resolution", "TrackedProfile", "default_endpoint", "pick_profile", "policy_or_default",
-    "query_db_profiles", "read_daemon_info", "runtime_dir_candidates", "warn_fallback",
+    "ProfileClient", "Resolution", "TrackedProfile", "default_endpoint", "is_loopback_host", "pick_profile",
+    "policy_or_default", "query_db_profiles", "read_daemon_info", "runtime_dir_candidates", "tcp_host", "warn_fallback",
 ]
 
 log = logging.getLogger("moetune.client")
@@ -299,7 +303,7 @@ def _decode_reply(frame: bytes) -> wire.RawReply:
     try:
         rep = wire.reply_decoder.decode(frame)
         unknown = _unknown_fields(msgspec.json.decode(frame), _REPLY_INFO)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:  # RecursionError: nested too deep
         raise BadReply(f"reply does not validate: {e}") from None
     if rep.v != wire.PROTOCOL_VERSION:
         raise BadReply(f"reply of protocol version {rep.v}, this runtime speaks {wire.PROTOCOL_VERSION} "
@@ -313,11 +317,55 @@ def _decode_result(op: str, raw: msgspec.Raw) -> Any:
     try:
         res = wire.decode_result(op, raw)
         unknown = _unknown_fields(msgspec.json.decode(raw), mi.type_info(wire.RESULT_TYPES[op]))
-    except (msgspec.DecodeError, msgspec.ValidationError, KnobError, ValueError, TypeError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, KnobError, ValueError, TypeError, RecursionError) as e:
         raise BadReply(f"{op} result does not validate: {e}") from None
     if unknown:
         raise BadReply(f"{op} result has unknown fields {', '.join(unknown[:5])} (a newer daemon?)")
     return res
+
+
+def _reply_mismatch(r: wire.ProfileResult, *, model: ModelShape, ep_size: int, tokens: int, nodes: int,
+                    transport_family: str | None) -> str | None:
+    """Why a get_profile reply does not answer the request `resolve` sent (None when it does).
+
+    Only what the daemon's lookup can legitimately return passes: the asked key, a current profile, a token
+    bucket within one rung of the asked tokens (`nearest_bucket_within`, as the daemon picks), and an engine
+    family only when one was asked for."""
+    k = r.key
+    if r.status != "current":
+        return f"profile status is {r.status!r}, not 'current'"
+    want = {"ep_size": ep_size, "nodes": nodes, "hidden": model.hidden, "intermediate": model.intermediate,
+            "experts": model.experts, "topk": model.topk, "dtype": model.dtype}
+    for name, value in want.items():
+        if getattr(k, name) != value:
+            return f"key {name} is {str(getattr(k, name))[:64]!r}, the request asked for {value!r}"
+    if transport_family is not None and k.transport_family != transport_family:
+        return f"transport family {k.transport_family[:64]!r}, the request asked for {transport_family!r}"
+    if transport_family is None and k.transport_family in ENGINE_FAMILIES:
+        return f"engine family {k.transport_family!r}, which is served only when asked for"
+    if nearest_bucket_within(tokens, [k.token_bucket]) != k.token_bucket:
+        return f"token bucket {k.token_bucket} is not one the daemon picks for {tokens} tokens"
+    return None
+
+
+def tcp_host(endpoint: str) -> str:
+    """The host of a `tcp://HOST:PORT` endpoint, lower-cased and without IPv6 brackets."""
+    host = endpoint[len("tcp://") :].rpartition(":")[0]
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host.lower()
+
+
+def is_loopback_host(host: str) -> bool:
+    """127.0.0.0/8, ::1 (also IPv4-mapped) or localhost: the only hosts plain-text TCP is allowed on."""
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a name or an interface (eth0, *): may reach beyond this host
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 # -- the client -------------------------------------------------------------------------------------
@@ -366,7 +414,12 @@ class ProfileClient:
         context: zmq.Context | None = None,
         env: Mapping[str, str] = os.environ,
         allow_modelled: bool | None = None,
+        allow_insecure_tcp: bool = False,
     ):
+        """`allow_insecure_tcp`: talk plain-text TCP to a loopback daemon started with allow_insecure_tcp (tests
+        only; an argument, never read from the config or the environment). Otherwise a tcp:// endpoint needs the
+        daemon's CURVE public key (`curve_server_key`, or the file client.curve_server_key_file /
+        MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE names); without one every request raises DaemonUnavailable."""
         cfg = _client_config(env)  # the TOML [client] section (+ MOETUNE_CLIENT_* variables); None if unreadable
         self.endpoint = endpoint or (cfg.socket if cfg else default_endpoint(env))
         if timeout_ms is None:
@@ -388,20 +441,34 @@ class ProfileClient:
         self._env = env
         self._db_path = Path(db_path) if db_path else None
         self._curve = None
+        # Why this client will not talk to its tcp:// endpoint (raised as DaemonUnavailable on use, so that the
+        # fallback chain still runs): never plain text by accident.
+        self._refusal: str | None = None
+        self._allow_insecure_tcp = allow_insecure_tcp
         key_file = (cfg.curve_server_key_file if cfg else "") or env.get("MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE", "")
         own_file = cfg.curve_secret_key_file if cfg else ""
-        if self.endpoint.startswith("tcp://") and (key_file or own_file):
+        if self.endpoint.startswith("tcp://"):
             from zmq.auth import load_certificate
 
-            try:
-                if curve_server_key is None and key_file:
+            if curve_server_key is None and key_file:
+                try:
                     curve_server_key, _ = load_certificate(key_file)
-                if own_file and (curve_public_key is None or curve_secret_key is None):
+                except (OSError, ValueError) as e:
+                    self._refusal = f"the daemon's CURVE public key file {key_file} is unusable ({e})"
+            if self._refusal is None and own_file and (curve_public_key is None or curve_secret_key is None):
+                try:
                     curve_public_key, curve_secret_key = load_certificate(own_file)
                     if not curve_secret_key:
-                        raise ValueError(f"{own_file} holds no secret key")
-            except (OSError, ValueError) as e:  # a bad key file means no daemon, not a crash: fall back
-                log.warning("moetune: CURVE key files unusable (%s); the daemon will not answer", e)
+                        raise ValueError("it holds no secret key")
+                except (OSError, ValueError) as e:
+                    self._refusal = f"this client's CURVE secret key file {own_file} is unusable ({e})"
+            if self._refusal is None and curve_server_key is None and not allow_insecure_tcp:
+                self._refusal = ("no CURVE public key of the daemon is configured (client.curve_server_key_file or "
+                                 "MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE): refusing plain-text TCP")
+            if self._refusal is None and curve_server_key is None and not is_loopback_host(tcp_host(self.endpoint)):
+                self._refusal = "allow_insecure_tcp covers loopback addresses only: refusing plain-text TCP"
+            if self._refusal is not None:
+                log.warning("moetune: not connecting to %s: %s", self.endpoint, self._refusal)
         if curve_server_key is not None:
             if curve_public_key is None or curve_secret_key is None:
                 curve_public_key, curve_secret_key = zmq.curve_keypair()
@@ -455,7 +522,10 @@ class ProfileClient:
         return True
 
     def _check_endpoint(self) -> None:
-        """DaemonUnavailable unless the IPC socket exists in a directory this user may trust."""
+        """DaemonUnavailable unless the IPC socket exists in a directory this user may trust, or the
+        tcp:// endpoint is secured (or explicitly allowed in plain text on loopback)."""
+        if self._refusal is not None:
+            raise DaemonUnavailable(f"not connecting to {self.endpoint}: {self._refusal}")
         if not self.daemon_socket_exists():
             raise DaemonUnavailable(f"no daemon socket at {self.endpoint} (absent or not accessible)")
         p = ipc_path(self.endpoint)
@@ -544,8 +614,12 @@ class ProfileClient:
         """Connect the SUB socket (do this BEFORE fetching the snapshot)."""
         if self._sub is not None:
             return
+        named_by_daemon = pub_endpoint is None
         if pub_endpoint is None:
             pub_endpoint = self.hello().pub_endpoint
+        why = self._pub_problem(pub_endpoint, named_by_daemon)
+        if why is not None:
+            raise DaemonUnavailable(f"not subscribing to {pub_endpoint[:256]!r}: {why}")
         s = self._ctx.socket(zmq.SUB)
         s.linger = 0
         self._secure(s)
@@ -553,6 +627,33 @@ class ProfileClient:
             s.setsockopt(zmq.SUBSCRIBE, t.encode())
         s.connect(pub_endpoint)
         self._sub = s
+
+    def _pub_problem(self, pub: str, named_by_daemon: bool) -> str | None:
+        """Why not to connect a SUB socket to `pub`. One the daemon's hello named must be reached the way the
+        request socket is: same scheme, for tcp the same host. Any: tcp only secured like the request socket
+        (CURVE, or the explicit loopback allowance), ipc only a socket this user may trust."""
+        scheme = pub.partition("://")[0]
+        if named_by_daemon:
+            ours = self.endpoint.partition("://")[0]
+            if scheme != ours:
+                return f"not the request endpoint's transport ({ours}://)"
+            if scheme == "tcp" and tcp_host(pub) != tcp_host(self.endpoint):
+                return f"not on the request endpoint's host ({tcp_host(self.endpoint)})"
+        if scheme == "tcp":
+            port = pub.rpartition(":")[2]
+            if not port.isdigit() or not 1 <= int(port) <= 65535:
+                return "expected tcp://HOST:PORT"
+            if self._refusal is not None:
+                return self._refusal
+            if self._curve is None and not (self._allow_insecure_tcp and is_loopback_host(tcp_host(pub))):
+                return "no CURVE key for it, and plain-text TCP is allowed only explicitly, on loopback"
+            return None
+        if scheme != "ipc":
+            return "only ipc:// and tcp:// are supported"
+        p = ipc_path(pub)
+        if p is None or not p.is_absolute():
+            return "not an absolute ipc:// path"
+        return untrusted_socket_reason(p)
 
     def poll_changes(self, timeout_ms: int = 0) -> list[wire.Change]:
         """Changes newer than `self.version` (received so far, waiting up to timeout_ms for the first)."""
@@ -565,7 +666,7 @@ class ProfileClient:
             frames = self._sub.recv_multipart()
             try:
                 ch = wire.decode_change(frames)
-            except (wire.WireError, msgspec.DecodeError, msgspec.ValidationError):
+            except (wire.WireError, msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 continue
             if self.epoch is not None and ch.epoch != self.epoch:
                 self.restarted = True  # a new daemon: versions restart, refetch everything
@@ -613,13 +714,21 @@ class ProfileClient:
         try:
             r = self.get_profile(ep_size=ep_size, tokens=tokens, nodes=nodes, model=model,
                                  transport_family=transport_family, timeout_ms=int(budget * 1000))
+            mismatch = _reply_mismatch(r, model=model, ep_size=ep_size, tokens=tokens, nodes=nodes,
+                                       transport_family=transport_family)
+            if mismatch is not None:
+                raise BadReply(f"reply does not answer the request: {mismatch}")
             prov = provenance_of(r)
             verdict, why = self._judge(r.key, r.knobs, prov, ident, transport_ok)
             if verdict is None:
                 problems.append(f"daemon served profile {r.profile_hash}: {why}")
             else:
-                env, refused = allowed_env(r.env)
-                problems += [f"daemon reply: not exporting {x}" for x in refused]
+                # The env is a function of the (validated) knobs, family and nodes: recomputed here, so the
+                # reply's own `env` is never exported; where it differs, the warning says what was left out.
+                env, refused = allowed_env(launcher_env(r.knobs, r.key.transport_family, r.key.nodes))
+                refused += [env_refusal(k, v) or f"{k[:64]}={v[:64]!r} (not what the profile's knobs need)"
+                            for k, v in r.env.items() if env.get(k) != v]
+                problems += [f"daemon reply: not exporting {x}" for x in refused[:8]]
                 if verdict == "modelled":
                     problems.append(f"daemon served a MODELLED profile ({why}); used because allow_modelled is set")
                 res = Resolution(knobs=r.knobs, source="daemon", profile_hash=r.profile_hash, status=r.status, env=env,

@@ -16,16 +16,26 @@ from moetune.runtime.knobs import Knobs
 
 log = logging.getLogger("moetune.autoload")
 
-_POS_INT = re.compile(r"[1-9][0-9]{0,5}")
+
+def _int_in(lo: int, hi: int) -> re.Pattern[str]:
+    """Exactly the decimal integers lo..hi (no sign, no leading zero)."""
+    return re.compile("|".join(str(i) for i in range(hi, lo - 1, -1)))
+
+
+# The knob ranges (runtime/knobs.py: qps_per_pe and channels are 1..64): a value outside them is not one a
+# valid knob set could have produced, so it is refused even though it would parse.
+_QPS_PER_PE = _int_in(1, 64)
+_CHANNELS = _int_in(2, 64)  # launcher_env sets the NCCL channel variables only for channels > 1
+
 # Every variable launcher_env can set, with the values it can set (a test enumerates launcher_env's
 # outputs over every transport and family and checks both directions).
 ENV_RULES: dict[str, re.Pattern[str]] = {
     "NVSHMEM_IB_ENABLE_IBGDA": re.compile(r"[01]"),
     "NVSHMEM_REMOTE_TRANSPORT": re.compile(r"ibrc|ucx|libfabric|none"),
     "NVSHMEM_LIBFABRIC_PROVIDER": re.compile(r"[a-z][a-z0-9_]{0,31}"),  # cxi, efa, verbs, ...
-    "NVSHMEM_IBGDA_NUM_RC_PER_PE": _POS_INT,
-    "NCCL_MIN_NCHANNELS": _POS_INT,
-    "NCCL_MAX_NCHANNELS": _POS_INT,
+    "NVSHMEM_IBGDA_NUM_RC_PER_PE": _QPS_PER_PE,
+    "NCCL_MIN_NCHANNELS": _CHANNELS,
+    "NCCL_MAX_NCHANNELS": _CHANNELS,
 }
 
 

@@ -9,7 +9,6 @@ _LAZY = {
     "CACHE_LIMIT": ".index",
     "Daemon": ".server",
     "DaemonConfigError": ".server",
-    "HARD_CAP_FACTOR": ".server",
     "JsonFormatter": ".server",
     "ProfileIndex": ".index",
     "ShapeKey": ".index",
@@ -41,7 +40,6 @@ __getattr__ = lazy_getattr(__name__, _LAZY)
 __all__ = [
     "CACHE_LIMIT",
     "HANDLERS",
-    "HARD_CAP_FACTOR",
     "TUNE_BACKENDS",
     "Daemon",
     "DaemonConfigError",

@@ -15,8 +15,9 @@ The PUB socket is shared by the workers under a lock; the serving loop never wai
 Security: the daemon never deletes or chmods what it did not create. The IPC directory is created
 0700 (0750 with a configured group) and marked as ours; an existing directory is used as it is. An
 existing file at the socket path is refused unless it is a dead socket this daemon's owner record
-proves was ours. `tcp://` needs CURVE keys unless `allow_insecure_tcp`, and then clients are
-authenticated by pyzmq's ZAP authenticator against an allow-list of client public keys.
+proves was ours. `tcp://` needs CURVE keys unless `allow_insecure_tcp` (loopback addresses only), and then
+clients are authenticated by pyzmq's ZAP authenticator against an allow-list of client public keys. One bad
+frame never ends the serving loop: it is answered with an error (or its connection dropped).
 The daemon is the single writer of its database; everyone else opens it read-only.
 """
 
@@ -36,6 +37,7 @@ import signal
 import socket as pysocket
 import stat
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -50,7 +52,7 @@ import zmq
 
 from moetune.runtime import wire
 from moetune.runtime.profile_record import ProfileRecord
-from moetune.runtime.profiles.client import INFO_NAME, PUB_SOCKET_NAME
+from moetune.runtime.profiles.client import INFO_NAME, PUB_SOCKET_NAME, is_loopback_host, tcp_host
 from moetune.tuner.daemon import handlers
 from moetune.tuner.daemon.index import CACHE_LIMIT, LIST_CACHE_LIMIT, ProfileIndex, ShapeKey, read_profiles
 from moetune.tuner.daemon.jobs import (
@@ -70,7 +72,11 @@ log = logging.getLogger("moetune.daemon")
 __all__ = ["CACHE_LIMIT", "Daemon", "DaemonConfigError", "ProfileIndex", "ShapeKey", "TuneSettings", "default_diff",
            "make_discover"]
 
-HARD_CAP_FACTOR = 16  # ZMQ_MAXMSGSIZE = this x max_request_bytes: bigger frames drop the connection
+# ZMQ_MAXMSGSIZE = max_request_bytes + this: a frame a little over the cap is answered `too_large`, a bigger
+# one drops the connection. libzmq bounds each frame, not the frames per message: a multipart message is
+# buffered whole before the serving loop sees (and drops) it, so peers allowed to connect are trusted not
+# to flood (IPC: the owner and its group; TCP: the CURVE allow-list).
+MAXMSG_SLACK = 1024
 MAX_REQUEST_BYTES_LIMIT = 16 << 20  # a request cap above this is a configuration mistake
 LIST_QUEUE = 8  # uncached list requests waiting for the list worker; more are answered `busy`
 RUNTIME_MARK = ".moetune-runtime-dir"  # in a directory the daemon created: proof that it may tighten it
@@ -116,9 +122,9 @@ def prepare_runtime_dir(d: Path, group: str = "") -> bool:
     """Make sure the directory of an IPC socket is safe to bind in. Returns True when we created it.
 
     A missing directory is created 0700 (0750 with `group`) and marked as ours; only a directory with
-    our mark is ever chmod-ed or chown-ed again. An existing directory is used as it is, provided a
-    stranger cannot replace our socket in it: it must be ours, or not writable by others, or sticky
-    (like /tmp, where only a file's owner may remove it)."""
+    our mark is ever chmod-ed or chown-ed again. An existing directory is used as it is (never chmod-ed),
+    provided nobody else can replace our socket in it: whoever owns it, it must not be writable by group
+    or others, unless sticky (like /tmp, where only a file's owner may remove it)."""
     gid = _group_id(group)
     mode = 0o750 if gid is not None else 0o700
     created = False
@@ -147,9 +153,10 @@ def prepare_runtime_dir(d: Path, group: str = "") -> bool:
             os.chmod(d, mode)
         return created
     others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if st.st_uid != os.getuid() and others_write and not st.st_mode & stat.S_ISVTX:
-        raise DaemonConfigError(f"socket directory {d} belongs to uid {st.st_uid} and others may write in it "
-                                "without the sticky bit: anyone could replace the socket; use a directory of your own")
+    if others_write and not st.st_mode & stat.S_ISVTX:
+        raise DaemonConfigError(f"socket directory {d} (mode {stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}) is "
+                                "writable by group or others without the sticky bit: they could replace the socket; "
+                                f"use a directory only its owner may write (e.g. chmod go-w {d})")
     return created
 
 
@@ -493,7 +500,16 @@ class Daemon(FabricWatch):
         import fcntl
 
         path = Path(self.db_path).with_name(Path(self.db_path).name + ".daemon-lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:  # never through a link: a planted one would have us truncate its target
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        except OSError as e:
+            why = "it is a symbolic link" if os.path.islink(path) else (e.strerror or str(e))
+            raise DaemonConfigError(f"cannot open the database lock {path}: {why}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            os.close(fd)
+            raise DaemonConfigError(f"the database lock {path} is not a regular file of this user (uid {os.getuid()}): "
+                                    "refusing to write to it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -522,6 +538,11 @@ class Daemon(FabricWatch):
                 raise DaemonConfigError(
                     f"refusing to listen on {ep} without CURVE keys: run `moetune keys generate DIR` and set "
                     "daemon.curve_secret_key_file (or set daemon.allow_insecure_tcp = true for a trusted loopback test)"
+                )
+            if not self.curve_secret_key_file and not is_loopback_host(tcp_host(ep)):
+                raise DaemonConfigError(
+                    f"refusing to listen on {ep} without CURVE keys: allow_insecure_tcp is for loopback addresses only "
+                    "(127.0.0.0/8, ::1, localhost); use CURVE keys (`moetune keys generate DIR`) for any other address"
                 )
         if self.curve_secret_key_file:
             load_curve_keys(self.curve_secret_key_file)
@@ -582,7 +603,7 @@ class Daemon(FabricWatch):
         r = self._ctx.socket(zmq.ROUTER)
         r.linger = 0
         r.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        r.setsockopt(zmq.MAXMSGSIZE, self.max_request_bytes * HARD_CAP_FACTOR)
+        r.setsockopt(zmq.MAXMSGSIZE, self.max_request_bytes + MAXMSG_SLACK)
         r.sndhwm = 10000
         r.rcvhwm = 10000
         self._router = r
@@ -624,17 +645,24 @@ class Daemon(FabricWatch):
         if (path.exists() or path.is_symlink()) and not _owned_file(path):
             log.warning("not writing %s: a file there is not ours", path)
             return
-        tmp = path.with_name(f".{INFO_NAME}.{os.getpid()}")
+        gid = _group_id(self.group)
+        tmp: str | None = None
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640 if self.group else 0o600)
+            # mkstemp: a fresh, unguessable name opened O_CREAT|O_EXCL|O_NOFOLLOW, 0600: nothing planted is followed
+            fd, tmp = tempfile.mkstemp(prefix=f".{INFO_NAME}.", dir=path.parent)
             with os.fdopen(fd, "w") as f:
+                if gid is not None:
+                    os.fchown(f.fileno(), -1, gid)
+                    os.fchmod(f.fileno(), 0o640)
                 json.dump(data, f)
-            gid = _group_id(self.group)
-            if gid is not None:
-                os.chown(tmp, -1, gid)
             os.replace(tmp, path)
+            tmp = None
         except OSError as e:
             log.warning("cannot write %s: %s", path, e)
+        finally:
+            if tmp is not None:  # ours (just created), left behind by a failed write
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     # -- serving loop ------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -675,7 +703,12 @@ class Daemon(FabricWatch):
                     else:
                         self.metrics.dropped_frames += 1
                         continue
-                    reply, op, outcome = handle(body, head)
+                    try:
+                        reply, op, outcome = handle(body, head)
+                    except Exception as e:  # broad: one frame must never end the serving loop
+                        log.exception("request frame failed")
+                        op, outcome = "invalid", wire.E_INTERNAL
+                        reply = wire.encode_error(None, self.epoch, wire.E_INTERNAL, f"request failed: {type(e).__name__}")
                     if reply is None:
                         continue  # handed to the list worker, which answers
                     try:

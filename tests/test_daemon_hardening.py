@@ -1,0 +1,423 @@
+"""Hardening after the security review: hostile nesting never ends the daemon, the client takes only a reply
+that answers its request (and recomputes its environment), frames are capped near the request cap, the
+runtime directory, daemon.json and the lock file cannot be redirected, TCP is never plain text by accident,
+the PUB endpoint a daemon names is checked, and plain-text TCP is loopback only."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime import wire
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profiles import client, launcher_env
+from moetune.runtime.profiles.client import BadReply, DaemonUnavailable, FallbackWarning, ProfileClient
+from moetune.runtime.shapes import MODELS
+from moetune.runtime.testing.launch import free_port
+from moetune.tuner.daemon.server import Daemon, DaemonConfigError, prepare_runtime_dir
+
+pytestmark = pytest.mark.timeout(120)
+QWEN = MODELS["qwen3-30b"]
+FP, SW = "f" * 16, "5" * 16
+DEEP = b"[" * 5000 + b"]" * 5000
+DEEP_FIELD = b'{"v":1,"id":1,"op":"hello","client":' + DEEP + b"}"
+DEEP_UNKNOWN = b'{"v":1,"id":1,"op":"hello","x":' + DEEP + b"}"  # the typed decode stops early; _classify does not
+
+
+def _dealer(ctx: zmq.Context, endpoint: str, timeout_ms: int = 3000) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    s.rcvtimeo = timeout_ms
+    s.connect(endpoint)
+    return s
+
+
+def _daemon(tmp: Path, **kw: Any) -> Daemon:
+    facts = F.FakeFacts({"gpu_model": "H200"})
+    kw.setdefault("endpoint", f"ipc://{tmp}/run/daemon.sock")
+    return Daemon(store=F.open_store(tmp / "moetune.db"), discover=lambda: facts, rediscover_interval_s=0, **kw)
+
+
+# -- 1: deep nesting is bad JSON; one frame never ends the serving loop ---------------------------------------
+@pytest.mark.parametrize("frame", [DEEP, DEEP_FIELD, DEEP_UNKNOWN])
+def test_deep_nesting_is_bad_json(frame: bytes) -> None:
+    with pytest.raises(wire.WireError) as e:
+        wire.decode_request(frame)
+    assert e.value.code == wire.E_BAD_JSON and "nested too deeply" in e.value.message
+
+
+def test_deeply_nested_frames_do_not_kill_serve(tmp_path: Path) -> None:
+    with F.seeded_daemon(tmp_path, interval=0) as (d, _facts):
+        ctx = zmq.Context()
+        s = _dealer(ctx, d.endpoint)
+        try:
+            for frame in (DEEP, DEEP_FIELD, DEEP_UNKNOWN):
+                s.send(frame)
+                rep = msgspec.json.decode(s.recv())
+                assert rep["ok"] is False and rep["error"]["code"] == wire.E_BAD_JSON
+            s.send(b'{"v":1,"id":7,"op":"hello"}')
+            rep = msgspec.json.decode(s.recv())
+            assert rep["id"] == 7 and rep["ok"] is True
+        finally:
+            s.close()
+            ctx.term()
+        assert d.proc.poll() is None
+
+
+def test_a_failing_frame_is_answered_internal_and_serving_goes_on(tmp_path: Path) -> None:
+    d = _daemon(tmp_path)
+    real = d._handle
+
+    def handle(frame: bytes, head: list[bytes] | None = None) -> tuple[bytes | None, str, str]:
+        if frame == b"boom":
+            raise RuntimeError("unexpected")
+        return real(frame, head)
+
+    d._handle = handle  # type: ignore[method-assign]
+    d.start(background=True)
+    ctx = zmq.Context()
+    s = _dealer(ctx, d.endpoint)
+    try:
+        s.send(b"boom")
+        rep = msgspec.json.decode(s.recv())
+        assert rep["ok"] is False and rep["error"]["code"] == wire.E_INTERNAL
+        s.send(b'{"v":1,"id":2,"op":"hello"}')
+        assert msgspec.json.decode(s.recv())["ok"] is True
+    finally:
+        s.close()
+        ctx.term()
+        d.stop()
+
+
+# -- 3: a frame is capped at the request cap + 1 KiB -----------------------------------------------------------
+def test_frames_capped_near_the_request_cap(tmp_path: Path) -> None:
+    d = _daemon(tmp_path, max_request_bytes=4096).start(background=True)
+    ctx = zmq.Context()
+    try:
+        assert d._router is not None and d._router.getsockopt(zmq.MAXMSGSIZE) == 4096 + 1024
+        s = _dealer(ctx, d.endpoint)
+        s.send(b"x" * 4200)  # over the cap, inside the slack: a clear error
+        assert msgspec.json.decode(s.recv())["error"]["code"] == wire.E_TOO_LARGE
+        big = _dealer(ctx, d.endpoint, timeout_ms=500)
+        big.send(b"x" * (4096 + 2048))  # over ZMQ_MAXMSGSIZE: the connection is dropped
+        with pytest.raises(zmq.Again):
+            big.recv()
+        big.close()
+        s.send(b'{"v":1,"id":3,"op":"hello"}')
+        assert msgspec.json.decode(s.recv())["ok"] is True
+        s.close()
+    finally:
+        ctx.term()
+        d.stop()
+
+
+# -- 4: runtime directory, daemon.json, lock file --------------------------------------------------------------
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o730])
+def test_writable_runtime_dir_is_refused_whoever_owns_it(tmp_path: Path, mode: int) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chmod(run, mode)
+    with pytest.raises(DaemonConfigError, match=f"{run}.*mode {mode:o}"):
+        prepare_runtime_dir(run)
+    assert stat.S_IMODE(os.stat(run).st_mode) == mode  # refused, never chmod-ed
+    os.chmod(run, 0o1777)  # sticky: only a file's owner may replace it
+    assert prepare_runtime_dir(run) is False
+    assert stat.S_IMODE(os.stat(run).st_mode) == 0o1777
+
+
+def test_daemon_json_never_written_through_a_planted_link(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (run / f".daemon.json.{os.getpid()}").symlink_to(victim)  # the temp name the daemon used to use
+    d = _daemon(tmp_path).start(background=True)
+    try:
+        info = run / "daemon.json"
+        assert stat.S_ISREG(os.lstat(info).st_mode) and json.loads(info.read_text())["running"] is True
+        assert stat.S_IMODE(os.lstat(info).st_mode) == 0o600
+    finally:
+        d.stop()
+    assert victim.read_text() == "precious"
+    assert stat.S_ISREG(os.lstat(run / "daemon.json").st_mode)
+    left = sorted(p.name for p in run.iterdir() if p.name.startswith(".daemon.json."))
+    assert left == [f".daemon.json.{os.getpid()}"]  # only the planted link: no temp file of ours left behind
+
+
+def test_lock_file_link_is_refused(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "moetune.db.daemon-lock").symlink_to(victim)
+    d = _daemon(tmp_path, db_path=str(tmp_path / "moetune.db"))
+    with pytest.raises(DaemonConfigError, match="symbolic link"):
+        d.start()
+    assert victim.read_text() == "precious"
+
+
+# -- 6: plain-text TCP on loopback only ------------------------------------------------------------------------
+def test_insecure_tcp_only_on_loopback(tmp_path: Path) -> None:
+    port = free_port()
+    for host in ("0.0.0.0", "*", "10.1.2.3", "[::]", "eth0"):
+        d = _daemon(tmp_path, endpoint=f"tcp://{host}:{port}", pub_endpoint=f"tcp://127.0.0.1:{port + 1}",
+                    allow_insecure_tcp=True)
+        with pytest.raises(DaemonConfigError, match="loopback"):
+            d.start()
+    for host in ("127.0.0.1", "127.8.9.1", "[::1]", "localhost", "[::ffff:127.0.0.1]"):
+        assert client.is_loopback_host(client.tcp_host(f"tcp://{host}:1")), host
+    for host in ("0.0.0.0", "*", "10.0.0.1", "[::]", "eth0", "localhost.example.com"):
+        assert not client.is_loopback_host(client.tcp_host(f"tcp://{host}:1")), host
+
+
+# -- 5: the client never talks plain-text TCP by accident; the PUB endpoint is checked -------------------------
+class PlainRouter:
+    """A plain-text ROUTER answering every request with `answer(request)`."""
+
+    def __init__(self, endpoint: str, answer: Callable[[dict], bytes]):
+        self.requests: list[dict] = []
+        self._answer = answer
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.bind(endpoint)
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(20):
+                continue
+            ident, body = self._sock.recv_multipart()
+            req = json.loads(body)
+            self.requests.append(req)
+            self._sock.send_multipart([ident, self._answer(req)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(2)
+        self._sock.close(linger=0)
+
+
+def ok_reply(rid: Any, res: Any) -> bytes:
+    return json.dumps({"v": 1, "id": rid, "ok": True, "epoch": "e1", "result": res}).encode()
+
+
+def hello_result(pub: str) -> dict:
+    return {"protocol": 1, "daemon_version": "t", "epoch": "e1", "pub_endpoint": pub, "version": 0,
+            "fingerprint": FP, "ops": list(wire.OPS)}
+
+
+@pytest.fixture
+def plain() -> Iterator[Callable[..., PlainRouter]]:
+    made: list[PlainRouter] = []
+
+    def make(endpoint: str, answer: Callable[[dict], bytes]) -> PlainRouter:
+        r = PlainRouter(endpoint, answer)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def test_tcp_without_server_key_is_refused(plain, tmp_path: Path) -> None:
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    r = plain(ep, lambda req: ok_reply(req["id"], hello_result(ep)))
+    env = {"HOME": str(tmp_path)}
+    c = ProfileClient(ep, timeout_ms=300, retries=0, env=env)
+    with pytest.raises(DaemonUnavailable, match="no CURVE public key"):
+        c.hello()
+    c.close()
+    missing = tmp_path / "keys" / "server.key"
+    c = ProfileClient(ep, timeout_ms=300, retries=0, env={**env, "MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE": str(missing)})
+    with pytest.raises(DaemonUnavailable, match=str(missing)):
+        c.hello()
+    c.close()
+    assert not r.requests  # nothing went out in plain text
+    # the explicit test-only opt-in, on loopback, still works
+    c = ProfileClient(ep, timeout_ms=2000, env=env, allow_insecure_tcp=True)
+    assert c.hello().protocol == 1
+    c.close()
+    # ... and on any other address it is refused without connecting
+    c = ProfileClient("tcp://10.255.255.1:5555", timeout_ms=300, env=env, allow_insecure_tcp=True)
+    with pytest.raises(DaemonUnavailable, match="loopback"):
+        c.hello()
+    c.close()
+
+
+def test_resolve_falls_back_when_tcp_has_no_key(tmp_path: Path) -> None:
+    c = ProfileClient(f"tcp://127.0.0.1:{free_port()}", db_path=tmp_path / "none.db", timeout_ms=200, env={})
+    with pytest.warns(FallbackWarning, match="CURVE"):
+        res = c.resolve(model=QWEN, ep_size=2, tokens=100)
+    assert res.source in ("policy", "default")
+    c.close()
+
+
+def _ipc_run(tmp_path: Path, name: str = "run") -> Path:
+    run = tmp_path / name
+    run.mkdir(mode=0o700)
+    return run
+
+
+def test_subscribe_refuses_a_pub_endpoint_unlike_the_request_socket(plain, tmp_path: Path) -> None:
+    run = _ipc_run(tmp_path)
+    ep = f"ipc://{run}/daemon.sock"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # anyone could have put the socket there
+    pubs = {"tcp": "tcp://127.0.0.1:5", "shared": f"ipc://{shared}/events.sock", "relative": "ipc://events.sock",
+            "ok": f"ipc://{run}/events.sock"}
+    want = {"pub": pubs["tcp"]}
+    plain(ep, lambda req: ok_reply(req["id"], hello_result(want["pub"])))
+    squatter = zmq.Context.instance().socket(zmq.PUB)  # a live socket in the shared directory
+    squatter.linger = 0
+    squatter.bind(pubs["shared"])
+    try:
+        for kind, match in (("tcp", "transport"), ("shared", "world-writable"), ("relative", "absolute")):
+            want["pub"] = pubs[kind]
+            c = ProfileClient(ep, timeout_ms=2000, env={})
+            with pytest.raises(DaemonUnavailable, match=match):
+                c.subscribe()
+            assert c._sub is None
+            c.close()
+    finally:
+        squatter.close(linger=0)
+    want["pub"] = pubs["ok"]
+    c = ProfileClient(ep, timeout_ms=2000, env={})
+    c.subscribe()
+    assert c._sub is not None
+    c.close()
+
+
+def test_subscribe_over_tcp_needs_the_same_host(plain) -> None:
+    port = free_port()
+    ep = f"tcp://127.0.0.1:{port}"
+    want = {"pub": "tcp://10.9.9.9:5"}
+    plain(ep, lambda req: ok_reply(req["id"], hello_result(want["pub"])))
+    c = ProfileClient(ep, timeout_ms=2000, env={}, allow_insecure_tcp=True)
+    with pytest.raises(DaemonUnavailable, match="host"):
+        c.subscribe()
+    want["pub"] = f"tcp://127.0.0.1:{port + 1}"
+    c.subscribe()
+    assert c._sub is not None
+    c.close()
+
+
+# -- 2: the reply must answer the request; its env is never trusted --------------------------------------------
+def key(**kw: Any) -> ProfileKey:
+    d: dict[str, Any] = dict(fingerprint=FP, software=SW, transport_family="nvlink", ep_size=2, nodes=1,
+                             hidden=QWEN.hidden, intermediate=QWEN.intermediate, experts=QWEN.experts, topk=QWEN.topk,
+                             dtype=QWEN.dtype, token_bucket=64)
+    d.update(kw)
+    return ProfileKey(**d)
+
+
+def result(k: ProfileKey | None = None, *, knobs: Any = None, env: dict | None = None, **over: Any) -> dict:
+    rec = ProfileRecord(key=k or key(), knobs=knobs or default_knobs("nvlink").replace(num_sms=40), latency_us=20.0,
+                        spread_us=0.1, backend="local:nccl", provenance="measured")
+    res = msgspec.to_builtins(wire.ProfileResult.from_record(
+        rec, env=env if env is not None else {"NVSHMEM_REMOTE_TRANSPORT": "none"}))
+    res.update(over)
+    return res
+
+
+def resolve(plain, tmp_path: Path, res: Any, **kw: Any) -> tuple[client.Resolution, list[str], PlainRouter]:
+    run = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+    run.mkdir(mode=0o700)
+    (run / "daemon.json").write_text(json.dumps({"fingerprint": FP, "software": SW, "transports": ["nvlink"],
+                                                 "db": str(tmp_path / "none.db")}))
+    def answer(req: dict) -> bytes:  # bytes: a raw reply frame with `"id":ID` for the request's id
+        return res.replace(b'"id":ID', b'"id":%d' % req["id"]) if isinstance(res, bytes) else ok_reply(req["id"], res)
+
+    r = plain(f"ipc://{run}/daemon.sock", answer)
+    c = ProfileClient(f"ipc://{run}/daemon.sock", db_path=tmp_path / "none.db", timeout_ms=300, env={})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = c.resolve(model=QWEN, ep_size=2, tokens=100, **kw)
+    finally:
+        c.close()
+    return out, [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)], r
+
+
+MISMATCHES = {
+    "ep_size": (result(key(ep_size=4)), {}, "ep_size"),
+    "nodes": (result(key(nodes=2)), {}, "nodes"),
+    "hidden": (result(key(hidden=QWEN.hidden * 2)), {}, "hidden"),
+    "experts": (result(key(experts=QWEN.experts + 1)), {}, "experts"),
+    "topk": (result(key(topk=QWEN.topk + 1)), {}, "topk"),
+    "dtype": (result(key(dtype="float32")), {}, "dtype"),
+    "family": (result(key(transport_family="collective"), knobs=default_knobs("collective")),
+               {"transport_family": "nvlink"}, "transport family"),
+    "engine_unasked": (result(key(transport_family="megakernel", ep_size=2)), {}, "engine family"),
+    "far_bucket": (result(key(token_bucket=4096)), {}, "token bucket 4096"),
+    "stale": (result(status="stale"), {}, "status"),
+    "superseded": (result(status="superseded"), {}, "status"),
+    "bogus_status": (result(status="trusted"), {}, "validate"),
+}
+
+
+@pytest.mark.parametrize("kind", list(MISMATCHES))
+def test_reply_that_does_not_answer_the_request_falls_back(plain, tmp_path: Path, kind: str) -> None:
+    res, kw, needle = MISMATCHES[kind]
+    out, warned, r = resolve(plain, tmp_path, res, **kw)
+    assert r.requests and out.source in ("policy", "default"), out
+    assert len(warned) == 1 and needle in warned[0], warned
+
+
+@pytest.mark.parametrize("bucket", [64, 128, 256])
+def test_reply_at_a_neighbouring_bucket_is_used(plain, tmp_path: Path, bucket: int) -> None:
+    out, warned, _ = resolve(plain, tmp_path, result(key(token_bucket=bucket)))
+    assert out.source == "daemon" and out.tuned and not warned
+
+
+def test_reply_env_is_recomputed_from_its_knobs(plain, tmp_path: Path) -> None:
+    # each variable here passes the allow-list, but none is what nvlink knobs on one node need
+    lying = {"NVSHMEM_REMOTE_TRANSPORT": "ibrc", "NCCL_MIN_NCHANNELS": "64", "NVSHMEM_IB_ENABLE_IBGDA": "1"}
+    out, warned, _ = resolve(plain, tmp_path, result(env=lying))
+    assert out.source == "daemon" and out.env == {"NVSHMEM_REMOTE_TRANSPORT": "none"}
+    assert len(warned) == 1 and "NCCL_MIN_NCHANNELS" in warned[0]
+    # a reply with no env at all still gets what its knobs need
+    ch = default_knobs("collective").replace(channels=8)
+    out, warned, _ = resolve(plain, tmp_path, result(key(transport_family="collective"), knobs=ch, env={}))
+    assert out.source == "daemon" and out.env == {"NCCL_MIN_NCHANNELS": "8", "NCCL_MAX_NCHANNELS": "8"} and not warned
+
+
+def test_env_values_bounded_by_the_knob_ranges() -> None:
+    refuse = launcher_env.env_refusal
+    for name in ("NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS"):
+        assert refuse(name, "2") is None and refuse(name, "64") is None
+        for bad in ("1", "65", "640", "999999", "064", "0"):
+            assert refuse(name, bad) is not None, (name, bad)
+    assert refuse("NVSHMEM_IBGDA_NUM_RC_PER_PE", "1") is None and refuse("NVSHMEM_IBGDA_NUM_RC_PER_PE", "64") is None
+    for bad in ("0", "65", "100000", "01"):
+        assert refuse("NVSHMEM_IBGDA_NUM_RC_PER_PE", bad) is not None, bad
+
+
+# -- 7: deep nesting in a reply is a bad reply, never an exception out of resolve --------------------------------
+def test_deeply_nested_reply_is_bad_reply(plain, tmp_path: Path) -> None:
+    with pytest.raises(BadReply):
+        client._decode_reply(DEEP)
+    with pytest.raises(BadReply):
+        client._decode_result("get_profile", msgspec.Raw(DEEP))
+    with pytest.raises(BadReply):
+        client._decode_result("get_profile", msgspec.Raw(b'{"key":' + DEEP + b"}"))
+    t0 = time.monotonic()
+    out, warned, _ = resolve(plain, tmp_path, b'{"v":1,"id":ID,"ok":true,"epoch":"e","result":' + DEEP + b"}")
+    assert out.source in ("policy", "default") and len(warned) == 1 and time.monotonic() - t0 < 2
