@@ -20,6 +20,7 @@ every rank builds only its own experts and `dense_reference` rebuilds any expert
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from torch import nn
 from moetune.runtime.buffer.facade import TORCH_DTYPES, EPBuffer, RecvMeta
 from moetune.runtime.knobs import ENGINES, Knobs
 from moetune.runtime.megakernel import engine as _engine
+from moetune.runtime.megakernel.layer import expert_ids_problem
+from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.pipeline import pipelined_moe
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.weights import _generator, expert_weights, gate_weight
@@ -82,7 +85,16 @@ class MoELayer(nn.Module):
     or `"megakernel"` (world 1 only; raises `MegakernelUnavailable` where it cannot run). After construction
     `self.engine` says which engine runs and `self.engine_note` why, when it is not the one asked for.
     With the megakernel, `w_gate_up` / `w_down` hold its k-tiled layout in place (`weights_tiled`; shapes unchanged,
-    runtime/megakernel/weights.py): `state_dict` and `load_state_dict` convert, so checkpoints stay row-major.
+    runtime/megakernel/weights.py): `state_dict` and `load_state_dict` convert, so checkpoints stay row-major, and
+    `experts` / `local_forward` compute on row-major copies. Parameters replaced by `load_state_dict(assign=True)`
+    or `.to()` are handed to the megakernel again (it runs bf16 on the layer's device only: anything else raises).
+
+    `max_tokens` (an int >= 1) is the most tokens S one call takes, whatever the engine. `buffer`: an EPBuffer to
+    use instead of building one; it must agree with `model`, `max_tokens` and whichever of `group`, `dtype`,
+    `device` and `options` are given. `options`: `RuntimeOptions` or a mapping of option names (see EPBuffer).
+
+    Not thread-safe: one layer instance must not be called from two threads at once (the megakernel's launch
+    templates and scratch buffers, the EP buffer's staging and the cached fp32 gate are shared by every call).
     """
 
     def __init__(
@@ -98,12 +110,18 @@ class MoELayer(nn.Module):
         use_grouped_mm: bool | None = None,
         buffer: EPBuffer | None = None,
         engine: str | None = None,
+        options: RuntimeOptions | Mapping[str, Any] | None = None,
     ):
         super().__init__()
+        _check_arguments(model, knobs, max_tokens, device, dtype, seed, use_grouped_mm, buffer, options)
         if engine is not None and engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)} or None, got {engine!r}")
         self.model = model
-        self.buffer = buffer or EPBuffer(group, knobs, model=model, max_tokens=max_tokens, device=device, dtype=dtype)
+        self.max_tokens = max_tokens
+        if buffer is not None:
+            _check_buffer(buffer, model, group, max_tokens, device, dtype, options)
+        self.buffer = buffer or EPBuffer(group, knobs, model=model, max_tokens=max_tokens, device=device, dtype=dtype,
+                                         options=options)
         self.device = self.buffer.device
         self.dtype = self.buffer.dtype
         self.seed = seed
@@ -126,11 +144,13 @@ class MoELayer(nn.Module):
         self.engine_knobs: Knobs | None = None  # the knob set the megakernel runs with
         self.engine_resolution: Any = None  # the autoload Resolution when the megakernel profile was looked up
         self.megakernel: Any = None
+        self._mk_ptrs: tuple[int, int, int] = (0, 0, 0)  # the parameters' data pointers the megakernel reads
         # True while the expert weights hold the megakernel's k-tiled layout (runtime/megakernel/weights.py): the
         # parameters keep their shapes, and state_dict / load_state_dict speak the row-major layout either way
         self.weights_tiled = False
         self.register_state_dict_post_hook(_state_dict_row_major)
         self.register_load_state_dict_pre_hook(_load_state_dict_tiled)
+        self.register_load_state_dict_post_hook(_load_state_dict_rebind)
         self._setup_engine(engine, knobs, max_tokens)
 
     # -- engine ------------------------------------------------------------------------------------------
@@ -148,7 +168,7 @@ class MoELayer(nn.Module):
             if world1:
                 from moetune.runtime.profiles.autoload import autoload_profile
 
-                res = autoload_profile(model=self.model, ep_size=1, nodes=1, max_tokens=max(1, max_tokens),
+                res = autoload_profile(model=self.model, ep_size=1, nodes=1, max_tokens=max_tokens,
                                        device=self.device, transport_family=_engine.ENGINE_FAMILY)
                 self.engine_resolution = res
                 if res.knobs.engine == "megakernel":
@@ -168,8 +188,18 @@ class MoELayer(nn.Module):
             why: str | None = (f"it runs the layer on one GPU (world 1); this group has {self.buffer.world} ranks")
         else:
             why = _engine.megakernel_problem(self.device, self.dtype, self.model)
+        config: Any = None
         if why is None:
             from moetune.runtime.megakernel.config import MegakernelConfig
+
+            # the library's limits for this shape, settings and max_tokens: a fallback (or MegakernelUnavailable)
+            # now, not an error at the first forward
+            try:
+                config = MegakernelConfig.from_knobs(wanted, self.buffer.options)
+                why = _engine.limits_problem(self.model, max_tokens, config)
+            except ValueError as e:  # ConfigError: a setting out of range
+                why = f"{type(e).__name__}: {e}"
+        if why is None:
             from moetune.runtime.megakernel.weights import tile_, untile_
 
             # the megakernel reads the expert weights k-tiled: this layer's parameters become that layout in place
@@ -178,10 +208,10 @@ class MoELayer(nn.Module):
             tile_(self.w_down.data)
             try:
                 self.megakernel = _engine.build_megakernel(
-                    self.model, max_tokens=max(1, max_tokens), device=self.device, seed=self.seed,
-                    config=MegakernelConfig.from_knobs(wanted, self.buffer.options),
+                    self.model, max_tokens=max_tokens, device=self.device, seed=self.seed, config=config,
                     w_gate_up=self.w_gate_up.data, w_down=self.w_down.data, gate=self.gate.data, tiled=True)
                 self.weights_tiled = True
+                self._mk_ptrs = self._param_ptrs()
             except (RuntimeError, ValueError, OSError) as e:  # build/load errors, a setting that does not fit
                 why = f"{type(e).__name__}: {e}"
                 untile_(self.w_gate_up.data)  # the unfused path reads them row-major
@@ -195,6 +225,45 @@ class MoELayer(nn.Module):
             return
         self.engine = "megakernel"
         self.engine_knobs = wanted
+
+    def _param_ptrs(self) -> tuple[int, int, int]:
+        return self.w_gate_up.data_ptr(), self.w_down.data_ptr(), self.gate.data_ptr()
+
+    def _sync_megakernel(self) -> None:
+        """Hand the megakernel the parameters again where their storage changed since it was given them
+        (`load_state_dict(assign=True)`, `.to()`, `.float()`, a parameter assigned anew): three data pointers
+        compared per call, so a stale pointer is never launched."""
+        if self._param_ptrs() == self._mk_ptrs:
+            return
+        mk = self.megakernel
+        for name in ("w_gate_up", "w_down", "gate"):
+            t = getattr(self, name)
+            if t.dtype != torch.bfloat16 or t.device != mk.device:
+                raise ValueError(f"MoELayer: the megakernel engine runs bfloat16 weights on {mk.device}, but {name} "
+                                 f"is now {t.dtype} on {t.device} (after .to(), .float(), .half() or "
+                                 f"load_state_dict(assign=True)?); build a new layer with the dtype and device wanted "
+                                 f"(engine='unfused' for other dtypes)")
+            if not t.is_contiguous():  # the kernels read the storage in place; the layer owns its parameters
+                t.data = t.data.contiguous()
+        mk.rebind(self.w_gate_up.data, self.w_down.data, self.gate.data)
+        self._mk_ptrs = self._param_ptrs()
+
+    def check(self) -> None:
+        """Raise the megakernel's device-side error (a wait that timed out, an expert id out of range: its
+        `MegakernelError`) if its last launches reported one; a host sync. The unfused engine has no such record
+        (its errors raise at the call): nothing to do."""
+        if self.megakernel is not None:
+            self.megakernel.check()
+
+    def _row_major_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_gate_up, w_down) row-major: the parameters, or where they hold the megakernel's k-tiled layout new
+        row-major copies. Made per call, not cached: a cache would keep a second copy of every expert's weights (GBs
+        on real shapes) for methods the megakernel engine's forward never calls; a call pays one copy of them."""
+        if not self.weights_tiled:
+            return self.w_gate_up, self.w_down
+        from moetune.runtime.megakernel.weights import from_tiled
+
+        return from_tiled(self.w_gate_up), from_tiled(self.w_down)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`route` with this layer's gate; its fp32 copy is kept while the gate's data and version stay the same
@@ -213,20 +282,21 @@ class MoELayer(nn.Module):
         m, h = recv_x.shape[0], self.model.hidden
         out = torch.zeros(m, h, dtype=torch.float32, device=self.device)
         if meta.num_pairs:
+            w1, w2 = self._row_major_experts()
             rows, wp = meta.expert_layout()
             xs = recv_x.index_select(0, rows)
             if self.use_grouped_mm:
                 offs = torch.cumsum(meta.tokens_per_expert_tensor, 0).to(torch.int32)
-                hg = torch._grouped_mm(xs, self.w_gate_up.transpose(-2, -1), offs=offs)
+                hg = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
                 i = self.model.intermediate
                 a = F.silu(hg[:, :i]) * hg[:, i:]
-                y = torch._grouped_mm(a, self.w_down.transpose(-2, -1), offs=offs)
+                y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
             else:
                 parts = []
                 start = 0
                 for j, n in enumerate(meta.tokens_per_expert):
                     if n:
-                        parts.append(swiglu(xs[start : start + n], self.w_gate_up[j], self.w_down[j]))
+                        parts.append(swiglu(xs[start : start + n], w1[j], w2[j]))
                     start += n
                 y = torch.cat(parts)
             out.index_add_(0, rows, y.float() * wp.unsqueeze(1))
@@ -250,19 +320,20 @@ class MoELayer(nn.Module):
         tok = torch.div(order, k, rounding_mode="floor")
         xs = x.index_select(0, tok)
         wp = topk_weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
-        n_exp = self.w_gate_up.shape[0]
+        w1, w2 = self._row_major_experts()
+        n_exp = w1.shape[0]
         i = self.model.intermediate
         if self.use_grouped_mm:
             offs = torch.searchsorted(experts_sorted, self._expert_ends, out_int32=True)
-            hg = torch._grouped_mm(xs, self.w_gate_up.transpose(-2, -1), offs=offs)
+            hg = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
             a = F.silu(hg[:, :i]).mul_(hg[:, i:]).mul_(wp)
-            y = torch._grouped_mm(a, self.w_down.transpose(-2, -1), offs=offs)
+            y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
         else:  # CPU / no grouped GEMM: a loop over the experts present (syncs; not capturable)
             counts = torch.bincount(flat, minlength=n_exp).tolist()
             parts, start = [], 0
             for e, n in enumerate(counts):
                 if n:
-                    parts.append(swiglu(xs[start : start + n], self.w_gate_up[e], self.w_down[e], wp[start : start + n]))
+                    parts.append(swiglu(xs[start : start + n], w1[e], w2[e], wp[start : start + n]))
                 start += n
             y = torch.cat(parts) if parts else xs.new_zeros(0, self.model.hidden)
         placed = torch.empty_like(y).index_copy_(0, order, y)  # row r of y is pair order[r] = (token, slot)
@@ -275,19 +346,39 @@ class MoELayer(nn.Module):
             raise ValueError(f"x must be a [S, {h}] tensor, got {got}")
         if x.device != self.device or x.dtype != self.dtype:
             raise ValueError(f"x must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
+        if x.shape[0] > self.max_tokens:  # every engine: the megakernel's scratch and the buffer are sized for it
+            raise ValueError(f"x has {x.shape[0]} tokens, more than max_tokens={self.max_tokens}")
 
     def _check_local(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """The routed inputs at world 1 (the EP buffer checks them at world > 1). The expert ids are range-checked
+        too: one host sync, skipped while a CUDA graph is captured and where the buffer was built with
+        check_inputs=False (as the EP buffer skips its own check)."""
         self._check_x(x)
         s, k = x.shape[0], self.model.topk
-        if tuple(topk_idx.shape) != (s, k) or tuple(topk_weights.shape) != (s, k):
-            raise ValueError(f"topk_idx and topk_weights must be [{s}, {k}], got {tuple(topk_idx.shape)} and {tuple(topk_weights.shape)}")
+        for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (s, k):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be [S, topk] = [{s}, {k}], got {got}")
+            if t.device != self.device:
+                raise ValueError(f"{name} must be on {self.device}, got {t.device}")
+        if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
+            raise ValueError(f"topk_idx must be an integer tensor, got {topk_idx.dtype}")
+        if not topk_weights.dtype.is_floating_point:
+            raise ValueError(f"topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
+        if self.buffer.check_inputs:
+            why = expert_ids_problem(topk_idx, self.model.experts)
+            if why is not None:
+                raise ValueError(why)
 
     @torch.no_grad()
     def forward_routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """The layer with given routing (benchmarks inject uniform/Zipf routing here)."""
+        """The layer with given routing (benchmarks inject uniform/Zipf routing here): topk_idx integer [S, topk]
+        expert ids in [0, experts), topk_weights floating [S, topk], on the layer's device. Out-of-range ids raise
+        ValueError (a host sync; see `_check_local` for when it is skipped)."""
         if self.megakernel is not None:
             self._check_local(x, topk_idx, topk_weights)
-            return self.megakernel.forward_routed(x, topk_idx, topk_weights)
+            self._sync_megakernel()
+            return self.megakernel.forward_routed(x, topk_idx, topk_weights, check_ids=False)  # checked here
         if self.buffer.world == 1:
             self._check_local(x, topk_idx, topk_weights)
             return self.local_forward(x, topk_idx.long(), topk_weights)
@@ -301,6 +392,7 @@ class MoELayer(nn.Module):
         if self.megakernel is not None or self.buffer.world == 1:  # one rank: no exchange, checked once here
             self._check_x(x)
             if self.megakernel is not None:  # routing + one persistent kernel, no host sync (capturable)
+                self._sync_megakernel()
                 return self.megakernel.forward(x)
             return self.local_forward(x, *self.route(x))
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.model.hidden:
@@ -335,6 +427,68 @@ def _load_state_dict_tiled(module: MoELayer, state_dict: dict[str, Any], prefix:
             v = state_dict.get(prefix + name)
             if isinstance(v, torch.Tensor) and v.shape == getattr(module, name).shape:
                 state_dict[prefix + name] = to_tiled(v)
+
+
+def _load_state_dict_rebind(module: MoELayer, _incompatible: Any) -> None:
+    """load_state_dict post-hook: with assign=True the parameters are new tensors; the megakernel reads them from
+    now on (a wrong dtype or device raises here, not at the next forward)."""
+    if module.megakernel is not None:
+        module._sync_megakernel()
+
+
+def _check_arguments(model: Any, knobs: Any, max_tokens: Any, device: Any, dtype: Any, seed: Any,
+                     use_grouped_mm: Any, buffer: Any, options: Any) -> None:
+    """TypeError / ValueError naming the argument, before anything is built from it."""
+    if not isinstance(model, ModelShape):
+        hint = (f"; for a model name use moetune.runtime.get_model({model!r})" if isinstance(model, str) else "")
+        raise TypeError(f"model must be a ModelShape, got {type(model).__name__}{hint}")
+    if knobs is not None and not isinstance(knobs, Knobs):
+        hint = "; build one with Knobs.from_dict(...)" if isinstance(knobs, Mapping) else ""
+        raise TypeError(f"knobs must be a Knobs or None, got {type(knobs).__name__}{hint}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise TypeError(f"max_tokens must be an int >= 1, got {type(max_tokens).__name__} {max_tokens!r}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if device is not None and not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a torch.device, a str such as 'cuda:0', or None, got {type(device).__name__}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(dtype).__name__} "
+                        f"{dtype!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if use_grouped_mm is not None and not isinstance(use_grouped_mm, bool):
+        raise TypeError(f"use_grouped_mm must be a bool or None, got {type(use_grouped_mm).__name__}")
+    if buffer is not None and not isinstance(buffer, EPBuffer):
+        raise TypeError(f"buffer must be an EPBuffer or None, got {type(buffer).__name__}")
+    if options is not None and not isinstance(options, (RuntimeOptions, Mapping)):
+        raise TypeError(f"options must be a RuntimeOptions, a mapping of option names or None, got "
+                        f"{type(options).__name__}")
+
+
+def _check_buffer(buffer: EPBuffer, model: ModelShape, group: Any, max_tokens: int, device: Any, dtype: Any,
+                  options: Any) -> None:
+    """A given EP buffer must agree with the layer's own arguments (those given): the layer sizes its weights and
+    checks its inputs by them, the buffer its transfers."""
+    bad = []
+    if buffer.model != model:
+        bad.append(f"model {model} vs the buffer's {buffer.model}")
+    if buffer.max_tokens != max_tokens:
+        bad.append(f"max_tokens {max_tokens} vs the buffer's {buffer.max_tokens}")
+    if group is not None and group is not buffer.group:
+        bad.append("group is not the buffer's group")
+    if dtype is not None and dtype != buffer.dtype:
+        bad.append(f"dtype {dtype} vs the buffer's {buffer.dtype}")
+    if device is not None:
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:  # the current device, as EPBuffer takes it
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev != buffer.device:
+            bad.append(f"device {dev} vs the buffer's {buffer.device}")
+    if options is not None and RuntimeOptions.resolve(options) != buffer.options:
+        bad.append("options differ from the buffer's")
+    if bad:
+        raise ValueError(f"MoELayer: buffer disagrees with the layer's arguments: {'; '.join(bad)} (build the buffer "
+                         "with the same arguments, or leave them out)")
 
 
 @torch.no_grad()

@@ -34,6 +34,10 @@ from moetune.runtime import config as _config
 SymmMode = Literal["torch", "ipc"]
 SYMM_MODES: tuple[str, ...] = ("torch", "ipc")
 MAX_PLAN_MODE = 2
+# megakernel_timeout_s: the range MegakernelConfig.timeout_ms takes (runtime/megakernel/config.py, 1e-3 .. 3.6e6 ms),
+# checked here so that a bad value is reported as the option the user set, not as timeout_ms
+MK_TIMEOUT_MIN_S = 1e-6
+MK_TIMEOUT_MAX_S = 3600.0
 
 
 class RuntimeOptionError(ValueError):
@@ -154,6 +158,9 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         defaults to `load_config(env=env)`."""
         if isinstance(overrides, RuntimeOptions):
             return overrides
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise TypeError(f"options must be a RuntimeOptions, a mapping of option names or None, got "
+                            f"{type(overrides).__name__} {overrides!r}")
         env = os.environ if env is None else env
         if config is None:
             config = _config.load_config(env=env)
@@ -196,8 +203,9 @@ def _fail(name: str, value: Any, expected: str) -> None:
 def _validate(o: RuntimeOptions) -> None:
     if not (o.onesided_timeout_s > 0 and math.isfinite(o.onesided_timeout_s)):
         _fail("onesided_timeout_s", o.onesided_timeout_s, "a finite number of seconds > 0")
-    if not (o.megakernel_timeout_s > 0 and math.isfinite(o.megakernel_timeout_s)):
-        _fail("megakernel_timeout_s", o.megakernel_timeout_s, "a finite number of seconds > 0")
+    if not MK_TIMEOUT_MIN_S <= o.megakernel_timeout_s <= MK_TIMEOUT_MAX_S:  # NaN fails too
+        _fail("megakernel_timeout_s", o.megakernel_timeout_s,
+              f"a number of seconds from {MK_TIMEOUT_MIN_S:g} to {MK_TIMEOUT_MAX_S:g}")
     if any(not (w > 0 and math.isfinite(w)) for w in o.chunk_weights):
         _fail("chunk_weights", o.chunk_weights, "positive numbers (one per pipeline chunk)")
     if o.proxy_batch < 1:

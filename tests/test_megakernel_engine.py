@@ -171,7 +171,7 @@ class FakeMegakernel:
         idx, w = route(x, self.kw["gate"], self.model.topk)
         return self.forward_routed(x, idx, w)
 
-    def forward_routed(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def forward_routed(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, **_: Any) -> torch.Tensor:
         self.calls += 1
         return self.layer.local_forward(x, idx.long(), w)
 
@@ -400,3 +400,60 @@ def test_gpu_unfused_layer_captures_and_matches_the_reference() -> None:
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (the megakernel is built for sm_90a)")
+def test_gpu_megakernel_device_without_index_and_unlaunchable_configs() -> None:
+    """"cuda" means the current device; a config the library cannot launch fails at construction, not at the first
+    forward (MegakernelMoE: ConfigError; MoELayer asking for the megakernel: MegakernelUnavailable)."""
+    from moetune.runtime.megakernel import ConfigError, MegakernelMoE
+
+    mk = MegakernelMoE(QWEN, max_tokens=16, device="cuda")
+    assert mk.device == torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(3, QWEN.hidden, device="cuda").to(torch.bfloat16)
+    assert mk(x).shape == (3, QWEN.hidden)
+    mk.check()
+    w = dict(w_gate_up=mk.w_gate_up, w_down=mk.w_down, gate=mk.gate)
+    for cfg, match in ((MegakernelConfig(bm=128, core="mma", stages=8), "bm=128, stages=8"),
+                       (MegakernelConfig(ctas_per_sm=32), "ctas_per_sm=32")):
+        with pytest.raises(ConfigError, match=match):
+            MegakernelMoE(QWEN, max_tokens=16, device="cuda", config=cfg, **w)
+    with pytest.raises(E.MegakernelUnavailable, match="stages"):
+        MoELayer(QWEN, None, Knobs(engine="megakernel", mk_bm=128, mk_core="mma", mk_stages=8), max_tokens=16,
+                 device="cuda", engine="megakernel")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (the megakernel is built for sm_90a)")
+def test_gpu_layer_reloaded_weights_row_major_paths_and_bad_ids() -> None:
+    """load_state_dict(assign=True) hands the new parameters to the megakernel; local_forward on the k-tiled layer
+    equals the unfused layer's; out-of-range ids raise eagerly and, inside a graph capture (no host check), end in
+    the kernel's error record, which MoELayer.check() raises."""
+    from moetune.runtime.megakernel import MegakernelError
+    from moetune.runtime.moe_layer import max_rel_err
+
+    mk = MoELayer(QWEN, None, Knobs(engine="megakernel"), max_tokens=16, device="cuda", engine="megakernel")
+    un = MoELayer(QWEN, None, Knobs(), max_tokens=16, device="cuda", engine="unfused")
+    new = {k: (v * 0.5 if k in ("w_gate_up", "w_down") else v) for k, v in un.state_dict().items()}
+    mk.load_state_dict({k: v.clone() for k, v in new.items()}, assign=True)
+    un.load_state_dict(new)
+    x = torch.randn(16, QWEN.hidden, device="cuda").to(torch.bfloat16)
+    assert max_rel_err(mk(x), un(x)) <= 1e-2
+    idx, w = un.route(x)
+    assert max_rel_err(mk.local_forward(x, idx, w), un.local_forward(x, idx, w)) <= 1e-3
+    mk.check()
+    bad = idx.clone()
+    bad[3, 1] = QWEN.experts
+    with pytest.raises(ValueError, match="out of range"):
+        mk.forward_routed(x, bad, w)
+    mk.forward_routed(x, idx, w)  # warm the launch caches before capturing
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mk.forward_routed(x, bad, w)
+    g.replay()
+    torch.cuda.synchronize()
+    with pytest.raises(MegakernelError, match="out of range"):
+        mk.check()
+    mk.megakernel.clear_error()

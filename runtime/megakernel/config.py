@@ -307,3 +307,49 @@ class MegakernelConfig:
         """Columns per GEMM task for a launch with m-tile `bm`: `bn` where the wide tile exists (wgmma, bm=128),
         else 128 (bn=256 with bm=0 still runs bm=16 decode launches, on 128 columns)."""
         return (self.bn or 128) if bm == 128 and self.core == "wgmma" else 128  # bn 0: not resolved (`resolve`)
+
+
+# The library's host-side limits (csrc/megakernel/mk_moe.cu, check_params), mirrored so that a layer that cannot
+# run is refused (or falls back) when it is built, not at its first forward.
+MAX_EXPERTS = 512  # 32 lanes x MAXE_PER_LANE
+MAX_TOPK = 16  # MAXK
+BK, BN = 64, 128  # k elements per weight plane / columns per n-block
+MAX_NFIELD = 4095  # a task word's n-field: n-blocks x split-K parts
+MAX_TILES = 1 << 20  # m-tiles (exclusive)
+MAX_CTILES = 1 << 16  # combine tiles (inclusive)
+MAX_ROWS = 1 << 30  # S_cap x topk
+
+
+def limits_problem(model: Any, max_tokens: int | None = None, config: MegakernelConfig | None = None) -> str | None:
+    """Why the megakernel library would refuse a layer of `model`'s shape (with `max_tokens` and a
+    `MegakernelConfig`, where given), or None. Host arithmetic only: no torch, no library. The pipeline depth
+    against shared memory (`stages too deep`) needs the library; `MegakernelMoE` asks it when it is built."""
+    h, i, e, k = model.hidden, model.intermediate, model.experts, model.topk
+    if h % BN or i % BK:
+        return f"it needs hidden % 128 == 0 and intermediate % 64 == 0, got hidden {h}, intermediate {i}"
+    if not 1 <= e <= MAX_EXPERTS:
+        return f"it takes 1..{MAX_EXPERTS} experts, the model has {e}"
+    if not 1 <= k <= min(MAX_TOPK, e):
+        return f"it takes topk in 1..min({MAX_TOPK}, experts) = 1..{min(MAX_TOPK, e)}, the model has topk {k}"
+    cfg = config.resolve(h, i) if config is not None else None
+    if cfg is not None:
+        if h % (BK * cfg.split_k1) or i % (BK * cfg.split_k2):
+            return (f"split-K parts must be multiples of 64 (hidden % (64 x split_k1) and intermediate % "
+                    f"(64 x split_k2) == 0), got hidden {h} with split_k1 {cfg.split_k1}, intermediate {i} with "
+                    f"split_k2 {cfg.split_k2} (the knob mk_split_k)")
+        if 2 * i // BN * cfg.split_k1 > MAX_NFIELD or h // BN * cfg.split_k2 > MAX_NFIELD:
+            return (f"n-blocks x split-K parts must be <= {MAX_NFIELD}, got {2 * i // BN} x {cfg.split_k1} (GEMM1) "
+                    f"and {h // BN} x {cfg.split_k2} (GEMM2)")
+        if cfg.bn == 256 and (h % 256 or (2 * i) % 256):
+            return f"bn=256 needs hidden and 2 x intermediate to be multiples of 256, got {h}, {2 * i}"
+    if max_tokens is not None:
+        if max_tokens * k > MAX_ROWS:
+            return f"max_tokens x topk must be <= 2^30, got {max_tokens} x {k}"
+        # the scratch sizes MegakernelMoE derives (sum_e ceil(c_e / bm) <= S*K/bm + E with the smallest m-tile)
+        c = cfg if cfg is not None else MegakernelConfig()
+        tiles = e + -(-max_tokens * k // (c.bm or 16))
+        ctiles = -(-max_tokens // c.combine_tile_min())
+        if tiles >= MAX_TILES or ctiles > MAX_CTILES:
+            return (f"too many tiles for max_tokens={max_tokens}: {tiles} m-tiles (limit {MAX_TILES - 1}) and "
+                    f"{ctiles} combine tiles (limit {MAX_CTILES}); lower max_tokens")
+    return None

@@ -23,6 +23,7 @@ import threading
 import warnings
 from typing import Any
 
+from moetune.runtime.megakernel.config import limits_problem
 from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
 
 log = logging.getLogger("moetune.megakernel")
@@ -62,8 +63,8 @@ def reset_warnings() -> None:
 def megakernel_problem(device: Any, dtype: Any = None, model: Any = None) -> str | None:
     """Why the megakernel cannot run a layer on `device` (with `dtype` activations and `model`'s shape), or None.
 
-    Checks: a CUDA device, an sm_90 GPU (the kernel is built for sm_90a only), bf16, hidden % 128 and
-    intermediate % 64, and a way to get the library (nvcc, or a prebuilt one in MOETUNE_MK_LIB)."""
+    Checks: a CUDA device, an sm_90 GPU (the kernel is built for sm_90a only), bf16, the model's shape within the
+    kernel's limits (`limits_problem`), and a way to get the library (nvcc, or a prebuilt one in MOETUNE_MK_LIB)."""
     import torch
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -77,9 +78,10 @@ def megakernel_problem(device: Any, dtype: Any = None, model: Any = None) -> str
         return f"it needs an sm_90 (Hopper) GPU; {torch.cuda.get_device_name(idx)} is sm_{major}{minor}"
     if dtype is not None and dtype != torch.bfloat16:
         return f"it runs bfloat16 activations, the layer's are {dtype}"
-    if model is not None and (model.hidden % 128 or model.intermediate % 64):
-        return (f"it needs hidden % 128 == 0 and intermediate % 64 == 0, got hidden {model.hidden}, "
-                f"intermediate {model.intermediate}")
+    if model is not None:
+        why = limits_problem(model)
+        if why is not None:
+            return why
     if not os.environ.get("MOETUNE_MK_LIB"):
         from moetune.runtime import csrc_build
 

@@ -8,7 +8,8 @@ with the same seed, or passed in). `forward(x)` issues three launches (decode: o
 synchronises with the host, so it can be captured in a CUDA graph. Errors inside the kernel (a wait that
 timed out) land in a device-side record: `check()` reads it (a host sync) and raises `MegakernelError`.
 
-Imports only torch and the standard library (no msgspec, tuner or optuna).
+Imports torch, the standard library and a few runtime modules (never the tuner or optuna). It does not import
+msgspec itself, but importing it loads the `moetune.runtime` package, whose `__init__` does (knobs, profile records).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Any
 
 import torch
 
+from ..csrc_build import CsrcError
 from . import _lib
-from .config import ConfigError, MegakernelConfig
+from .config import ConfigError, MegakernelConfig, limits_problem
 from .schedule import tile_end
 from .weights import from_tiled, to_tiled
 
@@ -40,25 +42,45 @@ class MegakernelMoE:
 
     Args:
         model: anything with `hidden`, `intermediate`, `experts`, `topk` (a `ModelShape`).
-        max_tokens: the largest S that `forward` takes (sizes the scratch buffers).
+        max_tokens: the largest S that `forward` takes (sizes the scratch buffers): an int >= 1.
+        device: a CUDA device (None or "cuda" without an index: the current one).
         config: tile sizes, pipeline depth, CTAs, timeout (`MegakernelConfig`).
-        w_gate_up [E, 2I, H], w_down [E, H, I], gate [E, H]: bf16 weights; built from `seed` when omitted.
+        w_gate_up [E, 2I, H], w_down [E, H, I], gate [E, H]: bf16 weights; all three built from `seed` when all are
+            omitted (some given and some not is an error).
             The layer holds the expert weights k-tiled (`weights.py`): row-major ones are copied into that layout
             (the caller's tensors stay as they are); with `tiled=True` they are already k-tiled and used as they
-            are (shared, not copied: what `MoELayer` does with its own parameters).
+            are (shared, not copied: what `MoELayer` does with its own parameters; `rebind` points it at new ones).
+
+    Settings the library would refuse (experts, topk, split-K, tiles for max_tokens, pipeline depth against shared
+    memory, CTAs per SM) raise ValueError / ConfigError here, not at the first forward.
+
+    Not thread-safe: one instance must not run `forward` from two threads at once (its launch templates and scratch
+    buffers are shared by every call); use one instance per thread (or a lock).
     """
 
     def __init__(self, model: Any, *, max_tokens: int, device: torch.device | str | None = None, seed: int = 0,
                  config: MegakernelConfig | None = None, w_gate_up: torch.Tensor | None = None,
                  w_down: torch.Tensor | None = None, gate: torch.Tensor | None = None, tiled: bool = False):
-        self.model = model
-        self.config = (config or MegakernelConfig()).resolve(model.hidden, model.intermediate)  # bn auto -> 128/256
-        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        h, i, e, k = model.hidden, model.intermediate, model.experts, model.topk
-        if h % BN or i % 64:
-            raise ValueError(f"megakernel: hidden must be a multiple of 128 and intermediate of 64, got {h}, {i}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise TypeError(f"megakernel: max_tokens must be an int >= 1, got {type(max_tokens).__name__} "
+                            f"{max_tokens!r}")
         if max_tokens < 1:
             raise ValueError(f"megakernel: max_tokens must be >= 1, got {max_tokens}")
+        if config is not None and not isinstance(config, MegakernelConfig):
+            raise TypeError(f"megakernel: config must be a MegakernelConfig or None, got {type(config).__name__}")
+        given = {"w_gate_up": w_gate_up, "w_down": w_down, "gate": gate}
+        if any(v is None for v in given.values()) and any(v is not None for v in given.values()):
+            # building the missing ones from `seed` would pair the caller's weights with unrelated ones
+            raise ValueError(f"megakernel: pass all of w_gate_up, w_down and gate or none of them (None: built from "
+                             f"seed); got {', '.join(n for n, v in given.items() if v is not None)} without "
+                             f"{', '.join(n for n, v in given.items() if v is None)}")
+        self.model = model
+        self.config = (config or MegakernelConfig()).resolve(model.hidden, model.intermediate)  # bn auto -> 128/256
+        self.device = _device(device)
+        h, i, e, k = model.hidden, model.intermediate, model.experts, model.topk
+        why = limits_problem(model, max_tokens, self.config)
+        if why is not None:
+            raise ValueError(f"megakernel: {why}")
         self.max_tokens = max_tokens
         bf = torch.bfloat16
         if w_gate_up is None or w_down is None or gate is None:
@@ -70,21 +92,12 @@ class MegakernelMoE:
             w_down = torch.stack(w2s)
             gate = gate_weight(model, seed=seed, device=self.device, dtype=bf)
             tiled = False
-        for name, t, shape in (("w_gate_up", w_gate_up, (e, 2 * i, h)), ("w_down", w_down, (e, h, i)),
-                               ("gate", gate, (e, h))):
-            if tuple(t.shape) != shape or t.dtype != bf or t.device != self.device:
-                raise ValueError(f"megakernel: {name} must be bf16 {shape} on {self.device}, got "
-                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
-        if tiled and not (w_gate_up.is_contiguous() and w_down.is_contiguous()):
-            raise ValueError("megakernel: k-tiled weights (tiled=True) must be contiguous")
+        self._check_weights(w_gate_up, w_down, gate, tiled=tiled)
         # the expert weights as the kernels read them: k-tiled, shapes unchanged
         self.w1t = w_gate_up if tiled else to_tiled(w_gate_up)
         self.w2t = w_down if tiled else to_tiled(w_down)
         self.gate = gate.contiguous()
         cfg = self.config
-        if cfg.bn == 256 and (h % 256 or (2 * i) % 256):
-            raise ConfigError(f"megakernel config: bn=256 needs hidden and 2 x intermediate to be multiples of 256, "
-                              f"got {h}, {2 * i}")
         self.lib = _lib.load()
 
         bm_min = cfg.bm or 16
@@ -127,6 +140,58 @@ class MegakernelMoE:
         self._params: dict[tuple[int, int], _lib.MkParams] = {}
         self._grids: dict[tuple[int, int], int] = {}
         self._decode: dict[int, tuple[int, int] | None] = {}
+        if self.device.type == "cuda":
+            # the occupancy query (shared memory per pipeline depth, CTAs per SM) needs the library and the GPU:
+            # ask it now for every launch shape a forward can take, so a config that cannot launch fails here
+            for bm, stages in sorted(self.launch_shapes()):
+                try:
+                    self.grid(bm, stages)
+                except CsrcError as e:  # the library refused the shape (e.g. stages too deep for bm's shared memory)
+                    raise ConfigError(f"megakernel config: launches of bm={bm}, stages={stages} cannot run on "
+                                      f"{self.device}: {e}") from e
+
+    def _check_weights(self, w_gate_up: Any, w_down: Any, gate: Any, *, tiled: bool) -> None:
+        h, i, e = self.model.hidden, self.model.intermediate, self.model.experts
+        for name, t, shape in (("w_gate_up", w_gate_up, (e, 2 * i, h)), ("w_down", w_down, (e, h, i)),
+                               ("gate", gate, (e, h))):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"megakernel: {name} must be a tensor, got {type(t).__name__}")
+            if tuple(t.shape) != shape or t.dtype != torch.bfloat16 or t.device != self.device:
+                raise ValueError(f"megakernel: {name} must be bf16 {shape} on {self.device}, got "
+                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        if tiled and not (w_gate_up.is_contiguous() and w_down.is_contiguous()):
+            raise ValueError("megakernel: k-tiled weights (tiled=True) must be contiguous")
+
+    def rebind(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor) -> None:
+        """Read the weights from these tensors from now on: k-tiled expert weights and the gate, all contiguous bf16
+        on this layer's device, shared (not copied). For an owner whose parameters were replaced (MoELayer after
+        `load_state_dict(assign=True)` or `.to()`). The launch templates take the new pointers; a CUDA graph captured
+        before keeps the old ones (capture it again)."""
+        self._check_weights(w_gate_up, w_down, gate, tiled=True)
+        if not gate.is_contiguous():
+            raise ValueError("megakernel: gate must be contiguous (it is read in place)")
+        self.w1t, self.w2t, self.gate = w_gate_up, w_down, gate
+        for p in self._params.values():
+            p.wg, p.w1, p.w2 = gate.data_ptr(), w_gate_up.data_ptr(), w_down.data_ptr()
+
+    def launch_shapes(self) -> set[tuple[int, int]]:
+        """Every (bm, stages) a forward of 1..max_tokens tokens can launch with. `pick_bm` and `pick_stages` are step
+        functions of S, so their values at S = 1, max_tokens and either side of each threshold cover them all."""
+        m, cfg = self.model, self.config
+        k, e = m.topk, m.experts
+        cuts = {1, self.max_tokens}
+        for rows in (cfg.bm_switch_rows * e, cfg.bm_large_rows * e, cfg.wide_switch_rows * e, e):
+            first = -(-rows // k)  # the first S with S x topk >= rows
+            cuts.update((first - 1, first))
+        shapes: set[tuple[int, int]] = set()
+        for s in cuts:
+            if 1 <= s <= self.max_tokens:
+                bm = cfg.pick_bm(s, k, e)
+                st = cfg.pick_stages(bm, s, k, e)
+                shapes.add((bm, st))
+                if not cfg.stages and bm == 16 and st == 6:
+                    shapes.add((16, 4))  # stages_for's one-wave rule may run 4 instead
+        return shapes
 
     # ---- launch plumbing ---------------------------------------------------------------------------
     def grid(self, bm: int, stages: int) -> int:
@@ -209,30 +274,70 @@ class MegakernelMoE:
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [S, H] bf16 on the layer's device -> [S, H] bf16. No host sync (graph-capturable)."""
+        """x [S, H] bf16 on the layer's device -> [S, H] bf16 (into `out` when given: bf16 [S, H] on the layer's
+        device, contiguous, not sharing x's storage). No host sync (graph-capturable)."""
         return self._run(x, out, given=False)
 
     __call__ = forward
 
     @torch.no_grad()
     def forward_routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer with given routing ([S, K] expert ids and weights; tests and benchmarks inject routing here)."""
-        s, k = x.shape[0], self.model.topk
-        if tuple(topk_idx.shape) != (s, k) or tuple(topk_weights.shape) != (s, k):
-            raise ValueError(f"megakernel: routing must be [S, {k}] = [{s}, {k}], got {tuple(topk_idx.shape)}, "
-                             f"{tuple(topk_weights.shape)}")
+                       out: torch.Tensor | None = None, *, check_ids: bool = True) -> torch.Tensor:
+        """The layer with given routing ([S, K] expert ids and weights; tests and benchmarks inject routing here).
+
+        With `check_ids` the ids are range-checked on the host (one sync) except while a CUDA graph is being
+        captured; an out-of-range id that gets through is dropped by the kernel and recorded (code 4: `check()`
+        raises it). `check_ids=False`: the caller has checked them (MoELayer)."""
+        s, k = self._check_x(x), self.model.topk
+        for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (s, k):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"megakernel: {name} must be [S, topk] = [{s}, {k}], got {got}")
+            if t.device != self.device:
+                raise ValueError(f"megakernel: {name} must be on {self.device}, got {t.device}")
+        if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
+            raise ValueError(f"megakernel: topk_idx must be an integer tensor, got {topk_idx.dtype}")
+        if not topk_weights.dtype.is_floating_point:
+            raise ValueError(f"megakernel: topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
+        why = expert_ids_problem(topk_idx, self.model.experts) if check_ids else None
+        if why is not None:
+            raise ValueError(f"megakernel: {why}")
+        self._check_out(out, s, x)
         self.topk_idx[:s].copy_(topk_idx)
         self.topk_w[:s].copy_(topk_weights)
         return self._run(x, out, given=True)
 
-    def _run(self, x: torch.Tensor, out: torch.Tensor | None, *, given: bool) -> torch.Tensor:
-        s = x.shape[0] if x.dim() == 2 else -1
-        if x.dim() != 2 or x.shape[1] != self.model.hidden or x.dtype != torch.bfloat16 or x.device != self.device:
-            raise ValueError(f"megakernel: x must be bf16 [S, {self.model.hidden}] on {self.device}, got "
-                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    def _check_x(self, x: Any) -> int:
+        """S of a valid x (bf16 [S, H] on the layer's device, S <= max_tokens), else ValueError."""
+        h = self.model.hidden
+        if (not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != h or x.dtype != torch.bfloat16
+                or x.device != self.device):
+            got = f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"megakernel: x must be bf16 [S, {h}] on {self.device}, got {got}")
+        s = x.shape[0]
         if s > self.max_tokens:
-            raise ValueError(f"megakernel: S={s} exceeds max_tokens={self.max_tokens}")
+            raise ValueError(f"megakernel: x has {s} tokens, more than max_tokens={self.max_tokens}")
+        return s
+
+    def _check_out(self, out: Any, s: int, x: torch.Tensor) -> None:
+        """`out` is written through its data pointer: it must be exactly the tensor the kernel assumes."""
+        if out is None:
+            return
+        h = self.model.hidden
+        if (not isinstance(out, torch.Tensor) or tuple(out.shape) != (s, h) or out.dtype != torch.bfloat16
+                or out.device != self.device):
+            got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"megakernel: out must be bf16 [{s}, {h}] on {self.device}, got {got}")
+        if not out.is_contiguous():
+            raise ValueError("megakernel: out must be contiguous (the kernel writes rows of H elements back to back)")
+        if s and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            # the kernels read x while they write out, in no order that keeps a row's input until its output lands
+            raise ValueError("megakernel: out must not share storage with x")
+
+    def _run(self, x: torch.Tensor, out: torch.Tensor | None, *, given: bool) -> torch.Tensor:
+        s = self._check_x(x)
+        if not given:
+            self._check_out(out, s, x)
         x = x.contiguous()
         if out is None:
             out = torch.empty(s, self.model.hidden, dtype=torch.bfloat16, device=self.device)
@@ -384,3 +489,26 @@ class MegakernelMoE:
         """The last launch's task total, m-tiles and published tasks as the kernel counted them. Syncs."""
         c = self.ctl.tolist()
         return {"total": c[CTL_TOTAL] - 1, "tiles": c[CTL_TILES], "published": c[CTL_PUBLISHED]}
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    """The layer's device: "cuda" without an index (or None) is the current CUDA device, as EPBuffer resolves it,
+    so that tensors made on `cuda:0` compare equal to it."""
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def expert_ids_problem(topk_idx: torch.Tensor, experts: int) -> str | None:
+    """Why these routing ids are not all in [0, experts), or None. Reads them on the host (a device sync), so it
+    does nothing while the current CUDA stream is being captured into a graph (no sync is allowed there)."""
+    if topk_idx.numel() == 0:
+        return None
+    if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    lo_v, hi_v = torch.stack(torch.aminmax(topk_idx)).tolist()  # one sync for both
+    if lo_v < 0 or hi_v >= experts:
+        bad = int(((topk_idx < 0) | (topk_idx >= experts)).sum())
+        return (f"topk_idx holds expert ids out of range [0, {experts}): {bad} bad ids (min {lo_v}, max {hi_v})")
+    return None

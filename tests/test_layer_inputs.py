@@ -1,0 +1,402 @@
+"""MoELayer / MegakernelMoE on CPU: argument checks that name the argument, the megakernel's limits at
+construction, row-major math on k-tiled parameters, rebinding replaced parameters, and routing-id checks.
+
+The megakernel itself needs an sm_90 GPU: where a test needs it built, a fake stands in (as in
+test_megakernel_engine.py), or `_lib.load` is replaced so that `MegakernelMoE` builds its buffers on the CPU and
+its argument checks run (nothing is launched)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from moetune.runtime.buffer.facade import EPBuffer
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.megakernel import MegakernelConfig, _lib
+from moetune.runtime.megakernel import engine as E
+from moetune.runtime.megakernel import layer as mk_layer
+from moetune.runtime.megakernel.weights import from_tiled, to_tiled
+from moetune.runtime.moe_layer import MoELayer, grouped_mm_usable, route
+from moetune.runtime.options import RuntimeOptionError, RuntimeOptions
+from moetune.runtime.profiles import autoload
+from moetune.runtime.shapes import ModelShape
+
+pytestmark = pytest.mark.timeout(120)
+TINY = ModelShape(name="tiny", hidden=128, intermediate=64, experts=4, topk=2, dtype="bfloat16")
+BF = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch: pytest.MonkeyPatch):
+    E.reset_warnings()
+    autoload.clear_cache()
+    monkeypatch.setattr(autoload, "_availability", {})
+    monkeypatch.setenv("MOETUNE_AUTOLOAD", "0")  # no daemon or database
+    yield
+    E.reset_warnings()
+    autoload.clear_cache()
+
+
+def _unfused(model: ModelShape = TINY, **kw: Any) -> MoELayer:
+    return MoELayer(model, None, Knobs(), max_tokens=kw.pop("max_tokens", 16), device="cpu", dtype=BF,
+                    engine="unfused", **kw)
+
+
+def _x(s: int, h: int = TINY.hidden, seed: int = 0) -> torch.Tensor:
+    return torch.randn(s, h, generator=torch.Generator().manual_seed(seed)).to(BF)
+
+
+class FakeMegakernel:
+    """Stands in for MegakernelMoE: each call computes with the unfused math on the row-major form of the k-tiled
+    tensors it holds NOW (so a stale pointer after a parameter swap would show), and supports `rebind` / `check`."""
+
+    built: ClassVar[list[FakeMegakernel]] = []
+
+    def __init__(self, model: Any, **kw: Any):
+        assert kw["tiled"] is True
+        self.model, self.kw, self.device = model, kw, kw["device"]
+        self.w1t, self.w2t, self.gate = kw["w_gate_up"], kw["w_down"], kw["gate"]
+        self.rebinds = self.checks = 0
+        self.ref = _unfused(model, max_tokens=kw["max_tokens"], seed=kw["seed"])
+        FakeMegakernel.built.append(self)
+
+    def rebind(self, w1: torch.Tensor, w2: torch.Tensor, gate: torch.Tensor) -> None:
+        self.w1t, self.w2t, self.gate = w1, w2, gate
+        self.rebinds += 1
+
+    def check(self) -> None:
+        self.checks += 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, w = route(x, self.gate, self.model.topk)
+        return self.forward_routed(x, idx, w)
+
+    def forward_routed(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, **_: Any) -> torch.Tensor:
+        self.ref.w_gate_up.data.copy_(from_tiled(self.w1t))
+        self.ref.w_down.data.copy_(from_tiled(self.w2t))
+        return self.ref.local_forward(x, idx.long(), w)
+
+
+@pytest.fixture
+def fake_mk(monkeypatch: pytest.MonkeyPatch) -> type[FakeMegakernel]:
+    FakeMegakernel.built = []
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    monkeypatch.setattr(E, "build_megakernel", FakeMegakernel)
+    return FakeMegakernel
+
+
+def _mk_layer(knobs: Knobs | None = None, **kw: Any) -> MoELayer:
+    return MoELayer(TINY, None, knobs or Knobs(engine="megakernel"), max_tokens=kw.pop("max_tokens", 16),
+                    device="cpu", dtype=BF, **kw)
+
+
+@pytest.fixture
+def cpu_lib(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MegakernelMoE builds on the CPU (its checks run; nothing may launch)."""
+    monkeypatch.setattr(_lib, "load", lambda: object())
+
+
+def _cpu_mk(**kw: Any) -> mk_layer.MegakernelMoE:
+    return mk_layer.MegakernelMoE(TINY, max_tokens=kw.pop("max_tokens", 8), device="cpu", **kw)
+
+
+# -- 1: experts() / local_forward() on k-tiled parameters ---------------------------------------------------------
+def test_tiled_layout_round_trips() -> None:
+    w = torch.randn(3, 10, 128).to(BF)
+    assert torch.equal(from_tiled(to_tiled(w)), w) and not torch.equal(to_tiled(w), w)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_tiled_layer_methods_compute_on_row_major_weights(fake_mk, grouped: bool) -> None:
+    if grouped and not grouped_mm_usable("cpu", None, BF, TINY.hidden, TINY.intermediate):
+        pytest.skip("torch._grouped_mm does not run here")
+    layer = _mk_layer(use_grouped_mm=grouped)
+    ref = _unfused(use_grouped_mm=grouped)
+    assert layer.engine == "megakernel" and layer.weights_tiled
+    assert not torch.equal(layer.w_gate_up, ref.w_gate_up)  # the parameters hold the tiled layout
+    x = _x(9)
+    idx, w = ref.route(x)
+    assert torch.equal(layer.local_forward(x, idx, w), ref.local_forward(x, idx, w))
+    recv_x, meta, _handle = ref.buffer.dispatch(x, idx, w)
+    assert torch.equal(layer.experts(recv_x, meta), ref.experts(recv_x, meta))
+    assert torch.equal(layer(x), ref(x))
+
+
+# -- 2: max_tokens -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("bad", "exc"), [(True, TypeError), (1.5, TypeError), ("8", TypeError), (None, TypeError),
+                                          (0, ValueError), (-3, ValueError)])
+def test_max_tokens_must_be_a_positive_int(bad: Any, exc: type, cpu_lib) -> None:
+    with pytest.raises(exc, match="max_tokens"):
+        MoELayer(TINY, None, Knobs(), max_tokens=bad, device="cpu")
+    with pytest.raises(exc, match="max_tokens"):
+        mk_layer.MegakernelMoE(TINY, max_tokens=bad, device="cpu")
+
+
+def test_more_tokens_than_max_tokens_raise_the_same_error_on_every_engine(fake_mk) -> None:
+    un, mk = _unfused(max_tokens=4), _mk_layer(max_tokens=4)
+    assert (un.engine, mk.engine) == ("unfused", "megakernel")
+    x = _x(5)
+    idx, w = un.route(x)
+    for layer in (un, mk):
+        for call in (lambda: layer(x), lambda: layer.forward_routed(x, idx, w)):  # noqa: B023
+            with pytest.raises(ValueError, match=r"x has 5 tokens, more than max_tokens=4"):
+                call()
+    assert un(x[:4]).shape == (4, TINY.hidden) and mk(x[:4]).shape == (4, TINY.hidden)
+
+
+# -- 3: the library's limits, at construction -----------------------------------------------------------------------
+def _shape(**kw: Any) -> ModelShape:
+    return ModelShape(**{"name": "t", "hidden": 128, "intermediate": 64, "experts": 4, "topk": 2, **kw})
+
+
+@pytest.mark.parametrize(("model", "max_tokens", "cfg", "match"), [
+    (_shape(hidden=96), None, None, "hidden % 128"),
+    (_shape(experts=1024), None, None, r"1\.\.512 experts"),
+    (_shape(experts=32, topk=17), None, None, r"topk in 1\.\.min\(16, experts\)"),
+    (_shape(), None, MegakernelConfig(split_k2=2), "split-K parts must be multiples of 64"),
+    (_shape(hidden=256), None, MegakernelConfig(split_k1=8), "split-K parts must be multiples of 64"),
+    (_shape(hidden=384), None, MegakernelConfig(bn=256), "bn=256 needs"),
+    (_shape(), 1 << 22, None, "too many tiles for max_tokens"),
+    (_shape(experts=16, topk=16), (1 << 26) + 1, MegakernelConfig(bm=128), r"max_tokens x topk must be <= 2\^30"),
+])
+def test_limits_problem_mirrors_the_library(model: ModelShape, max_tokens: int | None, cfg: Any, match: str) -> None:
+    why = E.limits_problem(model, max_tokens, cfg)
+    assert why is not None and re.search(match, why), why
+
+
+def test_limits_within_range_pass() -> None:
+    from moetune.runtime.shapes import MODELS
+
+    assert E.limits_problem(MODELS["qwen3-30b"], 4096, MegakernelConfig(split_k1=4, split_k2=2)) is None
+    assert E.limits_problem(_shape(experts=512, topk=16), 1 << 16, MegakernelConfig()) is None
+
+
+def test_megakernel_limits_fall_back_or_raise_at_construction(fake_mk) -> None:
+    bad = Knobs(engine="megakernel", mk_split_k=2)  # intermediate 64 cannot split into parts of 64
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer = _mk_layer(bad)
+    assert layer.engine == "unfused" and "split-K" in layer.engine_note and not layer.weights_tiled
+    assert any("split-K" in str(w.message) for w in caught if issubclass(w.category, E.EngineFallbackWarning))
+    assert not fake_mk.built
+    with pytest.raises(E.MegakernelUnavailable, match="split-K"):
+        _mk_layer(bad, engine="megakernel")
+    with pytest.raises(E.MegakernelUnavailable, match="too many tiles"):
+        MoELayer(_shape(experts=8), None, Knobs(engine="megakernel"), max_tokens=1 << 21, device="cpu", dtype=BF,
+                 engine="megakernel")
+
+
+def test_megakernel_moe_checks_limits_before_building(cpu_lib) -> None:
+    with pytest.raises(ValueError, match="split-K parts"):
+        _cpu_mk(config=MegakernelConfig(split_k1=1, split_k2=2))
+    with pytest.raises(ValueError, match="too many tiles"):
+        mk_layer.MegakernelMoE(_shape(experts=8), max_tokens=1 << 21, device="cpu")
+
+
+def test_launch_shapes_cover_every_bm_and_stages() -> None:
+    mk = object.__new__(mk_layer.MegakernelMoE)  # only the attributes launch_shapes reads
+    from moetune.runtime.shapes import MODELS
+
+    mk.model, mk.max_tokens = MODELS["qwen3-30b"], 4096
+    mk.config = MegakernelConfig().resolve(mk.model.hidden, mk.model.intermediate)
+    want = set()
+    for s in range(1, 4097):
+        bm = mk.config.pick_bm(s, mk.model.topk, mk.model.experts)
+        st = mk.config.pick_stages(bm, s, mk.model.topk, mk.model.experts)
+        want.add((bm, st))
+    assert want <= mk.launch_shapes() and (16, 4) in mk.launch_shapes()
+
+
+# -- 4: parameters replaced after construction ---------------------------------------------------------------------
+def test_assigned_state_dict_is_handed_to_the_megakernel(fake_mk) -> None:
+    layer, ref = _mk_layer(), _unfused()
+    mk = fake_mk.built[-1]
+    sd = {k: v.clone() for k, v in layer.state_dict().items()}
+    new = {k: (v * 2 if k in ("w_gate_up", "w_down") else v) for k, v in sd.items()}
+    layer.load_state_dict(new, assign=True)
+    assert mk.rebinds == 1 and mk.w1t.data_ptr() == layer.w_gate_up.data_ptr()
+    ref.load_state_dict(new)
+    x = _x(7, seed=3)
+    assert torch.equal(layer(x), ref(x))
+    assert torch.equal(layer.state_dict()["w_gate_up"], new["w_gate_up"])  # still row-major outside
+    layer.load_state_dict(sd)  # in place: the same storage, nothing to hand over
+    assert mk.rebinds == 1
+
+
+def test_dtype_or_storage_changes_are_caught_before_a_launch(fake_mk) -> None:
+    layer = _mk_layer()
+    mk = fake_mk.built[-1]
+    x = _x(3)
+    layer.w_gate_up = torch.nn.Parameter(layer.w_gate_up.detach().clone(), requires_grad=False)
+    out = layer(x)  # a parameter assigned anew: handed over at the next forward
+    assert mk.rebinds == 1 and mk.w1t.data_ptr() == layer.w_gate_up.data_ptr()
+    assert torch.equal(out, _unfused()(x))
+    layer.float()
+    with pytest.raises(ValueError, match=r"bfloat16 .* w_gate_up is now torch.float32"):
+        layer(x)  # the layer still takes bf16 x; its weights are fp32 now, which the megakernel cannot read
+    with pytest.raises(ValueError, match=r"is now torch.float32"):
+        _mk_layer().load_state_dict({k: v.float() for k, v in layer.state_dict().items()}, assign=True)
+
+
+def test_megakernel_moe_rebind_checks_and_updates_templates(cpu_lib) -> None:
+    mk = _cpu_mk()
+    mk._params[(16, 3)] = p = _lib.MkParams()
+    w1, w2, g = mk.w1t.clone(), mk.w2t.clone(), mk.gate.clone()
+    mk.rebind(w1, w2, g)
+    assert (p.w1, p.w2, p.wg) == (w1.data_ptr(), w2.data_ptr(), g.data_ptr()) and mk.w1t is w1
+    with pytest.raises(ValueError, match="w_down must be bf16"):
+        mk.rebind(w1, w2.float(), g)
+    with pytest.raises(ValueError, match="contiguous"):
+        mk.rebind(w1, w2, torch.empty(TINY.hidden, TINY.experts, dtype=BF).t())
+
+
+# -- 5: routing ids ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("ids", "match"), [
+    (lambda idx: idx.clone().fill_(TINY.experts), r"out of range \[0, 4\)"),
+    (lambda idx: torch.where(idx == idx[0, 0], -1, idx), "out of range"),
+    (lambda idx: idx.float(), "integer tensor"),
+    (lambda idx: idx.bool(), "integer tensor"),
+    (lambda idx: idx[:, :1], r"topk_idx must be \[S, topk\]"),
+    (lambda idx: idx.to("meta"), "topk_idx must be on cpu"),
+])
+def test_routing_ids_are_checked(fake_mk, cpu_lib, ids: Any, match: str) -> None:
+    x = _x(6)
+    idx, w = _unfused().route(x)
+    for layer in (_unfused(), _mk_layer(), _cpu_mk(max_tokens=8)):
+        with pytest.raises(ValueError, match=match):
+            layer.forward_routed(x, ids(idx), w)
+    with pytest.raises(ValueError, match="topk_weights must be a floating-point"):
+        _unfused().forward_routed(x, idx, idx)
+
+
+def test_unchecked_buffer_skips_the_id_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    buf = EPBuffer(None, Knobs(), model=TINY, max_tokens=16, device="cpu", dtype=BF, check_inputs=False)
+    layer = MoELayer(TINY, max_tokens=16, buffer=buf, engine="unfused")
+    calls = []
+    monkeypatch.setattr("moetune.runtime.moe_layer.expert_ids_problem", lambda *a: calls.append(a))
+    x = _x(4)
+    layer.forward_routed(x, *layer.route(x))
+    assert not calls
+
+
+def test_layer_check_delegates_to_the_megakernel(fake_mk) -> None:
+    _unfused().check()  # nothing to read: no error
+    layer = _mk_layer()
+    layer.check()
+    assert fake_mk.built[-1].checks == 1
+
+
+# -- 6-9: MegakernelMoE arguments ------------------------------------------------------------------------------------
+def test_cuda_device_without_index_is_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert mk_layer._device("cuda") == torch.device("cuda", 3) == mk_layer._device(None)
+    assert mk_layer._device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert mk_layer._device("cpu") == torch.device("cpu")
+
+
+def test_forward_routed_checks_before_copying(cpu_lib) -> None:
+    mk = _cpu_mk(max_tokens=4)
+    x = _x(6)
+    idx = torch.zeros(6, TINY.topk, dtype=torch.int64)
+    w = torch.full((6, TINY.topk), 0.5)
+    with pytest.raises(ValueError, match="x has 6 tokens, more than max_tokens=4"):
+        mk.forward_routed(x, idx, w)
+    with pytest.raises(ValueError, match=r"x must be bf16 \[S, 128\]"):
+        mk.forward_routed(x[:4].float(), idx[:4], w[:4])
+    with pytest.raises(ValueError, match="topk_weights must be a floating-point"):
+        mk.forward_routed(x[:4], idx[:4], idx[:4])
+
+
+def test_weights_all_or_none(cpu_lib) -> None:
+    cls = mk_layer.MegakernelMoE  # builds all three from seed when none is given
+    full = _cpu_mk()
+    with pytest.raises(ValueError, match=r"all of w_gate_up, w_down and gate or none.*got w_gate_up without w_down, gate"):
+        cls(TINY, max_tokens=8, device="cpu", w_gate_up=full.w_gate_up)
+    with pytest.raises(ValueError, match="got w_gate_up, gate without w_down"):
+        cls(TINY, max_tokens=8, device="cpu", w_gate_up=full.w_gate_up, gate=full.gate)
+    again = cls(TINY, max_tokens=8, device="cpu", w_gate_up=full.w_gate_up, w_down=full.w_down, gate=full.gate)
+    assert torch.equal(again.w1t, full.w1t)
+
+
+@pytest.mark.parametrize(("out", "match"), [
+    (lambda s: torch.empty(s + 1, TINY.hidden, dtype=BF), r"out must be bf16 \[3, 128\]"),
+    (lambda s: torch.empty(s, TINY.hidden), r"out must be bf16"),
+    (lambda s: torch.empty(TINY.hidden, s, dtype=BF).t(), "out must be contiguous"),
+    (lambda s: "out", "out must be bf16"),
+])
+def test_out_is_validated(cpu_lib, out: Any, match: str) -> None:
+    mk = _cpu_mk()
+    x = _x(3)
+    with pytest.raises(ValueError, match=match):
+        mk.forward(x, out=out(3))
+    idx = torch.zeros(3, TINY.topk, dtype=torch.int64)
+    with pytest.raises(ValueError, match=match):
+        mk.forward_routed(x, idx, torch.ones(3, TINY.topk), out=out(3))
+
+
+def test_out_must_not_alias_x(cpu_lib) -> None:
+    mk = _cpu_mk()
+    x = _x(3)
+    with pytest.raises(ValueError, match="out must not share storage with x"):
+        mk.forward(x, out=x)
+    with pytest.raises(TypeError, match="config must be a MegakernelConfig"):
+        _cpu_mk(config="bm=16")
+
+
+# -- 10: a given buffer must agree ----------------------------------------------------------------------------------
+def test_buffer_must_agree_with_the_arguments() -> None:
+    buf = EPBuffer(None, Knobs(), model=TINY, max_tokens=16, device="cpu", dtype=BF)
+    MoELayer(TINY, max_tokens=16, buffer=buf, device="cpu", dtype=BF, engine="unfused")  # agrees
+    other = ModelShape(name="other", hidden=128, intermediate=64, experts=8, topk=2)
+    for kw, match in ((dict(model=other), "model"), (dict(max_tokens=8), "max_tokens 8 vs the buffer's 16"),
+                      (dict(dtype=torch.float32), "dtype"), (dict(device="cuda:0"), "device cuda:0"),
+                      (dict(options={"megakernel_timeout_s": 5.0}), "options")):
+        args = {"model": TINY, "max_tokens": 16, **kw}
+        with pytest.raises(ValueError, match=f"buffer disagrees.*{match}"):
+            MoELayer(args.pop("model"), buffer=buf, engine="unfused", **args)
+
+
+# -- 11: megakernel_timeout_s ---------------------------------------------------------------------------------------
+def test_megakernel_timeout_has_one_range() -> None:
+    assert MegakernelConfig.from_knobs(Knobs(), RuntimeOptions(megakernel_timeout_s=3600)).timeout_ms == 3.6e6
+    for bad in (3601.0, 0.0, 1e-9, float("nan")):
+        with pytest.raises(RuntimeOptionError, match="megakernel_timeout_s"):
+            RuntimeOptions(megakernel_timeout_s=bad)
+    with pytest.raises(RuntimeOptionError, match="MOETUNE_MK_TIMEOUT_S"):
+        RuntimeOptions.from_env({"MOETUNE_MK_TIMEOUT_S": "7200"})
+
+
+# -- 12: argument types ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("kw", "match"), [
+    (dict(model="qwen3-30b"), r"model must be a ModelShape, got str; for a model name use .*get_model\('qwen3-30b'\)"),
+    (dict(knobs={"engine": "unfused"}), r"knobs must be a Knobs or None, got dict; build one with Knobs.from_dict"),
+    (dict(options="megakernel_timeout_s=5"), "options must be a RuntimeOptions"),
+    (dict(dtype="bfloat16"), "dtype must be a torch.dtype"),
+    (dict(device=0.5), "device must be"),
+    (dict(seed="1"), "seed must be an int"),
+    (dict(buffer="buf"), "buffer must be an EPBuffer"),
+])
+def test_wrong_argument_types_name_the_argument(kw: dict, match: str) -> None:
+    args = {"model": TINY, "knobs": Knobs(), "max_tokens": 8, **kw}
+    with pytest.raises(TypeError, match=match):
+        MoELayer(args.pop("model"), None, args.pop("knobs"), **args)
+
+
+def test_epbuffer_options_type() -> None:
+    with pytest.raises(TypeError, match="options must be"):
+        EPBuffer(None, Knobs(), model=TINY, max_tokens=8, device="cpu", options="megakernel_timeout_s=5")
+
+
+def test_options_reach_the_buffer() -> None:
+    layer = MoELayer(TINY, None, Knobs(), max_tokens=8, device="cpu", options={"megakernel_timeout_s": 7.0})
+    assert layer.buffer.options.megakernel_timeout_s == 7.0
+
+
+# -- 13-14: documentation -------------------------------------------------------------------------------------------
+def test_docs_say_one_thread_per_instance_and_what_is_imported() -> None:
+    assert "thread" in (MoELayer.__doc__ or "") and "thread" in (mk_layer.MegakernelMoE.__doc__ or "")
+    assert "no msgspec" not in (mk_layer.__doc__ or "")
