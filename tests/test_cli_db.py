@@ -99,6 +99,7 @@ def test_default_path_from_env_and_config(tmp_path):
 
 def test_profiles_list_show_delete(tmp_path):
     db = tmp_path / "m.db"
+    Store(db).close()
     assert json.loads(run("profiles", "list", "--db", str(db), "--json").stdout) == []
     fill(db)
     rows = json.loads(run("profiles", "list", "--db", str(db), "--json").stdout)

@@ -7,14 +7,16 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(help="The profile database: migrations, checks, where it is.", no_args_is_help=True)
 
-DB_HELP = "Database file (default: [store] db from the config, else $MOETUNE_HOME/moetune.db, else the XDG data dir)."
+# Help text is Rich markup: escape() keeps "[store]" from being read as a tag and vanishing.
+DB_HELP = escape("Database file (default: [store] db from the config, else $MOETUNE_HOME/moetune.db, else the XDG data dir).")
 CONFIG_HELP = "Extra config file, read after /etc/moetune/moetune.toml and ~/.config/moetune/moetune.toml."
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -22,8 +24,9 @@ out = Console(highlight=False, soft_wrap=True)
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
-    """Print a red error (no traceback) and return the Exit to raise."""
-    err.print(f"[red]error:[/red] {message}", markup=True, soft_wrap=True)
+    """Print a red error (no traceback) and return the Exit to raise. The message is plain text: paths and
+    names from the user (`[/x].json`, "[gpu]") are escaped, never read as Rich markup."""
+    err.print(f"[red]error:[/red] {escape(message)}", markup=True, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -40,18 +43,45 @@ def db_path(db: Path | None, config: Path | None) -> Path:
         raise fail(str(e)) from None
 
 
+# How a command opens the database:
+#   read     an existing moetune database at head, read-only: never created, migrated nor re-upgraded
+#            (a `db downgrade` stays done until `db upgrade`);
+#   write    an existing moetune database, upgraded to head;
+#   create   as write, and a missing path or an empty file becomes a new database;
+#   inspect  an existing file at any revision, read-only, schema not checked (`db current`, `db check`);
+#   migrate  an existing moetune database, schema not checked (`db downgrade`);
+#   init     any path, schema not checked (`db upgrade` creates and migrates it explicitly).
+# Only init and migrate may touch another program's SQLite file, and migrate refuses to.
+OpenMode = Literal["read", "write", "create", "inspect", "migrate", "init"]
+
+
+def _open(path: Path, mode: OpenMode) -> Any:
+    from moetune.tuner.store.store import Store, probe_database
+
+    if mode == "read":
+        return Store.open_existing(path)
+    if mode in ("write", "create"):
+        return Store.open_existing(path, write=True, create=mode == "create")
+    if mode == "init":
+        return Store(path, upgrade=False)
+    kind, _rev = probe_database(path)
+    if kind == "missing":
+        raise fail(f"no database at {path}")
+    if mode == "inspect":
+        return Store(path, readonly=True, check_schema=False)
+    if kind != "moetune":  # a downgrade would add moetune's version table to it
+        raise fail(f"{path} is not a moetune database")
+    return Store(path, upgrade=False)
+
+
 @contextlib.contextmanager
-def open_store(
-    db: Path | None, config: Path | None, *, upgrade: bool = True, must_exist: bool = False
-) -> Iterator[Any]:
-    """Open the store for a command; errors become a red message and exit status 2."""
-    from moetune.tuner.store.store import Store, StoreError
+def open_store(db: Path | None, config: Path | None, *, mode: OpenMode) -> Iterator[Any]:
+    """Open the store for a command (see OpenMode); errors become a red message and exit status 2."""
+    from moetune.tuner.store.store import StoreError
 
     path = db_path(db, config)
-    if must_exist and not path.is_file():
-        raise fail(f"no database at {path}")
     try:
-        store = Store(path, upgrade=upgrade)
+        store = _open(path, mode)
     except StoreError as e:
         raise fail(str(e)) from None
     try:
@@ -78,7 +108,7 @@ def upgrade(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Create the database or migrate it to the newest schema."""
-    with open_store(db, config, upgrade=False) as store:
+    with open_store(db, config, mode="init") as store:
         before = store.current_revision()
         try:
             store.upgrade(revision)
@@ -86,9 +116,9 @@ def upgrade(
             raise fail(f"upgrade of {store.path} to {revision} failed: {e}") from None
         after = store.current_revision()
         if before == after:
-            out.print(f"{store.path}: already at revision {after}")
+            out.print(escape(f"{store.path}: already at revision {after}"))
         else:
-            out.print(f"{store.path}: upgraded {before or 'empty'} -> {after}")
+            out.print(escape(f"{store.path}: upgraded {before or 'empty'} -> {after}"))
 
 
 @app.command()
@@ -101,12 +131,12 @@ def downgrade(
     """Migrate the schema down (for rolling back a moetune upgrade)."""
     if not yes:
         raise fail("a downgrade can drop data: pass --yes to do it")
-    with open_store(db, config, upgrade=False, must_exist=True) as store:
+    with open_store(db, config, mode="migrate") as store:
         try:
             store.downgrade(revision)
         except Exception as e:  # broad: the CLI's boundary; Alembic and the database fail in many types
             raise fail(f"downgrade of {store.path} to {revision} failed: {e}") from None
-        out.print(f"{store.path}: at revision {store.current_revision() or 'base'}")
+        out.print(escape(f"{store.path}: at revision {store.current_revision() or 'base'}"))
 
 
 @app.command()
@@ -118,14 +148,14 @@ def current(
     """Show the database's schema revision and the newest one this moetune knows."""
     from moetune.tuner.store.store import head_revision
 
-    with open_store(db, config, upgrade=False, must_exist=True) as store:
+    with open_store(db, config, mode="inspect") as store:
         rev, head = store.current_revision(), head_revision()
         info = {"path": str(store.path), "revision": rev, "head": head, "at_head": rev == head}
     if json_out:
         print_json(info)
     else:
         state = "up to date" if rev == head else "needs `moetune db upgrade`"
-        out.print(f"{info['path']}: revision {rev or 'none'} (head {head}): {state}")
+        out.print(escape(f"{info['path']}: revision {rev or 'none'} (head {head}): {state}"))
 
 
 @app.command()
@@ -135,17 +165,17 @@ def check(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Check revision, schema drift, SQLite integrity and foreign keys; exit 1 when anything is off."""
-    with open_store(db, config, upgrade=False, must_exist=True) as store:
+    with open_store(db, config, mode="inspect") as store:
         info = store.check()
     if json_out:
         print_json(info)
     else:
         mark = "[green]ok[/green]" if info["ok"] else "[red]NOT OK[/red]"
-        out.print(f"{info['path']}: {mark}")
-        out.print(f"  revision {info['revision'] or 'none'} (head {info['head']})")
-        out.print(f"  integrity: {', '.join(info['integrity'])}")
+        out.print(f"{escape(info['path'])}: {mark}")
+        out.print(escape(f"  revision {info['revision'] or 'none'} (head {info['head']})"))
+        out.print(escape(f"  integrity: {', '.join(info['integrity'])}"))
         out.print(f"  foreign key errors: {info['foreign_key_errors']}")
         for d in info["schema_diff"]:
-            out.print(f"  schema differs: {d}")
+            out.print(escape(f"  schema differs: {d}"))
     if not info["ok"]:
         raise typer.Exit(1)

@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from moetune.tuner.cli.db import CONFIG_HELP, DB_HELP, fail, open_store, out, print_json
@@ -53,7 +54,7 @@ def list_cmd(
     """List stored profiles, with where their numbers come from (measured, MODELLED, PRESET)."""
     _check_status(status)
     _check_provenance(provenance)
-    with open_store(db, config) as store:
+    with open_store(db, config, mode="read") as store:
         rows = store.list_profiles(status=status, fingerprint=fingerprint, provenance=provenance)
     if json_out:
         print_json([_record_json(pid, rec) for pid, rec in rows])
@@ -70,15 +71,15 @@ def list_cmd(
             str(pid),
             f"[{colour[r.status]}]{r.status}[/]",
             PROVENANCE_LABEL[str(r.provenance)],
-            k.transport_family,
-            k.fingerprint[:10],
+            escape(k.transport_family),
+            escape(k.fingerprint[:10]),
             f"{k.ep_size}" if k.nodes == 1 else f"{k.ep_size}/{k.nodes}n",
             f"{k.hidden}/{k.intermediate}/{k.experts}/{k.topk}",
-            k.dtype,
+            escape(k.dtype),
             str(k.token_bucket),
             f"{r.latency_us:.1f}±{r.spread_us:.1f}",
-            r.backend,
-            r.updated[:10],
+            escape(r.backend),
+            escape(r.updated[:10]),
         )
     out.print(table)
 
@@ -91,28 +92,29 @@ def show(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Show one profile: its key, knobs and measurement."""
-    with open_store(db, config) as store:
+    with open_store(db, config, mode="read") as store:
         rec = store.get_profile(profile_id)
     if rec is None:
         raise fail(f"no profile {profile_id}")
     if json_out:
         print_json(_record_json(profile_id, rec))
         return
-    table = Table(title=f"profile {profile_id} ({rec.status}, hash {rec.profile_hash})", show_header=False)
+    # Stored text (an imported file's backend, versions, ...) is shown as is, never read as Rich markup.
+    table = Table(title=escape(f"profile {profile_id} ({rec.status}, hash {rec.profile_hash})"), show_header=False)
     table.add_column("field", style="bold")
     table.add_column("value")
     for name, value in rec.key.to_dict().items():
-        table.add_row(f"key.{name}", str(value))
+        table.add_row(f"key.{name}", escape(str(value)))
     for name, value in rec.knobs.to_dict().items():
-        table.add_row(f"knobs.{name}", str(value))
+        table.add_row(f"knobs.{name}", escape(str(value)))
     table.add_row("latency_us", f"{rec.latency_us:.3f} ± {rec.spread_us:.3f}")
-    table.add_row("backend", rec.backend)
+    table.add_row("backend", escape(rec.backend))
     table.add_row("provenance", PROVENANCE_LABEL[str(rec.provenance)])
-    table.add_row("measured_on", rec.measured_on or "(unknown)")
+    table.add_row("measured_on", escape(rec.measured_on or "(unknown)"))
     for name, value in sorted(rec.software_versions.items()):
-        table.add_row(f"software.{name}", value)
-    table.add_row("created", rec.created)
-    table.add_row("updated", rec.updated)
+        table.add_row(escape(f"software.{name}"), escape(str(value)))
+    table.add_row("created", escape(rec.created))
+    table.add_row("updated", escape(rec.updated))
     out.print(table)
 
 
@@ -124,7 +126,7 @@ def delete(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Delete one profile."""
-    with open_store(db, config) as store:
+    with open_store(db, config, mode="write") as store:
         if store.get_profile(profile_id) is None:
             raise fail(f"no profile {profile_id}")
         if not yes and not typer.confirm(f"delete profile {profile_id}?"):
@@ -143,7 +145,7 @@ def export_cmd(
 ) -> None:
     """Export profiles (and their fingerprints' facts) to a JSON file."""
     _check_status(status)
-    with open_store(db, config) as store:
+    with open_store(db, config, mode="read") as store:
         if path == "-":
             sys.stdout.buffer.write(store.dump_profiles(status=status, fingerprint=fingerprint))
             sys.stdout.flush()
@@ -152,7 +154,7 @@ def export_cmd(
             n = store.export_profiles(path, status=status, fingerprint=fingerprint)
         except OSError as e:
             raise fail(f"cannot write {path}: {e.strerror or e}") from None
-    out.print(f"exported {n} profile(s) to {path}")
+    out.print(escape(f"exported {n} profile(s) to {path}"))
 
 
 @app.command("import")
@@ -163,17 +165,27 @@ def import_cmd(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Import profiles: all or nothing, validated before anything is written."""
-    from moetune.tuner.store.store import ProfileImportError
+    from moetune.tuner.store.store import ProfileImportError, parse_export
 
-    with open_store(db, config) as store:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise fail(f"cannot read {path}: {e.strerror or e}") from None
+    try:  # validate before opening: a bad file must not create (or upgrade) a database either
+        parse_export(data, source=str(path))
+    except ProfileImportError as e:
+        raise fail(f"{e} (database unchanged)") from None
+    with open_store(db, config, mode="create") as store:
         try:
-            res = store.import_profiles(path)
+            res = store.import_bytes(data, source=str(path))
         except ProfileImportError as e:
             raise fail(f"{e} (database unchanged)") from None
     if json_out:
         print_json(msgspec.to_builtins(res))
     else:
         out.print(
-            f"imported {res.inserted} profile(s) from {path}: {res.current} current, {res.replaced} replaced, "
-            f"{res.kept_superseded} kept as superseded, {res.skipped} already present"
+            escape(
+                f"imported {res.inserted} profile(s) from {path}: {res.current} current, {res.replaced} replaced, "
+                f"{res.kept_superseded} kept as superseded, {res.skipped} already present"
+            )
         )

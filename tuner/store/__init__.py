@@ -21,8 +21,10 @@ _LAZY = {
     "StoreError": "._schema",
     "VERSION_TABLE": "._schema",
     "head_revision": "._schema",
+    "is_sqlite_file": "._schema",
     "now": ".store",
     "parse_export": ".io",
+    "probe_database": ".store",
 }
 
 
@@ -44,6 +46,8 @@ __all__ = [
     "Store",
     "StoreError",
     "head_revision",
+    "is_sqlite_file",
     "now",
     "parse_export",
+    "probe_database",
 ]

@@ -21,6 +21,18 @@ class StoreError(RuntimeError):
     """The database cannot be opened, is at an unknown revision, or a stored value is invalid."""
 
 
+SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+
+
+def is_sqlite_file(path: Path) -> bool:
+    """Whether `path` is a file that starts with SQLite's header (unreadable: False)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+    except OSError:
+        return False
+
+
 def alembic_config(connection: Any = None) -> Any:
     from alembic.config import Config as AlembicConfig
 

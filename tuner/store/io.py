@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import os
-import tempfile
+import secrets
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from moetune.runtime.knobs import KnobError
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.tuner.store._rows import current_of, decide, key_filter, now, row_from_record
+from moetune.tuner.store._schema import StoreError, is_sqlite_file
 from moetune.tuner.store.models import Fingerprint, Profile
 from moetune.tuner.store.validate import FieldError, check_import_record
 
@@ -88,16 +90,45 @@ def dump_profiles(store: Store, *, status: str | None = None, fingerprint: str |
     return msgspec.json.format(msgspec.json.encode(doc, order="deterministic"), indent=2) + b"\n"
 
 
+def _check_export_target(store: Store, target: Path) -> None:
+    """Refuse a target whose replacement would lose data: the store's own database (or its -wal/-shm/
+    -journal, which hold committed rows), any other SQLite database, anything not a regular file."""
+    if not store.memory:
+        db = store.path
+        for own in (db, *(db.with_name(db.name + suffix) for suffix in ("-wal", "-shm", "-journal"))):
+            same = target == own.resolve()
+            with contextlib.suppress(OSError):  # a hard link to the database is the database too
+                same = same or os.path.samefile(target, own)
+            if same:
+                raise StoreError(f"refusing to export onto {target}: it is (a file of) the database {db}")
+    if target.exists():
+        if not target.is_file():
+            raise StoreError(f"refusing to export onto {target}: not a regular file")
+        if is_sqlite_file(target):
+            raise StoreError(f"refusing to export onto {target}: it is a SQLite database")
+
+
 def export_profiles(store: Store, path: str | Path, *, status: str | None = None, fingerprint: str | None = None) -> int:
-    """Write the profiles (with their fingerprints' facts) to a JSON file atomically; returns how many."""
+    """Write the profiles (with their fingerprints' facts) to a JSON file atomically (a temporary file in
+    the same directory, then os.replace: a failed export leaves an existing file as it was); returns how
+    many. A StoreError refuses a target that is a database or not a regular file."""
+    # Write through a symlink: the link stays, the file it names gets the export.
+    target = Path(path).expanduser().resolve()
+    _check_export_target(store, target)
     data = dump_profiles(store, status=status, fingerprint=fingerprint)
     n = len(msgspec.json.decode(data)["profiles"])
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+    old_mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else None
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+    # 0o666 less the umask, like any new file; O_EXCL: never write into a file we did not create.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
+            if old_mode is not None:  # replacing a file keeps its permissions
+                os.fchmod(f.fileno(), old_mode)
             f.write(data)
-        os.replace(tmp, path)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
     except BaseException:  # remove our temporary file, then re-raise
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -112,6 +143,11 @@ def _key_text(key: ProfileKey) -> str:
     )
 
 
+def _short(value: Any) -> str:
+    text = msgspec.json.encode(value).decode()
+    return text if len(text) <= 32 else text[:32] + "..."
+
+
 def parse_export(data: bytes, *, source: str = "<data>") -> ProfilesFile:
     """Decode and validate an export document completely; ProfileImportError names the profile and field."""
     try:
@@ -122,10 +158,17 @@ def parse_export(data: bytes, *, source: str = "<data>") -> ProfilesFile:
         raise ProfileImportError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     if raw.get("format") != EXPORT_FORMAT:
         raise ProfileImportError(f"{source}: not a moetune profiles file (format {str(raw.get('format'))[:64]!r}, expected {EXPORT_FORMAT!r})")
-    if raw.get("version") != EXPORT_VERSION:
+    version = raw.get("version")
+    if type(version) is not int:  # bool is an int subclass; "1" is not a version either
         raise ProfileImportError(
-            f"{source}: unsupported format version {str(raw.get('version'))[:32]} (this moetune reads {EXPORT_VERSION})"
+            f"{source}: format version must be an integer, got {_short(version) if 'version' in raw else 'none'} (this moetune reads {EXPORT_VERSION})"
         )
+    if version != EXPORT_VERSION:
+        raise ProfileImportError(
+            f"{source}: unsupported format version {str(version)[:32]} (this moetune reads {EXPORT_VERSION})"
+        )
+    if not isinstance(raw.get("profiles"), list):  # an empty list is fine (an empty database's export)
+        raise ProfileImportError(f"no `profiles` list in {source}")
     try:
         doc = msgspec.convert(raw, ProfilesFile)
     except (msgspec.ValidationError, KnobError, ValueError, TypeError) as e:
@@ -149,6 +192,10 @@ def parse_export(data: bytes, *, source: str = "<data>") -> ProfilesFile:
             check_import_record(rec, now)
         except FieldError as e:
             raise ProfileImportError(f"{source}: profiles[{i}].{e}") from None
+        if rec.key.fingerprint not in seen_fp:  # else it would be stored with empty facts, seen "now"
+            raise ProfileImportError(
+                f"{source}: profiles[{i}].key.fingerprint {rec.key.fingerprint[:64]} is not in the file's fingerprints"
+            )
         if rec.status == "current":
             if rec.key in current:
                 raise ProfileImportError(

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import sqlite3
 import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import Engine, create_engine, delete, event, func, select, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -49,6 +50,8 @@ from moetune.tuner.store._schema import (
     SchemaVersionManager,
     StoreError,
     head_revision,
+    is_sqlite_file,
+    known_revisions,
 )
 from moetune.tuner.store.io import (
     EXPORT_FORMAT,
@@ -78,8 +81,10 @@ __all__ = [
     "Store",
     "StoreError",
     "head_revision",
+    "is_sqlite_file",
     "now",
     "parse_export",
+    "probe_database",
 ]
 
 
@@ -148,6 +153,37 @@ def _readonly_creator(path: Path) -> Any:
     return connect
 
 
+DatabaseKind = Literal["missing", "empty", "foreign", "moetune"]
+
+
+def probe_database(path: Path) -> tuple[DatabaseKind, str | None]:
+    """What is at `path`, read through a read-only connection (nothing is created, migrated or switched to
+    WAL): ("missing", None); ("empty", None) for a 0-byte file or a SQLite file without tables; ("foreign",
+    None) for another program's SQLite file (tables, but no moetune version table); ("moetune", revision),
+    revision None after `db downgrade base`. A file that is not SQLite is a StoreError."""
+    if not path.exists():
+        return "missing", None
+    if not path.is_file():
+        raise StoreError(f"{path} is not a database file")
+    try:
+        if path.stat().st_size == 0:
+            return "empty", None
+        con = _readonly_creator(path)()
+        try:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            rev = None
+            if VERSION_TABLE in tables:
+                row = con.execute(f"SELECT version_num FROM {VERSION_TABLE} LIMIT 1").fetchone()
+                rev = None if row is None else str(row[0])
+        finally:
+            con.close()
+    except (OSError, sqlite3.Error) as e:
+        raise StoreError(f"{path}: {e}") from None
+    if VERSION_TABLE in tables:
+        return "moetune", rev
+    return ("foreign" if tables else "empty"), None
+
+
 def _on_begin(conn: Any) -> None:
     mode = conn.get_execution_options().get("moetune_begin", "DEFERRED")
     conn.exec_driver_sql(f"BEGIN {mode}")
@@ -162,7 +198,9 @@ class Store:
     after a fork the child drops the parent's pooled connections and opens its own.
     """
 
-    def __init__(self, path: str | Path | None = None, *, readonly: bool = False, upgrade: bool = True):
+    def __init__(
+        self, path: str | Path | None = None, *, readonly: bool = False, upgrade: bool = True, check_schema: bool = True
+    ):
         if path is None:
             from moetune.runtime.config import load_config
 
@@ -194,8 +232,34 @@ class Store:
         event.listen(self._engine, "begin", _on_begin)
         self._writer = self._engine.execution_options(moetune_begin="IMMEDIATE")
         self._pid = os.getpid()
-        if upgrade or readonly:
+        # check_schema=False: a read-only look at a database at any revision (`moetune db current/check`).
+        if check_schema and (upgrade or readonly):
             self._ensure_schema(upgrade=upgrade and not readonly)
+
+    @classmethod
+    def open_existing(cls, path: str | Path, *, write: bool = False, create: bool = False) -> Store:
+        """Open a database without the side effects of `Store(path)`, for commands that did not ask to
+        create or migrate one. `write` False: an existing moetune database at head, opened read-only (never
+        created, migrated or re-upgraded after a `db downgrade`). `write`: an existing moetune database,
+        upgraded to head; with `create`, a missing path or an empty file also (created). Never adds
+        moetune's tables to another program's SQLite file. A StoreError says what is wrong and what to run."""
+        path = Path(path).expanduser().absolute()
+        upgrade_cmd = f"`moetune db upgrade --db {shlex.quote(str(path))}`"
+        kind, rev = probe_database(path)
+        if kind == "missing" and not (write and create):
+            raise StoreError(f"no database at {path} (run {upgrade_cmd})")
+        if kind == "foreign":
+            raise StoreError(f"{path} is not a moetune database")
+        if kind == "empty" and not (write and create):
+            raise StoreError(f"{path} is not a moetune database (it is empty: {upgrade_cmd} makes it one)")
+        if write:
+            return cls(path)
+        head = head_revision()
+        if rev != head and (rev is None or rev in known_revisions()):
+            raise StoreError(
+                f"database {path} is at schema {rev or 'base'}, this moetune needs {head}: run {upgrade_cmd}"
+            )
+        return cls(path, readonly=True)  # a newer, unknown revision: the schema check says what to do
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
