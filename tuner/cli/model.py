@@ -6,23 +6,31 @@ import datetime as _dt
 import json
 import math
 from pathlib import Path
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from moetune.tuner.cli._args import int_list
+from moetune.tuner.cli.db import fail
 
 app = typer.Typer(help="The fabric model: predicted (modelled) dispatch/combine cost on any fabric.", no_args_is_help=True)
 
 _console = Console()
-_err = Console(stderr=True)
 LABEL = "MODELLED"
 
 
-def _fail(msg: str) -> None:
-    _err.print(f"[red]error:[/red] {msg}")
-    raise typer.Exit(2)
+def _fail(msg: str) -> NoReturn:
+    """The CLI's one error path: a red message naming what is wrong, exit status 2, no traceback."""
+    raise fail(msg)
+
+
+def _e(value: Any) -> str:
+    """User-supplied text (preset names, paths, rows of a data file) printed through Rich: escaped, so a
+    '[' in it is shown as typed and never read as markup."""
+    return escape(str(value))
 
 
 def _build(preset: str, model: str, nodes: int, tokens: int, gpus_per_node: int | None, knobs: str,
@@ -34,6 +42,7 @@ def _build(preset: str, model: str, nodes: int, tokens: int, gpus_per_node: int 
     try:
         pr = load_preset(preset)
         shape = get_model(model)
+        # the same Workload checks apply to every value `model sweep --values` varies (_check_sweep_values)
         w = Workload(shape, tokens, nodes, gpus_per_node or pr.gpus_per_node, routing=routing, tile=tile)
         base = default_knobs(pr.transports[0])
         if pr.transports[0] in ("proxy", "ibgda"):
@@ -85,8 +94,8 @@ def predict_cmd(
                "knobs": k.to_dict()}
         typer.echo(json.dumps(out))
         return
-    t = Table(title=f"{LABEL}: {pr.name} · {w.model.name} · {w.nodes}x{w.gpus_per_node} GPUs · "
-                    f"{w.tokens_per_gpu} tokens/GPU · {w.routing}")
+    t = Table(title=f"{LABEL}: {_e(pr.name)} · {_e(w.model.name)} · {w.nodes}x{w.gpus_per_node} GPUs · "
+                    f"{w.tokens_per_gpu} tokens/GPU · {_e(w.routing)}")
     t.add_column("quantity")
     t.add_column("value (modelled)", justify="right")
     rows = [
@@ -108,14 +117,66 @@ def predict_cmd(
     ph.add_column("phase")
     ph.add_column("µs", justify="right")
     for name, v in res.phases.items():
-        ph.add_row(name, f"{v:,.1f}")
+        ph.add_row(_e(name), f"{v:,.1f}")
     _console.print(ph)
-    _console.print(f"knobs: {_knob_str(k)}")
+    _console.print(f"knobs: {_e(_knob_str(k))}")
     _console.print(f"[yellow]{LABEL}[/yellow]: predicted by the fabric model from preset parameters, not measured.")
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_sweep_values(over: str, xs: list[int], w0: Any) -> None:
+    """Refuse the --values `model predict` refuses for the same option (exit 2 naming --values), with
+    predict's own checks (Knobs, Workload), so an input error never shows up as an n/a row. n/a stays for
+    settings one fence mode, or this preset, cannot run."""
+    from moetune.runtime.knobs import Knobs
+    from moetune.tuner.fabric_model.predict import Workload
+
+    for x in xs:
+        try:
+            if over == "group_size":
+                # the knob's own range; whether it divides the transfers differs per fence mode (n/a)
+                Knobs(signalling="decoupled", group_size=x)
+            elif over == "nodes":
+                Workload(w0.model, w0.tokens_per_gpu, x, w0.gpus_per_node, routing=w0.routing, tile=w0.tile)
+            else:
+                Workload(w0.model, x, w0.nodes, w0.gpus_per_node, routing=w0.routing, tile=w0.tile)
+        except ValueError as e:  # KnobError is a ValueError
+            _fail(f"--values: {over} = {x} is not a valid input: {e}")
+
+
+def _check_out_file(out: Path, example: str) -> None:
+    """Refuse an --out that cannot be a file to write: a directory, or a path below a file."""
+    if out.is_dir():
+        _fail(f"--out {out} is a directory; give a file name, e.g. {out / example}")
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            _fail(f"--out {out}: {parent} is a file, not a directory")
+
+
+def _plot_formats() -> dict[str, str]:
+    """Image formats `--out` can write (by file suffix)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = dict(FigureCanvasBase.get_supported_filetypes())
+    formats.pop("pgf", None)  # needs a LaTeX installation at save time
+    return formats
+
+
+def _plot_path(out: Path) -> Path:
+    """The file the plot will really be written to, decided before any modelling. matplotlib picks the
+    format from the suffix and appends '.png' where there is none, so say so rather than surprise."""
+    _check_out_file(out, "sweep.png")
+    suffix = out.suffix.lower().lstrip(".")
+    if not suffix:
+        return out.with_name(out.name + ".png")
+    formats = _plot_formats()
+    if suffix not in formats:
+        _fail(f"--out {out}: image format {suffix!r} is not supported; use a file name ending in one of "
+              f"{', '.join('.' + f for f in sorted(formats))}")
+    return out
 
 
 @app.command("sweep")
@@ -139,19 +200,24 @@ def sweep_cmd(
 
     if over not in ("group_size", "nodes", "tokens"):
         _fail(f"--over must be group_size, nodes or tokens, got {over!r}")
+    # a bad --out is refused before the (slow) sweep, not after it
+    plot_path = _plot_path(out) if out is not None else None
     pr, w0, k0 = _build(preset, model, nodes, tokens, gpus_per_node, knobs, routing, tile)
     modes = ALLOWED_FENCE_MODES[k0.transport]
-    try:
-        if values:
+    if values:
+        try:
             xs = int_list(values, "--values")
-        elif over == "group_size":
-            xs = _divisors(transfers_per_peer(w0))
-        elif over == "nodes":
-            xs = [1, 2, 4, 8, 16]
-        else:
-            xs = [64, 256, 1024, 4096, 16384]
-    except ValueError as e:
-        _fail(str(e))
+        except ValueError as e:
+            _fail(str(e))
+        if not xs:
+            _fail(f"--values: nothing to sweep in {values!r}; give comma-separated integers")
+        _check_sweep_values(over, xs, w0)
+    elif over == "group_size":
+        xs = _divisors(transfers_per_peer(w0))
+    elif over == "nodes":
+        xs = [1, 2, 4, 8, 16]
+    else:
+        xs = [64, 256, 1024, 4096, 16384]
     if not xs:
         _fail("nothing to sweep")
     series: dict[str, list[dict]] = {}
@@ -180,9 +246,9 @@ def sweep_cmd(
         series[label] = rows
     if as_json:
         typer.echo(json.dumps({"label": LABEL, "preset": pr.name, "model": w0.model.name, "over": over,
-                               "series": series}))
+                               "series": series, "plot": str(plot_path) if plot_path else None}))
     else:
-        t = Table(title=f"{LABEL}: {pr.name} · {w0.model.name} · sweep over {over}")
+        t = Table(title=f"{LABEL}: {_e(pr.name)} · {_e(w0.model.name)} · sweep over {over}")
         t.add_column(over, justify="right")
         for label in series:
             short = label.replace("coupled", "c").replace("decoupled", "d").replace("proxy_drain", "drain")
@@ -200,10 +266,11 @@ def sweep_cmd(
             t.add_row(*cells)
         _console.print(t)
         _console.print(f"[yellow]{LABEL}[/yellow]: n/a = that setting is invalid or unsafe for this workload.")
-    if out is not None:
-        _plot(series, over, out, f"{pr.name} · {w0.model.name}")
+    if plot_path is not None:
+        _plot(series, over, plot_path, f"{pr.name} · {w0.model.name}")
         if not as_json:
-            _console.print(f"plot written to {out}")
+            # the path the file really has (a suffix-less --out gets '.png')
+            _console.print(f"plot ({LABEL}) written to {_e(plot_path)}", soft_wrap=True)  # a path stays whole
 
 
 def _plot(series: dict[str, list[dict]], over: str, out: Path, title: str) -> None:
@@ -229,9 +296,13 @@ def _plot(series: dict[str, list[dict]], over: str, out: Path, title: str) -> No
     a1.legend(fontsize=8)
     fig.suptitle(title + " (MODELLED, not measured)")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+    except (OSError, ValueError) as e:
+        _fail(f"--out {out}: cannot write the plot ({getattr(e, 'strerror', None) or e})")
+    finally:
+        plt.close(fig)
 
 
 @app.command("presets")
@@ -252,7 +323,7 @@ def presets_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON."
     for c in ("name", "family", "transports", "GPUs/node", "calibrated"):
         t.add_column(c, no_wrap=c == "name")
     for it in items:
-        t.add_row(it["name"], it["family"], ", ".join(it["transports"]), str(it["gpus_per_node"]),
+        t.add_row(_e(it["name"]), _e(it["family"]), _e(", ".join(it["transports"])), str(it["gpus_per_node"]),
                   "yes" if it["calibrated"] else "no")
     _console.print(t)
 
@@ -268,6 +339,9 @@ def calibrate_cmd(
     """Fit preset parameters to measurements and report the fit error per point and overall."""
     from moetune.tuner.fabric_model.calibration import calibrate, calibrated_preset, read_rows
 
+    # a bad --out is refused before the fit, not after it
+    if out is not None:
+        _check_out_file(out, "calibrated.toml")
     try:
         rows = read_rows(data)
         rep = calibrate(preset, rows, params=[p.strip() for p in params.split(",") if p.strip()] or None)
@@ -277,33 +351,36 @@ def calibrate_cmd(
     if out is not None:
         today = _dt.date.today().isoformat()
         cal = calibrated_preset(rep, [d.name for d in data], today)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(cal.to_toml())
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(cal.to_toml())
+        except OSError as e:
+            _fail(f"--out {out}: cannot write the calibrated preset ({e.strerror or e})")
     if as_json:
         typer.echo(json.dumps({"label": LABEL, **rep.to_dict(), "out": str(out) if out else None}))
         return
-    t = Table(title=f"calibration of {rep.preset.name}: measured vs {LABEL}")
+    t = Table(title=f"calibration of {_e(rep.preset.name)}: measured vs {LABEL}")
     for c in ("point", "measured µs", "modelled µs", "error"):
         t.add_column(c, justify="right" if c != "point" else "left")
     for p in rep.points:
         err = p.rel_err
         colour = "green" if abs(err) <= 0.2 else "red"
-        t.add_row(p.label, f"{p.measured_us:,.1f}", f"{p.predicted_us:,.1f}", f"[{colour}]{err:+.1%}[/{colour}]")
+        t.add_row(_e(p.label), f"{p.measured_us:,.1f}", f"{p.predicted_us:,.1f}", f"[{colour}]{err:+.1%}[/{colour}]")
     _console.print(t)
     pt = Table(title="fitted parameters")
     for c in ("parameter", "before", "after"):
         pt.add_column(c)
     for k in rep.fitted:
-        pt.add_row(k, f"{rep.params_before[k]:.4g}", f"{rep.params_after[k]:.4g}")
+        pt.add_row(_e(k), f"{rep.params_before[k]:.4g}", f"{rep.params_after[k]:.4g}")
     _console.print(pt)
     for g, v in s["by_group"].items():
-        _console.print(f"{g}: {v['points']} points, mean |error| {v['mean_abs_rel_err']:.1%}, "
+        _console.print(f"{_e(g)}: {v['points']} points, mean |error| {v['mean_abs_rel_err']:.1%}, "
                        f"max |error| {v['max_abs_rel_err']:.1%}")
     _console.print(f"overall: {s['points']} points, mean |error| {s['mean_abs_rel_err']:.1%}, "
                    f"max |error| {s['max_abs_rel_err']:.1%}; skipped {s['skipped']}")
     for _row, why in rep.skipped[:5]:
-        _console.print(f"  skipped: {why}")
+        _console.print(f"  skipped: {_e(why)}")
     if out is not None:
-        _console.print(f"calibrated preset written to {out}")
+        _console.print(f"calibrated preset written to {_e(out)}", soft_wrap=True)  # a path stays whole
     if not math.isfinite(s["max_abs_rel_err"]):
         raise typer.Exit(1)

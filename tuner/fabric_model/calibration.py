@@ -100,13 +100,97 @@ class FitReport:
         }
 
 
+# The fields each probe's row must carry, and what each must be: "int" a positive integer, "num" a positive
+# finite number, "str" a string, "dict" a JSON object. Optional fields are checked where present.
+_POS_INT, _POS_NUM, _STR, _DICT, _BOOL = "int", "num", "str", "dict", "bool"
+_COLLECTIVE_FIELDS = {"model": _STR, "fabric": _STR, "S": _POS_INT, "ms": _POS_NUM}
+ROW_FIELDS: dict[str, dict[str, str]] = {
+    "nccl_a2a": _COLLECTIVE_FIELDS,
+    "nccl_a2a_fp8payload": _COLLECTIVE_FIELDS,
+    "collective_a2a": _COLLECTIVE_FIELDS,
+    "proxy_ce": {"mode": _STR, "size": _POS_INT, "transfers": _POS_INT, "us": _POS_NUM},
+    "transfers": {"knobs": _DICT, "nodes": _POS_INT, "transfers": _POS_INT, "size": _POS_INT, "us": _POS_NUM},
+}
+ROW_OPTIONAL: dict[str, dict[str, str]] = {
+    "nccl_a2a": {"world": _POS_INT},
+    "nccl_a2a_fp8payload": {"world": _POS_INT},
+    "collective_a2a": {"world": _POS_INT},
+    "proxy_ce": {"pes": _POS_INT},
+    "transfers": {"put_only": _BOOL},
+}
+
+
+def _field_problem(name: str, value: Any, want: str) -> str | None:
+    """Why `value` is not what field `name` must hold, or None."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if want == _POS_INT:
+        # JSON writers may give 4096.0 for an integer; accept integral floats
+        if not number or not math.isfinite(value) or value != int(value) or value <= 0:
+            return f"field {name!r} must be a positive integer, got {value!r}"
+    elif want == _POS_NUM:
+        # measured times are divided by (relative error): 0, negative or NaN would break the fit
+        if not number or not math.isfinite(value) or value <= 0:
+            return f"field {name!r} must be a positive number, got {value!r}"
+    elif want == _STR:
+        if not isinstance(value, str):
+            return f"field {name!r} must be a string, got {value!r}"
+    elif want == _DICT:
+        if not isinstance(value, dict):
+            return f"field {name!r} must be a JSON object, got {value!r}"
+    elif want == _BOOL and not isinstance(value, bool):
+        return f"field {name!r} must be true or false, got {value!r}"
+    return None
+
+
+def row_probe(row: dict[str, Any]) -> Any:
+    """The probe a row is from (`probe`, or `kind` for generic transfer rows)."""
+    return row.get("probe") or row.get("kind")
+
+
+def row_problem(row: dict[str, Any]) -> str | None:
+    """Why a row of a probe the model knows is malformed (a missing field, a wrong type, a
+    non-positive number), or None. Rows of unknown probes are not checked (they are skipped)."""
+    probe = row_probe(row)
+    if not isinstance(probe, str) or probe not in ROW_FIELDS:
+        return None
+    for name, want in ROW_FIELDS[probe].items():
+        if name not in row:
+            return f"missing field {name!r}"
+        why = _field_problem(name, row[name], want)
+        if why:
+            return why
+    for name, want in ROW_OPTIONAL.get(probe, {}).items():
+        if name in row:
+            why = _field_problem(name, row[name], want)
+            if why:
+                return why
+    return None
+
+
+def _read_text(path: Path) -> str:
+    """A measurement file's text; a ValueError naming the file where it is not readable text."""
+    if path.is_dir():
+        raise ValueError(f"measurement file {str(path)!r} is a directory, not a JSON lines file")
+    if not path.exists():
+        raise ValueError(f"measurement file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ValueError(f"measurement file {str(path)!r} is not a regular file")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"measurement file {str(path)!r} is not UTF-8 text (bad byte at offset {e.start}); "
+                         "expected JSON lines") from None
+    except OSError as e:
+        raise ValueError(f"measurement file {str(path)!r} cannot be read: {e.strerror or e}") from None
+
+
 def read_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    """The JSON-object rows of measurement files (JSON lines). A ValueError names the file and row (line
+    number) where a file cannot be read, a line is not a JSON object, or a row of a known probe is malformed."""
     rows: list[dict[str, Any]] = []
     for path in paths:
         path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"measurement file {str(path)!r} does not exist")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for n, line in enumerate(_read_text(path).splitlines(), 1):
             line = line.strip()
             if not line:
                 continue
@@ -116,6 +200,9 @@ def read_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
                 raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{n}: expected a JSON object")
+            why = row_problem(row)
+            if why:
+                raise ValueError(f"{path} row {n} (probe {row_probe(row)}): {why}")
             rows.append(row)
     return rows
 
@@ -123,8 +210,14 @@ def read_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
 def rows_to_points(rows: list[dict[str, Any]]) -> tuple[list[Point], list[tuple[str, str]]]:
     points: list[Point] = []
     skipped: list[tuple[str, str]] = []
-    for row in rows:
-        probe = row.get("probe") or row.get("kind")
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise ValueError(f"row {n}: expected a JSON object, got {type(row).__name__}")
+        probe = row_probe(row)
+        # callers that skip read_rows (lists built in code) get the same checks, by row index
+        why = row_problem(row)
+        if why:
+            raise ValueError(f"row {n} (probe {probe}): {why}")
         label = json.dumps(row, sort_keys=True)[:160]
         if probe in ("nccl_a2a", "nccl_a2a_fp8payload", "collective_a2a"):
             try:
@@ -231,7 +324,12 @@ def calibrate(
         return min(max(v, init[spec] / 20.0), hi)
 
     # which groups of points each parameter moves (perturb it by 10%)
-    base_pred = {id(p): p.evaluate(preset) for p in points}
+    base_pred: dict[int, float] = {}
+    for p in points:
+        try:
+            base_pred[id(p)] = p.evaluate(preset)
+        except ValueError as e:  # KnobError too: name the measurement the preset cannot model
+            raise ValueError(f"measurement {p.label!r} cannot be modelled on preset {preset.name!r}: {e}") from None
     affects: dict[str, set[str]] = {}
     for spec in params:
         trial = dict(cur)

@@ -32,6 +32,22 @@ OPTIONAL: dict[str, tuple[str, ...]] = {
     "ibgda": ("post_sm_us", "wqe_fetch_us"),
 }
 FENCE_QUIET = ("always", "multi_qp", "never")
+# Parameters the model divides by (bandwidths, rates, efficiencies, counts): 0 would divide by zero.
+POSITIVE: frozenset[str] = frozenset({
+    "gpu.sms", "gpu.tflops_bf16", "gpu.gemm_efficiency", "gpu.hbm_gbps", "gpu.sm_copy_gbps",
+    "nvlink.egress_gbps", "nvlink.peer_gbps",
+    "pcie.d2h_gbps", "pcie.h2d_gbps", "pcie.host_mem_gbps",
+    "collective.intra_gbps", "collective.nic_efficiency", "collective.host_chunk_kb",
+    "nic.gbps", "nic.qp_gbps",
+})
+# Parameters the model uses as counts: a fraction makes no sense.
+INTEGER: frozenset[str] = frozenset({"gpu.sms", "nic.shared_qps"})
+# Non-numeric switches: (section, key) -> the Python type the value must have.
+SWITCHES: dict[tuple[str, str], type] = {
+    ("proxy", "fence_quiet"): str,
+    ("proxy", "serves_intra_node"): bool,
+    ("pcie", "duplex"): bool,
+}
 
 
 class PresetError(ValueError):
@@ -152,11 +168,11 @@ def load_preset(name_or_path: str | Path) -> Preset:
     if key in _CACHE:
         return _CACHE[key]
     path: Path | None = None
-    if key.endswith(".toml") or "/" in key or Path(key).is_file():
+    # a directory of that name is a wrong path, not a shipped preset's name (unless it is one)
+    if (key.endswith(".toml") or "/" in key or Path(key).is_file()
+            or (Path(key).is_dir() and key not in list_presets())):
         path = Path(key)
-        if not path.is_file():
-            raise PresetError(f"preset file {key!r} does not exist")
-        text = path.read_text()
+        text = _read_file(path)
     else:
         res = _preset_dir() / f"{key}.toml"
         if not res.is_file():
@@ -171,26 +187,73 @@ def load_preset(name_or_path: str | Path) -> Preset:
     return preset
 
 
+def _read_file(path: Path) -> str:
+    """The text of a preset file; a PresetError naming the file where it cannot be read as text."""
+    if path.is_dir():
+        raise PresetError(f"preset file {str(path)!r} is a directory, not a TOML file")
+    if not path.exists():
+        raise PresetError(f"preset file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise PresetError(f"preset file {str(path)!r} is not a regular file")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PresetError(f"preset file {str(path)!r} is not UTF-8 text (bad byte at offset {e.start}); "
+                          "expected a TOML file") from None
+    except OSError as e:
+        raise PresetError(f"preset file {str(path)!r} cannot be read: {e.strerror or e}") from None
+
+
+def _is_number(value: Any) -> bool:
+    # TOML booleans are Python ints; they are never a parameter value
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+_TYPE_NAMES: dict[type, str] = {bool: "a boolean", str: "a string", int: "an integer", float: "a number",
+                                list: "an array", dict: "a table"}
+
+
+def _type_name(value: Any) -> str:
+    """How a TOML value's type reads in an error ("a string")."""
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
 def _parse(data: dict[str, Any], path: str | None) -> Preset:
     name = data.get("name")
-    where = f"preset {name or path!r}"
+    # name the file where there is one (that is what the user edits), else the preset
+    where = f"preset file {path!r}" if path else f"preset {name!r}"
     for k in ("name", "family", "transports", "gpus_per_node"):
         if k not in data:
             raise PresetError(f"{where}: missing top-level key {k!r}")
-    transports = tuple(data["transports"])
+    for k in ("name", "family", "description"):
+        if k in data and not isinstance(data[k], str):
+            raise PresetError(f"{where}: {k} must be a string, got {_type_name(data[k])} ({data[k]!r})")
+    if not data["name"].strip():
+        raise PresetError(f"{where}: name must not be empty")
+    raw_transports = data["transports"]
+    if not isinstance(raw_transports, list) or not raw_transports:
+        raise PresetError(f"{where}: transports must be a non-empty array of transport names "
+                          f"(known: {', '.join(TRANSPORTS)}), got {raw_transports!r}")
+    transports = tuple(raw_transports)
     for t in transports:
         if t not in TRANSPORTS:
             raise PresetError(f"{where}: unknown transport {t!r} (known: {', '.join(TRANSPORTS)})")
     gpn = data["gpus_per_node"]
-    if not isinstance(gpn, int) or gpn < 1:
-        raise PresetError(f"{where}: gpus_per_node must be a positive integer")
+    if not isinstance(gpn, int) or isinstance(gpn, bool) or gpn < 1:
+        raise PresetError(f"{where}: gpus_per_node must be a positive integer, got {gpn!r}")
     sources = data.get("sources", {})
+    if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
+        raise PresetError(f"{where}: [sources] must be a table of parameter = \"source text\"")
+    if not isinstance(data.get("calibration", {}), dict):
+        raise PresetError(f"{where}: calibration must be a table")
     params: dict[str, dict[str, Any]] = {}
     for section in (*REQUIRED, *OPTIONAL):
         if section not in data:
             if section in REQUIRED:
                 raise PresetError(f"{where}: missing section [{section}]")
             continue
+        if not isinstance(data[section], dict):
+            raise PresetError(f"{where}: {section} must be a table [{section}], got {_type_name(data[section])}")
         table = dict(data[section])
         want = REQUIRED.get(section) or OPTIONAL[section]
         missing = [k for k in want if k not in table]
@@ -209,15 +272,27 @@ def _parse(data: dict[str, Any], path: str | None) -> Preset:
         params["pcie"].setdefault("duplex", True)
     for section, table in params.items():
         for key, value in table.items():
-            if isinstance(value, (bool, str)):
+            dotted = f"{section}.{key}"
+            want = SWITCHES.get((section, key))
+            if want is not None:
+                if not isinstance(value, want):
+                    raise PresetError(f"{where}: {dotted} must be {_TYPE_NAMES[want]}, "
+                                      f"got {_type_name(value)} ({value!r})")
                 continue
-            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-                raise PresetError(f"{where}: {section}.{key} must be a finite number >= 0, got {value!r}")
-            if f"{section}.{key}" not in sources:
-                raise PresetError(f"{where}: parameter {section}.{key} has no entry in [sources]")
+            if dotted in INTEGER and not (isinstance(value, int) and not isinstance(value, bool)):
+                raise PresetError(f"{where}: {dotted} must be an integer, got {_type_name(value)} ({value!r})")
+            if not _is_number(value):
+                raise PresetError(f"{where}: {dotted} must be a number, got {_type_name(value)} ({value!r})")
+            if not math.isfinite(value) or value < 0:
+                raise PresetError(f"{where}: {dotted} must be a finite number >= 0, got {value!r}")
+            if dotted in POSITIVE and value <= 0:
+                # the model divides by it: 0 has no physical meaning and would divide by zero
+                raise PresetError(f"{where}: {dotted} must be > 0, got {value!r}")
+            if dotted not in sources:
+                raise PresetError(f"{where}: parameter {dotted} has no entry in [sources]")
     max_nodes = data.get("max_nodes", 0)
-    if not isinstance(max_nodes, int) or max_nodes < 0:
-        raise PresetError(f"{where}: max_nodes must be an integer >= 0")
+    if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 0:
+        raise PresetError(f"{where}: max_nodes must be an integer >= 0, got {max_nodes!r}")
     return Preset(
         name=str(name), family=str(data["family"]), transports=transports, gpus_per_node=gpn,
         description=str(data.get("description", "")), params=params, sources=dict(sources), path=path,
