@@ -31,9 +31,9 @@ from torch import nn
 from moetune.runtime.buffer.facade import TORCH_DTYPES, EPBuffer, RecvMeta
 from moetune.runtime.knobs import ENGINES, Knobs
 from moetune.runtime.megakernel import engine as _engine
-from moetune.runtime.megakernel.layer import expert_ids_problem
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.pipeline import pipelined_moe
+from moetune.runtime.routing import expert_ids_problem, routed_inputs_problem
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.weights import _generator, expert_weights, gate_weight
 
@@ -354,21 +354,11 @@ class MoELayer(nn.Module):
         too: one host sync, skipped while a CUDA graph is captured and where the buffer was built with
         check_inputs=False (as the EP buffer skips its own check)."""
         self._check_x(x)
-        s, k = x.shape[0], self.model.topk
-        for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (s, k):
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name} must be [S, topk] = [{s}, {k}], got {got}")
-            if t.device != self.device:
-                raise ValueError(f"{name} must be on {self.device}, got {t.device}")
-        if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
-            raise ValueError(f"topk_idx must be an integer tensor, got {topk_idx.dtype}")
-        if not topk_weights.dtype.is_floating_point:
-            raise ValueError(f"topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
-        if self.buffer.check_inputs:
+        why = routed_inputs_problem(x.shape[0], self.model.topk, self.device, topk_idx, topk_weights)
+        if why is None and self.buffer.check_inputs:
             why = expert_ids_problem(topk_idx, self.model.experts)
-            if why is not None:
-                raise ValueError(why)
+        if why is not None:
+            raise ValueError(why)
 
     @torch.no_grad()
     def forward_routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ use it too). They must not pay for torch, so torch is imported inside the genera
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -96,3 +96,37 @@ def expert_load(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     import torch
 
     return torch.bincount(topk_idx.reshape(-1).long().cpu(), minlength=num_experts)
+
+
+def routed_inputs_problem(s: int, topk: int, device: Any, topk_idx: Any, topk_weights: Any) -> str | None:
+    """Why given routing for `s` tokens does not fit a layer of `topk` on `device` (shapes, device, dtypes), or
+    None. No host sync: the ids' range is `expert_ids_problem`'s."""
+    import torch
+
+    for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (s, topk):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            return f"{name} must be [S, topk] = [{s}, {topk}], got {got}"
+        if t.device != device:
+            return f"{name} must be on {device}, got {t.device}"
+    if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
+        return f"topk_idx must be an integer tensor, got {topk_idx.dtype}"
+    if not topk_weights.dtype.is_floating_point:
+        return f"topk_weights must be a floating-point tensor, got {topk_weights.dtype}"
+    return None
+
+
+def expert_ids_problem(topk_idx: torch.Tensor, experts: int) -> str | None:
+    """Why these routing ids are not all in [0, experts), or None. Reads them on the host (a device sync), so it
+    does nothing while the current CUDA stream is being captured into a graph (no sync is allowed there)."""
+    import torch
+
+    if topk_idx.numel() == 0:
+        return None
+    if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    lo_v, hi_v = torch.stack(torch.aminmax(topk_idx)).tolist()  # one sync for both
+    if lo_v < 0 or hi_v >= experts:
+        bad = int(((topk_idx < 0) | (topk_idx >= experts)).sum())
+        return f"topk_idx holds expert ids out of range [0, {experts}): {bad} bad ids (min {lo_v}, max {hi_v})"
+    return None

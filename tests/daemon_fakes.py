@@ -15,8 +15,9 @@ import contextlib
 import hashlib
 import json
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +248,35 @@ def until(cond: Any, timeout: float = 15.0, step: float = 0.05) -> Any:
             return v
         time.sleep(step)
     raise TimeoutError("condition not met")
+
+
+class ReplyRouter:
+    """A ROUTER bound to `endpoint` (no CURVE) answering every request with `answer(request) -> frame`, on a
+    thread; what a hostile or broken daemon would send, for the client's tests."""
+
+    def __init__(self, endpoint: str, answer: Callable[[dict], bytes]):
+        import zmq
+
+        self.endpoint = endpoint
+        self.requests: list[dict] = []
+        self._answer = answer
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.bind(endpoint)
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(20):
+                continue
+            ident, body = self._sock.recv_multipart()
+            req = json.loads(body)
+            self.requests.append(req)
+            self._sock.send_multipart([ident, self._answer(req)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(2)
+        self._sock.close(linger=0)

@@ -9,7 +9,6 @@ import json
 import os
 import stat
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -185,32 +184,7 @@ def test_insecure_tcp_only_on_loopback(tmp_path: Path) -> None:
 
 
 # -- 5: the client never talks plain-text TCP by accident; the PUB endpoint is checked -------------------------
-class PlainRouter:
-    """A plain-text ROUTER answering every request with `answer(request)`."""
-
-    def __init__(self, endpoint: str, answer: Callable[[dict], bytes]):
-        self.requests: list[dict] = []
-        self._answer = answer
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self._sock.linger = 0
-        self._sock.bind(endpoint)
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, daemon=True)
-        self._t.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(20):
-                continue
-            ident, body = self._sock.recv_multipart()
-            req = json.loads(body)
-            self.requests.append(req)
-            self._sock.send_multipart([ident, self._answer(req)])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._t.join(2)
-        self._sock.close(linger=0)
+PlainRouter = F.ReplyRouter  # a plain-text ROUTER answering every request with `answer(request)`
 
 
 def ok_reply(rid: Any, res: Any) -> bytes:

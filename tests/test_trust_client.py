@@ -11,7 +11,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -20,7 +19,6 @@ from typing import Any
 
 import msgspec
 import pytest
-import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
@@ -57,37 +55,15 @@ def ok_reply(rid: Any, res: Any, **extra: Any) -> bytes:
     return json.dumps({"v": 1, "id": rid, "ok": True, "epoch": "e1", "result": res, **extra}).encode()
 
 
-class FakeDaemon:
-    """A ROUTER on ipc://<dir>/daemon.sock answering every request with `answer(request) -> frame`."""
+class FakeDaemon(F.ReplyRouter):
+    """A ROUTER on ipc://<dir>/daemon.sock (a 0700 directory, with daemon.json when `info` is given)."""
 
     def __init__(self, run: Path, answer: Callable[[dict], bytes], info: dict | None = None):
         run.mkdir(parents=True, exist_ok=True)
         os.chmod(run, 0o700)
-        self.endpoint = f"ipc://{run / 'daemon.sock'}"
-        self.requests: list[dict] = []
-        self._answer = answer
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self._sock.linger = 0
-        self._sock.bind(self.endpoint)
+        super().__init__(f"ipc://{run / 'daemon.sock'}", answer)
         if info is not None:
             (run / "daemon.json").write_text(json.dumps(info))
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, daemon=True)
-        self._t.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(20):
-                continue
-            ident, body = self._sock.recv_multipart()
-            req = json.loads(body)
-            self.requests.append(req)
-            self._sock.send_multipart([ident, self._answer(req)])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._t.join(2)
-        self._sock.close(linger=0)
 
 
 @pytest.fixture

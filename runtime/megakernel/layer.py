@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..csrc_build import CsrcError
+from ..routing import expert_ids_problem, routed_inputs_problem
 from . import _lib
 from .config import ConfigError, MegakernelConfig, limits_problem
 from .schedule import tile_end
@@ -288,18 +289,10 @@ class MegakernelMoE:
         With `check_ids` the ids are range-checked on the host (one sync) except while a CUDA graph is being
         captured; an out-of-range id that gets through is dropped by the kernel and recorded (code 4: `check()`
         raises it). `check_ids=False`: the caller has checked them (MoELayer)."""
-        s, k = self._check_x(x), self.model.topk
-        for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (s, k):
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"megakernel: {name} must be [S, topk] = [{s}, {k}], got {got}")
-            if t.device != self.device:
-                raise ValueError(f"megakernel: {name} must be on {self.device}, got {t.device}")
-        if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
-            raise ValueError(f"megakernel: topk_idx must be an integer tensor, got {topk_idx.dtype}")
-        if not topk_weights.dtype.is_floating_point:
-            raise ValueError(f"megakernel: topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
-        why = expert_ids_problem(topk_idx, self.model.experts) if check_ids else None
+        s = self._check_x(x)
+        why = routed_inputs_problem(s, self.model.topk, self.device, topk_idx, topk_weights)
+        if why is None and check_ids:
+            why = expert_ids_problem(topk_idx, self.model.experts)
         if why is not None:
             raise ValueError(f"megakernel: {why}")
         self._check_out(out, s, x)
@@ -498,17 +491,3 @@ def _device(device: torch.device | str | None) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
-
-
-def expert_ids_problem(topk_idx: torch.Tensor, experts: int) -> str | None:
-    """Why these routing ids are not all in [0, experts), or None. Reads them on the host (a device sync), so it
-    does nothing while the current CUDA stream is being captured into a graph (no sync is allowed there)."""
-    if topk_idx.numel() == 0:
-        return None
-    if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    lo_v, hi_v = torch.stack(torch.aminmax(topk_idx)).tolist()  # one sync for both
-    if lo_v < 0 or hi_v >= experts:
-        bad = int(((topk_idx < 0) | (topk_idx >= experts)).sum())
-        return (f"topk_idx holds expert ids out of range [0, {experts}): {bad} bad ids (min {lo_v}, max {hi_v})")
-    return None
