@@ -250,11 +250,13 @@ def test_bench_knobs_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.
     # the same seed builds the same weights: the two variants' outputs are the same numbers
     assert all(c["rel_err_vs_base"] == 0.0 and len(c["minus_base_us"]) == 3 and c["chain_us"]["median"] > 0 for c in again)
     assert rep["meta"]["git_sha"] and "moetune bench knobs --vs 'again=' --knobs engine=unfused" in rep["meta"]["command"]
-    # the megakernel where no sm_90 GPU is: every variant skipped, with the reason
+    # the megakernel where no sm_90 GPU is: every variant skipped, with the reason (the report is still printed);
+    # nothing was measured, so the exit status is 1
     r = CliRunner().invoke(app, ["bench", "knobs", "--vs", "ct8=mk_combine_tokens=8", *small])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 1, r.output
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     assert [c["variant"] for c in rep["cases"]] == ["base", "ct8"] and all("no CUDA device" in c["skipped"] for c in rep["cases"])
+    assert "every requested case was skipped" in r.stderr
     for vs, msg in (("ct8", "expected NAME=KNOBS"), ("x=mk_nope=1", "unknown knob")):
         bad = CliRunner().invoke(app, ["bench", "knobs", "--vs", vs])
         assert bad.exit_code == 2 and msg in bad.output and "Traceback" not in bad.output

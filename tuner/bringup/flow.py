@@ -11,6 +11,7 @@ RDB storage). A changed fingerprint starts over.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tomllib
 from collections.abc import Callable
@@ -47,40 +48,64 @@ class Plan:
 
     @classmethod
     def from_file(cls, path: Path, base: Plan) -> Plan:
+        where = f"plan file {path}"
+        if path.is_dir():
+            raise ValueError(f"{where}: is a directory, not a TOML plan file")
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise ValueError(f"plan file {path} does not exist") from None
+            raise ValueError(f"{where} does not exist") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{where}: not a UTF-8 text file, so not a TOML plan") from None
+        except OSError as e:
+            raise ValueError(f"{where}: cannot read it ({e.strerror or e})") from None
         except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"plan file {path}: not valid TOML: {e}") from None
+            raise ValueError(f"{where}: not valid TOML: {e}") from None
         data = raw.get("plan", raw)
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: [plan] must be a table of the plan's keys, got {type(data).__name__}")
         known = {f for f in asdict(base)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"plan file {path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
         merged = {**asdict(base), **data}
         for key, value in merged.items():
             want = type(asdict(base)[key])
-            if want is float and isinstance(value, int):
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
                 merged[key] = float(value)
-            elif not isinstance(merged[key], want):
-                raise ValueError(f"plan file {path}: key {key!r} must be {want.__name__}, got {type(value).__name__}")
+            elif not isinstance(value, want) or (want is not bool and isinstance(value, bool)):
+                raise ValueError(f"{where}: key {key!r} must be {want.__name__}, got {type(value).__name__}")
         plan = cls(**merged)
-        plan.validate(str(path))
+        plan.validate(where)
         return plan
 
     def validate(self, where: str = "plan") -> None:
-        if not self.models:
+        """ValueError naming `where` (the plan file or the options) and the field, for any value the flow cannot
+        run: every numeric field a positive number of the right type, lists of the right element type."""
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)  # TOML true is not a count
+
+        if not isinstance(self.models, list) or not self.models:
             raise ValueError(f"{where}: no models to tune")
         for m in self.models:
+            if not isinstance(m, str):
+                raise ValueError(f"{where}: models must be model names (strings), got {m!r}")
             try:
                 get_model(m)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
-        if not self.tokens or any(t <= 0 for t in self.tokens):
-            raise ValueError(f"{where}: tokens must be positive integers, got {self.tokens}")
-        if self.trials < 1:
-            raise ValueError(f"{where}: trials must be >= 1, got {self.trials}")
+        for name in ("tokens", "microbench_sizes"):
+            v = getattr(self, name)
+            if not isinstance(v, list) or (name == "tokens" and not v) or not all(is_int(t) and t > 0 for t in v):
+                raise ValueError(f"{where}: {name} must be a{' non-empty' if name == 'tokens' else ''} list of "
+                                 f"positive integers, got {v!r}")
+        for name in ("trials", "repeats", "iters", "compare_rounds", "world"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise ValueError(f"{where}: {name} must be an integer >= 1, got {v!r}")
+        t = self.trial_timeout_s
+        if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"{where}: trial_timeout_s must be a number of seconds > 0, got {t!r}")
         if self.backend not in ("auto", "local", "model"):
             raise ValueError(f"{where}: backend must be auto, local or model, got {self.backend!r}")
 

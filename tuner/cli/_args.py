@@ -4,9 +4,13 @@ from __future__ import annotations
 
 
 def int_list(text: str, option: str) -> list[int]:
-    """The integers of a comma-separated option value ("1,16, 128"; empty items skipped); a ValueError naming the
-    option where an item is not an integer."""
+    """The integers of a comma-separated option value ("1,16, 128"); a ValueError naming the option where an item
+    is empty ("1,,2", "1,") or not an integer."""
+    items = text.split(",")
+    # an empty item is a typo (a lost number), not something to skip silently
+    if any(not t.strip() for t in items):
+        raise ValueError(f"{option}: expected comma-separated integers, got {text!r} (an empty item)")
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        return [int(t) for t in items]
     except ValueError:
         raise ValueError(f"{option}: expected comma-separated integers, got {text!r}") from None

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
+from typing import NoReturn
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from moetune.tuner.cli._args import int_list
+from moetune.tuner.cli.db import fail
 
 app = typer.Typer(help="Benchmarks on this node: EP dispatch/combine, the MoE layer by engine (megakernel, unfused, "
                   "torch), knob sets side by side, named scenarios.", no_args_is_help=True)
 
-_err = Console(stderr=True)
+_err = Console(stderr=True, soft_wrap=True)
 
 
 # options the layer benchmarks share
@@ -30,9 +33,40 @@ def _json_opt() -> typer.models.OptionInfo:
     return typer.Option(False, "--json", help="Print one JSON object.")
 
 
-def _fail(msg: str) -> None:
-    _err.print(f"[red]error:[/red] {msg}")
-    raise typer.Exit(2)
+def _fail(msg: str) -> NoReturn:
+    raise fail(msg)  # fail() escapes: a path or value in brackets is text, not Rich markup
+
+
+def _skips(cases: list[dict], who: str) -> None:
+    """Name every skipped case on stderr; when every case was skipped, nothing was measured: exit 1 (after the
+    report, which still says why), so a script does not take an empty table for a result."""
+    from rich.markup import escape
+
+    for c in cases:
+        if "skipped" in c:
+            _err.print(f"[yellow]{escape(str(c[who]))} skipped:[/yellow] {escape(str(c['skipped']))}")
+    if not any("skipped" not in c for c in cases):
+        _err.print("[red]error:[/red] every requested case was skipped: nothing was measured")
+        raise typer.Exit(1)
+
+
+def _results_path(results: str | None) -> Path:
+    """The --results CSV (default bench/results/summary.csv), refused unless it is absent, empty or a results
+    table this version can append to: checked before a benchmark runs, so no measurement is lost."""
+    from moetune.tuner.measure import results as R
+    from moetune.tuner.measure import scenarios as S
+
+    path = Path(results) if results else S.SUMMARY_CSV
+    try:
+        R.check_table(path)
+    except R.ResultsError as e:
+        _fail(f"--results: {e}")
+    above = path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():  # the folders of a new file could not be made: say so now, not after the run
+        _fail(f"--results {path}: {above} is not a directory")
+    return path
 
 
 @app.command("ep")
@@ -58,6 +92,8 @@ def ep(
     serve: bool = typer.Option(False, "--serve", help="Persistent worker: launch the ranks once, then read one JSON case per line on stdin and print one JSON result per line (see moetune.tuner.measure.worker); only --world, --backend and --timeout apply."),
 ) -> None:
     """Time EP dispatch, combine and the whole MoE layer; with --verify, the error vs the dense reference."""
+    if not (math.isfinite(timeout) and timeout > 0):  # torch's process group would fail deep in C++ instead
+        _fail(f"--timeout must be a number of seconds > 0, got {timeout:g}")
     if serve:
         from moetune.tuner.measure import worker as bench_worker
 
@@ -234,9 +270,15 @@ def moe(
            f"{' --cuda-graph' if cuda_graph else ''}{f' --knobs {knobs}' if knobs else ''} --iters {iters} "
            f"--warmup {warmup} --rotate {rotate} --seed {seed}{f' --rest {rest:g}' if rest else ''}")
     rep["meta"] = _stamp(cmd)
+    if cuda_graph and not rep["graph"]:  # bench_moe times graphs on CUDA only: say so, not a silent eager-only run
+        _err.print(f"[yellow]--cuda-graph ignored:[/yellow] no CUDA device here ({rep['device']}), eager calls only")
+    ran = any("skipped" not in c for c in rep["cases"])
     if as_json:
         typer.echo(json.dumps(rep))
+        _skips(rep["cases"], "engine")
         return
+    if not ran:
+        _skips(rep["cases"], "engine")
     t = Table(title=f"MoE layer {rep['model']} on {rep['device']} (µs, median of {iters}"
                     f"{f', each block after {rest:g} s idle' if rest else ''}; floors: weights at "
                     f"{M.READ_TBPS} TB/s, tensor cores at {M.TENSOR_TFLOPS:g} TFLOP/s; plain read: two sums over "
@@ -255,9 +297,7 @@ def moe(
     m = rep["meta"]
     _err.print(f"[dim]{m['date']}, git {m['git_sha'][:10]}{' (dirty)' if m['git_dirty'] else ''}, {m['hardware']}, "
                f"torch {m['torch']}[/dim]")
-    for c in rep["cases"]:
-        if "skipped" in c:
-            _err.print(f"[yellow]{c['engine']} skipped:[/yellow] {c['skipped']}")
+    _skips(rep["cases"], "engine")
 
 
 @app.command("knobs")
@@ -293,7 +333,10 @@ def knobs_side_by_side(
     rep["meta"] = _stamp(cmd)
     if as_json:
         typer.echo(json.dumps(rep))
+        _skips(rep["cases"], "variant")
         return
+    if not any("skipped" not in c for c in rep["cases"]):
+        _skips(rep["cases"], "variant")
     call = "single graph replays" if rep["graph"] else "single eager calls (no GPU: a plumbing check)"
     t = Table(title=f"{rep['model']} on {rep['device']}: knob sets side by side, {iters} interleaved rounds (µs; "
                     f"{call}, chains of {chain} per forward; minus base: per-round differences)")
@@ -310,12 +353,10 @@ def knobs_side_by_side(
     Console().print(t)
     for n, k in rep["variants"].items():
         _err.print(f"[dim]{n}: {k or 'the defaults'}[/dim]")
-    for c in rep["cases"]:
-        if "skipped" in c:
-            _err.print(f"[yellow]{c['variant']} skipped:[/yellow] {c['skipped']}")
     m = rep["meta"]
     _err.print(f"[dim]{m['date']}, git {m['git_sha'][:10]}{' (dirty)' if m['git_dirty'] else ''}, {m['hardware']}, "
                f"torch {m['torch']}[/dim]")
+    _skips(rep["cases"], "variant")
 
 
 @app.command("list")
@@ -374,12 +415,10 @@ def run_scenario(
                                     "measured what the scenario asks (driver moe)."),
 ) -> None:
     """Run every case of a scenario side by side, several launches; append stamped rows to summary.csv."""
-    from pathlib import Path
-
     from moetune.tuner.measure import results as R
     from moetune.tuner.measure import scenarios as S
 
-    out = Path(results) if results else S.SUMMARY_CSV
+    out = _results_path(results)
     try:
         s = S.get(scenario)
         if from_report is not None:
@@ -395,6 +434,8 @@ def run_scenario(
                          progress=lambda m: _err.print(f"[dim]{m}[/dim]"), fingerprint=_fingerprint)
     except (S.ScenarioError, R.ResultsError) as e:
         _fail(str(e))
+    except OSError as e:  # the table could not be written (permissions, a full disk)
+        _fail(f"--results {out}: {e.strerror or e}")
     kind = "imported" if from_report is not None else "smoke" if smoke else "measured"
     t = Table(title=f"{scenario}: {len(rows)} rows appended ({kind})")
     for col in ("launch", "case", "metric", "median", "p10", "p90", "note"):
@@ -416,18 +457,30 @@ def summarize_scenarios(
     out: str = typer.Option(None, "--out", help="Markdown to write (default BENCHMARKS.md); '-' prints it."),
 ) -> None:
     """Regenerate BENCHMARKS.md from summary.csv: per scenario its latest batch, medians / p10 / p90, ratios."""
-    from pathlib import Path
-
     from moetune.tuner.measure import results as R
     from moetune.tuner.measure import scenarios as S
 
+    src = Path(results) if results else S.SUMMARY_CSV
+    # a mistyped --results would otherwise read as "no rows yet" and overwrite BENCHMARKS.md with an empty summary
+    if results and not src.exists():
+        _fail(f"--results {src}: no such file")
+    path = None if out == "-" else Path(out) if out else S.BENCHMARKS_MD
+    if path is not None:  # refused before anything is read or written
+        if path.is_dir():
+            _fail(f"--out {path} is a directory; give the Markdown file to write")
+        if not path.parent.is_dir():
+            _fail(f"--out {path}: its folder {path.parent} does not exist")
     try:
-        md = S.summarize(S.load_all(), R.read_rows(Path(results) if results else S.SUMMARY_CSV))
-    except (S.ScenarioError, R.ResultsError) as e:
+        md = S.summarize(S.load_all(), R.read_rows(src))
+    except R.ResultsError as e:
+        _fail(f"--results: {e}")
+    except S.ScenarioError as e:
         _fail(str(e))
-    if out == "-":
+    if path is None:
         typer.echo(md, nl=False)
         return
-    path = Path(out) if out else S.BENCHMARKS_MD
-    path.write_text(md, encoding="utf-8")
+    try:
+        path.write_text(md, encoding="utf-8")
+    except OSError as e:
+        _fail(f"--out {path}: cannot write it ({e.strerror or e})")
     _err.print(f"wrote {path} ({md.count(chr(10))} lines)")

@@ -8,6 +8,7 @@ client key pair and puts its public key there; `moetune keys allow` adds a publi
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -15,11 +16,34 @@ import typer
 
 app = typer.Typer(help="CURVE keys for a daemon listening on TCP.", no_args_is_help=True)
 
+# a key's file stem: one plain file name (no '/' or '..' to leave the directory, no leading '.' to hide it)
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}")
+
+
+def check_name(name: str) -> str:
+    """`name` if it is a safe file stem for a key pair, else a ValueError naming --name and the rule."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"--name {name!r}: a key name is 1-100 of A-Z a-z 0-9 _ . - and does not start with '.'")
+    return name
+
+
+def server_dir(server_keys: Path) -> Path:
+    """`server_keys` if it is a directory holding the daemon's key pair (a NAME.key_secret, as `moetune keys
+    generate` writes it), else a ValueError: an allow-list where no server key is would let nobody in."""
+    if not server_keys.is_dir():
+        raise ValueError(f"SERVER_KEYS {server_keys}: {'not a directory' if server_keys.exists() else 'no such directory'}"
+                         " (make the daemon's key pair first: `moetune keys generate DIR`)")
+    if not any(p.is_file() for p in server_keys.glob("*.key_secret")):
+        raise ValueError(f"SERVER_KEYS {server_keys} holds no daemon key pair (no *.key_secret file): not the "
+                         "directory of the daemon's keys (`moetune keys generate DIR` makes one)")
+    return server_keys
+
 
 def generate_keys(directory: Path, name: str = "moetune", *, force: bool = False) -> tuple[Path, Path]:
     """Write NAME.key (public) and NAME.key_secret (public + secret) with zmq.auth, mode 0600, in a 0700 dir."""
     import zmq.auth
 
+    check_name(name)  # before anything is created: the name must not reach outside `directory`
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     public, secret = directory / f"{name}.key", directory / f"{name}.key_secret"
     if not force and (public.exists() or secret.exists()):
@@ -47,7 +71,7 @@ def generate(
     clients NAME.key (the server's public key)."""
     try:
         public, secret = generate_keys(directory, name, force=force)
-    except (OSError, FileExistsError) as e:
+    except (OSError, ValueError) as e:
         typer.secho(f"moetune keys generate: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
     if json_out:
@@ -95,6 +119,8 @@ def client(
 ) -> None:
     """Generate a client key pair and add its public key to the daemon's allow-list."""
     try:
+        check_name(name)
+        server_dir(server_keys)
         public, secret = generate_keys(out or server_keys / f"client-{name}", name, force=force)
         allowed = allow_client(public, clients_dir or server_keys / "clients", force=force)
     except (OSError, ValueError) as e:
@@ -112,6 +138,7 @@ def allow(
 ) -> None:
     """Add a client's public key to the daemon's allow-list."""
     try:
+        server_dir(server_keys)
         allowed = allow_client(public_file, clients_dir or server_keys / "clients", force=force)
     except (OSError, ValueError) as e:
         typer.secho(f"moetune keys allow: {e}", fg="red", err=True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 from rich.console import Console
@@ -13,9 +15,28 @@ from moetune.tuner.cli._args import int_list
 from moetune.tuner.cli._progress import RichProgress
 
 
-def _fail(console: Console, message: str) -> None:
-    console.print(f"[red]error:[/] {message}")
-    raise typer.Exit(2)
+def _fail(console: Console, message: str) -> NoReturn:
+    from moetune.tuner.cli.db import fail
+
+    # on stderr whatever `console` is (stdout without --json); fail() escapes: brackets in a path are text
+    raise fail(message)
+
+
+def _check_out_dir(console: Console, path: Path, option: str) -> None:
+    """Exit 2 naming the option unless the report folder `path` is a directory or can be made: checked before any
+    work, so a long bring-up does not end on a FileExistsError."""
+    if path.exists():
+        if not path.is_dir():
+            _fail(console, f"{option} {path}: exists and is not a directory (the report is a folder: report.md and "
+                           "its plots)")
+        return
+    above = path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        _fail(console, f"{option} {path}: cannot create it, {above} is not a directory")
+    if not os.access(above, os.W_OK | os.X_OK):
+        _fail(console, f"{option} {path}: cannot create it, {above} is not writable")
 
 
 def _open(db: Path | None, config: Path | None, console: Console | None = None, *, readonly: bool = False):
@@ -72,9 +93,11 @@ def profile(
             plan.tokens = int_list(tokens, "--tokens")
         if trials is not None:
             plan.trials = trials
-        plan.validate("--model/--tokens/--trials")
+        plan.validate("--model/--tokens/--trials" + (f" with plan file {plan_file}" if plan_file is not None else ""))
     except ValueError as e:
         _fail(console, str(e))
+    if report_dir is not None:
+        _check_out_dir(console, report_dir, "--report-dir")
     _cfg, store = _open(db, config, console)
     state_dir = Path(store.path).parent
     try:
@@ -129,12 +152,19 @@ def report(
     from moetune.tuner.fabric.discovery import DiscoveryError, discover
 
     console = Console()
+    if out is not None:
+        _check_out_dir(console, out, "--out")
     _cfg, store = _open(db, config, console, readonly=True)
     try:
         facts = discover(capture)
     except DiscoveryError as e:
         _fail(console, str(e))
-    path = report_from_store(store, facts, out or Path(store.path).parent / "report")
+    dest = out or Path(store.path).parent / "report"
+    try:
+        path = report_from_store(store, facts, dest)
+    except OSError as e:  # the folder vanished, a full disk, a plot file we may not replace
+        _fail(console, f"{'--out ' if out is not None else 'report folder '}{dest}: cannot write the report "
+                       f"({e.strerror or e})")
     console.print(f"report: {path}")
 
 

@@ -29,11 +29,36 @@ def _config(config: Path | None) -> Config:
         raise typer.Exit(2) from None
 
 
+def check_socket(endpoint: str, where: str) -> None:
+    """Exit 2 naming `where` (the option or config key) unless `endpoint` is ipc:///absolute/path or
+    tcp://HOST:PORT: ZeroMQ would answer anything else with a bare "Invalid argument" traceback."""
+    from moetune.tuner.cli.db import fail
+    from moetune.tuner.daemon.server import DaemonConfigError, check_endpoint
+
+    # inproc:// is left out too: no daemon of another process is reachable there
+    if not endpoint.startswith(("ipc://", "tcp://")):
+        raise fail(f"invalid {where} {endpoint!r}: expected ipc:///absolute/path or tcp://HOST:PORT")
+    try:
+        check_endpoint(endpoint, where)
+    except DaemonConfigError as e:  # names `where` and the endpoint: a relative path, a bad port, too long a path
+        raise fail(f"invalid {e}") from None
+
+
+def check_timeout_ms(timeout_ms: int | None) -> None:
+    """Exit 2 unless the --timeout-ms given is positive (0 or less used to be coerced silently)."""
+    from moetune.tuner.cli.db import fail
+
+    if timeout_ms is not None and timeout_ms < 1:
+        raise fail(f"--timeout-ms must be >= 1 (milliseconds), got {timeout_ms}")
+
+
 def make_client(socket: str | None, config: Path | None, timeout_ms: int | None, db: Path | None = None) -> Any:
     from moetune.runtime.profiles.client import ProfileClient
 
+    check_timeout_ms(timeout_ms)
     cfg = _config(config)
     endpoint = socket or cfg.client.socket
+    check_socket(endpoint, "--socket" if socket else "client.socket (config)")
     server_key = None
     key_file = cfg.daemon.curve_public_key_file
     if endpoint.startswith("tcp://") and key_file:

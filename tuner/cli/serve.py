@@ -7,6 +7,23 @@ from pathlib import Path
 import typer
 
 
+def _check_capture(capture: Path, *, read: bool) -> None:
+    """Exit 2 unless --capture is a capture directory (and, with `read`, one discovery can read): the daemon
+    would otherwise serve on and only log each failed discovery."""
+    from moetune.tuner.cli.db import fail
+
+    if not capture.is_dir():
+        raise fail(f"--capture {capture}: {'not a directory' if capture.exists() else 'no such directory'} "
+                   "(a fabric capture is a directory: `moetune fabric capture DIR`)")
+    if read:
+        from moetune.tuner.fabric.discovery import DiscoveryError, discover
+
+        try:
+            discover(capture)
+        except DiscoveryError as e:
+            raise fail(f"--capture {capture}: not a readable fabric capture: {e}") from None
+
+
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the root app."""
 
@@ -14,7 +31,7 @@ def register(app: typer.Typer) -> None:
     def serve(
         socket: str = typer.Option(None, "--socket", help="ROUTER endpoint (default: ipc:// in the runtime directory)."),
         pub_socket: str = typer.Option(None, "--pub-socket", help="PUB endpoint (default: next to --socket)."),
-        db: Path = typer.Option(None, "--db", help="Database (default: [store] db, $MOETUNE_HOME, XDG data dir)."),
+        db: Path = typer.Option(None, "--db", help="Database (default: \\[store] db, $MOETUNE_HOME, XDG data dir)."),
         config: Path = typer.Option(None, "--config", help="TOML config file."),
         metrics_port: int = typer.Option(None, "--metrics-port", help="Prometheus /metrics on 127.0.0.1:PORT (0 = off)."),
         rediscover_interval: float = typer.Option(None, "--rediscover-interval", help="Seconds between fabric discoveries (0 = never)."),
@@ -29,7 +46,15 @@ def register(app: typer.Typer) -> None:
         """Serve tuned profiles over ZeroMQ; rediscover the fabric and re-tune when it changes."""
         import zmq
 
+        from moetune.tuner.cli.query import check_socket
         from moetune.tuner.daemon.server import DaemonConfigError, run_daemon
+
+        # the options as given are checked first, so an error names the option (not a config key it fell to)
+        for opt, endpoint in (("--socket", socket), ("--pub-socket", pub_socket)):
+            if endpoint is not None:
+                check_socket(endpoint, opt)
+        if capture is not None:
+            _check_capture(capture, read=not discover_hook)
 
         try:
             code = run_daemon(socket=socket, pub_socket=pub_socket, db=str(db) if db else None, config=config,

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from moetune.tuner.cli._args import int_list
+from moetune.tuner.cli.db import fail
 
 app = typer.Typer(help="Optuna searches over the EP knobs (`moetune tune --model M ...`; `moetune tune show`).",
                   invoke_without_command=True, no_args_is_help=False)
@@ -23,9 +27,46 @@ app = typer.Typer(help="Optuna searches over the EP knobs (`moetune tune --model
 err = Console(stderr=True, soft_wrap=True)
 
 
-def _fail(msg: str) -> None:
-    err.print(f"[red]error:[/red] {msg}")
-    raise typer.Exit(2)
+COMM_BACKENDS = ("nccl", "gloo")  # what the local backend launches its ranks with (`moetune bench ep --backend`)
+
+
+def _fail(msg: str) -> NoReturn:
+    raise fail(msg)  # fail() escapes: a path or value in brackets is text, not Rich markup
+
+
+def _redact(url: str) -> str:
+    from moetune.tuner.search.tune import _redact as redact
+
+    return redact(url)  # a postgresql:// URL's password stays off the terminal
+
+
+def _storage_error(url: str, given: bool, e: BaseException) -> str:
+    """The error for a study storage that cannot be opened, naming --storage (or the default studies file)."""
+    from moetune.tuner.search.study import sqlite_path
+
+    why = str(getattr(e, "orig", None) or e).splitlines()[0] or type(e).__name__  # SQLAlchemy's first line
+    path = sqlite_path(url)
+    if path is not None and path.is_dir():
+        why = f"{path} is a directory"
+    if given:
+        return f"--storage {_redact(url)}: cannot open the study storage ({type(e).__name__}: {why})"
+    return (f"the studies file {path or _redact(url)} (the default --storage, beside the profile database) cannot be "
+            f"opened ({type(e).__name__}: {why}); it is left as it is: move it aside or pass --storage")
+
+
+def _check_storage(url: str, given: bool) -> None:
+    """Open the study storage once before anything runs: a bad URL, a folder or a file that is not a database is
+    one clear error, not a traceback from Optuna or SQLAlchemy."""
+    import warnings
+
+    from moetune.tuner.search.study import make_storage
+
+    try:
+        with warnings.catch_warnings():  # Optuna's experimental-feature notes are for the real run, not this check
+            warnings.simplefilter("ignore")
+            make_storage(url)
+    except Exception as e:  # SQLAlchemy / sqlite3 / a missing driver / Optuna's schema check: all mean "cannot open"
+        _fail(_storage_error(url, given, e))
 
 
 def _parse_tokens(text: str) -> list[int]:
@@ -79,7 +120,7 @@ def tune(
     storage: str = typer.Option(None, "--storage", help="Optuna storage URL (default: SQLite next to the profile db; postgresql://... to share a study)."),
     seed: int = typer.Option(0, "--seed", help="Sampler seed."),
     db: Path = typer.Option(None, "--db", help="Profile database (default: configured)."),
-    config: Path = typer.Option(None, "--config", help="TOML config file (its [tune] section gives the defaults)."),
+    config: Path = typer.Option(None, "--config", help="TOML config file (its \\[tune] section gives the defaults)."),
     nodes: int = typer.Option(1, "--nodes", help="Nodes in the EP group."),
     ep_size: int = typer.Option(None, "--ep-size", help="EP group size (default: GPUs per node × nodes)."),
     family: list[str] = typer.Option(None, "--family", "-f", help="Only these transport families (repeatable), e.g. host_staged."),
@@ -114,8 +155,21 @@ def tune(
     trials = trials if trials is not None else cfg_trials
     if trials < 1:
         raise typer.BadParameter("must be >= 1", param_hint="--trials")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        _fail(f"--timeout must be a number of seconds > 0, got {timeout}")
     if timeout is None and cfg_timeout:
         timeout = float(cfg_timeout)
+    if not (math.isfinite(trial_timeout) and trial_timeout > 0):
+        _fail(f"--trial-timeout must be a number of seconds > 0, got {trial_timeout}")
+    if repeats < 1:
+        _fail(f"--repeats must be >= 1, got {repeats}")
+    if world is not None and world < 1:
+        _fail(f"--world must be >= 1, got {world}")
+    if comm is not None and comm not in COMM_BACKENDS:
+        _fail(f"--comm must be {' or '.join(COMM_BACKENDS)}, got {comm!r}")
+    if capture is not None and not capture.is_dir():  # was ignored (or a traceback) when it did not exist
+        _fail(f"--from {capture}: {'not a directory' if capture.exists() else 'no such directory'} "
+              "(a fabric capture is a directory: `moetune fabric capture DIR`)")
     if policy is not None:
         from moetune.tuner.search.policy import PolicyError, load_policy, packaged_families
 
@@ -139,12 +193,19 @@ def tune(
             from moetune.tuner.fabric.discovery import discover  # type: ignore[attr-defined]
         except ImportError as e:
             _fail(f"fabric discovery is not available in this build ({e}); use --backend model --preset P")
-        facts = discover(capture)
+        from moetune.tuner.fabric.discovery import DiscoveryError
+
+        try:
+            facts = discover(capture)
+        except DiscoveryError as e:
+            _fail(f"--from {capture}: {e}" if capture is not None else str(e))
     if backend == "local":
         gpus = facts.gpu_count
         local_opts = {"world": world or (gpus if gpus >= 2 else 2), "comm_backend": comm or ("nccl" if gpus else "gloo"),
                       "repeats": repeats, "timeout_s": trial_timeout}
     store = _open_store(db if db is not None else cfg.db_path)
+    url = _storage_url(storage, None, store)  # the URL tune_profiles_detailed opens (storage, else beside the store)
+    _check_storage(url, storage is not None)
     from moetune.tuner.cli._progress import RichProgress
     from moetune.tuner.search.tune import tune_profiles_detailed
 
@@ -159,7 +220,15 @@ def tune(
         _fail(str(e))
     except KeyboardInterrupt:
         err.print("[yellow]interrupted: the study is saved; run the same command again to resume[/yellow]")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
+    except Exception as e:
+        from sqlite3 import Error as SqliteError
+
+        from sqlalchemy.exc import SQLAlchemyError
+
+        if isinstance(e, SQLAlchemyError | SqliteError):  # the study storage failed while tuning
+            _fail(_storage_error(url, storage is not None, e))
+        raise
     finally:
         if bar is not None:
             bar.close()
@@ -175,8 +244,11 @@ def tune(
             "default_us": r.study.default_value, "written": r.written, "reason": r.reason,
             "backend": rec.backend if rec else None, "knobs": rec.knobs.to_dict() if rec else None,
         })
+    # a tune where no study had one successful trial measured nothing: say why and exit 1, not 0
+    no_trial = [r for r in results if r.study.best is None]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
+        _no_success(no_trial, len(results), url)
         return
     from rich import box
 
@@ -203,6 +275,34 @@ def tune(
     c.print("trials = complete/failed/pruned; × = default / best; stored: new current profile, or the old one kept")
     for n in notes:
         c.print(n, soft_wrap=True)
+    _no_success(no_trial, len(results), url)
+
+
+def _first_failure(url: str, study_name: str) -> str:
+    """The error of the study's first failed trial (what a user needs to fix), or "" where none is recorded."""
+    try:
+        import optuna
+
+        from moetune.tuner.search.study import make_storage
+
+        study = optuna.load_study(study_name=study_name, storage=make_storage(url))
+        return next((str(t.user_attrs["error"]) for t in study.get_trials(deepcopy=False)
+                     if t.state == optuna.trial.TrialState.FAIL and t.user_attrs.get("error")), "")
+    except Exception:  # the reason is a courtesy: never fail the summary for it
+        return ""
+
+
+def _no_success(failed: list, total: int, url: str) -> None:
+    """Name the studies without a successful trial on stderr; exit 1 when that is every study (nothing measured)."""
+    if not failed:
+        return
+    for r in failed:
+        why = _first_failure(url, r.study.study_name)
+        err.print(f"[yellow]{escape(r.study.family)} {escape(r.study.workload.model.name)} S={r.study.workload.tokens}: "
+                  f"no successful trial[/yellow]" + (f" (first failure: {escape(why)})" if why else ""))
+    if len(failed) == total:
+        err.print("[red]error:[/red] no study had a successful trial: nothing was measured or stored")
+        raise typer.Exit(1)
 
 
 @app.command("show")
@@ -227,12 +327,16 @@ def show(
     p = sqlite_path(url)
     if p is not None and not p.exists():
         _fail(f"no studies yet ({p} does not exist)")
+    try:
+        names_rows = list_studies(url)
+    except Exception as e:  # SQLAlchemy / sqlite3 / Optuna: a bad URL, a folder, a file that is not a database
+        _fail(_storage_error(url, storage is not None, e))
     if study is None:
-        rows = list_studies(url)
+        rows = names_rows
         if as_json:
             typer.echo(json.dumps(rows, indent=2))
             return
-        t = Table(title=f"studies in {url}")
+        t = Table(title=f"studies in {_redact(url)}")
         t.add_column("study", overflow="fold")
         for c in ("trials", "best µs", "backend"):
             t.add_column(c, no_wrap=True)
@@ -241,7 +345,7 @@ def show(
                       str(r["backend"]) + (" (modelled)" if r.get("modelled") else ""))
         Console().print(t)
         return
-    names = [r["study"] for r in list_studies(url)]
+    names = [r["study"] for r in names_rows]
     if study not in names:  # a unique part of a name will do (names are long)
         hits = [n for n in names if study in n]
         if len(hits) == 1:
@@ -251,7 +355,7 @@ def show(
     try:
         d = describe_study(url, study)
     except KeyError:
-        _fail(f"no study named {study!r} in {url}")
+        _fail(f"no study named {study!r} in {_redact(url)}")
     if as_json:
         typer.echo(json.dumps(d, indent=2, default=str))
         return

@@ -47,13 +47,9 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
         extra = set(r) - set(COLUMNS)
         if extra:
             raise ResultsError(f"unknown result column(s) {sorted(extra)}; the columns are {', '.join(COLUMNS)}")
+    check_table(path)  # before anything is created: a folder or a foreign file is refused, never appended to
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
-    if not new:
-        header = path.read_text().splitlines()[0].split(",")
-        if tuple(header) != COLUMNS:
-            raise ResultsError(f"{path}: its header is not this version's columns ({', '.join(COLUMNS)}); "
-                               "rows are not appended to a table of another layout")
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     if new:
@@ -65,15 +61,47 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
     return len(rows)
 
 
+def _unreadable(path: Path, e: Exception) -> ResultsError:
+    """The ResultsError for a file that cannot be read as the results CSV (binary, a folder, no permission)."""
+    if isinstance(e, UnicodeDecodeError):
+        return ResultsError(f"{path}: not a UTF-8 text file, so not a results CSV")
+    if isinstance(e, csv.Error):
+        return ResultsError(f"{path}: not a readable CSV file ({e})")
+    if isinstance(e, IsADirectoryError):
+        return ResultsError(f"{path} is a directory, not a results CSV file")
+    return ResultsError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})")
+
+
+def check_table(path: Path) -> None:
+    """ResultsError unless `path` is absent, empty or a results table of this layout (a UTF-8 CSV with COLUMNS):
+    checked before a benchmark runs, so its rows are not lost to a file they cannot be appended to."""
+    if path.is_dir():
+        raise ResultsError(f"{path} is a directory, not a results CSV file")
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    try:
+        with path.open(encoding="utf-8", newline="") as f:
+            header = next(csv.reader([f.readline()]), [])
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise _unreadable(path, e) from None
+    if tuple(header) != COLUMNS:
+        raise ResultsError(f"{path}: its header is not this version's columns ({', '.join(COLUMNS)}); "
+                           "rows are not appended to a table of another layout")
+
+
 def read_rows(path: Path) -> list[dict[str, str]]:
-    """Every row of the CSV as a dict of strings (empty list when the file does not exist)."""
+    """Every row of the CSV as a dict of strings (empty list when the file does not exist); a ResultsError naming
+    the file where it is not a readable results table."""
     if not path.exists():
         return []
-    with path.open(encoding="utf-8", newline="") as f:
-        rd = csv.DictReader(f)
-        if tuple(rd.fieldnames or ()) != COLUMNS:
-            raise ResultsError(f"{path}: header {rd.fieldnames} is not the results table's columns {list(COLUMNS)}")
-        return list(rd)
+    try:
+        with path.open(encoding="utf-8", newline="") as f:
+            rd = csv.DictReader(f)
+            if tuple(rd.fieldnames or ()) != COLUMNS:
+                raise ResultsError(f"{path}: header {rd.fieldnames} is not the results table's columns {list(COLUMNS)}")
+            return list(rd)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise _unreadable(path, e) from None
 
 
 def fnum(s: str) -> float | None:

@@ -1,0 +1,416 @@
+"""CLI input defects from a sweep with bad input: each is a clear error naming the option and value (exit 2), or
+exit 1 where nothing could run, never a traceback, never a lost or overwritten file. Numbered as in the sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.tuner.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+CAPTURES = Path(__file__).parent / "captures"
+GARBAGE = bytes(range(256)) * 8 + b"\xff\xfe\x00\x80"  # not UTF-8, NULs: no text format reads it
+
+
+def _run(*args: str, home: Path | None = None):
+    env = {"MOETUNE_HOME": str(home)} if home is not None else None
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def _refused(r, *needles: str, code: int = 2) -> None:
+    """Exit `code`, every needle in the output, no traceback (no exception left the command)."""
+    out = r.output
+    assert r.exit_code == code, (r.exit_code, out, r.exception)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in out
+    for n in needles:
+        assert n in out, (n, out)
+
+
+@pytest.fixture
+def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path also where a GPU is
+
+
+# -- 1. bench summarize / bench run: --results and --out ---------------------------------------------------------
+@pytest.fixture
+def benchmarks_md(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """BENCHMARKS.md redirected to a scratch file (the real one is never written by these tests)."""
+    from moetune.tuner.measure import scenarios as S
+
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("KEEP ME\n")
+    monkeypatch.setattr(S, "BENCHMARKS_MD", md)
+    return md
+
+
+def test_summarize_refuses_a_missing_results_file_and_keeps_benchmarks_md(tmp_path: Path, benchmarks_md: Path) -> None:
+    typo = tmp_path / "typo.csv"
+    _refused(_run("bench", "summarize", "--results", str(typo)), "--results", str(typo), "no such file")
+    assert benchmarks_md.read_text() == "KEEP ME\n"
+    assert not typo.exists()
+
+
+def test_summarize_refuses_unreadable_results_and_bad_out(tmp_path: Path, benchmarks_md: Path) -> None:
+    garbage = tmp_path / "garbage.csv"
+    garbage.write_bytes(GARBAGE)
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    _refused(_run("bench", "summarize", "--results", str(garbage), "--out", str(tmp_path / "o.md")),
+             "--results", str(garbage), "not a UTF-8")
+    _refused(_run("bench", "summarize", "--results", str(folder), "--out", str(tmp_path / "o.md")),
+             "--results", str(folder), "is a directory")
+    _refused(_run("bench", "summarize", "--out", str(folder)), "--out", str(folder), "is a directory")
+    _refused(_run("bench", "summarize", "--out", str(tmp_path / "no" / "o.md")), "--out", "does not exist")
+    assert garbage.read_bytes() == GARBAGE and benchmarks_md.read_text() == "KEEP ME\n"
+    assert not (tmp_path / "o.md").exists() and not (tmp_path / "no").exists()
+    r = _run("bench", "summarize", "--out", str(tmp_path / "ok.md"))  # the real table still summarises
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "ok.md").read_text().startswith("# moetune benchmarks")
+
+
+def test_bench_run_refuses_bad_results_before_running(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.csv"
+    garbage.write_bytes(GARBAGE)
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    not_dir = tmp_path / "file"
+    not_dir.write_text("x")
+    for path, words in ((garbage, "not a UTF-8"), (folder, "is a directory"), (not_dir / "s.csv", "is not a directory")):
+        _refused(_run("bench", "run", "fabric-model", "--smoke", "--results", str(path)), "--results", str(path), words)
+    assert garbage.read_bytes() == GARBAGE and not_dir.read_text() == "x" and not any(folder.iterdir())
+
+
+def test_results_table_checks(tmp_path: Path) -> None:
+    from moetune.tuner.measure import results as R
+
+    R.check_table(tmp_path / "new.csv")  # absent: fine (a new table)
+    bad = tmp_path / "b.csv"
+    bad.write_bytes(GARBAGE)
+    for fn in (R.check_table, R.read_rows):
+        with pytest.raises(R.ResultsError, match="not a UTF-8"):
+            fn(bad)
+        with pytest.raises(R.ResultsError, match="is a directory"):
+            fn(tmp_path)
+    with pytest.raises(R.ResultsError, match="is a directory"):
+        R.append_rows(tmp_path, [])
+    assert bad.read_bytes() == GARBAGE
+
+
+# -- 2. comma-separated integer lists: no empty items ----------------------------------------------------------
+@pytest.mark.parametrize("value", ["1,,2", "1,", ",1", ""])
+def test_int_list_refuses_empty_items(value: str) -> None:
+    from moetune.tuner.cli._args import int_list
+
+    with pytest.raises(ValueError, match="--tokens: expected comma-separated integers"):
+        int_list(value, "--tokens")
+    assert int_list(" 1, 16 ,128", "--tokens") == [1, 16, 128]
+
+
+@pytest.mark.parametrize("args", [
+    ["bench", "moe", "--tokens", "1,,2"],
+    ["bench", "knobs", "--vs", "a=mk_bm=16", "--tokens", "16,"],
+    ["tune", "--model", "qwen3-30b", "--tokens", "128,,1024"],
+    ["profile", "--tokens", "16,,128"],
+])
+def test_empty_list_items_are_refused_naming_the_option(args: list[str], tmp_path: Path) -> None:
+    _refused(_run(*args, home=tmp_path), "--tokens", "comma-separated integers")
+
+
+def test_model_sweep_values_refuse_empty_items(tmp_path: Path) -> None:
+    _refused(_run("model", "sweep", "-p", "slingshot11-libfabric-a100x4", "--values", "1,,2", home=tmp_path),
+             "--values", "comma-separated integers")
+
+
+# -- 3. timeouts: positive, checked up front -------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_bench_ep_timeout_must_be_positive(value: str) -> None:
+    _refused(_run("bench", "ep", "--timeout", value), "--timeout must be a number of seconds > 0")
+    _refused(_run("bench", "ep", "--serve", "--timeout", value), "--timeout must be")
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_timeout_ms_must_be_positive(value: str, tmp_path: Path) -> None:
+    _refused(_run("status", "--timeout-ms", value, home=tmp_path), "--timeout-ms must be >= 1", value)
+    _refused(_run("retune", "--timeout-ms", value, home=tmp_path), "--timeout-ms must be >= 1")
+    _refused(_run("query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "16", "--timeout-ms", value, home=tmp_path),
+             "--timeout-ms must be >= 1")
+
+
+# -- 4. daemon endpoints --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("socket", "words"), [
+    ("bogus", "expected ipc:///absolute/path or tcp://HOST:PORT"),
+    ("ipc://", "expected ipc:///absolute/path"),
+    ("ipc://relative/sock", "expected ipc:///absolute/path"),
+    ("tcp://127.0.0.1:99999", "port in 1..65535"),
+    ("inproc://x", "expected ipc:///absolute/path or tcp://HOST:PORT"),
+])
+def test_client_commands_refuse_a_bad_socket(socket: str, words: str, tmp_path: Path) -> None:
+    for args in (["status"], ["retune"], ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "16"]):
+        _refused(_run(*args, "--socket", socket, "--timeout-ms", "100", home=tmp_path),
+                 f"invalid --socket {socket!r}", words)
+
+
+def _serve(tmp_path: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`moetune serve` in a subprocess (a daemon that does start is killed by the timeout, not left running)."""
+    env = dict(os.environ, MOETUNE_HOME=str(tmp_path / "home"))
+    return subprocess.run([sys.executable, "-c", "import sys; from moetune.tuner.cli import main; sys.exit(main())",
+                           "serve", "--db", str(tmp_path / "m.db"), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_serve_names_a_bad_socket_option(tmp_path: Path) -> None:
+    r = _serve(tmp_path, "--socket", "bogus")
+    assert r.returncode == 2 and "invalid --socket 'bogus'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "daemon.pub_socket" not in r.stderr
+    r = _serve(tmp_path, "--socket", f"ipc://{tmp_path}/d.sock", "--pub-socket", "ipc://x")
+    assert r.returncode == 2 and "invalid --pub-socket 'ipc://x'" in r.stderr, r.stderr
+
+
+# -- 5. tune: storage, --comm, --timeout, --from; 6. a tune without one successful trial --------------------------
+MODEL_TUNE = ("tune", "-m", "qwen3-30b", "--backend", "model", "--preset", "nvlink-h200x2", "--trials", "1",
+              "--tokens", "128")
+
+
+def test_tune_names_a_bad_storage(tmp_path: Path) -> None:
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    db = ["--db", str(tmp_path / "m.db")]
+    _refused(_run(*MODEL_TUNE, *db, "--storage", "bogus://x", home=tmp_path), "--storage bogus://x", "cannot open")
+    _refused(_run(*MODEL_TUNE, *db, "--storage", f"sqlite:///{folder}", home=tmp_path), "--storage", "is a directory")
+    _refused(_run("tune", "show", "--storage", "bogus://x", home=tmp_path), "--storage bogus://x", "cannot open")
+    _refused(_run("tune", "show", "--storage", f"sqlite:///{folder}", home=tmp_path), "is a directory")
+    # a password in the URL stays off the terminal
+    r = _run(*MODEL_TUNE, *db, "--storage", "nosuchdialect://user:s3cret@host/db", home=tmp_path)
+    _refused(r, "--storage")
+    assert "s3cret" not in r.output
+    assert not any(folder.iterdir())
+
+
+def test_tune_and_show_name_a_garbage_studies_file_and_keep_it(tmp_path: Path) -> None:
+    studies = tmp_path / "moetune-studies.db"
+    studies.write_bytes(GARBAGE)
+    db = ["--db", str(tmp_path / "m.db")]
+    _refused(_run(*MODEL_TUNE, *db, home=tmp_path), str(studies), "file is not a database")
+    _refused(_run("tune", "show", *db, home=tmp_path), str(studies), "file is not a database")
+    assert studies.read_bytes() == GARBAGE  # nothing stored is lost
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--comm", "bogus"], "--comm must be nccl or gloo, got 'bogus'"),
+    (["--timeout", "0"], "--timeout must be a number of seconds > 0"),
+    (["--timeout", "-1"], "--timeout must be a number of seconds > 0"),
+    (["--trial-timeout", "0"], "--trial-timeout must be"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--from", "/nonexistent/capture"], "--from /nonexistent/capture: no such directory"),
+])
+def test_tune_option_values(args: list[str], words: str, tmp_path: Path) -> None:
+    _refused(_run(*MODEL_TUNE, "--db", str(tmp_path / "m.db"), *args, home=tmp_path), words)
+
+
+def _fake_local(monkeypatch: pytest.MonkeyPatch, fail_from: int) -> None:
+    """The local backend replaced by one whose every run fails from `fail_from` tokens on (as nccl does on a node
+    without GPUs), so the tune's outcome is known without launching ranks."""
+    import moetune.tuner.search.tune as search
+    from moetune.tuner.search.backends import CallableBackend
+
+    def run(k, w):
+        if w.tokens >= fail_from:
+            raise RuntimeError("process group init failed: no CUDA device")
+        return 10.0 + k.pipeline_depth
+
+    monkeypatch.setattr(search, "make_backend", lambda *a, **k: CallableBackend(run, name="local:fake"))
+
+
+def _local_tune(tmp_path: Path, tokens: str, *extra: str):
+    return CliRunner().invoke(app, ["tune", "-m", "qwen3-30b", "--backend", "local", "--from", str(CAPTURES / "cpu-laptop"),
+                                    "--trials", "2", "--tokens", tokens, "--db", str(tmp_path / "m.db"), *extra],
+                              env={"MOETUNE_HOME": str(tmp_path)})
+
+
+def test_tune_without_a_successful_trial_exits_1_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_local(monkeypatch, fail_from=1)
+    r = _local_tune(tmp_path, "128", "--json")
+    assert r.exit_code == 1, r.output
+    assert json.loads(r.stdout)[0]["reason"] == "no successful trial"  # the report is still printed
+    assert "no study had a successful trial" in r.stderr and "no CUDA device" in r.stderr
+    # (no "Traceback" check here: Optuna's log handler from an earlier in-process run may write to a closed stream)
+    assert isinstance(r.exception, SystemExit)
+    r = _local_tune(tmp_path / "t", "128")
+    assert r.exit_code == 1 and "no study had a successful trial" in r.stderr, r.output
+
+
+def test_tune_partly_successful_exits_0_and_names_what_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_local(monkeypatch, fail_from=1024)
+    r = _local_tune(tmp_path, "128,1024", "--json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert [row["best_us"] is not None for row in rows] == [True, False]
+    assert "S=1024: no successful trial" in r.stderr and "S=128" not in r.stderr
+
+
+# -- 6. bench moe / knobs: exit 1 when every case was skipped ----------------------------------------------------
+SMALL = ["--model", "custom:128,64,8,2", "--tokens", "4", "--iters", "2", "--warmup", "0"]
+
+
+@pytest.mark.parametrize("engine", ["megakernel", "torch", "megakernel,torch"])
+def test_bench_moe_with_every_engine_skipped_exits_1(engine: str, cpu_only: None) -> None:
+    r = CliRunner().invoke(app, ["bench", "moe", "--engine", engine, *SMALL, "--json"])
+    assert r.exit_code == 1, r.output
+    rep = json.loads(r.stdout.strip().splitlines()[-1])  # the report still says why
+    assert rep["cases"] and all("skipped" in c for c in rep["cases"])
+    assert "every requested case was skipped" in r.stderr and " skipped:" in r.stderr
+    r = CliRunner().invoke(app, ["bench", "moe", "--engine", engine, *SMALL])
+    assert r.exit_code == 1 and "every requested case was skipped" in r.stderr, r.output
+
+
+def test_bench_moe_partly_skipped_exits_0_and_says_what(cpu_only: None) -> None:
+    r = CliRunner().invoke(app, ["bench", "moe", "--engine", "megakernel,unfused", *SMALL, "--json"])
+    assert r.exit_code == 0, r.output
+    assert "megakernel skipped:" in r.stderr and "no CUDA device" in r.stderr
+    r = CliRunner().invoke(app, ["bench", "moe", "--engine", "unfused", "--cuda-graph", *SMALL, "--json"])
+    assert r.exit_code == 0 and "--cuda-graph ignored" in r.stderr, r.output
+    assert json.loads(r.stdout.strip().splitlines()[-1])["graph"] is False
+
+
+def test_bench_knobs_with_every_variant_skipped_exits_1(cpu_only: None) -> None:
+    r = CliRunner().invoke(app, ["bench", "knobs", "--vs", "a=mk_bm=16", *SMALL, "--chain", "2"])
+    assert r.exit_code == 1, r.output
+    assert "base skipped:" in r.stderr and "a skipped:" in r.stderr and "every requested case was skipped" in r.stderr
+
+
+# -- 7. profile --plan and the plan's fields; report --out -----------------------------------------------------
+@pytest.mark.parametrize(("body", "words"), [
+    ("world = 0", "world must be an integer >= 1, got 0"),
+    ("repeats = -1", "repeats must be an integer >= 1, got -1"),
+    ("iters = 0", "iters must be an integer >= 1"),
+    ("compare_rounds = 0", "compare_rounds must be an integer >= 1"),
+    ("trials = 0", "trials must be an integer >= 1"),
+    ("trial_timeout_s = -1", "trial_timeout_s must be a number of seconds > 0"),
+    ("trial_timeout_s = nan", "trial_timeout_s must be a number of seconds > 0"),
+    ("microbench_sizes = [0]", "microbench_sizes must be a list of positive integers"),
+    ("tokens = [1.5]", "tokens must be a non-empty list of positive integers"),
+    ("tokens = [true]", "tokens must be a non-empty list of positive integers"),
+    ("world = true", "key 'world' must be int, got bool"),
+    ("models = [1]", "models must be model names"),
+    ("plan = 3", "[plan] must be a table"),
+])
+def test_plan_fields_are_validated_naming_field_and_file(body: str, words: str, tmp_path: Path) -> None:
+    from moetune.tuner.bringup.flow import Plan
+
+    p = tmp_path / "plan.toml"
+    p.write_text(body + "\n")
+    with pytest.raises(ValueError) as e:
+        Plan.from_file(p, Plan())
+    assert words in str(e.value) and str(p) in str(e.value)
+
+
+def test_profile_refuses_a_bad_plan_file(tmp_path: Path) -> None:
+    _refused(_run("profile", "--plan", str(tmp_path), home=tmp_path), f"plan file {tmp_path}", "is a directory")
+    p = tmp_path / "plan.toml"
+    p.write_text("world = 0\n")
+    _refused(_run("profile", "--plan", str(p), home=tmp_path), f"plan file {p}", "world must be an integer >= 1")
+    p.write_bytes(GARBAGE)
+    _refused(_run("profile", "--plan", str(p), home=tmp_path), "not a UTF-8")
+    assert not (tmp_path / "moetune.db").exists()  # refused before the database is opened
+
+
+def test_report_out_must_be_a_folder_it_can_make(tmp_path: Path) -> None:
+    from moetune.tuner.store.store import Store
+
+    db = tmp_path / "m.db"
+    Store(db).close()
+    f = tmp_path / "file"
+    f.write_text("keep")
+    cap = ["--db", str(db), "--capture", str(CAPTURES / "cpu-laptop")]
+    _refused(_run("report", *cap, "--out", str(f), home=tmp_path), f"--out {f}", "not a directory")
+    _refused(_run("report", *cap, "--out", str(f / "sub"), home=tmp_path), f"--out {f / 'sub'}", "cannot create it")
+    assert f.read_text() == "keep"
+    r = _run("report", *cap, "--out", str(tmp_path / "new" / "rep"), home=tmp_path)
+    assert r.exit_code == 0 and (tmp_path / "new" / "rep" / "report.md").is_file(), r.output
+    _refused(_run("profile", "--report-dir", str(f), home=tmp_path), f"--report-dir {f}", "not a directory")
+
+
+# -- 8. serve --capture ----------------------------------------------------------------------------------------
+def test_serve_refuses_a_missing_capture(tmp_path: Path) -> None:
+    args = ("--socket", f"ipc://{tmp_path}/d.sock")
+    r = _serve(tmp_path, *args, "--capture", str(tmp_path / "nope"))
+    assert r.returncode == 2 and f"--capture {tmp_path / 'nope'}: no such directory" in r.stderr, r.stderr
+    f = tmp_path / "f"
+    f.write_text("x")
+    r = _serve(tmp_path, *args, "--capture", str(f))
+    assert r.returncode == 2 and "not a directory" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# -- 9. keys: safe names, a real server key directory ------------------------------------------------------------
+@pytest.mark.parametrize("name", ["../evil", "", ".hidden", "a/b", "x" * 101])
+def test_keys_generate_refuses_unsafe_names(name: str, tmp_path: Path) -> None:
+    d = tmp_path / "k"
+    _refused(_run("keys", "generate", str(d), "--name", name), "--name", "key name")
+    assert not any(tmp_path.iterdir())  # nothing written, in the directory or outside it
+
+
+def test_keys_client_and_allow_need_the_servers_key_dir(tmp_path: Path) -> None:
+    nosuch = tmp_path / "nosuch"
+    _refused(_run("keys", "client", str(nosuch), "--name", "c1"), "SERVER_KEYS", str(nosuch), "no such directory")
+    assert not nosuch.exists()
+    assert _run("keys", "generate", str(tmp_path / "cl"), "--name", "c2").exit_code == 0
+    c2 = tmp_path / "cl" / "c2.key"
+    _refused(_run("keys", "allow", str(c2), str(nosuch)), "SERVER_KEYS", "no such directory")
+    assert not nosuch.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _refused(_run("keys", "allow", str(c2), str(empty)), "holds no daemon key pair")
+    _refused(_run("keys", "client", str(empty), "--name", "c1"), "holds no daemon key pair")
+    assert not any(empty.iterdir())
+    _refused(_run("keys", "client", str(empty), "--name", "../x"), "--name '../x'")
+    # a real server directory: both work
+    srv = tmp_path / "srv"
+    assert _run("keys", "generate", str(srv)).exit_code == 0
+    r = _run("keys", "allow", str(c2), str(srv))
+    assert r.exit_code == 0 and (srv / "clients" / "c2.key").is_file(), r.output
+    r = _run("keys", "client", str(srv), "--name", "c1")
+    assert r.exit_code == 0 and (srv / "clients" / "c1.key").is_file(), r.output
+
+
+# -- 10. help text: config sections such as [tune] are shown, not eaten as Rich markup ------------------------------
+def test_help_shows_config_sections() -> None:
+    env = {"COLUMNS": "250"}
+    r = CliRunner().invoke(app, ["tune", "--help"], env=env)
+    assert "config [tune] trials" in r.output and "its [tune] section" in r.output, r.output
+    r = CliRunner().invoke(app, ["serve", "--help"], env=env)
+    assert "default: [store] db" in r.output, r.output
+
+
+def test_no_help_text_holds_unescaped_markup_tags() -> None:
+    import typer.main
+
+    try:  # typer >= 0.25 vendors click as typer._click
+        import click
+    except ImportError:
+        from typer import _click as click
+
+    tag = re.compile(r"(?<!\\)\[[a-zA-Z#/@][^\[\]]*\]")  # what Rich reads as a style tag (and drops)
+    root = typer.main.get_command(app)
+    ctx = click.Context(root)
+    bad = []
+
+    def walk(c, path: list[str]) -> None:
+        for who, text in [("help", c.help or ""), *((p.name, getattr(p, "help", "") or "") for p in c.params)]:
+            bad.extend(f"moetune {' '.join(path)} {who}: {m}" for m in tag.findall(text))
+        if hasattr(c, "list_commands"):
+            for n in c.list_commands(ctx):
+                walk(c.get_command(ctx, n), [*path, n])
+
+    walk(root, [])
+    assert not bad, bad
