@@ -30,7 +30,7 @@ from typing import Any
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
 from moetune.tuner.fabric_model.predict import Workload, predict, predict_transfers
-from moetune.tuner.fabric_model.presets import Preset, load_preset
+from moetune.tuner.fabric_model.presets import Preset, load_preset, read_text_file
 
 # Parameters fitted by default, per preset family of measurement.
 # "a+b" ties parameters (fitted as one value).
@@ -168,20 +168,7 @@ def row_problem(row: dict[str, Any]) -> str | None:
 
 
 def _read_text(path: Path) -> str:
-    """A measurement file's text; a ValueError naming the file where it is not readable text."""
-    if path.is_dir():
-        raise ValueError(f"measurement file {str(path)!r} is a directory, not a JSON lines file")
-    if not path.exists():
-        raise ValueError(f"measurement file {str(path)!r} does not exist")
-    if not path.is_file():
-        raise ValueError(f"measurement file {str(path)!r} is not a regular file")
-    try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"measurement file {str(path)!r} is not UTF-8 text (bad byte at offset {e.start}); "
-                         "expected JSON lines") from None
-    except OSError as e:
-        raise ValueError(f"measurement file {str(path)!r} cannot be read: {e.strerror or e}") from None
+    return read_text_file(path, "measurement file", "a JSON lines file", ValueError)
 
 
 def read_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:

@@ -187,21 +187,26 @@ def load_preset(name_or_path: str | Path) -> Preset:
     return preset
 
 
-def _read_file(path: Path) -> str:
-    """The text of a preset file; a PresetError naming the file where it cannot be read as text."""
+def read_text_file(path: Path, what: str, expected: str, error: type[Exception]) -> str:
+    """The UTF-8 text of a user-named file (`what`: "preset file"); `error` naming the file where it is a folder,
+    missing, not a regular file, not UTF-8 or unreadable (`expected`: what it should be, e.g. "a TOML file")."""
+    name = f"{what} {str(path)!r}"
     if path.is_dir():
-        raise PresetError(f"preset file {str(path)!r} is a directory, not a TOML file")
+        raise error(f"{name} is a directory, not {expected}")
     if not path.exists():
-        raise PresetError(f"preset file {str(path)!r} does not exist")
+        raise error(f"{name} does not exist")
     if not path.is_file():
-        raise PresetError(f"preset file {str(path)!r} is not a regular file")
+        raise error(f"{name} is not a regular file")
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PresetError(f"preset file {str(path)!r} is not UTF-8 text (bad byte at offset {e.start}); "
-                          "expected a TOML file") from None
+        raise error(f"{name} is not UTF-8 text (bad byte at offset {e.start}); expected {expected}") from None
     except OSError as e:
-        raise PresetError(f"preset file {str(path)!r} cannot be read: {e.strerror or e}") from None
+        raise error(f"{name} cannot be read: {e.strerror or e}") from None
+
+
+def _read_file(path: Path) -> str:
+    return read_text_file(path, "preset file", "a TOML file", PresetError)
 
 
 def _is_number(value: Any) -> bool:
