@@ -78,7 +78,8 @@ from moetune.runtime.shapes import ModelShape
 __all__ = [
     "INFO_NAME", "PUB_SOCKET_NAME", "SOCKET_NAME", "BadReply", "DaemonError", "DaemonUnavailable", "FallbackWarning",
     "ProfileClient", "Resolution", "TrackedProfile", "default_endpoint", "is_loopback_host", "pick_profile",
-    "policy_or_default", "query_db_profiles", "read_daemon_info", "runtime_dir_candidates", "tcp_host", "warn_fallback",
+    "policy_or_default", "query_db_profiles", "read_daemon_info", "runtime_dir_candidates", "tcp_host", "tcp_port",
+    "warn_fallback",
 ]
 
 log = logging.getLogger("moetune.client")
@@ -354,6 +355,12 @@ def tcp_host(endpoint: str) -> str:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host.lower()
+
+
+def tcp_port(endpoint: str) -> int | None:
+    """The port of a `tcp://HOST:PORT` endpoint, or None where there is no host or no port in 1..65535."""
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    return int(port) if host and port.isdigit() and 1 <= int(port) <= 65535 else None
 
 
 def is_loopback_host(host: str) -> bool:
@@ -640,8 +647,7 @@ class ProfileClient:
             if scheme == "tcp" and tcp_host(pub) != tcp_host(self.endpoint):
                 return f"not on the request endpoint's host ({tcp_host(self.endpoint)})"
         if scheme == "tcp":
-            port = pub.rpartition(":")[2]
-            if not port.isdigit() or not 1 <= int(port) <= 65535:
+            if tcp_port(pub) is None:
                 return "expected tcp://HOST:PORT"
             if self._refusal is not None:
                 return self._refusal

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import NoReturn
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from moetune.tuner.cli._args import int_list
-from moetune.tuner.cli.db import fail
+from moetune.tuner.cli.db import abort
 
 app = typer.Typer(help="Benchmarks on this node: EP dispatch/combine, the MoE layer by engine (megakernel, unfused, "
                   "torch), knob sets side by side, named scenarios.", no_args_is_help=True)
@@ -33,8 +32,7 @@ def _json_opt() -> typer.models.OptionInfo:
     return typer.Option(False, "--json", help="Print one JSON object.")
 
 
-def _fail(msg: str) -> NoReturn:
-    raise fail(msg)  # fail() escapes: a path or value in brackets is text, not Rich markup
+_fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
 
 
 def _skips(cases: list[dict], who: str) -> None:

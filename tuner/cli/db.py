@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import typer
 from rich.console import Console
@@ -28,6 +28,11 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     names from the user (`[/x].json`, "[gpu]") are escaped, never read as Rich markup."""
     err.print(f"[red]error:[/red] {escape(message)}", markup=True, soft_wrap=True)
     return typer.Exit(code)
+
+
+def abort(message: str, code: int = 2) -> NoReturn:
+    """`raise fail(message)` as a call, for helpers whose callers read on as if it returned nothing."""
+    raise fail(message, code)
 
 
 def print_json(obj: Any) -> None:

@@ -12,15 +12,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moetune.tuner.cli.db import fail
+
 app = typer.Typer(help="Discover this node's fabric, capture it, fingerprint it, diff it.", no_args_is_help=True)
 
 _out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 _err = Console(stderr=True, highlight=False)
 
 
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    _err.print(f"[red]error:[/red] {message}", markup=True, soft_wrap=True)
-    return typer.Exit(code)
+_fail = fail  # the CLI's one error message (escaped: a capture path in brackets is text)
 
 
 def _discover(from_dir: Path | None, timeout_s: float) -> Any:

@@ -6,7 +6,7 @@ import datetime as _dt
 import json
 import math
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from moetune.tuner.cli._args import int_list
-from moetune.tuner.cli.db import fail
+from moetune.tuner.cli.db import abort
 
 app = typer.Typer(help="The fabric model: predicted (modelled) dispatch/combine cost on any fabric.", no_args_is_help=True)
 
@@ -22,9 +22,7 @@ _console = Console()
 LABEL = "MODELLED"
 
 
-def _fail(msg: str) -> NoReturn:
-    """The CLI's one error path: a red message naming what is wrong, exit status 2, no traceback."""
-    raise fail(msg)
+_fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
 
 
 def _e(value: Any) -> str:

@@ -11,7 +11,6 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import NoReturn
 
 import typer
 from rich.console import Console
@@ -19,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from moetune.tuner.cli._args import int_list
-from moetune.tuner.cli.db import fail
+from moetune.tuner.cli.db import abort
 
 app = typer.Typer(help="Optuna searches over the EP knobs (`moetune tune --model M ...`; `moetune tune show`).",
                   invoke_without_command=True, no_args_is_help=False)
@@ -30,8 +29,7 @@ err = Console(stderr=True, soft_wrap=True)
 COMM_BACKENDS = ("nccl", "gloo")  # what the local backend launches its ranks with (`moetune bench ep --backend`)
 
 
-def _fail(msg: str) -> NoReturn:
-    raise fail(msg)  # fail() escapes: a path or value in brackets is text, not Rich markup
+_fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
 
 
 def _redact(url: str) -> str:

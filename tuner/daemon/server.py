@@ -52,7 +52,7 @@ import zmq
 
 from moetune.runtime import wire
 from moetune.runtime.profile_record import ProfileRecord
-from moetune.runtime.profiles.client import INFO_NAME, PUB_SOCKET_NAME, is_loopback_host, tcp_host
+from moetune.runtime.profiles.client import INFO_NAME, PUB_SOCKET_NAME, is_loopback_host, tcp_host, tcp_port
 from moetune.tuner.daemon import handlers
 from moetune.tuner.daemon.index import CACHE_LIMIT, LIST_CACHE_LIMIT, ProfileIndex, ShapeKey, read_profiles
 from moetune.tuner.daemon.jobs import (
@@ -239,10 +239,10 @@ def _ipc_path(endpoint: str) -> Path | None:
 
 
 def _tcp_port(endpoint: str, what: str) -> int:
-    host, _, port = endpoint[len("tcp://") :].rpartition(":")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    port = tcp_port(endpoint)
+    if port is None:
         raise DaemonConfigError(f"{what} {endpoint!r}: expected tcp://HOST:PORT with a port in 1..65535")
-    return int(port)
+    return port
 
 
 def check_endpoint(endpoint: str, what: str) -> None:
