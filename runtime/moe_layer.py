@@ -144,6 +144,7 @@ class MoELayer(nn.Module):
         self.engine_knobs: Knobs | None = None  # the knob set the megakernel runs with
         self.engine_resolution: Any = None  # the autoload Resolution when the megakernel profile was looked up
         self.megakernel: Any = None
+        self._mk_ptrs: tuple[int, int, int] = (0, 0, 0)  # the parameters' data pointers the megakernel reads
         # True while the expert weights hold the megakernel's k-tiled layout (runtime/megakernel/weights.py): the
         # parameters keep their shapes, and state_dict / load_state_dict speak the row-major layout either way
         self.weights_tiled = False
@@ -210,6 +211,7 @@ class MoELayer(nn.Module):
                     self.model, max_tokens=max_tokens, device=self.device, seed=self.seed, config=config,
                     w_gate_up=self.w_gate_up.data, w_down=self.w_down.data, gate=self.gate.data, tiled=True)
                 self.weights_tiled = True
+                self._mk_ptrs = self._param_ptrs()
             except (RuntimeError, ValueError, OSError) as e:  # build/load errors, a setting that does not fit
                 why = f"{type(e).__name__}: {e}"
                 untile_(self.w_gate_up.data)  # the unfused path reads them row-major
@@ -231,9 +233,9 @@ class MoELayer(nn.Module):
         """Hand the megakernel the parameters again where their storage changed since it was given them
         (`load_state_dict(assign=True)`, `.to()`, `.float()`, a parameter assigned anew): three data pointers
         compared per call, so a stale pointer is never launched."""
-        mk = self.megakernel
-        if self._param_ptrs() == (mk.w1t.data_ptr(), mk.w2t.data_ptr(), mk.gate.data_ptr()):  # what it reads
+        if self._param_ptrs() == self._mk_ptrs:
             return
+        mk = self.megakernel
         for name in ("w_gate_up", "w_down", "gate"):
             t = getattr(self, name)
             if t.dtype != torch.bfloat16 or t.device != mk.device:
@@ -244,6 +246,7 @@ class MoELayer(nn.Module):
             if not t.is_contiguous():  # the kernels read the storage in place; the layer owns its parameters
                 t.data = t.data.contiguous()
         mk.rebind(self.w_gate_up.data, self.w_down.data, self.gate.data)
+        self._mk_ptrs = self._param_ptrs()
 
     def check(self) -> None:
         """Raise the megakernel's device-side error (a wait that timed out, an expert id out of range: its
