@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
 from moetune.runtime import wire
-from moetune.runtime.profile_record import ProfileKey
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.profiles.client import DaemonError, DaemonUnavailable, ProfileClient
 from moetune.runtime.testing.launch import free_port
 from moetune.tuner.daemon.server import Daemon, DaemonConfigError, TuneSettings
@@ -421,3 +422,49 @@ def test_replaced_gpu_marks_profiles_stale_and_retunes(tmp_path: Path) -> None:
         d.stop()
     ev = [e for e in store.list_events(limit=50) if e["kind"] == "fabric_changed"]
     assert ev and "GPU 1 replaced" in ev[0]["reason"]
+
+
+# -- the index serves this node's software, and a measurement before a prediction ------------------------------------
+def _index(*recs: ProfileRecord, software: str = "sw-new") -> Any:
+    from types import SimpleNamespace
+
+    from moetune.tuner.daemon.index import ProfileIndex
+
+    return ProfileIndex(list(recs), version=1, facts=SimpleNamespace(fingerprint="fp", software_hash=software), stale=[])
+
+
+def _idx_rec(software: str, bucket: int, latency_us: float, backend: str) -> ProfileRecord:
+    from moetune.runtime.shapes import MODELS
+
+    m = MODELS["qwen3-30b"]
+    key = ProfileKey(fingerprint="fp", software=software, transport_family="nvlink", ep_size=2, nodes=1, hidden=m.hidden,
+                     intermediate=m.intermediate, experts=m.experts, topk=m.topk, dtype=m.dtype, token_bucket=bucket)
+    return F.make_record(key, latency_us=latency_us, backend=backend)
+
+
+def _served(idx: Any, tokens: int, **kw: Any) -> wire.ProfileResult:
+    ok, raw = idx.lookup(wire.GetProfile(v=wire.PROTOCOL_VERSION, id=1, ep_size=2, tokens=tokens, model="qwen3-30b", **kw))
+    assert ok, raw
+    return wire.decode_result("get_profile", raw)
+
+
+def test_index_serves_only_the_daemons_software_by_default() -> None:
+    """After a software upgrade the old software's (faster) profiles stay current under their own key; a request
+    that names no software gets this node's, as one naming no fingerprint gets this node's fingerprint."""
+    idx = _index(_idx_rec("sw-old", 64, 5.0, "local:nccl"), _idx_rec("sw-new", 64, 9.0, "local:nccl"))
+    assert _served(idx, 64).key.software == "sw-new"
+    assert _served(idx, 64, software="sw-old").key.software == "sw-old"  # asked for by name
+    ok, (code, msg) = _index(_idx_rec("sw-old", 64, 5.0, "local:nccl")).lookup(
+        wire.GetProfile(v=wire.PROTOCOL_VERSION, id=1, ep_size=2, tokens=64, model="qwen3-30b"))
+    assert not ok and code == wire.E_NOT_FOUND and "sw-new" in msg
+
+
+def test_index_prefers_a_measurement_within_reach_over_a_nearer_prediction() -> None:
+    """A node-model profile at the asked bucket must not displace a measured one a rung away (the store's
+    find_profile and the client's database fallback pick the measurement too)."""
+    node = _idx_rec("sw-new", 64, 5.0, "model:node:fp")
+    measured = _idx_rec("sw-new", 128, 60.0, "local:nccl")
+    got = _served(_index(node, measured), 64)
+    assert got.provenance == "measured" and got.key.token_bucket == 128
+    got = _served(_index(node, _idx_rec("sw-new", 4096, 60.0, "local:nccl")), 64)  # measured out of reach
+    assert got.provenance == "node_model" and got.key.token_bucket == 64

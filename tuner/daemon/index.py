@@ -16,7 +16,7 @@ import msgspec
 from moetune.runtime import wire
 from moetune.runtime.profile_record import ProfileRecord
 from moetune.runtime.profiles.autoload import launcher_env
-from moetune.runtime.profiles.client import pick_profile
+from moetune.runtime.profiles.client import pick_profile, provenance_of
 from moetune.runtime.shapes import get_model
 
 log = logging.getLogger("moetune.daemon")
@@ -113,11 +113,22 @@ class ProfileIndex:
         if fp is None:
             return False, (wire.E_NOT_FOUND, "the daemon has not discovered its fabric (yet); no profile is current")
         recs = self.groups.get((fp, req.ep_size, req.nodes, h, i, e_, k, dt), [])
-        if req.software:
-            recs = [r for r in recs if r.key.software == req.software]
-        rec = pick_profile(recs, req.tokens, transport_family=req.transport_family)
+        # The software defaults to the daemon's own, as the fingerprint does: a profile measured under other
+        # versions (before an NCCL or driver upgrade) stays current under its own key but is not this node's.
+        sw = req.software or self.software
+        if sw:
+            recs = [r for r in recs if r.key.software == sw]
+        # Measured first, then the node model, then a preset, each at its nearest bucket within reach: a
+        # prediction at a nearer bucket never displaces a measurement one rung away (as the store's
+        # find_profile and the client's database fallback pick).
+        rec = None
+        for tier in PROVENANCES:
+            rec = pick_profile([r for r in recs if provenance_of(r) == tier], req.tokens,
+                               transport_family=req.transport_family)
+            if rec is not None:
+                break
         if rec is None:
-            return False, (wire.E_NOT_FOUND, f"no current profile for fingerprint {fp}, ep {req.ep_size}, nodes {req.nodes}, "
+            return False, (wire.E_NOT_FOUND, f"no current profile for fingerprint {fp}, software {sw}, ep {req.ep_size}, nodes {req.nodes}, "
                                              f"shape {h}x{i}x{e_}/top{k} {dt}")
         return True, msgspec.Raw(wire.encoder.encode(encode_profile(rec, self.version)))
 
