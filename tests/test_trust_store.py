@@ -225,6 +225,9 @@ HOSTILE = {
     "huge_int_knob": (_set("profiles.0.knobs.num_sms", 1 << 70), "profiles[0].knobs"),
     "unknown_provenance": (_set("profiles.0.provenance", "trust-me"), "profiles[0].provenance"),
     "measured_elsewhere": (_set("profiles.0.measured_on", "other-fp"), "profiles[0].measured_on"),
+    # A preset's number relabelled as measured (on the key's fingerprint, so measured_on agrees).
+    "preset_labelled_measured": (lambda d: (_set("profiles.1.provenance", "measured")(d),
+                                            _set("profiles.1.measured_on", "fp")(d)), "profiles[1].provenance"),
 }
 
 
@@ -259,6 +262,8 @@ def test_out_of_range_numbers_are_clean_errors(tmp_path):
             s.import_bytes(doc)
         with pytest.raises(ValueError, match="latency_us"):
             s.put_profile(rec(float("nan"), "local:nccl"))
+        with pytest.raises(ValueError, match="provenance"):  # the label alone never makes a number measured
+            s.put_profile(rec(1.0, "model:nvlink-h200x2", provenance="measured"))
         with pytest.raises(ValueError, match=r"key\.hidden"):
             s.put_profile(ProfileRecord(key=ProfileKey(**{**key().to_dict(), "hidden": 1 << 64}),
                                         knobs=default_knobs("nvlink"), latency_us=1.0, spread_us=0.0, backend="x"))

@@ -10,7 +10,13 @@ from typing import Any
 import msgspec
 
 from moetune.runtime.knobs import TRANSPORTS
-from moetune.runtime.profile_record import ENGINE_FAMILIES, PROVENANCES, TOKEN_BUCKETS, ProfileRecord
+from moetune.runtime.profile_record import (
+    ENGINE_FAMILIES,
+    PROVENANCES,
+    TOKEN_BUCKETS,
+    ProfileRecord,
+    provenance_of_backend,
+)
 from moetune.runtime.shapes import DTYPES
 
 STATUSES = ("current", "stale", "superseded")
@@ -58,6 +64,10 @@ def check_record(rec: ProfileRecord) -> None:
         raise FieldError("status", f"must be one of {', '.join(STATUSES)}, got {rec.status!r}")
     if rec.provenance not in PROVENANCES:
         raise FieldError("provenance", f"must be one of {', '.join(PROVENANCES)}, got {rec.provenance!r}")
+    # The label alone never makes a number measured (the client reads such a record as modelled): stored as
+    # measured, a preset's prediction would be listed as measured and would compete with real measurements.
+    if rec.provenance == "measured" and provenance_of_backend(rec.backend) != "measured":
+        raise FieldError("provenance", f"measured, but backend {rec.backend[:64]!r} does not measure (local:*)")
     for where, obj in (("key", rec.key.to_dict()), ("knobs", rec.knobs.to_dict())):
         big = _big_ints(obj, where)
         if big:
