@@ -139,7 +139,7 @@ def test_upgrade_from_0002_labels_existing_rows(tmp_path):
     con = sqlite3.connect(path)
     con.execute("INSERT INTO fingerprints(hash, facts, first_seen, last_seen) VALUES ('fp', '{}', 'a', 'a')")
     knobs = json.dumps(default_knobs("nvlink").to_dict())
-    rows = [("local:nccl", 64), ("model:nvlink-h200x2", 128), ("model:node:fp", 256), ("odd", 512)]
+    rows = [("local:nccl", 64), ("model:nvlink-h200x2", 128), ("model:node:fp", 256), ("odd", 512), ("LOCAL:nccl", 1024)]
     for backend, bucket in rows:
         con.execute(
             "INSERT INTO profiles(fingerprint, software, transport_family, ep_size, nodes, hidden, intermediate,"
@@ -161,12 +161,30 @@ def test_upgrade_from_0002_labels_existing_rows(tmp_path):
         "model:nvlink-h200x2": ("preset", "preset:nvlink-h200x2"),
         "model:node:fp": ("node_model", "fp"),
         "odd": ("node_model", ""),
+        "LOCAL:nccl": ("node_model", ""),  # the prefixes are case-sensitive, as provenance_of_backend's
     }
     with Store(path) as s:  # and back down, every profile kept
         s.downgrade("0002")
         with s.engine.connect() as c:
-            assert len(c.exec_driver_sql("SELECT id FROM profiles").fetchall()) == 4
+            assert len(c.exec_driver_sql("SELECT id FROM profiles").fetchall()) == 5
         s.upgrade()
+
+
+def test_downgrade_and_upgrade_never_make_a_modelled_profile_measured(tmp_path):
+    """An unlabelled import of a `local:*` record is node_model; 0002 has no label and the 0003 backfill would
+    call it measured, so the downgrade retires it (stale, with an event) instead of losing its label."""
+    with Store(tmp_path / "r.db") as s:
+        s.put_profile(rec(10.0, "local:nccl", bucket=64))  # no provenance given: node_model
+        s.put_profile(rec(20.0, "local:nccl", provenance="measured", bucket=128))
+        s.put_profile(rec(30.0, "model:nvlink-h200x2", bucket=256))
+        s.downgrade("0002")
+        s.upgrade()
+        assert s.get_current(key(bucket=64)) is None
+        assert [(r.key.token_bucket, r.provenance) for _i, r in s.list_profiles(status="current")] == [
+            (128, "measured"), (256, "preset")]
+        assert len(s.list_profiles(status="stale")) == 1
+        ev = s.list_events()[0]
+        assert ev.kind == "stale" and "provenance" in ev.reason and ev.details == {"profiles": 1}
 
 
 # -- one bad row ------------------------------------------------------------------------------------
