@@ -29,7 +29,8 @@ from typing import Any
 from moetune.runtime import paths
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-_PATH_KEYS = {("store", "db"), ("daemon", "curve_secret_key_file"), ("daemon", "curve_public_key_file")}
+_PATH_KEYS = {("store", "db"), ("daemon", "curve_secret_key_file"), ("daemon", "curve_public_key_file"),
+              ("daemon", "curve_admins_dir")}
 
 
 class ConfigError(ValueError):
@@ -46,9 +47,11 @@ class DaemonConfig:
     socket: str = ""  # resolved by load_config: ipc://<runtime dir>/daemon.sock
     pub_socket: str = ""  # resolved by load_config: ipc://<runtime dir>/events.sock
     group: str = ""  # unix group allowed on the IPC directory ("" = owner only)
+    group_may_retune: bool = False  # members of `group` may queue and cancel re-tunes (else the owner only)
     allow_insecure_tcp: bool = False
     curve_secret_key_file: str = ""
     curve_public_key_file: str = ""
+    curve_admins_dir: str = ""  # TCP clients that may queue and cancel re-tunes ("" = admins/ beside the secret key)
     rediscover_interval_s: float = 60.0
     metrics_port: int = 0  # 0 = no Prometheus endpoint
     max_request_bytes: int = 65536

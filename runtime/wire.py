@@ -52,6 +52,7 @@ E_UNKNOWN_FIELD = "unknown_field"
 E_TOO_LARGE = "too_large"  # request over the size cap
 E_NOT_FOUND = "not_found"  # no current profile for the key
 E_BUSY = "busy"  # the job queue is full
+E_FORBIDDEN = "forbidden"  # an administrative op (retune, cancel) from a peer not allowed to run it
 E_INTERNAL = "internal"
 
 ERROR_CODES: tuple[str, ...] = (
@@ -65,6 +66,7 @@ ERROR_CODES: tuple[str, ...] = (
     E_TOO_LARGE,
     E_NOT_FOUND,
     E_BUSY,
+    E_FORBIDDEN,
     E_INTERNAL,
 )
 

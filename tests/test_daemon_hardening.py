@@ -107,10 +107,10 @@ def test_a_failing_frame_is_answered_internal_and_serving_goes_on(tmp_path: Path
     d = _daemon(tmp_path)
     real = d._handle
 
-    def handle(frame: bytes, head: list[bytes] | None = None) -> tuple[bytes | None, str, str]:
+    def handle(frame: bytes, head: list[bytes] | None = None, peer: zmq.Frame | None = None) -> tuple[bytes | None, str, str]:
         if frame == b"boom":
             raise RuntimeError("unexpected")
-        return real(frame, head)
+        return real(frame, head, peer)
 
     d._handle = handle  # type: ignore[method-assign]
     d.start(background=True)

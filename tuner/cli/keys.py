@@ -3,6 +3,8 @@
 The daemon authenticates clients too: it lets in only the client public keys found in its allow-list
 directory, `clients/` beside its secret key (or `--curve-clients-dir`). `moetune keys client` makes a
 client key pair and puts its public key there; `moetune keys allow` adds a public key made elsewhere.
+With `--admin` the key also goes into `admins/` (daemon.curve_admins_dir): only those clients may queue
+or cancel a re-tune over TCP; the others read profiles.
 """
 
 from __future__ import annotations
@@ -109,24 +111,53 @@ def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -
     return dest
 
 
+def check_admin_options(admin: bool, admins_dir: Path | None) -> None:
+    if admins_dir is not None and not admin:
+        raise ValueError("--admins-dir is where --admin puts the key: give --admin too")
+
+
+def allow_everywhere(public_file: Path, server_keys: Path, clients_dir: Path | None, admins_dir: Path | None,
+                     *, admin: bool, force: bool) -> list[Path]:
+    """Put a client's public key in the allow-list, and with `admin` in the admin list too."""
+    check_admin_options(admin, admins_dir)
+    dirs = [clients_dir or server_keys / "clients"]
+    if admin:
+        dirs.append(admins_dir or server_keys / "admins")
+    return [allow_client(public_file, d, force=force) for d in dirs]
+
+
+def _allowed_text(paths: list[Path]) -> str:
+    text = f"allowed: {paths[0]}"
+    if len(paths) > 1:
+        text += f"\nadmin (may queue and cancel re-tunes): {paths[1]}"
+    return text + " (restart the daemon to apply)"
+
+
+_ADMIN_HELP = "Also list the key as an admin (SERVER_KEYS/admins): it may queue and cancel re-tunes."
+_ADMINS_DIR_HELP = "The daemon's admin list (default: SERVER_KEYS/admins; daemon.curve_admins_dir)."
+
+
 @app.command("client")
 def client(
     server_keys: Path = typer.Argument(..., help="The directory of the daemon's key pair (its allow-list is clients/ there)."),
     name: str = typer.Option(..., "--name", help="The client's name (file stem)."),
     out: Path = typer.Option(None, "--out", help="Where the client's key pair goes (default: SERVER_KEYS/client-NAME)."),
     clients_dir: Path = typer.Option(None, "--clients-dir", help="The daemon's allow-list (default: SERVER_KEYS/clients)."),
+    admin: bool = typer.Option(False, "--admin", help=_ADMIN_HELP),
+    admins_dir: Path = typer.Option(None, "--admins-dir", help=_ADMINS_DIR_HELP),
     force: bool = typer.Option(False, "--force", help="Overwrite existing keys."),
 ) -> None:
     """Generate a client key pair and add its public key to the daemon's allow-list."""
     try:
         check_name(name)
         server_dir(server_keys)
+        check_admin_options(admin, admins_dir)  # before any key is written
         public, secret = generate_keys(out or server_keys / f"client-{name}", name, force=force)
-        allowed = allow_client(public, clients_dir or server_keys / "clients", force=force)
+        allowed = allow_everywhere(public, server_keys, clients_dir, admins_dir, admin=admin, force=force)
     except (OSError, ValueError) as e:
         typer.secho(f"moetune keys client: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"client key pair: {public}, {secret}\nallowed: {allowed} (restart the daemon to apply)")
+    typer.echo(f"client key pair: {public}, {secret}\n{_allowed_text(allowed)}")
 
 
 @app.command("allow")
@@ -134,13 +165,15 @@ def allow(
     public_file: Path = typer.Argument(..., help="A client's public key file (NAME.key)."),
     server_keys: Path = typer.Argument(..., help="The directory of the daemon's key pair."),
     clients_dir: Path = typer.Option(None, "--clients-dir", help="The daemon's allow-list (default: SERVER_KEYS/clients)."),
+    admin: bool = typer.Option(False, "--admin", help=_ADMIN_HELP),
+    admins_dir: Path = typer.Option(None, "--admins-dir", help=_ADMINS_DIR_HELP),
     force: bool = typer.Option(False, "--force", help="Overwrite an allowed key of the same name."),
 ) -> None:
-    """Add a client's public key to the daemon's allow-list."""
+    """Add a client's public key to the daemon's allow-list (and with --admin to its admin list)."""
     try:
         server_dir(server_keys)
-        allowed = allow_client(public_file, clients_dir or server_keys / "clients", force=force)
+        allowed = allow_everywhere(public_file, server_keys, clients_dir, admins_dir, admin=admin, force=force)
     except (OSError, ValueError) as e:
         typer.secho(f"moetune keys allow: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"allowed: {allowed} (restart the daemon to apply)")
+    typer.echo(_allowed_text(allowed))

@@ -110,7 +110,9 @@ def register(app: typer.Typer) -> None:
         timeout_ms: int = typer.Option(2000, "--timeout-ms"),
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
-        """Queue a re-tune of stale profiles in the daemon (or cancel a job)."""
+        """Queue a re-tune of stale profiles in the daemon (or cancel a job). Admins only: the daemon's own user
+        on its IPC socket (or its group, with daemon.group_may_retune), a CURVE client listed with `moetune keys
+        allow --admin` on TCP."""
         from moetune.tuner.cli.query import daemon_call, print_json
 
         res = daemon_call("retune", socket=socket, config=config, timeout_ms=timeout_ms, all=all_ or None, cancel=cancel, reason=reason)

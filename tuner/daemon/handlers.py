@@ -122,6 +122,9 @@ def retune_keys(idx: ProfileIndex, *, all_current: bool) -> list[ProfileKey]:
     return list(out.values())
 
 
+# Ops only an admin peer may run (Daemon._admin_refusal says who): a re-tune occupies the node's GPUs.
+ADMIN_OPS: frozenset[type] = frozenset({wire.Retune})
+
 HANDLERS: dict[type, Callable[[Any, Any], Result]] = {
     wire.Hello: hello,
     wire.GetProfile: get_profile,

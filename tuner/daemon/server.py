@@ -18,6 +18,11 @@ existing file at the socket path is refused unless it is a dead socket this daem
 proves was ours. `tcp://` needs CURVE keys unless `allow_insecure_tcp` (loopback addresses only), and then
 clients are authenticated by pyzmq's ZAP authenticator against an allow-list of client public keys. One bad
 frame never ends the serving loop: it is answered with an error (or its connection dropped).
+Reading is open to every peer the socket lets in; the administrative op (`retune`: queue or cancel a
+re-tune, which runs benchmarks on the node's GPUs) is answered `forbidden` unless the peer is an admin: on
+IPC the daemon's own user or root (read from the kernel's peer credentials, SO_PEERCRED) and, with
+`group_may_retune`, members of `group`; on TCP a CURVE client whose public key is also in the admin list
+(`admins/` beside the secret key); plain-text TCP carries no identity, so never.
 The daemon is the single writer of its database; everyone else opens it read-only.
 """
 
@@ -290,12 +295,55 @@ def default_clients_dir(secret_file: str | Path) -> Path:
     return Path(secret_file).parent / "clients"
 
 
-def load_client_keys(directory: Path) -> list[bytes]:
+def default_admins_dir(secret_file: str | Path) -> Path:
+    """Where the CURVE clients allowed to re-tune are listed by default: `admins/` beside the server key."""
+    return Path(secret_file).parent / "admins"
+
+
+def load_admin_keys(directory: Path | None) -> frozenset[bytes]:
+    """The admin public keys (z85) in `directory`; none when it does not exist (nobody re-tunes over TCP)."""
+    if directory is None or not directory.exists():
+        return frozenset()
+    return frozenset(load_client_keys(directory, role="admin list"))
+
+
+def peer_credentials(frame: zmq.Frame) -> tuple[int, int] | None:
+    """(uid, gid) of the process at the other end of an IPC connection, as the kernel reported it when the
+    connection was accepted (libzmq appends ":uid:gid:pid" from SO_PEERCRED to the Peer-Address); None when
+    the frame carries no such credentials."""
+    try:
+        addr = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    parts = str(addr).rsplit(":", 3)
+    if len(parts) != 4:
+        return None
+    try:
+        return int(parts[1]), int(parts[2])
+    except ValueError:
+        return None
+
+
+def user_in_group(uid: int, gid: int, group_gid: int) -> bool:
+    """Whether user `uid` (whose process runs with primary group `gid`) belongs to group `group_gid`."""
+    import pwd
+
+    if gid == group_gid:
+        return True
+    try:
+        user = pwd.getpwuid(uid)
+        members = grp.getgrgid(group_gid).gr_mem
+    except KeyError:
+        return False
+    return user.pw_gid == group_gid or user.pw_name in members
+
+
+def load_client_keys(directory: Path, role: str = "allow-list") -> list[bytes]:
     """The client public keys in `directory` (`*.key` files written by `moetune keys`)."""
     import zmq.auth
 
     if not directory.is_dir():
-        raise DaemonConfigError(f"the CURVE client allow-list {directory} is not a directory: "
+        raise DaemonConfigError(f"the CURVE client {role} {directory} is not a directory: "
                                 "run `moetune keys client KEYDIR NAME` to create it with a client key")
     keys = []
     for f in sorted(directory.glob("*.key")):
@@ -351,8 +399,10 @@ class Daemon(FabricWatch):
         max_request_bytes: int = wire.DEFAULT_MAX_REQUEST_BYTES,
         curve_secret_key_file: str | None = None,
         curve_clients_dir: str | Path | None = None,
+        curve_admins_dir: str | Path | None = None,
         allow_insecure_tcp: bool = False,
         group: str = "",
+        group_may_retune: bool = False,
         metrics_port: int = 0,
         metrics_addr: str = "127.0.0.1",
         db_path: str = "",
@@ -373,9 +423,16 @@ class Daemon(FabricWatch):
         self.curve_secret_key_file = curve_secret_key_file
         self.curve_clients_dir = Path(curve_clients_dir) if curve_clients_dir else (
             default_clients_dir(curve_secret_key_file) if curve_secret_key_file else None)
+        self.curve_admins_dir = Path(curve_admins_dir) if curve_admins_dir else (
+            default_admins_dir(curve_secret_key_file) if curve_secret_key_file else None)
+        self._admin_keys: frozenset[bytes] = frozenset()  # read at start (see _check_transport_security)
         self._auth: Any = None  # the ZAP authenticator thread (tcp + CURVE)
         self.allow_insecure_tcp = allow_insecure_tcp
         self.group = group
+        self.group_may_retune = group_may_retune
+        self._admin_gid = _group_id(group) if group_may_retune else None
+        if group_may_retune and self._admin_gid is None:
+            raise DaemonConfigError("daemon.group_may_retune needs daemon.group (the group whose members may re-tune)")
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
         self.db_path = db_path or str(getattr(store, "path", "") or "")
@@ -548,9 +605,15 @@ class Daemon(FabricWatch):
             load_curve_keys(self.curve_secret_key_file)
             if any(ep.startswith("tcp://") for ep in (self.endpoint, self.pub_endpoint)):
                 assert self.curve_clients_dir is not None
-                if not load_client_keys(self.curve_clients_dir):
+                allowed = load_client_keys(self.curve_clients_dir)
+                if not allowed:
                     log.warning("the CURVE client allow-list %s is empty: every client will be refused "
                                 "(add one with `moetune keys client`)", self.curve_clients_dir)
+                self._admin_keys = load_admin_keys(self.curve_admins_dir)
+                if self._admin_keys - set(allowed):  # an admin must get in before it can be an admin
+                    log.warning("some keys in the admin list %s are not in the allow-list %s: those clients are "
+                                "refused (`moetune keys allow --admin` puts a key in both)",
+                                self.curve_admins_dir, self.curve_clients_dir)
 
     def _start_authenticator(self) -> None:
         """pyzmq's ZAP authenticator: a CURVE client is let in only when its public key is in the allow-list."""
@@ -689,9 +752,12 @@ class Daemon(FabricWatch):
                         router.send_multipart(out, zmq.NOBLOCK)
                 for _ in range(1024):
                     try:
-                        frames = router.recv_multipart(zmq.NOBLOCK)
+                        # The identity frame as a zmq.Frame: it carries the connection's metadata (who the
+                        # peer is) for the admin check; the rest of the message (delivered whole) as bytes.
+                        first = router.recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    frames = [first.bytes, *router.recv_multipart()] if first.more else [first.bytes]
                     t0 = perf()
                     n = len(frames)
                     if n == 2:
@@ -704,7 +770,7 @@ class Daemon(FabricWatch):
                         self.metrics.dropped_frames += 1
                         continue
                     try:
-                        reply, op, outcome = handle(body, head)
+                        reply, op, outcome = handle(body, head, first)
                     except Exception as e:  # broad: one frame must never end the serving loop
                         log.exception("request frame failed")
                         op, outcome = "invalid", wire.E_INTERNAL
@@ -720,13 +786,20 @@ class Daemon(FabricWatch):
             if self._serve_thread is None:
                 self._close()
 
-    def _handle(self, frame: bytes, head: list[bytes] | None = None) -> tuple[bytes | None, str, str]:
-        """Decode one request and answer it; None when the reply will come from the list worker."""
+    def _handle(self, frame: bytes, head: list[bytes] | None = None,
+                peer: zmq.Frame | None = None) -> tuple[bytes | None, str, str]:
+        """Decode one request and answer it; None when the reply will come from the list worker. `peer` is a
+        frame of the request's message (its connection's metadata); None for a call in this process."""
         try:
             req = wire.decode_request(frame, self.max_request_bytes)
         except wire.WireError as e:
             return wire.encode_error(e.req_id, self.epoch, e.code, e.message), "invalid", e.code
         op = req.__struct_config__.tag
+        if peer is not None and type(req) in handlers.ADMIN_OPS:
+            refusal = self._admin_refusal(peer)
+            if refusal:
+                log.warning("refused %s: %s", op, refusal)
+                return wire.encode_error(req.id, self.epoch, wire.E_FORBIDDEN, refusal), op, wire.E_FORBIDDEN
         try:
             res = handlers.HANDLERS[type(req)](self, req)
             if res is handlers.DEFERRED:
@@ -746,6 +819,32 @@ class Daemon(FabricWatch):
             return wire.encode_ok(req.id, self.epoch, payload), op, "ok"
         code, message = payload
         return wire.encode_error(req.id, self.epoch, code, message), op, code
+
+    def _admin_refusal(self, peer: zmq.Frame) -> str:
+        """Why the peer that sent `peer` may not run an administrative op ("" when it may)."""
+        if self.endpoint.startswith("inproc://"):
+            return ""  # only this process can reach an inproc socket
+        if self.endpoint.startswith("ipc://"):
+            cred = peer_credentials(peer)
+            if cred is None:
+                return "re-tuning needs the daemon's own user, and the kernel reported no credentials for this peer"
+            uid, gid = cred
+            me = os.geteuid()
+            if uid in (me, 0) or (self._admin_gid is not None and user_in_group(uid, gid, self._admin_gid)):
+                return ""
+            who = f"the daemon's user (uid {me})" + (f" or members of group {self.group!r}" if self._admin_gid is not None
+                                                      else " (daemon.group_may_retune lets its group do it too)")
+            return f"re-tuning is for {who}; this peer runs as uid {uid}"
+        try:
+            user = peer.get("User-Id")  # the ZAP authenticator's name for a CURVE client: its z85 public key
+        except zmq.ZMQError:
+            user = None
+        if not self.curve_secret_key_file or not user:
+            return "re-tuning over TCP needs a CURVE client key in the daemon's admin list; this connection has none"
+        if str(user).encode() not in self._admin_keys:
+            return (f"this client's key is not in the daemon's admin list {self.curve_admins_dir} "
+                    "(`moetune keys allow --admin` adds one)")
+        return ""
 
     def _list_page(self, req: wire.ListProfiles) -> bytes:
         idx = self.index
@@ -896,9 +995,9 @@ def run_daemon(
         tune=TuneSettings(backend=cfg.tune.backend, trials=cfg.tune.trials, timeout_s=cfg.tune.timeout_s),
         rediscover_interval_s=d.rediscover_interval_s if rediscover_interval is None else rediscover_interval,
         max_request_bytes=d.max_request_bytes, curve_secret_key_file=d.curve_secret_key_file or None,
-        curve_clients_dir=curve_clients_dir,
+        curve_clients_dir=curve_clients_dir, curve_admins_dir=d.curve_admins_dir or None,
         allow_insecure_tcp=d.allow_insecure_tcp if allow_insecure_tcp is None else allow_insecure_tcp,
-        group=d.group, metrics_port=d.metrics_port if metrics_port is None else metrics_port, db_path=str(db_path),
+        group=d.group, group_may_retune=d.group_may_retune, metrics_port=d.metrics_port if metrics_port is None else metrics_port, db_path=str(db_path),
     )
     daemon.install_signal_handlers()
     daemon.start()
