@@ -328,6 +328,27 @@ def test_query_shows_provenance_from_the_database(tmp_path):
         assert out["provenance"] == "preset"
 
 
+def test_query_env_format_labels_a_modelled_profile(tmp_path, monkeypatch):
+    """`--format env` is what a launcher evals or saves: a MODELLED profile's exports carry the label (a shell
+    comment), as the table and JSON formats carry it."""
+    from moetune.runtime.profiles import client
+
+    k = key(fp="preset:nvlink-h200x2", software="modelled")
+    res = client.Resolution(knobs=default_knobs("nvlink"), source="database", profile_hash="h1", status="current",
+                            env={"NCCL_X": "1"}, key=k, family="nvlink", provenance="preset", message="using a MODELLED profile")
+
+    monkeypatch.setattr(client.ProfileClient, "resolve", lambda self, **kw: res)
+    args = ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "128", "--format", "env", "--db", str(tmp_path / "n.db"),
+            "--socket", f"ipc://{tmp_path}/none.sock", "--timeout-ms", "100"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "# moetune: MODELLED profile (preset" in r.stdout and "export NCCL_X=1" in r.stdout
+    res = msgspec.structs.replace(res, provenance="measured", source="daemon", message="")
+    monkeypatch.setattr(client.ProfileClient, "resolve", lambda self, **kw: res)
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "#" not in r.stdout, r.output
+
+
 # -- the README's Store example ---------------------------------------------------------------------
 def test_readme_store_example_runs_and_matches(tmp_path, monkeypatch):
     text = (ROOT / "README.md").read_text()

@@ -105,6 +105,9 @@ def provenance_of(res: Resolution, db: Path | None, config: Path | None) -> tupl
 
 PROVENANCE_LABEL = {"measured": "[green]measured[/]", "node_model": "[yellow]MODELLED[/] (node model)",
                     "preset": "[red]PRESET[/] (another machine's model)", "unknown": "[red]UNKNOWN[/]"}
+# `--format env`: every profile that is not a measurement (defaults are labelled by their source alone).
+ENV_LABEL = {"node_model": "MODELLED profile (node model)", "preset": "MODELLED profile (preset, another machine's model)",
+             "unknown": "profile of UNKNOWN provenance"}
 
 
 def print_json(obj: Any) -> None:
@@ -144,12 +147,14 @@ def register(app: typer.Typer) -> None:
             warnings.simplefilter("always")
             res = client.resolve(model=shape, ep_size=ep, tokens=tokens, nodes=nodes)
         client.close()
+        provenance, measured_on = provenance_of(res, db, config)
         if fmt == "env":
+            if provenance in ENV_LABEL:  # the exports are eval'd or saved: the label goes with them (a shell comment)
+                typer.echo(f"# moetune: {ENV_LABEL[provenance]}, not measured on this node")
             for k, v in sorted(res.env.items()):
                 typer.echo(f"export {k}={v}")
             typer.echo(f"export MOETUNE_PROFILE_HASH={res.profile_hash}")
             return
-        provenance, measured_on = provenance_of(res, db, config)
         out = {"source": res.source, "profile_hash": res.profile_hash, "status": res.status,
                "provenance": provenance, "measured_on": measured_on,
                "knobs": res.knobs.to_dict(), "env": res.env, "key": res.key.to_dict() if res.key else None,
