@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moetune.runtime import _args
 from moetune.runtime.buffer.facade import TORCH_DTYPES, EPBuffer, RecvMeta
 from moetune.runtime.knobs import ENGINES, Knobs
 from moetune.runtime.megakernel import engine as _engine
@@ -429,25 +430,14 @@ def _load_state_dict_rebind(module: MoELayer, _incompatible: Any) -> None:
 def _check_arguments(model: Any, knobs: Any, max_tokens: Any, device: Any, dtype: Any, seed: Any,
                      use_grouped_mm: Any, buffer: Any, options: Any) -> None:
     """TypeError / ValueError naming the argument, before anything is built from it."""
-    if not isinstance(model, ModelShape):
-        hint = (f"; for a model name use moetune.runtime.get_model({model!r})" if isinstance(model, str) else "")
-        raise TypeError(f"model must be a ModelShape, got {type(model).__name__}{hint}")
-    if knobs is not None and not isinstance(knobs, Knobs):
-        hint = "; build one with Knobs.from_dict(...)" if isinstance(knobs, Mapping) else ""
-        raise TypeError(f"knobs must be a Knobs or None, got {type(knobs).__name__}{hint}")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise TypeError(f"max_tokens must be an int >= 1, got {type(max_tokens).__name__} {max_tokens!r}")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if device is not None and not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a torch.device, a str such as 'cuda:0', or None, got {type(device).__name__}")
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(dtype).__name__} "
-                        f"{dtype!r}")
+    _args.check_model(model)
+    _args.check_knobs(knobs)
+    _args.check_int("max_tokens", max_tokens, 1)
+    _args.check_device(device)
+    _args.check_dtype(dtype)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    if use_grouped_mm is not None and not isinstance(use_grouped_mm, bool):
-        raise TypeError(f"use_grouped_mm must be a bool or None, got {type(use_grouped_mm).__name__}")
+    _args.check_flag("use_grouped_mm", use_grouped_mm, optional=True)
     if buffer is not None and not isinstance(buffer, EPBuffer):
         raise TypeError(f"buffer must be an EPBuffer or None, got {type(buffer).__name__}")
     if options is not None and not isinstance(options, (RuntimeOptions, Mapping)):

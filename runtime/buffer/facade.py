@@ -71,7 +71,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moetune.runtime import csrc_build
+from moetune.runtime import _args, csrc_build
 from moetune.runtime.buffer._dense import (
     DENSE_AUTO_MAX_BYTES,
     DENSE_AUTO_MAX_WASTE,
@@ -146,6 +146,17 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         dense: bool | None = None,
         options: RuntimeOptions | dict[str, Any] | None = None,
     ):
+        # the arguments' types first: a model name, a dict of knobs or max_tokens=2.5 named here, not failing
+        # deep inside (or truncated, or a truthy string taken for dense=True)
+        who = "EPBuffer: "
+        _args.check_group(group, who)
+        _args.check_knobs(knobs, who)
+        _args.check_model(model, who)
+        _args.check_int("max_tokens", max_tokens, 0, who)
+        _args.check_device(device, who)
+        _args.check_dtype(dtype, who)
+        _args.check_flag("check_inputs", check_inputs, who)
+        _args.check_flag("dense", dense, who, optional=True)
         self.group = group
         # the data path's switches, resolved once: explicit > MOETUNE_* variables > config [runtime] > defaults
         self.options = RuntimeOptions.resolve(options)
@@ -158,9 +169,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = model
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        self.max_tokens = int(max_tokens)
+        self.max_tokens = max_tokens
         self.dtype = dtype if dtype is not None else TORCH_DTYPES[model.dtype]
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"activation dtype must be bfloat16, float16 or float32, got {self.dtype}")

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .._args import check_int
 from ..csrc_build import CsrcError
 from ..routing import expert_ids_problem, routed_inputs_problem
 from . import _lib
@@ -62,11 +63,7 @@ class MegakernelMoE:
     def __init__(self, model: Any, *, max_tokens: int, device: torch.device | str | None = None, seed: int = 0,
                  config: MegakernelConfig | None = None, w_gate_up: torch.Tensor | None = None,
                  w_down: torch.Tensor | None = None, gate: torch.Tensor | None = None, tiled: bool = False):
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise TypeError(f"megakernel: max_tokens must be an int >= 1, got {type(max_tokens).__name__} "
-                            f"{max_tokens!r}")
-        if max_tokens < 1:
-            raise ValueError(f"megakernel: max_tokens must be >= 1, got {max_tokens}")
+        check_int("max_tokens", max_tokens, 1, "megakernel: ")
         if config is not None and not isinstance(config, MegakernelConfig):
             raise TypeError(f"megakernel: config must be a MegakernelConfig or None, got {type(config).__name__}")
         given = {"w_gate_up": w_gate_up, "w_down": w_down, "gate": gate}

@@ -16,6 +16,7 @@ import ctypes
 import os
 import warnings
 from abc import abstractmethod
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -231,18 +232,17 @@ class OneSidedTransport(EPTransport):
         self,
         group: dist.ProcessGroup | None,
         knobs: Knobs,
-        device: torch.device,
+        device: torch.device | str,
         *,
         max_send_rows: int | None = None,
         row_bytes: int | None = None,
-        options: RuntimeOptions | None = None,
+        options: RuntimeOptions | Mapping[str, Any] | None = None,
     ):
         super().__init__(group, knobs, device, options=options)
         if not dist.is_initialized():
             raise RuntimeError(f"{self.name}: needs an initialised torch.distributed process group")
         if self.world > MAX_WORLD:
             raise RuntimeError(f"{self.name}: world {self.world} > {MAX_WORLD} (one node only)")
-        self.device = torch.device(device) if not isinstance(device, torch.device) else device
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.lib = csrc_build.load()

@@ -17,11 +17,13 @@ a capability to True implements the methods it names (the defaults below raise N
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from moetune.runtime import _args
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.options import RuntimeOptions
 
@@ -45,6 +47,13 @@ CAPABILITIES: dict[str, str] = {
 }
 
 
+def transport_device(device: Any, who: str = "") -> torch.device:
+    """A transport's device as a torch.device (a str such as "cuda:1" accepted; anything else named)."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{who}device must be a torch.device or a str such as 'cuda:0', got {type(device).__name__}")
+    return torch.device(device)
+
+
 class EPTransport(ABC):
     """Moves rows between the ranks of `group`. One instance per EP buffer, reused across calls."""
 
@@ -59,13 +68,17 @@ class EPTransport(ABC):
     # the compiled csrc library where the transport loaded it (the buffer's fused kernels reuse it), else None
     lib: Any = None
 
-    def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device, *,
-                 options: RuntimeOptions | None = None):
+    def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device | str, *,
+                 options: RuntimeOptions | Mapping[str, Any] | None = None):
+        who = f"{type(self).__name__}: "
+        _args.check_group(group, who)
+        _args.check_knobs(knobs, who, optional=False)
         self.group = group
         self.knobs = knobs
-        self.device = device
-        # the EP buffer passes its options; a transport built on its own resolves them (config, variables)
-        self.options = options if options is not None else RuntimeOptions.resolve()
+        self.device = transport_device(device, who)
+        # the EP buffer passes its options; a transport built on its own resolves them (config, variables); a
+        # mapping overrides those as EPBuffer's does (anything else is a TypeError here, not an AttributeError later)
+        self.options = RuntimeOptions.resolve(options)
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
 

@@ -14,11 +14,13 @@ engines instead, and falls back to this class where it cannot.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
+from moetune.runtime import _args
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports.base import Availability, EPTransport
@@ -34,8 +36,9 @@ class CollectiveTransport(EPTransport):
     async_exchange: ClassVar[bool] = True
     dense_collectives: ClassVar[bool] = True
 
-    def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device, *, channels: int = 1,
-                 options: RuntimeOptions | None = None):
+    def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device | str, *, channels: int = 1,
+                 options: RuntimeOptions | Mapping[str, Any] | None = None):
+        _args.check_int("channels", channels, 1, f"{type(self).__name__}: ")
         super().__init__(group, knobs, device, options=options)
         self.groups: list[dist.ProcessGroup | None] = [group]
         if dist.is_initialized() and channels > 1 and self.world > 1:

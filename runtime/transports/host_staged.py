@@ -36,17 +36,17 @@ import math
 import mmap
 import os
 import secrets
-from collections.abc import Callable
-from typing import ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from moetune.runtime import csrc_build
+from moetune.runtime import _args, csrc_build
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports._onesided import all_ok, decode_error
-from moetune.runtime.transports.base import Availability
+from moetune.runtime.transports.base import Availability, transport_device
 from moetune.runtime.transports.collective import CollectiveTransport
 
 # Staging slots per (lane, sender, receiver) come from the knob `staging_slots` (default 4: 2 is double
@@ -105,10 +105,15 @@ class HostStagedTransport(CollectiveTransport):
     # full/empty flags with constant values: a replay takes the slots in the captured order on every rank
     graph_capturable: ClassVar[bool] = True
 
-    def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device, *, channels: int = 1,
-                 options: RuntimeOptions | None = None):
+    def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device | str, *, channels: int = 1,
+                 options: RuntimeOptions | Mapping[str, Any] | None = None):
+        # the arguments are read before the base class sees them: checked and normalised as it would
+        who = f"{type(self).__name__}: "
+        _args.check_knobs(knobs, who, optional=False)
+        _args.check_int("channels", channels, 1, who)
+        device = transport_device(device, who)
+        options = RuntimeOptions.resolve(options)
         world = dist.get_world_size(group) if dist.is_initialized() else 1
-        options = options if options is not None else RuntimeOptions.resolve()
         lib, why = None, ""
         if device.type == "cuda" and world > 1 and options.hs_native:
             ok, why = csrc_build.availability()

@@ -12,12 +12,13 @@ data path. Knobs used: signalling, group_size (CTAs per fence when decoupled; 0 
 from __future__ import annotations
 
 import ctypes
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from moetune.runtime import csrc_build
+from moetune.runtime import _args, csrc_build
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports._onesided import (
@@ -38,12 +39,13 @@ class NvlinkTransport(OneSidedTransport):
         self,
         group: dist.ProcessGroup | None,
         knobs: Knobs,
-        device: torch.device,
+        device: torch.device | str,
         *,
         max_send_rows: int | None = None,
         row_bytes: int | None = None,
-        options: RuntimeOptions | None = None,
+        options: RuntimeOptions | Mapping[str, Any] | None = None,
     ):
+        _args.check_knobs(knobs, f"{type(self).__name__}: ", optional=False)  # read before the base class checks it
         if knobs.transport != "nvlink":
             knobs = knobs.replace(transport="nvlink", fence_mode="none", qps_per_pe=1, qp_mapping="peer_hash")
         super().__init__(group, knobs, device, max_send_rows=max_send_rows, row_bytes=row_bytes, options=options)

@@ -19,12 +19,13 @@ fence/QP combination through `Knobs` unless a test helper passes `_allow_unsafe=
 from __future__ import annotations
 
 import ctypes
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from moetune.runtime import csrc_build
+from moetune.runtime import _args, csrc_build
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports._onesided import (
@@ -169,13 +170,14 @@ class ProxyTransport(OneSidedTransport):
         self,
         group: dist.ProcessGroup | None,
         knobs: Knobs,
-        device: torch.device,
+        device: torch.device | str,
         *,
         max_send_rows: int | None = None,
         row_bytes: int | None = None,
         fifo_slots: int = 8192,
-        options: RuntimeOptions | None = None,
+        options: RuntimeOptions | Mapping[str, Any] | None = None,
     ):
+        _args.check_knobs(knobs, f"{type(self).__name__}: ", optional=False)  # read before the base class checks it
         if knobs.transport != "proxy":
             raise KnobError(f"ProxyTransport needs transport=proxy knobs, got {knobs.transport!r}", ("transport",))
         super().__init__(group, knobs, device, max_send_rows=max_send_rows, row_bytes=row_bytes, options=options)

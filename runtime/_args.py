@@ -1,0 +1,63 @@
+"""Argument checks shared by the runtime's public constructors (EPBuffer, MoELayer, MegakernelMoE, the transports).
+
+A wrong type or value raises TypeError / ValueError naming the argument before anything is built from it, instead
+of an AttributeError deep inside (`'str' object has no attribute 'dtype'`) or a value taken silently (max_tokens=2.5
+truncated to 2, dense="no" read as True). Written once here so the entry points say the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.shapes import ModelShape
+
+
+def check_model(model: Any, who: str = "") -> None:
+    if not isinstance(model, ModelShape):
+        hint = f"; for a model name use moetune.runtime.get_model({model!r})" if isinstance(model, str) else ""
+        raise TypeError(f"{who}model must be a ModelShape, got {type(model).__name__}{hint}")
+
+
+def check_knobs(knobs: Any, who: str = "", *, optional: bool = True) -> None:
+    if (knobs is None and optional) or isinstance(knobs, Knobs):
+        return
+    hint = "; build one with Knobs.from_dict(...)" if isinstance(knobs, Mapping) else ""
+    raise TypeError(f"{who}knobs must be a Knobs{' or None' if optional else ''}, got {type(knobs).__name__}{hint}")
+
+
+def check_int(name: str, value: Any, minimum: int, who: str = "") -> None:
+    """An int (not a bool, not a float that would be truncated) >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{who}{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{who}{name} must be >= {minimum}, got {value}")
+
+
+def check_flag(name: str, value: Any, who: str = "", *, optional: bool = False) -> None:
+    """A bool (or None where allowed): a truthy string such as "no" must not switch a layout on."""
+    if (value is None and optional) or isinstance(value, bool):
+        return
+    raise TypeError(f"{who}{name} must be a bool{' or None' if optional else ''}, got {type(value).__name__} {value!r}")
+
+
+def check_device(device: Any, who: str = "") -> None:
+    if device is not None and not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{who}device must be a torch.device, a str such as 'cuda:0', or None, got "
+                        f"{type(device).__name__}")
+
+
+def check_dtype(dtype: Any, who: str = "") -> None:
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{who}dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(dtype).__name__} "
+                        f"{dtype!r}")
+
+
+def check_group(group: Any, who: str = "") -> None:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{who}group must be a torch.distributed ProcessGroup or None (the default group), got "
+                        f"{type(group).__name__}")
