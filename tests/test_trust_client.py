@@ -438,3 +438,25 @@ def test_socket_in_a_sticky_shared_dir_is_trusted_only_when_ours(tmp_path: Path)
             assert paths.untrusted_socket_reason(sock) is not None
     finally:
         s.close()
+
+
+def test_autoload_cache_never_hands_one_token_count_another_counts_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 and 300 tokens fall in one rung (256), but with buckets 128 and 512 stored the nearest is 128 for one and
+    512 for the other: the cache must not give the second call the first call's profile."""
+    recs = [ProfileRecord(key=key(bucket=b), knobs=default_knobs("nvlink").replace(num_sms=b // 8), latency_us=20.0,
+                          spread_us=0.1, backend="local:nccl", provenance="measured") for b in (128, 512)]
+
+    def resolve(**kw: Any) -> client.Resolution:
+        rec = client.pick_profile(recs, kw["max_tokens"])
+        assert rec is not None
+        return client.Resolution(knobs=rec.knobs, source="daemon", profile_hash=rec.profile_hash, status="current",
+                                 key=rec.key, family="nvlink", provenance="measured", tuned=True)
+
+    monkeypatch.setattr(autoload, "_resolve", resolve)
+    autoload.clear_cache()
+    try:
+        got = [autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=t).key.token_bucket for t in (200, 300)]
+        assert got == [128, 512]
+        assert autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=200).key.token_bucket == 128
+    finally:
+        autoload.clear_cache()

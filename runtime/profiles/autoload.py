@@ -39,7 +39,7 @@ import threading
 from typing import Any
 
 from moetune.runtime.knobs import Knobs, default_knobs
-from moetune.runtime.profile_record import MEGAKERNEL_FAMILY, nearest_bucket
+from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
 from moetune.runtime.profiles.client import ProfileClient, Resolution, policy_or_default, warn_fallback
 from moetune.runtime.profiles.launcher_env import apply_env, launcher_env
 from moetune.runtime.shapes import ModelShape
@@ -138,7 +138,8 @@ def autoload_profile(
     global _last
     if nodes is None:
         nodes = group_nodes(group)
-    key = (model, ep_size, nodes, nearest_bucket(max_tokens), transport_family)
+    # The exact token count, not its rung: two counts of one rung may have different nearest stored buckets.
+    key = (model, ep_size, nodes, max_tokens, transport_family)
     with _lock:
         if use_cache and client is None and key in _cache:
             _last = _cache[key]
