@@ -51,3 +51,36 @@ def test_the_buffer_does_not_probe_its_transport() -> None:
                 if "transport" in target or target in ("cls", "t"):
                     probes.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     assert not probes, probes
+
+
+# the data path's modules that hold transports or engines: none probes them (or itself) for an attribute
+_DATA_PATH = ("transports", "buffer", "megakernel", "moe_layer.py", "pipeline.py")
+_PROBED = ("self", "cls", "t", "mk")
+
+
+def _probes(tree: ast.AST) -> list[tuple[int, str]]:
+    """hasattr(x, ...) and three-argument getattr(x, name, default) where x is a transport, an engine or self."""
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
+            continue
+        if node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3):
+            target = ast.unparse(node.args[0])
+            if target in _PROBED or any(w in target for w in ("transport", "engine", "megakernel")):
+                out.append((node.lineno, ast.unparse(node)))
+    return out
+
+
+def test_no_attribute_probes_on_transports_or_engines() -> None:
+    root = Path(base.__file__).resolve().parents[1]
+    found = []
+    for part in _DATA_PATH:
+        for path in ([root / part] if part.endswith(".py") else sorted((root / part).glob("*.py"))):
+            found += [f"{path.relative_to(root)}:{line} {code}" for line, code in _probes(ast.parse(path.read_text()))]
+    assert not found, "declare the attribute on the class instead of probing for it:\n" + "\n".join(found)
+
+
+def test_the_probe_scan_sees_a_probe() -> None:
+    code = "def close(self):\n    if getattr(self, '_closed', True):\n        return\n    hasattr(self.transport, 'x')\n"
+    assert [line for line, _ in _probes(ast.parse(code))] == [2, 4]
+    assert _probes(ast.parse("getattr(dist, 'all_gather_single', None)\ngetattr(self, name)\n")) == []

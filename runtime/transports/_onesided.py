@@ -222,6 +222,9 @@ class OneSidedTransport(EPTransport):
     """Common state of nvlink/proxy: control buffer, data buffer (two parity areas), epochs."""
 
     device_counts: ClassVar[bool] = True
+    # declared here, so that close() of a transport whose constructor failed part way reads it without a probe:
+    # True until __init__ has built what close() frees
+    _closed: bool = True
 
     @property
     def timeout_s(self) -> float:

@@ -189,7 +189,7 @@ class NvlinkTransport(OneSidedTransport):
         return list(self._err)
 
     def close(self) -> None:
-        if getattr(self, "_closed", True):
+        if self._closed:
             return
         super().close()
         self.lib.mt_nvl_destroy(self._h)

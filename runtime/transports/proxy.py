@@ -165,6 +165,7 @@ def make_requests(items: list[tuple[int, int, int, int, int, int, int]]) -> ctyp
 class ProxyTransport(OneSidedTransport):
     name: ClassVar[str] = "proxy"
     graph_capturable: ClassVar[bool] = False  # the call's epoch is a kernel argument from the host
+    engine: ProxyEngine | None = None  # the proxy thread (None until the constructor has started it)
 
     def __init__(
         self,
@@ -263,7 +264,7 @@ class ProxyTransport(OneSidedTransport):
         return self.lib.mt_proxy_error(self.engine.handle, None, 0) != 0
 
     def error_words(self) -> list[int]:
-        err = self.engine.error() if getattr(self, "engine", None) is not None else None
+        err = self.engine.error() if self.engine is not None else None
         if err:
             raise OneSidedError(f"proxy engine: {err}")
         self.lib.mt_pxy_error(self._h, self._err)
@@ -273,7 +274,7 @@ class ProxyTransport(OneSidedTransport):
         return self.engine.stats()
 
     def close(self) -> None:
-        if getattr(self, "_closed", True):
+        if self._closed:
             return
         super().close()
         self.lib.mt_pxy_destroy(self._h)
