@@ -142,3 +142,37 @@ def test_two_processes_share_one_study(pg_url: str, tmp_path: Path) -> None:
     warm = [t.user_attrs["warm_start"] for t in study.trials if "warm_start" in t.user_attrs]
     assert "policy_default" in warm and len(warm) == len(set(warm)), warm
     assert study.best_value < 200
+
+
+def test_a_dead_workers_trial_is_interrupted_not_finished(pg_url: str) -> None:
+    """A worker that stops beating mid-trial: a survivor fails its trial as interrupted (not one of the budget's
+    finished trials) and enqueues the warm-start point it carried again."""
+    import optuna
+
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+    from moetune.tuner.search.study import (
+        enqueue_warm_start,
+        finished_trials,
+        make_storage,
+        open_study,
+        summarize_study,
+    )
+
+    storage = make_storage(pg_url)
+    storage.grace_period = 1  # what 60 s without a heartbeat means, in a second
+    study = open_study("moetune/dead-worker", storage, seed=0)
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=MODELS["qwen3-30b"].experts, ep_size=4)
+    enqueue_warm_start(study, space)
+    dead = study.ask()  # the policy default, taken by a worker that then died
+    storage.record_heartbeat(dead._trial_id)
+    time.sleep(2.5)
+    optuna.storages.fail_stale_trials(study)
+    assert storage.get_trial(dead._trial_id).state == optuna.trial.TrialState.FAIL
+    assert finished_trials(study) == 0
+    res = summarize_study(study, space, None)
+    assert (res.trials, res.failed) == (0, 0)
+    waiting = [w for w in study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+               if w.user_attrs.get("warm_start") == "policy_default"]
+    assert len(waiting) == 1

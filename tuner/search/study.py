@@ -7,7 +7,10 @@
   store, WAL) — one tuning process per file; `--storage postgresql://...` lets several nodes share a
   study (heartbeats fail the trials of a worker that died). Same study name → the study resumes.
 - Trial budget: finished trials (complete, pruned, failed) of the study count, so a rerun after a
-  crash only runs what is missing and several workers on one study stop together.
+  crash only runs what is missing and several workers on one study stop together. A trial cut short
+  (Ctrl-C, a killed process, a worker whose heartbeat stopped) is FAIL and marked `interrupted`: it
+  is not a finished trial, and a warm-start point it carried is enqueued again (the policy default is
+  measured even when its first run was the one interrupted).
 - A failed or hung run is a FAIL trial with its error in user attrs; a setting the backend calls unsafe
   is PRUNED with `infeasible` set; neither stops the study.
 - Across token buckets: `neighbour_bucket` finds the nearest smaller bucket's study of the same key in
@@ -23,6 +26,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import math
@@ -53,6 +57,7 @@ log = logging.getLogger("moetune.tuner.search.study")
 STUDY_PREFIX = "moetune/"
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+INTERRUPTED = "interrupted"  # user attr of a FAIL trial whose run was cut short: not a finished trial
 OPTUNA_DB_NAME = "moetune-studies.db"
 
 
@@ -108,9 +113,13 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
             finally:
                 con.close()
         return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}})
-    # Shared server storage: heartbeats let the survivors fail the trials of a worker that died.
+    # Shared server storage: heartbeats let the survivors fail the trials of a worker that died (as
+    # interrupted: not counted, a warm-start point run again).
+    # Optuna 4.9 renamed the callback (the old name warns); optuna>=4.0 is supported
+    cb = ("heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback"
+          in inspect.signature(optuna.storages.RDBStorage).parameters else "failed_trial_callback")
     return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True}, heartbeat_interval=10,
-                                      grace_period=60)
+                                      grace_period=60, **{cb: _stale_trial})
 
 
 def study_name(key: ProfileKey, backend_label: str, model_name: str) -> str:
@@ -149,15 +158,47 @@ def fail_interrupted(study: optuna.Study) -> int:
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         try:
             study._storage.set_trial_user_attr(t._trial_id, "error", "interrupted (the tuning process died)")
+            study._storage.set_trial_user_attr(t._trial_id, INTERRUPTED, "the tuning process died")
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-            n += 1
         except Exception:  # another worker finished it meanwhile
-            pass
+            continue
+        n += 1
+        requeue_warm_start(study, t._trial_id)
     return n
 
 
+def _stale_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    """RDB heartbeat callback: a trial of a worker that stopped beating was failed; it was cut short. It is
+    already FAIL (its attrs are frozen), so the study records it."""
+    study._storage.set_study_system_attr(study._study_id, f"{INTERRUPTED}:{trial._trial_id}", "its worker stopped")
+    requeue_warm_start(study, trial._trial_id)
+
+
+def requeue_warm_start(study: optuna.Study, trial_id: int) -> bool:
+    """Enqueue again the warm-start point an interrupted trial carried (`skip_if_exists` would find the
+    failed trial and skip it: the policy default would never be measured)."""
+    t = study._storage.get_trial(trial_id)
+    fixed = t.system_attrs.get("fixed_params")
+    if "warm_start" not in t.user_attrs or not fixed:
+        return False
+    study.enqueue_trial(dict(fixed), user_attrs={"warm_start": t.user_attrs["warm_start"]})
+    return True
+
+
+def interrupted_ids(study: optuna.Study) -> set[int]:
+    """Trial ids the study records as cut short (those failed by the heartbeat check)."""
+    return {int(k.split(":", 1)[1]) for k in study._storage.get_study_system_attrs(study._study_id)
+            if k.startswith(INTERRUPTED + ":")}
+
+
+def is_interrupted(t: optuna.trial.FrozenTrial, ids: set[int] | frozenset[int] = frozenset()) -> bool:
+    return t.state == TrialState.FAIL and (INTERRUPTED in t.user_attrs or t._trial_id in ids)
+
+
 def finished_trials(study: optuna.Study) -> int:
-    return len(study.get_trials(deepcopy=False, states=FINISHED))
+    """Finished trials of the budget: an interrupted one is not (its point was never measured)."""
+    ids = interrupted_ids(study)
+    return sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED) if not is_interrupted(t, ids))
 
 
 def completed(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -223,6 +264,14 @@ class _Objective:
             raise optuna.TrialPruned(f"{v:.1f} µs at bucket {c.bucket}, over {self.cross_factor}× its best")
 
     def __call__(self, trial: optuna.Trial) -> float:
+        try:
+            return self._run(trial)
+        except KeyboardInterrupt:  # Ctrl-C: Optuna fails the trial; mark it cut short, not a finished one
+            trial.set_user_attr(INTERRUPTED, "interrupted (Ctrl-C)")
+            requeue_warm_start(trial.study, trial._trial_id)
+            raise
+
+    def _run(self, trial: optuna.Trial) -> float:
         knobs = self.space.suggest(trial)
         trial.set_user_attr("knobs", knobs.to_dict())
         trial.set_user_attr("worker", WORKER)
@@ -349,7 +398,8 @@ def summarize_study(study: optuna.Study, space: SearchSpace, workload: TuneWorkl
         if t.user_attrs.get("warm_start") == "policy_default":
             default_value = float(t.value)  # type: ignore[arg-type]
             break
-    count = {s: sum(1 for t in trials if t.state == s) for s in FINISHED}
+    cut = interrupted_ids(study)
+    count = {s: sum(1 for t in trials if t.state == s and not is_interrupted(t, cut)) for s in FINISHED}
     return StudyResult(study.study_name, space.policy.family, workload, best_knobs, best,
                        trials=sum(count.values()), complete=count[TrialState.COMPLETE], failed=count[TrialState.FAIL],
                        pruned=count[TrialState.PRUNED], default_value=default_value, top=top)

@@ -1,0 +1,77 @@
+"""Resuming studies: a trial cut short (Ctrl-C, a killed process) is not one of the budget's finished trials, and
+the warm-start point it carried (the policy default first of all) is measured on resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.shapes import MODELS
+from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+from moetune.tuner.search.policy import load_policy
+from moetune.tuner.search.space import SearchSpace
+from moetune.tuner.search.study import finished_trials, open_study, run_study
+
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+
+WL = TuneWorkload(model=MODELS["qwen3-30b"], tokens=128, nodes=1, gpus_per_node=4)
+
+
+def value(k: Knobs) -> float:
+    """A fabric-like objective where compression and grouping pay."""
+    t = 500.0 * (0.7 if k.compression != "none" else 1.0)
+    t *= 0.8 if k.signalling != "coupled" else 1.0
+    return t * (1 + abs(k.num_sms - 32) / 64)
+
+
+def _space() -> SearchSpace:
+    return SearchSpace(load_policy("proxy:ibrc"), experts=WL.model.experts, ep_size=WL.ep_size)
+
+
+def _interrupt_at(n: int, seen: list[Knobs]) -> CallableBackend:
+    def f(k: Knobs, wl: TuneWorkload) -> float:
+        if len(seen) == n:
+            raise KeyboardInterrupt  # Ctrl-C while this run is measuring
+        seen.append(k)
+        return value(k)
+
+    return CallableBackend(f)
+
+
+@pytest.mark.parametrize("at", [0, 3])
+def test_ctrl_c_mid_trial_is_run_again_on_resume(tmp_path: Path, at: int) -> None:
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    space, seen = _space(), []
+    with pytest.raises(KeyboardInterrupt):
+        run_study(open_study("moetune/t", url, seed=0), space, _interrupt_at(at, seen), WL, trials=8)
+    assert len(seen) == at
+    again: list[Knobs] = []
+    res = run_study(open_study("moetune/t", url, seed=0), space,
+                    CallableBackend(lambda k, w: again.append(k) or value(k)), WL, trials=8)
+    # the budget is 8 measured trials: the interrupted one is not one of them
+    assert len(seen) + len(again) == 8 and res.complete == 8
+    # the policy default is measured even when its run was the one interrupted (it is the first warm start)
+    assert res.default_value == pytest.approx(value(space.policy.defaults))
+    assert space.policy.defaults in seen + again
+
+
+def test_killed_process_trial_is_run_again_on_resume(tmp_path: Path) -> None:
+    """A process killed (SIGKILL / SIGTERM) mid-trial leaves it RUNNING: the next open fails it as interrupted,
+    does not count it and runs its warm-start point again."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    space = _space()
+    study = open_study("moetune/t", url, seed=0)
+    run_study(study, space, CallableBackend(lambda k, w: value(k)), WL, trials=2)
+    dead = study.ask()  # the next warm-start point, taken by a process that then died
+    assert "warm_start" in dead.user_attrs
+    dead_knobs = space.knobs_from_params(study._storage.get_trial(dead._trial_id).system_attrs["fixed_params"])
+    reopened = open_study("moetune/t", url, seed=0)
+    assert finished_trials(reopened) == 2  # the dead process's trial is failed, but not a finished trial
+    seen: list[Knobs] = []
+    n = len(space.priors()) + 2
+    res = run_study(reopened, space, CallableBackend(lambda k, w: seen.append(k) or value(k)), WL, trials=n)
+    assert res.complete == n and len(seen) == n - 2
+    assert dead_knobs in seen  # after the warm-start points still waiting
