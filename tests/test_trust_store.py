@@ -243,6 +243,8 @@ HOSTILE = {
     "huge_int_knob": (_set("profiles.0.knobs.num_sms", 1 << 70), "profiles[0].knobs"),
     "unknown_provenance": (_set("profiles.0.provenance", "trust-me"), "profiles[0].provenance"),
     "measured_elsewhere": (_set("profiles.0.measured_on", "other-fp"), "profiles[0].measured_on"),
+    # A fingerprint seen "in the future" would sort first forever (the runtime's node identity takes the newest).
+    "future_fingerprint_date": (_set("fingerprints.0.last_seen", "2999-01-01T00:00:00+00:00"), "fingerprints[0].last_seen"),
     # A preset's number relabelled as measured (on the key's fingerprint, so measured_on agrees).
     "preset_labelled_measured": (lambda d: (_set("profiles.1.provenance", "measured")(d),
                                             _set("profiles.1.measured_on", "fp")(d)), "profiles[1].provenance"),

@@ -23,7 +23,7 @@ from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.tuner.store._rows import current_of, decide, key_filter, now, row_from_record
 from moetune.tuner.store._schema import StoreError, is_sqlite_file
 from moetune.tuner.store.models import Fingerprint, Profile
-from moetune.tuner.store.validate import FieldError, check_import_record
+from moetune.tuner.store.validate import FieldError, check_import_record, check_import_time
 
 if TYPE_CHECKING:
     from moetune.tuner.store.store import Store
@@ -182,10 +182,10 @@ def parse_export(data: bytes, *, source: str = "<data>") -> ProfilesFile:
             raise ProfileImportError(f"{source}: fingerprints[{i}]: fingerprint {fp.hash} appears twice")
         seen_fp.add(fp.hash)
         for name in ("first_seen", "last_seen"):
-            try:
-                _dt.datetime.fromisoformat(getattr(fp, name))
-            except ValueError:
-                raise ProfileImportError(f"{source}: fingerprints[{i}].{name}: not an ISO-8601 date") from None
+            try:  # as a profile's dates: a future last_seen would make it the newest fingerprint for good
+                check_import_time(name, getattr(fp, name), now)
+            except FieldError as e:
+                raise ProfileImportError(f"{source}: fingerprints[{i}].{e}") from None
     current: dict[ProfileKey, int] = {}
     for i, rec in enumerate(doc.profiles):
         try:

@@ -74,7 +74,8 @@ def check_record(rec: ProfileRecord) -> None:
             raise FieldError(big[0], f"integer out of range (at most {SQLITE_INT_MAX})")
 
 
-def _parse_time(field: str, value: str, now: _dt.datetime) -> None:
+def check_import_time(field: str, value: str, now: _dt.datetime) -> None:
+    """An imported date: ISO-8601 with a time zone, not in the future (FieldError names `field`)."""
     try:
         t = _dt.datetime.fromisoformat(value)
     except ValueError:
@@ -108,7 +109,7 @@ def check_import_record(rec: ProfileRecord, now: _dt.datetime | None = None) -> 
     now = now or _dt.datetime.now(_dt.UTC)
     for name in ("created", "updated"):
         if getattr(rec, name):
-            _parse_time(name, getattr(rec, name), now)
+            check_import_time(name, getattr(rec, name), now)
     if rec.provenance == "measured" and rec.measured_on != key.fingerprint:
         raise FieldError("measured_on", f"a measured profile is measured on its key's fingerprint, got {rec.measured_on[:64]!r}")
     if rec.provenance == "preset" and not rec.measured_on.startswith("preset:"):
