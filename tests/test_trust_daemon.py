@@ -468,3 +468,21 @@ def test_index_prefers_a_measurement_within_reach_over_a_nearer_prediction() -> 
     assert got.provenance == "measured" and got.key.token_bucket == 128
     got = _served(_index(node, _idx_rec("sw-new", 4096, 60.0, "local:nccl")), 64)  # measured out of reach
     assert got.provenance == "node_model" and got.key.token_bucket == 64
+
+
+def test_read_profiles_reports_a_store_error_as_is(tmp_path: Path) -> None:
+    """A locked or broken database is a StoreError for the caller; the old row-by-row retry imported a helper the
+    store no longer has and turned it into an ImportError (unreadable rows are skipped by list_profiles itself)."""
+    from moetune.tuner.daemon.index import read_profiles
+    from moetune.tuner.store.store import StoreError
+
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, F.FakeFacts({"fingerprint": "fp"}))
+    assert len(read_profiles(store, status="current")) == 3
+
+    def locked(**kw: Any) -> list:
+        raise StoreError(f"{tmp_path / 'moetune.db'}: database is locked")
+
+    store.list_profiles = locked
+    with pytest.raises(StoreError, match="locked"):
+        read_profiles(store, status="current")

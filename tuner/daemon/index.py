@@ -30,33 +30,9 @@ ShapeKey = tuple[str, int, int, int, int, int, int, str]
 
 
 def read_profiles(store: Any, *, status: str | None, fingerprint: str | None = None) -> list[ProfileRecord]:
-    """The store's profiles of `status`; a row this moetune cannot read is skipped with a warning."""
-    try:
-        return [r for _, r in store.list_profiles(status=status, fingerprint=fingerprint)]
-    except RuntimeError as e:  # StoreError: one invalid row fails the whole listing
-        log.warning("reading profiles row by row after: %s", e)
-    return _read_skipping(store, status=status, fingerprint=fingerprint)
-
-
-def _read_skipping(store: Any, *, status: str | None, fingerprint: str | None) -> list[ProfileRecord]:
-    from sqlalchemy import select
-
-    from moetune.tuner.store.models import Profile
-    from moetune.tuner.store.store import _record
-
-    q = select(Profile).order_by(Profile.id)
-    if status is not None:
-        q = q.where(Profile.status == status)
-    if fingerprint is not None:
-        q = q.where(Profile.fingerprint == fingerprint)
-    out: list[ProfileRecord] = []
-    with store._read() as s:
-        for p in s.scalars(q):
-            try:
-                out.append(_record(p))
-            except (RuntimeError, ValueError, TypeError) as e:
-                log.warning("skipped unreadable profile row %s: %s", p.id, e)
-    return out
+    """The store's profiles of `status`; a row this moetune cannot read is skipped with a warning (by
+    `Store.list_profiles`). A StoreError (a locked or broken database) is the caller's to report."""
+    return [r for _, r in store.list_profiles(status=status, fingerprint=fingerprint)]
 
 
 def encode_profile(rec: ProfileRecord, version: int) -> wire.ProfileResult:
