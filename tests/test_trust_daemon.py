@@ -433,11 +433,11 @@ def _index(*recs: ProfileRecord, software: str = "sw-new") -> Any:
     return ProfileIndex(list(recs), version=1, facts=SimpleNamespace(fingerprint="fp", software_hash=software), stale=[])
 
 
-def _idx_rec(software: str, bucket: int, latency_us: float, backend: str) -> ProfileRecord:
+def _idx_rec(software: str, bucket: int, latency_us: float, backend: str, fp: str = "fp") -> ProfileRecord:
     from moetune.runtime.shapes import MODELS
 
     m = MODELS["qwen3-30b"]
-    key = ProfileKey(fingerprint="fp", software=software, transport_family="nvlink", ep_size=2, nodes=1, hidden=m.hidden,
+    key = ProfileKey(fingerprint=fp, software=software, transport_family="nvlink", ep_size=2, nodes=1, hidden=m.hidden,
                      intermediate=m.intermediate, experts=m.experts, topk=m.topk, dtype=m.dtype, token_bucket=bucket)
     return F.make_record(key, latency_us=latency_us, backend=backend)
 
@@ -454,6 +454,8 @@ def test_index_serves_only_the_daemons_software_by_default() -> None:
     idx = _index(_idx_rec("sw-old", 64, 5.0, "local:nccl"), _idx_rec("sw-new", 64, 9.0, "local:nccl"))
     assert _served(idx, 64).key.software == "sw-new"
     assert _served(idx, 64, software="sw-old").key.software == "sw-old"  # asked for by name
+    other = _idx_rec("sw-other", 64, 7.0, "local:nccl", fp="fp-other")
+    assert _served(_index(other), 64, fingerprint="fp-other").key.software == "sw-other"  # another node's, by name
     ok, (code, msg) = _index(_idx_rec("sw-old", 64, 5.0, "local:nccl")).lookup(
         wire.GetProfile(v=wire.PROTOCOL_VERSION, id=1, ep_size=2, tokens=64, model="qwen3-30b"))
     assert not ok and code == wire.E_NOT_FOUND and "sw-new" in msg

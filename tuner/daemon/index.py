@@ -89,9 +89,9 @@ class ProfileIndex:
         if fp is None:
             return False, (wire.E_NOT_FOUND, "the daemon has not discovered its fabric (yet); no profile is current")
         recs = self.groups.get((fp, req.ep_size, req.nodes, h, i, e_, k, dt), [])
-        # The software defaults to the daemon's own, as the fingerprint does: a profile measured under other
-        # versions (before an NCCL or driver upgrade) stays current under its own key but is not this node's.
-        sw = req.software or self.software
+        # The software defaults to the daemon's own with its fingerprint (they default together): a profile
+        # of this fingerprint keyed by other software (an import, another version's hash) is not this node's.
+        sw = req.software or (self.software if fp == self.fingerprint else None)
         if sw:
             recs = [r for r in recs if r.key.software == sw]
         # Measured first, then the node model, then a preset, each at its nearest bucket within reach: a
