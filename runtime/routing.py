@@ -98,22 +98,34 @@ def expert_load(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.bincount(topk_idx.reshape(-1).long().cpu(), minlength=num_experts)
 
 
-def routed_inputs_problem(s: int, topk: int, device: Any, topk_idx: Any, topk_weights: Any) -> str | None:
-    """Why given routing for `s` tokens does not fit a layer of `topk` on `device` (shapes, device, dtypes), or
-    None. No host sync: the ids' range is `expert_ids_problem`'s."""
+def routed_inputs_fault(s: int, topk: int, device: Any, topk_idx: Any, topk_weights: Any) -> tuple[str, str] | None:
+    """Which check given routing for `s` tokens fails on a layer of `topk` on `device`, and why, or None. The first
+    item is one of `ROUTED_FAULTS` (the EP buffer sends it to its peers as a code). No host sync: the ids' range is
+    `expert_ids_problem`'s. The one check of routed inputs: EPBuffer.dispatch, MoELayer and MegakernelMoE use it."""
     import torch
 
     for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        short = "idx" if name == "topk_idx" else "weights"
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (s, topk):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            return f"{name} must be [S, topk] = [{s}, {topk}], got {got}"
+            return f"{short}_shape", f"{name} must have shape [S, topk] = [{s}, {topk}], got {got}"
         if t.device != device:
-            return f"{name} must be on {device}, got {t.device}"
+            return f"{short}_device", f"{name} must be on {device}, got {t.device}"
     if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
-        return f"topk_idx must be an integer tensor, got {topk_idx.dtype}"
+        return "idx_dtype", f"topk_idx must be an integer tensor, got {topk_idx.dtype}"
     if not topk_weights.dtype.is_floating_point:
-        return f"topk_weights must be a floating-point tensor, got {topk_weights.dtype}"
+        return "weights_dtype", f"topk_weights must be a floating-point tensor, got {topk_weights.dtype}"
     return None
+
+
+ROUTED_FAULTS: tuple[str, ...] = ("idx_shape", "idx_device", "weights_shape", "weights_device", "idx_dtype",
+                                  "weights_dtype")
+
+
+def routed_inputs_problem(s: int, topk: int, device: Any, topk_idx: Any, topk_weights: Any) -> str | None:
+    """`routed_inputs_fault`'s message, or None."""
+    fault = routed_inputs_fault(s, topk, device, topk_idx, topk_weights)
+    return None if fault is None else fault[1]
 
 
 def expert_ids_problem(topk_idx: torch.Tensor, experts: int) -> str | None:

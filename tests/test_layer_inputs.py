@@ -260,7 +260,7 @@ def test_megakernel_moe_rebind_checks_and_updates_templates(cpu_lib) -> None:
     (lambda idx: torch.where(idx == idx[0, 0], -1, idx), "out of range"),
     (lambda idx: idx.float(), "integer tensor"),
     (lambda idx: idx.bool(), "integer tensor"),
-    (lambda idx: idx[:, :1], r"topk_idx must be \[S, topk\]"),
+    (lambda idx: idx[:, :1], r"topk_idx must have shape \[S, topk\]"),
     (lambda idx: idx.to("meta"), "topk_idx must be on cpu"),
 ])
 def test_routing_ids_are_checked(fake_mk, cpu_lib, ids: Any, match: str) -> None:

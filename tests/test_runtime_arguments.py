@@ -78,3 +78,41 @@ def test_one_sided_constructor_names_wrong_knobs(name: str) -> None:
     cls = get_transport(name)
     with pytest.raises(TypeError, match=rf"{cls.__name__}: knobs must be a Knobs"):
         cls(None, {"transport": name}, torch.device("cpu"))
+
+
+# -- the routed inputs: one check (runtime/routing.py) for the EP buffer and the world-1 layer --------------------
+_ROUTING_MISTAKES = {
+    "idx_shape": lambda idx, w: (idx[:, :1], w),
+    "idx_float": lambda idx, w: (idx.float(), w),
+    "idx_bool": lambda idx, w: (idx.bool(), w),
+    "weights_shape": lambda idx, w: (idx, w[:, :1]),
+    "weights_int": lambda idx, w: (idx, idx),
+    "idx_device": lambda idx, w: (idx.to("meta"), w),
+    "weights_device": lambda idx, w: (idx, w.to("meta")),
+    "idx_range": lambda idx, w: (idx.clone().fill_(M.experts), w),
+    "idx_negative": lambda idx, w: (torch.where(idx == idx[0, 0], -3, idx), w),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(_ROUTING_MISTAKES))
+def test_buffer_and_layer_report_a_routing_mistake_alike(mistake: str) -> None:
+    from moetune.runtime.moe_layer import MoELayer
+
+    layer = MoELayer(M, None, Knobs(), max_tokens=8, device="cpu", engine="unfused")
+    x = torch.randn(5, M.hidden)
+    idx, w = layer.route(x)
+    bad_idx, bad_w = _ROUTING_MISTAKES[mistake](idx, w)
+    with pytest.raises(ValueError) as at_world1:
+        layer.forward_routed(x, bad_idx, bad_w)
+    for dense in (False, True):
+        buf = EPBuffer(None, Knobs(), model=M, max_tokens=8, device="cpu", dense=dense)
+        with pytest.raises(ValueError) as in_buffer:
+            buf.dispatch(x, bad_idx, bad_w)
+        assert str(in_buffer.value) == f"EPBuffer.dispatch on rank 0: {at_world1.value}"
+
+
+def test_every_routing_fault_has_a_wire_code() -> None:
+    from moetune.runtime.buffer._meta import _ERRORS, _ROUTED_CODES
+    from moetune.runtime.routing import ROUTED_FAULTS
+
+    assert set(_ROUTED_CODES) == set(ROUTED_FAULTS) and set(_ROUTED_CODES.values()) <= set(_ERRORS)

@@ -28,6 +28,9 @@ _ERRORS: dict[int, str] = {
     10: "topk_idx holds expert ids out of range",
 }
 _RANGE_ERROR = 10
+# runtime/routing.py's routed-input faults as the codes above (its ROUTED_FAULTS; a test checks they match)
+_ROUTED_CODES: dict[str, int] = {"idx_shape": 5, "idx_dtype": 6, "weights_shape": 7, "weights_dtype": 8,
+                                 "idx_device": 9, "weights_device": 9}
 
 
 def _align(n: int, a: int) -> int:

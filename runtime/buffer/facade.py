@@ -83,6 +83,7 @@ from moetune.runtime.buffer._meta import (
     _DTYPE_CODE,
     _ERRORS,
     _RANGE_ERROR,
+    _ROUTED_CODES,
     TORCH_DTYPES,
     Handle,
     RecvMeta,
@@ -94,6 +95,7 @@ from moetune.runtime.buffer._resident import _ResidentLayout
 from moetune.runtime.fp8 import dequantise, fp8_available, num_scale_groups, quantise_into
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.options import RuntimeOptions
+from moetune.runtime.routing import expert_ids_problem, routed_inputs_fault
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.transports.base import EPTransport
 from moetune.runtime.transports.registry import get_transport
@@ -336,18 +338,10 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         s = x.shape[0]
         if s > self.max_tokens:
             return 4, f"x has {s} tokens, more than max_tokens={self.max_tokens}"
-        if not isinstance(topk_idx, torch.Tensor) or tuple(topk_idx.shape) != (s, k):
-            shape = tuple(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__
-            return 5, f"topk_idx must have shape [S, topk] = [{s}, {k}], got {shape}"
-        if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
-            return 6, f"topk_idx must be an integer tensor, got {topk_idx.dtype}"
-        if not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (s, k):
-            shape = tuple(topk_weights.shape) if isinstance(topk_weights, torch.Tensor) else type(topk_weights).__name__
-            return 7, f"topk_weights must have shape [S, topk] = [{s}, {k}], got {shape}"
-        if not topk_weights.dtype.is_floating_point:
-            return 8, f"topk_weights must be a floating-point tensor, got {topk_weights.dtype}"
-        if topk_idx.device != self.device or topk_weights.device != self.device:
-            return 9, f"topk_idx/topk_weights must be on {self.device}, got {topk_idx.device}/{topk_weights.device}"
+        # the routed inputs: the same check (and message) as the world-1 layer's (runtime/routing.py)
+        fault = routed_inputs_fault(s, k, self.device, topk_idx, topk_weights)
+        if fault is not None:
+            return _ROUTED_CODES[fault[0]], fault[1]
         return 0, ""
 
     # -- transport adapters -------------------------------------------------------------------------
@@ -358,12 +352,9 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         """Raise the same ValueError story on every rank when any rank reported an input error."""
         if not any(peer_codes.values()):
             return
-        e = self.model.experts
         my_code = peer_codes[self.rank]
         if my_code == _RANGE_ERROR and idx is not None:
-            bad_vals = idx[(idx < 0) | (idx >= e)]
-            msg = (f"topk_idx holds expert ids out of range [0, {e}): found {bad_vals.numel()} bad ids "
-                   f"(min {int(bad_vals.min())}, max {int(bad_vals.max())})")
+            msg = expert_ids_problem(idx, self.model.experts) or _ERRORS[_RANGE_ERROR]
         others = [f"rank {r}: {_ERRORS.get(c, f'error {c}')}" for r, c in peer_codes.items() if c and r != self.rank]
         text = f"EPBuffer.dispatch on rank {self.rank}: "
         text += msg if my_code else "invalid input on another rank"
