@@ -364,3 +364,31 @@ def test_relative_imports_resolve(tmp_path: Path) -> None:
 def test_typing_only_imports_count_for_nothing(tmp_path: Path) -> None:
     g = _plant(tmp_path, {"runtime/knobs.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"})
     assert rule2_inside_the_runtime(g) == []
+
+
+def test_running_the_runtime_loads_no_tuner(tmp_path: Path) -> None:
+    """Rule 1 at run time, for what the AST cannot see: imports by name (the transport registry, the lazy package
+    attributes) and third-party modules importing others. Every runtime module is imported, every lazy public name
+    resolved, and a layer is built with the autoload chain on (daemon, read-only database, policy) and run."""
+    code = """
+import importlib, pkgutil, sys, warnings
+import moetune.runtime as rt, moetune.runtime.buffer as b, moetune.runtime.megakernel as mk
+for m in pkgutil.walk_packages(rt.__path__, "moetune.runtime."):
+    importlib.import_module(m.name)
+for pkg in (rt, b, mk):
+    for name in pkg.__all__:
+        getattr(pkg, name)
+import torch
+from moetune.runtime.transports.registry import available_transports
+available_transports("cpu")
+warnings.simplefilter("ignore")
+layer = rt.MoELayer(rt.get_model("custom:64,32,8,2,float32"), max_tokens=4, device="cpu")
+layer(torch.randn(3, 64))
+bad = sorted(k for k in sys.modules if k.split(".")[0] in ("optuna", "sqlalchemy", "alembic", "typer", "rich",
+             "matplotlib") or k.startswith(("moetune.tuner", "moetune.migrations")))
+assert not bad, bad
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("MOETUNE_")}
+    env.update(MOETUNE_HOME=str(tmp_path), XDG_CONFIG_HOME=str(tmp_path / "xdg"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
