@@ -29,6 +29,7 @@ from moetune.tuner.search.study import (
     make_sampler,
     open_study,
     run_study,
+    study_config,
     study_name,
 )
 from moetune.tuner.search.tune import tune_profiles_detailed
@@ -268,7 +269,9 @@ def test_kill_9_mid_study_then_rerun_completes(tmp_path: Path) -> None:
         con = sqlite3.connect(path)
         assert con.execute("pragma integrity_check").fetchone()[0] == "ok"
         con.close()
-    study = optuna.load_study(study_name=study_name(_key(), "callable", "qwen3-30b"), storage=f"sqlite:///{sdb}")
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=MODELS["qwen3-30b"].experts, ep_size=4)
+    name = study_name(_key(), "callable", "qwen3-30b", study_config(space, CallableBackend(synthetic), _wl()))
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{sdb}")
     assert finished_trials(study) == trials
     states = [t.state for t in study.trials]
     assert optuna.trial.TrialState.RUNNING not in states

@@ -109,6 +109,11 @@ class BenchmarkBackend(ABC):
     def supports(self, family: str) -> bool:
         return True
 
+    def settings(self) -> dict[str, Any]:
+        """What, besides the label, decides the numbers this backend gives: a study is resumed only under the
+        same settings (its trials measured them), so they are part of its name."""
+        return {}
+
     @abstractmethod
     def evaluate(self, knobs: Knobs, workload: TuneWorkload, *, report: ReportFn | None = None) -> Measurement:
         """Measure one knob set. Never raises for a bad setting or a failed run: returns ok=False."""
@@ -211,6 +216,13 @@ class ModelBackend(BenchmarkBackend):
     @property
     def modelled(self) -> bool:
         return True
+
+    def settings(self) -> dict[str, Any]:
+        # the preset's content, not only its name: a recalibrated node model predicts other numbers
+        p = self.preset
+        preset = None if p is None else {k: getattr(p, k, None)
+                                         for k in ("family", "transports", "gpus_per_node", "max_nodes", "params")}
+        return {"preset": preset, "routing": self.routing, "tile": self.tile}
 
     def supports(self, family: str) -> bool:
         if family == MEGAKERNEL:  # the fabric model predicts exchanges, not a kernel's tiles
@@ -551,6 +563,12 @@ class LocalBackend(BenchmarkBackend):
     @property
     def label(self) -> str:
         return "local:megakernel" if self.family == MEGAKERNEL else self.name
+
+    def settings(self) -> dict[str, Any]:
+        # the figure minimised (the whole layer, or dispatch + combine), how long each run times, and what
+        # decides a compressed setting infeasible
+        return {"metric": self.metric, "iters": self.iters, "verify": self.verify_compression,
+                "error_budget": self.error_budget}
 
     def close(self) -> None:
         """End the persistent workers (a later run starts fresh ones)."""

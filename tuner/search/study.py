@@ -5,7 +5,9 @@
   counts from link bandwidth), then the best settings of the previous token bucket of the same shape.
 - Storage: Optuna's own RDB storage, never the profile database. SQLite by default (a file next to the
   store, WAL) — one tuning process per file; `--storage postgresql://...` lets several nodes share a
-  study (heartbeats fail the trials of a worker that died). Same study name → the study resumes.
+  study (heartbeats fail the trials of a worker that died). Same study name → the study resumes; the
+  name carries a digest of the routing, policy and backend settings (`study_config`), so a rerun that
+  measures something else opens its own study.
 - Trial budget: finished trials (complete, pruned, failed) of the study count, so a rerun after a
   crash only runs what is missing and several workers on one study stop together. A trial cut short
   (Ctrl-C, a killed process, a worker whose heartbeat stopped) is FAIL and marked `interrupted`: it
@@ -122,10 +124,21 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
                                       grace_period=60, **{cb: _stale_trial})
 
 
-def study_name(key: ProfileKey, backend_label: str, model_name: str) -> str:
-    """Deterministic: the same key and backend always open the same study (resume after a crash)."""
+def study_name(key: ProfileKey, backend_label: str, model_name: str, config: str = "") -> str:
+    """Deterministic: the same key, backend and `config` (`study_config`) always open the same study
+    (resume after a crash); other measurement settings open another."""
     return (f"{STUDY_PREFIX}{key.transport_family}/{model_name}/S{key.token_bucket}/ep{key.ep_size}n{key.nodes}/"
-            f"{backend_label}/{_short(key.fingerprint, 12)}-{_short(key.software, 8)}")
+            f"{backend_label}/{_short(key.fingerprint, 12)}-{_short(key.software, 8)}" + (f"-{config}" if config else ""))
+
+
+def study_config(space: SearchSpace, backend: BenchmarkBackend, workload: TuneWorkload) -> str:
+    """A short digest of what decides a trial's number besides the key and the backend's label: the routing,
+    the policy (the space searched) and the backend's settings (the metric of a local run, a model's preset).
+    A rerun with other settings must not resume a study whose trials measured something else."""
+    policy = {k: v for k, v in space.policy.to_dict().items() if k not in ("description", "sources")}
+    blob = json.dumps({"routing": workload.routing, "policy": policy, "backend": backend.settings()},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
 def _short(h: str, n: int) -> str:
@@ -410,7 +423,7 @@ def summarize_study(study: optuna.Study, space: SearchSpace, workload: TuneWorkl
 
 
 def neighbour_bucket(storage: optuna.storages.BaseStorage, key: ProfileKey, backend_label: str,
-                     model_name: str) -> BucketPrior | None:
+                     model_name: str, config: str = "") -> BucketPrior | None:
     """The nearest smaller token bucket's study of the same key and backend in `storage`, if any
     (from this run or an earlier one): its best settings warm-start this bucket, and with an expensive
     backend its clearly bad settings are not measured again."""
@@ -421,7 +434,7 @@ def neighbour_bucket(storage: optuna.storages.BaseStorage, key: ProfileKey, back
     except Exception:  # broad: the warm start is optional; an unreadable storage only means no neighbour
         return None
     for b in sorted((b for b in TOKEN_BUCKETS if b < key.token_bucket), reverse=True):
-        name = study_name(msgspec.structs.replace(key, token_bucket=b), backend_label, model_name)
+        name = study_name(msgspec.structs.replace(key, token_bucket=b), backend_label, model_name, config)
         if name not in names:
             continue
         study = optuna.load_study(study_name=name, storage=storage)

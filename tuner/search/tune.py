@@ -49,6 +49,7 @@ from moetune.tuner.search.study import (
     neighbour_bucket,
     open_study,
     run_study,
+    study_config,
     study_name,
 )
 
@@ -284,11 +285,12 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                         if not m.ok and not m.infeasible:
                             raise ValueError(f"{be.label} cannot evaluate {model.name} on {nodes} node(s) × "
                                              f"{gpus_per_node} GPUs at S={bucket}: {m.error}")
-                    name = study_name(key, be.label, model.name)
+                    config = study_config(space, be, wl)  # other routing/policy/metric: another study
+                    name = study_name(key, be.label, model.name, config)
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     out.append(_tune_one(store, st, url, name, key, space, be, wl, trials=trials, timeout_s=left,
                                          seed=seed, bar=bar, facts=facts, on_trial=on_trial,
-                                         neighbour=neighbour_bucket(st, key, be.label, model.name)))
+                                         neighbour=neighbour_bucket(st, key, be.label, model.name, config)))
     finally:
         if be is not backend and isinstance(be, LocalBackend):
             be.close()  # built here (a backend name): end its persistent bench workers

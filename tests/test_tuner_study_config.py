@@ -1,0 +1,100 @@
+"""A rerun with other measurement settings (routing, metric, policy, a recalibrated model) is its own study:
+never resumed into the earlier one's trials, whose numbers measured something else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.shapes import MODELS
+from moetune.tuner.search.backends import CallableBackend, LocalBackend, TuneWorkload
+from moetune.tuner.search.tune import _Fam, tune_profiles_detailed
+
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+
+
+class Facts:
+    fingerprint = "f" * 64
+    software_hash = "s" * 64
+    software = {"torch": "2.13.0"}  # noqa: RUF012
+    gpu_count = 4
+    link_rates = {"nic_gbit": 400.0}  # noqa: RUF012
+    transports = [_Fam("proxy:ibrc")]  # noqa: RUF012
+
+
+def value(k: Knobs) -> float:
+    """A fabric-like objective where compression and grouping pay."""
+    t = 500.0 * (0.7 if k.compression != "none" else 1.0)
+    t *= 0.8 if k.signalling != "coupled" else 1.0
+    return t * (1 + abs(k.num_sms - 32) / 64)
+
+
+def _tune(url: str, backend, trials: int = 6, **kw) -> list:
+    return tune_profiles_detailed(None, Facts(), models=[MODELS["qwen3-30b"]], tokens=[128], backend=backend,
+                                  trials=trials, storage=url, families=["proxy:ibrc"], **kw)
+
+
+def test_other_routing_is_another_study(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    routings: list[str] = []
+    be = CallableBackend(lambda k, w: routings.append(w.routing) or value(k))
+    r1 = _tune(url, be, routing="uniform")
+    r2 = _tune(url, be, routing="zipf:1.2")
+    assert routings.count("zipf:1.2") == 6  # measured under the routing asked for, not resumed from uniform
+    assert r1[0].study.study_name != r2[0].study.study_name
+    # the same routing again resumes its own study: nothing left to run
+    _tune(url, be, routing="uniform")
+    assert len(routings) == 12
+
+
+class MetricBackend(LocalBackend):
+    """A local backend whose runs are faked in-process: the comm figure is a tenth of the layer's."""
+
+    def __init__(self, metric: str):
+        super().__init__(world=4, comm_backend="gloo", repeats=1, metric=metric)
+        self.runs: list[str] = []
+
+    def run_once(self, knobs: Knobs, workload: TuneWorkload) -> tuple[float | None, dict, str | None]:
+        self.runs.append(self.metric)
+        return value(knobs) / (10 if self.metric == "comm" else 1), {}, None
+
+
+def test_other_metric_is_another_study(tmp_path: Path) -> None:
+    """`moetune tune --backend local` times the whole layer, `moetune profile` dispatch + combine only: both
+    are labelled local:gloo, but one study of both would rank layer times against comm times."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    _tune(url, MetricBackend("layer"))
+    comm = MetricBackend("comm")
+    res = _tune(url, comm)
+    assert comm.runs.count("comm") >= 6
+    study = optuna.load_study(study_name=res[0].study.study_name, storage=url)
+    assert all(t.value < 100 for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE)
+
+
+def test_policy_override_is_another_study(tmp_path: Path) -> None:
+    """A policy that forbids a knob value must not get a stored best that uses it from an earlier study."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    r1 = _tune(url, CallableBackend(lambda k, w: value(k)), trials=12)
+    assert r1[0].study.best_knobs.compression != "none"  # the unrestricted search found compression pays
+    pol = tmp_path / "pol.toml"
+    pol.write_text('[policy]\nfamily = "proxy:ibrc"\n\n[knobs]\ncompression = ["none"]\n')
+    r2 = _tune(url, CallableBackend(lambda k, w: value(k)), trials=12, policy_override=pol)
+    assert r2[0].study.best_knobs.compression == "none"
+    assert r2[0].record.knobs.compression == "none"
+
+
+def test_recalibrated_model_is_another_study(tmp_path: Path) -> None:
+    """A node model recalibrated under the same name predicts other numbers: its study is not resumed into the
+    old model's predictions (which would all be counted as done and rewritten as the profile)."""
+    from moetune.tuner.fabric_model.presets import load_preset
+    from moetune.tuner.search.backends import ModelBackend
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    old = load_preset("ndr-ibrc-h100x8")
+    new = old.with_params({"nic.gbps": old.get("nic.gbps") / 2}, name=old.name)
+    r1 = _tune(url, ModelBackend(old), nodes=2)  # across the NIC
+    r2 = _tune(url, ModelBackend(new), nodes=2)
+    assert r1[0].study.study_name != r2[0].study.study_name
+    assert r2[0].record.latency_us != r1[0].record.latency_us
