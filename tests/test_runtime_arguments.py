@@ -116,3 +116,14 @@ def test_every_routing_fault_has_a_wire_code() -> None:
     from moetune.runtime.routing import ROUTED_FAULTS
 
     assert set(_ROUTED_CODES) == set(ROUTED_FAULTS) and set(_ROUTED_CODES.values()) <= set(_ERRORS)
+
+
+def test_lazy_packages_name_a_missing_attribute() -> None:
+    import moetune.runtime as rt
+    import moetune.runtime.buffer as buf
+    import moetune.runtime.megakernel as mk
+
+    for pkg in (rt, buf, mk):
+        with pytest.raises(AttributeError, match=rf"module '{pkg.__name__}' has no attribute 'Nope'"):
+            pkg.Nope  # noqa: B018
+    assert mk.MegakernelMoE.__name__ == "MegakernelMoE" and issubclass(mk.MegakernelError, RuntimeError)

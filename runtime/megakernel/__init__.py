@@ -4,14 +4,11 @@
 `schedule` a CPU model of the kernel's task graph and scheduler. CUDA sources: csrc/megakernel/.
 """
 
+from moetune.runtime._lazy import lazy_getattr
+
 from .config import ConfigError, MegakernelConfig
 
 __all__ = ["ConfigError", "MegakernelConfig", "MegakernelError", "MegakernelMoE"]
 
-
-def __getattr__(name: str):  # the layer imports torch: load it only when asked for
-    if name in ("MegakernelMoE", "MegakernelError"):
-        from . import layer
-
-        return getattr(layer, name)
-    raise AttributeError(name)
+# the layer imports torch: load it only when asked for (the package's one lazy loader, as runtime/ and buffer/)
+__getattr__ = lazy_getattr(__name__, {"MegakernelMoE": ".layer", "MegakernelError": ".layer"})
