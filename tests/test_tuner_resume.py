@@ -75,3 +75,51 @@ def test_killed_process_trial_is_run_again_on_resume(tmp_path: Path) -> None:
     res = run_study(reopened, space, CallableBackend(lambda k, w: seen.append(k) or value(k)), WL, trials=n)
     assert res.complete == n and len(seen) == n - 2
     assert dead_knobs in seen  # after the warm-start points still waiting
+
+
+SLOW_WORKER = """
+import sys, time, optuna
+from moetune.runtime.shapes import MODELS
+from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+from moetune.tuner.search.policy import load_policy
+from moetune.tuner.search.space import SearchSpace
+from moetune.tuner.search.study import open_study, run_study
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+wl = TuneWorkload(model=MODELS["qwen3-30b"], tokens=128, nodes=1, gpus_per_node=4)
+space = SearchSpace(load_policy("proxy:ibrc"), experts=wl.model.experts, ep_size=4)
+res = run_study(open_study("moetune/t", sys.argv[1], seed=0), space,
+                CallableBackend(lambda k, w: time.sleep(1.5) or 100.0), wl, trials=3)
+print("DONE", res.complete, res.failed)
+"""
+
+
+def test_opening_a_study_leaves_a_live_processes_trial_alone(tmp_path: Path) -> None:
+    """A second process opening the same SQLite study (the daemon's re-tune and a `moetune tune`, both on the
+    default studies file) failed the first one's running trial: the first then crashed on its result
+    ("Cannot tell a FAIL trial") and lost the measurement. Only a dead process's trial is failed."""
+    import subprocess
+    import sys
+    import time
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    script = tmp_path / "worker.py"
+    script.write_text(SLOW_WORKER)
+    proc = subprocess.Popen([sys.executable, str(script), url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        running: list = []
+        while not running and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+            try:
+                study = optuna.load_study(study_name="moetune/t", storage=url)
+            except KeyError:
+                continue
+            running = [t for t in study.get_trials(states=(optuna.trial.TrialState.RUNNING,)) if "worker" in t.user_attrs]
+        assert running, proc.communicate()[1][-2000:]
+        open_study("moetune/t", url, seed=0)  # another process opens the study meanwhile
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert "DONE 3 0" in out

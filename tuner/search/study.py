@@ -4,8 +4,9 @@
 - Warm start: `enqueue_trial` of the policy default and the analytic priors (per-PE groups; SM and QP
   counts from link bandwidth), then the best settings of the previous token bucket of the same shape.
 - Storage: Optuna's own RDB storage, never the profile database. SQLite by default (a file next to the
-  store, WAL) — one tuning process per file; `--storage postgresql://...` lets several nodes share a
-  study (heartbeats fail the trials of a worker that died). Same study name → the study resumes; the
+  store, WAL) — meant for one tuning process per study (one opening a study fails only a dead process's
+  running trials); `--storage postgresql://...` lets several nodes share a study (heartbeats fail the
+  trials of a worker that died). Same study name → the study resumes; the
   name carries a digest of the routing, policy and backend settings (`study_config`), so a rerun that
   measures something else opens its own study.
 - Trial budget: finished trials (complete, pruned, failed) of the study count, so a rerun after a
@@ -165,10 +166,28 @@ def open_study(name: str, storage: str | optuna.storages.BaseStorage, *, seed: i
     return study
 
 
+def _worker_alive(worker: Any) -> bool:
+    """Whether the process a trial's `worker` attr (host:pid) names still runs on this host."""
+    host, _, pid = str(worker or "").rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit() or worker == WORKER:
+        return False  # no attr, another host (cannot tell), or this process's id: an earlier process's
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, run by another user
+        return True
+    return True
+
+
 def fail_interrupted(study: optuna.Study) -> int:
-    """Mark RUNNING trials FAIL (a SQLite study has one worker: a RUNNING trial is a dead process's)."""
+    """Mark a dead process's RUNNING trials FAIL. A live one's are left alone: two processes may open one
+    SQLite study (the daemon's re-tune and a `moetune tune`), and failing the other's running trial made it
+    crash on its result ("Cannot tell a FAIL trial") and lose the measurement."""
     n = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if _worker_alive(t.user_attrs.get("worker")):
+            continue
         try:
             study._storage.set_trial_user_attr(t._trial_id, "error", "interrupted (the tuning process died)")
             study._storage.set_trial_user_attr(t._trial_id, INTERRUPTED, "the tuning process died")
@@ -285,9 +304,9 @@ class _Objective:
             raise
 
     def _run(self, trial: optuna.Trial) -> float:
+        trial.set_user_attr("worker", WORKER)  # first: whoever opens the study sees the trial is a live one's
         knobs = self.space.suggest(trial)
         trial.set_user_attr("knobs", knobs.to_dict())
-        trial.set_user_attr("worker", WORKER)
         ok, why = self.space.feasible(knobs)
         if not ok:  # cannot happen by construction; never benchmark it if it does
             trial.set_user_attr("infeasible", why)
