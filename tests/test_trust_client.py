@@ -460,3 +460,22 @@ def test_autoload_cache_never_hands_one_token_count_another_counts_bucket(monkey
         assert autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=200).key.token_bucket == 128
     finally:
         autoload.clear_cache()
+
+
+def test_own_node_model_beats_a_newer_preset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With allow_modelled, this node's calibrated model is the prediction to use; a preset (another machine's
+    model) only where the node has none. pick_profile alone took the most recently updated fingerprint, so a
+    preset stored after the node model won."""
+    facts = _local_facts()
+    F.pretend_node(monkeypatch, facts, tmp_path / "proc")
+    mine_sw = node_identity.software_hash(facts)
+    db = tmp_path / "moetune.db"
+    own = ProfileRecord(key=key("c" * 16, mine_sw, bucket=64), knobs=default_knobs("nvlink").replace(num_sms=24),
+                        latency_us=30.0, spread_us=0.0, backend="model:node:" + "c" * 16, provenance="node_model")
+    _seed_db(db, {"_fp": "c" * 16, "facts": facts}, [own])
+    time.sleep(0.01)  # the preset is the newer row
+    preset = ProfileRecord(key=key("preset:nvlink-h200x2", "0" * 16, bucket=64), knobs=default_knobs("nvlink").replace(num_sms=8),
+                           latency_us=1.0, spread_us=0.0, backend="model:nvlink-h200x2")
+    _seed_db(db, {"_fp": "c" * 16, "facts": facts}, [preset])
+    res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db, allow_modelled=True)
+    assert res.source == "database" and res.profile_hash == own.profile_hash and res.provenance == "node_model", warned

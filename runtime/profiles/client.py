@@ -830,9 +830,13 @@ class ProfileClient:
             else:
                 by[verdict].append(r)
         for verdict in ("tuned", "modelled"):
-            rec = pick_profile(by[verdict], tokens, transport_family=transport_family)
-            if rec is not None:
-                return rec, verdict, passed
+            # This node's own records before a preset's: pick_profile alone takes the most recently updated
+            # fingerprint, which let a preset stored after the node's calibrated model win.
+            own = [r for r in by[verdict] if r.key.fingerprint == ident.fingerprint]
+            for group in (own, [r for r in by[verdict] if r.key.fingerprint != ident.fingerprint]):
+                rec = pick_profile(group, tokens, transport_family=transport_family)
+                if rec is not None:
+                    return rec, verdict, passed
         return None, None, passed
 
 
