@@ -338,7 +338,11 @@ class Bringup:
         from moetune.tuner.search.policy import load_policy
 
         out = []
-        for t in self.state.result("tune") or []:
+        tuned_rows = self.state.result("tune") or []
+        # a bar: this stage runs rounds x 2 settings x repeats per bucket, minutes on a GPU node
+        task = self.progress.add("tuned vs default", len(tuned_rows))
+        for i, t in enumerate(tuned_rows):
+            self.progress.update(task, i, description=f"tuned vs default: {t['family']} {t['model']} S={t['tokens']}")
             tuned = Knobs.from_dict(t["knobs"])
             default = load_policy(t["family"], self.runtime_policy_dir()).defaults
             mk = t["family"] == MEGAKERNEL_FAMILY
@@ -374,6 +378,7 @@ class Bringup:
                                        transport=t["family"], size_bytes=None, value=row["tuned_us"],
                                        spread=row["tuned_spread"], unit="us", extra=row)
             out.append(row)
+        self.progress.update(task, len(tuned_rows), description="tuned vs default")
         return out
 
     def _store_decision(self, t: dict, knobs: Any, m: Any, which: str, backend: str) -> tuple[bool, str]:
