@@ -23,6 +23,13 @@ from typing import Any
 from sqlalchemy import JSON, CheckConstraint, Float, ForeignKey, Index, Integer, MetaData, String, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+# The label a backend implies (`local:*` measured, `model:node:*` node_model, other `model:*` preset, anything
+# else node_model; prefixes compared case-sensitively) and the `measured_on` a label implies, as the runtime
+# defines them. Re-exported here because migrations import only this module (docs/architecture.md, import rule
+# 4): a migration that relabels rows uses these instead of restating the rule.
+from moetune.runtime.profile_record import default_measured_on as default_measured_on
+from moetune.runtime.profile_record import provenance_of_backend as provenance_of_backend
+
 # Stable constraint names so batch migrations on SQLite can find them.
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
