@@ -8,6 +8,7 @@ divide the transfers per peer) live in `Knobs.check_workload`.
 from __future__ import annotations
 
 import hashlib
+import re
 import typing
 from typing import Any, Literal
 
@@ -145,15 +146,21 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
     @classmethod
     def parse(cls, text: str, base: Knobs | None = None) -> Knobs:
-        """Parse `name=value,name=value` (the CLI's `--knobs`) on top of `base` (or the defaults)."""
-        data = (base or cls()).to_dict()
+        """Parse `name=value,name=value` (the CLI's `--knobs`) on top of `base` (or the defaults).
+
+        A value that is not one the knob takes raises KnobError naming the knob and the text as given."""
+        if not isinstance(text, str):
+            raise KnobError(f"expected a string of name=value pairs, got {type(text).__name__} {text!r}")
+        if base is not None and not isinstance(base, Knobs):
+            raise KnobError(f"base must be a Knobs or None, got {type(base).__name__}")
+        data = (base if base is not None else cls()).to_dict()
         for item in filter(None, (p.strip() for p in text.split(","))):
             if "=" not in item:
                 raise KnobError(f"expected name=value, got {item!r}")
             name, value = (s.strip() for s in item.split("=", 1))
             if name not in data:
                 raise KnobError(f"unknown knob {name!r}; known: {', '.join(sorted(data))}")
-            data[name] = int(value) if isinstance(data[name], int) and _is_int(value) else value
+            data[name] = _parse_value(name, value)
         return cls.from_dict(data)
 
     def replace(self, **changes: Any) -> Knobs:
@@ -199,12 +206,21 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
                 )
 
 
-def _is_int(s: str) -> bool:
-    try:
-        int(s)
-    except ValueError:
-        return False
-    return True
+# A knob's integer as text: ASCII digits with an optional sign. int() alone would also take "1_0" (10), " 3 " and
+# other scripts' digits, so a mistyped value could silently become another number.
+_INT_TEXT = re.compile(r"[+-]?[0-9]+")
+
+
+def _parse_value(name: str, text: str) -> int | str:
+    """One `--knobs` value, typed as knob `name` takes it (the range checks follow in _validate)."""
+    if name in _INTS:
+        if not _INT_TEXT.fullmatch(text):
+            raise KnobError(f"expected an integer (digits only), got {text!r}", (name,))
+        return int(text)
+    choices = _CHOICES[name]
+    if text not in choices:
+        raise KnobError(f"must be one of {', '.join(choices)}, got {text!r}", (name,))
+    return text
 
 
 def _check_types(k: Knobs) -> None:
