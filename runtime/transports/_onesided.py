@@ -223,8 +223,10 @@ class OneSidedTransport(EPTransport):
 
     device_counts: ClassVar[bool] = True
     # declared here, so that close() of a transport whose constructor failed part way reads it without a probe:
-    # True until __init__ has built what close() frees
+    # True until __init__ has built what close() frees, and again once close() has freed it
     _closed: bool = True
+    data: SymmBuffer | None = None
+    _err0: ctypes.c_int | None = None  # word 0 of the pinned error record, read without a call
 
     @property
     def timeout_s(self) -> float:
@@ -252,12 +254,12 @@ class OneSidedTransport(EPTransport):
         ctrl_bytes = ctypes.c_uint64(0)
         self.lib.mt_ctrl_bytes(ctypes.byref(ctrl_bytes))
         self.ctrl = SymmBuffer(_round(ctrl_bytes.value), group, self.device, self.lib, self.options.symm)
-        self.data: SymmBuffer | None = None
+        self.data = None
         self.data_bytes = 0  # one parity area
         self._epoch = 0
         self._counts_epoch = 0
         self._views: dict = {}
-        self._err0: ctypes.c_int | None = None  # word 0 of the pinned error record, read without a call
+        self._err0 = None
         self._closed = False
 
     # -- capacity ---------------------------------------------------------------------------------
@@ -267,6 +269,7 @@ class OneSidedTransport(EPTransport):
         Capacity = world x max_send_rows rows of row_bytes, twice (two parity areas: a call writes the
         area its epoch selects, so the previous call's output stays intact during the next call).
         """
+        self._refuse_closed()
         torch.cuda.synchronize(self.device)
         need = _all_gather_ints([int(max_send_rows), int(row_bytes)], self.group, self.device)
         rows = max(n[0] for n in need)
@@ -353,8 +356,14 @@ class OneSidedTransport(EPTransport):
         """Subclass hook: another failure source (the proxy thread) reports an error."""
         return False
 
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise OneSidedError(f"{self.name}: the transport is not running (closed, or its constructor failed); "
+                                "build a new one")
+
     def check(self) -> None:
         """Raise OneSidedError if a kernel (or the proxy) reported a failure. Reads host memory only."""
+        self._refuse_closed()  # a closed transport's error record is freed memory
         if self._err0 is not None and self._err0.value == 0 and not self._extra_error():
             return
         words = self.error_words()
@@ -365,16 +374,34 @@ class OneSidedTransport(EPTransport):
     def symm_backend(self) -> str:
         return self.ctrl.backend
 
+    def _release_native(self) -> None:
+        """Subclass hook: destroy what the subclass built over the symmetric buffers (the kernels' context, the
+        proxy thread). close() runs it before the buffers go, also after a constructor that failed part way, so a
+        handle not made yet must be a no-op."""
+
+    def _release_after_failure(self, error: BaseException) -> None:
+        """A subclass constructor failed after this class allocated the symmetric buffers: free everything as
+        close() does (nobody holds the half-built object to close it). The caller re-raises `error`; a failure
+        while releasing is noted on it rather than raised over it."""
+        try:
+            self.close()
+        except Exception as e:
+            error.add_note(f"releasing the half-built {self.name} transport failed too: {type(e).__name__}: {e}")
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._err0 = None  # it points into pinned memory that _release_native frees
         try:
             torch.cuda.synchronize(self.device)
         finally:
-            if self.data is not None:
-                self.data.close()
-            self.ctrl.close()
+            try:
+                self._release_native()  # before the buffers: the proxy thread / kernel context address them
+            finally:
+                if self.data is not None:
+                    self.data.close()
+                self.ctrl.close()
 
 
 def _round(n: int) -> int:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.runtime import _args
-from moetune.runtime.knobs import Knobs
+from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.options import RuntimeOptions
 
 
@@ -57,6 +57,7 @@ def transport_device(device: Any, who: str = "") -> torch.device:
 class EPTransport(ABC):
     """Moves rows between the ranks of `group`. One instance per EP buffer, reused across calls."""
 
+    # the registry name, and the value of the knob `transport` this class runs (the constructor refuses others)
     name: ClassVar[str]
     device_counts: ClassVar[bool] = False
     graph_capturable: ClassVar[bool] = True
@@ -73,6 +74,11 @@ class EPTransport(ABC):
         who = f"{type(self).__name__}: "
         _args.check_group(group, who)
         _args.check_knobs(knobs, who, optional=False)
+        if knobs.transport != self.name:
+            # another family's knobs would be ignored here (or rewritten), and the digest the ranks compare would
+            # describe a setting that is not the one running
+            raise KnobError(f"{who}needs transport={self.name} knobs, got transport={knobs.transport!r}",
+                            ("transport",))
         self.group = group
         self.knobs = knobs
         self.device = transport_device(device, who)

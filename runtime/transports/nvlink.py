@@ -18,10 +18,11 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from moetune.runtime import _args, csrc_build
+from moetune.runtime import csrc_build
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports._onesided import (
+    OneSidedError,
     OneSidedTransport,
     one_sided_availability,
     u64_array,
@@ -34,6 +35,7 @@ class NvlinkTransport(OneSidedTransport):
     fused_counts: ClassVar[bool] = True
     strided_combine: ClassVar[bool] = True
     gathers_tokens: ClassVar[bool] = True
+    _h: ctypes.c_void_p | None = None  # the kernels' context (None until mt_nvl_create made it, and after close)
 
     def __init__(
         self,
@@ -45,31 +47,33 @@ class NvlinkTransport(OneSidedTransport):
         row_bytes: int | None = None,
         options: RuntimeOptions | Mapping[str, Any] | None = None,
     ):
-        _args.check_knobs(knobs, f"{type(self).__name__}: ", optional=False)  # read before the base class checks it
-        if knobs.transport != "nvlink":
-            knobs = knobs.replace(transport="nvlink", fence_mode="none", qps_per_pe=1, qp_mapping="peer_hash")
+        # (knobs of another transport are refused by the base class: rewriting them would run other settings)
         super().__init__(group, knobs, device, max_send_rows=max_send_rows, row_bytes=row_bytes, options=options)
-        h = ctypes.c_void_p()
-        csrc_build.check(
-            self.lib,
-            self.lib.mt_nvl_create(
-                self.device.index, self.rank, self.world, u64_array(self.ctrl.peer_ptrs), int(knobs.num_sms),
-                self.timeout_s, ctypes.byref(h),
-            ),
-            "mt_nvl_create",
-        )
-        self._h = h
-        self._err = (ctypes.c_int * 16)()
-        ep = ctypes.c_void_p()
-        self.lib.mt_nvl_err_ptr(h, ctypes.byref(ep))
-        self._err0 = ctypes.c_int.from_address(ep.value) if ep.value else None
-        cpp = ctypes.c_int(0)
-        self.lib.mt_nvl_ctas_per_peer(h, ctypes.byref(cpp))
-        self.ctas_per_peer = cpp.value
-        self._coupled = 1 if knobs.signalling == "coupled" else 0
-        self._group = int(knobs.group_size)
-        if max_send_rows is not None and row_bytes is not None:
-            self.reserve(max_send_rows, row_bytes)
+        try:
+            h = ctypes.c_void_p()
+            csrc_build.check(
+                self.lib,
+                self.lib.mt_nvl_create(
+                    self.device.index, self.rank, self.world, u64_array(self.ctrl.peer_ptrs), int(knobs.num_sms),
+                    self.timeout_s, ctypes.byref(h),
+                ),
+                "mt_nvl_create",
+            )
+            self._h = h
+            self._err = (ctypes.c_int * 16)()
+            ep = ctypes.c_void_p()
+            self.lib.mt_nvl_err_ptr(h, ctypes.byref(ep))
+            self._err0 = ctypes.c_int.from_address(ep.value) if ep.value else None
+            cpp = ctypes.c_int(0)
+            self.lib.mt_nvl_ctas_per_peer(h, ctypes.byref(cpp))
+            self.ctas_per_peer = cpp.value
+            self._coupled = 1 if knobs.signalling == "coupled" else 0
+            self._group = int(knobs.group_size)
+            if max_send_rows is not None and row_bytes is not None:
+                self.reserve(max_send_rows, row_bytes)
+        except BaseException as e:  # the symmetric buffers exist already: nobody else can free them
+            self._release_after_failure(e)
+            raise
 
     @classmethod
     def availability(cls, device: torch.device | None = None) -> Availability:
@@ -185,11 +189,12 @@ class NvlinkTransport(OneSidedTransport):
         return self._recv_view(send, rb, self._epoch)
 
     def error_words(self) -> list[int]:
+        if self._h is None:  # the C side would read through a NULL context
+            raise OneSidedError("nvlink: the transport is not running (closed, or its constructor failed)")
         self.lib.mt_nvl_error(self._h, self._err)
         return list(self._err)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        super().close()
-        self.lib.mt_nvl_destroy(self._h)
+    def _release_native(self) -> None:
+        h, self._h = self._h, None
+        if h is not None:
+            self.lib.mt_nvl_destroy(h)

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from moetune.runtime import _args, csrc_build
+from moetune.runtime import csrc_build
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports._onesided import (
@@ -74,6 +74,8 @@ def validate_modes(fence_mode: str, qp_mapping: str, qps: int) -> None:
 class ProxyEngine:
     """A proxy thread bound to `device`, serving `len(peer_data)` destinations."""
 
+    handle: ctypes.c_void_p | None = None  # the C engine (None until mt_proxy_create made it, and after close)
+
     def __init__(
         self,
         device: int,
@@ -109,41 +111,55 @@ class ProxyEngine:
         self.handle = h
         self.timeout_s = float(timeout_s)
         if batch > 1:
-            csrc_build.check(self.lib, self.lib.mt_proxy_set_batch(h, int(batch)), "mt_proxy_set_batch")
+            try:
+                csrc_build.check(self.lib, self.lib.mt_proxy_set_batch(h, int(batch)), "mt_proxy_set_batch")
+            except BaseException:  # the thread runs already, and the caller never gets this object to close it
+                self.close()
+                raise
+
+    def _live(self) -> ctypes.c_void_p:
+        """The engine's handle; after close() the C side would dereference NULL, so refuse here."""
+        if self.handle is None:
+            raise OneSidedError("proxy engine: closed")
+        return self.handle
 
     def set_peer_data(self, peer_data: list[int]) -> None:
-        csrc_build.check(self.lib, self.lib.mt_proxy_set_peer_data(self.handle, u64_array(peer_data), len(peer_data)), "set_peer_data")
+        csrc_build.check(self.lib, self.lib.mt_proxy_set_peer_data(self._live(), u64_array(peer_data), len(peer_data)), "set_peer_data")
 
     def error(self) -> str | None:
+        if self.handle is None:
+            return "closed"
         buf = ctypes.create_string_buffer(1024)
         code = self.lib.mt_proxy_error(self.handle, buf, 1024)
         return None if code == 0 else f"{buf.value.decode(errors='replace')} (code {code})"
 
     def diag(self) -> str:
         """One line on the proxy thread's state (requests consumed; inside which CUDA call, or idle)."""
+        if self.handle is None:
+            return "closed"
         buf = ctypes.create_string_buffer(512)
         self.lib.mt_proxy_diag(self.handle, buf, 512)
         return buf.value.decode(errors="replace")
 
     def stats(self) -> dict[str, int]:
         arr = (ctypes.c_uint64 * len(STAT_NAMES))()
-        self.lib.mt_proxy_stats(self.handle, arr, len(STAT_NAMES))
+        self.lib.mt_proxy_stats(self._live(), arr, len(STAT_NAMES))
         return dict(zip(STAT_NAMES, list(arr), strict=True))
 
     def reset_stats(self) -> None:
-        self.lib.mt_proxy_reset_stats(self.handle)
+        self.lib.mt_proxy_reset_stats(self._live())
 
     def enqueue(self, reqs: ctypes.Array, timeout: float | None = None) -> None:
-        csrc_build.check(self.lib, self.lib.mt_proxy_enqueue(self.handle, reqs, len(reqs), timeout or self.timeout_s), "enqueue")
+        csrc_build.check(self.lib, self.lib.mt_proxy_enqueue(self._live(), reqs, len(reqs), timeout or self.timeout_s), "enqueue")
 
     def quiesce(self, timeout: float | None = None) -> None:
-        csrc_build.check(self.lib, self.lib.mt_proxy_quiesce(self.handle, timeout or self.timeout_s), "quiesce")
+        csrc_build.check(self.lib, self.lib.mt_proxy_quiesce(self._live(), timeout or self.timeout_s), "quiesce")
 
     def bench(self, reqs: ctypes.Array, iters: int, value_base: int, value_step: int = 1) -> list[float]:
         out = (ctypes.c_double * iters)()
         csrc_build.check(
             self.lib,
-            self.lib.mt_proxy_bench(self.handle, reqs, len(reqs), iters, value_base, value_step, self.timeout_s, out),
+            self.lib.mt_proxy_bench(self._live(), reqs, len(reqs), iters, value_base, value_step, self.timeout_s, out),
             "mt_proxy_bench",
         )
         return list(out)
@@ -166,6 +182,7 @@ class ProxyTransport(OneSidedTransport):
     name: ClassVar[str] = "proxy"
     graph_capturable: ClassVar[bool] = False  # the call's epoch is a kernel argument from the host
     engine: ProxyEngine | None = None  # the proxy thread (None until the constructor has started it)
+    _h: ctypes.c_void_p | None = None  # the kernels' context (None until mt_pxy_create made it, and after close)
 
     def __init__(
         self,
@@ -178,39 +195,41 @@ class ProxyTransport(OneSidedTransport):
         fifo_slots: int = 8192,
         options: RuntimeOptions | Mapping[str, Any] | None = None,
     ):
-        _args.check_knobs(knobs, f"{type(self).__name__}: ", optional=False)  # read before the base class checks it
-        if knobs.transport != "proxy":
-            raise KnobError(f"ProxyTransport needs transport=proxy knobs, got {knobs.transport!r}", ("transport",))
+        # (knobs of another transport are refused by the base class, before anything is allocated)
         super().__init__(group, knobs, device, max_send_rows=max_send_rows, row_bytes=row_bytes, options=options)
-        if self.options.proxy_peer_access:
-            # copy engines: enable peer access towards the other local GPUs (errors ignored: the
-            # symmetric mappings already grant access; this only helps the runtime pick direct P2P)
-            for other in range(torch.cuda.device_count()):
-                if other != self.device.index:
-                    self.lib.mt_enable_peer_access(self.device.index, other)
-        ctrl = self.ctrl.peer_ptrs
-        sig_off = 8 * self.rank * MAX_SLOTS  # my slots at each peer (MT_OFF_SIG = 0)
-        self.engine = ProxyEngine(
-            self.device.index, list(ctrl), list(ctrl), [p + sig_off for p in ctrl],
-            qps=knobs.qps_per_pe, qp_mapping=knobs.qp_mapping, fence_mode=knobs.fence_mode, fifo_slots=fifo_slots,
-            batch=self.options.proxy_batch, timeout_s=self.timeout_s,
-        )
-        h = ctypes.c_void_p()
-        csrc_build.check(
-            self.lib,
-            self.lib.mt_pxy_create(self.engine.handle, self.device.index, self.rank, self.world, ctrl[self.rank], self.timeout_s, ctypes.byref(h)),
-            "mt_pxy_create",
-        )
-        self._h = h
-        # host-completed calls (default): see mt_pxy_set_host_wait in csrc/proxy_gpu.cu for why
-        self.host_wait = self.options.proxy_host_wait
-        self.lib.mt_pxy_set_host_wait(h, 1 if self.host_wait else 0)
-        self._err = (ctypes.c_int * 16)()
-        ep = ctypes.c_void_p()
-        self.lib.mt_pxy_err_ptr(h, ctypes.byref(ep))
-        self._err0 = ctypes.c_int.from_address(ep.value) if ep.value else None
-        if max_send_rows is not None and row_bytes is not None:
-            self.reserve(max_send_rows, row_bytes)
+        try:
+            if self.options.proxy_peer_access:
+                # copy engines: enable peer access towards the other local GPUs (errors ignored: the
+                # symmetric mappings already grant access; this only helps the runtime pick direct P2P)
+                for other in range(torch.cuda.device_count()):
+                    if other != self.device.index:
+                        self.lib.mt_enable_peer_access(self.device.index, other)
+            ctrl = self.ctrl.peer_ptrs
+            sig_off = 8 * self.rank * MAX_SLOTS  # my slots at each peer (MT_OFF_SIG = 0)
+            self.engine = ProxyEngine(
+                self.device.index, list(ctrl), list(ctrl), [p + sig_off for p in ctrl],
+                qps=knobs.qps_per_pe, qp_mapping=knobs.qp_mapping, fence_mode=knobs.fence_mode, fifo_slots=fifo_slots,
+                batch=self.options.proxy_batch, timeout_s=self.timeout_s,
+            )
+            h = ctypes.c_void_p()
+            csrc_build.check(
+                self.lib,
+                self.lib.mt_pxy_create(self.engine.handle, self.device.index, self.rank, self.world, ctrl[self.rank], self.timeout_s, ctypes.byref(h)),
+                "mt_pxy_create",
+            )
+            self._h = h
+            # host-completed calls (default): see mt_pxy_set_host_wait in csrc/proxy_gpu.cu for why
+            self.host_wait = self.options.proxy_host_wait
+            self.lib.mt_pxy_set_host_wait(h, 1 if self.host_wait else 0)
+            self._err = (ctypes.c_int * 16)()
+            ep = ctypes.c_void_p()
+            self.lib.mt_pxy_err_ptr(h, ctypes.byref(ep))
+            self._err0 = ctypes.c_int.from_address(ep.value) if ep.value else None
+            if max_send_rows is not None and row_bytes is not None:
+                self.reserve(max_send_rows, row_bytes)
+        except BaseException as e:  # the symmetric buffers exist already: nobody else can free them
+            self._release_after_failure(e)
+            raise
 
     @classmethod
     def availability(cls, device: torch.device | None = None) -> Availability:
@@ -218,7 +237,7 @@ class ProxyTransport(OneSidedTransport):
 
     def _set_data(self) -> None:
         assert self.data is not None
-        self.engine.set_peer_data(list(self.data.peer_ptrs))
+        self._running_engine().set_peer_data(list(self.data.peer_ptrs))
         csrc_build.check(self.lib, self.lib.mt_pxy_set_data(self._h, self.data_bytes), "mt_pxy_set_data")
 
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
@@ -253,29 +272,44 @@ class ProxyTransport(OneSidedTransport):
         if self.host_wait:
             self.check()  # the kernel has finished: its verdict is known now
 
+    def _running_engine(self) -> ProxyEngine:
+        """The proxy thread; one that never started or was closed is an error, not a NULL handle passed to C."""
+        if self.engine is None or self.engine.handle is None:
+            raise OneSidedError("proxy: the proxy engine is not running (closed, or the constructor failed)")
+        return self.engine
+
     def check(self) -> None:
         """As OneSidedTransport.check, with the proxy thread's state appended to a failure."""
         try:
             super().check()
         except OneSidedError as e:
-            raise OneSidedError(f"{e} [proxy {self.engine.diag()}]") from None
+            state = self.engine.diag() if self.engine is not None else "not started"
+            raise OneSidedError(f"{e} [proxy {state}]") from None
 
     def _extra_error(self) -> bool:
-        return self.lib.mt_proxy_error(self.engine.handle, None, 0) != 0
+        engine = self.engine
+        if engine is None or engine.handle is None:
+            return True  # no thread to serve the requests: error_words says so
+        return self.lib.mt_proxy_error(engine.handle, None, 0) != 0
 
     def error_words(self) -> list[int]:
-        err = self.engine.error() if self.engine is not None else None
+        err = self._running_engine().error()
         if err:
             raise OneSidedError(f"proxy engine: {err}")
+        if self._h is None:  # the C side would read through a NULL context
+            raise OneSidedError("proxy: the transport is not running (closed, or its constructor failed)")
         self.lib.mt_pxy_error(self._h, self._err)
         return list(self._err)
 
     def proxy_stats(self) -> dict[str, int]:
-        return self.engine.stats()
+        return self._running_engine().stats()
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        super().close()
-        self.lib.mt_pxy_destroy(self._h)
-        self.engine.close()
+    def _release_native(self) -> None:
+        # the kernels' context first: it enqueues into the engine
+        h, self._h = self._h, None
+        try:
+            if h is not None:
+                self.lib.mt_pxy_destroy(h)
+        finally:
+            if self.engine is not None:
+                self.engine.close()

@@ -1,0 +1,226 @@
+"""One-sided transports (nvlink, proxy) on CPU, with the compiled library and the symmetric buffers faked:
+a constructor that fails part way frees what it allocated, a transport that is closed or never started says so
+(instead of an AttributeError, or a NULL handle handed to C), and every transport refuses another family's knobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moetune.runtime import csrc_build
+from moetune.runtime.knobs import KnobError, Knobs, default_knobs
+from moetune.runtime.options import RuntimeOptions
+from moetune.runtime.transports import _onesided
+from moetune.runtime.transports._onesided import OneSidedError
+from moetune.runtime.transports.collective import CollectiveTransport
+from moetune.runtime.transports.host_staged import HostStagedTransport
+from moetune.runtime.transports.nvlink import NvlinkTransport
+from moetune.runtime.transports.proxy import ProxyEngine, ProxyTransport
+
+_NO_HANDLE_OK = ("_create", "_destroy")  # the only calls of the library that may see no (or a NULL) handle
+
+
+class FakeLib:
+    """The calls the one-sided transports make, logged; those named in `fail` return an error code. Every call
+    taking a context/engine handle asserts it got one (the C side dereferences it)."""
+
+    def __init__(self, log: list[tuple], fail: set[str]):
+        self.log, self.fail, self.handles = log, fail, 0
+
+    def mt_last_error(self) -> bytes:
+        return b"injected failure"
+
+    def mt_ctrl_bytes(self, out: Any) -> int:
+        out._obj.value = 4096
+        return 0
+
+    def mt_enable_peer_access(self, dev: int, other: int) -> int:
+        return 0
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith(("mt_nvl_", "mt_pxy_", "mt_proxy_")):
+            raise AttributeError(name)
+
+        def call(*args: Any) -> int:
+            self.log.append((name, args[0] if name.endswith("_destroy") else None))
+            if not name.endswith(_NO_HANDLE_OK):
+                assert args[0] is not None and getattr(args[0], "value", 1), f"{name} given a NULL handle"
+            if name in self.fail:
+                return 7
+            if name.endswith("_create"):
+                self.handles += 1
+                args[-1]._obj.value = 0x5000 + self.handles  # the new context/engine, through its out pointer
+            return 0
+
+        return call
+
+
+class FakeSymm:
+    """A symmetric buffer that only records its life."""
+
+    def __init__(self, log: list[tuple], nbytes: int):
+        self.log, self.nbytes = log, nbytes
+        self.peer_ptrs = [0x100000]
+        self.local = torch.zeros(nbytes, dtype=torch.uint8)
+        self.backend = "fake"
+        log.append(("symm", nbytes))
+
+    def close(self) -> None:
+        self.log.append(("symm_close", self.nbytes))
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple], set[str]]:
+    """(log, fail): a world of 1 over the fakes; put a library call's name in `fail` to make it fail."""
+    log: list[tuple] = []
+    fail: set[str] = set()
+    lib = FakeLib(log, fail)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(csrc_build, "load", lambda **kw: lib)
+    monkeypatch.setattr(_onesided, "SymmBuffer", lambda nbytes, group, device, lib, mode="torch": FakeSymm(log, nbytes))
+    monkeypatch.setattr(_onesided, "_all_gather_ints", lambda values, group, device: [list(values)])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    return log, fail
+
+
+def _build(cls: type, **kw: Any) -> Any:
+    return cls(None, default_knobs(cls.name), torch.device("cuda", 0), options=RuntimeOptions(), **kw)
+
+
+def _names(log: list[tuple]) -> list[str]:
+    return [e[0] for e in log]
+
+
+# -- a failing constructor frees what it allocated ----------------------------------------------------------------
+def test_nvlink_whose_context_cannot_be_created_frees_its_control_buffer(fake_gpu: tuple) -> None:
+    log, fail = fake_gpu
+    fail.add("mt_nvl_create")
+    with pytest.raises(csrc_build.CsrcError, match="mt_nvl_create failed"):
+        _build(NvlinkTransport)
+    assert _names(log) == ["symm", "mt_nvl_create", "symm_close"]  # no destroy of a context never made
+
+
+def test_nvlink_whose_reserve_fails_frees_context_and_both_buffers(fake_gpu: tuple) -> None:
+    log, fail = fake_gpu
+    fail.add("mt_nvl_set_data")
+    with pytest.raises(csrc_build.CsrcError, match="mt_nvl_set_data"):
+        _build(NvlinkTransport, max_send_rows=8, row_bytes=256)
+    names = _names(log)
+    assert names.count("symm") == 2 and names.count("symm_close") == 2
+    # the context goes before the memory it addresses
+    assert names.index("mt_nvl_destroy") < names.index("symm_close")
+
+
+def test_proxy_whose_engine_does_not_start_frees_its_control_buffer(fake_gpu: tuple) -> None:
+    log, fail = fake_gpu
+    fail.add("mt_proxy_create")
+    with pytest.raises(csrc_build.CsrcError, match="mt_proxy_create failed"):
+        _build(ProxyTransport)
+    assert _names(log) == ["symm", "mt_proxy_create", "symm_close"]
+
+
+def test_proxy_whose_kernel_context_fails_stops_its_engine_and_frees_the_buffer(fake_gpu: tuple) -> None:
+    log, fail = fake_gpu
+    fail.add("mt_pxy_create")
+    with pytest.raises(csrc_build.CsrcError, match="mt_pxy_create failed"):
+        _build(ProxyTransport)
+    names = _names(log)
+    assert "mt_pxy_destroy" not in names  # no context was made
+    assert names[-2:] == ["mt_proxy_destroy", "symm_close"]  # the thread stops before the memory it serves goes
+
+
+def test_proxy_engine_whose_batch_setting_fails_stops_its_thread(fake_gpu: tuple) -> None:
+    log, fail = fake_gpu
+    fail.add("mt_proxy_set_batch")
+    with pytest.raises(csrc_build.CsrcError, match="mt_proxy_set_batch"):
+        ProxyEngine(0, [0], [0], [0], batch=4)
+    assert _names(log) == ["mt_proxy_create", "mt_proxy_set_batch", "mt_proxy_destroy"]
+
+
+def test_a_failure_while_releasing_is_noted_not_raised_over_the_cause(fake_gpu: tuple,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    _log, fail = fake_gpu
+    fail.add("mt_nvl_create")
+
+    def lost_device(device: Any = None) -> None:
+        raise RuntimeError("CUDA error: device lost")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lost_device)
+    with pytest.raises(csrc_build.CsrcError, match="mt_nvl_create failed") as e:
+        _build(NvlinkTransport)
+    assert any("device lost" in n for n in e.value.__notes__)
+
+
+# -- closed or never started: a clear error -------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [ProxyTransport, NvlinkTransport])
+def test_a_transport_never_built_says_it_is_not_running(cls: type) -> None:
+    t = object.__new__(cls)  # what a constructor leaves when it fails before the engine / context exist
+    with pytest.raises(OneSidedError, match="not running"):
+        t.check()
+    with pytest.raises(OneSidedError, match="not running"):
+        t.error_words()
+    with pytest.raises(OneSidedError, match="not running"):
+        t.reserve(8, 256)
+    t.close()  # nothing to free
+
+
+def test_a_proxy_without_its_engine_reports_that_not_an_attribute_error() -> None:
+    t = object.__new__(ProxyTransport)
+    assert t._extra_error() is True
+    with pytest.raises(OneSidedError, match="proxy engine is not running"):
+        t.proxy_stats()
+
+
+@pytest.mark.parametrize("cls", [ProxyTransport, NvlinkTransport])
+def test_a_closed_transport_says_so_and_never_hands_c_a_freed_handle(fake_gpu: tuple, cls: type) -> None:
+    log, _fail = fake_gpu
+    t = _build(cls, max_send_rows=8, row_bytes=256)
+    t.check()  # running: no error
+    t.close()
+    names = _names(log)
+    assert names.count("symm_close") == 2 and names.count("mt_nvl_destroy" if cls is NvlinkTransport else
+                                                           "mt_pxy_destroy") == 1
+    with pytest.raises(OneSidedError, match="not running"):
+        t.check()
+    with pytest.raises(OneSidedError, match="not running"):
+        t.error_words()
+    with pytest.raises(OneSidedError, match="not running"):
+        t.reserve(8, 256)  # would allocate a buffer nobody frees
+    if cls is ProxyTransport:
+        assert t._extra_error() is True
+        with pytest.raises(OneSidedError, match="not running"):
+            t.proxy_stats()
+        assert t.engine.diag() == "closed" and t.engine.error() == "closed"
+    n = len(log)
+    t.close()  # twice: nothing more
+    assert len(log) == n
+
+
+# -- another family's knobs -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [NvlinkTransport, ProxyTransport])
+def test_one_sided_transports_refuse_other_knobs_before_allocating(fake_gpu: tuple, cls: type) -> None:
+    log, _fail = fake_gpu
+    for other in ("collective", "host_staged", "nvlink", "proxy"):
+        if other == cls.name:
+            continue
+        # nvlink used to rewrite them into nvlink knobs, running a setting nobody asked for
+        with pytest.raises(KnobError, match=f"needs transport={cls.name} knobs, got transport='{other}'") as e:
+            cls(None, default_knobs(other), torch.device("cuda", 0), options=RuntimeOptions())
+        assert e.value.knobs == ("transport",)
+    assert log == []
+
+
+def test_collective_transports_refuse_other_knobs() -> None:
+    for cls, other in ((CollectiveTransport, "nvlink"), (CollectiveTransport, "host_staged"),
+                       (HostStagedTransport, "collective"), (HostStagedTransport, "proxy")):
+        with pytest.raises(KnobError, match=f"needs transport={cls.name} knobs"):
+            cls(None, default_knobs(other), "cpu", options=RuntimeOptions())
+    # their own family's still build (world 1, no process group)
+    assert CollectiveTransport(None, Knobs(), "cpu", options=RuntimeOptions()).knobs == Knobs()
+    hs = HostStagedTransport(None, Knobs(transport="host_staged", staging_slots=3), "cpu", options=RuntimeOptions())
+    assert hs.ring == 3
