@@ -211,12 +211,19 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 _INT_TEXT = re.compile(r"[+-]?[0-9]+")
 
 
+def int_of_text(text: str) -> int | None:
+    """`text` as an integer when it is ASCII digits with an optional sign, else None (every runtime parser of
+    typed text uses this, so "1_0" is refused everywhere alike)."""
+    return int(text) if _INT_TEXT.fullmatch(text) else None
+
+
 def _parse_value(name: str, text: str) -> int | str:
     """One `--knobs` value, typed as knob `name` takes it (the range checks follow in _validate)."""
     if name in _INTS:
-        if not _INT_TEXT.fullmatch(text):
+        value = int_of_text(text)
+        if value is None:
             raise KnobError(f"expected an integer (digits only), got {text!r}", (name,))
-        return int(text)
+        return value
     choices = _CHOICES[name]
     if text not in choices:
         raise KnobError(f"must be one of {', '.join(choices)}, got {text!r}", (name,))

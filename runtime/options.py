@@ -30,6 +30,7 @@ from typing import Any, Literal
 import msgspec
 
 from moetune.runtime import config as _config
+from moetune.runtime.knobs import KNOB_DOCS, Knobs, int_of_text
 
 SymmMode = Literal["torch", "ipc"]
 SYMM_MODES: tuple[str, ...] = ("torch", "ipc")
@@ -229,10 +230,10 @@ def _parse_env(doc: OptionDoc, raw: str) -> Any:
             return False
         raise RuntimeOptionError(f"{where}: expected 1/0 (or true/false, yes/no, on/off)")
     if kind == "int":
-        try:
-            return int(text)
-        except ValueError:
-            raise RuntimeOptionError(f"{where}: expected an integer") from None
+        value = int_of_text(text)  # not int(): it takes "1_0" as 10
+        if value is None:
+            raise RuntimeOptionError(f"{where}: expected an integer (digits only)")
+        return value
     if kind == "float":
         try:
             return float(text)
@@ -351,8 +352,6 @@ def _esc(text: str) -> str:
 
 
 def _knob_rows() -> list[str]:
-    from moetune.runtime.knobs import KNOB_DOCS, Knobs
-
     d = Knobs()
     rows = ["| knob | type / values | default | meaning |", "| --- | --- | --- | --- |"]
     for name in Knobs.__struct_fields__:

@@ -51,3 +51,13 @@ def test_every_knob_has_a_text_form() -> None:
     assert set(K._INTS) | set(K._CHOICES) == set(Knobs.__struct_fields__)
     d = Knobs().to_dict()
     assert Knobs.parse(",".join(f"{n}={v}" for n, v in d.items())) == Knobs()
+
+
+def test_megakernel_config_text_refuses_what_int_would_stretch() -> None:
+    """MegakernelConfig.parse types its integers as Knobs.parse does: "1_6" is not 16."""
+    from moetune.runtime.megakernel.config import ConfigError, MegakernelConfig
+
+    assert MegakernelConfig.parse("bm=16, stages=3").bm == 16
+    for bad in ("bm=1_6", "bm= 16x", "stages=٣"):
+        with pytest.raises(ConfigError, match="must be int"):
+            MegakernelConfig.parse(bad)

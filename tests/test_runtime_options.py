@@ -36,7 +36,8 @@ def test_variables_parse_and_bad_values_name_the_setting() -> None:
     for var, bad, option in (("MOETUNE_HS_NATIVE", "maybe", "hs_native"), ("MOETUNE_SYMM", "nvshmem", "symm"),
                              ("MOETUNE_ONESIDED_TIMEOUT_S", "-1", "onesided_timeout_s"),
                              ("MOETUNE_PROXY_BATCH", "0", "proxy_batch"), ("MOETUNE_PLAN_MODE", "7", "plan_mode"),
-                             ("MOETUNE_PROXY_BATCH", "lots", "proxy_batch")):
+                             ("MOETUNE_PROXY_BATCH", "lots", "proxy_batch"),
+                             ("MOETUNE_PROXY_BATCH", "1_6", "proxy_batch")):  # int() would read 16
         with pytest.raises(RuntimeOptionError) as e:
             RuntimeOptions.from_env({var: bad})
         assert option in str(e.value) and var in str(e.value) and bad in str(e.value), str(e.value)

@@ -23,6 +23,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from moetune.runtime.knobs import int_of_text
+
 if TYPE_CHECKING:
     from moetune.runtime.knobs import Knobs
     from moetune.runtime.options import RuntimeOptions
@@ -233,10 +235,13 @@ class MegakernelConfig:
                 raise ConfigError(f"megakernel config: unknown field {key!r}; known: {', '.join(names)}")
             ftype = names[key].type
             typ = float if ftype in ("float", float) else str if ftype in ("str", str) else int
+            val = val.strip()
             try:
-                out[key] = typ(val.strip())
+                out[key] = int_of_text(val) if typ is int else typ(val)  # not int(): it takes "1_0" as 10
+                if out[key] is None:
+                    raise ValueError(val)
             except ValueError:
-                raise ConfigError(f"megakernel config: {key} must be {typ.__name__}, got {val.strip()!r}") from None
+                raise ConfigError(f"megakernel config: {key} must be {typ.__name__}, got {val!r}") from None
         return cls.from_dict(out)
 
     def to_dict(self) -> dict[str, Any]:
