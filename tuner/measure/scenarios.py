@@ -841,9 +841,10 @@ def _f(v: float | None) -> str:
 
 
 def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8) -> list[str]:
-    """Markdown lines for one scenario: its latest batch of rows (same git SHA and hardware), per case the
-    median over launches of each launch's median / p10 / p90 of the first metric present, and the ratio to the
-    baseline case (baseline / case for lower-is-better metrics, so > 1 means faster)."""
+    """Markdown lines for one scenario: its latest batch of rows (the latest row's git SHA, dirty flag, hardware and
+    source), per case the median over launches of each launch's median / p10 / p90 of the first metric present, and
+    the ratio to the baseline case (baseline / case for lower-is-better metrics, so > 1 means faster): the median
+    over the launches that ran both of the ratio within one launch, never a baseline from another launch."""
     mine = [r for r in rows if r["scenario"] == s.name and R.fnum(r["median"]) is not None]
     real = [r for r in mine if r["source"] != "smoke"]
     use = real or mine
@@ -852,7 +853,9 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8) 
     if not use:
         return [*head, f"No rows yet: `moetune bench run {s.name}`.", ""]
     latest = max(use, key=lambda r: r["date"])
-    batch = [r for r in use if r["git_sha"] == latest["git_sha"] and r["hardware"] == latest["hardware"]]
+    # one tree state and one kind of row: a dirty tree at the same SHA is other code, an imported row another run
+    key = ("git_sha", "git_dirty", "hardware", "source")
+    batch = [r for r in use if all(r[k] == latest[k] for k in key)]
     present = {r["metric"] for r in batch}
     metric = next((m for m in s.metrics if m in present), sorted(present)[0])
     batch = [r for r in batch if r["metric"] == metric]
@@ -862,27 +865,41 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8) 
         cases = [c for c in cases if c in order] + [c for c in cases if c not in order]
     shown, hidden = cases[:max_cases], len(cases) - max_cases
 
-    def stat(c: str, k: str) -> float | None:
-        # one value per launch (the baseline's first and last runs pooled), then the median over launches
+    def per_launch(c: str, k: str) -> dict[str, float]:
+        # one value per launch (the baseline's first and last runs pooled)
         per: dict[str, list[float]] = {}
         for r in batch:
             if r["case"] == c and R.fnum(r[k]) is not None:
                 per.setdefault(r["launch"], []).append(R.fnum(r[k]))  # type: ignore[arg-type]
-        return _med([statistics.mean(v) for v in per.values()])
+        return {launch: statistics.mean(v) for launch, v in per.items()}
+
+    def stat(c: str, k: str) -> float | None:
+        return _med(list(per_launch(c, k).values()))
 
     bname = next((r["case"] for r in batch if r["baseline"] == "1"), cases[0])
-    b = stat(bname, "median")
+    base = per_launch(bname, "median")
+
+    def ratio_of(c: str) -> float | None:
+        # paired within each launch: a case run in other launches than the baseline's (`--case`, a batch of
+        # several runs at one SHA) is compared only with the baseline it ran beside
+        mine = per_launch(c, "median")
+        rs = [(base[lc] / m if s.better == "lower" else m / base[lc]) for lc, m in mine.items()
+              if lc in base and base[lc] and m]
+        return _med(rs)
     kind = {"smoke": "SMOKE (plumbing check on tiny sizes, not a measurement)", "imported": "imported",
             "measured": "measured"}.get(latest["source"], latest["source"])
     dirty = " (dirty tree)" if latest["git_dirty"] == "1" else ""
     unit = latest["unit"] if latest["metric"] == metric else next((r["unit"] for r in batch), "")
+    if "MODELLED" in unit:  # the run was measured, the number is a prediction: say so first
+        kind = f"MODELLED (predictions, not measurements; rows {latest['source']})"
     lines = [*head, f"{kind}, {latest['date'][:10]}, `{latest['git_sha'][:10]}`{dirty}, {latest['hardware']}"
              f"{', GPU ' + latest['gpu'] if latest['gpu'] not in ('', 'none') else ''}; metric `{metric}` ({unit}); "
-             f"ratio = {'baseline / case' if s.better == 'lower' else 'case / baseline'} (> 1: better than `{bname}`).", "",
+             f"ratio = {'baseline / case' if s.better == 'lower' else 'case / baseline'} within a launch, median over the "
+             f"launches that ran both (> 1: better than `{bname}`; -: never run beside it).", "",
              "| case | launches | median | p10 | p90 | ratio |", "| --- | --- | --- | --- | --- | --- |"]
     for c in shown:
         m = stat(c, "median")
-        ratio = (b / m if s.better == "lower" else m / b) if (b and m) else None
+        ratio = ratio_of(c)
         nl = len({r["launch"] for r in batch if r["case"] == c})
         lines.append(f"| {c}{' (baseline)' if c == bname else ''} | {nl} | {_f(m)} | {_f(stat(c, 'p10'))} | "
                      f"{_f(stat(c, 'p90'))} | {'-' if ratio is None else f'{ratio:.2f}×'} |")
@@ -900,8 +917,9 @@ def summarize(scenarios: dict[str, Scenario], rows: list[dict[str, str]]) -> str
         "Generated by `moetune bench summarize` from `bench/results/summary.csv`; do not edit by hand. Each scenario",
         "is a file in `bench/scenarios/`; `moetune bench list` shows them, `moetune bench run NAME` measures one",
         "(baseline first and last in every launch, several launches) and appends stamped rows (git SHA, versions,",
-        "GPU, fabric fingerprint, exact command). Tables show each scenario's latest batch (one git SHA, one machine):",
-        "per case the median over launches of each launch's median / p10 / p90. The run history, the reasoning and",
+        "GPU, fabric fingerprint, exact command). Tables show each scenario's latest batch (one git SHA and dirty",
+        "flag, one machine, one source): per case the median over launches of each launch's median / p10 / p90, and",
+        "the ratio to the baseline paired within each launch. The run history, the reasoning and",
         f"the older numbers are in `docs/perf-notes.md`; {len(rows)} rows in summary.csv ({n_imp} imported: the",
         "2026-11-30 lab notebook and reports measured on a GPU machine, `bench run --from-report`; raw logs in",
         "`bench/results/archive/`). MODELLED units are predictions, not measurements.",

@@ -1,0 +1,81 @@
+"""`moetune bench summarize` (scenarios.scenario_table): which rows make a scenario's latest batch, how its ratios
+are paired, and how a modelled metric is labelled. Rows are built here, so each rule is checked on its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moetune.tuner.measure import results as R
+from moetune.tuner.measure import scenarios as S
+
+SCENARIOS = S.load_all()
+
+
+def _row(scenario: str, case: str, launch: str, median: float, **over: Any) -> dict[str, str]:
+    """One summary.csv row as read_rows gives it (every column a string)."""
+    s = SCENARIOS[scenario]
+    r: dict[str, Any] = {c: "" for c in R.COLUMNS}
+    r.update(scenario=scenario, case=case, baseline=R._cell(case == s.baseline.name), position="0", launch=launch,
+             metric=s.metrics[0], unit="us", median=R._cell(median), n="30", source="measured",
+             date="2026-12-01T10:00:00Z", git_sha="a" * 40, git_dirty="0", gpu="NVIDIA H200", gpu_count="1",
+             hardware="1x NVIDIA H200, 16 CPU cores", world="1", backend="none", command="moetune bench run")
+    r.update({k: R._cell(v) for k, v in over.items()})
+    return r
+
+
+def _table_rows(md: list[str]) -> dict[str, list[str]]:
+    """{case: [launches, median, p10, p90, ratio]} of a scenario table."""
+    out = {}
+    for ln in md:
+        if ln.startswith("| ") and not ln.startswith(("| case", "| ---", "| …")):
+            cells = [c.strip() for c in ln.strip("|").split("|")]
+            out[cells[0].removesuffix(" (baseline)")] = cells[1:]
+    return out
+
+
+def test_a_ratio_pairs_each_case_with_the_baseline_of_the_same_launches() -> None:
+    """Launch 1 ran the baseline (100) and megakernel (50); launch 2 (`bench run --case torch`) the baseline at 200
+    and torch (100). Each case is twice as fast as the baseline it ran beside: the ratio of a case must not take
+    the baseline from a launch the case was not in (before: 150 / 50 = 3.00x and 150 / 100 = 1.50x)."""
+    s = SCENARIOS["moe-megakernel-vs-unfused"]
+    rows = [_row(s.name, "unfused", "L1", 100), _row(s.name, "megakernel", "L1", 50),
+            _row(s.name, "unfused", "L2", 200, date="2026-12-01T11:00:00Z"),
+            _row(s.name, "torch", "L2", 100, date="2026-12-01T11:00:00Z")]
+    t = _table_rows(S.scenario_table(s, rows))
+    assert t["megakernel"][-1] == "2.00×" and t["torch"][-1] == "2.00×", t
+    assert t["unfused"][-1] == "1.00×"
+
+
+def test_a_case_never_run_beside_the_baseline_gets_no_ratio() -> None:
+    s = SCENARIOS["moe-megakernel-vs-unfused"]
+    rows = [_row(s.name, "unfused", "L1", 100), _row(s.name, "megakernel", "L2", 50)]
+    assert _table_rows(S.scenario_table(s, rows))["megakernel"][-1] == "-"
+
+
+def test_the_latest_batch_is_one_tree_state_and_one_kind_of_row() -> None:
+    """Rows of a dirty tree at the same SHA are other code than the clean commit's, and imported rows are not this
+    command's measurement: the latest batch takes only rows of the latest row's SHA, dirty flag, hardware and
+    source (before: a clean launch and a later dirty one were pooled under '(dirty tree)')."""
+    s = SCENARIOS["moe-megakernel-vs-unfused"]
+    later = {"date": "2026-12-02T10:00:00Z", "git_dirty": True}
+    rows = [_row(s.name, "unfused", "L1", 100), _row(s.name, "megakernel", "L1", 50),
+            _row(s.name, "unfused", "L2", 100, **later), _row(s.name, "megakernel", "L2", 100, **later)]
+    md = S.scenario_table(s, rows)
+    t = _table_rows(md)
+    assert t["megakernel"][:2] == ["1", "100"] and t["unfused"][0] == "1", t
+    assert any("(dirty tree)" in ln for ln in md)
+    imp = {"date": "2026-12-02T10:00:00Z", "source": "imported"}
+    rows = [_row(s.name, "unfused", "L1", 100), _row(s.name, "megakernel", "L1", 50),
+            _row(s.name, "unfused", "L3", 100, **imp), _row(s.name, "megakernel", "L3", 100, **imp)]
+    t = _table_rows(S.scenario_table(s, rows))
+    assert t["megakernel"][:2] == ["1", "100"], t
+
+
+def test_a_modelled_metric_is_not_headed_measured() -> None:
+    """fabric-model's numbers are the model's predictions (unit '... MODELLED'); `bench run` stamps its rows
+    source=measured (the run was), so the table's heading must say MODELLED, not 'measured'."""
+    s = SCENARIOS["fabric-model"]
+    rows = [_row(s.name, "presets", "L1", 12.1, unit="x MODELLED", metric="speedup[16nodes]", gpu="none",
+                 hardware="2 CPU cores (x86_64), no GPU")]
+    head = next(ln for ln in S.scenario_table(s, rows) if "metric `" in ln)
+    assert head.startswith("MODELLED") and not head.startswith("measured"), head
