@@ -79,3 +79,22 @@ def test_a_modelled_metric_is_not_headed_measured() -> None:
                  hardware="2 CPU cores (x86_64), no GPU")]
     head = next(ln for ln in S.scenario_table(s, rows) if "metric `" in ln)
     assert head.startswith("MODELLED") and not head.startswith("measured"), head
+
+
+def test_an_untracked_file_makes_the_tree_dirty(tmp_path, monkeypatch) -> None:
+    """A scenario file or driver not yet added to git ran, but the stamped commit does not hold it: the row must say
+    dirty (before: `git status --untracked-files=no` called such a tree clean)."""
+    import subprocess
+
+    def git(*a: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
+    monkeypatch.setattr(S, "ROOT", tmp_path)
+    monkeypatch.delenv("MOETUNE_GIT_SHA", raising=False)
+    assert S.machine_facts("none", lambda: "fp")["git_dirty"] is False
+    (tmp_path / "new-scenario.toml").write_text('name = "new-scenario"\n')
+    assert S.machine_facts("none", lambda: "fp")["git_dirty"] is True

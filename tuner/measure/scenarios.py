@@ -693,7 +693,8 @@ def machine_facts(backend: str, fingerprint: Callable[[], str] | None = None) ->
     return {
         # a given SHA wins: a tree copied to a GPU machine may carry a stale .git whose HEAD is not the tree
         "git_sha": given or _git("rev-parse", "HEAD") or "unknown",
-        "git_dirty": False if given else bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # untracked files count: a scenario or driver not yet added ran, and the stamped commit does not hold it
+        "git_dirty": False if given else bool(_git("status", "--porcelain", "--untracked-files=normal")),
         "moetune": __version__, "torch": torch.__version__, "nccl": nccl, "cuda": torch.version.cuda or "",
         "gpu": gpu, "gpu_count": gpus, "fabric_fingerprint": fp,
         "hardware": f"{gpus}x {gpu}, {os.cpu_count()} CPU cores" if gpus else f"{os.cpu_count()} CPU cores ({cpu}), no GPU",
