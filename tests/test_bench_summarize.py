@@ -98,3 +98,22 @@ def test_an_untracked_file_makes_the_tree_dirty(tmp_path, monkeypatch) -> None:
     assert S.machine_facts("none", lambda: "fp")["git_dirty"] is False
     (tmp_path / "new-scenario.toml").write_text('name = "new-scenario"\n')
     assert S.machine_facts("none", lambda: "fp")["git_dirty"] is True
+
+
+def test_p10_and_p90_columns_hold_only_p10_and_p90() -> None:
+    """The drivers' outputs give a p99 with its p50 and max, or a median with its max: those are their own metrics,
+    never the row's p10 / p90 (before: p99_us rows carried the p50 as p10 and the max as p90, and BENCHMARKS.md
+    showed them under 'p10' and 'p90')."""
+    d = S.daemon_metrics({"phases": [{"clients": 64, "mode": "paced", "p99_us": 545.0, "p50_us": 190.0,
+                                      "max_us": 2505.0, "requests": 1000, "req_per_s": 9990.0}],
+                          "autoload_daemon_up": {"call": {"median_ms": 3.0, "max_ms": 9.0, "runs": 5}}})
+    p99 = d["p99_us[c64-paced]"]
+    assert (p99.median, p99.p10, p99.p90) == (545.0, None, None)
+    assert d["p50_us[c64-paced]"].median == 190.0 and d["max_us[c64-paced]"].median == 2505.0
+    up = d["autoload_ms[daemon-up]"]
+    assert (up.median, up.p90) == (3.0, None) and d["autoload_max_ms[daemon-up]"].median == 9.0
+    live = S.discovery_metrics({"live_discover_median_s": 0.005, "live_discover_max_s": 0.015, "import_s": 0.2,
+                                "cli_fabric_show_json_wall_median_s": 1.0, "capture_discover_s": {}})["live"]
+    assert live["discover_s"].p90 is None and live["discover_max_s"].median == 0.015
+    m = S.model_metrics({"predict_timing": {"results": {"collective": {"median_ms": 1.0, "max_ms": 4.0}}}})
+    assert m["predict_ms[collective]"].p90 is None and m["predict_max_ms[collective]"].median == 4.0
