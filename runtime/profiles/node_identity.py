@@ -81,7 +81,9 @@ def local_driver(proc: Path | None = None) -> str | None:
         text = ((proc or PROC_ROOT) / "driver" / "nvidia" / "version").read_text(errors="replace")
     except OSError:
         return None
-    m = re.search(r"Kernel Module\s+([0-9][0-9.]*)", text)
+    # "NVIDIA UNIX x86_64 Kernel Module  535.104.05" or "NVIDIA UNIX Open Kernel Module for x86_64  550.90.07"
+    # (the open module, what Hopper and Blackwell nodes run): as discovery reads it
+    m = re.search(r"Kernel Module(?: for \S+)?\s+([0-9][0-9.]*)", text)
     return m.group(1) if m else None
 
 
