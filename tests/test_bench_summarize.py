@@ -117,3 +117,31 @@ def test_p10_and_p90_columns_hold_only_p10_and_p90() -> None:
     assert live["discover_s"].p90 is None and live["discover_max_s"].median == 0.015
     m = S.model_metrics({"predict_timing": {"results": {"collective": {"median_ms": 1.0, "max_ms": 4.0}}}})
     assert m["predict_ms[collective]"].p90 is None and m["predict_max_ms[collective]"].median == 4.0
+
+
+def test_capture_discovery_is_a_median_of_single_calls(monkeypatch, capsys) -> None:
+    """bench/fabric_discovery_cpu.py's capture times land in the discover_s rows as medians of 20 calls (the live
+    case's is one): one slow first call must not move them (before: total / 20, a mean, stored as the median)."""
+    import importlib.util
+    import json
+    import subprocess
+    import time
+
+    from moetune.tuner.fabric import discovery
+
+    calls: dict[object, int] = {}
+
+    def fake_discover(path: object = None) -> object:
+        calls[path] = calls.get(path, 0) + 1
+        if path is not None and calls[path] == 1:
+            time.sleep(0.2)  # a cold first read: 10 ms of the mean over 20, nothing of the median
+        return type("F", (), {"gpu_count": 0, "tools": {}})()
+
+    monkeypatch.setattr(discovery, "discover", fake_discover)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: None)
+    spec = importlib.util.spec_from_file_location("fdc", S.ROOT / "bench" / "fabric_discovery_cpu.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    mod.main()
+    d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert all(v < 0.005 for v in d["capture_discover_s"].values()), d["capture_discover_s"]
