@@ -3,6 +3,7 @@ everything is no fabric change; the runtime reads the driver version of every ke
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -17,6 +18,80 @@ from moetune.tuner.fabric.discovery import discover
 
 pytestmark = pytest.mark.timeout(60)
 XML_KEY = "nvidia-smi_-q_-x"
+
+
+def timed_out_smi(dest: Path, name: str = "dgx-h100") -> Path:
+    """A copy of a capture in which `nvidia-smi -q -x` timed out (what a slow or busy driver gives)."""
+    shutil.copytree(F.CAPTURES / name, dest)
+    (dest / "commands" / XML_KEY).unlink()
+    m = json.loads((dest / "manifest.json").read_text())
+    m["commands"][XML_KEY] = {"argv": ["nvidia-smi", "-q", "-x"], "status": "timeout", "rc": None}
+    m.get("files", {}).pop(f"commands/{XML_KEY}", None)
+    (dest / "manifest.json").write_text(json.dumps(m))
+    return dest
+
+
+# -- the daemon: an incomplete discovery is no fabric change -----------------------------------------------
+def _daemon(tmp_path: Path, state: dict) -> tuple:
+    from moetune.tuner.daemon.server import Daemon
+
+    store = F.open_store(tmp_path / "moetune.db")
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/daemon.sock", discover=lambda: state["facts"],
+               retune_job=F.fake_retune, rediscover_interval_s=3600).start(background=True)
+    return d, store
+
+
+def test_timed_out_discovery_is_incomplete(tmp_path: Path) -> None:
+    f = discover(timed_out_smi(tmp_path / "cap"))
+    assert not f.complete and f.gpus == []
+    assert f.fingerprint != discover(F.CAPTURES / "dgx-h100").fingerprint
+
+
+def test_incomplete_rediscovery_keeps_the_profiles(tmp_path: Path) -> None:
+    good = discover(F.CAPTURES / "dgx-h100")
+    state = {"facts": good}
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, good)
+    d, store = _daemon(tmp_path, state)
+    try:
+        assert d.facts.fingerprint == good.fingerprint
+        state["facts"] = discover(timed_out_smi(tmp_path / "cap"))  # nvidia-smi did not answer this round
+        d.rediscover()
+        assert d.facts.fingerprint == good.fingerprint
+        assert store.count_profiles("stale") == 0 and store.count_profiles("current") == 3
+        assert not [e for e in store.list_events(limit=50) if e["kind"] == "fabric_changed"]
+        _when, ok, msg = d._last_discovery
+        assert not ok and "incomplete" in msg and "timed out" in msg
+        # the next complete round: nothing changed, all is well again
+        state["facts"] = good
+        d.rediscover()
+        assert d._last_discovery[1] and store.count_profiles("stale") == 0
+        # a real change is still one
+        F.make_capture(tmp_path / "cap2")
+        state["facts"] = F.set_port_state(tmp_path / "cap2", "1: DOWN")
+        d.rediscover()
+        assert d.facts.fingerprint == state["facts"].fingerprint and store.count_profiles("stale") == 3
+    finally:
+        d.stop()
+
+
+def test_incomplete_discovery_at_start_keeps_the_profiles(tmp_path: Path) -> None:
+    good = discover(F.CAPTURES / "dgx-h100")
+    state = {"facts": good}
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, good)
+    d, store = _daemon(tmp_path, state)
+    d.stop()
+    state["facts"] = discover(timed_out_smi(tmp_path / "cap"))
+    d, store = _daemon(tmp_path, state)
+    try:
+        assert store.count_profiles("stale") == 0 and store.count_profiles("current") == 3
+        assert not d._last_discovery[1] and "incomplete" in d._last_discovery[2]
+        state["facts"] = good  # the next round reads everything: the same fabric, served
+        d.rediscover()
+        assert d.facts.fingerprint == good.fingerprint and store.count_profiles("stale") == 0
+    finally:
+        d.stop()
 
 
 # -- the runtime's own reading of the node -----------------------------------------------------------------

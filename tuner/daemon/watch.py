@@ -3,6 +3,7 @@
 Every `rediscover_interval_s` the fabric is discovered again; on a fingerprint change the daemon records
 an event with `diff_facts` reasons (a replaced GPU included), marks the old fingerprint's profiles
 `stale`, rebuilds the index, publishes `fabric_changed` and `profile_stale`, and queues a re-tune job.
+An incomplete discovery (a command timed out) is never taken for a change: the known facts are kept.
 `FabricWatch` is mixed into `Daemon`; it uses the daemon's store, index and job manager.
 """
 
@@ -55,6 +56,15 @@ def identity(facts: Any) -> str | None:
     return facts.identity_hash or None
 
 
+def incomplete(facts: Any) -> str:
+    """Why discovery could not read everything (`FabricFacts.warnings`, e.g. nvidia-smi timed out), '' when
+    it could. Such facts are no evidence of a change: GPUs nvidia-smi did not answer for are not GPUs gone,
+    and taking them for a new fabric would make every profile stale and queue a re-tune on each slow round."""
+    if getattr(facts, "complete", True):
+        return ""
+    return "; ".join(str(w) for w in getattr(facts, "warnings", []) or []) or "facts incomplete"
+
+
 def same_hardware(old_fp: str | None, old_identity: str | None, facts: Any) -> bool:
     """Same fingerprint and, where both sides know it, the same physical parts (a replaced GPU is a change)."""
     if old_fp != facts.fingerprint:
@@ -97,6 +107,11 @@ class FabricWatch:
         self._last_discovery = (now(), True, "")
         return facts
 
+    def _kept(self, facts: Any, why: str) -> None:
+        """An incomplete discovery that differs from the known fabric: keep what is known, say why in status."""
+        self._last_discovery = (now(), False, f"incomplete discovery, previous facts kept: {why}"[:1000])
+        log.warning("incomplete discovery ignored", extra={"fingerprint": facts.fingerprint, "why": why})
+
     def _startup_discovery(self) -> None:
         if self._discover is None:
             self._last_discovery = (now(), False, "no discovery configured")
@@ -106,6 +121,9 @@ class FabricWatch:
             return
         last = self._last_fabric_event()
         if last is not None and not same_hardware(last.get("fingerprint"), last.get("identity"), facts):
+            if why := incomplete(facts):
+                self._kept(facts, why)  # nothing served until a round reads everything (as after a failure)
+                return
             self._fabric_changed(last.get("fingerprint"), last.get("facts") or {}, facts, rebuild=False)
             return
         self.facts = facts
@@ -169,7 +187,13 @@ class FabricWatch:
                     self._write_info(running=True)
                     self._rebuild([dict(kind="fabric_changed", fingerprint=facts.fingerprint, reasons=["fabric discovered"])])
                 return
+            if why := incomplete(facts):
+                self._kept(facts, why)
+                return
             self._fabric_changed(last.get("fingerprint"), last.get("facts") or {}, facts)
+            return
+        if why := incomplete(facts):
+            self._kept(facts, why)
             return
         self._fabric_changed(old.fingerprint, facts_dict(old), facts)
 
