@@ -117,3 +117,27 @@ def test_runtime_accepts_the_recorded_facts_of_an_open_module_node(tmp_path: Pat
     why, checked = node_identity.mismatch(d, proc)
     assert why is None and "driver" in checked
 
+
+# -- software facts do not depend on what the discovering process imported ----------------------------------
+def test_software_is_the_same_whether_torch_was_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch without an nvidia-nccl-* distribution (NGC containers, conda, source builds): the daemon
+    imports torch for its first local re-tune, and its next discovery must not see another NCCL version
+    (a new fingerprint: every profile just tuned would go stale)."""
+    import importlib.metadata as md
+    import types
+
+    from moetune.tuner.fabric.discovery import LiveSource, _software
+
+    def version(name: str) -> str:
+        if name == "torch":
+            return "2.5.0a0+e000cf0ad9.nv24.10"
+        raise md.PackageNotFoundError(name)
+
+    monkeypatch.setattr(md, "version", version)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    src = LiveSource()
+    without = _software(src.packages(), {"driver": "550.90.07", "cuda": "12.6"}, "")
+    nccl = types.SimpleNamespace(version=lambda: (2, 22, 3))
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True, nccl=nccl)))
+    with_torch = _software(src.packages(), {"driver": "550.90.07", "cuda": "12.6"}, "")
+    assert with_torch == without

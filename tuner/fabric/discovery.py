@@ -93,7 +93,6 @@ PACKAGES: tuple[str, ...] = (
     "nvidia-cuda-runtime",
     "moetune",
 )
-TORCH_NCCL_KEY = "torch.cuda.nccl"  # NCCL version torch reports (only when torch was already imported)
 
 IB_ROOT = "/sys/class/infiniband"
 CXI_ROOT = "/sys/class/cxi"
@@ -281,14 +280,8 @@ class LiveSource(Source):
                 out[name] = None
             except Exception:  # a broken dist-info must not break discovery
                 out[name] = None
-        torch = sys.modules.get("torch")  # never import torch here (slow); use it if already loaded
-        if torch is not None:
-            try:
-                if torch.cuda.is_available():
-                    v = torch.cuda.nccl.version()
-                    out[TORCH_NCCL_KEY] = ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
-            except Exception:  # broad: a best-effort version stamp; a broken CUDA setup must not stop discovery
-                pass
+        # Not the NCCL version torch reports: only known once torch is imported, so the same node would get
+        # two software hashes (the daemon imports torch for its first local re-tune).
         return out
 
     def gpu_api(self) -> dict[str, Any] | None:
@@ -1090,7 +1083,7 @@ def _software(pk: dict[str, str | None], versions: dict[str, str], libfabric: st
         "driver": versions.get("driver", ""),
         "cuda": versions.get("cuda", ""),
         "cuda_runtime": first("nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime"),
-        "nccl": first("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11", TORCH_NCCL_KEY),
+        "nccl": first("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"),
         "nvshmem": first("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12"),
         "torch": first("torch"),
         "nvshmem4py": first("nvshmem4py-cu13", "nvshmem4py-cu12"),
