@@ -141,3 +141,23 @@ def test_software_is_the_same_whether_torch_was_imported(monkeypatch: pytest.Mon
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True, nccl=nccl)))
     with_torch = _software(src.packages(), {"driver": "550.90.07", "cuda": "12.6"}, "")
     assert with_torch == without
+
+
+# -- which NIC each GPU sits next to ------------------------------------------------------------------------
+def test_gpu_nic_locality_is_in_the_fingerprint(tmp_path: Path) -> None:
+    """The 400 Gb/s InfiniBand HCA next to GPU 0 (PXB) and a 200 Gb/s storage Ethernet card trade PCIe slots
+    (names follow the slots): the same cards, the same set of levels per GPU, but GPU 0's RDMA traffic now
+    crosses the CPU's root complex (its InfiniBand NIC is at NODE). A fabric change."""
+    from moetune.tuner.fabric.fingerprint import diff_facts
+
+    root = tmp_path / "c"
+    shutil.copytree(F.CAPTURES / "dgx-h100", root)
+    ib = root / "sys/class/infiniband"
+    (ib / "mlx5_0").rename(ib / "_tmp")
+    (ib / "mlx5_1").rename(ib / "mlx5_0")
+    (ib / "_tmp").rename(ib / "mlx5_1")
+    base, moved = discover(F.CAPTURES / "dgx-h100"), discover(root)
+    near = {gn.nic for gn in moved.gpu_nic if gn.gpu == 0 and gn.level == "PXB"}
+    assert [n.ports[0].link_layer for n in moved.nics if n.name in near] == ["Ethernet"]
+    assert moved.fingerprint != base.fingerprint
+    assert "mlx5_0 port 1 link layer InfiniBand → Ethernet" in diff_facts(base.to_dict(), moved.to_dict())

@@ -4,7 +4,8 @@ Works on the `FabricFacts.to_dict()` form (what the store keeps), so a stored fi
 recomputed and diffed without the node. What goes in:
 
 - hardware: per GPU (model, memory, compute capability, PCIe max generation and widths, MIG, its NVLink
-  link speeds/states, its topology level + P2P status to every peer, its topology levels to the NICs),
+  link speeds/states, its topology level + P2P status to every peer, its topology level to each NIC paired
+  with that NIC's descriptor, so that which NIC sits next to which GPU counts, not the NICs' names),
   per NIC (kind, HCA type, firmware, board id, PCI id, ports with state/rate/link layer), GPUDirect RDMA
   (nvidia_peermem, dma-buf), libfabric fabric providers, node count;
 - software: driver, CUDA, CUDA runtime, NCCL, NVSHMEM, torch, nvshmem4py, libfabric, moetune.
@@ -63,9 +64,30 @@ def canonical_hardware(facts: dict[str, Any]) -> dict[str, Any]:
         tag = f"{p.get('level', '?')}/{p.get('p2p', '?')}"
         peers[p["a"]].append(tag)
         peers[p["b"]].append(tag)
+    ndesc: list[str] = []
+    ndesc_by_name: dict[str, str] = {}
+    for n in facts.get("nics", []) or []:
+        ports = sorted(
+            _dump([p.get("port"), p.get("state"), float(p.get("rate_gbps", 0.0)), p.get("link_layer")])
+            for p in n.get("ports", [])
+        )
+        desc = _dump(
+            {
+                "kind": n.get("kind", ""),
+                "hca_type": n.get("hca_type", ""),
+                "fw_ver": n.get("fw_ver", ""),
+                "board_id": n.get("board_id", ""),
+                "pci_id": n.get("pci_id", ""),
+                "ports": ports,
+            }
+        )
+        ndesc.append(desc)
+        ndesc_by_name[n.get("name", "")] = desc
+    # Each level goes with the NIC at that distance (not its name): an InfiniBand HCA and a storage card
+    # trading slots leaves every GPU's set of levels as it was, yet moves a GPU's RDMA across the CPU.
     nic_levels: dict[int, list[str]] = defaultdict(list)
     for gn in facts.get("gpu_nic", []) or []:
-        nic_levels[gn["gpu"]].append(gn.get("level", "?"))
+        nic_levels[gn["gpu"]].append(_dump([gn.get("level", "?"), ndesc_by_name.get(gn.get("nic", ""), "")]))
     gdesc = []
     for g in gpus:
         links = sorted(
@@ -85,24 +107,6 @@ def canonical_hardware(facts: dict[str, Any]) -> dict[str, Any]:
                     "nvlinks": links,
                     "peers": sorted(peers.get(g.get("index", -1), [])),
                     "nics": sorted(nic_levels.get(g.get("index", -1), [])),
-                }
-            )
-        )
-    ndesc = []
-    for n in facts.get("nics", []) or []:
-        ports = sorted(
-            _dump([p.get("port"), p.get("state"), float(p.get("rate_gbps", 0.0)), p.get("link_layer")])
-            for p in n.get("ports", [])
-        )
-        ndesc.append(
-            _dump(
-                {
-                    "kind": n.get("kind", ""),
-                    "hca_type": n.get("hca_type", ""),
-                    "fw_ver": n.get("fw_ver", ""),
-                    "board_id": n.get("board_id", ""),
-                    "pci_id": n.get("pci_id", ""),
-                    "ports": ports,
                 }
             )
         )
