@@ -36,9 +36,15 @@ def transport_names(facts: Any) -> list[str]:
 
 
 def default_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    from moetune.tuner.fabric.fingerprint import diff_facts
+    from moetune.tuner.fabric.fingerprint import diff_facts, fingerprint
 
-    return list(diff_facts(old, new)) or ["facts changed"]
+    reasons = list(diff_facts(old, new))
+    if reasons:
+        return reasons
+    if fingerprint(old) == fingerprint(new):
+        # the stored fingerprint was computed by another moetune from these very facts
+        return ["same facts, fingerprint computed differently (moetune upgraded)"]
+    return ["facts changed"]
 
 
 def make_discover(capture: Path | None) -> Callable[[], Any]:
