@@ -13,7 +13,8 @@ cp "$WT/bench/megakernel_bench.py" "$WT/bench/megakernel_profile.py" "$DEST/benc
 cp "$WT/bench/megakernel_device.sh" "$DEST/run.sh"
 printf '[pytest]\nmarkers =\n    gpu: needs CUDA\n    slow: long\naddopts = --import-mode=importlib\n' > "$DEST/pytest.ini"
 git -C "$WT" rev-parse --short HEAD > "$DEST/SHA"
-git -C "$WT" rev-parse HEAD > "$DEST/SHA_FULL"  # stamps results there (MOETUNE_GIT_SHA): no .git travels
+# stamps results there (MOETUNE_GIT_SHA): no .git travels; "-dirty" when the tree copied is not exactly HEAD
+echo "$(git -C "$WT" rev-parse HEAD)$([ -n "$(git -C "$WT" status --porcelain)" ] && echo -dirty)" > "$DEST/SHA_FULL"
 nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -shared -Xcompiler -fPIC,-O3 -lineinfo -cudart=static \
   -o "$DEST/lib/libmoetune_moe.so" "$WT"/csrc/megakernel/*.cu
 # wheels the GPU machine lacks (msgspec for the runtime's schemas), if downloaded beforehand into $WHEELS

@@ -326,10 +326,11 @@ ENV_VARIABLES: tuple[EnvVariable, ...] = (
                 "tuner/measure/worker.py"),
     EnvVariable("MOETUNE_WORKER_TRACEBACK", "`1`", "unset",
                 "The benchmark worker prints a failing case's full traceback (debug).", "tuner/measure/worker.py"),
-    EnvVariable("MOETUNE_GIT_SHA", "40-hex commit", "unset",
-                "`moetune bench run`: the commit to stamp on result rows (git_dirty false) instead of `git rev-parse "
-                "HEAD`, for a tree copied to a GPU machine whose .git is missing or stale; whoever sets it vouches that "
-                "the tree is exactly that commit.", "tuner/measure/scenarios.py"),
+    EnvVariable("MOETUNE_GIT_SHA", "40-hex commit, optionally `-dirty`", "unset",
+                "`moetune bench run`: the commit to stamp on result rows instead of `git rev-parse HEAD`, for a tree "
+                "copied to a GPU machine whose .git is missing or stale; git_dirty is true when it ends in `-dirty` "
+                "(the copy had changes on top of that commit), else whoever sets it vouches that the tree is exactly "
+                "that commit.", "tuner/measure/scenarios.py"),
     EnvVariable("MOETUNE_FAKE_JOB_SLEEP", "float seconds", "0",
                 "The test daemon's fake tuning job holds this long (restart tests); tests only.",
                 "tests/daemon_fakes.py"),

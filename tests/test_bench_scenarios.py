@@ -112,11 +112,14 @@ def test_committed_summary_and_benchmarks_md_agree() -> None:
 
 def test_rows_of_a_copied_tree_take_the_given_sha(monkeypatch) -> None:
     """A tree copied to a GPU machine has no .git or a stale one (run 13 stamped the copy's old HEAD, dirty):
-    MOETUNE_GIT_SHA (hex only) wins over git and is clean; without it git decides; else 'unknown'."""
+    MOETUNE_GIT_SHA (hex only) wins over git and is clean unless it ends in -dirty; without it git decides; else 'unknown'."""
     monkeypatch.setattr(S, "_git", lambda *a: "1de7e01fc0" if a[0] == "rev-parse" else " M tuner/x.py")
     monkeypatch.setenv("MOETUNE_GIT_SHA", "0D90E94abc")
     f = S.machine_facts("none", lambda: "fp")
     assert (f["git_sha"], f["git_dirty"]) == ("0d90e94abc", False)
+    monkeypatch.setenv("MOETUNE_GIT_SHA", "0D90E94abc-dirty")  # a copy with changes on top (the sync script says so)
+    f = S.machine_facts("none", lambda: "fp")
+    assert (f["git_sha"], f["git_dirty"]) == ("0d90e94abc", True)
     monkeypatch.setenv("MOETUNE_GIT_SHA", "not a sha; rm -rf")
     f = S.machine_facts("none", lambda: "fp")
     assert (f["git_sha"], f["git_dirty"]) == ("1de7e01fc0", True)

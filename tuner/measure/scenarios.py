@@ -669,10 +669,13 @@ def _git(*args: str) -> str:
         return ""
 
 
-def _given_sha() -> str:
-    """MOETUNE_GIT_SHA: the commit a copied tree is (the caller vouches for it; checked: hex, 7-40 digits)."""
+def _given_sha() -> tuple[str, bool]:
+    """MOETUNE_GIT_SHA: (the commit a copied tree is, whether the tree had changes on top of it): hex, 7-40
+    digits, with "-dirty" appended when the copy was not exactly that commit (bench/sync_megakernel_device.sh
+    writes it so); ("", False) when unset or malformed."""
     v = os.environ.get("MOETUNE_GIT_SHA", "").strip().lower()
-    return v if re.fullmatch(r"[0-9a-f]{7,40}", v) else ""
+    m = re.fullmatch(r"([0-9a-f]{7,40})(-dirty)?", v)
+    return (m.group(1), bool(m.group(2))) if m else ("", False)
 
 
 def machine_facts(backend: str, fingerprint: Callable[[], str] | None = None) -> dict[str, Any]:
@@ -699,12 +702,12 @@ def machine_facts(backend: str, fingerprint: Callable[[], str] | None = None) ->
         fp = f"unknown ({type(e).__name__})"
     gpu = torch.cuda.get_device_name(0) if gpus else "none"
     cpu = platform.processor() or platform.machine()
-    given = _given_sha()
+    given, given_dirty = _given_sha()
     return {
         # a given SHA wins: a tree copied to a GPU machine may carry a stale .git whose HEAD is not the tree
         "git_sha": given or _git("rev-parse", "HEAD") or "unknown",
         # untracked files count: a scenario or driver not yet added ran, and the stamped commit does not hold it
-        "git_dirty": False if given else bool(_git("status", "--porcelain", "--untracked-files=normal")),
+        "git_dirty": given_dirty if given else bool(_git("status", "--porcelain", "--untracked-files=normal")),
         "moetune": __version__, "torch": torch.__version__, "nccl": nccl, "cuda": torch.version.cuda or "",
         "gpu": gpu, "gpu_count": gpus, "fabric_fingerprint": fp,
         "hardware": f"{gpus}x {gpu}, {os.cpu_count()} CPU cores" if gpus else f"{os.cpu_count()} CPU cores ({cpu}), no GPU",
