@@ -173,3 +173,26 @@ def test_workload_the_model_cannot_run_is_one_clear_error(tmp_path: Path, monkey
     r = _run("tune", "--model", "custom:64,64,6,2", "--tokens", "128", "--backend", "model", "--preset", "fake-ibrc-x4",
              "--storage", f"sqlite:///{tmp_path / 's.db'}")
     assert r.exit_code == 2 and "do not divide evenly" in r.output
+
+
+def test_first_failure_prefers_a_real_error_to_an_interrupted_trial(tmp_path: Path) -> None:
+    """When no study succeeds, `moetune tune` names the first failure: an earlier trial whose process died says
+    nothing of what to fix, so the first real failure's error is shown."""
+    import optuna
+
+    from moetune.tuner.cli.tune import _first_failure
+    from moetune.tuner.search.study import open_study
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    study = open_study("moetune/x", url)
+    study.ask()  # RUNNING, of no live process: the next opening fails it as interrupted
+    study = open_study("moetune/x", url)
+    t = study.ask()
+    t.set_user_attr("error", "bench ep failed: NCCL error: unhandled system error")
+    study.tell(t, state=optuna.trial.TrialState.FAIL)
+    assert _first_failure(url, "moetune/x") == "bench ep failed: NCCL error: unhandled system error"
+
+    only_cut = open_study("moetune/y", url)
+    only_cut.ask()
+    open_study("moetune/y", url)
+    assert "interrupted" in _first_failure(url, "moetune/y")  # nothing better to say

@@ -5,14 +5,16 @@ tuning of the planned shapes and token buckets → profiles stored → summary a
 
 Each stage records its completion in a state file beside the database, keyed by the fabric
 fingerprint, so Ctrl-C and a rerun continue where it stopped (tuning itself resumes through Optuna's
-RDB storage). A changed fingerprint starts over.
+RDB storage). A changed fingerprint starts over. `--restart` starts over on purpose: the state is
+forgotten and the tuning opens new studies (a tag in their names), so nothing is resumed and nothing
+that is not this flow's is deleted (earlier studies and stored profiles stay).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
+import secrets
 import tomllib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -21,6 +23,7 @@ from typing import Any
 
 from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
 from moetune.runtime.shapes import get_model
+from moetune.tuner.bringup._atomic import write_atomic
 from moetune.tuner.search.progress import NoProgress, Progress
 
 STAGES = ("discover", "microbench", "calibrate", "tune", "compare", "report")
@@ -111,7 +114,7 @@ class Plan:
 
 
 class BringupState:
-    """Completed stages and their results, persisted atomically after each stage."""
+    """Completed stages and their results (and a stage's finished parts), persisted atomically after each."""
 
     def __init__(self, path: Path, fingerprint: str, plan: Plan):
         self.path = path
@@ -121,9 +124,14 @@ class BringupState:
                 old = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError):
                 old = {}
+            if not isinstance(old, dict):
+                old = {}
             # Resume only the same node and the same plan; anything else starts over.
             if old.get("fingerprint") == fingerprint and old.get("plan") == asdict(plan):
                 self.data = old
+            elif old.get("fingerprint") == fingerprint and old.get("study_tag"):
+                # a new plan on this node tunes in the studies of its latest restart, not in those it gave up
+                self.data["study_tag"] = old["study_tag"]
 
     def done(self, stage: str) -> bool:
         return stage in self.data["done"]
@@ -131,12 +139,34 @@ class BringupState:
     def result(self, stage: str) -> Any:
         return self.data["done"].get(stage)
 
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.path, json.dumps(self.data, indent=1))
+
     def mark(self, stage: str, result: Any) -> None:
         self.data["done"][stage] = result
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        os.replace(tmp, self.path)
+        self.data.get("partial", {}).pop(stage, None)  # the stage's result now holds its parts
+        self.save()
+
+    def partial(self, stage: str) -> dict[str, Any]:
+        """The parts of an unfinished `stage` kept by an earlier, interrupted run (`keep_partial`)."""
+        return dict(self.data.get("partial", {}).get(stage) or {})
+
+    def keep_partial(self, stage: str, parts: dict[str, Any]) -> None:
+        self.data.setdefault("partial", {})[stage] = parts
+        self.save()
+
+    @property
+    def study_tag(self) -> str:
+        """Tag of the Optuna studies this flow tunes in: "" until a restart, then the restart's own."""
+        return str(self.data.get("study_tag") or "")
+
+    def restart(self) -> None:
+        """Forget every stage, and tune in new studies: the finished ones would only be resumed (re-tuning
+        nothing). They are kept, not deleted: other runs may share a study of the same settings."""
+        self.data = {"fingerprint": self.data["fingerprint"], "plan": self.data["plan"], "done": {},
+                     "study_tag": "r" + secrets.token_hex(4)}
+        self.save()  # now: a rerun after an interrupted restart resumes the new studies, not the old ones
 
 
 StageFn = Callable[[], Any]
@@ -229,22 +259,35 @@ class Bringup:
         sizes = self.plan.microbench_sizes or (microbench.QUICK_SIZES if self.plan.trials <= 8 else microbench.DEFAULT_SIZES)
         applicable = [(b, why) for b, ok, why in microbench.plan(self.facts.transport_names, self.facts.gpu_count,
                                                                   self.plan.models[0]) if ok]
+        # A rerun after an interruption skips the benchmarks whose rows are stored (the state keeps them) and
+        # runs the rest again; every stored row names its benchmark and this run, so `moetune report` shows only
+        # a benchmark's latest run, not also the rows an interrupted run had stored.
+        finished = self.state.partial("microbench")
+        run_id = secrets.token_hex(4)
         bar = self.progress
         task = bar.add("microbenchmarks", len(applicable))
         for i, (bench, _why) in enumerate(applicable):
+            bench_id = f"{bench.transport}/{bench.runner}"
+            if bench_id in finished:
+                rows += finished[bench_id]
+                continue
             bar.update(task, i, description=f"microbenchmark {bench.transport} ({bench.runner})")
             try:
                 results = bench.run(sizes if bench.runner != "a2a" else (),
                                     iters=5 if self.plan.trials <= 8 else 20)
             except RuntimeError as e:
                 self.console.print(f"[yellow]microbenchmark {bench.transport}/{bench.runner} failed: {e}[/]")
-                results = []
+                continue  # nothing stored: a rerun tries it again
+            got = []
             for r in results:
-                extra = dict(r.extra or {}, direction=r.direction)
+                extra = dict(r.extra or {}, direction=r.direction, bench=bench_id, bench_run=run_id)
                 self.store.add_measurement(fingerprint=self.facts.fingerprint, kind=r.kind, transport=r.transport,
                                            size_bytes=r.size_bytes, value=r.value, spread=r.spread, unit=r.unit,
                                            extra=extra)
-                rows.append(asdict(r))
+                got.append(asdict(r))
+            finished[bench_id] = got
+            self.state.keep_partial("microbench", finished)
+            rows += got
         bar.update(task, len(applicable), description="microbenchmarks")
         return rows
 
@@ -297,20 +340,21 @@ class Bringup:
 
         models = [get_model(m) for m in self.plan.models]
         res = []
+        tag = self.state.study_tag  # after --restart: new studies, the finished ones are not resumed
         if self.tune_ep:
             be = self._backend()
             try:
                 res = tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
                                              backend=be, trials=self.plan.trials, progress=self.progress,
                                              storage=self.storage, ep_size=self.world, seed=0,
-                                             policy_override=self.runtime_policy_dir())
+                                             policy_override=self.runtime_policy_dir(), study_tag=tag)
             finally:
                 be.close()  # the persistent bench workers
         if self.mk_ok:
             res += tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
                                           backend=self._mk_backend(), trials=self.plan.trials, progress=self.progress,
                                           storage=self.storage, ep_size=1, nodes=1, seed=0, families=["megakernel"],
-                                          policy_override=self.runtime_policy_dir())
+                                          policy_override=self.runtime_policy_dir(), study_tag=tag)
         out = []
         for r in res:
             if r.record is None:
@@ -319,6 +363,7 @@ class Bringup:
             out.append({"family": k.transport_family, "tokens": k.token_bucket, "key": k.to_dict(),
                         "software_versions": r.record.software_versions, "knobs": r.record.knobs.to_dict(), "latency_us": r.record.latency_us,
                         "spread_us": r.record.spread_us, "written": r.written, "reason": r.reason,
+                        "study": r.study.study_name,
                         "model": next(m.name for m in models if (m.hidden, m.intermediate, m.experts, m.topk)
                                       == (k.hidden, k.intermediate, k.experts, k.topk))})
         return out
@@ -374,9 +419,15 @@ class Bringup:
                                       f"tuned {mt.median_us:.1f} ± {mt.spread_us:.1f} µs did not beat the default "
                                       f"{md.median_us:.1f} ± {md.spread_us:.1f} µs by more than the spread"
                                       if mt.ok and md.ok else f"tuned run failed: {mt.error}")
-            self.store.add_measurement(fingerprint=self.facts.fingerprint, kind="tuned_vs_default",
-                                       transport=t["family"], size_bytes=None, value=row["tuned_us"],
-                                       spread=row["tuned_spread"], unit="us", extra=row)
+            # The value column takes a number: the tuned time, or where that run failed the default's (the
+            # bucket is still reported); a failed time is null in `extra` (JSON has no NaN).
+            shown = mt if mt.ok else md
+            if shown.ok:
+                self.store.add_measurement(fingerprint=self.facts.fingerprint, kind="tuned_vs_default",
+                                           transport=t["family"], size_bytes=None, value=shown.median_us,
+                                           spread=shown.spread_us, unit="us",
+                                           extra={k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                                  for k, v in row.items()})
             out.append(row)
         self.progress.update(task, len(tuned_rows), description="tuned vs default")
         return out
@@ -398,7 +449,7 @@ class Bringup:
 
         data = ReportData(node=_node_line(self.facts), fingerprint=self.facts.fingerprint,
                           measurements=self.state.result("microbench") or [],
-                          tuned=[t for t in self.state.result("compare") or [] if t["tuned_us"] == t["tuned_us"]],
+                          tuned=list(self.state.result("compare") or []),  # every bucket, a failed run too
                           importances=self._importances(),
                           transports=[(t.name, t.reason) for t in self.facts.transports])
         cal = self.state.result("calibrate") or {}
@@ -427,10 +478,12 @@ class Bringup:
             from moetune.tuner.search.study import default_storage_url, list_studies
 
             url = self.storage or default_storage_url(self.store.path)
+            # this run's studies (the state names them); a state from before it did: this node's
+            ours = {t["study"] for t in self.state.result("tune") or [] if t.get("study")}
             out = {}
             for s in list_studies(url):
                 name = s["study"]
-                if self.facts.fingerprint[:12] not in name:
+                if (name not in ours) if ours else (self.facts.fingerprint[:12] not in name):
                     continue
                 study = optuna.load_study(study_name=name, storage=url)
                 done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -457,17 +510,24 @@ def report_from_store(store: Any, facts: Any, out_dir: Path) -> Path:
     from moetune.tuner.bringup.report import ReportData, write_report
 
     rows = store.list_measurements(fingerprint=facts.fingerprint)
+    # a benchmark's latest run replaces its earlier rows (an interrupted run's, a bring-up before)
+    latest = {(r["extra"] or {})["bench"]: (r["extra"] or {}).get("bench_run") for r in rows
+              if r["kind"] != "tuned_vs_default" and (r["extra"] or {}).get("bench")}
     measurements, tuned = [], {}
     for r in rows:
         extra = dict(r["extra"] or {})
         if r["kind"] == "tuned_vs_default":
+            for k in ("default_us", "tuned_us"):  # a failed run is stored as null
+                extra[k] = float("nan") if extra.get(k) is None else extra[k]
             tuned[(extra.get("model"), extra.get("tokens"), extra.get("family"))] = extra  # the latest wins
+        elif extra.get("bench") and latest[extra["bench"]] != extra.get("bench_run"):
+            continue
         else:
             measurements.append({"transport": r["transport"], "kind": r["kind"], "direction": extra.get("direction", ""),
                                  "size_bytes": r["size_bytes"], "value": r["value"], "spread": r["spread"],
                                  "unit": r["unit"], "extra": extra})
     data = ReportData(node=_node_line(facts), fingerprint=facts.fingerprint, measurements=measurements,
-                      tuned=[t for t in tuned.values() if t.get("tuned_us") == t.get("tuned_us")],
+                      tuned=list(tuned.values()),  # every bucket, one whose tuned run failed too
                       transports=[(t.name, t.reason) for t in facts.transports])
     if not measurements and not tuned:
         data.notes.append("nothing measured on this node yet: run `moetune profile`")

@@ -7,6 +7,7 @@ rebuilt from the database at any time (`moetune report`).
 from __future__ import annotations
 
 import datetime as _dt
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -17,13 +18,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from moetune.tuner.bringup._atomic import write_atomic
+
 
 @dataclass
 class ReportData:
     node: str  # short description of the node (GPU model × count, fingerprint)
     fingerprint: str
     measurements: list[dict] = field(default_factory=list)  # MicroResult-like dicts
-    tuned: list[dict] = field(default_factory=list)  # {model, tokens, default_us, default_spread, tuned_us, tuned_spread, knobs, source}
+    # {model, tokens, default_us, default_spread, tuned_us, tuned_spread, knobs, source, stored, why_default, written,
+    # reason}: every compared bucket; a time is NaN where that run failed
+    tuned: list[dict] = field(default_factory=list)
     importances: dict[str, dict[str, float]] = field(default_factory=dict)  # study -> {param: importance}
     transports: list[tuple[str, str]] = field(default_factory=list)  # (family, reason)
     notes: list[str] = field(default_factory=list)
@@ -126,7 +131,13 @@ def _fence_table(rows: Sequence[dict]) -> list[str]:
     return [*md, ""]
 
 
+def _measured(v: object) -> bool:
+    return isinstance(v, int | float) and math.isfinite(v)
+
+
 def _plot_tuned(tuned: Sequence[dict], path: Path) -> bool:
+    # a bar pair needs both times; a bucket with a failed run is in the table, saying why
+    tuned = [t for t in tuned if _measured(t.get("default_us")) and _measured(t.get("tuned_us"))]
     if not tuned:
         return False
     groups = sorted({(t["model"], t.get("family", "")) for t in tuned})
@@ -208,15 +219,35 @@ def write_report(data: ReportData, out_dir: Path) -> Path:
                "| family | model | tokens | default µs | tuned µs | speedup | knobs | stored | measured by |",
                "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- |"]
         for t in sorted(data.tuned, key=lambda t: (t.get("family", ""), t["model"], t["tokens"])):
-            sp = t["default_us"] / t["tuned_us"] if t["tuned_us"] else float("nan")
+            d, u = t.get("default_us"), t.get("tuned_us")
+            sp = f"{d / u:.2f}×" if _measured(d) and _measured(u) and u else "–"
             knobs = ("`" + t["knobs"] + "`") if t.get("knobs") else "(policy default)"
             md.append(f"| {t.get('family', '')} | {t['model']} | {t['tokens']} "
-                      f"| {t['default_us']:.1f} ± {t.get('default_spread', 0):.1f} "
-                      f"| {t['tuned_us']:.1f} ± {t.get('tuned_spread', 0):.1f} | {sp:.2f}× | {knobs} "
-                      f"| {t.get('stored', '')} | {t.get('source', '')} |")
+                      f"| {_time(d, t.get('default_spread', 0))} | {_time(u, t.get('tuned_spread', 0))} | {sp} "
+                      f"| {knobs} | {_cell(_stored(t))} | {t.get('source', '')} |")
         md.append("")
     if data.notes:
         md += ["## Notes", "", *[f"- {n}" for n in data.notes], ""]
     path = out_dir / "report.md"
-    path.write_text("\n".join(md))
+    write_atomic(path, "\n".join(md))  # a crash mid-write leaves the previous report whole
     return path
+
+
+def _time(us: object, spread: object) -> str:
+    return f"{us:.1f} ± {spread or 0:.1f}" if _measured(us) else "failed"
+
+
+def _stored(t: dict) -> str:
+    """What the bucket's profile is now, and why: the tuned setting, or the policy default and the reason."""
+    which = t.get("stored", "")
+    if "written" in t and not t["written"]:  # the store kept its current profile, or nothing could be measured
+        why = str(t.get("reason", "")).removeprefix("not stored: ")
+        return f"not stored ({which} chosen): {why}" if which else f"not stored: {why}"
+    if which == "policy default" and t.get("why_default"):
+        return f"policy default: {t['why_default']}"
+    return which
+
+
+def _cell(text: str) -> str:
+    """Text in a Markdown table cell: a `|` (an error may hold one) would split the row."""
+    return " ".join(text.replace("|", "\\|").split())

@@ -65,7 +65,7 @@ def profile(
     config: Path | None = typer.Option(None, "--config", help="Extra config file."),
     capture: Path | None = typer.Option(None, "--capture", help="Describe the node from a capture instead of the live node (tests, support)."),
     report_dir: Path | None = typer.Option(None, "--report-dir", help="Where the report goes (default: beside the database)."),
-    restart: bool = typer.Option(False, "--restart", help="Forget earlier progress of this plan on this node and start over."),
+    restart: bool = typer.Option(False, "--restart", help="Forget earlier progress of this plan on this node and start over: every stage runs again and tuning starts new studies (earlier studies and stored profiles are kept)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Bring a node up: discover → microbenchmark → calibrate → tune → store profiles → report.
@@ -105,9 +105,8 @@ def profile(
                        report_dir=report_dir, progress=None if as_json else RichProgress())
     except DiscoveryError as e:
         _fail(console, str(e))
-    if restart and flow.state.path.exists():
-        flow.state.path.unlink()
-        flow.state = type(flow.state)(flow.state.path, flow.facts.fingerprint, plan)
+    if restart:  # deleting the state alone resumed the finished studies: nothing was tuned again
+        flow.state.restart()
     console.print(f"node [bold]{flow.facts.gpu_count} GPU(s)[/] {flow.facts.gpu_model or ''} · fingerprint "
                   f"{flow.facts.fingerprint} · transports {', '.join(flow.facts.transport_names)} · db {store.path}")
     try:
@@ -128,10 +127,14 @@ def profile(
     for col in ("model", "S", "family", "default µs", "tuned µs", "speedup", "stored", "changed knobs"):
         table.add_column(col, justify="right" if col in ("S", "default µs", "tuned µs", "speedup") else "left",
                          overflow="fold")
+
+    def us(v: float, spread: float) -> str:
+        return f"{v:.0f} ± {spread:.0f}" if v == v else "failed"  # NaN: that run failed
+
     for r in rows:
         sp = r["default_us"] / r["tuned_us"] if r["tuned_us"] and r["tuned_us"] == r["tuned_us"] else float("nan")
-        table.add_row(r["model"], str(r["tokens"]), r["family"], f"{r['default_us']:.0f} ± {r['default_spread']:.0f}",
-                      f"{r['tuned_us']:.0f} ± {r['tuned_spread']:.0f}", f"{sp:.2f}×",
+        table.add_row(r["model"], str(r["tokens"]), r["family"], us(r["default_us"], r["default_spread"]),
+                      us(r["tuned_us"], r["tuned_spread"]), f"{sp:.2f}×" if sp == sp else "–",
                       r.get("stored", "current") if r["written"] else r["reason"][:30], r["knobs"] or "(default)")
     console.print(table)
     cal = done.get("calibrate") or {}

@@ -277,15 +277,19 @@ def tune(
 
 
 def _first_failure(url: str, study_name: str) -> str:
-    """The error of the study's first failed trial (what a user needs to fix), or "" where none is recorded."""
+    """The error of the study's first failed trial (what a user needs to fix), or "" where none is recorded.
+    A trial cut short (its process died, Ctrl-C) says nothing of the setting: a real failure's error comes first."""
     try:
         import optuna
 
-        from moetune.tuner.search.study import make_storage
+        from moetune.tuner.search.study import interrupted_ids, is_interrupted, make_storage
 
         study = optuna.load_study(study_name=study_name, storage=make_storage(url))
-        return next((str(t.user_attrs["error"]) for t in study.get_trials(deepcopy=False)
-                     if t.state == optuna.trial.TrialState.FAIL and t.user_attrs.get("error")), "")
+        cut = interrupted_ids(study)
+        failed = [t for t in study.get_trials(deepcopy=False)
+                  if t.state == optuna.trial.TrialState.FAIL and t.user_attrs.get("error")]
+        first = next((t for t in failed if not is_interrupted(t, cut)), failed[0] if failed else None)
+        return str(first.user_attrs["error"]) if first is not None else ""
     except Exception:  # the reason is a courtesy: never fail the summary for it
         return ""
 

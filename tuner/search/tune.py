@@ -192,9 +192,13 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                            families: Sequence[str] | None = None, policy_override: str | Path | None = None,
                            routing: str = "uniform", local_options: Mapping[str, Any] | None = None,
                            on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
-                           node_model: bool = False) -> list[TuneResult]:
+                           node_model: bool = False, study_tag: str = "") -> list[TuneResult]:
+    """`study_tag` (letters, digits, `_`, `-`) goes into every study's name: a run that must not resume the
+    finished studies of the same settings (`moetune profile --restart`) tunes in studies of its own."""
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
+    if not all(c.isascii() and (c.isalnum() or c in "_-") for c in study_tag):
+        raise ValueError(f"study_tag must be letters, digits, '_' or '-', got {study_tag!r}")
     if not models or not tokens:
         raise ValueError("nothing to tune: give at least one model and one token count")
     if any(t < 1 for t in tokens):
@@ -286,6 +290,8 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                             raise ValueError(f"{be.label} cannot evaluate {model.name} on {nodes} node(s) × "
                                              f"{gpus_per_node} GPUs at S={bucket}: {m.error}")
                     config = study_config(space, be, wl)  # other routing/policy/metric: another study
+                    if study_tag:  # in the config: the neighbour bucket's study is the same run's too
+                        config = f"{config}-{study_tag}"
                     name = study_name(key, be.label, model.name, config)
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     out.append(_tune_one(store, st, url, name, key, space, be, wl, trials=trials, timeout_s=left,
