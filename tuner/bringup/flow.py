@@ -23,8 +23,8 @@ from typing import Any
 
 from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
 from moetune.runtime.shapes import get_model
-from moetune.tuner.bringup._atomic import write_atomic
 from moetune.tuner.search.progress import NoProgress, Progress
+from moetune.tuner.store.io import write_atomic
 
 STAGES = ("discover", "microbench", "calibrate", "tune", "compare", "report")
 

@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from moetune.tuner.bringup._atomic import write_atomic
+from moetune.tuner.store.io import write_atomic
 
 
 @dataclass

@@ -117,23 +117,38 @@ def export_profiles(store: Store, path: str | Path, *, status: str | None = None
     _check_export_target(store, target)
     data = dump_profiles(store, status=status, fingerprint=fingerprint)
     n = len(msgspec.json.decode(data)["profiles"])
-    old_mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else None
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
-    # 0o666 less the umask, like any new file; O_EXCL: never write into a file we did not create.
+    write_atomic(target, data)
+    return n
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Replace `path` with `data` (str: UTF-8) atomically: a crash or a full disk mid-write leaves the previous file
+    whole (a new temporary file in the same directory, fsynced, then os.replace); an existing file keeps its
+    permissions. Used by the export and by the bring-up's state file and report."""
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    old_mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    # 0o666 less the umask, like any new file; O_EXCL: never write into a file we did not create
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            if old_mode is not None:  # replacing a file keeps its permissions
+            if old_mode is not None:
                 os.fchmod(f.fileno(), old_mode)
-            f.write(data)
+            f.write(raw)
             f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:  # remove our temporary file, then re-raise
+            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them the file
+        os.replace(tmp, path)
+    except BaseException:  # Ctrl-C included: remove our temporary file, the old file stays as it was
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    return n
+    # the rename itself survives a power loss once the directory is synced (not every filesystem allows it)
+    with contextlib.suppress(OSError):
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
 
 def _key_text(key: ProfileKey) -> str:
