@@ -173,7 +173,8 @@ def _curve_daemon(tmp: Path) -> tuple[Daemon, bytes, dict[str, tuple[bytes, byte
     return d, spub, pairs
 
 
-def test_curve_reader_is_refused_a_retune_and_an_admin_may(tmp_path: Path) -> None:
+def test_curve_reader_is_refused_a_retune_and_an_admin_may(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOETUNE_FAKE_JOB_SLEEP", "20")  # the admin's job is still running when it is cancelled
     d, spub, pairs = _curve_daemon(tmp_path)
     try:
         apub, asec = pairs["alice"]
