@@ -8,7 +8,13 @@ failed, reason "interrupted"), then re-queues the interrupted and the still-queu
 the job is both marked failed and resumed.
 
 Cancellation: a queued job is dropped at once; a running job is told through `ctx.cancel` (an Event)
-that the re-tune function checks between shape groups.
+that the re-tune function checks between shape groups. Whatever a cancelled or failed job had already
+written stays (a profile is whole once stored) and is counted and published like a finished job's. A job
+stopped by the daemon's own shutdown is not cancelled in the store: it stays queued (or started), so the
+next daemon resumes it as after a kill -9.
+
+A job whose fabric changed under it (the fingerprint it tuned for is no longer the node's) leaves nothing
+current for the old fingerprint and queues its keys again for the new one (the watch cancels it early).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class Job:
         self.fingerprint: str | None = None
         self.started_recorded = False  # the job_started event is in the store
         self.impossible = False  # failed because no profile true for this node could be produced
+        self.cancelled_by = ""  # "user" (the retune op), "fabric" (the watch: its fabric changed), "shutdown"
 
     def info(self) -> JobInfo:
         return JobInfo(id=self.id, state=self.state, reason=self.reason, fingerprint=self.fingerprint or self.old_fingerprint,
@@ -239,8 +246,10 @@ class JobManager:
             log.error("cannot record %s for job %s: %s", kind, job.id, e)
 
     def submit(self, *, reason: str, old_fingerprint: str | None, keys: list[ProfileKey], all_current: bool = False,
-               persist_async: bool = False) -> Job:
-        """Queue a job; raises queue.Full when the queue is at capacity.
+               persist_async: bool = False, skip_queued: bool = False) -> Job | None:
+        """Queue a job; raises queue.Full when the queue is at capacity. With `skip_queued` (the automatic
+        re-tunes) keys a queued job already holds are left out (a queued job tunes for the facts current
+        when it starts), and None is returned when none is left.
 
         The job_queued event is written BEFORE the worker can see the job, so the events of one job are
         always in order (queued < started < finished) for recover_jobs(). With `persist_async` (the
@@ -249,6 +258,11 @@ class JobManager:
         with self._lock:
             if self._stopping:
                 raise queue.Full("the daemon is stopping")
+            if skip_queued:
+                held = {tuning_key(k) for j in self._queued.values() if not j.cancel.is_set() for k in j.keys}
+                keys = [k for k in keys if tuning_key(k) not in held]
+                if not keys:
+                    return None
             if len(self._queued) >= self.capacity:
                 raise queue.Full(f"{self.capacity} jobs queued")
             job = Job(next(self._ids), reason=reason, old_fingerprint=old_fingerprint, keys=keys, all_current=all_current)
@@ -271,6 +285,18 @@ class JobManager:
                 job = self.running
             if job is None:
                 return None
+            job.cancelled_by = job.cancelled_by or "user"
+            job.cancel.set()
+            return job
+
+    def cancel_fingerprint(self, fingerprint: str) -> Job | None:
+        """Cancel the running job if it tunes for `fingerprint` (the fabric moved on: its work is outdated;
+        its end queues its keys again)."""
+        with self._lock:
+            job = self.running
+            if job is None or job.fingerprint != fingerprint:
+                return None
+            job.cancelled_by = job.cancelled_by or "fabric"
             job.cancel.set()
             return job
 
@@ -300,20 +326,33 @@ class JobManager:
                     job.state = "running"
                     cancelled_early = False
             if cancelled_early:
+                if job.cancelled_by == "shutdown":
+                    continue  # not finished in the store: the next daemon re-queues it
                 self._event("job_finished", job, job.message)
                 if self.metrics:
                     self.metrics.job_finished("cancelled")
                 continue
             self._run(job)
 
+    def _current(self, fingerprint: str | None) -> list[ProfileRecord]:
+        if fingerprint is None:
+            return []
+        try:
+            return [r for _, r in self.store.list_profiles(status="current", fingerprint=fingerprint)]
+        except Exception as e:  # broad: in the worker thread; only the partial-write accounting is lost
+            log.error("cannot read the current profiles of %s: %s", fingerprint, e)
+            return []
+
     def _run(self, job: Job) -> None:
         written: list[ProfileRecord] = []
+        before: set[str] | None = None  # the current profiles of the job's fingerprint when it started
         t0 = time.monotonic()
         try:
             facts = self.facts_fn()
             if facts is None:
                 raise RuntimeError("no fabric facts (discovery failed)")
             job.fingerprint = facts.fingerprint
+            before = {r.profile_hash for r in self._current(job.fingerprint)}  # tells what a cancelled job wrote
             job.run_id = self.store.start_run(study_name=f"moetune-daemon-job-{job.id}", storage=str(self.store.url),
                                               backend=self.tune.backend)
             self._event("job_started", job, f"started job {job.id}: {job.reason}")
@@ -330,6 +369,19 @@ class JobManager:
         except Exception as e:  # broad: the worker thread's boundary; the job fails, the daemon serves on
             log.exception("re-tune job %d failed", job.id)
             job.state, job.message = "failed", f"{type(e).__name__}: {e}"
+        if job.state != "done" and before is not None:
+            # a cancelled or failed job keeps what it stored: count it and publish it like a finished job's
+            after = self._current(job.fingerprint)
+            written = [r for r in after if r.profile_hash not in before]
+            job.written = len(written)
+            if written:
+                job.message += f" ({len(written)} profile(s) written before it stopped)"
+        moved = self._fabric_moved_on(job)
+        if moved:
+            written = []  # nothing of the old fingerprint stays current: nothing to publish
+        interrupted = job.state == "cancelled" and job.cancelled_by == "shutdown"
+        if interrupted:
+            job.state, job.message = "failed", "daemon stopped during the job"
         job.finished = now()
         if job.run_id is not None:
             try:
@@ -337,9 +389,12 @@ class JobManager:
                 self.store.finish_run(job.run_id, status=job.state, trials=len(written), best_value=best)
             except Exception as e:  # broad: in the worker thread; a run row left open must not stop the queue
                 log.error("cannot finish run %s: %s", job.run_id, e)
-        self._event("job_finished", job, job.message)
+        if not interrupted:  # an interrupted job stays `started` in the store: the next daemon resumes it
+            self._event("job_finished", job, job.message)
         if self.metrics:
             self.metrics.job_finished(job.state)
+        if moved and job.cancelled_by not in ("user", "shutdown"):
+            self._requeue(job, moved)
         try:
             self.on_done(job, written)
         except Exception:  # broad: the server's callback runs in the worker thread, which must survive it
@@ -349,14 +404,41 @@ class JobManager:
             self._recent.append(job)
         log.info("job %d %s: %s", job.id, job.state, job.message)
 
+    def _fabric_moved_on(self, job: Job) -> str:
+        """The node's fingerprint when it is no longer the one `job` tuned for ('' otherwise). Its profiles
+        of the old fingerprint are made stale: the watch's mark_stale may have run before the job wrote."""
+        if job.fingerprint is None:
+            return ""
+        try:
+            facts = self.facts_fn()
+        except Exception:  # broad: the daemon's facts callback; treat as unchanged
+            return ""
+        if facts is None or facts.fingerprint == job.fingerprint:
+            return ""
+        try:
+            n = self.store.mark_stale(fingerprint=job.fingerprint,
+                                      reason=f"job {job.id} tuned for {job.fingerprint}; the fabric is now {facts.fingerprint}")
+        except Exception as e:  # broad: in the worker thread
+            log.error("cannot mark the profiles of %s stale: %s", job.fingerprint, e)
+            n = 0
+        job.message += f"; the fabric changed to {facts.fingerprint} during the job ({n} profile(s) made stale)"
+        return str(facts.fingerprint)
+
+    def _requeue(self, job: Job, fingerprint: str) -> None:
+        try:
+            self.submit(reason=f"job {job.id} re-queued: the fabric changed to {fingerprint} during it"[:512],
+                        old_fingerprint=job.fingerprint, keys=job.keys, all_current=job.all_current, skip_queued=True)
+        except queue.Full as e:
+            log.error("job %d not re-queued after the fabric changed: %s", job.id, e)
+
     def stop(self, timeout: float = 5.0) -> None:
-        """Cancel the queue and the running job; wait a bounded time; mark what is left failed."""
+        """Stop the queue and the running job (left queued / started in the store, for the next daemon to
+        resume); wait a bounded time."""
         with self._lock:
             self._stopping = True
-            for j in self._queued.values():
+            for j in [*self._queued.values(), *([self.running] if self.running is not None else [])]:
+                j.cancelled_by = j.cancelled_by or "shutdown"
                 j.cancel.set()
-            if self.running is not None:
-                self.running.cancel.set()
         self._writer.shutdown(wait=True)  # queued jobs reach the store (and the queue) before the sentinel
         try:
             self._q.put(None, timeout=timeout)  # wakes the worker after the queued (cancelled) jobs
@@ -366,14 +448,14 @@ class JobManager:
         with self._lock:
             job = self.running
         if job is not None and self._thread.is_alive():
-            # the re-tune did not return in time: record it as failed now (the process is exiting)
+            # the re-tune did not return in time (the process is exiting): its run is failed now; the job
+            # stays started in the store (no job_finished) so the next daemon resumes it
             job.state, job.finished, job.message = "failed", now(), "daemon stopped during the job"
             if job.run_id is not None:
                 try:
                     self.store.finish_run(job.run_id, status="failed", trials=0, best_value=None)
                 except Exception as e:  # broad: best effort while the daemon exits
                     log.error("cannot finish run %s: %s", job.run_id, e)
-            self._event("job_finished", job, job.message)
 
 
 def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]], int]:
@@ -419,6 +501,11 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]]
             except StoreError as e:
                 log.error("cannot mark run %s failed: %s", r["id"], e)
     return resume, max_id + 1
+
+
+def tuning_key(k: ProfileKey) -> tuple:
+    """What a re-tune of `k` tunes (its fingerprint and software are the node's at the time)."""
+    return (k.ep_size, k.nodes, k.hidden, k.intermediate, k.experts, k.topk, k.dtype, k.token_bucket)
 
 
 def keys_from_details(d: dict[str, Any]) -> list[ProfileKey]:

@@ -153,11 +153,16 @@ class FabricWatch:
         self.store.add_event(kind="fabric_changed", reason=reason,
                              details={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "identity": identity(facts),
                                       "reasons": reasons, "facts": new_dict})
+        with self._commit_lock:
+            # the new facts first: a job still tuning for old_fp that ends from here on sees that its fabric
+            # moved on (it makes its profiles stale and queues its keys again); one that ended before wrote
+            # everything it wrote before the listing below
+            self.facts = facts
         stale_recs = [r for _, r in self.store.list_profiles(status="current", fingerprint=old_fp)] if old_fp else []
         if old_fp:
             self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000])
+            self.jobs.cancel_fingerprint(old_fp)  # its work is for a fabric that is gone
         with self._commit_lock:
-            self.facts = facts
             self._write_info(running=True)
             changes = [dict(kind="fabric_changed", fingerprint=facts.fingerprint, old_fingerprint=old_fp, reasons=reasons)]
             if stale_recs:
@@ -168,7 +173,7 @@ class FabricWatch:
         if stale_recs:
             try:
                 self.jobs.submit(reason=f"fabric changed: {reason}"[:512], old_fingerprint=old_fp,
-                                 keys=[r.key for r in stale_recs])
+                                 keys=[r.key for r in stale_recs], skip_queued=True)
             except queue.Full:
                 log.error("job queue full: the re-tune after the fabric change was not queued")
 

@@ -1,0 +1,160 @@
+"""The re-tune jobs as a cluster operator relies on them: a daemon stopped cleanly (SIGTERM, a restart) resumes
+its running and queued jobs like after a kill -9; a cancelled job's profiles are counted and published; a job
+whose fabric changed under it leaves nothing current for the old fingerprint and the keys are tuned for the
+new one. Each failed before its fix."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profiles.client import DaemonError, ProfileClient
+from moetune.tuner.daemon.server import Daemon
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Node:
+    """A daemon in this process on `tmp`'s database, whose fabric the test switches (`become`)."""
+
+    def __init__(self, tmp: Path, retune: Any = F.fake_retune):
+        self.tmp = tmp
+        self.facts = F.FakeFacts({"gpu_model": "H200"})
+        self.retune = retune
+        F.seed_profiles(F.open_store(tmp / "moetune.db"), self.facts)
+
+    def start(self) -> Daemon:
+        return Daemon(store=F.open_store(self.tmp / "moetune.db"), endpoint=f"ipc://{self.tmp}/run/daemon.sock",
+                      discover=lambda: self.facts, rediscover_interval_s=0.05, retune_job=self.retune).start(background=True)
+
+    def become(self, **d: Any) -> F.FakeFacts:
+        self.facts = F.FakeFacts({"gpu_model": "H200", **d})
+        return self.facts
+
+
+def _hold(ctx: Any, release: threading.Event, timeout: float = 30.0) -> None:
+    """Hold a job open (cancellable) until `release` is set."""
+    deadline = time.monotonic() + timeout
+    while not release.is_set() and time.monotonic() < deadline:
+        ctx.check_cancel()
+        time.sleep(0.02)
+
+
+def _write(ctx: Any, key: ProfileKey) -> ProfileRecord | None:
+    nk = ProfileKey(**{**key.to_dict(), "fingerprint": ctx.facts.fingerprint, "software": ctx.facts.software_hash})
+    rec = F.make_record(nk, latency_us=8.0, num_sms=32)
+    return rec if ctx.store.put_profile(rec)[0] else None
+
+
+def test_clean_stop_resumes_the_running_and_the_queued_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    node = Node(tmp_path)
+    monkeypatch.setenv("MOETUNE_FAKE_JOB_SLEEP", "60")
+    d = node.start()
+    c = ProfileClient(d.endpoint, timeout_ms=2000)
+    try:
+        new = node.become(port="down")
+        running = F.until(lambda: (j := c.status().jobs.running) is not None and j.run_id is not None and j)
+        queued = c.retune(all=True, reason="operator").job
+        assert queued is not None and queued.state == "queued"
+    finally:
+        c.close()
+        d.stop()  # what SIGTERM does (systemctl restart)
+    monkeypatch.setenv("MOETUNE_FAKE_JOB_SLEEP", "0")
+    d2 = node.start()
+    c = ProfileClient(d2.endpoint, timeout_ms=2000)
+    try:
+        # both jobs are resumed (before: the stop recorded them cancelled, nothing re-tuned, 3 profiles stale for good)
+        def resumed() -> list:
+            done = [j for j in c.status().jobs.recent if j.state == "done"]
+            return len(done) == 2 and done
+        done = F.until(resumed)
+        assert {j.reason for j in done} == {f"resumed job {running.id} after a restart", f"resumed job {queued.id} after a restart"}
+        assert sum(j.written for j in done) == 3
+        prof = c.get_profile(ep_size=2, tokens=3000, model="qwen3-30b")
+        assert prof.key.fingerprint == new.fingerprint and prof.status == "current"
+    finally:
+        c.close()
+        d2.stop()
+    finished = {e["details"]["job_id"]: e["details"] for e in F.open_store(tmp_path / "moetune.db").list_events(200)[::-1]
+                if e["kind"] == "job_finished"}
+    assert finished[running.id]["state"] == "failed" and "interrupted" in finished[running.id]["message"]
+    assert finished[queued.id]["state"] == "cancelled" and "re-queued" in finished[queued.id]["message"]
+
+
+def test_a_cancelled_job_publishes_the_profiles_it_wrote(tmp_path: Path) -> None:
+    wrote = threading.Event()
+
+    def retune(ctx: Any) -> list[ProfileRecord]:
+        key = next(k for k in ctx.keys if k.token_bucket == 64)
+        assert _write(ctx, key) is not None
+        wrote.set()
+        _hold(ctx, threading.Event())  # until cancelled
+        raise AssertionError("never cancelled")
+
+    node = Node(tmp_path, retune)
+    d = node.start()
+    c = ProfileClient(d.endpoint, timeout_ms=2000)
+    try:
+        tracked = c.track(ep_size=2, tokens=64, model="qwen3-30b")
+        new = node.become(port="down")
+        running = F.until(lambda: c.status().jobs.running)
+        assert wrote.wait(15)
+        c.retune(cancel=running.id)
+        job = F.until(lambda: next((j for j in c.status().jobs.recent if j.id == running.id), None))
+        # status says what the job left behind (before: written=0 although one profile became current)
+        assert job.state == "cancelled" and job.written == 1 and "1 profile(s) written" in job.message
+
+        # a client tracking that key is told (before: no profile_updated, it never asked again)
+        def picked_up() -> bool:
+            tracked.refresh(100)
+            return tracked.current is not None and tracked.current.key.fingerprint == new.fingerprint
+        F.until(picked_up)
+    finally:
+        c.close()
+        d.stop()
+
+
+def test_a_job_whose_fabric_changes_under_it_is_redone_for_the_new_one(tmp_path: Path) -> None:
+    release = threading.Event()
+    tuned_for: list[str] = []
+
+    def retune(ctx: Any) -> list[ProfileRecord]:
+        tuned_for.append(ctx.facts.fingerprint)
+        if len(tuned_for) == 1:
+            _hold(ctx, release)  # the first job is still tuning when the fabric changes again
+        return [r for k in ctx.keys if (r := _write(ctx, k)) is not None]
+
+    node = Node(tmp_path, retune)
+    d = node.start()
+    c = ProfileClient(d.endpoint, timeout_ms=2000)
+    try:
+        second = node.become(port="down")
+        F.until(lambda: (j := c.status().jobs.running) is not None and j.fingerprint == second.fingerprint)
+        third = node.become(port="down", gpu="replaced")
+        F.until(lambda: c.status().fingerprint == third.fingerprint)
+        release.set()  # before: the first job now wrote 3 profiles for `second`, and nothing was queued for `third`
+
+        def served() -> Any:
+            try:
+                return c.get_profile(ep_size=2, tokens=3000, model="qwen3-30b")
+            except DaemonError:
+                return None
+        prof = F.until(served)
+        assert prof.key.fingerprint == third.fingerprint
+        F.until(lambda: c.status().jobs.running is None and not c.status().jobs.queued)
+        assert c.status().profiles_current == 3
+    finally:
+        c.close()
+        d.stop()
+    store = F.open_store(tmp_path / "moetune.db")
+    assert store.list_profiles(status="current", fingerprint=second.fingerprint) == []
+    assert {r.key.fingerprint for _, r in store.list_profiles(status="current")} == {third.fingerprint}
