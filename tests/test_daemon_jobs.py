@@ -158,3 +158,25 @@ def test_a_job_whose_fabric_changes_under_it_is_redone_for_the_new_one(tmp_path:
     store = F.open_store(tmp_path / "moetune.db")
     assert store.list_profiles(status="current", fingerprint=second.fingerprint) == []
     assert {r.key.fingerprint for _, r in store.list_profiles(status="current")} == {third.fingerprint}
+
+
+def test_a_change_while_stopped_is_seen_after_many_events(tmp_path: Path) -> None:
+    """The fabric a restarted daemon compares with is the last one recorded, however many events (a year of
+    re-tune jobs) came after it (before: only the newest 500 events were searched; past them the restart took
+    a new fabric for the first one, left the old profiles current and queued no re-tune)."""
+    node = Node(tmp_path)
+    node.start().stop()  # records the fabric it discovered
+    store = F.open_store(tmp_path / "moetune.db")
+    for i in range(600):
+        store.add_event(kind="job_finished", reason="an old job", details={"job_id": 1000 + i, "state": "done"})
+    new = node.become(port="down")  # changed while no daemon ran
+    d = node.start()
+    c = ProfileClient(d.endpoint, timeout_ms=2000)
+    try:
+        st = c.status()
+        assert st.fingerprint == new.fingerprint and st.profiles_stale == 3
+        assert F.until(lambda: c.status().jobs.recent or c.status().jobs.running or c.status().jobs.queued)
+    finally:
+        c.close()
+        d.stop()
+    assert [e["kind"] for e in store.list_events(700)].count("fabric_seen") == 1
