@@ -180,3 +180,21 @@ def test_a_change_while_stopped_is_seen_after_many_events(tmp_path: Path) -> Non
         c.close()
         d.stop()
     assert [e["kind"] for e in store.list_events(700)].count("fabric_seen") == 1
+
+
+def test_an_incomplete_discovery_is_not_counted_ok(tmp_path: Path) -> None:
+    """moetune_discoveries{outcome} agrees with `status` (before: an nvidia-smi time-out, whose facts the daemon
+    kept out, was counted `ok` while status said the discovery failed)."""
+    node = Node(tmp_path)
+    d = node.start()
+    try:
+        F.until(lambda: d.metrics.discoveries.get("ok"))
+        broken = node.become(gpus="unanswered")
+        broken.complete, broken.warnings = False, ["nvidia-smi timed out"]
+        F.until(lambda: d.metrics.discoveries.get("incomplete", 0) >= 3)
+        ok = d.metrics.discoveries["ok"]
+        F.until(lambda: d.metrics.discoveries["incomplete"] >= 6)
+        assert d.metrics.discoveries["ok"] == ok
+        assert not d._last_discovery[1] and "nvidia-smi timed out" in d._last_discovery[2]
+    finally:
+        d.stop()

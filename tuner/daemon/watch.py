@@ -124,7 +124,8 @@ class FabricWatch:
             self.metrics.discovery("error")
             log.error("fabric discovery failed: %s", e)
             return None
-        self.metrics.discovery("ok")
+        # facts that could not be read whole are no `ok` discovery (an nvidia-smi time-out is what to alert on)
+        self.metrics.discovery("incomplete" if incomplete(facts) else "ok")
         self._last_discovery = (now(), True, "")
         return facts
 
