@@ -198,3 +198,30 @@ def test_an_incomplete_discovery_is_not_counted_ok(tmp_path: Path) -> None:
         assert not d._last_discovery[1] and "nvidia-smi timed out" in d._last_discovery[2]
     finally:
         d.stop()
+
+
+def test_why_a_retune_cannot_run_survives_a_restart(tmp_path: Path) -> None:
+    """`status` still says why the stale profiles are not re-tuned after the daemon restarts (before: the
+    notice was only in memory; the restarted daemon showed stale profiles and no reason, and queued nothing)."""
+    from moetune.tuner.daemon.jobs import RetuneImpossible
+
+    def retune(ctx: Any) -> list[ProfileRecord]:
+        raise RetuneImpossible("no calibrated model of this node: run `moetune profile`")
+
+    node = Node(tmp_path, retune)
+    d = node.start()
+    c = ProfileClient(d.endpoint, timeout_ms=2000)
+    try:
+        node.become(port="down")
+        notice = F.until(lambda: c.status().tune_notice)
+    finally:
+        c.close()
+        d.stop()
+    d = node.start()
+    c = ProfileClient(d.endpoint, timeout_ms=2000)
+    try:
+        st = c.status()
+        assert st.tune_notice == notice and st.profiles_stale == 3
+    finally:
+        c.close()
+        d.stop()

@@ -81,7 +81,7 @@ class Job:
         return {"job_id": self.id, "run_id": self.run_id, "old_fingerprint": self.old_fingerprint,
                 "fingerprint": self.fingerprint, "all_current": self.all_current,
                 "keys": [k.to_dict() for k in self.keys], "state": self.state, "written": self.written,
-                "message": self.message}
+                "message": self.message, "impossible": self.impossible}
 
 
 class JobContext:
@@ -501,6 +501,20 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]]
             except StoreError as e:
                 log.error("cannot mark run %s failed: %s", r["id"], e)
     return resume, max_id + 1
+
+
+def tune_notice_of(store: Any, *, limit: int = 2000) -> str:
+    """Why the automatic re-tune cannot run here, as the last daemon's jobs left it ('' once one ran): a
+    restart must not forget it while the profiles it left stale stay stale."""
+    for e in store.list_events(limit=limit):  # newest first
+        d = e["details"] or {}
+        if e["kind"] != "job_finished" or not isinstance(d, dict):
+            continue
+        if d.get("state") == "done":
+            return ""
+        if d.get("impossible"):
+            return str(d.get("message") or "")
+    return ""
 
 
 def tuning_key(k: ProfileKey) -> tuple:

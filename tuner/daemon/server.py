@@ -67,6 +67,7 @@ from moetune.tuner.daemon.jobs import (
     RetuneFn,
     keys_from_details,
     recover_jobs,
+    tune_notice_of,
     tuner_retune,
 )
 from moetune.tuner.daemon.metrics import DaemonMetrics, start_metrics_server
@@ -906,6 +907,7 @@ class Daemon(FabricWatch):
         log.info("published %s v%d", change.kind, change.version, extra={"fingerprint": change.fingerprint})
 
     def _recover(self) -> list[dict[str, Any]]:
+        self.tune_notice = tune_notice_of(self.store)  # as the last daemon left it
         resume, next_id = recover_jobs(self.store)
         self.jobs._ids = itertools.count(max(next_id, 1))
         return resume
