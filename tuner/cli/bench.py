@@ -70,7 +70,7 @@ def _results_path(results: str | None) -> Path:
 @app.command("ep")
 def ep(
     world: int = typer.Option(2, "--world", help="EP ranks to launch (spawned here unless run under torchrun)."),
-    backend: str = typer.Option("gloo", "--backend", help="gloo (CPU) or nccl (GPUs)."),
+    backend: str = typer.Option("gloo", "--backend", "--comm", help="gloo (CPU) or nccl (GPUs) (--comm, as for `moetune tune`)."),
     model: str = typer.Option("qwen3-30b", "--model", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K[,dtype]."),
     tokens: int = typer.Option(128, "--tokens", help="Tokens per rank (S)."),
     knobs: str = typer.Option("", "--knobs", help="Knob overrides, name=value,... (e.g. compression=fp8_e4m3,pipeline_depth=2)."),
@@ -407,7 +407,8 @@ def run_scenario(
     case: str = typer.Option(None, "--case", help="Run only this case (with the baseline first and last)."),
     launches: int = typer.Option(None, "--launches", help="Launches (default: the scenario's; 1 with --smoke)."),
     smoke: bool = typer.Option(False, "--smoke", help="Tiny sizes on CPU/gloo: checks the plumbing, rows marked source=smoke."),
-    results: str = typer.Option(None, "--results", help="CSV to append to (default bench/results/summary.csv)."),
+    results: str = typer.Option(None, "--results", help="CSV to append to (default: bench/results/summary.csv of the moetune source tree, whatever the current "
+                                 "directory)."),
     from_report: str = typer.Option(None, "--from-report", help="Run nothing: append a `moetune bench moe --json` "
                                     "report measured elsewhere (a GPU machine) as one launch, source=imported, if it "
                                     "measured what the scenario asks (driver moe)."),
@@ -451,8 +452,10 @@ def run_scenario(
 
 @app.command("summarize")
 def summarize_scenarios(
-    results: str = typer.Option(None, "--results", help="CSV to read (default bench/results/summary.csv)."),
-    out: str = typer.Option(None, "--out", help="Markdown to write (default BENCHMARKS.md); '-' prints it."),
+    results: str = typer.Option(None, "--results", help="CSV to read (default: bench/results/summary.csv of the moetune source tree, whatever the "
+                                 "current directory)."),
+    out: str = typer.Option(None, "--out", help="Markdown to write (default: BENCHMARKS.md of the moetune source tree, whatever the "
+                             "current directory); '-' prints it."),
 ) -> None:
     """Regenerate BENCHMARKS.md from summary.csv: per scenario its latest batch, medians / p10 / p90, ratios."""
     from moetune.tuner.measure import results as R

@@ -172,7 +172,9 @@ def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | No
         rows = [row] if row is not None else []
     if not rows:
         allrows = list(store.list_fingerprints())
-        rows = allrows if fp_hash is None else [r for r in allrows if str(r["hash"]).startswith(fp_hash)]
+        # the default is the latest fingerprint with facts: a model tune records its preset's key (no facts) too
+        rows = ([r for r in allrows if r["facts"]] or allrows) if fp_hash is None else \
+            [r for r in allrows if str(r["hash"]).startswith(fp_hash)]
         if fp_hash is not None and len(rows) > 1:
             raise _fail(f"fingerprint prefix {fp_hash} is ambiguous ({len(rows)} stored fingerprints match)")
     if not rows:

@@ -180,16 +180,17 @@ def _plot_path(out: Path) -> Path:
 @app.command("sweep")
 def sweep_cmd(
     preset: str = typer.Option(..., "--preset", "-p", help="Preset name or .toml path."),
-    model: str = typer.Option("qwen3-30b", "--model", "-m"),
+    model: str = typer.Option("qwen3-30b", "--model", "-m", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K."),
     over: str = typer.Option("group_size", "--over", help="group_size, nodes or tokens."),
     values: str = typer.Option("", "--values", help="Comma-separated x values (default: a sensible range)."),
-    nodes: int = typer.Option(4, "--nodes", "-n"),
-    tokens: int = typer.Option(256, "--tokens", "-t"),
-    gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", "-g"),
+    nodes: int = typer.Option(4, "--nodes", "-n", help="Nodes (unless swept with --over nodes)."),
+    tokens: int = typer.Option(256, "--tokens", "-t", help="Tokens per GPU (unless swept with --over tokens)."),
+    gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", "-g", help="GPUs per node (default: the preset's)."),
     knobs: str = typer.Option("", "--knobs", "-k", help="Base knob overrides."),
-    routing: str = typer.Option("uniform", "--routing"),
-    tile: int = typer.Option(128, "--tile"),
-    out: Path | None = typer.Option(None, "--out", help="Write a PNG plot (latency and fences vs x, per fence mode)."),
+    routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:<exponent>."),
+    tile: int = typer.Option(128, "--tile", help="Tokens per tile (one PUT per tile)."),
+    out: Path | None = typer.Option(None, "--out", help="Write a plot (latency and fences vs x, per fence mode): PNG, "
+                                    "or the format of the file's suffix (.svg, .pdf, ...); no suffix: FILE.png."),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
     """Sweep one variable for each fence mode the transport allows (MODELLED)."""

@@ -56,11 +56,11 @@ def _open(db: Path | None, config: Path | None, console: Console | None = None, 
 
 
 def profile(
-    model: list[str] = typer.Option([], "--model", "-m", help="Model shape to tune (repeatable): qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K."),
-    tokens: str = typer.Option("", "--tokens", help="Comma-separated tokens per rank to tune for (token buckets)."),
+    model: list[str] = typer.Option([], "--model", "-m", help="Model shape to tune (repeatable): qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K (default: qwen3-30b)."),
+    tokens: str = typer.Option("", "--tokens", help="Comma-separated tokens per rank to tune for (token buckets; default: 128,1024,4096, with --quick 128,1024)."),
     quick: bool = typer.Option(False, "--quick", help="A short plan: one model, two buckets, few trials (≈ 2 min on a CPU)."),
     plan_file: Path | None = typer.Option(None, "--plan", help="TOML plan: models, tokens, trials, repeats, backend, world."),
-    trials: int | None = typer.Option(None, "--trials", help="Trials per (family, model, bucket) study."),
+    trials: int | None = typer.Option(None, "--trials", help="Trials per (family, model, bucket) study (default: 16, with --quick 4)."),
     db: Path | None = typer.Option(None, "--db", help="Profile database (default: configured / $MOETUNE_HOME)."),
     config: Path | None = typer.Option(None, "--config", help="Extra config file."),
     capture: Path | None = typer.Option(None, "--capture", help="Describe the node from a capture instead of the live node (tests, support)."),

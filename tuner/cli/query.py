@@ -7,6 +7,7 @@ runtime uses: daemon -> read-only database -> policy defaults) and says where th
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,19 +55,26 @@ def check_timeout_ms(timeout_ms: int | None) -> None:
 
 def make_client(socket: str | None, config: Path | None, timeout_ms: int | None, db: Path | None = None) -> Any:
     from moetune.runtime.profiles.client import ProfileClient
+    from moetune.tuner.cli.db import fail
 
     check_timeout_ms(timeout_ms)
     cfg = _config(config)
     endpoint = socket or cfg.client.socket
     check_socket(endpoint, "--socket" if socket else "client.socket (config)")
     server_key = None
-    key_file = cfg.daemon.curve_public_key_file
+    # the client reads its [client] keys (curve_server_key_file, its own key pair, allow_modelled) from the config
+    # chain itself: --config joins that chain as $MOETUNE_CONFIG would, or its [client] section went unread
+    env = dict(os.environ, MOETUNE_CONFIG=str(config)) if config is not None else os.environ
+    key_file = "" if cfg.client.curve_server_key_file else cfg.daemon.curve_public_key_file  # on the daemon's host
     if endpoint.startswith("tcp://") and key_file:
         import zmq.auth
 
-        server_key, _ = zmq.auth.load_certificate(key_file)
+        try:
+            server_key, _ = zmq.auth.load_certificate(key_file)
+        except (OSError, ValueError) as e:
+            raise fail(f"daemon.curve_public_key_file {key_file}: not a usable CURVE public key file ({e})") from None
     return ProfileClient(endpoint, timeout_ms=timeout_ms or cfg.client.timeout_ms,
-                         curve_server_key=server_key, db_path=db or Path(cfg.store.db))
+                         curve_server_key=server_key, db_path=db or Path(cfg.store.db), env=env)
 
 
 def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms: int, **fields: Any) -> Any:
@@ -128,7 +136,7 @@ def register(app: typer.Typer) -> None:
         socket: str = typer.Option(None, "--socket", help="Daemon endpoint."),
         db: Path = typer.Option(None, "--db", help="Database to read when the daemon does not answer."),
         config: Path = typer.Option(None, "--config", help="TOML config file."),
-        timeout_ms: int = typer.Option(None, "--timeout-ms", help="Time budget for the whole lookup."),
+        timeout_ms: int = typer.Option(None, "--timeout-ms", help="Time budget for the whole lookup, in milliseconds (default: \\[client] timeout_ms, 200)."),
     ) -> None:
         """The tuned knobs for a model, EP size and token count (daemon, else the database, else defaults)."""
         from moetune.runtime.shapes import get_model

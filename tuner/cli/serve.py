@@ -70,7 +70,7 @@ def register(app: typer.Typer) -> None:
     def status(
         socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: the configured one)."),
         config: Path = typer.Option(None, "--config", help="TOML config file."),
-        timeout_ms: int = typer.Option(1000, "--timeout-ms"),
+        timeout_ms: int = typer.Option(1000, "--timeout-ms", help="Milliseconds to wait for the daemon's answer."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Ask the daemon how it is doing (uptime, database, last discovery, jobs)."""
@@ -104,10 +104,11 @@ def register(app: typer.Typer) -> None:
     def retune(
         all_: bool = typer.Option(False, "--all", help="Re-tune every current profile of this fabric, not only stale ones."),
         cancel: int = typer.Option(None, "--cancel", help="Cancel this job id."),
-        reason: str = typer.Option("requested from the command line", "--reason"),
+        reason: str = typer.Option("requested from the command line", "--reason",
+                                   help="Why: recorded with the job (`moetune status` lists it)."),
         socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: the configured one)."),
         config: Path = typer.Option(None, "--config", help="TOML config file."),
-        timeout_ms: int = typer.Option(2000, "--timeout-ms"),
+        timeout_ms: int = typer.Option(2000, "--timeout-ms", help="Milliseconds to wait for the daemon's answer."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Queue a re-tune of stale profiles in the daemon (or cancel a job). Admins only: the daemon's own user

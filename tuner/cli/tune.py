@@ -111,16 +111,16 @@ def tune(
     ctx: typer.Context,
     model: list[str] = typer.Option(None, "--model", "-m", help="Model shape (qwen3-30b, deepseek-v3, gpt-oss-120b, custom:H,I,E,K). Repeatable."),
     tokens: str = typer.Option("128,1024,4096", "--tokens", "-t", help="Tokens per GPU, comma separated (tuned at the nearest bucket)."),
-    backend: str = typer.Option(None, "--backend", "-b", help="model (fabric model; needs --preset) or local (the real runtime)."),
+    backend: str = typer.Option(None, "--backend", "-b", help="model (fabric model; needs --preset) or local (the real runtime) (default: config \\[tune] backend, model)."),
     preset: str = typer.Option(None, "--preset", "-p", help="Fabric-model preset for the model backend."),
     trials: int = typer.Option(None, "--trials", "-n", help="Finished trials per study (default: config \\[tune] trials, 40)."),
-    timeout: float = typer.Option(None, "--timeout", help="Wall-clock budget in seconds for the whole tune."),
+    timeout: float = typer.Option(None, "--timeout", help="Wall-clock budget in seconds for the whole tune (default: config \\[tune] timeout_s, 600)."),
     storage: str = typer.Option(None, "--storage", help="Optuna storage URL (default: SQLite next to the profile db; postgresql://... to share a study)."),
     seed: int = typer.Option(0, "--seed", help="Sampler seed."),
     db: Path = typer.Option(None, "--db", help="Profile database (default: configured)."),
     config: Path = typer.Option(None, "--config", help="TOML config file (its \\[tune] section gives the defaults)."),
     nodes: int = typer.Option(1, "--nodes", help="Nodes in the EP group."),
-    ep_size: int = typer.Option(None, "--ep-size", help="EP group size (default: GPUs per node × nodes)."),
+    ep_size: int = typer.Option(None, "--ep-size", help="EP group size (default: --world with the local backend, else GPUs per node × nodes)."),
     family: list[str] = typer.Option(None, "--family", "-f", help="Only these transport families (repeatable), e.g. host_staged."),
     policy: Path = typer.Option(None, "--policy", help="User policy file or directory overriding the packaged policies."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:S."),
@@ -128,7 +128,7 @@ def tune(
     comm: str = typer.Option(None, "--comm", help="Local backend: nccl or gloo (default: nccl with GPUs, else gloo)."),
     repeats: int = typer.Option(3, "--repeats", help="Local backend: runs per trial (median and spread)."),
     trial_timeout: float = typer.Option(120.0, "--trial-timeout", help="Local backend: seconds before a run is killed."),
-    capture: Path = typer.Option(None, "--from", help="Discover from a fabric capture directory instead of this node."),
+    capture: Path = typer.Option(None, "--from", "--capture", help="Discover from a fabric capture directory instead of this node (--capture, as for `moetune profile`)."),
     node_model: bool = typer.Option(False, "--node-model", help="Model backend: --preset is a calibrated model of THIS node (profiles get this node's key)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
@@ -163,6 +163,10 @@ def tune(
         _fail(f"--repeats must be >= 1, got {repeats}")
     if world is not None and world < 1:
         _fail(f"--world must be >= 1, got {world}")
+    if nodes < 1:
+        _fail(f"--nodes must be >= 1, got {nodes}")
+    if ep_size is not None and ep_size < 1:  # 0 was taken for "not given" and silently replaced by the default
+        _fail(f"--ep-size must be >= 1, got {ep_size}")
     if comm is not None and comm not in COMM_BACKENDS:
         _fail(f"--comm must be {' or '.join(COMM_BACKENDS)}, got {comm!r}")
     if capture is not None and not capture.is_dir():  # was ignored (or a traceback) when it did not exist

@@ -1,0 +1,163 @@
+"""The CLI's `--help` against its code, and its exit codes on a machine without a GPU or a daemon: every option
+says what it means (units, defaults the code really has), options given in the config file are the ones used, and
+a command that could not do what was asked ends with a clear message and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.tuner.cli import app
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(*args: str, home: Path, **env: str):
+    env = {"MOETUNE_HOME": str(home), "HOME": str(home), "XDG_CONFIG_HOME": str(home / "cfg"), "MOETUNE_CONFIG": "",
+           "COLUMNS": "200", **env}
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def _help(*args: str) -> str:
+    r = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    return re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", r.output))
+
+
+def _no_traceback(r) -> None:
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.output
+
+
+# -- status / retune / query --config: the [client] keys of that file are the ones used --------------------------
+def test_status_over_curve_tcp_uses_the_client_keys_of_the_config_given(tmp_path: Path) -> None:
+    """`moetune status --config client.toml`: its [client] curve_server_key_file and key pair were ignored (the
+    profile client read only the default config chain), so the command refused plain-text TCP, naming the very
+    setting the file gave."""
+    from moetune.runtime.testing.launch import free_port
+    from moetune.tuner.cli.keys import allow_client, generate_keys
+    from moetune.tuner.daemon.server import Daemon
+
+    server_pub, server_secret = generate_keys(tmp_path / "keys")
+    cpub, csec = generate_keys(tmp_path / "bob", "bob")
+    allow_client(cpub, tmp_path / "keys" / "clients")
+    facts = F.FakeFacts({"gpu_model": "H200"})
+    store = F.open_store(tmp_path / "moetune.db")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    d = Daemon(store=store, endpoint=endpoint, pub_endpoint=f"tcp://127.0.0.1:{free_port()}",
+               curve_secret_key_file=str(server_secret), discover=lambda: facts,
+               rediscover_interval_s=0).start(background=True)
+    cfg = tmp_path / "client.toml"
+    cfg.write_text(f'[client]\nsocket = "{endpoint}"\ncurve_server_key_file = "{server_pub}"\n'
+                   f'curve_secret_key_file = "{csec}"\n')
+    try:
+        r = _run("status", "--json", "--config", str(cfg), "--timeout-ms", "3000", home=tmp_path / "home")
+    finally:
+        d.stop()
+    _no_traceback(r)
+    assert r.exit_code == 0, r.output
+    assert '"endpoint"' in r.output and endpoint in r.output
+
+
+def test_unusable_daemon_public_key_file_is_a_clear_error(tmp_path: Path) -> None:
+    """daemon.curve_public_key_file naming a missing file ended `moetune status` in zmq's OSError traceback."""
+    cfg = tmp_path / "c.toml"
+    missing = tmp_path / "gone.key"
+    cfg.write_text(f'[daemon]\ncurve_public_key_file = "{missing}"\n[client]\nsocket = "tcp://127.0.0.1:5999"\n')
+    for cmd in (["status"], ["retune"], ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "16"]):
+        r = _run(*cmd, "--config", str(cfg), home=tmp_path / "home")
+        _no_traceback(r)
+        assert r.exit_code == 2, (cmd, r.output)
+        assert "curve_public_key_file" in r.output and str(missing) in r.output.replace("\n", ""), r.output
+
+
+# -- --help: every option says what it is; defaults as the code has them ---------------------------------------
+def _commands():
+    from typer.main import get_command
+
+    def walk(cmd, path):
+        if getattr(cmd, "commands", None):
+            for name, sub in cmd.commands.items():
+                yield from walk(sub, [*path, name])
+        if path:
+            yield path, cmd
+
+    return list(walk(get_command(app), []))
+
+
+def test_every_option_of_every_command_has_help() -> None:
+    """status/retune --timeout-ms, retune --reason and six options of `model sweep` (--model, --nodes, --tokens,
+    --gpus-per-node, --routing, --tile) showed no text at all: no unit, no meaning."""
+    bare = [f"moetune {' '.join(path)} {p.opts[0]}" for path, cmd in _commands() for p in cmd.params
+            if not getattr(p, "hidden", False) and p.param_type_name == "option" and not (p.help or "").strip()]
+    assert not bare, bare
+
+
+def test_help_states_units_and_the_defaults_the_code_uses() -> None:
+    """The defaults are read from the code the help describes (the config's and the bring-up plan's)."""
+    from moetune.runtime.config import ClientConfig, TuneConfig
+    from moetune.tuner.bringup.flow import Plan
+
+    for cmd in (("status",), ("retune",)):
+        assert re.search(r"--timeout-ms .*Milliseconds", _help(*cmd)), cmd
+    client_ms = ClientConfig().timeout_ms
+    assert f"--timeout-ms <int> Time budget for the whole lookup, in milliseconds (default: [client] timeout_ms, " \
+           f"{client_ms})" in _help("query")
+    tune = _help("tune")
+    # the config's [tune] timeout_s bounds a tune where --timeout is not given; [tune] backend picks the backend
+    assert f"default: config [tune] timeout_s, {TuneConfig().timeout_s:g})" in tune, tune
+    assert f"default: config [tune] backend, {TuneConfig().backend})" in tune, tune
+    prof = _help("profile")
+    toks = ",".join(map(str, Plan().tokens))
+    quick = ",".join(map(str, Plan.quick().tokens))
+    assert f"default: {toks}, with --quick {quick})" in prof, prof
+    assert f"default: {Plan().trials}, with --quick {Plan.quick().trials})" in prof, prof
+    assert f"(default: {Plan().models[0]})" in prof and len(Plan().models) == 1, prof
+    # the results table and BENCHMARKS.md are the source tree's, not the current directory's
+    assert "of the moetune source tree" in _help("bench", "run")
+    assert _help("bench", "summarize").count("of the moetune source tree") == 2
+
+
+# -- tune: an EP size or node count below 1 is an error, not the default ----------------------------------------
+@pytest.mark.parametrize(("opt", "value"), [("--ep-size", "0"), ("--nodes", "0"), ("--ep-size", "-8")])
+def test_tune_refuses_ep_size_and_nodes_below_one(tmp_path: Path, opt: str, value: str) -> None:
+    """`--ep-size 0` was read as "not given": the tune ran (exit 0) on GPUs per node × nodes instead."""
+    r = _run("tune", "--model", "qwen3-30b", "--preset", "ndr-ibrc-h100x8", "--tokens", "16", "--trials", "1",
+             opt, value, home=tmp_path)
+    _no_traceback(r)
+    assert r.exit_code == 2, r.output
+    assert f"{opt} must be >= 1, got {value}" in r.output
+    assert not (tmp_path / "moetune.db").exists()  # refused before anything was tuned or stored
+
+
+# -- one spelling per meaning: aliases where two commands spelled one thing differently --------------------------
+def test_tune_takes_capture_like_profile_and_bench_ep_takes_comm_like_tune(tmp_path: Path) -> None:
+    """`profile/report/serve --capture DIR` vs `tune --from DIR`; `tune --comm gloo` vs `bench ep --backend gloo`."""
+    missing = tmp_path / "nope"
+    r = _run("tune", "--model", "qwen3-30b", "--backend", "local", "--capture", str(missing), home=tmp_path)
+    _no_traceback(r)
+    assert r.exit_code == 2 and "no such directory" in r.output, r.output
+    r = _run("bench", "ep", "--comm", "mpi", home=tmp_path)
+    _no_traceback(r)
+    assert r.exit_code == 2 and "--backend must be gloo or nccl, got 'mpi'" in r.output, r.output
+
+
+# -- fabric diff: the default is the last fingerprint of a node, not a preset's key ------------------------------
+def test_fabric_diff_default_skips_a_model_tunes_preset_key(tmp_path: Path) -> None:
+    """After `moetune tune --backend model --preset P` (which records the preset's key, without facts) a plain
+    `moetune fabric diff` failed: 'the store has fingerprint preset:... but not its facts'."""
+    cap = str(Path(__file__).parent / "captures" / "dgx-h100")
+    assert _run("fabric", "show", "--from", cap, "--record", home=tmp_path).exit_code == 0
+    r = _run("tune", "--model", "qwen3-30b", "--preset", "ndr-ibrc-h100x8", "--tokens", "16", "--trials", "1",
+             home=tmp_path)
+    assert r.exit_code == 0, r.output
+    r = _run("fabric", "diff", "--from", cap, home=tmp_path)
+    _no_traceback(r)
+    assert r.exit_code == 0 and "fingerprint unchanged" in r.output, r.output
