@@ -161,3 +161,18 @@ def test_fabric_diff_default_skips_a_model_tunes_preset_key(tmp_path: Path) -> N
     r = _run("fabric", "diff", "--from", cap, home=tmp_path)
     _no_traceback(r)
     assert r.exit_code == 0 and "fingerprint unchanged" in r.output, r.output
+
+
+# -- options that did nothing ------------------------------------------------------------------------------------
+def test_bench_ep_verify_with_the_plain_baseline_is_refused(tmp_path: Path) -> None:
+    """`bench ep --impl plain --verify` built no layer, so nothing was checked, and it exited 0 as if it passed."""
+    r = _run("bench", "ep", "--impl", "plain", "--verify", "--tokens", "4", "--model", "custom:64,32,8,2",
+             "--iters", "1", "--warmup", "0", home=tmp_path)
+    _no_traceback(r)
+    assert r.exit_code == 2 and "--verify" in r.output and "--impl plain" in r.output, r.output
+
+
+def test_fabric_show_says_db_and_config_are_for_record() -> None:
+    """`fabric show --db X` without --record reads and writes no database: the help says what they are for."""
+    h = _help("fabric", "show")
+    assert re.search(r"--db .*--record writes to", h) and re.search(r"--config .*for --record", h), h

@@ -109,6 +109,8 @@ def ep(
         _fail(f"--backend must be gloo or nccl, got {backend!r}")
     if impl not in ("moetune", "plain"):
         _fail(f"--impl must be moetune or plain, got {impl!r}")
+    if verify and impl == "plain":  # the baseline builds no layer: nothing would be checked, and exit 0 said it passed
+        _fail("--verify checks moetune's MoE layer against the dense reference; --impl plain has no layer to check")
     if layout not in ("auto", "dense", "packed"):
         _fail(f"--layout must be auto, dense or packed, got {layout!r}")
     try:

@@ -111,8 +111,8 @@ def show(
     from_dir: Path | None = typer.Option(None, "--from", help="Analyse a capture directory instead of this node."),
     as_json: bool = typer.Option(False, "--json", help="Print the facts, hashes and transports as JSON."),
     record: bool = typer.Option(False, "--record", help="Also record the fingerprint and its facts in the store."),
-    db: Path | None = typer.Option(None, "--db", help="Profile database (default: configured)."),
-    config: Path | None = typer.Option(None, "--config", help="TOML config file."),
+    db: Path | None = typer.Option(None, "--db", help="Profile database --record writes to (default: configured)."),
+    config: Path | None = typer.Option(None, "--config", help="TOML config file (for --record's database)."),
     timeout_s: float = typer.Option(1.5, "--timeout", min=0.1, max=60.0, help="Timeout per external command (s)."),
 ) -> None:
     """Discover the fabric (or read a capture) and show facts, fingerprint and transport families."""
