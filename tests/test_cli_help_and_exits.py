@@ -176,3 +176,15 @@ def test_fabric_show_says_db_and_config_are_for_record() -> None:
     """`fabric show --db X` without --record reads and writes no database: the help says what they are for."""
     h = _help("fabric", "show")
     assert re.search(r"--db .*--record writes to", h) and re.search(r"--config .*for --record", h), h
+
+
+def test_bench_moe_says_what_it_times_before_the_long_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench moe` on a machine without a GPU printed nothing for minutes (the default S list runs on the CPU)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = CliRunner().invoke(app, ["bench", "moe", "--engine", "unfused", "--model", "custom:128,64,8,2", "--tokens",
+                                 "4", "--iters", "2", "--warmup", "0", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "timing unfused at S=4 (0 + 2 calls each) on the CPU (no CUDA device" in r.stderr, r.stderr
+    assert r.stdout.strip().startswith("{")  # stdout stays the JSON report

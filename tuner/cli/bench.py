@@ -260,6 +260,13 @@ def moe(
         _fail(str(e))
     if min(iters, warmup + 1, rotate) < 1 or not 0 <= rest <= 60:
         _fail("--iters and --rotate must be >= 1, --warmup >= 0, --rest in 0..60 seconds")
+    import torch
+    from rich.markup import escape
+
+    # the table comes at the end: say what runs now (on a CPU the default S list takes minutes)
+    where = "CUDA" if torch.cuda.is_available() else "the CPU (no CUDA device: slow, a plumbing check)"
+    _err.print(f"[dim]timing {escape(', '.join(engines))} at S={','.join(map(str, toks))} ({warmup} + {iters} calls "
+               f"each) on {where} ...[/dim]")
     try:
         rep = M.bench_moe(shape, toks, engines, graph=cuda_graph, iters=iters, warmup=warmup, rotate=rotate, seed=seed,
                           knobs=mk, rest_s=rest)
