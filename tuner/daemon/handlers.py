@@ -20,6 +20,7 @@ from moetune.runtime import wire
 from moetune.runtime.profile_record import ProfileKey
 from moetune.tuner import __version__
 from moetune.tuner.daemon.index import CACHE_LIMIT, ProfileIndex
+from moetune.tuner.daemon.jobs import tuning_key
 from moetune.tuner.daemon.watch import facts_dict, transport_names
 
 if TYPE_CHECKING:
@@ -107,9 +108,7 @@ def retune(d: Daemon, req: wire.Retune) -> Result:
 
 def retune_keys(idx: ProfileIndex, *, all_current: bool) -> list[ProfileKey]:
     """Stale keys without a current profile of this fingerprint (+ every current one with `all_current`)."""
-    def tkey(k: ProfileKey) -> tuple:
-        return (k.ep_size, k.nodes, k.hidden, k.intermediate, k.experts, k.topk, k.dtype, k.token_bucket)
-
+    tkey = tuning_key
     have = {tkey(r.key) for r in idx.records if r.key.fingerprint == idx.fingerprint}
     out: dict[tuple, ProfileKey] = {}
     for r in idx.stale:
