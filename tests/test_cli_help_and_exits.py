@@ -188,3 +188,21 @@ def test_bench_moe_says_what_it_times_before_the_long_run(monkeypatch: pytest.Mo
     assert r.exit_code == 0, r.output
     assert "timing unfused at S=4 (0 + 2 calls each) on the CPU (no CUDA device" in r.stderr, r.stderr
     assert r.stdout.strip().startswith("{")  # stdout stays the JSON report
+
+
+def test_bench_moe_shows_each_case_as_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the one line above, `bench moe` was silent until every case had run (minutes): each (engine, S) case
+    is named on stderr as it starts; stdout stays the one JSON report."""
+    import json
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = CliRunner().invoke(app, ["bench", "moe", "--engine", "unfused", "--model", "custom:128,64,8,2", "--tokens",
+                                 "4,16", "--iters", "2", "--warmup", "0", "--json"])
+    assert r.exit_code == 0, r.output
+    err = r.stderr
+    assert "unfused S=4 (1/2)" in err and "unfused S=16 (2/2)" in err, err
+    assert err.index("unfused S=4 (1/2)") < err.index("unfused S=16 (2/2)")
+    rep = json.loads(r.stdout)  # the whole of stdout: nothing else printed there
+    assert [c["S"] for c in rep["cases"]] == [4, 16]

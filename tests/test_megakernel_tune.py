@@ -208,6 +208,33 @@ def test_bench_moe_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.Mo
     assert not mk.metrics and mk.error.startswith("SKIPPED") and "no CUDA device" in mk.error
 
 
+def test_bench_moe_reports_progress_per_engine_and_s() -> None:
+    """bench_moe takes a progress sink (measure imports no rich): one task of every (engine, S) case that runs, each
+    named as it starts and counted as it ends; a skipped engine is no case."""
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe as M
+
+    calls: list[tuple] = []
+
+    class Sink:
+        def add(self, description: str, total: int, done: int = 0) -> str:
+            calls.append(("add", total, done))
+            return "task"
+
+        def update(self, task: Any, done: int, best: float | None = None, description: str | None = None) -> None:
+            calls.append(("update", task, done, description))
+
+        def close(self) -> None:
+            calls.append(("close",))
+
+    rep = M.bench_moe(get_model("custom:128,64,8,2"), [4, 16], ["megakernel", "unfused"], iters=1, warmup=0,
+                      device="cpu", progress=Sink())
+    assert any(c.get("skipped") for c in rep["cases"])  # the megakernel on a CPU device: no case to count
+    assert calls == [("add", 2, 0),
+                     ("update", "task", 0, "unfused S=4"), ("update", "task", 1, None),
+                     ("update", "task", 1, "unfused S=16"), ("update", "task", 2, None)]  # the caller closes it
+
+
 def test_paired_differences_and_variant_parsing() -> None:
     from moetune.runtime.knobs import KnobError, Knobs
     from moetune.tuner.measure import moe_compare as MC

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -33,6 +34,27 @@ def _json_opt() -> typer.models.OptionInfo:
 
 
 _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
+
+
+class _CaseLines:
+    """A progress sink (`tuner.search.progress.Progress`) that prints one dim line as each case starts, for a
+    stderr that is no terminal."""
+
+    def __init__(self, console: Console):
+        self._c, self._total = console, 0
+
+    def add(self, description: str, total: int, done: int = 0) -> Any:
+        self._total = total
+        return None
+
+    def update(self, task: Any, done: int, best: float | None = None, description: str | None = None) -> None:
+        if description is not None:  # bench_moe names a case as it starts (done cases before it)
+            from rich.markup import escape
+
+            self._c.print(f"[dim]{escape(description)} ({done + 1}/{self._total}) ...[/dim]")
+
+    def close(self) -> None:
+        return None
 
 
 def _skips(cases: list[dict], who: str) -> None:
@@ -267,11 +289,18 @@ def moe(
     where = "CUDA" if torch.cuda.is_available() else "the CPU (no CUDA device: slow, a plumbing check)"
     _err.print(f"[dim]timing {escape(', '.join(engines))} at S={','.join(map(str, toks))} ({warmup} + {iters} calls "
                f"each) on {where} ...[/dim]")
+    # per (engine, S) case, on stderr (stdout stays the table or the --json report): a bar on a terminal, else a
+    # line per case (a log or a pipe would see a Rich bar only once, at the end)
+    from moetune.tuner.cli._progress import RichProgress
+
+    bar = RichProgress(console=_err) if _err.is_terminal else _CaseLines(_err)
     try:
         rep = M.bench_moe(shape, toks, engines, graph=cuda_graph, iters=iters, warmup=warmup, rotate=rotate, seed=seed,
-                          knobs=mk, rest_s=rest)
+                          knobs=mk, rest_s=rest, progress=bar)
     except ValueError as e:
         _fail(str(e))
+    finally:
+        bar.close()
     # the command as parsed, defaults included, so the result file says exactly what ran
     cmd = (f"moetune bench moe --engine {','.join(engines)} --model {model} --tokens {','.join(map(str, toks))}"
            f"{' --cuda-graph' if cuda_graph else ''}{f' --knobs {knobs}' if knobs else ''} --iters {iters} "

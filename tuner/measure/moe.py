@@ -14,12 +14,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.testing.timing import graphs_of, time_calls
 from moetune.tuner.measure.stats import Summary
+
+if TYPE_CHECKING:  # typing only: measure sits below search, so the caller hands the sink down (import rule 3)
+    from moetune.tuner.search.progress import Progress
 
 READ_TBPS = 4.2
 TENSOR_TFLOPS = 790.0
@@ -123,12 +126,15 @@ def measure_megakernel(knobs: Knobs, model: ModelShape, tokens: int, *, iters: i
 
 def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], *, graph: bool = False,
               iters: int = 50, warmup: int = 10, rotate: int = 4, seed: int = 0, device: str | None = None,
-              knobs: Knobs | None = None, rest_s: float = 0.0) -> dict[str, Any]:
+              knobs: Knobs | None = None, rest_s: float = 0.0, progress: Progress | None = None) -> dict[str, Any]:
     """Both engines in this process, per S: {"cases": [{engine, S, eager_us, graph_us, ...}], "floors": ...}.
 
     An engine that cannot run here (the megakernel on CPU) is reported `skipped` with the reason. The
     megakernel runs with `knobs` (default: the `engine=megakernel` defaults). `rest_s`: idle seconds before
-    every timed block (`settle`; 0: blocks back to back, each after the previous one's load)."""
+    every timed block (`settle`; 0: blocks back to back, each after the previous one's load). `progress`: a
+    sink (`tuner.search.progress.Progress`, drawn by the caller) given one task of every (engine, S) case
+    that runs: `update(task, done, description="ENGINE S=N")` as case done+1 starts, `update(task, done)` as
+    it ends; the caller closes it."""
     import torch
 
     from moetune.runtime.megakernel.engine import MegakernelUnavailable
@@ -169,12 +175,20 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
         else:
             skipped["torch"] = "the plain torch path needs torch._grouped_mm on a CUDA device"
     cases: list[dict[str, Any]] = [{"engine": e, "skipped": why} for e, why in skipped.items()]
+    timed = [e for e in engines if e in fwd]  # the order asked for
+    # a case on the CPU, or the default S list on a GPU, takes minutes in all: say which case runs now
+    task = progress.add(f"MoE layer on {dev}", len(tokens) * len(timed)) if progress is not None else None
+    done = 0
     for s in tokens:
+        if progress is not None and timed:  # the reference and plain read below are the first case's wait
+            progress.update(task, done, description=f"{timed[0]} S={s}")
         xs = layer_inputs(model, s, rotate, dev, dtype, seed + s)
         ref = fwd["unfused"](xs[0]) if "unfused" in fwd else None
         read = Summary.of(time_plain_read(src.w_gate_up.data, src.w_down.data, math.ceil(experts_touched(model, s)),
                                           warmup=warmup, iters=iters, graph=graph, cuda=cuda, rest_s=rest_s)).quantiles()
-        for eng in (e for e in engines if e in fwd):  # the order asked for
+        for i, eng in enumerate(timed):
+            if progress is not None and i:
+                progress.update(task, done, description=f"{eng} S={s}")
             row: dict[str, Any] = {"engine": eng, "S": s, **floors(model, s), "plain_read_us": read}
             for name, v in time_layer(fwd[eng], xs, warmup=warmup, iters=iters, graph=graph, cuda=cuda,
                                       rest_s=rest_s).items():
@@ -182,5 +196,8 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
             if ref is not None and eng != "unfused":
                 row["rel_err_vs_unfused"] = max_rel_err(fwd[eng](xs[0]), ref)
             cases.append(row)
+            done += 1
+            if progress is not None:
+                progress.update(task, done)
     return {"model": model.name, "device": str(dev), "graph": graph and cuda, "iters": iters, "warmup": warmup,
             "rotate": rotate, "rest_s": rest_s, "cases": cases}
