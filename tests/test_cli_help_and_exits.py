@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,55 @@ def test_tune_refuses_ep_size_and_nodes_below_one(tmp_path: Path, opt: str, valu
     assert r.exit_code == 2, r.output
     assert f"{opt} must be >= 1, got {value}" in r.output
     assert not (tmp_path / "moetune.db").exists()  # refused before anything was tuned or stored
+
+
+# -- tune: a run the time budget cut short says so ----------------------------------------------------------------
+def test_tune_says_when_its_time_budget_ended_the_studies_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--timeout` (default [tune] timeout_s) stopped the studies before their trials were done and the output
+    showed only the winners, as if the search had run in full. Now stderr names each study cut short with the
+    trials it ran of those asked, --json says it per study, and the exit stays 0 where a profile was stored."""
+    import json
+    from datetime import datetime, timedelta
+
+    from moetune.tuner.search.backends import ModelBackend
+
+    evaluate = ModelBackend.evaluate
+    calls: list[datetime] = []
+
+    def slow_second_call(self: ModelBackend, *a: object, **kw: object):
+        # call 1 is tune's feasibility check of the first study; call 2 is that study's first trial, so Optuna's
+        # clock (wall time, like this one) started before it. Holding call 2 until a whole budget has passed since
+        # it began ends that study after this trial and leaves no time for the second study: no clock race.
+        calls.append(datetime.now())
+        if len(calls) == 2:
+            until = calls[1] + timedelta(seconds=1.0)
+            while datetime.now() < until:  # poll: a deadline, not a guessed sleep
+                time.sleep(0.01)
+        return evaluate(self, *a, **kw)
+
+    monkeypatch.setattr(ModelBackend, "evaluate", slow_second_call)
+    args = ("tune", "--model", "qwen3-30b", "--preset", "ndr-ibrc-h100x8", "--tokens", "16,1024", "--trials", "10",
+            "--timeout", "1")
+    r = _run(*args, "--json", home=tmp_path)
+    _no_traceback(r)
+    assert r.exit_code == 0, r.output  # the first study stored a profile
+    rows = json.loads(r.stdout)
+    assert [row["tokens"] for row in rows] == [16, 1024]
+    assert rows[0]["stopped_by_timeout"] and 1 <= rows[0]["trials"] < 10 and rows[0]["trials_asked"] == 10
+    assert rows[0]["written"]
+    assert rows[1]["stopped_by_timeout"] and rows[1]["trials"] == 0
+    err = re.sub(r"\s+", " ", r.stderr)
+    assert "the time budget (--timeout, 1 s) ended the tune early: 2 of 2 studies" in err, err
+    assert f"S=16: {rows[0]['trials']} of 10 trials" in err and "S=1024: 0 of 10 trials (not started)" in err, err
+    assert "the time budget ended before this study started" in err, err
+
+    # a run with the budget to spare says nothing of the kind (and each row says it was not stopped)
+    calls.clear()
+    monkeypatch.setattr(ModelBackend, "evaluate", evaluate)
+    r = _run(*args[:-1], "600", "--json", "--db", str(tmp_path / "other.db"), "--storage",
+             f"sqlite:///{tmp_path / 'other-studies.db'}", home=tmp_path)
+    assert r.exit_code == 0, r.output
+    assert not any(row["stopped_by_timeout"] for row in json.loads(r.stdout)) and "time budget" not in r.stderr
 
 
 # -- one spelling per meaning: aliases where two commands spelled one thing differently --------------------------

@@ -155,8 +155,9 @@ def tune(
         raise typer.BadParameter("must be >= 1", param_hint="--trials")
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         _fail(f"--timeout must be a number of seconds > 0, got {timeout}")
+    budget_from = "--timeout"  # named where the budget ends the tune early
     if timeout is None and cfg_timeout:
-        timeout = float(cfg_timeout)
+        timeout, budget_from = float(cfg_timeout), "[tune] timeout_s"
     if not (math.isfinite(trial_timeout) and trial_timeout > 0):
         _fail(f"--trial-timeout must be a number of seconds > 0, got {trial_timeout}")
     if repeats < 1:
@@ -245,11 +246,13 @@ def tune(
             "best_us": rec.latency_us if rec else None, "spread_us": rec.spread_us if rec else None,
             "default_us": r.study.default_value, "written": r.written, "reason": r.reason,
             "backend": rec.backend if rec else None, "knobs": rec.knobs.to_dict() if rec else None,
+            "trials_asked": trials, "stopped_by_timeout": r.budget_ended,
         })
     # a tune where no study had one successful trial measured nothing: say why and exit 1, not 0
     no_trial = [r for r in results if r.study.best is None]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
+        _budget_ended(results, trials, timeout, budget_from)
         _no_success(no_trial, len(results), url)
         return
     from rich import box
@@ -277,7 +280,23 @@ def tune(
     c.print("trials = complete/failed/pruned; × = default / best; stored: new current profile, or the old one kept")
     for n in notes:
         c.print(n, soft_wrap=True)
+    _budget_ended(results, trials, timeout, budget_from)
     _no_success(no_trial, len(results), url)
+
+
+def _budget_ended(results: list, asked: int, timeout: float | None, source: str) -> None:
+    """Say on stderr which studies the time budget cut short, with the trials each ran of those asked: a table
+    of winners does not show that they come from a shortened search (the exit code stays as it is)."""
+    cut = [r for r in results if r.budget_ended]
+    if not cut:
+        return
+    err.print(f"[yellow]the time budget ({escape(source)}, {timeout:g} s) ended the tune early: {len(cut)} of "
+              f"{len(results)} studies ran fewer trials than the {asked} asked[/yellow]")
+    for r in cut:
+        ran = r.study.trials
+        err.print(f"  {escape(r.study.family)} {escape(r.study.workload.model.name)} S={r.study.workload.tokens}: "
+                  f"{ran} of {asked} trials" + (" (not started)" if ran == 0 else ""))
+    err.print("  run the same command again (or with a larger --timeout) to go on: the studies resume")
 
 
 def _first_failure(url: str, study_name: str) -> str:
@@ -303,9 +322,12 @@ def _no_success(failed: list, total: int, url: str) -> None:
     if not failed:
         return
     for r in failed:
+        what = f"{escape(r.study.family)} {escape(r.study.workload.model.name)} S={r.study.workload.tokens}"
+        if r.budget_ended and r.study.trials == 0:  # no trial failed: the time budget was spent before it
+            err.print(f"[yellow]{what}: no trial, the time budget ended before this study started[/yellow]")
+            continue
         why = _first_failure(url, r.study.study_name)
-        err.print(f"[yellow]{escape(r.study.family)} {escape(r.study.workload.model.name)} S={r.study.workload.tokens}: "
-                  f"no successful trial[/yellow]" + (f" (first failure: {escape(why)})" if why else ""))
+        err.print(f"[yellow]{what}: no successful trial[/yellow]" + (f" (first failure: {escape(why)})" if why else ""))
     if len(failed) == total:
         err.print("[red]error:[/red] no study had a successful trial: nothing was measured or stored")
         raise typer.Exit(1)

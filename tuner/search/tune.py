@@ -156,6 +156,8 @@ class TuneResult:
     written: bool
     reason: str
     study: StudyResult
+    # the time budget (timeout_s) ended the study before it held the trials asked (0 of them: never started)
+    budget_ended: bool = False
 
 
 def make_backend(backend: str | BenchmarkBackend, preset: str | None = None, **local_kw: Any) -> BenchmarkBackend:
@@ -336,7 +338,11 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         bar.update(task, finished_trials(study), _best_value(study))
         record, written, reason = _write_profile(store, key, be, result, facts)
         status = "done" if result.best_knobs is not None else "no_result"
-        return TuneResult(record, written, reason, result)
+        # fewer finished trials than asked happens only when the budget ran out (an interruption raises)
+        cut = timeout_s is not None and result.trials < trials
+        if cut and result.best is None:
+            reason = f"{reason} before the time budget ended ({result.trials} of {trials} trials ran)"
+        return TuneResult(record, written, reason, result, budget_ended=cut)
     except KeyboardInterrupt:
         status = "interrupted"
         raise
