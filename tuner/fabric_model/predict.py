@@ -229,6 +229,7 @@ def predict_transfers(
     if knobs.transport not in ("proxy", "ibgda"):
         raise KnobError("the transfer microbenchmark models queued transports (proxy, ibgda)", ("transport",))
     _check_transport(preset, knobs)
+    _check_queued(preset, p, knobs)
     gpn = gpus_per_node or preset.gpus_per_node
     if preset.max_nodes and nodes > preset.max_nodes:
         raise ValueError(f"preset {preset.name!r} has no network between nodes; use nodes=1")
@@ -277,6 +278,14 @@ def _check_transport(preset: Preset, knobs: Knobs) -> None:
         )
 
 
+def _check_queued(preset: Preset, p: _P, knobs: Knobs) -> None:
+    """A queued transport needs its poster: a preset may list it without the [proxy]/[ibgda] section."""
+    if knobs.transport == "proxy" and not p.has_proxy:
+        raise KnobError(f"preset {preset.name!r} has no CPU proxy", ("transport",))
+    if knobs.transport == "ibgda" and not p.has_ibgda:
+        raise KnobError(f"preset {preset.name!r} has no IBGDA", ("transport",))
+
+
 def _token_bytes(model: ModelShape, knobs: Knobs, *, dispatch: bool) -> float:
     from moetune.runtime.shapes import DTYPES
 
@@ -319,9 +328,9 @@ def _staged_time(p: _P, bytes_out: float, bytes_in: float, chunks: int, depth: i
     a = bytes_out / n / p.d2h  # this GPU's outgoing chunk, device → host
     b = bytes_in / n / p.h2d  # an incoming chunk, host → device
     c = (nic_bytes / n / (p.nic_bw * p.c_nic_eff)) if nic_bytes > 0 else 0.0
-    if not p.duplex:
-        # both directions share the GPU's link: the stages cannot overlap on it
-        a = b = a + b
+    # both directions share the GPU's link without duplex: out and in of a pipelined stage cannot
+    # overlap on it (unpipelined they run one after the other either way, so only the stage changes)
+    link = max(a, b) if p.duplex else a + b
     ov = p.memcpy
     if depth <= 1:
         t = n * (a + b + c + 2 * ov + (ov if c else 0.0))
@@ -329,7 +338,7 @@ def _staged_time(p: _P, bytes_out: float, bytes_in: float, chunks: int, depth: i
         # double buffering: chunk i+1 goes out while chunk i comes in; deeper pipelines hide the
         # per-copy launch overhead too
         hide = min(depth - 1, 4)
-        stage = max(a, b, c) + ov / hide
+        stage = max(link, c) + ov / hide
         t = (a + b + c + 2 * ov) + (n - 1) * stage
     # every staged byte is written to host memory once and read back once, by every GPU of the node
     host = gpn * max(bytes_out, bytes_in) * 2.0 / p.host_mem
@@ -450,6 +459,10 @@ def _phase_nvlink(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads) ->
                         ("transport",))
     if not p.has_nvl:
         raise KnobError(f"preset {p.name!r} has no NVLink", ("transport",))
+    if not w.p2p and w.gpus_per_node > 1:
+        # GPU stores into a peer's memory need peer-to-peer; with it disabled nothing can be stored
+        raise KnobError("transport 'nvlink' needs GPU peer-to-peer, which this workload disables (p2p=False); "
+                        "use host_staged or collective", ("transport",))
     S, G = w.tokens_per_gpu, w.gpus_per_node
     tb = _token_bytes(w.model, knobs, dispatch=dispatch)
     epp = loads.shape[1]
@@ -579,10 +592,7 @@ def predict(
     loads, _epp, _ = _route(w)
     if knobs.transport in ("proxy", "ibgda"):
         knobs.check_workload(transfers_per_peer(w))
-        if knobs.transport == "proxy" and not p.has_proxy:
-            raise KnobError(f"preset {preset.name!r} has no CPU proxy", ("transport",))
-        if knobs.transport == "ibgda" and not p.has_ibgda:
-            raise KnobError(f"preset {preset.name!r} has no IBGDA", ("transport",))
+        _check_queued(preset, p, knobs)
     elif knobs.transport == "nvlink":
         knobs.check_workload(transfers_per_peer(w))
     if w.nodes > 1 and (not p.has_nic or (preset.max_nodes and w.nodes > preset.max_nodes)):

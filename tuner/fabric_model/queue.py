@@ -312,7 +312,9 @@ def run_queue(
             cidx += 1
         gi = 0
         ri = 0
-        hashed = qp_mapping == "peer_hash" or qps == 1
+        # put only (the counterfactual) has no signal to keep on its PUTs' QP: the PUTs spread over every
+        # QP of the peer, as the signalled run's do at best (else it could be slower than signalled)
+        hashed = (qp_mapping == "peer_hash" and not put_only) or qps == 1
         period = qps
         qs = tuple(sorted({sim.qp(base + j) for j in range(qps)}))
         extrapolated: set[int] = set()
