@@ -199,6 +199,31 @@ def test_tune_takes_capture_like_profile_and_bench_ep_takes_comm_like_tune(tmp_p
     assert r.exit_code == 2 and "--backend must be gloo or nccl, got 'mpi'" in r.output, r.output
 
 
+def test_capture_alias_errors_name_it_and_fabric_show_and_diff_take_it(tmp_path: Path) -> None:
+    """`tune --capture DIR` (alias of --from) failed naming only --from, an option the user never typed; `fabric
+    show/diff` took only --from where profile/report/serve/tune take --capture. Errors name both spellings; both
+    spellings work, and --from stays as documented."""
+    missing = tmp_path / "nope"
+    for opt in ("--capture", "--from"):
+        r = _run("tune", "--model", "qwen3-30b", "--backend", "local", opt, str(missing), home=tmp_path)
+        _no_traceback(r)
+        assert r.exit_code == 2 and f"--from/--capture {missing}: no such directory" in r.output, r.output
+    cap = str(Path(__file__).parent / "captures" / "dgx-h100")
+    shown = {opt: _run("fabric", "show", opt, cap, "--json", home=tmp_path) for opt in ("--from", "--capture")}
+    assert all(r.exit_code == 0 for r in shown.values()), {o: r.output for o, r in shown.items()}
+    import json
+
+    fps = {o: json.loads(r.stdout)["fingerprint"] for o, r in shown.items()}
+    assert fps["--capture"] == fps["--from"]
+    assert _run("fabric", "show", "--capture", cap, "--record", home=tmp_path).exit_code == 0
+    for opt in ("--from", "--capture"):
+        r = _run("fabric", "diff", opt, cap, home=tmp_path)
+        _no_traceback(r)
+        assert r.exit_code == 0 and "fingerprint unchanged" in r.output, r.output
+    for cmd in ("show", "diff"):
+        assert "--from,--capture" in _help("fabric", cmd), _help("fabric", cmd)
+
+
 # -- fabric diff: the default is the last fingerprint of a node, not a preset's key ------------------------------
 def test_fabric_diff_default_skips_a_model_tunes_preset_key(tmp_path: Path) -> None:
     """After `moetune tune --backend model --preset P` (which records the preset's key, without facts) a plain

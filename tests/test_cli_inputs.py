@@ -212,7 +212,8 @@ def test_tune_and_show_name_a_garbage_studies_file_and_keep_it(tmp_path: Path) -
     (["--timeout", "-1"], "--timeout must be a number of seconds > 0"),
     (["--trial-timeout", "0"], "--trial-timeout must be"),
     (["--repeats", "0"], "--repeats must be >= 1"),
-    (["--from", "/nonexistent/capture"], "--from /nonexistent/capture: no such directory"),
+    (["--from", "/nonexistent/capture"], "--from/--capture /nonexistent/capture: no such directory"),
+    (["--capture", "/nonexistent/capture"], "--from/--capture /nonexistent/capture: no such directory"),
 ])
 def test_tune_option_values(args: list[str], words: str, tmp_path: Path) -> None:
     _refused(_run(*MODEL_TUNE, "--db", str(tmp_path / "m.db"), *args, home=tmp_path), words)

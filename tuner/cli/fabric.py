@@ -108,7 +108,7 @@ def _print_facts(f: Any) -> None:
 
 @app.command("show")
 def show(
-    from_dir: Path | None = typer.Option(None, "--from", help="Analyse a capture directory instead of this node."),
+    from_dir: Path | None = typer.Option(None, "--from", "--capture", help="Analyse a capture directory instead of this node (--capture, as for `moetune profile` and `tune`)."),
     as_json: bool = typer.Option(False, "--json", help="Print the facts, hashes and transports as JSON."),
     record: bool = typer.Option(False, "--record", help="Also record the fingerprint and its facts in the store."),
     db: Path | None = typer.Option(None, "--db", help="Profile database --record writes to (default: configured)."),
@@ -191,7 +191,7 @@ def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | No
 def diff(
     against: str | None = typer.Option(None, "--against", help="A stored fingerprint hash (or prefix) or a capture DIR; "
                                        "default: the most recently seen fingerprint in the store."),
-    from_dir: Path | None = typer.Option(None, "--from", help="Compare this capture instead of the live node."),
+    from_dir: Path | None = typer.Option(None, "--from", "--capture", help="Compare this capture instead of the live node (--capture, as for `moetune profile` and `tune`)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     timeout_s: float = typer.Option(1.5, "--timeout", min=0.1, max=60.0, help="Timeout per external command (s)."),
     db: Path | None = typer.Option(None, "--db", help="Profile database (default: configured)."),

@@ -26,6 +26,9 @@ app = typer.Typer(help="Optuna searches over the EP knobs (`moetune tune --model
 err = Console(stderr=True, soft_wrap=True)
 
 
+# the capture option's two spellings (Click does not say which one was typed): errors name both
+CAPTURE_OPT = "--from/--capture"
+
 COMM_BACKENDS = ("nccl", "gloo")  # what the local backend launches its ranks with (`moetune bench ep --backend`)
 
 
@@ -171,7 +174,7 @@ def tune(
     if comm is not None and comm not in COMM_BACKENDS:
         _fail(f"--comm must be {' or '.join(COMM_BACKENDS)}, got {comm!r}")
     if capture is not None and not capture.is_dir():  # was ignored (or a traceback) when it did not exist
-        _fail(f"--from {capture}: {'not a directory' if capture.exists() else 'no such directory'} "
+        _fail(f"{CAPTURE_OPT} {capture}: {'not a directory' if capture.exists() else 'no such directory'} "
               "(a fabric capture is a directory: `moetune fabric capture DIR`)")
     if policy is not None:
         from moetune.tuner.search.policy import PolicyError, load_policy, packaged_families
@@ -201,7 +204,7 @@ def tune(
         try:
             facts = discover(capture)
         except DiscoveryError as e:
-            _fail(f"--from {capture}: {e}" if capture is not None else str(e))
+            _fail(f"{CAPTURE_OPT} {capture}: {e}" if capture is not None else str(e))
     if backend == "local":
         gpus = facts.gpu_count
         local_opts = {"world": world or (gpus if gpus >= 2 else 2), "comm_backend": comm or ("nccl" if gpus else "gloo"),
