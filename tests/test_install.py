@@ -99,6 +99,12 @@ def test_wheel_holds_moetune_only_with_data(wheel):
 
 
 def test_fresh_venv_install(wheel, tmp_path):
+    # The venv lies inside a git repository, as the README's `.venv` inside a clone does.
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    have_git = shutil.which("git") is not None
+    if have_git:
+        subprocess.run([*git, "init", "-q"], check=True, timeout=60, capture_output=True)
+        subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], check=True, timeout=60, capture_output=True)
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False, symlinks=True).create(env_dir)
     py = env_dir / "bin" / "python"
@@ -138,6 +144,19 @@ def test_fresh_venv_install(wheel, tmp_path):
     for name in ("runtime", "tuner", "csrc", "policies", "migrations"):
         r = run(str(py), "-c", f"import {name}")
         assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, f"`import {name}` worked: {r.stdout}"
+
+    # Named scenarios belong to a source checkout: installed, they are refused with a reason, exit 2, and nothing is
+    # written into site-packages (summary.csv, BENCHMARKS.md).
+    before = sorted(p.relative_to(site) for p in (site / "moetune").rglob("*") if "__pycache__" not in p.parts)
+    for args in (["bench", "list"], ["bench", "run", "fabric-discovery", "--smoke"], ["bench", "summarize"]):
+        r = run(str(env_dir / "bin" / "moetune"), *args)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert "need a moetune source checkout" in " ".join(r.stderr.split()), (args, r.stderr)
+    after = sorted(p.relative_to(site) for p in (site / "moetune").rglob("*") if "__pycache__" not in p.parts)
+    assert after == before
+    # Result stamps name no commit for installed code (not the commit of a repository around the venv).
+    r = run(str(py), "-c", "from moetune.tuner.measure import scenarios as S; print(S.IN_CHECKOUT, repr(S._git('rev-parse', 'HEAD')))")
+    assert r.returncode == 0 and r.stdout.split() == ["False", "''"], r.stdout + r.stderr
 
 
 def test_readme_commands_parse_like_ci():

@@ -38,9 +38,18 @@ from typing import Any
 from moetune.tuner.measure import results as R
 
 ROOT = Path(__file__).resolve().parents[2]
+# The scenarios, their driver scripts (bench/*.py), summary.csv and BENCHMARKS.md belong to a source checkout: ROOT
+# is one when moetune runs from it (editable install, PYTHONPATH). Installed from a wheel, ROOT is
+# site-packages/moetune, which holds none of them and must never be written into.
+IN_CHECKOUT = (ROOT / "pyproject.toml").is_file()
 SCENARIO_DIR = ROOT / "bench" / "scenarios"
 SUMMARY_CSV = ROOT / "bench" / "results" / "summary.csv"
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+NOT_A_CHECKOUT = (
+    "named benchmark scenarios (moetune bench list/run/summarize) need a moetune source checkout: its "
+    "bench/scenarios, bench/*.py drivers, bench/results/summary.csv and BENCHMARKS.md; this moetune is installed "
+    f"at {ROOT}, not run from a checkout. Clone the repository, `pip install -e .` in it and run from there "
+    "(`moetune bench ep`, `bench moe` and `bench knobs` work anywhere)")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 
 
@@ -167,11 +176,15 @@ def load(path: Path) -> Scenario:
 def load_all(directory: Path = SCENARIO_DIR) -> dict[str, Scenario]:
     """Every scenario in the folder, by name."""
     if not directory.is_dir():
-        raise ScenarioError(f"no scenario folder at {directory}")
+        raise ScenarioError(NOT_A_CHECKOUT if directory == SCENARIO_DIR and not IN_CHECKOUT
+                            else f"no scenario folder at {directory}")
     return {s.name: s for s in (load(p) for p in sorted(directory.glob("*.toml")))}
 
 
 def get(name: str, directory: Path = SCENARIO_DIR) -> Scenario:
+    if not directory.is_dir():
+        raise ScenarioError(NOT_A_CHECKOUT if directory == SCENARIO_DIR and not IN_CHECKOUT
+                            else f"no scenario folder at {directory}")
     path = directory / f"{name}.toml"
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in directory.glob("*.toml")))
@@ -663,6 +676,8 @@ def run_moe_knobs(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
 
 
 def _git(*args: str) -> str:
+    if not IN_CHECKOUT:  # installed: a git repository around site-packages (a venv in a clone) is not this code
+        return ""
     try:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
