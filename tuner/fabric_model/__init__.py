@@ -6,6 +6,7 @@ The public names load lazily from their modules, so importing one submodule does
 from moetune.runtime._lazy import lazy_getattr
 
 _LAZY = {
+    "KNOBS_READ": ".predict",
     "MAX_MESSAGES": ".predict",
     "Prediction": ".predict",
     "SIGNAL_BYTES": ".predict",
@@ -20,6 +21,7 @@ __getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [
+    "KNOBS_READ",
     "MAX_MESSAGES",
     "SIGNAL_BYTES",
     "Prediction",

@@ -40,6 +40,7 @@ from moetune.tuner.fabric_model.queue import run_queue
 from moetune.tuner.fabric_model.routing import pe_loads, spread_quantiles
 
 __all__ = [
+    "KNOBS_READ",
     "Prediction",
     "Preset",
     "PresetError",
@@ -53,6 +54,20 @@ __all__ = [
 
 SIGNAL_BYTES = 8
 MAX_MESSAGES = 2_000_000  # guard against absurd chunking
+
+# The knobs `predict` reads, per transport (compression and scale_granularity set the dispatch's bytes on
+# every transport). Any other knob leaves the prediction unchanged: a search on the model must keep it at
+# its policy default instead of storing whichever value it happened to try first.
+_PAYLOAD = frozenset({"transport", "compression", "scale_granularity"})
+_QUEUED_READ = _PAYLOAD | {"signalling", "group_size", "fence_mode", "qp_mapping", "qps_per_pe", "chunk_tokens",
+                           "num_sms"}
+KNOBS_READ: dict[str, frozenset[str]] = {
+    "proxy": _QUEUED_READ,
+    "ibgda": _QUEUED_READ,
+    "nvlink": _PAYLOAD | {"signalling", "group_size", "num_sms"},
+    "collective": _PAYLOAD,
+    "host_staged": _PAYLOAD | {"chunk_tokens", "pipeline_depth", "num_sms"},
+}
 
 
 class Workload(msgspec.Struct, frozen=True):

@@ -224,6 +224,15 @@ class ModelBackend(BenchmarkBackend):
                                          for k in ("family", "transports", "gpus_per_node", "max_nodes", "params")}
         return {"preset": preset, "routing": self.routing, "tile": self.tile}
 
+    def pinned_knobs(self, transport: str) -> frozenset[str]:
+        """Knobs the fabric model does not read on `transport` (its predictions cannot tell their values
+        apart): the search keeps them at the policy default (SearchSpace(pinned=...)). None with a predictor."""
+        if self.predictor is not None:
+            return frozenset()
+        from moetune.tuner.fabric_model.predict import KNOBS_READ
+
+        return frozenset(Knobs.__struct_fields__) - KNOBS_READ[transport]
+
     def supports(self, family: str) -> bool:
         if family == MEGAKERNEL:  # the fabric model predicts exchanges, not a kernel's tiles
             return False

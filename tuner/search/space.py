@@ -18,7 +18,7 @@ Parameters with a single possible value are fixed, not asked. `check` re-validat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +62,10 @@ class Infeasible:
 class SearchSpace:
     """The feasible knob sets of one family for one workload."""
 
-    def __init__(self, policy: Policy, *, experts: int, ep_size: int, link_rates: Mapping[str, float] | None = None):
+    def __init__(self, policy: Policy, *, experts: int, ep_size: int, link_rates: Mapping[str, float] | None = None,
+                 pinned: Collection[str] = ()):
+        """`pinned`: plain knobs held at the policy default (a backend that cannot tell their values apart,
+        e.g. the fabric model, `ModelBackend.pinned_knobs`), so a tie is not stored as a tuned choice."""
         self.policy = policy
         self.transport = policy.transport
         self.tpp = transfers_per_peer(experts, ep_size)
@@ -86,7 +89,7 @@ class SearchSpace:
                       if c == "none" or any(policy.compression_allowed(c, g) for g in policy.allowed("scale_granularity")))
         spec("compression", comps or ("none",))
         for name in _PLAIN:
-            s = policy.knobs.get(name)
+            s = policy.knobs.get(name) if name not in pinned else None
             self.spec[name] = s if s is not None else KnobSpec(name, choices=(getattr(d, name),))
 
     # -- the decision tree ---------------------------------------------------------------------------

@@ -1,0 +1,71 @@
+"""Which knobs the fabric model reads, and a search on it that keeps the others at the policy default.
+
+A knob the model does not read gives every value the same MODELLED latency: a search that offered it would
+store whichever value it tried first as if it had been tuned."""
+
+from __future__ import annotations
+
+import pytest
+
+from moetune.runtime.knobs import KnobError, Knobs
+from moetune.tuner.fabric_model.predict import KNOBS_READ, Workload, list_presets, load_preset, predict
+from moetune.tuner.search.backends import ModelBackend
+from moetune.tuner.search.policy import load_policy
+from moetune.tuner.search.space import SearchSpace
+
+FAMILY_OF = {"proxy": ("proxy:ibrc", "ndr-ibrc-h100x8"), "ibgda": ("ibgda", "ndr-ibgda-h100x8"),
+             "nvlink": ("nvlink", "nvlink-h200x2"), "collective": ("collective", "nvlink-h200x2"),
+             "host_staged": ("host_staged", "pcie4-consumer-4090x4")}
+# values a knob takes in some policy or the runtime, to vary the ones the model says it does not read
+OTHER_VALUES = {"chunk_tokens": 256, "pipeline_depth": 4, "num_sms": 48, "channels": 4, "staging_slots": 8,
+                "wait_mode": "kernel", "combine_lanes": "own", "mk_bm": 64, "mk_stages": 3, "mk_split_k": 2}
+
+
+def _cases():
+    for name in list_presets():
+        pr = load_preset(name)
+        for transport in pr.transports:
+            yield name, transport
+
+
+@pytest.mark.parametrize(("preset", "transport"), list(_cases()))
+def test_knobs_outside_knobs_read_leave_the_prediction_unchanged(preset: str, transport: str) -> None:
+    pr = load_preset(preset)
+    fence = {"proxy": "proxy_drain", "ibgda": "nic_ordered"}.get(transport, "none")
+    base = Knobs(transport=transport, fence_mode=fence)
+    nodes = 1 if pr.max_nodes == 1 or transport == "nvlink" else 2
+    for S in (64, 4096):
+        w = Workload("qwen3-30b", S, nodes, pr.gpus_per_node)
+        ref = predict(pr, w, base)
+        for knob, value in OTHER_VALUES.items():
+            if knob in KNOBS_READ[transport]:
+                continue
+            try:
+                other = base.replace(**{knob: value})
+            except KnobError:  # not a value this transport takes at all
+                continue
+            got = predict(pr, w, other)
+            assert (got.dispatch_us, got.combine_us) == (ref.dispatch_us, ref.combine_us), (knob, S)
+
+
+@pytest.mark.parametrize("transport", sorted(FAMILY_OF))
+def test_a_model_search_asks_only_the_knobs_the_model_reads(transport: str) -> None:
+    family, preset = FAMILY_OF[transport]
+    pol = load_policy(family)
+    be = ModelBackend(preset)
+    pinned = be.pinned_knobs(transport)
+    assert not pinned & KNOBS_READ[transport]
+    space = SearchSpace(pol, experts=128, ep_size=16, pinned=pinned)
+    asked = {n for n, s in space.spec.items() if len(s.values()) > 1}
+    assert asked <= KNOBS_READ[transport], asked - KNOBS_READ[transport]
+    # every point of the grid keeps the pinned knobs at the policy default
+    defaults = pol.defaults.to_dict()
+    for k in space.enumerate():
+        assert all(k.to_dict()[n] == defaults[n] for n in pinned)
+    # without pinning, the policies offer knobs the model cannot tell apart (the gap this closes)
+    if transport in ("collective", "host_staged", "proxy", "ibgda"):
+        assert SearchSpace(pol, experts=128, ep_size=16).size() > space.size()
+
+
+def test_a_predictor_backend_pins_nothing() -> None:
+    assert ModelBackend(predictor=lambda k, w: 1.0).pinned_knobs("collective") == frozenset()
