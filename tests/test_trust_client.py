@@ -462,6 +462,42 @@ def test_autoload_cache_never_hands_one_token_count_another_counts_bucket(monkey
         autoload.clear_cache()
 
 
+def test_autoload_cache_never_hands_one_devices_resolution_to_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which transports can run depends on the device (nvlink on a CUDA device, not on the CPU), but the cache key
+    left the device out: a CPU layer made after a CUDA one in the same process got the CUDA layer's nvlink
+    profile, which it cannot run."""
+    nv = ProfileRecord(key=key(bucket=128), knobs=default_knobs("nvlink"), latency_us=20.0, spread_us=0.1,
+                       backend="local:nccl", provenance="measured")
+
+    asked: list[int] = []
+
+    class Client:  # the daemon's answer, passed through the runtime's own availability check
+        def resolve(self, *, transport_ok: Callable[[str], str | None], **kw: Any) -> client.Resolution:
+            asked.append(kw["tokens"])
+            if transport_ok("nvlink") is None:
+                return client.Resolution(knobs=nv.knobs, source="daemon", profile_hash=nv.profile_hash,
+                                         status="current", key=nv.key, family="nvlink", tuned=True)
+            knobs = default_knobs("collective")
+            return client.Resolution(knobs=knobs, source="policy", profile_hash=f"policy:{knobs.digest()}",
+                                     status="default", family="collective")
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(autoload, "ProfileClient", Client)
+    monkeypatch.setattr(autoload, "_availability", {("nvlink", "cuda:0"): None, ("nvlink", "cpu"): "needs CUDA"})
+    autoload.clear_cache()
+    try:
+        on = {d: autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=128, device=d).knobs.transport
+              for d in ("cuda:0", "cpu")}
+        assert on == {"cuda:0": "nvlink", "cpu": "collective"}
+        # still one lookup per device: the cache serves the same device again
+        assert autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=128, device="cuda:0").source == "daemon"
+        assert len(asked) == 2
+    finally:
+        autoload.clear_cache()
+
+
 def test_own_node_model_beats_a_newer_preset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With allow_modelled, this node's calibrated model is the prediction to use; a preset (another machine's
     model) only where the node has none. pick_profile alone took the most recently updated fingerprint, so a

@@ -18,8 +18,8 @@ have (a served `ibgda` profile) is passed over.
 The profile's environment-level settings (NVSHMEM_*, NCCL_*; only those `launcher_env` produces) are
 exported to `os.environ` right away, before any communicator exists. Variables already set in the
 environment are left alone (what the user set explicitly wins, as explicit knobs do: with explicit knobs
-this module is not called at all). Results are cached per process and key, so the many layers of one
-model cost one lookup.
+this module is not called at all). Results are cached per process, key and device (what can run depends on
+the device), so the many layers of one model cost one lookup.
 
 `transport_family="megakernel"` looks up the MoE megakernel's profile instead (a world-1 `MoELayer` does: ep_size
 1, nodes 1); "can this runtime run it" is then the megakernel's own check (runtime/megakernel/engine.py).
@@ -138,8 +138,10 @@ def autoload_profile(
     global _last
     if nodes is None:
         nodes = group_nodes(group)
-    # The exact token count, not its rung: two counts of one rung may have different nearest stored buckets.
-    key = (model, ep_size, nodes, max_tokens, transport_family)
+    # The exact token count, not its rung: two counts of one rung may have different nearest stored buckets. The
+    # device too: which transports can run (transport_ok) depends on it, so a CUDA device's nvlink profile must
+    # not be handed to a layer on the CPU.
+    key = (model, ep_size, nodes, max_tokens, transport_family, None if device is None else str(device))
     with _lock:
         if use_cache and client is None and key in _cache:
             _last = _cache[key]
