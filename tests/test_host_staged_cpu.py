@@ -139,3 +139,27 @@ def test_without_cuda_it_is_the_collective() -> None:
     for rep in launch(_gloo_case, 2, timeout_s=60):
         assert rep["equal"]
         assert rep["native"][0] is False and "CUDA" in rep["native"][1]
+
+
+def test_wrong_knobs_are_refused_before_any_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HostStagedTransport loaded the library and joined an all-reduce (which ranks take the native path) before the
+    base class checked the knobs: a rank given another transport's knobs was refused only after that collective,
+    its peers left waiting in the next one. The check now comes first. A CUDA world of 2 is pretended (this box
+    has neither): every collective or library load the constructor would reach is recorded instead of run."""
+    import torch.distributed as dist
+
+    from moetune.runtime import csrc_build
+
+    reached: list[str] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(csrc_build, "availability", lambda: (True, ""))
+    monkeypatch.setattr(csrc_build, "load", lambda: reached.append("load") or object())
+    monkeypatch.setattr(hs, "all_ok", lambda ok, group, device: reached.append("all_ok") or ok)
+    for knobs in (Knobs(transport="collective"), Knobs(transport="nvlink")):
+        with pytest.raises(KnobError, match="needs transport=host_staged knobs"):
+            hs.HostStagedTransport(None, knobs, "cuda:0")
+    with pytest.raises(TypeError, match="group must be"):
+        hs.HostStagedTransport("not a group", Knobs(transport="host_staged"), "cuda:0")  # type: ignore[arg-type]
+    assert reached == []

@@ -72,13 +72,7 @@ class EPTransport(ABC):
     def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device | str, *,
                  options: RuntimeOptions | Mapping[str, Any] | None = None):
         who = f"{type(self).__name__}: "
-        _args.check_group(group, who)
-        _args.check_knobs(knobs, who, optional=False)
-        if knobs.transport != self.name:
-            # another family's knobs would be ignored here (or rewritten), and the digest the ranks compare would
-            # describe a setting that is not the one running
-            raise KnobError(f"{who}needs transport={self.name} knobs, got transport={knobs.transport!r}",
-                            ("transport",))
+        self.check_arguments(group, knobs, who)
         self.group = group
         self.knobs = knobs
         self.device = transport_device(device, who)
@@ -87,6 +81,19 @@ class EPTransport(ABC):
         self.options = RuntimeOptions.resolve(options)
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+
+    @classmethod
+    def check_arguments(cls, group: Any, knobs: Any, who: str) -> None:
+        """Refuse a group that is not one and knobs that are not this transport's. __init__ runs this first; a
+        subclass that does collective work before calling it (host_staged) runs it before that work, so a rank
+        given the wrong knobs is refused before any collective, not after (where the others would wait on it)."""
+        _args.check_group(group, who)
+        _args.check_knobs(knobs, who, optional=False)
+        if knobs.transport != cls.name:
+            # another family's knobs would be ignored here (or rewritten), and the digest the ranks compare would
+            # describe a setting that is not the one running
+            raise KnobError(f"{who}needs transport={cls.name} knobs, got transport={knobs.transport!r}",
+                            ("transport",))
 
     @classmethod
     @abstractmethod

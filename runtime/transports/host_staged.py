@@ -107,9 +107,10 @@ class HostStagedTransport(CollectiveTransport):
 
     def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device | str, *, channels: int = 1,
                  options: RuntimeOptions | Mapping[str, Any] | None = None):
-        # the arguments are read before the base class sees them: checked and normalised as it would
+        # the arguments are read before the base class sees them: checked and normalised as it would, and its
+        # group/knob check first of all, before the collective below (a refused rank must not have joined one)
         who = f"{type(self).__name__}: "
-        _args.check_knobs(knobs, who, optional=False)
+        self.check_arguments(group, knobs, who)
         _args.check_int("channels", channels, 1, who)
         device = transport_device(device, who)
         options = RuntimeOptions.resolve(options)
