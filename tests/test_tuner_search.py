@@ -366,3 +366,19 @@ def test_discovered_facts_give_link_rates() -> None:
     rates = facts_link_rates(facts)
     assert rates["link_gbps"] == facts.nvlink_gbs_per_gpu > 0
     assert rates["nic_gbit"] == max(p.rate_gbps for n in facts.nics for p in n.active_ports)
+
+
+def test_a_model_tune_stores_the_policy_default_for_knobs_the_model_cannot_tell_apart(tmp_path: Path) -> None:
+    """The fabric model does not read host_staged's channels / staging_slots / wait_mode / combine_lanes: every value
+    predicts the same, so the study must not offer them (it would store its first trial's values as tuned)."""
+    from moetune.tuner.fabric_model.predict import KNOBS_READ
+
+    store = make_store(tmp_path / "moetune.db")
+    res = tune_profiles_detailed(store, Facts(), models=[MODELS["qwen3-30b"]], tokens=[1000], backend="model",
+                                 preset="pcie4-consumer-4090x4", families=["host_staged"], trials=12,
+                                 storage=f"sqlite:///{tmp_path / 'studies.db'}", ep_size=4)
+    rec = res[0].record
+    assert rec is not None
+    defaults = load_policy("host_staged").defaults.to_dict()
+    ignored = set(Knobs.__struct_fields__) - KNOBS_READ["host_staged"]
+    assert ignored and {n: rec.knobs.to_dict()[n] for n in ignored} == {n: defaults[n] for n in ignored}

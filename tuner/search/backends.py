@@ -109,6 +109,11 @@ class BenchmarkBackend(ABC):
     def supports(self, family: str) -> bool:
         return True
 
+    def pinned_knobs(self, transport: str) -> frozenset[str]:
+        """Knobs this backend cannot tell apart on `transport` (held at the policy default by the search, so a
+        tie is never stored as a tuned choice); a measuring backend tells them all apart."""
+        return frozenset()
+
     def settings(self) -> dict[str, Any]:
         """What, besides the label, decides the numbers this backend gives: a study is resumed only under the
         same settings (its trials measured them), so they are part of its name."""

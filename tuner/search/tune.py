@@ -279,7 +279,8 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                                      ep_size=ep_size, nodes=nodes, hidden=model.hidden, intermediate=model.intermediate,
                                      experts=model.experts, topk=model.topk, dtype=model.dtype, token_bucket=bucket)
                     wl = TuneWorkload(model=model, tokens=bucket, nodes=nodes, gpus_per_node=gpus_per_node, routing=routing)
-                    space = SearchSpace(pol, experts=model.experts, ep_size=ep_size, link_rates=rates)
+                    space = SearchSpace(pol, experts=model.experts, ep_size=ep_size, link_rates=rates,
+                                        pinned=be.pinned_knobs(pol.transport))
                     if isinstance(be, LocalBackend):
                         be.family = fam
                         if not explicit_budget:
