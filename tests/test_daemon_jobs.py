@@ -225,3 +225,43 @@ def test_why_a_retune_cannot_run_survives_a_restart(tmp_path: Path) -> None:
     finally:
         c.close()
         d.stop()
+
+
+def test_a_resumed_job_and_a_startup_fabric_change_tune_each_key_once(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job cut short by a stop is resumed at the next start; if the fabric changed while no daemon ran, that start
+    also queues a re-tune of the stale keys. Both covered the same keys and each key was tuned twice: the fabric
+    change was queued first, the resumed job after it. Now the resumed jobs are queued first and the fabric change's
+    re-tune (skip_queued, as every automatic one) leaves out the keys they hold."""
+    from moetune.tuner.daemon.jobs import tuning_key
+
+    node = Node(tmp_path)
+    monkeypatch.setenv("MOETUNE_FAKE_JOB_SLEEP", "60")
+    d = node.start()
+    c = ProfileClient(d.endpoint, timeout_ms=2000)
+    try:
+        job = c.retune(all=True, reason="operator").job  # the 3 current keys, held open until the stop
+        assert job is not None
+        F.until(lambda: (j := c.status().jobs.running) is not None and j.id == job.id and j.run_id is not None)
+    finally:
+        c.close()
+        d.stop()
+    node.become(port="down")  # changed while stopped: the next start makes the 3 profiles stale and re-tunes them
+
+    tuned: list[tuple] = []
+
+    def retune(ctx: Any) -> list[ProfileRecord]:
+        tuned.extend(tuning_key(k) for k in ctx.keys)
+        return F.fake_retune(ctx)
+
+    monkeypatch.setenv("MOETUNE_FAKE_JOB_SLEEP", "0")
+    node.retune = retune
+    d = node.start()
+    try:
+        def idle() -> bool:  # nothing queued or running, read together under the job manager's lock
+            with d.jobs._lock:
+                return d.jobs.running is None and not d.jobs._queued
+        F.until(idle)
+    finally:
+        d.stop()
+    assert len(tuned) == 3 and len(set(tuned)) == 3, tuned  # before: 6, every key twice

@@ -481,9 +481,10 @@ class Daemon(FabricWatch):
         except BaseException:  # close what was opened, then re-raise
             self._close()
             raise
-        resume = self._recover()
+        # the interrupted jobs first: a fabric change found now queues its re-tune with skip_queued (as every
+        # automatic one), leaving out the keys a resumed job holds, so no key is tuned twice
+        self._resume(self._recover())
         self._startup_discovery()
-        self._resume(resume)
         self._rebuild()
         self._write_info(running=True)
         if self.metrics_port:
