@@ -47,12 +47,17 @@ def test_timed_out_discovery_is_incomplete(tmp_path: Path) -> None:
     assert f.fingerprint != discover(F.CAPTURES / "dgx-h100").fingerprint
 
 
-def test_incomplete_rediscovery_keeps_the_profiles(tmp_path: Path) -> None:
+def _seeded_dgx(tmp_path: Path) -> tuple:
+    """(the dgx-h100 capture's facts, the daemon's discovery state, the daemon, its store with 3 profiles)."""
     good = discover(F.CAPTURES / "dgx-h100")
     state = {"facts": good}
-    store = F.open_store(tmp_path / "moetune.db")
-    F.seed_profiles(store, good)
+    F.seed_profiles(F.open_store(tmp_path / "moetune.db"), good)
     d, store = _daemon(tmp_path, state)
+    return good, state, d, store
+
+
+def test_incomplete_rediscovery_keeps_the_profiles(tmp_path: Path) -> None:
+    good, state, d, store = _seeded_dgx(tmp_path)
     try:
         assert d.facts.fingerprint == good.fingerprint
         state["facts"] = discover(timed_out_smi(tmp_path / "cap"))  # nvidia-smi did not answer this round
@@ -76,11 +81,7 @@ def test_incomplete_rediscovery_keeps_the_profiles(tmp_path: Path) -> None:
 
 
 def test_incomplete_discovery_at_start_keeps_the_profiles(tmp_path: Path) -> None:
-    good = discover(F.CAPTURES / "dgx-h100")
-    state = {"facts": good}
-    store = F.open_store(tmp_path / "moetune.db")
-    F.seed_profiles(store, good)
-    d, store = _daemon(tmp_path, state)
+    good, state, d, store = _seeded_dgx(tmp_path)
     d.stop()
     state["facts"] = discover(timed_out_smi(tmp_path / "cap"))
     d, store = _daemon(tmp_path, state)
