@@ -224,3 +224,53 @@ def test_collective_transports_refuse_other_knobs() -> None:
     assert CollectiveTransport(None, Knobs(), "cpu", options=RuntimeOptions()).knobs == Knobs()
     hs = HostStagedTransport(None, Knobs(transport="host_staged", staging_slots=3), "cpu", options=RuntimeOptions())
     assert hs.ring == 3
+
+
+# -- arguments are refused before any collective ----------------------------------------------------------------------
+_BAD_ARGUMENTS: list[tuple[str, dict[str, Any], type, str]] = [
+    ("rows_as_str", {"max_send_rows": "8", "row_bytes": 256}, TypeError, "max_send_rows must be an int"),
+    ("rows_as_float", {"max_send_rows": 2.5, "row_bytes": 256}, TypeError, "max_send_rows must be an int"),
+    ("row_bytes_zero", {"max_send_rows": 8, "row_bytes": 0}, ValueError, "row_bytes must be >= 1"),
+    ("rows_without_row_bytes", {"max_send_rows": 8}, ValueError, "max_send_rows and row_bytes go together"),
+    ("row_bytes_without_rows", {"row_bytes": 256}, ValueError, "max_send_rows and row_bytes go together"),
+    ("cpu_device", {"device": "cpu"}, ValueError, "needs a CUDA device, got cpu"),
+]
+
+
+@pytest.mark.parametrize("cls", [NvlinkTransport, ProxyTransport])
+@pytest.mark.parametrize("case", _BAD_ARGUMENTS, ids=[c[0] for c in _BAD_ARGUMENTS])
+def test_one_sided_transports_refuse_bad_arguments_before_any_collective(fake_gpu: tuple, monkeypatch: pytest.MonkeyPatch,
+                                                                         cls: type, case: tuple) -> None:
+    """The sizing arguments were read only by reserve(), after the control buffer's collective allocation (a str
+    failed there, a float was truncated, max_send_rows without row_bytes skipped the collective reserve on this
+    rank alone), and a CPU device was taken for the current CUDA device. A rank refused after a collective leaves
+    its peers waiting in the next one: every collective the constructor could reach is recorded, none may run."""
+    log, _fail = fake_gpu
+    for name in ("all_gather_into_tensor", "all_reduce", "barrier", "broadcast"):
+        monkeypatch.setattr(dist, name, lambda *a, _n=name, **k: log.append((_n, None)))
+    _name, kw, error, match = case
+    kw = dict(kw)
+    device = kw.pop("device", torch.device("cuda", 0))
+    with pytest.raises(error, match=match):
+        cls(None, default_knobs(cls.name), device, options=RuntimeOptions(), **kw)
+    assert log == []
+
+
+@pytest.mark.parametrize(("fifo_slots", "error", "match"), [
+    (8, ValueError, "fifo_slots must be >= 16"), (1 << 21, ValueError, "fifo_slots must be <= 1048576"),
+    ("8192", TypeError, "fifo_slots must be an int"), (True, TypeError, "fifo_slots must be an int"),
+])
+def test_proxy_refuses_a_fifo_size_before_any_collective(fake_gpu: tuple, monkeypatch: pytest.MonkeyPatch,
+                                                         fifo_slots: Any, error: type, match: str) -> None:
+    """The C engine refused a FIFO outside 16..2^20 slots, but only after the control buffer's collective (a str
+    reached it as a pointer). The engine alone refuses it too, before starting a thread."""
+    log, _fail = fake_gpu
+    for name in ("all_gather_into_tensor", "all_reduce", "barrier", "broadcast"):
+        monkeypatch.setattr(dist, name, lambda *a, _n=name, **k: log.append((_n, None)))
+    with pytest.raises(error, match=match):
+        _build(ProxyTransport, fifo_slots=fifo_slots)
+    with pytest.raises(error, match=match):
+        ProxyEngine(0, [0], [0], [0], fifo_slots=fifo_slots)
+    assert log == []
+    _build(ProxyTransport, fifo_slots=16).close()  # the bounds themselves are accepted
+    _build(ProxyTransport, fifo_slots=1 << 20).close()

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from moetune.runtime import csrc_build
+from moetune.runtime import _args, csrc_build
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports.base import Availability, EPTransport
@@ -206,6 +206,18 @@ def u64_array(values: list[int]) -> Any:
     return (ctypes.c_uint64 * len(values))(*values)
 
 
+def check_reserve_arguments(max_send_rows: Any, row_bytes: Any, who: str) -> None:
+    """The constructor's sizing arguments: both None (reserve later) or both ints >= 1. One without the other would
+    skip the collective reserve() on this rank alone; a str or float would fail (or truncate) inside it."""
+    if max_send_rows is None and row_bytes is None:
+        return
+    if max_send_rows is None or row_bytes is None:
+        raise ValueError(f"{who}max_send_rows and row_bytes go together (both, or neither to reserve later), got "
+                         f"max_send_rows={max_send_rows!r}, row_bytes={row_bytes!r}")
+    for name, value in (("max_send_rows", max_send_rows), ("row_bytes", row_bytes)):
+        _args.check_int(name, value, 1, who)
+
+
 def one_sided_availability(device: torch.device | None) -> Availability:
     if device is not None and device.type != "cuda":  # GPU-initiated copies: a CPU buffer cannot take part
         return Availability(False, f"needs a CUDA device, the buffer is on {device.type}")
@@ -243,7 +255,13 @@ class OneSidedTransport(EPTransport):
         row_bytes: int | None = None,
         options: RuntimeOptions | Mapping[str, Any] | None = None,
     ):
-        super().__init__(group, knobs, device, options=options)
+        super().__init__(group, knobs, device, options=options)  # the group/knob check, before anything else
+        # the rest of the arguments too, before the first collective (the control buffer below): a rank refused
+        # after it would leave its peers waiting in the next one
+        who = f"{type(self).__name__}: "
+        check_reserve_arguments(max_send_rows, row_bytes, who)
+        if self.device.type != "cuda":  # (a CPU device was taken for the current CUDA device)
+            raise ValueError(f"{who}needs a CUDA device, got {self.device}")
         if not dist.is_initialized():
             raise RuntimeError(f"{self.name}: needs an initialised torch.distributed process group")
         if self.world > MAX_WORLD:

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from moetune.runtime import csrc_build
+from moetune.runtime import _args, csrc_build
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports._onesided import (
@@ -64,6 +64,17 @@ class Request(ctypes.Structure):
 assert ctypes.sizeof(Request) == 64
 
 
+FIFO_SLOTS = (16, 1 << 20)  # what mt_proxy_create accepts (csrc/proxy_engine.cpp)
+
+
+def check_fifo_slots(fifo_slots: Any, who: str = "") -> None:
+    """An int in FIFO_SLOTS, refused here rather than by the C side (for the transport: after a collective)."""
+    lo, hi = FIFO_SLOTS
+    _args.check_int("fifo_slots", fifo_slots, lo, who)
+    if fifo_slots > hi:
+        raise ValueError(f"{who}fifo_slots must be <= {hi}, got {fifo_slots}")
+
+
 def validate_modes(fence_mode: str, qp_mapping: str, qps: int) -> None:
     """The same rule Knobs enforces, for engines built outside a Knobs value."""
     if fence_mode == "none":
@@ -95,6 +106,7 @@ class ProxyEngine:
             raise KnobError(f"unknown qp_mapping {qp_mapping!r} or fence_mode {fence_mode!r}")
         if not _allow_unsafe:
             validate_modes(fence_mode, qp_mapping, qps)
+        check_fifo_slots(fifo_slots, "proxy engine: ")
         self.lib = csrc_build.load()
         self.device = device
         self.fence_mode, self.qp_mapping, self.qps = fence_mode, qp_mapping, qps
@@ -195,7 +207,11 @@ class ProxyTransport(OneSidedTransport):
         fifo_slots: int = 8192,
         options: RuntimeOptions | Mapping[str, Any] | None = None,
     ):
-        # (knobs of another transport are refused by the base class, before anything is allocated)
+        # the base class's group/knob check first (as it would run it), then this class's own argument: both before
+        # the collective work of the base constructor, so a refused rank never joined a collective
+        who = f"{type(self).__name__}: "
+        self.check_arguments(group, knobs, who)
+        check_fifo_slots(fifo_slots, who)
         super().__init__(group, knobs, device, max_send_rows=max_send_rows, row_bytes=row_bytes, options=options)
         try:
             if self.options.proxy_peer_access:
