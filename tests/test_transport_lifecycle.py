@@ -1,6 +1,8 @@
 """One-sided transports (nvlink, proxy) on CPU, with the compiled library and the symmetric buffers faked:
 a constructor that fails part way frees what it allocated, a transport that is closed or never started says so
-(instead of an AttributeError, or a NULL handle handed to C), and every transport refuses another family's knobs."""
+(instead of an AttributeError, or a NULL handle handed to C), every transport refuses another family's knobs, and
+bad arguments are refused before any collective. The symmetric buffer itself (CUDA IPC calls and collectives faked)
+frees what it allocated when its constructor fails part way."""
 
 from __future__ import annotations
 
@@ -274,3 +276,142 @@ def test_proxy_refuses_a_fifo_size_before_any_collective(fake_gpu: tuple, monkey
     assert log == []
     _build(ProxyTransport, fifo_slots=16).close()  # the bounds themselves are accepted
     _build(ProxyTransport, fifo_slots=1 << 20).close()
+
+
+# -- a symmetric buffer whose constructor fails part way frees what it allocated -------------------------------------
+class FakeIpcLib:
+    """The CUDA IPC calls of SymmBuffer, logged. `fail` names a call that returns an error: mt_ipc_malloc after it
+    allocated (as when cudaIpcGetMemHandle fails), mt_ipc_open at the peer given in `fail_peer`."""
+
+    def __init__(self, log: list[tuple], fail: set[str], fail_peer: int = -1):
+        self.log, self.fail, self.fail_peer, self.opened = log, fail, fail_peer, 0
+
+    def mt_last_error(self) -> bytes:
+        return b"injected failure"
+
+    def mt_ipc_malloc(self, dev: Any, nbytes: int, ptr: Any, handle: Any) -> int:
+        ptr._obj.value = 0xA000
+        self.log.append(("malloc", 0xA000))
+        return 9 if "mt_ipc_malloc" in self.fail else 0
+
+    def mt_ipc_open(self, dev: Any, raw: bytes, ptr: Any) -> int:
+        self.opened += 1
+        if "mt_ipc_open" in self.fail and self.opened == self.fail_peer:
+            return 9
+        ptr._obj.value = 0xB000 + self.opened
+        self.log.append(("open", 0xB000 + self.opened))
+        return 0
+
+    def mt_ipc_close(self, dev: Any, p: int) -> int:
+        if "mt_ipc_close" in self.fail:
+            raise OSError("driver gone")
+        self.log.append(("close", p))
+        return 0
+
+    def mt_device_free(self, dev: Any, p: int) -> int:
+        self.log.append(("free", p))
+        return 0
+
+
+@pytest.fixture
+def ipc_world(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Rank 0 of a world of 3 on the CPU, the collectives faked (each logged); returns the log."""
+    log: list[tuple] = []
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+
+    def gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
+        log.append(("all_gather", None))
+        out.copy_(inp.repeat(3))
+
+    monkeypatch.setattr(dist, "all_gather_into_tensor", gather)
+    monkeypatch.setattr(_onesided, "_all_gather_ints", lambda values, group, device: [list(values)] * 3)
+    monkeypatch.setattr(_onesided, "_barrier", lambda group, device: log.append(("barrier", None)))
+    # a CPU stand-in for the view over the raw device pointer
+    monkeypatch.setattr(_onesided, "_CaiWrapper", lambda ptr, nbytes: torch.empty(nbytes, dtype=torch.uint8))
+    return log
+
+
+def _symm(lib: FakeIpcLib) -> _onesided.SymmBuffer:
+    return _onesided.SymmBuffer(4096, None, torch.device("cpu"), lib, mode="ipc")  # type: ignore[arg-type]
+
+
+def _freed(log: list[tuple]) -> list[tuple]:
+    return [e for e in log if e[0] in ("close", "free")]
+
+
+def test_symm_buffer_built_and_closed_frees_everything_once(ipc_world: list[tuple]) -> None:
+    b = _symm(FakeIpcLib(ipc_world, set()))
+    assert b.backend == "cuda_ipc" and b.peer_ptrs == [0xA000, 0xB001, 0xB002]
+    b.close()
+    assert _freed(ipc_world) == [("close", 0xB001), ("close", 0xB002), ("free", 0xA000)]
+    n = len(ipc_world)
+    b.close()
+    assert len(ipc_world) == n
+
+
+def test_symm_buffer_whose_handle_exchange_fails_frees_its_memory(ipc_world: list[tuple],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def lost(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
+        raise RuntimeError("NCCL error: remote process exited")
+
+    monkeypatch.setattr(dist, "all_gather_into_tensor", lost)
+    with pytest.raises(RuntimeError, match="remote process exited"):
+        _symm(FakeIpcLib(ipc_world, set()))
+    assert _freed(ipc_world) == [("free", 0xA000)]
+
+
+def test_symm_buffer_whose_allocation_half_succeeds_frees_it(ipc_world: list[tuple]) -> None:
+    """mt_ipc_malloc can fail after its cudaMalloc (memset, cudaIpcGetMemHandle): the pointer it wrote is freed."""
+    with pytest.raises(csrc_build.CsrcError, match="cudaMalloc\\+IPC failed"):
+        _symm(FakeIpcLib(ipc_world, {"mt_ipc_malloc"}))
+    assert _freed(ipc_world) == [("free", 0xA000)]
+    assert ("all_gather", None) not in ipc_world
+
+
+def test_symm_buffer_whose_second_peer_cannot_be_mapped_closes_the_first(ipc_world: list[tuple]) -> None:
+    with pytest.raises(csrc_build.CsrcError, match="cudaIpcOpenMemHandle failed"):
+        _symm(FakeIpcLib(ipc_world, {"mt_ipc_open"}, fail_peer=2))
+    assert _freed(ipc_world) == [("close", 0xB001), ("free", 0xA000)]
+
+
+def test_symm_buffer_whose_final_barrier_fails_frees_everything(ipc_world: list[tuple],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    def lost(group: Any, device: Any) -> None:
+        raise RuntimeError("CUDA error: device lost")
+
+    monkeypatch.setattr(_onesided, "_barrier", lost)
+    with pytest.raises(RuntimeError, match="device lost"):
+        _symm(FakeIpcLib(ipc_world, set()))
+    assert _freed(ipc_world) == [("close", 0xB001), ("close", 0xB002), ("free", 0xA000)]
+
+
+def test_symm_buffer_release_failure_is_a_note_on_the_cause(ipc_world: list[tuple],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    def lost(group: Any, device: Any) -> None:
+        raise RuntimeError("CUDA error: device lost")
+
+    monkeypatch.setattr(_onesided, "_barrier", lost)
+    with pytest.raises(RuntimeError, match="device lost") as e:
+        _symm(FakeIpcLib(ipc_world, {"mt_ipc_close"}))
+    assert any("releasing the half-built symmetric buffer failed too: OSError: driver gone" in n
+               for n in e.value.__notes__)
+    assert _freed(ipc_world) == [("free", 0xA000)]  # the local memory goes all the same
+
+
+def test_a_reserve_whose_new_buffer_fails_keeps_no_freed_buffer(fake_gpu: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """reserve() closed the old receive buffer and then allocated the larger one; when that failed, the transport kept
+    the closed buffer (and its size) as its data buffer: the next exchange that fitted the old size viewed freed
+    memory, and close() closed it a second time. Now it has no data buffer: the next call reserves anew."""
+    log, _fail = fake_gpu
+    t = _build(NvlinkTransport, max_send_rows=8, row_bytes=256)
+
+    def no_memory(*a: Any, **k: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(_onesided, "SymmBuffer", no_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        t.reserve(1024, 4096)
+    assert t.data is None and t.data_bytes == 0
+    t.close()
+    assert _names(log).count("symm") == _names(log).count("symm_close") == 2  # control + first data buffer, once each

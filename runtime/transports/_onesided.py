@@ -116,21 +116,30 @@ class SymmBuffer:
         self._ipc_ptrs: list[int] = []
         self._ipc_local = 0
         self._hdl: Any = None
-        ok = False
-        if mode != "ipc":
+        self.local: torch.Tensor | None = None
+        try:
+            ok = False
+            if mode != "ipc":
+                try:
+                    self._init_torch()
+                    ok = True
+                except Exception as e:  # fall back to IPC, but say why
+                    self.torch_error = f"{type(e).__name__}: {e}"
+            # every rank must take the same road
+            flags = _all_gather_ints([1 if ok else 0], group, device)
+            if not all(f[0] for f in flags):
+                if ok:
+                    self._drop_torch()
+                self._init_ipc()
+            assert self.local is not None
+            self.local.zero_()
+            _barrier(group, device)
+        except BaseException as e:  # raw cudaMalloc / opened IPC mappings: nobody holds this object to close it
             try:
-                self._init_torch()
-                ok = True
-            except Exception as e:  # fall back to IPC, but say why
-                self.torch_error = f"{type(e).__name__}: {e}"
-        # every rank must take the same road
-        flags = _all_gather_ints([1 if ok else 0], group, device)
-        if not all(f[0] for f in flags):
-            if ok:
-                self._drop_torch()
-            self._init_ipc()
-        self.local.zero_()
-        _barrier(group, device)
+                self.close()
+            except Exception as c:
+                e.add_note(f"releasing the half-built symmetric buffer failed too: {type(c).__name__}: {c}")
+            raise
 
     def _init_torch(self) -> None:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -165,14 +174,17 @@ class SymmBuffer:
 
     def _drop_torch(self) -> None:
         self._hdl = None
-        self.local = None  # type: ignore[assignment]
+        self.local = None
 
     def _init_ipc(self) -> None:
+        """Every step records what it allocated at once (close() frees what is recorded), so that a failure part
+        way frees the memory and the mappings made before it."""
         lib = self.lib
         ptr = ctypes.c_void_p()
         handle = ctypes.create_string_buffer(64)
-        csrc_build.check(lib, lib.mt_ipc_malloc(self.device.index, self.nbytes, ctypes.byref(ptr), handle), "cudaMalloc+IPC")
-        self._ipc_local = int(ptr.value or 0)
+        rc = lib.mt_ipc_malloc(self.device.index, self.nbytes, ctypes.byref(ptr), handle)
+        self._ipc_local = int(ptr.value or 0)  # before the check: the allocation may succeed and a later step fail
+        csrc_build.check(lib, rc, "cudaMalloc+IPC")
         h = torch.frombuffer(bytearray(handle.raw), dtype=torch.uint8).to(self.device)
         allh = torch.empty(self.world * 64, dtype=torch.uint8, device=self.device)
         dist.all_gather_into_tensor(allh, h, group=self.group)
@@ -185,21 +197,24 @@ class SymmBuffer:
             p = ctypes.c_void_p()
             csrc_build.check(lib, lib.mt_ipc_open(self.device.index, raw[r * 64 : (r + 1) * 64], ctypes.byref(p)), "cudaIpcOpenMemHandle")
             ptrs.append(int(p.value or 0))
-        self._ipc_ptrs = [p for r, p in enumerate(ptrs) if r != self.rank]
+            self._ipc_ptrs.append(ptrs[-1])
         self.peer_ptrs = ptrs
         self.local = torch.as_tensor(_CaiWrapper(self._ipc_local, self.nbytes), device=self.device)
         self.backend = "cuda_ipc"
 
     def close(self) -> None:
-        if self.backend == "cuda_ipc":
-            for p in self._ipc_ptrs:
-                self.lib.mt_ipc_close(self.device.index, p)
-            self._ipc_ptrs = []
-            if self._ipc_local:
-                self.lib.mt_device_free(self.device.index, self._ipc_local)
-                self._ipc_local = 0
+        """Free what is recorded as allocated: also the part a constructor that failed part way made (IPC memory
+        and mappings exist before `backend` says cuda_ipc). A second call frees nothing."""
+        ptrs, self._ipc_ptrs = self._ipc_ptrs, []
+        local, self._ipc_local = self._ipc_local, 0
         self._hdl = None
-        self.local = None  # type: ignore[assignment]
+        self.local = None
+        try:
+            for p in ptrs:
+                self.lib.mt_ipc_close(self.device.index, p)
+        finally:
+            if local:  # the mappings of it in other processes are theirs to close
+                self.lib.mt_device_free(self.device.index, local)
 
 
 def u64_array(values: list[int]) -> Any:
@@ -296,7 +311,9 @@ class OneSidedTransport(EPTransport):
         if self.data is not None and per_parity <= self.data_bytes:
             return
         if self.data is not None:
-            self.data.close()
+            # forgotten before it is freed: if the new allocation fails, no call may view (or close again) the old one
+            old, self.data, self.data_bytes, self._views = self.data, None, 0, {}
+            old.close()
         self.data = SymmBuffer(2 * per_parity, self.group, self.device, self.lib, self.options.symm)
         self.data_bytes = per_parity
         self._views = {}
