@@ -1,5 +1,6 @@
 """The fingerprint and software key as the daemon and the runtime use them: a discovery that could not read
-everything is no fabric change; the runtime reads the driver version of every kernel-module flavour."""
+everything is no fabric change; the runtime reads the driver version of every kernel-module flavour; a NIC port that
+is not ACTIVE is just "down", whatever sub-state or leftover rate it reports."""
 
 from __future__ import annotations
 
@@ -170,3 +171,49 @@ def test_a_fingerprint_recomputed_by_an_upgrade_is_explained() -> None:
 
     d = discover(F.CAPTURES / "dgx-h100").to_dict()
     assert default_diff(d, json.loads(json.dumps(d))) == ["same facts, fingerprint computed differently (moetune upgraded)"]
+
+
+# -- a port that is not ACTIVE is just "down" in the fingerprint ------------------------------------------------
+def _port_rate(capture: Path, rate: str, dev: str, port: int = 1) -> None:
+    (capture / "sys" / "class" / "infiniband" / dev / "ports" / str(port) / "rate").write_text(rate + "\n")
+
+
+def test_a_port_not_active_is_just_down_in_the_fingerprint(tmp_path: Path) -> None:
+    """dgx-h100's mlx5_8 is DOWN and still reports 40 Gb/s. Its sub-state (DOWN, INIT, ARMED, POLLING) and that
+    leftover rate went into the fingerprint: a port flapping between them, or its stale rate changing, made every
+    profile stale and queued a re-tune with no effect on performance. They are still told by diff_facts, marked."""
+    from moetune.tuner.fabric.fingerprint import diff_facts
+
+    cap = tmp_path / "cap"
+    base = F.make_capture(cap)
+    assert [(p.state, p.rate_gbps) for n in base.nics if n.name == "mlx5_8" for p in n.ports] == [("DOWN", 40.0)]
+    for state in ("2: INIT", "3: ARMED", "1: POLLING", "1: DOWN"):
+        f = F.set_port_state(cap, state, dev="mlx5_8")
+        assert f.fingerprint == base.fingerprint and f.hardware_hash == base.hardware_hash, state
+    polling = F.set_port_state(cap, "1: POLLING", dev="mlx5_8")
+    assert "mlx5_8 port 1 DOWN → POLLING (not active either way)" in diff_facts(base.to_dict(), polling.to_dict())
+    _port_rate(cap, "100 Gb/sec (4X EDR)", "mlx5_8")
+    stale = discover(cap)
+    assert stale.fingerprint == base.fingerprint
+    assert "mlx5_8 port 1 rate 40 → 100 Gb/s (not active either way)" in diff_facts(base.to_dict(), stale.to_dict())
+
+    # an ACTIVE port keeps its rate and state in it: up, and a rate change while up, are fabric changes
+    up = F.set_port_state(cap, "4: ACTIVE", dev="mlx5_8")
+    assert up.fingerprint != base.fingerprint
+    assert "mlx5_8 port 1 POLLING → ACTIVE" in diff_facts(polling.to_dict(), up.to_dict())
+    _port_rate(cap, "200 Gb/sec (4X HDR)", "mlx5_8")
+    assert discover(cap).fingerprint not in (up.fingerprint, base.fingerprint)
+
+
+def test_an_active_port_going_down_is_one_change_whatever_state_it_reports(tmp_path: Path) -> None:
+    """mlx5_0 (400 Gb/s InfiniBand, ACTIVE) leaves ACTIVE: a fabric change, the same one whether the port then says
+    DOWN, INIT or POLLING, and with or without a rate left behind."""
+    cap = tmp_path / "cap"
+    base = F.make_capture(cap)
+    down = F.set_port_state(cap, "1: DOWN", dev="mlx5_0")
+    assert down.fingerprint != base.fingerprint
+    for state in ("2: INIT", "3: ARMED", "1: POLLING"):
+        assert F.set_port_state(cap, state, dev="mlx5_0").fingerprint == down.fingerprint, state
+    _port_rate(cap, "10 Gb/sec (4X SDR)", "mlx5_0")
+    assert discover(cap).fingerprint == down.fingerprint
+    assert F.set_port_state(cap, "4: ACTIVE", dev="mlx5_0").fingerprint not in (base.fingerprint, down.fingerprint)

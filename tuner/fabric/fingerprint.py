@@ -6,12 +6,15 @@ recomputed and diffed without the node. What goes in:
 - hardware: per GPU (model, memory, compute capability, PCIe max generation and widths, MIG, its NVLink
   link speeds/states, its topology level + P2P status to every peer, its topology level to each NIC paired
   with that NIC's descriptor, so that which NIC sits next to which GPU counts, not the NICs' names),
-  per NIC (kind, HCA type, firmware, board id, PCI id, ports with state/rate/link layer), GPUDirect RDMA
+  per NIC (kind, HCA type, firmware, board id, PCI id, ports: an ACTIVE one with its rate and link layer, any
+  other as just "down"), GPUDirect RDMA
   (nvidia_peermem, dma-buf), libfabric fabric providers, node count;
 - software: driver, CUDA, CUDA runtime, NCCL, NVSHMEM, torch, nvshmem4py, libfabric, moetune.
 
 Never in it: names and order of devices (GPU index, PCI bus id, UUID, serial, NIC names), temperatures, clocks,
-free memory, processes, uptime, the current PCIe generation (drops at idle), how long discovery took.
+free memory, processes, uptime, the current PCIe generation (drops at idle), how long discovery took, and what a
+port not ACTIVE reports beyond being down (which of DOWN/INIT/ARMED/POLLING, a leftover rate, its link layer: a
+port flapping between those carries no traffic either way, and must not make every profile stale).
 Which physical parts are present (UUIDs, serials) is the companion `identity_hash`: a GPU swapped for
 another of the same model keeps the fingerprint (identical nodes share profiles) but changes the
 identity, and `diff_facts` says "GPU 1 replaced: serial A → B".
@@ -57,6 +60,22 @@ def fabric_providers(providers: list[str]) -> list[str]:
     return sorted({p for p in providers if p not in _UTILITY_PROVIDERS and not p.startswith("ofi_")})
 
 
+# the one port state that carries traffic (as NICPort.active; facts imports this module, so not from there)
+PORT_ACTIVE = "ACTIVE"
+
+
+def _port_active(p: dict[str, Any]) -> bool:
+    return p.get("state") == PORT_ACTIVE
+
+
+def _canonical_port(p: dict[str, Any]) -> str:
+    """An ACTIVE port with its rate and link layer (the form every port had before: ACTIVE ports hash as they
+    did); any other as just "down", so its sub-state and leftover rate cannot move the fingerprint."""
+    if _port_active(p):
+        return _dump([p.get("port"), PORT_ACTIVE, float(p.get("rate_gbps", 0.0)), p.get("link_layer")])
+    return _dump([p.get("port"), "down"])
+
+
 def canonical_hardware(facts: dict[str, Any]) -> dict[str, Any]:
     gpus = facts.get("gpus", []) or []
     peers: dict[int, list[str]] = defaultdict(list)
@@ -67,10 +86,7 @@ def canonical_hardware(facts: dict[str, Any]) -> dict[str, Any]:
     ndesc: list[str] = []
     ndesc_by_name: dict[str, str] = {}
     for n in facts.get("nics", []) or []:
-        ports = sorted(
-            _dump([p.get("port"), p.get("state"), float(p.get("rate_gbps", 0.0)), p.get("link_layer")])
-            for p in n.get("ports", [])
-        )
+        ports = sorted(_canonical_port(p) for p in n.get("ports", []))
         desc = _dump(
             {
                 "kind": n.get("kind", ""),
@@ -263,12 +279,16 @@ def _diff_nic(a: dict[str, Any], b: dict[str, Any], out: list[str]) -> None:
         if y is None:
             out.append(f"{name} port {n} missing")
             continue
+        # a port ACTIVE on neither side is "down" in the fingerprint either way: its changes are still told (fabric
+        # diff shows them as not performance-relevant), marked so that they are not read as the cause of a change
+        idle = "" if _port_active(x) or _port_active(y) else " (not active either way)"
         if x.get("state") != y.get("state"):
-            out.append(f"{name} port {n} {_fmt(x.get('state'))} → {_fmt(y.get('state'))}")
+            out.append(f"{name} port {n} {_fmt(x.get('state'))} → {_fmt(y.get('state'))}{idle}")
         if float(x.get("rate_gbps", 0)) != float(y.get("rate_gbps", 0)):
-            out.append(f"{name} port {n} rate {_fmt(float(x.get('rate_gbps', 0)))} → {_fmt(float(y.get('rate_gbps', 0)))} Gb/s")
+            out.append(f"{name} port {n} rate {_fmt(float(x.get('rate_gbps', 0)))} → "
+                       f"{_fmt(float(y.get('rate_gbps', 0)))} Gb/s{idle}")
         if x.get("link_layer") != y.get("link_layer"):
-            out.append(f"{name} port {n} link layer {_fmt(x.get('link_layer'))} → {_fmt(y.get('link_layer'))}")
+            out.append(f"{name} port {n} link layer {_fmt(x.get('link_layer'))} → {_fmt(y.get('link_layer'))}{idle}")
 
 
 def diff_facts(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -324,7 +344,7 @@ def diff_facts(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         out.append(f"{name} missing")
     for name in sorted(set(nn) - set(on)):
         n = nn[name]
-        act = sum(1 for p in n.get("ports", []) if p.get("state") == "ACTIVE")
+        act = sum(1 for p in n.get("ports", []) if _port_active(p))
         out.append(f"{name} new ({n.get('kind', '?')}, {act} of {len(n.get('ports', []))} port(s) ACTIVE)")
     for name in sorted(set(on) & set(nn)):
         _diff_nic(on[name], nn[name], out)
