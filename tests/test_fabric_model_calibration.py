@@ -57,12 +57,26 @@ def test_calibrated_preset_fits_the_proxy_probe() -> None:
 
 
 def test_baseline_rows_are_modelled_as_k_copies_collective() -> None:
+    """The NCCL baseline rows sent k bare copies per token (tuner/measure/micro.py); the calibration
+    describes them so (layout nccl_k_copies), while `predict` by default models the runtime's collective,
+    whose packed layout sends each token once per destination rank (runtime/buffer/_packed.py)."""
     preset = load_preset("nvlink-h200x2")
     m = get_model("qwen3-30b")
-    r = predict(preset, Workload(m, 1024, 1, 2), Knobs(transport="collective"), phase="dispatch")
+    k = Knobs(transport="collective")
+    r = predict(preset, Workload(m, 1024, 1, 2), k, phase="dispatch", layout="nccl_k_copies")
     assert r.bytes_on_wire == pytest.approx(1024 * 8 * 2048 * 2 / 2)  # half of the k copies are remote
-    staged = predict(preset, Workload(m, 1024, 1, 2, p2p=False), Knobs(transport="collective"), phase="dispatch")
+    staged = predict(preset, Workload(m, 1024, 1, 2, p2p=False), k, phase="dispatch", layout="nccl_k_copies")
     assert staged.dispatch_us > 3 * r.dispatch_us
+    points, _ = rows_to_points([{"probe": "nccl_a2a", "fabric": "nvlink", "model": "qwen3-30b", "S": 1024,
+                                 "world": 2, "ms": 0.1}])
+    assert points[0].evaluate(preset) == pytest.approx(r.dispatch_us)
+    # the runtime's rows: 2048 bf16 + 8 ids x 8 B + 8 weights x 4 B = 4192 B, once to the other rank when
+    # one of the token's 8 of 128 experts is there: 1 - C(64, 8) / C(128, 8)
+    import math
+
+    hit = 1 - math.comb(64, 8) / math.comb(128, 8)
+    rt = predict(preset, Workload(m, 1024, 1, 2), k, phase="dispatch")
+    assert rt.bytes_on_wire == pytest.approx(1024 * hit * 4192)
 
 
 def test_fit_recovers_known_parameters(tmp_path: Path) -> None:
@@ -72,7 +86,8 @@ def test_fit_recovers_known_parameters(tmp_path: Path) -> None:
     for model in ("qwen3-30b", "deepseek-v3"):
         for s in (64, 256, 1024, 4096, 16384):
             w = Workload(get_model(model), s, 1, 2)
-            us = predict(truth, w, Knobs(transport="collective"), phase="dispatch").dispatch_us
+            us = predict(truth, w, Knobs(transport="collective"), phase="dispatch",
+                         layout="nccl_k_copies").dispatch_us
             rows.append({"probe": "nccl_a2a", "fabric": "nvlink", "model": model, "S": s, "world": 2, "ms": us / 1e3})
     # a fixed start (not the shipped preset's fitted values, which move with every re-calibration): the fit
     # may move each parameter within a factor 20 of where it starts

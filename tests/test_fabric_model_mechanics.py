@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -116,10 +117,13 @@ def test_fp8_halves_payload_plus_scales() -> None:
     fp8 = predict("nvlink-h200x2", Workload(QWEN, 256, 1, 2), k.replace(compression="fp8_e4m3"), phase="dispatch")
     p128 = predict("nvlink-h200x2", Workload(QWEN, 256, 1, 2),
                    k.replace(compression="fp8_e4m3", scale_granularity="per_128"), phase="dispatch")
-    tokens = 256 * 8 / 2  # token copies bound for the one peer
-    signals = bf16.bytes_on_wire - tokens * QWEN.hidden * 2
-    assert fp8.bytes_on_wire - signals == pytest.approx(tokens * (QWEN.hidden + 4))
-    assert p128.bytes_on_wire - signals == pytest.approx(tokens * (QWEN.hidden + QWEN.hidden / 128 * 4))
+    # rows for the one peer: each token once when one of its 8 of 128 experts is there (the runtime's
+    # layout); a row is payload + 8 int64 ids + 8 fp32 weights (+ fp32 scales), padded to 16 bytes
+    tokens = 256 * (1 - math.comb(64, 8) / math.comb(128, 8))
+    signals = bf16.bytes_on_wire - tokens * (QWEN.hidden * 2 + 96)
+    assert signals == pytest.approx(12 * 8)  # one signal slot per CTA: num_sms 24 / 2 ranks
+    assert fp8.bytes_on_wire - signals == pytest.approx(tokens * (QWEN.hidden + 96 + 4 + 12))  # padded
+    assert p128.bytes_on_wire - signals == pytest.approx(tokens * (QWEN.hidden + 96 + QWEN.hidden / 128 * 4))
     assert fp8.dispatch_us < bf16.dispatch_us
     # combine stays bf16
     both = predict("nvlink-h200x2", Workload(QWEN, 256, 1, 2), k.replace(compression="fp8_e4m3"))

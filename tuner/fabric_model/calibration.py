@@ -4,7 +4,9 @@ Each measured row is turned into the model call that describes the same experime
 
 * `{"probe": "nccl_a2a" | "nccl_a2a_fp8payload", "fabric": "nvlink" | "host_staged", "model", "S",
   "world", "ms"}`: one NCCL all_to_all_single dispatch (k copies per token) → `predict(...,
-  phase="dispatch")` with transport `collective` (fp8 payload: compression fp8_e4m3); `host_staged`
+  phase="dispatch", layout="nccl_k_copies")` with transport `collective` (fp8 payload: compression
+  fp8_e4m3; the runtime's own collective sends each token once per rank, which `predict` models by
+  default: these rows describe the bare NCCL experiment, not the runtime's layout); `host_staged`
   rows ran with NCCL_P2P_DISABLE=1 → `Workload(p2p=False)`.
 * `{"probe": "proxy_ce", "size", "mode", "transfers", "qps", "us"}`: the DESIGN §6 proxy probe →
   `predict_transfers` with the matching signalling / fence mode (12 emulated PEs).
@@ -218,7 +220,8 @@ def rows_to_points(rows: list[dict[str, Any]]) -> tuple[list[Point], list[tuple[
                 continue
             name = f"{probe} {fabric} {row['model']} S={row['S']}"
             points.append(Point(name, float(row["ms"]) * 1e3,
-                                lambda pr, w=w, k=knobs: predict(pr, w, k, phase="dispatch").dispatch_us,
+                                lambda pr, w=w, k=knobs: predict(pr, w, k, phase="dispatch",
+                                                                layout="nccl_k_copies").dispatch_us,
                                 group=f"collective/{fabric}"))
         elif probe == "proxy_ce":
             mode = row.get("mode")

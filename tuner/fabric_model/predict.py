@@ -18,8 +18,26 @@ Nothing here is a curve fit of end results; the model carries the mechanisms (DE
   decoupled: a group's PUTs, one FENCE, the group's signals).
 * intra-node peers go over NVLink (no proxy: launch latency + bytes / bandwidth, signals as device
   writes) when the preset has NVLink; `host_staged` crosses PCIe twice (device→host, host→device) in
-  chunks with double buffering (pipeline_depth) and duplex links; `collective` is an NCCL-style
-  all-to-all that sends k copies per token.
+  chunks with double buffering (pipeline_depth) and duplex links; `collective` is an NCCL all-to-all.
+
+What goes on the wire follows the runtime's layouts (runtime/buffer/facade.py): every transport sends a
+token ONCE PER DESTINATION RANK that holds one of its k experts (packed layout for collective and
+host_staged, runtime/buffer/_packed.py; device-resident layout for nvlink and proxy, _resident.py), as a
+wire row of payload + k int64 ids + k fp32 weights (+ fp32 scales with fp8), padded to 16 bytes; combine
+sends one activation-dtype row back per row received. The expected rows one source sends PE r is
+S x P(token needs r) (`routing.rank_hits`: exact hypergeometric under uniform routing). Per peer:
+* nvlink: one kernel, `num_sms / world` CTAs per destination (csrc/ep_nvlink.cu mt_nvl_ctas_per_peer),
+  each one transfer with its own signal slot; coupled: a system fence per CTA, decoupled: one per group
+  of group_size CTAs (0: all of a peer's).
+* proxy: the runtime packs the rows for every peer first (one pack kernel), then posts ONE PUT per peer,
+  or ceil(rows / chunk_tokens) PUTs of chunk_tokens rows (csrc/proxy_xchg.h produce_exchange; at most
+  MT_MAX_SLOTS = 1024 per peer); coupled: a signal per PUT, decoupled: a signal per group_size PUTs (0:
+  one per peer; a last partial group is allowed). NOT YET MODELLED SO: the queued path (proxy, and
+  ibgda, which has no runtime transport) still sends one copy per (token, expert) in per-expert tiles
+  of `tile` tokens, each a signalled PUT (see `_phase_queued`).
+* collective: one all_to_all_single of the packed rows. `predict(..., layout="nccl_k_copies")` instead
+  describes a plain NCCL all_to_all_single of k copies of each H-wide token (DESIGN §6's baseline and the
+  calibration rows): what those measurements moved, not what the runtime sends.
 * fp8 halves payload bytes and adds scale bytes (per token: 4 B; per 128 channels: H/128 × 4 B).
 
 Every number this module returns is modelled (`Prediction.modelled` is always True).
@@ -37,7 +55,7 @@ from moetune.runtime.routing import parse_routing
 from moetune.runtime.shapes import ModelShape, get_model
 from moetune.tuner.fabric_model.presets import Preset, PresetError, list_presets, load_preset
 from moetune.tuner.fabric_model.queue import run_queue
-from moetune.tuner.fabric_model.routing import pe_loads, spread_quantiles
+from moetune.tuner.fabric_model.routing import pe_loads, rank_hits, spread_quantiles
 
 __all__ = [
     "KNOBS_READ",
@@ -54,6 +72,8 @@ __all__ = [
 
 SIGNAL_BYTES = 8
 MAX_MESSAGES = 2_000_000  # guard against absurd chunking
+MAX_SLOTS = 1024  # csrc/mt_common.h MT_MAX_SLOTS: signal slots (PUTs, CTAs) per source and peer
+LAYOUTS = ("runtime", "nccl_k_copies")
 
 # The knobs `predict` reads, per transport (compression and scale_granularity set the dispatch's bytes on
 # every transport). Any other knob leaves the prediction unchanged: a search on the model must keep it at
@@ -301,14 +321,24 @@ def _check_queued(preset: Preset, p: _P, knobs: Knobs) -> None:
         raise KnobError(f"preset {preset.name!r} has no IBGDA", ("transport",))
 
 
-def _token_bytes(model: ModelShape, knobs: Knobs, *, dispatch: bool) -> float:
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _token_bytes(model: ModelShape, knobs: Knobs, *, dispatch: bool, layout: str = "runtime") -> float:
+    """Bytes of one token on the wire. Runtime layout, dispatch: EPBuffer's wire row (runtime/buffer/
+    facade.py `_layout`): payload, k int64 ids, k fp32 weights, fp8 scales, padded to 16 bytes; combine:
+    one activation-dtype row. `nccl_k_copies`: the bare payload (fp8: + scales), as DESIGN §6's baseline."""
     from moetune.runtime.shapes import DTYPES
 
     h = model.hidden
-    if dispatch and knobs.compression == "fp8_e4m3":
-        scales = 4.0 if knobs.scale_granularity == "per_token" else math.ceil(h / 128) * 4.0
-        return h * 1.0 + scales
-    return float(h * DTYPES[model.dtype])
+    fp8 = dispatch and knobs.compression == "fp8_e4m3"
+    scales = (1 if knobs.scale_granularity == "per_token" else math.ceil(h / 128)) if fp8 else 0
+    payload = h if fp8 else h * DTYPES[model.dtype]
+    if not dispatch or layout != "runtime":  # nccl_k_copies, or the queued path's per_expert_tiles
+        return float(payload + 4 * scales)
+    k = model.topk
+    return float(_align(_align(payload, 8) + 8 * k + 4 * k + 4 * scales, 16))
 
 
 class _Phase:
@@ -322,13 +352,20 @@ class _Phase:
         self.parts: dict[str, float] = {}
 
 
-def _nvlink_time(p: _P, bytes_per_peer: list[float], groups: int, num_sms: int) -> float:
-    """GPU stores into peers' memory over NVLink: no proxy, signals as device writes."""
+def _ctas_per_peer(p: _P, num_sms: int, world: int) -> int:
+    """CTAs the nvlink kernel gives each destination (csrc/ep_nvlink.cu mt_nvl_ctas_per_peer)."""
+    return max(1, min(num_sms // world, p.sms // world, MAX_SLOTS))
+
+
+def _nvlink_time(p: _P, bytes_per_peer: list[float], groups: int, num_sms: int, cpp: int | None = None) -> float:
+    """GPU stores into peers' memory over NVLink: no proxy, signals as device writes. `cpp`: the CTAs
+    that copy one peer's bytes (their SM copy rate bounds that peer's stream)."""
     if not bytes_per_peer:
         return p.launch
     total = sum(bytes_per_peer)
     bw = min(p.nvl_egress, num_sms * p.sm_copy, p.hbm)
-    t = max(total / bw, max(bytes_per_peer) / p.nvl_peer)
+    peer_bw = min(p.nvl_peer, (cpp if cpp is not None else num_sms) * p.sm_copy)
+    t = max(total / bw, max(bytes_per_peer) / peer_bw)
     # each group's signal follows a system fence + flag store; spread over the communicating CTAs
     sig = p.nvl_sig * math.ceil(groups / max(1, num_sms))
     return p.launch + t + p.nvl_lat + sig
@@ -360,20 +397,37 @@ def _staged_time(p: _P, bytes_out: float, bytes_in: float, chunks: int, depth: i
     return max(t, host)
 
 
-def _route(w: Workload) -> tuple[Any, int, int]:
+def _route(w: Workload) -> tuple[Any, Any]:
+    """(expert inclusion per PE [P, E/P], P(token needs PE r) [P]) for the workload's routing."""
     _, s = parse_routing(w.routing)
     loads = pe_loads(w.model.experts, w.model.topk, s, w.pes)
-    return loads, loads.shape[1], w.gpus_per_node
+    return loads, rank_hits(w.model.experts, w.model.topk, s, w.pes)
+
+
+def _nvlink_signals(p: _P, knobs: Knobs, world: int) -> tuple[int, int]:
+    """(transfers = signal slots, system fences) per peer of the nvlink kernel: one per CTA; decoupled,
+    one fence per group of group_size CTAs (clamped to the CTAs; 0 = all of them), csrc/ep_nvlink.cu."""
+    cpp = _ctas_per_peer(p, knobs.num_sms, world)
+    if knobs.signalling == "coupled":
+        return cpp, cpp
+    g = cpp if knobs.group_size <= 0 else min(knobs.group_size, cpp)
+    return cpp, math.ceil(cpp / g)
 
 
 def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, t0: float) -> _Phase:
     """Dispatch (source PE 0 sends each remote expert its tokens) or combine (the most loaded PE
-    returns its experts' outputs to every token owner) over proxy/IBGDA + NVLink inside the node."""
+    returns its experts' outputs to every token owner) over proxy/IBGDA + NVLink inside the node.
+
+    NOT YET the runtime's layout: this still sends one copy per (token, expert), in tiles of `tile`
+    tokens per expert, while the runtime's proxy sends each token once per destination rank in one PUT
+    per peer (or ceil(rows / chunk_tokens) PUTs; csrc/proxy_xchg.h produce_exchange). Bytes are
+    overcounted (~4x at 2 ranks, ~1.25x at 16 with E=256, k=8) and PUT/fence counts are per expert tile."""
     ph = _Phase()
     S = w.tokens_per_gpu
     P, G = w.pes, w.gpus_per_node
     epp = loads.shape[1]
-    tb = _token_bytes(w.model, knobs, dispatch=dispatch)
+    # bare payload (no ids/weights): this path is not the runtime's row layout yet (see above)
+    tb = _token_bytes(w.model, knobs, dispatch=dispatch, layout="per_expert_tiles")
     kind = knobs.transport
     intra_by_proxy = kind == "proxy" and p.proxy_intra
     nvl_intra = p.has_nvl and w.p2p and not intra_by_proxy
@@ -467,7 +521,7 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, t0
     return ph
 
 
-def _phase_nvlink(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads) -> _Phase:
+def _phase_nvlink(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, hits) -> _Phase:
     ph = _Phase()
     if w.nodes > 1:
         raise KnobError("transport 'nvlink' does not reach other nodes; use proxy, ibgda or collective",
@@ -480,43 +534,42 @@ def _phase_nvlink(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads) ->
                         "use host_staged or collective", ("transport",))
     S, G = w.tokens_per_gpu, w.gpus_per_node
     tb = _token_bytes(w.model, knobs, dispatch=dispatch)
-    epp = loads.shape[1]
-    row = loads.sum(axis=1)
-    if dispatch:
-        bpp = [S * float(row[d]) * tb for d in range(1, G)]
-    else:
-        h = int(row.argmax())
-        bpp = [S * float(row[h]) * tb] * (G - 1)
-    groups = (G - 1) * (epp if knobs.signalling == "coupled" else max(1, epp // (knobs.group_size or epp)))
-    ph.us = _nvlink_time(p, bpp, groups, knobs.num_sms)
-    ph.bytes = sum(bpp) + groups * SIGNAL_BYTES
-    ph.transfers = (G - 1) * epp
+    if dispatch:  # PE 0 sends every other PE the rows of its tokens that PE needs
+        bpp = [S * float(hits[d]) * tb for d in range(1, G)]
+    else:  # the most needed PE returns one row per row it received, to every other PE
+        bpp = [S * float(hits.max()) * tb] * (G - 1)
+    cpp, fences = _nvlink_signals(p, knobs, G)
+    groups = (G - 1) * fences
+    ph.us = _nvlink_time(p, bpp, groups, knobs.num_sms, cpp)
+    ph.bytes = sum(bpp) + (G - 1) * cpp * SIGNAL_BYTES
+    ph.transfers = (G - 1) * cpp
     ph.parts = {"nvlink": ph.us}
     return ph
 
 
-def _bytes_out_in(w: Workload, loads, tb: float, dispatch: bool, copies: bool) -> tuple[float, float, int]:
+def _bytes_out_in(w: Workload, loads, hits, tb: float, dispatch: bool, copies: bool) -> tuple[float, float, int]:
     """(bytes out to other PEs, bytes in from other PEs, other PEs) of the busiest PE."""
     S, P = w.tokens_per_gpu, w.pes
-    row = loads.sum(axis=1)
-    if copies:  # collective: k copies per token, shared out by destination load
+    if copies:  # a plain NCCL all-to-all of k copies per token, shared out by destination load
+        row = loads.sum(axis=1)
         frac_remote = 1.0 - float(row[0]) / w.model.topk
         out = S * w.model.topk * tb * frac_remote
         inn = S * tb * float(row.max()) * (P - 1)
-    else:
-        out = S * tb * float(row.sum() - row[0])
-        inn = S * tb * float(row.max()) * (P - 1)
+    else:  # the runtime's packed layout: each token once per destination rank it needs
+        out = S * tb * float(hits.sum() - hits[0])
+        inn = S * tb * float(hits.max()) * (P - 1)
     if not dispatch:
         out, inn = inn, out
     return out, inn, P - 1
 
 
-def _phase_collective(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads) -> _Phase:
-    """NCCL-style all-to-all (k copies per token), intra-node over NVLink or staged, inter-node NIC."""
+def _phase_collective(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hits, layout: str) -> _Phase:
+    """NCCL all-to-all, intra-node over NVLink or staged, inter-node NIC: the runtime's packed rows (once
+    per destination rank), or with layout `nccl_k_copies` k bare copies per token (DESIGN §6 baseline)."""
     ph = _Phase()
     P, G = w.pes, w.gpus_per_node
-    tb = _token_bytes(w.model, knobs, dispatch=dispatch)
-    out, inn, peers = _bytes_out_in(w, loads, tb, dispatch, copies=True)
+    tb = _token_bytes(w.model, knobs, dispatch=dispatch, layout=layout)
+    out, inn, peers = _bytes_out_in(w, loads, hits, tb, dispatch, copies=layout == "nccl_k_copies")
     if peers == 0:
         ph.us = p.launch
         return ph
@@ -542,12 +595,12 @@ def _phase_collective(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads
     return ph
 
 
-def _phase_host_staged(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads) -> _Phase:
+def _phase_host_staged(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hits) -> _Phase:
     """moetune's staged transport: tokens for one peer packed contiguously, D2H, (NIC), H2D."""
     ph = _Phase()
     G = w.gpus_per_node
     tb = _token_bytes(w.model, knobs, dispatch=dispatch)
-    out, inn, peers = _bytes_out_in(w, loads, tb, dispatch, copies=False)
+    out, inn, peers = _bytes_out_in(w, loads, hits, tb, dispatch, copies=False)
     if peers == 0:
         ph.us = p.launch
         return ph
@@ -572,8 +625,11 @@ def _phase_host_staged(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, load
 
 
 def transfers_per_peer(w: Workload) -> int:
-    """Transfers (tile PUTs) one PE sends one peer under uniform routing: experts per PE x tiles per
-    expert. A decoupled group size must divide it (Knobs.check_workload)."""
+    """The group-size grid: experts per PE x tiles of `tile` tokens per expert under uniform routing. A
+    decoupled group size must divide it (Knobs.check_workload), as in the tuner's search space
+    (tuner/search/space.py). NOT the runtime's transfer count: its proxy sends one PUT per peer (or
+    ceil(rows / chunk_tokens)), its nvlink kernel num_sms / world CTAs per peer, and both accept any
+    group size (a last partial group); see the module docstring."""
     per_expert = w.tokens_per_gpu * w.model.topk / w.model.experts
     return (w.model.experts // w.pes) * max(1, math.ceil(per_expert / w.tile - 1e-9))
 
@@ -593,18 +649,28 @@ def predict(
     knobs: Knobs,
     *,
     phase: Literal["both", "dispatch", "combine"] = "both",
+    layout: Literal["runtime", "nccl_k_copies"] = "runtime",
 ) -> Prediction:
     """MODELLED cost of one dispatch and/or combine per GPU. Unsafe knobs raise KnobError; a workload
-    the preset cannot run raises ValueError; an unknown preset raises PresetError (a ValueError)."""
+    the preset cannot run raises ValueError; an unknown preset raises PresetError (a ValueError).
+
+    `layout`: what goes on the wire. `runtime` (default): the runtime's layouts, each token once per
+    destination rank it needs. `nccl_k_copies` (transport collective only): a plain NCCL
+    all_to_all_single of k copies of each token, the experiment DESIGN §6's baseline (and the
+    calibration rows) measured."""
     preset = _as_preset(preset)
     if not isinstance(knobs, Knobs):
         raise KnobError(f"expected Knobs, got {type(knobs).__name__}")
     if phase not in ("both", "dispatch", "combine"):
         raise ValueError(f"phase must be both, dispatch or combine, got {phase!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout != "runtime" and knobs.transport != "collective":
+        raise ValueError(f"layout {layout!r} describes an NCCL all-to-all: transport collective only")
     _check_transport(preset, knobs)
     p = _params(preset)
     w = workload
-    loads, _epp, _ = _route(w)
+    loads, hits = _route(w)
     if knobs.transport in ("proxy", "ibgda"):
         knobs.check_workload(transfers_per_peer(w))
         _check_queued(preset, p, knobs)
@@ -621,11 +687,11 @@ def predict(
         if knobs.transport in ("proxy", "ibgda"):
             ph = _phase_queued(p, w, knobs, dispatch=disp, loads=loads, t0=0.0)
         elif knobs.transport == "nvlink":
-            ph = _phase_nvlink(p, w, knobs, dispatch=disp, loads=loads)
+            ph = _phase_nvlink(p, w, knobs, dispatch=disp, hits=hits)
         elif knobs.transport == "collective":
-            ph = _phase_collective(p, w, knobs, dispatch=disp, loads=loads)
+            ph = _phase_collective(p, w, knobs, dispatch=disp, loads=loads, hits=hits, layout=layout)
         else:
-            ph = _phase_host_staged(p, w, knobs, dispatch=disp, loads=loads)
+            ph = _phase_host_staged(p, w, knobs, dispatch=disp, loads=loads, hits=hits)
         res[name] = ph
         phases_out[name] = ph.us
         for k, v in ph.parts.items():
@@ -638,8 +704,10 @@ def predict(
     phases_out["expert"] = e_us
     all_ph = [x for x in (d, c) if x]
     notes = ["MODELLED: predicted by the fabric model from preset parameters, not measured"]
-    if knobs.transport == "collective":
-        notes.append("collective: k copies per token on the wire (NCCL all_to_all_single semantics)")
+    if layout == "nccl_k_copies":
+        notes.append("collective: k copies per token on the wire (a plain NCCL all_to_all_single, DESIGN §6)")
+    else:
+        notes.append("each token once per destination rank that holds one of its experts (the runtime's layout)")
     return Prediction(
         latency_us=d_us + c_us,
         dispatch_us=d_us,

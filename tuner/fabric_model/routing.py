@@ -8,6 +8,14 @@ popularity ranks, so hot experts land on arbitrary (but reproducible) PEs.
 
 A routing spec (`uniform`, `zipf:1.2`) is parsed by `moetune.runtime.routing.parse_routing`, the same
 parser the runtime's generators use, so the model and a measurement accept the same workloads.
+
+The runtime's wire layouts send a token once per destination RANK that holds at least one of its k
+experts (runtime/buffer/_packed.py, _resident.py), not once per expert: `rank_hits` is the probability
+that a token needs a given rank. Uniform: exactly 1 - C(E - E/R, k) / C(E, k) (the same formula as the
+runtime's `hit_probability`, runtime/buffer/_dense.py). Zipf: the same hypergeometric with the rank's
+"effective experts" n_r = E x (its share of the token's k picks), which is exact for uniform routing and
+within ~6 % of a Monte Carlo of the runtime's Gumbel-top-k generator in total ranks per token (tests);
+per rank the error follows the water-filling marginals above (up to ~20 % on hot ranks).
 """
 
 from __future__ import annotations
@@ -66,3 +74,21 @@ def spread_quantiles(n: int) -> tuple[float, ...]:
     ranks = np.random.default_rng(SPREAD_SEED + n).permutation(n)
     u = (ranks + 0.5) / n
     return tuple(float(x) for x in -np.log1p(-u))
+
+
+@functools.lru_cache(maxsize=256)
+def rank_hits(experts: int, topk: int, zipf_s: float, pes: int) -> np.ndarray:
+    """[pes] P(a token has at least one of its k experts on PE r): the expected rows one source sends PE r
+    per token under the runtime's per-rank layouts (sums to the expected distinct ranks per token)."""
+    loads = pe_loads(experts, topk, zipf_s, pes)
+    out = np.empty(pes)
+    for r, row in enumerate(loads):
+        total = float(row.sum())
+        n = experts * total / topk  # effective experts of this rank (exactly E/R under uniform routing)
+        miss = 1.0
+        for i in range(topk):
+            miss *= max(0.0, (experts - n - i) / (experts - i))
+        # at least its hottest expert's inclusion, at most the expected picks it gets (and 1)
+        out[r] = min(max(1.0 - miss, float(row.max())), total, 1.0)
+    out.setflags(write=False)
+    return out
