@@ -135,3 +135,84 @@ def test_fit_transfer_microbenchmarks_recovers_proxy_cost() -> None:
     rep = calibrate("slingshot11-libfabric-a100x4", rows, params=["proxy.put_us", "nic.rtt_us"])
     assert rep.summary()["max_abs_rel_err"] < 0.02
     assert rep.params_after["proxy.put_us"] == pytest.approx(1.2, rel=0.05)
+
+
+# -- fits that cannot be trusted are refused -----------------------------------------------------------------------
+def _proxy_rows(truth_changes: dict[str, float]) -> list[dict]:
+    """Signalled-transfer rows (two fence modes, 4 KiB..4 MiB) the slingshot preset with `truth_changes` predicts."""
+    from moetune.tuner.fabric_model.predict import predict_transfers
+
+    truth = load_preset("slingshot11-libfabric-a100x4").with_params(truth_changes)
+    rows = []
+    for sig, fm in (("coupled", "proxy_drain"), ("decoupled", "nic_ordered")):
+        k = Knobs(transport="proxy", signalling=sig, fence_mode=fm)
+        for size in (4096, 65536, 1 << 20, 1 << 22):
+            rows.append({"kind": "transfers", "nodes": 8, "transfers": 96, "size": size, "knobs": k.to_dict(),
+                         "us": predict_transfers(truth, 8, 96, size, k).time_us})
+    return rows
+
+
+def test_a_single_proxy_probe_row_is_refused() -> None:
+    """One row moved all 7 proxy/NIC parameters and was accepted (with zero error: any one row is fitted
+    exactly). Now the parameters it cannot tell apart keep the preset's values and the fit is refused."""
+    row = next(r for r in read_rows([PROBE]) if r["mode"] == "coupled_drain")
+    rep = calibrate("nvlink-h200x2", [row])
+    assert not rep.usable
+    assert any(p.startswith("too few measured rows: 1 distinct row") for p in rep.problems), rep.problems
+    assert len(rep.fitted) < 7 and rep.kept  # not 7 parameters from one number
+    assert rep.to_dict()["usable"] is False and rep.to_dict()["problems"] == rep.problems
+    # the same row measured again is the same experiment: no more information
+    assert not calibrate("nvlink-h200x2", [row, dict(row)]).usable
+
+
+def test_a_nic_bandwidth_above_the_line_rate_is_refused() -> None:
+    rows = _proxy_rows({"nic.gbps": 60.0, "nic.qp_gbps": 60.0})
+    params = ["nic.gbps+nic.qp_gbps", "proxy.put_us"]
+    ok = calibrate("slingshot11-libfabric-a100x4", rows, params=params)
+    assert ok.usable, ok.problems  # the data are consistent: only the bound refuses them below
+    assert ok.params_after["nic.gbps"] == pytest.approx(60.0, rel=0.02)
+    rep = calibrate("slingshot11-libfabric-a100x4", rows, params=params, nic_line_rate_gbs=25.0)  # a 200 Gb/s port
+    assert not rep.usable
+    assert any("nic.gbps fitted to 60" in p and "line rate 25 GB/s (200 Gb/s)" in p for p in rep.problems), rep.problems
+    # within the line rate: accepted
+    assert calibrate("slingshot11-libfabric-a100x4", rows, params=params, nic_line_rate_gbs=100.0).usable
+
+
+def test_a_poor_fit_is_refused_naming_the_worst_rows() -> None:
+    rows = [r for r in read_rows([BASELINE]) if r["fabric"] == "nvlink"]
+    bad = next(r for r in rows if r["S"] == 1024 and r["model"] == "qwen3-30b" and r["probe"] == "nccl_a2a")
+    bad["ms"] *= 3.0  # one outlier row
+    rep = calibrate("nvlink-h200x2", rows, params=["collective.alpha_us", "collective.intra_gbps"])
+    poor = [p for p in rep.problems if p.startswith("poor fit")]
+    assert poor and "nccl_a2a nvlink qwen3-30b S=1024" in poor[0], rep.problems
+    assert rep.worst(1)[0].label == "nccl_a2a nvlink qwen3-30b S=1024"
+
+
+def test_the_committed_calibration_passes_the_checks() -> None:
+    """The shipped nvlink-h200x2 preset on the 92 rows it was calibrated on (its [calibration] data): every
+    check accepts it as it is, and a re-run of its calibration is accepted too."""
+    from moetune.tuner.fabric_model.calibration import check_preset
+
+    files = [BASELINE, ROOT / "bench/results/2026-11-30_h200x2_nccl_baseline_s4096plus.jsonl", PROBE]
+    preset = load_preset("nvlink-h200x2")
+    assert [f.name for f in files] == preset.calibration["data"]
+    rows = read_rows(files)
+    rep = check_preset(preset, rows)
+    assert rep.usable, rep.problems
+    assert len(rep.points) == preset.calibration["points"] == 92
+    # parameters no committed row depends on are not claimed as fitted
+    assert set(rep.kept) == {"collective.sync_us", "proxy.fence_us"}
+    again = calibrate(preset, rows)
+    assert again.usable, again.problems
+    assert again.summary()["max_abs_rel_err"] <= 0.2
+    cal = calibrated_preset(again, [f.name for f in files], "2026-11-30")
+    assert "warning" not in cal.calibration and cal.calibration["kept"] == ["collective.sync_us", "proxy.fence_us"]
+    assert cal.sources["proxy.fence_us"] == preset.sources["proxy.fence_us"]  # kept: its source unchanged
+
+
+def test_a_forced_write_carries_the_warning() -> None:
+    row = next(r for r in read_rows([PROBE]) if r["mode"] == "coupled_drain")
+    rep = calibrate("nvlink-h200x2", [row])
+    cal = calibrated_preset(rep, ["one.jsonl"], "2026-11-30")
+    assert cal.calibration["warning"].startswith("UNTRUSTED FIT") and "too few measured rows" in cal.calibration["warning"]
+    assert all("untrusted fit" in cal.sources[k] for k in rep.fitted)

@@ -90,3 +90,40 @@ def test_calibrate_writes_a_loadable_preset(tmp_path: Path) -> None:
     assert load_preset(str(out)).calibration["points"] == 8
     r = runner.invoke(app, ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(tmp_path / "missing.jsonl")])
     assert r.exit_code == 2 and "does not exist" in r.output
+
+
+def test_calibrate_refuses_an_untrusted_fit_unless_forced(tmp_path: Path) -> None:
+    """One proxy-probe row: exit 1 naming the problem, no --out written; --force writes it with the warning."""
+    row = next(ln for ln in (ROOT / "bench/results/2026-11-30_h200x2_proxy_probe.jsonl").read_text().splitlines()
+               if '"coupled_drain"' in ln)
+    data = tmp_path / "one.jsonl"
+    data.write_text(row + "\n")
+    out = tmp_path / "node.toml"
+    args = ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(data), "--out", str(out)]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 1, r.output
+    flat = " ".join(r.output.split())
+    assert "calibration refused: too few measured rows" in flat and "not written" in flat
+    assert not out.exists()
+    r = runner.invoke(app, [*args, "--json"])
+    assert r.exit_code == 1
+    d = json.loads(r.output)
+    assert d["usable"] is False and d["out"] is None and d["problems"][0].startswith("too few measured rows")
+    assert not out.exists()
+    r = runner.invoke(app, [*args, "--force"])
+    assert r.exit_code == 0, r.output
+    from moetune.tuner.fabric_model.predict import load_preset
+
+    assert load_preset(str(out)).calibration["warning"].startswith("UNTRUSTED FIT, written with --force")
+
+
+def test_calibrate_nic_line_rate_option(tmp_path: Path) -> None:
+    rows = [ln for ln in (ROOT / "bench/results/2026-11-30_h200x2_proxy_probe.jsonl").read_text().splitlines() if ln]
+    data = tmp_path / "probe.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    base = ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(data), "--params", "nic.gbps+nic.qp_gbps,proxy.put_us"]
+    assert runner.invoke(app, base).exit_code == 0
+    r = runner.invoke(app, [*base, "--nic-line-rate", "100"])  # 12.5 GB/s: below the copy engines' ~300 GB/s fit
+    assert r.exit_code == 1 and "line rate 12.5 GB/s" in " ".join(r.output.split()), r.output
+    r = runner.invoke(app, [*base, "--nic-line-rate", "-1"])
+    assert r.exit_code == 2 and "--nic-line-rate must be a positive number" in r.output

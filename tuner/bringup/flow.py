@@ -206,6 +206,11 @@ def _decode_notes(compared: list[dict[str, Any]]) -> list[str]:
             "then differ only by noise" for m, s in small]
 
 
+def _as_text(text: str) -> str:
+    """`text` printed as written through the console: a '[' in a row label is not read as markup."""
+    return text.replace("[", "\\[")
+
+
 def _node_line(facts: Any) -> str:
     if facts.gpu_count:
         return f"{facts.gpu_count} × {facts.gpu_model}"
@@ -291,6 +296,17 @@ class Bringup:
         bar.update(task, len(applicable), description="microbenchmarks")
         return rows
 
+    def nic_line_rate_gbs(self, base: str) -> float | None:
+        """The line rate (GB/s) a fitted NIC bandwidth may not exceed: the fastest ACTIVE port discovery found.
+        None where the base preset's [nic] is not a NIC (nvlink-h200x2's is the copy-engine proxy probe) or the
+        node has none."""
+        from moetune.tuner.fabric_model.presets import load_preset
+
+        gbit = self.facts.link_rates.get("nic_gbit")
+        if not gbit or load_preset(base).family == "nvlink":
+            return None
+        return gbit / 8.0
+
     def stage_calibrate(self) -> dict:
         import datetime as dt
 
@@ -300,13 +316,30 @@ class Bringup:
         base = base_preset_for(self.facts)
         if not rows:
             return {"base": base, "skipped": "no measurement the model can describe"}
-        rep = calibrate(base, rows, rounds=15)
+        path = self.state.path.parent / f"node-{self.facts.fingerprint}.toml"
+        try:
+            rep = calibrate(base, rows, rounds=15, nic_line_rate_gbs=self.nic_line_rate_gbs(base))
+        except ValueError as e:  # a row the base preset cannot model: no node model, the bring-up goes on
+            problems, s = [str(e)], None
+        else:
+            problems, s = rep.problems, rep.summary()
+        if problems:
+            # No node model from a fit that cannot be trusted: tuning measures on this node as without one, and
+            # the daemon's model re-tune says no calibrated model exists. A file from an earlier bring-up of
+            # this fingerprint is left as it was (it passed these checks on its own data).
+            self.console.print(f"[yellow]node fabric model not written (calibration refused): "
+                               f"{_as_text('; '.join(problems))}[/]")
+            out: dict[str, Any] = {"base": base, "refused": problems, "node_model": None}
+            if s is not None:
+                out.update(points=s["points"], fit_mean_abs_rel_err=s["mean_abs_rel_err"],
+                           fit_max_abs_rel_err=s["max_abs_rel_err"])
+            if path.exists():
+                out["earlier_node_model"] = str(path)
+            return out
         today = dt.date.today().isoformat()
         preset = calibrated_preset(rep, [f"moetune profile on {self.facts.fingerprint}"], today)
-        path = self.state.path.parent / f"node-{self.facts.fingerprint}.toml"
         path.write_text(preset.to_toml())
-        s = rep.summary()
-        return {"base": base, "preset_file": str(path), "points": s["points"],
+        return {"base": base, "preset_file": str(path), "points": s["points"], "kept": sorted(rep.kept),
                 "mean_abs_rel_err": s["mean_abs_rel_err"], "max_abs_rel_err": s["max_abs_rel_err"]}
 
     def _backend(self) -> Any:
@@ -457,6 +490,13 @@ class Bringup:
             data.notes.append(f"node fabric model calibrated from {cal['base']} on {cal['points']} measured points: "
                               f"mean error {100 * cal['mean_abs_rel_err']:.1f}%, max {100 * cal['max_abs_rel_err']:.1f}% "
                               f"({cal['preset_file']})")
+        elif cal.get("refused"):
+            earlier = (f"; the node model from an earlier bring-up ({cal['earlier_node_model']}) is left as it was"
+                       if cal.get("earlier_node_model") else
+                       "; the daemon's model re-tune has no node model to use (it says so: measure with "
+                       "[tune] backend = \"local\", or fix the measurements and run `moetune profile --restart`)")
+            data.notes.append(f"node fabric model NOT written: the calibration from {cal['base']} was refused: "
+                              + "; ".join(cal["refused"]) + earlier)
         if self.facts.gpu_count == 1:
             data.notes.append("EP transports need >= 2 GPUs: this node has 1, so no exchange was tuned; the MoE "
                               "megakernel (the whole layer on one GPU, family `megakernel`) is what was tuned")

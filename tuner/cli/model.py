@@ -334,20 +334,32 @@ def calibrate_cmd(
     out: Path | None = typer.Option(None, "--out", "-o", help="Write the calibrated preset TOML here."),
     params: str = typer.Option("", "--params", help="Comma-separated dotted parameters to fit (default: by data kind)."),
     as_json: bool = typer.Option(False, "--json", help="Print the fit report as JSON."),
+    nic_line_rate: float | None = typer.Option(
+        None, "--nic-line-rate", help="The NIC port's line rate in Gb/s (as discovery reports it): a fitted nic.gbps "
+        "or nic.qp_gbps above it is refused."),
+    force: bool = typer.Option(False, "--force", help="Write --out even when the fit is refused (too few rows, a value "
+                               "outside its physical bounds, a poor fit); the file carries the warning."),
 ) -> None:
-    """Fit preset parameters to measurements and report the fit error per point and overall."""
+    """Fit preset parameters to measurements and report the fit error per point and overall. A fit that cannot
+    be trusted is refused: exit 1 naming the problem, and no --out written (unless --force)."""
     from moetune.tuner.fabric_model.calibration import calibrate, calibrated_preset, read_rows
 
     # a bad --out is refused before the fit, not after it
     if out is not None:
         _check_out_file(out, "calibrated.toml")
+    if nic_line_rate is not None and not (math.isfinite(nic_line_rate) and nic_line_rate > 0):
+        _fail(f"--nic-line-rate must be a positive number of Gb/s, got {nic_line_rate!r}")
     try:
         rows = read_rows(data)
-        rep = calibrate(preset, rows, params=[p.strip() for p in params.split(",") if p.strip()] or None)
+        rep = calibrate(preset, rows, params=[p.strip() for p in params.split(",") if p.strip()] or None,
+                        nic_line_rate_gbs=nic_line_rate / 8.0 if nic_line_rate is not None else None)
     except ValueError as e:
         _fail(str(e))
     s = rep.summary()
-    if out is not None:
+    refused = not rep.usable and not force
+    written = out is not None and not refused
+    if written:
+        assert out is not None
         today = _dt.date.today().isoformat()
         cal = calibrated_preset(rep, [d.name for d in data], today)
         try:
@@ -356,7 +368,9 @@ def calibrate_cmd(
         except OSError as e:
             _fail(f"--out {out}: cannot write the calibrated preset ({e.strerror or e})")
     if as_json:
-        typer.echo(json.dumps({"label": LABEL, **rep.to_dict(), "out": str(out) if out else None}))
+        typer.echo(json.dumps({"label": LABEL, **rep.to_dict(), "out": str(out) if written else None}))
+        if refused:
+            raise typer.Exit(1)
         return
     t = Table(title=f"calibration of {_e(rep.preset.name)}: measured vs {LABEL}")
     for c in ("point", "measured µs", "modelled µs", "error"):
@@ -379,7 +393,17 @@ def calibrate_cmd(
                    f"max |error| {s['max_abs_rel_err']:.1%}; skipped {s['skipped']}")
     for _row, why in rep.skipped[:5]:
         _console.print(f"  skipped: {_e(why)}")
-    if out is not None:
+    for k, why in rep.kept.items():
+        _console.print(f"  kept at the preset's value: {_e(k)} ({_e(why)})")
+    for why in rep.problems:
+        _console.print(f"[red]{'untrusted fit' if force else 'calibration refused'}:[/red] {_e(why)}", soft_wrap=True)
+    if written:
+        if rep.problems:
+            _console.print(f"[yellow]--force: written although the fit was refused; the file's {_e('[calibration]')} "
+                           "warning says why[/yellow]")
         _console.print(f"calibrated preset written to {_e(out)}", soft_wrap=True)  # a path stays whole
-    if not math.isfinite(s["max_abs_rel_err"]):
+    elif refused and out is not None:
+        _console.print(f"not written: {_e(out)} (the fit is refused; --force writes it with the warning)",
+                       soft_wrap=True)
+    if refused or not math.isfinite(s["max_abs_rel_err"]):
         raise typer.Exit(1)

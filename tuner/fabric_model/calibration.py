@@ -17,6 +17,12 @@ Each measured row is turned into the model call that describes the same experime
 Rows the model cannot describe are reported as skipped, with the reason. The fit is a coordinate
 search over the chosen parameters in log space (no scipy), minimising (per group of rows) a norm close
 to the worst relative error plus a quarter of the mean squared one (so no single row is sacrificed).
+
+A fit is checked before anyone may use it (`FitReport.problems`; `usable` is False when there are any):
+only the parameters the rows constrain are fitted (the others keep the preset's sourced values, listed in
+`kept`), each fitted group needs more distinct rows than fitted parameters, every fitted value must be
+positive and within the physical bounds known (PCIe 5.0, the NIC port's line rate from discovery), and
+the error must stay within MAX_ROW_ERR per row and MAX_MEAN_ERR on average.
 """
 
 from __future__ import annotations
@@ -43,6 +49,21 @@ PROXY_PARAMS = ("proxy.put_us", "proxy.signal_us", "proxy.fence_us", "nic.msg_ov
 
 # Physical ceilings a fit may not cross (PCIe 5.0 x16 is 63 GB/s raw per direction).
 PHYSICAL_MAX = {"pcie.d2h_gbps": 63.0, "pcie.h2d_gbps": 63.0}
+# Parameters bounded by the NIC port's line rate (GB/s) when the caller knows it (discovery's facts)
+NIC_RATE_PARAMS = ("nic.gbps", "nic.qp_gbps")
+
+# Identifiability. Sensitivity = d ln(predicted) / d ln(parameter) per distinct row. A parameter whose
+# sensitivities have a norm below MIN_SENSITIVITY (doubling it moves no row by more than ~1.4%) is not seen
+# by the rows; one whose sensitivities lie within MIN_INDEPENDENCE (relative) of a mix of the already
+# chosen parameters' cannot be told apart from them (e.g. two latencies added to every row). Either way the
+# fit could put it anywhere, so it keeps the preset's (sourced) value instead of a meaningless fitted one.
+MIN_SENSITIVITY = 0.02
+MIN_INDEPENDENCE = 0.05
+# A usable fit: no row off by more than 30%, 15% on average (the committed nvlink-h200x2 calibration: max
+# 19.6%, mean 6.0%); the model's own checks are stated per row at 20-25%.
+MAX_ROW_ERR = 0.30
+MAX_MEAN_ERR = 0.15
+WORST_SHOWN = 3  # rows named in a poor-fit problem
 
 _PROBE_MODES = {
     "coupled_drain": ("coupled", "proxy_drain"),
@@ -73,6 +94,15 @@ class FitReport:
     params_before: dict[str, float]
     params_after: dict[str, float]
     fitted: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)  # parameter -> why the rows do not constrain it
+    problems: list[str] = field(default_factory=list)  # why the fit cannot be trusted; empty: usable
+
+    @property
+    def usable(self) -> bool:
+        return not self.problems
+
+    def worst(self, n: int = WORST_SHOWN) -> list[Point]:
+        return sorted(self.points, key=lambda p: -abs(p.rel_err))[:n]
 
     def summary(self) -> dict[str, Any]:
         errs = [abs(p.rel_err) for p in self.points]
@@ -95,6 +125,9 @@ class FitReport:
             "fitted": self.fitted,
             "params_before": {k: self.params_before[k] for k in self.fitted},
             "params_after": {k: self.params_after[k] for k in self.fitted},
+            "kept": dict(self.kept),
+            "usable": self.usable,
+            "problems": list(self.problems),
             "summary": self.summary(),
             "points": [{"label": p.label, "group": p.group, "measured_us": p.measured_us,
                         "predicted_us": p.predicted_us, "rel_err": p.rel_err} for p in self.points],
@@ -276,59 +309,75 @@ def _objective(points: list[Point], preset: Preset) -> float:
     return sum((sum(e**8 for e in se) / len(se)) ** 0.125 + 0.25 * sum(se) / len(se) for se in groups.values())
 
 
-def calibrate(
-    preset: Preset | str,
-    rows: list[dict[str, Any]],
-    *,
-    params: Iterable[str] | None = None,
-    rounds: int = 30,
-) -> FitReport:
-    """Fit the preset's parameters to the rows; returns the report (with the fitted preset)."""
-    preset = load_preset(preset) if isinstance(preset, str) else preset
-    points, skipped = rows_to_points(rows)
-    if not points:
-        raise ValueError("no measurement rows the model can describe")
-    available = preset.numeric()
-    if params is None:
-        groups = {p.group for p in points}
-        params = []
-        if any(g.startswith("collective") for g in groups):
-            params += [k for k in COLLECTIVE_PARAMS if all(x in available for x in k.split("+"))]
-        if groups & {"proxy_probe", "transfers"}:
-            params += [k for k in PROXY_PARAMS if all(x in available for x in k.split("+"))]
-    params = list(params)
-    for spec in params:
-        for k in spec.split("+"):
-            if k not in available:
-                raise ValueError(f"preset {preset.name!r} has no numeric parameter {k!r}")
-    before = dict(available)
-    init = {spec: available[spec.split("+")[0]] for spec in params}
-    cur = dict(init)
+def _expand(vals: dict[str, float]) -> dict[str, float]:
+    """{"a+b": v} -> {"a": v, "b": v} (tied parameters)."""
+    return {k: v for spec, v in vals.items() for k in spec.split("+")}
 
-    def expand(vals: dict[str, float]) -> dict[str, float]:
-        return {k: v for spec, v in vals.items() for k in spec.split("+")}
 
-    def clamp(spec: str, v: float) -> float:
-        # stay within a factor 20 of the starting (physically sourced) value
-        hi = min([init[spec] * 20.0] + [PHYSICAL_MAX[k] for k in spec.split("+") if k in PHYSICAL_MAX])
-        return min(max(v, init[spec] / 20.0), hi)
+def _sensitivities(preset: Preset, points: list[Point], specs: list[str]) -> tuple[list[float], dict[str, list[float]]]:
+    """(prediction per point, {spec: d ln(prediction) / d ln(spec) per point}) at `preset` (a 10% step)."""
+    base = [p.evaluate(preset) for p in points]
+    now = preset.numeric()
+    cols: dict[str, list[float]] = {}
+    for spec in specs:
+        v = now[spec.split("+")[0]]
+        pr = preset.with_params({k: v * 1.1 for k in spec.split("+")})
+        cols[spec] = [math.log(p.evaluate(pr) / b) / math.log(1.1) if b > 0 else 0.0 for p, b in zip(points, base, strict=True)]
+    return base, cols
 
-    # which groups of points each parameter moves (perturb it by 10%)
-    base_pred: dict[int, float] = {}
-    for p in points:
-        try:
-            base_pred[id(p)] = p.evaluate(preset)
-        except ValueError as e:  # KnobError too: name the measurement the preset cannot model
-            raise ValueError(f"measurement {p.label!r} cannot be modelled on preset {preset.name!r}: {e}") from None
+
+def _distinct(base: list[float], cols: dict[str, list[float]]) -> list[int]:
+    """Indices of the distinct experiments: rows the model describes alike (same prediction and sensitivities,
+    e.g. a repeated measurement) count once, as they add no independent constraint."""
+    seen: dict[tuple[str, ...], int] = {}
+    for i, b in enumerate(base):
+        seen.setdefault(tuple(f"{x:.6g}" for x in [b, *(c[i] for c in cols.values())]), i)
+    return sorted(seen.values())
+
+
+def _norm(v: list[float]) -> float:
+    return math.sqrt(sum(x * x for x in v))
+
+
+def _select(cols: dict[str, list[float]], order: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(the parameters the rows constrain, {the others: why}): a Gram-Schmidt with pivoting over the
+    sensitivity columns, taking at each step the parameter with the largest part the chosen ones do not
+    already explain, while that part is at least MIN_INDEPENDENCE of its column."""
+    dropped = {s: f"the rows barely move it (sensitivity {_norm(cols[s]):.3f} < {MIN_SENSITIVITY})"
+               for s in order if _norm(cols[s]) < MIN_SENSITIVITY}
+    remaining = [s for s in order if s not in dropped]
+    chosen: list[str] = []
+    basis: list[list[float]] = []
+    while remaining:
+        resid = {}
+        for s in remaining:
+            r = list(cols[s])
+            for q in basis:
+                d = sum(a * b for a, b in zip(r, q, strict=True))
+                r = [a - d * b for a, b in zip(r, q, strict=True)]
+            resid[s] = r
+        ok = [s for s in remaining if _norm(resid[s]) >= MIN_INDEPENDENCE * _norm(cols[s])]
+        if not ok:
+            for s in remaining:
+                dropped[s] = f"the rows cannot tell it apart from {', '.join(chosen)}"
+            break
+        best = max(ok, key=lambda s: _norm(resid[s]))  # ties: the first in `order`
+        n = _norm(resid[best])
+        basis.append([x / n for x in resid[best]])
+        chosen.append(best)
+        remaining.remove(best)
+    return [s for s in order if s in chosen], dropped
+
+
+def _clusters(preset: Preset, points: list[Point], params: list[str]) -> tuple[list[tuple[set[str], list[str]]], list[str]]:
+    """Groups of points fitted together with the parameters that move them (groups whose parameters
+    overlap are merged), and the parameters that move no point."""
+    base = {id(p): p.evaluate(preset) for p in points}
+    now = preset.numeric()
     affects: dict[str, set[str]] = {}
     for spec in params:
-        trial = dict(cur)
-        trial[spec] = cur[spec] * 1.1
-        pr = preset.with_params(expand(trial))
-        affects[spec] = {p.group for p in points if abs(p.evaluate(pr) - base_pred[id(p)]) > 1e-9 * base_pred[id(p)]}
-    rng = random.Random(1234)
-    # fit each group of points with the parameters that move it (groups whose parameters overlap are
-    # fitted together)
+        pr = preset.with_params({k: now[spec.split("+")[0]] * 1.1 for k in spec.split("+")})
+        affects[spec] = {p.group for p in points if abs(p.evaluate(pr) - base[id(p)]) > 1e-9 * base[id(p)]}
     clusters: list[tuple[set[str], list[str]]] = []
     for spec in params:
         gs = set(affects[spec])
@@ -338,13 +387,148 @@ def calibrate(
         for c in merged:
             clusters.remove(c)
             gs |= c[0]
-        specs = [spec] + [x for c in merged for x in c[1]]
-        clusters.append((gs, specs))
+        clusters.append((gs, [spec] + [x for c in merged for x in c[1]]))
+    return clusters, [s for s in params if not affects[s]]
+
+
+def _default_params(preset: Preset, points: list[Point]) -> list[str]:
+    available = preset.numeric()
+    groups = {p.group for p in points}
+    params: list[str] = []
+    if any(g.startswith("collective") for g in groups):
+        params += [k for k in COLLECTIVE_PARAMS if all(x in available for x in k.split("+"))]
+    if groups & {"proxy_probe", "transfers"}:
+        params += [k for k in PROXY_PARAMS if all(x in available for x in k.split("+"))]
+    return params
+
+
+def _prepare(preset: Preset | str, rows: list[dict[str, Any]], params: Iterable[str] | None
+             ) -> tuple[Preset, list[Point], list[tuple[str, str]], list[str]]:
+    preset = load_preset(preset) if isinstance(preset, str) else preset
+    points, skipped = rows_to_points(rows)
+    if not points:
+        raise ValueError("no measurement rows the model can describe")
+    available = preset.numeric()
+    params = _default_params(preset, points) if params is None else list(params)
+    for spec in params:
+        for k in spec.split("+"):
+            if k not in available:
+                raise ValueError(f"preset {preset.name!r} has no numeric parameter {k!r}")
+    for p in points:
+        try:
+            p.evaluate(preset)
+        except ValueError as e:  # KnobError too: name the measurement the preset cannot model
+            raise ValueError(f"measurement {p.label!r} cannot be modelled on preset {preset.name!r}: {e}") from None
+    return preset, points, skipped, params
+
+
+def _plan(preset: Preset, points: list[Point], params: list[str]) -> tuple[list[tuple[set[str], list[str]]], dict[str, str], list[str]]:
+    """(clusters with only the parameters their rows constrain, {kept parameter: why}, problems of too few rows)."""
+    clusters, unmoved = _clusters(preset, points, params)
+    kept = {s: "no measured row depends on it" for s in unmoved}
+    problems: list[str] = []
+    out: list[tuple[set[str], list[str]]] = []
+    for groups, specs in clusters:
+        pts = [p for p in points if p.group in groups]
+        base, cols = _sensitivities(preset, pts, specs)
+        idx = _distinct(base, cols)
+        chosen, dropped = _select({s: [c[i] for i in idx] for s, c in cols.items()}, specs)
+        kept.update(dropped)
+        # As many rows as parameters fit any data exactly, so their error would check nothing: one row more
+        # than fitted parameters at least (per group of rows sharing parameters).
+        if len(idx) <= len(chosen):
+            problems.append(f"too few measured rows: {len(idx)} distinct row(s) of {', '.join(sorted(groups))} for "
+                            f"{len(chosen)} fitted parameter(s) ({', '.join(chosen)}); a fit needs more rows than "
+                            f"parameters (the {len(specs)} parameter(s) these rows move: {', '.join(specs)})")
+        if chosen:
+            out.append((groups, chosen))
+    return out, kept, problems
+
+
+def _check(preset: Preset, points: list[Point], clusters: list[tuple[set[str], list[str]]],
+           nic_line_rate_gbs: float | None) -> list[str]:
+    """Problems of the fitted `preset` (predictions already in `points`): bounds, identifiability at the fitted
+    values, the fit error."""
+    problems: list[str] = []
+    values = preset.numeric()
+    for groups, specs in clusters:
+        for k in _expand({s: 0.0 for s in specs}):
+            v = values[k]
+            if not (math.isfinite(v) and v > 0):
+                problems.append(f"{k} fitted to {v:.4g}: a latency or bandwidth must be positive")
+            elif k in PHYSICAL_MAX and v > PHYSICAL_MAX[k] * (1 + 1e-9):
+                problems.append(f"{k} fitted to {v:.4g} GB/s, above the physical ceiling {PHYSICAL_MAX[k]:g} GB/s")
+            elif k in NIC_RATE_PARAMS and nic_line_rate_gbs is not None and v > nic_line_rate_gbs * (1 + 1e-9):
+                problems.append(f"{k} fitted to {v:.4g} GB/s, above the NIC port's line rate {nic_line_rate_gbs:g} GB/s "
+                                f"({8 * nic_line_rate_gbs:g} Gb/s): the rows or the model are wrong")
+        # a parameter pushed where the rows no longer see it (or see it only through others) is arbitrary there
+        pts = [p for p in points if p.group in groups]
+        base, cols = _sensitivities(preset, pts, specs)
+        idx = _distinct(base, cols)
+        _chosen, dropped = _select({s: [c[i] for i in idx] for s, c in cols.items()}, specs)
+        for s, why in dropped.items():
+            problems.append(f"{s} at its fitted value {values[s.split('+')[0]]:.4g}: {why}, so its value is arbitrary")
+    errs = [abs(p.rel_err) for p in points]
+    mean = sum(errs) / len(errs)
+    if max(errs) > MAX_ROW_ERR or mean > MAX_MEAN_ERR:
+        worst = sorted(points, key=lambda p: -abs(p.rel_err))[:WORST_SHOWN]
+        problems.append(f"poor fit: max |error| {max(errs):.1%} (limit {MAX_ROW_ERR:.0%}), mean {mean:.1%} (limit "
+                        f"{MAX_MEAN_ERR:.0%}); worst rows: " + "; ".join(
+                            f"{p.label} measured {p.measured_us:.4g} us, modelled {p.predicted_us:.4g} us "
+                            f"({p.rel_err:+.1%})" for p in worst))
+    return problems
+
+
+def check_preset(
+    preset: Preset | str,
+    rows: list[dict[str, Any]],
+    *,
+    params: Iterable[str] | None = None,
+    nic_line_rate_gbs: float | None = None,
+) -> FitReport:
+    """The checks `calibrate` applies to its fit, applied to `preset` as it is (no fitting): whether these
+    rows would let it stand as a calibration of `params` (default: by data kind)."""
+    preset, points, skipped, params = _prepare(preset, rows, params)
+    clusters, kept, problems = _plan(preset, points, params)
+    for p in points:
+        p.predicted_us = p.evaluate(preset)
+    problems += _check(preset, points, clusters, nic_line_rate_gbs)
+    values = preset.numeric()
+    return FitReport(preset=preset, points=points, skipped=skipped, params_before=dict(values),
+                     params_after=dict(values), fitted=list(_expand({s: 0.0 for _g, c in clusters for s in c})),
+                     kept=kept, problems=problems)
+
+
+def calibrate(
+    preset: Preset | str,
+    rows: list[dict[str, Any]],
+    *,
+    params: Iterable[str] | None = None,
+    rounds: int = 30,
+    nic_line_rate_gbs: float | None = None,
+) -> FitReport:
+    """Fit the preset's parameters to the rows; returns the report (with the fitted preset). Parameters the
+    rows do not constrain keep the preset's values (`kept`); `problems` says why the fit cannot be trusted
+    (too few rows, a value outside its physical bounds, `nic_line_rate_gbs` included, a poor fit)."""
+    preset, points, skipped, params = _prepare(preset, rows, params)
+    available = preset.numeric()
+    before = dict(available)
+    clusters, kept, problems = _plan(preset, points, params)
+    fitted_specs = [s for _g, specs in clusters for s in specs]
+    init = {spec: available[spec.split("+")[0]] for spec in fitted_specs}
+    cur = dict(init)
+
+    def clamp(spec: str, v: float) -> float:
+        # stay within a factor 20 of the starting (physically sourced) value
+        hi = min([init[spec] * 20.0] + [PHYSICAL_MAX[k] for k in spec.split("+") if k in PHYSICAL_MAX])
+        return min(max(v, init[spec] / 20.0), hi)
+
+    rng = random.Random(1234)
     for groups, specs in clusters:
         pts = [p for p in points if p.group in groups]
 
         def obj(vals: dict[str, float], pts=pts) -> float:
-            return _objective(pts, preset.with_params(expand(vals)))
+            return _objective(pts, preset.with_params(_expand(vals)))
 
         best = obj(cur)
         # seeded random search in log space (factor 4 around the start), then coordinate refinement
@@ -376,17 +560,18 @@ def calibrate(
                 step *= 0.5
                 if step < 2e-3:
                     break
-    cur = expand(cur)
-    params = list(cur)
-    fitted = preset.with_params(cur, source=None)
+    values = _expand(cur)
+    fitted = preset.with_params(values, source=None)
     for p in points:
         p.predicted_us = p.evaluate(fitted)
+    problems += _check(fitted, points, clusters, nic_line_rate_gbs)
     return FitReport(preset=fitted, points=points, skipped=skipped, params_before=before,
-                     params_after=fitted.numeric(), fitted=params)
+                     params_after=fitted.numeric(), fitted=list(values), kept=kept, problems=problems)
 
 
 def calibrated_preset(report: FitReport, data_names: list[str], date: str) -> Preset:
-    """The fitted preset with its sources pointing at the data and the fit error recorded."""
+    """The fitted preset with its sources pointing at the data and the fit error recorded (and, for a fit
+    with problems, the warning: callers write such a fit only when told to)."""
     s = report.summary()
     src = f"calibrated: fitted by `moetune model calibrate` on {', '.join(data_names)} ({date})"
     changes = {k: report.params_after[k] for k in report.fitted}
@@ -398,6 +583,12 @@ def calibrated_preset(report: FitReport, data_names: list[str], date: str) -> Pr
         "mean_abs_rel_err": round(s["mean_abs_rel_err"], 4),
         "max_abs_rel_err": round(s["max_abs_rel_err"], 4),
     }
+    if report.kept:
+        calib["kept"] = sorted(report.kept)  # not constrained by the data: the preset's sourced values
+    if report.problems:
+        # written anyway (`--force`): whoever loads it sees why it was refused
+        calib["warning"] = "UNTRUSTED FIT, written with --force: " + " | ".join(report.problems)
+        src += " [untrusted fit, see [calibration] warning]"
     out = report.preset.with_params(changes, source=src, calibration=calib)
     sources = dict(out.sources)
     for k in report.fitted:
