@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -21,6 +22,16 @@ _err = Console(stderr=True, highlight=False)
 
 
 _fail = fail  # the CLI's one error message (escaped: a capture path in brackets is text)
+
+
+_TIMEOUT_HELP = "Seconds each external command (nvidia-smi, fi_info, ...) may take: 0.1 to 60, fractions allowed."
+
+
+def _check_timeout(value: float) -> float:
+    """Click's range check refused NaN with a message about the upper bound only, and no message said the unit."""
+    if not (math.isfinite(value) and 0.1 <= value <= 60.0):
+        raise typer.BadParameter(f"must be a number of seconds from 0.1 to 60, got {value}")
+    return value
 
 
 def _discover(from_dir: Path | None, timeout_s: float) -> Any:
@@ -113,7 +124,7 @@ def show(
     record: bool = typer.Option(False, "--record", help="Also record the fingerprint and its facts in the store."),
     db: Path | None = typer.Option(None, "--db", help="Profile database --record writes to (default: configured)."),
     config: Path | None = typer.Option(None, "--config", help="TOML config file (for --record's database)."),
-    timeout_s: float = typer.Option(1.5, "--timeout", min=0.1, max=60.0, help="Timeout per external command (s)."),
+    timeout_s: float = typer.Option(1.5, "--timeout", callback=_check_timeout, help=_TIMEOUT_HELP),
 ) -> None:
     """Discover the fabric (or read a capture) and show facts, fingerprint and transport families."""
     f = _discover(from_dir, timeout_s)
@@ -130,7 +141,7 @@ def show(
 def capture(
     dest: Path = typer.Argument(..., help="Directory to write (must not exist or be empty)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
-    timeout_s: float = typer.Option(1.5, "--timeout", min=0.1, max=60.0, help="Timeout per external command (s)."),
+    timeout_s: float = typer.Option(1.5, "--timeout", callback=_check_timeout, help=_TIMEOUT_HELP),
 ) -> None:
     """Save what discovery reads on this node (sys/, proc/, commands/) for support or tests."""
     from moetune.tuner.fabric.capture import capture_node
@@ -193,7 +204,7 @@ def diff(
                                        "default: the most recently seen fingerprint in the store."),
     from_dir: Path | None = typer.Option(None, "--from", "--capture", help="Compare this capture instead of the live node (--capture, as for `moetune profile` and `tune`)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-    timeout_s: float = typer.Option(1.5, "--timeout", min=0.1, max=60.0, help="Timeout per external command (s)."),
+    timeout_s: float = typer.Option(1.5, "--timeout", callback=_check_timeout, help=_TIMEOUT_HELP),
     db: Path | None = typer.Option(None, "--db", help="Profile database (default: configured)."),
     config: Path | None = typer.Option(None, "--config", help="TOML config file."),
 ) -> None:

@@ -1,7 +1,7 @@
 """`moetune keys`: CURVE keys for a daemon listening on TCP.
 
 The daemon authenticates clients too: it lets in only the client public keys found in its allow-list
-directory, `clients/` beside its secret key (or `--curve-clients-dir`). `moetune keys client` makes a
+directory, `clients/` beside its secret key (or `serve --clients-dir`, alias `--curve-clients-dir`). `moetune keys client` makes a
 client key pair and puts its public key there; `moetune keys allow` adds a public key made elsewhere.
 With `--admin` the key also goes into `admins/` (daemon.curve_admins_dir): only those clients may queue
 or cancel a re-tune over TCP; the others read profiles.
@@ -9,6 +9,7 @@ or cancel a re-tune over TCP; the others read profiles.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -77,8 +78,6 @@ def generate(
         typer.secho(f"moetune keys generate: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
     if json_out:
-        import json
-
         typer.echo(json.dumps({"public": str(public), "secret": str(secret)}))
     else:
         typer.echo(f"public key: {public}\nsecret key: {secret}  (set daemon.curve_secret_key_file to this)")
@@ -133,6 +132,11 @@ def _allowed_text(paths: list[Path]) -> str:
     return text + " (restart the daemon to apply)"
 
 
+def _allowed_json(paths: list[Path]) -> dict[str, str | None]:
+    """What _allowed_text says, for scripts: the allow-list copy and, with --admin, the admin-list copy."""
+    return {"allowed": str(paths[0]), "admin": str(paths[1]) if len(paths) > 1 else None}
+
+
 _ADMIN_HELP = "Also list the key as an admin (SERVER_KEYS/admins): it may queue and cancel re-tunes."
 _ADMINS_DIR_HELP = "The daemon's admin list (default: SERVER_KEYS/admins; daemon.curve_admins_dir)."
 
@@ -146,6 +150,7 @@ def client(
     admin: bool = typer.Option(False, "--admin", help=_ADMIN_HELP),
     admins_dir: Path = typer.Option(None, "--admins-dir", help=_ADMINS_DIR_HELP),
     force: bool = typer.Option(False, "--force", help="Overwrite existing keys."),
+    json_out: bool = typer.Option(False, "--json", help="Print the paths as JSON."),
 ) -> None:
     """Generate a client key pair and add its public key to the daemon's allow-list."""
     try:
@@ -157,7 +162,10 @@ def client(
     except (OSError, ValueError) as e:
         typer.secho(f"moetune keys client: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"client key pair: {public}, {secret}\n{_allowed_text(allowed)}")
+    if json_out:
+        typer.echo(json.dumps({"public": str(public), "secret": str(secret), **_allowed_json(allowed)}))
+    else:
+        typer.echo(f"client key pair: {public}, {secret}\n{_allowed_text(allowed)}")
 
 
 @app.command("allow")
@@ -168,6 +176,7 @@ def allow(
     admin: bool = typer.Option(False, "--admin", help=_ADMIN_HELP),
     admins_dir: Path = typer.Option(None, "--admins-dir", help=_ADMINS_DIR_HELP),
     force: bool = typer.Option(False, "--force", help="Overwrite an allowed key of the same name."),
+    json_out: bool = typer.Option(False, "--json", help="Print the paths as JSON."),
 ) -> None:
     """Add a client's public key to the daemon's allow-list (and with --admin to its admin list)."""
     try:
@@ -176,4 +185,7 @@ def allow(
     except (OSError, ValueError) as e:
         typer.secho(f"moetune keys allow: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
-    typer.echo(_allowed_text(allowed))
+    if json_out:
+        typer.echo(json.dumps(_allowed_json(allowed)))
+    else:
+        typer.echo(_allowed_text(allowed))

@@ -38,7 +38,7 @@ def register(app: typer.Typer) -> None:
         capture: Path = typer.Option(None, "--capture", help="Discover from this capture directory instead of the live node."),
         allow_insecure_tcp: bool = typer.Option(None, "--allow-insecure-tcp/--no-allow-insecure-tcp", help="Allow tcp:// without CURVE (trusted loopback tests only)."),
         log_level: str = typer.Option(None, "--log-level", help="debug|info|warning|error."),
-        curve_clients_dir: Path = typer.Option(None, "--curve-clients-dir", help="Allow-list of client public keys for tcp:// with CURVE (default: clients/ beside the server's secret key)."),
+        curve_clients_dir: Path = typer.Option(None, "--curve-clients-dir", "--clients-dir", help="Allow-list of client public keys for tcp:// with CURVE (default: clients/ beside the server's secret key; --clients-dir, as for `moetune keys client/allow`)."),
         store_hook: str = typer.Option(None, "--store-hook", hidden=True),
         discover_hook: str = typer.Option(None, "--discover-hook", hidden=True),
         retune_hook: str = typer.Option(None, "--retune-hook", hidden=True),
