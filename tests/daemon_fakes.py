@@ -100,6 +100,25 @@ def write_node_model(directory: Path, fingerprint: str, base: str = "nvlink-h200
     return path
 
 
+def write_forced_preset(path: Path, base: str = "nvlink-h200x2") -> Path:
+    """What `moetune model calibrate --force --out PATH` leaves: a fit the calibration checks refused, written with
+    its [calibration] warning (calibrated_preset on a report with a problem; `base`'s numbers)."""
+    from moetune.tuner.fabric_model.calibration import calibrated_preset
+    from moetune.tuner.fabric_model.presets import load_preset
+
+    class Report:  # the parts of a FitReport that calibrated_preset reads
+        def __init__(self, preset: Any):
+            self.preset, self.fitted, self.kept = preset, [], []
+            self.params_after = preset.numeric()
+            self.problems = ["too few rows: 1 distinct row for 7 fitted parameters"]
+
+        def summary(self) -> dict[str, Any]:
+            return {"points": 1, "mean_abs_rel_err": 0.0, "max_abs_rel_err": 0.0}
+
+    path.write_text(calibrated_preset(Report(load_preset(base)), ["one-row.csv"], "2026-12-04").to_toml())  # type: ignore[arg-type]
+    return path
+
+
 def make_record(key: ProfileKey, *, latency_us: float = 10.0, num_sms: int = 24, backend: str = "local:fake") -> ProfileRecord:
     knobs = default_knobs("nvlink").replace(num_sms=num_sms)
     # A fake measurement on the key's own node: writers of measured profiles must say so (never derived).

@@ -265,3 +265,97 @@ def test_a_resumed_job_and_a_startup_fabric_change_tune_each_key_once(tmp_path: 
     finally:
         d.stop()
     assert len(tuned) == 3 and len(set(tuned)) == 3, tuned  # before: 6, every key twice
+
+
+def test_a_job_stopped_after_some_profiles_resumes_only_the_keys_it_had_not_tuned(tmp_path: Path) -> None:
+    """A job stopped (kill -9, or a stop) after it wrote some of its profiles but before its job_finished event is
+    resumed at the next start with only the keys it had not finished (before: every key was tuned again). The
+    profiles it wrote stay current; the one it had not reached is tuned once."""
+    from moetune.tuner.daemon.jobs import tuning_key
+
+    wrote = threading.Event()
+    first: list[tuple] = []
+
+    def retune(ctx: Any) -> list[ProfileRecord]:  # tunes two of the three keys, then is stopped
+        out = []
+        for k in sorted(ctx.keys, key=lambda k: k.token_bucket)[:2]:
+            first.append(tuning_key(k))
+            r = _write(ctx, k)
+            assert r is not None
+            out.append(r)
+        wrote.set()
+        _hold(ctx, threading.Event())  # until the stop cancels it
+        return out
+
+    node = Node(tmp_path, retune)
+    d = node.start()
+    try:
+        new = node.become(port="down")
+        assert wrote.wait(15)
+        with d.jobs._lock:
+            assert d.jobs.running is not None
+    finally:
+        d.stop()  # the job stays `started` in the store, like after a kill -9
+    store = F.open_store(tmp_path / "moetune.db")
+    assert len(store.list_profiles(status="current", fingerprint=new.fingerprint)) == 2
+
+    tuned: list[tuple] = []
+
+    def again(ctx: Any) -> list[ProfileRecord]:
+        tuned.extend(tuning_key(k) for k in ctx.keys)
+        return [r for k in ctx.keys if (r := _write(ctx, k)) is not None]
+
+    node.retune = again
+    d = node.start()
+    try:
+        def idle() -> bool:
+            with d.jobs._lock:
+                return d.jobs.running is None and not d.jobs._queued and bool(d.jobs._recent)
+        F.until(idle)
+    finally:
+        d.stop()
+    assert len(tuned) == 1 and tuned[0] not in first, (tuned, first)  # before: all 3 again
+    current = store.list_profiles(status="current", fingerprint=new.fingerprint)
+    assert sorted(r.key.token_bucket for _, r in current) == [64, 1024, 4096]
+    finished = [e for e in store.list_events(200) if e["kind"] == "job_finished"]
+    assert any("2 of 3 key(s) already tuned" in e["details"]["message"] for e in finished)
+
+
+def test_a_job_stopped_after_all_its_profiles_is_not_resumed(tmp_path: Path) -> None:
+    """All its keys written before the stop: nothing is re-tuned at the next start."""
+    node = Node(tmp_path)
+    d = node.start()
+    try:
+        new = node.become(port="down")
+        F.until(lambda: len(F.open_store(tmp_path / "moetune.db").list_profiles(status="current",
+                                                                                fingerprint=new.fingerprint)) == 3)
+    finally:
+        d.stop()
+    # as if killed after the last profile, before job_finished: drop that event (the store keeps the rest)
+    store = F.open_store(tmp_path / "moetune.db")
+    import sqlalchemy as sa
+
+    from moetune.tuner.store.models import Event
+
+    with store._write() as s:
+        last = s.scalars(sa.select(Event).where(Event.kind == "job_finished").order_by(Event.id.desc())).first()
+        assert last is not None and last.details["state"] == "done"
+        s.delete(last)
+
+    tuned: list[ProfileKey] = []
+
+    def again(ctx: Any) -> list[ProfileRecord]:
+        tuned.extend(ctx.keys)
+        return []
+
+    node.retune = again
+    d = node.start()
+    try:
+        with d.jobs._lock:
+            # resumed nothing (before: a job of the 3 keys); a resumed job is queued by start() itself
+            assert d.jobs.running is None and not d.jobs._queued and not d.jobs._recent
+    finally:
+        d.stop()
+    assert tuned == []
+    finished = [e for e in store.list_events(200) if e["kind"] == "job_finished"]
+    assert "nothing left to resume" in finished[0]["reason"]

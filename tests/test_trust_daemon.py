@@ -488,3 +488,57 @@ def test_read_profiles_reports_a_store_error_as_is(tmp_path: Path) -> None:
     store.list_profiles = locked
     with pytest.raises(StoreError, match="locked"):
         read_profiles(store, status="current")
+
+
+def test_retune_refuses_a_node_model_the_calibration_checks_refused(tmp_path: Path) -> None:
+    """A node-<fp>.toml written by `moetune model calibrate --force` (its [calibration] warning says the checks refused
+    the fit) is never the basis of the automatic re-tune: RetuneImpossible naming the file and the way out (before:
+    used like an accepted model). An accepted one is used as before, and the file is read as it is now: a daemon
+    that read the accepted model sees it replaced by a forced one (and the reverse) without a restart."""
+    from types import SimpleNamespace
+
+    from moetune.tuner.daemon.jobs import RetuneImpossible, _backend_for
+    from moetune.tuner.search.backends import ModelBackend
+
+    facts = F.FakeFacts({"gpu_model": "H200"})
+    ctx = SimpleNamespace(store=F.open_store(tmp_path / "moetune.db"), facts=facts, tune=TuneSettings(backend="model"))
+    accepted = F.write_node_model(tmp_path, facts.fingerprint)
+    be, path = _backend_for(ctx)
+    assert isinstance(be, ModelBackend) and path == str(accepted) and not be.forced_fit
+
+    F.write_forced_preset(accepted)  # `model calibrate --force --out node-<fp>.toml` over it
+    with pytest.raises(RetuneImpossible) as e:
+        _backend_for(ctx)
+    msg = str(e.value)
+    assert str(accepted) in msg and "refused" in msg and "too few rows" in msg
+    assert "`moetune profile`" in msg and "`moetune model calibrate` without --force" in msg
+
+    F.write_node_model(tmp_path, facts.fingerprint)  # re-calibrated: accepted again
+    be, path = _backend_for(ctx)
+    assert isinstance(be, ModelBackend) and path == str(accepted) and not be.forced_fit
+
+
+def test_a_forced_node_model_fails_the_daemons_retune_and_status_says_why(tmp_path: Path) -> None:
+    """End to end: the daemon's re-tune job on a forced node model fails as impossible, status says why, and
+    nothing modelled on it becomes current."""
+    pytest.importorskip("moetune.tuner.search.study")
+    from moetune.tuner.fabric.discovery import discover
+
+    cap = tmp_path / "capture"
+    facts = F.make_capture(cap, "dgx-h100")
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, facts, ep_size=8, buckets=(64,))
+    new = F.facts_after_port_change(cap)
+    F.write_forced_preset(tmp_path / f"node-{new.fingerprint}.toml")
+    d = _daemon(tmp_path, store, discover=lambda: discover(cap), rediscover_interval_s=0.1,
+                tune=TuneSettings(backend="model", trials=3, timeout_s=60))
+    try:
+        c = ProfileClient(d.endpoint, timeout_ms=2000)
+        F.set_port_state(cap, "1: DOWN")
+        job = F.until(lambda: next((j for j in c.status().jobs.recent if j.state in ("done", "failed")), None), timeout=30.0)
+        assert job.state == "failed" and "refused" in job.message and f"node-{new.fingerprint}.toml" in job.message, job
+        assert "without --force" in c.status().tune_notice
+        assert store.list_profiles(status="current", fingerprint=new.fingerprint) == []
+        c.close()
+    finally:
+        d.stop()

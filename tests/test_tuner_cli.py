@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,3 +197,37 @@ def test_first_failure_prefers_a_real_error_to_an_interrupted_trial(tmp_path: Pa
     only_cut.ask()
     open_study("moetune/y", url)
     assert "interrupted" in _first_failure(url, "moetune/y")  # nothing better to say
+
+
+@needs_real
+@pytest.mark.parametrize("node_model", [False, True])
+def test_tune_on_a_forced_model_says_so_loudly(tmp_path: Path, node_model: bool) -> None:
+    """A model the calibration checks refused (written with --force) may still be tuned on when the user points at
+    it, but `moetune tune` says, before and after, that it is a forced model (before: not a word; its profiles were
+    stored as this node's like any calibrated model's), and the JSON rows carry its warning. Shipped presets and
+    accepted calibrations print nothing of the kind."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import daemon_fakes as F
+
+    preset = F.write_forced_preset(tmp_path / "forced.toml")
+    args = ["tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--trials", "3",
+            "--db", str(tmp_path / "m.db"), "--storage", f"sqlite:///{tmp_path / 'st.db'}", "--json"]
+    if node_model:
+        args += ["--node-model", "--capture", str(tmp_path / "capture")]
+        import shutil
+
+        shutil.copytree(Path(__file__).parent / "captures" / "dgx-h100", tmp_path / "capture")
+    r = _run(*args, "--preset", str(preset))
+    assert r.exit_code == 0, r.output
+    assert r.stderr.count("FORCED MODEL") == 2 and "REFUSED" in r.stderr and "too few rows" in r.stderr, r.stderr
+    assert "without --force" in r.stderr and ("THIS NODE" in r.stderr) == node_model
+    rows = json.loads(r.stdout)
+    assert rows and all("too few rows" in row["forced_model"] for row in rows)
+
+    accepted = tmp_path / "accepted.toml"  # the same model, its fit accepted: tuned on as before, quietly
+    from moetune.tuner.fabric_model.predict import load_preset
+
+    accepted.write_text(load_preset("nvlink-h200x2").to_toml())
+    r = _run(*args, "--preset", str(accepted))
+    assert r.exit_code == 0, r.output
+    assert "FORCED" not in r.stderr and all(row["forced_model"] is None for row in json.loads(r.stdout))

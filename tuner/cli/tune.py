@@ -187,6 +187,10 @@ def tune(
         except PolicyError as e:
             _fail(str(e))
 
+    forced = _forced_model(preset) if backend == "model" and preset is not None else ""
+    if forced:
+        err.print(_forced_note(preset, forced, node_model))
+
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -250,9 +254,12 @@ def tune(
             "default_us": r.study.default_value, "written": r.written, "reason": r.reason,
             "backend": rec.backend if rec else None, "knobs": rec.knobs.to_dict() if rec else None,
             "trials_asked": trials, "stopped_by_timeout": r.budget_ended,
+            "forced_model": forced or None,  # the [calibration] warning of a refused fit tuned on anyway
         })
     # a tune where no study had one successful trial measured nothing: say why and exit 1, not 0
     no_trial = [r for r in results if r.study.best is None]
+    if forced:  # again after the progress bar and the results, where it is read
+        err.print(_forced_note(preset, forced, node_model))
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         _budget_ended(results, trials, timeout, budget_from)
@@ -285,6 +292,27 @@ def tune(
         c.print(n, soft_wrap=True)
     _budget_ended(results, trials, timeout, budget_from)
     _no_success(no_trial, len(results), url)
+
+
+def _forced_model(preset: str) -> str:
+    """The `[calibration] warning` of --preset when it is a fit the calibration checks refused ('' otherwise; an
+    unreadable preset is reported by the tune itself)."""
+    from moetune.tuner.fabric_model.predict import forced_fit_warning, load_preset
+
+    try:
+        return forced_fit_warning(load_preset(preset))
+    except (OSError, ValueError):
+        return ""
+
+
+def _forced_note(preset: str, warning: str, node_model: bool) -> str:
+    """What the user is told, before and after the tune, when --preset is a forced (refused) fit: the explicit
+    choice is honoured, never silently."""
+    use = "profiles stored as THIS NODE's model" if node_model else "profiles stored from it"
+    return (f"[bold red]FORCED MODEL: {escape(preset)} is a fit the calibration checks REFUSED (written by "
+            f"`moetune model calibrate --force`):[/bold red] {escape(warning)}\n"
+            f"[red]its predictions are not trusted; the {use} rest on it. For a model to trust, re-run "
+            "`moetune profile` or `moetune model calibrate` without --force.[/red]")
 
 
 def _budget_ended(results: list, asked: int, timeout: float | None, source: str) -> None:

@@ -5,7 +5,9 @@ store (`job_queued`, `job_started`, `job_finished`, details carry the job id, th
 keys), and a running job holds a `tuning_runs` row with status `running`. On restart,
 `recover_jobs()` marks every run the previous daemon left `running` as `failed` (and its job as
 failed, reason "interrupted"), then re-queues the interrupted and the still-queued jobs as new jobs:
-the job is both marked failed and resumed.
+the job is both marked failed and resumed. An interrupted job resumes only the keys it had not finished:
+a key whose transport family got a current profile of the job's fingerprint and software after its
+`job_started` event is left out (when that cannot be told, every key is tuned again).
 
 Cancellation: a queued job is dropped at once; a running job is told through `ctx.cancel` (an Event)
 that the re-tune function checks between shape groups. Whatever a cancelled or failed job had already
@@ -68,6 +70,7 @@ class Job:
         self.finished = ""
         self.cancel = threading.Event()
         self.fingerprint: str | None = None
+        self.software: str | None = None  # the node's software hash when the job started (what it writes)
         self.started_recorded = False  # the job_started event is in the store
         self.impossible = False  # failed because no profile true for this node could be produced
         self.cancelled_by = ""  # "user" (the retune op), "fabric" (the watch: its fabric changed), "shutdown"
@@ -79,7 +82,7 @@ class Job:
 
     def details(self) -> dict[str, Any]:
         return {"job_id": self.id, "run_id": self.run_id, "old_fingerprint": self.old_fingerprint,
-                "fingerprint": self.fingerprint, "all_current": self.all_current,
+                "fingerprint": self.fingerprint, "software": self.software, "all_current": self.all_current,
                 "keys": [k.to_dict() for k in self.keys], "state": self.state, "written": self.written,
                 "message": self.message, "impossible": self.impossible}
 
@@ -151,13 +154,22 @@ def _backend_for(ctx: JobContext) -> tuple[Any, str | None]:
             f"cannot re-tune fabric {facts.fingerprint}: no calibrated model of this node ({path} does not exist) "
             "and [tune] backend is \"model\"; run `moetune profile` on this node, or set [tune] backend = \"local\" "
             "to measure. Still serving the profiles that remain valid.")
-    from moetune.tuner.fabric_model.presets import load_preset
+    from moetune.tuner.fabric_model.predict import forced_fit_warning, reload_preset_file
     from moetune.tuner.search.backends import ModelBackend
 
     try:
-        preset = load_preset(path)
+        preset = reload_preset_file(path)  # as on disk now: `moetune profile` may have re-written it since
     except (OSError, ValueError) as e:
         raise RetuneImpossible(f"cannot re-tune fabric {facts.fingerprint}: the calibrated model {path} is unreadable: {e}") from None
+    warning = forced_fit_warning(preset)
+    if warning:
+        # the calibration checks refused this fit (`--force` wrote it): it must not silently become the
+        # basis of the profiles served for this node
+        raise RetuneImpossible(
+            f"cannot re-tune fabric {facts.fingerprint}: the calibrated model {path} is a fit the calibration checks "
+            f"refused ([calibration] warning: {warning}); re-run `moetune profile` on this node, "
+            "or `moetune model calibrate` without --force, or set [tune] backend = \"local\" to measure. "
+            "Still serving the profiles that remain valid.")
     return ModelBackend(preset), str(path)
 
 
@@ -352,6 +364,7 @@ class JobManager:
             if facts is None:
                 raise RuntimeError("no fabric facts (discovery failed)")
             job.fingerprint = facts.fingerprint
+            job.software = getattr(facts, "software_hash", None)
             before = {r.profile_hash for r in self._current(job.fingerprint)}  # tells what a cancelled job wrote
             job.run_id = self.store.start_run(study_name=f"moetune-daemon-job-{job.id}", storage=str(self.store.url),
                                               backend=self.tune.backend)
@@ -465,6 +478,7 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]]
     """
     events = sorted(store.list_events(limit=limit), key=lambda e: e["id"])
     last: dict[int, tuple[str, dict[str, Any]]] = {}
+    started_at: dict[int, str] = {}  # job id -> when its (last) job_started event was written
     max_id = 0
     for e in events:
         kind = e["kind"]
@@ -476,6 +490,8 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]]
             continue
         max_id = max(max_id, jid)
         last[jid] = (kind, d)
+        if kind == "job_started":
+            started_at[jid] = str(e["created"])
     resume: list[dict[str, Any]] = []
     for jid, (kind, d) in sorted(last.items()):
         if kind == "job_finished":
@@ -487,8 +503,17 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]]
                     store.finish_run(run_id, status="failed", trials=0, best_value=None)
                 except StoreError as e:
                     log.error("cannot mark run %s failed: %s", run_id, e)
-            d = {**d, "state": "failed", "message": "interrupted: the daemon stopped during the job"}
-            store.add_event(kind="job_finished", reason=f"job {jid} interrupted (daemon restarted); resuming", details=d)
+            keys = [k for k in d.get("keys") or [] if isinstance(k, dict)]
+            # the keys it finished before it stopped are not tuned again (kill -9 after the last profile)
+            done = _written_since(store, d, started_at.get(jid, ""))
+            left = [k for k in keys if _done_mark(k) not in done]
+            msg = "interrupted: the daemon stopped during the job"
+            if len(left) < len(keys):
+                msg += f" ({len(keys) - len(left)} of {len(keys)} key(s) already tuned, not re-tuned)"
+            d = {**d, "state": "failed", "message": msg}
+            how = "resuming" if left else "nothing left to resume"
+            store.add_event(kind="job_finished", reason=f"job {jid} interrupted (daemon restarted); {how}", details=d)
+            d = {**d, "keys": left}
         else:  # queued, never started
             d = {**d, "state": "cancelled", "message": "the daemon restarted before the job ran; re-queued"}
             store.add_event(kind="job_finished", reason=f"job {jid} re-queued after a restart", details=d)
@@ -501,6 +526,42 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]]
             except StoreError as e:
                 log.error("cannot mark run %s failed: %s", r["id"], e)
     return resume, max_id + 1
+
+
+def _done_mark(k: dict[str, Any] | ProfileKey) -> tuple | None:
+    """(what is tuned, transport family) of a key: a key counts as done only when its own family got a profile
+    (a job killed between two families of one shape and bucket left the other one to do)."""
+    try:
+        key = k if isinstance(k, ProfileKey) else ProfileKey(**k)
+    except (TypeError, ValueError):
+        return None
+    return (*tuning_key(key), key.transport_family)
+
+
+def _written_since(store: Any, d: dict[str, Any], since: str) -> set[tuple]:
+    """_done_mark of the current profiles of the interrupted job's fingerprint and software written after
+    `since` (its job_started event): what it finished before it stopped. Empty when unsure (an event of an
+    older moetune without the software, an unreadable time, a store error): then every key is re-tuned."""
+    fp, sw = d.get("fingerprint"), d.get("software")
+    if not isinstance(fp, str) or not isinstance(sw, str) or not since:
+        return set()
+    try:
+        t0 = datetime.fromisoformat(since)
+        profiles = store.list_profiles(status="current", fingerprint=fp)
+    except Exception as e:  # broad: only a saving is lost; the job is resumed whole, as before
+        log.error("cannot tell which keys job %s finished: %s", d.get("job_id"), e)
+        return set()
+    out: set[tuple] = set()
+    for _, r in profiles:
+        if r.key.software != sw:
+            continue
+        try:
+            newer = datetime.fromisoformat(r.created) > t0
+        except (TypeError, ValueError):
+            continue
+        if newer:
+            out.add(_done_mark(r.key))
+    return out
 
 
 def tune_notice_of(store: Any, *, limit: int = 2000) -> str:

@@ -46,6 +46,8 @@ Every number this module returns is modelled (`Prediction.modelled` is always Tr
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -64,10 +66,12 @@ __all__ = [
     "PresetError",
     "TransferPrediction",
     "Workload",
+    "forced_fit_warning",
     "list_presets",
     "load_preset",
     "predict",
     "predict_transfers",
+    "reload_preset_file",
 ]
 
 SIGNAL_BYTES = 8
@@ -228,6 +232,23 @@ def _params(preset: Preset) -> _P:
 
 def _as_preset(preset: Preset | str) -> Preset:
     return preset if isinstance(preset, Preset) else load_preset(preset)
+
+
+def reload_preset_file(path: str | Path) -> Preset:
+    """The preset file as it is on disk now. load_preset caches by path for the life of the process: a daemon
+    must see a node model that was re-calibrated (or replaced by a forced one) after it first read it."""
+    from moetune.tuner.fabric_model import presets
+
+    presets._CACHE.pop(str(path), None)
+    return load_preset(path)
+
+
+def forced_fit_warning(preset: object) -> str:
+    """The `[calibration] warning` of a fit the calibration checks refused and `moetune model calibrate --force`
+    wrote anyway ('' for an accepted calibration or a shipped preset)."""
+    calib = getattr(preset, "calibration", None)
+    warning = calib.get("warning") if isinstance(calib, Mapping) else None
+    return str(warning) if warning else ""
 
 
 # ---------------------------------------------------------------------------------------------------

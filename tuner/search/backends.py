@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import math
 import os
 import queue
@@ -35,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.tuner.measure.stats import Summary, half_range
+
+_log = logging.getLogger("moetune.tuner.search.backends")
 
 if TYPE_CHECKING:
     from moetune.tuner.fabric_model.presets import Preset
@@ -208,11 +211,18 @@ class ModelBackend(BenchmarkBackend):
         if predictor is None:
             # The fabric model loads only when a preset is modelled. Named by its module path: the package
             # `moetune.tuner.fabric_model` re-exports a *function* called `predict`.
+            from moetune.tuner.fabric_model.predict import forced_fit_warning
             from moetune.tuner.fabric_model.presets import load_preset
 
             self.preset = load_preset(preset) if isinstance(preset, str) else preset
+            # a fit the calibration checks refused (`model calibrate --force`): usable when asked for, never quietly
+            self.forced_fit = forced_fit_warning(self.preset)
+            if self.forced_fit:
+                _log.warning("preset %s is a forced fit the calibration checks refused: %s",
+                             getattr(self.preset, "path", None) or _preset_name(self.preset), self.forced_fit)
         else:
             self.preset = preset
+            self.forced_fit = ""
         self.predictor = predictor
         self.tile = tile
         self.routing = routing
