@@ -154,11 +154,11 @@ def _backend_for(ctx: JobContext) -> tuple[Any, str | None]:
             f"cannot re-tune fabric {facts.fingerprint}: no calibrated model of this node ({path} does not exist) "
             "and [tune] backend is \"model\"; run `moetune profile` on this node, or set [tune] backend = \"local\" "
             "to measure. Still serving the profiles that remain valid.")
-    from moetune.tuner.fabric_model.predict import forced_fit_warning, reload_preset_file
+    from moetune.tuner.fabric_model.predict import forced_fit_warning, load_preset
     from moetune.tuner.search.backends import ModelBackend
 
     try:
-        preset = reload_preset_file(path)  # as on disk now: `moetune profile` may have re-written it since
+        preset = load_preset(path, fresh=True)  # as on disk now: `moetune profile` may have re-written it since
     except (OSError, ValueError) as e:
         raise RetuneImpossible(f"cannot re-tune fabric {facts.fingerprint}: the calibrated model {path} is unreadable: {e}") from None
     warning = forced_fit_warning(preset)

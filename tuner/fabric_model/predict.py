@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -71,7 +70,6 @@ __all__ = [
     "load_preset",
     "predict",
     "predict_transfers",
-    "reload_preset_file",
 ]
 
 SIGNAL_BYTES = 8
@@ -232,15 +230,6 @@ def _params(preset: Preset) -> _P:
 
 def _as_preset(preset: Preset | str) -> Preset:
     return preset if isinstance(preset, Preset) else load_preset(preset)
-
-
-def reload_preset_file(path: str | Path) -> Preset:
-    """The preset file as it is on disk now. load_preset caches by path for the life of the process: a daemon
-    must see a node model that was re-calibrated (or replaced by a forced one) after it first read it."""
-    from moetune.tuner.fabric_model import presets
-
-    presets._CACHE.pop(str(path), None)
-    return load_preset(path)
 
 
 def forced_fit_warning(preset: object) -> str:

@@ -162,10 +162,11 @@ def list_presets() -> list[str]:
 _CACHE: dict[str, Preset] = {}
 
 
-def load_preset(name_or_path: str | Path) -> Preset:
-    """A shipped preset by name, or a preset file by path. Raises PresetError (a ValueError)."""
+def load_preset(name_or_path: str | Path, *, fresh: bool = False) -> Preset:
+    """A shipped preset by name, or a preset file by path (cached for the process; `fresh` reads it again: a
+    node model re-calibrated on disk). Raises PresetError (a ValueError)."""
     key = str(name_or_path)
-    if key in _CACHE:
+    if key in _CACHE and not fresh:
         return _CACHE[key]
     path: Path | None = None
     # a directory of that name is a wrong path, not a shipped preset's name (unless it is one)
