@@ -258,6 +258,23 @@ def pretend_node(monkeypatch: Any, facts: Any, proc: Path) -> None:
     monkeypatch.setattr(node_identity, "_dist_version", lambda name: sw.get(name) if sw.get(name) not in (None, "none") else None)
 
 
+def resolve_warned(c: Any, **kw: Any) -> tuple[Any, list[str]]:
+    """`c.resolve(...)` for Qwen3-30B at EP 2 and 100 tokens (plus `kw`), with the FallbackWarnings it raised;
+    closes the client."""
+    import warnings
+
+    from moetune.runtime.profiles.client import FallbackWarning
+    from moetune.runtime.shapes import MODELS
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = c.resolve(model=MODELS["qwen3-30b"], ep_size=2, tokens=100, **kw)
+    finally:
+        c.close()
+    return out, [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+
+
 def until(cond: Any, timeout: float = 15.0, step: float = 0.05) -> Any:
     """Poll `cond()` until it returns something truthy (returned); TimeoutError after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -10,7 +10,6 @@ import os
 import stat
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -344,14 +343,9 @@ def resolve(plain, tmp_path: Path, res: Any, **kw: Any) -> tuple[client.Resoluti
         return res.replace(b'"id":ID', b'"id":%d' % req["id"]) if isinstance(res, bytes) else ok_reply(req["id"], res)
 
     r = plain(f"ipc://{run}/daemon.sock", answer)
-    c = ProfileClient(f"ipc://{run}/daemon.sock", db_path=tmp_path / "none.db", timeout_ms=300, env={})
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            out = c.resolve(model=QWEN, ep_size=2, tokens=100, **kw)
-    finally:
-        c.close()
-    return out, [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)], r
+    out, warned = F.resolve_warned(ProfileClient(f"ipc://{run}/daemon.sock", db_path=tmp_path / "none.db",
+                                                 timeout_ms=300, env={}), **kw)
+    return out, warned, r
 
 
 MISMATCHES = {

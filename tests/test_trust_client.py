@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,14 +83,7 @@ def fake(tmp_path: Path):
 def resolve(endpoint: str, tmp_path: Path, **kw: Any) -> tuple[client.Resolution, list[str]]:
     allow = kw.pop("allow_modelled", None)
     db = kw.pop("db_path", tmp_path / "none.db")
-    c = ProfileClient(endpoint, db_path=db, timeout_ms=200, allow_modelled=allow, env={})
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            res = c.resolve(model=QWEN, ep_size=2, tokens=100, **kw)
-    finally:
-        c.close()
-    return res, [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    return F.resolve_warned(ProfileClient(endpoint, db_path=db, timeout_ms=200, allow_modelled=allow, env={}), **kw)
 
 
 # -- issue 20: one path module, no cycle, torch-free client ---------------------------------------------
