@@ -93,18 +93,7 @@ class FabricWatch:
 
     def _fabric_events(self) -> list[Any]:
         """The newest fabric events, newest first, however many other events (jobs, stale) came after them."""
-        kinds = ("fabric_seen", "fabric_changed")
-        engine = getattr(self.store, "engine", None)
-        if engine is None:  # a store without SQL (a test's hook): its newest events
-            return self.store.list_events(limit=500)
-        from sqlalchemy import select
-        from sqlalchemy.orm import Session
-
-        from moetune.tuner.store.models import Event
-
-        with Session(engine) as s:
-            rows = s.scalars(select(Event).where(Event.kind.in_(kinds)).order_by(Event.id.desc()).limit(20))
-            return [{"kind": e.kind, "details": e.details} for e in rows]
+        return self.store.list_events(limit=20, kinds=("fabric_seen", "fabric_changed"))
 
     def _last_fabric_event(self) -> dict[str, Any] | None:
         for e in self._fabric_events():  # newest first

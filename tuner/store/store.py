@@ -607,10 +607,13 @@ class Store:
             s.flush()
             return e.id
 
-    def list_events(self, limit: int = 100) -> list[Row]:
-        """Newest first: Row(id, created, kind, reason, details)."""
+    def list_events(self, limit: int = 100, *, kinds: tuple[str, ...] | None = None) -> list[Row]:
+        """Newest first: Row(id, created, kind, reason, details); with `kinds`, only events of those kinds."""
+        q = select(Event).order_by(Event.id.desc()).limit(limit)
+        if kinds is not None:
+            q = q.where(Event.kind.in_(kinds))
         with self._read() as s:
-            return [_row(e) for e in s.scalars(select(Event).order_by(Event.id.desc()).limit(limit))]
+            return [_row(e) for e in s.scalars(q)]
 
     # -- export / import (moetune.tuner.store.io) ----------------------------------------------------
     def dump_profiles(self, *, status: str | None = None, fingerprint: str | None = None) -> bytes:
