@@ -108,16 +108,15 @@ def retune(d: Daemon, req: wire.Retune) -> Result:
 
 def retune_keys(idx: ProfileIndex, *, all_current: bool) -> list[ProfileKey]:
     """Stale keys without a current profile of this fingerprint (+ every current one with `all_current`)."""
-    tkey = tuning_key
-    have = {tkey(r.key) for r in idx.records if r.key.fingerprint == idx.fingerprint}
+    have = {tuning_key(r.key) for r in idx.records if r.key.fingerprint == idx.fingerprint}
     out: dict[tuple, ProfileKey] = {}
     for r in idx.stale:
-        if tkey(r.key) not in have:
-            out.setdefault(tkey(r.key), r.key)
+        if tuning_key(r.key) not in have:
+            out.setdefault(tuning_key(r.key), r.key)
     if all_current:
         for r in idx.records:
             if r.key.fingerprint == idx.fingerprint:
-                out.setdefault(tkey(r.key), r.key)
+                out.setdefault(tuning_key(r.key), r.key)
     return list(out.values())
 
 
