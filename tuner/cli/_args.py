@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def int_list(text: str, option: str) -> list[int]:
     """The integers of a comma-separated option value ("1,16, 128"); a ValueError naming the option where an item
@@ -14,3 +16,10 @@ def int_list(text: str, option: str) -> list[int]:
         return [int(t) for t in items]
     except ValueError:
         raise ValueError(f"{option}: expected comma-separated integers, got {text!r}") from None
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists: where the folders of a new output file would be made."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moetune.tuner.cli._args import int_list
+from moetune.tuner.cli._args import int_list, nearest_existing
 from moetune.tuner.cli.db import abort
 
 app = typer.Typer(help="Benchmarks on this node: EP dispatch/combine, the MoE layer by engine (megakernel, unfused, "
@@ -81,9 +81,7 @@ def _results_path(results: str | None) -> Path:
         R.check_table(path)
     except R.ResultsError as e:
         _fail(f"--results: {e}")
-    above = path.parent
-    while not above.exists() and above != above.parent:
-        above = above.parent
+    above = nearest_existing(path.parent)
     if not above.is_dir():  # the folders of a new file could not be made: say so now, not after the run
         _fail(f"--results {path}: {above} is not a directory")
     return path

@@ -5,54 +5,45 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import NoReturn
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from moetune.tuner.cli._args import int_list
+from moetune.tuner.cli._args import int_list, nearest_existing
 from moetune.tuner.cli._progress import RichProgress
+from moetune.tuner.cli.db import abort
+
+_fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
 
 
-def _fail(console: Console, message: str) -> NoReturn:
-    from moetune.tuner.cli.db import fail
-
-    # on stderr whatever `console` is (stdout without --json); fail() escapes: brackets in a path are text
-    raise fail(message)
-
-
-def _check_out_dir(console: Console, path: Path, option: str) -> None:
+def _check_out_dir(path: Path, option: str) -> None:
     """Exit 2 naming the option unless the report folder `path` is a directory or can be made: checked before any
     work, so a long bring-up does not end on a FileExistsError."""
     if path.exists():
         if not path.is_dir():
-            _fail(console, f"{option} {path}: exists and is not a directory (the report is a folder: report.md and "
-                           "its plots)")
+            _fail(f"{option} {path}: exists and is not a directory (the report is a folder: report.md and "
+                  "its plots)")
         return
-    above = path.parent
-    while not above.exists() and above != above.parent:
-        above = above.parent
+    above = nearest_existing(path.parent)
     if not above.is_dir():
-        _fail(console, f"{option} {path}: cannot create it, {above} is not a directory")
+        _fail(f"{option} {path}: cannot create it, {above} is not a directory")
     if not os.access(above, os.W_OK | os.X_OK):
-        _fail(console, f"{option} {path}: cannot create it, {above} is not writable")
+        _fail(f"{option} {path}: cannot create it, {above} is not writable")
 
 
-def _open(db: Path | None, config: Path | None, console: Console | None = None, *, readonly: bool = False):
+def _open(db: Path | None, config: Path | None, *, readonly: bool = False):
     """(config, store) or a clear error (never a traceback) naming the bad key/file or database.
 
     `readonly`: the database must exist (a report of nothing would only create an empty one)."""
     from moetune.runtime.config import ConfigError, load_config
     from moetune.tuner.store.store import Store
 
-    console = console or Console(stderr=True)
     try:
         cfg = load_config(config)
         return cfg, Store(db or cfg.db_path, readonly=readonly)
     except (ConfigError, RuntimeError, OSError) as e:  # ConfigError names key + file; StoreError the database
-        _fail(console, str(e))
-        raise  # unreachable: _fail exits
+        _fail(str(e))
 
 
 def profile(
@@ -95,16 +86,16 @@ def profile(
             plan.trials = trials
         plan.validate("--model/--tokens/--trials" + (f" with plan file {plan_file}" if plan_file is not None else ""))
     except ValueError as e:
-        _fail(console, str(e))
+        _fail(str(e))
     if report_dir is not None:
-        _check_out_dir(console, report_dir, "--report-dir")
-    _cfg, store = _open(db, config, console)
+        _check_out_dir(report_dir, "--report-dir")
+    _cfg, store = _open(db, config)
     state_dir = Path(store.path).parent
     try:
         flow = Bringup(store=store, plan=plan, state_dir=state_dir, console=console, capture=capture,
                        report_dir=report_dir, progress=None if as_json else RichProgress())
     except DiscoveryError as e:
-        _fail(console, str(e))
+        _fail(str(e))
     if restart:  # deleting the state alone resumed the finished studies: nothing was tuned again
         flow.state.restart()
     console.print(f"node [bold]{flow.facts.gpu_count} GPU(s)[/] {flow.facts.gpu_model or ''} · fingerprint "
@@ -115,7 +106,7 @@ def profile(
         console.print("[yellow]interrupted: run the same command again to continue where it stopped[/]")
         raise typer.Exit(130) from None
     except (ValueError, KnobError, RuntimeError, OSError) as e:
-        _fail(console, f"{e} (finished stages are kept; rerun to continue)")
+        _fail(f"{e} (finished stages are kept; rerun to continue)")
     finally:
         flow.progress.close()
     rows = done.get("compare") or []
@@ -156,17 +147,17 @@ def report(
 
     console = Console()
     if out is not None:
-        _check_out_dir(console, out, "--out")
-    _cfg, store = _open(db, config, console, readonly=True)
+        _check_out_dir(out, "--out")
+    _cfg, store = _open(db, config, readonly=True)
     try:
         facts = discover(capture)
     except DiscoveryError as e:
-        _fail(console, str(e))
+        _fail(str(e))
     dest = out or Path(store.path).parent / "report"
     try:
         path = report_from_store(store, facts, dest)
     except OSError as e:  # the folder vanished, a full disk, a plot file we may not replace
-        _fail(console, f"{'--out ' if out is not None else 'report folder '}{dest}: cannot write the report "
+        _fail(f"{'--out ' if out is not None else 'report folder '}{dest}: cannot write the report "
                        f"({e.strerror or e})")
     console.print(f"report: {path}")
 
