@@ -102,7 +102,7 @@ class FitReport:
         return not self.problems
 
     def worst(self, n: int = WORST_SHOWN) -> list[Point]:
-        return sorted(self.points, key=lambda p: -abs(p.rel_err))[:n]
+        return _worst(self.points, n)
 
     def summary(self) -> dict[str, Any]:
         errs = [abs(p.rel_err) for p in self.points]
@@ -335,6 +335,11 @@ def _distinct(base: list[float], cols: dict[str, list[float]]) -> list[int]:
     return sorted(seen.values())
 
 
+def _worst(points: list[Point], n: int = WORST_SHOWN) -> list[Point]:
+    """The `n` points with the largest relative error."""
+    return sorted(points, key=lambda p: -abs(p.rel_err))[:n]
+
+
 def _norm(v: list[float]) -> float:
     return math.sqrt(sum(x * x for x in v))
 
@@ -367,6 +372,14 @@ def _select(cols: dict[str, list[float]], order: list[str]) -> tuple[list[str], 
         chosen.append(best)
         remaining.remove(best)
     return [s for s in order if s in chosen], dropped
+
+
+def _identify(preset: Preset, points: list[Point], specs: list[str]) -> tuple[list[int], list[str], dict[str, str]]:
+    """(the distinct rows among `points`, the parameters of `specs` they constrain at `preset`, {the others: why})."""
+    base, cols = _sensitivities(preset, points, specs)
+    idx = _distinct(base, cols)
+    chosen, dropped = _select({s: [c[i] for i in idx] for s, c in cols.items()}, specs)
+    return idx, chosen, dropped
 
 
 def _clusters(preset: Preset, points: list[Point], params: list[str]) -> tuple[list[tuple[set[str], list[str]]], list[str]]:
@@ -429,10 +442,7 @@ def _plan(preset: Preset, points: list[Point], params: list[str]) -> tuple[list[
     problems: list[str] = []
     out: list[tuple[set[str], list[str]]] = []
     for groups, specs in clusters:
-        pts = [p for p in points if p.group in groups]
-        base, cols = _sensitivities(preset, pts, specs)
-        idx = _distinct(base, cols)
-        chosen, dropped = _select({s: [c[i] for i in idx] for s, c in cols.items()}, specs)
+        idx, chosen, dropped = _identify(preset, [p for p in points if p.group in groups], specs)
         kept.update(dropped)
         # As many rows as parameters fit any data exactly, so their error would check nothing: one row more
         # than fitted parameters at least (per group of rows sharing parameters).
@@ -462,16 +472,13 @@ def _check(preset: Preset, points: list[Point], clusters: list[tuple[set[str], l
                 problems.append(f"{k} fitted to {v:.4g} GB/s, above the NIC port's line rate {nic_line_rate_gbs:g} GB/s "
                                 f"({8 * nic_line_rate_gbs:g} Gb/s): the rows or the model are wrong")
         # a parameter pushed where the rows no longer see it (or see it only through others) is arbitrary there
-        pts = [p for p in points if p.group in groups]
-        base, cols = _sensitivities(preset, pts, specs)
-        idx = _distinct(base, cols)
-        _chosen, dropped = _select({s: [c[i] for i in idx] for s, c in cols.items()}, specs)
+        _idx, _chosen, dropped = _identify(preset, [p for p in points if p.group in groups], specs)
         for s, why in dropped.items():
             problems.append(f"{s} at its fitted value {values[s.split('+')[0]]:.4g}: {why}, so its value is arbitrary")
     errs = [abs(p.rel_err) for p in points]
     mean = sum(errs) / len(errs)
     if max(errs) > MAX_ROW_ERR or mean > MAX_MEAN_ERR:
-        worst = sorted(points, key=lambda p: -abs(p.rel_err))[:WORST_SHOWN]
+        worst = _worst(points)
         problems.append(f"poor fit: max |error| {max(errs):.1%} (limit {MAX_ROW_ERR:.0%}), mean {mean:.1%} (limit "
                         f"{MAX_MEAN_ERR:.0%}); worst rows: " + "; ".join(
                             f"{p.label} measured {p.measured_us:.4g} us, modelled {p.predicted_us:.4g} us "
