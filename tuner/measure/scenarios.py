@@ -173,18 +173,21 @@ def load(path: Path) -> Scenario:
     )
 
 
-def load_all(directory: Path = SCENARIO_DIR) -> dict[str, Scenario]:
-    """Every scenario in the folder, by name."""
+def _require_dir(directory: Path) -> None:
+    """ScenarioError unless the scenario folder exists (saying why when moetune is not run from a checkout)."""
     if not directory.is_dir():
         raise ScenarioError(NOT_A_CHECKOUT if directory == SCENARIO_DIR and not IN_CHECKOUT
                             else f"no scenario folder at {directory}")
+
+
+def load_all(directory: Path = SCENARIO_DIR) -> dict[str, Scenario]:
+    """Every scenario in the folder, by name."""
+    _require_dir(directory)
     return {s.name: s for s in (load(p) for p in sorted(directory.glob("*.toml")))}
 
 
 def get(name: str, directory: Path = SCENARIO_DIR) -> Scenario:
-    if not directory.is_dir():
-        raise ScenarioError(NOT_A_CHECKOUT if directory == SCENARIO_DIR and not IN_CHECKOUT
-                            else f"no scenario folder at {directory}")
+    _require_dir(directory)
     path = directory / f"{name}.toml"
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in directory.glob("*.toml")))
