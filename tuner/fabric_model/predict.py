@@ -53,7 +53,7 @@ import msgspec
 
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.routing import parse_routing
-from moetune.runtime.shapes import ModelShape, get_model
+from moetune.runtime.shapes import DTYPES, ModelShape, get_model
 from moetune.tuner.fabric_model.presets import Preset, PresetError, list_presets, load_preset
 from moetune.tuner.fabric_model.queue import run_queue
 from moetune.tuner.fabric_model.routing import pe_loads, rank_hits, spread_quantiles
@@ -339,8 +339,6 @@ def _token_bytes(model: ModelShape, knobs: Knobs, *, dispatch: bool, layout: str
     """Bytes of one token on the wire. Runtime layout, dispatch: EPBuffer's wire row (runtime/buffer/
     facade.py `_layout`): payload, k int64 ids, k fp32 weights, fp8 scales, padded to 16 bytes; combine:
     one activation-dtype row. `nccl_k_copies`: the bare payload (fp8: + scales), as DESIGN §6's baseline."""
-    from moetune.runtime.shapes import DTYPES
-
     h = model.hidden
     fp8 = dispatch and knobs.compression == "fp8_e4m3"
     scales = (1 if knobs.scale_granularity == "per_token" else math.ceil(h / 128)) if fp8 else 0
