@@ -51,6 +51,15 @@ def check_device(device: Any, who: str = "") -> None:
                         f"{type(device).__name__}")
 
 
+def indexed_device(device: Any) -> torch.device:
+    """`device` as a torch.device, "cuda" without an index being the current CUDA device (as EPBuffer, MoELayer and
+    MegakernelMoE take it), so that tensors made on `cuda:0` compare equal to it."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def check_dtype(dtype: Any, who: str = "") -> None:
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"{who}dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(dtype).__name__} "

@@ -459,9 +459,7 @@ def _check_buffer(buffer: EPBuffer, model: ModelShape, group: Any, max_tokens: i
     if dtype is not None and dtype != buffer.dtype:
         bad.append(f"dtype {dtype} vs the buffer's {buffer.dtype}")
     if device is not None:
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:  # the current device, as EPBuffer takes it
-            dev = torch.device("cuda", torch.cuda.current_device())
+        dev = _args.indexed_device(device)  # the current device for "cuda", as EPBuffer takes it
         if dev != buffer.device:
             bad.append(f"device {dev} vs the buffer's {buffer.device}")
     if options is not None and RuntimeOptions.resolve(options) != buffer.options:

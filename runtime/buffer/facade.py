@@ -167,9 +167,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         if device is None:
             backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _args.indexed_device(device)
         self.model = model
         self.max_tokens = max_tokens
         self.dtype = dtype if dtype is not None else TORCH_DTYPES[model.dtype]

@@ -19,15 +19,14 @@ from typing import Any
 
 import torch
 
-from .._args import check_int
+from .._args import check_int, indexed_device
 from ..csrc_build import CsrcError
 from ..routing import expert_ids_problem, routed_inputs_problem
 from . import _lib
-from .config import ConfigError, MegakernelConfig, limits_problem
+from .config import BN, ConfigError, MegakernelConfig, limits_problem
 from .schedule import tile_end
 from .weights import from_tiled, to_tiled
 
-BN = 128
 ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor timed out waiting for a queue slot",
              3: "task queue too small", 4: "routing names an expert out of range",
              5: "a wgmma stage barrier (shared-memory pipeline) timed out",
@@ -274,7 +273,9 @@ class MegakernelMoE:
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [S, H] bf16 on the layer's device -> [S, H] bf16 (into `out` when given: bf16 [S, H] on the layer's
         device, contiguous, not sharing x's storage). No host sync (graph-capturable)."""
-        return self._run(x, out, given=False)
+        s = self._check_x(x)
+        self._check_out(out, s, x)
+        return self._run(x, s, out, given=False)
 
     __call__ = forward
 
@@ -295,7 +296,7 @@ class MegakernelMoE:
         self._check_out(out, s, x)
         self.topk_idx[:s].copy_(topk_idx)
         self.topk_w[:s].copy_(topk_weights)
-        return self._run(x, out, given=True)
+        return self._run(x, s, out, given=True)
 
     def _check_x(self, x: Any) -> int:
         """S of a valid x (bf16 [S, H] on the layer's device, S <= max_tokens), else ValueError."""
@@ -324,10 +325,8 @@ class MegakernelMoE:
             # the kernels read x while they write out, in no order that keeps a row's input until its output lands
             raise ValueError("megakernel: out must not share storage with x")
 
-    def _run(self, x: torch.Tensor, out: torch.Tensor | None, *, given: bool) -> torch.Tensor:
-        s = self._check_x(x)
-        if not given:
-            self._check_out(out, s, x)
+    def _run(self, x: torch.Tensor, s: int, out: torch.Tensor | None, *, given: bool) -> torch.Tensor:
+        """One forward of S = `s` tokens; the callers have checked x and out."""
         x = x.contiguous()
         if out is None:
             out = torch.empty(s, self.model.hidden, dtype=torch.bfloat16, device=self.device)
@@ -481,10 +480,7 @@ class MegakernelMoE:
         return {"total": c[CTL_TOTAL] - 1, "tiles": c[CTL_TILES], "published": c[CTL_PUBLISHED]}
 
 
+
 def _device(device: torch.device | str | None) -> torch.device:
-    """The layer's device: "cuda" without an index (or None) is the current CUDA device, as EPBuffer resolves it,
-    so that tensors made on `cuda:0` compare equal to it."""
-    dev = torch.device(device) if device is not None else torch.device("cuda")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
+    """The layer's device: None is "cuda", and "cuda" without an index the current CUDA device (`indexed_device`)."""
+    return indexed_device(device if device is not None else "cuda")

@@ -51,7 +51,7 @@ import zmq
 
 from moetune.runtime import wire
 from moetune.runtime.config import ClientConfig, ConfigError, load_config
-from moetune.runtime.knobs import KnobError, Knobs, default_knobs
+from moetune.runtime.knobs import KnobError, Knobs, default_knobs, int_of_text
 from moetune.runtime.paths import (
     INFO_NAME,
     PUB_SOCKET_NAME,
@@ -360,7 +360,8 @@ def tcp_host(endpoint: str) -> str:
 def tcp_port(endpoint: str) -> int | None:
     """The port of a `tcp://HOST:PORT` endpoint, or None where there is no host or no port in 1..65535."""
     host, _, port = endpoint[len("tcp://") :].rpartition(":")
-    return int(port) if host and port.isdigit() and 1 <= int(port) <= 65535 else None
+    value = int_of_text(port) if port.isdigit() else None  # isdigit alone takes "²", which int() refuses
+    return value if host and value is not None and 1 <= value <= 65535 else None
 
 
 def is_loopback_host(host: str) -> bool:
