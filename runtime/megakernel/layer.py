@@ -480,7 +480,6 @@ class MegakernelMoE:
         return {"total": c[CTL_TOTAL] - 1, "tiles": c[CTL_TILES], "published": c[CTL_PUBLISHED]}
 
 
-
 def _device(device: torch.device | str | None) -> torch.device:
     """The layer's device: None is "cuda", and "cuda" without an index the current CUDA device (`indexed_device`)."""
     return indexed_device(device if device is not None else "cuda")
