@@ -247,11 +247,16 @@ def test_volatile_facts_ignored(tmp_path: pathlib.Path) -> None:
     assert diff_facts(base.to_dict(), f.to_dict()) == []
 
 
-def test_nvswitch_management_port_changes_ignored(tmp_path: pathlib.Path) -> None:
+def test_nvswitch_management_ports_count_as_rdma_devices(tmp_path: pathlib.Path) -> None:
+    """They were left out of the fingerprint, but only root can tell them (their VPD): a user saw two more NICs and
+    computed another fingerprint. Now they count in both views alike: a management port's link going down or the
+    port disappearing is a change for everyone (tests/test_fabric_privilege.py)."""
     root = copy("dgx-h100", tmp_path)
+    base = discover(CAPTURES / "dgx-h100").fingerprint
     edit(root, f"{IB}/mlx5_12/ports/1/state", lambda s: "1: DOWN\n")
+    down = discover(root).fingerprint
     shutil.rmtree(root / IB / "mlx5_13")
-    assert discover(root).fingerprint == discover(CAPTURES / "dgx-h100").fingerprint
+    assert len({base, down, discover(root).fingerprint}) == 3
 
 
 # ---- 20+ scripted changes, each with its readable reason ----------------------------------------

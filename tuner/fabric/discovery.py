@@ -95,6 +95,7 @@ PACKAGES: tuple[str, ...] = (
 )
 
 IB_ROOT = "/sys/class/infiniband"
+PCI_DEVICES = "/sys/bus/pci/devices"
 CXI_ROOT = "/sys/class/cxi"
 PROC_MODULES = "/proc/modules"
 PROC_NV_VERSION = "/proc/driver/nvidia/version"
@@ -335,8 +336,9 @@ def _nvml_facts() -> dict[str, Any] | None:
                 try:
                     v = fn(h)
                     g[key] = f"{v[0]}.{v[1]}" if isinstance(v, tuple) else int(v)
-                except pynvml.NVMLError:
-                    pass
+                except pynvml.NVMLError as e:
+                    if getattr(e, "value", None) == getattr(pynvml, "NVML_ERROR_NO_PERMISSION", 4):
+                        g.setdefault("withheld", []).append(key)  # refused to this user: facts incomplete
             links = []
             for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
                 try:
@@ -559,11 +561,20 @@ def normalize_bus_id(bus: str) -> str:
     return f"{int(m.group(1), 16):08X}:{m.group(2)}:{m.group(3)}.{m.group(4)}"
 
 
+# What nvidia-smi prints for a field NVML refused this user (NVML_ERROR_NO_PERMISSION), in its spellings.
+_DENIED = ("[insufficient permissions]", "insufficient permissions", "[no permission]", "no permission")
+
+
+def denied(text: str | None) -> bool:
+    """True when nvidia-smi says the field was withheld from this user (not that the GPU has no such value)."""
+    return text is not None and text.strip().lower() in _DENIED
+
+
 def _int_or_none(text: str | None, where: str, what: str, src: Source, suffix: str = "") -> int | None:
     if text is None:
         return None
     t = text.strip()
-    if t in ("", "N/A", "[N/A]", "Unknown", "[Unknown Error]", "Not Available"):
+    if t in ("", "N/A", "[N/A]", "Unknown", "[Unknown Error]", "Not Available") or denied(t):
         return None
     if suffix and t.lower().endswith(suffix):
         t = t[: -len(suffix)].strip()
@@ -594,6 +605,19 @@ def parse_smi_xml(text: str, where: str, src: Source) -> tuple[list[dict[str, An
         mem_text = g.findtext("fb_memory_usage/total")
         mem = _int_or_none(mem_text, where, f"GPU {bus} memory total", src, suffix="mib")
         link = "pci/pci_gpu_link_info/"
+        # fingerprinted fields nvidia-smi withheld from this user: unknown here, and the facts incomplete (a
+        # view that misses them is no evidence of a change; see `_discover_gpus`)
+        fingerprinted = {
+            "memory": "fb_memory_usage/total",
+            "compute capability": "compute_cap",
+            "PCIe max generation": link + "pcie_gen/max_link_gen",
+            "PCIe max width": link + "link_widths/max_link_width",
+            "PCIe width": link + "link_widths/current_link_width",
+            "MIG mode": "mig_mode/current_mig",
+            "NVSwitch fabric state": "fabric/state",
+        }
+        withheld = [what for what, path in fingerprinted.items() if denied(g.findtext(path))]
+        fabric_state = (g.findtext("fabric/state") or "").strip()
         d: dict[str, Any] = {
             "pci_bus_id": bus,
             "name": name,
@@ -612,7 +636,8 @@ def parse_smi_xml(text: str, where: str, src: Source) -> tuple[list[dict[str, An
                 g.findtext(link + "link_widths/current_link_width"), where, f"GPU {bus} PCIe width", src, suffix="x"
             ),
             "mig": (g.findtext("mig_mode/current_mig") or "").strip().lower() == "enabled",
-            "fabric_state": (g.findtext("fabric/state") or "").strip(),
+            "fabric_state": "" if denied(fabric_state) else fabric_state,
+            "withheld": withheld,
         }
         if not re.match(r"^(\d+\.\d+)?$", d["compute_capability"]):
             d["compute_capability"] = ""
@@ -683,6 +708,49 @@ def parse_matrix(text: str, where: str, src: Source, what: str, value_re: re.Pat
                 raise src.error(where, f"row {toks[0]}: unknown entry {v!r}")
         rows[toks[0]] = vals
     return {"cols": cols, "rows": rows, "legend": legend}
+
+
+_GT_S = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*GT/s")
+_GEN_BY_GT = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6, 128.0: 7}
+
+
+def sysfs_pci_address(bus_id: str) -> str:
+    """'00000000:18:00.0' (nvidia-smi) -> '0000:18:00.0' (the name under /sys/bus/pci/devices); '' if not one."""
+    m = re.match(r"^([0-9A-Fa-f]+):([0-9A-Fa-f]{2}):([0-9A-Fa-f]{2})\.([0-7])$", bus_id.strip())
+    if not m:
+        return ""
+    return f"{int(m.group(1), 16):04x}:{m.group(2).lower()}:{m.group(3).lower()}.{m.group(4)}"
+
+
+def _sysfs_int(src: Source, path: str, what: str) -> int | None:
+    text = src.read_text(path)
+    if text is None or not text.strip():
+        return None
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise src.error(src.where(path), f"cannot read {what} {text.strip()[:40]!r} as a number")
+
+
+def pci_link(src: Source, dev: str) -> dict[str, int | None]:
+    """PCIe link and NUMA node of the PCI device directory `dev` (…/device of a NIC, /sys/bus/pci/devices/<addr>):
+    pcie_gen_max (from max_link_speed), pcie_width_max, pcie_width_current, numa_node. These sysfs attributes are
+    world-readable (0444; numa_node 0644), so every user reads the same; one that is not there (a container
+    without the PCI tree, a capture by an older moetune, a virtual device) is None, unknown. The current link
+    speed is left out: it drops with link power management."""
+    speed = src.read_text(f"{dev}/max_link_speed")
+    gen = None
+    if speed is not None and speed.strip() and speed.strip().lower() != "unknown":
+        m = _GT_S.match(speed)
+        if not m:
+            raise src.error(src.where(f"{dev}/max_link_speed"), f"cannot read PCIe speed {speed.strip()[:40]!r} (expected e.g. '32.0 GT/s PCIe')")
+        gen = _GEN_BY_GT.get(float(m.group(1)))
+    return {
+        "pcie_gen_max": gen,
+        "pcie_width_max": _sysfs_int(src, f"{dev}/max_link_width", "PCIe max width"),
+        "pcie_width_current": _sysfs_int(src, f"{dev}/current_link_width", "PCIe width"),
+        "numa_node": _sysfs_int(src, f"{dev}/numa_node", "NUMA node"),
+    }
 
 
 def _serial(text: Any) -> str:
@@ -864,6 +932,7 @@ def _gpu_api_rows(api: dict[str, Any]) -> list[dict[str, Any]]:
                 "mig": False,
                 "fabric_state": "",
                 "nvlinks": [NVLinkLink(link=int(x["link"]), active=bool(x["active"])) for x in g.get("nvlinks", [])],
+                "withheld": [str(w) for w in g.get("withheld", [])],
             }
         )
     raw.sort(key=lambda d: d["pci_bus_id"])
@@ -909,8 +978,16 @@ def _discover_gpus(src: Source, facts: FabricFacts, tools: dict[str, str]) -> di
                     links_by_uuid[entry["uuid"]] = entry["links"]
                 links_by_index[entry["index"]] = entry["links"]
 
+    withheld = [f"GPU {d['pci_bus_id'] or i} {', '.join(d['withheld'])}" for i, d in enumerate(raw) if d.get("withheld")]
+    if withheld:
+        # Unknown is not "different": such facts are incomplete, so the daemon keeps the fabric it knows
+        # instead of taking one user's narrower view for a hardware change (and the profiles for stale).
+        facts.warnings.append(
+            f"the GPU driver withheld {'; '.join(withheld)} from this user (insufficient permissions); facts are incomplete"
+        )
     for i, d in enumerate(raw):
         cc = d["compute_capability"] or cc_by_bus.get(d["pci_bus_id"], "") or cc_from_model(d["name"])
+        addr = sysfs_pci_address(d["pci_bus_id"])
         if "nvlinks" in d:
             links = d["nvlinks"]
         elif d["uuid"] and links_by_uuid:
@@ -931,6 +1008,7 @@ def _discover_gpus(src: Source, facts: FabricFacts, tools: dict[str, str]) -> di
                 pcie_width_max=d["pcie_width_max"],
                 pcie_width_current=d["pcie_width_current"],
                 mig=d["mig"],
+                numa_node=_sysfs_int(src, f"{PCI_DEVICES}/{addr}/numa_node", "NUMA node") if addr else None,
                 fabric_state=d["fabric_state"],
                 nvlinks=sorted(links, key=lambda lk: lk.link),
             )
@@ -994,15 +1072,8 @@ def _discover_ib(src: Source, facts: FabricFacts) -> None:
         base = f"{IB_ROOT}/{name}"
         uevent = parse_uevent(src.read_text(f"{base}/device/uevent"))
         driver = uevent.get("DRIVER", "")
-        vpd = src.read_bytes(f"{base}/device/vpd")
-        if vpd is not None and b"SW_MNG" in vpd:
-            facts.excluded_nics.append(
-                ExcludedNIC(name=name, reason="NVSwitch management port (CX7 bridge LPF, VPD SMDL=SW_MNG)")
-            )
-            continue
         if driver.startswith("mlx5") or name.startswith("mlx5"):
             kind = "mlx5"
-            no_vpd += vpd is None
         elif driver == "efa" or name.startswith(("efa", "rdmap")):
             kind = "efa"
         else:
@@ -1021,21 +1092,30 @@ def _discover_ib(src: Source, facts: FabricFacts) -> None:
                 NICPort(port=int(pn), state=state, phys_state=pm.group(2) if pm else "", rate_gbps=rate, link_layer=ll)
             )
         netdevs = src.listdir(f"{base}/device/net") or []
-        facts.nics.append(
-            NIC(
-                name=name,
-                kind=kind,
-                driver=driver,
-                hca_type=(src.read_text(f"{base}/hca_type") or "").strip(),
-                fw_ver=(src.read_text(f"{base}/fw_ver") or "").strip(),
-                board_id=(src.read_text(f"{base}/board_id") or "").strip(),
-                pci_id=uevent.get("PCI_ID", ""),
-                netdev=netdevs[0] if netdevs else "",
-                ports=sorted(ports, key=lambda p: p.port),
-            )
+        nic = NIC(
+            name=name,
+            kind=kind,
+            driver=driver,
+            hca_type=(src.read_text(f"{base}/hca_type") or "").strip(),
+            fw_ver=(src.read_text(f"{base}/fw_ver") or "").strip(),
+            board_id=(src.read_text(f"{base}/board_id") or "").strip(),
+            pci_id=uevent.get("PCI_ID", ""),
+            netdev=netdevs[0] if netdevs else "",
+            ports=sorted(ports, key=lambda p: p.port),
+            **pci_link(src, f"{base}/device"),
         )
+        # The VPD (mode 0400/0600: root only) is what tells an NVSwitch management LPF from a NIC (Fabric
+        # Manager guide). Only the transports depend on it: the device stays in the fingerprint either way
+        # (ExcludedNIC.nic), so root and an ordinary user compute the same one.
+        vpd = src.read_bytes(f"{base}/device/vpd")
+        if vpd is not None and b"SW_MNG" in vpd:
+            facts.excluded_nics.append(
+                ExcludedNIC(name=name, reason="NVSwitch management port (CX7 bridge LPF, VPD SMDL=SW_MNG)", nic=nic)
+            )
+            continue
+        no_vpd += kind == "mlx5" and vpd is None
+        facts.nics.append(nic)
     if no_vpd:
-        # The VPD (root-only) is what tells an NVSwitch management LPF from a NIC (Fabric Manager guide).
         facts.tools["vpd"] = f"unreadable on {no_vpd} mlx5 device(s): NVSwitch management ports not identifiable"
 
 
@@ -1067,6 +1147,7 @@ def _discover_cxi(src: Source, facts: FabricFacts) -> None:
                 pci_id=uevent.get("PCI_ID", ""),
                 netdev=netdevs[0] if netdevs else "",
                 ports=ports,
+                **pci_link(src, f"{base}/device"),
             )
         )
 
@@ -1106,8 +1187,9 @@ def discover_from(src: Source) -> FabricFacts:
     gpu_nic_raw = _discover_topology(src, facts, tools)
     _discover_ib(src, facts)
     _discover_cxi(src, facts)
-    # GPU-NIC levels only for NICs discovery kept (not NVSwitch management ports, not absent devices)
-    known = {n.name for n in facts.nics}
+    # GPU-NIC levels only for devices discovery read (not absent ones). NVSwitch management ports keep theirs:
+    # whether one is recognised as such depends on reading its VPD (root only), and the fingerprint may not.
+    known = {n.name for n in facts.nics} | {e.name for e in facts.excluded_nics}
     facts.gpu_nic = sorted(
         (GPUNic(gpu=g, nic=nic, level=lvl) for g, nic, lvl in gpu_nic_raw if nic in known),
         key=lambda x: (x.gpu, x.nic),

@@ -47,6 +47,7 @@ class GPU(msgspec.Struct, kw_only=True):
     pcie_width_max: int | None = None
     pcie_width_current: int | None = None
     mig: bool = False
+    numa_node: int | None = None  # /sys/bus/pci/devices/<bus>/numa_node (-1: the kernel knows none); None: unread
     fabric_state: str = ""  # NVSwitch fabric (Fabric Manager) state: Completed, In Progress, Not Started, N/A
     nvlinks: list[NVLinkLink] = []
 
@@ -97,6 +98,12 @@ class NIC(msgspec.Struct, kw_only=True):
     board_id: str = ""
     pci_id: str = ""
     netdev: str = ""
+    # its PCIe link and locality, from the world-readable /sys/bus/pci/devices/<addr>/ (None: not there to read);
+    # the current link speed drops with power saving, so it is not kept (the current width is)
+    pcie_gen_max: int | None = None  # from max_link_speed (the device's fastest generation)
+    pcie_width_max: int | None = None
+    pcie_width_current: int | None = None
+    numa_node: int | None = None  # -1: the kernel knows none
     ports: list[NICPort] = []
 
     @property
@@ -107,6 +114,9 @@ class NIC(msgspec.Struct, kw_only=True):
 class ExcludedNIC(msgspec.Struct, kw_only=True, frozen=True):
     name: str
     reason: str
+    # what the device is, read like any NIC: it stays in the fingerprint, because only root can read the VPD
+    # that excludes it, and the fingerprint must not depend on who discovered (None: recorded by an older moetune)
+    nic: NIC | None = None
 
 
 class GPUDirect(msgspec.Struct, kw_only=True):

@@ -3,11 +3,11 @@
 Works on the `FabricFacts.to_dict()` form (what the store keeps), so a stored fingerprint can be
 recomputed and diffed without the node. What goes in:
 
-- hardware: per GPU (model, memory, compute capability, PCIe max generation and widths, MIG, its NVLink
-  link speeds/states, its topology level + P2P status to every peer, its topology level to each NIC paired
-  with that NIC's descriptor, so that which NIC sits next to which GPU counts, not the NICs' names),
-  per NIC (kind, HCA type, firmware, board id, PCI id, ports: an ACTIVE one with its rate and link layer, any
-  other as just "down"), GPUDirect RDMA
+- hardware: per GPU (model, memory, compute capability, PCIe max generation and widths, NUMA node, MIG, its
+  NVLink link speeds/states, its topology level + P2P status to every peer, its topology level to each NIC
+  paired with that NIC's descriptor, so that which NIC sits next to which GPU counts, not the NICs' names),
+  per NIC (kind, HCA type, firmware, board id, PCI id, PCIe max generation, max and current width, NUMA node,
+  ports: an ACTIVE one with its rate and link layer, any other as just "down"), GPUDirect RDMA
   (nvidia_peermem, dma-buf), libfabric fabric providers, node count;
 - software: driver, CUDA, CUDA runtime, NCCL, NVSHMEM, torch, nvshmem4py, libfabric, moetune.
 
@@ -20,6 +20,15 @@ another of the same model keeps the fingerprint (identical nodes share profiles)
 identity, and `diff_facts` says "GPU 1 replaced: serial A → B".
 Each GPU and NIC becomes a descriptor; descriptors are sorted, so any reordering of devices hashes the
 same.
+
+Who discovers must not matter: `moetune profile` often runs as root, the daemon and the runtime as an ordinary
+user. Every fact in here is one an ordinary user reads as root does (sysfs attributes of mode 0444, nvidia-smi
+fields NVML gives every user). The one root-only read, a Mellanox device's VPD (mode 0600), decides only
+whether the device is an NVSwitch management port set aside from the transports; such a port stays in the
+fingerprint as an RDMA device either way (`all_nics`). A fact that is absent (no such sysfs file: a container,
+a capture by an older moetune) is None, "unknown", the same for every user; a fingerprinted field the driver
+withholds from a user makes discovery incomplete (`FabricFacts.warnings`), which the daemon never takes for a
+fabric change.
 """
 
 from __future__ import annotations
@@ -76,6 +85,17 @@ def _canonical_port(p: dict[str, Any]) -> str:
     return _dump([p.get("port"), "down"])
 
 
+def all_nics(facts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every RDMA device discovery read: the NICs, and the NVSwitch management ports it set aside. Which devices
+    are management ports only root can tell (their VPD), so the fingerprint covers both kinds alike: root and an
+    ordinary user, who sees those ports as NICs, then compute the same fingerprint."""
+    out = list(facts.get("nics", []) or [])
+    for e in facts.get("excluded_nics", []) or []:
+        if isinstance(e.get("nic"), dict):
+            out.append(e["nic"])
+    return out
+
+
 def canonical_hardware(facts: dict[str, Any]) -> dict[str, Any]:
     gpus = facts.get("gpus", []) or []
     peers: dict[int, list[str]] = defaultdict(list)
@@ -85,7 +105,7 @@ def canonical_hardware(facts: dict[str, Any]) -> dict[str, Any]:
         peers[p["b"]].append(tag)
     ndesc: list[str] = []
     ndesc_by_name: dict[str, str] = {}
-    for n in facts.get("nics", []) or []:
+    for n in all_nics(facts):
         ports = sorted(_canonical_port(p) for p in n.get("ports", []))
         desc = _dump(
             {
@@ -94,6 +114,10 @@ def canonical_hardware(facts: dict[str, Any]) -> dict[str, Any]:
                 "fw_ver": n.get("fw_ver", ""),
                 "board_id": n.get("board_id", ""),
                 "pci_id": n.get("pci_id", ""),
+                "pcie_gen_max": n.get("pcie_gen_max"),
+                "pcie_width_max": n.get("pcie_width_max"),
+                "pcie_width": n.get("pcie_width_current"),
+                "numa": n.get("numa_node"),
                 "ports": ports,
             }
         )
@@ -119,6 +143,7 @@ def canonical_hardware(facts: dict[str, Any]) -> dict[str, Any]:
                     "pcie_width_max": g.get("pcie_width_max"),
                     "pcie_width": g.get("pcie_width_current"),
                     "mig": bool(g.get("mig", False)),
+                    "numa": g.get("numa_node"),
                     "fabric": g.get("fabric_state", ""),
                     "nvlinks": links,
                     "peers": sorted(peers.get(g.get("index", -1), [])),
@@ -236,6 +261,8 @@ def _diff_gpu(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     for key, what in (("pcie_width_current", "PCIe width"), ("pcie_width_max", "PCIe max width")):
         if a.get(key) != b.get(key):
             out.append(f"{label} {what} x{_fmt(a.get(key))} → x{_fmt(b.get(key))}")
+    if "numa_node" in a and "numa_node" in b and a["numa_node"] != b["numa_node"]:
+        out.append(f"{label} NUMA node {_fmt(a['numa_node'])} → {_fmt(b['numa_node'])}")
     if bool(a.get("mig")) != bool(b.get("mig")):
         out.append(f"{label} MIG {'enabled' if a.get('mig') else 'disabled'} → {'enabled' if b.get('mig') else 'disabled'}")
     if a.get("fabric_state", "") != b.get("fabric_state", ""):
@@ -269,6 +296,11 @@ def _diff_nic(a: dict[str, Any], b: dict[str, Any], out: list[str]) -> None:
     for key, what in (("kind", "kind"), ("hca_type", "HCA type"), ("fw_ver", "firmware"), ("board_id", "board id"), ("pci_id", "PCI id")):
         if a.get(key, "") != b.get(key, ""):
             out.append(f"{name} {what} {_fmt(a.get(key))} → {_fmt(b.get(key))}")
+    # PCIe link and NUMA node: compared where both facts hold them (an older moetune recorded none: see diff_facts)
+    for key, what, pre in (("pcie_gen_max", "PCIe max generation", "Gen"), ("pcie_width_max", "PCIe max width", "x"),
+                           ("pcie_width_current", "PCIe width", "x"), ("numa_node", "NUMA node", "")):
+        if key in a and key in b and a[key] != b[key]:
+            out.append(f"{name} {what} {pre}{_fmt(a[key])} → {pre}{_fmt(b[key])}")
     pa = {p["port"]: p for p in a.get("ports", [])}
     pb = {p["port"]: p for p in b.get("ports", [])}
     for n in sorted(set(pa) | set(pb)):
@@ -291,9 +323,28 @@ def _diff_nic(a: dict[str, Any], b: dict[str, Any], out: list[str]) -> None:
             out.append(f"{name} port {n} link layer {_fmt(x.get('link_layer'))} → {_fmt(y.get('link_layer'))}{idle}")
 
 
+def _not_recorded(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Facts the fingerprint covers that `new` holds and `old` lacks because an older moetune recorded it (not
+    because the node changed): the fingerprint moved once on upgrade, and this names why."""
+    def lacks(key: str, items: list[dict[str, Any]]) -> bool:
+        return any(isinstance(x, dict) and key not in x for x in items)
+
+    out = []
+    if lacks("numa_node", old.get("gpus", []) or []) and not lacks("numa_node", new.get("gpus", []) or []):
+        out.append("GPU NUMA nodes")
+    if lacks("numa_node", old.get("nics", []) or []) and not lacks("numa_node", new.get("nics", []) or []):
+        out.append("NIC PCIe links and NUMA nodes")
+    oe, ne = old.get("excluded_nics", []) or [], new.get("excluded_nics", []) or []
+    if lacks("nic", oe) and ne and not lacks("nic", ne):
+        out.append("NVSwitch management ports")
+    return out
+
+
 def diff_facts(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Readable reasons why `new` differs from `old` (both `FabricFacts.to_dict()` forms)."""
     out: list[str] = []
+    if lacking := _not_recorded(old, new):
+        out.append(f"{', '.join(lacking)} not in the facts an older moetune recorded: now fingerprinted (moetune upgraded)")
     og, ng = old.get("gpus", []) or [], new.get("gpus", []) or []
     match, gone, added = _match_gpus(og, ng)
     oby = {g["index"]: g for g in og}
@@ -337,12 +388,14 @@ def diff_facts(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if g in match and (match[g], nic) in nnl and nnl[(match[g], nic)] != lvl:
             out.append(f"GPU {g}–{nic} topology {lvl} → {nnl[(match[g], nic)]}")
 
-    # NICs
-    on = {n["name"]: n for n in old.get("nics", []) or []}
-    nn = {n["name"]: n for n in new.get("nics", []) or []}
+    # NICs (NVSwitch management ports included: they are in the fingerprint too)
+    on = {n["name"]: n for n in all_nics(old)}
+    nn = {n["name"]: n for n in all_nics(new)}
     for name in sorted(set(on) - set(nn)):
         out.append(f"{name} missing")
-    for name in sorted(set(nn) - set(on)):
+    # a management port an older moetune set aside without recording it: told by the upgrade line above
+    unrecorded = {e.get("name") for e in old.get("excluded_nics", []) or [] if not isinstance(e.get("nic"), dict)}
+    for name in sorted(set(nn) - set(on) - unrecorded):
         n = nn[name]
         act = sum(1 for p in n.get("ports", []) if _port_active(p))
         out.append(f"{name} new ({n.get('kind', '?')}, {act} of {len(n.get('ports', []))} port(s) ACTIVE)")
