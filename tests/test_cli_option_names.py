@@ -134,7 +134,7 @@ def test_fabric_timeout_takes_fractional_seconds(tmp_path: Path) -> None:
 def test_timeout_ms_refuses_a_fraction(value: str, tmp_path: Path) -> None:
     """Milliseconds are whole: 1.5 is refused (not rounded), naming the option."""
     for args in (["status"], ["retune"], ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "16"]):
-        _refused(_run(*args, "--timeout-ms", value, home=tmp_path), "--timeout-ms", "not a valid int")  # "int" or "integer", by click version
+        _refused(_run(*args, "--timeout-ms", value, home=tmp_path), "--timeout-ms", "valid int")  # "...valid int." or "...valid integer", by Typer version
 
 
 # -- --json for scripts -------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -35,7 +36,6 @@ def test_predict_table_says_modelled() -> None:
 def test_unsafe_and_nonsense_input_are_clear_errors() -> None:
     cases = [
         (["--knobs", "fence_mode=nic_ordered,qp_mapping=round_robin,qps_per_pe=2"], "unsafe"),
-        (["--knobs", "signalling=decoupled,group_size=3"], "does not divide"),
         (["--tokens", "-5"], "tokens_per_gpu"),
         (["--knobs", "bogus=1"], "unknown knob"),
     ]
@@ -44,6 +44,10 @@ def test_unsafe_and_nonsense_input_are_clear_errors() -> None:
         assert r.exit_code == 2, (extra, r.output)
         assert msg in r.output.replace("\n", " "), (extra, r.output)
         assert "Traceback" not in r.output
+    # the runtime's proxy sends a last partial group: a group size need not divide the PUTs per peer
+    r = runner.invoke(app, ["model", "predict", "-p", "slingshot11-libfabric-a100x4", "-n", "4",
+                            "--knobs", "signalling=decoupled,group_size=3"])
+    assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["model", "predict", "-p", "no-such", "-n", "4"])
     assert r.exit_code == 2 and "unknown preset" in r.output
 
@@ -51,13 +55,18 @@ def test_unsafe_and_nonsense_input_are_clear_errors() -> None:
 def test_sweep_table_json_and_plot(tmp_path: Path) -> None:
     png = tmp_path / "sweep.png"
     r = runner.invoke(app, ["model", "sweep", "-p", "slingshot11-libfabric-a100x4", "--over", "group_size",
-                            "-n", "4", "-t", "256", "--out", str(png), "--json"])
+                            "-n", "4", "-t", "256", "--knobs", "chunk_tokens=8", "--out", str(png), "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["label"] == "MODELLED"
     rows = d["series"]["decoupled/nic_ordered"]
-    assert [x["x"] for x in rows] == [1, 2, 4, 8]
-    assert [x["fences"] for x in rows] == [192, 96, 48, 24]
+    # 256 tokens x P(one of 8 of 128 experts on a PE of 16) = 105.5 rows per peer -> 106 / 8 = 14 PUTs of 8 rows:
+    # the default grid is the divisors of 14; fences = 12 remote peers x ceil(14 / g) x (dispatch + combine)
+    rows_per_peer = 256 * (1 - math.comb(120, 8) / math.comb(128, 8))
+    puts = math.ceil(math.ceil(rows_per_peer) / 8)
+    assert puts == 14
+    assert [x["x"] for x in rows] == [1, 2, 7, 14]
+    assert [x["fences"] for x in rows] == [2 * 12 * math.ceil(puts / g) for g in (1, 2, 7, 14)] == [336, 168, 48, 24]
     assert png.stat().st_size > 1000
     r = runner.invoke(app, ["model", "sweep", "-p", "slingshot11-libfabric-a100x4", "--over", "nodes",
                             "--values", "2,4"])

@@ -11,7 +11,7 @@ import pytest
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.fabric_model.predict import Workload, predict
+from moetune.tuner.fabric_model.predict import Workload, load_preset, predict, transfers_per_peer
 from moetune.tuner.fabric_model.routing import PLACEMENT_SEED, rank_hits
 
 
@@ -48,6 +48,7 @@ def test_zipf_rank_hits_match_the_runtime_generator(experts: int, topk: int, s: 
 # DESIGN §6, DeepEP V1 normal kernels on the same 2x H200 (24 SMs), µs, and its floors: each token sent once
 # per remote rank at the measured 372 GB/s peer copy rate.
 PEER_COPY_GBPS = 372.0
+QWEN = get_model("qwen3-30b")
 DEEPEP = {  # model: (S, dispatch bf16 µs, combine µs, floor µs each way)
     "deepseek-v3": (4096, 343.8, 399.5, 158.0),
     "qwen3-30b": (4096, 191.7, 153.9, 45.0),
@@ -96,3 +97,92 @@ def test_every_layout_transport_counts_ranks_not_experts() -> None:
     assert 3.9 < k.bytes_on_wire / nbytes["collective"] < 4.1
     with pytest.raises(ValueError, match="collective only"):
         predict("nvlink-h200x2", w, Knobs(transport="nvlink"), layout="nccl_k_copies")
+
+
+# -- the queued path (proxy, ibgda) sends the runtime's proxy layout: runtime/transports/proxy.py and
+# csrc/proxy_xchg.h produce_exchange pack every peer's rows, then post ceil(rows / chunk_tokens) PUTs per peer
+# (one with chunk_tokens 0, at most 1024), a signal per PUT (coupled) or per group_size PUTs (decoupled) ----
+DSV3 = get_model("deepseek-v3")
+DSV3_ROW = 7168 * 2 + 8 * 8 + 8 * 4  # bf16 payload + k int64 ids + k fp32 weights = 14432 B, a multiple of 16
+DSV3_ROWS_2 = 4096 * (1 - math.comb(128, 8) / math.comb(256, 8))  # rows PE 0 sends PE 1 at S=4096, 2 ranks
+
+
+def _proxy(**kw) -> Knobs:
+    return Knobs(transport="proxy", fence_mode="proxy_drain", **kw)
+
+
+def test_two_rank_proxy_sends_each_token_once_per_rank() -> None:
+    """nvlink-h200x2's proxy serves the other GPU: its dispatch moves rows x wire row + one 8-byte signal (was
+    one bare copy per (token, expert): 4096 x 8 / 2 x 14336 B = 234.9 MB, ~4x)."""
+    assert DSV3_ROW % 16 == 0
+    r = predict("nvlink-h200x2", Workload(DSV3, 4096, 1, 2), _proxy(), phase="dispatch")
+    assert r.transfers == 1 and r.fences == 1
+    assert r.bytes_on_wire == pytest.approx(DSV3_ROWS_2 * DSV3_ROW + 8, rel=1e-12)
+    # combine: one bf16 row back per row received
+    c = predict("nvlink-h200x2", Workload(DSV3, 4096, 1, 2), _proxy(), phase="combine")
+    assert c.bytes_on_wire == pytest.approx(DSV3_ROWS_2 * 7168 * 2 + 8, rel=1e-12)
+
+
+@pytest.mark.parametrize(("chunk", "puts"), [(0, 1), (256, 16), (1000, 5), (4096, 1), (1, 1021)])
+def test_proxy_puts_per_peer_follow_chunk_tokens(chunk: int, puts: int) -> None:
+    """4081.7 expected rows -> a count of 4082: ceil(4082 / chunk) PUTs; chunk 1 would be 4082 PUTs, more than
+    the 1024 signal slots, so the chunk grows to ceil(4082 / 1024) = 4 rows: ceil(4082 / 4) = 1021 PUTs."""
+    w = Workload(DSV3, 4096, 1, 2)
+    coupled = predict("nvlink-h200x2", w, _proxy(signalling="coupled", chunk_tokens=chunk), phase="dispatch")
+    assert coupled.transfers == puts
+    assert coupled.fences == coupled.proxy_stalls == puts  # a signal per PUT, each behind a drain
+    assert coupled.bytes_on_wire == pytest.approx(DSV3_ROWS_2 * DSV3_ROW + 8 * puts, rel=1e-12)
+    decoupled = predict("nvlink-h200x2", w, _proxy(chunk_tokens=chunk), phase="dispatch")
+    assert (decoupled.transfers, decoupled.fences) == (puts, 1)  # group_size 0: one signal per peer
+    assert transfers_per_peer(w, chunk) == puts
+
+
+@pytest.mark.parametrize(("group", "signals"), [(0, 1), (1, 16), (3, 6), (5, 4), (16, 1), (40, 1)])
+def test_decoupled_signals_per_group_of_puts(group: int, signals: int) -> None:
+    """16 PUTs of 256 rows: ceil(16 / group) signals and fences, a last partial group included (any group size
+    is valid); nic_ordered: each signal one NIC stall, no proxy stall."""
+    w = Workload(DSV3, 4096, 1, 2)
+    k = Knobs(transport="proxy", fence_mode="nic_ordered", chunk_tokens=256, group_size=group)
+    r = predict("nvlink-h200x2", w, k, phase="dispatch")
+    assert (r.transfers, r.fences, r.nic_stalls, r.proxy_stalls) == (16, signals, signals, 0)
+    assert r.bytes_on_wire == pytest.approx(DSV3_ROWS_2 * DSV3_ROW + 8 * signals, rel=1e-12)
+
+
+def test_sixteen_rank_proxy_bytes_and_counts() -> None:
+    """Qwen3-30B, 4 nodes x 4 GPUs on Slingshot (NVLink inside the node): P(token needs a PE) = 1 - C(120, 8) /
+    C(128, 8); 12 remote peers through the proxy, 3 over NVLink, each rows x 4192 B and one signal word. The
+    tile layout sent 8 x 256 / 16 = 128 bare copies (4096 B) per peer instead of 105.5 rows: ~1.2x the bytes."""
+    rows = 256 * (1 - math.comb(120, 8) / math.comb(128, 8))
+    w = Workload(QWEN, 256, 4, 4)
+    k = Knobs(transport="proxy", fence_mode="proxy_drain", chunk_tokens=16)
+    r = predict("slingshot11-libfabric-a100x4", w, k, phase="dispatch")
+    puts = math.ceil(106 / 16)  # 7 per peer
+    assert r.transfers == 12 * puts and r.fences == 12  # decoupled per peer
+    assert r.bytes_on_wire == pytest.approx(15 * rows * 4192 + 15 * 8, rel=1e-12)
+    tiles = predict("slingshot11-libfabric-a100x4", w, k, phase="dispatch", layout="expert_tiles")
+    assert tiles.bytes_on_wire / r.bytes_on_wire == pytest.approx(128 * 4096 / (rows * 4192), rel=1e-3)
+
+
+def test_ibgda_posts_the_same_requests_from_the_gpu() -> None:
+    """No runtime transport: the proxy's per-rank layout and request sequence, posted by GPU CTAs (SM time)."""
+    w = Workload(QWEN, 1024, 4, 8)
+    k = Knobs(transport="proxy", fence_mode="nic_ordered", chunk_tokens=32, group_size=4)
+    rc = predict("ndr-ibrc-h100x8", w, k)
+    gda = predict("ndr-ibgda-h100x8", w, k.replace(transport="ibgda"))
+    rows = 1024 * (1 - math.comb(124, 8) / math.comb(128, 8))  # 32 PEs, 4 experts each
+    puts = math.ceil(math.ceil(rows) / 32)
+    assert (gda.transfers, gda.fences, gda.bytes_on_wire) == (rc.transfers, rc.fences, pytest.approx(rc.bytes_on_wire))
+    assert gda.transfers == 2 * 24 * puts and gda.fences == 2 * 24 * math.ceil(puts / 4)
+    assert gda.phases["dispatch.gpu_post"] > 0 and gda.phases["dispatch.sm_contention"] > 0
+
+
+def test_dispatch_waits_for_the_pack_kernel() -> None:
+    """The rows for every rank, this one's own too (S x sum of P(needs r) rows), are packed before any PUT: a
+    launch plus one read and one write of them at HBM speed; combine sends the expert output unpacked."""
+    pr = load_preset("nvlink-h200x2")
+    r = predict(pr, Workload(DSV3, 4096, 1, 2), _proxy())
+    packed = 2 * DSV3_ROWS_2 * DSV3_ROW
+    assert r.phases["dispatch.pack"] == pytest.approx(
+        pr.get("gpu.launch_us") + packed / (pr.get("gpu.hbm_gbps") * 1e3 / 2), rel=1e-12)
+    assert "combine.pack" not in r.phases
+    assert r.dispatch_us > r.phases["dispatch.pack"]

@@ -13,10 +13,10 @@ from moetune.runtime.shapes import get_model
 from moetune.tuner.fabric_model.predict import (
     PresetError,
     Workload,
+    expert_tiles_per_peer,
     load_preset,
     predict,
     predict_transfers,
-    transfers_per_peer,
 )
 from moetune.tuner.fabric_model.routing import expert_inclusion, pe_loads, spread_quantiles
 
@@ -28,8 +28,9 @@ FIXED = Knobs(transport="proxy", signalling="decoupled", fence_mode="nic_ordered
 
 def test_perseus_count_96_transfers_12_fences() -> None:
     # Qwen3-30B on 4 nodes x 4 GPUs: each PE sends 8 experts to 12 remote PEs = 96 transfers -> 12 fences
+    # (Perseus's tile-based kernels: layout expert_tiles; the runtime's proxy posts 12 PUTs, one per peer)
     w = Workload(QWEN, 256, 4, 4)
-    r = predict(SLINGSHOT, w, DECOUPLED, phase="dispatch")
+    r = predict(SLINGSHOT, w, DECOUPLED, phase="dispatch", layout="expert_tiles")
     assert r.transfers == 96
     assert r.fences == 12
     assert r.modelled is True
@@ -39,17 +40,20 @@ def test_perseus_count_96_transfers_12_fences() -> None:
 @pytest.mark.parametrize("tokens", [256, 4096])
 def test_fence_count_is_transfers_over_group_size(group: int, tokens: int) -> None:
     w = Workload(QWEN, tokens, 4, 4)
-    r = predict(SLINGSHOT, w, FIXED.replace(group_size=group))
+    r = predict(SLINGSHOT, w, FIXED.replace(group_size=group), layout="expert_tiles")
     assert r.fences * group == r.transfers
-    coupled = predict(SLINGSHOT, w, Knobs(transport="proxy", signalling="coupled", fence_mode="proxy_drain"))
+    coupled = predict(SLINGSHOT, w, Knobs(transport="proxy", signalling="coupled", fence_mode="proxy_drain"),
+                      layout="expert_tiles")
     assert coupled.fences == coupled.transfers
 
 
 def test_tiles_multiply_transfers() -> None:
-    # 4096 tokens x top-8 / 128 experts = 256 tokens per expert = 2 tiles of 128
+    # layout expert_tiles: 4096 tokens x top-8 / 128 experts = 256 tokens per expert = 2 tiles of 128
     w = Workload(QWEN, 4096, 4, 4)
-    assert transfers_per_peer(w) == 16
-    assert predict(SLINGSHOT, w, FIXED, phase="dispatch").transfers == 12 * 16
+    assert expert_tiles_per_peer(w) == 16
+    assert predict(SLINGSHOT, w, FIXED, phase="dispatch", layout="expert_tiles").transfers == 12 * 16
+    # the runtime's layout: one PUT per remote peer, whatever the tile
+    assert predict(SLINGSHOT, w, FIXED, phase="dispatch").transfers == 12
 
 
 def test_round_robin_nic_ordered_multi_qp_is_unsafe_never_predicted() -> None:
@@ -66,7 +70,9 @@ def test_round_robin_nic_ordered_multi_qp_is_unsafe_never_predicted() -> None:
 def test_nonsense_is_a_clear_error() -> None:
     w = Workload(QWEN, 256, 4, 4)
     with pytest.raises(KnobError, match="does not divide"):
-        predict(SLINGSHOT, w, FIXED.replace(group_size=3))
+        predict(SLINGSHOT, w, FIXED.replace(group_size=3), layout="expert_tiles")
+    with pytest.raises(ValueError, match="proxy or ibgda only"):
+        predict("nvlink-h200x2", Workload(QWEN, 256, 1, 2), Knobs(transport="nvlink"), layout="expert_tiles")
     with pytest.raises(ValueError, match="tokens_per_gpu"):
         Workload(QWEN, -5, 4, 4)
     with pytest.raises(ValueError, match="do not divide evenly"):
@@ -105,9 +111,14 @@ def test_fence_cost_grows_with_destinations() -> None:
 
 def test_signals_are_extra_messages() -> None:
     w = Workload(QWEN, 256, 4, 4)
-    r = predict(SLINGSHOT, w, FIXED, phase="dispatch")
+    r = predict(SLINGSHOT, w, FIXED, phase="dispatch", layout="expert_tiles")
     payload = 96 * 16 * QWEN.hidden * 2 + 3 * 8 * 16 * QWEN.hidden * 2  # remote + NVLink peers
     assert r.bytes_on_wire == pytest.approx(payload + 96 * 8)
+    # the runtime's layout: 15 peers x rows x (4096 B payload + 8 ids x 8 B + 8 weights x 4 B = 4192 B, a
+    # multiple of 16), one signal per peer (12 through the proxy, 3 NVLink signal words)
+    rows = 256 * (1 - math.comb(120, 8) / math.comb(128, 8))
+    r = predict(SLINGSHOT, w, FIXED, phase="dispatch")
+    assert r.bytes_on_wire == pytest.approx(15 * rows * 4192 + 15 * 8)
 
 
 def test_fp8_halves_payload_plus_scales() -> None:
@@ -187,14 +198,17 @@ def test_zipf_routing_is_deterministic_and_skewed() -> None:
                               qp_mapping="round_robin", qps_per_pe=2, chunk_tokens=16)),
 ])
 @pytest.mark.parametrize("routing", ["uniform", "zipf:1.2"])
-def test_periodic_extrapolation_is_exact(preset: str, knobs: Knobs, routing: str, monkeypatch) -> None:
+@pytest.mark.parametrize("layout", ["expert_tiles", "runtime"])
+def test_periodic_extrapolation_is_exact(preset: str, knobs: Knobs, routing: str, layout: str, monkeypatch) -> None:
     gpn = load_preset(preset).gpus_per_node
     w = Workload(QWEN, 6144, 4, gpn, routing=routing, tile=8)
+    if layout == "runtime":  # ~630 rows per peer: 4-row PUTs make long periodic runs
+        knobs = knobs.replace(chunk_tokens=4)
     before = model_queue.STATS["advanced"]
-    fast = predict(preset, w, knobs)
+    fast = predict(preset, w, knobs, layout=layout)
     assert model_queue.STATS["advanced"] > before  # the periodic shortcut was taken
     monkeypatch.setattr(model_queue, "EXTRAPOLATE", False)
-    slow = predict(preset, w, knobs)
+    slow = predict(preset, w, knobs, layout=layout)
     assert fast.latency_us == pytest.approx(slow.latency_us, rel=1e-9)
     assert (fast.fences, fast.nic_stalls, fast.proxy_stalls, fast.transfers) == (
         slow.fences, slow.nic_stalls, slow.proxy_stalls, slow.transfers)
@@ -246,16 +260,21 @@ def test_periodic_jump_matches_full_replay_on_random_cases(monkeypatch) -> None:
                       group_size=0 if signalling == "coupled" else rng.choice([0, 1, 2]),
                       fence_mode="nic_ordered" if transport == "ibgda" else rng.choice(["proxy_drain", "nic_ordered"]),
                       qp_mapping=rng.choice(["round_robin", "peer_hash"]), qps_per_pe=rng.choice([1, 2]),
-                      chunk_tokens=rng.choice([0, 16]), num_sms=rng.choice([1, 24]))
+                      chunk_tokens=rng.choice([0, 4, 16]), num_sms=rng.choice([1, 24]))
             w = Workload(get_model(rng.choice(["qwen3-30b", "deepseek-v3"])), rng.choice([512, 2048]),
                          rng.choice([2, 4]), load_preset(name).gpus_per_node,
                          routing=rng.choice(["uniform", "zipf:1.2"]), tile=rng.choice([8, 32]))
         except (KnobError, ValueError):
             continue
-        monkeypatch.setattr(model_queue, "EXTRAPOLATE", True)
-        a = predict(name, w, k)
+        layout = rng.choice(["runtime", "expert_tiles"])
+        try:
+            monkeypatch.setattr(model_queue, "EXTRAPOLATE", True)
+            a = predict(name, w, k, layout=layout)
+        except KnobError:  # a group size that does not divide the tile grid
+            continue
         monkeypatch.setattr(model_queue, "EXTRAPOLATE", False)
-        b = predict(name, w, k)
+        b = predict(name, w, k, layout=layout)
         assert a.latency_us == pytest.approx(b.latency_us, rel=1e-9), (name, k, w)
-        assert (a.fences, a.nic_stalls, a.proxy_stalls) == (b.fences, b.nic_stalls, b.proxy_stalls)
+        assert (a.fences, a.nic_stalls, a.proxy_stalls, a.transfers) == (
+            b.fences, b.nic_stalls, b.proxy_stalls, b.transfers)
         checked += 1

@@ -220,12 +220,15 @@ def test_sweep_values_predict_refuses_are_refused(args: list[str], needle: str) 
 
 
 def test_sweep_keeps_na_for_settings_one_mode_cannot_run() -> None:
-    # group_size 3 is a valid knob value but does not divide this workload's transfers: n/a, not an error
+    # round_robin over 2 QPs is valid with proxy_drain, unsafe with nic_ordered: n/a there, not an error; group
+    # size 3 runs (the runtime's proxy sends a last partial group, it need not divide the PUTs per peer)
     r = runner.invoke(app, ["model", "sweep", "-p", "slingshot11-libfabric-a100x4", "-n", "4", "-t", "256",
+                            "--knobs", "fence_mode=proxy_drain,qp_mapping=round_robin,qps_per_pe=2",
                             "--values", "1,3", "--json"])
     assert r.exit_code == 0, r.output
-    rows = json.loads(r.output)["series"]["decoupled/nic_ordered"]
-    assert "error" not in rows[0] and "does not divide" in rows[1]["error"]
+    series = json.loads(r.output)["series"]
+    assert all("error" not in x for x in series["decoupled/proxy_drain"])
+    assert all("error" in x for x in series["decoupled/nic_ordered"])
 
 
 # -- 5. user-supplied text is never Rich markup -----------------------------------------------------------

@@ -69,7 +69,7 @@ def predict_cmd(
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", "-g", help="GPUs per node (default: the preset's)."),
     knobs: str = typer.Option("", "--knobs", "-k", help="Knob overrides name=value,... (default: the preset's transport defaults)."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:<exponent>."),
-    tile: int = typer.Option(128, "--tile", help="Tokens per tile (one PUT per tile)."),
+    tile: int = typer.Option(128, "--tile", help="Tokens per tile (expert GEMM padding)."),
     phase: str = typer.Option("both", "--phase", help="both, dispatch or combine."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
@@ -188,7 +188,7 @@ def sweep_cmd(
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", "-g", help="GPUs per node (default: the preset's)."),
     knobs: str = typer.Option("", "--knobs", "-k", help="Base knob overrides."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:<exponent>."),
-    tile: int = typer.Option(128, "--tile", help="Tokens per tile (one PUT per tile)."),
+    tile: int = typer.Option(128, "--tile", help="Tokens per tile (expert GEMM padding)."),
     out: Path | None = typer.Option(None, "--out", help="Write a plot (latency and fences vs x, per fence mode): PNG, "
                                     "or the format of the file's suffix (.svg, .pdf, ...); no suffix: FILE.png."),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
@@ -212,7 +212,7 @@ def sweep_cmd(
             _fail(f"--values: nothing to sweep in {values!r}; give comma-separated integers")
         _check_sweep_values(over, xs, w0)
     elif over == "group_size":
-        xs = _divisors(transfers_per_peer(w0))
+        xs = _divisors(transfers_per_peer(w0, k0.chunk_tokens))
     elif over == "nodes":
         xs = [1, 2, 4, 8, 16]
     else:

@@ -12,6 +12,7 @@ _LAZY = {
     "SIGNAL_BYTES": ".predict",
     "TransferPrediction": ".predict",
     "Workload": ".predict",
+    "expert_tiles_per_peer": ".predict",
     "predict_transfers": ".predict",
     "transfers_per_peer": ".predict",
 }
@@ -27,6 +28,7 @@ __all__ = [
     "Prediction",
     "TransferPrediction",
     "Workload",
+    "expert_tiles_per_peer",
     "predict_transfers",
     "transfers_per_peer",
 ]

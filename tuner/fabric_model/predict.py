@@ -14,8 +14,8 @@ Nothing here is a curve fit of end results; the model carries the mechanisms (DE
   libfabric fence = quiet; IBRC fence = quiet once a device has more than one RC QP), then the proxy
   walks every PE once (per-PE cost); `nic_ordered` only flags the next signal, which the NIC holds
   until the earlier requests on its own QP completed (a NIC stall; the proxy never waits).
-* signals are extra small messages (one per transfer; coupled: PUT, FENCE, SIGNAL per transfer;
-  decoupled: a group's PUTs, one FENCE, the group's signals).
+* signals are extra small messages: coupled, PUT, FENCE, SIGNAL per transfer; decoupled, a group's PUTs,
+  one FENCE, then one SIGNAL (the runtime's layout) or the group's signals, one per PUT (`expert_tiles`).
 * intra-node peers go over NVLink (no proxy: launch latency + bytes / bandwidth, signals as device
   writes) when the preset has NVLink; `host_staged` crosses PCIe twice (device→host, host→device) in
   chunks with double buffering (pipeline_depth) and duplex links; `collective` is an NCCL all-to-all.
@@ -29,12 +29,21 @@ S x P(token needs r) (`routing.rank_hits`: exact hypergeometric under uniform ro
 * nvlink: one kernel, `num_sms / world` CTAs per destination (csrc/ep_nvlink.cu mt_nvl_ctas_per_peer),
   each one transfer with its own signal slot; coupled: a system fence per CTA, decoupled: one per group
   of group_size CTAs (0: all of a peer's).
-* proxy: the runtime packs the rows for every peer first (one pack kernel), then posts ONE PUT per peer,
-  or ceil(rows / chunk_tokens) PUTs of chunk_tokens rows (csrc/proxy_xchg.h produce_exchange; at most
-  MT_MAX_SLOTS = 1024 per peer); coupled: a signal per PUT, decoupled: a signal per group_size PUTs (0:
-  one per peer; a last partial group is allowed). NOT YET MODELLED SO: the queued path (proxy, and
-  ibgda, which has no runtime transport) still sends one copy per (token, expert) in per-expert tiles
-  of `tile` tokens, each a signalled PUT (see `_phase_queued`).
+* proxy: the runtime packs the rows for every peer first (one pack kernel, csrc/ep_pack.cu: a grid over
+  every SM, so HBM-bound; combine sends the expert output as it is), then its single producer thread
+  posts per peer ONE PUT, or ceil(rows / chunk_tokens) PUTs of chunk_tokens rows, the last one partial
+  (csrc/proxy_xchg.h produce_exchange; at most MT_MAX_SLOTS = 1024 per peer, larger chunks then); coupled:
+  a signal (and fence) per PUT, decoupled: one per group_size PUTs (0: one per peer; a last partial group
+  is allowed, so any group size is valid). The model replays these requests on the queue above; intra-node
+  peers go over NVLink (same rows, same signal count) unless the preset's proxy serves them.
+  Not modelled: the count words the runtime's exchange posts first (world x world 8-byte writes through the
+  proxy, plus exchange_counts' world), its PUT to its own rank (a local copy), the final combine reduce.
+* ibgda (no runtime transport): the same per-rank layout and request sequence, posted from GPU CTAs (the
+  CTAs take the destinations' runs of PUTs in turn); the posting time is SM time taken from compute.
+* `predict(..., layout="expert_tiles")` (proxy, ibgda): one bare copy per (token, expert) in tiles of
+  `tile` tokens per expert, each tile a signalled PUT (decoupled: the group's signals, one per PUT), what
+  the tile-based EP kernels Perseus measured send (DESIGN §1) and DESIGN §8's megakernel would put across
+  nodes; no moetune transport sends it. The Perseus reproductions use it.
 * collective: one all_to_all_single of the packed rows. `predict(..., layout="nccl_k_copies")` instead
   describes a plain NCCL all_to_all_single of k copies of each H-wide token (DESIGN §6's baseline and the
   calibration rows): what those measurements moved, not what the runtime sends.
@@ -75,7 +84,7 @@ __all__ = [
 SIGNAL_BYTES = 8
 MAX_MESSAGES = 2_000_000  # guard against absurd chunking
 MAX_SLOTS = 1024  # csrc/mt_common.h MT_MAX_SLOTS: signal slots (PUTs, CTAs) per source and peer
-LAYOUTS = ("runtime", "nccl_k_copies")
+LAYOUTS = ("runtime", "nccl_k_copies", "expert_tiles")
 
 # The knobs `predict` reads, per transport (compression and scale_granularity set the dispatch's bytes on
 # every transport). Any other knob leaves the prediction unchanged: a search on the model must keep it at
@@ -100,6 +109,7 @@ class Workload(msgspec.Struct, frozen=True):
     nodes: int
     gpus_per_node: int
     routing: str = "uniform"
+    # tokens per tile: the expert GEMMs' row padding, and the PUT size of layout `expert_tiles`
     tile: int = 128
     # False: GPUs of a node may not talk peer-to-peer (NCCL_P2P_DISABLE=1): intra-node traffic is staged.
     p2p: bool = True
@@ -343,7 +353,7 @@ def _token_bytes(model: ModelShape, knobs: Knobs, *, dispatch: bool, layout: str
     fp8 = dispatch and knobs.compression == "fp8_e4m3"
     scales = (1 if knobs.scale_granularity == "per_token" else math.ceil(h / 128)) if fp8 else 0
     payload = h if fp8 else h * DTYPES[model.dtype]
-    if not dispatch or layout != "runtime":  # nccl_k_copies, or the queued path's per_expert_tiles
+    if not dispatch or layout != "runtime":  # nccl_k_copies or expert_tiles: bare copies of the payload
         return float(payload + 4 * scales)
     k = model.topk
     return float(_align(_align(payload, 8) + 8 * k + 4 * k + 4 * scales, 16))
@@ -422,68 +432,138 @@ def _nvlink_signals(p: _P, knobs: Knobs, world: int) -> tuple[int, int]:
     return cpp, math.ceil(cpp / g)
 
 
-def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, t0: float) -> _Phase:
-    """Dispatch (source PE 0 sends each remote expert its tokens) or combine (the most loaded PE
-    returns its experts' outputs to every token owner) over proxy/IBGDA + NVLink inside the node.
+def _chunking(rows: float, chunk_tokens: int) -> tuple[int, int]:
+    """(rows per PUT, PUTs) for `rows` expected rows to one peer, as csrc/proxy_xchg.h `chunking` splits a
+    count: chunk_tokens rows per PUT (0: one PUT for all), at most MAX_SLOTS PUTs (larger chunks then)."""
+    if rows <= 0:
+        return 1, 0
+    cnt = max(1, math.ceil(rows - 1e-9))
+    c = chunk_tokens if chunk_tokens > 0 else cnt
+    n = -(-cnt // c)
+    if n > MAX_SLOTS:
+        c = -(-cnt // MAX_SLOTS)
+        n = -(-cnt // c)
+    return c, n
 
-    NOT YET the runtime's layout: this still sends one copy per (token, expert), in tiles of `tile`
-    tokens per expert, while the runtime's proxy sends each token once per destination rank in one PUT
-    per peer (or ceil(rows / chunk_tokens) PUTs; csrc/proxy_xchg.h produce_exchange). Bytes are
-    overcounted (~4x at 2 ranks, ~1.25x at 16 with E=256, k=8) and PUT/fence counts are per expert tile."""
-    ph = _Phase()
-    S = w.tokens_per_gpu
+
+def _signals_per_peer(knobs: Knobs, puts: int) -> int:
+    """Signals (= fences) the runtime's proxy posts for `puts` PUTs to one peer: coupled one per PUT;
+    decoupled one per group of group_size PUTs, a last partial group included (0: one per peer)."""
+    if puts <= 0:
+        return 0
+    if knobs.signalling == "coupled":
+        return puts
+    g = knobs.group_size if knobs.group_size > 0 else puts
+    return -(-puts // g)
+
+
+def _rank_runs(rows: float, tb: float, ck: int, ready: float) -> list[tuple[float, int, int, float, float]]:
+    """One peer's PUTs in the runtime layout: full chunks of `c` rows, then the last (partial) chunk; every
+    row packed before the exchange starts (all ready at `ready`)."""
+    c, n = _chunking(rows, ck)
+    if n == 0:
+        return []
+    if n == 1:
+        return [(rows * tb, 1, 1, ready, 0.0)]
+    return [(c * tb, n - 1, 1, ready, 0.0), ((rows - (n - 1) * c) * tb, 1, 1, ready, 0.0)]
+
+
+def _queued_peers(p: _P, w: Workload, knobs: Knobs, src: int) -> tuple[list[int], list[int], bool]:
+    """(peers reached through the queue in post order, peers reached over NVLink, NVLink used) of PE `src`."""
     P, G = w.pes, w.gpus_per_node
-    epp = loads.shape[1]
-    # bare payload (no ids/weights): this path is not the runtime's row layout yet (see above)
-    tb = _token_bytes(w.model, knobs, dispatch=dispatch, layout="per_expert_tiles")
-    kind = knobs.transport
-    intra_by_proxy = kind == "proxy" and p.proxy_intra
+    intra_by_proxy = knobs.transport == "proxy" and p.proxy_intra
     nvl_intra = p.has_nvl and w.p2p and not intra_by_proxy
-    row_sums = loads.sum(axis=1)
-    if dispatch:
-        remote_pes = [d for d in range(G, P)]
-        local_pes = list(range(1, G))
-        per_dest = {d: [S * float(x) * tb for x in loads[d]] for d in range(1, P)}
-    else:
-        src = int(row_sums.argmax())
-        node = src // G
-        remote_pes = [d for d in range(P) if d // G != node]
-        remote_pes = remote_pes[(node * G) % max(1, len(remote_pes)):] + remote_pes[: (node * G) % max(1, len(remote_pes))]
-        local_pes = [d for d in range(node * G, node * G + G) if d != src]
-        mine = [S * float(x) * tb for x in loads[src]]
-        per_dest = {d: mine for d in range(P) if d != src}
-    if intra_by_proxy:
-        remote_pes = local_pes + remote_pes
-        local_pes = []
-    elif not nvl_intra and local_pes:
-        # no NVLink (or P2P disabled): intra-node peers go through the NIC loopback / proxy like remote
-        remote_pes = local_pes + remote_pes
-        local_pes = []
-    if remote_pes and not p.has_nic and not intra_by_proxy:
+    node = src // G
+    remote = [d for d in range(P) if d // G != node]
+    rot = (node * G) % max(1, len(remote))
+    remote = remote[rot:] + remote[:rot]
+    local = [d for d in range(node * G, node * G + G) if d != src]
+    if not nvl_intra:
+        # the proxy serves this node's peers too, or there is no NVLink / P2P: they go through the queue
+        remote, local = local + remote, []
+    if remote and not p.has_nic and not intra_by_proxy:
         raise ValueError(f"preset {p.name!r} has no network: it cannot reach PEs on other nodes")
-    # transfers: one per (source PE, remote expert), split into tiles of `tile` tokens (each tile is
-    # one PUT with its own signal, as tile-based EP kernels send them); chunk_tokens further splits a
-    # tile into NIC messages
+    return remote, local, nvl_intra
+
+
+def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hits, t0: float,
+                  layout: str = "runtime") -> _Phase:
+    """Dispatch (source PE 0 sends every other PE its rows) or combine (the most needed PE returns one row
+    per row it received to every token owner) over proxy/IBGDA + NVLink inside the node.
+
+    layout `runtime` (default): what runtime/transports/proxy.py + csrc/proxy_xchg.h send (module docstring):
+    one pack kernel writes every peer's rows (dispatch; combine sends the expert output as it is), then per
+    peer ceil(rows / chunk_tokens) PUTs (one with chunk_tokens 0, at most MAX_SLOTS), signals by
+    `_signals_per_peer`. IBGDA posts the same requests from GPU CTAs. `expert_tiles`: one bare copy per
+    (token, expert) in tiles of `tile` tokens per expert, each tile a PUT with its own signal (see
+    `predict`)."""
+    ph = _Phase()
+    S, P, G = w.tokens_per_gpu, w.pes, w.gpus_per_node
+    kind = knobs.transport
+    tiles = layout == "expert_tiles"
+    tb = _token_bytes(w.model, knobs, dispatch=dispatch, layout=layout)
     ck = knobs.chunk_tokens
-    pack_bw = min(max(1, knobs.num_sms) * p.sm_copy, p.hbm / 2.0)
-    acc = t0 + p.launch
+    if tiles:
+        row_sums = loads.sum(axis=1)
+        src = 0 if dispatch else int(row_sums.argmax())
+    else:
+        src = 0 if dispatch else int(hits.argmax())
+    remote_pes, local_pes, nvl_intra = _queued_peers(p, w, knobs, src)
     dests = []
     rtts = _rtts(p, len(remote_pes)) if remote_pes else []
     nmsg = 0
     total_bytes = 0.0
-    for i, d in enumerate(remote_pes):
-        runs = []
-        for b in per_dest[d]:
-            tk = b / tb
-            n = max(1, math.ceil(tk / w.tile - 1e-9))
-            tile_b = b / n
-            m = max(1, math.ceil(tk / n / ck - 1e-9)) if ck else 1
-            step = tile_b / pack_bw
-            runs.append((tile_b, n, m, acc + step, step))
-            acc += b / pack_bw
-            nmsg += n * m
-            total_bytes += b
-        dests.append((rtts[i], runs))
+    local_bytes = [0.0] * len(local_pes)
+    local_groups = 0
+    if tiles:
+        # one transfer per (source PE, remote expert), split into tiles of `tile` tokens (each tile is one PUT
+        # with its own signal, as tile-based EP kernels send them); chunk_tokens splits a tile into NIC messages
+        if dispatch:
+            per_dest = {d: [S * float(x) * tb for x in loads[d]] for d in range(1, P)}
+        else:
+            mine = [S * float(x) * tb for x in loads[src]]
+            per_dest = {d: mine for d in range(P) if d != src}
+        pack_bw = min(max(1, knobs.num_sms) * p.sm_copy, p.hbm / 2.0)
+        acc = t0 + p.launch
+        for i, d in enumerate(remote_pes):
+            runs = []
+            for b in per_dest[d]:
+                tk = b / tb
+                n = max(1, math.ceil(tk / w.tile - 1e-9))
+                tile_b = b / n
+                m = max(1, math.ceil(tk / n / ck - 1e-9)) if ck else 1
+                step = tile_b / pack_bw
+                runs.append((tile_b, n, m, acc + step, step))
+                acc += b / pack_bw
+                nmsg += n * m
+                total_bytes += b
+            dests.append((rtts[i], runs))
+        epp = loads.shape[1]
+        local_bytes = [sum(per_dest[d]) for d in local_pes]
+        local_groups = len(local_pes) * (epp if knobs.signalling == "coupled" else
+                                         max(1, epp // (knobs.group_size or epp)))
+        # receiver ingress: the most loaded receiver takes bytes from every other PE
+        per_sender = float(row_sums.max() if dispatch else row_sums.mean()) * S * tb
+        ready = t0
+    else:
+        rows_to = {d: S * float(hits[d] if dispatch else hits[src]) for d in range(P) if d != src}
+        # dispatch: one pack kernel (csrc/ep_pack.cu rows: a grid over every SM, each byte read and written)
+        # writes the rows for every rank, this one's own included, before the exchange kernel starts
+        pack = S * float(hits.sum()) * tb / (p.hbm / 2.0) + p.launch if dispatch else 0.0
+        ready = t0 + pack + p.launch
+        if pack:
+            ph.parts["pack"] = pack
+        for i, d in enumerate(remote_pes):
+            runs = _rank_runs(rows_to[d], tb, ck, ready)
+            nmsg += sum(r[1] for r in runs)
+            total_bytes += rows_to[d] * tb
+            dests.append((rtts[i], runs))
+        for j, d in enumerate(local_pes):
+            local_bytes[j] = rows_to[d] * tb
+            local_groups += _signals_per_peer(knobs, _chunking(rows_to[d], ck)[1])
+        # receiver ingress: dispatch, the most needed PE takes its rows from every other PE; combine, a token
+        # owner takes back one row per row it sent
+        per_sender = S * tb * float(hits.max() if dispatch else hits.mean())
     if nmsg > MAX_MESSAGES:
         raise ValueError(f"chunk_tokens={ck} gives {nmsg} messages per PE; use larger chunks")
     fence = "drain" if knobs.fence_mode == "proxy_drain" else "nic"
@@ -492,34 +572,28 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, t0
         r = run_queue(
             p, kind, dests, npes=P, signalling=knobs.signalling, group=knobs.group_size, fence=fence,
             qp_mapping=knobs.qp_mapping, qps=knobs.qps_per_pe, num_sms=knobs.num_sms, t0=t0,
+            group_signal=not tiles,
         )
-        # receiver ingress: the most loaded receiver takes bytes from every other PE
-        if dispatch:
-            ing = float(row_sums.max()) * S * tb * (P - (G if nvl_intra else 1))
-        else:
-            ing = float(row_sums.mean()) * S * tb * (P - (G if nvl_intra else 1))
-        ing_t = t0 + p.launch + ing / p.nic_bw + p.rtt
+        ing = per_sender * (P - (G if nvl_intra else 1))
+        ing_t = (t0 + p.launch if tiles else ready) + ing / p.nic_bw + p.rtt
         t_net = max(r.last_arrive, ing_t)
         ph.fences, ph.proxy_stalls, ph.nic_stalls = r.fences, r.proxy_stalls, r.nic_stalls
-        ph.parts = {
+        ph.parts.update({
             "proxy_issue" if kind == "proxy" else "gpu_post": r.issue_busy,
             "fence_proxy_blocked": r.fence_busy,
             "fence_wait_completion": r.fence_wait,
             "nic_stall_held_sum": r.nic_wait,
             "wire": r.wire_us,
             "ingress_bound": ing_t - t0,
-        }
+        })
         ph.sm_us = 0.0 if kind == "proxy" else r.issue_busy
         ph.transfers = r.transfers
         ph.bytes += total_bytes + r.signals * SIGNAL_BYTES
     t_nvl = t0
     if local_pes:
-        bpp = [sum(per_dest[d]) for d in local_pes]
-        groups = len(local_pes) * (epp if knobs.signalling == "coupled" else
-                                   max(1, epp // (knobs.group_size or epp)))
-        t_nvl = t0 + _nvlink_time(p, bpp, groups, knobs.num_sms)
+        t_nvl = ready + _nvlink_time(p, local_bytes, local_groups, knobs.num_sms)
         ph.parts["nvlink"] = t_nvl - t0
-        ph.bytes += sum(bpp)
+        ph.bytes += sum(local_bytes) + (0 if tiles else local_groups * SIGNAL_BYTES)
     # IBGDA: SM time spent posting delays the compute the same SMs would do
     sm_pen = ph.sm_us / p.sms if kind == "ibgda" else 0.0
     ph.parts["sm_contention"] = sm_pen
@@ -632,12 +706,20 @@ def _phase_host_staged(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, load
     return ph
 
 
-def transfers_per_peer(w: Workload) -> int:
-    """The group-size grid: experts per PE x tiles of `tile` tokens per expert under uniform routing. A
-    decoupled group size must divide it (Knobs.check_workload), as in the tuner's search space
-    (tuner/search/space.py). NOT the runtime's transfer count: its proxy sends one PUT per peer (or
-    ceil(rows / chunk_tokens)), its nvlink kernel num_sms / world CTAs per peer, and both accept any
-    group size (a last partial group); see the module docstring."""
+def transfers_per_peer(w: Workload, chunk_tokens: int = 0) -> int:
+    """The group-size grid of the runtime's layout: the PUTs one PE posts to one peer under uniform routing,
+    ceil(S x P(token needs the peer) / chunk_tokens) (1 with chunk_tokens 0; at most MAX_SLOTS), the
+    transfers a decoupled group_size groups. Any group size is valid (a last partial group is sent as is,
+    csrc/proxy_xchg.h), so this is the range worth sweeping, not a divisibility rule. 1 for EP size 1."""
+    if w.pes < 2:
+        return 1
+    rows = w.tokens_per_gpu * float(rank_hits(w.model.experts, w.model.topk, 0.0, w.pes)[0])
+    return max(1, _chunking(rows, chunk_tokens)[1])
+
+
+def expert_tiles_per_peer(w: Workload) -> int:
+    """The group-size grid of layout `expert_tiles`: experts per PE x tiles of `tile` tokens per expert under
+    uniform routing. A decoupled group size must divide it there (Knobs.check_workload)."""
     per_expert = w.tokens_per_gpu * w.model.topk / w.model.experts
     return (w.model.experts // w.pes) * max(1, math.ceil(per_expert / w.tile - 1e-9))
 
@@ -657,7 +739,7 @@ def predict(
     knobs: Knobs,
     *,
     phase: Literal["both", "dispatch", "combine"] = "both",
-    layout: Literal["runtime", "nccl_k_copies"] = "runtime",
+    layout: Literal["runtime", "nccl_k_copies", "expert_tiles"] = "runtime",
 ) -> Prediction:
     """MODELLED cost of one dispatch and/or combine per GPU. Unsafe knobs raise KnobError; a workload
     the preset cannot run raises ValueError; an unknown preset raises PresetError (a ValueError).
@@ -665,7 +747,11 @@ def predict(
     `layout`: what goes on the wire. `runtime` (default): the runtime's layouts, each token once per
     destination rank it needs. `nccl_k_copies` (transport collective only): a plain NCCL
     all_to_all_single of k copies of each token, the experiment DESIGN §6's baseline (and the
-    calibration rows) measured."""
+    calibration rows) measured. `expert_tiles` (proxy and ibgda only): one bare copy per (token, expert)
+    in tiles of `tile` tokens per expert, each tile a PUT with its own signal (decoupled: a group's PUTs,
+    one fence, the group's signals): what the tile-based EP kernels Perseus measured send (DESIGN §1, the
+    transfer counts it reports) and what DESIGN §8's megakernel would put across nodes; no moetune
+    transport sends it today. There a decoupled group size must divide `expert_tiles_per_peer`."""
     preset = _as_preset(preset)
     if not isinstance(knobs, Knobs):
         raise KnobError(f"expected Knobs, got {type(knobs).__name__}")
@@ -673,17 +759,19 @@ def predict(
         raise ValueError(f"phase must be both, dispatch or combine, got {phase!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    if layout != "runtime" and knobs.transport != "collective":
+    if layout == "nccl_k_copies" and knobs.transport != "collective":
         raise ValueError(f"layout {layout!r} describes an NCCL all-to-all: transport collective only")
+    if layout == "expert_tiles" and knobs.transport not in ("proxy", "ibgda"):
+        raise ValueError(f"layout {layout!r} describes queued per-expert tile puts: transport proxy or ibgda only")
     _check_transport(preset, knobs)
     p = _params(preset)
     w = workload
     loads, hits = _route(w)
     if knobs.transport in ("proxy", "ibgda"):
-        knobs.check_workload(transfers_per_peer(w))
+        # the runtime's proxy takes any group size (a last partial group); the tile layout's groups must divide
+        if layout == "expert_tiles":
+            knobs.check_workload(expert_tiles_per_peer(w))
         _check_queued(preset, p, knobs)
-    elif knobs.transport == "nvlink":
-        knobs.check_workload(transfers_per_peer(w))
     if w.nodes > 1 and (not p.has_nic or (preset.max_nodes and w.nodes > preset.max_nodes)):
         raise ValueError(f"preset {preset.name!r} has no network between nodes; use nodes=1")
     phases_out: dict[str, float] = {}
@@ -693,7 +781,7 @@ def predict(
             continue
         disp = name == "dispatch"
         if knobs.transport in ("proxy", "ibgda"):
-            ph = _phase_queued(p, w, knobs, dispatch=disp, loads=loads, t0=0.0)
+            ph = _phase_queued(p, w, knobs, dispatch=disp, loads=loads, hits=hits, t0=0.0, layout=layout)
         elif knobs.transport == "nvlink":
             ph = _phase_nvlink(p, w, knobs, dispatch=disp, hits=hits)
         elif knobs.transport == "collective":
@@ -714,6 +802,9 @@ def predict(
     notes = ["MODELLED: predicted by the fabric model from preset parameters, not measured"]
     if layout == "nccl_k_copies":
         notes.append("collective: k copies per token on the wire (a plain NCCL all_to_all_single, DESIGN §6)")
+    elif layout == "expert_tiles":
+        notes.append("one copy per (token, expert) in per-expert tiles, a signalled PUT each (tile-based kernels "
+                     "as Perseus measured; not what moetune's runtime sends)")
     else:
         notes.append("each token once per destination rank that holds one of its experts (the runtime's layout)")
     return Prediction(

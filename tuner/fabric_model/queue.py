@@ -11,7 +11,9 @@ One source PE's requests are replayed in FIFO order, destination by destination:
 * `drain` fence: the proxy stops until every earlier request completed (if the transport's fence is a
   quiet), then walks every PE once; `nic` fence: the next signal carries the NIC fence flag and the QP
   holds it until the QP's earlier requests completed; `off`: no ordering (a counterfactual);
-* signals are 8-byte messages, one per transfer.
+* signals are 8-byte messages: coupled, one per transfer; decoupled, one per transfer of the group (the
+  tile layout's kernels, as Perseus counts) or, with `group_signal`, one per group (the runtime's proxy:
+  csrc/proxy_xchg.h produce_exchange posts one SIGNAL after each group of PUTs).
 
 Long runs of identical tiles (or groups) reach a periodic regime: once two consecutive periods move
 the state by the same amounts, the run jumps ahead by whole periods and the next period is checked to
@@ -265,6 +267,7 @@ def run_queue(
     qps: int,
     num_sms: int,
     t0: float = 0.0,
+    group_signal: bool = False,
 ) -> QueueSim:
     """Replay one PE's requests (see the module docstring); returns the final simulator state."""
     sim = QueueSim(p, kind, npes=npes, qps=qps, num_sms=num_sms, t0=t0)
@@ -318,6 +321,7 @@ def run_queue(
         period = qps
         qs = tuple(sorted({sim.qp(base + j) for j in range(qps)}))
         extrapolated: set[int] = set()
+        nsig = 1 if group_signal else gs  # signals after each whole group
         while ri < len(pending):
             b, n, m, r0, rstep, ci = pending[ri]
             if not put_only and ri not in extrapolated and gs < n and n >= gs * 3 * period:
@@ -327,17 +331,17 @@ def run_queue(
                 item = pending[ri]
                 st = [gi, rr]
 
-                def one(item=item, base=base, ci=ci, st=st, gs=gs, period=period, hashed=hashed) -> None:
+                def one(item=item, base=base, ci=ci, st=st, gs=gs, period=period, hashed=hashed, nsig=nsig) -> None:
                     g0, rr0 = st
                     for j in range(period):
                         _group_from_run(sim, item[0], gs, item[2], item[3] + j * gs * item[4], item[4], ci, base,
-                                        qps, hashed, g0 + j, rr0 + 2 * gs * j, fence)
+                                        qps, hashed, g0 + j, rr0 + (gs + nsig) * j, fence, nsig)
 
-                def skip(r: int, item=item, st=st, gs=gs, period=period) -> None:
+                def skip(r: int, item=item, st=st, gs=gs, period=period, nsig=nsig) -> None:
                     item[1] -= r * period * gs
                     item[3] += r * period * gs * item[4]
                     st[0] += r * period
-                    st[1] += 2 * gs * r * period
+                    st[1] += (gs + nsig) * r * period
 
                 _periodic(sim, qs, ci, (n // gs) // period, one, skip)
                 gi, rr = st
@@ -367,7 +371,7 @@ def run_queue(
             gi += 1
             if put_only:
                 continue
-            sig_n = gs - need
+            sig_n = 1 if group_signal else gs - need
             flagged = sim.fence(fence)
             if hashed:
                 sim.signal(sim.qp(q_grp), sig_n, flagged, last_post, ci)
@@ -380,13 +384,13 @@ def run_queue(
 
 
 def _group_from_run(sim: QueueSim, b: float, gs: int, m: int, r0: float, rstep: float, ci: int, base: int,
-                    qps: int, hashed: bool, gi: int, rr: int, fence: str) -> None:
-    """One decoupled group of gs identical tiles: PUTs, one fence, signals."""
+                    qps: int, hashed: bool, gi: int, rr: int, fence: str, nsig: int) -> None:
+    """One decoupled group of gs identical tiles: PUTs, one fence, nsig signals (gs, or 1 per group)."""
     if hashed:
         q = sim.qp(base + (gi % qps))
         post = sim.put(q, b, gs, m, r0, rstep, ci, False)
         flagged = sim.fence(fence)
-        sim.signal(q, gs, flagged, post, ci)
+        sim.signal(q, nsig, flagged, post, ci)
         return
     post = 0.0
     for j in range(min(qps, gs)):
@@ -394,8 +398,8 @@ def _group_from_run(sim: QueueSim, b: float, gs: int, m: int, r0: float, rstep: 
         post = max(post, sim.put(sim.qp(base + ((rr + j) % qps)), b, cnt, m, r0 + j * rstep, rstep * qps, ci, False))
     rr += gs
     flagged = sim.fence(fence)
-    for j in range(min(qps, gs)):
-        cnt = gs // qps + (1 if j < gs % qps else 0)
+    for j in range(min(qps, nsig)):
+        cnt = nsig // qps + (1 if j < nsig % qps else 0)
         sim.signal(sim.qp(base + ((rr + j) % qps)), cnt, flagged and j == 0, post, ci)
 
 
