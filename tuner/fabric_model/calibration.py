@@ -20,7 +20,7 @@ to the worst relative error plus a quarter of the mean squared one (so no single
 
 A fit is checked before anyone may use it (`FitReport.problems`; `usable` is False when there are any):
 only the parameters the rows constrain are fitted (the others keep the preset's sourced values, listed in
-`kept`), each fitted group needs more distinct rows than fitted parameters, every fitted value must be
+`kept`; so does one the fit moved to where the rows no longer see it, and the rest are fitted again), each fitted group needs more distinct rows than fitted parameters, every fitted value must be
 positive and within the physical bounds known (PCIe 5.0, the NIC port's line rate from discovery), and
 the error must stay within MAX_ROW_ERR per row and MAX_MEAN_ERR on average.
 """
@@ -455,13 +455,22 @@ def _plan(preset: Preset, points: list[Point], params: list[str]) -> tuple[list[
     return out, kept, problems
 
 
+def _arbitrary(preset: Preset, points: list[Point], clusters: list[tuple[set[str], list[str]]]) -> dict[str, str]:
+    """{fitted parameter: why} for those that `preset`'s values put where the rows no longer see them (or see them
+    only through others): there their value is arbitrary."""
+    out: dict[str, str] = {}
+    for groups, specs in clusters:
+        out.update(_identify(preset, [p for p in points if p.group in groups], specs)[2])
+    return out
+
+
 def _check(preset: Preset, points: list[Point], clusters: list[tuple[set[str], list[str]]],
            nic_line_rate_gbs: float | None) -> list[str]:
     """Problems of the fitted `preset` (predictions already in `points`): bounds, identifiability at the fitted
     values, the fit error."""
     problems: list[str] = []
     values = preset.numeric()
-    for groups, specs in clusters:
+    for _groups, specs in clusters:
         for k in _expand({s: 0.0 for s in specs}):
             v = values[k]
             if not (math.isfinite(v) and v > 0):
@@ -471,10 +480,8 @@ def _check(preset: Preset, points: list[Point], clusters: list[tuple[set[str], l
             elif k in NIC_RATE_PARAMS and nic_line_rate_gbs is not None and v > nic_line_rate_gbs * (1 + 1e-9):
                 problems.append(f"{k} fitted to {v:.4g} GB/s, above the NIC port's line rate {nic_line_rate_gbs:g} GB/s "
                                 f"({8 * nic_line_rate_gbs:g} Gb/s): the rows or the model are wrong")
-        # a parameter pushed where the rows no longer see it (or see it only through others) is arbitrary there
-        _idx, _chosen, dropped = _identify(preset, [p for p in points if p.group in groups], specs)
-        for s, why in dropped.items():
-            problems.append(f"{s} at its fitted value {values[s.split('+')[0]]:.4g}: {why}, so its value is arbitrary")
+    for s, why in _arbitrary(preset, points, clusters).items():
+        problems.append(f"{s} at its fitted value {values[s.split('+')[0]]:.4g}: {why}, so its value is arbitrary")
     errs = [abs(p.rel_err) for p in points]
     mean = sum(errs) / len(errs)
     if max(errs) > MAX_ROW_ERR or mean > MAX_MEAN_ERR:
@@ -518,9 +525,34 @@ def calibrate(
     rows do not constrain keep the preset's values (`kept`); `problems` says why the fit cannot be trusted
     (too few rows, a value outside its physical bounds, `nic_line_rate_gbs` included, a poor fit)."""
     preset, points, skipped, params = _prepare(preset, rows, params)
+    before = dict(preset.numeric())
+    # A parameter the rows constrain at the preset's value may be fitted to where they no longer see it (a host
+    # latency fitted small beside a bandwidth): its value there is arbitrary. It then keeps the preset's sourced
+    # value, as one the rows never constrained does, and the others are fitted again without it; the fit error
+    # checks whether the preset's value still describes the rows. Each pass fits fewer parameters, so this ends.
+    let_go: dict[str, str] = {}
+    while True:
+        clusters, kept, problems = _plan(preset, points, params)
+        values = _fit(preset, points, clusters, rounds)
+        fitted = preset.with_params(values, source=None)
+        arbitrary = _arbitrary(fitted, points, clusters)
+        if not arbitrary:
+            break
+        for spec, why in arbitrary.items():
+            let_go[spec] = (f"fitted to {values[spec.split('+')[0]]:.4g}, where {why}: the preset's value kept "
+                            f"and the others fitted again")
+        params = [spec for spec in params if spec not in arbitrary]
+    kept.update(let_go)
+    for p in points:
+        p.predicted_us = p.evaluate(fitted)
+    problems += _check(fitted, points, clusters, nic_line_rate_gbs)
+    return FitReport(preset=fitted, points=points, skipped=skipped, params_before=before,
+                     params_after=fitted.numeric(), fitted=list(values), kept=kept, problems=problems)
+
+
+def _fit(preset: Preset, points: list[Point], clusters: list[tuple[set[str], list[str]]], rounds: int) -> dict[str, float]:
+    """The fitted values of the clusters' parameters (expanded: tied parameters each named), from the preset's."""
     available = preset.numeric()
-    before = dict(available)
-    clusters, kept, problems = _plan(preset, points, params)
     fitted_specs = [s for _g, specs in clusters for s in specs]
     init = {spec: available[spec.split("+")[0]] for spec in fitted_specs}
     cur = dict(init)
@@ -567,13 +599,7 @@ def calibrate(
                 step *= 0.5
                 if step < 2e-3:
                     break
-    values = _expand(cur)
-    fitted = preset.with_params(values, source=None)
-    for p in points:
-        p.predicted_us = p.evaluate(fitted)
-    problems += _check(fitted, points, clusters, nic_line_rate_gbs)
-    return FitReport(preset=fitted, points=points, skipped=skipped, params_before=before,
-                     params_after=fitted.numeric(), fitted=list(values), kept=kept, problems=problems)
+    return _expand(cur)
 
 
 def calibrated_preset(report: FitReport, data_names: list[str], date: str) -> Preset:
