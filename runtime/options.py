@@ -316,7 +316,7 @@ ENV_VARIABLES: tuple[EnvVariable, ...] = (
                 "`0` skips the daemon and the database when an EP buffer is built without knobs (policy "
                 "defaults, no warning).", "runtime/profiles/autoload.py"),
     EnvVariable("MOETUNE_PROFILE_HASH", "string", "unset",
-                "Printed by `moetune query --export` for launchers to record which profile a job ran; the "
+                "Printed by `moetune query --format env` for launchers to record which profile a job ran; the "
                 "runtime does not read it.", "tuner/cli/query.py (written)"),
     EnvVariable("MOETUNE_PROFILE_TRACE", "path prefix", "unset",
                 "`moetune bench ep --profile`: also export the torch profiler timeline there (debug).",

@@ -9,7 +9,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class RichProgress:
-    def __init__(self, console: Console | None = None, *, transient: bool = False):
+    def __init__(self, console: Console | None = None, *, transient: bool = False, label: str = ""):
+        self._label = f" {label}" if label else ""  # e.g. MODELLED: a model backend's "best" is a prediction
         self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                            TextColumn("{task.fields[best]}"), TimeElapsedColumn(), transient=transient,
                            console=console or Console(stderr=True))
@@ -21,7 +22,7 @@ class RichProgress:
     def update(self, task: Any, done: int, best: float | None = None, description: str | None = None) -> None:
         fields: dict[str, Any] = {"completed": done}
         if best is not None:
-            fields["best"] = f"best {best:,.1f} µs"
+            fields["best"] = f"best {best:,.1f} µs{self._label}"
         if description is not None:
             fields["description"] = description
         self._p.update(task, **fields)

@@ -472,14 +472,16 @@ def run_scenario(
     except OSError as e:  # the table could not be written (permissions, a full disk)
         _fail(f"--results {out}: {e.strerror or e}")
     kind = "imported" if from_report is not None else "smoke" if smoke else "measured"
-    t = Table(title=f"{scenario}: {len(rows)} rows appended ({kind})")
-    for col in ("launch", "case", "metric", "median", "p10", "p90", "note"):
+    modelled = any("MODELLED" in str(r.get("unit") or "") for r in rows)
+    t = Table(title=f"{scenario}: {len(rows)} rows appended ({kind})"
+              + (" - MODELLED: predictions, not measurements" if modelled else ""))
+    for col in ("launch", "case", "metric", "unit", "median", "p10", "p90", "note"):
         t.add_column(col)
     shown = next((m for m in s.metrics if any(r["metric"] == m for r in rows)), None)
-    for r in rows:
+    for r in rows:  # the unit says what a number is (µs, GB/s; a prediction's carries MODELLED)
         if r["metric"] == shown or str(r.get("note", "")).startswith("FAILED"):
-            t.add_row(r["launch"], r["case"], r["metric"], _fmt(r.get("median")), _fmt(r.get("p10")), _fmt(r.get("p90")),
-                      str(r.get("note") or ""))
+            t.add_row(r["launch"], r["case"], r["metric"], str(r.get("unit") or ""), _fmt(r.get("median")),
+                      _fmt(r.get("p10")), _fmt(r.get("p90")), str(r.get("note") or ""))
     Console().print(t)
     if all(str(r.get("note", "")).startswith("FAILED") for r in rows):
         _err.print("[red]every case failed[/red]")

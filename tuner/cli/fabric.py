@@ -183,14 +183,18 @@ def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | No
         rows = [row] if row is not None else []
     if not rows:
         allrows = list(store.list_fingerprints())
-        # the default is the latest fingerprint with facts: a model tune records its preset's key (no facts) too
-        rows = ([r for r in allrows if r["facts"]] or allrows) if fp_hash is None else \
+        # the default is the latest fingerprint with facts: a model tune records its preset's key (no facts) too,
+        # which is no discovered fabric to compare with
+        rows = [r for r in allrows if r["facts"]] if fp_hash is None else \
             [r for r in allrows if str(r["hash"]).startswith(fp_hash)]
         if fp_hash is not None and len(rows) > 1:
             raise _fail(f"fingerprint prefix {fp_hash} is ambiguous ({len(rows)} stored fingerprints match)")
     if not rows:
-        raise _fail(f"fingerprint {fp_hash} is not in the store" if fp_hash else "the store holds no fingerprint yet; "
-                    "record one with `moetune fabric show --record` or pass --against DIR")
+        if fp_hash:
+            raise _fail(f"fingerprint {fp_hash} is not in the store")
+        held = f" (only {len(allrows)} without facts, such as a model tune's preset:... key)" if allrows else ""
+        raise _fail(f"the store holds no discovered fingerprint yet{held}; record one with "
+                    "`moetune fabric show --record` or pass --against DIR")
     row = rows[0]
     facts = row["facts"]
     if not facts:

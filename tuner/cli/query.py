@@ -96,10 +96,8 @@ def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms:
 def provenance_of(res: Resolution, db: Path | None, config: Path | None) -> tuple[str, str]:
     """(provenance, measured_on) of a resolution: from the reply when it says, else from the database;
     a policy or built-in default is its own kind; "unknown" when nothing says."""
-    if res.provenance:  # the reply names no node: measured_on comes only from the database
-        return res.provenance, ""
     if res.key is None:
-        return str(res.source), ""
+        return res.provenance or str(res.source), ""
     from moetune.tuner.store.store import Store, StoreError
 
     path = db or Path(_config(config).store.db)
@@ -108,6 +106,8 @@ def provenance_of(res: Resolution, db: Path | None, config: Path | None) -> tupl
             got = store.provenance_of(res.key, res.profile_hash)
     except (StoreError, OSError):
         got = None
+    if res.provenance:  # the reply names no node: measured_on comes only from the database, when it agrees
+        return res.provenance, got[1] if got is not None and got[0] == res.provenance else ""
     return got if got is not None else ("unknown", "")
 
 

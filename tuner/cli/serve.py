@@ -84,14 +84,18 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         t = Table(show_header=False, title="moetune daemon")
-        for k in ("endpoint", "pub_endpoint", "db", "epoch", "pid", "daemon_version", "fingerprint", "version",
-                  "profiles_current", "profiles_stale", "requests", "last_discovery", "last_discovery_ok",
-                  "last_discovery_message"):
+        for k in ("endpoint", "pub_endpoint", "db", "epoch", "pid", "daemon_version", "fingerprint", "version"):
+            t.add_row(k, str(getattr(st, k)))
+        # the counts cover every fingerprint in the database (presets and other nodes too), the provenance
+        # row only this node's: say so, or 3 current profiles beside "measured: 0, ..., preset: 0" reads as a bug
+        t.add_row("profiles_current (all fingerprints)", str(st.profiles_current))
+        t.add_row("profiles_stale (all fingerprints)", str(st.profiles_stale))
+        for k in ("requests", "last_discovery", "last_discovery_ok", "last_discovery_message"):
             t.add_row(k, str(getattr(st, k)))
         t.add_row("uptime_s", f"{st.uptime_s:.1f}")
         prov = st.provenance
-        if prov:  # how the profiles served for this fabric were obtained
-            t.add_row("provenance", ", ".join(f"{k}: {v}" for k, v in prov.items()))
+        if prov:  # how the current profiles of this node's fingerprint were obtained
+            t.add_row("provenance (this fingerprint)", ", ".join(f"{k}: {v}" for k, v in prov.items()))
         if st.tune_notice:
             t.add_row("re-tune", f"[yellow]{st.tune_notice}[/]")
         j = st.jobs

@@ -219,7 +219,7 @@ def tune(
     from moetune.tuner.cli._progress import RichProgress
     from moetune.tuner.search.tune import tune_profiles_detailed
 
-    bar = None if as_json else RichProgress()
+    bar = None if as_json else RichProgress(label="MODELLED" if backend == "model" else "")
     try:
         results = tune_profiles_detailed(
             store, facts, models=shapes, tokens=toks, backend=backend, preset=preset, trials=trials, timeout_s=timeout,
@@ -267,7 +267,8 @@ def tune(
         return
     from rich import box
 
-    t = Table(title="tuned profiles" + (" (modelled)" if backend == "model" else ""), box=box.SIMPLE_HEAD,
+    t = Table(title="tuned profiles" + (" (MODELLED: predicted, not measured)" if backend == "model" else ""),
+              box=box.SIMPLE_HEAD,
               pad_edge=False, collapse_padding=True)
     for name in ("family", "model", "S", "trials", "default µs", "best µs", "±", "×", "stored"):
         t.add_column(name, no_wrap=True, justify="left" if name in ("family", "model", "stored") else "right")

@@ -1,0 +1,207 @@
+"""The commands README.md and docs/ show against the CLI, and what the CLI prints against what the docs promise:
+every `moetune ...` a reader can copy parses (its subcommands, options and required arguments exist), a
+MODELLED number is printed with its label, and `status` / `query` / `fabric diff` say what their numbers are."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from moetune.tuner.cli import app
+
+try:  # Typer on top of click, or a Typer that carries its own copy (this machine's)
+    from click import Context
+    from click import exceptions as E
+except ImportError:
+    from typer._click import Context
+    from typer._click import exceptions as E
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = Path(__file__).resolve().parent.parent
+# docs/fabric-model.md is left to its own tests (test_fabric_model_cli.py)
+DOCS = [ROOT / "README.md", *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "fabric-model.md")]
+
+
+def _snippets(text: str) -> list[tuple[str, bool]]:
+    """(`moetune ...` as a reader copies it, whether it is a whole command line): the lines of indented or fenced
+    code blocks are whole commands; an inline code span may name a command only in part (`moetune tune show`)."""
+    out = [(m.group(1), False) for m in re.finditer(r"`(moetune [^`]+)`", text)]
+    fenced = False
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():  # a command continued over lines, joined
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        s = line.strip().removeprefix("$ ")
+        if (fenced or line.startswith("    ")) and s.startswith("moetune ") and "`" not in s:
+            out.append((s, True))
+    return out
+
+
+def _args(snippet: str) -> list[str] | None:
+    s = re.split(r"\s(?:#|&|\||;)|\s&$|&$", snippet)[0]
+    s = re.sub(r"\[([^\]]*)\]", r"\1", s)  # [--study NAME]: the optional part, given
+    s = re.sub(r"<[^>]*>", "X", s)  # <start file>: one placeholder
+    try:
+        toks = shlex.split(s)[1:]
+    except ValueError:
+        return None
+    return [t for t in toks if t not in ("...", "…")]
+
+
+def _gives_arguments(cmd: Any, args: list[str]) -> bool:
+    """Whether `args` hold a positional argument (not an option's value): then an inline span is a usage."""
+    takes_value = {o for p in cmd.params if not getattr(p, "is_flag", False) and getattr(p, "opts", None)
+                   for o in p.opts if o.startswith("-")}
+    it = iter(args)
+    for a in it:
+        if a.startswith("-"):
+            if a in takes_value:
+                next(it, None)
+        else:
+            return True
+    return False
+
+
+def _check(root: Any, args: list[str], whole: bool) -> str | None:
+    """None when `args` parses as a command line; else what is wrong (placeholder values are fine)."""
+    cmd = root
+    path = ["moetune"]
+    while hasattr(cmd, "get_command") and args and not args[0].startswith("-"):
+        name = args[0]
+        if "/" in name or "|" in name:  # `bench list/run/summarize`: names several commands in one
+            return None
+        sub = cmd.get_command(Context(cmd), name)
+        if sub is None:
+            if getattr(cmd, "invoke_without_command", False):
+                break  # a group that also runs with options (`moetune tune --model ...`)
+            return f"no command {' '.join(path)} {name}"
+        cmd, path, args = sub, [*path, name], args[1:]
+    args = [a for a in args if a not in ("--help", "--version")]  # eager: they print and exit
+    if not args and hasattr(cmd, "get_command"):
+        return None  # a group named alone (its --help)
+    try:
+        ctx = cmd.make_context(" ".join(path), list(args), resilient_parsing=False)
+        ctx.close()
+    except E.NoSuchOption as e:
+        return f"{' '.join(path)}: {e.format_message()}"
+    except E.MissingParameter as e:  # an inline mention of a command (options only) may leave out what it needs
+        return f"{' '.join(path)}: {e.format_message()}" if whole or _gives_arguments(cmd, args) else None
+    except E.BadParameter:
+        return None  # a placeholder value (N, DIR, H) where a number or an existing path goes
+    except E.UsageError as e:
+        msg = e.format_message()
+        if "extra argument" in msg or "No such command" in msg:
+            return f"{' '.join(path)}: {msg}"
+    return None
+
+
+def test_every_documented_command_parses() -> None:
+    root = typer.main.get_command(app)
+    bad = []
+    for doc in DOCS:
+        for snip, whole in _snippets(doc.read_text()):
+            args = _args(snip)
+            if args is None:
+                continue
+            problem = _check(root, args, whole)
+            if problem:
+                bad.append(f"{doc.relative_to(ROOT)}: `{snip}`: {problem}")
+    assert not bad, "\n".join(bad)
+
+
+def _run(*args: str, home: Path, **env: str):
+    env = {"MOETUNE_HOME": str(home), "HOME": str(home), "XDG_CONFIG_HOME": str(home / "cfg"), "MOETUNE_CONFIG": "",
+           "MOETUNE_DAEMON_SOCKET": f"ipc://{home}/none/daemon.sock", "COLUMNS": "200", **env}
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def test_bench_run_labels_modelled_rows(tmp_path: Path) -> None:
+    """fabric-model's rows are predictions (unit `x MODELLED` in summary.csv): the table `bench run` prints showed
+    `speedup[16nodes] 12.1` with no unit and no label."""
+    r = _run("bench", "run", "fabric-model", "--smoke", "--results", str(tmp_path / "s.csv"), home=tmp_path)
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.output.splitlines() if "speedup[16nodes]" in ln)
+    assert "MODELLED" in line, r.output
+    assert "MODELLED: predictions, not measurements" in re.sub(r"\s+", " ", r.output)
+
+
+def test_tune_progress_labels_a_modelled_best() -> None:
+    import io
+
+    from rich.console import Console
+
+    from moetune.tuner.cli._progress import RichProgress
+
+    buf = io.StringIO()
+    bar = RichProgress(Console(file=buf, width=200), label="MODELLED")
+    task = bar.add("proxy:ibrc qwen3-30b S=128", total=2)
+    bar.update(task, 2, best=37.3)
+    bar.close()
+    assert "best 37.3 µs MODELLED" in buf.getvalue()
+
+
+def test_query_shows_where_a_preset_profile_came_from(tmp_path: Path) -> None:
+    """README: a preset profile's `measured_on` is `preset:NAME` and `query` shows it; query --format json printed
+    "measured_on": "" for such a profile taken from the database."""
+    r = _run("tune", "--backend", "model", "--preset", "ndr-ibrc-h100x8", "--model", "qwen3-30b", "--tokens", "128",
+             "--trials", "2", "--from", str(ROOT / "tests/captures/h200x2"), "--json", home=tmp_path)
+    assert r.exit_code == 0, r.output
+    assert "(MODELLED" not in r.output  # --json: rows only
+    q = _run("query", "--model", "qwen3-30b", "--ep", "8", "--tokens", "128", "--format", "json", "--timeout-ms", "100",
+             home=tmp_path, MOETUNE_CLIENT_ALLOW_MODELLED="1")
+    assert q.exit_code == 0, q.output
+    got = json.loads(next(ln for ln in q.output.splitlines() if ln.startswith("{")))
+    assert got["provenance"] == "preset" and got["measured_on"] == "preset:ndr-ibrc-h100x8", got
+
+
+def test_tune_table_says_modelled(tmp_path: Path) -> None:
+    r = _run("tune", "--backend", "model", "--preset", "ndr-ibrc-h100x8", "--model", "qwen3-30b", "--tokens", "128",
+             "--trials", "2", "--from", str(ROOT / "tests/captures/h200x2"), home=tmp_path)
+    assert r.exit_code == 0, r.output
+    assert "tuned profiles (MODELLED: predicted, not measured)" in r.output
+
+
+def test_fabric_diff_default_skips_a_preset_key(tmp_path: Path) -> None:
+    """A model tune records its preset's key (no facts); `fabric diff` without --against then said `the store has
+    fingerprint preset:... but not its facts` instead of what to do."""
+    r = _run("tune", "--backend", "model", "--preset", "ndr-ibrc-h100x8", "--model", "qwen3-30b", "--tokens", "128",
+             "--trials", "1", "--from", str(ROOT / "tests/captures/h200x2"), "--json", home=tmp_path)
+    assert r.exit_code == 0, r.output
+    d = _run("fabric", "diff", "--from", str(ROOT / "tests/captures/h200x1"), home=tmp_path)
+    assert d.exit_code == 2, d.output
+    out = re.sub(r"\s+", " ", d.output)
+    assert "but not its facts" not in out and "no discovered fingerprint" in out and "fabric show --record" in out
+    s = _run("fabric", "show", "--from", str(ROOT / "tests/captures/h200x2"), "--record", home=tmp_path)
+    assert s.exit_code == 0, s.output
+    d = _run("fabric", "diff", "--from", str(ROOT / "tests/captures/h200x1"), home=tmp_path)
+    assert d.exit_code == 1 and "GPU 1 missing" in d.output, d.output
+
+
+def test_status_says_which_profiles_each_count_covers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """profiles_current counts every fingerprint in the database, the provenance row only this node's: unlabelled,
+    `profiles_current 3` beside `measured: 0, node_model: 0, preset: 0` read as a contradiction."""
+    from types import SimpleNamespace
+
+    import moetune.tuner.cli.query as Q
+
+    jobs = SimpleNamespace(running=None, queued=[], capacity=4, recent=[])
+    st = SimpleNamespace(endpoint="ipc:///x", pub_endpoint="ipc:///y", db="/d", epoch="e", pid=1, daemon_version="0",
+                         fingerprint="f", version=0, profiles_current=3, profiles_stale=0, requests=1,
+                         last_discovery="t", last_discovery_ok=True, last_discovery_message="", uptime_s=1.0,
+                         provenance={"measured": 0, "node_model": 0, "preset": 0}, tune_notice="", jobs=jobs)
+    monkeypatch.setattr(Q, "daemon_call", lambda *a, **k: st)
+    r = CliRunner().invoke(app, ["status"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "profiles_current (all fingerprints)" in r.output
+    assert "provenance (this fingerprint)" in r.output
