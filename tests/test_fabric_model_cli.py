@@ -66,7 +66,8 @@ def test_sweep_table_json_and_plot(tmp_path: Path) -> None:
     puts = math.ceil(math.ceil(rows_per_peer) / 8)
     assert puts == 14
     assert [x["x"] for x in rows] == [1, 2, 7, 14]
-    assert [x["fences"] for x in rows] == [2 * 12 * math.ceil(puts / g) for g in (1, 2, 7, 14)] == [336, 168, 48, 24]
+    # fences: 12 remote peers + this PE's PUTs to itself (as many rows), each ceil(14 / g), dispatch + combine
+    assert [x["fences"] for x in rows] == [2 * 13 * math.ceil(puts / g) for g in (1, 2, 7, 14)] == [364, 182, 52, 26]
     assert png.stat().st_size > 1000
     r = runner.invoke(app, ["model", "sweep", "-p", "slingshot11-libfabric-a100x4", "--over", "nodes",
                             "--values", "2,4"])

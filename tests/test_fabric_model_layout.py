@@ -116,11 +116,13 @@ def test_two_rank_proxy_sends_each_token_once_per_rank() -> None:
     one bare copy per (token, expert): 4096 x 8 / 2 x 14336 B = 234.9 MB, ~4x)."""
     assert DSV3_ROW % 16 == 0
     r = predict("nvlink-h200x2", Workload(DSV3, 4096, 1, 2), _proxy(), phase="dispatch")
-    assert r.transfers == 1 and r.fences == 1
-    assert r.bytes_on_wire == pytest.approx(DSV3_ROWS_2 * DSV3_ROW + 8, rel=1e-12)
-    # combine: one bf16 row back per row received
+    # one PUT to the peer; two signals, each behind a drain: the peer's and the one after the PUT to itself
+    assert r.transfers == 1 and r.fences == 2
+    # + count words to the other rank: exchange_counts' one, then the count-matrix row (2 words)
+    assert r.bytes_on_wire == pytest.approx(DSV3_ROWS_2 * DSV3_ROW + 8 + 3 * 8, rel=1e-12)
+    # combine: one bf16 row back per row received (the exchange still posts its 2-word count-matrix row)
     c = predict("nvlink-h200x2", Workload(DSV3, 4096, 1, 2), _proxy(), phase="combine")
-    assert c.bytes_on_wire == pytest.approx(DSV3_ROWS_2 * 7168 * 2 + 8, rel=1e-12)
+    assert c.bytes_on_wire == pytest.approx(DSV3_ROWS_2 * 7168 * 2 + 8 + 2 * 8, rel=1e-12)
 
 
 @pytest.mark.parametrize(("chunk", "puts"), [(0, 1), (256, 16), (1000, 5), (4096, 1), (1, 1021)])
@@ -130,10 +132,11 @@ def test_proxy_puts_per_peer_follow_chunk_tokens(chunk: int, puts: int) -> None:
     w = Workload(DSV3, 4096, 1, 2)
     coupled = predict("nvlink-h200x2", w, _proxy(signalling="coupled", chunk_tokens=chunk), phase="dispatch")
     assert coupled.transfers == puts
-    assert coupled.fences == coupled.proxy_stalls == puts  # a signal per PUT, each behind a drain
-    assert coupled.bytes_on_wire == pytest.approx(DSV3_ROWS_2 * DSV3_ROW + 8 * puts, rel=1e-12)
+    # a signal per PUT, each behind a drain: the peer's PUTs and as many to this PE itself (as many rows)
+    assert coupled.fences == coupled.proxy_stalls == 2 * puts
+    assert coupled.bytes_on_wire == pytest.approx(DSV3_ROWS_2 * DSV3_ROW + 8 * puts + 3 * 8, rel=1e-12)
     decoupled = predict("nvlink-h200x2", w, _proxy(chunk_tokens=chunk), phase="dispatch")
-    assert (decoupled.transfers, decoupled.fences) == (puts, 1)  # group_size 0: one signal per peer
+    assert (decoupled.transfers, decoupled.fences) == (puts, 2)  # group_size 0: one signal per rank
     assert transfers_per_peer(w, chunk) == puts
 
 
@@ -144,8 +147,9 @@ def test_decoupled_signals_per_group_of_puts(group: int, signals: int) -> None:
     w = Workload(DSV3, 4096, 1, 2)
     k = Knobs(transport="proxy", fence_mode="nic_ordered", chunk_tokens=256, group_size=group)
     r = predict("nvlink-h200x2", w, k, phase="dispatch")
-    assert (r.transfers, r.fences, r.nic_stalls, r.proxy_stalls) == (16, signals, signals, 0)
-    assert r.bytes_on_wire == pytest.approx(DSV3_ROWS_2 * DSV3_ROW + 8 * signals, rel=1e-12)
+    # the same again for the 16 PUTs to this PE itself (its signals ride its own stream: fenced, not on the wire)
+    assert (r.transfers, r.fences, r.nic_stalls, r.proxy_stalls) == (16, 2 * signals, 2 * signals, 0)
+    assert r.bytes_on_wire == pytest.approx(DSV3_ROWS_2 * DSV3_ROW + 8 * signals + 3 * 8, rel=1e-12)
 
 
 def test_sixteen_rank_proxy_bytes_and_counts() -> None:
@@ -157,10 +161,11 @@ def test_sixteen_rank_proxy_bytes_and_counts() -> None:
     k = Knobs(transport="proxy", fence_mode="proxy_drain", chunk_tokens=16)
     r = predict("slingshot11-libfabric-a100x4", w, k, phase="dispatch")
     puts = math.ceil(106 / 16)  # 7 per peer
-    assert r.transfers == 12 * puts and r.fences == 12  # decoupled per peer
-    assert r.bytes_on_wire == pytest.approx(15 * rows * 4192 + 15 * 8, rel=1e-12)
+    assert r.transfers == 12 * puts and r.fences == 12 + 1  # decoupled per peer, + the PUTs to itself
+    words = 15 * (1 + 16) * 8  # exchange_counts' word and the count-matrix row to each other rank
+    assert r.bytes_on_wire == pytest.approx(15 * rows * 4192 + 15 * 8 + words, rel=1e-12)
     tiles = predict("slingshot11-libfabric-a100x4", w, k, phase="dispatch", layout="expert_tiles")
-    assert tiles.bytes_on_wire / r.bytes_on_wire == pytest.approx(128 * 4096 / (rows * 4192), rel=1e-3)
+    assert tiles.bytes_on_wire / (r.bytes_on_wire - words) == pytest.approx(128 * 4096 / (rows * 4192), rel=1e-3)
 
 
 def test_ibgda_posts_the_same_requests_from_the_gpu() -> None:
@@ -172,7 +177,8 @@ def test_ibgda_posts_the_same_requests_from_the_gpu() -> None:
     rows = 1024 * (1 - math.comb(124, 8) / math.comb(128, 8))  # 32 PEs, 4 experts each
     puts = math.ceil(math.ceil(rows) / 32)
     assert (gda.transfers, gda.fences, gda.bytes_on_wire) == (rc.transfers, rc.fences, pytest.approx(rc.bytes_on_wire))
-    assert gda.transfers == 2 * 24 * puts and gda.fences == 2 * 24 * math.ceil(puts / 4)
+    # fences: 24 remote peers and this PE itself (as many rows), dispatch and combine
+    assert gda.transfers == 2 * 24 * puts and gda.fences == 2 * 25 * math.ceil(puts / 4)
     assert gda.phases["dispatch.gpu_post"] > 0 and gda.phases["dispatch.sm_contention"] > 0
 
 

@@ -115,10 +115,11 @@ def test_signals_are_extra_messages() -> None:
     payload = 96 * 16 * QWEN.hidden * 2 + 3 * 8 * 16 * QWEN.hidden * 2  # remote + NVLink peers
     assert r.bytes_on_wire == pytest.approx(payload + 96 * 8)
     # the runtime's layout: 15 peers x rows x (4096 B payload + 8 ids x 8 B + 8 weights x 4 B = 4192 B, a
-    # multiple of 16), one signal per peer (12 through the proxy, 3 NVLink signal words)
+    # multiple of 16), one signal per peer (12 through the proxy, 3 NVLink signal words), and the count words
+    # to the 15 other ranks: exchange_counts' one each + the count-matrix row (16 words) each
     rows = 256 * (1 - math.comb(120, 8) / math.comb(128, 8))
     r = predict(SLINGSHOT, w, FIXED, phase="dispatch")
-    assert r.bytes_on_wire == pytest.approx(15 * rows * 4192 + 15 * 8)
+    assert r.bytes_on_wire == pytest.approx(15 * rows * 4192 + 15 * 8 + 15 * 17 * 8)
 
 
 def test_fp8_halves_payload_plus_scales() -> None:
@@ -132,7 +133,8 @@ def test_fp8_halves_payload_plus_scales() -> None:
     # layout); a row is payload + 8 int64 ids + 8 fp32 weights (+ fp32 scales), padded to 16 bytes
     tokens = 256 * (1 - math.comb(64, 8) / math.comb(128, 8))
     signals = bf16.bytes_on_wire - tokens * (QWEN.hidden * 2 + 96)
-    assert signals == pytest.approx(12 * 8)  # one signal slot per CTA: num_sms 24 / 2 ranks
+    # one signal slot per CTA (num_sms 24 / 2 ranks) + the count-matrix row (2 words) to the other rank
+    assert signals == pytest.approx(12 * 8 + 2 * 8)
     assert fp8.bytes_on_wire - signals == pytest.approx(tokens * (QWEN.hidden + 96 + 4 + 12))  # padded
     assert p128.bytes_on_wire - signals == pytest.approx(tokens * (QWEN.hidden + 96 + QWEN.hidden / 128 * 4))
     assert fp8.dispatch_us < bf16.dispatch_us
@@ -150,7 +152,8 @@ def test_nvlink_has_no_proxy() -> None:
 
 def test_intra_node_peers_use_nvlink_not_the_proxy() -> None:
     one_node = predict(SLINGSHOT, Workload(QWEN, 256, 1, 4), FIXED)
-    assert one_node.transfers == 0 and one_node.fences == 0
+    # nothing crosses the NIC; the proxy posts only the PUT to this PE itself (a local copy) and its signal
+    assert one_node.transfers == 0 and one_node.fences == 2  # one self signal each in dispatch and combine
     assert one_node.phases["dispatch.nvlink"] > 0
 
 

@@ -486,6 +486,71 @@ def _queued_peers(p: _P, w: Workload, knobs: Knobs, src: int) -> tuple[list[int]
     return remote, local, nvl_intra
 
 
+class _CountWords:
+    """The count words of the runtime's one-sided exchange (csrc/proxy_xchg.h), for source PE `src` of
+    `world`: every rank's poster first writes its count-matrix row (world 8-byte words) to every rank, in
+    rank order (the proxy thread: rank q's words are its pushes q*world+1 .. q*world+world); the PUTs to rank
+    d wait for d's first word to this PE (d >= src: d has entered the call) and for column d of every lower
+    rank's row (the destination offset). exchange_counts (dispatch only) posts one word per rank and waits
+    for every rank's. A word is posted like a signal (proxy: signal_us each, one thread; IBGDA: post_sm_us
+    each, rank q's words from CTA q mod num_sms) and lands after the signal message overhead plus half the
+    peer's round trip (NVLink peers: the NVLink latency; this PE: at once)."""
+
+    def __init__(self, p: _P, kind: str, src: int, world: int, remote: list[int], local: list[int],
+                 rtts: list[float], ncta: int) -> None:
+        self.p, self.src, self.world = p, src, world
+        self.proxy = kind == "proxy"
+        self.ncta = max(1, ncta)
+        self.issue_each = p.sig_us if self.proxy else p.post_sm_us
+        self.poll = p.poll_us if self.proxy else 0.0
+        over = (p.sig_o + (0.0 if self.proxy else p.wqe_fetch_us)) if p.has_nic else 0.0
+        self.one_way = {d: over + 0.5 * rtts[i] for i, d in enumerate(remote)}
+        for d in local:
+            self.one_way[d] = p.nvl_lat
+        self.one_way[src] = 0.0
+
+    def _pos(self, q: int, col: int, per_rank: int) -> int:
+        """Place (1-based) of the word for rank q, column col in its poster's sequence."""
+        if self.proxy:
+            return q * per_rank + col + 1
+        return (q // self.ncta) * per_rank + col + 1
+
+    def counts_kernel(self) -> float:
+        """exchange_counts: launch, then the later of this PE's `world` words posted and the last peer's word
+        here (each peer's word for this PE) landed."""
+        if self.world < 2:
+            return self.p.launch
+        last = max(v for d, v in self.one_way.items() if d != self.src)
+        c = self.issue_each
+        own = self.world if self.proxy else -(-self.world // self.ncta)
+        return self.p.launch + self.poll + max(own * c, self._pos(self.src, 0, 1) * c + last)
+
+    def gate(self, x_start: float, d: int) -> float:
+        """When the PUTs to rank d may be posted: the words they wait for have landed."""
+        c, r, w = self.issue_each, self.src, self.world
+        t = x_start
+        if d >= r:
+            t = max(t, x_start + self.poll + self._pos(r, 0, w) * c + self.one_way.get(d, 0.0))
+        for s in range(r):
+            t = max(t, x_start + self.poll + self._pos(r, d, w) * c + self.one_way.get(s, 0.0))
+        return t
+
+    @property
+    def matrix_issue(self) -> float:
+        """This PE's poster time for its count-matrix row to every rank (world x world words)."""
+        n = self.world * self.world if self.proxy else -(-self.world // self.ncta) * self.world
+        return n * self.issue_each
+
+
+def _reduce_us(p: _P, w: Workload, hits, row_bytes: float) -> float:
+    """combine's last kernel (csrc/ep_pack.cu combine_reduce; the packed layout's index_add moves the same
+    bytes): every returned row read once (S x sum over ranks of P(token needs r), this PE's own rows
+    included), every token's output row written once, at HBM speed, after a launch."""
+    S = w.tokens_per_gpu
+    out_row = w.model.hidden * DTYPES[w.model.dtype]
+    return p.launch + S * (float(hits.sum()) * row_bytes + out_row) / p.hbm
+
+
 def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hits, t0: float,
                   layout: str = "runtime") -> _Phase:
     """Dispatch (source PE 0 sends every other PE its rows) or combine (the most needed PE returns one row
@@ -550,17 +615,36 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hi
         # dispatch: one pack kernel (csrc/ep_pack.cu rows: a grid over every SM, each byte read and written)
         # writes the rows for every rank, this one's own included, before the exchange kernel starts
         pack = S * float(hits.sum()) * tb / (p.hbm / 2.0) + p.launch if dispatch else 0.0
-        ready = t0 + pack + p.launch
         if pack:
             ph.parts["pack"] = pack
+        cw = _CountWords(p, kind, src, P, remote_pes, local_pes, rtts, knobs.num_sms)
+        # dispatch: exchange_counts (runtime/buffer/_resident.py) is its own kernel, host-completed, before the
+        # exchange kernel; combine's exchange is given the counts, but still posts its count-matrix row
+        counts = cw.counts_kernel() if dispatch else 0.0
+        if counts:
+            ph.parts["counts"] = counts
+        x_start = t0 + pack + counts + p.launch
+        ready = x_start
+        gates = {d: cw.gate(x_start, d) for d in remote_pes + local_pes}
         for i, d in enumerate(remote_pes):
-            runs = _rank_runs(rows_to[d], tb, ck, ready)
+            runs = _rank_runs(rows_to[d], tb, ck, gates[d])
             nmsg += sum(r[1] for r in runs)
             total_bytes += rows_to[d] * tb
             dests.append((rtts[i], runs))
         for j, d in enumerate(local_pes):
             local_bytes[j] = rows_to[d] * tb
             local_groups += _signals_per_peer(knobs, _chunking(rows_to[d], ck)[1])
+        if local_pes:
+            ready = max(gates[d] for d in local_pes)
+        # the rows this PE sends itself: PUTs through the same poster, a local copy (read + write at HBM speed)
+        self_rows = S * float(hits[src])
+        c_self, n_self = _chunking(self_rows, ck)
+        self_chunks = ([c_self * tb] * (n_self - 1) + [(self_rows - (n_self - 1) * c_self) * tb]) if n_self else []
+        if self_chunks:
+            ph.parts["self_copy"] = self_rows * tb / (p.hbm / 2.0)
+        # count words: the matrix row (world words) to every rank; dispatch adds exchange_counts' row
+        ph.bytes += (P - 1) * (P + (1 if dispatch else 0)) * SIGNAL_BYTES
+        ph.parts["count_matrix_issue"] = cw.matrix_issue
         # receiver ingress: dispatch, the most needed PE takes its rows from every other PE; combine, a token
         # owner takes back one row per row it sent
         per_sender = S * tb * float(hits.max() if dispatch else hits.mean())
@@ -568,15 +652,22 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hi
         raise ValueError(f"chunk_tokens={ck} gives {nmsg} messages per PE; use larger chunks")
     fence = "drain" if knobs.fence_mode == "proxy_drain" else "nic"
     t_net = t0
-    if dests:
+    if dests or (not tiles and P > 1):
+        extra = {} if tiles else dict(
+            t0=x_start, words=P, local_words=len(local_pes) + 1, self_chunks=self_chunks,
+            self_bw=p.hbm / 2.0, self_ready=x_start)
         r = run_queue(
             p, kind, dests, npes=P, signalling=knobs.signalling, group=knobs.group_size, fence=fence,
-            qp_mapping=knobs.qp_mapping, qps=knobs.qps_per_pe, num_sms=knobs.num_sms, t0=t0,
-            group_signal=not tiles,
+            qp_mapping=knobs.qp_mapping, qps=knobs.qps_per_pe, num_sms=knobs.num_sms,
+            group_signal=not tiles, **({"t0": t0} | extra),
         )
-        ing = per_sender * (P - (G if nvl_intra else 1))
-        ing_t = (t0 + p.launch if tiles else ready) + ing / p.nic_bw + p.rtt
-        t_net = max(r.last_arrive, ing_t)
+        t_net = r.last_arrive
+        if dests:
+            ing = per_sender * (P - (G if nvl_intra else 1))
+            data0 = min(gates[d] for d in remote_pes) if not tiles else t0 + p.launch
+            ing_t = data0 + ing / p.nic_bw + p.rtt
+            t_net = max(t_net, ing_t)
+            ph.parts["ingress_bound"] = ing_t - t0
         ph.fences, ph.proxy_stalls, ph.nic_stalls = r.fences, r.proxy_stalls, r.nic_stalls
         ph.parts.update({
             "proxy_issue" if kind == "proxy" else "gpu_post": r.issue_busy,
@@ -584,7 +675,6 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hi
             "fence_wait_completion": r.fence_wait,
             "nic_stall_held_sum": r.nic_wait,
             "wire": r.wire_us,
-            "ingress_bound": ing_t - t0,
         })
         ph.sm_us = 0.0 if kind == "proxy" else r.issue_busy
         ph.transfers = r.transfers
@@ -600,6 +690,9 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hi
     ph.us = max(t_net, t_nvl) - t0 + sm_pen
     if not dests and not local_pes:  # EP size 1: the kernel still launches
         ph.us = p.launch
+    elif not dispatch and not tiles:
+        ph.parts["reduce"] = red = _reduce_us(p, w, hits, tb)
+        ph.us += red
     return ph
 
 
@@ -626,6 +719,21 @@ def _phase_nvlink(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, hits) -> 
     ph.bytes = sum(bpp) + (G - 1) * cpp * SIGNAL_BYTES
     ph.transfers = (G - 1) * cpp
     ph.parts = {"nvlink": ph.us}
+    if G > 1:
+        # phase 0/1 of csrc/ep_nvlink.cu: the count-matrix row stored into every rank (tagged words, inside the
+        # same launch); a CTA's offset in d's buffer waits for the words of the lower ranks: one NVLink latency
+        # before the rows of any rank above the lowest move (dispatch: exchange_fused / dispatch_gather; combine
+        # the same kernel)
+        ph.parts["counts"] = p.nvl_lat
+        ph.us += p.nvl_lat
+        ph.bytes += (G - 1) * G * SIGNAL_BYTES
+    # the cpp CTAs of this PE's own slot copy its own rows locally (read + write), beside the peers' CTAs
+    own = S * float(hits[0] if dispatch else hits.max()) * tb
+    ph.parts["self_copy"] = own / min(cpp * p.sm_copy, p.hbm / 2.0)
+    ph.us = max(ph.us, p.launch + ph.parts.get("counts", 0.0) + ph.parts["self_copy"])
+    if not dispatch:
+        ph.parts["reduce"] = red = _reduce_us(p, w, hits, tb)
+        ph.us += red
     return ph
 
 
@@ -674,7 +782,30 @@ def _phase_collective(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads
     ph.bytes = out
     ph.transfers = peers
     ph.parts = {"collective_intra": t_intra, "collective_inter": t_inter, "per_peer": peers * p.c_peer}
+    if layout == "runtime":
+        _packed_extras(p, w, ph, hits, tb, dispatch=dispatch, counts=(
+            p.c_alpha + p.c_sync + peers * p.c_peer + (p.rtt if w.nodes > 1 else 0.0)))
     return ph
+
+
+def _packed_extras(p: _P, w: Workload, ph: _Phase, hits, tb: float, *, dispatch: bool, counts: float) -> None:
+    """The packed layout's pieces around its all-to-all (runtime/buffer/_packed.py): dispatch, the counts
+    go first in one small exchange of their own (`counts`: the transport's call with next to no bytes;
+    the host then reads them, a sync not modelled); this PE's own rows are a local copy inside the exchange
+    (read + write at HBM speed, beside the network: the longer counts); combine ends in the reduce over
+    every returned row (index_add: the bytes of `_reduce_us`)."""
+    S = w.tokens_per_gpu
+    own = S * float(hits[0] if dispatch else hits.max()) * tb
+    ph.parts["self_copy"] = own / (p.hbm / 2.0)
+    ph.us = max(ph.us, ph.parts["self_copy"])
+    if dispatch:
+        ph.parts["counts"] = counts
+        ph.us += counts
+        # one block per other rank: error word, rows, rows per local expert (int64; one pipeline chunk)
+        ph.bytes += (w.pes - 1) * (2 + w.model.experts // w.pes) * 8
+    else:
+        ph.parts["reduce"] = red = _reduce_us(p, w, hits, tb)
+        ph.us += red
 
 
 def _phase_host_staged(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hits) -> _Phase:
@@ -703,6 +834,9 @@ def _phase_host_staged(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, load
     ph.bytes = out
     ph.transfers = chunks
     ph.parts = {"staged": t}
+    # the counts exchange goes through the same staged path: a launch, a tiny copy down and up (+ the NIC)
+    _packed_extras(p, w, ph, hits, tb, dispatch=dispatch,
+                   counts=p.launch + 2 * p.memcpy + (p.rtt if nic_bytes else 0.0))
     return ph
 
 

@@ -13,7 +13,11 @@ One source PE's requests are replayed in FIFO order, destination by destination:
   holds it until the QP's earlier requests completed; `off`: no ordering (a counterfactual);
 * signals are 8-byte messages: coupled, one per transfer; decoupled, one per transfer of the group (the
   tile layout's kernels, as Perseus counts) or, with `group_signal`, one per group (the runtime's proxy:
-  csrc/proxy_xchg.h produce_exchange posts one SIGNAL after each group of PUTs).
+  csrc/proxy_xchg.h produce_exchange posts one SIGNAL after each group of PUTs);
+* the runtime's layout adds, before any data PUT (`words`, `local_words`, `self_chunks`): the count words
+  (immediate 8-byte writes, cuStreamWriteValue64 in csrc/proxy_engine.cpp: issued like a signal, one
+  small message each on the peer's QP, never fenced), then the PUTs to this PE itself (a local copy at
+  `self_bw`, no NIC) with their signals and fences (the engine drains on every signal, a self one too).
 
 Long runs of identical tiles (or groups) reach a periodic regime: once two consecutive periods move
 the state by the same amounts, the run jumps ahead by whole periods and the next period is checked to
@@ -39,7 +43,7 @@ class QueueSim:
         "cta", "fence_busy", "fence_pe", "fence_us", "fence_wait", "fences", "flag_us", "half", "issue_busy",
         "last_arrive", "lbw", "link", "max_ack", "messages", "ncta", "nic_stalls", "nic_wait", "npes", "o",
         "proxy", "proxy_stalls", "put_c", "qbw", "qp_ack", "qp_free", "quiet", "rtt", "shared", "sig_c",
-        "signals", "so", "t", "t0", "transfers", "wire_us",
+        "signals", "so", "t", "t0", "transfers", "wire_us", "words", "copy_free",
     )
 
     def __init__(self, p, kind: str, *, npes: int, qps: int, num_sms: int, t0: float = 0.0) -> None:
@@ -69,6 +73,56 @@ class QueueSim:
         self.rtt = self.half = 0.0
         self.fences = self.proxy_stalls = self.nic_stalls = self.messages = self.signals = self.transfers = 0
         self.fence_wait = self.fence_busy = self.nic_wait = self.issue_busy = self.wire_us = 0.0
+        self.words = 0
+        self.copy_free = t0
+
+    # -- the runtime layout's extra requests (never inside a periodic run) -------------------------
+    def write64(self, q: int, n: int, ci: int) -> None:
+        """n count words on QP q (a remote peer): posted like signals (sig_c each, a signal_overhead
+        message each on the QP), never flagged; counted as words, not signals."""
+        self.signal(q, n, False, self.t0, ci)
+        self.signals -= n
+        self.words += n
+
+    def local_words(self, n: int, ci: int) -> None:
+        """n count words to peers the NIC does not carry (this PE, NVLink peers): issue cost only."""
+        c = self.sig_c * n
+        if self.proxy:
+            self.t += c
+        else:
+            self.cta[ci] += c
+        self.issue_busy += c
+
+    def local_put(self, b: float, bw: float, r0: float, ci: int) -> float:
+        """One PUT to this PE itself: posted (put_c), then a local copy of b bytes at bw (one copy engine,
+        in order); complete when copied (no wire, no round trip). Returns the time it was posted."""
+        c = self.put_c
+        clock = self.t if self.proxy else self.cta[ci]
+        start = (clock if clock > r0 else r0) + c
+        if self.proxy:
+            self.t = start
+        else:
+            self.cta[ci] = start
+        self.issue_busy += c
+        done = (start if start > self.copy_free else self.copy_free) + b / bw
+        self.copy_free = done
+        if done > self.max_ack:
+            self.max_ack = done
+        if done > self.last_arrive:
+            self.last_arrive = done
+        return start
+
+    def local_signal(self, flagged: bool, ci: int) -> None:
+        """A signal to this PE itself after its copies (issue cost; nic_ordered: the stream holds it behind
+        the copies, one NIC stall counted as for a remote signal)."""
+        c = self.sig_c
+        if self.proxy:
+            self.t += c
+        else:
+            self.cta[ci] += c
+        self.issue_busy += c
+        if flagged:
+            self.nic_stalls += 1
 
     # -- primitive requests ----------------------------------------------------------------------
     def qp(self, q: int) -> int:
@@ -268,11 +322,34 @@ def run_queue(
     num_sms: int,
     t0: float = 0.0,
     group_signal: bool = False,
+    words: int = 0,
+    local_words: int = 0,
+    self_chunks: list[float] | None = None,
+    self_bw: float = 0.0,
+    self_ready: float = 0.0,
 ) -> QueueSim:
-    """Replay one PE's requests (see the module docstring); returns the final simulator state."""
+    """Replay one PE's requests (see the module docstring); returns the final simulator state.
+
+    `words` count words to each destination of `dests` and to each of `local_words` more ranks off the NIC
+    (this PE, NVLink peers) are posted first; then `self_chunks` (bytes per PUT to this PE, ready at `self_ready`) with their signals, then
+    the destinations' runs."""
     sim = QueueSim(p, kind, npes=npes, qps=qps, num_sms=num_sms, t0=t0)
     put_only = signalling == "none"
     cidx = 0
+    if words:
+        # one poster (the proxy thread; IBGDA: destination d's words from CTA d, spread over the CTAs)
+        for j in range(local_words):
+            sim.local_words(words, (len(dests) + j) % sim.ncta)
+        for d in range(len(dests)):
+            sim.rtt, sim.half = dests[d][0], 0.5 * dests[d][0]
+            sim.write64(sim.qp(d * qps), words, d % sim.ncta)
+    if self_chunks:
+        nch = len(self_chunks)
+        g = 1 if signalling == "coupled" else (group if group > 0 else nch)
+        for i, b in enumerate(self_chunks):
+            sim.local_put(b, self_bw, self_ready, 0)
+            if not put_only and ((i + 1) % g == 0 or i == nch - 1):
+                sim.local_signal(sim.fence(fence), 0)
     for d, (rtt, runs) in enumerate(dests):
         sim.rtt, sim.half = rtt, 0.5 * rtt
         ntiles = sum(r[1] for r in runs)
