@@ -205,3 +205,18 @@ def test_status_says_which_profiles_each_count_covers(monkeypatch: pytest.Monkey
     assert r.exit_code == 0, r.output
     assert "profiles_current (all fingerprints)" in r.output
     assert "provenance (this fingerprint)" in r.output
+
+
+def _help(*args: str) -> str:
+    r = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    return re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", r.output))
+
+
+def test_help_gives_the_defaults_and_what_env_prints() -> None:
+    """serve's --metrics-port/--rediscover-interval/--log-level showed no default (they come from the config), and
+    query's --format said only `table | json | env`."""
+    h = _help("serve")
+    assert "daemon.metrics_port, 0" in h and "daemon.rediscover_interval_s, 60" in h and "daemon.log_level, info" in h
+    q = _help("query")
+    assert "export" in q and "MOETUNE_PROFILE_HASH" in q

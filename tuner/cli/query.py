@@ -131,7 +131,7 @@ def register(app: typer.Typer) -> None:
         ep: int = typer.Option(..., "--ep", min=1, help="EP size (ranks)."),
         tokens: int = typer.Option(..., "--tokens", min=0, help="Tokens per rank; the nearest bucket is used."),
         nodes: int = typer.Option(1, "--nodes", min=1, help="Nodes."),
-        fmt: str = typer.Option("table", "--format", help="table | json | env"),
+        fmt: str = typer.Option("table", "--format", help="table (the knobs, where they came from and why), json (one object) or env (the shell `export` lines a launcher sources: the knobs' variables and MOETUNE_PROFILE_HASH)"),
         json_out: bool = typer.Option(False, "--json", help="Same as --format json."),
         socket: str = typer.Option(None, "--socket", help="Daemon endpoint."),
         db: Path = typer.Option(None, "--db", help="Database to read when the daemon does not answer."),
