@@ -220,3 +220,19 @@ def test_help_gives_the_defaults_and_what_env_prints() -> None:
     assert "daemon.metrics_port, 0" in h and "daemon.rediscover_interval_s, 60" in h and "daemon.log_level, info" in h
     q = _help("query")
     assert "export" in q and "MOETUNE_PROFILE_HASH" in q
+
+
+def test_model_predict_table_says_which_layout_it_modelled(tmp_path: Path) -> None:
+    """The wire layout a prediction assumed (the runtime's per-destination-rank rows, or `expert_tiles`) was only in
+    --json's notes; the table a reader sees named none."""
+    args = ("model", "predict", "--preset", "slingshot11-libfabric-a100x4", "--nodes", "4", "--tokens", "256",
+            "--knobs", "transport=proxy,signalling=decoupled,fence_mode=nic_ordered")
+    j = _run(*args, "--json", home=tmp_path)
+    assert j.exit_code == 0, j.output
+    notes = [n for n in json.loads(j.output)["notes"] if not n.startswith("MODELLED")]
+    assert notes
+    t = _run(*args, home=tmp_path)
+    assert t.exit_code == 0, t.output
+    flat = re.sub(r"\s+", " ", t.output)
+    for n in notes:
+        assert re.sub(r"\s+", " ", n) in flat, (n, t.output)

@@ -118,6 +118,9 @@ def predict_cmd(
         ph.add_row(_e(name), f"{v:,.1f}")
     _console.print(ph)
     _console.print(f"knobs: {_e(_knob_str(k))}")
+    for note in res.notes:  # what was modelled (the wire layout); the MODELLED note is the closing line
+        if not note.startswith(LABEL):
+            _console.print(f"modelled: {_e(note)}")
     _console.print(f"[yellow]{LABEL}[/yellow]: predicted by the fabric model from preset parameters, not measured.")
 
 
