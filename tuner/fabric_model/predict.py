@@ -36,14 +36,23 @@ S x P(token needs r) (`routing.rank_hits`: exact hypergeometric under uniform ro
   a signal (and fence) per PUT, decoupled: one per group_size PUTs (0: one per peer; a last partial group
   is allowed, so any group size is valid). The model replays these requests on the queue above; intra-node
   peers go over NVLink (same rows, same signal count) unless the preset's proxy serves them.
-  Not modelled: the count words the runtime's exchange posts first (world x world 8-byte writes through the
-  proxy, plus exchange_counts' world), its PUT to its own rank (a local copy), the final combine reduce.
+  Around the data, as the runtime does: dispatch's exchange_counts kernel (one word per rank, waits for every
+  rank's word); every exchange's count-matrix row first (world x world 8-byte writes, each posted like a
+  signal: proxy.signal_us, nic.signal_overhead_us, landing half a round trip later), the PUTs to rank d
+  waiting for d's first word and the lower ranks' column d (`_CountWords`); the PUTs to its own rank (put_us
+  each, a local copy at HBM/2, their signals drained/flagged like a peer's: counted in `fences`); after
+  combine, the reduce kernel (`_reduce_us`: every returned row read, every token written, at HBM speed).
+  Count words to other ranks are in `bytes_on_wire`; the self copy is not (no wire).
 * ibgda (no runtime transport): the same per-rank layout and request sequence, posted from GPU CTAs (the
   CTAs take the destinations' runs of PUTs in turn); the posting time is SM time taken from compute.
 * `predict(..., layout="expert_tiles")` (proxy, ibgda): one bare copy per (token, expert) in tiles of
   `tile` tokens per expert, each tile a signalled PUT (decoupled: the group's signals, one per PUT), what
   the tile-based EP kernels Perseus measured send (DESIGN §1) and DESIGN §8's megakernel would put across
   nodes; no moetune transport sends it. The Perseus reproductions use it.
+* nvlink also: the count words stored in the same launch (one NVLink latency before the rows move), this
+  PE's own rows copied by its own slot's CTAs, the reduce after combine. collective / host_staged (packed
+  layout): a counts exchange of its own before dispatch (the host sync that follows is not modelled), the
+  own rows copied locally beside the exchange, the reduce (index_add) after combine.
 * collective: one all_to_all_single of the packed rows. `predict(..., layout="nccl_k_copies")` instead
   describes a plain NCCL all_to_all_single of k copies of each H-wide token (DESIGN §6's baseline and the
   calibration rows): what those measurements moved, not what the runtime sends.
