@@ -146,13 +146,16 @@ def test_launcher_env() -> None:
     assert autoload.launcher_env(k, "ibgda") == {"NVSHMEM_IB_ENABLE_IBGDA": "1", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "4"}
     env = autoload.launcher_env(default_knobs("proxy"), "proxy:libfabric/cxi")
     assert env == {"NVSHMEM_IB_ENABLE_IBGDA": "0", "NVSHMEM_REMOTE_TRANSPORT": "libfabric", "NVSHMEM_LIBFABRIC_PROVIDER": "cxi"}
-    assert autoload.launcher_env(default_knobs("collective").replace(channels=4), "collective") == {
-        "NCCL_MIN_NCHANNELS": "4", "NCCL_MAX_NCHANNELS": "4"}
+    # channels is the runtime's own (extra communicators): no job-wide NCCL channel caps
+    assert autoload.launcher_env(default_knobs("collective").replace(channels=4), "collective") == {}
     # only what launcher_env can produce is exported (test_trust_client covers the allow-list)
     os.environ.pop("NCCL_MIN_NCHANNELS", None)
-    applied = autoload.apply_env({"PATH": "/evil", "NCCL_X_TEST_ONLY": "1", "NCCL_MIN_NCHANNELS": "4"})
-    assert applied == {"NCCL_MIN_NCHANNELS": "4"} and os.environ["PATH"] != "/evil" and "NCCL_X_TEST_ONLY" not in os.environ
-    del os.environ["NCCL_MIN_NCHANNELS"]
+    os.environ.pop("NVSHMEM_IBGDA_NUM_RC_PER_PE", None)
+    applied = autoload.apply_env({"PATH": "/evil", "NCCL_X_TEST_ONLY": "1", "NCCL_MIN_NCHANNELS": "4",
+                                  "NVSHMEM_IBGDA_NUM_RC_PER_PE": "4"})
+    assert applied == {"NVSHMEM_IBGDA_NUM_RC_PER_PE": "4"} and os.environ["PATH"] != "/evil"
+    assert "NCCL_X_TEST_ONLY" not in os.environ and "NCCL_MIN_NCHANNELS" not in os.environ
+    del os.environ["NVSHMEM_IBGDA_NUM_RC_PER_PE"]
 
 
 def _rank(rank: int, world: int, port: int, q) -> None:

@@ -385,18 +385,20 @@ def test_reply_env_is_recomputed_from_its_knobs(plain, tmp_path: Path) -> None:
     out, warned, _ = resolve(plain, tmp_path, result(env=lying))
     assert out.source == "daemon" and out.env == {"NVSHMEM_REMOTE_TRANSPORT": "none"}
     assert len(warned) == 1 and "NCCL_MIN_NCHANNELS" in warned[0]
-    # a reply with no env at all still gets what its knobs need
+    # a reply with no env at all still gets what its knobs need (channels is the runtime's own: no NCCL caps)
     ch = default_knobs("collective").replace(channels=8)
     out, warned, _ = resolve(plain, tmp_path, result(key(transport_family="collective"), knobs=ch, env={}))
-    assert out.source == "daemon" and out.env == {"NCCL_MIN_NCHANNELS": "8", "NCCL_MAX_NCHANNELS": "8"} and not warned
+    assert out.source == "daemon" and out.env == {} and not warned
+    ib = default_knobs("ibgda").replace(qps_per_pe=8)
+    out, warned, _ = resolve(plain, tmp_path, result(key(transport_family="ibgda"), knobs=ib, env={}))
+    assert out.source == "daemon" and out.env["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "8" and not warned
 
 
 def test_env_values_bounded_by_the_knob_ranges() -> None:
     refuse = launcher_env.env_refusal
-    for name in ("NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS"):
-        assert refuse(name, "2") is None and refuse(name, "64") is None
-        for bad in ("1", "65", "640", "999999", "064", "0"):
-            assert refuse(name, bad) is not None, (name, bad)
+    for name in ("NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS"):  # job-wide NCCL caps: never exported
+        for val in ("2", "8", "64", "1", "65"):
+            assert refuse(name, val) is not None, (name, val)
     assert refuse("NVSHMEM_IBGDA_NUM_RC_PER_PE", "1") is None and refuse("NVSHMEM_IBGDA_NUM_RC_PER_PE", "64") is None
     for bad in ("0", "65", "100000", "01"):
         assert refuse("NVSHMEM_IBGDA_NUM_RC_PER_PE", bad) is not None, bad

@@ -88,8 +88,9 @@ def test_local_backend_measures_with_env_knobs(fake_bench: list[str]) -> None:
     assert m.median_us == pytest.approx(500.0)
     assert len(m.samples) == 3 and m.spread_us == pytest.approx(2.0)  # within-run p10..p90 / 2
     assert "--knobs" in be.argv(k, WL) and "--json" in be.argv(k, WL)
-    assert knob_environment(k, "host_staged") == {"NCCL_P2P_DISABLE": "1"}
-    assert be.environment(k)["NCCL_P2P_DISABLE"] == "1"
+    # measured in what launcher_env serves: no job-wide NCCL_P2P_DISABLE (tests/test_knob_env.py)
+    assert knob_environment(k, "host_staged") == {}
+    assert be.environment(k).get("NCCL_P2P_DISABLE") == os.environ.get("NCCL_P2P_DISABLE")
     comm = LocalBackend(command=fake_bench, repeats=1, metric="comm").evaluate(k, WL)
     assert comm.median_us == pytest.approx(1000.0 / 3)
 

@@ -155,7 +155,13 @@ def test_persistent_backend_reuses_survives_hang_and_crash(monkeypatch) -> None:
     assert not be._workers and _wait_gone([w3.proc.pid])
 
 
-def test_one_worker_per_environment() -> None:
+def test_one_worker_per_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # host_staged and collective need the same (empty) environment now (launcher_env); a stand-in variable
+    # makes two environments, so two workers
+    from moetune.tuner.search import backends
+
+    monkeypatch.setattr(backends, "knob_environment",
+                        lambda k, fam, nodes=1: {"MOETUNE_TEST_ENV": "1"} if k.transport == "host_staged" else {})
     be = LocalBackend(world=2, comm_backend="gloo", repeats=1, timeout_s=60, iters=2, metric="comm",
                       family="host_staged")
     try:
@@ -167,8 +173,8 @@ def test_one_worker_per_environment() -> None:
         for key, w in be._workers.items():
             with open(f"/proc/{w.proc.pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            envs[key] = env.get(b"NCCL_P2P_DISABLE")
-        assert envs == {(("NCCL_P2P_DISABLE", "1"),): b"1", (): None}
+            envs[key] = env.get(b"MOETUNE_TEST_ENV")
+        assert envs == {(("MOETUNE_TEST_ENV", "1"),): b"1", (): None}
         pids = [w.proc.pid for w in be._workers.values()]
     finally:
         be.close()

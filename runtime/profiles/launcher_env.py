@@ -1,7 +1,16 @@
 """The environment a knob set needs before any communicator exists (read by NVSHMEM/NCCL at init).
 
 `launcher_env` is the ONE function that turns knobs into variables; the daemon calls it to fill a reply's
-`env`, the runtime calls it for database and default profiles. `ENV_RULES` lists every variable it can
+`env`, the runtime calls it for database and default profiles, and the tuner calls it for the environment
+its measurements run in (tuner/search/backends.py `knob_environment`), so a knob set is served in the
+environment it was measured in.
+
+It sets only variables that the EP transport alone reads (NVSHMEM_*). It sets no NCCL_* variable: a
+launcher exports these for the whole job, so they would also reach every other communicator (the
+data-parallel all-reduce, ...). The `channels` knob is implemented by the runtime itself (extra
+communicators over the EP group, runtime/transports/collective.py; lanes in host_staged), not by NCCL's
+channel count, and `host_staged` needs no NCCL_P2P_DISABLE (its bytes travel by the copy engines; on a node
+without peer-to-peer NCCL stages through the host by itself). `ENV_RULES` lists every variable it can
 produce with the values it can produce, and `apply_env` exports nothing else: a reply asking for
 `NCCL_NET_PLUGIN` (a library NCCL loads) or `NVSHMEM_REMOTE_TRANSPORT=../evil` is refused, whoever sent it.
 """
@@ -22,10 +31,9 @@ def _int_in(lo: int, hi: int) -> re.Pattern[str]:
     return re.compile("|".join(str(i) for i in range(hi, lo - 1, -1)))
 
 
-# The knob ranges (runtime/knobs.py: qps_per_pe and channels are 1..64): a value outside them is not one a
-# valid knob set could have produced, so it is refused even though it would parse.
+# The knob range (runtime/knobs.py: qps_per_pe is 1..64): a value outside it is not one a valid knob set
+# could have produced, so it is refused even though it would parse.
 _QPS_PER_PE = _int_in(1, 64)
-_CHANNELS = _int_in(2, 64)  # launcher_env sets the NCCL channel variables only for channels > 1
 
 # Every variable launcher_env can set, with the values it can set (a test enumerates launcher_env's
 # outputs over every transport and family and checks both directions).
@@ -34,19 +42,17 @@ ENV_RULES: dict[str, re.Pattern[str]] = {
     "NVSHMEM_REMOTE_TRANSPORT": re.compile(r"ibrc|ucx|libfabric|none"),
     "NVSHMEM_LIBFABRIC_PROVIDER": re.compile(r"[a-z][a-z0-9_]{0,31}"),  # cxi, efa, verbs, ...
     "NVSHMEM_IBGDA_NUM_RC_PER_PE": _QPS_PER_PE,
-    "NCCL_MIN_NCHANNELS": _CHANNELS,
-    "NCCL_MAX_NCHANNELS": _CHANNELS,
 }
 
 
 def launcher_env(knobs: Knobs, transport_family: str | None, nodes: int = 1) -> dict[str, str]:
-    """The environment a launcher must export for a knob set.
+    """The environment a knob set needs: what a launcher must export, and what the tuner measured it in.
 
     - proxy:<provider>: NVSHMEM_IB_ENABLE_IBGDA=0 and NVSHMEM_REMOTE_TRANSPORT=<ibrc|ucx|libfabric>
       (+ NVSHMEM_LIBFABRIC_PROVIDER for libfabric/<provider>);
     - ibgda: NVSHMEM_IB_ENABLE_IBGDA=1, NVSHMEM_IBGDA_NUM_RC_PER_PE=<qps_per_pe>;
     - nvlink on one node: NVSHMEM_REMOTE_TRANSPORT=none (no network transport needed);
-    - collective/host_staged: NCCL_MIN_NCHANNELS/NCCL_MAX_NCHANNELS=<channels> when channels > 1.
+    - collective/host_staged: nothing (no job-wide NCCL variable; `channels` is the runtime's own).
     """
     env: dict[str, str] = {}
     fam = transport_family or knobs.transport
@@ -64,9 +70,6 @@ def launcher_env(knobs: Knobs, transport_family: str | None, nodes: int = 1) -> 
         env["NVSHMEM_IBGDA_NUM_RC_PER_PE"] = str(knobs.qps_per_pe)
     elif knobs.transport == "nvlink" and nodes == 1:
         env["NVSHMEM_REMOTE_TRANSPORT"] = "none"
-    elif knobs.transport in ("collective", "host_staged") and knobs.channels > 1:
-        env["NCCL_MIN_NCHANNELS"] = str(knobs.channels)
-        env["NCCL_MAX_NCHANNELS"] = str(knobs.channels)
     return env
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.profiles.launcher_env import launcher_env
 from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.tuner.measure.stats import Summary, half_range
 
@@ -312,20 +313,10 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 # the real runtime
 
 
-def knob_environment(knobs: Knobs, family: str) -> dict[str, str]:
-    """Environment-level settings a knob set implies (must be set before communicators exist)."""
-    env: dict[str, str] = {}
-    if knobs.transport == "host_staged":
-        env["NCCL_P2P_DISABLE"] = "1"
-    if family.startswith("proxy:ibrc"):
-        env.update(NVSHMEM_REMOTE_TRANSPORT="ibrc", NVSHMEM_IB_ENABLE_IBGDA="0")
-    elif family.startswith("proxy:libfabric"):
-        env["NVSHMEM_REMOTE_TRANSPORT"] = "libfabric"
-        if "/" in family:
-            env["NVSHMEM_LIBFABRIC_PROVIDER"] = family.split("/", 1)[1]
-    elif knobs.transport == "ibgda":
-        env.update(NVSHMEM_IB_ENABLE_IBGDA="1", NVSHMEM_IBGDA_NUM_RC_PER_PE=str(knobs.qps_per_pe))
-    return env
+def knob_environment(knobs: Knobs, family: str, nodes: int = 1) -> dict[str, str]:
+    """The environment a measurement of `knobs` runs in (set before communicators exist): exactly what the
+    runtime's `launcher_env` gives a launcher for the same knobs, so a profile is served as it was measured."""
+    return launcher_env(knobs, family, nodes)
 
 
 def model_spec(model: ModelShape) -> str:
@@ -620,8 +611,7 @@ class LocalBackend(BenchmarkBackend):
         return self._runtime_has[transport]
 
     def runtime_knobs(self, knobs: Knobs) -> Knobs:
-        """host_staged is the collective through host memory (NCCL_P2P_DISABLE=1 in the environment)
-        when the runtime has no transport of that name."""
+        """host_staged is the collective when the runtime has no transport of that name."""
         if knobs.transport == "host_staged" and not self.runtime_has("host_staged"):
             return knobs.replace(transport="collective")
         return knobs
