@@ -123,11 +123,11 @@ def tune(
     db: Path = typer.Option(None, "--db", help="Profile database (default: configured)."),
     config: Path = typer.Option(None, "--config", help="TOML config file (its \\[tune] section gives the defaults)."),
     nodes: int = typer.Option(1, "--nodes", help="Nodes in the EP group."),
-    ep_size: int = typer.Option(None, "--ep-size", help="EP group size (default: --world with the local backend, else GPUs per node × nodes)."),
+    ep_size: int = typer.Option(None, "--ep-size", help="EP group size (default: --world with the local backend, else GPUs per node × nodes). The local backend stores only what it measures: --ep-size = --world, --nodes 1."),
     family: list[str] = typer.Option(None, "--family", "-f", help="Only these transport families (repeatable), e.g. host_staged."),
     policy: Path = typer.Option(None, "--policy", help="User policy file or directory overriding the packaged policies."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:S."),
-    world: int = typer.Option(None, "--world", help="Local backend: ranks to launch (default: GPUs found, else 2)."),
+    world: int = typer.Option(None, "--world", help="Local backend: ranks to launch on this node (default: --ep-size, else GPUs found, else 2)."),
     comm: str = typer.Option(None, "--comm", help="Local backend: nccl or gloo (default: nccl with GPUs, else gloo)."),
     repeats: int = typer.Option(3, "--repeats", help="Local backend: runs per trial (median and spread)."),
     trial_timeout: float = typer.Option(120.0, "--trial-timeout", help="Local backend: seconds before a run is killed."),
@@ -211,8 +211,14 @@ def tune(
             _fail(f"{CAPTURE_OPT} {capture}: {e}" if capture is not None else str(e))
     if backend == "local":
         gpus = facts.gpu_count
-        local_opts = {"world": world or (gpus if gpus >= 2 else 2), "comm_backend": comm or ("nccl" if gpus else "gloo"),
-                      "repeats": repeats, "timeout_s": trial_timeout}
+        # the ranks launched on this node: --world, else the EP size asked (what is measured is what is stored)
+        local_opts = {"world": world or ep_size or (gpus if gpus >= 2 else 2),
+                      "comm_backend": comm or ("nccl" if gpus else "gloo"), "repeats": repeats, "timeout_s": trial_timeout}
+        from moetune.tuner.search.tune import unmeasured_key
+
+        why = unmeasured_key(local_opts["world"], ep_size or local_opts["world"], nodes, family or ["collective"])
+        if why:  # refused before anything runs: a profile stored as MEASURED for a group that never ran
+            _fail(f"{why} (--world {local_opts['world']}, --ep-size {ep_size or local_opts['world']}, --nodes {nodes})")
     store = _open_store(db if db is not None else cfg.db_path)
     url = _storage_url(storage, None, store)  # the URL tune_profiles_detailed opens (storage, else beside the store)
     _check_storage(url, storage is not None)

@@ -74,6 +74,7 @@ class Job:
         self.started_recorded = False  # the job_started event is in the store
         self.impossible = False  # failed because no profile true for this node could be produced
         self.cancelled_by = ""  # "user" (the retune op), "fabric" (the watch: its fabric changed), "shutdown"
+        self.refused: list[str] = []  # keys the re-tune would not produce here, and why (they stay as they are)
 
     def info(self) -> JobInfo:
         return JobInfo(id=self.id, state=self.state, reason=self.reason, fingerprint=self.fingerprint or self.old_fingerprint,
@@ -84,7 +85,7 @@ class Job:
         return {"job_id": self.id, "run_id": self.run_id, "old_fingerprint": self.old_fingerprint,
                 "fingerprint": self.fingerprint, "software": self.software, "all_current": self.all_current,
                 "keys": [k.to_dict() for k in self.keys], "state": self.state, "written": self.written,
-                "message": self.message, "impossible": self.impossible}
+                "message": self.message, "impossible": self.impossible, "refused": list(self.refused)}
 
 
 class JobContext:
@@ -97,6 +98,7 @@ class JobContext:
         self.keys = job.keys
         self.cancel = job.cancel
         self.tune = tune
+        self.refused = job.refused  # why keys were left as they are (said in the job's message and events)
 
     def check_cancel(self) -> None:
         if self.cancel.is_set():
@@ -173,6 +175,18 @@ def _backend_for(ctx: JobContext) -> tuple[Any, str | None]:
     return ModelBackend(preset), str(path)
 
 
+def local_refusal(ep_size: int, nodes: int, gpus: int) -> str:
+    """Why a local re-tune cannot measure the EP group (ep_size, nodes) on this node ('' when it can): it launches
+    ep_size ranks on this one host, one per GPU (a node without GPUs runs them as gloo processes on its CPUs, as
+    its bring-up did), and stores what it ran as MEASURED."""
+    if nodes > 1:
+        return (f"a local re-tune measures on this one node, the group spans {nodes} nodes "
+                "(measuring it needs every node of the group)")
+    if gpus >= 1 and ep_size > gpus:
+        return f"EP {ep_size} needs {ep_size} GPUs, this node has {gpus}"
+    return ""
+
+
 def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     """The default re-tune: the tuner's `tune_profiles` on the new facts, per (EP size, nodes) group.
 
@@ -193,11 +207,26 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
             study.stop()
             raise JobCancelled(f"job {ctx.job.id} cancelled")
 
-    gpus = ctx.facts.gpu_count
-    local_options = {"world": min(gpus, 8) if gpus >= 2 else 2} if be == "local" else None
+    gpus = int(ctx.facts.gpu_count or 0)
+    groups = sorted(group_keys(ctx.keys).items())
+    runnable = []
+    for (ep, nodes), (shapes, buckets) in groups:
+        why = local_refusal(ep, nodes, gpus) if be == "local" else ""
+        if why:
+            n = sum(1 for k in ctx.keys if (k.ep_size, k.nodes) == (ep, nodes))
+            ctx.refused.append(f"{n} key(s) of EP {ep} over {nodes} node(s) not re-measured: {why}; they stay stale")
+            log.warning("re-tune job %d: %s", ctx.job.id, ctx.refused[-1])
+            continue
+        runnable.append(((ep, nodes), (shapes, buckets)))
+    if not runnable:
+        raise RetuneImpossible(f"cannot re-tune fabric {ctx.facts.fingerprint} here: " + "; ".join(ctx.refused)
+                               + ". Re-tune them where the group can be measured, or set [tune] backend = \"model\" "
+                               "to predict them (stored as node_model).")
     out: list[ProfileRecord] = []
-    for (ep, nodes), (shapes, buckets) in sorted(group_keys(ctx.keys).items()):
+    for (ep, nodes), (shapes, buckets) in runnable:
         ctx.check_cancel()
+        # a local measurement launches ep ranks on this node: the key it stores is the group it ran
+        local_options = {"world": ep} if be == "local" else None
         out += tune_profiles(
             ctx.store,
             ctx.facts,
@@ -374,6 +403,8 @@ class JobManager:
             job.written = len(written)
             job.state = "done"
             job.message = f"{len(written)} profile(s) written in {time.monotonic() - t0:.1f} s"
+            if job.refused:
+                job.message += "; " + "; ".join(job.refused)
         except JobCancelled as e:
             job.state, job.message = "cancelled", str(e)
         except RetuneImpossible as e:  # said plainly, no traceback: the daemon keeps serving what is valid

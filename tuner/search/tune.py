@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import optuna
 
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord, nearest_bucket, provenance_of_backend
+from moetune.runtime.profile_record import (
+    MEGAKERNEL_FAMILY,
+    ProfileKey,
+    ProfileRecord,
+    nearest_bucket,
+    provenance_of_backend,
+)
 from moetune.runtime.shapes import ModelShape
 from moetune.tuner.search.backends import (
     BenchmarkBackend,
@@ -174,6 +180,23 @@ def make_backend(backend: str | BenchmarkBackend, preset: str | None = None, **l
     raise ValueError(f"unknown backend {backend!r}; expected model or local")
 
 
+def unmeasured_key(world: int, ep_size: int, nodes: int, families: Sequence[str]) -> str:
+    """Why a local measurement of `world` ranks on this one host cannot stand for (ep_size, nodes), '' when it can.
+
+    The local backend launches `world` ranks on this node only; what it stores is MEASURED, so the key must be
+    what ran: ep_size == world on 1 node. The megakernel family runs in this process on one GPU (ep_size 1 and
+    nodes 1 are checked where it is chosen), whatever the world."""
+    if all(f == MEGAKERNEL_FAMILY for f in families):
+        return ""
+    if world == ep_size and nodes == 1:
+        return ""
+    return (f"the local backend measures {world} rank(s) on this one node, but the profile would be stored for "
+            f"EP size {ep_size} over {nodes} node(s), which was never measured: a local tune stores only the "
+            f"EP size it runs (ep_size = world = {world}, nodes = 1). Tune EP {ep_size} with world {ep_size} on one "
+            "node" + (f" (a {nodes}-node EP group cannot be measured from one host)" if nodes > 1 else "")
+            + ", or predict it with the model backend (stored as MODELLED)")
+
+
 def _now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -223,8 +246,8 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
     if facts is None:
         raise ValueError("no fabric facts: run discovery or give a preset")
     gpn = facts.gpu_count or 1
-    if ep_size is None:
-        ep_size = int(gpn) * nodes
+    if ep_size is None:  # a local measurement stands for the ranks it launches on this node, nothing else
+        ep_size = be.world if isinstance(be, LocalBackend) and nodes == 1 else int(gpn) * nodes
     if ep_size % nodes:
         raise ValueError(f"ep_size {ep_size} is not divisible by nodes {nodes}")
     gpus_per_node = ep_size // nodes
@@ -261,6 +284,10 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
             raise
     if not policies:
         raise ValueError(f"no transport family to tune (found {fams}; backend {be.label})")
+    if isinstance(be, LocalBackend):
+        why = unmeasured_key(be.world, ep_size, nodes, list(policies))
+        if why:
+            raise ValueError(why)
     # The measured-error check of compressed trials follows each family's policy unless set explicitly.
     explicit_budget = isinstance(be, LocalBackend) and be.error_budget is not None
     url = storage or default_storage_url(store.path if store is not None else None)

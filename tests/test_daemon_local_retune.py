@@ -1,0 +1,129 @@
+"""The daemon's local (measuring) re-tune: each stale key is measured with world = its EP size on this node, and
+keys this node cannot measure (several nodes, more GPUs than it has) are refused and left stale, never
+"re-measured" by another group and overwritten. Before, every group ran with world = min(GPUs, 8): an EP 16,
+2-node key was re-tuned by 8 ranks on one node and stored as measured."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.shapes import MODELS
+from moetune.tuner.daemon.jobs import Job, JobContext, JobManager, tuner_retune
+from moetune.tuner.daemon.server import TuneSettings
+
+pytestmark = pytest.mark.timeout(60)
+QWEN = MODELS["qwen3-30b"]
+
+
+def _key(facts: Any, ep: int, nodes: int, bucket: int = 64) -> ProfileKey:
+    return ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family="nvlink",
+                      ep_size=ep, nodes=nodes, hidden=QWEN.hidden, intermediate=QWEN.intermediate,
+                      experts=QWEN.experts, topk=QWEN.topk, dtype=QWEN.dtype, token_bucket=bucket)
+
+
+def _fake_tune(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """tune_profiles replaced: records each call, writes one current profile per key group."""
+    import moetune.tuner.search.tune as search
+
+    calls: list[dict] = []
+
+    def tune_profiles(store: Any, facts: Any, **kw: Any) -> list[ProfileRecord]:
+        calls.append(kw)
+        out = []
+        for m in kw["models"]:
+            for b in kw["tokens"]:
+                key = ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family="nvlink",
+                                 ep_size=kw["ep_size"], nodes=kw["nodes"], hidden=m.hidden,
+                                 intermediate=m.intermediate, experts=m.experts, topk=m.topk, dtype=m.dtype,
+                                 token_bucket=b)
+                rec = F.make_record(key, backend="local:nccl")
+                store.put_profile(rec)
+                out.append(store.get_current(key))
+        return out
+
+    monkeypatch.setattr(search, "tune_profiles", tune_profiles)
+    return calls
+
+
+def test_each_group_is_measured_at_its_own_ep_size_and_unmeasurable_ones_are_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_tune(monkeypatch)
+    store = F.open_store(tmp_path / "m.db")
+    facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
+    keys = [_key(facts, 16, 2), _key(facts, 8, 1), _key(facts, 4, 1), _key(facts, 16, 1)]
+    job = Job(1, reason="test", old_fingerprint="old", keys=keys)
+    ctx = JobContext(store=store, facts=facts, job=job, tune=TuneSettings(backend="local", trials=1))
+    written = tuner_retune(ctx)
+    ran = sorted((c["ep_size"], c["nodes"], c["local_options"]["world"]) for c in calls)
+    assert ran == [(4, 1, 4), (8, 1, 8)]  # world = the key's EP size, on this one node
+    assert {(r.key.ep_size, r.key.nodes) for r in written} == {(4, 1), (8, 1)}
+    assert len(job.refused) == 2
+    two_nodes = next(m for m in job.refused if "EP 16 over 2 node(s)" in m)
+    assert "one node" in two_nodes and "stale" in two_nodes
+    assert any("EP 16 over 1 node(s)" in m and "this node has 8" in m for m in job.refused)
+
+
+def _manager(store: Any, facts: Any, done: list) -> JobManager:
+    return JobManager(store=store, facts_fn=lambda: facts, retune=tuner_retune, on_done=lambda j, w: done.append(j),
+                      tune=TuneSettings(backend="local", trials=1))
+
+
+def _wait(done: list) -> Job:
+    deadline = time.monotonic() + 20
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert done
+    return done[0]
+
+
+def test_a_job_of_only_unmeasurable_keys_fails_and_leaves_them_stale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_tune(monkeypatch)
+    store = F.open_store(tmp_path / "m.db")
+    old = F.FakeFacts({"gpu_count": 8, "name": "before"})
+    new = F.FakeFacts({"gpu_count": 8, "name": "after"})
+    stale = F.make_record(_key(old, 16, 2))
+    store.put_profile(stale)
+    store.mark_stale(fingerprint=old.fingerprint, reason="fabric changed")
+    done: list = []
+    jm = _manager(store, new, done)
+    jm.start()
+    try:
+        jm.submit(reason="fabric changed", old_fingerprint=old.fingerprint, keys=[stale.key])
+        job = _wait(done)
+    finally:
+        jm.stop()
+    assert calls == []
+    assert job.state == "failed" and job.impossible, job.message
+    assert "EP 16 over 2 node(s)" in job.message and "stay stale" in job.message
+    finished = [e for e in store.list_events(limit=50) if e["kind"] == "job_finished"]
+    assert finished and "EP 16 over 2 node(s)" in finished[0]["reason"]
+    assert finished[0]["details"]["refused"]
+    assert [r.status for _, r in store.list_profiles()] == ["stale"]  # nothing written for it, old or new fingerprint
+
+
+def test_a_mixed_job_tunes_what_it_can_and_says_what_it_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_tune(monkeypatch)
+    store = F.open_store(tmp_path / "m.db")
+    facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
+    done: list = []
+    jm = _manager(store, facts, done)
+    jm.start()
+    try:
+        jm.submit(reason="fabric changed", old_fingerprint="old", keys=[_key(facts, 16, 2), _key(facts, 8, 1)])
+        job = _wait(done)
+    finally:
+        jm.stop()
+    assert [(c["ep_size"], c["local_options"]["world"]) for c in calls] == [(8, 8)]
+    assert job.state == "done" and job.written == 1
+    assert "EP 16 over 2 node(s) not re-measured" in job.message
+    finished = [e for e in store.list_events(limit=50) if e["kind"] == "job_finished"]
+    assert "EP 16 over 2 node(s)" in finished[0]["reason"] and finished[0]["details"]["refused"]

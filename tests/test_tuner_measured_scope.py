@@ -1,0 +1,127 @@
+"""A local (measuring) tune stores only the EP group it measured: `world` ranks on this one node.
+
+Before, `moetune tune --backend local --world 2 --ep-size 8 --nodes 2` stored a MEASURED `local:gloo` profile for
+EP 8 over 2 nodes (the backend always launches --world ranks on this host), and the library did the same."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from typer.testing import CliRunner
+
+from moetune.runtime.shapes import ModelShape
+from moetune.tuner.cli import app
+from moetune.tuner.search.backends import CallableBackend, LocalBackend
+
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+CAPTURES = Path(__file__).parent / "captures"
+SMALL = ModelShape(name="custom:256,128,16,2", hidden=256, intermediate=128, experts=16, topk=2)
+
+# a stand-in for `moetune bench ep --json`: says which world it was launched with
+FAKE_BENCH = r'''
+import json, sys
+args = sys.argv[1:]
+world = int(args[args.index("--world") + 1])
+print(json.dumps({"dispatch_us": {"median": 10.0, "p10": 9.9, "p90": 10.1},
+                  "combine_us": {"median": 10.0, "p10": 9.9, "p90": 10.1},
+                  "layer_us": {"median": 30.0, "p10": 29.9, "p90": 30.1}, "world": world}))
+'''
+
+
+class _Fam:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class Facts:
+    fingerprint, software_hash, gpu_count = "c" * 64, "d" * 64, 8
+    software: dict = {}  # noqa: RUF012
+    link_rates: dict = {}  # noqa: RUF012
+    transports = (_Fam("collective"),)
+
+
+def _store(path: Path) -> Any:
+    from moetune.tuner.store.store import Store
+
+    return Store(path)
+
+
+def _backend(tmp_path: Path, world: int) -> LocalBackend:
+    p = tmp_path / "fake_bench.py"
+    p.write_text(FAKE_BENCH)
+    return LocalBackend(world=world, command=[sys.executable, str(p)], comm_backend="gloo", repeats=1, timeout_s=20)
+
+
+@pytest.mark.parametrize(("ep_size", "nodes"), [(8, 2), (8, 1), (2, 2)])
+def test_library_refuses_a_key_the_local_backend_did_not_measure(tmp_path: Path, ep_size: int, nodes: int) -> None:
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    store = _store(tmp_path / "p.db")
+    with pytest.raises(ValueError, match="never measured") as e:
+        tune_profiles_detailed(store, Facts(), models=[SMALL], tokens=[64], backend=_backend(tmp_path, 2), trials=2,
+                               ep_size=ep_size, nodes=nodes, families=["collective"],
+                               storage=f"sqlite:///{tmp_path / 'opt.db'}")
+    assert f"EP size {ep_size} over {nodes} node(s)" in str(e.value) and "2 rank(s)" in str(e.value)
+    assert store.list_profiles() == []
+
+
+def test_library_stores_the_measured_group(tmp_path: Path) -> None:
+    """world == ep_size on one node is stored; without ep_size a local tune stores its world (not GPUs per node)."""
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    store = _store(tmp_path / "p.db")
+    res = tune_profiles_detailed(store, Facts(), models=[SMALL], tokens=[64], backend=_backend(tmp_path, 4), trials=2,
+                                 families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}")
+    assert res[0].written, res[0].reason
+    (key,) = [r.key for _, r in store.list_profiles()]
+    assert (key.ep_size, key.nodes) == (4, 1)
+    assert res[0].record.provenance == "measured"
+
+
+def _fake_local(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The CLI's local backend replaced by a fake (no ranks launched); returns the options it was built with."""
+    import moetune.tuner.search.tune as search
+
+    seen: list[dict] = []
+
+    def make(backend: Any, preset: Any = None, **kw: Any) -> CallableBackend:
+        seen.append(kw)
+        return CallableBackend(lambda k, w: 10.0 + k.pipeline_depth, name="local:fake")
+
+    monkeypatch.setattr(search, "make_backend", make)
+    return seen
+
+
+def _tune(tmp_path: Path, *extra: str) -> Any:
+    return CliRunner().invoke(app, ["tune", "--backend", "local", "-m", "custom:256,128,16,2", "-t", "64", "-n", "2",
+                                    "--family", "collective", "--from", str(CAPTURES / "cpu-laptop"),
+                                    "--db", str(tmp_path / "p.db"), *extra], env={"MOETUNE_HOME": str(tmp_path)})
+
+
+@pytest.mark.parametrize("args", [["--world", "2", "--ep-size", "8", "--nodes", "2"],
+                                  ["--world", "2", "--ep-size", "8"],
+                                  ["--world", "2", "--nodes", "2"]])
+def test_cli_refuses_an_unmeasured_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:
+    seen = _fake_local(monkeypatch)
+    r = _tune(tmp_path, *args)
+    assert r.exit_code == 2, r.output
+    assert "never measured" in r.output and "--world 2" in r.output, r.output
+    assert "Traceback" not in r.output and isinstance(r.exception, SystemExit)
+    assert seen == []  # refused before any backend was built
+    if (tmp_path / "p.db").exists():
+        assert _store(tmp_path / "p.db").list_profiles() == []
+
+
+def test_cli_ep_size_alone_launches_that_many_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _fake_local(monkeypatch)
+    r = _tune(tmp_path, "--ep-size", "4", "--json")
+    assert r.exit_code == 0, r.output
+    assert seen and seen[0]["world"] == 4
+    assert json.loads(r.stdout)[0]["written"]
+    (key,) = [rec.key for _, rec in _store(tmp_path / "p.db").list_profiles()]
+    assert (key.ep_size, key.nodes) == (4, 1)
