@@ -63,6 +63,17 @@ def provenance_of_backend(backend: str) -> Provenance:
     return "node_model"
 
 
+def canonical_routing(spec: str) -> str:
+    """The one spelling of a routing a profile was tuned under: `uniform` or `zipf:S` (`zipf` is `zipf:1`,
+    `ZIPF:1.20` is `zipf:1.2`); "" stays "" (not recorded). ValueError names a spec that is neither."""
+    if not spec:
+        return ""
+    from moetune.runtime.routing import parse_routing  # no torch at import
+
+    kind, exponent = parse_routing(spec)
+    return kind if kind == "uniform" else f"{kind}:{exponent:g}"
+
+
 def unlabelled_provenance(backend: str) -> Provenance:
     """The provenance of a record that carries none (an older peer or export): modelled, never measured,
     since nothing says which fingerprint and software it was measured on."""
@@ -121,6 +132,10 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Left out (an older peer): derived from the backend, and never "measured" (unlabelled_provenance).
     provenance: Provenance | msgspec.UnsetType = msgspec.UNSET
     measured_on: str = ""  # fingerprint measured or calibrated on; `preset:<name>` for a preset
+    # The routing the numbers were measured under (`uniform`, `zipf:S`): NOT part of the key, since the runtime
+    # cannot know the skew of the traffic ahead; it says which latencies may be compared (the store never compares
+    # a zipf number with a uniform one). Left out: not recorded (a record from an older moetune or caller).
+    routing: str | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
         if self.provenance is msgspec.UNSET:
@@ -129,6 +144,13 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"provenance must be one of {', '.join(PROVENANCES)}, got {self.provenance!r}")
         if not self.measured_on:
             self.measured_on = default_measured_on(self.provenance, self.backend, self.key.fingerprint)
+        if self.routing is not msgspec.UNSET:
+            self.routing = canonical_routing(str(self.routing)) or msgspec.UNSET  # "": not recorded
+
+    @property
+    def tuned_routing(self) -> str:
+        """The routing the numbers were measured under, "" when not recorded."""
+        return "" if self.routing is msgspec.UNSET else str(self.routing)
 
     def is_tuned_for(self, fingerprint: str, software: str) -> bool:
         """Measured on exactly this fabric and software: the only profile the runtime applies as tuned."""

@@ -99,7 +99,8 @@ def test_two_processes_write_at_once(tmp_path):
         ).fetchall()
         assert dup == []
         assert con.execute("SELECT count(*) FROM profiles WHERE fingerprint='fp-shared' AND status='current'").fetchone()[0] == 5
-        assert con.execute("SELECT count(*) FROM events").fetchone()[0] == 2 * (N // 50)
+        # (the store's own events too: a worker re-measuring its shared keys' knobs leaves `remeasured` ones)
+        assert con.execute("SELECT count(*) FROM events WHERE kind = 'test'").fetchone()[0] == 2 * (N // 50)
         assert con.execute("SELECT count(*) FROM moetune_alembic_version").fetchone()[0] == 1
     finally:
         con.close()

@@ -6,6 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from moetune.runtime.knobs import default_knobs
@@ -83,8 +84,10 @@ def test_import_never_makes_two_current(src, tmp_path):
     f = tmp_path / "a.json"
     src.export_profiles(f, status="current")
     with Store(tmp_path / "dst.db") as dst:
-        dst.put_profile(rec(2000.0, bucket=128))  # much slower than the file's 1280: replaced
-        dst.put_profile(rec(5.5, bucket=16))  # within noise of the file's 5.0: kept, file's one superseded
+        # Other knobs than the file's (the same knobs: the newer measurement would win, whatever its number).
+        other = default_knobs("nvlink").replace(num_sms=24)
+        dst.put_profile(msgspec.structs.replace(rec(2000.0, bucket=128), knobs=other))  # much slower than the file's 1280: replaced
+        dst.put_profile(msgspec.structs.replace(rec(5.5, bucket=16), knobs=other))  # within noise of the file's 5.0: kept
         res = dst.import_profiles(f)
         assert res.replaced == 1 and res.kept_superseded == 1
         cur = {r.key: r for _i, r in dst.list_profiles(status="current")}

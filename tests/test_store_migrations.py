@@ -226,7 +226,7 @@ def test_0004_relabels_rows_labelled_measured_by_a_backend_that_does_not_measure
     database_at_0003(path)
     before = profile_rows(path)
     with Store(path) as s:  # upgrades on first use
-        assert s.current_revision() == head_revision() == "0004"
+        assert s.current_revision() == head_revision() == "0005"
         assert s.check()["ok"]
         assert labels(s) == {(k[0], k[1], k[2]): v for k, v in AT_0003.items()}
         # The preset's number at 4096 tokens is no measurement: find_profile offers it as a preset only.
@@ -249,7 +249,8 @@ def test_0004_relabels_rows_labelled_measured_by_a_backend_that_does_not_measure
     # No row deleted; keys, statuses, numbers and dates are as they were: only the two label columns moved.
     after = profile_rows(path)
     assert len(after) == len(before) == len(AT_0003)
-    assert [r[:-2] for r in after] == [r[:-2] for r in before]
+    # (0005 then adds the routing column last, "" for every row: not recorded)
+    assert [r[:-3] for r in after] == [r[:-2] for r in before] and {r[-1] for r in after} == {""}
     # `moetune profiles list` lists only the real measurement as measured.
     r = CliRunner().invoke(app, ["profiles", "list", "--provenance", "measured", "--json", "--db", str(path)])
     assert r.exit_code == 0, r.output
@@ -259,14 +260,16 @@ def test_0004_relabels_rows_labelled_measured_by_a_backend_that_does_not_measure
 def test_0004_downgrade_keeps_the_relabelling_and_upgrade_round_trips(tmp_path):
     path = tmp_path / "r.db"
     database_at_0003(path)
-    with Store(path) as s:
+    with Store(path, upgrade=False) as s:
+        s.upgrade("0004")
         upgraded, events = profile_rows(path), s.list_events()
         s.downgrade("0003")  # a no-op that keeps data: the relabelling is not undone
         assert s.current_revision() == "0003"
         assert profile_rows(path) == upgraded and s.list_events() == events
-        s.upgrade()
+        s.upgrade("0004")
         assert s.current_revision() == "0004"
         assert profile_rows(path) == upgraded and s.list_events() == events  # nothing left to relabel
+        s.upgrade()
         assert s.check()["ok"]
 
 

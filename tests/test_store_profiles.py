@@ -98,25 +98,30 @@ def test_bad_status_is_rejected_by_the_schema(store):
     con.close()
 
 
+def sms(n: int) -> Knobs:
+    """Other knobs than the default (the noise rule decides only between different knobs)."""
+    return default_knobs("nvlink").replace(num_sms=n)
+
+
 def test_replacement_only_when_gain_beats_noise(store):
     assert store.put_profile(rec(100.0, spread=2.0))[0]
-    # 1.5 us better but noise is max(2, 1) = 2: kept.
-    ok, reason = store.put_profile(rec(98.5, spread=1.0))
+    # Other knobs, 1.5 us better but noise is max(2, 1) = 2: kept.
+    ok, reason = store.put_profile(rec(98.5, spread=1.0, knobs=sms(8)))
     assert not ok and "noise" in reason
     assert store.get_current(key()).latency_us == 100.0
     # The new one's own spread counts too: 5 us better, spread 6 -> kept.
-    assert not store.put_profile(rec(95.0, spread=6.0))[0]
+    assert not store.put_profile(rec(95.0, spread=6.0, knobs=sms(12)))[0]
     # Exactly at the noise: not strictly better -> kept.
-    assert not store.put_profile(rec(98.0, spread=2.0))[0]
+    assert not store.put_profile(rec(98.0, spread=2.0, knobs=sms(16)))[0]
     # 10 us better with noise 2: replaced; the old one is superseded.
-    ok, reason = store.put_profile(rec(90.0, spread=1.0))
+    ok, reason = store.put_profile(rec(90.0, spread=1.0, knobs=sms(20)))
     assert ok and "replaced" in reason
     cur = store.get_current(key())
     assert cur.latency_us == 90.0
     statuses = sorted(r.status for _i, r in store.list_profiles())
     assert statuses == ["current", "superseded"]
-    # A slower one never replaces.
-    assert not store.put_profile(rec(200.0, spread=0.1))[0]
+    # Slower other knobs never replace (the stored number is not re-measured here).
+    assert not store.put_profile(rec(200.0, spread=0.1, knobs=sms(24)))[0]
     assert len(store.list_profiles()) == 2
 
 

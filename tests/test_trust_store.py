@@ -84,9 +84,10 @@ def test_measured_replaces_modelled_and_modelled_never_displaces_measured():
         assert [r.latency_us for _i, r in hist] == [27.0, 5.0]
         # Forcing does not let a modelled number displace a measured one either.
         assert not s.put_profile(rec(1.0, "model:node:fp", provenance="node_model"), force_reason="x")[0]
-        # Between two measured ones the noise rule stays.
-        assert not s.put_profile(rec(59.5, "local:nccl", provenance="measured"))[0]
-        assert s.put_profile(rec(50.0, "local:nccl", provenance="measured"))[0]
+        # Between two measured ones of different knobs the noise rule stays.
+        other = default_knobs("nvlink").replace(num_sms=8)
+        assert not s.put_profile(msgspec.structs.replace(rec(59.5, "local:nccl", provenance="measured"), knobs=other))[0]
+        assert s.put_profile(msgspec.structs.replace(rec(50.0, "local:nccl", provenance="measured"), knobs=other))[0]
         # A calibrated node model beats a preset, not the other way round.
         s.put_profile(rec(9.0, "model:x", bucket=16))
         assert s.put_profile(rec(30.0, "model:node:fp", provenance="node_model", bucket=16))[0]
@@ -153,7 +154,7 @@ def test_upgrade_from_0002_labels_existing_rows(tmp_path):
     with pytest.raises(Exception, match=f"moetune db upgrade --db {re.escape(str(path))}"):
         Store(path, readonly=True)
     with Store(path) as s:
-        assert s.current_revision() == head_revision() == "0004"
+        assert s.current_revision() == head_revision() == "0005"
         assert s.check()["ok"]
         got = {r.backend: (r.provenance, r.measured_on) for _i, r in s.list_profiles()}
     assert got == {

@@ -111,6 +111,7 @@ def show(
     table.add_row("backend", escape(rec.backend))
     table.add_row("provenance", PROVENANCE_LABEL[str(rec.provenance)])
     table.add_row("measured_on", escape(rec.measured_on or "(unknown)"))
+    table.add_row("routing", escape(rec.tuned_routing or "(not recorded)"))
     for name, value in sorted(rec.software_versions.items()):
         table.add_row(escape(f"software.{name}"), escape(str(value)))
     table.add_row("created", escape(rec.created))

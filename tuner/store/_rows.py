@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from sqlalchemy import Select, String, select, type_coerce
 
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Profile
+from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Event, Profile
 
 log = logging.getLogger("moetune.store")
 
 # measured beats this node's calibrated model beats another machine's preset: a profile never replaces
-# one of a higher rank, always replaces one of a lower rank, and within a rank must beat the noise.
+# one of a higher rank, always replaces one of a lower rank; within a rank `decide` says (same knobs: the newer
+# number; other knobs: the noise rule; another routing: only when asked).
 PROVENANCE_RANK = {"preset": 0, "node_model": 1, "measured": 2}
 
 # JSON columns read as text, so one undecodable row is skipped instead of failing the whole query.
@@ -33,6 +34,7 @@ _COLUMNS = (
     Profile.updated,
     Profile.provenance,
     Profile.measured_on,
+    Profile.routing,
 )
 
 
@@ -58,6 +60,7 @@ def record_from_row(row: Any) -> ProfileRecord:
             updated=row.updated,
             provenance=row.provenance,
             measured_on=row.measured_on,
+            routing=row.routing or msgspec.UNSET,
         )
     except (KnobError, ValueError, TypeError, msgspec.DecodeError) as e:
         raise ValueError(f"profile {row.id} in the database is invalid for this moetune: {e}") from None
@@ -80,25 +83,145 @@ def key_filter(key: ProfileKey) -> list[Any]:
 
 def current_of(key: ProfileKey) -> Select[Any]:
     """The gate's view of the current profile of a key (no JSON columns: a corrupt one does not block)."""
-    return select(Profile.id, Profile.latency_us, Profile.spread_us, Profile.provenance).where(
-        *key_filter(key), Profile.status == "current"
+    return select(
+        Profile.id,
+        Profile.latency_us,
+        Profile.spread_us,
+        Profile.provenance,
+        Profile.measured_on,
+        Profile.backend,
+        Profile.profile_hash,
+        Profile.routing,
+        Profile.updated,
+    ).where(*key_filter(key), Profile.status == "current")
+
+
+class Decision(NamedTuple):
+    """What `decide` says: whether the new profile becomes current, why, and which rule said so.
+
+    `rule`: "provenance" (a higher rank replaces), "rank" (a lower rank never does), "routing" (measured under
+    another routing: latencies not compared), "remeasured" (the same knobs measured again: the newer number is
+    the truth about them), "unchanged" (the same knobs and numbers again: nothing to write), "older" (an import of the
+    stored knobs measured before the stored number), "forced" (the
+    caller compared both settings side by side), "gain" / "noise" / "slower" (other knobs against the stored
+    number)."""
+
+    replace: bool
+    reason: str
+    rule: str
+
+
+def _us(latency: float, spread: float) -> str:
+    return f"{latency:.3f} ± {spread:.3f} us"
+
+
+def decide(
+    old: Any,
+    new: ProfileRecord,
+    *,
+    force_reason: str | None = None,
+    replace_routing: bool = False,
+    newer: bool = True,
+) -> Decision:
+    """Whether `new` replaces the current profile `old` (a `current_of` row), and why.
+
+    In order: provenance (measured > node_model > preset; a higher rank always replaces, a lower never does).
+    Routing: two profiles that both record their routing and differ are not compared by latency (a zipf layer
+    is slower than a uniform one whatever the knobs); `new` replaces only with `replace_routing`. The same knobs
+    from the same source (`profile_hash`, `backend` and `measured_on` equal): `new` is a re-measurement of what is stored, so
+    it replaces whatever the numbers (`newer`: it was measured after the stored one; an import of an older
+    record does not), unless the numbers are identical. Other knobs: `force_reason` (a side-by-side
+    re-measurement of both settings) replaces; else `new` must beat the STORED number by more than the noise,
+    max(old.spread, new.spread). A stored number can be stale (NCCL_* environment, power cap, clocks: what the
+    fingerprint does not capture), so a slower new best is not called a loss to it: the reason says that only a
+    side-by-side comparison decides, and the stored profile is kept."""
+    old_rank, new_rank = PROVENANCE_RANK.get(old.provenance, 0), PROVENANCE_RANK[str(new.provenance)]
+    if new_rank > old_rank:
+        return Decision(
+            True, f"replaced profile {old.id}: a {new.provenance} profile replaces a {old.provenance} one", "provenance"
+        )
+    if new_rank < old_rank:
+        return Decision(
+            False, f"kept the {old.provenance} profile {old.id}: a {new.provenance} profile never displaces it", "rank"
+        )
+    old_routing, new_routing = old.routing or "", new.tuned_routing
+    if old_routing and new_routing and old_routing != new_routing:
+        if replace_routing:
+            return Decision(
+                True,
+                f"replaced profile {old.id} (routing {old_routing}) with one measured under routing {new_routing}, "
+                f"as asked: their latencies ({_us(old.latency_us, old.spread_us)} vs "
+                f"{_us(new.latency_us, new.spread_us)}) are not compared",
+                "routing",
+            )
+        return Decision(
+            False,
+            f"kept the current profile {old.id}, measured under routing {old_routing}: this one was measured under "
+            f"{new_routing}, and latencies under different routings are not compared (replace it explicitly to "
+            f"tune for {new_routing})",
+            "routing",
+        )
+    same_knobs = (old.profile_hash, old.backend, old.measured_on) == (new.profile_hash, new.backend, new.measured_on)
+    if same_knobs and newer:
+        if (old.latency_us, old.spread_us) == (new.latency_us, new.spread_us):
+            return Decision(
+                False, f"kept the current profile {old.id}: the same knobs with the same numbers", "unchanged"
+            )
+        return Decision(
+            True,
+            f"replaced profile {old.id}: the same knobs re-measured, {_us(old.latency_us, old.spread_us)} -> "
+            f"{_us(new.latency_us, new.spread_us)}",
+            "remeasured",
+        )
+    if same_knobs:  # an older record of the stored knobs (an import): the stored number is the newer one
+        return Decision(
+            False, f"kept the current profile {old.id}: it holds a newer measurement of the same knobs", "older"
+        )
+    if force_reason is not None:
+        return Decision(True, f"replaced profile {old.id}: {force_reason}", "forced")
+    gain = old.latency_us - new.latency_us
+    noise = max(old.spread_us, new.spread_us)
+    if gain > noise:
+        return Decision(True, f"replaced profile {old.id}: gain {gain:.3f} us beats the noise {noise:.3f} us", "gain")
+    if gain < -noise:
+        return Decision(
+            False,
+            f"kept the current profile {old.id} (other knobs, {_us(old.latency_us, old.spread_us)}, stored "
+            f"{str(old.updated)[:19]}): the new best {_us(new.latency_us, new.spread_us)} is slower, but the stored "
+            f"number was not re-measured beside it and may be stale; only a side-by-side re-measurement of both "
+            f"settings decides (the stored knobs re-measured alone replace their number)",
+            "slower",
+        )
+    return Decision(
+        False, f"kept the current profile {old.id}: gain {gain:.3f} us does not beat the noise {noise:.3f} us", "noise"
     )
 
 
-def decide(old: Any, new: ProfileRecord, *, force_reason: str | None = None) -> tuple[bool, str]:
-    """Whether `new` replaces the current profile `old` (a `current_of` row), and why."""
-    old_rank, new_rank = PROVENANCE_RANK.get(old.provenance, 0), PROVENANCE_RANK[str(new.provenance)]
-    if new_rank > old_rank:
-        return True, f"replaced profile {old.id}: a {new.provenance} profile replaces a {old.provenance} one"
-    if new_rank < old_rank:
-        return False, f"kept the {old.provenance} profile {old.id}: a {new.provenance} profile never displaces it"
-    gain = old.latency_us - new.latency_us
-    noise = max(old.spread_us, new.spread_us)
-    if force_reason is not None:
-        return True, f"replaced profile {old.id}: {force_reason}"
-    if gain > noise:
-        return True, f"replaced profile {old.id}: gain {gain:.3f} us beats the noise {noise:.3f} us"
-    return False, f"kept the current profile {old.id}: gain {gain:.3f} us does not beat the noise {noise:.3f} us"
+def replacement_event(old: Any, new: ProfileRecord, new_id: int, decision: Decision, ts: str) -> Event | None:
+    """The event a replacement leaves where the numbers alone do not say why (a re-measurement of the same
+    knobs: old -> new latency; a replacement across routings), else None."""
+    if decision.rule not in ("remeasured", "routing") or not decision.replace:
+        return None
+    details = {
+        "key": new.key.to_dict(),
+        "profile_hash": new.profile_hash,
+        "provenance": str(new.provenance),
+        "from": {"profile": old.id, "latency_us": old.latency_us, "spread_us": old.spread_us,
+                 "routing": old.routing or "", "updated": old.updated},
+        "to": {"profile": new_id, "latency_us": float(new.latency_us), "spread_us": float(new.spread_us),
+               "routing": new.tuned_routing},
+    }
+    return Event(created=ts, kind=decision.rule, reason=decision.reason, details=details)
+
+
+def is_newer(new: ProfileRecord, old_updated: str) -> bool:
+    """Whether `new` (an imported record) was measured after the stored row's `updated`: unknown is not."""
+    try:
+        t_new = _dt.datetime.fromisoformat(new.updated or new.created)
+        t_old = _dt.datetime.fromisoformat(old_updated)
+        return t_new > t_old
+    except (TypeError, ValueError):  # a date without a zone compared with one with: unknown
+        return False
 
 
 def row_from_record(rec: ProfileRecord, ts: str, *, keep_times: bool = False, status: str | None = None) -> Profile:
@@ -115,6 +238,7 @@ def row_from_record(rec: ProfileRecord, ts: str, *, keep_times: bool = False, st
         updated=(rec.updated or rec.created or ts) if keep_times else ts,
         provenance=rec.provenance,
         measured_on=rec.measured_on,
+        routing=rec.tuned_routing,
     )
 
 

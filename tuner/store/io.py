@@ -20,7 +20,15 @@ from sqlalchemy.exc import IntegrityError
 
 from moetune.runtime.knobs import KnobError
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.tuner.store._rows import current_of, decide, key_filter, now, row_from_record
+from moetune.tuner.store._rows import (
+    current_of,
+    decide,
+    is_newer,
+    key_filter,
+    now,
+    replacement_event,
+    row_from_record,
+)
 from moetune.tuner.store._schema import StoreError, is_sqlite_file
 from moetune.tuner.store.models import Fingerprint, Profile
 from moetune.tuner.store.validate import FieldError, check_import_record, check_import_time
@@ -224,7 +232,8 @@ def parse_export(data: bytes, *, source: str = "<data>") -> ProfilesFile:
 def import_bytes(store: Store, data: bytes, *, source: str = "<data>") -> ImportResult:
     """Import an export document: validated first, then one transaction. Never two current profiles for
     one key: an imported current profile replaces a stored one only through the replacement gate
-    (modelled never displaces measured; like with like beats the noise), else it is kept as `superseded`.
+    (`_rows.decide`: modelled never displaces measured; another routing never replaces; the same knobs replace
+    when measured later than the stored number; other knobs beat the noise), else it is kept as `superseded`.
     Records already present are skipped."""
 
     doc = parse_export(data, source=source)
@@ -254,10 +263,12 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>") -> Import
                     result.skipped += 1
                     continue
                 row = row_from_record(rec, ts, keep_times=True)
+                old, decision = None, None
                 if rec.status == "current":
                     old = s.execute(current_of(rec.key)).first()
                     if old is not None:
-                        if decide(old, rec)[0]:
+                        decision = decide(old, rec, newer=is_newer(rec, old.updated))
+                        if decision.replace:
                             s.execute(update(Profile).where(Profile.id == old.id).values(status="superseded", updated=ts))
                             result.replaced += 1
                         else:
@@ -265,6 +276,10 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>") -> Import
                             result.kept_superseded += 1
                 s.add(row)
                 s.flush()
+                if old is not None and decision is not None:
+                    ev = replacement_event(old, rec, row.id, decision, ts)
+                    if ev is not None:
+                        s.add(ev)
                 result.inserted += 1
                 result.current += row.status == "current"
     except IntegrityError as e:

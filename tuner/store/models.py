@@ -139,6 +139,9 @@ class Profile(Base):
     # the numbers come from.
     provenance: Mapped[str] = mapped_column(String(16))
     measured_on: Mapped[str] = mapped_column(String(160))
+    # Added by migration 0005: the routing the numbers were measured under (`uniform`, `zipf:S`; "" not
+    # recorded). Not part of the key: latencies of two routings are never compared (`_rows.decide`).
+    routing: Mapped[str] = mapped_column(String(32))
 
     __table_args__ = (
         CheckConstraint("status IN ('current', 'stale', 'superseded')", name="status"),

@@ -41,6 +41,7 @@ from moetune.tuner.store._rows import (
     decide,
     now,
     records,
+    replacement_event,
     row_from_record,
     select_records,
 )
@@ -451,17 +452,28 @@ class Store:
             return [_row(r) for r in s.scalars(select(TuningRun).order_by(TuningRun.id.desc()).limit(limit))]
 
     # -- profiles ----------------------------------------------------------------------------------
-    def put_profile(self, rec: ProfileRecord, *, force_reason: str | None = None) -> tuple[bool, str]:
+    def put_profile(
+        self, rec: ProfileRecord, *, force_reason: str | None = None, replace_routing: bool = False
+    ) -> tuple[bool, str]:
         """Insert a profile; returns (written_as_current, reason).
 
-        The gate compares like with like (`_rows.decide`): a measured profile always replaces a modelled
-        current one (node_model over preset likewise); a modelled profile never displaces a measured one:
-        it is stored as `superseded` history, still listed with its provenance. Between two of the same
-        provenance the new one must beat the noise (old.latency_us - new.latency_us >
-        max(old.spread_us, new.spread_us)), else nothing is written. A key with no current profile (a
-        `stale` one does not count) takes the new one. A record whose status is not `current` is stored
-        as history. `force_reason` skips the noise rule (a side-by-side re-measurement of both settings),
-        never the provenance order."""
+        The gate (`_rows.decide`): a measured profile always replaces a modelled current one (node_model over
+        preset likewise); a modelled profile never displaces a measured one: it is stored as `superseded`
+        history, still listed with its provenance. Between two of the same provenance:
+
+        - measured under different routings (both record one, `rec.routing`): latencies are not compared; the
+          new one is stored as `superseded` history, and replaces the current one only with `replace_routing`;
+        - the same knobs from the same source (a re-measurement): the new numbers replace the stored ones,
+          slower or faster, and an event (kind `remeasured`) records old -> new latency; identical numbers write
+          nothing;
+        - other knobs: `force_reason` (the caller re-measured both settings side by side) replaces; else the new
+          one must beat the stored number by more than the noise (old.latency_us - new.latency_us >
+          max(old.spread_us, new.spread_us)), else nothing is written. The stored number may be older than a
+          change the fingerprint does not capture, so a slower new best is not compared as a loss: the reason
+          says a side-by-side re-measurement decides.
+
+        A key with no current profile (a `stale` one does not count) takes the new one. A record whose status is
+        not `current` is stored as history. `force_reason` and `replace_routing` never skip the provenance order."""
         check_record(rec)
         ts = now()
         with self._write() as s:
@@ -473,15 +485,20 @@ class Store:
             if old is None:
                 s.add(row_from_record(rec, ts))
                 return True, "no current profile for this key"
-            better, reason = decide(old, rec, force_reason=force_reason)
-            if not better:
-                if PROVENANCE_RANK[str(rec.provenance)] < PROVENANCE_RANK.get(old.provenance, 0):
+            decision = decide(old, rec, force_reason=force_reason, replace_routing=replace_routing)
+            if not decision.replace:
+                if decision.rule in ("rank", "routing"):
                     s.add(row_from_record(rec, ts, status="superseded"))
-                    return False, reason + " (stored as superseded history)"
-                return False, reason
+                    return False, decision.reason + " (stored as superseded history)"
+                return False, decision.reason
             s.execute(update(Profile).where(Profile.id == old.id).values(status="superseded", updated=ts))
-            s.add(row_from_record(rec, ts))
-            return True, reason
+            row = row_from_record(rec, ts)
+            s.add(row)
+            s.flush()
+            ev = replacement_event(old, rec, row.id, decision, ts)
+            if ev is not None:
+                s.add(ev)
+            return True, decision.reason
 
     def get_current(self, key: ProfileKey) -> ProfileRecord | None:
         with self._read() as s:
