@@ -112,6 +112,7 @@ class MoELayer(nn.Module):
         buffer: EPBuffer | None = None,
         engine: str | None = None,
         options: RuntimeOptions | Mapping[str, Any] | None = None,
+        expected_tokens: int | None = None,
     ):
         super().__init__()
         _check_arguments(model, knobs, max_tokens, device, dtype, seed, use_grouped_mm, buffer, options)
@@ -122,7 +123,8 @@ class MoELayer(nn.Module):
         if buffer is not None:
             _check_buffer(buffer, model, group, max_tokens, device, dtype, options)
         self.buffer = buffer or EPBuffer(group, knobs, model=model, max_tokens=max_tokens, device=device, dtype=dtype,
-                                         options=options)
+                                         options=options, expected_tokens=expected_tokens)
+        self.expected_tokens = self.buffer.expected_tokens if buffer is None else (expected_tokens or max_tokens)
         self.device = self.buffer.device
         self.dtype = self.buffer.dtype
         self.seed = seed
@@ -145,6 +147,12 @@ class MoELayer(nn.Module):
         self.engine_knobs: Knobs | None = None  # the knob set the megakernel runs with
         self.engine_resolution: Any = None  # the autoload Resolution when the megakernel profile was looked up
         self.megakernel: Any = None
+        # the megakernel's per token bucket knobs when they come from stored profiles ({bucket: knobs}; None with
+        # explicit knobs, which hold for every S); buckets are resolved on the first eager call of each S
+        self.engine_buckets: dict[int, Knobs] | None = None
+        self._mk_seen: set[int] = set()  # token counts whose bucket is resolved (the hot path's one set lookup)
+        self._mk_base: Any = None  # the MegakernelConfig of the construction bucket
+        self._mk_warned: set[int] = set()
         self._mk_ptrs: tuple[int, int, int] = (0, 0, 0)  # the parameters' data pointers the megakernel reads
         # True while the expert weights hold the megakernel's k-tiled layout (runtime/megakernel/weights.py): the
         # parameters keep their shapes, and state_dict / load_state_dict speak the row-major layout either way
@@ -161,6 +169,7 @@ class MoELayer(nn.Module):
             return
         world1 = self.buffer.world == 1
         wanted: Knobs | None = None
+        profiled = False  # the knobs come from a stored profile (per token bucket), not from the caller
         if knobs is not None:
             wanted = knobs if knobs.engine == "megakernel" else None
             if engine == "megakernel" and wanted is None:
@@ -169,9 +178,10 @@ class MoELayer(nn.Module):
             if world1:
                 from moetune.runtime.profiles.autoload import autoload_profile
 
-                res = autoload_profile(model=self.model, ep_size=1, nodes=1, max_tokens=max_tokens,
-                                       device=self.device, transport_family=_engine.ENGINE_FAMILY)
+                res = autoload_profile(model=self.model, ep_size=1, nodes=1, max_tokens=self.expected_tokens,
+                                       device=self.device, transport_family=_engine.ENGINE_FAMILY, dtype=self.dtype)
                 self.engine_resolution = res
+                profiled = True
                 if res.knobs.engine == "megakernel":
                     wanted = res.knobs
                 elif engine == "megakernel":
@@ -198,6 +208,14 @@ class MoELayer(nn.Module):
             try:
                 config = MegakernelConfig.from_knobs(wanted, self.buffer.options)
                 why = _engine.limits_problem(self.model, max_tokens, config)
+                if why is None and profiled:
+                    # scratch sized for any bucket's tiles (the smallest m-tile and combine tile); the construction
+                    # bucket's own config is installed for its bucket below, the others on their first call
+                    import dataclasses
+
+                    self._mk_base = config
+                    config = dataclasses.replace(config, bm=0, combine_tokens=0)
+                    why = _engine.limits_problem(self.model, max_tokens, config)
             except ValueError as e:  # ConfigError: a setting out of range
                 why = f"{type(e).__name__}: {e}"
         if why is None:
@@ -226,6 +244,70 @@ class MoELayer(nn.Module):
             return
         self.engine = "megakernel"
         self.engine_knobs = wanted
+        if profiled:
+            self.engine_buckets = {}
+            self._mk_install(_bucket_of(self.expected_tokens), wanted)
+
+    # -- the megakernel's per token bucket profiles ---------------------------------------------------------
+    def _mk_install(self, bucket: int, knobs: Knobs) -> None:
+        """Run S of `bucket` with `knobs`' tiles, or (where they do not fit the scratch, or cannot launch) with the
+        construction bucket's, warning once."""
+        from moetune.runtime.megakernel.config import MegakernelConfig
+
+        why: str | None
+        try:
+            why = self.megakernel.set_bucket_config(bucket, MegakernelConfig.from_knobs(knobs, self.buffer.options))
+        except ValueError as e:  # ConfigError: a stored setting out of range
+            why = f"{type(e).__name__}: {e}"
+        if why is not None:
+            if bucket not in self._mk_warned:  # once per layer and bucket
+                self._mk_warned.add(bucket)
+                import warnings
+
+                warnings.warn(f"moetune: the megakernel profile for token bucket {bucket} is not applied ({why}); "
+                              f"launches of that bucket run the construction profile (bucket "
+                              f"{_bucket_of(self.expected_tokens)})", RuntimeWarning, stacklevel=3)
+            if self._mk_base is not None:
+                self.megakernel.set_bucket_config(bucket, self._mk_base)
+            knobs = self.engine_knobs or knobs
+        assert self.engine_buckets is not None
+        self.engine_buckets[bucket] = knobs
+
+    def _mk_bucket(self, s: int) -> None:
+        """Resolve S's token bucket's megakernel profile on its first eager call (one lookup per bucket, cached).
+        While a CUDA graph is captured nothing is looked up (no I/O in a capture): the launch runs the scratch's
+        base config (auto tiles) and the bucket is resolved at its next eager call; `resolve_buckets()` before
+        capturing avoids that."""
+        if s in self._mk_seen or s < 1:
+            return
+        assert self.engine_buckets is not None
+        bucket = _bucket_of(s)
+        if bucket not in self.engine_buckets:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return
+            from moetune.runtime.profiles.autoload import autoload_profile
+
+            res = autoload_profile(model=self.model, ep_size=1, nodes=1, max_tokens=bucket, device=self.device,
+                                   transport_family=_engine.ENGINE_FAMILY, dtype=self.dtype)
+            knobs = res.knobs if res.knobs.engine == "megakernel" else res.knobs.replace(engine="megakernel")
+            self._mk_install(bucket, knobs)
+        self._mk_seen.add(s)
+
+    def resolve_buckets(self) -> dict[int, Knobs]:
+        """Look up the megakernel profile of every token bucket a call of 1..max_tokens tokens falls in, now (call it
+        before capturing CUDA graphs). Returns {bucket: knobs}; {} where the knobs are not per bucket (explicit
+        knobs, or the unfused engine)."""
+        if self.engine_buckets is None:
+            return {}
+        from moetune.runtime.profile_record import TOKEN_BUCKETS
+
+        firsts = sorted({1, self.max_tokens} | {b for b in TOKEN_BUCKETS if b <= self.max_tokens})
+        for s in firsts:
+            self._mk_bucket(s)
+        for s in range(1, self.max_tokens + 1):
+            if _bucket_of(s) not in self.engine_buckets:
+                self._mk_bucket(s)
+        return dict(self.engine_buckets)
 
     def _param_ptrs(self) -> tuple[int, int, int]:
         return self.w_gate_up.data_ptr(), self.w_down.data_ptr(), self.gate.data_ptr()
@@ -369,6 +451,8 @@ class MoELayer(nn.Module):
         if self.megakernel is not None:
             self._check_local(x, topk_idx, topk_weights)
             self._sync_megakernel()
+            if self.engine_buckets is not None:
+                self._mk_bucket(x.shape[0])
             return self.megakernel.forward_routed(x, topk_idx, topk_weights, check_ids=False)  # checked here
         if self.buffer.world == 1:
             self._check_local(x, topk_idx, topk_weights)
@@ -384,6 +468,8 @@ class MoELayer(nn.Module):
             self._check_x(x)
             if self.megakernel is not None:  # routing + one persistent kernel, no host sync (capturable)
                 self._sync_megakernel()
+                if self.engine_buckets is not None:
+                    self._mk_bucket(x.shape[0])
                 return self.megakernel.forward(x)
             return self.local_forward(x, *self.route(x))
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.model.hidden:
@@ -396,6 +482,14 @@ class MoELayer(nn.Module):
 
 
 _TILED = ("w_gate_up", "w_down")
+
+
+@functools.lru_cache(maxsize=4096)
+def _bucket_of(tokens: int) -> int:
+    """The profile ladder's token bucket of `tokens` (TOKEN_BUCKETS, nearest on a log scale)."""
+    from moetune.runtime.profile_record import nearest_bucket
+
+    return nearest_bucket(max(1, tokens))
 
 
 def _state_dict_row_major(module: MoELayer, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:

@@ -155,9 +155,12 @@ class FakeMegakernel:
     built: ClassVar[list[FakeMegakernel]] = []
 
     def __init__(self, model: Any, **kw: Any):
+        from moetune.runtime.megakernel.config import LaunchConfigs
         from moetune.runtime.megakernel.weights import from_tiled
 
         self.model, self.kw, self.calls = model, kw, 0
+        self.launch = LaunchConfigs(kw["config"])
+        self.launched: list[Any] = []  # the config each forward ran (per token bucket, as MegakernelMoE._run picks)
         self.layer = MoELayer(model, None, Knobs(), max_tokens=kw["max_tokens"], device=kw["device"],
                               dtype=kw["w_gate_up"].dtype, seed=kw["seed"], engine="unfused")
         assert kw["tiled"] is True  # MoELayer hands its parameters over k-tiled
@@ -171,8 +174,15 @@ class FakeMegakernel:
         idx, w = route(x, self.kw["gate"], self.model.topk)
         return self.forward_routed(x, idx, w)
 
+    def set_bucket_config(self, bucket: int, config: Any) -> str | None:
+        why = self.launch.problem(config)
+        if why is None:
+            self.launch.install(bucket, config)
+        return why
+
     def forward_routed(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, **_: Any) -> torch.Tensor:
         self.calls += 1
+        self.launched.append(self.launch.for_tokens(x.shape[0]))
         return self.layer.local_forward(x, idx.long(), w)
 
 

@@ -122,10 +122,17 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
 
     Args:
         group: the EP process group (None: the default group; without torch.distributed, one rank).
-        knobs: the setting to run (None: the tuned profile for this model and world, else the policy
-            default; see runtime/profiles/autoload.py).
+        knobs: the setting to run (None: the tuned profile for this model, activation dtype, world and
+            `expected_tokens`, else the policy default; resolved on rank 0 of the group and broadcast, so every
+            rank runs the same one: see runtime/profiles/autoload.py, `autoload_group_profile`). Every knob the
+            buffer reads fixes its allocation or its wire protocol (row layout, chunks, communicators, transport
+            settings), and ranks dispatch different token counts in one call: the knobs are fixed for the
+            buffer's life, never switched per call. A serving engine that runs both prefill and decode sizes
+            builds one buffer per phase (or passes the `expected_tokens` it cares most about).
         model: the MoE shape (hidden H, experts E, top-k k, activation dtype).
         max_tokens: the most tokens S one dispatch may carry (sizes every buffer; dense: the slots per rank).
+        expected_tokens: the token count the auto-loaded profile is picked for (its nearest tuned token bucket;
+            1..max_tokens; None: max_tokens). Ignored with explicit `knobs`. `self.resolution` says what was loaded.
         device: where the tensors live (None: the current CUDA device with NCCL, else the CPU).
         dtype: activation dtype, bfloat16 / float16 / float32 (None: the model's).
         check_inputs: check dispatch/combine inputs on every rank so a wrong one is an error everywhere (one tiny
@@ -147,6 +154,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         check_inputs: bool = True,
         dense: bool | None = None,
         options: RuntimeOptions | dict[str, Any] | None = None,
+        expected_tokens: int | None = None,
     ):
         # the arguments' types first: a model name, a dict of knobs or max_tokens=2.5 named here, not failing
         # deep inside (or truncated, or a truthy string taken for dense=True)
@@ -159,6 +167,10 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         _args.check_dtype(dtype, who)
         _args.check_flag("check_inputs", check_inputs, who)
         _args.check_flag("dense", dense, who, optional=True)
+        if expected_tokens is not None:
+            _args.check_int("expected_tokens", expected_tokens, 1, who)
+            if expected_tokens > max(1, max_tokens):
+                raise ValueError(f"{who}expected_tokens={expected_tokens} is more than max_tokens={max_tokens}")
         self.group = group
         # the data path's switches, resolved once: explicit > MOETUNE_* variables > config [runtime] > defaults
         self.options = RuntimeOptions.resolve(options)
@@ -175,10 +187,16 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             raise ValueError(f"activation dtype must be bfloat16, float16 or float32, got {self.dtype}")
         if model.experts % self.world:
             raise ValueError(f"{model.experts} experts cannot be split evenly over {self.world} ranks")
+        self.expected_tokens = expected_tokens if expected_tokens is not None else max_tokens
+        self.resolution: Any = None  # the autoload Resolution (knobs=None), the same on every rank
         if knobs is None:
-            from moetune.runtime.profiles.autoload import autoload_knobs
+            from moetune.runtime.profiles.autoload import autoload_group_profile
 
-            knobs = autoload_knobs(model=model, ep_size=self.world, group=group, max_tokens=self.max_tokens, device=self.device)
+            # rank 0 resolves (the activation dtype this buffer runs at, the expected token count) and broadcasts
+            self.resolution = autoload_group_profile(model=model, ep_size=self.world, group=group,
+                                                     max_tokens=self.expected_tokens, device=self.device,
+                                                     dtype=self.dtype)
+            knobs = self.resolution.knobs
         self.knobs = knobs
         if knobs.compression == "fp8_e4m3":
             if not fp8_available():

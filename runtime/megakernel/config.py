@@ -314,6 +314,54 @@ class MegakernelConfig:
         return (self.bn or 128) if bm == 128 and self.core == "wgmma" else 128  # bn 0: not resolved (`resolve`)
 
 
+class LaunchConfigs:
+    """Which `MegakernelConfig` a launch of S tokens runs: the one installed for S's token bucket (the profile
+    ladder's `nearest_bucket`), else `base` (the config the scratch buffers were sized by). A layer whose knobs came
+    from stored profiles installs each bucket's profile (`install`), so a decode launch runs the decode bucket's
+    tiles, not the tiles tuned for max_tokens. Host-side dict lookups only: CUDA-graph capture is unaffected.
+
+    A bucket's config must fit the base's allocations (`problem`): an m-tile no smaller than the base's smallest,
+    a combine tile no smaller than the base's smallest, the same split-K (the partial buffers) and timeout."""
+
+    def __init__(self, base: MegakernelConfig):
+        self.base = base
+        self._by_bucket: dict[int, MegakernelConfig] = {}
+        self._by_s: dict[int, MegakernelConfig] = {}
+
+    def problem(self, cfg: MegakernelConfig) -> str | None:
+        """Why `cfg` cannot run on scratch sized by the base config (None: it can)."""
+        b = self.base
+        if (cfg.bm or 16) < (b.bm or 16):
+            return f"its m-tile bm={cfg.bm or 'auto'} is below the bm={b.bm} the scratch buffers were sized for"
+        if cfg.combine_tile_min() < b.combine_tile_min():
+            return (f"its combine tile ({cfg.combine_tile_min()} tokens) is below the {b.combine_tile_min()} the "
+                    "scratch buffers were sized for")
+        if (cfg.split_k1, cfg.split_k2, cfg.split_max_tiles) != (b.split_k1, b.split_k2, b.split_max_tiles):
+            return (f"its split-K ({cfg.split_k1}, {cfg.split_k2}) differs from ({b.split_k1}, {b.split_k2}), which "
+                    "sized the partial buffers")
+        return None
+
+    def install(self, bucket: int, cfg: MegakernelConfig) -> None:
+        self._by_bucket[bucket] = cfg
+        self._by_s.clear()
+
+    @property
+    def buckets(self) -> dict[int, MegakernelConfig]:
+        return dict(self._by_bucket)
+
+    def for_tokens(self, s: int) -> MegakernelConfig:
+        cfg = self._by_s.get(s)
+        if cfg is None:
+            if self._by_bucket:
+                from moetune.runtime.profile_record import nearest_bucket
+
+                cfg = self._by_bucket.get(nearest_bucket(s), self.base)
+            else:
+                cfg = self.base
+            self._by_s[s] = cfg
+        return cfg
+
+
 # The library's host-side limits (csrc/megakernel/mk_moe.cu, check_params), mirrored so that a layer that cannot
 # run is refused (or falls back) when it is built, not at its first forward.
 MAX_EXPERTS = 512  # 32 lanes x MAXE_PER_LANE

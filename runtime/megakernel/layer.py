@@ -23,7 +23,7 @@ from .._args import check_int, indexed_device
 from ..csrc_build import CsrcError
 from ..routing import expert_ids_problem, routed_inputs_problem
 from . import _lib
-from .config import BN, ConfigError, MegakernelConfig, limits_problem
+from .config import BN, ConfigError, LaunchConfigs, MegakernelConfig, limits_problem
 from .schedule import tile_end
 from .weights import from_tiled, to_tiled
 
@@ -73,6 +73,8 @@ class MegakernelMoE:
                              f"{', '.join(n for n, v in given.items() if v is None)}")
         self.model = model
         self.config = (config or MegakernelConfig()).resolve(model.hidden, model.intermediate)  # bn auto -> 128/256
+        # per token bucket configs (`set_bucket_config`); self.config sized the scratch and runs the other launches
+        self.launch = LaunchConfigs(self.config)
         self.device = _device(device)
         h, i, e, k = model.hidden, model.intermediate, model.experts, model.topk
         why = limits_problem(model, max_tokens, self.config)
@@ -134,8 +136,8 @@ class MegakernelMoE:
         self.sk_cnt = z(max(1, slots), dtype=i32, device=dev)
         self.stall_tile = -1  # test hook: this m-tile's GEMM2 (decode kernel: this slot's down projection) never starts
         self._trace: torch.Tensor | None = None  # task_timeline's stamps while it runs
-        self._params: dict[tuple[int, int], _lib.MkParams] = {}
-        self._grids: dict[tuple[int, int], int] = {}
+        self._params: dict[tuple[MegakernelConfig, int, int], _lib.MkParams] = {}
+        self._grids: dict[tuple[MegakernelConfig, int, int], int] = {}
         self._decode: dict[int, tuple[int, int] | None] = {}
         if self.device.type == "cuda":
             # the occupancy query (shared memory per pipeline depth, CTAs per SM) needs the library and the GPU:
@@ -171,10 +173,33 @@ class MegakernelMoE:
         for p in self._params.values():
             p.wg, p.w1, p.w2 = gate.data_ptr(), w_gate_up.data_ptr(), w_down.data_ptr()
 
-    def launch_shapes(self) -> set[tuple[int, int]]:
+    def set_bucket_config(self, bucket: int, config: MegakernelConfig) -> str | None:
+        """Run launches whose S is nearest token bucket `bucket` with `config` (its timeout: this layer's). Returns
+        why not (and installs nothing) where it does not fit the scratch buffers (`LaunchConfigs.problem`) or the
+        library refuses one of its launch shapes; None when installed."""
+        import dataclasses
+
+        cfg = dataclasses.replace(config, timeout_ms=self.config.timeout_ms).resolve(self.model.hidden,
+                                                                                    self.model.intermediate)
+        why = self.launch.problem(cfg) or limits_problem(self.model, self.max_tokens, cfg)
+        if why is None and self.device.type == "cuda":
+            for bm, stages in sorted(self.launch_shapes(cfg)):
+                try:
+                    self.grid(bm, stages, cfg)
+                except CsrcError as e:
+                    why = f"launches of bm={bm}, stages={stages} cannot run on {self.device}: {e}"
+                    break
+                except ConfigError as e:
+                    why = str(e)
+                    break
+        if why is None:
+            self.launch.install(bucket, cfg)
+        return why
+
+    def launch_shapes(self, config: MegakernelConfig | None = None) -> set[tuple[int, int]]:
         """Every (bm, stages) a forward of 1..max_tokens tokens can launch with. `pick_bm` and `pick_stages` are step
         functions of S, so their values at S = 1, max_tokens and either side of each threshold cover them all."""
-        m, cfg = self.model, self.config
+        m, cfg = self.model, config or self.config
         k, e = m.topk, m.experts
         cuts = {1, self.max_tokens}
         for rows in (cfg.bm_switch_rows * e, cfg.bm_large_rows * e, cfg.wide_switch_rows * e, e):
@@ -191,28 +216,29 @@ class MegakernelMoE:
         return shapes
 
     # ---- launch plumbing ---------------------------------------------------------------------------
-    def grid(self, bm: int, stages: int) -> int:
+    def grid(self, bm: int, stages: int, config: MegakernelConfig | None = None) -> int:
         """CTAs of the persistent launch for (bm, stages): 1 scheduler + processors, all resident."""
-        if (bm, stages) not in self._grids:
+        c = config or self.config
+        if (c, bm, stages) not in self._grids:
             per_sm, sms = ctypes.c_int(0), ctypes.c_int(0)
             with torch.cuda.device(self.device):
-                _lib.check(self.lib, self.lib.mk_occupancy(bm, stages, _lib.CORES[self.config.core], self.config.tma,
-                                                           self.config.pick_bn(bm), self.config.overlap,
+                _lib.check(self.lib, self.lib.mk_occupancy(bm, stages, _lib.CORES[c.core], c.tma,
+                                                           c.pick_bn(bm), c.overlap,
                                                            ctypes.byref(per_sm),
                                                            ctypes.byref(sms)), "mk_occupancy")
             if per_sm.value < 1:
                 raise ConfigError(f"megakernel config: stages={stages} leaves no resident CTA")
-            per = self.config.ctas_per_sm or per_sm.value
+            per = c.ctas_per_sm or per_sm.value
             if per > per_sm.value:
                 raise ConfigError(f"megakernel config: ctas_per_sm={per} but only {per_sm.value} fit per SM "
                                   f"(bm={bm}, stages={stages})")
             resident = per * sms.value
-            procs = self.config.processor_ctas or resident - 1
+            procs = c.processor_ctas or resident - 1
             if procs + 1 > resident:
                 raise ConfigError(f"megakernel config: processor_ctas={procs} + 1 scheduler exceeds the {resident} "
                                   "resident CTAs")
-            self._grids[(bm, stages)] = procs + 1
-        return self._grids[(bm, stages)]
+            self._grids[(c, bm, stages)] = procs + 1
+        return self._grids[(c, bm, stages)]
 
     def decode_grid(self, tokens: int) -> tuple[int, int] | None:
         """(CTAs, output rows per CTA) of the decode kernel for `tokens` tokens where `config.decode` is on and the
@@ -228,24 +254,25 @@ class MegakernelMoE:
             self._decode[tokens] = (grid.value, rows.value) if ok else None
         return self._decode[tokens]
 
-    def stages_for(self, bm: int, tokens: int) -> int:
+    def stages_for(self, bm: int, tokens: int, config: MegakernelConfig | None = None) -> int:
         """`config.pick_stages`, except that a decode launch (bm=16, fewer rows than experts) whose split GEMM1 parts
         outnumber the processors of the 6-stage pipeline (2 CTAs/SM) runs 4 stages (3 CTAs/SM), so the parts run in
         one wave (run 21, S=2: 384 parts for 263 processors, 86.1 us at 4 stages vs 93.2 at 6; S=1, 192 parts:
         66.3 at 6 vs 67.2 at 4)."""
-        m, cfg = self.model, self.config
+        m, cfg = self.model, config or self.config
         st = cfg.pick_stages(bm, tokens, m.topk, m.experts)
         if cfg.stages or bm != 16 or st != 6:
             return st
         rows = tokens * m.topk  # <= experts here: at most one m-tile per row
         parts = rows * self.n1 * (cfg.split_k1 if self.sk_on and rows <= self.sk_tiles else 1)
-        return st if parts <= self.grid(bm, st) - 1 else 4
+        return st if parts <= self.grid(bm, st, cfg) - 1 else 4
 
-    def _template(self, bm: int, tokens: int) -> _lib.MkParams:
-        stages = self.stages_for(bm, tokens)
-        p = self._params.get((bm, stages))
+    def _template(self, bm: int, tokens: int, config: MegakernelConfig | None = None) -> _lib.MkParams:
+        cfg = config or self.config
+        stages = self.stages_for(bm, tokens, cfg)
+        p = self._params.get((cfg, bm, stages))
         if p is None:
-            m, cfg = self.model, self.config
+            m = self.model
             p = _lib.MkParams()
             for name in ("logits", "topk_idx", "topk_w", "counts", "lists", "h", "y", "ctl", "g1done", "comb", "rel",
                          "tile_base", "q_task", "q_flag", "err", "sk_part", "sk_cnt", "dec_cnt"):
@@ -254,7 +281,7 @@ class MegakernelMoE:
             p.S_cap, p.H, p.I, p.E, p.K = self.max_tokens, m.hidden, m.intermediate, m.experts, m.topk
             p.bm, p.stages = bm, stages
             p.q_cap, p.max_tiles, p.max_ctiles = self.q_cap, self.max_tiles, self.max_ctiles
-            p.grid = self.grid(bm, stages)
+            p.grid = self.grid(bm, stages, cfg)
             p.timeout_ns = int(cfg.timeout_ms * 1e6)
             p.logit_splits_max = self.logit_splits
             p.core = _lib.CORES[cfg.core]
@@ -266,7 +293,7 @@ class MegakernelMoE:
             p.route_small_max = cfg.route_small_max  # S up to which top-k runs one block per token
             p.publish_all = cfg.publish_all  # 1: mma-core tiles publish every task at launch
             p.pdl = cfg.pdl  # 1: k_topk and the persistent kernel start while the kernel before them runs
-            self._params[(bm, stages)] = p
+            self._params[(cfg, bm, stages)] = p
         return p
 
     @torch.no_grad()
@@ -332,11 +359,12 @@ class MegakernelMoE:
             out = torch.empty(s, self.model.hidden, dtype=torch.bfloat16, device=self.device)
         if s == 0:
             return out
-        bm = self.config.pick_bm(s, self.model.topk, self.model.experts)
-        p = self._template(bm, s)
+        cfg = self.launch.for_tokens(s)  # this S's token bucket's config (set_bucket_config), else self.config
+        bm = cfg.pick_bm(s, self.model.topk, self.model.experts)
+        p = self._template(bm, s, cfg)
         p.x, p.out, p.S, p.stall_tile = x.data_ptr(), out.data_ptr(), s, self.stall_tile
-        p.l2_evict_w = self.config.evict_weights(bm, s, self.model.topk, self.model.experts)
-        p.combine_tokens = self.config.combine_tile(bm, p.bn, s, self.model.topk, self.model.experts)
+        p.l2_evict_w = cfg.evict_weights(bm, s, self.model.topk, self.model.experts)
+        p.combine_tokens = cfg.combine_tile(bm, p.bn, s, self.model.topk, self.model.experts)
         # the decode kernel routes from the gate itself (2) or reads the given picks (1): nothing launches before it
         p.decode = 0 if self.decode_grid(s) is None else 1 if given else 2
         p.trace = self._trace.data_ptr() if self._trace is not None else None
@@ -366,9 +394,10 @@ class MegakernelMoE:
         if self.decode_grid(s) is not None:
             raise ValueError(f"megakernel: S={s} runs the decode kernel, which has no task timeline (a layer with "
                              "config decode=0 runs the task graph at every S)")
-        bm = self.config.pick_bm(s, self.model.topk, self.model.experts)
-        tail = self.config.tail(bm, self.config.pick_bn(bm))
-        grid = self.grid(bm, self.stages_for(bm, s))
+        cfg = self.launch.for_tokens(s)  # the config the forward of S tokens runs
+        bm = cfg.pick_bm(s, self.model.topk, self.model.experts)
+        tail = cfg.tail(bm, cfg.pick_bn(bm))
+        grid = self.grid(bm, self.stages_for(bm, s, cfg), cfg)
         n = _lib.TR_HEAD + _lib.TR_SLOT * self.q_cap + 2 * grid
         self._trace = torch.zeros(n, dtype=torch.int64, device=self.device)
         try:

@@ -24,7 +24,19 @@ the device), so the many layers of one model cost one lookup.
 `transport_family="megakernel"` looks up the MoE megakernel's profile instead (a world-1 `MoELayer` does: ep_size
 1, nodes 1); "can this runtime run it" is then the megakernel's own check (runtime/megakernel/engine.py).
 
+`dtype` is the activation dtype the caller runs at (a `ModelShape.dtype` name or a torch dtype); the lookup key
+carries it instead of `model.dtype` (an fp32 buffer of a bf16 model is not served the bf16 profile). `max_tokens`
+is the token count the profile is picked for (its nearest stored bucket): EPBuffer passes its `expected_tokens`.
+
 `MOETUNE_AUTOLOAD=0` skips the daemon and the database (policy defaults, no warning).
+
+`autoload_group_profile(group=..., ...)` is what an EP group uses (collective): rank 0 resolves and broadcasts the
+resolution (knobs, profile hash, source, provenance, env) as JSON in a tensor over the group (no pickle); the
+other ranks of rank 0's host do not look up at all, so one slow rank (cold daemon, CURVE handshake) cannot make
+the ranks disagree. A profile belongs to one node's fingerprint: with ranks on several hosts, the first rank of
+every other host resolves too (its own node's daemon / database), and rank 0's profile is used only when every
+host resolved the same profile hash; otherwise the whole group runs rank 0's policy default for the transport
+family, with one warning naming the hashes (never an error). Every rank exports the agreed env and logs it.
 
 `check_same_profile(group, profile_hash)` all-gathers the hash across ranks and raises when they differ.
 """
@@ -42,10 +54,10 @@ from moetune.runtime.knobs import Knobs, default_knobs
 from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
 from moetune.runtime.profiles.client import ProfileClient, Resolution, policy_or_default, warn_fallback
 from moetune.runtime.profiles.launcher_env import apply_env, launcher_env
-from moetune.runtime.shapes import ModelShape
+from moetune.runtime.shapes import DTYPES, ModelShape
 
-__all__ = ["ProfileMismatch", "apply_env", "autoload_knobs", "autoload_profile", "check_same_profile", "clear_cache",
-           "group_nodes", "last_resolution", "launcher_env"]
+__all__ = ["ProfileMismatch", "apply_env", "autoload_group_profile", "autoload_knobs", "autoload_profile",
+           "check_same_profile", "clear_cache", "dtype_name", "group_nodes", "last_resolution", "launcher_env"]
 
 log = logging.getLogger("moetune.autoload")
 
@@ -67,18 +79,40 @@ def _group_device(group: Any) -> Any:
     return torch.device("cpu")
 
 
-def group_nodes(group: Any = None) -> int:
-    """How many hosts the ranks of `group` run on (1 without torch.distributed). Collective."""
+def _dist_on(group: Any = None) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def group_hosts(group: Any = None) -> list[int]:
+    """A hash of the host name of every rank of `group`, in group rank order ([one] without torch.distributed).
+    Collective."""
     import torch
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
-        return 1
     host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "little")
+    if not _dist_on(group):
+        return [host]
     mine = torch.tensor([host], dtype=torch.int64, device=_group_device(group))
     bufs = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(bufs, mine, group=group)
-    return len({int(b.item()) for b in bufs})
+    return [int(b.item()) for b in bufs]
+
+
+def group_nodes(group: Any = None) -> int:
+    """How many hosts the ranks of `group` run on (1 without torch.distributed). Collective."""
+    if not _dist_on(group):
+        return 1
+    return len(set(group_hosts(group)))
+
+
+def dtype_name(dtype: Any) -> str:
+    """The `ModelShape.dtype` name ("bfloat16", "float16", "float32") of a torch dtype or such a name."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"activation dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return name
 
 
 _availability: dict[tuple[str, str], str | None] = {}
@@ -129,13 +163,22 @@ def autoload_profile(
     client: ProfileClient | None = None,
     use_cache: bool = True,
     transport_family: str | None = None,
+    dtype: Any = None,
+    export_env: bool = True,
 ) -> Resolution:
-    """The full resolution (knobs, hash, source, env) for this process; env exported to os.environ.
+    """The full resolution (knobs, hash, source, env) for this process; env exported to os.environ (unless
+    `export_env=False`: the group path exports the agreed env instead).
 
+    `dtype`: the activation dtype the caller runs at (None: `model.dtype`); it replaces the model's in the key.
     `nodes` defaults to `group_nodes(group)`. Never raises for what the daemon, the database or the
-    policy files hold: the last resort is the built-in default, with a warning.
+    policy files hold: the last resort is the built-in default, with a warning. Per process, not per group:
+    an EP group uses `autoload_group_profile`.
     """
     global _last
+    if dtype is not None and dtype_name(dtype) != model.dtype:
+        import msgspec
+
+        model = msgspec.structs.replace(model, dtype=dtype_name(dtype))
     if nodes is None:
         nodes = group_nodes(group)
     # The exact token count, not its rung: two counts of one rung may have different nearest stored buckets. The
@@ -145,6 +188,8 @@ def autoload_profile(
     with _lock:
         if use_cache and client is None and key in _cache:
             _last = _cache[key]
+            if export_env:
+                apply_env(_last.env)
             return _last
         if os.environ.get("MOETUNE_AUTOLOAD", "1").lower() in ("0", "off", "false", "no"):
             knobs, source = policy_or_default(transport_family or "collective")
@@ -153,7 +198,8 @@ def autoload_profile(
         else:
             res = _resolve(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device, client=client,
                            transport_family=transport_family)
-        apply_env(res.env)
+        if export_env:
+            apply_env(res.env)
         log.info("moetune: knobs from %s (profile %s, %.1f ms)", res.source, res.profile_hash, res.elapsed_ms)
         if client is None:
             _cache[key] = res
@@ -184,11 +230,130 @@ def _resolve(
 
 
 def autoload_knobs(
-    *, model: ModelShape, ep_size: int, nodes: int | None = None, max_tokens: int, device: Any = None, group: Any = None
+    *, model: ModelShape, ep_size: int, nodes: int | None = None, max_tokens: int, device: Any = None, group: Any = None,
+    dtype: Any = None,
 ) -> Knobs:
-    """Knobs for an EP buffer / MoE layer made without explicit knobs (see the module docstring)."""
+    """Knobs for an EP buffer / MoE layer made without explicit knobs (see the module docstring). With a
+    process group of more than one rank this is `autoload_group_profile` (collective): every rank gets rank 0's."""
+    if _dist_on(group) and nodes is None:
+        return autoload_group_profile(model=model, ep_size=ep_size, max_tokens=max_tokens, device=device, group=group,
+                                      dtype=dtype).knobs
     return autoload_profile(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device,
-                            group=group).knobs
+                            group=group, dtype=dtype).knobs
+
+
+# -- one resolution for a whole group ----------------------------------------------------------------------
+def _broadcast_bytes(data: bytes, group: Any, device: Any) -> bytes:
+    """Group rank 0's `data` on every rank (two tensor broadcasts: the length, then the bytes). Collective."""
+    import torch
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(n, src=src, group=group)
+    size = int(n.item())
+    buf = (torch.tensor(list(data), dtype=torch.uint8, device=device) if dist.get_rank(group) == 0
+           else torch.empty(size, dtype=torch.uint8, device=device))
+    if size:
+        dist.broadcast(buf, src=src, group=group)
+    return bytes(buf.cpu().tolist())
+
+
+def _all_gather_text(text: str, group: Any, device: Any) -> list[str]:
+    """Every rank's `text` (UTF-8, padded to the longest), in group rank order. Collective."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    raw = text.encode()
+    n = torch.tensor([len(raw)], dtype=torch.int64, device=device)
+    ns = [torch.empty_like(n) for _ in range(world)]
+    dist.all_gather(ns, n, group=group)
+    width = max(1, max(int(x.item()) for x in ns))
+    mine = torch.zeros(width, dtype=torch.uint8, device=device)
+    if raw:
+        mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8, device=device)
+    bufs = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(bufs, mine, group=group)
+    return [bytes(b.cpu().tolist()[: int(k.item())]).decode(errors="replace") for b, k in zip(bufs, ns, strict=True)]
+
+
+def _group_default(res: Resolution, nodes: int, device: Any, why: str) -> Resolution:
+    """The policy default of `res`'s family (else the built-in collective default), as rank 0 can run it."""
+    family = res.family or "collective"
+    if family.startswith("nvlink") and nodes > 1:
+        family = "collective"
+    knobs, source = policy_or_default(family)
+    if runtime_transport_problem(knobs.transport, device) is not None:
+        family, (knobs, source) = "collective", (default_knobs("collective"), "default")
+    return Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}", status="default",
+                      env=launcher_env(knobs, family, nodes), family=family, message=why)
+
+
+def autoload_group_profile(
+    *,
+    model: ModelShape,
+    ep_size: int,
+    max_tokens: int,
+    device: Any = None,
+    group: Any = None,
+    dtype: Any = None,
+    transport_family: str | None = None,
+) -> Resolution:
+    """One resolution for every rank of `group` (collective; see the module docstring): rank 0's, broadcast.
+
+    Ranks on rank 0's host never look up; the first rank of every other host does, and a host whose profile
+    hash differs from rank 0's makes the whole group use rank 0's policy default (warned once, never raised).
+    The agreed env is exported on every rank; `last_resolution()` is the agreed one. Without torch.distributed
+    (or with one rank) this is `autoload_profile`.
+    """
+    global _last
+    if not _dist_on(group):
+        return autoload_profile(model=model, ep_size=ep_size, nodes=1, max_tokens=max_tokens, device=device,
+                                group=group, dtype=dtype, transport_family=transport_family)
+    import msgspec
+    import torch.distributed as dist
+
+    cdev = _group_device(group)
+    rank = dist.get_rank(group)
+    hosts = group_hosts(group)
+    nodes = len(set(hosts))
+    leader = hosts.index(hosts[rank]) == rank  # the first rank of its host
+    mine: Resolution | None = None
+    if leader:
+        try:
+            mine = autoload_profile(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device,
+                                    dtype=dtype, transport_family=transport_family, export_env=False)
+        except Exception as e:  # autoload_profile does not raise; a bug must not leave the other ranks waiting
+            knobs = default_knobs("collective")
+            mine = Resolution(knobs=knobs, source="default", profile_hash=f"default:{knobs.digest()}",
+                              status="default", family="collective", message=f"{type(e).__name__}: {e}")
+    if nodes > 1:  # a profile is per node fingerprint: every host must have resolved the same one
+        hashes = _all_gather_text(mine.profile_hash if mine is not None else "", group, cdev)
+    payload = b""
+    if rank == 0:
+        assert mine is not None
+        final = mine
+        if nodes > 1:
+            per_host = {r: h for r, h in enumerate(hashes) if hosts.index(hosts[r]) == r}
+            if len(set(per_host.values())) > 1:
+                detail = ", ".join(f"rank {r}: {h}" for r, h in per_host.items())
+                why = (f"the {nodes} hosts of this EP group resolved different profiles ({detail}); a profile is "
+                       f"measured per node, so every host must resolve the same one")
+                final = _group_default(mine, nodes, device, why)
+                warn_fallback(f"moetune: using the policy default on every rank ({why})")
+        payload = msgspec.json.encode(final)
+    try:
+        got = msgspec.json.decode(_broadcast_bytes(payload, group, cdev), type=Resolution)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:  # cannot happen short of a torch bug: say so loudly
+        raise RuntimeError(f"moetune: the profile rank 0 broadcast does not decode: {e}") from None
+    apply_env(got.env)
+    if rank != 0:
+        log.info("moetune: rank %d uses rank 0's profile %s (%s%s)", rank, got.profile_hash, got.source,
+                 f", {got.provenance}" if got.provenance else "")
+    with _lock:
+        _last = got
+    return got
 
 
 def last_resolution() -> Resolution | None:

@@ -1,0 +1,67 @@
+"""Spawned-rank cases for tests/test_autoload_group.py (module-level functions, imported by name)."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any
+
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.profiles.client import Resolution
+
+TUNED_A = Knobs(pipeline_depth=2)
+TUNED_B = Knobs(pipeline_depth=4)
+
+
+def _tuned(knobs: Knobs, tag: str) -> Resolution:
+    return Resolution(knobs=knobs, source="daemon", profile_hash=f"tuned-{tag}", status="current", family="collective",
+                      provenance="measured", tuned=True, env={"NVSHMEM_IBGDA_NUM_RC_PER_PE": {"A": "2", "B": "4"}[tag]})
+
+
+def _patch(rank: int, answers: dict[int, Any], hosts: list[str] | None) -> list[dict]:
+    """Every rank's lookup answers `answers[rank]` (a Resolution, or "slow": the daemon times out on this rank
+    and the chain ends in the policy default); with `hosts`, rank r runs on host hosts[r]."""
+    from moetune.runtime.profiles import autoload
+
+    os.environ.pop("MOETUNE_AUTOLOAD", None)
+    os.environ.pop("NVSHMEM_IBGDA_NUM_RC_PER_PE", None)
+    autoload.clear_cache()
+    calls: list[dict] = []
+
+    def fake_resolve(**kw: Any) -> Resolution:
+        calls.append({"nodes": kw["nodes"], "tokens": kw["max_tokens"], "dtype": kw["model"].dtype})
+        ans = answers[rank]
+        if ans == "slow":  # a cold daemon: the budget runs out, the policy default is what this rank gets
+            time.sleep(0.3)
+            knobs = Knobs()
+            return Resolution(knobs=knobs, source="policy", profile_hash=f"policy:{knobs.digest()}", status="default",
+                              family="collective")
+        return ans
+
+    autoload._resolve = fake_resolve  # type: ignore[assignment]
+    if hosts is not None:
+        autoload.socket.gethostname = lambda: hosts[rank]  # type: ignore[assignment]
+    return calls
+
+
+def case_group_profile(rank: int, world: int, answers: dict[int, Any], hosts: list[str] | None) -> dict:
+    """Build an EPBuffer without knobs; report the knobs, profile and env every rank ended with."""
+    import torch
+
+    from moetune.runtime.buffer.facade import EPBuffer
+    from moetune.runtime.shapes import ModelShape
+
+    calls = _patch(rank, {int(k): (_tuned(*v) if isinstance(v, tuple) else v) for k, v in answers.items()}, hosts)
+    model = ModelShape(name="t", hidden=64, intermediate=32, experts=8, topk=2, dtype="float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        buf = EPBuffer(None, None, model=model, max_tokens=16, dtype=torch.float32)
+    x = torch.randn(5, 64)
+    idx = torch.randint(0, 8, (5, 2))
+    w = torch.rand(5, 2)
+    recv, _meta, handle = buf.dispatch(x, idx, w)
+    buf.combine(torch.zeros(recv.shape[0], 64), handle)
+    return {"knobs": buf.knobs.to_dict(), "hash": buf.resolution.profile_hash, "source": buf.resolution.source,
+            "calls": calls, "env": os.environ.get("NVSHMEM_IBGDA_NUM_RC_PER_PE"),
+            "warnings": [str(c.message) for c in caught]}

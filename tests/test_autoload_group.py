@@ -1,0 +1,201 @@
+"""The auto-loaded profile of an EP group: resolved on rank 0 and broadcast (one slow rank, or a second node that
+resolves another profile, never makes the ranks disagree), keyed by the buffer's activation dtype and the
+expected token count; the megakernel's stored profiles applied per token bucket."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from moetune.runtime.buffer.facade import EPBuffer
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.megakernel import engine as E
+from moetune.runtime.megakernel.config import LaunchConfigs, MegakernelConfig
+from moetune.runtime.moe_layer import MoELayer
+from moetune.runtime.profiles import autoload
+from moetune.runtime.profiles.client import Resolution
+from moetune.runtime.shapes import ModelShape
+from moetune.runtime.testing.launch import launch
+
+sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the cases by name
+cases = importlib.import_module("autoload_cases")
+
+BF16 = ModelShape(name="t", hidden=128, intermediate=64, experts=8, topk=2, dtype="bfloat16")
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch: pytest.MonkeyPatch):
+    autoload.clear_cache()
+    E.reset_warnings()
+    monkeypatch.delenv("MOETUNE_AUTOLOAD", raising=False)
+    yield
+    autoload.clear_cache()
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, answer: Any = None) -> list[dict]:
+    calls: list[dict] = []
+
+    def fake_resolve(**kw: Any) -> Resolution:
+        calls.append({"dtype": kw["model"].dtype, "tokens": kw["max_tokens"], "family": kw["transport_family"]})
+        knobs = answer(kw) if callable(answer) else Knobs()
+        return Resolution(knobs=knobs, source="daemon", profile_hash=f"h:{knobs.digest()}", status="current",
+                          family=kw["transport_family"] or "collective", tuned=True)
+
+    monkeypatch.setattr(autoload, "_resolve", fake_resolve)
+    return calls
+
+
+# -- the lookup key: the buffer's dtype and token count ----------------------------------------------------------
+def test_lookup_uses_the_buffers_dtype_not_the_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _spy(monkeypatch)
+    EPBuffer(None, None, model=BF16, max_tokens=64, dtype=torch.float32, device="cpu")
+    assert calls[-1]["dtype"] == "float32"
+    EPBuffer(None, None, model=BF16, max_tokens=64, device="cpu")
+    assert calls[-1]["dtype"] == "bfloat16"  # a new lookup: the dtype is part of the cache key
+    autoload.autoload_knobs(model=BF16, ep_size=1, nodes=1, max_tokens=8, dtype=torch.float16)
+    assert calls[-1]["dtype"] == "float16"
+
+
+def test_expected_tokens_picks_the_construction_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _spy(monkeypatch)
+    buf = EPBuffer(None, None, model=BF16, max_tokens=4096, device="cpu", expected_tokens=16)
+    assert calls[-1]["tokens"] == 16 and buf.expected_tokens == 16 and buf.resolution is not None
+    EPBuffer(None, None, model=BF16, max_tokens=4096, device="cpu")
+    assert calls[-1]["tokens"] == 4096  # default: max_tokens, as before
+    with pytest.raises(ValueError, match="expected_tokens"):
+        EPBuffer(None, None, model=BF16, max_tokens=64, device="cpu", expected_tokens=65)
+
+
+# -- one profile per group ------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_a_slow_rank_gets_rank0s_profile_instead_of_crashing() -> None:
+    """Rank 1's lookup times out (policy default) while rank 0's finds the tuned profile: before, the ranks'
+    knobs differed and EPBuffer._agree raised on every rank; now rank 1 does not look up and runs rank 0's."""
+    res = launch(cases.case_group_profile, 2, args=({0: (cases.TUNED_A, "A"), 1: "slow"}, None), timeout_s=20,
+                 join_timeout_s=55)
+    for r in res:
+        assert r["knobs"] == cases.TUNED_A.to_dict() and r["hash"] == "tuned-A" and r["source"] == "daemon"
+        assert r["env"] == "2"  # the profile's env exported on every rank
+    assert len(res[0]["calls"]) == 1 and res[0]["calls"][0]["dtype"] == "float32"
+    assert res[1]["calls"] == []  # same host as rank 0: no lookup at all
+
+
+@pytest.mark.timeout(60)
+def test_two_hosts_agreeing_use_rank0s_profile() -> None:
+    res = launch(cases.case_group_profile, 2, args=({0: (cases.TUNED_A, "A"), 1: (cases.TUNED_A, "A")},
+                                                    ["node-a", "node-b"]), timeout_s=20, join_timeout_s=55)
+    for r in res:
+        assert r["hash"] == "tuned-A" and r["knobs"] == cases.TUNED_A.to_dict()
+        assert len(r["calls"]) == 1 and r["calls"][0]["nodes"] == 2  # each host's first rank asks its own node
+
+
+@pytest.mark.timeout(60)
+def test_two_hosts_disagreeing_fall_back_to_the_policy_default_everywhere() -> None:
+    """A second node that resolves another profile (another fingerprint, or its lookup timed out): the whole
+    group runs rank 0's policy default with a warning, never an error."""
+    for other in ((cases.TUNED_B, "B"), "slow"):
+        res = launch(cases.case_group_profile, 2, args=({0: (cases.TUNED_A, "A"), 1: other}, ["node-a", "node-b"]),
+                     timeout_s=20, join_timeout_s=55)
+        assert res[0]["knobs"] == res[1]["knobs"] and res[0]["hash"] == res[1]["hash"]
+        assert res[0]["source"] in ("policy", "default") and res[0]["hash"] != "tuned-A"
+        assert res[0]["env"] is None and res[1]["env"] is None  # the rejected profile's env was never exported
+        assert any("hosts of this EP group resolved different profiles" in w for w in res[0]["warnings"])
+
+
+# -- the megakernel: per token bucket ---------------------------------------------------------------------------
+class _FakeMK:
+    built: ClassVar[list[_FakeMK]] = []
+
+    def __init__(self, model: Any, **kw: Any):
+        self.kw = kw
+        self.launch = LaunchConfigs(kw["config"])
+        self.launched: list[MegakernelConfig] = []
+        _FakeMK.built.append(self)
+
+    def set_bucket_config(self, bucket: int, config: MegakernelConfig) -> str | None:
+        why = self.launch.problem(config)
+        if why is None:
+            self.launch.install(bucket, config)
+        return why
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.launched.append(self.launch.for_tokens(x.shape[0]))
+        return torch.zeros_like(x)
+
+
+def _mk_layer(monkeypatch: pytest.MonkeyPatch, per_bucket: dict[int, Knobs]) -> tuple[MoELayer, list[dict]]:
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    monkeypatch.setattr(E, "build_megakernel", _FakeMK)
+    from moetune.runtime.profile_record import nearest_bucket
+
+    def answer(kw: dict) -> Knobs:
+        if kw["transport_family"] != "megakernel":
+            return Knobs()
+        return per_bucket.get(nearest_bucket(kw["max_tokens"]), Knobs(engine="megakernel"))
+
+    calls = _spy(monkeypatch, answer)
+    layer = MoELayer(BF16, None, None, max_tokens=4096, device="cpu", dtype=torch.bfloat16)
+    assert layer.engine == "megakernel"
+    return layer, calls
+
+
+def test_megakernel_decode_call_runs_the_decode_buckets_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer sized for 4096 tokens whose 4096-bucket profile picked bm=64: a 1-token call runs the 1-token
+    bucket's profile (bm=16), not the 4096 one; one lookup per bucket."""
+    prefill = Knobs(engine="megakernel", mk_bm=64, mk_stages=4)
+    decode = Knobs(engine="megakernel", mk_bm=16, mk_stages=6)
+    layer, calls = _mk_layer(monkeypatch, {4096: prefill, 1: decode, 16: decode})
+    mk = layer.megakernel
+    assert mk.kw["config"].bm == 0  # scratch sized for any bucket's m-tile
+    x1 = torch.randn(1, BF16.hidden).to(torch.bfloat16)
+    layer(x1)
+    layer(x1)
+    layer(torch.randn(4096, BF16.hidden).to(torch.bfloat16))
+    assert [(c.bm, c.stages) for c in mk.launched] == [(16, 6), (16, 6), (64, 4)]
+    mk_calls = [c for c in calls if c["family"] == "megakernel"]
+    assert [c["tokens"] for c in mk_calls] == [4096, 1]  # construction bucket, then S=1's bucket once
+    assert layer.engine_buckets == {4096: prefill, 1: decode}
+    # before capturing CUDA graphs: every bucket of 1..max_tokens resolved now, none on the hot path later
+    assert set(layer.resolve_buckets()) == {1, 16, 64, 128, 256, 512, 1024, 2048, 4096}
+    assert layer.engine_buckets[64] == Knobs(engine="megakernel")
+
+
+def test_megakernel_bucket_that_does_not_fit_keeps_the_construction_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket whose profile needs other scratch (split-K partial buffers) keeps the construction profile,
+    with one warning."""
+    prefill = Knobs(engine="megakernel", mk_bm=64)
+    odd = Knobs(engine="megakernel", mk_bm=16, mk_split_k=2)
+    layer, _ = _mk_layer(monkeypatch, {4096: prefill, 1: odd})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(torch.randn(1, BF16.hidden).to(torch.bfloat16))
+        layer(torch.randn(1, BF16.hidden).to(torch.bfloat16))
+    got = [str(w.message) for w in caught if "token bucket 1 is not applied" in str(w.message)]
+    assert len(got) == 1 and "split-K" in got[0]
+    assert layer.megakernel.launched[-1].bm == 64 and layer.engine_buckets[1] == prefill
+
+
+def test_explicit_megakernel_knobs_hold_for_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    monkeypatch.setattr(E, "build_megakernel", _FakeMK)
+    layer = MoELayer(BF16, None, Knobs(engine="megakernel", mk_bm=64), max_tokens=4096, device="cpu",
+                     dtype=torch.bfloat16)
+    layer(torch.randn(1, BF16.hidden).to(torch.bfloat16))
+    assert layer.engine_buckets is None and layer.megakernel.launched[-1].bm == 64
+
+
+def test_launch_configs_pick_by_bucket() -> None:
+    base = MegakernelConfig()
+    lc = LaunchConfigs(base)
+    assert lc.for_tokens(7) is base
+    small = MegakernelConfig(bm=16)
+    lc.install(16, small)
+    assert lc.for_tokens(16) is small and lc.for_tokens(12) is small and lc.for_tokens(4096) is base
+    assert LaunchConfigs(MegakernelConfig(bm=64)).problem(small) is not None  # scratch sized for bm=64 only
+    assert lc.problem(MegakernelConfig(combine_tokens=8)) is None
