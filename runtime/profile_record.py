@@ -63,17 +63,6 @@ def provenance_of_backend(backend: str) -> Provenance:
     return "node_model"
 
 
-def canonical_routing(spec: str) -> str:
-    """The one spelling of a routing a profile was tuned under: `uniform` or `zipf:S` (`zipf` is `zipf:1`,
-    `ZIPF:1.20` is `zipf:1.2`); "" stays "" (not recorded). ValueError names a spec that is neither."""
-    if not spec:
-        return ""
-    from moetune.runtime.routing import parse_routing  # no torch at import
-
-    kind, exponent = parse_routing(spec)
-    return kind if kind == "uniform" else f"{kind}:{exponent:g}"
-
-
 def unlabelled_provenance(backend: str) -> Provenance:
     """The provenance of a record that carries none (an older peer or export): modelled, never measured,
     since nothing says which fingerprint and software it was measured on."""
@@ -145,7 +134,7 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not self.measured_on:
             self.measured_on = default_measured_on(self.provenance, self.backend, self.key.fingerprint)
         if self.routing is not msgspec.UNSET:
-            self.routing = canonical_routing(str(self.routing)) or msgspec.UNSET  # "": not recorded
+            self.routing = str(self.routing).strip() or msgspec.UNSET  # "": not recorded (the store checks the spelling)
 
     @property
     def tuned_routing(self) -> str:

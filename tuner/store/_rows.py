@@ -12,6 +12,7 @@ from sqlalchemy import Select, String, select, type_coerce
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Event, Profile
+from moetune.tuner.store.validate import canonical_routing
 
 log = logging.getLogger("moetune.store")
 
@@ -144,7 +145,7 @@ def decide(
         return Decision(
             False, f"kept the {old.provenance} profile {old.id}: a {new.provenance} profile never displaces it", "rank"
         )
-    old_routing, new_routing = old.routing or "", new.tuned_routing
+    old_routing, new_routing = old.routing or "", canonical_routing(new.tuned_routing)
     if old_routing and new_routing and old_routing != new_routing:
         if replace_routing:
             return Decision(
@@ -209,7 +210,7 @@ def replacement_event(old: Any, new: ProfileRecord, new_id: int, decision: Decis
         "from": {"profile": old.id, "latency_us": old.latency_us, "spread_us": old.spread_us,
                  "routing": old.routing or "", "updated": old.updated},
         "to": {"profile": new_id, "latency_us": float(new.latency_us), "spread_us": float(new.spread_us),
-               "routing": new.tuned_routing},
+               "routing": canonical_routing(new.tuned_routing)},
     }
     return Event(created=ts, kind=decision.rule, reason=decision.reason, details=details)
 
@@ -238,7 +239,7 @@ def row_from_record(rec: ProfileRecord, ts: str, *, keep_times: bool = False, st
         updated=(rec.updated or rec.created or ts) if keep_times else ts,
         provenance=rec.provenance,
         measured_on=rec.measured_on,
-        routing=rec.tuned_routing,
+        routing=canonical_routing(rec.tuned_routing),
     )
 
 

@@ -52,6 +52,17 @@ def _big_ints(obj: Any, path: str) -> list[str]:
     return []
 
 
+def canonical_routing(spec: str) -> str:
+    """The one spelling of a routing a profile was measured under: `uniform` or `zipf:S` (`zipf` is `zipf:1`,
+    `ZIPF:1.20` is `zipf:1.2`); "" stays "" (not recorded). ValueError (runtime.routing.parse_routing) else."""
+    if not spec:
+        return ""
+    from moetune.runtime.routing import parse_routing  # no torch at import
+
+    kind, exponent = parse_routing(spec)
+    return kind if kind == "uniform" else f"{kind}:{exponent:g}"
+
+
 def check_record(rec: ProfileRecord) -> None:
     """What every stored profile satisfies (the database's own constraints, said before it is asked)."""
     for name in ("latency_us", "spread_us"):
@@ -68,6 +79,10 @@ def check_record(rec: ProfileRecord) -> None:
     # measured, a preset's prediction would be listed as measured and would compete with real measurements.
     if rec.provenance == "measured" and provenance_of_backend(rec.backend) != "measured":
         raise FieldError("provenance", f"measured, but backend {rec.backend[:64]!r} does not measure (local:*)")
+    try:
+        canonical_routing(rec.tuned_routing)
+    except ValueError as e:
+        raise FieldError("routing", str(e)) from None
     for where, obj in (("key", rec.key.to_dict()), ("knobs", rec.knobs.to_dict())):
         big = _big_ints(obj, where)
         if big:
