@@ -52,6 +52,7 @@ print("some log line")
 print(json.dumps({"dispatch_us": {"median": layer / 3, "p10": layer / 3 - 1, "p90": layer / 3 + 1},
                   "combine_us": {"median": layer / 3, "p10": 0, "p90": 0},
                   "layer_us": {"median": layer, "p10": layer - 2, "p90": layer + 2},
+                  "roundtrip_us": {"median": layer / 2, "p10": layer / 2 - 3, "p90": layer / 2 + 3},
                   "max_rel_err": 0.02 if knobs["compression"] != "none" else 0.0,
                   "p2p_disable": os.environ.get("NCCL_P2P_DISABLE"), "argv": args}))
 '''
@@ -92,7 +93,7 @@ def test_local_backend_measures_with_env_knobs(fake_bench: list[str]) -> None:
     assert knob_environment(k, "host_staged") == {}
     assert be.environment(k).get("NCCL_P2P_DISABLE") == os.environ.get("NCCL_P2P_DISABLE")
     comm = LocalBackend(command=fake_bench, repeats=1, metric="comm").evaluate(k, WL)
-    assert comm.median_us == pytest.approx(1000.0 / 3)
+    assert comm.median_us == pytest.approx(250.0)  # the round trip (pipeline-aware), not dispatch + combine
 
 
 def test_hung_run_is_killed_with_its_process_group(fake_bench: list[str], tmp_path: Path, monkeypatch) -> None:
