@@ -135,7 +135,7 @@ def test_report_shows_a_bucket_whose_tuned_run_failed(tmp_path: Path) -> None:
 
     for text in (Path(b.stage_report()).read_text(),
                  report_from_store(b.store, b.facts, tmp_path / "from-store").read_text()):
-        table = [line for line in text.splitlines() if line.startswith("| megakernel | qwen3-30b | 16 ")]
+        table = [line for line in text.splitlines() if line.startswith("| megakernel | qwen3-30b | 1 | 16 ")]
         assert len(table) == 1, text
         assert "policy default" in table[0] and "tuned run failed" in table[0] and "too many resources" in table[0]
         assert "nan" not in table[0]

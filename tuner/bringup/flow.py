@@ -42,7 +42,12 @@ class Plan:
     compare_rounds: int = 2  # interleaved rounds of the tuned-vs-default comparison
     trial_timeout_s: float = 120.0
     microbench_sizes: list[int] = field(default_factory=list)  # empty: the default sweep
-    world: int = 2
+    # EP sizes to tune, each <= the node's GPUs. Empty (the default): one EP group of every GPU of the node, the
+    # group a job on the whole node runs (the largest size up to the GPU count over which every planned model's
+    # experts divide; 2 gloo ranks on a node without GPUs). Smaller groups are tuned only when listed: each size is
+    # a whole set of studies, and --quick stays quick.
+    ep_sizes: list[int] = field(default_factory=list)
+    world: int = 0  # one EP size, as plan files of earlier versions name it (same as ep_sizes = [world]); 0: not set
 
     @classmethod
     def quick(cls) -> Plan:
@@ -78,6 +83,9 @@ class Plan:
                 merged[key] = float(value)
             elif not isinstance(value, want) or (want is not bool and isinstance(value, bool)):
                 raise ValueError(f"{where}: key {key!r} must be {want.__name__}, got {type(value).__name__}")
+        if "world" in data and not (isinstance(data["world"], int) and not isinstance(data["world"], bool)
+                                    and data["world"] >= 1):
+            raise ValueError(f"{where}: world must be an integer >= 1, got {data['world']!r}")
         plan = cls(**merged)
         plan.validate(where)
         return plan
@@ -102,10 +110,18 @@ class Plan:
             if not isinstance(v, list) or (name == "tokens" and not v) or not all(is_int(t) and t > 0 for t in v):
                 raise ValueError(f"{where}: {name} must be a{' non-empty' if name == 'tokens' else ''} list of "
                                  f"positive integers, got {v!r}")
-        for name in ("trials", "repeats", "iters", "compare_rounds", "world"):
+        for name in ("trials", "repeats", "iters", "compare_rounds"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise ValueError(f"{where}: {name} must be an integer >= 1, got {v!r}")
+        if not is_int(self.world) or self.world < 0:
+            raise ValueError(f"{where}: world must be an integer >= 1, got {self.world!r}")
+        e = self.ep_sizes
+        if not isinstance(e, list) or not all(is_int(n) and n >= 2 for n in e):
+            raise ValueError(f"{where}: ep_sizes must be a list of integers >= 2 (an EP exchange needs 2 GPUs; a "
+                             f"one-GPU node tunes the megakernel), got {e!r}")
+        if e and self.world and e != [self.world]:
+            raise ValueError(f"{where}: give ep_sizes or world (one EP size), not both: ep_sizes {e}, world {self.world}")
         t = self.trial_timeout_s
         if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"{where}: trial_timeout_s must be a number of seconds > 0, got {t!r}")
@@ -185,6 +201,7 @@ class BucketResult:
     written: bool
     reason: str
     source: str
+    ep_size: int = 0  # the EP group measured (1: the megakernel on one GPU); 0 in rows of older versions
 
 
 def _decode_notes(compared: list[dict[str, Any]]) -> list[str]:
@@ -229,6 +246,37 @@ def base_preset_for(facts: Any) -> str:
     return "pcie4-consumer-4090x4"
 
 
+def plan_ep_sizes(plan: Plan, gpus: int) -> tuple[list[int], str]:
+    """(the EP sizes the bring-up tunes on a node of `gpus` GPUs, what the report says of them); ValueError for a
+    size the node cannot measure. One-GPU nodes tune no EP size (the megakernel instead)."""
+    asked = sorted(set(plan.ep_sizes or ([plan.world] if plan.world else [])))
+    if gpus == 1:
+        return [], (f"EP sizes {asked} of the plan not tuned: " if asked else "no EP size tuned: ") + \
+            "EP transports need >= 2 GPUs and this node has 1"
+    experts = {get_model(m).name: get_model(m).experts for m in plan.models}
+    if asked:
+        for n in asked:
+            if gpus >= 2 and n > gpus:
+                raise ValueError(f"plan: EP size {n} needs {n} GPUs, this node has {gpus} (the bring-up measures on "
+                                 "this node only)")
+            bad = [f"{m} ({e} experts)" for m, e in experts.items() if e % n]
+            if bad:
+                raise ValueError(f"plan: EP size {n} does not divide the experts of {', '.join(bad)}")
+        return asked, f"EP sizes tuned: {', '.join(map(str, asked))} (as the plan lists)"
+    if gpus == 0:
+        return [2], "EP size tuned: 2 (gloo ranks on the CPU: this node has no GPU)"
+    fits = [n for n in range(gpus, 1, -1) if all(e % n == 0 for e in experts.values())]
+    if not fits:
+        raise ValueError(f"no EP size from 2 to {gpus} divides the experts of every planned model "
+                         f"({', '.join(f'{m}: {e}' for m, e in experts.items())})")
+    n = fits[0]
+    why = ("every GPU of this node" if n == gpus else
+           f"not {gpus}: the experts of {', '.join(m for m, e in experts.items() if e % gpus)} do not divide over "
+           f"{gpus} GPUs")
+    return [n], (f"EP size tuned: {n} ({why}); smaller EP groups are not tuned by default: list them in the "
+                 "plan's ep_sizes")
+
+
 class Bringup:
     """The stages of `moetune profile`, each resumable; `console` shows progress."""
 
@@ -246,9 +294,10 @@ class Bringup:
         self.report_dir = report_dir or state_dir / "report"
         gpus = self.facts.gpu_count
         self.comm_backend = "nccl" if gpus >= 2 else "gloo"
-        self.world = min(plan.world, gpus) if gpus >= 2 else plan.world
-        # EP transports need a peer GPU: a one-GPU node tunes only the MoE megakernel (its own family, ep_size 1)
-        self.tune_ep = gpus != 1
+        # EP sizes (each <= the GPUs, each measured with that many ranks; default: every GPU of the node). EP
+        # transports need a peer GPU: a one-GPU node tunes only the MoE megakernel (its own family, ep_size 1).
+        self.ep_sizes, self.ep_note = plan_ep_sizes(plan, gpus)
+        self.tune_ep = bool(self.ep_sizes)
         self.mk_ok, self.mk_why = megakernel_family(self.facts)
         self.mk_measure = mk_measure  # tests inject the megakernel's timing (LocalBackend.mk_measure)
 
@@ -342,12 +391,12 @@ class Bringup:
         return {"base": base, "preset_file": str(path), "points": s["points"], "kept": sorted(rep.kept),
                 "mean_abs_rel_err": s["mean_abs_rel_err"], "max_abs_rel_err": s["max_abs_rel_err"]}
 
-    def _backend(self) -> Any:
+    def _backend(self, world: int) -> Any:
         from moetune.tuner.search.backends import LocalBackend
 
         # On CPU the fp8 error is the same arithmetic as on GPU: the search space already keeps compression
         # within the policy's budget by its measured expected error, so trials skip the costly re-check.
-        return LocalBackend(world=self.world, comm_backend=self.comm_backend, repeats=self.plan.repeats,
+        return LocalBackend(world=world, comm_backend=self.comm_backend, repeats=self.plan.repeats,
                             timeout_s=self.plan.trial_timeout_s, metric="comm", iters=self.plan.iters,
                             verify_compression=self.comm_backend == "nccl", persistent=True)
 
@@ -374,13 +423,13 @@ class Bringup:
         models = [get_model(m) for m in self.plan.models]
         res = []
         tag = self.state.study_tag  # after --restart: new studies, the finished ones are not resumed
-        if self.tune_ep:
-            be = self._backend()
+        for ep in self.ep_sizes:  # each EP group measured by that many ranks, stored under its own key
+            be = self._backend(ep)
             try:
-                res = tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
-                                             backend=be, trials=self.plan.trials, progress=self.progress,
-                                             storage=self.storage, ep_size=self.world, seed=0,
-                                             policy_override=self.runtime_policy_dir(), study_tag=tag)
+                res += tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
+                                              backend=be, trials=self.plan.trials, progress=self.progress,
+                                              storage=self.storage, ep_size=ep, nodes=1, seed=0,
+                                              policy_override=self.runtime_policy_dir(), study_tag=tag)
             finally:
                 be.close()  # the persistent bench workers
         if self.mk_ok:
@@ -393,7 +442,7 @@ class Bringup:
             if r.record is None:
                 continue
             k = r.record.key
-            out.append({"family": k.transport_family, "tokens": k.token_bucket, "key": k.to_dict(),
+            out.append({"family": k.transport_family, "tokens": k.token_bucket, "ep_size": k.ep_size, "key": k.to_dict(),
                         "software_versions": r.record.software_versions, "knobs": r.record.knobs.to_dict(), "latency_us": r.record.latency_us,
                         "spread_us": r.record.spread_us, "written": r.written, "reason": r.reason,
                         "study": r.study.study_name,
@@ -403,14 +452,14 @@ class Bringup:
 
     def stage_compare(self) -> list[dict]:
         """Tuned against the policy default for every bucket, measured side by side (interleaved)."""
-        be = self._backend() if self.tune_ep else None
+        backends: dict[int, Any] = {}  # EP size -> its backend, started when a row of that size comes
         try:
-            return self._compare_with(be)
+            return self._compare_with(backends)
         finally:
-            if be is not None:
+            for be in backends.values():
                 be.close()  # the persistent bench workers
 
-    def _compare_with(self, ep_be: Any) -> list[dict]:
+    def _compare_with(self, ep_backends: dict[int, Any]) -> list[dict]:
         from moetune.runtime.knobs import Knobs
         from moetune.tuner.search.backends import TuneWorkload
         from moetune.tuner.search.policy import load_policy
@@ -424,9 +473,11 @@ class Bringup:
             tuned = Knobs.from_dict(t["knobs"])
             default = load_policy(t["family"], self.runtime_policy_dir()).defaults
             mk = t["family"] == MEGAKERNEL_FAMILY
-            be = self._mk_backend() if mk else ep_be
-            wl = TuneWorkload(model=get_model(t["model"]), tokens=t["tokens"], nodes=1,
-                              gpus_per_node=1 if mk else self.world)
+            ep = 1 if mk else int(t["key"]["ep_size"])  # measured as tuned: that many ranks on this node
+            if not mk and ep not in ep_backends:
+                ep_backends[ep] = self._backend(ep)
+            be = self._mk_backend() if mk else ep_backends[ep]
+            wl = TuneWorkload(model=get_model(t["model"]), tokens=t["tokens"], nodes=1, gpus_per_node=ep)
             be.family = t["family"]
             if tuned == default:
                 m = be.compare([default], wl, rounds=self.plan.compare_rounds)
@@ -445,7 +496,7 @@ class Bringup:
                 default_us=md.median_us if md.ok else float("nan"), default_spread=md.spread_us if md.ok else 0.0,
                 tuned_us=mt.median_us if mt.ok else float("nan"), tuned_spread=mt.spread_us if mt.ok else 0.0,
                 knobs=",".join(f"{k}={v}" for k, v in tuned.to_dict().items() if v != default.to_dict().get(k)),
-                written=written, reason=reason, source=be.label))
+                written=written, reason=reason, source=be.label, ep_size=ep))
             row["stored"] = "tuned" if keep_tuned else "policy default"
             if not keep_tuned:
                 row["why_default"] = ("the tuned setting is the default" if tuned == default else
@@ -497,6 +548,7 @@ class Bringup:
                        "[tune] backend = \"local\", or fix the measurements and run `moetune profile --restart`)")
             data.notes.append(f"node fabric model NOT written: the calibration from {cal['base']} was refused: "
                               + "; ".join(cal["refused"]) + earlier)
+        data.notes.append(self.ep_note)
         if self.facts.gpu_count == 1:
             data.notes.append("EP transports need >= 2 GPUs: this node has 1, so no exchange was tuned; the MoE "
                               "megakernel (the whole layer on one GPU, family `megakernel`) is what was tuned")
@@ -559,7 +611,8 @@ def report_from_store(store: Any, facts: Any, out_dir: Path) -> Path:
         if r["kind"] == "tuned_vs_default":
             for k in ("default_us", "tuned_us"):  # a failed run is stored as null
                 extra[k] = float("nan") if extra.get(k) is None else extra[k]
-            tuned[(extra.get("model"), extra.get("tokens"), extra.get("family"))] = extra  # the latest wins
+            # the latest of a bucket wins; each EP size is a bucket of its own
+            tuned[(extra.get("model"), extra.get("tokens"), extra.get("family"), extra.get("ep_size"))] = extra
         elif extra.get("bench") and latest[extra["bench"]] != extra.get("bench_run"):
             continue
         else:

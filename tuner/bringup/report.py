@@ -140,10 +140,10 @@ def _plot_tuned(tuned: Sequence[dict], path: Path) -> bool:
     tuned = [t for t in tuned if _measured(t.get("default_us")) and _measured(t.get("tuned_us"))]
     if not tuned:
         return False
-    groups = sorted({(t["model"], t.get("family", "")) for t in tuned})
+    groups = sorted({(t["model"], t.get("family", ""), t.get("ep_size") or 0) for t in tuned})
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.2), squeeze=False)
-    for ax, (model, family) in zip(axes[0], groups, strict=True):
-        rows = sorted((t for t in tuned if (t["model"], t.get("family", "")) == (model, family)),
+    for ax, (model, family, ep) in zip(axes[0], groups, strict=True):
+        rows = sorted((t for t in tuned if (t["model"], t.get("family", ""), t.get("ep_size") or 0) == (model, family, ep)),
                       key=lambda t: t["tokens"])
         xs = list(range(len(rows)))
         w = 0.38
@@ -158,7 +158,8 @@ def _plot_tuned(tuned: Sequence[dict], path: Path) -> bool:
         ax.set_xticks(xs, [str(t["tokens"]) for t in rows])
         ax.set_xlabel("tokens per rank (bucket)")
         ax.set_ylabel("dispatch + combine (µs)")
-        ax.set_title(f"{model} · {family}" if family else model, fontsize=10)
+        title = f"{model} · {family}" if family else model
+        ax.set_title(f"{title} · EP {ep}" if ep else title, fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
@@ -216,13 +217,13 @@ def write_report(data: ReportData, out_dir: Path) -> Path:
     md += _fence_table(data.measurements)
     if data.tuned:
         md += ["## Tuned settings", "",
-               "| family | model | tokens | default µs | tuned µs | speedup | knobs | stored | measured by |",
-               "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- |"]
-        for t in sorted(data.tuned, key=lambda t: (t.get("family", ""), t["model"], t["tokens"])):
+               "| family | model | EP | tokens | default µs | tuned µs | speedup | knobs | stored | measured by |",
+               "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
+        for t in sorted(data.tuned, key=lambda t: (t.get("family", ""), t["model"], t.get("ep_size") or 0, t["tokens"])):
             d, u = t.get("default_us"), t.get("tuned_us")
             sp = f"{d / u:.2f}×" if _measured(d) and _measured(u) and u else "–"
             knobs = ("`" + t["knobs"] + "`") if t.get("knobs") else "(policy default)"
-            md.append(f"| {t.get('family', '')} | {t['model']} | {t['tokens']} "
+            md.append(f"| {t.get('family', '')} | {t['model']} | {t.get('ep_size') or '–'} | {t['tokens']} "
                       f"| {_time(d, t.get('default_spread', 0))} | {_time(u, t.get('tuned_spread', 0))} | {sp} "
                       f"| {knobs} | {_cell(_stored(t))} | {t.get('source', '')} |")
         md.append("")

@@ -50,7 +50,7 @@ def profile(
     model: list[str] = typer.Option([], "--model", "-m", help="Model shape to tune (repeatable): qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K (default: qwen3-30b)."),
     tokens: str = typer.Option("", "--tokens", help="Comma-separated tokens per rank to tune for (token buckets; default: 128,1024,4096, with --quick 128,1024)."),
     quick: bool = typer.Option(False, "--quick", help="A short plan: one model, two buckets, few trials (≈ 2 min on a CPU)."),
-    plan_file: Path | None = typer.Option(None, "--plan", help="TOML plan: models, tokens, trials, repeats, backend, world."),
+    plan_file: Path | None = typer.Option(None, "--plan", help="TOML plan: models, tokens, trials, repeats, backend, ep_sizes (default: one EP group of every GPU of the node)."),
     trials: int | None = typer.Option(None, "--trials", help="Trials per (family, model, bucket) study (default: 16, with --quick 4)."),
     db: Path | None = typer.Option(None, "--db", help="Profile database (default: configured / $MOETUNE_HOME)."),
     config: Path | None = typer.Option(None, "--config", help="Extra config file."),
@@ -94,12 +94,13 @@ def profile(
     try:
         flow = Bringup(store=store, plan=plan, state_dir=state_dir, console=console, capture=capture,
                        report_dir=report_dir, progress=None if as_json else RichProgress())
-    except DiscoveryError as e:
+    except (DiscoveryError, ValueError) as e:  # ValueError: an EP size of the plan this node cannot measure
         _fail(str(e))
     if restart:  # deleting the state alone resumed the finished studies: nothing was tuned again
         flow.state.restart()
     console.print(f"node [bold]{flow.facts.gpu_count} GPU(s)[/] {flow.facts.gpu_model or ''} · fingerprint "
                   f"{flow.facts.fingerprint} · transports {', '.join(flow.facts.transport_names)} · db {store.path}")
+    console.print(flow.ep_note, markup=False)
     try:
         done = flow.run()
     except KeyboardInterrupt:
@@ -111,12 +112,13 @@ def profile(
         flow.progress.close()
     rows = done.get("compare") or []
     if as_json:
-        typer.echo(json.dumps({"fingerprint": flow.facts.fingerprint, "db": str(store.path), "profiles": rows,
+        typer.echo(json.dumps({"fingerprint": flow.facts.fingerprint, "db": str(store.path), "ep_sizes": flow.ep_sizes,
+                               "ep_note": flow.ep_note, "profiles": rows,
                                "calibration": done.get("calibrate"), "report": done.get("report")}, indent=1))
         return
     table = Table(title="tuned profiles (measured side by side with the policy default)")
-    for col in ("model", "S", "family", "default µs", "tuned µs", "speedup", "stored", "changed knobs"):
-        table.add_column(col, justify="right" if col in ("S", "default µs", "tuned µs", "speedup") else "left",
+    for col in ("model", "EP", "S", "family", "default µs", "tuned µs", "speedup", "stored", "changed knobs"):
+        table.add_column(col, justify="right" if col in ("EP", "S", "default µs", "tuned µs", "speedup") else "left",
                          overflow="fold")
 
     def us(v: float, spread: float) -> str:
@@ -124,10 +126,11 @@ def profile(
 
     for r in rows:
         sp = r["default_us"] / r["tuned_us"] if r["tuned_us"] and r["tuned_us"] == r["tuned_us"] else float("nan")
-        table.add_row(r["model"], str(r["tokens"]), r["family"], us(r["default_us"], r["default_spread"]),
+        table.add_row(r["model"], str(r.get("ep_size") or "–"), str(r["tokens"]), r["family"], us(r["default_us"], r["default_spread"]),
                       us(r["tuned_us"], r["tuned_spread"]), f"{sp:.2f}×" if sp == sp else "–",
                       r.get("stored", "current") if r["written"] else r["reason"][:30], r["knobs"] or "(default)")
     console.print(table)
+    console.print(flow.ep_note, markup=False)
     cal = done.get("calibrate") or {}
     if "mean_abs_rel_err" in cal:
         console.print(f"node fabric model: {cal['preset_file']} (fit error mean {100 * cal['mean_abs_rel_err']:.1f}%, "

@@ -1,0 +1,159 @@
+"""`moetune profile` tunes the EP group of the whole node by default (a plan may list EP sizes, each <= the GPUs).
+
+Before, Plan.world = 2 and the bring-up keyed its profiles ep_size = min(2, GPUs): on an 8-GPU node only EP 2 was
+tuned, and the first EP 8 job found no profile."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from rich.console import Console
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime.knobs import Knobs
+from moetune.tuner.search.backends import TuneWorkload
+
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+pytestmark = pytest.mark.timeout(240)
+CAPTURES = Path(__file__).resolve().parent / "captures"
+
+# a stand-in for `moetune bench ep --json`: times grow with the world it was launched with (so rows can be told apart)
+FAKE_BENCH = r'''
+import json, sys
+args = sys.argv[1:]
+world = int(args[args.index("--world") + 1])
+knobs = dict(kv.split("=", 1) for kv in args[args.index("--knobs") + 1].split(","))
+t = 10.0 * world + int(knobs.get("pipeline_depth", "1"))
+print(json.dumps({"dispatch_us": {"median": t, "p10": t - 0.1, "p90": t + 0.1},
+                  "combine_us": {"median": t, "p10": t - 0.1, "p90": t + 0.1},
+                  "roundtrip_us": {"median": 2 * t, "p10": 2 * t - 0.1, "p90": 2 * t + 0.1},
+                  "layer_us": {"median": 3 * t, "p10": 3 * t - 0.1, "p90": 3 * t + 0.1},
+                  "max_rel_err": 0.0, "world": world}))
+'''
+
+
+def flat(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+    return {"graph_us": [300.0, 303.0, 297.0], "eager_us": [301.0] * 3}
+
+
+def _bringup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capture: str = "dgx-h100", **plan_kw: Any) -> Any:
+    """A bring-up on `capture` whose EP runs go to the fake bench (no ranks, no GPU); worlds launched are recorded."""
+    from moetune.tuner.bringup import flow
+    from moetune.tuner.search.backends import LocalBackend
+
+    bench = tmp_path / "fake_bench.py"
+    bench.write_text(FAKE_BENCH)
+    worlds: list[int] = []
+
+    def backend(self: Any, world: int = 0) -> LocalBackend:
+        worlds.append(world)
+        return LocalBackend(world=world, comm_backend=self.comm_backend, repeats=1, timeout_s=30, metric="comm",
+                            command=[sys.executable, str(bench)], verify_compression=False)
+
+    monkeypatch.setattr(flow.Bringup, "_backend", backend)
+    monkeypatch.setattr(flow.Bringup, "stage_microbench", lambda self: [])  # no subprocesses
+    plan = flow.Plan(**{"models": ["qwen3-30b"], "tokens": [16], "trials": 2, "repeats": 1, "iters": 5,
+                        "compare_rounds": 1, **plan_kw})
+    b = flow.Bringup(store=F.open_store(tmp_path / "b.db"), plan=plan, state_dir=tmp_path / "state",
+                     console=Console(file=io.StringIO(), width=200), capture=CAPTURES / capture,
+                     storage=f"sqlite:///{tmp_path / 'opt.db'}", mk_measure=flat)
+    b.worlds = worlds
+    return b
+
+
+def _ep_profiles(store: Any) -> set[tuple[int, int, str]]:
+    return {(r.key.ep_size, r.key.nodes, r.provenance) for _, r in store.list_profiles(status="current")
+            if r.key.transport_family != "megakernel"}
+
+
+def test_default_plan_tunes_every_gpu_of_the_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    b = _bringup(tmp_path, monkeypatch)
+    assert b.facts.gpu_count == 8
+    b.run()
+    assert _ep_profiles(b.store) == {(8, 1, "measured")}  # was {(2, 1, "measured")}
+    assert set(b.worlds) == {8}
+    rows = b.state.result("compare")
+    assert {r["ep_size"] for r in rows if r["family"] != "megakernel"} == {8}
+    report = Path(b.state.result("report")).read_text()
+    assert "EP size tuned: 8 (every GPU of this node)" in report
+    assert "| EP |" in report
+
+
+def test_a_plan_lists_ep_sizes_and_a_rerun_after_an_interruption_finishes_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.tuner.bringup import flow
+
+    b = _bringup(tmp_path, monkeypatch, ep_sizes=[4, 8])
+    compare = flow.Bringup.stage_compare
+
+    def interrupted(self: Any) -> list[dict]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(flow.Bringup, "stage_compare", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        b.run()
+    assert b.state.done("tune") and not b.state.done("compare")
+    monkeypatch.setattr(flow.Bringup, "stage_compare", compare)
+    tuned = []
+    real_tune = flow.Bringup.stage_tune
+    monkeypatch.setattr(flow.Bringup, "stage_tune", lambda self: tuned.append(1) or real_tune(self))
+    again = _bringup(tmp_path, monkeypatch, ep_sizes=[4, 8])
+    done = again.run()
+    assert tuned == []  # the finished tune stage is not run again
+    assert _ep_profiles(again.store) == {(4, 1, "measured"), (8, 1, "measured")}
+    rows = [r for r in done["compare"] if r["family"] != "megakernel"]
+    assert sorted(r["ep_size"] for r in rows) == sorted([4, 8] * (len(rows) // 2))
+    assert set(again.worlds) == {4, 8}  # each compared with as many ranks as it was tuned with
+    report = Path(done["report"]).read_text()
+    assert "EP sizes tuned: 4, 8 (as the plan lists)" in report
+
+
+def test_ep_sizes_of_the_plan() -> None:
+    from moetune.tuner.bringup.flow import Plan, plan_ep_sizes
+
+    assert plan_ep_sizes(Plan(), 8)[0] == [8]
+    assert plan_ep_sizes(Plan.quick(), 8)[0] == [8]  # --quick: still one EP size
+    assert plan_ep_sizes(Plan(), 4)[0] == [4]
+    sizes, note = plan_ep_sizes(Plan(), 6)  # 128 experts do not divide over 6
+    assert sizes == [4] and "not 6" in note
+    assert plan_ep_sizes(Plan(), 0)[0] == [2]  # a CPU node: 2 gloo ranks, as before
+    assert plan_ep_sizes(Plan(), 1)[0] == []  # a one-GPU node tunes the megakernel only, as before
+    assert plan_ep_sizes(Plan(ep_sizes=[8, 2, 4]), 8)[0] == [2, 4, 8]
+    assert plan_ep_sizes(Plan(world=4), 8)[0] == [4]  # an older plan's single size
+    with pytest.raises(ValueError, match="EP size 16 needs 16 GPUs, this node has 8"):
+        plan_ep_sizes(Plan(ep_sizes=[16]), 8)
+    with pytest.raises(ValueError, match="does not divide"):
+        plan_ep_sizes(Plan(ep_sizes=[3]), 8)
+
+
+def test_plan_file_ep_sizes(tmp_path: Path) -> None:
+    from moetune.tuner.bringup.flow import Plan
+
+    p = tmp_path / "plan.toml"
+    p.write_text("[plan]\nep_sizes = [2, 8]\n")
+    assert Plan.from_file(p, Plan()).ep_sizes == [2, 8]
+    for body, words in (("ep_sizes = [1]", "ep_sizes must be a list of integers >= 2"),
+                        ("ep_sizes = [2]\nworld = 4", "not both"), ("world = 0", "world must be an integer >= 1")):
+        p.write_text(body + "\n")
+        with pytest.raises(ValueError, match=words):
+            Plan.from_file(p, Plan())
+
+
+def test_profile_cli_refuses_an_ep_size_over_the_gpus(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    p = tmp_path / "plan.toml"
+    p.write_text("[plan]\nep_sizes = [16]\n")
+    r = CliRunner().invoke(app, ["profile", "--plan", str(p), "--capture", str(CAPTURES / "dgx-h100"),
+                                 "--db", str(tmp_path / "m.db"), "--json"], env={"MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 2, r.output
+    assert "EP size 16 needs 16 GPUs, this node has 8" in r.output and isinstance(r.exception, SystemExit)
