@@ -65,7 +65,7 @@ def _write_variant(tmp_path: Path, stem: str, edit) -> Path:
         (lambda t: t.replace('fence_mode = ["proxy_drain", "nic_ordered"]', 'fence_mode = ["proxy_drain", "telepathy"]'),
          "knobs.fence_mode", "unknown value"),
         (lambda t: t + '\n[knobs.bogus_knob]\n', "knobs.bogus_knob", "unknown knob"),
-        (lambda t: t.replace('num_sms = [16, 24, 32]', 'num_sms = [16, 32]'), "defaults.num_sms", "not among the allowed"),
+        (lambda t: t.replace('qps_per_pe = [1, 2, 4]', 'qps_per_pe = [2, 4]'), "defaults.qps_per_pe", "not among the allowed"),
         (lambda t: t.replace('error_budget = 0.05', 'error_budget = 2.0'), "compression.error_budget", "[0, 1)"),
         (lambda t: t.replace('"fp8_e4m3/per_128" = 0.045', ''), 'compression.expected_error."fp8_e4m3/per_128"', "no error bound"),
         (lambda t: t.replace('signalling = "coupled"\n', 'signalling = "sometimes"\n', 1), "defaults", "signalling"),
@@ -73,7 +73,7 @@ def _write_variant(tmp_path: Path, stem: str, edit) -> Path:
         (lambda t: t.replace('[priors]', '[priors]\nwarp_factor = 9'), "priors.warp_factor", "unknown prior"),
         (lambda t: t.replace('qp_gbps = 12.5', 'qp_gbps = -1'), "priors.qp_gbps", "positive"),
         (lambda t: t + '\n[extras]\nx = 1\n', "[extras]", "unknown table"),
-        (lambda t: t.replace('pipeline_depth = [1, 2]', 'pipeline_depth = { min = 1, max = 99 }'), "knobs.pipeline_depth", "min <= max"),
+        (lambda t: t.replace('qps_per_pe = [1, 2, 4]', 'qps_per_pe = { min = 1, max = 99 }'), "knobs.qps_per_pe", "min <= max"),
     ],
 )
 def test_bad_policy_errors_name_file_and_key(tmp_path: Path, edit, key: str, words: str) -> None:
@@ -117,7 +117,7 @@ def test_user_override_file_merges_and_is_validated(tmp_path: Path) -> None:
     pol = load_policy("proxy:ibrc", over)
     assert pol.knobs["qps_per_pe"].values() == (1, 8)
     assert pol.error_budget == 0.01
-    assert pol.knobs["num_sms"].values() == (16, 24, 32)  # untouched keys come from the packaged file
+    assert pol.knobs["chunk_tokens"].values() == (0, 256)  # untouched keys come from the packaged file
     assert any("mine.toml" in s for s in pol.sources)
     # The override names another family: not applied here.
     assert load_policy("nvlink", over).error_budget == 0.05

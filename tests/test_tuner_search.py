@@ -124,7 +124,8 @@ def synthetic(k: Knobs, wl: TuneWorkload) -> float:
     t /= 1 + 0.35 * (k.qps_per_pe > 1) - (0.2 if k.qp_mapping == "round_robin" and k.qps_per_pe > 1 else 0.0)
     t *= 0.72 if k.compression != "none" else 1.0
     t *= 0.97 if k.scale_granularity == "per_128" else 1.0
-    t *= {1: 1.0, 2: 0.85, 3: 0.88, 4: 0.95}[k.pipeline_depth] if k.chunk_tokens else 1.0 + 0.05 * (k.pipeline_depth - 1)
+    # chunking pays off without pipelining too (the proxy, which has no pipeline_depth, chunks PUTs)
+    t *= {1: 0.93, 2: 0.85, 3: 0.88, 4: 0.95}[k.pipeline_depth] if k.chunk_tokens else 1.0 + 0.05 * (k.pipeline_depth - 1)
     t *= 1 + abs(k.num_sms - 32) / 64
     return t
 
@@ -132,11 +133,13 @@ def synthetic(k: Knobs, wl: TuneWorkload) -> float:
 WL = TuneWorkload(model=MODELS["deepseek-v3"], tokens=1024, nodes=8, gpus_per_node=4)
 
 
-def test_tpe_finds_near_optimum_with_a_tenth_of_the_grid() -> None:
+def test_tpe_finds_near_optimum_with_a_quarter_of_the_grid() -> None:
+    # 192 distinct points since num_sms and pipeline_depth (ignored by the proxy) are pinned: a quarter of
+    # them is 48 trials (a tenth of the old 1152-point grid, 5/6 of it duplicates, was 115)
     space = SearchSpace(load_policy("proxy:ibrc"), experts=WL.model.experts, ep_size=WL.ep_size)
     grid = list(space.enumerate())
     opt = min(synthetic(k, WL) for k in grid)
-    budget = len(grid) // 10
+    budget = len(grid) // 4
     assert opt < min(synthetic(k, WL) for _, k in space.priors())  # the priors alone do not find it
     bests = []
     for seed in range(3):

@@ -165,7 +165,12 @@ class Policy:
             knobs[n] = {"min": s.low, "max": s.high, "step": s.step} if s.is_range else list(s.choices)
         if self.group_size is not None:
             knobs["group_size"] = self.group_size if isinstance(self.group_size, str) else list(self.group_size)
-        return {
+        out_extra: dict[str, Any] = {}
+        if self.transport == "nvlink" and self.group_size is not None:
+            # nvlink's group sizes count CTAs per peer (tuner/search/space.py), not transfers: a study whose
+            # trials used the old meaning has another digest (study_config) and is not resumed
+            out_extra["group_size_unit"] = "ctas_per_peer"
+        return {**out_extra,
             "family": self.family, "transport": self.transport, "description": self.description,
             "defaults": self.defaults.to_dict(), "knobs": knobs, "priors": dict(self.priors),
             "error_budget": self.error_budget, "expected_error": dict(self.expected_error),

@@ -5,7 +5,11 @@ One decision tree serves Optuna's define-by-run sampling (`suggest`) and the exh
 cannot produce an infeasible setting:
 
 - `group_size` is asked only when signalling is decoupled, among per PE (0) and the proper divisors of
-  the transfers per remote PE;
+  the transfers per remote PE; for nvlink a "transfer" is one CTA's share of a peer's rows: the kernel
+  signals per group of group_size CTAs out of num_sms // world per peer (`nvlink_ctas_per_peer`), so
+  num_sms is asked first and group_size among the proper divisors of that CTA count;
+- knobs the transport's runtime does not read (`RUNTIME_READS`) are never asked: they stay at the
+  policy default, so a stored profile never records a value that did not change the run;
 - `fence_mode` only where the transport has more than one way to order (proxy transports);
 - `qps_per_pe` only on queued transports (proxy, ibgda); `qp_mapping` only with more than one QP and
   never with `nic_ordered` (a peer's PUTs and SIGNAL must share a QP: peer_hash is implied);
@@ -26,6 +30,45 @@ from moetune.runtime.knobs import ALLOWED_FENCE_MODES, ONE_SIDED, PER_PE, QUEUED
 from moetune.tuner.search.policy import KnobSpec, Policy
 
 Chooser = Callable[[str, KnobSpec], Any]
+
+# The knobs each transport's runtime reads beyond transport, compression and scale_granularity (which
+# every transport reads) and the structural ones the decision tree already restricts (signalling,
+# group_size, fence_mode, qp_mapping, qps_per_pe: one-sided / queued transports only). A plain knob
+# not listed for a transport is pinned at the policy default whatever the policy file says. Sources:
+# - nvlink: runtime/transports/nvlink.py passes num_sms (CTAs: num_sms // world per peer), signalling and
+#   group_size to csrc/ep_nvlink.cu; the device-resident layout (runtime/buffer/facade.py) moves each
+#   direction in one launch: pipeline_depth, channels and chunk_tokens do not apply.
+# - proxy: runtime/transports/proxy.py passes signalling, group_size, chunk_tokens (rows per PUT) to
+#   csrc/proxy_gpu.cu, whose kernels launch <<<1, 32>>> (num_sms is never passed); device-resident
+#   layout: pipeline_depth and channels do not apply.
+# - collective: the buffer reads pipeline_depth (chunks) and channels (communicators); num_sms and
+#   chunk_tokens are ignored (runtime/buffer/facade.py module doc).
+# - host_staged: as collective, plus chunk_tokens (staging message), staging_slots, wait_mode,
+#   combine_lanes (runtime/transports/host_staged.py); the copy engines move the bytes: no num_sms.
+# Families whose engine is the megakernel, and transports not listed (ibgda: no runtime transport, the
+# fabric model only), are not restricted here.
+RUNTIME_READS: dict[str, frozenset[str]] = {
+    "nvlink": frozenset({"num_sms"}),
+    "proxy": frozenset({"chunk_tokens"}),
+    "collective": frozenset({"pipeline_depth", "channels"}),
+    "host_staged": frozenset({"pipeline_depth", "channels", "chunk_tokens", "staging_slots", "wait_mode",
+                              "combine_lanes"}),
+}
+
+
+def nvlink_ctas_per_peer(num_sms: int, world: int) -> int:
+    """CTAs the nvlink kernel gives each destination (csrc/ep_nvlink.cu mt_nvl_ctas_per_peer; its further
+    cap of sm_count / world only binds when num_sms exceeds the GPU's SMs)."""
+    return max(1, num_sms // max(1, world))
+
+
+def runtime_ignores(policy: Policy) -> frozenset[str]:
+    """The plain knobs (_PLAIN) the runtime does not read for this policy's transport."""
+    reads = RUNTIME_READS.get(policy.transport)
+    if reads is None or policy.defaults.engine == "megakernel":
+        return frozenset()
+    return frozenset(n for n in _PLAIN if n not in reads)
+
 
 # Order in which the plain (unconditional) knobs are asked, after the structural ones.
 _PLAIN = ("chunk_tokens", "pipeline_depth", "num_sms", "channels", "staging_slots", "wait_mode", "combine_lanes",
@@ -68,7 +111,11 @@ class SearchSpace:
         e.g. the fabric model, `ModelBackend.pinned_knobs`), so a tie is not stored as a tuned choice."""
         self.policy = policy
         self.transport = policy.transport
+        self.ep_size = max(1, ep_size)
         self.tpp = transfers_per_peer(experts, ep_size)
+        # knobs the runtime does not read for this transport: held at the policy default
+        self.ignored = runtime_ignores(policy)
+        pinned = set(pinned) | self.ignored
         self.link_rates = dict(link_rates or {})
         d = policy.defaults
         one_sided = self.transport in ONE_SIDED
@@ -91,6 +138,19 @@ class SearchSpace:
         for name in _PLAIN:
             s = policy.knobs.get(name) if name not in pinned else None
             self.spec[name] = s if s is not None else KnobSpec(name, choices=(getattr(d, name),))
+        # nvlink: group_size counts CTAs, so its choices depend on num_sms (asked first)
+        self._nvlink_groups = self.transport == "nvlink" and policy.group_size is not None
+        if self._nvlink_groups:
+            self.spec["group_size"] = KnobSpec("group_size", choices=tuple(sorted(
+                {g for n in self.spec["num_sms"].values() for g in self.group_values(n)})))
+
+    def group_values(self, num_sms: int | None = None) -> tuple[int, ...]:
+        """The group sizes offered (with decoupled signalling): per the transfers per PE, or for nvlink per
+        the CTAs per peer that `num_sms` gives."""
+        if self.transport == "nvlink" and self.policy.group_size is not None:
+            n = num_sms if num_sms is not None else self.policy.defaults.num_sms
+            return group_choices(self.policy, nvlink_ctas_per_peer(n, self.ep_size))
+        return group_choices(self.policy, self.tpp)
 
     # -- the decision tree ---------------------------------------------------------------------------
     def _build(self, choose: Chooser) -> Knobs:
@@ -105,7 +165,15 @@ class SearchSpace:
             return choose(name, s)
 
         k["signalling"] = ask("signalling")
-        k["group_size"] = ask("group_size") if k["signalling"] == "decoupled" else PER_PE
+        if self._nvlink_groups:
+            # CTAs per group: a distinct parameter per CTA count, so each has a fixed set of choices
+            k["num_sms"] = ask("num_sms")
+            cpp = nvlink_ctas_per_peer(k["num_sms"], self.ep_size)
+            groups = self.group_values(k["num_sms"])
+            k["group_size"] = (ask(f"group_size_cpp{cpp}", groups) if k["signalling"] == "decoupled"
+                               else PER_PE)
+        else:
+            k["group_size"] = ask("group_size") if k["signalling"] == "decoupled" else PER_PE
         k["fence_mode"] = ask("fence_mode")
         k["qps_per_pe"] = ask("qps_per_pe")
         if k["qps_per_pe"] == 1:
@@ -124,7 +192,8 @@ class SearchSpace:
             # Same choices for every compression value that can reach here (one compression today).
             k["scale_granularity"] = ask("scale_granularity", grans)
         for name in _PLAIN:
-            k[name] = ask(name)
+            if name not in k:
+                k[name] = ask(name)
         return Knobs.from_dict(k)
 
     # -- Optuna ----------------------------------------------------------------------------------------
@@ -145,7 +214,7 @@ class SearchSpace:
         target = knobs.to_dict()
 
         def choose(name: str, s: KnobSpec) -> Any:
-            v = target[name]
+            v = target[_knob_of_param(name)]
             if not s.contains(v):
                 raise KnobError(f"{v!r} is not in this search space ({list(s.values())})", (name,))
             params[name] = v
@@ -192,7 +261,8 @@ class SearchSpace:
         p = self.policy
         if knobs.transport != self.transport:
             raise KnobError(f"transport {knobs.transport!r} is not this family's ({self.transport!r})", ("transport",))
-        knobs.check_workload(self.tpp)
+        if not self._nvlink_groups:  # nvlink's group_size divides CTAs, checked below
+            knobs.check_workload(self.tpp)
         if knobs.compression != "none" and not p.compression_allowed(knobs.compression, knobs.scale_granularity):
             raise KnobError(
                 f"{knobs.compression}/{knobs.scale_granularity} has an error bound of "
@@ -204,7 +274,11 @@ class SearchSpace:
             v = getattr(knobs, name)
             if not s.contains(v):
                 raise KnobError(f"{v!r} is not allowed by the {p.family} policy ({list(s.values())})", (name,))
-        if knobs.signalling == "decoupled" and knobs.group_size not in self.spec["group_size"].values():
+        if knobs.signalling == "decoupled" and knobs.group_size not in self.group_values(knobs.num_sms):
+            if self._nvlink_groups:
+                cpp = nvlink_ctas_per_peer(knobs.num_sms, self.ep_size)
+                raise KnobError(f"group size {knobs.group_size} is not offered for {cpp} CTAs per peer "
+                                f"(num_sms {knobs.num_sms} over {self.ep_size} ranks)", ("group_size",))
             raise KnobError(f"group size {knobs.group_size} is not offered for {self.tpp} transfers per PE", ("group_size",))
 
     def feasible(self, knobs: Knobs) -> tuple[bool, str]:
@@ -220,7 +294,7 @@ class SearchSpace:
         target = knobs.to_dict()
 
         def choose(name: str, s: KnobSpec) -> Any:
-            return s.nearest(target.get(name))
+            return s.nearest(target.get(_knob_of_param(name)))
 
         return self._build(choose)
 
@@ -263,6 +337,11 @@ class SearchSpace:
                 seen.add(kn)
                 out.append((name, kn))
         return out
+
+
+def _knob_of_param(name: str) -> str:
+    """The knob an Optuna parameter sets (nvlink's `group_size_cpp<N>` sets group_size)."""
+    return "group_size" if name.startswith("group_size_cpp") else name
 
 
 def _lenient_knobs(raw: dict[str, Any]) -> Knobs:
