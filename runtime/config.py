@@ -63,6 +63,7 @@ class TuneConfig:
     trials: int = 40
     timeout_s: float = 600.0
     backend: str = "model"
+    run_on_busy_gpus: bool = False  # a local (measuring) re-tune runs even while other processes use the GPUs
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def test_each_group_is_measured_at_its_own_ep_size_and_unmeasurable_ones_are_ref
 
 def _manager(store: Any, facts: Any, done: list) -> JobManager:
     return JobManager(store=store, facts_fn=lambda: facts, retune=tuner_retune, on_done=lambda j, w: done.append(j),
-                      tune=TuneSettings(backend="local", trials=1))
+                      tune=TuneSettings(backend="local", trials=1), gpu_probe=lambda: (False, "idle (test)"))
 
 
 def _wait(done: list) -> Job:

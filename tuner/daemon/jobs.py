@@ -25,7 +25,9 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import os
 import queue
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("moetune.daemon.jobs")
 
 JOB_EVENTS = ("job_queued", "job_started", "job_finished")
+# (busy: True / False / None when it cannot be told, what was seen): are other processes on this node's GPUs?
+GpuProbe = Callable[[], tuple[bool | None, str]]
 
 
 def now() -> str:
@@ -75,6 +79,7 @@ class Job:
         self.impossible = False  # failed because no profile true for this node could be produced
         self.cancelled_by = ""  # "user" (the retune op), "fabric" (the watch: its fabric changed), "shutdown"
         self.refused: list[str] = []  # keys the re-tune would not produce here, and why (they stay as they are)
+        self.deferred = ""  # why the job waits (the GPUs are busy or their state unknown), "" once it runs
 
     def info(self) -> JobInfo:
         return JobInfo(id=self.id, state=self.state, reason=self.reason, fingerprint=self.fingerprint or self.old_fingerprint,
@@ -245,8 +250,59 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     return [r for r in out if r.status == "current"]
 
 
+def _nvml_pids() -> list[str]:
+    """`index:pid` of every compute process on this node's GPUs, by NVML (ImportError without pynvml)."""
+    import pynvml  # type: ignore[import-not-found]
+
+    pynvml.nvmlInit()
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            out += [f"GPU {i}: pid {p.pid}" for p in pynvml.nvmlDeviceGetComputeProcesses(handle)]
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def gpu_processes(*, timeout_s: float = 15.0) -> tuple[bool | None, str]:
+    """Whether other processes run on this node's GPUs: NVML's compute processes (pynvml), else `nvidia-smi
+    --query-compute-apps=pid`. (None, why) when neither can tell: no pynvml and no nvidia-smi, a failure, a time-out.
+    A process nvidia-smi lists without a readable pid (a container's `[Not Found]`) counts as a process."""
+    me = os.getpid()
+    why_not_nvml = ""
+    try:
+        pids = [p for p in _nvml_pids() if not p.endswith(f"pid {me}")]
+        return bool(pids), (", ".join(pids[:8]) + (" ..." if len(pids) > 8 else "")) if pids else "NVML: no compute process"
+    except ImportError:
+        why_not_nvml = "pynvml not installed"
+    except Exception as e:  # broad: pynvml raises its own NVMLError kinds (no driver, not supported, ...)
+        why_not_nvml = f"NVML failed: {e}"
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=timeout_s)
+    except FileNotFoundError:
+        return None, f"{why_not_nvml} and nvidia-smi not found"
+    except subprocess.TimeoutExpired:
+        return None, f"{why_not_nvml}; nvidia-smi --query-compute-apps timed out after {timeout_s:g} s"
+    except OSError as e:
+        return None, f"{why_not_nvml}; nvidia-smi could not run: {e}"
+    if r.returncode != 0:
+        return None, f"{why_not_nvml}; nvidia-smi --query-compute-apps exited {r.returncode}: {(r.stderr or r.stdout).strip()[:200]}"
+    seen = [line.strip() for line in r.stdout.splitlines() if line.strip() and line.strip() != str(me)]
+    if not seen:
+        return False, "nvidia-smi: no compute process"
+    return True, "nvidia-smi: pid " + ", ".join(seen[:8]) + (" ..." if len(seen) > 8 else "")
+
+
 class JobManager:
-    """Bounded queue + one worker thread. Thread-safe; `info()` is cheap (read by the serving loop)."""
+    """Bounded queue + one worker thread. Thread-safe; `info()` is cheap (read by the serving loop).
+
+    A measuring re-tune (`[tune] backend = "local"` on a node with GPUs) first checks that no other process runs on
+    the GPUs (`gpu_probe`, default `gpu_processes`): its benchmarks would disturb a production job and measure that
+    job's noise. While they are busy, or their state cannot be told, the job waits queued (a `job_deferred` event says
+    why) and is checked again every `tune.busy_retry_s`; the jobs behind it wait too (one job at a time).
+    `[tune] run_on_busy_gpus = true` runs it anyway."""
 
     def __init__(
         self,
@@ -259,8 +315,10 @@ class JobManager:
         capacity: int = 4,
         metrics: Any = None,
         first_id: int = 1,
+        gpu_probe: GpuProbe | None = None,
     ):
         self.store = store
+        self.gpu_probe = gpu_probe or gpu_processes
         self.facts_fn = facts_fn
         self.retune = retune
         self.on_done = on_done
@@ -351,11 +409,54 @@ class JobManager:
     def queued_count(self) -> int:
         return len(self._queued)
 
+    def _busy(self) -> str:
+        """Why a measuring re-tune must not run now ('' when it may): other processes on the GPUs, or no way to tell."""
+        if self.tune.backend != "local":
+            return ""  # a model re-tune predicts: it runs nothing on the GPUs
+        try:
+            facts = self.facts_fn()
+        except Exception:  # broad: the daemon's facts callback; the job itself reports a discovery failure
+            facts = None
+        if facts is None or not getattr(facts, "gpu_count", 0):
+            return ""  # no GPU here: the re-tune runs gloo ranks on the CPUs
+        try:
+            busy, seen = self.gpu_probe()
+        except Exception as e:  # broad: a probe that fails cannot tell
+            busy, seen = None, f"the GPU probe failed: {type(e).__name__}: {e}"
+        if busy is False:
+            return ""
+        if busy:
+            why = (f"other processes run on this node's GPUs ({seen}): a measuring re-tune would disturb them and "
+                   "measure their noise")
+        else:
+            why = (f"cannot tell whether this node's GPUs are idle ({seen}), so a measuring re-tune does not risk "
+                   "disturbing a job on them")
+        if self.tune.run_on_busy_gpus:
+            log.warning("re-tune runs anyway ([tune] run_on_busy_gpus = true): %s", why)
+            return ""
+        return (f"deferred: {why}; checked again every {self.tune.busy_retry_s:g} s "
+                "([tune] run_on_busy_gpus = true runs it anyway)")
+
+    def _wait_for_idle_gpus(self, job: Job) -> None:
+        """Hold `job` queued while the GPUs are busy (or their state unknown); returns when it may run or is cancelled."""
+        while not job.cancel.is_set():
+            why = self._busy()
+            if not why:
+                job.deferred = ""
+                return
+            if why != job.deferred:  # said once per reason, not every retry
+                job.deferred = job.message = why
+                log.warning("re-tune job %d %s", job.id, why)
+                self._event("job_deferred", job, why)
+            job.cancel.wait(self.tune.busy_retry_s)  # a cancel or the daemon's stop wakes it
+
     def _loop(self) -> None:
         while True:
             job = self._q.get()
             if job is None:
                 return
+            if not job.cancel.is_set():
+                self._wait_for_idle_gpus(job)  # still listed as queued meanwhile
             with self._lock:
                 self._queued.pop(job.id, None)
                 if job.cancel.is_set():

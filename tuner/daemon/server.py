@@ -105,6 +105,9 @@ class TuneSettings:
     timeout_s: float | None = 600.0
     preset: str | None = None  # only for tests/explicit use: a preset never stands for this node by default
     node_model_dir: str | None = None  # where `moetune profile` left node-<fingerprint>.toml (default: beside the db)
+    # a measuring (local) re-tune waits while other processes run on the GPUs (or that cannot be told), unless this
+    run_on_busy_gpus: bool = False
+    busy_retry_s: float = 300.0  # how often a waiting re-tune checks the GPUs again
 
     def __post_init__(self) -> None:
         if self.backend not in TUNE_BACKENDS:
@@ -995,7 +998,8 @@ def run_daemon(
     retune = _load_hook(retune_hook) if retune_hook else None
     daemon = Daemon(
         store=store, endpoint=endpoint, pub_endpoint=pub, discover=discover, retune_job=retune,
-        tune=TuneSettings(backend=cfg.tune.backend, trials=cfg.tune.trials, timeout_s=cfg.tune.timeout_s),
+        tune=TuneSettings(backend=cfg.tune.backend, trials=cfg.tune.trials, timeout_s=cfg.tune.timeout_s,
+                          run_on_busy_gpus=cfg.tune.run_on_busy_gpus),
         rediscover_interval_s=d.rediscover_interval_s if rediscover_interval is None else rediscover_interval,
         max_request_bytes=d.max_request_bytes, curve_secret_key_file=d.curve_secret_key_file or None,
         curve_clients_dir=curve_clients_dir, curve_admins_dir=d.curve_admins_dir or None,
