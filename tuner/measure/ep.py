@@ -1,7 +1,10 @@
 """`moetune bench ep`: time EP dispatch/combine and the whole MoE layer on this node.
 
-Each rank gets S tokens (random activations, routing from `--routing`, deterministic seeds). Per
-iteration, every rank times
+Each rank gets S tokens (random activations, routing from `--routing`, deterministic seeds). The timed
+iterations rotate over `rotate` input sets (default DEFAULT_ROTATE; activations and routing, each set
+seeded from the case's seed, set 0 the one a single-input run used), as the megakernel bench does, so a
+small S does not read the same hot rows from L2 every iteration and the timings average over several
+routings' imbalance instead of one. Per iteration, every rank times
   dispatch   : EPBuffer.dispatch (packed layout: counts + pack + payload transfer; dense: all-gather; + unpack)
   combine    : EPBuffer.combine of one row per received row
   roundtrip  : dispatch → identity experts (rows × their local weights) → combine as one span; with
@@ -131,19 +134,30 @@ class PlainA2A:
         return torch.bmm(w.to(back.dtype).view(s, 1, k), unsorted.view(s, k, h)).view(s, h)
 
 
-_INPUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+DEFAULT_ROTATE = 4  # input sets the timed iterations rotate over (the megakernel bench's default too)
+_SET_STRIDE = 1_000_003  # seed offset between input sets (set 0 keeps the single-set seeds)
+
+_INPUTS: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
 
-def _inputs(rank: int, model, dtype: torch.dtype, tokens: int, routing: str, seed: int, device: torch.device):
-    """This rank's activations and routing (deterministic; the last one is cached for the next case)."""
-    key = (rank, model.name, dtype, tokens, routing, seed, str(device))
+def _inputs(rank: int, model, dtype: torch.dtype, tokens: int, routing: str, seed: int, device: torch.device,
+            rotate: int = 1) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """This rank's `rotate` input sets (x, topk_idx, topk_weights), deterministic by (seed, rank, set); set 0 is
+    the one a single-set run used. The last case's sets are cached for the next case."""
+    if rotate < 1:
+        raise ValueError(f"rotate must be >= 1, got {rotate}")
+    key = (rank, model.name, model.hidden, model.experts, model.topk, dtype, tokens, routing, seed, str(device), rotate)
     if key not in _INPUTS:
         _INPUTS.clear()
-        g = torch.Generator(device=device)
-        g.manual_seed(seed * 1009 + rank)
-        x = torch.randn(tokens, model.hidden, generator=g, device=device, dtype=torch.float32).to(dtype)
-        idx, w = generate_routing(tokens, model.experts, model.topk, routing=routing, seed=seed * 7 + rank + 1, device=device)
-        _INPUTS[key] = (x, idx, w)
+        sets = []
+        for j in range(rotate):
+            g = torch.Generator(device=device)
+            g.manual_seed(seed * 1009 + rank + j * _SET_STRIDE)
+            x = torch.randn(tokens, model.hidden, generator=g, device=device, dtype=torch.float32).to(dtype)
+            idx, w = generate_routing(tokens, model.experts, model.topk, routing=routing,
+                                      seed=seed * 7 + rank + 1 + j * _SET_STRIDE, device=device)
+            sets.append((x, idx, w))
+        _INPUTS[key] = sets
     return _INPUTS[key]
 
 
@@ -167,8 +181,11 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
     measure_layer = bool(cfg.get("layer", True))
     verify = bool(cfg.get("verify", False))
     dense = cfg.get("dense")  # None: the buffer picks its layout (see EPBuffer); True/False force it
+    rotate = int(cfg.get("rotate", DEFAULT_ROTATE))
 
-    x, idx, w = _inputs(rank, model, dtype, tokens, routing, seed, device)
+    sets = _inputs(rank, model, dtype, tokens, routing, seed, device, rotate)
+    # set 0: the CUDA-graph timings (captured on one input), the verification and the byte count
+    x, idx, w = sets[0]
     timer = _Timer(device)
 
     layer = None
@@ -184,7 +201,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         comm = buf
 
     def roundtrip() -> torch.Tensor:
-        """dispatch → identity experts → combine (pipelined when pipeline_depth > 1)."""
+        """dispatch → identity experts → combine (pipelined when pipeline_depth > 1), on the current set."""
         if impl == "plain":
             recv, handle = comm.dispatch(x, idx, w)
             return comm.combine(recv, handle)
@@ -196,8 +213,10 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
     times: dict[str, list[float]] = {"dispatch": [], "combine": [], "roundtrip": [], "layer": []}
     host: dict[str, list[float]] = {"dispatch": [], "combine": [], "roundtrip": []}  # host time to issue (no sync)
     rt_out = None
+    rt_worst = 0.0
     for it in range(warmup + iters):
         keep = it >= warmup
+        x, idx, w = sets[it % rotate]  # rotate the inputs (roundtrip() reads these names too)
         # dispatch and combine, each timed alone
         _barrier(device)
         t0 = timer.mark()
@@ -235,6 +254,9 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         if keep:
             times["roundtrip"].append(timer.us(t0, t1))
             host["roundtrip"].append((h1 - h0) * 1e6)
+        if it >= warmup + iters - rotate:  # every set's round trip is checked once (outside the timings)
+            # the round trip with identity experts must give back x times the sum of its weights
+            rt_worst = max(rt_worst, max_rel_err(rt_out, x.float() * w.float().sum(1, keepdim=True)))
         if layer is not None and measure_layer:
             _barrier(device)
             t0 = timer.mark()
@@ -244,6 +266,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
             if keep:
                 times["layer"].append(timer.us(t0, t1))
 
+    x, idx, w = sets[0]  # from here on: set 0
     profile_table = _profile(roundtrip, device, rank) if cfg.get("profile") else None
     graph_us = graph_err = graph_rel = None
     pair_us = pair_err = pair_rel = None
@@ -295,8 +318,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         splits = hp.send_splits()
         row = buf.row_bytes
     remote_bytes = (sum(splits) - splits[rank]) * row
-    # the round trip with identity experts must give back x times the sum of its weights
-    rt_err = max_rel_err(rt_out, x.float() * w.float().sum(1, keepdim=True)) if rt_out is not None else 0.0
+    rt_err = rt_worst if rt_out is not None else 0.0
     errs = torch.tensor([err if err is not None else -1.0, rt_err], dtype=torch.float64, device=device)
     if dist.is_initialized() and world > 1:
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
@@ -342,6 +364,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
         "routing": routing,
         "iters": iters,
         "warmup": warmup,
+        "rotate": rotate,
         "wire_bytes_per_row": buf.row_bytes if buf is not None else model.token_bytes,
         "layout": "plain" if buf is None else ("dense" if buf.dense else "packed"),
         "profile": profile_table,

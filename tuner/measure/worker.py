@@ -75,11 +75,16 @@ def case_config(case: dict[str, Any], world: int, backend: str) -> dict[str, Any
         if av is None or not av.ok:
             raise ValueError(f"transport {k.transport!r} is not available here: {av.reason if av else 'not registered'}")
     verify = bool(case.get("verify", False))
+    rotate = case.get("rotate")  # input sets the iterations rotate over (None: ep.DEFAULT_ROTATE)
+    if rotate is not None and (not isinstance(rotate, int) or isinstance(rotate, bool) or rotate < 1):
+        raise ValueError(f"rotate must be an integer >= 1, got {rotate!r}")
     cfg = {"model": model, "tokens": tokens, "knobs": k.to_dict(), "routing": routing, "iters": iters,
            "warmup": warmup, "verify": verify, "impl": impl, "seed": int(case.get("seed", 0)), "backend": backend,
            "layer": impl == "moetune" and bool(case.get("layer", True)),
            "dense": {"auto": None, "dense": True, "packed": False}[layout],
            "close_buffer": True}
+    if rotate is not None:
+        cfg["rotate"] = rotate
     if os.environ.get("MOETUNE_TEST_HOOKS") == "1":
         for hook in ("_test_sleep_s", "_test_exit", "_test_raise"):
             if hook in case:
