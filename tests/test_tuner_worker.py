@@ -161,7 +161,7 @@ def test_one_worker_per_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from moetune.tuner.search import backends
 
     monkeypatch.setattr(backends, "knob_environment",
-                        lambda k, fam, nodes=1: {"MOETUNE_TEST_ENV": "1"} if k.transport == "host_staged" else {})
+                        lambda k, fam, nodes=1: {"STANDIN_KNOB_ENV": "1"} if k.transport == "host_staged" else {})
     be = LocalBackend(world=2, comm_backend="gloo", repeats=1, timeout_s=60, iters=2, metric="comm",
                       family="host_staged")
     try:
@@ -173,8 +173,8 @@ def test_one_worker_per_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         for key, w in be._workers.items():
             with open(f"/proc/{w.proc.pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            envs[key] = env.get(b"MOETUNE_TEST_ENV")
-        assert envs == {(("MOETUNE_TEST_ENV", "1"),): b"1", (): None}
+            envs[key] = env.get(b"STANDIN_KNOB_ENV")
+        assert envs == {(("STANDIN_KNOB_ENV", "1"),): b"1", (): None}
         pids = [w.proc.pid for w in be._workers.values()]
     finally:
         be.close()
