@@ -29,10 +29,10 @@ def _layer_rank(rank: int, world: int, endpoint: str) -> dict:
     from moetune.runtime.profiles.autoload import check_same_profile, last_resolution
 
     os.environ["MOETUNE_DAEMON_SOCKET"] = endpoint
-    layer = MoELayer(get_model(MODEL), knobs=None, max_tokens=128, device=torch.device("cpu"), dtype=torch.float32)
+    layer = MoELayer(get_model(MODEL), knobs=None, max_tokens=128, device=torch.device("cpu"), dtype=torch.bfloat16)  # the dtype the profile was tuned at (the key)
     res = last_resolution()
     check_same_profile(None, res.profile_hash)
-    out = layer(torch.randn(128, 256))
+    out = layer(torch.randn(128, 256, dtype=torch.bfloat16))
     return {"source": res.source, "hash": res.profile_hash, "knobs": layer.buffer.knobs.to_dict(),
             "finite": bool(torch.isfinite(out).all())}
 
