@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import optuna
 
+from moetune.runtime.knobs import Knobs
 from moetune.runtime.profile_record import (
     MEGAKERNEL_FAMILY,
     ProfileKey,
@@ -34,6 +35,7 @@ from moetune.runtime.shapes import ModelShape
 from moetune.tuner.search.backends import (
     BenchmarkBackend,
     LocalBackend,
+    Measurement,
     ModelBackend,
     TuneWorkload,
     preset_family,
@@ -401,6 +403,19 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
         return None, False, "no successful trial"
     knobs, meas = result.best_knobs, result.best
     incumbent = store.get_current(key) if store is not None else None
+    # Say what the numbers are: a local measurement on this node, or a prediction (node model / preset).
+    provenance = "measured" if isinstance(be, LocalBackend) else provenance_of_backend(be.label)
+    on_node = provenance != "preset"  # measured here, or predicted by this node's own calibrated model
+    software = {str(k): str(v) for k, v in dict(facts.software).items()}
+
+    def record(kn: Knobs, m: Measurement) -> ProfileRecord:
+        now = _now_iso()
+        return ProfileRecord(key=key, knobs=kn, latency_us=float(m.median_us), spread_us=float(m.spread_us),
+                             backend=be.label, status="current", software_versions=dict(software), created=now,
+                             updated=now, provenance=provenance, measured_on=facts.fingerprint if on_node else "",
+                             routing=result.workload.routing)
+
+    side_by_side: str | None = None
     if isinstance(be, LocalBackend):
         # Measure the winner again beside the incumbent (or the policy default): same conditions.
         rival = incumbent.knobs if incumbent is not None else None
@@ -412,20 +427,21 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
         if len(ms) > 1 and ms[1].ok:
             gain = ms[1].median_us - meas.median_us
             if gain <= max(ms[1].spread_us, meas.spread_us):
-                return None, False, (f"incumbent re-measured side by side at {ms[1].median_us:.1f} µs vs "
-                                     f"{meas.median_us:.1f} µs: gain within noise, incumbent kept")
-    now = _now_iso()
-    software = dict(facts.software)
-    # Say what the numbers are: a local measurement on this node, or a prediction (node model / preset).
-    provenance = "measured" if isinstance(be, LocalBackend) else provenance_of_backend(be.label)
-    on_node = provenance != "preset"  # measured here, or predicted by this node's own calibrated model
-    rec = ProfileRecord(key=key, knobs=knobs, latency_us=float(meas.median_us), spread_us=float(meas.spread_us),
-                        backend=be.label, status="current", software_versions={str(k): str(v) for k, v in software.items()},
-                        created=now, updated=now, provenance=provenance,
-                        measured_on=facts.fingerprint if on_node else "")
+                why = (f"incumbent re-measured side by side at {ms[1].median_us:.1f} µs vs {meas.median_us:.1f} µs: "
+                       f"gain within noise, incumbent kept")
+                if store is not None and incumbent is not None and incumbent.backend == be.label:
+                    # its stored number may predate a change the fingerprint does not see: the fresh one replaces
+                    # it (the store takes the same knobs from the same source as a re-measurement)
+                    written, how = store.put_profile(record(rival, ms[1]))
+                    why += f" ({how})" if written else ""
+                return None, False, why
+            # the two ran in one comparison: the stored number of the incumbent, however fast, is not the rival
+            side_by_side = (f"beat the incumbent side by side: {meas.median_us:.1f} µs vs {ms[1].median_us:.1f} µs "
+                            f"(gain {gain:.1f} > noise {max(ms[1].spread_us, meas.spread_us):.1f})")
+    rec = record(knobs, meas)
     if store is None:
         return rec, False, "no store"
-    written, reason = store.put_profile(rec)
+    written, reason = store.put_profile(rec, force_reason=side_by_side)
     if not written:
         rec.status = "superseded"
     return rec, written, reason

@@ -1,0 +1,82 @@
+"""What a local tune writes after measuring its winner beside the incumbent (tuner/search/tune.py _write_profile):
+a winner that beat the incumbent side by side replaces it even when the incumbent's STORED number is faster (that
+number may predate a change the fingerprint does not see); an incumbent that held its own gets its fresh number
+(a re-measurement of the same knobs); every record says the routing it was measured under."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.shapes import get_model
+from moetune.tuner.search.backends import LocalBackend, Measurement, TuneWorkload
+from moetune.tuner.search.study import StudyResult
+from moetune.tuner.search.tune import _write_profile
+from moetune.tuner.store.store import Store
+
+MODEL = get_model("qwen3-30b")
+KEY = ProfileKey(fingerprint="c" * 64, software="d" * 64, transport_family="host_staged", ep_size=2, nodes=1,
+                 hidden=MODEL.hidden, intermediate=MODEL.intermediate, experts=MODEL.experts, topk=MODEL.topk,
+                 dtype=MODEL.dtype, token_bucket=1024)
+OLD = Knobs(transport="host_staged", pipeline_depth=1, chunk_tokens=0)
+NEW = Knobs(transport="host_staged", pipeline_depth=2, chunk_tokens=0)
+
+
+class Facts:
+    fingerprint, software_hash = "c" * 64, "d" * 64
+    software: dict = {}  # noqa: RUF012
+
+
+class SideBySide(LocalBackend):
+    """compare() returns set numbers per knob set instead of running anything."""
+
+    def __init__(self, us: dict[Knobs, float]) -> None:
+        super().__init__(command=["true"], comm_backend="gloo", repeats=2)
+        self.us = us
+
+    def compare(self, cands, workload, rounds=2):  # type: ignore[override]
+        return [Measurement(self.us[k], 1.0, [self.us[k]] * rounds, True) for k in cands]
+
+
+def _store_incumbent(tmp_path: Path, latency_us: float) -> Store:
+    store = Store(tmp_path / "p.db")
+    ok, why = store.put_profile(ProfileRecord(
+        key=KEY, knobs=OLD, latency_us=latency_us, spread_us=1.0, backend="local:gloo", status="current",
+        software_versions={}, created="2026-12-01T00:00:00Z", updated="2026-12-01T00:00:00Z", provenance="measured",
+        measured_on="c" * 64, routing="uniform"))
+    assert ok, why
+    return store
+
+
+def _result(workload: TuneWorkload) -> StudyResult:
+    return StudyResult(study_name="s", family="host_staged", workload=workload, best_knobs=NEW,
+                       best=Measurement(90.0, 1.0, [90.0], True), trials=4, complete=4, failed=0, pruned=0)
+
+
+def test_a_side_by_side_winner_replaces_a_stale_fast_number(tmp_path: Path) -> None:
+    store = _store_incumbent(tmp_path, 50.0)  # stored long ago; today those knobs run at 120 µs
+    _rec, written, reason = _write_profile(store, KEY, SideBySide({NEW: 90.0, OLD: 120.0}),
+                                           _result(TuneWorkload(MODEL, 1024, gpus_per_node=2)), Facts())
+    assert written, reason  # before: "gain -40.000 us does not beat the noise" against the stored 50
+    cur = store.get_current(KEY)
+    assert cur is not None and cur.knobs == NEW and cur.latency_us == 90.0
+
+
+def test_an_incumbent_that_holds_gets_its_fresh_number(tmp_path: Path) -> None:
+    store = _store_incumbent(tmp_path, 50.0)
+    _rec, written, reason = _write_profile(store, KEY, SideBySide({NEW: 99.5, OLD: 100.0}),
+                                           _result(TuneWorkload(MODEL, 1024, gpus_per_node=2)), Facts())
+    assert not written and "incumbent kept" in reason, reason
+    cur = store.get_current(KEY)
+    assert cur is not None and cur.knobs == OLD and cur.latency_us == 100.0  # before: the stale 50.0 stayed
+    assert any(e.kind == "remeasured" for e in store.list_events(kinds=("remeasured",)))
+
+
+def test_the_record_says_its_routing(tmp_path: Path) -> None:
+    store = Store(tmp_path / "p.db")
+    rec, written, _ = _write_profile(store, KEY, SideBySide({NEW: 90.0}),
+                                     _result(TuneWorkload(MODEL, 1024, gpus_per_node=2, routing="zipf:1.2")), Facts())
+    assert written and rec is not None and rec.tuned_routing == "zipf:1.2"
+    cur = store.get_current(KEY)
+    assert cur is not None and cur.tuned_routing == "zipf:1.2"
