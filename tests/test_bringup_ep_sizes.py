@@ -157,3 +157,26 @@ def test_profile_cli_refuses_an_ep_size_over_the_gpus(tmp_path: Path) -> None:
                                  "--db", str(tmp_path / "m.db"), "--json"], env={"MOETUNE_HOME": str(tmp_path)})
     assert r.exit_code == 2, r.output
     assert "EP size 16 needs 16 GPUs, this node has 8" in r.output and isinstance(r.exception, SystemExit)
+
+
+def test_the_bring_up_searches_the_knobs_the_runtime_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """host_staged reads chunk_tokens (its staging message size): the bring-up's search may ask it. Before, the
+    bring-up's own policy override pinned chunk_tokens = 0 (and num_sms) for host_staged and collective, written
+    when both ran on the collective; the search space now pins what a runtime ignores by itself."""
+    from moetune.tuner.search import tune as T
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+
+    seen: list[Any] = []
+
+    def spy(*args: Any, **kw: Any) -> list:
+        seen.append(kw.get("policy_override"))
+        return []
+
+    monkeypatch.setattr(T, "tune_profiles_detailed", spy)
+    b = _bringup(tmp_path, monkeypatch)
+    b.stage_tune()
+    assert seen
+    for override in seen:
+        space = SearchSpace(load_policy("host_staged", override), experts=128, ep_size=2)
+        assert len({k.chunk_tokens for k in space.enumerate()}) > 1

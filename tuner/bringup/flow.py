@@ -406,17 +406,6 @@ class Bringup:
         return LocalBackend(world=1, comm_backend="nccl", repeats=self.plan.repeats, iters=self.plan.iters,
                             timeout_s=self.plan.trial_timeout_s, family="megakernel", mk_measure=self.mk_measure)
 
-    def runtime_policy_dir(self) -> Path:
-        """Policy overrides for measuring the real runtime: its collective transport splits a layer by
-        pipeline_depth and has no copy kernels, so chunk_tokens and num_sms (knobs the fabric model and
-        the one-sided transports act on) are pinned and the trials go to the knobs that act."""
-        d = self.state.path.parent / "runtime-policies"
-        d.mkdir(parents=True, exist_ok=True)
-        for fam in ("collective", "host_staged"):
-            (d / f"{fam}.toml").write_text(
-                f'[policy]\nfamily = "{fam}"\n\n[knobs]\nchunk_tokens = [0]\nnum_sms = [24]\n')
-        return d
-
     def stage_tune(self) -> list[dict]:
         from moetune.tuner.search.tune import tune_profiles_detailed
 
@@ -428,15 +417,14 @@ class Bringup:
             try:
                 res += tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
                                               backend=be, trials=self.plan.trials, progress=self.progress,
-                                              storage=self.storage, ep_size=ep, nodes=1, seed=0,
-                                              policy_override=self.runtime_policy_dir(), study_tag=tag)
+                                              storage=self.storage, ep_size=ep, nodes=1, seed=0, study_tag=tag)
             finally:
                 be.close()  # the persistent bench workers
         if self.mk_ok:
             res += tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
                                           backend=self._mk_backend(), trials=self.plan.trials, progress=self.progress,
                                           storage=self.storage, ep_size=1, nodes=1, seed=0, families=["megakernel"],
-                                          policy_override=self.runtime_policy_dir(), study_tag=tag)
+                                          study_tag=tag)
         out = []
         for r in res:
             if r.record is None:
@@ -471,7 +459,7 @@ class Bringup:
         for i, t in enumerate(tuned_rows):
             self.progress.update(task, i, description=f"tuned vs default: {t['family']} {t['model']} S={t['tokens']}")
             tuned = Knobs.from_dict(t["knobs"])
-            default = load_policy(t["family"], self.runtime_policy_dir()).defaults
+            default = load_policy(t["family"]).defaults  # the policy default the runtime falls back to
             mk = t["family"] == MEGAKERNEL_FAMILY
             ep = 1 if mk else int(t["key"]["ep_size"])  # measured as tuned: that many ranks on this node
             if not mk and ep not in ep_backends:
