@@ -157,7 +157,7 @@ def _plot_tuned(tuned: Sequence[dict], path: Path) -> bool:
                         ha="center", fontsize=8)
         ax.set_xticks(xs, [str(t["tokens"]) for t in rows])
         ax.set_xlabel("tokens per rank (bucket)")
-        ax.set_ylabel("dispatch + combine (µs)")
+        ax.set_ylabel("µs (EP: dispatch → combine round trip; megakernel: layer)")
         title = f"{model} · {family}" if family else model
         ax.set_title(f"{title} · EP {ep}" if ep else title, fontsize=10)
         ax.legend(fontsize=8)
