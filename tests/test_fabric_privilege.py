@@ -255,7 +255,8 @@ def test_the_upgrade_marks_the_profiles_stale_with_its_reason(tmp_path: Path) ->
         changed = [e for e in store.list_events(limit=50) if e["kind"] == "fabric_changed"]
         assert len(changed) == 1 and "now fingerprinted (moetune upgraded)" in changed[0]["reason"]
         assert changed[0]["details"]["old_fingerprint"] == old_fp
-        assert store.count_profiles("current") == 0 and store.count_profiles("stale") == 3
+        assert store.count_profiles("stale") == 3  # the older fabric's three; a re-tune may already have written new ones
+        assert all(rec.key.fingerprint != old_fp for _id, rec in store.list_profiles(status="current"))
         stale = [e for e in store.list_events(limit=50) if e["kind"] == "stale"]
         assert len(stale) == 1 and "now fingerprinted (moetune upgraded)" in stale[0]["reason"]
     finally:
