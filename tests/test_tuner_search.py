@@ -65,7 +65,7 @@ STORE_SRC = textwrap.dedent('''
                 row = c.execute("select rec from profiles where key=? and status='current'",
                                 (msgspec.json.encode(key).decode(),)).fetchone()
             return msgspec.json.decode(row[0], type=ProfileRecord) if row else None
-        def put_profile(self, rec):
+        def put_profile(self, rec, *, force_reason=None, replace_routing=False):
             k = msgspec.json.encode(rec.key).decode()
             c = self._con()
             try:
@@ -73,7 +73,7 @@ STORE_SRC = textwrap.dedent('''
                 row = c.execute("select id, rec from profiles where key=? and status='current'", (k,)).fetchone()
                 if row:
                     old = msgspec.json.decode(row[1], type=ProfileRecord)
-                    if not old.latency_us - rec.latency_us > max(old.spread_us, rec.spread_us):
+                    if not force_reason and not old.latency_us - rec.latency_us > max(old.spread_us, rec.spread_us):
                         c.execute("rollback")
                         return False, "gain within noise"
                     c.execute("update profiles set status='superseded' where id=?", (row[0],))
