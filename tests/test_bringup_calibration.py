@@ -133,3 +133,23 @@ def test_the_nic_line_rate_bound_comes_from_discovery(tmp_path: Path) -> None:
     assert b.nic_line_rate_gbs("ndr-ibrc-h100x8") == pytest.approx(gbit / 8.0)
     # nvlink-h200x2's [nic] is the copy-engine proxy probe, not a NIC: no line rate applies to it
     assert b.nic_line_rate_gbs("nvlink-h200x2") is None
+
+
+def test_a_one_gpu_node_is_not_calibrated(tmp_path: Path) -> None:
+    """One GPU has no EP exchange: its only rows were gloo processes' all-to-all on the host, fitted to a GPU preset
+    (runs 180, 182, 183 on one H200: accepted once, refused twice, each a model of nothing the node runs)."""
+    from moetune.tuner.measure import micro
+
+    b, out = _bringup(tmp_path, "h200x1")
+    assert b.facts.gpu_count == 1
+    b.state.mark("microbench", [_measured(r) for r in _a2a_rows()])
+    res = b.stage_calibrate()
+    assert res.get("skipped", "").startswith("one GPU") and _node_models(b) == [], res
+    assert "node fabric model not calibrated: one GPU" in " ".join(out.getvalue().split())
+    applicable = [bench for bench, ok, _why in micro.plan(b.facts.transport_names, 1) if ok]
+    assert not any(isinstance(bench, micro.CollectiveA2A) for bench in applicable)
+    b.state.mark("calibrate", res)
+    b.state.mark("tune", [])
+    b.state.mark("compare", [])
+    text = " ".join(Path(b.stage_report()).read_text().split())
+    assert "node fabric model not calibrated: one GPU" in text

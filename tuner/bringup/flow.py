@@ -363,6 +363,13 @@ class Bringup:
 
         rows = [r["extra"] for r in self.state.result("microbench") or [] if (r.get("extra") or {}).get("probe")]
         base = base_preset_for(self.facts)
+        if self.facts.gpu_count == 1:
+            # The model describes EP exchanges between GPUs; one GPU has none. Its only rows (an all-to-all of gloo
+            # processes on the host) fitted to a GPU preset gave a model of nothing this node runs, accepted or
+            # refused by chance (runs 180, 182, 183).
+            why = "one GPU: no EP exchange on this node for the fabric model to describe"
+            self.console.print(f"node fabric model not calibrated: {why}")
+            return {"base": base, "skipped": why}
         if not rows:
             return {"base": base, "skipped": "no measurement the model can describe"}
         path = self.state.path.parent / f"node-{self.facts.fingerprint}.toml"
@@ -529,6 +536,8 @@ class Bringup:
             data.notes.append(f"node fabric model calibrated from {cal['base']} on {cal['points']} measured points: "
                               f"mean error {100 * cal['mean_abs_rel_err']:.1f}%, max {100 * cal['max_abs_rel_err']:.1f}% "
                               f"({cal['preset_file']})")
+        elif cal.get("skipped"):
+            data.notes.append(f"node fabric model not calibrated: {cal['skipped']}")
         elif cal.get("refused"):
             earlier = (f"; the node model from an earlier bring-up ({cal['earlier_node_model']}) is left as it was"
                        if cal.get("earlier_node_model") else
