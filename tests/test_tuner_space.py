@@ -10,7 +10,12 @@ import pytest
 
 from moetune.runtime.knobs import PER_PE, QUEUED, KnobError, Knobs
 from moetune.tuner.search.policy import load_policy
-from moetune.tuner.search.space import SearchSpace, nvlink_ctas_per_peer, sample_infeasible_free
+from moetune.tuner.search.space import (
+    PUT_GROUP_SIZES,
+    SearchSpace,
+    nvlink_ctas_per_peer,
+    sample_infeasible_free,
+)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -25,6 +30,8 @@ def _assert_feasible(space: SearchSpace, k: Knobs) -> None:
     if k.transport == "nvlink":  # group size divides the CTAs per peer (the kernel's groups)
         cpp = nvlink_ctas_per_peer(k.num_sms, space.ep_size)
         assert k.group_size == PER_PE or (k.group_size < cpp and cpp % k.group_size == 0)
+    elif k.transport in QUEUED:  # PUT groups: only with chunking (more than one PUT per peer)
+        assert k.group_size == PER_PE or (k.chunk_tokens > 0 and k.group_size in PUT_GROUP_SIZES)
     else:
         k.check_workload(space.tpp)  # group size divides the transfers per PE
     assert not (k.fence_mode == "nic_ordered" and k.qp_mapping == "round_robin" and k.qps_per_pe > 1)
@@ -91,17 +98,39 @@ def test_grid_points_are_unique_feasible_and_round_trip(family: str) -> None:
 
 def test_grid_size_of_the_benchmark_spaces() -> None:
     # proxy: 1152 points before num_sms (3 values) and pipeline_depth (2), which the proxy ignores, were
-    # pinned: 192 distinct runs
+    # pinned: 192; then group sizes only with chunking (with chunk_tokens 0 each peer gets one PUT, one
+    # signal whatever the group size): 168, the same at every EP size (PUT groups, not experts per rank)
     sizes = {f: SearchSpace(load_policy(f), experts=128, ep_size=32).size() for f in ("proxy:ibrc", "proxy:libfabric/cxi")}
-    assert all(s == 192 for s in sizes.values()), sizes
+    assert all(s == 168 for s in sizes.values()), sizes
     assert 500 <= SearchSpace(load_policy("host_staged"), experts=128, ep_size=4).size() <= 1500
 
 
-def test_group_sizes_are_per_pe_and_proper_divisors() -> None:
-    space = SearchSpace(load_policy("proxy:ibrc"), experts=256, ep_size=32)  # 8 transfers per PE
-    assert space.spec["group_size"].values() == (0, 1, 2, 4)
-    space1 = SearchSpace(load_policy("proxy:ibrc"), experts=32, ep_size=32)  # 1 transfer per PE
-    assert space1.spec["group_size"].values() == (0,)
+def test_proxy_group_sizes_are_put_groups_asked_only_with_chunking() -> None:
+    # proxy/ibgda group PUTs per peer, not the experts per rank: the same choices at every layout, and only
+    # where chunk_tokens > 0 gives more than one PUT per peer
+    for fam in ("proxy:ibrc", "ibgda"):
+        for experts, ep in ((256, 32), (32, 32), (128, 8)):
+            space = SearchSpace(load_policy(fam), experts=experts, ep_size=ep)
+            assert space.spec["group_size"].values() == (PER_PE, *PUT_GROUP_SIZES)
+            assert space.group_values(chunk_tokens=0) == (PER_PE,)
+            for k in space.enumerate():
+                if k.chunk_tokens == 0:
+                    assert k.group_size == PER_PE, k
+            assert {k.group_size for k in space.enumerate() if k.chunk_tokens > 0 and k.signalling == "decoupled"} \
+                == {PER_PE, *PUT_GROUP_SIZES}
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=128, ep_size=8)
+    base = space.policy.defaults.replace(signalling="decoupled")
+    with pytest.raises(KnobError, match="chunk_tokens 0"):
+        space.check(base.replace(group_size=4, chunk_tokens=0))
+    space.check(base.replace(group_size=4, chunk_tokens=256))
+    # a size that does not divide the experts per rank (16) is fine: it counts PUTs
+    with pytest.raises(KnobError, match="not offered for PUT groups"):
+        space.check(base.replace(group_size=3, chunk_tokens=256))
+    # warm start / stored knob sets: projection drops a group size chunking cannot use, and check agrees
+    proj = space.project(base.replace(group_size=4, chunk_tokens=0))
+    assert proj.group_size == PER_PE and proj.chunk_tokens == 0 and space.feasible(proj)[0]
+    assert space.project(base.replace(group_size=4, chunk_tokens=256)).group_size == 4
+    assert space.knobs_from_params(space.params_of(base.replace(group_size=8, chunk_tokens=256))).group_size == 8
 
 
 def test_compression_beyond_budget_is_never_offered(tmp_path: Path) -> None:

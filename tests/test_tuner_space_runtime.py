@@ -22,8 +22,10 @@ def _behaviour(knobs, ep_size: int) -> tuple:
         g = cpp if knobs.group_size <= 0 else min(knobs.group_size, cpp)  # csrc/ep_nvlink.cu nvl_launch
         key += [knobs.num_sms, knobs.signalling, g if knobs.signalling == "decoupled" else None]
     elif t == "proxy":
-        key += [knobs.signalling, knobs.group_size, knobs.fence_mode, knobs.qp_mapping, knobs.qps_per_pe,
-                knobs.chunk_tokens]
+        # csrc/proxy_xchg.h: a peer gets ceil(rows / chunk_tokens) PUTs, one with chunk_tokens 0, and a decoupled
+        # signal per group of group_size PUTs: without chunking every group size is one PUT, one signal
+        g = knobs.group_size if knobs.signalling == "decoupled" and knobs.chunk_tokens > 0 else None
+        key += [knobs.signalling, g, knobs.fence_mode, knobs.qp_mapping, knobs.qps_per_pe, knobs.chunk_tokens]
     elif t == "collective":
         key += [knobs.pipeline_depth, knobs.channels]
     elif t == "host_staged":
@@ -76,9 +78,11 @@ def test_nvlink_group_sizes_are_cta_groups() -> None:
 
 
 def test_reviewer_counts() -> None:
-    # 128 experts, ep 8: the grids were 72 / 1728 / 243 points for 48 / 288 / 27 distinct runs
+    # 128 experts, ep 8: the grids were 72 / 1728 / 243 points for 48 / 288 / 27 distinct runs; then proxy's
+    # 288 were 192 distinct runs (group sizes 1/2/4/8 with chunk_tokens 0: one PUT per peer, the same run as
+    # per peer): 168 points now, 2 signalling choices without chunking + coupled / 4 groups with it
     sizes = {f: SearchSpace(load_policy(f), experts=128, ep_size=8).size() for f in ("nvlink", "proxy:ibrc", "collective")}
-    assert sizes["proxy:ibrc"] == 288 and sizes["collective"] == 27
+    assert sizes["proxy:ibrc"] == 168 and sizes["collective"] == 27
     assert sizes["nvlink"] == 45  # per PE or a proper divisor of the CTAs per peer (cpp 2, 3, 4, 6)
 
 

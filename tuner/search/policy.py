@@ -137,7 +137,8 @@ class Policy:
     description: str
     defaults: Knobs
     knobs: dict[str, KnobSpec]
-    # "divisors" (per PE plus the proper divisors of the transfers per remote PE) or explicit sizes.
+    # "divisors" (nvlink: per PE plus the proper divisors of the CTAs per peer), "put_groups" (proxy/ibgda:
+    # per peer plus PUT_GROUP_SIZES in tuner/search/space.py) or explicit sizes.
     group_size: str | tuple[int, ...] | None
     priors: dict[str, float]
     error_budget: float
@@ -170,6 +171,10 @@ class Policy:
             # nvlink's group sizes count CTAs per peer (tuner/search/space.py), not transfers: a study whose
             # trials used the old meaning has another digest (study_config) and is not resumed
             out_extra["group_size_unit"] = "ctas_per_peer"
+        elif self.transport in QUEUED and self.group_size is not None:
+            # proxy/ibgda group sizes count PUTs per peer and are asked only with chunk_tokens > 0 (space.py);
+            # studies that offered the experts-per-rank divisors have another digest and are not resumed
+            out_extra["group_size_unit"] = "puts_per_peer"
         return {**out_extra,
             "family": self.family, "transport": self.transport, "description": self.description,
             "defaults": self.defaults.to_dict(), "knobs": knobs, "priors": dict(self.priors),
@@ -362,8 +367,13 @@ def validate_policy(data: dict[str, Any], *, source: str, family: str, sources: 
         if name not in KNOB_NAMES:
             raise PolicyError(source, f"knobs.{name}", f"unknown knob; known: {', '.join(KNOB_NAMES)}")
         if name == "group_size":
-            if raw == "divisors":
-                group = "divisors"
+            if raw in ("divisors", "put_groups"):
+                # proxy/ibgda group PUTs, whose count per peer has no divisibility rule (a last partial group
+                # is sent as is, csrc/proxy_xchg.h): "divisors" there is the older spelling of "put_groups"
+                group = "put_groups" if transport in QUEUED else raw
+                if group == "put_groups" and transport not in QUEUED:
+                    raise PolicyError(source, "knobs.group_size", f"'put_groups' applies to proxy/ibgda (PUT groups), "
+                                      f"not {transport!r}; use 'divisors' or a list")
                 continue
             spec = _knob_spec(name, raw, source)
             group = tuple(spec.values())

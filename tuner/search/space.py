@@ -4,10 +4,14 @@ One decision tree serves Optuna's define-by-run sampling (`suggest`) and the exh
 (`enumerate`), so the grid is exactly the space the search samples. The tree is built so that it
 cannot produce an infeasible setting:
 
-- `group_size` is asked only when signalling is decoupled, among per PE (0) and the proper divisors of
-  the transfers per remote PE; for nvlink a "transfer" is one CTA's share of a peer's rows: the kernel
-  signals per group of group_size CTAs out of num_sms // world per peer (`nvlink_ctas_per_peer`), so
-  num_sms is asked first and group_size among the proper divisors of that CTA count;
+- `group_size` is asked only when signalling is decoupled. For nvlink it counts CTAs: the kernel signals
+  per group of group_size CTAs out of num_sms // world per peer (`nvlink_ctas_per_peer`), so num_sms is
+  asked first and group_size among per PE (0) and the proper divisors of that CTA count. For proxy (and
+  ibgda, which the fabric model gives the same requests) it counts PUTs per peer: a signal per group of
+  group_size PUTs, a last partial group included (csrc/proxy_xchg.h produce_exchange), and a peer gets
+  ceil(rows / chunk_tokens) PUTs, ONE with chunk_tokens 0. So chunk_tokens is asked first and group_size
+  only with chunk_tokens > 0 (with one PUT every group size is the same run), among per peer (0) and
+  `PUT_GROUP_SIZES` (`put_groups`);
 - knobs the transport's runtime does not read (`RUNTIME_READS`) are never asked: they stay at the
   policy default, so a stored profile never records a value that did not change the run;
 - `fence_mode` only where the transport has more than one way to order (proxy transports);
@@ -76,6 +80,35 @@ _PLAIN = ("chunk_tokens", "pipeline_depth", "num_sms", "channels", "staging_slot
           "mk_core", "mk_split_k", "mk_bn", "mk_overlap")
 
 
+# Group sizes (PUTs per signal) offered to proxy/ibgda with chunk_tokens > 0, besides per peer (0). The space
+# does not know the token count, so this is a fixed set, not bounded by the PUTs a peer gets at the workload:
+# - 1 is left out: a signal per PUT is what `coupled` does (the same signals and fences; only the requests
+#   differ: PUT+flag vs PUT then SIGNAL), so it would spend trials on a near-duplicate of coupled;
+# - a size >= the PUTs per peer is one signal per peer, i.e. per peer (0): at chunk_tokens 256 a peer gets
+#   ceil(rows / 256) PUTs, e.g. about 11 at 4096 tokens per GPU (128 experts, top-8, EP 8; the fabric model's
+#   `transfers_per_peer`), so 2, 4 and 8 give 6, 3 and 2 signals there. At small token counts (rows <=
+#   chunk_tokens: one PUT) they still all behave as per peer; the search cannot tell that here.
+PUT_GROUP_SIZES: tuple[int, ...] = (2, 4, 8)
+
+
+def groups_puts(transport: str) -> bool:
+    """Whether `transport`'s group_size counts PUTs per peer (proxy, ibgda), asked only with chunk_tokens > 0."""
+    return transport in QUEUED
+
+
+def put_group_choices(policy: Policy) -> tuple[int, ...]:
+    """proxy/ibgda group sizes with chunk_tokens > 0: per peer (0), then `PUT_GROUP_SIZES` ("put_groups") or
+    the policy's explicit sizes (any positive size is valid: a last partial group is sent as is)."""
+    if policy.group_size is None:
+        return (PER_PE,)
+    sizes = PUT_GROUP_SIZES if isinstance(policy.group_size, str) else policy.group_size
+    out = [PER_PE]
+    for g in sizes:
+        if g > 0 and g not in out:
+            out.append(g)
+    return tuple(out)
+
+
 def transfers_per_peer(experts: int, ep_size: int) -> int:
     """Transfers one PE sends to one remote PE per dispatch: one per expert that PE holds."""
     return max(1, experts // max(1, ep_size))
@@ -86,7 +119,7 @@ def group_choices(policy: Policy, tpp: int) -> tuple[int, ...]:
     divisors = [d for d in range(1, tpp) if tpp % d == 0]
     if policy.group_size is None:
         return (PER_PE,)
-    if policy.group_size == "divisors":
+    if isinstance(policy.group_size, str):  # "divisors" ("put_groups" is proxy/ibgda's: put_group_choices)
         return (PER_PE, *divisors)
     # An explicit list: keep what applies to this workload (0 always; a size equal to tpp is per PE).
     out = [PER_PE]
@@ -140,16 +173,24 @@ class SearchSpace:
             self.spec[name] = s if s is not None else KnobSpec(name, choices=(getattr(d, name),))
         # nvlink: group_size counts CTAs, so its choices depend on num_sms (asked first)
         self._nvlink_groups = self.transport == "nvlink" and policy.group_size is not None
+        # proxy/ibgda: group_size counts PUTs per peer, asked only when chunk_tokens > 0 (asked first)
+        self._put_groups = groups_puts(self.transport)
+        if self._put_groups:
+            self.spec["group_size"] = KnobSpec("group_size", choices=put_group_choices(policy))
         if self._nvlink_groups:
             self.spec["group_size"] = KnobSpec("group_size", choices=tuple(sorted(
                 {g for n in self.spec["num_sms"].values() for g in self.group_values(n)})))
 
-    def group_values(self, num_sms: int | None = None) -> tuple[int, ...]:
+    def group_values(self, num_sms: int | None = None, chunk_tokens: int | None = None) -> tuple[int, ...]:
         """The group sizes offered (with decoupled signalling): per the transfers per PE, or for nvlink per
-        the CTAs per peer that `num_sms` gives."""
+        the CTAs per peer that `num_sms` gives; proxy/ibgda: per peer only without chunking (chunk_tokens 0,
+        one PUT per peer), else `put_group_choices`."""
         if self.transport == "nvlink" and self.policy.group_size is not None:
             n = num_sms if num_sms is not None else self.policy.defaults.num_sms
             return group_choices(self.policy, nvlink_ctas_per_peer(n, self.ep_size))
+        if self._put_groups:
+            ck = chunk_tokens if chunk_tokens is not None else self.policy.defaults.chunk_tokens
+            return put_group_choices(self.policy) if ck > 0 else (PER_PE,)
         return group_choices(self.policy, self.tpp)
 
     # -- the decision tree ---------------------------------------------------------------------------
@@ -164,8 +205,14 @@ class SearchSpace:
                 return vals[0]
             return choose(name, s)
 
+        if self._put_groups:
+            # PUTs per peer: chunk_tokens decides whether there is more than one PUT to group
+            k["chunk_tokens"] = ask("chunk_tokens")
         k["signalling"] = ask("signalling")
-        if self._nvlink_groups:
+        if self._put_groups:
+            groups = self.group_values(chunk_tokens=k["chunk_tokens"])
+            k["group_size"] = ask("group_size", groups) if k["signalling"] == "decoupled" else PER_PE
+        elif self._nvlink_groups:
             # CTAs per group: a distinct parameter per CTA count, so each has a fixed set of choices
             k["num_sms"] = ask("num_sms")
             cpp = nvlink_ctas_per_peer(k["num_sms"], self.ep_size)
@@ -261,7 +308,7 @@ class SearchSpace:
         p = self.policy
         if knobs.transport != self.transport:
             raise KnobError(f"transport {knobs.transport!r} is not this family's ({self.transport!r})", ("transport",))
-        if not self._nvlink_groups:  # nvlink's group_size divides CTAs, checked below
+        if not (self._nvlink_groups or self._put_groups):  # CTA / PUT groups: checked below
             knobs.check_workload(self.tpp)
         if knobs.compression != "none" and not p.compression_allowed(knobs.compression, knobs.scale_granularity):
             raise KnobError(
@@ -274,7 +321,14 @@ class SearchSpace:
             v = getattr(knobs, name)
             if not s.contains(v):
                 raise KnobError(f"{v!r} is not allowed by the {p.family} policy ({list(s.values())})", (name,))
-        if knobs.signalling == "decoupled" and knobs.group_size not in self.group_values(knobs.num_sms):
+        if knobs.signalling == "decoupled" and knobs.group_size not in self.group_values(knobs.num_sms,
+                                                                                          knobs.chunk_tokens):
+            if self._put_groups:
+                if knobs.chunk_tokens <= 0:
+                    raise KnobError(f"group size {knobs.group_size} with chunk_tokens 0: one PUT per peer, every group "
+                                    "size is the same run; only per peer (0) is offered", ("group_size",))
+                raise KnobError(f"group size {knobs.group_size} is not offered for PUT groups "
+                                f"({list(self.group_values(chunk_tokens=knobs.chunk_tokens))})", ("group_size",))
             if self._nvlink_groups:
                 cpp = nvlink_ctas_per_peer(knobs.num_sms, self.ep_size)
                 raise KnobError(f"group size {knobs.group_size} is not offered for {cpp} CTAs per peer "
