@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profile_record import ENGINE_FAMILIES, MEGAKERNEL_FAMILY, ProfileKey, ProfileRecord
 from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.runtime.wire import JobInfo
 from moetune.tuner.store import StoreError
@@ -192,41 +192,124 @@ def local_refusal(ep_size: int, nodes: int, gpus: int) -> str:
     return ""
 
 
-def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
-    """The default re-tune: the tuner's `tune_profiles` on the new facts, per (EP size, nodes) group.
+def megakernel_refusal(facts: Any, backend: str) -> str:
+    """Why the re-tune cannot re-tune a `megakernel` key on this node ('' when it can).
 
-    It measures on this node (`[tune] backend = "local"`) or predicts with this node's calibrated fabric
-    model (what `moetune profile` wrote for this fingerprint). It never takes a shipped preset (another
-    machine) as this node's profile: without a calibrated model it fails with RetuneImpossible, which the
-    daemon reports in the job, its log and `status`.
+    The megakernel (family `megakernel`, ep_size 1, nodes 1) is the whole MoE layer in one kernel on one GPU, not
+    an EP exchange: only a measurement of it on this node makes its profile (the bring-up's megakernel backend,
+    `megakernel_backend`). The fabric model predicts exchanges, so the model backend has nothing to say of it; a
+    measurement needs an sm_90 (Hopper) GPU and the megakernel's library (a prebuilt one in MOETUNE_MK_LIB, or nvcc
+    to build it) and torch to time it. Checked before anything runs: a node without them refuses, it never tunes
+    another family in the megakernel's place."""
+    if backend != "local":
+        return ("the fabric model ([tune] backend = \"model\") predicts EP exchanges, not the MoE megakernel's "
+                "kernel (it has no prediction for family megakernel); only a measurement on this node re-tunes it: "
+                "set [tune] backend = \"local\" or re-run `moetune profile` on this node")
+    from moetune.tuner.fabric.families import megakernel_family
+
+    if not hasattr(facts, "gpus"):
+        return "this node's facts list no GPU (the megakernel needs an sm_90 GPU)"
+    ok, why = megakernel_family(facts)
+    if not ok:
+        return f"the megakernel cannot run here: {why}"
+    pre = os.environ.get("MOETUNE_MK_LIB")
+    if pre:
+        if not Path(pre).is_file():
+            return f"the megakernel library MOETUNE_MK_LIB={pre} does not exist"
+    else:
+        from moetune.runtime import csrc_build
+
+        if csrc_build.find_nvcc() is None:
+            return ("the megakernel library is not built and cannot be: no nvcc (set MOETUNE_NVCC or CUDA_HOME, or "
+                    "MOETUNE_MK_LIB to a prebuilt libmoetune_moe.so)")
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed (the megakernel is timed through torch on the GPU)"
+    return ""
+
+
+def megakernel_backend(tune: TuneSettings) -> Any:
+    """The backend that measures the megakernel family: the one GPU, in this process (as `moetune profile`'s
+    bring-up measures it, Bringup._mk_backend). Tests replace it with one whose measurement is injected."""
+    from moetune.tuner.search.backends import LocalBackend
+
+    return LocalBackend(world=1, comm_backend="nccl", family=MEGAKERNEL_FAMILY)
+
+
+def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
+    """The default re-tune: the tuner's `tune_profiles` on the new facts, per (EP size, nodes) group, and the
+    megakernel keys as the megakernel family.
+
+    EP keys: it measures on this node (`[tune] backend = "local"`, world = the key's EP size) or predicts with this
+    node's calibrated fabric model (what `moetune profile` wrote for this fingerprint). It never takes a shipped
+    preset (another machine) as this node's profile: without a calibrated model it fails with RetuneImpossible,
+    which the daemon reports in the job, its log and `status`.
+
+    Megakernel keys (family `megakernel`, EP 1 on one node): measured as that family only, with the bring-up's
+    megakernel backend (`megakernel_backend`), when `megakernel_refusal` allows it; otherwise (the model backend,
+    no Hopper GPU, no library) they are refused and stay stale, with the reason in the job. They are never tuned as
+    the node's transport families at EP 1.
 
     Cancellation is checked between groups and after every trial (the `on_trial` callback stops the study
     and raises JobCancelled)."""
     from moetune.tuner.search.tune import tune_profiles
 
     tune = ctx.tune
-    be, preset_file = _backend_for(ctx)
+    local = tune.backend == "local"
 
     def on_trial(_name: str, study: Any, _trial: Any) -> None:
         if ctx.cancel.is_set():
             study.stop()
             raise JobCancelled(f"job {ctx.job.id} cancelled")
 
+    def refuse(msg: str) -> None:
+        ctx.refused.append(msg)
+        log.warning("re-tune job %d: %s", ctx.job.id, msg)
+
     gpus = int(ctx.facts.gpu_count or 0)
-    groups = sorted(group_keys(ctx.keys).items())
+    ep_keys = [k for k in ctx.keys if k.transport_family not in ENGINE_FAMILIES]
+    mk_keys = [k for k in ctx.keys if k.transport_family == MEGAKERNEL_FAMILY]
+    other = [k for k in ctx.keys if k.transport_family in ENGINE_FAMILIES and k.transport_family != MEGAKERNEL_FAMILY]
+    if other:
+        refuse(f"{len(other)} key(s) of engine famil{'ies' if len({k.transport_family for k in other}) > 1 else 'y'} "
+               f"{', '.join(sorted({k.transport_family for k in other}))} not re-tuned: the daemon does not know how "
+               "to measure it; they stay stale")
+    ep_refused = False
     runnable = []
-    for (ep, nodes), (shapes, buckets) in groups:
-        why = local_refusal(ep, nodes, gpus) if be == "local" else ""
+    for (ep, nodes), (shapes, buckets) in sorted(group_keys(ep_keys).items()):
+        why = local_refusal(ep, nodes, gpus) if local else ""
         if why:
-            n = sum(1 for k in ctx.keys if (k.ep_size, k.nodes) == (ep, nodes))
-            ctx.refused.append(f"{n} key(s) of EP {ep} over {nodes} node(s) not re-measured: {why}; they stay stale")
-            log.warning("re-tune job %d: %s", ctx.job.id, ctx.refused[-1])
+            n = sum(1 for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes))
+            refuse(f"{n} key(s) of EP {ep} over {nodes} node(s) not re-measured: {why}; they stay stale")
+            ep_refused = True
             continue
         runnable.append(((ep, nodes), (shapes, buckets)))
-    if not runnable:
-        raise RetuneImpossible(f"cannot re-tune fabric {ctx.facts.fingerprint} here: " + "; ".join(ctx.refused)
-                               + ". Re-tune them where the group can be measured, or set [tune] backend = \"model\" "
-                               "to predict them (stored as node_model).")
+    mk_group: tuple[list[ModelShape], list[int]] | None = None
+    if mk_keys:
+        bad = [k for k in mk_keys if (k.ep_size, k.nodes) != (1, 1)]
+        if bad:
+            refuse(f"{len(bad)} megakernel key(s) not at EP 1 on 1 node (the megakernel runs on one GPU) not "
+                   "re-tuned; they stay stale")
+        good = [k for k in mk_keys if (k.ep_size, k.nodes) == (1, 1)]
+        why = megakernel_refusal(ctx.facts, tune.backend) if good else ""
+        if why:
+            refuse(f"{len(good)} megakernel key(s) not re-tuned: {why}; they stay stale")
+        elif good:
+            mk_group = group_keys(good)[(1, 1)]
+    if not runnable and mk_group is None:
+        advice = (". Re-tune them where the group can be measured, or set [tune] backend = \"model\" to predict "
+                  "them (stored as node_model)") if ep_refused else ""
+        raise RetuneImpossible(f"cannot re-tune fabric {ctx.facts.fingerprint} here: " + "; ".join(ctx.refused) + advice)
+    be: Any = None
+    preset_file: str | None = None
+    if runnable:
+        try:
+            be, preset_file = _backend_for(ctx)
+        except RetuneImpossible as e:
+            if not ctx.refused:
+                raise
+            raise RetuneImpossible(f"{e} Also: " + "; ".join(ctx.refused)) from None
     out: list[ProfileRecord] = []
     for (ep, nodes), (shapes, buckets) in runnable:
         ctx.check_cancel()
@@ -247,6 +330,18 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
             node_model=preset_file is not None,
             local_options=local_options,
         )
+    if mk_group is not None:
+        ctx.check_cancel()
+        shapes, buckets = mk_group
+        mk_be = megakernel_backend(tune)
+        try:
+            out += tune_profiles(ctx.store, ctx.facts, models=shapes, tokens=buckets, backend=mk_be, trials=tune.trials,
+                                 timeout_s=tune.timeout_s, ep_size=1, nodes=1, families=[MEGAKERNEL_FAMILY],
+                                 on_trial=on_trial)
+        finally:
+            close = getattr(mk_be, "close", None)
+            if callable(close):
+                close()
     return [r for r in out if r.status == "current"]
 
 
@@ -711,8 +806,11 @@ def tune_notice_of(store: Any, *, limit: int = 2000) -> str:
 
 
 def tuning_key(k: ProfileKey) -> tuple:
-    """What a re-tune of `k` tunes (its fingerprint and software are the node's at the time)."""
-    return (k.ep_size, k.nodes, k.hidden, k.intermediate, k.experts, k.topk, k.dtype, k.token_bucket)
+    """What a re-tune of `k` tunes (its fingerprint and software are the node's at the time): an EP key's group,
+    shape and bucket (its re-tune tunes the node's transport families), and for an engine family (the megakernel,
+    its own tune at EP 1) that family too, so a transport profile at EP 1 never stands for a megakernel key."""
+    engine = k.transport_family if k.transport_family in ENGINE_FAMILIES else ""
+    return (k.ep_size, k.nodes, k.hidden, k.intermediate, k.experts, k.topk, k.dtype, k.token_bucket, engine)
 
 
 def keys_from_details(d: dict[str, Any]) -> list[ProfileKey]:

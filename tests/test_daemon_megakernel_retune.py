@@ -1,0 +1,266 @@
+"""The daemon's re-tune of a megakernel key (family `megakernel`, EP 1 on one node: the whole MoE layer in one kernel
+on one GPU, which `moetune profile` tunes on Hopper nodes). Before, the re-tune grouped keys by (EP size, nodes) only
+and called tune_profiles without families: a stale megakernel key was "re-tuned" by tuning every transport family of
+the node at EP 1 (and with the model backend, the calibrated model's family at EP 1), never the megakernel. Now it is
+measured as the megakernel family with the bring-up's megakernel backend, or refused (model backend, no Hopper GPU,
+no library) and left stale with the reason in the job. No GPU here: the megakernel's timing is injected."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord, provenance_of_backend
+from moetune.runtime.shapes import MODELS
+from moetune.tuner.daemon import jobs as J
+from moetune.tuner.daemon.server import TuneSettings
+from moetune.tuner.search.backends import LocalBackend, TuneWorkload
+
+pytestmark = pytest.mark.timeout(120)
+QWEN = MODELS["qwen3-30b"]
+CAPTURES = Path(__file__).resolve().parent / "captures"
+
+
+def _facts(name: str) -> Any:
+    from moetune.tuner.fabric.discovery import discover
+
+    return discover(CAPTURES / name)
+
+
+def _key(facts: Any, family: str = "megakernel", ep: int = 1, nodes: int = 1, bucket: int = 128,
+         fingerprint: str | None = None) -> ProfileKey:
+    return ProfileKey(fingerprint=fingerprint or facts.fingerprint, software=facts.software_hash,
+                      transport_family=family, ep_size=ep, nodes=nodes, hidden=QWEN.hidden,
+                      intermediate=QWEN.intermediate, experts=QWEN.experts, topk=QWEN.topk, dtype=QWEN.dtype,
+                      token_bucket=bucket)
+
+
+def _stale_mk(store: Any, facts: Any, fingerprint: str = "oldfabric0000000") -> ProfileKey:
+    """A megakernel profile of the node's previous fingerprint, made stale (what the watch leaves)."""
+    store.upsert_fingerprint(fingerprint, {"old": True})
+    key = _key(facts, fingerprint=fingerprint)
+    rec = ProfileRecord(key=key, knobs=Knobs(engine="megakernel"), latency_us=300.0, spread_us=1.0,
+                        backend="local:megakernel", provenance=provenance_of_backend("local:megakernel"))
+    ok, why = store.put_profile(rec)
+    assert ok, why
+    store.mark_stale(fingerprint=fingerprint, reason="fabric changed (test)")
+    return key
+
+
+class Measure:
+    """A GPU stand-in for the megakernel's timing: 16-row tiles are 30% faster; records the workloads it ran."""
+
+    def __init__(self) -> None:
+        self.workloads: list[TuneWorkload] = []
+
+    def __call__(self, knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+        self.workloads.append(wl)
+        base = 300.0 * (0.7 if knobs.mk_bm == 16 else 1.0)
+        return {"graph_us": [base, base + 1, base - 1], "eager_us": [base * 1.01] * 3}
+
+
+@pytest.fixture
+def mk_lib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A 'prebuilt library' for megakernel_refusal's check (the injected measurement never loads it)."""
+    lib = tmp_path / "libmoetune_moe.so"
+    lib.write_bytes(b"\x7fELF")
+    monkeypatch.setenv("MOETUNE_MK_LIB", str(lib))
+    return lib
+
+
+def _inject(monkeypatch: pytest.MonkeyPatch, measure: Measure) -> list[Any]:
+    made: list[Any] = []
+
+    def backend(tune: Any) -> LocalBackend:
+        be = LocalBackend(world=1, family="megakernel", repeats=1, mk_measure=measure)
+        made.append(be)
+        return be
+
+    monkeypatch.setattr(J, "megakernel_backend", backend)
+    return made
+
+
+def _manager(store: Any, facts: Any, done: list, *, backend: str = "local", probe: Any = None,
+             node_model_dir: str | None = None) -> J.JobManager:
+    return J.JobManager(store=store, facts_fn=lambda: facts, retune=J.tuner_retune,
+                        on_done=lambda j, w: done.append((j, w)),
+                        tune=TuneSettings(backend=backend, trials=4, timeout_s=60, busy_retry_s=0.05,
+                                          node_model_dir=node_model_dir),
+                        gpu_probe=probe or (lambda: (False, "idle (test)")))
+
+
+def _wait(done: list, timeout: float = 60.0) -> tuple[J.Job, list[ProfileRecord]]:
+    deadline = time.monotonic() + timeout
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert done
+    return done[0]
+
+
+def _run_job(store: Any, facts: Any, keys: list[ProfileKey], **kw: Any) -> tuple[J.Job, list[ProfileRecord]]:
+    done: list = []
+    jm = _manager(store, facts, done, **kw)
+    jm.start()
+    try:
+        jm.submit(reason="fabric changed (test)", old_fingerprint=keys[0].fingerprint, keys=keys)
+        return _wait(done)
+    finally:
+        jm.stop()
+
+
+def test_a_stale_megakernel_key_is_re_measured_as_the_megakernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    mk_lib: Path) -> None:
+    measure = Measure()
+    made = _inject(monkeypatch, measure)
+    facts = _facts("h200x1")  # one H200: the node `moetune profile` tunes only the megakernel on
+    store = F.open_store(tmp_path / "m.db")
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    stale = _stale_mk(store, facts)
+    job, written = _run_job(store, facts, [stale])
+    assert job.state == "done", job.message
+    assert job.refused == []
+    assert made and measure.workloads and all(w.ep_size == 1 for w in measure.workloads)
+    assert written and {(r.key.transport_family, r.key.ep_size, r.key.nodes) for r in written} == {("megakernel", 1, 1)}
+    current = [r for _, r in store.list_profiles(status="current")]
+    # only the megakernel was tuned: no transport family ('collective' on this node) at EP 1
+    assert [(r.key.transport_family, r.key.fingerprint, r.key.token_bucket) for r in current] == [
+        ("megakernel", facts.fingerprint, 128)]
+    rec = current[0]
+    assert rec.provenance == "measured" and rec.backend == "local:megakernel" and rec.knobs.engine == "megakernel"
+
+
+def test_a_model_re_tune_leaves_a_megakernel_key_stale_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import moetune.tuner.search.tune as search
+
+    calls: list[dict] = []
+    monkeypatch.setattr(search, "tune_profiles", lambda store, facts, **kw: calls.append(kw) or [])
+    facts = _facts("h200x2")  # calibrated: a node model exists, and it must still not stand for the megakernel
+    store = F.open_store(tmp_path / "m.db")
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    F.write_node_model(tmp_path, facts.fingerprint)
+    stale = _stale_mk(store, facts)
+    job, written = _run_job(store, facts, [stale], backend="model", node_model_dir=str(tmp_path))
+    assert calls == []  # nothing tuned in its place (before: the model's family at EP 1)
+    assert written == []
+    assert job.state == "failed" and job.impossible, job.message
+    assert "megakernel" in job.message and "fabric model" in job.message and "stay stale" in job.message
+    finished = [e for e in store.list_events(limit=50) if e["kind"] == "job_finished"]
+    assert "megakernel" in finished[0]["reason"] and finished[0]["details"]["refused"]
+    assert [r.status for _, r in store.list_profiles()] == ["stale"]
+
+
+def test_a_model_re_tune_without_a_node_model_names_the_megakernel_reason(tmp_path: Path) -> None:
+    """A one-GPU node is not calibrated: the refusal is the megakernel's, not 'no calibrated model'."""
+    facts = _facts("h200x1")
+    store = F.open_store(tmp_path / "m.db")
+    stale = _stale_mk(store, facts)
+    job, _ = _run_job(store, facts, [stale], backend="model", node_model_dir=str(tmp_path))
+    assert job.state == "failed" and job.impossible
+    assert "no prediction for family megakernel" in job.message and "calibrated model" not in job.message
+
+
+def test_a_model_re_tune_of_ep_and_megakernel_keys_tunes_the_ep_ones_only(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import moetune.tuner.search.tune as search
+
+    calls: list[dict] = []
+    monkeypatch.setattr(search, "tune_profiles", lambda store, facts, **kw: calls.append(kw) or [])
+    facts = _facts("h200x2")
+    store = F.open_store(tmp_path / "m.db")
+    F.write_node_model(tmp_path, facts.fingerprint)
+    job = J.Job(1, reason="t", old_fingerprint="old", keys=[_key(facts, "nvlink", ep=2), _key(facts)])
+    ctx = J.JobContext(store=store, facts=facts, job=job,
+                       tune=TuneSettings(backend="model", trials=1, node_model_dir=str(tmp_path)))
+    J.tuner_retune(ctx)
+    assert [(c["ep_size"], c["nodes"], c.get("families")) for c in calls] == [(2, 1, None)]
+    assert len(job.refused) == 1 and "1 megakernel key(s) not re-tuned" in job.refused[0]
+
+
+def test_a_local_job_of_ep_and_megakernel_keys_tunes_each_as_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     mk_lib: Path) -> None:
+    import moetune.tuner.search.tune as search
+
+    calls: list[dict] = []
+    monkeypatch.setattr(search, "tune_profiles", lambda store, facts, **kw: calls.append(kw) or [])
+    made = _inject(monkeypatch, Measure())
+    facts = _facts("dgx-h100")
+    store = F.open_store(tmp_path / "m.db")
+    job = J.Job(1, reason="t", old_fingerprint="old", keys=[_key(facts, "nvlink", ep=8), _key(facts)])
+    J.tuner_retune(J.JobContext(store=store, facts=facts, job=job, tune=TuneSettings(backend="local", trials=1)))
+    ran = [(c["ep_size"], c["nodes"], c.get("families"), c.get("local_options")) for c in calls]
+    assert ran == [(8, 1, None, {"world": 8}), (1, 1, ["megakernel"], None)]  # EP as before; the megakernel as itself
+    assert calls[1]["backend"] is made[0] and job.refused == []
+
+
+@pytest.mark.parametrize("capture, env, nvcc, expect", [
+    ("rtx4090x4", None, "/usr/bin/nvcc", "sm_90"),  # no Hopper GPU
+    ("cpu-laptop", None, "/usr/bin/nvcc", "no GPU"),
+    ("h200x1", None, None, "no nvcc"),  # the library cannot be built
+    ("h200x1", "/nonexistent/libmoetune_moe.so", "/usr/bin/nvcc", "does not exist"),
+])
+def test_a_node_that_cannot_measure_the_megakernel_refuses_its_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capture: str, env: str | None, nvcc: str | None,
+        expect: str) -> None:
+    import moetune.tuner.search.tune as search
+    from moetune.runtime import csrc_build
+
+    calls: list[dict] = []
+    monkeypatch.setattr(search, "tune_profiles", lambda store, facts, **kw: calls.append(kw) or [])
+    if env is None:
+        monkeypatch.delenv("MOETUNE_MK_LIB", raising=False)
+    else:
+        monkeypatch.setenv("MOETUNE_MK_LIB", env)
+    monkeypatch.setattr(csrc_build, "find_nvcc", lambda: nvcc)
+    facts = _facts(capture)
+    store = F.open_store(tmp_path / "m.db")
+    stale = _stale_mk(store, facts)
+    job, written = _run_job(store, facts, [stale])
+    assert calls == [] and written == []  # nothing tuned in the megakernel's place
+    assert job.state == "failed" and job.impossible, job.message
+    assert "megakernel key(s) not re-tuned" in job.message and expect in job.message and "stay stale" in job.message
+    assert [r.status for _, r in store.list_profiles()] == ["stale"]
+
+
+def test_a_megakernel_re_tune_waits_while_the_gpus_are_busy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            mk_lib: Path) -> None:
+    measure = Measure()
+    _inject(monkeypatch, measure)
+    answers = [(True, "nvidia-smi: pid 4242")] * 3 + [(False, "nvidia-smi: no compute process")]
+    seen: list[int] = []
+
+    def probe() -> tuple[bool | None, str]:
+        seen.append(len(measure.workloads))  # nothing measured while it is asked
+        return answers.pop(0) if len(answers) > 1 else answers[0]
+
+    facts = _facts("h200x1")
+    store = F.open_store(tmp_path / "m.db")
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    stale = _stale_mk(store, facts)
+    job, written = _run_job(store, facts, [stale], probe=probe)
+    assert len(seen) >= 4 and set(seen) == {0}
+    assert [e for e in store.list_events(limit=100) if e["kind"] == "job_deferred"]
+    assert job.state == "done" and written and written[0].key.transport_family == "megakernel"
+
+
+def test_a_current_ep_1_transport_profile_does_not_stand_for_a_stale_megakernel_key(tmp_path: Path) -> None:
+    """retune_keys and the queue's de-duplication tell the megakernel from a transport at EP 1 of the same shape."""
+    from moetune.tuner.daemon.handlers import retune_keys
+    from moetune.tuner.daemon.index import ProfileIndex
+
+    facts = _facts("h200x1")
+    ep1 = F.make_record(_key(facts, "collective"))
+    mk_stale = ProfileRecord(key=_key(facts, fingerprint="oldfabric0000000"), knobs=Knobs(engine="megakernel"),
+                             latency_us=300.0, spread_us=1.0, backend="local:megakernel",
+                             provenance=provenance_of_backend("local:megakernel"))
+    idx = ProfileIndex([ep1], version=1, facts=facts, stale=[mk_stale])
+    assert retune_keys(idx, all_current=False) == [mk_stale.key]
+    assert J.tuning_key(ep1.key) != J.tuning_key(mk_stale.key)
+    assert J.tuning_key(_key(facts, "nvlink", ep=2)) == J.tuning_key(_key(facts, "host_staged", ep=2))
