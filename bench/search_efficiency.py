@@ -43,10 +43,12 @@ TOKENS = (128, 1024, 4096)
 
 def _synthetic(k: Any, wl: Any) -> float:
     """A fabric-like stand-in objective (only for --synthetic plumbing checks)."""
-    tpp = max(1, wl.model.experts // wl.ep_size)
-    g = 1 if k.signalling == "coupled" else (tpp if k.group_size == 0 else k.group_size)
+    # PUTs per peer: one without chunking, else (a stand-in number) 8; decoupled signals per group of
+    # group_size PUTs, a last partial group included (csrc/proxy_xchg.h; tuner/search/space.py PUT groups)
+    puts = 8 if k.chunk_tokens else 1
+    g = 1 if k.signalling == "coupled" else (puts if k.group_size == 0 else min(k.group_size, puts))
     t = 50.0 + wl.tokens * wl.model.hidden * 2e-5
-    t += wl.ep_size * tpp / g * (3.0 if k.fence_mode == "proxy_drain" else 0.6) * (1 + 0.15 * g)
+    t += wl.ep_size * -(-puts // g) * (3.0 if k.fence_mode == "proxy_drain" else 0.6) * (1 + 0.15 * g)
     t /= 1 + 0.35 * (k.qps_per_pe > 1) - (0.2 if k.qp_mapping == "round_robin" and k.qps_per_pe > 1 else 0.0)
     t *= 0.72 if k.compression != "none" else 1.0
     t *= {1: 1.0, 2: 0.85, 3: 0.88, 4: 0.95}[k.pipeline_depth] if k.chunk_tokens else 1 + 0.05 * (k.pipeline_depth - 1)

@@ -87,3 +87,52 @@ def test_bench_ep_reports_host_issue_time_and_profile_tables() -> None:
         assert rep[phase]["median"] > 0, (phase, rep[phase])
     assert "round trips under the profiler" in rep["profile"] and "cpu_time_total" in rep["profile"]
     assert rep["graph_roundtrip_us"] is None and rep["graph_pair_us"] is None  # not asked for
+
+
+def _captured_rank_env(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[int, dict | None, str]:
+    """Run `bench ep --backend nccl` with two pretend GPUs and the launch replaced: the env its ranks would get."""
+    import torch
+
+    from moetune.runtime.testing import launch as launch_mod
+
+    got: dict = {}
+
+    def fake_launch(fn, world, *, env=None, **kw):
+        got["env"] = dict(env or {})
+        raise RuntimeError("stop after the environment was chosen")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(launch_mod, "launch", fake_launch)
+    res = runner.invoke(app, ["bench", "ep", "--world", "2", "--backend", "nccl", "--model", "custom:64,32,8,2",
+                              "--tokens", "8", *args])
+    return res.exit_code, got.get("env"), res.output
+
+
+def test_bench_ep_ranks_get_the_tuners_environment_not_a_p2p_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 098c541: the tuner measures host_staged without NCCL_P2P_DISABLE (launcher_env); `bench ep`, which the
+    # tuner's subprocess mode runs, set it for host_staged on NCCL by itself, so that mode measured another run
+    from moetune.runtime import Knobs
+    from moetune.runtime.knobs import default_knobs
+    from moetune.tuner.search.backends import knob_environment
+
+    _, env, out = _captured_rank_env(monkeypatch, "--transport", "host_staged")
+    assert env == knob_environment(default_knobs("host_staged"), "host_staged") == {}, out
+    _, env, out = _captured_rank_env(monkeypatch, "--transport", "host_staged", "--no-p2p")
+    assert env == {"NCCL_P2P_DISABLE": "1"}, out
+    _, env, out = _captured_rank_env(monkeypatch, "--no-p2p")  # any transport, when asked for
+    assert env == {"NCCL_P2P_DISABLE": "1"}, out
+    # the knob variables are launcher_env's, as the tuner's knob_environment gives them
+    from moetune.tuner.cli.bench import ep_environment
+
+    for k in (default_knobs("nvlink"), default_knobs("proxy"), Knobs(transport="ibgda", fence_mode="nic_ordered",
+                                                                     qps_per_pe=4), default_knobs("collective")):
+        assert ep_environment(k) == knob_environment(k, k.transport), k.transport
+        assert "NCCL_P2P_DISABLE" not in ep_environment(k)
+        assert ep_environment(k, no_p2p=True) == {**knob_environment(k, k.transport), "NCCL_P2P_DISABLE": "1"}
+
+
+def test_bench_ep_no_p2p_needs_the_nccl_backend() -> None:
+    res = runner.invoke(app, ["bench", "ep", "--world", "2", "--backend", "gloo", "--no-p2p"])
+    assert res.exit_code == 2
+    assert "--no-p2p" in res.output and "nccl" in res.output

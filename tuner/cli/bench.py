@@ -107,6 +107,7 @@ def ep(
     profile: bool = typer.Option(False, "--profile", help="Also run 5 round trips under torch.profiler and print rank 0's tables (top ops by device and by host time)."),
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture dispatch → identity experts → combine in one CUDA graph, and dispatch → combine alone in another, and time their replays (as a serving engine's decode graph runs them); each is checked once more with new inputs (and, for the device-resident layout, a poisoned receive buffer). Needs a layout without host syncs (dense collective or host_staged, nvlink; proxy cannot be replayed); reports graph_roundtrip_us / graph_pair_us or why not."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds any collective may wait before failing."),
+    no_p2p: bool = typer.Option(False, "--no-p2p", help="Emulate a node without GPU peer-to-peer: NCCL_P2P_DISABLE=1 in the ranks, set before NCCL initialises (--backend nccl only; any transport). Off by default: the ranks get the environment the tuner measures in and a launcher serves (launcher_env), which sets no NCCL variable."),
     serve: bool = typer.Option(False, "--serve", help="Persistent worker: launch the ranks once, then read one JSON case per line on stdin and print one JSON result per line (see moetune.tuner.measure.worker); only --world, --backend and --timeout apply."),
 ) -> None:
     """Time EP dispatch, combine and the whole MoE layer; with --verify, the error vs the dense reference."""
@@ -150,13 +151,18 @@ def ep(
         parse_routing(routing)
     except ValueError as e:
         _fail(str(e))
+    if no_p2p and backend != "nccl":
+        _fail("--no-p2p disables NCCL's GPU peer-to-peer; it needs --backend nccl")
     torchrun = bench_ep.under_torchrun()
+    nodes = 1
     if torchrun:
         import os
 
         world = int(os.environ["WORLD_SIZE"])
-        if k.transport == "host_staged" and backend == "nccl" and os.environ.get("NCCL_P2P_DISABLE") != "1":
-            _err.print("[yellow]note:[/yellow] host_staged under torchrun: NCCL_P2P_DISABLE=1 is set now, "
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+        nodes = max(1, -(-world // max(1, local)))
+        if no_p2p and os.environ.get("NCCL_P2P_DISABLE") != "1":
+            _err.print("[yellow]note:[/yellow] --no-p2p under torchrun: NCCL_P2P_DISABLE=1 is set now in each rank, "
                        "before NCCL initialises")
     if world < 1:
         _fail(f"--world must be >= 1, got {world}")
@@ -185,9 +191,9 @@ def ep(
         "dense": {"auto": None, "dense": True, "packed": False}[layout], "graph": cuda_graph,
         "profile": profile,
     }
-    # host_staged stands for a node without GPU peer-to-peer: NCCL must not use it either (the count exchange,
-    # and NCCL's own staging where the copy-engine path is off); set before NCCL initialises in the ranks
-    env = {"NCCL_P2P_DISABLE": "1"} if k.transport == "host_staged" and backend == "nccl" else {}
+    # the environment the tuner measures this knob set in and a launcher serves it in (set before NCCL/NVSHMEM
+    # initialise in the ranks); --no-p2p adds NCCL_P2P_DISABLE=1 explicitly, never the transport choice
+    env = ep_environment(k, no_p2p=no_p2p, nodes=nodes)
     try:
         if torchrun:
             import os
@@ -212,6 +218,21 @@ def ep(
     if not ok:
         _err.print(f"[red]verify FAILED:[/red] max relative error {rep['max_rel_err']:.3g} > bound {rep['verify_bound']:.3g}")
         raise typer.Exit(1)
+
+
+def ep_environment(knobs: Any, *, no_p2p: bool = False, nodes: int = 1, family: str | None = None) -> dict[str, str]:
+    """The variables `bench ep` sets in its ranks: `launcher_env(knobs, family, nodes)`, the function the tuner's
+    `knob_environment` returns (so a `bench ep` run, the tuner's subprocess mode included, measures in the
+    environment the tuner's persistent worker measures in and a launcher serves), plus NCCL_P2P_DISABLE=1 only
+    with `no_p2p` (emulating a node without GPU peer-to-peer; never implied by the transport). The family's
+    provider variables (NVSHMEM_REMOTE_TRANSPORT for proxy:<provider>) come from the caller's environment, where
+    the tuner sets them; `bench ep` knows only the transport."""
+    from moetune.runtime.profiles.launcher_env import launcher_env
+
+    env = launcher_env(knobs, family or knobs.transport, nodes)
+    if no_p2p:
+        env["NCCL_P2P_DISABLE"] = "1"
+    return env
 
 
 def _fmt(v: float) -> str:
