@@ -467,3 +467,56 @@ def test_gpu_layer_reloaded_weights_row_major_paths_and_bad_ids() -> None:
     with pytest.raises(MegakernelError, match="out of range"):
         mk.check()
     mk.megakernel.clear_error()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (the megakernel is built for sm_90a)")
+def test_gpu_per_bucket_profiles_match_the_reference_and_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real megakernel with stored profiles per token bucket (2e14d49): a layer sized for 1024 tokens whose
+    1024-bucket profile picked 64-row tiles runs decode sizes with their own bucket's 16-row tiles (split-K 2),
+    within 1e-2 of the fp32 reference at every size; after resolve_buckets() a CUDA graph of each size replays to
+    the eager output."""
+    from moetune.runtime.moe_layer import dense_reference, max_rel_err
+    from moetune.runtime.profile_record import nearest_bucket
+    from moetune.runtime.profiles.client import Resolution
+
+    prefill = Knobs(engine="megakernel", mk_bm=64)
+    decode = Knobs(engine="megakernel", mk_bm=16, mk_split_k=2)
+    per_bucket = {1024: prefill, 512: prefill, 1: decode, 16: decode}
+    asked: list[int] = []
+
+    def fake_resolve(**kw: Any) -> Resolution:
+        if kw["transport_family"] != "megakernel":  # the layer's EP buffer (world 1): its policy default
+            knobs = Knobs()
+        else:
+            asked.append(kw["max_tokens"])
+            knobs = per_bucket.get(nearest_bucket(kw["max_tokens"]), Knobs(engine="megakernel"))
+        return Resolution(knobs=knobs, source="daemon", profile_hash=f"h:{knobs.digest()}", status="current",
+                          family=kw["transport_family"] or "collective", tuned=True)
+
+    monkeypatch.setattr(autoload, "_resolve", fake_resolve)
+    autoload.clear_cache()
+    layer = MoELayer(QWEN, None, None, max_tokens=1024, device="cuda", engine="megakernel")
+    assert layer.engine == "megakernel" and layer.engine_buckets == {1024: prefill}
+    for s in (1, 7, 16, 128, 1000):
+        x = torch.randn(s, QWEN.hidden, device="cuda").to(torch.bfloat16)
+        out = layer(x)
+        assert torch.equal(out, layer(x)), s
+        assert max_rel_err(out, dense_reference(x, QWEN)) <= 1e-2, s
+    assert layer.engine_buckets[1] == decode and layer.engine_buckets[16] == decode
+    buckets = layer.resolve_buckets()
+    assert buckets[1024] == prefill and buckets[1] == decode
+    n_asked = len(asked)
+    for s in (1, 16, 512):
+        x = torch.randn(s, QWEN.hidden, device="cuda").to(torch.bfloat16)
+        want = layer(x).clone()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = layer(x)
+        got.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        layer.megakernel.check()
+        assert torch.equal(got, want), s
+    assert len(asked) == n_asked  # no lookup once the buckets are resolved
