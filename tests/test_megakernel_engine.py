@@ -495,6 +495,7 @@ def test_gpu_per_bucket_profiles_match_the_reference_and_capture(monkeypatch: py
                           family=kw["transport_family"] or "collective", tuned=True)
 
     monkeypatch.setattr(autoload, "_resolve", fake_resolve)
+    monkeypatch.delenv("MOETUNE_AUTOLOAD")  # this file's autouse fixture turns autoload off (no daemon, no database)
     autoload.clear_cache()
     layer = MoELayer(QWEN, None, None, max_tokens=1024, device="cuda", engine="megakernel")
     assert layer.engine == "megakernel" and layer.engine_buckets == {1024: prefill}
