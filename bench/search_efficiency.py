@@ -97,7 +97,8 @@ def run_case(args: tuple[str, str, int, int, float, bool]) -> dict[str, Any]:
     nodes = PRESETS.get(preset_name, 1)
     gpn = preset_gpus_per_node(preset)
     wl = TuneWorkload(model=model, tokens=tokens, nodes=nodes, gpus_per_node=gpn)
-    space = SearchSpace(load_policy(family), experts=model.experts, ep_size=wl.ep_size)
+    # the space tune.py searches at this bucket (proxy/ibgda: chunk and group sizes bounded by the PUTs per peer)
+    space = SearchSpace(load_policy(family), experts=model.experts, ep_size=wl.ep_size, tokens=tokens, topk=model.topk)
 
     t0 = time.perf_counter()
     table: dict[Any, Measurement] = {}

@@ -275,7 +275,9 @@ def test_kill_9_mid_study_then_rerun_completes(tmp_path: Path) -> None:
         con = sqlite3.connect(path)
         assert con.execute("pragma integrity_check").fetchone()[0] == "ok"
         con.close()
-    space = SearchSpace(load_policy("proxy:ibrc"), experts=MODELS["qwen3-30b"].experts, ep_size=4)
+    # as tune.py builds it: the bucket's token count bounds the PUT grid (and is in the study config)
+    m = MODELS["qwen3-30b"]
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=m.experts, ep_size=4, tokens=_wl().tokens, topk=m.topk)
     name = study_name(_key(), "callable", "qwen3-30b", study_config(space, CallableBackend(synthetic), _wl()))
     study = optuna.load_study(study_name=name, storage=f"sqlite:///{sdb}")
     assert finished_trials(study) == trials

@@ -3,20 +3,38 @@ kernel does with them (CTAs per signal group, out of num_sms // world CTAs per p
 
 from __future__ import annotations
 
+import dataclasses
+
+import optuna
 import pytest
 
-from moetune.runtime.knobs import PER_PE
-from moetune.tuner.fabric_model.predict import KNOBS_READ
-from moetune.tuner.search.policy import load_policy
-from moetune.tuner.search.space import RUNTIME_READS, SearchSpace, nvlink_ctas_per_peer
+from moetune.runtime.knobs import PER_PE, KnobError
+from moetune.runtime.shapes import get_model
+from moetune.tuner.fabric_model.predict import KNOBS_READ, Workload, transfers_per_peer
+from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+from moetune.tuner.search.policy import KnobSpec, load_policy
+from moetune.tuner.search.space import RUNTIME_READS, SearchSpace, nvlink_ctas_per_peer, put_chunking
+from moetune.tuner.search.study import study_config
 
 RUNTIME_FAMILIES = ["nvlink", "proxy:ibrc", "proxy:libfabric", "collective", "host_staged"]
 
 
-def _behaviour(knobs, ep_size: int) -> tuple:
-    """What the runtime can tell apart in a knob set (the rest is ignored by it)."""
+def _behaviour(knobs, ep_size: int, rows: float | None = None) -> tuple:
+    """What the runtime can tell apart in a knob set (the rest is ignored by it). `rows`: the rows a peer
+    gets at the workload's token count (proxy: PUTs per peer then decide what chunk and group sizes do)."""
     t = knobs.transport
     key: list = [knobs.compression, knobs.scale_granularity]
+    if t in ("proxy", "ibgda") and rows is not None:
+        # csrc/proxy_xchg.h: (rows per PUT, PUTs per peer), a decoupled signal per group of group_size PUTs (a
+        # group of >= the PUTs is one per peer, like 0)
+        per_put, puts = put_chunking(rows, knobs.chunk_tokens)
+        g = None
+        if knobs.signalling == "decoupled":
+            g = puts if knobs.group_size <= 0 else min(knobs.group_size, puts)
+        key += [knobs.signalling, g, knobs.fence_mode, knobs.qp_mapping, knobs.qps_per_pe, per_put, puts]
+        if t == "ibgda":  # no runtime transport: every plain knob is asked (the fabric model reads num_sms)
+            key += [knobs.num_sms, knobs.pipeline_depth, knobs.channels]
+        return tuple(key)
     if t == "nvlink":
         cpp = nvlink_ctas_per_peer(knobs.num_sms, ep_size)
         g = cpp if knobs.group_size <= 0 else min(knobs.group_size, cpp)  # csrc/ep_nvlink.cu nvl_launch
@@ -101,3 +119,116 @@ def test_fabric_model_reads_agree_where_the_runtime_is_restricted() -> None:
     for t, reads in RUNTIME_READS.items():
         plain_model = {n for n in KNOBS_READ[t] if n in ("num_sms", "pipeline_depth", "chunk_tokens", "channels")}
         assert plain_model - reads <= known.get(t, set()), (t, plain_model - reads)
+
+
+# -- proxy/ibgda grids bounded by the workload's token count (SearchSpace(tokens=..., topk=...)) --------------
+
+PUT_FAMILIES = ["proxy:ibrc", "proxy:libfabric", "ibgda"]
+
+
+def _put_space(family: str, ep: int, tokens: int | None, policy=None, **kw) -> SearchSpace:
+    return SearchSpace(policy or load_policy(family), experts=128, ep_size=ep, tokens=tokens, topk=8, **kw)
+
+
+@pytest.mark.parametrize("family", PUT_FAMILIES)
+@pytest.mark.parametrize("ep_size", [2, 8, 32])
+@pytest.mark.parametrize("tokens", [1, 16, 128, 512, 1024, 2048, 4096])
+def test_put_grid_points_are_distinct_runs_at_the_token_count(family: str, ep_size: int, tokens: int) -> None:
+    space = _put_space(family, ep_size, tokens)
+    points = list(space.enumerate())
+    behaviours = {_behaviour(k, ep_size, space.rows_per_peer) for k in points}
+    assert len(behaviours) == len(points), (family, ep_size, tokens, len(points), len(behaviours))
+    # the same rows per peer as the fabric model's transfers_per_peer (uniform routing)
+    wl = Workload(model="custom:1024,512,128,8", tokens_per_gpu=tokens, nodes=1, gpus_per_node=ep_size)
+    for c in space.spec["chunk_tokens"].values():
+        assert space.puts_per_peer(c) == transfers_per_peer(wl, c), (c, tokens)
+    for k in points:
+        space.check(k)
+        assert space.knobs_from_params(space.params_of(k)) == k
+        if k.signalling == "decoupled" and k.group_size != PER_PE:
+            assert k.group_size < space.puts_per_peer(k.chunk_tokens), k
+
+
+def test_put_grid_at_decode_and_prefill() -> None:
+    # EP 8, 128 experts, top-8: ~10.7 rows per peer at S=16 (one PUT with chunk_tokens 256, the same run as 0),
+    # ~2734 at S=4096 (11 PUTs of 256 rows)
+    for fam, full in (("proxy:ibrc", 168), ("ibgda", 672)):
+        small = _put_space(fam, 8, 16)
+        assert small.spec["chunk_tokens"].values() == (0,)
+        assert {k.group_size for k in small.enumerate()} == {PER_PE}
+        assert small.size() == full * 2 // 7  # 168 -> 48: chunk 0 only (coupled, decoupled per peer)
+        big, fixed = _put_space(fam, 8, 4096), _put_space(fam, 8, None)
+        assert big.size() == fixed.size() == full
+        assert set(big.enumerate()) == set(fixed.enumerate())
+        assert big.spec["group_size"].values() == fixed.spec["group_size"].values() == (0, 2, 4, 8)
+    # between: 2 PUTs at S=512 (groups of 2+ are per peer), 3 at 1024 (group 2 only), 6 at 2048 (2, 4)
+    got = {s: (_put_space("proxy:ibrc", 8, s).size(), _put_space("proxy:ibrc", 8, s).spec["group_size"].values())
+           for s in (512, 1024, 2048)}
+    assert got == {512: (96, (0,)), 1024: (120, (0, 2)), 2048: (144, (0, 2, 4))}
+
+
+def test_put_grid_drops_chunks_with_the_same_puts_keeping_the_policy_order() -> None:
+    pol = load_policy("proxy:ibrc")
+    pol = dataclasses.replace(pol, knobs={**pol.knobs, "chunk_tokens": KnobSpec("chunk_tokens", choices=(256, 1, 0, 2, 64, 4096))})
+    # EP 2, S=4096: ~4083 rows per peer; chunks 1 and 2 both hit the 1024-slot cap (4 rows per PUT, 1021 PUTs),
+    # 4096 is one PUT (as 0)
+    space = _put_space("proxy:ibrc", 2, 4096, policy=pol)
+    assert space.spec["chunk_tokens"].values() == (256, 1, 0, 64)
+    # several group sets: each its own Optuna parameter (one name, one set of choices)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(60):
+        t = study.ask()
+        k = space.suggest(t)
+        space.check(k)
+        study.tell(t, 1.0)
+    small = _put_space("proxy:ibrc", 2, 16, policy=pol)  # 16 rows: only 1 (16 PUTs), 2 (8) and 0 differ
+    assert small.spec["chunk_tokens"].values() == (1, 0, 2)
+    assert {k.group_size for k in small.enumerate() if k.chunk_tokens == 2} == {0, 2, 4}
+
+
+@pytest.mark.parametrize("family", ["proxy:ibrc", "ibgda"])
+def test_put_grid_check_and_project_sets_from_other_buckets(family: str) -> None:
+    big = _put_space(family, 8, 4096)
+    for tokens in (16, 512, 1024):
+        space = _put_space(family, 8, tokens)
+        for k in big.enumerate():
+            ok, _ = space.feasible(k)  # never raises
+            p = space.project(k)
+            assert space.feasible(p)[0], (tokens, k, p)
+            # projection keeps the run: the same PUTs and signals per peer at this token count
+            assert _behaviour(p, 8, space.rows_per_peer) == _behaviour(k, 8, space.rows_per_peer), (tokens, k, p)
+            if ok:
+                assert p == k
+        # a smaller bucket's points are points of the larger one
+        assert all(big.feasible(k)[0] for k in space.enumerate())
+    base = big.policy.defaults.replace(signalling="decoupled")
+    s16, s1024 = _put_space(family, 8, 16), _put_space(family, 8, 1024)
+    with pytest.raises(KnobError, match="same run as chunk_tokens 0"):
+        s16.check(base.replace(chunk_tokens=256))
+    assert s16.project(base.replace(chunk_tokens=256, group_size=4)) == s16.project(base.replace(chunk_tokens=0))
+    with pytest.raises(KnobError, match="3 PUT"):  # ~683 rows: 3 PUTs of 256
+        s1024.check(base.replace(chunk_tokens=256, group_size=4))
+    assert s1024.project(base.replace(chunk_tokens=256, group_size=4)).group_size == PER_PE
+    assert s1024.project(base.replace(chunk_tokens=256, group_size=2)).group_size == 2
+    with pytest.raises(ValueError, match="topk"):
+        SearchSpace(load_policy(family), experts=128, ep_size=8, tokens=16)
+
+
+def test_put_grid_changes_the_study_config_not_across_buckets() -> None:
+    be, wl = CallableBackend(lambda k, w: 1.0), TuneWorkload(model=get_model("qwen3-30b"), tokens=16, nodes=1, gpus_per_node=8)
+    fixed = study_config(_put_space("proxy:ibrc", 8, None), be, wl)
+    bounded = {s: study_config(_put_space("proxy:ibrc", 8, s), be, wl) for s in (16, 4096)}
+    # a study that offered the fixed set is not resumed with a bounded one; one config for every bucket, so
+    # the nearest smaller bucket's study (study.neighbour_bucket) is found (the name carries the bucket)
+    assert fixed not in bounded.values() and bounded[16] == bounded[4096]
+    # other transports: tokens change nothing, nor the digest
+    nv = load_policy("nvlink")
+    assert study_config(SearchSpace(nv, experts=128, ep_size=8), be, wl) == \
+        study_config(SearchSpace(nv, experts=128, ep_size=8, tokens=16, topk=8), be, wl)
+    assert SearchSpace(nv, experts=128, ep_size=8, tokens=16, topk=8).size() == SearchSpace(nv, experts=128, ep_size=8).size()
+
+
+def test_put_grid_follows_the_hottest_rank_under_zipf() -> None:
+    uni, zipf = _put_space("proxy:ibrc", 8, 512), _put_space("proxy:ibrc", 8, 512, routing="zipf:1.2")
+    assert zipf.rows_per_peer >= uni.rows_per_peer
+    assert zipf.rows_per_peer <= 512

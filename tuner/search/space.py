@@ -11,7 +11,10 @@ cannot produce an infeasible setting:
   group_size PUTs, a last partial group included (csrc/proxy_xchg.h produce_exchange), and a peer gets
   ceil(rows / chunk_tokens) PUTs, ONE with chunk_tokens 0. So chunk_tokens is asked first and group_size
   only with chunk_tokens > 0 (with one PUT every group size is the same run), among per peer (0) and
-  `PUT_GROUP_SIZES` (`put_groups`);
+  `PUT_GROUP_SIZES` (`put_groups`). Given the workload's tokens per rank (`tokens`, with `topk`), the space
+  also knows the rows a peer gets (S x P(token needs the peer), `fabric_model.routing.rank_hits`), so it
+  offers only chunk_tokens values with distinct PUTs per peer (a chunk >= the rows is one PUT, the same run
+  as chunk_tokens 0) and only group sizes < the PUTs per peer the chunk gives (`put_grid`);
 - knobs the transport's runtime does not read (`RUNTIME_READS`) are never asked: they stay at the
   policy default, so a stored profile never records a value that did not change the run;
 - `fence_mode` only where the transport has more than one way to order (proxy transports);
@@ -80,15 +83,46 @@ _PLAIN = ("chunk_tokens", "pipeline_depth", "num_sms", "channels", "staging_slot
           "mk_core", "mk_split_k", "mk_bn", "mk_overlap")
 
 
-# Group sizes (PUTs per signal) offered to proxy/ibgda with chunk_tokens > 0, besides per peer (0). The space
-# does not know the token count, so this is a fixed set, not bounded by the PUTs a peer gets at the workload:
+# Group sizes (PUTs per signal) offered to proxy/ibgda with chunk_tokens > 0, besides per peer (0). Without the
+# token count (SearchSpace(tokens=None)) this is a fixed set, not bounded by the PUTs a peer gets at the workload:
 # - 1 is left out: a signal per PUT is what `coupled` does (the same signals and fences; only the requests
 #   differ: PUT+flag vs PUT then SIGNAL), so it would spend trials on a near-duplicate of coupled;
 # - a size >= the PUTs per peer is one signal per peer, i.e. per peer (0): at chunk_tokens 256 a peer gets
 #   ceil(rows / 256) PUTs, e.g. about 11 at 4096 tokens per GPU (128 experts, top-8, EP 8; the fabric model's
 #   `transfers_per_peer`), so 2, 4 and 8 give 6, 3 and 2 signals there. At small token counts (rows <=
-#   chunk_tokens: one PUT) they still all behave as per peer; the search cannot tell that here.
+#   chunk_tokens: one PUT) they still all behave as per peer. With `tokens` the space drops them (and the
+#   chunks that repeat another's PUTs): only sizes < the PUTs per peer of the chosen chunk are offered.
 PUT_GROUP_SIZES: tuple[int, ...] = (2, 4, 8)
+# Given the token count (SearchSpace(tokens=..., topk=...)) the set is bounded by the PUTs per peer: a study
+# config carries this marker (`SearchSpace.grid_rule`), so a study that offered the fixed set is not resumed
+# with the bounded one (Optuna refuses changed categorical choices).
+PUT_GRID_RULE = "distinct_puts_per_peer"
+
+
+def expected_rows_per_peer(experts: int, topk: int, ep_size: int, tokens: int, routing: str = "uniform") -> float:
+    """The rows one rank sends its busiest destination per dispatch: S x P(token needs that rank)
+    (`fabric_model.routing.rank_hits`, what the fabric model's `transfers_per_peer` uses; exact under uniform
+    routing, the hottest rank under zipf). At most `tokens`: a token goes once to each rank that needs it."""
+    from moetune.runtime.routing import parse_routing
+    from moetune.tuner.fabric_model.routing import rank_hits
+
+    if tokens <= 0:
+        return 0.0
+    _, zipf_s = parse_routing(routing)
+    hits = rank_hits(max(1, experts), max(1, min(topk, experts)), zipf_s, max(1, ep_size))
+    return min(float(tokens), tokens * float(max(hits)))
+
+
+def put_chunking(rows: float, chunk_tokens: int) -> tuple[int, int]:
+    """(rows per PUT, PUTs) one peer gets for `rows` rows: csrc/proxy_xchg.h `chunking` as the fabric model
+    follows it (`predict._chunking`: chunk_tokens rows per PUT, 0 one PUT, at most MAX_SLOTS PUTs with larger
+    chunks then), with at least one PUT, and the rows per PUT of a single PUT being all the rows (so every
+    chunk that gives one PUT has the same key as chunk_tokens 0)."""
+    from moetune.tuner.fabric_model.predict import _chunking
+
+    cnt = max(1, math.ceil(rows - 1e-9))
+    c, n = _chunking(float(cnt), chunk_tokens)
+    return (cnt, 1) if n <= 1 else (c, n)
 
 
 def groups_puts(transport: str) -> bool:
@@ -139,9 +173,13 @@ class SearchSpace:
     """The feasible knob sets of one family for one workload."""
 
     def __init__(self, policy: Policy, *, experts: int, ep_size: int, link_rates: Mapping[str, float] | None = None,
-                 pinned: Collection[str] = ()):
+                 pinned: Collection[str] = (), tokens: int | None = None, topk: int | None = None,
+                 routing: str = "uniform"):
         """`pinned`: plain knobs held at the policy default (a backend that cannot tell their values apart,
-        e.g. the fabric model, `ModelBackend.pinned_knobs`), so a tie is not stored as a tuned choice."""
+        e.g. the fabric model, `ModelBackend.pinned_knobs`), so a tie is not stored as a tuned choice.
+        `tokens` (tokens per rank, with the model's `topk` and the `routing`): proxy/ibgda offer only the
+        chunk_tokens values and group sizes that are distinct runs at that token count (module doc); None
+        keeps the fixed set (every chunk_tokens value of the policy, group sizes 0, 2, 4, 8)."""
         self.policy = policy
         self.transport = policy.transport
         self.ep_size = max(1, ep_size)
@@ -177,6 +215,21 @@ class SearchSpace:
         self._put_groups = groups_puts(self.transport)
         if self._put_groups:
             self.spec["group_size"] = KnobSpec("group_size", choices=put_group_choices(policy))
+        # the rows a peer gets at the workload's token count (proxy/ibgda with `tokens`): bounds the grid
+        self.tokens = tokens
+        self.rows_per_peer: float | None = None
+        self._policy_chunks: tuple[int, ...] = tuple(self.spec["chunk_tokens"].values())
+        if self._put_groups and tokens is not None:
+            if topk is None:
+                raise ValueError("SearchSpace(tokens=...) needs the model's topk (the rows a peer gets)")
+            self.rows_per_peer = expected_rows_per_peer(experts, topk, self.ep_size, tokens, routing)
+            kept = self._distinct_chunks(self._policy_chunks)
+            if kept != self._policy_chunks:
+                self.spec["chunk_tokens"] = KnobSpec("chunk_tokens", choices=kept)
+            groups: list[int] = []
+            for c in kept:
+                groups += [g for g in self.group_values(chunk_tokens=c) if g not in groups]
+            self.spec["group_size"] = KnobSpec("group_size", choices=tuple(groups))
         if self._nvlink_groups:
             self.spec["group_size"] = KnobSpec("group_size", choices=tuple(sorted(
                 {g for n in self.spec["num_sms"].values() for g in self.group_values(n)})))
@@ -190,8 +243,50 @@ class SearchSpace:
             return group_choices(self.policy, nvlink_ctas_per_peer(n, self.ep_size))
         if self._put_groups:
             ck = chunk_tokens if chunk_tokens is not None else self.policy.defaults.chunk_tokens
-            return put_group_choices(self.policy) if ck > 0 else (PER_PE,)
+            if ck <= 0:
+                return (PER_PE,)
+            if self.rows_per_peer is None:
+                return put_group_choices(self.policy)
+            # a group of >= the PUTs a peer gets is one signal per peer: per peer (0)
+            puts = self.puts_per_peer(ck)
+            return tuple(g for g in put_group_choices(self.policy) if g < puts)
         return group_choices(self.policy, self.tpp)
+
+    # -- PUTs per peer at the workload's token count (proxy/ibgda with `tokens`) -------------------------
+    def puts_per_peer(self, chunk_tokens: int) -> int:
+        """PUTs one rank posts to a peer with `chunk_tokens` (1 without chunking); needs `tokens`."""
+        return self._put_key(chunk_tokens)[1]
+
+    def _put_key(self, chunk_tokens: int) -> tuple[int, int]:
+        """What the runtime does with `chunk_tokens` at this token count: (rows per PUT, PUTs per peer)."""
+        assert self.rows_per_peer is not None
+        return put_chunking(self.rows_per_peer, chunk_tokens)
+
+    def _distinct_chunks(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        """`values` (the policy's order) less those that repeat an earlier value's PUTs; a chunk that gives one
+        PUT per peer is the same run as chunk_tokens 0, which is kept when offered."""
+        seen = {self._put_key(0)} if 0 in values else set()
+        out: list[int] = []
+        for c in values:
+            key = self._put_key(c)
+            if c == 0 or key not in seen:
+                out.append(c)
+                seen.add(key)
+        return tuple(out)
+
+    def _equivalent_chunk(self, chunk_tokens: int) -> int | None:
+        """The offered chunk_tokens value that is the same run as `chunk_tokens` here (None: none is)."""
+        if self.rows_per_peer is None:
+            return chunk_tokens if self.spec["chunk_tokens"].contains(chunk_tokens) else None
+        key = self._put_key(chunk_tokens)
+        return next((c for c in self.spec["chunk_tokens"].values() if self._put_key(c) == key), None)
+
+    def grid_rule(self) -> dict[str, Any]:
+        """What, besides the policy, decides the offered choices (in the study config digest): empty unless
+        the PUT grid is bounded by the token count. Constant across token buckets, so the nearest smaller
+        bucket's study (`study.neighbour_bucket`, same config) is still found; a study name carries its bucket,
+        so one name always offers one grid."""
+        return {"put_grid": PUT_GRID_RULE} if self.rows_per_peer is not None else {}
 
     # -- the decision tree ---------------------------------------------------------------------------
     def _build(self, choose: Chooser) -> Knobs:
@@ -211,7 +306,11 @@ class SearchSpace:
         k["signalling"] = ask("signalling")
         if self._put_groups:
             groups = self.group_values(chunk_tokens=k["chunk_tokens"])
-            k["group_size"] = ask("group_size", groups) if k["signalling"] == "decoupled" else PER_PE
+            # a bounded set (fewer PUTs per peer than the largest size) is a parameter of its own, named by its
+            # largest size (one name, one set of choices, as Optuna requires)
+            full = self.rows_per_peer is None or groups == put_group_choices(self.policy)
+            pname = "group_size" if full else f"group_size_max{groups[-1]}"
+            k["group_size"] = ask(pname, groups) if k["signalling"] == "decoupled" else PER_PE
         elif self._nvlink_groups:
             # CTAs per group: a distinct parameter per CTA count, so each has a fixed set of choices
             k["num_sms"] = ask("num_sms")
@@ -315,6 +414,13 @@ class SearchSpace:
                 f"{knobs.compression}/{knobs.scale_granularity} has an error bound of "
                 f"{p.compression_error(knobs.compression, knobs.scale_granularity):g}, over the policy's budget of "
                 f"{p.error_budget:g}", ("compression", "scale_granularity"))
+        if self.rows_per_peer is not None and not self.spec["chunk_tokens"].contains(knobs.chunk_tokens) \
+                and knobs.chunk_tokens in self._policy_chunks:
+            same = self._equivalent_chunk(knobs.chunk_tokens)
+            rows_per_put, puts = self._put_key(knobs.chunk_tokens)
+            raise KnobError(f"chunk_tokens {knobs.chunk_tokens} at {self.tokens} tokens per rank (~{self.rows_per_peer:.1f} "
+                            f"rows per peer): {puts} PUT(s) of {rows_per_put} rows per peer, the same run as chunk_tokens "
+                            f"{same}; offered: {list(self.spec['chunk_tokens'].values())}", ("chunk_tokens",))
         for name, s in self.spec.items():
             if name in ("group_size", "qp_mapping", "scale_granularity"):
                 continue
@@ -327,6 +433,11 @@ class SearchSpace:
                 if knobs.chunk_tokens <= 0:
                     raise KnobError(f"group size {knobs.group_size} with chunk_tokens 0: one PUT per peer, every group "
                                     "size is the same run; only per peer (0) is offered", ("group_size",))
+                if self.rows_per_peer is not None and knobs.group_size >= self.puts_per_peer(knobs.chunk_tokens):
+                    raise KnobError(f"group size {knobs.group_size} with chunk_tokens {knobs.chunk_tokens} at {self.tokens} "
+                                    f"tokens per rank: {self.puts_per_peer(knobs.chunk_tokens)} PUT(s) per peer, one "
+                                    f"signal per peer like per peer (0); offered: "
+                                    f"{list(self.group_values(chunk_tokens=knobs.chunk_tokens))}", ("group_size",))
                 raise KnobError(f"group size {knobs.group_size} is not offered for PUT groups "
                                 f"({list(self.group_values(chunk_tokens=knobs.chunk_tokens))})", ("group_size",))
             if self._nvlink_groups:
@@ -346,9 +457,23 @@ class SearchSpace:
     def project(self, knobs: Knobs) -> Knobs:
         """The nearest point of the space to `knobs` (each knob snapped to its allowed values)."""
         target = knobs.to_dict()
+        chosen: dict[str, Any] = {}
 
         def choose(name: str, s: KnobSpec) -> Any:
-            return s.nearest(target.get(_knob_of_param(name)))
+            knob = _knob_of_param(name)
+            v = target.get(knob)
+            if self.rows_per_peer is not None and isinstance(v, int):
+                # proxy/ibgda at a known token count (a set from another bucket): the same run first, then nearest
+                if knob == "chunk_tokens" and not s.contains(v):
+                    same = self._equivalent_chunk(v)
+                    if same is not None:
+                        v = same
+                elif knob == "group_size" and v >= self.puts_per_peer(
+                        chosen.get("chunk_tokens", self.spec["chunk_tokens"].values()[0])):  # not asked: one value
+                    v = PER_PE  # a group of >= the PUTs per peer: one signal per peer
+            out = s.nearest(v)
+            chosen[knob] = out
+            return out
 
         return self._build(choose)
 
@@ -394,8 +519,9 @@ class SearchSpace:
 
 
 def _knob_of_param(name: str) -> str:
-    """The knob an Optuna parameter sets (nvlink's `group_size_cpp<N>` sets group_size)."""
-    return "group_size" if name.startswith("group_size_cpp") else name
+    """The knob an Optuna parameter sets (nvlink's `group_size_cpp<N>` and a bounded PUT group set's
+    `group_size_max<N>` set group_size)."""
+    return "group_size" if name.startswith(("group_size_cpp", "group_size_max")) else name
 
 
 def _lenient_knobs(raw: dict[str, Any]) -> Knobs:

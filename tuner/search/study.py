@@ -137,8 +137,11 @@ def study_config(space: SearchSpace, backend: BenchmarkBackend, workload: TuneWo
     the policy (the space searched) and the backend's settings (the metric of a local run, a model's preset).
     A rerun with other settings must not resume a study whose trials measured something else."""
     policy = {k: v for k, v in space.policy.to_dict().items() if k not in ("description", "sources")}
-    blob = json.dumps({"routing": workload.routing, "policy": policy, "backend": backend.settings()},
-                      sort_keys=True, default=str)
+    config: dict[str, Any] = {"routing": workload.routing, "policy": policy, "backend": backend.settings()}
+    grid = space.grid_rule()  # proxy/ibgda PUT grid bounded by the bucket's token count: another digest
+    if grid:  # (absent otherwise: the digests of other spaces stay as they were)
+        config["space"] = grid
+    blob = json.dumps(config, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 

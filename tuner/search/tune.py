@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import optuna
 
-from moetune.runtime.knobs import Knobs
+from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profile_record import (
     MEGAKERNEL_FAMILY,
     ProfileKey,
@@ -308,8 +308,11 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                                      ep_size=ep_size, nodes=nodes, hidden=model.hidden, intermediate=model.intermediate,
                                      experts=model.experts, topk=model.topk, dtype=model.dtype, token_bucket=bucket)
                     wl = TuneWorkload(model=model, tokens=bucket, nodes=nodes, gpus_per_node=gpus_per_node, routing=routing)
+                    # the bucket's token count bounds proxy/ibgda's PUT grid (chunks and group sizes that are
+                    # distinct runs at this many rows per peer; the study config says so: `grid_rule`)
                     space = SearchSpace(pol, experts=model.experts, ep_size=ep_size, link_rates=rates,
-                                        pinned=be.pinned_knobs(pol.transport))
+                                        pinned=be.pinned_knobs(pol.transport), tokens=bucket, topk=model.topk,
+                                        routing=routing)
                     if isinstance(be, LocalBackend):
                         be.family = fam
                         if not explicit_budget:
@@ -358,8 +361,17 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         extra = []
         if neighbour is not None:
             study.set_user_attr("neighbour_bucket", {"bucket": neighbour.bucket, "study": neighbour.study_name})
-            extra = [(f"bucket_transfer:{neighbour.bucket}:{i}", k) for i, k in enumerate(neighbour.top())
-                     if space.feasible(k)[0]]
+            # the smaller bucket's sets, projected into this bucket's space (its grid may differ: proxy/ibgda
+            # offer chunk and group sizes by the PUTs per peer at this token count)
+            seen: set[Knobs] = set()
+            for i, k in enumerate(neighbour.top()):
+                try:
+                    kp = k if space.feasible(k)[0] else space.project(k)
+                except KnobError:
+                    continue
+                if kp not in seen and space.feasible(kp)[0]:
+                    seen.add(kp)
+                    extra.append((f"bucket_transfer:{neighbour.bucket}:{i}", kp))
         # Cross-bucket pruning pays where a measurement is expensive (the local backend: a process launch
         # per run); a model prediction costs about a millisecond, so there every sampled point is evaluated.
         cross = neighbour if isinstance(be, LocalBackend) else None
