@@ -66,6 +66,16 @@ def _until(cond: Any, timeout: float = 10.0) -> None:
     assert cond()
 
 
+def _run_to_the_end(jm: J.JobManager, facts: Any, done: list) -> None:
+    """Start the manager, submit one re-tune of the node's key, wait until it finished, stop."""
+    jm.start()
+    try:
+        jm.submit(reason="fabric changed", old_fingerprint="old", keys=[_key(facts)])
+        _until(lambda: done)
+    finally:
+        jm.stop()
+
+
 def _events(jm: J.JobManager, kind: str) -> list:
     return [e for e in jm.store.list_events(limit=100) if e["kind"] == kind]
 
@@ -128,12 +138,7 @@ def test_unknown_gpu_state_defers_conservatively(tmp_path: Path) -> None:
 @pytest.mark.parametrize("answer", [(True, "pid 1"), (None, "nvidia-smi not found")])
 def test_run_on_busy_gpus_runs_anyway(tmp_path: Path, answer: tuple) -> None:
     jm, ran, done, facts = _manager(tmp_path, Probe(answer), allow=True)
-    jm.start()
-    try:
-        jm.submit(reason="fabric changed", old_fingerprint="old", keys=[_key(facts)])
-        _until(lambda: done)
-    finally:
-        jm.stop()
+    _run_to_the_end(jm, facts, done)
     assert len(ran) == 1 and _events(jm, "job_deferred") == []
 
 
@@ -142,12 +147,7 @@ def test_no_probe_where_nothing_runs_on_gpus(tmp_path: Path, gpus: int, backend:
     """A node without GPUs measures gloo ranks on its CPUs; a model re-tune predicts: neither waits for the GPUs."""
     probe = Probe((True, "pid 1"))
     jm, ran, done, facts = _manager(tmp_path, probe, gpus=gpus, backend=backend)
-    jm.start()
-    try:
-        jm.submit(reason="fabric changed", old_fingerprint="old", keys=[_key(facts)])
-        _until(lambda: done)
-    finally:
-        jm.stop()
+    _run_to_the_end(jm, facts, done)
     assert probe.calls == 0 and len(ran) == 1
 
 

@@ -354,6 +354,19 @@ def test_autoload_megakernel_profile_from_the_database(tmp_path: Path, monkeypat
     json.dumps(res.knobs.to_dict())
 
 
+def _eager_and_replayed(layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the eager output, the output of a CUDA graph of the same call, zeroed after capture and then replayed)."""
+    want = layer(x).clone()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = layer(x)
+    got.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    return want, got
+
+
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -400,15 +413,7 @@ def test_gpu_unfused_layer_captures_and_matches_the_reference() -> None:
         out = un(x)
         assert torch.equal(out, un(x))
         assert max_rel_err(out, dense_reference(x, model)) <= 1e-2, s
-    x = torch.randn(128, model.hidden, device="cuda").to(torch.bfloat16)
-    want = un(x).clone()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        got = un(x)
-    got.zero_()
-    g.replay()
-    torch.cuda.synchronize()
+    want, got = _eager_and_replayed(un, torch.randn(128, model.hidden, device="cuda").to(torch.bfloat16))
     assert torch.equal(got, want)
 
 
@@ -516,15 +521,7 @@ def test_gpu_per_bucket_profiles_match_the_reference_and_capture(monkeypatch: py
     assert buckets[1024] == prefill and buckets[16] == decode
     n_asked = len(asked)
     for s in (1, 16, 512):
-        x = torch.randn(s, QWEN.hidden, device="cuda").to(torch.bfloat16)
-        want = layer(x).clone()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            got = layer(x)
-        got.zero_()
-        g.replay()
-        torch.cuda.synchronize()
+        want, got = _eager_and_replayed(layer, torch.randn(s, QWEN.hidden, device="cuda").to(torch.bfloat16))
         layer.megakernel.check()
         assert torch.equal(got, want), s
     assert len(asked) == n_asked  # no lookup once the buckets are resolved
