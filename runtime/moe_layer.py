@@ -152,7 +152,6 @@ class MoELayer(nn.Module):
         self.engine_buckets: dict[int, Knobs] | None = None
         self._mk_seen: set[int] = set()  # token counts whose bucket is resolved (the hot path's one set lookup)
         self._mk_base: Any = None  # the MegakernelConfig of the construction bucket
-        self._mk_warned: set[int] = set()
         self._mk_ptrs: tuple[int, int, int] = (0, 0, 0)  # the parameters' data pointers the megakernel reads
         # True while the expert weights hold the megakernel's k-tiled layout (runtime/megakernel/weights.py): the
         # parameters keep their shapes, and state_dict / load_state_dict speak the row-major layout either way
@@ -260,16 +259,15 @@ class MoELayer(nn.Module):
         except ValueError as e:  # ConfigError: a stored setting out of range
             why = f"{type(e).__name__}: {e}"
         if why is not None:
-            if bucket not in self._mk_warned:  # once per layer and bucket
-                self._mk_warned.add(bucket)
-                import warnings
+            import warnings
 
-                warnings.warn(f"moetune: the megakernel profile for token bucket {bucket} is not applied ({why}); "
-                              f"launches of that bucket run the construction profile (bucket "
-                              f"{_bucket_of(self.expected_tokens)})", RuntimeWarning, stacklevel=3)
+            # once per layer and bucket: a bucket is installed once (_mk_bucket skips resolved ones)
+            warnings.warn(f"moetune: the megakernel profile for token bucket {bucket} is not applied ({why}); "
+                          f"launches of that bucket run the construction profile (bucket "
+                          f"{_bucket_of(self.expected_tokens)})", RuntimeWarning, stacklevel=3)
             if self._mk_base is not None:
                 self.megakernel.set_bucket_config(bucket, self._mk_base)
-            knobs = self.engine_knobs or knobs
+            knobs = self.engine_knobs  # set before any bucket is installed
         assert self.engine_buckets is not None
         self.engine_buckets[bucket] = knobs
 
@@ -302,11 +300,8 @@ class MoELayer(nn.Module):
         from moetune.runtime.profile_record import TOKEN_BUCKETS
 
         firsts = sorted({1, self.max_tokens} | {b for b in TOKEN_BUCKETS if b <= self.max_tokens})
-        for s in firsts:
+        for s in firsts:  # every bucket an S of 1..max_tokens falls in (nearest_bucket rises with S)
             self._mk_bucket(s)
-        for s in range(1, self.max_tokens + 1):
-            if _bucket_of(s) not in self.engine_buckets:
-                self._mk_bucket(s)
         return dict(self.engine_buckets)
 
     def _param_ptrs(self) -> tuple[int, int, int]:

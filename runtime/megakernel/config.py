@@ -345,9 +345,6 @@ class LaunchConfigs:
         self._by_bucket[bucket] = cfg
         self._by_s.clear()
 
-    @property
-    def buckets(self) -> dict[int, MegakernelConfig]:
-        return dict(self._by_bucket)
 
     def for_tokens(self, s: int) -> MegakernelConfig:
         cfg = self._by_s.get(s)

@@ -102,8 +102,6 @@ def group_hosts(group: Any = None) -> list[int]:
 
 def group_nodes(group: Any = None) -> int:
     """How many hosts the ranks of `group` run on (1 without torch.distributed). Collective."""
-    if not _dist_on(group):
-        return 1
     return len(set(group_hosts(group)))
 
 

@@ -287,7 +287,7 @@ class OneSidedTransport(EPTransport):
         ctrl_bytes = ctypes.c_uint64(0)
         self.lib.mt_ctrl_bytes(ctypes.byref(ctrl_bytes))
         self.ctrl = SymmBuffer(_round(ctrl_bytes.value), group, self.device, self.lib, self.options.symm)
-        self.data_bytes = 0  # (data and _err0: None, the class defaults, until reserve() / the subclass set them)  # one parity area
+        self.data_bytes = 0  # one parity area (data, _err0: the class defaults None until reserve() / the subclass)
         self._epoch = 0
         self._counts_epoch = 0
         self._views: dict = {}

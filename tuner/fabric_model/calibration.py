@@ -465,7 +465,7 @@ def _arbitrary(preset: Preset, points: list[Point], clusters: list[tuple[set[str
 
 
 def _check(preset: Preset, points: list[Point], clusters: list[tuple[set[str], list[str]]],
-           nic_line_rate_gbs: float | None) -> list[str]:
+           nic_line_rate_gbs: float | None, arbitrary: dict[str, str]) -> list[str]:
     """Problems of the fitted `preset` (predictions already in `points`): bounds, identifiability at the fitted
     values, the fit error."""
     problems: list[str] = []
@@ -480,7 +480,7 @@ def _check(preset: Preset, points: list[Point], clusters: list[tuple[set[str], l
             elif k in NIC_RATE_PARAMS and nic_line_rate_gbs is not None and v > nic_line_rate_gbs * (1 + 1e-9):
                 problems.append(f"{k} fitted to {v:.4g} GB/s, above the NIC port's line rate {nic_line_rate_gbs:g} GB/s "
                                 f"({8 * nic_line_rate_gbs:g} Gb/s): the rows or the model are wrong")
-    for s, why in _arbitrary(preset, points, clusters).items():
+    for s, why in arbitrary.items():  # `_arbitrary` at these values (calibrate's fit leaves none)
         problems.append(f"{s} at its fitted value {values[s.split('+')[0]]:.4g}: {why}, so its value is arbitrary")
     errs = [abs(p.rel_err) for p in points]
     mean = sum(errs) / len(errs)
@@ -506,7 +506,7 @@ def check_preset(
     clusters, kept, problems = _plan(preset, points, params)
     for p in points:
         p.predicted_us = p.evaluate(preset)
-    problems += _check(preset, points, clusters, nic_line_rate_gbs)
+    problems += _check(preset, points, clusters, nic_line_rate_gbs, _arbitrary(preset, points, clusters))
     values = preset.numeric()
     return FitReport(preset=preset, points=points, skipped=skipped, params_before=dict(values),
                      params_after=dict(values), fitted=list(_expand({s: 0.0 for _g, c in clusters for s in c})),
@@ -545,7 +545,7 @@ def calibrate(
     kept.update(let_go)
     for p in points:
         p.predicted_us = p.evaluate(fitted)
-    problems += _check(fitted, points, clusters, nic_line_rate_gbs)
+    problems += _check(fitted, points, clusters, nic_line_rate_gbs, arbitrary)
     return FitReport(preset=fitted, points=points, skipped=skipped, params_before=before,
                      params_after=fitted.numeric(), fitted=list(values), kept=kept, problems=problems)
 

@@ -647,8 +647,7 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hi
             ready = max(gates[d] for d in local_pes)
         # the rows this PE sends itself: PUTs through the same poster, a local copy (read + write at HBM speed)
         self_rows = S * float(hits[src])
-        c_self, n_self = _chunking(self_rows, ck)
-        self_chunks = ([c_self * tb] * (n_self - 1) + [(self_rows - (n_self - 1) * c_self) * tb]) if n_self else []
+        self_chunks = [b for b, n, *_ in _rank_runs(self_rows, tb, ck, x_start) for _ in range(n)]
         if self_chunks:
             ph.parts["self_copy"] = self_rows * tb / (p.hbm / 2.0)
         # count words: the matrix row (world words) to every rank; dispatch adds exchange_counts' row
@@ -663,12 +662,11 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hi
     t_net = t0
     if dests or (not tiles and P > 1):
         extra = {} if tiles else dict(
-            t0=x_start, words=P, local_words=len(local_pes) + 1, self_chunks=self_chunks,
-            self_bw=p.hbm / 2.0, self_ready=x_start)
+            words=P, local_words=len(local_pes) + 1, self_chunks=self_chunks, self_bw=p.hbm / 2.0, self_ready=x_start)
         r = run_queue(
             p, kind, dests, npes=P, signalling=knobs.signalling, group=knobs.group_size, fence=fence,
             qp_mapping=knobs.qp_mapping, qps=knobs.qps_per_pe, num_sms=knobs.num_sms,
-            group_signal=not tiles, **({"t0": t0} | extra),
+            group_signal=not tiles, t0=t0 if tiles else x_start, **extra,
         )
         t_net = r.last_arrive
         if dests:

@@ -148,12 +148,7 @@ class QueueSim:
     def local_signal(self, flagged: bool, ci: int) -> None:
         """A signal to this PE itself after its copies (issue cost; nic_ordered: the stream holds it behind
         the copies, one NIC stall counted as for a remote signal)."""
-        c = self.sig_c
-        if self.proxy:
-            self.t += c
-        else:
-            self.cta[ci] += c
-        self.issue_busy += c
+        self.local_words(1, ci)  # the same issue cost as one local word
         if flagged:
             self.nic_stalls += 1
 

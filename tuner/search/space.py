@@ -275,9 +275,8 @@ class SearchSpace:
         return tuple(out)
 
     def _equivalent_chunk(self, chunk_tokens: int) -> int | None:
-        """The offered chunk_tokens value that is the same run as `chunk_tokens` here (None: none is)."""
-        if self.rows_per_peer is None:
-            return chunk_tokens if self.spec["chunk_tokens"].contains(chunk_tokens) else None
+        """The offered chunk_tokens value that is the same run as `chunk_tokens` here (None: none is); only where
+        the space knows its rows per peer."""
         key = self._put_key(chunk_tokens)
         return next((c for c in self.spec["chunk_tokens"].values() if self._put_key(c) == key), None)
 
