@@ -220,8 +220,8 @@ def ep(
         raise typer.Exit(1)
 
 
-def ep_environment(knobs: Any, *, no_p2p: bool = False, nodes: int = 1, family: str | None = None) -> dict[str, str]:
-    """The variables `bench ep` sets in its ranks: `launcher_env(knobs, family, nodes)`, the function the tuner's
+def ep_environment(knobs: Any, *, no_p2p: bool = False, nodes: int = 1) -> dict[str, str]:
+    """The variables `bench ep` sets in its ranks: `launcher_env(knobs, transport, nodes)`, the function the tuner's
     `knob_environment` returns (so a `bench ep` run, the tuner's subprocess mode included, measures in the
     environment the tuner's persistent worker measures in and a launcher serves), plus NCCL_P2P_DISABLE=1 only
     with `no_p2p` (emulating a node without GPU peer-to-peer; never implied by the transport). The family's
@@ -229,7 +229,7 @@ def ep_environment(knobs: Any, *, no_p2p: bool = False, nodes: int = 1, family: 
     the tuner sets them; `bench ep` knows only the transport."""
     from moetune.runtime.profiles.launcher_env import launcher_env
 
-    env = launcher_env(knobs, family or knobs.transport, nodes)
+    env = launcher_env(knobs, knobs.transport, nodes)
     if no_p2p:
         env["NCCL_P2P_DISABLE"] = "1"
     return env

@@ -270,11 +270,6 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     gpus = int(ctx.facts.gpu_count or 0)
     ep_keys = [k for k in ctx.keys if k.transport_family not in ENGINE_FAMILIES]
     mk_keys = [k for k in ctx.keys if k.transport_family == MEGAKERNEL_FAMILY]
-    other = [k for k in ctx.keys if k.transport_family in ENGINE_FAMILIES and k.transport_family != MEGAKERNEL_FAMILY]
-    if other:
-        refuse(f"{len(other)} key(s) of engine famil{'ies' if len({k.transport_family for k in other}) > 1 else 'y'} "
-               f"{', '.join(sorted({k.transport_family for k in other}))} not re-tuned: the daemon does not know how "
-               "to measure it; they stay stale")
     ep_refused = False
     runnable = []
     for (ep, nodes), (shapes, buckets) in sorted(group_keys(ep_keys).items()):
