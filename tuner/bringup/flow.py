@@ -21,8 +21,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.markup import escape
-
 from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
 from moetune.runtime.shapes import get_model
 from moetune.tuner.search.progress import NoProgress, Progress
@@ -225,6 +223,11 @@ def _decode_notes(compared: list[dict[str, Any]]) -> list[str]:
             "then differ only by noise" for m, s in small]
 
 
+def _as_text(text: str) -> str:
+    """`text` printed as written through the console: a '[' in a row label is not read as markup."""
+    return text.replace("[", "\\[")
+
+
 def _node_line(facts: Any) -> str:
     if facts.gpu_count:
         return f"{facts.gpu_count} × {facts.gpu_model}"
@@ -381,7 +384,7 @@ class Bringup:
             # the daemon's model re-tune says no calibrated model exists. A file from an earlier bring-up of
             # this fingerprint is left as it was (it passed these checks on its own data).
             self.console.print(f"[yellow]node fabric model not written (calibration refused): "
-                               f"{escape('; '.join(problems))}[/]")
+                               f"{_as_text('; '.join(problems))}[/]")
             out: dict[str, Any] = {"base": base, "refused": problems, "node_model": None}
             if s is not None:
                 out.update(points=s["points"], fit_mean_abs_rel_err=s["mean_abs_rel_err"],
