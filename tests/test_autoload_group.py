@@ -167,18 +167,32 @@ def test_megakernel_decode_call_runs_the_decode_buckets_tiles(monkeypatch: pytes
 
 
 def test_megakernel_bucket_that_does_not_fit_keeps_the_construction_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bucket whose profile needs other scratch (split-K partial buffers) keeps the construction profile,
-    with one warning."""
+    """A bucket whose profile needs other scratch (a combine tile of 1 token: more combine counters than the
+    scratch's smallest auto tile, 2, sized) keeps the construction profile, with one warning."""
     prefill = Knobs(engine="megakernel", mk_bm=64)
-    odd = Knobs(engine="megakernel", mk_bm=16, mk_split_k=2)
+    odd = Knobs(engine="megakernel", mk_bm=16, mk_combine_tokens=1)
     layer, _ = _mk_layer(monkeypatch, {4096: prefill, 1: odd})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         layer(torch.randn(1, BF16.hidden).to(torch.bfloat16))
         layer(torch.randn(1, BF16.hidden).to(torch.bfloat16))
     got = [str(w.message) for w in caught if "token bucket 1 is not applied" in str(w.message)]
-    assert len(got) == 1 and "split-K" in got[0]
+    assert len(got) == 1 and "combine tile" in got[0]
     assert layer.megakernel.launched[-1].bm == 64 and layer.engine_buckets[1] == prefill
+
+
+def test_megakernel_decode_bucket_split_k_applies_on_a_prefill_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode bucket's split-K (mk_split_k) applies on a layer whose construction profile has none: the layer
+    grows its partial buffers for it (MegakernelMoE._reserve_split; run 185 had it refused and warned)."""
+    prefill = Knobs(engine="megakernel", mk_bm=64)
+    split = Knobs(engine="megakernel", mk_bm=16, mk_split_k=2)
+    layer, _ = _mk_layer(monkeypatch, {4096: prefill, 1: split})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(torch.randn(1, BF16.hidden).to(torch.bfloat16))
+    assert not [str(w.message) for w in caught if "not applied" in str(w.message)]
+    ran = layer.megakernel.launched[-1]
+    assert (ran.bm, ran.split_k1, ran.split_k2) == (16, 2, 2) and layer.engine_buckets[1] == split
 
 
 def test_explicit_megakernel_knobs_hold_for_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,4 +212,18 @@ def test_launch_configs_pick_by_bucket() -> None:
     lc.install(16, small)
     assert lc.for_tokens(16) is small and lc.for_tokens(12) is small and lc.for_tokens(4096) is base
     assert LaunchConfigs(MegakernelConfig(bm=64)).problem(small) is not None  # scratch sized for bm=64 only
+    # split-K's partial buffers are the layer's to grow (MegakernelMoE._reserve_split), not a reason to refuse
+    assert lc.problem(MegakernelConfig(bm=16, split_k1=4, split_k2=2)) is None
     assert lc.problem(MegakernelConfig(combine_tokens=8)) is None
+
+
+def test_split_room_is_what_a_launch_indexes() -> None:
+    """(m-tiles, parts per slot) a config's launches use in the partial buffer: the kernel indexes slots by
+    sk_max_tiles and strides them by max(split_k1, split_k2); no room where the launch never splits."""
+    from moetune.runtime.megakernel.config import split_room
+
+    assert split_room(MegakernelConfig(), 500) == (0, 1)  # split-K 1
+    assert split_room(MegakernelConfig(split_k1=4, split_k2=2), 500) == (16, 4)  # bm auto: decode launches split
+    assert split_room(MegakernelConfig(bm=16, split_k1=2, split_k2=2, split_max_tiles=8), 500) == (8, 2)
+    assert split_room(MegakernelConfig(bm=16, split_k1=2, split_k2=2), 10) == (10, 2)  # no more than the layer's
+    assert split_room(MegakernelConfig(bm=64, split_k1=2, split_k2=2), 500) == (0, 1)  # bm=16 launches only

@@ -80,6 +80,7 @@ def _poisoned(s: int, h: int) -> torch.Tensor:
 
 def _check(layer, model, x, out, idx, w, tol=1e-2):
     from moetune.runtime.megakernel import schedule
+    from moetune.runtime.megakernel.config import split_room
     from moetune.runtime.moe_layer import dense_reference, max_rel_err
 
     torch.cuda.synchronize()
@@ -88,7 +89,7 @@ def _check(layer, model, x, out, idx, w, tol=1e-2):
     ref = dense_reference(x, model, seed=0, topk_idx=idx, topk_weights=w)
     err = max_rel_err(out, ref)
     assert err <= tol, f"relative error {err:.3e}"
-    cfg = layer.config
+    cfg = layer.launch.for_tokens(x.shape[0])  # the config this launch ran (its token bucket's, else the layer's)
     c = layer.counters()
     dg = layer.decode_grid(x.shape[0])
     if dg is not None:  # the decode kernel counts its phase-1 ranges and row blocks (runtime/megakernel/decode.py)
@@ -103,7 +104,7 @@ def _check(layer, model, x, out, idx, w, tol=1e-2):
     p = schedule.plan(idx.tolist(), experts=model.experts, hidden=model.hidden, intermediate=model.intermediate,
                       bm=bm, combine_tokens=cfg.combine_tile(bm, cfg.pick_bn(bm), x.shape[0], model.topk, model.experts),
                       split_k1=cfg.split_k1, split_k2=cfg.split_k2,
-                      split_max_tiles=layer.sk_tiles, bn=cfg.pick_bn(bm), tail=cfg.tail(bm, cfg.pick_bn(bm)))
+                      split_max_tiles=split_room(cfg, layer.max_tiles)[0], bn=cfg.pick_bn(bm), tail=cfg.tail(bm, cfg.pick_bn(bm)))
     assert (c["total"], c["tiles"], c["published"]) == (p.total, p.n_tiles, p.total)
     return err
 
@@ -183,6 +184,40 @@ def test_configs(model, layer, cfg):
         idx, w = _routing(s, model.experts, model.topk, "zipf", seed=s)
         out = other.forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
         _check(other, model, x, out, idx, w)
+
+
+def test_bucket_split_k_grows_the_partial_buffers(model, layer):
+    """A token bucket's split-K installed on a layer built without it (set_bucket_config): the layer grows its
+    partial buffers and task queue, the bucket's launches run split (the counters match the split plan) and match
+    the reference; a CUDA graph captured before the growth keeps launching with the old buffers and still replays
+    its eager output; a bucket asking more parts grows them again."""
+    from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
+
+    # decode=0: the task graph runs S=1-2 (the decode kernel would take them and split-K never runs there)
+    mk = MegakernelMoE(model, max_tokens=256, config=MegakernelConfig.parse("decode=0"), w_gate_up=layer.w_gate_up,
+                       w_down=layer.w_down, gate=layer.gate)
+    assert mk.sk_room == (0, 1)
+    s = 2
+    x = _x(s, model.hidden, seed=700)
+    idx, w = _routing(s, model.experts, model.topk, "uniform", seed=700)
+    before = mk.forward_routed(x, idx, w).clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = mk.forward_routed(x, idx, w, check_ids=False)
+    why = mk.set_bucket_config(1, MegakernelConfig.parse("decode=0,bm=16,split_k1=2,split_k2=2"))
+    assert why is None and mk.sk_room == (16, 2)
+    assert mk.launch.for_tokens(s).split_k1 == 2
+    out = mk.forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
+    _check(mk, model, x, out, idx, w)  # the counters are the split plan's (16 rows: <= 16 m-tiles split)
+    captured.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    mk.check()
+    assert torch.equal(captured.view(torch.int16), before.view(torch.int16))  # the old buffers, the old config
+    assert mk.set_bucket_config(1, MegakernelConfig.parse("decode=0,bm=16,split_k1=4,split_k2=2")) is None
+    assert mk.sk_room == (16, 4)
+    out4 = mk.forward_routed(x, idx, w, out=_poisoned(s, model.hidden))
+    _check(mk, model, x, out4, idx, w)
 
 
 @pytest.mark.parametrize("s", [1, 128, 4096])

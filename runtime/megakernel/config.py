@@ -320,8 +320,9 @@ class LaunchConfigs:
     from stored profiles installs each bucket's profile (`install`), so a decode launch runs the decode bucket's
     tiles, not the tiles tuned for max_tokens. Host-side dict lookups only: CUDA-graph capture is unaffected.
 
-    A bucket's config must fit the base's allocations (`problem`): an m-tile no smaller than the base's smallest,
-    a combine tile no smaller than the base's smallest, the same split-K (the partial buffers) and timeout."""
+    A bucket's config must fit the base's allocations (`problem`): an m-tile no smaller than the base's smallest
+    and a combine tile no smaller than the base's smallest. Split-K's partial buffers are not checked here: the
+    layer grows them for any bucket's split (`MegakernelMoE.set_bucket_config`, `split_room`)."""
 
     def __init__(self, base: MegakernelConfig):
         self.base = base
@@ -336,15 +337,11 @@ class LaunchConfigs:
         if cfg.combine_tile_min() < b.combine_tile_min():
             return (f"its combine tile ({cfg.combine_tile_min()} tokens) is below the {b.combine_tile_min()} the "
                     "scratch buffers were sized for")
-        if (cfg.split_k1, cfg.split_k2, cfg.split_max_tiles) != (b.split_k1, b.split_k2, b.split_max_tiles):
-            return (f"its split-K ({cfg.split_k1}, {cfg.split_k2}) differs from ({b.split_k1}, {b.split_k2}), which "
-                    "sized the partial buffers")
         return None
 
     def install(self, bucket: int, cfg: MegakernelConfig) -> None:
         self._by_bucket[bucket] = cfg
         self._by_s.clear()
-
 
     def for_tokens(self, s: int) -> MegakernelConfig:
         cfg = self._by_s.get(s)
@@ -357,6 +354,16 @@ class LaunchConfigs:
                 cfg = self.base
             self._by_s[s] = cfg
         return cfg
+
+
+def split_room(cfg: MegakernelConfig, max_tiles: int) -> tuple[int, int]:
+    """(m-tiles, parts per slot) of the split-K partial buffer that launches of `cfg` use on a layer of `max_tiles`
+    m-tiles: MkParams.sk_max_tiles and the kernel's slot stride, max(split_k1, split_k2) (csrc/megakernel/mk_moe.cu,
+    the split-K task). (0, 1) where its launches never split: split-K runs in bm=16 launches only. A buffer of
+    t m-tiles x p parts holds any launch whose room is within both, since the kernel takes both per launch."""
+    if (cfg.split_k1 == 1 and cfg.split_k2 == 1) or (cfg.bm or 16) != 16:
+        return 0, 1
+    return min(cfg.split_max_tiles, max_tiles), max(cfg.split_k1, cfg.split_k2)
 
 
 # The library's host-side limits (csrc/megakernel/mk_moe.cu, check_params), mirrored so that a layer that cannot

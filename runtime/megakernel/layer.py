@@ -23,7 +23,7 @@ from .._args import check_int, indexed_device
 from ..csrc_build import CsrcError
 from ..routing import expert_ids_problem, routed_inputs_problem
 from . import _lib
-from .config import BN, ConfigError, LaunchConfigs, MegakernelConfig, limits_problem
+from .config import BN, ConfigError, LaunchConfigs, MegakernelConfig, limits_problem, split_room
 from .schedule import tile_end
 from .weights import from_tiled, to_tiled
 
@@ -103,13 +103,6 @@ class MegakernelMoE:
         self.max_tiles = e + -(-max_tokens * k // bm_min)  # sum_e ceil(c_e / bm) <= S*K/bm + E
         self.max_ctiles = -(-max_tokens // cfg.combine_tile_min())
         self.n1, self.n2 = 2 * i // BN, h // BN
-        from .schedule import combine_blocks
-
-        # decode split-K: bm=16 launches with <= split_max_tiles m-tiles run split_k1 / split_k2 parts per task
-        self.sk_on = (cfg.split_k1 > 1 or cfg.split_k2 > 1) and bm_min == 16
-        self.sk_tiles = min(cfg.split_max_tiles, self.max_tiles) if self.sk_on else 0
-        split_tasks = self.sk_tiles * (self.n1 * cfg.split_k1 + self.n2 * cfg.split_k2)
-        self.q_cap = max(self.max_tiles * (self.n1 + self.n2), split_tasks) + self.max_ctiles * combine_blocks(h)
         dev, i32 = self.device, torch.int32
         z = torch.zeros
         # the gate GEMM splits H into up to this many partial planes (more CTAs for few tokens), capped at 64 MB
@@ -127,13 +120,12 @@ class MegakernelMoE:
         self.comb = z(self.max_ctiles, dtype=i32, device=dev)
         self.rel = z(self.max_tiles + self.max_ctiles, dtype=i32, device=dev)
         self.tile_base = z(e + 1, dtype=i32, device=dev)
-        self.q_task = z(self.q_cap, dtype=torch.int64, device=dev)
-        self.q_flag = z(self.q_cap, dtype=i32, device=dev)
         self.err = z(8, dtype=torch.int64, device=dev)
-        slots = self.sk_tiles * (self.n1 + self.n2)
-        self.sk_part = z(max(1, slots * max(cfg.split_k1, cfg.split_k2) * _lib.SK_PART_FLOATS), dtype=torch.float32,
-                         device=dev)
-        self.sk_cnt = z(max(1, slots), dtype=i32, device=dev)
+        # the task queue and decode split-K's partial buffers: sized for the base config here, grown by
+        # set_bucket_config for a bucket whose split asks more (`_reserve_split`)
+        self.sk_room = (-1, -1)  # (m-tiles, parts per slot) the partial buffer holds
+        self._retired: list[torch.Tensor] = []  # grown-out buffers a captured CUDA graph may still launch with
+        self._reserve_split(cfg)
         self.stall_tile = -1  # test hook: this m-tile's GEMM2 (decode kernel: this slot's down projection) never starts
         self._trace: torch.Tensor | None = None  # task_timeline's stamps while it runs
         self._params: dict[tuple[MegakernelConfig, int, int], _lib.MkParams] = {}
@@ -148,6 +140,32 @@ class MegakernelMoE:
                 except CsrcError as e:  # the library refused the shape (e.g. stages too deep for bm's shared memory)
                     raise ConfigError(f"megakernel config: launches of bm={bm}, stages={stages} cannot run on "
                                       f"{self.device}: {e}") from e
+
+    def _reserve_split(self, cfg: MegakernelConfig) -> None:
+        """Size the task queue and split-K's partial buffers (`sk_part`, `sk_cnt`) so launches of `cfg` fit too:
+        decode split-K runs bm=16 launches of <= split_max_tiles m-tiles as split_k1 / split_k2 parts per task, each
+        part in its own place of `sk_part`. Growing replaces the tensors and drops the launch templates (they hold
+        the old pointers); the old tensors are kept, since a CUDA graph captured before still launches with them."""
+        from .schedule import combine_blocks
+
+        tiles, parts = split_room(cfg, self.max_tiles)
+        have_t, have_p = self.sk_room
+        if tiles <= have_t and parts <= have_p:
+            return
+        tiles, parts = max(tiles, have_t), max(parts, have_p)
+        slots = tiles * (self.n1 + self.n2)
+        q_cap = max(self.max_tiles * (self.n1 + self.n2), slots * parts) + self.max_ctiles * \
+            combine_blocks(self.model.hidden)
+        if have_t >= 0:
+            self._retired += [self.q_task, self.q_flag, self.sk_part, self.sk_cnt]
+            self._params.clear()
+        dev = self.device
+        self.q_cap = q_cap
+        self.q_task = torch.zeros(q_cap, dtype=torch.int64, device=dev)
+        self.q_flag = torch.zeros(q_cap, dtype=torch.int32, device=dev)
+        self.sk_part = torch.zeros(max(1, slots * parts * _lib.SK_PART_FLOATS), dtype=torch.float32, device=dev)
+        self.sk_cnt = torch.zeros(max(1, slots), dtype=torch.int32, device=dev)
+        self.sk_room = (tiles, parts)
 
     def _check_weights(self, w_gate_up: Any, w_down: Any, gate: Any, *, tiled: bool) -> None:
         h, i, e = self.model.hidden, self.model.intermediate, self.model.experts
@@ -193,6 +211,7 @@ class MegakernelMoE:
                     why = str(e)
                     break
         if why is None:
+            self._reserve_split(cfg)
             self.launch.install(bucket, cfg)
         return why
 
@@ -264,7 +283,7 @@ class MegakernelMoE:
         if cfg.stages or bm != 16 or st != 6:
             return st
         rows = tokens * m.topk  # <= experts here: at most one m-tile per row
-        parts = rows * self.n1 * (cfg.split_k1 if self.sk_on and rows <= self.sk_tiles else 1)
+        parts = rows * self.n1 * (cfg.split_k1 if rows <= split_room(cfg, self.max_tiles)[0] else 1)
         return st if parts <= self.grid(bm, st, cfg) - 1 else 4
 
     def _template(self, bm: int, tokens: int, config: MegakernelConfig | None = None) -> _lib.MkParams:
@@ -285,7 +304,8 @@ class MegakernelMoE:
             p.timeout_ns = int(cfg.timeout_ms * 1e6)
             p.logit_splits_max = self.logit_splits
             p.core = _lib.CORES[cfg.core]
-            p.split_k1, p.split_k2, p.sk_max_tiles = cfg.split_k1, cfg.split_k2, self.sk_tiles
+            p.split_k1, p.split_k2 = cfg.split_k1, cfg.split_k2
+            p.sk_max_tiles = split_room(cfg, self.max_tiles)[0]  # <= sk_room's: the slots index by it
             p.tma_b = cfg.tma
             p.bn = cfg.pick_bn(bm)  # 256: the wide tile (two 128-column n-blocks per task)
             p.tail_rows = cfg.tail(bm, p.bn)  # an expert's last rows (<= 16) ride in its last full m-tile

@@ -138,7 +138,7 @@ def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: 
          combine_tokens: int, split_k1: int = 1, split_k2: int = 1, split_max_tiles: int = 0, bn: int = BN,
          tail: int = 0) -> Plan:
     """The task graph for routing `topk_idx` ([S][K] expert ids); `split_*` as MegakernelConfig (the layer
-    passes its partial buffer's m-tiles, `MegakernelMoE.sk_tiles`, as `split_max_tiles`); `bn` the launch's
+    passes the launch's `config.split_room(...)[0]` as `split_max_tiles`); `bn` the launch's
     columns per task (`MegakernelConfig.pick_bn(bm)`: 256 = the wide tile, bm = 128 only); `tail` its tail rows
     (`MegakernelConfig.tail`: the wide tile only)."""
     if tail and (bn != 2 * BN or not 0 < tail <= 16):
