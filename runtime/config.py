@@ -88,6 +88,7 @@ class RuntimeConfig:
     chunk_weights: str = ""  # comma-separated positive numbers, one per pipeline chunk ("" = equal)
     proxy_batch: int = 1
     proxy_peer_access: bool = True
+    proxy_cpu: str = "numa"  # "numa", "none" or a CPU list ("12", "8-15,40")
     proxy_host_wait: bool = True
     plan_mode: int = 0
     nvl_gather: bool = True

@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ MAX_PLAN_MODE = 2
 # checked here so that a bad value is reported as the option the user set, not as timeout_ms
 MK_TIMEOUT_MIN_S = 1e-6
 MK_TIMEOUT_MAX_S = 3600.0
+# proxy_cpu: where the proxy thread runs. "numa": a CPU local to the GPU's NUMA node; "none": wherever the OS puts
+# it; else a CPU list ("12", "8-15,40"). The largest CPU index taken is csrc/proxy_engine.h's MT_PROXY_MAX_CPU - 1.
+PROXY_CPU_MODES: tuple[str, ...] = ("numa", "none")
+MAX_CPU_INDEX = 65535
 
 
 class RuntimeOptionError(ValueError):
@@ -77,6 +82,12 @@ OPTION_DOCS: tuple[OptionDoc, ...] = (
               "proxy: consecutive unsignalled PUTs of one QP stream the proxy may issue as one batch."),
     OptionDoc("proxy_peer_access", "MOETUNE_PROXY_PEER_ACCESS", "bool",
               "proxy: enable CUDA peer access towards the other local GPUs so copies take direct P2P."),
+    OptionDoc("proxy_cpu", "MOETUNE_PROXY_CPU", "`numa`, `none` or a CPU list (`12`, `8-15,40`)",
+              "proxy: the CPU the proxy thread pins itself to. `numa`: one of the CPUs local to the GPU's NUMA node "
+              "(sysfs `local_cpulist`) that this process may use, spread over the node's GPUs and avoiding the "
+              "constructing thread's CPU; no NUMA information means no pinning (noted once). `none`: no pinning. A "
+              "CPU list: one of those CPUs (that the process may use), chosen the same way; one CPU pins every "
+              "rank of the node there. A pinning the kernel refuses leaves the thread unpinned, with a warning."),
     OptionDoc("proxy_host_wait", "MOETUNE_PROXY_HOST_WAIT", "bool",
               "proxy: each call completes on the host (see mt_pxy_set_host_wait in csrc/proxy_gpu.cu); false "
               "leaves calls asynchronous (run 1's behaviour)."),
@@ -104,6 +115,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     chunk_weights: tuple[float, ...] = ()
     proxy_batch: int = 1
     proxy_peer_access: bool = True
+    proxy_cpu: str = "numa"
     proxy_host_wait: bool = True
     plan_mode: int = 0
     nvl_gather: bool = True
@@ -211,8 +223,51 @@ def _validate(o: RuntimeOptions) -> None:
         _fail("chunk_weights", o.chunk_weights, "positive numbers (one per pipeline chunk)")
     if o.proxy_batch < 1:
         _fail("proxy_batch", o.proxy_batch, "an integer >= 1")
+    proxy_cpu_setting(o.proxy_cpu)
     if not 0 <= o.plan_mode <= MAX_PLAN_MODE:
         _fail("plan_mode", o.plan_mode, f"an integer from 0 to {MAX_PLAN_MODE}")
+
+
+_CPU_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+
+
+def parse_cpulist(text: str) -> tuple[int, ...]:
+    """A CPU list in the kernel's syntax (sysfs `local_cpulist`, `taskset -c`): "0-3,8-11" -> (0, 1, 2, 3, 8, 9, 10,
+    11), sorted, each CPU once; "" (or white space) -> (). Raises ValueError naming the malformed part."""
+    body = text.strip()
+    if not body:
+        return ()
+    cpus: set[int] = set()
+    for item in body.split(","):
+        m = _CPU_ITEM.fullmatch(item.strip())
+        if m is None:
+            raise ValueError(f"malformed CPU list {text!r}: {item!r} is not a CPU number or a range a-b")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise ValueError(f"malformed CPU list {text!r}: the range {item.strip()!r} runs backwards")
+        if hi > MAX_CPU_INDEX:
+            raise ValueError(f"CPU list {text!r}: CPU {hi} is past the largest index taken, {MAX_CPU_INDEX}")
+        cpus.update(range(lo, hi + 1))
+    return tuple(sorted(cpus))
+
+
+def proxy_cpu_setting(value: Any) -> tuple[str, tuple[int, ...]]:
+    """A proxy_cpu value -> ("numa", ()), ("none", ()) or ("cpus", the CPUs listed); RuntimeOptionError naming
+    the value otherwise."""
+    expected = "`numa`, `none` or a CPU list such as `12` or `8-15,40` (as a string)"
+    if not isinstance(value, str):
+        _fail("proxy_cpu", value, expected)
+    if value in PROXY_CPU_MODES:
+        return value, ()
+    try:
+        cpus = parse_cpulist(value)
+    except ValueError as e:
+        raise RuntimeOptionError(f"runtime option proxy_cpu ({_doc('proxy_cpu').env}) = {value!r}: {e}; expected "
+                                 f"{expected}") from None
+    if not cpus:
+        _fail("proxy_cpu", value, expected)
+    return "cpus", cpus
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -245,6 +300,8 @@ def _parse_env(doc: OptionDoc, raw: str) -> Any:
         if text.lower() not in SYMM_MODES:
             raise RuntimeOptionError(f"{where}: expected one of {', '.join(SYMM_MODES)}")
         return text.lower()
+    if doc.name == "proxy_cpu":
+        return text.lower()  # checked with every other value (proxy_cpu_setting), naming the option
     return text
 
 
