@@ -15,8 +15,13 @@
 #ifndef MT_HOST_SIM
 #include <cuda.h>
 #endif
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -102,6 +107,14 @@ struct Engine {
   std::mutex host_mu;
   uint64_t host_head = 0;
   int producer_kind = 0;  // 0 unset, 1 host, 2 gpu
+  // CPU affinity of the proxy thread: the thread pins itself (pin_self) before it drains anything.
+  // A pinning the kernel refuses (a CPU outside the process's cpuset, offline, out of range) leaves the
+  // thread unpinned with the errno recorded; the engine runs on either way.
+  int cpu_req = -1;                           // the CPU asked for at create (-1: no pinning)
+  std::atomic<int> cpu_state{MT_PCPU_PENDING};  // MtProxyCpuState
+  std::atomic<int> cpu_errno{0};
+  std::atomic<int> cpu_now{-1};  // sched_getcpu() of the thread: after pinning, and again whenever it idles long
+  std::atomic<int> tid{0};       // the thread's kernel id (/proc/self/task/<tid>)
 
   Engine() {
     for (auto& s : stats) s.store(0);
@@ -238,7 +251,36 @@ struct Engine {
     }
   }
 
+  void pin_self() {
+    tid.store((int)syscall(SYS_gettid));
+    if (cpu_req < 0) {
+      cpu_state.store(MT_PCPU_UNPINNED);
+    } else {
+      int rc = EINVAL;  // an index past MT_PROXY_MAX_CPU is refused as the kernel refuses a CPU it lacks
+#ifdef __linux__
+      if (cpu_req < MT_PROXY_MAX_CPU) {
+        cpu_set_t* set = CPU_ALLOC(cpu_req + 1);
+        if (set == nullptr) {
+          rc = ENOMEM;
+        } else {
+          const size_t sz = CPU_ALLOC_SIZE(cpu_req + 1);
+          CPU_ZERO_S(sz, set);
+          CPU_SET_S(cpu_req, sz, set);
+          rc = pthread_setaffinity_np(pthread_self(), sz, set);  // migrates this thread before it returns
+          CPU_FREE(set);
+        }
+      }
+#else
+      rc = ENOSYS;
+#endif
+      cpu_errno.store(rc);
+      cpu_state.store(rc == 0 ? MT_PCPU_PINNED : MT_PCPU_FAILED);
+    }
+    cpu_now.store(sched_getcpu());
+  }
+
   void loop() {
+    pin_self();  // first: whatever the thread allocates or touches from here on is on its final CPU's node
     cudaSetDevice(device);
     uint64_t idle = 0;
     running.store(true);
@@ -273,6 +315,7 @@ struct Engine {
         if (++idle < (1u << 16)) {
           cpu_relax();
         } else {
+          cpu_now.store(sched_getcpu(), std::memory_order_relaxed);  // cheap (vDSO/rseq) next to the yield
           std::this_thread::yield();
         }
         continue;
@@ -302,17 +345,21 @@ extern "C" int mt_proxy_gpu_view(void* h, MtGpuView* out) {
 
 // peer_data[i]: base of peer i's data region; peer_ctrl[i]: base of peer i's control region;
 // peer_sig[i]: address of MY signal slot 0 at peer i (the proxy writes slot k at peer_sig[i] + 8k).
+// cpu: the CPU the proxy thread pins itself to (-1: no pinning); a pinning the kernel refuses is recorded
+// (mt_proxy_cpu), not an error.
 MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, const uint64_t* peer_ctrl,
                            const uint64_t* peer_sig, int qps, int qp_mapping, int fence_mode, int fifo_slots,
-                           void** out) {
+                           int cpu, void** out) {
   MT_REQUIRE(npeers >= 1 && npeers <= 4096, 200, "npeers %d outside 1..4096", npeers);
   MT_REQUIRE(qps >= 1 && qps <= MT_MAX_QPS, 201, "qps %d outside 1..%d", qps, MT_MAX_QPS);
   MT_REQUIRE(fifo_slots >= 16 && fifo_slots <= (1 << 20), 202, "fifo_slots %d outside 16..2^20", fifo_slots);
   MT_REQUIRE(fence_mode >= 0 && fence_mode <= 2, 203, "bad fence_mode %d", fence_mode);
   MT_REQUIRE(qp_mapping >= 0 && qp_mapping <= 1, 204, "bad qp_mapping %d", qp_mapping);
+  MT_REQUIRE(cpu >= -1, 208, "bad cpu %d (-1 = no pinning)", cpu);
   MT_CUDA(cudaSetDevice(device));
   Engine* e = new Engine();
   e->device = device;
+  e->cpu_req = cpu;
   e->npeers = npeers;
   e->qps = qps;
   e->qp_mapping = qp_mapping;
@@ -435,6 +482,15 @@ MT_API int mt_proxy_diag(void* h, char* buf, int len) {
            (unsigned long long)e->stats[ST_SIGNALS].load(), (unsigned long long)e->stats[ST_WRITE64].load(),
            (unsigned long long)e->stats[ST_ACKS].load(), (unsigned long long)e->stats[ST_DRAINS].load(),
            e->running.load() ? "" : "; thread NOT running");
+  return 0;
+}
+
+// The proxy thread's CPU affinity: out[MT_PCPU_F_*] (csrc/proxy_engine.h), the first n of them.
+MT_API int mt_proxy_cpu(void* h, int* out, int n) {
+  Engine* e = static_cast<Engine*>(h);
+  const int v[MT_PCPU_F_COUNT] = {e->cpu_req, e->cpu_state.load(), e->cpu_errno.load(), e->cpu_now.load(),
+                                  e->tid.load()};
+  for (int i = 0; i < n && i < MT_PCPU_F_COUNT; ++i) out[i] = v[i];
   return 0;
 }
 

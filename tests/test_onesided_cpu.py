@@ -6,6 +6,7 @@ import ctypes
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -236,7 +237,7 @@ def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     for name in ("mt_proxy_create", "mt_proxy_enqueue", "mt_proxy_quiesce", "mt_proxy_stats", "mt_proxy_error",
                  "mt_proxy_bench", "mt_proxy_destroy", "mt_last_error", "mt_proxy_reset_stats", "mt_proxy_set_batch",
                  "mt_pxy_create", "mt_pxy_set_data", "mt_pxy_set_host_wait", "mt_pxy_counts", "mt_pxy_exchange",
-                 "mt_pxy_error", "mt_pxy_destroy", "mt_proxy_diag"):
+                 "mt_pxy_error", "mt_pxy_destroy", "mt_proxy_diag", "mt_proxy_cpu"):
         res, args = csrc_build.SIGNATURES[name]
         getattr(lib, name).restype = res
         getattr(lib, name).argtypes = args
@@ -273,7 +274,7 @@ def test_proxy_engine_drain_loop_in_host_simulation(
     u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
     h = ctypes.c_void_p()
     rc = lib.mt_proxy_create(0, npeers, u64([addr(d) for d in data]), u64([addr(c) for c in ctrl]),
-                             u64([addr(s) for s in sig]), 2, qp_mapping, fence_mode, 16, ctypes.byref(h))
+                             u64([addr(s) for s in sig]), 2, qp_mapping, fence_mode, 16, -1, ctypes.byref(h))
     assert rc == 0, lib.mt_last_error()
     try:
         assert lib.mt_proxy_set_batch(h, batch) == 0
@@ -360,7 +361,7 @@ def _sim_exchange(lib: ctypes.CDLL, variant: tuple, *, async_delay_us: int = -1,
         for r in range(world):
             h = ctypes.c_void_p()
             rc = lib.mt_proxy_create(0, world, u64(dptr), u64(cptr), u64([c + 8 * r * 1024 for c in cptr]), qps,
-                                     mapping, fence, 32, ctypes.byref(h))
+                                     mapping, fence, 32, -1, ctypes.byref(h))
             assert rc == 0, lib.mt_last_error()
             engines.append(h)
             assert lib.mt_proxy_set_batch(h, batch) == 0
@@ -546,7 +547,7 @@ def test_proxy_exchange_alone_times_out_in_host_simulation(sim_lib: ctypes.CDLL)
     u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
     cptr = [c.ctypes.data for c in ctrl]
     h, x = ctypes.c_void_p(), ctypes.c_void_p()
-    assert lib.mt_proxy_create(0, world, u64([d.ctypes.data for d in data]), u64(cptr), u64(cptr), 1, 1, 1, 64,
+    assert lib.mt_proxy_create(0, world, u64([d.ctypes.data for d in data]), u64(cptr), u64(cptr), 1, 1, 1, 64, -1,
                                ctypes.byref(h)) == 0
     try:
         assert lib.mt_pxy_create(h, 0, 0, world, cptr[0], 0.3, ctypes.byref(x)) == 0
@@ -588,7 +589,7 @@ def _alias_run(lib: ctypes.CDLL, host_wait: int, iters: int = 8) -> list[str]:
         for r in range(world):
             h, x = ctypes.c_void_p(), ctypes.c_void_p()
             assert lib.mt_proxy_create(0, world, u64([d.ctypes.data for d in data]), u64(cptr),
-                                       u64([c + 8 * r * 1024 for c in cptr]), 1, 1, 2, 64, ctypes.byref(h)) == 0
+                                       u64([c + 8 * r * 1024 for c in cptr]), 1, 1, 2, 64, -1, ctypes.byref(h)) == 0
             engines.append(h)
             assert lib.mt_pxy_create(h, 0, r, world, cptr[r], 1.0, ctypes.byref(x)) == 0
             assert lib.mt_pxy_set_data(x, per_parity) == 0
@@ -639,3 +640,126 @@ def test_host_completed_calls_survive_hardware_queue_aliasing_in_host_simulation
     assert _alias_run(sim_lib, host_wait=1) == []
     failures = _alias_run(sim_lib, host_wait=0)
     assert failures and all("error record" in f for f in failures), failures
+
+
+def _engine_cpu(lib: ctypes.CDLL, h: ctypes.c_void_p) -> list[int]:
+    """mt_proxy_cpu: [requested, state, errno, current, tid] (csrc/proxy_engine.h MtProxyCpuField)."""
+    out = (ctypes.c_int * 5)()
+    assert lib.mt_proxy_cpu(h, out, 5) == 0
+    return list(out)
+
+
+def _thread_cpus(tid: int) -> tuple[str, int]:
+    """What the kernel says of a thread: its allowed CPUs (as a list) and the CPU it last ran on."""
+    status = Path(f"/proc/self/task/{tid}/status").read_text()
+    allowed = next(ln.split(":", 1)[1].strip() for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:"))
+    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+    last_cpu = int(stat.rsplit(")", 1)[1].split()[36])  # field 39 (processor), counted after the command name
+    return allowed, last_cpu
+
+
+def _sim_engine(lib: ctypes.CDLL, cpu: int, sink: list) -> ctypes.c_void_p:
+    data, ctrl, sig = (ctypes.c_uint8 * 256)(), (ctypes.c_uint64 * 64)(), (ctypes.c_uint64 * 64)()
+    sink += [data, ctrl, sig]
+    u64 = lambda a: (ctypes.c_uint64 * 1)(ctypes.addressof(a))  # noqa: E731
+    h = ctypes.c_void_p()
+    assert lib.mt_proxy_create(0, 1, u64(data), u64(ctrl), u64(sig), 1, 1, 1, 16, cpu, ctypes.byref(h)) == 0, \
+        lib.mt_last_error()
+    return h
+
+
+def test_proxy_thread_pins_itself_to_the_cpu_asked_for_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """The engine thread pins itself (pthread_setaffinity_np from the thread) and reports where it runs; the
+    kernel's view of that thread (/proc/self/task/<tid>) agrees. Every CPU this process may use, in turn."""
+    from moetune.runtime.transports.proxy import OP_SIGNAL, Request
+
+    keep: list = []
+    for cpu in sorted(os.sched_getaffinity(0))[-4:]:
+        h = _sim_engine(sim_lib, cpu, keep)
+        try:
+            requested, state, err, current, tid = _engine_cpu(sim_lib, h)
+            assert (requested, state, err, current) == (cpu, 2, 0, cpu)  # MT_PCPU_PINNED
+            assert tid > 0 and tid != threading.get_native_id()
+            assert _thread_cpus(tid) == (str(cpu), cpu)
+            # and it still drains
+            req = (Request * 1)(Request(OP_SIGNAL, 0, 0, 3, 0, 0, 0, 77, 0, 0))
+            assert sim_lib.mt_proxy_enqueue(h, req, 1, 10.0) == 0 and sim_lib.mt_proxy_quiesce(h, 10.0) == 0
+            assert keep[-1][3] == 77
+        finally:
+            sim_lib.mt_proxy_destroy(h)
+    # no CPU asked for: the thread keeps the process's CPUs
+    h = _sim_engine(sim_lib, -1, keep)
+    try:
+        requested, state, err, current, tid = _engine_cpu(sim_lib, h)
+        assert (requested, state, err) == (-1, 1, 0) and current >= 0  # MT_PCPU_UNPINNED
+        assert _thread_cpus(tid)[0] == Path("/proc/self/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
+    finally:
+        sim_lib.mt_proxy_destroy(h)
+
+
+def test_a_refused_pinning_leaves_the_engine_running_unpinned_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """A CPU the process may not use (or past the engine's limit): the engine is made all the same, the thread
+    is unpinned with the errno recorded, and it drains."""
+    import errno
+
+    from moetune.runtime.transports.proxy import OP_SIGNAL, Request
+
+    keep: list = []
+    not_allowed = max(os.sched_getaffinity(0)) + 1  # beyond the process's CPUs (and likely the machine's)
+    for cpu in (not_allowed, 70000):
+        h = _sim_engine(sim_lib, cpu, keep)
+        try:
+            requested, state, err, _current, tid = _engine_cpu(sim_lib, h)
+            assert (requested, state, err) == (cpu, 3, errno.EINVAL)  # MT_PCPU_FAILED
+            assert _thread_cpus(tid)[0] != str(cpu)
+            req = (Request * 1)(Request(OP_SIGNAL, 0, 0, 1, 0, 0, 0, 9, 0, 0))
+            assert sim_lib.mt_proxy_enqueue(h, req, 1, 10.0) == 0 and sim_lib.mt_proxy_quiesce(h, 10.0) == 0
+            assert keep[-1][1] == 9
+        finally:
+            sim_lib.mt_proxy_destroy(h)
+    h = ctypes.c_void_p()
+    one = (ctypes.c_uint64 * 1)(0)
+    assert sim_lib.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, -2, ctypes.byref(h)) != 0  # a bad argument
+    assert b"bad cpu -2" in sim_lib.mt_last_error()
+
+
+def test_proxy_engine_reports_its_cpu_and_warns_once_when_pinning_fails(sim_lib: ctypes.CDLL,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """ProxyEngine (the Python side) over the simulated library: cpu_binding() reads where the thread runs; a
+    refused pinning is a ProxyCpuWarning, once, with the reason, never an error."""
+    import warnings
+
+    from moetune.runtime import csrc_build
+    from moetune.runtime.transports import _affinity
+    from moetune.runtime.transports.proxy import ProxyEngine
+
+    monkeypatch.setattr(csrc_build, "load", lambda **kw: sim_lib)
+    monkeypatch.setattr(_affinity, "_WARNED", set())
+    data, sig = (ctypes.c_uint8 * 256)(), (ctypes.c_uint64 * 64)()
+    peers = ([ctypes.addressof(data)], [ctypes.addressof(data)], [ctypes.addressof(sig)])
+    cpu = min(os.sched_getaffinity(0))
+    eng = ProxyEngine(0, *peers, cpu=cpu)
+    try:
+        b = eng.cpu_binding()
+        assert (b.requested, b.state, b.current, b.error) == (cpu, "pinned", cpu, "")
+        assert _thread_cpus(b.tid) == (str(cpu), cpu)
+    finally:
+        eng.close()
+    eng = ProxyEngine(0, *peers)
+    try:
+        assert eng.cpu_binding().state == "unpinned" and eng.cpu_binding().requested is None
+    finally:
+        eng.close()
+    bad = max(os.sched_getaffinity(0)) + 1
+    with pytest.warns(_affinity.ProxyCpuWarning, match=rf"could not pin itself to CPU {bad} \(Invalid argument"):
+        eng = ProxyEngine(0, *peers, cpu=bad)
+    try:
+        b = eng.cpu_binding()
+        assert b.state == "failed" and "errno 22" in b.error
+    finally:
+        eng.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ProxyEngine(0, *peers, cpu=bad).close()  # the same reason again: not repeated
+    with pytest.raises(ValueError, match="cpu must be >= 0"):
+        ProxyEngine(0, *peers, cpu=-1)

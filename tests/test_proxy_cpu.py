@@ -1,15 +1,33 @@
-"""The runtime option `proxy_cpu` (where the proxy thread runs) and the CPU list syntax it takes."""
+"""Where the proxy thread runs (the runtime option `proxy_cpu`): the CPU list parser, the choice of one CPU local to
+the GPU's NUMA node (allowed CPUs, spreading by local rank, nothing usable), the option's validation, and the
+transport handing its choice to the engine. The engine pinning itself is checked in host simulation in
+tests/test_onesided_cpu.py; on a GPU at the end of this file."""
 
 from __future__ import annotations
 
+import os
+import re
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from moetune.runtime.config import ConfigError, load_config
 from moetune.runtime.options import MAX_CPU_INDEX, RuntimeOptionError, RuntimeOptions, parse_cpulist
+from moetune.runtime.transports import _affinity
+from moetune.runtime.transports._affinity import (
+    CpuChoice,
+    choose_cpu,
+    format_cpulist,
+    resolve,
+    sysfs_pci_address,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
+# -- the CPU list syntax ------------------------------------------------------------------------------------------
 def test_cpulist_parses_ranges_and_single_cpus() -> None:
     assert parse_cpulist("0-3,8-11") == (0, 1, 2, 3, 8, 9, 10, 11)
     assert parse_cpulist("5") == (5,)
@@ -31,6 +49,106 @@ def test_a_cpu_index_past_the_engines_limit_is_refused() -> None:
         parse_cpulist(f"0-{MAX_CPU_INDEX + 1}")
 
 
+def test_the_cpu_limit_is_the_engines() -> None:
+    header = (ROOT / "csrc" / "proxy_engine.h").read_text()
+    assert f"#define MT_PROXY_MAX_CPU {MAX_CPU_INDEX + 1}" in header
+
+
+def test_cpulist_formats_back() -> None:
+    assert format_cpulist([11, 0, 1, 2, 3, 8, 9, 10]) == "0-3,8-11"
+    assert format_cpulist([4]) == "4" and format_cpulist([]) == ""
+    assert parse_cpulist(format_cpulist([1, 3, 4, 5, 9])) == (1, 3, 4, 5, 9)
+
+
+def test_pci_addresses_are_named_as_sysfs_names_them() -> None:
+    assert sysfs_pci_address("00000000:19:00.0") == "0000:19:00.0"
+    assert sysfs_pci_address("0000:C1:00.0") == "0000:c1:00.0"
+    assert sysfs_pci_address("10000:01:00.0") == "10000:01:00.0"
+    assert sysfs_pci_address("GPU-1234") == ""
+
+
+# -- choosing one CPU ---------------------------------------------------------------------------------------------
+def test_the_choice_is_among_the_local_cpus_the_process_may_use() -> None:
+    c = choose_cpu(range(0, 8), allowed={4, 5, 6, 7, 20}, local_rank=0, current_cpu=None)
+    assert c.cpu == 4 and "4-7" in c.reason
+
+
+def test_local_ranks_spread_over_different_cpus() -> None:
+    cands = [8, 9, 10, 11]
+    picks = [choose_cpu(cands, cands, r, None).cpu for r in range(4)]
+    assert picks == [8, 9, 10, 11]
+    assert choose_cpu(cands, cands, 5, None).cpu == 9  # modulo the candidates
+    assert choose_cpu(cands, cands, 2, None) == choose_cpu(cands, cands, 2, None)  # deterministic
+
+
+def test_the_constructing_threads_cpu_is_avoided_when_another_is_there() -> None:
+    c = choose_cpu([2, 3, 4], [2, 3, 4], local_rank=1, current_cpu=3)
+    assert c.cpu == 4 and "CPU 3 skipped" in c.reason
+    assert choose_cpu([2, 3, 4], [2, 3, 4], local_rank=2, current_cpu=4).cpu == 2  # wraps
+    assert choose_cpu([3], [3], local_rank=0, current_cpu=3).cpu == 3  # the only one: taken anyway
+
+
+def test_no_allowed_local_cpu_means_unpinned_with_the_reason() -> None:
+    c = choose_cpu([0, 1, 2, 3], allowed={8, 9}, local_rank=0, current_cpu=None, what="the NUMA-local CPUs of GPU x")
+    assert c.cpu is None
+    assert "none of the NUMA-local CPUs of GPU x (0-3) is allowed" in c.reason and "allowed: 8-9" in c.reason
+
+
+def _fake_sysfs(root: Path, gpus: dict[str, str], others: tuple[str, ...] = ("0000:00:1f.0",)) -> Path:
+    """A /sys/bus/pci/devices with NVIDIA GPUs (address -> local_cpulist) and a non-GPU device."""
+    for addr, cpus in gpus.items():
+        d = root / addr
+        d.mkdir(parents=True)
+        (d / "vendor").write_text("0x10de\n")
+        (d / "class").write_text("0x030200\n")
+        (d / "local_cpulist").write_text(cpus + "\n")
+    for addr in others:
+        d = root / addr
+        d.mkdir(parents=True)
+        (d / "vendor").write_text("0x8086\n")
+        (d / "class").write_text("0x060100\n")
+        (d / "local_cpulist").write_text("0-15\n")
+    return root
+
+
+def test_numa_pins_near_the_gpu_and_spreads_the_gpus_of_a_node(tmp_path: Path) -> None:
+    root = _fake_sysfs(tmp_path / "pci", {"0000:19:00.0": "0-7", "0000:3b:00.0": "0-7", "0000:9a:00.0": "8-15"})
+    allowed = set(range(16))
+    a = resolve("numa", address="0000:19:00.0", allowed=allowed, current=15, root=root)
+    b = resolve("numa", address="0000:3b:00.0", allowed=allowed, current=15, root=root)
+    c = resolve("numa", address="0000:9a:00.0", allowed=allowed, current=15, root=root)
+    assert (a.cpu, b.cpu) == (0, 1)  # GPUs 0 and 1 of the node share NUMA node 0: different CPUs there
+    assert c.cpu == 10  # GPU 2 of the node, on NUMA node 1: 8 + 2
+    assert "NUMA-local CPUs of GPU 0000:9a:00.0" in c.reason
+    # the process's allowed CPUs (a cgroup, taskset) are respected
+    assert resolve("numa", address="0000:19:00.0", allowed={6, 7, 12}, current=None, root=root).cpu == 6
+    # an explicit local rank wins over the GPU's index
+    assert resolve("numa", address="0000:19:00.0", local_rank=3, allowed=allowed, current=None, root=root).cpu == 3
+
+
+def test_numa_without_numa_information_is_unpinned_not_an_error(tmp_path: Path) -> None:
+    root = _fake_sysfs(tmp_path / "pci", {"0000:19:00.0": ""})
+    for address, why in (("0000:19:00.0", "lists no CPU"), ("0000:aa:00.0", "no NUMA information"),
+                         ("", "no PCI address")):
+        c = resolve("numa", address=address, allowed={0, 1}, current=None, root=root)
+        assert c.cpu is None and why in c.reason
+    c = resolve("numa", address="0000:19:00.0", allowed={0}, current=None, root=tmp_path / "no-sysfs")
+    assert c.cpu is None and "no NUMA information" in c.reason
+    (root / "0000:19:00.0" / "local_cpulist").write_text("garbage\n")
+    c = resolve("numa", address="0000:19:00.0", allowed={0}, current=None, root=root)
+    assert c.cpu is None and "no usable NUMA information" in c.reason
+
+
+def test_none_and_explicit_settings(tmp_path: Path) -> None:
+    root = _fake_sysfs(tmp_path / "pci", {"0000:19:00.0": "0-7"})
+    assert resolve("none", address="0000:19:00.0", root=root).cpu is None
+    assert resolve("5", address="0000:19:00.0", allowed={5, 6}, current=None, root=root).cpu == 5
+    assert resolve("12-15", address="", local_rank=2, allowed=range(64), current=None).cpu == 14
+    c = resolve("12", address="", allowed={0, 1}, current=None)
+    assert c.cpu is None and "none of the CPUs of proxy_cpu='12' (12) is allowed" in c.reason
+
+
+# -- the option ---------------------------------------------------------------------------------------------------
 def test_proxy_cpu_is_an_option_with_numa_by_default(tmp_path: Path) -> None:
     assert RuntimeOptions().proxy_cpu == "numa"
     for value in ("numa", "none", "0", "12", "8-15,40"):
@@ -62,3 +180,127 @@ def test_a_bad_proxy_cpu_from_a_variable_or_the_config_says_where(tmp_path: Path
     cfg.write_text("[runtime]\nproxy_cpu = 12\n")  # TOML: a string, as every CPU list
     with pytest.raises(ConfigError, match=r"runtime\.proxy_cpu.*expected a string"):
         load_config(env={**env, "MOETUNE_CONFIG": str(cfg)})
+
+
+# -- the transport's choice ---------------------------------------------------------------------------------------
+def test_the_transport_warns_once_when_numa_pinning_cannot_be_done(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    from moetune.runtime.transports import proxy as P
+
+    monkeypatch.setattr(_affinity, "SYSFS_PCI", str(tmp_path / "no-sysfs"))
+    monkeypatch.setattr(_affinity, "_WARNED", set())
+    monkeypatch.setattr(P, "gpu_pci_address", lambda device: "0000:19:00.0")
+    dev = torch.device("cuda", 0)
+    with pytest.warns(_affinity.ProxyCpuWarning, match="runs unpinned: no NUMA information"):
+        assert P.proxy_cpu_choice(RuntimeOptions(), dev).cpu is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert P.proxy_cpu_choice(RuntimeOptions(), dev).cpu is None  # once
+        assert P.proxy_cpu_choice(RuntimeOptions(proxy_cpu="none"), dev).cpu is None  # asked for nothing: silent
+    _fake_sysfs(tmp_path / "pci", {"0000:19:00.0": format_cpulist(os.sched_getaffinity(0))})
+    monkeypatch.setattr(_affinity, "SYSFS_PCI", str(tmp_path / "pci"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = P.proxy_cpu_choice(RuntimeOptions(), dev)
+    assert c.cpu in os.sched_getaffinity(0)
+
+
+def test_the_transport_hands_its_choice_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ProxyTransport with the library and the symmetric buffers faked (as tests/test_transport_lifecycle.py):
+    the CPU chosen under the option reaches mt_proxy_create, and proxy_cpu() reports the engine's answer."""
+    import ctypes
+
+    import torch.distributed as dist
+
+    from moetune.runtime import csrc_build
+    from moetune.runtime.knobs import default_knobs
+    from moetune.runtime.transports import _onesided
+    from moetune.runtime.transports import proxy as P
+
+    created: list[int] = []
+
+    class Lib:
+        def mt_ctrl_bytes(self, out: object) -> int:
+            out._obj.value = 4096  # type: ignore[attr-defined]
+            return 0
+
+        def mt_enable_peer_access(self, dev: int, other: int) -> int:
+            return 0
+
+        def mt_proxy_create(self, *args: object) -> int:
+            created.append(args[-2])  # the cpu argument, before the out pointer
+            args[-1]._obj.value = 0x5001  # type: ignore[attr-defined]
+            return 0
+
+        def mt_proxy_cpu(self, h: object, out: ctypes.Array, n: int) -> int:
+            out[:5] = [created[-1], 2, 0, created[-1], 4242]  # pinned there
+            return 0
+
+        def mt_pxy_create(self, *args: object) -> int:
+            args[-1]._obj.value = 0x6001  # type: ignore[attr-defined]
+            return 0
+
+        def __getattr__(self, name: str) -> object:
+            return lambda *a: 0
+
+    class Symm:
+        def __init__(self, nbytes: int) -> None:
+            self.peer_ptrs, self.local, self.backend = [0x100000], torch.zeros(nbytes, dtype=torch.uint8), "fake"
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(csrc_build, "load", lambda **kw: Lib())
+    monkeypatch.setattr(_onesided, "SymmBuffer", lambda nbytes, group, device, lib, mode="torch": Symm(nbytes))
+    monkeypatch.setattr(_onesided, "_all_gather_ints", lambda values, group, device: [list(values)])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(P, "proxy_cpu_choice", lambda options, device: CpuChoice(
+        None if options.proxy_cpu == "none" else 3, f"test choice for {options.proxy_cpu}"))
+
+    t = P.ProxyTransport(None, default_knobs("proxy"), torch.device("cuda", 0), options=RuntimeOptions())
+    try:
+        assert created == [3]
+        b = t.proxy_cpu()
+        assert (b.requested, b.state, b.current, b.tid, b.error) == (3, "pinned", 3, 4242, "")
+        assert b.reason == "test choice for numa"
+    finally:
+        t.close()
+    t = P.ProxyTransport(None, default_knobs("proxy"), torch.device("cuda", 0),
+                         options=RuntimeOptions(proxy_cpu="none"))
+    t.close()
+    assert created == [3, -1]  # no pinning asked: -1
+
+
+# -- on a GPU -----------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the proxy engine on a real device)")
+def test_the_proxy_thread_runs_on_a_numa_local_cpu_of_its_gpu() -> None:
+    from moetune.runtime.transports import proxy as P
+
+    try:
+        P.csrc_build.load()
+    except P.csrc_build.BuildError as e:
+        pytest.skip(f"the csrc library is not available: {e}")
+    dev = torch.device("cuda", 0)
+    address = P.gpu_pci_address(dev)
+    assert re.fullmatch(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.0", address), address
+    local, why = _affinity.gpu_local_cpus(address)
+    choice = P.proxy_cpu_choice(RuntimeOptions(), dev)
+    if not local or not set(local) & os.sched_getaffinity(0):
+        assert choice.cpu is None, choice
+        pytest.skip(f"no NUMA-local CPU usable here: {why or choice.reason}")
+    assert choice.cpu in set(local) & os.sched_getaffinity(0)
+    buf = torch.zeros(1 << 16, dtype=torch.uint8, device=dev)
+    flags = torch.zeros(1024, dtype=torch.int64, device=dev)
+    eng = P.ProxyEngine(0, [buf.data_ptr()], [buf.data_ptr()], [flags.data_ptr()], cpu=choice.cpu)
+    try:
+        b = eng.cpu_binding()
+        assert (b.requested, b.state, b.current) == (choice.cpu, "pinned", choice.cpu), b
+        status = Path(f"/proc/self/task/{b.tid}/status").read_text()
+        assert re.search(rf"^Cpus_allowed_list:\s*{choice.cpu}$", status, re.M), status
+    finally:
+        eng.close()

@@ -10,7 +10,9 @@ Knobs used: fence_mode (`proxy_drain`: the thread stops until every earlier tran
 `peer_hash`), qps_per_pe (streams), signalling (`coupled`: a signal per PUT; `decoupled`: one signal
 per group of `group_size` PUTs, 0 = per PE), chunk_tokens (rows per PUT; 0 = one PUT per peer).
 The runtime option `proxy_batch=N` (> 1; `MOETUNE_PROXY_BATCH`) lets the proxy issue consecutive unsignalled PUTs of one QP stream as
-one cudaMemcpyBatchAsync (off by default; bench/proxy_micro.py measures both).
+one cudaMemcpyBatchAsync (off by default; bench/proxy_micro.py measures both). The runtime option `proxy_cpu`
+(`numa` by default, `none`, or a CPU list) says where the proxy thread pins itself: one CPU local to the GPU's NUMA
+node (runtime/transports/_affinity.py); `ProxyTransport.proxy_cpu()` says where it runs.
 
 `ProxyEngine` is the engine on its own (used by bench/proxy_micro.py); its constructor validates the
 fence/QP combination through `Knobs` unless a test helper passes `_allow_unsafe=True`.
@@ -19,7 +21,9 @@ fence/QP combination through `Knobs` unless a test helper passes `_allow_unsafe=
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -28,6 +32,7 @@ import torch.distributed as dist
 from moetune.runtime import _args, csrc_build
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.options import RuntimeOptions
+from moetune.runtime.transports import _affinity
 from moetune.runtime.transports._onesided import (
     MAX_SLOTS,
     OneSidedError,
@@ -42,6 +47,21 @@ QP_MAPPINGS = {"round_robin": 0, "peer_hash": 1}
 OP_PUT, OP_SIGNAL, OP_WRITE64, OP_ACK = 1, 2, 3, 4
 F_SIGNAL = 1
 STAT_NAMES = ("processed", "puts", "signals", "drains", "drain_ns", "write64", "bytes", "acks", "busy_ns", "batches")
+# mt_proxy_cpu's fields and states (csrc/proxy_engine.h MtProxyCpuField, MtProxyCpuState)
+CPU_FIELDS = ("requested", "state", "errno", "current", "tid")
+CPU_STATES = ("pending", "unpinned", "pinned", "failed")
+
+
+@dataclass(frozen=True)
+class ProxyCpu:
+    """Where a proxy thread runs, as its engine reports it."""
+
+    requested: int | None  # the CPU it was asked to pin itself to (None: no pinning asked)
+    state: str  # "pinned", "unpinned" (none asked), "failed" (asked, refused: runs unpinned), "pending" (not yet run)
+    error: str  # why pinning failed ("" unless failed)
+    current: int | None  # the CPU the thread last saw itself on (after pinning, and whenever it idles long)
+    tid: int | None  # the thread's kernel id (/proc/self/task/<tid>)
+    reason: str = ""  # why this CPU, or why none (the transport's choice; "" for an engine built directly)
 
 
 class Request(ctypes.Structure):
@@ -100,13 +120,18 @@ class ProxyEngine:
         fifo_slots: int = 4096,
         batch: int = 1,
         timeout_s: float = RuntimeOptions().onesided_timeout_s,
+        cpu: int | None = None,
         _allow_unsafe: bool = False,
     ):
+        """`cpu`: the CPU the proxy thread pins itself to (None: no pinning). A pinning the kernel refuses leaves
+        the thread unpinned and warns once (ProxyCpuWarning); `cpu_binding()` says where it runs."""
         if qp_mapping not in QP_MAPPINGS or fence_mode not in FENCE_MODES:
             raise KnobError(f"unknown qp_mapping {qp_mapping!r} or fence_mode {fence_mode!r}")
         if not _allow_unsafe:
             validate_modes(fence_mode, qp_mapping, qps)
         check_fifo_slots(fifo_slots, "proxy engine: ")
+        if cpu is not None:
+            _args.check_int("cpu", cpu, 0, "proxy engine: ")
         self.lib = csrc_build.load()
         self.device = device
         self.fence_mode, self.qp_mapping, self.qps = fence_mode, qp_mapping, qps
@@ -116,18 +141,24 @@ class ProxyEngine:
             self.lib,
             self.lib.mt_proxy_create(
                 device, self.npeers, u64_array(peer_data), u64_array(peer_ctrl), u64_array(peer_sig), qps,
-                QP_MAPPINGS[qp_mapping], FENCE_MODES[fence_mode], fifo_slots, ctypes.byref(h),
+                QP_MAPPINGS[qp_mapping], FENCE_MODES[fence_mode], fifo_slots, -1 if cpu is None else cpu,
+                ctypes.byref(h),
             ),
             "mt_proxy_create",
         )
         self.handle = h
         self.timeout_s = float(timeout_s)
-        if batch > 1:
-            try:
+        try:
+            if batch > 1:
                 csrc_build.check(self.lib, self.lib.mt_proxy_set_batch(h, int(batch)), "mt_proxy_set_batch")
-            except BaseException:  # the thread runs already, and the caller never gets this object to close it
-                self.close()
-                raise
+            if cpu is not None:
+                b = self.cpu_binding()
+                if b.state == "failed":
+                    _affinity.warn_once(f"moetune: the proxy thread of GPU {device} could not pin itself to CPU {cpu} "
+                                        f"({b.error}); it runs unpinned")
+        except BaseException:  # the thread runs already, and the caller never gets this object to close it
+            self.close()
+            raise
 
     def _live(self) -> ctypes.c_void_p:
         """The engine's handle; after close() the C side would dereference NULL, so refuse here."""
@@ -152,6 +183,17 @@ class ProxyEngine:
         buf = ctypes.create_string_buffer(512)
         self.lib.mt_proxy_diag(self.handle, buf, 512)
         return buf.value.decode(errors="replace")
+
+    def cpu_binding(self) -> ProxyCpu:
+        """Where the proxy thread runs: the CPU asked for, whether it is pinned there (or why not), the CPU it
+        last saw itself on and its thread id."""
+        arr = (ctypes.c_int * len(CPU_FIELDS))()
+        csrc_build.check(self.lib, self.lib.mt_proxy_cpu(self._live(), arr, len(CPU_FIELDS)), "mt_proxy_cpu")
+        v = dict(zip(CPU_FIELDS, list(arr), strict=True))
+        state = CPU_STATES[v["state"]] if 0 <= v["state"] < len(CPU_STATES) else f"state {v['state']}"
+        error = f"{os.strerror(v['errno'])} (errno {v['errno']})" if state == "failed" else ""
+        return ProxyCpu(v["requested"] if v["requested"] >= 0 else None, state, error,
+                        v["current"] if v["current"] >= 0 else None, v["tid"] or None)
 
     def stats(self) -> dict[str, int]:
         arr = (ctypes.c_uint64 * len(STAT_NAMES))()
@@ -182,6 +224,24 @@ class ProxyEngine:
             self.handle = None
 
 
+def gpu_pci_address(device: torch.device) -> str:
+    """The GPU's PCI address as sysfs names it ('0000:19:00.0'); '' where torch gives none (no CUDA)."""
+    try:
+        p = torch.cuda.get_device_properties(device)
+        return _affinity.sysfs_pci_address(f"{p.pci_domain_id:x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0")
+    except (AssertionError, RuntimeError, AttributeError, ValueError):  # CPU-only torch, no driver, older torch
+        return ""
+
+
+def proxy_cpu_choice(options: RuntimeOptions, device: torch.device) -> _affinity.CpuChoice:
+    """Where the proxy thread of `device` should run under `options.proxy_cpu`; when pinning was asked for and
+    cannot be done, says so once (ProxyCpuWarning) and chooses no pinning."""
+    choice = _affinity.resolve(options.proxy_cpu, address=gpu_pci_address(device))
+    if choice.cpu is None and options.proxy_cpu != "none":
+        _affinity.warn_once(f"moetune: the proxy thread of {device} runs unpinned: {choice.reason}")
+    return choice
+
+
 def make_requests(items: list[tuple[int, int, int, int, int, int, int]]) -> ctypes.Array:
     """items: (op, peer, flags, signal_idx, src, dst_off, bytes) -> a ctypes array of Request."""
     arr = (Request * len(items))()
@@ -194,6 +254,7 @@ class ProxyTransport(OneSidedTransport):
     name: ClassVar[str] = "proxy"
     graph_capturable: ClassVar[bool] = False  # the call's epoch is a kernel argument from the host
     engine: ProxyEngine | None = None  # the proxy thread (None until the constructor has started it)
+    cpu_choice: _affinity.CpuChoice = _affinity.CpuChoice(None, "no proxy thread yet")  # where it was to run, why
     _h: ctypes.c_void_p | None = None  # the kernels' context (None until mt_pxy_create made it, and after close)
 
     def __init__(
@@ -222,10 +283,11 @@ class ProxyTransport(OneSidedTransport):
                         self.lib.mt_enable_peer_access(self.device.index, other)
             ctrl = self.ctrl.peer_ptrs
             sig_off = 8 * self.rank * MAX_SLOTS  # my slots at each peer (MT_OFF_SIG = 0)
+            self.cpu_choice = proxy_cpu_choice(self.options, self.device)
             self.engine = ProxyEngine(
                 self.device.index, list(ctrl), list(ctrl), [p + sig_off for p in ctrl],
                 qps=knobs.qps_per_pe, qp_mapping=knobs.qp_mapping, fence_mode=knobs.fence_mode, fifo_slots=fifo_slots,
-                batch=self.options.proxy_batch, timeout_s=self.timeout_s,
+                batch=self.options.proxy_batch, timeout_s=self.timeout_s, cpu=self.cpu_choice.cpu,
             )
             h = ctypes.c_void_p()
             csrc_build.check(
@@ -319,6 +381,10 @@ class ProxyTransport(OneSidedTransport):
 
     def proxy_stats(self) -> dict[str, int]:
         return self._running_engine().stats()
+
+    def proxy_cpu(self) -> ProxyCpu:
+        """Where the proxy thread runs (pinned or not, and why: the runtime option `proxy_cpu`)."""
+        return replace(self._running_engine().cpu_binding(), reason=self.cpu_choice.reason)
 
     def _release_native(self) -> None:
         # the kernels' context first: it enqueues into the engine
