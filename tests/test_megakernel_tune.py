@@ -309,9 +309,9 @@ def test_imported_megakernel_rows_are_in_the_summary() -> None:
 
     rows = [r for r in R.read_rows(S.SUMMARY_CSV) if r["scenario"] == "moe-megakernel-vs-unfused"]
     imported = [r for r in rows if r["source"] == "imported"]
-    # runs 5 and 8 (bench/import_megakernel.py), runs 160 and 163, 177, 178, 179, 181 and 184 (`bench run --from-report`)
+    # runs 5 and 8 (bench/import_megakernel.py), runs 160 and 163, 177, 178, 179, 181, 184 and 186 (`bench run --from-report`)
     assert {r["git_sha"][:7] for r in imported} == {"610d837", "711d9d4", "afe36cb", "bd3e980", "ad3607d", "2bffafd",
-                                                     "ea0d939", "64c2f2d", "950ab6c"}
+                                                     "ea0d939", "64c2f2d", "950ab6c", "54fc1b9"}
     got = {(r["git_sha"][:7], r["case"], r["metric"]): float(r["median"]) for r in imported}
     assert got[("711d9d4", "megakernel", "graph_us[S=128]")] == pytest.approx(351.9, abs=0.1)
     assert got[("610d837", "unfused", "layer_us[S=4096]")] == pytest.approx(2008.7, abs=0.1)
