@@ -59,10 +59,12 @@ def build_requests(P, c: int, size: int, signalling: str | None, src_base: int):
 def run_micro(args, out_rows: list[dict]) -> None:
     import torch
 
+    from moetune.runtime.options import RuntimeOptions
     from moetune.runtime.transports import proxy as P
 
     lib = P.csrc_build.load()
     P.csrc_build.check(lib, lib.mt_enable_peer_access(0, 1), "enable peer access 0->1")
+    cpu = P.proxy_cpu_choice(RuntimeOptions.resolve(), torch.device("cuda", 0)).cpu  # as the transport pins it
     max_size = max(args.sizes)
     per_pe_max = 8
     src = torch.empty(96 * max_size, dtype=torch.uint8, device="cuda:0").random_(0, 255)
@@ -79,7 +81,7 @@ def run_micro(args, out_rows: list[dict]) -> None:
             peer_sig = [flags.data_ptr() + p * SLOTS_PER_PE * 8 for p in range(npe)]
             try:
                 eng = P.ProxyEngine(0, peer_data, peer_data, peer_sig, qps=args.qps, qp_mapping="peer_hash",
-                                    fence_mode=fence, batch=batch)
+                                    fence_mode=fence, batch=batch, cpu=cpu)
             except Exception as e:
                 out_rows.append({"bench": "proxy_micro", "mode": mode, "concurrency": c, "error": str(e)[-1500:]})
                 print(f"  {mode} c={c}: engine failed: {e}", flush=True)

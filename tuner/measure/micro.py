@@ -328,11 +328,16 @@ def proxy_requests(c: int, size: int, signalling: str | None, src_base: int):
 def _proxy_signalled(sizes: list[int], iters: int, label: str) -> list[dict]:
     import torch
 
+    from moetune.runtime.options import RuntimeOptions
     from moetune.runtime.transports import proxy as P
 
     lib = P.csrc_build.load()
     out: list[dict] = []
     warmup, max_c, max_size = 3, max(PROXY_CONCURRENCY), max(sizes)
+    # the proxy thread where the runtime's transport puts it (the option proxy_cpu), so the fabric is measured
+    # as the runtime will drive it
+    opts = RuntimeOptions.resolve()
+    cpus = {a: P.proxy_cpu_choice(opts, torch.device("cuda", a)).cpu for a in (0, 1)}
     value = 1
     for a, b in ((0, 1), (1, 0)):
         P.csrc_build.check(lib, lib.mt_enable_peer_access(a, b), f"enable peer access {a}->{b}")
@@ -348,7 +353,8 @@ def _proxy_signalled(sizes: list[int], iters: int, label: str) -> list[dict]:
                 region = (c // npe) * max_size
                 peers = [dst.data_ptr() + p * region for p in range(npe)]
                 sigs = [flags.data_ptr() + p * SLOTS_PER_PE * 8 for p in range(npe)]
-                eng = P.ProxyEngine(a, peers, peers, sigs, qps=PROXY_QPS, qp_mapping="peer_hash", fence_mode=fence)
+                eng = P.ProxyEngine(a, peers, peers, sigs, qps=PROXY_QPS, qp_mapping="peer_hash", fence_mode=fence,
+                                    cpu=cpus[a])
                 try:
                     for size in sizes:
                         reqs, _, _ = proxy_requests(c, size, signalling, src.data_ptr())
