@@ -125,6 +125,11 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # cannot know the skew of the traffic ahead; it says which latencies may be compared (the store never compares
     # a zipf number with a uniform one). Left out: not recorded (a record from an older moetune or caller).
     routing: str | msgspec.UnsetType = msgspec.UNSET
+    # The performance environment of the process that measured the numbers (NCCL_*, NVSHMEM_*, FI_*, ...: what
+    # runtime/profiles/perf_env.py extracts, sorted). NOT part of the key: the runtime compares it with the job's
+    # and says where they differ, and never exports it. Left out: not recorded (a modelled profile, which no
+    # process measured, or a measurement by an older moetune): unknown, never taken to match.
+    perf_env: dict[str, str] | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
         if self.provenance is msgspec.UNSET:
@@ -140,6 +145,11 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def tuned_routing(self) -> str:
         """The routing the numbers were measured under, "" when not recorded."""
         return "" if self.routing is msgspec.UNSET else str(self.routing)
+
+    @property
+    def tuned_perf_env(self) -> dict[str, str] | None:
+        """The performance environment the numbers were measured in, None when not recorded."""
+        return None if self.perf_env is msgspec.UNSET else dict(self.perf_env)
 
     def is_tuned_for(self, fingerprint: str, software: str) -> bool:
         """Measured on exactly this fabric and software: the only profile the runtime applies as tuned."""

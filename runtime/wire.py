@@ -74,6 +74,10 @@ Id = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | Annotated[str, Meta
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 PosInt = Annotated[int, Meta(ge=1, le=1 << 31)]
 Tokens = Annotated[int, Meta(ge=0, le=1 << 31)]
+# A recorded performance environment as a reply may carry it: bounded here, its names checked by the client.
+PerfEnvMap = Annotated[
+    dict[Annotated[str, Meta(max_length=128)], Annotated[str, Meta(max_length=256)]], Meta(max_length=512)
+]
 
 
 # -- requests --------------------------------------------------------------------------------------
@@ -178,6 +182,10 @@ class ProfileResult(msgspec.Struct, kw_only=True):
     # An older daemon sends neither: the profile then counts as modelled, never as measured.
     provenance: Provenance | msgspec.UnsetType = msgspec.UNSET
     measured_on: str = ""
+    # The performance environment the profile was measured in (ProfileRecord.perf_env; left out: not recorded).
+    # The client only compares it with the job's (names checked by runtime/profiles/perf_env.perf_env_problem,
+    # a reply with any other name is a bad reply) and never exports it.
+    perf_env: PerfEnvMap | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
         if self.provenance is msgspec.UNSET:
@@ -200,6 +208,7 @@ class ProfileResult(msgspec.Struct, kw_only=True):
             version=version,
             provenance=rec.provenance,
             measured_on=rec.measured_on,
+            perf_env=rec.perf_env,
         )
 
 
