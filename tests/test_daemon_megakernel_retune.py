@@ -264,3 +264,50 @@ def test_a_current_ep_1_transport_profile_does_not_stand_for_a_stale_megakernel_
     assert retune_keys(idx, all_current=False) == [mk_stale.key]
     assert J.tuning_key(ep1.key) != J.tuning_key(mk_stale.key)
     assert J.tuning_key(_key(facts, "nvlink", ep=2)) == J.tuning_key(_key(facts, "host_staged", ep=2))
+
+
+def _hopper_with_library() -> str:
+    """'' where the real megakernel can be measured here, else why not (the skip reason)."""
+    try:
+        import torch
+    except ImportError:
+        return "no torch"
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return "needs an sm_90 GPU (the megakernel is built for sm_90a)"
+    from moetune.tuner.fabric.discovery import discover
+
+    return J.megakernel_refusal(discover(), "local")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_gpu_a_stale_megakernel_key_is_re_measured_on_the_gpu(tmp_path: Path) -> None:
+    """The daemon's re-tune of a stale megakernel key with the real backend (megakernel_backend: the kernel timed on
+    this GPU, nothing injected): the job ends done with a measured megakernel profile of this node's fingerprint."""
+    why = _hopper_with_library()
+    if why:
+        pytest.skip(why)
+    from moetune.tuner.fabric.discovery import discover
+
+    facts = discover()
+    store = F.open_store(tmp_path / "m.db")
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    stale = _stale_mk(store, facts)
+    done: list = []
+    jm = J.JobManager(store=store, facts_fn=lambda: facts, retune=J.tuner_retune,
+                      on_done=lambda j, w: done.append((j, w)),
+                      tune=TuneSettings(backend="local", trials=3, timeout_s=240, busy_retry_s=0.05),
+                      gpu_probe=lambda: (False, "idle (test)"))
+    jm.start()
+    try:
+        jm.submit(reason="fabric changed (test)", old_fingerprint=stale.fingerprint, keys=[stale])
+        job, written = _wait(done, timeout=280.0)
+    finally:
+        jm.stop()
+    assert job.state == "done", job.message
+    assert job.refused == []
+    assert [(r.key.transport_family, r.key.fingerprint, r.key.token_bucket) for r in written] == [
+        ("megakernel", facts.fingerprint, 128)]
+    rec = written[0]
+    assert rec.provenance == "measured" and rec.backend == "local:megakernel" and rec.knobs.engine == "megakernel"
+    assert 50.0 < rec.latency_us < 5000.0, rec.latency_us  # the whole layer at S=128 (~290 us on an H200)
