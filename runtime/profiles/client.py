@@ -73,6 +73,7 @@ from moetune.runtime.profile_record import (
 )
 from moetune.runtime.profiles import node_identity
 from moetune.runtime.profiles.launcher_env import allowed_env, env_refusal, launcher_env
+from moetune.runtime.profiles.perf_env import perf_env_problem
 from moetune.runtime.shapes import ModelShape
 
 __all__ = [
@@ -151,6 +152,7 @@ _PROFILE_COLUMNS = (
     "token_bucket, knobs, latency_us, spread_us, backend, status, software_versions, created, updated"
 )
 _PROVENANCE_COLUMNS = ", provenance, measured_on"  # a store from before issue 19 has neither
+_PERF_ENV_COLUMN = ", perf_env"  # a store from before migration 0006 has none
 
 
 def db_read(db_path: str | Path, sql: str, args: list[Any] | tuple[Any, ...] = (), timeout_s: float = 0.05) -> list[tuple]:
@@ -190,7 +192,9 @@ def query_db_profiles(
 
     The ONE place the runtime reads profiles from the database. Columns as defined by moetune's store
     (`moetune.tuner.store.models`, table `profiles`). Rows that do not parse are skipped. Each record's
-    provenance is the column's where the store has one, else what the backend name says (`provenance_of`).
+    provenance is the column's where the store has one, else what the backend name says (`provenance_of`); its
+    perf_env the column's (migration 0006; NULL or no column: not recorded), a row whose perf_env is not one the
+    tuner records (`perf_env_problem`) is skipped.
     """
     where = (" FROM profiles WHERE status = 'current' AND ep_size = ? AND nodes = ? "
              "AND hidden = ? AND intermediate = ? AND experts = ? AND topk = ? AND dtype = ?")
@@ -198,12 +202,15 @@ def query_db_profiles(
     if fingerprint:
         where += " AND fingerprint = ?"
         args.append(fingerprint)
-    try:
-        rows = db_read(db_path, f"SELECT {_PROFILE_COLUMNS}{_PROVENANCE_COLUMNS}{where}", args, timeout_s)
-    except sqlite3.OperationalError as e:
-        if "no such column" not in str(e):
-            raise
-        rows = db_read(db_path, f"SELECT {_PROFILE_COLUMNS}{where}", args, timeout_s)
+    rows: list[tuple] = []
+    extras = (_PROVENANCE_COLUMNS + _PERF_ENV_COLUMN, _PROVENANCE_COLUMNS, "")  # newest schema first
+    for i, extra in enumerate(extras):
+        try:
+            rows = db_read(db_path, f"SELECT {_PROFILE_COLUMNS}{extra}{where}", args, timeout_s)
+            break
+        except sqlite3.OperationalError as e:
+            if "no such column" not in str(e) or i == len(extras) - 1:
+                raise
     out: list[ProfileRecord] = []
     for r in rows:
         try:
@@ -216,10 +223,14 @@ def query_db_profiles(
             prov = r[19] if len(r) > 19 else "measured"  # legacy store: the backend name decides below
             if prov not in ("measured", "node_model", "preset"):
                 raise ValueError(f"unknown provenance {prov!r}")
+            perf_env = json.loads(r[21]) if len(r) > 21 and r[21] is not None else None
+            if perf_env is not None and perf_env_problem(perf_env) is not None:
+                raise ValueError(f"perf_env: {perf_env_problem(perf_env)}")
             rec = ProfileRecord(
                 key=key, knobs=knobs, latency_us=float(r[12]), spread_us=float(r[13]), backend=str(r[14]),
                 status=r[15], software_versions=sv if isinstance(sv, dict) else {}, created=r[17] or "",
                 updated=r[18] or "", provenance=prov, measured_on=str(r[20] or "") if len(r) > 20 else "",
+                perf_env=msgspec.UNSET if perf_env is None else perf_env,
             )
             rec = msgspec.structs.replace(rec, provenance=provenance_of(rec))
             out.append(rec)

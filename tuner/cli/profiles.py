@@ -11,6 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from moetune.runtime.profiles.perf_env import perf_env_digest
 from moetune.tuner.cli.db import CONFIG_HELP, DB_HELP, fail, open_store, out, print_json
 
 app = typer.Typer(help="Tuned profiles in the database: list, show, delete, export, import.", no_args_is_help=True)
@@ -27,7 +28,22 @@ PROVENANCE_LABEL = {
 
 
 def _record_json(pid: int, rec: Any) -> dict[str, Any]:
-    return {"id": pid, **msgspec.to_builtins(rec), "profile_hash": rec.profile_hash}
+    # perf_env always present: the variables, or null where it was not recorded (unknown, never "none set")
+    env = rec.tuned_perf_env
+    return {"id": pid, **msgspec.to_builtins(rec), "profile_hash": rec.profile_hash, "perf_env": env,
+            "perf_env_digest": perf_env_digest(env) if env is not None else None}
+
+
+def perf_env_lines(rec: Any) -> list[tuple[str, str]]:
+    """(field, value) rows of `profiles show` for the performance environment a profile was measured in."""
+    env = rec.tuned_perf_env
+    if env is None:
+        why = ("not recorded: measured by an older moetune" if rec.provenance == "measured"
+               else "not recorded: a prediction, measured in no process")
+        return [("perf_env", f"unknown ({why})")]
+    rows = [("perf_env", f"{len(env)} variable(s), digest {perf_env_digest(env)}" if env
+             else f"none set (digest {perf_env_digest(env)})")]
+    return rows + [(f"perf_env.{name}", value) for name, value in sorted(env.items())]
 
 
 def _check_status(status: str | None) -> None:
@@ -91,7 +107,7 @@ def show(
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
-    """Show one profile: its key, knobs and measurement."""
+    """Show one profile: its key, knobs and measurement, and the NCCL/NVSHMEM/FI environment it was measured in."""
     with open_store(db, config, mode="read") as store:
         rec = store.get_profile(profile_id)
     if rec is None:
@@ -112,6 +128,8 @@ def show(
     table.add_row("provenance", PROVENANCE_LABEL[str(rec.provenance)])
     table.add_row("measured_on", escape(rec.measured_on or "(unknown)"))
     table.add_row("routing", escape(rec.tuned_routing or "(not recorded)"))
+    for name, value in perf_env_lines(rec):
+        table.add_row(escape(name), escape(value))
     for name, value in sorted(rec.software_versions.items()):
         table.add_row(escape(f"software.{name}"), escape(str(value)))
     table.add_row("created", escape(rec.created))

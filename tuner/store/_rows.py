@@ -11,6 +11,7 @@ from sqlalchemy import Select, String, select, type_coerce
 
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profiles.perf_env import perf_env_problem
 from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Event, Profile
 from moetune.tuner.store.validate import canonical_routing
 
@@ -36,6 +37,7 @@ _COLUMNS = (
     Profile.provenance,
     Profile.measured_on,
     Profile.routing,
+    type_coerce(Profile.perf_env, String).label("perf_env"),
 )
 
 
@@ -49,6 +51,7 @@ def record_from_row(row: Any) -> ProfileRecord:
         key = ProfileKey(**{c: getattr(row, c) for c in PROFILE_KEY_COLUMNS})
         knobs = Knobs.from_dict(msgspec.json.decode(row.knobs or "null"))
         versions = msgspec.json.decode(row.software_versions or "{}", type=dict[str, str])
+        perf_env = decode_perf_env(row.perf_env)
         return ProfileRecord(
             key=key,
             knobs=knobs,
@@ -62,6 +65,7 @@ def record_from_row(row: Any) -> ProfileRecord:
             provenance=row.provenance,
             measured_on=row.measured_on,
             routing=row.routing or msgspec.UNSET,
+            perf_env=msgspec.UNSET if perf_env is None else perf_env,
         )
     except (KnobError, ValueError, TypeError, msgspec.DecodeError) as e:
         raise ValueError(f"profile {row.id} in the database is invalid for this moetune: {e}") from None
@@ -94,6 +98,7 @@ def current_of(key: ProfileKey) -> Select[Any]:
         Profile.profile_hash,
         Profile.routing,
         Profile.updated,
+        type_coerce(Profile.perf_env, String).label("perf_env"),
     ).where(*key_filter(key), Profile.status == "current")
 
 
@@ -131,10 +136,10 @@ def decide(
     is slower than a uniform one whatever the knobs); `new` replaces only with `replace_routing`. The same knobs
     from the same source (`profile_hash`, `backend` and `measured_on` equal): `new` is a re-measurement of what is stored, so
     it replaces whatever the numbers (`newer`: it was measured after the stored one; an import of an older
-    record does not), unless the numbers are identical. Other knobs: `force_reason` (a side-by-side
+    record does not), unless the numbers and the recorded performance environment are identical. Other knobs: `force_reason` (a side-by-side
     re-measurement of both settings) replaces; else `new` must beat the STORED number by more than the noise,
     max(old.spread, new.spread). A stored number can be stale (NCCL_* environment, power cap, clocks: what the
-    fingerprint does not capture), so a slower new best is not called a loss to it: the reason says that only a
+    fingerprint does not capture; the environment is recorded, `perf_env`, but not compared here), so a slower new best is not called a loss to it: the reason says that only a
     side-by-side comparison decides, and the stored profile is kept."""
     old_rank, new_rank = PROVENANCE_RANK.get(old.provenance, 0), PROVENANCE_RANK[str(new.provenance)]
     if new_rank > old_rank:
@@ -164,7 +169,7 @@ def decide(
         )
     same_knobs = (old.profile_hash, old.backend, old.measured_on) == (new.profile_hash, new.backend, new.measured_on)
     if same_knobs and newer:
-        if (old.latency_us, old.spread_us) == (new.latency_us, new.spread_us):
+        if (old.latency_us, old.spread_us) == (new.latency_us, new.spread_us) and _same_perf_env(old, new):
             return Decision(
                 False, f"kept the current profile {old.id}: the same knobs with the same numbers", "unchanged"
             )
@@ -208,9 +213,9 @@ def replacement_event(old: Any, new: ProfileRecord, new_id: int, decision: Decis
         "profile_hash": new.profile_hash,
         "provenance": str(new.provenance),
         "from": {"profile": old.id, "latency_us": old.latency_us, "spread_us": old.spread_us,
-                 "routing": old.routing or "", "updated": old.updated},
+                 "routing": old.routing or "", "updated": old.updated, "perf_env": _stored_perf_env(old)},
         "to": {"profile": new_id, "latency_us": float(new.latency_us), "spread_us": float(new.spread_us),
-               "routing": canonical_routing(new.tuned_routing)},
+               "routing": canonical_routing(new.tuned_routing), "perf_env": new.tuned_perf_env},
     }
     return Event(created=ts, kind=decision.rule, reason=decision.reason, details=details)
 
@@ -240,7 +245,37 @@ def row_from_record(rec: ProfileRecord, ts: str, *, keep_times: bool = False, st
         provenance=rec.provenance,
         measured_on=rec.measured_on,
         routing=canonical_routing(rec.tuned_routing),
+        perf_env=rec.tuned_perf_env,
     )
+
+
+def decode_perf_env(text: str | None) -> dict[str, str] | None:
+    """A `perf_env` column read as text: None when not recorded (SQL NULL); ValueError when it is not a
+    performance environment this moetune would record."""
+    if text is None:
+        return None
+    env = msgspec.json.decode(text)
+    if env is None:  # JSON null: not recorded either
+        return None
+    why = perf_env_problem(env)
+    if why is not None:
+        raise ValueError(f"perf_env: {why}")
+    return env
+
+
+def _stored_perf_env(old: Any) -> dict[str, str] | None:
+    try:
+        return decode_perf_env(old.perf_env)
+    except (ValueError, msgspec.DecodeError):
+        return None
+
+
+def _same_perf_env(old: Any, new: ProfileRecord) -> bool:
+    """Whether the stored row (a `current_of` row) recorded the same performance environment as `new`."""
+    try:
+        return decode_perf_env(old.perf_env) == new.tuned_perf_env
+    except (ValueError, msgspec.DecodeError):  # an unreadable stored one: not the same
+        return False
 
 
 def now() -> str:

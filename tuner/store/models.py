@@ -12,6 +12,7 @@ Plain `sqlite3` readers (the runtime's fallback, which has no SQLAlchemy) read c
       AND nodes = ? AND hidden = ? AND intermediate = ? AND experts = ? AND topk = ? AND dtype = ?
 
 and add `AND provenance = 'measured'` for what may be applied as tuned (column added by migration 0003).
+`perf_env` (migration 0006) is the JSON of the measuring process's performance environment, NULL when not recorded.
 
 (`knobs` is the JSON of `Knobs.to_dict()`; open with `file:PATH?mode=ro`, uri=True.)
 """
@@ -142,6 +143,10 @@ class Profile(Base):
     # Added by migration 0005: the routing the numbers were measured under (`uniform`, `zipf:S`; "" not
     # recorded). Not part of the key: latencies of two routings are never compared (`_rows.decide`).
     routing: Mapped[str] = mapped_column(String(32))
+    # Added by migration 0006: the performance environment (NCCL_*, NVSHMEM_*, FI_*, ...) of the process that
+    # measured the numbers (runtime/profiles/perf_env.py); NULL = not recorded (a modelled profile, a row from
+    # before 0006): unknown, never taken to match a job's. Not part of the key.
+    perf_env: Mapped[dict[str, str] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
 
     __table_args__ = (
         CheckConstraint("status IN ('current', 'stale', 'superseded')", name="status"),

@@ -17,6 +17,7 @@ from moetune.runtime.profile_record import (
     ProfileRecord,
     provenance_of_backend,
 )
+from moetune.runtime.profiles.perf_env import perf_env_problem
 from moetune.runtime.shapes import DTYPES
 
 STATUSES = ("current", "stale", "superseded")
@@ -83,6 +84,14 @@ def check_record(rec: ProfileRecord) -> None:
         canonical_routing(rec.tuned_routing)
     except ValueError as e:
         raise FieldError("routing", str(e)) from None
+    env = rec.tuned_perf_env
+    if env is not None:
+        # a prediction ran in no process's environment: only a measurement records one
+        if rec.provenance != "measured":
+            raise FieldError("perf_env", f"recorded for a {rec.provenance} profile; only a measurement has one")
+        why = perf_env_problem(env)
+        if why is not None:
+            raise FieldError("perf_env", why)
     for where, obj in (("key", rec.key.to_dict()), ("knobs", rec.knobs.to_dict())):
         big = _big_ints(obj, where)
         if big:
