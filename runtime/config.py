@@ -29,6 +29,7 @@ from typing import Any
 from moetune.runtime import paths
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+ENV_MISMATCH_MODES = ("warn", "refuse", "ignore")  # client.env_mismatch (runtime/profiles/client.py)
 _PATH_KEYS = {("store", "db"), ("daemon", "curve_secret_key_file"), ("daemon", "curve_public_key_file"),
               ("daemon", "curve_admins_dir")}
 
@@ -71,6 +72,9 @@ class ClientConfig:
     timeout_ms: int = 200
     socket: str = ""  # resolved by load_config: the daemon's socket
     allow_modelled: bool = False  # apply a MODELLED (node model / preset) profile when no measured one exists
+    # a tuned profile measured in another NCCL/NVSHMEM/FI environment than the job's (or one not recorded): "warn"
+    # (served, warned once naming the variables), "refuse" (the policy default instead), "ignore" (served)
+    env_mismatch: str = "warn"
     # TCP with CURVE: the daemon's public key file, and this client's key pair (`moetune keys client`), whose
     # public half must be in the daemon's allow-list; "" = a throwaway key pair (refused by the daemon).
     curve_server_key_file: str = ""
@@ -207,6 +211,9 @@ def _check_ranges(values: dict[str, dict[str, Any]], origin: dict[tuple[str, str
         fail("tune", "timeout_s", f"must be > 0, got {t['timeout_s']}")
     if c["timeout_ms"] < 1:
         fail("client", "timeout_ms", f"must be >= 1, got {c['timeout_ms']}")
+    c["env_mismatch"] = c["env_mismatch"].strip().lower()
+    if c["env_mismatch"] not in ENV_MISMATCH_MODES:
+        fail("client", "env_mismatch", f"must be one of {', '.join(ENV_MISMATCH_MODES)}, got {c['env_mismatch']!r}")
     for section, key in (("daemon", "socket"), ("daemon", "pub_socket"), ("client", "socket")):
         v = values[section][key]
         if v and "://" not in v:

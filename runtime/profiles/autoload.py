@@ -16,7 +16,10 @@ describes only the launcher's whole world. A profile whose transport this runtim
 have (a served `ibgda` profile) is passed over.
 
 The profile's environment-level settings (NVSHMEM_*, NCCL_*; only those `launcher_env` produces) are
-exported to `os.environ` right away, before any communicator exists. Variables already set in the
+exported to `os.environ` right away, before any communicator exists. The performance environment a tuned profile
+was measured in (NCCL_ALGO, NCCL_P2P_DISABLE, FI_*, ...: runtime/profiles/perf_env.py) is compared with this
+process's and never exported: where they differ the resolution says so (`env_status`, `env_diff`) and one warning
+names the variables, or with `client.env_mismatch = "refuse"` the profile is passed over (client.py). Variables already set in the
 environment are left alone (what the user set explicitly wins, as explicit knobs do: with explicit knobs
 this module is not called at all). Results are cached per process, key and device (what can run depends on
 the device), so the many layers of one model cost one lookup.
@@ -52,7 +55,13 @@ from typing import Any
 
 from moetune.runtime.knobs import Knobs, default_knobs
 from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
-from moetune.runtime.profiles.client import ProfileClient, Resolution, policy_or_default, warn_fallback
+from moetune.runtime.profiles.client import (
+    ProfileClient,
+    Resolution,
+    forget_env_warnings,
+    policy_or_default,
+    warn_fallback,
+)
 from moetune.runtime.profiles.launcher_env import apply_env, launcher_env
 from moetune.runtime.shapes import DTYPES, ModelShape
 
@@ -198,7 +207,8 @@ def autoload_profile(
                            transport_family=transport_family)
         if export_env:
             apply_env(res.env)
-        log.info("moetune: knobs from %s (profile %s, %.1f ms)", res.source, res.profile_hash, res.elapsed_ms)
+        log.info("moetune: knobs from %s (profile %s, %.1f ms%s)", res.source, res.profile_hash, res.elapsed_ms,
+                 f", NCCL/NVSHMEM/FI environment {res.env_status}" if res.env_status else "")
         if client is None:
             _cache[key] = res
         _last = res
@@ -364,6 +374,7 @@ def clear_cache() -> None:
     with _lock:
         _cache.clear()
         _last = None
+    forget_env_warnings()
 
 
 HASH_BYTES = 64

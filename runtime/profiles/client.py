@@ -25,6 +25,14 @@ have falls back too. Sockets and `daemon.json` are used only from a runtime dire
 profile's knobs (a reply's own `env` is never exported). A tcp:// endpoint is used only with CURVE (or,
 explicitly, plain text on loopback); the PUB endpoint a daemon names must be reached like its request socket.
 
+The performance environment (NCCL_*, NVSHMEM_*, FI_*, ...: `perf_env`): a tuned profile carries the one it was
+measured in (`ProfileRecord.perf_env`; not recorded by an older moetune: "unknown", never taken to match). The
+client compares it with this job's (`env`) and only compares: the recorded variables are never exported, and a
+reply carrying any name that is not a performance variable is `BadReply`. Where they differ the profile is still
+served, the resolution says so (`env_status`, `env_diff`) and one warning per process names the variables
+(`EnvMismatchWarning`); `env_mismatch = "refuse"` (config `client.env_mismatch`) passes such a profile, and one whose
+environment was not recorded, over instead, so the chain ends at the policy default; "ignore" serves it silently.
+
 Where things are found: `moetune.runtime.paths` (`default_endpoint`, `runtime_dir_candidates`,
 `client_db_path`); the daemon writes `daemon.json` next to its socket (endpoint, PUB endpoint, database
 path, fingerprint, software hash and transport families of the node).
@@ -50,7 +58,7 @@ import msgspec.inspect as mi
 import zmq
 
 from moetune.runtime import wire
-from moetune.runtime.config import ClientConfig, ConfigError, load_config
+from moetune.runtime.config import ENV_MISMATCH_MODES, ClientConfig, ConfigError, load_config
 from moetune.runtime.knobs import KnobError, Knobs, default_knobs, int_of_text
 from moetune.runtime.paths import (
     INFO_NAME,
@@ -73,13 +81,37 @@ from moetune.runtime.profile_record import (
 )
 from moetune.runtime.profiles import node_identity
 from moetune.runtime.profiles.launcher_env import allowed_env, env_refusal, launcher_env
-from moetune.runtime.profiles.perf_env import perf_env_problem
+from moetune.runtime.profiles.perf_env import (
+    EnvComparison,
+    compare_perf_env,
+    perf_env_problem,
+    performance_environment,
+)
 from moetune.runtime.shapes import ModelShape
 
 __all__ = [
-    "INFO_NAME", "PUB_SOCKET_NAME", "SOCKET_NAME", "BadReply", "DaemonError", "DaemonUnavailable", "FallbackWarning",
-    "ProfileClient", "Resolution", "TrackedProfile", "default_endpoint", "is_loopback_host", "pick_profile",
-    "policy_or_default", "query_db_profiles", "read_daemon_info", "runtime_dir_candidates", "tcp_host", "tcp_port",
+    "ENV_MISMATCH_MODES",
+    "INFO_NAME",
+    "PUB_SOCKET_NAME",
+    "SOCKET_NAME",
+    "BadReply",
+    "DaemonError",
+    "DaemonUnavailable",
+    "EnvMismatchWarning",
+    "FallbackWarning",
+    "ProfileClient",
+    "Resolution",
+    "TrackedProfile",
+    "default_endpoint",
+    "forget_env_warnings",
+    "is_loopback_host",
+    "pick_profile",
+    "policy_or_default",
+    "query_db_profiles",
+    "read_daemon_info",
+    "runtime_dir_candidates",
+    "tcp_host",
+    "tcp_port",
     "warn_fallback",
 ]
 
@@ -108,6 +140,16 @@ class DaemonError(RuntimeError):
 
 class FallbackWarning(RuntimeWarning):
     """The runtime could not get a tuned profile from the daemon and fell back."""
+
+
+class EnvMismatchWarning(RuntimeWarning):
+    """The tuned profile in use was measured in another NCCL/NVSHMEM/FI environment than this job's."""
+
+
+# client.env_mismatch (ENV_MISMATCH_MODES): what a tuned profile measured in another performance environment than
+# the job's (or in one not recorded) does. "warn": served, the resolution says so, one warning names the variables
+# (an unrecorded one is only logged); "refuse": passed over like a profile of another node (the chain falls back, to
+# the policy default in the end); "ignore": served, no warning (the resolution still says so).
 
 
 # -- where things live ------------------------------------------------------------------------------
@@ -403,6 +445,12 @@ class Resolution(msgspec.Struct, kw_only=True):
     epoch: str | None = None
     provenance: str = ""  # measured | node_model | preset for a profile; "" for defaults
     tuned: bool = False  # measured on this node's fingerprint and software
+    # A tuned profile's performance environment (NCCL_*, NVSHMEM_*, FI_*: runtime/profiles/perf_env.py) against
+    # this job's: "same", "differs" (env_diff names each variable: "NCCL_ALGO: tuned with Ring, job has Tree") or
+    # "unknown" (not recorded: measured by an older moetune); "" where nothing was measured (a modelled profile,
+    # a default). Only compared: the recorded variables are never exported.
+    env_status: str = ""
+    env_diff: list[str] = []
 
 
 _ids = itertools.count(1)
@@ -434,11 +482,17 @@ class ProfileClient:
         env: Mapping[str, str] = os.environ,
         allow_modelled: bool | None = None,
         allow_insecure_tcp: bool = False,
+        env_mismatch: str | None = None,
     ):
         """`allow_insecure_tcp`: talk plain-text TCP to a loopback daemon started with allow_insecure_tcp (tests
         only; an argument, never read from the config or the environment). Otherwise a tcp:// endpoint needs the
         daemon's CURVE public key (`curve_server_key`, or the file client.curve_server_key_file /
-        MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE names); without one every request raises DaemonUnavailable."""
+        MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE names); without one every request raises DaemonUnavailable.
+
+        `env`: this job's environment: where the config's variables are read, and the performance environment
+        (NCCL_*, NVSHMEM_*, FI_*, ...) a tuned profile's recorded one is compared with. `env_mismatch`: what a tuned
+        profile measured in another (or an unrecorded) environment does, one of ENV_MISMATCH_MODES (default:
+        client.env_mismatch, MOETUNE_CLIENT_ENV_MISMATCH, else "warn")."""
         cfg = _client_config(env)  # the TOML [client] section (+ MOETUNE_CLIENT_* variables); None if unreadable
         self.endpoint = endpoint or (cfg.socket if cfg else default_endpoint(env))
         if timeout_ms is None:
@@ -457,6 +511,15 @@ class ProfileClient:
             else:
                 allow_modelled = env.get("MOETUNE_CLIENT_ALLOW_MODELLED", "").strip().lower() in _TRUE
         self.allow_modelled = bool(allow_modelled)  # use modelled profiles (labelled MODELLED) when no tuned one
+        if env_mismatch is None:
+            env_mismatch = cfg.env_mismatch if cfg is not None else env.get("MOETUNE_CLIENT_ENV_MISMATCH", "warn")
+            if env_mismatch.strip().lower() not in ENV_MISMATCH_MODES:  # an unreadable config already warned
+                log.warning("moetune: MOETUNE_CLIENT_ENV_MISMATCH=%r is not one of %s; using warn", env_mismatch[:64],
+                            ", ".join(ENV_MISMATCH_MODES))
+                env_mismatch = "warn"
+        elif env_mismatch not in ENV_MISMATCH_MODES:
+            raise ValueError(f"env_mismatch must be one of {', '.join(ENV_MISMATCH_MODES)}, got {env_mismatch!r}")
+        self.env_mismatch = env_mismatch.strip().lower()
         self._env = env
         self._db_path = Path(db_path) if db_path else None
         self._curve = None
@@ -720,12 +783,17 @@ class ProfileClient:
         problems: list[str] = []
         info = read_daemon_info(self.endpoint, self._env)
         ident = node_identity.from_daemon_info(info, str(info.get("_dir"))) if info else None
+        job_env = performance_environment(self._env).variables  # compared with a tuned profile's, never exported
 
-        def finish(res: Resolution, headline: str) -> Resolution:
+        def finish(res: Resolution, headline: str, env_cmp: EnvComparison | None = None) -> Resolution:
             res.elapsed_ms = (time.monotonic() - t0) * 1000
+            if env_cmp is not None:
+                res.env_status, res.env_diff = env_cmp.status, list(env_cmp.differences)
             if problems:
                 res.message = "; ".join(problems)
                 warn_fallback(f"moetune: {headline} ({res.message})")
+            if env_cmp is not None:
+                self._say_env(res, env_cmp)
             return res
 
         # 1. the daemon (it knows the node: it discovered the fabric)
@@ -736,8 +804,15 @@ class ProfileClient:
                                        transport_family=transport_family)
             if mismatch is not None:
                 raise BadReply(f"reply does not answer the request: {mismatch}")
+            recorded = None if r.perf_env is msgspec.UNSET else dict(r.perf_env)
+            bad_env = None if recorded is None else perf_env_problem(recorded)
+            if bad_env is not None:  # only performance variables, as the tuner records them: anything else is forged
+                raise BadReply(f"reply's perf_env does not validate: {bad_env}")
             prov = provenance_of(r)
             verdict, why = self._judge(r.key, r.knobs, prov, ident, transport_ok)
+            env_cmp = compare_perf_env(recorded, job_env) if verdict == "tuned" else None
+            if env_cmp is not None and self._env_refusal(env_cmp) is not None:
+                verdict, why = None, self._env_refusal(env_cmp)
             if verdict is None:
                 problems.append(f"daemon served profile {r.profile_hash}: {why}")
             else:
@@ -753,7 +828,7 @@ class ProfileClient:
                                  key=r.key, family=r.key.transport_family, epoch=self.epoch, provenance=prov,
                                  tuned=verdict == "tuned")
                 return finish(res, "using a MODELLED profile, not a tuned one" if verdict == "modelled"
-                              else "daemon reply partly refused")
+                              else "daemon reply partly refused", env_cmp)
         except (DaemonUnavailable, DaemonError, BadReply) as e:
             problems.append(f"daemon: {e}")
 
@@ -771,7 +846,7 @@ class ProfileClient:
                                          dtype=model.dtype)
                 if transport_family:
                     recs = [x for x in recs if x.key.transport_family == transport_family]
-                rec, verdict, passed = self._pick_trusted(recs, tokens, ident, transport_ok, transport_family)
+                rec, verdict, passed = self._pick_trusted(recs, tokens, ident, transport_ok, transport_family, job_env)
                 if rec is None:
                     what = f"; passed over: {'; '.join(passed[:4])}" if passed else ""
                     problems.append(f"database {db}: no profile measured on this node ({ident.source}) for this "
@@ -786,8 +861,9 @@ class ProfileClient:
                     res = Resolution(knobs=rec.knobs, source="database", profile_hash=rec.profile_hash, status=rec.status,
                                      env=env, key=rec.key, family=rec.key.transport_family, provenance=rec.provenance,
                                      tuned=verdict == "tuned")
+                    env_cmp = compare_perf_env(rec.tuned_perf_env, job_env) if verdict == "tuned" else None
                     return finish(res, "using a MODELLED profile, not a tuned one" if verdict == "modelled"
-                                  else "tuned profile not served by the daemon")
+                                  else "tuned profile not served by the daemon", env_cmp)
         except (OSError, sqlite3.Error) as e:
             problems.append(f"database {db}: {e}")
 
@@ -828,15 +904,42 @@ class ProfileClient:
             return None, f"{label}; not applied as tuned (allow_modelled=True or MOETUNE_CLIENT_ALLOW_MODELLED=1 to use it)"
         return "modelled", label
 
+    def _env_refusal(self, cmp: EnvComparison) -> str | None:
+        """Why a tuned profile is not used in this job's performance environment (None: it is): only with
+        env_mismatch = "refuse", for an environment that differs or was not recorded."""
+        if self.env_mismatch != "refuse" or cmp.status == "same":
+            return None
+        return (f"{cmp.summary()}; client.env_mismatch = refuse uses only a profile measured in this job's "
+                "NCCL/NVSHMEM/FI environment" + (" (re-tune to record it)" if cmp.status == "unknown" else ""))
+
+    def _say_env(self, res: Resolution, cmp: EnvComparison) -> None:
+        """Say how the tuned profile's environment compares with this job's: a differing one in the resolution's
+        message and (env_mismatch = "warn") one warning per process naming the variables; an unrecorded one in
+        the log."""
+        if cmp.status == "differs":
+            res.message = "; ".join(x for x in (res.message, cmp.summary()) if x)
+            if self.env_mismatch == "warn":
+                warn_env_mismatch(f"moetune: tuned profile {res.profile_hash} (from the {res.source}) was {cmp.summary()}; "
+                                  "served anyway (client.env_mismatch = warn; \"refuse\" falls back to the policy "
+                                  "default instead)", (res.profile_hash, cmp.differences))
+        elif cmp.status == "unknown":
+            log.info("moetune: tuned profile %s: %s", res.profile_hash, cmp.summary())
+
     def _pick_trusted(
         self, recs: list[ProfileRecord], tokens: int, ident: node_identity.NodeIdentity,
         transport_ok: Callable[[str], str | None] | None, transport_family: str | None = None,
+        job_env: Mapping[str, str] | None = None,
     ) -> tuple[ProfileRecord | None, str | None, list[str]]:
-        """The nearest-bucket tuned profile, else (with allow_modelled) a modelled one; plus what was passed over."""
+        """The nearest-bucket tuned profile, else (with allow_modelled) a modelled one; plus what was passed over.
+        A tuned one whose performance environment `_env_refusal` refuses (against `job_env`) is passed over."""
         by: dict[str, list[ProfileRecord]] = {"tuned": [], "modelled": []}
         passed: list[str] = []
         for r in recs:
             verdict, why = self._judge(r.key, r.knobs, r.provenance, ident, transport_ok)
+            if verdict == "tuned":
+                refusal = self._env_refusal(compare_perf_env(r.tuned_perf_env, job_env or {}))
+                if refusal is not None:
+                    verdict, why = None, refusal
             if verdict is None:
                 passed.append(f"{r.profile_hash}: {why}")
             else:
@@ -896,6 +999,26 @@ def policy_or_default(family: str) -> tuple[Knobs, str]:
 def warn_fallback(message: str) -> None:
     warnings.warn(message, FallbackWarning, stacklevel=3)
     log.warning(message)
+
+
+_env_warned: set[Any] = set()
+_env_warned_lock = threading.Lock()
+
+
+def warn_env_mismatch(message: str, once_key: Any) -> None:
+    """EnvMismatchWarning + logging.WARNING, once per process for `once_key` (a profile and its differences)."""
+    with _env_warned_lock:
+        if once_key in _env_warned:
+            return
+        _env_warned.add(once_key)
+    warnings.warn(message, EnvMismatchWarning, stacklevel=4)
+    log.warning(message)
+
+
+def forget_env_warnings() -> None:
+    """Warn again about environments already warned about (autoload.clear_cache calls it)."""
+    with _env_warned_lock:
+        _env_warned.clear()
 
 
 class TrackedProfile:

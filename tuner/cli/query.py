@@ -118,6 +118,16 @@ ENV_LABEL = {"node_model": "MODELLED profile (node model)", "preset": "MODELLED 
              "unknown": "profile of UNKNOWN provenance"}
 
 
+def env_notes(res: Resolution) -> list[str]:
+    """What `--format env` says (as shell comments) about the tuned profile's NCCL/NVSHMEM/FI environment."""
+    if res.env_status == "differs":
+        return ["tuned in another NCCL/NVSHMEM/FI environment than this one (not exported, only compared):",
+                *[f"  {d}" for d in res.env_diff]]
+    if res.env_status == "unknown":
+        return ["the NCCL/NVSHMEM/FI environment this profile was tuned in was not recorded"]
+    return []
+
+
 def print_json(obj: Any) -> None:
     typer.echo(msgspec.json.encode(obj).decode())
 
@@ -159,6 +169,8 @@ def register(app: typer.Typer) -> None:
         if fmt == "env":
             if provenance in ENV_LABEL:  # the exports are eval'd or saved: the label goes with them (a shell comment)
                 typer.echo(f"# moetune: {ENV_LABEL[provenance]}, not measured on this node")
+            for line in env_notes(res):  # the recorded variables are said, never exported
+                typer.echo(f"# moetune: {line}")
             for k, v in sorted(res.env.items()):
                 typer.echo(f"export {k}={v}")
             typer.echo(f"export MOETUNE_PROFILE_HASH={res.profile_hash}")
@@ -166,11 +178,12 @@ def register(app: typer.Typer) -> None:
         out = {"source": res.source, "profile_hash": res.profile_hash, "status": res.status,
                "provenance": provenance, "measured_on": measured_on,
                "knobs": res.knobs.to_dict(), "env": res.env, "key": res.key.to_dict() if res.key else None,
-               "family": res.family, "message": res.message}
+               "family": res.family, "message": res.message, "env_status": res.env_status, "env_diff": res.env_diff}
         if fmt == "json":
             typer.echo(json.dumps(out))
             return
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
         con = Console()
@@ -189,6 +202,9 @@ def register(app: typer.Typer) -> None:
             t.add_row(k, str(v))
         for k, v in res.env.items():
             t.add_row(f"env {k}", v)
+        if res.env_status:
+            t.add_row("tuned environment", {"same": "the same as here", "unknown": "unknown (not recorded)"}.get(
+                res.env_status, "[yellow]differs[/yellow]: " + escape("; ".join(res.env_diff))))
         con.print(t)
         if caught or res.source != "daemon":
             con.print(f"[yellow]not from the daemon: {res.message}[/yellow]")

@@ -1,0 +1,255 @@
+"""At lookup (runtime/profiles/client.py, autoload): a tuned profile's recorded performance environment (NCCL_*,
+NVSHMEM_*, FI_*, ...) is compared with the job's. Where they differ the profile is still served, the resolution
+says so and one warning names the variables; `client.env_mismatch = "refuse"` falls back instead; a daemon's reply
+can never make the job set a recorded variable. Before, the job was served such a profile as if it applied."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime import wire
+from moetune.runtime.config import ConfigError, load_config
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profiles import autoload, node_identity
+from moetune.runtime.profiles.client import EnvMismatchWarning, FallbackWarning, ProfileClient, Resolution
+from moetune.runtime.shapes import MODELS
+
+pytestmark = pytest.mark.timeout(90)
+
+# -- from the database: the client compares, warns once, refuses on request ------------------------------------
+QWEN = MODELS["qwen3-30b"]
+FP = "c" * 16
+TUNED = {"NCCL_ALGO": "Ring", "NCCL_P2P_DISABLE": "1"}
+
+
+def qkey(fp: str = FP, sw: str = "5" * 16, bucket: int = 64) -> ProfileKey:
+    return ProfileKey(fingerprint=fp, software=sw, transport_family="nvlink", ep_size=2, nodes=1, hidden=QWEN.hidden,
+                      intermediate=QWEN.intermediate, experts=QWEN.experts, topk=QWEN.topk, dtype=QWEN.dtype,
+                      token_bucket=bucket)
+
+
+def measured(key: ProfileKey, perf_env: dict[str, str] | None, num_sms: int = 40) -> ProfileRecord:
+    return ProfileRecord(key=key, knobs=default_knobs("nvlink").replace(num_sms=num_sms), latency_us=20.0,
+                         spread_us=0.1, backend="local:nccl", provenance="measured",
+                         perf_env=msgspec.UNSET if perf_env is None else perf_env)
+
+
+def resolve(c: ProfileClient) -> tuple[Resolution, list[str], list[str]]:
+    """(resolution, FallbackWarnings, EnvMismatchWarnings) of one lookup (Qwen3-30B, EP 2, 100 tokens)."""
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = c.resolve(model=QWEN, ep_size=2, tokens=100)
+    finally:
+        c.close()
+    return (res, [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)],
+            [str(w.message) for w in caught if issubclass(w.category, EnvMismatchWarning)])
+
+
+@pytest.fixture
+def node_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[list[ProfileRecord]], Path]:
+    """A database of this (pretended) node holding the given profiles; no daemon."""
+    facts = {"gpus": [], "software": {"driver": "none", "torch": "2.4.1", "moetune": "0.1.0"}}
+    F.pretend_node(monkeypatch, facts, tmp_path / "proc")
+    sw = node_identity.software_hash(facts)
+    autoload.clear_cache()  # forgets the environments already warned about, too
+
+    def make(recs: list[ProfileRecord]) -> Path:
+        db = tmp_path / "moetune.db"
+        store = F.open_store(db)
+        store.upsert_fingerprint(FP, facts)
+        for r in recs:
+            r = msgspec.structs.replace(r, key=msgspec.structs.replace(r.key, software=sw))
+            ok, why = store.put_profile(r)
+            assert ok, why
+        store.close()
+        return db
+
+    yield make
+    autoload.clear_cache()
+
+
+def db_client(tmp_path: Path, db: Path, job_env: dict[str, str], **kw: Any) -> ProfileClient:
+    return ProfileClient(f"ipc://{tmp_path}/nowhere/daemon.sock", db_path=db, timeout_ms=200, env=job_env, **kw)
+
+
+def test_database_lookup_says_where_the_environment_differs_and_warns_once(node_db, tmp_path: Path) -> None:
+    db = node_db([measured(qkey(), TUNED)])
+    res, fell, env_warned = resolve(db_client(tmp_path, db, {"NCCL_ALGO": "Tree", "NCCL_DEBUG": "INFO"}))
+    assert res.source == "database" and res.tuned  # still served by default
+    assert res.env_status == "differs"
+    assert res.env_diff == ["NCCL_ALGO: tuned with Ring, job has Tree", "NCCL_P2P_DISABLE: tuned with 1, job has it unset"]
+    assert "NCCL_ALGO: tuned with Ring, job has Tree" in res.message
+    assert len(env_warned) == 1 and "NCCL_ALGO: tuned with Ring, job has Tree" in env_warned[0]
+    assert "NCCL_P2P_DISABLE" in env_warned[0] and "NCCL_DEBUG" not in env_warned[0]
+    assert len(fell) == 1 and "read-only database" in fell[0]  # the database fallback's own warning, as before
+    # once per process: the same profile and differences again say it in the resolution, not in a new warning
+    res, _, env_warned = resolve(db_client(tmp_path, db, {"NCCL_ALGO": "Tree"}))
+    assert res.env_status == "differs" and env_warned == []
+    # the job's environment as measured: no warning, "same"
+    res, _, env_warned = resolve(db_client(tmp_path, db, {**TUNED, "NCCL_DEBUG": "WARN"}))
+    assert res.env_status == "same" and res.env_diff == [] and env_warned == []
+
+
+def test_refuse_falls_back_to_the_policy_default_and_ignore_serves_silently(node_db, tmp_path: Path) -> None:
+    db = node_db([measured(qkey(), TUNED)])
+    job = {"NCCL_ALGO": "Tree", "NCCL_P2P_DISABLE": "1"}
+    res, fell, env_warned = resolve(db_client(tmp_path, db, job, env_mismatch="refuse"))
+    assert res.source in ("policy", "default") and res.status == "default" and not res.tuned
+    assert res.env_status == "" and env_warned == []
+    assert len(fell) == 1 and "NCCL_ALGO: tuned with Ring, job has Tree" in fell[0] and "env_mismatch = refuse" in fell[0]
+    # the same job environment as tuned: refuse serves it
+    res, _, _ = resolve(db_client(tmp_path, db, dict(TUNED), env_mismatch="refuse"))
+    assert res.source == "database" and res.env_status == "same"
+    # ignore: served, no warning, the resolution still says so
+    res, _, env_warned = resolve(db_client(tmp_path, db, job, env_mismatch="ignore"))
+    assert res.source == "database" and res.env_status == "differs" and env_warned == []
+    # the setting from the config's variable
+    res, fell, _ = resolve(db_client(tmp_path, db, {**job, "MOETUNE_CLIENT_ENV_MISMATCH": "refuse"}))
+    assert res.source in ("policy", "default") and "env_mismatch = refuse" in fell[0]
+
+
+def test_an_unrecorded_environment_is_unknown_never_same(node_db, tmp_path: Path) -> None:
+    db = node_db([measured(qkey(), None)])  # an older moetune's measurement
+    res, _, env_warned = resolve(db_client(tmp_path, db, {}))
+    assert res.source == "database" and res.env_status == "unknown" and env_warned == []
+    res, fell, _ = resolve(db_client(tmp_path, db, {}, env_mismatch="refuse"))
+    assert res.source in ("policy", "default") and "was not recorded" in fell[0]
+
+
+def test_refuse_takes_a_profile_measured_in_this_environment_over_one_that_was_not(node_db, tmp_path: Path) -> None:
+    """Passed over like a profile of another node: the next trusted one within reach is used."""
+    db = node_db([measured(qkey(bucket=64), TUNED), measured(qkey(bucket=128), {"NCCL_ALGO": "Tree"}, 24)])
+    res, _, _ = resolve(db_client(tmp_path, db, {"NCCL_ALGO": "Tree"}, env_mismatch="refuse"))
+    assert res.source == "database" and res.key.token_bucket == 128 and res.env_status == "same"
+
+
+def test_bad_env_mismatch_settings_are_named() -> None:
+    with pytest.raises(ConfigError, match=r"client\.env_mismatch"):
+        load_config(env={"MOETUNE_CLIENT_ENV_MISMATCH": "refuze", "HOME": "/nonexistent"})
+    assert load_config(env={"MOETUNE_CLIENT_ENV_MISMATCH": " Refuse", "HOME": "/nonexistent"}).client.env_mismatch == "refuse"
+    with pytest.raises(ValueError, match="env_mismatch"):
+        ProfileClient("ipc:///nowhere/daemon.sock", env={}, env_mismatch="strict")
+
+
+# -- from a daemon: the reply's recorded variables are compared, never exported --------------------------------
+def _reply(rid: Any, perf_env: Any, fp: str = "f" * 16, sw: str = "5" * 16) -> bytes:
+    res = msgspec.to_builtins(wire.ProfileResult.from_record(measured(qkey(fp, sw), None),
+                                                             env={"NVSHMEM_REMOTE_TRANSPORT": "none"}))
+    if perf_env is not None:
+        res["perf_env"] = perf_env
+    return json.dumps({"v": 1, "id": rid, "ok": True, "epoch": "e1", "result": res}).encode()
+
+
+@pytest.fixture
+def fake_daemon(tmp_path: Path):
+    made: list[F.ReplyRouter] = []
+
+    def make(perf_env: Any) -> F.ReplyRouter:
+        run = tmp_path / f"run{len(made)}"
+        run.mkdir(mode=0o700)
+        (run / "daemon.json").write_text(json.dumps({"fingerprint": "f" * 16, "software": "5" * 16,
+                                                     "transports": ["nvlink"], "db": str(tmp_path / "none.db")}))
+        d = F.ReplyRouter(f"ipc://{run / 'daemon.sock'}", lambda req: _reply(req["id"], perf_env))
+        made.append(d)
+        return d
+
+    autoload.clear_cache()
+    yield make
+    autoload.clear_cache()
+    for d in made:
+        d.close()
+
+
+def test_a_daemon_reply_cannot_make_the_job_set_its_recorded_environment(fake_daemon, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    recorded = {"NCCL_ALGO": "Tree", "NCCL_NET_PLUGIN": "libevil.so", "NCCL_P2P_DISABLE": "1"}
+    for name in (*recorded, "NVSHMEM_REMOTE_TRANSPORT", "LD_PRELOAD", "MOETUNE_CLIENT_ENV_MISMATCH"):
+        monkeypatch.delenv(name, raising=False)
+    d = fake_daemon(recorded)
+    monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", d.endpoint)
+    with pytest.warns(EnvMismatchWarning, match="NCCL_NET_PLUGIN: tuned with libevil.so, job has it unset"):
+        res = autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=100)
+    assert res.source == "daemon" and res.env_status == "differs" and len(res.env_diff) == 3
+    assert res.env == {"NVSHMEM_REMOTE_TRANSPORT": "none"}  # launcher_env of the knobs, nothing recorded
+    assert not {"NCCL_ALGO", "NCCL_NET_PLUGIN", "NCCL_P2P_DISABLE"} & set(os.environ)
+    assert os.environ.get("NVSHMEM_REMOTE_TRANSPORT") == "none"
+
+
+@pytest.mark.parametrize("forged", [{"LD_PRELOAD": "/tmp/x.so"}, {"NVSHMEM_REMOTE_TRANSPORT": "../lib"},
+                                    {"NCCL_DEBUG_FILE": "/etc/passwd"}, {"NCCL_ALGO": ""}, ["NCCL_ALGO"]])
+def test_a_reply_recording_anything_but_performance_variables_is_a_bad_reply(
+        fake_daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forged: Any) -> None:
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    d = fake_daemon(forged)
+    res, fell, env_warned = resolve(ProfileClient(d.endpoint, db_path=tmp_path / "none.db", timeout_ms=200, env={}))
+    assert res.source in ("policy", "default") and env_warned == [] and d.requests
+    assert len(fell) == 1 and "daemon:" in fell[0] and ("perf_env" in fell[0] or "validate" in fell[0])
+    assert "LD_PRELOAD" not in os.environ
+
+
+def test_a_daemon_profile_without_a_recorded_environment_is_unknown(fake_daemon, tmp_path: Path) -> None:
+    d = fake_daemon(None)  # an older daemon, or an older measurement
+    res, fell, env_warned = resolve(ProfileClient(d.endpoint, db_path=tmp_path / "none.db", timeout_ms=200, env={}))
+    assert res.source == "daemon" and res.env_status == "unknown" and fell == [] and env_warned == []
+
+
+def test_store_to_daemon_to_job_round_trip(tmp_path: Path) -> None:
+    """A real daemon serving a profile stored with its environment: the job sees the comparison."""
+    facts = F.make_capture(tmp_path / "capture")
+    store = F.open_store(tmp_path / "moetune.db")
+    key = ProfileKey(**{**qkey().to_dict(), "fingerprint": facts.fingerprint, "software": facts.software_hash})
+    assert store.put_profile(measured(key, TUNED))[0]
+    store.close()
+    d = F.DaemonProc(tmp_path)
+    try:
+        d.wait_ready()
+        autoload.clear_cache()
+        for job, status in (({"NCCL_ALGO": "Tree", "NCCL_P2P_DISABLE": "1"}, "differs"), (dict(TUNED), "same")):
+            res, fell, env_warned = resolve(ProfileClient(d.endpoint, db_path=d.db, timeout_ms=2000, env=job))
+            assert res.source == "daemon" and res.tuned and res.env_status == status and fell == []
+            assert len(env_warned) == (status == "differs")
+        assert res.env_diff == [] and env_warned == []
+        # refuse: the daemon's profile and the database's (the same one) are passed over
+        res, fell, _ = resolve(ProfileClient(d.endpoint, db_path=d.db, timeout_ms=2000, env={},
+                                             env_mismatch="refuse"))
+        assert res.source in ("policy", "default") and "daemon served profile" in fell[0]
+    finally:
+        d.kill()
+        autoload.clear_cache()
+
+
+def test_query_says_how_the_tuned_environment_compares_and_exports_none_of_it(
+        node_db, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    db = node_db([measured(qkey(), TUNED)])
+    for name in ("NCCL_P2P_DISABLE", "MOETUNE_CLIENT_ENV_MISMATCH", "MOETUNE_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NCCL_ALGO", "Tree")
+    args = ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "100", "--db", str(db),
+            "--socket", f"ipc://{tmp_path}/nowhere/daemon.sock"]
+    r = CliRunner().invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["source"] == "database" and got["env_status"] == "differs"
+    assert "NCCL_ALGO: tuned with Ring, job has Tree" in got["env_diff"]
+    r = CliRunner().invoke(app, [*args, "--format", "env"])
+    assert r.exit_code == 0, r.output
+    assert "# moetune:   NCCL_ALGO: tuned with Ring, job has Tree" in r.stdout
+    assert "export NCCL_ALGO" not in r.stdout and "export NCCL_P2P_DISABLE" not in r.stdout
