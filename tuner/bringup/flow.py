@@ -485,7 +485,8 @@ class Bringup:
             if not md.ok and mt.ok:
                 keep_tuned = True
             winner, m = (tuned, mt) if keep_tuned else (default, md)
-            written, reason = self._store_decision(t, winner, m, "tuned" if keep_tuned else "policy default", be.label)
+            written, reason = self._store_decision(t, winner, m, "tuned" if keep_tuned else "policy default", be.label,
+                                                   be.perf_environment())
             row = asdict(BucketResult(
                 model=t["model"], tokens=t["tokens"], family=t["family"],
                 default_us=md.median_us if md.ok else float("nan"), default_spread=md.spread_us if md.ok else 0.0,
@@ -511,16 +512,22 @@ class Bringup:
         self.progress.update(task, len(tuned_rows), description="tuned vs default")
         return out
 
-    def _store_decision(self, t: dict, knobs: Any, m: Any, which: str, backend: str) -> tuple[bool, str]:
-        """Write the bucket's profile from the side-by-side measurement (replacing the search's record)."""
+    def _store_decision(self, t: dict, knobs: Any, m: Any, which: str, backend: str,
+                        perf: Any = None) -> tuple[bool, str]:
+        """Write the bucket's profile from the side-by-side measurement (replacing the search's record), with the
+        performance environment it was measured in (`perf`, a PerfEnv; None: not recorded)."""
+        import msgspec
+
         from moetune.runtime.profile_record import ProfileKey, ProfileRecord, provenance_of_backend
 
         if not m.ok:
             return False, f"not stored: {m.error}"
         # the same key (and software versions) the search wrote its record under
+        provenance = provenance_of_backend(backend)
         rec = ProfileRecord(key=ProfileKey(**t["key"]), knobs=knobs, latency_us=m.median_us, spread_us=m.spread_us,
-                            backend=backend, software_versions=t["software_versions"],
-                            provenance=provenance_of_backend(backend))
+                            backend=backend, software_versions=t["software_versions"], provenance=provenance,
+                            perf_env=dict(perf.variables) if perf is not None and provenance == "measured"
+                            else msgspec.UNSET)
         return self.store.put_profile(rec, force_reason=f"{which} kept after a side-by-side re-measurement")
 
     def stage_report(self) -> str:

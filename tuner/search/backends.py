@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profiles.launcher_env import launcher_env
+from moetune.runtime.profiles.perf_env import PerfEnv, performance_environment
 from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.tuner.measure.stats import Summary, half_range
 
@@ -122,6 +123,12 @@ class BenchmarkBackend(ABC):
         """What, besides the label, decides the numbers this backend gives: a study is resumed only under the
         same settings (its trials measured them), so they are part of its name."""
         return {}
+
+    def perf_environment(self) -> PerfEnv | None:
+        """The performance environment (NCCL_*, NVSHMEM_*, FI_*, ...: runtime/profiles/perf_env.py) this backend's
+        measurements run in, recorded with every profile it measures; None for a backend that measures nothing (a
+        model's prediction ran in no process's environment)."""
+        return None
 
     @abstractmethod
     def evaluate(self, knobs: Knobs, workload: TuneWorkload, *, report: ReportFn | None = None) -> Measurement:
@@ -594,7 +601,15 @@ class LocalBackend(BenchmarkBackend):
                "error_budget": self.error_budget}
         if self.metric == "comm":  # a study of dispatch + combine values (before COMM_FIGURE) is not resumed
             out["comm_figure"] = COMM_FIGURE
+        perf = self.perf_environment()
+        if perf.variables:  # trials measured under other NCCL/NVSHMEM/FI settings are not resumed (none: as before)
+            out["perf_env"] = perf.digest
         return out
+
+    def perf_environment(self) -> PerfEnv:
+        """The performance environment of the ranks this backend launches (or of this process, for the in-process
+        megakernel): `env`, else this process's, without the variables the knobs set (`knob_environment`)."""
+        return performance_environment(os.environ if self.env is None else self.env)
 
     def close(self) -> None:
         """End the persistent workers (a later run starts fresh ones)."""

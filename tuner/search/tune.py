@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
 import optuna
 
 from moetune.runtime.knobs import KnobError, Knobs
@@ -419,13 +420,16 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
     provenance = "measured" if isinstance(be, LocalBackend) else provenance_of_backend(be.label)
     on_node = provenance != "preset"  # measured here, or predicted by this node's own calibrated model
     software = {str(k): str(v) for k, v in dict(facts.software).items()}
+    # the NCCL/NVSHMEM/FI environment the ranks measured in (a prediction has none: not recorded)
+    perf = be.perf_environment() if provenance == "measured" else None
 
     def record(kn: Knobs, m: Measurement) -> ProfileRecord:
         now = _now_iso()
         return ProfileRecord(key=key, knobs=kn, latency_us=float(m.median_us), spread_us=float(m.spread_us),
                              backend=be.label, status="current", software_versions=dict(software), created=now,
                              updated=now, provenance=provenance, measured_on=facts.fingerprint if on_node else "",
-                             routing=result.workload.routing)
+                             routing=result.workload.routing,
+                             perf_env=dict(perf.variables) if perf is not None else msgspec.UNSET)
 
     side_by_side: str | None = None
     if isinstance(be, LocalBackend):
