@@ -676,6 +676,10 @@ def test_decode_runs_where_it_fits(new_layers, model):
     assert grid == torch.cuda.get_device_properties(0).multi_processor_count and rows == -(-model.hidden // grid)
     assert m.decode_grid(2) is None and m.decode_grid(0) is None
     assert new_layers("decode=0").decode_grid(1) is None
+    from moetune.tuner.measure.moe import decode_kernel_takes
+
+    # what the tuner asks before searching a size (no layer built): the library's answer, as the layer's
+    assert decode_kernel_takes(model, 1) and not decode_kernel_takes(model, 2)
     x = _x(1, model.hidden, seed=3000)
     with pytest.raises(ValueError, match="decode kernel"):
         m.task_timeline(x)

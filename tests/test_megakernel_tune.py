@@ -91,6 +91,35 @@ def test_tune_stores_a_better_setting_as_measured(tmp_path: Path) -> None:
                                families=["megakernel"])
 
 
+def test_tune_measures_only_the_default_where_the_decode_kernel_runs(tmp_path: Path) -> None:
+    """S=1 of Qwen3-30B runs the decode kernel (the library says so on an H200; injected here), on which no tile
+    knob acts: searching there would store noise between equal runs as a tuned choice (and bucket 1's knobs act
+    on S=2-3, which run the task graph). The tune measures the policy default once and says why; S=128 searches."""
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    measured: list[tuple[int, Knobs]] = []
+
+    def measure(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+        measured.append((wl.tokens, knobs))
+        return bm16_better(knobs, wl)
+
+    store = F.open_store(tmp_path / "m.db")
+    facts = _facts("h200x1")
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    be = LocalBackend(world=1, family="megakernel", repeats=1, mk_measure=measure, mk_decode=lambda wl: wl.tokens == 1)
+    res = tune_profiles_detailed(store, facts, models=[QWEN], tokens=[1, 128], backend=be, trials=12, progress=False,
+                                 storage=f"sqlite:///{tmp_path / 'opt.db'}", ep_size=1, nodes=1, families=["megakernel"])
+    by = {r.record.key.token_bucket: r for r in res if r.record is not None}
+    default = load_policy("megakernel").defaults
+    assert {k for t, k in measured if t == 1} == {default} and by[1].study.trials == 1  # + the winner's re-measure
+    assert by[1].record.knobs == default and by[1].record.provenance == "measured" and by[1].written
+    assert "decode kernel" in by[1].reason and "only the policy default was measured" in by[1].reason
+    assert by[128].study.trials == 12 and len({k for t, k in measured if t == 128}) > 1
+    assert by[128].record.knobs.mk_bm == 16
+    assert "decode kernel" not in by[128].reason
+
+
 def _bringup(tmp_path: Path, capture: str, measure: Any) -> Any:
     from moetune.tuner.bringup.flow import Bringup, Plan
 

@@ -38,6 +38,19 @@ class MegakernelError(RuntimeError):
     """The persistent kernel reported an error (timeout, queue overflow)."""
 
 
+def decode_launch(model: Any, tokens: int, device: torch.device, lib: Any = None) -> tuple[int, int] | None:
+    """(CTAs, output rows per CTA) of the decode kernel for `tokens` tokens of `model` on `device`, or None where
+    the library says a launch of that size does not fit it (S x topk <= 64 routed rows, each CTA's rows of W_down in
+    its shared memory). Such launches run the decode kernel instead of the task graph wherever `config.decode` is on
+    (the default, which no knob changes): no tile knob acts on them."""
+    grid, rows = ctypes.c_int(0), ctypes.c_int(0)
+    lib = lib if lib is not None else _lib.load()
+    with torch.cuda.device(device):
+        ok = lib.mk_decode_grid(tokens, model.hidden, model.intermediate, model.topk, model.experts,
+                                ctypes.byref(grid), ctypes.byref(rows)) == 0
+    return (grid.value, rows.value) if ok else None
+
+
 class MegakernelMoE:
     """A forward-only bf16 SwiGLU MoE layer (softmax top-k routing, renormalised) on one GPU.
 
@@ -265,12 +278,7 @@ class MegakernelMoE:
         if not self.config.decode:
             return None
         if tokens not in self._decode:
-            grid, rows = ctypes.c_int(0), ctypes.c_int(0)
-            m = self.model
-            with torch.cuda.device(self.device):
-                ok = self.lib.mk_decode_grid(tokens, m.hidden, m.intermediate, m.topk, m.experts, ctypes.byref(grid),
-                                             ctypes.byref(rows)) == 0
-            self._decode[tokens] = (grid.value, rows.value) if ok else None
+            self._decode[tokens] = decode_launch(self.model, tokens, self.device, self.lib)
         return self._decode[tokens]
 
     def stages_for(self, bm: int, tokens: int, config: MegakernelConfig | None = None) -> int:

@@ -219,8 +219,8 @@ def _decode_notes(compared: list[dict[str, Any]]) -> list[str]:
                 "fit each CTA's shared memory (S=1 on qwen3-30b) run the decode kernel, which has no tile knobs, so "
                 "none was tuned for them"]
     return [f"megakernel {m} S={s}: {s * get_model(m).topk} routed rows may run the decode kernel (where its W_down "
-            "rows fit each CTA's shared memory), on which the tile knobs do not act: a tuned setting and the default "
-            "then differ only by noise" for m, s in small]
+            "rows fit each CTA's shared memory), on which the tile knobs do not act: where the library says it "
+            "runs, the tune measured the policy default only" for m, s in small]
 
 
 def _as_text(text: str) -> str:

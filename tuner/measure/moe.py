@@ -124,6 +124,16 @@ def measure_megakernel(knobs: Knobs, model: ModelShape, tokens: int, *, iters: i
     return res
 
 
+def decode_kernel_takes(model: ModelShape, tokens: int) -> bool:
+    """Whether a megakernel launch of `tokens` tokens of `model` runs the decode kernel on the current GPU (where no
+    tile knob acts: the tuner then has nothing to search at that size). Needs the library and a CUDA GPU."""
+    import torch
+
+    from moetune.runtime.megakernel.layer import decode_launch
+
+    return decode_launch(model, tokens, torch.device("cuda", torch.cuda.current_device())) is not None
+
+
 def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], *, graph: bool = False,
               iters: int = 50, warmup: int = 10, rotate: int = 4, seed: int = 0, device: str | None = None,
               knobs: Knobs | None = None, rest_s: float = 0.0, progress: Progress | None = None) -> dict[str, Any]:

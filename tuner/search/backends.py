@@ -119,6 +119,11 @@ class BenchmarkBackend(ABC):
         tie is never stored as a tuned choice); a measuring backend tells them all apart."""
         return frozenset()
 
+    def inert_reason(self, family: str, workload: TuneWorkload) -> str:
+        """Why no knob of `family` acts on what this backend measures at `workload` ('' when they act): the tune
+        then measures the policy default only, so noise between equal runs is never stored as a tuned choice."""
+        return ""
+
     def settings(self) -> dict[str, Any]:
         """What, besides the label, decides the numbers this backend gives: a study is resumed only under the
         same settings (its trials measured them), so they are part of its name."""
@@ -553,7 +558,8 @@ class LocalBackend(BenchmarkBackend):
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, verify_compression: bool = True,
                  error_budget: float | None = None, iters: int | None = None, persistent: bool | None = None,
                  worker_command: Sequence[str] | None = None,
-                 mk_measure: Callable[[Knobs, TuneWorkload], Mapping[str, Sequence[float]]] | None = None):
+                 mk_measure: Callable[[Knobs, TuneWorkload], Mapping[str, Sequence[float]]] | None = None,
+                 mk_decode: Callable[[TuneWorkload], bool] | None = None):
         if repeats < 1:
             raise ValueError("repeats must be >= 1")
         if metric not in ("layer", "comm"):
@@ -589,10 +595,30 @@ class LocalBackend(BenchmarkBackend):
         # a fake `(knobs, workload) -> {"graph_us": samples, "eager_us": samples}`
         self.mk_measure = mk_measure
         self.mk_iters = iters or 50
+        # whether the workload's launch runs the decode kernel (no tile knob acts on it); tests inject it
+        self.mk_decode = mk_decode
 
     @property
     def label(self) -> str:
         return "local:megakernel" if self.family == MEGAKERNEL else self.name
+
+    def inert_reason(self, family: str, workload: TuneWorkload) -> str:
+        if family != MEGAKERNEL:
+            return ""
+        if self.mk_decode is not None:
+            takes = self.mk_decode(workload)
+        else:
+            from moetune.tuner.measure.moe import decode_kernel_takes
+
+            try:
+                takes = decode_kernel_takes(workload.model, workload.tokens)
+            except Exception as e:  # broad: no library or GPU; the search then runs and its trials fail with why
+                _log.info("megakernel: could not ask whether S=%d runs the decode kernel: %s", workload.tokens, e)
+                return ""
+        if not takes:
+            return ""
+        return (f"S={workload.tokens} of {workload.model.name} runs the megakernel's decode kernel on this GPU, on "
+                "which no tile knob acts: only the policy default was measured")
 
     def settings(self) -> dict[str, Any]:
         # the figure minimised (the whole layer, or dispatch + combine), how long each run times, and what

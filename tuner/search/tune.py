@@ -17,7 +17,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -309,16 +309,18 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                                      ep_size=ep_size, nodes=nodes, hidden=model.hidden, intermediate=model.intermediate,
                                      experts=model.experts, topk=model.topk, dtype=model.dtype, token_bucket=bucket)
                     wl = TuneWorkload(model=model, tokens=bucket, nodes=nodes, gpus_per_node=gpus_per_node, routing=routing)
-                    # the bucket's token count bounds proxy/ibgda's PUT grid (chunks and group sizes that are
-                    # distinct runs at this many rows per peer; the study config says so: `grid_rule`)
-                    space = SearchSpace(pol, experts=model.experts, ep_size=ep_size, link_rates=rates,
-                                        pinned=be.pinned_knobs(pol.transport), tokens=bucket, topk=model.topk,
-                                        routing=routing)
                     if isinstance(be, LocalBackend):
                         be.family = fam
                         if not explicit_budget:
                             be.error_budget = pol.error_budget
-                    elif isinstance(be, ModelBackend):
+                    # no knob acts on what is measured here (the megakernel's decode kernel): the default only
+                    inert = be.inert_reason(fam, wl)
+                    pinned = be.pinned_knobs(pol.transport) | (frozenset(pol.knobs) if inert else frozenset())
+                    # the bucket's token count bounds proxy/ibgda's PUT grid (chunks and group sizes that are
+                    # distinct runs at this many rows per peer; the study config says so: `grid_rule`)
+                    space = SearchSpace(pol, experts=model.experts, ep_size=ep_size, link_rates=rates,
+                                        pinned=pinned, tokens=bucket, topk=model.topk, routing=routing)
+                    if isinstance(be, ModelBackend):
                         # A workload the model cannot run at all (too many nodes for the preset, ...) is
                         # one clear error, not a study of failed trials.
                         m = be.evaluate(pol.defaults, wl)
@@ -330,9 +332,11 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                         config = f"{config}-{study_tag}"
                     name = study_name(key, be.label, model.name, config)
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    out.append(_tune_one(store, st, url, name, key, space, be, wl, trials=trials, timeout_s=left,
-                                         seed=seed, bar=bar, facts=facts, on_trial=on_trial,
-                                         neighbour=neighbour_bucket(st, key, be.label, model.name, config)))
+                    res = _tune_one(store, st, url, name, key, space, be, wl, trials=1 if inert else trials,
+                                    timeout_s=left, seed=seed, bar=bar, facts=facts, on_trial=on_trial,
+                                    neighbour=None if inert else neighbour_bucket(st, key, be.label, model.name,
+                                                                                  config))
+                    out.append(replace(res, reason=f"{res.reason} ({inert})") if inert else res)
     finally:
         if be is not backend and isinstance(be, LocalBackend):
             be.close()  # built here (a backend name): end its persistent bench workers
