@@ -25,6 +25,7 @@ from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.profiles import autoload, node_identity
 from moetune.runtime.profiles.client import EnvMismatchWarning, FallbackWarning, ProfileClient, Resolution
+from moetune.runtime.profiles.perf_env import is_performance_variable
 from moetune.runtime.shapes import MODELS
 
 pytestmark = pytest.mark.timeout(90)
@@ -177,8 +178,11 @@ def fake_daemon(tmp_path: Path):
 def test_a_daemon_reply_cannot_make_the_job_set_its_recorded_environment(fake_daemon, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     recorded = {"NCCL_ALGO": "Tree", "NCCL_NET_PLUGIN": "libevil.so", "NCCL_P2P_DISABLE": "1"}
-    for name in (*recorded, "NVSHMEM_REMOTE_TRANSPORT", "LD_PRELOAD", "MOETUNE_CLIENT_ENV_MISMATCH"):
-        monkeypatch.delenv(name, raising=False)
+    # this process's own performance variables (other tests' modules set NCCL_NVLS_ENABLE=0, ...) left out
+    job = [name for name in os.environ if is_performance_variable(name)]
+    for name in (*job, *recorded, "NVSHMEM_REMOTE_TRANSPORT", "LD_PRELOAD", "MOETUNE_CLIENT_ENV_MISMATCH"):
+        monkeypatch.setenv(name, "")  # recorded, so that what autoload exports is undone after the test
+        monkeypatch.delenv(name)
     d = fake_daemon(recorded)
     monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", d.endpoint)
     with pytest.warns(EnvMismatchWarning, match="NCCL_NET_PLUGIN: tuned with libevil.so, job has it unset"):
