@@ -105,6 +105,22 @@ def test_database_lookup_says_where_the_environment_differs_and_warns_once(node_
     assert res.env_status == "same" and res.env_diff == [] and env_warned == []
 
 
+def test_a_megakernel_profile_is_not_doubted_for_the_jobs_nccl_settings(node_db, tmp_path: Path) -> None:
+    """The megakernel's profile (one GPU, no NCCL call) served under `refuse` to a job with other NCCL settings:
+    the comparison is on the variables that act on one GPU (perf_env.relevant_to)."""
+    key = msgspec.structs.replace(qkey(), transport_family="megakernel", ep_size=1)
+    rec = ProfileRecord(key=key, knobs=default_knobs("collective").replace(engine="megakernel", mk_bm=16),
+                        latency_us=290.0, spread_us=1.0, backend="local:megakernel", provenance="measured",
+                        perf_env=TUNED)
+    db = node_db([rec])
+    c = db_client(tmp_path, db, {"NCCL_ALGO": "Tree"}, env_mismatch="refuse")
+    try:
+        res = c.resolve(model=QWEN, ep_size=1, tokens=100, transport_family="megakernel")
+    finally:
+        c.close()
+    assert res.source == "database" and res.tuned and res.knobs.mk_bm == 16 and res.env_status == "same"
+
+
 def test_refuse_falls_back_to_the_policy_default_and_ignore_serves_silently(node_db, tmp_path: Path) -> None:
     db = node_db([measured(qkey(), TUNED)])
     job = {"NCCL_ALGO": "Tree", "NCCL_P2P_DISABLE": "1"}

@@ -96,6 +96,18 @@ def test_compare_names_each_differing_variable_and_unknown_is_never_same() -> No
     assert P.compare_perf_env({}, {}).status == "same"  # recorded as empty: a real statement
 
 
+def test_a_megakernel_profile_is_compared_on_what_acts_on_one_gpu_only() -> None:
+    """The megakernel (one GPU's kernel) calls no NCCL, NVSHMEM, libfabric or UCX: a job's NCCL settings are no
+    difference for its profile; CUDA_DEVICE_MAX_CONNECTIONS still is. Transport families compare everything."""
+    tuned = {"NCCL_ALGO": "Ring"}
+    job = {"NCCL_ALGO": "Tree", "FI_PROVIDER": "cxi"}
+    assert P.compare_perf_env(tuned, job, "megakernel") == P.EnvComparison("same")
+    assert P.compare_perf_env(tuned, job, "nvlink").status == "differs"
+    cmp = P.compare_perf_env(tuned, {**job, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "megakernel")
+    assert cmp.status == "differs" and cmp.differences == ("CUDA_DEVICE_MAX_CONNECTIONS: tuned without it, job has 1",)
+    assert P.compare_perf_env(None, job, "megakernel").status == "unknown"
+
+
 def test_the_wire_and_the_record_carry_it_and_the_wire_bounds_it() -> None:
     key = ProfileKey(fingerprint="f" * 16, software="s" * 16, transport_family="collective", ep_size=2, nodes=1,
                      hidden=256, intermediate=128, experts=16, topk=2, dtype="bfloat16", token_bucket=64)

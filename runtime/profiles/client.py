@@ -810,7 +810,7 @@ class ProfileClient:
                 raise BadReply(f"reply's perf_env does not validate: {bad_env}")
             prov = provenance_of(r)
             verdict, why = self._judge(r.key, r.knobs, prov, ident, transport_ok)
-            env_cmp = compare_perf_env(recorded, job_env) if verdict == "tuned" else None
+            env_cmp = compare_perf_env(recorded, job_env, r.key.transport_family) if verdict == "tuned" else None
             if env_cmp is not None and self._env_refusal(env_cmp) is not None:
                 verdict, why = None, self._env_refusal(env_cmp)
             if verdict is None:
@@ -861,7 +861,8 @@ class ProfileClient:
                     res = Resolution(knobs=rec.knobs, source="database", profile_hash=rec.profile_hash, status=rec.status,
                                      env=env, key=rec.key, family=rec.key.transport_family, provenance=rec.provenance,
                                      tuned=verdict == "tuned")
-                    env_cmp = compare_perf_env(rec.tuned_perf_env, job_env) if verdict == "tuned" else None
+                    env_cmp = (compare_perf_env(rec.tuned_perf_env, job_env, rec.key.transport_family)
+                               if verdict == "tuned" else None)
                     return finish(res, "using a MODELLED profile, not a tuned one" if verdict == "modelled"
                                   else "tuned profile not served by the daemon", env_cmp)
         except (OSError, sqlite3.Error) as e:
@@ -937,7 +938,7 @@ class ProfileClient:
         for r in recs:
             verdict, why = self._judge(r.key, r.knobs, r.provenance, ident, transport_ok)
             if verdict == "tuned":
-                refusal = self._env_refusal(compare_perf_env(r.tuned_perf_env, job_env or {}))
+                refusal = self._env_refusal(compare_perf_env(r.tuned_perf_env, job_env or {}, r.key.transport_family))
                 if refusal is not None:
                     verdict, why = None, refusal
             if verdict is None:

@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
 from moetune.runtime.profiles.launcher_env import ENV_RULES
 
 PREFIXES: tuple[str, ...] = ("NCCL_", "NVSHMEM_", "FI_", "UCX_")
@@ -155,11 +156,25 @@ def _shown(value: str) -> str:
     return value if len(value) <= 64 else value[:61] + "..."
 
 
-def compare_perf_env(recorded: Mapping[str, str] | None, job: Mapping[str, str]) -> EnvComparison:
+# The megakernel's family is one GPU's kernel: no NCCL, NVSHMEM, libfabric or UCX call is in its data path, so only
+# these variables can change its numbers (a job's NCCL settings are no reason to doubt its profile).
+ONE_GPU_NAMES: frozenset[str] = frozenset({"CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING"})
+
+
+def relevant_to(variables: Mapping[str, str], family: str | None) -> dict[str, str]:
+    """The variables of a performance environment that can act on `family`'s data path (None: all of them)."""
+    if family == MEGAKERNEL_FAMILY:
+        return {k: v for k, v in variables.items() if k in ONE_GPU_NAMES}
+    return dict(variables)
+
+
+def compare_perf_env(recorded: Mapping[str, str] | None, job: Mapping[str, str],
+                     family: str | None = None) -> EnvComparison:
     """Compare a profile's recorded performance environment (None: not recorded) with the job's (both as
-    `performance_environment(...).variables`)."""
+    `performance_environment(...).variables`), on the variables that act on `family` (`relevant_to`)."""
     if recorded is None:
         return EnvComparison("unknown")
+    recorded, job = relevant_to(recorded, family), relevant_to(job, family)
     diffs: list[str] = []
     for name in sorted(set(recorded) | set(job)):
         tuned, have = recorded.get(name), job.get(name)
