@@ -120,6 +120,30 @@ def test_tune_measures_only_the_default_where_the_decode_kernel_runs(tmp_path: P
     assert "decode kernel" not in by[128].reason
 
 
+def test_a_winner_within_noise_of_the_default_is_not_stored_as_tuned(tmp_path: Path) -> None:
+    """Without an incumbent the study's winner is measured again beside the policy default; a gain within the noise
+    stores the default (measured side by side) with that reason. Run 187 on the H200: `moetune tune` at S=128
+    stored split-K 2 (inert there: S=128 runs no split launch) at 293.0 µs against the default's 293.0."""
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    def almost_flat(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+        base = 300.0 if knobs == load_policy("megakernel").defaults else 299.5  # 0.5 us: well within +- 3
+        return {"graph_us": [base - 3, base, base + 3], "eager_us": [base] * 3}
+
+    store = F.open_store(tmp_path / "m.db")
+    facts = _facts("h200x1")
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    be = LocalBackend(world=1, family="megakernel", repeats=1, mk_measure=almost_flat, mk_decode=lambda wl: False)
+    res = tune_profiles_detailed(store, facts, models=[QWEN], tokens=[128], backend=be, trials=6, progress=False,
+                                 storage=f"sqlite:///{tmp_path / 'opt.db'}", ep_size=1, nodes=1, families=["megakernel"])
+    assert res[0].study.best_knobs != load_policy("megakernel").defaults  # the study's winner: a 0.5 us tie
+    rec = res[0].record
+    assert rec is not None and res[0].written and rec.knobs == load_policy("megakernel").defaults
+    assert rec.latency_us == pytest.approx(300.0) and rec.provenance == "measured"
+    assert "the default stored" in res[0].reason
+
+
 def _bringup(tmp_path: Path, capture: str, measure: Any) -> Any:
     from moetune.tuner.bringup.flow import Bringup, Plan
 

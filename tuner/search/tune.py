@@ -383,7 +383,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         result = run_study(study, space, be, wl, trials=trials, timeout_s=timeout_s, callbacks=[cb], extra_warm=extra,
                            shared=not is_sqlite(url), cross=cross)
         bar.update(task, finished_trials(study), _best_value(study))
-        record, written, reason = _write_profile(store, key, be, result, facts)
+        record, written, reason = _write_profile(store, key, be, result, facts, default=space.policy.defaults)
         status = "done" if result.best_knobs is not None else "no_result"
         # fewer finished trials than asked happens only when the budget ran out (an interruption raises)
         cut = timeout_s is not None and result.trials < trials
@@ -415,7 +415,10 @@ def _redact(url: str) -> str:
 
 
 def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: StudyResult,
-                   facts: TuneFacts) -> tuple[ProfileRecord | None, bool, str]:
+                   facts: TuneFacts, default: Knobs | None = None) -> tuple[ProfileRecord | None, bool, str]:
+    """Store the study's winner, measured again beside the incumbent, or where there is none beside the policy
+    `default`: a winner whose gain over it is within the noise is not stored as a tuned choice (the incumbent is
+    kept; the default, measured side by side, is stored instead)."""
     if result.best_knobs is None or result.best is None:
         return None, False, "no successful trial"
     knobs, meas = result.best_knobs, result.best
@@ -436,9 +439,10 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
                              perf_env=dict(perf.variables) if perf is not None else msgspec.UNSET)
 
     side_by_side: str | None = None
+    kept_default = ""
     if isinstance(be, LocalBackend):
         # Measure the winner again beside the incumbent (or the policy default): same conditions.
-        rival = incumbent.knobs if incumbent is not None else None
+        rival = incumbent.knobs if incumbent is not None else default
         cands = [knobs] + ([rival] if rival is not None and rival != knobs else [])
         ms = be.compare(cands, result.workload, rounds=max(2, be.repeats))
         if not ms[0].ok:
@@ -446,7 +450,13 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
         meas = ms[0]
         if len(ms) > 1 and ms[1].ok:
             gain = ms[1].median_us - meas.median_us
-            if gain <= max(ms[1].spread_us, meas.spread_us):
+            noise = max(ms[1].spread_us, meas.spread_us)
+            if gain <= noise and incumbent is None:
+                # no incumbent: the policy default, measured beside the winner, is what is stored
+                kept_default = (f"the policy default re-measured side by side at {ms[1].median_us:.1f} µs vs "
+                                f"{meas.median_us:.1f} µs: the winner's gain is within noise, the default stored")
+                knobs, meas = rival, ms[1]
+            elif gain <= noise:
                 why = (f"incumbent re-measured side by side at {ms[1].median_us:.1f} µs vs {meas.median_us:.1f} µs: "
                        f"gain within noise, incumbent kept")
                 if store is not None and incumbent is not None and incumbent.backend == be.label:
@@ -455,13 +465,14 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
                     written, how = store.put_profile(record(rival, ms[1]))
                     why += f" ({how})" if written else ""
                 return None, False, why
-            # the two ran in one comparison: the stored number of the incumbent, however fast, is not the rival
-            side_by_side = (f"beat the incumbent side by side: {meas.median_us:.1f} µs vs {ms[1].median_us:.1f} µs "
-                            f"(gain {gain:.1f} > noise {max(ms[1].spread_us, meas.spread_us):.1f})")
+            elif incumbent is not None:
+                # the two ran in one comparison: the stored number of the incumbent, however fast, is not the rival
+                side_by_side = (f"beat the incumbent side by side: {meas.median_us:.1f} µs vs {ms[1].median_us:.1f} "
+                                f"µs (gain {gain:.1f} > noise {noise:.1f})")
     rec = record(knobs, meas)
     if store is None:
         return rec, False, "no store"
     written, reason = store.put_profile(rec, force_reason=side_by_side)
     if not written:
         rec.status = "superseded"
-    return rec, written, reason
+    return rec, written, f"{reason}; {kept_default}" if kept_default else reason
