@@ -51,8 +51,10 @@ S x P(token needs r) (`routing.rank_hits`: exact hypergeometric under uniform ro
   nodes; no moetune transport sends it. The Perseus reproductions use it.
 * nvlink also: the count words stored in the same launch (one NVLink latency before the rows move), this
   PE's own rows copied by its own slot's CTAs, the reduce after combine. collective / host_staged (packed
-  layout): a counts exchange of its own before dispatch (the host sync that follows is not modelled), the
-  own rows copied locally beside the exchange, the reduce (index_add) after combine.
+  layout): ONE counts exchange per dispatch call (an NCCL all_to_all_single for both; its block to each rank
+  carries every pipeline chunk's counts), then the host sync that reads them (`.tolist()`: phase
+  `host_sync`, pcie.memcpy_us) before any payload is posted; the own rows copied locally beside the
+  exchange, the reduce (index_add) after combine; combine has no counts and no sync.
 * collective: one all_to_all_single of the packed rows. `predict(..., layout="nccl_k_copies")` instead
   describes a plain NCCL all_to_all_single of k copies of each H-wide token (DESIGN §6's baseline and the
   calibration rows): what those measurements moved, not what the runtime sends.
@@ -790,26 +792,42 @@ def _phase_collective(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads
     ph.transfers = peers
     ph.parts = {"collective_intra": t_intra, "collective_inter": t_inter, "per_peer": peers * p.c_peer}
     if layout == "runtime":
-        _packed_extras(p, w, ph, hits, tb, dispatch=dispatch, counts=(
-            p.c_alpha + p.c_sync + peers * p.c_peer + (p.rtt if w.nodes > 1 else 0.0)))
+        _packed_extras(p, w, knobs, ph, hits, tb, dispatch=dispatch)
     return ph
 
 
-def _packed_extras(p: _P, w: Workload, ph: _Phase, hits, tb: float, *, dispatch: bool, counts: float) -> None:
-    """The packed layout's pieces around its all-to-all (runtime/buffer/_packed.py): dispatch, the counts
-    go first in one small exchange of their own (`counts`: the transport's call with next to no bytes;
-    the host then reads them, a sync not modelled); this PE's own rows are a local copy inside the exchange
-    (read + write at HBM speed, beside the network: the longer counts); combine ends in the reduce over
-    every returned row (index_add: the bytes of `_reduce_us`)."""
+def _packed_counts_us(p: _P, w: Workload) -> float:
+    """The packed layout's counts exchange: ONE NCCL all_to_all_single per dispatch call (runtime/buffer/
+    _packed.py `_exchange_blocks` -> CollectiveTransport.exchange_blocks, which host_staged inherits: its counts
+    never take the copy-engine staging), with next to no bytes: the collective's fixed costs on the path its
+    payload call takes (NVLink / P2P, or staged through host memory, one tiny copy down and up, without it;
+    a NIC round trip across nodes) plus its per-peer cost."""
+    staged = not (p.has_nvl and w.p2p)
+    intra = p.c_host_alpha + 2 * p.memcpy if staged else p.c_alpha + p.c_sync
+    inter = p.c_alpha + p.c_sync + p.rtt if w.nodes > 1 else 0.0
+    return max(intra, inter) + (w.pes - 1) * p.c_peer
+
+
+def _packed_extras(p: _P, w: Workload, knobs: Knobs, ph: _Phase, hits, tb: float, *, dispatch: bool) -> None:
+    """The packed layout's pieces around its all-to-all (runtime/buffer/_packed.py `_plan_packed`), dispatch:
+    the counts go first in ONE small exchange per call whatever pipeline_depth (`_packed_counts_us`; the block
+    to each rank holds every chunk's [error word, rows, rows per local expert], int64), then the host reads
+    them (`.tolist()`, the one host sync of a dispatch) before any payload call is posted: `host_sync`, one
+    small device-to-host copy (`pcie.memcpy_us`; the payload call's launch after it is already in its own
+    alpha / launch). This PE's own rows are a local copy inside the exchange (read + write at HBM speed, beside
+    the network: the longer counts). Combine reuses the counts (no exchange, no sync) and ends in the reduce
+    over every returned row (index_add: the bytes of `_reduce_us`). As the tuner measures (check_inputs=False,
+    tuner/measure/ep.py): combine's input-check all-gather and its sync are not there."""
     S = w.tokens_per_gpu
     own = S * float(hits[0] if dispatch else hits.max()) * tb
     ph.parts["self_copy"] = own / (p.hbm / 2.0)
     ph.us = max(ph.us, ph.parts["self_copy"])
     if dispatch:
-        ph.parts["counts"] = counts
-        ph.us += counts
-        # one block per other rank: error word, rows, rows per local expert (int64; one pipeline chunk)
-        ph.bytes += (w.pes - 1) * (2 + w.model.experts // w.pes) * 8
+        ph.parts["counts"] = counts = _packed_counts_us(p, w)
+        ph.parts["host_sync"] = p.memcpy
+        ph.us += counts + p.memcpy
+        # one block per other rank: every pipeline chunk's error word, rows, rows per local expert (int64)
+        ph.bytes += (w.pes - 1) * knobs.pipeline_depth * (2 + w.model.experts // w.pes) * 8
     else:
         ph.parts["reduce"] = red = _reduce_us(p, w, hits, tb)
         ph.us += red
@@ -841,9 +859,8 @@ def _phase_host_staged(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, load
     ph.bytes = out
     ph.transfers = chunks
     ph.parts = {"staged": t}
-    # the counts exchange goes through the same staged path: a launch, a tiny copy down and up (+ the NIC)
-    _packed_extras(p, w, ph, hits, tb, dispatch=dispatch,
-                   counts=p.launch + 2 * p.memcpy + (p.rtt if nic_bytes else 0.0))
+    # the counts exchange is the collective's (an NCCL all_to_all_single), then the host sync
+    _packed_extras(p, w, knobs, ph, hits, tb, dispatch=dispatch)
     return ph
 
 
