@@ -210,7 +210,8 @@ def test_a_daemon_reply_cannot_make_the_job_set_its_recorded_environment(fake_da
 
 
 @pytest.mark.parametrize("forged", [{"LD_PRELOAD": "/tmp/x.so"}, {"NVSHMEM_REMOTE_TRANSPORT": "../lib"},
-                                    {"NCCL_DEBUG_FILE": "/etc/passwd"}, {"NCCL_ALGO": ""}, ["NCCL_ALGO"]])
+                                    {"NCCL_DEBUG_FILE": "/etc/passwd"}, {"NCCL_ALGO": ""}, ["NCCL_ALGO"],
+                                    {"NCCL_ALGO": "Ring\nexport LD_PRELOAD=/tmp/x.so #"}])
 def test_a_reply_recording_anything_but_performance_variables_is_a_bad_reply(
         fake_daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forged: Any) -> None:
     monkeypatch.delenv("LD_PRELOAD", raising=False)

@@ -96,6 +96,18 @@ def test_compare_names_each_differing_variable_and_unknown_is_never_same() -> No
     assert P.compare_perf_env({}, {}).status == "same"  # recorded as empty: a real statement
 
 
+def test_a_value_that_is_not_printable_ascii_is_kept_as_its_digest_and_refused_as_recorded() -> None:
+    """A newline in a recorded value would forge lines where differences are printed (`moetune query --format env`
+    comments that launchers source, warnings, logs): the extraction digests it, a recorded one is refused."""
+    forged = "Ring\nexport LD_PRELOAD=/tmp/x.so #"
+    got = P.performance_environment({"NCCL_ALGO": forged, "NCCL_PROTO": "Simple\u00e9"}).variables
+    assert got["NCCL_ALGO"].startswith("sha256:") and got["NCCL_PROTO"].startswith("sha256:")
+    assert P.perf_env_problem({"NCCL_ALGO": forged}) is not None
+    assert P.perf_env_problem(got) is None
+    diff = P.compare_perf_env({"NCCL_ALGO": "Ring"}, {"NCCL_ALGO": "Tree\n#"}).differences[0]
+    assert "\n" not in diff and diff == "NCCL_ALGO: tuned with Ring, job has Tree\\n#"
+
+
 def test_a_megakernel_profile_is_compared_on_what_acts_on_one_gpu_only() -> None:
     """The megakernel (one GPU's kernel) calls no NCCL, NVSHMEM, libfabric or UCX: a job's NCCL settings are no
     difference for its profile; CUDA_DEVICE_MAX_CONNECTIONS still is. Transport families compare everything."""

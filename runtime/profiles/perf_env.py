@@ -25,8 +25,9 @@ one-sided transports set it to 1 themselves (`os.environ.setdefault`, before tor
 "1" are the same run; `RUNTIME_DEFAULTS` drops it at that value (a process that already built a transport
 must not differ from one that has not yet), and only another value is recorded.
 
-An empty value counts as unset (NCCL ignores an empty variable). A value longer than `MAX_VALUE` characters is
-kept as the digest of its text (`sha256:...`), so that a recorded environment stays small and still compares.
+An empty value counts as unset (NCCL ignores an empty variable). A value longer than `MAX_VALUE` characters, or one
+with anything but printable ASCII (a newline would forge lines where a difference is printed), is kept as the
+digest of its text (`sha256:...`), so that a recorded environment stays small and still compares.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def is_performance_variable(name: str) -> bool:
 
 
 def _value(text: str) -> str:
-    if len(text) <= MAX_VALUE:
+    # a long value, or one with anything but printable ASCII (a newline would forge lines wherever a difference is
+    # printed: warnings, logs, `moetune query --format env` comments), is kept as its digest: it still compares
+    if len(text) <= MAX_VALUE and text.isascii() and text.isprintable():
         return text
     return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
 
@@ -103,7 +106,7 @@ class PerfEnv:
 def performance_environment(env: Mapping[str, str]) -> PerfEnv:
     """The performance environment of `env` (a process's environment, e.g. `os.environ`): the variables that
     steer the data path, canonical (sorted, empty values dropped, values at the runtime's own default
-    dropped, long values digested), with their digest."""
+    dropped, long or non-printable values digested), with their digest."""
     out: dict[str, str] = {}
     for name in sorted(k for k in env if isinstance(k, str)):
         value = env[name]
@@ -153,7 +156,9 @@ class EnvComparison:
 
 
 def _shown(value: str) -> str:
-    return value if len(value) <= 64 else value[:61] + "..."
+    """A value as a difference names it: printable (escaped, as `repr` writes it), at most 64 characters."""
+    text = value if value.isascii() and value.isprintable() else repr(value)[1:-1]
+    return text if len(text) <= 64 else text[:61] + "..."
 
 
 # The megakernel's family is one GPU's kernel: no NCCL, NVSHMEM, libfabric or UCX call is in its data path, so only
