@@ -9,7 +9,9 @@ hands them to its transport, which never reads the environment itself.
 Where a value comes from (later wins): the defaults, the `[runtime]` section of the TOML config
 (runtime/config.py), the option's `MOETUNE_*` variable, then what the caller passes. `RuntimeOptions.resolve`
 does this once per EP buffer; nothing here is read at import time. Every rank of an EP group must run the
-same options: their digest joins the knobs' digest in the buffer's cross-rank agreement.
+same options: their digest joins the knobs' digest in the buffer's cross-rank agreement. The exceptions are
+`PROCESS_LOCAL_OPTIONS` (today `proxy_cpu`): they only place a thread within one process, so ranks may set them
+differently (per local rank, per node's CPU layout) and the digest leaves them out.
 
 Build and debug switches stay environment variables (as DeepEP's `EP_*` table): `ENV_VARIABLES` lists each
 with type, default and meaning, and `docs/settings.md` is generated from these tables
@@ -44,6 +46,10 @@ MK_TIMEOUT_MAX_S = 3600.0
 # it; else a CPU list ("12", "8-15,40"). The largest CPU index taken is csrc/proxy_engine.h's MT_PROXY_MAX_CPU - 1.
 PROXY_CPU_MODES: tuple[str, ...] = ("numa", "none")
 MAX_CPU_INDEX = 65535
+# Options that only place threads within one process (which CPUs a helper thread may run on): they change neither
+# the wire protocol nor the buffers, so ranks may differ in them (MOETUNE_PROXY_CPU set per local rank, CPU lists
+# of nodes with different layouts) and RuntimeOptions.digest(), which the ranks compare, leaves them out.
+PROCESS_LOCAL_OPTIONS: frozenset[str] = frozenset({"proxy_cpu"})
 
 
 class RuntimeOptionError(ValueError):
@@ -87,7 +93,8 @@ OPTION_DOCS: tuple[OptionDoc, ...] = (
               "(sysfs `local_cpulist`) that this process may use, spread over the node's GPUs and avoiding the "
               "constructing thread's CPU; no NUMA information means no pinning (noted once). `none`: no pinning. A "
               "CPU list: one of those CPUs (that the process may use), chosen the same way; one CPU pins every "
-              "rank of the node there. A pinning the kernel refuses leaves the thread unpinned, with a warning."),
+              "rank of the node there. A pinning the kernel refuses leaves the thread unpinned, with a warning. "
+              "Case and white space do not matter; ranks may set it differently (it is not compared)."),
     OptionDoc("proxy_host_wait", "MOETUNE_PROXY_HOST_WAIT", "bool",
               "proxy: each call completes on the host (see mt_pxy_set_host_wait in csrc/proxy_gpu.cu); false "
               "leaves calls asynchronous (run 1's behaviour)."),
@@ -124,6 +131,8 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     def __post_init__(self) -> None:
         _validate(self)
+        # one spelling whatever the source (arguments, config, variable): "NUMA " is "numa"
+        msgspec.structs.force_setattr(self, "proxy_cpu", _normal_proxy_cpu(self.proxy_cpu))
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -147,8 +156,10 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return RuntimeOptions.from_dict({**self.to_dict(), **changes})
 
     def digest(self) -> str:
-        """Stable short hash (ranks compare it next to the knobs' digest)."""
-        return hashlib.sha256(msgspec.json.encode(self.to_dict(), order="sorted")).hexdigest()[:16]
+        """Stable short hash (ranks compare it next to the knobs' digest) of every option but
+        PROCESS_LOCAL_OPTIONS, which ranks may set differently."""
+        shared = {k: v for k, v in self.to_dict().items() if k not in PROCESS_LOCAL_OPTIONS}
+        return hashlib.sha256(msgspec.json.encode(shared, order="sorted")).hexdigest()[:16]
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, base: RuntimeOptions | None = None) -> RuntimeOptions:
@@ -252,16 +263,22 @@ def parse_cpulist(text: str) -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
+def _normal_proxy_cpu(value: str) -> str:
+    return value.strip().lower()
+
+
 def proxy_cpu_setting(value: Any) -> tuple[str, tuple[int, ...]]:
     """A proxy_cpu value -> ("numa", ()), ("none", ()) or ("cpus", the CPUs listed); RuntimeOptionError naming
-    the value otherwise."""
+    the value otherwise. The one parser of the value: case and surrounding white space do not matter ("NUMA ",
+    " None"), whether it came from the arguments, the config or MOETUNE_PROXY_CPU."""
     expected = "`numa`, `none` or a CPU list such as `12` or `8-15,40` (as a string)"
     if not isinstance(value, str):
         _fail("proxy_cpu", value, expected)
-    if value in PROXY_CPU_MODES:
-        return value, ()
+    text = _normal_proxy_cpu(value)
+    if text in PROXY_CPU_MODES:
+        return text, ()
     try:
-        cpus = parse_cpulist(value)
+        cpus = parse_cpulist(text)
     except ValueError as e:
         raise RuntimeOptionError(f"runtime option proxy_cpu ({_doc('proxy_cpu').env}) = {value!r}: {e}; expected "
                                  f"{expected}") from None
@@ -300,9 +317,7 @@ def _parse_env(doc: OptionDoc, raw: str) -> Any:
         if text.lower() not in SYMM_MODES:
             raise RuntimeOptionError(f"{where}: expected one of {', '.join(SYMM_MODES)}")
         return text.lower()
-    if doc.name == "proxy_cpu":
-        return text.lower()  # checked with every other value (proxy_cpu_setting), naming the option
-    return text
+    return text  # proxy_cpu: normalised and checked with every other value (proxy_cpu_setting), naming the option
 
 
 def _parse_floats(text: str, where: str) -> tuple[float, ...]:
@@ -442,7 +457,9 @@ def settings_markdown() -> str:
         "stores them (`runtime/knobs.py`). **Runtime options** change how the data path does the same work",
         "(fallbacks, timeouts, side-by-side switches): `EPBuffer(..., options=RuntimeOptions(...))`, else the",
         "`[runtime]` section of the config, overridden by each option's variable (`runtime/options.py`). Every rank",
-        "of an EP group must use the same knobs and options: the buffer compares their digests when it is built.",
+        "of an EP group must use the same knobs and options: the buffer compares their digests when it is built",
+        "(except the options that only place a thread within each process, which ranks may set differently: "
+        f"{', '.join(f'`{n}`' for n in sorted(PROCESS_LOCAL_OPTIONS))}).",
         "**Build and debug variables** stay environment variables.",
         "",
         "## Knobs",

@@ -205,6 +205,16 @@ def case_options_mismatch(rank: int, world: int) -> str:
     return "NO ERROR"
 
 
+def case_proxy_cpu_differs(rank: int, world: int) -> str:
+    """Different proxy_cpu on each rank (it places a thread of one process): the buffer builds on every rank."""
+    model = get_model("custom:64,32,8,2,float32")
+    try:
+        EPBuffer(knobs=Knobs(), model=model, max_tokens=32, options={"proxy_cpu": ("numa", "0")[rank % 2]})
+    except ValueError as e:
+        return str(e)
+    return "NO ERROR"
+
+
 def case_crash_one(rank: int, world: int) -> int:
     """Rank 1 dies before the collective; rank 0's collective must end with an error (bounded timeout)."""
     import torch.distributed as dist

@@ -5,6 +5,7 @@ tests/test_onesided_cpu.py; on a GPU at the end of this file."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
@@ -14,7 +15,15 @@ import pytest
 import torch
 
 from moetune.runtime.config import ConfigError, load_config
-from moetune.runtime.options import MAX_CPU_INDEX, RuntimeOptionError, RuntimeOptions, parse_cpulist
+from moetune.runtime.options import (
+    MAX_CPU_INDEX,
+    PROCESS_LOCAL_OPTIONS,
+    RuntimeOptionError,
+    RuntimeOptions,
+    parse_cpulist,
+    proxy_cpu_setting,
+    settings_markdown,
+)
 from moetune.runtime.transports import _affinity
 from moetune.runtime.transports._affinity import (
     CpuChoice,
@@ -155,11 +164,39 @@ def test_proxy_cpu_is_an_option_with_numa_by_default(tmp_path: Path) -> None:
         assert RuntimeOptions(proxy_cpu=value).proxy_cpu == value
     assert RuntimeOptions.from_env({"MOETUNE_PROXY_CPU": " None "}).proxy_cpu == "none"
     assert RuntimeOptions.from_env({"MOETUNE_PROXY_CPU": "3"}).proxy_cpu == "3"
-    assert RuntimeOptions(proxy_cpu="numa").digest() != RuntimeOptions(proxy_cpu="none").digest()  # ranks agree on it
     env = {"HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
     cfg = tmp_path / "moetune.toml"
     cfg.write_text('[runtime]\nproxy_cpu = "none"\n')
     assert RuntimeOptions.resolve(env={**env, "MOETUNE_CONFIG": str(cfg)}).proxy_cpu == "none"
+
+
+@pytest.mark.parametrize("value", ["NUMA", " numa ", "Numa\n", "NONE", " None ", " 8-15, 40 "])
+def test_proxy_cpu_case_and_white_space_are_the_same_from_every_source(value: str, tmp_path: Path) -> None:
+    """One parser (proxy_cpu_setting) normalises the value whether it comes from the arguments, the config or the
+    variable: `NUMA` is `numa` everywhere (the variable was lower-cased, the others refused it)."""
+    want = value.strip().lower()
+    kind, cpus = proxy_cpu_setting(value)
+    assert kind == (want if want in ("numa", "none") else "cpus")
+    assert cpus == ((8, 9, 10, 11, 12, 13, 14, 15, 40) if kind == "cpus" else ())
+    env = {"HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    cfg = tmp_path / "moetune.toml"
+    cfg.write_text(f"[runtime]\nproxy_cpu = {json.dumps(value)}\n")  # a TOML basic string
+    got = [RuntimeOptions(proxy_cpu=value), RuntimeOptions.resolve({"proxy_cpu": value}, env=env),
+           RuntimeOptions.from_env({"MOETUNE_PROXY_CPU": value}),
+           RuntimeOptions.resolve(env={**env, "MOETUNE_CONFIG": str(cfg)})]
+    assert {o.proxy_cpu for o in got} == {want}, [o.proxy_cpu for o in got]
+    assert resolve(value, address="", allowed=range(64)).reason == resolve(want, address="", allowed=range(64)).reason
+
+
+def test_proxy_cpu_is_left_out_of_the_digest_the_ranks_compare() -> None:
+    """It places a thread of one process: ranks with different values (MOETUNE_PROXY_CPU per local rank, CPU
+    lists of nodes laid out differently) must still agree; every other option still counts."""
+    assert "proxy_cpu" in PROCESS_LOCAL_OPTIONS
+    digests = {RuntimeOptions(proxy_cpu=v).digest() for v in ("numa", "none", "0", "8-15,40")}
+    assert len(digests) == 1
+    assert RuntimeOptions(proxy_cpu="3").digest() != RuntimeOptions(proxy_cpu="3", proxy_batch=2).digest()
+    assert set(PROCESS_LOCAL_OPTIONS) <= set(RuntimeOptions.__struct_fields__)
+    assert "proxy_cpu" in settings_markdown().split("compares their digests", 1)[1].split("\n\n", 1)[0]
 
 
 @pytest.mark.parametrize("value", ["numa-ish", "", "3-1", "1,,2", "cpu5", 5, True, None, f"{MAX_CPU_INDEX + 1}"])

@@ -63,6 +63,12 @@ def test_ranks_with_different_runtime_options_refuse_to_build() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_ranks_with_different_proxy_cpu_agree() -> None:
+    """proxy_cpu only places a thread of each process (runtime/options.py PROCESS_LOCAL_OPTIONS): not compared."""
+    assert launch(runtime_cases.case_proxy_cpu_differs, 2, timeout_s=10, join_timeout_s=50) == ["NO ERROR"] * 2
+
+
+@pytest.mark.timeout(60)
 def test_launch_reports_a_failing_rank_without_hanging() -> None:
     from moetune.runtime.testing.launch import LaunchError
 

@@ -150,7 +150,7 @@ def resolve(setting: str, *, address: str, local_rank: int | None = None, allowe
     if kind == "none":
         return CpuChoice(None, "proxy_cpu=none: not pinned")
     if kind == "cpus":
-        candidates, what = listed, f"the CPUs of proxy_cpu={setting!r}"
+        candidates, what = listed, f"the CPUs of proxy_cpu={format_cpulist(listed)!r}"
     elif not address:
         return CpuChoice(None, "no NUMA information for the GPU (no PCI address for it)")
     else:
