@@ -120,6 +120,29 @@ def test_tune_measures_only_the_default_where_the_decode_kernel_runs(tmp_path: P
     assert "decode kernel" not in by[128].reason
 
 
+def test_a_re_tune_where_the_decode_kernel_runs_replaces_knobs_that_cannot_act(tmp_path: Path) -> None:
+    """A key tuned before the decode-kernel rule (a search at S=1 stored 16-row tiles, a 'gain' its launches cannot
+    have) tuned again, in the same Optuna storage: the search is not resumed (its best would come back), the
+    default is measured and replaces the stored knobs whatever their number."""
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    store = F.open_store(tmp_path / "m.db")
+    facts = _facts("h200x1")
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    kw: dict[str, Any] = dict(models=[QWEN], tokens=[1], trials=12, progress=False, ep_size=1, nodes=1,
+                              storage=f"sqlite:///{tmp_path / 'opt.db'}", families=["megakernel"])
+    old = tune_profiles_detailed(store, facts, backend=LocalBackend(
+        world=1, family="megakernel", repeats=1, mk_measure=bm16_better, mk_decode=lambda wl: False), **kw)
+    assert old[0].written and old[0].record.knobs.mk_bm == 16
+    again = tune_profiles_detailed(store, facts, backend=LocalBackend(
+        world=1, family="megakernel", repeats=1, mk_measure=bm16_better, mk_decode=lambda wl: True), **kw)
+    assert again[0].study.trials == 1 and again[0].written, again[0].reason
+    rec = store.get_current(again[0].record.key)
+    assert rec is not None and rec.knobs == load_policy("megakernel").defaults
+    assert "decode kernel" in again[0].reason
+
+
 def test_a_winner_within_noise_of_the_default_is_not_stored_as_tuned(tmp_path: Path) -> None:
     """Without an incumbent the study's winner is measured again beside the policy default; a gain within the noise
     stores the default (measured side by side) with that reason. Run 187 on the H200: `moetune tune` at S=128

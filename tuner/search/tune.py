@@ -328,6 +328,8 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                             raise ValueError(f"{be.label} cannot evaluate {model.name} on {nodes} node(s) × "
                                              f"{gpus_per_node} GPUs at S={bucket}: {m.error}")
                     config = study_config(space, be, wl)  # other routing/policy/metric: another study
+                    if inert:  # never resume a search of this key: its trials' knobs did not act
+                        config = f"{config}-default-only"
                     if study_tag:  # in the config: the neighbour bucket's study is the same run's too
                         config = f"{config}-{study_tag}"
                     name = study_name(key, be.label, model.name, config)
@@ -335,7 +337,7 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                     res = _tune_one(store, st, url, name, key, space, be, wl, trials=1 if inert else trials,
                                     timeout_s=left, seed=seed, bar=bar, facts=facts, on_trial=on_trial,
                                     neighbour=None if inert else neighbour_bucket(st, key, be.label, model.name,
-                                                                                  config))
+                                                                                  config), inert=inert)
                     out.append(replace(res, reason=f"{res.reason} ({inert})") if inert else res)
     finally:
         if be is not backend and isinstance(be, LocalBackend):
@@ -347,7 +349,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
               space: SearchSpace, be: BenchmarkBackend, wl: TuneWorkload, *, trials: int, timeout_s: float | None,
               seed: int | None, bar: Progress, facts: TuneFacts,
               on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None,
-              neighbour: BucketPrior | None = None) -> TuneResult:
+              neighbour: BucketPrior | None = None, inert: str = "") -> TuneResult:
     run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label) if store is not None else None
     status = "failed"
     result: StudyResult | None = None
@@ -383,7 +385,8 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         result = run_study(study, space, be, wl, trials=trials, timeout_s=timeout_s, callbacks=[cb], extra_warm=extra,
                            shared=not is_sqlite(url), cross=cross)
         bar.update(task, finished_trials(study), _best_value(study))
-        record, written, reason = _write_profile(store, key, be, result, facts, default=space.policy.defaults)
+        record, written, reason = _write_profile(store, key, be, result, facts, default=space.policy.defaults,
+                                                 inert=inert)
         status = "done" if result.best_knobs is not None else "no_result"
         # fewer finished trials than asked happens only when the budget ran out (an interruption raises)
         cut = timeout_s is not None and result.trials < trials
@@ -415,10 +418,12 @@ def _redact(url: str) -> str:
 
 
 def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: StudyResult,
-                   facts: TuneFacts, default: Knobs | None = None) -> tuple[ProfileRecord | None, bool, str]:
+                   facts: TuneFacts, default: Knobs | None = None,
+                   inert: str = "") -> tuple[ProfileRecord | None, bool, str]:
     """Store the study's winner, measured again beside the incumbent, or where there is none beside the policy
     `default`: a winner whose gain over it is within the noise is not stored as a tuned choice (the incumbent is
-    kept; the default, measured side by side, is stored instead)."""
+    kept; the default, measured side by side, is stored instead). `inert` (why no knob acts at this size: the
+    study measured the default only) replaces an incumbent of other knobs, whatever its number: they cannot act."""
     if result.best_knobs is None or result.best is None:
         return None, False, "no successful trial"
     knobs, meas = result.best_knobs, result.best
@@ -440,7 +445,10 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
 
     side_by_side: str | None = None
     kept_default = ""
-    if isinstance(be, LocalBackend):
+    if inert:
+        if incumbent is not None and incumbent.knobs != knobs:
+            side_by_side = inert
+    elif isinstance(be, LocalBackend):
         # Measure the winner again beside the incumbent (or the policy default): same conditions.
         rival = incumbent.knobs if incumbent is not None else default
         cands = [knobs] + ([rival] if rival is not None and rival != knobs else [])
