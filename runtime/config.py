@@ -73,7 +73,7 @@ class ClientConfig:
     socket: str = ""  # resolved by load_config: the daemon's socket
     allow_modelled: bool = False  # apply a MODELLED (node model / preset) profile when no measured one exists
     # a tuned profile measured in another NCCL/NVSHMEM/FI environment than the job's (or one not recorded): "warn"
-    # (served, warned once naming the variables), "refuse" (the policy default instead), "ignore" (served)
+    # (served, warned once naming the variables), "refuse" (passed over: the lookup falls back), "ignore" (served)
     env_mismatch: str = "warn"
     # TCP with CURVE: the daemon's public key file, and this client's key pair (`moetune keys client`), whose
     # public half must be in the daemon's allow-list; "" = a throwaway key pair (refused by the daemon).

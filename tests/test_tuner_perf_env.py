@@ -84,6 +84,10 @@ def test_another_environment_is_another_study_and_none_keeps_the_old_study_names
     assert "perf_env" not in LocalBackend(world=2, command=["x"], env={"NCCL_DEBUG": "INFO"}).settings()
     assert config({"NCCL_DEBUG": "INFO"}) == config({})  # debug output is not another measurement
     assert config({"NCCL_ALGO": "Ring"}) != config({}) != config({"NCCL_ALGO": "Tree"})
+    # the megakernel (one GPU, no NCCL call): only what acts on it names another study
+    mk = {"world": 1, "family": "megakernel"}
+    assert "perf_env" not in LocalBackend(**mk, env={"NCCL_ALGO": "Ring"}).settings()
+    assert "perf_env" in LocalBackend(**mk, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"}).settings()
 
 
 def test_a_modelled_tune_records_no_environment(tmp_path: Path) -> None:

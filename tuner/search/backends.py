@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profiles.launcher_env import launcher_env
-from moetune.runtime.profiles.perf_env import PerfEnv, performance_environment
+from moetune.runtime.profiles.perf_env import PerfEnv, perf_env_digest, performance_environment, relevant_to
 from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.tuner.measure.stats import Summary, half_range
 
@@ -627,9 +627,11 @@ class LocalBackend(BenchmarkBackend):
                "error_budget": self.error_budget}
         if self.metric == "comm":  # a study of dispatch + combine values (before COMM_FIGURE) is not resumed
             out["comm_figure"] = COMM_FIGURE
-        perf = self.perf_environment()
-        if perf.variables:  # trials measured under other NCCL/NVSHMEM/FI settings are not resumed (none: as before)
-            out["perf_env"] = perf.digest
+        # trials measured under other settings of what acts on the family are not resumed (none: as before); the
+        # megakernel (one GPU) only by the variables that act on it
+        acting = relevant_to(self.perf_environment().variables, self.family)
+        if acting:
+            out["perf_env"] = perf_env_digest(acting)
         return out
 
     def perf_environment(self) -> PerfEnv:
