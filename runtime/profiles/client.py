@@ -84,6 +84,7 @@ from moetune.runtime.profiles.launcher_env import allowed_env, env_refusal, laun
 from moetune.runtime.profiles.perf_env import (
     EnvComparison,
     compare_perf_env,
+    parse_recorded,
     perf_env_problem,
     performance_environment,
 )
@@ -265,9 +266,7 @@ def query_db_profiles(
             prov = r[19] if len(r) > 19 else "measured"  # legacy store: the backend name decides below
             if prov not in ("measured", "node_model", "preset"):
                 raise ValueError(f"unknown provenance {prov!r}")
-            perf_env = json.loads(r[21]) if len(r) > 21 and r[21] is not None else None
-            if perf_env is not None and perf_env_problem(perf_env) is not None:
-                raise ValueError(f"perf_env: {perf_env_problem(perf_env)}")
+            perf_env = parse_recorded(r[21]) if len(r) > 21 else None
             rec = ProfileRecord(
                 key=key, knobs=knobs, latency_us=float(r[12]), spread_us=float(r[13]), backend=str(r[14]),
                 status=r[15], software_versions=sv if isinstance(sv, dict) else {}, created=r[17] or "",

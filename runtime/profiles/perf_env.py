@@ -137,6 +137,23 @@ def perf_env_problem(variables: object) -> str | None:
     return None
 
 
+def parse_recorded(text: str | bytes | None) -> dict[str, str] | None:
+    """A stored `perf_env` column (JSON text) read back: None where not recorded (SQL NULL or JSON null);
+    ValueError where it is not a performance environment this moetune would record (`perf_env_problem`)."""
+    if text is None:
+        return None
+    try:
+        env = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"perf_env: not JSON ({e})") from e
+    if env is None:
+        return None
+    why = perf_env_problem(env)
+    if why is not None:
+        raise ValueError(f"perf_env: {why}")
+    return env
+
+
 @dataclass(frozen=True)
 class EnvComparison:
     """A profile's recorded performance environment against the job's.

@@ -11,7 +11,7 @@ from sqlalchemy import Select, String, select, type_coerce
 
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.runtime.profiles.perf_env import perf_env_problem
+from moetune.runtime.profiles.perf_env import parse_recorded
 from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Event, Profile
 from moetune.tuner.store.validate import canonical_routing
 
@@ -252,15 +252,7 @@ def row_from_record(rec: ProfileRecord, ts: str, *, keep_times: bool = False, st
 def decode_perf_env(text: str | None) -> dict[str, str] | None:
     """A `perf_env` column read as text: None when not recorded (SQL NULL); ValueError when it is not a
     performance environment this moetune would record."""
-    if text is None:
-        return None
-    env = msgspec.json.decode(text)
-    if env is None:  # JSON null: not recorded either
-        return None
-    why = perf_env_problem(env)
-    if why is not None:
-        raise ValueError(f"perf_env: {why}")
-    return env
+    return parse_recorded(text)
 
 
 def _stored_perf_env(old: Any) -> dict[str, str] | None:
