@@ -166,17 +166,22 @@ def test_megakernel_decode_call_runs_the_decode_buckets_tiles(monkeypatch: pytes
     assert layer.engine_buckets[64] == Knobs(engine="megakernel")
 
 
+def _decode_calls(monkeypatch: pytest.MonkeyPatch, prefill: Knobs, decode: Knobs, calls: int) -> tuple[MoELayer, list[str]]:
+    """A layer of the 4096 bucket's `prefill` profile called `calls` times with 1 token (bucket 1's profile:
+    `decode`); the warnings that bucket 1's profile was not applied."""
+    layer, _ = _mk_layer(monkeypatch, {4096: prefill, 1: decode})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(calls):
+            layer(torch.randn(1, BF16.hidden).to(torch.bfloat16))
+    return layer, [str(w.message) for w in caught if "token bucket 1 is not applied" in str(w.message)]
+
+
 def test_megakernel_bucket_that_does_not_fit_keeps_the_construction_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bucket whose profile needs other scratch (a combine tile of 1 token: more combine counters than the
     scratch's smallest auto tile, 2, sized) keeps the construction profile, with one warning."""
     prefill = Knobs(engine="megakernel", mk_bm=64)
-    odd = Knobs(engine="megakernel", mk_bm=16, mk_combine_tokens=1)
-    layer, _ = _mk_layer(monkeypatch, {4096: prefill, 1: odd})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        layer(torch.randn(1, BF16.hidden).to(torch.bfloat16))
-        layer(torch.randn(1, BF16.hidden).to(torch.bfloat16))
-    got = [str(w.message) for w in caught if "token bucket 1 is not applied" in str(w.message)]
+    layer, got = _decode_calls(monkeypatch, prefill, Knobs(engine="megakernel", mk_bm=16, mk_combine_tokens=1), 2)
     assert len(got) == 1 and "combine tile" in got[0]
     assert layer.megakernel.launched[-1].bm == 64 and layer.engine_buckets[1] == prefill
 
@@ -184,13 +189,9 @@ def test_megakernel_bucket_that_does_not_fit_keeps_the_construction_tiles(monkey
 def test_megakernel_decode_bucket_split_k_applies_on_a_prefill_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode bucket's split-K (mk_split_k) applies on a layer whose construction profile has none: the layer
     grows its partial buffers for it (MegakernelMoE._reserve_split; run 185 had it refused and warned)."""
-    prefill = Knobs(engine="megakernel", mk_bm=64)
     split = Knobs(engine="megakernel", mk_bm=16, mk_split_k=2)
-    layer, _ = _mk_layer(monkeypatch, {4096: prefill, 1: split})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        layer(torch.randn(1, BF16.hidden).to(torch.bfloat16))
-    assert not [str(w.message) for w in caught if "not applied" in str(w.message)]
+    layer, got = _decode_calls(monkeypatch, Knobs(engine="megakernel", mk_bm=64), split, 1)
+    assert got == []
     ran = layer.megakernel.launched[-1]
     assert (ran.bm, ran.split_k1, ran.split_k2) == (16, 2, 2) and layer.engine_buckets[1] == split
 
