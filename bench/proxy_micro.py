@@ -64,7 +64,7 @@ def run_micro(args, out_rows: list[dict]) -> None:
 
     lib = P.csrc_build.load()
     P.csrc_build.check(lib, lib.mt_enable_peer_access(0, 1), "enable peer access 0->1")
-    cpu = P.proxy_cpu_choice(RuntimeOptions.resolve(), torch.device("cuda", 0)).cpu  # as the transport pins it
+    cpu = P.proxy_cpu_choice(RuntimeOptions.resolve(), torch.device("cuda", 0)).cpus  # as the transport pins it
     max_size = max(args.sizes)
     per_pe_max = 8
     src = torch.empty(96 * max_size, dtype=torch.uint8, device="cuda:0").random_(0, 255)

@@ -107,10 +107,12 @@ struct Engine {
   std::mutex host_mu;
   uint64_t host_head = 0;
   int producer_kind = 0;  // 0 unset, 1 host, 2 gpu
-  // CPU affinity of the proxy thread: the thread pins itself (pin_self) before it drains anything.
-  // A pinning the kernel refuses (a CPU outside the process's cpuset, offline, out of range) leaves the
-  // thread unpinned with the errno recorded; the engine runs on either way.
-  int cpu_req = -1;                           // the CPU asked for at create (-1: no pinning)
+  // CPU affinity of the proxy thread: the thread pins itself (pin_self) to the set of CPUs asked for before it
+  // drains anything; the OS places it within the set. A pinning the kernel refuses (no CPU of the set in the
+  // process's cpuset or online, an index out of range) leaves the thread unpinned with the errno recorded; the
+  // engine runs on either way. Pinning places the thread only: the FIFO and control pages are allocated (and
+  // first touched) by the creating thread in mt_proxy_create, before this thread exists.
+  std::vector<int> cpu_req;                   // the CPUs asked for at create (empty: no pinning)
   std::atomic<int> cpu_state{MT_PCPU_PENDING};  // MtProxyCpuState
   std::atomic<int> cpu_errno{0};
   std::atomic<int> cpu_now{-1};  // sched_getcpu() of the thread: after pinning, and again whenever it idles long
@@ -253,20 +255,22 @@ struct Engine {
 
   void pin_self() {
     tid.store((int)syscall(SYS_gettid));
-    if (cpu_req < 0) {
+    if (cpu_req.empty()) {
       cpu_state.store(MT_PCPU_UNPINNED);
     } else {
       int rc = EINVAL;  // an index past MT_PROXY_MAX_CPU is refused as the kernel refuses a CPU it lacks
 #ifdef __linux__
-      if (cpu_req < MT_PROXY_MAX_CPU) {
-        cpu_set_t* set = CPU_ALLOC(cpu_req + 1);
+      int top = 0;
+      for (int c : cpu_req) top = c > top ? c : top;
+      if (top < MT_PROXY_MAX_CPU) {
+        cpu_set_t* set = CPU_ALLOC(top + 1);
         if (set == nullptr) {
           rc = ENOMEM;
         } else {
-          const size_t sz = CPU_ALLOC_SIZE(cpu_req + 1);
+          const size_t sz = CPU_ALLOC_SIZE(top + 1);
           CPU_ZERO_S(sz, set);
-          CPU_SET_S(cpu_req, sz, set);
-          rc = pthread_setaffinity_np(pthread_self(), sz, set);  // migrates this thread before it returns
+          for (int c : cpu_req) CPU_SET_S(c, sz, set);
+          rc = pthread_setaffinity_np(pthread_self(), sz, set);  // migrates this thread into the set before it returns
           CPU_FREE(set);
         }
       }
@@ -280,7 +284,7 @@ struct Engine {
   }
 
   void loop() {
-    pin_self();  // first: whatever the thread allocates or touches from here on is on its final CPU's node
+    pin_self();  // first: whatever the thread itself allocates or first touches from here on is on the set's node
     cudaSetDevice(device);
     uint64_t idle = 0;
     running.store(true);
@@ -345,21 +349,25 @@ extern "C" int mt_proxy_gpu_view(void* h, MtGpuView* out) {
 
 // peer_data[i]: base of peer i's data region; peer_ctrl[i]: base of peer i's control region;
 // peer_sig[i]: address of MY signal slot 0 at peer i (the proxy writes slot k at peer_sig[i] + 8k).
-// cpu: the CPU the proxy thread pins itself to (-1: no pinning); a pinning the kernel refuses is recorded
-// (mt_proxy_cpu), not an error.
+// cpus[0..ncpus): the set of CPUs the proxy thread pins itself to (the OS places it within the set); ncpus 0 or
+// -1 (or cpus NULL with ncpus <= 0): no pinning. A pinning the kernel refuses is recorded (mt_proxy_cpu), not an
+// error.
 MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, const uint64_t* peer_ctrl,
                            const uint64_t* peer_sig, int qps, int qp_mapping, int fence_mode, int fifo_slots,
-                           int cpu, void** out) {
+                           const int* cpus, int ncpus, void** out) {
   MT_REQUIRE(npeers >= 1 && npeers <= 4096, 200, "npeers %d outside 1..4096", npeers);
   MT_REQUIRE(qps >= 1 && qps <= MT_MAX_QPS, 201, "qps %d outside 1..%d", qps, MT_MAX_QPS);
   MT_REQUIRE(fifo_slots >= 16 && fifo_slots <= (1 << 20), 202, "fifo_slots %d outside 16..2^20", fifo_slots);
   MT_REQUIRE(fence_mode >= 0 && fence_mode <= 2, 203, "bad fence_mode %d", fence_mode);
   MT_REQUIRE(qp_mapping >= 0 && qp_mapping <= 1, 204, "bad qp_mapping %d", qp_mapping);
-  MT_REQUIRE(cpu >= -1, 208, "bad cpu %d (-1 = no pinning)", cpu);
+  MT_REQUIRE(ncpus >= -1 && ncpus <= MT_PROXY_MAX_CPU, 208, "bad ncpus %d (-1 or 0 = no pinning, at most %d)", ncpus,
+             MT_PROXY_MAX_CPU);
+  MT_REQUIRE(ncpus <= 0 || cpus != nullptr, 208, "ncpus %d with no cpus array", ncpus);
+  for (int i = 0; i < ncpus; ++i) MT_REQUIRE(cpus[i] >= 0, 208, "bad cpu %d (cpus[%d])", cpus[i], i);
   MT_CUDA(cudaSetDevice(device));
   Engine* e = new Engine();
   e->device = device;
-  e->cpu_req = cpu;
+  if (ncpus > 0) e->cpu_req.assign(cpus, cpus + ncpus);
   e->npeers = npeers;
   e->qps = qps;
   e->qp_mapping = qp_mapping;
@@ -488,9 +496,17 @@ MT_API int mt_proxy_diag(void* h, char* buf, int len) {
 // The proxy thread's CPU affinity: out[MT_PCPU_F_*] (csrc/proxy_engine.h), the first n of them.
 MT_API int mt_proxy_cpu(void* h, int* out, int n) {
   Engine* e = static_cast<Engine*>(h);
-  const int v[MT_PCPU_F_COUNT] = {e->cpu_req, e->cpu_state.load(), e->cpu_errno.load(), e->cpu_now.load(),
-                                  e->tid.load()};
+  const int v[MT_PCPU_F_COUNT] = {(int)e->cpu_req.size(), e->cpu_state.load(), e->cpu_errno.load(),
+                                  e->cpu_now.load(), e->tid.load()};
   for (int i = 0; i < n && i < MT_PCPU_F_COUNT; ++i) out[i] = v[i];
+  return 0;
+}
+
+// The CPUs the proxy thread was asked to pin itself to, as given at create: the first n of them (their number
+// is out[MT_PCPU_F_NCPUS] of mt_proxy_cpu). Fixed at create, so read without a lock.
+MT_API int mt_proxy_cpu_list(void* h, int* out, int n) {
+  Engine* e = static_cast<Engine*>(h);
+  for (int i = 0; i < n && i < (int)e->cpu_req.size(); ++i) out[i] = e->cpu_req[i];
   return 0;
 }
 

@@ -36,20 +36,22 @@ static_assert(sizeof(MtRequest) == 64, "request slot must be 64 bytes");
 
 #define MT_MAX_QPS 64
 
-// The proxy thread's CPU affinity (mt_proxy_create's `cpu`, read back by mt_proxy_cpu into out[MT_PCPU_F_*]).
+// The proxy thread's CPU affinity (mt_proxy_create's `cpus`/`ncpus`, read back by mt_proxy_cpu into
+// out[MT_PCPU_F_*] and mt_proxy_cpu_list). The thread pins itself to the whole SET (the OS places it within it):
+// every engine of a process may get the same set without stacking their threads on one core.
 #define MT_PROXY_MAX_CPU 65536  // a larger index is refused (recorded as EINVAL, as the kernel refuses a CPU it lacks)
 enum MtProxyCpuField : int {
-  MT_PCPU_F_REQUESTED = 0,  // the CPU asked for, -1 = none
-  MT_PCPU_F_STATE = 1,      // MtProxyCpuState
-  MT_PCPU_F_ERRNO = 2,      // why pinning failed (pthread_setaffinity_np's error), else 0
-  MT_PCPU_F_CURRENT = 3,    // the CPU the thread last saw itself on (sched_getcpu), -1 before it ran
-  MT_PCPU_F_TID = 4,        // the thread's kernel id, 0 before it ran
+  MT_PCPU_F_NCPUS = 0,    // how many CPUs were asked for (mt_proxy_cpu_list lists them), 0 = no pinning
+  MT_PCPU_F_STATE = 1,    // MtProxyCpuState
+  MT_PCPU_F_ERRNO = 2,    // why pinning failed (pthread_setaffinity_np's error), else 0
+  MT_PCPU_F_CURRENT = 3,  // the CPU the thread last saw itself on (sched_getcpu), -1 before it ran
+  MT_PCPU_F_TID = 4,      // the thread's kernel id, 0 before it ran (its mask: sched_getaffinity(tid))
   MT_PCPU_F_COUNT = 5
 };
 enum MtProxyCpuState : int {
   MT_PCPU_PENDING = 0,   // the thread has not run yet
   MT_PCPU_UNPINNED = 1,  // no CPU asked for
-  MT_PCPU_PINNED = 2,    // pinned to the CPU asked for
+  MT_PCPU_PINNED = 2,    // pinned to the set of CPUs asked for
   MT_PCPU_FAILED = 3,    // asked for, refused (errno in MT_PCPU_F_ERRNO): runs unpinned
 };
 

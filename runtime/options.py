@@ -42,7 +42,7 @@ MAX_PLAN_MODE = 2
 # checked here so that a bad value is reported as the option the user set, not as timeout_ms
 MK_TIMEOUT_MIN_S = 1e-6
 MK_TIMEOUT_MAX_S = 3600.0
-# proxy_cpu: where the proxy thread runs. "numa": a CPU local to the GPU's NUMA node; "none": wherever the OS puts
+# proxy_cpu: where the proxy thread runs. "numa": the CPUs local to the GPU's NUMA node; "none": wherever the OS puts
 # it; else a CPU list ("12", "8-15,40"). The largest CPU index taken is csrc/proxy_engine.h's MT_PROXY_MAX_CPU - 1.
 PROXY_CPU_MODES: tuple[str, ...] = ("numa", "none")
 MAX_CPU_INDEX = 65535
@@ -89,12 +89,12 @@ OPTION_DOCS: tuple[OptionDoc, ...] = (
     OptionDoc("proxy_peer_access", "MOETUNE_PROXY_PEER_ACCESS", "bool",
               "proxy: enable CUDA peer access towards the other local GPUs so copies take direct P2P."),
     OptionDoc("proxy_cpu", "MOETUNE_PROXY_CPU", "`numa`, `none` or a CPU list (`12`, `8-15,40`)",
-              "proxy: the CPU the proxy thread pins itself to. `numa`: one of the CPUs local to the GPU's NUMA node "
-              "(sysfs `local_cpulist`) that this process may use, spread over the node's GPUs and avoiding the "
-              "constructing thread's CPU; no NUMA information means no pinning (noted once). `none`: no pinning. A "
-              "CPU list: one of those CPUs (that the process may use), chosen the same way; one CPU pins every "
-              "rank of the node there. A pinning the kernel refuses leaves the thread unpinned, with a warning. "
-              "Case and white space do not matter; ranks may set it differently (it is not compared)."),
+              "proxy: the set of CPUs the proxy thread pins itself to (the OS places it within the set; every "
+              "proxy thread of the process gets the same set). `numa`: the CPUs local to the GPU's NUMA node "
+              "(sysfs `local_cpulist`) that this process may use; no NUMA information means no pinning (noted "
+              "once). `none`: no pinning. A CPU list: those of its CPUs that the process may use. A pinning the "
+              "kernel refuses leaves the thread unpinned, with a warning. Case and white space do not matter; "
+              "ranks may set it differently (it is not compared)."),
     OptionDoc("proxy_host_wait", "MOETUNE_PROXY_HOST_WAIT", "bool",
               "proxy: each call completes on the host (see mt_pxy_set_host_wait in csrc/proxy_gpu.cu); false "
               "leaves calls asynchronous (run 1's behaviour)."),

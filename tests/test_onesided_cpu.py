@@ -237,7 +237,7 @@ def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     for name in ("mt_proxy_create", "mt_proxy_enqueue", "mt_proxy_quiesce", "mt_proxy_stats", "mt_proxy_error",
                  "mt_proxy_bench", "mt_proxy_destroy", "mt_last_error", "mt_proxy_reset_stats", "mt_proxy_set_batch",
                  "mt_pxy_create", "mt_pxy_set_data", "mt_pxy_set_host_wait", "mt_pxy_counts", "mt_pxy_exchange",
-                 "mt_pxy_error", "mt_pxy_destroy", "mt_proxy_diag", "mt_proxy_cpu"):
+                 "mt_pxy_error", "mt_pxy_destroy", "mt_proxy_diag", "mt_proxy_cpu", "mt_proxy_cpu_list"):
         res, args = csrc_build.SIGNATURES[name]
         getattr(lib, name).restype = res
         getattr(lib, name).argtypes = args
@@ -274,7 +274,7 @@ def test_proxy_engine_drain_loop_in_host_simulation(
     u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
     h = ctypes.c_void_p()
     rc = lib.mt_proxy_create(0, npeers, u64([addr(d) for d in data]), u64([addr(c) for c in ctrl]),
-                             u64([addr(s) for s in sig]), 2, qp_mapping, fence_mode, 16, -1, ctypes.byref(h))
+                             u64([addr(s) for s in sig]), 2, qp_mapping, fence_mode, 16, None, 0, ctypes.byref(h))
     assert rc == 0, lib.mt_last_error()
     try:
         assert lib.mt_proxy_set_batch(h, batch) == 0
@@ -361,7 +361,7 @@ def _sim_exchange(lib: ctypes.CDLL, variant: tuple, *, async_delay_us: int = -1,
         for r in range(world):
             h = ctypes.c_void_p()
             rc = lib.mt_proxy_create(0, world, u64(dptr), u64(cptr), u64([c + 8 * r * 1024 for c in cptr]), qps,
-                                     mapping, fence, 32, -1, ctypes.byref(h))
+                                     mapping, fence, 32, None, 0, ctypes.byref(h))
             assert rc == 0, lib.mt_last_error()
             engines.append(h)
             assert lib.mt_proxy_set_batch(h, batch) == 0
@@ -547,7 +547,7 @@ def test_proxy_exchange_alone_times_out_in_host_simulation(sim_lib: ctypes.CDLL)
     u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
     cptr = [c.ctypes.data for c in ctrl]
     h, x = ctypes.c_void_p(), ctypes.c_void_p()
-    assert lib.mt_proxy_create(0, world, u64([d.ctypes.data for d in data]), u64(cptr), u64(cptr), 1, 1, 1, 64, -1,
+    assert lib.mt_proxy_create(0, world, u64([d.ctypes.data for d in data]), u64(cptr), u64(cptr), 1, 1, 1, 64, None, 0,
                                ctypes.byref(h)) == 0
     try:
         assert lib.mt_pxy_create(h, 0, 0, world, cptr[0], 0.3, ctypes.byref(x)) == 0
@@ -589,7 +589,7 @@ def _alias_run(lib: ctypes.CDLL, host_wait: int, iters: int = 8) -> list[str]:
         for r in range(world):
             h, x = ctypes.c_void_p(), ctypes.c_void_p()
             assert lib.mt_proxy_create(0, world, u64([d.ctypes.data for d in data]), u64(cptr),
-                                       u64([c + 8 * r * 1024 for c in cptr]), 1, 1, 2, 64, -1, ctypes.byref(h)) == 0
+                                       u64([c + 8 * r * 1024 for c in cptr]), 1, 1, 2, 64, None, 0, ctypes.byref(h)) == 0
             engines.append(h)
             assert lib.mt_pxy_create(h, 0, r, world, cptr[r], 1.0, ctypes.byref(x)) == 0
             assert lib.mt_pxy_set_data(x, per_parity) == 0
@@ -642,11 +642,14 @@ def test_host_completed_calls_survive_hardware_queue_aliasing_in_host_simulation
     assert failures and all("error record" in f for f in failures), failures
 
 
-def _engine_cpu(lib: ctypes.CDLL, h: ctypes.c_void_p) -> list[int]:
-    """mt_proxy_cpu: [requested, state, errno, current, tid] (csrc/proxy_engine.h MtProxyCpuField)."""
+def _engine_cpu(lib: ctypes.CDLL, h: ctypes.c_void_p) -> list:
+    """mt_proxy_cpu + mt_proxy_cpu_list: [requested CPUs, state, errno, current, tid] (csrc/proxy_engine.h
+    MtProxyCpuField; the requested set as a sorted tuple, () when none)."""
     out = (ctypes.c_int * 5)()
     assert lib.mt_proxy_cpu(h, out, 5) == 0
-    return list(out)
+    listed = (ctypes.c_int * max(out[0], 1))()
+    assert lib.mt_proxy_cpu_list(h, listed, out[0]) == 0
+    return [tuple(sorted(listed[:out[0]])), *out[1:]]
 
 
 def _thread_cpus(tid: int) -> tuple[str, int]:
@@ -658,75 +661,109 @@ def _thread_cpus(tid: int) -> tuple[str, int]:
     return allowed, last_cpu
 
 
-def _sim_engine(lib: ctypes.CDLL, cpu: int, sink: list) -> ctypes.c_void_p:
+def _sim_engine(lib: ctypes.CDLL, cpus: tuple[int, ...] | None, sink: list) -> ctypes.c_void_p:
     data, ctrl, sig = (ctypes.c_uint8 * 256)(), (ctypes.c_uint64 * 64)(), (ctypes.c_uint64 * 64)()
     sink += [data, ctrl, sig]
     u64 = lambda a: (ctypes.c_uint64 * 1)(ctypes.addressof(a))  # noqa: E731
     h = ctypes.c_void_p()
-    assert lib.mt_proxy_create(0, 1, u64(data), u64(ctrl), u64(sig), 1, 1, 1, 16, cpu, ctypes.byref(h)) == 0, \
+    arr = None if cpus is None else (ctypes.c_int * len(cpus))(*cpus)
+    n = -1 if cpus is None else len(cpus)
+    assert lib.mt_proxy_create(0, 1, u64(data), u64(ctrl), u64(sig), 1, 1, 1, 16, arr, n, ctypes.byref(h)) == 0, \
         lib.mt_last_error()
     return h
 
 
-def test_proxy_thread_pins_itself_to_the_cpu_asked_for_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
-    """The engine thread pins itself (pthread_setaffinity_np from the thread) and reports where it runs; the
-    kernel's view of that thread (/proc/self/task/<tid>) agrees. Every CPU this process may use, in turn."""
+def _drains(lib: ctypes.CDLL, h: ctypes.c_void_p, sig: ctypes.Array, value: int) -> None:
     from moetune.runtime.transports.proxy import OP_SIGNAL, Request
 
+    req = (Request * 1)(Request(OP_SIGNAL, 0, 0, 3, 0, 0, 0, value, 0, 0))
+    assert lib.mt_proxy_enqueue(h, req, 1, 10.0) == 0 and lib.mt_proxy_quiesce(h, 10.0) == 0
+    assert sig[3] == value
+
+
+def test_proxy_thread_pins_itself_to_the_cpus_asked_for_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """The engine thread pins itself (pthread_setaffinity_np from the thread) to the set asked for and reports it;
+    the kernel's view of that thread (/proc/self/task/<tid>, sched_getaffinity(tid)) is that set. Each CPU this
+    process may use alone, then the whole set."""
+    from moetune.runtime.transports._affinity import format_cpulist
+
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
     keep: list = []
-    for cpu in sorted(os.sched_getaffinity(0))[-4:]:
-        h = _sim_engine(sim_lib, cpu, keep)
+    for cpus in [(c,) for c in allowed[-4:]] + [allowed]:
+        h = _sim_engine(sim_lib, cpus, keep)
         try:
             requested, state, err, current, tid = _engine_cpu(sim_lib, h)
-            assert (requested, state, err, current) == (cpu, 2, 0, cpu)  # MT_PCPU_PINNED
-            assert tid > 0 and tid != threading.get_native_id()
-            assert _thread_cpus(tid) == (str(cpu), cpu)
-            # and it still drains
-            req = (Request * 1)(Request(OP_SIGNAL, 0, 0, 3, 0, 0, 0, 77, 0, 0))
-            assert sim_lib.mt_proxy_enqueue(h, req, 1, 10.0) == 0 and sim_lib.mt_proxy_quiesce(h, 10.0) == 0
-            assert keep[-1][3] == 77
+            assert (requested, state, err) == (cpus, 2, 0)  # MT_PCPU_PINNED
+            assert current in cpus and tid > 0 and tid != threading.get_native_id()
+            assert tuple(sorted(os.sched_getaffinity(tid))) == cpus
+            assert _thread_cpus(tid)[0] == format_cpulist(cpus) and _thread_cpus(tid)[1] in cpus
+            _drains(sim_lib, h, keep[-1], 77)  # and it still drains
         finally:
             sim_lib.mt_proxy_destroy(h)
-    # no CPU asked for: the thread keeps the process's CPUs
-    h = _sim_engine(sim_lib, -1, keep)
+    # no CPU asked for (-1 or 0 CPUs): the thread keeps the process's CPUs
+    for none in (None, ()):
+        h = _sim_engine(sim_lib, none, keep)
+        try:
+            requested, state, err, current, tid = _engine_cpu(sim_lib, h)
+            assert (requested, state, err) == ((), 1, 0) and current >= 0  # MT_PCPU_UNPINNED
+            assert tuple(sorted(os.sched_getaffinity(tid))) == allowed
+        finally:
+            sim_lib.mt_proxy_destroy(h)
+
+
+def test_every_engine_of_a_process_gets_the_whole_set_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """A model builds one EP buffer, so one proxy engine, per MoE layer: every engine given the same set is
+    pinned to all of it (the OS spreads their threads), none is narrowed to one CPU of it."""
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    keep: list = []
+    engines = [_sim_engine(sim_lib, allowed, keep) for _ in range(6)]
     try:
-        requested, state, err, current, tid = _engine_cpu(sim_lib, h)
-        assert (requested, state, err) == (-1, 1, 0) and current >= 0  # MT_PCPU_UNPINNED
-        assert _thread_cpus(tid)[0] == Path("/proc/self/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
+        tids = set()
+        for i, h in enumerate(engines):
+            requested, state, err, _current, tid = _engine_cpu(sim_lib, h)
+            assert (requested, state, err) == (allowed, 2, 0)
+            assert tuple(sorted(os.sched_getaffinity(tid))) == allowed
+            tids.add(tid)
+            _drains(sim_lib, h, keep[3 * i + 2], 5 + i)
+        assert len(tids) == len(engines)
     finally:
-        sim_lib.mt_proxy_destroy(h)
+        for h in engines:
+            sim_lib.mt_proxy_destroy(h)
 
 
 def test_a_refused_pinning_leaves_the_engine_running_unpinned_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
-    """A CPU the process may not use (or past the engine's limit): the engine is made all the same, the thread
+    """A set the process may not use (or past the engine's limit): the engine is made all the same, the thread
     is unpinned with the errno recorded, and it drains."""
     import errno
 
-    from moetune.runtime.transports.proxy import OP_SIGNAL, Request
-
     keep: list = []
-    not_allowed = max(os.sched_getaffinity(0)) + 1  # beyond the process's CPUs (and likely the machine's)
-    for cpu in (not_allowed, 70000):
-        h = _sim_engine(sim_lib, cpu, keep)
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    not_allowed = max(allowed) + 1  # beyond the process's CPUs (and likely the machine's)
+    for cpus in ((not_allowed,), (not_allowed, not_allowed + 1), (allowed[0], 70000)):
+        h = _sim_engine(sim_lib, cpus, keep)
         try:
             requested, state, err, _current, tid = _engine_cpu(sim_lib, h)
-            assert (requested, state, err) == (cpu, 3, errno.EINVAL)  # MT_PCPU_FAILED
-            assert _thread_cpus(tid)[0] != str(cpu)
-            req = (Request * 1)(Request(OP_SIGNAL, 0, 0, 1, 0, 0, 0, 9, 0, 0))
-            assert sim_lib.mt_proxy_enqueue(h, req, 1, 10.0) == 0 and sim_lib.mt_proxy_quiesce(h, 10.0) == 0
-            assert keep[-1][1] == 9
+            assert (requested, state, err) == (cpus, 3, errno.EINVAL)  # MT_PCPU_FAILED
+            assert tuple(sorted(os.sched_getaffinity(tid))) == allowed
+            _drains(sim_lib, h, keep[-1], 9)
         finally:
             sim_lib.mt_proxy_destroy(h)
     h = ctypes.c_void_p()
     one = (ctypes.c_uint64 * 1)(0)
-    assert sim_lib.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, -2, ctypes.byref(h)) != 0  # a bad argument
+    bad = (ctypes.c_int * 2)(0, -2)
+    assert sim_lib.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, bad, 2, ctypes.byref(h)) != 0  # a bad argument
     assert b"bad cpu -2" in sim_lib.mt_last_error()
+    assert sim_lib.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, bad, -2, ctypes.byref(h)) != 0
+    assert b"bad ncpus -2" in sim_lib.mt_last_error()
+    assert sim_lib.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, None, 3, ctypes.byref(h)) != 0
+    assert b"no cpus array" in sim_lib.mt_last_error()
 
 
-def test_proxy_engine_reports_its_cpu_and_warns_once_when_pinning_fails(sim_lib: ctypes.CDLL,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """ProxyEngine (the Python side) over the simulated library: cpu_binding() reads where the thread runs; a
-    refused pinning is a ProxyCpuWarning, once, with the reason, never an error."""
+def test_proxy_engine_reports_its_cpus_and_warns_once_when_pinning_fails(sim_lib: ctypes.CDLL,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """ProxyEngine (the Python side) over the simulated library: cpu_binding() reads where the thread runs (the
+    set asked for, the kernel's mask of the thread); a refused pinning is a ProxyCpuWarning, once, with the
+    reason, never an error."""
     import warnings
 
     from moetune.runtime import csrc_build
@@ -737,29 +774,71 @@ def test_proxy_engine_reports_its_cpu_and_warns_once_when_pinning_fails(sim_lib:
     monkeypatch.setattr(_affinity, "_WARNED", set())
     data, sig = (ctypes.c_uint8 * 256)(), (ctypes.c_uint64 * 64)()
     peers = ([ctypes.addressof(data)], [ctypes.addressof(data)], [ctypes.addressof(sig)])
-    cpu = min(os.sched_getaffinity(0))
-    eng = ProxyEngine(0, *peers, cpu=cpu)
-    try:
-        b = eng.cpu_binding()
-        assert (b.requested, b.state, b.current, b.error) == (cpu, "pinned", cpu, "")
-        assert _thread_cpus(b.tid) == (str(cpu), cpu)
-    finally:
-        eng.close()
-    eng = ProxyEngine(0, *peers)
-    try:
-        assert eng.cpu_binding().state == "unpinned" and eng.cpu_binding().requested is None
-    finally:
-        eng.close()
-    bad = max(os.sched_getaffinity(0)) + 1
-    with pytest.warns(_affinity.ProxyCpuWarning, match=rf"could not pin itself to CPU {bad} \(Invalid argument"):
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    for cpu, want in ((allowed[0], (allowed[0],)), (list(reversed(allowed)), allowed), (set(allowed), allowed)):
+        eng = ProxyEngine(0, *peers, cpu=cpu)
+        try:
+            b = eng.cpu_binding()
+            assert (b.requested, b.state, b.allowed, b.error) == (want, "pinned", want, "")
+            assert b.current in want and _thread_cpus(b.tid)[0] == _affinity.format_cpulist(want)
+        finally:
+            eng.close()
+    for none in (None, ()):
+        eng = ProxyEngine(0, *peers, cpu=none)
+        try:
+            b = eng.cpu_binding()
+            assert (b.state, b.requested, b.allowed) == ("unpinned", None, allowed)
+        finally:
+            eng.close()
+    bad = max(allowed) + 1
+    with pytest.warns(_affinity.ProxyCpuWarning, match=rf"could not pin itself to CPUs {bad} \(Invalid argument"):
         eng = ProxyEngine(0, *peers, cpu=bad)
     try:
         b = eng.cpu_binding()
-        assert b.state == "failed" and "errno 22" in b.error
+        assert b.state == "failed" and "errno 22" in b.error and b.allowed == allowed
     finally:
         eng.close()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ProxyEngine(0, *peers, cpu=bad).close()  # the same reason again: not repeated
+        ProxyEngine(0, *peers, cpu=[bad]).close()  # the same reason again: not repeated
     with pytest.raises(ValueError, match="cpu must be >= 0"):
         ProxyEngine(0, *peers, cpu=-1)
+    with pytest.raises(ValueError, match="cpu must be >= 0"):
+        ProxyEngine(0, *peers, cpu=[0, -1])
+    with pytest.raises(TypeError, match="cpu must be an int"):
+        ProxyEngine(0, *peers, cpu=["0"])
+
+
+def test_the_engines_of_many_layers_all_get_the_numa_set_in_host_simulation(
+        sim_lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Under the default proxy_cpu="numa", every engine of a process (one per MoE layer's EP buffer) is pinned
+    to the GPU's whole NUMA-local set that the process may use, not all to the same single CPU."""
+    import torch
+
+    from moetune.runtime import csrc_build
+    from moetune.runtime.options import RuntimeOptions
+    from moetune.runtime.transports import _affinity
+    from moetune.runtime.transports import proxy as P
+
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    gpu = tmp_path / "pci" / "0000:19:00.0"
+    gpu.mkdir(parents=True)
+    (gpu / "numa_node").write_text("0\n")
+    (gpu / "local_cpulist").write_text(_affinity.format_cpulist(allowed) + "\n")
+    monkeypatch.setattr(_affinity, "SYSFS_PCI", str(tmp_path / "pci"))
+    monkeypatch.setattr(P, "gpu_pci_address", lambda device: "0000:19:00.0")
+    monkeypatch.setattr(csrc_build, "load", lambda **kw: sim_lib)
+    data, sig = (ctypes.c_uint8 * 256)(), (ctypes.c_uint64 * 64)()
+    peers = ([ctypes.addressof(data)], [ctypes.addressof(data)], [ctypes.addressof(sig)])
+    engines = []
+    try:
+        for _layer in range(8):
+            choice = P.proxy_cpu_choice(RuntimeOptions(), torch.device("cuda", 0))
+            assert choice.cpus == allowed, choice
+            engines.append(P.ProxyEngine(0, *peers, cpu=choice.cpu))  # .cpu: as tuner/measure/micro.py passes it
+        masks = [e.cpu_binding().allowed for e in engines]
+        assert masks == [allowed] * len(engines)
+        assert len({e.cpu_binding().tid for e in engines}) == len(engines)
+    finally:
+        for e in engines:
+            e.close()

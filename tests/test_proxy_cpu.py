@@ -1,6 +1,6 @@
-"""Where the proxy thread runs (the runtime option `proxy_cpu`): the CPU list parser, the choice of one CPU local to
-the GPU's NUMA node (allowed CPUs, spreading by local rank, nothing usable), the option's validation, and the
-transport handing its choice to the engine. The engine pinning itself is checked in host simulation in
+"""Where the proxy thread runs (the runtime option `proxy_cpu`): the CPU list parser, the choice of the set of CPUs
+local to the GPU's NUMA node (allowed CPUs, nothing usable), the option's validation, and the transport handing its
+choice to the engine. The engine pinning itself is checked in host simulation in
 tests/test_onesided_cpu.py; on a GPU at the end of this file."""
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from moetune.runtime.options import (
 from moetune.runtime.transports import _affinity
 from moetune.runtime.transports._affinity import (
     CpuChoice,
-    choose_cpu,
     format_cpulist,
     resolve,
     sysfs_pci_address,
+    usable_cpus,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,30 +76,23 @@ def test_pci_addresses_are_named_as_sysfs_names_them() -> None:
     assert sysfs_pci_address("GPU-1234") == ""
 
 
-# -- choosing one CPU ---------------------------------------------------------------------------------------------
-def test_the_choice_is_among_the_local_cpus_the_process_may_use() -> None:
-    c = choose_cpu(range(0, 8), allowed={4, 5, 6, 7, 20}, local_rank=0, current_cpu=None)
-    assert c.cpu == 4 and "4-7" in c.reason
+# -- choosing the set -------------------------------------------------------------------------------------------
+def test_the_choice_is_the_local_cpus_the_process_may_use() -> None:
+    c = usable_cpus(range(0, 8), allowed={4, 5, 6, 7, 20})
+    assert c.cpus == (4, 5, 6, 7) and c.cpu == (4, 5, 6, 7) and "CPUs 4-7" in c.reason
 
 
-def test_local_ranks_spread_over_different_cpus() -> None:
+def test_every_caller_gets_the_same_whole_set() -> None:
+    """No per-rank or per-engine single CPU any more: every engine of a process (one per MoE layer) and every rank
+    of a NUMA node get the whole set, and the OS places their threads within it."""
     cands = [8, 9, 10, 11]
-    picks = [choose_cpu(cands, cands, r, None).cpu for r in range(4)]
-    assert picks == [8, 9, 10, 11]
-    assert choose_cpu(cands, cands, 5, None).cpu == 9  # modulo the candidates
-    assert choose_cpu(cands, cands, 2, None) == choose_cpu(cands, cands, 2, None)  # deterministic
-
-
-def test_the_constructing_threads_cpu_is_avoided_when_another_is_there() -> None:
-    c = choose_cpu([2, 3, 4], [2, 3, 4], local_rank=1, current_cpu=3)
-    assert c.cpu == 4 and "CPU 3 skipped" in c.reason
-    assert choose_cpu([2, 3, 4], [2, 3, 4], local_rank=2, current_cpu=4).cpu == 2  # wraps
-    assert choose_cpu([3], [3], local_rank=0, current_cpu=3).cpu == 3  # the only one: taken anyway
+    picks = {usable_cpus(cands, cands) for _ in range(4)}
+    assert picks == {usable_cpus(cands, range(64))} and next(iter(picks)).cpus == (8, 9, 10, 11)
 
 
 def test_no_allowed_local_cpu_means_unpinned_with_the_reason() -> None:
-    c = choose_cpu([0, 1, 2, 3], allowed={8, 9}, local_rank=0, current_cpu=None, what="the NUMA-local CPUs of GPU x")
-    assert c.cpu is None
+    c = usable_cpus([0, 1, 2, 3], allowed={8, 9}, what="the NUMA-local CPUs of GPU x")
+    assert c.cpus == () and c.cpu is None
     assert "none of the NUMA-local CPUs of GPU x (0-3) is allowed" in c.reason and "allowed: 8-9" in c.reason
 
 
@@ -111,6 +104,7 @@ def _fake_sysfs(root: Path, gpus: dict[str, str], others: tuple[str, ...] = ("00
         (d / "vendor").write_text("0x10de\n")
         (d / "class").write_text("0x030200\n")
         (d / "local_cpulist").write_text(cpus + "\n")
+        (d / "numa_node").write_text("0\n")
     for addr in others:
         d = root / addr
         d.mkdir(parents=True)
@@ -120,41 +114,40 @@ def _fake_sysfs(root: Path, gpus: dict[str, str], others: tuple[str, ...] = ("00
     return root
 
 
-def test_numa_pins_near_the_gpu_and_spreads_the_gpus_of_a_node(tmp_path: Path) -> None:
+def test_numa_pins_to_the_local_set_of_the_gpu(tmp_path: Path) -> None:
     root = _fake_sysfs(tmp_path / "pci", {"0000:19:00.0": "0-7", "0000:3b:00.0": "0-7", "0000:9a:00.0": "8-15"})
     allowed = set(range(16))
-    a = resolve("numa", address="0000:19:00.0", allowed=allowed, current=15, root=root)
-    b = resolve("numa", address="0000:3b:00.0", allowed=allowed, current=15, root=root)
-    c = resolve("numa", address="0000:9a:00.0", allowed=allowed, current=15, root=root)
-    assert (a.cpu, b.cpu) == (0, 1)  # GPUs 0 and 1 of the node share NUMA node 0: different CPUs there
-    assert c.cpu == 10  # GPU 2 of the node, on NUMA node 1: 8 + 2
+    a = resolve("numa", address="0000:19:00.0", allowed=allowed, root=root)
+    b = resolve("numa", address="0000:3b:00.0", allowed=allowed, root=root)
+    c = resolve("numa", address="0000:9a:00.0", allowed=allowed, root=root)
+    assert a.cpus == b.cpus == tuple(range(8))  # GPUs of one NUMA node: the same set, the OS spreads the threads
+    assert c.cpus == tuple(range(8, 16))
     assert "NUMA-local CPUs of GPU 0000:9a:00.0" in c.reason
     # the process's allowed CPUs (a cgroup, taskset) are respected
-    assert resolve("numa", address="0000:19:00.0", allowed={6, 7, 12}, current=None, root=root).cpu == 6
-    # an explicit local rank wins over the GPU's index
-    assert resolve("numa", address="0000:19:00.0", local_rank=3, allowed=allowed, current=None, root=root).cpu == 3
+    assert resolve("numa", address="0000:19:00.0", allowed={6, 7, 12}, root=root).cpus == (6, 7)
 
 
 def test_numa_without_numa_information_is_unpinned_not_an_error(tmp_path: Path) -> None:
     root = _fake_sysfs(tmp_path / "pci", {"0000:19:00.0": ""})
     for address, why in (("0000:19:00.0", "lists no CPU"), ("0000:aa:00.0", "no NUMA information"),
                          ("", "no PCI address")):
-        c = resolve("numa", address=address, allowed={0, 1}, current=None, root=root)
+        c = resolve("numa", address=address, allowed={0, 1}, root=root)
         assert c.cpu is None and why in c.reason
-    c = resolve("numa", address="0000:19:00.0", allowed={0}, current=None, root=tmp_path / "no-sysfs")
+    c = resolve("numa", address="0000:19:00.0", allowed={0}, root=tmp_path / "no-sysfs")
     assert c.cpu is None and "no NUMA information" in c.reason
     (root / "0000:19:00.0" / "local_cpulist").write_text("garbage\n")
-    c = resolve("numa", address="0000:19:00.0", allowed={0}, current=None, root=root)
+    c = resolve("numa", address="0000:19:00.0", allowed={0}, root=root)
     assert c.cpu is None and "no usable NUMA information" in c.reason
 
 
 def test_none_and_explicit_settings(tmp_path: Path) -> None:
     root = _fake_sysfs(tmp_path / "pci", {"0000:19:00.0": "0-7"})
-    assert resolve("none", address="0000:19:00.0", root=root).cpu is None
-    assert resolve("5", address="0000:19:00.0", allowed={5, 6}, current=None, root=root).cpu == 5
-    assert resolve("12-15", address="", local_rank=2, allowed=range(64), current=None).cpu == 14
-    c = resolve("12", address="", allowed={0, 1}, current=None)
-    assert c.cpu is None and "none of the CPUs of proxy_cpu='12' (12) is allowed" in c.reason
+    assert resolve("none", address="0000:19:00.0", root=root).cpus == ()
+    assert resolve("5", address="0000:19:00.0", allowed={5, 6}, root=root).cpus == (5,)
+    assert resolve("12-15", address="", allowed=range(64)).cpus == (12, 13, 14, 15)
+    assert resolve("12-15,40", address="", allowed=range(14)).cpus == (12, 13)  # the listed CPUs allowed
+    c = resolve("12", address="", allowed={0, 1})
+    assert c.cpus == () and "none of the CPUs of proxy_cpu='12' (12) is allowed" in c.reason
 
 
 # -- the option ---------------------------------------------------------------------------------------------------
@@ -239,12 +232,12 @@ def test_the_transport_warns_once_when_numa_pinning_cannot_be_done(monkeypatch: 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         c = P.proxy_cpu_choice(RuntimeOptions(), dev)
-    assert c.cpu in os.sched_getaffinity(0)
+    assert c.cpus == tuple(sorted(os.sched_getaffinity(0)))
 
 
 def test_the_transport_hands_its_choice_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """ProxyTransport with the library and the symmetric buffers faked (as tests/test_transport_lifecycle.py):
-    the CPU chosen under the option reaches mt_proxy_create, and proxy_cpu() reports the engine's answer."""
+    the CPU set chosen under the option reaches mt_proxy_create, and proxy_cpu() reports the engine's answer."""
     import ctypes
 
     import torch.distributed as dist
@@ -254,7 +247,7 @@ def test_the_transport_hands_its_choice_to_the_engine(monkeypatch: pytest.Monkey
     from moetune.runtime.transports import _onesided
     from moetune.runtime.transports import proxy as P
 
-    created: list[int] = []
+    created: list[list[int]] = []
 
     class Lib:
         def mt_ctrl_bytes(self, out: object) -> int:
@@ -265,12 +258,17 @@ def test_the_transport_hands_its_choice_to_the_engine(monkeypatch: pytest.Monkey
             return 0
 
         def mt_proxy_create(self, *args: object) -> int:
-            created.append(args[-2])  # the cpu argument, before the out pointer
+            cpus, n = args[-3], args[-2]  # the CPU set and its size, before the out pointer
+            created.append(list(cpus[:n]))  # type: ignore[index]
             args[-1]._obj.value = 0x5001  # type: ignore[attr-defined]
             return 0
 
         def mt_proxy_cpu(self, h: object, out: ctypes.Array, n: int) -> int:
-            out[:5] = [created[-1], 2, 0, created[-1], 4242]  # pinned there
+            out[:5] = [len(created[-1]), 2, 0, created[-1][0], 4242]  # pinned there
+            return 0
+
+        def mt_proxy_cpu_list(self, h: object, out: ctypes.Array, n: int) -> int:
+            out[:n] = created[-1][:n]
             return 0
 
         def mt_pxy_create(self, *args: object) -> int:
@@ -296,26 +294,27 @@ def test_the_transport_hands_its_choice_to_the_engine(monkeypatch: pytest.Monkey
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(P, "proxy_cpu_choice", lambda options, device: CpuChoice(
-        None if options.proxy_cpu == "none" else 3, f"test choice for {options.proxy_cpu}"))
+        () if options.proxy_cpu == "none" else (3, 5), f"test choice for {options.proxy_cpu}"))
+    monkeypatch.setattr(P, "thread_affinity", lambda tid: (3, 5) if tid == 4242 else None)
 
     t = P.ProxyTransport(None, default_knobs("proxy"), torch.device("cuda", 0), options=RuntimeOptions())
     try:
-        assert created == [3]
+        assert created == [[3, 5]]
         b = t.proxy_cpu()
-        assert (b.requested, b.state, b.current, b.tid, b.error) == (3, "pinned", 3, 4242, "")
+        assert (b.requested, b.state, b.current, b.tid, b.error, b.allowed) == ((3, 5), "pinned", 3, 4242, "", (3, 5))
         assert b.reason == "test choice for numa"
     finally:
         t.close()
     t = P.ProxyTransport(None, default_knobs("proxy"), torch.device("cuda", 0),
                          options=RuntimeOptions(proxy_cpu="none"))
     t.close()
-    assert created == [3, -1]  # no pinning asked: -1
+    assert created == [[3, 5], []]  # no pinning asked: no CPU
 
 
 # -- on a GPU -----------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the proxy engine on a real device)")
-def test_the_proxy_thread_runs_on_a_numa_local_cpu_of_its_gpu() -> None:
+def test_the_proxy_threads_run_on_the_numa_local_cpus_of_their_gpu() -> None:
     from moetune.runtime.transports import proxy as P
 
     try:
@@ -327,17 +326,22 @@ def test_the_proxy_thread_runs_on_a_numa_local_cpu_of_its_gpu() -> None:
     assert re.fullmatch(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.0", address), address
     local, why = _affinity.gpu_local_cpus(address)
     choice = P.proxy_cpu_choice(RuntimeOptions(), dev)
-    if not local or not set(local) & os.sched_getaffinity(0):
-        assert choice.cpu is None, choice
+    usable = tuple(sorted(set(local) & os.sched_getaffinity(0)))
+    if not usable:
+        assert choice.cpus == (), choice
         pytest.skip(f"no NUMA-local CPU usable here: {why or choice.reason}")
-    assert choice.cpu in set(local) & os.sched_getaffinity(0)
+    assert choice.cpus == usable
     buf = torch.zeros(1 << 16, dtype=torch.uint8, device=dev)
     flags = torch.zeros(1024, dtype=torch.int64, device=dev)
-    eng = P.ProxyEngine(0, [buf.data_ptr()], [buf.data_ptr()], [flags.data_ptr()], cpu=choice.cpu)
+    engines = [P.ProxyEngine(0, [buf.data_ptr()], [buf.data_ptr()], [flags.data_ptr()], cpu=choice.cpus)
+               for _ in range(3)]  # as three MoE layers' buffers: each gets the whole set
     try:
-        b = eng.cpu_binding()
-        assert (b.requested, b.state, b.current) == (choice.cpu, "pinned", choice.cpu), b
-        status = Path(f"/proc/self/task/{b.tid}/status").read_text()
-        assert re.search(rf"^Cpus_allowed_list:\s*{choice.cpu}$", status, re.M), status
+        for eng in engines:
+            b = eng.cpu_binding()
+            assert (b.requested, b.state, b.allowed) == (usable, "pinned", usable), b
+            assert b.current in usable, b
+            status = Path(f"/proc/self/task/{b.tid}/status").read_text()
+            assert re.search(rf"^Cpus_allowed_list:\s*{format_cpulist(usable)}$", status, re.M), status
     finally:
-        eng.close()
+        for eng in engines:
+            eng.close()

@@ -11,8 +11,10 @@ Knobs used: fence_mode (`proxy_drain`: the thread stops until every earlier tran
 per group of `group_size` PUTs, 0 = per PE), chunk_tokens (rows per PUT; 0 = one PUT per peer).
 The runtime option `proxy_batch=N` (> 1; `MOETUNE_PROXY_BATCH`) lets the proxy issue consecutive unsignalled PUTs of one QP stream as
 one cudaMemcpyBatchAsync (off by default; bench/proxy_micro.py measures both). The runtime option `proxy_cpu`
-(`numa` by default, `none`, or a CPU list) says where the proxy thread pins itself: one CPU local to the GPU's NUMA
-node (runtime/transports/_affinity.py); `ProxyTransport.proxy_cpu()` says where it runs.
+(`numa` by default, `none`, or a CPU list) says where the proxy thread pins itself: to the set of CPUs local to the
+GPU's NUMA node that the process may use, the OS placing it within the set, so that the engines of a process's
+many EP buffers (one per MoE layer) spread over the set instead of sharing one core
+(runtime/transports/_affinity.py); `ProxyTransport.proxy_cpu()` says where it runs.
 
 `ProxyEngine` is the engine on its own (used by bench/proxy_micro.py); its constructor validates the
 fence/QP combination through `Knobs` unless a test helper passes `_allow_unsafe=True`.
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -48,20 +50,32 @@ OP_PUT, OP_SIGNAL, OP_WRITE64, OP_ACK = 1, 2, 3, 4
 F_SIGNAL = 1
 STAT_NAMES = ("processed", "puts", "signals", "drains", "drain_ns", "write64", "bytes", "acks", "busy_ns", "batches")
 # mt_proxy_cpu's fields and states (csrc/proxy_engine.h MtProxyCpuField, MtProxyCpuState)
-CPU_FIELDS = ("requested", "state", "errno", "current", "tid")
+CPU_FIELDS = ("ncpus", "state", "errno", "current", "tid")
 CPU_STATES = ("pending", "unpinned", "pinned", "failed")
 
 
 @dataclass(frozen=True)
 class ProxyCpu:
-    """Where a proxy thread runs, as its engine reports it."""
+    """Where a proxy thread runs, as its engine (and the kernel) report it."""
 
-    requested: int | None  # the CPU it was asked to pin itself to (None: no pinning asked)
+    requested: tuple[int, ...] | None  # the CPU set it was asked to pin itself to (None: no pinning asked)
     state: str  # "pinned", "unpinned" (none asked), "failed" (asked, refused: runs unpinned), "pending" (not yet run)
     error: str  # why pinning failed ("" unless failed)
     current: int | None  # the CPU the thread last saw itself on (after pinning, and whenever it idles long)
     tid: int | None  # the thread's kernel id (/proc/self/task/<tid>)
-    reason: str = ""  # why this CPU, or why none (the transport's choice; "" for an engine built directly)
+    reason: str = ""  # why this set, or why none (the transport's choice; "" for an engine built directly)
+    allowed: tuple[int, ...] | None = None  # the kernel's affinity mask of the thread now (None: not readable)
+
+
+def cpu_set(cpu: int | Iterable[int] | None, who: str = "proxy engine: ") -> tuple[int, ...]:
+    """ProxyEngine's `cpu` argument as a sorted set of CPU indices (() = no pinning); TypeError/ValueError for
+    anything but non-negative ints."""
+    if cpu is None:
+        return ()
+    items = [cpu] if isinstance(cpu, int) else list(cpu)
+    for c in items:
+        _args.check_int("cpu", c, 0, who)
+    return tuple(sorted(set(items)))
 
 
 class Request(ctypes.Structure):
@@ -120,18 +134,18 @@ class ProxyEngine:
         fifo_slots: int = 4096,
         batch: int = 1,
         timeout_s: float = RuntimeOptions().onesided_timeout_s,
-        cpu: int | None = None,
+        cpu: int | Iterable[int] | None = None,
         _allow_unsafe: bool = False,
     ):
-        """`cpu`: the CPU the proxy thread pins itself to (None: no pinning). A pinning the kernel refuses leaves
-        the thread unpinned and warns once (ProxyCpuWarning); `cpu_binding()` says where it runs."""
+        """`cpu`: the CPU, or the set of CPUs, the proxy thread pins itself to (the OS places it within the set;
+        None or empty: no pinning). A pinning the kernel refuses leaves the thread unpinned and warns once
+        (ProxyCpuWarning); `cpu_binding()` says where it runs."""
         if qp_mapping not in QP_MAPPINGS or fence_mode not in FENCE_MODES:
             raise KnobError(f"unknown qp_mapping {qp_mapping!r} or fence_mode {fence_mode!r}")
         if not _allow_unsafe:
             validate_modes(fence_mode, qp_mapping, qps)
         check_fifo_slots(fifo_slots, "proxy engine: ")
-        if cpu is not None:
-            _args.check_int("cpu", cpu, 0, "proxy engine: ")
+        cpus = cpu_set(cpu)
         self.lib = csrc_build.load()
         self.device = device
         self.fence_mode, self.qp_mapping, self.qps = fence_mode, qp_mapping, qps
@@ -141,8 +155,8 @@ class ProxyEngine:
             self.lib,
             self.lib.mt_proxy_create(
                 device, self.npeers, u64_array(peer_data), u64_array(peer_ctrl), u64_array(peer_sig), qps,
-                QP_MAPPINGS[qp_mapping], FENCE_MODES[fence_mode], fifo_slots, -1 if cpu is None else cpu,
-                ctypes.byref(h),
+                QP_MAPPINGS[qp_mapping], FENCE_MODES[fence_mode], fifo_slots, (ctypes.c_int * len(cpus))(*cpus),
+                len(cpus), ctypes.byref(h),
             ),
             "mt_proxy_create",
         )
@@ -151,11 +165,11 @@ class ProxyEngine:
         try:
             if batch > 1:
                 csrc_build.check(self.lib, self.lib.mt_proxy_set_batch(h, int(batch)), "mt_proxy_set_batch")
-            if cpu is not None:
+            if cpus:
                 b = self.cpu_binding()
                 if b.state == "failed":
-                    _affinity.warn_once(f"moetune: the proxy thread of GPU {device} could not pin itself to CPU {cpu} "
-                                        f"({b.error}); it runs unpinned")
+                    _affinity.warn_once(f"moetune: the proxy thread of GPU {device} could not pin itself to CPUs "
+                                        f"{_affinity.format_cpulist(cpus)} ({b.error}); it runs unpinned")
         except BaseException:  # the thread runs already, and the caller never gets this object to close it
             self.close()
             raise
@@ -185,15 +199,22 @@ class ProxyEngine:
         return buf.value.decode(errors="replace")
 
     def cpu_binding(self) -> ProxyCpu:
-        """Where the proxy thread runs: the CPU asked for, whether it is pinned there (or why not), the CPU it
-        last saw itself on and its thread id."""
+        """Where the proxy thread runs: the CPU set asked for, whether it is pinned to it (or why not), the CPU it
+        last saw itself on, its thread id and the kernel's affinity mask of that thread now."""
+        h = self._live()
         arr = (ctypes.c_int * len(CPU_FIELDS))()
-        csrc_build.check(self.lib, self.lib.mt_proxy_cpu(self._live(), arr, len(CPU_FIELDS)), "mt_proxy_cpu")
+        csrc_build.check(self.lib, self.lib.mt_proxy_cpu(h, arr, len(CPU_FIELDS)), "mt_proxy_cpu")
         v = dict(zip(CPU_FIELDS, list(arr), strict=True))
+        requested = None
+        if v["ncpus"] > 0:
+            listed = (ctypes.c_int * v["ncpus"])()
+            csrc_build.check(self.lib, self.lib.mt_proxy_cpu_list(h, listed, v["ncpus"]), "mt_proxy_cpu_list")
+            requested = tuple(sorted(listed))
         state = CPU_STATES[v["state"]] if 0 <= v["state"] < len(CPU_STATES) else f"state {v['state']}"
         error = f"{os.strerror(v['errno'])} (errno {v['errno']})" if state == "failed" else ""
-        return ProxyCpu(v["requested"] if v["requested"] >= 0 else None, state, error,
-                        v["current"] if v["current"] >= 0 else None, v["tid"] or None)
+        tid = v["tid"] or None
+        return ProxyCpu(requested, state, error, v["current"] if v["current"] >= 0 else None, tid,
+                        allowed=thread_affinity(tid))
 
     def stats(self) -> dict[str, int]:
         arr = (ctypes.c_uint64 * len(STAT_NAMES))()
@@ -224,6 +245,16 @@ class ProxyEngine:
             self.handle = None
 
 
+def thread_affinity(tid: int | None) -> tuple[int, ...] | None:
+    """The kernel's affinity mask of thread `tid` of this process (sorted), None where it cannot be read."""
+    if tid is None:
+        return None
+    try:
+        return tuple(sorted(os.sched_getaffinity(tid)))
+    except (OSError, AttributeError):  # the thread is gone, or no sched_getaffinity (not Linux)
+        return None
+
+
 def gpu_pci_address(device: torch.device) -> str:
     """The GPU's PCI address as sysfs names it ('0000:19:00.0'); '' where torch gives none (no CUDA)."""
     try:
@@ -234,10 +265,10 @@ def gpu_pci_address(device: torch.device) -> str:
 
 
 def proxy_cpu_choice(options: RuntimeOptions, device: torch.device) -> _affinity.CpuChoice:
-    """Where the proxy thread of `device` should run under `options.proxy_cpu`; when pinning was asked for and
-    cannot be done, says so once (ProxyCpuWarning) and chooses no pinning."""
+    """The CPU set the proxy thread of `device` should pin itself to under `options.proxy_cpu`; when pinning was
+    asked for and cannot be done, says so once (ProxyCpuWarning) and chooses no pinning."""
     choice = _affinity.resolve(options.proxy_cpu, address=gpu_pci_address(device))
-    if choice.cpu is None and options.proxy_cpu != "none":
+    if not choice.cpus and options.proxy_cpu != "none":
         _affinity.warn_once(f"moetune: the proxy thread of {device} runs unpinned: {choice.reason}")
     return choice
 
@@ -254,7 +285,7 @@ class ProxyTransport(OneSidedTransport):
     name: ClassVar[str] = "proxy"
     graph_capturable: ClassVar[bool] = False  # the call's epoch is a kernel argument from the host
     engine: ProxyEngine | None = None  # the proxy thread (None until the constructor has started it)
-    cpu_choice: _affinity.CpuChoice = _affinity.CpuChoice(None, "no proxy thread yet")  # where it was to run, why
+    cpu_choice: _affinity.CpuChoice = _affinity.CpuChoice((), "no proxy thread yet")  # where it was to run, why
     _h: ctypes.c_void_p | None = None  # the kernels' context (None until mt_pxy_create made it, and after close)
 
     def __init__(
@@ -287,7 +318,7 @@ class ProxyTransport(OneSidedTransport):
             self.engine = ProxyEngine(
                 self.device.index, list(ctrl), list(ctrl), [p + sig_off for p in ctrl],
                 qps=knobs.qps_per_pe, qp_mapping=knobs.qp_mapping, fence_mode=knobs.fence_mode, fifo_slots=fifo_slots,
-                batch=self.options.proxy_batch, timeout_s=self.timeout_s, cpu=self.cpu_choice.cpu,
+                batch=self.options.proxy_batch, timeout_s=self.timeout_s, cpu=self.cpu_choice.cpus,
             )
             h = ctypes.c_void_p()
             csrc_build.check(
