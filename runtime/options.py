@@ -91,8 +91,8 @@ OPTION_DOCS: tuple[OptionDoc, ...] = (
     OptionDoc("proxy_cpu", "MOETUNE_PROXY_CPU", "`numa`, `none` or a CPU list (`12`, `8-15,40`)",
               "proxy: the set of CPUs the proxy thread pins itself to (the OS places it within the set; every "
               "proxy thread of the process gets the same set). `numa`: the CPUs local to the GPU's NUMA node "
-              "(sysfs `local_cpulist`) that this process may use; no NUMA information means no pinning (noted "
-              "once). `none`: no pinning. A CPU list: those of its CPUs that the process may use. A pinning the "
+              "(sysfs `local_cpulist`) that this process may use; no NUMA information (no sysfs PCI entry, "
+              "`numa_node` -1 or absent) means no pinning (noted once). `none`: no pinning. A CPU list: those of its CPUs that the process may use. A pinning the "
               "kernel refuses leaves the thread unpinned, with a warning. Case and white space do not matter; "
               "ranks may set it differently (it is not compared)."),
     OptionDoc("proxy_host_wait", "MOETUNE_PROXY_HOST_WAIT", "bool",

@@ -140,6 +140,24 @@ def test_numa_without_numa_information_is_unpinned_not_an_error(tmp_path: Path) 
     assert c.cpu is None and "no usable NUMA information" in c.reason
 
 
+@pytest.mark.parametrize("numa_node", ["-1", None])
+def test_a_gpu_without_a_numa_node_is_no_numa_information(tmp_path: Path, numa_node: str | None) -> None:
+    """numa_node -1 (VMs, firmware without proximity information) comes with local_cpulist listing EVERY CPU;
+    that, or no numa_node file, is no NUMA information: no pinning, with the reason, not "NUMA-local"."""
+    root = _fake_sysfs(tmp_path / "pci", {"0000:19:00.0": "0-15"})
+    node = root / "0000:19:00.0" / "numa_node"
+    if numa_node is None:
+        node.unlink()
+    else:
+        node.write_text(numa_node + "\n")
+    c = resolve("numa", address="0000:19:00.0", allowed=set(range(16)), root=root)
+    assert c.cpus == () and "no NUMA information" in c.reason, c
+    assert ("numa_node -1" if numa_node else "numa_node") in c.reason
+    assert _affinity.gpu_local_cpus("0000:19:00.0", root)[0] == ()
+    node.write_text("1\n")  # a real node: its CPUs
+    assert resolve("numa", address="0000:19:00.0", allowed=set(range(16)), root=root).cpus == tuple(range(16))
+
+
 def test_none_and_explicit_settings(tmp_path: Path) -> None:
     root = _fake_sysfs(tmp_path / "pci", {"0000:19:00.0": "0-7"})
     assert resolve("none", address="0000:19:00.0", root=root).cpus == ()

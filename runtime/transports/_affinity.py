@@ -3,15 +3,15 @@
 The proxy thread busy-polls the request FIFO in pinned host memory and issues the copies; left to the OS it
 may run on the far socket from its GPU (every CUDA call it makes then crosses the inter-socket link) or share a
 core with the job's own busy threads. With `proxy_cpu="numa"` (the default) it pins itself to the CPUs the
-kernel lists as local to the GPU (`/sys/bus/pci/devices/<address>/local_cpulist`) that this process may use
-(`os.sched_getaffinity(0)`: a cgroup, taskset or launcher limit is respected); with a CPU list, to those of the
-listed CPUs the process may use.
+kernel lists as local to the GPU (`/sys/bus/pci/devices/<address>/local_cpulist`, when its `numa_node` names a
+node) that this process may use (`os.sched_getaffinity(0)`: a cgroup, taskset or launcher limit is respected);
+with a CPU list, to those of the listed CPUs the process may use.
 
 The thread is pinned to the whole SET, never to one CPU of it: the OS places it within the set. Every MoE layer
 builds its own EP buffer and so its own proxy engine; all of a process's engines get the same set, and the OS
 spreads their threads over it (one CPU for all of them would stack a 48-layer model's busy-polling threads on
-one core). Missing information (no sysfs PCI tree, no address for the GPU, an empty list) means no pinning,
-with the reason, never an error.
+one core). Missing information (no sysfs PCI tree, no address for the GPU, `numa_node` -1 or absent, an empty
+list) means no pinning, with the reason, never an error.
 
 Standard library only: the transport (runtime/transports/proxy.py) finds the GPU's PCI address and applies the
 choice through the engine's create call, where the thread pins itself (csrc/proxy_engine.cpp).
@@ -77,8 +77,24 @@ def sysfs_pci_address(bus_id: str) -> str:
 
 
 def gpu_local_cpus(address: str, root: str | Path | None = None) -> tuple[tuple[int, ...], str]:
-    """(the CPUs local to the PCI device `address`, "") or ((), why they are unknown). `root`: default SYSFS_PCI."""
-    path = Path(SYSFS_PCI if root is None else root) / address / "local_cpulist"
+    """(the CPUs local to the PCI device `address`, "") or ((), why they are unknown). `root`: default SYSFS_PCI.
+
+    The device's `numa_node` must name a node: -1 (VMs, firmware without proximity information) comes with a
+    `local_cpulist` of every CPU, which says nothing of locality; that, or no `numa_node` file, is no NUMA
+    information."""
+    device = Path(SYSFS_PCI if root is None else root) / address
+    node_path = device / "numa_node"
+    try:
+        node_text = node_path.read_text().strip()
+    except OSError as e:
+        return (), f"no NUMA information for the GPU ({node_path}: {e.strerror or e})"
+    try:
+        node = int(node_text)
+    except ValueError:
+        return (), f"no usable NUMA information for the GPU ({node_path}: {node_text!r} is not a node number)"
+    if node < 0:
+        return (), f"no NUMA information for the GPU ({node_path}: numa_node {node}, no proximity information)"
+    path = device / "local_cpulist"
     try:
         text = path.read_text()
     except OSError as e:
