@@ -92,8 +92,9 @@ OPTION_DOCS: tuple[OptionDoc, ...] = (
               "proxy: the set of CPUs the proxy thread pins itself to (the OS places it within the set; every "
               "proxy thread of the process gets the same set). `numa`: the CPUs local to the GPU's NUMA node "
               "(sysfs `local_cpulist`) that this process may use; no NUMA information (no sysfs PCI entry, "
-              "`numa_node` -1 or absent) means no pinning (noted once). `none`: no pinning. A CPU list: those of its CPUs that the process may use. A pinning the "
-              "kernel refuses leaves the thread unpinned, with a warning. Case and white space do not matter; "
+              "`numa_node` -1 or absent) means no pinning (logged once at info level). `none`: no pinning. A CPU list: those of its CPUs that the process may use. A pinning the "
+              "kernel refuses, or a CPU list none of whose CPUs the process may use, leaves the thread unpinned, "
+              "with a warning. Case and white space do not matter; "
               "ranks may set it differently (it is not compared)."),
     OptionDoc("proxy_host_wait", "MOETUNE_PROXY_HOST_WAIT", "bool",
               "proxy: each call completes on the host (see mt_pxy_set_host_wait in csrc/proxy_gpu.cu); false "

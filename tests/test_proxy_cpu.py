@@ -231,26 +231,48 @@ def test_a_bad_proxy_cpu_from_a_variable_or_the_config_says_where(tmp_path: Path
 
 
 # -- the transport's choice ---------------------------------------------------------------------------------------
-def test_the_transport_warns_once_when_numa_pinning_cannot_be_done(monkeypatch: pytest.MonkeyPatch,
-                                                                     tmp_path: Path) -> None:
+def test_missing_numa_information_under_numa_is_logged_not_warned(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The default asks for nothing the user chose: a machine without sysfs PCI information (or a numa_node of -1)
+    is noted once at info level (logging), never a warning, so a suite run with -W error still builds the
+    transport."""
+    import logging
+
     from moetune.runtime.transports import proxy as P
 
     monkeypatch.setattr(_affinity, "SYSFS_PCI", str(tmp_path / "no-sysfs"))
     monkeypatch.setattr(_affinity, "_WARNED", set())
+    monkeypatch.setattr(_affinity, "_NOTED", set())
     monkeypatch.setattr(P, "gpu_pci_address", lambda device: "0000:19:00.0")
     dev = torch.device("cuda", 0)
-    with pytest.warns(_affinity.ProxyCpuWarning, match="runs unpinned: no NUMA information"):
-        assert P.proxy_cpu_choice(RuntimeOptions(), dev).cpu is None
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="moetune.proxy"):
         warnings.simplefilter("error")
-        assert P.proxy_cpu_choice(RuntimeOptions(), dev).cpu is None  # once
-        assert P.proxy_cpu_choice(RuntimeOptions(proxy_cpu="none"), dev).cpu is None  # asked for nothing: silent
+        assert P.proxy_cpu_choice(RuntimeOptions(), dev).cpus == ()
+        assert P.proxy_cpu_choice(RuntimeOptions(proxy_cpu="NUMA"), dev).cpus == ()  # once
+        assert P.proxy_cpu_choice(RuntimeOptions(proxy_cpu="none"), dev).cpus == ()  # asked for nothing: silent
+    noted = [r for r in caplog.records if r.name == "moetune.proxy"]
+    assert len(noted) == 1 and noted[0].levelno == logging.INFO
+    assert "runs unpinned: no NUMA information" in noted[0].getMessage()
     _fake_sysfs(tmp_path / "pci", {"0000:19:00.0": format_cpulist(os.sched_getaffinity(0))})
     monkeypatch.setattr(_affinity, "SYSFS_PCI", str(tmp_path / "pci"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         c = P.proxy_cpu_choice(RuntimeOptions(), dev)
     assert c.cpus == tuple(sorted(os.sched_getaffinity(0)))
+
+
+def test_an_explicit_cpu_list_that_cannot_be_applied_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.runtime.transports import proxy as P
+
+    monkeypatch.setattr(_affinity, "_WARNED", set())
+    monkeypatch.setattr(P, "gpu_pci_address", lambda device: "")
+    dev = torch.device("cuda", 0)
+    outside = format_cpulist([max(os.sched_getaffinity(0)) + 1])
+    with pytest.warns(_affinity.ProxyCpuWarning, match=rf"runs unpinned: none of the CPUs of proxy_cpu='{outside}'"):
+        assert P.proxy_cpu_choice(RuntimeOptions(proxy_cpu=outside), dev).cpus == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert P.proxy_cpu_choice(RuntimeOptions(proxy_cpu=outside), dev).cpus == ()  # once
 
 
 def test_the_transport_hands_its_choice_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:

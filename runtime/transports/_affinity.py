@@ -11,7 +11,9 @@ The thread is pinned to the whole SET, never to one CPU of it: the OS places it 
 builds its own EP buffer and so its own proxy engine; all of a process's engines get the same set, and the OS
 spreads their threads over it (one CPU for all of them would stack a 48-layer model's busy-polling threads on
 one core). Missing information (no sysfs PCI tree, no address for the GPU, `numa_node` -1 or absent, an empty
-list) means no pinning, with the reason, never an error.
+list) means no pinning, with the reason, never an error: under the default `numa` it is logged once at info level
+(logger `moetune.proxy`); a warning (ProxyCpuWarning) is for what the user asked for explicitly and did not get
+(a CPU list none of whose CPUs the process may use, a pinning the kernel refused).
 
 Standard library only: the transport (runtime/transports/proxy.py) finds the GPU's PCI address and applies the
 choice through the engine's create call, where the thread pins itself (csrc/proxy_engine.cpp).
@@ -19,6 +21,7 @@ choice through the engine's create call, where the thread pins itself (csrc/prox
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import warnings
@@ -29,10 +32,13 @@ from pathlib import Path
 from moetune.runtime.options import parse_cpulist, proxy_cpu_setting
 
 SYSFS_PCI = "/sys/bus/pci/devices"
+log = logging.getLogger("moetune.proxy")
 
 
 class ProxyCpuWarning(RuntimeWarning):
-    """The proxy thread runs unpinned although `proxy_cpu` asked for pinning (the message says why)."""
+    """The proxy thread runs unpinned although the user asked for pinning: an explicit `proxy_cpu` CPU list that
+    cannot be applied, or a pinning the kernel refused (the message says why). Missing NUMA information under the
+    default `numa` is no user error: it is logged at info level (`note_once`), not warned."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,16 @@ def resolve(setting: str, *, address: str, allowed: Iterable[int] | None = None,
 
 
 _WARNED: set[str] = set()
+_NOTED: set[str] = set()
+
+
+def note_once(message: str) -> None:
+    """An info-level log record (logger `moetune.proxy`), once per process for each distinct message: what the
+    default setting could not do on this machine is worth a line in the log, not a warning."""
+    if message in _NOTED:
+        return
+    _NOTED.add(message)
+    log.info("%s", message)
 
 
 def warn_once(message: str) -> None:

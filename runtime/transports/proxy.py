@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from moetune.runtime import _args, csrc_build
 from moetune.runtime.knobs import KnobError, Knobs
-from moetune.runtime.options import RuntimeOptions
+from moetune.runtime.options import RuntimeOptions, proxy_cpu_setting
 from moetune.runtime.transports import _affinity
 from moetune.runtime.transports._onesided import (
     MAX_SLOTS,
@@ -265,11 +265,14 @@ def gpu_pci_address(device: torch.device) -> str:
 
 
 def proxy_cpu_choice(options: RuntimeOptions, device: torch.device) -> _affinity.CpuChoice:
-    """The CPU set the proxy thread of `device` should pin itself to under `options.proxy_cpu`; when pinning was
-    asked for and cannot be done, says so once (ProxyCpuWarning) and chooses no pinning."""
+    """The CPU set the proxy thread of `device` should pin itself to under `options.proxy_cpu`. When pinning
+    cannot be done it chooses none and says why once: a warning (ProxyCpuWarning) for an explicit CPU list, an
+    info-level log record for the default `numa` on a machine without NUMA information (no user error)."""
+    kind, _ = proxy_cpu_setting(options.proxy_cpu)
     choice = _affinity.resolve(options.proxy_cpu, address=gpu_pci_address(device))
-    if not choice.cpus and options.proxy_cpu != "none":
-        _affinity.warn_once(f"moetune: the proxy thread of {device} runs unpinned: {choice.reason}")
+    if not choice.cpus and kind != "none":
+        message = f"moetune: the proxy thread of {device} runs unpinned: {choice.reason}"
+        (_affinity.warn_once if kind == "cpus" else _affinity.note_once)(message)
     return choice
 
 
