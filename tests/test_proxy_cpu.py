@@ -168,6 +168,19 @@ def test_none_and_explicit_settings(tmp_path: Path) -> None:
     assert c.cpus == () and "none of the CPUs of proxy_cpu='12' (12) is allowed" in c.reason
 
 
+def test_the_docs_say_pinning_places_the_thread_not_the_fifo_pages() -> None:
+    """The FIFO and control pages are allocated and zeroed by the creating thread (mt_proxy_create) before the
+    proxy thread pins itself: the docs must not claim pinning keeps the FIFO polls on the GPU's node."""
+    engine = (ROOT / "csrc" / "proxy_engine.cpp").read_text()
+    create = engine[engine.index("MT_API int mt_proxy_create("):]
+    assert create.index("cudaHostAlloc((void**)&e->fifo_host") < create.index("e->th = std::thread")  # as documented
+    for text in (_affinity.__doc__ or "", (ROOT / "csrc" / "README.md").read_text()):
+        flat = " ".join(text.split())
+        assert "does not place the request FIFO" in flat or "Pinning places the thread only" in flat
+        assert "creating thread's NUMA node" in flat
+        assert "keeps the FIFO polls off" not in flat
+
+
 # -- the option ---------------------------------------------------------------------------------------------------
 def test_proxy_cpu_is_an_option_with_numa_by_default(tmp_path: Path) -> None:
     assert RuntimeOptions().proxy_cpu == "numa"

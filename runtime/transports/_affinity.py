@@ -1,8 +1,8 @@
 """Where the proxy thread runs: a set of CPUs local to its GPU's NUMA node (the runtime option `proxy_cpu`).
 
 The proxy thread busy-polls the request FIFO in pinned host memory and issues the copies; left to the OS it
-may run on the far socket from its GPU (every CUDA call it makes then crosses the inter-socket link) or share a
-core with the job's own busy threads. With `proxy_cpu="numa"` (the default) it pins itself to the CPUs the
+may run on the far socket from its GPU (the CUDA calls it makes then reach the GPU across the inter-socket link)
+or share a core with the job's own busy threads. With `proxy_cpu="numa"` (the default) it pins itself to the CPUs the
 kernel lists as local to the GPU (`/sys/bus/pci/devices/<address>/local_cpulist`, when its `numa_node` names a
 node) that this process may use (`os.sched_getaffinity(0)`: a cgroup, taskset or launcher limit is respected);
 with a CPU list, to those of the listed CPUs the process may use.
@@ -14,6 +14,13 @@ one core). Missing information (no sysfs PCI tree, no address for the GPU, `numa
 list) means no pinning, with the reason, never an error: under the default `numa` it is logged once at info level
 (logger `moetune.proxy`); a warning (ProxyCpuWarning) is for what the user asked for explicitly and did not get
 (a CPU list none of whose CPUs the process may use, a pinning the kernel refused).
+
+What pinning places and what it does not: it places the proxy THREAD (its polling loop, its CUDA calls, and
+memory it first touches itself after pinning). It does not place the request FIFO or the control page:
+mt_proxy_create allocates them (cudaHostAlloc) and zeroes them on the creating thread, before the proxy thread
+exists, so their pages sit on the creating thread's NUMA node, usually the rank's main thread's. When that
+thread runs on the other socket, the proxy's polls of the FIFO (and the GPU's writes into it) still cross the
+inter-socket link; binding the whole process near its GPU (numactl, the launcher) places those pages too.
 
 Standard library only: the transport (runtime/transports/proxy.py) finds the GPU's PCI address and applies the
 choice through the engine's create call, where the thread pins itself (csrc/proxy_engine.cpp).
