@@ -143,6 +143,88 @@ def test_a_re_tune_where_the_decode_kernel_runs_replaces_knobs_that_cannot_act(t
     assert "decode kernel" in again[0].reason
 
 
+def _mk_tune(tmp_path: Path, store: Any, facts: Any, measure: Any, tokens: int, *, decode: bool = False,
+             trials: int = 6) -> Any:
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    be = LocalBackend(world=1, family="megakernel", repeats=1, mk_measure=measure, mk_decode=lambda wl: decode)
+    return tune_profiles_detailed(store, facts, models=[QWEN], tokens=[tokens], backend=be, trials=trials,
+                                  progress=False, storage=f"sqlite:///{tmp_path / 'opt.db'}", ep_size=1, nodes=1,
+                                  families=["megakernel"])[0]
+
+
+def _store_with(tmp_path: Path, knobs: Knobs, latency_us: float,
+                backend: str = "local:megakernel") -> tuple[Any, Any, Any]:
+    """A store holding one current megakernel profile of `knobs` at S=128: (store, facts, its key)."""
+    from moetune.runtime.profile_record import ProfileKey, ProfileRecord, provenance_of_backend
+
+    store = F.open_store(tmp_path / "m.db")
+    facts = _facts("h200x1")
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    key = ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family="megakernel",
+                     ep_size=1, nodes=1, hidden=QWEN.hidden, intermediate=QWEN.intermediate, experts=QWEN.experts,
+                     topk=QWEN.topk, dtype=QWEN.dtype, token_bucket=128)
+    ok, why = store.put_profile(ProfileRecord(key=key, knobs=knobs, latency_us=latency_us, spread_us=1.0,
+                                              backend=backend, provenance=provenance_of_backend(backend)))
+    assert ok, why
+    return store, facts, key
+
+
+def test_a_stored_setting_that_ties_the_default_is_replaced_by_the_default(tmp_path: Path) -> None:
+    """Run 187 stored split-K 2 at S=128, a tie with the default. Every later tune re-measures the incumbent and the
+    default side by side: an incumbent that does not beat the default beyond the noise gives way to it (before,
+    the default was measured only where nothing was stored, so the tie stayed for good)."""
+    from moetune.tuner.search.policy import load_policy
+
+    default = load_policy("megakernel").defaults
+    tie = default.replace(mk_split_k=2)
+
+    def measure(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+        base = 300.0 if knobs == default else 299.5 if knobs == tie else 330.0
+        return {"graph_us": [base - 3, base, base + 3], "eager_us": [base] * 3}
+
+    store, facts, key = _store_with(tmp_path, tie, 320.0)
+    res = _mk_tune(tmp_path, store, facts, measure, 128)
+    rec = store.get_current(key)
+    assert rec is not None and rec.knobs == default and rec.provenance == "measured", res.reason
+
+
+def test_a_modelled_incumbent_kept_on_a_tie_is_stored_as_measured(tmp_path: Path) -> None:
+    """A tie with a MODELLED incumbent keeps its knobs, and the side-by-side measurement of them replaces the
+    prediction (before, nothing was written: the prediction stayed current beside a fresh measurement)."""
+    kept = Knobs(engine="megakernel", mk_bm=16, mk_stages=3)
+
+    def measure(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+        base = 210.0 if knobs.mk_bm == 16 else 300.0
+        return {"graph_us": [base - 3, base, base + 3], "eager_us": [base] * 3}
+
+    store, facts, key = _store_with(tmp_path, kept, 250.0, backend="model:node:h200x1")
+    res = _mk_tune(tmp_path, store, facts, measure, 128, trials=12)
+    rec = store.get_current(key)
+    assert rec is not None and rec.provenance == "measured", res.reason
+    assert rec.knobs.mk_bm == 16 and rec.latency_us == pytest.approx(210.0)
+
+
+def test_a_default_only_study_whose_run_failed_runs_again(tmp_path: Path) -> None:
+    """Where no knob acts, each tune measures the default afresh: a failed run (GPU busy) is not the study's
+    last word (a resumed one-trial study had no trial left to run)."""
+    calls: list[int] = []
+
+    def flaky(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+        calls.append(wl.tokens)
+        if len(calls) == 1:
+            raise RuntimeError("the GPU is busy (test)")
+        return {"graph_us": [36.0, 36.5, 35.5], "eager_us": [60.0] * 3}
+
+    store = F.open_store(tmp_path / "m.db")
+    facts = _facts("h200x1")
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    first = _mk_tune(tmp_path, store, facts, flaky, 1, decode=True)
+    assert first.record is None or not first.written
+    again = _mk_tune(tmp_path, store, facts, flaky, 1, decode=True)
+    assert again.written and again.record is not None and again.record.latency_us == pytest.approx(36.0)
+
+
 def test_a_winner_within_noise_of_the_default_is_not_stored_as_tuned(tmp_path: Path) -> None:
     """Without an incumbent the study's winner is measured again beside the policy default; a gain within the noise
     stores the default (measured side by side) with that reason. Run 187 on the H200: `moetune tune` at S=128

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -328,8 +329,8 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                             raise ValueError(f"{be.label} cannot evaluate {model.name} on {nodes} node(s) × "
                                              f"{gpus_per_node} GPUs at S={bucket}: {m.error}")
                     config = study_config(space, be, wl)  # other routing/policy/metric: another study
-                    if inert:  # never resume a search of this key: its trials' knobs did not act
-                        config = f"{config}-default-only"
+                    if inert:  # a fresh one-trial study each time: never a resumed search or an old number
+                        config = f"{config}-default-only-{secrets.token_hex(4)}"
                     if study_tag:  # in the config: the neighbour bucket's study is the same run's too
                         config = f"{config}-{study_tag}"
                     name = study_name(key, be.label, model.name, config)
@@ -417,6 +418,11 @@ def _redact(url: str) -> str:
     return url
 
 
+def _beats(a: Measurement, b: Measurement) -> bool:
+    """Whether `a` is faster than `b` by more than the noise of either (both measured in one comparison)."""
+    return a.ok and b.ok and b.median_us - a.median_us > max(a.spread_us, b.spread_us)
+
+
 def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: StudyResult,
                    facts: TuneFacts, default: Knobs | None = None,
                    inert: str = "") -> tuple[ProfileRecord | None, bool, str]:
@@ -449,34 +455,37 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
         if incumbent is not None and incumbent.knobs != knobs:
             side_by_side = inert
     elif isinstance(be, LocalBackend):
-        # Measure the winner again beside the incumbent (or the policy default): same conditions.
-        rival = incumbent.knobs if incumbent is not None else default
-        cands = [knobs] + ([rival] if rival is not None and rival != knobs else [])
-        ms = be.compare(cands, result.workload, rounds=max(2, be.repeats))
-        if not ms[0].ok:
-            return None, False, f"the winner failed when measured again: {ms[0].error}"
-        meas = ms[0]
-        if len(ms) > 1 and ms[1].ok:
-            gain = ms[1].median_us - meas.median_us
-            noise = max(ms[1].spread_us, meas.spread_us)
-            if gain <= noise and incumbent is None:
-                # no incumbent: the policy default, measured beside the winner, is what is stored
-                kept_default = (f"the policy default re-measured side by side at {ms[1].median_us:.1f} µs vs "
-                                f"{meas.median_us:.1f} µs: the winner's gain is within noise, the default stored")
-                knobs, meas = rival, ms[1]
-            elif gain <= noise:
-                why = (f"incumbent re-measured side by side at {ms[1].median_us:.1f} µs vs {meas.median_us:.1f} µs: "
+        # Measure the winner again beside the incumbent and the policy default: same conditions, one comparison.
+        inc = incumbent.knobs if incumbent is not None else None
+        cands = list(dict.fromkeys(k for k in (knobs, inc, default) if k is not None))
+        got = dict(zip(cands, be.compare(cands, result.workload, rounds=max(2, be.repeats)), strict=True))
+        meas = got[knobs]
+        if not meas.ok:
+            return None, False, f"the winner failed when measured again: {meas.error}"
+        md = got.get(default) if default is not None else None
+        if md is not None and md.ok and knobs != default and not _beats(meas, md):
+            # the winner's gain over the policy default is within noise: the default, measured beside it, is stored
+            kept_default = (f"the policy default re-measured side by side at {md.median_us:.1f} µs vs "
+                            f"{meas.median_us:.1f} µs: the winner's gain is within noise, the default stored")
+            knobs, meas = default, md
+        mi = got.get(inc) if inc is not None else None
+        if incumbent is not None and inc != knobs and mi is not None and mi.ok:
+            # other knobs than the stored ones: the incumbent stays where the new choice does not beat it beyond the
+            # noise and it beats the policy default itself (a stored setting that ties the default is replaced)
+            over_default = inc == default or md is None or not md.ok or _beats(mi, md)
+            if not _beats(meas, mi) and over_default:
+                why = (f"incumbent re-measured side by side at {mi.median_us:.1f} µs vs {meas.median_us:.1f} µs: "
                        f"gain within noise, incumbent kept")
-                if store is not None and incumbent is not None and incumbent.backend == be.label:
-                    # its stored number may predate a change the fingerprint does not see: the fresh one replaces
-                    # it (the store takes the same knobs from the same source as a re-measurement)
-                    written, how = store.put_profile(record(rival, ms[1]))
+                if store is not None and (incumbent.backend == be.label or incumbent.provenance != "measured"):
+                    # its stored number may predate a change the fingerprint does not see (or was a prediction):
+                    # the fresh measurement replaces it (the same knobs from the same source: a re-measurement)
+                    written, how = store.put_profile(record(inc, mi))
                     why += f" ({how})" if written else ""
                 return None, False, why
-            elif incumbent is not None:
-                # the two ran in one comparison: the stored number of the incumbent, however fast, is not the rival
-                side_by_side = (f"beat the incumbent side by side: {meas.median_us:.1f} µs vs {ms[1].median_us:.1f} "
-                                f"µs (gain {gain:.1f} > noise {noise:.1f})")
+            # the ones compared ran in one comparison: the stored number of the incumbent is not the rival
+            side_by_side = (f"beat the incumbent side by side: {meas.median_us:.1f} µs vs {mi.median_us:.1f} µs"
+                            if _beats(meas, mi) else
+                            f"the incumbent ({mi.median_us:.1f} µs) did not beat the policy default side by side")
     rec = record(knobs, meas)
     if store is None:
         return rec, False, "no store"
