@@ -75,7 +75,7 @@ def test_baseline_rows_are_modelled_as_k_copies_collective() -> None:
     import math
 
     hit = 1 - math.comb(64, 8) / math.comb(128, 8)
-    rt = predict(preset, Workload(m, 1024, 1, 2), k, phase="dispatch")
+    rt = predict(preset, Workload(m, 1024, 1, 2, dense=False), k, phase="dispatch")  # the packed layout
     # + the counts block to the other rank first (error word, rows, 64 rows per local expert: 66 int64)
     assert rt.bytes_on_wire == pytest.approx(1024 * hit * 4192 + 66 * 8)
 

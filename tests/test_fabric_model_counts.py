@@ -126,7 +126,7 @@ def test_packed_layout_counts_exchange_before_dispatch() -> None:
     """collective (runtime/buffer/_packed.py): the counts go first in an all-to-all of their own, a call with no
     payload: alpha + sync + one per-peer cost (nvlink-h200x2: 34.5655 + 1.53995 + 5.0 us); 66 int64 to the other
     rank (error word, rows, 64 rows per local expert)."""
-    w = Workload(QWEN, 4096, 1, 2)
+    w = Workload(QWEN, 4096, 1, 2, dense=False)  # the packed layout (at EP 2 the runtime would pick dense)
     r = predict("nvlink-h200x2", w, Knobs(transport="collective"), phase="dispatch")
     assert r.phases["dispatch.counts"] == pytest.approx(34.5655 + 1.53995 + 5.0)
     base = predict("nvlink-h200x2", w, Knobs(transport="collective"), phase="dispatch", layout="nccl_k_copies")

@@ -17,7 +17,7 @@ from moetune.tuner.fabric_model.routing import PLACEMENT_SEED, rank_hits
 
 @pytest.mark.parametrize(("experts", "topk", "pes"), [(256, 8, 2), (256, 8, 16), (128, 8, 4), (64, 6, 8), (8, 2, 8)])
 def test_uniform_rank_hits_are_the_runtime_hit_probability(experts: int, topk: int, pes: int) -> None:
-    from moetune.runtime.buffer._dense import hit_probability
+    from moetune.runtime.buffer.layout_choice import hit_probability
 
     h = rank_hits(experts, topk, 0.0, pes)
     assert h == pytest.approx([hit_probability(experts, topk, pes)] * pes, rel=1e-12)

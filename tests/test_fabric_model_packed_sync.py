@@ -11,8 +11,12 @@ runtime/pipeline.py `pipelined_moe`), for collective and host_staged:
   posted (the chunks' all_to_all_single calls need the split sizes on the host).
 * combine: no counts, no sync (it reuses the handle's counts). The tuner measures with check_inputs=False
   (tuner/measure/ep.py), which also leaves out combine's status all-gather and its sync.
-* nvlink / proxy (device-resident layout): no host sync with check_inputs=False, and pipeline_depth does not apply
-  (one chunk, runtime/buffer/_resident.py).
+* nvlink / proxy (device-resident layout): no `.tolist()` with check_inputs=False, and pipeline_depth does not
+  apply (one chunk, runtime/buffer/_resident.py). The proxy's calls end in host waits (proxy_host_wait), which
+  the model costs as launches, not as `host_sync` phases (docs/fabric-model.md says so).
+* These extras are the packed layout's: where `EPBuffer(dense=None)` picks the dense one (qwen3-30b at EP 2 and
+  4: few rows wasted), the model leaves them out as the runtime does (`Workload(dense=None)`, the default, asks
+  runtime/buffer/layout_choice.py `picks_dense`); these tests ask for the packed layout (`dense=False`).
 
 Expected numbers are derived by hand from the preset constants (nvlink-h200x2: pcie.memcpy_us 5.0, collective
 alpha 34.5655, sync 1.53995, per peer 5.0; pcie4-consumer-4090x4: host alpha 40.0, memcpy 6.0, per peer 3.0)."""
@@ -34,7 +38,7 @@ NCCL_COUNTS_H200 = 34.5655 + 1.53995 + 5.0  # one all_to_all_single with next to
 def test_one_counts_exchange_per_call_whose_block_carries_every_chunk(transport: str) -> None:
     """2 ranks, 64 experts each: each chunk adds 2 + 64 = 66 int64 to the one block for the other rank; the
     exchange itself (its time) and the host sync after it are the same at every depth (one per call)."""
-    w = Workload(QWEN, 4096, 1, 2)
+    w = Workload(QWEN, 4096, 1, 2, dense=False)
     r = {d: predict(H200, w, Knobs(transport=transport, pipeline_depth=d), phase="dispatch") for d in (1, 2, 4)}
     for d in (2, 4):
         assert r[d].bytes_on_wire - r[1].bytes_on_wire == pytest.approx((d - 1) * 66 * 8, abs=1e-6)
@@ -45,7 +49,7 @@ def test_one_counts_exchange_per_call_whose_block_carries_every_chunk(transport:
 def test_sixteen_rank_count_blocks_on_the_wire() -> None:
     """Slingshot, 4 nodes x 4 GPUs, collective: 8 experts per rank, so a chunk's block is 2 + 8 = 10 int64 to each
     of the 15 other ranks; pipeline_depth 3 sends 15 x 3 x 10 x 8 = 3600 count bytes, depth 1 1200."""
-    w = Workload(QWEN, 256, 4, 4)
+    w = Workload(QWEN, 256, 4, 4, dense=False)
     one = predict("slingshot11-libfabric-a100x4", w, Knobs(transport="collective", pipeline_depth=1), phase="dispatch")
     three = predict("slingshot11-libfabric-a100x4", w, Knobs(transport="collective", pipeline_depth=3),
                     phase="dispatch")
@@ -58,7 +62,7 @@ def test_packed_dispatch_waits_for_the_host_between_counts_and_payload() -> None
     payload call's own launch is in its alpha). Combine has neither counts nor sync."""
     pr = load_preset(H200)
     assert pr.get("pcie.memcpy_us") == 5.0
-    r = predict(pr, Workload(QWEN, 4096, 1, 2), Knobs(transport="collective"))
+    r = predict(pr, Workload(QWEN, 4096, 1, 2, dense=False), Knobs(transport="collective"))
     ph = r.phases
     assert ph["dispatch.host_sync"] == 5.0
     assert ph["dispatch.counts"] == pytest.approx(NCCL_COUNTS_H200)
@@ -74,24 +78,26 @@ def test_host_staged_counts_go_through_nccls_all_to_all() -> None:
     copy-engine staging: over NVLink the same call as the collective transport's; on a box without NVLink or
     peer-to-peer NCCL stages it through host memory: host alpha + a copy down and one up + per peer
     (pcie4-consumer-4090x4, 4 GPUs: 40 + 2 x 6 + 3 x 3 = 61 us). The host sync follows it in both."""
-    w = Workload(QWEN, 4096, 1, 2)
+    w = Workload(QWEN, 4096, 1, 2, dense=False)
     hs = predict(H200, w, Knobs(transport="host_staged"), phase="dispatch")
     coll = predict(H200, w, Knobs(transport="collective"), phase="dispatch")
     assert hs.phases["dispatch.counts"] == pytest.approx(NCCL_COUNTS_H200)
     assert hs.phases["dispatch.counts"] == coll.phases["dispatch.counts"]
-    pc = predict("pcie4-consumer-4090x4", Workload(QWEN, 1024, 1, 4), Knobs(transport="host_staged"),
+    pc = predict("pcie4-consumer-4090x4", Workload(QWEN, 1024, 1, 4, dense=False), Knobs(transport="host_staged"),
                  phase="dispatch")
     assert pc.phases["dispatch.counts"] == pytest.approx(40.0 + 2 * 6.0 + 3 * 3.0)
     assert pc.phases["dispatch.host_sync"] == 6.0
     # NCCL staging the collective's own counts without peer-to-peer: the same staged call
-    staged = predict(H200, Workload(QWEN, 4096, 1, 2, p2p=False), Knobs(transport="collective"), phase="dispatch")
+    staged = predict(H200, Workload(QWEN, 4096, 1, 2, p2p=False, dense=False), Knobs(transport="collective"),
+                     phase="dispatch")
     assert staged.phases["dispatch.counts"] == pytest.approx(17.3533 + 2 * 5.0 + 5.0)
 
 
 @pytest.mark.parametrize("transport", ["nvlink", "proxy"])
 def test_device_resident_layout_has_no_host_sync_and_no_chunks(transport: str) -> None:
-    """The one-sided transports keep every count on the GPU (no host sync with check_inputs=False) and send one
-    chunk whatever pipeline_depth (runtime/buffer/_resident.py): the prediction is the same at every depth."""
+    """The one-sided transports keep every count on the GPU (no `.tolist()` with check_inputs=False; the proxy's
+    host waits are costed as launches) and send one chunk whatever pipeline_depth (runtime/buffer/_resident.py):
+    the prediction is the same at every depth."""
     fence = "proxy_drain" if transport == "proxy" else "none"
     w = Workload(QWEN, 4096, 1, 2)
     one = predict(H200, w, Knobs(transport=transport, fence_mode=fence))
@@ -99,3 +105,22 @@ def test_device_resident_layout_has_no_host_sync_and_no_chunks(transport: str) -
     assert not any(k.endswith(".host_sync") for k in one.phases)
     assert (four.dispatch_us, four.combine_us, four.bytes_on_wire) == (one.dispatch_us, one.combine_us,
                                                                       one.bytes_on_wire)
+
+
+@pytest.mark.parametrize("transport", ["collective", "host_staged"])
+def test_where_the_runtime_runs_dense_there_are_no_counts_and_no_host_sync(transport: str) -> None:
+    """EPBuffer(dense=None), as the tuner measures, runs the dense layout for qwen3-30b at EP 2 (0.3 % of rows
+    wasted): no counts exchange, no `.tolist()`. The model asks the same rule (Workload(dense=None), the default);
+    at EP 8 (a third of the rows wasted, 4096 tokens: more than 2 MB per peer) the runtime and the model go packed."""
+    from moetune.runtime.buffer.layout_choice import picks_dense
+
+    k = Knobs(transport=transport)
+    auto = predict(H200, Workload(QWEN, 4096, 1, 2), k, phase="dispatch")
+    packed = predict(H200, Workload(QWEN, 4096, 1, 2, dense=False), k, phase="dispatch")
+    assert picks_dense(QWEN.experts, QWEN.topk, 2, 4096, 4192)
+    assert not any(n.endswith((".counts", ".host_sync")) for n in auto.phases)
+    assert packed.dispatch_us == pytest.approx(auto.dispatch_us + packed.phases["dispatch.counts"]
+                                               + packed.phases["dispatch.host_sync"])
+    assert not picks_dense(QWEN.experts, QWEN.topk, 8, 4096, 4192)
+    wide = predict("ndr-ibrc-h100x8", Workload(QWEN, 4096, 1, 8), Knobs(transport="collective"), phase="dispatch")
+    assert "dispatch.counts" in wide.phases and "dispatch.host_sync" in wide.phases

@@ -18,13 +18,6 @@ from moetune.runtime.knobs import KnobError
 if TYPE_CHECKING:
     from moetune.runtime.buffer.facade import EPBuffer
 
-# Automatic dense layout (EPBuffer(dense=None)): when one dispatch's dense send to a peer is at most this many
-# bytes (latency-bound: the saved host sync and kernels matter more than bytes), or when uniform routing
-# sends all but this fraction of the tokens to every rank anyway (e.g. 2 ranks with top-8).
-DENSE_AUTO_MAX_BYTES = 2 << 20
-DENSE_AUTO_MAX_WASTE = 0.10
-
-
 def _chunk_weights(n: int, weights: tuple[float, ...] = ()) -> list[float]:
     """Relative chunk sizes of the dense layout: equal, or the option chunk_weights (n positive numbers, for
     side-by-side measurements of uneven chunks; ignored with one chunk)."""
@@ -47,14 +40,6 @@ def _dense_bounds(cap: int, n: int, weights: tuple[float, ...] = ()) -> list[int
         acc += v
         out.append(min(cap, round(cap * acc / tot)))
     return out
-
-
-def hit_probability(experts: int, topk: int, world: int) -> float:
-    """Probability that a token with `topk` distinct uniformly chosen experts has one on a given rank."""
-    epr = experts // max(1, world)
-    if world <= 1:
-        return 1.0
-    return 1.0 - math.comb(experts - epr, topk) / math.comb(experts, topk)
 
 
 class _DenseLayout:

@@ -72,13 +72,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.runtime import _args, csrc_build
-from moetune.runtime.buffer._dense import (
-    DENSE_AUTO_MAX_BYTES,
-    DENSE_AUTO_MAX_WASTE,
-    _dense_bounds,
-    _DenseLayout,
-    hit_probability,
-)
+from moetune.runtime.buffer._dense import _dense_bounds, _DenseLayout
 from moetune.runtime.buffer._meta import (
     _DTYPE_CODE,
     _ERRORS,
@@ -92,6 +86,12 @@ from moetune.runtime.buffer._meta import (
 )
 from moetune.runtime.buffer._packed import _PackedLayout
 from moetune.runtime.buffer._resident import _ResidentLayout
+from moetune.runtime.buffer.layout_choice import (
+    DENSE_AUTO_MAX_BYTES,
+    DENSE_AUTO_MAX_WASTE,
+    hit_probability,
+    picks_dense,
+)
 from moetune.runtime.fp8 import dequantise, fp8_available, num_scale_groups, quantise_into
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.options import RuntimeOptions
@@ -311,11 +311,9 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             if dense and not able:
                 raise ValueError(f"dense=True needs a collective transport, not {self.knobs.transport!r}")
             return bool(dense)
-        if not able or self.world == 1:
+        if not able:
             return False
-        per_peer = self.max_tokens * self.row_bytes
-        waste = 1.0 - hit_probability(self.model.experts, self.topk, self.world)
-        return per_peer <= DENSE_AUTO_MAX_BYTES or waste <= DENSE_AUTO_MAX_WASTE
+        return picks_dense(self.model.experts, self.topk, self.world, self.max_tokens, self.row_bytes)
 
     def _agree(self) -> None:
         """Every rank must run the same setting (the row size and count layout depend on it)."""

@@ -51,7 +51,7 @@ S x P(token needs r) (`routing.rank_hits`: exact hypergeometric under uniform ro
   nodes; no moetune transport sends it. The Perseus reproductions use it.
 * nvlink also: the count words stored in the same launch (one NVLink latency before the rows move), this
   PE's own rows copied by its own slot's CTAs, the reduce after combine. collective / host_staged (packed
-  layout): ONE counts exchange per dispatch call (an NCCL all_to_all_single for both; its block to each rank
+  layout, where the runtime's rule picks it: `Workload.dense`): ONE counts exchange per dispatch call (an NCCL all_to_all_single for both; its block to each rank
   carries every pipeline chunk's counts), then the host sync that reads them (`.tolist()`: phase
   `host_sync`, pcie.memcpy_us) before any payload is posted; the own rows copied locally beside the
   exchange, the reduce (index_add) after combine; combine has no counts and no sync.
@@ -71,6 +71,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from moetune.runtime.buffer.layout_choice import picks_dense
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.routing import parse_routing
 from moetune.runtime.shapes import DTYPES, ModelShape, get_model
@@ -124,6 +125,9 @@ class Workload(msgspec.Struct, frozen=True):
     tile: int = 128
     # False: GPUs of a node may not talk peer-to-peer (NCCL_P2P_DISABLE=1): intra-node traffic is staged.
     p2p: bool = True
+    # The collective transports' wire layout, as EPBuffer(dense=...): None takes the runtime's own rule
+    # (runtime/buffer/layout_choice.py `picks_dense`, what the tuner measures), False the packed layout.
+    dense: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, str):
@@ -822,7 +826,14 @@ def _packed_extras(p: _P, w: Workload, knobs: Knobs, ph: _Phase, hits, tb: float
     own = S * float(hits[0] if dispatch else hits.max()) * tb
     ph.parts["self_copy"] = own / (p.hbm / 2.0)
     ph.us = max(ph.us, ph.parts["self_copy"])
+    # EPBuffer(dense=None), as the tuner measures, runs the dense layout where the same rule says so: no counts
+    # and no host sync (its payload is modelled as the packed one: within the rule's 10 % of wasted rows, or a
+    # send of at most 2 MB per peer)
+    dense = w.dense if w.dense is not None else picks_dense(w.model.experts, w.model.topk, w.pes, S,
+                                                            _token_bytes(w.model, knobs, dispatch=True))
     if dispatch:
+        if dense:
+            return
         ph.parts["counts"] = counts = _packed_counts_us(p, w)
         ph.parts["host_sync"] = p.memcpy
         ph.us += counts + p.memcpy

@@ -12,7 +12,7 @@ parser the runtime's generators use, so the model and a measurement accept the s
 The runtime's wire layouts send a token once per destination RANK that holds at least one of its k
 experts (runtime/buffer/_packed.py, _resident.py), not once per expert: `rank_hits` is the probability
 that a token needs a given rank. Uniform: exactly 1 - C(E - E/R, k) / C(E, k) (the same formula as the
-runtime's `hit_probability`, runtime/buffer/_dense.py). Zipf: the same hypergeometric with the rank's
+runtime's `hit_probability`, runtime/buffer/layout_choice.py). Zipf: the same hypergeometric with the rank's
 "effective experts" n_r = E x (its share of the token's k picks), which is exact for uniform routing and
 within ~6 % of a Monte Carlo of the runtime's Gumbel-top-k generator in total ranks per token (tests);
 per rank the error follows the water-filling marginals above (up to ~20 % on hot ranks).
