@@ -103,6 +103,7 @@ def test_a_value_that_is_not_printable_ascii_is_kept_as_its_digest_and_refused_a
     got = P.performance_environment({"NCCL_ALGO": forged, "NCCL_PROTO": "Simple\u00e9"}).variables
     assert got["NCCL_ALGO"].startswith("sha256:") and got["NCCL_PROTO"].startswith("sha256:")
     assert P.perf_env_problem({"NCCL_ALGO": forged}) is not None
+    assert P.perf_env_problem({"NCCL_ALGO": "\ud800"}) is not None  # a lone surrogate: a reason, not an exception
     assert P.perf_env_problem(got) is None
     diff = P.compare_perf_env({"NCCL_ALGO": "Ring"}, {"NCCL_ALGO": "Tree\n#"}).differences[0]
     assert "\n" not in diff and diff == "NCCL_ALGO: tuned with Ring, job has Tree\\n#"

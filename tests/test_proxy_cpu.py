@@ -274,6 +274,21 @@ def test_missing_numa_information_under_numa_is_logged_not_warned(monkeypatch: p
     assert c.cpus == tuple(sorted(os.sched_getaffinity(0)))
 
 
+def test_numa_local_cpus_the_process_may_not_use_are_warned_under_the_default(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path: Path) -> None:
+    """The GPU's NUMA-local CPUs are known but the rank is bound elsewhere (the far socket): the misplacement the
+    option exists for is a warning even under the default `numa` (missing NUMA information stays an info line)."""
+    from moetune.runtime.transports import proxy as P
+
+    monkeypatch.setattr(_affinity, "_WARNED", set())
+    far = max(os.sched_getaffinity(0)) + 1
+    _fake_sysfs(tmp_path / "pci", {"0000:19:00.0": format_cpulist([far, far + 1])})
+    monkeypatch.setattr(_affinity, "SYSFS_PCI", str(tmp_path / "pci"))
+    monkeypatch.setattr(P, "gpu_pci_address", lambda device: "0000:19:00.0")
+    with pytest.warns(_affinity.ProxyCpuWarning, match="runs unpinned: none of the NUMA-local CPUs"):
+        assert P.proxy_cpu_choice(RuntimeOptions(), torch.device("cuda", 0)).cpus == ()
+
+
 def test_an_explicit_cpu_list_that_cannot_be_applied_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     from moetune.runtime.transports import proxy as P
 

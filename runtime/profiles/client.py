@@ -920,8 +920,8 @@ class ProfileClient:
             res.message = "; ".join(x for x in (res.message, cmp.summary()) if x)
             if self.env_mismatch == "warn":
                 warn_env_mismatch(f"moetune: tuned profile {res.profile_hash} (from the {res.source}) was {cmp.summary()}; "
-                                  "served anyway (client.env_mismatch = warn; \"refuse\" falls back to the policy "
-                                  "default instead)", (res.profile_hash, cmp.differences))
+                                  "served anyway (client.env_mismatch = warn; \"refuse\" passes it over: the lookup "
+                                  "falls back instead)", (res.profile_hash, cmp.differences))
         elif cmp.status == "unknown":
             log.info("moetune: tuned profile %s: %s", res.profile_hash, cmp.summary())
 

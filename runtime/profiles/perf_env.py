@@ -86,7 +86,7 @@ def _value(text: str) -> str:
     # printed: warnings, logs, `moetune query --format env` comments), is kept as its digest: it still compares
     if len(text) <= MAX_VALUE and text.isascii() and text.isprintable():
         return text
-    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def perf_env_digest(variables: Mapping[str, str]) -> str:

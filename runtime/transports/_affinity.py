@@ -54,6 +54,9 @@ class CpuChoice:
 
     cpus: tuple[int, ...]
     reason: str
+    # the candidates were known (the GPU's NUMA-local CPUs, or a list) but the process may use none of them: a
+    # misplacement (e.g. a rank bound to the far socket), said as a warning even under the default `numa`
+    excluded: bool = False
 
     @property
     def cpu(self) -> tuple[int, ...] | None:
@@ -129,7 +132,7 @@ def usable_cpus(candidates: Iterable[int], allowed: Iterable[int], what: str = "
     usable = tuple(c for c in cands if c in allowed_set)
     if not usable:
         return CpuChoice((), f"none of {what} ({format_cpulist(cands) or 'none'}) is allowed for this process "
-                             f"(allowed: {format_cpulist(allowed_set) or 'none'})")
+                             f"(allowed: {format_cpulist(allowed_set) or 'none'})", excluded=bool(cands))
     return CpuChoice(usable, f"CPUs {format_cpulist(usable)} ({what} this process may use)")
 
 

@@ -266,13 +266,14 @@ def gpu_pci_address(device: torch.device) -> str:
 
 def proxy_cpu_choice(options: RuntimeOptions, device: torch.device) -> _affinity.CpuChoice:
     """The CPU set the proxy thread of `device` should pin itself to under `options.proxy_cpu`. When pinning
-    cannot be done it chooses none and says why once: a warning (ProxyCpuWarning) for an explicit CPU list, an
-    info-level log record for the default `numa` on a machine without NUMA information (no user error)."""
+    cannot be done it chooses none and says why once: a warning (ProxyCpuWarning) for an explicit CPU list, or
+    where the GPU's NUMA-local CPUs are known but the process may use none of them (a rank bound to the far
+    socket); an info-level log record for the default `numa` on a machine without NUMA information."""
     kind, _ = proxy_cpu_setting(options.proxy_cpu)
     choice = _affinity.resolve(options.proxy_cpu, address=gpu_pci_address(device))
     if not choice.cpus and kind != "none":
         message = f"moetune: the proxy thread of {device} runs unpinned: {choice.reason}"
-        (_affinity.warn_once if kind == "cpus" else _affinity.note_once)(message)
+        (_affinity.warn_once if kind == "cpus" or choice.excluded else _affinity.note_once)(message)
     return choice
 
 
