@@ -426,10 +426,12 @@ def _beats(a: Measurement, b: Measurement) -> bool:
 def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: StudyResult,
                    facts: TuneFacts, default: Knobs | None = None,
                    inert: str = "") -> tuple[ProfileRecord | None, bool, str]:
-    """Store the study's winner, measured again beside the incumbent, or where there is none beside the policy
-    `default`: a winner whose gain over it is within the noise is not stored as a tuned choice (the incumbent is
-    kept; the default, measured side by side, is stored instead). `inert` (why no knob acts at this size: the
-    study measured the default only) replaces an incumbent of other knobs, whatever its number: they cannot act."""
+    """Store the study's winner, measured again in one comparison beside the incumbent and the policy `default`
+    (a local measurement; a prediction is stored as the store's rules say). A winner that does not beat the default
+    beyond the noise gives way to the default; an incumbent of other knobs stays where the choice does not beat it
+    beyond the noise and it beats the default itself (its fresh number is stored where it came from this backend
+    or was a prediction). `inert` (why no knob acts at this size: the study measured the default only) replaces an
+    incumbent of other knobs, whatever its number: they cannot act."""
     if result.best_knobs is None or result.best is None:
         return None, False, "no successful trial"
     knobs, meas = result.best_knobs, result.best
