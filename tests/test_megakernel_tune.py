@@ -281,6 +281,28 @@ def test_profile_on_a_one_gpu_node_tunes_the_megakernel(tmp_path: Path) -> None:
     assert "qwen3-30b S=16) run the task graph" in report and "decode kernel, which has no tile knobs" in report
 
 
+def test_profile_compares_the_searchs_winner_with_the_default_once(tmp_path: Path) -> None:
+    """The bring-up's compare stage measures the search's winner beside the default (rounds, spread) and stores
+    what wins; the tune stage does not make that comparison too (before, the tune re-measured a tie beside the
+    default, stored the default, and the report said 'the tuned setting is the default', hiding the winner)."""
+    from moetune.tuner.search.policy import load_policy
+
+    default = load_policy("megakernel").defaults
+
+    def almost_flat(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+        base = 300.0 if knobs == default else 299.5
+        return {"graph_us": [base - 3, base, base + 3], "eager_us": [base] * 3}
+
+    b, store = _bringup(tmp_path, "h200x1", almost_flat)
+    cmp = b.state.result("compare")
+    assert cmp[0]["stored"] == "policy default" and cmp[0]["knobs"], cmp[0]  # the winner's knobs are reported
+    assert "did not beat the default" in cmp[0]["why_default"]
+    from moetune.runtime.profile_record import ProfileKey
+
+    rec = store.get_current(ProfileKey(**b.state.result("tune")[0]["key"]))
+    assert rec is not None and rec.knobs == default
+
+
 def test_report_names_tuned_sizes_that_may_run_the_decode_kernel() -> None:
     from moetune.tuner.bringup.flow import _decode_notes
 

@@ -424,14 +424,15 @@ class Bringup:
             try:
                 res += tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
                                               backend=be, trials=self.plan.trials, progress=self.progress,
-                                              storage=self.storage, ep_size=ep, nodes=1, seed=0, study_tag=tag)
+                                              storage=self.storage, ep_size=ep, nodes=1, seed=0, study_tag=tag,
+                                              recheck=False)  # stage_compare compares with the default
             finally:
                 be.close()  # the persistent bench workers
         if self.mk_ok:
             res += tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
                                           backend=self._mk_backend(), trials=self.plan.trials, progress=self.progress,
                                           storage=self.storage, ep_size=1, nodes=1, seed=0, families=["megakernel"],
-                                          study_tag=tag)
+                                          study_tag=tag, recheck=False)
         out = []
         for r in res:
             if r.record is None:

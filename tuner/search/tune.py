@@ -221,9 +221,12 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                            families: Sequence[str] | None = None, policy_override: str | Path | None = None,
                            routing: str = "uniform", local_options: Mapping[str, Any] | None = None,
                            on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
-                           node_model: bool = False, study_tag: str = "") -> list[TuneResult]:
+                           node_model: bool = False, study_tag: str = "", recheck: bool = True) -> list[TuneResult]:
     """`study_tag` (letters, digits, `_`, `-`) goes into every study's name: a run that must not resume the
-    finished studies of the same settings (`moetune profile --restart`) tunes in studies of its own."""
+    finished studies of the same settings (`moetune profile --restart`) tunes in studies of its own.
+    `recheck=False`: the study's best is stored as measured, without `_write_profile`'s side-by-side comparison
+    with the incumbent and the policy default, for a caller that makes that comparison itself and stores what
+    wins (the bring-up's compare stage), so it is not measured twice."""
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     if not all(c.isascii() and (c.isalnum() or c in "_-") for c in study_tag):
@@ -338,7 +341,8 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                     res = _tune_one(store, st, url, name, key, space, be, wl, trials=1 if inert else trials,
                                     timeout_s=left, seed=seed, bar=bar, facts=facts, on_trial=on_trial,
                                     neighbour=None if inert else neighbour_bucket(st, key, be.label, model.name,
-                                                                                  config), inert=inert)
+                                                                                  config), inert=inert,
+                                    recheck=recheck)
                     out.append(replace(res, reason=f"{res.reason} ({inert})") if inert else res)
     finally:
         if be is not backend and isinstance(be, LocalBackend):
@@ -350,7 +354,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
               space: SearchSpace, be: BenchmarkBackend, wl: TuneWorkload, *, trials: int, timeout_s: float | None,
               seed: int | None, bar: Progress, facts: TuneFacts,
               on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None,
-              neighbour: BucketPrior | None = None, inert: str = "") -> TuneResult:
+              neighbour: BucketPrior | None = None, inert: str = "", recheck: bool = True) -> TuneResult:
     run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label) if store is not None else None
     status = "failed"
     result: StudyResult | None = None
@@ -387,7 +391,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
                            shared=not is_sqlite(url), cross=cross)
         bar.update(task, finished_trials(study), _best_value(study))
         record, written, reason = _write_profile(store, key, be, result, facts, default=space.policy.defaults,
-                                                 inert=inert)
+                                                 inert=inert, recheck=recheck)
         status = "done" if result.best_knobs is not None else "no_result"
         # fewer finished trials than asked happens only when the budget ran out (an interruption raises)
         cut = timeout_s is not None and result.trials < trials
@@ -424,14 +428,15 @@ def _beats(a: Measurement, b: Measurement) -> bool:
 
 
 def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: StudyResult,
-                   facts: TuneFacts, default: Knobs | None = None,
-                   inert: str = "") -> tuple[ProfileRecord | None, bool, str]:
+                   facts: TuneFacts, default: Knobs | None = None, inert: str = "",
+                   recheck: bool = True) -> tuple[ProfileRecord | None, bool, str]:
     """Store the study's winner, measured again in one comparison beside the incumbent and the policy `default`
     (a local measurement; a prediction is stored as the store's rules say). A winner that does not beat the default
     beyond the noise gives way to the default; an incumbent of other knobs stays where the choice does not beat it
     beyond the noise and it beats the default itself (its fresh number is stored where it came from this backend
     or was a prediction). `inert` (why no knob acts at this size: the study measured the default only) replaces an
-    incumbent of other knobs, whatever its number: they cannot act."""
+    incumbent of other knobs, whatever its number: they cannot act. `recheck=False`: no comparison here (the
+    caller makes it and stores what wins)."""
     if result.best_knobs is None or result.best is None:
         return None, False, "no successful trial"
     knobs, meas = result.best_knobs, result.best
@@ -456,7 +461,7 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
     if inert:
         if incumbent is not None and incumbent.knobs != knobs:
             side_by_side = inert
-    elif isinstance(be, LocalBackend):
+    elif isinstance(be, LocalBackend) and recheck:
         # Measure the winner again beside the incumbent and the policy default: same conditions, one comparison.
         inc = incumbent.knobs if incumbent is not None else None
         cands = list(dict.fromkeys(k for k in (knobs, inc, default) if k is not None))
