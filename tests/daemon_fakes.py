@@ -25,6 +25,21 @@ from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord, provenance_of_backend
 
 
+def assert_one_current_profile_per_key(path: str | Path) -> None:
+    """The store's unique index on current keys holds (e.g. after a migration copied the profiles table): making a
+    superseded profile current again beside its key's current one is refused by SQLite."""
+    import sqlite3
+
+    import pytest
+
+    with pytest.raises(sqlite3.IntegrityError):
+        c = sqlite3.connect(path)
+        try:
+            c.execute("UPDATE profiles SET status = 'current' WHERE status = 'superseded'")
+        finally:
+            c.close()
+
+
 def open_store(path: str | Path) -> Any:
     from moetune.tuner.store.store import Store
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import sys
 from pathlib import Path
 
 import msgspec
 import pytest
 from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
 
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
@@ -77,13 +81,7 @@ def test_0006_upgrade_of_an_existing_database_says_unknown_and_downgrade_keeps_t
         assert s.check()["ok"]
         assert "perf_env" in columns(path)
         assert len(s.list_profiles()) == 3 and all(r.tuned_perf_env is None for _i, r in s.list_profiles())
-        # the unique index on current keys survived the table copy
-        with pytest.raises(sqlite3.IntegrityError):
-            c = sqlite3.connect(path)
-            try:
-                c.execute("UPDATE profiles SET status = 'current' WHERE status = 'superseded'")
-            finally:
-                c.close()
+        F.assert_one_current_profile_per_key(path)  # the unique index on current keys survived the table copy
         # a re-tune records its environment: the same knobs measured again replace the unknown one
         assert s.put_profile(msgspec.structs.replace(measured(90.0, ENV), knobs=default_knobs("nvlink")))[0]
         assert s.get_current(key()).tuned_perf_env == ENV
