@@ -91,7 +91,6 @@ from moetune.runtime.profiles.perf_env import (
 from moetune.runtime.shapes import ModelShape
 
 __all__ = [
-    "ENV_MISMATCH_MODES",
     "INFO_NAME",
     "PUB_SOCKET_NAME",
     "SOCKET_NAME",

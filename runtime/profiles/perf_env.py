@@ -100,7 +100,10 @@ class PerfEnv:
     """A performance environment: the variables (sorted by name) and their digest."""
 
     variables: dict[str, str] = field(default_factory=dict)
-    digest: str = field(default_factory=lambda: perf_env_digest({}))
+
+    @property
+    def digest(self) -> str:
+        return perf_env_digest(self.variables)
 
 
 def performance_environment(env: Mapping[str, str]) -> PerfEnv:
@@ -115,7 +118,7 @@ def performance_environment(env: Mapping[str, str]) -> PerfEnv:
         if RUNTIME_DEFAULTS.get(name) == value:
             continue
         out[name] = _value(value)
-    return PerfEnv(out, perf_env_digest(out))
+    return PerfEnv(out)
 
 
 def perf_env_problem(variables: object) -> str | None:

@@ -67,14 +67,14 @@ class ProxyCpu:
     allowed: tuple[int, ...] | None = None  # the kernel's affinity mask of the thread now (None: not readable)
 
 
-def cpu_set(cpu: int | Iterable[int] | None, who: str = "proxy engine: ") -> tuple[int, ...]:
+def cpu_set(cpu: int | Iterable[int] | None) -> tuple[int, ...]:
     """ProxyEngine's `cpu` argument as a sorted set of CPU indices (() = no pinning); TypeError/ValueError for
     anything but non-negative ints."""
     if cpu is None:
         return ()
     items = [cpu] if isinstance(cpu, int) else list(cpu)
     for c in items:
-        _args.check_int("cpu", c, 0, who)
+        _args.check_int("cpu", c, 0, "proxy engine: ")
     return tuple(sorted(set(items)))
 
 

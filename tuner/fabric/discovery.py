@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moetune.runtime.transports._affinity import sysfs_pci_address  # nvidia-smi bus id -> sysfs name
 from moetune.tuner.fabric.facts import (
     GPU,
     NIC,
@@ -712,14 +713,6 @@ def parse_matrix(text: str, where: str, src: Source, what: str, value_re: re.Pat
 
 _GT_S = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*GT/s")
 _GEN_BY_GT = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6, 128.0: 7}
-
-
-def sysfs_pci_address(bus_id: str) -> str:
-    """'00000000:18:00.0' (nvidia-smi) -> '0000:18:00.0' (the name under /sys/bus/pci/devices); '' if not one."""
-    m = re.match(r"^([0-9A-Fa-f]+):([0-9A-Fa-f]{2}):([0-9A-Fa-f]{2})\.([0-7])$", bus_id.strip())
-    if not m:
-        return ""
-    return f"{int(m.group(1), 16):04x}:{m.group(2).lower()}:{m.group(3).lower()}.{m.group(4)}"
 
 
 def _sysfs_int(src: Source, path: str, what: str) -> int | None:

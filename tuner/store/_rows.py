@@ -51,7 +51,7 @@ def record_from_row(row: Any) -> ProfileRecord:
         key = ProfileKey(**{c: getattr(row, c) for c in PROFILE_KEY_COLUMNS})
         knobs = Knobs.from_dict(msgspec.json.decode(row.knobs or "null"))
         versions = msgspec.json.decode(row.software_versions or "{}", type=dict[str, str])
-        perf_env = decode_perf_env(row.perf_env)
+        perf_env = parse_recorded(row.perf_env)
         return ProfileRecord(
             key=key,
             knobs=knobs,
@@ -249,15 +249,9 @@ def row_from_record(rec: ProfileRecord, ts: str, *, keep_times: bool = False, st
     )
 
 
-def decode_perf_env(text: str | None) -> dict[str, str] | None:
-    """A `perf_env` column read as text: None when not recorded (SQL NULL); ValueError when it is not a
-    performance environment this moetune would record."""
-    return parse_recorded(text)
-
-
 def _stored_perf_env(old: Any) -> dict[str, str] | None:
     try:
-        return decode_perf_env(old.perf_env)
+        return parse_recorded(old.perf_env)
     except (ValueError, msgspec.DecodeError):
         return None
 
@@ -265,7 +259,7 @@ def _stored_perf_env(old: Any) -> dict[str, str] | None:
 def _same_perf_env(old: Any, new: ProfileRecord) -> bool:
     """Whether the stored row (a `current_of` row) recorded the same performance environment as `new`."""
     try:
-        return decode_perf_env(old.perf_env) == new.tuned_perf_env
+        return parse_recorded(old.perf_env) == new.tuned_perf_env
     except (ValueError, msgspec.DecodeError):  # an unreadable stored one: not the same
         return False
 
