@@ -82,6 +82,12 @@ def megakernel_problem(device: Any, dtype: Any = None, model: Any = None) -> str
         why = limits_problem(model)
         if why is not None:
             return why
+    return library_problem()
+
+
+def library_problem() -> str | None:
+    """Why the megakernel's library can be neither loaded nor built here (None: it can): no prebuilt one in
+    MOETUNE_MK_LIB and no nvcc to build csrc/megakernel. A MOETUNE_MK_LIB that does not exist fails at load."""
     if not os.environ.get("MOETUNE_MK_LIB"):
         from moetune.runtime import csrc_build
 

@@ -213,15 +213,13 @@ def megakernel_refusal(facts: Any, backend: str) -> str:
     if not ok:
         return f"the megakernel cannot run here: {why}"
     pre = os.environ.get("MOETUNE_MK_LIB")
-    if pre:
-        if not Path(pre).is_file():
-            return f"the megakernel library MOETUNE_MK_LIB={pre} does not exist"
-    else:
-        from moetune.runtime import csrc_build
+    if pre and not Path(pre).is_file():
+        return f"the megakernel library MOETUNE_MK_LIB={pre} does not exist"
+    from moetune.runtime.megakernel.engine import library_problem
 
-        if csrc_build.find_nvcc() is None:
-            return ("the megakernel library is not built and cannot be: no nvcc (set MOETUNE_NVCC or CUDA_HOME, or "
-                    "MOETUNE_MK_LIB to a prebuilt libmoetune_moe.so)")
+    why = library_problem()
+    if why is not None:
+        return f"the megakernel library is not built and cannot be: {why}"
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:

@@ -446,7 +446,7 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
     on_node = provenance != "preset"  # measured here, or predicted by this node's own calibrated model
     software = {str(k): str(v) for k, v in dict(facts.software).items()}
     # the NCCL/NVSHMEM/FI environment the ranks measured in (a prediction has none: not recorded)
-    perf = be.perf_environment() if provenance == "measured" else None
+    perf = be.perf_environment()  # None from a backend that measures nothing (a prediction)
 
     def record(kn: Knobs, m: Measurement) -> ProfileRecord:
         now = _now_iso()
@@ -469,14 +469,14 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
         meas = got[knobs]
         if not meas.ok:
             return None, False, f"the winner failed when measured again: {meas.error}"
-        md = got.get(default) if default is not None else None
+        md = got.get(default)
         if md is not None and md.ok and knobs != default and not _beats(meas, md):
             # the winner's gain over the policy default is within noise: the default, measured beside it, is stored
             kept_default = (f"the policy default re-measured side by side at {md.median_us:.1f} µs vs "
                             f"{meas.median_us:.1f} µs: the winner's gain is within noise, the default stored")
             knobs, meas = default, md
-        mi = got.get(inc) if inc is not None else None
-        if incumbent is not None and inc != knobs and mi is not None and mi.ok:
+        mi = got.get(inc)
+        if mi is not None and mi.ok and inc != knobs:
             # other knobs than the stored ones: the incumbent stays where the new choice does not beat it beyond the
             # noise and it beats the policy default itself (a stored setting that ties the default is replaced)
             over_default = inc == default or md is None or not md.ok or _beats(mi, md)

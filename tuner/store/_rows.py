@@ -252,7 +252,7 @@ def row_from_record(rec: ProfileRecord, ts: str, *, keep_times: bool = False, st
 def _stored_perf_env(old: Any) -> dict[str, str] | None:
     try:
         return parse_recorded(old.perf_env)
-    except (ValueError, msgspec.DecodeError):
+    except ValueError:
         return None
 
 
@@ -260,7 +260,7 @@ def _same_perf_env(old: Any, new: ProfileRecord) -> bool:
     """Whether the stored row (a `current_of` row) recorded the same performance environment as `new`."""
     try:
         return parse_recorded(old.perf_env) == new.tuned_perf_env
-    except (ValueError, msgspec.DecodeError):  # an unreadable stored one: not the same
+    except ValueError:  # an unreadable stored one: not the same
         return False
 
 
