@@ -110,7 +110,7 @@ def expected_rows_per_peer(experts: int, topk: int, ep_size: int, tokens: int, r
         return 0.0
     _, zipf_s = parse_routing(routing)
     hits = rank_hits(max(1, experts), max(1, min(topk, experts)), zipf_s, max(1, ep_size))
-    return min(float(tokens), tokens * float(max(hits)))
+    return tokens * float(max(hits))  # rank_hits caps each probability at 1
 
 
 def put_chunking(rows: float, chunk_tokens: int) -> tuple[int, int]:
