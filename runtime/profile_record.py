@@ -159,6 +159,8 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def profile_hash(self) -> str:
-        """Hash of key + knobs: what all ranks compare to be sure they hold the same profile."""
+        """Hash of key + knobs: what all ranks compare to be sure they hold the same profile. Not perf_env, routing or
+        the latencies: they say where the numbers come from, not what a rank applies (each rank compares its own
+        environment with perf_env at lookup)."""
         payload = {"key": self.key.to_dict(), "knobs": self.knobs.canonical()}  # stable across new knobs
         return hashlib.sha256(msgspec.json.encode(payload, order="sorted")).hexdigest()[:16]
