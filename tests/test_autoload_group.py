@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from moetune.runtime import _once
 from moetune.runtime.buffer.facade import EPBuffer
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.megakernel import engine as E
@@ -32,7 +33,7 @@ BF16 = ModelShape(name="t", hidden=128, intermediate=64, experts=8, topk=2, dtyp
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch: pytest.MonkeyPatch):
     autoload.clear_cache()
-    E.reset_warnings()
+    _once.reset()
     monkeypatch.delenv("MOETUNE_AUTOLOAD", raising=False)
     yield
     autoload.clear_cache()

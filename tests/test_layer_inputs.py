@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from moetune.runtime import _once
 from moetune.runtime.buffer.facade import EPBuffer
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.megakernel import MegakernelConfig, _lib
@@ -32,12 +33,12 @@ BF = torch.bfloat16
 
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch: pytest.MonkeyPatch):
-    E.reset_warnings()
+    _once.reset()
     autoload.clear_cache()
     monkeypatch.setattr(autoload, "_availability", {})
     monkeypatch.setenv("MOETUNE_AUTOLOAD", "0")  # no daemon or database
     yield
-    E.reset_warnings()
+    _once.reset()
     autoload.clear_cache()
 
 

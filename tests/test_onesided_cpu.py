@@ -766,12 +766,12 @@ def test_proxy_engine_reports_its_cpus_and_warns_once_when_pinning_fails(sim_lib
     reason, never an error."""
     import warnings
 
-    from moetune.runtime import csrc_build
+    from moetune.runtime import _once, csrc_build
     from moetune.runtime.transports import _affinity
     from moetune.runtime.transports.proxy import ProxyEngine
 
     monkeypatch.setattr(csrc_build, "load", lambda **kw: sim_lib)
-    monkeypatch.setattr(_affinity, "_WARNED", set())
+    _once.reset()
     data, sig = (ctypes.c_uint8 * 256)(), (ctypes.c_uint64 * 64)()
     peers = ([ctypes.addressof(data)], [ctypes.addressof(data)], [ctypes.addressof(sig)])
     allowed = tuple(sorted(os.sched_getaffinity(0)))

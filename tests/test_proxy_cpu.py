@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moetune.runtime import _once
 from moetune.runtime.config import ConfigError, load_config
 from moetune.runtime.options import (
     MAX_CPU_INDEX,
@@ -254,8 +255,7 @@ def test_missing_numa_information_under_numa_is_logged_not_warned(monkeypatch: p
     from moetune.runtime.transports import proxy as P
 
     monkeypatch.setattr(_affinity, "SYSFS_PCI", str(tmp_path / "no-sysfs"))
-    monkeypatch.setattr(_affinity, "_WARNED", set())
-    monkeypatch.setattr(_affinity, "_NOTED", set())
+    _once.reset()
     monkeypatch.setattr(P, "gpu_pci_address", lambda device: "0000:19:00.0")
     dev = torch.device("cuda", 0)
     with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="moetune.proxy"):
@@ -280,7 +280,7 @@ def test_numa_local_cpus_the_process_may_not_use_are_warned_under_the_default(mo
     option exists for is a warning even under the default `numa` (missing NUMA information stays an info line)."""
     from moetune.runtime.transports import proxy as P
 
-    monkeypatch.setattr(_affinity, "_WARNED", set())
+    _once.reset()
     far = max(os.sched_getaffinity(0)) + 1
     _fake_sysfs(tmp_path / "pci", {"0000:19:00.0": format_cpulist([far, far + 1])})
     monkeypatch.setattr(_affinity, "SYSFS_PCI", str(tmp_path / "pci"))
@@ -292,7 +292,7 @@ def test_numa_local_cpus_the_process_may_not_use_are_warned_under_the_default(mo
 def test_an_explicit_cpu_list_that_cannot_be_applied_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     from moetune.runtime.transports import proxy as P
 
-    monkeypatch.setattr(_affinity, "_WARNED", set())
+    _once.reset()
     monkeypatch.setattr(P, "gpu_pci_address", lambda device: "")
     dev = torch.device("cuda", 0)
     outside = format_cpulist([max(os.sched_getaffinity(0)) + 1])

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import warnings
 from typing import Any
 
+from moetune.runtime import _once
 from moetune.runtime.megakernel.config import limits_problem
 from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
 
@@ -39,25 +38,10 @@ class EngineFallbackWarning(UserWarning):
     """The layer runs the unfused engine although the knobs or the profile named the megakernel."""
 
 
-_warned: set[str] = set()
-_warn_lock = threading.Lock()
-
-
 def warn_fallback_once(reason: str) -> None:
     """One warning per process and reason (many layers of one model share it)."""
-    with _warn_lock:
-        if reason in _warned:
-            return
-        _warned.add(reason)
     msg = f"moetune: MoE layer runs the UNFUSED engine: the megakernel cannot run here ({reason})"
-    warnings.warn(msg, EngineFallbackWarning, stacklevel=3)
-    log.warning(msg)
-
-
-def reset_warnings() -> None:
-    """Forget which fallbacks were warned about (tests)."""
-    with _warn_lock:
-        _warned.clear()
+    _once.say_once("megakernel.fallback", reason, msg, category=EngineFallbackWarning, logger=log, stacklevel=3)
 
 
 def megakernel_problem(device: Any, dtype: Any = None, model: Any = None) -> str | None:

@@ -57,7 +57,7 @@ import msgspec
 import msgspec.inspect as mi
 import zmq
 
-from moetune.runtime import wire
+from moetune.runtime import _once, wire
 from moetune.runtime.config import ENV_MISMATCH_MODES, ClientConfig, ConfigError, load_config
 from moetune.runtime.knobs import KnobError, Knobs, default_knobs, int_of_text
 from moetune.runtime.paths import (
@@ -918,9 +918,11 @@ class ProfileClient:
         if cmp.status == "differs":
             res.message = "; ".join(x for x in (res.message, cmp.summary()) if x)
             if self.env_mismatch == "warn":
-                warn_env_mismatch(f"moetune: tuned profile {res.profile_hash} (from the {res.source}) was {cmp.summary()}; "
-                                  "served anyway (client.env_mismatch = warn; \"refuse\" passes it over: the lookup "
-                                  "falls back instead)", (res.profile_hash, cmp.differences))
+                # once per process for a profile and its differences; stacklevel 3: _say_env <- finish <- the lookup
+                _once.say_once(_ENV_WARNINGS, (res.profile_hash, cmp.differences),
+                               f"moetune: tuned profile {res.profile_hash} (from the {res.source}) was {cmp.summary()}; "
+                               "served anyway (client.env_mismatch = warn; \"refuse\" passes it over: the lookup "
+                               "falls back instead)", category=EnvMismatchWarning, logger=log, stacklevel=3)
         elif cmp.status == "unknown":
             log.info("moetune: tuned profile %s: %s", res.profile_hash, cmp.summary())
 
@@ -1000,24 +1002,12 @@ def warn_fallback(message: str) -> None:
     log.warning(message)
 
 
-_env_warned: set[Any] = set()
-_env_warned_lock = threading.Lock()
-
-
-def warn_env_mismatch(message: str, once_key: Any) -> None:
-    """EnvMismatchWarning + logging.WARNING, once per process for `once_key` (a profile and its differences)."""
-    with _env_warned_lock:
-        if once_key in _env_warned:
-            return
-        _env_warned.add(once_key)
-    warnings.warn(message, EnvMismatchWarning, stacklevel=4)
-    log.warning(message)
+_ENV_WARNINGS = "client.env_mismatch"  # the _once scope of the env-mismatch warnings
 
 
 def forget_env_warnings() -> None:
     """Warn again about environments already warned about (autoload.clear_cache calls it)."""
-    with _env_warned_lock:
-        _env_warned.clear()
+    _once.reset(_ENV_WARNINGS)
 
 
 class TrackedProfile:

@@ -31,11 +31,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from moetune.runtime import _once
 from moetune.runtime.options import parse_cpulist, proxy_cpu_setting
 
 SYSFS_PCI = "/sys/bus/pci/devices"
@@ -158,22 +158,12 @@ def resolve(setting: str, *, address: str, allowed: Iterable[int] | None = None,
     return usable_cpus(candidates, allowed, what)
 
 
-_WARNED: set[str] = set()
-_NOTED: set[str] = set()
-
-
 def note_once(message: str) -> None:
     """An info-level log record (logger `moetune.proxy`), once per process for each distinct message: what the
     default setting could not do on this machine is worth a line in the log, not a warning."""
-    if message in _NOTED:
-        return
-    _NOTED.add(message)
-    log.info("%s", message)
+    _once.say_once("proxy.cpu.note", message, message, logger=log, level=logging.INFO)
 
 
 def warn_once(message: str) -> None:
     """A ProxyCpuWarning, once per process for each distinct message (every EP buffer builds an engine)."""
-    if message in _WARNED:
-        return
-    _WARNED.add(message)
-    warnings.warn(message, ProxyCpuWarning, stacklevel=3)
+    _once.say_once("proxy.cpu.warn", message, message, category=ProxyCpuWarning, stacklevel=3)

@@ -14,35 +14,32 @@ engines instead, and falls back to this class where it cannot.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from moetune.runtime import _args
+from moetune.runtime import _args, _once
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports.base import Availability, EPTransport
 
 _EXTRA_GROUPS: dict[tuple, dist.ProcessGroup] = {}
-_WARNED_SUBGROUP: set[tuple[int, ...]] = set()  # EP groups already warned about (once per process each)
 
 
 def warn_channels_not_honoured(ranks: list[int], channels: int, world_size: int) -> None:
     """Say once per EP group (per process) that `channels` > 1 runs as one communicator on a sub-group."""
-    key = tuple(ranks)
-    if key in _WARNED_SUBGROUP:
-        return
-    _WARNED_SUBGROUP.add(key)
-    warnings.warn(
+    _once.say_once(
+        "collective.subgroup_channels", tuple(ranks),
         f"moetune: this EP buffer asks for {channels} communicators (the knob `channels`, plus a combine "
         f"channel when pipelined), but the EP group "
         f"({len(ranks)} of {world_size} ranks) is not the whole world: extra communicators would need every "
         "world rank to take part in building them, so this EP group runs on ONE communicator (combine queues "
         "behind dispatch). A profile tuned with channels > 1 on a whole-world group is not what runs here.",
-        RuntimeWarning, stacklevel=3)
+        category=RuntimeWarning, stacklevel=3)
+
+
 # torch >= 2.13 names them *_single (the old names warn); older torch only has the old names
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
