@@ -12,8 +12,8 @@ runtime/pipeline.py `pipelined_moe`), for collective and host_staged:
 * combine: no counts, no sync (it reuses the handle's counts). The tuner measures with check_inputs=False
   (tuner/measure/ep.py), which also leaves out combine's status all-gather and its sync.
 * nvlink / proxy (device-resident layout): no `.tolist()` with check_inputs=False, and pipeline_depth does not
-  apply (one chunk, runtime/buffer/_resident.py). The proxy's calls end in host waits (proxy_host_wait), which
-  the model costs as launches, not as `host_sync` phases (docs/fabric-model.md says so).
+  apply (one chunk, runtime/buffer/_resident.py). The proxy's calls end in host waits (proxy_host_wait), phases
+  `host_wait_counts` / `host_wait_exchange` (test_fabric_model_proxy_host_wait), not `host_sync` phases.
 * These extras are the packed layout's: where `EPBuffer(dense=None)` picks the dense one (qwen3-30b at EP 2 and
   4: few rows wasted), the model leaves them out as the runtime does (`Workload(dense=None)`, the default, asks
   runtime/buffer/layout_choice.py `picks_dense`); these tests ask for the packed layout (`dense=False`).
@@ -96,7 +96,7 @@ def test_host_staged_counts_go_through_nccls_all_to_all() -> None:
 @pytest.mark.parametrize("transport", ["nvlink", "proxy"])
 def test_device_resident_layout_has_no_host_sync_and_no_chunks(transport: str) -> None:
     """The one-sided transports keep every count on the GPU (no `.tolist()` with check_inputs=False; the proxy's
-    host waits are costed as launches) and send one chunk whatever pipeline_depth (runtime/buffer/_resident.py):
+    host waits are phases of their own) and send one chunk whatever pipeline_depth (runtime/buffer/_resident.py):
     the prediction is the same at every depth."""
     fence = "proxy_drain" if transport == "proxy" else "none"
     w = Workload(QWEN, 4096, 1, 2)

@@ -37,7 +37,9 @@ S x P(token needs r) (`routing.rank_hits`: exact hypergeometric under uniform ro
   is allowed, so any group size is valid). The model replays these requests on the queue above; intra-node
   peers go over NVLink (same rows, same signal count) unless the preset's proxy serves them.
   Around the data, as the runtime does: dispatch's exchange_counts kernel (one word per rank, waits for every
-  rank's word); every exchange's count-matrix row first (world x world 8-byte writes, each posted like a
+  rank's word; queued behind the pack kernel); the proxy's calls are host-completed (csrc/proxy_gpu.cu
+  host_wait_done): the host spins on each kernel's completion word (`proxy.poll_us`, phases host_wait_counts /
+  host_wait_exchange) before it launches the exchange kernel or whatever follows; every exchange's count-matrix row first (world x world 8-byte writes, each posted like a
   signal: proxy.signal_us, nic.signal_overhead_us, landing half a round trip later), the PUTs to rank d
   waiting for d's first word and the lower ranks' column d (`_CountWords`); the PUTs to its own rank (put_us
   each, a local copy at HBM/2, their signals drained/flagged like a peer's: counted in `fences`); after
@@ -530,15 +532,17 @@ class _CountWords:
             return q * per_rank + col + 1
         return (q // self.ncta) * per_rank + col + 1
 
-    def counts_kernel(self) -> float:
-        """exchange_counts: launch, then the later of this PE's `world` words posted and the last peer's word
+    def counts_kernel(self, launch: bool = True) -> float:
+        """exchange_counts: launch (`launch=False`: the kernel is queued behind the pack kernel, whose launch
+        the host has already paid), then the later of this PE's `world` words posted and the last peer's word
         here (each peer's word for this PE) landed."""
+        start = self.p.launch if launch else 0.0
         if self.world < 2:
-            return self.p.launch
+            return start
         last = max(v for d, v in self.one_way.items() if d != self.src)
         c = self.issue_each
         own = self.world if self.proxy else -(-self.world // self.ncta)
-        return self.p.launch + self.poll + max(own * c, self._pos(self.src, 0, 1) * c + last)
+        return start + self.poll + max(own * c, self._pos(self.src, 0, 1) * c + last)
 
     def gate(self, x_start: float, d: int) -> float:
         """When the PUTs to rank d may be posted: the words they wait for have landed."""
@@ -581,6 +585,7 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hi
     S, P, G = w.tokens_per_gpu, w.pes, w.gpus_per_node
     kind = knobs.transport
     tiles = layout == "expert_tiles"
+    host_waits = kind == "proxy" and not tiles  # the runtime's proxy transport: host-completed calls
     tb = _token_bytes(w.model, knobs, dispatch=dispatch, layout=layout)
     ck = knobs.chunk_tokens
     if tiles:
@@ -633,12 +638,19 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hi
         if pack:
             ph.parts["pack"] = pack
         cw = _CountWords(p, kind, src, P, remote_pes, local_pes, rtts, knobs.num_sms)
-        # dispatch: exchange_counts (runtime/buffer/_resident.py) is its own kernel, host-completed, before the
-        # exchange kernel; combine's exchange is given the counts, but still posts its count-matrix row
-        counts = cw.counts_kernel() if dispatch else 0.0
+        # dispatch: exchange_counts (runtime/buffer/_resident.py) is its own kernel before the exchange kernel;
+        # combine's exchange is given the counts, but still posts its count-matrix row. The proxy's calls are
+        # host-completed (csrc/proxy_gpu.cu host_wait_done, option proxy_host_wait, on by default): the counts
+        # kernel is launched right behind the pack kernels (its launch hidden by theirs), then the host spins
+        # on the kernel's completion word before it launches the exchange kernel (whose launch is exposed).
+        # IBGDA has no runtime transport and no host wait: its two launches stay as they were.
+        counts = cw.counts_kernel(launch=not (host_waits and pack)) if dispatch else 0.0
         if counts:
             ph.parts["counts"] = counts
-        x_start = t0 + pack + counts + p.launch
+        wait_counts = p.poll_us if host_waits and dispatch else 0.0
+        if wait_counts:
+            ph.parts["host_wait_counts"] = wait_counts
+        x_start = t0 + pack + counts + wait_counts + p.launch
         ready = x_start
         gates = {d: cw.gate(x_start, d) for d in remote_pes + local_pes}
         for i, d in enumerate(remote_pes):
@@ -703,7 +715,12 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hi
     ph.us = max(t_net, t_nvl) - t0 + sm_pen
     if not dests and not local_pes:  # EP size 1: the kernel still launches
         ph.us = p.launch
-    elif not dispatch and not tiles:
+    elif host_waits:
+        # the host's wait for the exchange kernel's completion word: what follows (combine's reduce, the
+        # caller's next kernel) is launched only after it
+        ph.parts["host_wait_exchange"] = p.poll_us
+        ph.us += p.poll_us
+    if not dispatch and not tiles and (dests or local_pes):
         ph.parts["reduce"] = red = _reduce_us(p, w, hits, tb)
         ph.us += red
     return ph
