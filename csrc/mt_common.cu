@@ -6,7 +6,7 @@
 // mt::set_error and mt_last_error live in mt_error.cpp.
 
 // ABI version: bump when a signature changes (Python checks it after loading).
-MT_API int mt_abi_version() { return 17; }
+MT_API int mt_abi_version() { return 18; }
 
 MT_API int mt_ctrl_bytes(uint64_t* out) {
   *out = MT_CTRL_BYTES;

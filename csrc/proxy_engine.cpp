@@ -15,17 +15,23 @@
 #ifndef MT_HOST_SIM
 #include <cuda.h>
 #endif
+#include <ctype.h>
+#include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,6 +47,102 @@ inline void cpu_relax() {
 }
 
 typedef CUresult (*PfnWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+
+// The idle loop's two system calls, counted in host simulation (tests/test_proxy_numa.py checks the rate).
+inline int current_cpu() {
+#ifdef MT_HOST_SIM
+  __atomic_add_fetch(&mtsim::getcpu_calls, 1, __ATOMIC_RELAXED);
+#endif
+  return sched_getcpu();
+}
+inline void idle_yield() {
+#ifdef MT_HOST_SIM
+  __atomic_add_fetch(&mtsim::yields, 1, __ATOMIC_RELAXED);
+#endif
+  std::this_thread::yield();
+}
+// An idle thread refreshes the CPU it reports on the first yield of an idle stretch and on every
+// kCpuRefreshYields-th after it: sched_getcpu costs little, but the yield loop runs up to a million times a second.
+// Counted, not timed: reading a clock on every yield would cost about what it saves.
+constexpr uint64_t kIdleSpins = 1u << 16;  // pauses before the idle loop starts yielding
+constexpr uint64_t kCpuRefreshYields = 1024;
+
+// NUMA placement of the FIFO and control pages (Engine::place_pages). Raw system calls: no libnuma dependency.
+constexpr int kMpolPreferred = 1;                 // linux/mempolicy.h MPOL_PREFERRED
+constexpr unsigned long kMpolFNode = 1, kMpolFAddr = 2;  // MPOL_F_NODE, MPOL_F_ADDR
+constexpr const char* kSysCpuDir = "/sys/devices/system/cpu";
+constexpr int kMaskBits = 8 * (int)sizeof(unsigned long);
+
+long sys_mbind(void* addr, unsigned long len, int mode, const unsigned long* mask, unsigned long maxnode) {
+#ifdef MT_HOST_SIM
+  if (mtsim::mbind_errno != 0) {  // a kernel that refuses (EPERM under a container's seccomp, ENOSYS)
+    errno = mtsim::mbind_errno;
+    return -1;
+  }
+#endif
+#ifdef SYS_mbind
+  return syscall(SYS_mbind, addr, len, mode, mask, maxnode, 0u);
+#else
+  (void)addr, (void)len, (void)mode, (void)mask, (void)maxnode;
+  errno = ENOSYS;
+  return -1;
+#endif
+}
+
+// The NUMA node the page at `addr` is on now; -1 with errno set where the kernel cannot say.
+int page_node(const void* addr) {
+#ifdef SYS_get_mempolicy
+  int node = -1;
+  if (syscall(SYS_get_mempolicy, &node, nullptr, 0ul, addr, kMpolFNode | kMpolFAddr) != 0) return -1;
+  return node;
+#else
+  (void)addr;
+  errno = ENOSYS;
+  return -1;
+#endif
+}
+
+// The NUMA node sysfs lists for `cpu` (an entry node<N> in <cpu_dir>/cpu<cpu>/), -1 where it lists none.
+int cpu_node(const char* cpu_dir, int cpu) {
+  char path[4096];
+  snprintf(path, sizeof(path), "%s/cpu%d", cpu_dir, cpu);
+  DIR* d = opendir(path);
+  if (d == nullptr) return -1;
+  int node = -1;
+  while (const dirent* ent = readdir(d)) {
+    const char* n = ent->d_name;
+    if (strncmp(n, "node", 4) != 0 || !isdigit((unsigned char)n[4])) continue;
+    char* end = nullptr;
+    const long v = strtol(n + 4, &end, 10);
+    if (*end == '\0' && v < MT_PROXY_MAX_NODE) {
+      node = (int)v;
+      break;
+    }
+  }
+  closedir(d);
+  return node;
+}
+
+// The node to place the pages on for a CPU set: the node holding most of its CPUs (ties: the lowest node), so a
+// set that spans nodes still gets one; -1 where sysfs lists a node for none of them.
+int set_node(const char* cpu_dir, const int* cpus, int n) {
+  std::map<int, int> count;
+  for (int c : std::set<int>(cpus, cpus + n)) {
+    const int node = cpu_node(cpu_dir, c);
+    if (node >= 0) ++count[node];
+  }
+  int best = -1;
+  for (const auto& kv : count)  // ascending nodes: a later node wins only with strictly more CPUs
+    if (best < 0 || kv.second > count[best]) best = kv.first;
+  return best;
+}
+
+const char* numa_cpu_dir() {
+#ifdef MT_HOST_SIM
+  if (mtsim::sysfs_cpu_dir != nullptr) return mtsim::sysfs_cpu_dir;  // a test's fake topology
+#endif
+  return kSysCpuDir;
+}
 
 inline uint64_t mono_ns() {
   timespec ts;
@@ -110,13 +212,20 @@ struct Engine {
   // CPU affinity of the proxy thread: the thread pins itself (pin_self) to the set of CPUs asked for before it
   // drains anything; the OS places it within the set. A pinning the kernel refuses (no CPU of the set in the
   // process's cpuset or online, an index out of range) leaves the thread unpinned with the errno recorded; the
-  // engine runs on either way. Pinning places the thread only: the FIFO and control pages are allocated (and
-  // first touched) by the creating thread in mt_proxy_create, before this thread exists.
+  // engine runs on either way. The FIFO and control pages go on the set's NUMA node (place_pages).
   std::vector<int> cpu_req;                   // the CPUs asked for at create (empty: no pinning)
   std::atomic<int> cpu_state{MT_PCPU_PENDING};  // MtProxyCpuState
   std::atomic<int> cpu_errno{0};
-  std::atomic<int> cpu_now{-1};  // sched_getcpu() of the thread: after pinning, and again whenever it idles long
+  std::atomic<int> cpu_now{-1};  // sched_getcpu() of the thread: after pinning, and now and then while it idles
   std::atomic<int> tid{0};       // the thread's kernel id (/proc/self/task/<tid>)
+  // Where the FIFO and control pages are (MtProxyMemState; fixed once mt_proxy_create returns). BOUND: one mapping
+  // `pages` (the ring, page-rounded, then one control page), mmap'ed and cudaHostRegister'ed; else two cudaHostAllocs.
+  void* pages = nullptr;
+  size_t pages_len = 0;
+  int mem_state = MT_PMEM_DEFAULT;
+  int mem_want = -1;
+  int mem_errno = 0;
+  std::string mem_reason = "no CPU set asked for: allocated on the creating thread's NUMA node";
 
   Engine() {
     for (auto& s : stats) s.store(0);
@@ -253,6 +362,100 @@ struct Engine {
     }
   }
 
+  bool unplaced(const char* why, int code, bool cuda) {
+    char buf[512];
+    if (cuda)
+      snprintf(buf, sizeof(buf), "%s -> %s (%s)", why, cudaGetErrorName((cudaError_t)code),
+               cudaGetErrorString((cudaError_t)code));
+    else if (code != 0)
+      snprintf(buf, sizeof(buf), "%s: %s (errno %d)", why, strerror(code), code);
+    else
+      snprintf(buf, sizeof(buf), "%s", why);
+    mem_state = MT_PMEM_FALLBACK;
+    mem_errno = code;
+    mem_reason = std::string(buf) + "; allocated on the creating thread's NUMA node instead";
+    return false;
+  }
+
+  // Places the FIFO (ring bytes) and the control page on the NUMA node of the CPU set the thread pins itself to:
+  // one anonymous mapping, mbind MPOL_PREFERRED to that node, zeroed here (the first touch faults every page in
+  // there), then cudaHostRegister'ed mapped + portable as cudaHostAlloc's pages are. Done on the creating thread
+  // with an explicit policy rather than by first touch from the pinned thread: the node does not depend on which
+  // CPU of the set the thread lands on (a set may span nodes) nor on the pinning being granted, and every failure
+  // is known before mt_proxy_create returns. PREFERRED, not BIND: a full node gives pages elsewhere, never a fault
+  // (mt_proxy_mem reports where the first page is). False (the reason recorded): the caller falls back to
+  // cudaHostAlloc, as without a set.
+  bool place_pages(size_t ring) {
+    mem_want = set_node(numa_cpu_dir(), cpu_req.data(), (int)cpu_req.size());
+    if (mem_want < 0) return unplaced("sysfs lists no NUMA node for any CPU of the set", 0, false);
+    const long pg = sysconf(_SC_PAGESIZE);
+    const size_t page = pg > 0 ? (size_t)pg : 4096;
+    const size_t ring_len = (ring + page - 1) / page * page;
+    const size_t len = ring_len + page;
+    void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return unplaced("mmap of the FIFO pages", errno, false);
+    unsigned long mask[MT_PROXY_MAX_NODE / kMaskBits] = {};
+    mask[mem_want / kMaskBits] |= 1ul << (mem_want % kMaskBits);
+    // maxnode is one more than the mask's bits: the kernel drops the last one
+    if (sys_mbind(p, len, kMpolPreferred, mask, MT_PROXY_MAX_NODE + 1) != 0) {
+      const int er = errno;
+      munmap(p, len);
+      char what[96];
+      snprintf(what, sizeof(what), "mbind of the FIFO pages to NUMA node %d", mem_want);
+      return unplaced(what, er, false);
+    }
+    memset(p, 0, len);
+    cudaError_t ce = cudaHostRegister(p, len, cudaHostRegisterMapped | cudaHostRegisterPortable);
+    const bool registered = ce == cudaSuccess;
+    void* fdev = nullptr;
+    void* cdev = nullptr;
+    if (ce == cudaSuccess) ce = cudaHostGetDevicePointer(&fdev, p, 0);
+    if (ce == cudaSuccess) ce = cudaHostGetDevicePointer(&cdev, static_cast<char*>(p) + ring_len, 0);
+    if (ce != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky: keep it out of later calls' error checks
+      if (registered) cudaHostUnregister(p);
+      munmap(p, len);
+      return unplaced(registered ? "cudaHostGetDevicePointer of the registered FIFO pages" : "cudaHostRegister of the FIFO pages",
+                      (int)ce, true);
+    }
+    pages = p;
+    pages_len = len;
+    fifo_host = static_cast<MtRequest*>(p);
+    fifo_dev = static_cast<MtRequest*>(fdev);
+    ctl_host = reinterpret_cast<uint64_t*>(static_cast<char*>(p) + ring_len);
+    ctl_dev = static_cast<uint64_t*>(cdev);
+    mem_state = MT_PMEM_BOUND;
+    char buf[160];
+    snprintf(buf, sizeof(buf), "placed on NUMA node %d (of most CPUs of the set)", mem_want);
+    mem_reason = buf;
+    return true;
+  }
+
+  // Frees what mt_proxy_create allocated, once the thread has stopped (or never ran); errors are ignored, the
+  // engine is going away either way.
+  void release() {
+    cudaSetDevice(device);
+    for (auto s : streams) {
+      cudaStreamSynchronize(s);
+      cudaStreamDestroy(s);
+    }
+    streams.clear();
+    if (pages != nullptr) {
+      cudaHostUnregister(pages);
+      munmap(pages, pages_len);
+      pages = nullptr;
+    } else {
+      if (fifo_host) cudaFreeHost(fifo_host);
+      if (ctl_host) cudaFreeHost(ctl_host);
+    }
+    fifo_host = nullptr;
+    ctl_host = nullptr;
+    if (head_dev) cudaFree(head_dev);
+    if (ack_dev) cudaFree(ack_dev);
+    head_dev = nullptr;
+    ack_dev = nullptr;
+  }
+
   void pin_self() {
     tid.store((int)syscall(SYS_gettid));
     if (cpu_req.empty()) {
@@ -280,7 +483,7 @@ struct Engine {
       cpu_errno.store(rc);
       cpu_state.store(rc == 0 ? MT_PCPU_PINNED : MT_PCPU_FAILED);
     }
-    cpu_now.store(sched_getcpu());
+    cpu_now.store(current_cpu());
   }
 
   void loop() {
@@ -316,11 +519,11 @@ struct Engine {
         stats[ST_PROCESSED]++;
       }
       if (got == 0) {
-        if (++idle < (1u << 16)) {
+        if (++idle < kIdleSpins) {
           cpu_relax();
         } else {
-          cpu_now.store(sched_getcpu(), std::memory_order_relaxed);  // cheap (vDSO/rseq) next to the yield
-          std::this_thread::yield();
+          if ((idle - kIdleSpins) % kCpuRefreshYields == 0) cpu_now.store(current_cpu(), std::memory_order_relaxed);
+          idle_yield();
         }
         continue;
       }
@@ -390,15 +593,19 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
   }
   e->write64 = (PfnWriteValue64)fn;
   size_t ring = sizeof(MtRequest) * (size_t)fifo_slots;
-  ce = cudaHostAlloc((void**)&e->fifo_host, ring, cudaHostAllocMapped | cudaHostAllocPortable);
-  if (ce == cudaSuccess) {
-    memset(e->fifo_host, 0, ring);
-    ce = cudaHostGetDevicePointer((void**)&e->fifo_dev, e->fifo_host, 0);
-  }
-  if (ce == cudaSuccess) ce = cudaHostAlloc((void**)&e->ctl_host, 64, cudaHostAllocMapped | cudaHostAllocPortable);
-  if (ce == cudaSuccess) {
-    memset(e->ctl_host, 0, 64);
-    ce = cudaHostGetDevicePointer((void**)&e->ctl_dev, e->ctl_host, 0);
+  // with a CPU set, on its NUMA node; without one (or where that fails: the reason is kept), where the creating
+  // thread is, as cudaHostAlloc places them
+  if (e->cpu_req.empty() || !e->place_pages(ring)) {
+    ce = cudaHostAlloc((void**)&e->fifo_host, ring, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (ce == cudaSuccess) {
+      memset(e->fifo_host, 0, ring);
+      ce = cudaHostGetDevicePointer((void**)&e->fifo_dev, e->fifo_host, 0);
+    }
+    if (ce == cudaSuccess) ce = cudaHostAlloc((void**)&e->ctl_host, 64, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (ce == cudaSuccess) {
+      memset(e->ctl_host, 0, 64);
+      ce = cudaHostGetDevicePointer((void**)&e->ctl_dev, e->ctl_host, 0);
+    }
   }
   if (ce == cudaSuccess) ce = cudaMalloc((void**)&e->head_dev, 64);
   if (ce == cudaSuccess) ce = cudaMemset(e->head_dev, 0, 64);
@@ -430,7 +637,8 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
   if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
   if (ce != cudaSuccess) {
     mt::set_error("mt_proxy_create: %s (%s)", cudaGetErrorName(ce), cudaGetErrorString(ce));
-    delete e;  // leaks the partial CUDA allocations on this error path; acceptable (process is failing)
+    e->release();  // the registered pages too: a caller may try again (or fall back to another transport)
+    delete e;
     return (int)ce;
   }
   e->th = std::thread([e] { e->loop(); });
@@ -507,6 +715,28 @@ MT_API int mt_proxy_cpu(void* h, int* out, int n) {
 MT_API int mt_proxy_cpu_list(void* h, int* out, int n) {
   Engine* e = static_cast<Engine*>(h);
   for (int i = 0; i < n && i < (int)e->cpu_req.size(); ++i) out[i] = e->cpu_req[i];
+  return 0;
+}
+
+// Where the FIFO and control pages are: out[MT_PMEM_F_*] (csrc/proxy_engine.h), the first n of them, and the
+// reason (how they were placed, or why not) into buf. The node is asked of the kernel now (get_mempolicy on the
+// FIFO's first page), so a GPU test sees where the pages really are, whichever way they were allocated.
+MT_API int mt_proxy_mem(void* h, int* out, int n, char* buf, int len) {
+  Engine* e = static_cast<Engine*>(h);
+  errno = 0;
+  const int node = page_node(e->fifo_host);
+  const int query_errno = node < 0 ? (errno != 0 ? errno : EINVAL) : 0;
+  const int v[MT_PMEM_F_COUNT] = {e->mem_state, e->mem_want, node, e->mem_errno, query_errno};
+  for (int i = 0; i < n && i < MT_PMEM_F_COUNT; ++i) out[i] = v[i];
+  if (buf != nullptr && len > 0) snprintf(buf, (size_t)len, "%s", e->mem_reason.c_str());
+  return 0;
+}
+
+// The node of a CPU set as mt_proxy_create chooses it (most CPUs of the set; -1 none), under `cpu_dir` (NULL: the
+// machine's /sys/devices/system/cpu). For tests of that choice on a fake topology.
+MT_API int mt_proxy_numa_node(const int* cpus, int n, const char* cpu_dir, int* out) {
+  MT_REQUIRE(n >= 0 && (n == 0 || cpus != nullptr), 208, "bad cpu set (n %d)", n);
+  *out = set_node(cpu_dir != nullptr ? cpu_dir : kSysCpuDir, cpus, n);
   return 0;
 }
 
@@ -599,15 +829,7 @@ MT_API int mt_proxy_destroy(void* h) {
   if (e == nullptr) return 0;
   e->stop.store(true);
   if (e->th.joinable()) e->th.join();
-  cudaSetDevice(e->device);
-  for (auto s : e->streams) {
-    cudaStreamSynchronize(s);
-    cudaStreamDestroy(s);
-  }
-  if (e->fifo_host) cudaFreeHost(e->fifo_host);
-  if (e->ctl_host) cudaFreeHost(e->ctl_host);
-  if (e->head_dev) cudaFree(e->head_dev);
-  if (e->ack_dev) cudaFree(e->ack_dev);
+  e->release();
   delete e;
   return 0;
 }

@@ -55,6 +55,25 @@ enum MtProxyCpuState : int {
   MT_PCPU_FAILED = 3,    // asked for, refused (errno in MT_PCPU_F_ERRNO): runs unpinned
 };
 
+// Where the request FIFO and the control page live (mt_proxy_mem into out[MT_PMEM_F_*], with a reason text).
+// With a CPU set asked for, mt_proxy_create places both on the NUMA node holding most CPUs of the set (mmap,
+// mbind MPOL_PREFERRED, first touch, cudaHostRegister); without one, or when that cannot be done, cudaHostAlloc
+// allocates them on the creating thread's node (the reason says why).
+#define MT_PROXY_MAX_NODE 1024  // NUMA nodes at or past this index are not placed on (the mbind mask's size)
+enum MtProxyMemField : int {
+  MT_PMEM_F_STATE = 0,        // MtProxyMemState
+  MT_PMEM_F_WANT = 1,         // the node chosen for the pages (most CPUs of the set), -1 none
+  MT_PMEM_F_NODE = 2,         // the node the FIFO's first page is on now (get_mempolicy at the call), -1 unknown
+  MT_PMEM_F_ERRNO = 3,        // why placing failed: the errno of the failing step, or cudaHostRegister's error code
+  MT_PMEM_F_QUERY_ERRNO = 4,  // why MT_PMEM_F_NODE is -1 (get_mempolicy's errno), else 0
+  MT_PMEM_F_COUNT = 5
+};
+enum MtProxyMemState : int {
+  MT_PMEM_DEFAULT = 0,   // no CPU set asked for: cudaHostAlloc on the creating thread's node
+  MT_PMEM_BOUND = 1,     // placed on the set's node (MT_PMEM_F_WANT)
+  MT_PMEM_FALLBACK = 2,  // a set was asked for but its node could not be bound (reason): as MT_PMEM_DEFAULT
+};
+
 // What a GPU producer kernel needs to know about an engine.
 struct MtGpuView {
   MtRequest* fifo_dev;      // device alias of the host ring

@@ -28,7 +28,7 @@ from ctypes import POINTER, c_char_p, c_double, c_int, c_int64, c_uint64, c_void
 from pathlib import Path
 from typing import NamedTuple
 
-ABI_VERSION = 17
+ABI_VERSION = 18
 LIB_NAME = "libmoetune_csrc.so"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo")
 _BUILD_TIMEOUT_S = 600
@@ -233,6 +233,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mt_proxy_create": (c_int, [c_int, c_int, _P64, _P64, _P64, c_int, c_int, c_int, c_int, _PI, c_int, _PP]),
     "mt_proxy_cpu": (c_int, [c_void_p, _PI, c_int]),
     "mt_proxy_cpu_list": (c_int, [c_void_p, _PI, c_int]),
+    "mt_proxy_mem": (c_int, [c_void_p, _PI, c_int, c_char_p, c_int]),
+    "mt_proxy_numa_node": (c_int, [_PI, c_int, c_char_p, _PI]),
     "mt_proxy_set_peer_data": (c_int, [c_void_p, _P64, c_int]),
     "mt_proxy_set_batch": (c_int, [c_void_p, c_int]),
     "mt_proxy_error": (c_int, [c_void_p, c_char_p, c_int]),

@@ -23,10 +23,17 @@ enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0 };
 #define cudaHostAllocMapped 2
 #define cudaHostAllocPortable 1
 #define cudaEnableDefault 0
+#define cudaHostRegisterPortable 1
+#define cudaHostRegisterMapped 2
 
 namespace mtsim {
 extern unsigned long long memcpys, writes, syncs;
 extern int async_mode, copy_delay_us;
+// the proxy's host pages and idle loop (mtsim_set_host_pages, mtsim_proxy_counters)
+extern unsigned long long getcpu_calls, yields, registrations;
+extern long long registered;  // host ranges registered now (cudaHostRegister minus cudaHostUnregister)
+extern const char* sysfs_cpu_dir;  // the engine's /sys/devices/system/cpu (NULL: the machine's)
+extern int mbind_errno, register_error, malloc_error;  // injected failures (0: none)
 void* stream_new();
 void stream_delete(void* s);
 void stream_copy(void* s, void* d, const void* src, size_t n);
@@ -79,7 +86,23 @@ inline cudaError_t cudaFreeHost(void* p) {
   free(p);
   return cudaSuccess;
 }
-inline cudaError_t cudaMalloc(void** p, size_t n) { return cudaHostAlloc(p, n, 0); }
+// No pinning and no device here: a registration is counted (so a test sees it undone) and the device alias of a
+// host address is the address; register_error makes it fail as a driver may (then the engine falls back).
+inline cudaError_t cudaHostRegister(void*, size_t, unsigned) {
+  if (mtsim::register_error != 0) return mtsim::register_error;
+  __atomic_add_fetch(&mtsim::registrations, 1, __ATOMIC_RELAXED);
+  __atomic_add_fetch(&mtsim::registered, 1, __ATOMIC_RELAXED);
+  return cudaSuccess;
+}
+inline cudaError_t cudaHostUnregister(void*) {
+  __atomic_sub_fetch(&mtsim::registered, 1, __ATOMIC_RELAXED);
+  return cudaSuccess;
+}
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline cudaError_t cudaMalloc(void** p, size_t n) {
+  if (mtsim::malloc_error != 0) return mtsim::malloc_error;
+  return cudaHostAlloc(p, n, 0);
+}
 inline cudaError_t cudaFree(void* p) { return cudaFreeHost(p); }
 inline cudaError_t cudaMemset(void* p, int v, size_t n) {
   memset(p, v, n);

@@ -7,6 +7,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -15,6 +16,11 @@
 namespace mtsim {
 unsigned long long memcpys = 0, writes = 0, syncs = 0;
 int async_mode = 0, copy_delay_us = 0;
+unsigned long long getcpu_calls = 0, yields = 0, registrations = 0;
+long long registered = 0;
+const char* sysfs_cpu_dir = nullptr;
+int mbind_errno = 0, register_error = 0, malloc_error = 0;
+static std::string sysfs_cpu_dir_text;
 
 // A stream: operations run in order on the stream's own thread (async mode) or at once.
 struct Stream {
@@ -133,4 +139,22 @@ MT_API void mtsim_stream_wait_word(void* s, uint64_t* word, uint64_t value, doub
            std::chrono::steady_clock::now() - t0 < std::chrono::duration<double>(timeout_s))
       std::this_thread::yield();
   });
+}
+
+// Test hooks for the proxy's host pages (tests/test_proxy_numa.py): the sysfs CPU directory the engine reads the
+// CPUs' NUMA nodes from (NULL: the machine's), and failures to inject: mbind's errno, cudaHostRegister's and
+// cudaMalloc's error codes (0: none). Set before creating engines.
+MT_API void mtsim_set_host_pages(const char* sysfs_cpu_dir, int mbind_errno, int register_error, int malloc_error) {
+  if (sysfs_cpu_dir != nullptr) mtsim::sysfs_cpu_dir_text = sysfs_cpu_dir;
+  mtsim::sysfs_cpu_dir = sysfs_cpu_dir != nullptr ? mtsim::sysfs_cpu_dir_text.c_str() : nullptr;
+  mtsim::mbind_errno = mbind_errno;
+  mtsim::register_error = register_error;
+  mtsim::malloc_error = malloc_error;
+}
+// [host ranges registered now, registrations so far, the proxy threads' sched_getcpu calls, their idle yields]
+MT_API void mtsim_proxy_counters(long long* out) {
+  out[0] = __atomic_load_n(&mtsim::registered, __ATOMIC_RELAXED);
+  out[1] = (long long)__atomic_load_n(&mtsim::registrations, __ATOMIC_RELAXED);
+  out[2] = (long long)__atomic_load_n(&mtsim::getcpu_calls, __ATOMIC_RELAXED);
+  out[3] = (long long)__atomic_load_n(&mtsim::yields, __ATOMIC_RELAXED);
 }

@@ -52,6 +52,9 @@ STAT_NAMES = ("processed", "puts", "signals", "drains", "drain_ns", "write64", "
 # mt_proxy_cpu's fields and states (csrc/proxy_engine.h MtProxyCpuField, MtProxyCpuState)
 CPU_FIELDS = ("ncpus", "state", "errno", "current", "tid")
 CPU_STATES = ("pending", "unpinned", "pinned", "failed")
+# mt_proxy_mem's fields and states (csrc/proxy_engine.h MtProxyMemField, MtProxyMemState)
+MEM_FIELDS = ("state", "want", "node", "errno", "query_errno")
+MEM_STATES = ("default", "bound", "fallback")
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,16 @@ class ProxyCpu:
     tid: int | None  # the thread's kernel id (/proc/self/task/<tid>)
     reason: str = ""  # why this set, or why none (the transport's choice; "" for an engine built directly)
     allowed: tuple[int, ...] | None = None  # the kernel's affinity mask of the thread now (None: not readable)
+
+
+@dataclass(frozen=True)
+class FifoPlacement:
+    """Where an engine's request FIFO and control page are, as the engine (and the kernel) report it."""
+
+    state: str  # "bound" (on node `want`), "default" (no CPU set: the creating thread's node), "fallback" (see reason)
+    want: int | None  # the NUMA node chosen for them (most CPUs of the pinned set); None: no set, or no node known
+    node: int | None  # the node the FIFO's first page is on now (get_mempolicy); None: the kernel would not say
+    reason: str  # how they were placed, or why not; and why `node` is unknown
 
 
 def cpu_set(cpu: int | Iterable[int] | None) -> tuple[int, ...]:
@@ -170,6 +183,10 @@ class ProxyEngine:
                 if b.state == "failed":
                     _affinity.warn_once(f"moetune: the proxy thread of GPU {device} could not pin itself to CPUs "
                                         f"{_affinity.format_cpulist(cpus)} ({b.error}); it runs unpinned")
+                placed = self.fifo_placement()
+                if placed.state == "fallback":  # still works, the polls may cross sockets: a line, not a warning
+                    _affinity.note_once(f"moetune: the proxy FIFO of GPU {device} is not on the NUMA node of its "
+                                        f"CPUs: {placed.reason}")
         except BaseException:  # the thread runs already, and the caller never gets this object to close it
             self.close()
             raise
@@ -215,6 +232,21 @@ class ProxyEngine:
         tid = v["tid"] or None
         return ProxyCpu(requested, state, error, v["current"] if v["current"] >= 0 else None, tid,
                         allowed=thread_affinity(tid))
+
+    def fifo_placement(self) -> FifoPlacement:
+        """Where the request FIFO and the control page are: on the NUMA node of the pinned CPU set, or allocated by
+        the creating thread (no set, or the node could not be bound: why), and the node the kernel says the FIFO's
+        first page is on now."""
+        arr = (ctypes.c_int * len(MEM_FIELDS))()
+        buf = ctypes.create_string_buffer(512)
+        csrc_build.check(self.lib, self.lib.mt_proxy_mem(self._live(), arr, len(MEM_FIELDS), buf, 512), "mt_proxy_mem")
+        v = dict(zip(MEM_FIELDS, list(arr), strict=True))
+        state = MEM_STATES[v["state"]] if 0 <= v["state"] < len(MEM_STATES) else f"state {v['state']}"
+        reason = buf.value.decode(errors="replace")
+        if v["node"] < 0:
+            reason += f"; the node of its pages is unknown ({os.strerror(v['query_errno'])}, errno {v['query_errno']})"
+        return FifoPlacement(state, v["want"] if v["want"] >= 0 else None, v["node"] if v["node"] >= 0 else None,
+                             reason)
 
     def stats(self) -> dict[str, int]:
         arr = (ctypes.c_uint64 * len(STAT_NAMES))()

@@ -1,0 +1,399 @@
+"""Where the proxy's request FIFO and control page live, and how often its idle thread asks for its CPU.
+
+With a CPU set to pin to, mt_proxy_create places the FIFO and control page on the NUMA node holding most CPUs of the
+set (mmap, mbind MPOL_PREFERRED, first touch, cudaHostRegister); without a set, or where the node cannot be bound,
+cudaHostAlloc places them on the creating thread's node and the reason is kept (csrc/proxy_engine.cpp place_pages).
+Checked here in host simulation (csrc/sim: the real mmap/mbind/get_mempolicy, a counted cudaHostRegister, injected
+failures); on a GPU at the end of this file."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import subprocess
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetune.runtime import csrc_build
+from moetune.runtime.transports import proxy as P
+
+ROOT = Path(__file__).resolve().parents[1]
+SYS_CPU = Path("/sys/devices/system/cpu")
+STATE_DEFAULT, STATE_BOUND, STATE_FALLBACK = 0, 1, 2  # csrc/proxy_engine.h MtProxyMemState
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """The proxy engine built with -DMT_HOST_SIM (as tests/test_onesided_cpu.py builds it)."""
+    gxx = shutil.which("g++") or shutil.which("c++")
+    if gxx is None:
+        pytest.skip("no C++ compiler")
+    out = tmp_path_factory.mktemp("mtsim_numa") / "libmtsim.so"
+    r = subprocess.run(
+        [gxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-DMT_HOST_SIM", "csrc/proxy_engine.cpp",
+         "csrc/sim/sim_support.cpp", "csrc/mt_error.cpp", "-o", str(out), "-lpthread"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    lib = ctypes.CDLL(str(out))
+    for name in ("mt_proxy_create", "mt_proxy_enqueue", "mt_proxy_quiesce", "mt_proxy_destroy", "mt_last_error",
+                 "mt_proxy_cpu", "mt_proxy_cpu_list", "mt_proxy_mem", "mt_proxy_numa_node", "mt_proxy_error"):
+        res, args = csrc_build.SIGNATURES[name]
+        getattr(lib, name).restype = res
+        getattr(lib, name).argtypes = args
+    lib.mtsim_set_host_pages.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.mtsim_set_host_pages.restype = None
+    lib.mtsim_proxy_counters.argtypes = [ctypes.POINTER(ctypes.c_longlong)]
+    lib.mtsim_proxy_counters.restype = None
+    yield lib
+    lib.mtsim_set_host_pages(None, 0, 0, 0)
+
+
+@pytest.fixture
+def faults(sim: ctypes.CDLL):
+    """Set the simulation's sysfs directory and injected failures for one test; cleared after it."""
+    def set_(cpu_dir: Path | None = None, mbind_errno: int = 0, register_error: int = 0, malloc_error: int = 0) -> None:
+        sim.mtsim_set_host_pages(str(cpu_dir).encode() if cpu_dir else None, mbind_errno, register_error, malloc_error)
+
+    yield set_
+    sim.mtsim_set_host_pages(None, 0, 0, 0)
+
+
+def counters(lib: ctypes.CDLL) -> dict[str, int]:
+    out = (ctypes.c_longlong * 4)()
+    lib.mtsim_proxy_counters(out)
+    return dict(zip(("registered", "registrations", "getcpu", "yields"), list(out), strict=True))
+
+
+def placement(lib: ctypes.CDLL, h: ctypes.c_void_p) -> tuple[list[int], str]:
+    """mt_proxy_mem: [state, want, node, errno, query_errno] and the reason."""
+    out = (ctypes.c_int * 5)()
+    buf = ctypes.create_string_buffer(512)
+    assert lib.mt_proxy_mem(h, out, 5, buf, 512) == 0
+    return list(out), buf.value.decode()
+
+
+def engine(lib: ctypes.CDLL, cpus: tuple[int, ...] | None, keep: list) -> ctypes.c_void_p:
+    data, sig = (ctypes.c_uint8 * 256)(), (ctypes.c_uint64 * 64)()
+    keep += [data, sig]
+    u64 = lambda a: (ctypes.c_uint64 * 1)(ctypes.addressof(a))  # noqa: E731
+    h = ctypes.c_void_p()
+    arr = None if cpus is None else (ctypes.c_int * len(cpus))(*cpus)
+    rc = lib.mt_proxy_create(0, 1, u64(data), u64(data), u64(sig), 1, 1, 1, 1024, arr,
+                             -1 if cpus is None else len(cpus), ctypes.byref(h))
+    assert rc == 0, lib.mt_last_error()
+    return h
+
+
+def drains(lib: ctypes.CDLL, h: ctypes.c_void_p, sig: ctypes.Array, value: int) -> None:
+    """The engine still serves its FIFO: a SIGNAL request lands (the ring wraps: 1100 requests through 1024 slots)."""
+    req = (P.Request * 1)(P.Request(P.OP_SIGNAL, 0, 0, 3, 0, 0, 0, value, 0, 0))
+    for _ in range(1100):
+        assert lib.mt_proxy_enqueue(h, req, 1, 10.0) == 0
+    assert lib.mt_proxy_quiesce(h, 10.0) == 0 and sig[3] == value
+
+
+def fake_cpus(root: Path, nodes: dict[int, int | None]) -> Path:
+    """A /sys/devices/system/cpu: cpu<N>/node<M> for each CPU (None: the CPU directory without a node entry)."""
+    for cpu, node in nodes.items():
+        d = root / f"cpu{cpu}"
+        d.mkdir(parents=True)
+        (d / "topology").mkdir()
+        if node is not None:
+            (d / f"node{node}").mkdir()
+    return root
+
+
+def sysfs_node(cpu: int) -> int | None:
+    """This machine's node of `cpu`, read here independently of the engine (None: sysfs names none)."""
+    try:
+        names = [p.name for p in (SYS_CPU / f"cpu{cpu}").iterdir()]
+    except OSError:
+        return None
+    nodes = [int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit()]
+    return nodes[0] if nodes else None
+
+
+def mbind_refusal() -> int | None:
+    """Whether this kernel lets the process mbind (errno of the refusal, None when it may): containers without
+    CAP_SYS_NICE get EPERM, kernels without NUMA ENOSYS."""
+    numbers = {"x86_64": 237, "aarch64": 235}  # SYS_mbind
+    nr = numbers.get(os.uname().machine)
+    if nr is None:
+        pytest.skip(f"no mbind syscall number known for {os.uname().machine}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    buf = ctypes.create_string_buffer(2 * page)
+    addr = (ctypes.addressof(buf) + page - 1) // page * page
+    node = sysfs_node(min(os.sched_getaffinity(0)))
+    mask = (ctypes.c_ulong * 16)()
+    mask[(node or 0) // 64] = 1 << ((node or 0) % 64)
+    rc = libc.syscall(nr, ctypes.c_void_p(addr), ctypes.c_ulong(page), 1, mask, ctypes.c_ulong(1025), 0)
+    return None if rc == 0 else ctypes.get_errno()
+
+
+# -- the node of a CPU set ------------------------------------------------------------------------------------------
+def test_the_node_of_a_cpu_set_is_the_node_of_most_of_its_cpus(sim: ctypes.CDLL, tmp_path: Path) -> None:
+    root = fake_cpus(tmp_path / "cpu", {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1, 10: None, 11: 3, 12: 1024})
+    (root / "cpu0" / "node").mkdir()  # neither is a node entry
+    (root / "cpu0" / "node7a").mkdir()
+
+    def node(*cpus: int, where: Path = root) -> int:
+        out = ctypes.c_int(-99)
+        assert sim.mt_proxy_numa_node((ctypes.c_int * max(len(cpus), 1))(*cpus), len(cpus), str(where).encode(),
+                                      ctypes.byref(out)) == 0
+        return out.value
+
+    assert node(4, 5) == 1 and node(0) == 0 and node(11) == 3
+    assert node(0, 1, 4) == 0 and node(0, 4, 5) == 1  # most CPUs of the set
+    assert node(0, 1, 4, 5) == 0  # a tie: the lowest node
+    assert node(0, 0, 0, 4, 5) == 1  # a CPU listed twice counts once
+    assert node(10, 11) == 3 and node(10, 0, 11) == 0  # a CPU without a node entry is left out
+    assert node(10) == -1 and node(99) == -1 and node() == -1  # none: no entry, no such CPU, no CPU
+    assert node(12) == -1  # past MT_PROXY_MAX_NODE: not placed on
+    assert node(0, where=tmp_path / "no-sysfs") == -1
+    # NULL: the machine's sysfs
+    cpu = min(os.sched_getaffinity(0))
+    out = ctypes.c_int(-99)
+    assert sim.mt_proxy_numa_node((ctypes.c_int * 1)(cpu), 1, None, ctypes.byref(out)) == 0
+    assert out.value == (-1 if sysfs_node(cpu) is None else sysfs_node(cpu))
+
+
+# -- the engine's pages -------------------------------------------------------------------------------------------
+def test_with_a_cpu_set_the_fifo_pages_are_on_its_node(sim: ctypes.CDLL, faults) -> None:
+    """The real mbind and get_mempolicy on this machine: the pages are on the node of most CPUs of the set, the range
+    is registered while the engine lives and unregistered by destroy. A kernel that refuses mbind here gives the
+    fallback, with its errno."""
+    faults()
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    nodes = Counter(n for n in map(sysfs_node, allowed) if n is not None)
+    if not nodes:
+        pytest.skip("sysfs lists no NUMA node for this process's CPUs")
+    want = min(nodes, key=lambda n: (-nodes[n], n))
+    refused = mbind_refusal()
+    keep: list = []
+    before = counters(sim)
+    h = engine(sim, allowed, keep)
+    try:
+        (state, got_want, node, err, query_errno), reason = placement(sim, h)
+        if refused is None:
+            assert (state, got_want, node, err, query_errno) == (STATE_BOUND, want, want, 0, 0), reason
+            assert reason == f"placed on NUMA node {want} (of most CPUs of the set)"
+            assert counters(sim)["registered"] == before["registered"] + 1
+            assert counters(sim)["registrations"] == before["registrations"] + 1
+        else:
+            assert (state, got_want, err) == (STATE_FALLBACK, want, refused), reason
+            assert reason.startswith(f"mbind of the FIFO pages to NUMA node {want}: {os.strerror(refused)}")
+        drains(sim, h, keep[-1], 41)
+    finally:
+        sim.mt_proxy_destroy(h)
+    assert counters(sim)["registered"] == before["registered"]
+
+
+@pytest.mark.parametrize("cpus", [None, ()])
+def test_without_a_cpu_set_the_pages_are_allocated_as_before(sim: ctypes.CDLL, faults, cpus) -> None:
+    faults()
+    keep: list = []
+    before = counters(sim)
+    h = engine(sim, cpus, keep)
+    try:
+        (state, want, node, err, _q), reason = placement(sim, h)
+        assert (state, want, err) == (STATE_DEFAULT, -1, 0)
+        assert "no CPU set asked for" in reason and "creating thread's NUMA node" in reason
+        assert counters(sim)["registrations"] == before["registrations"]  # cudaHostAlloc, not a registration
+        if node < 0:  # where the kernel cannot say, the reason does
+            assert _q != 0
+        drains(sim, h, keep[-1], 42)
+    finally:
+        sim.mt_proxy_destroy(h)
+
+
+@pytest.mark.parametrize("code", [errno.EPERM, errno.ENOSYS, errno.EINVAL])
+def test_a_refused_mbind_falls_back_with_the_reason(sim: ctypes.CDLL, faults, tmp_path: Path, code: int) -> None:
+    """EPERM (a container's seccomp without CAP_SYS_NICE), ENOSYS (a kernel without NUMA), EINVAL (a node outside
+    the cpuset's mems): the engine is made all the same, its pages allocated as without a set, the reason kept."""
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    faults(fake_cpus(tmp_path / "cpu", {c: 1 for c in allowed}), mbind_errno=code)
+    keep: list = []
+    before = counters(sim)
+    h = engine(sim, allowed, keep)
+    try:
+        (state, want, _node, err, _q), reason = placement(sim, h)
+        assert (state, want, err) == (STATE_FALLBACK, 1, code)
+        assert reason == (f"mbind of the FIFO pages to NUMA node 1: {os.strerror(code)} (errno {code}); "
+                          "allocated on the creating thread's NUMA node instead")
+        assert counters(sim)["registrations"] == before["registrations"]
+        drains(sim, h, keep[-1], 43)
+    finally:
+        sim.mt_proxy_destroy(h)
+
+
+def test_a_refused_registration_falls_back_and_unmaps(sim: ctypes.CDLL, faults, tmp_path: Path) -> None:
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    node = sysfs_node(allowed[0])
+    if node is None or mbind_refusal() is not None:
+        pytest.skip("mbind cannot succeed here, so cudaHostRegister is never reached")
+    faults(register_error=2)
+    keep: list = []
+    before = counters(sim)
+    h = engine(sim, allowed[:1], keep)
+    try:
+        (state, want, _node, err, _q), reason = placement(sim, h)
+        assert (state, want, err) == (STATE_FALLBACK, node, 2)
+        assert reason.startswith("cudaHostRegister of the FIFO pages -> simError")
+        assert counters(sim)["registered"] == before["registered"]
+        drains(sim, h, keep[-1], 44)
+    finally:
+        sim.mt_proxy_destroy(h)
+
+
+def test_a_set_without_a_known_node_falls_back(sim: ctypes.CDLL, faults, tmp_path: Path) -> None:
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    faults(fake_cpus(tmp_path / "cpu", {c: None for c in allowed}))
+    keep: list = []
+    h = engine(sim, allowed, keep)
+    try:
+        (state, want, _node, err, _q), reason = placement(sim, h)
+        assert (state, want, err) == (STATE_FALLBACK, -1, 0)
+        assert reason.startswith("sysfs lists no NUMA node for any CPU of the set; allocated on the creating thread")
+        drains(sim, h, keep[-1], 45)
+    finally:
+        sim.mt_proxy_destroy(h)
+
+
+def test_a_failed_create_releases_the_placed_pages(sim: ctypes.CDLL, faults) -> None:
+    """A CUDA failure after the pages were placed (here cudaMalloc of the producer index) is an error code and
+    message, and the registered range is released (it used to be leaked)."""
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    if sysfs_node(allowed[0]) is None or mbind_refusal() is not None:
+        pytest.skip("mbind cannot succeed here, so no range is registered")
+    faults(malloc_error=2)
+    before = counters(sim)
+    one = (ctypes.c_uint64 * 1)(0)
+    h = ctypes.c_void_p()
+    rc = sim.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, (ctypes.c_int * 1)(allowed[0]), 1, ctypes.byref(h))
+    assert rc == 2 and b"mt_proxy_create: simError" in sim.mt_last_error()
+    after = counters(sim)
+    assert after["registrations"] == before["registrations"] + 1  # placed, then released
+    assert after["registered"] == before["registered"]
+
+
+# -- the Python side ------------------------------------------------------------------------------------------------
+def test_proxy_engine_reports_the_placement_and_logs_a_fallback_once(sim: ctypes.CDLL, faults, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(csrc_build, "load", lambda **kw: sim)
+    data, sig = (ctypes.c_uint8 * 256)(), (ctypes.c_uint64 * 64)()
+    peers = ([ctypes.addressof(data)], [ctypes.addressof(data)], [ctypes.addressof(sig)])
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    faults(fake_cpus(tmp_path / "cpu", {c: 1 for c in allowed}), mbind_errno=errno.EPERM)
+    device = 7  # the simulation ignores it; it makes this test's message its own (said once per process)
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="moetune.proxy"):
+        warnings.simplefilter("error")  # a line in the log, never a warning
+        for _ in range(2):
+            eng = P.ProxyEngine(device, *peers, cpu=allowed)
+            try:
+                p = eng.fifo_placement()
+                assert (p.state, p.want) == ("fallback", 1)
+                assert p.reason.startswith("mbind of the FIFO pages to NUMA node 1: Operation not permitted (errno 1)")
+            finally:
+                eng.close()
+        eng = P.ProxyEngine(device, *peers)  # no set: nothing to say
+        try:
+            p = eng.fifo_placement()
+            assert (p.state, p.want) == ("default", None) and "no CPU set asked for" in p.reason
+        finally:
+            eng.close()
+    noted = [r for r in caplog.records if r.name == "moetune.proxy" and "proxy FIFO" in r.getMessage()]
+    assert len(noted) == 1 and noted[0].levelno == logging.INFO, [r.getMessage() for r in noted]
+    assert noted[0].getMessage().startswith(
+        "moetune: the proxy FIFO of GPU 7 is not on the NUMA node of its CPUs: mbind of the FIFO pages to NUMA node 1")
+
+
+def test_the_python_field_names_are_the_engines() -> None:
+    header = (ROOT / "csrc" / "proxy_engine.h").read_text()
+    for i, name in enumerate(P.MEM_FIELDS):
+        assert f"MT_PMEM_F_{name.upper()} = {i}," in header
+    assert f"MT_PMEM_F_COUNT = {len(P.MEM_FIELDS)}" in header
+    for i, name in enumerate(P.MEM_STATES):
+        assert f"MT_PMEM_{name.upper()} = {i}," in header
+
+
+# -- the idle loop --------------------------------------------------------------------------------------------------
+def test_the_idle_thread_asks_for_its_cpu_once_per_1024_yields(sim: ctypes.CDLL, faults) -> None:
+    """sched_getcpu on the first yield of an idle stretch and every 1024th after, not on every yield; the CPU
+    it reports stays one the thread may run on."""
+    faults()
+    keep: list = []
+    h = engine(sim, None, keep)
+    try:
+        start = counters(sim)
+        deadline = time.monotonic() + 20
+        while counters(sim)["yields"] - start["yields"] < 5 * 1024 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        now = counters(sim)
+        yields, calls = now["yields"] - start["yields"], now["getcpu"] - start["getcpu"]
+        assert yields >= 5 * 1024, "the idle thread did not yield in 20 s"
+        assert 1 <= calls <= yields // 1024 + 2, (calls, yields)
+        out = (ctypes.c_int * 5)()
+        assert sim.mt_proxy_cpu(h, out, 5) == 0
+        assert out[3] in os.sched_getaffinity(0)  # MT_PCPU_F_CURRENT
+        # a request ends the idle stretch; the next one refreshes at its first yield again
+        drains(sim, h, keep[-1], 46)
+        mid = counters(sim)
+        deadline = time.monotonic() + 20
+        while counters(sim)["getcpu"] == mid["getcpu"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert counters(sim)["getcpu"] > mid["getcpu"]
+    finally:
+        sim.mt_proxy_destroy(h)
+
+
+# -- on a GPU -------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the proxy engine on a real device)")
+def test_the_proxy_fifo_is_on_the_numa_node_of_its_gpu() -> None:
+    """Under the default proxy_cpu=numa the engine pins its thread to the GPU's NUMA-local CPUs and places the FIFO
+    on their node: the kernel (get_mempolicy of the FIFO's first page) must say the GPU's numa_node, and the engine
+    must still serve its FIFO through the registered pages."""
+    from moetune.runtime.options import RuntimeOptions
+
+    try:
+        csrc_build.load()
+    except csrc_build.BuildError as e:
+        pytest.skip(f"the csrc library is not available: {e}")
+    dev = torch.device("cuda", 0)
+    address = P.gpu_pci_address(dev)
+    try:
+        gpu_node = int(Path(f"/sys/bus/pci/devices/{address}/numa_node").read_text())
+    except (OSError, ValueError):
+        gpu_node = -1
+    if gpu_node < 0:
+        pytest.skip(f"the machine reports no NUMA node for GPU {address or '0'}")
+    choice = P.proxy_cpu_choice(RuntimeOptions(), dev)
+    if not choice.cpus:
+        pytest.skip(f"the proxy thread is not pinned here: {choice.reason}")
+    buf = torch.zeros(1 << 16, dtype=torch.uint8, device=dev)
+    flags = torch.zeros(1024, dtype=torch.int64, device=dev)
+    eng = P.ProxyEngine(0, [buf.data_ptr()], [buf.data_ptr()], [flags.data_ptr()], cpu=choice.cpus)
+    try:
+        p = eng.fifo_placement()
+        if p.state == "fallback" and p.reason.startswith("mbind"):
+            pytest.skip(f"the kernel would not bind the pages here: {p.reason}")
+        assert (p.state, p.want, p.node) == ("bound", gpu_node, gpu_node), p
+        req = (P.Request * 1)(P.Request(P.OP_SIGNAL, 0, 0, 3, 0, 0, 0, 1234, 0, 0))
+        n = 4096 + 10  # past the ring's end (ProxyEngine's 4096 slots): every slot used
+        for _ in range(n):
+            eng.enqueue(req)
+        eng.quiesce()
+        assert int(flags[3].item()) == 1234 and eng.stats()["signals"] == n
+    finally:
+        eng.close()
