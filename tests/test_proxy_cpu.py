@@ -169,17 +169,18 @@ def test_none_and_explicit_settings(tmp_path: Path) -> None:
     assert c.cpus == () and "none of the CPUs of proxy_cpu='12' (12) is allowed" in c.reason
 
 
-def test_the_docs_say_pinning_places_the_thread_not_the_fifo_pages() -> None:
-    """The FIFO and control pages are allocated and zeroed by the creating thread (mt_proxy_create) before the
-    proxy thread pins itself: the docs must not claim pinning keeps the FIFO polls on the GPU's node."""
+def test_the_docs_say_the_fifo_pages_follow_the_pinned_set() -> None:
+    """mt_proxy_create places the FIFO and control pages on the set's NUMA node (place_pages) before it falls back
+    to cudaHostAlloc, and before the thread exists: the docs must say so, and no longer that pinning places the
+    thread only (tests/test_proxy_numa.py checks the placement itself)."""
     engine = (ROOT / "csrc" / "proxy_engine.cpp").read_text()
     create = engine[engine.index("MT_API int mt_proxy_create("):]
-    assert create.index("cudaHostAlloc((void**)&e->fifo_host") < create.index("e->th = std::thread")  # as documented
+    assert create.index("e->place_pages(ring)") < create.index("cudaHostAlloc((void**)&e->fifo_host")
+    assert create.index("cudaHostAlloc((void**)&e->fifo_host") < create.index("e->th = std::thread")
     for text in (_affinity.__doc__ or "", (ROOT / "csrc" / "README.md").read_text()):
         flat = " ".join(text.split())
-        assert "does not place the request FIFO" in flat or "Pinning places the thread only" in flat
-        assert "creating thread's NUMA node" in flat
-        assert "keeps the FIFO polls off" not in flat
+        assert "mbind" in flat and "creating thread's NUMA node" in flat  # placed, or the fallback
+        assert "Pinning places the thread only" not in flat and "does not place the request FIFO" not in flat
 
 
 # -- the option ---------------------------------------------------------------------------------------------------

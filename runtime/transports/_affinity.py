@@ -15,12 +15,10 @@ list) means no pinning, with the reason, never an error: under the default `numa
 (logger `moetune.proxy`); a warning (ProxyCpuWarning) is for what the user asked for explicitly and did not get
 (a CPU list none of whose CPUs the process may use, a pinning the kernel refused).
 
-What pinning places and what it does not: it places the proxy THREAD (its polling loop, its CUDA calls, and
-memory it first touches itself after pinning). It does not place the request FIFO or the control page:
-mt_proxy_create allocates them (cudaHostAlloc) and zeroes them on the creating thread, before the proxy thread
-exists, so their pages sit on the creating thread's NUMA node, usually the rank's main thread's. When that
-thread runs on the other socket, the proxy's polls of the FIFO (and the GPU's writes into it) still cross the
-inter-socket link; binding the whole process near its GPU (numactl, the launcher) places those pages too.
+What the set places: the proxy THREAD (its polling loop, its CUDA calls), and through the engine the request FIFO
+and the control page: mt_proxy_create binds them (mbind) to the NUMA node of the set before registering them with
+CUDA. Where that cannot be done (sysfs names no node, the kernel refuses mbind) they fall back to cudaHostAlloc on
+the creating thread's NUMA node, logged once at info level; `ProxyEngine.fifo_placement()` says where they are.
 
 Standard library only: the transport (runtime/transports/proxy.py) finds the GPU's PCI address and applies the
 choice through the engine's create call, where the thread pins itself (csrc/proxy_engine.cpp).
