@@ -154,6 +154,24 @@ def test_refuse_takes_a_profile_measured_in_this_environment_over_one_that_was_n
     assert res.source == "database" and res.key.token_bucket == 128 and res.env_status == "same"
 
 
+@pytest.mark.parametrize("swap", [False, True])
+def test_the_database_resolution_reports_the_environment_of_the_profile_it_picked(node_db, tmp_path: Path,
+                                                                                   swap: bool) -> None:
+    """Several trusted profiles are judged (each compared with the job's environment); the resolution's status and
+    warning are those of the one picked, whichever it is (both assignments of the two environments are run, so
+    a comparison taken from the other record fails one of them)."""
+    envs = {64: dict(TUNED), 128: {"NCCL_ALGO": "Tree"}}
+    if swap:
+        envs = {64: envs[128], 128: envs[64]}
+    job = {"NCCL_ALGO": "Tree"}
+    db = node_db([measured(qkey(bucket=b), e) for b, e in envs.items()])
+    res, _, env_warned = resolve(db_client(tmp_path, db, job))
+    assert res.source == "database" and res.tuned
+    picked_same = envs[res.key.token_bucket] == job
+    assert res.env_status == ("same" if picked_same else "differs")
+    assert len(env_warned) == (not picked_same) and (res.env_diff == []) == picked_same
+
+
 def test_bad_env_mismatch_settings_are_named() -> None:
     with pytest.raises(ConfigError, match=r"client\.env_mismatch"):
         load_config(env={"MOETUNE_CLIENT_ENV_MISMATCH": "refuze", "HOME": "/nonexistent"})

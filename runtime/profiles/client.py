@@ -807,10 +807,7 @@ class ProfileClient:
             if bad_env is not None:  # only performance variables, as the tuner records them: anything else is forged
                 raise BadReply(f"reply's perf_env does not validate: {bad_env}")
             prov = provenance_of(r)
-            verdict, why = self._judge(r.key, r.knobs, prov, ident, transport_ok)
-            env_cmp = compare_perf_env(recorded, job_env, r.key.transport_family) if verdict == "tuned" else None
-            if env_cmp is not None and self._env_refusal(env_cmp) is not None:
-                verdict, why = None, self._env_refusal(env_cmp)
+            verdict, why, env_cmp = self._judge(r.key, r.knobs, prov, ident, transport_ok, recorded, job_env)
             if verdict is None:
                 problems.append(f"daemon served profile {r.profile_hash}: {why}")
             else:
@@ -844,7 +841,8 @@ class ProfileClient:
                                          dtype=model.dtype)
                 if transport_family:
                     recs = [x for x in recs if x.key.transport_family == transport_family]
-                rec, verdict, passed = self._pick_trusted(recs, tokens, ident, transport_ok, transport_family, job_env)
+                rec, verdict, env_cmp, passed = self._pick_trusted(recs, tokens, ident, transport_ok, transport_family,
+                                                                   job_env)
                 if rec is None:
                     what = f"; passed over: {'; '.join(passed[:4])}" if passed else ""
                     problems.append(f"database {db}: no profile measured on this node ({ident.source}) for this "
@@ -859,8 +857,6 @@ class ProfileClient:
                     res = Resolution(knobs=rec.knobs, source="database", profile_hash=rec.profile_hash, status=rec.status,
                                      env=env, key=rec.key, family=rec.key.transport_family, provenance=rec.provenance,
                                      tuned=verdict == "tuned")
-                    env_cmp = (compare_perf_env(rec.tuned_perf_env, job_env, rec.key.transport_family)
-                               if verdict == "tuned" else None)
                     return finish(res, "using a MODELLED profile, not a tuned one" if verdict == "modelled"
                                   else "tuned profile not served by the daemon", env_cmp)
         except (OSError, sqlite3.Error) as e:
@@ -883,25 +879,33 @@ class ProfileClient:
 
     def _judge(
         self, key: ProfileKey, knobs: Knobs, provenance: str, ident: node_identity.NodeIdentity | None,
-        transport_ok: Callable[[str], str | None] | None,
-    ) -> tuple[str | None, str]:
-        """("tuned" | "modelled" | None, why): may this profile be applied here, and as what?"""
+        transport_ok: Callable[[str], str | None] | None, recorded_env: Mapping[str, str] | None,
+        job_env: Mapping[str, str],
+    ) -> tuple[str | None, str, EnvComparison | None]:
+        """("tuned" | "modelled" | None, why, env comparison): may this profile be applied here, and as what?
+
+        The one place a profile's recorded performance environment (`recorded_env`, None: not recorded) meets the
+        job's: a tuned profile's comparison is returned (for the resolution to say) or, under env_mismatch =
+        refuse, refuses it; a modelled one is not compared (its numbers were never measured in any environment)."""
         why = _transport_problem(key.transport_family, knobs, transport_ok)
         if why is not None:
-            return None, why
+            return None, why, None
         foreign = ident is not None and (key.fingerprint != ident.fingerprint or key.software != ident.software)
         if provenance == "measured":
             if foreign:
                 assert ident is not None
                 return None, (f"measured on another node or software (fingerprint {key.fingerprint}, software "
-                              f"{key.software}; this node: {ident.fingerprint}, {ident.software})")
-            return "tuned", ""
+                              f"{key.software}; this node: {ident.fingerprint}, {ident.software})"), None
+            env_cmp = compare_perf_env(recorded_env, job_env, key.transport_family)
+            refusal = self._env_refusal(env_cmp)
+            return (None, refusal, None) if refusal is not None else ("tuned", "", env_cmp)
         label = f"MODELLED ({provenance}, fingerprint {key.fingerprint}), not measured on this node"
         if foreign and not key.fingerprint.startswith("preset:"):
-            return None, f"{label}, and for another node"
+            return None, f"{label}, and for another node", None
         if not self.allow_modelled:
-            return None, f"{label}; not applied as tuned (allow_modelled=True or MOETUNE_CLIENT_ALLOW_MODELLED=1 to use it)"
-        return "modelled", label
+            return (None, f"{label}; not applied as tuned (allow_modelled=True or MOETUNE_CLIENT_ALLOW_MODELLED=1 "
+                    "to use it)", None)
+        return "modelled", label, None
 
     def _env_refusal(self, cmp: EnvComparison) -> str | None:
         """Why a tuned profile is not used in this job's performance environment (None: it is): only with
@@ -928,19 +932,18 @@ class ProfileClient:
 
     def _pick_trusted(
         self, recs: list[ProfileRecord], tokens: int, ident: node_identity.NodeIdentity,
-        transport_ok: Callable[[str], str | None] | None, transport_family: str | None = None,
-        job_env: Mapping[str, str] | None = None,
-    ) -> tuple[ProfileRecord | None, str | None, list[str]]:
-        """The nearest-bucket tuned profile, else (with allow_modelled) a modelled one; plus what was passed over.
-        A tuned one whose performance environment `_env_refusal` refuses (against `job_env`) is passed over."""
+        transport_ok: Callable[[str], str | None] | None, transport_family: str | None,
+        job_env: Mapping[str, str],
+    ) -> tuple[ProfileRecord | None, str | None, EnvComparison | None, list[str]]:
+        """The nearest-bucket tuned profile, else (with allow_modelled) a modelled one, as `_judge` judged it
+        (verdict and environment comparison); plus what was passed over (a tuned one whose environment
+        `_judge` refuses, among others)."""
         by: dict[str, list[ProfileRecord]] = {"tuned": [], "modelled": []}
+        env_of: dict[int, EnvComparison | None] = {}  # id(record): its comparison, for the one picked
         passed: list[str] = []
         for r in recs:
-            verdict, why = self._judge(r.key, r.knobs, r.provenance, ident, transport_ok)
-            if verdict == "tuned":
-                refusal = self._env_refusal(compare_perf_env(r.tuned_perf_env, job_env or {}, r.key.transport_family))
-                if refusal is not None:
-                    verdict, why = None, refusal
+            verdict, why, env_of[id(r)] = self._judge(r.key, r.knobs, r.provenance, ident, transport_ok,
+                                                      r.tuned_perf_env, job_env)
             if verdict is None:
                 passed.append(f"{r.profile_hash}: {why}")
             else:
@@ -952,8 +955,8 @@ class ProfileClient:
             for group in (own, [r for r in by[verdict] if r.key.fingerprint != ident.fingerprint]):
                 rec = pick_profile(group, tokens, transport_family=transport_family)
                 if rec is not None:
-                    return rec, verdict, passed
-        return None, None, passed
+                    return rec, verdict, env_of[id(rec)], passed
+        return None, None, None, passed
 
 
 def _transport_problem(family: str, knobs: Knobs | None, transport_ok: Callable[[str], str | None] | None) -> str | None:
