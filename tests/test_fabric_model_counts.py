@@ -92,9 +92,10 @@ def test_self_copy_is_rows_times_row_bytes_over_hbm() -> None:
 def test_combine_includes_the_reduce_kernel() -> None:
     """combine_reduce reads every returned row (2 ranks x DSV3_ROWS_2 rows of 14336 B: its own rows too) and
     writes 4096 output rows of 14336 B, at HBM speed (4800 GB/s), after a launch (4 us). The same kernel ends
-    the nvlink transport's combine; the packed layout's index_add moves the same bytes."""
+    the nvlink transport's combine; the packed layout's index_add moves the same bytes (the dense layout, which the
+    runtime would pick at 2 ranks, sums otherwise: test_fabric_model_dense_payload)."""
     want = 4.0 + (2 * DSV3_ROWS_2 * 14336 + 4096 * 14336) / 4800e3
-    w = Workload(DSV3, 4096, 1, 2)
+    w = Workload(DSV3, 4096, 1, 2, dense=False)
     for k in (_proxy(), Knobs(transport="nvlink"), Knobs(transport="collective"), Knobs(transport="host_staged")):
         r = predict("nvlink-h200x2", w, k)
         assert r.phases["combine.reduce"] == pytest.approx(want, rel=1e-12), k.transport

@@ -84,10 +84,11 @@ def test_nvlink_against_design6_deepep(model: str) -> None:
 
 
 def test_every_layout_transport_counts_ranks_not_experts() -> None:
-    """nvlink, host_staged and the runtime's collective move the same rows (once per rank); the bare NCCL
-    experiment of DESIGN §6 (k copies: layout nccl_k_copies) moves ~4x the payload at 2 ranks."""
+    """nvlink, host_staged and the runtime's collective in the packed layout move the same rows (once per rank);
+    the bare NCCL experiment of DESIGN §6 (k copies: layout nccl_k_copies) moves ~4x the payload at 2 ranks. (At 2
+    ranks the runtime's own rule would pick the dense layout: test_fabric_model_dense_payload.)"""
     m = get_model("deepseek-v3")
-    w = Workload(m, 4096, 1, 2)
+    w = Workload(m, 4096, 1, 2, dense=False)
     nbytes = {t: predict("nvlink-h200x2", w, Knobs(transport=t), phase="dispatch").bytes_on_wire
               for t in ("nvlink", "host_staged", "collective")}
     assert nbytes["host_staged"] == pytest.approx(nbytes["collective"])

@@ -119,8 +119,10 @@ def test_where_the_runtime_runs_dense_there_are_no_counts_and_no_host_sync(trans
     packed = predict(H200, Workload(QWEN, 4096, 1, 2, dense=False), k, phase="dispatch")
     assert picks_dense(QWEN.experts, QWEN.topk, 2, 4096, 4192)
     assert not any(n.endswith((".counts", ".host_sync")) for n in auto.phases)
-    assert packed.dispatch_us == pytest.approx(auto.dispatch_us + packed.phases["dispatch.counts"]
-                                               + packed.phases["dispatch.host_sync"])
+    assert "dispatch.counts" in packed.phases and "dispatch.host_sync" in packed.phases
+    # the dense payload (every slot, test_fabric_model_dense_payload) is a little larger than the packed one here,
+    # far less than the counts exchange and the sync it saves
+    assert auto.dispatch_us < packed.dispatch_us - packed.phases["dispatch.counts"] / 2
     assert not picks_dense(QWEN.experts, QWEN.topk, 8, 4096, 4192)
     wide = predict("ndr-ibrc-h100x8", Workload(QWEN, 4096, 1, 8), Knobs(transport="collective"), phase="dispatch")
     assert "dispatch.counts" in wide.phases and "dispatch.host_sync" in wide.phases

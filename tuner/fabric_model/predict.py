@@ -52,8 +52,11 @@ S x P(token needs r) (`routing.rank_hits`: exact hypergeometric under uniform ro
   the tile-based EP kernels Perseus measured send (DESIGN §1) and DESIGN §8's megakernel would put across
   nodes; no moetune transport sends it. The Perseus reproductions use it.
 * nvlink also: the count words stored in the same launch (one NVLink latency before the rows move), this
-  PE's own rows copied by its own slot's CTAs, the reduce after combine. collective / host_staged (packed
-  layout, where the runtime's rule picks it: `Workload.dense`): ONE counts exchange per dispatch call (an NCCL all_to_all_single for both; its block to each rank
+  PE's own rows copied by its own slot's CTAs, the reduce after combine. collective / host_staged run the
+  packed or the dense layout as the runtime's rule picks it (`Workload.dense`). Dense (runtime/buffer/_dense.py):
+  every capacity slot (S rows) to every rank whatever the routing, an all-gather in dispatch, a reduce-scatter
+  in combine (summed inside the collective; host_staged's copy-engine path sums the world blocks afterwards); no
+  counts, no sync. Packed: ONE counts exchange per dispatch call (an NCCL all_to_all_single for both; its block to each rank
   carries every pipeline chunk's counts), then the host sync that reads them (`.tolist()`: phase
   `host_sync`, pcie.memcpy_us) before any payload is posted; the own rows copied locally beside the
   exchange, the reduce (index_add) after combine; combine has no counts and no sync.
@@ -72,6 +75,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
 
 from moetune.runtime.buffer.layout_choice import picks_dense
 from moetune.runtime.knobs import KnobError, Knobs
@@ -128,7 +132,8 @@ class Workload(msgspec.Struct, frozen=True):
     # False: GPUs of a node may not talk peer-to-peer (NCCL_P2P_DISABLE=1): intra-node traffic is staged.
     p2p: bool = True
     # The collective transports' wire layout, as EPBuffer(dense=...): None takes the runtime's own rule
-    # (runtime/buffer/layout_choice.py `picks_dense`, what the tuner measures), False the packed layout.
+    # (runtime/buffer/layout_choice.py `picks_dense`, what the tuner measures), False the packed layout, True the
+    # dense one (every capacity slot, S rows, to every rank).
     dense: bool | None = None
 
     def __post_init__(self) -> None:
@@ -767,6 +772,24 @@ def _phase_nvlink(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, hits) -> 
     return ph
 
 
+def _runs_dense(w: Workload, knobs: Knobs) -> bool:
+    """Whether a collective transport runs the dense layout: `Workload.dense`, or where it is None the runtime's
+    own rule (runtime/buffer/layout_choice.py `picks_dense`, EPBuffer(dense=None) with max_tokens = S, as the
+    tuner builds it), asked with the dispatch wire row."""
+    if w.dense is not None:
+        return w.dense
+    return picks_dense(w.model.experts, w.model.topk, w.pes, w.tokens_per_gpu,
+                       _token_bytes(w.model, knobs, dispatch=True))
+
+
+def _wire_hits(hits, dense: bool):
+    """P(a token's row goes to rank r) on the wire: the routing's `hits` in the packed layout; 1 for every rank
+    in the dense layout, which sends every capacity slot (max_tokens = S rows) to every rank whatever the
+    routing (runtime/buffer/_dense.py: dispatch an all-gather of the stage rows, combine a reduce-scatter of
+    one row per received row)."""
+    return np.ones_like(hits) if dense else hits
+
+
 def _bytes_out_in(w: Workload, loads, hits, tb: float, dispatch: bool, copies: bool) -> tuple[float, float, int]:
     """(bytes out to other PEs, bytes in from other PEs, other PEs) of the busiest PE."""
     S, P = w.tokens_per_gpu, w.pes
@@ -789,7 +812,9 @@ def _phase_collective(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads
     ph = _Phase()
     P, G = w.pes, w.gpus_per_node
     tb = _token_bytes(w.model, knobs, dispatch=dispatch, layout=layout)
-    out, inn, peers = _bytes_out_in(w, loads, hits, tb, dispatch, copies=layout == "nccl_k_copies")
+    dense = layout == "runtime" and _runs_dense(w, knobs)
+    out, inn, peers = _bytes_out_in(w, loads, _wire_hits(hits, dense), tb, dispatch,
+                                    copies=layout == "nccl_k_copies")
     if peers == 0:
         ph.us = p.launch
         return ph
@@ -813,7 +838,7 @@ def _phase_collective(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads
     ph.transfers = peers
     ph.parts = {"collective_intra": t_intra, "collective_inter": t_inter, "per_peer": peers * p.c_peer}
     if layout == "runtime":
-        _packed_extras(p, w, knobs, ph, hits, tb, dispatch=dispatch)
+        _layout_extras(p, w, knobs, ph, hits, tb, dispatch=dispatch, dense=dense)
     return ph
 
 
@@ -829,25 +854,31 @@ def _packed_counts_us(p: _P, w: Workload) -> float:
     return max(intra, inter) + (w.pes - 1) * p.c_peer
 
 
-def _packed_extras(p: _P, w: Workload, knobs: Knobs, ph: _Phase, hits, tb: float, *, dispatch: bool) -> None:
-    """The packed layout's pieces around its all-to-all (runtime/buffer/_packed.py `_plan_packed`), dispatch:
-    the counts go first in ONE small exchange per call whatever pipeline_depth (`_packed_counts_us`; the block
-    to each rank holds every chunk's [error word, rows, rows per local expert], int64), then the host reads
-    them (`.tolist()`, the one host sync of a dispatch) before any payload call is posted: `host_sync`, one
-    small device-to-host copy (`pcie.memcpy_us`; the payload call's launch after it is already in its own
-    alpha / launch). This PE's own rows are a local copy inside the exchange (read + write at HBM speed, beside
-    the network: the longer counts). Combine reuses the counts (no exchange, no sync) and ends in the reduce
-    over every returned row (index_add: the bytes of `_reduce_us`). As the tuner measures (check_inputs=False,
-    tuner/measure/ep.py): combine's input-check all-gather and its sync are not there."""
+def _layout_extras(p: _P, w: Workload, knobs: Knobs, ph: _Phase, hits, tb: float, *, dispatch: bool,
+                   dense: bool) -> None:
+    """The pieces around a collective transport's payload calls.
+
+    Packed layout (runtime/buffer/_packed.py `_plan_packed`), dispatch: the counts go first in ONE small exchange
+    per call whatever pipeline_depth (`_packed_counts_us`; the block to each rank holds every chunk's [error
+    word, rows, rows per local expert], int64), then the host reads them (`.tolist()`, the one host sync of a
+    dispatch) before any payload call is posted: `host_sync`, one small device-to-host copy (`pcie.memcpy_us`;
+    the payload call's launch after it is already in its own alpha / launch). Combine reuses the counts (no
+    exchange, no sync) and ends in the reduce over every returned row (index_add: the bytes of `_reduce_us`).
+
+    Dense layout (runtime/buffer/_dense.py; EPBuffer(dense=None) takes it where `picks_dense` says so): no counts
+    and no host sync; every capacity slot is sent, so the rows of this PE's own block are all S of them; combine's
+    sum over ranks happens inside the collective's reduce-scatter (no reduce kernel after it), except on
+    host_staged's copy-engine path, whose reduce-scatter sums the `world` received blocks afterwards
+    (runtime/transports/host_staged.py `reduce_scatter_async`: every block read, the tokens written).
+
+    Both: this PE's own rows are a local copy inside the exchange (read + write at HBM speed, beside the network:
+    the longer counts). As the tuner measures (check_inputs=False, tuner/measure/ep.py): the input-check
+    exchanges and their syncs are not there."""
     S = w.tokens_per_gpu
-    own = S * float(hits[0] if dispatch else hits.max()) * tb
+    wire = _wire_hits(hits, dense)
+    own = S * float(wire[0] if dispatch else wire.max()) * tb
     ph.parts["self_copy"] = own / (p.hbm / 2.0)
     ph.us = max(ph.us, ph.parts["self_copy"])
-    # EPBuffer(dense=None), as the tuner measures, runs the dense layout where the same rule says so: no counts
-    # and no host sync (its payload is modelled as the packed one: within the rule's 10 % of wasted rows, or a
-    # send of at most 2 MB per peer)
-    dense = w.dense if w.dense is not None else picks_dense(w.model.experts, w.model.topk, w.pes, S,
-                                                            _token_bytes(w.model, knobs, dispatch=True))
     if dispatch:
         if dense:
             return
@@ -856,8 +887,8 @@ def _packed_extras(p: _P, w: Workload, knobs: Knobs, ph: _Phase, hits, tb: float
         ph.us += counts + p.memcpy
         # one block per other rank: every pipeline chunk's error word, rows, rows per local expert (int64)
         ph.bytes += (w.pes - 1) * knobs.pipeline_depth * (2 + w.model.experts // w.pes) * 8
-    else:
-        ph.parts["reduce"] = red = _reduce_us(p, w, hits, tb)
+    elif not dense or knobs.transport == "host_staged":
+        ph.parts["reduce"] = red = _reduce_us(p, w, wire, tb)
         ph.us += red
 
 
@@ -866,7 +897,8 @@ def _phase_host_staged(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, load
     ph = _Phase()
     G = w.gpus_per_node
     tb = _token_bytes(w.model, knobs, dispatch=dispatch)
-    out, inn, peers = _bytes_out_in(w, loads, hits, tb, dispatch, copies=False)
+    dense = _runs_dense(w, knobs)
+    out, inn, peers = _bytes_out_in(w, loads, _wire_hits(hits, dense), tb, dispatch, copies=False)
     if peers == 0:
         ph.us = p.launch
         return ph
@@ -887,8 +919,8 @@ def _phase_host_staged(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, load
     ph.bytes = out
     ph.transfers = chunks
     ph.parts = {"staged": t}
-    # the counts exchange is the collective's (an NCCL all_to_all_single), then the host sync
-    _packed_extras(p, w, knobs, ph, hits, tb, dispatch=dispatch)
+    # packed: the counts exchange is the collective's (an NCCL all_to_all_single), then the host sync
+    _layout_extras(p, w, knobs, ph, hits, tb, dispatch=dispatch, dense=dense)
     return ph
 
 
