@@ -775,7 +775,7 @@ def test_proxy_engine_reports_its_cpus_and_warns_once_when_pinning_fails(sim_lib
     data, sig = (ctypes.c_uint8 * 256)(), (ctypes.c_uint64 * 64)()
     peers = ([ctypes.addressof(data)], [ctypes.addressof(data)], [ctypes.addressof(sig)])
     allowed = tuple(sorted(os.sched_getaffinity(0)))
-    for cpu, want in ((allowed[0], (allowed[0],)), (list(reversed(allowed)), allowed), (set(allowed), allowed)):
+    for cpu, want in (((allowed[0],), (allowed[0],)), (list(reversed(allowed)), allowed), (set(allowed), allowed)):
         eng = ProxyEngine(0, *peers, cpu=cpu)
         try:
             b = eng.cpu_binding()
@@ -783,8 +783,8 @@ def test_proxy_engine_reports_its_cpus_and_warns_once_when_pinning_fails(sim_lib
             assert b.current in want and _thread_cpus(b.tid)[0] == _affinity.format_cpulist(want)
         finally:
             eng.close()
-    for none in (None, ()):
-        eng = ProxyEngine(0, *peers, cpu=none)
+    for empty in ({"cpu": ()}, {}):  # the empty set, also the default
+        eng = ProxyEngine(0, *peers, **empty)
         try:
             b = eng.cpu_binding()
             assert (b.state, b.requested, b.allowed) == ("unpinned", None, allowed)
@@ -792,7 +792,7 @@ def test_proxy_engine_reports_its_cpus_and_warns_once_when_pinning_fails(sim_lib
             eng.close()
     bad = max(allowed) + 1
     with pytest.warns(_affinity.ProxyCpuWarning, match=rf"could not pin itself to CPUs {bad} \(Invalid argument"):
-        eng = ProxyEngine(0, *peers, cpu=bad)
+        eng = ProxyEngine(0, *peers, cpu=(bad,))
     try:
         b = eng.cpu_binding()
         assert b.state == "failed" and "errno 22" in b.error and b.allowed == allowed
@@ -802,7 +802,7 @@ def test_proxy_engine_reports_its_cpus_and_warns_once_when_pinning_fails(sim_lib
         warnings.simplefilter("error")
         ProxyEngine(0, *peers, cpu=[bad]).close()  # the same reason again: not repeated
     with pytest.raises(ValueError, match="cpu must be >= 0"):
-        ProxyEngine(0, *peers, cpu=-1)
+        ProxyEngine(0, *peers, cpu=(-1,))
     with pytest.raises(ValueError, match="cpu must be >= 0"):
         ProxyEngine(0, *peers, cpu=[0, -1])
     with pytest.raises(TypeError, match="cpu must be an int"):
@@ -835,7 +835,7 @@ def test_the_engines_of_many_layers_all_get_the_numa_set_in_host_simulation(
         for _layer in range(8):
             choice = P.proxy_cpu_choice(RuntimeOptions(), torch.device("cuda", 0))
             assert choice.cpus == allowed, choice
-            engines.append(P.ProxyEngine(0, *peers, cpu=choice.cpu))  # .cpu: as tuner/measure/micro.py passes it
+            engines.append(P.ProxyEngine(0, *peers, cpu=choice.cpus))  # as the transport and micro.py pass it
         masks = [e.cpu_binding().allowed for e in engines]
         assert masks == [allowed] * len(engines)
         assert len({e.cpu_binding().tid for e in engines}) == len(engines)

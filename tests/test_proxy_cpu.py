@@ -80,7 +80,8 @@ def test_pci_addresses_are_named_as_sysfs_names_them() -> None:
 # -- choosing the set -------------------------------------------------------------------------------------------
 def test_the_choice_is_the_local_cpus_the_process_may_use() -> None:
     c = usable_cpus(range(0, 8), allowed={4, 5, 6, 7, 20})
-    assert c.cpus == (4, 5, 6, 7) and c.cpu == (4, 5, 6, 7) and "CPUs 4-7" in c.reason
+    assert c.cpus == (4, 5, 6, 7) and "CPUs 4-7" in c.reason
+    assert not hasattr(c, "cpu")  # the set is the one form (the single-CPU `.cpu` view is gone)
 
 
 def test_every_caller_gets_the_same_whole_set() -> None:
@@ -93,7 +94,7 @@ def test_every_caller_gets_the_same_whole_set() -> None:
 
 def test_no_allowed_local_cpu_means_unpinned_with_the_reason() -> None:
     c = usable_cpus([0, 1, 2, 3], allowed={8, 9}, what="the NUMA-local CPUs of GPU x")
-    assert c.cpus == () and c.cpu is None
+    assert c.cpus == ()
     assert "none of the NUMA-local CPUs of GPU x (0-3) is allowed" in c.reason and "allowed: 8-9" in c.reason
 
 
@@ -133,12 +134,12 @@ def test_numa_without_numa_information_is_unpinned_not_an_error(tmp_path: Path) 
     for address, why in (("0000:19:00.0", "lists no CPU"), ("0000:aa:00.0", "no NUMA information"),
                          ("", "no PCI address")):
         c = resolve("numa", address=address, allowed={0, 1}, root=root)
-        assert c.cpu is None and why in c.reason
+        assert c.cpus == () and why in c.reason
     c = resolve("numa", address="0000:19:00.0", allowed={0}, root=tmp_path / "no-sysfs")
-    assert c.cpu is None and "no NUMA information" in c.reason
+    assert c.cpus == () and "no NUMA information" in c.reason
     (root / "0000:19:00.0" / "local_cpulist").write_text("garbage\n")
     c = resolve("numa", address="0000:19:00.0", allowed={0}, root=root)
-    assert c.cpu is None and "no usable NUMA information" in c.reason
+    assert c.cpus == () and "no usable NUMA information" in c.reason
 
 
 @pytest.mark.parametrize("numa_node", ["-1", None])
@@ -302,6 +303,22 @@ def test_an_explicit_cpu_list_that_cannot_be_applied_warns_once(monkeypatch: pyt
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert P.proxy_cpu_choice(RuntimeOptions(proxy_cpu=outside), dev).cpus == ()  # once
+
+
+def test_the_engine_takes_only_a_set_of_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One CPU is the set of one: a lone int (the old single-CPU form) or None is refused, before the library is
+    loaded, instead of being read as a second form of the argument."""
+    from moetune.runtime import csrc_build
+    from moetune.runtime.transports import proxy as P
+
+    def no_library(**kw: object) -> None:
+        raise AssertionError("the argument is checked before the library is loaded")
+
+    monkeypatch.setattr(csrc_build, "load", no_library)
+    for bad in (3, None, "0-3", 3.0):
+        with pytest.raises(TypeError, match="cpu must be a set of CPU indices"):
+            P.ProxyEngine(0, [0], [0], [0], cpu=bad)  # type: ignore[arg-type]
+    assert P.cpu_set([7, 3, 3]) == (3, 7) and P.cpu_set(()) == () and P.cpu_set(iter({5})) == (5,)
 
 
 def test_the_transport_hands_its_choice_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:

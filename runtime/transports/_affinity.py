@@ -56,11 +56,6 @@ class CpuChoice:
     # misplacement (e.g. a rank bound to the far socket), said as a warning even under the default `numa`
     excluded: bool = False
 
-    @property
-    def cpu(self) -> tuple[int, ...] | None:
-        """The set as ProxyEngine(cpu=...) takes it: None for no pinning (callers written for one CPU pass this)."""
-        return self.cpus or None
-
 
 def format_cpulist(cpus: Iterable[int]) -> str:
     """(0, 1, 2, 3, 8) -> "0-3,8" (the kernel's syntax; "" for none)."""

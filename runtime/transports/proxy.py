@@ -80,12 +80,14 @@ class FifoPlacement:
     reason: str  # how they were placed, or why not; and why `node` is unknown
 
 
-def cpu_set(cpu: int | Iterable[int] | None) -> tuple[int, ...]:
-    """ProxyEngine's `cpu` argument as a sorted set of CPU indices (() = no pinning); TypeError/ValueError for
-    anything but non-negative ints."""
-    if cpu is None:
-        return ()
-    items = [cpu] if isinstance(cpu, int) else list(cpu)
+def cpu_set(cpu: Iterable[int]) -> tuple[int, ...]:
+    """ProxyEngine's `cpu` argument, a set of CPU indices (any iterable; () = no pinning), as a sorted tuple.
+    TypeError for anything else: one CPU is the set of one, `(3,)`; a lone int or None is refused rather than
+    read as a second form. ValueError for a negative index."""
+    if isinstance(cpu, str | bytes) or not isinstance(cpu, Iterable):
+        raise TypeError(f"proxy engine: cpu must be a set of CPU indices (() for no pinning), "
+                        f"got {type(cpu).__name__} {cpu!r}")
+    items = list(cpu)
     for c in items:
         _args.check_int("cpu", c, 0, "proxy engine: ")
     return tuple(sorted(set(items)))
@@ -147,12 +149,12 @@ class ProxyEngine:
         fifo_slots: int = 4096,
         batch: int = 1,
         timeout_s: float = RuntimeOptions().onesided_timeout_s,
-        cpu: int | Iterable[int] | None = None,
+        cpu: Iterable[int] = (),
         _allow_unsafe: bool = False,
     ):
-        """`cpu`: the CPU, or the set of CPUs, the proxy thread pins itself to (the OS places it within the set;
-        None or empty: no pinning). A pinning the kernel refuses leaves the thread unpinned and warns once
-        (ProxyCpuWarning); `cpu_binding()` says where it runs."""
+        """`cpu`: the set of CPUs the proxy thread pins itself to (the OS places it within the set; empty: no
+        pinning), as `CpuChoice.cpus` gives it. A pinning the kernel refuses leaves the thread unpinned and warns
+        once (ProxyCpuWarning); `cpu_binding()` says where it runs."""
         if qp_mapping not in QP_MAPPINGS or fence_mode not in FENCE_MODES:
             raise KnobError(f"unknown qp_mapping {qp_mapping!r} or fence_mode {fence_mode!r}")
         if not _allow_unsafe:

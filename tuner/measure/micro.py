@@ -337,7 +337,7 @@ def _proxy_signalled(sizes: list[int], iters: int, label: str) -> list[dict]:
     # the proxy thread where the runtime's transport puts it (the option proxy_cpu), so the fabric is measured
     # as the runtime will drive it
     opts = RuntimeOptions.resolve()
-    cpus = {a: P.proxy_cpu_choice(opts, torch.device("cuda", a)).cpu for a in (0, 1)}
+    cpus = {a: P.proxy_cpu_choice(opts, torch.device("cuda", a)).cpus for a in (0, 1)}
     value = 1
     for a, b in ((0, 1), (1, 0)):
         P.csrc_build.check(lib, lib.mt_enable_peer_access(a, b), f"enable peer access {a}->{b}")
