@@ -60,7 +60,9 @@ S x P(token needs r) (`routing.rank_hits`: exact hypergeometric under uniform ro
   carries every pipeline chunk's counts), then the host sync that reads them (`.tolist()`: phase
   `host_sync`, pcie.memcpy_us) before any payload is posted; the own rows copied locally beside the
   exchange, the reduce (index_add) after combine; combine has no counts and no sync.
-* collective: one all_to_all_single of the packed rows. `predict(..., layout="nccl_k_copies")` instead
+* collective: one payload call per pipeline chunk (`payload_calls`: pipeline_depth chunks of ceil(S / depth)
+  tokens or slots), chunk c on communicator c mod channels; one communicator's calls in order, different ones
+  side by side on shared links. `predict(..., layout="nccl_k_copies")` instead
   describes a plain NCCL all_to_all_single of k copies of each H-wide token (DESIGN §6's baseline and the
   calibration rows): what those measurements moved, not what the runtime sends.
 * fp8 halves payload bytes and adds scale bytes (per token: 4 B; per 128 channels: H/128 × 4 B).
@@ -95,6 +97,7 @@ __all__ = [
     "forced_fit_warning",
     "list_presets",
     "load_preset",
+    "payload_calls",
     "predict",
     "predict_transfers",
 ]
@@ -102,6 +105,9 @@ __all__ = [
 SIGNAL_BYTES = 8
 MAX_MESSAGES = 2_000_000  # guard against absurd chunking
 MAX_SLOTS = 1024  # csrc/mt_common.h MT_MAX_SLOTS: signal slots (PUTs, CTAs) per source and peer
+# runtime/buffer/facade.py MAX_COMM_CHANNELS: communicators per direction a pipelined payload is spread over
+# (that module imports torch, which the model does not; a test compares the two)
+MAX_COMM_CHANNELS = 8
 LAYOUTS = ("runtime", "nccl_k_copies", "expert_tiles")
 
 # The knobs `predict` reads, per transport (compression and scale_granularity set the dispatch's bytes on
@@ -114,7 +120,7 @@ KNOBS_READ: dict[str, frozenset[str]] = {
     "proxy": _QUEUED_READ,
     "ibgda": _QUEUED_READ,
     "nvlink": _PAYLOAD | {"signalling", "group_size", "num_sms"},
-    "collective": _PAYLOAD,
+    "collective": _PAYLOAD | {"pipeline_depth", "channels"},
     "host_staged": _PAYLOAD | {"chunk_tokens", "pipeline_depth", "num_sms"},
 }
 
@@ -806,9 +812,38 @@ def _bytes_out_in(w: Workload, loads, hits, tb: float, dispatch: bool, copies: b
     return out, inn, P - 1
 
 
+def payload_calls(tokens: int, pipeline_depth: int, *, dense: bool) -> list[int]:
+    """The tokens (dense: capacity slots; the tuner's max_tokens is S) of each payload call a collective
+    transport's EP buffer posts per direction: pipeline_depth contiguous chunks of ceil(S / depth) (runtime/
+    buffer/_packed.py `_plan_packed`, _dense.py `_dense_bounds` with equal weights), the last ones short or
+    empty. The packed layout posts every chunk, an empty one too (an all_to_all_single of zero rows); the dense
+    layout skips empty chunks (facade.py post_dispatch / post_combine)."""
+    n = max(1, pipeline_depth)
+    cs = max(1, math.ceil(tokens / n))
+    sizes = [min((c + 1) * cs, tokens) - min(c * cs, tokens) for c in range(n)]
+    return [t for t in sizes if t > 0] if dense else sizes
+
+
+def _collective_call(p: _P, w: Workload, io: float, ii: float, eo: float, ei: float,
+                     peers: int) -> tuple[float, float, float]:
+    """One NCCL call moving io / ii bytes out / in over NVLink (or staged) and eo / ei over the NIC:
+    (intra-node time, inter-node time, the call's time with its per-peer cost)."""
+    if not (p.has_nvl and w.p2p):
+        chunks = max(1, math.ceil(max(io, ii) / p.c_host_chunk))
+        t_intra = p.c_host_alpha + _staged_time(p, io, ii, chunks, 2, w.gpus_per_node)
+    else:
+        # launch, then the ranks' handshake and the data streaming overlap: the longer one counts
+        t_intra = p.c_alpha + max(p.c_sync, max(io, ii) / p.c_intra)
+    t_inter = 0.0
+    if eo > 0 or ei > 0:
+        t_inter = p.c_alpha + max(p.c_sync, max(eo, ei) / (p.nic_bw * p.c_nic_eff)) + p.rtt
+    return t_intra, t_inter, max(t_intra, t_inter) + peers * p.c_peer
+
+
 def _phase_collective(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hits, layout: str) -> _Phase:
-    """NCCL all-to-all, intra-node over NVLink or staged, inter-node NIC: the runtime's packed rows (once
-    per destination rank), or with layout `nccl_k_copies` k bare copies per token (DESIGN §6 baseline)."""
+    """NCCL all-to-all, intra-node over NVLink or staged, inter-node NIC: the runtime's rows (packed: once per
+    destination rank; dense: every slot to every rank), posted as `payload_calls` calls over `channels`
+    communicators, or with layout `nccl_k_copies` k bare copies per token in one call (DESIGN §6 baseline)."""
     ph = _Phase()
     P, G = w.pes, w.gpus_per_node
     tb = _token_bytes(w.model, knobs, dispatch=dispatch, layout=layout)
@@ -821,22 +856,23 @@ def _phase_collective(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads
     intra_share = (G - 1) / (P - 1)
     io, ii = out * intra_share, inn * intra_share
     eo, ei = out - io, inn - ii
-    staged = not (p.has_nvl and w.p2p)
-    if staged:
-        chunks = max(1, math.ceil(max(io, ii) / p.c_host_chunk))
-        t_intra = p.c_host_alpha + _staged_time(p, io, ii, chunks, 2, G)
-    else:
-        # launch, then the ranks' handshake and the data streaming overlap: the longer one counts
-        t_intra = p.c_alpha + max(p.c_sync, max(io, ii) / p.c_intra)
-    t_inter = 0.0
-    if eo > 0 or ei > 0:
-        if not p.has_nic:
-            raise ValueError(f"preset {p.name!r} has no network: it cannot reach PEs on other nodes")
-        t_inter = p.c_alpha + max(p.c_sync, max(eo, ei) / (p.nic_bw * p.c_nic_eff)) + p.rtt
-    ph.us = max(t_intra, t_inter) + peers * p.c_peer
+    if (eo > 0 or ei > 0) and not p.has_nic:
+        raise ValueError(f"preset {p.name!r} has no network: it cannot reach PEs on other nodes")
+    S = w.tokens_per_gpu
+    calls = payload_calls(S, knobs.pipeline_depth, dense=dense) if layout == "runtime" else [S]
+    # chunk c goes on communicator c mod channels (facade.py post_dispatch / post_combine): one communicator runs
+    # its calls one after the other; calls on different communicators overlap, but share the links, so the
+    # payload never moves faster than one call carrying every byte
+    lanes = [0.0] * min(knobs.channels, MAX_COMM_CHANNELS, len(calls))
+    for c, tokens in enumerate(calls):
+        f = tokens / S
+        lanes[c % len(lanes)] += _collective_call(p, w, io * f, ii * f, eo * f, ei * f, peers)[2]
+    t_intra, t_inter, whole = _collective_call(p, w, io, ii, eo, ei, peers)
+    ph.us = max(max(lanes), whole)
     ph.bytes = out
-    ph.transfers = peers
-    ph.parts = {"collective_intra": t_intra, "collective_inter": t_inter, "per_peer": peers * p.c_peer}
+    ph.transfers = peers * len(calls)
+    ph.parts = {"collective_intra": t_intra, "collective_inter": t_inter, "per_peer": peers * p.c_peer,
+                "payload": ph.us}
     if layout == "runtime":
         _layout_extras(p, w, knobs, ph, hits, tb, dispatch=dispatch, dense=dense)
     return ph
