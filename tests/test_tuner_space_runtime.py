@@ -232,3 +232,34 @@ def test_put_grid_follows_the_hottest_rank_under_zipf() -> None:
     uni, zipf = _put_space("proxy:ibrc", 8, 512), _put_space("proxy:ibrc", 8, 512, routing="zipf:1.2")
     assert zipf.rows_per_peer >= uni.rows_per_peer
     assert zipf.rows_per_peer <= 512
+
+
+# -- one statement of the proxy's chunking rule (csrc/proxy_xchg.h `chunking`), public, used by the fabric model and
+# the search space alike; neither reaches into the other's private names ------------------------------------------
+
+def test_put_chunking_is_the_public_chunking_rule() -> None:
+    from moetune.tuner.fabric_model.predict import MAX_SLOTS, chunking
+
+    assert chunking(100.0, 0) == (100, 1)  # chunk_tokens 0: one PUT of every row
+    assert chunking(100.0, 32) == (32, 4)  # 32, 32, 32 and a last partial PUT of 4
+    assert chunking(0.0, 32) == (1, 0)  # no rows, no PUT (the kernel's crow 1, nchunks 0)
+    # more than MT_MAX_SLOTS PUTs: larger chunks, ceil(2050 / 1024) = 3 rows each, ceil(2050 / 3) = 684 PUTs
+    assert chunking(2050.0, 1) == (3, 684) and MAX_SLOTS == 1024
+    for rows, ck in ((100.0, 32), (2050.0, 1), (7.0, 16)):
+        per_put, puts = chunking(rows, ck)
+        assert put_chunking(rows, ck) == ((int(rows), 1) if puts == 1 else (per_put, puts))
+
+
+@pytest.mark.parametrize("path", ["tuner/search/space.py", "tuner/fabric_model/predict.py",
+                                  "tuner/fabric_model/queue.py", "tuner/fabric_model/calibration.py",
+                                  "tuner/fabric_model/routing.py"])
+def test_no_private_name_is_imported_from_another_module(path: str) -> None:
+    """A name with a leading underscore belongs to its module: importing one elsewhere (space.py did import
+    predict._chunking) ties the importer to an implementation detail."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).resolve().parents[1] / path).read_text())
+    private = [f"{node.module}.{a.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               for a in node.names if a.name.startswith("_")]
+    assert private == [], private

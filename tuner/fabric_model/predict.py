@@ -94,6 +94,7 @@ __all__ = [
     "PresetError",
     "TransferPrediction",
     "Workload",
+    "chunking",
     "forced_fit_warning",
     "list_presets",
     "load_preset",
@@ -460,9 +461,11 @@ def _nvlink_signals(p: _P, knobs: Knobs, world: int) -> tuple[int, int]:
     return cpp, math.ceil(cpp / g)
 
 
-def _chunking(rows: float, chunk_tokens: int) -> tuple[int, int]:
-    """(rows per PUT, PUTs) for `rows` expected rows to one peer, as csrc/proxy_xchg.h `chunking` splits a
-    count: chunk_tokens rows per PUT (0: one PUT for all), at most MAX_SLOTS PUTs (larger chunks then)."""
+def chunking(rows: float, chunk_tokens: int) -> tuple[int, int]:
+    """(rows per PUT, PUTs) for `rows` rows to one peer, as the runtime's proxy splits a count (csrc/
+    proxy_xchg.h `chunking`, which only the kernel runs: this is its one Python statement, which the search
+    space's put_chunking uses too): chunk_tokens rows per PUT (0: one PUT for all), at most MAX_SLOTS PUTs
+    (larger chunks then). A fractional expected count is rounded up; no rows, no PUT."""
     if rows <= 0:
         return 1, 0
     cnt = max(1, math.ceil(rows - 1e-9))
@@ -488,7 +491,7 @@ def _signals_per_peer(knobs: Knobs, puts: int) -> int:
 def _rank_runs(rows: float, tb: float, ck: int, ready: float) -> list[tuple[float, int, int, float, float]]:
     """One peer's PUTs in the runtime layout: full chunks of `c` rows, then the last (partial) chunk; every
     row packed before the exchange starts (all ready at `ready`)."""
-    c, n = _chunking(rows, ck)
+    c, n = chunking(rows, ck)
     if n == 0:
         return []
     if n == 1:
@@ -671,7 +674,7 @@ def _phase_queued(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hi
             dests.append((rtts[i], runs))
         for j, d in enumerate(local_pes):
             local_bytes[j] = rows_to[d] * tb
-            local_groups += _signals_per_peer(knobs, _chunking(rows_to[d], ck)[1])
+            local_groups += _signals_per_peer(knobs, chunking(rows_to[d], ck)[1])
         if local_pes:
             ready = max(gates[d] for d in local_pes)
         # the rows this PE sends itself: PUTs through the same poster, a local copy (read + write at HBM speed)
@@ -968,7 +971,7 @@ def transfers_per_peer(w: Workload, chunk_tokens: int = 0) -> int:
     if w.pes < 2:
         return 1
     rows = w.tokens_per_gpu * float(rank_hits(w.model.experts, w.model.topk, 0.0, w.pes)[0])
-    return max(1, _chunking(rows, chunk_tokens)[1])
+    return max(1, chunking(rows, chunk_tokens)[1])
 
 
 def expert_tiles_per_peer(w: Workload) -> int:

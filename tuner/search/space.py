@@ -115,13 +115,13 @@ def expected_rows_per_peer(experts: int, topk: int, ep_size: int, tokens: int, r
 
 def put_chunking(rows: float, chunk_tokens: int) -> tuple[int, int]:
     """(rows per PUT, PUTs) one peer gets for `rows` rows: csrc/proxy_xchg.h `chunking` as the fabric model
-    follows it (`predict._chunking`: chunk_tokens rows per PUT, 0 one PUT, at most MAX_SLOTS PUTs with larger
+    follows it (`predict.chunking`: chunk_tokens rows per PUT, 0 one PUT, at most MAX_SLOTS PUTs with larger
     chunks then), with at least one PUT, and the rows per PUT of a single PUT being all the rows (so every
     chunk that gives one PUT has the same key as chunk_tokens 0)."""
-    from moetune.tuner.fabric_model.predict import _chunking
+    from moetune.tuner.fabric_model.predict import chunking
 
     cnt = max(1, math.ceil(rows - 1e-9))
-    c, n = _chunking(float(cnt), chunk_tokens)
+    c, n = chunking(float(cnt), chunk_tokens)
     return (cnt, 1) if n <= 1 else (c, n)
 
 
