@@ -81,7 +81,7 @@ long sys_mbind(void* addr, unsigned long len, int mode, const unsigned long* mas
   }
 #endif
 #ifdef SYS_mbind
-  return syscall(SYS_mbind, addr, len, mode, mask, maxnode, 0u);
+  return syscall(SYS_mbind, addr, len, (unsigned long)mode, mask, maxnode, 0ul);  // every argument a full word
 #else
   (void)addr, (void)len, (void)mode, (void)mask, (void)maxnode;
   errno = ENOSYS;
@@ -403,6 +403,13 @@ struct Engine {
       char what[96];
       snprintf(what, sizeof(what), "mbind of the FIFO pages to NUMA node %d", mem_want);
       return unplaced(what, er, false);
+    }
+    // not into a forked child (a DataLoader worker): a copy-on-write break in this process would leave the GPU
+    // writing a page it no longer maps; cudaHostAlloc's pages are not inherited either
+    if (madvise(p, len, MADV_DONTFORK) != 0) {
+      const int er = errno;
+      munmap(p, len);
+      return unplaced("madvise(MADV_DONTFORK) of the FIFO pages", er, false);
     }
     memset(p, 0, len);
     cudaError_t ce = cudaHostRegister(p, len, cudaHostRegisterMapped | cudaHostRegisterPortable);

@@ -49,6 +49,7 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
         res, args = csrc_build.SIGNATURES[name]
         getattr(lib, name).restype = res
         getattr(lib, name).argtypes = args
+    lib.mt_proxy_gpu_view.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.mtsim_set_host_pages.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.mtsim_set_host_pages.restype = None
     lib.mtsim_proxy_counters.argtypes = [ctypes.POINTER(ctypes.c_longlong)]
@@ -99,6 +100,30 @@ def drains(lib: ctypes.CDLL, h: ctypes.c_void_p, sig: ctypes.Array, value: int) 
     for _ in range(1100):
         assert lib.mt_proxy_enqueue(h, req, 1, 10.0) == 0
     assert lib.mt_proxy_quiesce(h, 10.0) == 0 and sig[3] == value
+
+
+class GpuView(ctypes.Structure):
+    """csrc/proxy_engine.h MtGpuView (in the simulation a device address is the host address)."""
+
+    _fields_ = [("fifo_dev", ctypes.c_void_p), ("nslots", ctypes.c_uint32), ("head_dev", ctypes.c_void_p),
+                ("tail_dev", ctypes.c_void_p), ("ack_dev", ctypes.c_void_p), ("qps", ctypes.c_int)]
+
+
+def fifo_mapping(lib: ctypes.CDLL, h: ctypes.c_void_p) -> tuple[int, int, set[str]]:
+    """The FIFO's address, the mapping holding it ([start, end) from /proc/self/smaps) and that mapping's VmFlags."""
+    view = GpuView()
+    assert lib.mt_proxy_gpu_view(h, ctypes.byref(view)) == 0
+    addr = view.fifo_dev
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+            start = lo
+        elif inside and line.startswith("VmFlags:"):
+            return addr, start, set(line.split()[1:])
+    raise AssertionError(f"no mapping holds the FIFO at {addr:#x}")
 
 
 def fake_cpus(root: Path, nodes: dict[int, int | None]) -> Path:
@@ -189,6 +214,9 @@ def test_with_a_cpu_set_the_fifo_pages_are_on_its_node(sim: ctypes.CDLL, faults)
             assert reason == f"placed on NUMA node {want} (of most CPUs of the set)"
             assert counters(sim)["registered"] == before["registered"] + 1
             assert counters(sim)["registrations"] == before["registrations"] + 1
+            addr, start, vmflags = fifo_mapping(sim, h)
+            assert addr == start and addr % os.sysconf("SC_PAGE_SIZE") == 0  # its own mapping, from a page start
+            assert "dc" in vmflags, vmflags  # MADV_DONTFORK: not inherited by a forked child
         else:
             assert (state, got_want, err) == (STATE_FALLBACK, want, refused), reason
             assert reason.startswith(f"mbind of the FIFO pages to NUMA node {want}: {os.strerror(refused)}")
