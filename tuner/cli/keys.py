@@ -42,12 +42,21 @@ def server_dir(server_keys: Path) -> Path:
     return server_keys
 
 
+def _check_key_dir(directory: Path, what: str, risk: str) -> None:
+    """Refuse (never chmod) an existing directory that `moetune serve` would refuse to take keys from:
+    writable by group or others, or owned by another user than this one or root."""
+    from moetune.tuner.daemon.server import check_key_path
+
+    check_key_path(directory, what, forbid=0o022, risk=risk)
+
+
 def generate_keys(directory: Path, name: str = "moetune", *, force: bool = False) -> tuple[Path, Path]:
     """Write NAME.key (public) and NAME.key_secret (public + secret) with zmq.auth, mode 0600, in a 0700 dir."""
     import zmq.auth
 
     check_name(name)  # before anything is created: the name must not reach outside `directory`
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _check_key_dir(directory, "key directory", "others could replace the keys written there")
     public, secret = directory / f"{name}.key", directory / f"{name}.key_secret"
     if not force and (public.exists() or secret.exists()):
         raise FileExistsError(f"{public} or {secret} exists (use --force to overwrite)")
@@ -94,6 +103,7 @@ def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -
     if not public:
         raise ValueError(f"{public_file} holds no public key")
     clients_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _check_key_dir(clients_dir, "allow-list directory", "others could add their own keys to it")
     dest = clients_dir / (public_file.name if public_file.suffix == ".key" else f"{public_file.stem}.key")
     if dest.exists() and not force:
         raise FileExistsError(f"{dest} exists (use --force to overwrite)")

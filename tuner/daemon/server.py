@@ -281,6 +281,43 @@ def derive_pub_endpoint(endpoint: str) -> str:
     raise DaemonConfigError(f"cannot derive a PUB endpoint from {endpoint!r}; configure daemon.pub_socket")
 
 
+def _mode_words(bits: int) -> tuple[str, str]:
+    """("readable and writable", "rw") for the group/other bits in `bits`: the message and the chmod go-... fix."""
+    r, w = bool(bits & 0o044), bool(bits & 0o022)
+    return " and ".join(x for x, on in (("readable", r), ("writable", w)) if on), "r" * r + "w" * w
+
+
+def check_key_path(p: Path, what: str, *, forbid: int, risk: str, sticky_ok: bool = False) -> None:
+    """Refuse key material `p` (a key file or a directory of keys) that is owned by a user other than this
+    daemon's or root (its owner could change it), or that has a mode bit of `forbid` (group/other read or
+    write). A sticky directory (like /tmp) passes with `sticky_ok`: only a file's owner may replace the file
+    there. Never chmod-ed: the user fixes it (the daemon never changes what it did not create)."""
+    try:
+        st = os.stat(p)  # follows a link: the mode and owner that matter are the target's
+    except OSError as e:
+        raise DaemonConfigError(f"cannot check the {what} {p}: {e.strerror or e}") from None
+    mode, me = stat.S_IMODE(st.st_mode), os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise DaemonConfigError(f"the {what} {p} (mode {mode:o}) is owned by uid {st.st_uid}, not by this daemon's "
+                                f"user (uid {me}) or root: that user could change it ({risk}); refusing to use it")
+    bad = mode & forbid
+    if bad and not (sticky_ok and st.st_mode & stat.S_ISVTX):
+        words, fix = _mode_words(bad)
+        raise DaemonConfigError(f"the {what} {p} (mode {mode:o}, owner uid {st.st_uid}) is {words} by group or "
+                                f"others: {risk}; refusing to use it (e.g. chmod go-{fix} {p})")
+
+
+def check_secret_key_file(secret_file: str | Path) -> None:
+    """The daemon's CURVE secret key: nobody but its user (or root) may read or change it, nor replace it in
+    its directory (the directory a link points into included)."""
+    p = Path(secret_file)
+    check_key_path(p, "CURVE secret key file", forbid=0o066,
+                   risk="whoever can read it can impersonate the daemon, whoever can write it can replace its key")
+    for d in dict.fromkeys((p.parent, p.resolve().parent)):
+        check_key_path(d, "directory of the CURVE secret key", forbid=0o022,
+                       risk="others could replace the daemon's key (and its clients/ and admins/ lists)")
+
+
 def load_curve_keys(secret_file: str | Path) -> tuple[bytes, bytes]:
     """(public, secret) Z85 keys from a `moetune keys generate` secret key file."""
     import zmq.auth
@@ -349,8 +386,13 @@ def load_client_keys(directory: Path, role: str = "allow-list") -> list[bytes]:
     if not directory.is_dir():
         raise DaemonConfigError(f"the CURVE client {role} {directory} is not a directory: "
                                 "run `moetune keys client KEYDIR NAME` to create it with a client key")
+    # whoever may add a key here gets in (the admin list: may re-tune); group-readable is fine (public keys)
+    risk = f"others could add their own key {'as an admin (who may re-tune)' if role == 'admin list' else 'and connect'}"
+    check_key_path(directory.parent, f"directory holding the CURVE client {role}", forbid=0o022, risk=risk, sticky_ok=True)
+    check_key_path(directory, f"CURVE client {role} directory", forbid=0o022, risk=risk)
     keys = []
     for f in sorted(directory.glob("*.key")):
+        check_key_path(f, f"key file in the CURVE client {role}", forbid=0o022, risk=risk)
         try:
             public, _ = zmq.auth.load_certificate(str(f))
         except (OSError, ValueError) as e:
@@ -607,8 +649,11 @@ class Daemon(FabricWatch):
                     "(127.0.0.0/8, ::1, localhost); use CURVE keys (`moetune keys generate DIR`) for any other address"
                 )
         if self.curve_secret_key_file:
+            tcp = any(ep.startswith("tcp://") for ep in (self.endpoint, self.pub_endpoint))
+            if tcp:  # the key is used only on TCP; an IPC daemon with a configured key is not refused for it
+                check_secret_key_file(self.curve_secret_key_file)
             load_curve_keys(self.curve_secret_key_file)
-            if any(ep.startswith("tcp://") for ep in (self.endpoint, self.pub_endpoint)):
+            if tcp:
                 assert self.curve_clients_dir is not None
                 allowed = load_client_keys(self.curve_clients_dir)
                 if not allowed:

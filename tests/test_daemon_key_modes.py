@@ -1,0 +1,167 @@
+"""A TCP daemon refuses CURVE key material that other local users could read or change: a secret key readable
+or writable by group/other (or in a directory they may write), an allow-list or admin-list directory or key file
+they may write, or any of them owned by another user. Nothing is chmod-ed. `moetune keys` makes files that pass
+and refuses directories the daemon would refuse."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime.testing.launch import free_port
+from moetune.tuner.cli import app
+from moetune.tuner.cli.keys import allow_everywhere, generate_keys
+from moetune.tuner.daemon.server import Daemon, DaemonConfigError
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = os.geteuid() == 0
+
+
+def _setup(tmp: Path) -> tuple[Path, Path]:
+    """A daemon key pair in tmp/keys, one client in clients/ and admins/: (secret key file, keys dir)."""
+    keys = tmp / "keys"
+    _, secret = generate_keys(keys)
+    pub, _ = generate_keys(tmp / "alice", "alice")
+    allow_everywhere(pub, keys, None, None, admin=True, force=False)
+    return secret, keys
+
+
+def _daemon(tmp: Path, secret: Path, endpoint: str | None = None) -> Daemon:
+    facts = F.FakeFacts({"gpu_model": "H200"})
+    pub = None if endpoint else f"tcp://127.0.0.1:{free_port()}"
+    return Daemon(store=F.open_store(tmp / "moetune.db"), discover=lambda: facts, rediscover_interval_s=0,
+                  endpoint=endpoint or f"tcp://127.0.0.1:{free_port()}", pub_endpoint=pub, curve_secret_key_file=str(secret))
+
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(os.stat(p).st_mode)
+
+
+# (what to loosen, relative to the keys dir; its new mode; what the error must say)
+LOOSE = [
+    ("moetune.key_secret", 0o644, "secret key file .*mode 644.* readable by group or others"),
+    ("moetune.key_secret", 0o640, "secret key file .*mode 640.* readable by group or others"),
+    ("moetune.key_secret", 0o622, "secret key file .*mode 622.* writable by group or others"),
+    (".", 0o775, "directory of the CURVE secret key .*mode 775.* writable"),
+    (".", 0o1777, "directory of the CURVE secret key .*mode 1777.* writable"),  # sticky is no excuse for the key
+    ("clients", 0o777, "client allow-list directory .*clients.*mode 777.* writable"),
+    ("clients", 0o770, "client allow-list directory .*clients.*mode 770.* writable"),
+    ("clients/alice.key", 0o666, "key file in the CURVE client allow-list .*alice.key.*mode 666.* writable"),
+    ("admins", 0o777, "admin list directory .*admins.*mode 777.* as an admin"),
+    ("admins/alice.key", 0o646, "key file in the CURVE client admin list .*alice.key.*mode 646.* writable"),
+]
+
+
+@pytest.mark.parametrize(("rel", "mode", "match"), LOOSE, ids=[f"{r}-{m:o}" for r, m, _ in LOOSE])
+def test_tcp_daemon_refuses_loose_key_modes(tmp_path: Path, rel: str, mode: int, match: str) -> None:
+    secret, keys = _setup(tmp_path)
+    target = keys / rel
+    os.chmod(target, mode)
+    d = _daemon(tmp_path, secret)
+    with pytest.raises(DaemonConfigError, match=match):
+        d.start()
+    assert _mode(target) == mode  # refused, never chmod-ed
+
+
+def test_group_readable_public_keys_and_lists_are_fine(tmp_path: Path) -> None:
+    """Public keys are public: only writing them matters. A fresh `keys generate` setup serves as it is."""
+    secret, keys = _setup(tmp_path)
+    for p in (keys / "clients", keys / "admins"):
+        os.chmod(p, 0o755)
+    for p in (keys / "clients" / "alice.key", keys / "admins" / "alice.key"):
+        os.chmod(p, 0o644)
+    d = _daemon(tmp_path, secret).start(background=True)
+    d.stop()
+
+
+def test_ipc_daemon_is_not_refused_for_a_configured_key_it_does_not_use(tmp_path: Path) -> None:
+    secret, keys = _setup(tmp_path)
+    os.chmod(keys / "clients", 0o777)
+    os.chmod(secret, 0o644)
+    d = _daemon(tmp_path, secret, endpoint=f"ipc://{tmp_path}/run/daemon.sock")
+    d._check_transport_security()  # no error: the allow-list is read for TCP only
+
+
+OWNED: list[tuple[str, str]] = [
+    ("moetune.key_secret", "secret key file"),
+    (".", "directory of the CURVE secret key"),
+    ("clients", "client allow-list directory"),
+    ("clients/alice.key", "key file in the CURVE client allow-list"),
+    ("admins/alice.key", "key file in the CURVE client admin list"),
+]
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to give a file to another user")
+@pytest.mark.parametrize(("rel", "what"), OWNED, ids=[r for r, _ in OWNED])
+def test_tcp_daemon_refuses_key_material_of_another_user(tmp_path: Path, rel: str, what: str) -> None:
+    secret, keys = _setup(tmp_path)
+    os.chown(keys / rel, 65534, -1)
+    d = _daemon(tmp_path, secret)
+    with pytest.raises(DaemonConfigError, match=f"{what} .*owned by uid 65534, not by this daemon's user"):
+        d.start()
+
+
+def test_serve_names_the_file_and_mode_without_a_traceback(tmp_path: Path) -> None:
+    secret, _ = _setup(tmp_path)
+    os.chmod(secret, 0o644)
+    cfg = tmp_path / "srv.toml"
+    cfg.write_text(f'[daemon]\ncurve_secret_key_file = "{secret}"\n')
+    r = CliRunner().invoke(app, ["serve", "--config", str(cfg), "--db", str(tmp_path / "moetune.db"),
+                                 "--socket", f"tcp://127.0.0.1:{free_port()}", "--rediscover-interval", "0"])
+    assert r.exit_code == 2
+    out = r.output + (r.stderr if r.stderr_bytes is not None else "")
+    assert f"{secret} (mode 644" in out and "readable by group or others" in out and "Traceback" not in out
+    assert _mode(secret) == 0o644
+
+
+def _with_umask(mask: int, fn: Callable[[], Any]) -> Any:
+    old = os.umask(mask)
+    try:
+        return fn()
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o000])
+def test_keys_cli_makes_a_setup_the_daemon_accepts(tmp_path: Path, mask: int) -> None:
+    """`keys generate` + `keys client --admin` under a loose umask still make 0600 keys in 0700 directories."""
+    keys = tmp_path / "keys"
+
+    def make() -> None:
+        for argv in (["keys", "generate", str(keys)], ["keys", "client", str(keys), "--name", "bob", "--admin"]):
+            r = CliRunner().invoke(app, argv)
+            assert r.exit_code == 0, r.output
+
+    _with_umask(mask, make)
+    assert _mode(keys) == 0o700 and _mode(keys / "clients") == 0o700 and _mode(keys / "admins") == 0o700
+    assert _mode(keys / "moetune.key_secret") == 0o600 and _mode(keys / "clients" / "bob.key") == 0o600
+    d = _daemon(tmp_path, keys / "moetune.key_secret").start(background=True)
+    d.stop()
+
+
+def test_keys_generate_and_allow_refuse_a_directory_others_may_write(tmp_path: Path) -> None:
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    r = CliRunner().invoke(app, ["keys", "generate", str(open_dir)])
+    assert r.exit_code == 2 and f"{open_dir} (mode 777" in r.output and "Traceback" not in r.output
+    assert list(open_dir.iterdir()) == [] and _mode(open_dir) == 0o777  # nothing written, nothing chmod-ed
+
+    generate_keys(tmp_path / "keys")
+    pub, _ = generate_keys(tmp_path / "carol", "carol")
+    clients = tmp_path / "keys" / "clients"
+    clients.mkdir()
+    os.chmod(clients, 0o770)
+    r = CliRunner().invoke(app, ["keys", "allow", str(pub), str(tmp_path / "keys")])
+    assert r.exit_code == 2 and f"{clients} (mode 770" in r.output and "Traceback" not in r.output
+    assert list(clients.iterdir()) == [] and _mode(clients) == 0o770
