@@ -1033,8 +1033,7 @@ def run_daemon(
     else:
         from moetune.tuner.store.store import Store
 
-        Path(db_path).parent.mkdir(parents=True, exist_ok=True)
-        store = Store(db_path)
+        store = Store(db_path)  # makes moetune's own data folder only: a configured one must exist
     if discover_hook:
         hook = _load_hook(discover_hook)
         discover = lambda: hook(capture)  # noqa: E731
