@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -116,11 +117,13 @@ def test_serve_names_the_file_and_mode_without_a_traceback(tmp_path: Path) -> No
     os.chmod(secret, 0o644)
     cfg = tmp_path / "srv.toml"
     cfg.write_text(f'[daemon]\ncurve_secret_key_file = "{secret}"\n')
-    r = CliRunner().invoke(app, ["serve", "--config", str(cfg), "--db", str(tmp_path / "moetune.db"),
-                                 "--socket", f"tcp://127.0.0.1:{free_port()}", "--rediscover-interval", "0"])
-    assert r.exit_code == 2
-    out = r.output + (r.stderr if r.stderr_bytes is not None else "")
-    assert f"{secret} (mode 644" in out and "readable by group or others" in out and "Traceback" not in out
+    # a process of its own: `serve` sets up the daemon's logging, which must not leak into the other tests
+    r = subprocess.run([sys.executable, "-c", "from moetune.tuner.cli import main; main()", "serve", "--config", str(cfg),
+                        "--db", str(tmp_path / "moetune.db"), "--socket", f"tcp://127.0.0.1:{free_port()}",
+                        "--rediscover-interval", "0"], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 2, r.stderr
+    assert f"{secret} (mode 644" in r.stderr and "readable by group or others" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
     assert _mode(secret) == 0o644
 
 
