@@ -71,7 +71,8 @@ def profile(
     from moetune.tuner.bringup.flow import Bringup, Plan
     from moetune.tuner.fabric.discovery import DiscoveryError
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # ERROR: Optuna logs a failed trial (Ctrl-C included) as a WARNING with its traceback; the flow reports failures
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     logging.getLogger("moetune").setLevel(logging.WARNING)
     console = Console(stderr=as_json)
     plan = Plan.quick() if quick else Plan()

@@ -1,0 +1,68 @@
+"""Ctrl-C during `moetune tune` / `moetune profile` prints the "interrupted" line only: Optuna logged the failed
+trial as a warning with the KeyboardInterrupt's full traceback and "Trial N failed with value None.". Real
+processes (Optuna's log handler writes to the process's stderr), the interrupt raised at a chosen trial."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+TUNE = """
+import sys
+from moetune.tuner.search import study
+run, n = study._Objective._run, [0]
+def interrupted_at_third(self, trial):
+    n[0] += 1
+    if n[0] == 3:
+        raise KeyboardInterrupt  # Ctrl-C while the third trial measures
+    return run(self, trial)
+study._Objective._run = interrupted_at_third
+sys.argv = ["moetune", "tune", "-m", "qwen3-30b", "--preset", "nvlink-h200x2", "--trials", "50", "--tokens", "128"]
+from moetune.tuner.cli import main
+main()
+"""
+
+PROFILE = """
+import sys, optuna
+from moetune.tuner.bringup import flow
+
+class Facts:
+    gpu_count, gpu_model, fingerprint, transport_names = 1, "test", "f" * 16, ["nvlink"]
+
+class FakeBringup:  # the bring-up flow reduced to a study whose trial is interrupted
+    def __init__(self, **kw):
+        self.facts, self.ep_note = Facts(), "EP note"
+        self.progress = type("P", (), {"close": lambda self: None})()
+    def run(self):
+        def objective(trial):
+            trial.suggest_int("x", 0, 3)
+            raise KeyboardInterrupt
+        optuna.create_study().optimize(objective, n_trials=3)
+
+flow.Bringup = FakeBringup
+sys.argv = ["moetune", "profile"]
+from moetune.tuner.cli import main
+main()
+"""
+
+
+def _run(script: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "MOETUNE_HOME": str(home), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=200)
+
+
+@pytest.mark.parametrize(("script", "line"), [(PROFILE, "interrupted: run the same command again")],
+                         ids=["profile"])
+def test_ctrl_c_prints_the_interrupted_line_only(tmp_path: Path, script: str, line: str) -> None:
+    r = _run(script, tmp_path / "home")
+    out = r.stdout + r.stderr
+    assert r.returncode == 130, out[-3000:]
+    assert line in out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    assert "failed with" not in out  # Optuna's "Trial N failed with parameters/value ..."
