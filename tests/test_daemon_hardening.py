@@ -179,7 +179,8 @@ def test_daemon_json_never_written_through_a_planted_link(tmp_path: Path) -> Non
     assert victim.read_text() == "precious"
     assert stat.S_ISREG(os.lstat(run / "daemon.json").st_mode)
     left = sorted(p.name for p in run.iterdir() if p.name.startswith(".daemon.json."))
-    assert left == [f".daemon.json.{os.getpid()}"]  # only the planted link: no temp file of ours left behind
+    # only the planted link and daemon.json's owner record: no temp file of ours left behind
+    assert left == [f".daemon.json.{os.getpid()}", ".daemon.json.moetune-owner"]
 
 
 def test_lock_file_link_is_refused(tmp_path: Path) -> None:

@@ -15,9 +15,12 @@ The PUB socket is shared by the workers under a lock; the serving loop never wai
 Security: the daemon never deletes or chmods what it did not create. The IPC directory is created
 0700 (0750 with a configured group) and marked as ours; an existing directory is used as it is. An
 existing file at the socket path is refused unless it is a dead socket this daemon's owner record
-proves was ours. `tcp://` needs CURVE keys unless `allow_insecure_tcp` (loopback addresses only), and then
-clients are authenticated by pyzmq's ZAP authenticator against an allow-list of client public keys. One bad
-frame never ends the serving loop: it is answered with an error (or its connection dropped).
+proves was ours. daemon.json beside it is replaced only when it carries our mark and our owner record
+names it (a user's file there is left alone; a start-up that fails removes the one it wrote). `tcp://`
+needs CURVE keys unless `allow_insecure_tcp` (loopback addresses only), and then clients are authenticated
+by pyzmq's ZAP authenticator against an allow-list of client public keys; key files and lists other local
+users could read (the secret key) or change are refused (`check_key_path`). One bad frame never ends the
+serving loop: it is answered with an error (or its connection dropped).
 Reading is open to every peer the socket lets in; the administrative op (`retune`: queue or cancel a
 re-tune, which runs benchmarks on the node's GPUs) is answered `forbidden` unless the peer is an admin: on
 IPC the daemon's own user or root (read from the kernel's peer credentials, SO_PEERCRED) and, with
@@ -88,6 +91,10 @@ LIST_QUEUE = 8  # uncached list requests waiting for the list worker; more are a
 RUNTIME_MARK = ".moetune-runtime-dir"  # in a directory the daemon created: proof that it may tighten it
 ZAP_DOMAIN = "moetune"  # the domain our sockets ask the ZAP authenticator about
 OWNER_SUFFIX = ".moetune-owner"  # ".<socket name>.moetune-owner": the (dev, inode) of a socket we bound
+INFO_MARK = "moetune-daemon"  # daemon.json's "written_by": with its owner record, what tells ours from a user's file
+# every key of a daemon.json written before the mark and its record were (a file of ours to replace after an upgrade)
+_LEGACY_INFO_KEYS = frozenset({"endpoint", "pub_endpoint", "db", "epoch", "pid", "running", "updated", "fingerprint",
+                               "software", "transports"})
 
 
 class DaemonConfigError(ValueError):
@@ -241,6 +248,55 @@ def _record_owner(p: Path) -> None:
     fd = os.open(rec, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"dev": st.st_dev, "ino": st.st_ino, "pid": os.getpid()}, f)
+
+
+def _info_record_ids(path: Path) -> set[tuple[int, int]]:
+    """The (dev, inode)s that daemon.json's owner record says we wrote at `path`: the current one and the one
+    it replaced (a daemon killed between writing the record and renaming the file left the old one there)."""
+    rec = _owner_record(path)
+    if not _owned_file(rec):
+        return set()
+    try:
+        d = json.loads(rec.read_text())
+        ids = {(int(d["dev"]), int(d["ino"]))}
+        if d.get("prev"):
+            ids.add((int(d["prev"][0]), int(d["prev"][1])))
+        return ids
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return set()
+
+
+def foreign_info_reason(path: Path, endpoint: str) -> str | None:
+    """Why the file at `path` (daemon.json) is not ours to replace or remove; None when there is none, or it
+    is one a moetune daemon wrote: a regular file of this user marked `written_by` INFO_MARK that our owner
+    record names, or (written before the mark) one with exactly the old keys naming this endpoint."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a link or a FIFO is never followed or read
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return "it is a symbolic link" if os.path.islink(path) else f"it cannot be read ({e.strerror or e})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return "it is not a regular file"
+        if st.st_uid != os.getuid():
+            return f"it belongs to uid {st.st_uid}"
+        try:
+            data = json.loads(os.read(fd, 1 << 20))
+        except (OSError, ValueError):
+            data = None
+    finally:
+        os.close(fd)
+    if not isinstance(data, dict):
+        return "moetune did not write it (it is not a JSON object)"
+    if data.get("written_by") == INFO_MARK:
+        if (st.st_dev, st.st_ino) in _info_record_ids(path):
+            return None
+        return f"it says a moetune daemon wrote it, but no record of ours ({_owner_record(path).name}) names it"
+    if set(data) == _LEGACY_INFO_KEYS and data.get("endpoint") == endpoint and not _owner_record(path).exists():
+        return None
+    return "moetune did not write it (no \"written_by\" mark of the daemon)"
 
 
 def _ipc_path(endpoint: str) -> Path | None:
@@ -506,6 +562,8 @@ class Daemon(FabricWatch):
         self._bound_paths: list[Path] = []
         self._lock_fd: int | None = None
         self._jobs_started = False
+        self._info_id: tuple[int, int] | None = None  # (dev, inode) of the daemon.json this run wrote last
+        self._served = False  # start() went through: at exit daemon.json stays, as the runtime's fallback cache
         self.jobs = JobManager(store=store, facts_fn=lambda: self.facts, retune=retune_job or tuner_retune,
                                on_done=self._job_done, tune=self.tune, capacity=job_capacity, metrics=self.metrics)
         g = self.metrics.gauges
@@ -523,26 +581,27 @@ class Daemon(FabricWatch):
         self._lock_database()  # the single writer: before anything is written
         try:
             self._bind()  # refuses when another daemon listens on the socket; requests wait in ZeroMQ meanwhile
-        except BaseException:  # close what was opened, then re-raise
+            # the interrupted jobs first: a fabric change found now queues its re-tune with skip_queued (as every
+            # automatic one), leaving out the keys a resumed job holds, so no key is tuned twice
+            self._resume(self._recover())
+            self._startup_discovery()
+            self._rebuild()
+            self._write_info(running=True)
+            if self.metrics_port:
+                self._metrics_server = start_metrics_server(self.metrics, self.metrics_port, self.metrics_addr)
+            self.jobs.start()
+            self._jobs_started = True
+            lt = threading.Thread(target=self._list_loop, name="moetune-lists", daemon=True)
+            lt.start()
+            self._threads.append(lt)
+            if self.interval > 0 and self._discover is not None:
+                t = threading.Thread(target=self._discovery_loop, name="moetune-discovery", daemon=True)
+                t.start()
+                self._threads.append(t)
+        except BaseException:  # close what was opened (a daemon.json we wrote included), then re-raise
             self._close()
             raise
-        # the interrupted jobs first: a fabric change found now queues its re-tune with skip_queued (as every
-        # automatic one), leaving out the keys a resumed job holds, so no key is tuned twice
-        self._resume(self._recover())
-        self._startup_discovery()
-        self._rebuild()
-        self._write_info(running=True)
-        if self.metrics_port:
-            self._metrics_server = start_metrics_server(self.metrics, self.metrics_port, self.metrics_addr)
-        self.jobs.start()
-        self._jobs_started = True
-        lt = threading.Thread(target=self._list_loop, name="moetune-lists", daemon=True)
-        lt.start()
-        self._threads.append(lt)
-        if self.interval > 0 and self._discover is not None:
-            t = threading.Thread(target=self._discovery_loop, name="moetune-discovery", daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._served = True
         log.info("serving", extra={"endpoint": self.endpoint, "pub_endpoint": self.pub_endpoint, "epoch": self.epoch,
                                    "db": self.db_path, "fingerprint": self.index.fingerprint})
         # Everything loaded so far (SQLAlchemy, Alembic, the index) lives for the whole run: move it out of
@@ -588,8 +647,11 @@ class Daemon(FabricWatch):
             with contextlib.suppress(Exception):
                 self._metrics_server[0].shutdown()
         self._unlink_bound()
-        if self._info_path() is not None and self._info_path().parent.exists():
-            self._write_info(running=False)
+        if self._info_id is not None:  # only a daemon.json this run wrote is touched
+            if self._served:
+                self._write_info(running=False)  # kept: the last fingerprint and database, for the runtime
+            else:
+                self._remove_info()  # a daemon that never served leaves none behind
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
@@ -743,21 +805,66 @@ class Daemon(FabricWatch):
         p = _ipc_path(self.endpoint)
         return p.parent / INFO_NAME if p is not None else None
 
+    def _info_is_ours(self, path: Path) -> bool:
+        """`path` is still the daemon.json this run wrote last (not replaced since, by anyone)."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and (st.st_dev, st.st_ino) == self._info_id
+
+    def _remove_info(self) -> None:
+        path = self._info_path()
+        if path is None or self._info_id is None:
+            return
+        with contextlib.suppress(OSError):
+            if self._info_is_ours(path):
+                path.unlink()
+                _owner_record(path).unlink(missing_ok=True)
+        self._info_id = None
+
+    def _write_info_record(self, path: Path, new: tuple[int, int], prev: tuple[int, int] | None) -> None:
+        """Record (atomically) that the file about to be renamed to `path` is ours; `prev` is the one it replaces."""
+        rec = _owner_record(path)
+        if (rec.exists() or rec.is_symlink()) and not _owned_file(rec):
+            raise DaemonConfigError(f"{rec} exists and is not ours: refusing to replace it")
+        fd, tmp = tempfile.mkstemp(prefix=f"{rec.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"dev": new[0], "ino": new[1], "prev": list(prev) if prev else None, "pid": os.getpid()}, f)
+            os.replace(tmp, rec)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
     def _write_info(self, *, running: bool) -> None:
-        """daemon.json next to the socket: endpoints, db, last fingerprint (the runtime's fallback cache)."""
+        """daemon.json next to the socket: endpoints, db, last fingerprint (the runtime's fallback cache). Written
+        only over nothing or over a daemon.json of ours (marked and recorded, see foreign_info_reason): a file of
+        anyone else's, the user's own included, is left alone and the daemon serves without one."""
         path = self._info_path()
         if path is None:
             return
+        if self._info_id is None:
+            why = foreign_info_reason(path, self.endpoint)
+        else:
+            why = None if self._info_is_ours(path) else "it was replaced since this daemon wrote it"
+        if why is not None:
+            log.warning("not writing %s: %s; the daemon serves without it (move the file away to have one)", path, why)
+            return
+        try:
+            prev_st = os.lstat(path)
+            prev: tuple[int, int] | None = (prev_st.st_dev, prev_st.st_ino)
+        except FileNotFoundError:
+            prev = None
         data = {
+            "written_by": INFO_MARK,
             "endpoint": self.endpoint, "pub_endpoint": self.pub_endpoint, "db": self.db_path, "epoch": self.epoch,
             "pid": os.getpid() if running else None, "running": running, "updated": now(),
             "fingerprint": self.facts.fingerprint if self.facts is not None else None,
             "software": self.facts.software_hash if self.facts is not None else None,
             "transports": transport_names(self.facts) if self.facts is not None else [],
         }
-        if (path.exists() or path.is_symlink()) and not _owned_file(path):
-            log.warning("not writing %s: a file there is not ours", path)
-            return
         gid = _group_id(self.group)
         tmp: str | None = None
         try:
@@ -768,9 +875,12 @@ class Daemon(FabricWatch):
                     os.fchown(f.fileno(), -1, gid)
                     os.fchmod(f.fileno(), 0o640)
                 json.dump(data, f)
+                st = os.fstat(f.fileno())
+            self._write_info_record(path, (st.st_dev, st.st_ino), prev)
             os.replace(tmp, path)
             tmp = None
-        except OSError as e:
+            self._info_id = (st.st_dev, st.st_ino)
+        except (OSError, DaemonConfigError) as e:
             log.warning("cannot write %s: %s", path, e)
         finally:
             if tmp is not None:  # ours (just created), left behind by a failed write

@@ -1,0 +1,146 @@
+"""daemon.json beside the IPC socket: the daemon replaces only a daemon.json it wrote (marked `written_by` and
+named by its owner record), leaves anyone else's file alone (the user's own included) and serves without one,
+and a start-up that fails leaves no daemon.json behind (and never touches one of an earlier run)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.tuner.daemon import server
+from moetune.tuner.daemon.server import Daemon, DaemonConfigError
+
+pytestmark = pytest.mark.timeout(60)
+INFO_MARK = "moetune-daemon"  # what the daemon writes in "written_by"
+USER_FILE = '{"mine": true}\n'
+
+
+def _daemon(tmp: Path, **kw: Any) -> Daemon:
+    facts = F.FakeFacts({"gpu_model": "H200"})
+    kw.setdefault("endpoint", f"ipc://{tmp}/run/daemon.sock")
+    return Daemon(store=F.open_store(tmp / "moetune.db"), discover=lambda: facts, rediscover_interval_s=0, **kw)
+
+
+def _run(tmp: Path) -> Path:
+    run = tmp / "run"
+    run.mkdir(mode=0o700, exist_ok=True)
+    return run
+
+
+def _info(run: Path) -> dict[str, Any]:
+    return json.loads((run / "daemon.json").read_text())
+
+
+def test_a_users_daemon_json_is_left_alone(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run = _run(tmp_path)
+    mine = run / "daemon.json"
+    mine.write_text(USER_FILE)
+    os.chmod(mine, 0o644)
+    with caplog.at_level(logging.WARNING, logger="moetune.daemon"):
+        d = _daemon(tmp_path).start(background=True)
+        try:
+            assert mine.read_text() == USER_FILE  # served without replacing it
+        finally:
+            d.stop()
+    assert mine.read_text() == USER_FILE and stat.S_IMODE(os.stat(mine).st_mode) == 0o644  # nor at exit
+    assert not (run / ".daemon.json.moetune-owner").exists()
+    assert any(f"not writing {mine}: moetune did not write it" in r.getMessage() for r in caplog.records)
+
+
+def test_our_daemon_json_is_replaced_and_kept_at_a_clean_exit(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    for _ in range(2):  # the second daemon replaces the first one's file
+        d = _daemon(tmp_path).start(background=True)
+        try:
+            info = _info(run)
+            assert info["written_by"] == INFO_MARK and info["running"] is True and info["epoch"] == d.epoch
+        finally:
+            d.stop()
+        info = _info(run)  # kept for the runtime (last fingerprint, database), saying the daemon is down
+        assert info["running"] is False and info["epoch"] == d.epoch and info["fingerprint"]
+
+
+def test_a_copy_of_our_daemon_json_is_not_ours(tmp_path: Path) -> None:
+    """The mark alone is not enough: the owner record must name the very file (a copy is another file)."""
+    run = _run(tmp_path)
+    _daemon(tmp_path).start(background=True).stop()
+    info = run / "daemon.json"
+    shutil.copyfile(info, run / "copy")
+    os.replace(run / "copy", info)
+    before = info.read_text()
+    d = _daemon(tmp_path).start(background=True)
+    d.stop()
+    assert info.read_text() == before
+
+
+def test_a_daemon_json_written_before_the_mark_is_replaced(tmp_path: Path) -> None:
+    """After an upgrade: the old daemon's file (exactly its keys, this endpoint, no record) is ours."""
+    run = _run(tmp_path)
+    endpoint = f"ipc://{run}/daemon.sock"
+    old = {"endpoint": endpoint, "pub_endpoint": f"ipc://{run}/events.sock", "db": "x.db", "epoch": "e", "pid": None,
+           "running": False, "updated": "", "fingerprint": None, "software": None, "transports": []}
+    (run / "daemon.json").write_text(json.dumps(old))
+    d = _daemon(tmp_path).start(background=True)
+    d.stop()
+    assert _info(run)["written_by"] == INFO_MARK
+    # the same keys naming another endpoint are not this daemon's
+    (run / "daemon.json").unlink()
+    (run / ".daemon.json.moetune-owner").unlink()
+    (run / "daemon.json").write_text(json.dumps({**old, "endpoint": "ipc:///elsewhere/daemon.sock"}))
+    _daemon(tmp_path).start(background=True).stop()
+    assert "written_by" not in _info(run)
+
+
+def test_a_failed_start_up_writes_no_daemon_json(tmp_path: Path) -> None:
+    """A PUB socket already bound (here by a live daemon in another directory): nothing left behind."""
+    other = tmp_path / "other"
+    live = _daemon(other.parent, endpoint=f"ipc://{other}/daemon.sock", db_path="").start(background=True)
+    try:
+        run = _run(tmp_path)
+        d = Daemon(store=F.open_store(tmp_path / "second.db"), endpoint=f"ipc://{run}/daemon.sock",
+                   pub_endpoint=live.pub_endpoint, rediscover_interval_s=0)
+        with pytest.raises(DaemonConfigError, match=r"another daemon is listening on .*events\.sock"):
+            d.start()
+        assert list(run.iterdir()) == []  # the socket it bound is gone too; no daemon.json, no record
+        assert _info(other)["running"] is True and _info(other)["epoch"] == live.epoch  # the live one's untouched
+    finally:
+        live.stop()
+
+
+def test_a_start_up_failing_after_daemon_json_removes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = _run(tmp_path)
+    _daemon(tmp_path).start(background=True).stop()  # an earlier run's file: replaced by the failing start
+
+    def no_port(*_a: Any, **_k: Any) -> Any:
+        raise OSError(98, "Address already in use")
+
+    monkeypatch.setattr(server, "start_metrics_server", no_port)
+    d = _daemon(tmp_path, metrics_port=9)
+    with pytest.raises(OSError, match="in use"):
+        d.start()
+    assert list(run.iterdir()) == []  # sockets, daemon.json and their records gone
+
+
+def test_daemon_process_keeps_the_users_file(tmp_path: Path) -> None:
+    """The QA report's case end to end: a daemon process serving beside the user's daemon.json, then SIGTERM."""
+    run = _run(tmp_path)
+    (run / "daemon.json").write_text(USER_FILE)
+    with F.seeded_daemon(tmp_path, interval=0) as (d, _facts):
+        assert (run / "daemon.json").read_text() == USER_FILE
+        d.kill(signal.SIGTERM)
+        assert d.proc.returncode == 0
+    assert d.run_dir == run  # the fixture's runtime directory is the one holding the user's file
+    assert (run / "daemon.json").read_text() == USER_FILE
+    assert "not writing" in d.read_log()
