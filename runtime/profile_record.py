@@ -11,6 +11,7 @@ from typing import Any, Literal
 import msgspec
 
 from moetune.runtime.knobs import Knobs
+from moetune.runtime.shapes import check_experts_divide
 
 ProfileStatus = Literal["current", "stale", "superseded"]
 # What a profile's numbers are: measured on the key's fingerprint and software, predicted by this node's
@@ -101,6 +102,8 @@ class ProfileKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                 raise ValueError(f"profile key: {f} must be > 0, got {getattr(self, f)}")
         if self.ep_size % self.nodes:
             raise ValueError(f"profile key: ep_size {self.ep_size} not divisible by nodes {self.nodes}")
+        # no rank layout exists for such a key: nothing could ever apply its profile (an import used to store it)
+        check_experts_divide(self.experts, self.ep_size, "profile key")
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)

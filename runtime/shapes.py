@@ -28,9 +28,20 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         if self.dtype not in DTYPES:
             raise ValueError(f"model shape {self.name!r}: dtype {self.dtype!r} not one of {', '.join(DTYPES)}")
 
+    def check_ep(self, ep_size: int) -> None:
+        """ValueError unless this model's experts spread evenly over an EP group of `ep_size` ranks."""
+        check_experts_divide(self.experts, ep_size, self.name)
+
     @property
     def token_bytes(self) -> int:
         return self.hidden * DTYPES[self.dtype]
+
+
+def check_experts_divide(experts: int, ep_size: int, who: str) -> None:
+    """ValueError unless `experts` split evenly over `ep_size` ranks: every rank holds experts // ep_size of them
+    (the runtime's layout, the fabric model and the tuner assume it). The one rule for the CLI and a profile key."""
+    if ep_size < 1 or experts % ep_size:
+        raise ValueError(f"{who}: {experts} experts do not divide evenly over an EP group of {ep_size}")
 
 
 DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}

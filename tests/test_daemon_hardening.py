@@ -353,7 +353,7 @@ MISMATCHES = {
     "ep_size": (result(key(ep_size=4)), {}, "ep_size"),
     "nodes": (result(key(nodes=2)), {}, "nodes"),
     "hidden": (result(key(hidden=QWEN.hidden * 2)), {}, "hidden"),
-    "experts": (result(key(experts=QWEN.experts + 1)), {}, "experts"),
+    "experts": (result(key(experts=QWEN.experts * 2)), {}, "experts"),  # still divides over ep_size 2
     "topk": (result(key(topk=QWEN.topk + 1)), {}, "topk"),
     "dtype": (result(key(dtype="float32")), {}, "dtype"),
     "family": (result(key(transport_family="collective"), knobs=default_knobs("collective")),

@@ -46,6 +46,7 @@ import json
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 import warnings
@@ -555,6 +556,9 @@ class ProfileClient:
             self._curve = tuple(k.encode() if isinstance(k, str) else k for k in (curve_server_key, curve_public_key, curve_secret_key))
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        # CURVE only: the daemon's ZAP handler refusing this client's key shows only as a failed handshake here
+        self._mon: zmq.Socket | None = None
+        self._key_refused = False
         self._sub: zmq.Socket | None = None
         self.epoch: str | None = None
         self.version = 0  # the snapshot version changes are compared with
@@ -570,11 +574,17 @@ class ProfileClient:
             s = self._ctx.socket(zmq.DEALER)
             s.linger = 0
             self._secure(s)
+            if self._curve:
+                self._mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             s.connect(self.endpoint)
             self._sock = s
         return self._sock
 
     def _reset(self) -> None:
+        if self._mon is not None:
+            self._key_refused |= bool(self._mon.poll(0))  # the only event it listens for
+            self._mon.close(linger=0)
+            self._mon = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -612,12 +622,20 @@ class ProfileClient:
         why = untrusted_socket_reason(p) if p is not None else None
         if why is not None:
             raise DaemonUnavailable(f"not connecting to {self.endpoint}: {why}")
+        try:  # ZeroMQ connects to a regular file too, and waits out the time-out: say what is there
+            mode = os.stat(p).st_mode if p is not None else stat.S_IFSOCK
+        except OSError:
+            mode = stat.S_IFSOCK  # gone meanwhile: the request's time-out says so
+        if not stat.S_ISSOCK(mode):
+            what = "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else "a special file"
+            raise DaemonUnavailable(f"not connecting to {self.endpoint}: {p} is {what}, not a socket (no daemon there)")
 
     # -- requests --------------------------------------------------------------------------------
     def request(self, op: str, *, timeout_ms: int | None = None, **fields: Any) -> Any:
         """Send one request; return the typed result. DaemonUnavailable after the retries time out."""
         budget = (timeout_ms if timeout_ms is not None else self.timeout_ms) / 1000.0
         self._check_endpoint()
+        self._key_refused = False
         deadline = time.monotonic() + budget
         attempts = self.retries + 1
         for attempt in range(attempts):
@@ -651,6 +669,8 @@ class ProfileClient:
                     raise DaemonError(err.code, err.message)
                 return _decode_result(op, rep.result)
             self._reset()  # Lazy Pirate: never reuse a socket that timed out
+        if self._key_refused:
+            raise DaemonUnavailable(f"the daemon at {self.endpoint} refused this client's key (not on its allow-list?)")
         raise DaemonUnavailable(f"no reply from the daemon at {self.endpoint} within {budget * 1000:.0f} ms")
 
     def hello(self, **kw: Any) -> wire.HelloResult:

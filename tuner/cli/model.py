@@ -37,6 +37,9 @@ def _build(preset: str, model: str, nodes: int, tokens: int, gpus_per_node: int 
     from moetune.runtime.shapes import get_model
     from moetune.tuner.fabric_model.predict import Workload, load_preset
 
+    # -g 0 is a value to refuse as -3 is, not "not given" (it fell to the preset's GPUs per node)
+    if gpus_per_node is not None and gpus_per_node < 1:
+        _fail(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
     try:
         pr = load_preset(preset)
         shape = get_model(model)
@@ -185,7 +188,7 @@ def sweep_cmd(
     preset: str = typer.Option(..., "--preset", "-p", help="Preset name or .toml path."),
     model: str = typer.Option("qwen3-30b", "--model", "-m", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K."),
     over: str = typer.Option("group_size", "--over", help="group_size, nodes or tokens."),
-    values: str = typer.Option("", "--values", help="Comma-separated x values (default: a sensible range)."),
+    values: str | None = typer.Option(None, "--values", help="Comma-separated x values (default: a sensible range)."),
     nodes: int = typer.Option(4, "--nodes", "-n", help="Nodes (unless swept with --over nodes)."),
     tokens: int = typer.Option(256, "--tokens", "-t", help="Tokens per GPU (unless swept with --over tokens)."),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", "-g", help="GPUs per node (default: the preset's)."),
@@ -206,7 +209,7 @@ def sweep_cmd(
     plot_path = _plot_path(out) if out is not None else None
     pr, w0, k0 = _build(preset, model, nodes, tokens, gpus_per_node, knobs, routing, tile)
     modes = ALLOWED_FENCE_MODES[k0.transport]
-    if values:
+    if values is not None:  # --values "" is an empty list to refuse, not "not given"
         try:
             xs = int_list(values, "--values")
         except ValueError as e:
@@ -246,9 +249,10 @@ def sweep_cmd(
             except (KnobError, ValueError) as e:
                 rows.append({"x": x, "error": str(e), "modelled": True})
         series[label] = rows
+    drawable = any("error" not in r for rows in series.values() for r in rows)
     if as_json:
         typer.echo(json.dumps({"label": LABEL, "preset": pr.name, "model": w0.model.name, "over": over,
-                               "series": series, "plot": str(plot_path) if plot_path else None}))
+                               "series": series, "plot": str(plot_path) if plot_path and drawable else None}))
     else:
         t = Table(title=f"{LABEL}: {_e(pr.name)} · {_e(w0.model.name)} · sweep over {over}")
         t.add_column(over, justify="right")
@@ -257,17 +261,27 @@ def sweep_cmd(
             short = short.replace("nic_ordered", "nic").replace("dec", "d")
             t.add_column(f"{short} µs", justify="right")
             t.add_column("fences", justify="right")
+        reasons: dict[str, int] = {}  # the model's reason for each n/a, numbered once however many cells it covers
         for i, x in enumerate(xs):
             cells = [str(x)]
             for rows in series.values():
                 r = rows[i]
                 if "error" in r:
-                    cells += ["n/a", "-"]
+                    n = reasons.setdefault(r["error"], len(reasons) + 1)
+                    cells += [f"n/a ({n})", "-"]
                 else:
                     cells += [f"{r['latency_us']:,.1f}", str(r["fences"])]
             t.add_row(*cells)
         _console.print(t)
-        _console.print(f"[yellow]{LABEL}[/yellow]: n/a = that setting is invalid or unsafe for this workload.")
+        _console.print(f"[yellow]{LABEL}[/yellow]: n/a = that setting is invalid or unsafe for this workload"
+                       + (", because:" if reasons else "."))
+        for why, n in reasons.items():
+            _console.print(f"  ({n}) {_e(why)}", soft_wrap=True)
+    if plot_path is not None and not drawable:
+        # nothing to draw: an empty figure (and matplotlib's warning about its legend) says nothing
+        Console(stderr=True).print(f"[red]no plot written[/red] to {_e(plot_path)}: every point of the sweep is n/a "
+                                   "(the model's reasons are given with it)", soft_wrap=True)
+        raise typer.Exit(1)
     if plot_path is not None:
         _plot(series, over, plot_path, f"{pr.name} · {w0.model.name}")
         if not as_json:
@@ -276,6 +290,15 @@ def sweep_cmd(
 
 
 def _plot(series: dict[str, list[dict]], over: str, out: Path, title: str) -> None:
+    import warnings
+
+    # matplotlib's warnings (a one-point axis, ...) name its source lines: never shown to a CLI user
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _draw(series, over, out, title)
+
+
+def _draw(series: dict[str, list[dict]], over: str, out: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -343,8 +366,10 @@ def calibrate_cmd(
     force: bool = typer.Option(False, "--force", help="Write --out even when the fit is refused (too few rows, a value "
                                "outside its physical bounds, a poor fit); the file carries the warning."),
 ) -> None:
-    """Fit preset parameters to measurements and report the fit error per point and overall. A fit that cannot
-    be trusted is refused: exit 1 naming the problem, and no --out written (unless --force)."""
+    # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
+    """Fit preset parameters to measurements and report the fit error per point and overall.
+
+    A fit that cannot be trusted is refused: exit 1 naming the problem, and no --out written (unless --force)."""
     from moetune.tuner.fabric_model.calibration import calibrate, calibrated_preset, read_rows
 
     # a bad --out is refused before the fit, not after it

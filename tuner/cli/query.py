@@ -54,7 +54,10 @@ def check_timeout_ms(timeout_ms: int | None) -> None:
 
 
 def make_client(socket: str | None, config: Path | None, timeout_ms: int | None, db: Path | None = None) -> Any:
+    import logging
+
     from moetune.runtime.profiles.client import ProfileClient
+    from moetune.runtime.profiles.client import log as client_log
     from moetune.tuner.cli.db import fail
 
     check_timeout_ms(timeout_ms)
@@ -73,21 +76,33 @@ def make_client(socket: str | None, config: Path | None, timeout_ms: int | None,
             server_key, _ = zmq.auth.load_certificate(key_file)
         except (OSError, ValueError) as e:
             raise fail(f"daemon.curve_public_key_file {key_file}: not a usable CURVE public key file ({e})") from None
-    return ProfileClient(endpoint, timeout_ms=timeout_ms or cfg.client.timeout_ms,
-                         curve_server_key=server_key, db_path=db or Path(cfg.store.db), env=env)
+    # the client logs why it will not connect (a tcp:// endpoint without the daemon's key) and raises the same
+    # reason on use, where every command says it: once is enough for a CLI user
+    level = client_log.level
+    client_log.setLevel(logging.ERROR)
+    try:
+        return ProfileClient(endpoint, timeout_ms=timeout_ms or cfg.client.timeout_ms,
+                             curve_server_key=server_key, db_path=db or Path(cfg.store.db), env=env)
+    finally:
+        client_log.setLevel(level)
 
 
-def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms: int, **fields: Any) -> Any:
+def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms: int, json_out: bool = False,
+                **fields: Any) -> Any:
+    """The daemon's answer to `op`, else exit 1 saying why: on stderr, or with `json_out` as the one JSON object
+    on stdout, {"ok": false, "error": ...} (as `query --json` says in its JSON why the daemon did not answer).
+    Errors in the options given stay usage errors (exit 2), as for every command."""
     from moetune.runtime.profiles.client import DaemonError, DaemonUnavailable
 
     client = make_client(socket, config, timeout_ms)
     try:
         return client.request(op, **fields)
-    except DaemonUnavailable as e:
-        typer.secho(f"moetune {op}: {e}", fg="red", err=True)
-        raise typer.Exit(1) from None
-    except DaemonError as e:
-        typer.secho(f"moetune {op}: the daemon said {e}", fg="red", err=True)
+    except (DaemonUnavailable, DaemonError) as e:
+        why = f"the daemon said {e}" if isinstance(e, DaemonError) else str(e)
+        if json_out:
+            print_json({"ok": False, "error": why})
+        else:
+            typer.secho(f"moetune {op}: {why}", fg="red", err=True)
         raise typer.Exit(1) from None
     finally:
         client.close()
@@ -160,6 +175,10 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(str(e), param_hint="--model") from None
         if ep % nodes:
             raise typer.BadParameter(f"EP size {ep} is not divisible by {nodes} nodes", param_hint="--ep")
+        try:  # `tune` refuses such an EP size: no profile can exist for it, only a meaningless default
+            shape.check_ep(ep)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--ep") from None
         client = make_client(socket, config, timeout_ms, db)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

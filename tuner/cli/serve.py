@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import typer
 
 
@@ -22,6 +23,11 @@ def _check_capture(capture: Path, *, read: bool) -> None:
             discover(capture)
         except DiscoveryError as e:
             raise fail(f"--capture {capture}: not a readable fabric capture: {e}") from None
+
+
+# a script reads `ok` (and `error`) of the one object printed, whether or not the daemon answered
+JSON_HELP = ('Print one JSON object: the answer with "ok": true, or {"ok": false, "error": "..."} (exit 1) when '
+             "the daemon cannot be reached or refuses.")
 
 
 def register(app: typer.Typer) -> None:
@@ -71,14 +77,14 @@ def register(app: typer.Typer) -> None:
         socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: the configured one)."),
         config: Path = typer.Option(None, "--config", help="TOML config file."),
         timeout_ms: int = typer.Option(1000, "--timeout-ms", help="Milliseconds to wait for the daemon's answer."),
-        json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+        json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Ask the daemon how it is doing (uptime, database, last discovery, jobs)."""
         from moetune.tuner.cli.query import daemon_call, print_json
 
-        st = daemon_call("status", socket=socket, config=config, timeout_ms=timeout_ms)
+        st = daemon_call("status", socket=socket, config=config, timeout_ms=timeout_ms, json_out=json_out)
         if json_out:
-            print_json(st)
+            print_json({"ok": True, **msgspec.structs.asdict(st)})
             return
         from rich.console import Console
         from rich.table import Table
@@ -113,15 +119,17 @@ def register(app: typer.Typer) -> None:
         socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: the configured one)."),
         config: Path = typer.Option(None, "--config", help="TOML config file."),
         timeout_ms: int = typer.Option(2000, "--timeout-ms", help="Milliseconds to wait for the daemon's answer."),
-        json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+        json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """Queue a re-tune of stale profiles in the daemon (or cancel a job). Admins only: the daemon's own user
-        on its IPC socket (or its group, with daemon.group_may_retune), a CURVE client listed with `moetune keys
-        allow --admin` on TCP."""
+        # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
+        """Queue a re-tune of stale profiles in the daemon (or cancel a job); admins only.
+
+        Admins: the daemon's own user on its IPC socket (or its group, with daemon.group_may_retune), a CURVE client listed with `moetune keys allow --admin` on TCP."""
         from moetune.tuner.cli.query import daemon_call, print_json
 
-        res = daemon_call("retune", socket=socket, config=config, timeout_ms=timeout_ms, all=all_ or None, cancel=cancel, reason=reason)
+        res = daemon_call("retune", socket=socket, config=config, timeout_ms=timeout_ms, json_out=json_out,
+                          all=all_ or None, cancel=cancel, reason=reason)
         if json_out:
-            print_json(res)
+            print_json({"ok": True, **msgspec.structs.asdict(res)})
         else:
             typer.echo(res.message)

@@ -1,0 +1,267 @@
+"""Input checks a QA pass found missing: `query` with an EP size the model's experts do not divide, an imported
+profile key with such an EP size, `model predict -g 0`, `model sweep --values ""`, sweep rows that said n/a
+without a reason (and a matplotlib warning on the terminal), `status`/`retune` against a daemon that cannot answer
+(--json, a regular file as the socket, a TCP key the daemon refuses), and `retune`'s help text."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.tuner.cli import app
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(*args: str, home: Path, **env: str):
+    env = {"MOETUNE_HOME": str(home), "HOME": str(home), "XDG_CONFIG_HOME": str(home / "cfg"), "MOETUNE_CONFIG": "",
+           "COLUMNS": "200", **env}
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def no_traceback(r) -> None:
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.output and "Warning" not in r.output, r.output
+
+
+def flat(text: str) -> str:
+    return " ".join(text.replace("│", " ").split())
+
+
+# -- 1: query refuses an EP size the experts do not divide (as tune does) --------------------------------------
+@pytest.mark.parametrize("ep", [3, 7])
+def test_query_refuses_an_ep_size_that_does_not_divide_the_experts(tmp_path: Path, ep: int) -> None:
+    r = run("query", "--model", "qwen3-30b", "--ep", str(ep), "--tokens", "128", home=tmp_path)
+    no_traceback(r)
+    assert r.exit_code == 2, r.output
+    assert f"qwen3-30b: 128 experts do not divide evenly over an EP group of {ep}" in flat(r.output), r.output
+    assert "--ep" in r.output
+
+
+def test_query_and_tune_word_the_refusal_the_same_way(tmp_path: Path) -> None:
+    from moetune.runtime.shapes import get_model
+
+    with pytest.raises(ValueError) as e:
+        get_model("qwen3-30b").check_ep(7)
+    r = run("tune", "--model", "qwen3-30b", "--ep-size", "7", "--preset", "nvlink-h200x2", "--trials", "1",
+            home=tmp_path)
+    assert r.exit_code == 2 and str(e.value) in flat(r.output), r.output
+
+
+# -- 2: a profile key whose experts do not divide over its EP size is refused (import included) ---------------
+def _key(**kw: object) -> ProfileKey:
+    base = dict(fingerprint="fp-q", software="sw", transport_family="nvlink", ep_size=2, nodes=1, hidden=7168,
+                intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=16)
+    return ProfileKey(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_profile_key_refuses_experts_that_do_not_divide_over_its_ep_size() -> None:
+    with pytest.raises(ValueError, match="profile key: 127 experts do not divide evenly over an EP group of 2"):
+        _key(experts=127)
+    assert _key(experts=128, ep_size=4, nodes=2).experts == 128
+
+
+def test_profiles_import_refuses_a_key_with_127_experts_over_ep_2(tmp_path: Path) -> None:
+    from moetune.tuner.store.store import Store
+
+    src = tmp_path / "src.db"
+    with Store(src) as s:
+        s.upsert_fingerprint("fp-q", {"gpus": 8})
+        s.put_profile(ProfileRecord(key=_key(), knobs=default_knobs("nvlink"), latency_us=3.0, spread_us=0.5,
+                                    backend="model:t"))
+    r = run("profiles", "export", "-", "--db", str(src), home=tmp_path / "h")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    doc["profiles"][0]["key"]["experts"] = 127
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps(doc))
+    dst = tmp_path / "dst.db"
+    r = run("profiles", "import", str(f), "--db", str(dst), home=tmp_path / "h")
+    no_traceback(r)
+    assert r.exit_code == 2, r.output
+    assert "127 experts do not divide evenly over an EP group of 2" in flat(r.output), r.output
+    assert "profiles[0]" in r.output
+
+
+# -- 3: `model predict -g 0` and `model sweep --values ""` are refused ------------------------------------------
+@pytest.mark.parametrize("cmd", ["predict", "sweep"])
+@pytest.mark.parametrize("g", ["0", "-3"])
+def test_model_gpus_per_node_below_one_is_refused_naming_the_option(tmp_path: Path, cmd: str, g: str) -> None:
+    r = run("model", cmd, "-p", "nvlink-h200x2", "-n", "1", "-g", g, home=tmp_path)
+    no_traceback(r)
+    assert r.exit_code == 2, r.output
+    assert f"--gpus-per-node must be >= 1, got {g}" in flat(r.output), r.output
+
+
+@pytest.mark.parametrize("values", [""])
+def test_model_sweep_refuses_an_empty_values_list(tmp_path: Path, values: str) -> None:
+    r = run("model", "sweep", "-p", "nvlink-h200x2", "-n", "1", "--values", values, home=tmp_path)
+    no_traceback(r)
+    assert r.exit_code == 2, r.output
+    assert "--values: expected comma-separated integers" in flat(r.output), r.output
+
+
+# -- 4: a sweep says why a point is n/a; no plot (and no matplotlib warning) when nothing can be drawn -----------
+def test_model_sweep_rows_name_the_reason_they_are_na(tmp_path: Path) -> None:
+    out = tmp_path / "x.png"
+    # the default --nodes 4 on a one-node preset: every point is n/a
+    r = run("model", "sweep", "-p", "nvlink-h200x2", "--out", str(out), home=tmp_path)
+    no_traceback(r)
+    text = flat(r.output)
+    assert "n/a (1)" in text and "(1) preset 'nvlink-h200x2' has no network between nodes; use nodes=1" in text, text
+    assert "no plot written" in text and not out.exists()
+    assert r.exit_code == 1, r.output
+
+
+def test_model_sweep_json_names_no_plot_it_did_not_write(tmp_path: Path) -> None:
+    out = tmp_path / "x.png"
+    r = run("model", "sweep", "-p", "nvlink-h200x2", "--json", "--out", str(out), home=tmp_path)
+    assert r.exit_code == 1 and not out.exists()
+    doc = json.loads(r.stdout)
+    assert doc["plot"] is None and all("use nodes=1" in p["error"] for s in doc["series"].values() for p in s)
+
+
+def test_model_sweep_plot_shows_no_python_warning(tmp_path: Path) -> None:
+    import warnings
+
+    from moetune.tuner.cli.model import _plot
+
+    out = tmp_path / "one.png"
+    # one point per series and a series with nothing to draw: matplotlib warns of both
+    series = {"a": [{"x": 1, "latency_us": 3.0, "fences": 0}], "b": [{"x": 1, "error": "no", "modelled": True}]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _plot({"b": series["b"]}, "nodes", out, "t")
+        _plot(series, "nodes", out, "t")
+    assert not caught, [str(w.message) for w in caught]
+    assert out.exists()
+
+
+# -- 6: command descriptions carry no stray line breaks of their docstrings -------------------------------------
+def _listing(*group: str) -> list[str]:
+    r = CliRunner().invoke(app, [*group, "--help"], env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    panel = r.output.split("Commands")[1].split("╰")[0]
+    return [line for line in panel.splitlines()[1:] if line.strip("│ ")]
+
+
+@pytest.mark.parametrize("group", [(), ("model",)])
+def test_command_listing_has_one_line_per_command(group: tuple[str, ...]) -> None:
+    rows = _listing(*group)
+    # a row that does not start with a command name continues the one above: a line break of its docstring
+    assert all(line.startswith("│ ") and line[2] != " " for line in rows), "\n".join(rows)
+
+
+@pytest.mark.parametrize("cmd", [("retune",), ("model", "calibrate")])
+def test_help_description_is_wrapped_by_the_terminal_only(cmd: tuple[str, ...]) -> None:
+    r = CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": "400"})
+    desc = r.output.split("Usage:")[1].split("╭")[0]
+    lines = [line.strip() for line in desc.splitlines()[1:] if line.strip()]
+    assert len(lines) == 2, lines  # two paragraphs, each on one line at 400 columns
+
+
+# -- 5: status/retune say what kept the daemon from answering (once; as JSON with --json) -----------------------
+@pytest.mark.parametrize("cmd", ["status", "retune"])
+def test_json_error_is_one_json_object_on_stdout(tmp_path: Path, cmd: str) -> None:
+    r = run(cmd, "--json", "--timeout-ms", "200", home=tmp_path)
+    no_traceback(r)
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and "no daemon socket at ipc://" in doc["error"], doc
+
+
+@pytest.mark.parametrize("kind", ["file", "dir"])
+def test_status_says_the_socket_path_is_not_a_socket(tmp_path: Path, kind: str) -> None:
+    p = tmp_path / "not_a_socket"
+    p.mkdir() if kind == "dir" else p.write_text("")
+    r = run("status", "--socket", f"ipc://{p}", "--timeout-ms", "200", home=tmp_path / "h")
+    no_traceback(r)
+    what = "a directory" if kind == "dir" else "a regular file"
+    assert r.exit_code == 1 and f"{p} is {what}, not a socket" in flat(r.output), r.output
+    assert "no reply" not in r.output
+
+
+@pytest.fixture()
+def curve_daemon(tmp_path: Path):
+    """A daemon on tcp:// with CURVE whose allow-list holds alice's key only; yields (endpoint, server public key,
+    alice's secret key file)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import daemon_fakes as F
+
+    from moetune.runtime.testing.launch import free_port
+    from moetune.tuner.cli.keys import allow_client, generate_keys
+    from moetune.tuner.daemon.server import Daemon
+
+    server_pub, server_secret = generate_keys(tmp_path / "keys")
+    alice_pub, alice_secret = generate_keys(tmp_path / "alice", "alice")
+    allow_client(alice_pub, tmp_path / "keys" / "clients")
+    facts = F.FakeFacts({"gpu_model": "H200"})
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    d = Daemon(store=F.open_store(tmp_path / "moetune.db"), endpoint=endpoint,
+               pub_endpoint=f"tcp://127.0.0.1:{free_port()}", curve_secret_key_file=str(server_secret),
+               discover=lambda: facts, rediscover_interval_s=0).start(background=True)
+    try:
+        yield endpoint, server_pub, alice_secret
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("who", ["unlisted", "no_own_key"])
+@pytest.mark.parametrize("json_out", [False, True])
+def test_status_says_the_daemon_refused_this_clients_key(tmp_path: Path, curve_daemon, who: str,
+                                                          json_out: bool) -> None:
+    from moetune.tuner.cli.keys import generate_keys
+
+    endpoint, server_pub, _ = curve_daemon
+    cfg = tmp_path / "client.toml"
+    text = f'[client]\nsocket = "{endpoint}"\ncurve_server_key_file = "{server_pub}"\n'
+    if who == "unlisted":  # a key pair of its own, never allowed on the daemon
+        _, bob_secret = generate_keys(tmp_path / "bob", "bob")
+        text += f'curve_secret_key_file = "{bob_secret}"\n'
+    cfg.write_text(text)
+    r = run("status", "--config", str(cfg), "--timeout-ms", "1000", *(["--json"] if json_out else []),
+            home=tmp_path / "h")
+    no_traceback(r)
+    assert r.exit_code == 1, r.output
+    why = f"the daemon at {endpoint} refused this client's key (not on its allow-list?)"
+    if json_out:
+        assert json.loads(r.stdout) == {"ok": False, "error": why}
+    else:
+        assert why in flat(r.output) and "no reply" not in r.output, r.output
+
+
+@pytest.mark.parametrize("cmd", [["status"], ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "16"]])
+def test_tcp_without_the_daemons_key_is_said_once(tmp_path: Path, cmd: list[str]) -> None:
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "client.toml"
+    cfg.write_text('[client]\nsocket = "tcp://127.0.0.1:5999"\n')
+    home = tmp_path / "h"
+    env = dict(os.environ, MOETUNE_HOME=str(home), HOME=str(home), XDG_CONFIG_HOME=str(home / "cfg"),
+               MOETUNE_CONFIG="", COLUMNS="200")
+    # a real process: the client's log line goes to the real stderr (CliRunner's capture does not see it)
+    r = subprocess.run([sys.executable, "-c", "import sys; from moetune.tuner.cli import main; sys.exit(main())",
+                        *cmd, "--config", str(cfg), "--timeout-ms", "200"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert flat(r.stderr).count("no CURVE public key of the daemon is configured") == 1, r.stderr
+
+
+def test_status_json_answer_says_ok(tmp_path: Path, curve_daemon) -> None:
+    endpoint, server_pub, alice_secret = curve_daemon
+    cfg = tmp_path / "alice.toml"
+    cfg.write_text(f'[client]\nsocket = "{endpoint}"\ncurve_server_key_file = "{server_pub}"\n'
+                   f'curve_secret_key_file = "{alice_secret}"\n')
+    r = run("status", "--json", "--config", str(cfg), "--timeout-ms", "3000", home=tmp_path / "h")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is True and doc["endpoint"] == endpoint
