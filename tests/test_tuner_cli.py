@@ -179,14 +179,19 @@ def test_workload_the_model_cannot_run_is_one_clear_error(tmp_path: Path, monkey
 def test_first_failure_prefers_a_real_error_to_an_interrupted_trial(tmp_path: Path) -> None:
     """When no study succeeds, `moetune tune` names the first failure: an earlier trial whose process died says
     nothing of what to fix, so the first real failure's error is shown."""
+    import os
+    import socket
+
     import optuna
 
     from moetune.tuner.cli.tune import _first_failure
     from moetune.tuner.search.study import open_study
 
+    # host:pid without a run id: an earlier process whose pid this one reuses, i.e. a process that is gone
+    gone = f"{socket.gethostname()}:{os.getpid()}"
     url = f"sqlite:///{tmp_path / 's.db'}"
     study = open_study("moetune/x", url)
-    study.ask()  # RUNNING, of no live process: the next opening fails it as interrupted
+    study.ask().set_user_attr("worker", gone)  # RUNNING, of no live process: the next opening fails it as interrupted
     study = open_study("moetune/x", url)
     t = study.ask()
     t.set_user_attr("error", "bench ep failed: NCCL error: unhandled system error")
@@ -194,7 +199,7 @@ def test_first_failure_prefers_a_real_error_to_an_interrupted_trial(tmp_path: Pa
     assert _first_failure(url, "moetune/x") == "bench ep failed: NCCL error: unhandled system error"
 
     only_cut = open_study("moetune/y", url)
-    only_cut.ask()
+    only_cut.ask().set_user_attr("worker", gone)
     open_study("moetune/y", url)
     assert "interrupted" in _first_failure(url, "moetune/y")  # nothing better to say
 

@@ -58,6 +58,15 @@ def test_ctrl_c_mid_trial_is_run_again_on_resume(tmp_path: Path, at: int) -> Non
     assert space.policy.defaults in seen + again
 
 
+ASK_AND_DIE = """
+import os, sys
+from moetune.tuner.search.study import open_study
+t = open_study("moetune/t", sys.argv[1], seed=0).ask()
+print(t._trial_id, flush=True)
+os._exit(0)  # killed: no tell, no cleanup
+"""
+
+
 def test_killed_process_trial_is_run_again_on_resume(tmp_path: Path) -> None:
     """A process killed (SIGKILL / SIGTERM) mid-trial leaves it RUNNING: the next open fails it as interrupted,
     does not count it and runs its warm-start point again."""
@@ -65,9 +74,16 @@ def test_killed_process_trial_is_run_again_on_resume(tmp_path: Path) -> None:
     space = _space()
     study = open_study("moetune/t", url, seed=0)
     run_study(study, space, CallableBackend(lambda k, w: value(k)), WL, trials=2)
-    dead = study.ask()  # the next warm-start point, taken by a process that then died
-    assert "warm_start" in dead.user_attrs
-    dead_knobs = space.knobs_from_params(study._storage.get_trial(dead._trial_id).system_attrs["fixed_params"])
+    # the next warm-start point, taken by another process that then died (a trial of this very process is a
+    # live one's: it is left alone)
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", ASK_AND_DIE, url], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    dead = study._storage.get_trial(int(out.stdout.split()[-1]))
+    assert dead.state == optuna.trial.TrialState.RUNNING and "warm_start" in dead.user_attrs
+    dead_knobs = space.knobs_from_params(dead.system_attrs["fixed_params"])
     reopened = open_study("moetune/t", url, seed=0)
     assert finished_trials(reopened) == 2  # the dead process's trial is failed, but not a finished trial
     seen: list[Knobs] = []

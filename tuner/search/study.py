@@ -4,9 +4,12 @@
 - Warm start: `enqueue_trial` of the policy default and the analytic priors (per-PE groups; SM and QP
   counts from link bandwidth), then the best settings of the previous token bucket of the same shape.
 - Storage: Optuna's own RDB storage, never the profile database. SQLite by default (a file next to the
-  store, WAL) — meant for one tuning process per study (one opening a study fails only a dead process's
-  running trials); `--storage postgresql://...` lets several nodes share a study (heartbeats fail the
-  trials of a worker that died). Same study name → the study resumes; the
+  store, WAL) — processes of one host may share a study (the daemon's re-tune and a `moetune tune`): every
+  process registers itself in the study before it asks for a trial, and opening a study fails only the
+  running trials no live process can own (`fail_interrupted`); the schema is created under a file lock
+  beside the file (two first runs at once). `--storage postgresql://...` lets several nodes share a study
+  (heartbeats fail the trials of a worker that died). `tune show` opens a storage read-only
+  (`open_readonly_storage`). Same study name → the study resumes; the
   name carries a digest of the routing, policy and backend settings (`study_config`), so a rerun that
   measures something else opens its own study.
 - Trial budget: finished trials (complete, pruned, failed) of the study count, so a rerun after a
@@ -36,9 +39,12 @@ import math
 import os
 import socket
 import sqlite3
+import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +64,21 @@ from moetune.tuner.search.space import SearchSpace
 log = logging.getLogger("moetune.tuner.search.study")
 
 STUDY_PREFIX = "moetune/"
-WORKER = f"{socket.gethostname()}:{os.getpid()}"
+# This process in a trial's `worker` attr and the study's worker registry: host:pid:run. The run id tells this
+# process from an earlier one that had the same pid (containers reuse pids run after run).
+_RUN = uuid.uuid4().hex[:12]
+_REGISTERED_AT = datetime.now()  # before this process asks for any trial (Optuna's datetime_start: local, naive)
+WORKER_KEY = "worker:"  # study system attr `worker:host:pid` -> {"run": id, "since": ISO time}
+# A worker's registration and a trial's start are read off one host's clock: a little slack for a clock step.
+CLOCK_SLACK = timedelta(seconds=2)
+
+
+def current_worker() -> str:
+    """host:pid:run of this process (computed each time: a forked child has its own pid)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_RUN}"
+
+
+WORKER = current_worker()
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 INTERRUPTED = "interrupted"  # user attr of a FAIL trial whose run was cut short: not a finished trial
 OPTUNA_DB_NAME = "moetune-studies.db"
@@ -103,26 +123,109 @@ def normalize_url(url: str) -> str:
     return url
 
 
+@contextmanager
+def _creation_lock(path: Path) -> Iterator[None]:
+    """Serialize the creation of a SQLite studies file's schema between processes: two first runs at once raced
+    in Optuna's create_all / version stamp ("UNIQUE constraint failed: alembic_version.version_num", "table trials
+    already exists") though the file was fine. An flock on `<file>.lock` (released when the process dies)."""
+    import fcntl
+
+    try:
+        fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # a read-only folder: sqlite itself will say what is wrong with the file
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the only descriptor releases the lock
+
+
+def _immediate_transactions(st: optuna.storages.RDBStorage) -> None:
+    """Every transaction on the SQLite file takes its write lock at BEGIN (BEGIN IMMEDIATE). Python's sqlite3 runs
+    a SELECT outside any transaction, so Optuna's read-then-write steps were not atomic between processes: two
+    processes on one study both read an enqueued trial as WAITING and both ran it ("Cannot tell a COMPLETE trial",
+    "Trial#N has already finished"); likewise a check of a trial's state and its update."""
+    import sqlalchemy
+
+    @sqlalchemy.event.listens_for(st.engine, "begin")
+    def _begin(conn: sqlalchemy.engine.Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
 def make_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna RDB storage (standard tables: optuna-dashboard opens it as it is)."""
     url = normalize_url(url)
     if is_sqlite(url):
         path = sqlite_path(url)
-        if path is not None and str(path) != ":memory:":
-            path.parent.mkdir(parents=True, exist_ok=True)
+        if path is None or str(path) == ":memory:":
+            return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _creation_lock(path):
             con = sqlite3.connect(path, timeout=30)
             try:
                 con.execute("PRAGMA journal_mode=WAL")
             finally:
                 con.close()
-        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}})
+            # isolation_level None: the driver's implicit transactions are off, `_immediate_transactions` begins them
+            st = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30, "isolation_level": None}})
+        _immediate_transactions(st)
+        return st
     # Shared server storage: heartbeats let the survivors fail the trials of a worker that died (as
     # interrupted: not counted, a warm-start point run again).
     # Optuna 4.9 renamed the callback (the old name warns); optuna>=4.0 is supported
     cb = ("heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback"
           in inspect.signature(optuna.storages.RDBStorage).parameters else "failed_trial_callback")
-    return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True}, heartbeat_interval=10,
-                                      grace_period=60, **{cb: _stale_trial})
+    with warnings.catch_warnings():  # heartbeat_interval is "experimental": a note for Optuna users, not ours
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True}, heartbeat_interval=10,
+                                          grace_period=60, **{cb: _stale_trial})
+
+
+class NotAStudiesFile(ValueError):
+    """A storage `open_readonly_storage` refuses: it holds no Optuna schema."""
+
+
+OPTUNA_TABLES = ("studies", "trials", "version_info")  # what every Optuna RDB storage holds
+
+
+def open_readonly_storage(url: str) -> optuna.storages.RDBStorage:
+    """The storage for reading studies back (`tune show`): it never creates a table, a file or a version stamp,
+    and a file or database without Optuna's tables is refused (NotAStudiesFile) instead of being given them."""
+    url = normalize_url(url)
+    path = sqlite_path(url) if is_sqlite(url) else None
+    if path is not None and str(path) != ":memory:":
+        if not path.is_file():
+            raise NotAStudiesFile(f"{path} does not exist" if not path.exists() else f"{path} is not a file")
+        from urllib.parse import quote
+
+        ro = f"file:{quote(str(path.resolve()))}?mode=ro"
+        con = sqlite3.connect(ro, uri=True, timeout=30)
+        try:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
+        _need_tables(str(path), tables)
+        # mode=ro: SQLite itself refuses any write to the file
+        return optuna.storages.RDBStorage(f"sqlite:///{ro}&uri=true", engine_kwargs={"connect_args": {"timeout": 30}},
+                                          skip_table_creation=True)
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(url, **({"pool_pre_ping": True} if not is_sqlite(url) else {}))
+    try:
+        tables = set(sqlalchemy.inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+    _need_tables(url.split("@")[-1], tables)
+    return optuna.storages.RDBStorage(url, skip_table_creation=True)
+
+
+def _need_tables(where: str, tables: set[str]) -> None:
+    missing = [t for t in OPTUNA_TABLES if t not in tables]
+    if missing:
+        raise NotAStudiesFile(f"{where} is not an Optuna studies storage (no {', '.join(missing)} table"
+                              f"{'s' if len(missing) > 1 else ''}); it is left as it is")
 
 
 def study_name(key: ProfileKey, backend_label: str, model_name: str, config: str = "") -> str:
@@ -152,28 +255,55 @@ def _short(h: str, n: int) -> str:
     return hashlib.sha256(h.encode()).hexdigest()[:n]
 
 
+_ASKED: set[tuple[str, int]] = set()  # (storage, trial id) of every trial this process asked for
+
+
+def _storage_id(storage: optuna.storages.BaseStorage) -> str:
+    backend = getattr(storage, "_backend", storage)  # Optuna wraps an RDB storage in a cache
+    return str(getattr(backend, "url", id(backend)))
+
+
+class _Sampler(optuna.samplers.TPESampler):
+    """TPE that notes each trial this process asks for (Optuna calls `before_trial` from `ask`): a RUNNING trial
+    without a `worker` attr yet is this process's own when it is noted here."""
+
+    def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        _ASKED.add((_storage_id(study._storage), trial._trial_id))
+        super().before_trial(study, trial)
+
+
 def make_sampler(seed: int | None, n_startup_trials: int = 10) -> optuna.samplers.TPESampler:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.samplers.TPESampler(multivariate=True, group=True, seed=seed,
-                                          n_startup_trials=n_startup_trials)
+        return _Sampler(multivariate=True, group=True, seed=seed, n_startup_trials=n_startup_trials)
 
 
 def open_study(name: str, storage: str | optuna.storages.BaseStorage, *, seed: int | None = None,
                n_startup_trials: int = 10, pruner: optuna.pruners.BasePruner | None = None) -> optuna.Study:
+    """Create or load the study. On SQLite this process registers itself in it and fails the running trials of
+    processes that are gone (`fail_interrupted`), before it asks for any trial."""
     st = make_storage(storage) if isinstance(storage, str) else storage
     study = optuna.create_study(study_name=name, storage=st, direction="minimize", load_if_exists=True,
                                 sampler=make_sampler(seed, n_startup_trials), pruner=pruner or optuna.pruners.NopPruner())
-    if isinstance(storage, str) and is_sqlite(storage):
+    url = storage if isinstance(storage, str) else getattr(storage, "url", "")
+    if isinstance(url, str) and is_sqlite(url):
         fail_interrupted(study)
     return study
 
 
 def _worker_alive(worker: Any) -> bool:
-    """Whether the process a trial's `worker` attr (host:pid) names still runs on this host."""
-    host, _, pid = str(worker or "").rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit() or worker == WORKER:
-        return False  # no attr, another host (cannot tell), or this process's id: an earlier process's
+    """Whether the process a `worker` (host:pid:run; host:pid before run ids) names still runs on this host."""
+    text = str(worker or "")
+    if text == current_worker():
+        return True  # this process: its trial is in flight (another study object of it, or a thread)
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        return False
+    host, pid = parts[0], parts[1]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False  # no attr, or another host (cannot tell)
+    if int(pid) == os.getpid():
+        return False  # this pid with another (or no) run id: an earlier process whose pid this one reuses
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -183,13 +313,54 @@ def _worker_alive(worker: Any) -> bool:
     return True
 
 
+def register_worker(study: optuna.Study) -> None:
+    """Record this process in the study before it asks for a trial. Optuna creates a trial RUNNING (and runs the
+    sampler) before the objective can set its `worker` attr: a process opening the study in between must see
+    that a live process may own that trial. One key per host:pid (a reused pid overwrites a dead one's)."""
+    host, pid, run = current_worker().split(":")
+    study._storage.set_study_system_attr(study._study_id, f"{WORKER_KEY}{host}:{pid}",
+                                         {"run": run, "since": _REGISTERED_AT.isoformat()})
+
+
+def _live_registrations(study: optuna.Study) -> list[datetime]:
+    """When each live registered worker of the study, other than this process, registered."""
+    out = []
+    me = WORKER_KEY + current_worker().rsplit(":", 1)[0]
+    for k, v in study._storage.get_study_system_attrs(study._study_id).items():
+        if not k.startswith(WORKER_KEY) or k == me or not isinstance(v, dict):
+            continue  # this process's own trials are known by `_ASKED`
+        try:
+            since = datetime.fromisoformat(str(v.get("since")))
+        except ValueError:
+            continue
+        if _worker_alive(f"{k[len(WORKER_KEY):]}:{v.get('run')}"):
+            out.append(since)
+    return out
+
+
+def _maybe_owned(study: optuna.Study, t: optuna.trial.FrozenTrial, live: list[datetime]) -> bool:
+    """Whether a live process may own RUNNING trial `t`. With a `worker` attr: that process is alive. Without one
+    (a trial between Optuna's ask and the objective's first line): this process asked for it, or another live
+    worker registered before it started."""
+    if "worker" in t.user_attrs:
+        return _worker_alive(t.user_attrs["worker"])
+    if (_storage_id(study._storage), t._trial_id) in _ASKED:
+        return True
+    start = t.datetime_start
+    return start is not None and any(since <= start + CLOCK_SLACK for since in live)
+
+
 def fail_interrupted(study: optuna.Study) -> int:
-    """Mark a dead process's RUNNING trials FAIL. A live one's are left alone: two processes may open one
-    SQLite study (the daemon's re-tune and a `moetune tune`), and failing the other's running trial made it
-    crash on its result ("Cannot tell a FAIL trial") and lose the measurement."""
+    """Register this process, then mark FAIL the RUNNING trials no live process can own. A live one's are left
+    alone: two processes may open one SQLite study (the daemon's re-tune and a `moetune tune`), and failing the
+    other's running trial made it crash on its result ("Cannot tell a COMPLETE trial") and lose the measurement;
+    that included a trial so fresh that its objective had not yet recorded its worker."""
+    register_worker(study)
+    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    live = _live_registrations(study) if running else []
     n = 0
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if _worker_alive(t.user_attrs.get("worker")):
+    for t in running:
+        if _maybe_owned(study, t, live):
             continue
         try:
             study._storage.set_trial_user_attr(t._trial_id, "error", "interrupted (the tuning process died)")
@@ -307,7 +478,7 @@ class _Objective:
             raise
 
     def _run(self, trial: optuna.Trial) -> float:
-        trial.set_user_attr("worker", WORKER)  # first: whoever opens the study sees the trial is a live one's
+        trial.set_user_attr("worker", current_worker())  # first: whoever opens the study sees whose trial it is
         knobs = self.space.suggest(trial)
         trial.set_user_attr("knobs", knobs.to_dict())
         ok, why = self.space.feasible(knobs)
@@ -477,7 +648,7 @@ def neighbour_bucket(storage: optuna.storages.BaseStorage, key: ProfileKey, back
 
 
 def list_studies(storage: str) -> list[dict[str, Any]]:
-    st = make_storage(storage)
+    st = open_readonly_storage(storage)
     out = []
     for s in optuna.get_all_study_summaries(st, include_best_trial=True):
         if not s.study_name.startswith(STUDY_PREFIX) or s.study_name.endswith(WARM_LOCK_SUFFIX):
@@ -491,7 +662,7 @@ def list_studies(storage: str) -> list[dict[str, Any]]:
 
 
 def describe_study(storage: str, name: str) -> dict[str, Any]:
-    st = make_storage(storage)
+    st = open_readonly_storage(storage)
     study = optuna.load_study(study_name=name, storage=st)
     trials = study.get_trials(deepcopy=False)
     states = {s.name.lower(): sum(1 for t in trials if t.state == s) for s in TrialState}

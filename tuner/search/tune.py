@@ -52,7 +52,6 @@ from moetune.tuner.search.study import (
     StudyResult,
     completed,
     default_storage_url,
-    fail_interrupted,
     finished_trials,
     is_sqlite,
     make_storage,
@@ -359,9 +358,8 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
     status = "failed"
     result: StudyResult | None = None
     try:
+        # on SQLite open_study registers this process and fails only dead processes' running trials
         study = open_study(name, st, seed=seed, n_startup_trials=min(10, max(3, trials // 5)))
-        if is_sqlite(url):
-            fail_interrupted(study)
         study.set_user_attr("key", key.to_dict())
         task = bar.add(f"{key.transport_family} {wl.model.name} S={wl.tokens}", trials, finished_trials(study))
 

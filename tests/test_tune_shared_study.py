@@ -1,0 +1,158 @@
+"""Several processes on one SQLite studies file (the daemon's re-tune and a user's `moetune tune`, or two tunes):
+none fails another's running trial, an enqueued trial is run by one of them only, and two first runs create the
+file's schema one after the other. Each interleaving is forced (threads, events, a child process held open), not
+left to luck."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from moetune.tuner.search.study import finished_trials, make_storage, open_study
+
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+pytestmark = pytest.mark.timeout(180)
+
+WAIT_S = 3.0  # how long the first thread waits for the second to reach the same point (it cannot when serialized)
+
+
+def test_a_fresh_trial_of_another_study_object_is_not_failed(tmp_path: Path) -> None:
+    """Optuna creates a trial RUNNING (and runs the sampler) before the objective records its worker: a study
+    opened meanwhile on the same storage failed it, and its owner then crashed on its result."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    first = open_study("moetune/t", url, seed=0)
+    trial = first.ask()  # RUNNING, no `worker` attr yet
+    open_study("moetune/t", url, seed=1)  # the other tune opens the study
+    assert first._storage.get_trial(trial._trial_id).state == TrialState.RUNNING
+    first.tell(trial, 1.0)  # was: ValueError "Cannot tell a FAIL trial."
+    assert finished_trials(open_study("moetune/t", url)) == 1
+
+
+ASK_AND_WAIT = """
+import sys
+from moetune.tuner.search.study import open_study
+t = open_study("moetune/t", sys.argv[1], seed=0).ask()
+print(t._trial_id, flush=True)
+sys.stdin.read()  # alive until the test closes stdin
+"""
+
+
+def test_a_live_processes_fresh_trial_is_left_alone_and_failed_once_it_is_gone(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    proc = subprocess.Popen([sys.executable, "-c", ASK_AND_WAIT, url], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), proc.stderr.read() if proc.stderr else ""
+        trial_id = int(line)
+        study = open_study("moetune/t", url, seed=1)  # the other process is alive: its worker-less trial is kept
+        assert study._storage.get_trial(trial_id).state == TrialState.RUNNING
+    finally:
+        proc.communicate(input="", timeout=60)  # it exits without telling its trial
+    assert proc.returncode == 0
+    study = open_study("moetune/t", url, seed=1)  # now nobody can own it: it is failed as interrupted
+    t = study._storage.get_trial(trial_id)
+    assert t.state == TrialState.FAIL and "interrupted" in t.user_attrs
+
+
+def _pause_first(arrived: threading.Event, second_here: threading.Event) -> Callable[[], None]:
+    """A hook: the first thread to call it waits (up to WAIT_S) until the second has called it too."""
+    lock = threading.Lock()
+    order: list[str] = []
+
+    def hook() -> None:
+        with lock:
+            order.append(threading.current_thread().name)
+            first = len(order) == 1
+        if first:
+            arrived.set()
+            second_here.wait(WAIT_S)  # serialized: the second cannot get here until the first has finished
+        else:
+            second_here.set()
+
+    return hook
+
+
+def _run_two(target: Callable[[], Any], arrived: threading.Event) -> list[Any]:
+    """Run `target` in thread A, then (once A is paused at its hook) in thread B; each one's result or error."""
+    out: list[Any] = [None, None]
+
+    def run(i: int) -> None:
+        try:
+            out[i] = target()
+        except Exception as e:  # the outcome under test
+            out[i] = e
+
+    a = threading.Thread(target=run, args=(0,), name="A")
+    b = threading.Thread(target=run, args=(1,), name="B")
+    a.start()
+    assert arrived.wait(60)
+    b.start()
+    a.join(120)
+    b.join(120)
+    return out
+
+
+def test_an_enqueued_trial_is_taken_by_one_process_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Optuna takes an enqueued (WAITING) trial by reading its state, then writing RUNNING. Python's sqlite3 read
+    outside a transaction, so two processes both read WAITING and both ran it ("Cannot tell a COMPLETE trial")."""
+    from optuna.storages._rdb import models
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    study = open_study("moetune/t", url)
+    study.enqueue_trial({"x": 1})
+    waiting = study.get_trials(states=(TrialState.WAITING,))[0]._trial_id
+    stores = [make_storage(url), make_storage(url)]  # one connection pool per "process"
+    arrived, second_here = threading.Event(), threading.Event()
+    hook = _pause_first(arrived, second_here)
+    find = models.TrialModel.find_or_raise_by_id
+
+    def paused_find(trial_id: int, session: Any, for_update: bool = False) -> Any:
+        t = find(trial_id, session, for_update)
+        if for_update and threading.current_thread().name in ("A", "B"):
+            hook()  # between the read of the state and its update
+        return t
+
+    monkeypatch.setattr(models.TrialModel, "find_or_raise_by_id", staticmethod(paused_find))
+
+    def take() -> bool:
+        st = stores[0 if threading.current_thread().name == "A" else 1]
+        return st.set_trial_state_values(waiting, TrialState.RUNNING)
+
+    got = _run_two(take, arrived)
+    assert sorted(got) == [False, True], got  # was [True, True]
+
+
+def test_two_first_runs_create_the_studies_file_one_after_the_other(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two first `moetune tune`s in a fresh home both found no schema version and both stamped one: one failed
+    with "UNIQUE constraint failed: alembic_version.version_num" (and was told to move a good file aside)."""
+    from alembic.runtime.migration import MigrationContext
+
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    arrived, second_here = threading.Event(), threading.Event()
+    hook = _pause_first(arrived, second_here)
+    current = MigrationContext.get_current_revision
+
+    def paused_current(self: MigrationContext) -> Any:
+        rev = current(self)
+        if threading.current_thread().name in ("A", "B"):
+            hook()  # between "no schema version yet" and stamping one
+        return rev
+
+    monkeypatch.setattr(MigrationContext, "get_current_revision", paused_current)
+    got = _run_two(lambda: make_storage(url), arrived)
+    assert not [e for e in got if isinstance(e, Exception)], got
+    monkeypatch.undo()
+    study = open_study("moetune/t", url)  # the file is a working studies file
+    study.tell(study.ask(), 1.0)
+    assert finished_trials(study) == 1
