@@ -57,8 +57,9 @@ def _run(script: str, home: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=200)
 
 
-@pytest.mark.parametrize(("script", "line"), [(PROFILE, "interrupted: run the same command again")],
-                         ids=["profile"])
+@pytest.mark.parametrize(("script", "line"), [(TUNE, "interrupted: the study is saved"),
+                                              (PROFILE, "interrupted: run the same command again")],
+                         ids=["tune", "profile"])
 def test_ctrl_c_prints_the_interrupted_line_only(tmp_path: Path, script: str, line: str) -> None:
     r = _run(script, tmp_path / "home")
     out = r.stdout + r.stderr

@@ -41,14 +41,24 @@ def _redact(url: str) -> str:
     return redact(url)  # a postgresql:// URL's password stays off the terminal
 
 
+# another process holds or is creating the studies file: the file is fine, a re-run works (never "move it aside")
+BUSY_MARKERS = ("database is locked", "database table is locked", "already exists", "UNIQUE constraint failed")
+
+
 def _storage_error(url: str, given: bool, e: BaseException) -> str:
     """The error for a study storage that cannot be opened, naming --storage (or the default studies file)."""
     from moetune.tuner.search.study import sqlite_path
 
-    why = str(getattr(e, "orig", None) or e).splitlines()[0] or type(e).__name__  # SQLAlchemy's first line
+    why = (str(getattr(e, "orig", None) or e).splitlines() or [""])[0] or type(e).__name__  # SQLAlchemy's first line
     path = sqlite_path(url)
     if path is not None and path.is_dir():
         why = f"{path} is a directory"
+    if any(m in why for m in BUSY_MARKERS):
+        where = f"--storage {_redact(url)}" if given else f"the studies file {path or _redact(url)}"
+        return (f"{where} is busy: another moetune process is using or creating it ({type(e).__name__}: {why}); "
+                "the file is kept as it is: run the command again")
+    if "://" not in url:  # SQLAlchemy's "Could not parse SQLAlchemy URL" says nothing of what to type
+        return f"--storage {url}: not a storage URL (a SQLite file is sqlite:///{Path(url).expanduser().resolve()})"
     if given:
         return f"--storage {_redact(url)}: cannot open the study storage ({type(e).__name__}: {why})"
     return (f"the studies file {path or _redact(url)} (the default --storage, beside the profile database) cannot be "
@@ -137,6 +147,7 @@ def tune(
 ) -> None:
     """Tune the knobs for each transport family × model × token bucket and store the winners."""
     if ctx.invoked_subcommand is not None:
+        _no_options_before(ctx, policy)
         return
     if not model:
         typer.echo(ctx.get_help())
@@ -191,9 +202,7 @@ def tune(
     if forced:
         err.print(_forced_note(preset, forced, node_model))
 
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    _quiet_optuna()
     logging.getLogger("moetune").setLevel(logging.WARNING)
 
     facts = None
@@ -224,14 +233,22 @@ def tune(
     _check_storage(url, storage is not None)
     from moetune.tuner.cli._progress import RichProgress
     from moetune.tuner.search.tune import tune_profiles_detailed
+    from moetune.tuner.store import StoreError
 
     bar = None if as_json else RichProgress(label="MODELLED" if backend == "model" else "")
+    ran = [0]  # trials this run finished: what a store error after them says is kept
+
+    def count(_name: str, _study: object, _trial: object) -> None:
+        ran[0] += 1
+
     try:
         results = tune_profiles_detailed(
             store, facts, models=shapes, tokens=toks, backend=backend, preset=preset, trials=trials, timeout_s=timeout,
             ep_size=ep_size or (local_opts.get("world") if backend == "local" else None), nodes=nodes,
             progress=bar, storage=storage, seed=seed, families=family or None, policy_override=policy,
-            routing=routing, local_options=local_opts, node_model=node_model)
+            routing=routing, local_options=local_opts, node_model=node_model, on_trial=count)
+    except StoreError as e:  # before `ValueError/OSError`: the profile database, not the tune, failed
+        _fail(_store_failed(e, store, url, ran[0]))
     except (ValueError, OSError) as e:
         _fail(str(e))
     except KeyboardInterrupt:
@@ -240,10 +257,14 @@ def tune(
     except Exception as e:
         from sqlite3 import Error as SqliteError
 
+        import optuna
         from sqlalchemy.exc import SQLAlchemyError
 
         if isinstance(e, SQLAlchemyError | SqliteError):  # the study storage failed while tuning
             _fail(_storage_error(url, storage is not None, e))
+        if isinstance(e, optuna.exceptions.OptunaError):  # e.g. a trial another process finished meanwhile
+            _fail(f"the tune stopped on an Optuna error ({type(e).__name__}: {e}); the finished trials are kept in "
+                  f"{_redact(url)}: run the same command again to resume")
         raise
     finally:
         if bar is not None:
@@ -299,6 +320,49 @@ def tune(
         c.print(n, soft_wrap=True)
     _budget_ended(results, trials, timeout, budget_from)
     _no_success(no_trial, len(results), url)
+
+
+def _quiet_optuna() -> None:
+    """Optuna logs a failed trial as a WARNING with its exception: Ctrl-C printed a full KeyboardInterrupt
+    traceback and "Trial N failed with value None." over the progress bar. The CLI reports failures itself (the
+    interrupted line, each study's first failure), so only Optuna's errors are shown."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+
+
+def _store_failed(e: BaseException, store: object, url: str, ran: int) -> str:
+    """A profile-database error during the tune (a corrupt or locked file, a full disk): name the database and
+    say what is kept. The trials are in the study storage, apart from the database: a re-run resumes them."""
+    db = getattr(store, "path", None)
+    head = f"the profile database {db} failed: {e}" if db is not None and str(db) not in str(e) else \
+        f"the profile database failed: {e}"
+    if ran:
+        kept = (f"the {ran} trial(s) this run finished are saved in the studies file {_redact(url)}; fix the "
+                "database (or pass another --db) and run the same command again: the studies resume and the "
+                "profiles are written then")
+    else:
+        kept = "no trial ran; fix the database (or pass another --db) and run the command again"
+    return f"{head}; {kept}"
+
+
+# what `moetune tune` takes for itself: given before a subcommand (`tune --db X show`), they were silently ignored
+OWN_OPTIONS = ("model", "tokens", "backend", "preset", "trials", "timeout", "storage", "seed", "db", "config", "nodes",
+               "ep_size", "family", "policy", "routing", "world", "comm", "repeats", "trial_timeout", "capture",
+               "node_model", "as_json")
+
+
+def _no_options_before(ctx: typer.Context, policy: Path | None) -> None:
+    """Refuse `moetune tune`'s own options given before a subcommand: they do not reach it (a missing --policy
+    path was accepted and the exit code was 0)."""
+    if policy is not None and not policy.exists():
+        _fail(f"--policy {policy}: no such file or directory")
+    given = [p for p in ctx.command.params
+             if p.name in OWN_OPTIONS and getattr(ctx.get_parameter_source(p.name), "name", "") == "COMMANDLINE"]
+    if given:
+        names = ", ".join(p.opts[0] for p in given)
+        _fail(f"{names}: an option of `moetune tune`, given before `{ctx.invoked_subcommand}`, which does not take "
+              f"it from there; put the subcommand's options after it (`moetune tune {ctx.invoked_subcommand} --help`)")
 
 
 def _forced_model(preset: str) -> str:
@@ -379,12 +443,14 @@ def show(
     config: Path = typer.Option(None, "--config", help="TOML config file (for the default database)."),
     as_json: bool = typer.Option(False, "--json", help="JSON output."),
 ) -> None:
-    """Summarise the studies (or one study: best setting, speed-up over the default, importances)."""
-    import optuna
+    """Summarise the studies (or one study: best setting, speed-up over the default, importances). Reads only:
+    the storage is opened read-only and one without Optuna's tables is refused, never given them."""
+    import warnings
 
     from moetune.tuner.search.study import describe_study, list_studies
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    _quiet_optuna()
+    warnings.simplefilter("ignore")  # Optuna's experimental/deprecation notes are not the user's to read
     if db is None and not storage:
         db = _load_config(config).db_path
     url = _storage_url(storage, db)

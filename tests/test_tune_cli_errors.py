@@ -1,0 +1,147 @@
+"""`moetune tune` / `tune show` errors a QA pass found: each is one clear line (no traceback) naming what is wrong,
+and `tune show` never writes to the storage it is pointed at."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from typer.testing import CliRunner
+
+from moetune.tuner.cli import app
+
+pytestmark = pytest.mark.timeout(240)
+runner = CliRunner()
+TUNE = ["tune", "-m", "qwen3-30b", "--preset", "nvlink-h200x2", "--trials", "3", "--tokens", "128"]
+
+
+def _clean_exit(r, code: int = 2) -> None:  # type: ignore[no-untyped-def]
+    assert r.exit_code == code, r.output
+    assert isinstance(r.exception, SystemExit), r.exception
+    assert "Traceback" not in r.output
+
+
+def test_a_store_error_after_the_trials_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A corrupt or locked profile database (or a full disk) raised StoreError from the profile write after the
+    trials ran: exit 1 with a Rich traceback. Now: the database named, and that the trials are kept."""
+    from moetune.tuner.store import Store, StoreError
+
+    db = tmp_path / "x.db"
+
+    def malformed(self: Store, key: object) -> None:
+        raise StoreError(f"{self.path}: database disk image is malformed")
+
+    monkeypatch.setattr(Store, "get_current", malformed)
+    r = runner.invoke(app, [*TUNE, "--db", str(db)])
+    _clean_exit(r)
+    assert f"{db}: database disk image is malformed" in r.output
+    assert "trial(s) this run finished are saved in the studies file" in r.output
+    assert "run the same command again" in r.output
+    monkeypatch.undo()  # the studies kept them: a re-run resumes and stores the profile
+    r = runner.invoke(app, [*TUNE, "--db", str(db), "--json"])
+    assert r.exit_code == 0, r.output
+
+
+def test_an_optuna_error_mid_run_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.tuner.search import study
+
+    def finished(self: object, trial: optuna.Trial) -> float:
+        raise optuna.exceptions.UpdateFinishedTrialError(f"Trial#{trial.number} has already finished and can not be "
+                                                         "updated.")
+
+    monkeypatch.setattr(study._Objective, "_run", finished)
+    r = runner.invoke(app, [*TUNE, "--db", str(tmp_path / "x.db")])
+    _clean_exit(r)
+    assert "UpdateFinishedTrialError: Trial#0 has already finished" in r.output
+    assert "run the same command again to resume" in r.output
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tables(path: Path) -> set[str]:
+    con = sqlite3.connect(path)
+    try:
+        return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        con.close()
+
+
+@pytest.mark.parametrize("study", [None, "x"])
+def test_show_refuses_a_file_without_studies_and_leaves_it_as_it_is(tmp_path: Path, study: str | None) -> None:
+    """`tune show --storage sqlite:///other.db` gave a foreign file (or the profile database) Optuna's 12 tables."""
+    other = tmp_path / "other_app.db"
+    con = sqlite3.connect(other)
+    con.execute("CREATE TABLE notes (body TEXT)")
+    con.commit()
+    con.close()
+    before = _digest(other)
+    r = runner.invoke(app, ["tune", "show", "--storage", f"sqlite:///{other}", *(["--study", study] if study else [])])
+    _clean_exit(r)
+    assert f"{other} is not an Optuna studies storage" in r.output
+    assert "move it aside" not in r.output
+    assert _digest(other) == before and _tables(other) == {"notes"}
+
+
+def test_show_reads_a_studies_file_without_writing_it(tmp_path: Path) -> None:
+    db = tmp_path / "x.db"
+    r = runner.invoke(app, [*TUNE, "--db", str(db), "--json"])
+    assert r.exit_code == 0, r.output
+    studies = tmp_path / "moetune-studies.db"
+    con = sqlite3.connect(studies)  # all in the main file, so its bytes say whether anything was written
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    con.close()
+    before = _digest(studies)
+    r = runner.invoke(app, ["tune", "show", "--db", str(db)])
+    assert r.exit_code == 0 and "moetune/" in r.output, r.output
+    r = runner.invoke(app, ["tune", "show", "--db", str(db), "--study", "S128", "--json"])
+    assert r.exit_code == 0 and '"best_us"' in r.output, r.output
+    assert _digest(studies) == before
+
+
+def test_show_with_a_plain_path_says_what_to_type_and_prints_no_python_warning(tmp_path: Path) -> None:
+    """A plain path for --storage printed Optuna's ExperimentalWarning before SQLAlchemy's parse error."""
+    script = ("import sys\nsys.argv = ['moetune', 'tune', 'show', '--storage', sys.argv[1]]\n"
+              "from moetune.tuner.cli import main\nmain()\n")
+    plain = tmp_path / "plain.db"
+    r = subprocess.run([sys.executable, "-W", "default", "-c", script, str(plain)], capture_output=True, text=True,
+                       env={**os.environ, "MOETUNE_HOME": str(tmp_path / "home"), "COLUMNS": "300"}, timeout=200)
+    assert r.returncode == 2, r.stderr
+    assert "Warning" not in r.stderr and "Traceback" not in r.stderr
+    assert f"--storage {plain}: not a storage URL (a SQLite file is sqlite:///{plain})" in r.stderr
+    assert not plain.exists()
+
+
+def test_tune_options_before_a_subcommand_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`moetune tune --policy /nonexistent show` exited 0: the options of `tune` itself never reach `show`."""
+    r = runner.invoke(app, [*TUNE, "--db", str(tmp_path / "x.db"), "--json"])  # a studies file to show
+    assert r.exit_code == 0, r.output
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path))
+    missing = tmp_path / "nonexistent"
+    r = runner.invoke(app, ["tune", "--policy", str(missing), "show"])
+    _clean_exit(r)
+    assert f"--policy {missing}: no such file or directory" in r.output
+    r = runner.invoke(app, ["tune", "--db", str(tmp_path / "x.db"), "show"])
+    _clean_exit(r)
+    assert "--db: an option of `moetune tune`, given before `show`" in r.output
+    assert runner.invoke(app, ["tune", "show"]).exit_code == 0
+
+
+def test_a_busy_studies_file_is_not_called_broken() -> None:
+    """Two first runs at once: the loser was told to move a good studies file aside."""
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    from moetune.tuner.cli.tune import _storage_error
+
+    for e in (IntegrityError("INSERT", {}, Exception("UNIQUE constraint failed: alembic_version.version_num")),
+              OperationalError("CREATE", {}, Exception("table trials already exists")),
+              OperationalError("BEGIN", {}, Exception("database is locked"))):
+        msg = _storage_error("sqlite:////h/moetune-studies.db", False, e)
+        assert "move it aside" not in msg and "busy" in msg and "run the command again" in msg
