@@ -74,6 +74,7 @@ def test_restart_tunes_again_in_new_studies_and_deletes_nothing(tmp_path: Path, 
     plan.write_text('[plan]\nmodels = ["qwen3-30b"]\ntokens = [16]\ntrials = 3\nrepeats = 1\niters = 5\n'
                     "compare_rounds = 1\n")
     db = tmp_path / "home" / "moetune.db"
+    db.parent.mkdir()  # moetune creates no folder for an explicit --db
     args = ["profile", "--plan", str(plan), "--capture", str(CAPTURES / "h200x1"), "--db", str(db), "--json"]
     url = f"sqlite:///{db.parent / 'moetune-studies.db'}"
     runner = CliRunner()

@@ -41,7 +41,7 @@ def test_version():
 
 
 def test_db_upgrade_current_check(tmp_path):
-    db = tmp_path / "new" / "m.db"
+    db = tmp_path / "m.db"  # a new file (a --db in a missing folder is refused: test_cli_db_newer_and_paths.py)
     r = run("db", "upgrade", "--db", str(db))
     assert r.exit_code == 0, r.output
     assert f"upgraded empty -> {head_revision()}" in r.stdout and db.is_file()

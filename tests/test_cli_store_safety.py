@@ -213,7 +213,7 @@ def test_an_empty_file_is_not_a_database_to_read_but_import_may_create_one(tmp_p
     empty.touch()
     r = run("profiles", "list", "--db", str(empty))
     assert r.exit_code == 2 and "is not a moetune database" in r.stderr and empty.stat().st_size == 0
-    new = tmp_path / "new" / "d.db"
+    new = tmp_path / "d.db"  # a new file; a folder that does not exist is refused (test_cli_db_newer_and_paths.py)
     for target in (empty, new):
         r = run("profiles", "import", str(export), "--db", str(target), "--json")
         assert r.exit_code == 0 and json.loads(r.stdout)["inserted"] == 1, r.output
@@ -269,6 +269,7 @@ def test_an_unknown_config_section_is_named(tmp_path):
 def test_output_with_brackets_in_paths_and_stored_text(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "[/x]m.db"
+    db.parent.mkdir()  # the folder "[": moetune creates no folder for an explicit path
     fill(db)
     with Store(db) as s:
         key = ProfileKey(

@@ -132,7 +132,7 @@ def test_fresh_venv_install(wheel, tmp_path):
 
     r = run(str(env_dir / "bin" / "moetune"), "--version")
     assert r.returncode == 0 and r.stdout.startswith("moetune "), r.stderr
-    db = tmp_path / "new" / "fresh.db"
+    db = tmp_path / "fresh.db"  # a new file (a --db in a missing folder is refused)
     r = run(str(env_dir / "bin" / "moetune"), "db", "upgrade", "--db", str(db))
     assert r.returncode == 0 and "upgraded empty ->" in r.stdout, r.stdout + r.stderr
     r = run(str(env_dir / "bin" / "moetune"), "db", "check", "--db", str(db))

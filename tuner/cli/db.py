@@ -113,10 +113,14 @@ def upgrade(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Create the database or migrate it to the newest schema."""
+    from moetune.tuner.store.store import StoreError
+
     with open_store(db, config, mode="init") as store:
         before = store.current_revision()
         try:
             store.upgrade(revision)
+        except StoreError:
+            raise  # says what is wrong itself (e.g. a newer moetune's database); open_store prints it
         except Exception as e:  # alembic raises several kinds for a bad revision
             raise fail(f"upgrade of {store.path} to {revision} failed: {e}") from None
         after = store.current_revision()
@@ -136,9 +140,13 @@ def downgrade(
     """Migrate the schema down (for rolling back a moetune upgrade)."""
     if not yes:
         raise fail("a downgrade can drop data: pass --yes to do it")
+    from moetune.tuner.store.store import StoreError
+
     with open_store(db, config, mode="migrate") as store:
         try:
             store.downgrade(revision)
+        except StoreError:
+            raise  # says what is wrong itself; open_store prints it
         except Exception as e:  # broad: the CLI's boundary; Alembic and the database fail in many types
             raise fail(f"downgrade of {store.path} to {revision} failed: {e}") from None
         out.print(escape(f"{store.path}: at revision {store.current_revision() or 'base'}"))
@@ -155,6 +163,7 @@ def current(
 
     with open_store(db, config, mode="inspect") as store:
         rev, head = store.current_revision(), head_revision()
+        store.schema.refuse_newer(rev)  # "needs `moetune db upgrade`" would be wrong: this moetune cannot
         info = {"path": str(store.path), "revision": rev, "head": head, "at_head": rev == head}
     if json_out:
         print_json(info)

@@ -80,6 +80,18 @@ class SchemaVersionManager:
             conn.rollback()
         return rev
 
+    def refuse_newer(self, rev: str | None) -> None:
+        """A StoreError when `rev` (the database's revision) is unknown here: a newer moetune wrote it, and neither
+        reading it nor migrating it (Alembic cannot find the revision to start from) is right."""
+        if rev is None or rev in known_revisions():
+            return
+        head = head_revision()
+        raise StoreError(
+            f"{self._store.path} is at schema revision {rev}, unknown to this moetune (newest known: {head}); it was "
+            f"written by a newer moetune: upgrade moetune, or with the newer one run "
+            f"`moetune db downgrade {head} --yes{self._where()}`"
+        )
+
     def ensure(self, *, upgrade: bool) -> None:
         """At head, or upgraded to it when allowed; else a StoreError naming the command to run."""
         head = head_revision()
@@ -87,12 +99,7 @@ class SchemaVersionManager:
         if rev == head:
             return
         path = self._store.path
-        if rev is not None and rev not in known_revisions():
-            raise StoreError(
-                f"{path} is at schema revision {rev}, unknown to this moetune (newest known: {head}); it was "
-                f"written by a newer moetune: upgrade moetune, or with the newer one run "
-                f"`moetune db downgrade {head} --yes{self._where()}`"
-            )
+        self.refuse_newer(rev)
         if not upgrade:
             raise StoreError(
                 f"{path} is at schema revision {rev or 'none'}, this moetune needs {head}: "
@@ -107,6 +114,7 @@ class SchemaVersionManager:
         store = self._store
         if store.readonly:
             raise StoreError(f"{store.path} is opened read-only")
+        self.refuse_newer(self.current_revision())
         store._after_fork()
         with store._db_errors(), store._writer.connect() as conn:
             raw = conn.connection.driver_connection

@@ -134,10 +134,31 @@ def _wal(cur: sqlite3.Cursor) -> None:
         pause = min(2 * pause, 0.05)
 
 
+# SQLite's answers when a read-only connection cannot set up a WAL database's shared memory because the -shm/-wal
+# files are gone and the directory is not writable: "unable to open" (SQLITE_CANTOPEN, also SQLite < 3.22) and, from
+# SQLite 3.22 (3.40 here), "attempt to write a readonly database" (SQLITE_READONLY_DIRECTORY). The other READONLY
+# codes (ROLLBACK: a hot journal; RECOVERY/CANTINIT: a WAL to recover) say the file alone is not the database.
+_NO_SHM_ERRORS = frozenset({"SQLITE_CANTOPEN", "SQLITE_READONLY_DIRECTORY"})
+
+
+def _pending_changes(path: Path) -> Path | None:
+    """The -wal or -journal file beside `path` that holds changes not (or not wholly) in the database file itself,
+    if any: a writer is active or died. A 0-byte one (a read-only connection in a writable directory leaves an
+    empty -wal) holds nothing."""
+    for suffix in ("-wal", "-journal"):
+        side = path.with_name(path.name + suffix)
+        with contextlib.suppress(OSError):
+            if side.stat().st_size > 0:
+                return side
+    return None
+
+
 def _readonly_creator(path: Path) -> Any:
-    """mode=ro; when SQLite cannot open a WAL database read-only (its -shm/-wal files are gone and
-    the directory is not writable, e.g. /var/lib/moetune for a user), fall back to immutable=1, which is
-    safe only while no one writes: that is when this fallback is needed (the daemon is down)."""
+    """mode=ro; when SQLite cannot open a WAL database read-only because its -shm/-wal files are gone and the
+    directory is not writable (/var/lib/moetune owned by the daemon's user, the daemon down), fall back to
+    immutable=1. immutable=1 reads the database file alone, without locks: right only while no writer is active
+    and no -wal/-journal holds changes (immutable=1 would not see a crashed writer's committed WAL frames), so
+    the fallback is refused whenever such a file is there."""
     uri = f"file:{urllib.parse.quote(str(path))}?mode=ro"
 
     def connect() -> sqlite3.Connection:
@@ -146,9 +167,15 @@ def _readonly_creator(path: Path) -> Any:
             con.execute("SELECT count(*) FROM sqlite_master").fetchone()
             return con
         except sqlite3.OperationalError as e:
-            if "unable to open" not in str(e):
-                raise
             con.close()
+            if getattr(e, "sqlite_errorname", None) not in _NO_SHM_ERRORS:
+                raise
+            pending = _pending_changes(path)
+            if pending is not None:
+                raise sqlite3.OperationalError(
+                    f"{e}: cannot read it read-only, {pending} holds changes that only a process allowed to write "
+                    f"in {path.parent} can apply (start the daemon, or open it once as the user who owns it)"
+                ) from None
             return sqlite3.connect(uri + "&immutable=1", uri=True, check_same_thread=False)
 
     return connect
@@ -157,21 +184,41 @@ def _readonly_creator(path: Path) -> Any:
 DatabaseKind = Literal["missing", "empty", "foreign", "moetune"]
 
 
-def probe_database(path: Path) -> tuple[DatabaseKind, str | None]:
-    """What is at `path`, read through a read-only connection (nothing is created, migrated or switched to
-    WAL): ("missing", None); ("empty", None) for a 0-byte file or a SQLite file without tables; ("foreign",
-    None) for another program's SQLite file (tables, but no moetune version table); ("moetune", revision),
-    revision None after `db downgrade base`. A file that is not SQLite is a StoreError."""
+def _table_names(con: sqlite3.Connection) -> set[str]:
+    """The tables of a database, less SQLite's own (sqlite_sequence, sqlite_stat1: no program's data)."""
+    return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'") if not r[0].startswith("sqlite_")}
+
+
+# An Optuna RDB storage's tables: a study file may become a store too (the store shares its file with Optuna,
+# which keeps its own alembic_version), so these alone do not make a file another program's.
+_OPTUNA_TABLES = frozenset({
+    "alembic_version", "studies", "study_directions", "study_system_attributes", "study_user_attributes",
+    "trial_heartbeats", "trial_intermediate_values", "trial_params", "trial_system_attributes",
+    "trial_user_attributes", "trial_values", "trials", "version_info",
+})
+
+
+def _foreign_error(path: Path, tables: set[str]) -> StoreError:
+    names = sorted(tables)
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return StoreError(
+        f"{path} is not a moetune database (it has tables {shown} and no {VERSION_TABLE}): moetune does not add its "
+        f"tables to another program's file; give a new or empty file (--db)"
+    )
+
+
+def _probe(path: Path) -> tuple[DatabaseKind, str | None, set[str]]:
+    """probe_database, and the tables it found."""
     if not path.exists():
-        return "missing", None
+        return "missing", None, set()
     if not path.is_file():
         raise StoreError(f"{path} is not a database file")
     try:
         if path.stat().st_size == 0:
-            return "empty", None
+            return "empty", None, set()
         con = _readonly_creator(path)()
         try:
-            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            tables = _table_names(con)
             rev = None
             if VERSION_TABLE in tables:
                 row = con.execute(f"SELECT version_num FROM {VERSION_TABLE} LIMIT 1").fetchone()
@@ -181,8 +228,61 @@ def probe_database(path: Path) -> tuple[DatabaseKind, str | None]:
     except (OSError, sqlite3.Error) as e:
         raise StoreError(f"{path}: {e}") from None
     if VERSION_TABLE in tables:
-        return "moetune", rev
-    return ("foreign" if tables else "empty"), None
+        return "moetune", rev, tables
+    return ("foreign" if tables else "empty"), None, tables
+
+
+def probe_database(path: Path) -> tuple[DatabaseKind, str | None]:
+    """What is at `path`, read through a read-only connection (nothing is created, migrated or switched to
+    WAL): ("missing", None); ("empty", None) for a 0-byte file or a SQLite file without tables; ("foreign",
+    None) for another program's SQLite file (tables, but no moetune version table); ("moetune", revision),
+    revision None after `db downgrade base`. A file that is not SQLite is a StoreError."""
+    kind, rev, _tables = _probe(path)
+    return kind, rev
+
+
+def _refuse_foreign(path: Path, *, readonly: bool) -> None:
+    """A StoreError when `path` is another program's SQLite file (tables, none of them moetune's version table, not
+    all of them Optuna's), checked before the store's own connections, which switch the file to WAL and add
+    moetune's tables. For a write, a plain read-write connection (no create, no journal switch): unlike mode=ro,
+    it leaves no empty -wal/-shm beside a WAL file it closes."""
+    if readonly:
+        tables = _probe(path)[2]
+    else:
+        uri = f"file:{urllib.parse.quote(str(path))}?mode=rw"
+        try:
+            con = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S)
+            try:
+                tables = _table_names(con)
+            finally:
+                con.close()
+        except sqlite3.Error as e:
+            raise StoreError(f"{path}: {e}") from None
+    if VERSION_TABLE not in tables and tables - _OPTUNA_TABLES:
+        raise _foreign_error(path, tables)
+
+
+def _make_parent(path: Path) -> None:
+    """Create the folder of a new database only when it is moetune's own data folder ($MOETUNE_HOME, else the XDG
+    data dir): a --db or `[store] db` in a folder that does not exist is most likely a typo, and moetune makes no
+    folders it was not asked for (the system daemon's /var/lib/moetune comes from its unit's StateDirectory)."""
+    from moetune.runtime.paths import data_dir
+
+    parent = path.parent
+    if parent.is_dir():
+        return
+    own = data_dir().expanduser().absolute()
+    if parent != own:
+        if parent.exists():
+            raise StoreError(f"cannot create {path}: {parent} is not a folder")
+        raise StoreError(
+            f"cannot create {path}: the folder {parent} does not exist (moetune creates only its own data folder, "
+            f"{own}; create {parent} first or give another path)"
+        )
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StoreError(f"cannot create the directory for {path}: {e}") from None
 
 
 def _on_begin(conn: Any) -> None:
@@ -219,15 +319,14 @@ class Store:
         else:
             self.path = Path(path).expanduser().absolute()
             self.url = URL.create("sqlite", database=str(self.path)).render_as_string(hide_password=False)
+            if readonly and not self.path.is_file():
+                raise StoreError(f"no database at {self.path}")
+            if self.path.is_file() and self.path.stat().st_size > 0:
+                _refuse_foreign(self.path, readonly=readonly)
             if readonly:
-                if not self.path.is_file():
-                    raise StoreError(f"no database at {self.path}")
                 self._engine = create_engine(self.url, creator=_readonly_creator(self.path))
             else:
-                try:
-                    self.path.parent.mkdir(parents=True, exist_ok=True)
-                except OSError as e:
-                    raise StoreError(f"cannot create the directory for {self.path}: {e}") from None
+                _make_parent(self.path)
                 self._engine = create_engine(self.url, connect_args={"timeout": BUSY_TIMEOUT_S})
         event.listen(self._engine, "connect", _on_connect(readonly or self.memory))
         event.listen(self._engine, "begin", _on_begin)
@@ -246,11 +345,11 @@ class Store:
         moetune's tables to another program's SQLite file. A StoreError says what is wrong and what to run."""
         path = Path(path).expanduser().absolute()
         upgrade_cmd = f"`moetune db upgrade --db {shlex.quote(str(path))}`"
-        kind, rev = probe_database(path)
+        kind, rev, tables = _probe(path)
         if kind == "missing" and not (write and create):
             raise StoreError(f"no database at {path} (run {upgrade_cmd})")
         if kind == "foreign":
-            raise StoreError(f"{path} is not a moetune database")
+            raise _foreign_error(path, tables)
         if kind == "empty" and not (write and create):
             raise StoreError(f"{path} is not a moetune database (it is empty: {upgrade_cmd} makes it one)")
         if write:

@@ -1,0 +1,103 @@
+"""`moetune db` on a database a newer moetune wrote (an unknown revision): every command says so and exits non-zero,
+nothing is migrated. A database in a folder that does not exist is refused (the folder is named, never created),
+except moetune's own data folder ($MOETUNE_HOME), which is made as before."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.tuner.cli import app
+from moetune.tuner.store.store import Store, head_revision
+
+CAPTURE = Path(__file__).parent / "captures" / "h200x1"
+runner = CliRunner()
+NEWER = "written by a newer moetune"
+
+
+def run(*args: str, env: dict | None = None):
+    return runner.invoke(app, list(args), env=env)
+
+
+def newer_db(tmp_path: Path) -> Path:
+    db = tmp_path / "m.db"
+    Store(db).close()
+    con = sqlite3.connect(db)
+    con.execute("UPDATE moetune_alembic_version SET version_num = '0099'")
+    con.commit()
+    con.close()
+    return db
+
+
+def revision(db: Path) -> str:
+    con = sqlite3.connect(db)
+    try:
+        return con.execute("SELECT version_num FROM moetune_alembic_version").fetchone()[0]
+    finally:
+        con.close()
+
+
+def test_db_current_on_a_newer_database_says_so_and_fails(tmp_path: Path) -> None:
+    db = newer_db(tmp_path)
+    for extra in ([], ["--json"]):
+        r = run("db", "current", "--db", str(db), *extra)
+        assert r.exit_code == 2, r.output
+        assert "revision 0099" in r.stderr and NEWER in r.stderr and "needs `moetune db upgrade`" not in r.output
+        assert r.stdout == ""
+
+
+def test_db_upgrade_and_downgrade_on_a_newer_database_refuse_cleanly(tmp_path: Path) -> None:
+    db = newer_db(tmp_path)
+    for args in (["db", "upgrade"], ["db", "upgrade", "--revision", "0005"], ["db", "downgrade", "0005", "--yes"]):
+        r = run(*args, "--db", str(db))
+        assert r.exit_code == 2, r.output
+        assert NEWER in r.stderr and "Can't locate revision" not in r.stderr, r.stderr
+        assert revision(db) == "0099"
+
+
+def test_db_upgrade_refuses_a_db_in_a_missing_folder(tmp_path: Path) -> None:
+    missing = tmp_path / "nonexistent"
+    r = run("db", "upgrade", "--db", str(missing / "m.db"), env={"MOETUNE_HOME": str(tmp_path / "home")})
+    assert r.exit_code == 2, r.output
+    assert f"the folder {missing} does not exist" in r.stderr
+    assert not missing.exists()
+
+
+def test_db_upgrade_refuses_a_configured_db_in_a_missing_folder(tmp_path: Path) -> None:
+    missing = tmp_path / "nonexistent" / "deeper"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[store]\ndb = "{missing / "moetune.db"}"\n')
+    r = run("db", "upgrade", "--config", str(cfg), env={"MOETUNE_HOME": str(tmp_path / "home")})
+    assert r.exit_code == 2, r.output
+    assert f"the folder {missing} does not exist" in r.stderr
+    assert not (tmp_path / "nonexistent").exists() and not (tmp_path / "home").exists()
+
+
+def test_the_default_home_is_still_created(tmp_path: Path) -> None:
+    home = tmp_path / "a" / "home"
+    r = run("db", "upgrade", env={"MOETUNE_HOME": str(home)})
+    assert r.exit_code == 0, r.output
+    assert (home / "moetune.db").is_file()
+    r = run("db", "current", "--json", env={"MOETUNE_HOME": str(home)})
+    assert json.loads(r.stdout)["revision"] == head_revision()
+
+
+def test_serve_refuses_a_db_in_a_missing_folder(tmp_path: Path) -> None:
+    """The daemon made the folder of any --db itself; it now leaves that to the store (its own data folder only)."""
+    missing = tmp_path / "nonexistent"
+    cmd = [sys.executable, "-c", "from moetune.tuner.cli import main; main()", "serve", "--db", str(missing / "m.db"),
+           "--socket", f"ipc://{tmp_path}/d.sock", "--capture", str(CAPTURE), "--rediscover-interval", "0"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                           env={"MOETUNE_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"serve started with its database in a folder it created: {missing}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"the folder {missing} does not exist" in r.stderr and "Traceback" not in r.stderr
+    assert not missing.exists()
