@@ -54,7 +54,7 @@ def test_bench_ep_fp8_pipelined_zipf_and_plain_baseline() -> None:
         (["--knobs", "pipeline_depth=99"], "pipeline_depth"),
         (["--knobs", "bogus=1"], "unknown knob"),
         (["--routing", "gauss"], "unknown routing"),
-        (["--world", "3", "--model", "custom:64,32,8,2"], "cannot be split"),
+        (["--world", "3", "--model", "custom:64,32,8,2"], "do not divide evenly over an EP group of 3"),
         (["--backend", "mpi"], "--backend"),
         (["--layout", "sparse"], "--layout"),
         (["--backend", "nccl"], "nccl"),

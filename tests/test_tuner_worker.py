@@ -89,7 +89,7 @@ def test_worker_protocol_matches_bench_ep_json() -> None:
     assert len(lines) == 1 + len(cases)
     assert "unknown knob 'bogus'" in by_id[2]["error"]
     assert "not a JSON case" in by_id[None]["error"]
-    assert "cannot be split evenly" in by_id[5]["error"]
+    assert "do not divide evenly over an EP group of" in by_id[5]["error"]
     ref = _cli_json("--world", "2", "--backend", "gloo", "--model", MODEL, "--tokens", "16", "--iters", "3",
                     "--warmup", "1", "--json")
     assert set(by_id[1]) == set(ref) | {"id"}

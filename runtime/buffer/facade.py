@@ -185,8 +185,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         self.dtype = dtype if dtype is not None else TORCH_DTYPES[model.dtype]
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"activation dtype must be bfloat16, float16 or float32, got {self.dtype}")
-        if model.experts % self.world:
-            raise ValueError(f"{model.experts} experts cannot be split evenly over {self.world} ranks")
+        model.check_ep(self.world)
         self.expected_tokens = expected_tokens if expected_tokens is not None else max_tokens
         self.resolution: Any = None  # the autoload Resolution (knobs=None), the same on every rank
         if knobs is None:

@@ -166,8 +166,10 @@ def ep(
                        "before NCCL initialises")
     if world < 1:
         _fail(f"--world must be >= 1, got {world}")
-    if shape.experts % world:
-        _fail(f"{shape.experts} experts cannot be split evenly over {world} ranks")
+    try:
+        shape.check_ep(world)
+    except ValueError as e:
+        _fail(f"--world {world}: {e}")
     if tokens < 0:
         _fail(f"--tokens must be >= 0, got {tokens}")
     if iters < 1 or warmup < 0:

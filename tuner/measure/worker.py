@@ -66,8 +66,7 @@ def case_config(case: dict[str, Any], world: int, backend: str) -> dict[str, Any
         raise ValueError(f"tokens must be >= 0, got {tokens}")
     if iters < 1 or warmup < 0:
         raise ValueError("iters must be >= 1 and warmup >= 0")
-    if shape.experts % world:
-        raise ValueError(f"{shape.experts} experts cannot be split evenly over {world} ranks")
+    shape.check_ep(world)
     if k.transport not in ("collective", "host_staged") and impl == "moetune":
         from moetune.runtime.transports.registry import available_transports
 

@@ -258,8 +258,7 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
         raise ValueError(f"ep_size {ep_size} is not divisible by nodes {nodes}")
     gpus_per_node = ep_size // nodes
     for m in models:
-        if m.experts % ep_size:
-            raise ValueError(f"{m.name}: {m.experts} experts do not divide evenly over an EP group of {ep_size}")
+        m.check_ep(ep_size)
     fams = family_names(facts)
     if families and "megakernel" in families:  # an engine family: asked for by name, on a node that can run it
         from moetune.tuner.fabric.facts import FabricFacts
