@@ -541,6 +541,7 @@ class ProfileClient:
                     curve_public_key, curve_secret_key = load_certificate(own_file)
                     if not curve_secret_key:
                         raise ValueError("it holds no secret key")
+                    _warn_loose_secret(own_file)
                 except (OSError, ValueError) as e:
                     self._refusal = f"this client's CURVE secret key file {own_file} is unusable ({e})"
             if self._refusal is None and curve_server_key is None and not allow_insecure_tcp:
@@ -1023,6 +1024,19 @@ def policy_or_default(family: str) -> tuple[Knobs, str]:
 def warn_fallback(message: str) -> None:
     warnings.warn(message, FallbackWarning, stacklevel=3)
     log.warning(message)
+
+
+def _warn_loose_secret(path: str) -> None:
+    """Warn (once per file) when this client's CURVE secret key could be read or changed by other users: whoever
+    reads it connects as this client (an admin key: may re-tune). A warning, not a refusal: the daemon enforces its
+    allow-list, and refusing here would only push the job onto its fallbacks without a word at the daemon."""
+    st = os.stat(path)
+    loose = stat.S_IMODE(st.st_mode) & 0o066
+    if loose or st.st_uid not in (os.geteuid(), 0):
+        _once.say_once("client.secret_key_mode", path,
+                       f"moetune: this client's CURVE secret key file {path} (mode {stat.S_IMODE(st.st_mode):o}, "
+                       f"owner uid {st.st_uid}) can be read or changed by other users: whoever reads it can connect "
+                       f"as this client (chmod 600 it, owned by this user)", logger=log)
 
 
 _ENV_WARNINGS = "client.env_mismatch"  # the _once scope of the env-mismatch warnings

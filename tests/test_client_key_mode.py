@@ -1,0 +1,45 @@
+"""The profile client warns when its own CURVE secret key file could be read or changed by other users."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import zmq.auth
+
+from moetune.runtime import _once
+from moetune.runtime.profiles.client import ProfileClient
+
+
+def _client(tmp: Path, mode: int) -> ProfileClient:
+    server_pub, _ = zmq.auth.create_certificates(str(tmp), "server")
+    _, client_secret = zmq.auth.create_certificates(str(tmp), "client")
+    os.chmod(client_secret, mode)
+    cfg = tmp / "moetune.toml"
+    cfg.write_text(f'[client]\nsocket = "tcp://127.0.0.1:9"\ncurve_server_key_file = "{server_pub}"\n'
+                   f'curve_secret_key_file = "{client_secret}"\n')
+    env = {"MOETUNE_CONFIG": str(cfg), "HOME": str(tmp), "XDG_CONFIG_HOME": str(tmp / "xdg")}
+    return ProfileClient(timeout_ms=100, env=env)
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
+def test_a_secret_key_others_can_read_or_change_is_warned_once(tmp_path: Path, mode: int,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    _once.reset()
+    with caplog.at_level(logging.WARNING, logger="moetune"):
+        c = _client(tmp_path, mode)
+        c.close()
+        c = _client(tmp_path, mode)  # same file again: said once per process
+        c.close()
+    said = [r.getMessage() for r in caplog.records if "can be read or changed by other users" in r.getMessage()]
+    assert len(said) == 1, said
+    assert f"mode {mode:o}" in said[0] and "client.key_secret" in said[0]
+
+
+def test_a_private_secret_key_is_not_warned(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _once.reset()
+    with caplog.at_level(logging.WARNING, logger="moetune"):
+        _client(tmp_path, 0o600).close()
+    assert not [r for r in caplog.records if "other users" in r.getMessage()]
