@@ -180,6 +180,7 @@ def check(
 ) -> None:
     """Check revision, schema drift, SQLite integrity and foreign keys; exit 1 when anything is off."""
     with open_store(db, config, mode="inspect") as store:
+        store.schema.refuse_newer(store.current_revision())  # not "NOT OK": a newer moetune's schema is not drift
         info = store.check()
     if json_out:
         print_json(info)
