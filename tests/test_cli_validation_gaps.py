@@ -1,15 +1,17 @@
 """Input checks a QA pass found missing: `query` with an EP size the model's experts do not divide, an imported
 profile key with such an EP size, `model predict -g 0`, `model sweep --values ""`, sweep rows that said n/a
 without a reason (and a matplotlib warning on the terminal), `status`/`retune` against a daemon that cannot answer
-(--json, a regular file as the socket, a TCP key the daemon refuses), and `retune`'s help text."""
+(--json, a regular file as the socket, a TCP key the daemon refuses), and stray line breaks in the help of every command (listings and descriptions)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from moetune.runtime.knobs import default_knobs
@@ -144,6 +146,19 @@ def test_model_sweep_plot_shows_no_python_warning(tmp_path: Path) -> None:
 
 
 # -- 6: command descriptions carry no stray line breaks of their docstrings -------------------------------------
+# Every group and every command of the app, walked rather than listed: a new command is checked without a test edit.
+def _walk(cmd=None, path: tuple[str, ...] = ()):
+    cmd = typer.main.get_command(app) if cmd is None else cmd
+    yield path, cmd
+    for name, sub in sorted(getattr(cmd, "commands", {}).items()):
+        if not sub.hidden:
+            yield from _walk(sub, (*path, name))
+
+
+GROUPS = [path for path, cmd in _walk() if isinstance(cmd, typer.core.TyperGroup)]
+COMMANDS = [(path, cmd) for path, cmd in _walk() if path and cmd.help]
+
+
 def _listing(*group: str) -> list[str]:
     r = CliRunner().invoke(app, [*group, "--help"], env={"COLUMNS": "400"})
     assert r.exit_code == 0, r.output
@@ -151,19 +166,24 @@ def _listing(*group: str) -> list[str]:
     return [line for line in panel.splitlines()[1:] if line.strip("│ ")]
 
 
-@pytest.mark.parametrize("group", [(), ("model",)])
+def test_every_group_is_walked() -> None:
+    assert {(), ("model",), ("keys",), ("bench",), ("tune",), ("db",)} <= set(GROUPS), GROUPS
+
+
+@pytest.mark.parametrize("group", GROUPS, ids=lambda g: " ".join(g) or "moetune")
 def test_command_listing_has_one_line_per_command(group: tuple[str, ...]) -> None:
     rows = _listing(*group)
     # a row that does not start with a command name continues the one above: a line break of its docstring
     assert all(line.startswith("│ ") and line[2] != " " for line in rows), "\n".join(rows)
 
 
-@pytest.mark.parametrize("cmd", [("retune",), ("model", "calibrate")])
-def test_help_description_is_wrapped_by_the_terminal_only(cmd: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(("cmd", "command"), COMMANDS, ids=[" ".join(p) for p, _ in COMMANDS])
+def test_help_description_is_wrapped_by_the_terminal_only(cmd: tuple[str, ...], command) -> None:
     r = CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": "400"})
     desc = r.output.split("Usage:")[1].split("╭")[0]
     lines = [line.strip() for line in desc.splitlines()[1:] if line.strip()]
-    assert len(lines) == 2, lines  # two paragraphs, each on one line at 400 columns
+    paragraphs = [p for p in inspect.cleandoc(command.help).split("\n\n") if p.strip()]
+    assert len(lines) == len(paragraphs), lines  # each paragraph on one line at 400 columns
 
 
 # -- 5: status/retune say what kept the daemon from answering (once; as JSON with --json) -----------------------

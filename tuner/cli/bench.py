@@ -370,9 +370,10 @@ def knobs_side_by_side(
     seed: int = _seed_opt(),
     as_json: bool = _json_opt(),
 ) -> None:
-    """Knob sets of the MoE layer side by side in one process, interleaved call by call, with each variant's
-    per-round difference to the base (the drift between rounds cancels in it). Single graph replays and chains of
-    --chain forwards (a setting that changes what one layer leaves the next shows in its own chain)."""
+    # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
+    """Knob sets of the MoE layer side by side in one process, interleaved call by call, with each variant's per-round difference to the base.
+
+    The drift between rounds cancels in that difference. Single graph replays and chains of --chain forwards (a setting that changes what one layer leaves the next shows in its own chain)."""
     from moetune.runtime import KnobError, Knobs, get_model
     from moetune.tuner.measure import moe_compare as MC
 

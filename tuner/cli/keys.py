@@ -79,8 +79,8 @@ def generate(
     force: bool = typer.Option(False, "--force", help="Overwrite existing keys."),
     json_out: bool = typer.Option(False, "--json", help="Print the paths as JSON."),
 ) -> None:
-    """Generate a CURVE key pair (files 0600). Point daemon.curve_secret_key_file at NAME.key_secret; give
-    clients NAME.key (the server's public key)."""
+    # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
+    """Generate a CURVE key pair (files 0600). Point daemon.curve_secret_key_file at NAME.key_secret; give clients NAME.key (the server's public key)."""
     try:
         public, secret = generate_keys(directory, name, force=force)
     except (OSError, ValueError) as e:

@@ -443,8 +443,10 @@ def show(
     config: Path = typer.Option(None, "--config", help="TOML config file (for the default database)."),
     as_json: bool = typer.Option(False, "--json", help="JSON output."),
 ) -> None:
-    """Summarise the studies (or one study: best setting, speed-up over the default, importances). Reads only:
-    the storage is opened read-only and one without Optuna's tables is refused, never given them."""
+    # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
+    """Summarise the studies (or one study: best setting, speed-up over the default, importances); reads only.
+
+    The storage is opened read-only and one without Optuna's tables is refused, never given them."""
     import warnings
 
     from moetune.tuner.search.study import describe_study, list_studies
