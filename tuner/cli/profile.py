@@ -17,19 +17,56 @@ from moetune.tuner.cli.db import abort
 _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
 
 
+def _out_dir_problem(path: Path) -> str | None:
+    """Why the report folder `path` cannot be written (None when it can): it is not a directory, or it (or, when it
+    does not exist yet, the nearest folder above it) is not a writable directory."""
+    if path.exists():
+        if not path.is_dir():
+            return "exists and is not a directory (the report is a folder: report.md and its plots)"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return "not writable"
+        return None
+    above = nearest_existing(path.parent)
+    if not above.is_dir():
+        return f"cannot create it, {above} is not a directory"
+    if not os.access(above, os.W_OK | os.X_OK):
+        return f"cannot create it, {above} is not writable"
+    return None
+
+
 def _check_out_dir(path: Path, option: str) -> None:
     """Exit 2 naming the option unless the report folder `path` is a directory or can be made: checked before any
     work, so a long bring-up does not end on a FileExistsError."""
-    if path.exists():
-        if not path.is_dir():
-            _fail(f"{option} {path}: exists and is not a directory (the report is a folder: report.md and "
-                  "its plots)")
-        return
-    above = nearest_existing(path.parent)
-    if not above.is_dir():
-        _fail(f"{option} {path}: cannot create it, {above} is not a directory")
-    if not os.access(above, os.W_OK | os.X_OK):
-        _fail(f"{option} {path}: cannot create it, {above} is not writable")
+    problem = _out_dir_problem(path)
+    if problem is not None:
+        _fail(f"{option} {path}: {problem}")
+
+
+# `moetune report`'s folder when the one beside the database cannot be written (a shared, read-only database)
+CWD_REPORT = "moetune-report"
+
+
+def _default_report_dir(db_path: Path) -> Path:
+    """report/ beside the database; when that cannot be written (a database the user may read but not write, as
+    /var/lib/moetune owned by the daemon's user), ./moetune-report/ with a note saying why; else exit 2 naming
+    both and --out."""
+    beside = db_path.parent / "report"
+    problem = _out_dir_problem(beside)
+    if problem is None:
+        return beside
+    try:
+        fallback = Path.cwd() / CWD_REPORT
+    except OSError:  # the current directory was removed
+        fallback, why = Path(CWD_REPORT), "the current directory no longer exists"
+    else:
+        why = _out_dir_problem(fallback)
+    if why is not None:
+        _fail(f"cannot write the report beside the database ({beside}: {problem}) nor to {fallback} ({why}): "
+              "pass --out DIR")
+    Console(stderr=True, highlight=False, soft_wrap=True).print(
+        f"note: report folder {beside}: {problem}; writing the report to {fallback} instead (--out DIR to choose)",
+        markup=False)
+    return fallback
 
 
 def _open(db: Path | None, config: Path | None, *, readonly: bool = False):
@@ -142,7 +179,7 @@ def profile(
 def report(
     db: Path | None = typer.Option(None, "--db", help="Profile database."),
     config: Path | None = typer.Option(None, "--config", help="Extra config file."),
-    out: Path | None = typer.Option(None, "--out", help="Output directory (default: report/ beside the database)."),
+    out: Path | None = typer.Option(None, "--out", help="Output directory (default: report/ beside the database; ./moetune-report/ when that cannot be written)."),
     capture: Path | None = typer.Option(None, "--capture", help="Report on the node a capture describes."),
 ) -> None:
     """Write the bring-up report (Markdown + PNG plots) of this node from the database."""
@@ -157,7 +194,7 @@ def report(
         facts = discover(capture)
     except DiscoveryError as e:
         _fail(str(e))
-    dest = out or Path(store.path).parent / "report"
+    dest = out or _default_report_dir(Path(store.path))
     try:
         path = report_from_store(store, facts, dest)
     except OSError as e:  # the folder vanished, a full disk, a plot file we may not replace
