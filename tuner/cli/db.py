@@ -178,7 +178,7 @@ def check(
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
-    """Check revision, schema drift, SQLite integrity and foreign keys; exit 1 when anything is off."""
+    """Check revision, schema drift, SQLite integrity and foreign keys; exit 1 when anything is off, 2 on a newer moetune's database."""
     with open_store(db, config, mode="inspect") as store:
         store.schema.refuse_newer(store.current_revision())  # not "NOT OK": a newer moetune's schema is not drift
         info = store.check()
