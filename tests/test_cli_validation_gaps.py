@@ -251,7 +251,9 @@ def test_status_says_the_daemon_refused_this_clients_key(tmp_path: Path, curve_d
             home=tmp_path / "h")
     no_traceback(r)
     assert r.exit_code == 1, r.output
-    why = f"the daemon at {endpoint} refused this client's key (not on its allow-list?)"
+    why = (f"the daemon at {endpoint} refused this client's key (not on its allow-list?)" if who == "unlisted" else
+           f"the daemon at {endpoint} refused this client: it has no CURVE key of its own (set "
+           "client.curve_secret_key_file to a key on the daemon's allow-list: `moetune keys client`)")
     if json_out:
         assert json.loads(r.stdout) == {"ok": False, "error": why}
     else:

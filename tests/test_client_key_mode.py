@@ -43,3 +43,25 @@ def test_a_private_secret_key_is_not_warned(tmp_path: Path, caplog: pytest.LogCa
     with caplog.at_level(logging.WARNING, logger="moetune"):
         _client(tmp_path, 0o600).close()
     assert not [r for r in caplog.records if "other users" in r.getMessage()]
+
+
+def test_the_cli_still_shows_the_loose_key_warning(tmp_path: Path) -> None:
+    """`status` drops the client's "not connecting" log line (it reports the reason itself), never its other
+    warnings: a secret key readable by others must reach the user."""
+    import subprocess
+    import sys
+
+    server_pub, _ = zmq.auth.create_certificates(str(tmp_path), "server")
+    _, client_secret = zmq.auth.create_certificates(str(tmp_path), "client")
+    os.chmod(client_secret, 0o644)
+    cfg = tmp_path / "client.toml"
+    cfg.write_text(f'[client]\nsocket = "tcp://127.0.0.1:9"\ncurve_server_key_file = "{server_pub}"\n'
+                   f'curve_secret_key_file = "{client_secret}"\n')
+    home = tmp_path / "h"
+    env = dict(os.environ, MOETUNE_HOME=str(home), HOME=str(home), XDG_CONFIG_HOME=str(home / "cfg"),
+               MOETUNE_CONFIG="", COLUMNS="200")
+    r = subprocess.run([sys.executable, "-c", "import sys; from moetune.tuner.cli import main; sys.exit(main())",
+                        "status", "--config", str(cfg), "--timeout-ms", "200"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "can be read or changed by other users" in " ".join(r.stderr.split()), r.stderr

@@ -551,9 +551,11 @@ class ProfileClient:
                 self._refusal = "allow_insecure_tcp covers loopback addresses only: refusing plain-text TCP"
             if self._refusal is not None:
                 log.warning("moetune: not connecting to %s: %s", self.endpoint, self._refusal)
+        self._ephemeral_key = False  # no key of its own: a fresh pair no daemon's allow-list can hold
         if curve_server_key is not None:
             if curve_public_key is None or curve_secret_key is None:
                 curve_public_key, curve_secret_key = zmq.curve_keypair()
+                self._ephemeral_key = True
             self._curve = tuple(k.encode() if isinstance(k, str) else k for k in (curve_server_key, curve_public_key, curve_secret_key))
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
@@ -671,6 +673,10 @@ class ProfileClient:
                 return _decode_result(op, rep.result)
             self._reset()  # Lazy Pirate: never reuse a socket that timed out
         if self._key_refused:
+            if self._ephemeral_key:
+                raise DaemonUnavailable(f"the daemon at {self.endpoint} refused this client: it has no CURVE key of its "
+                                        "own (set client.curve_secret_key_file to a key on the daemon's allow-list: "
+                                        "`moetune keys client`)")
             raise DaemonUnavailable(f"the daemon at {self.endpoint} refused this client's key (not on its allow-list?)")
         raise DaemonUnavailable(f"no reply from the daemon at {self.endpoint} within {budget * 1000:.0f} ms")
 

@@ -7,6 +7,7 @@ runtime uses: daemon -> read-only database -> policy defaults) and says where th
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -54,8 +55,6 @@ def check_timeout_ms(timeout_ms: int | None) -> None:
 
 
 def make_client(socket: str | None, config: Path | None, timeout_ms: int | None, db: Path | None = None) -> Any:
-    import logging
-
     from moetune.runtime.profiles.client import ProfileClient
     from moetune.runtime.profiles.client import log as client_log
     from moetune.tuner.cli.db import fail
@@ -77,14 +76,19 @@ def make_client(socket: str | None, config: Path | None, timeout_ms: int | None,
         except (OSError, ValueError) as e:
             raise fail(f"daemon.curve_public_key_file {key_file}: not a usable CURVE public key file ({e})") from None
     # the client logs why it will not connect (a tcp:// endpoint without the daemon's key) and raises the same
-    # reason on use, where every command says it: once is enough for a CLI user
-    level = client_log.level
-    client_log.setLevel(logging.ERROR)
+    # reason on use, where every command says it: once is enough for a CLI user. Only that record is dropped:
+    # the client's other warnings (its own secret key readable by others) must still reach the user.
+    client_log.addFilter(_drop_connect_refusal)
     try:
         return ProfileClient(endpoint, timeout_ms=timeout_ms or cfg.client.timeout_ms,
                              curve_server_key=server_key, db_path=db or Path(cfg.store.db), env=env)
     finally:
-        client_log.setLevel(level)
+        client_log.removeFilter(_drop_connect_refusal)
+
+
+def _drop_connect_refusal(record: logging.LogRecord) -> bool:
+    """False for the client's "not connecting to ENDPOINT: why" record (the command reports the same reason)."""
+    return not record.getMessage().startswith("moetune: not connecting to ")
 
 
 def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms: int, json_out: bool = False,
