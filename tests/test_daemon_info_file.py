@@ -119,9 +119,13 @@ def test_a_failed_start_up_writes_no_daemon_json(tmp_path: Path) -> None:
         live.stop()
 
 
-def test_a_start_up_failing_after_daemon_json_removes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_start_up_failing_late_keeps_the_previous_daemon_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart that fails late in start-up (a taken --metrics-port) leaves the previous run's daemon.json (the
+    runtime's fallback cache: database and fingerprint) and its owner record as they were; no socket stays."""
     run = _run(tmp_path)
-    _daemon(tmp_path).start(background=True).stop()  # an earlier run's file: replaced by the failing start
+    _daemon(tmp_path).start(background=True).stop()  # an earlier clean run: daemon.json says running false
+    info, record = run / "daemon.json", run / ".daemon.json.moetune-owner"
+    before, before_record = info.read_bytes(), record.read_bytes()
 
     def no_port(*_a: Any, **_k: Any) -> Any:
         raise OSError(98, "Address already in use")
@@ -130,7 +134,16 @@ def test_a_start_up_failing_after_daemon_json_removes_it(tmp_path: Path, monkeyp
     d = _daemon(tmp_path, metrics_port=9)
     with pytest.raises(OSError, match="in use"):
         d.start()
-    assert list(run.iterdir()) == []  # sockets, daemon.json and their records gone
+    assert sorted(p.name for p in run.iterdir()) == sorted([info.name, record.name])  # no socket left
+    assert info.read_bytes() == before and record.read_bytes() == before_record
+    assert _info(run)["running"] is False and _info(run)["db"] == str(tmp_path / "moetune.db")
+    # and the next clean start replaces it as its own
+    monkeypatch.undo()
+    d = _daemon(tmp_path).start(background=True)
+    try:
+        assert _info(run)["running"] is True and _info(run)["epoch"] == d.epoch
+    finally:
+        d.stop()
 
 
 def test_daemon_process_keeps_the_users_file(tmp_path: Path) -> None:

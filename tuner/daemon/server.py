@@ -586,7 +586,6 @@ class Daemon(FabricWatch):
             self._resume(self._recover())
             self._startup_discovery()
             self._rebuild()
-            self._write_info(running=True)
             if self.metrics_port:
                 self._metrics_server = start_metrics_server(self.metrics, self.metrics_port, self.metrics_addr)
             self.jobs.start()
@@ -598,6 +597,9 @@ class Daemon(FabricWatch):
                 t = threading.Thread(target=self._discovery_loop, name="moetune-discovery", daemon=True)
                 t.start()
                 self._threads.append(t)
+            # last: a start-up that fails before this point leaves the previous run's daemon.json (the runtime's
+            # fallback cache: database and fingerprint) and its owner record as they were
+            self._write_info(running=True)
         except BaseException:  # close what was opened (a daemon.json we wrote included), then re-raise
             self._close()
             raise
