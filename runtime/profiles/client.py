@@ -575,11 +575,24 @@ class ProfileClient:
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             s = self._ctx.socket(zmq.DEALER)
-            s.linger = 0
-            self._secure(s)
-            if self._curve:
-                self._mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-            s.connect(self.endpoint)
+            try:
+                s.linger = 0
+                self._secure(s)
+                if self._curve:
+                    # A name of its own: pyzmq's default (inproc://monitor.s-<fd>) can still be bound by the monitor
+                    # of a socket just closed on a retry when the new socket gets the same fd.
+                    try:
+                        self._mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                                                         addr=f"inproc://moetune-client-monitor-{next(_MONITOR_IDS)}")
+                    except zmq.ZMQError:
+                        self._mon = None  # only the refused-key wording is lost: "no reply" is said instead
+                s.connect(self.endpoint)
+            except BaseException:
+                if self._mon is not None:
+                    self._mon.close(linger=0)
+                    self._mon = None
+                s.close(linger=0)
+                raise
             self._sock = s
         return self._sock
 
@@ -1044,6 +1057,8 @@ def _warn_loose_secret(path: str) -> None:
                        f"owner uid {st.st_uid}) can be read or changed by other users: whoever reads it can connect "
                        f"as this client (chmod 600 it, owned by this user)", logger=log)
 
+
+_MONITOR_IDS = itertools.count()  # one inproc name per monitor socket in this process
 
 _ENV_WARNINGS = "client.env_mismatch"  # the _once scope of the env-mismatch warnings
 
