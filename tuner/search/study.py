@@ -5,7 +5,8 @@
   counts from link bandwidth), then the best settings of the previous token bucket of the same shape.
 - Storage: Optuna's own RDB storage, never the profile database. SQLite by default (a file next to the
   store, WAL) — processes of one host may share a study (the daemon's re-tune and a `moetune tune`): every
-  process registers itself in the study before it asks for a trial, and opening a study fails only the
+  process registers itself in the study before it asks for a trial (and leaves when done), a trial records
+  its worker as Optuna creates it (the sampler's `before_trial`), and opening a study fails only the
   running trials no live process can own (`fail_interrupted`); the schema is created under a file lock
   beside the file (two first runs at once). `--storage postgresql://...` lets several nodes share a study
   (heartbeats fail the trials of a worker that died). `tune show` opens a storage read-only
@@ -31,6 +32,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import inspect
 import json
@@ -60,6 +63,7 @@ from moetune.tuner.search.backends import (
     TuneWorkload,
 )
 from moetune.tuner.search.space import SearchSpace
+from moetune.tuner.store._tables import OPTUNA_TABLES  # the one rule of what makes an Optuna file
 
 log = logging.getLogger("moetune.tuner.search.study")
 
@@ -71,6 +75,15 @@ _REGISTERED_AT = datetime.now()  # before this process asks for any trial (Optun
 WORKER_KEY = "worker:"  # study system attr `worker:host:pid` -> {"run": id, "since": ISO time}
 # A worker's registration and a trial's start are read off one host's clock: a little slack for a clock step.
 CLOCK_SLACK = timedelta(seconds=2)
+# A RUNNING trial without a `worker` attr: its creator records itself in the sampler's `before_trial`, right after
+# Optuna creates the trial. One older than this lost its creator in between (a process that died): it is failed
+# even while other registered workers live (the daemon is one for weeks).
+FRESH_TRIAL = timedelta(seconds=60)
+
+
+def _now() -> datetime:
+    """Local, naive: the clock of Optuna's datetime_start."""
+    return datetime.now()
 
 
 def current_worker() -> str:
@@ -187,9 +200,6 @@ class NotAStudiesFile(ValueError):
     """A storage `open_readonly_storage` refuses: it holds no Optuna schema."""
 
 
-OPTUNA_TABLES = ("studies", "trials", "version_info")  # what every Optuna RDB storage holds
-
-
 def open_readonly_storage(url: str) -> optuna.storages.RDBStorage:
     """The storage for reading studies back (`tune show`): it never creates a table, a file or a version stamp,
     and a file or database without Optuna's tables is refused (NotAStudiesFile) instead of being given them."""
@@ -198,18 +208,29 @@ def open_readonly_storage(url: str) -> optuna.storages.RDBStorage:
     if path is not None and str(path) != ":memory:":
         if not path.is_file():
             raise NotAStudiesFile(f"{path} does not exist" if not path.exists() else f"{path} is not a file")
-        from urllib.parse import quote
+        import sqlalchemy
+        from sqlalchemy.pool import NullPool
 
-        ro = f"file:{quote(str(path.resolve()))}?mode=ro"
-        con = sqlite3.connect(ro, uri=True, timeout=30)
-        try:
-            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        finally:
-            con.close()
+        from moetune.runtime.profiles import sqlite_open
+
+        # The store's read-only opener (mode=ro; immutable=1 only where a folder we may not write has no -shm and no
+        # -wal/-journal holds changes: the daemon's studies file while it is down). SQLite refuses any write to it.
+        path = path.resolve()
+        tables = sqlite_open.read(path, lambda con: {r[0] for r in con.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'")}, timeout_s=30)
         _need_tables(str(path), tables)
-        # mode=ro: SQLite itself refuses any write to the file
-        return optuna.storages.RDBStorage(f"sqlite:///{ro}&uri=true", engine_kwargs={"connect_args": {"timeout": 30}},
-                                          skip_table_creation=True)
+        # NullPool: every session opens anew, so the choice and the guard are made per read, never kept from the first
+        st = optuna.storages.RDBStorage(
+            f"sqlite:///{path}", skip_table_creation=True,
+            engine_kwargs={"creator": lambda: sqlite_open.connect_readonly(path, timeout_s=30), "poolclass": NullPool})
+
+        @sqlalchemy.event.listens_for(st.engine, "handle_error")
+        def _changed(ctx: Any) -> None:  # a page torn by a writer under immutable=1 is not "malformed": say so
+            raw = getattr(getattr(ctx.connection, "connection", None), "driver_connection", None)
+            if isinstance(raw, sqlite_open.ReadOnlyConnection):
+                raw.check_unchanged()
+
+        return st
     import sqlalchemy
 
     engine = sqlalchemy.create_engine(url, **({"pool_pre_ping": True} if not is_sqlite(url) else {}))
@@ -264,11 +285,15 @@ def _storage_id(storage: optuna.storages.BaseStorage) -> str:
 
 
 class _Sampler(optuna.samplers.TPESampler):
-    """TPE that notes each trial this process asks for (Optuna calls `before_trial` from `ask`): a RUNNING trial
-    without a `worker` attr yet is this process's own when it is noted here."""
+    """TPE that records whose trial it is as soon as Optuna has created it: `before_trial` runs in
+    `Trial.__init__` (from `ask`), before any parameter is sampled, and writes the trial's `worker` attr through
+    the storage. A RUNNING trial without one is then a trial whose creator died between Optuna's create and this
+    hook (or this process's own within that instant: noted in `_ASKED`)."""
 
     def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         _ASKED.add((_storage_id(study._storage), trial._trial_id))
+        if "worker" not in trial.user_attrs:
+            study._storage.set_trial_user_attr(trial._trial_id, "worker", current_worker())
         super().before_trial(study, trial)
 
 
@@ -313,51 +338,115 @@ def _worker_alive(worker: Any) -> bool:
     return True
 
 
-def register_worker(study: optuna.Study) -> None:
-    """Record this process in the study before it asks for a trial. Optuna creates a trial RUNNING (and runs the
-    sampler) before the objective can set its `worker` attr: a process opening the study in between must see
-    that a live process may own that trial. One key per host:pid (a reused pid overwrites a dead one's)."""
+# (storage, study id) -> (storage, study id) of every study this process registered in and has not left yet
+_REGISTERED: dict[tuple[str, int], tuple[optuna.storages.BaseStorage, int]] = {}
+_REGISTRIES: set[tuple[str, int]] = set()  # every study this process has registered in (a study with a registry)
+
+
+def _registration() -> tuple[str, dict[str, str]]:
+    """This process's key and value in a study's worker registry."""
     host, pid, run = current_worker().split(":")
-    study._storage.set_study_system_attr(study._study_id, f"{WORKER_KEY}{host}:{pid}",
-                                         {"run": run, "since": _REGISTERED_AT.isoformat()})
+    return f"{WORKER_KEY}{host}:{pid}", {"run": run, "since": _REGISTERED_AT.isoformat()}
+
+
+def register_worker(study: optuna.Study) -> None:
+    """Record this process in the study before it asks for a trial. Optuna creates a trial RUNNING before the
+    sampler's `before_trial` records its `worker`: a process opening the study in that instant must see that a
+    live process may own the trial. One key per host:pid (a reused pid overwrites a dead one's). Removed again
+    when this process is done with the study (`unregister_worker`: the end of `run_study`, else at exit)."""
+    key, value = _registration()
+    study._storage.set_study_system_attr(study._study_id, key, value)
+    if not _REGISTERED:
+        atexit.register(_unregister_all)
+    _REGISTERED[(_storage_id(study._storage), study._study_id)] = (study._storage, study._study_id)
+    _REGISTRIES.add((_storage_id(study._storage), study._study_id))
+
+
+def _delete_registration(storage: optuna.storages.BaseStorage, study_id: int, key: str, value: Any) -> bool:
+    """Delete worker registration `key` of the study if it still holds `value` (a live process that has just
+    registered under the same host:pid is left alone). Optuna has no call to delete a study attr: a plain DELETE
+    on its standard table, on an RDB storage only."""
+    import sqlalchemy
+
+    backend = getattr(storage, "_backend", storage)
+    if not isinstance(backend, optuna.storages.RDBStorage):
+        return False
+    with backend.engine.begin() as conn:
+        n = conn.execute(sqlalchemy.text("DELETE FROM study_system_attributes WHERE study_id = :s AND key = :k "
+                                         "AND value_json = :v"),
+                         {"s": study_id, "k": key, "v": json.dumps(value)}).rowcount
+    return bool(n)
+
+
+def unregister_worker(study: optuna.Study) -> None:
+    """Remove this process's registration from the study (it asks for no more trials of it). Best effort: one
+    left behind (a process killed) is deleted by the next `fail_interrupted` on this host."""
+    _leave(study._storage, study._study_id)
+
+
+def _leave(storage: optuna.storages.BaseStorage, study_id: int) -> None:
+    if _REGISTERED.pop((_storage_id(storage), study_id), None) is None:
+        return
+    key, value = _registration()
+    try:
+        _delete_registration(storage, study_id, key, value)
+    except Exception as e:  # broad: never fail a run (or its Ctrl-C) over a registration fail_interrupted cleans
+        log.debug("could not remove this process's worker registration from study %s: %s", study_id, e)
+
+
+def _unregister_all() -> None:
+    """At exit (a normal end, or one by an exception or Ctrl-C): every registration this process still holds."""
+    for storage, study_id in list(_REGISTERED.values()):
+        _leave(storage, study_id)
 
 
 def _live_registrations(study: optuna.Study) -> list[datetime]:
-    """When each live registered worker of the study, other than this process, registered."""
+    """When each live registered worker of the study, other than this process, registered. A registration of
+    this host whose process is gone is deleted (another host's cannot be checked: it is kept)."""
     out = []
-    me = WORKER_KEY + current_worker().rsplit(":", 1)[0]
+    me = _registration()[0]
+    host = socket.gethostname()
     for k, v in study._storage.get_study_system_attrs(study._study_id).items():
-        if not k.startswith(WORKER_KEY) or k == me or not isinstance(v, dict):
+        if not k.startswith(WORKER_KEY) or k == me:
             continue  # this process's own trials are known by `_ASKED`
-        try:
-            since = datetime.fromisoformat(str(v.get("since")))
-        except ValueError:
-            continue
-        if _worker_alive(f"{k[len(WORKER_KEY):]}:{v.get('run')}"):
+        name = k[len(WORKER_KEY):]
+        since = None
+        if isinstance(v, dict):
+            with contextlib.suppress(ValueError):
+                since = datetime.fromisoformat(str(v.get("since")))
+        if since is not None and _worker_alive(f"{name}:{v.get('run')}"):
             out.append(since)
+        elif name.split(":")[0] == host:
+            try:
+                _delete_registration(study._storage, study._study_id, k, v)
+            except Exception as e:  # broad: a registration left behind costs one os.kill per opening, no more
+                log.debug("could not delete the worker registration %s of a process that is gone: %s", k, e)
     return out
 
 
 def _maybe_owned(study: optuna.Study, t: optuna.trial.FrozenTrial, live: list[datetime]) -> bool:
     """Whether a live process may own RUNNING trial `t`. With a `worker` attr: that process is alive. Without one
-    (a trial between Optuna's ask and the objective's first line): this process asked for it, or another live
-    worker registered before it started."""
+    (its creator had not yet reached the sampler's `before_trial`): this process asked for it, or the trial is
+    fresh (FRESH_TRIAL) and another live worker registered before it started."""
     if "worker" in t.user_attrs:
         return _worker_alive(t.user_attrs["worker"])
     if (_storage_id(study._storage), t._trial_id) in _ASKED:
         return True
     start = t.datetime_start
-    return start is not None and any(since <= start + CLOCK_SLACK for since in live)
+    if start is None or _now() - start > FRESH_TRIAL:
+        return False
+    return any(since <= start + CLOCK_SLACK for since in live)
 
 
 def fail_interrupted(study: optuna.Study) -> int:
     """Register this process, then mark FAIL the RUNNING trials no live process can own. A live one's are left
     alone: two processes may open one SQLite study (the daemon's re-tune and a `moetune tune`), and failing the
     other's running trial made it crash on its result ("Cannot tell a COMPLETE trial") and lose the measurement;
-    that included a trial so fresh that its objective had not yet recorded its worker."""
+    that included a trial so fresh that its creator had not yet recorded its worker. Registrations of this host's
+    processes that are gone are deleted."""
     register_worker(study)
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    live = _live_registrations(study) if running else []
+    live = _live_registrations(study)
     n = 0
     for t in running:
         if _maybe_owned(study, t, live):
@@ -478,7 +567,8 @@ class _Objective:
             raise
 
     def _run(self, trial: optuna.Trial) -> float:
-        trial.set_user_attr("worker", current_worker())  # first: whoever opens the study sees whose trial it is
+        if not isinstance(trial.study.sampler, _Sampler):  # ours recorded it before sampling (`before_trial`)
+            trial.set_user_attr("worker", current_worker())  # first: whoever opens the study sees whose trial it is
         knobs = self.space.suggest(trial)
         trial.set_user_attr("knobs", knobs.to_dict())
         ok, why = self.space.feasible(knobs)
@@ -573,10 +663,17 @@ def run_study(study: optuna.Study, space: SearchSpace, backend: BenchmarkBackend
     remaining = trials - finished_trials(study)
     if remaining > 0 and (timeout_s is None or timeout_s > 0):
         objective = _Objective(space, backend, workload, prune, cross=cross)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            study.optimize(objective, n_trials=remaining, timeout=timeout_s,
-                           callbacks=[_BudgetCallback(trials), *callbacks], gc_after_trial=False)
+        registry = (_storage_id(study._storage), study._study_id) in _REGISTRIES
+        if registry:
+            register_worker(study)  # again when an earlier run_study on this study object left it
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.optimize(objective, n_trials=remaining, timeout=timeout_s,
+                               callbacks=[_BudgetCallback(trials), *callbacks], gc_after_trial=False)
+        finally:  # done asking (or interrupted): this process leaves the study's worker registry
+            if registry:
+                unregister_worker(study)
     return summarize_study(study, space, workload)
 
 
