@@ -63,7 +63,6 @@ from moetune.tuner.search.backends import (
     TuneWorkload,
 )
 from moetune.tuner.search.space import SearchSpace
-from moetune.tuner.store._tables import OPTUNA_TABLES  # the one rule of what makes an Optuna file
 
 log = logging.getLogger("moetune.tuner.search.study")
 
@@ -200,6 +199,9 @@ class NotAStudiesFile(ValueError):
     """A storage `open_readonly_storage` refuses: it holds no Optuna schema."""
 
 
+OPTUNA_TABLES = ("studies", "trials", "version_info")  # what every Optuna RDB storage holds
+
+
 def open_readonly_storage(url: str) -> optuna.storages.RDBStorage:
     """The storage for reading studies back (`tune show`): it never creates a table, a file or a version stamp,
     and a file or database without Optuna's tables is refused (NotAStudiesFile) instead of being given them."""
@@ -208,29 +210,18 @@ def open_readonly_storage(url: str) -> optuna.storages.RDBStorage:
     if path is not None and str(path) != ":memory:":
         if not path.is_file():
             raise NotAStudiesFile(f"{path} does not exist" if not path.exists() else f"{path} is not a file")
-        import sqlalchemy
-        from sqlalchemy.pool import NullPool
+        from urllib.parse import quote
 
-        from moetune.runtime.profiles import sqlite_open
-
-        # The store's read-only opener (mode=ro; immutable=1 only where a folder we may not write has no -shm and no
-        # -wal/-journal holds changes: the daemon's studies file while it is down). SQLite refuses any write to it.
-        path = path.resolve()
-        tables = sqlite_open.read(path, lambda con: {r[0] for r in con.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table'")}, timeout_s=30)
+        ro = f"file:{quote(str(path.resolve()))}?mode=ro"
+        con = sqlite3.connect(ro, uri=True, timeout=30)
+        try:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
         _need_tables(str(path), tables)
-        # NullPool: every session opens anew, so the choice and the guard are made per read, never kept from the first
-        st = optuna.storages.RDBStorage(
-            f"sqlite:///{path}", skip_table_creation=True,
-            engine_kwargs={"creator": lambda: sqlite_open.connect_readonly(path, timeout_s=30), "poolclass": NullPool})
-
-        @sqlalchemy.event.listens_for(st.engine, "handle_error")
-        def _changed(ctx: Any) -> None:  # a page torn by a writer under immutable=1 is not "malformed": say so
-            raw = getattr(getattr(ctx.connection, "connection", None), "driver_connection", None)
-            if isinstance(raw, sqlite_open.ReadOnlyConnection):
-                raw.check_unchanged()
-
-        return st
+        # mode=ro: SQLite itself refuses any write to the file
+        return optuna.storages.RDBStorage(f"sqlite:///{ro}&uri=true", engine_kwargs={"connect_args": {"timeout": 30}},
+                                          skip_table_creation=True)
     import sqlalchemy
 
     engine = sqlalchemy.create_engine(url, **({"pool_pre_ping": True} if not is_sqlite(url) else {}))
