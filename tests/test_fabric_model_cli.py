@@ -137,3 +137,35 @@ def test_calibrate_nic_line_rate_option(tmp_path: Path) -> None:
     assert r.exit_code == 1 and "line rate 12.5 GB/s" in " ".join(r.output.split()), r.output
     r = runner.invoke(app, [*base, "--nic-line-rate", "-1"])
     assert r.exit_code == 2 and "--nic-line-rate must be a positive number" in r.output
+
+
+def test_predict_layout_option() -> None:
+    """--layout auto|packed|dense: Workload(dense=None/False/True) for the collective transports. nvlink-h200x2,
+    qwen3-30b S=4096, EP 2: the runtime's rule runs dense there, so auto and dense agree and packed differs."""
+    base = ["model", "predict", "-p", "nvlink-h200x2", "-t", "4096", "-k", "transport=collective", "--json"]
+    got = {}
+    for layout in ("auto", "packed", "dense"):
+        r = runner.invoke(app, [*base, "--layout", layout])
+        assert r.exit_code == 0, r.output
+        d = json.loads(r.output)
+        assert d["workload"]["layout"] == layout and d["label"] == "MODELLED"
+        got[layout] = d["dispatch_us"]
+    assert got["auto"] == got["dense"] != got["packed"]
+    assert "dispatch.counts" in json.loads(runner.invoke(app, [*base, "--layout", "packed"]).output)["phases"]
+    r = runner.invoke(app, [*base, "--layout", "sparse"])
+    assert r.exit_code == 2 and "--layout must be auto, packed or dense" in r.output
+    r = runner.invoke(app, ["model", "predict", "-p", "nvlink-h200x2", "-t", "4096", "--layout", "packed"])
+    assert r.exit_code == 2 and "collective transports" in r.output.replace("\n", " "), r.output
+    assert "--layout" in runner.invoke(app, ["model", "predict", "--help"]).output
+
+
+def test_fabric_model_doc_gives_the_packed_layout_command() -> None:
+    """docs/fabric-model.md states the packed layout's dispatch with the command that reproduces it."""
+    import re
+
+    text = re.sub(r"\s+", " ", (ROOT / "docs" / "fabric-model.md").read_text())
+    m = re.search(r"the packed layout's dispatch is ([\d.]+) µs \(`(moetune model predict [^`]*--layout packed[^`]*)`", text)
+    assert m, "no command for the packed layout's dispatch"
+    r = runner.invoke(app, [*m.group(2).split()[1:], "--json"])
+    assert r.exit_code == 0, r.output
+    assert f"{json.loads(r.output)['dispatch_us']:.1f}" == m.group(1)

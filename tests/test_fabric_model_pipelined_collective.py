@@ -4,12 +4,18 @@ runtime/buffer/facade.py `dispatch` / `combine` and runtime/pipeline.py `pipelin
 the tokens (dense: the capacity slots) are cut into d contiguous chunks of ceil(S / d), and each chunk is its own
 payload call (packed: an all_to_all_single, an empty chunk too; dense: an all-gather / reduce-scatter, empty
 chunks skipped), chunk c on communicator c mod channels (at most MAX_COMM_CHANNELS). One communicator runs its
-calls in order; calls on different communicators overlap but share the links. Before, the model costed one call
-whatever pipeline_depth and channels (and did not read either knob).
+calls in order; calls on different communicators overlap but share the links: bounded by the links' capacity (an
+assumption, MODELLED) on the staged path, by one call's rate on direct NVLink (as measured there, 0.94x for depth 2
+/ channels 2). Before, the model costed one call whatever pipeline_depth and channels (and did not read either knob),
+then bounded parallel calls by one call's rate on every path.
 
-nvlink-h200x2 constants: collective.alpha_us 34.5655, sync_us 1.53995, per_peer_us 5.0, intra_gbps 285.194."""
+nvlink-h200x2 constants: collective.alpha_us 34.5655, sync_us 1.53995, per_peer_us 5.0, intra_gbps 285.194.
+pcie4-consumer-4090x4 (staged, no NVLink): collective.host_alpha_us 40, per_peer_us 3, pcie.d2h_gbps 24,
+h2d_gbps 25 (duplex), host_mem_gbps 180, 4 GPUs."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -59,16 +65,60 @@ def test_channels_overlap_the_chunks_but_share_the_link() -> None:
 
 
 def test_packed_chunks_carry_their_share_of_the_rows() -> None:
-    """Packed layout, depth 2, one channel: two calls, each half the rows; the counts stay one exchange."""
+    """Packed layout, depth 2, one channel: two calls, each half the rows; the counts stay one exchange. The rows
+    to the other rank: 4096 tokens x P(one of 8 experts among its 64 of 128) = 1 - C(64, 8) / C(128, 8), each a
+    4192-byte wire row."""
     w = Workload(QWEN, 4096, 1, 2, dense=False)
     r = predict(H200, w, Knobs(transport="collective", pipeline_depth=2), phase="dispatch")
-    rows = r.bytes_on_wire - 2 * 66 * 8  # the count block: 2 chunks x 66 int64
-    assert r.phases["dispatch.payload"] == pytest.approx(2 * _call(rows / 2), rel=1e-12)
+    payload = 4096 * (1 - math.comb(64, 8) / math.comb(128, 8)) * 4192
+    assert r.phases["dispatch.payload"] == pytest.approx(2 * _call(payload / 2), rel=1e-12)
+    assert r.bytes_on_wire == pytest.approx(payload + 2 * 66 * 8, rel=1e-12)  # + the count block: 2 chunks x 66 int64
     assert r.transfers == 2
 
 
 def test_the_model_reads_the_knobs_and_the_runtime_limit() -> None:
-    from moetune.runtime.buffer.facade import MAX_COMM_CHANNELS as RUNTIME_MAX
+    from moetune.runtime.buffer import layout_choice
 
     assert {"pipeline_depth", "channels"} <= KNOBS_READ["collective"]
-    assert MAX_COMM_CHANNELS == RUNTIME_MAX
+    assert MAX_COMM_CHANNELS is layout_choice.MAX_COMM_CHANNELS  # one constant, the runtime's
+
+
+PCIE = "pcie4-consumer-4090x4"
+
+
+def _staged_link_floor(nbytes: float) -> float:
+    """pcie4-consumer-4090x4, 4 GPUs, staged: one host alpha, then the bytes out and in over the PCIe links or
+    through host memory (4 GPUs write and read each byte), whichever is slower, plus 3 peers x 3 us."""
+    return 40.0 + max(nbytes / 24e3, nbytes / 25e3, 4 * nbytes * 2 / 180e3) + 3 * 3.0
+
+
+def test_staged_parallel_calls_are_bounded_by_the_links_not_one_call() -> None:
+    """EP 4 (dense: every slot to each of the 3 peers, 4096 x 4192 B each way), depth 4 over 4 communicators: the
+    four calls' copy overheads overlap and the payload takes the links' time (host memory binds here). Before, it
+    could not beat one call moving every byte (depth 1), so channels never ranked above depth 1 on this path."""
+    w = Workload(QWEN, 4096, 1, 4)
+    nbytes = 3 * 4096 * 4192
+    four = predict(PCIE, w, Knobs(transport="collective", pipeline_depth=4, channels=4), phase="dispatch")
+    assert four.phases["dispatch.link_floor"] == pytest.approx(_staged_link_floor(nbytes), rel=1e-12)
+    assert four.phases["dispatch.payload"] == pytest.approx(_staged_link_floor(nbytes), rel=1e-12)
+    one = predict(PCIE, w, Knobs(transport="collective"), phase="dispatch")
+    assert four.dispatch_us < one.dispatch_us
+    # one call is never below the floor: depth 1 is one call
+    assert one.phases["dispatch.payload"] > _staged_link_floor(nbytes)
+
+
+def test_staged_when_p2p_is_off_channels_pay_on_the_h200_pair() -> None:
+    """nvlink-h200x2 with p2p=False (NCCL staging, runtime/pipeline.py's case for channels): depth 2 over 2
+    communicators beats depth 1 in the model now (it tied before)."""
+    w = Workload(QWEN, 4096, 1, 2, p2p=False)
+    one = predict(H200, w, Knobs(transport="collective"))
+    two = predict(H200, w, Knobs(transport="collective", pipeline_depth=2, channels=2))
+    assert two.latency_us < one.latency_us
+
+
+def test_direct_nvlink_parallel_calls_stay_at_one_calls_rate() -> None:
+    """Direct NVLink: measured, depth 2 / channels 2 was 0.94x of depth 1 (docs/perf-notes.md, run 2c): the model
+    keeps one call moving every byte as the bound there (a tie, never ahead)."""
+    w = Workload(QWEN, 4096, 1, 2)
+    two = predict(H200, w, Knobs(transport="collective", pipeline_depth=2, channels=2), phase="dispatch")
+    assert two.phases["dispatch.payload"] == pytest.approx(_call(4096 * 4192), rel=1e-12)

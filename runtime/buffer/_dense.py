@@ -7,12 +7,12 @@ in the collective); see the EPBuffer module doc (runtime/buffer/facade.py) for w
 from __future__ import annotations
 
 import itertools
-import math
 from typing import TYPE_CHECKING
 
 import torch
 
 from moetune.runtime.buffer._meta import _RANGE_ERROR, Handle, _Chunk
+from moetune.runtime.buffer.layout_choice import equal_chunk_bounds
 from moetune.runtime.knobs import KnobError
 
 if TYPE_CHECKING:
@@ -33,8 +33,7 @@ def _dense_bounds(cap: int, n: int, weights: tuple[float, ...] = ()) -> list[int
     """Token boundaries of the dense layout's n chunks over cap slots (n + 1 values from 0 to cap)."""
     w = _chunk_weights(n, weights)
     if len(set(w)) == 1:
-        cs = max(1, math.ceil(cap / n))
-        return [min(c * cs, cap) for c in range(n + 1)]
+        return equal_chunk_bounds(cap, n)
     tot, acc, out = sum(w), 0.0, [0]
     for v in w:
         acc += v

@@ -7,12 +7,12 @@ EPBuffer module doc, runtime/buffer/facade.py).
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
 
 from moetune.runtime.buffer._meta import _RANGE_ERROR, Handle, _Chunk, _nonzero_rows
+from moetune.runtime.buffer.layout_choice import equal_chunk_bounds, equal_chunk_size
 
 if TYPE_CHECKING:
     from moetune.runtime.buffer.facade import EPBuffer
@@ -27,7 +27,7 @@ class _PackedLayout:
         code, msg = self._local_check(x, topk_idx, topk_weights)
         width = 2 + epr
         s = x.shape[0] if code == 0 else 0
-        cs = max(1, math.ceil(s / n_chunks))
+        cs = equal_chunk_size(s, n_chunks)
         idx = tok_all = send_all = None
         if code == 0:
             idx = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)
@@ -72,8 +72,9 @@ class _PackedLayout:
         self._raise_errors(peer_codes, msg, idx)
         chunks: list[_Chunk] = []
         off = soff = 0
+        bounds = equal_chunk_bounds(s, n_chunks)
         for c in range(n_chunks):
-            t0, t1 = min(c * cs, s), min((c + 1) * cs, s)
+            t0, t1 = bounds[c], bounds[c + 1]
             send_splits = [send_h[d * n_chunks + c][1] for d in range(w)]
             base = [(r * n_chunks + c) * width for r in range(w)]
             recv_splits = [recv_h[b + 1] for b in base]

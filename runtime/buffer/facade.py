@@ -89,6 +89,8 @@ from moetune.runtime.buffer._resident import _ResidentLayout
 from moetune.runtime.buffer.layout_choice import (
     DENSE_AUTO_MAX_BYTES,
     DENSE_AUTO_MAX_WASTE,
+    MAX_COMM_CHANNELS,
+    equal_chunk_size,
     hit_probability,
     picks_dense,
 )
@@ -102,8 +104,6 @@ from moetune.runtime.transports.registry import get_transport
 
 __all__ = ["DENSE_AUTO_MAX_BYTES", "DENSE_AUTO_MAX_WASTE", "MAX_COMM_CHANNELS", "TORCH_DTYPES", "EPBuffer", "Handle",
            "RecvMeta", "hit_probability"]
-
-MAX_COMM_CHANNELS = 8  # communicators per direction the collective transport spreads chunks over
 
 
 def _combine_shares(cls: type[EPTransport], device: torch.device, knobs: Knobs, options: RuntimeOptions) -> bool:
@@ -248,7 +248,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         # one-sided transports size the symmetric receive buffer once (collective); host_staged one staging
         # slot per block, a block being at most one chunk's tokens; the others do nothing
         self.transport.reserve(max(1, self.max_tokens), widest_row)
-        b = self._dense_chunks or [0, -(-self.max_tokens // self.num_chunks)]
+        b = self._dense_chunks or [0, equal_chunk_size(self.max_tokens, self.num_chunks)]
         self.transport.stage_capacity(max(1, *(hi - lo for lo, hi in itertools.pairwise(b))), widest_row)
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
         self._stage_views: Any = None

@@ -1,6 +1,7 @@
 """Which wire layout `EPBuffer(dense=None)` takes on a collective transport: dense or packed (module doc of
-runtime/buffer/facade.py). Plain arithmetic, no torch: the fabric model (tuner/fabric_model/predict.py) asks the
-same rule, so it predicts the layout the runtime runs."""
+runtime/buffer/facade.py), and how a collective transport's EP buffer cuts a dispatch into pipeline chunks over its
+communicators. Plain arithmetic, no torch: the fabric model (tuner/fabric_model/predict.py) asks the same rules, so
+it predicts the layout and the calls the runtime runs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,24 @@ import math
 # sends all but this fraction of the tokens to every rank anyway (e.g. 2 ranks with top-8).
 DENSE_AUTO_MAX_BYTES = 2 << 20
 DENSE_AUTO_MAX_WASTE = 0.10
+
+# Communicators per direction a collective transport's EP buffer spreads its pipeline chunks over (facade.py
+# `comm_channels` = min(knobs.channels, MAX_COMM_CHANNELS); chunk c goes on communicator c mod comm_channels).
+MAX_COMM_CHANNELS = 8
+
+
+def equal_chunk_size(tokens: int, chunks: int) -> int:
+    """Tokens (dense: capacity slots) per pipeline chunk when `tokens` are cut into `chunks` equal contiguous
+    chunks: ceil(tokens / chunks), at least 1 (the packed layout's `_plan_packed`, the dense layout's
+    `_dense_bounds` without chunk_weights)."""
+    return max(1, math.ceil(tokens / chunks))
+
+
+def equal_chunk_bounds(tokens: int, chunks: int) -> list[int]:
+    """The chunks + 1 token boundaries of `equal_chunk_size` chunks over `tokens`, from 0 to `tokens`: chunk c is
+    [bounds[c], bounds[c + 1]), the last ones short or empty (e.g. 5 tokens in 4 chunks: 0, 2, 4, 5, 5)."""
+    cs = equal_chunk_size(tokens, chunks)
+    return [min(c * cs, tokens) for c in range(chunks + 1)]
 
 
 def hit_probability(experts: int, topk: int, world: int) -> float:

@@ -74,15 +74,28 @@ def predict_cmd(
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:<exponent>."),
     tile: int = typer.Option(128, "--tile", help="Tokens per tile (expert GEMM padding)."),
     phase: str = typer.Option("both", "--phase", help="both, dispatch or combine."),
+    layout: str = typer.Option(
+        "auto", "--layout",
+        help="Wire layout of the collective transports (collective, host_staged): auto (the runtime's own rule, "
+             "EPBuffer(dense=None)), packed or dense. The other transports have one layout each: auto only."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Predict one EP dispatch + combine (MODELLED, not measured)."""
+    import msgspec
+
     from moetune.runtime.knobs import KnobError
     from moetune.tuner.fabric_model.predict import predict
 
+    dense = {"auto": None, "packed": False, "dense": True}
+    if layout not in dense:
+        _fail(f"--layout must be auto, packed or dense, got {layout!r}")
     pr, w, k = _build(preset, model, nodes, tokens, gpus_per_node, knobs, routing, tile)
     if phase not in ("both", "dispatch", "combine"):
         _fail(f"--phase must be both, dispatch or combine, got {phase!r}")
+    if layout != "auto" and k.transport not in ("collective", "host_staged"):
+        _fail(f"--layout {layout} applies to the collective transports (collective, host_staged); transport "
+              f"{k.transport!r} has one layout (use --layout auto)")
+    w = msgspec.structs.replace(w, dense=dense[layout])
     try:
         res = predict(pr, w, k, phase=phase)  # type: ignore[arg-type]
     except KnobError as e:
@@ -91,7 +104,8 @@ def predict_cmd(
         _fail(str(e))
     if as_json:
         out = {"label": LABEL, **res.to_dict(), "workload": {"model": w.model.name, "tokens_per_gpu": w.tokens_per_gpu,
-               "nodes": w.nodes, "gpus_per_node": w.gpus_per_node, "routing": w.routing, "tile": w.tile},
+               "nodes": w.nodes, "gpus_per_node": w.gpus_per_node, "routing": w.routing, "tile": w.tile,
+               "layout": layout},
                "knobs": k.to_dict()}
         typer.echo(json.dumps(out))
         return

@@ -55,14 +55,16 @@ S x P(token needs r) (`routing.rank_hits`: exact hypergeometric under uniform ro
   PE's own rows copied by its own slot's CTAs, the reduce after combine. collective / host_staged run the
   packed or the dense layout as the runtime's rule picks it (`Workload.dense`). Dense (runtime/buffer/_dense.py):
   every capacity slot (S rows) to every rank whatever the routing, an all-gather in dispatch, a reduce-scatter
-  in combine (summed inside the collective; host_staged's copy-engine path sums the world blocks afterwards); no
+  in combine (summed inside the collective; host_staged's copy-engine path sums the world blocks afterwards in
+  torch passes, `_staged_sum_us`); no
   counts, no sync. Packed: ONE counts exchange per dispatch call (an NCCL all_to_all_single for both; its block to each rank
   carries every pipeline chunk's counts), then the host sync that reads them (`.tolist()`: phase
   `host_sync`, pcie.memcpy_us) before any payload is posted; the own rows copied locally beside the
   exchange, the reduce (index_add) after combine; combine has no counts and no sync.
 * collective: one payload call per pipeline chunk (`payload_calls`: pipeline_depth chunks of ceil(S / depth)
   tokens or slots), chunk c on communicator c mod channels; one communicator's calls in order, different ones
-  side by side on shared links. `predict(..., layout="nccl_k_copies")` instead
+  side by side on shared links (`_payload_floor`: MODELLED, assumed; the PCIe links and host memory on the staged
+  path, one call's calibrated rate on direct NVLink as measured there). `predict(..., layout="nccl_k_copies")` instead
   describes a plain NCCL all_to_all_single of k copies of each H-wide token (DESIGN §6's baseline and the
   calibration rows): what those measurements moved, not what the runtime sends.
 * fp8 halves payload bytes and adds scale bytes (per token: 4 B; per 128 channels: H/128 × 4 B).
@@ -72,6 +74,7 @@ Every number this module returns is modelled (`Prediction.modelled` is always Tr
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -79,7 +82,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from moetune.runtime.buffer.layout_choice import picks_dense
+from moetune.runtime.buffer.layout_choice import MAX_COMM_CHANNELS, equal_chunk_bounds, picks_dense
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.routing import parse_routing
 from moetune.runtime.shapes import DTYPES, ModelShape, get_model
@@ -106,9 +109,8 @@ __all__ = [
 SIGNAL_BYTES = 8
 MAX_MESSAGES = 2_000_000  # guard against absurd chunking
 MAX_SLOTS = 1024  # csrc/mt_common.h MT_MAX_SLOTS: signal slots (PUTs, CTAs) per source and peer
-# runtime/buffer/facade.py MAX_COMM_CHANNELS: communicators per direction a pipelined payload is spread over
-# (that module imports torch, which the model does not; a test compares the two)
-MAX_COMM_CHANNELS = 8
+# MAX_COMM_CHANNELS (communicators per direction a pipelined payload is spread over) and the equal-chunk rule come
+# from runtime/buffer/layout_choice.py, the torch-free module the EP buffer takes them from too
 LAYOUTS = ("runtime", "nccl_k_copies", "expert_tiles")
 
 # The knobs `predict` reads, per transport (compression and scale_granularity set the dispatch's bytes on
@@ -122,7 +124,8 @@ KNOBS_READ: dict[str, frozenset[str]] = {
     "ibgda": _QUEUED_READ,
     "nvlink": _PAYLOAD | {"signalling", "group_size", "num_sms"},
     "collective": _PAYLOAD | {"pipeline_depth", "channels"},
-    "host_staged": _PAYLOAD | {"chunk_tokens", "pipeline_depth", "num_sms"},
+    # the copy engines move host_staged's bytes: no kernel of it reads num_sms (runtime/transports/host_staged.py)
+    "host_staged": _PAYLOAD | {"chunk_tokens", "pipeline_depth"},
 }
 
 
@@ -162,12 +165,10 @@ class Workload(msgspec.Struct, frozen=True):
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
         if self.tile < 1:
             raise ValueError(f"tile must be >= 1, got {self.tile}")
-        pes = self.nodes * self.gpus_per_node
-        if self.model.experts % pes != 0:
-            raise ValueError(
-                f"{self.model.experts} experts of {self.model.name} do not divide evenly over "
-                f"{pes} GPUs ({self.nodes} nodes x {self.gpus_per_node})"
-            )
+        try:
+            self.model.check_ep(self.nodes * self.gpus_per_node)  # the runtime's one rule (runtime/shapes.py)
+        except ValueError as e:
+            raise ValueError(f"{e} ({self.nodes} nodes x {self.gpus_per_node} GPUs)") from None
         parse_routing(self.routing)
 
     @property
@@ -817,13 +818,12 @@ def _bytes_out_in(w: Workload, loads, hits, tb: float, dispatch: bool, copies: b
 
 def payload_calls(tokens: int, pipeline_depth: int, *, dense: bool) -> list[int]:
     """The tokens (dense: capacity slots; the tuner's max_tokens is S) of each payload call a collective
-    transport's EP buffer posts per direction: pipeline_depth contiguous chunks of ceil(S / depth) (runtime/
-    buffer/_packed.py `_plan_packed`, _dense.py `_dense_bounds` with equal weights), the last ones short or
-    empty. The packed layout posts every chunk, an empty one too (an all_to_all_single of zero rows); the dense
+    transport's EP buffer posts per direction: pipeline_depth contiguous chunks of ceil(S / depth)
+    (runtime/buffer/layout_choice.py `equal_chunk_bounds`, which _packed.py `_plan_packed` and _dense.py
+    `_dense_bounds` without chunk_weights call), the last ones short or empty. The packed layout posts every chunk, an empty one too (an all_to_all_single of zero rows); the dense
     layout skips empty chunks (facade.py post_dispatch / post_combine)."""
-    n = max(1, pipeline_depth)
-    cs = max(1, math.ceil(tokens / n))
-    sizes = [min((c + 1) * cs, tokens) - min(c * cs, tokens) for c in range(n)]
+    b = equal_chunk_bounds(tokens, max(1, pipeline_depth))
+    sizes = [hi - lo for lo, hi in itertools.pairwise(b)]
     return [t for t in sizes if t > 0] if dense else sizes
 
 
@@ -841,6 +841,34 @@ def _collective_call(p: _P, w: Workload, io: float, ii: float, eo: float, ei: fl
     if eo > 0 or ei > 0:
         t_inter = p.c_alpha + max(p.c_sync, max(eo, ei) / (p.nic_bw * p.c_nic_eff)) + p.rtt
     return t_intra, t_inter, max(t_intra, t_inter) + peers * p.c_peer
+
+
+def _payload_floor(p: _P, w: Workload, io: float, ii: float, eo: float, ei: float, peers: int) -> float:
+    """The least time the calls of one payload on parallel communicators can take together: MODELLED, an
+    assumption (no measurement of it on the staged path). Communicators share the links, so their calls never move
+    the bytes faster than the links carry them; each call's own fixed costs overlap with the others'.
+
+    * staged through host memory (no NVLink or p2p=False: NCCL's SHM path): the PCIe links (pcie.d2h_gbps out,
+      pcie.h2d_gbps in; one link both ways without duplex) and host memory (every GPU of the node writes and reads
+      each staged byte once), after one host_alpha_us. One call is slower than that (a copy overhead per NCCL chunk,
+      pcie.memcpy_us, and its staging pipeline's fill and drain), which parallel calls hide: runtime/pipeline.py's
+      case for `channels`, one communicator that cannot fill the link.
+    * direct NVLink: one call's calibrated rate (collective.intra_gbps), not the NVLink line rate: measured on
+      nvlink-h200x2 (docs/perf-notes.md, the bring-up runs), collective qwen3-30b S=4096 with pipeline_depth 2 and
+      channels 2 was 0.94x of depth 1 (run 2c), and the tuned channels setting 0.79x (run 5): parallel
+      communicators did not beat one call there.
+    * across nodes: one call's rate too (nic.gbps x collective.nic_efficiency; not measured).
+    Plus the per-peer cost once."""
+    if not (p.has_nvl and w.p2p):
+        link = max(io / p.d2h, ii / p.h2d) if p.duplex else io / p.d2h + ii / p.h2d
+        host = w.gpus_per_node * max(io, ii) * 2.0 / p.host_mem
+        t_intra = p.c_host_alpha + max(link, host)
+    else:
+        t_intra = p.c_alpha + max(p.c_sync, max(io, ii) / p.c_intra)
+    t_inter = 0.0
+    if eo > 0 or ei > 0:
+        t_inter = p.c_alpha + max(p.c_sync, max(eo, ei) / (p.nic_bw * p.c_nic_eff)) + p.rtt
+    return max(t_intra, t_inter) + peers * p.c_peer
 
 
 def _phase_collective(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hits, layout: str) -> _Phase:
@@ -864,18 +892,20 @@ def _phase_collective(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads
     S = w.tokens_per_gpu
     calls = payload_calls(S, knobs.pipeline_depth, dense=dense) if layout == "runtime" else [S]
     # chunk c goes on communicator c mod channels (facade.py post_dispatch / post_combine): one communicator runs
-    # its calls one after the other; calls on different communicators overlap, but share the links, so the
-    # payload never moves faster than one call carrying every byte
+    # its calls one after the other; calls on different communicators overlap, bounded by what the shared links
+    # carry (`_payload_floor`, MODELLED: an assumption on the staged path, one call's rate on direct NVLink as
+    # measured there)
     lanes = [0.0] * min(knobs.channels, MAX_COMM_CHANNELS, len(calls))
     for c, tokens in enumerate(calls):
         f = tokens / S
         lanes[c % len(lanes)] += _collective_call(p, w, io * f, ii * f, eo * f, ei * f, peers)[2]
-    t_intra, t_inter, whole = _collective_call(p, w, io, ii, eo, ei, peers)
-    ph.us = max(max(lanes), whole)
+    t_intra, t_inter, _ = _collective_call(p, w, io, ii, eo, ei, peers)
+    floor = _payload_floor(p, w, io, ii, eo, ei, peers)
+    ph.us = max(max(lanes), floor)
     ph.bytes = out
     ph.transfers = peers * len(calls)
     ph.parts = {"collective_intra": t_intra, "collective_inter": t_inter, "per_peer": peers * p.c_peer,
-                "payload": ph.us}
+                "link_floor": floor, "payload": ph.us}
     if layout == "runtime":
         _layout_extras(p, w, knobs, ph, hits, tb, dispatch=dispatch, dense=dense)
     return ph
@@ -907,8 +937,8 @@ def _layout_extras(p: _P, w: Workload, knobs: Knobs, ph: _Phase, hits, tb: float
     Dense layout (runtime/buffer/_dense.py; EPBuffer(dense=None) takes it where `picks_dense` says so): no counts
     and no host sync; every capacity slot is sent, so the rows of this PE's own block are all S of them; combine's
     sum over ranks happens inside the collective's reduce-scatter (no reduce kernel after it), except on
-    host_staged's copy-engine path, whose reduce-scatter sums the `world` received blocks afterwards
-    (runtime/transports/host_staged.py `reduce_scatter_async`: every block read, the tokens written).
+    host_staged's copy-engine path, whose reduce-scatter sums the `world` blocks afterwards, once per chunk, in
+    torch passes (`_staged_sum_us`: at world 2 one add, beyond it fp32 conversions and accumulations).
 
     Both: this PE's own rows are a local copy inside the exchange (read + write at HBM speed, beside the network:
     the longer counts). As the tuner measures (check_inputs=False, tuner/measure/ep.py): the input-check
@@ -926,13 +956,42 @@ def _layout_extras(p: _P, w: Workload, knobs: Knobs, ph: _Phase, hits, tb: float
         ph.us += counts + p.memcpy
         # one block per other rank: every pipeline chunk's error word, rows, rows per local expert (int64)
         ph.bytes += (w.pes - 1) * knobs.pipeline_depth * (2 + w.model.experts // w.pes) * 8
-    elif not dense or knobs.transport == "host_staged":
+    elif not dense:
         ph.parts["reduce"] = red = _reduce_us(p, w, wire, tb)
+        ph.us += red
+    elif knobs.transport == "host_staged":
+        ph.parts["reduce"] = red = _staged_sum_us(p, w, payload_calls(S, knobs.pipeline_depth, dense=True))
         ph.us += red
 
 
+def _staged_sum_us(p: _P, w: Workload, calls: list[int]) -> float:
+    """host_staged's dense combine: the copy-engine reduce-scatter's sum of the `world` blocks (this rank's own and
+    one per peer), run once per chunk (one reduce_scatter_async call per non-empty chunk, `calls` slots each) by
+    runtime/transports/host_staged.py `reduce_scatter_async` `finish`, pass for pass (bytes per element of the
+    chunk's rows x hidden, e = the activation dtype's size; one launch per torch op):
+    * world 2: torch.add(a, b, out=out): 2 blocks read, out written (3e B), 1 launch;
+    * world W > 2: acc = blocks[0].float() (e read, 4 written), then per further block b.float() (e read, 4 written)
+      and acc += it (4 + 4 read, 4 written), then out.copy_(acc) (4 read, e written): 18W - 6 B at e = 2 (66 at
+      W = 4), 2W launches. With fp32 activations .float() is the block itself (no pass): 12(W - 1) + 8 B, W
+      launches.
+    At HBM speed, each launch gpu.launch_us; the chunks' sums are added after the staged copies (their overlap with
+    a later chunk's copies is not modelled)."""
+    W, e = w.pes, DTYPES[w.model.dtype]
+    if W == 2:
+        per_elem, launches = 3 * e, 1
+    elif e == 4:
+        per_elem, launches = 12 * (W - 1) + 8, W
+    else:
+        per_elem, launches = (e + 4) + (W - 1) * (e + 4 + 12) + (4 + e), 2 * W
+    return sum(launches * p.launch + n * w.model.hidden * per_elem / p.hbm for n in calls)
+
+
 def _phase_host_staged(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hits) -> _Phase:
-    """moetune's staged transport: tokens for one peer packed contiguously, D2H, (NIC), H2D."""
+    """moetune's staged transport (runtime/transports/host_staged.py): each peer's block D2H, (NIC), H2D by the
+    copy engines, straight from the rows the EP buffer hands it: the dense layout's stage rows (dispatch) or the
+    expert output rows (combine), the packed layout's send rows (built by the plan's gather before the counts
+    exchange, which the model leaves out here as for collective). No pack kernel, and no SM count (num_sms is
+    not read)."""
     ph = _Phase()
     G = w.gpus_per_node
     tb = _token_bytes(w.model, knobs, dispatch=dispatch)
@@ -950,8 +1009,7 @@ def _phase_host_staged(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, load
     ck = knobs.chunk_tokens
     chunks_per_peer = max(1, math.ceil(per_peer_tokens / ck)) if ck else 1
     chunks = peers * chunks_per_peer
-    pack_bw = min(max(1, knobs.num_sms) * p.sm_copy, p.hbm / 2.0)
-    t = p.launch + out / pack_bw + _staged_time(p, out, inn, chunks, knobs.pipeline_depth, G, nic_bytes)
+    t = _staged_time(p, out, inn, chunks, knobs.pipeline_depth, G, nic_bytes)
     if nic_bytes:
         t += p.rtt
     ph.us = t
