@@ -89,6 +89,36 @@ long sys_mbind(void* addr, unsigned long len, int mode, const unsigned long* mas
 #endif
 }
 
+// The FIFO pages' own mapping (Engine::place_pages, release): counted in host simulation, so a test sees every
+// mapping undone; madvise's failure can be injected there.
+void* map_pages(size_t len) {
+  void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+#ifdef MT_HOST_SIM
+  if (p != MAP_FAILED) {
+    __atomic_add_fetch(&mtsim::page_maps, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&mtsim::pages_mapped, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&mtsim::page_bytes_mapped, (long long)len, __ATOMIC_RELAXED);
+  }
+#endif
+  return p;
+}
+void unmap_pages(void* p, size_t len) {
+#ifdef MT_HOST_SIM
+  __atomic_sub_fetch(&mtsim::pages_mapped, 1, __ATOMIC_RELAXED);
+  __atomic_sub_fetch(&mtsim::page_bytes_mapped, (long long)len, __ATOMIC_RELAXED);
+#endif
+  munmap(p, len);
+}
+int dontfork_pages(void* p, size_t len) {
+#ifdef MT_HOST_SIM
+  if (mtsim::madvise_errno != 0) {
+    errno = mtsim::madvise_errno;
+    return -1;
+  }
+#endif
+  return madvise(p, len, MADV_DONTFORK);
+}
+
 // The NUMA node the page at `addr` is on now; -1 with errno set where the kernel cannot say.
 int page_node(const void* addr) {
 #ifdef SYS_get_mempolicy
@@ -392,23 +422,23 @@ struct Engine {
     const size_t page = pg > 0 ? (size_t)pg : 4096;
     const size_t ring_len = (ring + page - 1) / page * page;
     const size_t len = ring_len + page;
-    void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* p = map_pages(len);
     if (p == MAP_FAILED) return unplaced("mmap of the FIFO pages", errno, false);
     unsigned long mask[MT_PROXY_MAX_NODE / kMaskBits] = {};
     mask[mem_want / kMaskBits] |= 1ul << (mem_want % kMaskBits);
     // maxnode is one more than the mask's bits: the kernel drops the last one
     if (sys_mbind(p, len, kMpolPreferred, mask, MT_PROXY_MAX_NODE + 1) != 0) {
       const int er = errno;
-      munmap(p, len);
+      unmap_pages(p, len);
       char what[96];
       snprintf(what, sizeof(what), "mbind of the FIFO pages to NUMA node %d", mem_want);
       return unplaced(what, er, false);
     }
     // not into a forked child (a DataLoader worker): a copy-on-write break in this process would leave the GPU
     // writing a page it no longer maps; cudaHostAlloc's pages are not inherited either
-    if (madvise(p, len, MADV_DONTFORK) != 0) {
+    if (dontfork_pages(p, len) != 0) {
       const int er = errno;
-      munmap(p, len);
+      unmap_pages(p, len);
       return unplaced("madvise(MADV_DONTFORK) of the FIFO pages", er, false);
     }
     memset(p, 0, len);
@@ -421,7 +451,7 @@ struct Engine {
     if (ce != cudaSuccess) {
       (void)cudaGetLastError();  // not sticky: keep it out of later calls' error checks
       if (registered) cudaHostUnregister(p);
-      munmap(p, len);
+      unmap_pages(p, len);
       return unplaced(registered ? "cudaHostGetDevicePointer of the registered FIFO pages" : "cudaHostRegister of the FIFO pages",
                       (int)ce, true);
     }
@@ -449,7 +479,7 @@ struct Engine {
     streams.clear();
     if (pages != nullptr) {
       cudaHostUnregister(pages);
-      munmap(pages, pages_len);
+      unmap_pages(pages, pages_len);
       pages = nullptr;
     } else {
       if (fifo_host) cudaFreeHost(fifo_host);
@@ -759,9 +789,13 @@ MT_API int mt_proxy_reset_stats(void* h) {
   return 0;
 }
 
-// Host producer: enqueue n requests (blocks, bounded, while the ring is full).
+// Host producer: enqueue n requests (blocks, bounded, while the ring is full). `reqs` is n packed 64-byte
+// requests at ANY address: MtRequest is declared 64-byte aligned, a caller's array need not be (a ctypes array of
+// Request from Python is 8- or 16-aligned), so each request is copied byte-wise into an aligned local, never read
+// through the pointer as an MtRequest (that is undefined behaviour, and the compiler's aligned vector loads fault).
 MT_API int mt_proxy_enqueue(void* h, const MtRequest* reqs, int n, double timeout_s) {
   Engine* e = static_cast<Engine*>(h);
+  const unsigned char* in = reinterpret_cast<const unsigned char*>(reqs);
   std::lock_guard<std::mutex> g(e->host_mu);
   MT_REQUIRE(e->producer_kind != 2, 210, "this engine has a GPU producer; host enqueue is not allowed");
   e->producer_kind = 1;
@@ -774,7 +808,8 @@ MT_API int mt_proxy_enqueue(void* h, const MtRequest* reqs, int n, double timeou
       cpu_relax();
     }
     MtRequest* s = &e->fifo_host[h0 % e->nslots];
-    MtRequest r = reqs[i];
+    MtRequest r;
+    memcpy(&r, in + (size_t)i * sizeof(MtRequest), sizeof(MtRequest));
     r.seq = 0;
     memcpy((void*)s, &r, offsetof(MtRequest, seq));
     __atomic_store_n(&s->seq, h0 + 1, __ATOMIC_RELEASE);
@@ -804,11 +839,12 @@ MT_API int mt_proxy_quiesce(void* h, double timeout_s) {
 
 // Microbenchmark: `iters` times, enqueue the batch from the host and wait until every transfer and
 // signal has completed. out_us[i] = wall time of iteration i. `value_step`: added to every request's
-// value each iteration (epoch-valued signals).
+// value each iteration (epoch-valued signals). `reqs` at any address, as mt_proxy_enqueue's.
 MT_API int mt_proxy_bench(void* h, const MtRequest* reqs, int n, int iters, uint64_t value_base,
                           uint64_t value_step, double timeout_s, double* out_us) {
   Engine* e = static_cast<Engine*>(h);
-  std::vector<MtRequest> batch(reqs, reqs + n);
+  std::vector<MtRequest> batch(n > 0 ? (size_t)n : 0);
+  if (n > 0) memcpy((void*)batch.data(), (const void*)reqs, (size_t)n * sizeof(MtRequest));
   for (int it = 0; it < iters; ++it) {
     uint64_t v = value_base + value_step * (uint64_t)it;
     for (auto& r : batch) r.value = v;

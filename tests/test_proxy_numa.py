@@ -3,8 +3,9 @@
 With a CPU set to pin to, mt_proxy_create places the FIFO and control page on the NUMA node holding most CPUs of the
 set (mmap, mbind MPOL_PREFERRED, first touch, cudaHostRegister); without a set, or where the node cannot be bound,
 cudaHostAlloc places them on the creating thread's node and the reason is kept (csrc/proxy_engine.cpp place_pages).
-Checked here in host simulation (csrc/sim: the real mmap/mbind/get_mempolicy, a counted cudaHostRegister, injected
-failures); on a GPU at the end of this file."""
+Checked here in host simulation (csrc/sim: the real mmap/mbind/get_mempolicy, the FIFO mapping's mmap/munmap and
+cudaHostRegister/Unregister counted, injected failures: every cleanup path is asserted); on a GPU at the end of this
+file. Also here: a host producer's requests at an address that is not 64-byte aligned (a ctypes array)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import time
 import warnings
 from collections import Counter
@@ -30,20 +32,30 @@ SYS_CPU = Path("/sys/devices/system/cpu")
 STATE_DEFAULT, STATE_BOUND, STATE_FALLBACK = 0, 1, 2  # csrc/proxy_engine.h MtProxyMemState
 
 
-@pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """The proxy engine built with -DMT_HOST_SIM (as tests/test_onesided_cpu.py builds it)."""
+def build_sim(out: Path, *flags: str) -> subprocess.CompletedProcess:
+    """Compile the proxy engine with -DMT_HOST_SIM (as tests/test_onesided_cpu.py builds it) into `out`."""
     gxx = shutil.which("g++") or shutil.which("c++")
     if gxx is None:
         pytest.skip("no C++ compiler")
-    out = tmp_path_factory.mktemp("mtsim_numa") / "libmtsim.so"
-    r = subprocess.run(
-        [gxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-DMT_HOST_SIM", "csrc/proxy_engine.cpp",
+    return subprocess.run(
+        [gxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-DMT_HOST_SIM", *flags, "csrc/proxy_engine.cpp",
          "csrc/sim/sim_support.cpp", "csrc/mt_error.cpp", "-o", str(out), "-lpthread"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
+
+
+@pytest.fixture(scope="module")
+def sim_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("mtsim_numa") / "libmtsim.so"
+    r = build_sim(out)
     assert r.returncode == 0, r.stderr
-    lib = ctypes.CDLL(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sim(sim_path: Path) -> ctypes.CDLL:
+    """The proxy engine built with -DMT_HOST_SIM, loaded here."""
+    lib = ctypes.CDLL(str(sim_path))
     for name in ("mt_proxy_create", "mt_proxy_enqueue", "mt_proxy_quiesce", "mt_proxy_destroy", "mt_last_error",
                  "mt_proxy_cpu", "mt_proxy_cpu_list", "mt_proxy_mem", "mt_proxy_numa_node", "mt_proxy_error"):
         res, args = csrc_build.SIGNATURES[name]
@@ -54,24 +66,45 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     lib.mtsim_set_host_pages.restype = None
     lib.mtsim_proxy_counters.argtypes = [ctypes.POINTER(ctypes.c_longlong)]
     lib.mtsim_proxy_counters.restype = None
+    lib.mtsim_page_counters.argtypes = [ctypes.POINTER(ctypes.c_longlong)]
+    lib.mtsim_page_counters.restype = None
+    lib.mtsim_set_page_faults.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.mtsim_set_page_faults.restype = None
     yield lib
     lib.mtsim_set_host_pages(None, 0, 0, 0)
+    lib.mtsim_set_page_faults(0, 0)
 
 
 @pytest.fixture
 def faults(sim: ctypes.CDLL):
     """Set the simulation's sysfs directory and injected failures for one test; cleared after it."""
-    def set_(cpu_dir: Path | None = None, mbind_errno: int = 0, register_error: int = 0, malloc_error: int = 0) -> None:
+    def set_(cpu_dir: Path | None = None, mbind_errno: int = 0, register_error: int = 0, malloc_error: int = 0,
+             madvise_errno: int = 0, devptr_error: int = 0) -> None:
         sim.mtsim_set_host_pages(str(cpu_dir).encode() if cpu_dir else None, mbind_errno, register_error, malloc_error)
+        sim.mtsim_set_page_faults(madvise_errno, devptr_error)
 
     yield set_
     sim.mtsim_set_host_pages(None, 0, 0, 0)
+    sim.mtsim_set_page_faults(0, 0)
 
 
 def counters(lib: ctypes.CDLL) -> dict[str, int]:
-    out = (ctypes.c_longlong * 4)()
+    """The simulation's counts: host ranges registered now and registrations so far, the FIFO pages' own mappings
+    now, their bytes mapped now and their mmaps so far, the proxy threads' sched_getcpu calls and idle yields."""
+    out, pages = (ctypes.c_longlong * 4)(), (ctypes.c_longlong * 3)()
     lib.mtsim_proxy_counters(out)
-    return dict(zip(("registered", "registrations", "getcpu", "yields"), list(out), strict=True))
+    lib.mtsim_page_counters(pages)
+    return dict(zip(("registered", "registrations", "getcpu", "yields"), list(out), strict=True)) | dict(
+        zip(("mapped", "mapped_bytes", "maps"), list(pages), strict=True))
+
+
+def undone(lib: ctypes.CDLL, before: dict[str, int], maps: int = 1, registrations: int = 1) -> None:
+    """Since `before`: `maps` FIFO mappings made and `registrations` ranges registered, and every one of them undone
+    (unmapped with its length, unregistered)."""
+    now = counters(lib)
+    assert now["maps"] - before["maps"] == maps and now["registrations"] - before["registrations"] == registrations
+    assert (now["mapped"], now["mapped_bytes"]) == (before["mapped"], before["mapped_bytes"]), "a mapping is left"
+    assert now["registered"] == before["registered"], "a registration is left"
 
 
 def placement(lib: ctypes.CDLL, h: ctypes.c_void_p) -> tuple[list[int], str]:
@@ -214,6 +247,7 @@ def test_with_a_cpu_set_the_fifo_pages_are_on_its_node(sim: ctypes.CDLL, faults)
             assert reason == f"placed on NUMA node {want} (of most CPUs of the set)"
             assert counters(sim)["registered"] == before["registered"] + 1
             assert counters(sim)["registrations"] == before["registrations"] + 1
+            assert counters(sim)["mapped"] == before["mapped"] + 1 and counters(sim)["maps"] == before["maps"] + 1
             addr, start, vmflags = fifo_mapping(sim, h)
             assert addr == start and addr % os.sysconf("SC_PAGE_SIZE") == 0  # its own mapping, from a page start
             assert "dc" in vmflags, vmflags  # MADV_DONTFORK: not inherited by a forked child
@@ -223,7 +257,8 @@ def test_with_a_cpu_set_the_fifo_pages_are_on_its_node(sim: ctypes.CDLL, faults)
         drains(sim, h, keep[-1], 41)
     finally:
         sim.mt_proxy_destroy(h)
-    assert counters(sim)["registered"] == before["registered"]
+    # destroy unregisters and unmaps what was placed; a refused mbind unmapped it at create
+    undone(sim, before, registrations=1 if refused is None else 0)
 
 
 @pytest.mark.parametrize("cpus", [None, ()])
@@ -237,6 +272,7 @@ def test_without_a_cpu_set_the_pages_are_allocated_as_before(sim: ctypes.CDLL, f
         assert (state, want, err) == (STATE_DEFAULT, -1, 0)
         assert "no CPU set asked for" in reason and "creating thread's NUMA node" in reason
         assert counters(sim)["registrations"] == before["registrations"]  # cudaHostAlloc, not a registration
+        assert counters(sim)["maps"] == before["maps"]
         if node < 0:  # where the kernel cannot say, the reason does
             assert _q != 0
         drains(sim, h, keep[-1], 42)
@@ -258,7 +294,7 @@ def test_a_refused_mbind_falls_back_with_the_reason(sim: ctypes.CDLL, faults, tm
         assert (state, want, err) == (STATE_FALLBACK, 1, code)
         assert reason == (f"mbind of the FIFO pages to NUMA node 1: {os.strerror(code)} (errno {code}); "
                           "allocated on the creating thread's NUMA node instead")
-        assert counters(sim)["registrations"] == before["registrations"]
+        undone(sim, before, registrations=0)  # mapped, refused, unmapped
         drains(sim, h, keep[-1], 43)
     finally:
         sim.mt_proxy_destroy(h)
@@ -277,8 +313,50 @@ def test_a_refused_registration_falls_back_and_unmaps(sim: ctypes.CDLL, faults, 
         (state, want, _node, err, _q), reason = placement(sim, h)
         assert (state, want, err) == (STATE_FALLBACK, node, 2)
         assert reason.startswith("cudaHostRegister of the FIFO pages -> simError")
-        assert counters(sim)["registered"] == before["registered"]
+        undone(sim, before, registrations=0)  # mapped, refused, unmapped before create returned
         drains(sim, h, keep[-1], 44)
+    finally:
+        sim.mt_proxy_destroy(h)
+
+
+def test_a_refused_device_pointer_unregisters_unmaps_and_falls_back(sim: ctypes.CDLL, faults) -> None:
+    """cudaHostGetDevicePointer refused for the registered pages (the simulation refuses it for registered ranges
+    only, so cudaHostAlloc's fallback pages still map): the range is unregistered and unmapped before create
+    returns, and the engine serves its FIFO from the fallback pages."""
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    node = sysfs_node(allowed[0])
+    if node is None or mbind_refusal() is not None:
+        pytest.skip("mbind cannot succeed here, so cudaHostGetDevicePointer of registered pages is never reached")
+    faults(devptr_error=2)
+    keep: list = []
+    before = counters(sim)
+    h = engine(sim, allowed[:1], keep)
+    try:
+        (state, want, _node, err, _q), reason = placement(sim, h)
+        assert (state, want, err) == (STATE_FALLBACK, node, 2)
+        assert reason.startswith("cudaHostGetDevicePointer of the registered FIFO pages -> simError"), reason
+        undone(sim, before)  # registered, refused, unregistered and unmapped
+        drains(sim, h, keep[-1], 47)
+    finally:
+        sim.mt_proxy_destroy(h)
+    undone(sim, before)
+
+
+def test_a_refused_madvise_unmaps_and_falls_back(sim: ctypes.CDLL, faults) -> None:
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    node = sysfs_node(allowed[0])
+    if node is None or mbind_refusal() is not None:
+        pytest.skip("mbind cannot succeed here, so madvise is never reached")
+    faults(madvise_errno=errno.EINVAL)
+    keep: list = []
+    before = counters(sim)
+    h = engine(sim, allowed[:1], keep)
+    try:
+        (state, want, _node, err, _q), reason = placement(sim, h)
+        assert (state, want, err) == (STATE_FALLBACK, node, errno.EINVAL)
+        assert reason.startswith(f"madvise(MADV_DONTFORK) of the FIFO pages: {os.strerror(errno.EINVAL)}"), reason
+        undone(sim, before, registrations=0)
+        drains(sim, h, keep[-1], 48)
     finally:
         sim.mt_proxy_destroy(h)
 
@@ -309,9 +387,7 @@ def test_a_failed_create_releases_the_placed_pages(sim: ctypes.CDLL, faults) -> 
     h = ctypes.c_void_p()
     rc = sim.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, (ctypes.c_int * 1)(allowed[0]), 1, ctypes.byref(h))
     assert rc == 2 and b"mt_proxy_create: simError" in sim.mt_last_error()
-    after = counters(sim)
-    assert after["registrations"] == before["registrations"] + 1  # placed, then released
-    assert after["registered"] == before["registered"]
+    undone(sim, before)  # placed (mapped, registered), then released: unregistered and unmapped
 
 
 # -- the Python side ------------------------------------------------------------------------------------------------
@@ -353,6 +429,73 @@ def test_the_python_field_names_are_the_engines() -> None:
     assert f"MT_PMEM_F_COUNT = {len(P.MEM_FIELDS)}" in header
     for i, name in enumerate(P.MEM_STATES):
         assert f"MT_PMEM_{name.upper()} = {i}," in header
+
+
+# -- the host producer's requests ----------------------------------------------------------------------------------
+# Run in a child: before the fix the engine read a caller's requests as 64-byte aligned MtRequests (aligned vector
+# loads: a fault at an address 8 past a 64-byte boundary; undefined behaviour at any address not 64-byte aligned).
+MISALIGNED_PRODUCER = r"""
+import ctypes, sys
+from moetune.runtime import csrc_build
+from moetune.runtime.transports import proxy as P
+
+lib = ctypes.CDLL(sys.argv[1])
+for name in ("mt_proxy_create", "mt_proxy_enqueue", "mt_proxy_quiesce", "mt_proxy_bench", "mt_proxy_destroy"):
+    res, args = csrc_build.SIGNATURES[name]
+    getattr(lib, name).restype = res
+    getattr(lib, name).argtypes = args
+data, src, sig = (ctypes.c_uint8 * 4096)(), (ctypes.c_uint8 * 4096)(), (ctypes.c_uint64 * 64)()
+for i in range(4096):
+    src[i] = (i * 7 + 3) % 251
+u64 = lambda a: (ctypes.c_uint64 * 1)(ctypes.addressof(a))
+h = ctypes.c_void_p()
+assert lib.mt_proxy_create(0, 1, u64(data), u64(data), u64(sig), 1, 1, 1, 64, None, -1, ctypes.byref(h)) == 0
+n = 40  # a PUT of 64 bytes to offset 64*i for even i, a signal of slot i for odd i
+raw = ctypes.create_string_buffer(64 * (n + 2))
+reqs = (P.Request * n).from_address((ctypes.addressof(raw) + 63) // 64 * 64 + 8)
+assert ctypes.addressof(reqs) % 16 == 8
+for i in range(n):
+    reqs[i] = (P.Request(P.OP_PUT, 0, 0, 0, ctypes.addressof(src) + 64 * i, 64 * i, 64, 0, 0, 0) if i % 2 == 0
+               else P.Request(P.OP_SIGNAL, 0, 0, i, 0, 0, 0, 1000 + i, 0, 0))
+for _ in range(3):  # through the 64-slot ring twice
+    assert lib.mt_proxy_enqueue(h, reqs, n, 10.0) == 0
+assert lib.mt_proxy_quiesce(h, 10.0) == 0
+for i in range(n):  # the PUTs' bytes where they were sent, nothing elsewhere
+    want = bytes(src[64 * i:64 * i + 64]) if i % 2 == 0 else bytes(64)
+    assert bytes(data[64 * i:64 * i + 64]) == want, i
+assert [sig[i] for i in range(1, n, 2)] == [1000 + i for i in range(1, n, 2)]
+print("enqueue ok", flush=True)
+out = (ctypes.c_double * 2)()
+assert lib.mt_proxy_bench(h, reqs, n, 2, 5000, 7, 10.0, out) == 0  # every signal's value: 5000, then 5007
+assert [sig[i] for i in range(1, n, 2)] == [5007] * (n // 2)
+print("bench ok", flush=True)
+lib.mt_proxy_destroy(h)
+"""
+
+
+@pytest.fixture(scope="module")
+def sim_ubsan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The simulation built with UBSan's alignment check, an error fatal (skipped where the compiler lacks it)."""
+    out = tmp_path_factory.mktemp("mtsim_ubsan") / "libmtsim_ubsan.so"
+    r = build_sim(out, "-fsanitize=alignment", "-fno-sanitize-recover=alignment")
+    if r.returncode != 0:
+        pytest.skip(f"no UBSan here: {r.stderr.strip()[-300:]}")
+    return out
+
+
+@pytest.mark.parametrize("build", ["plain", "ubsan"])
+def test_requests_at_a_misaligned_address_are_enqueued_as_given(build: str, request: pytest.FixtureRequest) -> None:
+    """A ctypes array of Request is 8- or 16-aligned, MtRequest 64-byte: mt_proxy_enqueue and mt_proxy_bench take
+    the requests at any address (here 8 past a 64-byte boundary) and carry out every one of them; under UBSan no
+    misaligned load or reference is reported."""
+    lib = request.getfixturevalue("sim_path" if build == "plain" else "sim_ubsan")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+    r = subprocess.run([sys.executable, "-c", MISALIGNED_PRODUCER, str(lib)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.split("\n")[:2] == ["enqueue ok", "bench ok"], (r.returncode, r.stdout,
+                                                                                         r.stderr[-2000:])
+    assert "runtime error" not in r.stderr, r.stderr[-2000:]
 
 
 # -- the idle loop --------------------------------------------------------------------------------------------------

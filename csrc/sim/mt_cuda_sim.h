@@ -31,9 +31,15 @@ extern unsigned long long memcpys, writes, syncs;
 extern int async_mode, copy_delay_us;
 // the proxy's host pages and idle loop (mtsim_set_host_pages, mtsim_proxy_counters)
 extern unsigned long long getcpu_calls, yields, registrations;
-extern long long registered;  // host ranges registered now (cudaHostRegister minus cudaHostUnregister)
+extern long long registered;  // host ranges registered now (cudaHostRegister minus cudaHostUnregister of a range's base)
 extern const char* sysfs_cpu_dir;  // the engine's /sys/devices/system/cpu (NULL: the machine's)
 extern int mbind_errno, register_error, malloc_error;  // injected failures (0: none)
+// the FIFO pages' own mapping (Engine::place_pages): mmaps so far, mappings and bytes mapped now (mmap minus munmap)
+extern long long page_maps, pages_mapped, page_bytes_mapped;
+extern int madvise_errno, devptr_error;  // injected: madvise's errno, cudaHostGetDevicePointer's error on registered pages
+void host_register(void* p, size_t n);
+void host_unregister(void* p);
+bool host_registered(const void* p);
 void* stream_new();
 void stream_delete(void* s);
 void stream_copy(void* s, void* d, const void* src, size_t n);
@@ -78,7 +84,10 @@ inline cudaError_t cudaHostAlloc(void** p, size_t n, unsigned) {
   *p = aligned_alloc(64, (n + 63) / 64 * 64);
   return *p ? cudaSuccess : cudaErrorMemoryAllocation;
 }
+// devptr_error: the device alias of a registered range is refused (as where the driver maps no host memory), that
+// of cudaHostAlloc'ed pages is not -- so the engine's fallback still works.
 inline cudaError_t cudaHostGetDevicePointer(void** d, void* h, unsigned) {
+  if (mtsim::devptr_error != 0 && mtsim::host_registered(h)) return mtsim::devptr_error;
   *d = h;
   return cudaSuccess;
 }
@@ -88,14 +97,13 @@ inline cudaError_t cudaFreeHost(void* p) {
 }
 // No pinning and no device here: a registration is counted (so a test sees it undone) and the device alias of a
 // host address is the address; register_error makes it fail as a driver may (then the engine falls back).
-inline cudaError_t cudaHostRegister(void*, size_t, unsigned) {
+inline cudaError_t cudaHostRegister(void* p, size_t n, unsigned) {
   if (mtsim::register_error != 0) return mtsim::register_error;
-  __atomic_add_fetch(&mtsim::registrations, 1, __ATOMIC_RELAXED);
-  __atomic_add_fetch(&mtsim::registered, 1, __ATOMIC_RELAXED);
+  mtsim::host_register(p, n);
   return cudaSuccess;
 }
-inline cudaError_t cudaHostUnregister(void*) {
-  __atomic_sub_fetch(&mtsim::registered, 1, __ATOMIC_RELAXED);
+inline cudaError_t cudaHostUnregister(void* p) {
+  mtsim::host_unregister(p);
   return cudaSuccess;
 }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }

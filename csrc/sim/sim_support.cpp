@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -20,7 +21,33 @@ unsigned long long getcpu_calls = 0, yields = 0, registrations = 0;
 long long registered = 0;
 const char* sysfs_cpu_dir = nullptr;
 int mbind_errno = 0, register_error = 0, malloc_error = 0;
+long long page_maps = 0, pages_mapped = 0, page_bytes_mapped = 0;
+int madvise_errno = 0, devptr_error = 0;
 static std::string sysfs_cpu_dir_text;
+
+// Registered host ranges [base, base + n): a registration is counted (so a test sees it undone), and the device
+// alias of an address inside one can be refused (devptr_error). Unregistering an address that is no range's base
+// changes nothing, as the driver refuses it.
+static std::mutex reg_mu;
+static std::map<uintptr_t, size_t> reg_ranges;
+void host_register(void* p, size_t n) {
+  std::lock_guard<std::mutex> g(reg_mu);
+  reg_ranges[(uintptr_t)p] = n;
+  __atomic_add_fetch(&registrations, 1, __ATOMIC_RELAXED);
+  __atomic_store_n(&registered, (long long)reg_ranges.size(), __ATOMIC_RELAXED);
+}
+void host_unregister(void* p) {
+  std::lock_guard<std::mutex> g(reg_mu);
+  reg_ranges.erase((uintptr_t)p);
+  __atomic_store_n(&registered, (long long)reg_ranges.size(), __ATOMIC_RELAXED);
+}
+bool host_registered(const void* p) {
+  std::lock_guard<std::mutex> g(reg_mu);
+  auto it = reg_ranges.upper_bound((uintptr_t)p);
+  if (it == reg_ranges.begin()) return false;
+  --it;
+  return (uintptr_t)p < it->first + it->second;
+}
 
 // A stream: operations run in order on the stream's own thread (async mode) or at once.
 struct Stream {
@@ -150,6 +177,18 @@ MT_API void mtsim_set_host_pages(const char* sysfs_cpu_dir, int mbind_errno, int
   mtsim::mbind_errno = mbind_errno;
   mtsim::register_error = register_error;
   mtsim::malloc_error = malloc_error;
+}
+// More failures to inject into the placement of the FIFO pages (0: none): madvise(MADV_DONTFORK)'s errno and
+// cudaHostGetDevicePointer's error for an address in a registered range. Set before creating engines.
+MT_API void mtsim_set_page_faults(int madvise_errno, int devptr_error) {
+  mtsim::madvise_errno = madvise_errno;
+  mtsim::devptr_error = devptr_error;
+}
+// [the FIFO pages' mappings now, their bytes mapped now, their mmaps so far] (Engine::place_pages and release)
+MT_API void mtsim_page_counters(long long* out) {
+  out[0] = __atomic_load_n(&mtsim::pages_mapped, __ATOMIC_RELAXED);
+  out[1] = __atomic_load_n(&mtsim::page_bytes_mapped, __ATOMIC_RELAXED);
+  out[2] = __atomic_load_n(&mtsim::page_maps, __ATOMIC_RELAXED);
 }
 // [host ranges registered now, registrations so far, the proxy threads' sched_getcpu calls, their idle yields]
 MT_API void mtsim_proxy_counters(long long* out) {
