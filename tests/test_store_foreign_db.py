@@ -57,7 +57,8 @@ def test_empty_file_new_path_and_optuna_file_still_become_stores(tmp_path: Path)
     optuna = tmp_path / "studies.db"  # an Optuna study file: the store shares its file with Optuna
     con = sqlite3.connect(optuna)
     con.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)")
-    con.execute("CREATE TABLE studies (study_id INTEGER PRIMARY KEY)")
+    for table in ("studies", "trials", "version_info"):  # Optuna's core tables (tuner/store/_tables.py)
+        con.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY)")
     con.commit()
     con.close()
     for path in (empty, no_tables, optuna, tmp_path / "new.db"):

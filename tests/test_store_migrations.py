@@ -100,6 +100,8 @@ def test_populated_database_to_base_leaves_other_tables_alone(tmp_path):
     con.execute("INSERT INTO alembic_version VALUES ('v3.2.0.a')")
     con.execute("CREATE TABLE studies (id INTEGER PRIMARY KEY, name TEXT)")
     con.execute("INSERT INTO studies (name) VALUES ('s')")
+    con.execute("CREATE TABLE trials (id INTEGER PRIMARY KEY)")  # with studies and version_info: Optuna's core
+    con.execute("CREATE TABLE version_info (id INTEGER PRIMARY KEY)")
     con.commit()
     con.close()
     with Store(path) as s:

@@ -80,7 +80,7 @@ from moetune.runtime.profile_record import (
     provenance_of_backend,
     unlabelled_provenance,
 )
-from moetune.runtime.profiles import node_identity
+from moetune.runtime.profiles import node_identity, sqlite_open
 from moetune.runtime.profiles.launcher_env import allowed_env, env_refusal, launcher_env
 from moetune.runtime.profiles.perf_env import (
     EnvComparison,
@@ -201,21 +201,14 @@ _PERF_ENV_COLUMN = ", perf_env"  # a store from before migration 0006 has none
 def db_read(db_path: str | Path, sql: str, args: list[Any] | tuple[Any, ...] = (), timeout_s: float = 0.05) -> list[tuple]:
     """Rows of one query on the database opened read-only (stdlib sqlite3, never SQLAlchemy, never a write).
 
-    Raises FileNotFoundError, sqlite3.Error or OSError when the file cannot be read.
+    Opened as the store opens it read-only (`sqlite_open`: mode=ro; immutable=1 only where a folder we may not write
+    has no -shm and no -wal/-journal holds changes, and such a read is retried, then refused, when the file changed
+    under it). Raises FileNotFoundError, sqlite3.Error or OSError when the file cannot be read.
     """
     path = Path(db_path)
     if not path.is_file():
         raise FileNotFoundError(f"no database at {path}")
-    uri = f"{path.resolve().as_uri()}?mode=ro"
-    try:
-        return _ro_query(uri, sql, list(args), timeout_s)
-    except sqlite3.OperationalError as e:
-        # A WAL database whose -shm/-wal files are gone (the daemon closed it) in a directory we may not
-        # write (/var/lib/moetune) cannot be opened mode=ro; immutable=1 can, and is safe exactly when
-        # nobody writes, which is when this fallback runs (the daemon is down).
-        if "unable to open" not in str(e) and "readonly database" not in str(e):
-            raise
-        return _ro_query(uri + "&immutable=1", sql, list(args), timeout_s)
+    return sqlite_open.read(path.resolve(), lambda con: con.execute(sql, list(args)).fetchall(), timeout_s=timeout_s)
 
 
 def query_db_profiles(
@@ -278,14 +271,6 @@ def query_db_profiles(
         except (ValueError, TypeError, KnobError, msgspec.ValidationError) as e:
             log.debug("skipping an unreadable profile row: %s", e)
     return out
-
-
-def _ro_query(uri: str, sql: str, args: list[Any], timeout_s: float) -> list[tuple]:
-    conn = sqlite3.connect(uri, uri=True, timeout=timeout_s, check_same_thread=False)
-    try:
-        return conn.execute(sql, args).fetchall()
-    finally:
-        conn.close()
 
 
 def node_identity_from_db(db_path: str | Path, timeout_s: float = 0.05) -> tuple[node_identity.NodeIdentity | None, str]:

@@ -74,7 +74,7 @@ class SchemaVersionManager:
         """The revision recorded in the database (None: empty or not a moetune database)."""
         from alembic.runtime.migration import MigrationContext
 
-        with self._store._db_errors(), self._store.engine.connect() as conn:
+        with self._store._connect() as conn:
             ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
             rev = ctx.get_current_revision()
             conn.rollback()
@@ -140,7 +140,7 @@ class SchemaVersionManager:
 
         head = head_revision()
         rev = self.current_revision()
-        with self._store._db_errors(), self._store.engine.connect() as conn:
+        with self._store._connect() as conn:
             integrity = [r[0] for r in conn.exec_driver_sql("PRAGMA integrity_check").fetchall()]
             fk = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
             own = set(Base.metadata.tables) | {VERSION_TABLE}

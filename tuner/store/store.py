@@ -11,21 +11,23 @@ The exchange type is `moetune.runtime.profile_record.ProfileRecord`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shlex
 import sqlite3
+import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from sqlalchemy import Engine, create_engine, delete, event, func, select, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DatabaseError, IntegrityError
 from sqlalchemy.orm import Session
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.pool import NullPool, StaticPool
 
 from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
@@ -34,6 +36,7 @@ from moetune.runtime.profile_record import (
     ProfileRecord,
     nearest_bucket_within,
 )
+from moetune.runtime.profiles import sqlite_open
 from moetune.tuner.store import io as _io
 from moetune.tuner.store._rows import (
     PROVENANCE_RANK,
@@ -54,6 +57,7 @@ from moetune.tuner.store._schema import (
     is_sqlite_file,
     known_revisions,
 )
+from moetune.tuner.store._tables import is_foreign_file
 from moetune.tuner.store.io import (
     EXPORT_FORMAT,
     EXPORT_VERSION,
@@ -67,6 +71,7 @@ from moetune.tuner.store.models import Event, Fingerprint, Measurement, Profile,
 from moetune.tuner.store.validate import check_record
 
 BUSY_TIMEOUT_S = 30.0
+_T = TypeVar("_T")
 
 __all__ = [
     "BUSY_TIMEOUT_S",
@@ -134,51 +139,32 @@ def _wal(cur: sqlite3.Cursor) -> None:
         pause = min(2 * pause, 0.05)
 
 
-# SQLite's answers when a read-only connection cannot set up a WAL database's shared memory because the -shm/-wal
-# files are gone and the directory is not writable: "unable to open" (SQLITE_CANTOPEN, also SQLite < 3.22) and, from
-# SQLite 3.22 (3.40 here), "attempt to write a readonly database" (SQLITE_READONLY_DIRECTORY). The other READONLY
-# codes (ROLLBACK: a hot journal; RECOVERY/CANTINIT: a WAL to recover) say the file alone is not the database.
-_NO_SHM_ERRORS = frozenset({"SQLITE_CANTOPEN", "SQLITE_READONLY_DIRECTORY"})
+def _readonly_connect(path: Path) -> sqlite_open.ReadOnlyConnection:
+    """A read-only connection (`moetune.runtime.profiles.sqlite_open`: mode=ro, else immutable=1 while no -wal/-journal
+    holds changes; reads through immutable=1 are checked for a change of the file under them)."""
+    return sqlite_open.connect_readonly(path, timeout_s=BUSY_TIMEOUT_S)
 
 
-def _pending_changes(path: Path) -> Path | None:
-    """The -wal or -journal file beside `path` that holds changes not (or not wholly) in the database file itself,
-    if any: a writer is active or died. A 0-byte one (a read-only connection in a writable directory leaves an
-    empty -wal) holds nothing."""
-    for suffix in ("-wal", "-journal"):
-        side = path.with_name(path.name + suffix)
-        with contextlib.suppress(OSError):
-            if side.stat().st_size > 0:
-                return side
-    return None
+class DatabaseChangedError(StoreError):
+    """A read through immutable=1 overlapped a change of the database file (`sqlite_open.DatabaseChanged`)."""
 
 
-def _readonly_creator(path: Path) -> Any:
-    """mode=ro; when SQLite cannot open a WAL database read-only because its -shm/-wal files are gone and the
-    directory is not writable (/var/lib/moetune owned by the daemon's user, the daemon down), fall back to
-    immutable=1. immutable=1 reads the database file alone, without locks: right only while no writer is active
-    and no -wal/-journal holds changes (immutable=1 would not see a crashed writer's committed WAL frames), so
-    the fallback is refused whenever such a file is there."""
-    uri = f"file:{urllib.parse.quote(str(path))}?mode=ro"
+def _retried(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Runs a read again (from a fresh connection: mode=ro first) when the file changed under an immutable=1 read, up
+    to `sqlite_open.READ_ATTEMPTS` times; then the DatabaseChangedError says to retry."""
 
-    def connect() -> sqlite3.Connection:
-        con = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
-        try:
-            con.execute("SELECT count(*) FROM sqlite_master").fetchone()
-            return con
-        except sqlite3.OperationalError as e:
-            con.close()
-            if getattr(e, "sqlite_errorname", None) not in _NO_SHM_ERRORS:
-                raise
-            pending = _pending_changes(path)
-            if pending is not None:
-                raise sqlite3.OperationalError(
-                    f"{e}: cannot read it read-only, {pending} holds changes that only a process allowed to write "
-                    f"in {path.parent} can apply (start the daemon, or open it once as the user who owns it)"
-                ) from None
-            return sqlite3.connect(uri + "&immutable=1", uri=True, check_same_thread=False)
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> _T:
+        for attempt in range(sqlite_open.READ_ATTEMPTS):
+            try:
+                return method(*args, **kwargs)
+            except DatabaseChangedError:
+                if attempt == sqlite_open.READ_ATTEMPTS - 1:
+                    raise
+            sqlite_open.retry_pause(attempt)
+        raise AssertionError("unreachable")
 
-    return connect
+    return run
 
 
 DatabaseKind = Literal["missing", "empty", "foreign", "moetune"]
@@ -187,15 +173,6 @@ DatabaseKind = Literal["missing", "empty", "foreign", "moetune"]
 def _table_names(con: sqlite3.Connection) -> set[str]:
     """The tables of a database, less SQLite's own (sqlite_sequence, sqlite_stat1: no program's data)."""
     return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'") if not r[0].startswith("sqlite_")}
-
-
-# An Optuna RDB storage's tables: a study file may become a store too (the store shares its file with Optuna,
-# which keeps its own alembic_version), so these alone do not make a file another program's.
-_OPTUNA_TABLES = frozenset({
-    "alembic_version", "studies", "study_directions", "study_system_attributes", "study_user_attributes",
-    "trial_heartbeats", "trial_intermediate_values", "trial_params", "trial_system_attributes",
-    "trial_user_attributes", "trial_values", "trials", "version_info",
-})
 
 
 def _foreign_error(path: Path, tables: set[str]) -> StoreError:
@@ -216,34 +193,36 @@ def _probe(path: Path) -> tuple[DatabaseKind, str | None, set[str]]:
     try:
         if path.stat().st_size == 0:
             return "empty", None, set()
-        con = _readonly_creator(path)()
-        try:
+
+        def look(con: sqlite3.Connection) -> tuple[set[str], str | None]:
             tables = _table_names(con)
-            rev = None
-            if VERSION_TABLE in tables:
-                row = con.execute(f"SELECT version_num FROM {VERSION_TABLE} LIMIT 1").fetchone()
-                rev = None if row is None else str(row[0])
-        finally:
-            con.close()
+            if VERSION_TABLE not in tables:
+                return tables, None
+            row = con.execute(f"SELECT version_num FROM {VERSION_TABLE} LIMIT 1").fetchone()
+            return tables, None if row is None else str(row[0])
+
+        tables, rev = sqlite_open.read(path, look, timeout_s=BUSY_TIMEOUT_S)
+    except sqlite_open.DatabaseChanged as e:
+        raise DatabaseChangedError(str(e)) from None
     except (OSError, sqlite3.Error) as e:
         raise StoreError(f"{path}: {e}") from None
     if VERSION_TABLE in tables:
         return "moetune", rev, tables
-    return ("foreign" if tables else "empty"), None, tables
+    return ("foreign" if is_foreign_file(tables) else "empty"), None, tables
 
 
 def probe_database(path: Path) -> tuple[DatabaseKind, str | None]:
     """What is at `path`, read through a read-only connection (nothing is created, migrated or switched to
-    WAL): ("missing", None); ("empty", None) for a 0-byte file or a SQLite file without tables; ("foreign",
-    None) for another program's SQLite file (tables, but no moetune version table); ("moetune", revision),
+    WAL): ("missing", None); ("empty", None) for a 0-byte file, a SQLite file without tables or an Optuna studies
+    file without moetune's tables (either may become a store); ("foreign", None) for another program's SQLite file
+    (`_tables.is_foreign_file`); ("moetune", revision),
     revision None after `db downgrade base`. A file that is not SQLite is a StoreError."""
     kind, rev, _tables = _probe(path)
     return kind, rev
 
 
 def _refuse_foreign(path: Path, *, readonly: bool) -> None:
-    """A StoreError when `path` is another program's SQLite file (tables, none of them moetune's version table, not
-    all of them Optuna's), checked before the store's own connections, which switch the file to WAL and add
+    """A StoreError when `path` is another program's SQLite file (`_tables.is_foreign_file`), checked before the store's own connections, which switch the file to WAL and add
     moetune's tables. For a write, a plain read-write connection (no create, no journal switch): unlike mode=ro,
     it leaves no empty -wal/-shm beside a WAL file it closes."""
     if readonly:
@@ -258,7 +237,7 @@ def _refuse_foreign(path: Path, *, readonly: bool) -> None:
                 con.close()
         except sqlite3.Error as e:
             raise StoreError(f"{path}: {e}") from None
-    if VERSION_TABLE not in tables and tables - _OPTUNA_TABLES:
+    if is_foreign_file(tables):
         raise _foreign_error(path, tables)
 
 
@@ -308,6 +287,7 @@ class Store:
             path = load_config().db_path
         self.readonly = readonly
         self.memory = str(path) == ":memory:"
+        self._opened = threading.local()  # .conns: this thread's immutable=1 connections inside `_reads_checked`
         if self.memory:
             if readonly:
                 raise StoreError("an in-memory database cannot be read-only")
@@ -324,7 +304,10 @@ class Store:
             if self.path.is_file() and self.path.stat().st_size > 0:
                 _refuse_foreign(self.path, readonly=readonly)
             if readonly:
-                self._engine = create_engine(self.url, creator=_readonly_creator(self.path))
+                # NullPool: every read opens its connection anew, so the mode=ro / immutable=1 choice and the
+                # -wal/-journal guard are made per read, not once for the store's life (a pooled immutable=1
+                # connection would read the file as it was, or torn, while a writer changes it).
+                self._engine = create_engine(self.url, creator=self._connect_readonly, poolclass=NullPool)
             else:
                 _make_parent(self.path)
                 self._engine = create_engine(self.url, connect_args={"timeout": BUSY_TIMEOUT_S})
@@ -351,7 +334,8 @@ class Store:
         if kind == "foreign":
             raise _foreign_error(path, tables)
         if kind == "empty" and not (write and create):
-            raise StoreError(f"{path} is not a moetune database (it is empty: {upgrade_cmd} makes it one)")
+            what = "it has only Optuna's tables" if tables else "it is empty"
+            raise StoreError(f"{path} is not a moetune database ({what}: {upgrade_cmd} makes it one)")
         if write:
             return cls(path)
         head = head_revision()
@@ -395,11 +379,59 @@ class Store:
         except DatabaseError as e:
             raise StoreError(f"{self.path}: {e.orig}") from None
 
+    def _connect_readonly(self) -> sqlite_open.ReadOnlyConnection:
+        con = _readonly_connect(self.path)
+        if con.immutable:
+            conns = getattr(self._opened, "conns", None)
+            if conns is not None:
+                conns.append(con)
+        return con
+
+    @contextlib.contextmanager
+    def _reads_checked(self) -> Iterator[None]:
+        """Around reads of a read-only store: a DatabaseChangedError when a connection opened meanwhile was an
+        immutable=1 one and the file changed under it (also in place of the error such a read raised: a torn page
+        reads as "database disk image is malformed"). `_retried` methods run again on it."""
+        if not self.readonly:
+            yield
+            return
+        outer = getattr(self._opened, "conns", None)
+        conns: list[sqlite_open.ReadOnlyConnection] = []
+        self._opened.conns = conns
+        try:
+            try:
+                yield
+            except (DatabaseError, sqlite3.DatabaseError, StoreError) as e:
+                if isinstance(e, DatabaseChangedError):
+                    raise
+                self._check_unchanged(conns, e)
+                raise
+            self._check_unchanged(conns, None)
+        finally:
+            self._opened.conns = outer
+            if outer is not None:
+                outer.extend(conns)
+
+    @staticmethod
+    def _check_unchanged(conns: list[sqlite_open.ReadOnlyConnection], error: BaseException | None) -> None:
+        for con in conns:
+            try:
+                con.check_unchanged()
+            except sqlite_open.DatabaseChanged as changed:
+                raise DatabaseChangedError(str(changed)) from error
+
     @contextlib.contextmanager
     def _read(self) -> Iterator[Session]:
         self._after_fork()
-        with self._db_errors(), Session(self._engine, expire_on_commit=False) as s:
+        with self._db_errors(), self._reads_checked(), Session(self._engine, expire_on_commit=False) as s:
             yield s
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[Any]:
+        """An engine connection for reads outside the ORM (the schema's revision and check)."""
+        self._after_fork()
+        with self._db_errors(), self._reads_checked(), self._engine.connect() as conn:
+            yield conn
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Session]:
@@ -423,10 +455,12 @@ class Store:
     def schema(self) -> SchemaVersionManager:
         return SchemaVersionManager(self)
 
+    @_retried
     def current_revision(self) -> str | None:
         """The schema revision recorded in the database (None: empty or not a moetune database)."""
         return self.schema.current_revision()
 
+    @_retried
     def _ensure_schema(self, *, upgrade: bool) -> None:
         self.schema.ensure(upgrade=upgrade)
 
@@ -438,6 +472,7 @@ class Store:
         """Migrate down to `revision` ("base" drops every moetune table; other tables are untouched)."""
         self.schema.migrate("downgrade", revision)
 
+    @_retried
     def check(self) -> dict[str, Any]:
         """Revision vs head, schema drift against the models, `PRAGMA integrity_check`, foreign keys."""
         return self.schema.check()
@@ -463,11 +498,13 @@ class Store:
         with self._write() as s:
             s.execute(stmt)
 
+    @_retried
     def get_fingerprint(self, fp_hash: str) -> Row | None:
         with self._read() as s:
             fp = s.scalar(select(Fingerprint).where(Fingerprint.hash == fp_hash))
             return None if fp is None else _fp_row(fp)
 
+    @_retried
     def list_fingerprints(self) -> list[Row]:
         with self._read() as s:
             return [_fp_row(fp) for fp in s.scalars(select(Fingerprint).order_by(Fingerprint.last_seen.desc()))]
@@ -506,6 +543,7 @@ class Store:
             s.flush()
             return m.id
 
+    @_retried
     def list_measurements(
         self,
         *,
@@ -546,6 +584,7 @@ class Store:
             if n != 1:
                 raise StoreError(f"no tuning run {run_id}")
 
+    @_retried
     def list_runs(self, limit: int = 100) -> list[Row]:
         with self._read() as s:
             return [_row(r) for r in s.scalars(select(TuningRun).order_by(TuningRun.id.desc()).limit(limit))]
@@ -599,11 +638,13 @@ class Store:
                 s.add(ev)
             return True, decision.reason
 
+    @_retried
     def get_current(self, key: ProfileKey) -> ProfileRecord | None:
         with self._read() as s:
             got = records(s.execute(select_records().where(*_key_where(key), Profile.status == "current")))
         return got[0][1] if got else None
 
+    @_retried
     def find_profile(
         self,
         *,
@@ -660,6 +701,7 @@ class Store:
                 return min((r for _i, r in got if r.key.token_bucket == bucket), key=lambda r: r.latency_us)
         return None
 
+    @_retried
     def provenance_of(self, key: ProfileKey, profile_hash: str | None = None) -> tuple[str, str] | None:
         """(provenance, measured_on) of the newest stored profile for `key` (with this hash, if given):
         for callers that hold a key from elsewhere (a daemon reply, the runtime's fallback)."""
@@ -670,12 +712,14 @@ class Store:
             row = s.execute(q.order_by((Profile.status == "current").desc(), Profile.id.desc()).limit(1)).first()
         return None if row is None else (row.provenance, row.measured_on)
 
+    @_retried
     def get_profile(self, profile_id: int) -> ProfileRecord | None:
         """One profile by id (None when absent or unreadable: the warning names it)."""
         with self._read() as s:
             got = records(s.execute(select_records().where(Profile.id == profile_id)))
         return got[0][1] if got else None
 
+    @_retried
     def list_profiles(
         self, *, status: str | None = None, fingerprint: str | None = None, provenance: str | None = None
     ) -> list[tuple[int, ProfileRecord]]:
@@ -708,6 +752,7 @@ class Store:
                 s.add(Event(created=ts, kind="stale", reason=reason, details={"fingerprint": fingerprint, "profiles": n}))
             return n
 
+    @_retried
     def count_profiles(self, status: str | None = None) -> int:
         q = select(func.count(Profile.id))
         if status is not None:
@@ -723,6 +768,7 @@ class Store:
             s.flush()
             return e.id
 
+    @_retried
     def list_events(self, limit: int = 100, *, kinds: tuple[str, ...] | None = None) -> list[Row]:
         """Newest first: Row(id, created, kind, reason, details); with `kinds`, only events of those kinds."""
         q = select(Event).order_by(Event.id.desc()).limit(limit)
@@ -732,6 +778,7 @@ class Store:
             return [_row(e) for e in s.scalars(q)]
 
     # -- export / import (moetune.tuner.store.io) ----------------------------------------------------
+    @_retried
     def dump_profiles(self, *, status: str | None = None, fingerprint: str | None = None) -> bytes:
         """The export document (JSON bytes, deterministic: same database → same bytes)."""
         return _io.dump_profiles(self, status=status, fingerprint=fingerprint)

@@ -1,0 +1,157 @@
+"""Opening a moetune SQLite file read-only: the ONE opener of the store's read-only connections
+(`moetune.tuner.store`), the runtime's "daemon down" fallback (`client.db_read`) and `tune show`'s studies file.
+
+`mode=ro` first. SQLite cannot open a WAL database mode=ro when its -shm/-wal files are gone and the folder is not
+writable (/var/lib/moetune owned by the daemon's user, the daemon down); then, and only then, `immutable=1`, which
+reads the database file alone, without locks. That is right only while no process writes the file and no
+-wal/-journal holds changes the file lacks (immutable=1 would not see a crashed writer's committed WAL frames), so:
+
+- the fallback is refused (an error naming the file) while a non-empty -wal/-journal is there;
+- every read through it is checked: the file's (inode, size, mtime_ns) and the absence of a non-empty -wal/-journal,
+  taken before the connection is opened, must hold after the read (`ReadOnlyConnection.check_unchanged`). A change
+  is `DatabaseChanged` ("changed while being read; retry"), never "malformed": a file being written is not damaged.
+  `read` retries a few times, each time from mode=ro (a writer that appeared has made the -shm mode=ro needs).
+
+No SQLAlchemy, no moetune.tuner here: the runtime may not import them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+READ_ATTEMPTS = 4  # reads of a file that keeps changing under immutable=1 before DatabaseChanged is raised
+
+# SQLite's answers when a read-only connection cannot set up a WAL database's shared memory because the -shm/-wal
+# files are gone and the directory is not writable: "unable to open" (SQLITE_CANTOPEN, also SQLite < 3.22) and, from
+# SQLite 3.22, "attempt to write a readonly database" (SQLITE_READONLY_DIRECTORY). The other READONLY codes
+# (ROLLBACK: a hot journal; RECOVERY/CANTINIT: a WAL to recover) say the file alone is not the database.
+NO_SHM_ERRORS = frozenset({"SQLITE_CANTOPEN", "SQLITE_READONLY_DIRECTORY"})
+
+
+class DatabaseChanged(sqlite3.OperationalError):
+    """A read through immutable=1 overlapped a change of the file: what it read may be stale or torn."""
+
+
+def pending_changes(path: Path) -> Path | None:
+    """The -wal or -journal file beside `path` that holds changes not (or not wholly) in the database file itself,
+    if any: a writer is active or died. A 0-byte one (a read-only connection in a writable directory leaves an
+    empty -wal) holds nothing."""
+    for suffix in ("-wal", "-journal"):
+        side = path.with_name(path.name + suffix)
+        with contextlib.suppress(OSError):
+            if side.stat().st_size > 0:
+                return side
+    return None
+
+
+def file_identity(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size, mtime_ns) of the database file (None: gone), and None too while a -wal/-journal holds changes."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    if pending_changes(path) is not None:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class ReadOnlyConnection(sqlite3.Connection):
+    """A sqlite3 connection that knows how it was opened: `immutable` (the fallback) and, then, the file's
+    identity taken before it was opened."""
+
+    path: Path
+    immutable: bool = False
+    identity: tuple[int, int, int] | None = None
+
+    def check_unchanged(self) -> None:
+        """DatabaseChanged when this is an immutable=1 connection and its file changed since it was opened (or a
+        -wal/-journal with changes appeared): what was read may be stale or torn. A mode=ro connection: nothing
+        to check (SQLite's locks keep its reads consistent)."""
+        if self.immutable and (self.identity is None or file_identity(self.path) != self.identity):
+            raise DatabaseChanged(
+                f"{self.path}: the database changed while being read (a process was writing it); retry"
+            )
+
+
+def _uri(path: Path) -> str:
+    return f"file:{urllib.parse.quote(str(path.absolute()))}?mode=ro"
+
+
+def _open_ro(uri: str, timeout_s: float) -> ReadOnlyConnection:
+    """mode=ro, checked by reading the schema (SQLite opens lazily: the -shm problem shows on the first read)."""
+    con = sqlite3.connect(uri, uri=True, timeout=timeout_s, check_same_thread=False, factory=ReadOnlyConnection)
+    try:
+        con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def connect_readonly(path: str | Path, *, timeout_s: float) -> ReadOnlyConnection:
+    """A read-only connection to `path`: mode=ro, else (no -shm can be made) immutable=1 when no -wal/-journal holds
+    changes. Reads through an immutable one must be followed by `check_unchanged` (`checked`, `read` do so).
+    sqlite3.OperationalError naming the -wal/-journal when the fallback is refused."""
+    path = Path(path).absolute()
+    uri = _uri(path)
+    try:
+        con = _open_ro(uri, timeout_s)
+    except sqlite3.OperationalError as e:
+        if getattr(e, "sqlite_errorname", None) not in NO_SHM_ERRORS:
+            raise
+        pending = pending_changes(path)
+        if pending is not None:
+            raise sqlite3.OperationalError(
+                f"{e}: cannot read {path} read-only, {pending} holds changes that only a process allowed to write "
+                f"in {path.parent} can apply (start the daemon, or open it once as the user who owns it)"
+            ) from None
+        identity = file_identity(path)  # before the connection reads a byte
+        con = sqlite3.connect(uri + "&immutable=1", uri=True, check_same_thread=False, factory=ReadOnlyConnection)
+        con.immutable = True
+        con.identity = identity
+    con.path = path
+    return con
+
+
+@contextlib.contextmanager
+def checked(con: ReadOnlyConnection) -> Iterator[None]:
+    """Around reads on `con`: DatabaseChanged when its file changed meanwhile (`check_unchanged`), also in place of
+    an error those reads raised (a page torn by a writer reads as "database disk image is malformed")."""
+    try:
+        yield
+    except sqlite3.DatabaseError as e:
+        if not isinstance(e, DatabaseChanged):
+            con.check_unchanged()  # raises DatabaseChanged from inside the handler: the SQLite error is its context
+        raise
+    con.check_unchanged()
+
+
+def retry_pause(attempt: int) -> None:
+    time.sleep(min(0.002 * 2**attempt, 0.05))
+
+
+def read(path: str | Path, fn: Callable[[ReadOnlyConnection], T], *, timeout_s: float,
+         attempts: int = READ_ATTEMPTS) -> T:
+    """fn(connection) on a fresh read-only connection (`connect_readonly`), closed after. A read through immutable=1
+    that overlapped a change is run again from mode=ro, up to `attempts` times; then DatabaseChanged. fn must read
+    everything it needs (fetchall), not return a cursor."""
+    for attempt in range(attempts):
+        con = connect_readonly(path, timeout_s=timeout_s)
+        try:
+            with checked(con):
+                return fn(con)
+        except DatabaseChanged:
+            if attempt == attempts - 1:
+                raise
+        finally:
+            con.close()
+        retry_pause(attempt)
+    raise AssertionError("unreachable")
