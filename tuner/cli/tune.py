@@ -70,12 +70,15 @@ def _check_storage(url: str, given: bool) -> None:
     one clear error, not a traceback from Optuna or SQLAlchemy."""
     import warnings
 
-    from moetune.tuner.search.study import make_storage
+    from moetune.tuner.search.study import StorageRefused, make_storage
 
     try:
         with warnings.catch_warnings():  # Optuna's experimental-feature notes are for the real run, not this check
             warnings.simplefilter("ignore")
             make_storage(url)
+    except StorageRefused as e:  # another program's file, a folder that does not exist: the reason is the message
+        _fail(f"--storage {_redact(url)}: {e}" if given
+              else f"the studies file (the default --storage, beside the profile database): {e}")
     except Exception as e:  # SQLAlchemy / sqlite3 / a missing driver / Optuna's schema check: all mean "cannot open"
         _fail(_storage_error(url, given, e))
 

@@ -42,6 +42,7 @@ import math
 import os
 import socket
 import sqlite3
+import stat
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -63,6 +64,7 @@ from moetune.tuner.search.backends import (
     TuneWorkload,
 )
 from moetune.tuner.search.space import SearchSpace
+from moetune.tuner.store._tables import is_foreign_file, is_optuna_file, missing_optuna_tables
 
 log = logging.getLogger("moetune.tuner.search.study")
 
@@ -135,23 +137,132 @@ def normalize_url(url: str) -> str:
     return url
 
 
+class StorageRefused(ValueError):
+    """A SQLite studies storage moetune will not create or write: another program's file, or a missing folder."""
+
+
+def _sqlite_tables(path: Path) -> set[str]:
+    """The tables of an existing SQLite file, through a plain read-write connection that creates nothing and does
+    not switch the journal (unlike mode=ro, it leaves no empty -wal/-shm beside a WAL file it closes)."""
+    from urllib.parse import quote
+
+    con = sqlite3.connect(f"file:{quote(str(path))}?mode=rw", uri=True, timeout=30)
+    try:
+        return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                if not r[0].startswith("sqlite_")}
+    finally:
+        con.close()
+
+
+def _schema_ready(path: Path, tables: set[str]) -> bool:
+    """Optuna's schema is there and stamped: opening the file creates no table and writes no version."""
+    if not is_optuna_file(tables) or "alembic_version" not in tables:
+        return False
+    from urllib.parse import quote
+
+    con = sqlite3.connect(f"file:{quote(str(path))}?mode=rw", uri=True, timeout=30)
+    try:
+        return all(con.execute(f"SELECT 1 FROM {t} LIMIT 1").fetchone() is not None
+                   for t in ("version_info", "alembic_version"))
+    except sqlite3.Error:
+        return False
+    finally:
+        con.close()
+
+
+def _check_sqlite_studies_path(path: Path) -> set[str]:
+    """The rules an explicit --db follows, for a SQLite studies file: moetune adds Optuna's tables (and WAL) to no
+    other program's file, and creates no folder but its own data folder. Returns the file's tables (none: new)."""
+    if path.exists():
+        if not path.is_file() or path.stat().st_size == 0:
+            return set()  # a folder or a device: SQLite says what is wrong; an empty file is a new one
+        tables = _sqlite_tables(path)
+        # Optuna's file, or the profile store's (the store shares its file with Optuna): not another program's
+        if is_foreign_file(tables):
+            names = sorted(tables)
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise StorageRefused(
+                f"{path} is another program's database (it has tables {shown}, neither Optuna's studies tables nor "
+                f"moetune's): moetune does not add Optuna's tables to it; it is left as it is: give a new file or a "
+                f"studies file")
+        return tables
+    from moetune.runtime.paths import data_dir
+
+    parent = path.parent
+    if parent.is_dir():
+        return set()
+    own = data_dir().expanduser().absolute()
+    if parent.absolute() != own:
+        if parent.exists():
+            raise StorageRefused(f"cannot create {path}: {parent} is not a folder")
+        raise StorageRefused(f"cannot create {path}: the folder {parent} does not exist (moetune creates only its own "
+                             f"data folder, {own}; create {parent} first or give another path)")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StorageRefused(f"cannot create the folder of {path}: {e}") from None
+    return set()
+
+
 @contextmanager
-def _creation_lock(path: Path) -> Iterator[None]:
+def _creation_lock(path: Path) -> Iterator[bool]:
     """Serialize the creation of a SQLite studies file's schema between processes: two first runs at once raced
     in Optuna's create_all / version stamp ("UNIQUE constraint failed: alembic_version.version_num", "table trials
-    already exists") though the file was fine. An flock on `<file>.lock` (released when the process dies)."""
+    already exists") though the file was fine. An flock on `<file>.lock` (released when the process dies). flock
+    needs no write access: the lock file is opened read-only (whoever created it, a root-owned 0644 one included),
+    never through a link, with the studies file's mode (as SQLite gives its -wal/-shm). Yields whether it holds the
+    lock; when the lock file cannot be opened, says why at debug level and yields False (the caller retries)."""
     import fcntl
 
+    lock = Path(f"{path}.lock")
     try:
-        fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:  # a read-only folder: sqlite itself will say what is wrong with the file
-        yield
+        mode = stat.S_IMODE(path.stat().st_mode) & 0o666
+    except OSError:
+        mode = 0o644  # SQLite's mode for a new file (less the umask)
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        log.debug("no creation lock for %s (%s: %s): retrying the schema creation instead", path, lock, e)
+        yield False
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield True
     finally:
         os.close(fd)  # closing the only descriptor releases the lock
+
+
+CREATE_RETRIES = 5  # schema creation without the lock: a race with another first run is retried (it is transient)
+
+
+def _open_sqlite(path: Path, url: str, *, retry: bool) -> optuna.storages.RDBStorage:
+    """Switch the file to WAL and open Optuna's storage on it (creating its schema when missing). Without the
+    creation lock (`retry`) a race with another process creating the schema is retried."""
+    import time
+
+    import sqlalchemy
+
+    for attempt in range(CREATE_RETRIES if retry else 1):
+        try:
+            con = sqlite3.connect(path, timeout=30)
+            try:
+                con.execute("PRAGMA journal_mode=WAL")
+            finally:
+                con.close()
+            # isolation_level None: the driver's implicit transactions are off, `_immediate_transactions` begins them
+            return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30,
+                                                                                   "isolation_level": None}})
+        except (sqlalchemy.exc.SQLAlchemyError, sqlite3.Error, optuna.exceptions.StorageInternalError) as e:
+            why = str(e)
+            if not retry or attempt == CREATE_RETRIES - 1 or not any(m in why for m in _CREATION_RACE):
+                raise
+            log.debug("schema creation of %s raced another process (%s): retrying", path, why.splitlines()[0])
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+# what two processes creating one file's schema at once see (the file is fine: a retry opens it)
+_CREATION_RACE = ("already exists", "UNIQUE constraint failed", "database is locked")
 
 
 def _immediate_transactions(st: optuna.storages.RDBStorage) -> None:
@@ -173,15 +284,12 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
         path = sqlite_path(url)
         if path is None or str(path) == ":memory:":
             return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with _creation_lock(path):
-            con = sqlite3.connect(path, timeout=30)
-            try:
-                con.execute("PRAGMA journal_mode=WAL")
-            finally:
-                con.close()
-            # isolation_level None: the driver's implicit transactions are off, `_immediate_transactions` begins them
-            st = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30, "isolation_level": None}})
+        tables = _check_sqlite_studies_path(path)  # another program's file, a missing folder: refused
+        if _schema_ready(path, tables):
+            st = _open_sqlite(path, url, retry=False)  # nothing to create: no lock (and no lock file)
+        else:
+            with _creation_lock(path) as locked:
+                st = _open_sqlite(path, url, retry=not locked)
         _immediate_transactions(st)
         return st
     # Shared server storage: heartbeats let the survivors fail the trials of a worker that died (as
@@ -199,9 +307,6 @@ class NotAStudiesFile(ValueError):
     """A storage `open_readonly_storage` refuses: it holds no Optuna schema."""
 
 
-OPTUNA_TABLES = ("studies", "trials", "version_info")  # what every Optuna RDB storage holds
-
-
 def open_readonly_storage(url: str) -> optuna.storages.RDBStorage:
     """The storage for reading studies back (`tune show`): it never creates a table, a file or a version stamp,
     and a file or database without Optuna's tables is refused (NotAStudiesFile) instead of being given them."""
@@ -210,18 +315,29 @@ def open_readonly_storage(url: str) -> optuna.storages.RDBStorage:
     if path is not None and str(path) != ":memory:":
         if not path.is_file():
             raise NotAStudiesFile(f"{path} does not exist" if not path.exists() else f"{path} is not a file")
-        from urllib.parse import quote
+        import sqlalchemy
+        from sqlalchemy.pool import NullPool
 
-        ro = f"file:{quote(str(path.resolve()))}?mode=ro"
-        con = sqlite3.connect(ro, uri=True, timeout=30)
-        try:
-            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        finally:
-            con.close()
+        from moetune.runtime.profiles import sqlite_open
+
+        # The store's read-only opener (mode=ro; immutable=1 only where a folder we may not write has no -shm and no
+        # -wal/-journal holds changes: the daemon's studies file while it is down). SQLite refuses any write to it.
+        path = path.resolve()
+        tables = sqlite_open.read(path, lambda con: {r[0] for r in con.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'")}, timeout_s=30)
         _need_tables(str(path), tables)
-        # mode=ro: SQLite itself refuses any write to the file
-        return optuna.storages.RDBStorage(f"sqlite:///{ro}&uri=true", engine_kwargs={"connect_args": {"timeout": 30}},
-                                          skip_table_creation=True)
+        # NullPool: every session opens anew, so the choice and the guard are made per read, never kept from the first
+        st = optuna.storages.RDBStorage(
+            f"sqlite:///{path}", skip_table_creation=True,
+            engine_kwargs={"creator": lambda: sqlite_open.connect_readonly(path, timeout_s=30), "poolclass": NullPool})
+
+        @sqlalchemy.event.listens_for(st.engine, "handle_error")
+        def _changed(ctx: Any) -> None:  # a page torn by a writer under immutable=1 is not "malformed": say so
+            raw = getattr(getattr(ctx.connection, "connection", None), "driver_connection", None)
+            if isinstance(raw, sqlite_open.ReadOnlyConnection):
+                raw.check_unchanged()
+
+        return st
     import sqlalchemy
 
     engine = sqlalchemy.create_engine(url, **({"pool_pre_ping": True} if not is_sqlite(url) else {}))
@@ -234,7 +350,7 @@ def open_readonly_storage(url: str) -> optuna.storages.RDBStorage:
 
 
 def _need_tables(where: str, tables: set[str]) -> None:
-    missing = [t for t in OPTUNA_TABLES if t not in tables]
+    missing = missing_optuna_tables(tables)
     if missing:
         raise NotAStudiesFile(f"{where} is not an Optuna studies storage (no {', '.join(missing)} table"
                               f"{'s' if len(missing) > 1 else ''}); it is left as it is")

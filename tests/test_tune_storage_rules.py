@@ -1,0 +1,156 @@
+"""A SQLite `--storage` follows the rules `--db` follows: no Optuna tables (nor WAL) added to another program's file,
+no folder made but moetune's own data folder. The schema-creation lock `<file>.lock` is taken only while the schema
+is missing, opened read-only and never through a link; where it cannot be opened the creation is retried."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sqlite3
+from pathlib import Path
+
+import optuna
+import pytest
+from typer.testing import CliRunner
+
+from moetune.tuner.cli import app
+from moetune.tuner.search import study as study_mod
+from moetune.tuner.search.study import make_storage, open_study
+
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+pytestmark = pytest.mark.timeout(240)
+runner = CliRunner()
+TUNE = ["tune", "-m", "qwen3-30b", "--preset", "nvlink-h200x2", "--trials", "3", "--tokens", "128"]
+
+
+def _digest(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _foreign(p: Path) -> Path:
+    con = sqlite3.connect(p)
+    con.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
+    con.execute("INSERT INTO customers VALUES (1, 'a')")
+    con.commit()
+    con.close()
+    return p
+
+
+def _tables(p: Path) -> set[str]:
+    con = sqlite3.connect(p)
+    try:
+        return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        con.close()
+
+
+def test_another_programs_file_is_refused_and_left_as_it_is(tmp_path: Path) -> None:
+    other = _foreign(tmp_path / "app.db")
+    before = _digest(other)
+    with pytest.raises(ValueError, match=rf"{other} is another program's database \(it has tables customers"):
+        make_storage(f"sqlite:///{other}")
+    assert _digest(other) == before and _tables(other) == {"customers"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]  # no -wal, no lock file
+    con = sqlite3.connect(other)
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # not switched to WAL
+    con.close()
+
+
+def test_tune_with_another_programs_file_is_one_line_exit_2(tmp_path: Path) -> None:
+    other = _foreign(tmp_path / "app.db")
+    before = _digest(other)
+    r = runner.invoke(app, [*TUNE, "--db", str(tmp_path / "m.db"), "--storage", f"sqlite:///{other}"])
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    assert f"--storage sqlite:///{other}: {other} is another program's database" in " ".join(r.output.split())
+    assert _digest(other) == before
+
+
+def test_optuna_store_and_empty_files_are_studies_storages(tmp_path: Path) -> None:
+    optuna_file = tmp_path / "studies.db"
+    make_storage(f"sqlite:///{optuna_file}")  # a new file: Optuna's
+    make_storage(f"sqlite:///{optuna_file}")  # and again
+    store_file = tmp_path / "moetune.db"  # the profile store's file may hold the studies too
+    con = sqlite3.connect(store_file)
+    con.execute("CREATE TABLE moetune_alembic_version (version_num TEXT)")
+    con.execute("CREATE TABLE profiles (id INTEGER)")
+    con.commit()
+    con.close()
+    make_storage(f"sqlite:///{store_file}")
+    assert {"studies", "trials", "profiles"} <= _tables(store_file)
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    make_storage(f"sqlite:///{empty}")
+    assert "studies" in _tables(empty)
+
+
+def test_a_missing_folder_is_refused_not_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    deep = tmp_path / "nonexist" / "deep" / "s.db"
+    with pytest.raises(ValueError, match=rf"the folder {deep.parent} does not exist"):
+        make_storage(f"sqlite:///{deep}")
+    assert not (tmp_path / "nonexist").exists()
+    r = runner.invoke(app, [*TUNE, "--db", str(tmp_path / "m.db"), "--storage", f"sqlite:///{deep}"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "does not exist" in r.output and not (tmp_path / "nonexist").exists()
+    # moetune's own data folder is made (the default studies file beside the default store)
+    make_storage(f"sqlite:///{tmp_path / 'home' / 'moetune-studies.db'}")
+    assert (tmp_path / "home" / "moetune-studies.db").is_file()
+
+
+def test_the_lock_is_taken_only_while_the_schema_is_missing(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    lock = tmp_path / "s.db.lock"
+    make_storage(f"sqlite:///{db}")  # first creation: under the lock
+    assert lock.exists()
+    lock.unlink()  # ours (the test's)
+    open_study("moetune/t", f"sqlite:///{db}")
+    make_storage(f"sqlite:///{db}")
+    assert not lock.exists()  # the schema is there: no lock, no lock file
+
+
+def test_a_read_only_lock_file_is_used(tmp_path: Path) -> None:
+    """flock needs no write access: a lock file another user (root, 0644) made still serializes the creation.
+    Was: opened O_RDWR, which fails for the daemon's user on such a file, and the lock was silently skipped."""
+    db = tmp_path / "s.db"
+    lock = tmp_path / "s.db.lock"
+    lock.touch(mode=0o444)
+    os.chmod(lock, 0o444)
+    seen: list[int] = []
+    real_open = os.open
+
+    def spy(path, flags, *a, **k):  # type: ignore[no-untyped-def]
+        if str(path) == str(lock):
+            seen.append(flags)
+        return real_open(path, flags, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "open", spy)
+        make_storage(f"sqlite:///{db}")
+    assert seen and all(f & os.O_ACCMODE == os.O_RDONLY and f & os.O_NOFOLLOW for f in seen)
+    assert "studies" in _tables(db)
+
+
+def test_a_lock_through_a_link_is_not_followed_and_creation_is_retried(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    db = tmp_path / "s.db"
+    target = tmp_path / "elsewhere"
+    (tmp_path / "s.db.lock").symlink_to(target)
+    real = optuna.storages.RDBStorage
+    calls: list[int] = []
+
+    def racing(*a, **k):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 1:  # another first run is creating the schema right now
+            raise optuna.exceptions.StorageInternalError("(sqlite3.IntegrityError) UNIQUE constraint failed: "
+                                                         "alembic_version.version_num")
+        return real(*a, **k)
+
+    monkeypatch.setattr(study_mod.optuna.storages, "RDBStorage", racing)
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    with caplog.at_level(logging.DEBUG, logger="moetune.tuner.search.study"):
+        make_storage(f"sqlite:///{db}")
+    assert not target.exists()  # the link was not followed
+    assert len(calls) == 2 and "studies" in _tables(db)
+    assert any("no creation lock for" in r.getMessage() and "s.db.lock" in r.getMessage() for r in caplog.records)
