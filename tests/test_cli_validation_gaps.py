@@ -112,18 +112,32 @@ def test_model_sweep_refuses_an_empty_values_list(tmp_path: Path, values: str) -
 # -- 4: a sweep says why a point is n/a; no plot (and no matplotlib warning) when nothing can be drawn -----------
 def test_model_sweep_rows_name_the_reason_they_are_na(tmp_path: Path) -> None:
     out = tmp_path / "x.png"
-    # the default --nodes 4 on a one-node preset: every point is n/a
-    r = run("model", "sweep", "-p", "nvlink-h200x2", "--out", str(out), home=tmp_path)
+    # --nodes 4 on a one-node preset: every point is n/a
+    r = run("model", "sweep", "-p", "nvlink-h200x2", "-n", "4", "--out", str(out), home=tmp_path)
     no_traceback(r)
     text = flat(r.output)
     assert "n/a (1)" in text and "(1) preset 'nvlink-h200x2' has no network between nodes; use nodes=1" in text, text
-    assert "no plot written" in text and not out.exists()
+    assert "nothing modelled (no plot written to" in text and not out.exists()
     assert r.exit_code == 1, r.output
+
+
+def test_model_sweep_with_nothing_modelled_fails_without_out_too(tmp_path: Path) -> None:
+    r = run("model", "sweep", "-p", "nvlink-h200x2", "-n", "4", home=tmp_path)
+    no_traceback(r)
+    assert r.exit_code == 1 and "nothing modelled: every point of the sweep is n/a" in flat(r.output), r.output
+
+
+def test_model_sweep_default_nodes_fit_the_preset(tmp_path: Path) -> None:
+    """The default --nodes is 4, or the preset's most nodes when fewer: a one-node preset's sweep is modelled."""
+    r = run("model", "sweep", "-p", "nvlink-h200x2", "--json", home=tmp_path)
+    assert r.exit_code == 0, r.output
+    points = [p for s in json.loads(r.stdout)["series"].values() for p in s]
+    assert points and all("error" not in p for p in points), points
 
 
 def test_model_sweep_json_names_no_plot_it_did_not_write(tmp_path: Path) -> None:
     out = tmp_path / "x.png"
-    r = run("model", "sweep", "-p", "nvlink-h200x2", "--json", "--out", str(out), home=tmp_path)
+    r = run("model", "sweep", "-p", "nvlink-h200x2", "-n", "4", "--json", "--out", str(out), home=tmp_path)
     assert r.exit_code == 1 and not out.exists()
     doc = json.loads(r.stdout)
     assert doc["plot"] is None and all("use nodes=1" in p["error"] for s in doc["series"].values() for p in s)

@@ -31,7 +31,7 @@ def _e(value: Any) -> str:
     return escape(str(value))
 
 
-def _build(preset: str, model: str, nodes: int, tokens: int, gpus_per_node: int | None, knobs: str,
+def _build(preset: str, model: str, nodes: int | None, tokens: int, gpus_per_node: int | None, knobs: str,
            routing: str, tile: int):
     from moetune.runtime.knobs import KnobError, Knobs, default_knobs
     from moetune.runtime.shapes import get_model
@@ -43,6 +43,8 @@ def _build(preset: str, model: str, nodes: int, tokens: int, gpus_per_node: int 
     try:
         pr = load_preset(preset)
         shape = get_model(model)
+        if nodes is None:  # sweep's default: 4 nodes, or as many as the preset's fabric connects
+            nodes = min(4, pr.max_nodes) if pr.max_nodes else 4
         # the same Workload checks apply to every value `model sweep --values` varies (_check_sweep_values)
         w = Workload(shape, tokens, nodes, gpus_per_node or pr.gpus_per_node, routing=routing, tile=tile)
         base = default_knobs(pr.transports[0])
@@ -203,7 +205,8 @@ def sweep_cmd(
     model: str = typer.Option("qwen3-30b", "--model", "-m", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K."),
     over: str = typer.Option("group_size", "--over", help="group_size, nodes or tokens."),
     values: str | None = typer.Option(None, "--values", help="Comma-separated x values (default: a sensible range)."),
-    nodes: int = typer.Option(4, "--nodes", "-n", help="Nodes (unless swept with --over nodes)."),
+    nodes: int | None = typer.Option(None, "--nodes", "-n", help="Nodes (unless swept with --over nodes; default: 4, "
+                                     "or the preset's most nodes if fewer)."),
     tokens: int = typer.Option(256, "--tokens", "-t", help="Tokens per GPU (unless swept with --over tokens)."),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", "-g", help="GPUs per node (default: the preset's)."),
     knobs: str = typer.Option("", "--knobs", "-k", help="Base knob overrides."),
@@ -291,10 +294,11 @@ def sweep_cmd(
                        + (", because:" if reasons else "."))
         for why, n in reasons.items():
             _console.print(f"  ({n}) {_e(why)}", soft_wrap=True)
-    if plot_path is not None and not drawable:
-        # nothing to draw: an empty figure (and matplotlib's warning about its legend) says nothing
-        Console(stderr=True).print(f"[red]no plot written[/red] to {_e(plot_path)}: every point of the sweep is n/a "
-                                   "(the model's reasons are given with it)", soft_wrap=True)
+    if not drawable:
+        # nothing could be modelled: a failure whether or not a plot was asked for (an empty figure says nothing)
+        where = f" (no plot written to {_e(plot_path)})" if plot_path is not None else ""
+        Console(stderr=True).print(f"[red]nothing modelled[/red]{where}: every point of the sweep is n/a (the "
+                                   "model's reasons are given with it)", soft_wrap=True)
         raise typer.Exit(1)
     if plot_path is not None:
         _plot(series, over, plot_path, f"{pr.name} · {w0.model.name}")
