@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 SYSTEM_CONFIG = Path("/etc/moetune/moetune.toml")
@@ -110,6 +111,30 @@ def untrusted_dir_reason(d: Path) -> str | None:
     if parent.st_uid == 0 and not parent.st_mode & 0o022:
         return None
     return f"{d} is owned by uid {st.st_uid}, not by this user (uid {uid}) or root, in a directory others can write"
+
+
+@dataclass(frozen=True)
+class LooseKeyPath:
+    """Why key material (a CURVE key file or a folder of keys) is not safe: its mode and owner, whether the owner is
+    another user (neither this process's effective user nor root: that user could change it) and which of the
+    forbidden group/other bits it has (0: none)."""
+
+    mode: int
+    uid: int
+    foreign_owner: bool
+    loose_bits: int
+
+
+def loose_key_path(p: Path | str, *, forbid: int, sticky_ok: bool = False) -> LooseKeyPath | None:
+    """The one rule for key material, the daemon's refusal and the client's warning alike: None when `p` is owned by
+    this process's effective user or root and has none of the mode bits `forbid` (a sticky folder such as /tmp passes
+    with `sticky_ok`: only a file's owner may replace the file there). Follows a link: the target's mode and owner
+    are what matter. Raises OSError when `p` cannot be stat-ed."""
+    st = os.stat(p)
+    mode = stat.S_IMODE(st.st_mode)
+    foreign = st.st_uid not in (os.geteuid(), 0)
+    bad = 0 if sticky_ok and st.st_mode & stat.S_ISVTX else mode & forbid
+    return LooseKeyPath(mode, st.st_uid, foreign, bad) if foreign or bad else None
 
 
 def untrusted_socket_reason(sock: Path) -> str | None:

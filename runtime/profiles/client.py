@@ -68,6 +68,7 @@ from moetune.runtime.paths import (
     client_db_path,
     default_endpoint,
     ipc_path,
+    loose_key_path,
     runtime_dir_candidates,
     untrusted_dir_reason,
     untrusted_socket_reason,
@@ -1031,16 +1032,16 @@ def warn_fallback(message: str) -> None:
 
 
 def _warn_loose_secret(path: str) -> None:
-    """Warn (once per file) when this client's CURVE secret key could be read or changed by other users: whoever
-    reads it connects as this client (an admin key: may re-tune). A warning, not a refusal: the daemon enforces its
-    allow-list, and refusing here would only push the job onto its fallbacks without a word at the daemon."""
-    st = os.stat(path)
-    loose = stat.S_IMODE(st.st_mode) & 0o066
-    if loose or st.st_uid not in (os.geteuid(), 0):
+    """Warn (once per file) when this client's CURVE secret key could be read or changed by other users
+    (`loose_key_path`, the daemon's rule for its own key): whoever reads it connects as this client (an admin
+    key: may re-tune). A warning, not a refusal: the daemon enforces its allow-list, and refusing here would only
+    push the job onto its fallbacks without a word at the daemon."""
+    loose = loose_key_path(path, forbid=0o066)
+    if loose is not None:
         _once.say_once("client.secret_key_mode", path,
-                       f"moetune: this client's CURVE secret key file {path} (mode {stat.S_IMODE(st.st_mode):o}, "
-                       f"owner uid {st.st_uid}) can be read or changed by other users: whoever reads it can connect "
-                       f"as this client (chmod 600 it, owned by this user)", logger=log)
+                       f"moetune: this client's CURVE secret key file {path} (mode {loose.mode:o}, owner uid "
+                       f"{loose.uid}) can be read or changed by other users: whoever reads it can connect as this "
+                       "client (chmod 600 it, owned by this user)", logger=log)
 
 
 _MONITOR_IDS = itertools.count()  # one inproc name per monitor socket in this process

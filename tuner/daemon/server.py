@@ -59,6 +59,7 @@ import msgspec
 import zmq
 
 from moetune.runtime import wire
+from moetune.runtime.paths import loose_key_path
 from moetune.runtime.profile_record import ProfileRecord
 from moetune.runtime.profiles.client import INFO_NAME, PUB_SOCKET_NAME, is_loopback_host, tcp_host, tcp_port
 from moetune.tuner.daemon import handlers
@@ -344,23 +345,23 @@ def _mode_words(bits: int) -> tuple[str, str]:
 
 
 def check_key_path(p: Path, what: str, *, forbid: int, risk: str, sticky_ok: bool = False) -> None:
-    """Refuse key material `p` (a key file or a directory of keys) that is owned by a user other than this
-    daemon's or root (its owner could change it), or that has a mode bit of `forbid` (group/other read or
-    write). A sticky directory (like /tmp) passes with `sticky_ok`: only a file's owner may replace the file
-    there. Never chmod-ed: the user fixes it (the daemon never changes what it did not create)."""
+    """Refuse key material `p` (a key file or a directory of keys) that `moetune.runtime.paths.loose_key_path` finds
+    loose: owned by a user other than this daemon's or root (its owner could change it), or with a mode bit of
+    `forbid` (group/other read or write); a sticky directory (like /tmp) passes with `sticky_ok`. Never chmod-ed:
+    the user fixes it (the daemon never changes what it did not create)."""
     try:
-        st = os.stat(p)  # follows a link: the mode and owner that matter are the target's
+        loose = loose_key_path(p, forbid=forbid, sticky_ok=sticky_ok)
     except OSError as e:
         raise DaemonConfigError(f"cannot check the {what} {p}: {e.strerror or e}") from None
-    mode, me = stat.S_IMODE(st.st_mode), os.geteuid()
-    if st.st_uid not in (me, 0):
-        raise DaemonConfigError(f"the {what} {p} (mode {mode:o}) is owned by uid {st.st_uid}, not by this daemon's "
-                                f"user (uid {me}) or root: that user could change it ({risk}); refusing to use it")
-    bad = mode & forbid
-    if bad and not (sticky_ok and st.st_mode & stat.S_ISVTX):
-        words, fix = _mode_words(bad)
-        raise DaemonConfigError(f"the {what} {p} (mode {mode:o}, owner uid {st.st_uid}) is {words} by group or "
-                                f"others: {risk}; refusing to use it (e.g. chmod go-{fix} {p})")
+    if loose is None:
+        return
+    if loose.foreign_owner:
+        raise DaemonConfigError(f"the {what} {p} (mode {loose.mode:o}) is owned by uid {loose.uid}, not by this "
+                                f"daemon's user (uid {os.geteuid()}) or root: that user could change it ({risk}); "
+                                "refusing to use it")
+    words, fix = _mode_words(loose.loose_bits)
+    raise DaemonConfigError(f"the {what} {p} (mode {loose.mode:o}, owner uid {loose.uid}) is {words} by group or "
+                            f"others: {risk}; refusing to use it (e.g. chmod go-{fix} {p})")
 
 
 def check_secret_key_file(secret_file: str | Path) -> None:
