@@ -4,6 +4,7 @@ except moetune's own data folder ($MOETUNE_HOME), which is made as before."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 import subprocess
@@ -101,3 +102,25 @@ def test_serve_refuses_a_db_in_a_missing_folder(tmp_path: Path) -> None:
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"the folder {missing} does not exist" in r.stderr and "Traceback" not in r.stderr
     assert not missing.exists()
+
+
+def test_db_check_on_a_newer_database_says_it_was_written_by_a_newer_moetune(tmp_path: Path) -> None:
+    db = newer_db(tmp_path)
+    digest = hashlib.sha256(db.read_bytes()).hexdigest()
+    for extra in ([], ["--json"]):
+        r = run("db", "check", "--db", str(db), *extra)
+        assert r.exit_code == 2, r.output
+        assert "revision 0099" in r.stderr and "written by a newer moetune" in r.stderr, r.stderr
+        assert f"moetune db downgrade {head_revision()} --yes" in r.stderr
+        assert "NOT OK" not in r.output and r.stdout == ""
+        assert "Traceback" not in r.output
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
+
+
+def test_db_check_on_a_current_database_still_reports_ok(tmp_path: Path) -> None:
+    """Guard: the refusal is for an unknown revision only."""
+    db = tmp_path / "m.db"
+    Store(db).close()
+    r = run("db", "check", "--db", str(db))
+    assert r.exit_code == 0, r.output
+    assert ": ok" in r.stdout
