@@ -178,7 +178,7 @@ def check(
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
-    """Check revision, schema drift, SQLite integrity and foreign keys; exit 1 when anything is off, 2 on a newer moetune's database."""
+    """Check revision, schema drift, SQLite integrity, foreign keys and profile rows this moetune cannot read (listed by id); exit 1 when anything is off, 2 on a newer moetune's database."""
     with open_store(db, config, mode="inspect") as store:
         store.schema.refuse_newer(store.current_revision())  # not "NOT OK": a newer moetune's schema is not drift
         info = store.check()
@@ -192,5 +192,11 @@ def check(
         out.print(f"  foreign key errors: {info['foreign_key_errors']}")
         for d in info["schema_diff"]:
             out.print(escape(f"  schema differs: {d}"))
+        bad = info["unreadable_profiles"]
+        if bad:  # every read skips them; kept until removed on purpose
+            out.print(f"  unreadable profile rows: {len(bad)} (skipped by every read; `moetune profiles delete ID` "
+                      f"removes one)")
+            for row in bad:
+                out.print(escape(f"    profile {row['id']}: {row['error']}"))
     if not info["ok"]:
         raise typer.Exit(1)

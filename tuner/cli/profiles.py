@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import typer
@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from moetune.runtime.profiles.perf_env import perf_env_digest
-from moetune.tuner.cli.db import CONFIG_HELP, DB_HELP, fail, open_store, out, print_json
+from moetune.tuner.cli.db import CONFIG_HELP, DB_HELP, err, fail, open_store, out, print_json
 
 app = typer.Typer(help="Tuned profiles in the database: list, show, delete, export, import.", no_args_is_help=True)
 
@@ -110,8 +110,8 @@ def show(
     """Show one profile: its key, knobs and measurement, and the NCCL/NVSHMEM/FI environment it was measured in."""
     with open_store(db, config, mode="read") as store:
         rec = store.get_profile(profile_id)
-    if rec is None:
-        raise fail(f"no profile {profile_id}")
+        if rec is None:
+            _no_profile(store, profile_id)
     if json_out:
         print_json(_record_json(profile_id, rec))
         return
@@ -137,6 +137,15 @@ def show(
     out.print(table)
 
 
+def _no_profile(store: Any, profile_id: int) -> NoReturn:
+    """Exit 2: no such profile, or one stored that this moetune cannot read (said so, with how to remove it)."""
+    unreadable = store.unreadable_profiles(profile_id)
+    if unreadable:
+        raise fail(f"profile {profile_id} is stored but this moetune cannot read it: {unreadable[0][1]} "
+                   f"(`moetune profiles delete {profile_id}` removes it)")
+    raise fail(f"no profile {profile_id}")
+
+
 @app.command()
 def delete(
     profile_id: int = typer.Argument(..., min=1, max=MAX_ID, help="Profile id."),
@@ -144,11 +153,13 @@ def delete(
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
-    """Delete one profile."""
+    """Delete one profile (also one this moetune cannot read, which `moetune db check` lists)."""
     with open_store(db, config, mode="write") as store:
-        if store.get_profile(profile_id) is None:
+        unreadable = store.unreadable_profiles(profile_id)  # every read skips such a row: deleting it must work
+        if not unreadable and store.get_profile(profile_id) is None:
             raise fail(f"no profile {profile_id}")
-        if not yes and not typer.confirm(f"delete profile {profile_id}?"):
+        what = f" (unreadable: {unreadable[0][1]})" if unreadable else ""
+        if not yes and not typer.confirm(f"delete profile {profile_id}{what}?"):
             raise typer.Exit(1)
         store.delete_profile(profile_id)
     out.print(f"deleted profile {profile_id}")
@@ -179,11 +190,17 @@ def export_cmd(
 @app.command("import")
 def import_cmd(
     path: Path = typer.Argument(..., help="JSON file written by `moetune profiles export`."),
+    skip_invalid: bool = typer.Option(
+        False, "--skip-invalid",
+        help="Leave out the profile records that are invalid on their own (each is named on stderr, and in --json's "
+             "\"invalid\") and import the rest. Without it one invalid record refuses the whole file. A problem of the "
+             "file itself (format, fingerprints, two current records for one key) is refused either way.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
-    """Import profiles: all or nothing, validated before anything is written."""
+    """Import profiles: all or nothing, validated before anything is written; the error names every invalid record (--skip-invalid imports the rest)."""
     from moetune.tuner.store.store import ProfileImportError, parse_export
 
     try:
@@ -191,20 +208,23 @@ def import_cmd(
     except OSError as e:
         raise fail(f"cannot read {path}: {e.strerror or e}") from None
     try:  # validate before opening: a bad file must not create (or upgrade) a database either
-        parse_export(data, source=str(path))
+        parse_export(data, source=str(path), skip_invalid=skip_invalid)
     except ProfileImportError as e:
         raise fail(f"{e} (database unchanged)") from None
     with open_store(db, config, mode="create") as store:
         try:
-            res = store.import_bytes(data, source=str(path))
+            res = store.import_bytes(data, source=str(path), skip_invalid=skip_invalid)
         except ProfileImportError as e:
             raise fail(f"{e} (database unchanged)") from None
+    for line in res.invalid:
+        err.print(escape(f"left out (invalid): {line}"))
     if json_out:
         print_json(msgspec.to_builtins(res))
     else:
+        left_out = f", {len(res.invalid)} invalid left out (listed above)" if res.invalid else ""
         out.print(
             escape(
                 f"imported {res.inserted} profile(s) from {path}: {res.current} current, {res.replaced} replaced, "
-                f"{res.kept_superseded} kept as superseded, {res.skipped} already present"
+                f"{res.kept_superseded} kept as superseded, {res.skipped} already present{left_out}"
             )
         )

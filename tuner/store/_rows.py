@@ -45,8 +45,17 @@ def select_records() -> Select[Any]:
     return select(*_COLUMNS)
 
 
+class UnreadableRow(ValueError):
+    """A stored profile row this moetune cannot read: `profile_id`, and `why` (str() names the row too)."""
+
+    def __init__(self, profile_id: int, why: str) -> None:
+        super().__init__(f"profile {profile_id} in the database is invalid for this moetune: {why}")
+        self.profile_id = profile_id
+        self.why = why
+
+
 def record_from_row(row: Any) -> ProfileRecord:
-    """A ProfileRecord from a `select_records()` row; ValueError says what is wrong with it."""
+    """A ProfileRecord from a `select_records()` row; UnreadableRow (a ValueError) says what is wrong with it."""
     try:
         key = ProfileKey(**{c: getattr(row, c) for c in PROFILE_KEY_COLUMNS})
         knobs = Knobs.from_dict(msgspec.json.decode(row.knobs or "null"))
@@ -68,17 +77,21 @@ def record_from_row(row: Any) -> ProfileRecord:
             perf_env=msgspec.UNSET if perf_env is None else perf_env,
         )
     except (KnobError, ValueError, TypeError, msgspec.DecodeError) as e:
-        raise ValueError(f"profile {row.id} in the database is invalid for this moetune: {e}") from None
+        raise UnreadableRow(row.id, str(e)) from None
 
 
-def records(rows: Any) -> list[tuple[int, ProfileRecord]]:
-    """Decode rows, skipping (with a warning naming the row) any that cannot be read."""
+def records(rows: Any, unreadable: list[tuple[int, str]] | None = None) -> list[tuple[int, ProfileRecord]]:
+    """Decode rows, leaving out any that cannot be read: (id, why) of each is appended to `unreadable` (the
+    Store warns about them once per process and database), else logged here."""
     out = []
     for row in rows:
         try:
             out.append((row.id, record_from_row(row)))
-        except ValueError as e:
-            log.warning("skipped an unreadable profile row: %s", e)
+        except UnreadableRow as e:
+            if unreadable is None:
+                log.warning("skipped an unreadable profile row: %s", e)
+            else:
+                unreadable.append((e.profile_id, e.why))
     return out
 
 

@@ -1,7 +1,8 @@
 """Export and import of profiles: a deterministic JSON document, imported all or nothing.
 
 An import is validated completely before anything is written (`parse_export`), then written in one
-transaction; a rejected import leaves the database file byte-identical.
+transaction; a rejected import leaves the database file byte-identical. `skip_invalid` is the one exception the
+caller asks for: profile records invalid on their own are left out (and listed), the rest imported.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class ImportResult(msgspec.Struct, kw_only=True):
     kept_superseded: int = 0  # imported current profiles that did not replace the stored one (kept as history)
     skipped: int = 0  # already in the database (same key, knobs and creation time)
     fingerprints: int = 0  # fingerprint rows added
+    invalid: list[str] = []  # with skip_invalid: the records left out, "profiles[i] (key): why"
 
 
 class ExportedFingerprint(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -171,8 +173,15 @@ def _short(value: Any) -> str:
     return text if len(text) <= 32 else text[:32] + "..."
 
 
-def parse_export(data: bytes, *, source: str = "<data>") -> ProfilesFile:
-    """Decode and validate an export document completely; ProfileImportError names the profile and field."""
+def parse_export(data: bytes, *, source: str = "<data>", skip_invalid: bool = False) -> ProfilesFile:
+    """Decode and validate an export document completely; ProfileImportError names every invalid profile record
+    (index, key, field). `skip_invalid`: such records are left out of the document instead (`_parse` lists them);
+    a problem of the file itself (format, fingerprints, two current records for one key) is refused either way."""
+    return _parse(data, source, skip_invalid)[0]
+
+
+def _parse(data: bytes, source: str, skip_invalid: bool) -> tuple[ProfilesFile, list[str]]:
+    """parse_export, and the records it left out ("profiles[i] (key): why")."""
     try:
         raw = msgspec.json.decode(data)
     except msgspec.DecodeError as e:
@@ -192,8 +201,9 @@ def parse_export(data: bytes, *, source: str = "<data>") -> ProfilesFile:
         )
     if not isinstance(raw.get("profiles"), list):  # an empty list is fine (an empty database's export)
         raise ProfileImportError(f"no `profiles` list in {source}")
-    try:
-        doc = msgspec.convert(raw, ProfilesFile)
+    raw_profiles = raw["profiles"]
+    try:  # the records one by one below: one invalid record must be named with the others, or skipped
+        doc = msgspec.convert({**raw, "profiles": []}, ProfilesFile)
     except (msgspec.ValidationError, KnobError, ValueError, TypeError) as e:
         raise ProfileImportError(f"{source}: invalid: {e}") from None
     now = _dt.datetime.now(_dt.UTC)
@@ -209,35 +219,88 @@ def parse_export(data: bytes, *, source: str = "<data>") -> ProfilesFile:
                 check_import_time(name, getattr(fp, name), now)
             except FieldError as e:
                 raise ProfileImportError(f"{source}: fingerprints[{i}].{e}") from None
-    current: dict[ProfileKey, int] = {}
-    for i, rec in enumerate(doc.profiles):
+    valid: list[tuple[int, ProfileRecord]] = []
+    invalid: list[str] = []
+    for i, raw_rec in enumerate(raw_profiles):
         try:
-            check_import_record(rec, now)
-        except FieldError as e:
-            raise ProfileImportError(f"{source}: profiles[{i}].{e}") from None
-        if rec.key.fingerprint not in seen_fp:  # else it would be stored with empty facts, seen "now"
-            raise ProfileImportError(
-                f"{source}: profiles[{i}].key.fingerprint {rec.key.fingerprint[:64]} is not in the file's fingerprints"
-            )
-        if rec.status == "current":
+            valid.append((i, _profile_record(raw_rec, i, seen_fp, now)))
+        except ProfileImportError as e:
+            invalid.append(str(e))
+    if invalid and not skip_invalid:
+        raise ProfileImportError(_invalid_message(source, invalid, len(raw_profiles)))
+    current: dict[ProfileKey, int] = {}
+    for i, rec in valid:
+        if rec.status == "current":  # a conflict between two records, neither invalid alone: never skipped
             if rec.key in current:
                 raise ProfileImportError(
                     f"{source}: profiles[{current[rec.key]}] and profiles[{i}] are both current for the same key "
                     f"({_key_text(rec.key)})"
                 )
             current[rec.key] = i
-    return doc
+    doc.profiles = [rec for _i, rec in valid]
+    return doc, invalid
 
 
-def import_bytes(store: Store, data: bytes, *, source: str = "<data>") -> ImportResult:
+def _profile_record(raw: Any, i: int, seen_fp: set[str], now: _dt.datetime) -> ProfileRecord:
+    """profiles[i] of a file, decoded and checked; ProfileImportError names its index, its key and what is wrong."""
+    try:
+        rec = msgspec.convert(raw, ProfileRecord)
+    except (msgspec.ValidationError, KnobError, ValueError, TypeError) as e:
+        # msgspec's path starts at the record: say where it is in the file, as a whole-file decode did
+        why = str(e).replace("- at `$", f"- at `$.profiles[{i}]")
+        raise ProfileImportError(f"profiles[{i}]{_raw_key_text(raw)}: invalid: {why}") from None
+    try:
+        check_import_record(rec, now)
+    except FieldError as e:
+        raise ProfileImportError(f"profiles[{i}].{e} ({_key_text(rec.key)})") from None
+    if rec.key.fingerprint not in seen_fp:  # else it would be stored with empty facts, seen "now"
+        raise ProfileImportError(
+            f"profiles[{i}].key.fingerprint {rec.key.fingerprint[:64]} is not in the file's fingerprints "
+            f"({_key_text(rec.key)})"
+        )
+    return rec
+
+
+def _raw_key_text(raw: Any) -> str:
+    """" (key)" of a record that did not decode, from what its key holds ("?" where a field is missing), else ""."""
+    key = raw.get("key") if isinstance(raw, dict) else None
+    if not isinstance(key, dict):
+        return ""
+    f = {str(k): str(v)[:64] for k, v in key.items()}
+    return (
+        f" ({f.get('fingerprint', '?')[:12]} {f.get('transport_family', '?')} ep{f.get('ep_size', '?')}x{f.get('nodes', '?')} "
+        f"h{f.get('hidden', '?')}/i{f.get('intermediate', '?')}/e{f.get('experts', '?')}/k{f.get('topk', '?')} "
+        f"{f.get('dtype', '?')} t{f.get('token_bucket', '?')})"
+    )
+
+
+MAX_LISTED = 20  # invalid records listed with their reasons; past that, by index only
+
+
+def _invalid_message(source: str, invalid: list[str], total: int) -> str:
+    listed = "\n  ".join(invalid[:MAX_LISTED])
+    rest = invalid[MAX_LISTED:]
+    if rest:  # each still named, by its index
+        listed += f"\n  and {len(rest)} more: " + ", ".join(line.split("]", 1)[0] + "]" for line in rest)
+    others = total - len(invalid)
+    how = (
+        f"to import the other {others} and list the ones left out, pass --skip-invalid "
+        f"(`moetune profiles import --skip-invalid`; skip_invalid=True from Python)"
+        if others else "no record of the file is valid: there is nothing to import"
+    )
+    return f"{source}: {len(invalid)} of {total} profile record(s) invalid, nothing imported:\n  {listed}\n{how}"
+
+
+def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_invalid: bool = False) -> ImportResult:
     """Import an export document: validated first, then one transaction. Never two current profiles for
     one key: an imported current profile replaces a stored one only through the replacement gate
     (`_rows.decide`: modelled never displaces measured; another routing never replaces; the same knobs replace
     when measured later than the stored number; other knobs beat the noise), else it is kept as `superseded`.
-    Records already present are skipped."""
+    Records already present are skipped. An invalid record refuses the whole file, unless `skip_invalid`: then it
+    is left out and named in `ImportResult.invalid`."""
 
-    doc = parse_export(data, source=source)
-    result = ImportResult()
+    doc, invalid = _parse(data, source, skip_invalid)
+    result = ImportResult(invalid=invalid)
     ts = now()
     try:
         with store._write() as s:
@@ -287,10 +350,10 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>") -> Import
     return result
 
 
-def import_profiles(store: Store, path: str | Path) -> ImportResult:
+def import_profiles(store: Store, path: str | Path, *, skip_invalid: bool = False) -> ImportResult:
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as e:
         raise ProfileImportError(f"cannot read {path}: {e.strerror or e}") from None
-    return import_bytes(store, data, source=str(path))
+    return import_bytes(store, data, source=str(path), skip_invalid=skip_invalid)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import shlex
 import sqlite3
@@ -29,6 +30,7 @@ from sqlalchemy.exc import DatabaseError, IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool, StaticPool
 
+from moetune.runtime import _once
 from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
     PROVENANCES,
@@ -72,6 +74,9 @@ from moetune.tuner.store.validate import check_record
 
 BUSY_TIMEOUT_S = 30.0
 _T = TypeVar("_T")
+log = logging.getLogger("moetune.store")
+# the _once scope of the unreadable-rows warning: one per process and database (it used to repeat on every read)
+UNREADABLE_WARNING = "store.unreadable_profiles"
 
 __all__ = [
     "BUSY_TIMEOUT_S",
@@ -474,8 +479,14 @@ class Store:
 
     @_retried
     def check(self) -> dict[str, Any]:
-        """Revision vs head, schema drift against the models, `PRAGMA integrity_check`, foreign keys."""
-        return self.schema.check()
+        """Revision vs head, schema drift against the models, `PRAGMA integrity_check`, foreign keys, and the profile
+        rows this moetune cannot read (`unreadable_profiles`: [{id, error}], None where the schema is not this
+        moetune's head, whose columns the read needs)."""
+        info = self.schema.check()
+        bad = self.unreadable_profiles() if info["ok"] else None
+        info["unreadable_profiles"] = None if bad is None else [{"id": i, "error": why} for i, why in bad]
+        info["ok"] = info["ok"] and not bad
+        return info
 
     # -- fingerprints ------------------------------------------------------------------------------
     @staticmethod
@@ -641,7 +652,7 @@ class Store:
     @_retried
     def get_current(self, key: ProfileKey) -> ProfileRecord | None:
         with self._read() as s:
-            got = records(s.execute(select_records().where(*_key_where(key), Profile.status == "current")))
+            got = self._records(s, select_records().where(*_key_where(key), Profile.status == "current"))
         return got[0][1] if got else None
 
     @_retried
@@ -692,7 +703,7 @@ class Store:
             for provenance in sorted(PROVENANCES, key=lambda p: -PROVENANCE_RANK[p]):
                 if measured_only and provenance != "measured":
                     break
-                got = records(s.execute(select_records().where(*where, Profile.provenance == provenance)))
+                got = self._records(s, select_records().where(*where, Profile.provenance == provenance))
                 if not got:
                     continue
                 bucket = nearest_bucket_within(tokens, sorted({r.key.token_bucket for _i, r in got}), max_bucket_steps)
@@ -714,9 +725,9 @@ class Store:
 
     @_retried
     def get_profile(self, profile_id: int) -> ProfileRecord | None:
-        """One profile by id (None when absent or unreadable: the warning names it)."""
+        """One profile by id (None when absent or unreadable: `unreadable_profiles` says why)."""
         with self._read() as s:
-            got = records(s.execute(select_records().where(Profile.id == profile_id)))
+            got = self._records(s, select_records().where(Profile.id == profile_id))
         return got[0][1] if got else None
 
     @_retried
@@ -724,7 +735,7 @@ class Store:
         self, *, status: str | None = None, fingerprint: str | None = None, provenance: str | None = None
     ) -> list[tuple[int, ProfileRecord]]:
         """(id, record) in id order; each record says its provenance. A row this moetune cannot read is
-        skipped with a warning naming its id (one bad row must not hide the rest, nor stop a daemon)."""
+        skipped (one bad row must not hide the rest, nor stop a daemon); `_records` warns once about such rows."""
         q = select_records().order_by(Profile.id)
         if status is not None:
             q = q.where(Profile.status == status)
@@ -733,7 +744,46 @@ class Store:
         if provenance is not None:
             q = q.where(Profile.provenance == provenance)
         with self._read() as s:
-            return records(s.execute(q))
+            return self._records(s, q)
+
+    @_retried
+    def unreadable_profiles(self, profile_id: int | None = None) -> list[tuple[int, str]]:
+        """(id, why) of each stored profile row this moetune cannot read (every read skips them), in id order; with
+        `profile_id`, that row only. Such a row is kept, never changed: `delete_profile` removes one."""
+        q = select_records().order_by(Profile.id)
+        if profile_id is not None:
+            q = q.where(Profile.id == profile_id)
+        bad: list[tuple[int, str]] = []
+        with self._read() as s:
+            records(s.execute(q), bad)
+        return bad
+
+    def _records(self, s: Session, query: Any) -> list[tuple[int, ProfileRecord]]:
+        """`records` of `query`, unreadable rows left out. The first such row this process meets in this database
+        warns once, naming every unreadable row of the table and what to do: a warning per read repeated itself on
+        every lookup of a daemon or a job."""
+        bad: list[tuple[int, str]] = []
+        got = records(s.execute(query), bad)
+        # an in-memory store is its own database: a fresh object() as its key (an id() could be reused)
+        key = self.__dict__.setdefault("_unreadable_key", object()) if self.memory else str(self.path)
+        if bad and _once.first_time(UNREADABLE_WARNING, key):
+            try:  # the whole table, once: the warning names them all, not just this read's
+                every: list[tuple[int, str]] = []
+                records(s.execute(select_records().order_by(Profile.id)), every)
+                bad = every
+            finally:
+                log.warning("%s", self._unreadable_message(bad))
+        return got
+
+    def _unreadable_message(self, bad: list[tuple[int, str]]) -> str:
+        shown = "; ".join(f"profile {i}: {why}" for i, why in bad[:5])
+        more = f"; and {len(bad) - 5} more (ids {', '.join(str(i) for i, _ in bad[5:])})" if len(bad) > 5 else ""
+        where = "" if self.memory else f" --db {shlex.quote(str(self.path))}"
+        return (
+            f"skipped {len(bad)} unreadable profile row(s) in {self.path}, left out of every lookup, list and export: "
+            f"{shown}{more}. Nothing was changed: `moetune db check{where}` lists them, "
+            f"`moetune profiles delete ID{where}` removes one (said once per process)"
+        )
 
     def delete_profile(self, profile_id: int) -> bool:
         with self._write() as s:
@@ -787,12 +837,13 @@ class Store:
         """Write the profiles (with their fingerprints' facts) to a JSON file atomically; returns how many."""
         return _io.export_profiles(self, path, status=status, fingerprint=fingerprint)
 
-    def import_profiles(self, path: str | Path) -> ImportResult:
-        """Import an export file, all or nothing; ProfileImportError (nothing written) names the problem."""
-        return _io.import_profiles(self, path)
+    def import_profiles(self, path: str | Path, *, skip_invalid: bool = False) -> ImportResult:
+        """Import an export file, all or nothing; ProfileImportError (nothing written) names the problem, every
+        invalid record. `skip_invalid`: invalid records are left out (`ImportResult.invalid`), the rest imported."""
+        return _io.import_profiles(self, path, skip_invalid=skip_invalid)
 
-    def import_bytes(self, data: bytes, *, source: str = "<data>") -> ImportResult:
-        return _io.import_bytes(self, data, source=source)
+    def import_bytes(self, data: bytes, *, source: str = "<data>", skip_invalid: bool = False) -> ImportResult:
+        return _io.import_bytes(self, data, source=source, skip_invalid=skip_invalid)
 
 
 def _key_where(key: ProfileKey) -> list[Any]:
