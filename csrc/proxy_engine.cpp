@@ -757,7 +757,9 @@ MT_API int mt_proxy_cpu_list(void* h, int* out, int n) {
 
 // Where the FIFO and control pages are: out[MT_PMEM_F_*] (csrc/proxy_engine.h), the first n of them, and the
 // reason (how they were placed, or why not) into buf. The node is asked of the kernel now (get_mempolicy on the
-// FIFO's first page), so a GPU test sees where the pages really are, whichever way they were allocated.
+// FIFO's first page), so a GPU test sees where pages the engine placed really are. cudaHostAlloc's pages (the
+// default and fallback states) are the driver's VM_IO mapping, which get_mempolicy refuses (EFAULT): their node is
+// unknown, and the query errno field says so.
 MT_API int mt_proxy_mem(void* h, int* out, int n, char* buf, int len) {
   Engine* e = static_cast<Engine*>(h);
   errno = 0;
@@ -793,9 +795,9 @@ MT_API int mt_proxy_reset_stats(void* h) {
 // requests at ANY address: MtRequest is declared 64-byte aligned, a caller's array need not be (a ctypes array of
 // Request from Python is 8- or 16-aligned), so each request is copied byte-wise into an aligned local, never read
 // through the pointer as an MtRequest (that is undefined behaviour, and the compiler's aligned vector loads fault).
-MT_API int mt_proxy_enqueue(void* h, const MtRequest* reqs, int n, double timeout_s) {
+MT_API int mt_proxy_enqueue(void* h, const void* reqs, int n, double timeout_s) {
   Engine* e = static_cast<Engine*>(h);
-  const unsigned char* in = reinterpret_cast<const unsigned char*>(reqs);
+  const unsigned char* in = static_cast<const unsigned char*>(reqs);
   std::lock_guard<std::mutex> g(e->host_mu);
   MT_REQUIRE(e->producer_kind != 2, 210, "this engine has a GPU producer; host enqueue is not allowed");
   e->producer_kind = 1;
@@ -840,11 +842,11 @@ MT_API int mt_proxy_quiesce(void* h, double timeout_s) {
 // Microbenchmark: `iters` times, enqueue the batch from the host and wait until every transfer and
 // signal has completed. out_us[i] = wall time of iteration i. `value_step`: added to every request's
 // value each iteration (epoch-valued signals). `reqs` at any address, as mt_proxy_enqueue's.
-MT_API int mt_proxy_bench(void* h, const MtRequest* reqs, int n, int iters, uint64_t value_base,
+MT_API int mt_proxy_bench(void* h, const void* reqs, int n, int iters, uint64_t value_base,
                           uint64_t value_step, double timeout_s, double* out_us) {
   Engine* e = static_cast<Engine*>(h);
   std::vector<MtRequest> batch(n > 0 ? (size_t)n : 0);
-  if (n > 0) memcpy((void*)batch.data(), (const void*)reqs, (size_t)n * sizeof(MtRequest));
+  if (n > 0) memcpy((void*)batch.data(), reqs, (size_t)n * sizeof(MtRequest));
   for (int it = 0; it < iters; ++it) {
     uint64_t v = value_base + value_step * (uint64_t)it;
     for (auto& r : batch) r.value = v;

@@ -568,3 +568,27 @@ def test_the_proxy_fifo_is_on_the_numa_node_of_its_gpu() -> None:
         assert int(flags[3].item()) == 1234 and eng.stats()["signals"] == n
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize(("state", "query_errno", "said"), [
+    (0, errno.EFAULT, "CUDA's own pinned allocation: the kernel does not report it"),
+    (2, errno.EFAULT, "CUDA's own pinned allocation: the kernel does not report it"),
+    (1, errno.EFAULT, f"{os.strerror(errno.EFAULT)}, errno {errno.EFAULT}"),  # our own pages: EFAULT is a real error
+    (0, errno.ENOSYS, f"{os.strerror(errno.ENOSYS)}, errno {errno.ENOSYS}"),
+])
+def test_an_unknown_node_is_explained(state: int, query_errno: int, said: str) -> None:
+    """On a GPU, cudaHostAlloc's pages (the default and fallback states) are the driver's VM_IO mapping, which
+    get_mempolicy refuses with EFAULT: the reason says the node is not reported, not 'Bad address'."""
+
+    class Lib:
+        @staticmethod
+        def mt_proxy_mem(_h: object, arr: ctypes.Array, _n: int, buf: ctypes.Array, _len: int) -> int:
+            for i, v in enumerate((state, -1, -1, 0, query_errno)):
+                arr[i] = v
+            buf.value = b"as placed"
+            return 0
+
+    eng = object.__new__(P.ProxyEngine)
+    eng.lib, eng.handle = Lib(), ctypes.c_void_p(1)
+    p = eng.fifo_placement()
+    assert p.node is None and p.reason == f"as placed; the node of its pages is unknown ({said})", p

@@ -23,6 +23,7 @@ fence/QP combination through `Knobs` unless a test helper passes `_allow_unsafe=
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -76,7 +77,8 @@ class FifoPlacement:
 
     state: str  # "bound" (on node `want`), "default" (no CPU set: the creating thread's node), "fallback" (see reason)
     want: int | None  # the NUMA node chosen for them (most CPUs of the pinned set); None: no set, or no node known
-    node: int | None  # the node the FIFO's first page is on now (get_mempolicy); None: the kernel would not say
+    node: int | None  # the node the FIFO's first page is on now (get_mempolicy); None: the kernel would not say (as for
+    # cudaHostAlloc's pages, the "default" and "fallback" states, on a real GPU)
     reason: str  # how they were placed, or why not; and why `node` is unknown
 
 
@@ -245,7 +247,10 @@ class ProxyEngine:
         v = dict(zip(MEM_FIELDS, list(arr), strict=True))
         state = MEM_STATES[v["state"]] if 0 <= v["state"] < len(MEM_STATES) else f"state {v['state']}"
         reason = buf.value.decode(errors="replace")
-        if v["node"] < 0:
+        if v["node"] < 0 and v["query_errno"] == errno.EFAULT and state != "bound":
+            # cudaHostAlloc's pages are the driver's VM_IO mapping: the kernel will not say where they are
+            reason += "; the node of its pages is unknown (CUDA's own pinned allocation: the kernel does not report it)"
+        elif v["node"] < 0:
             reason += f"; the node of its pages is unknown ({os.strerror(v['query_errno'])}, errno {v['query_errno']})"
         return FifoPlacement(state, v["want"] if v["want"] >= 0 else None, v["node"] if v["node"] >= 0 else None,
                              reason)
