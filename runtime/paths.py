@@ -137,6 +137,14 @@ def loose_key_path(p: Path | str, *, forbid: int, sticky_ok: bool = False) -> Lo
     return LooseKeyPath(mode, st.st_uid, foreign, bad) if foreign or bad else None
 
 
+def secret_key_checks(secret_file: Path | str) -> list[tuple[Path, int]]:
+    """What a CURVE secret key's safety rests on, as (path, forbidden mode bits) for `loose_key_path`: the file
+    (nobody else may read or change it) and its folder, the one a link points into included (nobody else may
+    replace the file there). The daemon refuses its own key on any of them; a client warns about its own."""
+    p = Path(secret_file)
+    return [(p, 0o066), *((d, 0o022) for d in dict.fromkeys((p.parent, p.resolve().parent)))]
+
+
 def untrusted_socket_reason(sock: Path) -> str | None:
     """Why the runtime must not connect to the IPC socket `sock` (None when it may).
 

@@ -76,6 +76,7 @@ def test_a_curve_clients_socket_can_be_remade_at_once_many_times() -> None:
     try:
         for _ in range(400):
             c._socket()
+            assert c._mon is not None  # the monitor was made (a name collision would leave it None, quietly)
             c._reset()
     finally:
         c.close()
@@ -83,27 +84,33 @@ def test_a_curve_clients_socket_can_be_remade_at_once_many_times() -> None:
 
 @pytest.mark.parametrize("mode", [0o600, 0o400, 0o640, 0o604, 0o620, 0o602, 0o644, 0o666])
 @pytest.mark.parametrize("owner", ["self", "other"])
-def test_the_client_warns_exactly_where_the_daemon_refuses(tmp_path: Path, mode: int, owner: str,
+@pytest.mark.parametrize("folder", [0o700, 0o755, 0o775, 0o757])
+def test_the_client_warns_exactly_where_the_daemon_refuses(tmp_path: Path, mode: int, owner: str, folder: int,
                                                            caplog: pytest.LogCaptureFixture) -> None:
-    """One rule (`paths.loose_key_path`) for a secret key: the client warns about its own key file exactly when the
-    daemon would refuse that file as its own."""
+    """One rule (`paths.secret_key_checks` + `paths.loose_key_path`) for a secret key and its folder: the client
+    warns about its own key exactly when the daemon would refuse that key as its own."""
     from moetune.runtime.profiles.client import _warn_loose_secret
-    from moetune.tuner.daemon.server import DaemonConfigError, check_key_path
+    from moetune.tuner.daemon.server import DaemonConfigError, check_secret_key_file
 
     if owner == "other" and os.geteuid() != 0:
         pytest.skip("needs root to give a file to another user")
-    key = tmp_path / "client.key_secret"
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    key = keys / "client.key_secret"
     key.write_text("k")
     key.chmod(mode)
+    keys.chmod(folder)
     if owner == "other":
         os.chown(key, 65534, 65534)
     try:
-        check_key_path(key, "CURVE secret key file", forbid=0o066, risk="r")
+        check_secret_key_file(key)
         refused = False
     except DaemonConfigError:
         refused = True
     _once.reset()
     with caplog.at_level(logging.WARNING, logger="moetune"):
         _warn_loose_secret(str(key))
-    warned = any("can be read or changed by other users" in r.getMessage() for r in caplog.records)
-    assert warned == refused == (owner == "other" or bool(mode & 0o066))
+    said = [r.getMessage() for r in caplog.records if "other users" in r.getMessage()]
+    assert bool(said) == refused == (owner == "other" or bool(mode & 0o066) or bool(folder & 0o022)), said
+    if said and not (owner == "other" or mode & 0o066):
+        assert f"the folder {keys} (mode {folder:o}" in said[0] and "replace the key" in said[0]

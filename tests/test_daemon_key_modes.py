@@ -74,6 +74,21 @@ def test_tcp_daemon_refuses_loose_key_modes(tmp_path: Path, rel: str, mode: int,
     assert _mode(target) == mode  # refused, never chmod-ed
 
 
+def test_an_allow_list_linked_into_a_folder_others_may_write_is_refused(tmp_path: Path) -> None:
+    """clients/ as a link into a group-writable folder: a member could rename the real clients/ and put one holding
+    their own key in its place; the folder the link points into is checked as well as the link's own."""
+    secret, keys = _setup(tmp_path)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (keys / "clients").rename(shared / "clients")
+    (keys / "clients").symlink_to(shared / "clients")
+    os.chmod(shared, 0o775)
+    d = _daemon(tmp_path, secret)
+    with pytest.raises(DaemonConfigError, match=rf"directory holding the CURVE client allow-list {shared} .*mode 775"):
+        d.start()
+    assert _mode(shared) == 0o775
+
+
 def test_group_readable_public_keys_and_lists_are_fine(tmp_path: Path) -> None:
     """Public keys are public: only writing them matters. A fresh `keys generate` setup serves as it is."""
     secret, keys = _setup(tmp_path)

@@ -70,6 +70,7 @@ from moetune.runtime.paths import (
     ipc_path,
     loose_key_path,
     runtime_dir_candidates,
+    secret_key_checks,
     untrusted_dir_reason,
     untrusted_socket_reason,
 )
@@ -570,7 +571,8 @@ class ProfileClient:
                     try:
                         self._mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH,
                                                          addr=f"inproc://moetune-client-monitor-{next(_MONITOR_IDS)}")
-                    except zmq.ZMQError:
+                    except zmq.ZMQError as e:
+                        log.debug("no handshake monitor for %s (%s): a refused key reads as no reply", self.endpoint, e)
                         self._mon = None  # only the refused-key wording is lost: "no reply" is said instead
                 s.connect(self.endpoint)
             except BaseException:
@@ -1032,16 +1034,24 @@ def warn_fallback(message: str) -> None:
 
 
 def _warn_loose_secret(path: str) -> None:
-    """Warn (once per file) when this client's CURVE secret key could be read or changed by other users
-    (`loose_key_path`, the daemon's rule for its own key): whoever reads it connects as this client (an admin
-    key: may re-tune). A warning, not a refusal: the daemon enforces its allow-list, and refusing here would only
-    push the job onto its fallbacks without a word at the daemon."""
-    loose = loose_key_path(path, forbid=0o066)
-    if loose is not None:
-        _once.say_once("client.secret_key_mode", path,
-                       f"moetune: this client's CURVE secret key file {path} (mode {loose.mode:o}, owner uid "
-                       f"{loose.uid}) can be read or changed by other users: whoever reads it can connect as this "
-                       "client (chmod 600 it, owned by this user)", logger=log)
+    """Warn (once per file) when this client's CURVE secret key could be read, changed or replaced by other users
+    (`secret_key_checks` and `loose_key_path`, the daemon's rule for its own key): whoever reads it connects as this
+    client (an admin key: may re-tune). A warning, not a refusal: the daemon enforces its allow-list, and refusing
+    here would only push the job onto its fallbacks without a word at the daemon."""
+    for where, forbid in secret_key_checks(path):
+        loose = loose_key_path(where, forbid=forbid)
+        if loose is None:
+            continue
+        if where == Path(path):
+            said = (f"this client's CURVE secret key file {path} (mode {loose.mode:o}, owner uid {loose.uid}) can be "
+                    "read or changed by other users: whoever reads it can connect as this client (chmod 600 it, owned "
+                    "by this user)")
+        else:
+            said = (f"the folder {where} (mode {loose.mode:o}, owner uid {loose.uid}) of this client's CURVE secret "
+                    f"key file {path} lets other users replace the key with their own (make it writable by this user "
+                    "only)")
+        _once.say_once("client.secret_key_mode", path, f"moetune: {said}", logger=log)
+        return
 
 
 _MONITOR_IDS = itertools.count()  # one inproc name per monitor socket in this process

@@ -59,7 +59,7 @@ import msgspec
 import zmq
 
 from moetune.runtime import wire
-from moetune.runtime.paths import loose_key_path
+from moetune.runtime.paths import loose_key_path, secret_key_checks
 from moetune.runtime.profile_record import ProfileRecord
 from moetune.runtime.profiles.client import INFO_NAME, PUB_SOCKET_NAME, is_loopback_host, tcp_host, tcp_port
 from moetune.tuner.daemon import handlers
@@ -365,14 +365,15 @@ def check_key_path(p: Path, what: str, *, forbid: int, risk: str, sticky_ok: boo
 
 
 def check_secret_key_file(secret_file: str | Path) -> None:
-    """The daemon's CURVE secret key: nobody but its user (or root) may read or change it, nor replace it in
-    its directory (the directory a link points into included)."""
-    p = Path(secret_file)
-    check_key_path(p, "CURVE secret key file", forbid=0o066,
-                   risk="whoever can read it can impersonate the daemon, whoever can write it can replace its key")
-    for d in dict.fromkeys((p.parent, p.resolve().parent)):
-        check_key_path(d, "directory of the CURVE secret key", forbid=0o022,
-                       risk="others could replace the daemon's key (and its clients/ and admins/ lists)")
+    """The daemon's CURVE secret key (`moetune.runtime.paths.secret_key_checks`): nobody but its user (or root) may
+    read or change it, nor replace it in its directory (the directory a link points into included)."""
+    for path, forbid in secret_key_checks(secret_file):
+        if path == Path(secret_file):
+            check_key_path(path, "CURVE secret key file", forbid=forbid,
+                           risk="whoever can read it can impersonate the daemon, whoever can write it can replace its key")
+        else:
+            check_key_path(path, "directory of the CURVE secret key", forbid=forbid,
+                           risk="others could replace the daemon's key (and its clients/ and admins/ lists)")
 
 
 def load_curve_keys(secret_file: str | Path) -> tuple[bytes, bytes]:
@@ -445,7 +446,8 @@ def load_client_keys(directory: Path, role: str = "allow-list") -> list[bytes]:
                                 "run `moetune keys client KEYDIR NAME` to create it with a client key")
     # whoever may add a key here gets in (the admin list: may re-tune); group-readable is fine (public keys)
     risk = f"others could add their own key {'as an admin (who may re-tune)' if role == 'admin list' else 'and connect'}"
-    check_key_path(directory.parent, f"directory holding the CURVE client {role}", forbid=0o022, risk=risk, sticky_ok=True)
+    for parent in dict.fromkeys((directory.parent, directory.resolve().parent)):  # the folder a link points into too
+        check_key_path(parent, f"directory holding the CURVE client {role}", forbid=0o022, risk=risk, sticky_ok=True)
     check_key_path(directory, f"CURVE client {role} directory", forbid=0o022, risk=risk)
     keys = []
     for f in sorted(directory.glob("*.key")):
