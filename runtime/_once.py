@@ -12,6 +12,7 @@ per module (some of which were unguarded while layers are built from several thr
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
 from collections.abc import Hashable
@@ -20,6 +21,16 @@ __all__ = ["first_time", "reset", "say_once"]
 
 _said: set[tuple[str, Hashable]] = set()
 _lock = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    # A fork while another thread held the lock (a fork-mode DataLoader worker) would leave the child's copy held
+    # forever, and its first warning would hang: the child starts with a free lock (what was said stays said).
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def first_time(scope: str, key: Hashable) -> bool:

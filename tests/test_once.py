@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import signal
 import threading
 import warnings
 
@@ -85,3 +87,32 @@ def test_threads_racing_on_one_key_say_it_once() -> None:
             t.join()
     assert sorted(results) == [False] * 15 + [True]
     assert _said(caught) == ["raced"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_fork_while_another_thread_holds_the_lock_leaves_the_child_a_free_one() -> None:
+    """A fork-mode DataLoader worker forked while a layer-building thread was inside `first_time`: the child's first
+    warning must not wait forever on the copy of a lock nobody in the child will release."""
+    _once.reset()
+    assert _once.first_time("fork", "said before")
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _once._lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if the lock is free and what was said is still said
+            signal.alarm(10)
+            ok = _once.first_time("fork", "new") and not _once.first_time("fork", "said before")
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        t.join()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
