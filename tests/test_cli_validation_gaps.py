@@ -301,3 +301,19 @@ def test_status_json_answer_says_ok(tmp_path: Path, curve_daemon) -> None:
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["ok"] is True and doc["endpoint"] == endpoint
+
+
+def test_model_sweep_over_nodes_stops_at_the_presets_most_nodes(tmp_path: Path) -> None:
+    r = run("model", "sweep", "-p", "nvlink-h200x2", "--over", "nodes", "--json", home=tmp_path)
+    assert r.exit_code == 0, r.output
+    assert {p["x"] for s in json.loads(r.stdout)["series"].values() for p in s} == {1}
+
+
+@pytest.mark.parametrize(("layout", "note"), [("dense", "dense layout: every capacity slot (S rows) to every rank"),
+                                              ("packed", "each token once per destination rank")])
+def test_model_predict_notes_name_the_layout_modelled(tmp_path: Path, layout: str, note: str) -> None:
+    r = run("model", "predict", "-p", "nvlink-h200x2", "-t", "4096", "-k", "transport=collective", "--layout", layout,
+            "--json", home=tmp_path)
+    assert r.exit_code == 0, r.output
+    notes = json.loads(r.stdout)["notes"]
+    assert any(note in n for n in notes) and notes[0].startswith("MODELLED"), notes

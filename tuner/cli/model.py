@@ -204,7 +204,9 @@ def sweep_cmd(
     preset: str = typer.Option(..., "--preset", "-p", help="Preset name or .toml path."),
     model: str = typer.Option("qwen3-30b", "--model", "-m", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K."),
     over: str = typer.Option("group_size", "--over", help="group_size, nodes or tokens."),
-    values: str | None = typer.Option(None, "--values", help="Comma-separated x values (default: a sensible range)."),
+    values: str | None = typer.Option(None, "--values", help="Comma-separated x values (default: group_size the "
+                                      "divisors of the transfers per peer, nodes 1,2,4,8,16 up to the preset's most "
+                                      "nodes, tokens 64,256,1024,4096,16384)."),
     nodes: int | None = typer.Option(None, "--nodes", "-n", help="Nodes (unless swept with --over nodes; default: 4, "
                                      "or the preset's most nodes if fewer)."),
     tokens: int = typer.Option(256, "--tokens", "-t", help="Tokens per GPU (unless swept with --over tokens)."),
@@ -236,8 +238,8 @@ def sweep_cmd(
         _check_sweep_values(over, xs, w0)
     elif over == "group_size":
         xs = _divisors(transfers_per_peer(w0, k0.chunk_tokens))
-    elif over == "nodes":
-        xs = [1, 2, 4, 8, 16]
+    elif over == "nodes":  # up to the most nodes the preset's fabric connects
+        xs = [n for n in (1, 2, 4, 8, 16) if not pr.max_nodes or n <= pr.max_nodes]
     else:
         xs = [64, 256, 1024, 4096, 16384]
     if not xs:

@@ -1120,6 +1120,10 @@ def predict(
     elif layout == "expert_tiles":
         notes.append("one copy per (token, expert) in per-expert tiles, a signalled PUT each (tile-based kernels "
                      "as Perseus measured; not what moetune's runtime sends)")
+    elif knobs.transport in ("collective", "host_staged") and _runs_dense(w, knobs):
+        notes.append("dense layout: every capacity slot (S rows) to every rank, combine a reduce-scatter (the "
+                     "runtime's layout " + ("chosen by its rule, runtime/buffer/layout_choice.py)" if w.dense is None
+                                            else "asked for)"))
     else:
         notes.append("each token once per destination rank that holds one of its experts (the runtime's layout)")
     return Prediction(
