@@ -56,3 +56,59 @@ def test_tune_storage_and_tune_show_apply_the_same_rule(tmp_path: Path) -> None:
         study.open_readonly_storage(f"sqlite:///{theirs}")
     assert hashlib.sha256(theirs.read_bytes()).hexdigest() == digest
     assert not _tables.is_foreign_file({"alembic_version", "studies", "trials", "version_info", "x"})
+
+
+def test_optuna_rdb_tables_are_the_installed_optunas() -> None:
+    from optuna.storages._rdb import models
+
+    assert set(_tables.OPTUNA_RDB_TABLES) == set(models.BaseModel.metadata.tables) | {"alembic_version"}
+    assert set(_tables.OPTUNA_TABLES) <= set(_tables.OPTUNA_RDB_TABLES)
+
+
+def half_created(path: Path, *names: str) -> set[str]:
+    """What a first opening stopped midway leaves: some of Optuna's own tables (its metadata's create_all commits
+    them one by one), no alembic_version (stamped last)."""
+    import sqlalchemy
+    from optuna.storages._rdb import models
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{path}")
+    try:
+        models.BaseModel.metadata.create_all(engine, tables=[models.BaseModel.metadata.tables[n] for n in names])
+    finally:
+        engine.dispose()
+    con = sqlite3.connect(path)
+    try:
+        return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        con.close()
+
+
+@pytest.mark.parametrize("names", [("studies", "study_directions", "version_info"),
+                                   ("studies", "trials", "version_info", "trial_params"), ("studies",)])
+def test_a_half_created_studies_file_is_finished_not_refused(tmp_path: Path, names: tuple[str, ...]) -> None:
+    """Was: refused for ever as "another program's database (it has tables studies, study_directions, ...)"."""
+    db = tmp_path / "studies.db"
+    assert half_created(db, *names) == set(names)
+    assert not _tables.is_foreign_file(set(names)) and _tables.is_unfinished_optuna_file(set(names))
+    st = study.make_storage(f"sqlite:///{db}")  # finishes the schema (and stamps it)
+    s = study.open_study("moetune/t", st, seed=0)
+    s.tell(s.ask(), 1.0)
+    assert study.finished_trials(study.open_study("moetune/t", f"sqlite:///{db}")) == 1
+    assert study.list_studies(f"sqlite:///{db}")[0]["study"] == "moetune/t"
+
+
+def test_a_half_created_studies_file_may_become_a_store(tmp_path: Path) -> None:
+    db = tmp_path / "studies.db"
+    half_created(db, "studies", "study_directions", "version_info")
+    assert probe_database(db) == ("empty", None)
+    with pytest.raises(StoreError, match=r"it has only Optuna's tables: `moetune db upgrade"):
+        Store.open_existing(db)
+    with Store(db) as s:
+        assert s.current_revision() == head_revision()
+    study.make_storage(f"sqlite:///{db}")  # and Optuna finishes its part
+
+
+def test_an_unfinished_optuna_file_needs_only_optunas_names() -> None:
+    assert _tables.is_foreign_file({"studies", "customers"})  # a table of another program's
+    assert _tables.is_foreign_file({"alembic_version", "studies", "study_directions"})  # stamped: not unfinished
+    assert not _tables.is_unfinished_optuna_file(set())

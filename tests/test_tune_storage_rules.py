@@ -154,3 +154,20 @@ def test_a_lock_through_a_link_is_not_followed_and_creation_is_retried(
     assert not target.exists()  # the link was not followed
     assert len(calls) == 2 and "studies" in _tables(db)
     assert any("no creation lock for" in r.getMessage() and "s.db.lock" in r.getMessage() for r in caplog.records)
+
+
+def test_tune_finishes_a_half_created_studies_file(tmp_path: Path) -> None:
+    """A first `moetune tune` stopped while Optuna created the default studies file's tables left some of them and no
+    alembic_version: the next run was refused ("another program's database (it has tables studies, ...")."""
+    import sqlalchemy
+    from optuna.storages._rdb import models
+
+    studies = tmp_path / "moetune-studies.db"  # the default --storage beside --db
+    engine = sqlalchemy.create_engine(f"sqlite:///{studies}")
+    models.BaseModel.metadata.create_all(engine, tables=[models.BaseModel.metadata.tables[n]
+                                                         for n in ("studies", "study_directions", "version_info")])
+    engine.dispose()
+    r = runner.invoke(app, [*TUNE, "--db", str(tmp_path / "m.db"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert {"trials", "alembic_version"} <= _tables(studies)
+    assert study_mod.list_studies(f"sqlite:///{studies}")[0]["trials"] >= 3

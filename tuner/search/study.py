@@ -177,7 +177,8 @@ def _check_sqlite_studies_path(path: Path) -> set[str]:
         if not path.is_file() or path.stat().st_size == 0:
             return set()  # a folder or a device: SQLite says what is wrong; an empty file is a new one
         tables = _sqlite_tables(path)
-        # Optuna's file, or the profile store's (the store shares its file with Optuna): not another program's
+        # Optuna's file (one whose first opening was cut short too: its schema is finished below, under the
+        # creation lock), or the profile store's (the store shares its file with Optuna): not another program's
         if is_foreign_file(tables):
             names = sorted(tables)
             shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -4,8 +4,12 @@ and `tune show` (which refuses to read a file without Optuna's schema as a studi
 A file is an Optuna studies file when it holds Optuna's core tables (`OPTUNA_TABLES`: every Optuna RDB storage has
 them, whatever else a version of Optuna adds). The store may share such a file with Optuna (Optuna keeps its own
 `alembic_version`), so it is not another program's: a file is foreign when it has tables, none of them moetune's
-version table, and is not an Optuna file. Another Alembic application's file (`alembic_version` and tables of its
-own, even one called `trials`) is foreign."""
+version table, and is neither an Optuna file nor an unfinished one. Another Alembic application's file
+(`alembic_version` and tables of its own, even one called `trials`) is foreign.
+
+An unfinished Optuna file is one whose first opening was cut short (Ctrl-C, a kill): Optuna's create_all commits
+table by table and stamps `alembic_version` last, so such a file has no `alembic_version` and only tables named
+as Optuna's (`OPTUNA_RDB_TABLES`). It is not another program's: opening it as a studies storage finishes its schema."""
 
 from __future__ import annotations
 
@@ -14,10 +18,32 @@ from collections.abc import Collection
 from moetune.tuner.store._schema import VERSION_TABLE
 
 OPTUNA_TABLES = ("studies", "trials", "version_info")  # what every Optuna RDB storage holds
+# Every table Optuna's RDB storage creates (optuna.storages._rdb.models' metadata, and the alembic_version its
+# stamp adds); tests/test_store_optuna_file_rule.py compares it with the installed Optuna.
+OPTUNA_RDB_TABLES = (
+    "alembic_version",
+    "studies",
+    "study_directions",
+    "study_system_attributes",
+    "study_user_attributes",
+    "trial_heartbeats",
+    "trial_intermediate_values",
+    "trial_params",
+    "trial_system_attributes",
+    "trial_user_attributes",
+    "trial_values",
+    "trials",
+    "version_info",
+)
 
 
 def is_optuna_file(tables: Collection[str]) -> bool:
     return all(t in tables for t in OPTUNA_TABLES)
+
+
+def is_unfinished_optuna_file(tables: Collection[str]) -> bool:
+    """Optuna's first opening of the file was cut short: some of its tables, no alembic_version (stamped last)."""
+    return bool(tables) and "alembic_version" not in tables and all(t in OPTUNA_RDB_TABLES for t in tables)
 
 
 def missing_optuna_tables(tables: Collection[str]) -> list[str]:
@@ -25,5 +51,8 @@ def missing_optuna_tables(tables: Collection[str]) -> list[str]:
 
 
 def is_foreign_file(tables: Collection[str]) -> bool:
-    """Another program's file: tables (SQLite's own left out by the caller), no moetune version table, not Optuna's."""
-    return bool(tables) and VERSION_TABLE not in tables and not is_optuna_file(tables)
+    """Another program's file: tables (SQLite's own left out by the caller), no moetune version table, neither an
+    Optuna file nor an unfinished one."""
+    return (bool(tables) and VERSION_TABLE not in tables and not is_optuna_file(tables)
+            and not is_unfinished_optuna_file(tables))
+
