@@ -171,3 +171,35 @@ def test_tune_finishes_a_half_created_studies_file(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert {"trials", "alembic_version"} <= _tables(studies)
     assert study_mod.list_studies(f"sqlite:///{studies}")[0]["trials"] >= 3
+
+
+def _refusals(path: Path) -> tuple[str, str]:
+    """What the store and the studies storage say, refusing the same path."""
+    from moetune.tuner.store.store import Store, StoreError
+
+    with pytest.raises(StoreError) as store_error:
+        Store(path)
+    with pytest.raises(study_mod.StorageRefused) as storage_error:
+        make_storage(f"sqlite:///{path}")
+    return str(store_error.value), str(storage_error.value)
+
+
+def test_the_store_and_the_studies_storage_word_one_rule_alike(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """One function each (tuner/store/_folders.make_parent, _tables.shown_tables / existing_tables): the folder rule
+    and the list of a foreign file's tables were written twice, with different words for the same failure."""
+    other = _foreign(tmp_path / "app.db")
+    con = sqlite3.connect(other)
+    for t in "bcdefg":
+        con.execute(f"CREATE TABLE {t} (id INTEGER)")
+    con.commit()
+    con.close()
+    for said in _refusals(other):
+        assert "it has tables b, c, customers, d, e and 2 more" in said
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "file" / "home"))  # the own data folder cannot be made
+    store_said, storage_said = _refusals(tmp_path / "file" / "home" / "x.db")
+    assert store_said == storage_said
+    assert store_said.startswith(f"cannot create the folder of {tmp_path / 'file' / 'home' / 'x.db'}: ")
+    store_said, storage_said = _refusals(tmp_path / "missing" / "x.db")
+    assert store_said == storage_said and "the folder" in store_said and "does not exist" in store_said

@@ -64,7 +64,14 @@ from moetune.tuner.search.backends import (
     TuneWorkload,
 )
 from moetune.tuner.search.space import SearchSpace
-from moetune.tuner.store._tables import is_foreign_file, is_optuna_file, missing_optuna_tables
+from moetune.tuner.store._folders import make_parent
+from moetune.tuner.store._tables import (
+    existing_tables,
+    is_foreign_file,
+    is_optuna_file,
+    missing_optuna_tables,
+    shown_tables,
+)
 
 log = logging.getLogger("moetune.tuner.search.study")
 
@@ -141,19 +148,6 @@ class StorageRefused(ValueError):
     """A SQLite studies storage moetune will not create or write: another program's file, or a missing folder."""
 
 
-def _sqlite_tables(path: Path) -> set[str]:
-    """The tables of an existing SQLite file, through a plain read-write connection that creates nothing and does
-    not switch the journal (unlike mode=ro, it leaves no empty -wal/-shm beside a WAL file it closes)."""
-    from urllib.parse import quote
-
-    con = sqlite3.connect(f"file:{quote(str(path))}?mode=rw", uri=True, timeout=30)
-    try:
-        return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-                if not r[0].startswith("sqlite_")}
-    finally:
-        con.close()
-
-
 def _schema_ready(path: Path, tables: set[str]) -> bool:
     """Optuna's schema is there and stamped: opening the file creates no table and writes no version."""
     if not is_optuna_file(tables) or "alembic_version" not in tables:
@@ -176,32 +170,16 @@ def _check_sqlite_studies_path(path: Path) -> set[str]:
     if path.exists():
         if not path.is_file() or path.stat().st_size == 0:
             return set()  # a folder or a device: SQLite says what is wrong; an empty file is a new one
-        tables = _sqlite_tables(path)
+        tables = existing_tables(path, timeout_s=30)  # a plain mode=rw connection: it creates and switches nothing
         # Optuna's file (one whose first opening was cut short too: its schema is finished below, under the
         # creation lock), or the profile store's (the store shares its file with Optuna): not another program's
         if is_foreign_file(tables):
-            names = sorted(tables)
-            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
             raise StorageRefused(
-                f"{path} is another program's database (it has tables {shown}, neither Optuna's studies tables nor "
-                f"moetune's): moetune does not add Optuna's tables to it; it is left as it is: give a new file or a "
-                f"studies file")
+                f"{path} is another program's database (it has tables {shown_tables(tables)}, neither Optuna's studies "
+                f"tables nor moetune's): moetune does not add Optuna's tables to it; it is left as it is: give a new "
+                f"file or a studies file")
         return tables
-    from moetune.runtime.paths import data_dir
-
-    parent = path.parent
-    if parent.is_dir():
-        return set()
-    own = data_dir().expanduser().absolute()
-    if parent.absolute() != own:
-        if parent.exists():
-            raise StorageRefused(f"cannot create {path}: {parent} is not a folder")
-        raise StorageRefused(f"cannot create {path}: the folder {parent} does not exist (moetune creates only its own "
-                             f"data folder, {own}; create {parent} first or give another path)")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise StorageRefused(f"cannot create the folder of {path}: {e}") from None
+    make_parent(path, StorageRefused)  # no folder made but moetune's own data folder (the store's rule)
     return set()
 
 

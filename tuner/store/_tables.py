@@ -9,11 +9,17 @@ version table, and is neither an Optuna file nor an unfinished one. Another Alem
 
 An unfinished Optuna file is one whose first opening was cut short (Ctrl-C, a kill): Optuna's create_all commits
 table by table and stamps `alembic_version` last, so such a file has no `alembic_version` and only tables named
-as Optuna's (`OPTUNA_RDB_TABLES`). It is not another program's: opening it as a studies storage finishes its schema."""
+as Optuna's (`OPTUNA_RDB_TABLES`). It is not another program's: opening it as a studies storage finishes its schema.
+
+Also here, for the store and the studies storage alike: the tables of an existing file (`existing_tables`) and how a
+refusal lists them (`shown_tables`)."""
 
 from __future__ import annotations
 
+import sqlite3
+import urllib.parse
 from collections.abc import Collection
+from pathlib import Path
 
 from moetune.tuner.store._schema import VERSION_TABLE
 
@@ -56,3 +62,25 @@ def is_foreign_file(tables: Collection[str]) -> bool:
     return (bool(tables) and VERSION_TABLE not in tables and not is_optuna_file(tables)
             and not is_unfinished_optuna_file(tables))
 
+
+def table_names(con: sqlite3.Connection) -> set[str]:
+    """The tables of a database, less SQLite's own (sqlite_sequence, sqlite_stat1: no program's data)."""
+    return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            if not r[0].startswith("sqlite_")}
+
+
+def existing_tables(path: Path, *, timeout_s: float) -> set[str]:
+    """The tables of an existing SQLite file (`table_names`), through a plain read-write connection that creates
+    nothing and does not switch the journal (unlike mode=ro, it leaves no empty -wal/-shm beside a WAL file it
+    closes). A sqlite3.Error is the caller's to word."""
+    con = sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=rw", uri=True, timeout=timeout_s)
+    try:
+        return table_names(con)
+    finally:
+        con.close()
+
+
+def shown_tables(tables: Collection[str], most: int = 5) -> str:
+    """How a refusal names a file's tables: "a, b, c" or "a, b, c, d, e and 3 more" (sorted)."""
+    names = sorted(tables)
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")

@@ -18,7 +18,6 @@ import shlex
 import sqlite3
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -40,6 +39,7 @@ from moetune.runtime.profile_record import (
 )
 from moetune.runtime.profiles import sqlite_open
 from moetune.tuner.store import io as _io
+from moetune.tuner.store._folders import make_parent
 from moetune.tuner.store._rows import (
     PROVENANCE_RANK,
     current_of,
@@ -59,7 +59,7 @@ from moetune.tuner.store._schema import (
     is_sqlite_file,
     known_revisions,
 )
-from moetune.tuner.store._tables import is_foreign_file
+from moetune.tuner.store._tables import existing_tables, is_foreign_file, shown_tables, table_names
 from moetune.tuner.store.io import (
     EXPORT_FORMAT,
     EXPORT_VERSION,
@@ -175,17 +175,10 @@ def _retried(method: Callable[..., _T]) -> Callable[..., _T]:
 DatabaseKind = Literal["missing", "empty", "foreign", "moetune"]
 
 
-def _table_names(con: sqlite3.Connection) -> set[str]:
-    """The tables of a database, less SQLite's own (sqlite_sequence, sqlite_stat1: no program's data)."""
-    return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'") if not r[0].startswith("sqlite_")}
-
-
 def _foreign_error(path: Path, tables: set[str]) -> StoreError:
-    names = sorted(tables)
-    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     return StoreError(
-        f"{path} is not a moetune database (it has tables {shown} and no {VERSION_TABLE}): moetune does not add its "
-        f"tables to another program's file; give a new or empty file (--db)"
+        f"{path} is not a moetune database (it has tables {shown_tables(tables)} and no {VERSION_TABLE}): moetune does "
+        f"not add its tables to another program's file; give a new or empty file (--db)"
     )
 
 
@@ -200,7 +193,7 @@ def _probe(path: Path) -> tuple[DatabaseKind, str | None, set[str]]:
             return "empty", None, set()
 
         def look(con: sqlite3.Connection) -> tuple[set[str], str | None]:
-            tables = _table_names(con)
+            tables = table_names(con)
             if VERSION_TABLE not in tables:
                 return tables, None
             row = con.execute(f"SELECT version_num FROM {VERSION_TABLE} LIMIT 1").fetchone()
@@ -233,13 +226,8 @@ def _refuse_foreign(path: Path, *, readonly: bool) -> None:
     if readonly:
         tables = _probe(path)[2]
     else:
-        uri = f"file:{urllib.parse.quote(str(path))}?mode=rw"
         try:
-            con = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S)
-            try:
-                tables = _table_names(con)
-            finally:
-                con.close()
+            tables = existing_tables(path, timeout_s=BUSY_TIMEOUT_S)
         except sqlite3.Error as e:
             raise StoreError(f"{path}: {e}") from None
     if is_foreign_file(tables):
@@ -247,26 +235,9 @@ def _refuse_foreign(path: Path, *, readonly: bool) -> None:
 
 
 def _make_parent(path: Path) -> None:
-    """Create the folder of a new database only when it is moetune's own data folder ($MOETUNE_HOME, else the XDG
-    data dir): a --db or `[store] db` in a folder that does not exist is most likely a typo, and moetune makes no
-    folders it was not asked for (the system daemon's /var/lib/moetune comes from its unit's StateDirectory)."""
-    from moetune.runtime.paths import data_dir
-
-    parent = path.parent
-    if parent.is_dir():
-        return
-    own = data_dir().expanduser().absolute()
-    if parent != own:
-        if parent.exists():
-            raise StoreError(f"cannot create {path}: {parent} is not a folder")
-        raise StoreError(
-            f"cannot create {path}: the folder {parent} does not exist (moetune creates only its own data folder, "
-            f"{own}; create {parent} first or give another path)"
-        )
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise StoreError(f"cannot create the directory for {path}: {e}") from None
+    """Create the folder of a new database only when it is moetune's own data folder (`_folders.make_parent`: the
+    rule a SQLite studies storage follows too)."""
+    make_parent(path, StoreError)
 
 
 def _on_begin(conn: Any) -> None:
