@@ -203,3 +203,35 @@ def test_the_store_and_the_studies_storage_word_one_rule_alike(tmp_path: Path,
     assert store_said.startswith(f"cannot create the folder of {tmp_path / 'file' / 'home' / 'x.db'}: ")
     store_said, storage_said = _refusals(tmp_path / "missing" / "x.db")
     assert store_said == storage_said and "the folder" in store_said and "does not exist" in store_said
+
+
+def test_a_fifo_at_the_lock_name_does_not_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A FIFO planted at `<file>.lock` (a sticky shared folder, another user): the read-only open waited for a writer
+    for ever. Now: opened without blocking, refused as not a regular file, and the creation is retried."""
+    import threading
+
+    db = tmp_path / "s.db"
+    fifo = tmp_path / "s.db.lock"
+    os.mkfifo(fifo)
+    done: list[object] = []
+
+    def run() -> None:
+        try:
+            with caplog.at_level(logging.DEBUG, logger="moetune.tuner.search.study"):
+                make_storage(f"sqlite:///{db}")
+            done.append(True)
+        except Exception as e:  # the outcome under test
+            done.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():  # blocked in open(): release it (a writer opens the FIFO) before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(30)
+        pytest.fail("opening the creation lock blocked on a FIFO")
+    assert done == [True]
+    assert "studies" in _tables(db)
+    assert any("no creation lock for" in r.getMessage() and "not a regular file" in r.getMessage()
+               for r in caplog.records)

@@ -189,8 +189,9 @@ def _creation_lock(path: Path) -> Iterator[bool]:
     in Optuna's create_all / version stamp ("UNIQUE constraint failed: alembic_version.version_num", "table trials
     already exists") though the file was fine. An flock on `<file>.lock` (released when the process dies). flock
     needs no write access: the lock file is opened read-only (whoever created it, a root-owned 0644 one included),
-    never through a link, with the studies file's mode (as SQLite gives its -wal/-shm). Yields whether it holds the
-    lock; when the lock file cannot be opened, says why at debug level and yields False (the caller retries)."""
+    never through a link, never blocking on the open, with the studies file's mode (as SQLite gives its -wal/-shm).
+    Yields whether it holds the lock; when the lock file cannot be opened or is not a regular file (a FIFO, a
+    device), says why at debug level and yields False (the caller retries)."""
     import fcntl
 
     lock = Path(f"{path}.lock")
@@ -199,9 +200,15 @@ def _creation_lock(path: Path) -> Iterator[bool]:
     except OSError:
         mode = 0o644  # SQLite's mode for a new file (less the umask)
     try:
-        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        # O_NONBLOCK: a FIFO planted at that name (a shared sticky folder, another user) would block the open forever
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as e:
         log.debug("no creation lock for %s (%s: %s): retrying the schema creation instead", path, lock, e)
+        yield False
+        return
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        log.debug("no creation lock for %s (%s: not a regular file): retrying the schema creation instead", path, lock)
         yield False
         return
     try:
