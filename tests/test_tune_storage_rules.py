@@ -235,3 +235,24 @@ def test_a_fifo_at_the_lock_name_does_not_block(tmp_path: Path, monkeypatch: pyt
     assert "studies" in _tables(db)
     assert any("no creation lock for" in r.getMessage() and "not a regular file" in r.getMessage()
                for r in caplog.records)
+
+
+@pytest.mark.parametrize("refused", ["foreign", "missing folder", "not a URL"])
+def test_a_refused_storage_leaves_no_new_profile_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          refused: str) -> None:
+    """`moetune tune` created and migrated --db before it checked --storage: a refused storage left a new db behind."""
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    url = {"foreign": f"sqlite:///{_foreign(tmp_path / 'app.db')}",
+           "missing folder": f"sqlite:///{tmp_path / 'nonexist' / 's.db'}", "not a URL": "nonsense"}[refused]
+    db = tmp_path / "new.db"
+    r = runner.invoke(app, [*TUNE, "--db", str(db), "--storage", url])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "--storage" in r.output
+    assert not db.exists() and not (tmp_path / "new.db-wal").exists()
+
+
+def test_a_refused_profile_database_leaves_no_new_studies_file(tmp_path: Path) -> None:
+    db = _foreign(tmp_path / "app.db")
+    r = runner.invoke(app, [*TUNE, "--db", str(db)])
+    assert r.exit_code == 2 and "not a moetune database" in " ".join(r.output.split()), r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]  # no moetune-studies.db beside it

@@ -65,17 +65,19 @@ def _storage_error(url: str, given: bool, e: BaseException) -> str:
             f"opened ({type(e).__name__}: {why}); it is left as it is: move it aside or pass --storage")
 
 
-def _check_storage(url: str, given: bool) -> None:
+def _check_storage(url: str, given: bool, *, create: bool = True) -> None:
     """Open the study storage once before anything runs: a bad URL, a folder or a file that is not a database is
-    one clear error, not a traceback from Optuna or SQLAlchemy."""
+    one clear error, not a traceback from Optuna or SQLAlchemy. `create` False: only what can be checked without
+    creating anything (`refuse_storage`: a URL that does not parse, another program's file, a missing folder),
+    before the profile database is created (a refused storage leaves no new --db file behind)."""
     import warnings
 
-    from moetune.tuner.search.study import StorageRefused, make_storage
+    from moetune.tuner.search.study import StorageRefused, make_storage, refuse_storage
 
     try:
         with warnings.catch_warnings():  # Optuna's experimental-feature notes are for the real run, not this check
             warnings.simplefilter("ignore")
-            make_storage(url)
+            (make_storage if create else refuse_storage)(url)
     except StorageRefused as e:  # another program's file, a folder that does not exist: the reason is the message
         _fail(f"--storage {_redact(url)}: {e}" if given
               else f"the studies file (the default --storage, beside the profile database): {e}")
@@ -231,9 +233,11 @@ def tune(
         why = unmeasured_key(local_opts["world"], ep_size or local_opts["world"], nodes, family or ["collective"])
         if why:  # refused before anything runs: a profile stored as MEASURED for a group that never ran
             _fail(f"{why} (--world {local_opts['world']}, --ep-size {ep_size or local_opts['world']}, --nodes {nodes})")
-    store = _open_store(db if db is not None else cfg.db_path)
-    url = _storage_url(storage, None, store)  # the URL tune_profiles_detailed opens (storage, else beside the store)
-    _check_storage(url, storage is not None)
+    db_path = db if db is not None else cfg.db_path
+    url = _storage_url(storage, db_path)  # the URL tune_profiles_detailed opens (storage, else beside the store)
+    _check_storage(url, storage is not None, create=False)  # refused: no profile database created
+    store = _open_store(db_path)
+    _check_storage(url, storage is not None)  # refused --db: no studies file created
     from moetune.tuner.cli._progress import RichProgress
     from moetune.tuner.search.tune import tune_profiles_detailed
     from moetune.tuner.store import StoreError

@@ -263,6 +263,20 @@ def _immediate_transactions(st: optuna.storages.RDBStorage) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+def refuse_storage(url: str) -> None:
+    """What `make_storage` refuses, checked without creating a file or a table (`moetune tune` checks this before it
+    creates the profile database): a URL that does not parse; for a SQLite file, another program's database or a
+    folder moetune does not make (StorageRefused; moetune's own data folder is made)."""
+    url = normalize_url(url)
+    path = sqlite_path(url) if is_sqlite(url) else None
+    if path is not None and str(path) != ":memory:":
+        _check_sqlite_studies_path(path)
+        return
+    import sqlalchemy
+
+    sqlalchemy.engine.make_url(url)  # ArgumentError: not a URL
+
+
 def make_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna RDB storage (standard tables: optuna-dashboard opens it as it is)."""
     url = normalize_url(url)
