@@ -156,3 +156,43 @@ def test_two_first_runs_create_the_studies_file_one_after_the_other(tmp_path: Pa
     study = open_study("moetune/t", url)  # the file is a working studies file
     study.tell(study.ask(), 1.0)
     assert finished_trials(study) == 1
+
+
+def test_two_processes_enqueue_each_warm_start_point_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`enqueue_trial(skip_if_exists=True)` checks and inserts in two transactions (Optuna#2925), and on SQLite no
+    claim was made (`shared=not is_sqlite(url)`): two processes opening one new study (the daemon's re-tune and a
+    `moetune tune`) both found the policy default missing and both enqueued it, and it ran twice."""
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+    from moetune.tuner.search.study import enqueue_warm_start
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=MODELS["qwen3-30b"].experts, ep_size=4)
+    studies = [open_study("moetune/t", make_storage(url), seed=0), open_study("moetune/t", make_storage(url), seed=1)]
+    arrived, second_here = threading.Event(), threading.Event()
+    hook = _pause_first(arrived, second_here)
+    check = optuna.Study._should_skip_enqueue
+
+    def paused_check(self: optuna.Study, params: Any) -> bool:
+        skip = check(self, params)
+        if threading.current_thread().name in ("A", "B"):
+            hook()  # between "not in the study yet" and the insert
+        return skip
+
+    monkeypatch.setattr(optuna.Study, "_should_skip_enqueue", paused_check)
+    got = _run_two(lambda: enqueue_warm_start(studies[0 if threading.current_thread().name == "A" else 1], space),
+                   arrived)
+    monkeypatch.undo()
+    names = [name for name, _ in space.priors()]
+    assert sum(got) == len(names), got  # every point claimed by one of them
+    waiting = [t.user_attrs["warm_start"] for t in studies[0].get_trials(states=(TrialState.WAITING,))]
+    assert sorted(waiting) == sorted(names), waiting  # was: the first point twice
+    assert enqueue_warm_start(studies[1], space) == 0  # a rerun claims nothing again
+    extra = [("bucket_transfer:128:0", space.priors()[1][1])]  # a point already there under another name: kept out
+    assert enqueue_warm_start(studies[1], space, extra) == 0
+    given = {tuple(sorted(space.params_of(k).items())) for _, k in space.priors()}
+    sampler = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    new = next(k for k in (space.suggest(sampler.ask()) for _ in range(200))
+               if space.feasible(k)[0] and tuple(sorted(space.params_of(k).items())) not in given)
+    assert enqueue_warm_start(studies[1], space, [("bucket_transfer:128:0", new)]) == 1  # a resume adds what is new

@@ -2,7 +2,8 @@
 
 - Sampler: TPE, multivariate with `group=True` (it decomposes the conditional space), seeded.
 - Warm start: `enqueue_trial` of the policy default and the analytic priors (per-PE groups; SM and QP
-  counts from link bandwidth), then the best settings of the previous token bucket of the same shape.
+  counts from link bandwidth), then the best settings of the previous token bucket of the same shape. Each point
+  is enqueued once per study, by whichever process claims it first (`_claim_warm_point`: SQLite and server alike).
 - Storage: Optuna's own RDB storage, never the profile database. SQLite by default (a file next to the
   store, WAL) — processes of one host may share a study (the daemon's re-tune and a `moetune tune`): every
   process registers itself in the study before it asks for a trial (and leaves when done), a trial records
@@ -717,33 +718,49 @@ class _BudgetCallback:
             study.stop()
 
 
+# The marker study by which earlier versions let one worker of a shared study enqueue the whole warm start (`tune
+# show` leaves such markers out); each point is now claimed on its own (`_claim_warm_point`).
 WARM_LOCK_SUFFIX = "/.warm-start-lock"
+WARM_POINT_KEY = "warm-start:"  # study system attr `warm-start:<digest of the params>`: that point was enqueued
 
 
-def _claim_warm_start(study: optuna.Study) -> bool:
-    """Only one worker of a shared study enqueues the warm start (Optuna#2925: enqueued points run more
-    than once when several processes enqueue). The claim is the creation of a marker study: its
-    unique name makes it atomic on any RDB storage."""
-    try:
-        optuna.create_study(study_name=study.study_name + WARM_LOCK_SUFFIX, storage=study._storage)
+def _claim_warm_point(study: optuna.Study, params: dict[str, Any], name: str) -> bool:
+    """Whether this process enqueues warm-start point `params`: the first to claim it in the study does, on every RDB
+    storage (the SQLite file is shared too: the daemon's re-tune and a `moetune tune`). `enqueue_trial`'s
+    `skip_if_exists` checks and inserts in two transactions, so two processes both found the point missing and both
+    enqueued it (Optuna#2925). The claim is one INSERT of a study system attr: Optuna's table has a unique
+    (study_id, key), so of two processes exactly one inserts it. A process killed between its claim and its
+    enqueue loses that point for the study (TPE still runs). Another storage (in memory) is one process's: True."""
+    import sqlalchemy
+
+    backend = getattr(study._storage, "_backend", study._storage)  # Optuna wraps an RDB storage in a cache
+    if not isinstance(backend, optuna.storages.RDBStorage):
         return True
-    except optuna.exceptions.DuplicatedStudyError:
-        return False
+    digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    try:
+        with backend.engine.begin() as conn:
+            conn.execute(sqlalchemy.text("INSERT INTO study_system_attributes (study_id, key, value_json) "
+                                         "VALUES (:s, :k, :v)"),
+                         {"s": study._study_id, "k": WARM_POINT_KEY + digest,
+                          "v": json.dumps({"name": name, "worker": current_worker()})})
+    except sqlalchemy.exc.IntegrityError:
+        return False  # another process (or an earlier run) enqueued it
+    return True
 
 
-def enqueue_warm_start(study: optuna.Study, space: SearchSpace, extra: Sequence[tuple[str, Knobs]] = (),
-                       *, shared: bool = False) -> int:
-    """Enqueue the policy default, the analytic priors and `extra` (skipped if already in the study).
-
-    `shared`: several workers may open this study at once; only the first one enqueues."""
-    if shared and not _claim_warm_start(study):
-        return 0
+def enqueue_warm_start(study: optuna.Study, space: SearchSpace, extra: Sequence[tuple[str, Knobs]] = ()) -> int:
+    """Enqueue the policy default, the analytic priors and `extra`, each once per study, however many processes
+    open it at once (`_claim_warm_point`), and not when the study already holds a trial of it (`skip_if_exists`: a
+    study enqueued before the claims, or a point TPE sampled). A resumed study gets the points that are new (the
+    best settings of a neighbouring bucket measured since). Returns how many points this call claimed."""
     n = 0
     for name, knobs in [*space.priors(), *extra]:
         try:
             params = space.params_of(knobs)
         except KnobError as e:
             log.info("warm start %s skipped: %s", name, e)
+            continue
+        if not _claim_warm_point(study, params, name):
             continue
         study.enqueue_trial(params, user_attrs={"warm_start": name}, skip_if_exists=True)
         n += 1
@@ -753,7 +770,7 @@ def enqueue_warm_start(study: optuna.Study, space: SearchSpace, extra: Sequence[
 def run_study(study: optuna.Study, space: SearchSpace, backend: BenchmarkBackend, workload: TuneWorkload, *,
               trials: int, timeout_s: float | None = None, callbacks: Sequence[Callable[..., None]] = (),
               extra_warm: Sequence[tuple[str, Knobs]] = (), prune: bool | None = None,
-              shared: bool = False, warm_start: bool = True, cross: BucketPrior | None = None) -> StudyResult:
+              warm_start: bool = True, cross: BucketPrior | None = None) -> StudyResult:
     """Run (or resume) a study until it holds `trials` finished trials or `timeout_s` passes."""
     if prune is None:
         prune = isinstance(backend, LocalBackend) and backend.repeats > 1
@@ -766,7 +783,7 @@ def run_study(study: optuna.Study, space: SearchSpace, backend: BenchmarkBackend
     study.set_user_attr("modelled", backend.modelled)
     study.set_user_attr("policy", space.policy.to_dict())
     if warm_start:
-        enqueue_warm_start(study, space, extra_warm, shared=shared)
+        enqueue_warm_start(study, space, extra_warm)
     remaining = trials - finished_trials(study)
     if remaining > 0 and (timeout_s is None or timeout_s > 0):
         objective = _Objective(space, backend, workload, prune, cross=cross)

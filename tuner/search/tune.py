@@ -53,7 +53,6 @@ from moetune.tuner.search.study import (
     completed,
     default_storage_url,
     finished_trials,
-    is_sqlite,
     make_storage,
     neighbour_bucket,
     open_study,
@@ -385,7 +384,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         # per run); a model prediction costs about a millisecond, so there every sampled point is evaluated.
         cross = neighbour if isinstance(be, LocalBackend) else None
         result = run_study(study, space, be, wl, trials=trials, timeout_s=timeout_s, callbacks=[cb], extra_warm=extra,
-                           shared=not is_sqlite(url), cross=cross)
+                           cross=cross)
         bar.update(task, finished_trials(study), _best_value(study))
         record, written, reason = _write_profile(store, key, be, result, facts, default=space.policy.defaults,
                                                  inert=inert, recheck=recheck)
