@@ -166,3 +166,37 @@ def test_exited_and_killed_processes_leave_no_registration(tmp_path: Path) -> No
     open_study("moetune/t", url, seed=1)  # deletes the dead one of this host; another host's cannot be checked
     me = WORKER_KEY + study_mod.current_worker().rsplit(":", 1)[0]
     assert set(_registrations(url)) == {other_host, me}
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process start times are read from /proc (Linux)")
+def test_a_pid_reused_by_a_later_process_owns_no_trial(tmp_path: Path) -> None:
+    """A dead worker's pid, reused by an unrelated long-lived process of this host: os.kill(pid, 0) succeeds, and its
+    trial stayed RUNNING for ever. A process that started after the trial started (or after a registration's
+    `since`) cannot own it. The reuse is forged: a live child named in a trial that started a minute before it."""
+    import socket
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    study = open_study("moetune/t", url, seed=0)
+    old = study._storage.create_new_trial(study._study_id)
+    con = sqlite3.connect(tmp_path / "s.db")
+    con.execute("UPDATE trials SET datetime_start = ? WHERE trial_id = ?",
+                ((datetime.now() - timedelta(minutes=1)).isoformat(" "), old))
+    con.commit()
+    con.close()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, text=True)
+    try:
+        forged = f"{socket.gethostname()}:{child.pid}:dead0run"
+        young = study._storage.create_new_trial(study._study_id)  # started after the child: the child may own it
+        for t in (old, young):
+            study._storage.set_trial_user_attr(t, "worker", forged)
+        study._storage.set_study_system_attr(study._study_id, f"{WORKER_KEY}{socket.gethostname()}:{child.pid}",
+                                             {"run": "dead0run",
+                                              "since": (datetime.now() - timedelta(minutes=1)).isoformat()})
+        study = open_study("moetune/t", url, seed=1)
+        t = study._storage.get_trial(old)
+        assert t.state == TrialState.FAIL and INTERRUPTED in t.user_attrs  # was: RUNNING while the child lived
+        assert study._storage.get_trial(young).state == TrialState.RUNNING
+        assert f"{WORKER_KEY}{socket.gethostname()}:{child.pid}" not in _registrations(url)  # deleted: not its
+    finally:
+        child.communicate(input="", timeout=60)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import inspect
 import json
@@ -424,8 +425,38 @@ def open_study(name: str, storage: str | optuna.storages.BaseStorage, *, seed: i
     return study
 
 
-def _worker_alive(worker: Any) -> bool:
-    """Whether the process a `worker` (host:pid:run; host:pid before run ids) names still runs on this host."""
+@functools.lru_cache(maxsize=1)
+def _boot_time() -> float | None:
+    """When this host booted (seconds since the epoch: /proc/stat's btime), on Linux; None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _process_started(pid: int) -> datetime | None:
+    """When process `pid` started (local, naive: Optuna's datetime_start clock), from /proc/<pid>/stat's starttime
+    (field 22, clock ticks since boot); None where there is no /proc (not Linux) or it cannot be read."""
+    boot = _boot_time()
+    if boot is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+        ticks = int(text.rsplit(")", 1)[1].split()[19])  # after the (command name, spaces and all): fields 3, 4, ... 22
+        return datetime.fromtimestamp(boot + ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _worker_alive(worker: Any, started_by: datetime | None = None) -> bool:
+    """Whether the process a `worker` (host:pid:run; host:pid before run ids) names still runs on this host.
+    `started_by`: when that process was already running (its trial's start, or its registration's `since`): a
+    process with that pid that started later (on Linux: /proc) is another one that reuses a dead worker's pid."""
     text = str(worker or "")
     if text == current_worker():
         return True  # this process: its trial is in flight (another study object of it, or a thread)
@@ -442,7 +473,11 @@ def _worker_alive(worker: Any) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # it exists, run by another user
-        return True
+        pass
+    if started_by is not None:
+        started = _process_started(int(pid))
+        if started is not None and started > started_by + CLOCK_SLACK:
+            return False  # the pid of a dead worker, reused by a process that started after its trial
     return True
 
 
@@ -522,7 +557,7 @@ def _live_registrations(study: optuna.Study) -> list[datetime]:
         if isinstance(v, dict):
             with contextlib.suppress(ValueError):
                 since = datetime.fromisoformat(str(v.get("since")))
-        if since is not None and _worker_alive(f"{name}:{v.get('run')}"):
+        if since is not None and _worker_alive(f"{name}:{v.get('run')}", since):
             out.append(since)
         elif name.split(":")[0] == host:
             try:
@@ -537,7 +572,7 @@ def _maybe_owned(study: optuna.Study, t: optuna.trial.FrozenTrial, live: list[da
     (its creator had not yet reached the sampler's `before_trial`): this process asked for it, or the trial is
     fresh (FRESH_TRIAL) and another live worker registered before it started."""
     if "worker" in t.user_attrs:
-        return _worker_alive(t.user_attrs["worker"])
+        return _worker_alive(t.user_attrs["worker"], t.datetime_start)
     if (_storage_id(study._storage), t._trial_id) in _ASKED:
         return True
     start = t.datetime_start
