@@ -4,8 +4,8 @@
 - Warm start: `enqueue_trial` of the policy default and the analytic priors (per-PE groups; SM and QP
   counts from link bandwidth), then the best settings of the previous token bucket of the same shape. Each point
   is enqueued once per study, by whichever process claims it first (`_claim_warm_point`: SQLite and server alike).
-- Storage: Optuna's own RDB storage, never the profile database. SQLite by default (a file next to the
-  store, WAL) — processes of one host may share a study (the daemon's re-tune and a `moetune tune`): every
+- Storage: Optuna's own RDB storage. SQLite by default (its own file next to the store, WAL; the store's own file
+  is accepted too: the store shares a file with Optuna's tables, never another program's) — processes of one host may share a study (the daemon's re-tune and a `moetune tune`): every
   process registers itself in the study before it asks for a trial (and leaves when done), a trial records
   its worker as Optuna creates it (the sampler's `before_trial`), and opening a study fails only the
   running trials no live process can own (`fail_interrupted`); the schema is created under a file lock
@@ -311,7 +311,10 @@ class NotAStudiesFile(ValueError):
 
 def open_readonly_storage(url: str) -> optuna.storages.RDBStorage:
     """The storage for reading studies back (`tune show`): it never creates a table, a file or a version stamp,
-    and a file or database without Optuna's tables is refused (NotAStudiesFile) instead of being given them."""
+    and a file or database without Optuna's tables is refused (NotAStudiesFile) instead of being given them.
+    A SQLite file read through immutable=1 (`sqlite_open`) is checked for a change under the read only when SQLite
+    reports an error (then DatabaseChanged, not "malformed"): a read that succeeds is not checked, unlike the
+    store's. What tune show reads is for display only."""
     url = normalize_url(url)
     path = sqlite_path(url) if is_sqlite(url) else None
     if path is not None and str(path) != ":memory:":
@@ -544,8 +547,9 @@ def _unregister_all() -> None:
 
 
 def _live_registrations(study: optuna.Study) -> list[datetime]:
-    """When each live registered worker of the study, other than this process, registered. A registration of
-    this host whose process is gone is deleted (another host's cannot be checked: it is kept)."""
+    """The `since` of each live registered worker of the study other than this process: when that process loaded
+    this module (`_REGISTERED_AT`), before it asked for any trial, not when it registered. A registration of this
+    host whose process is gone is deleted (another host's cannot be checked: it is kept)."""
     out = []
     me = _registration()[0]
     host = socket.gethostname()
@@ -568,9 +572,11 @@ def _live_registrations(study: optuna.Study) -> list[datetime]:
 
 
 def _maybe_owned(study: optuna.Study, t: optuna.trial.FrozenTrial, live: list[datetime]) -> bool:
-    """Whether a live process may own RUNNING trial `t`. With a `worker` attr: that process is alive. Without one
-    (its creator had not yet reached the sampler's `before_trial`): this process asked for it, or the trial is
-    fresh (FRESH_TRIAL) and another live worker registered before it started."""
+    """Whether a live process may own RUNNING trial `t`. With a `worker` attr: that process is alive (and started
+    before the trial). Without one (its creator had not yet reached the sampler's `before_trial`): this process
+    asked for it, or the trial is fresh (at most FRESH_TRIAL old) and another live registered worker was already
+    running when it started (its `since` is no later than the trial's start: any trial a worker creates starts after
+    its `since`, and it registers before it asks, so a live creator is among these)."""
     if "worker" in t.user_attrs:
         return _worker_alive(t.user_attrs["worker"], t.datetime_start)
     if (_storage_id(study._storage), t._trial_id) in _ASKED:
