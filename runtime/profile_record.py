@@ -71,11 +71,20 @@ def unlabelled_provenance(backend: str) -> Provenance:
     return "node_model" if p == "measured" else p
 
 
+# What a what-if preset's fingerprint (and a preset profile's measured_on) starts with: "preset:NAME[:digest]" names a
+# modelled fabric, never a node.
+PRESET_PREFIX = "preset:"
+
+
+def is_preset_fingerprint(fingerprint: str) -> bool:
+    return fingerprint.startswith(PRESET_PREFIX)
+
+
 def default_measured_on(provenance: str, backend: str, fingerprint: str) -> str:
     """`measured_on` when a record does not say: the preset's name for a preset, the key's fingerprint
     for a measurement, unknown ("") for a node model of unknown origin."""
     if provenance == "preset":
-        return "preset:" + backend.removeprefix("model:")
+        return PRESET_PREFIX + backend.removeprefix("model:")
     if provenance == "measured":
         return fingerprint
     return ""

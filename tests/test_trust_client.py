@@ -205,6 +205,29 @@ def test_database_identity_refused_on_another_node(tmp_path: Path, monkeypatch: 
     assert "identity is unknown" in warned[0] and "UUIDs differ" in warned[0]
 
 
+def test_a_newer_preset_or_factless_fingerprint_does_not_become_this_node(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`moetune tune --preset X` records the preset's fingerprint with no facts and a newer last_seen: on a node whose
+    GPUs cannot be read, nothing in it disagreed with the node, so the daemon-down lookup took it as this node's
+    identity and passed over the profiles measured here. Neither it nor any fingerprint without facts is this node."""
+    facts = _local_facts()
+    F.pretend_node(monkeypatch, facts, tmp_path / "proc")
+    db = tmp_path / "moetune.db"
+    mine = ProfileRecord(key=key("c" * 16, node_identity.software_hash(facts), bucket=64),
+                         knobs=default_knobs("nvlink").replace(num_sms=24), latency_us=50.0, spread_us=0.0,
+                         backend="local:nccl", provenance="measured")
+    _seed_db(db, {"_fp": "c" * 16, "facts": facts}, [mine])
+    time.sleep(0.01)
+    store = F.open_store(db)
+    store.upsert_fingerprint("preset:pcie4-consumer-4090x4:b0a1b0a1b0a1b0a1", {})  # newest: as tune --preset writes it
+    store.upsert_fingerprint("e" * 16, {})
+    store.close()
+    ident, why = client.node_identity_from_db(db)
+    assert ident is not None and ident.fingerprint == "c" * 16, why
+    res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db)
+    assert res.source == "database" and res.tuned and res.profile_hash == mine.profile_hash, warned
+
+
 def test_runtime_software_hash_is_the_tuner_one() -> None:
     from moetune.tuner.fabric.discovery import discover
     from moetune.tuner.fabric.fingerprint import software_hash

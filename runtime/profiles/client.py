@@ -76,8 +76,10 @@ from moetune.runtime.paths import (
 )
 from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
+    PRESET_PREFIX,
     ProfileKey,
     ProfileRecord,
+    is_preset_fingerprint,
     nearest_bucket_within,
     provenance_of_backend,
     unlabelled_provenance,
@@ -277,7 +279,9 @@ def query_db_profiles(
 
 def node_identity_from_db(db_path: str | Path, timeout_s: float = 0.05) -> tuple[node_identity.NodeIdentity | None, str]:
     """This node's identity from the database's recorded fingerprints (see `node_identity`)."""
-    rows = db_read(db_path, "SELECT hash, facts, last_seen FROM fingerprints ORDER BY last_seen DESC LIMIT 16", (), timeout_s)
+    # a what-if preset's fingerprint (`moetune tune --preset`) names a modelled fabric, not a node: never this one's
+    rows = db_read(db_path, "SELECT hash, facts, last_seen FROM fingerprints WHERE hash NOT LIKE ? "
+                   "ORDER BY last_seen DESC LIMIT 16", (PRESET_PREFIX + "%",), timeout_s)
     return node_identity.from_fingerprint_rows(rows)
 
 
@@ -928,7 +932,7 @@ class ProfileClient:
             refusal = self._env_refusal(env_cmp)
             return (None, refusal, None) if refusal is not None else ("tuned", "", env_cmp)
         label = f"MODELLED ({provenance}, fingerprint {key.fingerprint}), not measured on this node"
-        if foreign and not key.fingerprint.startswith("preset:"):
+        if foreign and not is_preset_fingerprint(key.fingerprint):
             return None, f"{label}, and for another node", None
         if not self.allow_modelled:
             return (None, f"{label}; not applied as tuned (allow_modelled=True or MOETUNE_CLIENT_ALLOW_MODELLED=1 "

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moetune.runtime.profile_record import is_preset_fingerprint
+
 PROC_ROOT = Path("/proc")  # tests point this at a captured /proc
 # Mirrors moetune.tuner.fabric.fingerprint.software_hash (a test keeps the two equal): the runtime may not
 # import the tuner, and it needs the hash of the software recorded with a fingerprint.
@@ -138,6 +140,12 @@ def from_fingerprint_rows(rows: list[tuple]) -> tuple[NodeIdentity | None, str]:
             reasons.append(f"{fp}: unreadable facts")
             continue
         if not isinstance(facts, dict) or not isinstance(fp, str):
+            continue
+        if is_preset_fingerprint(fp):
+            continue  # a what-if preset's (`moetune tune --preset`): a modelled fabric, never a node
+        if not facts.get("gpus") and not facts.get("software"):
+            # nothing recorded to check against this node: it would match any node, so it proves nothing
+            reasons.append(f"{fp}: no facts recorded (no GPUs, no software) to check this node against")
             continue
         why, checked = mismatch(facts)
         if why is None:

@@ -15,6 +15,7 @@ from moetune.runtime.profile_record import (
     PROVENANCES,
     TOKEN_BUCKETS,
     ProfileRecord,
+    is_preset_fingerprint,
     provenance_of_backend,
 )
 from moetune.runtime.profiles.perf_env import perf_env_problem
@@ -136,7 +137,7 @@ def check_import_record(rec: ProfileRecord, now: _dt.datetime | None = None) -> 
             check_import_time(name, getattr(rec, name), now)
     if rec.provenance == "measured" and rec.measured_on != key.fingerprint:
         raise FieldError("measured_on", f"a measured profile is measured on its key's fingerprint, got {rec.measured_on[:64]!r}")
-    if rec.provenance == "preset" and not rec.measured_on.startswith("preset:"):
+    if rec.provenance == "preset" and not is_preset_fingerprint(rec.measured_on):
         raise FieldError("measured_on", f"a preset profile names its preset (preset:NAME), got {rec.measured_on[:64]!r}")
 
 
