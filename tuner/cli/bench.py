@@ -36,27 +36,6 @@ def _json_opt() -> typer.models.OptionInfo:
 _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
 
 
-class _CaseLines:
-    """A progress sink (`tuner.search.progress.Progress`) that prints one dim line as each case starts, for a
-    stderr that is no terminal."""
-
-    def __init__(self, console: Console):
-        self._c, self._total = console, 0
-
-    def add(self, description: str, total: int, done: int = 0) -> Any:
-        self._total = total
-        return None
-
-    def update(self, task: Any, done: int, best: float | None = None, description: str | None = None) -> None:
-        if description is not None:  # bench_moe names a case as it starts (done cases before it)
-            from rich.markup import escape
-
-            self._c.print(f"[dim]{escape(description)} ({done + 1}/{self._total}) ...[/dim]")
-
-    def close(self) -> None:
-        return None
-
-
 def _skips(cases: list[dict], who: str) -> None:
     """Name every skipped case on stderr; when every case was skipped, nothing was measured: exit 1 (after the
     report, which still says why), so a script does not take an empty table for a result."""
@@ -311,10 +290,10 @@ def moe(
     _err.print(f"[dim]timing {escape(', '.join(engines))} at S={','.join(map(str, toks))} ({warmup} + {iters} calls "
                f"each) on {where} ...[/dim]")
     # per (engine, S) case, on stderr (stdout stays the table or the --json report): a bar on a terminal, else a
-    # line per case (a log or a pipe would see a Rich bar only once, at the end)
+    # line per case (RichProgress: a log or a pipe would see a Rich bar only once, at the end)
     from moetune.tuner.cli._progress import RichProgress
 
-    bar = RichProgress(console=_err) if _err.is_terminal else _CaseLines(_err)
+    bar = RichProgress(console=_err)
     try:
         rep = M.bench_moe(shape, toks, engines, graph=cuda_graph, iters=iters, warmup=warmup, rotate=rotate, seed=seed,
                           knobs=mk, rest_s=rest, progress=bar)
