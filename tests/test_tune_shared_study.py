@@ -25,15 +25,21 @@ WAIT_S = 3.0  # how long the first thread waits for the second to reach the same
 
 
 def test_a_fresh_trial_of_another_study_object_is_not_failed(tmp_path: Path) -> None:
-    """Optuna creates a trial RUNNING (and runs the sampler) before the objective records its worker: a study
-    opened meanwhile on the same storage failed it, and its owner then crashed on its result."""
+    """A trial this process asked for through one study object, still RUNNING (asked, not told): opening the study
+    again on the same storage (another study object of this process) failed it, and its owner then crashed on its
+    result. (`ask` records the worker in the sampler's `before_trial`; a trial without one is
+    tests/test_tune_study_workers.py's.)"""
     url = f"sqlite:///{tmp_path / 's.db'}"
     first = open_study("moetune/t", url, seed=0)
-    trial = first.ask()  # RUNNING, no `worker` attr yet
+    trial = first.ask()  # RUNNING, its `worker` this process
     open_study("moetune/t", url, seed=1)  # the other tune opens the study
     assert first._storage.get_trial(trial._trial_id).state == TrialState.RUNNING
     first.tell(trial, 1.0)  # was: ValueError "Cannot tell a FAIL trial."
     assert finished_trials(open_study("moetune/t", url)) == 1
+
+
+def study_worker(url: str, trial_id: int) -> str:
+    return str(optuna.storages.RDBStorage(url).get_trial(trial_id).user_attrs.get("worker"))
 
 
 ASK_AND_WAIT = """
@@ -45,7 +51,11 @@ sys.stdin.read()  # alive until the test closes stdin
 """
 
 
-def test_a_live_processes_fresh_trial_is_left_alone_and_failed_once_it_is_gone(tmp_path: Path) -> None:
+def test_a_live_processes_running_trial_is_left_alone_and_failed_once_it_is_gone(tmp_path: Path) -> None:
+    """Another process asked for a trial (its `worker` recorded by `ask`, through the sampler's `before_trial`) and
+    is still alive: opening the study leaves the trial RUNNING; once that process has exited without telling it,
+    the next opening fails it as interrupted. (A trial without a `worker`, whose creator died between Optuna's
+    create and `before_trial`: tests/test_tune_study_workers.py.)"""
     url = f"sqlite:///{tmp_path / 's.db'}"
     proc = subprocess.Popen([sys.executable, "-c", ASK_AND_WAIT, url], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -54,7 +64,8 @@ def test_a_live_processes_fresh_trial_is_left_alone_and_failed_once_it_is_gone(t
         line = proc.stdout.readline()
         assert line.strip().isdigit(), proc.stderr.read() if proc.stderr else ""
         trial_id = int(line)
-        study = open_study("moetune/t", url, seed=1)  # the other process is alive: its worker-less trial is kept
+        assert study_worker(url, trial_id).split(":")[1] == str(proc.pid)  # `ask` recorded the child as its worker
+        study = open_study("moetune/t", url, seed=1)  # the other process is alive: its trial is kept
         assert study._storage.get_trial(trial_id).state == TrialState.RUNNING
     finally:
         proc.communicate(input="", timeout=60)  # it exits without telling its trial
