@@ -91,6 +91,7 @@ def test_a_half_created_studies_file_is_finished_not_refused(tmp_path: Path, nam
     assert half_created(db, *names) == set(names)
     assert not _tables.is_foreign_file(set(names)) and _tables.is_unfinished_optuna_file(set(names))
     st = study.make_storage(f"sqlite:///{db}")  # finishes the schema (and stamps it)
+    assert (tmp_path / "studies.db.lock").is_file()  # under the creation lock (taken only while the schema is missing)
     s = study.open_study("moetune/t", st, seed=0)
     s.tell(s.ask(), 1.0)
     assert study.finished_trials(study.open_study("moetune/t", f"sqlite:///{db}")) == 1
