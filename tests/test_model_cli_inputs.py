@@ -221,9 +221,10 @@ def test_sweep_values_predict_refuses_are_refused(args: list[str], needle: str) 
 
 def test_sweep_keeps_na_for_settings_one_mode_cannot_run() -> None:
     # round_robin over 2 QPs is valid with proxy_drain, unsafe with nic_ordered: n/a there, not an error; group
-    # size 3 runs (the runtime's proxy sends a last partial group, it need not divide the PUTs per peer)
+    # size 3 runs (the runtime's proxy sends a last partial group, it need not divide the 14 PUTs per peer of
+    # chunk_tokens 8; with chunk_tokens 0 there is one PUT per peer and a group size above 1 is n/a)
     r = runner.invoke(app, ["model", "sweep", "-p", "slingshot11-libfabric-a100x4", "-n", "4", "-t", "256",
-                            "--knobs", "fence_mode=proxy_drain,qp_mapping=round_robin,qps_per_pe=2",
+                            "--knobs", "fence_mode=proxy_drain,qp_mapping=round_robin,qps_per_pe=2,chunk_tokens=8",
                             "--values", "1,3", "--json"])
     assert r.exit_code == 0, r.output
     series = json.loads(r.output)["series"]

@@ -147,6 +147,67 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+SWEEP_PUTS = 8  # PUTs per peer of the chunk_tokens a group_size sweep picks when chunk_tokens 0 gives one
+
+
+def _given_knobs(knobs: str) -> set[str]:
+    """The knob names a --knobs string sets (a default knob and one set to the same value differ here)."""
+    return {part.split("=", 1)[0].strip() for part in knobs.split(",") if "=" in part}
+
+
+def _group_sweep(pr: Any, w0: Any, k0: Any, knobs: str, values_given: bool) -> tuple[Any, int, str, list[str]]:
+    """(knobs, grid, unit, notes) of a sweep over group_size: what a decoupled group_size groups per peer in the
+    model (`predict.group_grid`: PUTs for proxy/ibgda, CTAs for nvlink). Refused (exit 2) for a transport whose
+    prediction reads no group_size. Without --values, chunk_tokens 0 (each peer's rows in ONE PUT: every group
+    size the same run) is replaced by a chunk giving SWEEP_PUTS PUTs, unless --knobs set chunk_tokens; the notes
+    say so, or why there is one transfer per peer."""
+    from moetune.runtime.knobs import KnobError
+    from moetune.tuner.fabric_model.predict import busiest_peer_rows, group_grid
+
+    grid = group_grid(pr, w0, k0)
+    if grid == 0:
+        _fail(f"--over group_size: transport {k0.transport!r} has no signal groups (the model reads no group_size "
+              "for it: every point would be the same); sweep --over nodes or tokens, or choose a transport with "
+              "signal groups (proxy, ibgda, nvlink) with -k transport=...")
+    notes: list[str] = []
+    if k0.transport == "nvlink":
+        if grid == 1:
+            notes.append(f"one CTA per peer with num_sms={k0.num_sms} over {w0.gpus_per_node} GPUs: group_size has "
+                         "nothing to group; pass -k num_sms=N (more SMs) to sweep group sizes")
+        return k0, grid, "CTA" if grid == 1 else "CTAs", notes
+    rows = max(1, math.ceil(busiest_peer_rows(w0) - 1e-9))
+    if grid == 1 and k0.chunk_tokens == 0 and not values_given and "chunk_tokens" not in _given_knobs(knobs):
+        chunk = max(1, math.ceil(rows / SWEEP_PUTS))
+        try:
+            k1 = k0.replace(chunk_tokens=chunk)
+        except KnobError:
+            k1 = k0
+        else:
+            g1 = group_grid(pr, w0, k1)
+            if g1 > 1:
+                notes.append(f"chunk_tokens={chunk} for this sweep ({g1} PUTs per peer): with chunk_tokens=0 each "
+                             f"peer's {rows} rows go in ONE PUT and every group size is the same run; pass "
+                             "-k chunk_tokens=N to choose the chunk")
+                return k1, g1, "PUTs", notes
+    if grid == 1:
+        notes.append(f"one transfer per peer with chunk_tokens={k0.chunk_tokens} ({rows} rows per peer in one PUT): "
+                     "group_size has nothing to group; pass -k chunk_tokens=N (fewer rows than that) to sweep "
+                     "group sizes")
+    return k0, grid, "PUT" if grid == 1 else "PUTs", notes
+
+
+def _same_everywhere(series: dict[str, list[dict]], transport: str) -> list[str]:
+    """A note when no group size changes the prediction (every modelled row the same): say so rather than leave
+    identical rows to be read as a finding."""
+    points = {(r["latency_us"], r["fences"]) for rows in series.values() for r in rows if "error" not in r}
+    modelled = {r["x"] for rows in series.values() for r in rows if "error" not in r}
+    if len(points) != 1 or len(modelled) < 2:
+        return []
+    why = (": its signals are device writes spread over the kernel's CTAs, at most (GPUs per node - 1) x CTAs per "
+           "peer < num_sms groups, one round of signals whatever the group size") if transport == "nvlink" else ""
+    return [f"group_size changes nothing in the {transport} prediction for this workload (every row the same){why}"]
+
+
 def _check_sweep_values(over: str, xs: list[int], w0: Any) -> None:
     """Refuse the --values `model predict` refuses for the same option (exit 2 naming --values), with
     predict's own checks (Knobs, Workload), so an input error never shows up as an n/a row. n/a stays for
@@ -205,8 +266,11 @@ def sweep_cmd(
     model: str = typer.Option("qwen3-30b", "--model", "-m", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K."),
     over: str = typer.Option("group_size", "--over", help="group_size, nodes or tokens."),
     values: str | None = typer.Option(None, "--values", help="Comma-separated x values (default: group_size the "
-                                      "divisors of the transfers per peer, nodes 1,2,4,8,16 up to the preset's most "
-                                      "nodes, tokens 64,256,1024,4096,16384)."),
+                                      "divisors of the transfers a group groups per peer: PUTs for proxy/ibgda, where "
+                                      "chunk_tokens 0 (one PUT) is replaced by a chunk giving 8 PUTs unless --knobs "
+                                      "sets it, CTAs for nvlink; nodes 1,2,4,8,16 up to the preset's most nodes, "
+                                      "tokens 64,256,1024,4096,16384). A group_size above the transfers per peer is "
+                                      "n/a: the same run as group_size 0."),
     nodes: int | None = typer.Option(None, "--nodes", "-n", help="Nodes (unless swept with --over nodes; default: 4, "
                                      "or the preset's most nodes if fewer)."),
     tokens: int = typer.Option(256, "--tokens", "-t", help="Tokens per GPU (unless swept with --over tokens)."),
@@ -220,7 +284,7 @@ def sweep_cmd(
 ) -> None:
     """Sweep one variable for each fence mode the transport allows (MODELLED)."""
     from moetune.runtime.knobs import ALLOWED_FENCE_MODES, KnobError
-    from moetune.tuner.fabric_model.predict import Workload, predict, transfers_per_peer
+    from moetune.tuner.fabric_model.predict import Workload, predict
 
     if over not in ("group_size", "nodes", "tokens"):
         _fail(f"--over must be group_size, nodes or tokens, got {over!r}")
@@ -228,6 +292,9 @@ def sweep_cmd(
     plot_path = _plot_path(out) if out is not None else None
     pr, w0, k0 = _build(preset, model, nodes, tokens, gpus_per_node, knobs, routing, tile)
     modes = ALLOWED_FENCE_MODES[k0.transport]
+    grid, unit, notes = 0, "", []
+    if over == "group_size":
+        k0, grid, unit, notes = _group_sweep(pr, w0, k0, knobs, values is not None)
     if values is not None:  # --values "" is an empty list to refuse, not "not given"
         try:
             xs = int_list(values, "--values")
@@ -237,7 +304,7 @@ def sweep_cmd(
             _fail(f"--values: nothing to sweep in {values!r}; give comma-separated integers")
         _check_sweep_values(over, xs, w0)
     elif over == "group_size":
-        xs = _divisors(transfers_per_peer(w0, k0.chunk_tokens))
+        xs = _divisors(grid)
     elif over == "nodes":  # up to the most nodes the preset's fabric connects
         xs = [n for n in (1, 2, 4, 8, 16) if not pr.max_nodes or n <= pr.max_nodes]
     else:
@@ -256,6 +323,10 @@ def sweep_cmd(
                 kk = k0.replace(**change)
                 w = w0
                 if over == "group_size":
+                    if kk.signalling == "decoupled" and x > grid:
+                        # the model (as the runtime) makes one group of a peer's transfers: no new point
+                        raise ValueError(f"a group_size above the {grid} {unit} per peer makes one group per peer: "
+                                         "the same run as group_size 0")
                     kk = kk.replace(group_size=0) if kk.signalling == "coupled" else kk.replace(group_size=x)
                 elif over == "nodes":
                     w = Workload(w0.model, w0.tokens_per_gpu, x, w0.gpus_per_node, routing=w0.routing, tile=w0.tile)
@@ -269,9 +340,12 @@ def sweep_cmd(
                 rows.append({"x": x, "error": str(e), "modelled": True})
         series[label] = rows
     drawable = any("error" not in r for rows in series.values() for r in rows)
+    if over == "group_size" and grid > 1:  # one transfer per peer: the notes say so already
+        notes += _same_everywhere(series, k0.transport)
     if as_json:
         typer.echo(json.dumps({"label": LABEL, "preset": pr.name, "model": w0.model.name, "over": over,
-                               "series": series, "plot": str(plot_path) if plot_path and drawable else None}))
+                               "knobs": k0.to_dict(), "notes": notes, "series": series,
+                               "plot": str(plot_path) if plot_path and drawable else None}))
     else:
         t = Table(title=f"{LABEL}: {_e(pr.name)} · {_e(w0.model.name)} · sweep over {over}")
         t.add_column(over, justify="right")
@@ -296,6 +370,8 @@ def sweep_cmd(
                        + (", because:" if reasons else "."))
         for why, n in reasons.items():
             _console.print(f"  ({n}) {_e(why)}", soft_wrap=True)
+        for note in notes:  # a knob chosen for the sweep, or why there is one point
+            _console.print(f"note: {_e(note)}", soft_wrap=True)
     if not drawable:
         # nothing could be modelled: a failure whether or not a plot was asked for (an empty figure says nothing)
         where = f" (no plot written to {_e(plot_path)})" if plot_path is not None else ""

@@ -1032,6 +1032,27 @@ def transfers_per_peer(w: Workload, chunk_tokens: int = 0) -> int:
     return max(1, chunking(rows, chunk_tokens)[1])
 
 
+def busiest_peer_rows(w: Workload) -> float:
+    """The rows one PE sends its busiest peer, S x max over ranks of P(token needs the rank) under the workload's
+    routing (dispatch sends rank d S x P(d) rows; combine returns the most needed rank's count to every peer)."""
+    _, s = parse_routing(w.routing)
+    return w.tokens_per_gpu * float(rank_hits(w.model.experts, w.model.topk, s, w.pes).max())
+
+
+def group_grid(preset: Preset | str, w: Workload, knobs: Knobs) -> int:
+    """How many transfers a decoupled `group_size` groups per peer in `predict`'s runtime layout, the most any
+    peer gets: proxy/ibgda the PUTs to the busiest peer (`chunking`: ceil(rows / chunk_tokens), ONE with
+    chunk_tokens 0, at most MAX_SLOTS), nvlink the kernel's CTAs per peer (`_ctas_per_peer`, which depends on
+    num_sms); 0 for the transports whose prediction reads no group_size (collective, host_staged). A group
+    size above it makes one group of every peer's transfers: the same run as group_size 0 (one per peer)."""
+    preset = _as_preset(preset)
+    if knobs.transport in ("proxy", "ibgda"):
+        return max(1, chunking(busiest_peer_rows(w), knobs.chunk_tokens)[1])
+    if knobs.transport == "nvlink":
+        return _ctas_per_peer(_params(preset), knobs.num_sms, w.gpus_per_node)
+    return 0
+
+
 def expert_tiles_per_peer(w: Workload) -> int:
     """The group-size grid of layout `expert_tiles`: experts per PE x tiles of `tile` tokens per expert under
     uniform routing. A decoupled group size must divide it there (Knobs.check_workload)."""

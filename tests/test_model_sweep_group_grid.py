@@ -1,0 +1,108 @@
+"""`moetune model sweep --over group_size`: the points mean something. A decoupled group_size groups a peer's PUTs
+(proxy, ibgda) or CTAs (nvlink): with chunk_tokens 0 a peer gets ONE PUT, so the default sweep picks a chunk_tokens
+giving several PUTs and says so; a group size above the transfers per peer is n/a with the reason (it is the same run
+as group_size 0); a transport with no signal groups is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.shapes import get_model
+from moetune.tuner.cli import app
+from moetune.tuner.fabric_model.predict import Workload, group_grid, load_preset, transfers_per_peer
+
+runner = CliRunner()
+
+
+def _sweep(*args: str):
+    r = runner.invoke(app, ["model", "sweep", *args])
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    return r
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("preset", ["ndr-ibgda-h100x8", "ndr-ibrc-h100x8", "slingshot11-libfabric-a100x4"])
+def test_default_group_size_sweep_picks_a_chunk_and_says_so(preset: str) -> None:
+    r = _sweep("-p", preset, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    chunk = doc["knobs"]["chunk_tokens"]
+    assert chunk > 0, doc["knobs"]  # was chunk_tokens 0: one PUT per peer, one point
+    # the chunk gives 8 PUTs per peer: the default points are their divisors
+    for rows in doc["series"].values():
+        assert [p["x"] for p in rows] == [1, 2, 4, 8] and all("error" not in p for p in rows), rows
+    decoupled = [s for label, s in doc["series"].items() if label.startswith("decoupled")]
+    assert decoupled and all(len({p["fences"] for p in s}) == 4 for s in decoupled)  # the group size matters
+    assert any(f"chunk_tokens={chunk} for this sweep" in n and "chunk_tokens=0" in n for n in doc["notes"]), doc
+    text = _flat(_sweep("-p", preset).output)
+    assert f"note: chunk_tokens={chunk} for this sweep (8 PUTs per peer)" in text and "-k chunk_tokens=N" in text
+
+
+def test_a_chunk_tokens_given_is_kept_and_one_put_per_peer_is_said() -> None:
+    r = _sweep("-p", "ndr-ibgda-h100x8", "-k", "chunk_tokens=0", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["knobs"]["chunk_tokens"] == 0
+    assert [p["x"] for p in doc["series"]["decoupled/nic_ordered"]] == [1]
+    assert any(n.startswith("one transfer per peer with chunk_tokens=0") and "pass -k chunk_tokens=N" in n
+               for n in doc["notes"]), doc["notes"]
+
+
+def test_group_sizes_above_the_transfers_per_peer_are_na_with_the_reason() -> None:
+    # chunk_tokens 0: one PUT per peer, so 1000 groups the same single PUT as 0 and 1 (three identical rows before)
+    r = _sweep("-p", "ndr-ibgda-h100x8", "--values", "0,1,1000", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    dec = {p["x"]: p for p in doc["series"]["decoupled/nic_ordered"]}
+    assert "error" not in dec[0] and "error" not in dec[1]
+    assert dec[1000]["error"] == ("a group_size above the 1 PUT per peer makes one group per peer: the same run as "
+                                  "group_size 0")
+    assert all("error" not in p for p in doc["series"]["coupled/nic_ordered"])  # coupled does not group
+    assert doc["knobs"]["chunk_tokens"] == 0  # --values: the knobs as given
+    assert any(n.startswith("one transfer per peer") for n in doc["notes"])
+    text = _flat(_sweep("-p", "ndr-ibgda-h100x8", "--values", "0,1,1000").output)
+    assert "n/a (1)" in text and "(1) a group_size above the 1 PUT per peer makes one group per peer" in text
+    # with 8 PUTs per peer, 8 is the last point that differs from 0
+    r = _sweep("-p", "ndr-ibgda-h100x8", "-k", "chunk_tokens=8", "--values", "3,8,9", "--json")
+    dec = {p["x"]: p for p in json.loads(r.stdout)["series"]["decoupled/nic_ordered"]}
+    assert "error" not in dec[3] and "error" not in dec[8] and "above the 8 PUTs per peer" in dec[9]["error"]
+
+
+def test_a_transport_without_signal_groups_is_refused() -> None:
+    r = _sweep("-p", "pcie4-consumer-4090x4")  # host_staged: the model reads no group_size
+    assert r.exit_code == 2, r.output
+    assert "--over group_size: transport 'host_staged' has no signal groups" in _flat(r.output)
+    assert "MODELLED" not in r.output
+    r = _sweep("-p", "ndr-ibrc-h100x8", "-k", "transport=collective,fence_mode=none")
+    assert r.exit_code == 2 and "transport 'collective' has no signal groups" in _flat(r.output), r.output
+
+
+def test_nvlink_sweeps_its_ctas_and_says_when_nothing_changes() -> None:
+    r = _sweep("-p", "nvlink-h200x2", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    # 24 SMs over 2 GPUs: 12 CTAs per peer
+    assert [p["x"] for p in doc["series"]["decoupled/none"]] == [1, 2, 3, 4, 6, 12]
+    assert any("group_size changes nothing in the nvlink prediction" in n for n in doc["notes"]), doc["notes"]
+
+
+def test_group_grid_follows_the_models_transfers() -> None:
+    shape = get_model("qwen3-30b")
+    pr = load_preset("slingshot11-libfabric-a100x4")
+    w = Workload(shape, 256, 4, pr.gpus_per_node)
+    k = default_knobs("proxy")
+    assert group_grid(pr, w, k) == transfers_per_peer(w, 0) == 1
+    assert group_grid(pr, w, k.replace(chunk_tokens=8)) == transfers_per_peer(w, 8) == 14
+    # zipf routing: the busiest peer's PUTs, more than a uniform peer's
+    wz = Workload(shape, 256, 4, pr.gpus_per_node, routing="zipf:1.2")
+    assert group_grid(pr, wz, k.replace(chunk_tokens=8)) > 14
+    nv = load_preset("nvlink-h200x2")
+    assert group_grid(nv, Workload(shape, 256, 1, 2), default_knobs("nvlink")) == 12
+    assert group_grid(nv, Workload(shape, 256, 1, 2), default_knobs("collective")) == 0
