@@ -106,3 +106,22 @@ def test_group_grid_follows_the_models_transfers() -> None:
     nv = load_preset("nvlink-h200x2")
     assert group_grid(nv, Workload(shape, 256, 1, 2), default_knobs("nvlink")) == 12
     assert group_grid(nv, Workload(shape, 256, 1, 2), default_knobs("collective")) == 0
+
+
+# -- --out in a folder that does not exist: refused, nothing created (as for --db) ---------------------------------
+@pytest.mark.parametrize("cmd", ["sweep", "calibrate"])
+def test_out_in_a_missing_folder_is_refused_and_not_created(tmp_path, cmd: str) -> None:
+    out = tmp_path / "new" / "dir" / ("x.png" if cmd == "sweep" else "cal.toml")
+    if cmd == "sweep":
+        args = ["-p", "ndr-ibgda-h100x8", "--out", str(out)]
+    else:
+        data = tmp_path / "rows.jsonl"
+        data.write_text(json.dumps({"probe": "nccl_a2a", "fabric": "nvlink", "model": "qwen3-30b", "S": 4096,
+                                    "world": 2, "ms": 0.29}) + "\n")
+        args = ["-p", "nvlink-h200x2", "-d", str(data), "--out", str(out), "--force"]
+    r = runner.invoke(app, ["model", cmd, *args])
+    assert r.exit_code == 2, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert f"--out {out}: the folder {out.parent} does not exist" in _flat(r.output), r.output
+    assert "MODELLED" not in r.output  # refused before the sweep or the fit
+    assert not (tmp_path / "new").exists()

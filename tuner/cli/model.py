@@ -229,12 +229,16 @@ def _check_sweep_values(over: str, xs: list[int], w0: Any) -> None:
 
 
 def _check_out_file(out: Path, example: str) -> None:
-    """Refuse an --out that cannot be a file to write: a directory, or a path below a file."""
+    """Refuse an --out that cannot be a file to write: a directory, a path below a file, or one in a folder that
+    does not exist (no folder is made for it, as for --db: a typo must not leave a new tree behind)."""
     if out.is_dir():
         _fail(f"--out {out} is a directory; give a file name, e.g. {out / example}")
     for parent in out.parents:
         if parent.exists() and not parent.is_dir():
             _fail(f"--out {out}: {parent} is a file, not a directory")
+    if not out.parent.is_dir():
+        _fail(f"--out {out}: the folder {out.parent} does not exist (moetune does not create it: create it first "
+              "or give another path)")
 
 
 def _plot_formats() -> dict[str, str]:
@@ -418,7 +422,6 @@ def _draw(series: dict[str, list[dict]], over: str, out: Path, title: str) -> No
     fig.suptitle(title + " (MODELLED, not measured)")
     fig.tight_layout()
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=110)
     except (OSError, ValueError) as e:
         _fail(f"--out {out}: cannot write the plot ({getattr(e, 'strerror', None) or e})")
@@ -487,7 +490,6 @@ def calibrate_cmd(
         today = _dt.date.today().isoformat()
         cal = calibrated_preset(rep, [d.name for d in data], today)
         try:
-            out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(cal.to_toml())
         except OSError as e:
             _fail(f"--out {out}: cannot write the calibrated preset ({e.strerror or e})")
