@@ -228,6 +228,27 @@ def test_a_newer_preset_or_factless_fingerprint_does_not_become_this_node(tmp_pa
     assert res.source == "database" and res.tuned and res.profile_hash == mine.profile_hash, warned
 
 
+def test_with_no_identity_only_a_presets_profile_serves_and_only_when_modelled_is_allowed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No fingerprint of this node recorded (only a preset's): a preset's profile is for no node in particular, so
+    with allow_modelled it serves, labelled MODELLED; a profile measured on some node never does, and without
+    allow_modelled the database is not used."""
+    F.pretend_node(monkeypatch, _local_facts(), tmp_path / "proc")
+    db = tmp_path / "moetune.db"
+    preset = ProfileRecord(key=key("preset:nvlink-h200x2", "0" * 16, bucket=64),
+                           knobs=default_knobs("nvlink").replace(num_sms=8), latency_us=1.0, spread_us=0.0,
+                           backend="model:nvlink-h200x2")
+    measured = ProfileRecord(key=key("a" * 16, "b" * 16, bucket=64), knobs=default_knobs("nvlink").replace(num_sms=16),
+                             latency_us=0.5, spread_us=0.0, backend="local:nccl", provenance="measured")
+    _seed_db(db, {"_fp": "preset:nvlink-h200x2", "facts": {}}, [preset, measured])
+    nowhere = f"ipc://{tmp_path}/nowhere/daemon.sock"
+    res, warned = resolve(nowhere, tmp_path, db_path=db)
+    assert res.source in ("policy", "default") and "identity is unknown" in warned[0]
+    res, warned = resolve(nowhere, tmp_path, db_path=db, allow_modelled=True)
+    assert res.source == "database" and not res.tuned and res.profile_hash == preset.profile_hash
+    assert "only a preset's MODELLED profiles are considered" in warned[0] and "MODELLED" in warned[0]
+
+
 def test_runtime_software_hash_is_the_tuner_one() -> None:
     from moetune.tuner.fabric.discovery import discover
     from moetune.tuner.fabric.fingerprint import software_hash

@@ -45,6 +45,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 import sqlite3
 import stat
 import threading
@@ -115,6 +116,7 @@ __all__ = [
     "query_db_profiles",
     "read_daemon_info",
     "runtime_dir_candidates",
+    "stale_daemon_reason",
     "tcp_host",
     "tcp_port",
     "warn_fallback",
@@ -182,6 +184,65 @@ def read_daemon_info(endpoint: str | None = None, env: Mapping[str, str] = os.en
             data["_dir"] = str(d)
             return data
     return None
+
+
+def _pid_gone(pid: int) -> bool:
+    """Whether no process `pid` runs on this host (a zombie, killed and not yet reaped, is gone too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: another user's process, alive
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except OSError:
+        return False
+    return state == [b"Z"]
+
+
+def stale_daemon_reason(endpoint: str) -> str | None:
+    """Why an IPC endpoint has no daemon behind it although its socket is there (None when nothing says so): the
+    daemon.json next to the socket, in a directory this user may trust (`untrusted_dir_reason`), says a daemon of
+    this host runs at this endpoint, its pid is gone, and the socket refuses connections (a daemon killed with -9
+    leaves both behind). Anything less certain (another host's daemon.json, a pid alive or reused, a socket that
+    accepts) is None: the caller says what it saw instead."""
+    p = ipc_path(endpoint)
+    if p is None or untrusted_dir_reason(p.parent) is not None:
+        return None
+    try:
+        fd = os.open(p.parent / INFO_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            data = json.loads(os.read(fd, 1 << 20))
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("running") is not True:
+        return None
+    named, pid, host = data.get("endpoint"), data.get("pid"), data.get("host")
+    if not isinstance(named, str) or ipc_path(named) != p:
+        return None
+    if type(pid) is not int or pid <= 0 or (host is not None and host != socket.gethostname()):
+        return None
+    if not _pid_gone(pid):
+        return None
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(0.2)
+    try:
+        probe.connect(str(p))
+    except ConnectionRefusedError:  # nobody listens: the socket file is what the dead daemon left
+        pass
+    except OSError:  # gone meanwhile, not ours to enter, ...: not certain
+        return None
+    else:
+        return None  # something accepts connections there (a daemon started since): not stale
+    finally:
+        probe.close()
+    return f"the daemon is not running (pid {pid} is gone; stale socket at {p}): start it with `moetune serve`"
 
 
 def provenance_of(rec: ProfileRecord | wire.ProfileResult) -> str:
@@ -683,6 +744,9 @@ class ProfileClient:
                                         "own (set client.curve_secret_key_file to a key on the daemon's allow-list: "
                                         "`moetune keys client`)")
             raise DaemonUnavailable(f"the daemon at {self.endpoint} refused this client's key (not on its allow-list?)")
+        stale = stale_daemon_reason(self.endpoint)  # a killed daemon's socket: say so, not "no reply" (slow)
+        if stale is not None:
+            raise DaemonUnavailable(stale)
         raise DaemonUnavailable(f"no reply from the daemon at {self.endpoint} within {budget * 1000:.0f} ms")
 
     def hello(self, **kw: Any) -> wire.HelloResult:
@@ -865,7 +929,7 @@ class ProfileClient:
             why_no_ident = ""
             if ident is None:
                 ident, why_no_ident = node_identity_from_db(db)
-            if ident is None:
+            if ident is None and not self.allow_modelled:
                 problems.append(f"database {db}: not used, this node's identity is unknown ({why_no_ident})")
             else:
                 recs = query_db_profiles(db, ep_size=ep_size, nodes=nodes, hidden=model.hidden,
@@ -873,11 +937,16 @@ class ProfileClient:
                                          dtype=model.dtype)
                 if transport_family:
                     recs = [x for x in recs if x.key.transport_family == transport_family]
+                if ident is None:  # a what-if preset's profiles are for no node in particular: only they may serve
+                    recs = [x for x in recs if is_preset_fingerprint(x.key.fingerprint) and x.provenance == "preset"]
+                    problems.append(f"database {db}: this node's identity is unknown ({why_no_ident}), so only a "
+                                    "preset's MODELLED profiles are considered")
                 rec, verdict, env_cmp, passed = self._pick_trusted(recs, tokens, ident, transport_ok, transport_family,
                                                                    job_env)
                 if rec is None:
                     what = f"; passed over: {'; '.join(passed[:4])}" if passed else ""
-                    problems.append(f"database {db}: no profile measured on this node ({ident.source}) for this "
+                    where = f" ({ident.source})" if ident is not None else ""
+                    problems.append(f"database {db}: no profile measured on this node{where} for this "
                                     f"shape/EP size/nodes{what}")
                 else:
                     env = launcher_env(rec.knobs, rec.key.transport_family, nodes)
@@ -963,7 +1032,7 @@ class ProfileClient:
             log.info("moetune: tuned profile %s: %s", res.profile_hash, cmp.summary())
 
     def _pick_trusted(
-        self, recs: list[ProfileRecord], tokens: int, ident: node_identity.NodeIdentity,
+        self, recs: list[ProfileRecord], tokens: int, ident: node_identity.NodeIdentity | None,
         transport_ok: Callable[[str], str | None] | None, transport_family: str | None,
         job_env: Mapping[str, str],
     ) -> tuple[ProfileRecord | None, str | None, EnvComparison | None, list[str]]:
@@ -983,8 +1052,9 @@ class ProfileClient:
         for verdict in ("tuned", "modelled"):
             # This node's own records before a preset's: pick_profile alone takes the most recently updated
             # fingerprint, which let a preset stored after the node's calibrated model win.
-            own = [r for r in by[verdict] if r.key.fingerprint == ident.fingerprint]
-            for group in (own, [r for r in by[verdict] if r.key.fingerprint != ident.fingerprint]):
+            mine = ident.fingerprint if ident is not None else None
+            own = [r for r in by[verdict] if r.key.fingerprint == mine]
+            for group in (own, [r for r in by[verdict] if r.key.fingerprint != mine]):
                 rec = pick_profile(group, tokens, transport_family=transport_family)
                 if rec is not None:
                     return rec, verdict, env_of[id(rec)], passed
