@@ -865,7 +865,8 @@ class Daemon(FabricWatch):
         data = {
             "written_by": INFO_MARK,
             "endpoint": self.endpoint, "pub_endpoint": self.pub_endpoint, "db": self.db_path, "epoch": self.epoch,
-            "pid": os.getpid() if running else None, "running": running, "updated": now(),
+            # host: a client tells a pid of this host's from another's (a runtime directory on a shared folder)
+            "pid": os.getpid() if running else None, "host": pysocket.gethostname(), "running": running, "updated": now(),
             "fingerprint": self.facts.fingerprint if self.facts is not None else None,
             "software": self.facts.software_hash if self.facts is not None else None,
             "transports": transport_names(self.facts) if self.facts is not None else [],
