@@ -221,7 +221,7 @@ def test_capture_alias_errors_name_it_and_fabric_show_and_diff_take_it(tmp_path:
         _no_traceback(r)
         assert r.exit_code == 0 and "fingerprint unchanged" in r.output, r.output
     for cmd in ("show", "diff"):
-        assert "--from,--capture" in _help("fabric", cmd), _help("fabric", cmd)
+        assert "--from, --capture" in _help("fabric", cmd), _help("fabric", cmd)
 
 
 # -- fabric diff: the default is the last fingerprint of a node, not a preset's key ------------------------------

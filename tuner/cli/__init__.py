@@ -5,7 +5,9 @@ from __future__ import annotations
 import typer
 
 from moetune.tuner import __version__
-from moetune.tuner.cli import bench, db, fabric, keys, model, profile, profiles, query, serve, tune
+from moetune.tuner.cli import _help, bench, db, fabric, keys, model, profile, profiles, query, serve, tune
+
+_help.apply()  # a flag shows no `<bool>`, two long names read `--a, --b` (Typer's Rich help)
 
 app = typer.Typer(
     name="moetune",

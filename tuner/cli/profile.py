@@ -177,7 +177,7 @@ def profile(
 
 
 def report(
-    db: Path | None = typer.Option(None, "--db", help="Profile database."),
+    db: Path | None = typer.Option(None, "--db", help="Profile database (default: \\[store] db, $MOETUNE_HOME, XDG data dir)."),
     config: Path | None = typer.Option(None, "--config", help="Extra config file."),
     out: Path | None = typer.Option(None, "--out", help="Output directory (default: report/ beside the database; ./moetune-report/ when that cannot be written)."),
     capture: Path | None = typer.Option(None, "--capture", help="Report on the node a capture describes."),

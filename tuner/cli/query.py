@@ -162,8 +162,8 @@ def register(app: typer.Typer) -> None:
         nodes: int = typer.Option(1, "--nodes", min=1, help="Nodes."),
         fmt: str = typer.Option("table", "--format", help="table (the knobs, where they came from and why), json (one object) or env (the shell `export` lines a launcher sources: the knobs' variables and MOETUNE_PROFILE_HASH)"),
         json_out: bool = typer.Option(False, "--json", help="Same as --format json."),
-        socket: str = typer.Option(None, "--socket", help="Daemon endpoint."),
-        db: Path = typer.Option(None, "--db", help="Database to read when the daemon does not answer."),
+        socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: \\[client] socket, else the daemon's \\[daemon] socket: ipc:// daemon.sock in the runtime directory)."),
+        db: Path = typer.Option(None, "--db", help="Database to read when the daemon does not answer (default: \\[store] db, $MOETUNE_HOME, XDG data dir)."),
         config: Path = typer.Option(None, "--config", help="TOML config file."),
         timeout_ms: int = typer.Option(None, "--timeout-ms", help="Time budget for the whole lookup, in milliseconds (default: \\[client] timeout_ms, 200)."),
     ) -> None:

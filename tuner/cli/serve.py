@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
         metrics_port: int = typer.Option(None, "--metrics-port", help="Prometheus /metrics on 127.0.0.1:PORT (0 = off; default: config daemon.metrics_port, 0)."),
         rediscover_interval: float = typer.Option(None, "--rediscover-interval", help="Seconds between fabric discoveries (0 = never; default: config daemon.rediscover_interval_s, 60)."),
         capture: Path = typer.Option(None, "--capture", help="Discover from this capture directory instead of the live node."),
-        allow_insecure_tcp: bool = typer.Option(None, "--allow-insecure-tcp/--no-allow-insecure-tcp", help="Allow tcp:// without CURVE (trusted loopback tests only)."),
+        allow_insecure_tcp: bool = typer.Option(None, "--allow-insecure-tcp/--no-allow-insecure-tcp", help="Allow tcp:// without CURVE (trusted loopback tests only; default: config daemon.allow_insecure_tcp, false)."),
         log_level: str = typer.Option(None, "--log-level", help="Log level of the daemon's JSON log lines on stderr: debug, info, warning or error (default: config daemon.log_level, info)."),
         curve_clients_dir: Path = typer.Option(None, "--curve-clients-dir", "--clients-dir", help="Allow-list of client public keys for tcp:// with CURVE (default: clients/ beside the server's secret key; --clients-dir, as for `moetune keys client/allow`)."),
         store_hook: str = typer.Option(None, "--store-hook", hidden=True),
