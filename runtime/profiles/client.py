@@ -114,6 +114,7 @@ __all__ = [
     "pick_profile",
     "policy_or_default",
     "query_db_profiles",
+    "read_curve_key_file",
     "read_daemon_info",
     "runtime_dir_candidates",
     "stale_daemon_reason",
@@ -581,21 +582,19 @@ class ProfileClient:
         key_file = (cfg.curve_server_key_file if cfg else "") or env.get("MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE", "")
         own_file = cfg.curve_secret_key_file if cfg else ""
         if self.endpoint.startswith("tcp://"):
-            from zmq.auth import load_certificate
-
             if curve_server_key is None and key_file:
                 try:
-                    curve_server_key, _ = load_certificate(key_file)
-                except (OSError, ValueError) as e:
-                    self._refusal = f"the daemon's CURVE public key file {key_file} is unusable ({e})"
+                    curve_server_key, _ = read_curve_key_file(key_file)
+                except ValueError as e:
+                    self._refusal = f"the daemon's CURVE public key file {key_file} {e}"
             if self._refusal is None and own_file and (curve_public_key is None or curve_secret_key is None):
                 try:
-                    curve_public_key, curve_secret_key = load_certificate(own_file)
+                    curve_public_key, curve_secret_key = read_curve_key_file(own_file)
                     if not curve_secret_key:
-                        raise ValueError("it holds no secret key")
+                        raise ValueError("holds no secret key")
                     _warn_loose_secret(own_file)
-                except (OSError, ValueError) as e:
-                    self._refusal = f"this client's CURVE secret key file {own_file} is unusable ({e})"
+                except ValueError as e:
+                    self._refusal = f"this client's CURVE secret key file {own_file} {e}"
             if self._refusal is None and curve_server_key is None and not allow_insecure_tcp:
                 self._refusal = ("no CURVE public key of the daemon is configured (client.curve_server_key_file or "
                                  "MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE): refusing plain-text TCP")
@@ -1105,6 +1104,25 @@ def policy_or_default(family: str) -> tuple[Knobs, str]:
 def warn_fallback(message: str) -> None:
     warnings.warn(message, FallbackWarning, stacklevel=3)
     log.warning(message)
+
+
+def read_curve_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) of a CURVE key file (`moetune keys generate`), else a ValueError saying what is
+    wrong as a predicate to follow the file's name: "does not exist", "is a directory, not a key file", "cannot
+    be read (...)", "holds no CURVE public key" (zmq.auth says "Invalid certificate file" of a missing one)."""
+    from zmq.auth import load_certificate
+
+    p = Path(path)
+    if not p.exists():
+        raise ValueError("does not exist" + (" (a link to nothing)" if p.is_symlink() else ""))
+    if p.is_dir():
+        raise ValueError("is a directory, not a key file")
+    try:
+        return load_certificate(p)
+    except OSError as e:
+        raise ValueError(f"cannot be read ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError):  # "No public key found in ..."
+        raise ValueError("holds no CURVE public key (not a `moetune keys generate` key file)") from None
 
 
 def _warn_loose_secret(path: str) -> None:

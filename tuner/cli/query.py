@@ -62,19 +62,23 @@ def make_client(socket: str | None, config: Path | None, timeout_ms: int | None,
     check_timeout_ms(timeout_ms)
     cfg = _config(config)
     endpoint = socket or cfg.client.socket
-    check_socket(endpoint, "--socket" if socket else "client.socket (config)")
+    where = "--socket" if socket else "client.socket (config)"
+    check_socket(endpoint, where)
+    if endpoint.startswith("tcp://") and endpoint[len("tcp://"):].rpartition(":")[0] == "*":
+        raise fail(f"invalid {where} {endpoint!r}: '*' (every interface) is where a daemon binds; a client connects "
+                   "to the daemon's host")
     server_key = None
     # the client reads its [client] keys (curve_server_key_file, its own key pair, allow_modelled) from the config
     # chain itself: --config joins that chain as $MOETUNE_CONFIG would, or its [client] section went unread
     env = dict(os.environ, MOETUNE_CONFIG=str(config)) if config is not None else os.environ
     key_file = "" if cfg.client.curve_server_key_file else cfg.daemon.curve_public_key_file  # on the daemon's host
     if endpoint.startswith("tcp://") and key_file:
-        import zmq.auth
+        from moetune.runtime.profiles.client import read_curve_key_file
 
         try:
-            server_key, _ = zmq.auth.load_certificate(key_file)
-        except (OSError, ValueError) as e:
-            raise fail(f"daemon.curve_public_key_file {key_file}: not a usable CURVE public key file ({e})") from None
+            server_key, _ = read_curve_key_file(key_file)
+        except ValueError as e:  # says "does not exist" of a missing file (zmq: "Invalid certificate file")
+            raise fail(f"daemon.curve_public_key_file {key_file} {e}") from None
     # the client logs why it will not connect (a tcp:// endpoint without the daemon's key) and raises the same
     # reason on use, where every command says it: once is enough for a CLI user. Only that record is dropped:
     # the client's other warnings (its own secret key readable by others) must still reach the user.
@@ -160,8 +164,8 @@ def register(app: typer.Typer) -> None:
         ep: int = typer.Option(..., "--ep", min=1, help="EP size (ranks)."),
         tokens: int = typer.Option(..., "--tokens", min=0, help="Tokens per rank; the nearest bucket is used."),
         nodes: int = typer.Option(1, "--nodes", min=1, help="Nodes."),
-        fmt: str = typer.Option("table", "--format", help="table (the knobs, where they came from and why), json (one object) or env (the shell `export` lines a launcher sources: the knobs' variables and MOETUNE_PROFILE_HASH)"),
-        json_out: bool = typer.Option(False, "--json", help="Same as --format json."),
+        fmt: str = typer.Option(None, "--format", show_default=False, help="table (the default: the knobs, where they came from and why), json (one object) or env (the shell `export` lines a launcher sources: the knobs' variables and MOETUNE_PROFILE_HASH)"),
+        json_out: bool = typer.Option(False, "--json", help="Same as --format json (not with another --format)."),
         socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: \\[client] socket, else the daemon's \\[daemon] socket: ipc:// daemon.sock in the runtime directory)."),
         db: Path = typer.Option(None, "--db", help="Database to read when the daemon does not answer (default: \\[store] db, $MOETUNE_HOME, XDG data dir)."),
         config: Path = typer.Option(None, "--config", help="TOML config file."),
@@ -170,9 +174,13 @@ def register(app: typer.Typer) -> None:
         """The tuned knobs for a model, EP size and token count (daemon, else the database, else defaults)."""
         from moetune.runtime.shapes import get_model
 
-        fmt = "json" if json_out else fmt
-        if fmt not in ("table", "json", "env"):
+        if fmt is not None and fmt not in ("table", "json", "env"):
             raise typer.BadParameter("expected table, json or env", param_hint="--format")
+        if json_out and fmt not in (None, "json"):  # one output: which one was meant cannot be guessed
+            from moetune.tuner.cli.db import fail
+
+            raise fail(f"--json and --format {fmt} conflict (--json is --format json): give one of them")
+        fmt = "json" if json_out else fmt or "table"
         try:
             shape = get_model(model)
         except ValueError as e:

@@ -125,8 +125,15 @@ def register(app: typer.Typer) -> None:
         """Queue a re-tune of stale profiles in the daemon (or cancel a job); admins only.
 
         Admins: the daemon's own user on its IPC socket (or its group, with daemon.group_may_retune), a CURVE client listed with `moetune keys allow --admin` on TCP."""
+        from moetune.tuner.cli.db import fail
         from moetune.tuner.cli.query import daemon_call, print_json
 
+        # refused here, before anything is sent: a job id is >= 1 (the daemon answered 0 with invalid_field), and a
+        # cancel queues nothing, so --all with it has no meaning
+        if cancel is not None and cancel < 1:
+            raise fail(f"--cancel must be a job id (>= 1, as `moetune status` lists them), got {cancel}")
+        if cancel is not None and all_:
+            raise fail("--all and --cancel conflict: --cancel stops one job, --all queues a re-tune; give one of them")
         res = daemon_call("retune", socket=socket, config=config, timeout_ms=timeout_ms, json_out=json_out,
                           all=all_ or None, cancel=cancel, reason=reason)
         if json_out:
