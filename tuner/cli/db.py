@@ -97,6 +97,53 @@ def open_store(db: Path | None, config: Path | None, *, mode: OpenMode) -> Itera
         store.close()
 
 
+def _tables_of(path: Path) -> set[str]:
+    """The tables of an existing SQLite file, read-only (SQLite's own left out); none when it cannot be read."""
+    from moetune.runtime.profiles import sqlite_open
+    from moetune.tuner.store._tables import table_names
+
+    try:
+        return sqlite_open.read(path.resolve(), table_names, timeout_s=5.0)
+    except Exception:  # not SQLite, unreadable, changing: the store's own open says what is wrong
+        return set()
+
+
+def _without_moetune(path: Path) -> str | None:
+    """What an existing file without moetune's tables holds, as `profiles list` says it ("it has only Optuna's
+    tables", "it is empty"); None for a moetune database (at any revision), a missing or another program's file."""
+    from moetune.tuner.store.store import StoreError, probe_database
+
+    if not path.is_file():
+        return None
+    try:
+        kind, _rev = probe_database(path)
+    except StoreError:
+        return None
+    if kind != "empty":
+        return None
+    return "it has only Optuna's tables" if _tables_of(path) else "it is empty"
+
+
+def _older_than(current: str, target: str) -> bool:
+    """Whether revision `target` ("base" or a revision id) is below `current`, the database's (an ancestor of it):
+    an upgrade to it is a downgrade, which Alembic's upgrade silently skips."""
+    from alembic.script import ScriptDirectory
+
+    from moetune.tuner.store._schema import alembic_config, known_revisions
+
+    if current not in known_revisions():
+        return False  # a newer moetune's revision: the migration refuses it with its own message
+    if target == "base":
+        return True
+    script = ScriptDirectory.from_config(alembic_config())
+    try:
+        below = {sc.revision for sc in script.iterate_revisions(current, "base")} - {current}
+        rev = script.get_revision(target)
+    except Exception:  # an unknown or relative revision: the upgrade itself says what is wrong
+        return False
+    return rev is not None and rev.revision in below
+
+
 @app.command("path")
 def path_cmd(
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
@@ -112,11 +159,16 @@ def upgrade(
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
-    """Create the database or migrate it to the newest schema."""
+    """Create the database or migrate it to the newest schema (or up to --revision)."""
     from moetune.tuner.store.store import StoreError
 
+    optuna = _without_moetune(db_path(db, config)) == "it has only Optuna's tables"
     with open_store(db, config, mode="init") as store:
         before = store.current_revision()
+        if before is not None and revision != "head" and _older_than(before, revision):
+            where = f" --db {store.path}" if db is not None else ""
+            raise fail(f"{store.path} is at revision {before}, newer than {revision}: an upgrade does not go down; "
+                       f"to roll back run `moetune db downgrade {revision} --yes{where}`")
         try:
             store.upgrade(revision)
         except StoreError:
@@ -126,13 +178,18 @@ def upgrade(
         after = store.current_revision()
         if before == after:
             out.print(escape(f"{store.path}: already at revision {after}"))
+        elif before is None and optuna:  # a studies file moetune tune --storage made: Optuna's tables are kept
+            out.print(escape(f"{store.path}: added moetune's tables (revision {after}) to this Optuna studies file; "
+                             "its studies are untouched"))
         else:
             out.print(escape(f"{store.path}: upgraded {before or 'empty'} -> {after}"))
 
 
 @app.command()
 def downgrade(
-    revision: str = typer.Argument(..., help='Target revision ("base" drops every moetune table).'),
+    revision: str = typer.Argument(..., help='Target revision: a revision id, 0001 up to the newest (`moetune db '
+                                  'current` shows the database\'s and the newest one), or "base" (drops every moetune '
+                                  'table).'),
     yes: bool = typer.Option(False, "--yes", help="Do it (a downgrade can drop data)."),
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
@@ -169,6 +226,9 @@ def current(
         print_json(info)
     else:
         state = "up to date" if rev == head else "needs `moetune db upgrade`"
+        if rev is None:  # no moetune tables: as `profiles list` and `db check` say it
+            what = _without_moetune(Path(info["path"]))
+            state = f"no moetune tables{f' ({what})' if what else ''}: {state}"
         out.print(escape(f"{info['path']}: revision {rev or 'none'} (head {head}): {state}"))
 
 
@@ -179,6 +239,20 @@ def check(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Check revision, schema drift, SQLite integrity, foreign keys and profile rows this moetune cannot read (listed by id); exit 1 when anything is off, 2 on a newer moetune's database."""
+    path = db_path(db, config)
+    what = _without_moetune(path)
+    if what is not None:  # said as `profiles list` says it, not as "NOT OK ... revision none"
+        from moetune.tuner.store.store import head_revision
+
+        why = (f"not a moetune database ({what}): no moetune tables yet; `moetune db upgrade"
+               f"{f' --db {path}' if db is not None else ''}` adds them")
+        if json_out:
+            print_json({"path": str(path), "revision": None, "head": head_revision(), "at_head": False,
+                        "moetune_tables": False, "ok": False, "problem": why})
+        else:
+            out.print(f"{escape(str(path))}: [red]NOT OK[/red]")
+            out.print(escape(f"  {why}"))
+        raise typer.Exit(1)
     with open_store(db, config, mode="inspect") as store:
         store.schema.refuse_newer(store.current_revision())  # not "NOT OK": a newer moetune's schema is not drift
         info = store.check()
@@ -187,7 +261,9 @@ def check(
     else:
         mark = "[green]ok[/green]" if info["ok"] else "[red]NOT OK[/red]"
         out.print(f"{escape(info['path'])}: {mark}")
-        out.print(escape(f"  revision {info['revision'] or 'none'} (head {info['head']})"))
+        out.print(escape(f"  revision {info['revision'] or 'none'} (head {info['head']})"
+                         + ("" if info["revision"] else ": no moetune tables (`moetune db downgrade base` dropped "
+                            "them?); `moetune db upgrade` makes them")))
         out.print(escape(f"  integrity: {', '.join(info['integrity'])}"))
         out.print(f"  foreign key errors: {info['foreign_key_errors']}")
         for d in info["schema_diff"]:

@@ -152,7 +152,8 @@ class SchemaVersionManager:
                     "include_name": lambda name, type_, _p: type_ != "table" or name in own,
                 },
             )
-            diff = [str(d) for d in compare_metadata(ctx, Base.metadata)] if rev is not None else []
+            diff = [line for d in compare_metadata(ctx, Base.metadata) for line in describe_schema_diff(d)] \
+                if rev is not None else []
             conn.rollback()
         ok = rev == head and integrity == ["ok"] and not fk and not diff
         return {
@@ -165,3 +166,52 @@ class SchemaVersionManager:
             "schema_diff": diff,
             "ok": ok,
         }
+
+
+def _cols(obj: Any) -> str:
+    return ", ".join(str(c.name) for c in getattr(obj, "columns", ()))
+
+
+def _table_of(obj: Any) -> str:
+    t = getattr(obj, "table", None)
+    return str(getattr(t, "name", "?"))
+
+
+_IN_DB = "in the database, not in moetune's schema"
+_MISSING = "missing in the database"
+
+
+def describe_schema_diff(d: Any) -> list[str]:
+    """Readable lines for one entry of Alembic's `compare_metadata` (what would turn the database into moetune's
+    schema): e.g. "column profiles.routing missing in the database" for ('add_column', None, 'profiles', Column(...)).
+    A list of column modifications gives a line each; anything unknown is shown as Alembic gives it."""
+    if isinstance(d, list):
+        return [line for x in d for line in describe_schema_diff(x)]
+    if not isinstance(d, tuple) or not d:
+        return [str(d)]
+    op = d[0]
+    try:
+        if op in ("add_table", "remove_table"):
+            return [f"table {d[1].name} {_MISSING if op == 'add_table' else _IN_DB}"]
+        if op in ("add_column", "remove_column"):
+            return [f"column {d[2]}.{d[3].name} {_MISSING if op == 'add_column' else _IN_DB}"]
+        if op in ("add_index", "remove_index"):
+            ix = d[1]
+            kind = "unique index" if getattr(ix, "unique", False) else "index"
+            return [f"{kind} {ix.name} on {_table_of(ix)}({_cols(ix)}) "
+                    f"{_MISSING if op == 'add_index' else _IN_DB}"]
+        if op in ("add_constraint", "remove_constraint", "add_fk", "remove_fk"):
+            c = d[1]
+            kind = "foreign key" if op.endswith("_fk") else type(c).__name__.replace("Constraint", " constraint").lower()
+            name = f" {c.name}" if getattr(c, "name", None) else ""
+            target = ""
+            if op.endswith("_fk"):
+                target = " -> " + ", ".join(str(e.target_fullname) for e in getattr(c, "elements", ()))
+            return [f"{kind.strip()}{name} on {_table_of(c)}({_cols(c)}){target} "
+                    f"{_MISSING if op.startswith('add') else _IN_DB}"]
+        if op.startswith("modify_") and len(d) >= 7:
+            what = op[len("modify_"):]
+            return [f"column {d[2]}.{d[3]}: {what} is {d[5]} in the database, {d[6]} in moetune's schema"]
+    except (AttributeError, IndexError, TypeError):
+        pass
+    return [str(d)]
