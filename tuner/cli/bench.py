@@ -9,9 +9,10 @@ from typing import Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 
 from moetune.tuner.cli._args import int_list, nearest_existing
+from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
 app = typer.Typer(help="Benchmarks on this node: EP dispatch/combine, the MoE layer by engine (megakernel, unfused, "
@@ -39,8 +40,6 @@ _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich m
 def _skips(cases: list[dict], who: str) -> None:
     """Name every skipped case on stderr; when every case was skipped, nothing was measured: exit 1 (after the
     report, which still says why), so a script does not take an empty table for a result."""
-    from rich.markup import escape
-
     for c in cases:
         if "skipped" in c:
             _err.print(f"[yellow]{escape(str(c[who]))} skipped:[/yellow] {escape(str(c['skipped']))}")
@@ -232,17 +231,12 @@ _PHASES = {
 def _print_table(rep: dict) -> None:
     c = Console()
     kn = rep["knobs"]
-    t = Table(title=(f"EP bench: {rep['model']}, S={rep['tokens']}/rank, world {rep['world']} ({rep['backend']}), "
-                     f"{rep['impl']} ({rep.get('layout', '?')} layout), {kn['transport']}, compression={kn['compression']}, depth={kn['pipeline_depth']}, "
-                     f"routing={rep['routing']}"))
-    t.add_column("phase")
-    for col in ("median µs", "p10 µs", "p90 µs"):
-        t.add_column(col, justify="right")
-    for name, label in _PHASES.items():
-        s = rep.get(name)
-        if s:
-            t.add_row(label, _fmt(s["median"]), _fmt(s["p10"]), _fmt(s["p90"]))
-    c.print(t)
+    rows = [(label, _fmt(s["median"]), _fmt(s["p10"]), _fmt(s["p90"]))
+            for name, label in _PHASES.items() if (s := rep.get(name))]
+    print_table(c, (Col("phase", "word"), Col("median µs", "num"), Col("p10 µs", "num"), Col("p90 µs", "num")), rows,
+                title=(f"EP bench: {rep['model']}, S={rep['tokens']}/rank, world {rep['world']} ({rep['backend']}), "
+                       f"{rep['impl']} ({rep.get('layout', '?')} layout), {kn['transport']}, compression={kn['compression']}, depth={kn['pipeline_depth']}, "
+                       f"routing={rep['routing']}"))
     if rep.get("graph_error"):
         c.print(f"[yellow]CUDA graph:[/yellow] {rep['graph_error']}")
     if rep.get("profile"):
@@ -283,8 +277,6 @@ def moe(
     if min(iters, warmup + 1, rotate) < 1 or not 0 <= rest <= 60:
         _fail("--iters and --rotate must be >= 1, --warmup >= 0, --rest in 0..60 seconds")
     import torch
-    from rich.markup import escape
-
     # the table comes at the end: say what runs now (on a CPU the default S list takes minutes)
     where = "CUDA" if torch.cuda.is_available() else "the CPU (no CUDA device: slow, a plumbing check)"
     _err.print(f"[dim]timing {escape(', '.join(engines))} at S={','.join(map(str, toks))} ({warmup} + {iters} calls "
@@ -315,21 +307,23 @@ def moe(
         return
     if not ran:
         _skips(rep["cases"], "engine")
-    t = Table(title=f"MoE layer {rep['model']} on {rep['device']} (µs, median of {iters}"
-                    f"{f', each block after {rest:g} s idle' if rest else ''}; floors: weights at "
-                    f"{M.READ_TBPS} TB/s, tensor cores at {M.TENSOR_TFLOPS:g} TFLOP/s; plain read: two sums over "
-                    "the expected experts' weights, measured here)")
-    for col in ("S", "engine", "eager", "graph", "weight floor", "tensor floor", "plain read", "rel err vs unfused"):
-        t.add_column(col, justify="right")
+    rows = []
     for c in rep["cases"]:
         if "skipped" in c:
             continue
         g = c.get("graph_us", {}).get("median")
         err = c.get("rel_err_vs_unfused")
-        t.add_row(str(c["S"]), c["engine"], _fmt(c["eager_us"]["median"]), "-" if g is None else _fmt(g),
-                  _fmt(c["weight_floor_us"]), _fmt(c["tensor_floor_us"]), _fmt(c["plain_read_us"]["median"]),
-                  "-" if err is None else f"{err:.2e}")
-    Console().print(t)
+        rows.append((str(c["S"]), escape(c["engine"]), _fmt(c["eager_us"]["median"]), "-" if g is None else _fmt(g),
+                     _fmt(c["weight_floor_us"]), _fmt(c["tensor_floor_us"]), _fmt(c["plain_read_us"]["median"]),
+                     "-" if err is None else f"{err:.2e}"))
+    cols = (Col("S", "num"), Col("engine", "word", "right"), Col("eager", "num"), Col("graph", "num"),
+            Col("weight floor", "num", drop=2), Col("tensor floor", "num", drop=3), Col("plain read", "num", drop=1),
+            Col("rel err vs unfused", "num"))
+    print_table(Console(), cols, rows, left_out_hint="--json shows them",
+                title=f"MoE layer {rep['model']} on {rep['device']} (µs, median of {iters}"
+                      f"{f', each block after {rest:g} s idle' if rest else ''}; floors: weights at "
+                      f"{M.READ_TBPS} TB/s, tensor cores at {M.TENSOR_TFLOPS:g} TFLOP/s; plain read: two sums over "
+                      "the expected experts' weights, measured here)")
     m = rep["meta"]
     _err.print(f"[dim]{m['date']}, git {m['git_sha'][:10]}{' (dirty)' if m['git_dirty'] else ''}, {m['hardware']}, "
                f"torch {m['torch']}[/dim]")
@@ -375,19 +369,18 @@ def knobs_side_by_side(
     if not any("skipped" not in c for c in rep["cases"]):
         _skips(rep["cases"], "variant")
     call = "single graph replays" if rep["graph"] else "single eager calls (no GPU: a plumbing check)"
-    t = Table(title=f"{rep['model']} on {rep['device']}: knob sets side by side, {iters} interleaved rounds (µs; "
-                    f"{call}, chains of {chain} per forward; minus base: per-round differences)")
-    for col in ("S", "variant", "single", "minus base (p10..p90)", "chain", "chain minus base (p10..p90)"):
-        t.add_column(col, justify="right")
 
-    def diff(q: dict | None) -> str:
+    def diff(q: dict | None) -> str:  # wraps before the (p10..p90) at 80 columns, never inside a number
         return "-" if q is None else f"{q['median']:+.1f} ({q['p10']:+.1f}..{q['p90']:+.1f})"
 
-    for c in rep["cases"]:
-        if "skipped" not in c:
-            t.add_row(str(c["S"]), c["variant"], _fmt(c["single_us"]["median"]), diff(c.get("minus_base_us")),
-                      _fmt(c["chain_us"]["median"]), diff(c.get("chain_minus_base_us")))
-    Console().print(t)
+    rows = [(str(c["S"]), escape(c["variant"]), _fmt(c["single_us"]["median"]), diff(c.get("minus_base_us")),
+             _fmt(c["chain_us"]["median"]), diff(c.get("chain_minus_base_us"))) for c in rep["cases"] if "skipped" not in c]
+    cols = (Col("S", "num"), Col("variant", "word", "right"), Col("single", "num"),
+            Col("minus base (p10..p90)", "word", "right"), Col("chain", "num"),
+            Col("chain minus base (p10..p90)", "word", "right"))
+    print_table(Console(), cols, rows,
+                title=f"{rep['model']} on {rep['device']}: knob sets side by side, {iters} interleaved rounds (µs; "
+                      f"{call}, chains of {chain} per forward; minus base: per-round differences)")
     for n, k in rep["variants"].items():
         _err.print(f"[dim]{n}: {k or 'the defaults'}[/dim]")
     m = rep["meta"]
@@ -414,13 +407,10 @@ def list_scenarios(
                                    "cases": [c.name for c in s.cases], "metrics": list(s.metrics),
                                    "smoke": "skip: " + s.smoke_skip if s.smoke_skip else "cpu"}))
         return
-    t = Table(title="benchmark scenarios (bench/scenarios/)")
-    for col in ("scenario", "needs", "driver", "cases (baseline first)", "smoke"):
-        t.add_column(col)
-    for s in scns.values():
-        t.add_row(s.name, s.needs.describe(), s.driver, ", ".join(c.name for c in s.cases),
-                  "no CPU variant" if s.smoke_skip else "gloo/CPU")
-    Console().print(t)
+    rows = [(escape(s.name), escape(s.needs.describe()), escape(s.driver), escape(", ".join(c.name for c in s.cases)),
+             "no CPU variant" if s.smoke_skip else "gloo/CPU") for s in scns.values()]
+    print_table(Console(), (Col("scenario", "word"), Col("needs"), Col("driver"), Col("cases (baseline first)"),
+                            Col("smoke", "word")), rows, title="benchmark scenarios (bench/scenarios/)")
 
 
 def _stamp(command: str) -> dict:
@@ -476,16 +466,15 @@ def run_scenario(
         _fail(f"--results {out}: {e.strerror or e}")
     kind = "imported" if from_report is not None else "smoke" if smoke else "measured"
     modelled = any("MODELLED" in str(r.get("unit") or "") for r in rows)
-    t = Table(title=f"{scenario}: {len(rows)} rows appended ({kind})"
-              + (" - MODELLED: predictions, not measurements" if modelled else ""))
-    for col in ("launch", "case", "metric", "unit", "median", "p10", "p90", "note"):
-        t.add_column(col)
     shown = next((m for m in s.metrics if any(r["metric"] == m for r in rows)), None)
-    for r in rows:  # the unit says what a number is (µs, GB/s; a prediction's carries MODELLED)
-        if r["metric"] == shown or str(r.get("note", "")).startswith("FAILED"):
-            t.add_row(r["launch"], r["case"], r["metric"], str(r.get("unit") or ""), _fmt(r.get("median")),
-                      _fmt(r.get("p10")), _fmt(r.get("p90")), str(r.get("note") or ""))
-    Console().print(t)
+    # the unit says what a number is (µs, GB/s; a prediction's carries MODELLED)
+    cells = [(escape(str(r["launch"])), escape(str(r["case"])), escape(str(r["metric"])), escape(str(r.get("unit") or "")),
+              _fmt(r.get("median")), _fmt(r.get("p10")), _fmt(r.get("p90")), escape(str(r.get("note") or "")))
+             for r in rows if r["metric"] == shown or str(r.get("note", "")).startswith("FAILED")]
+    cols = (Col("launch", "num", "left"), Col("case", "word"), Col("metric", "word"), Col("unit", "word"),
+            Col("median", "num", "left"), Col("p10", "num", "left"), Col("p90", "num", "left"), Col("note"))
+    print_table(Console(), cols, cells, title=f"{scenario}: {len(rows)} rows appended ({kind})"
+                + (" - MODELLED: predictions, not measurements" if modelled else ""))
     if all(str(r.get("note", "")).startswith("FAILED") for r in rows):
         _err.print("[red]every case failed[/red]")
         raise typer.Exit(1)

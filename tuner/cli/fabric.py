@@ -11,8 +11,9 @@ from typing import Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 
+from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import fail
 
 app = typer.Typer(help="Discover this node's fabric, capture it, fingerprint it, diff it.", no_args_is_help=True)
@@ -65,16 +66,17 @@ def _print_facts(f: Any) -> None:
     _out.print(f"[bold]fabric[/bold] {f.source}  fingerprint [cyan]{f.fingerprint}[/cyan]  "
                f"hardware {f.hardware_hash}  software {f.software_hash}  ({f.seconds:.3f} s)")
     if f.gpus:
-        t = Table(title=f"{f.gpu_count} GPU(s)", title_justify="left")
-        for c in ("#", "model", "memory", "cc", "PCIe", "NVLink", "bus id", "UUID"):
-            t.add_column(c)
+        rows = []
         for g in f.gpus:
             act = g.active_links
             nvl = f"{len(act)}/{len(g.nvlinks)} × {act[0].speed_gbs:g} GB/s" if act else (f"0/{len(g.nvlinks)}" if g.nvlinks else "-")
             pcie = f"Gen{g.pcie_gen_max or '?'} x{g.pcie_width_current or '?'}"
-            t.add_row(str(g.index), g.model + (" (MIG)" if g.mig else ""), f"{g.memory_mib} MiB",
-                      g.compute_capability or "?", pcie, nvl, g.pci_bus_id, g.uuid)
-        _out.print(t)
+            rows.append((str(g.index), escape(g.model + (" (MIG)" if g.mig else "")), f"{g.memory_mib} MiB",
+                         escape(g.compute_capability or "?"), pcie, nvl, escape(g.pci_bus_id), escape(g.uuid)))
+        cols = (Col("#", "num"), Col("model"), Col("memory", "num"), Col("cc", "num"), Col("PCIe", "word"),
+                Col("NVLink", "word"), Col("bus id", drop=2), Col("UUID", drop=1))
+        print_table(_out, cols, rows, title=f"{f.gpu_count} GPU(s)", title_justify="left",
+                    left_out_hint="fabric show --json shows them")
         if f.pairs:
             levels: dict[str, int] = {}
             for p in f.pairs:
@@ -84,16 +86,18 @@ def _print_facts(f: Any) -> None:
     else:
         _out.print("no GPU found")
     if f.nics:
-        t = Table(title=f"{len(f.nics)} NIC(s)", title_justify="left")
-        for c in ("name", "kind", "firmware", "port", "state", "rate", "link layer"):
-            t.add_column(c)
+        rows = []
         for n in f.nics:
             if not n.ports:
-                t.add_row(n.name, n.kind, n.fw_ver, "-", "-", "-", "-")
+                rows.append((escape(n.name), escape(n.kind), escape(n.fw_ver), "-", "-", "-", "-"))
             for i, p in enumerate(n.ports):
-                t.add_row(n.name if i == 0 else "", n.kind if i == 0 else "", n.fw_ver if i == 0 else "",
-                          str(p.port), p.state, f"{p.rate_gbps:g} Gb/s", p.link_layer)
-        _out.print(t)
+                rows.append((escape(n.name) if i == 0 else "", escape(n.kind) if i == 0 else "",
+                             escape(n.fw_ver) if i == 0 else "", str(p.port), escape(p.state), f"{p.rate_gbps:g} Gb/s",
+                             escape(p.link_layer)))
+        cols = (Col("name"), Col("kind", "word"), Col("firmware", drop=1), Col("port", "num", "left"),
+                Col("state", "word"), Col("rate", "num", "left"), Col("link layer", "word"))
+        print_table(_out, cols, rows, title=f"{len(f.nics)} NIC(s)", title_justify="left",
+                    left_out_hint="fabric show --json shows them")
     for e in f.excluded_nics:
         _out.print(f"ignored {e.name}: {e.reason}")
     gd = f.gpudirect
@@ -106,15 +110,10 @@ def _print_facts(f: Any) -> None:
         _out.print("tools: " + ", ".join(f"{k}: {f.tools[k]}" for k in missing))
     for w in f.warnings:
         _out.print(f"[yellow]warning:[/yellow] {w}")
-    t = Table(title="transport families", title_justify="left")
-    t.add_column("family")
-    t.add_column("available")
-    t.add_column("reason")
-    for tr in f.transports:
-        t.add_row(f"[green]{tr.name}[/green]", "yes", tr.reason)
-    for tr in f.unavailable:
-        t.add_row(f"[dim]{tr.name}[/dim]", "no", tr.reason)
-    _out.print(t)
+    rows = [(f"[green]{escape(tr.name)}[/green]", "yes", escape(tr.reason)) for tr in f.transports]
+    rows += [(f"[dim]{escape(tr.name)}[/dim]", "no", escape(tr.reason)) for tr in f.unavailable]
+    print_table(_out, (Col("family", "word"), Col("available", "word"), Col("reason")), rows,
+                title="transport families", title_justify="left")
 
 
 @app.command("show")

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 
 from moetune.tuner.cli._args import int_list, nearest_existing
 from moetune.tuner.cli._progress import RichProgress
+from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
 _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
@@ -154,20 +155,22 @@ def profile(
                                "ep_note": flow.ep_note, "profiles": rows,
                                "calibration": done.get("calibrate"), "report": done.get("report")}, indent=1))
         return
-    table = Table(title="tuned profiles (measured side by side with the policy default)")
-    for col in ("model", "EP", "S", "family", "default µs", "tuned µs", "speedup", "stored", "changed knobs"):
-        table.add_column(col, justify="right" if col in ("EP", "S", "default µs", "tuned µs", "speedup") else "left",
-                         overflow="fold")
+    cells = []
 
     def us(v: float, spread: float) -> str:
         return f"{v:.0f} ± {spread:.0f}" if v == v else "failed"  # NaN: that run failed
 
     for r in rows:
         sp = r["default_us"] / r["tuned_us"] if r["tuned_us"] and r["tuned_us"] == r["tuned_us"] else float("nan")
-        table.add_row(r["model"], str(r.get("ep_size") or "–"), str(r["tokens"]), r["family"], us(r["default_us"], r["default_spread"]),
-                      us(r["tuned_us"], r["tuned_spread"]), f"{sp:.2f}×" if sp == sp else "–",
-                      r.get("stored", "current") if r["written"] else r["reason"][:30], r["knobs"] or "(default)")
-    console.print(table)
+        cells.append((escape(r["model"]), str(r.get("ep_size") or "–"), str(r["tokens"]), escape(r["family"]),
+                      us(r["default_us"], r["default_spread"]), us(r["tuned_us"], r["tuned_spread"]),
+                      f"{sp:.2f}×" if sp == sp else "–",
+                      escape(r.get("stored", "current") if r["written"] else r["reason"][:30]),
+                      escape(r["knobs"] or "(default)")))
+    # at 80 columns the text wraps; a number ("123 ± 4" wraps before the ±) is never cut (`_tables`)
+    cols = (Col("model"), Col("EP", "num"), Col("S", "num"), Col("family"), Col("default µs", "word", "right"),
+            Col("tuned µs", "word", "right"), Col("speedup", "num"), Col("stored"), Col("changed knobs"))
+    print_table(console, cols, cells, title="tuned profiles (measured side by side with the policy default)")
     console.print(flow.ep_note, markup=False)
     cal = done.get("calibrate") or {}
     if "mean_abs_rel_err" in cal:

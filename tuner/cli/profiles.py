@@ -9,9 +9,9 @@ from typing import Any, NoReturn
 import msgspec
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from moetune.runtime.profiles.perf_env import perf_env_digest
+from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import CONFIG_HELP, DB_HELP, err, fail, open_store, out, print_json
 
 app = typer.Typer(help="Tuned profiles in the database: list, show, delete, export, import.", no_args_is_help=True)
@@ -75,15 +75,16 @@ def list_cmd(
     if json_out:
         print_json([_record_json(pid, rec) for pid, rec in rows])
         return
-    table = Table(title=f"{len(rows)} profile(s)", title_justify="left")
-    cols = ("id", "status", "provenance", "family", "fingerprint", "ep", "h/i/e/k", "dtype", "tokens", "µs", "backend", "updated")
-    for col in cols:
-        right = col in ("id", "ep", "tokens", "µs")
-        table.add_column(col, justify="right" if right else "left", min_width=len(col))
+    # 80 columns (a pipe, a CI log) hold no 12 columns: updated, backend, dtype and fingerprint are left out in that
+    # order (the caption says so), the rest wrap; a number or a status is never cut (`_tables`)
+    cols = (Col("id", "num"), Col("status", "word"), Col("provenance", "word"), Col("family"),
+            Col("fingerprint", drop=2), Col("ep", "num"), Col("h/i/e/k"), Col("dtype", drop=3), Col("tokens", "num"),
+            Col("µs", "word", "right"), Col("backend", drop=4), Col("updated", "num", drop=5))
     colour = {"current": "green", "stale": "yellow", "superseded": "dim"}
+    cells = []
     for pid, r in rows:
         k = r.key
-        table.add_row(
+        cells.append((
             str(pid),
             f"[{colour[r.status]}]{r.status}[/]",
             PROVENANCE_LABEL[str(r.provenance)],
@@ -93,11 +94,12 @@ def list_cmd(
             f"{k.hidden}/{k.intermediate}/{k.experts}/{k.topk}",
             escape(k.dtype),
             str(k.token_bucket),
-            f"{r.latency_us:.1f}±{r.spread_us:.1f}",
+            f"{r.latency_us:.1f} ±{r.spread_us:.1f}",  # wraps before the ± at 80 columns, never inside a number
             escape(r.backend),
             escape(r.updated[:10]),
-        )
-    out.print(table)
+        ))
+    print_table(out, cols, cells, title=f"{len(rows)} profile(s)", title_justify="left",
+                left_out_hint="--json shows them")
 
 
 @app.command()
@@ -116,25 +118,25 @@ def show(
         print_json(_record_json(profile_id, rec))
         return
     # Stored text (an imported file's backend, versions, ...) is shown as is, never read as Rich markup.
-    table = Table(title=escape(f"profile {profile_id} ({rec.status}, hash {rec.profile_hash})"), show_header=False)
-    table.add_column("field", style="bold")
-    table.add_column("value")
+    rows: list[tuple[str, str]] = []
     for name, value in rec.key.to_dict().items():
-        table.add_row(f"key.{name}", escape(str(value)))
+        rows.append((f"key.{name}", escape(str(value))))
     for name, value in rec.knobs.to_dict().items():
-        table.add_row(f"knobs.{name}", escape(str(value)))
-    table.add_row("latency_us", f"{rec.latency_us:.3f} ± {rec.spread_us:.3f}")
-    table.add_row("backend", escape(rec.backend))
-    table.add_row("provenance", PROVENANCE_LABEL[str(rec.provenance)])
-    table.add_row("measured_on", escape(rec.measured_on or "(unknown)"))
-    table.add_row("routing", escape(rec.tuned_routing or "(not recorded)"))
+        rows.append((f"knobs.{name}", escape(str(value))))
+    rows.append(("latency_us", f"{rec.latency_us:.3f} ± {rec.spread_us:.3f}"))
+    rows.append(("backend", escape(rec.backend)))
+    rows.append(("provenance", PROVENANCE_LABEL[str(rec.provenance)]))
+    rows.append(("measured_on", escape(rec.measured_on or "(unknown)")))
+    rows.append(("routing", escape(rec.tuned_routing or "(not recorded)")))
     for name, value in perf_env_lines(rec):
-        table.add_row(escape(name), escape(value))
+        rows.append((escape(name), escape(value)))
     for name, value in sorted(rec.software_versions.items()):
-        table.add_row(escape(f"software.{name}"), escape(str(value)))
-    table.add_row("created", escape(rec.created))
-    table.add_row("updated", escape(rec.updated))
-    out.print(table)
+        rows.append((escape(f"software.{name}"), escape(str(value))))
+    rows.append(("created", escape(rec.created)))
+    rows.append(("updated", escape(rec.updated)))
+    # a long value (a hash, an NCCL variable) wraps at 80 columns, never cut
+    print_table(out, (Col("field", "word", style="bold"), Col("value")), rows,
+                title=escape(f"profile {profile_id} ({rec.status}, hash {rec.profile_hash})"), show_header=False)
 
 
 def _no_profile(store: Any, profile_id: int) -> NoReturn:
