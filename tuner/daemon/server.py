@@ -699,7 +699,10 @@ class Daemon(FabricWatch):
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
         self._ctx.term()
-        log.info("stopped", extra={"epoch": self.epoch})
+        if self._served:
+            log.info("stopped", extra={"epoch": self.epoch})
+        else:  # start() failed: nothing was served; the caller reports why
+            log.debug("start refused: closed what it had opened", extra={"epoch": self.epoch})
 
     def _lock_database(self) -> None:
         """An exclusive flock next to the database (released by the kernel when the process dies, even
@@ -1185,9 +1188,19 @@ def run_daemon(
     if store_hook:
         store = _load_hook(store_hook)(db_path)
     else:
-        from moetune.tuner.store.store import Store
+        from moetune.tuner.store.store import Store, StoreError, probe_database
 
+        try:  # the revision before the store migrates it to head (a `db downgrade` is undone here: say so)
+            kind, before = probe_database(Path(db_path)) if db_path != ":memory:" else ("missing", None)
+        except StoreError:
+            kind, before = "unreadable", None  # the store's own open says what is wrong
         store = Store(db_path)  # makes moetune's own data folder only: a configured one must exist
+        after = store.current_revision()
+        if kind == "moetune" and before != after:
+            log.info("database migrated", extra={"db": str(db_path), "from_revision": before or "base",
+                                                 "to_revision": after})
+        elif kind in ("missing", "empty") and after is not None:
+            log.info("created moetune's tables", extra={"db": str(db_path), "to_revision": after})
     if discover_hook:
         hook = _load_hook(discover_hook)
         discover = lambda: hook(capture)  # noqa: E731
