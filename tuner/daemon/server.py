@@ -1191,16 +1191,17 @@ def run_daemon(
         from moetune.tuner.store.store import Store, StoreError, probe_database
 
         try:  # the revision before the store migrates it to head (a `db downgrade` is undone here: say so)
-            kind, before = probe_database(Path(db_path)) if db_path != ":memory:" else ("missing", None)
-        except StoreError:
+            kind, before = (probe_database(Path(db_path).expanduser().absolute()) if db_path != ":memory:"
+                            else ("missing", None))
+        except (StoreError, OSError):
             kind, before = "unreadable", None  # the store's own open says what is wrong
         store = Store(db_path)  # makes moetune's own data folder only: a configured one must exist
         after = store.current_revision()
         if kind == "moetune" and before != after:
-            log.info("database migrated", extra={"db": str(db_path), "from_revision": before or "base",
+            log.info("database migrated", extra={"db": str(store.path), "from_revision": before or "base",
                                                  "to_revision": after})
         elif kind in ("missing", "empty") and after is not None:
-            log.info("created moetune's tables", extra={"db": str(db_path), "to_revision": after})
+            log.info("created moetune's tables", extra={"db": str(store.path), "to_revision": after})
     if discover_hook:
         hook = _load_hook(discover_hook)
         discover = lambda: hook(capture)  # noqa: E731
