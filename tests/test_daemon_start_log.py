@@ -86,3 +86,22 @@ def test_a_refused_start_logs_no_stopped(tmp_path: Path, caplog: pytest.LogCaptu
                     endpoint=f"ipc://{run}/daemon.sock").start(background=True)
         d2.stop()
     assert "stopped" in [r.getMessage() for r in caplog.records if r.name == "moetune.daemon"]
+
+
+def test_a_db_given_with_a_tilde_is_the_expanded_one(tmp_path: Path) -> None:
+    """--db '~/t.db' (as a config file may give it): the migration line, the lock and daemon.json name the file the
+    store opened; the lock beside '~/t.db' taken literally failed ('cannot open the database lock')."""
+    F.make_capture(tmp_path / "capture")
+    home = tmp_path / "home-dir"
+    home.mkdir()
+    with Store(home / "t.db") as s:
+        s.downgrade("0004")
+    d = F.DaemonProc(tmp_path, extra=["--db", "~/t.db"], env={"HOME": str(home)})
+    try:
+        d.wait_ready()
+        assert json.loads((d.run_dir / "daemon.json").read_text())["db"] == str(home / "t.db")
+    finally:
+        d.kill(15)
+    migrated = [x for x in _lines(d.read_log()) if x.get("msg") == "database migrated"]
+    assert [(x["db"], x["from_revision"]) for x in migrated] == [(str(home / "t.db"), "0004")], d.read_log()
+    assert (home / "t.db.daemon-lock").exists()

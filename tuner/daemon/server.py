@@ -1216,7 +1216,8 @@ def run_daemon(
         max_request_bytes=d.max_request_bytes, curve_secret_key_file=d.curve_secret_key_file or None,
         curve_clients_dir=curve_clients_dir, curve_admins_dir=d.curve_admins_dir or None,
         allow_insecure_tcp=d.allow_insecure_tcp if allow_insecure_tcp is None else allow_insecure_tcp,
-        group=d.group, group_may_retune=d.group_may_retune, metrics_port=d.metrics_port if metrics_port is None else metrics_port, db_path=str(db_path),
+        group=d.group, group_may_retune=d.group_may_retune, metrics_port=d.metrics_port if metrics_port is None else metrics_port,
+        db_path=str(getattr(store, "path", db_path)),  # as the store opened it (~ expanded): its lock goes beside it
     )
     daemon.install_signal_handlers()
     daemon.start()
