@@ -285,7 +285,7 @@ def tune(
             "failed": r.study.failed, "pruned": r.study.pruned,
             "study_best_us": r.study.best.median_us if r.study.best else None,
             "best_us": rec.latency_us if rec else None, "spread_us": rec.spread_us if rec else None,
-            "default_us": r.study.default_value, "written": r.written, "reason": r.reason,
+            "default_us": r.study.default_value, "written": r.written, "stored": r.stored, "reason": r.reason,
             "backend": rec.backend if rec else None, "knobs": rec.knobs.to_dict() if rec else None,
             "trials_asked": trials, "stopped_by_timeout": r.budget_ended,
             "forced_model": forced or None,  # the [calibration] warning of a refused fit tuned on anyway
@@ -298,6 +298,7 @@ def tune(
         typer.echo(json.dumps(rows, indent=2))
         _budget_ended(results, trials, timeout, budget_from)
         _no_success(no_trial, len(results), url)
+        _nothing_stored(results)
         return
     from rich import box
 
@@ -315,18 +316,24 @@ def tune(
                   "-" if best is None else f"{best:,.1f}",
                   "-" if best is None else f"{row['spread_us']:,.1f}",
                   f"{default / best:.2f}" if best and default else "-",
-                  "[green]new[/green]" if row["written"] else "[yellow]kept[/yellow]")
+                  STORED_CELL[row["stored"]])
         if not row["written"] or (row["study_best_us"] is not None and best is not None and abs(row["study_best_us"] - best) > 1e-9):
             sb = row["study_best_us"]
             notes.append(f"{row['family']} {row['model']} S={row['tokens']}: study best "
                          f"{'-' if sb is None else f'{sb:,.1f}'} µs; {row['reason']}")
     c = Console()
     c.print(t)
-    c.print("trials = complete/failed/pruned; × = default / best; stored: new current profile, or the old one kept")
+    c.print("trials = complete/failed/pruned; × = default / best; stored: new current profile, the old one kept, "
+            "or none (nothing stored, and no earlier profile for the key)")
     for n in notes:
         c.print(n, soft_wrap=True)
     _budget_ended(results, trials, timeout, budget_from)
     _no_success(no_trial, len(results), url)
+    _nothing_stored(results)
+
+
+# the table's "stored" column: TuneResult.stored
+STORED_CELL = {"new": "[green]new[/green]", "kept": "[yellow]kept[/yellow]", "none": "[red]none[/red]"}
 
 
 def _quiet_optuna() -> None:
@@ -440,6 +447,19 @@ def _no_success(failed: list, total: int, url: str) -> None:
     if len(failed) == total:
         err.print("[red]error:[/red] no study had a successful trial: nothing was measured or stored")
         raise typer.Exit(1)
+
+
+def _nothing_stored(results: list) -> None:
+    """Exit 1 when the tune left no profile for any of its keys: nothing written, and none stored before (a winner
+    that failed when measured again, ...). A key with no successful trial is named by `_no_success` already."""
+    if not results or any(r.stored != "none" for r in results):
+        return
+    err.print("[red]error:[/red] nothing stored: no key got a profile from this tune and none had one before")
+    for r in results:
+        if r.study.best is not None:  # the others: "no successful trial", said above
+            err.print(f"  {escape(r.study.family)} {escape(r.study.workload.model.name)} "
+                      f"S={r.study.workload.tokens}: {escape(r.reason)}", soft_wrap=True)
+    raise typer.Exit(1)
 
 
 @app.command("show")

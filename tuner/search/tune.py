@@ -166,6 +166,14 @@ class TuneResult:
     study: StudyResult
     # the time budget (timeout_s) ended the study before it held the trials asked (0 of them: never started)
     budget_ended: bool = False
+    # nothing written, and a current profile stored before this run stands for the key (False: the key has none)
+    kept: bool = False
+
+    @property
+    def stored(self) -> str:
+        """What the store holds for the key after this run: "new" (this run's winner), "kept" (the current profile
+        stored before, left as it is) or "none" (nothing written, and no earlier profile for the key)."""
+        return "new" if self.written else "kept" if self.kept else "none"
 
 
 def make_backend(backend: str | BenchmarkBackend, preset: str | None = None, **local_kw: Any) -> BenchmarkBackend:
@@ -393,7 +401,9 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         cut = timeout_s is not None and result.trials < trials
         if cut and result.best is None:
             reason = f"{reason} before the time budget ended ({result.trials} of {trials} trials ran)"
-        return TuneResult(record, written, reason, result, budget_ended=cut)
+        # after the write: an incumbent that held its own (or a measured one a prediction did not displace) is kept
+        kept = not written and store is not None and store.get_current(key) is not None
+        return TuneResult(record, written, reason, result, budget_ended=cut, kept=kept)
     except KeyboardInterrupt:
         status = "interrupted"
         raise
