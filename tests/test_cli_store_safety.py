@@ -129,7 +129,7 @@ def test_a_failed_export_leaves_the_old_file_and_no_temporary(tmp_path, monkeypa
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("moetune.tuner.store.io.os.replace", boom)
-    r = run("profiles", "export", str(f), "--db", str(db))
+    r = run("profiles", "export", str(f), "--db", str(db), "--force")
     assert r.exit_code == 2 and "cannot write" in r.stderr and "No space left" in r.stderr
     assert f.read_text() == "old export\n"
     assert sorted(p.name for p in tmp_path.iterdir() if "p.json" in p.name) == ["p.json"]
@@ -143,7 +143,7 @@ def test_export_replacing_a_file_keeps_its_permissions_and_symlink(tmp_path):
     f.chmod(0o640)
     link = tmp_path / "latest.json"
     link.symlink_to(f)
-    r = run("profiles", "export", str(link), "--db", str(db))
+    r = run("profiles", "export", str(link), "--db", str(db), "--force")  # an existing file: --force
     assert r.exit_code == 0, r.output
     assert link.is_symlink() and json.loads(f.read_text())["format"] == "moetune-profiles"
     assert stat.S_IMODE(f.stat().st_mode) == 0o640

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -169,29 +170,46 @@ def delete(
 
 @app.command("export")
 def export_cmd(
-    path: str = typer.Argument(..., help='JSON file to write ("-" for stdout).'),
-    status: str | None = typer.Option(None, "--status", help="Only this status."),
+    path: str = typer.Argument(..., help='JSON file to write ("-" for stdout); an existing file is replaced only with --force.'),
+    status: str | None = typer.Option(None, "--status", help="Only profiles with this status: current, stale or superseded."),
     fingerprint: str | None = typer.Option(None, "--fingerprint", help="Only this fabric fingerprint."),
+    provenance: str | None = typer.Option(None, "--provenance", help="Only profiles of this provenance: measured, node_model or preset."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing file (also a read-only one; its permissions are kept)."),
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Export profiles (and their fingerprints' facts) to a JSON file."""
+    from moetune.tuner.store import io as store_io
+
     _check_status(status)
+    _check_provenance(provenance)
     with open_store(db, config, mode="read") as store:
         if path == "-":
-            sys.stdout.buffer.write(store.dump_profiles(status=status, fingerprint=fingerprint))
+            sys.stdout.buffer.write(store_io.dump_profiles(store, status=status, fingerprint=fingerprint,
+                                                           provenance=provenance))
             sys.stdout.flush()
             return
         try:
-            n = store.export_profiles(path, status=status, fingerprint=fingerprint)
+            n = store_io.export_profiles(store, path, status=status, fingerprint=fingerprint, provenance=provenance,
+                                         replace=force)
+        except FileExistsError:  # an existing file (a read-only one too) is replaced only when asked
+            ro = " (read-only)" if _read_only(Path(path).expanduser()) else ""
+            raise fail(f"{path} already exists{ro}: not replaced (--force replaces it)") from None
         except OSError as e:
             raise fail(f"cannot write {path}: {e.strerror or e}") from None
     out.print(escape(f"exported {n} profile(s) to {path}"))
 
 
+def _read_only(path: Path) -> bool:
+    try:
+        return not (os.access(path, os.W_OK) and path.stat().st_mode & 0o222)  # root may write a 0444 file
+    except OSError:
+        return False
+
+
 @app.command("import")
 def import_cmd(
-    path: Path = typer.Argument(..., help="JSON file written by `moetune profiles export`."),
+    path: Path = typer.Argument(..., help='JSON file written by `moetune profiles export` ("-" for stdin).'),
     skip_invalid: bool = typer.Option(
         False, "--skip-invalid",
         help="Leave out the profile records that are invalid on their own (each is named on stderr, and in --json's "
@@ -205,17 +223,22 @@ def import_cmd(
     """Import profiles: all or nothing, validated before anything is written; the error names every invalid record (--skip-invalid imports the rest)."""
     from moetune.tuner.store.store import ProfileImportError, parse_export
 
+    stdin = str(path) == "-"
+    source = "<stdin>" if stdin else str(path)
+    if stdin and sys.stdin.isatty():  # reading would wait for typing: say what `-` is for
+        raise fail("import -: stdin is a terminal; pipe an export into it (moetune profiles export - | moetune "
+                   "profiles import -)")
     try:
-        data = path.read_bytes()
+        data = sys.stdin.buffer.read() if stdin else path.read_bytes()
     except OSError as e:
-        raise fail(f"cannot read {path}: {e.strerror or e}") from None
+        raise fail(f"cannot read {source}: {e.strerror or e}") from None
     try:  # validate before opening: a bad file must not create (or upgrade) a database either
-        parse_export(data, source=str(path), skip_invalid=skip_invalid)
+        parse_export(data, source=source, skip_invalid=skip_invalid)
     except ProfileImportError as e:
         raise fail(f"{e} (database unchanged)") from None
     with open_store(db, config, mode="create") as store:
         try:
-            res = store.import_bytes(data, source=str(path), skip_invalid=skip_invalid)
+            res = store.import_bytes(data, source=source, skip_invalid=skip_invalid)
         except ProfileImportError as e:
             raise fail(f"{e} (database unchanged)") from None
     for line in res.invalid:
@@ -226,7 +249,7 @@ def import_cmd(
         left_out = f", {len(res.invalid)} invalid left out (listed above)" if res.invalid else ""
         out.print(
             escape(
-                f"imported {res.inserted} profile(s) from {path}: {res.current} current, {res.replaced} replaced, "
+                f"imported {res.inserted} profile(s) from {source}: {res.current} current, {res.replaced} replaced, "
                 f"{res.kept_superseded} kept as superseded, {res.skipped} already present{left_out}"
             )
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import os
 import secrets
 import stat
@@ -80,9 +81,10 @@ def _moetune_version() -> str:
     return __version__
 
 
-def dump_profiles(store: Store, *, status: str | None = None, fingerprint: str | None = None) -> bytes:
+def dump_profiles(store: Store, *, status: str | None = None, fingerprint: str | None = None,
+                  provenance: str | None = None) -> bytes:
     """The export document (JSON bytes, deterministic: same database → same bytes)."""
-    profiles = [rec for _id, rec in store.list_profiles(status=status, fingerprint=fingerprint)]
+    profiles = [rec for _id, rec in store.list_profiles(status=status, fingerprint=fingerprint, provenance=provenance)]
     hashes = sorted({r.key.fingerprint for r in profiles})
     with store._read() as s:
         fps = {fp.hash: fp for fp in s.scalars(select(Fingerprint).where(Fingerprint.hash.in_(hashes)))}
@@ -118,14 +120,18 @@ def _check_export_target(store: Store, target: Path) -> None:
             raise StoreError(f"refusing to export onto {target}: it is a SQLite database")
 
 
-def export_profiles(store: Store, path: str | Path, *, status: str | None = None, fingerprint: str | None = None) -> int:
+def export_profiles(store: Store, path: str | Path, *, status: str | None = None, fingerprint: str | None = None,
+                    provenance: str | None = None, replace: bool = True) -> int:
     """Write the profiles (with their fingerprints' facts) to a JSON file atomically (a temporary file in
     the same directory, then os.replace: a failed export leaves an existing file as it was); returns how
-    many. A StoreError refuses a target that is a database or not a regular file."""
+    many. A StoreError refuses a target that is a database or not a regular file; with `replace=False` a
+    FileExistsError refuses any existing file (`moetune profiles export` without --force)."""
     # Write through a symlink: the link stays, the file it names gets the export.
     target = Path(path).expanduser().resolve()
     _check_export_target(store, target)
-    data = dump_profiles(store, status=status, fingerprint=fingerprint)
+    if not replace and target.exists():
+        raise FileExistsError(errno.EEXIST, "file exists", str(target))
+    data = dump_profiles(store, status=status, fingerprint=fingerprint, provenance=provenance)
     n = len(msgspec.json.decode(data)["profiles"])
     write_atomic(target, data)
     return n

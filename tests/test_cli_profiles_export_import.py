@@ -1,0 +1,95 @@
+"""`moetune profiles export X` silently replaced a user's file, a read-only (0444) one included: an existing file is
+refused now unless --force. `profiles import -` said "cannot read -" though `export -` writes stdout: it reads
+stdin. `export` filters by --provenance as `list` does."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.tuner.cli import app
+from moetune.tuner.store.store import Store
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(*args: str, input: str | bytes | None = None):
+    return CliRunner().invoke(app, list(args), input=input, env={"COLUMNS": "200"})
+
+
+def fill(db: Path) -> None:
+    with Store(db) as s:
+        for b, prov, be in ((16, "measured", "local:nccl"), (128, "preset", "model:ndr-ibrc-h100x8")):
+            key = ProfileKey(fingerprint="fp-cli", software="sw", transport_family="nvlink", ep_size=2, nodes=1,
+                             hidden=7168, intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=b)
+            s.put_profile(ProfileRecord(key=key, knobs=default_knobs("nvlink"), latency_us=float(b), spread_us=0.5,
+                                        backend=be, provenance=prov))
+
+
+@pytest.mark.parametrize("mode", [0o444, 0o644])
+def test_export_refuses_an_existing_file_without_force(tmp_path: Path, mode: int) -> None:
+    db = tmp_path / "m.db"
+    fill(db)
+    f = tmp_path / "mine.json"
+    f.write_text("the user's own file\n")
+    f.chmod(mode)
+    r = run("profiles", "export", str(f), "--db", str(db))
+    assert r.exit_code == 2, r.output
+    assert f"{f} already exists" in r.stderr and "--force replaces it" in r.stderr, r.stderr
+    assert ("(read-only)" in r.stderr) == (mode == 0o444), r.stderr
+    assert "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1
+    assert f.read_text() == "the user's own file\n" and stat.S_IMODE(f.stat().st_mode) == mode
+    assert [p.name for p in tmp_path.iterdir() if "mine" in p.name] == ["mine.json"]  # no temporary left
+    r = run("profiles", "export", str(f), "--db", str(db), "--force")
+    assert r.exit_code == 0 and "exported 2 profile(s)" in r.stdout, r.output
+    assert json.loads(f.read_text())["format"] == "moetune-profiles"
+    assert stat.S_IMODE(f.stat().st_mode) == mode  # replaced, permissions kept
+
+
+def test_export_to_a_new_file_needs_no_force(tmp_path: Path) -> None:
+    db = tmp_path / "m.db"
+    fill(db)
+    r = run("profiles", "export", str(tmp_path / "new.json"), "--db", str(db))
+    assert r.exit_code == 0 and "exported 2 profile(s)" in r.stdout, r.output
+
+
+def test_export_by_provenance(tmp_path: Path) -> None:
+    db = tmp_path / "m.db"
+    fill(db)
+    for prov, buckets in (("measured", [16]), ("preset", [128]), ("node_model", [])):
+        doc = json.loads(run("profiles", "export", "-", "--provenance", prov, "--db", str(db)).stdout)
+        assert [p["key"]["token_bucket"] for p in doc["profiles"]] == buckets, prov
+    f = tmp_path / "m.json"
+    assert run("profiles", "export", str(f), "--provenance", "measured", "--db", str(db)).exit_code == 0
+    assert [p["provenance"] for p in json.loads(f.read_text())["profiles"]] == ["measured"]
+    r = run("profiles", "export", "-", "--provenance", "guessed", "--db", str(db))
+    assert r.exit_code == 2 and "--provenance" in r.output and "measured, node_model, preset" in r.output
+
+
+def test_export_help_lists_the_values() -> None:
+    r = CliRunner().invoke(app, ["profiles", "export", "--help"], env={"COLUMNS": "400"})
+    h = " ".join(r.output.split())
+    assert "Only profiles with this status: current, stale or superseded." in h, h
+    assert "measured, node_model or preset" in h and "--force" in h, h
+
+
+def test_import_reads_stdin(tmp_path: Path) -> None:
+    src, dst = tmp_path / "s.db", tmp_path / "d.db"
+    fill(src)
+    data = run("profiles", "export", "-", "--db", str(src)).stdout_bytes
+    r = run("profiles", "import", "-", "--db", str(dst), input=data)
+    assert r.exit_code == 0, r.output
+    assert "imported 2 profile(s) from <stdin>" in r.stdout
+    assert run("profiles", "export", "-", "--db", str(dst)).stdout_bytes == data
+
+
+def test_import_of_bad_stdin_is_one_clear_line(tmp_path: Path) -> None:
+    r = run("profiles", "import", "-", "--db", str(tmp_path / "d.db"), input="not json\n")
+    assert r.exit_code == 2 and "<stdin>: not valid JSON" in r.stderr and "database unchanged" in r.stderr, r.output
+    assert "Traceback" not in r.output and not (tmp_path / "d.db").exists()
