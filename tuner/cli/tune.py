@@ -77,7 +77,10 @@ def _check_storage(url: str, given: bool, *, create: bool = True) -> None:
     try:
         with warnings.catch_warnings():  # Optuna's experimental-feature notes are for the real run, not this check
             warnings.simplefilter("ignore")
-            (make_storage if create else refuse_storage)(url)
+            if create:
+                make_storage(url, own=not given)  # the default studies file is moetune's own (WAL)
+            else:
+                refuse_storage(url)
     except StorageRefused as e:  # another program's file, a folder that does not exist: the reason is the message
         _fail(f"--storage {_redact(url)}: {e}" if given
               else f"the studies file (the default --storage, beside the profile database): {e}")
@@ -476,7 +479,7 @@ def show(
     The storage is opened read-only and one without Optuna's tables is refused, never given them."""
     import warnings
 
-    from moetune.tuner.search.study import describe_study, list_studies
+    from moetune.tuner.search.study import NotAMoetuneStudy, describe_study, list_studies
 
     _quiet_optuna()
     warnings.simplefilter("ignore")  # Optuna's experimental/deprecation notes are not the user's to read
@@ -517,6 +520,8 @@ def show(
         d = describe_study(url, study)
     except KeyError:
         _fail(f"no study named {study!r} in {_redact(url)}")
+    except NotAMoetuneStudy as e:
+        _fail(f"{e} ({_redact(url)})")
     if as_json:
         typer.echo(json.dumps(d, indent=2, default=str))
         return

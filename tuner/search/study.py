@@ -5,7 +5,8 @@
   counts from link bandwidth), then the best settings of the previous token bucket of the same shape. Each point
   is enqueued once per study, by whichever process claims it first (`_claim_warm_point`: SQLite and server alike).
 - Storage: Optuna's own RDB storage. SQLite by default (its own file next to the store, WAL; the store's own file
-  is accepted too: the store shares a file with Optuna's tables, never another program's) — processes of one host may share a study (the daemon's re-tune and a `moetune tune`): every
+  is accepted too: the store shares a file with Optuna's tables, never another program's; a SQLite file moetune did
+  not create keeps its journal mode, WAL or not: `make_storage`) — processes of one host may share a study (the daemon's re-tune and a `moetune tune`): every
   process registers itself in the study before it asks for a trial (and leaves when done), a trial records
   its worker as Optuna creates it (the sampler's `before_trial`), and opening a study fails only the
   running trials no live process can own (`fail_interrupted`); the schema is created under a file lock
@@ -223,8 +224,9 @@ def _creation_lock(path: Path) -> Iterator[bool]:
 CREATE_RETRIES = 5  # schema creation without the lock: a race with another first run is retried (it is transient)
 
 
-def _open_sqlite(path: Path, url: str, *, retry: bool) -> optuna.storages.RDBStorage:
-    """Switch the file to WAL and open Optuna's storage on it (creating its schema when missing). Without the
+def _open_sqlite(path: Path, url: str, *, retry: bool, wal: bool) -> optuna.storages.RDBStorage:
+    """Open Optuna's storage on the file (creating its schema when missing), switched to WAL first when `wal` (a file
+    moetune creates, or its own default studies file); another file's journal mode is left as it is. Without the
     creation lock (`retry`) a race with another process creating the schema is retried."""
     import time
 
@@ -232,11 +234,12 @@ def _open_sqlite(path: Path, url: str, *, retry: bool) -> optuna.storages.RDBSto
 
     for attempt in range(CREATE_RETRIES if retry else 1):
         try:
-            con = sqlite3.connect(path, timeout=30)
-            try:
-                con.execute("PRAGMA journal_mode=WAL")
-            finally:
-                con.close()
+            if wal:
+                con = sqlite3.connect(path, timeout=30)
+                try:
+                    con.execute("PRAGMA journal_mode=WAL")
+                finally:
+                    con.close()
             # isolation_level None: the driver's implicit transactions are off, `_immediate_transactions` begins them
             return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30,
                                                                                    "isolation_level": None}})
@@ -279,19 +282,26 @@ def refuse_storage(url: str) -> None:
     sqlalchemy.engine.make_url(url)  # ArgumentError: not a URL
 
 
-def make_storage(url: str) -> optuna.storages.RDBStorage:
-    """Optuna RDB storage (standard tables: optuna-dashboard opens it as it is)."""
+def make_storage(url: str, *, own: bool = False) -> optuna.storages.RDBStorage:
+    """Optuna RDB storage (standard tables: optuna-dashboard opens it as it is).
+
+    A SQLite file is switched to WAL only when moetune creates it (missing or empty) or it is moetune's `own` default
+    studies file (beside the profile database, which moetune made): a user's existing file keeps its journal mode (a
+    lasting change to a file moetune did not make; WAL also breaks on network filesystems). In rollback-journal mode
+    everything still works, with less concurrency: every write transaction begins IMMEDIATE either way, and a reader
+    (`tune show`, another tune's SELECTs) waits on the busy timeout while a writer commits, instead of reading beside it."""
     url = normalize_url(url)
     if is_sqlite(url):
         path = sqlite_path(url)
         if path is None or str(path) == ":memory:":
             return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}})
+        new = not path.exists() or (path.is_file() and path.stat().st_size == 0)
         tables = _check_sqlite_studies_path(path)  # another program's file, a missing folder: refused
         if _schema_ready(path, tables):
-            st = _open_sqlite(path, url, retry=False)  # nothing to create: no lock (and no lock file)
+            st = _open_sqlite(path, url, retry=False, wal=own or new)  # nothing to create: no lock (no lock file)
         else:
             with _creation_lock(path) as locked:
-                st = _open_sqlite(path, url, retry=not locked)
+                st = _open_sqlite(path, url, retry=not locked, wal=own or new)
         _immediate_transactions(st)
         return st
     # Shared server storage: heartbeats let the survivors fail the trials of a worker that died (as
@@ -923,9 +933,18 @@ def list_studies(storage: str) -> list[dict[str, Any]]:
     return out
 
 
+class NotAMoetuneStudy(ValueError):
+    """A study `describe_study` will not describe: not moetune's (another program's values are not latencies)."""
+
+
 def describe_study(storage: str, name: str) -> dict[str, Any]:
+    """One moetune study's summary (KeyError: no such study; NotAMoetuneStudy: a study without moetune's prefix)."""
     st = open_readonly_storage(storage)
     study = optuna.load_study(study_name=name, storage=st)
+    if not name.startswith(STUDY_PREFIX):
+        raise NotAMoetuneStudy(f"study {name!r} is not a moetune study (its name does not start with "
+                               f"{STUDY_PREFIX!r}): its objective values are not moetune's latencies, so `tune show` "
+                               "does not describe it; read it with Optuna (or optuna-dashboard)")
     trials = study.get_trials(deepcopy=False)
     states = {s.name.lower(): sum(1 for t in trials if t.state == s) for s in TrialState}
     done = completed(study)

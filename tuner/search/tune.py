@@ -303,7 +303,7 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
     # The measured-error check of compressed trials follows each family's policy unless set explicitly.
     explicit_budget = isinstance(be, LocalBackend) and be.error_budget is not None
     url = storage or default_storage_url(store.path if store is not None else None)
-    st = make_storage(url)
+    st = make_storage(url, own=storage is None)  # the default studies file is moetune's own (WAL)
     rates = facts_link_rates(facts)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
