@@ -24,9 +24,9 @@ def apply() -> None:
         from typer.core import TyperOption
     except ImportError:  # a Typer without these: its own help
         return
-    if getattr(TyperOption, "_moetune_help", False):
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(TyperOption, "_moetune_help", False):  # renamed in a later Typer: its own help
         return
-    shown = TyperOption.display_type_rich
 
     def display_type_rich(self: Any, ctx: Any) -> str | None:
         if getattr(self, "is_flag", False) and self.metavar is None:
