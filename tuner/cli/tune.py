@@ -11,6 +11,7 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 from rich.console import Console
@@ -45,11 +46,37 @@ def _redact(url: str) -> str:
 BUSY_MARKERS = ("database is locked", "database table is locked", "already exists", "UNIQUE constraint failed")
 
 
+def _storage_failed(url: str, given: bool, e: BaseException) -> NoReturn:
+    """Exit with `_storage_error`'s message: 1 where nothing is wrong in what was given (the storage is busy: a re-run
+    works; this user may not write the file or its folder), 2 otherwise."""
+    _fail(_storage_error(url, given, e), 1 if _storage_busy(e) or _storage_not_writable(url, e) else 2)
+
+
+def _why(e: BaseException) -> str:
+    return str(getattr(e, "orig", None) or e)
+
+
+def _storage_busy(e: BaseException) -> bool:
+    return any(m in _why(e) for m in BUSY_MARKERS)
+
+
+def _storage_not_writable(url: str, e: BaseException) -> str:
+    """Why this user cannot write the SQLite studies file (or its folder) behind SQLite's "readonly database" or
+    "unable to open database file" ('' for another error, or where the permissions do not say so)."""
+    from moetune.tuner.search.study import sqlite_path
+    from moetune.tuner.store._folders import not_writable
+
+    path = sqlite_path(url)
+    if path is None or not any(m in _why(e) for m in ("readonly database", "unable to open database file")):
+        return ""
+    return not_writable(path, side_files=True)
+
+
 def _storage_error(url: str, given: bool, e: BaseException) -> str:
     """The error for a study storage that cannot be opened, naming --storage (or the default studies file)."""
     from moetune.tuner.search.study import sqlite_path
 
-    why = (str(getattr(e, "orig", None) or e).splitlines() or [""])[0] or type(e).__name__  # SQLAlchemy's first line
+    why = (_why(e).splitlines() or [""])[0] or type(e).__name__  # SQLAlchemy's first line
     path = sqlite_path(url)
     if path is not None and path.is_dir():
         why = f"{path} is a directory"
@@ -59,6 +86,9 @@ def _storage_error(url: str, given: bool, e: BaseException) -> str:
                 "the file is kept as it is: run the command again")
     if "://" not in url:  # SQLAlchemy's "Could not parse SQLAlchemy URL" says nothing of what to type
         return f"--storage {url}: not a storage URL (a SQLite file is sqlite:///{Path(url).expanduser().resolve()})"
+    denied = _storage_not_writable(url, e)
+    if denied:
+        return f"--storage {_redact(url)}: {denied}" if given else f"the studies file (the default --storage): {denied}"
     if given:
         return f"--storage {_redact(url)}: cannot open the study storage ({type(e).__name__}: {why})"
     return (f"the studies file {path or _redact(url)} (the default --storage, beside the profile database) cannot be "
@@ -83,9 +113,9 @@ def _check_storage(url: str, given: bool, *, create: bool = True) -> None:
                 refuse_storage(url)
     except StorageRefused as e:  # another program's file, a folder that does not exist: the reason is the message
         _fail(f"--storage {_redact(url)}: {e}" if given
-              else f"the studies file (the default --storage, beside the profile database): {e}")
+              else f"the studies file (the default --storage, beside the profile database): {e}", e.exit_code)
     except Exception as e:  # SQLAlchemy / sqlite3 / a missing driver / Optuna's schema check: all mean "cannot open"
-        _fail(_storage_error(url, given, e))
+        _storage_failed(url, given, e)
 
 
 def _parse_tokens(text: str) -> list[int]:
@@ -115,8 +145,8 @@ def _open_store(db: Path | None, *, readonly: bool = False):
         _fail(f"the profile store is not available in this build ({e})")
     try:
         return Store(db, readonly=readonly)
-    except (RuntimeError, OSError, ValueError) as e:  # StoreError: not a database, newer schema, cannot open
-        _fail(str(e))
+    except (RuntimeError, OSError, ValueError) as e:  # StoreError: not a database, newer schema, cannot open, busy
+        _fail(str(e), getattr(e, "exit_code", 2))
 
 
 def _storage_url(storage: str | None, db: Path | None, store=None) -> str:
@@ -258,7 +288,7 @@ def tune(
             progress=bar, storage=storage, seed=seed, families=family or None, policy_override=policy,
             routing=routing, local_options=local_opts, node_model=node_model, on_trial=count)
     except StoreError as e:  # before `ValueError/OSError`: the profile database, not the tune, failed
-        _fail(_store_failed(e, store, url, ran[0]))
+        _fail(_store_failed(e, store, url, ran[0]), e.exit_code)
     except (ValueError, OSError) as e:
         _fail(str(e))
     except KeyboardInterrupt:
@@ -271,7 +301,11 @@ def tune(
         from sqlalchemy.exc import SQLAlchemyError
 
         if isinstance(e, SQLAlchemyError | SqliteError):  # the study storage failed while tuning
-            _fail(_storage_error(url, storage is not None, e))
+            _storage_failed(url, storage is not None, e)
+        cause = e.__cause__ or e.__context__  # Optuna's StorageInternalError wraps SQLite's "readonly", "locked"
+        if isinstance(e, optuna.exceptions.OptunaError) and isinstance(cause, SQLAlchemyError | SqliteError) and (
+                _storage_busy(cause) or _storage_not_writable(url, cause)):
+            _storage_failed(url, storage is not None, cause)
         if isinstance(e, optuna.exceptions.OptunaError):  # e.g. a trial another process finished meanwhile
             _fail(f"the tune stopped on an Optuna error ({type(e).__name__}: {e}); the finished trials are kept in "
                   f"{_redact(url)}: run the same command again to resume")
@@ -351,9 +385,17 @@ def _quiet_optuna() -> None:
 def _store_failed(e: BaseException, store: object, url: str, ran: int) -> str:
     """A profile-database error during the tune (a corrupt or locked file, a full disk): name the database and
     say what is kept. The trials are in the study storage, apart from the database: a re-run resumes them."""
+    from moetune.tuner.store import StoreBusy, StoreNotWritable
+
     db = getattr(store, "path", None)
     head = f"the profile database {db} failed: {e}" if db is not None and str(db) not in str(e) else \
         f"the profile database failed: {e}"
+    if isinstance(e, StoreBusy | StoreNotWritable):  # nothing is wrong with the file: no "fix the database"
+        fix = "" if isinstance(e, StoreBusy) else " make it writable (or pass another --db) and"  # e says "retry"
+        if ran:
+            return (f"{e}; the {ran} trial(s) this run finished are saved in the studies file {_redact(url)}:{fix} "
+                    "run the same command again: the studies resume and the profiles are written then")
+        return f"{e}; no trial ran" + (f":{fix} run the command again" if fix else "")
     if ran:
         kept = (f"the {ran} trial(s) this run finished are saved in the studies file {_redact(url)}; fix the "
                 "database (or pass another --db) and run the same command again: the studies resume and the "
@@ -494,7 +536,7 @@ def show(
     try:
         names_rows = list_studies(url)
     except Exception as e:  # SQLAlchemy / sqlite3 / Optuna: a bad URL, a folder, a file that is not a database
-        _fail(_storage_error(url, storage is not None, e))
+        _storage_failed(url, storage is not None, e)
     if study is None:
         rows = names_rows
         if as_json:

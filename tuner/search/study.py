@@ -67,7 +67,7 @@ from moetune.tuner.search.backends import (
     TuneWorkload,
 )
 from moetune.tuner.search.space import SearchSpace
-from moetune.tuner.store._folders import make_parent
+from moetune.tuner.store._folders import make_parent, not_writable
 from moetune.tuner.store._tables import (
     existing_tables,
     is_foreign_file,
@@ -148,7 +148,16 @@ def normalize_url(url: str) -> str:
 
 
 class StorageRefused(ValueError):
-    """A SQLite studies storage moetune will not create or write: another program's file, or a missing folder."""
+    """A SQLite studies storage moetune will not create or write: another program's file, or a missing folder.
+    `exit_code`: what a command exits with on it (2: what was given is wrong)."""
+
+    exit_code = 2
+
+
+class StorageNotWritable(StorageRefused):
+    """This user may not write the SQLite studies file, or create it in its folder (a failure: exit 1)."""
+
+    exit_code = 1
 
 
 def _schema_ready(path: Path, tables: set[str]) -> bool:
@@ -169,10 +178,14 @@ def _schema_ready(path: Path, tables: set[str]) -> bool:
 
 def _check_sqlite_studies_path(path: Path) -> set[str]:
     """The rules an explicit --db follows, for a SQLite studies file: moetune adds Optuna's tables (and WAL) to no
-    other program's file, and creates no folder but its own data folder. Returns the file's tables (none: new)."""
+    other program's file, and creates no folder but its own data folder; a file this user may not write, or a new one
+    in a folder this user may not write, is StorageNotWritable. Returns the file's tables (none: new)."""
     if path.exists():
-        if not path.is_file() or path.stat().st_size == 0:
-            return set()  # a folder or a device: SQLite says what is wrong; an empty file is a new one
+        if not path.is_file():
+            return set()  # a folder or a device: SQLite says what is wrong
+        if path.stat().st_size == 0:  # an empty file is a new one
+            _need_writable(path)
+            return set()
         tables = existing_tables(path, timeout_s=30)  # a plain mode=rw connection: it creates and switches nothing
         # Optuna's file (one whose first opening was cut short too: its schema is finished below, under the
         # creation lock), or the profile store's (the store shares its file with Optuna): not another program's
@@ -181,9 +194,19 @@ def _check_sqlite_studies_path(path: Path) -> set[str]:
                 f"{path} is another program's database (it has tables {shown_tables(tables)}, neither Optuna's studies "
                 f"tables nor moetune's): moetune does not add Optuna's tables to it; it is left as it is: give a new "
                 f"file or a studies file")
+        _need_writable(path)
         return tables
     make_parent(path, StorageRefused)  # no folder made but moetune's own data folder (the store's rule)
+    _need_writable(path)
     return set()
+
+
+def _need_writable(path: Path) -> None:
+    """StorageNotWritable naming the file (read-only for this user) or the folder (a new file, or the journal of a
+    write, cannot be made there)."""
+    why = not_writable(path, side_files=True)
+    if why:
+        raise StorageNotWritable(why)
 
 
 @contextmanager

@@ -6,6 +6,7 @@ does not exist is most likely a typo, and the system daemon's /var/lib/moetune c
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -27,3 +28,37 @@ def make_parent(path: Path, error: type[Exception]) -> None:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise error(f"cannot create the folder of {path}: {e}") from None
+
+
+def not_writable(path: Path, *, side_files: bool = False) -> str:
+    """Why this user cannot write the SQLite file `path` ('' when its permissions do not say so): the file is
+    read-only for this user, or it does not exist and its folder cannot be written (SQLite cannot create it there).
+    `side_files`: an existing file's folder too, where a write needs SQLite's side files: a rollback journal's
+    -journal is made there at every write; a WAL file needs its -wal and -shm (made there unless both are already
+    there and writable)."""
+    path = Path(path)
+    parent = path.parent
+    if path.is_file():
+        if not os.access(path, os.W_OK):
+            return f"{path} is read-only for this user (permission denied): it cannot be written"
+        if not side_files or not _needs_new_side_files(path):
+            return ""
+    elif path.exists():
+        return ""
+    if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
+        what = f"SQLite's journal for {path.name}" if path.exists() else f"a new database {path.name}"
+        return f"cannot write {parent}: permission denied ({what} cannot be created there)"
+    return ""
+
+
+def _needs_new_side_files(path: Path) -> bool:
+    """Whether a write to the existing SQLite file `path` makes a file beside it: always in rollback-journal mode (its
+    -journal; an empty file too); in WAL mode (header byte 18 is 2) unless its -wal and -shm are there and writable."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(20)
+    except OSError:
+        return False
+    if len(header) < 20 or header[18] != 2:  # rollback journal, or an empty file (its first write has one too)
+        return True
+    return not all(os.access(path.with_name(path.name + s), os.W_OK) for s in ("-wal", "-shm"))

@@ -18,7 +18,24 @@ MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
 
 class StoreError(RuntimeError):
-    """The database cannot be opened, is at an unknown revision, or a stored value is invalid."""
+    """The database cannot be opened, is at an unknown revision, or a stored value is invalid.
+
+    `exit_code`: what a command exits with on it: 2 (the database given is wrong: not a database, a newer schema,
+    ...), 1 for a failure with nothing wrong in what was given (`StoreBusy`, `StoreNotWritable`)."""
+
+    exit_code = 2
+
+
+class StoreBusy(StoreError):
+    """Another process held the database's write lock past the busy timeout: the file is fine, a retry works."""
+
+    exit_code = 1
+
+
+class StoreNotWritable(StoreError):
+    """This user may not write the database file, or the folder it is (or would be) in."""
+
+    exit_code = 1
 
 
 SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file

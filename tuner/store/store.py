@@ -39,7 +39,7 @@ from moetune.runtime.profile_record import (
 )
 from moetune.runtime.profiles import sqlite_open
 from moetune.tuner.store import io as _io
-from moetune.tuner.store._folders import make_parent
+from moetune.tuner.store._folders import make_parent, not_writable
 from moetune.tuner.store._rows import (
     PROVENANCE_RANK,
     current_of,
@@ -54,7 +54,9 @@ from moetune.tuner.store._schema import (
     MIGRATIONS_DIR,
     VERSION_TABLE,
     SchemaVersionManager,
+    StoreBusy,
     StoreError,
+    StoreNotWritable,
     head_revision,
     is_sqlite_file,
     known_revisions,
@@ -73,6 +75,8 @@ from moetune.tuner.store.models import Event, Fingerprint, Measurement, Profile,
 from moetune.tuner.store.validate import check_record
 
 BUSY_TIMEOUT_S = 30.0
+# a write that has waited this long for another process's lock says so (once) on stderr, then waits on to BUSY_TIMEOUT_S
+NOTICE_AFTER_S = 2.0
 _T = TypeVar("_T")
 log = logging.getLogger("moetune.store")
 # the _once scope of the unreadable-rows warning: one per process and database (it used to repeat on every read)
@@ -90,7 +94,9 @@ __all__ = [
     "ProfilesFile",
     "Row",
     "Store",
+    "StoreBusy",
     "StoreError",
+    "StoreNotWritable",
     "head_revision",
     "is_sqlite_file",
     "now",
@@ -202,7 +208,9 @@ def _probe(path: Path) -> tuple[DatabaseKind, str | None, set[str]]:
         tables, rev = sqlite_open.read(path, look, timeout_s=BUSY_TIMEOUT_S)
     except sqlite_open.DatabaseChanged as e:
         raise DatabaseChangedError(str(e)) from None
-    except (OSError, sqlite3.Error) as e:
+    except sqlite3.Error as e:
+        raise sqlite_failure(path, e, write=False) from None
+    except OSError as e:
         raise StoreError(f"{path}: {e}") from None
     if VERSION_TABLE in tables:
         return "moetune", rev, tables
@@ -229,7 +237,7 @@ def _refuse_foreign(path: Path, *, readonly: bool) -> None:
         try:
             tables = existing_tables(path, timeout_s=BUSY_TIMEOUT_S)
         except sqlite3.Error as e:
-            raise StoreError(f"{path}: {e}") from None
+            raise sqlite_failure(path, e, write=True) from None
     if is_foreign_file(tables):
         raise _foreign_error(path, tables)
 
@@ -240,9 +248,57 @@ def _make_parent(path: Path) -> None:
     make_parent(path, StoreError)
 
 
-def _on_begin(conn: Any) -> None:
-    mode = conn.get_execution_options().get("moetune_begin", "DEFERRED")
-    conn.exec_driver_sql(f"BEGIN {mode}")
+def is_locked(e: BaseException) -> bool:
+    """SQLite's answer when another connection held the lock past the busy timeout (SQLITE_BUSY)."""
+    return "database is locked" in str(e)
+
+
+# SQLite's answers when it cannot write the file or create it (or its -wal/-shm/-journal) in its folder
+_CANNOT_WRITE = ("readonly database", "unable to open database file")
+
+
+def sqlite_failure(path: Path, e: BaseException, *, write: bool) -> StoreError:
+    """The StoreError for a SQLite failure on the database at `path`: `StoreBusy` when another process held its lock
+    past the busy timeout (the file is fine: retry); `StoreNotWritable` when, for a write, this user may not write the
+    file or its folder; else SQLite's message with the path."""
+    why = str(e)
+    if is_locked(e):
+        return StoreBusy(f"another process held the database {path} for {BUSY_TIMEOUT_S:g} s (it is locked for "
+                         "writing, not damaged); retry when that process is done")
+    if write and any(m in why for m in _CANNOT_WRITE):
+        reason = not_writable(path, side_files=True)
+        if reason:
+            return StoreNotWritable(reason)
+    return StoreError(f"{path}: {why}")
+
+
+def _on_begin(path: Path) -> Callable[[Any], None]:
+    """The begin listener: `BEGIN <moetune_begin>`. A write transaction (IMMEDIATE/EXCLUSIVE) that waits for another
+    process's lock says so once, after NOTICE_AFTER_S, on the `moetune.store` log (stderr in a command), then waits on
+    to BUSY_TIMEOUT_S in all; past that SQLite's "database is locked" (`sqlite_failure`: StoreBusy)."""
+
+    def begin(conn: Any) -> None:
+        mode = conn.get_execution_options().get("moetune_begin", "DEFERRED")
+        if mode == "DEFERRED":
+            conn.exec_driver_sql(f"BEGIN {mode}")
+            return
+        raw = conn.connection.driver_connection
+        raw.execute(f"PRAGMA busy_timeout = {int(min(NOTICE_AFTER_S, BUSY_TIMEOUT_S) * 1000)}")
+        try:
+            try:
+                conn.exec_driver_sql(f"BEGIN {mode}")
+                return
+            except DatabaseError as e:
+                if not is_locked(e.orig) or NOTICE_AFTER_S >= BUSY_TIMEOUT_S:
+                    raise
+            left = BUSY_TIMEOUT_S - NOTICE_AFTER_S
+            log.warning("another process is writing the database %s: waiting for it (up to %g s more)", path, left)
+            raw.execute(f"PRAGMA busy_timeout = {int(left * 1000)}")
+            conn.exec_driver_sql(f"BEGIN {mode}")
+        finally:
+            raw.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+
+    return begin
 
 
 
@@ -288,7 +344,7 @@ class Store:
                 _make_parent(self.path)
                 self._engine = create_engine(self.url, connect_args={"timeout": BUSY_TIMEOUT_S})
         event.listen(self._engine, "connect", _on_connect(readonly or self.memory))
-        event.listen(self._engine, "begin", _on_begin)
+        event.listen(self._engine, "begin", _on_begin(self.path))
         self._writer = self._engine.execution_options(moetune_begin="IMMEDIATE")
         self._pid = os.getpid()
         # check_schema=False: a read-only look at a database at any revision (`moetune db current/check`).
@@ -346,14 +402,15 @@ class Store:
 
     @contextlib.contextmanager
     def _db_errors(self) -> Iterator[None]:
-        """SQLite failures (not a database, cannot open, locked past the timeout) become StoreError;
-        constraint violations stay IntegrityError."""
+        """SQLite failures become StoreError (`sqlite_failure`): StoreBusy when locked past the timeout by another
+        process, StoreNotWritable when this user may not write the file or its folder, else SQLite's message (not a
+        database, cannot open); constraint violations stay IntegrityError."""
         try:
             yield
         except IntegrityError:
             raise
         except DatabaseError as e:
-            raise StoreError(f"{self.path}: {e.orig}") from None
+            raise sqlite_failure(self.path, e.orig, write=not self.readonly and not self.memory) from None
 
     def _connect_readonly(self) -> sqlite_open.ReadOnlyConnection:
         con = _readonly_connect(self.path)
