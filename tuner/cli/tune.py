@@ -95,6 +95,16 @@ def _storage_error(url: str, given: bool, e: BaseException) -> str:
             f"opened ({type(e).__name__}: {why}); it is left as it is: move it aside or pass --storage")
 
 
+def _refuse_memory(storage: str, why: str) -> None:
+    """Exit 2 on an in-memory SQLite --storage (`sqlite://`, `sqlite:///:memory:`): it exited 0 and the studies
+    vanished."""
+    from moetune.tuner.search.study import is_memory
+
+    if is_memory(storage):
+        _fail(f"--storage {storage}: an in-memory database: {why}; give a file (sqlite:///PATH) or a server URL "
+              "(postgresql://...)")
+
+
 def _check_storage(url: str, given: bool, *, create: bool = True) -> None:
     """Open the study storage once before anything runs: a bad URL, a folder or a file that is not a database is
     one clear error, not a traceback from Optuna or SQLAlchemy. `create` False: only what can be checked without
@@ -236,6 +246,8 @@ def tune(
         except PolicyError as e:
             _fail(str(e))
 
+    if storage:
+        _refuse_memory(storage, "the studies would be lost when moetune exits: nothing could resume or show them")
     forced = _forced_model(preset) if backend == "model" and preset is not None else ""
     if forced:
         err.print(_forced_note(preset, forced, node_model))
@@ -528,8 +540,14 @@ def show(
     if db is None and not storage:
         db = _load_config(config).db_path
     url = _storage_url(storage, db)
-    from moetune.tuner.search.study import sqlite_path
+    from moetune.tuner.search.study import StorageRefused, refuse_query, sqlite_path
 
+    if storage:
+        _refuse_memory(storage, "a new one holds no studies")
+    try:
+        refuse_query(url)  # `?mode=rw` was read as part of the file name: "no studies yet (…?mode=rw does not exist)"
+    except StorageRefused as e:
+        _fail(f"--storage {_redact(url)}: {e}")
     p = sqlite_path(url)
     if p is not None and not p.exists():
         _fail(f"no studies yet ({p} does not exist)")

@@ -132,9 +132,34 @@ def is_sqlite(url: str) -> bool:
 
 
 def sqlite_path(url: str) -> Path | None:
+    """The file of a `sqlite:///PATH` URL, without its query string (`sqlite_query`); None for another URL (an
+    in-memory `sqlite://` included: `is_memory`)."""
     if not url.startswith("sqlite:///"):
         return None
-    return Path(url[len("sqlite:///"):])
+    return Path(url[len("sqlite:///"):].split("?", 1)[0])
+
+
+def sqlite_query(url: str) -> str:
+    """The query string of a SQLite URL ('' when none)."""
+    return url.split("?", 1)[1] if is_sqlite(url) and "?" in url else ""
+
+
+def is_memory(url: str) -> bool:
+    """A SQLite URL of an in-memory database (`sqlite://`, `sqlite:///:memory:`, `?mode=memory`): gone at exit."""
+    if not is_sqlite(url):
+        return False
+    path = sqlite_path(url)
+    return path is None or str(path) == ":memory:" or "mode=memory" in sqlite_query(url)
+
+
+def refuse_query(url: str) -> None:
+    """StorageRefused for a SQLite studies URL with a query string: moetune opens the file itself (read-write, or
+    read-only for `tune show`) and by its path, so `?mode=rw` and the like would be ignored in some opens and not in
+    others."""
+    query = sqlite_query(url)
+    if query:
+        raise StorageRefused(f"query parameters ({query}) are not taken on a SQLite studies URL: moetune opens the "
+                             f"file itself; give sqlite:///{sqlite_path(url)}")
 
 
 def normalize_url(url: str) -> str:
@@ -298,6 +323,7 @@ def refuse_storage(url: str) -> None:
     url = normalize_url(url)
     path = sqlite_path(url) if is_sqlite(url) else None
     if path is not None and str(path) != ":memory:":
+        refuse_query(url)
         _check_sqlite_studies_path(path)
         return
     import sqlalchemy
@@ -318,6 +344,7 @@ def make_storage(url: str, *, own: bool = False) -> optuna.storages.RDBStorage:
         path = sqlite_path(url)
         if path is None or str(path) == ":memory:":
             return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}})
+        refuse_query(url)
         new = not path.exists() or (path.is_file() and path.stat().st_size == 0)
         tables = _check_sqlite_studies_path(path)  # another program's file, a missing folder: refused
         if _schema_ready(path, tables):
@@ -351,6 +378,7 @@ def open_readonly_storage(url: str) -> optuna.storages.RDBStorage:
     url = normalize_url(url)
     path = sqlite_path(url) if is_sqlite(url) else None
     if path is not None and str(path) != ":memory:":
+        refuse_query(url)
         if not path.is_file():
             raise NotAStudiesFile(f"{path} does not exist" if not path.exists() else f"{path} is not a file")
         import sqlalchemy

@@ -1,0 +1,58 @@
+"""SQLite --storage URLs that tune cannot keep, or that were misread. Before, `tune --storage sqlite:///:memory:` and
+`--storage sqlite://` exited 0 and the studies vanished at exit; `tune show --storage 'sqlite:///D/optuna.db?mode=rw'`
+said "no studies yet (/D/optuna.db?mode=rw does not exist)" (the query read as part of the file name). Now an
+in-memory storage is refused (exit 2, before anything is made) and a query string is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.tuner.cli import app
+from moetune.tuner.search.study import StorageRefused, is_memory, make_storage, sqlite_path
+
+pytestmark = pytest.mark.timeout(240)
+TUNE = ["tune", "-m", "qwen3-30b", "--preset", "nvlink-h200x2", "--trials", "2", "--tokens", "128"]
+
+
+def _run(tmp_path: Path, *args: str):
+    return CliRunner().invoke(app, list(args), env={"MOETUNE_HOME": str(tmp_path / "home"), "COLUMNS": "300"})
+
+
+@pytest.mark.parametrize("url", ["sqlite:///:memory:", "sqlite://", "sqlite:///file.db?mode=memory&cache=shared"])
+def test_tune_refuses_an_in_memory_storage(tmp_path: Path, url: str) -> None:
+    r = _run(tmp_path, *TUNE, "--db", str(tmp_path / "m.db"), "--storage", url)
+    assert r.exit_code == 2, r.output
+    line = " ".join(r.stderr.split())
+    assert f"--storage {url}: an in-memory database: the studies would be lost when moetune exits" in line, r.stderr
+    assert not (tmp_path / "m.db").exists() and not (tmp_path / "file.db").exists()
+    r = _run(tmp_path, "tune", "show", "--storage", url)
+    assert r.exit_code == 2 and "an in-memory database" in r.stderr, r.output
+
+
+def test_a_query_string_is_refused_by_name(tmp_path: Path) -> None:
+    studies = tmp_path / "optuna.db"
+    assert _run(tmp_path, *TUNE, "--db", str(tmp_path / "m.db"), "--storage", f"sqlite:///{studies}").exit_code == 0
+    url = f"sqlite:///{studies}?mode=rw"
+    r = _run(tmp_path, "tune", "show", "--storage", url)
+    assert r.exit_code == 2, r.output
+    line = " ".join(r.stderr.split())
+    assert "query parameters (mode=rw) are not taken" in line and f"give sqlite:///{studies}" in line, r.stderr
+    assert "does not exist" not in line
+    r = _run(tmp_path, *TUNE, "--db", str(tmp_path / "m2.db"), "--storage", url)
+    assert r.exit_code == 2 and "query parameters (mode=rw)" in r.stderr, r.output
+    assert not (tmp_path / "m2.db").exists()
+    missing = tmp_path / "none.db"
+    r = _run(tmp_path, "tune", "show", "--storage", f"sqlite:///{missing}?mode=ro")
+    assert r.exit_code == 2 and "query parameters (mode=ro)" in r.stderr, r.output
+
+
+def test_url_helpers(tmp_path: Path) -> None:
+    assert sqlite_path("sqlite:////d/o.db?mode=rw") == Path("/d/o.db")
+    assert is_memory("sqlite://") and is_memory("sqlite:///:memory:") and not is_memory(f"sqlite:///{tmp_path}/x.db")
+    assert not is_memory("postgresql://u@h/db")
+    with pytest.raises(StorageRefused, match="query parameters"):
+        make_storage(f"sqlite:///{tmp_path / 'x.db'}?timeout=5")
+    assert not (tmp_path / "x.db").exists()
