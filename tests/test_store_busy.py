@@ -107,8 +107,6 @@ def test_commands_say_another_process_holds_it(tmp_path: Path, args: list[str]) 
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="tuner/cli/db.py open_store exits 2 on every StoreError: it needs "
-                   "`fail(str(e), e.exit_code)` (StoreBusy.exit_code is 1); db.py is another engineer's file")
 def test_profiles_delete_on_a_held_database_exits_1(tmp_path: Path) -> None:
     db = tmp_path / "m.db"
     _profile(db)

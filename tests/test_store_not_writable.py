@@ -122,8 +122,6 @@ def test_a_read_only_studies_file_exits_1(tmp_path: Path) -> None:
     assert f"{studies} is read-only for this user" in _one_line(r), r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="tuner/cli/db.py open_store exits 2 on every StoreError: it needs "
-                   "`fail(str(e), e.exit_code)` (StoreNotWritable.exit_code is 1); db.py is another engineer's file")
 def test_db_upgrade_in_a_folder_that_cannot_be_written_exits_1(tmp_path: Path, ro_dir: Path) -> None:
     r = moetune("db", "upgrade", "--db", str(ro_dir / "p.db"), home=tmp_path / "home")
     assert r.returncode == 1, r.stderr

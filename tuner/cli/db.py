@@ -81,18 +81,19 @@ def _open(path: Path, mode: OpenMode) -> Any:
 
 @contextlib.contextmanager
 def open_store(db: Path | None, config: Path | None, *, mode: OpenMode) -> Iterator[Any]:
-    """Open the store for a command (see OpenMode); errors become a red message and exit status 2."""
+    """Open the store for a command (see OpenMode); errors become a red message and the error's exit status (2: the
+    database or the input is wrong; 1: another process holds it, or this user may not write it)."""
     from moetune.tuner.store.store import StoreError
 
     path = db_path(db, config)
     try:
         store = _open(path, mode)
     except StoreError as e:
-        raise fail(str(e)) from None
+        raise fail(str(e), e.exit_code) from None
     try:
         yield store
     except StoreError as e:
-        raise fail(str(e)) from None
+        raise fail(str(e), e.exit_code) from None
     finally:
         store.close()
 
