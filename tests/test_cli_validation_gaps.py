@@ -317,3 +317,10 @@ def test_model_predict_notes_name_the_layout_modelled(tmp_path: Path, layout: st
     assert r.exit_code == 0, r.output
     notes = json.loads(r.stdout)["notes"]
     assert any(note in n for n in notes) and notes[0].startswith("MODELLED"), notes
+
+
+@pytest.mark.parametrize("args", [("presets",), ("predict", "-p", "slingshot11-libfabric-a100x4", "-n", "4")])
+def test_model_tables_cut_nothing_at_80_columns(tmp_path: Path, args: tuple[str, ...]) -> None:
+    r = run("model", *args, home=tmp_path, COLUMNS="80")
+    assert r.exit_code == 0, r.output
+    assert "…" not in r.output, r.output

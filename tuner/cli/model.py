@@ -11,9 +11,9 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from moetune.tuner.cli._args import int_list
+from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
 app = typer.Typer(help="The fabric model: predicted (modelled) dispatch/combine cost on any fabric.", no_args_is_help=True)
@@ -111,10 +111,6 @@ def predict_cmd(
                "knobs": k.to_dict()}
         typer.echo(json.dumps(out))
         return
-    t = Table(title=f"{LABEL}: {_e(pr.name)} · {_e(w.model.name)} · {w.nodes}x{w.gpus_per_node} GPUs · "
-                    f"{w.tokens_per_gpu} tokens/GPU · {_e(w.routing)}")
-    t.add_column("quantity")
-    t.add_column("value (modelled)", justify="right")
     rows = [
         ("latency (dispatch + combine)", f"{res.latency_us:,.1f} µs"),
         ("dispatch", f"{res.dispatch_us:,.1f} µs"),
@@ -127,15 +123,12 @@ def predict_cmd(
         ("transfers", f"{res.transfers}"),
         ("bytes on the wire", f"{res.bytes_on_wire / 1e6:,.3f} MB"),
     ]
-    for a, b in rows:
-        t.add_row(a, b)
-    _console.print(t)
-    ph = Table(title=f"{LABEL}: per-phase breakdown (µs; component times overlap)")
-    ph.add_column("phase")
-    ph.add_column("µs", justify="right")
-    for name, v in res.phases.items():
-        ph.add_row(_e(name), f"{v:,.1f}")
-    _console.print(ph)
+    print_table(_console, [Col("quantity", "word"), Col("value (modelled)", "num")], rows,
+                title=f"{LABEL}: {_e(pr.name)} · {_e(w.model.name)} · {w.nodes}x{w.gpus_per_node} GPUs · "
+                      f"{w.tokens_per_gpu} tokens/GPU · {_e(w.routing)}")
+    print_table(_console, [Col("phase", "word"), Col("µs", "num")],
+                [(_e(name), f"{v:,.1f}") for name, v in res.phases.items()],
+                title=f"{LABEL}: per-phase breakdown (µs; component times overlap)")
     _console.print(f"knobs: {_e(_knob_str(k))}")
     for note in res.notes:  # what was modelled (the wire layout); the MODELLED note is the closing line
         if not note.startswith(LABEL):
@@ -351,13 +344,12 @@ def sweep_cmd(
                                "knobs": k0.to_dict(), "notes": notes, "series": series,
                                "plot": str(plot_path) if plot_path and drawable else None}))
     else:
-        t = Table(title=f"{LABEL}: {_e(pr.name)} · {_e(w0.model.name)} · sweep over {over}")
-        t.add_column(over, justify="right")
+        cols = [Col(over, "num")]
         for label in series:
             short = label.replace("coupled", "c").replace("decoupled", "d").replace("proxy_drain", "drain")
             short = short.replace("nic_ordered", "nic").replace("dec", "d")
-            t.add_column(f"{short} µs", justify="right")
-            t.add_column("fences", justify="right")
+            cols += [Col(f"{short} µs", "num"), Col("fences", "num")]
+        table_rows = []
         reasons: dict[str, int] = {}  # the model's reason for each n/a, numbered once however many cells it covers
         for i, x in enumerate(xs):
             cells = [str(x)]
@@ -368,8 +360,8 @@ def sweep_cmd(
                     cells += [f"n/a ({n})", "-"]
                 else:
                     cells += [f"{r['latency_us']:,.1f}", str(r["fences"])]
-            t.add_row(*cells)
-        _console.print(t)
+            table_rows.append(cells)
+        print_table(_console, cols, table_rows, title=f"{LABEL}: {_e(pr.name)} · {_e(w0.model.name)} · sweep over {over}")
         _console.print(f"[yellow]{LABEL}[/yellow]: n/a = that setting is invalid or unsafe for this workload"
                        + (", because:" if reasons else "."))
         for why, n in reasons.items():
@@ -443,13 +435,11 @@ def presets_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON."
     if as_json:
         typer.echo(json.dumps(items))
         return
-    t = Table(title="fabric model presets (parameters with sources; predictions are MODELLED)")
-    for c in ("name", "family", "transports", "GPUs/node", "calibrated"):
-        t.add_column(c, no_wrap=c == "name")
-    for it in items:
-        t.add_row(_e(it["name"]), _e(it["family"]), _e(", ".join(it["transports"])), str(it["gpus_per_node"]),
-                  "yes" if it["calibrated"] else "no")
-    _console.print(t)
+    print_table(_console, [Col("name", "word"), Col("family", "word"), Col("transports", "word"),
+                           Col("GPUs/node", "num"), Col("calibrated", "word")],
+                [(_e(it["name"]), _e(it["family"]), _e(", ".join(it["transports"])), str(it["gpus_per_node"]),
+                  "yes" if it["calibrated"] else "no") for it in items],
+                title="fabric model presets (parameters with sources; predictions are MODELLED)")
 
 
 @app.command("calibrate")
@@ -498,20 +488,15 @@ def calibrate_cmd(
         if refused:
             raise typer.Exit(1)
         return
-    t = Table(title=f"calibration of {_e(rep.preset.name)}: measured vs {LABEL}")
-    for c in ("point", "measured µs", "modelled µs", "error"):
-        t.add_column(c, justify="right" if c != "point" else "left")
-    for p in rep.points:
-        err = p.rel_err
-        colour = "green" if abs(err) <= 0.2 else "red"
-        t.add_row(_e(p.label), f"{p.measured_us:,.1f}", f"{p.predicted_us:,.1f}", f"[{colour}]{err:+.1%}[/{colour}]")
-    _console.print(t)
-    pt = Table(title="fitted parameters")
-    for c in ("parameter", "before", "after"):
-        pt.add_column(c)
-    for k in rep.fitted:
-        pt.add_row(_e(k), f"{rep.params_before[k]:.4g}", f"{rep.params_after[k]:.4g}")
-    _console.print(pt)
+    colour = {True: "green", False: "red"}
+    print_table(_console, [Col("point", "text"), Col("measured µs", "num"), Col("modelled µs", "num"), Col("error", "num")],
+                [(_e(p.label), f"{p.measured_us:,.1f}", f"{p.predicted_us:,.1f}",
+                  f"[{colour[abs(p.rel_err) <= 0.2]}]{p.rel_err:+.1%}[/{colour[abs(p.rel_err) <= 0.2]}]")
+                 for p in rep.points],
+                title=f"calibration of {_e(rep.preset.name)}: measured vs {LABEL}")
+    print_table(_console, [Col("parameter", "word"), Col("before", "num"), Col("after", "num")],
+                [(_e(k), f"{rep.params_before[k]:.4g}", f"{rep.params_after[k]:.4g}") for k in rep.fitted],
+                title="fitted parameters")
     for g, v in s["by_group"].items():
         _console.print(f"{_e(g)}: {v['points']} points, mean |error| {v['mean_abs_rel_err']:.1%}, "
                        f"max |error| {v['max_abs_rel_err']:.1%}")
