@@ -101,7 +101,7 @@ def test_commands_say_another_process_holds_it(tmp_path: Path, args: list[str]) 
     args = [str(export) if a == "EXPORT" else a for a in args]
     with locked(db):
         r = moetune(*args, "--db", str(db), home=tmp_path)
-    assert r.returncode != 0, r.stdout
+    assert r.returncode == 1, r.stderr  # a failure, not bad input (db.py: StoreError.exit_code)
     assert r.stderr.count(WAITING) == 1, r.stderr
     assert HELD in r.stderr and "database is locked" not in r.stderr, r.stderr
     assert "Traceback" not in r.stderr

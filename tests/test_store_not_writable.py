@@ -66,7 +66,7 @@ def ro_dir(tmp_path: Path) -> Path:
 
 def test_db_upgrade_in_a_folder_that_cannot_be_written(tmp_path: Path, ro_dir: Path) -> None:
     r = moetune("db", "upgrade", "--db", str(ro_dir / "p.db"), home=tmp_path / "home")
-    assert r.returncode != 0
+    assert r.returncode == 1, r.stderr
     assert f"cannot write {ro_dir}: permission denied" in _one_line(r), r.stderr  # was "unable to open database file"
     assert "unable to open" not in r.stderr
 
@@ -99,7 +99,7 @@ def test_a_read_only_database_file_is_named(tmp_path: Path) -> None:
     _profile(db)
     db.chmod(0o444)
     r = moetune("profiles", "delete", "1", "-y", "--db", str(db), home=tmp_path / "home")
-    assert r.returncode != 0
+    assert r.returncode == 1, r.stderr
     assert f"{db} is read-only for this user" in _one_line(r), r.stderr  # was "attempt to write a readonly database"
     r = moetune(*TUNE, "--db", str(db), home=tmp_path / "home")
     assert r.returncode == 1, r.stderr
