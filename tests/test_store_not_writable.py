@@ -105,6 +105,8 @@ def test_a_read_only_database_file_is_named(tmp_path: Path) -> None:
     assert r.returncode == 1, r.stderr
     line = _one_line(r)
     assert f"{db} is read-only for this user" in line and "fix the database" not in line, r.stderr
+    r = moetune("serve", "--db", str(db), "--socket", f"ipc://{tmp_path}/run/d.sock", home=tmp_path / "home")
+    assert r.returncode == 1 and f"{db} is read-only for this user" in _one_line(r), r.stderr
     db.chmod(0o644)
     con = sqlite3.connect(db)
     assert con.execute("SELECT count(*) FROM profiles").fetchone()[0] == 1  # nothing was changed

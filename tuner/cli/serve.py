@@ -69,7 +69,8 @@ def register(app: typer.Typer) -> None:
                               retune_hook=retune_hook, log_level=log_level, curve_clients_dir=curve_clients_dir)
         except (DaemonConfigError, ValueError, OverflowError, OSError, RuntimeError, zmq.ZMQError) as e:
             typer.secho(f"moetune serve: {e}", fg="red", err=True)
-            raise typer.Exit(2) from None
+            # 2: the configuration is wrong; a store error says its own (1: held by another process, not writable)
+            raise typer.Exit(getattr(e, "exit_code", 2)) from None
         raise typer.Exit(code)
 
     @app.command("status")
