@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moetune.tuner.cli import app
+from moetune.tuner.store._tables import OPTUNA_COLUMNS, OPTUNA_TABLES
 from moetune.tuner.store.store import Store, StoreError, head_revision
 
 CAPTURE = Path(__file__).parent / "captures" / "h200x1"
@@ -57,8 +58,8 @@ def test_empty_file_new_path_and_optuna_file_still_become_stores(tmp_path: Path)
     optuna = tmp_path / "studies.db"  # an Optuna study file: the store shares its file with Optuna
     con = sqlite3.connect(optuna)
     con.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)")
-    for table in ("studies", "trials", "version_info"):  # Optuna's core tables (tuner/store/_tables.py)
-        con.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY)")
+    for table in OPTUNA_TABLES:  # Optuna's core tables, with Optuna's columns (tuner/store/_tables.py)
+        con.execute(f"CREATE TABLE {table} ({', '.join(OPTUNA_COLUMNS[table])})")
     con.commit()
     con.close()
     for path in (empty, no_tables, optuna, tmp_path / "new.db"):

@@ -9,6 +9,7 @@ import pytest
 
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.tuner.store._tables import OPTUNA_COLUMNS, OPTUNA_TABLES
 from moetune.tuner.store.store import VERSION_TABLE, Store, StoreError, head_revision
 
 OWN = {"fingerprints", "measurements", "tuning_runs", "profiles", "events"}
@@ -98,10 +99,9 @@ def test_populated_database_to_base_leaves_other_tables_alone(tmp_path):
     con = sqlite3.connect(path)
     con.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)")
     con.execute("INSERT INTO alembic_version VALUES ('v3.2.0.a')")
-    con.execute("CREATE TABLE studies (id INTEGER PRIMARY KEY, name TEXT)")
-    con.execute("INSERT INTO studies (name) VALUES ('s')")
-    con.execute("CREATE TABLE trials (id INTEGER PRIMARY KEY)")  # with studies and version_info: Optuna's core
-    con.execute("CREATE TABLE version_info (id INTEGER PRIMARY KEY)")
+    for table in OPTUNA_TABLES:  # Optuna's core tables, with Optuna's columns
+        con.execute(f"CREATE TABLE {table} ({', '.join(OPTUNA_COLUMNS[table])})")
+    con.execute("INSERT INTO studies (study_name) VALUES ('s')")
     con.commit()
     con.close()
     with Store(path) as s:
@@ -115,7 +115,7 @@ def test_populated_database_to_base_leaves_other_tables_alone(tmp_path):
         assert len(s.list_profiles()) == 3
     con = sqlite3.connect(path)
     assert con.execute("SELECT version_num FROM alembic_version").fetchall() == [("v3.2.0.a",)]
-    assert con.execute("SELECT name FROM studies").fetchall() == [("s",)]
+    assert con.execute("SELECT study_name FROM studies").fetchall() == [("s",)]
     con.close()
 
 

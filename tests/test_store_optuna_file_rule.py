@@ -16,9 +16,10 @@ from moetune.tuner.store.store import Store, StoreError, head_revision, probe_da
 
 
 def make(path: Path, *tables: str) -> str:
+    """A file with these tables: Optuna's with Optuna's columns, any other with an id column."""
     con = sqlite3.connect(path)
     for t in tables:
-        con.execute(f"CREATE TABLE {t} (id INTEGER PRIMARY KEY)")
+        con.execute(f"CREATE TABLE {t} ({', '.join(_tables.OPTUNA_COLUMNS.get(t, ('id',)))})")
     con.commit()
     con.close()
     return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -89,7 +90,8 @@ def test_a_half_created_studies_file_is_finished_not_refused(tmp_path: Path, nam
     """Was: refused for ever as "another program's database (it has tables studies, study_directions, ...)"."""
     db = tmp_path / "studies.db"
     assert half_created(db, *names) == set(names)
-    assert not _tables.is_foreign_file(set(names)) and _tables.is_unfinished_optuna_file(set(names))
+    tables = _tables.existing_tables(db, timeout_s=5)  # the names with their columns
+    assert not _tables.is_foreign_file(tables) and _tables.is_unfinished_optuna_file(tables)
     st = study.make_storage(f"sqlite:///{db}")  # finishes the schema (and stamps it)
     assert (tmp_path / "studies.db.lock").is_file()  # under the creation lock (taken only while the schema is missing)
     s = study.open_study("moetune/t", st, seed=0)
@@ -109,7 +111,40 @@ def test_a_half_created_studies_file_may_become_a_store(tmp_path: Path) -> None:
     study.make_storage(f"sqlite:///{db}")  # and Optuna finishes its part
 
 
-def test_an_unfinished_optuna_file_needs_only_optunas_names() -> None:
-    assert _tables.is_foreign_file({"studies", "customers"})  # a table of another program's
+def test_an_unfinished_optuna_file_needs_optunas_names_and_columns() -> None:
+    ok = {n: frozenset(c) for n, c in _tables.OPTUNA_COLUMNS.items() if n in ("studies", "trials")}
+    assert _tables.is_unfinished_optuna_file(_tables.Tables(ok))
+    assert _tables.is_foreign_file(_tables.Tables({**ok, "trials": frozenset({"id", "patient"})}))  # a user's columns
+    assert _tables.is_foreign_file(_tables.Tables({**ok, "customers": frozenset({"id"})}))  # a table of another's
+    core = {n: frozenset({"id"}) for n in _tables.OPTUNA_TABLES}  # Optuna's core names, a user's own columns
+    assert _tables.is_foreign_file(_tables.Tables(core)) and not _tables.is_optuna_file(_tables.Tables(core))
+    assert _tables.is_foreign_file({"studies", "customers"})
     assert _tables.is_foreign_file({"alembic_version", "studies", "study_directions"})  # stamped: not unfinished
     assert not _tables.is_unfinished_optuna_file(set())
+
+
+def test_optuna_columns_are_the_installed_optunas() -> None:
+    from optuna.storages._rdb import models
+
+    assert {n: set(c) for n, c in _tables.OPTUNA_COLUMNS.items()} == {
+        n: {c.name for c in t.columns} for n, t in models.BaseModel.metadata.tables.items()}
+
+
+@pytest.mark.parametrize("ddl", ["CREATE TABLE trials (id INTEGER PRIMARY KEY, patient TEXT)",
+                                 "CREATE TABLE studies (id INTEGER PRIMARY KEY, title TEXT)"])
+def test_a_users_file_with_a_table_called_trials_or_studies_is_foreign(tmp_path: Path, ddl: str) -> None:
+    """Only Optuna's table names, no alembic_version: but a user's own columns, so not an unfinished Optuna file;
+    neither the store nor tune --storage adds a table to it or switches its journal."""
+    db = tmp_path / "user.db"
+    con = sqlite3.connect(db)
+    con.execute(ddl)
+    con.commit()
+    con.close()
+    digest = hashlib.sha256(db.read_bytes()).hexdigest()
+    assert probe_database(db) == ("foreign", None)
+    with pytest.raises(StoreError, match="not a moetune database"):
+        Store(db)
+    with pytest.raises(study.StorageRefused, match="another program's database"):
+        study.make_storage(f"sqlite:///{db}")
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["user.db"]
