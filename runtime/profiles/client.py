@@ -342,8 +342,11 @@ def query_db_profiles(
 def node_identity_from_db(db_path: str | Path, timeout_s: float = 0.05) -> tuple[node_identity.NodeIdentity | None, str]:
     """This node's identity from the database's recorded fingerprints (see `node_identity`)."""
     # a what-if preset's fingerprint (`moetune tune --preset`) names a modelled fabric, not a node: never this one's
-    rows = db_read(db_path, "SELECT hash, facts, last_seen FROM fingerprints WHERE hash NOT LIKE ? "
-                   "ORDER BY last_seen DESC LIMIT 16", (PRESET_PREFIX + "%",), timeout_s)
+    # ... nor is a fingerprint recorded without facts (a placeholder the store adds for a profile's key): left out
+    # before the LIMIT, or 16 such rows would hide the node's own
+    rows = db_read(db_path, "SELECT hash, facts, last_seen FROM fingerprints WHERE hash NOT LIKE ? AND facts IS NOT "
+                   "NULL AND trim(facts) NOT IN ('', '{}', 'null') ORDER BY last_seen DESC LIMIT 16",
+                   (PRESET_PREFIX + "%",), timeout_s)
     return node_identity.from_fingerprint_rows(rows)
 
 
@@ -1131,7 +1134,10 @@ def _warn_loose_secret(path: str) -> None:
     client (an admin key: may re-tune). A warning, not a refusal: the daemon enforces its allow-list, and refusing
     here would only push the job onto its fallbacks without a word at the daemon."""
     for where, forbid in secret_key_checks(path):
-        loose = loose_key_path(where, forbid=forbid)
+        try:
+            loose = loose_key_path(where, forbid=forbid)
+        except OSError:  # gone or unreadable meanwhile: a warning only, the key was read
+            continue
         if loose is None:
             continue
         if where == Path(path):
