@@ -305,3 +305,28 @@ def test_tune_show_storage_says_changed_not_malformed(tmp_path: Path, fallback: 
 
     with pytest.raises(sqlite_open.DatabaseChanged, match=r"studies\.db: the database changed while being read"):
         optuna.get_all_study_summaries(st)
+
+
+def test_a_file_gone_before_the_fallback_is_sqlites_own_error_not_changed(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """mode=ro failed as without a -shm, then the file vanished (a rename, a delete): SQLite's error, not a retried
+    'changed while being read'."""
+    db = tmp_path / "moetune.db"
+    add(db, 1)
+
+    def no_shm_then_gone(uri: str, timeout_s: float) -> sqlite_open.ReadOnlyConnection:
+        db.unlink()
+        e = sqlite3.OperationalError("attempt to write a readonly database")
+        e.sqlite_errorname = "SQLITE_READONLY_DIRECTORY"
+        raise e
+
+    monkeypatch.setattr(sqlite_open, "_open_ro", no_shm_then_gone)
+    with pytest.raises(sqlite3.OperationalError) as e:
+        sqlite_open.connect_readonly(db, timeout_s=1)
+    assert not isinstance(e.value, sqlite_open.DatabaseChanged) and "readonly" in str(e.value)
+
+
+def test_a_changed_read_is_a_passing_condition_exit_1() -> None:
+    from moetune.tuner.store.store import DatabaseChangedError
+
+    assert DatabaseChangedError("x").exit_code == 1

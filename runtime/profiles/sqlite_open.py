@@ -116,6 +116,8 @@ def connect_readonly(path: str | Path, *, timeout_s: float) -> ReadOnlyConnectio
                 f"in {path.parent} can apply (start the daemon, or open it once as the user who owns it)"
             ) from None
         identity = file_identity(path)  # before the connection reads a byte
+        if identity is None and not path.exists():
+            raise  # no file (gone meanwhile): SQLite's own "unable to open", not "changed while being read"
         con = sqlite3.connect(uri + "&immutable=1", uri=True, check_same_thread=False, factory=ReadOnlyConnection)
         con.immutable = True
         con.identity = identity

@@ -157,7 +157,10 @@ def _readonly_connect(path: Path) -> sqlite_open.ReadOnlyConnection:
 
 
 class DatabaseChangedError(StoreError):
-    """A read through immutable=1 overlapped a change of the database file (`sqlite_open.DatabaseChanged`)."""
+    """A read through immutable=1 overlapped a change of the database file (`sqlite_open.DatabaseChanged`): a
+    passing condition (retry), not a wrong database."""
+
+    exit_code = 1
 
 
 def _retried(method: Callable[..., _T]) -> Callable[..., _T]:
