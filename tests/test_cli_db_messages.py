@@ -137,3 +137,29 @@ def test_downgrade_help_says_where_revision_ids_are_shown() -> None:
     text = " ".join(r.output.replace("│", " ").split())  # the help panel's borders out
     assert r.exit_code == 0 and "`moetune db current` shows the database's and the newest one" in text
     assert '"base" (drops every moetune table)' in text
+
+
+def test_suggested_commands_name_a_database_given_by_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A database named by --config (not --db) is named in the suggested command, shell-quoted: without it the
+    suggestion would downgrade (or upgrade) the default database."""
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    db = tmp_path / "my dir" / "m.db"
+    db.parent.mkdir()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[store]\ndb = "{db}"\n')
+    run("db", "upgrade", "--config", str(cfg))
+    run("db", "downgrade", "0005", "--yes", "--config", str(cfg))
+    r, text = run("db", "upgrade", "--revision", "0003", "--config", str(cfg))
+    assert r.exit_code == 2, r.output
+    assert f"`moetune db downgrade 0003 --yes --db '{db}'`" in text
+    optuna_file = tmp_path / "my dir" / "studies.db"
+    _optuna_file(optuna_file)
+    cfg.write_text(f'[store]\ndb = "{optuna_file}"\n')
+    r, text = run("db", "check", "--config", str(cfg))
+    assert r.exit_code == 1 and f"`moetune db upgrade --db '{optuna_file}'` adds them" in text, text
+    # the default database needs no --db
+    default = tmp_path / "home" / "moetune.db"
+    run("db", "upgrade")
+    run("db", "downgrade", "0005", "--yes")
+    r, text = run("db", "upgrade", "--revision", "0003")
+    assert r.exit_code == 2 and "`moetune db downgrade 0003 --yes`" in text and str(default) in text, text

@@ -98,6 +98,23 @@ def open_store(db: Path | None, config: Path | None, *, mode: OpenMode) -> Itera
         store.close()
 
 
+def db_flag(path: Path) -> str:
+    """` --db PATH` (shell-quoted) for a suggested command, so that it acts on this database; empty when PATH is the
+    database a plain command uses (no --db, no --config). Named whenever that cannot be told: a --config naming
+    another database would otherwise send the suggestion to the default one."""
+    import shlex
+
+    from moetune.runtime.config import ConfigError, resolve_db_path
+
+    try:
+        default = resolve_db_path(None, None)
+        if default.expanduser().resolve() == Path(path).expanduser().resolve():
+            return ""
+    except (ConfigError, OSError, RuntimeError):
+        pass
+    return f" --db {shlex.quote(str(path))}"
+
+
 def _tables_of(path: Path) -> set[str]:
     """The tables of an existing SQLite file, read-only (SQLite's own left out); none when it cannot be read."""
     from moetune.runtime.profiles import sqlite_open
@@ -167,9 +184,8 @@ def upgrade(
     with open_store(db, config, mode="init") as store:
         before = store.current_revision()
         if before is not None and revision != "head" and _older_than(before, revision):
-            where = f" --db {store.path}" if db is not None else ""
             raise fail(f"{store.path} is at revision {before}, newer than {revision}: an upgrade does not go down; "
-                       f"to roll back run `moetune db downgrade {revision} --yes{where}`")
+                       f"to roll back run `moetune db downgrade {revision} --yes{db_flag(store.path)}`")
         try:
             store.upgrade(revision)
         except StoreError:
@@ -246,7 +262,7 @@ def check(
         from moetune.tuner.store.store import head_revision
 
         why = (f"not a moetune database ({what}): no moetune tables yet; `moetune db upgrade"
-               f"{f' --db {path}' if db is not None else ''}` adds them")
+               f"{db_flag(path)}` adds them")
         if json_out:
             print_json({"path": str(path), "revision": None, "head": head_revision(), "at_head": False,
                         "moetune_tables": False, "ok": False, "problem": why})
@@ -264,7 +280,7 @@ def check(
         out.print(f"{escape(info['path'])}: {mark}")
         out.print(escape(f"  revision {info['revision'] or 'none'} (head {info['head']})"
                          + ("" if info["revision"] else ": no moetune tables (`moetune db downgrade base` dropped "
-                            "them?); `moetune db upgrade` makes them")))
+                            f"them?); `moetune db upgrade{db_flag(Path(info['path']))}` makes them")))
         out.print(escape(f"  integrity: {', '.join(info['integrity'])}"))
         out.print(f"  foreign key errors: {info['foreign_key_errors']}")
         for d in info["schema_diff"]:
