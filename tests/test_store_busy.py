@@ -128,3 +128,42 @@ def test_tune_on_a_held_database_exits_1_and_does_not_say_fix_it(tmp_path: Path)
                 "--db", str(db), "--json", home=tmp_path)
     assert r.returncode == 0, r.stderr  # the lock gone, the same command works
     assert json.loads(r.stdout)[0]["stored"] == "new"
+
+
+CAPTURE = str(Path(__file__).parent / "captures" / "cpu-laptop")
+
+
+@pytest.mark.parametrize("args", [["fabric", "show", "--record", "--from", CAPTURE],
+                                  ["profile", "--quick", "--capture", CAPTURE]])
+def test_fabric_record_and_profile_on_a_held_database_exit_1(tmp_path: Path, args: list[str]) -> None:
+    """fabric show --record printed the waiting line, then a traceback; profile exited 2 ("bad input")."""
+    db = tmp_path / "m.db"
+    _profile(db)
+    with locked(db):
+        r = moetune(*args, "--db", str(db), home=tmp_path)
+    assert r.returncode == 1, r.stderr
+    assert HELD in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("error", ["busy", "not_writable", "bad"])
+def test_fabric_and_profile_open_errors_keep_the_store_errors_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     error: str) -> None:
+    """Opening the store: a StoreBusy / StoreNotWritable exits 1, another StoreError 2 (both always exited 2)."""
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+    from moetune.tuner.store.store import StoreError, StoreNotWritable
+
+    exc = {"busy": StoreBusy, "not_writable": StoreNotWritable, "bad": StoreError}[error]
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise exc("the database says no")
+
+    monkeypatch.setattr(store_mod, "Store", refuse)
+    db = tmp_path / "m.db"
+    for args in (["fabric", "show", "--record", "--from", CAPTURE], ["fabric", "diff", "--from", CAPTURE],
+                 ["profile", "--quick", "--capture", CAPTURE]):
+        r = CliRunner().invoke(app, [*args, "--db", str(db)], env={"MOETUNE_CONFIG": "", "MOETUNE_HOME": str(tmp_path)})
+        assert isinstance(r.exception, SystemExit), repr(r.exception)
+        assert r.exit_code == exc.exit_code, (args, r.output)
+        assert "the database says no" in r.output

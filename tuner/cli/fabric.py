@@ -128,8 +128,15 @@ def show(
     """Discover the fabric (or read a capture) and show facts, fingerprint and transport families."""
     f = _discover(from_dir, timeout_s)
     if record:
+        from moetune.tuner.store.store import StoreError
+
         store = _open_store(readonly=False, db=db, config=config)
-        store.upsert_fingerprint(f.fingerprint, f.to_dict())
+        try:
+            store.upsert_fingerprint(f.fingerprint, f.to_dict())
+        except StoreError as e:  # e.g. another process holds the database (exit 1), not a traceback
+            raise _fail(str(e), e.exit_code) from None
+        finally:
+            store.close()
     if as_json:
         typer.echo(json.dumps(_summary(f), indent=1))
     else:
@@ -163,25 +170,32 @@ def capture(
 def _open_store(readonly: bool = True, db: Path | None = None, config: Path | None = None) -> Any:
     try:
         from moetune.runtime.config import resolve_db_path
-        from moetune.tuner.store.store import Store
+        from moetune.tuner.store.store import Store, StoreError
     except ImportError as e:
         raise _fail(f"the fingerprint store is not available in this installation ({e}); "
                     "compare against a capture instead: --against DIR")
     try:
         path = resolve_db_path(db, config)
         return Store(path, readonly=readonly) if readonly else Store(path)
+    except StoreError as e:  # its own status: 1 when another process holds it or this user may not write it
+        raise _fail(f"cannot open the store: {e}", e.exit_code) from None
     except Exception as e:  # the store reports its own configuration / database problems
         raise _fail(f"cannot open the store: {e}")
 
 
 def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | None = None) -> tuple[str, dict[str, Any]]:
+    from moetune.tuner.store.store import StoreError
+
     store = _open_store(readonly=True, db=db, config=config)
-    rows: list[Any] = []
-    if fp_hash is not None:
-        row = store.get_fingerprint(fp_hash)
-        rows = [row] if row is not None else []
-    if not rows:
+    try:
+        row = store.get_fingerprint(fp_hash) if fp_hash is not None else None
         allrows = list(store.list_fingerprints())
+    except StoreError as e:
+        raise _fail(str(e), e.exit_code) from None
+    finally:
+        store.close()
+    rows: list[Any] = [row] if row is not None else []
+    if not rows:
         # the default is the latest fingerprint with facts: a model tune records its preset's key (no facts) too,
         # which is no discovered fabric to compare with
         rows = [r for r in allrows if r["facts"]] if fp_hash is None else \

@@ -75,12 +75,14 @@ def _open(db: Path | None, config: Path | None, *, readonly: bool = False):
 
     `readonly`: the database must exist (a report of nothing would only create an empty one)."""
     from moetune.runtime.config import ConfigError, load_config
-    from moetune.tuner.store.store import Store
+    from moetune.tuner.store.store import Store, StoreError
 
     try:
         cfg = load_config(config)
         return cfg, Store(db or cfg.db_path, readonly=readonly)
-    except (ConfigError, RuntimeError, OSError) as e:  # ConfigError names key + file; StoreError the database
+    except StoreError as e:  # names the database; exit 1 when another process holds it or this user may not write it
+        _fail(str(e), e.exit_code)
+    except (ConfigError, RuntimeError, OSError) as e:  # ConfigError names key + file
         _fail(str(e))
 
 
@@ -108,6 +110,7 @@ def profile(
     from moetune.runtime.knobs import KnobError
     from moetune.tuner.bringup.flow import Bringup, Plan
     from moetune.tuner.fabric.discovery import DiscoveryError
+    from moetune.tuner.store.store import StoreError
 
     # ERROR: Optuna logs a failed trial (Ctrl-C included) as a WARNING with its traceback; the flow reports failures
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -145,6 +148,8 @@ def profile(
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: run the same command again to continue where it stopped[/]")
         raise typer.Exit(130) from None
+    except StoreError as e:  # e.g. another process holds the database: exit 1, as db/tune/profiles do
+        _fail(f"{e} (finished stages are kept; rerun to continue)", e.exit_code)
     except (ValueError, KnobError, RuntimeError, OSError) as e:
         _fail(f"{e} (finished stages are kept; rerun to continue)")
     finally:
