@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from moetune.runtime import _proc
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.search import study as study_mod
 from moetune.tuner.search.backends import CallableBackend, TuneWorkload
@@ -41,6 +43,14 @@ from moetune.tuner.search.study import open_study
 t = open_study("moetune/t", sys.argv[1], seed=0).ask()
 print(t._trial_id, flush=True)
 os._exit(0)  # killed: no atexit, its trial never told
+"""
+
+ASK_AND_HOLD = """
+import sys
+from moetune.tuner.search.study import open_study
+t = open_study("moetune/t", sys.argv[1], seed=0).ask()
+print(t._trial_id, flush=True)
+sys.stdin.read()  # alive, its trial RUNNING, until the test closes stdin
 """
 
 OPEN_AND_EXIT = """
@@ -133,7 +143,7 @@ def _space() -> SearchSpace:
 def test_run_study_leaves_the_registry(tmp_path: Path, interrupt: bool) -> None:
     url = f"sqlite:///{tmp_path / 's.db'}"
     study = open_study("moetune/t", url, seed=0)
-    assert list(_registrations(url)) == [WORKER_KEY + study_mod.current_worker().rsplit(":", 1)[0]]
+    assert list(_registrations(url)) == [WORKER_KEY + ":".join(study_mod.current_worker().split(":")[:2])]
 
     def f(k, wl) -> float:
         if interrupt:
@@ -164,39 +174,147 @@ def test_exited_and_killed_processes_leave_no_registration(tmp_path: Path) -> No
     other_host = f"{WORKER_KEY}another-host.invalid:1"
     study._storage.set_study_system_attr(study._study_id, other_host, {"run": "x", "since": datetime.now().isoformat()})
     open_study("moetune/t", url, seed=1)  # deletes the dead one of this host; another host's cannot be checked
-    me = WORKER_KEY + study_mod.current_worker().rsplit(":", 1)[0]
+    me = WORKER_KEY + ":".join(study_mod.current_worker().split(":")[:2])
     assert set(_registrations(url)) == {other_host, me}
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process start times are read from /proc (Linux)")
+HAS_PROC = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="start ticks are read from /proc (Linux)")
+
+
+def _sleeper() -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, text=True)
+
+
+@HAS_PROC
 def test_a_pid_reused_by_a_later_process_owns_no_trial(tmp_path: Path) -> None:
     """A dead worker's pid, reused by an unrelated long-lived process of this host: os.kill(pid, 0) succeeds, and its
-    trial stayed RUNNING for ever. A process that started after the trial started (or after a registration's
-    `since`) cannot own it. The reuse is forged: a live child named in a trial that started a minute before it."""
+    trial stayed RUNNING for ever. The worker records its start ticks: a process with that pid and other ticks is
+    another one. The reuse is forged: a live child named with ticks that are not its own."""
     import socket
-    import sqlite3
 
     url = f"sqlite:///{tmp_path / 's.db'}"
     study = open_study("moetune/t", url, seed=0)
-    old = study._storage.create_new_trial(study._study_id)
-    con = sqlite3.connect(tmp_path / "s.db")
-    con.execute("UPDATE trials SET datetime_start = ? WHERE trial_id = ?",
-                ((datetime.now() - timedelta(minutes=1)).isoformat(" "), old))
-    con.commit()
-    con.close()
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, text=True)
+    child = _sleeper()
     try:
-        forged = f"{socket.gethostname()}:{child.pid}:dead0run"
-        young = study._storage.create_new_trial(study._study_id)  # started after the child: the child may own it
-        for t in (old, young):
-            study._storage.set_trial_user_attr(t, "worker", forged)
-        study._storage.set_study_system_attr(study._study_id, f"{WORKER_KEY}{socket.gethostname()}:{child.pid}",
-                                             {"run": "dead0run",
-                                              "since": (datetime.now() - timedelta(minutes=1)).isoformat()})
+        ticks = _proc.start_ticks(child.pid)
+        assert ticks is not None
+        host = socket.gethostname()
+        old = study._storage.create_new_trial(study._study_id)
+        study._storage.set_trial_user_attr(old, "worker", f"{host}:{child.pid}:dead0run:{ticks + 1}")
+        young = study._storage.create_new_trial(study._study_id)  # the child's own: it owns it
+        study._storage.set_trial_user_attr(young, "worker", f"{host}:{child.pid}:itsrun:{ticks}")
+        study._storage.set_study_system_attr(study._study_id, f"{WORKER_KEY}{host}:{child.pid}",
+                                             {"run": "dead0run", "since": datetime.now().isoformat(),
+                                              "ticks": ticks - 1})
         study = open_study("moetune/t", url, seed=1)
         t = study._storage.get_trial(old)
         assert t.state == TrialState.FAIL and INTERRUPTED in t.user_attrs  # was: RUNNING while the child lived
         assert study._storage.get_trial(young).state == TrialState.RUNNING
-        assert f"{WORKER_KEY}{socket.gethostname()}:{child.pid}" not in _registrations(url)  # deleted: not its
+        assert f"{WORKER_KEY}{host}:{child.pid}" not in _registrations(url)  # deleted: not its
+    finally:
+        child.communicate(input="", timeout=60)
+
+
+ALIVE = """
+import sys
+from moetune.tuner.search.study import _worker_alive
+print(*(_worker_alive(w) for w in sys.argv[1:]))
+"""
+
+
+@HAS_PROC
+@pytest.mark.parametrize("tz", ["UTC", "Asia/Tokyo", "America/New_York", "JST-9"])
+def test_a_worker_is_known_by_its_start_ticks_under_any_time_zone(tz: str) -> None:
+    """Was: a live worker's trial start (recorded under TZ=UTC) was compared with its /proc start time converted to
+    the reader's zone (TZ=Asia/Tokyo): the worker looked started 9 hours after its trial, was judged dead, and its
+    RUNNING trial failed. Now only the ticks are compared: right ticks alive, wrong ticks dead, in any zone."""
+    import os
+    import socket
+
+    child = _sleeper()
+    try:
+        ticks = _proc.start_ticks(child.pid)
+        base = f"{socket.gethostname()}:{child.pid}:somerun"
+        r = _python(ALIVE, f"{base}:{ticks}", f"{base}:{ticks + 1}", f"{base}:{ticks - 100}",
+                    env={**os.environ, "TZ": tz})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["True", "False", "False"]
+    finally:
+        child.communicate(input="", timeout=60)
+
+
+@HAS_PROC
+def test_a_live_workers_trial_survives_a_reader_in_another_time_zone(tmp_path: Path) -> None:
+    """The reproduction: the holder (TZ=UTC) asks a trial and lives; a process under TZ=Asia/Tokyo opens the study.
+    Was: the holder's trial was failed as interrupted and its registration deleted."""
+    import os
+    import socket
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    open_study("moetune/t", url, seed=0)
+    holder = subprocess.Popen([sys.executable, "-c", ASK_AND_HOLD, url], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "TZ": "UTC"})
+    try:
+        assert holder.stdout is not None
+        line = holder.stdout.readline()
+        assert line.strip().isdigit(), holder.stderr.read() if holder.stderr else ""
+        trial_id = int(line)
+        r = _python(OPEN_AND_EXIT, url, "exits", env={**os.environ, "TZ": "Asia/Tokyo"})
+        assert r.returncode == 0, r.stderr
+        st = optuna.storages.RDBStorage(url)
+        assert st.get_trial(trial_id).state == TrialState.RUNNING
+        assert f"{WORKER_KEY}{socket.gethostname()}:{holder.pid}" in _registrations(url)
+    finally:
+        holder.communicate(input="", timeout=60)
+
+
+def test_an_old_worker_record_falls_back_to_os_kill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """host:pid:run and host:pid (records without ticks): os.kill(pid, 0) alone, no time compared; a zombie (killed,
+    not yet reaped) is gone, as client._pid_gone has it."""
+    import os
+    import socket
+
+    killed: list[int] = []
+    real_kill = os.kill
+
+    def kill(pid: int, sig: int) -> None:
+        killed.append(pid)
+        real_kill(pid, sig)
+
+    monkeypatch.setattr(os, "kill", kill)
+    child = _sleeper()
+    host = socket.gethostname()
+    try:
+        assert study_mod._worker_alive(f"{host}:{child.pid}:oldrun")
+        assert study_mod._worker_alive(f"{host}:{child.pid}")
+        assert killed == [child.pid, child.pid]
+    finally:
+        child.kill()
+    for _ in range(200):  # killed, not reaped: a zombie
+        if _proc.is_zombie(child.pid) or not Path("/proc/self/stat").exists():
+            break
+        time.sleep(0.01)
+    try:
+        assert not study_mod._worker_alive(f"{host}:{child.pid}:oldrun")
+        if Path("/proc/self/stat").exists():
+            ticks = _proc.start_ticks(child.pid)
+            assert not study_mod._worker_alive(f"{host}:{child.pid}:oldrun:{ticks}")  # its ticks, but a zombie
+    finally:
+        child.wait(timeout=60)
+    assert not study_mod._worker_alive(f"{host}:{child.pid}:oldrun")
+
+
+@HAS_PROC
+def test_proc_stat_is_split_at_the_last_parenthesis(tmp_path: Path) -> None:
+    """The command name (field 2) may hold spaces and parentheses: `x) S 1 (y` must not be read as the fields."""
+    exe = tmp_path / "x) Z 1 2 (y"
+    exe.symlink_to(sys.executable)
+    child = subprocess.Popen([str(exe), "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, text=True)
+    try:
+        ticks = _proc.start_ticks(child.pid)
+        assert ticks is not None and ticks >= _proc.start_ticks()  # started after this process
+        assert not _proc.is_zombie(child.pid) and not _proc.pid_gone(child.pid)
+        assert _proc.same_process(child.pid, ticks) is True
     finally:
         child.communicate(input="", timeout=60)

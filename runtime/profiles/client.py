@@ -189,18 +189,9 @@ def read_daemon_info(endpoint: str | None = None, env: Mapping[str, str] = os.en
 
 def _pid_gone(pid: int) -> bool:
     """Whether no process `pid` runs on this host (a zombie, killed and not yet reaped, is gone too)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # EPERM: another user's process, alive
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2].split()[:1]
-    except OSError:
-        return False
-    return state == [b"Z"]
+    from moetune.runtime import _proc
+
+    return _proc.pid_gone(pid)
 
 
 def stale_daemon_reason(endpoint: str) -> str | None:

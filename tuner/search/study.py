@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import hashlib
 import inspect
 import json
@@ -58,6 +57,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from moetune.runtime import _proc
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profile_record import TOKEN_BUCKETS, ProfileKey
 from moetune.tuner.search.backends import (
@@ -79,11 +79,12 @@ from moetune.tuner.store._tables import (
 log = logging.getLogger("moetune.tuner.search.study")
 
 STUDY_PREFIX = "moetune/"
-# This process in a trial's `worker` attr and the study's worker registry: host:pid:run. The run id tells this
-# process from an earlier one that had the same pid (containers reuse pids run after run).
+# This process in a trial's `worker` attr and the study's worker registry: host:pid:run:ticks. The run id tells this
+# process from an earlier one that had the same pid (containers reuse pids run after run); the ticks (its start, in
+# clock ticks since boot: /proc) let another process tell whether that pid is still this process.
 _RUN = uuid.uuid4().hex[:12]
 _REGISTERED_AT = datetime.now()  # before this process asks for any trial (Optuna's datetime_start: local, naive)
-WORKER_KEY = "worker:"  # study system attr `worker:host:pid` -> {"run": id, "since": ISO time}
+WORKER_KEY = "worker:"  # study system attr `worker:host:pid` -> {"run": id, "since": ISO time, "ticks": int}
 # A worker's registration and a trial's start are read off one host's clock: a little slack for a clock step.
 CLOCK_SLACK = timedelta(seconds=2)
 # A RUNNING trial without a `worker` attr: its creator records itself in the sampler's `before_trial`, right after
@@ -97,9 +98,22 @@ def _now() -> datetime:
     return datetime.now()
 
 
+_TICKS: dict[int, int | None] = {}  # pid -> its start ticks (a forked child has its own)
+
+
+def _start_ticks() -> int | None:
+    """When this process started, in clock ticks since boot (/proc/self/stat's field 22); None without /proc."""
+    pid = os.getpid()
+    if pid not in _TICKS:
+        _TICKS[pid] = _proc.start_ticks()
+    return _TICKS[pid]
+
+
 def current_worker() -> str:
-    """host:pid:run of this process (computed each time: a forked child has its own pid)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{_RUN}"
+    """host:pid:run:ticks of this process (host:pid:run without /proc); computed each time: a forked child has its
+    own pid and ticks."""
+    ticks = _start_ticks()
+    return f"{socket.gethostname()}:{os.getpid()}:{_RUN}" + (f":{ticks}" if ticks is not None else "")
 
 
 WORKER = current_worker()
@@ -489,60 +503,28 @@ def open_study(name: str, storage: str | optuna.storages.BaseStorage, *, seed: i
     return study
 
 
-@functools.lru_cache(maxsize=1)
-def _boot_time() -> float | None:
-    """When this host booted (seconds since the epoch: /proc/stat's btime), on Linux; None elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            for line in f:
-                if line.startswith("btime "):
-                    return float(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _process_started(pid: int) -> datetime | None:
-    """When process `pid` started (local, naive: Optuna's datetime_start clock), from /proc/<pid>/stat's starttime
-    (field 22, clock ticks since boot); None where there is no /proc (not Linux) or it cannot be read."""
-    boot = _boot_time()
-    if boot is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-        ticks = int(text.rsplit(")", 1)[1].split()[19])  # after the (command name, spaces and all): fields 3, 4, ... 22
-        return datetime.fromtimestamp(boot + ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _worker_alive(worker: Any, started_by: datetime | None = None) -> bool:
-    """Whether the process a `worker` (host:pid:run; host:pid before run ids) names still runs on this host.
-    `started_by`: when that process was already running (its trial's start, or its registration's `since`): a
-    process with that pid that started later (on Linux: /proc) is another one that reuses a dead worker's pid."""
+def _worker_alive(worker: Any) -> bool:
+    """Whether the process a `worker` (host:pid:run:ticks; host:pid:run and host:pid in older records) names still
+    runs on this host. `ticks`: its start in clock ticks since boot (/proc/<pid>/stat's field 22): on Linux it is
+    alive iff that pid's stat has those ticks and is not a zombie's (a pid reused by a later process has other
+    ticks). No clock is compared: the time zone, a DST change or an NTP step of the writer cannot make it look dead.
+    Without ticks (an older record) or without /proc: os.kill(pid, 0), a zombie being gone."""
     text = str(worker or "")
     if text == current_worker():
         return True  # this process: its trial is in flight (another study object of it, or a thread)
     parts = text.split(":")
-    if len(parts) not in (2, 3):
+    if len(parts) not in (2, 3, 4):
         return False
     host, pid = parts[0], parts[1]
     if host != socket.gethostname() or not pid.isdigit():
         return False  # no attr, or another host (cannot tell)
     if int(pid) == os.getpid():
         return False  # this pid with another (or no) run id: an earlier process whose pid this one reuses
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, run by another user
-        pass
-    if started_by is not None:
-        started = _process_started(int(pid))
-        if started is not None and started > started_by + CLOCK_SLACK:
-            return False  # the pid of a dead worker, reused by a process that started after its trial
-    return True
+    if len(parts) == 4 and parts[3].isdigit():
+        same = _proc.same_process(int(pid), int(parts[3]))
+        if same is not None:
+            return same
+    return not _proc.pid_gone(int(pid))
 
 
 # (storage, study id) -> (storage, study id) of every study this process registered in and has not left yet
@@ -550,10 +532,14 @@ _REGISTERED: dict[tuple[str, int], tuple[optuna.storages.BaseStorage, int]] = {}
 _REGISTRIES: set[tuple[str, int]] = set()  # every study this process has registered in (a study with a registry)
 
 
-def _registration() -> tuple[str, dict[str, str]]:
+def _registration() -> tuple[str, dict[str, Any]]:
     """This process's key and value in a study's worker registry."""
-    host, pid, run = current_worker().split(":")
-    return f"{WORKER_KEY}{host}:{pid}", {"run": run, "since": _REGISTERED_AT.isoformat()}
+    host, pid, run = current_worker().split(":")[:3]
+    value: dict[str, Any] = {"run": run, "since": _REGISTERED_AT.isoformat()}
+    ticks = _start_ticks()
+    if ticks is not None:
+        value["ticks"] = ticks
+    return f"{WORKER_KEY}{host}:{pid}", value
 
 
 def register_worker(study: optuna.Study) -> None:
@@ -607,6 +593,12 @@ def _unregister_all() -> None:
         _leave(storage, study_id)
 
 
+def _registered_worker(name: str, value: dict[str, Any]) -> str:
+    """The worker (host:pid:run:ticks, or host:pid:run from a registration without ticks) a registration names."""
+    ticks = value.get("ticks")
+    return f"{name}:{value.get('run')}" + (f":{ticks}" if isinstance(ticks, int) and not isinstance(ticks, bool) else "")
+
+
 def _live_registrations(study: optuna.Study) -> list[datetime]:
     """The `since` of each live registered worker of the study other than this process: when that process loaded
     this module (`_REGISTERED_AT`), before it asked for any trial, not when it registered. A registration of this
@@ -622,7 +614,7 @@ def _live_registrations(study: optuna.Study) -> list[datetime]:
         if isinstance(v, dict):
             with contextlib.suppress(ValueError):
                 since = datetime.fromisoformat(str(v.get("since")))
-        if since is not None and _worker_alive(f"{name}:{v.get('run')}", since):
+        if since is not None and _worker_alive(_registered_worker(name, v)):
             out.append(since)
         elif name.split(":")[0] == host:
             try:
@@ -639,7 +631,7 @@ def _maybe_owned(study: optuna.Study, t: optuna.trial.FrozenTrial, live: list[da
     running when it started (its `since` is no later than the trial's start: any trial a worker creates starts after
     its `since`, and it registers before it asks, so a live creator is among these)."""
     if "worker" in t.user_attrs:
-        return _worker_alive(t.user_attrs["worker"], t.datetime_start)
+        return _worker_alive(t.user_attrs["worker"])
     if (_storage_id(study._storage), t._trial_id) in _ASKED:
         return True
     start = t.datetime_start
