@@ -93,3 +93,51 @@ def test_import_of_bad_stdin_is_one_clear_line(tmp_path: Path) -> None:
     r = run("profiles", "import", "-", "--db", str(tmp_path / "d.db"), input="not json\n")
     assert r.exit_code == 2 and "<stdin>: not valid JSON" in r.stderr and "database unchanged" in r.stderr, r.output
     assert "Traceback" not in r.output and not (tmp_path / "d.db").exists()
+
+
+def test_import_of_empty_or_closed_stdin_says_so(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    db = tmp_path / "d.db"
+    r = run("profiles", "import", "-", "--db", str(db), input=b"")
+    assert r.exit_code == 2 and "stdin is empty" in r.stderr and "truncated" not in r.stderr, r.output
+    empty = tmp_path / "e.json"
+    empty.write_bytes(b"")
+    r = run("profiles", "import", str(empty), "--db", str(db))
+    assert r.exit_code == 2 and f"{empty} is empty" in r.stderr, r.output
+    # stdin closed (`<&-`): Python's sys.stdin is None; this was a traceback
+    code = "from moetune.tuner.cli import main; main()"
+    p = subprocess.run(["bash", "-c", f'"$0" -c "{code}" profiles import - --db "$1" <&-', sys.executable, str(db)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "no stdin" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not db.exists()
+
+
+@pytest.mark.parametrize(("err", "code"), [("EACCES", 1), ("EPERM", 1), ("EROFS", 1), ("ENOSPC", 1),
+                                           ("ENOENT", 2), ("EISDIR", 2)])
+def test_export_write_errors_exit_by_whose_fault(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: str,
+                                                  code: int) -> None:
+    """1 when this user may not write there or there is no space; 2 for a bad path (missing folder, a directory)."""
+    import errno
+    import os
+
+    from moetune.tuner.store import io as store_io
+
+    def refuse(*_a: object, **_k: object) -> int:
+        n = getattr(errno, err)
+        raise OSError(n, os.strerror(n), "x")
+
+    db = tmp_path / "s.db"
+    fill(db)
+    monkeypatch.setattr(store_io, "export_profiles", refuse)
+    r = run("profiles", "export", str(tmp_path / "out.json"), "--db", str(db))
+    assert r.exit_code == code and "cannot write" in r.stderr, r.output
+
+
+def test_export_to_a_bad_path_exits_2(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    fill(db)
+    for target in (tmp_path / "no" / "out.json", tmp_path):  # a missing folder; a directory
+        r = run("profiles", "export", str(target), "--force", "--db", str(db))
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output

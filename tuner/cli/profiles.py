@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -195,9 +196,14 @@ def export_cmd(
         except FileExistsError:  # an existing file (a read-only one too) is replaced only when asked
             ro = " (read-only)" if _read_only(Path(path).expanduser()) else ""
             raise fail(f"{path} already exists{ro}: not replaced (--force replaces it)") from None
-        except OSError as e:
-            raise fail(f"cannot write {path}: {e.strerror or e}") from None
+        except OSError as e:  # 1: this user may not write there, or no space (the path is fine); 2: a bad path
+            code = 1 if e.errno in _CANNOT_WRITE else 2
+            raise fail(f"cannot write {path}: {e.strerror or e}", code) from None
     out.print(escape(f"exported {n} profile(s) to {path}"))
+
+
+# OSErrors of a write that say nothing is wrong with the path given: permission, a read-only filesystem, no space
+_CANNOT_WRITE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT})
 
 
 def _read_only(path: Path) -> bool:
@@ -225,6 +231,9 @@ def import_cmd(
 
     stdin = str(path) == "-"
     source = "<stdin>" if stdin else str(path)
+    if stdin and sys.stdin is None:  # started with stdin closed (`<&-`)
+        raise fail("import -: no stdin (it is closed); pipe an export into it (moetune profiles export - | moetune "
+                   "profiles import -)")
     if stdin and sys.stdin.isatty():  # reading would wait for typing: say what `-` is for
         raise fail("import -: stdin is a terminal; pipe an export into it (moetune profiles export - | moetune "
                    "profiles import -)")
@@ -232,6 +241,8 @@ def import_cmd(
         data = sys.stdin.buffer.read() if stdin else path.read_bytes()
     except OSError as e:
         raise fail(f"cannot read {source}: {e.strerror or e}") from None
+    if not data:  # not "not valid JSON: Input data was truncated"
+        raise fail(f"{'stdin' if stdin else source} is empty: nothing to import (database unchanged)")
     try:  # validate before opening: a bad file must not create (or upgrade) a database either
         parse_export(data, source=source, skip_invalid=skip_invalid)
     except ProfileImportError as e:
