@@ -52,6 +52,20 @@ def _storage_failed(url: str, given: bool, e: BaseException) -> NoReturn:
     _fail(_storage_error(url, given, e), 1 if _storage_busy(e) or _storage_not_writable(url, e) else 2)
 
 
+def _read_failed(url: str, given: bool, e: BaseException) -> NoReturn:
+    """`tune show`'s read failed. Optuna wraps SQLAlchemy's errors (StorageInternalError "...invalid data in the
+    commit..."): the chain says what happened. A writer changed the file under the read (DatabaseChanged, after the
+    reads `list_studies`/`describe_study` ran again) or holds it locked: exit 1, retry; else `_storage_failed`."""
+    from moetune.tuner.search.study import changed_while_read, exception_chain, sqlite_path
+
+    if changed_while_read(e):
+        where = f"--storage {_redact(url)}" if given else f"the studies file {sqlite_path(url) or _redact(url)}"
+        _fail(f"{where}: the studies file changed while being read (a tune is writing it); the file is kept as it is: "
+              "retry", 1)
+    busy = next((x for x in exception_chain(e) if _storage_busy(x)), None)
+    _storage_failed(url, given, busy or e)
+
+
 def _why(e: BaseException) -> str:
     return str(getattr(e, "orig", None) or e)
 
@@ -554,7 +568,7 @@ def show(
     try:
         names_rows = list_studies(url)
     except Exception as e:  # SQLAlchemy / sqlite3 / Optuna: a bad URL, a folder, a file that is not a database
-        _storage_failed(url, storage is not None, e)
+        _read_failed(url, storage is not None, e)
     if study is None:
         rows = names_rows
         if as_json:
@@ -582,6 +596,8 @@ def show(
         _fail(f"no study named {study!r} in {_redact(url)}")
     except NotAMoetuneStudy as e:
         _fail(f"{e} ({_redact(url)})")
+    except Exception as e:  # as list_studies: a file changed or locked meanwhile is one line, not a traceback
+        _read_failed(url, storage is not None, e)
     if as_json:
         typer.echo(json.dumps(d, indent=2, default=str))
         return

@@ -52,7 +52,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import optuna
 from optuna.trial import TrialState
@@ -77,6 +77,7 @@ from moetune.tuner.store._tables import (
 )
 
 log = logging.getLogger("moetune.tuner.search.study")
+T = TypeVar("T")
 
 STUDY_PREFIX = "moetune/"
 # This process in a trial's `worker` attr and the study's worker registry: host:pid:run:ticks. The run id tells this
@@ -962,7 +963,44 @@ def neighbour_bucket(storage: optuna.storages.BaseStorage, key: ProfileKey, back
 # reading studies back (`moetune tune show`)
 
 
+def exception_chain(e: BaseException | None) -> list[BaseException]:
+    """e and what it was raised from or while handling (`__cause__`, else `__context__`), each once."""
+    out: list[BaseException] = []
+    while e is not None and all(e is not x for x in out):
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def changed_while_read(e: BaseException) -> bool:
+    """Whether a read failed because a writer changed the SQLite file under it (`sqlite_open.DatabaseChanged`, also
+    where Optuna wrapped it: StorageInternalError "...invalid data in the commit...")."""
+    from moetune.runtime.profiles import sqlite_open
+
+    return any(isinstance(x, sqlite_open.DatabaseChanged) for x in exception_chain(e))
+
+
+def _read_again(fn: Callable[[], T]) -> T:
+    """fn() run again (a fresh read-only storage each time) while the file changed under it, as `sqlite_open.read`
+    does: up to sqlite_open.READ_ATTEMPTS times, then its error."""
+    from moetune.runtime.profiles import sqlite_open
+
+    for attempt in range(sqlite_open.READ_ATTEMPTS):
+        try:
+            return fn()
+        except Exception as e:
+            if attempt == sqlite_open.READ_ATTEMPTS - 1 or not changed_while_read(e):
+                raise
+        sqlite_open.retry_pause(attempt)
+    raise AssertionError("unreachable")
+
+
 def list_studies(storage: str) -> list[dict[str, Any]]:
+    """Every moetune study in the storage (read only; read again while a writer changed the file under the read)."""
+    return _read_again(lambda: _list_studies(storage))
+
+
+def _list_studies(storage: str) -> list[dict[str, Any]]:
     st = open_readonly_storage(storage)
     out = []
     for s in optuna.get_all_study_summaries(st, include_best_trial=True):
@@ -981,7 +1019,12 @@ class NotAMoetuneStudy(ValueError):
 
 
 def describe_study(storage: str, name: str) -> dict[str, Any]:
-    """One moetune study's summary (KeyError: no such study; NotAMoetuneStudy: a study without moetune's prefix)."""
+    """One moetune study's summary (KeyError: no such study; NotAMoetuneStudy: a study without moetune's prefix);
+    read again while a writer changed the file under the read."""
+    return _read_again(lambda: _describe_study(storage, name))
+
+
+def _describe_study(storage: str, name: str) -> dict[str, Any]:
     st = open_readonly_storage(storage)
     study = optuna.load_study(study_name=name, storage=st)
     if not name.startswith(STUDY_PREFIX):
