@@ -116,10 +116,21 @@ def test_second_daemon_refused_same_socket_or_same_database(tmp_path: Path) -> N
         # same database (the single writer), another socket
         d3 = F.DaemonProc(tmp_path, endpoint=f"ipc://{tmp_path}/run2/daemon.sock", interval=0)
         try:
-            assert d3.proc.wait(20) == 2
+            assert d3.proc.wait(20) == 1  # held by another process (as a StoreBusy), not a wrong configuration (2)
             assert "another moetune daemon is using the database" in d3.read_log()
         finally:
             d3.kill()
+        # the same through `moetune serve`
+        import os
+        import subprocess
+        import sys
+
+        env = {**os.environ, "MOETUNE_HOME": str(tmp_path / "home"), "MOETUNE_CONFIG": ""}
+        r = subprocess.run([sys.executable, "-c", "from moetune.tuner.cli import main; main()", "serve",
+                            "--db", str(d.db), "--socket", f"ipc://{tmp_path}/run3/daemon.sock",
+                            "--capture", str(tmp_path / "capture")], capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode == 1, r.stderr
+        assert "another moetune daemon is using the database" in r.stderr and "Traceback" not in r.stderr
         assert d.wait_ready().protocol == 1  # the first one is untouched
     finally:
         d.kill()

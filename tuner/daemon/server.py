@@ -79,8 +79,8 @@ from moetune.tuner.daemon.watch import FabricWatch, default_diff, make_discover,
 
 log = logging.getLogger("moetune.daemon")
 
-__all__ = ["CACHE_LIMIT", "Daemon", "DaemonConfigError", "ProfileIndex", "ShapeKey", "TuneSettings", "default_diff",
-           "make_discover"]
+__all__ = ["CACHE_LIMIT", "Daemon", "DaemonBusy", "DaemonConfigError", "ProfileIndex", "ShapeKey", "TuneSettings",
+           "default_diff", "make_discover"]
 
 # ZMQ_MAXMSGSIZE = max_request_bytes + this: a frame a little over the cap is answered `too_large`, a bigger
 # one drops the connection. libzmq bounds each frame, not the frames per message: a multipart message is
@@ -100,6 +100,13 @@ _LEGACY_INFO_KEYS = frozenset({"endpoint", "pub_endpoint", "db", "epoch", "pid",
 
 class DaemonConfigError(ValueError):
     """A refused configuration (TCP without CURVE, a runtime directory we do not own, ...)."""
+
+
+class DaemonBusy(DaemonConfigError):
+    """Another moetune daemon holds the database: nothing is wrong with the configuration; it exits 1, as a StoreBusy
+    (another process holds the database) does, not 2."""
+
+    exit_code = 1
 
 
 def now() -> str:
@@ -726,7 +733,7 @@ class Daemon(FabricWatch):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            raise DaemonConfigError(f"another moetune daemon is using the database {self.db_path} ({path} is locked)") from None
+            raise DaemonBusy(f"another moetune daemon is using the database {self.db_path} ({path} is locked)") from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
@@ -1249,10 +1256,10 @@ def main(argv: list[str] | None = None) -> int:
                           curve_clients_dir=a.curve_clients_dir)
     except (DaemonConfigError, ValueError, OverflowError, OSError, zmq.ZMQError) as e:  # config, key files, bind
         print(f"moetune serve: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:  # StoreError: not a database, unknown revision, cannot open
+        return getattr(e, "exit_code", 2)  # as `moetune serve`: 1 for DaemonBusy (another daemon has the database)
+    except RuntimeError as e:  # StoreError: not a database, unknown revision, cannot open (1: held, not writable)
         print(f"moetune serve: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
 
 
 if __name__ == "__main__":
