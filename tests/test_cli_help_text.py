@@ -61,3 +61,66 @@ def test_defaults_from_the_config_are_stated() -> None:
                      r"\$MOETUNE_HOME, XDG data dir\)", q), q
     assert "--db <path> Profile database (default: [store] db, $MOETUNE_HOME, XDG data dir)" in _help("report")
     assert "(trusted loopback tests only; default: config daemon.allow_insecure_tcp, false)" in _help("serve")
+
+
+def test_patched_display_type_rich_takes_ctx_by_keyword_or_position() -> None:
+    """Typer calls display_type_rich(ctx=ctx): the patch takes and passes on any arguments."""
+    import typer
+    from typer.core import TyperOption
+
+    cmd = typer.main.get_command(app).get_command(None, "serve")
+    ctx = type(typer.main.get_command(app).make_context("moetune", ["serve"]))(cmd)
+    opts = {p.name: p for p in cmd.params if isinstance(p, TyperOption)}
+    flag, opt = opts["allow_insecure_tcp"], opts["curve_clients_dir"]
+    assert TyperOption.display_type_rich(flag, ctx=ctx) is None
+    assert TyperOption.display_type_rich(opt, ctx=ctx) == TyperOption.display_type_rich(opt, ctx) == "<path>"
+
+
+def test_the_patch_is_skipped_cleanly_without_display_type_rich(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Typer whose TyperOption lacks display_type_rich (< 0.29): that part is left out, the names fix still applies."""
+    from rich.highlighter import RegexHighlighter
+    from typer import rich_utils
+    from typer.core import TyperOption
+
+    from moetune.tuner.cli import _help
+
+    class Plain(RegexHighlighter):
+        highlights = (r"(?P<option>--[\w-]+)",)
+
+    class Option:  # a TyperOption without display_type_rich
+        pass
+
+    monkeypatch.setattr(rich_utils, "highlighter", Plain())
+    monkeypatch.setattr("typer.core.TyperOption", Option)
+    _help.apply()
+    assert not hasattr(Option, "display_type_rich") and not hasattr(Option, "_moetune_help")
+    assert str(rich_utils.highlighter("--curve-clients-dir,--clients-dir")) == "--curve-clients-dir, --clients-dir"
+    patched = rich_utils.highlighter
+    _help.apply()  # once only
+    assert rich_utils.highlighter is patched
+    assert getattr(TyperOption, "_moetune_help", False)  # the real one untouched by this test
+
+
+def test_the_patch_passes_any_arguments_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was display_type_rich(self, ctx): a Typer passing another argument (or ctx under another name) broke --help."""
+    from rich.highlighter import RegexHighlighter
+    from typer import rich_utils
+
+    from moetune.tuner.cli import _help
+
+    class Option:
+        is_flag, metavar = False, None
+
+        def display_type_rich(self, *args, **kwargs):
+            return (args, kwargs)
+
+    class Plain(RegexHighlighter):
+        highlights = ()
+
+    monkeypatch.setattr(rich_utils, "highlighter", Plain())
+    monkeypatch.setattr("typer.core.TyperOption", Option)
+    _help.apply()
+    assert Option.display_type_rich(Option(), context="c", width=3) == ((), {"context": "c", "width": 3})
+    flag = Option()
+    flag.is_flag = True
+    assert Option.display_type_rich(flag, "c") is None
