@@ -42,7 +42,17 @@ def test_default_group_size_sweep_picks_a_chunk_and_says_so(preset: str) -> None
     assert decoupled and all(len({p["fences"] for p in s}) == 4 for s in decoupled)  # the group size matters
     assert any(f"chunk_tokens={chunk} for this sweep" in n and "chunk_tokens=0" in n for n in doc["notes"]), doc
     text = _flat(_sweep("-p", preset).output)
-    assert f"note: chunk_tokens={chunk} for this sweep (8 PUTs per peer)" in text and "-k chunk_tokens=N" in text
+    assert f"note: chunk_tokens={chunk} for this sweep (8 PUTs to the busiest peer)" in text
+    assert "the busiest peer's" in text and "-k chunk_tokens=N" in text
+
+
+@pytest.mark.parametrize(("tokens", "puts"), [(40, 10), (8, 2), (256, 8), (1024, 8)])
+def test_the_chunk_gives_eight_puts_where_the_rows_allow(tokens: int, puts: int) -> None:
+    """ceil(rows / 8) gave 5 PUTs for 10 rows (-t 40): exactly 8 where some chunk gives 8, else the fewest above
+    (10 rows: 10), or as many as there are rows (2)."""
+    doc = json.loads(_sweep("-p", "ndr-ibrc-h100x8", "-t", str(tokens), "--json").stdout)
+    assert f"({puts} PUTs to the busiest peer)" in doc["notes"][0], doc["notes"]
+    assert [p["x"] for p in doc["series"]["decoupled/nic_ordered"]][-1] == puts
 
 
 def test_a_chunk_tokens_given_is_kept_and_one_put_per_peer_is_said() -> None:
@@ -80,8 +90,15 @@ def test_a_transport_without_signal_groups_is_refused() -> None:
     assert r.exit_code == 2, r.output
     assert "--over group_size: transport 'host_staged' has no signal groups" in _flat(r.output)
     assert "MODELLED" not in r.output
+    assert "preset 'pcie4-consumer-4090x4' has no transport with signal groups" in _flat(r.output)
     r = _sweep("-p", "ndr-ibrc-h100x8", "-k", "transport=collective,fence_mode=none")
     assert r.exit_code == 2 and "transport 'collective' has no signal groups" in _flat(r.output), r.output
+    # the refusal's suggestions are commands that work (fence_mode 'none' is not possible on proxy)
+    r = _sweep("-p", "nvlink-h200x2", "-k", "transport=collective")
+    suggested = [a.rstrip(",;") for a in _flat(r.output).split("-k ")[1:]]
+    assert suggested and all(a.startswith("transport=") for a in suggested), r.output
+    for knobs in suggested:
+        assert _sweep("-p", "nvlink-h200x2", "-k", knobs.split()[0]).exit_code == 0, knobs
 
 
 def test_nvlink_sweeps_its_ctas_and_says_when_nothing_changes() -> None:

@@ -140,7 +140,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-SWEEP_PUTS = 8  # PUTs per peer of the chunk_tokens a group_size sweep picks when chunk_tokens 0 gives one
+SWEEP_PUTS = 8  # the fewest PUTs to the busiest peer a group_size sweep's chunk_tokens gives (when 0 gives one)
 
 
 def _given_knobs(knobs: str) -> set[str]:
@@ -159,9 +159,15 @@ def _group_sweep(pr: Any, w0: Any, k0: Any, knobs: str, values_given: bool) -> t
 
     grid = group_grid(pr, w0, k0)
     if grid == 0:
+        from moetune.runtime.knobs import default_knobs
+
+        grouped = [t for t in pr.transports if t in ("proxy", "ibgda", "nvlink")]
+        # a command that works: the transport's own default fence mode ('none' is not possible on proxy/ibgda)
+        how = (" with " + " or ".join(f"-k transport={t},fence_mode={default_knobs(t).fence_mode}" for t in grouped)
+               if grouped else f" (preset {pr.name!r} has no transport with signal groups)")
         _fail(f"--over group_size: transport {k0.transport!r} has no signal groups (the model reads no group_size "
-              "for it: every point would be the same); sweep --over nodes or tokens, or choose a transport with "
-              "signal groups (proxy, ibgda, nvlink) with -k transport=...")
+              f"for it: every point would be the same); sweep --over nodes or tokens, or sweep a transport with "
+              f"signal groups{how}")
     notes: list[str] = []
     if k0.transport == "nvlink":
         if grid == 1:
@@ -170,7 +176,10 @@ def _group_sweep(pr: Any, w0: Any, k0: Any, knobs: str, values_given: bool) -> t
         return k0, grid, "CTA" if grid == 1 else "CTAs", notes
     rows = max(1, math.ceil(busiest_peer_rows(w0) - 1e-9))
     if grid == 1 and k0.chunk_tokens == 0 and not values_given and "chunk_tokens" not in _given_knobs(knobs):
-        chunk = max(1, math.ceil(rows / SWEEP_PUTS))
+        # exactly SWEEP_PUTS PUTs (as many as the rows allow) where some chunk gives that many, else the fewest above
+        target = min(SWEEP_PUTS, rows)
+        chunk = next((c for c in range(math.ceil(rows / target), 0, -1) if math.ceil(rows / c) == target),
+                     max(1, rows // target))
         try:
             k1 = k0.replace(chunk_tokens=chunk)
         except KnobError:
@@ -178,12 +187,13 @@ def _group_sweep(pr: Any, w0: Any, k0: Any, knobs: str, values_given: bool) -> t
         else:
             g1 = group_grid(pr, w0, k1)
             if g1 > 1:
-                notes.append(f"chunk_tokens={chunk} for this sweep ({g1} PUTs per peer): with chunk_tokens=0 each "
-                             f"peer's {rows} rows go in ONE PUT and every group size is the same run; pass "
-                             "-k chunk_tokens=N to choose the chunk")
+                notes.append(f"chunk_tokens={chunk} for this sweep ({g1} PUTs to the busiest peer): with "
+                             f"chunk_tokens=0 the busiest peer's {rows} rows go in ONE PUT and every group size is "
+                             "the same run; pass -k chunk_tokens=N to choose the chunk")
                 return k1, g1, "PUTs", notes
     if grid == 1:
-        notes.append(f"one transfer per peer with chunk_tokens={k0.chunk_tokens} ({rows} rows per peer in one PUT): "
+        notes.append(f"one transfer per peer with chunk_tokens={k0.chunk_tokens} (the busiest peer's {rows} rows in "
+                     "one PUT): "
                      "group_size has nothing to group; pass -k chunk_tokens=N (fewer rows than that) to sweep "
                      "group sizes")
     return k0, grid, "PUT" if grid == 1 else "PUTs", notes
@@ -264,7 +274,7 @@ def sweep_cmd(
     over: str = typer.Option("group_size", "--over", help="group_size, nodes or tokens."),
     values: str | None = typer.Option(None, "--values", help="Comma-separated x values (default: group_size the "
                                       "divisors of the transfers a group groups per peer: PUTs for proxy/ibgda, where "
-                                      "chunk_tokens 0 (one PUT) is replaced by a chunk giving 8 PUTs unless --knobs "
+                                      "chunk_tokens 0 (one PUT) is replaced by a chunk giving the busiest peer at least 8 PUTs unless --knobs "
                                       "sets it, CTAs for nvlink; nodes 1,2,4,8,16 up to the preset's most nodes, "
                                       "tokens 64,256,1024,4096,16384). A group_size above the transfers per peer is "
                                       "n/a: the same run as group_size 0."),
@@ -362,7 +372,8 @@ def sweep_cmd(
                     cells += [f"{r['latency_us']:,.1f}", str(r["fences"])]
             table_rows.append(cells)
         print_table(_console, cols, table_rows, title=f"{LABEL}: {_e(pr.name)} · {_e(w0.model.name)} · sweep over {over}")
-        _console.print(f"[yellow]{LABEL}[/yellow]: n/a = that setting is invalid or unsafe for this workload"
+        _console.print(f"[yellow]{LABEL}[/yellow]: n/a = not modelled for this workload (an invalid or unsafe "
+                       "setting, or a group size past what there is to group: the same run as group_size 0)"
                        + (", because:" if reasons else "."))
         for why, n in reasons.items():
             _console.print(f"  ({n}) {_e(why)}", soft_wrap=True)
