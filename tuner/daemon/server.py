@@ -103,8 +103,8 @@ class DaemonConfigError(ValueError):
 
 
 class DaemonBusy(DaemonConfigError):
-    """Another moetune daemon holds the database: nothing is wrong with the configuration; it exits 1, as a StoreBusy
-    (another process holds the database) does, not 2."""
+    """Another moetune daemon holds the database or listens on the socket: nothing is wrong with the configuration;
+    it exits 1, as a StoreBusy (another process holds the database) does, not 2."""
 
     exit_code = 1
 
@@ -238,7 +238,7 @@ def check_socket_path(p: Path) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise DaemonConfigError(f"{p} exists and is not a socket: refusing to replace it (choose another --socket)")
     if _socket_alive(p):
-        raise DaemonConfigError(f"another daemon is listening on {p}")
+        raise DaemonBusy(f"another daemon is listening on {p}")
     if not _proven_ours(p):
         raise DaemonConfigError(f"{p} is a dead socket that no record shows this daemon created: "
                                 "remove it yourself if it is safe, or choose another --socket")
@@ -1195,10 +1195,10 @@ def run_daemon(
     if store_hook:
         store = _load_hook(store_hook)(db_path)
     else:
-        from moetune.tuner.store.store import Store, StoreError, probe_database
+        from moetune.tuner.store.store import Store, StoreError, database_path, probe_database
 
         try:  # the revision before the store migrates it to head (a `db downgrade` is undone here: say so)
-            kind, before = (probe_database(Path(db_path).expanduser().absolute()) if db_path != ":memory:"
+            kind, before = (probe_database(database_path(db_path)) if db_path != ":memory:"
                             else ("missing", None))
         except (StoreError, OSError):
             kind, before = "unreadable", None  # the store's own open says what is wrong

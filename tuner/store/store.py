@@ -97,6 +97,7 @@ __all__ = [
     "StoreBusy",
     "StoreError",
     "StoreNotWritable",
+    "database_path",
     "head_revision",
     "is_sqlite_file",
     "now",
@@ -179,6 +180,12 @@ def _retried(method: Callable[..., _T]) -> Callable[..., _T]:
         raise AssertionError("unreachable")
 
     return run
+
+
+def database_path(path: str | Path) -> Path:
+    """The file a store given `path` opens: ~ expanded (a config file gives it unexpanded), made absolute (links kept).
+    The daemon probes and names the database by it too."""
+    return Path(path).expanduser().absolute()
 
 
 DatabaseKind = Literal["missing", "empty", "foreign", "moetune"]
@@ -332,7 +339,7 @@ class Store:
                 "sqlite://", poolclass=StaticPool, connect_args={"check_same_thread": False}
             )
         else:
-            self.path = Path(path).expanduser().absolute()
+            self.path = database_path(path)
             self.url = URL.create("sqlite", database=str(self.path)).render_as_string(hide_password=False)
             if readonly and not self.path.is_file():
                 raise StoreError(f"no database at {self.path}")
@@ -361,7 +368,7 @@ class Store:
         created, migrated or re-upgraded after a `db downgrade`). `write`: an existing moetune database,
         upgraded to head; with `create`, a missing path or an empty file also (created). Never adds
         moetune's tables to another program's SQLite file. A StoreError says what is wrong and what to run."""
-        path = Path(path).expanduser().absolute()
+        path = database_path(path)
         upgrade_cmd = f"`moetune db upgrade --db {shlex.quote(str(path))}`"
         kind, rev, tables = _probe(path)
         if kind == "missing" and not (write and create):
