@@ -141,3 +141,41 @@ def test_export_to_a_bad_path_exits_2(tmp_path: Path) -> None:
     for target in (tmp_path / "no" / "out.json", tmp_path):  # a missing folder; a directory
         r = run("profiles", "export", str(target), "--force", "--db", str(db))
         assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["hard-link", "no-hard-links"])
+def test_export_without_force_never_replaces_a_file_made_after_its_check(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         links: bool) -> None:
+    """The target is checked, the export is built, then a file appears there (another process): without --force it
+    is refused, not replaced (was: os.replace over it). On a filesystem without hard links the rename is checked
+    again just before."""
+    import errno
+    import os
+
+    from moetune.tuner.store import io
+
+    db = tmp_path / "m.db"
+    fill(db)
+    target = tmp_path / "out.json"
+    dump = io.dump_profiles
+
+    def dump_then_someone_writes(*a: object, **k: object) -> bytes:
+        data = dump(*a, **k)
+        target.write_text("written meanwhile\n")
+        return data
+
+    monkeypatch.setattr(io, "dump_profiles", dump_then_someone_writes)
+    if not links:
+        def no_links(*_a: object) -> None:
+            raise OSError(errno.EPERM, "Operation not permitted")
+
+        monkeypatch.setattr(os, "link", no_links)
+    r = run("profiles", "export", str(target), "--db", str(db))
+    assert r.exit_code == 2 and f"{target} already exists" in r.stderr, r.output
+    assert target.read_text() == "written meanwhile\n"
+    assert [p.name for p in tmp_path.iterdir() if "out" in p.name] == ["out.json"]  # no temporary left
+    target.unlink()
+    monkeypatch.setattr(io, "dump_profiles", dump)
+    r = run("profiles", "export", str(target), "--db", str(db))
+    assert r.exit_code == 0 and json.loads(target.read_text())["format"] == "moetune-profiles", r.output

@@ -133,14 +133,33 @@ def export_profiles(store: Store, path: str | Path, *, status: str | None = None
         raise FileExistsError(errno.EEXIST, "file exists", str(target))
     data = dump_profiles(store, status=status, fingerprint=fingerprint, provenance=provenance)
     n = len(msgspec.json.decode(data)["profiles"])
-    write_atomic(target, data)
+    write_atomic(target, data, replace=replace)
     return n
 
 
-def write_atomic(path: Path, data: str | bytes) -> None:
+def _put_new(tmp: Path, path: Path) -> None:
+    """Make `tmp` the file `path` only if there is none: a hard link fails with EEXIST when one appeared since the
+    caller looked. A filesystem without hard links: checked, then renamed (the old window, narrowed)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, "file exists", str(path)) from None
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
+
+
+def write_atomic(path: Path, data: str | bytes, *, replace: bool = True) -> None:
     """Replace `path` with `data` (str: UTF-8) atomically: a crash or a full disk mid-write leaves the previous file
     whole (a new temporary file in the same directory, fsynced, then os.replace); an existing file keeps its
-    permissions. Used by the export and by the bring-up's state file and report."""
+    permissions. `replace=False`: FileExistsError when `path` exists by the time the file is put in place (a hard
+    link, which never replaces, instead of os.replace: no window between the check and the write). Used by the
+    export and by the bring-up's state file and report."""
     raw = data.encode("utf-8") if isinstance(data, str) else data
     old_mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
@@ -153,7 +172,10 @@ def write_atomic(path: Path, data: str | bytes) -> None:
             f.write(raw)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the rename makes them the file
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _put_new(tmp, path)
     except BaseException:  # Ctrl-C included: remove our temporary file, the old file stays as it was
         with contextlib.suppress(OSError):
             os.unlink(tmp)
