@@ -67,6 +67,7 @@ def test_a_dead_pid_and_a_refused_socket_is_a_stale_daemon(tmp_path: Path) -> No
     {"pid": os.getpid()},  # alive
     {"running": False},
     {"host": "another-host"},  # a runtime directory on a shared folder: that pid is not this host's
+    {"host": None},  # written before the host was recorded: whose pid it is cannot be told
     {"endpoint": "ipc:///elsewhere/daemon.sock"},
     {"pid": "123"},
     {"pid": None},

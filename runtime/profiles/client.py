@@ -218,7 +218,8 @@ def stale_daemon_reason(endpoint: str) -> str | None:
     named, pid, host = data.get("endpoint"), data.get("pid"), data.get("host")
     if not isinstance(named, str) or ipc_path(named) != p:
         return None
-    if type(pid) is not int or pid <= 0 or (host is not None and host != socket.gethostname()):
+    # no host recorded (a daemon.json of a moetune before it was): cannot tell it is this host's pid
+    if type(pid) is not int or pid <= 0 or host != socket.gethostname():
         return None
     if not _pid_gone(pid):
         return None
