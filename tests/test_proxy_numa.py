@@ -300,11 +300,18 @@ def test_a_refused_mbind_falls_back_with_the_reason(sim: ctypes.CDLL, faults, tm
         sim.mt_proxy_destroy(h)
 
 
-def test_a_refused_registration_falls_back_and_unmaps(sim: ctypes.CDLL, faults, tmp_path: Path) -> None:
+def bindable_cpus(step: str) -> tuple[tuple[int, ...], int]:
+    """This process's CPUs and the node of the first, for a test of a placement step after mbind; a skip naming the
+    step where mbind cannot succeed here."""
     allowed = tuple(sorted(os.sched_getaffinity(0)))
     node = sysfs_node(allowed[0])
     if node is None or mbind_refusal() is not None:
-        pytest.skip("mbind cannot succeed here, so cudaHostRegister is never reached")
+        pytest.skip(f"mbind cannot succeed here, so {step} is never reached")
+    return allowed, node
+
+
+def test_a_refused_registration_falls_back_and_unmaps(sim: ctypes.CDLL, faults, tmp_path: Path) -> None:
+    allowed, node = bindable_cpus("cudaHostRegister")
     faults(register_error=2)
     keep: list = []
     before = counters(sim)
@@ -323,10 +330,7 @@ def test_a_refused_device_pointer_unregisters_unmaps_and_falls_back(sim: ctypes.
     """cudaHostGetDevicePointer refused for the registered pages (the simulation refuses it for registered ranges
     only, so cudaHostAlloc's fallback pages still map): the range is unregistered and unmapped before create
     returns, and the engine serves its FIFO from the fallback pages."""
-    allowed = tuple(sorted(os.sched_getaffinity(0)))
-    node = sysfs_node(allowed[0])
-    if node is None or mbind_refusal() is not None:
-        pytest.skip("mbind cannot succeed here, so cudaHostGetDevicePointer of registered pages is never reached")
+    allowed, node = bindable_cpus("cudaHostGetDevicePointer of registered pages")
     faults(devptr_error=2)
     keep: list = []
     before = counters(sim)
@@ -343,10 +347,7 @@ def test_a_refused_device_pointer_unregisters_unmaps_and_falls_back(sim: ctypes.
 
 
 def test_a_refused_madvise_unmaps_and_falls_back(sim: ctypes.CDLL, faults) -> None:
-    allowed = tuple(sorted(os.sched_getaffinity(0)))
-    node = sysfs_node(allowed[0])
-    if node is None or mbind_refusal() is not None:
-        pytest.skip("mbind cannot succeed here, so madvise is never reached")
+    allowed, node = bindable_cpus("madvise")
     faults(madvise_errno=errno.EINVAL)
     keep: list = []
     before = counters(sim)

@@ -115,33 +115,6 @@ def db_flag(path: Path) -> str:
     return f" --db {shlex.quote(str(path))}"
 
 
-def _tables_of(path: Path) -> set[str]:
-    """The tables of an existing SQLite file, read-only (SQLite's own left out); none when it cannot be read."""
-    from moetune.runtime.profiles import sqlite_open
-    from moetune.tuner.store._tables import table_names
-
-    try:
-        return sqlite_open.read(path.resolve(), table_names, timeout_s=5.0)
-    except Exception:  # not SQLite, unreadable, changing: the store's own open says what is wrong
-        return set()
-
-
-def _without_moetune(path: Path) -> str | None:
-    """What an existing file without moetune's tables holds, as `profiles list` says it ("it has only Optuna's
-    tables", "it is empty"); None for a moetune database (at any revision), a missing or another program's file."""
-    from moetune.tuner.store.store import StoreError, probe_database
-
-    if not path.is_file():
-        return None
-    try:
-        kind, _rev = probe_database(path)
-    except StoreError:
-        return None
-    if kind != "empty":
-        return None
-    return "it has only Optuna's tables" if _tables_of(path) else "it is empty"
-
-
 def _older_than(current: str, target: str) -> bool:
     """Whether revision `target` ("base" or a revision id) is below `current`, the database's (an ancestor of it):
     an upgrade to it is a downgrade, which Alembic's upgrade silently skips."""
@@ -178,9 +151,9 @@ def upgrade(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Create the database or migrate it to the newest schema (or up to --revision)."""
-    from moetune.tuner.store.store import StoreError
+    from moetune.tuner.store.store import ONLY_OPTUNA, StoreError, without_moetune
 
-    optuna = _without_moetune(db_path(db, config)) == "it has only Optuna's tables"
+    optuna = without_moetune(db_path(db, config)) == ONLY_OPTUNA
     with open_store(db, config, mode="init") as store:
         before = store.current_revision()
         if before is not None and revision != "head" and _older_than(before, revision):
@@ -233,7 +206,7 @@ def current(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Show the database's schema revision and the newest one this moetune knows."""
-    from moetune.tuner.store.store import head_revision
+    from moetune.tuner.store.store import head_revision, without_moetune
 
     with open_store(db, config, mode="inspect") as store:
         rev, head = store.current_revision(), head_revision()
@@ -244,7 +217,7 @@ def current(
     else:
         state = "up to date" if rev == head else "needs `moetune db upgrade`"
         if rev is None:  # no moetune tables: as `profiles list` and `db check` say it
-            what = _without_moetune(Path(info["path"]))
+            what = without_moetune(Path(info["path"]))
             state = f"no moetune tables{f' ({what})' if what else ''}: {state}"
         out.print(escape(f"{info['path']}: revision {rev or 'none'} (head {head}): {state}"))
 
@@ -256,8 +229,10 @@ def check(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Check revision, schema drift, SQLite integrity, foreign keys and profile rows this moetune cannot read (listed by id); exit 1 when anything is off, 2 on a newer moetune's database."""
+    from moetune.tuner.store.store import without_moetune
+
     path = db_path(db, config)
-    what = _without_moetune(path)
+    what = without_moetune(path)
     if what is not None:  # said as `profiles list` says it, not as "NOT OK ... revision none"
         from moetune.tuner.store.store import head_revision
 

@@ -69,6 +69,7 @@ from moetune.tuner.search.backends import (
 from moetune.tuner.search.space import SearchSpace
 from moetune.tuner.store._folders import make_parent, not_writable
 from moetune.tuner.store._tables import (
+    connect_existing,
     existing_tables,
     is_foreign_file,
     is_optuna_file,
@@ -204,9 +205,7 @@ def _schema_ready(path: Path, tables: set[str]) -> bool:
     """Optuna's schema is there and stamped: opening the file creates no table and writes no version."""
     if not is_optuna_file(tables) or "alembic_version" not in tables:
         return False
-    from urllib.parse import quote
-
-    con = sqlite3.connect(f"file:{quote(str(path))}?mode=rw", uri=True, timeout=30)
+    con = connect_existing(path, timeout_s=30)
     try:
         return all(con.execute(f"SELECT 1 FROM {t} LIMIT 1").fetchone() is not None
                    for t in ("version_info", "alembic_version"))

@@ -93,11 +93,16 @@ def table_names(con: sqlite3.Connection) -> Tables:
                    for n in names})
 
 
+def connect_existing(path: Path, *, timeout_s: float) -> sqlite3.Connection:
+    """A plain read-write connection to an existing SQLite file that creates nothing and does not switch the journal
+    (unlike mode=ro, it leaves no empty -wal/-shm beside a WAL file it closes), for looking at a file before deciding
+    what to do with it. A sqlite3.Error is the caller's to word."""
+    return sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=rw", uri=True, timeout=timeout_s)
+
+
 def existing_tables(path: Path, *, timeout_s: float) -> Tables:
-    """The tables of an existing SQLite file (`table_names`), through a plain read-write connection that creates
-    nothing and does not switch the journal (unlike mode=ro, it leaves no empty -wal/-shm beside a WAL file it
-    closes). A sqlite3.Error is the caller's to word."""
-    con = sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=rw", uri=True, timeout=timeout_s)
+    """The tables of an existing SQLite file (`table_names`), through `connect_existing`."""
+    con = connect_existing(path, timeout_s=timeout_s)
     try:
         return table_names(con)
     finally:

@@ -227,6 +227,23 @@ def _probe(path: Path) -> tuple[DatabaseKind, str | None, set[str]]:
     return ("foreign" if is_foreign_file(tables) else "empty"), None, tables
 
 
+ONLY_OPTUNA, EMPTY = "it has only Optuna's tables", "it is empty"  # what a file without moetune's tables holds
+
+
+def _without_moetune_words(tables: set[str]) -> str:
+    return ONLY_OPTUNA if tables else EMPTY
+
+
+def without_moetune(path: Path) -> str | None:
+    """What an existing file without moetune's tables holds (ONLY_OPTUNA or EMPTY), from one probe; None for a
+    moetune database (any revision), a missing file, another program's file or one that cannot be read."""
+    try:
+        kind, _rev, tables = _probe(database_path(path))
+    except StoreError:
+        return None
+    return _without_moetune_words(tables) if kind == "empty" else None
+
+
 def probe_database(path: Path) -> tuple[DatabaseKind, str | None]:
     """What is at `path`, read through a read-only connection (nothing is created, migrated or switched to
     WAL): ("missing", None); ("empty", None) for a 0-byte file, a SQLite file without tables or an Optuna studies
@@ -376,7 +393,7 @@ class Store:
         if kind == "foreign":
             raise _foreign_error(path, tables)
         if kind == "empty" and not (write and create):
-            what = "it has only Optuna's tables" if tables else "it is empty"
+            what = _without_moetune_words(tables)
             raise StoreError(f"{path} is not a moetune database ({what}: {upgrade_cmd} makes it one)")
         if write:
             return cls(path)
