@@ -57,17 +57,20 @@ def test_sixteen_rank_count_blocks_on_the_wire() -> None:
 
 
 def test_packed_dispatch_waits_for_the_host_between_counts_and_payload() -> None:
-    """collective, nvlink-h200x2: dispatch = the payload all-to-all (or the own rows' copy, the longer) + the counts
-    exchange + the host sync (`.tolist()` of the counts: a small device-to-host copy, pcie.memcpy_us = 5 us; the
-    payload call's own launch is in its alpha). Combine has neither counts nor sync."""
+    """collective, nvlink-h200x2: dispatch = the stage write + the send rows' build + the counts exchange + the host
+    sync (`.tolist()` of the counts: a small device-to-host copy, pcie.memcpy_us = 5 us; the payload call's own
+    launch is in its alpha) + the payload all-to-all (or the own rows' copy, the longer). Combine has neither counts
+    nor sync."""
     pr = load_preset(H200)
     assert pr.get("pcie.memcpy_us") == 5.0
     r = predict(pr, Workload(QWEN, 4096, 1, 2, dense=False), Knobs(transport="collective"))
     ph = r.phases
     assert ph["dispatch.host_sync"] == 5.0
     assert ph["dispatch.counts"] == pytest.approx(NCCL_COUNTS_H200)
+    before = ph["dispatch.stage"] + ph["dispatch.send_rows"]
     payload = max(ph["dispatch.collective_intra"], ph["dispatch.collective_inter"]) + ph["dispatch.per_peer"]
-    assert r.dispatch_us == pytest.approx(max(payload, ph["dispatch.self_copy"]) + NCCL_COUNTS_H200 + 5.0, rel=1e-12)
+    assert r.dispatch_us == pytest.approx(max(payload, ph["dispatch.self_copy"]) + before + NCCL_COUNTS_H200 + 5.0,
+                                          rel=1e-12)
     assert "combine.host_sync" not in ph and "combine.counts" not in ph
     payload_c = max(ph["combine.collective_intra"], ph["combine.collective_inter"]) + ph["combine.per_peer"]
     assert r.combine_us == pytest.approx(max(payload_c, ph["combine.self_copy"]) + ph["combine.reduce"], rel=1e-12)
@@ -126,3 +129,21 @@ def test_where_the_runtime_runs_dense_there_are_no_counts_and_no_host_sync(trans
     assert not picks_dense(QWEN.experts, QWEN.topk, 8, 4096, 4192)
     wide = predict("ndr-ibrc-h100x8", Workload(QWEN, 4096, 1, 8), Knobs(transport="collective"), phase="dispatch")
     assert "dispatch.counts" in wide.phases and "dispatch.host_sync" in wide.phases
+
+
+def test_the_send_rows_gather_is_padded_to_every_rank() -> None:
+    """The packed layout's send rows (runtime/buffer/_packed.py): twelve planning ops (4 us launches on both
+    presets) and one gather whose order list is padded to S x world rows (nonzero_static: no host sync before the
+    counts), read and written at HBM speed (4.8 TB/s H200, 3.35 H100), whatever share of them the routing needs:
+    the phase grows with the world, not with the rows really sent. Three more ops with pipeline chunks; the stage
+    write (x read, the 4192-byte wire rows written, three copies) comes before it."""
+    tb = 4192
+    for preset, hbm, nodes, gpus in ((H200, 4800e3, 1, 2), ("ndr-ibrc-h100x8", 3350e3, 2, 8)):
+        pes = nodes * gpus
+        w = Workload(QWEN, 4096, nodes, gpus, dense=False)
+        r = predict(preset, w, Knobs(transport="collective"), phase="dispatch")
+        want = 12 * 4.0 + 2 * 4096 * pes * tb / hbm
+        assert r.phases["dispatch.send_rows"] == pytest.approx(want, rel=1e-12)
+        assert r.phases["dispatch.stage"] == pytest.approx(3 * 4.0 + 4096 * (2048 * 2 + tb) / hbm, rel=1e-12)
+        chunked = predict(preset, w, Knobs(transport="collective", pipeline_depth=2), phase="dispatch")
+        assert chunked.phases["dispatch.send_rows"] == pytest.approx(want + 3 * 4.0, rel=1e-12)

@@ -1,7 +1,8 @@
 """host_staged in the fabric model (all MODELLED), as runtime/transports/host_staged.py runs it.
 
 * The dense combine's reduce-scatter sums the `world` blocks after each chunk's copies (reduce_scatter_async
-  `finish`, once per reduce_scatter_async call, i.e. per non-empty chunk): at world 2 one torch.add (2 blocks read,
+  `finish`, once per reduce_scatter_async call, i.e. per non-empty chunk; a chunk's sum runs while later chunks'
+  copies are still moving, phase `reduce_exposed` what is left past the copies): at world 2 one torch.add (2 blocks read,
   out written: 6 B per bf16 element, 1 launch); beyond, blocks[0].float() (2 read, 4 written), per further block
   b.float() (2 read, 4 written) and acc += it (8 read, 4 written), then out.copy_(acc) (4 read, 2 written):
   6 + 18 (W - 1) + 6 B per element and 2W launches. With fp32 activations .float() is the block itself (no pass):
@@ -36,13 +37,42 @@ def test_dense_combine_sum_at_world_4_is_the_runtime_passes() -> None:
     want = 8 * 5.0 + 4096 * H * 66 / 1008e3
     assert r.phases["combine.reduce"] == pytest.approx(want, rel=1e-12)
     assert 585 < want < 595
+    # one call: its sum waits for all of the copies, nothing of it hidden
+    assert r.phases["combine.reduce_exposed"] == pytest.approx(want, rel=1e-12)
+    assert r.combine_us == pytest.approx(r.phases["combine.staged"] + want, rel=1e-12)
 
 
 def test_dense_combine_sum_runs_once_per_chunk() -> None:
     """pipeline_depth 4: four reduce_scatter_async calls of 1024 slots, each its 8 launches."""
     r = predict(PCIE, Workload(QWEN, 4096, 1, 4), HS.replace(pipeline_depth=4), phase="combine")
-    want = 4 * (8 * 5.0 + 1024 * H * 66 / 1008e3)
-    assert r.phases["combine.reduce"] == pytest.approx(want, rel=1e-12)
+    one = 8 * 5.0 + 1024 * H * 66 / 1008e3
+    assert r.phases["combine.reduce"] == pytest.approx(4 * one, rel=1e-12)
+
+
+@pytest.mark.parametrize("depth", [2, 4])
+def test_a_chunks_sum_runs_while_later_chunks_copy(depth: int) -> None:
+    """finish_combine waits for the calls in order, each sum queued on the compute stream while the later calls'
+    copies still run on the copy engines. Call c's copies end at (c + 1) / depth of the copies' time (MODELLED,
+    assumed: in proportion to the rows), its sum starts then or after the previous sum. Over PCIe each call's copies
+    (about 1 ms a call at depth 4 here) outlast a sum (~151 us): only the last call's sum is past the copies."""
+    r = predict(PCIE, Workload(QWEN, 4096, 1, 4), HS.replace(pipeline_depth=depth), phase="combine")
+    one = 8 * 5.0 + (4096 // depth) * H * 66 / 1008e3
+    copies = r.phases["combine.staged"]
+    assert copies / depth > one
+    assert r.phases["combine.reduce"] == pytest.approx(depth * one, rel=1e-12)
+    assert r.phases["combine.reduce_exposed"] == pytest.approx(one, rel=1e-12)
+    assert r.combine_us == pytest.approx(copies + one, rel=1e-12)
+
+
+def test_sums_longer_than_the_copies_queue_behind_each_other() -> None:
+    """With sums longer than a call's copies they run back to back from the first call's end: the exposed part is
+    the first call's copies plus every sum, less the copies' time (unit numbers, the helper alone)."""
+    from moetune.tuner.fabric_model.predict import _sums_past_copies
+
+    assert _sums_past_copies(100.0, [10, 10], [80.0, 80.0]) == pytest.approx(50 + 160 - 100)
+    assert _sums_past_copies(100.0, [10, 10], [5.0, 5.0]) == pytest.approx(5.0)
+    assert _sums_past_copies(100.0, [30, 10], [5.0, 5.0]) == pytest.approx(5.0)
+    assert _sums_past_copies(100.0, [], []) == 0.0
 
 
 def test_dense_combine_sum_at_world_2_is_one_add() -> None:
@@ -59,16 +89,20 @@ def test_dense_combine_sum_in_fp32_has_no_conversions() -> None:
     assert r.phases["combine.reduce"] == pytest.approx(want, rel=1e-12)
 
 
-def test_dense_dispatch_is_the_staging_alone() -> None:
-    """No pack: EP 4 dense, depth 1, one piece per peer (chunk_tokens 0): 3 pieces, each down (4096 x 4192 B at
-    24 GB/s) and up (at 25 GB/s) after two 6 us copy overheads; host memory (4 GPUs x 2 x the bytes at 180 GB/s)
-    binds less. The model added a launch and the bytes at num_sms x sm_copy."""
+def test_dense_dispatch_is_the_stage_write_then_the_staging() -> None:
+    """No pack kernel: EP 4 dense, depth 1, one piece per peer (chunk_tokens 0): 3 pieces, each down (4096 x 4192
+    B at 24 GB/s) and up (at 25 GB/s) after two 6 us copy overheads; host memory (4 GPUs x 2 x the bytes at 180
+    GB/s) binds less. Before it only the stage write (facade.py `_write_stage`: three copies, 5 us launches; x's
+    2048 bf16 read and the 4192-byte wire row written per token at 1008 GB/s); no counts, no send-row gather."""
     out = 3 * 4096 * 4192
     r = predict(PCIE, Workload(QWEN, 4096, 1, 4), HS, phase="dispatch")
     want = out / 24e3 + out / 25e3 + 3 * 2 * 6.0
     assert 4 * out * 2 / 180e3 < want
     assert r.phases["dispatch.staged"] == pytest.approx(want, rel=1e-12)
-    assert r.dispatch_us == pytest.approx(want, rel=1e-12)
+    stage = 3 * 5.0 + 4096 * (2048 * 2 + 4192) / 1008e3
+    assert r.phases["dispatch.stage"] == pytest.approx(stage, rel=1e-12)
+    assert "dispatch.send_rows" not in r.phases
+    assert r.dispatch_us == pytest.approx(want + stage, rel=1e-12)
 
 
 def test_host_staged_does_not_read_num_sms() -> None:

@@ -56,8 +56,9 @@ S x P(token needs r) (`routing.rank_hits`: exact hypergeometric under uniform ro
   packed or the dense layout as the runtime's rule picks it (`Workload.dense`). Dense (runtime/buffer/_dense.py):
   every capacity slot (S rows) to every rank whatever the routing, an all-gather in dispatch, a reduce-scatter
   in combine (summed inside the collective; host_staged's copy-engine path sums the world blocks afterwards in
-  torch passes, `_staged_sum_us`); no
-  counts, no sync. Packed: ONE counts exchange per dispatch call (an NCCL all_to_all_single for both; its block to each rank
+  torch passes, `_staged_sums_us`; the part past its copies, `reduce_exposed`); no
+  counts, no sync. Both write the S token rows into the stage first (`_stage_us`). Packed: the send rows built by
+  a gather padded to S x world rows before the counts (`_send_rows_us`), then ONE counts exchange per dispatch call (an NCCL all_to_all_single for both; its block to each rank
   carries every pipeline chunk's counts), then the host sync that reads them (`.tolist()`: phase
   `host_sync`, pcie.memcpy_us) before any payload is posted; the own rows copied locally beside the
   exchange, the reduce (index_add) after combine; combine has no counts and no sync.
@@ -938,7 +939,12 @@ def _layout_extras(p: _P, w: Workload, knobs: Knobs, ph: _Phase, hits, tb: float
     and no host sync; every capacity slot is sent, so the rows of this PE's own block are all S of them; combine's
     sum over ranks happens inside the collective's reduce-scatter (no reduce kernel after it), except on
     host_staged's copy-engine path, whose reduce-scatter sums the `world` blocks afterwards, once per chunk, in
-    torch passes (`_staged_sum_us`: at world 2 one add, beyond it fp32 conversions and accumulations).
+    torch passes (`_staged_sums_us`: at world 2 one add, beyond it fp32 conversions and accumulations), the
+    part of them past the copies in phase `reduce_exposed` (`_sums_past_copies`), all of them in `reduce`.
+
+    Both, dispatch: the stage write of the S token rows comes first (`_stage_us`), and in the packed layout the
+    send rows' build (`_send_rows_us`: its planning ops and the gather padded to S x world rows) before the counts
+    exchange, which waits for them on the stream.
 
     Both: this PE's own rows are a local copy inside the exchange (read + write at HBM speed, beside the network:
     the longer counts). As the tuner measures (check_inputs=False, tuner/measure/ep.py): the input-check
@@ -949,8 +955,12 @@ def _layout_extras(p: _P, w: Workload, knobs: Knobs, ph: _Phase, hits, tb: float
     ph.parts["self_copy"] = own / (p.hbm / 2.0)
     ph.us = max(ph.us, ph.parts["self_copy"])
     if dispatch:
+        ph.parts["stage"] = stage = _stage_us(p, w, knobs, tb)
+        ph.us += stage
         if dense:
             return
+        ph.parts["send_rows"] = rows = _send_rows_us(p, w, knobs, tb)
+        ph.us += rows
         ph.parts["counts"] = counts = _packed_counts_us(p, w)
         ph.parts["host_sync"] = p.memcpy
         ph.us += counts + p.memcpy
@@ -960,11 +970,43 @@ def _layout_extras(p: _P, w: Workload, knobs: Knobs, ph: _Phase, hits, tb: float
         ph.parts["reduce"] = red = _reduce_us(p, w, wire, tb)
         ph.us += red
     elif knobs.transport == "host_staged":
-        ph.parts["reduce"] = red = _staged_sum_us(p, w, payload_calls(S, knobs.pipeline_depth, dense=True))
+        calls = payload_calls(S, knobs.pipeline_depth, dense=True)
+        sums = _staged_sums_us(p, w, calls)
+        ph.parts["reduce"] = sum(sums)
+        ph.parts["reduce_exposed"] = red = _sums_past_copies(ph.us, calls, sums)
         ph.us += red
 
 
-def _staged_sum_us(p: _P, w: Workload, calls: list[int]) -> float:
+# The packed layout's planning ops before its counts exchange (runtime/buffer/_packed.py `_plan_packed`), each at
+# least one launch, counted from the code (not measured): clamp, remainder_, div (rank of each pick), zeros +
+# scatter_ + sum (the destination mask and rows per rank), zeros + scatter_add_ (rows per expert), cat (the count
+# block), nonzero_static (the (chunk, rank, token) order list), add (its token indices), index_select (the send
+# rows). More than one chunk adds arange, div, add (the chunk of each token).
+_PACKED_PLAN_OPS = 12
+_PACKED_CHUNK_OPS = 3
+
+
+def _stage_us(p: _P, w: Workload, knobs: Knobs, tb: float) -> float:
+    """Dispatch's stage write (runtime/buffer/facade.py `_write_stage`), both collective layouts, before anything
+    is exchanged: the S tokens as wire rows (x read, one row of `tb` bytes written per token) at HBM speed, in
+    three launches (payload, ids, weights copies) or one (fp8: the quantiser writes all of a row)."""
+    S = w.tokens_per_gpu
+    launches = 1 if knobs.compression == "fp8_e4m3" else 3
+    return launches * p.launch + S * (w.model.hidden * DTYPES[w.model.dtype] + tb) / p.hbm
+
+
+def _send_rows_us(p: _P, w: Workload, knobs: Knobs, tb: float) -> float:
+    """The packed layout's send rows, built on the GPU before the counts exchange is posted on the same stream
+    (runtime/buffer/_packed.py): the planning ops (`_PACKED_PLAN_OPS`, one launch each) and ONE gather of the
+    stage rows in (chunk, rank, token) order whose order list is padded to its upper bound S x world (no host
+    sync before the counts): S x world rows read and written at HBM speed, however few of them the routing
+    needs (at EP 8 with top-8 of 128 experts about 2/3 are real rows, at EP 64 about 1/8)."""
+    S = w.tokens_per_gpu
+    ops = _PACKED_PLAN_OPS + (_PACKED_CHUNK_OPS if knobs.pipeline_depth > 1 else 0)
+    return ops * p.launch + 2.0 * S * w.pes * tb / p.hbm
+
+
+def _staged_sums_us(p: _P, w: Workload, calls: list[int]) -> list[float]:
     """host_staged's dense combine: the copy-engine reduce-scatter's sum of the `world` blocks (this rank's own and
     one per peer), run once per chunk (one reduce_scatter_async call per non-empty chunk, `calls` slots each) by
     runtime/transports/host_staged.py `reduce_scatter_async` `finish`, pass for pass (bytes per element of the
@@ -974,8 +1016,8 @@ def _staged_sum_us(p: _P, w: Workload, calls: list[int]) -> float:
       and acc += it (4 + 4 read, 4 written), then out.copy_(acc) (4 read, e written): 18W - 6 B at e = 2 (66 at
       W = 4), 2W launches. With fp32 activations .float() is the block itself (no pass): 12(W - 1) + 8 B, W
       launches.
-    At HBM speed, each launch gpu.launch_us; the chunks' sums are added after the staged copies (their overlap with
-    a later chunk's copies is not modelled)."""
+    At HBM speed, each launch gpu.launch_us; one time per call (`_sums_past_copies` says how much of them the
+    copies leave exposed)."""
     W, e = w.pes, DTYPES[w.model.dtype]
     if W == 2:
         per_elem, launches = 3 * e, 1
@@ -983,15 +1025,30 @@ def _staged_sum_us(p: _P, w: Workload, calls: list[int]) -> float:
         per_elem, launches = 12 * (W - 1) + 8, W
     else:
         per_elem, launches = (e + 4) + (W - 1) * (e + 4 + 12) + (4 + e), 2 * W
-    return sum(launches * p.launch + n * w.model.hidden * per_elem / p.hbm for n in calls)
+    return [launches * p.launch + n * w.model.hidden * per_elem / p.hbm for n in calls]
+
+
+def _sums_past_copies(copy_us: float, calls: list[int], sums: list[float]) -> float:
+    """How long host_staged's dense combine runs past its copies: finish_combine waits for the calls in order, and
+    each wait queues that call's sum on the compute stream while later calls' copies still run on the copy engines
+    (runtime/buffer/facade.py `finish_combine`, host_staged.py `_move`). Call c's copies are taken to end at its
+    share of the rows so far times the copies' time (MODELLED, assumed: the calls share the lanes in proportion
+    to their rows); its sum starts then, or when the previous sum ends. One call: its whole sum is exposed."""
+    total = sum(calls)
+    if not total:
+        return 0.0
+    done = end = 0.0
+    for n, t in zip(calls, sums, strict=True):
+        done += n
+        end = max(end, copy_us * done / total) + t
+    return max(0.0, end - copy_us)
 
 
 def _phase_host_staged(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hits) -> _Phase:
     """moetune's staged transport (runtime/transports/host_staged.py): each peer's block D2H, (NIC), H2D by the
     copy engines, straight from the rows the EP buffer hands it: the dense layout's stage rows (dispatch) or the
     expert output rows (combine), the packed layout's send rows (built by the plan's gather before the counts
-    exchange, which the model leaves out here as for collective). No pack kernel, and no SM count (num_sms is
-    not read)."""
+    exchange: `_layout_extras`, as for collective). No pack kernel, and no SM count (num_sms is not read)."""
     ph = _Phase()
     G = w.gpus_per_node
     tb = _token_bytes(w.model, knobs, dispatch=dispatch)
