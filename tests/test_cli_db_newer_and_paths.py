@@ -17,6 +17,9 @@ from typer.testing import CliRunner
 from moetune.tuner.cli import app
 from moetune.tuner.store.store import Store, head_revision
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child_env import child_env
+
 CAPTURE = Path(__file__).parent / "captures" / "h200x1"
 runner = CliRunner()
 NEWER = "written by a newer moetune"
@@ -96,7 +99,7 @@ def test_serve_refuses_a_db_in_a_missing_folder(tmp_path: Path) -> None:
            "--socket", f"ipc://{tmp_path}/d.sock", "--capture", str(CAPTURE), "--rediscover-interval", "0"]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
-                           env={"MOETUNE_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"})
+                           env=child_env(MOETUNE_HOME=str(tmp_path / "home")))
     except subprocess.TimeoutExpired:
         pytest.fail(f"serve started with its database in a folder it created: {missing}")
     assert r.returncode == 2, r.stdout + r.stderr

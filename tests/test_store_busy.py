@@ -22,6 +22,9 @@ from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.tuner.store import store as store_mod
 from moetune.tuner.store.store import Store, StoreBusy
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child_env import child_env
+
 pytestmark = pytest.mark.timeout(240)
 BUSY_S, NOTICE_S = 3.0, 0.5
 WAITING = "another process is writing the database"
@@ -56,7 +59,7 @@ def _profile(db: Path) -> None:
 
 def moetune(*args: str, home: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", CLI, *args], capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "MOETUNE_HOME": str(home), "COLUMNS": "200"})
+                          env=child_env(MOETUNE_HOME=str(home), COLUMNS="200"))
 
 
 @pytest.fixture

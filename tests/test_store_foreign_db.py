@@ -17,6 +17,9 @@ from moetune.tuner.cli import app
 from moetune.tuner.store._tables import OPTUNA_COLUMNS, OPTUNA_TABLES
 from moetune.tuner.store.store import Store, StoreError, head_revision
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child_env import child_env
+
 CAPTURE = Path(__file__).parent / "captures" / "h200x1"
 runner = CliRunner()
 
@@ -102,8 +105,7 @@ def test_serve_refuses_another_programs_file(tmp_path: Path) -> None:
     cmd = [sys.executable, "-c", "from moetune.tuner.cli import main; main()", "serve", "--db", str(db),
            "--socket", f"ipc://{tmp_path}/d.sock", "--capture", str(CAPTURE), "--rediscover-interval", "0"]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={"MOETUNE_HOME": str(tmp_path / "h"),
-                                                                                 "PATH": "/usr/bin:/bin"})
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=child_env(MOETUNE_HOME=str(tmp_path / "h")))
     except subprocess.TimeoutExpired:
         pytest.fail("serve started on another program's database instead of refusing it")
     assert r.returncode == 2, r.stdout + r.stderr

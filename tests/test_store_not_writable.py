@@ -23,6 +23,9 @@ from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.tuner.store.store import Store
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child_env import child_env
+
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                        reason="needs root and setpriv to be a user that cannot write"),
@@ -37,7 +40,7 @@ def moetune(*args: str, home: Path) -> subprocess.CompletedProcess:
     """The CLI without root's override of file permissions."""
     return subprocess.run([*DROP, sys.executable, "-c", "from moetune.tuner.cli import main; main()", *args],
                           capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "MOETUNE_HOME": str(home), "COLUMNS": "300"})
+                          env=child_env(MOETUNE_HOME=str(home), COLUMNS="300"))
 
 
 def _one_line(r: subprocess.CompletedProcess) -> str:
