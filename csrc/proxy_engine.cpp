@@ -757,9 +757,9 @@ MT_API int mt_proxy_cpu_list(void* h, int* out, int n) {
 
 // Where the FIFO and control pages are: out[MT_PMEM_F_*] (csrc/proxy_engine.h), the first n of them, and the
 // reason (how they were placed, or why not) into buf. The node is asked of the kernel now (get_mempolicy on the
-// FIFO's first page), so a GPU test sees where pages the engine placed really are. cudaHostAlloc's pages (the
-// default and fallback states) are the driver's VM_IO mapping, which get_mempolicy refuses (EFAULT): their node is
-// unknown, and the query errno field says so.
+// FIFO's first page), so a GPU test sees where pages the engine placed really are. Where the kernel cannot say
+// (cudaHostAlloc's pages, the default and fallback states, may be a driver mapping get_mempolicy refuses with
+// EFAULT; not seen yet: the H200 machine of run 188 reported node 0 for them) the query errno field says why.
 MT_API int mt_proxy_mem(void* h, int* out, int n, char* buf, int len) {
   Engine* e = static_cast<Engine*>(h);
   errno = 0;

@@ -248,7 +248,8 @@ class ProxyEngine:
         state = MEM_STATES[v["state"]] if 0 <= v["state"] < len(MEM_STATES) else f"state {v['state']}"
         reason = buf.value.decode(errors="replace")
         if v["node"] < 0 and v["query_errno"] == errno.EFAULT and state != "bound":
-            # cudaHostAlloc's pages are the driver's VM_IO mapping: the kernel will not say where they are
+            # cudaHostAlloc's pages where the driver maps them so that the kernel will not say where they are
+            # (a VM_IO mapping; the H200 machine of run 188 did report their node)
             reason += "; the node of its pages is unknown (CUDA's own pinned allocation: the kernel does not report it)"
         elif v["node"] < 0:
             reason += f"; the node of its pages is unknown ({os.strerror(v['query_errno'])}, errno {v['query_errno']})"
