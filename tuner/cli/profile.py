@@ -172,10 +172,14 @@ def profile(
                       f"{sp:.2f}×" if sp == sp else "–",
                       escape(r.get("stored", "current") if r["written"] else r["reason"][:30]),
                       escape(r["knobs"] or "(default)")))
-    # at 80 columns the text wraps; a number ("123 ± 4" wraps before the ±) is never cut (`_tables`)
-    cols = (Col("model"), Col("EP", "num"), Col("S", "num"), Col("family"), Col("default µs", "word", "right"),
-            Col("tuned µs", "word", "right"), Col("speedup", "num"), Col("stored"), Col("changed knobs"))
-    print_table(console, cols, cells, title="tuned profiles (measured side by side with the policy default)")
+    # a number ("123 ± 4" too) is never wrapped or cut, nor is a model, family or knob folded inside itself (run 188
+    # printed "qwen3-30 / b", "megakern / el" at 80 columns); the knobs, the widest, give way first: the report
+    # file whose path follows lists them
+    cols = (Col("model", "word"), Col("EP", "num"), Col("S", "num"), Col("family", "word"),
+            Col("default µs", "num"), Col("tuned µs", "num"), Col("speedup", "num"),
+            Col("stored", "word"), Col("changed knobs", "word", drop=1))
+    print_table(console, cols, cells, title="tuned profiles (measured side by side with the policy default)",
+                left_out_hint="the report lists them")
     console.print(flow.ep_note, markup=False)
     cal = done.get("calibrate") or {}
     if "mean_abs_rel_err" in cal:
