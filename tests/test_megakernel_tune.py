@@ -489,11 +489,13 @@ def test_imported_megakernel_rows_are_in_the_summary() -> None:
 
     rows = [r for r in R.read_rows(S.SUMMARY_CSV) if r["scenario"] == "moe-megakernel-vs-unfused"]
     imported = [r for r in rows if r["source"] == "imported"]
-    # runs 5 and 8 (bench/import_megakernel.py), runs 160 and 163, 177, 178, 179, 181, 184 and 186 (`bench run --from-report`)
+    # runs 5 and 8 (bench/import_megakernel.py), runs 160 and 163, 177, 178, 179, 181, 184, 186 and 188
+    # (`bench run --from-report`)
     assert {r["git_sha"][:7] for r in imported} == {"610d837", "711d9d4", "afe36cb", "bd3e980", "ad3607d", "2bffafd",
-                                                     "ea0d939", "64c2f2d", "950ab6c", "54fc1b9"}
+                                                     "ea0d939", "64c2f2d", "950ab6c", "54fc1b9", "06e9eca"}
     got = {(r["git_sha"][:7], r["case"], r["metric"]): float(r["median"]) for r in imported}
     assert got[("711d9d4", "megakernel", "graph_us[S=128]")] == pytest.approx(351.9, abs=0.1)
     assert got[("610d837", "unfused", "layer_us[S=4096]")] == pytest.approx(2008.7, abs=0.1)
     assert got[("bd3e980", "megakernel", "graph_us[S=128]")] == pytest.approx(289.3, abs=0.1)  # the README's table
     assert got[("ad3607d", "megakernel", "graph_us[S=128]")] == pytest.approx(287.8, abs=0.1)  # run 177, the note
+    assert got[("06e9eca", "megakernel", "graph_us[S=1]")] == pytest.approx(35.7, abs=0.1)  # run 188, the README
