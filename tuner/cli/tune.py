@@ -16,9 +16,9 @@ from typing import NoReturn
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from moetune.tuner.cli._args import int_list
+from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
 app = typer.Typer(help="Optuna searches over the EP knobs (`moetune tune --model M ...`; `moetune tune show`).",
@@ -365,27 +365,28 @@ def tune(
         return
     from rich import box
 
-    t = Table(title="tuned profiles" + (" (MODELLED: predicted, not measured)" if backend == "model" else ""),
-              box=box.SIMPLE_HEAD,
-              pad_edge=False, collapse_padding=True)
-    for name in ("family", "model", "S", "trials", "default µs", "best µs", "±", "×", "stored"):
-        t.add_column(name, no_wrap=True, justify="left" if name in ("family", "model", "stored") else "right")
+    # through the layout helper: no cell cut with '…' at 80 columns (a long model or family name made the table
+    # wider than a pipe's console, and no_wrap columns were cut)
+    cols = (Col("family", "word"), Col("model", "word"), Col("S", "num"), Col("trials", "num"),
+            Col("default µs", "num"), Col("best µs", "num"), Col("±", "num"), Col("×", "num"), Col("stored", "word"))
+    cells = []
     notes = []
     for row in rows:
         best, default = row["best_us"], row["default_us"]
-        t.add_row(row["family"], row["model"], str(row["tokens"]),
-                  f"{row['complete']}/{row['failed']}/{row['pruned']}",
-                  "-" if default is None else f"{default:,.1f}",
-                  "-" if best is None else f"{best:,.1f}",
-                  "-" if best is None else f"{row['spread_us']:,.1f}",
-                  f"{default / best:.2f}" if best and default else "-",
-                  STORED_CELL[row["stored"]])
+        cells.append((escape(row["family"]), escape(row["model"]), str(row["tokens"]),
+                      f"{row['complete']}/{row['failed']}/{row['pruned']}",
+                      "-" if default is None else f"{default:,.1f}",
+                      "-" if best is None else f"{best:,.1f}",
+                      "-" if best is None else f"{row['spread_us']:,.1f}",
+                      f"{default / best:.2f}" if best and default else "-",
+                      STORED_CELL[row["stored"]]))
         if not row["written"] or (row["study_best_us"] is not None and best is not None and abs(row["study_best_us"] - best) > 1e-9):
             sb = row["study_best_us"]
             notes.append(f"{row['family']} {row['model']} S={row['tokens']}: study best "
                          f"{'-' if sb is None else f'{sb:,.1f}'} µs; {row['reason']}")
     c = Console()
-    c.print(t)
+    print_table(c, cols, cells, title="tuned profiles" + (" (MODELLED: predicted, not measured)" if backend == "model"
+                                                          else ""), box=box.SIMPLE_HEAD, pad_edge=False)
     c.print("trials = complete/failed/pruned; × = default / best; stored: new current profile, the old one kept, "
             "or none (nothing stored, and no earlier profile for the key)")
     for n in notes:
@@ -574,14 +575,10 @@ def show(
         if as_json:
             typer.echo(json.dumps(rows, indent=2))
             return
-        t = Table(title=f"studies in {_redact(url)}")
-        t.add_column("study", overflow="fold")
-        for c in ("trials", "best µs", "backend"):
-            t.add_column(c, no_wrap=True)
-        for r in rows:
-            t.add_row(r["study"], str(r["trials"]), "-" if r["best_us"] is None else f"{r['best_us']:,.1f}",
-                      str(r["backend"]) + (" (modelled)" if r.get("modelled") else ""))
-        Console().print(t)
+        print_table(Console(), (Col("study", "text"), Col("trials", "num"), Col("best µs", "num"), Col("backend", "word")),
+                    [(escape(r["study"]), str(r["trials"]), "-" if r["best_us"] is None else f"{r['best_us']:,.1f}",
+                      escape(str(r["backend"]) + (" (modelled)" if r.get("modelled") else ""))) for r in rows],
+                    title=escape(f"studies in {_redact(url)}"))
         return
     names = [r["study"] for r in names_rows]
     if study not in names:  # a unique part of a name will do (names are long)
@@ -612,12 +609,9 @@ def show(
     if d["best_knobs"]:
         c.print("knobs: " + ", ".join(f"{k}={v}" for k, v in d["best_knobs"].items()))
     if d["importances"]:
-        t = Table(title="parameter importances (fANOVA)")
-        t.add_column("parameter")
-        t.add_column("importance")
-        for k, v in d["importances"].items():
-            t.add_row(k, f"{v:.3f}")
-        c.print(t)
+        print_table(c, (Col("parameter", "word"), Col("importance", "num")),
+                    [(escape(k), f"{v:.3f}") for k, v in d["importances"].items()],
+                    title="parameter importances (fANOVA)")
     elif d["importance_note"]:
         c.print(f"importances: {d['importance_note']}")
     for f in d["failed"]:
