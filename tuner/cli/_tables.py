@@ -53,7 +53,9 @@ def _overhead(n: int, kw: dict[str, Any]) -> int:
     boxed = kw.get("box", True) is not None
     edge = kw.get("show_edge", True)
     borders = ((n - 1) + (2 if edge else 0)) if boxed else 0
-    return borders + 2 * n - (0 if kw.get("pad_edge", True) else 2)
+    # collapse_padding: neighbouring cells share their one column of padding
+    padding = n + 1 if kw.get("collapse_padding", False) else 2 * n
+    return borders + padding - (0 if kw.get("pad_edge", True) else 2)
 
 
 def fit_table(console: Console, cols: Sequence[Col], rows: Sequence[Sequence[RenderableType | None]], *,

@@ -386,7 +386,8 @@ def tune(
                          f"{'-' if sb is None else f'{sb:,.1f}'} µs; {row['reason']}")
     c = Console()
     print_table(c, cols, cells, title="tuned profiles" + (" (MODELLED: predicted, not measured)" if backend == "model"
-                                                          else ""), box=box.SIMPLE_HEAD, pad_edge=False)
+                                                          else ""), box=box.SIMPLE_HEAD, pad_edge=False,
+                collapse_padding=True)
     c.print("trials = complete/failed/pruned; × = default / best; stored: new current profile, the old one kept, "
             "or none (nothing stored, and no earlier profile for the key)")
     for n in notes:
