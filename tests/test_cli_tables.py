@@ -123,3 +123,17 @@ def test_a_table_that_cannot_fit_is_printed_wider_not_cut() -> None:
     rows = [tuple(f"{i}12345678.9" for i in range(6))]
     out = _render(40, cols, rows)
     assert all(f"{i}12345678.9" in out for i in range(6)) and "…" not in out, out
+
+
+def test_collapsed_padding_leaves_headers_whole_where_the_table_fits() -> None:
+    """The tune table collapses its padding (one column between cells, not two): the helper counted two, so at 80
+    columns it thought nine columns of 58 characters did not fit, narrowed them to their longest words and wrapped
+    'default µs' onto two lines with room to spare."""
+    from rich import box
+
+    cols = (Col("family", "word"), Col("model", "word"), Col("S", "num"), Col("trials", "num"),
+            Col("default µs", "num"), Col("best µs", "num"), Col("±", "num"), Col("×", "num"), Col("stored", "word"))
+    rows = [("proxy:ibrc", "deepseek-v3", "4096", "2/0/0", "8,882.8", "8,880.5", "0.0", "1.00", "kept")]
+    out = _render(80, cols, rows, title="t", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    _lines_fit(out, 80)
+    assert "default µs" in out and "8,882.8" in out and "…" not in out, out
