@@ -170,7 +170,7 @@ def profile(
         cells.append((escape(r["model"]), str(r.get("ep_size") or "–"), str(r["tokens"]), escape(r["family"]),
                       us(r["default_us"], r["default_spread"]), us(r["tuned_us"], r["tuned_spread"]),
                       f"{sp:.2f}×" if sp == sp else "–",
-                      escape(r.get("stored", "current") if r["written"] else r["reason"][:30]),
+                      escape(r.get("stored", "current") if r["written"] else r["reason"]),  # wraps between words, never cut
                       escape(r["knobs"] or "(default)")))
     # a number ("123 ± 4" too) is never wrapped or cut, nor is a model, family or knob folded inside itself (run 188
     # printed "qwen3-30 / b", "megakern / el" at 80 columns); the knobs, the widest, give way first: the report
