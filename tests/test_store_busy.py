@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from moetune.runtime.knobs import default_knobs
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.tuner.store import store as store_mod
 from moetune.tuner.store.store import Store, StoreBusy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from child_env import child_env
+from store_samples import put_one_profile
 
 pytestmark = pytest.mark.timeout(240)
 BUSY_S, NOTICE_S = 3.0, 0.5
@@ -49,14 +48,6 @@ def locked(db: Path, *, for_s: float | None = None) -> Iterator[None]:
         p.wait(timeout=60)
 
 
-def _profile(db: Path) -> None:
-    key = ProfileKey(fingerprint="fp", software="sw", transport_family="nvlink", ep_size=2, nodes=1, hidden=7168,
-                     intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=128)
-    with Store(db) as s:
-        s.put_profile(ProfileRecord(key=key, knobs=default_knobs("nvlink"), latency_us=3.0, spread_us=0.5,
-                                    backend="model:t"))
-
-
 def moetune(*args: str, home: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", CLI, *args], capture_output=True, text=True, timeout=120,
                           env=child_env(MOETUNE_HOME=str(home), COLUMNS="200"))
@@ -71,7 +62,7 @@ def short_waits(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_write_says_it_waits_once_then_store_busy(tmp_path: Path, short_waits: None,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     db = tmp_path / "m.db"
-    _profile(db)
+    put_one_profile(db)
     store = Store(db)
     with locked(db), caplog.at_level(logging.WARNING, "moetune.store"), pytest.raises(StoreBusy) as e:
         store.delete_profile(1)
@@ -87,7 +78,7 @@ def test_a_write_says_it_waits_once_then_store_busy(tmp_path: Path, short_waits:
 def test_a_lock_released_while_waiting_lets_the_write_through(tmp_path: Path, short_waits: None,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     db = tmp_path / "m.db"
-    _profile(db)
+    put_one_profile(db)
     store = Store(db)
     with locked(db, for_s=1.5), caplog.at_level(logging.WARNING, "moetune.store"):
         assert store.delete_profile(1)
@@ -97,7 +88,7 @@ def test_a_lock_released_while_waiting_lets_the_write_through(tmp_path: Path, sh
 @pytest.mark.parametrize("args", [["db", "upgrade"], ["profiles", "delete", "1", "-y"], ["profiles", "import", "EXPORT"]])
 def test_commands_say_another_process_holds_it(tmp_path: Path, args: list[str]) -> None:
     db = tmp_path / "m.db"
-    _profile(db)
+    put_one_profile(db)
     export = tmp_path / "export.json"
     with Store(db) as s:
         s.export_profiles(export)
@@ -112,7 +103,7 @@ def test_commands_say_another_process_holds_it(tmp_path: Path, args: list[str]) 
 
 def test_profiles_delete_on_a_held_database_exits_1(tmp_path: Path) -> None:
     db = tmp_path / "m.db"
-    _profile(db)
+    put_one_profile(db)
     with locked(db):
         r = moetune("profiles", "delete", "1", "-y", "--db", str(db), home=tmp_path)
     assert r.returncode == 1, r.stderr
@@ -120,7 +111,7 @@ def test_profiles_delete_on_a_held_database_exits_1(tmp_path: Path) -> None:
 
 def test_tune_on_a_held_database_exits_1_and_does_not_say_fix_it(tmp_path: Path) -> None:
     db = tmp_path / "m.db"
-    _profile(db)
+    put_one_profile(db)
     with locked(db):
         r = moetune("tune", "-m", "qwen3-30b", "--preset", "nvlink-h200x2", "--trials", "2", "--tokens", "128",
                     "--db", str(db), "--json", home=tmp_path)
@@ -141,7 +132,7 @@ CAPTURE = str(Path(__file__).parent / "captures" / "cpu-laptop")
 def test_fabric_record_and_profile_on_a_held_database_exit_1(tmp_path: Path, args: list[str]) -> None:
     """fabric show --record printed the waiting line, then a traceback; profile exited 2 ("bad input")."""
     db = tmp_path / "m.db"
-    _profile(db)
+    put_one_profile(db)
     with locked(db):
         r = moetune(*args, "--db", str(db), home=tmp_path)
     assert r.returncode == 1, r.stderr

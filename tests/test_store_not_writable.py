@@ -19,12 +19,9 @@ from pathlib import Path
 import optuna
 import pytest
 
-from moetune.runtime.knobs import default_knobs
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.tuner.store.store import Store
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from child_env import child_env
+from store_samples import put_one_profile
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
@@ -46,14 +43,6 @@ def moetune(*args: str, home: Path) -> subprocess.CompletedProcess:
 def _one_line(r: subprocess.CompletedProcess) -> str:
     assert "Traceback" not in r.stderr, r.stderr
     return " ".join(r.stderr.split())
-
-
-def _profile(db: Path) -> None:
-    key = ProfileKey(fingerprint="fp", software="sw", transport_family="nvlink", ep_size=2, nodes=1, hidden=7168,
-                     intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=128)
-    with Store(db) as s:
-        s.put_profile(ProfileRecord(key=key, knobs=default_knobs("nvlink"), latency_us=3.0, spread_us=0.5,
-                                    backend="model:t"))
 
 
 @pytest.fixture
@@ -99,7 +88,7 @@ def test_tune_storage_file_whose_journal_cannot_be_made_exits_1(tmp_path: Path, 
 def test_a_read_only_database_file_is_named(tmp_path: Path) -> None:
     tmp_path.chmod(0o755)
     db = tmp_path / "p.db"
-    _profile(db)
+    put_one_profile(db)
     db.chmod(0o444)
     r = moetune("profiles", "delete", "1", "-y", "--db", str(db), home=tmp_path / "home")
     assert r.returncode == 1, r.stderr
