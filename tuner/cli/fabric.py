@@ -189,7 +189,7 @@ def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | No
     store = _open_store(readonly=True, db=db, config=config)
     try:
         row = store.get_fingerprint(fp_hash) if fp_hash is not None else None
-        allrows = list(store.list_fingerprints())
+        allrows = list(store.list_fingerprints()) if row is None else []  # read in the same open only when needed
     except StoreError as e:
         raise _fail(str(e), e.exit_code) from None
     finally:

@@ -178,8 +178,10 @@ def _group_sweep(pr: Any, w0: Any, k0: Any, knobs: str, values_given: bool) -> t
     if grid == 1 and k0.chunk_tokens == 0 and not values_given and "chunk_tokens" not in _given_knobs(knobs):
         # exactly SWEEP_PUTS PUTs (as many as the rows allow) where some chunk gives that many, else the fewest above
         target = min(SWEEP_PUTS, rows)
-        chunk = next((c for c in range(math.ceil(rows / target), 0, -1) if math.ceil(rows / c) == target),
-                     max(1, rows // target))
+        # the largest chunk giving `target` PUTs is ceil(rows / target), and a smaller one gives more PUTs
+        chunk = math.ceil(rows / target)
+        if math.ceil(rows / chunk) != target:
+            chunk = max(1, rows // target)
         try:
             k1 = k0.replace(chunk_tokens=chunk)
         except KnobError:

@@ -180,30 +180,27 @@ def export_cmd(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Export profiles (and their fingerprints' facts) to a JSON file."""
-    from moetune.tuner.store import io as store_io
-
     _check_status(status)
     _check_provenance(provenance)
     with open_store(db, config, mode="read") as store:
         if path == "-":
-            sys.stdout.buffer.write(store_io.dump_profiles(store, status=status, fingerprint=fingerprint,
-                                                           provenance=provenance))
+            sys.stdout.buffer.write(store.dump_profiles(status=status, fingerprint=fingerprint, provenance=provenance))
             sys.stdout.flush()
             return
         try:
-            n = store_io.export_profiles(store, path, status=status, fingerprint=fingerprint, provenance=provenance,
-                                         replace=force)
+            n = store.export_profiles(path, status=status, fingerprint=fingerprint, provenance=provenance,
+                                      replace=force)
         except FileExistsError:  # an existing file (a read-only one too) is replaced only when asked
             ro = " (read-only)" if _read_only(Path(path).expanduser()) else ""
             raise fail(f"{path} already exists{ro}: not replaced (--force replaces it)") from None
         except OSError as e:  # 1: this user may not write there, or no space (the path is fine); 2: a bad path
-            code = 1 if e.errno in _CANNOT_WRITE else 2
+            code = 1 if e.errno in _WRITE_DENIED_ERRNOS else 2
             raise fail(f"cannot write {path}: {e.strerror or e}", code) from None
     out.print(escape(f"exported {n} profile(s) to {path}"))
 
 
 # OSErrors of a write that say nothing is wrong with the path given: permission, a read-only filesystem, no space
-_CANNOT_WRITE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT})
+_WRITE_DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT})
 
 
 def _read_only(path: Path) -> bool:

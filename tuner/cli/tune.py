@@ -79,9 +79,10 @@ def _storage_not_writable(url: str, e: BaseException) -> str:
     "unable to open database file" ('' for another error, or where the permissions do not say so)."""
     from moetune.tuner.search.study import sqlite_path
     from moetune.tuner.store._folders import not_writable
+    from moetune.tuner.store.store import SQLITE_CANNOT_WRITE
 
     path = sqlite_path(url)
-    if path is None or not any(m in _why(e) for m in ("readonly database", "unable to open database file")):
+    if path is None or not any(m in _why(e) for m in SQLITE_CANNOT_WRITE):
         return ""
     return not_writable(path, side_files=True)
 

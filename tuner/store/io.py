@@ -131,7 +131,8 @@ def export_profiles(store: Store, path: str | Path, *, status: str | None = None
     _check_export_target(store, target)
     if not replace and target.exists():
         raise FileExistsError(errno.EEXIST, "file exists", str(target))
-    data = dump_profiles(store, status=status, fingerprint=fingerprint, provenance=provenance)
+    # the Store method: its read is retried when the file changes under it
+    data = store.dump_profiles(status=status, fingerprint=fingerprint, provenance=provenance)
     n = len(msgspec.json.decode(data)["profiles"])
     write_atomic(target, data, replace=replace)
     return n

@@ -281,7 +281,7 @@ def is_locked(e: BaseException) -> bool:
 
 
 # SQLite's answers when it cannot write the file or create it (or its -wal/-shm/-journal) in its folder
-_CANNOT_WRITE = ("readonly database", "unable to open database file")
+SQLITE_CANNOT_WRITE = ("readonly database", "unable to open database file")
 
 
 def sqlite_failure(path: Path, e: BaseException, *, write: bool) -> StoreError:
@@ -292,7 +292,7 @@ def sqlite_failure(path: Path, e: BaseException, *, write: bool) -> StoreError:
     if is_locked(e):
         return StoreBusy(f"another process held the database {path} for {BUSY_TIMEOUT_S:g} s (it is locked for "
                          "writing, not damaged); retry when that process is done")
-    if write and any(m in why for m in _CANNOT_WRITE):
+    if write and any(m in why for m in SQLITE_CANNOT_WRITE):
         reason = not_writable(path, side_files=True)
         if reason:
             return StoreNotWritable(reason)
@@ -884,13 +884,17 @@ class Store:
 
     # -- export / import (moetune.tuner.store.io) ----------------------------------------------------
     @_retried
-    def dump_profiles(self, *, status: str | None = None, fingerprint: str | None = None) -> bytes:
+    def dump_profiles(self, *, status: str | None = None, fingerprint: str | None = None,
+                      provenance: str | None = None) -> bytes:
         """The export document (JSON bytes, deterministic: same database → same bytes)."""
-        return _io.dump_profiles(self, status=status, fingerprint=fingerprint)
+        return _io.dump_profiles(self, status=status, fingerprint=fingerprint, provenance=provenance)
 
-    def export_profiles(self, path: str | Path, *, status: str | None = None, fingerprint: str | None = None) -> int:
-        """Write the profiles (with their fingerprints' facts) to a JSON file atomically; returns how many."""
-        return _io.export_profiles(self, path, status=status, fingerprint=fingerprint)
+    def export_profiles(self, path: str | Path, *, status: str | None = None, fingerprint: str | None = None,
+                        provenance: str | None = None, replace: bool = True) -> int:
+        """Write the profiles (with their fingerprints' facts) to a JSON file atomically; returns how many.
+        `replace=False`: FileExistsError for any existing file."""
+        return _io.export_profiles(self, path, status=status, fingerprint=fingerprint, provenance=provenance,
+                                   replace=replace)
 
     def import_profiles(self, path: str | Path, *, skip_invalid: bool = False) -> ImportResult:
         """Import an export file, all or nothing; ProfileImportError (nothing written) names the problem, every
