@@ -23,11 +23,6 @@ def _stat_after_comm(pid: int | str) -> list[str] | None:
     return rest.decode("ascii", "replace").split()
 
 
-def has_proc() -> bool:
-    """Whether this host has a /proc that shows this process."""
-    return _stat_after_comm("self") is not None
-
-
 def start_ticks(pid: int | str = "self") -> int | None:
     """When process `pid` started, in clock ticks since boot (field 22); None where /proc cannot tell."""
     fields = _stat_after_comm(pid)
@@ -57,17 +52,9 @@ def pid_gone(pid: int) -> bool:
 def same_process(pid: int, ticks: int) -> bool | None:
     """Whether the process that started at `ticks` (`start_ticks` of it) still runs as `pid`: its stat exists, is not
     a zombie's and has those ticks (a reused pid has others). None where /proc cannot tell (not Linux, or /proc
-    hides other processes): the caller falls back to `pid_gone`."""
-    if not has_proc():
-        return None
+    hides other processes, or no such process): the caller falls back to `pid_gone`, which tells those apart."""
     fields = _stat_after_comm(pid)
-    if fields is None:  # no such process, or /proc hides it (hidepid): os.kill tells which
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            pass
+    if fields is None:
         return None
     if fields[0] == "Z":
         return False

@@ -60,6 +60,7 @@ import msgspec.inspect as mi
 import zmq
 
 from moetune.runtime import _once, wire
+from moetune.runtime._proc import pid_gone as _pid_gone  # a zombie (killed, not reaped) is gone too
 from moetune.runtime.config import ENV_MISMATCH_MODES, ClientConfig, ConfigError, load_config
 from moetune.runtime.knobs import KnobError, Knobs, default_knobs, int_of_text
 from moetune.runtime.paths import (
@@ -186,12 +187,6 @@ def read_daemon_info(endpoint: str | None = None, env: Mapping[str, str] = os.en
             return data
     return None
 
-
-def _pid_gone(pid: int) -> bool:
-    """Whether no process `pid` runs on this host (a zombie, killed and not yet reaped, is gone too)."""
-    from moetune.runtime import _proc
-
-    return _proc.pid_gone(pid)
 
 
 def stale_daemon_reason(endpoint: str) -> str | None:

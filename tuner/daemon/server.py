@@ -1254,11 +1254,10 @@ def main(argv: list[str] | None = None) -> int:
                           rediscover_interval=a.rediscover_interval, capture=a.capture, allow_insecure_tcp=a.allow_insecure_tcp,
                           store_hook=a.store_hook, discover_hook=a.discover_hook, retune_hook=a.retune_hook, log_level=a.log_level,
                           curve_clients_dir=a.curve_clients_dir)
-    except (DaemonConfigError, ValueError, OverflowError, OSError, zmq.ZMQError) as e:  # config, key files, bind
+    # config, key files, bind; RuntimeError: a StoreError (not a database, unknown revision, cannot open)
+    except (DaemonConfigError, ValueError, OverflowError, OSError, zmq.ZMQError, RuntimeError) as e:
         print(f"moetune serve: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 2)  # as `moetune serve`: 1 for DaemonBusy (another daemon has the database)
-    except RuntimeError as e:  # StoreError: not a database, unknown revision, cannot open (1: held, not writable)
-        print(f"moetune serve: {e}", file=sys.stderr)
+        # as `moetune serve`: 1 for DaemonBusy (another daemon has the database) and a store held or not writable
         return getattr(e, "exit_code", 2)
 
 

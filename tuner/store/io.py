@@ -143,9 +143,7 @@ def _put_new(tmp: Path, path: Path) -> None:
     caller looked. A filesystem without hard links: checked, then renamed (the old window, narrowed)."""
     try:
         os.link(tmp, path)
-    except FileExistsError:
-        raise
-    except OSError as e:
+    except OSError as e:  # EEXIST (a file appeared) is not in the list below: raised
         if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
             raise
         if os.path.lexists(path):
