@@ -48,7 +48,7 @@ OPTUNA_RDB_TABLES = ("alembic_version", *OPTUNA_COLUMNS)
 
 
 class Tables(frozenset[str]):
-    """A file's table names, with each table's columns (`columns`) as `table_names` read them."""
+    """A file's table names, with the columns `table_names` read (`columns`: Optuna's tables')."""
 
     columns: dict[str, frozenset[str]]
 
@@ -85,12 +85,13 @@ def is_foreign_file(tables: Collection[str]) -> bool:
 
 
 def table_names(con: sqlite3.Connection) -> Tables:
-    """The tables of a database with their columns, less SQLite's own (sqlite_sequence, sqlite_stat1: no program's
-    data)."""
+    """The tables of a database, less SQLite's own (sqlite_sequence, sqlite_stat1: no program's data), with the
+    columns of those named as Optuna's (`OPTUNA_COLUMNS`, the only ones the rules here compare; the others' are
+    left empty: every store open probes, and nothing reads them)."""
     names = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
              if not r[0].startswith("sqlite_")]
     return Tables({n: frozenset(r[1] for r in con.execute("SELECT * FROM pragma_table_info(?)", (n,)))
-                   for n in names})
+                   if n in OPTUNA_COLUMNS else frozenset() for n in names})
 
 
 def connect_existing(path: Path, *, timeout_s: float) -> sqlite3.Connection:
