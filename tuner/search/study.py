@@ -111,11 +111,19 @@ def _start_ticks() -> int | None:
     return _TICKS[pid]
 
 
+def _worker_id(host_pid: str, run: object, ticks: int | None) -> str:
+    """host:pid:run:ticks, or host:pid:run where the start ticks are unknown."""
+    return f"{host_pid}:{run}" + (f":{ticks}" if ticks is not None else "")
+
+
+def _host_pid() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
 def current_worker() -> str:
     """host:pid:run:ticks of this process (host:pid:run without /proc); computed each time: a forked child has its
     own pid and ticks."""
-    ticks = _start_ticks()
-    return f"{socket.gethostname()}:{os.getpid()}:{_RUN}" + (f":{ticks}" if ticks is not None else "")
+    return _worker_id(_host_pid(), _RUN, _start_ticks())
 
 
 WORKER = current_worker()
@@ -534,12 +542,11 @@ _REGISTRIES: set[tuple[str, int]] = set()  # every study this process has regist
 
 def _registration() -> tuple[str, dict[str, Any]]:
     """This process's key and value in a study's worker registry."""
-    host, pid, run = current_worker().split(":")[:3]
-    value: dict[str, Any] = {"run": run, "since": _REGISTERED_AT.isoformat()}
+    value: dict[str, Any] = {"run": _RUN, "since": _REGISTERED_AT.isoformat()}
     ticks = _start_ticks()
     if ticks is not None:
         value["ticks"] = ticks
-    return f"{WORKER_KEY}{host}:{pid}", value
+    return f"{WORKER_KEY}{_host_pid()}", value
 
 
 def register_worker(study: optuna.Study) -> None:
@@ -596,7 +603,7 @@ def _unregister_all() -> None:
 def _registered_worker(name: str, value: dict[str, Any]) -> str:
     """The worker (host:pid:run:ticks, or host:pid:run from a registration without ticks) a registration names."""
     ticks = value.get("ticks")
-    return f"{name}:{value.get('run')}" + (f":{ticks}" if isinstance(ticks, int) and not isinstance(ticks, bool) else "")
+    return _worker_id(name, value.get("run"), ticks if isinstance(ticks, int) and not isinstance(ticks, bool) else None)
 
 
 def _live_registrations(study: optuna.Study) -> list[datetime]:
