@@ -142,20 +142,34 @@ def retry_pause(attempt: int) -> None:
     time.sleep(min(0.002 * 2**attempt, 0.05))
 
 
+def retry_changed(fn: Callable[[], T], changed: Callable[[BaseException], bool], *,
+                  attempts: int | None = None) -> T:
+    """fn() run again while `changed(error)` says the file changed under the read, up to `attempts` times
+    (READ_ATTEMPTS as it is at the call), with a short growing pause between; then that error. Any other error is
+    raised at once."""
+    attempts = READ_ATTEMPTS if attempts is None else attempts
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except Exception as e:
+            if attempt == attempts - 1 or not changed(e):
+                raise
+        retry_pause(attempt)
+    raise AssertionError("unreachable")
+
+
 def read(path: str | Path, fn: Callable[[ReadOnlyConnection], T], *, timeout_s: float,
          attempts: int = READ_ATTEMPTS) -> T:
     """fn(connection) on a fresh read-only connection (`connect_readonly`), closed after. A read through immutable=1
     that overlapped a change is run again from mode=ro, up to `attempts` times; then DatabaseChanged. fn must read
     everything it needs (fetchall), not return a cursor."""
-    for attempt in range(attempts):
+
+    def once() -> T:
         con = connect_readonly(path, timeout_s=timeout_s)
         try:
             with checked(con):
                 return fn(con)
-        except DatabaseChanged:
-            if attempt == attempts - 1:
-                raise
         finally:
             con.close()
-        retry_pause(attempt)
-    raise AssertionError("unreachable")
+
+    return retry_changed(once, lambda e: isinstance(e, DatabaseChanged), attempts=attempts)

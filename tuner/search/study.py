@@ -991,14 +991,7 @@ def _read_again(fn: Callable[[], T]) -> T:
     does: up to sqlite_open.READ_ATTEMPTS times, then its error."""
     from moetune.runtime.profiles import sqlite_open
 
-    for attempt in range(sqlite_open.READ_ATTEMPTS):
-        try:
-            return fn()
-        except Exception as e:
-            if attempt == sqlite_open.READ_ATTEMPTS - 1 or not changed_while_read(e):
-                raise
-        sqlite_open.retry_pause(attempt)
-    raise AssertionError("unreachable")
+    return sqlite_open.retry_changed(fn, changed_while_read)
 
 
 def list_studies(storage: str) -> list[dict[str, Any]]:

@@ -170,14 +170,8 @@ def _retried(method: Callable[..., _T]) -> Callable[..., _T]:
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> _T:
-        for attempt in range(sqlite_open.READ_ATTEMPTS):
-            try:
-                return method(*args, **kwargs)
-            except DatabaseChangedError:
-                if attempt == sqlite_open.READ_ATTEMPTS - 1:
-                    raise
-            sqlite_open.retry_pause(attempt)
-        raise AssertionError("unreachable")
+        return sqlite_open.retry_changed(lambda: method(*args, **kwargs),
+                                         lambda e: isinstance(e, DatabaseChangedError))
 
     return run
 
