@@ -501,10 +501,12 @@ def calibrate_cmd(
         if refused:
             raise typer.Exit(1)
         return
-    colour = {True: "green", False: "red"}
+    def err_cell(e: float) -> str:
+        c = "green" if abs(e) <= 0.2 else "red"
+        return f"[{c}]{e:+.1%}[/{c}]"
+
     print_table(_console, [Col("point", "text"), Col("measured µs", "num"), Col("modelled µs", "num"), Col("error", "num")],
-                [(_e(p.label), f"{p.measured_us:,.1f}", f"{p.predicted_us:,.1f}",
-                  f"[{colour[abs(p.rel_err) <= 0.2]}]{p.rel_err:+.1%}[/{colour[abs(p.rel_err) <= 0.2]}]")
+                [(_e(p.label), f"{p.measured_us:,.1f}", f"{p.predicted_us:,.1f}", err_cell(p.rel_err))
                  for p in rep.points],
                 title=f"calibration of {_e(rep.preset.name)}: measured vs {LABEL}")
     print_table(_console, [Col("parameter", "word"), Col("before", "num"), Col("after", "num")],

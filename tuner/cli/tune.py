@@ -562,7 +562,7 @@ def show(
     if storage:
         _refuse_memory(storage, "a new one holds no studies")
     try:
-        refuse_query(url)  # `?mode=rw` was read as part of the file name: "no studies yet (…?mode=rw does not exist)"
+        refuse_query(url)  # a query string (`?mode=rw`) is refused by name here, before any read
     except StorageRefused as e:
         _fail(f"--storage {_redact(url)}: {e}")
     p = sqlite_path(url)
