@@ -448,11 +448,13 @@ def presets_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON."
     if as_json:
         typer.echo(json.dumps(items))
         return
-    print_table(_console, [Col("name", "word"), Col("family", "word"), Col("transports", "word"),
+    # transports are left out first at 80 columns: the family names the one a prediction is for
+    print_table(_console, [Col("name", "word"), Col("family", "word"), Col("transports", "word", drop=1),
                            Col("GPUs/node", "num"), Col("calibrated", "word")],
                 [(_e(it["name"]), _e(it["family"]), _e(", ".join(it["transports"])), str(it["gpus_per_node"]),
                   "yes" if it["calibrated"] else "no") for it in items],
-                title="fabric model presets (parameters with sources; predictions are MODELLED)")
+                title="fabric model presets (parameters with sources; predictions are MODELLED)",
+                left_out_hint="--json shows them")
 
 
 @app.command("calibrate")
