@@ -303,3 +303,17 @@ def test_0004_relabels_stale_and_superseded_history_made_at_head(tmp_path):
         got = {(r.backend, r.key.token_bucket): r.provenance for _i, r in s.list_profiles()}
         assert got == {(k[0], k[1]): v[0] for k, v in AT_0003.items()}
         assert len([e for e in s.list_events() if e.kind == "relabelled"]) == len(MISLABELLED)
+
+
+def test_an_open_says_what_it_migrated(tmp_path) -> None:
+    """Store.upgraded: what the open itself migrated (the daemon's start log reads it), nothing when at head."""
+    from moetune.tuner.store._schema import Upgraded
+
+    path = tmp_path / "m.db"
+    with Store(path) as s:
+        assert s.upgraded == Upgraded(None, head_revision())  # created
+        s.downgrade("0004")
+    with Store(path) as s:
+        assert s.upgraded == Upgraded("0004", head_revision())
+    with Store(path) as s, Store(path, readonly=True) as r:
+        assert s.upgraded is None and r.upgraded is None

@@ -1195,20 +1195,15 @@ def run_daemon(
     if store_hook:
         store = _load_hook(store_hook)(db_path)
     else:
-        from moetune.tuner.store.store import Store, StoreError, database_path, probe_database
+        from moetune.tuner.store.store import Store
 
-        try:  # the revision before the store migrates it to head (a `db downgrade` is undone here: say so)
-            kind, before = (probe_database(database_path(db_path)) if db_path != ":memory:"
-                            else ("missing", None))
-        except (StoreError, OSError):
-            kind, before = "unreadable", None  # the store's own open says what is wrong
         store = Store(db_path)  # makes moetune's own data folder only: a configured one must exist
-        after = store.current_revision()
-        if kind == "moetune" and before != after:
-            log.info("database migrated", extra={"db": str(store.path), "from_revision": before or "base",
-                                                 "to_revision": after})
-        elif kind in ("missing", "empty") and after is not None:
-            log.info("created moetune's tables", extra={"db": str(store.path), "to_revision": after})
+        up = store.upgraded  # what the open migrated (a `db downgrade` is undone here: say so)
+        if up is not None and up.from_revision is not None:
+            log.info("database migrated", extra={"db": str(store.path), "from_revision": up.from_revision,
+                                                 "to_revision": up.to_revision})
+        elif up is not None:
+            log.info("created moetune's tables", extra={"db": str(store.path), "to_revision": up.to_revision})
     if discover_hook:
         hook = _load_hook(discover_hook)
         discover = lambda: hook(capture)  # noqa: E731

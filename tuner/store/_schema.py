@@ -7,6 +7,7 @@ says what to run.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -78,6 +79,14 @@ def known_revisions() -> frozenset[str]:
     return frozenset(sc.revision for sc in ScriptDirectory.from_config(alembic_config()).walk_revisions())
 
 
+@dataclass(frozen=True)
+class Upgraded:
+    """A migration a store's open made: from `from_revision` (None: the database had no moetune tables) to head."""
+
+    from_revision: str | None
+    to_revision: str
+
+
 class SchemaVersionManager:
     """The schema of one store's database: its revision, compatibility, upgrade/downgrade, check."""
 
@@ -109,12 +118,13 @@ class SchemaVersionManager:
             f"`moetune db downgrade {head} --yes{self._where()}`"
         )
 
-    def ensure(self, *, upgrade: bool) -> None:
-        """At head, or upgraded to it when allowed; else a StoreError naming the command to run."""
+    def ensure(self, *, upgrade: bool) -> Upgraded | None:
+        """At head, or upgraded to it when allowed (what this call migrated; None: nothing); else a StoreError naming
+        the command to run."""
         head = head_revision()
         rev = self.current_revision()
         if rev == head:
-            return
+            return None
         path = self._store.path
         self.refuse_newer(rev)
         if not upgrade:
@@ -122,11 +132,14 @@ class SchemaVersionManager:
                 f"{path} is at schema revision {rev or 'none'}, this moetune needs {head}: "
                 f"run `moetune db upgrade{self._where()}`"
             )
-        self.migrate("upgrade", "head")
+        before = self.migrate("upgrade", "head")
+        return None if before == head else Upgraded(before, head)
 
-    def migrate(self, direction: Literal["upgrade", "downgrade"], revision: str) -> None:
-        """One transaction; concurrent openers wait on the write lock, then find it done."""
+    def migrate(self, direction: Literal["upgrade", "downgrade"], revision: str) -> str | None:
+        """One transaction; concurrent openers wait on the write lock, then find it done. Returns the revision the
+        database was at under the write lock, before this migration (None: none recorded)."""
         from alembic import command
+        from alembic.runtime.migration import MigrationContext
 
         store = self._store
         if store.readonly:
@@ -141,12 +154,16 @@ class SchemaVersionManager:
             raw.execute("PRAGMA foreign_keys = OFF")
             try:
                 with conn.begin():
+                    # read under the lock: another opener may have migrated it since current_revision()
+                    before = MigrationContext.configure(
+                        conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
                     getattr(command, direction)(alembic_config(conn), revision)
                     bad = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
                     if bad:
                         raise StoreError(f"migration {direction} to {revision} broke foreign keys: {bad[:5]}")
             finally:
                 raw.execute("PRAGMA foreign_keys = ON")
+        return before
 
     def check(self) -> dict[str, Any]:
         """Revision vs head, schema drift against the models, `PRAGMA integrity_check`, foreign keys."""

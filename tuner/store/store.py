@@ -57,6 +57,7 @@ from moetune.tuner.store._schema import (
     StoreBusy,
     StoreError,
     StoreNotWritable,
+    Upgraded,
     head_revision,
     is_sqlite_file,
     known_revisions,
@@ -368,9 +369,11 @@ class Store:
         event.listen(self._engine, "begin", _on_begin(self.path))
         self._writer = self._engine.execution_options(moetune_begin="IMMEDIATE")
         self._pid = os.getpid()
+        # what this open migrated (the daemon logs it); None: nothing
+        self.upgraded: Upgraded | None = None
         # check_schema=False: a read-only look at a database at any revision (`moetune db current/check`).
         if check_schema and (upgrade or readonly):
-            self._ensure_schema(upgrade=upgrade and not readonly)
+            self.upgraded = self._ensure_schema(upgrade=upgrade and not readonly)
 
     @classmethod
     def open_existing(cls, path: str | Path, *, write: bool = False, create: bool = False) -> Store:
@@ -515,8 +518,8 @@ class Store:
         return self.schema.current_revision()
 
     @_retried
-    def _ensure_schema(self, *, upgrade: bool) -> None:
-        self.schema.ensure(upgrade=upgrade)
+    def _ensure_schema(self, *, upgrade: bool) -> Upgraded | None:
+        return self.schema.ensure(upgrade=upgrade)
 
     def upgrade(self, revision: str = "head") -> None:
         """Migrate up to `revision` (one transaction; concurrent openers wait, then find it done)."""
