@@ -11,7 +11,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import NoReturn
+from typing import Literal, NoReturn
 
 import typer
 from rich.console import Console
@@ -46,10 +46,14 @@ def _redact(url: str) -> str:
 BUSY_MARKERS = ("database is locked", "database table is locked", "already exists", "UNIQUE constraint failed")
 
 
-def _storage_failed(url: str, given: bool, e: BaseException) -> NoReturn:
+Problem = tuple[Literal["busy", "denied", ""], str]  # _storage_problem's answer
+
+
+def _storage_failed(url: str, given: bool, e: BaseException, problem: Problem | None = None) -> NoReturn:
     """Exit with `_storage_error`'s message: 1 where nothing is wrong in what was given (the storage is busy: a re-run
     works; this user may not write the file or its folder), 2 otherwise."""
-    _fail(_storage_error(url, given, e), 1 if _storage_busy(e) or _storage_not_writable(url, e) else 2)
+    problem = problem or _storage_problem(url, e)
+    _fail(_storage_error(url, given, e, problem), 1 if problem[0] else 2)
 
 
 def _read_failed(url: str, given: bool, e: BaseException) -> NoReturn:
@@ -74,35 +78,41 @@ def _storage_busy(e: BaseException) -> bool:
     return any(m in _why(e) for m in BUSY_MARKERS)
 
 
-def _storage_not_writable(url: str, e: BaseException) -> str:
-    """Why this user cannot write the SQLite studies file (or its folder) behind SQLite's "readonly database" or
-    "unable to open database file" ('' for another error, or where the permissions do not say so)."""
+def _storage_problem(url: str, e: BaseException) -> Problem:
+    """What failed that is not wrong in what was given, read once per failure: ("busy", "") when another process
+    holds or is creating the studies file; ("denied", why) when this user cannot write the SQLite studies file or its
+    folder (SQLite's "readonly database" or "unable to open database file", and the permissions say so); ("", "")
+    for anything else."""
     from moetune.tuner.search.study import sqlite_path
     from moetune.tuner.store._folders import not_writable
     from moetune.tuner.store.store import SQLITE_CANNOT_WRITE
 
+    if _storage_busy(e):
+        return "busy", ""
     path = sqlite_path(url)
     if path is None or not any(m in _why(e) for m in SQLITE_CANNOT_WRITE):
-        return ""
-    return not_writable(path, side_files=True)
+        return "", ""
+    denied = not_writable(path, side_files=True)
+    return ("denied", denied) if denied else ("", "")
 
 
-def _storage_error(url: str, given: bool, e: BaseException) -> str:
-    """The error for a study storage that cannot be opened, naming --storage (or the default studies file)."""
+def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | None = None) -> str:
+    """The error for a study storage that cannot be opened, naming --storage (or the default studies file).
+    `problem`: `_storage_problem(url, e)` where the caller has it already."""
     from moetune.tuner.search.study import sqlite_path
 
+    kind, denied = problem or _storage_problem(url, e)
     why = (_why(e).splitlines() or [""])[0] or type(e).__name__  # SQLAlchemy's first line
     path = sqlite_path(url)
     if path is not None and path.is_dir():
         why = f"{path} is a directory"
-    if any(m in why for m in BUSY_MARKERS):
+    if kind == "busy":
         where = f"--storage {_redact(url)}" if given else f"the studies file {path or _redact(url)}"
         return (f"{where} is busy: another moetune process is using or creating it ({type(e).__name__}: {why}); "
                 "the file is kept as it is: run the command again")
     if "://" not in url:  # SQLAlchemy's "Could not parse SQLAlchemy URL" says nothing of what to type
         return f"--storage {url}: not a storage URL (a SQLite file is sqlite:///{Path(url).expanduser().resolve()})"
-    denied = _storage_not_writable(url, e)
-    if denied:
+    if kind == "denied":
         return f"--storage {_redact(url)}: {denied}" if given else f"the studies file (the default --storage): {denied}"
     if given:
         return f"--storage {_redact(url)}: cannot open the study storage ({type(e).__name__}: {why})"
@@ -330,9 +340,10 @@ def tune(
         if isinstance(e, SQLAlchemyError | SqliteError):  # the study storage failed while tuning
             _storage_failed(url, storage is not None, e)
         cause = e.__cause__ or e.__context__  # Optuna's StorageInternalError wraps SQLite's "readonly", "locked"
-        if isinstance(e, optuna.exceptions.OptunaError) and isinstance(cause, SQLAlchemyError | SqliteError) and (
-                _storage_busy(cause) or _storage_not_writable(url, cause)):
-            _storage_failed(url, storage is not None, cause)
+        if isinstance(e, optuna.exceptions.OptunaError) and isinstance(cause, SQLAlchemyError | SqliteError):
+            problem = _storage_problem(url, cause)
+            if problem[0]:
+                _storage_failed(url, storage is not None, cause, problem)
         if isinstance(e, optuna.exceptions.OptunaError):  # e.g. a trial another process finished meanwhile
             _fail(f"the tune stopped on an Optuna error ({type(e).__name__}: {e}); the finished trials are kept in "
                   f"{_redact(url)}: run the same command again to resume")
