@@ -317,3 +317,15 @@ def test_an_open_says_what_it_migrated(tmp_path) -> None:
         assert s.upgraded == Upgraded("0004", head_revision())
     with Store(path) as s, Store(path, readonly=True) as r:
         assert s.upgraded is None and r.upgraded is None
+
+
+def test_the_suggested_command_quotes_a_path_with_a_space(tmp_path) -> None:
+    """The schema's "run `moetune db upgrade --db PATH`" pasted into a shell must name the one file."""
+    path = tmp_path / "my dbs" / "m.db"
+    path.parent.mkdir()
+    with Store(path) as s:
+        s.downgrade("0004")
+    for open_it in (lambda: Store(path, readonly=True), lambda: Store.open_existing(path)):
+        with pytest.raises(StoreError) as e:
+            open_it()
+        assert f"`moetune db upgrade --db '{path}'`" in str(e.value), str(e.value)

@@ -102,9 +102,8 @@ def db_flag(path: Path) -> str:
     """` --db PATH` (shell-quoted) for a suggested command, so that it acts on this database; empty when PATH is the
     database a plain command uses (no --db, no --config). Named whenever that cannot be told: a --config naming
     another database would otherwise send the suggestion to the default one."""
-    import shlex
-
     from moetune.runtime.config import ConfigError, resolve_db_path
+    from moetune.tuner.store._schema import db_option
 
     try:
         default = resolve_db_path(None, None)
@@ -112,7 +111,7 @@ def db_flag(path: Path) -> str:
             return ""
     except (ConfigError, OSError, RuntimeError):
         pass
-    return f" --db {shlex.quote(str(path))}"
+    return db_option(path)
 
 
 def _older_than(current: str, target: str) -> bool:

@@ -39,6 +39,14 @@ class StoreNotWritable(StoreError):
     exit_code = 1
 
 
+def db_option(path: Path | str) -> str:
+    """` --db PATH`, shell-quoted, for a command a message suggests (the one builder of it: a path with a space
+    must still paste as one argument). The CLI leaves it out for the default database (`cli.db.db_flag`)."""
+    import shlex
+
+    return f" --db {shlex.quote(str(path))}"
+
+
 SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
 
 
@@ -94,7 +102,7 @@ class SchemaVersionManager:
         self._store = store
 
     def _where(self) -> str:
-        return "" if self._store.memory else f" --db {self._store.path}"
+        return "" if self._store.memory else db_option(self._store.path)
 
     def current_revision(self) -> str | None:
         """The revision recorded in the database (None: empty or not a moetune database)."""

@@ -14,7 +14,6 @@ import contextlib
 import functools
 import logging
 import os
-import shlex
 import sqlite3
 import threading
 import time
@@ -58,6 +57,7 @@ from moetune.tuner.store._schema import (
     StoreError,
     StoreNotWritable,
     Upgraded,
+    db_option,
     head_revision,
     is_sqlite_file,
     known_revisions,
@@ -383,7 +383,7 @@ class Store:
         upgraded to head; with `create`, a missing path or an empty file also (created). Never adds
         moetune's tables to another program's SQLite file. A StoreError says what is wrong and what to run."""
         path = database_path(path)
-        upgrade_cmd = f"`moetune db upgrade --db {shlex.quote(str(path))}`"
+        upgrade_cmd = f"`moetune db upgrade{db_option(path)}`"
         kind, rev, tables = _probe(path)
         if kind == "missing" and not (write and create):
             raise StoreError(f"no database at {path} (run {upgrade_cmd})")
@@ -830,7 +830,7 @@ class Store:
     def _unreadable_message(self, bad: list[tuple[int, str]]) -> str:
         shown = "; ".join(f"profile {i}: {why}" for i, why in bad[:5])
         more = f"; and {len(bad) - 5} more (ids {', '.join(str(i) for i, _ in bad[5:])})" if len(bad) > 5 else ""
-        where = "" if self.memory else f" --db {shlex.quote(str(self.path))}"
+        where = "" if self.memory else db_option(self.path)
         return (
             f"skipped {len(bad)} unreadable profile row(s) in {self.path}, left out of every lookup, list and export: "
             f"{shown}{more}. Nothing was changed: `moetune db check{where}` lists them, "
