@@ -149,8 +149,9 @@ def untrusted_socket_reason(sock: Path) -> str | None:
     """Why the runtime must not connect to the IPC socket `sock` (None when it may).
 
     A socket in a trusted directory (`untrusted_dir_reason`) is trusted. In a sticky world-writable
-    directory such as /tmp, a socket that is a real socket (not a link) owned by this user or root is
-    trusted too: the sticky bit keeps anyone else from removing or replacing it.
+    directory owned by this user or root, such as /tmp, a socket that is a real socket (not a link) owned by this
+    user or root is trusted too: the sticky bit keeps anyone else from removing or replacing it, except the
+    directory's owner (a `/tmp/moetune-<uid>` made sticky by another user is theirs to empty).
     """
     why = untrusted_dir_reason(sock.parent)
     if why is None:
@@ -159,7 +160,8 @@ def untrusted_socket_reason(sock: Path) -> str | None:
         d, s = os.stat(sock.parent), os.lstat(sock)
     except OSError as e:
         return f"cannot stat {sock}: {e.strerror or e}"
-    if d.st_mode & stat.S_ISVTX and stat.S_ISSOCK(s.st_mode) and s.st_uid in (os.getuid(), 0):
+    mine = (os.getuid(), 0)
+    if d.st_mode & stat.S_ISVTX and d.st_uid in mine and stat.S_ISSOCK(s.st_mode) and s.st_uid in mine:
         return None
     return why
 

@@ -163,6 +163,29 @@ def test_writable_runtime_dir_is_refused_whoever_owns_it(tmp_path: Path, mode: i
     assert stat.S_IMODE(os.stat(run).st_mode) == 0o1777
 
 
+def _owned_by_another_user(d: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make `d` another user's: chown it where this is root, else pretend to be another uid."""
+    if os.getuid() == 0:
+        os.chown(d, 65534, 65534)
+    else:
+        uid = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o755, 0o700])
+def test_runtime_dir_of_another_user_is_refused_sticky_or_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              mode: int) -> None:
+    """A /tmp/moetune-<uid> made first by another user: its owner may remove or replace any file in it, the sticky
+    bit notwithstanding (they could swap the socket for a link the daemon then chmods)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chmod(run, mode)
+    _owned_by_another_user(run, monkeypatch)
+    with pytest.raises(DaemonConfigError, match=f"{run} is owned by uid"):
+        prepare_runtime_dir(run)
+    assert stat.S_IMODE(os.stat(run).st_mode) == mode  # refused, never chmod-ed
+
+
 def test_daemon_json_never_written_through_a_planted_link(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir(mode=0o700)

@@ -477,6 +477,26 @@ def test_socket_in_a_sticky_shared_dir_is_trusted_only_when_ours(tmp_path: Path)
         s.close()
 
 
+def test_socket_in_a_sticky_dir_of_another_user_is_not_trusted(tmp_path: Path) -> None:
+    """The sticky bit does not bind the directory's owner: another user's sticky /tmp/moetune-<uid> may have had our
+    socket swapped for theirs."""
+    import socket as _socket
+
+    shared = tmp_path / "moetune-x"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    sock = shared / "daemon.sock"
+    s = _socket.socket(_socket.AF_UNIX)
+    s.bind(str(sock))
+    try:
+        if os.getuid() != 0:
+            pytest.skip("needs root: only the directory, not our own socket, may belong to another user here")
+        os.chown(shared, 65534, 65534)  # our (root's) socket in another user's sticky folder
+        assert "world-writable" in (paths.untrusted_socket_reason(sock) or "")
+    finally:
+        s.close()
+
+
 def test_autoload_cache_never_hands_one_token_count_another_counts_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
     """200 and 300 tokens fall in one rung (256), but with buckets 128 and 512 stored the nearest is 128 for one and
     512 for the other: the cache must not give the second call the first call's profile."""

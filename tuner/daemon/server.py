@@ -147,8 +147,9 @@ def prepare_runtime_dir(d: Path, group: str = "") -> bool:
 
     A missing directory is created 0700 (0750 with `group`) and marked as ours; only a directory with
     our mark is ever chmod-ed or chown-ed again. An existing directory is used as it is (never chmod-ed),
-    provided nobody else can replace our socket in it: whoever owns it, it must not be writable by group
-    or others, unless sticky (like /tmp, where only a file's owner may remove it)."""
+    provided nobody else can replace our socket in it: it must be owned by this user or root (its owner may
+    remove any file in it, sticky or not), and not writable by group or others unless sticky (like /tmp, where
+    only a file's owner may remove it)."""
     gid = _group_id(group)
     mode = 0o750 if gid is not None else 0o700
     created = False
@@ -176,6 +177,10 @@ def prepare_runtime_dir(d: Path, group: str = "") -> bool:
         if stat.S_IMODE(st.st_mode) != mode:
             os.chmod(d, mode)
         return created
+    if st.st_uid not in (os.getuid(), 0):
+        raise DaemonConfigError(f"socket directory {d} is owned by uid {st.st_uid}, not by this user (uid "
+                                f"{os.getuid()}) or root: its owner could replace the socket; remove it if it is "
+                                "not in use, or point daemon.socket at a directory of this user's")
     others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
     if others_write and not st.st_mode & stat.S_ISVTX:
         raise DaemonConfigError(f"socket directory {d} (mode {stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}) is "
@@ -821,10 +826,14 @@ class Daemon(FabricWatch):
         finally:
             os.umask(old)
         if p is not None:
+            # the socket as bound, never a link put in its place: nothing but our own socket is claimed or chmod-ed
+            st = os.lstat(p)
+            if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
+                raise DaemonConfigError(f"{p} is no longer the socket this daemon bound (replaced meanwhile?)")
             self._bound_paths.append(p)  # we created it: ours to chmod and, at exit, to remove
             _record_owner(p)
             if gid is not None:
-                os.chown(p, -1, gid)
+                os.chown(p, -1, gid, follow_symlinks=False)
             os.chmod(p, 0o660 if gid is not None else 0o600)
 
     def _bind(self) -> None:
