@@ -31,6 +31,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,8 +61,10 @@ class JobCancelled(Exception):
 
 
 class Job:
-    def __init__(self, job_id: int, *, reason: str, old_fingerprint: str | None, keys: list[ProfileKey], all_current: bool = False):
+    def __init__(self, job_id: int, *, reason: str, old_fingerprint: str | None, keys: list[ProfileKey], all_current: bool = False,
+                 resumes: int | None = None):
         self.id = job_id
+        self.resumes = resumes  # the job of the last daemon this one takes over (recover_jobs reads it back)
         self.reason = reason
         self.old_fingerprint = old_fingerprint
         self.keys = keys  # the stale (or current, with all_current) keys to re-tune
@@ -90,7 +93,8 @@ class Job:
         return {"job_id": self.id, "run_id": self.run_id, "old_fingerprint": self.old_fingerprint,
                 "fingerprint": self.fingerprint, "software": self.software, "all_current": self.all_current,
                 "keys": [k.to_dict() for k in self.keys], "state": self.state, "written": self.written,
-                "message": self.message, "impossible": self.impossible, "refused": list(self.refused)}
+                "message": self.message, "impossible": self.impossible, "refused": list(self.refused),
+                "resumes": self.resumes}
 
 
 class JobContext:
@@ -413,7 +417,8 @@ class JobManager:
         self.tune = tune
         self.capacity = capacity
         self.metrics = metrics
-        self._q: queue.Queue[Job | None] = queue.Queue(maxsize=capacity + 1)  # + the stop sentinel
+        # unbounded: `_queued` bounds it (resumed jobs may go past `capacity`; the stop sentinel always fits)
+        self._q: queue.Queue[Job | None] = queue.Queue()
         self._queued: dict[int, Job] = {}
         self._recent: collections.deque[Job] = collections.deque(maxlen=16)
         self.running: Job | None = None
@@ -433,10 +438,12 @@ class JobManager:
             log.error("cannot record %s for job %s: %s", kind, job.id, e)
 
     def submit(self, *, reason: str, old_fingerprint: str | None, keys: list[ProfileKey], all_current: bool = False,
-               persist_async: bool = False, skip_queued: bool = False) -> Job | None:
-        """Queue a job; raises queue.Full when the queue is at capacity. With `skip_queued` (the automatic
-        re-tunes) keys a queued job already holds are left out (a queued job tunes for the facts current
-        when it starts), and None is returned when none is left.
+               persist_async: bool = False, skip_queued: bool = False, resumes: int | None = None) -> Job | None:
+        """Queue a job; raises queue.Full when the queue is at capacity or the daemon is stopping. With
+        `skip_queued` (the automatic re-tunes) keys a queued job already holds are left out (a queued job tunes
+        for the facts current when it starts), and None is returned when none is left. `resumes`: the id of
+        the last daemon's job this one takes over; such a job is queued past the capacity (a stopped daemon
+        may leave one running and `capacity` queued: none may be lost).
 
         The job_queued event is written BEFORE the worker can see the job, so the events of one job are
         always in order (queued < started < finished) for recover_jobs(). With `persist_async` (the
@@ -450,9 +457,10 @@ class JobManager:
                 keys = [k for k in keys if tuning_key(k) not in held]
                 if not keys:
                     return None
-            if len(self._queued) >= self.capacity:
+            if len(self._queued) >= self.capacity and resumes is None:
                 raise queue.Full(f"{self.capacity} jobs queued")
-            job = Job(next(self._ids), reason=reason, old_fingerprint=old_fingerprint, keys=keys, all_current=all_current)
+            job = Job(next(self._ids), reason=reason, old_fingerprint=old_fingerprint, keys=keys, all_current=all_current,
+                      resumes=resumes)
             self._queued[job.id] = job  # reserves its place: at most `capacity` jobs queued or being persisted
         if persist_async:
             self._writer.submit(self._persist_and_enqueue, job)
@@ -463,7 +471,7 @@ class JobManager:
 
     def _persist_and_enqueue(self, job: Job) -> None:
         self._event("job_queued", job, job.reason)
-        self._q.put(job)  # never blocks long: _queued (which bounds the queue) was reserved above
+        self._q.put(job)  # never blocks: unbounded, and _queued (which bounds it) was reserved above
 
     def cancel(self, job_id: int) -> Job | None:
         with self._lock:
@@ -691,19 +699,30 @@ class JobManager:
                     log.error("cannot finish run %s: %s", job.run_id, e)
 
 
-def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]], int]:
-    """After a restart: mark the jobs the last daemon left running as failed; return the jobs to resume.
+@dataclass(frozen=True)
+class Resumable:
+    """A job the last daemon left queued or running. `details`: what to queue again (its keys those still to tune);
+    `finish_reason`/`finish_details`: the job_finished event that closes the old job, written only after its
+    resumption is queued (`Daemon._resume`), so a crash in between loses no job: the next start finds the
+    resumption (its `resumes`) and closes the old job then."""
 
-    Returns (jobs to re-queue as event details dicts, the next free job id).
-    """
-    events = sorted(store.list_events(limit=limit), key=lambda e: e["id"])
+    job_id: int
+    details: dict[str, Any]
+    finish_reason: str
+    finish_details: dict[str, Any]
+
+
+def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[Resumable], int]:
+    """After a restart: the jobs the last daemon left queued or running, to resume (their runs marked failed), and
+    the next free job id. Only job events are read (a job's per-profile events never push them out of the window).
+    A job whose resumption was queued already (a crash before its job_finished) is closed here, not resumed again."""
+    events = sorted(store.list_events(limit=limit, kinds=JOB_EVENTS), key=lambda e: e["id"])
     last: dict[int, tuple[str, dict[str, Any]]] = {}
     started_at: dict[int, str] = {}  # job id -> when its (last) job_started event was written
+    resumed_as: dict[int, int] = {}  # old job id -> the job that took it over
     max_id = 0
     for e in events:
         kind = e["kind"]
-        if kind not in JOB_EVENTS:
-            continue
         d = e["details"] or {}
         jid = d.get("job_id")
         if not isinstance(jid, int):
@@ -712,10 +731,13 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]]
         last[jid] = (kind, d)
         if kind == "job_started":
             started_at[jid] = str(e["created"])
-    resume: list[dict[str, Any]] = []
+        if kind == "job_queued" and isinstance(d.get("resumes"), int):
+            resumed_as[d["resumes"]] = jid
+    resume: list[Resumable] = []
     for jid, (kind, d) in sorted(last.items()):
         if kind == "job_finished":
             continue
+        keys = [k for k in d.get("keys") or [] if isinstance(k, dict)]
         if kind == "job_started":
             run_id = d.get("run_id")
             if isinstance(run_id, int):
@@ -723,21 +745,23 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[dict[str, Any]]
                     store.finish_run(run_id, status="failed", trials=0, best_value=None)
                 except StoreError as e:
                     log.error("cannot mark run %s failed: %s", run_id, e)
-            keys = [k for k in d.get("keys") or [] if isinstance(k, dict)]
             # the keys it finished before it stopped are not tuned again (kill -9 after the last profile)
             done = _written_since(store, d, started_at.get(jid, ""))
             left = [k for k in keys if _done_mark(k) not in done]
             msg = "interrupted: the daemon stopped during the job"
             if len(left) < len(keys):
                 msg += f" ({len(keys) - len(left)} of {len(keys)} key(s) already tuned, not re-tuned)"
-            d = {**d, "state": "failed", "message": msg}
-            how = "resuming" if left else "nothing left to resume"
-            store.add_event(kind="job_finished", reason=f"job {jid} interrupted (daemon restarted); {how}", details=d)
-            d = {**d, "keys": left}
+            closed = {**d, "state": "failed", "message": msg}
+            why = f"job {jid} interrupted (daemon restarted)"
         else:  # queued, never started
-            d = {**d, "state": "cancelled", "message": "the daemon restarted before the job ran; re-queued"}
-            store.add_event(kind="job_finished", reason=f"job {jid} re-queued after a restart", details=d)
-        resume.append(d)
+            left = keys
+            closed = {**d, "state": "cancelled", "message": "the daemon restarted before the job ran; re-queued"}
+            why = f"job {jid} re-queued after a restart"
+        if jid in resumed_as or not left:
+            how = f"resumed as job {resumed_as[jid]}" if jid in resumed_as else "nothing left to resume"
+            store.add_event(kind="job_finished", reason=f"{why}; {how}", details=closed)
+            continue
+        resume.append(Resumable(jid, {**d, "keys": left}, f"{why}; resuming", closed))
     # runs left `running` without a job event (e.g. killed between start_run and the event)
     for r in store.list_runs(limit=200):
         if r["status"] == "running" and str(r["study_name"]).startswith("moetune-daemon-job-"):
@@ -787,9 +811,9 @@ def _written_since(store: Any, d: dict[str, Any], since: str) -> set[tuple]:
 def tune_notice_of(store: Any, *, limit: int = 2000) -> str:
     """Why the automatic re-tune cannot run here, as the last daemon's jobs left it ('' once one ran): a
     restart must not forget it while the profiles it left stale stay stale."""
-    for e in store.list_events(limit=limit):  # newest first
+    for e in store.list_events(limit=limit, kinds=("job_finished",)):  # newest first
         d = e["details"] or {}
-        if e["kind"] != "job_finished" or not isinstance(d, dict):
+        if not isinstance(d, dict):
             continue
         if d.get("state") == "done":
             return ""

@@ -68,6 +68,7 @@ from moetune.tuner.daemon.jobs import (
     TUNE_BACKENDS,
     Job,
     JobManager,
+    Resumable,
     RetuneFn,
     keys_from_details,
     recover_jobs,
@@ -1128,22 +1129,26 @@ class Daemon(FabricWatch):
                 log.warning("cannot publish %s: %s", change.kind, e)
         log.info("published %s v%d", change.kind, change.version, extra={"fingerprint": change.fingerprint})
 
-    def _recover(self) -> list[dict[str, Any]]:
+    def _recover(self) -> list[Resumable]:
         self.tune_notice = tune_notice_of(self.store)  # as the last daemon left it
         resume, next_id = recover_jobs(self.store)
         self.jobs._ids = itertools.count(max(next_id, 1))
         return resume
 
-    def _resume(self, resume: list[dict[str, Any]]) -> None:
-        for d in resume:
+    def _resume(self, resume: list[Resumable]) -> None:
+        """Queue each job again (past the queue's capacity), then close the old one: its job_finished only once
+        the resumption's job_queued is written (a crash between the two resumes it once, not never)."""
+        for r in resume:
+            d = r.details
             keys = keys_from_details(d)
-            if not keys:
-                continue
-            try:
-                self.jobs.submit(reason=f"resumed job {d.get('job_id')} after a restart", old_fingerprint=d.get("old_fingerprint"),
-                                 keys=keys, all_current=bool(d.get("all_current")))
-            except queue.Full:
-                log.error("job queue full: job %s not resumed", d.get("job_id"))
+            if keys:
+                try:
+                    self.jobs.submit(reason=f"resumed job {r.job_id} after a restart", old_fingerprint=d.get("old_fingerprint"),
+                                     keys=keys, all_current=bool(d.get("all_current")), resumes=r.job_id)
+                except queue.Full:  # only while stopping: left open in the store, the next start resumes it
+                    log.error("daemon stopping: job %s not resumed", r.job_id)
+                    continue
+            self.store.add_event(kind="job_finished", reason=r.finish_reason, details=r.finish_details)
 
     def _job_done(self, job: Job, written: list[ProfileRecord]) -> None:
         if job.impossible:

@@ -1,0 +1,74 @@
+"""Job recovery after a restart (recover_jobs + Daemon._resume): every job the last daemon left queued or running is
+resumed exactly once. Before: a job past the queue's capacity was dropped while the store said "re-queued"; the old
+job was closed before its resumption was queued (a crash in between lost it); and only the newest 2000 events of any
+kind were read, so a job's per-profile events could push the jobs out of sight (ids restarting at 1)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime.profile_record import ProfileKey
+from moetune.runtime.shapes import MODELS
+from moetune.tuner.daemon import jobs as J
+from moetune.tuner.daemon.server import Daemon, TuneSettings
+
+pytestmark = pytest.mark.timeout(60)
+QWEN = MODELS["qwen3-30b"]
+
+
+def _key(bucket: int) -> dict[str, Any]:
+    return ProfileKey(fingerprint="f" * 16, software="s" * 16, transport_family="nvlink", ep_size=2, nodes=1,
+                      hidden=QWEN.hidden, intermediate=QWEN.intermediate, experts=QWEN.experts, topk=QWEN.topk,
+                      dtype=QWEN.dtype, token_bucket=bucket).to_dict()
+
+
+def _queued(store: Any, jid: int, **extra: Any) -> None:
+    store.add_event(kind="job_queued", reason=f"job {jid}", details={"job_id": jid, "keys": [_key(64 * jid)], **extra})
+
+
+def _manager(store: Any, capacity: int = 4) -> J.JobManager:
+    return J.JobManager(store=store, facts_fn=lambda: None, retune=lambda ctx: [], on_done=lambda j, w: None,
+                        tune=TuneSettings(backend="model", trials=1), capacity=capacity)
+
+
+def test_jobs_past_the_queues_capacity_are_all_resumed(tmp_path: Path) -> None:
+    store = F.open_store(tmp_path / "m.db")
+    for jid in range(1, 6):  # one running and four queued: the last daemon's whole queue (capacity 4 + 1)
+        _queued(store, jid)
+    store.add_event(kind="job_started", reason="job 1", details={"job_id": 1, "keys": [_key(64)]})
+    resume, next_id = J.recover_jobs(store)
+    assert [r.job_id for r in resume] == [1, 2, 3, 4, 5] and next_id == 6
+    jm = _manager(store)
+    jm._ids = iter(range(next_id, 100))  # type: ignore[assignment]
+    Daemon._resume(SimpleNamespace(store=store, jobs=jm), resume)  # type: ignore[arg-type]  # what it reads
+    assert sorted(j.resumes for j in jm._queued.values()) == [1, 2, 3, 4, 5]
+    # a second restart finds the five new jobs open and the five old ones closed
+    again, _ = J.recover_jobs(store)
+    assert sorted(r.job_id for r in again) == [6, 7, 8, 9, 10]
+
+
+def test_a_crash_between_queueing_the_resumption_and_closing_the_old_job_resumes_it_once(tmp_path: Path) -> None:
+    store = F.open_store(tmp_path / "m.db")
+    _queued(store, 1)
+    _queued(store, 2, resumes=1)  # job 2 took job 1 over; the daemon died before job 1's job_finished
+    resume, next_id = J.recover_jobs(store)
+    assert [r.job_id for r in resume] == [2] and next_id == 3
+    closed = [e for e in store.list_events(10, kinds=("job_finished",)) if e["details"]["job_id"] == 1]
+    assert len(closed) == 1 and "resumed as job 2" in closed[0]["reason"]
+
+
+def test_many_other_events_do_not_hide_the_jobs(tmp_path: Path) -> None:
+    store = F.open_store(tmp_path / "m.db")
+    _queued(store, 7)
+    for i in range(30):
+        store.add_event(kind="remeasured", reason=f"profile {i}", details={"n": i})
+    resume, next_id = J.recover_jobs(store, limit=20)  # a window smaller than the other events
+    assert [r.job_id for r in resume] == [7] and next_id == 8
