@@ -439,3 +439,61 @@ def test_deeply_nested_reply_is_bad_reply(plain, tmp_path: Path) -> None:
     t0 = time.monotonic()
     out, warned, _ = resolve(plain, tmp_path, b'{"v":1,"id":ID,"ok":true,"epoch":"e","result":' + DEEP + b"}")
     assert out.source in ("policy", "default") and len(warned) == 1 and time.monotonic() - t0 < 2
+
+
+# -- 8: a tracked profile takes only what `resolve` would, and follows a restarted daemon ------------------------
+class _TrackClient:
+    """What TrackedProfile reads of a ProfileClient: get_profile's answer, queued changes, version/epoch state."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer, self.changes = answer, []
+        self.version, self.epoch, self.restarted = 0, "e1", False
+
+    def subscribe(self) -> None:
+        pass
+
+    def get_profile(self, **query: Any) -> Any:
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+    def poll_changes(self, timeout_ms: int = 0) -> list[wire.Change]:
+        out, self.changes = self.changes, []
+        for ch in out:  # as ProfileClient.poll_changes: a new epoch restarts the versions
+            if ch.epoch != self.epoch:
+                self.restarted, self.epoch, self.version = True, ch.epoch, 0
+        return out
+
+
+QUERY = {"model": "qwen3-30b", "ep_size": 2, "tokens": 64}
+
+
+@pytest.mark.parametrize(("over", "why"), [
+    ({"status": "stale"}, "status is 'stale'"),
+    ({"key": key(ep_size=16, experts=16)}, "key ep_size is"),
+    ({"perf_env": {"LD_PRELOAD": "/tmp/evil.so"}}, "perf_env does not validate"),
+])
+def test_a_tracked_profile_refuses_what_resolve_refuses(over: dict, why: str) -> None:
+    """Before: track() kept any reply (a stale profile of another key, a forged perf_env) as `current`."""
+    good = msgspec.convert(result(), wire.ProfileResult)
+    t = client.TrackedProfile(_TrackClient(good), QUERY)  # type: ignore[arg-type]
+    assert t.current == good and t.error is None
+    bad = msgspec.structs.replace(good, **over)
+    t = client.TrackedProfile(_TrackClient(bad), QUERY)  # type: ignore[arg-type]
+    assert t.current is None and isinstance(t.error, BadReply) and why in str(t.error), t.error
+    t = client.TrackedProfile(_TrackClient(BadReply("get_profile result does not validate")), QUERY)  # type: ignore[arg-type]
+    assert t.current is None and isinstance(t.error, BadReply)  # kept as its error, not raised out of track()
+
+
+def test_a_tracked_profile_follows_a_restarted_daemons_changes() -> None:
+    """One poll holding the old daemon's v101 and the new one's v1: the new daemon's v2.. must still be seen (before:
+    the client's version stayed at 101 and every later change of the new daemon was dropped)."""
+    good = msgspec.convert(result(), wire.ProfileResult)
+    c = _TrackClient(msgspec.structs.replace(good, version=100))
+    t = client.TrackedProfile(c, QUERY)  # type: ignore[arg-type]
+    assert c.version == 100
+    ch = {"kind": "profile_updated", "ts": 0.0}
+    c.changes = [wire.Change(version=101, epoch="e1", **ch), wire.Change(version=1, epoch="e2", **ch)]
+    c.answer = msgspec.structs.replace(good, version=1)  # the new daemon's snapshot
+    t.refresh()
+    assert c.version == 1 and c.epoch == "e2"

@@ -95,7 +95,7 @@ from moetune.runtime.profiles.perf_env import (
     perf_env_problem,
     performance_environment,
 )
-from moetune.runtime.shapes import ModelShape
+from moetune.runtime.shapes import ModelShape, get_model
 
 __all__ = [
     "INFO_NAME",
@@ -420,18 +420,20 @@ def _decode_result(op: str, raw: msgspec.Raw) -> Any:
     return res
 
 
-def _reply_mismatch(r: wire.ProfileResult, *, model: ModelShape, ep_size: int, tokens: int, nodes: int,
+def _reply_mismatch(r: wire.ProfileResult, *, model: ModelShape | None, ep_size: int, tokens: int, nodes: int,
                     transport_family: str | None) -> str | None:
-    """Why a get_profile reply does not answer the request `resolve` sent (None when it does).
+    """Why a get_profile reply does not answer the request sent (None when it does).
 
     Only what the daemon's lookup can legitimately return passes: the asked key, a current profile, a token
     bucket within one rung of the asked tokens (`nearest_bucket_within`, as the daemon picks), and an engine
-    family only when one was asked for."""
+    family only when one was asked for. `model` None: no shape was asked (the daemon's default)."""
     k = r.key
     if r.status != "current":
         return f"profile status is {r.status!r}, not 'current'"
-    want = {"ep_size": ep_size, "nodes": nodes, "hidden": model.hidden, "intermediate": model.intermediate,
-            "experts": model.experts, "topk": model.topk, "dtype": model.dtype}
+    want: dict[str, Any] = {"ep_size": ep_size, "nodes": nodes}
+    if model is not None:
+        want.update(hidden=model.hidden, intermediate=model.intermediate, experts=model.experts, topk=model.topk,
+                    dtype=model.dtype)
     for name, value in want.items():
         if getattr(k, name) != value:
             return f"key {name} is {str(getattr(k, name))[:64]!r}, the request asked for {value!r}"
@@ -442,6 +444,16 @@ def _reply_mismatch(r: wire.ProfileResult, *, model: ModelShape, ep_size: int, t
     if nearest_bucket_within(tokens, [k.token_bucket]) != k.token_bucket:
         return f"token bucket {k.token_bucket} is not one the daemon picks for {tokens} tokens"
     return None
+
+
+def _reply_problem(r: wire.ProfileResult, **request: Any) -> str | None:
+    """Why a get_profile reply must not be used (None when it may): it does not answer the request
+    (`_reply_mismatch`), or its recorded perf_env holds more than performance variables (forged)."""
+    mismatch = _reply_mismatch(r, **request)
+    if mismatch is not None:
+        return f"reply does not answer the request: {mismatch}"
+    bad_env = None if r.perf_env is msgspec.UNSET else perf_env_problem(dict(r.perf_env))
+    return None if bad_env is None else f"reply's perf_env does not validate: {bad_env}"
 
 
 def tcp_host(endpoint: str) -> str:
@@ -883,14 +895,11 @@ class ProfileClient:
         try:
             r = self.get_profile(ep_size=ep_size, tokens=tokens, nodes=nodes, model=model,
                                  transport_family=transport_family, timeout_ms=int(budget * 1000))
-            mismatch = _reply_mismatch(r, model=model, ep_size=ep_size, tokens=tokens, nodes=nodes,
-                                       transport_family=transport_family)
-            if mismatch is not None:
-                raise BadReply(f"reply does not answer the request: {mismatch}")
+            bad = _reply_problem(r, model=model, ep_size=ep_size, tokens=tokens, nodes=nodes,
+                                 transport_family=transport_family)
+            if bad is not None:
+                raise BadReply(bad)
             recorded = None if r.perf_env is msgspec.UNSET else dict(r.perf_env)
-            bad_env = None if recorded is None else perf_env_problem(recorded)
-            if bad_env is not None:  # only performance variables, as the tuner records them: anything else is forged
-                raise BadReply(f"reply's perf_env does not validate: {bad_env}")
             prov = provenance_of(r)
             verdict, why, env_cmp = self._judge(r.key, r.knobs, prov, ident, transport_ok, recorded, job_env)
             if verdict is None:
@@ -1156,7 +1165,7 @@ class TrackedProfile:
         self.client = client
         self.query = query
         self.current: wire.ProfileResult | None = None
-        self.error: DaemonError | None = None
+        self.error: DaemonError | BadReply | None = None
         self._lock = threading.Lock()
         client.subscribe()
         self._fetch()
@@ -1164,12 +1173,27 @@ class TrackedProfile:
     def _fetch(self) -> None:
         try:
             res = self.client.get_profile(**self.query)
+            bad = _reply_problem(res, **self._request())  # the checks `resolve` makes of the same reply
+            if bad is not None:
+                raise BadReply(bad)
             self.current, self.error = res, None
             self.client.version = res.version  # the snapshot's version
             self.client.restarted = False
-        except DaemonError as e:
-            # not found / stale: never keep serving a profile the daemon no longer calls current
+        except (DaemonError, BadReply) as e:
+            # not found / stale / not an answer: never keep serving a profile the daemon no longer calls current
             self.current, self.error = None, e
+
+    def _request(self) -> dict[str, Any]:
+        """The query as `_reply_mismatch` compares it (a model given by name is looked up)."""
+        q = self.query
+        model = q.get("model")
+        if isinstance(model, str):
+            try:
+                model = get_model(model)
+            except ValueError:  # a name only the daemon knows (it answered): its shape cannot be compared here
+                model = None
+        return {"model": model, "ep_size": q["ep_size"],
+                "tokens": q["tokens"], "nodes": q.get("nodes", 1), "transport_family": q.get("transport_family")}
 
     def refresh(self, timeout_ms: int = 0) -> bool:
         """Apply pending changes; True when the profile (hash or presence) changed."""
@@ -1178,8 +1202,10 @@ class TrackedProfile:
             if not changes and not self.client.restarted:
                 return False
             before = self.current.profile_hash if self.current else None
-            newest = max((c.version for c in changes), default=self.client.version)
             self._fetch()
+            # only the fetched daemon's own changes count: a restarted daemon's versions start again (an old
+            # daemon's v101 in the same batch would hide the new one's v2..v101)
+            newest = max((c.version for c in changes if c.epoch == self.client.epoch), default=0)
             self.client.version = max(self.client.version, newest)
             after = self.current.profile_hash if self.current else None
             return before != after
