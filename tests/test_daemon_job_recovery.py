@@ -72,3 +72,15 @@ def test_many_other_events_do_not_hide_the_jobs(tmp_path: Path) -> None:
         store.add_event(kind="remeasured", reason=f"profile {i}", details={"n": i})
     resume, next_id = J.recover_jobs(store, limit=20)  # a window smaller than the other events
     assert [r.job_id for r in resume] == [7] and next_id == 8
+
+
+@pytest.mark.parametrize(("all_", "said"), [(False, "--all re-tunes the current ones too"),
+                                            (True, "this fabric has no current profile")])
+def test_nothing_to_retune_says_what_was_asked(all_: bool, said: str) -> None:
+    """`retune --all` was answered "no stale profile lacks a current one": not what --all asks."""
+    from moetune.runtime import wire
+    from moetune.tuner.daemon import handlers
+
+    d = SimpleNamespace(index=SimpleNamespace(fingerprint="f" * 16, records=[], stale=[]))
+    ok, res = handlers.retune(d, wire.Retune(v=wire.PROTOCOL_VERSION, id=1, all=all_, reason="t"))  # type: ignore[arg-type]
+    assert ok and res.job is None and said in res.message, res

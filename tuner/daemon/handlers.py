@@ -97,7 +97,10 @@ def retune(d: Daemon, req: wire.Retune) -> Result:
         return False, (wire.E_NOT_FOUND, "the fabric is unknown (discovery failed); nothing to re-tune for")
     keys = retune_keys(idx, all_current=req.all)
     if not keys:
-        return True, wire.RetuneResult(job=None, message="nothing to re-tune: no stale profile lacks a current one")
+        # --all re-tunes current profiles too: with none of those either, there is nothing of any kind
+        why = ("this fabric has no current profile, and no stale one lacks a current one" if req.all
+               else "no stale profile lacks a current one (--all re-tunes the current ones too)")
+        return True, wire.RetuneResult(job=None, message=f"nothing to re-tune: {why}")
     try:
         job = d.jobs.submit(reason=req.reason, old_fingerprint=None, keys=keys, all_current=req.all,
                             persist_async=True)  # the serving loop never waits on the database
