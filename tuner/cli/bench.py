@@ -62,6 +62,9 @@ def _results_path(results: str | None) -> Path:
     above = nearest_existing(path.parent)
     if not above.is_dir():  # the folders of a new file could not be made: say so now, not after the run
         _fail(f"--results {path}: {above} is not a directory")
+    why = R.write_problem(path)
+    if why:  # a read-only disk or folder: refused before the run, not after it (its rows would be lost)
+        _fail(f"--results {path}: cannot write there ({why}); give a writable file with --results")
     return path
 
 
@@ -460,9 +463,13 @@ def run_scenario(
         else:
             rows = S.run(s, case=case, launches=launches, smoke=smoke, results=out,
                          progress=lambda m: _err.print(f"[dim]{m}[/dim]"), fingerprint=_fingerprint)
+    except R.RowsNotSaved as e:  # the table could not be written after all: the rows are kept, never lost
+        if e.kept is None:
+            typer.echo(e.text, nl=False)
+        _fail(f"--results {e}")
     except (S.ScenarioError, R.ResultsError) as e:
         _fail(str(e))
-    except OSError as e:  # the table could not be written (permissions, a full disk)
+    except OSError as e:  # the table could not be read or written (permissions, a full disk)
         _fail(f"--results {out}: {e.strerror or e}")
     kind = "imported" if from_report is not None else "smoke" if smoke else "measured"
     modelled = any("MODELLED" in str(r.get("unit") or "") for r in rows)
@@ -501,6 +508,9 @@ def summarize_scenarios(
             _fail(f"--out {path} is a directory; give the Markdown file to write")
         if not path.parent.is_dir():
             _fail(f"--out {path}: its folder {path.parent} does not exist")
+        why = R.write_problem(path)
+        if why:
+            _fail(f"--out {path}: cannot write there ({why}); give a writable file with --out, or --out - to print it")
     try:
         md = S.summarize(S.load_all(), R.read_rows(src))
     except R.ResultsError as e:

@@ -244,6 +244,11 @@ def _check_out_file(out: Path, example: str) -> None:
     if not out.parent.is_dir():
         _fail(f"--out {out}: the folder {out.parent} does not exist (moetune does not create it: create it first "
               "or give another path)")
+    from moetune.tuner.measure.results import write_problem
+
+    why = write_problem(out)
+    if why:  # a read-only disk or folder: refused before the work, not after it
+        _fail(f"--out {out}: cannot write there ({why}); give a writable file with --out")
 
 
 def _plot_formats() -> dict[str, str]:

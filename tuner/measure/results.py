@@ -12,8 +12,12 @@ Stdlib only: the CLI, the scenario runner and the tests share it.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import datetime as dt
 import io
+import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -39,25 +43,113 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
-    """Append rows (dicts keyed by COLUMNS; unknown keys are an error) to the CSV, writing the header first
-    when the file is new. Returns how many rows were written."""
-    rows = list(rows)
+class RowsNotSaved(ResultsError):
+    """Rows that could not be appended to the results table (a read-only or full disk, the file replaced): they are
+    kept in `kept`, a results CSV of their own (beside the table, else in the system's temporary folder), or, where
+    no file could be written at all, only in `text` (the CSV, header first) for the caller to print."""
+
+    def __init__(self, path: Path, reason: str, n: int, text: str, kept: Path | None) -> None:
+        self.path, self.reason, self.n, self.text, self.kept = path, reason, n, text, kept
+        where = (f"they are kept in {kept} (a results CSV, header first: append its rows to {path} once it can "
+                 "be written)" if kept is not None else "no file could be written either: they are printed on stdout "
+                 "as CSV")
+        super().__init__(f"{path}: cannot write the {n} result row(s) ({reason}); {where}")
+
+
+def _check_columns(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         extra = set(r) - set(COLUMNS)
         if extra:
             raise ResultsError(f"unknown result column(s) {sorted(extra)}; the columns are {', '.join(COLUMNS)}")
-    check_table(path)  # before anything is created: a folder or a foreign file is refused, never appended to
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
+
+
+def _csv_text(rows: list[dict[str, Any]], header: bool) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    if new:
+    if header:
         w.writerow(COLUMNS)
     for r in rows:
         w.writerow([_cell(r.get(c)) for c in COLUMNS])
-    with path.open("a", encoding="utf-8", newline="") as f:
-        f.write(buf.getvalue())
+    return buf.getvalue()
+
+
+def write_problem(path: Path) -> str | None:
+    """Why a file could not be written at `path` (an existing regular file appended to, or a new one created with
+    its missing folders), or None. Probed without changing anything (an existing file is opened for appending and
+    closed; a new one is probed by an unnamed temporary file in the nearest folder that exists), so an output that
+    cannot be written is refused before the work that makes it."""
+    try:
+        if path.is_file():
+            with path.open("a", encoding="utf-8"):
+                pass
+            return None
+        if path.exists():  # a device (/dev/null) or a pipe: its own write decides, probing could block
+            return None
+        above = path.parent
+        while not above.exists() and above != above.parent:
+            above = above.parent
+        if not above.is_dir():
+            return f"{above} is not a directory"
+        with tempfile.TemporaryFile(dir=above):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def keep_rows(path: Path, rows: list[dict[str, Any]]) -> Path | None:
+    """Write rows that could not go to the table at `path` to a new results CSV of their own (header first): beside
+    `path` where its folder takes one, else in the system's temporary folder. Returns the file, or None where
+    neither could be written."""
+    _check_columns(rows)
+    text = _csv_text(rows, header=True)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    for folder in (path.parent, Path(tempfile.gettempdir())):
+        try:
+            fd, name = tempfile.mkstemp(prefix=f"{path.stem}.unsaved-{stamp}-", suffix=".csv", dir=folder)
+        except OSError:
+            continue
+        try:
+            with open(fd, "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+        except OSError:
+            Path(name).unlink(missing_ok=True)
+            continue
+        return Path(name)
+    return None
+
+
+def append_or_keep(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+    """`append_rows`, and where the rows cannot be appended (an OSError, or the file became something this module
+    does not append to), RowsNotSaved after keeping them (`keep_rows`): rows measured are never lost."""
+    rows = list(rows)
+    _check_columns(rows)
+    try:
+        return append_rows(path, rows)
+    except (OSError, ResultsError) as e:
+        reason = (getattr(e, "strerror", None) or str(e)) if isinstance(e, OSError) else str(e)
+        raise RowsNotSaved(path, reason, len(rows), _csv_text(rows, header=True), keep_rows(path, rows)) from None
+
+
+def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+    """Append rows (dicts keyed by COLUMNS; unknown keys are an error) to the CSV, writing the header first
+    when the file is new. Returns how many rows were written."""
+    rows = list(rows)
+    _check_columns(rows)
+    check_table(path)  # before anything is created: a folder or a foreign file is refused, never appended to
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    text = _csv_text(rows, header=new)
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with path.open("a", encoding="utf-8", newline="") as f:
+            f.write(text)
+    except OSError:
+        # a write cut short (a full disk) leaves no partial row behind: the caller keeps every row elsewhere
+        with contextlib.suppress(OSError):
+            if path.is_file() and path.stat().st_size > size:
+                os.truncate(path, size)
+        raise
     return len(rows)
 
 

@@ -787,7 +787,16 @@ def run(s: Scenario, *, case: str | None = None, launches: int | None = None, sm
         launch_rows = _launch_rows(s, out, launch_id, {"source": "smoke" if smoke else "measured",
                                                         "date": stamp.strftime("%Y-%m-%dT%H:%M:%SZ"),
                                                         "world": needs.world, "backend": needs.backend, **facts})
-        R.append_rows(results, launch_rows)
+        try:
+            R.append_or_keep(results, launch_rows)
+        except R.RowsNotSaved as e:  # kept elsewhere; no further launch is run into a table that takes no rows
+            if n_launch > 1:
+                left = n_launch - li - 1
+                e.args = (f"{e}. They are the rows of launch {li + 1} of {n_launch}"
+                          + (f"; the {len(rows)} row(s) of the launches before it are in {results}" if rows else "")
+                          + (f"; launch {n_launch} was not run" if left == 1 else
+                             f"; launches {li + 2}..{n_launch} were not run" if left > 1 else ""),)
+            raise
         rows += launch_rows
         if progress:
             failed = sum(1 for r in out if not r.metrics)
@@ -855,7 +864,7 @@ def import_moe_report(s: Scenario, rep: dict[str, Any], *, origin: str, results:
                                             "backend": s.needs.backend})
     for r in rows:
         r["note"] = (f"{r['note']}; " if r.get("note") else "") + f"imported from {origin}"
-    R.append_rows(results, rows)
+    R.append_or_keep(results, rows)
     return rows
 
 

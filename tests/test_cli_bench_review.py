@@ -1,0 +1,122 @@
+"""Defects a tester found in `moetune bench` and `moetune model`, one test (or a few) per finding: an output that
+cannot be written is refused before the run and rows that still cannot be written are kept; the summary names the
+file it read; a calibration without usable rows says why; tables fit 80 columns; messages name the option."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.tuner.cli import app
+from moetune.tuner.measure import results as R
+from moetune.tuner.measure import scenarios as S
+
+# procfs takes no new file, for root as for anyone: a destination that cannot be written on every Linux
+UNWRITABLE = Path("/proc/moetune-review")
+
+
+def _run(*args: str, width: int = 80):
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": str(width)})
+
+
+def _refused(r, *needles: str, code: int = 2) -> str:
+    out = r.output
+    assert r.exit_code == code, (r.exit_code, out, r.exception)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in out
+    flat = " ".join(out.split())  # a message wraps at the console's width
+    for n in needles:
+        assert n in flat, (n, out)
+    return flat
+
+
+def _fake_driver(cases, ctx) -> list[S.CaseResult]:
+    return [S.CaseResult(c.name, {"m": S.Stat(1.0, 0.9, 1.1, 3, "us")}, "python bench/fake.py") for c in cases]
+
+
+@pytest.fixture
+def fast_scenario(monkeypatch: pytest.MonkeyPatch) -> S.Scenario:
+    """fabric-model with a driver that returns at once (the scenario's own takes seconds)."""
+    from moetune.tuner.cli import bench
+
+    monkeypatch.setitem(S.DRIVERS, "fabric-model", _fake_driver)
+    real = S.run
+    monkeypatch.setattr(S, "run", lambda *a, **k: real(*a, **{**k, "gpus": 0}))  # no CUDA query (torch import)
+    monkeypatch.setattr(bench, "_fingerprint", lambda: "fp")
+    return S.get("fabric-model")
+
+
+# -- 1. an unwritable --results / --out ---------------------------------------------------------------------------
+def test_unwritable_results_is_refused_before_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    def ran(*a, **k):
+        raise AssertionError("the benchmark ran although its results could not be written")
+
+    monkeypatch.setattr(S, "run", ran)
+    dest = UNWRITABLE / "s.csv"
+    _refused(_run("bench", "run", "fabric-model", "--smoke", "--results", str(dest)), f"--results {dest}",
+             "cannot write there")
+    monkeypatch.setattr(R, "read_rows", ran)
+    _refused(_run("bench", "summarize", "--out", str(UNWRITABLE)), f"--out {UNWRITABLE}", "cannot write there")
+
+
+def test_unwritable_model_out_is_refused_before_the_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from moetune.tuner.fabric_model import calibration
+
+    def ran(*a, **k):
+        raise AssertionError("the fit ran although --out could not be written")
+
+    monkeypatch.setattr(calibration, "read_rows", ran)
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    _refused(_run("model", "calibrate", "-p", "nvlink-h200x2", "-d", str(data), "--out", str(UNWRITABLE)),
+             f"--out {UNWRITABLE}", "cannot write there")
+
+
+def _read_only(monkeypatch: pytest.MonkeyPatch, fail_from: int = 1) -> list[int]:
+    """append_rows fails (a read-only disk) from its `fail_from`-th call on; the calls are counted."""
+    calls: list[int] = []
+    real = R.append_rows
+
+    def append(path, rows):
+        calls.append(1)
+        if len(calls) >= fail_from:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(path, rows)
+
+    monkeypatch.setattr(R, "append_rows", append)
+    return calls
+
+
+def test_rows_that_cannot_be_written_after_the_run_are_kept(monkeypatch, tmp_path: Path, fast_scenario) -> None:
+    _read_only(monkeypatch)
+    dest = tmp_path / "s.csv"
+    flat = _refused(_run("bench", "run", "fabric-model", "--smoke", "--results", str(dest)), f"--results {dest}",
+                    "Read-only file system", "they are kept in")
+    kept = list(tmp_path.glob("s.unsaved-*.csv"))
+    assert len(kept) == 1 and str(kept[0]) in flat
+    rows = R.read_rows(kept[0])  # a results table of its own, header first
+    assert [r["case"] for r in rows] == ["presets"] and rows[0]["median"] == "1"
+    assert not dest.exists()
+
+
+def test_rows_are_printed_where_no_file_takes_them(monkeypatch, tmp_path: Path, fast_scenario) -> None:
+    _read_only(monkeypatch)
+    monkeypatch.setattr(R, "keep_rows", lambda path, rows: None)
+    r = _run("bench", "run", "fabric-model", "--smoke", "--results", str(tmp_path / "s.csv"))
+    _refused(r, "printed on stdout as CSV")
+    assert ",".join(R.COLUMNS) in r.output and "fabric-model,presets," in r.output
+
+
+def test_a_later_launch_that_cannot_be_written_stops_the_run(monkeypatch, tmp_path: Path, fast_scenario) -> None:
+    calls = _read_only(monkeypatch, fail_from=2)
+    dest = tmp_path / "s.csv"
+    with pytest.raises(R.RowsNotSaved) as e:
+        S.run(fast_scenario, smoke=True, launches=3, results=dest, gpus=0, fingerprint=lambda: "fp")
+    assert len(calls) == 2  # launch 3 was not run into a table that takes no rows
+    msg = str(e.value)
+    assert "rows of launch 2 of 3" in msg and f"launches before it are in {dest}" in msg and "launch 3 was not run" in msg
+    assert e.value.kept is not None and R.read_rows(e.value.kept)[0]["launch"].endswith("-2")
+    assert R.read_rows(dest)[0]["launch"].endswith("-1")
