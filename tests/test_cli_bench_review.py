@@ -120,3 +120,16 @@ def test_a_later_launch_that_cannot_be_written_stops_the_run(monkeypatch, tmp_pa
     assert "rows of launch 2 of 3" in msg and f"launches before it are in {dest}" in msg and "launch 3 was not run" in msg
     assert e.value.kept is not None and R.read_rows(e.value.kept)[0]["launch"].endswith("-2")
     assert R.read_rows(dest)[0]["launch"].endswith("-1")
+
+
+# -- 2. the summary names the file it read ------------------------------------------------------------------------
+def test_summary_names_the_results_file_it_read(tmp_path: Path) -> None:
+    src = tmp_path / "s2.csv"
+    src.write_text(",".join(R.COLUMNS) + "\n")
+    r = _run("bench", "summarize", "--results", str(src), "--out", "-")
+    assert r.exit_code == 0, r.output
+    flat = " ".join(r.output.split())
+    assert f"from `{src}`" in flat and f"0 rows in `{src}`" in flat
+    assert "bench/results/summary.csv" not in flat and "summary.csv (" not in flat
+    # the committed table's summary reads as before (BENCHMARKS.md is generated from it)
+    assert "from `bench/results/summary.csv`" in S.summarize({}, [], source=S.SUMMARY_CSV)

@@ -512,7 +512,7 @@ def summarize_scenarios(
         if why:
             _fail(f"--out {path}: cannot write there ({why}); give a writable file with --out, or --out - to print it")
     try:
-        md = S.summarize(S.load_all(), R.read_rows(src))
+        md = S.summarize(S.load_all(), R.read_rows(src), source=src)
     except R.ResultsError as e:
         _fail(f"--results: {e}")
     except S.ScenarioError as e:
