@@ -133,3 +133,30 @@ def test_summary_names_the_results_file_it_read(tmp_path: Path) -> None:
     assert "bench/results/summary.csv" not in flat and "summary.csv (" not in flat
     # the committed table's summary reads as before (BENCHMARKS.md is generated from it)
     assert "from `bench/results/summary.csv`" in S.summarize({}, [], source=S.SUMMARY_CSV)
+
+
+# -- 3. model calibrate without a usable row says why -------------------------------------------------------------
+def test_calibrate_names_why_each_row_was_skipped(tmp_path: Path) -> None:
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n")
+    _refused(_run("model", "calibrate", "-p", "nvlink-h200x2", "--data", str(empty)), f"--data {empty}",
+             "no JSON lines", "model calibrate --help")
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"a": 1}\n\n{"probe": "zz"}\n' + '{"probe": "peer_copy"}\n' * 5)
+    flat = _refused(_run("model", "calibrate", "-p", "nvlink-h200x2", "--data", str(data)), "all 7 row(s) were skipped",
+                    f"{data}:1: no 'probe' field", f"{data}:3: unknown probe 'zz'", f"{data}:4: peer_copy rows",
+                    "... and 2 more")
+    assert f"{data}:8" not in flat  # the first five reasons, then a count
+
+
+def test_calibrate_help_describes_the_row_format() -> None:
+    from moetune.tuner.fabric_model.calibration import ROW_FIELDS, ROW_OPTIONAL
+
+    r = _run("model", "calibrate", "--help", width=200)
+    assert r.exit_code == 0, r.output
+    flat = " ".join(r.output.replace("│", " ").split())
+    for probe, fields in ROW_FIELDS.items():
+        assert probe in flat, probe
+        for name in (*fields, *ROW_OPTIONAL.get(probe, {})):
+            assert f" {name}," in flat or f" {name} " in flat or f"{name})" in flat, (probe, name)
+    assert "docs/fabric-model.md" in flat

@@ -462,10 +462,30 @@ def presets_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON."
                 left_out_hint="--json shows them")
 
 
+def _no_points(e: Any, data: list[Path], where: list[str], shown: int = 5) -> str:
+    """Why `model calibrate` has nothing to fit: the files hold no rows, or each row's reason for being skipped
+    (the first `shown`, by file and line)."""
+    how = "the row formats: `moetune model calibrate --help`"
+    if not e.rows:
+        files = ", ".join(str(d) for d in data)
+        return (f"--data {files}: no measurement rows ({'the file holds' if len(data) == 1 else 'the files hold'} "
+                f"no JSON lines); each line is one JSON object ({how})")
+    lines = [f"--data: no measurement rows the model can describe; all {e.rows} row(s) were skipped:"]
+    lines += [f"  {where[n - 1] if n <= len(where) else f'row {n}'}: {why}" for n, why in e.skipped[:shown]]
+    if len(e.skipped) > shown:
+        lines.append(f"  ... and {len(e.skipped) - shown} more")
+    return "\n".join([*lines, f"({how})"])
+
+
 @app.command("calibrate")
 def calibrate_cmd(
     preset: str = typer.Option(..., "--preset", "-p", help="Preset to start from."),
-    data: list[Path] = typer.Option(..., "--data", "-d", help="Measurement JSON lines (repeat for several files)."),
+    data: list[Path] = typer.Option(..., "--data", "-d", help="Measurement JSON lines (repeat for several files): one "
+                                    "JSON object a line, naming what it measured: \"probe\" nccl_a2a, "
+                                    "nccl_a2a_fp8payload or collective_a2a with fabric, model, S, ms (optional world); "
+                                    "\"probe\" proxy_ce with mode, size, transfers, us (optional pes); \"kind\" "
+                                    "transfers with knobs, nodes, transfers, size, us (optional put_only). "
+                                    "docs/fabric-model.md (Calibration) describes them."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Write the calibrated preset TOML here."),
     params: str = typer.Option("", "--params", help="Comma-separated dotted parameters to fit (default: by data kind)."),
     as_json: bool = typer.Option(False, "--json", help="Print the fit report as JSON."),
@@ -479,17 +499,21 @@ def calibrate_cmd(
     """Fit preset parameters to measurements and report the fit error per point and overall.
 
     A fit that cannot be trusted is refused: exit 1 naming the problem, and no --out written (unless --force)."""
-    from moetune.tuner.fabric_model.calibration import calibrate, calibrated_preset, read_rows
+    from moetune.tuner.fabric_model.calibration import NoPoints, calibrate, calibrated_preset, read_located
 
     # a bad --out is refused before the fit, not after it
     if out is not None:
         _check_out_file(out, "calibrated.toml")
     if nic_line_rate is not None and not (math.isfinite(nic_line_rate) and nic_line_rate > 0):
         _fail(f"--nic-line-rate must be a positive number of Gb/s, got {nic_line_rate!r}")
+    located: list[tuple[str, dict]] = []
     try:
-        rows = read_rows(data)
-        rep = calibrate(preset, rows, params=[p.strip() for p in params.split(",") if p.strip()] or None,
+        located = read_located(data)
+        rep = calibrate(preset, [row for _, row in located],
+                        params=[p.strip() for p in params.split(",") if p.strip()] or None,
                         nic_line_rate_gbs=nic_line_rate / 8.0 if nic_line_rate is not None else None)
+    except NoPoints as e:
+        _fail(_no_points(e, data, [where for where, _ in located]))
     except ValueError as e:
         _fail(str(e))
     s = rep.summary()

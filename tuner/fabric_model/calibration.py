@@ -209,7 +209,12 @@ def _read_text(path: Path) -> str:
 def read_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
     """The JSON-object rows of measurement files (JSON lines). A ValueError names the file and row (line
     number) where a file cannot be read, a line is not a JSON object, or a row of a known probe is malformed."""
-    rows: list[dict[str, Any]] = []
+    return [row for _, row in read_located(paths)]
+
+
+def read_located(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]]:
+    """`read_rows`, each row with where it was read ("FILE:LINE"), so a skipped row can be named by its line."""
+    rows: list[tuple[str, dict[str, Any]]] = []
     for path in paths:
         path = Path(path)
         for n, line in enumerate(_read_text(path).splitlines(), 1):
@@ -225,74 +230,101 @@ def read_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
             why = row_problem(row)
             if why:
                 raise ValueError(f"{path} row {n} (probe {row_probe(row)}): {why}")
-            rows.append(row)
+            rows.append((f"{path}:{n}", row))
     return rows
 
 
+class NoPoints(ValueError):
+    """No row the model can describe: `rows` rows given, `skipped` the (1-based row number, reason) of each."""
+
+    def __init__(self, rows: int, skipped: list[tuple[int, str]]) -> None:
+        self.rows, self.skipped = rows, skipped
+        super().__init__("no measurement rows the model can describe" + (
+            ": no rows given" if not rows else f": every one of the {rows} row(s) was skipped ("
+            + "; ".join(f"row {n}: {why}" for n, why in skipped[:3]) + (", ..." if len(skipped) > 3 else "") + ")"))
+
+
 def rows_to_points(rows: list[dict[str, Any]]) -> tuple[list[Point], list[tuple[str, str]]]:
+    points, skipped, _ = _to_points(rows)
+    return points, skipped
+
+
+def _to_points(rows: list[dict[str, Any]]) -> tuple[list[Point], list[tuple[str, str]], list[int]]:
+    """rows_to_points, and the (1-based) number of each skipped row."""
     points: list[Point] = []
     skipped: list[tuple[str, str]] = []
+    at: list[int] = []
     for n, row in enumerate(rows, 1):
-        if not isinstance(row, dict):
-            raise ValueError(f"row {n}: expected a JSON object, got {type(row).__name__}")
-        probe = row_probe(row)
-        # callers that skip read_rows (lists built in code) get the same checks, by row index
-        why = row_problem(row)
-        if why:
-            raise ValueError(f"row {n} (probe {probe}): {why}")
-        label = json.dumps(row, sort_keys=True)[:160]
-        if probe in ("nccl_a2a", "nccl_a2a_fp8payload", "collective_a2a"):
-            try:
-                model = get_model(row["model"])
-                fabric = row["fabric"]
-                w = Workload(model, int(row["S"]), 1, int(row.get("world", 2)), p2p=fabric != "host_staged")
-                knobs = Knobs(transport="collective", fence_mode="none",
-                              compression="fp8_e4m3" if probe.endswith("fp8payload") else "none")
-            except (KeyError, ValueError) as e:
-                skipped.append((label, f"cannot describe: {e}"))
-                continue
-            name = f"{probe} {fabric} {row['model']} S={row['S']}"
-            points.append(Point(name, float(row["ms"]) * 1e3,
-                                lambda pr, w=w, k=knobs: predict(pr, w, k, phase="dispatch",
-                                                                layout="nccl_k_copies").dispatch_us,
-                                group=f"collective/{fabric}"))
-        elif probe == "proxy_ce":
-            mode = row.get("mode")
-            size, transfers = int(row["size"]), int(row["transfers"])
-            dests = int(row.get("pes", 12))
-            name = f"proxy_ce {mode} {size} B x{transfers}"
-            if mode == "put_only":
-                knobs = Knobs(transport="proxy", signalling="decoupled", fence_mode="nic_ordered")
-                def fn(pr, k=knobs, s=size, t=transfers, d=dests):
-                    return (predict_transfers(pr, 1, t, s, k, destinations=d).put_only_us)
-            elif mode in _PROBE_MODES:
-                sig, fm = _PROBE_MODES[mode]
-                knobs = Knobs(transport="proxy", signalling=sig, fence_mode=fm)
-                def fn(pr, k=knobs, s=size, t=transfers, d=dests):
-                    return (predict_transfers(pr, 1, t, s, k, destinations=d).time_us)
-            else:
-                skipped.append((label, f"unknown proxy_ce mode {mode!r}"))
-                continue
-            points.append(Point(name, float(row["us"]), fn, group="proxy_probe"))
-        elif probe == "transfers":
-            try:
-                knobs = Knobs.from_dict(row["knobs"])
-                nodes, transfers, size = int(row["nodes"]), int(row["transfers"]), int(row["size"])
-            except (KeyError, ValueError) as e:
-                skipped.append((label, f"cannot describe: {e}"))
-                continue
-            field_name = "put_only_us" if row.get("put_only") else "time_us"
-            points.append(Point(f"transfers {knobs.signalling}/{knobs.fence_mode} {size} B x{transfers}",
-                                float(row["us"]),
-                                lambda pr, k=knobs, n=nodes, t=transfers, s=size, f=field_name:
-                                getattr(predict_transfers(pr, n, t, s, k), f),
-                                group="transfers"))
-        elif probe == "peer_copy":
-            skipped.append((label, "peer_copy rows time a fixed ~2.37 ms for every size up to 64 MB "
-                                   "(host-side timing overhead), so they carry no bandwidth information"))
+        got = _row_point(n, row)
+        if isinstance(got, Point):
+            points.append(got)
         else:
-            skipped.append((label, f"unknown probe {probe!r}"))
-    return points, skipped
+            skipped.append(got)
+            at.append(n)
+    return points, skipped, at
+
+
+def _row_point(n: int, row: dict[str, Any]) -> Point | tuple[str, str]:
+    """The Point describing row `n`, or (label, why it is skipped); a ValueError where the row is malformed."""
+    if not isinstance(row, dict):
+        raise ValueError(f"row {n}: expected a JSON object, got {type(row).__name__}")
+    probe = row_probe(row)
+    # callers that skip read_rows (lists built in code) get the same checks, by row index
+    why = row_problem(row)
+    if why:
+        raise ValueError(f"row {n} (probe {probe}): {why}")
+    label = json.dumps(row, sort_keys=True)[:160]
+    if probe in ("nccl_a2a", "nccl_a2a_fp8payload", "collective_a2a"):
+        try:
+            model = get_model(row["model"])
+            fabric = row["fabric"]
+            w = Workload(model, int(row["S"]), 1, int(row.get("world", 2)), p2p=fabric != "host_staged")
+            knobs = Knobs(transport="collective", fence_mode="none",
+                          compression="fp8_e4m3" if probe.endswith("fp8payload") else "none")
+        except (KeyError, ValueError) as e:
+            return (label, f"cannot describe: {e}")
+        name = f"{probe} {fabric} {row['model']} S={row['S']}"
+        return Point(name, float(row["ms"]) * 1e3,
+                     lambda pr, w=w, k=knobs: predict(pr, w, k, phase="dispatch",
+                                                     layout="nccl_k_copies").dispatch_us,
+                     group=f"collective/{fabric}")
+    elif probe == "proxy_ce":
+        mode = row.get("mode")
+        size, transfers = int(row["size"]), int(row["transfers"])
+        dests = int(row.get("pes", 12))
+        name = f"proxy_ce {mode} {size} B x{transfers}"
+        if mode == "put_only":
+            knobs = Knobs(transport="proxy", signalling="decoupled", fence_mode="nic_ordered")
+            def fn(pr, k=knobs, s=size, t=transfers, d=dests):
+                return (predict_transfers(pr, 1, t, s, k, destinations=d).put_only_us)
+        elif mode in _PROBE_MODES:
+            sig, fm = _PROBE_MODES[mode]
+            knobs = Knobs(transport="proxy", signalling=sig, fence_mode=fm)
+            def fn(pr, k=knobs, s=size, t=transfers, d=dests):
+                return (predict_transfers(pr, 1, t, s, k, destinations=d).time_us)
+        else:
+            return (label, f"unknown proxy_ce mode {mode!r} (known: put_only, {', '.join(_PROBE_MODES)})")
+        return Point(name, float(row["us"]), fn, group="proxy_probe")
+    elif probe == "transfers":
+        try:
+            knobs = Knobs.from_dict(row["knobs"])
+            nodes, transfers, size = int(row["nodes"]), int(row["transfers"]), int(row["size"])
+        except (KeyError, ValueError) as e:
+            return (label, f"cannot describe: {e}")
+        field_name = "put_only_us" if row.get("put_only") else "time_us"
+        return Point(f"transfers {knobs.signalling}/{knobs.fence_mode} {size} B x{transfers}",
+                     float(row["us"]),
+                     lambda pr, k=knobs, n=nodes, t=transfers, s=size, f=field_name:
+                     getattr(predict_transfers(pr, n, t, s, k), f),
+                     group="transfers")
+    elif probe == "peer_copy":
+        return (label, "peer_copy rows time a fixed ~2.37 ms for every size up to 64 MB "
+                       "(host-side timing overhead), so they carry no bandwidth information")
+    elif probe is None:
+        return (label, "no 'probe' field: a row names what it measured (\"probe\": "
+                       f"{', '.join(k for k in ROW_FIELDS if k != 'transfers')}; or \"kind\": transfers)")
+    else:
+        return (label, f"unknown probe {probe!r} (known: {', '.join(ROW_FIELDS)})")
 
 
 def _objective(points: list[Point], preset: Preset) -> float:
@@ -418,9 +450,9 @@ def _default_params(preset: Preset, points: list[Point]) -> list[str]:
 def _prepare(preset: Preset | str, rows: list[dict[str, Any]], params: Iterable[str] | None
              ) -> tuple[Preset, list[Point], list[tuple[str, str]], list[str]]:
     preset = load_preset(preset) if isinstance(preset, str) else preset
-    points, skipped = rows_to_points(rows)
+    points, skipped, at = _to_points(rows)
     if not points:
-        raise ValueError("no measurement rows the model can describe")
+        raise NoPoints(len(rows), [(n, why) for n, (_, why) in zip(at, skipped, strict=True)])
     available = preset.numeric()
     params = _default_params(preset, points) if params is None else list(params)
     for spec in params:
