@@ -142,6 +142,8 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
         try:
             return msgspec.convert(data, cls)
         except msgspec.ValidationError as e:
+            if isinstance(e.__cause__, KnobError):  # raised by _validate: keep the names of the knobs in `knobs`
+                raise e.__cause__ from None
             raise KnobError(str(e)) from None
 
     @classmethod

@@ -32,6 +32,7 @@ from moetune.runtime import _args
 from moetune.runtime.buffer.facade import TORCH_DTYPES, EPBuffer, RecvMeta
 from moetune.runtime.knobs import ENGINES, Knobs
 from moetune.runtime.megakernel import engine as _engine
+from moetune.runtime.megakernel.config import MegakernelConfig
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.pipeline import pipelined_moe
 from moetune.runtime.routing import expert_ids_problem, routed_inputs_problem
@@ -91,8 +92,9 @@ class MoELayer(nn.Module):
     or `.to()` are handed to the megakernel again (it runs bf16 on the layer's device only: anything else raises).
 
     `max_tokens` (an int >= 1) is the most tokens S one call takes, whatever the engine. `buffer`: an EPBuffer to
-    use instead of building one; it must agree with `model`, `max_tokens` and whichever of `group`, `dtype`,
+    use instead of building one; it must agree with `model`, `max_tokens` and whichever of `group`, `knobs`, `dtype`,
     `device` and `options` are given. `options`: `RuntimeOptions` or a mapping of option names (see EPBuffer).
+    `expected_tokens` (1..max_tokens; None: the buffer's): the token count the auto-loaded profiles are picked for.
 
     Not thread-safe: one layer instance must not be called from two threads at once (the megakernel's launch
     templates and scratch buffers, the EP buffer's staging and the cached fp32 gate are shared by every call).
@@ -115,16 +117,17 @@ class MoELayer(nn.Module):
         expected_tokens: int | None = None,
     ):
         super().__init__()
-        _check_arguments(model, knobs, max_tokens, device, dtype, seed, use_grouped_mm, buffer, options)
+        _check_arguments(model, knobs, max_tokens, device, dtype, seed, use_grouped_mm, buffer, options,
+                         expected_tokens)
         if engine is not None and engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)} or None, got {engine!r}")
         self.model = model
         self.max_tokens = max_tokens
         if buffer is not None:
-            _check_buffer(buffer, model, group, max_tokens, device, dtype, options)
+            _check_buffer(buffer, model, group, knobs, max_tokens, device, dtype, options)
         self.buffer = buffer or EPBuffer(group, knobs, model=model, max_tokens=max_tokens, device=device, dtype=dtype,
                                          options=options, expected_tokens=expected_tokens)
-        self.expected_tokens = self.buffer.expected_tokens if buffer is None else (expected_tokens or max_tokens)
+        self.expected_tokens = expected_tokens if expected_tokens is not None else self.buffer.expected_tokens
         self.device = self.buffer.device
         self.dtype = self.buffer.dtype
         self.seed = seed
@@ -151,7 +154,7 @@ class MoELayer(nn.Module):
         # explicit knobs, which hold for every S); buckets are resolved on the first eager call of each S
         self.engine_buckets: dict[int, Knobs] | None = None
         self._mk_seen: set[int] = set()  # token counts whose bucket is resolved (the hot path's one set lookup)
-        self._mk_base: Any = None  # the MegakernelConfig of the construction bucket
+        self._mk_base: Any = None  # the construction bucket's MegakernelConfig once it runs (other buckets' fallback)
         self._mk_ptrs: tuple[int, int, int] = (0, 0, 0)  # the parameters' data pointers the megakernel reads
         # True while the expert weights hold the megakernel's k-tiled layout (runtime/megakernel/weights.py): the
         # parameters keep their shapes, and state_dict / load_state_dict speak the row-major layout either way
@@ -200,20 +203,16 @@ class MoELayer(nn.Module):
             why = _engine.megakernel_problem(self.device, self.dtype, self.model)
         config: Any = None
         if why is None:
-            from moetune.runtime.megakernel.config import MegakernelConfig
-
             # the library's limits for this shape, settings and max_tokens: a fallback (or MegakernelUnavailable)
             # now, not an error at the first forward
             try:
                 config = MegakernelConfig.from_knobs(wanted, self.buffer.options)
                 why = _engine.limits_problem(self.model, max_tokens, config)
                 if why is None and profiled:
-                    # scratch sized for any bucket's tiles (the smallest m-tile and combine tile); the construction
-                    # bucket's own config is installed for its bucket below, the others on their first call
-                    import dataclasses
-
+                    # scratch sized for any bucket's tiles (_scratch_knobs); the construction bucket's own config
+                    # is installed for its bucket below, the others on their first call
                     self._mk_base = config
-                    config = dataclasses.replace(config, bm=0, combine_tokens=0)
+                    config = MegakernelConfig.from_knobs(_scratch_knobs(wanted), self.buffer.options)
                     why = _engine.limits_problem(self.model, max_tokens, config)
             except ValueError as e:  # ConfigError: a setting out of range
                 why = f"{type(e).__name__}: {e}"
@@ -245,31 +244,39 @@ class MoELayer(nn.Module):
         self.engine_knobs = wanted
         if profiled:
             self.engine_buckets = {}
-            self._mk_install(_bucket_of(self.expected_tokens), wanted)
+            # the construction profile is the other buckets' fallback only once it runs; until then (or if it cannot)
+            # what runs is the config the scratch was sized by
+            base = self._mk_base
+            self._mk_base, self.engine_knobs = None, _scratch_knobs(wanted)
+            if self._mk_install(_bucket_of(self.expected_tokens), wanted):
+                self._mk_base, self.engine_knobs = base, wanted
 
     # -- the megakernel's per token bucket profiles ---------------------------------------------------------
-    def _mk_install(self, bucket: int, knobs: Knobs) -> None:
+    def _mk_install(self, bucket: int, knobs: Knobs) -> bool:
         """Run S of `bucket` with `knobs`' tiles, or (where they do not fit the scratch, or cannot launch) with the
-        construction bucket's, warning once."""
-        from moetune.runtime.megakernel.config import MegakernelConfig
-
+        construction bucket's, else with the config the scratch was sized by, warning once. Returns whether `knobs`
+        were installed; `engine_buckets[bucket]` records the knobs that run."""
         why: str | None
         try:
             why = self.megakernel.set_bucket_config(bucket, MegakernelConfig.from_knobs(knobs, self.buffer.options))
         except ValueError as e:  # ConfigError: a stored setting out of range
             why = f"{type(e).__name__}: {e}"
-        if why is not None:
-            import warnings
+        assert self.engine_buckets is not None and self.engine_knobs is not None
+        if why is None:
+            self.engine_buckets[bucket] = knobs
+            return True
+        import warnings
 
-            # once per layer and bucket: a bucket is installed once (_mk_bucket skips resolved ones)
-            warnings.warn(f"moetune: the megakernel profile for token bucket {bucket} is not applied ({why}); "
-                          f"launches of that bucket run the construction profile (bucket "
-                          f"{_bucket_of(self.expected_tokens)})", RuntimeWarning, stacklevel=3)
-            if self._mk_base is not None:
-                self.megakernel.set_bucket_config(bucket, self._mk_base)
-            knobs = self.engine_knobs  # set before any bucket is installed
-        assert self.engine_buckets is not None
-        self.engine_buckets[bucket] = knobs
+        # nothing installed where the fallback fails too: the bucket's launches run LaunchConfigs.base
+        if self._mk_base is not None and self.megakernel.set_bucket_config(bucket, self._mk_base) is None:
+            ran, what = self.engine_knobs, f"the construction profile (bucket {_bucket_of(self.expected_tokens)})"
+        else:
+            ran, what = _scratch_knobs(self.engine_knobs), "the config the scratch buffers were sized by"
+        # once per layer and bucket: a bucket is installed once (_mk_bucket skips resolved ones)
+        warnings.warn(f"moetune: the megakernel profile for token bucket {bucket} is not applied ({why}); launches of "
+                      f"that bucket run {what}", RuntimeWarning, stacklevel=3)
+        self.engine_buckets[bucket] = ran
+        return False
 
     def _mk_bucket(self, s: int) -> None:
         """Resolve S's token bucket's megakernel profile on its first eager call (one lookup per bucket, cached).
@@ -479,6 +486,17 @@ class MoELayer(nn.Module):
 _TILED = ("w_gate_up", "w_down")
 
 
+def _scratch_knobs(knobs: Knobs) -> Knobs:
+    """The megakernel knobs a layer with per token bucket profiles sizes its scratch by, and runs where no bucket's
+    profile is installed: the m-tile chosen per launch (auto; its smallest, 16, sizes the scratch), so the settings
+    that hold for one tile only are auto too (a decode profile's 12 stages cannot launch the 64-row tile, which
+    csrc/megakernel/mk_moe.cu check_params caps at 9; its CTAs per SM may not fit it), and the combine tile the
+    smallest auto one, or the profile's own where that is smaller (mk_combine_tokens=1), so the profile fits."""
+    smallest = min(MegakernelConfig.AUTO_COMBINE)
+    combine = knobs.mk_combine_tokens if knobs.mk_combine_tokens < smallest else 0
+    return knobs.replace(mk_bm=0, mk_stages=0, mk_ctas_per_sm=0, mk_processor_ctas=0, mk_combine_tokens=combine)
+
+
 @functools.lru_cache(maxsize=4096)
 def _bucket_of(tokens: int) -> int:
     """The profile ladder's token bucket of `tokens` (TOKEN_BUCKETS, nearest on a log scale)."""
@@ -517,11 +535,15 @@ def _load_state_dict_rebind(module: MoELayer, _incompatible: Any) -> None:
 
 
 def _check_arguments(model: Any, knobs: Any, max_tokens: Any, device: Any, dtype: Any, seed: Any,
-                     use_grouped_mm: Any, buffer: Any, options: Any) -> None:
+                     use_grouped_mm: Any, buffer: Any, options: Any, expected_tokens: Any) -> None:
     """TypeError / ValueError naming the argument, before anything is built from it."""
     _args.check_model(model)
     _args.check_knobs(knobs)
     _args.check_int("max_tokens", max_tokens, 1)
+    if expected_tokens is not None:  # here too, not only in EPBuffer: a given buffer bypasses its check
+        _args.check_int("expected_tokens", expected_tokens, 1)
+        if expected_tokens > max_tokens:
+            raise ValueError(f"expected_tokens={expected_tokens} is more than max_tokens={max_tokens}")
     _args.check_device(device)
     _args.check_dtype(dtype)
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -534,8 +556,8 @@ def _check_arguments(model: Any, knobs: Any, max_tokens: Any, device: Any, dtype
                         f"{type(options).__name__}")
 
 
-def _check_buffer(buffer: EPBuffer, model: ModelShape, group: Any, max_tokens: int, device: Any, dtype: Any,
-                  options: Any) -> None:
+def _check_buffer(buffer: EPBuffer, model: ModelShape, group: Any, knobs: Knobs | None, max_tokens: int, device: Any,
+                  dtype: Any, options: Any) -> None:
     """A given EP buffer must agree with the layer's own arguments (those given): the layer sizes its weights and
     checks its inputs by them, the buffer its transfers."""
     bad = []
@@ -545,6 +567,10 @@ def _check_buffer(buffer: EPBuffer, model: ModelShape, group: Any, max_tokens: i
         bad.append(f"max_tokens {max_tokens} vs the buffer's {buffer.max_tokens}")
     if group is not None and group is not buffer.group:
         bad.append("group is not the buffer's group")
+    if knobs is not None and knobs != buffer.knobs:  # the buffer runs its own knobs; others would be ignored
+        diff = [f"{n}={getattr(knobs, n)!r} vs the buffer's {getattr(buffer.knobs, n)!r}"
+                for n in Knobs.__struct_fields__ if getattr(knobs, n) != getattr(buffer.knobs, n)]
+        bad.append(f"knobs {', '.join(diff)}")
     if dtype is not None and dtype != buffer.dtype:
         bad.append(f"dtype {dtype} vs the buffer's {buffer.dtype}")
     if device is not None:

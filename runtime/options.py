@@ -26,6 +26,7 @@ import math
 import os
 import re
 import sys
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -132,8 +133,12 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     def __post_init__(self) -> None:
         _validate(self)
-        # one spelling whatever the source (arguments, config, variable): "NUMA " is "numa"
+        # one spelling whatever the source (arguments, config, variable): "NUMA " is "numa"; 3 is 3.0 (the digest
+        # encodes both as given, so RuntimeOptions(x=3) and from_dict({"x": 3}) would otherwise differ)
         msgspec.structs.force_setattr(self, "proxy_cpu", _normal_proxy_cpu(self.proxy_cpu))
+        for name in _FLOATS:
+            msgspec.structs.force_setattr(self, name, float(getattr(self, name)))
+        msgspec.structs.force_setattr(self, "chunk_weights", tuple(float(w) for w in self.chunk_weights))
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -149,6 +154,8 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         try:
             return msgspec.convert(dict(data), cls)
         except msgspec.ValidationError as e:
+            if isinstance(e.__cause__, RuntimeOptionError):  # raised by _validate: its message names the option
+                raise RuntimeOptionError(f"{e.__cause__}{suffix}") from None
             raise RuntimeOptionError(f"runtime option {_field_of(str(e))}{suffix}: {e}") from None
         except RuntimeOptionError as e:
             raise RuntimeOptionError(f"{e}{suffix}") from None
@@ -179,14 +186,16 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 env: Mapping[str, str] | None = None, config: _config.Config | None = None) -> RuntimeOptions:
         """defaults ← config `[runtime]` ← `MOETUNE_*` variables ← `overrides`.
 
-        A `RuntimeOptions` passed as `overrides` is taken as is (the caller decided everything). `config`
-        defaults to `load_config(env=env)`."""
-        if isinstance(overrides, RuntimeOptions):
-            return overrides
-        if overrides is not None and not isinstance(overrides, Mapping):
+        A `RuntimeOptions` passed as `overrides` is taken as is (the caller decided everything; it was validated
+        when built), but a retired variable in `env` is an error either way. `config` defaults to
+        `load_config(env=env)`."""
+        if overrides is not None and not isinstance(overrides, (RuntimeOptions, Mapping)):
             raise TypeError(f"options must be a RuntimeOptions, a mapping of option names or None, got "
                             f"{type(overrides).__name__} {overrides!r}")
         env = os.environ if env is None else env
+        _check_retired(env)  # on both paths: a retired speed switch is never ignored silently (docs/settings.md)
+        if isinstance(overrides, RuntimeOptions):
+            return overrides
         if config is None:
             config = _config.load_config(env=env)
         opts = cls.from_config(config)
@@ -225,7 +234,29 @@ def _fail(name: str, value: Any, expected: str) -> None:
     raise RuntimeOptionError(f"runtime option {name} ({_doc(name).env}) = {value!r}: expected {expected}")
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_types(o: RuntimeOptions) -> None:
+    # msgspec checks types in convert/decode only, not when RuntimeOptions(...) is built directly: "no" for a bool
+    # (truthy), 1.5 for an int or a misspelt choice would otherwise pass (as knobs._check_types guards Knobs)
+    for name, tp in _FIELD_TYPES.items():
+        v = getattr(o, name)
+        if tp is bool and not isinstance(v, bool):
+            _fail(name, v, "a bool (True or False)")
+        elif tp is int and type(v) is not int:
+            _fail(name, v, "an int")
+        elif tp is float and not _is_number(v):
+            _fail(name, v, "a number")
+        elif typing.get_origin(tp) is Literal and (not isinstance(v, str) or v not in typing.get_args(tp)):
+            _fail(name, v, f"one of {', '.join(typing.get_args(tp))}")
+        elif name == "chunk_weights" and not (isinstance(v, (tuple, list)) and all(_is_number(w) for w in v)):
+            _fail(name, v, "a tuple of numbers (one weight per pipeline chunk)")
+
+
 def _validate(o: RuntimeOptions) -> None:
+    _check_types(o)
     if not (o.onesided_timeout_s > 0 and math.isfinite(o.onesided_timeout_s)):
         _fail("onesided_timeout_s", o.onesided_timeout_s, "a finite number of seconds > 0")
     if not MK_TIMEOUT_MIN_S <= o.megakernel_timeout_s <= MK_TIMEOUT_MAX_S:  # NaN fails too
@@ -239,6 +270,10 @@ def _validate(o: RuntimeOptions) -> None:
     if not 0 <= o.plan_mode <= MAX_PLAN_MODE:
         _fail("plan_mode", o.plan_mode, f"an integer from 0 to {MAX_PLAN_MODE}")
 
+
+# each field's type, from the struct's own annotations (_check_types); the float fields are stored as floats
+_FIELD_TYPES: dict[str, Any] = {f.name: f.type for f in msgspec.structs.fields(RuntimeOptions)}
+_FLOATS: tuple[str, ...] = tuple(n for n, tp in _FIELD_TYPES.items() if tp is float)
 
 _CPU_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 

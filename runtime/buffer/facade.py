@@ -106,6 +106,12 @@ __all__ = ["DENSE_AUTO_MAX_BYTES", "DENSE_AUTO_MAX_WASTE", "MAX_COMM_CHANNELS", 
            "RecvMeta", "hit_probability"]
 
 
+# Ceilings behind EPBuffer._check_capacity: the (row, local expert) pairs one rank may receive (int32 offsets) and the
+# bytes of one buffer (1 TiB: no device has it; a larger max_tokens is a mistake, not a workload)
+MAX_PAIRS = (1 << 31) - 1
+MAX_BUFFER_BYTES = 1 << 40
+
+
 def _combine_shares(cls: type[EPTransport], device: torch.device, knobs: Knobs, options: RuntimeOptions) -> bool:
     """Whether pipelined combines go on the dispatch communicators/lanes: the knob `combine_lanes`
     (own / shared), or with `auto` the transport's preference (`combine_shares_lanes`)."""
@@ -118,7 +124,8 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     """Dispatch/combine over the ranks of `group` with the knobs' transport (DESIGN §1–2).
 
     Construction is collective (every rank of the group, same arguments): ranks compare model, dtype,
-    max_tokens, the knobs' and the runtime options' digests, and raise ValueError on every rank when they differ.
+    max_tokens, the knobs' and the runtime options' digests, dense and check_inputs, and raise ValueError on every
+    rank when they differ.
 
     Args:
         group: the EP process group (None: the default group; without torch.distributed, one rank).
@@ -212,6 +219,10 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         self._layout()
         self.dense = self._choose_dense(dense, get_transport(knobs.transport))
         self._agree()
+        # transport buffers are sized for the larger of the two directions: with compression the combine rows
+        # (activation dtype, never compressed) are wider than the dispatch rows
+        widest_row = max(self.row_bytes, self.model.hidden * torch.empty(0, dtype=self.dtype).element_size())
+        self._check_capacity(widest_row)  # after _agree: every rank has the same max_tokens, so all raise alike
         # the dense layout's chunk boundaries over the max_tokens slots: fixed for the buffer's life
         self._dense_chunks = (_dense_bounds(self.max_tokens, self.num_chunks, self.options.chunk_weights)
                               if self.dense else [])
@@ -242,9 +253,6 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         # nvlink: its exchange kernel writes the wire rows straight from the tokens (no packing launch);
         # the option nvl_gather=False packs first instead (for side-by-side measurements)
         self._gather = self._pack_lib is not None and cls.gathers_tokens and opts.nvl_gather
-        # transport buffers are sized for the larger of the two directions: with compression the combine rows
-        # (activation dtype, never compressed) are wider than the dispatch rows
-        widest_row = max(self.row_bytes, self.model.hidden * torch.empty(0, dtype=self.dtype).element_size())
         # one-sided transports size the symmetric receive buffer once (collective); host_staged one staging
         # slot per block, a block being at most one chunk's tokens; the others do nothing
         self.transport.reserve(max(1, self.max_tokens), widest_row)
@@ -314,15 +322,37 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             return False
         return picks_dense(self.model.experts, self.topk, self.world, self.max_tokens, self.row_bytes)
 
+    def _check_capacity(self, widest_row: int) -> None:
+        """Refuse a max_tokens whose buffers cannot exist, here rather than as a failed allocation (which does not
+        name max_tokens) at the first dispatch. The largest buffer holds world x max_tokens rows (the packed send
+        rows, the dense and device-resident receive rows); the (row, local expert) pairs a rank receives are
+        counted in int32 (MoELayer's grouped-GEMM offsets)."""
+        per_row = min(self.topk, self.experts_per_rank)
+        rows = self.world * max(1, self.max_tokens)
+        over = []
+        if rows * widest_row > MAX_BUFFER_BYTES:
+            over.append(f"its largest buffer ({self.world} rank(s) x max_tokens rows of {widest_row} bytes) would be "
+                        f"{rows * widest_row} bytes, over the limit of {MAX_BUFFER_BYTES}")
+        if rows * per_row > MAX_PAIRS:
+            over.append(f"a rank could receive {rows * per_row} (row, expert) pairs, over the int32 limit of "
+                        f"{MAX_PAIRS}")
+        if over:
+            most = min(MAX_BUFFER_BYTES // (self.world * widest_row), MAX_PAIRS // (self.world * per_row))
+            raise ValueError(f"EPBuffer: max_tokens={self.max_tokens} is too large: {'; '.join(over)} (at most "
+                             f"max_tokens={most} for this model, dtype and world)")
+
     def _agree(self) -> None:
         """Every rank must run the same setting (the row size and count layout depend on it)."""
         if self.world == 1 or not dist.is_initialized():
             return
         digest = int(self.knobs.digest()[:15], 16)
         options = int(self.options.digest()[:15], 16)
+        # check_inputs too: with it, combine (and the dense dispatch) run one more collective, so ranks that differ
+        # would wait in different collectives on valid input
         mine = torch.tensor(
             [digest, options, self.model.hidden, self.model.intermediate, self.model.experts, self.model.topk,
-             self.max_tokens, list(TORCH_DTYPES.values()).index(self.dtype), int(self.dense)],
+             self.max_tokens, list(TORCH_DTYPES.values()).index(self.dtype), int(self.dense),
+             int(self.check_inputs)],
             dtype=torch.int64,
             device=self.device,
         )
@@ -332,11 +362,11 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         bad = [r for r, row in enumerate(rows) if row != rows[0]]
         if bad:
             names = ["knobs", "runtime options", "hidden", "intermediate", "experts", "topk", "max_tokens", "dtype",
-                     "dense"]
+                     "dense", "check_inputs"]
             diff = sorted({names[i] for r in bad for i in range(len(names)) if rows[r][i] != rows[0][i]})
             raise ValueError(f"EPBuffer: ranks {bad} differ from rank 0 in {', '.join(diff)}; every rank must "
-                             "build the buffer with the same model, dtype, max_tokens, knobs, runtime options and "
-                             "dense setting")
+                             "build the buffer with the same model, dtype, max_tokens, knobs, runtime options, "
+                             "dense and check_inputs settings")
 
     # -- input checks (host-side, no device sync) -----------------------------------------------------
     def _local_check(self, x: Any, topk_idx: Any, topk_weights: Any) -> tuple[int, str]:

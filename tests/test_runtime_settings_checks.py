@@ -1,0 +1,199 @@
+"""The runtime's settings and constructors refuse what cannot run: check_inputs in the buffer's cross-rank agreement,
+RuntimeOptions type checks on direct construction, retired variables with explicit options, max_tokens bounds,
+a given buffer's expected_tokens and knobs, KnobError.knobs through the conversions, and the megakernel's scratch
+config for per token bucket profiles (its combine tile, its launch shapes, what is reported as running)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from moetune.runtime import _once
+from moetune.runtime.buffer.facade import EPBuffer
+from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.megakernel import engine as E
+from moetune.runtime.megakernel.config import LaunchConfigs, MegakernelConfig
+from moetune.runtime.megakernel.layer import MegakernelMoE
+from moetune.runtime.moe_layer import MoELayer
+from moetune.runtime.options import RuntimeOptionError, RuntimeOptions
+from moetune.runtime.profiles import autoload
+from moetune.runtime.profiles.client import Resolution
+from moetune.runtime.shapes import ModelShape
+from moetune.runtime.testing.launch import launch
+
+sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the cases by name
+cases = importlib.import_module("runtime_settings_ranks")
+
+TINY = ModelShape(name="tiny", hidden=128, intermediate=64, experts=4, topk=2, dtype="bfloat16")
+BF16 = ModelShape(name="t", hidden=128, intermediate=64, experts=8, topk=2, dtype="bfloat16")
+BF = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch: pytest.MonkeyPatch):
+    autoload.clear_cache()
+    _once.reset()
+    monkeypatch.delenv("MOETUNE_AUTOLOAD", raising=False)
+    yield
+    autoload.clear_cache()
+
+
+# -- 1: check_inputs is part of the buffer's cross-rank agreement ----------------------------------------------
+@pytest.mark.timeout(60)
+def test_ranks_with_different_check_inputs_refuse_to_build() -> None:
+    res = launch(cases.case_check_inputs_mismatch, 2, timeout_s=10, join_timeout_s=50)
+    for msg in res:
+        assert "differ from rank 0 in check_inputs" in msg, msg
+
+
+# -- 2: RuntimeOptions(...) checks types as from_dict does -----------------------------------------------------
+@pytest.mark.parametrize("kw", [dict(symm="nccl"), dict(hs_native="no"), dict(plan_mode=1.5), dict(proxy_batch=2.7),
+                                dict(fused_pack=0), dict(megakernel_timeout_s="2"), dict(chunk_weights=("1",)),
+                                dict(proxy_batch=True)])
+def test_direct_options_are_type_checked(kw: dict) -> None:
+    (name, _), = kw.items()
+    with pytest.raises(RuntimeOptionError, match=rf"runtime option {name} \(MOETUNE_"):
+        RuntimeOptions(**kw)
+    with pytest.raises(RuntimeOptionError, match=name):
+        RuntimeOptions.from_dict(kw)
+
+
+def test_direct_options_hash_as_converted_ones() -> None:
+    # an int for a float option: the same digest (ranks compare it) whichever way the options were built
+    direct = RuntimeOptions(onesided_timeout_s=3, chunk_weights=[1, 2])
+    assert direct == RuntimeOptions.from_dict({"onesided_timeout_s": 3, "chunk_weights": [1, 2]})
+    assert direct.digest() == RuntimeOptions.from_dict({"onesided_timeout_s": 3.0, "chunk_weights": (1.0, 2.0)}).digest()
+
+
+def test_post_init_errors_through_from_dict_name_the_option() -> None:
+    with pytest.raises(RuntimeOptionError, match=r"^runtime option plan_mode \(MOETUNE_PLAN_MODE\) = 5: .* \(from x\)$"):
+        RuntimeOptions.from_dict({"plan_mode": 5}, where="x")
+
+
+# -- 6: a retired variable is an error with explicit options too ----------------------------------------------
+def test_retired_variable_is_refused_when_options_are_passed() -> None:
+    opts = RuntimeOptions()
+    with pytest.raises(RuntimeOptionError, match="MOETUNE_HS_SLOTS is no longer read"):
+        RuntimeOptions.resolve(opts, env={"MOETUNE_HS_SLOTS": "8"})
+    assert RuntimeOptions.resolve(opts, env={}) is opts
+
+
+# -- 7: max_tokens has an upper bound ----------------------------------------------------------------------------
+def test_absurd_max_tokens_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"max_tokens=10000000000000 is too large: .* over the limit of .*at most "
+                                         r"max_tokens=\d+"):
+        EPBuffer(None, Knobs(), model=TINY, max_tokens=10**13, device="cpu")
+    assert EPBuffer(None, Knobs(), model=TINY, max_tokens=1 << 20, device="cpu").max_tokens == 1 << 20
+
+
+# -- 8: KnobError.knobs survives the conversions ---------------------------------------------------------------
+@pytest.mark.parametrize("build", [lambda: Knobs.from_dict({"mk_bm": 3}), lambda: Knobs.parse("mk_bm=3"),
+                                   lambda: Knobs().replace(mk_bm=3)], ids=["from_dict", "parse", "replace"])
+def test_knob_error_keeps_the_knob_names(build: Any) -> None:
+    with pytest.raises(KnobError) as e:
+        build()
+    assert e.value.knobs == ("mk_bm",) and str(e.value).startswith("knob mk_bm: must be")
+
+
+# -- 4: a given buffer: expected_tokens validated and defaulted, knobs compared ------------------------------------
+def test_layer_on_a_buffer_checks_expected_tokens() -> None:
+    buf = EPBuffer(None, Knobs(), model=TINY, max_tokens=16, device="cpu", dtype=BF, expected_tokens=4)
+    assert MoELayer(TINY, max_tokens=16, buffer=buf, engine="unfused").expected_tokens == 4  # the buffer's
+    assert MoELayer(TINY, max_tokens=16, buffer=buf, engine="unfused", expected_tokens=8).expected_tokens == 8
+    for bad, err, match in ((-3, ValueError, "expected_tokens must be >= 1"),
+                            ("16", TypeError, "expected_tokens must be an int"),
+                            (17, ValueError, "expected_tokens=17 is more than max_tokens=16")):
+        with pytest.raises(err, match=match):
+            MoELayer(TINY, max_tokens=16, buffer=buf, engine="unfused", expected_tokens=bad)
+
+
+def test_layer_on_a_buffer_refuses_other_knobs() -> None:
+    buf = EPBuffer(None, Knobs(), model=TINY, max_tokens=16, device="cpu", dtype=BF)
+    MoELayer(TINY, None, Knobs(), max_tokens=16, buffer=buf, engine="unfused")  # the same knobs: fine
+    with pytest.raises(ValueError, match=r"buffer disagrees.*knobs channels=2 vs the buffer's 1"):
+        MoELayer(TINY, None, Knobs(channels=2), max_tokens=16, buffer=buf, engine="unfused")
+
+
+# -- 3 and 5: the megakernel's scratch config with per token bucket profiles -------------------------------------
+class _FakeMK:
+    """MegakernelMoE's bucket bookkeeping on CPU; `refuse` stands for the library refusing a config's launches."""
+
+    built: ClassVar[list[_FakeMK]] = []
+    refuse: ClassVar[Any] = staticmethod(lambda cfg: None)
+
+    def __init__(self, model: Any, **kw: Any):
+        self.kw = kw
+        self.launch = LaunchConfigs(kw["config"])
+        self.launched: list[MegakernelConfig] = []
+        _FakeMK.built.append(self)
+
+    def set_bucket_config(self, bucket: int, config: MegakernelConfig) -> str | None:
+        why = self.launch.problem(config) or _FakeMK.refuse(config)
+        if why is None:
+            self.launch.install(bucket, config)
+        return why
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.launched.append(self.launch.for_tokens(x.shape[0]))
+        return torch.zeros_like(x)
+
+
+def _profiled_layer(monkeypatch: pytest.MonkeyPatch, profile: Knobs, refuse: Any = None) -> tuple[MoELayer, list[str]]:
+    """A layer of max_tokens 4096 whose stored megakernel profile (every bucket) is `profile`; the warnings."""
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    monkeypatch.setattr(E, "build_megakernel", _FakeMK)
+    monkeypatch.setattr(_FakeMK, "refuse", staticmethod(refuse or (lambda cfg: None)))
+
+    def fake_resolve(**kw: Any) -> Resolution:
+        knobs = profile if kw["transport_family"] == "megakernel" else Knobs()
+        return Resolution(knobs=knobs, source="daemon", profile_hash=f"h:{knobs.digest()}", status="current",
+                          family=kw["transport_family"] or "collective", tuned=True)
+
+    monkeypatch.setattr(autoload, "_resolve", fake_resolve)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer = MoELayer(BF16, None, None, max_tokens=4096, device="cpu", dtype=BF)
+    assert layer.engine == "megakernel"
+    return layer, [str(w.message) for w in caught if "is not applied" in str(w.message)]
+
+
+def test_profile_with_a_one_token_combine_tile_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mk_combine_tokens=1 is a valid knob: the scratch is sized for it, so the profile runs as reported."""
+    profile = Knobs(engine="megakernel", mk_bm=64, mk_combine_tokens=1)
+    layer, warned = _profiled_layer(monkeypatch, profile)
+    assert warned == [] and layer.engine_knobs == profile and layer.engine_buckets == {4096: profile}
+    layer(torch.randn(4096, BF16.hidden).to(BF))
+    ran = layer.megakernel.launched[-1]
+    assert (ran.bm, ran.combine_tokens) == (64, 1)
+
+
+def test_profile_that_cannot_run_is_not_reported_as_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The construction profile refused (and so its fallback): the layer reports the config that does run."""
+    profile = Knobs(engine="megakernel", mk_bm=64, mk_stages=5)
+    layer, warned = _profiled_layer(monkeypatch, profile, refuse=lambda cfg: "stages 5" if cfg.stages == 5 else None)
+    runs = Knobs(engine="megakernel")  # the scratch's: tiles chosen per launch
+    assert layer.engine_knobs == runs and layer.engine_buckets == {4096: runs}
+    assert len(warned) == 1 and "the config the scratch buffers were sized by" in warned[0]
+    layer(torch.randn(4096, BF16.hidden).to(BF))
+    assert layer.megakernel.launched[-1] is layer.megakernel.launch.base
+
+
+def test_decode_profile_keeps_every_scratch_launch_valid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode profile (bm 16, 12 stages): the scratch config picks the m-tile per launch, so its stages and CTAs
+    must be auto too; 64-row tiles at 12 stages are refused by the library (at most 9)."""
+    profile = Knobs(engine="megakernel", mk_bm=16, mk_stages=12, mk_ctas_per_sm=2, mk_processor_ctas=100)
+    layer, warned = _profiled_layer(monkeypatch, profile)
+    assert warned == [] and layer.engine_knobs == profile
+    cfg = layer.megakernel.kw["config"].resolve(BF16.hidden, BF16.intermediate)
+    assert (cfg.bm, cfg.stages, cfg.ctas_per_sm, cfg.processor_ctas) == (0, 0, 0, 0)
+    mk = SimpleNamespace(model=BF16, max_tokens=4096, config=cfg)
+    shapes = MegakernelMoE.launch_shapes(mk, cfg)  # type: ignore[arg-type]
+    assert {bm for bm, _ in shapes} >= {16, 64}
+    assert all(st <= 6 for bm, st in shapes if bm > 16), shapes
