@@ -34,7 +34,14 @@ def _refused(r, *needles: str, code: int = 2) -> str:
 
 
 def _fake_driver(cases, ctx) -> list[S.CaseResult]:
-    return [S.CaseResult(c.name, {"m": S.Stat(1.0, 0.9, 1.1, 3, "us")}, "python bench/fake.py") for c in cases]
+    """fabric-model's first metric, as its driver names it (a prediction: MODELLED in the unit)."""
+    return [S.CaseResult(c.name, {"speedup[16nodes]": S.Stat(12.1, 11.9, 12.3, 3, "x MODELLED")}, "python bench/fake.py")
+            for c in cases]
+
+
+def _fits(out: str, width: int = 80) -> None:
+    wide = [ln for ln in out.splitlines() if len(ln) > width]
+    assert not wide, "\n".join(wide)
 
 
 @pytest.fixture
@@ -98,7 +105,7 @@ def test_rows_that_cannot_be_written_after_the_run_are_kept(monkeypatch, tmp_pat
     kept = list(tmp_path.glob("s.unsaved-*.csv"))
     assert len(kept) == 1 and str(kept[0]) in flat
     rows = R.read_rows(kept[0])  # a results table of its own, header first
-    assert [r["case"] for r in rows] == ["presets"] and rows[0]["median"] == "1"
+    assert [r["case"] for r in rows] == ["presets"] and rows[0]["median"] == "12.1"
     assert not dest.exists()
 
 
@@ -160,3 +167,35 @@ def test_calibrate_help_describes_the_row_format() -> None:
         for name in (*fields, *ROW_OPTIONAL.get(probe, {})):
             assert f" {name}," in flat or f" {name} " in flat or f"{name})" in flat, (probe, name)
     assert "docs/fabric-model.md" in flat
+
+
+# -- 4. tables fit 80 columns, names whole ------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["ndr-ibrc-h100x8", "slingshot11-libfabric-a100x4"])
+def test_model_sweep_fits_80_columns(preset: str) -> None:
+    r = _run("model", "sweep", "-p", preset, "--over", "tokens")
+    assert r.exit_code == 0, r.output
+    _fits(r.stdout)
+    assert "16384" in r.stdout and "…" not in r.stdout
+    flat = " ".join(r.stdout.split())
+    assert "not shown at 80 columns: d/drain fences, d/nic fences (--json shows them)" in flat, r.stdout
+
+
+def test_bench_run_table_fits_80_columns(tmp_path: Path, fast_scenario) -> None:
+    r = _run("bench", "run", "fabric-model", "--smoke", "--results", str(tmp_path / "s.csv"))
+    assert r.exit_code == 0, r.output
+    _fits(r.stdout)
+    assert "speedup[16nodes]" in r.stdout and "12.1" in r.stdout and "…" not in r.stdout
+
+
+def test_bench_list_keeps_every_name_whole_at_80_columns() -> None:
+    import re
+
+    r = _run("bench", "list")
+    assert r.exit_code == 0, r.output
+    _fits(r.stdout)
+    for s in S.load_all().values():
+        for name in (s.name, *(c.name for c in s.cases)):
+            assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", r.stdout), (name, r.stdout)
+    cells = [c.strip() for ln in r.stdout.splitlines() for c in ln.split("│")[1:-1]]
+    assert "," not in cells, r.stdout  # no line holding only a comma
+    assert "not shown at 80 columns: driver" in " ".join(r.stdout.split())

@@ -410,10 +410,13 @@ def list_scenarios(
                                    "cases": [c.name for c in s.cases], "metrics": list(s.metrics),
                                    "smoke": "skip: " + s.smoke_skip if s.smoke_skip else "cpu"}))
         return
-    rows = [(escape(s.name), escape(s.needs.describe()), escape(s.driver), escape(", ".join(c.name for c in s.cases)),
-             "no CPU variant" if s.smoke_skip else "gloo/CPU") for s in scns.values()]
-    print_table(Console(), (Col("scenario", "word"), Col("needs"), Col("driver"), Col("cases (baseline first)"),
-                            Col("smoke", "word")), rows, title="benchmark scenarios (bench/scenarios/)")
+    rows = [(escape(s.name), escape(s.needs.describe()).replace(", ", "\n"), escape(s.driver), escape(", ".join(c.name for c in s.cases)),
+             "GPU only" if s.smoke_skip else "gloo/CPU") for s in scns.values()]
+    # scenario and case names are copied into `bench run NAME --case CASE`: never broken inside (word columns);
+    # at 80 columns the driver is left out instead. A need a line ("2 GPUs", "world 2", "nccl")
+    print_table(Console(), (Col("scenario", "word"), Col("needs", "word"), Col("driver", "word", drop=1),
+                            Col("cases (baseline first)", "word"), Col("smoke", "word")), rows,
+                title="benchmark scenarios (bench/scenarios/)", left_out_hint="--json shows it")
 
 
 def _stamp(command: str) -> dict:
@@ -475,13 +478,20 @@ def run_scenario(
     modelled = any("MODELLED" in str(r.get("unit") or "") for r in rows)
     shown = next((m for m in s.metrics if any(r["metric"] == m for r in rows)), None)
     # the unit says what a number is (µs, GB/s; a prediction's carries MODELLED)
-    cells = [(escape(str(r["launch"])), escape(str(r["case"])), escape(str(r["metric"])), escape(str(r.get("unit") or "")),
-              _fmt(r.get("median")), _fmt(r.get("p10")), _fmt(r.get("p90")), escape(str(r.get("note") or "")))
-             for r in rows if r["metric"] == shown or str(r.get("note", "")).startswith("FAILED")]
-    cols = (Col("launch", "num", "left"), Col("case", "word"), Col("metric", "word"), Col("unit", "word"),
-            Col("median", "num", "left"), Col("p10", "num", "left"), Col("p90", "num", "left"), Col("note"))
+    shown_rows = [r for r in rows if r["metric"] == shown or str(r.get("note", "")).startswith("FAILED")]
+    launch_ids = list(dict.fromkeys(str(r["launch"]) for r in shown_rows))
+    one = len(launch_ids) == 1  # one launch (a --smoke run, an import): its id goes in the title, not in every row
+    cells = [(*(() if one else (escape(str(r["launch"])),)), escape(str(r["case"])), escape(str(r["metric"])),
+              escape(str(r.get("unit") or "")), _fmt(r.get("median")), _fmt(r.get("p10")), _fmt(r.get("p90")),
+              escape(str(r.get("note") or ""))) for r in shown_rows]
+    # at 80 columns the spread goes first, then the launch id: the case, metric, unit and median stay
+    cols = (*(() if one else (Col("launch", "num", "left", drop=1),)), Col("case", "word"), Col("metric", "word"),
+            Col("unit", "word"), Col("median", "num", "left"), Col("p10", "num", "left", drop=2),
+            Col("p90", "num", "left", drop=2), Col("note"))
     print_table(Console(), cols, cells, title=f"{scenario}: {len(rows)} rows appended ({kind})"
-                + (" - MODELLED: predictions, not measurements" if modelled else ""))
+                + (f", launch {launch_ids[0]}" if one else "")
+                + (" - MODELLED: predictions, not measurements" if modelled else ""),
+                left_out_hint=f"every column is in {out}")
     if all(str(r.get("note", "")).startswith("FAILED") for r in rows):
         _err.print("[red]every case failed[/red]")
         raise typer.Exit(1)

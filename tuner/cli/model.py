@@ -365,7 +365,8 @@ def sweep_cmd(
         for label in series:
             short = label.replace("coupled", "c").replace("decoupled", "d").replace("proxy_drain", "drain")
             short = short.replace("nic_ordered", "nic").replace("dec", "d")
-            cols += [Col(f"{short} µs", "num"), Col("fences", "num")]
+            # at 80 columns the fences go first (the last series' first), each named by its series
+            cols += [Col(f"{short} µs", "num"), Col(f"{short} fences", "num", drop=len(cols))]
         table_rows = []
         reasons: dict[str, int] = {}  # the model's reason for each n/a, numbered once however many cells it covers
         for i, x in enumerate(xs):
@@ -378,7 +379,8 @@ def sweep_cmd(
                 else:
                     cells += [f"{r['latency_us']:,.1f}", str(r["fences"])]
             table_rows.append(cells)
-        print_table(_console, cols, table_rows, title=f"{LABEL}: {_e(pr.name)} · {_e(w0.model.name)} · sweep over {over}")
+        print_table(_console, cols, table_rows, title=f"{LABEL}: {_e(pr.name)} · {_e(w0.model.name)} · sweep over {over}",
+                    left_out_hint="--json shows them")
         _console.print(f"[yellow]{LABEL}[/yellow]: n/a = not modelled for this workload (an invalid or unsafe "
                        "setting, or a group size past what there is to group: the same run as group_size 0)"
                        + (", because:" if reasons else "."))
