@@ -102,10 +102,10 @@ def test_cli_reports_garbled_capture_without_traceback(tmp_path: pathlib.Path) -
 
 
 def test_missing_capture_dir(tmp_path: pathlib.Path) -> None:
-    with pytest.raises(CaptureError, match="not a capture directory"):
+    with pytest.raises(CaptureError, match="no such directory"):
         discover(tmp_path / "nope")
     res = CliRunner().invoke(app, ["fabric", "show", "--from", str(tmp_path / "nope")])
-    assert res.exit_code == 2 and "not a capture directory" in res.output
+    assert res.exit_code == 2 and "no such directory" in res.output
 
 
 def test_truncation_detected_through_manifest_sizes(tmp_path: pathlib.Path) -> None:

@@ -228,6 +228,9 @@ def diff(
     """Why the fabric changed: readable reasons (exit 0: same fingerprint, 1: changed)."""
     from moetune.tuner.fabric.fingerprint import diff_facts, fingerprint
 
+    if against is not None and not against.strip():  # Path("") is ".": the current folder was read as a capture
+        raise _fail("--against is empty: give a stored fingerprint hash (or its first 4+ hex digits) or a "
+                    "capture directory, or leave --against out to compare with the most recently seen fingerprint")
     if against is not None and Path(against).is_dir():
         old_f = _discover(Path(against), timeout_s)
         old_hash, old = old_f.fingerprint, old_f.to_dict()

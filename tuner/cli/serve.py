@@ -10,15 +10,16 @@ import typer
 
 def _check_capture(capture: Path, *, read: bool) -> None:
     """Exit 2 unless --capture is a capture directory (and, with `read`, one discovery can read): the daemon
-    would otherwise serve on and only log each failed discovery."""
+    would otherwise serve on and only log each failed discovery. The rule is discovery's own
+    (read_capture_manifest: a directory holding a capture's manifest.json), as for every --capture."""
     from moetune.tuner.cli.db import fail
+    from moetune.tuner.fabric.discovery import DiscoveryError, discover, read_capture_manifest
 
-    if not capture.is_dir():
-        raise fail(f"--capture {capture}: {'not a directory' if capture.exists() else 'no such directory'} "
-                   "(a fabric capture is a directory: `moetune fabric capture DIR`)")
+    try:
+        read_capture_manifest(capture)
+    except DiscoveryError as e:
+        raise fail(f"--capture {e}") from None
     if read:
-        from moetune.tuner.fabric.discovery import DiscoveryError, discover
-
         try:
             discover(capture)
         except DiscoveryError as e:

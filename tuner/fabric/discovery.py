@@ -390,6 +390,39 @@ def _torch_facts() -> dict[str, Any] | None:
         return None
 
 
+_WRITE_ONE = "a fabric capture is a directory `moetune fabric capture DIR` writes"
+
+
+def read_capture_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
+    """The one rule for a capture directory (every command taking --capture/--from uses it, through
+    CaptureSource or directly): it exists, is a directory and holds the manifest.json `moetune fabric capture`
+    writes (a JSON object of format moetune-capture/1). Else a CaptureError naming the path and what is missing:
+    an empty or unrelated folder read as a capture described a node with no GPU and no NIC."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CaptureError(root, f"{'not a directory' if root.exists() else 'no such directory'} ({_WRITE_ONE})")
+    mpath = root / MANIFEST_FILE
+    if not mpath.is_file():
+        try:
+            what = "is empty" if not any(root.iterdir()) else f"holds no {MANIFEST_FILE}"
+        except OSError as e:
+            raise CaptureError(root, f"cannot read the directory: {e.strerror or e}")
+        raise CaptureError(root, f"not a fabric capture: the directory {what} ({_WRITE_ONE}, with "
+                                 f"{MANIFEST_FILE}, proc/, commands/ and, on a GPU node, sys/)")
+    try:
+        m = json.loads(mpath.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CaptureError(mpath, f"manifest is not valid JSON: {e}")
+    except OSError as e:
+        raise CaptureError(mpath, f"cannot read: {e.strerror or e}")
+    if not isinstance(m, dict):
+        raise CaptureError(mpath, "manifest must be a JSON object")
+    if m.get("format") != CAPTURE_FORMAT:
+        raise CaptureError(mpath, f"not a fabric capture manifest: format {m.get('format')!r}, expected "
+                                  f"{CAPTURE_FORMAT!r} ({_WRITE_ONE})")
+    return m
+
+
 class CaptureSource(Source):
     """A capture directory written by `moetune fabric capture` (or by hand, for tests)."""
 
@@ -398,18 +431,7 @@ class CaptureSource(Source):
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        if not self.root.is_dir():
-            raise CaptureError(self.root, "not a capture directory (does not exist or is not a directory)")
-        self.manifest: dict[str, Any] = {}
-        mpath = self.root / MANIFEST_FILE
-        if mpath.exists():
-            try:
-                m = json.loads(mpath.read_text())
-            except (ValueError, UnicodeDecodeError) as e:
-                raise CaptureError(mpath, f"manifest is not valid JSON: {e}")
-            if not isinstance(m, dict):
-                raise CaptureError(mpath, "manifest must be a JSON object")
-            self.manifest = m
+        self.manifest: dict[str, Any] = read_capture_manifest(self.root)
         self._sizes: dict[str, int] = {}
         files = self.manifest.get("files", {})
         if isinstance(files, dict):

@@ -1,0 +1,69 @@
+"""Defects a tester found in the CLI (fabric, report, serve, help, config, messages): each test fails without its fix.
+Numbered as in the review."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.tuner.cli import app
+
+CAPTURES = Path(__file__).parent / "captures"
+
+
+def _run(*args: str, home: Path | None = None, columns: int = 80):
+    env = {"MOETUNE_CONFIG": "", "COLUMNS": str(columns)}
+    if home is not None:
+        env["MOETUNE_HOME"] = str(home)
+    r = CliRunner().invoke(app, list(args), env=env, terminal_width=columns)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.output
+    return r, " ".join(r.output.split())
+
+
+def _refused(r, out: str, *needles: str, code: int = 2) -> None:
+    assert r.exit_code == code, (r.exit_code, out)
+    for n in needles:
+        assert n in out, (n, out)
+
+
+# -- 1. a capture must be one: exist, be a directory, hold the manifest `fabric capture` writes ---------------------
+def test_report_refuses_an_empty_capture_folder(tmp_path: Path) -> None:
+    db = tmp_path / "m.db"
+    assert _run("db", "upgrade", "--db", str(db), home=tmp_path)[0].exit_code == 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r, out = _run("report", "--db", str(db), "--capture", str(empty), "--out", str(tmp_path / "rep"), home=tmp_path)
+    _refused(r, out, str(empty), "not a fabric capture", "is empty", "manifest.json", "moetune fabric capture")
+    assert not (tmp_path / "rep" / "report.md").exists()
+
+
+def test_fabric_show_refuses_a_folder_without_a_manifest(tmp_path: Path) -> None:
+    junk = tmp_path / "junk"
+    (junk / "proc").mkdir(parents=True)
+    r, out = _run("fabric", "show", "--capture", str(junk))
+    _refused(r, out, str(junk), "holds no manifest.json")
+    (junk / "manifest.json").write_text('{"format": "other"}')
+    r, out = _run("fabric", "show", "--capture", str(junk))
+    _refused(r, out, "manifest.json", "not a fabric capture manifest")
+    r, out = _run("fabric", "show", "--capture", str(CAPTURES / "cpu-laptop"), "--json")  # a real one still reads
+    assert r.exit_code == 0, out
+
+
+def test_fabric_diff_against_empty_is_not_the_current_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    r, out = _run("fabric", "diff", "--against", "", "--from", str(CAPTURES / "cpu-laptop"), home=tmp_path)
+    _refused(r, out, "--against is empty", "fingerprint hash", "capture directory")
+
+
+def test_serve_applies_the_same_rule_with_a_discover_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.tuner.daemon import server
+
+    monkeypatch.setattr(server, "run_daemon", lambda **kw: 0)  # never started: the capture is refused first
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r, out = _run("serve", "--db", str(tmp_path / "m.db"), "--capture", str(empty), "--discover-hook", "x:y",
+                  home=tmp_path)
+    _refused(r, out, f"--capture {empty}", "not a fabric capture")
