@@ -3,6 +3,7 @@ Numbered as in the review."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,29 @@ def test_serve_applies_the_same_rule_with_a_discover_hook(tmp_path: Path, monkey
     r, out = _run("serve", "--db", str(tmp_path / "m.db"), "--capture", str(empty), "--discover-hook", "x:y",
                   home=tmp_path)
     _refused(r, out, f"--capture {empty}", "not a fabric capture")
+
+
+# -- 2. --help shows every option name whole at 80 columns ---------------------------------------------------------
+def _names_whole(args: tuple[str, ...], columns: int) -> None:
+    import typer
+
+    cmd = typer.main.get_command(app)
+    for a in args:
+        cmd = cmd.get_command(None, a)
+    r, _ = _run(*args, "--help", columns=columns)
+    assert r.exit_code == 0 and "…" not in r.output, r.output
+    assert max(map(len, r.output.splitlines())) <= columns, r.output
+    for p in cmd.params:
+        for name in (*p.opts, *p.secondary_opts):
+            if name.startswith("--") and not p.hidden:
+                assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", r.output), (args, name, r.output)
+
+
+@pytest.mark.parametrize("args,columns", [(("serve",), 80), (("serve",), 60), (("bench", "ep"), 80)])
+def test_help_never_cuts_an_option_name(args: tuple[str, ...], columns: int) -> None:
+    _names_whole(args, columns)
+    r, _ = _run(*args, "--help", columns=columns)
+    if args == ("serve",):
+        assert "daemon.rediscover_interval_s" in r.output.replace("│", "").replace("\n", "").replace(" ", "")
+    else:
+        assert "compression=fp8_e4m3,pipeline_depth=2" in r.output.replace("│", "").replace("\n", "").replace(" ", "")
