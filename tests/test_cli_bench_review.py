@@ -199,3 +199,58 @@ def test_bench_list_keeps_every_name_whole_at_80_columns() -> None:
     cells = [c.strip() for ln in r.stdout.splitlines() for c in ln.split("│")[1:-1]]
     assert "," not in cells, r.stdout  # no line holding only a comma
     assert "not shown at 80 columns: driver" in " ".join(r.stdout.split())
+
+
+# -- 5. messages name the option, not an internal field -------------------------------------------------------------
+def test_model_workload_errors_name_the_option() -> None:
+    flat = _refused(_run("model", "predict", "-p", "nvlink-h200x2", "--tokens", "0"), "--tokens must be >= 1, got 0")
+    assert "tokens_per_gpu" not in flat
+    _refused(_run("model", "predict", "-p", "nvlink-h200x2", "--tile", "0"), "--tile must be >= 1, got 0")
+    flat = _refused(_run("model", "sweep", "-p", "nvlink-h200x2", "--over", "tokens", "--values", "0"),
+                    "--values: tokens = 0", "tokens per GPU must be >= 1")
+    assert "tokens_per_gpu" not in flat
+
+
+def test_bench_knobs_names_the_option() -> None:
+    flat = _refused(_run("bench", "knobs", "--vs", "a=mk_bn=128", "--chain", "0"), "--chain must be >= 1, got 0")
+    assert "chained" not in flat
+    _refused(_run("bench", "knobs", "--vs", "a=mk_bn=128", "--tokens", "0"), "--tokens must be token counts >= 1")
+
+
+def test_summarize_an_empty_or_headless_csv(tmp_path: Path) -> None:
+    empty = tmp_path / "e.csv"
+    empty.write_text("")
+    flat = _refused(_run("bench", "summarize", "--results", str(empty), "--out", "-"), f"--results {empty}",
+                    "the file is empty")
+    assert "None" not in flat
+    blank = tmp_path / "b.csv"
+    blank.write_text("\n\n")
+    flat = _refused(_run("bench", "summarize", "--results", str(blank), "--out", "-"), "no header row")
+    assert "header []" not in flat
+    assert R.read_rows(empty) == []  # an empty table is a new one, as check_table (bench run) takes it
+
+
+def test_from_report_that_is_not_json_names_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "report.txt"
+    f.write_text("hello\n")
+    flat = _refused(_run("bench", "run", "moe-megakernel-vs-unfused", "--from-report", str(f), "--results",
+                         str(tmp_path / "s.csv")), f"--from-report {f}: not a JSON report", "bench moe --json")
+    assert "char 0" not in flat
+
+
+def test_bench_moe_checks_engine_before_timing() -> None:
+    flat = _refused(_run("bench", "moe", "--engine", "nope", "--tokens", "1"), "--engine: 'nope' is not an engine",
+                    "megakernel, unfused, torch")
+    assert "timing" not in flat
+    assert "timing" not in _refused(_run("bench", "moe", "--engine", "torch", "--tokens", "0"), "--tokens")
+
+
+def test_bench_ep_refuses_a_negative_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.runtime.testing import launch
+
+    def ran(*a, **k):
+        raise AssertionError("bench ep ran with --seed -1")
+
+    monkeypatch.setattr(launch, "launch", ran)
+    _refused(_run("bench", "ep", "--seed", "-1"), "--seed must be an integer from 0 to 4294967295")
+    _refused(_run("bench", "moe", "--seed", "-1"), "--seed must be")

@@ -36,7 +36,7 @@ def test_predict_table_says_modelled() -> None:
 def test_unsafe_and_nonsense_input_are_clear_errors() -> None:
     cases = [
         (["--knobs", "fence_mode=nic_ordered,qp_mapping=round_robin,qps_per_pe=2"], "unsafe"),
-        (["--tokens", "-5"], "tokens_per_gpu"),
+        (["--tokens", "-5"], "--tokens must be >= 1"),
         (["--knobs", "bogus=1"], "unknown knob"),
     ]
     for extra, msg in cases:

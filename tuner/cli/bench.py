@@ -21,13 +21,21 @@ app = typer.Typer(help="Benchmarks on this node: EP dispatch/combine, the MoE la
 _err = Console(stderr=True, soft_wrap=True)
 
 
+SEED_MAX = 2**32 - 1  # as `moetune tune --seed`: one range of seeds across the CLI
+
+
+def _check_seed(seed: int) -> None:
+    if not 0 <= seed <= SEED_MAX:
+        _fail(f"--seed must be an integer from 0 to {SEED_MAX} (2**32 - 1), got {seed}")
+
+
 # options the layer benchmarks share
 def _model_opt() -> typer.models.OptionInfo:
     return typer.Option("qwen3-30b", "--model", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K[,dtype].")
 
 
 def _seed_opt() -> typer.models.OptionInfo:
-    return typer.Option(0, "--seed", help="Seed of weights and inputs.")
+    return typer.Option(0, "--seed", help=f"Seed of weights and inputs (0 to {SEED_MAX}).")
 
 
 def _json_opt() -> typer.models.OptionInfo:
@@ -83,7 +91,7 @@ def ep(
     as_json: bool = _json_opt(),
     transport: str = typer.Option("", "--transport", help="Override the knobs' transport (collective, host_staged, ...)."),
     impl: str = typer.Option("moetune", "--impl", help="moetune (packed EPBuffer) or plain (unpacked all_to_all_single baseline)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of activations, routing and weights."),
+    seed: int = typer.Option(0, "--seed", help=f"Seed of activations, routing and weights (0 to {SEED_MAX})."),
     layout: str = typer.Option("auto", "--layout", help="Collective wire layout: auto, dense (all-gather/reduce-scatter) or packed (counts + all_to_all)."),
     profile: bool = typer.Option(False, "--profile", help="Also run 5 round trips under torch.profiler and print rank 0's tables (top ops by device and by host time)."),
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture dispatch → identity experts → combine in one CUDA graph, and dispatch → combine alone in another, and time their replays (as a serving engine's decode graph runs them); each is checked once more with new inputs (and, for the device-resident layout, a poisoned receive buffer). Needs a layout without host syncs (dense collective or host_staged, nvlink; proxy cannot be replayed); reports graph_roundtrip_us / graph_pair_us or why not."),
@@ -94,6 +102,7 @@ def ep(
     """Time EP dispatch, combine and the whole MoE layer; with --verify, the error vs the dense reference."""
     if not (math.isfinite(timeout) and timeout > 0):  # torch's process group would fail deep in C++ instead
         _fail(f"--timeout must be a number of seconds > 0, got {timeout:g}")
+    _check_seed(seed)
     if serve:
         from moetune.tuner.measure import worker as bench_worker
 
@@ -252,6 +261,12 @@ def _print_table(rep: dict) -> None:
 # -- named scenarios (bench/scenarios/*.toml; tuner/measure/scenarios.py) -------------------------------------
 
 
+def _check_tokens(toks: list[int]) -> None:
+    """--tokens of the layer benchmarks: one or more token counts, each >= 1."""
+    if not toks or any(t < 1 for t in toks):
+        _fail(f"--tokens must be token counts >= 1, got {','.join(map(str, toks)) or 'none'}")
+
+
 @app.command("moe")
 def moe(
     engine: str = typer.Option("megakernel,unfused,torch", "--engine", help="Engines to time side by side in this process: megakernel, unfused, torch (the plain torch path: gate, top-k, sort, two grouped GEMMs, index_add; comma-separated)."),
@@ -279,6 +294,14 @@ def moe(
         _fail(str(e))
     if min(iters, warmup + 1, rotate) < 1 or not 0 <= rest <= 60:
         _fail("--iters and --rotate must be >= 1, --warmup >= 0, --rest in 0..60 seconds")
+    _check_seed(seed)
+    # checked before anything is timed (bench_moe would refuse them only after the 'timing ...' line)
+    bad = [e for e in engines if e not in M.ENGINES]
+    if bad or not engines:
+        what = (f"{', '.join(map(repr, bad))} {'is not an engine' if len(bad) == 1 else 'are not engines'}" if bad
+                else "no engine given")
+        _fail(f"--engine: {what}; engines must be among {', '.join(M.ENGINES)} (one or more, comma-separated)")
+    _check_tokens(toks)
     import torch
     # the table comes at the end: say what runs now (on a CPU the default S list takes minutes)
     where = "CUDA" if torch.cuda.is_available() else "the CPU (no CUDA device: slow, a plumbing check)"
@@ -353,9 +376,16 @@ def knobs_side_by_side(
     from moetune.runtime import KnobError, Knobs, get_model
     from moetune.tuner.measure import moe_compare as MC
 
+    for name, v in (("--iters", iters), ("--rotate", rotate), ("--chain", chain)):
+        if v < 1:
+            _fail(f"{name} must be >= 1, got {v}")
+    if warmup < 0:
+        _fail(f"--warmup must be >= 0, got {warmup}")
+    _check_seed(seed)
     try:
         shape = get_model(model)
         toks = int_list(tokens, "--tokens")
+        _check_tokens(toks)
         base = Knobs.parse(knobs, base=Knobs(engine="megakernel"))
         variants = {"base": base, **MC.parse_variants(vs, base)}
         rep = MC.compare_knobs(shape, toks, variants, iters=iters, warmup=warmup, rotate=rotate, chained=chain,
@@ -436,6 +466,23 @@ def _fingerprint() -> str:
     return discover().fingerprint
 
 
+def _read_report(path: str) -> Any:
+    """The JSON of a --from-report file; exit 2 naming the file where it cannot be read or is not JSON."""
+    what = "give the file `moetune bench moe --json` printed"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        _fail(f"--from-report {path}: not a JSON report (not UTF-8 text); {what}")
+    except OSError as e:
+        _fail(f"--from-report {path}: cannot read it ({e.strerror or e})")
+    if not text.strip():
+        _fail(f"--from-report {path}: the file is empty, not a JSON report; {what}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        _fail(f"--from-report {path}: not a JSON report (line {e.lineno}, column {e.colno}: {e.msg}); {what}")
+
+
 @app.command("run")
 def run_scenario(
     scenario: str = typer.Argument(..., help="A scenario name (`moetune bench list`)."),
@@ -458,10 +505,7 @@ def run_scenario(
         if from_report is not None:
             if case is not None or launches is not None or smoke:
                 _fail("--from-report takes no --case, --launches or --smoke (the report is one launch of every case)")
-            try:
-                rep = json.loads(Path(from_report).read_text())
-            except (OSError, ValueError) as e:
-                _fail(f"--from-report {from_report}: {e}")
+            rep = _read_report(from_report)
             rows = S.import_moe_report(s, rep, origin=from_report, results=out)
         else:
             rows = S.run(s, case=case, launches=launches, smoke=smoke, results=out,
@@ -512,6 +556,9 @@ def summarize_scenarios(
     # a mistyped --results would otherwise read as "no rows yet" and overwrite BENCHMARKS.md with an empty summary
     if results and not src.exists():
         _fail(f"--results {src}: no such file")
+    if results and src.is_file() and src.stat().st_size == 0:  # as a missing one: no empty summary written
+        _fail(f"--results {src}: the file is empty (no header row, no results): nothing to summarize; "
+              "`moetune bench run NAME --results FILE` appends rows to it")
     path = None if out == "-" else Path(out) if out else S.BENCHMARKS_MD
     if path is not None:  # refused before anything is read or written
         if path.is_dir():

@@ -31,6 +31,20 @@ def _e(value: Any) -> str:
     return escape(str(value))
 
 
+# the Workload fields the options set, by the option's name and in words: a Workload error starting with a
+# field ("tokens_per_gpu must be >= 1") is shown with the option the user typed
+_FIELD_OPTIONS = {"tokens_per_gpu": ("--tokens", "tokens per GPU"), "nodes": ("--nodes", "nodes"),
+                  "gpus_per_node": ("--gpus-per-node", "GPUs per node"), "tile": ("--tile", "tile")}
+
+
+def _option_named(message: str, words: bool = False) -> str:
+    """A Workload error with the field it starts with named as the option (or, `words`, in words)."""
+    field, _, rest = message.partition(" ")
+    if field in _FIELD_OPTIONS and rest:
+        return f"{_FIELD_OPTIONS[field][1 if words else 0]} {rest}"
+    return message
+
+
 def _build(preset: str, model: str, nodes: int | None, tokens: int, gpus_per_node: int | None, knobs: str,
            routing: str, tile: int):
     from moetune.runtime.knobs import KnobError, Knobs, default_knobs
@@ -54,7 +68,7 @@ def _build(preset: str, model: str, nodes: int | None, tokens: int, gpus_per_nod
     except KnobError as e:
         _fail(f"unsafe or invalid knobs: {e}")
     except ValueError as e:
-        _fail(str(e))
+        _fail(_option_named(str(e)))
     return pr, w, k
 
 
@@ -230,7 +244,7 @@ def _check_sweep_values(over: str, xs: list[int], w0: Any) -> None:
             else:
                 Workload(w0.model, x, w0.nodes, w0.gpus_per_node, routing=w0.routing, tile=w0.tile)
         except ValueError as e:  # KnobError is a ValueError
-            _fail(f"--values: {over} = {x} is not a valid input: {e}")
+            _fail(f"--values: {over} = {x} is not a valid input: {_option_named(str(e), words=True)}")
 
 
 def _check_out_file(out: Path, example: str) -> None:

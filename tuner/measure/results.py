@@ -182,14 +182,17 @@ def check_table(path: Path) -> None:
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:
-    """Every row of the CSV as a dict of strings (empty list when the file does not exist); a ResultsError naming
-    the file where it is not a readable results table."""
-    if not path.exists():
+    """Every row of the CSV as a dict of strings (empty list when the file does not exist or is empty: a new table,
+    as `check_table` takes it); a ResultsError naming the file where it is not a readable results table."""
+    if not path.exists() or (path.is_file() and path.stat().st_size == 0):
         return []
     try:
         with path.open(encoding="utf-8", newline="") as f:
             rd = csv.DictReader(f)
-            if tuple(rd.fieldnames or ()) != COLUMNS:
+            if not rd.fieldnames:
+                raise ResultsError(f"{path}: no header row (its first line is blank), so not a results CSV; a "
+                                   f"results CSV starts with the line {','.join(COLUMNS)}")
+            if tuple(rd.fieldnames) != COLUMNS:
                 raise ResultsError(f"{path}: header {rd.fieldnames} is not the results table's columns {list(COLUMNS)}")
             return list(rd)
     except (OSError, UnicodeDecodeError, csv.Error) as e:
