@@ -94,3 +94,16 @@ def test_help_never_cuts_an_option_name(args: tuple[str, ...], columns: int) -> 
         assert "daemon.rediscover_interval_s" in r.output.replace("│", "").replace("\n", "").replace(" ", "")
     else:
         assert "compression=fp8_e4m3,pipeline_depth=2" in r.output.replace("│", "").replace("\n", "").replace(" ", "")
+
+
+# -- 3. fabric show fits the console (it was laid out at 160 columns in a pipe) -------------------------------------
+@pytest.mark.parametrize("columns", [80, 60])
+def test_fabric_show_fits_the_console_without_cutting(columns: int) -> None:
+    r, _ = _run("fabric", "show", "--capture", str(CAPTURES / "dgx-h100"), columns=columns)
+    assert r.exit_code == 0, r.output
+    assert max(map(len, r.output.splitlines())) <= columns, r.output
+    flat = r.output.replace("│", " ")
+    assert "81559 MiB" in flat and "mlx5_11" in flat and "proxy:ibrc" in flat, r.output
+    assert "not shown at" in " ".join(r.output.split()) and "UUID" in r.output  # the caption names what is left out
+    if columns == 80:
+        assert "NVIDIA H100 80GB HBM3" in r.output and "18/18 × 26.562 GB/s" in r.output, r.output

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +12,17 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._tables import Col, print_table
+from moetune.tuner.cli._tables import Col, fit_table, print_table
 from moetune.tuner.cli.db import fail
 
 app = typer.Typer(help="Discover this node's fabric, capture it, fingerprint it, diff it.", no_args_is_help=True)
 
-_out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-_err = Console(stderr=True, highlight=False)
+
+
+def _out() -> Console:
+    """stdout at the terminal's width (COLUMNS, else 80 in a pipe), read when printing: it was 160 columns in a
+    pipe, so the tables were laid out wider than the 80 of a CI log."""
+    return Console(highlight=False)
 
 
 _fail = fail  # the CLI's one error message (escaped: a capture path in brackets is text)
@@ -62,8 +65,25 @@ def _summary(f: Any) -> dict[str, Any]:
     return d
 
 
+def _print_gpus(out: Console, f: Any, rows: list[tuple[str, ...]]) -> None:
+    """The GPU table within the console's width (it was laid out at 160 columns in a pipe: 85 and more at 80). Ids
+    are never folded: the UUID is left out first, then the bus id (the caption names them). The model is kept on one
+    line where the table then fits (80 columns: the bus id gives way); on a narrower console it wraps between words."""
+    kw: dict[str, Any] = {"title": f"{f.gpu_count} GPU(s)", "title_justify": "left",
+                          "left_out_hint": "fabric show --json shows them"}
+    for model in ("num", "word"):
+        cols = (Col("#", "num"), Col("model", model, "left"), Col("memory", "num"), Col("cc", "num"),
+                Col("PCIe", "word"), Col("NVLink", "word"), Col("bus id", "num", "left", drop=1),
+                Col("UUID", "num", "left", drop=2))
+        table = fit_table(out, cols, rows, **dict(kw))
+        if table.width is None or table.width <= out.width:  # fit_table sets a width only when printed wider
+            break
+    out.print(table, crop=False, soft_wrap=False)
+
+
 def _print_facts(f: Any) -> None:
-    _out.print(f"[bold]fabric[/bold] {f.source}  fingerprint [cyan]{f.fingerprint}[/cyan]  "
+    out = _out()
+    out.print(f"[bold]fabric[/bold] {escape(f.source)}  fingerprint [cyan]{f.fingerprint}[/cyan]  "
                f"hardware {f.hardware_hash}  software {f.software_hash}  ({f.seconds:.3f} s)")
     if f.gpus:
         rows = []
@@ -73,18 +93,15 @@ def _print_facts(f: Any) -> None:
             pcie = f"Gen{g.pcie_gen_max or '?'} x{g.pcie_width_current or '?'}"
             rows.append((str(g.index), escape(g.model + (" (MIG)" if g.mig else "")), f"{g.memory_mib} MiB",
                          escape(g.compute_capability or "?"), pcie, nvl, escape(g.pci_bus_id), escape(g.uuid)))
-        cols = (Col("#", "num"), Col("model"), Col("memory", "num"), Col("cc", "num"), Col("PCIe", "word"),
-                Col("NVLink", "word"), Col("bus id", drop=2), Col("UUID", drop=1))
-        print_table(_out, cols, rows, title=f"{f.gpu_count} GPU(s)", title_justify="left",
-                    left_out_hint="fabric show --json shows them")
+        _print_gpus(out, f, rows)
         if f.pairs:
             levels: dict[str, int] = {}
             for p in f.pairs:
                 k = f"{p.level} (P2P {p.p2p})"
                 levels[k] = levels.get(k, 0) + 1
-            _out.print("GPU pairs: " + ", ".join(f"{n} × {k}" for k, n in sorted(levels.items())))
+            out.print("GPU pairs: " + ", ".join(f"{n} × {k}" for k, n in sorted(levels.items())))
     else:
-        _out.print("no GPU found")
+        out.print("no GPU found")
     if f.nics:
         rows = []
         for n in f.nics:
@@ -96,23 +113,23 @@ def _print_facts(f: Any) -> None:
                              escape(p.link_layer)))
         cols = (Col("name"), Col("kind", "word"), Col("firmware", drop=1), Col("port", "num", "left"),
                 Col("state", "word"), Col("rate", "num", "left"), Col("link layer", "word"))
-        print_table(_out, cols, rows, title=f"{len(f.nics)} NIC(s)", title_justify="left",
+        print_table(out, cols, rows, title=f"{len(f.nics)} NIC(s)", title_justify="left",
                     left_out_hint="fabric show --json shows them")
     for e in f.excluded_nics:
-        _out.print(f"ignored {e.name}: {e.reason}")
+        out.print(f"ignored {e.name}: {e.reason}")
     gd = f.gpudirect
-    _out.print(f"GPUDirect RDMA: {gd.how}  (open kernel module: {'yes' if gd.open_kernel_module else 'no'}, kernel {gd.kernel or '?'})")
+    out.print(f"GPUDirect RDMA: {gd.how}  (open kernel module: {'yes' if gd.open_kernel_module else 'no'}, kernel {gd.kernel or '?'})")
     if f.libfabric.providers:
-        _out.print(f"libfabric {f.libfabric.version or '?'}: providers {', '.join(f.libfabric.providers)}")
-    _out.print("software: " + ", ".join(f"{k} {v}" for k, v in f.software.items()))
+        out.print(f"libfabric {f.libfabric.version or '?'}: providers {', '.join(f.libfabric.providers)}")
+    out.print("software: " + ", ".join(f"{k} {v}" for k, v in f.software.items()))
     missing = [k for k, v in f.tools.items() if v != "ok"]
     if missing:
-        _out.print("tools: " + ", ".join(f"{k}: {f.tools[k]}" for k in missing))
+        out.print("tools: " + ", ".join(f"{k}: {f.tools[k]}" for k in missing))
     for w in f.warnings:
-        _out.print(f"[yellow]warning:[/yellow] {w}")
+        out.print(f"[yellow]warning:[/yellow] {w}")
     rows = [(f"[green]{escape(tr.name)}[/green]", "yes", escape(tr.reason)) for tr in f.transports]
     rows += [(f"[dim]{escape(tr.name)}[/dim]", "no", escape(tr.reason)) for tr in f.unavailable]
-    print_table(_out, (Col("family", "word"), Col("available", "word"), Col("reason")), rows,
+    print_table(out, (Col("family", "word"), Col("available", "word"), Col("reason")), rows,
                 title="transport families", title_justify="left")
 
 
@@ -163,7 +180,7 @@ def capture(
         typer.echo(json.dumps({"path": str(path), "files": n_files, "fingerprint": f.fingerprint,
                                "transports": f.transport_names}))
     else:
-        _out.print(f"captured {n_files} files to {path}  fingerprint {f.fingerprint}  "
+        _out().print(f"captured {n_files} files to {path}  fingerprint {f.fingerprint}  "
                    f"transports: {', '.join(f.transport_names)}")
 
 
@@ -246,11 +263,11 @@ def diff(
     if as_json:
         typer.echo(json.dumps({"old": old_hash, "new": new_f.fingerprint, "changed": not same, "reasons": reasons}))
     elif same:
-        _out.print(f"fingerprint unchanged: {new_f.fingerprint}")
+        _out().print(f"fingerprint unchanged: {new_f.fingerprint}")
         for r in reasons:
-            _out.print(f"  (not performance-relevant) {r}")
+            _out().print(f"  (not performance-relevant) {r}")
     else:
-        _out.print(f"fingerprint {old_hash} → {new_f.fingerprint}")
+        _out().print(f"fingerprint {old_hash} → {new_f.fingerprint}")
         for r in reasons or ["changed, but no readable reason found (facts from another moetune version?)"]:
-            _out.print(f"  - {r}")
+            _out().print(f"  - {r}")
     raise typer.Exit(0 if same else 1)
