@@ -277,6 +277,19 @@ def config_files(config_file: Path | None = None, env: Mapping[str, str] = os.en
     return files
 
 
+def _not_a_config_file(f: Path, given: str) -> str:
+    """Why the config file asked for cannot be read: a folder was said not to exist."""
+    if f.is_dir():
+        inside = f / paths.SYSTEM_CONFIG.name
+        hint = f" ({inside} is there)" if inside.is_file() else ""
+        return (f"config file {f} (from {given}) is a directory, not a TOML file: give the file itself, "
+                f"e.g. {given if given == '--config' else 'MOETUNE_CONFIG='}{' ' if given == '--config' else ''}"
+                f"{inside}{hint}")
+    if f.exists():
+        return f"config file {f} (from {given}) is not a regular file: give a TOML file"
+    return f"config file {f} (from {given}) does not exist"
+
+
 def load_config(config_file: Path | None = None, env: Mapping[str, str] = os.environ) -> Config:
     """Defaults ← /etc ← user file ← `config_file` (or $MOETUNE_CONFIG) ← MOETUNE_* variables."""
     values: dict[str, dict[str, Any]] = {s: dataclasses.asdict(cls()) for s, cls in _SECTIONS.items()}
@@ -289,7 +302,7 @@ def load_config(config_file: Path | None = None, env: Mapping[str, str] = os.env
             _apply_file(f, values, origin)
             sources.append(str(f))
         elif f is explicit:
-            raise ConfigError(f"config file {f} does not exist")
+            raise ConfigError(_not_a_config_file(f, "--config" if config_file else "$MOETUNE_CONFIG"))
     if _apply_env(env, values, origin):
         sources.append("environment")
     _check_ranges(values, origin)

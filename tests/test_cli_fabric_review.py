@@ -107,3 +107,12 @@ def test_fabric_show_fits_the_console_without_cutting(columns: int) -> None:
     assert "not shown at" in " ".join(r.output.split()) and "UUID" in r.output  # the caption names what is left out
     if columns == 80:
         assert "NVIDIA H100 80GB HBM3" in r.output and "18/18 × 26.562 GB/s" in r.output, r.output
+
+
+# -- 4. --config DIR: a folder, not a missing file ------------------------------------------------------------------
+@pytest.mark.parametrize("args", [("db", "path"), ("serve",), ("tune", "--model", "qwen3-30b")])
+def test_config_folder_is_said_to_be_a_folder(args: tuple[str, ...], tmp_path: Path) -> None:
+    (tmp_path / "moetune.toml").write_text("")
+    r, out = _run(*args, "--config", str(tmp_path), home=tmp_path)
+    _refused(r, out, f"config file {tmp_path} (from --config) is a directory", f"--config {tmp_path / 'moetune.toml'}")
+    assert "does not exist" not in out
