@@ -116,3 +116,55 @@ def test_config_folder_is_said_to_be_a_folder(args: tuple[str, ...], tmp_path: P
     r, out = _run(*args, "--config", str(tmp_path), home=tmp_path)
     _refused(r, out, f"config file {tmp_path} (from --config) is a directory", f"--config {tmp_path / 'moetune.toml'}")
     assert "does not exist" not in out
+
+
+# -- 5. messages that named internals ------------------------------------------------------------------------------
+def test_serve_log_level_names_the_option_and_the_levels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.tuner.daemon import server
+
+    monkeypatch.setattr(server, "run_daemon", lambda **kw: 0)  # a level Python's logging refuses never reaches it
+    r, out = _run("serve", "--db", str(tmp_path / "m.db"), "--log-level", "bogus", home=tmp_path)
+    _refused(r, out, "--log-level must be one of debug, info, warning, error, critical", "'bogus'")
+    assert "Unknown level" not in out
+
+
+def test_query_names_an_empty_database_file(tmp_path: Path) -> None:
+    db = tmp_path / "zero.db"
+    db.write_bytes(b"")
+    r, out = _run("query", "--model", "qwen3-30b", "--ep", "8", "--tokens", "4", "--db", str(db),
+                  "--socket", f"ipc://{tmp_path}/none.sock", home=tmp_path)
+    _refused(r, out, f"--db {db} is not a moetune database (it is empty)", f"moetune db upgrade --db {db}")
+    assert "no such table" not in out
+
+
+def test_profiles_import_of_a_json_object_without_format(tmp_path: Path) -> None:
+    f = tmp_path / "e.json"
+    f.write_text("{}")
+    r, out = _run("profiles", "import", str(f), "--db", str(tmp_path / "m.db"), home=tmp_path)
+    _refused(r, out, f"{f} is not a moetune export file (an empty JSON object", "moetune profiles export")
+    assert "'None'" not in out and not (tmp_path / "m.db").exists()
+
+
+def test_keys_messages_name_the_path_and_what_to_do(tmp_path: Path) -> None:
+    f = tmp_path / "afile"
+    f.write_text("x")
+    r, out = _run("keys", "generate", str(f))
+    _refused(r, out, f"key directory {f} is a file, not a directory")
+    assert "Errno" not in out
+    srv = tmp_path / "srv"
+    assert _run("keys", "generate", str(srv))[0].exit_code == 0
+    r, out = _run("keys", "allow", str(tmp_path / "nope.key"), str(srv))
+    _refused(r, out, f"{tmp_path / 'nope.key'}: no such file")
+    assert "Invalid certificate" not in out
+
+
+def test_db_downgrade_above_the_database_and_unknown_revisions(tmp_path: Path) -> None:
+    db = tmp_path / "d.db"
+    assert _run("db", "upgrade", "--db", str(db), "--revision", "0004")[0].exit_code == 0
+    r, out = _run("db", "downgrade", "0006", "--yes", "--db", str(db))
+    _refused(r, out, "is at revision 0004; 0006 is above it", "moetune db upgrade --revision 0006")
+    assert "not a valid downgrade target" not in out
+    r, out = _run("db", "downgrade", "nope", "--db", str(db))
+    _refused(r, out, "revision 'nope' is not a schema revision", "0001, 0002, 0003, 0004, 0005", "or base")
+    r, out = _run("db", "current", "--db", str(db))
+    assert "revision 0004" in out, out  # neither touched it

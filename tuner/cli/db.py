@@ -134,6 +134,20 @@ def _older_than(current: str, target: str) -> bool:
     return rev is not None and rev.revision in below
 
 
+def _check_revision(revision: str, what: str, also: tuple[str, ...]) -> None:
+    """Exit 2 unless `revision` is a revision id this moetune knows or one of `also` ("base", "head"): Alembic said
+    "Can't locate revision identified by 'nope'" and named none of the valid ones."""
+    from moetune.tuner.store._schema import known_revisions
+
+    ids = sorted(known_revisions())
+    if revision in ids or revision in also:
+        return
+    choices = [*ids, *also]
+    raise fail(f"{what} {revision!r} is not a schema revision of this moetune: give one of "
+               f"{', '.join(choices[:-1])} or {choices[-1]} (`moetune db current` shows the database's revision and "
+               "the newest)")
+
+
 @app.command("path")
 def path_cmd(
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
@@ -151,6 +165,8 @@ def upgrade(
 ) -> None:
     """Create the database or migrate it to the newest schema (or up to --revision)."""
     from moetune.tuner.store.store import ONLY_OPTUNA, StoreError, without_moetune
+
+    _check_revision(revision, "--revision", ("head", "base"))
 
     optuna = without_moetune(db_path(db, config)) == ONLY_OPTUNA
     with open_store(db, config, mode="init") as store:
@@ -184,11 +200,22 @@ def downgrade(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Migrate the schema down (for rolling back a moetune upgrade)."""
+    _check_revision(revision, "revision", ("base",))
     if not yes:
         raise fail("a downgrade can drop data: pass --yes to do it")
+    from moetune.tuner.store._schema import known_revisions
     from moetune.tuner.store.store import StoreError
 
     with open_store(db, config, mode="migrate") as store:
+        now = store.current_revision()
+        if now == revision or (now is None and revision == "base"):
+            out.print(escape(f"{store.path}: already at revision {now or 'base'}: nothing to do"))
+            return
+        if revision != "base" and (now is None or now in known_revisions()) and not _older_than(now or "", revision):
+            # Alembic: "Destination 0006 is not a valid downgrade target from current head(s)"
+            raise fail(f"{store.path} is at revision {now or 'base (no moetune tables)'}; {revision} is above it: a "
+                       f"downgrade only goes down; `moetune db upgrade --revision {revision}{db_flag(store.path)}` "
+                       "goes up")
         try:
             store.downgrade(revision)
         except StoreError:

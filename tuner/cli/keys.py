@@ -50,12 +50,37 @@ def _check_key_dir(directory: Path, what: str, risk: str) -> None:
     check_key_path(directory, what, forbid=0o022, risk=risk)
 
 
+def _make_dir(directory: Path, what: str) -> None:
+    """Create `directory` (0700) unless it is one; a ValueError naming it when a file is in the way or it cannot be
+    made (mkdir said "[Errno 17] File exists" of a file given as the directory)."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{what} {directory} is a file, not a directory: give a directory (it is created when "
+                         "missing), or move the file away")
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except FileExistsError:  # a file in the way further up, or a dangling link
+        raise ValueError(f"cannot create the {what} {directory}: a file (or a dangling link) is in the way") from None
+    except NotADirectoryError:
+        raise ValueError(f"cannot create the {what} {directory}: a folder above it is a file") from None
+    except OSError as e:
+        raise ValueError(f"cannot create the {what} {directory}: {e.strerror or e}") from None
+
+
+def check_public_file(public_file: Path) -> None:
+    """A ValueError unless `public_file` is a file (zmq answered a missing one with "Invalid certificate file")."""
+    if public_file.is_dir():
+        raise ValueError(f"{public_file} is a directory, not a client's public key file (NAME.key)")
+    if not public_file.exists():
+        raise ValueError(f"{public_file}: no such file (the client's public key, NAME.key, as `moetune keys "
+                         "generate` writes it on the client)")
+
+
 def generate_keys(directory: Path, name: str = "moetune", *, force: bool = False) -> tuple[Path, Path]:
     """Write NAME.key (public) and NAME.key_secret (public + secret) with zmq.auth, mode 0600, in a 0700 dir."""
     import zmq.auth
 
     check_name(name)  # before anything is created: the name must not reach outside `directory`
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _make_dir(directory, "key directory")
     _check_key_dir(directory, "key directory", "others could replace the keys written there")
     public, secret = directory / f"{name}.key", directory / f"{name}.key_secret"
     if not force and (public.exists() or secret.exists()):
@@ -96,13 +121,14 @@ def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -
     """Copy a client's public key file into the daemon's allow-list directory (created 0700)."""
     import zmq.auth
 
+    check_public_file(public_file)
     try:
         public, secret = zmq.auth.load_certificate(str(public_file))
     except (OSError, ValueError) as e:
         raise ValueError(f"{public_file} is not a CURVE public key file: {e}") from None
     if not public:
         raise ValueError(f"{public_file} holds no public key")
-    clients_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _make_dir(clients_dir, "allow-list directory")
     _check_key_dir(clients_dir, "allow-list directory", "others could add their own keys to it")
     dest = clients_dir / (public_file.name if public_file.suffix == ".key" else f"{public_file.stem}.key")
     if dest.exists() and not force:
@@ -190,6 +216,7 @@ def allow(
 ) -> None:
     """Add a client's public key to the daemon's allow-list (and with --admin to its admin list)."""
     try:
+        check_public_file(public_file)  # the first argument first
         server_dir(server_keys)
         allowed = allow_everywhere(public_file, server_keys, clients_dir, admins_dir, admin=admin, force=force)
     except (OSError, ValueError) as e:

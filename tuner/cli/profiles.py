@@ -210,6 +210,20 @@ def _read_only(path: Path) -> bool:
         return False
 
 
+def _refuse_no_format(data: bytes, source: str) -> None:
+    """A JSON object without a "format" field (`{}`, some other tool's JSON) is no export file: the store's check
+    said "format 'None'". Other problems (not JSON, not an object, another format) are the store's to name."""
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return
+    if isinstance(raw, dict) and "format" not in raw:
+        what = "an empty JSON object" if not raw else "a JSON object without a \"format\" field"
+        raise fail(f"{source} is not a moetune export file ({what}; an export starts "
+                   '{"format": "moetune-profiles", ...}): write one with `moetune profiles export FILE` '
+                   "(database unchanged)")
+
+
 @app.command("import")
 def import_cmd(
     path: Path = typer.Argument(..., help='JSON file written by `moetune profiles export` ("-" for stdin).'),
@@ -240,6 +254,7 @@ def import_cmd(
         raise fail(f"cannot read {source}: {e.strerror or e}") from None
     if not data:  # not "not valid JSON: Input data was truncated"
         raise fail(f"{'stdin' if stdin else source} is empty: nothing to import (database unchanged)")
+    _refuse_no_format(data, source)
     try:  # validate before opening: a bad file must not create (or upgrade) a database either
         parse_export(data, source=source, skip_invalid=skip_invalid)
     except ProfileImportError as e:

@@ -54,6 +54,31 @@ def check_timeout_ms(timeout_ms: int | None) -> None:
         raise fail(f"--timeout-ms must be >= 1 (milliseconds), got {timeout_ms}")
 
 
+def check_db_given(db: Path) -> None:
+    """Exit 2 when the --db given is a file but no moetune database (empty, an Optuna studies file, another program's
+    SQLite file, not SQLite): the read-only fallback said "no such table: fingerprints" and answered the defaults.
+    A missing file is left to the fallback (the defaults, saying there is no database); a busy one too."""
+    from moetune.tuner.cli.db import fail
+    from moetune.tuner.store._schema import db_option
+    from moetune.tuner.store.store import StoreError, probe_database, without_moetune
+
+    if not db.exists():
+        return
+    try:
+        kind, _rev = probe_database(db)
+    except StoreError as e:
+        if e.exit_code != 2:  # busy, changed under the read: nothing wrong with what was given
+            return
+        raise fail(f"--db {e} (give a moetune database: `moetune db path` prints the configured one)") from None
+    if kind == "empty":
+        raise fail(f"--db {db} is not a moetune database ({without_moetune(db) or 'it is empty'}): "
+                   f"`moetune db upgrade{db_option(db)}` makes it one, `moetune tune` fills it; "
+                   "`moetune db path` prints the configured database")
+    if kind == "foreign":
+        raise fail(f"--db {db} is not a moetune database (another program's SQLite file): give moetune's, as "
+                   "`moetune db path` prints it")
+
+
 def make_client(socket: str | None, config: Path | None, timeout_ms: int | None, db: Path | None = None) -> Any:
     from moetune.runtime.profiles.client import ProfileClient
     from moetune.runtime.profiles.client import log as client_log
@@ -191,6 +216,8 @@ def register(app: typer.Typer) -> None:
             shape.check_ep(ep)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--ep") from None
+        if db is not None:
+            check_db_given(db)
         client = make_client(socket, config, timeout_ms, db)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

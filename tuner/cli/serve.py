@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
         rediscover_interval: float = typer.Option(None, "--rediscover-interval", help="Seconds between fabric discoveries (0 = never; default: config daemon.rediscover_interval_s, 60)."),
         capture: Path = typer.Option(None, "--capture", help="Discover from this capture directory instead of the live node."),
         allow_insecure_tcp: bool = typer.Option(None, "--allow-insecure-tcp/--no-allow-insecure-tcp", help="Allow tcp:// without CURVE (trusted loopback tests only; default: config daemon.allow_insecure_tcp, false)."),
-        log_level: str = typer.Option(None, "--log-level", help="Log level of the daemon's JSON log lines on stderr: debug, info, warning or error (default: config daemon.log_level, info)."),
+        log_level: str = typer.Option(None, "--log-level", help="Log level of the daemon's JSON log lines on stderr: debug, info, warning, error or critical (default: config daemon.log_level, info)."),
         curve_clients_dir: Path = typer.Option(None, "--curve-clients-dir", "--clients-dir", help="Allow-list of client public keys for tcp:// with CURVE (default: clients/ beside the server's secret key; --clients-dir, as for `moetune keys client/allow`)."),
         store_hook: str = typer.Option(None, "--store-hook", hidden=True),
         discover_hook: str = typer.Option(None, "--discover-hook", hidden=True),
@@ -53,6 +53,7 @@ def register(app: typer.Typer) -> None:
         """Serve tuned profiles over ZeroMQ; rediscover the fabric and re-tune when it changes."""
         import zmq
 
+        from moetune.tuner.cli.db import fail
         from moetune.tuner.cli.query import check_socket
         from moetune.tuner.daemon.server import DaemonConfigError, run_daemon
 
@@ -60,6 +61,12 @@ def register(app: typer.Typer) -> None:
         for opt, endpoint in (("--socket", socket), ("--pub-socket", pub_socket)):
             if endpoint is not None:
                 check_socket(endpoint, opt)
+        if log_level is not None:
+            from moetune.runtime.config import LOG_LEVELS
+
+            if log_level.strip().lower() not in LOG_LEVELS:  # the daemon's logging said "Unknown level: 'BOGUS'"
+                raise fail(f"--log-level must be one of {', '.join(LOG_LEVELS)} (any case), got {log_level!r}")
+            log_level = log_level.strip().lower()
         if capture is not None:
             _check_capture(capture, read=not discover_hook)
 
