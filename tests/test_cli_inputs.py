@@ -198,7 +198,7 @@ def test_tune_names_a_bad_storage(tmp_path: Path) -> None:
 
 
 def test_tune_and_show_name_a_garbage_studies_file_and_keep_it(tmp_path: Path) -> None:
-    studies = tmp_path / "moetune-studies.db"
+    studies = tmp_path / "m-studies.db"  # the default studies file of --db m.db
     studies.write_bytes(GARBAGE)
     db = ["--db", str(tmp_path / "m.db")]
     _refused(_run(*MODEL_TUNE, *db, home=tmp_path), str(studies), "file is not a database")

@@ -94,7 +94,7 @@ def test_show_reads_a_studies_file_without_writing_it(tmp_path: Path) -> None:
     db = tmp_path / "x.db"
     r = runner.invoke(app, [*TUNE, "--db", str(db), "--json"])
     assert r.exit_code == 0, r.output
-    studies = tmp_path / "moetune-studies.db"
+    studies = tmp_path / "x-studies.db"  # the default studies file of --db x.db
     con = sqlite3.connect(studies)  # all in the main file, so its bytes say whether anything was written
     con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     con.close()
@@ -121,7 +121,7 @@ def test_show_with_a_plain_path_says_what_to_type_and_prints_no_python_warning(t
 
 def test_tune_options_before_a_subcommand_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`moetune tune --policy /nonexistent show` exited 0: the options of `tune` itself never reach `show`."""
-    r = runner.invoke(app, [*TUNE, "--db", str(tmp_path / "x.db"), "--json"])  # a studies file to show
+    r = runner.invoke(app, [*TUNE, "--db", str(tmp_path / "moetune.db"), "--json"])  # a studies file to show
     assert r.exit_code == 0, r.output
     monkeypatch.setenv("MOETUNE_HOME", str(tmp_path))
     missing = tmp_path / "nonexistent"

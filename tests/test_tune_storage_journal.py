@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moetune.tuner.cli import app
-from moetune.tuner.search.study import OPTUNA_DB_NAME, make_storage
+from moetune.tuner.search.study import make_storage
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 pytestmark = pytest.mark.timeout(240)
@@ -75,7 +75,7 @@ def test_a_new_storage_file_and_the_default_one_are_wal(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, [*TUNE, "--trials", "2", "--db", str(tmp_path / "m.db")],
                            env={"MOETUNE_HOME": str(tmp_path)})
     assert r.exit_code == 0, r.output
-    assert _journal(tmp_path / OPTUNA_DB_NAME) == "wal"
+    assert _journal(tmp_path / "m-studies.db") == "wal"  # the default studies file of --db m.db
 
 
 def test_two_tunes_and_a_reader_share_a_rollback_journal_file(tmp_path: Path) -> None:

@@ -162,7 +162,7 @@ def test_tune_finishes_a_half_created_studies_file(tmp_path: Path) -> None:
     import sqlalchemy
     from optuna.storages._rdb import models
 
-    studies = tmp_path / "moetune-studies.db"  # the default --storage beside --db
+    studies = tmp_path / "m-studies.db"  # the default --storage beside --db m.db
     engine = sqlalchemy.create_engine(f"sqlite:///{studies}")
     models.BaseModel.metadata.create_all(engine, tables=[models.BaseModel.metadata.tables[n]
                                                          for n in ("studies", "study_directions", "version_info")])
@@ -255,4 +255,4 @@ def test_a_refused_profile_database_leaves_no_new_studies_file(tmp_path: Path) -
     db = _foreign(tmp_path / "app.db")
     r = runner.invoke(app, [*TUNE, "--db", str(db)])
     assert r.exit_code == 2 and "not a moetune database" in " ".join(r.output.split()), r.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]  # no moetune-studies.db beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]  # no app-studies.db beside it

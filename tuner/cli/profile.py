@@ -14,8 +14,13 @@ from moetune.tuner.cli._args import int_list, nearest_existing
 from moetune.tuner.cli._progress import RichProgress
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
+from moetune.tuner.cli.tune import interrupted_by, interrupted_exit, sigterm_interrupts
 
 _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
+
+# every key `--plan` takes (bringup.flow.Plan's fields; a test holds the two together): the help listed 6 of 11
+PLAN_KEYS = ("models, tokens, trials, repeats, iters, compare_rounds, trial_timeout_s, microbench_sizes, backend, "
+             "ep_sizes, world")
 
 
 def _out_dir_problem(path: Path) -> str | None:
@@ -90,7 +95,7 @@ def profile(
     model: list[str] = typer.Option([], "--model", "-m", help="Model shape to tune (repeatable): qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K (default: qwen3-30b)."),
     tokens: str = typer.Option("", "--tokens", help="Comma-separated tokens per rank to tune for (token buckets; default: 128,1024,4096, with --quick 128,1024)."),
     quick: bool = typer.Option(False, "--quick", help="A short plan: one model, two buckets, few trials (≈ 2 min on a CPU)."),
-    plan_file: Path | None = typer.Option(None, "--plan", help="TOML plan: models, tokens, trials, repeats, backend, ep_sizes (default: one EP group of every GPU of the node)."),
+    plan_file: Path | None = typer.Option(None, "--plan", help=f"TOML plan (a \\[plan] table, or the keys at the top): {PLAN_KEYS} (default: one EP group of every GPU of the node; the options given beside it win)."),
     trials: int | None = typer.Option(None, "--trials", help="Trials per (family, model, bucket) study (default: 16, with --quick 4)."),
     db: Path | None = typer.Option(None, "--db", help="Profile database (default: configured / $MOETUNE_HOME)."),
     config: Path | None = typer.Option(None, "--config", help="Extra config file."),
@@ -108,6 +113,7 @@ def profile(
     import optuna
 
     from moetune.runtime.knobs import KnobError
+    from moetune.runtime.shapes import get_model
     from moetune.tuner.bringup.flow import Bringup, Plan
     from moetune.tuner.fabric.discovery import DiscoveryError
     from moetune.tuner.store.store import StoreError
@@ -117,16 +123,32 @@ def profile(
     logging.getLogger("moetune").setLevel(logging.WARNING)
     console = Console(stderr=as_json)
     plan = Plan.quick() if quick else Plan()
+    # each option checked by itself, its error naming it alone (an unknown --model said "--model/--tokens/--trials")
+    for m in model:
+        try:
+            get_model(m)
+        except ValueError as e:
+            _fail(f"--model: {e}")
+    toks: list[int] = []
+    if tokens:
+        try:
+            toks = int_list(tokens, "--tokens")
+        except ValueError as e:
+            _fail(str(e))
+        if any(t < 1 for t in toks):
+            _fail(f"--tokens: token counts must be integers >= 1, got {tokens!r}")
+    if trials is not None and trials < 1:
+        _fail(f"--trials must be an integer >= 1, got {trials}")
     try:
         if plan_file is not None:
             plan = Plan.from_file(plan_file, plan)
         if model:
             plan.models = list(model)
-        if tokens:
-            plan.tokens = int_list(tokens, "--tokens")
+        if toks:
+            plan.tokens = toks
         if trials is not None:
             plan.trials = trials
-        plan.validate("--model/--tokens/--trials" + (f" with plan file {plan_file}" if plan_file is not None else ""))
+        plan.validate(f"plan file {plan_file}" if plan_file is not None else "plan")
     except ValueError as e:
         _fail(str(e))
     if report_dir is not None:
@@ -138,16 +160,20 @@ def profile(
                        report_dir=report_dir, progress=None if as_json else RichProgress())
     except (DiscoveryError, ValueError) as e:  # ValueError: an EP size of the plan this node cannot measure
         _fail(str(e))
+    no_cuda = _no_cuda_for_nccl(flow, capture)
+    if no_cuda:  # every measurement would start NCCL ranks that fail in init: refused up front
+        _fail(no_cuda)
     if restart:  # deleting the state alone resumed the finished studies: nothing was tuned again
         flow.state.restart()
     console.print(f"node [bold]{flow.facts.gpu_count} GPU(s)[/] {flow.facts.gpu_model or ''} · fingerprint "
                   f"{flow.facts.fingerprint} · transports {', '.join(flow.facts.transport_names)} · db {store.path}")
     console.print(flow.ep_note, markup=False)
     try:
-        done = flow.run()
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted: run the same command again to continue where it stopped[/]")
-        raise typer.Exit(130) from None
+        with sigterm_interrupts():
+            done = flow.run()
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`sigterm_interrupts`)
+        console.print(f"[yellow]{interrupted_by(e)}: run the same command again to continue where it stopped[/]")
+        raise typer.Exit(interrupted_exit(e)) from None
     except StoreError as e:  # e.g. another process holds the database: exit 1, as db/tune/profiles do
         _fail(f"{e} (finished stages are kept; rerun to continue)", e.exit_code)
     except (ValueError, KnobError, RuntimeError, OSError) as e:
@@ -186,6 +212,25 @@ def profile(
         console.print(f"node fabric model: {cal['preset_file']} (fit error mean {100 * cal['mean_abs_rel_err']:.1f}%, "
                       f"max {100 * cal['max_abs_rel_err']:.1f}%)")
     console.print(f"report: {done.get('report')}")
+
+
+def _no_cuda_for_nccl(flow: object, capture: Path | None) -> str:
+    """Why the bring-up cannot measure its EP groups here ('' when it can): on a node with >= 2 GPUs it launches
+    one NCCL rank per GPU, and torch finds fewer CUDA GPUs on this machine (a CPU build of torch, hidden GPUs, a
+    --capture of another node). The ranks started and every measurement failed in init, minutes of them."""
+    from moetune.tuner.search.backends import cuda_gpus
+
+    if getattr(flow, "comm_backend", "") != "nccl" or not getattr(flow, "tune_ep", False):
+        return ""
+    need, found = max(flow.ep_sizes), cuda_gpus()  # type: ignore[attr-defined]
+    if found >= need:
+        return ""
+    gpus = flow.facts.gpu_count  # type: ignore[attr-defined]
+    where = f"--capture {capture} describes a node" if capture is not None else "this node has"
+    fix = ("run `moetune profile` on the node the capture was taken on" if capture is not None else
+           "check that torch is a CUDA build and that CUDA_VISIBLE_DEVICES shows the GPUs")
+    return (f"{where} with {gpus} GPUs, so the bring-up measures EP size {need} with NCCL, one CUDA GPU per rank, "
+            f"on this machine; torch finds {found} CUDA GPU(s) here: {fix}")
 
 
 def report(

@@ -7,9 +7,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal, NoReturn
 
@@ -34,6 +38,61 @@ COMM_BACKENDS = ("nccl", "gloo")  # what the local backend launches its ranks wi
 
 
 _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
+
+SEED_MAX = 2**32 - 1  # the sampler's seed (numpy's RandomState) is 0 .. 2**32 - 1
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """While measuring: SIGTERM (`kill`, `timeout`, a batch scheduler) raises `Terminated`, a KeyboardInterrupt, so
+    the command ends as on Ctrl-C (the study saved, the bench workers and their ranks ended, a message, exit
+    143). Python's default ended the process at once with no message and left the measurement worker and its
+    ranks running. A second SIGTERM ends the process at once (the workers then end by themselves: they watch
+    their parent). Only the main thread can have a signal handler: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from moetune.tuner.search.study import Terminated
+
+    def handler(_signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated()
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def interrupted_exit(e: KeyboardInterrupt) -> int:
+    """The exit status of a command ended by Ctrl-C (130) or SIGTERM (143: 128 + 15, as the shell reports it)."""
+    from moetune.tuner.search.study import Terminated
+
+    return 143 if isinstance(e, Terminated) else 130
+
+
+def interrupted_by(e: KeyboardInterrupt) -> str:
+    """What ended the command, as the interrupted line says it."""
+    from moetune.tuner.search.study import Terminated
+
+    return "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+
+
+def cuda_problem(comm: str, world: int, given: bool, why_default: str) -> str:
+    """Why `comm` (nccl) cannot run `world` ranks on this machine ('' when it can, or `comm` is gloo): NCCL puts
+    each rank on its own CUDA GPU; without them the ranks started, then failed ~10 s later in init
+    (torch._C has no _cuda_setDevice). `given`: --comm was given; else `why_default` says why nccl was chosen."""
+    if comm != "nccl":
+        return ""
+    from moetune.tuner.search.backends import cuda_gpus
+
+    found = cuda_gpus()
+    if found >= world:
+        return ""
+    what = "--comm nccl" if given else f"--comm nccl (the default: {why_default})"
+    return (f"{what} needs {world} CUDA GPUs on this machine (one per rank, --world {world}), found {found}: "
+            "pass --comm gloo to measure between CPU processes" + ("" if found < 2 else f", or --world {found}"))
 
 
 def _redact(url: str) -> str:
@@ -201,8 +260,8 @@ def tune(
     preset: str = typer.Option(None, "--preset", "-p", help="Fabric-model preset for the model backend."),
     trials: int = typer.Option(None, "--trials", "-n", help="Finished trials per study (default: config \\[tune] trials, 40)."),
     timeout: float = typer.Option(None, "--timeout", help="Wall-clock budget in seconds for the whole tune (default: config \\[tune] timeout_s, 600)."),
-    storage: str = typer.Option(None, "--storage", help="Optuna storage URL (default: SQLite next to the profile db; postgresql://... to share a study)."),
-    seed: int = typer.Option(0, "--seed", help="Sampler seed."),
+    storage: str = typer.Option(None, "--storage", help="Optuna storage URL (default: NAME-studies.db beside the profile database NAME.db, moetune-studies.db for moetune.db; postgresql://... to share a study)."),
+    seed: int = typer.Option(0, "--seed", help="Sampler seed (0 to 4294967295)."),
     db: Path = typer.Option(None, "--db", help="Profile database (default: configured)."),
     config: Path = typer.Option(None, "--config", help="TOML config file (its \\[tune] section gives the defaults)."),
     nodes: int = typer.Option(1, "--nodes", help="Nodes in the EP group."),
@@ -247,6 +306,8 @@ def tune(
         timeout, budget_from = float(cfg_timeout), "[tune] timeout_s"
     if not (math.isfinite(trial_timeout) and trial_timeout > 0):
         _fail(f"--trial-timeout must be a number of seconds > 0, got {trial_timeout}")
+    if not 0 <= seed <= SEED_MAX:  # Optuna's sampler said "Seed must be between 0 and 2**32 - 1", naming no option
+        _fail(f"--seed must be an integer from 0 to {SEED_MAX} (2**32 - 1), got {seed}")
     if repeats < 1:
         _fail(f"--repeats must be >= 1, got {repeats}")
     if world is not None and world < 1:
@@ -303,6 +364,11 @@ def tune(
         why = unmeasured_key(local_opts["world"], ep_size or local_opts["world"], nodes, family or ["collective"])
         if why:  # refused before anything runs: a profile stored as MEASURED for a group that never ran
             _fail(f"{why} (--world {local_opts['world']}, --ep-size {ep_size or local_opts['world']}, --nodes {nodes})")
+        source = f"{CAPTURE_OPT} {capture}" if capture is not None else "discovery"
+        no_cuda = cuda_problem(local_opts["comm_backend"], local_opts["world"], comm is not None,
+                               f"{source} found {gpus} GPU(s)")
+        if no_cuda:  # refused up front, as `moetune bench ep --backend nccl` is
+            _fail(no_cuda)
     db_path = db if db is not None else cfg.db_path
     url = _storage_url(storage, db_path)  # the URL tune_profiles_detailed opens (storage, else beside the store)
     _check_storage(url, storage is not None, create=False)  # refused: no profile database created
@@ -319,18 +385,20 @@ def tune(
         ran[0] += 1
 
     try:
-        results = tune_profiles_detailed(
-            store, facts, models=shapes, tokens=toks, backend=backend, preset=preset, trials=trials, timeout_s=timeout,
-            ep_size=ep_size or (local_opts.get("world") if backend == "local" else None), nodes=nodes,
-            progress=bar, storage=storage, seed=seed, families=family or None, policy_override=policy,
-            routing=routing, local_options=local_opts, node_model=node_model, on_trial=count)
+        with sigterm_interrupts():
+            results = tune_profiles_detailed(
+                store, facts, models=shapes, tokens=toks, backend=backend, preset=preset, trials=trials,
+                timeout_s=timeout, ep_size=ep_size or (local_opts.get("world") if backend == "local" else None),
+                nodes=nodes, progress=bar, storage=storage, seed=seed, families=family or None,
+                policy_override=policy, routing=routing, local_options=local_opts, node_model=node_model,
+                on_trial=count)
     except StoreError as e:  # before `ValueError/OSError`: the profile database, not the tune, failed
         _fail(_store_failed(e, store, url, ran[0]), e.exit_code)
     except (ValueError, OSError) as e:
         _fail(str(e))
-    except KeyboardInterrupt:
-        err.print("[yellow]interrupted: the study is saved; run the same command again to resume[/yellow]")
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`sigterm_interrupts`)
+        err.print(f"[yellow]{interrupted_by(e)}: the study is saved; run the same command again to resume[/yellow]")
+        raise typer.Exit(interrupted_exit(e)) from None
     except Exception as e:
         from sqlite3 import Error as SqliteError
 
@@ -551,7 +619,7 @@ def _nothing_stored(results: list) -> None:
 def show(
     study: str = typer.Option(None, "--study", "-s", help="Study name (default: list the studies)."),
     storage: str = typer.Option(None, "--storage", help="Optuna storage URL."),
-    db: Path = typer.Option(None, "--db", help="Profile database (the studies file sits next to it)."),
+    db: Path = typer.Option(None, "--db", help="Profile database (its studies file, NAME-studies.db for NAME.db, sits beside it)."),
     config: Path = typer.Option(None, "--config", help="TOML config file (for the default database)."),
     as_json: bool = typer.Option(False, "--json", help="JSON output."),
 ) -> None:

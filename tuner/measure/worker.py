@@ -11,11 +11,16 @@ stdin and writes one JSON line per case on stdout:
   result : the object `moetune bench ep --json` prints, plus "id"
   error  : {"id": ..., "error": "..."}  (bad input, or an exception raised on every rank alike)
 
-EOF on stdin ends the worker cleanly (exit 0). The parent process does no measuring: it validates each case,
+EOF on stdin ends the worker cleanly (exit 0). The worker process does no measuring: it validates each case,
 hands it to every rank through that rank's queue and collects the ranks' answers. When a rank dies, or the
 ranks fail differently (one raised inside a collective, so the group may be broken), the worker prints the
 error on stderr and exits with status 3: its caller starts a fresh world. Only this process writes to
 stdout (the ranks' stdout goes to stderr), so the protocol lines cannot be garbled by library output.
+
+`--parent-pid PID` (the tuner passes its own pid): the worker ends (status 3), its ranks with it, once that
+process is gone; a tune killed outright (SIGKILL, or a signal it did not handle) left the worker and its ranks
+measuring for a minute, re-parented to init, holding the GPUs. Each rank is killed when the worker ends
+(PR_SET_PDEATHSIG, Linux).
 
 Environment-level settings (NCCL_P2P_DISABLE, NVSHMEM_*) are whatever the worker was started with: they are
 in place before any communicator exists, so one worker serves one environment.
@@ -91,9 +96,28 @@ def case_config(case: dict[str, Any], world: int, backend: str) -> dict[str, Any
     return cfg
 
 
+def die_with_parent(parent: int | None = None) -> None:
+    """Have the kernel SIGKILL this process when its parent (the thread that started it) ends: PR_SET_PDEATHSIG,
+    Linux only (elsewhere nothing). `parent`: the pid this process was started by; already gone (it ended before
+    the call): exit at once."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):  # no libc prctl: the caller's own watch still ends the process
+            pass
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+
+
 def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float, env: dict[str, str],
-               inq: Any, outq: Any) -> None:
-    """One rank: join the group, then run every case the parent hands it until it gets None."""
+               inq: Any, outq: Any, parent: int | None = None) -> None:
+    """One rank: join the group, then run every case the parent hands it until it gets None. `parent`: the
+    worker's pid; the rank is killed when the worker ends (`die_with_parent`)."""
+    die_with_parent(parent)  # a worker killed outright (SIGKILL) left its ranks running, re-parented to init
     os.dup2(2, 1)  # only the parent writes protocol lines on stdout
     os.environ.update(env)
     import torch
@@ -135,8 +159,19 @@ class _Died(RuntimeError):
     pass
 
 
-def serve(world: int, backend: str, timeout_s: float, stdin: Any = None, stdout: Any = None) -> int:
-    """Run the worker loop; returns the exit status."""
+def parent_gone(parent_pid: int | None) -> bool:
+    """Whether the process that started this worker (`--parent-pid`) has ended: this process was re-parented."""
+    return parent_pid is not None and os.getppid() != parent_pid
+
+
+def serve(world: int, backend: str, timeout_s: float, stdin: Any = None, stdout: Any = None,
+          parent_pid: int | None = None) -> int:
+    """Run the worker loop; returns the exit status. `parent_pid`: end (status 3, the ranks killed) once that
+    process, this worker's parent, is gone, checked every half second while the ranks start or measure (a case
+    can run for minutes) and at EOF on stdin when idle."""
+    if parent_gone(parent_pid):
+        print(f"bench worker: the process that started it (pid {parent_pid}) has ended", file=sys.stderr, flush=True)
+        return 3
     import torch.multiprocessing as mp
 
     from moetune.runtime.testing.launch import free_port
@@ -156,7 +191,7 @@ def serve(world: int, backend: str, timeout_s: float, stdin: Any = None, stdout:
     outq = ctx.Queue()
     inqs = [ctx.Queue() for _ in range(world)]
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, backend, timeout_s, {}, inqs[r], outq))
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, backend, timeout_s, {}, inqs[r], outq, os.getpid()))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -168,6 +203,8 @@ def serve(world: int, backend: str, timeout_s: float, stdin: Any = None, stdout:
             try:
                 rank, t, ok, payload = outq.get(timeout=0.5)
             except queue_mod.Empty:
+                if parent_gone(parent_pid):  # the tuner was killed: stop measuring for nobody
+                    raise _Died(f"the process that started it (pid {parent_pid}) has ended") from None
                 dead = [(r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive() and r not in got]
                 if dead:
                     try:  # its last message may still be in flight
@@ -225,6 +262,8 @@ def serve(world: int, backend: str, timeout_s: float, stdin: Any = None, stdout:
     except _Died as e:
         print(f"bench worker: {e}", file=sys.stderr, flush=True)
         status = 3
+    except BrokenPipeError:  # the reader of the protocol lines is gone (the tuner ended): nothing to report to
+        status = 3
     except KeyboardInterrupt:
         status = 130
     finally:
@@ -247,10 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds any collective may wait before failing")
+    ap.add_argument("--parent-pid", type=int, default=None,
+                    help="end (the ranks with it) once this process, the worker's parent, is gone")
     a = ap.parse_args(argv)
     if a.world < 1:
         ap.error("--world must be >= 1")
-    return serve(a.world, a.backend, a.timeout)
+    return serve(a.world, a.backend, a.timeout, parent_pid=a.parent_pid)
 
 
 if __name__ == "__main__":

@@ -523,6 +523,16 @@ def _close_workers(workers: dict[Any, BenchWorker]) -> None:
     workers.clear()
 
 
+def cuda_gpus() -> int:
+    """The CUDA GPUs torch can use in this process (0 without CUDA or torch)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # broad: a torch that fails to load or to ask the driver has no GPU to give a rank
+        return 0
+
+
 def _default_comm_backend(world: int) -> str:
     try:
         import torch
@@ -587,6 +597,7 @@ class LocalBackend(BenchmarkBackend):
         self.persistent = persistent
         self.worker_command = list(worker_command) if worker_command else [sys.executable, "-m",
                                                                            "moetune.tuner.measure.worker"]
+        self._own_worker = not worker_command  # the worker module, which takes --parent-pid
         self.collective_timeout_s = 60.0  # what `moetune bench ep --timeout` defaults to
         self._workers: dict[tuple[tuple[str, str], ...], BenchWorker] = {}
         self._lock = threading.Lock()  # one run at a time per worker set (studies may run trials in threads)
@@ -695,8 +706,11 @@ class LocalBackend(BenchmarkBackend):
         return case
 
     def worker_argv(self) -> list[str]:
+        # --parent-pid: the worker (and its ranks) end when this process does, however it ends (SIGKILL, a signal
+        # it does not handle): they kept measuring for a minute, re-parented to init, holding the GPUs
+        own = ["--parent-pid", str(os.getpid())] if self._own_worker else []
         return [*self.worker_command, "--world", str(self.world), "--backend", self.comm_backend,
-                "--timeout", f"{self.collective_timeout_s:g}"]
+                "--timeout", f"{self.collective_timeout_s:g}", *own]
 
     def environment(self, knobs: Knobs) -> dict[str, str]:
         env = dict(os.environ if self.env is None else self.env)
@@ -739,6 +753,10 @@ class LocalBackend(BenchmarkBackend):
                 w.start(self.timeout_s)
             t0, phase = time.monotonic(), ""
             res = w.request(self.case(knobs, workload), self.timeout_s)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM mid-run: the run is abandoned; close() would wait for it
+            w.kill()  # (EOF is read only after the case) up to 5 s before killing the worker's process group
+            self._workers.pop(key, None)
+            raise
         except _WorkerTimeout:
             w.kill()
             self._workers.pop(key, None)

@@ -129,15 +129,51 @@ def current_worker() -> str:
 WORKER = current_worker()
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 INTERRUPTED = "interrupted"  # user attr of a FAIL trial whose run was cut short: not a finished trial
-OPTUNA_DB_NAME = "moetune-studies.db"
+STUDIES_SUFFIX = "-studies.db"  # the default studies file of DIR/NAME.db is DIR/NAME-studies.db
+OPTUNA_DB_NAME = "moetune" + STUDIES_SUFFIX  # that of the default profile database, moetune.db
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, a batch scheduler ending the job) while tuning, raised by the CLI's handler: a
+    KeyboardInterrupt, so all that Ctrl-C does happens (the trial marked cut short, the bench workers ended, the
+    run recorded as interrupted)."""
 
 
 # ---------------------------------------------------------------------------------------------------
 # storage
 
 
+def studies_file_name(db_path: str | Path) -> str:
+    """The default studies file's name for the profile database `db_path`: `NAME-studies.db` for `NAME.db`
+    (`moetune-studies.db` for the default `moetune.db`, as before). One per database: two databases of one folder
+    shared `moetune-studies.db`, so a tune of the second resumed the first one's finished studies and ran no trial."""
+    return Path(db_path).stem + STUDIES_SUFFIX
+
+
+def _tuned_in(db: Path, studies: Path) -> bool:
+    """Whether the profile database `db` records a tuning run in the studies file `studies` (its tuning_runs
+    table; read-only, best effort: False for anything it cannot read)."""
+    import urllib.parse
+
+    if not db.is_file():
+        return False
+    try:
+        con = sqlite3.connect(f"file:{urllib.parse.quote(str(db))}?mode=ro", uri=True, timeout=1.0)
+    except sqlite3.Error:
+        return False
+    try:
+        return con.execute("SELECT 1 FROM tuning_runs WHERE storage = ? LIMIT 1",
+                           (f"sqlite:///{studies}",)).fetchone() is not None
+    except sqlite3.Error:  # not a profile database, an older schema, locked: no run recorded
+        return False
+    finally:
+        con.close()
+
+
 def default_storage_url(db_path: str | Path | None = None) -> str:
-    """SQLite file for Optuna's tables, next to the profile database (never inside it)."""
+    """SQLite file for Optuna's tables, beside the profile database (never inside it): `studies_file_name`.
+    A database tuned before the studies file was per database (its runs name `moetune-studies.db` beside it) keeps
+    that file while it has no studies file of its own: its studies still resume."""
     if db_path is None:
         try:
             from moetune.runtime.config import load_config
@@ -148,7 +184,11 @@ def default_storage_url(db_path: str | Path | None = None) -> str:
 
             home = os.environ.get("MOETUNE_HOME") or str(Path.home() / ".local" / "share" / "moetune")
             db_path = Path(home) / "moetune.db"
-    return f"sqlite:///{Path(db_path).expanduser().resolve().parent / OPTUNA_DB_NAME}"
+    path = Path(db_path).expanduser().resolve()
+    own, shared = path.parent / studies_file_name(path), path.parent / OPTUNA_DB_NAME
+    if own != shared and not own.exists() and shared.is_file() and _tuned_in(path, shared):
+        return f"sqlite:///{shared}"
+    return f"sqlite:///{own}"
 
 
 def is_sqlite(url: str) -> bool:
@@ -770,8 +810,9 @@ class _Objective:
     def __call__(self, trial: optuna.Trial) -> float:
         try:
             return self._run(trial)
-        except KeyboardInterrupt:  # Ctrl-C: Optuna fails the trial; mark it cut short, not a finished one
-            trial.set_user_attr(INTERRUPTED, "interrupted (Ctrl-C)")
+        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: Optuna fails the trial; mark it cut short, not finished
+            trial.set_user_attr(INTERRUPTED, "interrupted (SIGTERM)" if isinstance(e, Terminated)
+                                else "interrupted (Ctrl-C)")
             requeue_warm_start(trial.study, trial._trial_id)
             raise
 

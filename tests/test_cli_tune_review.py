@@ -1,0 +1,290 @@
+"""Review findings on `moetune tune` / `moetune profile`:
+
+- SIGTERM (`kill`, `timeout`) ended a local tune at once, exit 143 with no message, and left the bench worker and
+  its ranks measuring, re-parented to init; now it ends as Ctrl-C does, and the worker (and its ranks) end when the
+  tuning process is gone however it ended.
+- `--comm nccl` on a machine without CUDA GPUs started the ranks and failed ~11 s later in init; refused up front.
+- two profile databases of one folder shared one default studies file: a tune of the second resumed the first's
+  finished studies and ran no trial.
+- errors that named no option (`--seed -1`) or three (`profile --model foo`), and `profile --plan`'s help that
+  listed 6 of the 11 keys it takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.tuner.cli import app
+
+CAPTURES = Path(__file__).resolve().parent / "captures"
+runner = CliRunner()
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[int]:
+    """The pids of `pids` still running after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+def _kill(pids: list[int]) -> None:
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+# A stand-in for the bench worker (no torch): ready at once, one "rank" child in its process group, and a case
+# that measures for a minute without reading stdin again (as a real worker mid-case). It writes both pids.
+FAKE_WORKER = """
+import json, subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(json.dumps({"ready": True}), flush=True)
+sys.stdin.readline()
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(f"{__import__('os').getpid()} {rank.pid}")
+__import__('os').replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(120)
+"""
+
+TUNE = """
+import sys
+from moetune.tuner.search import backends
+fake, mark = sys.argv[1], sys.argv[2]
+backends.LocalBackend.worker_argv = lambda self: [sys.executable, fake, mark]
+sys.argv = ["moetune", "tune", "--backend", "local", "--comm", "gloo", "--world", "2", "-m", "custom:64,32,8,2",
+            "--tokens", "16", "--trials", "5", "--repeats", "1", "--from", sys.argv[3]]
+from moetune.tuner.cli import main
+main()
+"""
+
+
+def test_sigterm_ends_a_local_tune_as_ctrl_c_and_its_worker_with_it(tmp_path: Path) -> None:
+    fake, mark = tmp_path / "fake_worker.py", tmp_path / "measuring"
+    fake.write_text(FAKE_WORKER)
+    env = {**os.environ, "MOETUNE_HOME": str(tmp_path / "home"), "COLUMNS": "80"}
+    proc = subprocess.Popen([sys.executable, "-c", TUNE, str(fake), str(mark), str(CAPTURES / "cpu-laptop")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mark.exists(), proc.communicate(timeout=30)
+        pids = [int(x) for x in mark.read_text().split()]  # the worker and its "rank", mid-case
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 143, out + err
+        assert "terminated (SIGTERM): the study is saved; run the same command again to resume" in err, err
+        assert "Traceback" not in out + err
+        assert _gone_within(pids, 3.0) == [], "the bench worker or its rank outlived the tune"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _kill(pids)
+
+
+# A parent that starts a child which asks to die with it (die_with_parent, as each rank of the worker does), then
+# waits to be killed.
+DIES_WITH_PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import os, sys, time; "
+                          "from moetune.tuner.measure.worker import die_with_parent; "
+                          "die_with_parent(int(sys.argv[1])); print(os.getpid(), flush=True); time.sleep(120)",
+                          str(__import__('os').getpid())], stdout=subprocess.PIPE, text=True)
+print(child.stdout.readline().strip(), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_rank_dies_with_its_worker(tmp_path: Path) -> None:
+    """A worker killed outright (SIGKILL) left its ranks running; each rank now has PR_SET_PDEATHSIG."""
+    parent = subprocess.Popen([sys.executable, "-c", DIES_WITH_PARENT], stdout=subprocess.PIPE, text=True)
+    child: list[int] = []
+    try:
+        assert parent.stdout is not None
+        child = [int(parent.stdout.readline())]
+        assert _alive(child[0])
+        parent.kill()
+        parent.wait()
+        assert _gone_within(child, 3.0) == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        _kill(child)
+
+
+# A rank of `serve` (spawned: a function of an importable module): joins at once, then measures a case for a minute.
+FAKE_RANK = """
+import time
+
+def fake_rank(rank, world, port, backend, timeout_s, env, inq, outq, parent=None):
+    outq.put((rank, "ready", True, None))
+    inq.get()
+    time.sleep(60)
+"""
+
+
+def test_the_worker_ends_when_the_process_that_started_it_is_gone(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tune killed outright (SIGKILL, a signal it does not handle) left the worker measuring its case to the
+    end, for nobody: with --parent-pid it notices its parent is gone (re-parented) and ends, killing its ranks."""
+    import importlib
+    import io
+    import multiprocessing
+
+    from moetune.tuner.measure import worker
+
+    (tmp_path / "review_fake_rank.py").write_text(FAKE_RANK)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned ranks get this sys.path
+    monkeypatch.setattr(worker, "_rank_main", importlib.import_module("review_fake_rank").fake_rank)
+    real_ppid, parent = os.getppid, os.getppid()
+    gone = [False]
+    monkeypatch.setattr(worker.os, "getppid", lambda: 1 if gone[0] else real_ppid())
+
+    def cases():  # read once the ranks are up: one case, and meanwhile this process is re-parented (to init)
+        gone[0] = True
+        yield json.dumps({"model": "custom:64,32,8,2", "tokens": 16}) + "\n"
+
+    out = io.StringIO()
+    t0 = time.monotonic()
+    assert worker.serve(2, "gloo", 10.0, stdin=cases(), stdout=out, parent_pid=parent) == 3
+    assert time.monotonic() - t0 < 30
+    assert '"ready": true' in out.getvalue()
+    assert not [p for p in multiprocessing.active_children() if p.is_alive()]  # the ranks were killed
+    # a parent gone before the worker started: it ends at once
+    assert worker.serve(1, "gloo", 1.0, stdin=iter(()), stdout=out, parent_pid=parent + 1) == 3
+
+
+def test_local_tune_refuses_nccl_without_cuda_gpus_up_front(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.tuner.search import backends
+
+    monkeypatch.setattr(backends, "cuda_gpus", lambda: 0)
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    base = ["tune", "--backend", "local", "-m", "custom:64,32,8,2", "--tokens", "16", "--trials", "1",
+            "--db", str(tmp_path / "m.db")]
+    t0 = time.monotonic()
+    r = runner.invoke(app, [*base, "--comm", "nccl", "--from", str(CAPTURES / "cpu-laptop")])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "--comm nccl needs 2 CUDA GPUs on this machine (one per rank, --world 2), found 0" in text, text
+    assert "pass --comm gloo" in text and "Traceback" not in text
+    # the default nccl (discovery found GPUs) is named as the default
+    r = runner.invoke(app, [*base, "--from", str(CAPTURES / "h200x2")])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "--comm nccl (the default: --from/--capture" in text and "found 2 GPU(s)) needs 2 CUDA GPUs" in text, text
+    assert time.monotonic() - t0 < 20  # no rank was started
+    assert not (tmp_path / "m.db").exists()  # refused before the database was made
+
+
+def test_profile_refuses_nccl_without_cuda_gpus_up_front(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.tuner.bringup import flow
+    from moetune.tuner.search import backends
+
+    monkeypatch.setattr(backends, "cuda_gpus", lambda: 0)
+    monkeypatch.setattr(flow.Bringup, "run", lambda self: pytest.fail("the bring-up ran"))
+    r = runner.invoke(app, ["profile", "--quick", "--capture", str(CAPTURES / "h200x2"), "--db",
+                            str(tmp_path / "m.db")], env={"MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "describes a node with 2 GPUs, so the bring-up measures EP size 2 with NCCL" in text, text
+    assert "torch finds 0 CUDA GPU(s) here" in text
+
+
+TUNE_MODEL = ["tune", "-m", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", "nvlink-h200x2",
+              "--trials", "2", "--json"]
+
+
+def test_each_profile_database_has_its_own_default_studies_file(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.tuner.search.study import default_storage_url, list_studies
+
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    for name in ("p", "empty"):  # one folder, two databases: each runs its trials in its own studies file
+        r = runner.invoke(app, [*TUNE_MODEL, "--db", str(tmp_path / f"{name}.db")])
+        assert r.exit_code == 0, r.output
+        assert [row["complete"] for row in json.loads(r.stdout)] == [2]
+        studies = tmp_path / f"{name}-studies.db"
+        assert studies.is_file()
+        assert len(list_studies(f"sqlite:///{studies}")) == 1  # this database's study only
+    assert not (tmp_path / "moetune-studies.db").exists()
+    # the default database keeps its file, so studies of earlier versions resume
+    assert default_storage_url(tmp_path / "moetune.db") == f"sqlite:///{tmp_path / 'moetune-studies.db'}"
+    r = runner.invoke(app, ["tune", "show", "--db", str(tmp_path / "empty.db"), "--json"])
+    assert r.exit_code == 0 and len(json.loads(r.stdout)) == 1, r.output
+
+
+def test_a_database_tuned_in_the_shared_studies_file_keeps_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A database whose runs were recorded in moetune-studies.db beside it (before the file was per database)
+    resumes its studies there, while it has no file of its own."""
+    from moetune.tuner.search.study import default_storage_url, list_studies
+
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    shared = tmp_path / "moetune-studies.db"
+    r = runner.invoke(app, [*TUNE_MODEL, "--db", str(tmp_path / "old.db"), "--storage", f"sqlite:///{shared}"])
+    assert r.exit_code == 0, r.output
+    assert default_storage_url(tmp_path / "old.db") == f"sqlite:///{shared}"
+    before = list_studies(f"sqlite:///{shared}")[0]["trials"]
+    r = runner.invoke(app, [*TUNE_MODEL, "--db", str(tmp_path / "old.db"), "--trials", str(before + 2)])
+    assert r.exit_code == 0, r.output
+    after = [s["trials"] for s in list_studies(f"sqlite:///{shared}")]
+    assert len(after) == 1 and after[0] >= before + 2  # the same study, resumed and run further
+    assert not (tmp_path / "old-studies.db").exists()
+    assert default_storage_url(tmp_path / "new.db") == f"sqlite:///{tmp_path / 'new-studies.db'}"
+
+
+@pytest.mark.parametrize("seed", ["-1", "4294967296"])
+def test_tune_names_seed_out_of_range(tmp_path: Path, seed: str) -> None:
+    r = runner.invoke(app, [*TUNE_MODEL, "--seed", seed, "--db", str(tmp_path / "m.db")],
+                      env={"MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 2, r.output
+    assert f"--seed must be an integer from 0 to 4294967295 (2**32 - 1), got {seed}" in r.output, r.output
+    assert not (tmp_path / "m.db").exists()
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--model", "foo"], "error: --model: unknown model 'foo'; known: qwen3-30b, gpt-oss-120b, deepseek-v3"),
+    (["--trials", "0"], "error: --trials must be an integer >= 1, got 0"),
+    (["--tokens", "0,16"], "error: --tokens: token counts must be integers >= 1, got '0,16'"),
+])
+def test_profile_names_the_one_bad_option(tmp_path: Path, args: list[str], words: str) -> None:
+    r = runner.invoke(app, ["profile", *args, "--db", str(tmp_path / "m.db")], env={"MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 2, r.output
+    assert words in " ".join(r.output.split()), r.output
+    assert "/" not in r.output.split("error:")[1].split(":")[0]  # one option, not "--model/--tokens/--trials"
+
+
+def test_profile_plan_help_lists_every_key_the_plan_takes() -> None:
+    from moetune.tuner.bringup.flow import Plan
+    from moetune.tuner.cli.profile import profile
+
+    text = inspect.signature(profile).parameters["plan_file"].default.help
+    keys = text.split(":", 1)[1].split("(")[0].replace(" ", "").split(",")
+    assert sorted(keys) == sorted(f.name for f in dataclasses.fields(Plan)), text
