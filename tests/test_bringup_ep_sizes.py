@@ -180,3 +180,17 @@ def test_the_bring_up_searches_the_knobs_the_runtime_reads(tmp_path: Path, monke
     for override in seen:
         space = SearchSpace(load_policy("host_staged", override), experts=128, ep_size=2)
         assert len({k.chunk_tokens for k in space.enumerate()}) > 1
+
+
+def test_plan_backend_model_is_refused(tmp_path: Path) -> None:
+    """`backend = "model"` was accepted and never read: the bring-up measured anyway. It measures this node; the
+    key names only what it does (auto, local)."""
+    from moetune.tuner.bringup.flow import Plan
+
+    p = tmp_path / "plan.toml"
+    for ok in ("auto", "local"):
+        p.write_text(f'backend = "{ok}"\n')
+        assert Plan.from_file(p, Plan()).backend == ok
+    p.write_text('backend = "model"\n')
+    with pytest.raises(ValueError, match="a bring-up measures this node; a MODELLED tune is `moetune tune --backend"):
+        Plan.from_file(p, Plan())

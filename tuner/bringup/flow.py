@@ -35,7 +35,9 @@ class Plan:
 
     models: list[str] = field(default_factory=lambda: ["qwen3-30b"])
     tokens: list[int] = field(default_factory=lambda: [128, 1024, 4096])
-    backend: str = "auto"  # auto: local on GPUs, local gloo on CPU
+    # bring-up measures this node: "auto" and "local" (the same: nccl on GPUs, gloo on CPU) are what plan files have
+    # named; "model" is refused (a MODELLED tune is `moetune tune --backend model`, never a node's bring-up)
+    backend: str = "auto"
     trials: int = 16
     repeats: int = 3
     iters: int = 20  # timed iterations inside each repeat
@@ -125,8 +127,11 @@ class Plan:
         t = self.trial_timeout_s
         if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"{where}: trial_timeout_s must be a number of seconds > 0, got {t!r}")
-        if self.backend not in ("auto", "local", "model"):
-            raise ValueError(f"{where}: backend must be auto, local or model, got {self.backend!r}")
+        if self.backend == "model":
+            raise ValueError(f"{where}: backend = \"model\": a bring-up measures this node; a MODELLED tune is "
+                             "`moetune tune --backend model` (leave backend out, or give auto or local)")
+        if self.backend not in ("auto", "local"):
+            raise ValueError(f"{where}: backend must be auto or local (both measure this node), got {self.backend!r}")
 
 
 class BringupState:
