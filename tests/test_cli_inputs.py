@@ -219,6 +219,15 @@ def test_tune_option_values(args: list[str], words: str, tmp_path: Path) -> None
     _refused(_run(*MODEL_TUNE, "--db", str(tmp_path / "m.db"), *args, home=tmp_path), words)
 
 
+def test_tune_names_an_empty_capture_folder_once(tmp_path: Path) -> None:
+    """The capture's own error names the path: tune said '--from/--capture X: X: not a fabric capture ...'."""
+    empty = tmp_path / "cap"
+    empty.mkdir()
+    r = _run(*MODEL_TUNE, "--db", str(tmp_path / "m.db"), "--from", str(empty), home=tmp_path)
+    _refused(r, f"--from/--capture {empty}: not a fabric capture: the directory is empty")
+    assert r.output.count(str(empty)) == 1, r.output
+
+
 def _fake_local(monkeypatch: pytest.MonkeyPatch, fail_from: int) -> None:
     """The local backend replaced by one whose every run fails from `fail_from` tokens on (as nccl does on a node
     without GPUs), so the tune's outcome is known without launching ranks."""

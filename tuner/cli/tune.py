@@ -318,9 +318,13 @@ def tune(
         _fail(f"--ep-size must be >= 1, got {ep_size}")
     if comm is not None and comm not in COMM_BACKENDS:
         _fail(f"--comm must be {' or '.join(COMM_BACKENDS)}, got {comm!r}")
-    if capture is not None and not capture.is_dir():  # was ignored (or a traceback) when it did not exist
-        _fail(f"{CAPTURE_OPT} {capture}: {'not a directory' if capture.exists() else 'no such directory'} "
-              "(a fabric capture is a directory: `moetune fabric capture DIR`)")
+    if capture is not None:  # before anything runs (it was ignored, or a traceback, when it did not exist)
+        from moetune.tuner.fabric.discovery import DiscoveryError, read_capture_manifest
+
+        try:
+            read_capture_manifest(capture)
+        except DiscoveryError as e:  # names the path itself
+            _fail(f"{CAPTURE_OPT} {e}")  # "--from/--capture PATH: what is wrong"
     if policy is not None:
         from moetune.tuner.search.policy import PolicyError, load_policy, packaged_families
 
@@ -353,7 +357,10 @@ def tune(
         try:
             facts = discover(capture)
         except DiscoveryError as e:
-            _fail(f"{CAPTURE_OPT} {capture}: {e}" if capture is not None else str(e))
+            if capture is None:
+                _fail(str(e))
+            # a capture's error names its path (or a file in it): the option once, the path once
+            _fail(f"{CAPTURE_OPT} {e}" if str(e).startswith(str(capture)) else f"{CAPTURE_OPT} {capture}: {e}")
     if backend == "local":
         gpus = facts.gpu_count
         # the ranks launched on this node: --world, else the EP size asked (what is measured is what is stored)
