@@ -572,3 +572,13 @@ def test_own_node_model_beats_a_newer_preset(tmp_path: Path, monkeypatch: pytest
     _seed_db(db, {"_fp": "c" * 16, "facts": facts}, [preset])
     res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db, allow_modelled=True)
     assert res.source == "database" and res.profile_hash == own.profile_hash and res.provenance == "node_model", warned
+
+
+def test_an_empty_database_file_is_said_to_be_no_moetune_database(tmp_path: Path) -> None:
+    """The read-only fallback said only SQLite's "no such table: fingerprints" of an empty (or foreign) file."""
+    import sqlite3
+
+    db = tmp_path / "moetune.db"
+    db.touch()
+    with pytest.raises(sqlite3.OperationalError, match="not a moetune profile database .*`moetune db upgrade --db"):
+        client.db_read(db, "SELECT hash FROM fingerprints")

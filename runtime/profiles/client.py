@@ -45,6 +45,7 @@ import itertools
 import json
 import logging
 import os
+import shlex
 import socket
 import sqlite3
 import stat
@@ -261,7 +262,15 @@ def db_read(db_path: str | Path, sql: str, args: list[Any] | tuple[Any, ...] = (
     path = Path(db_path)
     if not path.is_file():
         raise FileNotFoundError(f"no database at {path}")
-    return sqlite_open.read(path.resolve(), lambda con: con.execute(sql, list(args)).fetchall(), timeout_s=timeout_s)
+    try:
+        return sqlite_open.read(path.resolve(), lambda con: con.execute(sql, list(args)).fetchall(),
+                                timeout_s=timeout_s)
+    except sqlite3.OperationalError as e:
+        if not str(e).startswith("no such table"):
+            raise
+        # an empty file or another program's database: SQLite's own words named a table, not what is wrong
+        raise sqlite3.OperationalError(f"not a moetune profile database ({e}): `moetune db upgrade --db "
+                                       f"{shlex.quote(str(path))}` makes one, `moetune profile` fills it") from None
 
 
 def query_db_profiles(
