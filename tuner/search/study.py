@@ -153,21 +153,15 @@ def studies_file_name(db_path: str | Path) -> str:
 def _tuned_in(db: Path, studies: Path) -> bool:
     """Whether the profile database `db` records a tuning run in the studies file `studies` (its tuning_runs
     table; read-only, best effort: False for anything it cannot read)."""
-    import urllib.parse
+    from moetune.runtime.profiles import sqlite_open
 
     if not db.is_file():
         return False
-    try:
-        con = sqlite3.connect(f"file:{urllib.parse.quote(str(db))}?mode=ro", uri=True, timeout=1.0)
-    except sqlite3.Error:
+    try:  # read as every read-only look at a store is (sqlite_open: no -wal/-shm left behind, a torn read retried)
+        return sqlite_open.read(db, lambda con: con.execute("SELECT 1 FROM tuning_runs WHERE storage = ? LIMIT 1", (
+            f"sqlite:///{studies}",)).fetchone() is not None, timeout_s=1.0)
+    except (sqlite3.Error, OSError):  # not a profile database, an older schema, locked: no run recorded
         return False
-    try:
-        return con.execute("SELECT 1 FROM tuning_runs WHERE storage = ? LIMIT 1",
-                           (f"sqlite:///{studies}",)).fetchone() is not None
-    except sqlite3.Error:  # not a profile database, an older schema, locked: no run recorded
-        return False
-    finally:
-        con.close()
 
 
 def default_storage_url(db_path: str | Path | None = None) -> str:
