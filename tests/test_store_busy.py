@@ -150,10 +150,15 @@ def test_fabric_and_profile_open_errors_keep_the_store_errors_status(tmp_path: P
 
     exc = {"busy": StoreBusy, "not_writable": StoreNotWritable, "bad": StoreError}[error]
 
-    def refuse(*_a: object, **_k: object) -> None:
-        raise exc("the database says no")
+    class Refuse:  # Store() and Store.open_existing() alike (the commands open it either way)
+        def __init__(self, *_a: object, **_k: object) -> None:
+            raise exc("the database says no")
 
-    monkeypatch.setattr(store_mod, "Store", refuse)
+        @classmethod
+        def open_existing(cls, *_a: object, **_k: object) -> None:
+            raise exc("the database says no")
+
+    monkeypatch.setattr(store_mod, "Store", Refuse)
     db = tmp_path / "m.db"
     for args in (["fabric", "show", "--record", "--from", CAPTURE], ["fabric", "diff", "--from", CAPTURE],
                  ["profile", "--quick", "--capture", CAPTURE]):

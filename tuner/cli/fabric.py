@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from moetune.tuner.cli._tables import Col, fit_table, print_table
-from moetune.tuner.cli.db import fail
+from moetune.tuner.cli.db import fail, open_store
 
 app = typer.Typer(help="Discover this node's fabric, capture it, fingerprint it, diff it.", no_args_is_help=True)
 
@@ -144,16 +144,9 @@ def show(
 ) -> None:
     """Discover the fabric (or read a capture) and show facts, fingerprint and transport families."""
     f = _discover(from_dir, timeout_s)
-    if record:
-        from moetune.tuner.store.store import StoreError
-
-        store = _open_store(readonly=False, db=db, config=config)
-        try:
+    if record:  # a store error is a message and its exit status (1: busy or not writable), not a traceback
+        with open_store(db, config, mode="create") as store:
             store.upsert_fingerprint(f.fingerprint, f.to_dict())
-        except StoreError as e:  # e.g. another process holds the database (exit 1), not a traceback
-            raise _fail(str(e), e.exit_code) from None
-        finally:
-            store.close()
     if as_json:
         typer.echo(json.dumps(_summary(f), indent=1))
     else:
@@ -184,33 +177,10 @@ def capture(
                    f"transports: {', '.join(f.transport_names)}")
 
 
-def _open_store(readonly: bool = True, db: Path | None = None, config: Path | None = None) -> Any:
-    try:
-        from moetune.runtime.config import resolve_db_path
-        from moetune.tuner.store.store import Store, StoreError
-    except ImportError as e:
-        raise _fail(f"the fingerprint store is not available in this installation ({e}); "
-                    "compare against a capture instead: --against DIR")
-    try:
-        path = resolve_db_path(db, config)
-        return Store(path, readonly=readonly) if readonly else Store(path)
-    except StoreError as e:  # its own status: 1 when another process holds it or this user may not write it
-        raise _fail(f"cannot open the store: {e}", e.exit_code) from None
-    except Exception as e:  # the store reports its own configuration / database problems
-        raise _fail(f"cannot open the store: {e}")
-
-
 def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | None = None) -> tuple[str, dict[str, Any]]:
-    from moetune.tuner.store.store import StoreError
-
-    store = _open_store(readonly=True, db=db, config=config)
-    try:
+    with open_store(db, config, mode="read") as store:  # an existing database at head, never created or migrated
         row = store.get_fingerprint(fp_hash) if fp_hash is not None else None
         allrows = list(store.list_fingerprints()) if row is None else []  # read in the same open only when needed
-    except StoreError as e:
-        raise _fail(str(e), e.exit_code) from None
-    finally:
-        store.close()
     rows: list[Any] = [row] if row is not None else []
     if not rows:
         # the default is the latest fingerprint with facts: a model tune records its preset's key (no facts) too,
