@@ -30,7 +30,7 @@ from torch import nn
 
 from moetune.runtime import _args
 from moetune.runtime.buffer.facade import TORCH_DTYPES, EPBuffer, RecvMeta
-from moetune.runtime.knobs import ENGINES, Knobs
+from moetune.runtime.knobs import ENGINES, MK_KNOBS, Knobs
 from moetune.runtime.megakernel import engine as _engine
 from moetune.runtime.megakernel.config import MegakernelConfig
 from moetune.runtime.options import RuntimeOptions
@@ -567,10 +567,12 @@ def _check_buffer(buffer: EPBuffer, model: ModelShape, group: Any, knobs: Knobs 
         bad.append(f"max_tokens {max_tokens} vs the buffer's {buffer.max_tokens}")
     if group is not None and group is not buffer.group:
         bad.append("group is not the buffer's group")
-    if knobs is not None and knobs != buffer.knobs:  # the buffer runs its own knobs; others would be ignored
+    if knobs is not None:  # the buffer runs its own exchange knobs: others given here would be ignored
+        # (engine and mk_* are the layer's own, read from `knobs` by the megakernel, never by the buffer)
         diff = [f"{n}={getattr(knobs, n)!r} vs the buffer's {getattr(buffer.knobs, n)!r}"
-                for n in Knobs.__struct_fields__ if getattr(knobs, n) != getattr(buffer.knobs, n)]
-        bad.append(f"knobs {', '.join(diff)}")
+                for n in Knobs.__struct_fields__ if n not in MK_KNOBS and getattr(knobs, n) != getattr(buffer.knobs, n)]
+        if diff:
+            bad.append(f"knobs {', '.join(diff)}")
     if dtype is not None and dtype != buffer.dtype:
         bad.append(f"dtype {dtype} vs the buffer's {buffer.dtype}")
     if device is not None:

@@ -84,3 +84,34 @@ def test_nothing_to_retune_says_what_was_asked(all_: bool, said: str) -> None:
     d = SimpleNamespace(index=SimpleNamespace(fingerprint="f" * 16, records=[], stale=[]))
     ok, res = handlers.retune(d, wire.Retune(v=wire.PROTOCOL_VERSION, id=1, all=all_, reason="t"))  # type: ignore[arg-type]
     assert ok and res.job is None and said in res.message, res
+
+
+def test_a_resumption_the_store_did_not_record_leaves_the_old_job_open(tmp_path: Path) -> None:
+    """The resumption's job_queued refused (a locked database at start): the old job was closed as resuming anyway,
+    and a stop before the new job ran lost it."""
+    store = F.open_store(tmp_path / "m.db")
+    _queued(store, 1)
+    resume, next_id = J.recover_jobs(store)
+    add = store.add_event
+
+    def refuse_queued(*, kind: str, **kw: Any) -> None:
+        if kind == "job_queued":
+            raise RuntimeError("database is locked")
+        add(kind=kind, **kw)
+
+    store.add_event = refuse_queued  # type: ignore[method-assign]
+    jm = _manager(store)
+    jm._ids = iter(range(next_id, 100))  # type: ignore[assignment]
+    Daemon._resume(SimpleNamespace(store=store, jobs=jm), resume)  # type: ignore[arg-type]
+    store.add_event = add  # type: ignore[method-assign]
+    assert [r.job_id for r in J.recover_jobs(store)[0]] == [1]  # still open: the next start resumes it
+
+
+def test_a_job_whose_keys_cannot_be_read_is_closed_as_nothing_to_resume(tmp_path: Path) -> None:
+    store = F.open_store(tmp_path / "m.db")
+    store.add_event(kind="job_queued", reason="old", details={"job_id": 1, "keys": [{"no": "such key"}]})
+    resume, _ = J.recover_jobs(store)
+    Daemon._resume(SimpleNamespace(store=store, jobs=_manager(store)), resume)  # type: ignore[arg-type]
+    closed = store.list_events(10, kinds=("job_finished",))
+    assert len(closed) == 1 and "nothing to resume (its keys cannot be read)" in closed[0]["reason"]
+    assert J.recover_jobs(store)[0] == []

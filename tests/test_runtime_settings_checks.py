@@ -119,6 +119,8 @@ def test_layer_on_a_buffer_refuses_other_knobs() -> None:
     MoELayer(TINY, None, Knobs(), max_tokens=16, buffer=buf, engine="unfused")  # the same knobs: fine
     with pytest.raises(ValueError, match=r"buffer disagrees.*knobs channels=2 vs the buffer's 1"):
         MoELayer(TINY, None, Knobs(channels=2), max_tokens=16, buffer=buf, engine="unfused")
+    # the megakernel's knobs are the layer's own (the buffer never reads them): a shared buffer takes them
+    MoELayer(TINY, None, Knobs(engine="megakernel", mk_bm=64), max_tokens=16, buffer=buf)
 
 
 # -- 3 and 5: the megakernel's scratch config with per token bucket profiles -------------------------------------

@@ -315,6 +315,9 @@ def test_an_open_says_what_it_migrated(tmp_path) -> None:
         s.downgrade("0004")
     with Store(path) as s:
         assert s.upgraded == Upgraded("0004", head_revision())
+        s.downgrade("base")  # moetune's tables dropped, its version table kept: a migration from base, not a creation
+    with Store(path) as s:
+        assert s.upgraded == Upgraded("base", head_revision())
     with Store(path) as s, Store(path, readonly=True) as r:
         assert s.upgraded is None and r.upgraded is None
 

@@ -435,7 +435,8 @@ def _reply_mismatch(r: wire.ProfileResult, *, model: ModelShape | None, ep_size:
 
     Only what the daemon's lookup can legitimately return passes: the asked key, a current profile, a token
     bucket within one rung of the asked tokens (`nearest_bucket_within`, as the daemon picks), and an engine
-    family only when one was asked for. `model` None: no shape was asked (the daemon's default)."""
+    family only when one was asked for. `model` None: the shape is not compared (a tracked query whose model name
+    this client cannot parse; the daemon answered it, so it knows the name)."""
     k = r.key
     if r.status != "current":
         return f"profile status is {r.status!r}, not 'current'"

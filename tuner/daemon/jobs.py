@@ -78,6 +78,7 @@ class Job:
         self.cancel = threading.Event()
         self.fingerprint: str | None = None
         self.software: str | None = None  # the node's software hash when the job started (what it writes)
+        self.queued_recorded = False  # the job_queued event is in the store (a resumption closes its old job then)
         self.started_recorded = False  # the job_started event is in the store
         self.impossible = False  # failed because no profile true for this node could be produced
         self.cancelled_by = ""  # "user" (the retune op), "fabric" (the watch: its fabric changed), "shutdown"
@@ -431,11 +432,14 @@ class JobManager:
     def start(self) -> None:
         self._thread.start()
 
-    def _event(self, kind: str, job: Job, reason: str) -> None:
+    def _event(self, kind: str, job: Job, reason: str) -> bool:
+        """Record one of the job's events; False (logged) where the store refused it."""
         try:
             self.store.add_event(kind=kind, reason=reason, details=job.details())
+            return True
         except Exception as e:  # the store is the daemon's; a failed event must not kill the worker
             log.error("cannot record %s for job %s: %s", kind, job.id, e)
+            return False
 
     def submit(self, *, reason: str, old_fingerprint: str | None, keys: list[ProfileKey], all_current: bool = False,
                persist_async: bool = False, skip_queued: bool = False, resumes: int | None = None) -> Job | None:
@@ -470,7 +474,7 @@ class JobManager:
         return job
 
     def _persist_and_enqueue(self, job: Job) -> None:
-        self._event("job_queued", job, job.reason)
+        job.queued_recorded = self._event("job_queued", job, job.reason)
         self._q.put(job)  # never blocks: unbounded, and _queued (which bounds it) was reserved above
 
     def cancel(self, job_id: int) -> Job | None:
@@ -731,7 +735,7 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[Resumable], int
         last[jid] = (kind, d)
         if kind == "job_started":
             started_at[jid] = str(e["created"])
-        if kind == "job_queued" and isinstance(d.get("resumes"), int):
+        if isinstance(d.get("resumes"), int):  # any of its events: its job_queued may be the one not written
             resumed_as[d["resumes"]] = jid
     resume: list[Resumable] = []
     for jid, (kind, d) in sorted(last.items()):

@@ -1141,13 +1141,23 @@ class Daemon(FabricWatch):
         for r in resume:
             d = r.details
             keys = keys_from_details(d)
-            if keys:
-                try:
-                    self.jobs.submit(reason=f"resumed job {r.job_id} after a restart", old_fingerprint=d.get("old_fingerprint"),
-                                     keys=keys, all_current=bool(d.get("all_current")), resumes=r.job_id)
-                except queue.Full:  # only while stopping: left open in the store, the next start resumes it
-                    log.error("daemon stopping: job %s not resumed", r.job_id)
-                    continue
+            if not keys:  # keys an older moetune wrote that this one cannot read: nothing is queued
+                self.store.add_event(kind="job_finished", details=r.finish_details,
+                                     reason=r.finish_reason.replace("; resuming", "; nothing to resume (its keys "
+                                                                    "cannot be read)"))
+                continue
+            try:
+                job = self.jobs.submit(reason=f"resumed job {r.job_id} after a restart",
+                                       old_fingerprint=d.get("old_fingerprint"), keys=keys,
+                                       all_current=bool(d.get("all_current")), resumes=r.job_id)
+            except queue.Full:  # only while stopping: left open in the store, the next start resumes it
+                log.error("daemon stopping: job %s not resumed", r.job_id)
+                continue
+            if job is None or not job.queued_recorded:
+                # the store refused the resumption's job_queued: the old job stays open (a restart before the new one
+                # records any event resumes it; once one is recorded, it names the old job, which is closed then)
+                log.error("job %s: its resumption's event was not recorded; left open in the store", r.job_id)
+                continue
             self.store.add_event(kind="job_finished", reason=r.finish_reason, details=r.finish_details)
 
     def _job_done(self, job: Job, written: list[ProfileRecord]) -> None:

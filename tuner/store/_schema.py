@@ -89,7 +89,8 @@ def known_revisions() -> frozenset[str]:
 
 @dataclass(frozen=True)
 class Upgraded:
-    """A migration a store's open made: from `from_revision` (None: the database had no moetune tables) to head."""
+    """A migration a store's open made: from `from_revision` (None: a database moetune never migrated; "base": one
+    migrated down to base) to head."""
 
     from_revision: str | None
     to_revision: str
@@ -145,7 +146,8 @@ class SchemaVersionManager:
 
     def migrate(self, direction: Literal["upgrade", "downgrade"], revision: str) -> str | None:
         """One transaction; concurrent openers wait on the write lock, then find it done. Returns the revision the
-        database was at under the write lock, before this migration (None: none recorded)."""
+        database was at under the write lock, before this migration: None for a database moetune never migrated,
+        "base" for one migrated down to base."""
         from alembic import command
         from alembic.runtime.migration import MigrationContext
 
@@ -165,6 +167,9 @@ class SchemaVersionManager:
                     # read under the lock: another opener may have migrated it since current_revision()
                     before = MigrationContext.configure(
                         conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
+                    if before is None and conn.exec_driver_sql(
+                            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (VERSION_TABLE,)).first():
+                        before = "base"  # moetune's tables were there once: `db downgrade base`, not a new file
                     getattr(command, direction)(alembic_config(conn), revision)
                     bad = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
                     if bad:
