@@ -75,7 +75,7 @@ def test_unwritable_model_out_is_refused_before_the_fit(monkeypatch: pytest.Monk
     def ran(*a, **k):
         raise AssertionError("the fit ran although --out could not be written")
 
-    monkeypatch.setattr(calibration, "read_rows", ran)
+    monkeypatch.setattr(calibration, "read_located", ran)  # what calibrate_cmd reads the data with
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n")
     _refused(_run("model", "calibrate", "-p", "nvlink-h200x2", "-d", str(data), "--out", str(UNWRITABLE)),

@@ -168,3 +168,11 @@ def test_db_downgrade_above_the_database_and_unknown_revisions(tmp_path: Path) -
     _refused(r, out, "revision 'nope' is not a schema revision", "0001, 0002, 0003, 0004, 0005", "or base")
     r, out = _run("db", "current", "--db", str(db))
     assert "revision 0004" in out, out  # neither touched it
+
+
+def test_fabric_capture_prints_a_bracketed_path_whole(tmp_path: Path) -> None:
+    """'captured N files to PATH' read PATH as Rich markup: cap[bogus] was printed as cap."""
+    dest = tmp_path / "cap[bogus]"
+    r, out = _run("fabric", "capture", str(dest), "--timeout", "0.5", home=tmp_path, columns=400)
+    assert r.exit_code == 0, out
+    assert f"to {dest} " in out, out

@@ -178,7 +178,8 @@ def test_the_worker_ends_when_the_process_that_started_it_is_gone(tmp_path: Path
     assert time.monotonic() - t0 < 30
     assert '"ready": true' in out.getvalue()
     assert not [p for p in multiprocessing.active_children() if p.is_alive()]  # the ranks were killed
-    # a parent gone before the worker started: it ends at once
+    # a parent gone before the worker started: it ends at once (getppid real again: the pid given is not the parent)
+    gone[0] = False
     assert worker.serve(1, "gloo", 1.0, stdin=iter(()), stdout=out, parent_pid=parent + 1) == 3
 
 
@@ -258,6 +259,32 @@ def test_a_database_tuned_in_the_shared_studies_file_keeps_it(tmp_path: Path, mo
     assert len(after) == 1 and after[0] >= before + 2  # the same study, resumed and run further
     assert not (tmp_path / "old-studies.db").exists()
     assert default_storage_url(tmp_path / "new.db") == f"sqlite:///{tmp_path / 'new-studies.db'}"
+    # the data folder moved (a new MOETUNE_HOME, a restored backup): the runs name the old path, still resumed
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for f in tmp_path.glob("*"):  # with their -wal/-shm, as a move of the folder takes them
+        if f.name.startswith(("old.db", "moetune-studies.db")):
+            f.rename(moved / f.name)
+    assert default_storage_url(moved / "old.db") == f"sqlite:///{moved / 'moetune-studies.db'}"
+
+
+def test_default_studies_file_names_are_one_per_database(tmp_path: Path) -> None:
+    """x.db, x.sqlite and x of one folder shared x-studies.db (the name came from the stem)."""
+    from moetune.tuner.search.study import studies_file_name
+
+    names = [studies_file_name(tmp_path / n) for n in ("moetune.db", "x.db", "x.sqlite", "x")]
+    assert names == ["moetune-studies.db", "x-studies.db", "x.sqlite.studies.db", "x.studies.db"]
+
+
+def test_the_default_studies_file_is_never_a_profile_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A profile database named x-studies.db beside x.db got Optuna's tables added to it by `tune --db x.db`."""
+    from moetune.tuner.store.store import Store
+
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    Store(tmp_path / "x-studies.db").close()
+    r = runner.invoke(app, [*TUNE_MODEL, "--db", str(tmp_path / "x.db")])
+    assert r.exit_code == 2 and "is a moetune profile database, not a studies file" in r.output, r.output
+    assert not (tmp_path / "x.db").exists()  # refused before the profile database is made
 
 
 @pytest.mark.parametrize("seed", ["-1", "4294967296"])

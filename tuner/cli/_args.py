@@ -1,4 +1,4 @@
-"""Parsing of the CLI's list options, with errors that name the option."""
+"""Parsing of the CLI's list options and seeds, with errors that name the option."""
 
 from __future__ import annotations
 
@@ -23,3 +23,12 @@ def nearest_existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
+
+
+SEED_MAX = 2**32 - 1  # the sampler's seed (numpy's RandomState) is 0 .. 2**32 - 1: one range across the CLI
+
+
+def seed_problem(seed: int) -> str:
+    """Why `seed` is no --seed ('' when it is one): Optuna's sampler said "Seed must be between 0 and 2**32 - 1",
+    naming no option."""
+    return "" if 0 <= seed <= SEED_MAX else f"--seed must be an integer from 0 to {SEED_MAX} (2**32 - 1), got {seed}"

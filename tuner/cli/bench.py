@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import int_list, nearest_existing
+from moetune.tuner.cli._args import SEED_MAX, int_list, nearest_existing, seed_problem
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
@@ -21,12 +21,9 @@ app = typer.Typer(help="Benchmarks on this node: EP dispatch/combine, the MoE la
 _err = Console(stderr=True, soft_wrap=True)
 
 
-SEED_MAX = 2**32 - 1  # as `moetune tune --seed`: one range of seeds across the CLI
-
-
 def _check_seed(seed: int) -> None:
-    if not 0 <= seed <= SEED_MAX:
-        _fail(f"--seed must be an integer from 0 to {SEED_MAX} (2**32 - 1), got {seed}")
+    if seed_problem(seed):
+        _fail(seed_problem(seed))
 
 
 # options the layer benchmarks share

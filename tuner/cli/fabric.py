@@ -173,7 +173,7 @@ def capture(
         typer.echo(json.dumps({"path": str(path), "files": n_files, "fingerprint": f.fingerprint,
                                "transports": f.transport_names}))
     else:
-        _out().print(f"captured {n_files} files to {path}  fingerprint {f.fingerprint}  "
+        _out().print(f"captured {n_files} files to {escape(str(path))}  fingerprint {f.fingerprint}  "
                    f"transports: {', '.join(f.transport_names)}")
 
 

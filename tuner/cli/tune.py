@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import int_list
+from moetune.tuner.cli._args import int_list, seed_problem
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
@@ -39,7 +39,6 @@ COMM_BACKENDS = ("nccl", "gloo")  # what the local backend launches its ranks wi
 
 _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
 
-SEED_MAX = 2**32 - 1  # the sampler's seed (numpy's RandomState) is 0 .. 2**32 - 1
 
 
 @contextlib.contextmanager
@@ -196,11 +195,18 @@ def _check_storage(url: str, given: bool, *, create: bool = True) -> None:
     before the profile database is created (a refused storage leaves no new --db file behind)."""
     import warnings
 
-    from moetune.tuner.search.study import StorageRefused, make_storage, refuse_storage
+    from moetune.tuner.search.study import (
+        StorageRefused,
+        make_storage,
+        refuse_default_storage,
+        refuse_storage,
+    )
 
     try:
         with warnings.catch_warnings():  # Optuna's experimental-feature notes are for the real run, not this check
             warnings.simplefilter("ignore")
+            if not given:
+                refuse_default_storage(url)
             if create:
                 make_storage(url, own=not given)  # the default studies file is moetune's own (WAL)
             else:
@@ -306,8 +312,8 @@ def tune(
         timeout, budget_from = float(cfg_timeout), "[tune] timeout_s"
     if not (math.isfinite(trial_timeout) and trial_timeout > 0):
         _fail(f"--trial-timeout must be a number of seconds > 0, got {trial_timeout}")
-    if not 0 <= seed <= SEED_MAX:  # Optuna's sampler said "Seed must be between 0 and 2**32 - 1", naming no option
-        _fail(f"--seed must be an integer from 0 to {SEED_MAX} (2**32 - 1), got {seed}")
+    if seed_problem(seed):
+        _fail(seed_problem(seed))
     if repeats < 1:
         _fail(f"--repeats must be >= 1, got {repeats}")
     if world is not None and world < 1:

@@ -146,20 +146,26 @@ class Terminated(KeyboardInterrupt):
 def studies_file_name(db_path: str | Path) -> str:
     """The default studies file's name for the profile database `db_path`: `NAME-studies.db` for `NAME.db`
     (`moetune-studies.db` for the default `moetune.db`, as before). One per database: two databases of one folder
-    shared `moetune-studies.db`, so a tune of the second resumed the first one's finished studies and ran no trial."""
-    return Path(db_path).stem + STUDIES_SUFFIX
+    shared `moetune-studies.db`, so a tune of the second resumed the first one's finished studies and ran no trial.
+    Another name keeps its whole name (`x.sqlite` → `x.sqlite.studies.db`, `x` → `x.studies.db`): `x.db`, `x.sqlite`
+    and `x` of one folder must not share one either."""
+    p = Path(db_path)
+    return p.stem + STUDIES_SUFFIX if p.suffix == ".db" else p.name + ".studies.db"
 
 
 def _tuned_in(db: Path, studies: Path) -> bool:
-    """Whether the profile database `db` records a tuning run in the studies file `studies` (its tuning_runs
-    table; read-only, best effort: False for anything it cannot read)."""
+    """Whether the profile database `db` records a tuning run in a studies file named as `studies` (its tuning_runs
+    table; by name, not by the whole path: a data folder moved or restored elsewhere still resumes; read-only, best
+    effort: False for anything it cannot read)."""
     from moetune.runtime.profiles import sqlite_open
 
     if not db.is_file():
         return False
-    try:  # read as every read-only look at a store is (sqlite_open: no -wal/-shm left behind, a torn read retried)
-        return sqlite_open.read(db, lambda con: con.execute("SELECT 1 FROM tuning_runs WHERE storage = ? LIMIT 1", (
-            f"sqlite:///{studies}",)).fetchone() is not None, timeout_s=1.0)
+    pattern = "%/" + studies.name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    try:  # read as the store's read-only looks are (sqlite_open: a torn immutable read retried)
+        return sqlite_open.read(db, lambda con: con.execute(
+            "SELECT 1 FROM tuning_runs WHERE storage LIKE ? ESCAPE '\\' LIMIT 1", (pattern,)).fetchone() is not None,
+            timeout_s=1.0)
     except (sqlite3.Error, OSError):  # not a profile database, an older schema, locked: no run recorded
         return False
 
@@ -280,6 +286,24 @@ def _check_sqlite_studies_path(path: Path) -> set[str]:
     make_parent(path, StorageRefused)  # no folder made but moetune's own data folder (the store's rule)
     _need_writable(path)
     return set()
+
+
+def refuse_default_storage(url: str) -> None:
+    """StorageRefused where the default studies file beside a profile database is itself a moetune profile database
+    (a database named `x-studies.db` beside `x.db`): the default is never inside a profile database (an explicit
+    --storage may share one on purpose)."""
+    from moetune.tuner.store._schema import VERSION_TABLE
+
+    path = sqlite_path(url) if is_sqlite(url) else None
+    if path is None or not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        tables = existing_tables(path, timeout_s=30)
+    except sqlite3.Error:
+        return  # not readable as SQLite: make_storage says what is wrong
+    if VERSION_TABLE in tables:
+        raise StorageRefused(f"{path} is a moetune profile database, not a studies file: the default studies file is "
+                             "never inside one; pass --storage (a new file, or this one to share it on purpose)")
 
 
 def _need_writable(path: Path) -> None:
