@@ -269,6 +269,25 @@ def test_tune_partly_successful_exits_0_and_names_what_failed(tmp_path: Path, mo
     assert "S=1024: no successful trial" in r.stderr and "S=128" not in r.stderr
 
 
+def test_a_local_tune_on_the_live_node_records_its_facts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A profile measured here was never served by the read-only fallback: the tune left only a placeholder
+    fingerprint (no facts), so `query` said this node's identity was unknown. A capture's facts are not recorded
+    (it describes another node)."""
+    from moetune.tuner.store.store import Store
+
+    _fake_local(monkeypatch, fail_from=1 << 30)
+    args = ["tune", "-m", "qwen3-30b", "--backend", "local", "--world", "2", "--comm", "gloo", "--trials", "2",
+            "--tokens", "128", "--json"]
+    r = CliRunner().invoke(app, [*args, "--db", str(tmp_path / "live.db")], env={"MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 0, r.output
+    with Store(tmp_path / "live.db", readonly=True) as st:
+        assert [bool(row["facts"]) for row in st.list_fingerprints()] == [True]
+    r = _local_tune(tmp_path / "cap", "128", "--json")
+    assert r.exit_code == 0, r.output
+    with Store(tmp_path / "cap" / "m.db", readonly=True) as st:
+        assert [bool(row["facts"]) for row in st.list_fingerprints()] == [False]
+
+
 # -- 6. bench moe / knobs: exit 1 when every case was skipped ----------------------------------------------------
 SMALL = ["--model", "custom:128,64,8,2", "--tokens", "4", "--iters", "2", "--warmup", "0"]
 

@@ -398,6 +398,11 @@ def tune(
         ran[0] += 1
 
     try:
+        if backend == "local" and capture is None and facts is not None:
+            # this node, discovered live and measured on: its facts recorded (as `profile` and the daemon do), so the
+            # runtime's read-only fallback knows the node and serves the profiles measured here (a placeholder
+            # fingerprint without facts identifies no node: `query` fell back to the defaults)
+            store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
         with sigterm_interrupts():
             results = tune_profiles_detailed(
                 store, facts, models=shapes, tokens=toks, backend=backend, preset=preset, trials=trials,
