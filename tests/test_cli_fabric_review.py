@@ -176,3 +176,10 @@ def test_fabric_capture_prints_a_bracketed_path_whole(tmp_path: Path) -> None:
     r, out = _run("fabric", "capture", str(dest), "--timeout", "0.5", home=tmp_path, columns=400)
     assert r.exit_code == 0, out
     assert f"to {dest} " in out, out
+
+
+def test_fabric_diff_without_a_database_says_to_record_one(tmp_path: Path) -> None:
+    """It said 'run `moetune db upgrade`', after which it said to record a fingerprint: one step, named at once."""
+    r, out = _run("fabric", "diff", home=tmp_path, columns=400)
+    _refused(r, out, f"no database at {tmp_path / 'moetune.db'}", "`moetune fabric show --record`", "--against DIR")
+    assert not (tmp_path / "moetune.db").exists()

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from moetune.tuner.cli._tables import Col, fit_table, print_table
-from moetune.tuner.cli.db import fail, open_store
+from moetune.tuner.cli.db import db_flag, db_path, fail, open_store
 
 app = typer.Typer(help="Discover this node's fabric, capture it, fingerprint it, diff it.", no_args_is_help=True)
 
@@ -178,6 +178,10 @@ def capture(
 
 
 def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | None = None) -> tuple[str, dict[str, Any]]:
+    path = db_path(db, config)
+    if not path.exists():  # the store's "run `moetune db upgrade`" leads to "no fingerprint yet": say the way at once
+        raise _fail(f"no database at {path}: nothing recorded to compare with; record this node's fabric with "
+                    f"`moetune fabric show --record{db_flag(path)}` or pass --against DIR")
     with open_store(db, config, mode="read") as store:  # an existing database at head, never created or migrated
         row = store.get_fingerprint(fp_hash) if fp_hash is not None else None
         allrows = list(store.list_fingerprints()) if row is None else []  # read in the same open only when needed
