@@ -160,6 +160,7 @@ def test_fabric_and_profile_open_errors_keep_the_store_errors_status(tmp_path: P
 
     monkeypatch.setattr(store_mod, "Store", Refuse)
     db = tmp_path / "m.db"
+    db.touch()  # there: fabric diff says of a missing database itself that there is nothing to compare with
     for args in (["fabric", "show", "--record", "--from", CAPTURE], ["fabric", "diff", "--from", CAPTURE],
                  ["profile", "--quick", "--capture", CAPTURE]):
         r = CliRunner().invoke(app, [*args, "--db", str(db)], env={"MOETUNE_CONFIG": "", "MOETUNE_HOME": str(tmp_path)})
