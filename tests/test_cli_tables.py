@@ -137,3 +137,15 @@ def test_collapsed_padding_leaves_headers_whole_where_the_table_fits() -> None:
     out = _render(80, cols, rows, title="t", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     _lines_fit(out, 80)
     assert "default µs" in out and "8,882.8" in out and "…" not in out, out
+
+
+def test_tune_table_fits_80_columns_with_long_names(tmp_path: Path) -> None:
+    """A long family and model (proxy:libfabric/cxi, custom:7168,2048,256,8) made the table 98 wide and its notes one
+    135-wide line: the spread, the trial counts and the ratio give way (named), the notes wrap."""
+    r = CliRunner().invoke(app, ["tune", "--backend", "model", "--preset", "slingshot11-libfabric-a100x4", "--model",
+                                 "custom:7168,2048,256,8", "--tokens", "128", "--nodes", "2", "--trials", "2",
+                                 "--db", str(tmp_path / "m.db")],
+                           env={"COLUMNS": "80", "MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 0, r.output
+    _lines_fit(r.stdout, 80)
+    assert "custom:7168,2048,256,8" in r.stdout and "not shown at 80 columns" in r.stdout, r.stdout

@@ -202,7 +202,7 @@ def profile(
     # printed "qwen3-30 / b", "megakern / el" at 80 columns); the knobs, the widest, give way first: the report
     # file whose path follows lists them
     cols = (Col("model", "word"), Col("EP", "num"), Col("S", "num"), Col("family", "word"),
-            Col("default µs", "num"), Col("tuned µs", "num"), Col("speedup", "num"),
+            Col("default µs", "num"), Col("tuned µs", "num"), Col("speedup", "num", drop=2),
             Col("stored", "word"), Col("changed knobs", "word", drop=1))
     print_table(console, cols, cells, title="tuned profiles (measured side by side with the policy default)",
                 left_out_hint="the report lists them")

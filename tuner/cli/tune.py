@@ -465,8 +465,11 @@ def tune(
 
     # through the layout helper: no cell cut with '…' at 80 columns (a long model or family name made the table
     # wider than a pipe's console, and no_wrap columns were cut)
-    cols = (Col("family", "word"), Col("model", "word"), Col("S", "num"), Col("trials", "num"),
-            Col("default µs", "num"), Col("best µs", "num"), Col("±", "num"), Col("×", "num"), Col("stored", "word"))
+    # where names are long (custom:7168,2048,256,8, proxy:libfabric/cxi) the spread, the trial counts, then the
+    # ratio (default / best: both shown) give way
+    cols = (Col("family", "word"), Col("model", "word"), Col("S", "num"), Col("trials", "num", drop=2),
+            Col("default µs", "num"), Col("best µs", "num"), Col("±", "num", drop=3), Col("×", "num", drop=1),
+            Col("stored", "word"))
     cells = []
     notes = []
     for row in rows:
@@ -485,11 +488,11 @@ def tune(
     c = Console()
     print_table(c, cols, cells, title="tuned profiles" + (" (MODELLED: predicted, not measured)" if backend == "model"
                                                           else ""), box=box.SIMPLE_HEAD, pad_edge=False,
-                collapse_padding=True)
+                collapse_padding=True, left_out_hint="--json has them")
     c.print("trials = complete/failed/pruned; × = default / best; stored: new current profile, the old one kept, "
             "or none (nothing stored, and no earlier profile for the key)")
     for n in notes:
-        c.print(n, soft_wrap=True)
+        c.print(n, markup=False)  # wrapped between words at the console's width (soft_wrap printed one long line)
     _budget_ended(results, trials, timeout, budget_from)
     _no_success(no_trial, len(results), url)
     _nothing_stored(results)
