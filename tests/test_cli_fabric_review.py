@@ -4,12 +4,17 @@ Numbered as in the review."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from moetune.tuner.cli import app
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child_env import child_env  # beside this file
 
 CAPTURES = Path(__file__).parent / "captures"
 
@@ -183,3 +188,17 @@ def test_fabric_diff_without_a_database_says_to_record_one(tmp_path: Path) -> No
     r, out = _run("fabric", "diff", home=tmp_path, columns=400)
     _refused(r, out, f"no database at {tmp_path / 'moetune.db'}", "`moetune fabric show --record`", "--against DIR")
     assert not (tmp_path / "moetune.db").exists()
+
+
+def test_query_says_its_fallback_once(tmp_path: Path) -> None:
+    """The table's footer and JSON's message say why no tuned profile was used; the client's log said it again on
+    stderr as one line of hundreds of columns. The env lines do not say it: there stderr keeps it. (A child process:
+    the log's handler writes to the process's own stderr, which CliRunner does not capture.)"""
+    args = ("query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "128")
+    for fmt, on_stderr in (("table", False), ("json", False), ("env", True)):
+        r = subprocess.run([sys.executable, "-c", "from moetune.tuner.cli import main; main()", *args, "--format",
+                            fmt], capture_output=True, text=True, timeout=120,
+                           env=child_env(MOETUNE_HOME=str(tmp_path), MOETUNE_CONFIG="", COLUMNS="80"))
+        assert r.returncode == 0, r.stderr
+        assert ("NO tuned profile" in r.stderr) is on_stderr, (fmt, r.stderr)
+        assert fmt == "env" or "using the policy default" in " ".join(r.stdout.split()), (fmt, r.stdout)

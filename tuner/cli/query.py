@@ -221,7 +221,19 @@ def register(app: typer.Typer) -> None:
         client = make_client(socket, config, timeout_ms, db)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            res = client.resolve(model=shape, ep_size=ep, tokens=tokens, nodes=nodes)
+            # the client also logs each fallback warning to stderr: the table and JSON say it (`message`), so that
+            # copy (one line, hundreds of columns) is dropped there; the env lines do not say it: kept for them
+            from moetune.runtime.profiles.client import log as client_log
+
+            said = None if fmt == "env" else \
+                (lambda r: r.getMessage() not in {str(w.message) for w in caught})
+            if said is not None:
+                client_log.addFilter(said)
+            try:
+                res = client.resolve(model=shape, ep_size=ep, tokens=tokens, nodes=nodes)
+            finally:
+                if said is not None:
+                    client_log.removeFilter(said)
         client.close()
         provenance, measured_on = provenance_of(res, db, config)
         if fmt == "env":
