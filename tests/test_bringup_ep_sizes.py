@@ -157,6 +157,7 @@ def test_profile_cli_refuses_an_ep_size_over_the_gpus(tmp_path: Path) -> None:
                                  "--db", str(tmp_path / "m.db"), "--json"], env={"MOETUNE_HOME": str(tmp_path)})
     assert r.exit_code == 2, r.output
     assert "EP size 16 needs 16 GPUs, this node has 8" in r.output and isinstance(r.exception, SystemExit)
+    assert not (tmp_path / "m.db").exists()  # refused before the database was opened
 
 
 def test_the_bring_up_searches_the_knobs_the_runtime_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

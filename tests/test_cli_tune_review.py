@@ -217,6 +217,7 @@ def test_profile_refuses_nccl_without_cuda_gpus_up_front(tmp_path: Path, monkeyp
     text = " ".join(r.output.split())
     assert "describes a node with 2 GPUs, so the bring-up measures EP size 2 with NCCL" in text, text
     assert "torch finds 0 CUDA GPU(s) here" in text
+    assert not (tmp_path / "m.db").exists()  # refused before the database was opened (it was left behind, empty)
 
 
 TUNE_MODEL = ["tune", "-m", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", "nvlink-h200x2",

@@ -112,11 +112,12 @@ def profile(
 
     import optuna
 
+    from moetune.runtime.config import ConfigError, load_config
     from moetune.runtime.knobs import KnobError
     from moetune.runtime.shapes import get_model
     from moetune.tuner.bringup.flow import Bringup, Plan
     from moetune.tuner.fabric.discovery import DiscoveryError
-    from moetune.tuner.store.store import StoreError
+    from moetune.tuner.store.store import StoreError, database_path
 
     # ERROR: Optuna logs a failed trial (Ctrl-C included) as a WARNING with its traceback; the flow reports failures
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -153,16 +154,21 @@ def profile(
         _fail(str(e))
     if report_dir is not None:
         _check_out_dir(report_dir, "--report-dir")
-    _cfg, store = _open(db, config)
-    state_dir = Path(store.path).parent
+    # the node and the plan are checked before the database is opened: a refusal leaves no new database behind
     try:
-        flow = Bringup(store=store, plan=plan, state_dir=state_dir, console=console, capture=capture,
+        state_dir = database_path(db or load_config(config).db_path).parent
+    except ConfigError as e:  # names the key and the file
+        _fail(str(e))
+    try:
+        flow = Bringup(store=None, plan=plan, state_dir=state_dir, console=console, capture=capture,
                        report_dir=report_dir, progress=None if as_json else RichProgress())
     except (DiscoveryError, ValueError) as e:  # ValueError: an EP size of the plan this node cannot measure
         _fail(str(e))
     no_cuda = _no_cuda_for_nccl(flow, capture)
     if no_cuda:  # every measurement would start NCCL ranks that fail in init: refused up front
         _fail(no_cuda)
+    _cfg, store = _open(db, config)
+    flow.store = store
     if restart:  # deleting the state alone resumed the finished studies: nothing was tuned again
         flow.state.restart()
     console.print(f"node [bold]{flow.facts.gpu_count} GPU(s)[/] {flow.facts.gpu_model or ''} · fingerprint "
