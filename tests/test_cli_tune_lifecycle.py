@@ -1,4 +1,4 @@
-"""Review findings on `moetune tune` / `moetune profile`:
+"""`moetune tune` / `moetune profile` from start to end: signals, the GPUs a run needs, its studies file, its options:
 
 - SIGTERM (`kill`, `timeout`) ended a local tune at once, exit 143 with no message, and left the bench worker and
   its ranks measuring, re-parented to init; now it ends as Ctrl-C does, and the worker (and its ranks) end when the
@@ -161,9 +161,9 @@ def test_the_worker_ends_when_the_process_that_started_it_is_gone(tmp_path: Path
 
     from moetune.tuner.measure import worker
 
-    (tmp_path / "review_fake_rank.py").write_text(FAKE_RANK)
+    (tmp_path / "fake_bench_rank.py").write_text(FAKE_RANK)
     monkeypatch.syspath_prepend(str(tmp_path))  # the spawned ranks get this sys.path
-    monkeypatch.setattr(worker, "_rank_main", importlib.import_module("review_fake_rank").fake_rank)
+    monkeypatch.setattr(worker, "_rank_main", importlib.import_module("fake_bench_rank").fake_rank)
     real_ppid, parent = os.getppid, os.getppid()
     gone = [False]
     monkeypatch.setattr(worker.os, "getppid", lambda: 1 if gone[0] else real_ppid())

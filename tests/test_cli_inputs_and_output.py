@@ -1,5 +1,5 @@
-"""Defects a tester found in the CLI (fabric, report, serve, help, config, messages): each test fails without its fix.
-Numbered as in the review."""
+"""The CLI's inputs and output (fabric, report, serve, query, help, config, messages): a capture folder is one, help
+and tables fit the console uncut, and errors name the option or path and what to do."""
 
 from __future__ import annotations
 

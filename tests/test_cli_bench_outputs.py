@@ -1,4 +1,4 @@
-"""Defects a tester found in `moetune bench` and `moetune model`, one test (or a few) per finding: an output that
+"""`moetune bench` and `moetune model` outputs and messages: an output that
 cannot be written is refused before the run and rows that still cannot be written are kept; the summary names the
 file it read; a calibration without usable rows says why; tables fit 80 columns; messages name the option."""
 
@@ -15,7 +15,7 @@ from moetune.tuner.measure import results as R
 from moetune.tuner.measure import scenarios as S
 
 # procfs takes no new file, for root as for anyone: a destination that cannot be written on every Linux
-UNWRITABLE = Path("/proc/moetune-review")
+UNWRITABLE = Path("/proc/moetune-unwritable")
 
 
 def _run(*args: str, width: int = 80):
