@@ -205,11 +205,11 @@ def _check_storage(url: str, given: bool, *, create: bool = True) -> None:
     try:
         with warnings.catch_warnings():  # Optuna's experimental-feature notes are for the real run, not this check
             warnings.simplefilter("ignore")
-            if not given:
-                refuse_default_storage(url)
             if create:
                 make_storage(url, own=not given)  # the default studies file is moetune's own (WAL)
-            else:
+            else:  # the checks that create nothing, once, before the profile database is made
+                if not given:
+                    refuse_default_storage(url)
                 refuse_storage(url)
     except StorageRefused as e:  # another program's file, a folder that does not exist: the reason is the message
         _fail(f"--storage {_redact(url)}: {e}" if given

@@ -706,13 +706,13 @@ class JobManager:
 @dataclass(frozen=True)
 class Resumable:
     """A job the last daemon left queued or running. `details`: what to queue again (its keys those still to tune);
-    `finish_reason`/`finish_details`: the job_finished event that closes the old job, written only after its
-    resumption is queued (`Daemon._resume`), so a crash in between loses no job: the next start finds the
-    resumption (its `resumes`) and closes the old job then."""
+    `why`/`finish_details`: the job_finished event that closes the old job (its reason `why` and how it ended),
+    written only after its resumption is queued (`Daemon._resume`), so a crash in between loses no job: the next
+    start finds the resumption (its `resumes`) and closes the old job then."""
 
     job_id: int
     details: dict[str, Any]
-    finish_reason: str
+    why: str
     finish_details: dict[str, Any]
 
 
@@ -765,7 +765,7 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[Resumable], int
             how = f"resumed as job {resumed_as[jid]}" if jid in resumed_as else "nothing left to resume"
             store.add_event(kind="job_finished", reason=f"{why}; {how}", details=closed)
             continue
-        resume.append(Resumable(jid, {**d, "keys": left}, f"{why}; resuming", closed))
+        resume.append(Resumable(jid, {**d, "keys": left}, why, closed))
     # runs left `running` without a job event (e.g. killed between start_run and the event)
     for r in store.list_runs(limit=200):
         if r["status"] == "running" and str(r["study_name"]).startswith("moetune-daemon-job-"):

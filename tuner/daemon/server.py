@@ -1143,8 +1143,7 @@ class Daemon(FabricWatch):
             keys = keys_from_details(d)
             if not keys:  # keys an older moetune wrote that this one cannot read: nothing is queued
                 self.store.add_event(kind="job_finished", details=r.finish_details,
-                                     reason=r.finish_reason.replace("; resuming", "; nothing to resume (its keys "
-                                                                    "cannot be read)"))
+                                     reason=f"{r.why}; nothing to resume (its keys cannot be read)")
                 continue
             try:
                 job = self.jobs.submit(reason=f"resumed job {r.job_id} after a restart",
@@ -1158,7 +1157,7 @@ class Daemon(FabricWatch):
                 # records any event resumes it; once one is recorded, it names the old job, which is closed then)
                 log.error("job %s: its resumption's event was not recorded; left open in the store", r.job_id)
                 continue
-            self.store.add_event(kind="job_finished", reason=r.finish_reason, details=r.finish_details)
+            self.store.add_event(kind="job_finished", reason=f"{r.why}; resuming", details=r.finish_details)
 
     def _job_done(self, job: Job, written: list[ProfileRecord]) -> None:
         if job.impossible:

@@ -161,10 +161,9 @@ def _tuned_in(db: Path, studies: Path) -> bool:
 
     if not db.is_file():
         return False
-    pattern = "%/" + studies.name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
     try:  # read as the store's read-only looks are (sqlite_open: a torn immutable read retried)
-        return sqlite_open.read(db, lambda con: con.execute(
-            "SELECT 1 FROM tuning_runs WHERE storage LIKE ? ESCAPE '\\' LIMIT 1", (pattern,)).fetchone() is not None,
+        return sqlite_open.read(db, lambda con: con.execute(  # the name holds no LIKE wildcard (% or _)
+            "SELECT 1 FROM tuning_runs WHERE storage LIKE ? LIMIT 1", (f"%/{studies.name}",)).fetchone() is not None,
             timeout_s=1.0)
     except (sqlite3.Error, OSError):  # not a profile database, an older schema, locked: no run recorded
         return False
