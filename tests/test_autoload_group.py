@@ -13,7 +13,6 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from moetune.runtime import _once
 from moetune.runtime.buffer.facade import EPBuffer
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.megakernel import engine as E
@@ -28,15 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the cases
 cases = importlib.import_module("autoload_cases")
 
 BF16 = ModelShape(name="t", hidden=128, intermediate=64, experts=8, topk=2, dtype="bfloat16")
-
-
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch: pytest.MonkeyPatch):
-    autoload.clear_cache()
-    _once.reset()
-    monkeypatch.delenv("MOETUNE_AUTOLOAD", raising=False)
-    yield
-    autoload.clear_cache()
+pytestmark = pytest.mark.usefixtures("autoload_on")
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, answer: Any = None) -> list[dict]:

@@ -14,7 +14,6 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from moetune.runtime import _once
 from moetune.runtime.buffer.facade import EPBuffer
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.megakernel import MegakernelConfig, _lib
@@ -23,23 +22,11 @@ from moetune.runtime.megakernel import layer as mk_layer
 from moetune.runtime.megakernel.weights import from_tiled, to_tiled
 from moetune.runtime.moe_layer import MoELayer, grouped_mm_usable, route
 from moetune.runtime.options import RuntimeOptionError, RuntimeOptions
-from moetune.runtime.profiles import autoload
 from moetune.runtime.shapes import ModelShape
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("autoload_off")]
 TINY = ModelShape(name="tiny", hidden=128, intermediate=64, experts=4, topk=2, dtype="bfloat16")
 BF = torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch: pytest.MonkeyPatch):
-    _once.reset()
-    autoload.clear_cache()
-    monkeypatch.setattr(autoload, "_availability", {})
-    monkeypatch.setenv("MOETUNE_AUTOLOAD", "0")  # no daemon or database
-    yield
-    _once.reset()
-    autoload.clear_cache()
 
 
 def _unfused(model: ModelShape = TINY, **kw: Any) -> MoELayer:

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 from test_trust_client import FP, SW, FakeDaemon, _local_facts, _seed_db, ok_reply
 
-from moetune.runtime import _once, wire
+from moetune.runtime import wire
 from moetune.runtime.knobs import MK_KNOBS, KnobError, Knobs
 from moetune.runtime.megakernel import MegakernelConfig
 from moetune.runtime.megakernel import engine as E
@@ -30,7 +30,7 @@ from moetune.runtime.profiles import autoload, node_identity
 from moetune.runtime.profiles.client import ProfileClient
 from moetune.runtime.shapes import MODELS, ModelShape
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("autoload_off")]
 QWEN = MODELS["qwen3-30b"]
 TINY = ModelShape(name="tiny", hidden=128, intermediate=64, experts=4, topk=2, dtype="bfloat16")
 
@@ -103,15 +103,6 @@ def test_policy_and_space_of_the_megakernel_family(tmp_path: Path) -> None:
 
 
 # -- the layer's engine -----------------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch: pytest.MonkeyPatch):
-    _once.reset()
-    autoload.clear_cache()
-    monkeypatch.setattr(autoload, "_availability", {})
-    monkeypatch.setenv("MOETUNE_AUTOLOAD", "0")  # no daemon or database unless a test sets one up
-    yield
-    _once.reset()
-    autoload.clear_cache()
 
 
 def _layer(**kw: Any) -> MoELayer:

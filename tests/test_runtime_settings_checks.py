@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from moetune.runtime import _once
 from moetune.runtime.buffer.facade import EPBuffer
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.megakernel import engine as E
@@ -34,15 +33,7 @@ cases = importlib.import_module("runtime_settings_ranks")
 TINY = ModelShape(name="tiny", hidden=128, intermediate=64, experts=4, topk=2, dtype="bfloat16")
 BF16 = ModelShape(name="t", hidden=128, intermediate=64, experts=8, topk=2, dtype="bfloat16")
 BF = torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch: pytest.MonkeyPatch):
-    autoload.clear_cache()
-    _once.reset()
-    monkeypatch.delenv("MOETUNE_AUTOLOAD", raising=False)
-    yield
-    autoload.clear_cache()
+pytestmark = pytest.mark.usefixtures("autoload_on")
 
 
 # -- 1: check_inputs is part of the buffer's cross-rank agreement ----------------------------------------------
