@@ -50,7 +50,11 @@ def _gone_within(pids: list[int], seconds: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
-def _kill(pids: list[int]) -> None:
+def _kill(pids: list[int], proc: subprocess.Popen | None = None) -> None:
+    """SIGKILL to `pids` and to `proc` (reaped) if it still runs: a test's clean-up whatever it stopped at."""
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
     for p in pids:
         try:
             os.kill(p, signal.SIGKILL)
@@ -103,10 +107,7 @@ def test_sigterm_ends_a_local_tune_as_ctrl_c_and_its_worker_with_it(tmp_path: Pa
         assert "Traceback" not in out + err
         assert _gone_within(pids, 3.0) == [], "the bench worker or its rank outlived the tune"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        _kill(pids)
+        _kill(pids, proc)
 
 
 # A parent that starts a child which asks to die with it (die_with_parent, as each rank of the worker does), then
@@ -134,10 +135,7 @@ def test_a_rank_dies_with_its_worker(tmp_path: Path) -> None:
         parent.wait()
         assert _gone_within(child, 3.0) == []
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        _kill(child)
+        _kill(child, parent)
 
 
 # A rank of `serve` (spawned: a function of an importable module): joins at once, then measures a case for a minute.
