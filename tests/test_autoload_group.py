@@ -8,14 +8,13 @@ import importlib
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
 
 from moetune.runtime.buffer.facade import EPBuffer
 from moetune.runtime.knobs import Knobs
-from moetune.runtime.megakernel import engine as E
 from moetune.runtime.megakernel.config import LaunchConfigs, MegakernelConfig
 from moetune.runtime.moe_layer import MoELayer
 from moetune.runtime.profiles import autoload
@@ -24,6 +23,8 @@ from moetune.runtime.shapes import ModelShape
 from moetune.runtime.testing.launch import launch
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the cases by name
+from megakernel_fakes import use_fake_megakernel
+
 cases = importlib.import_module("autoload_cases")
 
 BF16 = ModelShape(name="t", hidden=128, intermediate=64, experts=8, topk=2, dtype="bfloat16")
@@ -101,29 +102,8 @@ def test_two_hosts_disagreeing_fall_back_to_the_policy_default_everywhere() -> N
 
 
 # -- the megakernel: per token bucket ---------------------------------------------------------------------------
-class _FakeMK:
-    built: ClassVar[list[_FakeMK]] = []
-
-    def __init__(self, model: Any, **kw: Any):
-        self.kw = kw
-        self.launch = LaunchConfigs(kw["config"])
-        self.launched: list[MegakernelConfig] = []
-        _FakeMK.built.append(self)
-
-    def set_bucket_config(self, bucket: int, config: MegakernelConfig) -> str | None:
-        why = self.launch.problem(config)
-        if why is None:
-            self.launch.install(bucket, config)
-        return why
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.launched.append(self.launch.for_tokens(x.shape[0]))
-        return torch.zeros_like(x)
-
-
 def _mk_layer(monkeypatch: pytest.MonkeyPatch, per_bucket: dict[int, Knobs]) -> tuple[MoELayer, list[dict]]:
-    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
-    monkeypatch.setattr(E, "build_megakernel", _FakeMK)
+    use_fake_megakernel(monkeypatch)
     from moetune.runtime.profile_record import nearest_bucket
 
     def answer(kw: dict) -> Knobs:
@@ -189,8 +169,7 @@ def test_megakernel_decode_bucket_split_k_applies_on_a_prefill_layer(monkeypatch
 
 
 def test_explicit_megakernel_knobs_hold_for_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
-    monkeypatch.setattr(E, "build_megakernel", _FakeMK)
+    use_fake_megakernel(monkeypatch)
     layer = MoELayer(BF16, None, Knobs(engine="megakernel", mk_bm=64), max_tokens=4096, device="cpu",
                      dtype=torch.bfloat16)
     layer(torch.randn(1, BF16.hidden).to(torch.bfloat16))

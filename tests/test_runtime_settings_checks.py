@@ -10,15 +10,13 @@ import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
 
 from moetune.runtime.buffer.facade import EPBuffer
 from moetune.runtime.knobs import KnobError, Knobs
-from moetune.runtime.megakernel import engine as E
-from moetune.runtime.megakernel.config import LaunchConfigs, MegakernelConfig
 from moetune.runtime.megakernel.layer import MegakernelMoE
 from moetune.runtime.moe_layer import MoELayer
 from moetune.runtime.options import RuntimeOptionError, RuntimeOptions
@@ -28,6 +26,8 @@ from moetune.runtime.shapes import ModelShape
 from moetune.runtime.testing.launch import launch
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the cases by name
+from megakernel_fakes import use_fake_megakernel
+
 cases = importlib.import_module("runtime_settings_ranks")
 
 TINY = ModelShape(name="tiny", hidden=128, intermediate=64, experts=4, topk=2, dtype="bfloat16")
@@ -115,34 +115,9 @@ def test_layer_on_a_buffer_refuses_other_knobs() -> None:
 
 
 # -- 3 and 5: the megakernel's scratch config with per token bucket profiles -------------------------------------
-class _FakeMK:
-    """MegakernelMoE's bucket bookkeeping on CPU; `refuse` stands for the library refusing a config's launches."""
-
-    built: ClassVar[list[_FakeMK]] = []
-    refuse: ClassVar[Any] = staticmethod(lambda cfg: None)
-
-    def __init__(self, model: Any, **kw: Any):
-        self.kw = kw
-        self.launch = LaunchConfigs(kw["config"])
-        self.launched: list[MegakernelConfig] = []
-        _FakeMK.built.append(self)
-
-    def set_bucket_config(self, bucket: int, config: MegakernelConfig) -> str | None:
-        why = self.launch.problem(config) or _FakeMK.refuse(config)
-        if why is None:
-            self.launch.install(bucket, config)
-        return why
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.launched.append(self.launch.for_tokens(x.shape[0]))
-        return torch.zeros_like(x)
-
-
 def _profiled_layer(monkeypatch: pytest.MonkeyPatch, profile: Knobs, refuse: Any = None) -> tuple[MoELayer, list[str]]:
     """A layer of max_tokens 4096 whose stored megakernel profile (every bucket) is `profile`; the warnings."""
-    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
-    monkeypatch.setattr(E, "build_megakernel", _FakeMK)
-    monkeypatch.setattr(_FakeMK, "refuse", staticmethod(refuse or (lambda cfg: None)))
+    use_fake_megakernel(monkeypatch, refuse)
 
     def fake_resolve(**kw: Any) -> Resolution:
         knobs = profile if kw["transport_family"] == "megakernel" else Knobs()
