@@ -145,3 +145,21 @@ def test_a_busy_studies_file_is_not_called_broken() -> None:
               OperationalError("BEGIN", {}, Exception("database is locked"))):
         msg = _storage_error("sqlite:////h/moetune-studies.db", False, e)
         assert "move it aside" not in msg and "busy" in msg and "run the command again" in msg
+
+
+@pytest.mark.parametrize(("preset", "says"), [
+    (None, "the model backend needs --preset"),
+    ("nosuch", "unknown preset 'nosuch'; known:"),
+    ("missing.toml", "preset file 'missing.toml' does not exist"),
+])
+def test_a_model_tune_without_a_usable_preset_creates_no_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    preset: str | None, says: str) -> None:
+    """The preset was loaded only when the tune began, after the profile database and the studies file (and its
+    lock) were made: a missing or unknown --preset left three new files behind its exit 2."""
+    monkeypatch.chdir(tmp_path)
+    args = ["tune", "-m", "qwen3-30b", "--backend", "model", "--trials", "3", "--tokens", "128", "--ep-size", "8"]
+    r = runner.invoke(app, args + ([] if preset is None else ["--preset", preset]),
+                      env={"MOETUNE_HOME": str(tmp_path / "home"), "MOETUNE_CONFIG": "", "COLUMNS": "300"})
+    _clean_exit(r)
+    assert says in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "home").exists() or list((tmp_path / "home").iterdir()) == []

@@ -344,7 +344,7 @@ def tune(
 
     if storage:
         _refuse_memory(storage, "the studies would be lost when moetune exits: nothing could resume or show them")
-    forced = _forced_model(preset) if backend == "model" and preset is not None else ""
+    forced = _model_preset_warning(preset) if backend == "model" else ""
     if forced:
         err.print(_forced_note(preset, forced, node_model))
 
@@ -553,15 +553,18 @@ def _no_options_before(ctx: typer.Context, policy: Path | None) -> None:
               f"it from there; put the subcommand's options after it (`moetune tune {ctx.invoked_subcommand} --help`)")
 
 
-def _forced_model(preset: str) -> str:
-    """The `[calibration] warning` of --preset when it is a fit the calibration checks refused ('' otherwise; an
-    unreadable preset is reported by the tune itself)."""
+def _model_preset_warning(preset: str | None) -> str:
+    """The model backend's --preset checked before any database is opened (missing, unknown or unreadable: exit 2);
+    its `[calibration] warning` when it is a fit the calibration checks refused, else ''."""
     from moetune.tuner.fabric_model.predict import forced_fit_warning, load_preset
 
+    if preset is None:
+        _fail("the model backend needs --preset: a preset name, or a calibrated preset file of this node "
+              "(`moetune model calibrate --out FILE`) with --node-model")
     try:
         return forced_fit_warning(load_preset(preset))
-    except (OSError, ValueError):
-        return ""
+    except (OSError, ValueError) as e:  # PresetError names the preset and what is wrong with it
+        _fail(str(e))
 
 
 def _forced_note(preset: str, warning: str, node_model: bool) -> str:
