@@ -83,6 +83,7 @@ def test_model_backend_run_and_show(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(search, "make_backend", lambda *a, **k: ModelBackend(FakePreset(), predictor=_objective))
     monkeypatch.setattr(tune_cli, "_open_store", lambda db, readonly=False: _mini_store(tmp_path / "moetune.db"))
+    monkeypatch.setattr(tune_cli, "_model_preset_warning", lambda preset: "")  # FakePreset is no shipped preset
     url = f"sqlite:///{tmp_path / 'studies.db'}"
     r = _run("tune", "--model", "qwen3-30b", "--tokens", "128,1024", "--backend", "model", "--preset", "fake-ibrc-x4",
              "--nodes", "2", "--trials", "12", "--storage", url, "--json")
@@ -168,6 +169,7 @@ def test_workload_the_model_cannot_run_is_one_clear_error(tmp_path: Path, monkey
 
     monkeypatch.setattr(search, "make_backend", lambda *a, **k: ModelBackend(FakePreset(), predictor=nope))
     monkeypatch.setattr(tune_cli, "_open_store", lambda db, readonly=False: _mini_store(tmp_path / "moetune.db"))
+    monkeypatch.setattr(tune_cli, "_model_preset_warning", lambda preset: "")  # FakePreset is no shipped preset
     r = _run("tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", "fake-ibrc-x4",
              "--nodes", "2", "--storage", f"sqlite:///{tmp_path / 's.db'}")
     assert r.exit_code == 2 and "no network between nodes" in r.output and "Traceback" not in r.output
