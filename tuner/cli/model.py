@@ -61,15 +61,34 @@ def _build(preset: str, model: str, nodes: int | None, tokens: int, gpus_per_nod
             nodes = min(4, pr.max_nodes) if pr.max_nodes else 4
         # the same Workload checks apply to every value `model sweep --values` varies (_check_sweep_values)
         w = Workload(shape, tokens, nodes, gpus_per_node or pr.gpus_per_node, routing=routing, tile=tile)
-        base = default_knobs(pr.transports[0])
-        if pr.transports[0] in ("proxy", "ibgda"):
-            base = base.replace(fence_mode="proxy_drain" if pr.transports[0] == "proxy" else "nic_ordered")
+        # the defaults of the transport --knobs names, else the preset's first (another transport on the first's
+        # defaults was refused for a fence mode the user never set)
+        transport = _given_values(knobs).get("transport") or pr.transports[0]
+        base = default_knobs(transport)
+        if transport in ("proxy", "ibgda"):
+            base = base.replace(fence_mode="proxy_drain" if transport == "proxy" else "nic_ordered")
         k = Knobs.parse(knobs, base=base) if knobs else base
     except KnobError as e:
         _fail(f"unsafe or invalid knobs: {e}")
     except ValueError as e:
         _fail(_option_named(str(e)))
     return pr, w, k
+
+
+def _workload(w: Any, swept: str | None = None) -> dict[str, Any]:
+    """The workload a prediction ran (JSON); the field a sweep varies (`swept`: nodes or tokens) is None."""
+    out = {"model": w.model.name, "tokens_per_gpu": w.tokens_per_gpu, "nodes": w.nodes,
+           "gpus_per_node": w.gpus_per_node, "routing": w.routing, "tile": w.tile}
+    if swept is not None:
+        out[{"tokens": "tokens_per_gpu"}.get(swept, swept)] = None
+    return out
+
+
+def _workload_title(w: Any, swept: str | None = None) -> str:
+    """'4x8 GPUs · 256 tokens/GPU · uniform · tile 128' for a title, less the variable a sweep varies."""
+    parts = [f"{w.gpus_per_node} GPUs/node" if swept == "nodes" else f"{w.nodes}x{w.gpus_per_node} GPUs",
+             None if swept == "tokens" else f"{w.tokens_per_gpu} tokens/GPU", w.routing, f"tile {w.tile}"]
+    return " · ".join(p for p in parts if p)
 
 
 def _knob_str(k) -> str:
@@ -119,18 +138,22 @@ def predict_cmd(
     except ValueError as e:
         _fail(str(e))
     if as_json:
-        out = {"label": LABEL, **res.to_dict(), "workload": {"model": w.model.name, "tokens_per_gpu": w.tokens_per_gpu,
-               "nodes": w.nodes, "gpus_per_node": w.gpus_per_node, "routing": w.routing, "tile": w.tile,
-               "layout": layout},
+        out = {"label": LABEL, **res.to_dict(), "workload": {**_workload(w), "layout": layout, "phase": phase},
                "knobs": k.to_dict()}
+        if phase != "both":  # the other phase was not modelled: no number stands for it
+            out[f"{'combine' if phase == 'dispatch' else 'dispatch'}_us"] = None
         typer.echo(json.dumps(out))
         return
+    # --phase dispatch/combine models one phase: the other is "not modelled", never a 0.0 µs prediction
+    modelled = {"dispatch", "combine"} if phase == "both" else {phase}
+    both = " + ".join(x for x in ("dispatch", "combine") if x in modelled)
     rows = [
-        ("latency (dispatch + combine)", f"{res.latency_us:,.1f} µs"),
-        ("dispatch", f"{res.dispatch_us:,.1f} µs"),
-        ("combine", f"{res.combine_us:,.1f} µs"),
+        (f"latency ({both})", f"{res.latency_us:,.1f} µs"),
+        ("dispatch", f"{res.dispatch_us:,.1f} µs" if "dispatch" in modelled else "not modelled"),
+        ("combine", f"{res.combine_us:,.1f} µs" if "combine" in modelled else "not modelled"),
         ("expert FFN (modelled compute)", f"{res.expert_us:,.1f} µs"),
-        ("layer (dispatch + FFN + combine)", f"{res.layer_us:,.1f} µs"),
+        (f"layer ({both.replace(' + ', ' + FFN + ') if phase == 'both' else both + ' + FFN'})",
+         f"{res.layer_us:,.1f} µs"),
         ("fences", f"{res.fences}"),
         ("proxy stalls", f"{res.proxy_stalls}"),
         ("NIC stalls", f"{res.nic_stalls}"),
@@ -138,8 +161,8 @@ def predict_cmd(
         ("bytes on the wire", f"{res.bytes_on_wire / 1e6:,.3f} MB"),
     ]
     print_table(_console, [Col("quantity", "word"), Col("value (modelled)", "num")], rows,
-                title=f"{LABEL}: {_e(pr.name)} · {_e(w.model.name)} · {w.nodes}x{w.gpus_per_node} GPUs · "
-                      f"{w.tokens_per_gpu} tokens/GPU · {_e(w.routing)}")
+                title=f"{LABEL}: {_e(pr.name)} · {_e(w.model.name)} · {_e(_workload_title(w))}"
+                      + ("" if phase == "both" else f" · {phase} only"))
     print_table(_console, [Col("phase", "word"), Col("µs", "num")],
                 [(_e(name), f"{v:,.1f}") for name, v in res.phases.items()],
                 title=f"{LABEL}: per-phase breakdown (µs; component times overlap)")
@@ -157,9 +180,15 @@ def _divisors(n: int) -> list[int]:
 SWEEP_PUTS = 8  # the fewest PUTs to the busiest peer a group_size sweep's chunk_tokens gives (when 0 gives one)
 
 
+def _given_values(knobs: str) -> dict[str, str]:
+    """name -> value as a --knobs string sets them (the last one given wins, as in Knobs.parse); not parsed."""
+    return {name.strip(): value.strip() for name, _, value in
+            (part.partition("=") for part in knobs.split(",") if "=" in part)}
+
+
 def _given_knobs(knobs: str) -> set[str]:
     """The knob names a --knobs string sets (a default knob and one set to the same value differ here)."""
-    return {part.split("=", 1)[0].strip() for part in knobs.split(",") if "=" in part}
+    return set(_given_values(knobs))
 
 
 def _group_sweep(pr: Any, w0: Any, k0: Any, knobs: str, values_given: bool) -> tuple[Any, int, str, list[str]]:
@@ -372,6 +401,7 @@ def sweep_cmd(
         notes += _same_everywhere(series, k0.transport)
     if as_json:
         typer.echo(json.dumps({"label": LABEL, "preset": pr.name, "model": w0.model.name, "over": over,
+                               "workload": _workload(w0, None if over == "group_size" else over),
                                "knobs": k0.to_dict(), "notes": notes, "series": series,
                                "plot": str(plot_path) if plot_path and drawable else None}))
     else:
@@ -393,7 +423,8 @@ def sweep_cmd(
                 else:
                     cells += [f"{r['latency_us']:,.1f}", str(r["fences"])]
             table_rows.append(cells)
-        print_table(_console, cols, table_rows, title=f"{LABEL}: {_e(pr.name)} · {_e(w0.model.name)} · sweep over {over}",
+        print_table(_console, cols, table_rows, title=f"{LABEL}: {_e(pr.name)} · {_e(w0.model.name)} · "
+                    f"{_e(_workload_title(w0, None if over == 'group_size' else over))} · sweep over {over}",
                     left_out_hint="--json shows them")
         _console.print(f"[yellow]{LABEL}[/yellow]: n/a = not modelled for this workload (an invalid or unsafe "
                        "setting, or a group size past what there is to group: the same run as group_size 0)"
@@ -409,7 +440,8 @@ def sweep_cmd(
                                    "model's reasons are given with it)", soft_wrap=True)
         raise typer.Exit(1)
     if plot_path is not None:
-        _plot(series, over, plot_path, f"{pr.name} · {w0.model.name}")
+        _plot(series, over, plot_path,
+              f"{pr.name} · {w0.model.name} · {_workload_title(w0, None if over == 'group_size' else over)}")
         if not as_json:
             # the path the file really has (a suffix-less --out gets '.png')
             _console.print(f"plot ({LABEL}) written to {_e(plot_path)}", soft_wrap=True)  # a path stays whole
