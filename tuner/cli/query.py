@@ -46,12 +46,15 @@ def check_socket(endpoint: str, where: str) -> None:
         raise fail(f"invalid {e}") from None
 
 
+MAX_TIMEOUT_MS = 86_400_000  # a day: longer waits overflowed zmq's poll (a traceback)
+
+
 def check_timeout_ms(timeout_ms: int | None) -> None:
     """Exit 2 unless the --timeout-ms given is positive (0 or less used to be coerced silently)."""
     from moetune.tuner.cli.db import fail
 
-    if timeout_ms is not None and timeout_ms < 1:
-        raise fail(f"--timeout-ms must be >= 1 (milliseconds), got {timeout_ms}")
+    if timeout_ms is not None and not 1 <= timeout_ms <= MAX_TIMEOUT_MS:  # zmq's poll takes a C int
+        raise fail(f"--timeout-ms must be 1 to {MAX_TIMEOUT_MS} (milliseconds: up to a day), got {timeout_ms}")
 
 
 def check_db_given(db: Path) -> None:
@@ -125,13 +128,14 @@ def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms:
     """The daemon's answer to `op`, else exit 1 saying why: on stderr, or with `json_out` as the one JSON object
     on stdout, {"ok": false, "error": ...} (as `query --json` says in its JSON why the daemon did not answer).
     Errors in the options given stay usage errors (exit 2), as for every command."""
-    from moetune.runtime.profiles.client import DaemonError, DaemonUnavailable
+    from moetune.runtime.profiles.client import BadReply, DaemonError, DaemonUnavailable
 
     client = make_client(socket, config, timeout_ms)
     try:
         return client.request(op, **fields)
-    except (DaemonUnavailable, DaemonError) as e:
-        why = f"the daemon said {e}" if isinstance(e, DaemonError) else str(e)
+    except (DaemonUnavailable, DaemonError, BadReply) as e:  # BadReply: a reply that does not validate (a newer daemon?)
+        why = (f"the daemon said {e}" if isinstance(e, DaemonError)
+               else f"the daemon's reply is not one this moetune reads: {e}" if isinstance(e, BadReply) else str(e))
         if json_out:
             print_json({"ok": False, "error": why})
         else:
