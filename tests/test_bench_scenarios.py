@@ -41,6 +41,17 @@ def test_plan_puts_the_baseline_first_and_last() -> None:
     assert smoke.args["tokens"] == 16 and smoke.env["NCCL_P2P_DISABLE"] == "1"
 
 
+def test_a_gpu_scenario_offers_a_smoke_run_only_where_it_has_one() -> None:
+    """proxy-fences, refused on a CPU machine, said `--smoke` checks its plumbing; `--smoke` then said it has none."""
+    with_smoke = next(s for s in SCENARIOS.values() if not s.smoke_skip and s.needs.gpus > 0)
+    without = next(s for s in SCENARIOS.values() if s.smoke_skip and s.needs.gpus > 0)
+    with pytest.raises(S.ScenarioError, match=f"`moetune bench run {with_smoke.name} --smoke` checks its plumbing"):
+        S.check_machine(with_smoke, False, 0)
+    with pytest.raises(S.ScenarioError) as e:
+        S.check_machine(without, False, 0)
+    assert "--smoke" not in str(e.value) and f"it has no CPU smoke variant: {without.smoke_skip}" in str(e.value)
+
+
 def test_bad_scenario_files_are_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "x.toml").write_text('name = "x"\ndriver = "nope"\nquestion = "q"\nmetrics = ["m"]\n[[cases]]\nname = "a"\n')
     with pytest.raises(S.ScenarioError, match="unknown driver 'nope'"):

@@ -135,7 +135,16 @@ def test_bench_run_labels_modelled_rows(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     line = next(ln for ln in r.output.splitlines() if "speedup[16nodes]" in ln)
     assert "MODELLED" in line, r.output
-    assert "MODELLED: predictions, not measurements" in re.sub(r"\s+", " ", r.output)
+    flat = re.sub(r"\s+", " ", r.output)
+    assert "rows appended (smoke; the MODELLED ones are predictions, not measurements)" in flat, flat
+    assert "(measured)" not in flat  # a run of predictions was titled "measured" before
+
+
+def test_bench_run_of_predictions_is_never_titled_measured(tmp_path: Path) -> None:
+    r = _run("bench", "run", "fabric-model", "--results", str(tmp_path / "s.csv"), "--launches", "1", home=tmp_path)
+    assert r.exit_code == 0, r.output
+    flat = re.sub(r"\s+", " ", r.output)
+    assert "rows appended (run here; the MODELLED ones are predictions, not measurements" in flat, flat
 
 
 def test_tune_progress_labels_a_modelled_best() -> None:

@@ -515,8 +515,12 @@ def run_scenario(
         _fail(str(e))
     except OSError as e:  # the table could not be read or written (permissions, a full disk)
         _fail(f"--results {out}: {e.strerror or e}")
-    kind = "imported" if from_report is not None else "smoke" if smoke else "measured"
     modelled = any("MODELLED" in str(r.get("unit") or "") for r in rows)
+    # the rows' `source` says how the launch ran (measured: run here, not a smoke run or an import); a MODELLED
+    # unit says the number is a prediction: the title never calls predictions measured
+    kind = "imported" if from_report is not None else "smoke" if smoke else "run here" if modelled else "measured"
+    if modelled:
+        kind += "; the MODELLED ones are predictions, not measurements"
     shown = next((m for m in s.metrics if any(r["metric"] == m for r in rows)), None)
     # the unit says what a number is (µs, GB/s; a prediction's carries MODELLED)
     shown_rows = [r for r in rows if r["metric"] == shown or str(r.get("note", "")).startswith("FAILED")]
@@ -530,8 +534,7 @@ def run_scenario(
             Col("unit", "word"), Col("median", "num", "left"), Col("p10", "num", "left", drop=2),
             Col("p90", "num", "left", drop=2), Col("note"))
     print_table(Console(), cols, cells, title=f"{scenario}: {len(rows)} rows appended ({kind})"
-                + (f", launch {launch_ids[0]}" if one else "")
-                + (" - MODELLED: predictions, not measurements" if modelled else ""),
+                + (f", launch {launch_ids[0]}" if one else ""),
                 left_out_hint=f"every column is in {out}")
     if all(str(r.get("note", "")).startswith("FAILED") for r in rows):
         _err.print("[red]every case failed[/red]")

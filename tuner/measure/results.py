@@ -5,7 +5,8 @@ measured (scenario, case, metric, its median / p10 / p90 over `n` samples), wher
 fingerprint, world, backend), on which code (git SHA + dirty flag, moetune / torch / NCCL / CUDA versions),
 when, and by which exact command. `source` says how the row was made: `measured` (by `moetune bench run`),
 `smoke` (a plumbing check on tiny sizes: not a measurement) or `imported` (a number recorded before this table
-existed; its SHA is the commit that added the raw result file).
+existed; its SHA is the commit that added the raw result file). A prediction of the fabric model is made by a run
+too: its `unit` carries `MODELLED` (`x MODELLED`, `% MODELLED`), which every table and summary shows with it.
 
 Stdlib only: the CLI, the scenario runner and the tests share it.
 """

@@ -753,8 +753,11 @@ def check_machine(s: Scenario, smoke: bool, gpus: int) -> Needs:
         raise ScenarioError(f"scenario {s.name} has no CPU smoke variant: {s.smoke_skip}")
     n = s.smoke_needs if smoke else s.needs
     if n.gpus > gpus:
+        # the smoke run is named only where there is one (proxy-fences has none: it was offered, then refused)
+        smoke_hint = (f"it has no CPU smoke variant: {s.smoke_skip}" if s.smoke_skip
+                      else f"`moetune bench run {s.name} --smoke` checks its plumbing on CPU")
         raise ScenarioError(f"scenario {s.name} needs {n.describe()} ({n.hardware}); this machine has "
-                            f"{gpus} CUDA GPU{'s' if gpus != 1 else ''}. `moetune bench run {s.name} --smoke` checks its plumbing on CPU")
+                            f"{gpus} CUDA GPU{'s' if gpus != 1 else ''}. {smoke_hint}")
     if n.world > (os.cpu_count() or 1) * 8:
         raise ScenarioError(f"scenario {s.name} needs world {n.world}: too many ranks to spawn here")
     return n
