@@ -27,10 +27,13 @@ def parse_routing(spec: str) -> tuple[str, float]:
     spec = spec.strip().lower()
     if spec == "uniform":
         return "uniform", 0.0
-    if spec.startswith("zipf"):
-        _, _, s = spec.partition(":")
+    name, colon, s = spec.partition(":")
+    if name.strip() == "zipf":  # exactly: "zipfian" or "zipf2" were read as zipf:1.0
+        if colon and not s.strip():
+            raise ValueError(f"routing {spec!r}: give the Zipf exponent after the colon (e.g. zipf:1.2), or plain "
+                             "zipf for 1.0")
         try:
-            exponent = float(s) if s else 1.0
+            exponent = float(s) if colon else 1.0
         except ValueError:
             raise ValueError(f"routing {spec!r}: the Zipf exponent must be a number (e.g. zipf:1.2)") from None
         if not 0.0 <= exponent <= 10.0:

@@ -254,3 +254,25 @@ def test_bench_ep_refuses_a_negative_seed(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(launch, "launch", ran)
     _refused(_run("bench", "ep", "--seed", "-1"), "--seed must be an integer from 0 to 4294967295")
     _refused(_run("bench", "moe", "--seed", "-1"), "--seed must be")
+
+
+def test_bench_moe_without_a_runnable_engine_builds_no_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CUDA, `bench moe --engine megakernel,torch` built the layers' weights (and timed a plain read of them)
+    for 20-75 s before saying both engines were skipped: now nothing is built and the refusal comes at once."""
+    import torch
+
+    from moetune.runtime import moe_layer
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe as M
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def no_layer(*a: object, **k: object) -> None:
+        raise AssertionError("a layer was built for engines that cannot run here")
+
+    monkeypatch.setattr(moe_layer, "MoELayer", no_layer)
+    rep = M.bench_moe(get_model("qwen3-30b"), [1], ["megakernel", "torch"], iters=1, warmup=0, rotate=1)
+    assert [c["engine"] for c in rep["cases"]] == ["megakernel", "torch"]
+    assert "no CUDA device" in rep["cases"][0]["skipped"] and "CUDA" in rep["cases"][1]["skipped"]
+    r = _run("bench", "moe", "--engine", "megakernel,torch", "--tokens", "1", "--iters", "1", "--warmup", "0")
+    assert r.exit_code == 1 and "every requested case was skipped: nothing was measured" in r.output, r.output

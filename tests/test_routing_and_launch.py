@@ -29,6 +29,13 @@ def test_fabric_model_accepts_what_the_runtime_accepts() -> None:
         Workload(qwen, 256, 4, 4, routing="zipf:11")
 
 
+@pytest.mark.parametrize("spec", ["zipfian", "zipf2", "zipf:", "zipf: "])
+def test_a_routing_name_is_matched_whole(spec: str) -> None:
+    """Any word starting 'zipf', and 'zipf:' with no exponent, were taken as zipf:1.0 (and echoed as typed)."""
+    with pytest.raises(ValueError, match="routing"):
+        parse_routing(spec)
+
+
 def test_parse_routing_stays_torch_free() -> None:
     code = ("import sys; from moetune.runtime.routing import parse_routing; "
             "import moetune.tuner.fabric_model.predict; parse_routing('zipf:1.1'); "

@@ -147,7 +147,7 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
     it ends; the caller closes it."""
     import torch
 
-    from moetune.runtime.megakernel.engine import MegakernelUnavailable
+    from moetune.runtime.megakernel.engine import MegakernelUnavailable, megakernel_problem
     from moetune.runtime.moe_layer import MoELayer, max_rel_err
 
     bad = [e for e in engines if e not in ENGINES]
@@ -162,29 +162,37 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
     layers: dict[str, Any] = {}  # engine -> the MoELayer it runs on (torch: the unfused layer's weights)
     fwd: dict[str, Callable[[Any], Any]] = {}  # engine -> its whole-layer call
     skipped: dict[str, str] = {}
+    if "torch" in engines and not cuda:
+        skipped["torch"] = "the plain torch path needs torch._grouped_mm on a CUDA device"
     for eng in engines:
         if eng == "torch":
             continue
         mk_knobs = (knobs or Knobs(engine="megakernel")) if eng == "megakernel" else Knobs()
+        # refused before the layer builds its weights (seconds to a minute on a CPU, for nothing)
+        why = megakernel_problem(dev, dtype, model) if eng == "megakernel" else None
+        if why is not None:
+            skipped[eng] = why
+            continue
         try:
             layers[eng] = MoELayer(model, None, mk_knobs, max_tokens=smax, device=dev, dtype=dtype, seed=seed,
                                    engine=eng)
             fwd[eng] = layers[eng].forward
         except MegakernelUnavailable as e:
             skipped[eng] = str(e)
+    report = {"model": model.name, "device": str(dev), "graph": graph and cuda, "iters": iters, "warmup": warmup,
+              "rotate": rotate, "rest_s": rest_s}
+    cases: list[dict[str, Any]] = [{"engine": e, "skipped": skipped[e]} for e in dict.fromkeys(engines) if e in skipped]
+    if len(skipped) == len(set(engines)):  # nothing can run here: no weights built, no plain read timed
+        return {**report, "cases": cases}
     src = layers.get("unfused") or layers.get("megakernel")  # whose weights the plain read sums
     if "torch" in engines or src is None:  # same weights as the unfused layer (built for them if not timed)
         src = layers.get("unfused") or MoELayer(model, None, Knobs(), max_tokens=smax, device=dev, dtype=dtype,
                                                 seed=seed, engine="unfused")
-    if "torch" in engines:
-        if cuda:
-            from moetune.runtime.testing.baselines import plain_torch_moe
+    if "torch" in engines and "torch" not in skipped:
+        from moetune.runtime.testing.baselines import plain_torch_moe
 
-            g, w1, w2, k = src.gate.data, src.w_gate_up.data, src.w_down.data, model.topk
-            fwd["torch"] = lambda x: plain_torch_moe(x, g, w1, w2, k)
-        else:
-            skipped["torch"] = "the plain torch path needs torch._grouped_mm on a CUDA device"
-    cases: list[dict[str, Any]] = [{"engine": e, "skipped": why} for e, why in skipped.items()]
+        g, w1, w2, k = src.gate.data, src.w_gate_up.data, src.w_down.data, model.topk
+        fwd["torch"] = lambda x: plain_torch_moe(x, g, w1, w2, k)
     timed = [e for e in engines if e in fwd]  # the order asked for
     # a case on the CPU, or the default S list on a GPU, takes minutes in all: say which case runs now
     task = progress.add(f"MoE layer on {dev}", len(tokens) * len(timed)) if progress is not None else None
@@ -209,5 +217,4 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
             done += 1
             if progress is not None:
                 progress.update(task, done)
-    return {"model": model.name, "device": str(dev), "graph": graph and cuda, "iters": iters, "warmup": warmup,
-            "rotate": rotate, "rest_s": rest_s, "cases": cases}
+    return {**report, "cases": cases}
