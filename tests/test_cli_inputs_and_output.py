@@ -202,3 +202,12 @@ def test_query_says_its_fallback_once(tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr
         assert ("NO tuned profile" in r.stderr) is on_stderr, (fmt, r.stderr)
         assert fmt == "env" or "using the policy default" in " ".join(r.stdout.split()), (fmt, r.stdout)
+
+
+def test_fabric_capture_into_a_file_says_it_is_a_file(tmp_path: Path) -> None:
+    """`fabric capture keep.png` (a file) said it 'already exists and is not an empty directory'."""
+    dest = tmp_path / "keep.png"
+    dest.write_bytes(b"png")
+    r, out = _run("fabric", "capture", str(dest), "--timeout", "0.5", home=tmp_path, columns=400)
+    _refused(r, out, "is a file, not a directory", code=r.exit_code)
+    assert r.exit_code != 0 and dest.read_bytes() == b"png"

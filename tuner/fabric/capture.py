@@ -103,7 +103,9 @@ def write_capture(rec: RecordingSource, dest: Path, facts: FabricFacts) -> Path:
 def capture_node(dest: Path | str, *, timeout_s: float = 1.5, source: Source | None = None) -> Path:
     """Discover this node (or `source`) and write everything discovery read under `dest`."""
     dest = Path(dest)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+    if dest.exists() and not dest.is_dir():
+        raise CaptureWriteError(dest, "is a file, not a directory: give a new or empty directory for the capture")
+    if dest.exists() and any(dest.iterdir()):
         raise CaptureWriteError(dest, "already exists and is not an empty directory")
     live = source if source is not None else LiveSource(timeout_s=timeout_s)
     rec = RecordingSource(live)
