@@ -59,3 +59,18 @@ def test_report_draws_signalled_efficiency_and_tabulates_fence_cost(tmp_path) ->
     assert (tmp_path / "signalled.png").stat().st_size > 10_000
     assert "![Signalled against put-only throughput (measured)](signalled.png)" in text
     assert "| `proxy_drain` | 16 KiB | 3.00 | 18.00 | 98.00 |" in text
+
+
+def test_a_report_rewritten_without_a_plot_removes_only_its_own_earlier_one(tmp_path) -> None:
+    """`moetune report --out rA` for another node left the first node's latency/bandwidth plots beside a report
+    that said nothing was measured. A plot file no earlier report of ours showed is the user's: kept."""
+    from moetune.tuner.bringup.report import ReportData, write_report
+
+    rows = [{"kind": "latency", "transport": "nvlink", "size_bytes": size, "value": 2.0 + size / 1e6, "spread": 0.1,
+             "unit": "us", "extra": {}} for size in (1024, 65536, 1 << 20)]
+    write_report(ReportData(node="a", fingerprint="a" * 16, measurements=rows), tmp_path)
+    assert (tmp_path / "latency.png").exists()
+    (tmp_path / "tuned.png").write_bytes(b"the user's")  # no earlier report showed a tuned.png
+    text = write_report(ReportData(node="b", fingerprint="b" * 16), tmp_path).read_text()
+    assert "latency.png" not in text and not (tmp_path / "latency.png").exists()
+    assert (tmp_path / "tuned.png").read_bytes() == b"the user's"

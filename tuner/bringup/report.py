@@ -185,6 +185,21 @@ def _plot_importances(importances: dict[str, dict[str, float]], path: Path) -> b
     return True
 
 
+PLOT_FILES = ("latency.png", "bandwidth.png", "signalled.png", "tuned.png", "importances.png")
+
+
+def _plots_of_earlier_report(path: Path) -> set[str]:
+    """The plots a report this module wrote at `path` before shows (only those it may replace or remove: a file of
+    that name that no earlier report of ours showed is the user's)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return set()
+    if not text.startswith("# moetune bring-up report"):
+        return set()
+    return {f for f in PLOT_FILES if f"]({f})" in text}
+
+
 def write_report(data: ReportData, out_dir: Path) -> Path:
     """Write `report.md` and its PNGs into out_dir; returns the Markdown path."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -211,9 +226,12 @@ def write_report(data: ReportData, out_dir: Path) -> Path:
          lambda p: _plot_tuned(data.tuned, p)),
         ("importances.png", "Which knobs mattered", lambda p: _plot_importances(data.importances, p)),
     ]
+    earlier = _plots_of_earlier_report(out_dir / "report.md")
     for fname, title, draw in plots:
         if draw(out_dir / fname):
             md += [f"## {title}", "", f"![{title}]({fname})", ""]
+        elif fname in earlier:  # the last report's plot, not this one's (another node's curves beside this report)
+            (out_dir / fname).unlink(missing_ok=True)
     md += _fence_table(data.measurements)
     if data.tuned:
         md += ["## Tuned settings", "",
