@@ -112,6 +112,9 @@ def test_db_check_lists_the_unreadable_rows_and_profiles_delete_removes_one(tmp_
     assert r.exit_code == 1, r.output
     assert "NOT OK" in r.output and "unreadable profile rows: 1" in r.output, r.output
     assert "profile 2: profile key: 127 experts do not divide evenly over an EP group of 2" in r.output, r.output
+    # the removal each suggests names this database: a plain `profiles delete 2` deleted the default database's
+    # (readable) profile 2 and left this one's unreadable row
+    assert f"`moetune profiles delete ID --db {db}` removes one" in " ".join(r.output.split()), r.output
     r = run("db", "check", "--json", "--db", str(db), home=h)
     info = json.loads(r.stdout)
     assert r.exit_code == 1 and not info["ok"]
@@ -119,6 +122,7 @@ def test_db_check_lists_the_unreadable_rows_and_profiles_delete_removes_one(tmp_
 
     r = run("profiles", "show", "2", "--db", str(db), home=h)
     assert r.exit_code == 2 and "cannot read it" in r.output and "127 experts" in r.output, r.output
+    assert f"`moetune profiles delete 2 --db {db}` removes it" in " ".join(r.output.split()), r.output
     r = run("profiles", "delete", "2", "--yes", "--db", str(db), home=h)
     assert r.exit_code == 0 and "deleted profile 2" in r.output, r.output
     r = run("db", "check", "--json", "--db", str(db), home=h)

@@ -288,8 +288,8 @@ def check(
             out.print(escape(f"  schema differs: {d}"))
         bad = info["unreadable_profiles"]
         if bad:  # every read skips them; kept until removed on purpose
-            out.print(f"  unreadable profile rows: {len(bad)} (skipped by every read; `moetune profiles delete ID` "
-                      f"removes one)")
+            out.print(escape(f"  unreadable profile rows: {len(bad)} (skipped by every read; `moetune profiles delete "
+                             f"ID{db_flag(Path(info['path']))}` removes one)"))
             for row in bad:
                 out.print(escape(f"    profile {row['id']}: {row['error']}"))
     if not info["ok"]:

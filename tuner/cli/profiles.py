@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from moetune.runtime.profiles.perf_env import perf_env_digest
 from moetune.tuner.cli._tables import Col, print_table
-from moetune.tuner.cli.db import CONFIG_HELP, DB_HELP, err, fail, open_store, out, print_json
+from moetune.tuner.cli.db import CONFIG_HELP, DB_HELP, db_flag, err, fail, open_store, out, print_json
 
 app = typer.Typer(help="Tuned profiles in the database: list, show, delete, export, import.", no_args_is_help=True)
 
@@ -144,9 +144,9 @@ def show(
 def _no_profile(store: Any, profile_id: int) -> NoReturn:
     """Exit 2: no such profile, or one stored that this moetune cannot read (said so, with how to remove it)."""
     unreadable = store.unreadable_profiles(profile_id)
-    if unreadable:
+    if unreadable:  # the command names this database: a plain `delete` acts on the default one's profile of that id
         raise fail(f"profile {profile_id} is stored but this moetune cannot read it: {unreadable[0][1]} "
-                   f"(`moetune profiles delete {profile_id}` removes it)")
+                   f"(`moetune profiles delete {profile_id}{db_flag(store.path)}` removes it)")
     raise fail(f"no profile {profile_id}")
 
 
