@@ -161,6 +161,12 @@ def test_keys_messages_name_the_path_and_what_to_do(tmp_path: Path) -> None:
     r, out = _run("keys", "allow", str(tmp_path / "nope.key"), str(srv))
     _refused(r, out, f"{tmp_path / 'nope.key'}: no such file")
     assert "Invalid certificate" not in out
+    # a key file whose public key is no CURVE key was copied in and reported allowed (it lets nobody in)
+    bad = tmp_path / "bob.key"
+    bad.write_text('metadata\ncurve\n    public-key = "not-a-key"\n')
+    r, out = _run("keys", "allow", str(bad), str(srv), "--admin")
+    _refused(r, out, f"{bad}: its public key b'not-a-key' is not a CURVE key (40 Z85 characters)")
+    assert not (srv / "clients" / "bob.key").exists() and not (srv / "admins" / "bob.key").exists()
 
 
 def test_db_downgrade_above_the_database_and_unknown_revisions(tmp_path: Path) -> None:

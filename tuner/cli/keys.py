@@ -117,6 +117,16 @@ def generate(
         typer.echo(f"public key: {public}\nsecret key: {secret}  (set daemon.curve_secret_key_file to this)")
 
 
+def is_curve_key(key: bytes) -> bool:
+    """Whether `key` is a CURVE key as zmq writes it: 40 Z85 characters (32 bytes)."""
+    from zmq.utils import z85
+
+    try:
+        return len(key) == 40 and len(z85.decode(key)) == 32
+    except (ValueError, KeyError, TypeError):  # z85 raises KeyError for a character outside its alphabet
+        return False
+
+
 def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -> Path:
     """Copy a client's public key file into the daemon's allow-list directory (created 0700)."""
     import zmq.auth
@@ -128,6 +138,8 @@ def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -
         raise ValueError(f"{public_file} is not a CURVE public key file: {e}") from None
     if not public:
         raise ValueError(f"{public_file} holds no public key")
+    if not is_curve_key(public):  # the daemon would load it and never match a client: an allow-list entry for nobody
+        raise ValueError(f"{public_file}: its public key {public[:60]!r} is not a CURVE key (40 Z85 characters)")
     _make_dir(clients_dir, "allow-list directory")
     _check_key_dir(clients_dir, "allow-list directory", "others could add their own keys to it")
     dest = clients_dir / (public_file.name if public_file.suffix == ".key" else f"{public_file.stem}.key")
