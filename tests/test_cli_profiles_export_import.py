@@ -179,3 +179,21 @@ def test_export_without_force_never_replaces_a_file_made_after_its_check(tmp_pat
     monkeypatch.setattr(io, "dump_profiles", dump)
     r = run("profiles", "export", str(target), "--db", str(db))
     assert r.exit_code == 0 and json.loads(target.read_text())["format"] == "moetune-profiles", r.output
+
+
+def test_fingerprint_filter_takes_the_start_list_shows(tmp_path: Path) -> None:
+    """`list` shows a fingerprint's first 10 characters; `--fingerprint` given them matched nothing, silently
+    ("0 profile(s)", "exported 0 profile(s)"). A unique start names it; none or several is an error."""
+    db = tmp_path / "m.db"
+    fill(db)
+    with Store(db) as s:
+        s.upsert_fingerprint("fp-other", {})
+    r = run("profiles", "list", "--db", str(db), "--fingerprint", "fp-c", "--json")
+    assert r.exit_code == 0 and len(json.loads(r.stdout)) == 2, r.output
+    r = run("profiles", "export", "-", "--db", str(db), "--fingerprint", "fp-c")
+    assert r.exit_code == 0 and len(json.loads(r.stdout)["profiles"]) == 2, r.output
+    r = run("profiles", "list", "--db", str(db), "--fingerprint", "fp-")
+    assert r.exit_code == 2 and "is the start of 2 fingerprints" in r.output, r.output
+    r = run("profiles", "export", str(tmp_path / "x.json"), "--db", str(db), "--fingerprint", "nope")
+    assert r.exit_code == 2 and "no stored fingerprint is or starts with it" in r.output, r.output
+    assert not (tmp_path / "x.json").exists()

@@ -63,7 +63,7 @@ def _check_provenance(provenance: str | None) -> None:
 @app.command("list")
 def list_cmd(
     status: str | None = typer.Option(None, "--status", help="current, stale or superseded."),
-    fingerprint: str | None = typer.Option(None, "--fingerprint", help="Only this fabric fingerprint."),
+    fingerprint: str | None = typer.Option(None, "--fingerprint", help="Only this fabric fingerprint (or the start of one, as `list` shows it)."),
     provenance: str | None = typer.Option(None, "--provenance", help="measured, node_model or preset."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
@@ -73,6 +73,7 @@ def list_cmd(
     _check_status(status)
     _check_provenance(provenance)
     with open_store(db, config, mode="read") as store:
+        fingerprint = _whole_fingerprint(store, fingerprint)
         rows = store.list_profiles(status=status, fingerprint=fingerprint, provenance=provenance)
     if json_out:
         print_json([_record_json(pid, rec) for pid, rec in rows])
@@ -141,6 +142,24 @@ def show(
                 title=escape(f"profile {profile_id} ({rec.status}, hash {rec.profile_hash})"), show_header=False)
 
 
+def _whole_fingerprint(store: Any, given: str | None) -> str | None:
+    """The stored fingerprint --fingerprint names: itself, else the one it is the start of (`list` shows the first 10
+    characters; that prefix matched nothing, silently). Exit 2 when none or several start so."""
+    if given is None:
+        return None
+    known = [str(r["hash"]) for r in store.list_fingerprints()]
+    if given in known:
+        return given
+    hits = [h for h in known if h.startswith(given)]
+    if len(hits) == 1:
+        return hits[0]
+    if hits:
+        raise fail(f"--fingerprint {given!r} is the start of {len(hits)} fingerprints: {', '.join(hits[:5])}"
+                   + (", ..." if len(hits) > 5 else "") + "; give more of it")
+    raise fail(f"--fingerprint {given!r}: no stored fingerprint is or starts with it "
+               f"({len(known)} stored; `moetune profiles list --json` shows them whole)")
+
+
 def _no_profile(store: Any, profile_id: int) -> NoReturn:
     """Exit 2: no such profile, or one stored that this moetune cannot read (said so, with how to remove it)."""
     unreadable = store.unreadable_profiles(profile_id)
@@ -173,7 +192,7 @@ def delete(
 def export_cmd(
     path: str = typer.Argument(..., help='JSON file to write ("-" for stdout); an existing file is replaced only with --force.'),
     status: str | None = typer.Option(None, "--status", help="Only profiles with this status: current, stale or superseded."),
-    fingerprint: str | None = typer.Option(None, "--fingerprint", help="Only this fabric fingerprint."),
+    fingerprint: str | None = typer.Option(None, "--fingerprint", help="Only this fabric fingerprint (or the start of one, as `list` shows it)."),
     provenance: str | None = typer.Option(None, "--provenance", help="Only profiles of this provenance: measured, node_model or preset."),
     force: bool = typer.Option(False, "--force", help="Replace an existing file (also a read-only one; its permissions are kept)."),
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
@@ -183,6 +202,7 @@ def export_cmd(
     _check_status(status)
     _check_provenance(provenance)
     with open_store(db, config, mode="read") as store:
+        fingerprint = _whole_fingerprint(store, fingerprint)
         if path == "-":
             sys.stdout.buffer.write(store.dump_profiles(status=status, fingerprint=fingerprint, provenance=provenance))
             sys.stdout.flush()
