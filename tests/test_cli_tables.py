@@ -29,7 +29,7 @@ def _fill(db: Path) -> None:
     with Store(db) as s:
         for fam, ep, nodes, b, us, sp, be, prov in ROWS:
             key = ProfileKey(fingerprint="fp-cli-0123456789abcdef", software="sw", transport_family=fam, ep_size=ep,
-                             nodes=nodes, hidden=7168, intermediate=2048, experts=256, topk=8, dtype="bfloat16",
+                             nodes=nodes, hidden=7168, intermediate=18432, experts=256, topk=8, dtype="bfloat16",
                              token_bucket=b)
             s.put_profile(ProfileRecord(key=key, knobs=default_knobs(fam.split(":")[0]), latency_us=us, spread_us=sp,
                                         backend=be, provenance=prov))
@@ -57,8 +57,8 @@ def test_profiles_list_never_cuts_a_number_or_a_status(tmp_path: Path, columns: 
     code, out = _run("profiles", "list", "--db", str(db), columns=columns)
     assert code == 0, out
     assert "…" not in out, out
-    for number in ("6987.4", "±12.3", "123456.7", "±1234.5", "56.4", "4096", "16/2n"):
-        assert number in out, (number, out)
+    for number in ("6987.4", "±12.3", "123456.7", "±1234.5", "56.4", "4096", "16/2n", "h7168", "i18432", "e256"):
+        assert number in out, (number, out)  # the shape's numbers too (18432 was split over two lines)
     assert out.count("current") == 3 and "measured" in out and "PRESET" in out, out
     if columns >= 80:  # at 60 even the fewest columns do not fit: printed wider, nothing cut
         _lines_fit(out, columns)
@@ -71,7 +71,7 @@ def test_profiles_list_shows_every_column_when_wide(tmp_path: Path) -> None:
     _fill(db)
     code, out = _run("profiles", "list", "--db", str(db), columns=200)
     assert code == 0 and "…" not in out and "not shown" not in out, out
-    for cell in ("6987.4 ±12.3", "bfloat16", "model:slingshot11-libfabric-a100x4", "fp-cli-012", "7168/2048/256/8"):
+    for cell in ("6987.4 ±12.3", "bfloat16", "model:slingshot11-libfabric-a100x4", "fp-cli-012", "h7168 i18432 e256 k8"):
         assert cell in out, (cell, out)
 
 

@@ -81,7 +81,7 @@ def list_cmd(
     # 80 columns (a pipe, a CI log) hold no 12 columns: updated, backend, dtype and fingerprint are left out in that
     # order (the caption says so), the rest wrap; a number or a status is never cut (`_tables`)
     cols = (Col("id", "num"), Col("status", "word"), Col("provenance", "word"), Col("family"),
-            Col("fingerprint", drop=2), Col("ep", "num"), Col("h/i/e/k"), Col("dtype", drop=3), Col("tokens", "num"),
+            Col("fingerprint", drop=2), Col("ep", "num"), Col("shape", "word"), Col("dtype", drop=3), Col("tokens", "num"),
             Col("µs", "word", "right"), Col("backend", drop=4), Col("updated", "num", drop=5))
     colour = {"current": "green", "stale": "yellow", "superseded": "dim"}
     cells = []
@@ -94,7 +94,8 @@ def list_cmd(
             escape(k.transport_family),
             escape(k.fingerprint[:10]),
             f"{k.ep_size}" if k.nodes == 1 else f"{k.ep_size}/{k.nodes}n",
-            f"{k.hidden}/{k.intermediate}/{k.experts}/{k.topk}",
+            # hidden, intermediate, experts, top-k as words: wrapped between them at 80 columns, never inside one
+            f"h{k.hidden} i{k.intermediate} e{k.experts} k{k.topk}",
             escape(k.dtype),
             str(k.token_bucket),
             f"{r.latency_us:.1f} ±{r.spread_us:.1f}",  # wraps before the ± at 80 columns, never inside a number
