@@ -46,7 +46,7 @@ class StoreConfig:
 @dataclass(frozen=True)
 class DaemonConfig:
     socket: str = ""  # resolved by load_config: ipc://<runtime dir>/daemon.sock
-    pub_socket: str = ""  # resolved by load_config: ipc://<runtime dir>/events.sock
+    pub_socket: str = ""  # resolved by load_config: beside `socket` (pub_socket_beside)
     group: str = ""  # unix group allowed on the IPC directory ("" = owner only)
     group_may_retune: bool = False  # members of `group` may queue and cancel re-tunes (else the owner only)
     allow_insecure_tcp: bool = False
@@ -290,6 +290,19 @@ def _not_a_config_file(f: Path, given: str) -> str:
     return f"config file {f} (from {given}) does not exist"
 
 
+def pub_socket_beside(socket: str) -> str:
+    """The default PUB endpoint of a daemon listening on `socket` (config and `--socket` alike): events.sock in the
+    same folder for ipc://, the same host with port + 1 for tcp://; "" where there is none (another scheme, no port,
+    port 65535): the daemon then asks for pub_socket."""
+    if socket.startswith("ipc://"):
+        return f"ipc://{Path(socket[len('ipc://'):]).parent / paths.PUB_SOCKET_NAME}"
+    if socket.startswith("tcp://"):
+        host, _, port = socket[len("tcp://"):].rpartition(":")
+        if host and port.isascii() and port.isdigit() and 1 <= int(port) < 65535:
+            return f"tcp://{host}:{int(port) + 1}"
+    return ""
+
+
 def load_config(config_file: Path | None = None, env: Mapping[str, str] = os.environ) -> Config:
     """Defaults ← /etc ← user file ← `config_file` (or $MOETUNE_CONFIG) ← MOETUNE_* variables."""
     values: dict[str, dict[str, Any]] = {s: dataclasses.asdict(cls()) for s, cls in _SECTIONS.items()}
@@ -313,7 +326,9 @@ def load_config(config_file: Path | None = None, env: Mapping[str, str] = os.env
     if not values["daemon"]["socket"]:
         values["daemon"]["socket"] = f"ipc://{run / 'daemon.sock'}"
     if not values["daemon"]["pub_socket"]:
-        values["daemon"]["pub_socket"] = f"ipc://{run / 'events.sock'}"
+        # beside the socket, as for --socket: a socket set alone in a file put its PUB in the default runtime
+        # directory (another daemon's) or on IPC beside a tcp:// socket; "" where none can be told (the daemon says)
+        values["daemon"]["pub_socket"] = pub_socket_beside(values["daemon"]["socket"])
     if not values["client"]["socket"]:
         values["client"]["socket"] = values["daemon"]["socket"]
     values["daemon"]["log_level"] = values["daemon"]["log_level"].lower()

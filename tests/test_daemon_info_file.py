@@ -132,7 +132,7 @@ def test_a_start_up_failing_late_keeps_the_previous_daemon_json(tmp_path: Path, 
 
     monkeypatch.setattr(server, "start_metrics_server", no_port)
     d = _daemon(tmp_path, metrics_port=9)
-    with pytest.raises(OSError, match="in use"):
+    with pytest.raises(DaemonConfigError, match="in use"):
         d.start()
     assert sorted(p.name for p in run.iterdir()) == sorted([info.name, record.name])  # no socket left
     assert info.read_bytes() == before and record.read_bytes() == before_record

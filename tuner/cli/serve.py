@@ -55,12 +55,17 @@ def register(app: typer.Typer) -> None:
 
         from moetune.tuner.cli.db import fail
         from moetune.tuner.cli.query import check_socket
-        from moetune.tuner.daemon.server import DaemonConfigError, run_daemon
+        from moetune.tuner.daemon.server import DaemonConfigError, check_rediscover_interval, run_daemon
 
         # the options as given are checked first, so an error names the option (not a config key it fell to)
         for opt, endpoint in (("--socket", socket), ("--pub-socket", pub_socket)):
             if endpoint is not None:
                 check_socket(endpoint, opt)
+        if rediscover_interval is not None:  # inf and nan were taken (discovery then died, or never ran)
+            try:
+                check_rediscover_interval(rediscover_interval, "--rediscover-interval")
+            except DaemonConfigError as e:
+                raise fail(str(e)) from None
         if log_level is not None:
             from moetune.runtime.config import LOG_LEVELS
 
@@ -96,28 +101,30 @@ def register(app: typer.Typer) -> None:
             print_json({"ok": True, **msgspec.structs.asdict(st)})
             return
         from rich.console import Console
-        from rich.table import Table
+        from rich.markup import escape
 
-        t = Table(show_header=False, title="moetune daemon")
-        for k in ("endpoint", "pub_endpoint", "db", "epoch", "pid", "daemon_version", "fingerprint", "version"):
-            t.add_row(k, str(getattr(st, k)))
+        from moetune.tuner.cli._tables import Col, print_table
+
+        # every value is the daemon's text, printed as given ('[/]' in a job's reason is no markup), and folded
+        # whole at 80 columns (an endpoint or database path was cut with '…'); a field name wraps between words
+        rows: list[tuple[str, str]] = [(k, escape(str(getattr(st, k)))) for k in (
+            "endpoint", "pub_endpoint", "db", "epoch", "pid", "daemon_version", "fingerprint", "version")]
         # the counts cover every fingerprint in the database (presets and other nodes too), the provenance
         # row only this node's: say so, or 3 current profiles beside "measured: 0, ..., preset: 0" reads as a bug
-        t.add_row("profiles_current (all fingerprints)", str(st.profiles_current))
-        t.add_row("profiles_stale (all fingerprints)", str(st.profiles_stale))
-        for k in ("requests", "last_discovery", "last_discovery_ok", "last_discovery_message"):
-            t.add_row(k, str(getattr(st, k)))
-        t.add_row("uptime_s", f"{st.uptime_s:.1f}")
+        rows += [("profiles_current (all fingerprints)", str(st.profiles_current)),
+                 ("profiles_stale (all fingerprints)", str(st.profiles_stale))]
+        rows += [(k, escape(str(getattr(st, k))))
+                 for k in ("requests", "last_discovery", "last_discovery_ok", "last_discovery_message")]
+        rows.append(("uptime_s", f"{st.uptime_s:.1f}"))
         prov = st.provenance
         if prov:  # how the current profiles of this node's fingerprint were obtained
-            t.add_row("provenance (this fingerprint)", ", ".join(f"{k}: {v}" for k, v in prov.items()))
+            rows.append(("provenance (this fingerprint)", escape(", ".join(f"{k}: {v}" for k, v in prov.items()))))
         if st.tune_notice:
-            t.add_row("re-tune", f"[yellow]{st.tune_notice}[/]")
+            rows.append(("re-tune", f"[yellow]{escape(st.tune_notice)}[/]"))
         j = st.jobs
-        t.add_row("jobs", f"running: {j.running.id if j.running else '-'}, queued: {len(j.queued)}/{j.capacity}")
-        for r in j.recent[-5:]:
-            t.add_row(f"job {r.id}", f"{r.state}: {r.reason} ({r.message})")
-        Console().print(t)
+        rows.append(("jobs", f"running: {j.running.id if j.running else '-'}, queued: {len(j.queued)}/{j.capacity}"))
+        rows += [(f"job {r.id}", escape(f"{r.state}: {r.reason} ({r.message})")) for r in j.recent[-5:]]
+        print_table(Console(), (Col("field", "word"), Col("value")), rows, title="moetune daemon", show_header=False)
 
     @app.command("retune")
     def retune(

@@ -16,7 +16,8 @@ Security: the daemon never deletes or chmods what it did not create. The IPC dir
 0700 (0750 with a configured group) and marked as ours; an existing directory is used as it is. An
 existing file at the socket path is refused unless it is a dead socket this daemon's owner record
 proves was ours. daemon.json beside it is replaced only when it carries our mark and our owner record
-names it (a user's file there is left alone; a start-up that fails removes the one it wrote). `tcp://`
+names it and no other daemon at another endpoint, still running, wrote it (a user's file there is left alone; a
+start-up that fails removes the one it wrote). `tcp://`
 needs CURVE keys unless `allow_insecure_tcp` (loopback addresses only), and then clients are authenticated
 by pyzmq's ZAP authenticator against an allow-list of client public keys; key files and lists other local
 users could read (the secret key) or change are refused (`check_key_path`). One bad frame never ends the
@@ -39,6 +40,7 @@ import importlib
 import itertools
 import json
 import logging
+import math
 import os
 import queue
 import signal
@@ -59,9 +61,11 @@ import msgspec
 import zmq
 
 from moetune.runtime import wire
+from moetune.runtime._proc import pid_gone
+from moetune.runtime.config import pub_socket_beside
 from moetune.runtime.paths import loose_key_path, secret_key_checks
 from moetune.runtime.profile_record import ProfileRecord
-from moetune.runtime.profiles.client import INFO_NAME, PUB_SOCKET_NAME, is_loopback_host, tcp_host, tcp_port
+from moetune.runtime.profiles.client import INFO_NAME, is_loopback_host, tcp_host, tcp_port
 from moetune.tuner.daemon import handlers
 from moetune.tuner.daemon.index import CACHE_LIMIT, LIST_CACHE_LIMIT, ProfileIndex, ShapeKey, read_profiles
 from moetune.tuner.daemon.jobs import (
@@ -313,6 +317,34 @@ def foreign_info_reason(path: Path, endpoint: str) -> str | None:
     return "moetune did not write it (no \"written_by\" mark of the daemon)"
 
 
+def other_live_daemon(path: Path, endpoint: str) -> str | None:
+    """Which other daemon still serves from the daemon.json at `path` (its pid and endpoint), when the file says one
+    runs at another endpoint than `endpoint` and that one is alive: its IPC socket answers (a TCP endpoint: its pid,
+    of this host, runs). None otherwise: a stopped or dead daemon's file is taken over as before."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        data = json.loads(os.read(fd, 1 << 20)) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except (OSError, ValueError):
+        data = None
+    finally:
+        os.close(fd)
+    if not isinstance(data, dict) or data.get("running") is not True:
+        return None
+    other, pid = data.get("endpoint"), data.get("pid")
+    if not isinstance(other, str) or other == endpoint:
+        return None
+    p = _ipc_path(other)
+    if p is not None:
+        if p == _ipc_path(endpoint) or not p.is_absolute() or not _socket_alive(p):
+            return None
+    elif type(pid) is not int or pid <= 0 or data.get("host") != pysocket.gethostname() or pid_gone(pid):
+        return None
+    return f"pid {pid}, endpoint {other}"
+
+
 def _ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
 
@@ -377,16 +409,17 @@ def check_endpoint(endpoint: str, what: str) -> None:
 
 
 def derive_pub_endpoint(endpoint: str) -> str:
-    p = _ipc_path(endpoint)
-    if p is not None:
-        return f"ipc://{p.parent / PUB_SOCKET_NAME}"
+    """The PUB endpoint beside `endpoint`: the config's rule (pub_socket_beside), so that a socket set in a file
+    and one given with --socket get the same PUB."""
     if endpoint.startswith("tcp://"):
         port = _tcp_port(endpoint, "socket")
         if port >= 65535:
-            raise DaemonConfigError(f"the PUB port would be {port + 1} (socket port + 1), over 65535: set --pub-socket")
-        host = endpoint[len("tcp://") :].rpartition(":")[0]
-        return f"tcp://{host}:{port + 1}"
-    raise DaemonConfigError(f"cannot derive a PUB endpoint from {endpoint!r}; configure daemon.pub_socket")
+            raise DaemonConfigError(f"the PUB port would be {port + 1} (socket port + 1), over 65535: "
+                                    "set --pub-socket (or daemon.pub_socket)")
+    pub = pub_socket_beside(endpoint)
+    if not pub:
+        raise DaemonConfigError(f"cannot derive a PUB endpoint from {endpoint!r}; set --pub-socket (or daemon.pub_socket)")
+    return pub
 
 
 def _mode_words(bits: int) -> tuple[str, str]:
@@ -561,6 +594,7 @@ class Daemon(FabricWatch):
         group_may_retune: bool = False,
         metrics_port: int = 0,
         metrics_addr: str = "127.0.0.1",
+        metrics_option: str = "daemon.metrics_port",  # where metrics_port came from, for the error when it is taken
         db_path: str = "",
         job_capacity: int = 4,
     ):
@@ -574,6 +608,7 @@ class Daemon(FabricWatch):
         self._discover = discover
         self._diff = diff
         self.tune = tune or TuneSettings()
+        check_rediscover_interval(rediscover_interval_s, "rediscover_interval_s")
         self.interval = rediscover_interval_s
         self.max_request_bytes = max_request_bytes
         self.curve_secret_key_file = curve_secret_key_file
@@ -591,6 +626,7 @@ class Daemon(FabricWatch):
             raise DaemonConfigError("daemon.group_may_retune needs daemon.group (the group whose members may re-tune)")
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
+        self.metrics_option = metrics_option
         self.db_path = db_path or str(getattr(store, "path", "") or "")
         self.epoch = uuid.uuid4().hex[:16]
         self.started = time.time()
@@ -617,6 +653,7 @@ class Daemon(FabricWatch):
         self._lock_fd: int | None = None
         self._jobs_started = False
         self._info_id: tuple[int, int] | None = None  # (dev, inode) of the daemon.json this run wrote last
+        self._info_yielded = False  # daemon.json is another live daemon's: not written this run
         self._served = False  # start() went through: at exit daemon.json stays, as the runtime's fallback cache
         self.jobs = JobManager(store=store, facts_fn=lambda: self.facts, retune=retune_job or tuner_retune,
                                on_done=self._job_done, tune=self.tune, capacity=job_capacity, metrics=self.metrics)
@@ -635,13 +672,12 @@ class Daemon(FabricWatch):
         self._lock_database()  # the single writer: before anything is written
         try:
             self._bind()  # refuses when another daemon listens on the socket; requests wait in ZeroMQ meanwhile
+            self._start_metrics()  # a port in use is refused before the start-up's slow work (discovery)
             # the interrupted jobs first: a fabric change found now queues its re-tune with skip_queued (as every
             # automatic one), leaving out the keys a resumed job holds, so no key is tuned twice
             self._resume(self._recover())
             self._startup_discovery()
             self._rebuild()
-            if self.metrics_port:
-                self._metrics_server = start_metrics_server(self.metrics, self.metrics_port, self.metrics_addr)
             self.jobs.start()
             self._jobs_started = True
             lt = threading.Thread(target=self._list_loop, name="moetune-lists", daemon=True)
@@ -668,6 +704,16 @@ class Daemon(FabricWatch):
             self._serve_thread = threading.Thread(target=self.serve_forever, name="moetune-serve", daemon=True)
             self._serve_thread.start()
         return self
+
+    def _start_metrics(self) -> None:
+        if not self.metrics_port:
+            return
+        try:
+            self._metrics_server = start_metrics_server(self.metrics, self.metrics_port, self.metrics_addr)
+        except OSError as e:  # "[Errno 98] Address already in use" named neither the address nor the option
+            raise DaemonConfigError(f"{self.metrics_option} {self.metrics_port}: cannot serve /metrics on "
+                                    f"{self.metrics_addr}:{self.metrics_port}: {e.strerror or e} (choose another port, "
+                                    "or 0 for none)") from None
 
     def stop(self) -> None:
         self._stop.set()
@@ -908,8 +954,16 @@ class Daemon(FabricWatch):
         path = self._info_path()
         if path is None:
             return
+        if self._info_yielded:
+            return  # another live daemon's file (warned at start): left to it for this whole run
         if self._info_id is None:
             why = foreign_info_reason(path, self.endpoint)
+            # two daemons in one runtime folder: the other's clients would take this daemon's fingerprint as theirs
+            if why is None and (other := other_live_daemon(path, self.endpoint)) is not None:
+                self._info_yielded = True
+                log.warning("not writing %s: it is another moetune daemon's, still running (%s); this daemon (%s) "
+                            "serves without one and leaves it alone", path, other, self.endpoint)
+                return
         else:
             why = None if self._info_is_ours(path) else "it was replaced since this daemon wrote it"
         if why is not None:
@@ -1188,6 +1242,17 @@ def _load_config(config: Path | None) -> Any:
     return load_config(config)
 
 
+MAX_REDISCOVER_INTERVAL_S = 365 * 24 * 3600.0  # a year; more is a mistake (past threading.TIMEOUT_MAX the wait overflows)
+
+
+def check_rediscover_interval(value: float, what: str) -> None:
+    """Refuse an interval the discovery loop cannot wait: inf made its thread die of OverflowError (the daemon served
+    on with discovery dead), nan waited for ever without saying so. 0 is "never" (documented)."""
+    if not math.isfinite(value) or not 0 <= value <= MAX_REDISCOVER_INTERVAL_S:
+        raise DaemonConfigError(f"{what} must be a number of seconds in 0..{MAX_REDISCOVER_INTERVAL_S:.0f} "
+                                f"(0 = never), got {value}")
+
+
 def run_daemon(
     *,
     socket: str | None = None,
@@ -1207,13 +1272,19 @@ def run_daemon(
     """Build a Daemon from config + options and serve until SIGTERM/SIGINT. Returns the exit code."""
     cfg = _load_config(config)  # ConfigError (a ValueError) names the key and the file
     d = cfg.daemon
-    if rediscover_interval is not None and rediscover_interval < 0:
-        raise DaemonConfigError(f"--rediscover-interval must be >= 0, got {rediscover_interval}")
+    if rediscover_interval is not None:
+        check_rediscover_interval(rediscover_interval, "--rediscover-interval")
+    else:
+        check_rediscover_interval(d.rediscover_interval_s,
+                                  f"daemon.rediscover_interval_s in {cfg.origin_of('daemon', 'rediscover_interval_s')}")
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
         raise DaemonConfigError(f"--metrics-port must be in 0..65535, got {metrics_port}")
+    metrics_option = ("--metrics-port" if metrics_port is not None else
+                      f"daemon.metrics_port (in {cfg.origin_of('daemon', 'metrics_port')})")
     setup_logging(log_level or d.log_level)
     endpoint = socket or d.socket
-    pub = pub_socket or (derive_pub_endpoint(endpoint) if socket else d.pub_socket)
+    # --socket alone: its PUB beside it (the rule load_config applies to a socket set without pub_socket)
+    pub = pub_socket or (derive_pub_endpoint(endpoint) if socket or not d.pub_socket else d.pub_socket)
     db_path = db or cfg.store.db
     if store_hook:
         store = _load_hook(store_hook)(db_path)
@@ -1242,6 +1313,7 @@ def run_daemon(
         curve_clients_dir=curve_clients_dir, curve_admins_dir=d.curve_admins_dir or None,
         allow_insecure_tcp=d.allow_insecure_tcp if allow_insecure_tcp is None else allow_insecure_tcp,
         group=d.group, group_may_retune=d.group_may_retune, metrics_port=d.metrics_port if metrics_port is None else metrics_port,
+        metrics_option=metrics_option,
         db_path=str(getattr(store, "path", db_path)),  # as the store opened it (~ expanded): its lock goes beside it
     )
     daemon.install_signal_handlers()
