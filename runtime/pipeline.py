@@ -22,10 +22,11 @@ staging through host memory).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from moetune.runtime.buffer.facade import EPBuffer, RecvMeta
+from moetune.runtime.buffer.facade import EPBuffer, Handle, RecvMeta
 
 ExpertFn = Callable[[torch.Tensor, RecvMeta], torch.Tensor]
 
@@ -34,10 +35,13 @@ def pipelined_moe(
     buffer: EPBuffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, expert_fn: ExpertFn
 ) -> torch.Tensor:
     """dispatch → expert_fn per chunk → combine, overlapped chunk by chunk. expert_fn(recv_x, meta) must
-    return one row per received row (the row's local experts, weighted and summed), in the buffer's dtype."""
+    return one row per received row (the row's local experts, weighted and summed), in the buffer's dtype, on its
+    device. With buffer.check_inputs, an expert_fn that raises or returns wrong rows on one rank is an error on every
+    rank (one tiny all-gather per chunk, as combine's); without it, on that rank only."""
     if buffer.resident:  # one-sided transports: one exchange per direction, no host sync to overlap with
         recv_x, meta, h = buffer.dispatch(x, topk_idx, topk_weights)
-        return buffer.combine(expert_fn(recv_x, meta), h)
+        rows = _expert_rows(buffer, expert_fn, recv_x, meta, h, h.num_recv, [])
+        return buffer._combine_resident(rows, h)  # checked above on every rank: not twice
     handle = buffer.plan(x, topk_idx, topk_weights)
     n = len(handle.chunks)
     posted = []
@@ -45,20 +49,46 @@ def pipelined_moe(
         send = buffer.pack(handle, c)
         posted.append((buffer.post_dispatch(handle, c, send), send))
     handle.release_inputs()
-    received = []
+    received: list[tuple[torch.Tensor, Any]] = []
     for c in range(n):
         work, _send = posted[c]
         if work is not None:
             work.wait()
         recv_x, meta = buffer.unpack(handle, c)
-        rows = expert_fn(recv_x, meta)
-        if tuple(rows.shape) != (recv_x.shape[0], buffer.hidden) or rows.dtype != buffer.dtype:
-            raise ValueError(
-                f"expert_fn must return [{recv_x.shape[0]}, {buffer.hidden}] {buffer.dtype}, got "
-                f"{tuple(rows.shape)} {rows.dtype}"
-            )
+        # on an error, the transfers every rank has posted (later dispatches, earlier combines) finish first
+        pending = [w for w, _ in posted[c + 1 :]] + [w for _, w in received]
+        rows = _expert_rows(buffer, expert_fn, recv_x, meta, handle, recv_x.shape[0], pending)
         received.append(buffer.post_combine(handle, c, rows))
     return buffer.finish_combine(handle, received)
+
+
+def _expert_rows(buffer: EPBuffer, expert_fn: ExpertFn, recv_x: torch.Tensor, meta: RecvMeta, handle: Handle,
+                 rows: int, pending: list[Any]) -> torch.Tensor:
+    """expert_fn's output for one chunk, checked as combine checks expert_out (shape, dtype, device). With
+    check_inputs the ranks agree on whether any rank's expert_fn failed before this chunk's combine, so they all
+    raise instead of the others waiting in it; `pending` (work every rank posted) finishes first, leaving the group
+    usable."""
+    failure: Exception | None = None
+    out: Any = None
+    try:
+        out = expert_fn(recv_x, meta)
+    except Exception as e:
+        if not buffer.check_inputs:
+            raise
+        failure = e
+    problem = (f"expert_fn raised {type(failure).__name__}" if failure is not None
+               else buffer._combine_problem(out, handle, rows, what="expert_fn's output"))
+    bad = buffer._ranks_with_problem(bool(problem))
+    if not bad:
+        return out
+    error = failure or ValueError(f"pipelined_moe on rank {buffer.rank}: " + (
+        problem or f"expert_fn failed or returned wrong rows on rank(s) {bad}"))
+    try:
+        for work in pending:
+            if work is not None:
+                work.wait()
+    finally:
+        raise error
 
 
 def weighted_rows(recv_x: torch.Tensor, meta: RecvMeta) -> torch.Tensor:

@@ -100,7 +100,7 @@ from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.routing import expert_ids_problem, routed_inputs_fault
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.transports.base import EPTransport
-from moetune.runtime.transports.registry import get_transport
+from moetune.runtime.transports.registry import get_transport, registered_transports
 
 __all__ = ["DENSE_AUTO_MAX_BYTES", "DENSE_AUTO_MAX_WASTE", "MAX_COMM_CHANNELS", "TORCH_DTYPES", "EPBuffer", "Handle",
            "RecvMeta", "hit_probability"]
@@ -110,6 +110,14 @@ __all__ = ["DENSE_AUTO_MAX_BYTES", "DENSE_AUTO_MAX_WASTE", "MAX_COMM_CHANNELS", 
 # bytes of one buffer (1 TiB: no device has it; a larger max_tokens is a mistake, not a workload)
 MAX_PAIRS = (1 << 31) - 1
 MAX_BUFFER_BYTES = 1 << 40
+
+# What EPBuffer's construction checks locally, in order; a failed check travels as 1 + its index in the first
+# agreement, so the other ranks can say which argument which rank refused
+_CHECKS = ("knobs", "model", "max_tokens", "device", "dtype", "check_inputs", "dense", "expected_tokens", "options",
+           "compression", "scale_granularity", "transport")
+# What every rank must build alike (the first agreement's columns after the code)
+_AGREED = ("knobs=None", "knobs", "runtime options", "hidden", "intermediate", "experts", "topk", "max_tokens",
+           "dtype", "dense", "check_inputs")
 
 
 def _combine_shares(cls: type[EPTransport], device: torch.device, knobs: Knobs, options: RuntimeOptions) -> bool:
@@ -124,8 +132,9 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     """Dispatch/combine over the ranks of `group` with the knobs' transport (DESIGN §1–2).
 
     Construction is collective (every rank of the group, same arguments): ranks compare model, dtype,
-    max_tokens, the knobs' and the runtime options' digests, dense and check_inputs, and raise ValueError on every
-    rank when they differ.
+    max_tokens, the knobs' and the runtime options' digests (and whether knobs were given), dense and check_inputs,
+    and raise ValueError on every rank when they differ. An argument refused on one rank is an error on every rank:
+    that rank raises its own error, the others a ValueError naming it (the first collective, before any other).
 
     Args:
         group: the EP process group (None: the default group; without torch.distributed, one rank).
@@ -163,38 +172,24 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         options: RuntimeOptions | dict[str, Any] | None = None,
         expected_tokens: int | None = None,
     ):
-        # the arguments' types first: a model name, a dict of knobs or max_tokens=2.5 named here, not failing
-        # deep inside (or truncated, or a truthy string taken for dense=True)
-        who = "EPBuffer: "
-        _args.check_group(group, who)
-        _args.check_knobs(knobs, who)
-        _args.check_model(model, who)
-        _args.check_int("max_tokens", max_tokens, 0, who)
-        _args.check_device(device, who)
-        _args.check_dtype(dtype, who)
-        _args.check_flag("check_inputs", check_inputs, who)
-        _args.check_flag("dense", dense, who, optional=True)
-        if expected_tokens is not None:
-            _args.check_int("expected_tokens", expected_tokens, 1, who)
-            if expected_tokens > max(1, max_tokens):
-                raise ValueError(f"{who}expected_tokens={expected_tokens} is more than max_tokens={max_tokens}")
+        # the group first: without one there is nobody to agree with
+        _args.check_group(group, "EPBuffer: ")
         self.group = group
-        # the data path's switches, resolved once: explicit > MOETUNE_* variables > config [runtime] > defaults
-        self.options = RuntimeOptions.resolve(options)
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        if device is None:
-            backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self.device = _args.indexed_device(device)
-        self.model = model
-        self.max_tokens = max_tokens
-        self.dtype = dtype if dtype is not None else TORCH_DTYPES[model.dtype]
-        if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"activation dtype must be bfloat16, float16 or float32, got {self.dtype}")
-        model.check_ep(self.world)
-        self.expected_tokens = expected_tokens if expected_tokens is not None else max_tokens
+        # the group's device (it carries the agreement when this rank's device argument is refused); replaced by
+        # the device argument's once checked
+        backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.resolution: Any = None  # the autoload Resolution (knobs=None), the same on every rank
+        # every local check runs before the first collective, and the first collective has one shape whatever the
+        # arguments: a rank whose check failed (or that differs in knobs=None) is an error on every rank, not a
+        # rank raising while the others wait in a different collective (autoload's, the transport's)
+        fault = self._check_arguments(knobs, model, max_tokens, device, dtype, check_inputs, dense, options,
+                                      expected_tokens)
+        if fault is None and knobs is not None:
+            fault = self._check_knobs(knobs, dense)
+        self._agree(fault, knobs is not None)
         if knobs is None:
             from moetune.runtime.profiles.autoload import autoload_group_profile
 
@@ -203,22 +198,8 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
                                                      max_tokens=self.expected_tokens, device=self.device,
                                                      dtype=self.dtype)
             knobs = self.resolution.knobs
-        self.knobs = knobs
-        if knobs.compression == "fp8_e4m3":
-            if not fp8_available():
-                raise KnobError("this torch build has no float8_e4m3fn", ("compression",))
-            try:
-                num_scale_groups(model.hidden, knobs.scale_granularity)
-            except ValueError as e:
-                raise KnobError(str(e), ("scale_granularity",)) from None
-        self.check_inputs = check_inputs
-        self.experts_per_rank = model.experts // self.world
-        self.topk = model.topk
-        self.hidden = model.hidden
-        self.num_chunks = knobs.pipeline_depth
-        self._layout()
-        self.dense = self._choose_dense(dense, get_transport(knobs.transport))
-        self._agree()
+            # the loaded knobs' own checks (fp8 in this torch build, the transport here) may fail on one rank only
+            self._agree_loaded(self._check_knobs(knobs, dense))
         # transport buffers are sized for the larger of the two directions: with compression the combine rows
         # (activation dtype, never compressed) are wider than the dispatch rows
         widest_row = max(self.row_bytes, self.model.hidden * torch.empty(0, dtype=self.dtype).element_size())
@@ -230,7 +211,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         # with pipelining, combine gets its own set so it travels while later dispatch chunks still move,
         # unless the transport does better with both on one set (host_staged's copy streams).
         self.comm_channels = min(knobs.channels, MAX_COMM_CHANNELS)
-        cls = get_transport(knobs.transport)
+        cls = self._transport_cls
         opts = self.options
         self._combine_base = (self.comm_channels if self.num_chunks > 1
                               and not _combine_shares(cls, self.device, knobs, opts) else 0)
@@ -341,32 +322,151 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             raise ValueError(f"EPBuffer: max_tokens={self.max_tokens} is too large: {'; '.join(over)} (at most "
                              f"max_tokens={most} for this model, dtype and world)")
 
-    def _agree(self) -> None:
-        """Every rank must run the same setting (the row size and count layout depend on it)."""
-        if self.world == 1 or not dist.is_initialized():
-            return
-        digest = int(self.knobs.digest()[:15], 16)
-        options = int(self.options.digest()[:15], 16)
-        # check_inputs too: with it, combine (and the dense dispatch) run one more collective, so ranks that differ
-        # would wait in different collectives on valid input
-        mine = torch.tensor(
-            [digest, options, self.model.hidden, self.model.intermediate, self.model.experts, self.model.topk,
-             self.max_tokens, list(TORCH_DTYPES.values()).index(self.dtype), int(self.dense),
-             int(self.check_inputs)],
-            dtype=torch.int64,
-            device=self.device,
-        )
+    # -- construction: local checks, then one agreement ----------------------------------------------
+    def _check_arguments(self, knobs: Any, model: Any, max_tokens: Any, device: Any, dtype: Any, check_inputs: Any,
+                         dense: Any, options: Any, expected_tokens: Any) -> tuple[int, Exception] | None:
+        """The constructor's checks that need no collective (setting what they resolve); the first that fails as
+        (its code: 1 + its index in _CHECKS, the error). Types first: a model name, a dict of knobs or
+        max_tokens=2.5 named here, not failing deep inside (or truncated, or a truthy string taken for dense=True)."""
+        who = "EPBuffer: "
+        step = "knobs"
+        try:
+            _args.check_knobs(knobs, who)
+            step = "model"
+            _args.check_model(model, who)
+            step = "max_tokens"
+            _args.check_int("max_tokens", max_tokens, 0, who)
+            step = "device"
+            _args.check_device(device, who)
+            step = "dtype"
+            _args.check_dtype(dtype, who)
+            step = "check_inputs"
+            _args.check_flag("check_inputs", check_inputs, who)
+            step = "dense"
+            _args.check_flag("dense", dense, who, optional=True)
+            step = "expected_tokens"
+            if expected_tokens is not None:
+                _args.check_int("expected_tokens", expected_tokens, 1, who)
+                if expected_tokens > max(1, max_tokens):
+                    raise ValueError(f"{who}expected_tokens={expected_tokens} is more than max_tokens={max_tokens}")
+            step = "options"
+            # the data path's switches, resolved once: explicit > MOETUNE_* variables > config [runtime] > defaults
+            self.options = RuntimeOptions.resolve(options)
+            step = "device"
+            if device is not None:
+                self.device = _args.indexed_device(device)
+            step = "dtype"
+            self.dtype = dtype if dtype is not None else TORCH_DTYPES[model.dtype]
+            if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                raise ValueError(f"activation dtype must be bfloat16, float16 or float32, got {self.dtype}")
+            step = "model"
+            model.check_ep(self.world)
+        except (TypeError, ValueError, RuntimeError) as e:  # RuntimeError: torch refusing a device string
+            return _CHECKS.index(step) + 1, e
+        self.model = model
+        self.max_tokens = max_tokens
+        self.expected_tokens = expected_tokens if expected_tokens is not None else max_tokens
+        self.check_inputs = check_inputs
+        self.experts_per_rank = model.experts // self.world
+        self.topk = model.topk
+        self.hidden = model.hidden
+        return None
+
+    def _check_knobs(self, knobs: Knobs, dense: bool | None) -> tuple[int, Exception] | None:
+        """The checks of the knobs against this runtime and model (no collective), fixing the row layout, the
+        transport class and the layout; the first that fails as (its code, the error), as _check_arguments."""
+        step = "compression"
+        try:
+            if knobs.compression == "fp8_e4m3":
+                if not fp8_available():
+                    raise KnobError("this torch build has no float8_e4m3fn", ("compression",))
+                step = "scale_granularity"
+                try:
+                    num_scale_groups(self.model.hidden, knobs.scale_granularity)
+                except ValueError as e:
+                    raise KnobError(str(e), ("scale_granularity",)) from None
+            step = "transport"
+            # a transport the knobs allow (ibgda) that this runtime does not implement: named as the knob, not a
+            # KeyError from the registry
+            if knobs.transport not in registered_transports():
+                raise KnobError(f"{knobs.transport!r} is not available in this runtime (registered: "
+                                f"{', '.join(registered_transports())})", ("transport",))
+            cls = get_transport(knobs.transport)
+            self.knobs = knobs
+            self.num_chunks = knobs.pipeline_depth
+            self._layout()
+            step = "dense"
+            self.dense = self._choose_dense(dense, cls)
+        except (TypeError, ValueError, ImportError) as e:  # ImportError: the transport's module is missing here
+            return _CHECKS.index(step) + 1, e
+        self._transport_cls = cls
+        return None
+
+    def _agreement_fields(self, knobs_given: bool) -> list[int]:
+        """What every rank must build alike, as int64s in _AGREED's order (only read when no rank's check failed).
+        check_inputs too: with it, combine (and the dense dispatch) run one more collective, so ranks that differ
+        would wait in different collectives on valid input. Without knobs, their digest and the layout are compared
+        after autoload (_agree_loaded)."""
+        m = self.model
+        return [int(knobs_given), int(self.knobs.digest()[:15], 16) if knobs_given else 0,
+                int(self.options.digest()[:15], 16), m.hidden, m.intermediate, m.experts, m.topk, self.max_tokens,
+                list(TORCH_DTYPES.values()).index(self.dtype), int(self.dense) if knobs_given else -1,
+                int(self.check_inputs)]
+
+    def _gather_rows(self, row: list[int]) -> list[list[int]]:
+        """Every rank's `row` (the same length on every rank): one small all-gather and its host sync."""
+        mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         got = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(got, mine, group=self.group)
-        rows = torch.stack(got).cpu().tolist()
+        return torch.stack(got).cpu().tolist()
+
+    def _raise_faults(self, fault: tuple[int, Exception] | None, codes: list[int]) -> None:
+        """Every rank raises when any rank's local check failed: that rank its own error, the others a ValueError
+        naming the rank(s) and the argument."""
+        failed = [f"rank {r}: {_CHECKS[c - 1]}" for r, c in enumerate(codes) if c and r != self.rank]
+        if fault is not None:
+            if failed:
+                fault[1].add_note(f"EPBuffer: also refused on {'; '.join(failed)}")
+            raise fault[1]
+        if failed:
+            raise ValueError(f"EPBuffer on rank {self.rank}: the arguments were refused on another rank "
+                             f"({'; '.join(failed)}); every rank must build the buffer with the same, valid "
+                             "arguments (that rank's error says what is wrong)")
+
+    def _agree(self, fault: tuple[int, Exception] | None, knobs_given: bool) -> None:
+        """The buffer's first collective, of one shape whatever the arguments: [the code of this rank's failed
+        check or 0, _AGREED's fields]. Every rank raises when any check failed or any field differs from rank 0."""
+        if self.world == 1 or not dist.is_initialized():
+            if fault is not None:
+                raise fault[1]
+            return
+        fields = [0] * len(_AGREED) if fault is not None else self._agreement_fields(knobs_given)
+        rows = self._gather_rows([fault[0] if fault is not None else 0, *fields])
+        self._raise_faults(fault, [row[0] for row in rows])
+        rows = [row[1:] for row in rows]
         bad = [r for r, row in enumerate(rows) if row != rows[0]]
         if bad:
-            names = ["knobs", "runtime options", "hidden", "intermediate", "experts", "topk", "max_tokens", "dtype",
-                     "dense", "check_inputs"]
-            diff = sorted({names[i] for r in bad for i in range(len(names)) if rows[r][i] != rows[0][i]})
+            diff = sorted({_AGREED[i] for r in bad for i in range(len(_AGREED)) if rows[r][i] != rows[0][i]})
+            if "knobs=None" in diff:  # the other columns are unresolved on the ranks without knobs
+                given = [r for r, row in enumerate(rows) if row[0]]
+                diff = [f"knobs (given on rank(s) {given}, None on the others)"]
             raise ValueError(f"EPBuffer: ranks {bad} differ from rank 0 in {', '.join(diff)}; every rank must "
                              "build the buffer with the same model, dtype, max_tokens, knobs, runtime options, "
                              "dense and check_inputs settings")
+
+    def _agree_loaded(self, fault: tuple[int, Exception] | None) -> None:
+        """After autoload (the same knobs everywhere): whether the loaded knobs' checks passed on every rank, and
+        the layout each chose."""
+        if self.world == 1 or not dist.is_initialized():
+            if fault is not None:
+                raise fault[1]
+            return
+        fields = [0, 0] if fault is not None else [int(self.knobs.digest()[:15], 16), int(self.dense)]
+        rows = self._gather_rows([fault[0] if fault is not None else 0, *fields])
+        self._raise_faults(fault, [row[0] for row in rows])
+        bad = [r for r, row in enumerate(rows) if row[1:] != rows[0][1:]]
+        if bad:
+            raise ValueError(f"EPBuffer: ranks {bad} loaded other knobs or chose another layout than rank 0")
 
     # -- input checks (host-side, no device sync) -----------------------------------------------------
     def _local_check(self, x: Any, topk_idx: Any, topk_weights: Any) -> tuple[int, str]:
@@ -527,27 +627,36 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         return recv_x, meta, handle
 
     # -- combine --------------------------------------------------------------------------------------
-    def _check_combine(self, expert_out: Any, handle: Handle, rows: int) -> None:
-        problem = ""
+    def _combine_problem(self, expert_out: Any, handle: Any, rows: int, what: str = "expert_out") -> str:
+        """What is wrong with `expert_out` as the `rows` expert output rows of `handle` ("" when nothing); local."""
         if not isinstance(handle, Handle):
-            problem = f"handle must be the Handle returned by dispatch, got {type(handle).__name__}"
-        elif not isinstance(expert_out, torch.Tensor) or tuple(expert_out.shape) != (rows, handle.hidden):
+            return f"handle must be the Handle returned by dispatch, got {type(handle).__name__}"
+        if not isinstance(expert_out, torch.Tensor) or tuple(expert_out.shape) != (rows, handle.hidden):
             shape = tuple(expert_out.shape) if isinstance(expert_out, torch.Tensor) else type(expert_out).__name__
-            problem = f"expert_out must have shape [{rows}, {handle.hidden}] (one row per received row), got {shape}"
-        elif expert_out.dtype != handle.dtype:
-            problem = f"expert_out must have dtype {handle.dtype}, got {expert_out.dtype}"
-        elif expert_out.device != handle.device:
-            problem = f"expert_out must be on {handle.device}, got {expert_out.device}"
-        if self.check_inputs and self.world > 1 and dist.is_initialized():
-            # One tiny agreement so that a wrong input on one rank is an error on every rank, not a hang.
-            flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=self.device)
-            got = [torch.empty_like(flag) for _ in range(self.world)]
-            dist.all_gather(got, flag, group=self.group)
-            bad = [r for r, t in enumerate(torch.cat(got).tolist()) if t]
-            if bad and not problem:
-                raise ValueError(f"EPBuffer.combine on rank {self.rank}: invalid expert_out on rank(s) {bad}")
+            return f"{what} must have shape [{rows}, {handle.hidden}] (one row per received row), got {shape}"
+        if expert_out.dtype != handle.dtype:
+            return f"{what} must have dtype {handle.dtype}, got {expert_out.dtype}"
+        if expert_out.device != handle.device:
+            return f"{what} must be on {handle.device}, got {expert_out.device}"
+        return ""
+
+    def _ranks_with_problem(self, problem: bool) -> list[int]:
+        """The ranks that found a problem: with check_inputs one tiny all-gather (and its host sync), so that a wrong
+        input on one rank is an error on every rank, not a hang; without it, only this rank's own."""
+        if not (self.check_inputs and self.world > 1 and dist.is_initialized()):
+            return [self.rank] if problem else []
+        flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=self.device)
+        got = [torch.empty_like(flag) for _ in range(self.world)]
+        dist.all_gather(got, flag, group=self.group)
+        return [r for r, t in enumerate(torch.cat(got).tolist()) if t]
+
+    def _check_combine(self, expert_out: Any, handle: Handle, rows: int) -> None:
+        problem = self._combine_problem(expert_out, handle, rows)
+        bad = self._ranks_with_problem(bool(problem))
         if problem:
             raise ValueError(f"EPBuffer.combine on rank {self.rank}: {problem}")
+        if bad:
+            raise ValueError(f"EPBuffer.combine on rank {self.rank}: invalid expert_out on rank(s) {bad}")
 
     def post_combine(self, handle: Handle, c: int, rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Send chunk c's expert output rows back (the reverse of its dispatch)."""

@@ -1,0 +1,114 @@
+"""Rank functions for tests/test_buffer_agreement.py (imported by name in the spawned ranks; no tests here)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from moetune.runtime import EPBuffer, Knobs, get_model
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.pipeline import pipelined_moe, weighted_rows
+from moetune.runtime.transports.registry import register_transport
+
+MODEL = "custom:64,32,8,2,float32"
+
+
+def _outcome(build: Callable[[], Any]) -> tuple[str, str, float]:
+    """(exception type or "NO ERROR", its message, seconds it took)."""
+    t0 = time.monotonic()
+    try:
+        build()
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "NO ERROR", "", time.monotonic() - t0
+
+
+def case_knobs_none_on_one_rank(rank: int, world: int) -> tuple[str, str, float]:
+    """Rank 0 passes knobs=None (autoload, whose collectives have other shapes), rank 1 explicit knobs."""
+    model = get_model(MODEL)
+    return _outcome(lambda: EPBuffer(knobs=None if rank == 0 else Knobs(channels=2), model=model, max_tokens=16))
+
+
+def case_local_check_on_one_rank(rank: int, world: int, kinds: list[str]) -> dict[str, Any]:
+    """Rank 1 passes an argument its own checks refuse, rank 0 a valid one; after each, a valid buffer is built
+    (the group still works)."""
+    model = get_model(MODEL)
+    register_transport("nvlink", "runtime_cases:GlooResident")  # a one-sided transport on CPU
+    bad = rank == 1
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        kw: dict[str, Any] = dict(knobs=Knobs(), model=model, max_tokens=32)
+        if bad and kind == "expected_tokens":
+            kw["expected_tokens"] = 64
+        elif bad and kind == "max_tokens":
+            kw["max_tokens"] = 2.5
+        elif bad and kind == "dense":
+            kw.update(knobs=default_knobs("nvlink"), dense=True)
+        elif bad and kind == "transport":
+            kw["knobs"] = default_knobs("ibgda")
+        elif bad and kind == "device":
+            kw["device"] = "no-such-device"
+        out[kind] = _outcome(lambda kw=kw: EPBuffer(**kw))
+        EPBuffer(knobs=Knobs(), model=model, max_tokens=32)
+    return out
+
+
+def case_loaded_knobs_fail_on_one_rank(rank: int, world: int) -> tuple[str, str, float]:
+    """knobs=None on every rank; the loaded knobs' transport cannot be imported on rank 1 only."""
+    if rank == 1:
+        register_transport("collective", "no_such_module_here:Transport")
+    return _outcome(lambda: EPBuffer(knobs=None, model=get_model(MODEL), max_tokens=16))
+
+
+def case_construction(rank: int, world: int, kinds: list[str]) -> dict[str, Any]:
+    """The three cases above in one launch (spawning ranks is most of a case's time); the loaded knobs' last, as it
+    breaks rank 1's collective transport."""
+    return {"local": case_local_check_on_one_rank(rank, world, kinds), "none": case_knobs_none_on_one_rank(rank, world),
+            "loaded": case_loaded_knobs_fail_on_one_rank(rank, world)}
+
+
+def _bad_expert_fn(kind: str) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    def fn(recv_x: torch.Tensor, meta: Any) -> torch.Tensor:
+        rows = weighted_rows(recv_x, meta)
+        if kind == "shape":
+            return rows[:, :10]
+        if kind == "dtype":
+            return rows.double()
+        if kind == "device":
+            return torch.empty(rows.shape, dtype=rows.dtype, device="meta")
+        raise RuntimeError("expert kernel failed")
+    return fn
+
+
+def case_pipelined(rank: int, world: int, layouts: list[tuple[str, bool]], kinds: list[str]) -> list[dict[str, Any]]:
+    """case_pipelined_bad_expert_fn for each (transport, dense), in one launch."""
+    return [case_pipelined_bad_expert_fn(rank, world, transport, dense, kinds) for transport, dense in layouts]
+
+
+def case_pipelined_bad_expert_fn(rank: int, world: int, transport: str, dense: bool,
+                                 kinds: list[str]) -> dict[str, Any]:
+    """Rank 1's expert_fn fails (wrong shape, dtype, device, or raises) in pipelined_moe; then a valid call on every
+    rank must still run and give what dispatch/combine give."""
+    model = get_model(MODEL)
+    if transport == "nvlink":
+        register_transport("nvlink", "runtime_cases:GlooResident")
+        knobs = default_knobs("nvlink")
+    else:
+        knobs = Knobs(pipeline_depth=2)
+    buf = EPBuffer(knobs=knobs, model=model, max_tokens=32, dense=dense)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(8, model.hidden, generator=g)
+    idx = torch.randint(0, model.experts, (8, model.topk), generator=g)
+    w = torch.rand(8, model.topk, generator=g)
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        fn = _bad_expert_fn(kind) if rank == 1 else weighted_rows
+        out[kind] = _outcome(lambda fn=fn: pipelined_moe(buf, x, idx, w, fn))
+    y = pipelined_moe(buf, x, idx, w, weighted_rows)
+    recv_x, meta, handle = buf.dispatch(x, idx, w)
+    ref = buf.combine(weighted_rows(recv_x, meta), handle)
+    out["after"] = bool(torch.allclose(y, ref, atol=1e-5))
+    return out

@@ -1,0 +1,120 @@
+"""EPBuffer's construction and pipelined_moe raise on every rank when one rank's arguments or expert_fn are wrong: the
+buffer's first collective is one fixed-shape agreement (knobs given or not, a failed local check's code), and
+pipelined_moe agrees per chunk on expert_fn's output (with check_inputs). A transport the knobs allow but this
+runtime lacks (ibgda) is a KnobError naming the knob."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from moetune.runtime import EPBuffer, Knobs, get_model
+from moetune.runtime.knobs import KnobError, default_knobs
+from moetune.runtime.pipeline import pipelined_moe, weighted_rows
+from moetune.runtime.testing.launch import launch
+
+sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the cases by name
+cases = importlib.import_module("buffer_agreement_ranks")
+
+pytestmark = pytest.mark.usefixtures("autoload_off")
+
+# rank 1's refused argument → (the error rank 1 gets, a part of its message)
+OWN_ERRORS = {"expected_tokens": ("ValueError", "expected_tokens=64 is more than max_tokens=32"),
+              "max_tokens": ("TypeError", "max_tokens must be an int"),
+              "dense": ("ValueError", "dense=True needs a collective transport"),
+              "transport": ("KnobError", "knob transport: 'ibgda' is not available in this runtime"),
+              "device": ("RuntimeError", "no-such-device")}
+# rank 1's expert_fn fault → a part of the message rank 1 gets
+EXPERT_FN_ERRORS = {"shape": "expert_fn's output must have shape", "dtype": "expert_fn's output must have dtype "
+                    "torch.float32", "device": "expert_fn's output must be on cpu", "raises": "expert kernel failed"}
+LAYOUTS = {"packed": ("collective", False), "dense": ("collective", True), "resident": ("nvlink", False)}
+
+
+# One launch per group of cases: spawning two ranks is most of a case's time. A short process-group timeout: a rank
+# left waiting in a collective raises after 10 s instead of hanging, and _at_once tells it from an agreed error.
+@pytest.fixture(scope="module")
+def construction() -> list[dict[str, Any]]:
+    return launch(cases.case_construction, 2, args=(list(OWN_ERRORS),), timeout_s=10, join_timeout_s=100,
+                  env={"MOETUNE_AUTOLOAD": "0"})
+
+
+@pytest.fixture(scope="module")
+def pipelined() -> dict[str, list[dict[str, Any]]]:
+    res = launch(cases.case_pipelined, 2, args=(list(LAYOUTS.values()), list(EXPERT_FN_ERRORS)), timeout_s=10,
+                 join_timeout_s=100)
+    return {name: [res[0][i], res[1][i]] for i, name in enumerate(LAYOUTS)}
+
+
+def _at_once(outcome: tuple[str, str, float]) -> None:
+    assert outcome[2] < 5.0, outcome  # an error at once, not a collective's timeout
+
+
+@pytest.mark.timeout(120)
+def test_knobs_none_on_one_rank_is_an_error_on_every_rank(construction: list[dict[str, Any]]) -> None:
+    for res in construction:
+        kind, msg, _ = res["none"]
+        assert kind == "ValueError", res["none"]
+        assert "differ from rank 0 in knobs (given on rank(s) [1], None on the others)" in msg, msg
+        _at_once(res["none"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arg", list(OWN_ERRORS))
+def test_a_local_check_failing_on_one_rank_is_an_error_on_every_rank(construction: list[dict[str, Any]],
+                                                                     arg: str) -> None:
+    exc, text = OWN_ERRORS[arg]
+    kind0, msg0, _ = construction[0]["local"][arg]
+    assert kind0 == "ValueError" and f"refused on another rank (rank 1: {arg})" in msg0, msg0
+    kind1, msg1, _ = construction[1]["local"][arg]
+    assert kind1 == exc and text in msg1, (kind1, msg1)
+    _at_once(construction[0]["local"][arg])
+    _at_once(construction[1]["local"][arg])
+
+
+@pytest.mark.timeout(120)
+def test_loaded_knobs_failing_on_one_rank_is_an_error_on_every_rank(construction: list[dict[str, Any]]) -> None:
+    r0, r1 = construction[0]["loaded"], construction[1]["loaded"]
+    assert r0[0] == "ValueError" and "(rank 1: transport)" in r0[1], r0
+    assert r1[0] == "ImportError" and "no_such_module_here" in r1[1], r1
+    _at_once(r0)
+    _at_once(r1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_bad_expert_fn_on_one_rank_is_an_error_on_every_rank(pipelined: dict[str, list[dict[str, Any]]],
+                                                                layout: str) -> None:
+    r0, r1 = pipelined[layout]
+    for fault, text in EXPERT_FN_ERRORS.items():
+        assert r0[fault][0] == "ValueError", (fault, r0[fault])
+        assert "pipelined_moe on rank 0: expert_fn failed or returned wrong rows on rank(s) [1]" in r0[fault][1]
+        assert text in r1[fault][1], (fault, r1[fault])
+        _at_once(r0[fault])
+        _at_once(r1[fault])
+    assert r0["after"] and r1["after"]  # the group still works and gives what dispatch/combine give
+
+
+def test_unimplemented_transport_is_a_knob_error() -> None:
+    with pytest.raises(KnobError, match=r"^knob transport: 'ibgda' is not available in this runtime \(registered: "
+                                        r"collective, ") as e:
+        EPBuffer(knobs=default_knobs("ibgda"), model=get_model("custom:256,128,8,2"), max_tokens=16, device="cpu")
+    assert e.value.knobs == ("transport",)
+
+
+@pytest.mark.parametrize("check_inputs", [True, False])
+def test_expert_fn_output_on_another_device_is_refused(check_inputs: bool) -> None:
+    buf = EPBuffer(knobs=Knobs(pipeline_depth=2), model=get_model("custom:64,32,8,2,float32"), max_tokens=16,
+                   device="cpu", check_inputs=check_inputs)
+    x, idx, w = torch.randn(8, 64), torch.randint(0, 8, (8, 2)), torch.rand(8, 2)
+
+    def on_meta(recv_x: torch.Tensor, meta: object) -> torch.Tensor:
+        return torch.empty(recv_x.shape, dtype=recv_x.dtype, device="meta")
+
+    with pytest.raises(ValueError, match=r"^pipelined_moe on rank 0: expert_fn's output must be on cpu, got meta"):
+        pipelined_moe(buf, x, idx, w, on_meta)
+    assert pipelined_moe(buf, x, idx, w, weighted_rows).shape == (8, 64)
