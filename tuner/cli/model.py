@@ -525,6 +525,40 @@ def _no_points(e: Any, data: list[Path], where: list[str], shown: int = 5) -> st
     return "\n".join([*lines, f"({how})"])
 
 
+def _preset_file(preset: str) -> Path | None:
+    """The file `--preset` names, as load_preset reads it (a path, or a shipped preset's file); None if none."""
+    from moetune.tuner.fabric_model import presets
+
+    if preset.endswith(".toml") or "/" in preset or Path(preset).is_file():
+        return Path(preset)
+    shipped = Path(presets.__file__).parent / f"{preset}.toml"
+    return shipped if shipped.is_file() else None
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (through symlinks, `..` or a hard link)."""
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False
+
+
+def _check_calibrate_out(out: Path, data: list[Path], preset: str, replace: bool) -> None:
+    """Refuse an --out whose write would destroy data, before the fit: a --data file (the measurements being read:
+    never, --replace or not), or another existing file unless --replace. The --preset file itself may be rewritten:
+    that is how a preset is regenerated (the shipped presets' headers say so)."""
+    for d in data:
+        if _same_file(out, d):
+            _fail(f"--out {out} is the --data file {d}: the measurements being read are never replaced; give "
+                  "another file for the calibrated preset")
+    if not (out.exists() or out.is_symlink()) or replace:
+        return
+    pf = _preset_file(preset)
+    if pf is None or not _same_file(out, pf):
+        _fail(f"--out {out} already exists: not replaced (--replace replaces it; the --preset file itself may be "
+              "given as --out to regenerate it)")
+
+
 @app.command("calibrate")
 def calibrate_cmd(
     preset: str = typer.Option(..., "--preset", "-p", help="Preset to start from."),
@@ -542,6 +576,9 @@ def calibrate_cmd(
         "or nic.qp_gbps above it is refused."),
     force: bool = typer.Option(False, "--force", help="Write --out even when the fit is refused (too few rows, a value "
                                "outside its physical bounds, a poor fit); the file carries the warning."),
+    # its own option: replacing an old file must not also mean "write a fit the checks refused"
+    replace: bool = typer.Option(False, "--replace", help="Replace an existing --out file (never a --data file; the "
+                                 "--preset file itself may be rewritten without it)."),
 ) -> None:
     # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
     """Fit preset parameters to measurements and report the fit error per point and overall.
@@ -552,6 +589,7 @@ def calibrate_cmd(
     # a bad --out is refused before the fit, not after it
     if out is not None:
         _check_out_file(out, "calibrated.toml")
+        _check_calibrate_out(out, data, preset, replace)
     if nic_line_rate is not None and not (math.isfinite(nic_line_rate) and nic_line_rate > 0):
         _fail(f"--nic-line-rate must be a positive number of Gb/s, got {nic_line_rate!r}")
     located: list[tuple[str, dict]] = []
@@ -565,7 +603,9 @@ def calibrate_cmd(
     except ValueError as e:
         _fail(str(e))
     s = rep.summary()
-    refused = not rep.usable and not force
+    # an error that is not a finite number checks nothing (the fit's problems say so): never written, --force or not
+    unmeasured = not (math.isfinite(s["mean_abs_rel_err"]) and math.isfinite(s["max_abs_rel_err"]))
+    refused = (not rep.usable and not force) or unmeasured
     written = out is not None and not refused
     if written:
         assert out is not None
@@ -576,7 +616,8 @@ def calibrate_cmd(
         except OSError as e:
             _fail(f"--out {out}: cannot write the calibrated preset ({e.strerror or e})")
     if as_json:
-        typer.echo(json.dumps({"label": LABEL, **rep.to_dict(), "out": str(out) if written else None}))
+        # to_dict gives null for a non-finite number: JSON has no NaN, and a reader must not fail on it
+        typer.echo(json.dumps({"label": LABEL, **rep.to_dict(), "out": str(out) if written else None}, allow_nan=False))
         if refused:
             raise typer.Exit(1)
         return
@@ -601,14 +642,16 @@ def calibrate_cmd(
     for k, why in rep.kept.items():
         _console.print(f"  kept at the preset's value: {_e(k)} ({_e(why)})")
     for why in rep.problems:
-        _console.print(f"[red]{'untrusted fit' if force else 'calibration refused'}:[/red] {_e(why)}", soft_wrap=True)
+        _console.print(f"[red]{'untrusted fit' if force and not unmeasured else 'calibration refused'}:[/red] {_e(why)}",
+                       soft_wrap=True)
     if written:
         if rep.problems:
             _console.print(f"[yellow]--force: written although the fit was refused; the file's {_e('[calibration]')} "
                            "warning says why[/yellow]")
         _console.print(f"calibrated preset written to {_e(out)}", soft_wrap=True)  # a path stays whole
     elif refused and out is not None:
-        _console.print(f"not written: {_e(out)} (the fit is refused; --force writes it with the warning)",
-                       soft_wrap=True)
+        why = ("its error is not a finite number; --force does not write it" if unmeasured
+               else "the fit is refused; --force writes it with the warning")
+        _console.print(f"not written: {_e(out)} ({why})", soft_wrap=True)
     if refused or not math.isfinite(s["max_abs_rel_err"]):
         raise typer.Exit(1)

@@ -22,7 +22,8 @@ A fit is checked before anyone may use it (`FitReport.problems`; `usable` is Fal
 only the parameters the rows constrain are fitted (the others keep the preset's sourced values, listed in
 `kept`; so does one the fit moved to where the rows no longer see it, and the rest are fitted again), each fitted group needs more distinct rows than fitted parameters, every fitted value must be
 positive and within the physical bounds known (PCIe 5.0, the NIC port's line rate from discovery), and
-the error must stay within MAX_ROW_ERR per row and MAX_MEAN_ERR on average.
+the error must be a finite number within MAX_ROW_ERR per row and MAX_MEAN_ERR on average. `calibrated_preset`
+labels a kept parameter whose source said "calibrated:" as "kept:" (these rows did not fit it).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class FitReport:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The report as JSON-ready data: a number that is not finite (a NaN error) is None, as JSON has no NaN."""
+        return _finite_or_none({
             "modelled": True,
             "preset": self.preset.name,
             "fitted": self.fitted,
@@ -132,13 +134,28 @@ class FitReport:
             "points": [{"label": p.label, "group": p.group, "measured_us": p.measured_us,
                         "predicted_us": p.predicted_us, "rel_err": p.rel_err} for p in self.points],
             "skipped": [{"row": r, "reason": why} for r, why in self.skipped],
-        }
+        })
+
+
+def _finite_or_none(value: Any) -> Any:
+    """`value` with every non-finite float in it (nested in dicts and lists) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_none(v) for v in value]
+    return value
 
 
 # The fields each probe's row must carry, and what each must be: "int" a positive integer, "num" a positive
-# finite number, "str" a string, "dict" a JSON object. Optional fields are checked where present.
-_POS_INT, _POS_NUM, _STR, _DICT, _BOOL = "int", "num", "str", "dict", "bool"
-_COLLECTIVE_FIELDS = {"model": _STR, "fabric": _STR, "S": _POS_INT, "ms": _POS_NUM}
+# finite number, "ms" one whose value in µs (x 1000, as the fit reads it) is finite too, "str" a string, "dict" a
+# JSON object, "fabric" one of FABRICS. Optional fields are checked where present.
+_POS_INT, _POS_NUM, _POS_MS, _STR, _DICT, _BOOL, _FABRIC = "int", "num", "ms", "str", "dict", "bool", "fabric"
+# The fabrics a collective row may name (tuner/measure/micro.py, bench/gpu_model_baseline.py): anything else (a
+# typo such as "host-staged") would silently be modelled as NVLink p2p, so it is refused.
+FABRICS = ("nvlink", "host_staged")
+_COLLECTIVE_FIELDS = {"model": _STR, "fabric": _FABRIC, "S": _POS_INT, "ms": _POS_MS}
 ROW_FIELDS: dict[str, dict[str, str]] = {
     "nccl_a2a": _COLLECTIVE_FIELDS,
     "nccl_a2a_fp8payload": _COLLECTIVE_FIELDS,
@@ -158,14 +175,25 @@ ROW_OPTIONAL: dict[str, dict[str, str]] = {
 def _field_problem(name: str, value: Any, want: str) -> str | None:
     """Why `value` is not what field `name` must hold, or None."""
     number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and isinstance(value, int):
+        try:  # JSON integers are unbounded: one too large for a float is no finite number here
+            float(value)
+        except OverflowError:
+            value = math.inf
     if want == _POS_INT:
         # JSON writers may give 4096.0 for an integer; accept integral floats
         if not number or not math.isfinite(value) or value != int(value) or value <= 0:
             return f"field {name!r} must be a positive integer, got {value!r}"
-    elif want == _POS_NUM:
+    elif want in (_POS_NUM, _POS_MS):
         # measured times are divided by (relative error): 0, negative or NaN would break the fit
         if not number or not math.isfinite(value) or value <= 0:
             return f"field {name!r} must be a positive number, got {value!r}"
+        # 1e308 ms is finite, its µs are not: the row's error would be NaN and pass every check
+        if want == _POS_MS and not math.isfinite(value * 1e3):
+            return f"field {name!r} is {value!r} ms, too large to be a time (not a finite number of µs)"
+    elif want == _FABRIC:
+        if value not in FABRICS:
+            return f"field {name!r} must be one of {', '.join(FABRICS)}, got {value!r}"
     elif want == _STR:
         if not isinstance(value, str):
             return f"field {name!r} must be a string, got {value!r}"
@@ -225,6 +253,8 @@ def read_located(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+            except ValueError as e:  # an integer of more digits than Python converts
+                raise ValueError(f"{path}:{n}: not JSON that can be read ({e})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{n}: expected a JSON object")
             why = row_problem(row)
@@ -516,7 +546,11 @@ def _check(preset: Preset, points: list[Point], clusters: list[tuple[set[str], l
         problems.append(f"{s} at its fitted value {values[s.split('+')[0]]:.4g}: {why}, so its value is arbitrary")
     errs = [abs(p.rel_err) for p in points]
     mean = sum(errs) / len(errs)
-    if max(errs) > MAX_ROW_ERR or mean > MAX_MEAN_ERR:
+    bad = [p for p in points if not math.isfinite(p.rel_err)]
+    if bad:  # NaN compares False with every limit below: refused here, never taken for a good fit
+        problems.append(f"the fit error is not a finite number for {len(bad)} row(s): " + "; ".join(
+            f"{p.label} measured {p.measured_us:.4g} us, modelled {p.predicted_us:.4g} us" for p in bad[:WORST_SHOWN]))
+    elif max(errs) > MAX_ROW_ERR or mean > MAX_MEAN_ERR:
         worst = _worst(points)
         problems.append(f"poor fit: max |error| {max(errs):.1%} (limit {MAX_ROW_ERR:.0%}), mean {mean:.1%} (limit "
                         f"{MAX_MEAN_ERR:.0%}); worst rows: " + "; ".join(
@@ -634,6 +668,13 @@ def _fit(preset: Preset, points: list[Point], clusters: list[tuple[set[str], lis
     return _expand(cur)
 
 
+def kept_source(old: str, data_names: list[str], date: str) -> str:
+    """The source of a parameter that calibration on `data_names` kept (its rows do not constrain it), whose source
+    was `old` (an earlier fit's "calibrated: ..."): says so, with `old` as its value's origin."""
+    return (f"kept: not constrained by {', '.join(data_names)} ({date}), so `moetune model calibrate` did not fit "
+            f"it; its value's source before: {old}")
+
+
 def calibrated_preset(report: FitReport, data_names: list[str], date: str) -> Preset:
     """The fitted preset with its sources pointing at the data and the fit error recorded (and, for a fit
     with problems, the warning: callers write such a fit only when told to)."""
@@ -660,6 +701,13 @@ def calibrated_preset(report: FitReport, data_names: list[str], date: str) -> Pr
         old = before_src.get(k, "")
         if old and not old.startswith("calibrated:"):
             sources[k] = f"{src}; started from: {old}"
+    # A kept parameter was not fitted to these rows: an old "calibrated:" label would claim it was. Its other
+    # sources ("assumed:", a datasheet, an earlier "kept:") still say truly where the value is from and stay.
+    for spec in report.kept:
+        for k in spec.split("+"):
+            old = before_src.get(k, "")
+            if old.startswith("calibrated:"):
+                sources[k] = kept_source(old, data_names, date)
     return Preset(name=out.name, family=out.family, transports=out.transports, gpus_per_node=out.gpus_per_node,
                   description=out.description, params=out.params, sources=sources, path=None,
                   calibration=out.calibration, max_nodes=out.max_nodes)
