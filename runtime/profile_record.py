@@ -71,6 +71,22 @@ def unlabelled_provenance(backend: str) -> Provenance:
     return "node_model" if p == "measured" else p
 
 
+def effective_provenance(provenance: str, backend: str) -> Provenance:
+    """What a record's numbers are taken to be: its label, except that a claimed measurement by a backend that
+    does not measure (`model:*`, unknown) is modelled. The label alone never makes a number measured; the ONE rule
+    for records, replies and `ProfileRecord.is_tuned_for`."""
+    if provenance == "measured" and provenance_of_backend(backend) != "measured":
+        return unlabelled_provenance(backend)
+    return provenance if provenance in PROVENANCES else unlabelled_provenance(backend)  # type: ignore[return-value]
+
+
+def profile_hash_of(key: ProfileKey, knobs: Knobs) -> str:
+    """Hash of key + knobs (`ProfileRecord.profile_hash`): what all ranks compare, and what a daemon's reply must
+    carry for its key and knobs."""
+    payload = {"key": key.to_dict(), "knobs": knobs.canonical()}  # stable across new knobs
+    return hashlib.sha256(msgspec.json.encode(payload, order="sorted")).hexdigest()[:16]
+
+
 # What a what-if preset's fingerprint (and a preset profile's measured_on) starts with: "preset:NAME[:digest]" names a
 # modelled fabric, never a node.
 PRESET_PREFIX = "preset:"
@@ -163,10 +179,18 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """The performance environment the numbers were measured in, None when not recorded."""
         return None if self.perf_env is msgspec.UNSET else dict(self.perf_env)
 
+    @property
+    def effective_provenance(self) -> Provenance:
+        """The provenance the runtime goes by (`effective_provenance`: "measured" only from a measuring backend)."""
+        return effective_provenance(str(self.provenance), self.backend)
+
     def is_tuned_for(self, fingerprint: str, software: str) -> bool:
-        """Measured on exactly this fabric and software: the only profile the runtime applies as tuned."""
+        """Measured (by a measuring backend) on exactly this fabric and software: what the runtime's client requires
+        of a profile it applies as tuned (it also checks that `fingerprint`/`software` are this node's)."""
         return (
-            self.provenance == "measured" and self.key.fingerprint == fingerprint and self.key.software == software
+            self.effective_provenance == "measured"
+            and self.key.fingerprint == fingerprint
+            and self.key.software == software
         )
 
     @property
@@ -174,5 +198,4 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Hash of key + knobs: what all ranks compare to be sure they hold the same profile. Not perf_env, routing or
         the latencies: they say where the numbers come from, not what a rank applies (each rank compares its own
         environment with perf_env at lookup)."""
-        payload = {"key": self.key.to_dict(), "knobs": self.knobs.canonical()}  # stable across new knobs
-        return hashlib.sha256(msgspec.json.encode(payload, order="sorted")).hexdigest()[:16]
+        return profile_hash_of(self.key, self.knobs)

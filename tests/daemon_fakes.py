@@ -257,7 +257,8 @@ def seeded_daemon(tmp: Path, **proc_kw: Any) -> Iterator[tuple[DaemonProc, FakeF
 
 def pretend_node(monkeypatch: Any, facts: Any, proc: Path) -> None:
     """Make the runtime's cheap node checks (moetune.runtime.profiles.node_identity) read `facts`' node:
-    a /proc with its GPUs' UUIDs and driver version under `proc`, and its torch/moetune versions."""
+    a /proc with its GPUs' UUIDs and driver version under `proc`, and its package versions (torch, moetune, NCCL,
+    ...)."""
     from moetune.runtime.profiles import node_identity
 
     d = facts.to_dict() if hasattr(facts, "to_dict") else dict(facts)
@@ -271,6 +272,7 @@ def pretend_node(monkeypatch: Any, facts: Any, proc: Path) -> None:
         (nv / "version").write_text(f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {sw['driver']}  Sat Aug 19 2023\n")
     monkeypatch.setattr(node_identity, "PROC_ROOT", proc)
     monkeypatch.setattr(node_identity, "_dist_version", lambda name: sw.get(name) if sw.get(name) not in (None, "none") else None)
+    monkeypatch.setattr(node_identity, "local_package_fact", lambda fact: str(sw.get(fact) or "none"))
 
 
 def resolve_warned(c: Any, **kw: Any) -> tuple[Any, list[str]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import warnings
 from collections.abc import Callable
@@ -197,7 +198,8 @@ def fake_daemon(tmp_path: Path):
         run = tmp_path / f"run{len(made)}"
         run.mkdir(mode=0o700)
         (run / "daemon.json").write_text(json.dumps({"fingerprint": "f" * 16, "software": "5" * 16,
-                                                     "transports": ["nvlink"], "db": str(tmp_path / "none.db")}))
+                                                     "transports": ["nvlink"], "db": str(tmp_path / "none.db"),
+                                                     "host": socket.gethostname(), "running": True}))
         d = F.ReplyRouter(f"ipc://{run / 'daemon.sock'}", lambda req: _reply(req["id"], perf_env))
         made.append(d)
         return d

@@ -32,7 +32,8 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
     with F.seeded_daemon(tmp_path, interval=0.2, extra=["--metrics-port", str(port)], hooks=False,
                          env={"MOETUNE_TUNE_TRIALS": "3", "MOETUNE_TUNE_BACKEND": "model"}) as (d, facts):
         F.write_node_model(tmp_path, F.facts_after_port_change(tmp_path / "capture").fingerprint)
-        c = ProfileClient(d.endpoint, timeout_ms=1000)
+        # allow_modelled: the re-tune is on the node's calibrated model, and a tracked profile is only what resolve uses
+        c = ProfileClient(d.endpoint, timeout_ms=1000, allow_modelled=True)
         tracked = c.track(ep_size=2, tokens=3000, model="qwen3-30b")
         old = tracked.current
         assert old is not None and old.key.fingerprint == facts.fingerprint and old.status == "current"

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -362,7 +364,8 @@ def resolve(plain, tmp_path: Path, res: Any, **kw: Any) -> tuple[client.Resoluti
     run = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
     run.mkdir(mode=0o700)
     (run / "daemon.json").write_text(json.dumps({"fingerprint": FP, "software": SW, "transports": ["nvlink"],
-                                                 "db": str(tmp_path / "none.db")}))
+                                                 "db": str(tmp_path / "none.db"), "host": socket.gethostname(),
+                                                 "running": True}))
     def answer(req: dict) -> bytes:  # bytes: a raw reply frame with `"id":ID` for the request's id
         return res.replace(b'"id":ID', b'"id":%d' % req["id"]) if isinstance(res, bytes) else ok_reply(req["id"], res)
 
@@ -442,14 +445,20 @@ def test_deeply_nested_reply_is_bad_reply(plain, tmp_path: Path) -> None:
 
 
 # -- 8: a tracked profile takes only what `resolve` would, and follows a restarted daemon ------------------------
-class _TrackClient:
-    """What TrackedProfile reads of a ProfileClient: get_profile's answer, queued changes, version/epoch state."""
+class _TrackClient(ProfileClient):
+    """A ProfileClient whose get_profile answer, queued changes and subscription are faked; its judgement is the real
+    one, with this node FP/SW (the daemon.json of a running daemon of this host)."""
 
-    def __init__(self, answer: Any) -> None:
+    def __init__(self, answer: Any, **kw: Any) -> None:
+        run = Path(tempfile.mkdtemp(prefix="moetune-track-")) / "run"  # mkdtemp: 0700, as a runtime directory must be
+        run.mkdir(mode=0o700)
+        (run / "daemon.json").write_text(json.dumps({"fingerprint": FP, "software": SW, "host": socket.gethostname(),
+                                                     "running": True}))
+        super().__init__(f"ipc://{run}/daemon.sock", env={"HOME": str(run.parent)}, **kw)
         self.answer, self.changes = answer, []
         self.version, self.epoch, self.restarted = 0, "e1", False
 
-    def subscribe(self) -> None:
+    def subscribe(self, pub_endpoint: str | None = None, topics: tuple[str, ...] = ("",)) -> None:
         pass
 
     def get_profile(self, **query: Any) -> Any:
@@ -483,6 +492,38 @@ def test_a_tracked_profile_refuses_what_resolve_refuses(over: dict, why: str) ->
     assert t.current is None and isinstance(t.error, BadReply) and why in str(t.error), t.error
     t = client.TrackedProfile(_TrackClient(BadReply("get_profile result does not validate")), QUERY)  # type: ignore[arg-type]
     assert t.current is None and isinstance(t.error, BadReply)  # kept as its error, not raised out of track()
+
+
+def _preset_result() -> wire.ProfileResult:
+    rec = ProfileRecord(key=key(fingerprint="preset:nvlink-h200x2", software="0" * 16), knobs=default_knobs("nvlink"),
+                        latency_us=1.0, spread_us=0.0, backend="model:nvlink-h200x2", provenance="preset")
+    return wire.ProfileResult.from_record(rec, env={})
+
+
+@pytest.mark.parametrize(("answer", "kw", "why"), [
+    (_preset_result, {}, "allow_modelled=True"),
+    (lambda: msgspec.convert(result(key(fingerprint="a" * 16)), wire.ProfileResult), {"allow_modelled": True},
+     "measured on another node"),
+    (lambda: msgspec.convert(result(), wire.ProfileResult), {"env_mismatch": "refuse"}, "env_mismatch = refuse"),
+    (lambda: msgspec.convert(result(), wire.ProfileResult), {"transport_ok": lambda name: "not built"},
+     "transport 'nvlink' is not available"),
+])
+def test_a_tracked_profile_is_judged_as_resolve_judges_it(answer: Callable[[], wire.ProfileResult], kw: dict,
+                                                          why: str) -> None:
+    """Before: only the reply checks ran, so a modelled profile (allow_modelled off), one measured on another node,
+    one whose transport is missing or whose environment env_mismatch = refuse passes over stayed `current`."""
+    ok = kw.pop("transport_ok", None)
+    c = _TrackClient(answer(), **kw)
+    t = client.TrackedProfile(c, QUERY, ok)
+    assert t.current is None and not t.tuned and isinstance(t.error, client.ProfileRefused), t.error
+    assert why in str(t.error), t.error
+
+
+def test_a_tracked_modelled_profile_is_kept_with_allow_modelled_and_not_called_tuned() -> None:
+    t = client.TrackedProfile(_TrackClient(_preset_result(), allow_modelled=True), QUERY)  # type: ignore[arg-type]
+    assert t.current is not None and t.error is None and not t.tuned
+    t = client.TrackedProfile(_TrackClient(msgspec.convert(result(), wire.ProfileResult)), QUERY)  # type: ignore[arg-type]
+    assert t.current is not None and t.tuned
 
 
 def test_a_tracked_profile_follows_a_restarted_daemons_changes() -> None:

@@ -115,7 +115,7 @@ def test_runtime_accepts_the_recorded_facts_of_an_open_module_node(tmp_path: Pat
         info.mkdir(parents=True)
         (info / "information").write_text(f"Model: \t\t {g['model']}\nGPU UUID: \t {g['uuid']}\n")
     sw = d["software"]
-    monkeypatch.setattr(node_identity, "_dist_version", lambda name: sw.get(name) if sw.get(name) != "none" else None)
+    monkeypatch.setattr(node_identity, "local_package_fact", lambda fact: sw.get(fact) or "none")  # the node's packages
     why, checked = node_identity.mismatch(d, proc)
     assert why is None and "driver" in checked
 

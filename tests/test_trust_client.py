@@ -9,6 +9,7 @@ import ast
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.timeout(90)
 QWEN = MODELS["qwen3-30b"]
 RUNTIME = Path(client.__file__).resolve().parents[1]
 FP, SW = "f" * 16, "5" * 16  # this node, as daemon.json says
+HERE = {"host": socket.gethostname(), "running": True}  # daemon.json of a running daemon of this host
 
 
 def key(fp: str = FP, sw: str = SW, family: str = "nvlink", bucket: int = 64, nodes: int = 1) -> ProfileKey:
@@ -55,14 +57,15 @@ def ok_reply(rid: Any, res: Any, **extra: Any) -> bytes:
 
 
 class FakeDaemon(F.ReplyRouter):
-    """A ROUTER on ipc://<dir>/daemon.sock (a 0700 directory, with daemon.json when `info` is given)."""
+    """A ROUTER on ipc://<dir>/daemon.sock (a 0700 directory, with daemon.json when `info` is given: a running
+    daemon's of this host unless `info` says otherwise)."""
 
     def __init__(self, run: Path, answer: Callable[[dict], bytes], info: dict | None = None):
         run.mkdir(parents=True, exist_ok=True)
         os.chmod(run, 0o700)
         super().__init__(f"ipc://{run / 'daemon.sock'}", answer)
         if info is not None:
-            (run / "daemon.json").write_text(json.dumps(info))
+            (run / "daemon.json").write_text(json.dumps({**HERE, **info}))
 
 
 @pytest.fixture

@@ -14,16 +14,19 @@ time (`timeout_ms`, 200 ms by default). A fallback warns ONCE per resolution (wa
 logging.WARNING), naming every source tried and why it was passed over.
 
 Trust (issue 19): a profile is applied as tuned only when it was measured on this node's fingerprint and
-software (`ProfileRecord.is_tuned_for`; the node's identity: `node_identity`). A modelled profile (the
+software (`ProfileRecord.is_tuned_for`; the node's identity: `node_identity`: daemon.json of a running daemon of
+this host, else the daemon's reported fabric facts checked against this node; for the database fallback, the
+database's recorded facts checked likewise; unknown: nothing is tuned). A modelled profile (the
 node's calibrated model or a shipped preset) is used only with `allow_modelled=True` (or
 `MOETUNE_CLIENT_ALLOW_MODELLED=1`) and then labelled MODELLED in the warning and the resolution. A reply
 that does not validate (not JSON, wrong types, another protocol version, unknown fields) is `BadReply`
 and falls back like a silent daemon; so is a reply that does not answer the request (another key, a bucket
-the daemon would not pick, a profile that is not current). A profile whose transport this runtime does not
-have falls back too. Sockets and `daemon.json` are used only from a runtime directory this user may trust
-(`paths.untrusted_dir_reason`); environment variables only as `launcher_env` computes them here from the
-profile's knobs (a reply's own `env` is never exported). A tcp:// endpoint is used only with CURVE (or,
-explicitly, plain text on loopback); the PUB endpoint a daemon names must be reached like its request socket.
+the daemon would not pick, a profile that is not current, a profile_hash that is not the hash of its key and
+knobs). A profile whose transport this runtime does not have falls back too. Sockets and `daemon.json` are used
+only from a runtime directory this user may trust (`paths.untrusted_dir_reason`); environment variables only as
+`launcher_env` computes them here from the profile's knobs (a reply's own `env` is never exported). A tcp://
+endpoint is used only with CURVE (or, explicitly, plain text on loopback); the PUB endpoint a daemon names must
+be reached like its request socket.
 
 The performance environment (NCCL_*, NVSHMEM_*, FI_*, ...: `perf_env`): a tuned profile carries the one it was
 measured in (`ProfileRecord.perf_env`; not recorded by an older moetune: "unknown", never taken to match). The
@@ -82,10 +85,10 @@ from moetune.runtime.profile_record import (
     PRESET_PREFIX,
     ProfileKey,
     ProfileRecord,
+    effective_provenance,
     is_preset_fingerprint,
     nearest_bucket_within,
-    provenance_of_backend,
-    unlabelled_provenance,
+    profile_hash_of,
 )
 from moetune.runtime.profiles import node_identity, sqlite_open
 from moetune.runtime.profiles.launcher_env import allowed_env, env_refusal, launcher_env
@@ -108,6 +111,7 @@ __all__ = [
     "EnvMismatchWarning",
     "FallbackWarning",
     "ProfileClient",
+    "ProfileRefused",
     "Resolution",
     "TrackedProfile",
     "default_endpoint",
@@ -137,6 +141,11 @@ class DaemonUnavailable(RuntimeError):
 
 class BadReply(RuntimeError):
     """The daemon's reply does not validate: not JSON, wrong types, another protocol version, unknown fields."""
+
+
+class ProfileRefused(RuntimeError):
+    """The daemon's profile answers the request but may not be applied here (measured on another node or with this
+    node's identity unknown, modelled without allow_modelled, its transport missing, env_mismatch = refuse)."""
 
 
 class DaemonError(RuntimeError):
@@ -238,9 +247,7 @@ def provenance_of(rec: ProfileRecord | wire.ProfileResult) -> str:
     """measured | node_model | preset, as the record says (records and replies without the field derive it
     from the backend in their own `__post_init__`). A claimed measurement by a backend that does not measure
     (`model:*`, unknown) is taken as modelled: the label alone never makes a number measured."""
-    if rec.provenance == "measured" and provenance_of_backend(rec.backend) != "measured":
-        return unlabelled_provenance(rec.backend)
-    return str(rec.provenance)
+    return effective_provenance(str(rec.provenance), rec.backend)  # the one rule, shared with is_tuned_for
 
 
 # -- the read-only database fallback ----------------------------------------------------------------
@@ -458,10 +465,16 @@ def _reply_mismatch(r: wire.ProfileResult, *, model: ModelShape | None, ep_size:
 
 def _reply_problem(r: wire.ProfileResult, **request: Any) -> str | None:
     """Why a get_profile reply must not be used (None when it may): it does not answer the request
-    (`_reply_mismatch`), or its recorded perf_env holds more than performance variables (forged)."""
+    (`_reply_mismatch`), its profile_hash is not the hash of its key and knobs (what the store keys a profile by;
+    ranks and hosts compare it to agree on one profile), or its recorded perf_env holds more than performance
+    variables (forged)."""
     mismatch = _reply_mismatch(r, **request)
     if mismatch is not None:
         return f"reply does not answer the request: {mismatch}"
+    want = profile_hash_of(r.key, r.knobs)
+    if r.profile_hash != want:
+        return (f"reply's profile_hash {r.profile_hash[:64]!r} is not the hash of its key and knobs ({want}): "
+                "not a profile a daemon stores")
     bad_env = None if r.perf_env is msgspec.UNSET else perf_env_problem(dict(r.perf_env))
     return None if bad_env is None else f"reply's perf_env does not validate: {bad_env}"
 
@@ -629,6 +642,8 @@ class ProfileClient:
         self.epoch: str | None = None
         self.version = 0  # the snapshot version changes are compared with
         self.restarted = False  # set when the daemon's epoch changed between replies
+        # (epoch, fingerprint, software) -> this node's identity as the daemon's fabric facts report it, or why not
+        self._reported: dict[tuple[str | None, str, str], tuple[node_identity.NodeIdentity | None, str]] = {}
 
     # -- sockets ---------------------------------------------------------------------------------
     def _secure(self, s: zmq.Socket) -> None:
@@ -787,8 +802,8 @@ class ProfileClient:
     def list_profiles(self, *, status: str = "current", fingerprint: str | None = None, limit: int = 1000) -> wire.ListProfilesResult:
         return self.request("list_profiles", status=status, fingerprint=fingerprint, limit=limit)
 
-    def fabric(self) -> wire.FabricResult:
-        return self.request("fabric")
+    def fabric(self, *, timeout_ms: int | None = None) -> wire.FabricResult:
+        return self.request("fabric", timeout_ms=timeout_ms)
 
     def status(self) -> wire.StatusResult:
         return self.request("status")
@@ -862,8 +877,9 @@ class ProfileClient:
                 out.append(ch)
         return out
 
-    def track(self, **query: Any) -> TrackedProfile:
-        return TrackedProfile(self, query)
+    def track(self, *, transport_ok: Callable[[str], str | None] | None = None, **query: Any) -> TrackedProfile:
+        """`query`: get_profile's fields; `transport_ok` as for `resolve`."""
+        return TrackedProfile(self, query, transport_ok)
 
     # -- the fallback chain ----------------------------------------------------------------------
     def resolve(
@@ -887,7 +903,6 @@ class ProfileClient:
         budget = (budget_ms if budget_ms is not None else self.timeout_ms) / 1000.0
         problems: list[str] = []
         info = read_daemon_info(self.endpoint, self._env)
-        ident = node_identity.from_daemon_info(info, str(info.get("_dir"))) if info else None
         job_env = performance_environment(self._env).variables  # compared with a tuned profile's, never exported
 
         def finish(res: Resolution, headline: str, env_cmp: EnvComparison | None = None) -> Resolution:
@@ -909,9 +924,7 @@ class ProfileClient:
                                  transport_family=transport_family)
             if bad is not None:
                 raise BadReply(bad)
-            recorded = None if r.perf_env is msgspec.UNSET else dict(r.perf_env)
-            prov = provenance_of(r)
-            verdict, why, env_cmp = self._judge(r.key, r.knobs, prov, ident, transport_ok, recorded, job_env)
+            verdict, why, env_cmp, prov = self._judge_reply(r, info, transport_ok, job_env, t0 + budget)
             if verdict is None:
                 problems.append(f"daemon served profile {r.profile_hash}: {why}")
             else:
@@ -931,12 +944,11 @@ class ProfileClient:
         except (DaemonUnavailable, DaemonError, BadReply) as e:
             problems.append(f"daemon: {e}")
 
-        # 2. the database, read-only: only with this node's identity known
+        # 2. the database, read-only: only with this node's identity known, from the database's facts checked against
+        # this node (never daemon.json: a stopped or killed daemon's file predates what was installed since)
         db = self._db_path or client_db_path(info.get("db") if info and isinstance(info.get("db"), str) else None, self._env)
         try:
-            why_no_ident = ""
-            if ident is None:
-                ident, why_no_ident = node_identity_from_db(db)
+            ident, why_no_ident = node_identity_from_db(db)
             if ident is None and not self.allow_modelled:
                 problems.append(f"database {db}: not used, this node's identity is unknown ({why_no_ident})")
             else:
@@ -986,19 +998,64 @@ class ProfileClient:
                          env=launcher_env(knobs, family, nodes), family=family)
         return finish(res, "NO tuned profile")
 
+    def _judge_reply(
+        self, r: wire.ProfileResult, info: Mapping[str, Any] | None, transport_ok: Callable[[str], str | None] | None,
+        job_env: Mapping[str, str], deadline: float,
+    ) -> tuple[str | None, str, EnvComparison | None, str]:
+        """`_judge` of a get_profile reply that answers its request (`_reply_problem`), plus its provenance: what
+        `resolve` and `TrackedProfile` decide of it. This node's identity: daemon.json's (`from_daemon_info`: a
+        running daemon of this host), else the daemon's reported fabric checked against this node."""
+        ident, why_no_ident = (node_identity.from_daemon_info(dict(info), str(info.get("_dir"))) if info
+                               else (None, "no daemon.json in a runtime directory"))
+        if ident is None and not is_preset_fingerprint(r.key.fingerprint):
+            ident, why_no_ident = self._reported_identity(r.key, why_no_ident, deadline)
+        recorded = None if r.perf_env is msgspec.UNSET else dict(r.perf_env)
+        prov = provenance_of(r)
+        verdict, why, env_cmp = self._judge(r.key, r.knobs, prov, ident, transport_ok, recorded, job_env, why_no_ident)
+        return verdict, why, env_cmp, prov
+
+    def _reported_identity(self, key: ProfileKey, why_not: str, deadline: float) -> tuple[node_identity.NodeIdentity | None, str]:
+        """This node's identity as the daemon's `fabric` reply reports it, when its facts are this node's
+        (`node_identity.from_reported_facts`); else (None, why not). One request within what is left of the budget,
+        remembered per daemon start and profile key fingerprint/software (a daemon never changes either's facts)."""
+        memo = (self.epoch, key.fingerprint, key.software)
+        hit = self._reported.get(memo)
+        if hit is not None:
+            return hit
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        if left_ms <= 0:
+            return None, f"{why_not}; no time left to ask the daemon for its fabric facts"
+        try:
+            fab = self.fabric(timeout_ms=left_ms)
+        except (DaemonUnavailable, DaemonError, BadReply) as e:  # not remembered: may answer next time
+            return None, f"{why_not}; the daemon's fabric facts: {e}"
+        ident, why = node_identity.from_reported_facts(fab.fingerprint, fab.software, fab.facts, self.endpoint)
+        hit = (ident, "" if ident is not None else f"{why_not}; {why}")
+        if len(self._reported) >= 64:
+            self._reported.clear()
+        self._reported[(self.epoch, key.fingerprint, key.software)] = hit
+        return hit
+
     def _judge(
         self, key: ProfileKey, knobs: Knobs, provenance: str, ident: node_identity.NodeIdentity | None,
         transport_ok: Callable[[str], str | None] | None, recorded_env: Mapping[str, str] | None,
-        job_env: Mapping[str, str],
+        job_env: Mapping[str, str], why_no_ident: str = "",
     ) -> tuple[str | None, str, EnvComparison | None]:
         """("tuned" | "modelled" | None, why, env comparison): may this profile be applied here, and as what?
 
-        The one place a profile's recorded performance environment (`recorded_env`, None: not recorded) meets the
-        job's: a tuned profile's comparison is returned (for the resolution to say) or, under env_mismatch =
-        refuse, refuses it; a modelled one is not compared (its numbers were never measured in any environment)."""
+        A measured profile is tuned only for this node's identity (`ident`; None: unknown, `why_no_ident` says why):
+        never when it is unknown. The one place a profile's recorded performance environment (`recorded_env`, None:
+        not recorded) meets the job's: a tuned profile's comparison is returned (for the resolution to say) or, under
+        env_mismatch = refuse, refuses it; a modelled one is not compared (its numbers were never measured in any
+        environment)."""
         why = _transport_problem(key.transport_family, knobs, transport_ok)
         if why is not None:
             return None, why, None
+        if ident is None and (provenance == "measured" or not is_preset_fingerprint(key.fingerprint)):
+            # nothing says this node is the one it was measured (or calibrated) on: the database path's rule too
+            what = "measured" if provenance == "measured" else f"MODELLED ({provenance})"
+            return None, (f"{what} on fingerprint {key.fingerprint}, software {key.software}, but this node's "
+                          f"identity is unknown ({why_no_ident or 'nothing recorded'}): not applied"), None
         foreign = ident is not None and (key.fingerprint != ident.fingerprint or key.software != ident.software)
         if provenance == "measured":
             if foreign:
@@ -1169,13 +1226,20 @@ def forget_env_warnings() -> None:
 
 
 class TrackedProfile:
-    """One key's profile kept current: subscribe, snapshot, then apply newer changes (Clone pattern)."""
+    """One key's profile kept current: subscribe, snapshot, then apply newer changes (Clone pattern).
 
-    def __init__(self, client: ProfileClient, query: dict[str, Any]):
+    `current` is only a profile `resolve` would apply (the same reply checks and judgement: node identity,
+    allow_modelled, `transport_ok`, env_mismatch = refuse); `tuned` says whether it is applied as tuned (else it is
+    MODELLED, allowed by allow_modelled). Otherwise `current` is None and `error` says why."""
+
+    def __init__(self, client: ProfileClient, query: dict[str, Any],
+                 transport_ok: Callable[[str], str | None] | None = None):
         self.client = client
         self.query = query
+        self.transport_ok = transport_ok
         self.current: wire.ProfileResult | None = None
-        self.error: DaemonError | BadReply | None = None
+        self.tuned = False
+        self.error: DaemonError | BadReply | ProfileRefused | None = None
         self._lock = threading.Lock()
         client.subscribe()
         self._fetch()
@@ -1186,12 +1250,18 @@ class TrackedProfile:
             bad = _reply_problem(res, **self._request())  # the checks `resolve` makes of the same reply
             if bad is not None:
                 raise BadReply(bad)
-            self.current, self.error = res, None
-            self.client.version = res.version  # the snapshot's version
+            c = self.client
+            verdict, why, _, _ = c._judge_reply(res, read_daemon_info(c.endpoint, c._env), self.transport_ok,
+                                                performance_environment(c._env).variables,
+                                                time.monotonic() + c.timeout_ms / 1000)
+            self.client.version = res.version  # the snapshot's version (a refused profile's too: it was read)
             self.client.restarted = False
-        except (DaemonError, BadReply) as e:
-            # not found / stale / not an answer: never keep serving a profile the daemon no longer calls current
-            self.current, self.error = None, e
+            if verdict is None:
+                raise ProfileRefused(f"daemon served profile {res.profile_hash}: {why}")
+            self.current, self.error, self.tuned = res, None, verdict == "tuned"
+        except (DaemonError, BadReply, ProfileRefused) as e:
+            # not found / stale / not an answer / not for this node: never keep serving a profile resolve would not
+            self.current, self.error, self.tuned = None, e, False
 
     def _request(self) -> dict[str, Any]:
         """The query as `_reply_mismatch` compares it (a model given by name is looked up)."""

@@ -4,14 +4,27 @@ A profile is applied as tuned only when it was measured on this node's fingerpri
 (`ProfileRecord.is_tuned_for`). The runtime never runs fabric discovery (tuner code), so it learns its
 identity from what the tuner recorded, in this order:
 
-1. `daemon.json` in a trusted runtime directory: the fingerprint and software hash the daemon last
-   discovered on this node (the directory is node-local, so the file is this node's);
-2. without it, the `fingerprints` table of the database (written by the daemon, `moetune fabric` and
-   `moetune profile` with the facts they were computed from), newest first, cross-checked against what
-   the runtime can read in a few milliseconds: the GPU UUIDs and driver version in /proc/driver/nvidia,
-   and the installed torch and moetune versions. A database shared by several nodes, or one recorded
-   before a GPU, driver or torch change, fails the check;
-3. else no identity: no database profile is trusted (the caller falls back to policy defaults, loudly).
+For a profile the daemon serves:
+
+1. `daemon.json` in a trusted runtime directory, written by a daemon of THIS host (its "host" is this
+   hostname: a runtime directory on a shared file system holds another node's) that says it is running:
+   the fingerprint and software hash the daemon discovered on this node (`from_daemon_info`);
+2. else the facts the daemon reports (`fabric` op), checked against this node like the database's below
+   (`from_reported_facts`): a daemon on another node (a tcp:// endpoint) reports that node's GPUs.
+
+For the database fallback (the daemon did not serve): the `fingerprints` table of the database (written by the
+daemon, `moetune fabric` and `moetune profile` with the facts they were computed from), newest first,
+cross-checked against what the runtime can read in a few milliseconds (`mismatch`). A database shared by
+several nodes, or one recorded before a GPU, driver or package change, fails the check. daemon.json is not
+used there: a stopped (or killed) daemon's file says nothing about the software installed since.
+
+Else no identity: no profile is applied as tuned (the caller falls back to policy defaults, loudly).
+
+What `mismatch` checks: the GPU UUIDs and driver version in /proc/driver/nvidia, and the versions of the Python
+distributions discovery reads the software facts from (torch, moetune, nvidia-nccl-cu*, nvidia-nvshmem-cu*,
+nvidia-cuda-runtime-cu*, nvshmem4py-cu*; read once per process: a running job's imported packages do not
+change). Known limit: the software hash also covers the driver's CUDA version (nvidia-smi; it follows the driver,
+which is checked) and libfabric (`fi_info`, a process to run): neither is read here.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,13 +62,42 @@ def software_hash(facts: dict[str, Any]) -> str:
     return hashlib.sha256(dump.encode()).hexdigest()[:16]
 
 
-def from_daemon_info(info: dict[str, Any] | None, where: str) -> NodeIdentity | None:
+def from_daemon_info(info: dict[str, Any] | None, where: str, host: str | None = None) -> tuple[NodeIdentity | None, str]:
+    """(this node's identity from a daemon.json, or None and why not). Only a file a daemon of this host (`host`,
+    default this hostname) wrote while running is this node's: on a shared runtime directory another node's
+    daemon writes it, and a stopped daemon's file predates whatever was installed since."""
     if not info:
-        return None
+        return None, "no daemon.json"
     fp, sw = info.get("fingerprint"), info.get("software")
-    if isinstance(fp, str) and fp and isinstance(sw, str) and sw:
-        return NodeIdentity(fp, sw, f"daemon.json in {where}")
-    return None
+    if not (isinstance(fp, str) and fp and isinstance(sw, str) and sw):
+        return None, f"daemon.json in {where} records no fingerprint"
+    here = host if host is not None else socket.gethostname()
+    written = info.get("host")
+    if not isinstance(written, str) or not written:
+        return None, f"daemon.json in {where} records no host (an older daemon's): cannot tell it is this node's"
+    if written != here:
+        return None, (f"daemon.json in {where} was written on host {written[:64]!r}, not this one ({here}): "
+                      "a runtime directory shared by several nodes?")
+    if info.get("running") is not True:
+        return None, f"daemon.json in {where} is a stopped daemon's"
+    return NodeIdentity(fp, sw, f"daemon.json in {where}"), ""
+
+
+def from_reported_facts(fingerprint: str | None, software: str | None, facts: Any, where: str) -> tuple[NodeIdentity | None, str]:
+    """(the identity a daemon reports, when its facts are this node's; else None and why not). The facts are
+    checked like the database's (`mismatch`), and must be the ones `software` was computed from."""
+    if not fingerprint or not software or not isinstance(facts, dict):
+        return None, f"the daemon at {where} reports no fabric"
+    if is_preset_fingerprint(fingerprint):
+        return None, f"the daemon at {where} reports a preset's fabric {fingerprint!r}, not a node's"
+    if not facts.get("gpus") and not facts.get("software"):
+        return None, f"the daemon at {where} reports no facts (GPUs, software) to check this node against"
+    if software_hash(facts) != software:
+        return None, f"the daemon at {where} reports software {software} that is not its facts' ({software_hash(facts)})"
+    why, checked = mismatch(facts)
+    if why is not None:
+        return None, f"the fabric the daemon at {where} reports is not this node's ({why})"
+    return NodeIdentity(fingerprint, software, f"the fabric facts of the daemon at {where}", checked), ""
 
 
 # -- what the runtime can read cheaply ---------------------------------------------------------------
@@ -89,13 +132,39 @@ def local_driver(proc: Path | None = None) -> str | None:
     return m.group(1) if m else None
 
 
-def _dist_version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
+# The software facts discovery reads from Python distributions: fact -> distributions, the first installed wins
+# (mirrors moetune.tuner.fabric.discovery._software; a test keeps the two equal).
+PACKAGE_FACTS: dict[str, tuple[str, ...]] = {
+    "cuda_runtime": ("nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime"),
+    "nccl": ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"),
+    "nvshmem": ("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12"),
+    "torch": ("torch",),
+    "nvshmem4py": ("nvshmem4py-cu13", "nvshmem4py-cu12"),
+    "moetune": ("moetune",),
+}
+_VERSIONS: dict[str, str | None] = {}  # per process: a running job's imported packages do not change under it
 
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
+
+def _dist_version(name: str) -> str | None:
+    if name not in _VERSIONS:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            _VERSIONS[name] = version(name)
+        except PackageNotFoundError:
+            _VERSIONS[name] = None
+        except Exception:  # a broken dist-info reads as not installed, as discovery reads it
+            _VERSIONS[name] = None
+    return _VERSIONS[name]
+
+
+def local_package_fact(fact: str) -> str:
+    """This process's value of a software fact discovery reads from distributions ("none": none installed)."""
+    for name in PACKAGE_FACTS[fact]:
+        v = _dist_version(name)
+        if v:
+            return v
+    return "none"
 
 
 def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | None, tuple[str, ...]]:
@@ -113,13 +182,22 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
             return "the GPUs here are not the recorded ones (UUIDs differ)", tuple(checked)
         checked.append("GPU UUIDs" if recorded else "GPU count")
     sw = facts.get("software", {}) or {}
-    for name, have in (("driver", local_driver(proc)), ("torch", _dist_version("torch")), ("moetune", _dist_version("moetune"))):
-        want = str(sw.get(name, "none"))
-        if want in _NONE:
-            continue
+    if not isinstance(sw, dict):
+        return "the recorded software facts are not a mapping", tuple(checked)
+    want = str(sw.get("driver", "none"))
+    if want not in _NONE:  # "none": discovery could not read it either
+        have = local_driver(proc)
         if have is None:
-            return f"cannot read this node's {name} version to check the recorded {want}", tuple(checked)
+            return f"cannot read this node's driver version to check the recorded {want}", tuple(checked)
         if have != want:
+            return f"driver {have} here, {want} recorded", tuple(checked)
+        checked.append("driver")
+    for name in PACKAGE_FACTS:
+        if name not in sw:
+            continue  # not recorded (older facts): nothing to compare
+        want = str(sw[name]).strip() or "none"
+        have = local_package_fact(name)
+        if have != want:  # "none" too: a package installed (or removed) since changes the software hash
             return f"{name} {have} here, {want} recorded", tuple(checked)
         checked.append(name)
     return None, tuple(checked)

@@ -1,0 +1,253 @@
+"""This node's identity and what a daemon's reply may make tuned (review of the runtime's trust rules):
+
+- daemon.json is this node's identity only when a daemon of THIS host wrote it while running; the database
+  fallback takes its identity from the database's facts checked against this node, never from daemon.json;
+- with no daemon.json, a measured profile from the daemon is tuned only when the daemon's reported fabric facts
+  are this node's (a tcp:// daemon on another node reports that node's);
+- a reply's profile_hash must be the hash of its key and knobs;
+- one provenance rule (`effective_provenance`) for records, replies and `is_tuned_for`;
+- the software facts read from Python distributions (NCCL, NVSHMEM, ...) are checked, as discovery reads them."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime import wire
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord, effective_provenance, profile_hash_of
+from moetune.runtime.profiles import client, node_identity
+from moetune.runtime.profiles.client import DaemonUnavailable, FallbackWarning, ProfileClient
+from moetune.runtime.shapes import MODELS
+
+QWEN = MODELS["qwen3-30b"]
+HOST = socket.gethostname()
+HERE = {"gpus": [{"uuid": "GPU-bbbb", "model": "H100"}], "software": {"driver": "none", "torch": "2.4.1", "moetune": "0.1.0"}}
+ELSEWHERE = {"gpus": [{"uuid": "GPU-aaaa", "model": "H100"}], "software": {"driver": "none", "torch": "2.4.1", "moetune": "0.1.0"}}
+FP_HERE, FP_A = "c" * 16, "a" * 16
+
+
+def key(fp: str, sw: str, bucket: int = 64) -> ProfileKey:
+    return ProfileKey(fingerprint=fp, software=sw, transport_family="nvlink", ep_size=2, nodes=1, hidden=QWEN.hidden,
+                      intermediate=QWEN.intermediate, experts=QWEN.experts, topk=QWEN.topk, dtype=QWEN.dtype,
+                      token_bucket=bucket)
+
+
+def measured(k: ProfileKey, num_sms: int = 24) -> ProfileRecord:
+    return ProfileRecord(key=k, knobs=default_knobs("nvlink").replace(num_sms=num_sms), latency_us=20.0, spread_us=0.1,
+                         backend="local:nccl", provenance="measured")
+
+
+def reply(rec: ProfileRecord, **over: Any) -> wire.ProfileResult:
+    res = wire.ProfileResult.from_record(rec, env={})
+    return msgspec.structs.replace(res, **over) if over else res
+
+
+def seed(db: Path, fp: str, facts: dict, recs: list[ProfileRecord]) -> None:
+    store = F.open_store(db)
+    try:
+        store.upsert_fingerprint(fp, facts)
+        for r in recs:
+            ok, why = store.put_profile(r)
+            assert ok, why
+    finally:
+        store.close()
+
+
+def write_info(run: Path, **info: Any) -> None:
+    run.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (run / "daemon.json").write_text(json.dumps(info))
+
+
+def resolve(c: ProfileClient) -> tuple[client.Resolution, list[str]]:
+    return F.resolve_warned(c)
+
+
+# -- 1: daemon.json of another host, or of a stopped daemon -------------------------------------------------------
+@pytest.mark.parametrize(("info", "why"), [
+    ({"host": "node-a", "running": True}, "written on host 'node-a'"),
+    ({"running": True}, "records no host"),
+    ({"host": HOST, "running": False}, "stopped daemon"),
+    ({"host": HOST}, "stopped daemon"),
+])
+def test_daemon_json_is_this_nodes_identity_only_from_a_running_daemon_of_this_host(info: dict, why: str) -> None:
+    ident, said = node_identity.from_daemon_info({"fingerprint": FP_A, "software": "5" * 16, **info}, "/run")
+    assert ident is None and why in said, said
+    ident, said = node_identity.from_daemon_info({"fingerprint": FP_A, "software": "5" * 16, "host": HOST,
+                                                  "running": True}, "/run")
+    assert ident is not None and ident.fingerprint == FP_A and said == ""
+
+
+def test_another_hosts_daemon_json_does_not_make_its_profiles_tuned_here(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOETUNE_HOME on a shared file system: node A's daemon.json and database. Before: A's identity became this
+    node's, and A's measured profile was applied here as tuned from the database."""
+    F.pretend_node(monkeypatch, HERE, tmp_path / "proc")
+    db = tmp_path / "moetune.db"
+    sw_a = node_identity.software_hash(ELSEWHERE)
+    seed(db, FP_A, ELSEWHERE, [measured(key(FP_A, sw_a))])
+    run = tmp_path / "run"
+    write_info(run, fingerprint=FP_A, software=sw_a, host="node-a", running=True, pid=1, endpoint=f"ipc://{run}/daemon.sock",
+               db=str(db))
+    res, warned = resolve(ProfileClient(f"ipc://{run}/daemon.sock", db_path=db, timeout_ms=200, env={}))
+    assert res.source in ("policy", "default") and not res.tuned, res
+    assert len(warned) == 1 and "identity is unknown" in warned[0] and "UUIDs differ" in warned[0], warned
+
+
+@pytest.mark.parametrize("running", [True, False])  # True: a daemon killed with -9 leaves its file saying so
+def test_a_daemon_json_from_before_an_upgrade_does_not_vouch_for_the_software_here(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, running: bool) -> None:
+    """This host's daemon.json says FP/SW, recorded before torch was upgraded here; the daemon is down (the database
+    fallback). Before: daemon.json's word made the old software's profile tuned; now the database's facts are
+    checked against this node (torch differs), as they are without daemon.json."""
+    old = {"gpus": HERE["gpus"], "software": {**HERE["software"], "torch": "2.3.0"}}
+    F.pretend_node(monkeypatch, HERE, tmp_path / "proc")
+    db = tmp_path / "moetune.db"
+    sw_old = node_identity.software_hash(old)
+    seed(db, FP_HERE, old, [measured(key(FP_HERE, sw_old))])
+    run = tmp_path / "run"
+    write_info(run, fingerprint=FP_HERE, software=sw_old, host=HOST, running=running, db=str(db))
+    res, warned = resolve(ProfileClient(f"ipc://{run}/daemon.sock", db_path=db, timeout_ms=200, env={}))
+    assert res.source in ("policy", "default") and not res.tuned, res
+    assert "torch 2.4.1 here, 2.3.0 recorded" in warned[0], warned
+    # the software here recorded (a re-run of `moetune fabric`/the daemon): its profile is tuned again
+    sw_now = node_identity.software_hash(HERE)
+    mine = measured(key(FP_HERE, sw_now), num_sms=32)
+    seed(db, FP_HERE, HERE, [mine])
+    res, warned = resolve(ProfileClient(f"ipc://{run}/daemon.sock", db_path=db, timeout_ms=200, env={}))
+    assert res.source == "database" and res.tuned and res.profile_hash == mine.profile_hash, warned
+
+
+# -- 2: this node's identity unknown (no daemon.json: a tcp:// endpoint) --------------------------------------------
+def _faked(tmp_path: Path, answer: wire.ProfileResult, fabric: wire.FabricResult | Exception) -> tuple[ProfileClient, list]:
+    """A client with no daemon.json anywhere, whose daemon answers `answer` and reports `fabric`."""
+    c = ProfileClient(f"ipc://{tmp_path}/nowhere/daemon.sock", db_path=tmp_path / "none.db", timeout_ms=200,
+                      env={"HOME": str(tmp_path)})
+    asked: list[int] = []
+
+    def fab(**kw: Any) -> wire.FabricResult:
+        asked.append(1)
+        if isinstance(fabric, Exception):
+            raise fabric
+        return fabric
+
+    c.get_profile = lambda **kw: answer  # type: ignore[method-assign]
+    c.fabric = fab  # type: ignore[method-assign]
+    return c, asked
+
+
+def _fabric(fp: str, facts: dict, software: str | None = None) -> wire.FabricResult:
+    return wire.FabricResult(fingerprint=fp, software=software or node_identity.software_hash(facts),
+                             transports=["nvlink"], facts=facts, discovered_at="", ok=True)
+
+
+def test_with_this_nodes_identity_unknown_a_measured_profile_is_not_tuned(tmp_path: Path) -> None:
+    """Before: `foreign` was False with no identity, so any 'measured' profile a daemon sent was tuned."""
+    r = reply(measured(key("9" * 16, "8" * 16)))
+    c, _ = _faked(tmp_path, r, DaemonUnavailable("no reply from the daemon"))
+    res, warned = resolve(c)
+    assert res.source in ("policy", "default") and not res.tuned, res
+    assert "identity is unknown" in warned[0] and "no reply from the daemon" in warned[0], warned
+
+
+def test_a_remote_daemons_profile_is_tuned_only_when_its_facts_are_this_nodes(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    F.pretend_node(monkeypatch, HERE, tmp_path / "proc")
+    sw_a = node_identity.software_hash(ELSEWHERE)
+    # a daemon on node A (its GPUs): never tuned here
+    c, _ = _faked(tmp_path, reply(measured(key(FP_A, sw_a))), _fabric(FP_A, ELSEWHERE))
+    res, warned = resolve(c)
+    assert not res.tuned and res.source in ("policy", "default"), res
+    assert "is not this node's" in warned[0] and "UUIDs differ" in warned[0], warned
+    # a software hash that is not its facts': not checked facts, so not tuned
+    c, _ = _faked(tmp_path, reply(measured(key(FP_HERE, "7" * 16))), _fabric(FP_HERE, HERE, software="7" * 16))
+    res, warned = resolve(c)
+    assert not res.tuned and "is not its facts'" in warned[0], warned
+    # this node's own daemon reached over TCP: its facts are this node's, its profile is tuned; asked once
+    sw = node_identity.software_hash(HERE)
+    mine = measured(key(FP_HERE, sw))
+    c, asked = _faked(tmp_path, reply(mine), _fabric(FP_HERE, HERE))
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = c.resolve(model=QWEN, ep_size=2, tokens=100)
+        assert res.source == "daemon" and res.tuned and res.profile_hash == mine.profile_hash
+        assert not [w for w in caught if issubclass(w.category, FallbackWarning)]
+    assert len(asked) == 1  # remembered per daemon start and key fingerprint/software
+    c.close()
+
+
+# -- 3: the reply's profile_hash ----------------------------------------------------------------------------------
+def test_a_reply_whose_hash_is_not_its_key_and_knobs_is_a_bad_reply(tmp_path: Path) -> None:
+    k = key(FP_HERE, "5" * 16)
+    real, other = measured(k, num_sms=24), measured(k, num_sms=40)
+    forged = reply(real, profile_hash=other.profile_hash)
+    why = client._reply_problem(forged, model=QWEN, ep_size=2, tokens=100, nodes=1, transport_family=None)
+    assert why is not None and "profile_hash" in why and real.profile_hash in why
+    assert client._reply_problem(reply(real), model=QWEN, ep_size=2, tokens=100, nodes=1, transport_family=None) is None
+    assert profile_hash_of(k, real.knobs) == real.profile_hash
+    run = tmp_path / "run"
+    write_info(run, fingerprint=FP_HERE, software="5" * 16, host=HOST, running=True)
+    c = ProfileClient(f"ipc://{run}/daemon.sock", db_path=tmp_path / "none.db", timeout_ms=200, env={})
+    c.get_profile = lambda **kw: forged  # type: ignore[method-assign]
+    res, warned = resolve(c)
+    assert res.source in ("policy", "default") and res.profile_hash != other.profile_hash
+    assert "is not the hash of its key and knobs" in warned[0], warned
+    c = ProfileClient(f"ipc://{run}/daemon.sock", db_path=tmp_path / "none.db", timeout_ms=200, env={})
+    c.get_profile = lambda **kw: reply(real)  # type: ignore[method-assign]
+    res, _ = resolve(c)
+    assert res.source == "daemon" and res.tuned and res.profile_hash == real.profile_hash
+
+
+# -- 5: one provenance rule ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("backend", "label", "want"), [
+    ("local:nccl", "measured", "measured"),
+    ("model:h100-dgx", "measured", "preset"),
+    ("model:node:ffff", "measured", "node_model"),
+    ("something-else", "measured", "node_model"),
+    ("model:h100-dgx", "preset", "preset"),
+])
+def test_is_tuned_for_and_the_client_follow_one_provenance_rule(backend: str, label: str, want: str) -> None:
+    """Before: is_tuned_for trusted the label alone (a preset labelled 'measured' was tuned)."""
+    rec = ProfileRecord(key=key(FP_HERE, "5" * 16), knobs=default_knobs("nvlink"), latency_us=27, spread_us=0,
+                        backend=backend, provenance=label)
+    assert rec.effective_provenance == want == client.provenance_of(rec) == effective_provenance(label, backend)
+    assert client.provenance_of(reply(rec)) == want
+    assert rec.is_tuned_for(FP_HERE, "5" * 16) is (want == "measured")
+
+
+# -- also: the software facts read from Python distributions -----------------------------------------------------
+def test_the_package_facts_are_read_as_discovery_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.tuner.fabric.discovery import PACKAGES, _software
+
+    assert {d for names in node_identity.PACKAGE_FACTS.values() for d in names} == set(PACKAGES)
+    for installed in ({}, {n: f"1.{i}" for i, n in enumerate(PACKAGES)},
+                      {"nvidia-nccl-cu12": "2.21.5", "nvidia-nvshmem-cu12": "3.2.5", "torch": "2.6.0"}):
+        monkeypatch.setattr(node_identity, "_dist_version", installed.get)
+        sw = _software(dict(installed), {"driver": "", "cuda": ""}, "")
+        assert {f: node_identity.local_package_fact(f) for f in node_identity.PACKAGE_FACTS} == \
+            {f: sw[f] for f in node_identity.PACKAGE_FACTS}
+
+
+def test_nccl_and_nvshmem_versions_are_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Before: only driver, torch and moetune were compared; NCCL (which the software hash covers) was not."""
+    monkeypatch.setattr(node_identity, "PROC_ROOT", tmp_path)  # no NVIDIA driver: GPU-less facts only
+    installed = {"torch": "2.4.1", "nvidia-nccl-cu12": "2.21.5"}
+    monkeypatch.setattr(node_identity, "_dist_version", installed.get)
+    facts = {"gpus": [], "software": {"torch": "2.4.1", "nccl": "2.21.5", "nvshmem": "none"}}
+    assert node_identity.mismatch(facts) == (None, ("nccl", "nvshmem", "torch"))
+    why, _ = node_identity.mismatch({**facts, "software": {**facts["software"], "nccl": "2.20.3"}})
+    assert why == "nccl 2.21.5 here, 2.20.3 recorded"
+    installed["nvidia-nvshmem-cu12"] = "3.2.5"  # installed since the facts were recorded
+    why, _ = node_identity.mismatch(facts)
+    assert why == "nvshmem 3.2.5 here, none recorded"
