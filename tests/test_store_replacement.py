@@ -110,6 +110,37 @@ def test_other_knobs_replace_after_a_side_by_side_or_by_beating_the_noise(store)
     assert store.get_current(key()).knobs == sms(12)
 
 
+# -- metric -----------------------------------------------------------------------------------------------------
+def test_numbers_of_two_metrics_are_never_compared(store):
+    """The reviewer's case: `moetune tune` stored a whole layer (900 us, `local:gloo`); a bring-up's round trip
+    (500 us, `local:gloo:comm`) of other knobs replaced it on 'gain 400 us beats the noise' -- the difference of
+    two figures, not a gain."""
+    assert store.put_profile(msgspec.structs.replace(measured(900.0), backend="local:gloo"))[0]
+    comm = msgspec.structs.replace(measured(500.0, knobs=sms(8)), backend="local:gloo:comm")
+    ok, why = store.put_profile(comm)
+    assert not ok and "not compared" in why and "gain" not in why and "layer" in why and "comm" in why
+    cur = store.get_current(key())
+    assert (cur.latency_us, cur.backend) == (900.0, "local:gloo")
+    # kept as history, and a slower layer number of other knobs is not read as a loss against the round trip either
+    assert [r.backend for _i, r in store.list_profiles(status="superseded")] == ["local:gloo:comm"]
+    # the same knobs in the other metric are no re-measurement of the stored number
+    assert not store.put_profile(msgspec.structs.replace(measured(400.0), backend="local:gloo:comm"))[0]
+    # a side-by-side re-measurement in the new metric replaces, and the reason says the old number was not compared
+    ok, why = store.put_profile(comm, force_reason="beat the incumbent side by side")
+    assert ok and "side by side" in why and "not compared" in why
+    assert store.get_current(key()).backend == "local:gloo:comm"
+
+
+def test_a_comm_tune_is_labelled_with_its_metric():
+    from moetune.tuner.search.backends import LocalBackend
+    from moetune.tuner.store.metric import metric_of_backend
+
+    layer, comm = LocalBackend(comm_backend="gloo"), LocalBackend(comm_backend="gloo", metric="comm")
+    assert (layer.label, comm.label) == ("local:gloo", "local:gloo:comm")  # the layer label stays as stored
+    assert [metric_of_backend(b.label) for b in (layer, comm)] == ["layer", "comm"]
+    assert LocalBackend(comm_backend="nccl", metric="comm", family="megakernel").label == "local:megakernel"
+
+
 # -- routing ----------------------------------------------------------------------------------------------------
 def test_routing_is_recorded_in_canonical_form_and_read_back(store):
     store.put_profile(measured(100.0, routing="ZIPF:1.20"))

@@ -70,17 +70,47 @@ def test_library_refuses_a_key_the_local_backend_did_not_measure(tmp_path: Path,
     assert store.list_profiles() == []
 
 
+class CpuFacts(Facts):
+    """A node without GPUs: what gloo (CPU processes) measures is this node's exchange."""
+
+    gpu_count = 0
+
+
 def test_library_stores_the_measured_group(tmp_path: Path) -> None:
     """world == ep_size on one node is stored; without ep_size a local tune stores its world (not GPUs per node)."""
     from moetune.tuner.search.tune import tune_profiles_detailed
 
     store = _store(tmp_path / "p.db")
-    res = tune_profiles_detailed(store, Facts(), models=[SMALL], tokens=[64], backend=_backend(tmp_path, 4), trials=2,
+    res = tune_profiles_detailed(store, CpuFacts(), models=[SMALL], tokens=[64], backend=_backend(tmp_path, 4), trials=2,
                                  families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}")
     assert res[0].written, res[0].reason
     (key,) = [r.key for _, r in store.list_profiles()]
     assert (key.ep_size, key.nodes) == (4, 1)
     assert res[0].record.provenance == "measured"
+
+
+def test_library_refuses_gloo_on_a_gpu_node(tmp_path: Path) -> None:
+    """gloo runs CPU processes: on a GPU node its number would be stored as the node's measured profile and served to
+    its NCCL/GPU jobs as tuned (the reviewer's h200x2 case). Refused before any studies file or profile is made."""
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    store = _store(tmp_path / "p.db")
+    with pytest.raises(ValueError, match="gloo measures CPU processes") as e:
+        tune_profiles_detailed(store, Facts(), models=[SMALL], tokens=[64], backend=_backend(tmp_path, 8), trials=2,
+                               families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}")
+    assert "8 GPU(s)" in str(e.value) and "nccl" in str(e.value)
+    assert store.list_profiles() == [] and not (tmp_path / "opt.db").exists()
+
+
+def test_cli_refuses_gloo_on_a_gpu_capture_before_any_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _fake_local(monkeypatch)
+    r = CliRunner().invoke(app, ["tune", "--backend", "local", "--comm", "gloo", "-m", "custom:256,128,16,2", "-t", "64",
+                                 "-n", "2", "--family", "collective", "--from", str(CAPTURES / "h200x2"),
+                                 "--db", str(tmp_path / "p.db")], env={"MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 2, r.output
+    assert "gloo measures CPU processes" in r.output and "2 GPU(s)" in r.output, r.output
+    assert "Traceback" not in r.output and isinstance(r.exception, SystemExit)
+    assert seen == [] and list(tmp_path.glob("*.db")) == []  # refused before any backend or database
 
 
 def _fake_local(monkeypatch: pytest.MonkeyPatch) -> list[dict]:

@@ -56,7 +56,8 @@ def test_a_local_tune_records_the_environment_its_ranks_measured_in(tmp_path: Pa
 
     env = {"PATH": "/usr/bin:/bin", "NCCL_ALGO": "Ring", "NCCL_P2P_DISABLE": "1", "NCCL_DEBUG": "INFO",
            "NVSHMEM_REMOTE_TRANSPORT": "ibrc", "FI_PROVIDER": "cxi"}
-    be = LocalBackend(world=2, command=_bench(tmp_path), comm_backend="gloo", repeats=1, timeout_s=20, env=env)
+    # nccl: the facts' node has GPUs (gloo, CPU processes, is refused there); the bench is a fake
+    be = LocalBackend(world=2, command=_bench(tmp_path), comm_backend="nccl", repeats=1, timeout_s=20, env=env)
     # the ranks run in it (plus what the knobs set)
     _, details, err = be.run_once(default_knobs("collective"), TuneWorkload(model=SMALL, tokens=64))
     assert err is None and details["backend"] == "Ring"
@@ -118,7 +119,8 @@ def test_the_daemons_local_re_tune_records_the_daemons_environment(tmp_path: Pat
     def make_backend(backend: Any, preset: Any = None, **kw: Any) -> Any:
         if backend != "local":
             return real(backend, preset, **kw)
-        be = LocalBackend(world=kw["world"], command=bench, comm_backend="gloo", repeats=1, timeout_s=20)
+        # nccl, as a daemon on this 2-GPU node launches its ranks (gloo is refused there); the bench is a fake
+        be = LocalBackend(world=kw["world"], command=bench, comm_backend="nccl", repeats=1, timeout_s=20)
         made.append(be)
         return be
 

@@ -186,6 +186,28 @@ def test_put_grid_drops_chunks_with_the_same_puts_keeping_the_policy_order() -> 
     assert {k.group_size for k in small.enumerate() if k.chunk_tokens == 2} == {0, 2, 4}
 
 
+def test_put_grid_group_sets_of_an_unsorted_policy_list_have_names_of_their_own() -> None:
+    # a policy may list its sizes in any order (group_size = [4, 2, 8]): the bounded sets (0, 4, 2) and (0, 2)
+    # both end in 2, yet each must be its own Optuna parameter (one name, one set of choices)
+    pol = load_policy("proxy:ibrc")
+    pol = dataclasses.replace(pol, group_size=(4, 2, 8),
+                              knobs={**pol.knobs, "chunk_tokens": KnobSpec("chunk_tokens", choices=(0, 128, 256, 512))})
+    space = SearchSpace(pol, experts=128, ep_size=8, tokens=2048, topk=8)
+    assert {space.group_values(chunk_tokens=c) for c in (256, 512)} == {(0, 4, 2), (0, 2)}
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(60):
+        t = study.ask()
+        space.check(space.suggest(t))
+        study.tell(t, 1.0)
+    names = {n for t in study.trials for n in t.params if n.startswith("group_size")}
+    assert names == {"group_size", "group_size_max4", "group_size_max2"}
+    # a sorted set keeps the name it had (its last size is its largest): stored studies resume
+    sorted_space = _put_space("proxy:ibrc", 8, 2048)
+    assert sorted_space.group_values(chunk_tokens=256) == (0, 2, 4)
+    assert "group_size_max4" in sorted_space.params_of(
+        sorted_space.policy.defaults.replace(signalling="decoupled", chunk_tokens=256, group_size=4))
+
+
 @pytest.mark.parametrize("family", ["proxy:ibrc", "ibgda"])
 def test_put_grid_check_and_project_sets_from_other_buckets(family: str) -> None:
     big = _put_space(family, 8, 4096)

@@ -53,7 +53,8 @@ class MetricBackend(LocalBackend):
     """A local backend whose runs are faked in-process: the comm figure is a tenth of the layer's."""
 
     def __init__(self, metric: str):
-        super().__init__(world=4, comm_backend="gloo", repeats=1, metric=metric)
+        # nccl: the facts' node has 4 GPUs (gloo, CPU processes, is refused there); the runs are fakes
+        super().__init__(world=4, comm_backend="nccl", repeats=1, metric=metric)
         self.runs: list[str] = []
 
     def run_once(self, knobs: Knobs, workload: TuneWorkload) -> tuple[float | None, dict, str | None]:
@@ -62,8 +63,8 @@ class MetricBackend(LocalBackend):
 
 
 def test_other_metric_is_another_study(tmp_path: Path) -> None:
-    """`moetune tune --backend local` times the whole layer, `moetune profile` dispatch + combine only: both
-    are labelled local:gloo, but one study of both would rank layer times against comm times."""
+    """`moetune tune --backend local` times the whole layer, `moetune profile` the round trip only (labelled
+    local:nccl and local:nccl:comm): one study of both would rank layer times against comm times."""
     url = f"sqlite:///{tmp_path / 's.db'}"
     _tune(url, MetricBackend("layer"))
     comm = MetricBackend("comm")

@@ -53,7 +53,8 @@ class Plan:
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(models=["qwen3-30b"], tokens=[128, 1024], trials=4, repeats=1, iters=10, compare_rounds=1,
+        # 2 compare rounds: with one repeat, one round gives each setting one sample, too few to call a gain
+        return cls(models=["qwen3-30b"], tokens=[128, 1024], trials=4, repeats=1, iters=10, compare_rounds=2,
                    trial_timeout_s=60.0)
 
     @classmethod
@@ -438,6 +439,9 @@ class Bringup:
                                           backend=self._mk_backend(), trials=self.plan.trials, progress=self.progress,
                                           storage=self.storage, ep_size=1, nodes=1, seed=0, families=["megakernel"],
                                           study_tag=tag, recheck=False)
+        # recheck=False stores nothing: the candidates wait in this stage's result (the state file) for the compare
+        # stage, the only writer, so no unchecked best is served meanwhile. Ctrl-C before this stage is marked done
+        # loses none: a rerun resumes the studies, whose finished trials run no more.
         out = []
         for r in res:
             if r.record is None:
@@ -446,13 +450,14 @@ class Bringup:
             out.append({"family": k.transport_family, "tokens": k.token_bucket, "ep_size": k.ep_size, "key": k.to_dict(),
                         "software_versions": r.record.software_versions, "knobs": r.record.knobs.to_dict(), "latency_us": r.record.latency_us,
                         "spread_us": r.record.spread_us, "written": r.written, "reason": r.reason,
-                        "study": r.study.study_name,
+                        "study": r.study.study_name, "routing": r.study.workload.routing,
                         "model": next(m.name for m in models if (m.hidden, m.intermediate, m.experts, m.topk)
                                       == (k.hidden, k.intermediate, k.experts, k.topk))})
         return out
 
     def stage_compare(self) -> list[dict]:
-        """Tuned against the policy default for every bucket, measured side by side (interleaved)."""
+        """Tuned against the policy default (and the current stored profile) for every bucket, measured side by
+        side (interleaved); the only stage that stores profiles."""
         backends: dict[int, Any] = {}  # EP size -> its backend, started when a row of that size comes
         try:
             return self._compare_with(backends)
@@ -462,8 +467,11 @@ class Bringup:
 
     def _compare_with(self, ep_backends: dict[int, Any]) -> list[dict]:
         from moetune.runtime.knobs import Knobs
-        from moetune.tuner.search.backends import TuneWorkload
+        from moetune.runtime.profile_record import ProfileKey
+        from moetune.tuner.search.backends import TuneWorkload, too_few_samples
         from moetune.tuner.search.policy import load_policy
+        from moetune.tuner.search.tune import SideBySide, side_by_side
+        from moetune.tuner.store.validate import canonical_routing
 
         out = []
         tuned_rows = self.state.result("tune") or []
@@ -478,32 +486,60 @@ class Bringup:
             if not mk and ep not in ep_backends:
                 ep_backends[ep] = self._backend(ep)
             be = self._mk_backend() if mk else ep_backends[ep]
-            wl = TuneWorkload(model=get_model(t["model"]), tokens=t["tokens"], nodes=1, gpus_per_node=ep)
+            routing = t.get("routing") or "uniform"  # state of an older version: the bring-up tuned uniform
+            wl = TuneWorkload(model=get_model(t["model"]), tokens=t["tokens"], nodes=1, gpus_per_node=ep,
+                              routing=routing)
             be.family = t["family"]
-            if tuned == default:
-                m = be.compare([default], wl, rounds=self.plan.compare_rounds)
-                md, mt = m[0], m[0]
+            # The current stored profile is a rival too (a search's best never replaces a faster one unmeasured),
+            # unless it was measured under another routing: then it is not compared, and the store keeps it.
+            current = self.store.get_current(ProfileKey(**t["key"]))
+            same_routing = current is not None and current.tuned_routing in ("", canonical_routing(routing))
+            inc = current.knobs if same_routing else None
+            inert = be.inert_reason(t["family"], wl)  # no knob acts here: the default replaces other knobs
+            cands = [default] if inert else list(dict.fromkeys(k for k in (tuned, inc, default) if k is not None))
+            got = dict(zip(cands, be.compare(cands, wl, rounds=self.plan.compare_rounds), strict=True))
+            md = got[default]
+            mt = got.get(tuned, md)
+            mi = got.get(inc) if inc is not None else None
+            # The side-by-side measurement decides what is stored, by the rules of `moetune tune`: the tuned
+            # setting only when its gain beats the noise of the default and of the current profile; a failed tuned
+            # run gives way to the default.
+            choice = (SideBySide(default, md, force=inert if inc is not None and inc != default else None)
+                      if inert else side_by_side(tuned if mt.ok or not md.ok else default, inc, default, got))
+            if choice.knobs is None or choice.meas is None:  # the current profile held its own
+                stored = "current profile"
+                written, reason = False, choice.why
+                if current is not None and choice.incumbent is not None and (
+                        current.backend == be.label or current.provenance != "measured"):
+                    # its fresh number replaces the stored one (the same knobs from the same source)
+                    written, how = self._store_decision(t, current.knobs, choice.incumbent, None, be.label,
+                                                        be.perf_environment(), routing)
+                    reason += f" ({how})" if written else ""
             else:
-                md, mt = be.compare([default, tuned], wl, rounds=self.plan.compare_rounds)
-            # The side-by-side measurement decides what is stored: the tuned setting only when its gain
-            # beats the noise of both, otherwise the policy default (never a profile slower than it).
-            keep_tuned = md.ok and mt.ok and md.median_us - mt.median_us > max(md.spread_us, mt.spread_us)
-            if not md.ok and mt.ok:
-                keep_tuned = True
-            winner, m = (tuned, mt) if keep_tuned else (default, md)
-            written, reason = self._store_decision(t, winner, m, "tuned" if keep_tuned else "policy default", be.label,
-                                                   be.perf_environment())
+                stored = "tuned" if choice.knobs == tuned and tuned != default else "policy default"
+                written, reason = self._store_decision(t, choice.knobs, choice.meas, choice.force, be.label,
+                                                       be.perf_environment(), routing)
+            keep_tuned = stored == "tuned"
             row = asdict(BucketResult(
                 model=t["model"], tokens=t["tokens"], family=t["family"],
                 default_us=md.median_us if md.ok else float("nan"), default_spread=md.spread_us if md.ok else 0.0,
                 tuned_us=mt.median_us if mt.ok else float("nan"), tuned_spread=mt.spread_us if mt.ok else 0.0,
                 knobs=",".join(f"{k}={v}" for k, v in tuned.to_dict().items() if v != default.to_dict().get(k)),
                 written=written, reason=reason, source=be.label, ep_size=ep))
-            row["stored"] = "tuned" if keep_tuned else "policy default"
-            if not keep_tuned:
+            row["stored"] = stored
+            if mi is not None:
+                row["current_us"] = mi.median_us if mi.ok else float("nan")
+                row["current_spread"] = mi.spread_us if mi.ok else 0.0
+            if current is not None and not same_routing:
+                row["current_routing"] = current.tuned_routing  # not compared: measured under another routing
+            few = too_few_samples(*got.values())
+            if stored == "current profile":
+                row["why_default"] = choice.why
+            elif not keep_tuned:
                 row["why_default"] = ("the tuned setting is the default" if tuned == default else
                                       f"tuned {mt.median_us:.1f} ± {mt.spread_us:.1f} µs did not beat the default "
                                       f"{md.median_us:.1f} ± {md.spread_us:.1f} µs by more than the spread"
+                                      + (f" ({few})" if few else "")
                                       if mt.ok and md.ok else f"tuned run failed: {mt.error}")
             # The value column takes a number: the tuned time, or where that run failed the default's (the
             # bucket is still reported); a failed time is null in `extra` (JSON has no NaN).
@@ -518,23 +554,26 @@ class Bringup:
         self.progress.update(task, len(tuned_rows), description="tuned vs default")
         return out
 
-    def _store_decision(self, t: dict, knobs: Any, m: Any, which: str, backend: str,
-                        perf: Any = None) -> tuple[bool, str]:
-        """Write the bucket's profile from the side-by-side measurement (replacing the search's record), with the
-        performance environment it was measured in (`perf`, a PerfEnv; None: not recorded)."""
+    def _store_decision(self, t: dict, knobs: Any, m: Any, force: str | None, backend: str,
+                        perf: Any = None, routing: str = "uniform") -> tuple[bool, str]:
+        """Write the bucket's profile from the side-by-side measurement, with the performance environment it was
+        measured in (`perf`, a PerfEnv; None: not recorded) and its routing (the store never lets it replace a
+        profile of another routing). `force`: the current profile lost in that comparison (the store's
+        force_reason), None: the store's own rules decide."""
         import msgspec
 
         from moetune.runtime.profile_record import ProfileKey, ProfileRecord, provenance_of_backend
 
         if not m.ok:
             return False, f"not stored: {m.error}"
-        # the same key (and software versions) the search wrote its record under
+        # the key (and software versions) the search tuned under
         provenance = provenance_of_backend(backend)
         rec = ProfileRecord(key=ProfileKey(**t["key"]), knobs=knobs, latency_us=m.median_us, spread_us=m.spread_us,
                             backend=backend, software_versions=t["software_versions"], provenance=provenance,
+                            measured_on=self.facts.fingerprint, routing=routing,
                             perf_env=dict(perf.variables) if perf is not None and provenance == "measured"
                             else msgspec.UNSET)
-        return self.store.put_profile(rec, force_reason=f"{which} kept after a side-by-side re-measurement")
+        return self.store.put_profile(rec, force_reason=force)
 
     def stage_report(self) -> str:
         from moetune.tuner.bringup.report import ReportData, write_report

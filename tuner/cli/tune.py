@@ -378,6 +378,11 @@ def tune(
         if why:  # refused before anything runs: a profile stored as MEASURED for a group that never ran
             _fail(f"{why} (--world {local_opts['world']}, --ep-size {ep_size or local_opts['world']}, --nodes {nodes})")
         source = f"{CAPTURE_OPT} {capture}" if capture is not None else "discovery"
+        from moetune.tuner.search.tune import cpu_comm_on_gpus
+
+        why = cpu_comm_on_gpus(local_opts["comm_backend"], gpus, family or ["collective"])
+        if why:  # refused before any database is created: a CPU number stored as the GPU node's profile
+            _fail(f"--comm gloo: {why} ({source} found {gpus} GPU(s))")
         no_cuda = cuda_problem(local_opts["comm_backend"], local_opts["world"], comm is not None,
                                f"{source} found {gpus} GPU(s)")
         if no_cuda:  # refused up front, as `moetune bench ep --backend nccl` is
@@ -584,11 +589,13 @@ def _budget_ended(results: list, asked: int, timeout: float | None, source: str)
     if not cut:
         return
     err.print(f"[yellow]the time budget ({escape(source)}, {timeout:g} s) ended the tune early: {len(cut)} of "
-              f"{len(results)} studies ran fewer trials than the {asked} asked[/yellow]")
+              f"{len(results)} studies ran fewer trials than the {asked} asked, or no side-by-side check[/yellow]")
     for r in cut:
         ran = r.study.trials
+        # a study whose trials all ran was cut at the side-by-side check of its winner: nothing was stored
+        what = " (not started)" if ran == 0 else " (the side-by-side check not run: nothing stored)" if ran >= asked else ""
         err.print(f"  {escape(r.study.family)} {escape(r.study.workload.model.name)} S={r.study.workload.tokens}: "
-                  f"{ran} of {asked} trials" + (" (not started)" if ran == 0 else ""))
+                  f"{ran} of {asked} trials{what}")
     err.print("  run the same command again (or with a larger --timeout) to go on: the studies resume")
 
 
@@ -648,7 +655,7 @@ def show(
     as_json: bool = typer.Option(False, "--json", help="JSON output."),
 ) -> None:
     # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
-    """Summarise the studies (or one study: best setting, speed-up over the default, importances); reads only.
+    """Summarise the studies (or one study: its best and policy-default trials, the profile stored for its key, importances); reads only.
 
     The storage is opened read-only and one without Optuna's tables is refused, never given them."""
     import warnings
@@ -700,19 +707,45 @@ def show(
         _fail(f"{e} ({_redact(url)})")
     except Exception as e:  # as list_studies: a file changed or locked meanwhile is one line, not a traceback
         _read_failed(url, storage is not None, e)
+    # what the profile database (--db, else the configured one) holds for the study's key: the stored number (after
+    # the tune's side-by-side check, where it made one), not a ratio of trials; the summary stands without it
+    stored_note = "no profile database given (--db)" if db is None else f"{db} does not exist"
+    if db is not None and Path(db).expanduser().exists():
+        try:
+            from moetune.tuner.search.study import stored_for_key
+            from moetune.tuner.store.store import Store
+
+            with Store(db, readonly=True) as ro:
+                d["stored"] = stored_for_key(ro, d.get("key"), d.get("best_knobs"))
+        except Exception as e:  # broad: a newer schema, a locked or foreign file: said, the study still shown
+            stored_note = f"{db} could not be read: {e}"
+    if "stored" not in d:
+        d["stored_note"] = stored_note
     if as_json:
         typer.echo(json.dumps(d, indent=2, default=str))
         return
     c = Console()
     c.print(f"[bold]{d['study']}[/bold]  backend {d['backend']}{' (modelled)' if d['modelled'] else ''}")
     c.print("trials: " + ", ".join(f"{k} {v}" for k, v in d["states"].items() if v))
+    if d["best_us"] is not None or d["default_us"] is not None:
+        c.print(f"{d['trials_note']}:")
     if d["best_us"] is not None:
         sp = d.get("best_spread_us")
-        c.print(f"best: {d['best_us']:,.1f} µs" + (f" ± {sp:,.1f}" if sp else "") + f" (trial {d['best_trial']})")
+        c.print(f"  best trial: {d['best_us']:,.1f} µs" + (f" ± {sp:,.1f}" if sp else "") + f" (trial {d['best_trial']})")
     if d["default_us"] is not None:
-        c.print(f"policy default: {d['default_us']:,.1f} µs  → speed-up {d['speedup_vs_default']:.2f}×")
+        c.print(f"  policy default trial: {d['default_us']:,.1f} µs")
     if d["best_knobs"]:
-        c.print("knobs: " + ", ".join(f"{k}={v}" for k, v in d["best_knobs"].items()))
+        c.print("best trial's knobs: " + ", ".join(f"{k}={v}" for k, v in d["best_knobs"].items()))
+    if "stored" not in d:
+        c.print(f"stored for this key: not looked up ({escape(d['stored_note'])})")
+    elif d["stored"] is None:
+        c.print("stored for this key: nothing")
+    else:
+        p = d["stored"]
+        c.print(f"stored for this key: {p['latency_us']:,.1f} ± {p['spread_us']:,.1f} µs, {escape(p['backend'])} "
+                f"({p['provenance']}, {str(p['updated'])[:19]}), "
+                + ("the best trial's knobs" if p["is_study_best"] else
+                   "knobs " + ", ".join(f"{k}={v}" for k, v in p["knobs"].items())))
     if d["importances"]:
         print_table(c, (Col("parameter", "word"), Col("importance", "num")),
                     [(escape(k), f"{v:.3f}") for k, v in d["importances"].items()],

@@ -38,6 +38,7 @@ from moetune.runtime.profiles.launcher_env import launcher_env
 from moetune.runtime.profiles.perf_env import PerfEnv, perf_env_digest, performance_environment, relevant_to
 from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.tuner.measure.stats import Summary, half_range
+from moetune.tuner.store.metric import COMM_METRIC
 
 _log = logging.getLogger("moetune.tuner.search.backends")
 
@@ -140,8 +141,11 @@ class BenchmarkBackend(ABC):
         """Measure one knob set. Never raises for a bad setting or a failed run: returns ok=False."""
 
     def compare(self, candidates: Sequence[Knobs], workload: TuneWorkload, *, rounds: int = 3) -> list[Measurement]:
-        """Measure several settings side by side: interleaved rounds (A B A B ...), pooled per setting."""
+        """Measure several settings side by side: interleaved rounds (A B A B ...), pooled per setting. A setting's
+        spread is at least the largest spread of its rounds: the pooled samples are each run's median, and a
+        single run's (or two equal runs') would otherwise hide the noise within the runs (spread 0)."""
         pooled: list[list[float]] = [[] for _ in candidates]
+        inner = [0.0] * len(candidates)
         errors: list[str | None] = [None] * len(candidates)
         details: list[dict[str, Any]] = [{} for _ in candidates]
         for _ in range(rounds):
@@ -153,6 +157,8 @@ class BenchmarkBackend(ABC):
                     errors[i] = m.error or "failed"
                     continue
                 pooled[i].extend(m.samples)
+                if math.isfinite(m.spread_us):
+                    inner[i] = max(inner[i], m.spread_us)
                 details[i] = m.details
         out = []
         for i in range(len(candidates)):
@@ -160,8 +166,23 @@ class BenchmarkBackend(ABC):
                 out.append(Measurement.failed(errors[i] or "no samples"))
             else:
                 s = Summary.of(pooled[i])
-                out.append(Measurement(s.median, s.spread, pooled[i], True, details=details[i]))
+                out.append(Measurement(s.median, max(s.spread, inner[i]), pooled[i], True, details=details[i]))
         return out
+
+
+# A setting measured by fewer samples than this in a side-by-side comparison shows no run-to-run noise (one run's
+# median has none), so no gain over another setting is called on it.
+MIN_COMPARE_SAMPLES = 2
+
+
+def too_few_samples(*measured: Measurement) -> str:
+    """Why the side-by-side measurements `measured` (of `compare`) are too few to call a gain between them, '' when
+    they are not."""
+    few = [len(m.samples) for m in measured if m.ok and len(m.samples) < MIN_COMPARE_SAMPLES]
+    if not few:
+        return ""
+    return (f"{min(few)} sample(s) of a setting in the side-by-side comparison (at least {MIN_COMPARE_SAMPLES} are "
+            "needed to see the noise between runs): no gain can be called; more repeats or compare rounds measure it")
 
 
 class CallableBackend(BenchmarkBackend):
@@ -611,7 +632,11 @@ class LocalBackend(BenchmarkBackend):
 
     @property
     def label(self) -> str:
-        return "local:megakernel" if self.family == MEGAKERNEL else self.name
+        # the metric is in the label a profile records (`metric_of_backend`): a round trip (comm) is never
+        # compared with a whole layer; "layer" keeps the label it always had (stored rows and study names)
+        if self.family == MEGAKERNEL:
+            return "local:megakernel"
+        return f"{self.name}:{COMM_METRIC}" if self.metric == COMM_METRIC else self.name
 
     def inert_reason(self, family: str, workload: TuneWorkload) -> str:
         if family != MEGAKERNEL:

@@ -306,9 +306,11 @@ class SearchSpace:
         if self._put_groups:
             groups = self.group_values(chunk_tokens=k["chunk_tokens"])
             # a bounded set (fewer PUTs per peer than the largest size) is a parameter of its own, named by its
-            # largest size (one name, one set of choices, as Optuna requires)
+            # largest size (one name, one set of choices, as Optuna requires): the set is every size below the
+            # PUTs per peer, so its largest size names it even where the policy lists sizes unsorted (its last
+            # would not); a sorted set's name is its last size, as before (stored studies keep resuming)
             full = self.rows_per_peer is None or groups == put_group_choices(self.policy)
-            pname = "group_size" if full else f"group_size_max{groups[-1]}"
+            pname = "group_size" if full else f"group_size_max{max(groups)}"
             k["group_size"] = ask(pname, groups) if k["signalling"] == "decoupled" else PER_PE
         elif self._nvlink_groups:
             # CTAs per group: a distinct parameter per CTA count, so each has a fixed set of choices

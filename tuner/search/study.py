@@ -1075,10 +1075,33 @@ class NotAMoetuneStudy(ValueError):
     """A study `describe_study` will not describe: not moetune's (another program's values are not latencies)."""
 
 
-def describe_study(storage: str, name: str) -> dict[str, Any]:
+# What the study's numbers are: each trial ran alone, at its own time, so two of them differ by the noise between runs
+# too; a ratio of them is no measured speed-up (the side-by-side check decides what is stored).
+SEARCH_TRIALS_NOTE = ("search trials, each measured alone (not side by side): their difference includes the noise "
+                      "between runs, so no speed-up is read from them")
+
+
+def describe_study(storage: str, name: str, store: Any = None) -> dict[str, Any]:
     """One moetune study's summary (KeyError: no such study; NotAMoetuneStudy: a study without moetune's prefix);
-    read again while a writer changed the file under the read."""
-    return _read_again(lambda: _describe_study(storage, name))
+    read again while a writer changed the file under the read. `store` (a profile Store, or None): what it holds for
+    the study's key is added as `stored` (None: nothing), the number a speed-up is read from where one was stored."""
+    d = _read_again(lambda: _describe_study(storage, name))
+    if store is not None:
+        d["stored"] = stored_for_key(store, d.get("key"), d.get("best_knobs"))
+    return d
+
+
+def stored_for_key(store: Any, key: dict[str, Any] | None, best_knobs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The current profile `store` holds for a study's `key` (a dict): its knobs, number, source and provenance, and
+    whether its knobs are the study's best; None when it holds none (or the study recorded no key)."""
+    if not key:
+        return None
+    rec = store.get_current(ProfileKey(**key))
+    if rec is None:
+        return None
+    return {"knobs": rec.knobs.to_dict(), "latency_us": rec.latency_us, "spread_us": rec.spread_us,
+            "backend": rec.backend, "provenance": str(rec.provenance), "updated": rec.updated,
+            "is_study_best": best_knobs is not None and rec.knobs.to_dict() == dict(best_knobs)}
 
 
 def _describe_study(storage: str, name: str) -> dict[str, Any]:
@@ -1118,7 +1141,8 @@ def _describe_study(storage: str, name: str) -> dict[str, Any]:
         "best_knobs": best.user_attrs.get("knobs") if best else None,
         "best_trial": best.number if best else None,
         "default_us": default.value if default else None,
-        "speedup_vs_default": (default.value / best.value) if (best and default and best.value) else None,
+        # no ratio of best_us and default_us: separate trials (SEARCH_TRIALS_NOTE), never a measured speed-up
+        "trials_note": SEARCH_TRIALS_NOTE,
         "importances": importances,
         "importance_note": importance_note,
         "failed": [{"trial": t.number, "error": t.user_attrs.get("error")} for t in trials if t.state == TrialState.FAIL][:20],

@@ -43,6 +43,7 @@ from moetune.tuner.search.backends import (
     preset_family,
     preset_gpus_per_node,
     preset_link_rates,
+    too_few_samples,
 )
 from moetune.tuner.search.policy import Policy, PolicyError, load_policy
 from moetune.tuner.search.progress import NoProgress, Progress
@@ -207,6 +208,20 @@ def unmeasured_key(world: int, ep_size: int, nodes: int, families: Sequence[str]
             + ", or predict it with the model backend (stored as MODELLED)")
 
 
+def cpu_comm_on_gpus(comm_backend: str, gpu_count: int, families: Sequence[str]) -> str:
+    """Why a local measurement with `comm_backend` cannot stand for a node of `gpu_count` GPUs, '' when it can.
+
+    gloo runs the ranks as CPU processes: its number says nothing of the node's GPUs and NCCL, yet it would be
+    stored MEASURED under the node's fingerprint and software and served to its GPU jobs as tuned. So gloo is
+    measured only on a node without GPUs (its facts say 0). The megakernel runs on the GPU in this process,
+    whatever the comm backend."""
+    if comm_backend != "gloo" or gpu_count <= 0 or all(f == MEGAKERNEL_FAMILY for f in families):
+        return ""
+    return (f"the local backend with gloo measures CPU processes, but this node has {gpu_count} GPU(s): the number "
+            "would be stored as the GPU node's measured profile and served to its NCCL/GPU jobs as tuned. Measure "
+            "the GPUs with NCCL (`--comm nccl`), or tune gloo on a node (or capture) without GPUs")
+
+
 def _now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -230,9 +245,9 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                            node_model: bool = False, study_tag: str = "", recheck: bool = True) -> list[TuneResult]:
     """`study_tag` (letters, digits, `_`, `-`) goes into every study's name: a run that must not resume the
     finished studies of the same settings (`moetune profile --restart`) tunes in studies of its own.
-    `recheck=False`: the study's best is stored as measured, without `_write_profile`'s side-by-side comparison
-    with the incumbent and the policy default, for a caller that makes that comparison itself and stores what
-    wins (the bring-up's compare stage), so it is not measured twice."""
+    `recheck=False`: the study's best is returned (`record`), not stored, without `_write_profile`'s side-by-side
+    comparison with the incumbent and the policy default, for a caller that makes that comparison itself and
+    stores what wins (the bring-up's compare stage), so it is not measured twice nor served unchecked."""
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     if not all(c.isascii() and (c.isalnum() or c in "_-") for c in study_tag):
@@ -297,7 +312,8 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
     if not policies:
         raise ValueError(f"no transport family to tune (found {fams}; backend {be.label})")
     if isinstance(be, LocalBackend):
-        why = unmeasured_key(be.world, ep_size, nodes, list(policies))
+        why = (unmeasured_key(be.world, ep_size, nodes, list(policies))
+               or cpu_comm_on_gpus(be.comm_backend, facts.gpu_count, list(policies)))
         if why:
             raise ValueError(why)
     # The measured-error check of compressed trials follows each family's policy unless set explicitly.
@@ -360,6 +376,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
               seed: int | None, bar: Progress, facts: TuneFacts,
               on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None,
               neighbour: BucketPrior | None = None, inert: str = "", recheck: bool = True) -> TuneResult:
+    until = None if timeout_s is None else time.monotonic() + timeout_s  # this study's end of the time budget
     run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label) if store is not None else None
     status = "failed"
     result: StudyResult | None = None
@@ -394,11 +411,18 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         result = run_study(study, space, be, wl, trials=trials, timeout_s=timeout_s, callbacks=[cb], extra_warm=extra,
                            cross=cross)
         bar.update(task, finished_trials(study), _best_value(study))
-        record, written, reason = _write_profile(store, key, be, result, facts, default=space.policy.defaults,
-                                                 inert=inert, recheck=recheck)
+        # the side-by-side re-measurement runs the candidates again (minutes on a GPU node): with the budget spent
+        # (a resumed study with its trials done) it would overrun --timeout, so nothing is written and a rerun does it
+        spent = (until is not None and time.monotonic() >= until and recheck and not inert
+                 and isinstance(be, LocalBackend) and result.best_knobs is not None)
+        if spent:
+            record, written, reason = None, False, "time budget spent before the side-by-side check; rerun to finish"
+        else:
+            record, written, reason = _write_profile(store, key, be, result, facts, default=space.policy.defaults,
+                                                     inert=inert, recheck=recheck)
         status = "done" if result.best_knobs is not None else "no_result"
         # fewer finished trials than asked happens only when the budget ran out (an interruption raises)
-        cut = timeout_s is not None and result.trials < trials
+        cut = spent or (timeout_s is not None and result.trials < trials)
         if cut and result.best is None:
             reason = f"{reason} before the time budget ended ({result.trials} of {trials} trials ran)"
         # after the write: an incumbent that held its own (or a measured one a prediction did not displace) is kept
@@ -433,6 +457,53 @@ def _beats(a: Measurement, b: Measurement) -> bool:
     return a.ok and b.ok and b.median_us - a.median_us > max(a.spread_us, b.spread_us)
 
 
+# What is stored when the search's best was measured again in one comparison (`BenchmarkBackend.compare`) beside
+# the incumbent and the policy default: `_write_profile` and the bring-up's compare stage decide by these rules.
+@dataclass
+class SideBySide:
+    knobs: Knobs | None  # what to store; None: the incumbent holds its own (its fresh number is `incumbent`)
+    meas: Measurement | None
+    why: str = ""  # why the default or the incumbent stays ("" where the search's best is stored)
+    force: str | None = None  # put_profile's force_reason: the incumbent lost in this comparison
+    incumbent: Measurement | None = None
+
+
+def side_by_side(knobs: Knobs, incumbent: Knobs | None, default: Knobs | None,
+                 got: Mapping[Knobs, Measurement]) -> SideBySide:
+    """The rules of a side-by-side choice (`got`: the comparison's measurement of each setting; that of `knobs` is
+    ok). A choice that does not beat the default beyond the noise gives way to the default; an incumbent of other
+    knobs stays where the choice does not beat it beyond the noise and it beats the default itself (one that ties
+    the default is replaced). Samples too few to see the noise call no gain: the default is chosen over the search's
+    best, and an incumbent of other knobs stays as it is."""
+    meas = got[knobs]
+    few = too_few_samples(*got.values())
+
+    def beats(a: Measurement, b: Measurement) -> bool:
+        return not few and _beats(a, b)
+
+    kept_default = ""
+    md = got.get(default) if default is not None else None
+    if md is not None and md.ok and knobs != default and not beats(meas, md):
+        kept_default = (f"the policy default re-measured side by side at {md.median_us:.1f} µs vs "
+                        f"{meas.median_us:.1f} µs: " + (f"{few}, the default stored" if few else
+                                                         "the winner's gain is within noise, the default stored"))
+        knobs, meas = default, md  # type: ignore[assignment]
+    mi = got.get(incumbent) if incumbent is not None else None
+    if mi is None or not mi.ok or incumbent == knobs:
+        return SideBySide(knobs, meas, kept_default)
+    over_default = incumbent == default or md is None or not md.ok or beats(mi, md)
+    if few or (not beats(meas, mi) and over_default):
+        return SideBySide(None, None, f"incumbent re-measured side by side at {mi.median_us:.1f} µs vs "
+                                      f"{meas.median_us:.1f} µs: " + (f"{few}, incumbent kept" if few else
+                                                                      "no gain beyond the noise, incumbent kept"),
+                          incumbent=mi)
+    # the ones compared ran in one comparison: the stored number of the incumbent is not the rival
+    force = (f"beat the incumbent side by side: {meas.median_us:.1f} µs vs {mi.median_us:.1f} µs"
+             if beats(meas, mi) else
+             f"the incumbent ({mi.median_us:.1f} µs) did not beat the policy default side by side")
+    return SideBySide(knobs, meas, kept_default, force)
+
+
 def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: StudyResult,
                    facts: TuneFacts, default: Knobs | None = None, inert: str = "",
                    recheck: bool = True) -> tuple[ProfileRecord | None, bool, str]:
@@ -441,8 +512,8 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
     beyond the noise gives way to the default; an incumbent of other knobs stays where the choice does not beat it
     beyond the noise and it beats the default itself (its fresh number is stored where it came from this backend
     or was a prediction). `inert` (why no knob acts at this size: the study measured the default only) replaces an
-    incumbent of other knobs, whatever its number: they cannot act. `recheck=False`: no comparison here (the
-    caller makes it and stores what wins)."""
+    incumbent of other knobs, whatever its number: they cannot act. `recheck=False`: no comparison and nothing
+    stored here (the record is returned, unwritten: the caller makes the comparison and stores what wins)."""
     if result.best_knobs is None or result.best is None:
         return None, False, "no successful trial"
     knobs, meas = result.best_knobs, result.best
@@ -462,47 +533,38 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
                              routing=result.workload.routing,
                              perf_env=dict(perf.variables) if perf is not None else msgspec.UNSET)
 
-    side_by_side: str | None = None
+    if not recheck:
+        # the caller (the bring-up's compare stage) measures this side by side and is the only writer: a best stored
+        # here unchecked would be current (served) until then, and after an interruption stay so
+        return record(knobs, meas), False, ("not stored yet: the side-by-side check with the policy default and "
+                                            "the current profile decides what is stored")
+    side_by_side_why: str | None = None
     kept_default = ""
     if inert:
         if incumbent is not None and incumbent.knobs != knobs:
-            side_by_side = inert
-    elif isinstance(be, LocalBackend) and recheck:
+            side_by_side_why = inert
+    elif isinstance(be, LocalBackend):
         # Measure the winner again beside the incumbent and the policy default: same conditions, one comparison.
         inc = incumbent.knobs if incumbent is not None else None
         cands = list(dict.fromkeys(k for k in (knobs, inc, default) if k is not None))
         got = dict(zip(cands, be.compare(cands, result.workload, rounds=max(2, be.repeats)), strict=True))
-        meas = got[knobs]
-        if not meas.ok:
-            return None, False, f"the winner failed when measured again: {meas.error}"
-        md = got.get(default)
-        if md is not None and md.ok and knobs != default and not _beats(meas, md):
-            # the winner's gain over the policy default is within noise: the default, measured beside it, is stored
-            kept_default = (f"the policy default re-measured side by side at {md.median_us:.1f} µs vs "
-                            f"{meas.median_us:.1f} µs: the winner's gain is within noise, the default stored")
-            knobs, meas = default, md
-        mi = got.get(inc)
-        if mi is not None and mi.ok and inc != knobs:
-            # other knobs than the stored ones: the incumbent stays where the new choice does not beat it beyond the
-            # noise and it beats the policy default itself (a stored setting that ties the default is replaced)
-            over_default = inc == default or md is None or not md.ok or _beats(mi, md)
-            if not _beats(meas, mi) and over_default:
-                why = (f"incumbent re-measured side by side at {mi.median_us:.1f} µs vs {meas.median_us:.1f} µs: "
-                       f"gain within noise, incumbent kept")
-                if store is not None and (incumbent.backend == be.label or incumbent.provenance != "measured"):
-                    # its stored number may predate a change the fingerprint does not see (or was a prediction):
-                    # the fresh measurement replaces it (the same knobs from the same source: a re-measurement)
-                    written, how = store.put_profile(record(inc, mi))
-                    why += f" ({how})" if written else ""
-                return None, False, why
-            # the ones compared ran in one comparison: the stored number of the incumbent is not the rival
-            side_by_side = (f"beat the incumbent side by side: {meas.median_us:.1f} µs vs {mi.median_us:.1f} µs"
-                            if _beats(meas, mi) else
-                            f"the incumbent ({mi.median_us:.1f} µs) did not beat the policy default side by side")
+        if not got[knobs].ok:
+            return None, False, f"the winner failed when measured again: {got[knobs].error}"
+        choice = side_by_side(knobs, inc, default, got)
+        if choice.knobs is None or choice.meas is None:  # the incumbent held its own
+            why, mi = choice.why, choice.incumbent
+            if (store is not None and incumbent is not None and mi is not None
+                    and (incumbent.backend == be.label or incumbent.provenance != "measured")):
+                # its stored number may predate a change the fingerprint does not see (or was a prediction):
+                # the fresh measurement replaces it (the same knobs from the same source: a re-measurement)
+                written, how = store.put_profile(record(incumbent.knobs, mi))
+                why += f" ({how})" if written else ""
+            return None, False, why
+        knobs, meas, kept_default, side_by_side_why = choice.knobs, choice.meas, choice.why, choice.force
     rec = record(knobs, meas)
     if store is None:
         return rec, False, "no store"
-    written, reason = store.put_profile(rec, force_reason=side_by_side)
+    written, reason = store.put_profile(rec, force_reason=side_by_side_why)
     if not written:
         rec.status = "superseded"
     return rec, written, f"{reason}; {kept_default}" if kept_default else reason

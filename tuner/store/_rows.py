@@ -12,6 +12,7 @@ from sqlalchemy import Select, String, select, type_coerce
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.profiles.perf_env import parse_recorded
+from moetune.tuner.store.metric import metric_of_backend
 from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Event, Profile
 from moetune.tuner.store.validate import canonical_routing
 
@@ -119,7 +120,8 @@ class Decision(NamedTuple):
     """What `decide` says: whether the new profile becomes current, why, and which rule said so.
 
     `rule`: "provenance" (a higher rank replaces), "rank" (a lower rank never does), "routing" (measured under
-    another routing: latencies not compared), "remeasured" (the same knobs measured again: the newer number is
+    another routing: latencies not compared), "metric" (a number of another metric, round trip vs whole layer:
+    not compared; replaced only with `force_reason`), "remeasured" (the same knobs measured again: the newer number is
     the truth about them), "unchanged" (the same knobs and numbers again: nothing to write), "older" (an import of the
     stored knobs measured before the stored number), "forced" (the
     caller compared both settings side by side), "gain" / "noise" / "slower" (other knobs against the stored
@@ -146,7 +148,9 @@ def decide(
 
     In order: provenance (measured > node_model > preset; a higher rank always replaces, a lower never does).
     Routing: two profiles that both record their routing and differ are not compared by latency (a zipf layer
-    is slower than a uniform one whatever the knobs); `new` replaces only with `replace_routing`. The same knobs
+    is slower than a uniform one whatever the knobs); `new` replaces only with `replace_routing`. Metric: numbers of
+    two metrics (`metric.metric_of_backend`: a round trip, a whole layer) are not compared; `new` replaces only with
+    `force_reason` (re-measured side by side in its metric), else the stored one is kept. The same knobs
     from the same source (`profile_hash`, `backend` and `measured_on` equal): `new` is a re-measurement of what is stored, so
     it replaces whatever the numbers (`newer`: it was measured after the stored one; an import of an older
     record does not), unless the numbers and the recorded performance environment are identical. Other knobs: `force_reason` (a side-by-side
@@ -179,6 +183,24 @@ def decide(
             f"{new_routing}, and latencies under different routings are not compared (replace it explicitly to "
             f"tune for {new_routing})",
             "routing",
+        )
+    old_metric, new_metric = metric_of_backend(old.backend), metric_of_backend(new.backend)
+    if old_metric != new_metric:
+        # a round trip and a whole layer are different figures: no gain or loss is read from their difference
+        if force_reason is not None:
+            return Decision(
+                True,
+                f"replaced profile {old.id} (a {old_metric} number, {old.backend}): {force_reason}, in the "
+                f"{new_metric} metric; the stored {old_metric} number was not compared",
+                "metric",
+            )
+        return Decision(
+            False,
+            f"kept the current profile {old.id} ({_us(old.latency_us, old.spread_us)}, a {old_metric} number, "
+            f"{old.backend}): this one is a {new_metric} number ({_us(new.latency_us, new.spread_us)}, "
+            f"{new.backend}), and numbers of different metrics are not compared; only a side-by-side "
+            f"re-measurement in the {new_metric} metric replaces it",
+            "metric",
         )
     same_knobs = (old.profile_hash, old.backend, old.measured_on) == (new.profile_hash, new.backend, new.measured_on)
     if same_knobs and newer:

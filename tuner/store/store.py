@@ -664,6 +664,9 @@ class Store:
 
         - measured under different routings (both record one, `rec.routing`): latencies are not compared; the
           new one is stored as `superseded` history, and replaces the current one only with `replace_routing`;
+        - of different metrics (the backend label says: a round trip `local:<comm>:comm`, a whole layer
+          `local:<comm>`): latencies are not compared; the new one replaces only with `force_reason` (a side-by-side
+          re-measurement in its metric), else it is stored as `superseded` history;
         - the same knobs from the same source (a re-measurement): the new numbers replace the stored ones,
           slower or faster, and an event (kind `remeasured`) records old -> new latency; identical numbers write
           nothing;
@@ -688,7 +691,7 @@ class Store:
                 return True, "no current profile for this key"
             decision = decide(old, rec, force_reason=force_reason, replace_routing=replace_routing)
             if not decision.replace:
-                if decision.rule in ("rank", "routing"):
+                if decision.rule in ("rank", "routing", "metric"):
                     s.add(row_from_record(rec, ts, status="superseded"))
                     return False, decision.reason + " (stored as superseded history)"
                 return False, decision.reason

@@ -1,0 +1,213 @@
+"""The bring-up's compare stage stores by the rules of `moetune tune`'s side-by-side write: the current stored profile
+is measured beside the tuned setting and the policy default (a faster one is not replaced unmeasured), a profile of
+another routing is never replaced, the record says its routing, a gain is called only on enough samples (and beyond
+each run's own spread), and the tune stage stores nothing before that check. A local tune whose time budget is spent
+does not re-measure after it."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.shapes import ModelShape, get_model
+from moetune.tuner.search.backends import CallableBackend, LocalBackend, Measurement, TuneWorkload
+from moetune.tuner.search.policy import load_policy
+
+pytestmark = pytest.mark.timeout(120)
+CAPTURES = Path(__file__).resolve().parent / "captures"
+DEFAULT = load_policy("megakernel").defaults
+X = DEFAULT.replace(mk_bm=64, mk_stages=3, mk_combine_tokens=32, mk_ctas_per_sm=2)  # the stored profile's knobs
+
+
+def timed(x_us: float, other_us: float, samples: int = 3) -> Any:
+    """The megakernel's timing: the policy default 300 µs, X `x_us`, any other setting `other_us`."""
+    def measure(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+        base = 300.0 if knobs == DEFAULT else x_us if knobs == X else other_us
+        return {"graph_us": [base, base + 1, base - 1][:samples], "eager_us": [base] * samples}
+    return measure
+
+
+def _bringup(tmp_path: Path, measure: Any, **plan_kw: Any) -> Any:
+    from moetune.tuner.bringup.flow import Bringup, Plan
+
+    plan = Plan(**{"models": ["qwen3-30b"], "tokens": [16], "trials": 3, "repeats": 1, "iters": 5,
+                   "compare_rounds": 2, **plan_kw})
+    b = Bringup(store=F.open_store(tmp_path / "b.db"), plan=plan, state_dir=tmp_path / "state",
+                console=Console(file=io.StringIO(), width=200), capture=CAPTURES / "h200x1",
+                storage=f"sqlite:///{tmp_path / 'opt.db'}", mk_measure=measure)
+    b.state.mark("discover", b.stage_discover())
+    b.state.mark("microbench", [])
+    b.state.mark("calibrate", {"skipped": "test"})
+    return b
+
+
+def _key(b: Any) -> ProfileKey:
+    m = get_model("qwen3-30b")
+    return ProfileKey(fingerprint=b.facts.fingerprint, software=b.facts.software_hash, transport_family="megakernel",
+                      ep_size=1, nodes=1, hidden=m.hidden, intermediate=m.intermediate, experts=m.experts,
+                      topk=m.topk, dtype=m.dtype, token_bucket=16)
+
+
+def _store_x(b: Any, routing: str) -> None:
+    ok, why = b.store.put_profile(ProfileRecord(
+        key=_key(b), knobs=X, latency_us=150.0, spread_us=1.0, backend="local:megakernel",
+        software_versions=dict(b.facts.software), provenance="measured", routing=routing))
+    assert ok, why
+
+
+def _tune_and_compare(b: Any) -> dict:
+    b.state.mark("tune", b.stage_tune())
+    b.state.mark("compare", b.stage_compare())
+    (row,) = b.state.result("compare")
+    return row
+
+
+# -- defect 1: the current profile is a rival, and its routing is respected ------------------------------------------
+def test_a_faster_current_profile_is_measured_and_kept(tmp_path: Path) -> None:
+    b = _bringup(tmp_path, timed(x_us=150.0, other_us=210.0))
+    _store_x(b, "uniform")
+    row = _tune_and_compare(b)
+    cur = b.store.get_current(_key(b))
+    # before: the 210 µs winner replaced the 150 µs profile (compared with the default only, stored by force)
+    assert cur is not None and cur.knobs == X, row
+    assert row["stored"] == "current profile" and "incumbent kept" in row["reason"], row
+    assert row["current_us"] == 150.0
+
+
+def test_a_profile_of_another_routing_is_not_replaced(tmp_path: Path) -> None:
+    b = _bringup(tmp_path, timed(x_us=150.0, other_us=100.0))
+    _store_x(b, "zipf:1.2")
+    row = _tune_and_compare(b)
+    cur = b.store.get_current(_key(b))
+    # before: replaced by a record without routing (UNSET), which skipped the store's routing guard
+    assert cur is not None and cur.knobs == X and cur.tuned_routing == "zipf:1.2", row
+    assert not row["written"] and "routing zipf:1.2" in row["reason"], row
+    history = [r for _, r in b.store.list_profiles(status="superseded")]
+    assert any(r.tuned_routing == "uniform" and r.knobs != X for r in history)  # the uniform result is kept as history
+
+
+def test_a_tuned_setting_that_beats_both_replaces_and_says_its_routing(tmp_path: Path) -> None:
+    b = _bringup(tmp_path, timed(x_us=150.0, other_us=100.0))
+    _store_x(b, "uniform")
+    row = _tune_and_compare(b)
+    cur = b.store.get_current(_key(b))
+    assert cur is not None and cur.knobs not in (X, DEFAULT) and cur.latency_us == 100.0, row
+    assert cur.tuned_routing == "uniform"  # before: UNSET
+    assert row["stored"] == "tuned" and "beat the incumbent side by side" in row["reason"], row
+
+
+# -- defect 2: no gain called inside a run's own noise, nor on one sample ---------------------------------------------
+def test_compare_keeps_each_runs_own_spread() -> None:
+    wl = TuneWorkload(get_model("qwen3-30b"), 128)
+    be = CallableBackend(lambda k, w: Measurement(100.0, 20.0, [100.0], True))
+    (m,) = be.compare([Knobs()], wl, rounds=1)
+    assert m.spread_us == 20.0  # before: 0 (the pooled medians of one run)
+    (m,) = be.compare([Knobs()], wl, rounds=2)
+    assert m.spread_us == 20.0  # two equal medians: still the runs' spread
+
+
+def test_one_sample_each_keeps_the_default_and_says_why(tmp_path: Path) -> None:
+    from moetune.tuner.bringup.flow import Plan
+
+    b = _bringup(tmp_path, timed(x_us=200.0, other_us=200.0, samples=1), compare_rounds=1)
+    row = _tune_and_compare(b)
+    cur = b.store.get_current(_key(b))
+    # before: 200 vs 300 µs, each one sample of spread 0, stored the tuned setting
+    assert cur is not None and cur.knobs == DEFAULT, row
+    assert row["stored"] == "policy default" and "sample(s)" in row["why_default"], row
+    from moetune.tuner.search.backends import MIN_COMPARE_SAMPLES
+
+    quick = Plan.quick()  # --quick still measures enough to call a gain
+    assert quick.repeats * quick.compare_rounds >= MIN_COMPARE_SAMPLES
+
+
+# -- defect 3: the compare stage is the only writer --------------------------------------------------------------------
+def test_the_tune_stage_stores_nothing_and_an_interrupted_bringup_serves_nothing_unchecked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.tuner.bringup import flow
+
+    b = _bringup(tmp_path, timed(x_us=296.0, other_us=296.0))
+    compare = flow.Bringup.stage_compare
+
+    def interrupted(self: Any) -> list[dict]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(flow.Bringup, "stage_compare", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        b.run()
+    assert b.state.done("tune") and not b.state.done("compare")
+    assert b.state.result("tune")[0]["knobs"]  # the candidate waits in the state file
+    assert b.store.list_profiles() == []  # before: the unchecked winner was current (served)
+    monkeypatch.setattr(flow.Bringup, "stage_compare", compare)
+    again = _bringup(tmp_path, timed(x_us=296.0, other_us=296.0))
+    again.run()
+    cur = again.store.get_current(_key(again))
+    assert cur is not None and cur.tuned_routing == "uniform"
+
+
+# -- defect 4: a spent time budget runs no side-by-side re-measurement ------------------------------------------------
+class _Facts:
+    fingerprint, software_hash, gpu_count = "c" * 64, "d" * 64, 0
+    software: dict = {}  # noqa: RUF012
+    link_rates: dict = {}  # noqa: RUF012
+    transports = (type("F", (), {"name": "collective"})(),)
+
+
+class _Counting(LocalBackend):
+    def __init__(self) -> None:
+        super().__init__(world=2, comm_backend="gloo", repeats=2, metric="comm", persistent=False, command=["true"])
+        self.runs = 0
+
+    def run_once(self, knobs: Knobs, wl: TuneWorkload) -> tuple[float, dict, None]:
+        self.runs += 1
+        v = 100.0 + knobs.num_sms % 7
+        return v, {"roundtrip_us": {"median": v, "p10": v - 1, "p90": v + 1}, "seconds": 0.0}, None
+
+
+def test_a_spent_time_budget_skips_the_recheck(tmp_path: Path) -> None:
+    import optuna
+
+    from moetune.tuner.search.tune import tune_profiles_detailed
+    from moetune.tuner.store.store import Store
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    model = ModelShape(name="custom:256,128,16,2", hidden=256, intermediate=128, experts=16, topk=2)
+    kw = {"models": [model], "tokens": [64], "trials": 3, "families": ["collective"],
+          "storage": f"sqlite:///{tmp_path / 'opt.db'}"}
+    store = Store(tmp_path / "p.db")
+    (done,) = tune_profiles_detailed(store, _Facts(), backend=_Counting(), **kw)
+    assert done.study.trials == 3 and not done.budget_ended
+    be = _Counting()
+    (res,) = tune_profiles_detailed(store, _Facts(), backend=be, timeout_s=1e-9, **kw)  # the study resumes, done
+    assert be.runs == 0, "re-measured after the time budget was spent"  # before: 2 rounds x 2 repeats per setting
+    assert res.budget_ended and not res.written
+    assert res.reason == "time budget spent before the side-by-side check; rerun to finish"
+
+
+def test_recheck_false_stores_nothing_where_no_knob_acts_either(tmp_path: Path) -> None:
+    from moetune.tuner.search.study import StudyResult
+    from moetune.tuner.search.tune import _write_profile
+    from moetune.tuner.store.store import Store
+
+    m = get_model("qwen3-30b")
+    key = ProfileKey(fingerprint="c" * 64, software="d" * 64, transport_family="megakernel", ep_size=1, nodes=1,
+                     hidden=m.hidden, intermediate=m.intermediate, experts=m.experts, topk=m.topk, dtype=m.dtype,
+                     token_bucket=1)
+    res = StudyResult(study_name="s", family="megakernel", workload=TuneWorkload(m, 1), best_knobs=DEFAULT,
+                      best=Measurement(90.0, 1.0, [90.0], True), trials=1, complete=1, failed=0, pruned=0)
+    store = Store(tmp_path / "p.db")
+    be = LocalBackend(world=1, comm_backend="nccl", repeats=1, family="megakernel", command=["true"])
+    rec, written, reason = _write_profile(store, key, be, res, _Facts(), default=DEFAULT,
+                                          inert="the decode kernel: no knob acts", recheck=False)
+    assert rec is not None and not written and "not stored yet" in reason
+    assert store.list_profiles() == []  # before: the default was stored unchecked by the tune stage
