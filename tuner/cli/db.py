@@ -157,6 +157,24 @@ def path_cmd(
     typer.echo(str(db_path(db, config)))
 
 
+def _upgrade_to_base_of_nothing(path: Path) -> None:
+    """`db upgrade --revision base` where there is no database or no moetune table: already there, exit 0. Opening
+    it would create the file (or add moetune's version table to an empty one) to say so."""
+    from moetune.tuner.store.store import StoreError, probe_database
+
+    try:
+        kind, rev = probe_database(path)
+    except StoreError as e:
+        raise fail(str(e), e.exit_code) from None
+    if kind == "missing":
+        out.print(escape(f"{path}: no database there: nothing to do for revision base (no moetune tables); "
+                         "nothing created"))
+        raise typer.Exit(0)
+    if kind == "empty" or (kind == "moetune" and rev is None):
+        out.print(escape(f"{path}: already at revision base (no moetune tables): nothing to do"))
+        raise typer.Exit(0)
+
+
 @app.command()
 def upgrade(
     revision: str = typer.Option("head", "--revision", help="Target revision."),
@@ -167,6 +185,8 @@ def upgrade(
     from moetune.tuner.store.store import ONLY_OPTUNA, StoreError, without_moetune
 
     _check_revision(revision, "--revision", ("head", "base"))
+    if revision == "base":
+        _upgrade_to_base_of_nothing(db_path(db, config))
 
     optuna = without_moetune(db_path(db, config)) == ONLY_OPTUNA
     with open_store(db, config, mode="init") as store:
@@ -182,7 +202,7 @@ def upgrade(
             raise fail(f"upgrade of {store.path} to {revision} failed: {e}") from None
         after = store.current_revision()
         if before == after:
-            out.print(escape(f"{store.path}: already at revision {after}"))
+            out.print(escape(f"{store.path}: already at revision {after or 'base'}"))
         elif before is None and optuna:  # a studies file moetune tune --storage made: Optuna's tables are kept
             out.print(escape(f"{store.path}: added moetune's tables (revision {after}) to this Optuna studies file; "
                              "its studies are untouched"))

@@ -236,7 +236,7 @@ def _refuse_no_format(data: bytes, source: str) -> None:
     said "format 'None'". Other problems (not JSON, not an object, another format) are the store's to name."""
     try:
         raw = msgspec.json.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply, which the store says
         return
     if isinstance(raw, dict) and "format" not in raw:
         what = "an empty JSON object" if not raw else "a JSON object without a \"format\" field"

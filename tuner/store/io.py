@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from sqlalchemy import func, select, update
+from sqlalchemy import String, func, select, type_coerce, update
 from sqlalchemy.exc import IntegrityError
 
 from moetune.runtime.knobs import KnobError
@@ -33,7 +33,14 @@ from moetune.tuner.store._rows import (
 )
 from moetune.tuner.store._schema import StoreError, is_sqlite_file
 from moetune.tuner.store.models import Fingerprint, Profile
-from moetune.tuner.store.validate import FieldError, check_import_record, check_import_time
+from moetune.tuner.store.validate import (
+    FieldError,
+    canonical_routing,
+    check_import_record,
+    check_import_time,
+    check_no_control,
+    printable,
+)
 
 if TYPE_CHECKING:
     from moetune.tuner.store.store import Store
@@ -43,7 +50,11 @@ EXPORT_VERSION = 1
 
 
 class ProfileImportError(ValueError):
-    """An import file is corrupt or invalid; nothing was written."""
+    """An import file is corrupt or invalid; nothing was written. The message quotes the file: its control
+    characters are written as escapes (lines stay lines), so printing it sends no escape sequence to a terminal."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("\n".join(printable(line) for line in message.split("\n")))
 
 
 class ImportResult(msgspec.Struct, kw_only=True):
@@ -53,7 +64,7 @@ class ImportResult(msgspec.Struct, kw_only=True):
     current: int = 0  # of which now current
     replaced: int = 0  # existing current profiles superseded by an imported one
     kept_superseded: int = 0  # imported current profiles that did not replace the stored one (kept as history)
-    skipped: int = 0  # already in the database (same key, knobs and creation time)
+    skipped: int = 0  # already in the database (`_already_stored`)
     fingerprints: int = 0  # fingerprint rows added
     invalid: list[str] = []  # with skip_invalid: the records left out, "profiles[i] (key): why"
 
@@ -189,9 +200,10 @@ def write_atomic(path: Path, data: str | bytes, *, replace: bool = True) -> None
 
 
 def _key_text(key: ProfileKey) -> str:
-    return (
-        f"{key.fingerprint[:12]} {key.transport_family} ep{key.ep_size}x{key.nodes} "
-        f"h{key.hidden}/i{key.intermediate}/e{key.experts}/k{key.topk} {key.dtype} t{key.token_bucket}"
+    # a file's text, in a message printed to a terminal: control characters as escapes
+    return printable(
+        f"{key.fingerprint[:12]} {key.transport_family[:64]} ep{key.ep_size}x{key.nodes} "
+        f"h{key.hidden}/i{key.intermediate}/e{key.experts}/k{key.topk} {key.dtype[:64]} t{key.token_bucket}"
     )
 
 
@@ -207,12 +219,34 @@ def parse_export(data: bytes, *, source: str = "<data>", skip_invalid: bool = Fa
     return _parse(data, source, skip_invalid)[0]
 
 
+# An export nests a few levels (fingerprint facts the deepest); a file nested deeper is no export, and a value nested
+# near Python's recursion limit would be stored but fail every later read of it.
+MAX_JSON_DEPTH = 64
+
+
+def _too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    stack = [(obj, 1)]
+    while stack:  # not recursive: the depth is the file's to choose
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((item, depth + 1) for item in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
 def _parse(data: bytes, source: str, skip_invalid: bool) -> tuple[ProfilesFile, list[str]]:
     """parse_export, and the records it left out ("profiles[i] (key): why")."""
+    deep = (f"{source}: not valid JSON for an import: more than {MAX_JSON_DEPTH} levels of arrays/objects "
+            "(nested too deeply)")
     try:
         raw = msgspec.json.decode(data)
     except msgspec.DecodeError as e:
         raise ProfileImportError(f"{source}: not valid JSON: {e}") from None
+    except RecursionError:  # msgspec's decoder at Python's recursion limit (some 1000 levels of `[`)
+        raise ProfileImportError(deep) from None
+    if _too_deep(raw):
+        raise ProfileImportError(deep)
     if not isinstance(raw, dict):
         raise ProfileImportError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     if raw.get("format") != EXPORT_FORMAT:
@@ -233,13 +267,19 @@ def _parse(data: bytes, source: str, skip_invalid: bool) -> tuple[ProfilesFile, 
         doc = msgspec.convert({**raw, "profiles": []}, ProfilesFile)
     except (msgspec.ValidationError, KnobError, ValueError, TypeError) as e:
         raise ProfileImportError(f"{source}: invalid: {e}") from None
+    try:  # every text of the file is stored or shown: none may carry a terminal escape sequence
+        check_no_control(doc.moetune_version, "moetune_version")
+        for i, fp in enumerate(doc.fingerprints):
+            check_no_control(msgspec.to_builtins(fp), f"fingerprints[{i}]")
+    except FieldError as e:
+        raise ProfileImportError(f"{source}: {e}") from None
     now = _dt.datetime.now(_dt.UTC)
     seen_fp: set[str] = set()
     for i, fp in enumerate(doc.fingerprints):
         if not fp.hash:
             raise ProfileImportError(f"{source}: fingerprints[{i}].hash is empty")
         if fp.hash in seen_fp:
-            raise ProfileImportError(f"{source}: fingerprints[{i}]: fingerprint {fp.hash} appears twice")
+            raise ProfileImportError(f"{source}: fingerprints[{i}]: fingerprint {fp.hash[:64]} appears twice")
         seen_fp.add(fp.hash)
         for name in ("first_seen", "last_seen"):
             try:  # as a profile's dates: a future last_seen would make it the newest fingerprint for good
@@ -293,7 +333,7 @@ def _raw_key_text(raw: Any) -> str:
     key = raw.get("key") if isinstance(raw, dict) else None
     if not isinstance(key, dict):
         return ""
-    f = {str(k): str(v)[:64] for k, v in key.items()}
+    f = {str(k): printable(str(v)[:64]) for k, v in key.items()}
     return (
         f" ({f.get('fingerprint', '?')[:12]} {f.get('transport_family', '?')} ep{f.get('ep_size', '?')}x{f.get('nodes', '?')} "
         f"h{f.get('hidden', '?')}/i{f.get('intermediate', '?')}/e{f.get('experts', '?')}/k{f.get('topk', '?')} "
@@ -344,12 +384,7 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_inva
                 if not before:
                     store._ensure_fingerprint(s, rec.key.fingerprint, ts)
                     result.fingerprints += 1
-                dup = s.scalar(
-                    select(Profile.id).where(
-                        *key_filter(rec.key), Profile.profile_hash == rec.profile_hash, Profile.created == rec.created
-                    )
-                )
-                if dup is not None:
+                if _already_stored(s, rec):
                     result.skipped += 1
                     continue
                 row = row_from_record(rec, ts, keep_times=True)
@@ -375,6 +410,52 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_inva
     except IntegrityError as e:
         raise ProfileImportError(f"{source}: rejected by the database, nothing imported: {e.orig}") from None
     return result
+
+
+def _instant(text: str) -> _dt.datetime | str:
+    """A stored or imported date as the instant it names (`...+00:00` and `...Z` alike); unparsable: the text."""
+    try:
+        return _dt.datetime.fromisoformat(text)
+    except (TypeError, ValueError):
+        return text
+
+
+def _json_text(text: str | None) -> Any:
+    try:
+        return msgspec.json.decode(text) if text is not None else None
+    except msgspec.DecodeError:
+        return text  # a corrupt stored column: equal to nothing an import brings
+
+
+def _already_stored(s: Any, rec: ProfileRecord) -> bool:
+    """Whether the database holds `rec` already: the same key and knobs created at the same instant (spelled as
+    the file spells it or not). A record without `created` (the format allows leaving it out) was stamped with the
+    time of the import that stored it, so it is matched on everything else it says: numbers, backend, provenance,
+    measured_on, routing, performance environment and software versions (not its status, which the replacement
+    gate decided)."""
+    rows = s.execute(
+        select(
+            Profile.created,
+            Profile.latency_us,
+            Profile.spread_us,
+            Profile.backend,
+            Profile.provenance,
+            Profile.measured_on,
+            Profile.routing,
+            type_coerce(Profile.perf_env, String).label("perf_env"),
+            type_coerce(Profile.software_versions, String).label("software_versions"),
+        ).where(*key_filter(rec.key), Profile.profile_hash == rec.profile_hash)
+    ).all()
+    if rec.created:
+        when = _instant(rec.created)
+        return any(_instant(row.created) == when for row in rows)
+    says = (float(rec.latency_us), float(rec.spread_us), rec.backend, str(rec.provenance), rec.measured_on,
+            canonical_routing(rec.tuned_routing), rec.tuned_perf_env, dict(rec.software_versions))
+    return any(
+        (row.latency_us, row.spread_us, row.backend, row.provenance, row.measured_on, row.routing or "",
+         _json_text(row.perf_env), _json_text(row.software_versions)) == says
+        for row in rows
+    )
 
 
 def import_profiles(store: Store, path: str | Path, *, skip_invalid: bool = False) -> ImportResult:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import re
 from typing import Any
 
 import msgspec
@@ -33,6 +34,57 @@ class FieldError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+# The transport families moetune names (tuner/fabric/families.py; `proxy:ucx` is NVSHMEM's UCX transport) and the
+# engine families; `proxy:libfabric/<provider>` for any libfabric provider. An imported key is one of these: any
+# other text would be listed and shown as a family (an escape sequence in it reaches the terminal).
+KNOWN_FAMILIES = frozenset(
+    {"nvlink", "proxy:ibrc", "proxy:ucx", "proxy:libfabric", "ibgda", "host_staged", "collective", *ENGINE_FAMILIES}
+)
+_LIBFABRIC_FAMILY = re.compile(r"proxy:libfabric/[a-z0-9][a-z0-9_]*")
+# C0 controls, DEL and C1 controls: ESC starts a terminal escape sequence; a CSI (0x9b) is one on its own.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def is_known_family(family: str) -> bool:
+    return family in KNOWN_FAMILIES or _LIBFABRIC_FAMILY.fullmatch(family) is not None
+
+
+def has_control(text: str) -> bool:
+    return _CONTROL.search(text) is not None
+
+
+def printable(text: str) -> str:
+    """`text` with each control character written as its escape (`\\x1b`): safe to print to a terminal."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def control_field(obj: Any, path: str) -> tuple[str, str] | None:
+    """(field, value) of the first string in `obj` (JSON data, dict keys too) that holds a control character."""
+    stack = [(path, obj)]
+    while stack:  # not recursive: the depth of imported JSON is the file's to choose
+        where, v = stack.pop()
+        if isinstance(v, str):
+            if has_control(v):
+                return where, v
+        elif isinstance(v, dict):
+            for k, item in reversed(list(v.items())):
+                k = str(k)
+                if has_control(k):  # the key itself: named by its repr
+                    return f"{where}[{k!r}]", k
+                stack.append((f"{where}.{k}" if where else k, item))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((f"{where}[{i}]", item) for i, item in reversed(list(enumerate(v))))
+    return None
+
+
+def check_no_control(obj: Any, path: str = "") -> None:
+    """FieldError naming the first string of `obj` with a control character, and its value (repr)."""
+    found = control_field(obj, path)
+    if found is not None:
+        field, value = found
+        raise FieldError(field, f"control character in {value[:64]!r}: refused (it would reach a terminal)")
 
 
 def family_transport(family: str) -> str:
@@ -112,7 +164,9 @@ def check_import_time(field: str, value: str, now: _dt.datetime) -> None:
 
 
 def check_import_record(rec: ProfileRecord, now: _dt.datetime | None = None) -> None:
-    """`check_record` plus what a file from elsewhere may get wrong: a key no moetune would write."""
+    """`check_record` plus what a file from elsewhere may get wrong: a key no moetune would write, a control
+    character in any text (listed and shown later, it would reach the terminal)."""
+    check_no_control(msgspec.to_builtins(rec))
     check_record(rec)
     key = rec.key
     if not rec.latency_us > 0:
@@ -124,8 +178,12 @@ def check_import_record(rec: ProfileRecord, now: _dt.datetime | None = None) -> 
     if key.topk > key.experts:
         raise FieldError("key.topk", f"top-k {key.topk} is above the expert count {key.experts}")
     transport = family_transport(key.transport_family)
-    if transport not in TRANSPORTS:
-        raise FieldError("key.transport_family", f"unknown transport family {key.transport_family[:64]!r}")
+    if transport not in TRANSPORTS or not is_known_family(key.transport_family):
+        raise FieldError(
+            "key.transport_family",
+            f"unknown transport family {key.transport_family[:64]!r} (known: {', '.join(sorted(KNOWN_FAMILIES))}, "
+            "proxy:libfabric/PROVIDER)",
+        )
     if rec.knobs.transport != transport:
         raise FieldError(
             "knobs.transport",

@@ -1,0 +1,188 @@
+"""Import hardening: a file imported again stores nothing new (records without `created`, dates spelled another way);
+a file nested too deeply is refused with a message, not a traceback; no control character of a file (a terminal
+escape sequence) is stored or printed; a transport family is one moetune knows."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.tuner.cli import app
+from moetune.tuner.store.store import ProfileImportError, Store
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(*args: str, input: str | bytes | None = None):
+    return CliRunner().invoke(app, list(args), input=input, env={"COLUMNS": "200"})
+
+
+def key(bucket: int, family: str = "nvlink") -> ProfileKey:
+    return ProfileKey(fingerprint="fp-x", software="sw", transport_family=family, ep_size=2, nodes=1, hidden=7168,
+                      intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=bucket)
+
+
+@pytest.fixture
+def export(tmp_path: Path) -> dict:
+    """An export of three profiles (measured, preset, node model), as a dict."""
+    with Store(tmp_path / "src.db") as s:
+        s.upsert_fingerprint("fp-x", {"gpu": "H100", "n": 8})
+        for b, prov, be, on in ((16, "measured", "local:nccl", "fp-x"), (128, "preset", "model:ndr-ibrc-h100x8", ""),
+                                (256, "node_model", "model:node:fp-x", "fp-x")):
+            s.put_profile(ProfileRecord(key=key(b), knobs=default_knobs("nvlink"), latency_us=float(b), spread_us=0.5,
+                                        backend=be, provenance=prov, measured_on=on))
+        return json.loads(s.dump_profiles())
+
+
+def data(doc: dict) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# -- the same file again ------------------------------------------------------------------------------------------
+def test_records_without_created_are_already_present_the_second_time(tmp_path, export):
+    for r in export["profiles"]:
+        del r["created"], r["updated"]  # the format allows leaving them out
+    with Store(tmp_path / "dst.db") as s:
+        first = s.import_bytes(data(export))
+        assert (first.inserted, first.current, first.skipped) == (3, 3, 0)
+        for _ in range(2):
+            again = s.import_bytes(data(export))
+            assert (again.inserted, again.kept_superseded, again.skipped) == (0, 0, 3)
+        assert len(s.list_profiles()) == 3
+        # matched on what the record says: other numbers are another record
+        export["profiles"][0]["latency_us"] = 99.0
+        other = s.import_bytes(data(export))
+        assert (other.inserted, other.skipped) == (1, 2)
+
+
+def test_the_same_instant_spelled_with_z_is_already_present(tmp_path, export):
+    with Store(tmp_path / "dst.db") as s:
+        assert s.import_bytes(data(export)).inserted == 3
+        for r in export["profiles"]:
+            assert r["created"].endswith("+00:00")
+            r["created"] = r["created"].replace("+00:00", "Z")
+        again = s.import_bytes(data(export))
+        assert (again.inserted, again.kept_superseded, again.skipped) == (0, 0, 3)
+        assert len(s.list_profiles()) == 3
+
+
+def test_cli_says_already_present(tmp_path, export):
+    for r in export["profiles"]:
+        del r["created"], r["updated"]
+    f = tmp_path / "nocreated.json"
+    f.write_bytes(data(export))
+    db = tmp_path / "dst.db"
+    assert run("profiles", "import", str(f), "--db", str(db)).exit_code == 0
+    r = run("profiles", "import", str(f), "--db", str(db))
+    assert r.exit_code == 0, r.output
+    assert "imported 0 profile(s)" in r.output and "3 already present" in r.output
+
+
+# -- nested too deeply ---------------------------------------------------------------------------------------------
+def test_a_file_nested_too_deeply_is_refused_with_exit_2(tmp_path):
+    f = tmp_path / "deep.json"
+    f.write_text("[" * 1000 + "]" * 1000)
+    db = tmp_path / "d.db"
+    r = run("profiles", "import", str(f), "--db", str(db))
+    assert r.exit_code == 2, r.output
+    assert "not valid JSON" in r.output and "nested too deeply" in r.output
+    assert isinstance(r.exception, SystemExit) and "Traceback" not in r.output  # no RecursionError
+    assert not db.exists()
+
+
+def test_facts_nested_deep_are_refused_before_anything_is_stored(tmp_path, export):
+    deep: list = []
+    for _ in range(200):  # decodes, but no export nests so: stored, it could fail every later read
+        deep = [deep]
+    export["fingerprints"][0]["facts"]["deep"] = deep
+    with Store(tmp_path / "dst.db") as s:
+        with pytest.raises(ProfileImportError, match="nested too deeply"):
+            s.import_bytes(data(export))
+        assert s.list_profiles() == []
+
+
+# -- control characters, families ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("where", "value", "field"), [
+    ("backend", "local:\x1b[2J\x1b[31mclean", "profiles[0].backend"),
+    ("family", "nvlink:\x1b[5mX", "profiles[0].key.transport_family"),
+    ("measured_on", "fp-x\x9b31m", "profiles[0].measured_on"),  # C1: a CSI on its own
+    ("software_versions", {"nccl\x1b": "2"}, "profiles[0].software_versions['nccl\\x1b']"),
+    ("software_versions", {"nccl": "2\x7f"}, "profiles[0].software_versions.nccl"),
+])
+def test_a_control_character_in_a_record_is_refused_naming_the_field(tmp_path, export, where, value, field):
+    r0 = export["profiles"][0]
+    if where == "family":
+        r0["key"]["transport_family"] = value
+    else:
+        r0[where] = value
+    db = tmp_path / "dst.db"
+    with Store(db) as s:
+        before = sha(db)
+        with pytest.raises(ProfileImportError) as e:
+            s.import_bytes(data(export), source="x.json")
+        assert sha(db) == before
+    msg = str(e.value)
+    assert f"{field}: control character in " in msg
+    assert not any(c in msg for c in "\x1b\x9b\x7f"), msg  # the value is named by its repr
+
+
+def test_a_control_character_in_fingerprint_facts_is_refused(tmp_path, export):
+    export["fingerprints"][0]["facts"]["gpu"] = "H100\x1b]0;pwned\x07"
+    with Store(tmp_path / "dst.db") as s, pytest.raises(ProfileImportError) as e:
+        s.import_bytes(data(export), source="x.json")
+    assert "fingerprints[0].facts.gpu: control character in" in str(e.value)
+    assert "\x1b" not in str(e.value) and "\x07" not in str(e.value)
+
+
+def test_a_record_that_does_not_decode_names_its_hostile_key_escaped(tmp_path, export):
+    r0 = export["profiles"][0]
+    r0["key"]["transport_family"] = "nvlink\x1b[2J"
+    r0["key"]["ep_size"] = "two"  # fails to decode: the key is shown from the raw text
+    with Store(tmp_path / "dst.db") as s, pytest.raises(ProfileImportError) as e:
+        s.import_bytes(data(export), source="x.json")
+    assert "nvlink\\x1b[2J" in str(e.value) and "\x1b" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["nvlink:X", "proxy", "proxy:libfabric/CXI", "collective/nvlink"])
+def test_an_unknown_family_is_refused(tmp_path, export, family):
+    export["profiles"][0]["key"]["transport_family"] = family
+    with Store(tmp_path / "dst.db") as s, pytest.raises(ProfileImportError, match="unknown transport family"):
+        s.import_bytes(data(export))
+
+
+@pytest.mark.parametrize(("family", "transport"), [
+    ("proxy:ibrc", "proxy"), ("proxy:ucx", "proxy"), ("proxy:libfabric", "proxy"), ("proxy:libfabric/cxi", "proxy"),
+    ("proxy:libfabric/efa", "proxy"), ("ibgda", "ibgda"), ("host_staged", "host_staged"), ("collective", "collective"),
+    ("megakernel", "collective"),
+])
+def test_known_families_import(tmp_path, export, family, transport):
+    r0 = export["profiles"][0]
+    r0["key"]["transport_family"] = family
+    r0["knobs"] = default_knobs(transport).to_dict()
+    r0["provenance"], r0["measured_on"] = "node_model", ""  # the profile hash changed: not the measured one
+    with Store(tmp_path / "dst.db") as s:
+        assert s.import_bytes(data(export)).inserted == 3
+
+
+def test_cli_import_of_escape_sequences_exits_2_and_prints_none(tmp_path, export):
+    r0 = export["profiles"][0]
+    r0["backend"] = "local:\x1b[2J\x1b[31mclean"
+    r0["key"]["transport_family"] = "nvlink:\x1b[5mX"
+    f = tmp_path / "ansi.json"
+    f.write_bytes(data(export))
+    db = tmp_path / "an.db"
+    r = run("profiles", "import", str(f), "--db", str(db))
+    assert r.exit_code == 2, r.output
+    assert "profiles[0].key.transport_family: control character in 'nvlink:\\x1b[5mX'" in r.output
+    assert "\x1b" not in r.output
+    assert not db.exists()
