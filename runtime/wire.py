@@ -138,6 +138,11 @@ class Retune(_Request, tag="retune"):
     reason: Annotated[str, Meta(max_length=512)] = "requested"
 
 
+# ops that change the daemon's state: sent once, never again after a slow reply (a retried `retune` queued a
+# second job, and a retried cancel answered not_found for the job the first copy had cancelled)
+NOT_RETRIED: frozenset[str] = frozenset({"retune"})
+
+
 Request = Hello | GetProfile | ListProfiles | Fabric | Status | Retune
 OPS: tuple[str, ...] = ("hello", "get_profile", "list_profiles", "fabric", "status", "retune")
 

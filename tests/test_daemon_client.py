@@ -217,3 +217,31 @@ def test_query_status_retune_commands(up, monkeypatch: pytest.MonkeyPatch, tmp_p
     assert r.exit_code == 0 and "nothing to re-tune" in r.output
     r = CliRunner().invoke(app, ["status", "--socket", f"ipc://{d.tmp}/none/daemon.sock", "--timeout-ms", "100"])
     assert r.exit_code == 1 and "no daemon socket" in r.output
+
+
+def test_a_retune_is_sent_once_whatever_the_wait(tmp_path: Path) -> None:
+    """The client gave up on its first try after half its time budget and sent the request again: a daemon slow to
+    answer (a migration, a slow discovery at start-up) then queued the same re-tune twice. A state-changing op is
+    sent once, with the whole budget."""
+    from moetune.runtime import wire
+    from moetune.runtime.profiles.client import ProfileClient
+
+    def slow(req: dict) -> bytes:
+        time.sleep(0.4)  # past half of the 700 ms budget, within the whole of it
+        res = {"job": {"id": 1, "state": "queued", "reason": req.get("reason", "")}, "message": "queued"}
+        return wire.encode_ok(req["id"], "e1", res)
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    router = F.ReplyRouter(f"ipc://{run / 'daemon.sock'}", slow)
+    try:
+        c = ProfileClient(f"ipc://{run / 'daemon.sock'}", timeout_ms=700, retries=1, env={})
+        try:
+            got = c.request("retune", all=True, reason="once")
+        finally:
+            c.close()
+        time.sleep(0.5)  # a second copy, had one been sent, would have arrived by now
+    finally:
+        router.close()
+    assert got.job is not None and got.job.id == 1
+    assert [r["op"] for r in router.requests] == ["retune"]

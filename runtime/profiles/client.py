@@ -732,7 +732,7 @@ class ProfileClient:
         self._check_endpoint()
         self._key_refused = False
         deadline = time.monotonic() + budget
-        attempts = self.retries + 1
+        attempts = 1 if op in wire.NOT_RETRIED else self.retries + 1
         for attempt in range(attempts):
             now = time.monotonic()
             left = deadline - now
