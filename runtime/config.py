@@ -30,6 +30,8 @@ from moetune.runtime import paths
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENV_MISMATCH_MODES = ("warn", "refuse", "ignore")  # client.env_mismatch (runtime/profiles/client.py)
+MAX_CLIENT_TIMEOUT_MS = 86_400_000  # a day: a longer wait overflowed zmq's poll (a C int of milliseconds)
+
 _PATH_KEYS = {("store", "db"), ("daemon", "curve_secret_key_file"), ("daemon", "curve_public_key_file"),
               ("daemon", "curve_admins_dir")}
 
@@ -209,8 +211,9 @@ def _check_ranges(values: dict[str, dict[str, Any]], origin: dict[tuple[str, str
         fail("tune", "trials", f"must be >= 1, got {t['trials']}")
     if t["timeout_s"] <= 0:
         fail("tune", "timeout_s", f"must be > 0, got {t['timeout_s']}")
-    if c["timeout_ms"] < 1:
-        fail("client", "timeout_ms", f"must be >= 1, got {c['timeout_ms']}")
+    if not 1 <= c["timeout_ms"] <= MAX_CLIENT_TIMEOUT_MS:
+        fail("client", "timeout_ms", f"must be 1 to {MAX_CLIENT_TIMEOUT_MS} (milliseconds: up to a day), "
+             f"got {c['timeout_ms']}")
     c["env_mismatch"] = c["env_mismatch"].strip().lower()
     if c["env_mismatch"] not in ENV_MISMATCH_MODES:
         fail("client", "env_mismatch", f"must be one of {', '.join(ENV_MISMATCH_MODES)}, got {c['env_mismatch']!r}")

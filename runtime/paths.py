@@ -182,11 +182,14 @@ def default_endpoint(env: Mapping[str, str] = os.environ) -> str:
     return f"ipc://{cands[0] / SOCKET_NAME}"
 
 
-def client_db_path(info_db: str | None = None, env: Mapping[str, str] = os.environ) -> Path:
+def client_db_path(info_db: str | None = None, env: Mapping[str, str] = os.environ,
+                   configured: str | Path | None = None) -> Path:
     """The database the runtime reads when the daemon is down: `MOETUNE_STORE_DB`, else the one the
-    daemon named in `daemon.json`, else `default_db_path(env)`."""
+    daemon named in `daemon.json`, else the config's `[store] db` (`configured`), else `default_db_path(env)`."""
     if env.get("MOETUNE_STORE_DB"):
         return Path(env["MOETUNE_STORE_DB"]).expanduser()
     if info_db:
         return Path(info_db)
+    if configured:
+        return Path(configured).expanduser()
     return default_db_path(env)

@@ -139,3 +139,16 @@ def test_config_is_immutable(env):
     with pytest.raises(AttributeError):
         cfg.tune.trials = 3  # type: ignore[misc]
     assert config_mod.LOG_LEVELS[1] == "info"
+
+
+def test_a_client_timeout_past_a_day_is_refused_and_never_reaches_zmq(tmp_path: Path) -> None:
+    """MOETUNE_CLIENT_TIMEOUT_MS=99999999999999999999 (or a --timeout-ms of 5e9) overflowed zmq's poll: a traceback
+    out of `moetune query` and of the runtime's lookup."""
+    from moetune.runtime.profiles.client import ProfileClient
+
+    env = {"HOME": str(tmp_path), "MOETUNE_CLIENT_TIMEOUT_MS": "99999999999999999999"}
+    with pytest.raises(ConfigError, match=r"client\.timeout_ms.*must be 1 to 86400000"):
+        load_config(env=env)
+    c = ProfileClient(endpoint=f"ipc://{tmp_path}/none.sock", env=env, timeout_ms=10**20)
+    assert c.timeout_ms == config_mod.MAX_CLIENT_TIMEOUT_MS
+    c.close()

@@ -245,3 +245,44 @@ def test_a_retune_is_sent_once_whatever_the_wait(tmp_path: Path) -> None:
         router.close()
     assert got.job is not None and got.job.id == 1
     assert [r["op"] for r in router.requests] == ["retune"]
+
+
+def test_query_reads_the_database_the_runtime_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`moetune query` read `[store] db` (the default one) while the runtime read the database daemon.json names:
+    with the daemon down, a user checking what a job gets saw the defaults where the job got a measured profile.
+    Both now follow one rule: $MOETUNE_STORE_DB, daemon.json's db, the config's [store] db, the default."""
+    from typer.testing import CliRunner
+
+    from moetune.runtime.profiles.client import ProfileClient
+    from moetune.tuner.cli import app
+    from moetune.tuner.cli import query as Q
+
+    home = tmp_path / "home"
+    run = home / "run"
+    run.mkdir(parents=True, mode=0o700)
+    node_db = tmp_path / "node" / "moetune.db"
+    (run / "daemon.json").write_text(json.dumps({"written_by": "moetune-daemon", "db": str(node_db),
+                                                 "running": False, "host": socket.gethostname()}))
+    env = {"MOETUNE_HOME": str(home), "MOETUNE_CONFIG": "", "HOME": str(tmp_path)}
+    c = ProfileClient(env=env)
+    assert c.fallback_db() == node_db
+    c.close()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[store]\ndb = "{tmp_path / "configured.db"}"\n')
+    (run / "daemon.json").unlink()
+    c = ProfileClient(env={**env, "MOETUNE_CONFIG": str(cfg)})
+    assert c.fallback_db() == tmp_path / "configured.db"
+    c.close()
+    c = ProfileClient(env={**env, "MOETUNE_CONFIG": str(cfg), "MOETUNE_STORE_DB": str(tmp_path / "e.db")})
+    assert c.fallback_db() == tmp_path / "e.db"
+    c.close()
+
+    (run / "daemon.json").write_text(json.dumps({"written_by": "moetune-daemon", "db": str(node_db),
+                                                 "running": False, "host": socket.gethostname()}))
+    seen: list[Path] = []
+    real = Q.provenance_of
+    monkeypatch.setattr(Q, "provenance_of", lambda res, db, config: (seen.append(db), real(res, db, config))[1])
+    r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "16", "--timeout-ms", "50"],
+                           env=env)
+    assert r.exit_code == 0, r.output
+    assert seen == [node_db]

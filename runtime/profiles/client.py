@@ -65,7 +65,13 @@ import zmq
 
 from moetune.runtime import _once, wire
 from moetune.runtime._proc import pid_gone as _pid_gone  # a zombie (killed, not reaped) is gone too
-from moetune.runtime.config import ENV_MISMATCH_MODES, ClientConfig, ConfigError, load_config
+from moetune.runtime.config import (
+    ENV_MISMATCH_MODES,
+    MAX_CLIENT_TIMEOUT_MS,
+    ClientConfig,
+    ConfigError,
+    load_config,
+)
 from moetune.runtime.knobs import KnobError, Knobs, default_knobs, int_of_text
 from moetune.runtime.paths import (
     INFO_NAME,
@@ -534,13 +540,15 @@ _ids = itertools.count(1)
 
 
 
-def _client_config(env: Mapping[str, str]) -> ClientConfig | None:
-    """The config's [client] section; a broken config file must not stop the runtime (warned, env used)."""
+def _client_config(env: Mapping[str, str]) -> tuple[ClientConfig | None, str | None]:
+    """The config's [client] section and its [store] db; a broken config file must not stop the runtime (warned,
+    env used)."""
     try:
-        return load_config(env=env).client
+        cfg = load_config(env=env)
     except (ConfigError, OSError) as e:  # e.g. another user's unreadable ~/.config: fall back, never raise
         log.warning("moetune: ignoring the config for the profile client: %s", e)
-        return None
+        return None, None
+    return cfg.client, cfg.store.db
 
 class ProfileClient:
     """A DEALER client for the moetune daemon (one per process; not thread-safe)."""
@@ -570,7 +578,8 @@ class ProfileClient:
         (NCCL_*, NVSHMEM_*, FI_*, ...) a tuned profile's recorded one is compared with. `env_mismatch`: what a tuned
         profile measured in another (or an unrecorded) environment does, one of ENV_MISMATCH_MODES (default:
         client.env_mismatch, MOETUNE_CLIENT_ENV_MISMATCH, else "warn")."""
-        cfg = _client_config(env)  # the TOML [client] section (+ MOETUNE_CLIENT_* variables); None if unreadable
+        # the TOML [client] section (+ MOETUNE_CLIENT_* variables; None if unreadable) and [store] db
+        cfg, self._configured_db = _client_config(env)
         self.endpoint = endpoint or (cfg.socket if cfg else default_endpoint(env))
         if timeout_ms is None:
             if cfg is not None:
@@ -580,7 +589,7 @@ class ProfileClient:
                     timeout_ms = int(env.get("MOETUNE_CLIENT_TIMEOUT_MS", DEFAULT_TIMEOUT_MS))
                 except ValueError:
                     timeout_ms = DEFAULT_TIMEOUT_MS
-        self.timeout_ms = max(1, int(timeout_ms))
+        self.timeout_ms = min(max(1, int(timeout_ms)), MAX_CLIENT_TIMEOUT_MS)  # the variable is not range-checked
         self.retries = max(0, int(retries))
         if allow_modelled is None:
             if cfg is not None:
@@ -728,7 +737,7 @@ class ProfileClient:
     # -- requests --------------------------------------------------------------------------------
     def request(self, op: str, *, timeout_ms: int | None = None, **fields: Any) -> Any:
         """Send one request; return the typed result. DaemonUnavailable after the retries time out."""
-        budget = (timeout_ms if timeout_ms is not None else self.timeout_ms) / 1000.0
+        budget = min(timeout_ms if timeout_ms is not None else self.timeout_ms, MAX_CLIENT_TIMEOUT_MS) / 1000.0
         self._check_endpoint()
         self._key_refused = False
         deadline = time.monotonic() + budget
@@ -774,6 +783,16 @@ class ProfileClient:
         if stale is not None:
             raise DaemonUnavailable(stale)
         raise DaemonUnavailable(f"no reply from the daemon at {self.endpoint} within {budget * 1000:.0f} ms")
+
+    def fallback_db(self, info: dict[str, Any] | None = None) -> Path:
+        """The database `resolve` reads when the daemon does not answer: the one given, else `client_db_path`'s
+        (`info`: daemon.json as read, else read here). `moetune query` reads provenance from the same file."""
+        if self._db_path is not None:
+            return self._db_path
+        if info is None:
+            info = read_daemon_info(self.endpoint, self._env)
+        named = info.get("db") if info and isinstance(info.get("db"), str) else None
+        return client_db_path(named, self._env, self._configured_db)
 
     def hello(self, **kw: Any) -> wire.HelloResult:
         return self.request("hello", client=f"pid:{os.getpid()}", **kw)
@@ -946,7 +965,7 @@ class ProfileClient:
 
         # 2. the database, read-only: only with this node's identity known, from the database's facts checked against
         # this node (never daemon.json: a stopped or killed daemon's file predates what was installed since)
-        db = self._db_path or client_db_path(info.get("db") if info and isinstance(info.get("db"), str) else None, self._env)
+        db = self.fallback_db(info)
         try:
             ident, why_no_ident = node_identity_from_db(db)
             if ident is None and not self.allow_modelled:

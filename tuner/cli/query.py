@@ -46,15 +46,13 @@ def check_socket(endpoint: str, where: str) -> None:
         raise fail(f"invalid {e}") from None
 
 
-MAX_TIMEOUT_MS = 86_400_000  # a day: longer waits overflowed zmq's poll (a traceback)
-
-
 def check_timeout_ms(timeout_ms: int | None) -> None:
     """Exit 2 unless the --timeout-ms given is positive (0 or less used to be coerced silently)."""
+    from moetune.runtime.config import MAX_CLIENT_TIMEOUT_MS
     from moetune.tuner.cli.db import fail
 
-    if timeout_ms is not None and not 1 <= timeout_ms <= MAX_TIMEOUT_MS:  # zmq's poll takes a C int
-        raise fail(f"--timeout-ms must be 1 to {MAX_TIMEOUT_MS} (milliseconds: up to a day), got {timeout_ms}")
+    if timeout_ms is not None and not 1 <= timeout_ms <= MAX_CLIENT_TIMEOUT_MS:  # zmq's poll takes a C int
+        raise fail(f"--timeout-ms must be 1 to {MAX_CLIENT_TIMEOUT_MS} (milliseconds: up to a day), got {timeout_ms}")
 
 
 def check_db_given(db: Path) -> None:
@@ -113,7 +111,7 @@ def make_client(socket: str | None, config: Path | None, timeout_ms: int | None,
     client_log.addFilter(_drop_connect_refusal)
     try:
         return ProfileClient(endpoint, timeout_ms=timeout_ms or cfg.client.timeout_ms,
-                             curve_server_key=server_key, db_path=db or Path(cfg.store.db), env=env)
+                             curve_server_key=server_key, db_path=db, env=env)  # no --db: the runtime's own rule
     finally:
         client_log.removeFilter(_drop_connect_refusal)
 
@@ -196,7 +194,7 @@ def register(app: typer.Typer) -> None:
         fmt: str = typer.Option(None, "--format", show_default=False, help="table (the default: the knobs, where they came from and why), json (one object) or env (the shell `export` lines a launcher sources: the knobs' variables and MOETUNE_PROFILE_HASH)"),
         json_out: bool = typer.Option(False, "--json", help="Same as --format json (not with another --format)."),
         socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: \\[client] socket, else the daemon's \\[daemon] socket: ipc:// daemon.sock in the runtime directory)."),
-        db: Path = typer.Option(None, "--db", help="Database to read when the daemon does not answer (default: \\[store] db, $MOETUNE_HOME, XDG data dir)."),
+        db: Path = typer.Option(None, "--db", help="Database to read when the daemon does not answer (default: the runtime's: $MOETUNE_STORE_DB, else the daemon's database as daemon.json names it, else \\[store] db, $MOETUNE_HOME, XDG data dir)."),
         config: Path = typer.Option(None, "--config", help="TOML config file."),
         timeout_ms: int = typer.Option(None, "--timeout-ms", help="Time budget for the whole lookup, in milliseconds (default: \\[client] timeout_ms, 200)."),
     ) -> None:
@@ -238,8 +236,9 @@ def register(app: typer.Typer) -> None:
             finally:
                 if said is not None:
                     client_log.removeFilter(said)
+        read = client.fallback_db()  # the database the lookup read (or would have): --db, else the runtime's rule
         client.close()
-        provenance, measured_on = provenance_of(res, db, config)
+        provenance, measured_on = provenance_of(res, read, config)
         if fmt == "env":
             if provenance in ENV_LABEL:  # the exports are eval'd or saved: the label goes with them (a shell comment)
                 typer.echo(f"# moetune: {ENV_LABEL[provenance]}, not measured on this node")
