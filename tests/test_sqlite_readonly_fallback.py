@@ -313,6 +313,7 @@ def test_a_file_gone_before_the_fallback_is_sqlites_own_error_not_changed(tmp_pa
     'changed while being read'."""
     db = tmp_path / "moetune.db"
     add(db, 1)
+    (tmp_path / "moetune.db-wal").write_bytes(b"")  # another connection's: mode=ro is tried, not immutable=1 first
 
     def no_shm_then_gone(uri: str, timeout_s: float) -> sqlite_open.ReadOnlyConnection:
         db.unlink()
@@ -330,3 +331,29 @@ def test_a_changed_read_is_a_passing_condition_exit_1() -> None:
     from moetune.tuner.store.store import DatabaseChangedError
 
     assert DatabaseChangedError("x").exit_code == 1
+
+
+def test_a_read_leaves_no_wal_or_shm_beside_a_file_nothing_has_open(tmp_path: Path) -> None:
+    """mode=ro on a WAL file nothing had open left an empty -wal and -shm behind in a writable folder: beside
+    moetune's database after every `profiles list`, and beside another program's WAL file that moetune only looked
+    at to refuse. With no -wal/-shm/-journal there, the read is immutable=1 (checked for changes afterwards)."""
+    db = tmp_path / "theirs.db"
+    con = sqlite3.connect(db)
+    con.execute("PRAGMA journal_mode=WAL")
+    con.execute("CREATE TABLE t (x)")
+    con.execute("INSERT INTO t VALUES (1)")
+    con.commit()
+    con.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs.db"]
+    assert sqlite_open.read(db, lambda c: c.execute("SELECT x FROM t").fetchall(), timeout_s=1) == [(1,)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs.db"]
+    # while a writer has it open (its -wal and -shm there), the read is mode=ro and sees its committed rows
+    w = sqlite3.connect(db)
+    w.execute("INSERT INTO t VALUES (2)")
+    w.commit()
+    c = sqlite_open.connect_readonly(db, timeout_s=1)
+    try:
+        assert not c.immutable and c.execute("SELECT count(*) FROM t").fetchone() == (2,)
+    finally:
+        c.close()
+        w.close()

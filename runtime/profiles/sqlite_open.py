@@ -1,9 +1,11 @@
 """Opening a moetune SQLite file read-only: the ONE opener of the store's read-only connections
 (`moetune.tuner.store`), the runtime's "daemon down" fallback (`client.db_read`) and `tune show`'s studies file.
 
-`mode=ro` first. SQLite cannot open a WAL database mode=ro when its -shm/-wal files are gone and the folder is not
-writable (/var/lib/moetune owned by the daemon's user, the daemon down); then, and only then, `immutable=1`, which
-reads the database file alone, without locks. That is right only while no process writes the file and no
+`immutable=1` (the database file alone, without locks, creating nothing) while no -wal, -shm or -journal is beside
+the file: nothing has it open, and mode=ro would leave an empty -wal and -shm behind in a writable folder (beside
+another program's WAL file moetune only looked at, too). Otherwise `mode=ro`; SQLite cannot open a WAL database
+mode=ro when its -shm/-wal files are gone and the folder is not writable (/var/lib/moetune owned by the daemon's
+user, the daemon down); then `immutable=1` again. That is right only while no process writes the file and no
 -wal/-journal holds changes the file lacks (immutable=1 would not see a crashed writer's committed WAL frames), so:
 
 - the fallback is refused (an error naming the file) while a non-empty -wal/-journal is there;
@@ -98,12 +100,32 @@ def _open_ro(uri: str, timeout_s: float) -> ReadOnlyConnection:
     return con
 
 
+def _side_files(path: Path) -> bool:
+    """Whether a -wal, -shm or -journal file is beside `path` (a connection is open, or one left its state)."""
+    return any(path.with_name(path.name + suffix).exists() for suffix in ("-wal", "-shm", "-journal"))
+
+
+def _immutable(uri: str, path: Path, identity: tuple[int, int, int]) -> ReadOnlyConnection:
+    con = sqlite3.connect(uri + "&immutable=1", uri=True, check_same_thread=False, factory=ReadOnlyConnection)
+    con.immutable = True
+    con.identity = identity
+    con.path = path
+    return con
+
+
 def connect_readonly(path: str | Path, *, timeout_s: float) -> ReadOnlyConnection:
-    """A read-only connection to `path`: mode=ro, else (no -shm can be made) immutable=1 when no -wal/-journal holds
-    changes. Reads through an immutable one must be followed by `check_unchanged` (`checked`, `read` do so).
+    """A read-only connection to `path`: immutable=1 while no -wal, -shm or -journal is beside it (nothing open
+    on it: mode=ro would leave an empty -wal and -shm behind in a writable folder, beside another program's file
+    too), else mode=ro, else (no -shm can be made) immutable=1 when no -wal/-journal holds changes. Reads through
+    an immutable one must be followed by `check_unchanged` (`checked`, `read` do so): a writer that starts
+    meanwhile makes the read DatabaseChanged, and the retry finds its -wal and reads mode=ro.
     sqlite3.OperationalError naming the -wal/-journal when the fallback is refused."""
     path = Path(path).absolute()
     uri = _uri(path)
+    if path.is_file() and not _side_files(path):
+        identity = file_identity(path)  # before the connection reads a byte
+        if identity is not None and not _side_files(path):
+            return _immutable(uri, path, identity)
     try:
         con = _open_ro(uri, timeout_s)
     except sqlite3.OperationalError as e:
@@ -118,9 +140,7 @@ def connect_readonly(path: str | Path, *, timeout_s: float) -> ReadOnlyConnectio
         identity = file_identity(path)  # before the connection reads a byte
         if identity is None and not path.exists():
             raise  # no file (gone meanwhile): SQLite's own "unable to open", not "changed while being read"
-        con = sqlite3.connect(uri + "&immutable=1", uri=True, check_same_thread=False, factory=ReadOnlyConnection)
-        con.immutable = True
-        con.identity = identity
+        return _immutable(uri, path, identity)  # type: ignore[arg-type]  # None: check_unchanged always refuses
     con.path = path
     return con
 
