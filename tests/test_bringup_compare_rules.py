@@ -211,3 +211,17 @@ def test_recheck_false_stores_nothing_where_no_knob_acts_either(tmp_path: Path) 
                                           inert="the decode kernel: no knob acts", recheck=False)
     assert rec is not None and not written and "not stored yet" in reason
     assert store.list_profiles() == []  # before: the default was stored unchecked by the tune stage
+
+
+def test_a_slower_search_best_is_not_called_a_gain_within_noise() -> None:
+    """The report said "the winner's gain is within noise" of a tuned setting 7x slower than the default."""
+    from moetune.tuner.search.tune import side_by_side
+
+    best, default = Knobs(channels=2), Knobs()
+    samples = [1.0] * 8
+    slow = side_by_side(best, None, default, {best: Measurement(39040.9, 10.0, samples, True),
+                                              default: Measurement(5527.8, 10.0, samples, True)})
+    assert slow.knobs == default and "the search's best is no faster, the default stored" in slow.why, slow.why
+    near = side_by_side(best, None, default, {best: Measurement(5520.0, 10.0, samples, True),
+                                              default: Measurement(5527.8, 10.0, samples, True)})
+    assert near.knobs == default and "the winner's gain is within noise" in near.why, near.why

@@ -484,9 +484,11 @@ def side_by_side(knobs: Knobs, incumbent: Knobs | None, default: Knobs | None,
     kept_default = ""
     md = got.get(default) if default is not None else None
     if md is not None and md.ok and knobs != default and not beats(meas, md):
+        # "within noise" only where the search's best was faster at all: 7x slower is no gain within the noise
+        verdict = (few if few else "the winner's gain is within noise" if meas.median_us < md.median_us
+                   else "the search's best is no faster")
         kept_default = (f"the policy default re-measured side by side at {md.median_us:.1f} µs vs "
-                        f"{meas.median_us:.1f} µs: " + (f"{few}, the default stored" if few else
-                                                         "the winner's gain is within noise, the default stored"))
+                        f"{meas.median_us:.1f} µs: {verdict}, the default stored")
         knobs, meas = default, md  # type: ignore[assignment]
     mi = got.get(incumbent) if incumbent is not None else None
     if mi is None or not mi.ok or incumbent == knobs:
