@@ -149,3 +149,18 @@ def test_tune_table_fits_80_columns_with_long_names(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     _lines_fit(r.stdout, 80)
     assert "custom:7168,2048,256,8" in r.stdout and "not shown at 80 columns" in r.stdout, r.stdout
+
+
+def test_a_stored_control_character_is_shown_not_obeyed(tmp_path: Path) -> None:
+    """A profile written with a terminal escape in its backend (an import before imports refused them, or a direct
+    write) cleared the screen and recoloured `profiles list` and `show`: tables write control characters as \\xNN."""
+    db = tmp_path / "m.db"
+    with Store(db) as s:
+        key = ProfileKey(fingerprint="fp-esc", software="sw", transport_family="nvlink", ep_size=2, nodes=1,
+                         hidden=7168, intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=16)
+        s.put_profile(ProfileRecord(key=key, knobs=default_knobs("nvlink"), latency_us=5.0, spread_us=0.1,
+                                    backend="local:\x1b[2J\x1b[31mclean", provenance="measured"))
+    for args in (("profiles", "list"), ("profiles", "show", "1")):
+        code, out = _run(*args, "--db", str(db), columns=200)
+        assert code == 0, out
+        assert "\x1b" not in out and "local:\\x1b[2J\\x1b[31mclean" in out, out

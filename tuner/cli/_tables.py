@@ -34,10 +34,19 @@ class Col:
     style: str | None = None
 
 
+# C0 (but the line break), DEL and C1: a value stored or served with them (a terminal escape) is shown, not obeyed
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x0A), *range(0x0B, 0x20), *range(0x7F, 0xA0))}
+
+
+def visible(text: str) -> str:
+    """`text` with its control characters written as \\xNN (a line break kept)."""
+    return text.translate(_CONTROL)
+
+
 def _text(cell: RenderableType | None) -> Text:
-    if isinstance(cell, Text):
-        return cell
-    return Text.from_markup(str(cell if cell is not None else ""))
+    if isinstance(cell, Text):  # its spans index the raw text: one with control characters keeps its style only
+        return cell if visible(cell.plain) == cell.plain else Text(visible(cell.plain), style=cell.style)
+    return Text.from_markup(visible(str(cell if cell is not None else "")))
 
 
 def _natural(cells: Iterable[Text]) -> int:
