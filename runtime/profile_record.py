@@ -80,6 +80,32 @@ def effective_provenance(provenance: str, backend: str) -> Provenance:
     return provenance if provenance in PROVENANCES else unlabelled_provenance(backend)  # type: ignore[return-value]
 
 
+# Which figure a stored latency is, read from the backend label the profile records. A local measurement minimises
+# either the whole layer (`layer_us`, the label `local:<comm>` it always had) or the exchange's round trip
+# (`roundtrip_us`, labelled `local:<comm>:comm`): two figures of the same knobs, never compared with each other (the
+# store's decision, and the pick among families at one bucket).
+COMM_METRIC = "comm"  # the round trip (`moetune profile`'s bring-up tune, LocalBackend(metric="comm"))
+LAYER_METRIC = "layer"  # the whole layer (`moetune tune --backend local`)
+MODELLED_METRIC = "modelled"  # a prediction: compared only within its provenance (the rank rule comes first)
+
+
+def metric_of_backend(backend: str) -> str:
+    """The metric of a profile's number by its backend label. A label without a metric suffix is a layer number:
+    the label `moetune tune` has always stored (a bring-up before the suffix stored round trips under it too; such
+    a row reads as a layer number)."""
+    if not backend.startswith("local:"):
+        return MODELLED_METRIC
+    return COMM_METRIC if backend.endswith(f":{COMM_METRIC}") else LAYER_METRIC
+
+
+def one_metric(records: list[ProfileRecord]) -> list[ProfileRecord]:
+    """`records` whose latencies may be compared, for a pick by latency among families: where round trips and whole
+    layers are both there, the whole layers (what a job runs end to end; a round trip always looked faster)."""
+    if {LAYER_METRIC, COMM_METRIC} <= {metric_of_backend(r.backend) for r in records}:
+        return [r for r in records if metric_of_backend(r.backend) != COMM_METRIC]
+    return records
+
+
 def profile_hash_of(key: ProfileKey, knobs: Knobs) -> str:
     """Hash of key + knobs (`ProfileRecord.profile_hash`): what all ranks compare, and what a daemon's reply must
     carry for its key and knobs."""

@@ -97,7 +97,7 @@ class GetProfile(_Request, tag="get_profile"):
 
     The shape is either `model` (a name known to moetune.runtime.shapes) or the four numbers
     hidden/intermediate/experts/topk (+ dtype). `fingerprint`/`software` default to the daemon's
-    current fabric; `transport_family` picks among profiles of several families (else the fastest).
+    current fabric; `transport_family` picks among profiles of several families (else the fastest, by numbers of one metric).
     """
 
     ep_size: PosInt

@@ -132,8 +132,8 @@ def test_numbers_of_two_metrics_are_never_compared(store):
 
 
 def test_a_comm_tune_is_labelled_with_its_metric():
+    from moetune.runtime.profile_record import metric_of_backend
     from moetune.tuner.search.backends import LocalBackend
-    from moetune.tuner.store.metric import metric_of_backend
 
     layer, comm = LocalBackend(comm_backend="gloo"), LocalBackend(comm_backend="gloo", metric="comm")
     assert (layer.label, comm.label) == ("local:gloo", "local:gloo:comm")  # the layer label stays as stored
@@ -272,3 +272,30 @@ def test_0005_upgrade_labels_old_rows_unrecorded_and_downgrade_keeps_profiles_an
         assert s.check()["ok"] and s.count_profiles() == n
         assert {r.tuned_routing for _i, r in s.list_profiles()} == {""}  # unknown again, never guessed
         assert s.get_current(key()).latency_us == 90.0
+
+
+def test_a_pick_among_families_compares_no_round_trip_with_a_whole_layer(tmp_path):
+    """Without a family asked, the fastest family at a bucket won: a bring-up's round trip (60 µs) beat a tuned
+    whole layer (900 µs) of another family by the metrics' difference alone. Where both kinds are stored, the
+    whole-layer numbers are compared (the daemon's store and the runtime's fallback pick alike)."""
+    from moetune.runtime.profiles.client import pick_profile
+    from moetune.tuner.store.store import Store
+
+    def record(family: str, us: float, backend: str) -> ProfileRecord:
+        key = ProfileKey(fingerprint="fp-m", software="sw", transport_family=family, ep_size=2, nodes=1, hidden=7168,
+                         intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=128)
+        return ProfileRecord(key=key, knobs=default_knobs(family), latency_us=us, spread_us=1.0, backend=backend,
+                             provenance="measured")
+
+    recs = [record("nvlink", 60.0, "local:nccl:comm"), record("host_staged", 900.0, "local:nccl"),
+            record("collective", 950.0, "local:nccl")]
+    with Store(tmp_path / "m.db") as s:
+        for r in recs:
+            s.put_profile(r)
+        got = s.find_profile(fingerprint="fp-m", software="sw", ep_size=2, nodes=1, hidden=7168, intermediate=2048,
+                             experts=256, topk=8, dtype="bfloat16", tokens=128)
+    assert got is not None and got.key.transport_family == "host_staged"
+    assert pick_profile(recs, 128).key.transport_family == "host_staged"
+    # one metric only: the fastest, as before
+    assert pick_profile(recs[1:], 128).key.transport_family == "host_staged"
+    assert pick_profile([recs[0]], 128).key.transport_family == "nvlink"

@@ -94,6 +94,7 @@ from moetune.runtime.profile_record import (
     effective_provenance,
     is_preset_fingerprint,
     nearest_bucket_within,
+    one_metric,
     profile_hash_of,
 )
 from moetune.runtime.profiles import node_identity, sqlite_open
@@ -370,7 +371,8 @@ def pick_profile(
 
     With several fingerprints (fingerprint unknown) the most recently updated fingerprint wins; with
     several transport families at the chosen bucket, measured beats the node model beats a preset, then
-    the lowest latency wins (unless one family is asked for). Engine families (`megakernel`: a whole layer's
+    the lowest latency wins (unless one family is asked for), compared among whole-layer numbers where round trips
+    are stored beside them (`one_metric`). Engine families (`megakernel`: a whole layer's
     latency, not an exchange's) are picked only by name.
     """
     recs = [r for r in records if r.status == "current"]
@@ -391,7 +393,8 @@ def pick_profile(
     at = [r for r in recs if r.key.token_bucket == bucket]
     # A measurement beats a prediction whatever the numbers say: modelled and measured latencies are not
     # one kind of number (a preset's 27 µs must not win over a measured 60 µs).
-    return min(at, key=lambda r: (_PROVENANCE_RANK.get(provenance_of(r), len(_PROVENANCE_RANK)), r.latency_us))
+    return min(one_metric(at), key=lambda r: (_PROVENANCE_RANK.get(provenance_of(r), len(_PROVENANCE_RANK)),
+                                                r.latency_us))
 
 
 

@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.profile_record import COMM_METRIC
 from moetune.runtime.profiles.launcher_env import launcher_env
 from moetune.runtime.profiles.perf_env import PerfEnv, perf_env_digest, performance_environment, relevant_to
 from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.tuner.measure.stats import Summary, half_range
-from moetune.tuner.store.metric import COMM_METRIC
 
 _log = logging.getLogger("moetune.tuner.search.backends")
 

@@ -10,9 +10,8 @@ import msgspec
 from sqlalchemy import Select, String, select, type_coerce
 
 from moetune.runtime.knobs import KnobError, Knobs
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord, metric_of_backend
 from moetune.runtime.profiles.perf_env import parse_recorded
-from moetune.tuner.store.metric import metric_of_backend
 from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Event, Profile
 from moetune.tuner.store.validate import canonical_routing
 
@@ -149,7 +148,7 @@ def decide(
     In order: provenance (measured > node_model > preset; a higher rank always replaces, a lower never does).
     Routing: two profiles that both record their routing and differ are not compared by latency (a zipf layer
     is slower than a uniform one whatever the knobs); `new` replaces only with `replace_routing`. Metric: numbers of
-    two metrics (`metric.metric_of_backend`: a round trip, a whole layer) are not compared; `new` replaces only with
+    two metrics (`profile_record.metric_of_backend`: a round trip, a whole layer) are not compared; `new` replaces only with
     `force_reason` (re-measured side by side in its metric), else the stored one is kept. The same knobs
     from the same source (`profile_hash`, `backend` and `measured_on` equal): `new` is a re-measurement of what is stored, so
     it replaces whatever the numbers (`newer`: it was measured after the stored one; an import of an older

@@ -35,6 +35,7 @@ from moetune.runtime.profile_record import (
     ProfileKey,
     ProfileRecord,
     nearest_bucket_within,
+    one_metric,
 )
 from moetune.runtime.profiles import sqlite_open
 from moetune.tuner.store import io as _io
@@ -764,7 +765,8 @@ class Store:
                 bucket = nearest_bucket_within(tokens, sorted({r.key.token_bucket for _i, r in got}), max_bucket_steps)
                 if bucket is None:
                     continue
-                return min((r for _i, r in got if r.key.token_bucket == bucket), key=lambda r: r.latency_us)
+                return min(one_metric([r for _i, r in got if r.key.token_bucket == bucket]),
+                           key=lambda r: r.latency_us)
         return None
 
     @_retried
