@@ -333,3 +333,22 @@ class ReplyRouter:
         self._stop.set()
         self._t.join(2)
         self._sock.close(linger=0)
+
+
+def interrupt_before_compare(bringup: Any, monkeypatch: Any) -> None:
+    """Run `bringup` through its tune stage and stop it at the compare stage (a KeyboardInterrupt, as Ctrl-C
+    there); the compare stage is put back for the rerun the test makes next."""
+    import pytest
+
+    from moetune.tuner.bringup import flow
+
+    compare = flow.Bringup.stage_compare
+
+    def interrupted(self: Any) -> list[dict]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(flow.Bringup, "stage_compare", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bringup.run()
+    assert bringup.state.done("tune") and not bringup.state.done("compare")
+    monkeypatch.setattr(flow.Bringup, "stage_compare", compare)

@@ -134,21 +134,10 @@ def test_one_sample_each_keeps_the_default_and_says_why(tmp_path: Path) -> None:
 # -- defect 3: the compare stage is the only writer --------------------------------------------------------------------
 def test_the_tune_stage_stores_nothing_and_an_interrupted_bringup_serves_nothing_unchecked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from moetune.tuner.bringup import flow
-
     b = _bringup(tmp_path, timed(x_us=296.0, other_us=296.0))
-    compare = flow.Bringup.stage_compare
-
-    def interrupted(self: Any) -> list[dict]:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(flow.Bringup, "stage_compare", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        b.run()
-    assert b.state.done("tune") and not b.state.done("compare")
+    F.interrupt_before_compare(b, monkeypatch)
     assert b.state.result("tune")[0]["knobs"]  # the candidate waits in the state file
     assert b.store.list_profiles() == []  # before: the unchecked winner was current (served)
-    monkeypatch.setattr(flow.Bringup, "stage_compare", compare)
     again = _bringup(tmp_path, timed(x_us=296.0, other_us=296.0))
     again.run()
     cur = again.store.get_current(_key(again))

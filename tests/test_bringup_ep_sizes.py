@@ -91,16 +91,7 @@ def test_a_plan_lists_ep_sizes_and_a_rerun_after_an_interruption_finishes_them(
     from moetune.tuner.bringup import flow
 
     b = _bringup(tmp_path, monkeypatch, ep_sizes=[4, 8])
-    compare = flow.Bringup.stage_compare
-
-    def interrupted(self: Any) -> list[dict]:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(flow.Bringup, "stage_compare", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        b.run()
-    assert b.state.done("tune") and not b.state.done("compare")
-    monkeypatch.setattr(flow.Bringup, "stage_compare", compare)
+    F.interrupt_before_compare(b, monkeypatch)
     tuned = []
     real_tune = flow.Bringup.stage_tune
     monkeypatch.setattr(flow.Bringup, "stage_tune", lambda self: tuned.append(1) or real_tune(self))
