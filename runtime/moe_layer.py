@@ -460,7 +460,8 @@ class MoELayer(nn.Module):
             self._check_local(x, topk_idx, topk_weights)
             return self.local_forward(x, topk_idx.long(), topk_weights)
         if self.buffer.num_chunks > 1:
-            return pipelined_moe(self.buffer, x, topk_idx, topk_weights, self.experts)
+            # its own experts return one row per received row: no per-chunk agreement (a host sync per chunk)
+            return pipelined_moe(self.buffer, x, topk_idx, topk_weights, self.experts, agree=False)
         recv_x, meta, handle = self.buffer.dispatch(x, topk_idx, topk_weights)
         return self.buffer.combine(self.experts(recv_x, meta), handle)
 

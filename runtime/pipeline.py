@@ -2,7 +2,8 @@
 
 The tokens of a dispatch are split into `pipeline_depth` contiguous chunks (the same count on every rank,
 so the counts exchange stays one small collective for all chunks and one host sync; the dense layout
-chunks the max_tokens slots and needs no counts and no sync at all). Then:
+chunks the max_tokens slots and needs no counts and no sync at all; `agree`, for an expert_fn of the caller's,
+adds one per chunk). Then:
 
     plan (counts for every chunk, one sync; the send rows of all chunks built by one gather)
     for each chunk: post its dispatch (a slice of the send rows)       # dispatch communicator(s)
@@ -32,15 +33,21 @@ ExpertFn = Callable[[torch.Tensor, RecvMeta], torch.Tensor]
 
 
 def pipelined_moe(
-    buffer: EPBuffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, expert_fn: ExpertFn
+    buffer: EPBuffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, expert_fn: ExpertFn,
+    *, agree: bool | None = None,
 ) -> torch.Tensor:
     """dispatch → expert_fn per chunk → combine, overlapped chunk by chunk. expert_fn(recv_x, meta) must
     return one row per received row (the row's local experts, weighted and summed), in the buffer's dtype, on its
-    device. With buffer.check_inputs, an expert_fn that raises or returns wrong rows on one rank is an error on every
-    rank (one tiny all-gather per chunk, as combine's); without it, on that rank only."""
+    device. With `agree` (default: buffer.check_inputs), an expert_fn that raises or returns wrong rows on one rank
+    is an error on every rank: one tiny all-gather and host sync per chunk, which stalls the host until that
+    chunk's experts ran (less overlap). Without it, that rank raises alone. `MoELayer` passes agree=False: its own
+    experts return one row per received row by construction, and the tuner measures the layer so."""
+    agree = buffer.check_inputs if agree is None else agree
     if buffer.resident:  # one-sided transports: one exchange per direction, no host sync to overlap with
         recv_x, meta, h = buffer.dispatch(x, topk_idx, topk_weights)
-        rows = _expert_rows(buffer, expert_fn, recv_x, meta, h, h.num_recv, [])
+        if not agree:  # combine's own check (once, with check_inputs)
+            return buffer.combine(expert_fn(recv_x, meta), h)
+        rows = _expert_rows(buffer, expert_fn, recv_x, meta, h, h.num_recv, [], agree)
         return buffer._combine_resident(rows, h)  # checked above on every rank: not twice
     handle = buffer.plan(x, topk_idx, topk_weights)
     n = len(handle.chunks)
@@ -57,28 +64,27 @@ def pipelined_moe(
         recv_x, meta = buffer.unpack(handle, c)
         # on an error, the transfers every rank has posted (later dispatches, earlier combines) finish first
         pending = [w for w, _ in posted[c + 1 :]] + [w for _, w in received]
-        rows = _expert_rows(buffer, expert_fn, recv_x, meta, handle, recv_x.shape[0], pending)
+        rows = _expert_rows(buffer, expert_fn, recv_x, meta, handle, recv_x.shape[0], pending, agree)
         received.append(buffer.post_combine(handle, c, rows))
     return buffer.finish_combine(handle, received)
 
 
 def _expert_rows(buffer: EPBuffer, expert_fn: ExpertFn, recv_x: torch.Tensor, meta: RecvMeta, handle: Handle,
-                 rows: int, pending: list[Any]) -> torch.Tensor:
-    """expert_fn's output for one chunk, checked as combine checks expert_out (shape, dtype, device). With
-    check_inputs the ranks agree on whether any rank's expert_fn failed before this chunk's combine, so they all
-    raise instead of the others waiting in it; `pending` (work every rank posted) finishes first, leaving the group
-    usable."""
+                 rows: int, pending: list[Any], agree: bool) -> torch.Tensor:
+    """expert_fn's output for one chunk, checked as combine checks expert_out (shape, dtype, device). With `agree`
+    the ranks agree on whether any rank's expert_fn failed before this chunk's combine, so they all raise instead
+    of the others waiting in it; `pending` (work every rank posted) finishes first, leaving the group usable."""
     failure: Exception | None = None
     out: Any = None
     try:
         out = expert_fn(recv_x, meta)
     except Exception as e:
-        if not buffer.check_inputs:
+        if not agree:
             raise
         failure = e
     problem = (f"expert_fn raised {type(failure).__name__}" if failure is not None
                else buffer._combine_problem(out, handle, rows, what="expert_fn's output"))
-    bad = buffer._ranks_with_problem(bool(problem))
+    bad = buffer._ranks_with_problem(bool(problem)) if agree else ([buffer.rank] if problem else [])
     if not bad:
         return out
     error = failure or ValueError(f"pipelined_moe on rank {buffer.rank}: " + (

@@ -111,4 +111,24 @@ def case_pipelined_bad_expert_fn(rank: int, world: int, transport: str, dense: b
     recv_x, meta, handle = buf.dispatch(x, idx, w)
     ref = buf.combine(weighted_rows(recv_x, meta), handle)
     out["after"] = bool(torch.allclose(y, ref, atol=1e-5))
+    out["gathers"] = [_all_gathers(lambda a=a: pipelined_moe(buf, x, idx, w, weighted_rows, agree=a))
+                      for a in (None, False)]  # the default (check_inputs: agree), and as MoELayer calls it
     return out
+
+
+def _all_gathers(call: Any) -> int:
+    """The all-gathers `call` runs (each a host sync)."""
+    import torch.distributed as dist
+
+    n, real = [0], dist.all_gather
+
+    def counted(*a: Any, **k: Any) -> Any:
+        n[0] += 1
+        return real(*a, **k)
+
+    dist.all_gather = counted
+    try:
+        call()
+    finally:
+        dist.all_gather = real
+    return n[0]

@@ -99,6 +99,17 @@ def test_a_bad_expert_fn_on_one_rank_is_an_error_on_every_rank(pipelined: dict[s
     assert r0["after"] and r1["after"]  # the group still works and gives what dispatch/combine give
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", ["packed", "dense"])
+def test_moe_layers_own_experts_cost_no_per_chunk_sync(pipelined: dict[str, list[dict[str, Any]]],
+                                                        layout: str) -> None:
+    """The per-chunk agreement is one all-gather and host sync per chunk (2 chunks here), which undoes the overlap
+    the pipeline is for; MoELayer calls pipelined_moe with agree=False (its own experts return the right rows), so
+    its pipelined path syncs no more than before the agreement existed."""
+    agreed, layer = pipelined[layout][0]["gathers"]
+    assert agreed == 2 and layer == 0, (agreed, layer)
+
+
 def test_unimplemented_transport_is_a_knob_error() -> None:
     with pytest.raises(KnobError, match=r"^knob transport: 'ibgda' is not available in this runtime \(registered: "
                                         r"collective, ") as e:

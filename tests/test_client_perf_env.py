@@ -199,7 +199,8 @@ def fake_daemon(tmp_path: Path):
         run.mkdir(mode=0o700)
         (run / "daemon.json").write_text(json.dumps({"fingerprint": "f" * 16, "software": "5" * 16,
                                                      "transports": ["nvlink"], "db": str(tmp_path / "none.db"),
-                                                     "host": socket.gethostname(), "running": True}))
+                                                     "host": socket.gethostname(), "running": True,
+                                                     "epoch": "e1"}))
         d = F.ReplyRouter(f"ipc://{run / 'daemon.sock'}", lambda req: _reply(req["id"], perf_env))
         made.append(d)
         return d

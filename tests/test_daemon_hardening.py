@@ -365,7 +365,7 @@ def resolve(plain, tmp_path: Path, res: Any, **kw: Any) -> tuple[client.Resoluti
     run.mkdir(mode=0o700)
     (run / "daemon.json").write_text(json.dumps({"fingerprint": FP, "software": SW, "transports": ["nvlink"],
                                                  "db": str(tmp_path / "none.db"), "host": socket.gethostname(),
-                                                 "running": True}))
+                                                 "running": True, "epoch": "e1"}))
     def answer(req: dict) -> bytes:  # bytes: a raw reply frame with `"id":ID` for the request's id
         return res.replace(b'"id":ID', b'"id":%d' % req["id"]) if isinstance(res, bytes) else ok_reply(req["id"], res)
 
@@ -453,7 +453,7 @@ class _TrackClient(ProfileClient):
         run = Path(tempfile.mkdtemp(prefix="moetune-track-")) / "run"  # mkdtemp: 0700, as a runtime directory must be
         run.mkdir(mode=0o700)
         (run / "daemon.json").write_text(json.dumps({"fingerprint": FP, "software": SW, "host": socket.gethostname(),
-                                                     "running": True}))
+                                                     "running": True, "epoch": "e1"}))
         super().__init__(f"ipc://{run}/daemon.sock", env={"HOME": str(run.parent)}, **kw)
         self.answer, self.changes = answer, []
         self.version, self.epoch, self.restarted = 0, "e1", False

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(90)
 QWEN = MODELS["qwen3-30b"]
 RUNTIME = Path(client.__file__).resolve().parents[1]
 FP, SW = "f" * 16, "5" * 16  # this node, as daemon.json says
-HERE = {"host": socket.gethostname(), "running": True}  # daemon.json of a running daemon of this host
+HERE = {"host": socket.gethostname(), "running": True, "epoch": "e1"}  # a running daemon of this host: the replies' epoch
 
 
 def key(fp: str = FP, sw: str = SW, family: str = "nvlink", bucket: int = 64, nodes: int = 1) -> ProfileKey:

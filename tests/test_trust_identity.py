@@ -251,3 +251,26 @@ def test_nccl_and_nvshmem_versions_are_checked(monkeypatch: pytest.MonkeyPatch, 
     installed["nvidia-nvshmem-cu12"] = "3.2.5"  # installed since the facts were recorded
     why, _ = node_identity.mismatch(facts)
     assert why == "nvshmem 3.2.5 here, none recorded"
+
+
+def test_a_daemon_json_speaks_only_for_the_daemon_that_wrote_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon killed with -9 leaves daemon.json saying running: its fingerprint and software then stood for
+    whichever daemon answered (another folder's, a tcp:// one), and that daemon's reported facts were never asked.
+    The file speaks for the daemon that answered only when its epoch is that daemon's."""
+    F.pretend_node(monkeypatch, HERE, tmp_path / "proc")
+    sw_a = node_identity.software_hash(ELSEWHERE)
+    home = tmp_path / "home"
+    run = home / "run"
+    run.mkdir(parents=True, mode=0o700)
+    (run / "daemon.json").write_text(json.dumps({"written_by": "moetune-daemon", "fingerprint": FP_A,
+                                                 "software": sw_a, "host": socket.gethostname(), "running": True,
+                                                 "pid": 999999999, "endpoint": f"ipc://{run}/daemon.sock",
+                                                 "epoch": "dead"}))
+    c = ProfileClient(f"ipc://{tmp_path}/other/daemon.sock", db_path=tmp_path / "none.db", timeout_ms=200,
+                      env={"HOME": str(tmp_path), "MOETUNE_HOME": str(home)})
+    asked: list[int] = []
+    c.get_profile = lambda **kw: reply(measured(key(FP_A, sw_a)))  # type: ignore[method-assign]
+    c.fabric = lambda **kw: (asked.append(1), _fabric(FP_A, ELSEWHERE))[1]  # type: ignore[method-assign]
+    res, warned = resolve(c)
+    assert not res.tuned and asked == [1], (res, warned)
+    assert any("is another daemon's (epoch 'dead'" in w for w in warned), warned

@@ -361,7 +361,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
                 raise ValueError(f"activation dtype must be bfloat16, float16 or float32, got {self.dtype}")
             step = "model"
             model.check_ep(self.world)
-        except (TypeError, ValueError, RuntimeError) as e:  # RuntimeError: torch refusing a device string
+        except Exception as e:  # any refusal (torch: RuntimeError, AssertionError for cuda on a CPU build) reaches every rank
             return _CHECKS.index(step) + 1, e
         self.model = model
         self.max_tokens = max_tokens
@@ -397,7 +397,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             self._layout()
             step = "dense"
             self.dense = self._choose_dense(dense, cls)
-        except (TypeError, ValueError, ImportError) as e:  # ImportError: the transport's module is missing here
+        except Exception as e:  # ImportError: the transport module missing here; any refusal reaches every rank
             return _CHECKS.index(step) + 1, e
         self._transport_cls = cls
         return None

@@ -393,8 +393,11 @@ def pick_profile(
     at = [r for r in recs if r.key.token_bucket == bucket]
     # A measurement beats a prediction whatever the numbers say: modelled and measured latencies are not
     # one kind of number (a preset's 27 µs must not win over a measured 60 µs).
-    return min(one_metric(at), key=lambda r: (_PROVENANCE_RANK.get(provenance_of(r), len(_PROVENANCE_RANK)),
-                                                r.latency_us))
+    def rank(r: ProfileRecord) -> int:
+        return _PROVENANCE_RANK.get(provenance_of(r), len(_PROVENANCE_RANK))
+
+    best = min(rank(r) for r in at)  # the best provenance first, then one metric among its records
+    return min(one_metric([r for r in at if rank(r) == best]), key=lambda r: r.latency_us)
 
 
 
@@ -1025,10 +1028,15 @@ class ProfileClient:
         job_env: Mapping[str, str], deadline: float,
     ) -> tuple[str | None, str, EnvComparison | None, str]:
         """`_judge` of a get_profile reply that answers its request (`_reply_problem`), plus its provenance: what
-        `resolve` and `TrackedProfile` decide of it. This node's identity: daemon.json's (`from_daemon_info`: a
-        running daemon of this host), else the daemon's reported fabric checked against this node."""
-        ident, why_no_ident = (node_identity.from_daemon_info(dict(info), str(info.get("_dir"))) if info
-                               else (None, "no daemon.json in a runtime directory"))
+        `resolve` and `TrackedProfile` decide of it. This node's identity: daemon.json's when the daemon that
+        answered wrote it (its epoch) while running on this host (`from_daemon_info`), else the daemon's reported
+        fabric checked against this node."""
+        if info and info.get("epoch") != self.epoch:  # the file of a daemon that did not answer (killed, elsewhere)
+            ident, why_no_ident = None, (f"daemon.json in {info.get('_dir')} is another daemon's (epoch "
+                                         f"{str(info.get('epoch'))[:40]!r}, not the answering daemon's {self.epoch!r})")
+        else:
+            ident, why_no_ident = (node_identity.from_daemon_info(dict(info), str(info.get("_dir"))) if info
+                                   else (None, "no daemon.json in a runtime directory"))
         if ident is None and not is_preset_fingerprint(r.key.fingerprint):
             ident, why_no_ident = self._reported_identity(r.key, why_no_ident, deadline)
         recorded = None if r.perf_env is msgspec.UNSET else dict(r.perf_env)
