@@ -26,6 +26,7 @@ from moetune.tuner.search.policy import load_policy
 pytestmark = pytest.mark.timeout(120)
 CAPTURES = Path(__file__).resolve().parent / "captures"
 DEFAULT = load_policy("megakernel").defaults
+COLLECTIVE = load_policy("collective").defaults
 X = DEFAULT.replace(mk_bm=64, mk_stages=3, mk_combine_tokens=32, mk_ctas_per_sm=2)  # the stored profile's knobs
 
 
@@ -183,6 +184,30 @@ def test_a_spent_time_budget_skips_the_recheck(tmp_path: Path) -> None:
     assert res.reason == "time budget spent before the side-by-side check; rerun to finish"
 
 
+def test_a_search_the_budget_cut_midway_is_still_checked_and_stored(tmp_path: Path) -> None:
+    """Only a study whose trials were all done before is skipped: one the budget cut midway (`--timeout 12` with 40
+    trials asked) skipped its check too and stored nothing, run after run."""
+    import time
+
+    import optuna
+
+    from moetune.tuner.search.tune import tune_profiles_detailed
+    from moetune.tuner.store.store import Store
+
+    class Slow(_Counting):
+        def run_once(self, knobs: Knobs, wl: TuneWorkload) -> tuple[float, dict, None]:
+            time.sleep(0.05)
+            return super().run_once(knobs, wl)
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    model = ModelShape(name="custom:256,128,16,2", hidden=256, intermediate=128, experts=16, topk=2)
+    store = Store(tmp_path / "p.db")
+    (res,) = tune_profiles_detailed(store, _Facts(), backend=Slow(), models=[model], tokens=[64], trials=200,
+                                    families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}", timeout_s=0.5)
+    assert res.budget_ended and 0 < res.study.trials < 200, res
+    assert res.written and store.list_profiles() != [], res.reason
+
+
 def test_recheck_false_stores_nothing_where_no_knob_acts_either(tmp_path: Path) -> None:
     from moetune.tuner.search.study import StudyResult
     from moetune.tuner.search.tune import _write_profile
@@ -214,3 +239,36 @@ def test_a_slower_search_best_is_not_called_a_gain_within_noise() -> None:
     near = side_by_side(best, None, default, {best: Measurement(5520.0, 10.0, samples, True),
                                               default: Measurement(5527.8, 10.0, samples, True)})
     assert near.knobs == default and "the winner's gain is within noise" in near.why, near.why
+
+
+def test_a_side_by_side_replaces_a_profile_of_the_other_metric(tmp_path: Path) -> None:
+    """A whole-layer tune whose side-by-side check chose the knobs a bring-up stored as a round trip was filed as
+    superseded history ('only a side-by-side re-measurement in the layer metric replaces it': the one just run),
+    run after run; the old round-trip row stayed current."""
+    import optuna
+
+    from moetune.tuner.search.tune import tune_profiles_detailed
+    from moetune.tuner.store.store import Store
+
+    class Layer(LocalBackend):
+        def __init__(self) -> None:
+            super().__init__(world=2, comm_backend="gloo", repeats=2, metric="layer", persistent=False,
+                             command=["true"])
+
+        def run_once(self, knobs: Knobs, wl: TuneWorkload) -> tuple[float, dict, None]:
+            v = 100.0 if knobs == COLLECTIVE else 500.0  # the default, stored by the bring-up, is fastest
+            return v, {"layer_us": {"median": v, "p10": v - 1, "p90": v + 1}, "seconds": 0.0}, None
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    model = ModelShape(name="custom:256,128,16,2", hidden=256, intermediate=128, experts=16, topk=2)
+    store = Store(tmp_path / "p.db")
+    key = ProfileKey(fingerprint=_Facts.fingerprint, software=_Facts.software_hash, transport_family="collective",
+                     ep_size=2, nodes=1, hidden=256, intermediate=128, experts=16, topk=2, dtype=model.dtype,
+                     token_bucket=64)
+    store.put_profile(ProfileRecord(key=key, knobs=COLLECTIVE, latency_us=60.0, spread_us=1.0,
+                                    backend="local:gloo:comm",
+                                    provenance="measured", routing="uniform"))
+    (res,) = tune_profiles_detailed(store, _Facts(), backend=Layer(), models=[model], tokens=[64], trials=3,
+                                    families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}")
+    cur = store.get_current(key)
+    assert res.written and cur is not None and cur.backend == "local:gloo" and cur.latency_us == 100.0, res.reason

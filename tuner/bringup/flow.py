@@ -470,7 +470,7 @@ class Bringup:
         from moetune.runtime.profile_record import ProfileKey
         from moetune.tuner.search.backends import TuneWorkload, too_few_samples
         from moetune.tuner.search.policy import load_policy
-        from moetune.tuner.search.tune import SideBySide, side_by_side
+        from moetune.tuner.search.tune import SideBySide, metric_force, side_by_side
         from moetune.tuner.store.validate import canonical_routing
 
         out = []
@@ -509,15 +509,18 @@ class Bringup:
             if choice.knobs is None or choice.meas is None:  # the current profile held its own
                 stored = "current profile"
                 written, reason = False, choice.why
+                force = metric_force(current, be.label, None)
                 if current is not None and choice.incumbent is not None and (
-                        current.backend == be.label or current.provenance != "measured"):
-                    # its fresh number replaces the stored one (the same knobs from the same source)
-                    written, how = self._store_decision(t, current.knobs, choice.incumbent, None, be.label,
+                        current.backend == be.label or current.provenance != "measured" or force):
+                    # its fresh number replaces the stored one (the same knobs from the same source, or another
+                    # metric's number: `metric_force`)
+                    written, how = self._store_decision(t, current.knobs, choice.incumbent, force, be.label,
                                                         be.perf_environment(), routing)
                     reason += f" ({how})" if written else ""
             else:
                 stored = "tuned" if choice.knobs == tuned and tuned != default else "policy default"
-                written, reason = self._store_decision(t, choice.knobs, choice.meas, choice.force, be.label,
+                force = metric_force(current if same_routing else None, be.label, choice.force)
+                written, reason = self._store_decision(t, choice.knobs, choice.meas, force, be.label,
                                                        be.perf_environment(), routing)
             keep_tuned = stored == "tuned"
             row = asdict(BucketResult(

@@ -30,6 +30,7 @@ from moetune.runtime.profile_record import (
     MEGAKERNEL_FAMILY,
     ProfileKey,
     ProfileRecord,
+    metric_of_backend,
     nearest_bucket,
     provenance_of_backend,
 )
@@ -408,13 +409,17 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         # Cross-bucket pruning pays where a measurement is expensive (the local backend: a process launch
         # per run); a model prediction costs about a millisecond, so there every sampled point is evaluated.
         cross = neighbour if isinstance(be, LocalBackend) else None
+        before = finished_trials(study)
         result = run_study(study, space, be, wl, trials=trials, timeout_s=timeout_s, callbacks=[cb], extra_warm=extra,
                            cross=cross)
         bar.update(task, finished_trials(study), _best_value(study))
         # the side-by-side re-measurement runs the candidates again (minutes on a GPU node): with the budget spent
-        # (a resumed study with its trials done) it would overrun --timeout, so nothing is written and a rerun does it
+        # before this run finished a trial of its own (a resumed study with its trials done) it would only overrun
+        # --timeout, so nothing is written and a rerun does it. A search the budget cut midway is checked and
+        # stored as before: skipping it stored nothing, run after run.
         spent = (until is not None and time.monotonic() >= until and recheck and not inert
-                 and isinstance(be, LocalBackend) and result.best_knobs is not None)
+                 and isinstance(be, LocalBackend) and result.best_knobs is not None
+                 and finished_trials(study) == before)
         if spent:
             record, written, reason = None, False, "time budget spent before the side-by-side check; rerun to finish"
         else:
@@ -466,6 +471,17 @@ class SideBySide:
     why: str = ""  # why the default or the incumbent stays ("" where the search's best is stored)
     force: str | None = None  # put_profile's force_reason: the incumbent lost in this comparison
     incumbent: Measurement | None = None
+
+
+def metric_force(current: ProfileRecord | None, label: str, force: str | None) -> str | None:
+    """`force` (a side-by-side's own force_reason), else, where the current profile's number is of another metric
+    than `label` measures (a bring-up's round trip, a tune's whole layer: `metric_of_backend`), the reason that lets
+    this comparison's result replace it: the settings compared were all measured in the new metric, and the store
+    never compares the two numbers (without it the result was kept as superseded history, run after run)."""
+    if force is not None or current is None or current.provenance != "measured":
+        return force
+    old, new = metric_of_backend(current.backend), metric_of_backend(label)
+    return None if old == new else "its knobs, the default and the search's best measured side by side anew"
 
 
 def side_by_side(knobs: Knobs, incumbent: Knobs | None, default: Knobs | None,
@@ -555,14 +571,16 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
         choice = side_by_side(knobs, inc, default, got)
         if choice.knobs is None or choice.meas is None:  # the incumbent held its own
             why, mi = choice.why, choice.incumbent
+            force = metric_force(incumbent, be.label, None)
             if (store is not None and incumbent is not None and mi is not None
-                    and (incumbent.backend == be.label or incumbent.provenance != "measured")):
-                # its stored number may predate a change the fingerprint does not see (or was a prediction):
-                # the fresh measurement replaces it (the same knobs from the same source: a re-measurement)
-                written, how = store.put_profile(record(incumbent.knobs, mi))
+                    and (incumbent.backend == be.label or incumbent.provenance != "measured" or force)):
+                # its stored number may predate a change the fingerprint does not see (or was a prediction, or
+                # another metric's): the fresh measurement replaces it
+                written, how = store.put_profile(record(incumbent.knobs, mi), force_reason=force)
                 why += f" ({how})" if written else ""
             return None, False, why
-        knobs, meas, kept_default, side_by_side_why = choice.knobs, choice.meas, choice.why, choice.force
+        knobs, meas, kept_default = choice.knobs, choice.meas, choice.why
+        side_by_side_why = metric_force(incumbent, be.label, choice.force)
     rec = record(knobs, meas)
     if store is None:
         return rec, False, "no store"
