@@ -153,3 +153,23 @@ def test_a_one_gpu_node_is_not_calibrated(tmp_path: Path) -> None:
     b.state.mark("compare", [])
     text = " ".join(Path(b.stage_report()).read_text().split())
     assert "node fabric model not calibrated: one GPU" in text
+
+
+def test_a_node_without_gpus_is_calibrated_on_its_gloo_rows(tmp_path: Path) -> None:
+    """The rows moetune's microbenchmark writes on a node without GPUs name the fabric `collective` (gloo between
+    host processes): the calibration's fabric check refused them ('must be one of nvlink, host_staged'), so no
+    node model was written on such a node any more."""
+    from moetune.tuner.measure.micro import plan
+
+    benches = [b for b, ok, _why in plan(["collective"], 0) if ok]
+    assert any(getattr(b, "transport", None) == "collective" for b in benches)  # what micro.py runs there
+    rows = [{"probe": "collective_a2a", "fabric": "collective", "model": "qwen3-30b", "S": s, "world": 2, "ms": 1.0}
+            for s in (64, 256, 1024)]
+    points, _ = rows_to_points(rows)
+    preset = load_preset("nvlink-h200x2")
+    for r, p in zip(rows, points, strict=True):
+        r["ms"] = p.evaluate(preset) / 1e3
+    b, _out = _bringup(tmp_path, "cpu-laptop")
+    b.state.mark("microbench", [_measured(r) for r in rows])
+    res = b.stage_calibrate()
+    assert "field 'fabric'" not in str(res), res

@@ -95,9 +95,9 @@ def test_unknown_fabric_is_refused_naming_file_row_and_the_known_ones(tmp_path: 
     data = _jsonl(tmp_path / "typo.jsonl", {**ROW, "fabric": fabric})
     r, text = _run("-p", "nvlink-h200x2", "-d", str(data))
     assert r.exit_code == 2, r.output
-    assert "".join(f"{data} row 2 (probe nccl_a2a): field 'fabric' must be one of nvlink, host_staged, got "
+    assert "".join(f"{data} row 2 (probe nccl_a2a): field 'fabric' must be one of nvlink, host_staged, collective, got "
                    f"{fabric!r}".split()) in text, r.output
-    with pytest.raises(ValueError, match="must be one of nvlink, host_staged"):
+    with pytest.raises(ValueError, match="must be one of nvlink, host_staged, collective"):
         calibrate("nvlink-h200x2", [{**ROW, "probe": "collective_a2a", "fabric": fabric}])
 
 
