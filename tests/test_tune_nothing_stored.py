@@ -95,3 +95,6 @@ def test_an_earlier_profile_is_kept_and_the_exit_is_0(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     row_line = next(line for line in r.stdout.splitlines() if line.lstrip().startswith("collective"))
     assert row_line.split()[-1] == "kept"
+    # a local tune's table shows no default / best ratio: the best is the side-by-side check's number, the default a
+    # search trial measured alone (the "×" column divided the two)
+    assert "×" not in r.stdout and "best µs: as stored (measured side by side)" in " ".join(r.stdout.split())

@@ -472,9 +472,12 @@ def tune(
     # wider than a pipe's console, and no_wrap columns were cut)
     # where names are long (custom:7168,2048,256,8, proxy:libfabric/cxi) the spread, the trial counts, then the
     # ratio (default / best: both shown) give way
+    # a ratio only of predictions (deterministic): a measured best is the side-by-side check's number, the default's
+    # a search trial measured alone, and their ratio is no speed-up anyone measured
+    ratio = backend == "model"
     cols = (Col("family", "word"), Col("model", "word"), Col("S", "num"), Col("trials", "num", drop=2),
-            Col("default µs", "num"), Col("best µs", "num"), Col("±", "num", drop=3), Col("×", "num", drop=1),
-            Col("stored", "word"))
+            Col("default µs", "num"), Col("best µs", "num"), Col("±", "num", drop=3),
+            *((Col("×", "num", drop=1),) if ratio else ()), Col("stored", "word"))
     cells = []
     notes = []
     for row in rows:
@@ -484,7 +487,7 @@ def tune(
                       "-" if default is None else f"{default:,.1f}",
                       "-" if best is None else f"{best:,.1f}",
                       "-" if best is None else f"{row['spread_us']:,.1f}",
-                      f"{default / best:.2f}" if best and default else "-",
+                      *((f"{default / best:.2f}" if best and default else "-",) if ratio else ()),
                       STORED_CELL[row["stored"]]))
         if not row["written"] or (row["study_best_us"] is not None and best is not None and abs(row["study_best_us"] - best) > 1e-9):
             sb = row["study_best_us"]
@@ -494,8 +497,10 @@ def tune(
     print_table(c, cols, cells, title="tuned profiles" + (" (MODELLED: predicted, not measured)" if backend == "model"
                                                           else ""), box=box.SIMPLE_HEAD, pad_edge=False,
                 collapse_padding=True, left_out_hint="--json has them")
-    c.print("trials = complete/failed/pruned; × = default / best; stored: new current profile, the old one kept, "
-            "or none (nothing stored, and no earlier profile for the key)")
+    c.print("trials = complete/failed/pruned; " + ("× = default / best; " if ratio else
+            "default µs: the default's search trial; best µs: as stored (measured side by side); ")
+            + "stored: new current profile, the old one kept, or none (nothing stored, and no earlier profile for "
+            "the key)")
     for n in notes:
         c.print(n, markup=False)  # wrapped between words at the console's width (soft_wrap printed one long line)
     _budget_ended(results, trials, timeout, budget_from)
