@@ -119,6 +119,19 @@ def test_a_new_plan_after_a_restart_keeps_the_restarted_studies(tmp_path: Path) 
     assert BringupState(state.path, "y", Plan()).study_tag == ""  # another node starts over
 
 
+def test_finished_stages_of_another_plan_are_said_to_be_dropped(tmp_path: Path) -> None:
+    """An interrupted `--quick` bring-up resumed after an upgrade that changed the quick plan's defaults started
+    again from discover without a word: the state names what changed and that it starts over."""
+    from moetune.tuner.bringup.flow import BringupState, Plan
+
+    state = BringupState(tmp_path / "bringup-x.json", "x", Plan(compare_rounds=1))
+    state.mark("discover", {})
+    again = BringupState(state.path, "x", Plan(compare_rounds=2))
+    assert not again.done("discover") and "compare_rounds" in again.dropped and "starting over" in again.dropped
+    assert BringupState(state.path, "x", Plan(compare_rounds=1)).dropped == ""  # the same plan resumes
+    assert BringupState(state.path, "y", Plan(compare_rounds=2)).dropped == ""  # another node: nothing of its own
+
+
 # -- 2. the report shows every compared bucket ---------------------------------------------------------------------
 def test_report_shows_a_bucket_whose_tuned_run_failed(tmp_path: Path) -> None:
     from moetune.tuner.bringup.flow import report_from_store

@@ -141,6 +141,7 @@ class BringupState:
     def __init__(self, path: Path, fingerprint: str, plan: Plan):
         self.path = path
         self.data: dict[str, Any] = {"fingerprint": fingerprint, "plan": asdict(plan), "done": {}}
+        self.dropped = ""  # why the stages an earlier run finished here are not resumed ("" when none were)
         if path.exists():
             try:
                 old = json.loads(path.read_text())
@@ -151,9 +152,15 @@ class BringupState:
             # Resume only the same node and the same plan; anything else starts over.
             if old.get("fingerprint") == fingerprint and old.get("plan") == asdict(plan):
                 self.data = old
-            elif old.get("fingerprint") == fingerprint and old.get("study_tag"):
-                # a new plan on this node tunes in the studies of its latest restart, not in those it gave up
-                self.data["study_tag"] = old["study_tag"]
+            else:
+                if old.get("fingerprint") == fingerprint and old.get("study_tag"):
+                    # a new plan on this node tunes in the studies of its latest restart, not in those it gave up
+                    self.data["study_tag"] = old["study_tag"]
+                if old.get("done") and old.get("fingerprint") == fingerprint:  # said, never silently dropped
+                    was = old.get("plan") if isinstance(old.get("plan"), dict) else {}
+                    changed = sorted(k for k, v in asdict(plan).items() if was.get(k) != v)
+                    self.dropped = (f"the plan differs from the one its finished stages ran ({', '.join(changed)}; "
+                                    "a moetune upgrade can change a plan's defaults): starting over")
 
     def done(self, stage: str) -> bool:
         return stage in self.data["done"]
@@ -639,6 +646,8 @@ class Bringup:
             return {}
 
     def run(self) -> dict[str, Any]:
+        if self.state.dropped:
+            self.console.print(f"[yellow]{self.state.path.name}: {self.state.dropped}[/]")
         for stage in STAGES:
             if self.state.done(stage):
                 self.console.print(f"[dim]✓ {stage} (done earlier; resuming)[/]")
