@@ -76,3 +76,23 @@ def test_an_event_never_restores_measured_over_a_backend_that_does_not_measure(t
     con.close()
     with Store(path) as s:
         assert str(s.get_profile(1).provenance) == "preset"
+
+
+def test_a_kept_label_is_given_back_once(tmp_path):
+    """The events stayed `provenance_dropped` after the upgrade gave their labels back, so every later downgrade and
+    upgrade applied them again, over whatever label the row had been given since."""
+    path = tmp_path / "once.db"
+    with Store(path) as s:
+        put(s, 16, 5.0, "local:nccl")  # node_model: kept by the downgrade
+        s.downgrade("0002")
+        s.upgrade()
+    con = sqlite3.connect(path)
+    kinds = [k for (k,) in con.execute("SELECT kind FROM events WHERE kind LIKE 'provenance_%' ORDER BY id")]
+    assert kinds == ["provenance_restored"], kinds
+    con.execute("UPDATE profiles SET provenance = 'measured' WHERE id = 1")  # a label given since (as a re-tune would)
+    con.commit()
+    con.close()
+    with Store(path) as s:
+        s.downgrade("0002")  # measured is what the backfill derives for local:*: nothing kept this time
+        s.upgrade()
+        assert str(s.get_profile(1).provenance) == "measured"

@@ -45,6 +45,7 @@ MEASURED_ON_OF_BACKEND = """CASE
     WHEN substr(backend, 1, 6) = 'local:' THEN fingerprint
     ELSE '' END"""
 DROPPED = "provenance_dropped"  # the event kind that keeps the labels a downgrade drops
+RESTORED = "provenance_restored"  # such an event once an upgrade gave its labels back (kept as history, never again)
 
 
 def upgrade() -> None:
@@ -65,9 +66,12 @@ def _restore_dropped_labels(bind: sa.engine.Connection) -> None:
     newest downgrade's word stands). A row only while it is the row the event names: a moetune at 0002 may have
     deleted it and given its id to a new row."""
     events = bind.execute(
-        sa.text("SELECT details FROM events WHERE kind = :kind ORDER BY id"), {"kind": DROPPED}
+        sa.text("SELECT id, details FROM events WHERE kind = :kind ORDER BY id"), {"kind": DROPPED}
     ).fetchall()
-    for (details,) in events:
+    # applied once: a later downgrade writes its own event, and an old one applied again would undo a label given
+    # since (a row that became measured in place would go back to node_model at every upgrade)
+    bind.execute(sa.text("UPDATE events SET kind = :done WHERE kind = :kind"), {"done": RESTORED, "kind": DROPPED})
+    for _event_id, details in events:
         try:
             kept = (json.loads(details) if isinstance(details, str) else details)["profiles"]
             items = [(int(pid), k["provenance"], str(k["measured_on"]), k["backend"], k["profile_hash"], k["created"])
