@@ -166,10 +166,27 @@ def test_a_node_without_gpus_is_calibrated_on_its_gloo_rows(tmp_path: Path) -> N
     rows = [{"probe": "collective_a2a", "fabric": "collective", "model": "qwen3-30b", "S": s, "world": 2, "ms": 1.0}
             for s in (64, 256, 1024)]
     points, _ = rows_to_points(rows)
-    preset = load_preset("nvlink-h200x2")
+    preset = load_preset("pcie4-consumer-4090x4")  # the base preset of a node without GPUs
     for r, p in zip(rows, points, strict=True):
         r["ms"] = p.evaluate(preset) / 1e3
     b, _out = _bringup(tmp_path, "cpu-laptop")
     b.state.mark("microbench", [_measured(r) for r in rows])
     res = b.stage_calibrate()
     assert "field 'fabric'" not in str(res), res
+    # the model describes the family the node has and a model tune of it tunes (the base preset's host_staged
+    # is not on a node without GPUs: `tune --node-model` refused the file)
+    assert load_preset(res["preset_file"], fresh=True).family == "collective", res
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    r = CliRunner().invoke(app, ["tune", "--backend", "model", "--preset", res["preset_file"], "--node-model", "--model",
+                                 "qwen3-30b", "--tokens", "128", "--trials", "3", "--from", str(CAPTURES / "cpu-laptop"),
+                                 "--db", str(tmp_path / "t.db"), "--json"],
+                           env={"MOETUNE_HOME": str(tmp_path / "home"), "MOETUNE_CONFIG": ""})
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(r.stdout)
+    # EP 2, the two host processes the bring-up measured: EP 1 (the default from 0 GPUs) exchanges nothing
+    assert row["family"] == "collective" and "/ep2n1/" in row["study"] and row["stored"] == "new", row

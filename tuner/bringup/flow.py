@@ -17,7 +17,7 @@ import math
 import secrets
 import tomllib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -407,6 +407,11 @@ class Bringup:
             return out
         today = dt.date.today().isoformat()
         preset = calibrated_preset(rep, [f"moetune profile on {self.facts.fingerprint}"], today)
+        names = set(self.facts.transport_names)
+        if preset.family not in names and "collective" in names and "collective" in preset.transports:
+            # a node without GPUs measured its collective (gloo): that is the family its model describes and a
+            # model tune of it tunes (the base preset's host_staged is a family this node does not have)
+            preset = replace(preset, family="collective")
         path.write_text(preset.to_toml())
         return {"base": base, "preset_file": str(path), "points": s["points"], "kept": sorted(rep.kept),
                 "mean_abs_rel_err": s["mean_abs_rel_err"], "max_abs_rel_err": s["max_abs_rel_err"]}

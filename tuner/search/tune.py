@@ -274,7 +274,8 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
             facts = PresetFacts.from_preset(be.preset)
     if facts is None:
         raise ValueError("no fabric facts: run discovery or give a preset")
-    gpn = facts.gpu_count or 1
+    # no GPU: the two host processes a bring-up measures there (EP 1 exchanges nothing: a 10 µs "profile")
+    gpn = facts.gpu_count or 2
     if ep_size is None:  # a local measurement stands for the ranks it launches on this node, nothing else
         ep_size = be.world if isinstance(be, LocalBackend) and nodes == 1 else int(gpn) * nodes
     if ep_size % nodes:
