@@ -165,7 +165,7 @@ def test_tune_says_when_its_time_budget_ended_the_studies_early(tmp_path: Path, 
     monkeypatch.setattr(ModelBackend, "evaluate", slow_second_call)
     args = ("tune", "--model", "qwen3-30b", "--preset", "ndr-ibrc-h100x8", "--tokens", "16,1024", "--trials", "10",
             "--timeout", "1")
-    r = _run(*args, "--json", home=tmp_path)
+    r = _run(*args, "--json", home=tmp_path, COLUMNS="80")
     _no_traceback(r)
     assert r.exit_code == 0, r.output  # the first study stored a profile
     rows = json.loads(r.stdout)
@@ -177,6 +177,7 @@ def test_tune_says_when_its_time_budget_ended_the_studies_early(tmp_path: Path, 
     assert "the time budget (--timeout, 1 s) ended the tune early: 2 of 2 studies" in err, err
     assert f"S=16: {rows[0]['trials']} of 10 trials" in err and "S=1024: 0 of 10 trials (not started)" in err, err
     assert "the time budget ended before this study started" in err, err
+    assert max(len(line) for line in r.stderr.splitlines()) <= 80, r.stderr  # wrapped (a 132-column line)
 
     # a run with the budget to spare says nothing of the kind (and each row says it was not stopped)
     calls.clear()

@@ -593,15 +593,17 @@ def _budget_ended(results: list, asked: int, timeout: float | None, source: str)
     cut = [r for r in results if r.budget_ended]
     if not cut:
         return
+    # wrapped at the console's width between words (the stderr console prints soft-wrapped lines whole)
     err.print(f"[yellow]the time budget ({escape(source)}, {timeout:g} s) ended the tune early: {len(cut)} of "
-              f"{len(results)} studies ran fewer trials than the {asked} asked, or no side-by-side check[/yellow]")
+              f"{len(results)} studies ran fewer trials than the {asked} asked, or no side-by-side check[/yellow]",
+              soft_wrap=False)
     for r in cut:
         ran = r.study.trials
         # a study whose trials all ran was cut at the side-by-side check of its winner: nothing was stored
         what = " (not started)" if ran == 0 else " (the side-by-side check not run: nothing stored)" if ran >= asked else ""
         err.print(f"  {escape(r.study.family)} {escape(r.study.workload.model.name)} S={r.study.workload.tokens}: "
-                  f"{ran} of {asked} trials{what}")
-    err.print("  run the same command again (or with a larger --timeout) to go on: the studies resume")
+                  f"{ran} of {asked} trials{what}", soft_wrap=False)
+    err.print("  run the same command again (or with a larger --timeout) to go on: the studies resume", soft_wrap=False)
 
 
 def _first_failure(url: str, study_name: str) -> str:
@@ -629,12 +631,14 @@ def _no_success(failed: list, total: int, url: str) -> None:
     for r in failed:
         what = f"{escape(r.study.family)} {escape(r.study.workload.model.name)} S={r.study.workload.tokens}"
         if r.budget_ended and r.study.trials == 0:  # no trial failed: the time budget was spent before it
-            err.print(f"[yellow]{what}: no trial, the time budget ended before this study started[/yellow]")
+            err.print(f"[yellow]{what}: no trial, the time budget ended before this study started[/yellow]",
+                      soft_wrap=False)
             continue
         why = _first_failure(url, r.study.study_name)
-        err.print(f"[yellow]{what}: no successful trial[/yellow]" + (f" (first failure: {escape(why)})" if why else ""))
+        err.print(f"[yellow]{what}: no successful trial[/yellow]" + (f" (first failure: {escape(why)})" if why else ""),
+                  soft_wrap=False)
     if len(failed) == total:
-        err.print("[red]error:[/red] no study had a successful trial: nothing was measured or stored")
+        err.print("[red]error:[/red] no study had a successful trial: nothing was measured or stored", soft_wrap=False)
         raise typer.Exit(1)
 
 
@@ -643,7 +647,8 @@ def _nothing_stored(results: list) -> None:
     that failed when measured again, ...). A key with no successful trial is named by `_no_success` already."""
     if not results or any(r.stored != "none" for r in results):
         return
-    err.print("[red]error:[/red] nothing stored: no key got a profile from this tune and none had one before")
+    err.print("[red]error:[/red] nothing stored: no key got a profile from this tune and none had one before",
+              soft_wrap=False)
     for r in results:
         if r.study.best is not None:  # the others: "no successful trial", said above
             err.print(f"  {escape(r.study.family)} {escape(r.study.workload.model.name)} "
