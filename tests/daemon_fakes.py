@@ -271,6 +271,12 @@ def pretend_node(monkeypatch: Any, facts: Any, proc: Path) -> None:
         nv.mkdir(parents=True, exist_ok=True)
         (nv / "version").write_text(f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {sw['driver']}  Sat Aug 19 2023\n")
     monkeypatch.setattr(node_identity, "PROC_ROOT", proc)
+    sys_root = proc.parent / f"{proc.name}-sys"  # its NICs' class folders
+    for entry in [*(d.get("nics") or []), *(d.get("excluded_nics") or [])]:
+        nic = entry.get("nic", entry)
+        (sys_root / "class" / ("cxi" if nic.get("kind") == "cxi" else "infiniband") / nic["name"]).mkdir(
+            parents=True, exist_ok=True)
+    monkeypatch.setattr(node_identity, "SYS_ROOT", sys_root)
     monkeypatch.setattr(node_identity, "_dist_version", lambda name: sw.get(name) if sw.get(name) not in (None, "none") else None)
     monkeypatch.setattr(node_identity, "local_package_fact", lambda fact: str(sw.get(fact) or "none"))
 

@@ -274,3 +274,18 @@ def test_a_daemon_json_speaks_only_for_the_daemon_that_wrote_it(tmp_path: Path, 
     res, warned = resolve(c)
     assert not res.tuned and asked == [1], (res, warned)
     assert any("is another daemon's (epoch 'dead'" in w for w in warned), warned
+
+
+def test_a_node_without_gpus_checks_the_recorded_nics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no GPU recorded and none here, only package versions were compared: a shared database's fingerprint of
+    another node (an InfiniBand NIC this one lacks, the same torch and moetune) passed as this node's, and its
+    measured profiles were applied as tuned."""
+    other = {"gpus": [], "nics": [{"name": "mlx5_0", "kind": "mlx5"}], "software": {"torch": "2.4.1"}}
+    monkeypatch.setattr(node_identity, "PROC_ROOT", tmp_path / "proc")
+    monkeypatch.setattr(node_identity, "local_package_fact", lambda fact: "2.4.1" if fact == "torch" else "none")
+    monkeypatch.setattr(node_identity, "SYS_ROOT", tmp_path / "sys")
+    why, _ = node_identity.mismatch(other)
+    assert why == "NIC(s) mlx5_0 recorded, not on this node", why
+    (tmp_path / "sys" / "class" / "infiniband" / "mlx5_0").mkdir(parents=True)  # the node that recorded it
+    why, checked = node_identity.mismatch(other)
+    assert why is None and "NICs" in checked, why

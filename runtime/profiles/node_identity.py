@@ -20,7 +20,8 @@ used there: a stopped (or killed) daemon's file says nothing about the software 
 
 Else no identity: no profile is applied as tuned (the caller falls back to policy defaults, loudly).
 
-What `mismatch` checks: the GPU UUIDs and driver version in /proc/driver/nvidia, and the versions of the Python
+What `mismatch` checks: the GPU UUIDs and driver version in /proc/driver/nvidia, the recorded NICs in /sys/class
+(infiniband, cxi), and the versions of the Python
 distributions discovery reads the software facts from (torch, moetune, nvidia-nccl-cu*, nvidia-nvshmem-cu*,
 nvidia-cuda-runtime-cu*, nvshmem4py-cu*; read once per process: a running job's imported packages do not
 change). Known limit: the software hash also covers the driver's CUDA version (nvidia-smi; it follows the driver,
@@ -40,6 +41,7 @@ from typing import Any
 from moetune.runtime.profile_record import is_preset_fingerprint
 
 PROC_ROOT = Path("/proc")  # tests point this at a captured /proc
+SYS_ROOT = Path("/sys")  # and this at a captured /sys (the RDMA and Slingshot NICs' class folders)
 # Mirrors moetune.tuner.fabric.fingerprint.software_hash (a test keeps the two equal): the runtime may not
 # import the tuner, and it needs the hash of the software recorded with a fingerprint.
 _FINGERPRINT_VERSION = 1
@@ -167,6 +169,22 @@ def local_package_fact(fact: str) -> str:
     return "none"
 
 
+def _missing_nics(facts: dict[str, Any]) -> list[str]:
+    """The NICs discovery recorded (used and excluded ones) that this node's /sys does not list: RDMA devices under
+    class/infiniband, Slingshot ones under class/cxi. Only recorded ones are looked for (a listing of folders):
+    a node that gained a NIC has a new fingerprint anyway."""
+    out: list[str] = []
+    for entry in [*(facts.get("nics") or []), *(facts.get("excluded_nics") or [])]:
+        nic = entry.get("nic", entry) if isinstance(entry, dict) else None
+        name = nic.get("name") if isinstance(nic, dict) else None
+        if not isinstance(name, str) or not name or "/" in name:
+            continue
+        folder = "cxi" if nic.get("kind") == "cxi" else "infiniband"
+        if not (SYS_ROOT / "class" / folder / name).exists():
+            out.append(name)
+    return out
+
+
 def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | None, tuple[str, ...]]:
     """(why the recorded `facts` are not this node, or None; what was checked)."""
     checked: list[str] = []
@@ -181,6 +199,11 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
         if len(recorded) == len(gpus) and recorded != here:
             return "the GPUs here are not the recorded ones (UUIDs differ)", tuple(checked)
         checked.append("GPU UUIDs" if recorded else "GPU count")
+    missing = _missing_nics(facts)
+    if missing:  # a node without GPUs had no hardware fact compared: a shared database's other node passed
+        return f"NIC(s) {', '.join(missing[:4])} recorded, not on this node", tuple(checked)
+    if facts.get("nics") or facts.get("excluded_nics"):
+        checked.append("NICs")
     sw = facts.get("software", {}) or {}
     if not isinstance(sw, dict):
         return "the recorded software facts are not a mapping", tuple(checked)
