@@ -84,7 +84,7 @@ def _expert_rows(buffer: EPBuffer, expert_fn: ExpertFn, recv_x: torch.Tensor, me
         failure = e
     problem = (f"expert_fn raised {type(failure).__name__}" if failure is not None
                else buffer._combine_problem(out, handle, rows, what="expert_fn's output"))
-    bad = buffer._ranks_with_problem(bool(problem)) if agree else ([buffer.rank] if problem else [])
+    bad = buffer._ranks_with_problem(bool(problem), agree)  # an explicit agree=True holds without check_inputs
     if not bad:
         return out
     error = failure or ValueError(f"pipelined_moe on rank {buffer.rank}: " + (

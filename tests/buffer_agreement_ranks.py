@@ -51,6 +51,8 @@ def case_local_check_on_one_rank(rank: int, world: int, kinds: list[str]) -> dic
             kw["knobs"] = default_knobs("ibgda")
         elif bad and kind == "device":
             kw["device"] = "no-such-device"
+        elif bad and kind == "meta":
+            kw["device"] = "meta"
         out[kind] = _outcome(lambda kw=kw: EPBuffer(**kw))
         EPBuffer(knobs=Knobs(), model=model, max_tokens=32)
     return out
@@ -113,6 +115,10 @@ def case_pipelined_bad_expert_fn(rank: int, world: int, transport: str, dense: b
     out["after"] = bool(torch.allclose(y, ref, atol=1e-5))
     out["gathers"] = [_all_gathers(lambda a=a: pipelined_moe(buf, x, idx, w, weighted_rows, agree=a))
                       for a in (None, False)]  # the default (check_inputs: agree), and as MoELayer calls it
+    # an explicit agree=True holds on a buffer built with check_inputs=False (it was ignored: rank 0 hung)
+    unchecked = EPBuffer(knobs=knobs, model=model, max_tokens=32, dense=dense, check_inputs=False)
+    fn = _bad_expert_fn("raise") if rank == 1 else weighted_rows
+    out["agree_unchecked"] = _outcome(lambda: pipelined_moe(unchecked, x, idx, w, fn, agree=True))
     return out
 
 

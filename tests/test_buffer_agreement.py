@@ -28,7 +28,8 @@ OWN_ERRORS = {"expected_tokens": ("ValueError", "expected_tokens=64 is more than
               "max_tokens": ("TypeError", "max_tokens must be an int"),
               "dense": ("ValueError", "dense=True needs a collective transport"),
               "transport": ("KnobError", "knob transport: 'ibgda' is not available in this runtime"),
-              "device": ("RuntimeError", "no-such-device")}
+              "device": ("ValueError", "EPBuffer: device='no-such-device': "),  # torch's RuntimeError, named
+              "meta": ("ValueError", "device must be a cpu or cuda device, got meta")}  # knocked the group out of step
 # rank 1's expert_fn fault → a part of the message rank 1 gets
 EXPERT_FN_ERRORS = {"shape": "expert_fn's output must have shape", "dtype": "expert_fn's output must have dtype "
                     "torch.float32", "device": "expert_fn's output must be on cpu", "raises": "expert kernel failed"}
@@ -69,7 +70,8 @@ def test_a_local_check_failing_on_one_rank_is_an_error_on_every_rank(constructio
                                                                      arg: str) -> None:
     exc, text = OWN_ERRORS[arg]
     kind0, msg0, _ = construction[0]["local"][arg]
-    assert kind0 == "ValueError" and f"refused on another rank (rank 1: {arg})" in msg0, msg0
+    named = "device" if arg == "meta" else arg  # the argument rank 1 got wrong
+    assert kind0 == "ValueError" and f"refused on another rank (rank 1: {named})" in msg0, msg0
     kind1, msg1, _ = construction[1]["local"][arg]
     assert kind1 == exc and text in msg1, (kind1, msg1)
     _at_once(construction[0]["local"][arg])
@@ -108,6 +110,16 @@ def test_moe_layers_own_experts_cost_no_per_chunk_sync(pipelined: dict[str, list
     its pipelined path syncs no more than before the agreement existed."""
     agreed, layer = pipelined[layout][0]["gathers"]
     assert agreed == 2 and layer == 0, (agreed, layer)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_an_explicit_agree_holds_without_check_inputs(pipelined: dict[str, list[dict[str, Any]]],
+                                                      layout: str) -> None:
+    r0, r1 = (r["agree_unchecked"] for r in pipelined[layout])
+    assert r0[0] == "ValueError" and "on rank(s) [1]" in r0[1], r0
+    assert r1[0] != "NO ERROR", r1
+    _at_once(r0)
 
 
 def test_unimplemented_transport_is_a_knob_error() -> None:

@@ -354,7 +354,13 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             self.options = RuntimeOptions.resolve(options)
             step = "device"
             if device is not None:
-                self.device = _args.indexed_device(device)
+                try:  # named: torch's own refusal ('Torch not compiled with CUDA enabled') names no argument
+                    dev = _args.indexed_device(device)
+                except Exception as e:
+                    raise ValueError(f"{who}device={device!r}: {e}") from None
+                if dev.type not in ("cpu", "cuda"):  # meta, xla, ...: no transport moves rows there
+                    raise ValueError(f"{who}device must be a cpu or cuda device, got {dev}")
+                self.device = dev
             step = "dtype"
             self.dtype = dtype if dtype is not None else TORCH_DTYPES[model.dtype]
             if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -640,10 +646,11 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             return f"{what} must be on {handle.device}, got {expert_out.device}"
         return ""
 
-    def _ranks_with_problem(self, problem: bool) -> list[int]:
-        """The ranks that found a problem: with check_inputs one tiny all-gather (and its host sync), so that a wrong
-        input on one rank is an error on every rank, not a hang; without it, only this rank's own."""
-        if not (self.check_inputs and self.world > 1 and dist.is_initialized()):
+    def _ranks_with_problem(self, problem: bool, agree: bool | None = None) -> list[int]:
+        """The ranks that found a problem: with `agree` (default check_inputs) one tiny all-gather (and its host
+        sync), so that a wrong input on one rank is an error on every rank, not a hang; without, this rank's own."""
+        agree = self.check_inputs if agree is None else agree
+        if not (agree and self.world > 1 and dist.is_initialized()):
             return [self.rank] if problem else []
         flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=self.device)
         got = [torch.empty_like(flag) for _ in range(self.world)]
