@@ -138,3 +138,18 @@ def _all_gathers(call: Any) -> int:
     finally:
         dist.all_gather = real
     return n[0]
+
+
+def case_foreign_handle(rank: int, world: int) -> tuple[str, str, float]:
+    """Rank 1 combines a prefill buffer's handle on a decode buffer (dense: sized by max_tokens); rank 0 does it
+    right. Every rank must get a ValueError at once (rank 1's was a gloo RuntimeError, rank 0 waited the timeout)."""
+    model = get_model(MODEL)
+    prefill = EPBuffer(knobs=Knobs(), model=model, max_tokens=32, dense=True)
+    decode = EPBuffer(knobs=Knobs(), model=model, max_tokens=16, dense=True)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(8, model.hidden, generator=g)
+    idx = torch.randint(0, model.experts, (8, model.topk), generator=g)
+    w = torch.rand(8, model.topk, generator=g)
+    got = {"prefill": prefill.dispatch(x, idx, w), "decode": decode.dispatch(x, idx, w)}  # in step on both ranks
+    recv_x, meta, handle = got["prefill" if rank == 1 else "decode"]
+    return _outcome(lambda: decode.combine(weighted_rows(recv_x, meta), handle))

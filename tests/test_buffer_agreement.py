@@ -141,3 +141,12 @@ def test_expert_fn_output_on_another_device_is_refused(check_inputs: bool) -> No
     with pytest.raises(ValueError, match=r"^pipelined_moe on rank 0: expert_fn's output must be on cpu, got meta"):
         pipelined_moe(buf, x, idx, w, on_meta)
     assert pipelined_moe(buf, x, idx, w, weighted_rows).shape == (8, 64)
+
+
+@pytest.mark.timeout(120)
+def test_a_handle_of_another_buffer_is_refused_on_every_rank() -> None:
+    res = launch(cases.case_foreign_handle, 2, timeout_s=10, join_timeout_s=60, env={"MOETUNE_AUTOLOAD": "0"})
+    assert res[1][0] == "ValueError" and "handle was returned by another EPBuffer's dispatch" in res[1][1], res[1]
+    assert res[0][0] == "ValueError" and "invalid expert_out on rank(s) [1]" in res[0][1], res[0]
+    _at_once(res[0])
+    _at_once(res[1])

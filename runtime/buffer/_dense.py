@@ -71,6 +71,6 @@ class _DenseLayout:
         chunks = []
         for c0, c1 in itertools.pairwise(self._dense_chunks):
             chunks.append(_Chunk(c0, c1, [c1 - c0] * w, [c1 - c0] * w, w * c0, []))
-        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, w * cap, dense=True)
+        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, w * cap, dense=True, owner=id(self))
         handle._recv_buf = torch.empty(w * cap, self.row_bytes, dtype=torch.uint8, device=self.device)
         return handle

@@ -187,6 +187,7 @@ class Handle:
     _send_counts: Any = field(default=None, repr=False)  # int64 [world] rows sent to each rank (device)
     _recv_counts: Any = field(default=None, repr=False)  # int64 [world] rows received from each rank (device)
     _inv: Any = field(default=None, repr=False)  # int64 [S, world]: send row of (token, rank) or -1 (kernels)
+    owner: int = field(default=0, repr=False)  # id() of the EPBuffer whose dispatch made it: combine checks it
 
     def send_splits(self) -> list[int]:
         """Rows this rank sent to each rank in the dispatch (device-resident layout: a host sync)."""

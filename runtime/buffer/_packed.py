@@ -86,7 +86,7 @@ class _PackedLayout:
             chunks.append(ch)
             off += sum(recv_splits)
             soff += n
-        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, off)
+        handle = Handle(s, self.hidden, self.dtype, self.device, chunks, off, owner=id(self))
         handle.num_send = soff
         handle._send_all = send_all
         handle._send_tok = tok_all[:soff] if tok_all is not None else None

@@ -63,7 +63,7 @@ class _ResidentLayout:
         else:
             send, tok, send_counts = self._pack_torch(x, idx, topk_idx, topk_weights, s)
         handle = Handle(s, self.hidden, self.dtype, self.device, [_Chunk(0, s, [], [], 0, [])], w * self.max_tokens,
-                        resident=True)
+                        resident=True, owner=id(self))
         handle._send_all = send
         handle._send_tok = tok
         handle._send_counts = send_counts

@@ -637,6 +637,8 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         """What is wrong with `expert_out` as the `rows` expert output rows of `handle` ("" when nothing); local."""
         if not isinstance(handle, Handle):
             return f"handle must be the Handle returned by dispatch, got {type(handle).__name__}"
+        if handle.owner and handle.owner != id(self):  # a prefill buffer's handle in a decode buffer: sized for the other
+            return "handle was returned by another EPBuffer's dispatch: combine it on the buffer that dispatched"
         if not isinstance(expert_out, torch.Tensor) or tuple(expert_out.shape) != (rows, handle.hidden):
             shape = tuple(expert_out.shape) if isinstance(expert_out, torch.Tensor) else type(expert_out).__name__
             return f"{what} must have shape [{rows}, {handle.hidden}] (one row per received row), got {shape}"
