@@ -156,12 +156,16 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
         if base is not None and not isinstance(base, Knobs):
             raise KnobError(f"base must be a Knobs or None, got {type(base).__name__}")
         data = (base if base is not None else cls()).to_dict()
+        given: set[str] = set()
         for item in filter(None, (p.strip() for p in text.split(","))):
             if "=" not in item:
                 raise KnobError(f"expected name=value, got {item!r}")
             name, value = (s.strip() for s in item.split("=", 1))
             if name not in data:
                 raise KnobError(f"unknown knob {name!r}; known: {', '.join(sorted(data))}")
+            if name in given:  # which one was meant cannot be told (the last one silently won)
+                raise KnobError(f"given twice in {text!r}", (name,))
+            given.add(name)
             data[name] = _parse_value(name, value)
         return cls.from_dict(data)
 

@@ -286,3 +286,20 @@ def test_query_reads_the_database_the_runtime_reads(tmp_path: Path, monkeypatch:
                            env=env)
     assert r.exit_code == 0, r.output
     assert seen == [node_db]
+
+
+def test_an_endpoint_that_is_no_endpoint_falls_back(tmp_path: Path) -> None:
+    """ProfileClient("not-an-endpoint").resolve() raised zmq's bare ZMQError("Invalid argument"): it is refused as
+    the daemon part of the chain (DaemonUnavailable naming it) and the lookup goes on to the defaults."""
+    import warnings
+
+    from moetune.runtime.profiles.client import DaemonUnavailable, ProfileClient
+    from moetune.runtime.shapes import MODELS
+
+    c = ProfileClient("not-an-endpoint", db_path=tmp_path / "none.db", env={"HOME": str(tmp_path)})
+    with pytest.raises(DaemonUnavailable, match="not an ipc:///absolute/path or tcp://HOST:PORT endpoint"):
+        c.request("status")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert c.resolve(model=MODELS["qwen3-30b"], ep_size=2, tokens=16).source == "policy"
+    c.close()

@@ -61,3 +61,10 @@ def test_megakernel_config_text_refuses_what_int_would_stretch() -> None:
     for bad in ("bm=1_6", "bm= 16x", "stages=٣"):
         with pytest.raises(ConfigError, match="must be int"):
             MegakernelConfig.parse(bad)
+
+
+def test_a_knob_given_twice_is_refused() -> None:
+    """`channels=2,channels=3` silently took 3: which one was meant cannot be told."""
+    with pytest.raises(KnobError, match=r"knob channels: given twice in 'channels=2,channels=3'") as e:
+        Knobs.parse("channels=2,channels=3")
+    assert e.value.knobs == ("channels",)

@@ -621,7 +621,10 @@ class ProfileClient:
         self._allow_insecure_tcp = allow_insecure_tcp
         key_file = (cfg.curve_server_key_file if cfg else "") or env.get("MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE", "")
         own_file = cfg.curve_secret_key_file if cfg else ""
-        if self.endpoint.startswith("tcp://"):
+        if not self.endpoint.startswith(("ipc://", "tcp://")):  # zmq's bare "Invalid argument" reached the caller
+            self._refusal = "not an ipc:///absolute/path or tcp://HOST:PORT endpoint"
+            log.warning("moetune: not connecting to %s: %s", self.endpoint, self._refusal)
+        elif self.endpoint.startswith("tcp://"):
             if curve_server_key is None and key_file:
                 try:
                     curve_server_key, _ = read_curve_key_file(key_file)

@@ -181,7 +181,7 @@ SWEEP_PUTS = 8  # the fewest PUTs to the busiest peer a group_size sweep's chunk
 
 
 def _given_values(knobs: str) -> dict[str, str]:
-    """name -> value as a --knobs string sets them (the last one given wins, as in Knobs.parse); not parsed."""
+    """name -> value as a --knobs string sets them (not parsed: Knobs.parse refuses a name given twice)."""
     return {name.strip(): value.strip() for name, _, value in
             (part.partition("=") for part in knobs.split(",") if "=" in part)}
 
