@@ -153,3 +153,16 @@ def case_foreign_handle(rank: int, world: int) -> tuple[str, str, float]:
     got = {"prefill": prefill.dispatch(x, idx, w), "decode": decode.dispatch(x, idx, w)}  # in step on both ranks
     recv_x, meta, handle = got["prefill" if rank == 1 else "decode"]
     return _outcome(lambda: decode.combine(weighted_rows(recv_x, meta), handle))
+
+
+def case_channel_timeouts(rank: int, world: int) -> list[float | None]:
+    """The timeouts of a channels=3 buffer's communicators (seconds; None where this torch does not say)."""
+    buf = EPBuffer(knobs=Knobs(channels=3), model=get_model(MODEL), max_tokens=16)
+    out: list[float | None] = []
+    for g in buf.transport.groups:
+        try:
+            pg = g if g is not None else torch.distributed.group.WORLD
+            out.append(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+        except Exception:
+            out.append(None)
+    return out

@@ -150,3 +150,13 @@ def test_a_handle_of_another_buffer_is_refused_on_every_rank() -> None:
     assert res[0][0] == "ValueError" and "invalid expert_out on rank(s) [1]" in res[0][1], res[0]
     _at_once(res[0])
     _at_once(res[1])
+
+
+@pytest.mark.timeout(120)
+def test_extra_communicators_keep_the_groups_timeout() -> None:
+    """channels > 1 (and pipeline chunks on them) waited on torch's default timeout (30 min for gloo), not the
+    group's: a peer that stopped mid-exchange held the other rank that long."""
+    res = launch(cases.case_channel_timeouts, 2, timeout_s=7, join_timeout_s=60, env={"MOETUNE_AUTOLOAD": "0"})
+    for timeouts in res:
+        assert len(timeouts) == 3 and all(t == 7.0 for t in timeouts if t is not None), timeouts
+        assert timeouts[0] is not None, timeouts  # this torch says (else the check above proves nothing)

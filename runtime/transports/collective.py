@@ -45,6 +45,16 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> Any:
+    """The timeout `group` (else the default group) was made with, as its backend holds it; None (torch's default)
+    where this torch does not say."""
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        return pg._get_backend(device).options._timeout  # type: ignore[union-attr]
+    except Exception:  # a private attribute: another torch may lack it
+        return None
+
+
 class CollectiveTransport(EPTransport):
     name: ClassVar[str] = "collective"
     async_exchange: ClassVar[bool] = True
@@ -64,7 +74,10 @@ class CollectiveTransport(EPTransport):
                 for ch in range(1, channels):
                     key = (id(group) if group is not None else 0, tuple(ranks), ch)
                     if key not in _EXTRA_GROUPS:
-                        _EXTRA_GROUPS[key] = dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+                        # the group's own timeout: torch's default (30 min for gloo) left a rank waiting on a
+                        # peer that stopped mid-exchange for that long, past the timeout the job set
+                        _EXTRA_GROUPS[key] = dist.new_group(ranks=ranks, backend=dist.get_backend(group),
+                                                            timeout=_group_timeout(group, self.device))
                     self.groups.append(_EXTRA_GROUPS[key])
             else:
                 # A sub-group cannot build extra communicators without every world rank taking part:
