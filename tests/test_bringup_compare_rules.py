@@ -272,3 +272,25 @@ def test_a_side_by_side_replaces_a_profile_of_the_other_metric(tmp_path: Path) -
                                     families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}")
     cur = store.get_current(key)
     assert res.written and cur is not None and cur.backend == "local:gloo" and cur.latency_us == 100.0, res.reason
+
+
+def test_a_round_trip_never_displaces_a_whole_layer(tmp_path: Path) -> None:
+    """The reverse of the case above: a bring-up (round trips) over a tuned whole-layer profile replaced it with
+    a round-trip number of the same knobs, and the pick among families then compared that family no more."""
+    import optuna
+
+    from moetune.tuner.search.tune import tune_profiles_detailed
+    from moetune.tuner.store.store import Store
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    model = ModelShape(name="custom:256,128,16,2", hidden=256, intermediate=128, experts=16, topk=2)
+    store = Store(tmp_path / "p.db")
+    key = ProfileKey(fingerprint=_Facts.fingerprint, software=_Facts.software_hash, transport_family="collective",
+                     ep_size=2, nodes=1, hidden=256, intermediate=128, experts=16, topk=2, dtype=model.dtype,
+                     token_bucket=64)
+    store.put_profile(ProfileRecord(key=key, knobs=COLLECTIVE, latency_us=900.0, spread_us=1.0, backend="local:gloo",
+                                    provenance="measured", routing="uniform"))
+    (res,) = tune_profiles_detailed(store, _Facts(), backend=_Counting(), models=[model], tokens=[64], trials=3,
+                                    families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}")
+    cur = store.get_current(key)
+    assert cur is not None and cur.backend == "local:gloo" and cur.latency_us == 900.0, (res.reason, cur)

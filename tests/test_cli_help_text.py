@@ -57,7 +57,8 @@ def test_defaults_from_the_config_are_stated() -> None:
     q = _help("query")
     assert re.search(r"--socket <str> Daemon endpoint \(default: \[client\] socket, else the daemon's \[daemon\] "
                      r"socket: ipc:// daemon\.sock in the runtime directory\)", q), q
-    assert re.search(r"--db <path> Database to read when the daemon does not answer \(default: \[store\] db, "
+    assert re.search(r"--db <path> Database to read when the daemon does not answer \(default: the runtime's: "
+                     r"\$MOETUNE_STORE_DB, else the daemon's database as daemon\.json names it, else \[store\] db, "
                      r"\$MOETUNE_HOME, XDG data dir\)", q), q
     assert "--db <path> Profile database (default: [store] db, $MOETUNE_HOME, XDG data dir)" in _help("report")
     assert "(trusted loopback tests only; default: config daemon.allow_insecure_tcp, false)" in _help("serve")

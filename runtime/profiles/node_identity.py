@@ -20,8 +20,8 @@ used there: a stopped (or killed) daemon's file says nothing about the software 
 
 Else no identity: no profile is applied as tuned (the caller falls back to policy defaults, loudly).
 
-What `mismatch` checks: the GPU UUIDs and driver version in /proc/driver/nvidia, the recorded NICs in /sys/class
-(infiniband, cxi), and the versions of the Python
+What `mismatch` checks: the GPU UUIDs and driver version in /proc/driver/nvidia, on a node without GPUs the
+recorded NICs in /sys/class (infiniband, cxi), and the versions of the Python
 distributions discovery reads the software facts from (torch, moetune, nvidia-nccl-cu*, nvidia-nvshmem-cu*,
 nvidia-cuda-runtime-cu*, nvshmem4py-cu*; read once per process: a running job's imported packages do not
 change). Known limit: the software hash also covers the driver's CUDA version (nvidia-smi; it follows the driver,
@@ -199,11 +199,15 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
         if len(recorded) == len(gpus) and recorded != here:
             return "the GPUs here are not the recorded ones (UUIDs differ)", tuple(checked)
         checked.append("GPU UUIDs" if recorded else "GPU count")
-    missing = _missing_nics(facts)
-    if missing:  # a node without GPUs had no hardware fact compared: a shared database's other node passed
-        return f"NIC(s) {', '.join(missing[:4])} recorded, not on this node", tuple(checked)
-    if facts.get("nics") or facts.get("excluded_nics"):
-        checked.append("NICs")
+    if not gpus and not here:
+        # no GPU compared: the NICs are the hardware a node without GPUs is told apart by (a shared database's
+        # other node passed on package versions alone). Not where GPUs matched: a containerised job sees only the
+        # RDMA devices given to it, and the host's other ones are no sign of another node.
+        missing = _missing_nics(facts)
+        if missing:
+            return f"NIC(s) {', '.join(missing[:4])} recorded, not on this node", tuple(checked)
+        if facts.get("nics") or facts.get("excluded_nics"):
+            checked.append("NICs")
     sw = facts.get("software", {}) or {}
     if not isinstance(sw, dict):
         return "the recorded software facts are not a mapping", tuple(checked)

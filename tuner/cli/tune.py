@@ -271,7 +271,7 @@ def tune(
     db: Path = typer.Option(None, "--db", help="Profile database (default: configured)."),
     config: Path = typer.Option(None, "--config", help="TOML config file (its \\[tune] section gives the defaults)."),
     nodes: int = typer.Option(1, "--nodes", help="Nodes in the EP group."),
-    ep_size: int = typer.Option(None, "--ep-size", help="EP group size (default: --world with the local backend, else GPUs per node × nodes). The local backend stores only what it measures: --ep-size = --world, --nodes 1."),
+    ep_size: int = typer.Option(None, "--ep-size", help="EP group size (default: --world with the local backend, else GPUs per node × nodes; 2 × nodes on a node without GPUs). The local backend stores only what it measures: --ep-size = --world, --nodes 1."),
     family: list[str] = typer.Option(None, "--family", "-f", help="Only these transport families (repeatable), e.g. host_staged."),
     policy: Path = typer.Option(None, "--policy", help="User policy file or directory overriding the packaged policies."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:S."),

@@ -27,6 +27,8 @@ import optuna
 
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profile_record import (
+    COMM_METRIC,
+    LAYER_METRIC,
     MEGAKERNEL_FAMILY,
     ProfileKey,
     ProfileRecord,
@@ -478,11 +480,16 @@ def metric_force(current: ProfileRecord | None, label: str, force: str | None) -
     """`force` (a side-by-side's own force_reason), else, where the current profile's number is of another metric
     than `label` measures (a bring-up's round trip, a tune's whole layer: `metric_of_backend`), the reason that lets
     this comparison's result replace it: the settings compared were all measured in the new metric, and the store
-    never compares the two numbers (without it the result was kept as superseded history, run after run)."""
+    never compares the two numbers (without it the result was kept as superseded history, run after run). Only a
+    whole layer replaces a round trip this way, never the reverse."""
     if force is not None or current is None or current.provenance != "measured":
         return force
     old, new = metric_of_backend(current.backend), metric_of_backend(label)
-    return None if old == new else "its knobs, the default and the search's best measured side by side anew"
+    if old == new or (old == LAYER_METRIC and new == COMM_METRIC):
+        # a round trip never displaces a whole layer's number (the tuned layer, what a job runs): the store keeps
+        # it and files the round trip as history
+        return None
+    return "its knobs, the default and the search's best measured side by side anew"
 
 
 def side_by_side(knobs: Knobs, incumbent: Knobs | None, default: Knobs | None,

@@ -732,7 +732,8 @@ class Store:
         """The current profile at the stored token bucket nearest to `tokens`, at most `max_bucket_steps`
         steps of the bucket ladder away (further: None, the caller falls back). Measured profiles come
         first: a modelled one is returned only where no measured one is stored for this shape
-        (never with `measured_only`). Without `transport_family`, the fastest family at that bucket.
+        (never with `measured_only`). Without `transport_family`, the fastest family at that bucket, among numbers of
+        one metric (`one_metric`: whole layers where round trips sit beside them).
         The record carries its `provenance`; `rec.is_tuned_for(fingerprint, software)` says whether it
         may be applied as tuned. An unknown dtype is a ValueError (moetune writes `bfloat16`, not `bf16`)."""
         from moetune.runtime.shapes import DTYPES
