@@ -357,3 +357,19 @@ def test_a_read_leaves_no_wal_or_shm_beside_a_file_nothing_has_open(tmp_path: Pa
     finally:
         c.close()
         w.close()
+
+
+def test_a_rollback_journal_file_is_read_under_locks(tmp_path: Path) -> None:
+    """immutable=1 first for every file without side files raced a rollback-journal writer between two transactions
+    (no -journal then): a tune sharing a studies file read torn pages, "database disk image is malformed". Only a WAL
+    file is read immutably (only there does mode=ro leave files behind)."""
+    db = tmp_path / "journal.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE t (x)")
+    con.commit()
+    con.close()
+    c = sqlite_open.connect_readonly(db, timeout_s=1)
+    try:
+        assert not c.immutable
+    finally:
+        c.close()

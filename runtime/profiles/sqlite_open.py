@@ -1,9 +1,9 @@
 """Opening a moetune SQLite file read-only: the ONE opener of the store's read-only connections
 (`moetune.tuner.store`), the runtime's "daemon down" fallback (`client.db_read`) and `tune show`'s studies file.
 
-`immutable=1` (the database file alone, without locks, creating nothing) while no -wal, -shm or -journal is beside
-the file: nothing has it open, and mode=ro would leave an empty -wal and -shm behind in a writable folder (beside
-another program's WAL file moetune only looked at, too). Otherwise `mode=ro`; SQLite cannot open a WAL database
+`immutable=1` (the database file alone, without locks, creating nothing) for a WAL file while no -wal, -shm or
+-journal is beside it: nothing has it open, and mode=ro would leave an empty -wal and -shm behind in a writable
+folder (beside another program's WAL file moetune only looked at, too). Otherwise `mode=ro`; SQLite cannot open a WAL database
 mode=ro when its -shm/-wal files are gone and the folder is not writable (/var/lib/moetune owned by the daemon's
 user, the daemon down); then `immutable=1` again. That is right only while no process writes the file and no
 -wal/-journal holds changes the file lacks (immutable=1 would not see a crashed writer's committed WAL frames), so:
@@ -105,6 +105,18 @@ def _side_files(path: Path) -> bool:
     return any(path.with_name(path.name + suffix).exists() for suffix in ("-wal", "-shm", "-journal"))
 
 
+def _is_wal(path: Path) -> bool:
+    """Whether `path` is a WAL-mode SQLite file (header bytes 18-19 are 2): only there does mode=ro leave files
+    behind. A rollback-journal file is read mode=ro, under SQLite's locks: a writer between two transactions has no
+    -journal, and an unlocked read beside its next one read torn pages ("malformed")."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(20)
+    except OSError:
+        return False
+    return len(header) == 20 and header[18] == 2 and header[19] == 2
+
+
 def _immutable(uri: str, path: Path, identity: tuple[int, int, int]) -> ReadOnlyConnection:
     con = sqlite3.connect(uri + "&immutable=1", uri=True, check_same_thread=False, factory=ReadOnlyConnection)
     con.immutable = True
@@ -122,7 +134,7 @@ def connect_readonly(path: str | Path, *, timeout_s: float) -> ReadOnlyConnectio
     sqlite3.OperationalError naming the -wal/-journal when the fallback is refused."""
     path = Path(path).absolute()
     uri = _uri(path)
-    if path.is_file() and not _side_files(path):
+    if path.is_file() and not _side_files(path) and _is_wal(path):
         identity = file_identity(path)  # before the connection reads a byte
         if identity is not None and not _side_files(path):
             return _immutable(uri, path, identity)
