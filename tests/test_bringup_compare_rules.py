@@ -164,21 +164,46 @@ class _Counting(LocalBackend):
         return v, {"roundtrip_us": {"median": v, "p10": v - 1, "p90": v + 1}, "seconds": 0.0}, None
 
 
-def test_a_spent_time_budget_skips_the_recheck(tmp_path: Path) -> None:
+SMALL = ModelShape(name="custom:256,128,16,2", hidden=256, intermediate=128, experts=16, topk=2)
+SMALL_KEY = ProfileKey(fingerprint=_Facts.fingerprint, software=_Facts.software_hash, transport_family="collective",
+                       ep_size=2, nodes=1, hidden=256, intermediate=128, experts=16, topk=2, dtype=SMALL.dtype,
+                       token_bucket=64)
+
+
+def _tune_small(tmp_path: Path, store: Any, backend: Any, **kw: Any) -> Any:
+    """tune_profiles_detailed of the collective family for SMALL at S=64 (3 trials unless `kw` says), Optuna quiet;
+    its one TuneResult."""
     import optuna
 
     from moetune.tuner.search.tune import tune_profiles_detailed
-    from moetune.tuner.store.store import Store
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    model = ModelShape(name="custom:256,128,16,2", hidden=256, intermediate=128, experts=16, topk=2)
-    kw = {"models": [model], "tokens": [64], "trials": 3, "families": ["collective"],
-          "storage": f"sqlite:///{tmp_path / 'opt.db'}"}
+    kw = {"trials": 3, **kw}
+    (res,) = tune_profiles_detailed(store, _Facts(), backend=backend, models=[SMALL], tokens=[64],
+                                    families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}", **kw)
+    return res
+
+
+def _tune_over(tmp_path: Path, backend: Any, *, stored_us: float, stored_backend: str) -> tuple[Any, Any]:
+    """A tune of SMALL over a current measured profile of the collective default (`stored_us` by
+    `stored_backend`): its TuneResult and the current profile after it."""
+    from moetune.tuner.store.store import Store
+
     store = Store(tmp_path / "p.db")
-    (done,) = tune_profiles_detailed(store, _Facts(), backend=_Counting(), **kw)
+    store.put_profile(ProfileRecord(key=SMALL_KEY, knobs=COLLECTIVE, latency_us=stored_us, spread_us=1.0,
+                                    backend=stored_backend, provenance="measured", routing="uniform"))
+    res = _tune_small(tmp_path, store, backend)
+    return res, store.get_current(SMALL_KEY)
+
+
+def test_a_spent_time_budget_skips_the_recheck(tmp_path: Path) -> None:
+    from moetune.tuner.store.store import Store
+
+    store = Store(tmp_path / "p.db")
+    done = _tune_small(tmp_path, store, _Counting())
     assert done.study.trials == 3 and not done.budget_ended
     be = _Counting()
-    (res,) = tune_profiles_detailed(store, _Facts(), backend=be, timeout_s=1e-9, **kw)  # the study resumes, done
+    res = _tune_small(tmp_path, store, be, timeout_s=1e-9)  # the study resumes, done
     assert be.runs == 0, "re-measured after the time budget was spent"  # before: 2 rounds x 2 repeats per setting
     assert res.budget_ended and not res.written
     assert res.reason == "time budget spent before the side-by-side check; rerun to finish"
@@ -189,9 +214,6 @@ def test_a_search_the_budget_cut_midway_is_still_checked_and_stored(tmp_path: Pa
     trials asked) skipped its check too and stored nothing, run after run."""
     import time
 
-    import optuna
-
-    from moetune.tuner.search.tune import tune_profiles_detailed
     from moetune.tuner.store.store import Store
 
     class Slow(_Counting):
@@ -199,11 +221,8 @@ def test_a_search_the_budget_cut_midway_is_still_checked_and_stored(tmp_path: Pa
             time.sleep(0.05)
             return super().run_once(knobs, wl)
 
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-    model = ModelShape(name="custom:256,128,16,2", hidden=256, intermediate=128, experts=16, topk=2)
     store = Store(tmp_path / "p.db")
-    (res,) = tune_profiles_detailed(store, _Facts(), backend=Slow(), models=[model], tokens=[64], trials=200,
-                                    families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}", timeout_s=0.5)
+    res = _tune_small(tmp_path, store, Slow(), trials=200, timeout_s=0.5)
     assert res.budget_ended and 0 < res.study.trials < 200, res
     assert res.written and store.list_profiles() != [], res.reason
 
@@ -245,10 +264,6 @@ def test_a_side_by_side_replaces_a_profile_of_the_other_metric(tmp_path: Path) -
     """A whole-layer tune whose side-by-side check chose the knobs a bring-up stored as a round trip was filed as
     superseded history ('only a side-by-side re-measurement in the layer metric replaces it': the one just run),
     run after run; the old round-trip row stayed current."""
-    import optuna
-
-    from moetune.tuner.search.tune import tune_profiles_detailed
-    from moetune.tuner.store.store import Store
 
     class Layer(LocalBackend):
         def __init__(self) -> None:
@@ -259,38 +274,12 @@ def test_a_side_by_side_replaces_a_profile_of_the_other_metric(tmp_path: Path) -
             v = 100.0 if knobs == COLLECTIVE else 500.0  # the default, stored by the bring-up, is fastest
             return v, {"layer_us": {"median": v, "p10": v - 1, "p90": v + 1}, "seconds": 0.0}, None
 
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-    model = ModelShape(name="custom:256,128,16,2", hidden=256, intermediate=128, experts=16, topk=2)
-    store = Store(tmp_path / "p.db")
-    key = ProfileKey(fingerprint=_Facts.fingerprint, software=_Facts.software_hash, transport_family="collective",
-                     ep_size=2, nodes=1, hidden=256, intermediate=128, experts=16, topk=2, dtype=model.dtype,
-                     token_bucket=64)
-    store.put_profile(ProfileRecord(key=key, knobs=COLLECTIVE, latency_us=60.0, spread_us=1.0,
-                                    backend="local:gloo:comm",
-                                    provenance="measured", routing="uniform"))
-    (res,) = tune_profiles_detailed(store, _Facts(), backend=Layer(), models=[model], tokens=[64], trials=3,
-                                    families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}")
-    cur = store.get_current(key)
+    res, cur = _tune_over(tmp_path, Layer(), stored_us=60.0, stored_backend="local:gloo:comm")
     assert res.written and cur is not None and cur.backend == "local:gloo" and cur.latency_us == 100.0, res.reason
 
 
 def test_a_round_trip_never_displaces_a_whole_layer(tmp_path: Path) -> None:
     """The reverse of the case above: a bring-up (round trips) over a tuned whole-layer profile replaced it with
     a round-trip number of the same knobs, and the pick among families then compared that family no more."""
-    import optuna
-
-    from moetune.tuner.search.tune import tune_profiles_detailed
-    from moetune.tuner.store.store import Store
-
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-    model = ModelShape(name="custom:256,128,16,2", hidden=256, intermediate=128, experts=16, topk=2)
-    store = Store(tmp_path / "p.db")
-    key = ProfileKey(fingerprint=_Facts.fingerprint, software=_Facts.software_hash, transport_family="collective",
-                     ep_size=2, nodes=1, hidden=256, intermediate=128, experts=16, topk=2, dtype=model.dtype,
-                     token_bucket=64)
-    store.put_profile(ProfileRecord(key=key, knobs=COLLECTIVE, latency_us=900.0, spread_us=1.0, backend="local:gloo",
-                                    provenance="measured", routing="uniform"))
-    (res,) = tune_profiles_detailed(store, _Facts(), backend=_Counting(), models=[model], tokens=[64], trials=3,
-                                    families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}")
-    cur = store.get_current(key)
+    res, cur = _tune_over(tmp_path, _Counting(), stored_us=900.0, stored_backend="local:gloo")
     assert cur is not None and cur.backend == "local:gloo" and cur.latency_us == 900.0, (res.reason, cur)
