@@ -281,7 +281,7 @@ def test_query_reads_the_database_the_runtime_reads(tmp_path: Path, monkeypatch:
                                                  "running": False, "host": socket.gethostname()}))
     seen: list[Path] = []
     real = Q.provenance_of
-    monkeypatch.setattr(Q, "provenance_of", lambda res, db, config: (seen.append(db), real(res, db, config))[1])
+    monkeypatch.setattr(Q, "provenance_of", lambda res, db: (seen.append(db), real(res, db))[1])
     r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "16", "--timeout-ms", "50"],
                            env=env)
     assert r.exit_code == 0, r.output

@@ -143,16 +143,16 @@ def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms:
         client.close()
 
 
-def provenance_of(res: Resolution, db: Path | None, config: Path | None) -> tuple[str, str]:
-    """(provenance, measured_on) of a resolution: from the reply when it says, else from the database;
-    a policy or built-in default is its own kind; "unknown" when nothing says."""
+def provenance_of(res: Resolution, db: Path) -> tuple[str, str]:
+    """(provenance, measured_on) of a resolution: from the reply when it says, else from `db` (the database the
+    lookup read: `ProfileClient.fallback_db`); a policy or built-in default is its own kind; "unknown" when
+    nothing says."""
     if res.key is None:
         return res.provenance or str(res.source), ""
     from moetune.tuner.store.store import Store, StoreError
 
-    path = db or Path(_config(config).store.db)
     try:
-        with Store(path, readonly=True) as store:
+        with Store(db, readonly=True) as store:
             got = store.provenance_of(res.key, res.profile_hash)
     except (StoreError, OSError):
         got = None
@@ -238,7 +238,7 @@ def register(app: typer.Typer) -> None:
                     client_log.removeFilter(said)
         read = client.fallback_db()  # the database the lookup read (or would have): --db, else the runtime's rule
         client.close()
-        provenance, measured_on = provenance_of(res, read, config)
+        provenance, measured_on = provenance_of(res, read)
         if fmt == "env":
             if provenance in ENV_LABEL:  # the exports are eval'd or saved: the label goes with them (a shell comment)
                 typer.echo(f"# moetune: {ENV_LABEL[provenance]}, not measured on this node")
