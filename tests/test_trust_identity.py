@@ -289,3 +289,38 @@ def test_a_node_without_gpus_checks_the_recorded_nics(tmp_path: Path, monkeypatc
     (tmp_path / "sys" / "class" / "infiniband" / "mlx5_0").mkdir(parents=True)  # the node that recorded it
     why, checked = node_identity.mismatch(other)
     assert why is None and "NICs" in checked, why
+
+
+# -- 2, with nothing faked: this node's own daemon over tcp:// ----------------------------------------------------
+def test_this_nodes_own_daemon_over_curve_tcp_serves_its_measured_profile_as_tuned(tmp_path: Path) -> None:
+    """The live node's discovery, a daemon on loopback tcp:// with CURVE and an allow-list, a client with no
+    daemon.json: the daemon's reported facts must check out against what the runtime reads of this node (on a GPU
+    node its GPUs' UUIDs and driver from /proc, the installed packages; without GPUs the packages and NICs), so the
+    node's measured profile is applied as tuned. The other tests fake one side or the other."""
+    import zmq.auth
+
+    from moetune.runtime.testing.launch import free_port
+    from moetune.tuner.cli.keys import allow_client, generate_keys
+    from moetune.tuner.daemon.server import Daemon
+    from moetune.tuner.daemon.watch import make_discover
+
+    discover = make_discover(None)
+    facts = discover()
+    mine = measured(key(facts.fingerprint, facts.software_hash))
+    seed(tmp_path / "moetune.db", facts.fingerprint, facts.to_dict(), [mine])
+    _, server_secret = generate_keys(tmp_path / "keys")
+    spub, _ = zmq.auth.load_certificate(str(server_secret))
+    cpub_file, csec_file = generate_keys(tmp_path / "alice", "alice")
+    allow_client(cpub_file, tmp_path / "keys" / "clients")
+    apub, asec = zmq.auth.load_certificate(str(csec_file))
+    store = F.open_store(tmp_path / "moetune.db")
+    d = Daemon(store=store, endpoint=f"tcp://127.0.0.1:{free_port()}", pub_endpoint=f"tcp://127.0.0.1:{free_port()}",
+               curve_secret_key_file=str(server_secret), discover=discover, rediscover_interval_s=0).start(background=True)
+    try:
+        c = ProfileClient(d.endpoint, db_path=tmp_path / "none.db", timeout_ms=5000, env={"HOME": str(tmp_path)},
+                          curve_server_key=spub, curve_public_key=apub, curve_secret_key=asec)
+        res, warned = resolve(c)
+        assert res.source == "daemon" and res.tuned and res.profile_hash == mine.profile_hash, (res, warned)
+        assert not warned, warned
+    finally:
+        d.stop()
