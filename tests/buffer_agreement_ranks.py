@@ -53,7 +53,12 @@ def case_local_check_on_one_rank(rank: int, world: int, kinds: list[str]) -> dic
             kw["device"] = "no-such-device"
         elif bad and kind == "meta":
             kw["device"] = "meta"
+        elif kind == "unavailable":  # the same knobs everywhere; rank 1's transport says it cannot run there
+            kw["knobs"] = default_knobs("nvlink")
+            if bad:
+                register_transport("nvlink", "runtime_cases:UnavailableResident")
         out[kind] = _outcome(lambda kw=kw: EPBuffer(**kw))
+        register_transport("nvlink", "runtime_cases:GlooResident")
         EPBuffer(knobs=Knobs(), model=model, max_tokens=32)
     return out
 

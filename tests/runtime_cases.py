@@ -90,6 +90,18 @@ class GlooResident(EPTransport):
         return view
 
 
+
+class UnavailableResident(GlooResident):
+    """GlooResident that says it cannot run (the rank of a test where one rank lacks what the transport needs); its
+    constructor would fail before the collectives it shares with the other ranks."""
+
+    @classmethod
+    def availability(cls, device=None) -> Availability:
+        return Availability(False, "not on this rank (test double)")
+
+    def __init__(self, group, knobs, device, **kw):
+        raise RuntimeError("UnavailableResident: constructed although availability() said no")
+
 def use_resident_stand_in() -> None:
     """Route the `nvlink` transport name to GlooResident in this process."""
     register_transport("nvlink", "runtime_cases:GlooResident")

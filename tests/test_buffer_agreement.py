@@ -29,7 +29,9 @@ OWN_ERRORS = {"expected_tokens": ("ValueError", "expected_tokens=64 is more than
               "dense": ("ValueError", "dense=True needs a collective transport"),
               "transport": ("KnobError", "knob transport: 'ibgda' is not available in this runtime"),
               "device": ("ValueError", "EPBuffer: device='no-such-device': "),  # torch's RuntimeError, named
-              "meta": ("ValueError", "device must be a cpu or cuda device, got meta")}  # knocked the group out of step
+              "meta": ("ValueError", "device must be a cpu or cuda device, got meta"),  # knocked the group out of step
+              # its constructor failed on that rank alone, the other waiting in the constructor's collectives
+              "unavailable": ("KnobError", "transport 'nvlink' cannot run here: not on this rank (test double)")}
 # rank 1's expert_fn fault → a part of the message rank 1 gets
 EXPERT_FN_ERRORS = {"shape": "expert_fn's output must have shape", "dtype": "expert_fn's output must have dtype "
                     "torch.float32", "device": "expert_fn's output must be on cpu", "raises": "expert kernel failed"}
@@ -70,7 +72,7 @@ def test_a_local_check_failing_on_one_rank_is_an_error_on_every_rank(constructio
                                                                      arg: str) -> None:
     exc, text = OWN_ERRORS[arg]
     kind0, msg0, _ = construction[0]["local"][arg]
-    named = "device" if arg == "meta" else arg  # the argument rank 1 got wrong
+    named = {"meta": "device", "unavailable": "transport"}.get(arg, arg)  # the argument rank 1 got wrong
     assert kind0 == "ValueError" and f"refused on another rank (rank 1: {named})" in msg0, msg0
     kind1, msg1, _ = construction[1]["local"][arg]
     assert kind1 == exc and text in msg1, (kind1, msg1)

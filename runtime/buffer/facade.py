@@ -403,6 +403,13 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             self._layout()
             step = "dense"
             self.dense = self._choose_dense(dense, cls)
+            # a transport that cannot run on this rank (no CUDA device, no compiled library, no P2P) refused here,
+            # in the first agreement: its constructor would fail on this rank only, the others waiting in its
+            # collectives until the group's timeout
+            step = "transport"
+            avail = cls.availability(self.device)
+            if not avail.ok:
+                raise KnobError(f"transport {knobs.transport!r} cannot run here: {avail.reason}", ("transport",))
         except Exception as e:  # ImportError: the transport module missing here; any refusal reaches every rank
             return _CHECKS.index(step) + 1, e
         self._transport_cls = cls
