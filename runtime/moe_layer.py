@@ -37,7 +37,7 @@ from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.pipeline import pipelined_moe
 from moetune.runtime.routing import expert_ids_problem, routed_inputs_problem
 from moetune.runtime.shapes import ModelShape
-from moetune.runtime.weights import _generator, expert_weights, gate_weight
+from moetune.runtime.weights import _generator, check_seed, expert_weights, gate_weight
 
 __all__ = ["MoELayer", "dense_reference", "expert_weights", "gate_weight", "grouped_mm_usable", "max_rel_err", "route",
            "swiglu"]
@@ -81,7 +81,9 @@ def grouped_mm_usable(device_type: str, device_index: int | None, dtype: torch.d
 
 
 class MoELayer(nn.Module):
-    """An expert-parallel MoE layer. Construction is collective over `group` (it builds an EPBuffer).
+    """An expert-parallel MoE layer. Construction is collective over `group`: it builds an EPBuffer, then checks that
+    every rank passed the same `seed` (the weights and the gate are built from it) and that no rank's engine was
+    refused, raising on every rank otherwise.
 
     `engine`: None (the knobs' `engine`; without knobs, at world 1, the `megakernel` profile's), `"unfused"`
     or `"megakernel"` (world 1 only; raises `MegakernelUnavailable` where it cannot run). After construction
@@ -162,7 +164,36 @@ class MoELayer(nn.Module):
         self.register_state_dict_post_hook(_state_dict_row_major)
         self.register_load_state_dict_pre_hook(_load_state_dict_tiled)
         self.register_load_state_dict_post_hook(_load_state_dict_rebind)
-        self._setup_engine(engine, knobs, max_tokens)
+        fault: Exception | None = None
+        try:
+            self._setup_engine(engine, knobs, max_tokens)
+        except Exception as e:  # engine="megakernel" refused on this rank: the others are told in the agreement
+            if self.buffer.world == 1 or not dist.is_initialized():
+                raise
+            fault = e
+        self._agree(fault)
+
+    def _agree(self, fault: Exception | None) -> None:
+        """The layer's own agreement after the buffer's (one int64 all-gather): whether any rank's engine setup
+        failed, and the seed. Ranks with different seeds would route by different gates and hold experts of
+        different weights: wrong outputs, silently; a rank refused engine="megakernel" would leave the others
+        waiting in their first dispatch."""
+        buf = self.buffer
+        if buf.world == 1 or not dist.is_initialized():
+            return
+        rows = buf.gather_rows([int(fault is not None), self.seed])
+        failed = [r for r, row in enumerate(rows) if row[0] and r != buf.rank]
+        if fault is not None:
+            if failed:
+                fault.add_note(f"MoELayer: also refused on rank(s) {failed}")
+            raise fault
+        if failed:
+            raise ValueError(f"MoELayer on rank {buf.rank}: the engine was refused on rank(s) {failed}; every rank "
+                             "must build the layer with the same engine (that rank's error says why)")
+        seeds = [row[1] for row in rows]
+        if any(s != seeds[0] for s in seeds):
+            raise ValueError(f"MoELayer: the ranks were given different seeds ({seeds}, by rank); the layer's weights "
+                             "and gate are built from the seed, so every rank must pass the same one")
 
     # -- engine ------------------------------------------------------------------------------------------
     def _setup_engine(self, engine: str | None, knobs: Knobs | None, max_tokens: int) -> None:
@@ -547,8 +578,7 @@ def _check_arguments(model: Any, knobs: Any, max_tokens: Any, device: Any, dtype
             raise ValueError(f"expected_tokens={expected_tokens} is more than max_tokens={max_tokens}")
     _args.check_device(device)
     _args.check_dtype(dtype)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    check_seed(seed)
     _args.check_flag("use_grouped_mm", use_grouped_mm, optional=True)
     if buffer is not None and not isinstance(buffer, EPBuffer):
         raise TypeError(f"buffer must be an EPBuffer or None, got {type(buffer).__name__}")

@@ -11,6 +11,18 @@ import torch
 
 from moetune.runtime.shapes import ModelShape
 
+# seeds whose generator seeds (seed * 1_000_003 + a small offset) fit the 64-bit seed torch.Generator takes; outside
+# it manual_seed failed with "Overflow when unpacking long long", naming no argument
+SEED_LIMIT = 1 << 40
+
+
+def check_seed(seed: object, who: str = "") -> None:
+    """TypeError / ValueError naming `seed` when it is not an int in [-2**40, 2**40)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{who}seed must be an int, got {type(seed).__name__}")
+    if not -SEED_LIMIT <= seed < SEED_LIMIT:
+        raise ValueError(f"{who}seed must be in [-2**40, 2**40), got {seed}")
+
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:
     g = torch.Generator(device=device)
@@ -22,6 +34,7 @@ def expert_weights(
     model: ModelShape, expert: int, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(W_gate_up [2I, H], W_down [H, I]) of global expert `expert`, deterministic in (seed, expert, device type)."""
+    check_seed(seed)
     device = torch.device(device)
     h, i = model.hidden, model.intermediate
     g = _generator(device, seed * 1_000_003 + 7 * expert + 1)
@@ -31,6 +44,7 @@ def expert_weights(
 
 
 def gate_weight(model: ModelShape, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    check_seed(seed)
     device = torch.device(device)
     g = _generator(device, seed * 1_000_003 + 999_983)
     return (torch.randn(model.experts, model.hidden, generator=g, device=device, dtype=torch.float32) * (model.hidden**-0.5)).to(dtype)

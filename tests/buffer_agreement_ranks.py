@@ -171,3 +171,17 @@ def case_channel_timeouts(rank: int, world: int) -> list[float | None]:
         except Exception:
             out.append(None)
     return out
+
+
+def case_layer_arguments(rank: int, world: int) -> dict[str, Any]:
+    """MoELayer's own agreement: rank 1 passes another seed, then engine="megakernel" (world 1 only); after each a
+    valid layer is built (the group still works)."""
+    from moetune.runtime import MoELayer
+
+    model = get_model(MODEL)
+    out: dict[str, Any] = {}
+    for kind, kw in (("seed", {"seed": 7 if rank == 1 else 0}),
+                     ("engine", {"engine": "megakernel" if rank == 1 else None})):
+        out[kind] = _outcome(lambda kw=kw: MoELayer(model, knobs=Knobs(), max_tokens=16, **kw))
+        MoELayer(model, knobs=Knobs(), max_tokens=16)
+    return out

@@ -53,6 +53,11 @@ def pipelined() -> dict[str, list[dict[str, Any]]]:
     return {name: [res[0][i], res[1][i]] for i, name in enumerate(LAYOUTS)}
 
 
+@pytest.fixture(scope="module")
+def layer_arguments() -> list[dict[str, Any]]:
+    return launch(cases.case_layer_arguments, 2, timeout_s=10, join_timeout_s=100, env={"MOETUNE_AUTOLOAD": "0"})
+
+
 def _at_once(outcome: tuple[str, str, float]) -> None:
     assert outcome[2] < 5.0, outcome  # an error at once, not a collective's timeout
 
@@ -162,3 +167,23 @@ def test_extra_communicators_keep_the_groups_timeout() -> None:
     for timeouts in res:
         assert len(timeouts) == 3 and all(t == 7.0 for t in timeouts if t is not None), timeouts
         assert timeouts[0] is not None, timeouts  # this torch says (else the check above proves nothing)
+
+
+@pytest.mark.timeout(120)
+def test_moe_layers_with_other_seeds_on_one_rank_are_an_error_on_every_rank(
+        layer_arguments: list[dict[str, Any]]) -> None:
+    """Before: each rank built its gate and experts from its own seed, and the layer ran with wrong outputs."""
+    for res in layer_arguments:
+        kind, msg, _ = res["seed"]
+        assert kind == "ValueError" and "different seeds ([0, 7], by rank)" in msg, res["seed"]
+        _at_once(res["seed"])
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_refused_on_one_rank_is_an_error_on_every_rank(layer_arguments: list[dict[str, Any]]) -> None:
+    """Before: rank 1 raised MegakernelUnavailable, rank 0 went on to wait in its first dispatch."""
+    r0, r1 = layer_arguments[0]["engine"], layer_arguments[1]["engine"]
+    assert r0[0] == "ValueError" and "the engine was refused on rank(s) [1]" in r0[1], r0
+    assert r1[0] == "MegakernelUnavailable" and "world 1" in r1[1], r1
+    _at_once(r0)
+    _at_once(r1)

@@ -20,7 +20,7 @@ from moetune.runtime.megakernel import MegakernelConfig, _lib
 from moetune.runtime.megakernel import engine as E
 from moetune.runtime.megakernel import layer as mk_layer
 from moetune.runtime.megakernel.weights import from_tiled, to_tiled
-from moetune.runtime.moe_layer import MoELayer, grouped_mm_usable, route
+from moetune.runtime.moe_layer import MoELayer, dense_reference, grouped_mm_usable, route
 from moetune.runtime.options import RuntimeOptionError, RuntimeOptions
 from moetune.runtime.shapes import ModelShape
 
@@ -372,6 +372,17 @@ def test_wrong_argument_types_name_the_argument(kw: dict, match: str) -> None:
     args = {"model": TINY, "knobs": Knobs(), "max_tokens": 8, **kw}
     with pytest.raises(TypeError, match=match):
         MoELayer(args.pop("model"), None, args.pop("knobs"), **args)
+
+
+@pytest.mark.parametrize("seed", [2**40, 2**60, -(2**40) - 1])
+def test_a_seed_out_of_the_generators_range_is_named(seed: int) -> None:
+    """Before: torch's "Overflow when unpacking long long" from manual_seed, naming no argument (or none at all for
+    dense_reference's weights)."""
+    with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*40, 2\*\*40\)"):
+        MoELayer(TINY, None, Knobs(), max_tokens=8, device="cpu", seed=seed)
+    with pytest.raises(ValueError, match="seed must be in"):
+        dense_reference(torch.zeros(1, TINY.hidden), TINY, seed=seed)
+    MoELayer(TINY, None, Knobs(), max_tokens=8, device="cpu", seed=2**40 - 1)  # the range's ends build
 
 
 def test_epbuffer_options_type() -> None:

@@ -426,8 +426,9 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
                 list(TORCH_DTYPES.values()).index(self.dtype), int(self.dense) if knobs_given else -1,
                 int(self.check_inputs)]
 
-    def _gather_rows(self, row: list[int]) -> list[list[int]]:
-        """Every rank's `row` (the same length on every rank): one small all-gather and its host sync."""
+    def gather_rows(self, row: list[int]) -> list[list[int]]:
+        """Every rank's `row` of int64s (the same length on every rank): one small all-gather over the group and its
+        host sync. Collective; the layer built on the buffer agrees its own arguments with it."""
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         got = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(got, mine, group=self.group)
@@ -454,7 +455,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
                 raise fault[1]
             return
         fields = [0] * len(_AGREED) if fault is not None else self._agreement_fields(knobs_given)
-        rows = self._gather_rows([fault[0] if fault is not None else 0, *fields])
+        rows = self.gather_rows([fault[0] if fault is not None else 0, *fields])
         self._raise_faults(fault, [row[0] for row in rows])
         rows = [row[1:] for row in rows]
         bad = [r for r, row in enumerate(rows) if row != rows[0]]
@@ -475,7 +476,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
                 raise fault[1]
             return
         fields = [0, 0] if fault is not None else [int(self.knobs.digest()[:15], 16), int(self.dense)]
-        rows = self._gather_rows([fault[0] if fault is not None else 0, *fields])
+        rows = self.gather_rows([fault[0] if fault is not None else 0, *fields])
         self._raise_faults(fault, [row[0] for row in rows])
         bad = [r for r, row in enumerate(rows) if row[1:] != rows[0][1:]]
         if bad:
