@@ -164,3 +164,17 @@ def test_a_stored_control_character_is_shown_not_obeyed(tmp_path: Path) -> None:
         code, out = _run(*args, "--db", str(db), columns=200)
         assert code == 0, out
         assert "\x1b" not in out and "local:\\x1b[2J\\x1b[31mclean" in out, out
+
+
+def test_the_tune_tables_note_says_a_written_row_was_stored() -> None:
+    """Run 191 (H200): a row stored as new got the note "study best 198.2 µs; no current profile for this key", which
+    reads as nothing stored; the note now says what was stored and why."""
+    from moetune.tuner.cli.tune import row_note
+
+    row = {"family": "megakernel", "model": "qwen3-30b", "tokens": 16, "best_us": 199.1, "study_best_us": 198.2,
+           "written": True, "reason": "no current profile for this key"}
+    assert row_note(row) == ("megakernel qwen3-30b S=16: study best 198.2 µs in its search trial; stored 199.1 µs as "
+                             "measured side by side (no current profile for this key)")
+    assert row_note({**row, "study_best_us": 199.1}) is None
+    kept = row_note({**row, "written": False, "reason": "the stored profile is faster"})
+    assert kept is not None and kept.endswith("µs in its search trial; the stored profile is faster"), kept

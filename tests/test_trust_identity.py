@@ -28,6 +28,7 @@ from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord, effective_provenance, profile_hash_of
 from moetune.runtime.profiles import client, node_identity
 from moetune.runtime.profiles.client import DaemonUnavailable, FallbackWarning, ProfileClient
+from moetune.runtime.profiles.policy_defaults import policy_default_knobs
 from moetune.runtime.shapes import MODELS
 
 QWEN = MODELS["qwen3-30b"]
@@ -307,7 +308,11 @@ def test_this_nodes_own_daemon_over_curve_tcp_serves_its_measured_profile_as_tun
     discover = make_discover(None)
     facts = discover()
     mine = measured(key(facts.fingerprint, facts.software_hash))
-    seed(tmp_path / "moetune.db", facts.fingerprint, facts.to_dict(), [mine])
+    mk_key = ProfileKey(**{**key(facts.fingerprint, facts.software_hash, bucket=16).to_dict(),
+                           "transport_family": "megakernel", "ep_size": 1})
+    mk = ProfileRecord(key=mk_key, knobs=policy_default_knobs("megakernel"), latency_us=199.0,
+                       spread_us=1.0, backend="local:megakernel", provenance="measured")
+    seed(tmp_path / "moetune.db", facts.fingerprint, facts.to_dict(), [mine, mk])
     _, server_secret = generate_keys(tmp_path / "keys")
     spub, _ = zmq.auth.load_certificate(str(server_secret))
     cpub_file, csec_file = generate_keys(tmp_path / "alice", "alice")
@@ -322,5 +327,41 @@ def test_this_nodes_own_daemon_over_curve_tcp_serves_its_measured_profile_as_tun
         res, warned = resolve(c)
         assert res.source == "daemon" and res.tuned and res.profile_hash == mine.profile_hash, (res, warned)
         assert not warned, warned
+        # the same through `moetune query` (its [client] keys from a config), for the one-GPU layer's megakernel
+        # profile (--family: without it a query at --ep 1 looked up the transport families only)
+        from typer.testing import CliRunner
+
+        from moetune.tuner.cli import app
+
+        cfg = tmp_path / "client.toml"
+        cfg.write_text(f'[client]\ncurve_server_key_file = "{tmp_path / "keys" / "moetune.key"}"\n'
+                       f'curve_secret_key_file = "{csec_file}"\n')
+        env = {"MOETUNE_HOME": str(tmp_path / "client-home"), "XDG_RUNTIME_DIR": str(tmp_path / "client-home"),
+               "MOETUNE_CONFIG": "", "HOME": str(tmp_path)}
+        args = ["query", "--model", "qwen3-30b", "--ep", "1", "--tokens", "16", "--socket", d.endpoint, "--config",
+                str(cfg), "--timeout-ms", "5000", "--json"]
+        r = CliRunner().invoke(app, [*args, "--family", "megakernel"], env=env)
+        got = json.loads(r.stdout)
+        assert r.exit_code == 0 and got["source"] == "daemon" and got["provenance"] == "measured", r.output
+        assert got["profile_hash"] == mk.profile_hash and got["family"] == "megakernel", got
+        r = CliRunner().invoke(app, args, env=env)
+        assert r.exit_code == 0 and json.loads(r.stdout)["family"] != "megakernel", r.output
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--family", "no-such"], "no policy file for transport family 'no-such'"),
+    (["--family", "megakernel", "--ep", "2"], "megakernel profiles are for one GPU (--ep 1, --nodes 1)"),
+])
+def test_query_family_is_checked(tmp_path: Path, args: list[str], said: str) -> None:
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    base = {"--model": "qwen3-30b", "--ep": "1", "--tokens": "16"}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        base[flag] = value
+    r = CliRunner().invoke(app, ["query", *[x for kv in base.items() for x in kv], "--timeout-ms", "50"],
+                           env={"MOETUNE_HOME": str(tmp_path), "HOME": str(tmp_path), "COLUMNS": "300"})
+    assert r.exit_code == 2 and said in " ".join(r.output.split()), r.output

@@ -80,6 +80,22 @@ def check_db_given(db: Path) -> None:
                    "`moetune db path` prints it")
 
 
+def check_family(family: str, ep: int, nodes: int) -> None:
+    """Exit 2 unless `family` has a packaged policy (its defaults are the fallback answer) and, for the megakernel,
+    the EP size and nodes are its one GPU's."""
+    from moetune.runtime.knobs import KnobError
+    from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
+    from moetune.runtime.profiles.policy_defaults import policy_default_knobs
+
+    try:
+        policy_default_knobs(family)
+    except KnobError as e:
+        raise typer.BadParameter(str(e), param_hint="--family") from None
+    if family == MEGAKERNEL_FAMILY and (ep, nodes) != (1, 1):
+        raise typer.BadParameter(f"megakernel profiles are for one GPU (--ep 1, --nodes 1), got --ep {ep} --nodes "
+                                 f"{nodes}", param_hint="--family")
+
+
 def make_client(socket: str | None, config: Path | None, timeout_ms: int | None, db: Path | None = None) -> Any:
     from moetune.runtime.profiles.client import ProfileClient
     from moetune.runtime.profiles.client import log as client_log
@@ -191,6 +207,7 @@ def register(app: typer.Typer) -> None:
         ep: int = typer.Option(..., "--ep", min=1, help="EP size (ranks)."),
         tokens: int = typer.Option(..., "--tokens", min=0, help="Tokens per rank; the nearest bucket is used."),
         nodes: int = typer.Option(1, "--nodes", min=1, help="Nodes."),
+        family: str = typer.Option(None, "--family", help="Only this family's profile: a transport family (collective, nvlink, host_staged, proxy:ibrc, ...) or megakernel (the one-GPU layer's engine, as MoELayer at world 1 looks it up; --ep 1). Default: the transport families, as EPBuffer looks them up."),
         fmt: str = typer.Option(None, "--format", show_default=False, help="table (the default: the knobs, where they came from and why), json (one object) or env (the shell `export` lines a launcher sources: the knobs' variables and MOETUNE_PROFILE_HASH)"),
         json_out: bool = typer.Option(False, "--json", help="Same as --format json (not with another --format)."),
         socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: \\[client] socket, else the daemon's \\[daemon] socket: ipc:// daemon.sock in the runtime directory)."),
@@ -218,6 +235,8 @@ def register(app: typer.Typer) -> None:
             shape.check_ep(ep)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--ep") from None
+        if family is not None:
+            check_family(family, ep, nodes)
         if db is not None:
             check_db_given(db)
         client = make_client(socket, config, timeout_ms, db)
@@ -232,7 +251,7 @@ def register(app: typer.Typer) -> None:
             if said is not None:
                 client_log.addFilter(said)
             try:
-                res = client.resolve(model=shape, ep_size=ep, tokens=tokens, nodes=nodes)
+                res = client.resolve(model=shape, ep_size=ep, tokens=tokens, nodes=nodes, transport_family=family)
             finally:
                 if said is not None:
                     client_log.removeFilter(said)

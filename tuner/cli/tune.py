@@ -15,7 +15,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal, NoReturn
+from typing import Any, Literal, NoReturn
 
 import typer
 from rich.console import Console
@@ -489,10 +489,9 @@ def tune(
                       "-" if best is None else f"{row['spread_us']:,.1f}",
                       *((f"{default / best:.2f}" if best and default else "-",) if ratio else ()),
                       STORED_CELL[row["stored"]]))
-        if not row["written"] or (row["study_best_us"] is not None and best is not None and abs(row["study_best_us"] - best) > 1e-9):
-            sb = row["study_best_us"]
-            notes.append(f"{row['family']} {row['model']} S={row['tokens']}: study best "
-                         f"{'-' if sb is None else f'{sb:,.1f}'} µs; {row['reason']}")
+        note = row_note(row)
+        if note is not None:
+            notes.append(note)
     c = Console()
     print_table(c, cols, cells, title="tuned profiles" + (" (MODELLED: predicted, not measured)" if backend == "model"
                                                           else ""), box=box.SIMPLE_HEAD, pad_edge=False,
@@ -585,6 +584,20 @@ def _forced_note(preset: str, warning: str, node_model: bool) -> str:
             f"`moetune model calibrate --force`):[/bold red] {escape(warning)}\n"
             f"[red]its predictions are not trusted; the {use} rest on it. For a model to trust, re-run "
             "`moetune profile` or `moetune model calibrate` without --force.[/red]")
+
+
+def row_note(row: dict[str, Any]) -> str | None:
+    """The line under the results table for a row that stored nothing, or whose stored number is not its study's
+    best (the side-by-side measurement is); None for the others."""
+    best, sb = row["best_us"], row["study_best_us"]
+    if row["written"] and (sb is None or best is None or abs(sb - best) <= 1e-9):
+        return None
+    # the store's reason is why it wrote or did not: alone after a written row, "no current profile for this key"
+    # read as "nothing stored" beside a stored column that said new
+    outcome = (f"stored {best:,.1f} µs as measured side by side ({row['reason']})" if row["written"] and best is not None
+               else row["reason"])
+    return (f"{row['family']} {row['model']} S={row['tokens']}: study best {'-' if sb is None else f'{sb:,.1f}'} µs "
+            f"in its search trial; {outcome}")
 
 
 def _budget_ended(results: list, asked: int, timeout: float | None, source: str) -> None:
