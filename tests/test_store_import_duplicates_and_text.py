@@ -186,3 +186,49 @@ def test_cli_import_of_escape_sequences_exits_2_and_prints_none(tmp_path, export
     assert "profiles[0].key.transport_family: control character in 'nvlink:\\x1b[5mX'" in r.output
     assert "\x1b" not in r.output
     assert not db.exists()
+
+
+def test_an_import_reads_the_stored_rows_once_not_per_record(tmp_path: Path) -> None:
+    """Each record cost two queries with twelve-column filters (already stored? the current one?): 4,000 records took
+    ~50 s holding the write lock. Now the import's fingerprints' rows are read once: a file imported again (nothing to
+    write) runs a handful of SELECTs whatever its size, and a first import one re-read per inserted row."""
+    from sqlalchemy import event
+
+    buckets = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    with Store(tmp_path / "src.db") as s:
+        s.upsert_fingerprint("fp-x", {"gpu": "H100"})
+        for i in range(120):
+            k = ProfileKey(**{**key(buckets[i % 10]).to_dict(), "hidden": 1024 + 64 * (i // 10)})
+            s.put_profile(ProfileRecord(key=k, knobs=default_knobs("nvlink"), latency_us=10.0 + i, spread_us=0.1,
+                                        backend="local:nccl", provenance="measured", measured_on="fp-x"))
+        data = s.dump_profiles()
+    with Store(tmp_path / "dst.db") as d:
+        selects: list[str] = []
+        event.listen(d.engine, "before_cursor_execute",
+                     lambda conn, cur, stmt, *a: selects.append(stmt) if stmt.lstrip().upper().startswith("SELECT") else None)
+        first = d.import_bytes(data)
+        assert first.inserted == 120 and first.current == 120, first
+        assert len(selects) <= 120 + 10, len(selects)
+        selects.clear()
+        again = d.import_bytes(data)
+        assert again.skipped == 120 and again.inserted == 0, again
+        assert len(selects) <= 10, selects[:20]
+        assert d.count_profiles("current") == 120
+
+
+def test_many_invalid_records_are_named_by_ranges(tmp_path: Path, export: dict) -> None:
+    """A file whose records were all invalid listed every index past the twentieth one by one (a 2,000-record file:
+    a line of ~30,000 characters); runs of neighbours are now one range each."""
+    bad = []
+    for i in range(200):
+        p = json.loads(json.dumps(export["profiles"][0]))
+        p["key"]["token_bucket"] = 22 if i != 150 else 16  # one valid record in the middle
+        p["key"]["hidden"] = 1024 + i
+        bad.append(p)
+    data = json.dumps({**export, "profiles": bad}).encode()
+    with Store(tmp_path / "dst.db") as d, pytest.raises(ProfileImportError) as e:
+        d.import_bytes(data)
+    msg = str(e.value)
+    assert "199 of 200 profile record(s) invalid" in msg, msg[:300]
+    assert "and 179 more: profiles[20-149], profiles[151-199]\n" in msg, msg[-400:]
+    assert len(msg) < 5000

@@ -14,25 +14,24 @@ import os
 import secrets
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from sqlalchemy import String, func, select, type_coerce, update
+from sqlalchemy import String, bindparam, select, type_coerce, update
 from sqlalchemy.exc import IntegrityError
 
 from moetune.runtime.knobs import KnobError
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.tuner.store._rows import (
-    current_of,
     decide,
     is_newer,
-    key_filter,
     now,
     replacement_event,
     row_from_record,
 )
 from moetune.tuner.store._schema import StoreError, is_sqlite_file
-from moetune.tuner.store.models import Fingerprint, Profile
+from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Fingerprint, Profile
 from moetune.tuner.store.validate import (
     FieldError,
     canonical_routing,
@@ -344,11 +343,41 @@ def _raw_key_text(raw: Any) -> str:
 MAX_LISTED = 20  # invalid records listed with their reasons; past that, by index only
 
 
+def _index_ranges(labels: list[str]) -> str:
+    """"profiles[3], profiles[4], profiles[5], profiles[9]" as "profiles[3-5], profiles[9]" (labels in file order; one
+    that is not NAME[INDEX] is kept as it is)."""
+    out: list[str] = []
+    run: tuple[str, int, int] | None = None  # (name, first, last)
+    for label in labels:
+        name, _, idx = label[:-1].partition("[")
+        if not idx.isdigit():
+            if run:
+                out.append(_run_label(run))
+                run = None
+            out.append(label)
+            continue
+        i = int(idx)
+        if run and run[0] == name and i == run[2] + 1:
+            run = (name, run[1], i)
+            continue
+        if run:
+            out.append(_run_label(run))
+        run = (name, i, i)
+    if run:
+        out.append(_run_label(run))
+    return ", ".join(out)
+
+
+def _run_label(run: tuple[str, int, int]) -> str:
+    name, first, last = run
+    return f"{name}[{first}]" if first == last else f"{name}[{first}-{last}]"
+
+
 def _invalid_message(source: str, invalid: list[str], total: int) -> str:
     listed = "\n  ".join(invalid[:MAX_LISTED])
     rest = invalid[MAX_LISTED:]
-    if rest:  # each still named, by its index
-        listed += f"\n  and {len(rest)} more: " + ", ".join(line.split("]", 1)[0] + "]" for line in rest)
+    if rest:  # each still named, by its index; runs of neighbours as one range (a whole file of them was thousands)
+        listed += f"\n  and {len(rest)} more: " + _index_ranges([line.split("]", 1)[0] + "]" for line in rest])
     others = total - len(invalid)
     how = (
         f"to import the other {others} and list the ones left out, pass --skip-invalid "
@@ -379,28 +408,34 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_inva
                 elif not have.facts and fp.facts:  # a placeholder learns its facts
                     have.facts = fp.facts
             s.flush()
+            known = set(s.scalars(select(Fingerprint.hash).where(
+                Fingerprint.hash.in_({rec.key.fingerprint for rec in doc.profiles}))))
+            stored = _StoredRows(s, known)
             for rec in doc.profiles:
-                before = s.scalar(select(func.count(Fingerprint.id)).where(Fingerprint.hash == rec.key.fingerprint))
-                if not before:
+                if rec.key.fingerprint not in known:
                     store._ensure_fingerprint(s, rec.key.fingerprint, ts)
+                    known.add(rec.key.fingerprint)
                     result.fingerprints += 1
-                if _already_stored(s, rec):
+                rows = stored.of(rec.key)
+                if _already_stored([r for r in rows if r.profile_hash == rec.profile_hash], rec):
                     result.skipped += 1
                     continue
                 row = row_from_record(rec, ts, keep_times=True)
                 old, decision = None, None
                 if rec.status == "current":
-                    old = s.execute(current_of(rec.key)).first()
+                    old = next((r for r in rows if r.status == "current"), None)
                     if old is not None:
                         decision = decide(old, rec, newer=is_newer(rec, old.updated))
                         if decision.replace:
                             s.execute(update(Profile).where(Profile.id == old.id).values(status="superseded", updated=ts))
+                            old.status = "superseded"
                             result.replaced += 1
                         else:
                             row.status = "superseded"
                             result.kept_superseded += 1
                 s.add(row)
                 s.flush()
+                stored.add(s, rec.key, row.id)
                 if old is not None and decision is not None:
                     ev = replacement_event(old, rec, row.id, decision, ts)
                     if ev is not None:
@@ -427,25 +462,47 @@ def _json_text(text: str | None) -> Any:
         return text  # a corrupt stored column: equal to nothing an import brings
 
 
-def _already_stored(s: Any, rec: ProfileRecord) -> bool:
-    """Whether the database holds `rec` already: the same key and knobs created at the same instant (spelled as
-    the file spells it or not). A record without `created` (the format allows leaving it out) was stamped with the
-    time of the import that stored it, so it is matched on everything else it says: numbers, backend, provenance,
-    measured_on, routing, performance environment and software versions (not its status, which the replacement
-    gate decided)."""
-    rows = s.execute(
-        select(
-            Profile.created,
-            Profile.latency_us,
-            Profile.spread_us,
-            Profile.backend,
-            Profile.provenance,
-            Profile.measured_on,
-            Profile.routing,
-            type_coerce(Profile.perf_env, String).label("perf_env"),
-            type_coerce(Profile.software_versions, String).label("software_versions"),
-        ).where(*key_filter(rec.key), Profile.profile_hash == rec.profile_hash)
-    ).all()
+# what an import compares a record with: the gate's view of a row (`current_of`'s columns) and the columns
+# `_already_stored` matches on, JSON ones as the text stored
+_STORED_COLUMNS = (Profile.id, Profile.status, Profile.profile_hash, Profile.created, Profile.latency_us,
+                   Profile.spread_us, Profile.backend, Profile.provenance, Profile.measured_on, Profile.routing,
+                   Profile.updated, type_coerce(Profile.perf_env, String).label("perf_env"),
+                   type_coerce(Profile.software_versions, String).label("software_versions"))
+
+
+class _StoredRows:
+    """The rows of the import's fingerprints, read once, and the rows the import adds, by key: two queries a record
+    (already stored? the current one?) took ~5 ms each, mostly building their twelve-column filters (4,000 records:
+    ~50 s, holding the write lock)."""
+
+    def __init__(self, s: Any, fingerprints: set[str]) -> None:
+        self._by_key: dict[tuple, list[Any]] = {}
+        key_cols = [getattr(Profile, c) for c in PROFILE_KEY_COLUMNS]
+        names = sorted(fingerprints)
+        for i in range(0, len(names), 500):  # SQLite's bound-parameter limit
+            for row in s.execute(select(*key_cols, *_STORED_COLUMNS).where(Profile.fingerprint.in_(names[i:i + 500]))):
+                d = row._asdict()
+                self._by_key.setdefault(tuple(d.pop(c) for c in PROFILE_KEY_COLUMNS), []).append(_Row(**d))
+        self._one = select(*_STORED_COLUMNS).where(Profile.id == bindparam("pid"))
+
+    def of(self, key: ProfileKey) -> list[Any]:
+        return self._by_key.setdefault(tuple(getattr(key, c) for c in PROFILE_KEY_COLUMNS), [])
+
+    def add(self, s: Any, key: ProfileKey, row_id: int) -> None:
+        """A row just inserted (flushed), as the database returns it (its JSON as stored)."""
+        self.of(key).append(_Row(**s.execute(self._one, {"pid": row_id}).one()._asdict()))
+
+
+class _Row(SimpleNamespace):
+    """One stored row's compared columns; `status` follows the import's own replacements."""
+
+
+def _already_stored(rows: list[Any], rec: ProfileRecord) -> bool:
+    """Whether the database holds `rec` already (`rows`: the stored rows of its key and knobs): the same key and
+    knobs created at the same instant (spelled as the file spells it or not). A record without `created` (the
+    format allows leaving it out) was stamped with the time of the import that stored it, so it is matched on
+    everything else it says: numbers, backend, provenance, measured_on, routing, performance environment and
+    software versions (not its status, which the replacement gate decided)."""
     if rec.created:
         when = _instant(rec.created)
         return any(_instant(row.created) == when for row in rows)
