@@ -538,3 +538,16 @@ def test_a_tracked_profile_follows_a_restarted_daemons_changes() -> None:
     c.answer = msgspec.structs.replace(good, version=1)  # the new daemon's snapshot
     t.refresh()
     assert c.version == 1 and c.epoch == "e2"
+
+
+def test_tracking_without_a_daemon_raises_daemon_unavailable(tmp_path: Path) -> None:
+    """As documented on ProfileClient.track: tracking needs the daemon's change notices (resolve falls back)."""
+    from moetune.runtime.profiles.client import DaemonUnavailable
+
+    c = ProfileClient(f"ipc://{tmp_path}/none/daemon.sock", timeout_ms=100, retries=0, env={"HOME": str(tmp_path)})
+    try:
+        with pytest.raises(DaemonUnavailable):
+            c.track(**QUERY)
+        assert "DaemonUnavailable" in (ProfileClient.track.__doc__ or "")
+    finally:
+        c.close()

@@ -906,7 +906,9 @@ class ProfileClient:
         return out
 
     def track(self, *, transport_ok: Callable[[str], str | None] | None = None, **query: Any) -> TrackedProfile:
-        """`query`: get_profile's fields; `transport_ok` as for `resolve`."""
+        """`query`: get_profile's fields; `transport_ok` as for `resolve`. Tracking needs the daemon (its change
+        notices): with none answering this raises DaemonUnavailable, where `resolve` would fall back to the database;
+        `refresh()` raises it too when the daemon stops answering between a change notice and the fetch."""
         return TrackedProfile(self, query, transport_ok)
 
     # -- the fallback chain ----------------------------------------------------------------------
