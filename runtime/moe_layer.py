@@ -119,14 +119,23 @@ class MoELayer(nn.Module):
         expected_tokens: int | None = None,
     ):
         super().__init__()
-        _check_arguments(model, knobs, max_tokens, device, dtype, seed, use_grouped_mm, buffer, options,
-                         expected_tokens)
-        if engine is not None and engine not in ENGINES:
-            raise ValueError(f"engine must be one of {', '.join(ENGINES)} or None, got {engine!r}")
+        try:
+            _check_arguments(model, knobs, max_tokens, device, dtype, seed, use_grouped_mm, buffer, options,
+                             expected_tokens)
+            if engine is not None and engine not in ENGINES:
+                raise ValueError(f"engine must be one of {', '.join(ENGINES)} or None, got {engine!r}")
+            if buffer is not None:
+                _check_buffer(buffer, model, group, knobs, max_tokens, device, dtype, options)
+        except Exception as e:
+            # the other ranks wait in the first collective: the buffer's agreement, or with a given buffer the
+            # layer's own; this rank takes part with its refusal, so they raise too (then it raises `e`)
+            if buffer is None:
+                EPBuffer.refuse(group, e)
+            if isinstance(buffer, EPBuffer):
+                _agree(buffer, e, 0)
+            raise
         self.model = model
         self.max_tokens = max_tokens
-        if buffer is not None:
-            _check_buffer(buffer, model, group, knobs, max_tokens, device, dtype, options)
         self.buffer = buffer or EPBuffer(group, knobs, model=model, max_tokens=max_tokens, device=device, dtype=dtype,
                                          options=options, expected_tokens=expected_tokens)
         self.expected_tokens = expected_tokens if expected_tokens is not None else self.buffer.expected_tokens
@@ -171,29 +180,7 @@ class MoELayer(nn.Module):
             if self.buffer.world == 1 or not dist.is_initialized():
                 raise
             fault = e
-        self._agree(fault)
-
-    def _agree(self, fault: Exception | None) -> None:
-        """The layer's own agreement after the buffer's (one int64 all-gather): whether any rank's engine setup
-        failed, and the seed. Ranks with different seeds would route by different gates and hold experts of
-        different weights: wrong outputs, silently; a rank refused engine="megakernel" would leave the others
-        waiting in their first dispatch."""
-        buf = self.buffer
-        if buf.world == 1 or not dist.is_initialized():
-            return
-        rows = buf.gather_rows([int(fault is not None), self.seed])
-        failed = [r for r, row in enumerate(rows) if row[0] and r != buf.rank]
-        if fault is not None:
-            if failed:
-                fault.add_note(f"MoELayer: also refused on rank(s) {failed}")
-            raise fault
-        if failed:
-            raise ValueError(f"MoELayer on rank {buf.rank}: the engine was refused on rank(s) {failed}; every rank "
-                             "must build the layer with the same engine (that rank's error says why)")
-        seeds = [row[1] for row in rows]
-        if any(s != seeds[0] for s in seeds):
-            raise ValueError(f"MoELayer: the ranks were given different seeds ({seeds}, by rank); the layer's weights "
-                             "and gate are built from the seed, so every rank must pass the same one")
+        _agree(self.buffer, fault, seed)
 
     # -- engine ------------------------------------------------------------------------------------------
     def _setup_engine(self, engine: str | None, knobs: Knobs | None, max_tokens: int) -> None:
@@ -564,6 +551,30 @@ def _load_state_dict_rebind(module: MoELayer, _incompatible: Any) -> None:
     now on (a wrong dtype or device raises here, not at the next forward)."""
     if module.megakernel is not None:
         module._sync_megakernel()
+
+
+def _agree(buf: EPBuffer, fault: Exception | None, seed: int) -> None:
+    """The layer's own agreement after the buffer's (one int64 all-gather over the buffer's group): whether any
+    rank's layer was refused (its engine, or with a given buffer its arguments), and the seed. Ranks with different
+    seeds would route by different gates and hold experts of different weights: wrong outputs, silently; a refused
+    rank would leave the others waiting in their first dispatch. Raises on every rank; `fault` on its own."""
+    if buf.world == 1 or not dist.is_initialized():
+        if fault is not None:
+            raise fault
+        return
+    rows = buf.gather_rows([int(fault is not None), seed])
+    failed = [r for r, row in enumerate(rows) if row[0] and r != buf.rank]
+    if fault is not None:
+        if failed:
+            fault.add_note(f"MoELayer: also refused on rank(s) {failed}")
+        raise fault
+    if failed:
+        raise ValueError(f"MoELayer on rank {buf.rank}: the layer was refused on rank(s) {failed} (its arguments or "
+                         "its engine); every rank must build the layer alike (that rank's error says why)")
+    seeds = [row[1] for row in rows]
+    if any(s != seeds[0] for s in seeds):
+        raise ValueError(f"MoELayer: the ranks were given different seeds ({seeds}, by rank); the layer's weights "
+                         "and gate are built from the seed, so every rank must pass the same one")
 
 
 def _check_arguments(model: Any, knobs: Any, max_tokens: Any, device: Any, dtype: Any, seed: Any,

@@ -181,7 +181,12 @@ def case_layer_arguments(rank: int, world: int) -> dict[str, Any]:
     model = get_model(MODEL)
     out: dict[str, Any] = {}
     for kind, kw in (("seed", {"seed": 7 if rank == 1 else 0}),
-                     ("engine", {"engine": "megakernel" if rank == 1 else None})):
-        out[kind] = _outcome(lambda kw=kw: MoELayer(model, knobs=Knobs(), max_tokens=16, **kw))
+                     ("engine", {"engine": "megakernel" if rank == 1 else None}),
+                     ("argument", {"max_tokens": 2.5 if rank == 1 else 16})):
+        kw = {"max_tokens": 16, **kw}
+        out[kind] = _outcome(lambda kw=kw: MoELayer(model, knobs=Knobs(), **kw))
         MoELayer(model, knobs=Knobs(), max_tokens=16)
+    buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=16)  # a given buffer: the first collective is the layer's
+    out["buffer"] = _outcome(lambda: MoELayer(model, buffer=buf, max_tokens=8 if rank == 1 else 16))
+    MoELayer(model, buffer=buf, max_tokens=16)
     return out

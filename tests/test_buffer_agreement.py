@@ -183,7 +183,21 @@ def test_moe_layers_with_other_seeds_on_one_rank_are_an_error_on_every_rank(
 def test_an_engine_refused_on_one_rank_is_an_error_on_every_rank(layer_arguments: list[dict[str, Any]]) -> None:
     """Before: rank 1 raised MegakernelUnavailable, rank 0 went on to wait in its first dispatch."""
     r0, r1 = layer_arguments[0]["engine"], layer_arguments[1]["engine"]
-    assert r0[0] == "ValueError" and "the engine was refused on rank(s) [1]" in r0[1], r0
+    assert r0[0] == "ValueError" and "the layer was refused on rank(s) [1]" in r0[1], r0
     assert r1[0] == "MegakernelUnavailable" and "world 1" in r1[1], r1
     _at_once(r0)
     _at_once(r1)
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_argument_refused_on_one_rank_is_an_error_on_every_rank(layer_arguments: list[dict[str, Any]]) -> None:
+    """Before: rank 1 raised before the buffer's agreement, rank 0 waited in it until the group's timeout."""
+    r0, r1 = layer_arguments[0]["argument"], layer_arguments[1]["argument"]
+    assert r0[0] == "ValueError" and "refused on another rank (rank 1: layer arguments)" in r0[1], r0
+    assert r1[0] == "TypeError" and "max_tokens must be an int" in r1[1], r1
+    # with a given buffer the first collective is the layer's own agreement
+    b0, b1 = layer_arguments[0]["buffer"], layer_arguments[1]["buffer"]
+    assert b0[0] == "ValueError" and "the layer was refused on rank(s) [1]" in b0[1], b0
+    assert b1[0] == "ValueError" and "max_tokens 8 vs the buffer's 16" in b1[1], b1
+    for outcome in (r0, r1, b0, b1):
+        _at_once(outcome)

@@ -66,7 +66,7 @@ Signalling, fences, QPs and num_sms belong to the one-sided transports and are i
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -114,7 +114,7 @@ MAX_BUFFER_BYTES = 1 << 40
 # What EPBuffer's construction checks locally, in order; a failed check travels as 1 + its index in the first
 # agreement, so the other ranks can say which argument which rank refused
 _CHECKS = ("knobs", "model", "max_tokens", "device", "dtype", "check_inputs", "dense", "expected_tokens", "options",
-           "compression", "scale_granularity", "transport")
+           "compression", "scale_granularity", "transport", "layer arguments")
 # What every rank must build alike (the first agreement's columns after the code)
 _AGREED = ("knobs=None", "knobs", "runtime options", "hidden", "intermediate", "experts", "topk", "max_tokens",
            "dtype", "dense", "check_inputs")
@@ -174,13 +174,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     ):
         # the group first: without one there is nobody to agree with
         _args.check_group(group, "EPBuffer: ")
-        self.group = group
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        # the group's device (it carries the agreement when this rank's device argument is refused); replaced by
-        # the device argument's once checked
-        backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self._join(group)
         self.resolution: Any = None  # the autoload Resolution (knobs=None), the same on every rank
         # every local check runs before the first collective, and the first collective has one shape whatever the
         # arguments: a rank whose check failed (or that differs in knobs=None) is an error on every rank, not a
@@ -323,6 +317,31 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
                              f"max_tokens={most} for this model, dtype and world)")
 
     # -- construction: local checks, then one agreement ----------------------------------------------
+    def _join(self, group: dist.ProcessGroup | None) -> None:
+        """The group, this rank's place in it, and the group's device (it carries the agreement when this rank's
+        device argument is refused; replaced by the device argument's once checked)."""
+        self.group = group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    @classmethod
+    def refuse(cls, group: Any, error: Exception) -> NoReturn:
+        """For a layer that builds an EPBuffer on every rank (MoELayer) and whose own checks refused this rank's
+        arguments: take part in the buffer's first agreement with the refusal, so the other ranks raise naming this
+        rank (`layer arguments`) instead of waiting there until the group's timeout; then raise `error`. Without a
+        usable group (the refused argument may be the group) there is nobody to tell: `error` is raised at once."""
+        try:
+            _args.check_group(group, "")
+        except Exception:
+            raise error from None
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            raise error
+        buf = cls.__new__(cls)
+        buf._join(group)
+        buf._agree((_CHECKS.index("layer arguments") + 1, error), knobs_given=False)
+        raise error  # _agree raised it already; for the type checker
     def _check_arguments(self, knobs: Any, model: Any, max_tokens: Any, device: Any, dtype: Any, check_inputs: Any,
                          dense: Any, options: Any, expected_tokens: Any) -> tuple[int, Exception] | None:
         """The constructor's checks that need no collective (setting what they resolve); the first that fails as
