@@ -61,7 +61,6 @@ import msgspec
 import zmq
 
 from moetune.runtime import wire
-from moetune.runtime._proc import pid_gone
 from moetune.runtime.config import pub_socket_beside
 from moetune.runtime.paths import loose_key_path, secret_key_checks
 from moetune.runtime.profile_record import ProfileRecord
@@ -319,8 +318,9 @@ def foreign_info_reason(path: Path, endpoint: str) -> str | None:
 
 def other_live_daemon(path: Path, endpoint: str) -> str | None:
     """Which other daemon still serves from the daemon.json at `path` (its pid and endpoint), when the file says one
-    runs at another endpoint than `endpoint` and that one is alive: its IPC socket answers (a TCP endpoint: its pid,
-    of this host, runs). None otherwise: a stopped or dead daemon's file is taken over as before."""
+    runs at another endpoint than `endpoint` and that one is alive: its IPC socket answers. Only a daemon on an
+    ipc:// socket writes daemon.json (beside the socket), so a file naming another kind of endpoint is no live
+    daemon's. None otherwise: a stopped or dead daemon's file is taken over as before."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -337,10 +337,7 @@ def other_live_daemon(path: Path, endpoint: str) -> str | None:
     if not isinstance(other, str) or other == endpoint:
         return None
     p = _ipc_path(other)
-    if p is not None:
-        if p == _ipc_path(endpoint) or not p.is_absolute() or not _socket_alive(p):
-            return None
-    elif type(pid) is not int or pid <= 0 or data.get("host") != pysocket.gethostname() or pid_gone(pid):
+    if p is None or p == _ipc_path(endpoint) or not p.is_absolute() or not _socket_alive(p):
         return None
     return f"pid {pid}, endpoint {other}"
 
