@@ -123,17 +123,16 @@ class MoELayer(nn.Module):
             _check_arguments(model, knobs, max_tokens, device, dtype, seed, use_grouped_mm, buffer, options,
                              expected_tokens)
             if engine is not None and engine not in ENGINES:
-                raise ValueError(f"engine must be one of {', '.join(ENGINES)} or None, got {engine!r}")
+                raise ValueError(f"MoELayer: engine must be one of {', '.join(ENGINES)} or None, got {engine!r}")
             if buffer is not None:
                 _check_buffer(buffer, model, group, knobs, max_tokens, device, dtype, options)
         except Exception as e:
             # the other ranks wait in the first collective: the buffer's agreement, or with a given buffer the
-            # layer's own; this rank takes part with its refusal, so they raise too (then it raises `e`)
-            if buffer is None:
-                EPBuffer.refuse(group, e)
+            # layer's own (of the same shape); this rank takes part with its refusal, so they raise too (then it
+            # raises `e`)
             if isinstance(buffer, EPBuffer):
                 _agree(buffer, e, 0)
-            raise
+            EPBuffer.refuse(group, e)
         self.model = model
         self.max_tokens = max_tokens
         self.buffer = buffer or EPBuffer(group, knobs, model=model, max_tokens=max_tokens, device=device, dtype=dtype,
@@ -562,12 +561,14 @@ def _agree(buf: EPBuffer, fault: Exception | None, seed: int) -> None:
         if fault is not None:
             raise fault
         return
-    rows = buf.gather_rows([int(fault is not None), seed])
+    rows, why = buf.layer_agreement([int(fault is not None), seed])
     failed = [r for r, row in enumerate(rows) if row[0] and r != buf.rank]
     if fault is not None:
-        if failed:
-            fault.add_note(f"MoELayer: also refused on rank(s) {failed}")
+        if failed or why:
+            fault.add_note(f"MoELayer: {why or f'also refused on rank(s) {failed}'}")
         raise fault
+    if why is not None:
+        raise ValueError(f"MoELayer on rank {buf.rank}: {why}")
     if failed:
         raise ValueError(f"MoELayer on rank {buf.rank}: the layer was refused on rank(s) {failed} (its arguments or "
                          "its engine); every rank must build the layer alike (that rank's error says why)")
@@ -579,22 +580,24 @@ def _agree(buf: EPBuffer, fault: Exception | None, seed: int) -> None:
 
 def _check_arguments(model: Any, knobs: Any, max_tokens: Any, device: Any, dtype: Any, seed: Any,
                      use_grouped_mm: Any, buffer: Any, options: Any, expected_tokens: Any) -> None:
-    """TypeError / ValueError naming the argument, before anything is built from it."""
-    _args.check_model(model)
-    _args.check_knobs(knobs)
-    _args.check_int("max_tokens", max_tokens, 1)
+    """TypeError / ValueError naming the argument (and the layer: the other ranks' errors name it too), before
+    anything is built from it."""
+    who = "MoELayer: "
+    _args.check_model(model, who)
+    _args.check_knobs(knobs, who)
+    _args.check_int("max_tokens", max_tokens, 1, who)
     if expected_tokens is not None:  # here too, not only in EPBuffer: a given buffer bypasses its check
-        _args.check_int("expected_tokens", expected_tokens, 1)
+        _args.check_int("expected_tokens", expected_tokens, 1, who)
         if expected_tokens > max_tokens:
-            raise ValueError(f"expected_tokens={expected_tokens} is more than max_tokens={max_tokens}")
-    _args.check_device(device)
-    _args.check_dtype(dtype)
-    check_seed(seed)
-    _args.check_flag("use_grouped_mm", use_grouped_mm, optional=True)
+            raise ValueError(f"{who}expected_tokens={expected_tokens} is more than max_tokens={max_tokens}")
+    _args.check_device(device, who)
+    _args.check_dtype(dtype, who)
+    check_seed(seed, who)
+    _args.check_flag("use_grouped_mm", use_grouped_mm, who, optional=True)
     if buffer is not None and not isinstance(buffer, EPBuffer):
-        raise TypeError(f"buffer must be an EPBuffer or None, got {type(buffer).__name__}")
+        raise TypeError(f"{who}buffer must be an EPBuffer or None, got {type(buffer).__name__}")
     if options is not None and not isinstance(options, (RuntimeOptions, Mapping)):
-        raise TypeError(f"options must be a RuntimeOptions, a mapping of option names or None, got "
+        raise TypeError(f"{who}options must be a RuntimeOptions, a mapping of option names or None, got "
                         f"{type(options).__name__}")
 
 

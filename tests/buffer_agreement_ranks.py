@@ -189,4 +189,13 @@ def case_layer_arguments(rank: int, world: int) -> dict[str, Any]:
     buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=16)  # a given buffer: the first collective is the layer's
     out["buffer"] = _outcome(lambda: MoELayer(model, buffer=buf, max_tokens=8 if rank == 1 else 16))
     MoELayer(model, buffer=buf, max_tokens=16)
+    # a buffer given on rank 1 only (rank 0 builds its own), then one that is no EPBuffer on rank 1, with rank 0's
+    # layer given one or not
+    out["buffer_on_one"] = _outcome(lambda: MoELayer(model, knobs=Knobs(), max_tokens=16,
+                                                     buffer=buf if rank == 1 else None))
+    for kind, mine in (("not_a_buffer", None), ("not_a_buffer_given", buf)):
+        out[kind] = _outcome(lambda mine=mine: MoELayer(model, knobs=Knobs(), max_tokens=16,
+                                                        buffer="not a buffer" if rank == 1 else mine))
+    MoELayer(model, buffer=buf, max_tokens=16)
+    MoELayer(model, knobs=Knobs(), max_tokens=16)
     return out

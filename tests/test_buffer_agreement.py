@@ -201,3 +201,22 @@ def test_a_layer_argument_refused_on_one_rank_is_an_error_on_every_rank(layer_ar
     assert b1[0] == "ValueError" and "max_tokens 8 vs the buffer's 16" in b1[1], b1
     for outcome in (r0, r1, b0, b1):
         _at_once(outcome)
+
+
+@pytest.mark.timeout(120)
+def test_a_buffer_given_on_one_rank_only_is_an_error_on_every_rank(layer_arguments: list[dict[str, Any]]) -> None:
+    """Before: the rank given a buffer ran the layer's 2-wide all-gather, the other the buffer's 12-wide one (gloo
+    aborted a process; the other read the row as "knobs=None"); a `buffer` that is no EPBuffer raised on its rank
+    alone. The layer's agreement now has the buffer agreement's shape, marked."""
+    r0, r1 = layer_arguments[0]["buffer_on_one"], layer_arguments[1]["buffer_on_one"]
+    assert r0[0] == "ValueError" and "rank 1: buffer (that rank's layer was given one" in r0[1], r0
+    assert r1[0] == "ValueError" and "rank(s) [0] built their own EPBuffer where this rank's layer was given one" in r1[1], r1
+    for kind in ("not_a_buffer", "not_a_buffer_given"):
+        r0, r1 = layer_arguments[0][kind], layer_arguments[1][kind]
+        assert r1[0] == "TypeError" and "buffer must be an EPBuffer or None" in r1[1], (kind, r1)
+        said = ("rank 1: layer arguments" if kind == "not_a_buffer" else
+                "the layer's arguments were refused on rank(s) [1]")
+        assert r0[0] == "ValueError" and said in r0[1], (kind, r0)
+    for res in layer_arguments:
+        for kind in ("buffer_on_one", "not_a_buffer", "not_a_buffer_given"):
+            _at_once(res[kind])

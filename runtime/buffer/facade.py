@@ -114,7 +114,12 @@ MAX_BUFFER_BYTES = 1 << 40
 # What EPBuffer's construction checks locally, in order; a failed check travels as 1 + its index in the first
 # agreement, so the other ranks can say which argument which rank refused
 _CHECKS = ("knobs", "model", "max_tokens", "device", "dtype", "check_inputs", "dense", "expected_tokens", "options",
-           "compression", "scale_granularity", "transport", "layer arguments")
+           "compression", "scale_granularity", "transport", "layer arguments",
+           "buffer (that rank's layer was given one, this rank's was not)")
+# the code a layer given an EPBuffer puts first in its own agreement (`layer_agreement`): that agreement has the
+# buffer's first agreement's shape, so a rank building its own buffer meanwhile pairs with it and both raise
+_GIVEN_BUFFER = len(_CHECKS)
+_LAYER_REFUSED = _CHECKS.index("layer arguments") + 1
 # What every rank must build alike (the first agreement's columns after the code)
 _AGREED = ("knobs=None", "knobs", "runtime options", "hidden", "intermediate", "experts", "topk", "max_tokens",
            "dtype", "dense", "check_inputs")
@@ -452,6 +457,23 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         got = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(got, mine, group=self.group)
         return torch.stack(got).cpu().tolist()
+
+    def layer_agreement(self, row: list[int]) -> tuple[list[list[int]], str | None]:
+        """The first collective of a layer built on this buffer (MoELayer's own agreement): every rank's `row` (at
+        most len(_AGREED) int64s), and why not every rank is in it (None when all are): a rank whose layer arguments
+        were refused (`refuse`), or one building its own EPBuffer where this rank's layer was given one. The rows
+        have the shape of the buffer's first agreement, marked, so those ranks pair with this collective instead of
+        running one of another shape (gloo aborted the process; NCCL would hang)."""
+        rows = self.gather_rows([_GIVEN_BUFFER, *row, *[0] * (len(_AGREED) - len(row))])
+        refused = [r for r, x in enumerate(rows) if x[0] == _LAYER_REFUSED and r != self.rank]
+        building = [r for r, x in enumerate(rows) if x[0] not in (_GIVEN_BUFFER, _LAYER_REFUSED)]
+        why = None
+        if refused:
+            why = f"the layer's arguments were refused on rank(s) {refused} (that rank's error says why)"
+        elif building:
+            why = (f"rank(s) {building} built their own EPBuffer where this rank's layer was given one; every rank "
+                   "must pass `buffer`, or none")
+        return [x[1:1 + len(row)] for x in rows], why
 
     def _raise_faults(self, fault: tuple[int, Exception] | None, codes: list[int]) -> None:
         """Every rank raises when any rank's local check failed: that rank its own error, the others a ValueError
