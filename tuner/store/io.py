@@ -408,8 +408,9 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_inva
                 elif not have.facts and fp.facts:  # a placeholder learns its facts
                     have.facts = fp.facts
             s.flush()
-            known = set(s.scalars(select(Fingerprint.hash).where(
-                Fingerprint.hash.in_({rec.key.fingerprint for rec in doc.profiles}))))
+            wanted = sorted({rec.key.fingerprint for rec in doc.profiles})
+            known = {h for i in range(0, len(wanted), _IN_BATCH) for h in
+                     s.scalars(select(Fingerprint.hash).where(Fingerprint.hash.in_(wanted[i:i + _IN_BATCH])))}
             stored = _StoredRows(s, known)
             for rec in doc.profiles:
                 if rec.key.fingerprint not in known:
@@ -417,7 +418,8 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_inva
                     known.add(rec.key.fingerprint)
                     result.fingerprints += 1
                 rows = stored.of(rec.key)
-                if _already_stored([r for r in rows if r.profile_hash == rec.profile_hash], rec):
+                h = rec.profile_hash  # a property that hashes the key and knobs: once a record, not once a row
+                if _already_stored([r for r in rows if r.profile_hash == h], rec):
                     result.skipped += 1
                     continue
                 row = row_from_record(rec, ts, keep_times=True)
@@ -462,6 +464,8 @@ def _json_text(text: str | None) -> Any:
         return text  # a corrupt stored column: equal to nothing an import brings
 
 
+_IN_BATCH = 500  # values in one IN (...): SQLite builds limited to 999 bound parameters exist
+
 # what an import compares a record with: the gate's view of a row (`current_of`'s columns) and the columns
 # `_already_stored` matches on, JSON ones as the text stored
 _STORED_COLUMNS = (Profile.id, Profile.status, Profile.profile_hash, Profile.created, Profile.latency_us,
@@ -479,8 +483,9 @@ class _StoredRows:
         self._by_key: dict[tuple, list[Any]] = {}
         key_cols = [getattr(Profile, c) for c in PROFILE_KEY_COLUMNS]
         names = sorted(fingerprints)
-        for i in range(0, len(names), 500):  # SQLite's bound-parameter limit
-            for row in s.execute(select(*key_cols, *_STORED_COLUMNS).where(Profile.fingerprint.in_(names[i:i + 500]))):
+        for i in range(0, len(names), _IN_BATCH):
+            for row in s.execute(select(*key_cols, *_STORED_COLUMNS).where(
+                    Profile.fingerprint.in_(names[i:i + _IN_BATCH]))):
                 d = row._asdict()
                 self._by_key.setdefault(tuple(d.pop(c) for c in PROFILE_KEY_COLUMNS), []).append(_Row(**d))
         self._one = select(*_STORED_COLUMNS).where(Profile.id == bindparam("pid"))
