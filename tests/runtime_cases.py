@@ -66,7 +66,7 @@ class GlooResident(EPTransport):
         self.gen = torch.Generator().manual_seed(1234 + self.rank)
 
     @classmethod
-    def availability(cls, device=None) -> Availability:
+    def availability(cls, device=None, options=None) -> Availability:
         return Availability(True, "test double over gloo")
 
     def reserve(self, max_send_rows: int, row_bytes: int) -> None:
@@ -96,7 +96,7 @@ class UnavailableResident(GlooResident):
     constructor would fail before the collectives it shares with the other ranks."""
 
     @classmethod
-    def availability(cls, device=None) -> Availability:
+    def availability(cls, device=None, options=None) -> Availability:
         return Availability(False, "not on this rank (test double)")
 
     def __init__(self, group, knobs, device, **kw):

@@ -44,6 +44,28 @@ def test_one_sided_transports_refuse_a_cpu_device(monkeypatch: pytest.MonkeyPatc
         assert get_transport(name).availability(torch.device("cuda", 0)).ok
 
 
+def test_host_staged_availability_probes_the_library_only_for_its_native_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EPBuffer asks every transport's availability with its options before building it; probing the compiled library
+    may build csrc/ with nvcc, which host_staged needs only with hs_native (found in review: a build ran with
+    MOETUNE_HS_NATIVE=0)."""
+    import torch
+    import torch.distributed as dist
+
+    from moetune.runtime import csrc_build
+    from moetune.runtime.options import RuntimeOptions
+    from moetune.runtime.transports.host_staged import HostStagedTransport
+
+    probed: list[int] = []
+    monkeypatch.setattr(csrc_build, "availability", lambda: (probed.append(1), (True, "built"))[1])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    cuda = torch.device("cuda", 0)
+    a = HostStagedTransport.availability(cuda, RuntimeOptions(hs_native=False))
+    assert a.ok and "MOETUNE_HS_NATIVE=0" in a.reason and probed == [], (a, probed)
+    a = HostStagedTransport.availability(cuda, RuntimeOptions(hs_native=True))
+    assert a.ok and "copy engines" in a.reason and probed == [1], (a, probed)
+
+
 def test_csrc_build_module_reports_absence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from moetune.runtime import csrc_build
 
@@ -484,7 +506,7 @@ def test_epbuffer_reserves_the_receive_buffer_of_onesided_transports(monkeypatch
         name = "nvlink"
 
         @classmethod
-        def availability(cls, device=None) -> Availability:
+        def availability(cls, device=None, options=None) -> Availability:
             return Availability(True, "fake")
 
         def reserve(self, max_send_rows: int, row_bytes: int) -> None:

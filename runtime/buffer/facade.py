@@ -431,7 +431,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             # in the first agreement: its constructor would fail on this rank only, the others waiting in its
             # collectives until the group's timeout
             step = "transport"
-            avail = cls.availability(self.device)
+            avail = cls.availability(self.device, self.options)
             if not avail.ok:
                 raise KnobError(f"transport {knobs.transport!r} cannot run here: {avail.reason}", ("transport",))
         except Exception as e:  # ImportError: the transport module missing here; any refusal reaches every rank

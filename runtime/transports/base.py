@@ -97,8 +97,10 @@ class EPTransport(ABC):
 
     @classmethod
     @abstractmethod
-    def availability(cls, device: torch.device | None = None) -> Availability:
-        """Whether this transport can run on this machine, and why not."""
+    def availability(cls, device: torch.device | None = None, options: RuntimeOptions | None = None) -> Availability:
+        """Whether this transport can run on this machine, and why not. `options`: the runtime options it would run
+        with (the EP buffer passes its own; None: resolved from the MOETUNE_* variables and the config), for a
+        transport whose answer depends on them."""
 
     @classmethod
     def combine_shares_lanes(cls, device: torch.device, options: RuntimeOptions) -> bool:

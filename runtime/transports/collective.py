@@ -86,7 +86,7 @@ class CollectiveTransport(EPTransport):
                 warn_channels_not_honoured(ranks, channels, dist.get_world_size())
 
     @classmethod
-    def availability(cls, device: torch.device | None = None) -> Availability:
+    def availability(cls, device: torch.device | None = None, options: RuntimeOptions | None = None) -> Availability:
         if not dist.is_available():
             return Availability(False, "torch.distributed is not available in this torch build")
         if device is not None and device.type == "cuda":

@@ -158,13 +158,13 @@ class HostStagedTransport(CollectiveTransport):
             return base
         if device is not None and device.type == "cuda":
             native = (options if options is not None else RuntimeOptions.resolve()).hs_native
-            ok, why = csrc_build.availability()
-            if ok and native:
+            # the compiled library only where the native path is on: probing it may build csrc/ with nvcc
+            ok, why = csrc_build.availability() if native else (False, "MOETUNE_HS_NATIVE=0")
+            if ok:
                 return Availability(True, "copy engines through shared pinned host memory (csrc/host_staged.cu)")
             if os.environ.get("NCCL_P2P_DISABLE", "0") != "1":
-                return Availability(True, "NCCL's staging; set NCCL_P2P_DISABLE=1 before NCCL initialises "
-                                          f"({'MOETUNE_HS_NATIVE=0' if ok else why})")
-            return Availability(True, f"NCCL's staging through host memory ({'MOETUNE_HS_NATIVE=0' if ok else why})")
+                return Availability(True, f"NCCL's staging; set NCCL_P2P_DISABLE=1 before NCCL initialises ({why})")
+            return Availability(True, f"NCCL's staging through host memory ({why})")
         return Availability(True, "collective staged through host memory")
 
     # -- staging memory ------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ class NvlinkTransport(OneSidedTransport):
             raise
 
     @classmethod
-    def availability(cls, device: torch.device | None = None) -> Availability:
+    def availability(cls, device: torch.device | None = None, options: RuntimeOptions | None = None) -> Availability:
         a = one_sided_availability(device)
         if not a.ok:
             return a

@@ -385,7 +385,7 @@ class ProxyTransport(OneSidedTransport):
             raise
 
     @classmethod
-    def availability(cls, device: torch.device | None = None) -> Availability:
+    def availability(cls, device: torch.device | None = None, options: RuntimeOptions | None = None) -> Availability:
         return one_sided_availability(device)
 
     def _set_data(self) -> None:
