@@ -144,17 +144,7 @@ class MoELayer(nn.Module):
         epr = self.buffer.experts_per_rank
         first = self.buffer.rank * epr
         self.local_experts = range(first, first + epr)
-        w1s, w2s = zip(*(expert_weights(model, e, seed=seed, device=self.device, dtype=self.dtype) for e in self.local_experts), strict=True)
-        self.w_gate_up = nn.Parameter(torch.stack(w1s), requires_grad=False)  # [E_local, 2I, H]
-        self.w_down = nn.Parameter(torch.stack(w2s), requires_grad=False)  # [E_local, H, I]
-        self.gate = nn.Parameter(gate_weight(model, seed=seed, device=self.device, dtype=self.dtype), requires_grad=False)
-        # the unfused path's constants: the gate in fp32 (route() widens it every call otherwise; remade when the
-        # gate is written, e.g. by load_state_dict) and searchsorted's expert edges 1..E (int64, as the expert ids)
-        self._gate_f32: tuple[int, int, torch.Tensor] | None = None
-        self.register_buffer("_expert_ends", torch.arange(1, epr + 1, device=self.device), persistent=False)
-        if use_grouped_mm is None:
-            use_grouped_mm = grouped_mm_usable(self.device.type, self.device.index, self.dtype, model.hidden, model.intermediate)
-        self.use_grouped_mm = use_grouped_mm
+        self._gate_f32: tuple[int, int, torch.Tensor] | None = None  # the gate in fp32 (_build_weights)
         self.engine = "unfused"
         self.engine_note = ""
         self.engine_knobs: Knobs | None = None  # the knob set the megakernel runs with
@@ -174,12 +164,29 @@ class MoELayer(nn.Module):
         self.register_load_state_dict_post_hook(_load_state_dict_rebind)
         fault: Exception | None = None
         try:
+            self._build_weights(seed, use_grouped_mm)
             self._setup_engine(engine, knobs, max_tokens)
-        except Exception as e:  # engine="megakernel" refused on this rank: the others are told in the agreement
-            if self.buffer.world == 1 or not dist.is_initialized():
+        except Exception as e:  # out of memory, engine="megakernel" refused, ... on this rank: the others are told in
+            if self.buffer.world == 1 or not dist.is_initialized():  # the agreement rather than left waiting there
                 raise
             fault = e
         _agree(self.buffer, fault, seed)
+
+    def _build_weights(self, seed: int, use_grouped_mm: bool | None) -> None:
+        """This rank's experts' weights and the gate from `seed`, and the unfused path's constants."""
+        model = self.model
+        w1s, w2s = zip(*(expert_weights(model, e, seed=seed, device=self.device, dtype=self.dtype) for e in self.local_experts), strict=True)
+        self.w_gate_up = nn.Parameter(torch.stack(w1s), requires_grad=False)  # [E_local, 2I, H]
+        self.w_down = nn.Parameter(torch.stack(w2s), requires_grad=False)  # [E_local, H, I]
+        self.gate = nn.Parameter(gate_weight(model, seed=seed, device=self.device, dtype=self.dtype), requires_grad=False)
+        # the unfused path's constants: the gate in fp32 (route() widens it every call otherwise; remade when the
+        # gate is written, e.g. by load_state_dict) and searchsorted's expert edges 1..E (int64, as the expert ids)
+        self.register_buffer("_expert_ends", torch.arange(1, len(self.local_experts) + 1, device=self.device),
+                             persistent=False)
+        if use_grouped_mm is None:
+            use_grouped_mm = grouped_mm_usable(self.device.type, self.device.index, self.dtype, model.hidden,
+                                               model.intermediate)
+        self.use_grouped_mm = use_grouped_mm
 
     # -- engine ------------------------------------------------------------------------------------------
     def _setup_engine(self, engine: str | None, knobs: Knobs | None, max_tokens: int) -> None:
@@ -570,8 +577,8 @@ def _agree(buf: EPBuffer, fault: Exception | None, seed: int) -> None:
     if why is not None:
         raise ValueError(f"MoELayer on rank {buf.rank}: {why}")
     if failed:
-        raise ValueError(f"MoELayer on rank {buf.rank}: the layer was refused on rank(s) {failed} (its arguments or "
-                         "its engine); every rank must build the layer alike (that rank's error says why)")
+        raise ValueError(f"MoELayer on rank {buf.rank}: the layer was refused on rank(s) {failed} (its arguments, "
+                         "its weights or its engine); every rank must build the layer alike (that rank's error says why)")
     seeds = [row[1] for row in rows]
     if any(s != seeds[0] for s in seeds):
         raise ValueError(f"MoELayer: the ranks were given different seeds ({seeds}, by rank); the layer's weights "

@@ -11,17 +11,20 @@ import torch
 
 from moetune.runtime.shapes import ModelShape
 
-# seeds whose generator seeds (seed * 1_000_003 + a small offset) fit the 64-bit seed torch.Generator takes; outside
-# it manual_seed failed with "Overflow when unpacking long long", naming no argument
-SEED_LIMIT = 1 << 40
+# The seeds whose generator seeds (seed * 1_000_003 plus an offset below 2**24: 7 * expert + 1, or 999_983) are within
+# what torch.Generator.manual_seed takes, [-2**63, 2**64); outside, it failed with "Overflow when unpacking long long",
+# naming no argument
+SEED_MIN = -((2**63 - 2**24) // 1_000_003)
+SEED_MAX = (2**64 - 2**24) // 1_000_003
 
 
 def check_seed(seed: object, who: str = "") -> None:
-    """TypeError / ValueError naming `seed` when it is not an int in [-2**40, 2**40)."""
+    """TypeError / ValueError naming `seed` when it is not an int in [SEED_MIN, SEED_MAX]."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"{who}seed must be an int, got {type(seed).__name__}")
-    if not -SEED_LIMIT <= seed < SEED_LIMIT:
-        raise ValueError(f"{who}seed must be in [-2**40, 2**40), got {seed}")
+    if not SEED_MIN <= seed <= SEED_MAX:
+        raise ValueError(f"{who}seed must be in [{SEED_MIN}, {SEED_MAX}] (the weights' generators take 64-bit seeds "
+                         f"derived from it), got {seed}")
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:

@@ -198,4 +198,19 @@ def case_layer_arguments(rank: int, world: int) -> dict[str, Any]:
                                                         buffer="not a buffer" if rank == 1 else mine))
     MoELayer(model, buffer=buf, max_tokens=16)
     MoELayer(model, knobs=Knobs(), max_tokens=16)
+    # building the weights fails on rank 1 (out of memory, say), after the buffer's agreement
+    from moetune.runtime import moe_layer
+
+    real = moe_layer.expert_weights
+
+    def oom(*a: Any, **kw: Any) -> Any:
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    if rank == 1:
+        moe_layer.expert_weights = oom
+    try:
+        out["weights_fail"] = _outcome(lambda: MoELayer(model, knobs=Knobs(), max_tokens=16))
+    finally:
+        moe_layer.expert_weights = real
+    MoELayer(model, knobs=Knobs(), max_tokens=16)
     return out

@@ -220,3 +220,14 @@ def test_a_buffer_given_on_one_rank_only_is_an_error_on_every_rank(layer_argumen
     for res in layer_arguments:
         for kind in ("buffer_on_one", "not_a_buffer", "not_a_buffer_given"):
             _at_once(res[kind])
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_failing_to_build_its_weights_on_one_rank_is_an_error_on_every_rank(
+        layer_arguments: list[dict[str, Any]]) -> None:
+    """Before: rank 1 raised while building its experts, rank 0 waited in the layer's agreement until the timeout."""
+    r0, r1 = layer_arguments[0]["weights_fail"], layer_arguments[1]["weights_fail"]
+    assert r1[0] == "RuntimeError" and "out of memory (simulated)" in r1[1], r1
+    assert r0[0] == "ValueError" and "the layer was refused on rank(s) [1]" in r0[1], r0
+    _at_once(r0)
+    _at_once(r1)

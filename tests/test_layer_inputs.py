@@ -374,15 +374,18 @@ def test_wrong_argument_types_name_the_argument(kw: dict, match: str) -> None:
         MoELayer(args.pop("model"), None, args.pop("knobs"), **args)
 
 
-@pytest.mark.parametrize("seed", [2**40, 2**60, -(2**40) - 1])
+@pytest.mark.parametrize("seed", [2**45, 2**60, -(2**44)])
 def test_a_seed_out_of_the_generators_range_is_named(seed: int) -> None:
-    """Before: torch's "Overflow when unpacking long long" from manual_seed, naming no argument (or none at all for
-    dense_reference's weights)."""
-    with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*40, 2\*\*40\)"):
+    """Before: torch's "Overflow when unpacking long long" from manual_seed, naming no argument (dense_reference's
+    weights the same)."""
+    from moetune.runtime.weights import SEED_MAX, SEED_MIN
+
+    with pytest.raises(ValueError, match=r"MoELayer: seed must be in \[-9223344366804, 18446688733626\]"):
         MoELayer(TINY, None, Knobs(), max_tokens=8, device="cpu", seed=seed)
     with pytest.raises(ValueError, match="seed must be in"):
         dense_reference(torch.zeros(1, TINY.hidden), TINY, seed=seed)
-    MoELayer(TINY, None, Knobs(), max_tokens=8, device="cpu", seed=2**40 - 1)  # the range's ends build
+    for ok in (SEED_MIN, SEED_MAX, 1_733_400_000_000):  # the ends, and a millisecond timestamp, build
+        MoELayer(TINY, None, Knobs(), max_tokens=8, device="cpu", seed=ok)
 
 
 def test_epbuffer_options_type() -> None:
