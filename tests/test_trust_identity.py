@@ -351,10 +351,11 @@ def test_this_nodes_own_daemon_over_curve_tcp_serves_its_measured_profile_as_tun
 
 
 @pytest.mark.parametrize(("args", "said"), [
-    (["--family", "no-such"], "no policy file for transport family 'no-such'"),
+    (["--family", "no-such"], "unknown family 'no-such' (known: collective,"),
     (["--family", "megakernel", "--ep", "2"], "megakernel profiles are for one GPU (--ep 1, --nodes 1)"),
 ])
 def test_query_family_is_checked(tmp_path: Path, args: list[str], said: str) -> None:
+    """A family moetune names is taken whether or not it ships a policy (proxy:ucx: stored keys may have it)."""
     from typer.testing import CliRunner
 
     from moetune.tuner.cli import app
@@ -362,6 +363,10 @@ def test_query_family_is_checked(tmp_path: Path, args: list[str], said: str) -> 
     base = {"--model": "qwen3-30b", "--ep": "1", "--tokens": "16"}
     for flag, value in zip(args[::2], args[1::2], strict=True):
         base[flag] = value
-    r = CliRunner().invoke(app, ["query", *[x for kv in base.items() for x in kv], "--timeout-ms", "50"],
-                           env={"MOETUNE_HOME": str(tmp_path), "HOME": str(tmp_path), "COLUMNS": "300"})
+    env = {"MOETUNE_HOME": str(tmp_path), "HOME": str(tmp_path), "COLUMNS": "300"}
+    r = CliRunner().invoke(app, ["query", *[x for kv in base.items() for x in kv], "--timeout-ms", "50"], env=env)
     assert r.exit_code == 2 and said in " ".join(r.output.split()), r.output
+    for family in ("proxy:ucx", "proxy:libfabric/cxi"):
+        r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "16", "--family", family,
+                                     "--timeout-ms", "50", "--json"], env=env)
+        assert r.exit_code == 0, (family, r.output)

@@ -81,16 +81,14 @@ def check_db_given(db: Path) -> None:
 
 
 def check_family(family: str, ep: int, nodes: int) -> None:
-    """Exit 2 unless `family` has a packaged policy (its defaults are the fallback answer) and, for the megakernel,
-    the EP size and nodes are its one GPU's."""
-    from moetune.runtime.knobs import KnobError
+    """Exit 2 unless `family` is one moetune names (as a stored key's: `proxy:libfabric/PROVIDER` for any provider)
+    and, for the megakernel, the EP size and nodes are its one GPU's."""
     from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
-    from moetune.runtime.profiles.policy_defaults import policy_default_knobs
+    from moetune.tuner.store.validate import KNOWN_FAMILIES, is_known_family, printable
 
-    try:
-        policy_default_knobs(family)
-    except KnobError as e:
-        raise typer.BadParameter(str(e), param_hint="--family") from None
+    if not is_known_family(family):
+        raise typer.BadParameter(f"unknown family {printable(family[:64])!r} (known: {', '.join(sorted(KNOWN_FAMILIES))}, "
+                                 "proxy:libfabric/PROVIDER)", param_hint="--family")
     if family == MEGAKERNEL_FAMILY and (ep, nodes) != (1, 1):
         raise typer.BadParameter(f"megakernel profiles are for one GPU (--ep 1, --nodes 1), got --ep {ep} --nodes "
                                  f"{nodes}", param_hint="--family")
