@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import event
 
 from moetune.runtime.knobs import default_knobs
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profile_record import TOKEN_BUCKETS, ProfileKey, ProfileRecord
 from moetune.runtime.profiles import client, sqlite_open
 from moetune.tuner.store.store import Store, StoreError
 
@@ -33,7 +33,7 @@ needs_setpriv = pytest.mark.skipif(
 
 def record(fp: str, i: int) -> ProfileRecord:
     key = ProfileKey(fingerprint=fp, software="sw", transport_family="nvlink", ep_size=2, nodes=1, hidden=7168,
-                     intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=16 << (i % 12))
+                     intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=TOKEN_BUCKETS[i % 12])
     return ProfileRecord(key=key, knobs=default_knobs("nvlink"), latency_us=3.0, spread_us=0.5, backend="model:t")
 
 

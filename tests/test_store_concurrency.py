@@ -40,12 +40,12 @@ WORKER = textwrap.dedent(
         store.add_measurement(fingerprint=f"fp-{me}", kind="lat", transport="nvlink", size_bytes=i,
                               value=float(i), spread=0.1, unit="us", extra={"worker": me})
         key = ProfileKey(fingerprint=f"fp-{me}", software="sw", transport_family="nvlink", ep_size=2, nodes=1,
-                         hidden=1024, intermediate=512, experts=8, topk=2, dtype="bfloat16", token_bucket=i + 1)
+                         hidden=1024 + i, intermediate=512, experts=8, topk=2, dtype="bfloat16", token_bucket=16)
         ok, _ = store.put_profile(ProfileRecord(key=key, knobs=default_knobs("nvlink"), latency_us=10.0 + i,
                                                 spread_us=0.5, backend="test"))
         # Both processes also fight over the same keys: the unique index must hold.
         shared = ProfileKey(fingerprint="fp-shared", software="sw", transport_family="nvlink", ep_size=2, nodes=1,
-                            hidden=1024, intermediate=512, experts=8, topk=2, dtype="bfloat16", token_bucket=1 + i % 5)
+                            hidden=1024, intermediate=512, experts=8, topk=2, dtype="bfloat16", token_bucket=(1, 16, 64, 128, 256)[i % 5])
         store.put_profile(ProfileRecord(key=shared, knobs=default_knobs("nvlink"), latency_us=1000.0 - i,
                                         spread_us=0.1, backend=f"worker-{me}"))
         won += ok
@@ -94,7 +94,7 @@ def test_two_processes_write_at_once(tmp_path):
                 "SELECT count(*) FROM profiles WHERE fingerprint=? AND status='current'", (f"fp-{me}",)
             ).fetchone()[0] == N
         dup = con.execute(
-            "SELECT token_bucket, count(*) FROM profiles WHERE status='current' GROUP BY fingerprint, token_bucket"
+            "SELECT token_bucket, count(*) FROM profiles WHERE status='current' GROUP BY fingerprint, hidden, token_bucket"
             " HAVING count(*) > 1"
         ).fetchall()
         assert dup == []

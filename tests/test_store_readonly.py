@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from moetune.runtime.knobs import default_knobs
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profile_record import TOKEN_BUCKETS, ProfileKey, ProfileRecord
 from moetune.tuner.store.store import Store
 
 pytestmark = pytest.mark.skipif(
@@ -30,7 +30,7 @@ def fill(db: Path, n: int) -> None:
     with Store(db) as s:
         for i in range(n):
             key = ProfileKey(fingerprint="fp-ro", software="sw", transport_family="nvlink", ep_size=2, nodes=1,
-                             hidden=7168, intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=16 << i)
+                             hidden=7168, intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=TOKEN_BUCKETS[i])
             s.put_profile(ProfileRecord(key=key, knobs=default_knobs("nvlink"), latency_us=3.0, spread_us=0.5,
                                         backend="model:t"))
 

@@ -125,6 +125,10 @@ def check_record(rec: ProfileRecord) -> None:
             raise FieldError(name, f"must be a finite number >= 0, got {v}")
     if not rec.key.fingerprint:
         raise FieldError("key.fingerprint", "must not be empty")
+    # every lookup rounds S to a bucket (another key is never found), and an export of it could not be imported
+    if rec.key.token_bucket not in TOKEN_BUCKETS:
+        raise FieldError("key.token_bucket", f"{rec.key.token_bucket} is not a token bucket "
+                                             f"({', '.join(map(str, TOKEN_BUCKETS))})")
     if rec.status not in STATUSES:
         raise FieldError("status", f"must be one of {', '.join(STATUSES)}, got {rec.status!r}")
     if rec.provenance not in PROVENANCES:
