@@ -254,3 +254,16 @@ def test_an_imports_work_per_record_does_not_grow_with_the_keys_history(tmp_path
         again = d.import_bytes(data)
     assert first.inserted == 60 and again.skipped == 60, (first, again)
     assert len(calls) <= 3 * 60, len(calls)  # was ~60 x 60
+
+
+def test_the_store_refuses_a_key_that_is_no_token_bucket(tmp_path: Path) -> None:
+    """put_profile stored token_bucket=22 (a lookup rounds S to a bucket, so never found) whose export was refused on
+    import: what the store keeps is now what an import takes back."""
+    from moetune.tuner.store.validate import FieldError
+
+    with Store(tmp_path / "m.db") as s:
+        s.upsert_fingerprint("fp-x", {"gpu": "H100"})
+        with pytest.raises(FieldError, match=r"key\.token_bucket.*22 is not a token bucket"):
+            s.put_profile(ProfileRecord(key=key(22), knobs=default_knobs("nvlink"), latency_us=1.0, spread_us=0.1,
+                                        backend="local:nccl", provenance="measured", measured_on="fp-x"))
+        assert s.count_profiles() == 0
