@@ -82,8 +82,8 @@ def grouped_mm_usable(device_type: str, device_index: int | None, dtype: torch.d
 
 class MoELayer(nn.Module):
     """An expert-parallel MoE layer. Construction is collective over `group`: it builds an EPBuffer, then checks that
-    every rank passed the same `seed` (the weights and the gate are built from it) and that no rank's engine was
-    refused, raising on every rank otherwise.
+    every rank passed the same `seed` (the weights and the gate are built from it) and that no rank's layer failed
+    (its arguments, its weights, its engine), raising on every rank otherwise.
 
     `engine`: None (the knobs' `engine`; without knobs, at world 1, the `megakernel` profile's), `"unfused"`
     or `"megakernel"` (world 1 only; raises `MegakernelUnavailable` where it cannot run). After construction
@@ -560,8 +560,9 @@ def _load_state_dict_rebind(module: MoELayer, _incompatible: Any) -> None:
 
 
 def _agree(buf: EPBuffer, fault: Exception | None, seed: int) -> None:
-    """The layer's own agreement after the buffer's (one int64 all-gather over the buffer's group): whether any
-    rank's layer was refused (its engine, or with a given buffer its arguments), and the seed. Ranks with different
+    """The layer's own agreement after the buffer's (one int64 all-gather over the buffer's group, of the buffer
+    agreement's shape: `EPBuffer.layer_agreement`): whether any rank's layer failed (its weights or its engine; with a
+    given buffer, its arguments), and the seed. Ranks with different
     seeds would route by different gates and hold experts of different weights: wrong outputs, silently; a refused
     rank would leave the others waiting in their first dispatch. Raises on every rank; `fault` on its own."""
     if buf.world == 1 or not dist.is_initialized():
