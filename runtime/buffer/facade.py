@@ -347,6 +347,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         buf._join(group)
         buf._agree((_CHECKS.index("layer arguments") + 1, error), knobs_given=False)
         raise error  # _agree raised it already; for the type checker
+
     def _check_arguments(self, knobs: Any, model: Any, max_tokens: Any, device: Any, dtype: Any, check_inputs: Any,
                          dense: Any, options: Any, expected_tokens: Any) -> tuple[int, Exception] | None:
         """The constructor's checks that need no collective (setting what they resolve); the first that fails as
