@@ -491,7 +491,7 @@ def settings_markdown() -> str:
         "",
         "moetune has three kinds of settings. **Knobs** change speed: the tuner searches them and a profile",
         "stores them (`runtime/knobs.py`). **Runtime options** change how the data path does the same work",
-        "(fallbacks, timeouts, side-by-side switches): `EPBuffer(..., options=RuntimeOptions(...))`, else the",
+        "(fallbacks, timeouts, side-by-side switches): `EPBuffer(..., options=RuntimeOptions(...))` (`from moetune.runtime import RuntimeOptions`), else the",
         "`[runtime]` section of the config, overridden by each option's variable (`runtime/options.py`). Every rank",
         "of an EP group must use the same knobs and options: the buffer compares their digests when it is built",
         "(except the options that only place a thread within each process, which ranks may set differently: "

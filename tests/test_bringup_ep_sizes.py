@@ -186,3 +186,16 @@ def test_plan_backend_model_is_refused(tmp_path: Path) -> None:
     p.write_text('backend = "model"\n')
     with pytest.raises(ValueError, match="a bring-up measures this node; a MODELLED tune is `moetune tune --backend"):
         Plan.from_file(p, Plan())
+
+
+def test_a_node_without_gpus_runs_at_most_one_gloo_rank_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A docs tester's find: ep_sizes = [2, 4, 8] on a 2-core node without GPUs was taken (8 gloo ranks on 2 cores:
+    minutes a trial), though the docs say a size is at most what the node can run."""
+    import os
+
+    from moetune.tuner.bringup.flow import Plan, plan_ep_sizes
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert plan_ep_sizes(Plan(ep_sizes=[2]), 0)[0] == [2]
+    with pytest.raises(ValueError, match=r"EP size 4 runs 4 gloo ranks .* on 2 CPUs: at most 2 here"):
+        plan_ep_sizes(Plan(ep_sizes=[2, 4]), 0)

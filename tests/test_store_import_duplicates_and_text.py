@@ -267,3 +267,22 @@ def test_the_store_refuses_a_key_that_is_no_token_bucket(tmp_path: Path) -> None
             s.put_profile(ProfileRecord(key=key(22), knobs=default_knobs("nvlink"), latency_us=1.0, spread_us=0.1,
                                         backend="local:nccl", provenance="measured", measured_on="fp-x"))
         assert s.count_profiles() == 0
+
+
+def test_the_import_summary_counts_history_and_a_negative_latency_is_refused_as_zero_is(tmp_path: Path,
+                                                                                         export: dict) -> None:
+    """A docs tester's finds: superseded records of a file were imported but in no count of the summary; a negative
+    latency was refused with "must be a finite number >= 0" although 0 is refused too."""
+    hist = json.loads(json.dumps(export["profiles"][0]))
+    hist["status"], hist["knobs"]["num_sms"], hist["created"] = "superseded", 40, "2026-01-01T00:00:00+00:00"
+    src = tmp_path / "f.json"
+    src.write_text(json.dumps({**export, "profiles": [*export["profiles"], hist]}))
+    r = run("profiles", "import", str(src), "--db", str(tmp_path / "d.db"))
+    assert r.exit_code == 0 and "imported 4 profile(s)" in r.output and "3 current, 1 as history," in r.output, r.output
+    for bad in (-1.0, 0.0):
+        p = json.loads(json.dumps(export["profiles"][0]))
+        p["latency_us"] = bad
+        f = tmp_path / f"bad{bad}.json"
+        f.write_text(json.dumps({**export, "profiles": [p]}))
+        r = run("profiles", "import", str(f), "--db", str(tmp_path / "e.db"))
+        assert r.exit_code != 0 and f"latency_us: must be a finite number > 0, got {bad}" in r.output, r.output

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import secrets
 import tomllib
 from collections.abc import Callable
@@ -272,6 +273,10 @@ def plan_ep_sizes(plan: Plan, gpus: int) -> tuple[list[int], str]:
             if gpus >= 2 and n > gpus:
                 raise ValueError(f"plan: EP size {n} needs {n} GPUs, this node has {gpus} (the bring-up measures on "
                                  "this node only)")
+            cpus = os.cpu_count() or 1
+            if gpus == 0 and n > cpus:  # gloo ranks: one process each, sharing the CPUs (8 on 2 took minutes a trial)
+                raise ValueError(f"plan: EP size {n} runs {n} gloo ranks (this node has no GPU) on {cpus} CPUs: at most "
+                                 f"{cpus} here")
             bad = [f"{m} ({e} experts)" for m, e in experts.items() if e % n]
             if bad:
                 raise ValueError(f"plan: EP size {n} does not divide the experts of {', '.join(bad)}")

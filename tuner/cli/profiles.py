@@ -291,9 +291,12 @@ def import_cmd(
         print_json(msgspec.to_builtins(res))
     else:
         left_out = f", {len(res.invalid)} invalid left out (listed above)" if res.invalid else ""
+        # records the file itself calls superseded or stale go in as history (every inserted one is counted once)
+        history = res.inserted - res.current - res.kept_superseded
         out.print(
             escape(
-                f"imported {res.inserted} profile(s) from {source}: {res.current} current, {res.replaced} replaced, "
-                f"{res.kept_superseded} kept as superseded, {res.skipped} already present{left_out}"
+                f"imported {res.inserted} profile(s) from {source}: {res.current} current, {history} as history, "
+                f"{res.replaced} replaced, {res.kept_superseded} kept as superseded, {res.skipped} already "
+                f"present{left_out}"
             )
         )

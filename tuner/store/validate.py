@@ -171,10 +171,11 @@ def check_import_record(rec: ProfileRecord, now: _dt.datetime | None = None) -> 
     """`check_record` plus what a file from elsewhere may get wrong: a key no moetune would write, a control
     character in any text (listed and shown later, it would reach the terminal)."""
     check_no_control(msgspec.to_builtins(rec))
+    # before check_record, whose ">= 0" would be said of a negative latency that a file may not have at 0 either
+    if not (math.isfinite(rec.latency_us) and rec.latency_us > 0):
+        raise FieldError("latency_us", f"must be a finite number > 0, got {rec.latency_us}")
     check_record(rec)
     key = rec.key
-    if not rec.latency_us > 0:
-        raise FieldError("latency_us", f"must be > 0, got {rec.latency_us}")
     if key.dtype not in DTYPES:
         raise FieldError("key.dtype", f"unknown dtype {key.dtype[:64]!r} (known: {', '.join(DTYPES)})")
     if key.token_bucket not in TOKEN_BUCKETS:
