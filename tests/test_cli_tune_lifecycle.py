@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -314,3 +315,25 @@ def test_profile_plan_help_lists_every_key_the_plan_takes() -> None:
     text = inspect.signature(profile).parameters["plan_file"].default.help
     keys = text.split(":", 1)[1].split("(")[0].replace(" ", "").split(",")
     assert sorted(keys) == sorted(f.name for f in dataclasses.fields(Plan)), text
+
+
+def test_an_interrupted_profile_says_so_after_its_last_progress_lines(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A docs tester's find: after Ctrl-C, `moetune profile` printed a task's last progress line after its
+    "interrupted: ..." message (the bar was closed after the message)."""
+    from moetune.tuner.bringup import flow
+    from moetune.tuner.cli import profile as P
+
+    def run(self: Any) -> Any:
+        task = self.progress.add("collective qwen3-30b S=128", 4)
+        self.progress.update(task, 2, best=5484.0)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(P, "_no_cuda_for_nccl", lambda flow, capture: None)
+    monkeypatch.setattr(flow.Bringup, "run", run)
+    r = runner.invoke(app, ["profile", "--quick", "--capture", str(CAPTURES / "h200x2"), "--db",
+                            str(tmp_path / "m.db")], env={"MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 130, r.output
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert "collective qwen3-30b S=128: 2/4 done" in r.output, r.output
+    assert lines[-1].startswith("interrupted: run the same command again"), lines[-3:]
