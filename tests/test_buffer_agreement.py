@@ -62,6 +62,14 @@ def _at_once(outcome: tuple[str, str, float]) -> None:
     assert outcome[2] < 5.0, outcome  # an error at once, not a collective's timeout
 
 
+def _raised(outcomes: list[dict[str, Any]], case: str, *wanted: tuple[str, str]) -> None:
+    """Rank r's outcome of `case` is the exception wanted[r][0], its message holding wanted[r][1], raised at once."""
+    for rank, (kind, text) in enumerate(wanted):
+        got = outcomes[rank][case]
+        assert got[0] == kind and text in got[1], (case, rank, got)
+        _at_once(got)
+
+
 @pytest.mark.timeout(120)
 def test_knobs_none_on_one_rank_is_an_error_on_every_rank(construction: list[dict[str, Any]]) -> None:
     for res in construction:
@@ -87,11 +95,7 @@ def test_a_local_check_failing_on_one_rank_is_an_error_on_every_rank(constructio
 
 @pytest.mark.timeout(120)
 def test_loaded_knobs_failing_on_one_rank_is_an_error_on_every_rank(construction: list[dict[str, Any]]) -> None:
-    r0, r1 = construction[0]["loaded"], construction[1]["loaded"]
-    assert r0[0] == "ValueError" and "(rank 1: transport)" in r0[1], r0
-    assert r1[0] == "ImportError" and "no_such_module_here" in r1[1], r1
-    _at_once(r0)
-    _at_once(r1)
+    _raised(construction, "loaded", ("ValueError", "(rank 1: transport)"), ("ImportError", "no_such_module_here"))
 
 
 @pytest.mark.timeout(120)
@@ -182,25 +186,18 @@ def test_moe_layers_with_other_seeds_on_one_rank_are_an_error_on_every_rank(
 @pytest.mark.timeout(120)
 def test_an_engine_refused_on_one_rank_is_an_error_on_every_rank(layer_arguments: list[dict[str, Any]]) -> None:
     """Before: rank 1 raised MegakernelUnavailable, rank 0 went on to wait in its first dispatch."""
-    r0, r1 = layer_arguments[0]["engine"], layer_arguments[1]["engine"]
-    assert r0[0] == "ValueError" and "the layer was refused on rank(s) [1]" in r0[1], r0
-    assert r1[0] == "MegakernelUnavailable" and "world 1" in r1[1], r1
-    _at_once(r0)
-    _at_once(r1)
+    _raised(layer_arguments, "engine", ("ValueError", "the layer was refused on rank(s) [1]"),
+            ("MegakernelUnavailable", "world 1"))
 
 
 @pytest.mark.timeout(120)
 def test_a_layer_argument_refused_on_one_rank_is_an_error_on_every_rank(layer_arguments: list[dict[str, Any]]) -> None:
     """Before: rank 1 raised before the buffer's agreement, rank 0 waited in it until the group's timeout."""
-    r0, r1 = layer_arguments[0]["argument"], layer_arguments[1]["argument"]
-    assert r0[0] == "ValueError" and "refused on another rank (rank 1: layer arguments)" in r0[1], r0
-    assert r1[0] == "TypeError" and "max_tokens must be an int" in r1[1], r1
+    _raised(layer_arguments, "argument", ("ValueError", "refused on another rank (rank 1: layer arguments)"),
+            ("TypeError", "max_tokens must be an int"))
     # with a given buffer the first collective is the layer's own agreement
-    b0, b1 = layer_arguments[0]["buffer"], layer_arguments[1]["buffer"]
-    assert b0[0] == "ValueError" and "the layer was refused on rank(s) [1]" in b0[1], b0
-    assert b1[0] == "ValueError" and "max_tokens 8 vs the buffer's 16" in b1[1], b1
-    for outcome in (r0, r1, b0, b1):
-        _at_once(outcome)
+    _raised(layer_arguments, "buffer", ("ValueError", "the layer was refused on rank(s) [1]"),
+            ("ValueError", "max_tokens 8 vs the buffer's 16"))
 
 
 @pytest.mark.timeout(120)
@@ -208,26 +205,17 @@ def test_a_buffer_given_on_one_rank_only_is_an_error_on_every_rank(layer_argumen
     """Before: the rank given a buffer ran the layer's 2-wide all-gather, the other the buffer's 12-wide one (gloo
     aborted a process; the other read the row as "knobs=None"); a `buffer` that is no EPBuffer raised on its rank
     alone. The layer's agreement now has the buffer agreement's shape, marked."""
-    r0, r1 = layer_arguments[0]["buffer_on_one"], layer_arguments[1]["buffer_on_one"]
-    assert r0[0] == "ValueError" and "rank 1: buffer (that rank's layer was given one" in r0[1], r0
-    assert r1[0] == "ValueError" and "rank(s) [0] built their own EPBuffer where this rank's layer was given one" in r1[1], r1
-    for kind in ("not_a_buffer", "not_a_buffer_given"):
-        r0, r1 = layer_arguments[0][kind], layer_arguments[1][kind]
-        assert r1[0] == "TypeError" and "buffer must be an EPBuffer or None" in r1[1], (kind, r1)
-        said = ("rank 1: layer arguments" if kind == "not_a_buffer" else
-                "the layer's arguments were refused on rank(s) [1]")
-        assert r0[0] == "ValueError" and said in r0[1], (kind, r0)
-    for res in layer_arguments:
-        for kind in ("buffer_on_one", "not_a_buffer", "not_a_buffer_given"):
-            _at_once(res[kind])
+    _raised(layer_arguments, "buffer_on_one", ("ValueError", "rank 1: buffer (that rank's layer was given one"),
+            ("ValueError", "rank(s) [0] built their own EPBuffer where this rank's layer was given one"))
+    not_one = ("TypeError", "buffer must be an EPBuffer or None")
+    _raised(layer_arguments, "not_a_buffer", ("ValueError", "rank 1: layer arguments"), not_one)
+    _raised(layer_arguments, "not_a_buffer_given", ("ValueError", "the layer's arguments were refused on rank(s) [1]"),
+            not_one)
 
 
 @pytest.mark.timeout(120)
 def test_a_layer_failing_to_build_its_weights_on_one_rank_is_an_error_on_every_rank(
         layer_arguments: list[dict[str, Any]]) -> None:
     """Before: rank 1 raised while building its experts, rank 0 waited in the layer's agreement until the timeout."""
-    r0, r1 = layer_arguments[0]["weights_fail"], layer_arguments[1]["weights_fail"]
-    assert r1[0] == "RuntimeError" and "out of memory (simulated)" in r1[1], r1
-    assert r0[0] == "ValueError" and "the layer was refused on rank(s) [1]" in r0[1], r0
-    _at_once(r0)
-    _at_once(r1)
+    _raised(layer_arguments, "weights_fail", ("ValueError", "the layer was refused on rank(s) [1]"),
+            ("RuntimeError", "out of memory (simulated)"))

@@ -118,7 +118,7 @@ _CHECKS = ("knobs", "model", "max_tokens", "device", "dtype", "check_inputs", "d
            "buffer (that rank's layer was given one, this rank's was not)")
 # the code a layer given an EPBuffer puts first in its own agreement (`layer_agreement`): that agreement has the
 # buffer's first agreement's shape, so a rank building its own buffer meanwhile pairs with it and both raise
-_GIVEN_BUFFER = len(_CHECKS)
+_GIVEN_BUFFER = len(_CHECKS)  # the code of _CHECKS' last entry
 _LAYER_REFUSED = _CHECKS.index("layer arguments") + 1
 # What every rank must build alike (the first agreement's columns after the code)
 _AGREED = ("knobs=None", "knobs", "runtime options", "hidden", "intermediate", "experts", "topk", "max_tokens",

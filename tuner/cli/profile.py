@@ -175,20 +175,18 @@ def profile(
                   f"{flow.facts.fingerprint} · transports {', '.join(flow.facts.transport_names)} · db {store.path}")
     console.print(flow.ep_note, markup=False)
     try:
-        with sigterm_interrupts():
-            done = flow.run()
+        try:
+            with sigterm_interrupts():
+                done = flow.run()
+        finally:
+            flow.progress.close()  # its last lines before any message below (closed after one, they followed it)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`sigterm_interrupts`)
-        flow.progress.close()  # its last lines before the message (closed after it, they followed it)
         console.print(f"[yellow]{interrupted_by(e)}: run the same command again to continue where it stopped[/]")
         raise typer.Exit(interrupted_exit(e)) from None
     except StoreError as e:  # e.g. another process holds the database: exit 1, as db/tune/profiles do
-        flow.progress.close()
         _fail(f"{e} (finished stages are kept; rerun to continue)", e.exit_code)
     except (ValueError, KnobError, RuntimeError, OSError) as e:
-        flow.progress.close()
         _fail(f"{e} (finished stages are kept; rerun to continue)")
-    finally:
-        flow.progress.close()
     rows = done.get("compare") or []
     if as_json:
         typer.echo(json.dumps({"fingerprint": flow.facts.fingerprint, "db": str(store.path), "ep_sizes": flow.ep_sizes,
