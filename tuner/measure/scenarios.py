@@ -538,6 +538,24 @@ def run_host_cost(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
                        "" if c.name in seen else f"no line for {c.name} in the output") for c in cases]
 
 
+@driver("profiles-import", single_shot=True)
+def run_profiles_import(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
+    """bench/profiles_import.py times every case in one process; the cases pick its lines."""
+    args = dict(cases[0].args) if cases else {}
+    try:
+        stdout, cmd = _run_script("profiles_import.py", args, cases[0].env if cases else {}, ctx)
+    except RuntimeError as e:
+        return [CaseResult(c.name, {}, "python bench/profiles_import.py", str(e)) for c in cases]
+    seen = {}
+    for ln in stdout.splitlines():
+        mm = re.match(r"^(\S+) import_s ([\d.]+) reimport_s ([\d.]+)", ln.strip())
+        if mm:
+            seen[mm.group(1)] = {"import_s": Stat(float(mm.group(2)), unit="s"),
+                                 "reimport_s": Stat(float(mm.group(3)), unit="s")}
+    return [CaseResult(c.name, seen.get(c.name, {}), cmd, "" if c.name in seen else f"no line for {c.name} in the output")
+            for c in cases]
+
+
 @driver("proxy-micro", single_shot=True)
 def run_proxy_micro(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     """bench/proxy_micro.py (C++ proxy engine, GPU 0 -> GPU 1) times every signalling mode in one process;
