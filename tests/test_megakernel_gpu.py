@@ -327,10 +327,12 @@ def new_layers(model, layer):
 
     cache: dict[str, object] = {}
 
+    # every config reads the one layer's k-tiled weights: a row-major pair per config (w_gate_up/w_down are copies)
+    # tiled again held ~1.2 GB each, 77 GB over this module's configs, more than an 80 GB H100 has (run 192)
     def get(cfg: str):
         if cfg not in cache:
             cache[cfg] = MegakernelMoE(model, max_tokens=4096, config=MegakernelConfig.parse(cfg),
-                                       w_gate_up=layer.w_gate_up, w_down=layer.w_down, gate=layer.gate)
+                                       w_gate_up=layer.w1t, w_down=layer.w2t, gate=layer.gate, tiled=True)
         return cache[cfg]
 
     return get
