@@ -47,3 +47,41 @@ def test_real_tuner_retune_after_fabric_change(tmp_path: Path) -> None:
         c.close()
     finally:
         d.stop()
+
+
+def test_a_retune_whose_predictions_do_not_displace_measurements_says_so(tmp_path: Path) -> None:
+    """`retune --all` with the model backend on a node whose current profiles are measured: the predictions go in as
+    history and the measured profiles stay current. The job said only "0 profile(s) written", which read as a
+    re-tune that did nothing; its message now counts the keys that kept their current profile."""
+    from moetune.tuner.daemon.jobs import JobManager, tuner_retune
+    from moetune.tuner.fabric.discovery import discover
+
+    cap = tmp_path / "capture"
+    facts = F.make_capture(cap, "dgx-h100")
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, facts, ep_size=8, buckets=(64, 1024))
+    assert {r.provenance for r in seeded} == {"measured"}
+    F.write_node_model(tmp_path, facts.fingerprint)
+    done: list = []
+    jm = JobManager(store=store, facts_fn=lambda: discover(cap), retune=tuner_retune,
+                    on_done=lambda j, w: done.append(j), tune=TuneSettings(backend="model", trials=3, timeout_s=60),
+                    gpu_probe=lambda: (False, "idle (test)"))
+    jm.start()
+    try:
+        jm.submit(reason="retune --all", old_fingerprint=facts.fingerprint, keys=[r.key for r in seeded],
+                  all_current=True)
+        deadline = time.monotonic() + 60
+        while not done and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        jm.stop()
+    assert done, "the job did not finish"
+    job = done[0]
+    assert job.state == "done" and job.written == 0 and job.kept == 2, job.message
+    assert "0 profile(s) written" in job.message and "2 key(s) kept their current profile" in job.message
+    assert "a prediction never displaces a measurement" in job.message
+    rows = [r for _, r in store.list_profiles()]
+    assert sorted(r.provenance for r in rows if r.status == "current") == ["measured", "measured"]
+    assert {r.provenance for r in rows if r.status == "superseded"} == {"node_model"}
+    finished = [e for e in store.list_events(limit=50) if e["kind"] == "job_finished"]
+    assert finished and finished[0]["details"]["kept"] == 2

@@ -83,6 +83,7 @@ class Job:
         self.impossible = False  # failed because no profile true for this node could be produced
         self.cancelled_by = ""  # "user" (the retune op), "fabric" (the watch: its fabric changed), "shutdown"
         self.refused: list[str] = []  # keys the re-tune would not produce here, and why (they stay as they are)
+        self.kept = 0  # keys re-tuned whose current profile stayed (the new result did not replace it)
         self.deferred = ""  # why the job waits (the GPUs are busy or their state unknown), "" once it runs
 
     def info(self) -> JobInfo:
@@ -95,7 +96,7 @@ class Job:
                 "fingerprint": self.fingerprint, "software": self.software, "all_current": self.all_current,
                 "keys": [k.to_dict() for k in self.keys], "state": self.state, "written": self.written,
                 "message": self.message, "impossible": self.impossible, "refused": list(self.refused),
-                "resumes": self.resumes}
+                "kept": self.kept, "resumes": self.resumes}
 
 
 class JobContext:
@@ -340,6 +341,9 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
             close = getattr(mk_be, "close", None)
             if callable(close):
                 close()
+    # a result the store did not take as current (a modelled one beside a measured profile, one within the noise of
+    # the stored number): the key's current profile stays; said in the job's message, not counted as written
+    ctx.job.kept += sum(1 for r in out if r.status != "current")
     return [r for r in out if r.status == "current"]
 
 
@@ -604,6 +608,10 @@ class JobManager:
             job.written = len(written)
             job.state = "done"
             job.message = f"{len(written)} profile(s) written in {time.monotonic() - t0:.1f} s"
+            if job.kept:
+                job.message += (f"; {job.kept} key(s) kept their current profile (the store's replacement rules "
+                                "kept it: a prediction never displaces a measurement, a slower result or one within "
+                                "the noise never replaces)")
             if job.refused:
                 job.message += "; " + "; ".join(job.refused)
         except JobCancelled as e:
