@@ -344,6 +344,9 @@ def test_this_nodes_own_daemon_over_curve_tcp_serves_its_measured_profile_as_tun
         got = json.loads(r.stdout)
         assert r.exit_code == 0 and got["source"] == "daemon" and got["provenance"] == "measured", r.output
         assert got["profile_hash"] == mk.profile_hash and got["family"] == "megakernel", got
+        # no database in the client's home: where it was measured is the key's fingerprint the client checked is
+        # this node's (it was "" in run 192's flow on a GPU node)
+        assert got["measured_on"] == facts.fingerprint, got
         r = CliRunner().invoke(app, args, env=env)
         assert r.exit_code == 0 and json.loads(r.stdout)["family"] != "megakernel", r.output
     finally:

@@ -170,8 +170,11 @@ def provenance_of(res: Resolution, db: Path) -> tuple[str, str]:
             got = store.provenance_of(res.key, res.profile_hash)
     except (StoreError, OSError):
         got = None
-    if res.provenance:  # the reply names no node: measured_on comes only from the database, when it agrees
-        return res.provenance, got[1] if got is not None and got[0] == res.provenance else ""
+    if res.provenance:  # the reply's own measured_on is not taken: from the database, when it agrees, or
+        if got is not None and got[0] == res.provenance:
+            return res.provenance, got[1]
+        # a profile the client applied as tuned: measured on its key's fingerprint, which it checked is this node's
+        return res.provenance, res.key.fingerprint if res.tuned and res.provenance == "measured" else ""
     return got if got is not None else ("unknown", "")
 
 
