@@ -5,6 +5,7 @@ file it read; a calibration without usable rows says why; tables fit 80 columns;
 from __future__ import annotations
 
 import errno
+import json
 from pathlib import Path
 
 import pytest
@@ -276,3 +277,31 @@ def test_bench_moe_without_a_runnable_engine_builds_no_layer(monkeypatch: pytest
     assert "no CUDA device" in rep["cases"][0]["skipped"] and "CUDA" in rep["cases"][1]["skipped"]
     r = _run("bench", "moe", "--engine", "megakernel,torch", "--tokens", "1", "--iters", "1", "--warmup", "0")
     assert r.exit_code == 1 and "every requested case was skipped: nothing was measured" in r.output, r.output
+
+
+def test_bench_moe_floors_say_whose_rates_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The floors were always an H200's (4.2 TB/s, 790 TFLOP/s) whatever the device, with no word of it: an H100's
+    HBM3 reads ~25 % slower, so its floors read as unreachable. Now the rates measured on the GPU model in use, and
+    on a device with none the H200's, named as such."""
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe as M
+
+    m = get_model("qwen3-30b")
+    fake = M.GpuRates("Fake GPU 40GB", 2.1, 395.0, "test")
+    monkeypatch.setattr(M, "GPU_RATES", (M.H200_RATES, fake))
+    assert M.rates_for("Fake GPU 40GB") == (fake, True)
+    assert M.rates_for("NVIDIA H200") == (M.H200_RATES, True)
+    assert M.rates_for("cpu") == (M.H200_RATES, False)
+    half, full = M.floors(m, 128, fake), M.floors(m, 128)
+    assert half["weight_floor_us"] == pytest.approx(2 * full["weight_floor_us"])
+    assert half["tensor_floor_us"] == pytest.approx(2 * full["tensor_floor_us"])
+    assert 280 < full["weight_floor_us"] < 300  # issue 17: all 1.21 GB of weights at 4.2 TB/s, 287 µs
+    r = _run("bench", "moe", "--engine", "unfused", "--model", "custom:128,64,8,2", "--tokens", "4", "--iters", "1",
+             "--warmup", "0", "--json")
+    rep = json.loads(r.stdout)
+    assert r.exit_code == 0 and rep["floor_rates"]["this_gpu_model"] is False, r.output
+    assert rep["floor_rates"]["gpu"] == "NVIDIA H200" and rep["floor_rates"]["read_tbps"] == 4.2
+    r = _run("bench", "moe", "--engine", "unfused", "--model", "custom:128,64,8,2", "--tokens", "4", "--iters", "1",
+             "--warmup", "0")
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 0 and "NVIDIA H200's rates (none measured for this device" in flat, r.output

@@ -278,7 +278,8 @@ def moe(
     rest: float = typer.Option(0.0, "--rest", help="Seconds of idle GPU before every timed block (0: back to back). Where the layer draws the power limit (S=4096 on an H200) a block timed right after another runs clocked down."),
     as_json: bool = _json_opt(),
 ) -> None:
-    """The whole MoE layer (routing included) on one device: each engine per S, with the H200 floors beside."""
+    """The whole MoE layer (routing included) on one device: each engine per S, with the floors beside (at the rates
+    measured on this GPU model, an H200's where none were)."""
     from moetune.runtime import KnobError, Knobs, get_model
     from moetune.tuner.measure import moe as M
 
@@ -339,14 +340,17 @@ def moe(
         rows.append((str(c["S"]), escape(c["engine"]), _fmt(c["eager_us"]["median"]), "-" if g is None else _fmt(g),
                      _fmt(c["weight_floor_us"]), _fmt(c["tensor_floor_us"]), _fmt(c["plain_read_us"]["median"]),
                      "-" if err is None else f"{err:.2e}"))
+    fr = rep["floor_rates"]
+    whose = ("as measured on this GPU model" if fr["this_gpu_model"] else
+             f"{escape(fr['gpu'])}'s rates (none measured for this device: `moetune bench run gpu-rates`)")
     cols = (Col("S", "num"), Col("engine", "word", "right"), Col("eager", "num"), Col("graph", "num"),
             Col("weight floor", "num", drop=2), Col("tensor floor", "num", drop=3), Col("plain read", "num", drop=1),
             Col("rel err vs unfused", "num"))
     print_table(Console(), cols, rows, left_out_hint="--json shows them",
                 title=f"MoE layer {rep['model']} on {rep['device']} (µs, median of {iters}"
                       f"{f', each block after {rest:g} s idle' if rest else ''}; floors: weights at "
-                      f"{M.READ_TBPS} TB/s, tensor cores at {M.TENSOR_TFLOPS:g} TFLOP/s; plain read: two sums over "
-                      "the expected experts' weights, measured here)")
+                      f"{fr['read_tbps']:g} TB/s, tensor cores at {fr['tensor_tflops']:g} TFLOP/s, {whose}; plain "
+                      "read: two sums over the expected experts' weights, measured here)")
     m = rep["meta"]
     _err.print(f"[dim]{m['date']}, git {m['git_sha'][:10]}{' (dirty)' if m['git_dirty'] else ''}, {m['hardware']}, "
                f"torch {m['torch']}[/dim]")

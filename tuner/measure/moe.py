@@ -4,9 +4,9 @@ Used by the tuner's local backend (family `megakernel`: one knob set at one toke
 `moetune bench moe` and by the `moe` scenario driver. Every figure is the whole layer from `x` to the output
 with routing included: single calls timed with CUDA events (perf_counter on CPU), `warmup` untimed calls
 first, inputs rotated over `rotate` tensors; with `graph`, one CUDA graph captured per input and replayed.
-The floors printed beside the figures are the issue's: reading the touched experts' weights at 4.2 TB/s
-(the read rate measured on an H200) and the SwiGLU GEMMs at 790 TFLOP/s (bf16, measured there); and, measured
-here in the same process, a plain read of as many experts' weights as S tokens are expected to touch.
+The floors printed beside the figures: reading the touched experts' weights and the SwiGLU GEMMs at the rates
+measured on this GPU model (`GPU_RATES`: the `gpu-rates` scenario; an H200's, said so, on a GPU with none); and,
+measured here in the same process, a plain read of as many experts' weights as S tokens are expected to touch.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moetune.runtime.knobs import Knobs
@@ -24,8 +25,33 @@ from moetune.tuner.measure.stats import Summary
 if TYPE_CHECKING:  # typing only: measure sits below search, so the caller hands the sink down (import rule 3)
     from moetune.tuner.search.progress import Progress
 
-READ_TBPS = 4.2
-TENSOR_TFLOPS = 790.0
+
+
+@dataclass(frozen=True)
+class GpuRates:
+    """What one GPU model reaches on the floors' two kinds of work (measured: `moetune bench run gpu-rates`)."""
+
+    gpu: str  # the name torch gives the GPU it was measured on
+    read_tbps: float  # reading bf16 weights from HBM (a sum or a batched GEMV over 1.21 GB, the better)
+    tensor_tflops: float  # bf16 tensor-core GEMM
+    measured: str  # where the numbers come from
+
+
+GPU_RATES = (
+    GpuRates("NVIDIA H200", 4.2, 790.0, "issue 17 (a sum or batched GEMV over the experts' 1.21 GB; bf16 GEMMs)"),
+)
+H200_RATES = GPU_RATES[0]
+
+
+def rates_for(gpu: str) -> tuple[GpuRates, bool]:
+    """The rates measured on the GPU model named `gpu` (torch's name), and True; an H200's, and False, where none
+    were measured for it (a CPU, another GPU): the floors then say whose rates they are."""
+    for r in GPU_RATES:
+        if gpu == r.gpu:
+            return r, True
+    return H200_RATES, False
+
+
 ENGINES = ("megakernel", "unfused", "torch")  # torch: the plain torch path (runtime.testing.baselines)
 
 
@@ -34,12 +60,13 @@ def experts_touched(model: ModelShape, tokens: int) -> float:
     return model.experts * (1.0 - (1.0 - model.topk / model.experts) ** max(tokens, 0))
 
 
-def floors(model: ModelShape, tokens: int) -> dict[str, float]:
-    """µs the layer cannot beat on an H200: reading the weights it touches, and its tensor-core work."""
+def floors(model: ModelShape, tokens: int, rates: GpuRates = H200_RATES) -> dict[str, float]:
+    """µs the layer cannot beat on a GPU of `rates`: reading the weights it touches, and its tensor-core work."""
     per_expert = 3 * model.hidden * model.intermediate * 2  # W_gate_up [2I, H] + W_down [H, I], bf16
     read = experts_touched(model, tokens) * per_expert + model.experts * model.hidden * 2
     flops = 2.0 * tokens * model.topk * 3 * model.hidden * model.intermediate
-    return {"weight_floor_us": read / (READ_TBPS * 1e12) * 1e6, "tensor_floor_us": flops / (TENSOR_TFLOPS * 1e12) * 1e6}
+    return {"weight_floor_us": read / (rates.read_tbps * 1e12) * 1e6,
+            "tensor_floor_us": flops / (rates.tensor_tflops * 1e12) * 1e6}
 
 
 def layer_inputs(model: ModelShape, tokens: int, rotate: int, device: Any, dtype: Any, seed: int) -> list[Any]:
@@ -83,7 +110,7 @@ def time_plain_read(w_gate_up: Any, w_down: Any, experts: int, *, warmup: int, i
                     cuda: bool, rest_s: float = 0.0) -> list[float]:
     """Samples (µs) of a plain read of `experts` experts' weights: two sums over the contiguous w_gate_up[:n] and
     w_down[:n], replayed from a CUDA graph where `graph` (as the layers are). The floor as this device reaches it for
-    that many bytes (ramp-up and tail included), beside the arithmetic one at READ_TBPS: on an H200 the 75 MB of
+    that many bytes (ramp-up and tail included), beside the arithmetic one at `GpuRates.read_tbps`: on an H200 the 75 MB of
     eight experts read in 34 µs, 2.2 TB/s (bench/results/megakernel, run 20)."""
     n = max(1, min(experts, w_gate_up.shape[0]))
     out = time_layer(lambda _x: (w_gate_up[:n].sum(), w_down[:n].sum()), [None], warmup=warmup, iters=iters,
@@ -179,8 +206,12 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
             fwd[eng] = layers[eng].forward
         except MegakernelUnavailable as e:
             skipped[eng] = str(e)
+    gpu = torch.cuda.get_device_name(dev) if cuda else "cpu"
+    rates, own = rates_for(gpu)
     report = {"model": model.name, "device": str(dev), "graph": graph and cuda, "iters": iters, "warmup": warmup,
-              "rotate": rotate, "rest_s": rest_s}
+              "rotate": rotate, "rest_s": rest_s,
+              "floor_rates": {"gpu": rates.gpu, "this_gpu_model": own, "read_tbps": rates.read_tbps,
+                              "tensor_tflops": rates.tensor_tflops, "measured": rates.measured}}
     cases: list[dict[str, Any]] = [{"engine": e, "skipped": skipped[e]} for e in dict.fromkeys(engines) if e in skipped]
     if len(skipped) == len(set(engines)):  # nothing can run here: no weights built, no plain read timed
         return {**report, "cases": cases}
@@ -207,7 +238,7 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
         for i, eng in enumerate(timed):
             if progress is not None and i:
                 progress.update(task, done, description=f"{eng} S={s}")
-            row: dict[str, Any] = {"engine": eng, "S": s, **floors(model, s), "plain_read_us": read}
+            row: dict[str, Any] = {"engine": eng, "S": s, **floors(model, s, rates), "plain_read_us": read}
             for name, v in time_layer(fwd[eng], xs, warmup=warmup, iters=iters, graph=graph, cuda=cuda,
                                       rest_s=rest_s).items():
                 row[name] = Summary.of(v).quantiles()

@@ -556,6 +556,26 @@ def run_profiles_import(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]
             for c in cases]
 
 
+@driver("gpu-rates", single_shot=True)
+def run_gpu_rates(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
+    """bench/gpu_rates.py measures every case in one process; the cases pick its lines (read-*: read_tbps,
+    gemm-*: gemm_tflops)."""
+    args = dict(cases[0].args) if cases else {}
+    try:
+        stdout, cmd = _run_script("gpu_rates.py", args, cases[0].env if cases else {}, ctx)
+    except RuntimeError as e:
+        return [CaseResult(c.name, {}, "python bench/gpu_rates.py", str(e)) for c in cases]
+    seen = {}
+    for ln in stdout.splitlines():
+        mm = re.match(r"^(\S+) ([\d.]+) ([\d.]+) ([\d.]+) (TB/s|TFLOP/s)$", ln.strip())
+        if mm:
+            metric = "read_tbps" if mm.group(5) == "TB/s" else "gemm_tflops"
+            seen[mm.group(1)] = {metric: Stat(float(mm.group(2)), float(mm.group(3)), float(mm.group(4)),
+                                              int(args.get("iters", 1)), mm.group(5))}
+    return [CaseResult(c.name, seen.get(c.name, {}), cmd, "" if c.name in seen else f"no line for {c.name} in the output")
+            for c in cases]
+
+
 @driver("proxy-micro", single_shot=True)
 def run_proxy_micro(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     """bench/proxy_micro.py (C++ proxy engine, GPU 0 -> GPU 1) times every signalling mode in one process;
