@@ -287,11 +287,15 @@ def test_bench_moe_floors_say_whose_rates_they_are(monkeypatch: pytest.MonkeyPat
     from moetune.tuner.measure import moe as M
 
     m = get_model("qwen3-30b")
-    fake = M.GpuRates("Fake GPU 40GB", 2.1, 395.0, "test")
-    monkeypatch.setattr(M, "GPU_RATES", (M.H200_RATES, fake))
-    assert M.rates_for("Fake GPU 40GB") == (fake, True)
     assert M.rates_for("NVIDIA H200") == (M.H200_RATES, True)
+    h100, own = M.rates_for("NVIDIA H100 80GB HBM3")
+    assert own and h100.read_tbps < M.H200_RATES.read_tbps
     assert M.rates_for("cpu") == (M.H200_RATES, False)
+    fake = M.GpuRates("Fake GPU 40GB", 2.1, 395.0, "test")
+    # no GPU model here has rates (on a GPU machine too): the CLI below takes the H200's and says so
+    monkeypatch.setattr(M, "GPU_RATES", (fake,))
+    assert M.rates_for("Fake GPU 40GB") == (fake, True)
+    assert M.rates_for("NVIDIA H200") == (M.H200_RATES, False)
     half, full = M.floors(m, 128, fake), M.floors(m, 128)
     assert half["weight_floor_us"] == pytest.approx(2 * full["weight_floor_us"])
     assert half["tensor_floor_us"] == pytest.approx(2 * full["tensor_floor_us"])

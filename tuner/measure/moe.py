@@ -39,6 +39,8 @@ class GpuRates:
 
 GPU_RATES = (
     GpuRates("NVIDIA H200", 4.2, 790.0, "issue 17 (a sum or batched GEMV over the experts' 1.21 GB; bf16 GEMMs)"),
+    # run 194 (2026-12-05, 758aaac, `moetune bench run gpu-rates`): read-sum 2.89 TB/s (read-gemv 2.57), GEMM 717
+    GpuRates("NVIDIA H100 80GB HBM3", 2.89, 717.0, "gpu-rates scenario, run 194 (bench/results/summary.csv)"),
 )
 H200_RATES = GPU_RATES[0]
 
