@@ -322,6 +322,13 @@ def test_profile_keeps_the_default_when_the_tuned_setting_is_not_better(tmp_path
     assert rec is not None and rec.knobs == Knobs(engine="megakernel") and rec.provenance == "measured"
     report = Path(b.stage_report()).read_text()
     assert "the policy default was kept" in report
+    # the terminal says why too, under the table (run 194 on an H100 printed "policy default" and no reason)
+    from moetune.tuner.cli.profile import kept_lines
+
+    said = kept_lines(b.state.result("compare"))
+    assert len(said) == 1 and said[0].startswith("megakernel qwen3-30b S=16: kept the policy default: "), said
+    assert cmp["why_default"] in said[0]
+    assert kept_lines([{**cmp, "stored": "tuned", "why_default": None}]) == []
 
 
 def test_profile_on_a_two_gpu_node_plans_both(tmp_path: Path) -> None:

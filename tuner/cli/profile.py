@@ -213,12 +213,21 @@ def profile(
             Col("stored", "word"), Col("changed knobs", "word", drop=1))
     print_table(console, cols, cells, title="tuned profiles (measured side by side with the policy default)",
                 left_out_hint="the report lists them")
+    for line in kept_lines(rows):
+        console.print(line, markup=False)
     console.print(flow.ep_note, markup=False)
     cal = done.get("calibrate") or {}
     if "mean_abs_rel_err" in cal:
         console.print(f"node fabric model: {cal['preset_file']} (fit error mean {100 * cal['mean_abs_rel_err']:.1f}%, "
                       f"max {100 * cal['max_abs_rel_err']:.1f}%)")
     console.print(f"report: {done.get('report')}")
+
+
+def kept_lines(rows: list[dict]) -> list[str]:
+    """Why each bucket whose tuned setting was not stored keeps what it has (the compare stage's `why_default`):
+    the table's "policy default" or "current profile" said what, only the report file said why."""
+    return [f"{r['family']} {r['model']} S={r['tokens']}: kept the {r.get('stored', 'default')}: {r['why_default']}"
+            for r in rows if r.get("why_default")]
 
 
 def _no_cuda_for_nccl(flow: object, capture: Path | None) -> str:
