@@ -521,59 +521,50 @@ def run_fabric_model(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     return res
 
 
-@driver("runtime-host-cost", single_shot=True)
-def run_host_cost(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
-    """bench/runtime_host_cost.py times every implementation in one process; the cases pick its lines."""
-    args = dict(cases[0].args) if cases else {}
-    try:
-        stdout, cmd = _run_script("runtime_host_cost.py", args, cases[0].env if cases else {}, ctx)
-    except RuntimeError as e:
-        return [CaseResult(c.name, {}, "python bench/runtime_host_cost.py", str(e)) for c in cases]
-    seen = {}
-    for ln in stdout.splitlines():
-        mm = re.match(r"^(\w+)\s+([\d.]+) us/roundtrip", ln.strip())
-        if mm:
-            seen[mm.group(1).replace("_", "-")] = float(mm.group(2))
-    return [CaseResult(c.name, {"host_us_per_roundtrip": Stat(seen[c.name], unit="us")} if c.name in seen else {}, cmd,
-                       "" if c.name in seen else f"no line for {c.name} in the output") for c in cases]
+def _one_script_picks_lines(script: str, parse: Callable[[str, dict[str, Any]], tuple[str, dict[str, Stat]] | None]
+                            ) -> DriverFn:
+    """A single-shot driver: bench/<script> runs once with the first case's args and prints a line per case;
+    `parse(line, args)` gives (case name, metrics) of a line that is one, None otherwise."""
+    def run(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
+        args = dict(cases[0].args) if cases else {}
+        try:
+            stdout, cmd = _run_script(script, args, cases[0].env if cases else {}, ctx)
+        except RuntimeError as e:
+            return [CaseResult(c.name, {}, f"python bench/{script}", str(e)) for c in cases]
+        seen = dict(got for ln in stdout.splitlines() if (got := parse(ln.strip(), args)) is not None)
+        return [CaseResult(c.name, seen.get(c.name, {}), cmd,
+                           "" if c.name in seen else f"no line for {c.name} in the output") for c in cases]
+
+    return run
 
 
-@driver("profiles-import", single_shot=True)
-def run_profiles_import(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
-    """bench/profiles_import.py times every case in one process; the cases pick its lines."""
-    args = dict(cases[0].args) if cases else {}
-    try:
-        stdout, cmd = _run_script("profiles_import.py", args, cases[0].env if cases else {}, ctx)
-    except RuntimeError as e:
-        return [CaseResult(c.name, {}, "python bench/profiles_import.py", str(e)) for c in cases]
-    seen = {}
-    for ln in stdout.splitlines():
-        mm = re.match(r"^(\S+) import_s ([\d.]+) reimport_s ([\d.]+)", ln.strip())
-        if mm:
-            seen[mm.group(1)] = {"import_s": Stat(float(mm.group(2)), unit="s"),
-                                 "reimport_s": Stat(float(mm.group(3)), unit="s")}
-    return [CaseResult(c.name, seen.get(c.name, {}), cmd, "" if c.name in seen else f"no line for {c.name} in the output")
-            for c in cases]
+def _host_cost_line(ln: str, _args: dict[str, Any]) -> tuple[str, dict[str, Stat]] | None:
+    """bench/runtime_host_cost.py: `<impl> N us/roundtrip` (its implementations are the cases, `_` as `-`)."""
+    mm = re.match(r"^(\w+)\s+([\d.]+) us/roundtrip", ln)
+    return (mm.group(1).replace("_", "-"), {"host_us_per_roundtrip": Stat(float(mm.group(2)), unit="us")}) if mm else None
 
 
-@driver("gpu-rates", single_shot=True)
-def run_gpu_rates(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
-    """bench/gpu_rates.py measures every case in one process; the cases pick its lines (read-*: read_tbps,
-    gemm-*: gemm_tflops)."""
-    args = dict(cases[0].args) if cases else {}
-    try:
-        stdout, cmd = _run_script("gpu_rates.py", args, cases[0].env if cases else {}, ctx)
-    except RuntimeError as e:
-        return [CaseResult(c.name, {}, "python bench/gpu_rates.py", str(e)) for c in cases]
-    seen = {}
-    for ln in stdout.splitlines():
-        mm = re.match(r"^(\S+) ([\d.]+) ([\d.]+) ([\d.]+) (TB/s|TFLOP/s)$", ln.strip())
-        if mm:
-            metric = "read_tbps" if mm.group(5) == "TB/s" else "gemm_tflops"
-            seen[mm.group(1)] = {metric: Stat(float(mm.group(2)), float(mm.group(3)), float(mm.group(4)),
-                                              int(args.get("iters", 1)), mm.group(5))}
-    return [CaseResult(c.name, seen.get(c.name, {}), cmd, "" if c.name in seen else f"no line for {c.name} in the output")
-            for c in cases]
+def _import_line(ln: str, _args: dict[str, Any]) -> tuple[str, dict[str, Stat]] | None:
+    """bench/profiles_import.py: `<case> import_s S reimport_s S`."""
+    mm = re.match(r"^(\S+) import_s ([\d.]+) reimport_s ([\d.]+)", ln)
+    return (mm.group(1), {"import_s": Stat(float(mm.group(2)), unit="s"),
+                          "reimport_s": Stat(float(mm.group(3)), unit="s")}) if mm else None
+
+
+def _rates_line(ln: str, args: dict[str, Any]) -> tuple[str, dict[str, Stat]] | None:
+    """bench/gpu_rates.py: `<case> median p10 p90 TB/s|TFLOP/s` (read-*: read_tbps, gemm-*: gemm_tflops)."""
+    mm = re.match(r"^(\S+) ([\d.]+) ([\d.]+) ([\d.]+) (TB/s|TFLOP/s)$", ln)
+    if mm is None:
+        return None
+    metric = "read_tbps" if mm.group(5) == "TB/s" else "gemm_tflops"
+    return mm.group(1), {metric: Stat(float(mm.group(2)), float(mm.group(3)), float(mm.group(4)),
+                                      int(args.get("iters", 1)), mm.group(5))}
+
+
+for _name, _script, _parse in (("runtime-host-cost", "runtime_host_cost.py", _host_cost_line),
+                               ("profiles-import", "profiles_import.py", _import_line),
+                               ("gpu-rates", "gpu_rates.py", _rates_line)):
+    driver(_name, single_shot=True)(_one_script_picks_lines(_script, _parse))
 
 
 @driver("proxy-micro", single_shot=True)
