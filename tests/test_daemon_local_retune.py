@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profile_record import ProfileKey
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.daemon.jobs import Job, JobContext, JobManager, tuner_retune
 from moetune.tuner.daemon.server import TuneSettings
@@ -31,12 +31,12 @@ def _key(facts: Any, ep: int, nodes: int, bucket: int = 64) -> ProfileKey:
 
 
 def _fake_tune(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
-    """tune_profiles replaced: records each call, writes one current profile per key group."""
+    """tune_profiles_detailed replaced: records each call, writes one current profile per key group."""
     import moetune.tuner.search.tune as search
 
     calls: list[dict] = []
 
-    def tune_profiles(store: Any, facts: Any, **kw: Any) -> list[ProfileRecord]:
+    def tune_profiles(store: Any, facts: Any, **kw: Any) -> list[search.TuneResult]:
         calls.append(kw)
         out = []
         for m in kw["models"]:
@@ -47,10 +47,10 @@ def _fake_tune(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
                                  token_bucket=b)
                 rec = F.make_record(key, backend="local:nccl")
                 store.put_profile(rec)
-                out.append(store.get_current(key))
+                out.append(search.TuneResult(store.get_current(key), True, "no current profile for this key", None))
         return out
 
-    monkeypatch.setattr(search, "tune_profiles", tune_profiles)
+    monkeypatch.setattr(search, "tune_profiles_detailed", tune_profiles)
     return calls
 
 
@@ -127,3 +127,28 @@ def test_a_mixed_job_tunes_what_it_can_and_says_what_it_refused(tmp_path: Path, 
     assert "EP 16 over 2 node(s) not re-measured" in job.message
     finished = [e for e in store.list_events(limit=50) if e["kind"] == "job_finished"]
     assert "EP 16 over 2 node(s)" in finished[0]["reason"] and finished[0]["details"]["refused"]
+
+
+def test_a_job_says_what_each_study_left_written_kept_or_without_a_result() -> None:
+    """Every study's outcome is counted: written as current, the current profile kept (a measuring backend's
+    side-by-side check where the incumbent held its own returns no record: it was counted as nothing, and the job
+    said only "0 profile(s) written"), or no result at all (no successful trial)."""
+    from types import SimpleNamespace
+
+    from moetune.tuner.daemon.jobs import _tally
+    from moetune.tuner.search.tune import TuneResult
+
+    facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
+    rec = F.make_record(_key(facts, 8, 1))
+    study = SimpleNamespace(study_name="s-1024")
+    job = Job(1, reason="test", old_fingerprint=None, keys=[])
+    written = _tally(job, [
+        TuneResult(rec, True, "no current profile for this key", study),
+        TuneResult(None, False, "the current profile held its own side by side", study, kept=True),
+        TuneResult(rec, False, "gain within the noise", study, kept=True),
+        TuneResult(rec, False, "gain within the noise", study, kept=True),
+        TuneResult(None, False, "no successful trial", study),
+    ])
+    assert written == [rec] and job.kept == 3
+    assert job.kept_why == ["the current profile held its own side by side", "gain within the noise"]
+    assert job.no_result == ["s-1024: no successful trial"]

@@ -141,7 +141,7 @@ def test_a_model_re_tune_leaves_a_megakernel_key_stale_and_says_why(tmp_path: Pa
     import moetune.tuner.search.tune as search
 
     calls: list[dict] = []
-    monkeypatch.setattr(search, "tune_profiles", lambda store, facts, **kw: calls.append(kw) or [])
+    monkeypatch.setattr(search, "tune_profiles_detailed", lambda store, facts, **kw: calls.append(kw) or [])
     facts = _facts("h200x2")  # calibrated: a node model exists, and it must still not stand for the megakernel
     store = F.open_store(tmp_path / "m.db")
     store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
@@ -172,7 +172,7 @@ def test_a_model_re_tune_of_ep_and_megakernel_keys_tunes_the_ep_ones_only(tmp_pa
     import moetune.tuner.search.tune as search
 
     calls: list[dict] = []
-    monkeypatch.setattr(search, "tune_profiles", lambda store, facts, **kw: calls.append(kw) or [])
+    monkeypatch.setattr(search, "tune_profiles_detailed", lambda store, facts, **kw: calls.append(kw) or [])
     facts = _facts("h200x2")
     store = F.open_store(tmp_path / "m.db")
     F.write_node_model(tmp_path, facts.fingerprint)
@@ -189,7 +189,7 @@ def test_a_local_job_of_ep_and_megakernel_keys_tunes_each_as_itself(tmp_path: Pa
     import moetune.tuner.search.tune as search
 
     calls: list[dict] = []
-    monkeypatch.setattr(search, "tune_profiles", lambda store, facts, **kw: calls.append(kw) or [])
+    monkeypatch.setattr(search, "tune_profiles_detailed", lambda store, facts, **kw: calls.append(kw) or [])
     made = _inject(monkeypatch, Measure())
     facts = _facts("dgx-h100")
     store = F.open_store(tmp_path / "m.db")
@@ -213,7 +213,7 @@ def test_a_node_that_cannot_measure_the_megakernel_refuses_its_key(
     from moetune.runtime import csrc_build
 
     calls: list[dict] = []
-    monkeypatch.setattr(search, "tune_profiles", lambda store, facts, **kw: calls.append(kw) or [])
+    monkeypatch.setattr(search, "tune_profiles_detailed", lambda store, facts, **kw: calls.append(kw) or [])
     if env is None:
         monkeypatch.delenv("MOETUNE_MK_LIB", raising=False)
     else:

@@ -79,9 +79,9 @@ def test_a_retune_whose_predictions_do_not_displace_measurements_says_so(tmp_pat
     job = done[0]
     assert job.state == "done" and job.written == 0 and job.kept == 2, job.message
     assert "0 profile(s) written" in job.message and "2 key(s) kept their current profile" in job.message
-    assert "a prediction never displaces a measurement" in job.message
+    assert job.message.count("a node_model profile never displaces it") == 2 and len(job.kept_why) == 2
     rows = [r for _, r in store.list_profiles()]
     assert sorted(r.provenance for r in rows if r.status == "current") == ["measured", "measured"]
     assert {r.provenance for r in rows if r.status == "superseded"} == {"node_model"}
     finished = [e for e in store.list_events(limit=50) if e["kind"] == "job_finished"]
-    assert finished and finished[0]["details"]["kept"] == 2
+    assert finished and finished[0]["details"]["kept"] == 2 and finished[0]["details"]["no_result"] == []

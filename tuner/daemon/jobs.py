@@ -84,6 +84,8 @@ class Job:
         self.cancelled_by = ""  # "user" (the retune op), "fabric" (the watch: its fabric changed), "shutdown"
         self.refused: list[str] = []  # keys the re-tune would not produce here, and why (they stay as they are)
         self.kept = 0  # keys re-tuned whose current profile stayed (the new result did not replace it)
+        self.kept_why: list[str] = []  # the distinct reasons they stayed (the store's rule, the side-by-side check)
+        self.no_result: list[str] = []  # keys re-tuned that got nothing (no successful trial, the budget), and why
         self.deferred = ""  # why the job waits (the GPUs are busy or their state unknown), "" once it runs
 
     def info(self) -> JobInfo:
@@ -96,7 +98,8 @@ class Job:
                 "fingerprint": self.fingerprint, "software": self.software, "all_current": self.all_current,
                 "keys": [k.to_dict() for k in self.keys], "state": self.state, "written": self.written,
                 "message": self.message, "impossible": self.impossible, "refused": list(self.refused),
-                "kept": self.kept, "resumes": self.resumes}
+                "kept": self.kept, "kept_why": list(self.kept_why), "no_result": list(self.no_result),
+                "resumes": self.resumes}
 
 
 class JobContext:
@@ -257,7 +260,7 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
 
     Cancellation is checked between groups and after every trial (the `on_trial` callback stops the study
     and raises JobCancelled)."""
-    from moetune.tuner.search.tune import tune_profiles
+    from moetune.tuner.search.tune import tune_profiles_detailed
 
     tune = ctx.tune
     local = tune.backend == "local"
@@ -309,12 +312,12 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
             if not ctx.refused:
                 raise
             raise RetuneImpossible(f"{e} Also: " + "; ".join(ctx.refused)) from None
-    out: list[ProfileRecord] = []
+    out: list[Any] = []  # the TuneResult of every study
     for (ep, nodes), (shapes, buckets) in runnable:
         ctx.check_cancel()
         # a local measurement launches ep ranks on this node: the key it stores is the group it ran
         local_options = {"world": ep} if be == "local" else None
-        out += tune_profiles(
+        out += tune_profiles_detailed(
             ctx.store,
             ctx.facts,
             models=shapes,
@@ -334,17 +337,35 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
         shapes, buckets = mk_group
         mk_be = megakernel_backend(tune)
         try:
-            out += tune_profiles(ctx.store, ctx.facts, models=shapes, tokens=buckets, backend=mk_be, trials=tune.trials,
-                                 timeout_s=tune.timeout_s, ep_size=1, nodes=1, families=[MEGAKERNEL_FAMILY],
-                                 on_trial=on_trial)
+            out += tune_profiles_detailed(ctx.store, ctx.facts, models=shapes, tokens=buckets, backend=mk_be,
+                                          trials=tune.trials, timeout_s=tune.timeout_s, ep_size=1, nodes=1,
+                                          families=[MEGAKERNEL_FAMILY], on_trial=on_trial)
         finally:
             close = getattr(mk_be, "close", None)
             if callable(close):
                 close()
-    # a result the store did not take as current (a modelled one beside a measured profile, one within the noise of
-    # the stored number): the key's current profile stays; said in the job's message, not counted as written
-    ctx.job.kept += sum(1 for r in out if r.status != "current")
-    return [r for r in out if r.status == "current"]
+    return _tally(ctx.job, out)
+
+
+def _tally(job: Job, results: list[Any]) -> list[ProfileRecord]:
+    """The records a re-tune wrote as current (`TuneResult`s in); the rest said in the job: a key whose current
+    profile stayed (a prediction beside a measurement, a result within the noise, the incumbent held its own in
+    the side-by-side check: `kept`, with the distinct reasons) or that got no result at all, and why."""
+    written = []
+    for r in results:
+        if r.written and r.record is not None:
+            written.append(r.record)
+        elif r.kept:
+            job.kept += 1
+            if r.reason and r.reason not in job.kept_why:
+                job.kept_why.append(r.reason)
+        else:
+            job.no_result.append(f"{r.study.study_name}: {r.reason}")
+    return written
+
+
+def _said(items: list[str], most: int = 3) -> str:
+    return "; ".join(items[:most]) + (f"; {len(items) - most} more" if len(items) > most else "")
 
 
 def _nvml_pids() -> list[str]:
@@ -609,9 +630,9 @@ class JobManager:
             job.state = "done"
             job.message = f"{len(written)} profile(s) written in {time.monotonic() - t0:.1f} s"
             if job.kept:
-                job.message += (f"; {job.kept} key(s) kept their current profile (the store's replacement rules "
-                                "kept it: a prediction never displaces a measurement, a slower result or one within "
-                                "the noise never replaces)")
+                job.message += f"; {job.kept} key(s) kept their current profile ({_said(job.kept_why)})"
+            if job.no_result:
+                job.message += f"; {len(job.no_result)} key(s) got no result ({_said(job.no_result)})"
             if job.refused:
                 job.message += "; " + "; ".join(job.refused)
         except JobCancelled as e:
