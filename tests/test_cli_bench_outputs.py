@@ -308,4 +308,65 @@ def test_bench_moe_floors_say_whose_rates_they_are(monkeypatch: pytest.MonkeyPat
     r = _run("bench", "moe", "--engine", "unfused", "--model", "custom:128,64,8,2", "--tokens", "4", "--iters", "1",
              "--warmup", "0")
     flat = " ".join(r.output.split())
-    assert r.exit_code == 0 and "NVIDIA H200's rates (none measured for this device" in flat, r.output
+    assert r.exit_code == 0 and "NVIDIA H200's rates (this moetune has none for this device" in flat, r.output
+
+
+def test_results_rows_are_never_glued_or_swallowed(tmp_path: Path) -> None:
+    """A results CSV whose last row has no newline (a hand edit) took the next appended row into that row's note,
+    and the summary lost it; a row of the wrong width (an unclosed quote swallows every row after it) was read as if
+    whole. Now the newline is added before appending, and a broken row is refused, naming its line."""
+    row = {c: "" for c in R.COLUMNS} | {"scenario": "gpu-rates", "case": "read-sum", "baseline": "1", "position": "0",
+                                        "launch": "L1", "metric": "read_tbps", "unit": "TB/s", "median": "2.5",
+                                        "source": "measured", "date": "2026-12-05T00:00:00Z", "git_sha": "a" * 40}
+    f = tmp_path / "r.csv"
+    R.append_rows(f, [row])
+    f.write_bytes(f.read_bytes().rstrip(b"\n"))
+    R.append_rows(f, [row | {"launch": "L2", "median": "2.6"}])
+    assert [(r["launch"], r["median"], r["note"]) for r in R.read_rows(f)] == [("L1", "2.5", ""), ("L2", "2.6", "")]
+    f.write_text(f.read_text() + 'gpu-rates,read-sum,1,0,L3,read_tbps,TB/s,"2.7\n')
+    with pytest.raises(R.ResultsError, match="line 4 does not have the 27 columns"):
+        R.read_rows(f)
+    with pytest.raises(R.ResultsError, match="does not have the 27 columns"):
+        R.append_rows(f, [row])  # refused before anything is appended after it
+    r = _run("bench", "summarize", "--results", str(f), "--out", "-")
+    assert r.exit_code == 2 and "does not have the 27 columns" in r.output and "Traceback" not in r.output
+
+
+def test_summarize_leaves_the_old_file_whole_when_the_write_fails(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench summarize --out` wrote in place: a full disk left a truncated BENCHMARKS.md. Now a temporary file is
+    renamed into place, and a failed write leaves the old file as it was."""
+    import os
+
+    out = tmp_path / "B.md"
+    out.write_text("old summary\n")
+
+    def full(_fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    r = _run("bench", "summarize", "--out", str(out))
+    assert r.exit_code != 0 and "No space left on device" in r.output, r.output
+    assert out.read_text() == "old summary\n" and [p.name for p in tmp_path.iterdir()] == ["B.md"]
+
+
+def test_bench_names_and_reports_of_the_wrong_shape_are_refused_clearly(tmp_path: Path) -> None:
+    """A scenario name is a name (`../scenarios/x` loaded a TOML from anywhere), and a hand-made report whose cases
+    lack keys, or that holds no number, is refused by name (KeyError / AttributeError tracebacks before, and an
+    all-null report went in as rows of "-")."""
+    r = _run("bench", "run", "../scenarios/gpu-rates", "--smoke", "--results", str(tmp_path / "r.csv"))
+    assert r.exit_code == 2 and "no scenario '../scenarios/gpu-rates'" in r.output
+    meta = {"date": "2026-12-05T00:00:00Z", "git_sha": "a" * 40, "git_dirty": False, "moetune": "0", "torch": "2",
+            "nccl": "", "cuda": "", "gpu": "g", "gpu_count": 1, "fabric_fingerprint": "f", "hardware": "h",
+            "command": "moetune bench moe"}
+    base = {"model": "qwen3-30b", "iters": 50, "warmup": 10, "rotate": 4, "graph": True, "rest_s": 0.0, "meta": meta}
+    q = {"median": None, "p10": None, "p90": None}
+    for cases, said in ((["a"], "expected shape"), ([{"S": 1}], "expected shape"),
+                        ([{"engine": e, "S": s, "eager_us": q, "graph_us": q} for e in ("unfused", "megakernel", "torch")
+                          for s in (1, 16, 128, 1024, 4096)], "holds no measured number")):
+        f = tmp_path / "rep.json"
+        f.write_text(json.dumps({**base, "cases": cases}))
+        r = _run("bench", "run", "moe-megakernel-vs-unfused", "--from-report", str(f), "--results",
+                 str(tmp_path / "r.csv"))
+        assert r.exit_code == 2 and said in " ".join(r.output.split()) and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "r.csv").exists()

@@ -326,9 +326,11 @@ def test_profile_keeps_the_default_when_the_tuned_setting_is_not_better(tmp_path
     from moetune.tuner.cli.profile import kept_lines
 
     said = kept_lines(b.state.result("compare"))
-    assert len(said) == 1 and said[0].startswith("megakernel qwen3-30b S=16: kept the policy default: "), said
-    assert cmp["why_default"] in said[0]
+    assert len(said) == 1 and said[0].startswith("megakernel qwen3-30b S=16: the policy default chosen: "), said
+    assert cmp["why_default"] in said[0] and "not stored" not in said[0]
     assert kept_lines([{**cmp, "stored": "tuned", "why_default": None}]) == []
+    refused = kept_lines([{**cmp, "written": False, "reason": "kept the current profile 3: another routing"}])
+    assert refused[0].endswith("not stored (kept the current profile 3: another routing), the key keeps what it had")
 
 
 def test_profile_on_a_two_gpu_node_plans_both(tmp_path: Path) -> None:

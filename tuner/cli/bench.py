@@ -225,7 +225,9 @@ def ep_environment(knobs: Any, *, no_p2p: bool = False, nodes: int = 1) -> dict[
 
 
 def _fmt(v: float) -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.1f}"
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:,.1f}" if abs(v) >= 1 or v == 0 else f"{v:.2g}"  # 0.0019 TB/s, 0.05 µs: not "0.0"
 
 
 # the timed phases of a report, in table order, and their labels
@@ -278,8 +280,7 @@ def moe(
     rest: float = typer.Option(0.0, "--rest", help="Seconds of idle GPU before every timed block (0: back to back). Where the layer draws the power limit (S=4096 on an H200) a block timed right after another runs clocked down."),
     as_json: bool = _json_opt(),
 ) -> None:
-    """The whole MoE layer (routing included) on one device: each engine per S, with the floors beside (at the rates
-    measured on this GPU model, an H200's where none were)."""
+    """The whole MoE layer (routing included) on one device: each engine per S, with the floors beside (at the rates measured on this GPU model, an H200's where none were)."""
     from moetune.runtime import KnobError, Knobs, get_model
     from moetune.tuner.measure import moe as M
 
@@ -342,7 +343,8 @@ def moe(
                      "-" if err is None else f"{err:.2e}"))
     fr = rep["floor_rates"]
     whose = ("as measured on this GPU model" if fr["this_gpu_model"] else
-             f"{escape(fr['gpu'])}'s rates (none measured for this device: `moetune bench run gpu-rates`)")
+             f"{escape(fr['gpu'])}'s rates (this moetune has none for this device; the gpu-rates and gpu-gemm-rate "
+             "scenarios measure them)")
     cols = (Col("S", "num"), Col("engine", "word", "right"), Col("eager", "num"), Col("graph", "num"),
             Col("weight floor", "num", drop=2), Col("tensor floor", "num", drop=3), Col("plain read", "num", drop=1),
             Col("rel err vs unfused", "num"))
@@ -525,7 +527,9 @@ def run_scenario(
     kind = "imported" if from_report is not None else "smoke" if smoke else "run here" if modelled else "measured"
     if modelled:
         kind += "; the MODELLED ones are predictions, not measurements"
-    shown = next((m for m in s.metrics if any(r["metric"] == m for r in rows)), None)
+    # the scenario's first metric the rows have, else their first (a smoke run's sizes are not the named ones)
+    shown = next((m for m in s.metrics if any(r["metric"] == m for r in rows)),
+                 next((str(r["metric"]) for r in rows if r.get("metric")), None))
     # the unit says what a number is (µs, GB/s; a prediction's carries MODELLED)
     shown_rows = [r for r in rows if r["metric"] == shown or str(r.get("note", "")).startswith("FAILED")]
     launch_ids = list(dict.fromkeys(str(r["launch"]) for r in shown_rows))
@@ -581,8 +585,13 @@ def summarize_scenarios(
     if path is None:
         typer.echo(md, nl=False)
         return
+    from moetune.tuner.store.io import write_atomic
+
     try:
-        path.write_text(md, encoding="utf-8")
+        if path.exists() and not path.is_file():  # a device or a pipe (/dev/stdout): written, never replaced
+            path.write_text(md, encoding="utf-8")
+        else:  # a full disk or a crash mid-write leaves the old file whole
+            write_atomic(path, md)
     except OSError as e:
         _fail(f"--out {path}: cannot write it ({e.strerror or e})")
     _err.print(f"wrote {path} ({md.count(chr(10))} lines)")

@@ -224,10 +224,16 @@ def profile(
 
 
 def kept_lines(rows: list[dict]) -> list[str]:
-    """Why each bucket whose tuned setting was not stored keeps what it has (the compare stage's `why_default`):
-    the table's "policy default" or "current profile" said what, only the report file said why."""
-    return [f"{r['family']} {r['model']} S={r['tokens']}: kept the {r.get('stored', 'default')}: {r['why_default']}"
-            for r in rows if r.get("why_default")]
+    """Why each bucket's tuned setting is not what it runs (the compare stage's `why_default`): the table's "policy
+    default" or "current profile" said what, only the report file said why. Where the store refused what the
+    comparison chose, its reason too: the key keeps the profile it had."""
+    out = []
+    for r in rows:
+        if not r.get("why_default"):
+            continue
+        what = f"{r['family']} {r['model']} S={r['tokens']}: the {r.get('stored', 'default')} chosen: {r['why_default']}"
+        out.append(what if r.get("written", True) else f"{what}; not stored ({r['reason']}), the key keeps what it had")
+    return out
 
 
 def _no_cuda_for_nccl(flow: object, capture: Path | None) -> str:

@@ -173,7 +173,8 @@ def provenance_of(res: Resolution, db: Path) -> tuple[str, str]:
     if res.provenance:  # the reply's own measured_on is not taken: from the database, when it agrees, or
         if got is not None and got[0] == res.provenance:
             return res.provenance, got[1]
-        # a profile the client applied as tuned: measured on its key's fingerprint, which it checked is this node's
+        # a profile the client applied as tuned: measured on its key's fingerprint, which the client found to be this
+        # node's (from the database's facts, or the facts the daemon reported checked against what it reads here)
         return res.provenance, res.key.fingerprint if res.tuned and res.provenance == "measured" else ""
     return got if got is not None else ("unknown", "")
 
@@ -281,20 +282,21 @@ def register(app: typer.Typer) -> None:
 
         con = Console()
         t = Table(title=f"{shape.name} ep={ep} nodes={nodes} tokens={tokens}", show_header=False)
+        # strings a daemon sent are escaped: "[...]" would be Rich markup (a link, a style) in this table
         t.add_row("source", res.source)
-        t.add_row("profile", res.profile_hash)
-        t.add_row("status", res.status)
-        t.add_row("provenance", PROVENANCE_LABEL.get(provenance, provenance))
+        t.add_row("profile", escape(res.profile_hash))
+        t.add_row("status", escape(res.status))
+        t.add_row("provenance", PROVENANCE_LABEL.get(provenance, escape(provenance)))
         if measured_on:
-            t.add_row("measured on", measured_on)
+            t.add_row("measured on", escape(measured_on))
         if res.key:
-            t.add_row("fingerprint", res.key.fingerprint)
-            t.add_row("family", res.key.transport_family)
+            t.add_row("fingerprint", escape(res.key.fingerprint))
+            t.add_row("family", escape(res.key.transport_family))
             t.add_row("token bucket", str(res.key.token_bucket))
         for k, v in res.knobs.to_dict().items():
-            t.add_row(k, str(v))
+            t.add_row(k, escape(str(v)))
         for k, v in res.env.items():
-            t.add_row(f"env {k}", v)
+            t.add_row(escape(f"env {k}"), escape(v))
         if res.env_status:
             t.add_row("tuned environment", {"same": "the same as here", "unknown": "unknown (not recorded)"}.get(
                 res.env_status, "[yellow]differs[/yellow]: " + escape("; ".join(res.env_diff))))

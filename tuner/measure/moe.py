@@ -26,10 +26,10 @@ if TYPE_CHECKING:  # typing only: measure sits below search, so the caller hands
     from moetune.tuner.search.progress import Progress
 
 
-
 @dataclass(frozen=True)
 class GpuRates:
-    """What one GPU model reaches on the floors' two kinds of work (measured: `moetune bench run gpu-rates`)."""
+    """What one GPU model reaches on the floors' two kinds of work (measured: the gpu-rates and gpu-gemm-rate
+    scenarios). A floor at a plain read's rate, which a tuned kernel may beat by a few percent."""
 
     gpu: str  # the name torch gives the GPU it was measured on
     read_tbps: float  # reading bf16 weights from HBM (a sum or a batched GEMV over 1.21 GB, the better)
@@ -37,12 +37,14 @@ class GpuRates:
     measured: str  # where the numbers come from
 
 
+# the fallback on a GPU model with no rates of its own (said so beside the floors)
+H200_RATES = GpuRates("NVIDIA H200", 4.2, 790.0,
+                      "issue 17 (a sum or batched GEMV over the experts' 1.21 GB; bf16 GEMMs)")
 GPU_RATES = (
-    GpuRates("NVIDIA H200", 4.2, 790.0, "issue 17 (a sum or batched GEMV over the experts' 1.21 GB; bf16 GEMMs)"),
+    H200_RATES,
     # run 194 (2026-12-05, 758aaac, `moetune bench run gpu-rates`): read-sum 2.89 TB/s (read-gemv 2.57), GEMM 717
     GpuRates("NVIDIA H100 80GB HBM3", 2.89, 717.0, "gpu-rates scenario, run 194 (bench/results/summary.csv)"),
 )
-H200_RATES = GPU_RATES[0]
 
 
 def rates_for(gpu: str) -> tuple[GpuRates, bool]:

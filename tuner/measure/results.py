@@ -142,6 +142,8 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
     new = not path.exists() or path.stat().st_size == 0
     text = _csv_text(rows, header=new)
     size = path.stat().st_size if path.exists() else 0
+    if size and not _ends_with_newline(path):  # a last row without its newline (a hand edit): not glued onto it
+        text = "\n" + text
     try:
         with path.open("a", encoding="utf-8", newline="") as f:
             f.write(text)
@@ -152,6 +154,12 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
                 os.truncate(path, size)
         raise
     return len(rows)
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def _unreadable(path: Path, e: Exception) -> ResultsError:
@@ -180,6 +188,7 @@ def check_table(path: Path) -> None:
     if tuple(header) != COLUMNS:
         raise ResultsError(f"{path}: its header is not this version's columns ({', '.join(COLUMNS)}); "
                            "rows are not appended to a table of another layout")
+    read_rows(path)  # every row whole: rows appended after a broken one (an unclosed quote) would be read into it
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:
@@ -195,7 +204,14 @@ def read_rows(path: Path) -> list[dict[str, str]]:
                                    f"results CSV starts with the line {','.join(COLUMNS)}")
             if tuple(rd.fieldnames) != COLUMNS:
                 raise ResultsError(f"{path}: header {rd.fieldnames} is not the results table's columns {list(COLUMNS)}")
-            return list(rd)
+            rows = []
+            for row in rd:
+                # csv fills a short row with None and files a long row's rest under None
+                if None in row or any(v is None for v in row.values()):
+                    raise ResultsError(f"{path}: the row ending on line {rd.line_num} does not have the "
+                                       f"{len(COLUMNS)} columns of a results row (a hand edit? an unclosed quote?)")
+                rows.append(row)
+            return rows
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise _unreadable(path, e) from None
 

@@ -189,7 +189,8 @@ def load_all(directory: Path = SCENARIO_DIR) -> dict[str, Scenario]:
 def get(name: str, directory: Path = SCENARIO_DIR) -> Scenario:
     _require_dir(directory)
     path = directory / f"{name}.toml"
-    if not path.exists():
+    # a name, not a path: "../x" or "/tmp/y" would load a TOML from outside the scenario folder
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", name) or not path.exists():
         known = ", ".join(sorted(p.stem for p in directory.glob("*.toml")))
         raise ScenarioError(f"no scenario {name!r}; known: {known}")
     return load(path)
@@ -553,12 +554,15 @@ def _import_line(ln: str, _args: dict[str, Any]) -> tuple[str, dict[str, Stat]] 
 
 def _rates_line(ln: str, args: dict[str, Any]) -> tuple[str, dict[str, Stat]] | None:
     """bench/gpu_rates.py: `<case> median p10 p90 TB/s|TFLOP/s` (read-*: read_tbps, gemm-*: gemm_tflops)."""
-    mm = re.match(r"^(\S+) ([\d.]+) ([\d.]+) ([\d.]+) (TB/s|TFLOP/s)$", ln)
-    if mm is None:
+    f = ln.split()
+    if len(f) != 5 or f[4] not in ("TB/s", "TFLOP/s"):
         return None
-    metric = "read_tbps" if mm.group(5) == "TB/s" else "gemm_tflops"
-    return mm.group(1), {metric: Stat(float(mm.group(2)), float(mm.group(3)), float(mm.group(4)),
-                                      int(args.get("iters", 1)), mm.group(5))}
+    try:
+        med, p10, p90 = (float(x) for x in f[1:4])
+    except ValueError:
+        return None
+    metric = "read_tbps" if f[4] == "TB/s" else "gemm_tflops"
+    return f[0], {metric: Stat(med, p10, p90, int(args.get("iters", 1)), f[4])}
 
 
 for _name, _script, _parse in (("runtime-host-cost", "runtime_host_cost.py", _host_cost_line),
@@ -868,6 +872,27 @@ def import_moe_report(s: Scenario, rep: dict[str, Any], *, origin: str, results:
     meta = rep.get("meta") if isinstance(rep, dict) else None
     if not isinstance(meta, dict) or any(k not in meta for k in _REPORT_FACTS) or not isinstance(rep.get("cases"), list):
         raise ScenarioError(f"{origin}: not a `moetune bench moe --json` report (its meta needs {', '.join(_REPORT_FACTS)})")
+    try:
+        out = _report_cases(s, rep, meta, origin)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a hand-made or truncated report
+        raise ScenarioError(f"{origin}: not a `moetune bench moe --json` report of the expected shape (its cases: "
+                            f"{type(e).__name__} {e})") from None
+    if not any(st.median is not None for c in out for st in c.metrics.values()) and not any(c.error for c in out):
+        raise ScenarioError(f"{origin}: the report holds no measured number (every median is null): nothing to import")
+    launch_id = f"{str(meta['date']).replace('-', '').replace(':', '')}-imported"
+    if any(r["launch"] == launch_id and r["scenario"] == s.name for r in R.read_rows(results)):
+        raise ScenarioError(f"{origin}: launch {launch_id} of {s.name} is in {results} already")
+    stamp = {k: meta[k] for k in _REPORT_FACTS if k != "command"}
+    rows = _launch_rows(s, out, launch_id, {**stamp, "source": "imported", "world": s.needs.world,
+                                            "backend": s.needs.backend})
+    for r in rows:
+        r["note"] = (f"{r['note']}; " if r.get("note") else "") + f"imported from {origin}"
+    R.append_or_keep(results, rows)
+    return rows
+
+
+def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin: str) -> list[CaseResult]:
+    """The scenario's cases from a bench moe report, refused where it measured something else."""
     a = plan(s, None, False)[0].args
     want = {"model": str(a.get("model", "qwen3-30b")), "tokens": sorted(a.get("tokens", [128])),
             "iters": int(a.get("iters", 50)), "warmup": int(a.get("warmup", 10)), "rotate": int(a.get("rotate", 4)),
@@ -888,16 +913,7 @@ def import_moe_report(s: Scenario, rep: dict[str, Any], *, origin: str, results:
             raise ScenarioError(f"{origin}: the report has no engine {eng!r} (case {c.name} of {s.name})")
         out.append(CaseResult(c.name, per.get(eng, {}), str(meta["command"]),
                               f"SKIPPED: {skipped[eng]}" if eng in skipped else ""))
-    launch_id = f"{str(meta['date']).replace('-', '').replace(':', '')}-imported"
-    if any(r["launch"] == launch_id and r["scenario"] == s.name for r in R.read_rows(results)):
-        raise ScenarioError(f"{origin}: launch {launch_id} of {s.name} is in {results} already")
-    stamp = {k: meta[k] for k in _REPORT_FACTS if k != "command"}
-    rows = _launch_rows(s, out, launch_id, {**stamp, "source": "imported", "world": s.needs.world,
-                                            "backend": s.needs.backend})
-    for r in rows:
-        r["note"] = (f"{r['note']}; " if r.get("note") else "") + f"imported from {origin}"
-    R.append_or_keep(results, rows)
-    return rows
+    return out
 
 
 # -- the summary ------------------------------------------------------------------------------------------------
