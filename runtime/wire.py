@@ -72,7 +72,8 @@ ERROR_CODES: tuple[str, ...] = (
 
 Id = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | Annotated[str, Meta(max_length=128)]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
-PosInt = Annotated[int, Meta(ge=1, le=1 << 31)]
+POS_INT_MAX = 1 << 31  # the largest id or size a request may carry
+PosInt = Annotated[int, Meta(ge=1, le=POS_INT_MAX)]
 Tokens = Annotated[int, Meta(ge=0, le=1 << 31)]
 # A recorded performance environment as a reply may carry it: bounded here, its names checked by the client.
 PerfEnvMap = Annotated[
@@ -130,12 +131,15 @@ class Status(_Request, tag="status"):
     """Uptime, database, last discovery, jobs."""
 
 
+REASON_MAX = 512  # characters of a re-tune's reason
+
+
 class Retune(_Request, tag="retune"):
     """Queue a re-tune of the stale profiles (or of all current ones with `all`), or cancel a job."""
 
     all: bool = False
     cancel: PosInt | None = None
-    reason: Annotated[str, Meta(max_length=512)] = "requested"
+    reason: Annotated[str, Meta(max_length=REASON_MAX)] = "requested"
 
 
 # ops that change the daemon's state: sent once, never again after a slow reply (a retried `retune` queued a

@@ -209,6 +209,24 @@ def test_a_spent_time_budget_skips_the_recheck(tmp_path: Path) -> None:
     assert res.reason == "time budget spent before the side-by-side check; rerun to finish"
 
 
+def test_a_stop_before_the_side_by_side_check_measures_and_stores_nothing_more(tmp_path: Path) -> None:
+    """A daemon job's cancel (`stop`) is seen before the side-by-side check, which re-measures every candidate
+    (a minute a key on a CPU node): a resumed study runs no trial, so the per-trial check never saw it."""
+    from moetune.tuner.store.store import Store
+
+    store = Store(tmp_path / "p.db")
+    _tune_small(tmp_path, store, _Counting())
+    be, asked = _Counting(), []
+    res = _tune_small(tmp_path, store, be, stop=lambda: asked.append(1) or len(asked) > 1)  # before the check: stop
+    assert be.runs == 0 and res.stopped and not res.written and res.record is None
+    assert res.reason == "stopped before the side-by-side check" and len(asked) == 2
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    assert tune_profiles_detailed(store, _Facts(), backend=_Counting(), models=[SMALL], tokens=[64],
+                                  families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}",
+                                  stop=lambda: True) == []  # asked before the first study: nothing runs
+
+
 def test_a_search_the_budget_cut_midway_is_still_checked_and_stored(tmp_path: Path) -> None:
     """Only a study whose trials were all done before is skipped: one the budget cut midway (`--timeout 12` with 40
     trials asked) skipped its check too and stored nothing, run after run."""

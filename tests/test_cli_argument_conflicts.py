@@ -31,12 +31,21 @@ def _run(tmp: Path, *args: str):
 NO_DAEMON = "ipc:///nonexistent-moetune-dir/daemon.sock"  # reached only when the arguments pass
 
 
-@pytest.mark.parametrize("job", ["0", "-1"])
+@pytest.mark.parametrize("job", ["0", "-1", str(1 << 40)])
 def test_retune_cancel_needs_a_job_id(tmp_path: Path, job: str) -> None:
     r, text = _run(tmp_path, "retune", "--cancel", job, "--socket", NO_DAEMON)
     assert r.exit_code == 2, r.output
-    assert f"--cancel must be a job id (>= 1, as `moetune status` lists them), got {job}" in text
+    assert f"--cancel must be a job id (1 to 2147483648, as `moetune status` lists them), got {job}" in text
     assert "no daemon socket" not in text  # refused before any request
+
+
+@pytest.mark.parametrize(("reason", "got"), [("x" * 513, "513 characters"), ("  ", "a blank one")])
+def test_retune_reason_is_checked_before_it_is_sent(tmp_path: Path, reason: str, got: str) -> None:
+    """A reason over the wire's 512 characters came back as the daemon's raw validator text, and one over the
+    request size limit as "no reply from the daemon"."""
+    r, text = _run(tmp_path, "retune", "--reason", reason, "--socket", NO_DAEMON)
+    assert r.exit_code == 2 and "--reason must say why in 1 to 512 characters" in text and got in text, r.output
+    assert "no daemon socket" not in text
 
 
 def test_retune_all_and_cancel_conflict(tmp_path: Path) -> None:

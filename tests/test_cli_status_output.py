@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import pytest
 from typer.testing import CliRunner
 
@@ -50,6 +51,22 @@ def test_status_prints_reasons_as_given_and_paths_whole(monkeypatch: pytest.Monk
     assert "done: fix the [/] rail (wrote [bold]2[/bold] profiles)" in text and "ok [/]" in text, r.output
     assert ENDPOINT in text and DB in text.replace("/ ", "/"), r.output  # folded at a '/', never cut
     assert max(len(line) for line in r.output.splitlines()) <= 80
+
+
+def test_status_lists_the_running_and_queued_jobs_with_their_reasons(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Only the finished jobs were listed, and the running and queued ones as counts: a job waiting for busy GPUs
+    (its message "deferred: ...") and the reason a job was asked for (`retune --reason`, said to be listed by
+    `status`) showed only with --json."""
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path))
+    st = _status("done earlier")
+    run = wire.JobInfo(id=4, state="running", reason="fabric changed")
+    wait = wire.JobInfo(id=5, state="queued", reason="operator test 42", message="deferred: other processes run")
+    st = msgspec.structs.replace(st, jobs=msgspec.structs.replace(st.jobs, running=run, queued=[wait]))
+    r = _run(monkeypatch, st, "status")
+    text = " ".join(r.output.replace("│", " ").split())
+    assert r.exit_code == 0 and "running: 4, queued: 1/4" in text, r.output
+    assert "job 4 running: fabric changed" in text and "job 5 queued: operator test 42 (deferred: other" in text
+    assert text.index("job 4") < text.index("job 5") < text.index("job 3")
 
 
 @pytest.mark.parametrize("json_out", [False, True])

@@ -6,6 +6,7 @@ keys this node cannot measure (several nodes, more GPUs than it has) are refused
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -152,3 +153,87 @@ def test_a_job_says_what_each_study_left_written_kept_or_without_a_result() -> N
     assert written == [rec] and job.kept == 3
     assert job.kept_why == ["the current profile held its own side by side", "gain within the noise"]
     assert job.no_result == ["s-1024: no successful trial"]
+
+
+def test_each_shape_is_re_tuned_at_its_own_buckets_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keys of one (EP, nodes) group were tuned as every shape x every bucket: a store holding qwen3-30b at 64 and
+    another shape at 1024 got new profiles for qwen3-30b at 1024 and the other at 64, keys nobody asked for."""
+    calls = _fake_tune(monkeypatch)
+    store = F.open_store(tmp_path / "m.db")
+    facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
+    other = MODELS["gpt-oss-120b"]
+    key2 = ProfileKey(**{**_key(facts, 8, 1).to_dict(), "hidden": other.hidden, "intermediate": other.intermediate,
+                         "experts": other.experts, "topk": other.topk, "token_bucket": 1024})
+    job = Job(1, reason="test", old_fingerprint="old", keys=[_key(facts, 8, 1, 64), key2])
+    tuner_retune(JobContext(store=store, facts=facts, job=job, tune=TuneSettings(backend="local", trials=1)))
+    assert sorted((c["models"][0].name, c["tokens"]) for c in calls) == [("gpt-oss-120b", [1024]), ("qwen3-30b", [64])]
+    assert all(len(c["models"]) == 1 and c["stop"] is not None for c in calls)
+
+
+def test_a_job_cancelled_while_it_stores_ends_cancelled_and_counts_a_re_measurement(tmp_path: Path) -> None:
+    """`retune --cancel` of a running job was acknowledged, and the job ran on to "done" (the side-by-side check
+    and a resumed study never looked at the flag); what a cancelled job stored was found by profile hash, so a
+    re-measurement of the same knobs (a new row, the same hash) counted as nothing written."""
+    store = F.open_store(tmp_path / "m.db")
+    facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
+    old = F.make_record(_key(facts, 8, 1), latency_us=10.0)
+    store.put_profile(old)
+
+    def retune(ctx: JobContext) -> list:
+        store.put_profile(F.make_record(_key(facts, 8, 1), latency_us=9.0), force_reason="re-measured (test)")
+        ctx.cancel.set()  # the cancel arrives while this re-tune stores: it never checks the flag
+        return []
+
+    done: list = []
+    jm = JobManager(store=store, facts_fn=lambda: facts, retune=retune, on_done=lambda j, w: done.append(j),
+                    tune=TuneSettings(backend="local", trials=1), gpu_probe=lambda: (False, "idle (test)"))
+    jm.start()
+    try:
+        jm.submit(reason="test", old_fingerprint=facts.fingerprint, keys=[old.key], all_current=True)
+        job = _wait(done)
+    finally:
+        jm.stop()
+    assert job.state == "cancelled" and job.written == 1, job.message
+    assert "1 profile(s) written before it stopped" in job.message
+    assert store.get_current(old.key).latency_us == 9.0
+
+
+def test_a_queued_job_cancelled_frees_its_slot_at_once_and_is_recorded_once(tmp_path: Path) -> None:
+    """A queued job's cancel only set its flag: it held its queue slot (and was listed as queued) until the worker
+    reached it, so `retune` was refused "the job queue is full" meanwhile."""
+    import queue
+
+    store = F.open_store(tmp_path / "m.db")
+    facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
+    key = _key(facts, 8, 1)
+    release, started = threading.Event(), threading.Event()
+
+    def retune(ctx: JobContext) -> list:
+        started.set()
+        release.wait(10)
+        return []
+
+    done: list = []
+    jm = JobManager(store=store, facts_fn=lambda: facts, retune=retune, on_done=lambda j, w: done.append(j),
+                    tune=TuneSettings(backend="local", trials=1), gpu_probe=lambda: (False, "idle (test)"), capacity=2)
+    jm.start()
+    try:
+        jm.submit(reason="runs", old_fingerprint=None, keys=[key])
+        assert started.wait(10)
+        a = jm.submit(reason="queued a", old_fingerprint=None, keys=[key])
+        jm.submit(reason="queued b", old_fingerprint=None, keys=[key])
+        with pytest.raises(queue.Full):
+            jm.submit(reason="no room", old_fingerprint=None, keys=[key])
+        assert jm.cancel(a.id) is a and a.state == "cancelled"
+        queued, _running, recent = jm.info()
+        assert [j.reason for j in queued] == ["queued b"] and [j.id for j in recent] == [a.id]
+        assert jm.submit(reason="room again", old_fingerprint=None, keys=[key]) is not None
+        release.set()
+        deadline = time.monotonic() + 10
+        while len(done) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        release.set()
+        jm.stop()
+    finished = [e for e in store.list_events(limit=50) if e["kind"] == "job_finished" and e["details"]["job_id"] == a.id]
+    assert len(finished) == 1 and finished[0]["details"]["state"] == "cancelled"

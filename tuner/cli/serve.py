@@ -123,7 +123,9 @@ def register(app: typer.Typer) -> None:
             rows.append(("re-tune", f"[yellow]{escape(st.tune_notice)}[/]"))
         j = st.jobs
         rows.append(("jobs", f"running: {j.running.id if j.running else '-'}, queued: {len(j.queued)}/{j.capacity}"))
-        rows += [(f"job {r.id}", escape(f"{r.state}: {r.reason} ({r.message})")) for r in j.recent[-5:]]
+        # the running and queued jobs with their reasons (and why one waits: "deferred: ..."), then the last done
+        rows += [(f"job {r.id}", escape(f"{r.state}: {r.reason}" + (f" ({r.message})" if r.message else "")))
+                 for r in [*([j.running] if j.running else []), *j.queued, *j.recent[-5:]]]
         print_table(Console(), (Col("field", "word"), Col("value")), rows, title="moetune daemon", show_header=False)
 
     @app.command("retune")
@@ -141,13 +143,18 @@ def register(app: typer.Typer) -> None:
         """Queue a re-tune of stale profiles in the daemon (or cancel a job); admins only.
 
         Admins: the daemon's own user on its IPC socket (or its group, with daemon.group_may_retune), a CURVE client listed with `moetune keys allow --admin` on TCP."""
+        from moetune.runtime import wire
         from moetune.tuner.cli.db import fail
         from moetune.tuner.cli.query import daemon_call, print_json
 
         # refused here, before anything is sent: a job id is >= 1 (the daemon answered 0 with invalid_field), and a
         # cancel queues nothing, so --all with it has no meaning
-        if cancel is not None and cancel < 1:
-            raise fail(f"--cancel must be a job id (>= 1, as `moetune status` lists them), got {cancel}")
+        if cancel is not None and not 1 <= cancel <= wire.POS_INT_MAX:
+            raise fail(f"--cancel must be a job id (1 to {wire.POS_INT_MAX}, as `moetune status` lists them), got {cancel}")
+        if len(reason) > wire.REASON_MAX or not reason.strip():
+            got = f"{len(reason)} characters" if reason.strip() else "a blank one"
+            raise fail(f"--reason must say why in 1 to {wire.REASON_MAX} characters (it is recorded with the job), "
+                       f"got {got}")
         if cancel is not None and all_:
             raise fail("--all and --cancel conflict: --cancel stops one job, --all queues a re-tune; give one of them")
         res = daemon_call("retune", socket=socket, config=config, timeout_ms=timeout_ms, json_out=json_out,

@@ -87,6 +87,7 @@ class Job:
         self.kept_why: list[str] = []  # the distinct reasons they stayed (the store's rule, the side-by-side check)
         self.no_result: list[str] = []  # keys re-tuned that got nothing (no successful trial, the budget), and why
         self.deferred = ""  # why the job waits (the GPUs are busy or their state unknown), "" once it runs
+        self.dropped = False  # a queued job `cancel` finished: it records the job_finished event, not the worker
 
     def info(self) -> JobInfo:
         return JobInfo(id=self.id, state=self.state, reason=self.reason, fingerprint=self.fingerprint or self.old_fingerprint,
@@ -130,15 +131,14 @@ def _shape_of(key: ProfileKey) -> ModelShape:
     return ModelShape(name=name, hidden=key.hidden, intermediate=key.intermediate, experts=key.experts, topk=key.topk, dtype=key.dtype)
 
 
-def group_keys(keys: list[ProfileKey]) -> dict[tuple[int, int], tuple[list[ModelShape], list[int]]]:
-    """(ep_size, nodes) -> (shapes, token buckets) to re-tune (each group is one tune_profiles call)."""
-    groups: dict[tuple[int, int], tuple[dict[str, ModelShape], set[int]]] = {}
+def group_keys(keys: list[ProfileKey]) -> dict[tuple[int, int], dict[str, tuple[ModelShape, list[int]]]]:
+    """(ep_size, nodes) -> {shape name: (shape, its token buckets)} to re-tune: each shape is one tune call with the
+    buckets its keys have, never another shape's (a cross product tuned keys nobody asked for)."""
+    groups: dict[tuple[int, int], dict[str, tuple[ModelShape, set[int]]]] = {}
     for k in keys:
-        shapes, buckets = groups.setdefault((k.ep_size, k.nodes), ({}, set()))
         m = _shape_of(k)
-        shapes[m.name] = m
-        buckets.add(k.token_bucket)
-    return {g: (list(s.values()), sorted(b)) for g, (s, b) in groups.items()}
+        groups.setdefault((k.ep_size, k.nodes), {}).setdefault(m.name, (m, set()))[1].add(k.token_bucket)
+    return {g: {n: (m, sorted(b)) for n, (m, b) in shapes.items()} for g, shapes in groups.items()}
 
 
 TUNE_BACKENDS = ("model", "local")  # [tune] backend: this node's calibrated model, or measure on this node
@@ -279,15 +279,15 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     mk_keys = [k for k in ctx.keys if k.transport_family == MEGAKERNEL_FAMILY]
     ep_refused = False
     runnable = []
-    for (ep, nodes), (shapes, buckets) in sorted(group_keys(ep_keys).items()):
+    for (ep, nodes), shapes in sorted(group_keys(ep_keys).items()):
         why = local_refusal(ep, nodes, gpus) if local else ""
         if why:
             n = sum(1 for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes))
             refuse(f"{n} key(s) of EP {ep} over {nodes} node(s) not re-measured: {why}; they stay stale")
             ep_refused = True
             continue
-        runnable.append(((ep, nodes), (shapes, buckets)))
-    mk_group: tuple[list[ModelShape], list[int]] | None = None
+        runnable += [(ep, nodes, m, buckets) for m, buckets in shapes.values()]
+    mk_shapes: list[tuple[ModelShape, list[int]]] = []
     if mk_keys:
         bad = [k for k in mk_keys if (k.ep_size, k.nodes) != (1, 1)]
         if bad:
@@ -298,8 +298,8 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
         if why:
             refuse(f"{len(good)} megakernel key(s) not re-tuned: {why}; they stay stale")
         elif good:
-            mk_group = group_keys(good)[(1, 1)]
-    if not runnable and mk_group is None:
+            mk_shapes = list(group_keys(good)[(1, 1)].values())
+    if not runnable and not mk_shapes:
         advice = (". Re-tune them where the group can be measured, or set [tune] backend = \"model\" to predict "
                   "them (stored as node_model)") if ep_refused else ""
         raise RetuneImpossible(f"cannot re-tune fabric {ctx.facts.fingerprint} here: " + "; ".join(ctx.refused) + advice)
@@ -312,39 +312,33 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
             if not ctx.refused:
                 raise
             raise RetuneImpossible(f"{e} Also: " + "; ".join(ctx.refused)) from None
-    out: list[Any] = []  # the TuneResult of every study
-    for (ep, nodes), (shapes, buckets) in runnable:
+    written: list[ProfileRecord] = []
+    # each shape is one call (its own buckets only); a cancel is seen between studies and before each side-by-side
+    # check (`stop`), what was done by then is tallied, then the job ends cancelled
+    for ep, nodes, m, buckets in runnable:
         ctx.check_cancel()
         # a local measurement launches ep ranks on this node: the key it stores is the group it ran
         local_options = {"world": ep} if be == "local" else None
-        out += tune_profiles_detailed(
-            ctx.store,
-            ctx.facts,
-            models=shapes,
-            tokens=buckets,
-            backend=be,
-            preset=preset_file,
-            trials=tune.trials,
-            timeout_s=tune.timeout_s,
-            ep_size=ep,
-            nodes=nodes,
-            on_trial=on_trial,
-            node_model=preset_file is not None,
-            local_options=local_options,
-        )
-    if mk_group is not None:
+        written += _tally(ctx.job, tune_profiles_detailed(
+            ctx.store, ctx.facts, models=[m], tokens=buckets, backend=be, preset=preset_file, trials=tune.trials,
+            timeout_s=tune.timeout_s, ep_size=ep, nodes=nodes, on_trial=on_trial, node_model=preset_file is not None,
+            local_options=local_options, stop=ctx.cancel.is_set))
+    if mk_shapes:
         ctx.check_cancel()
-        shapes, buckets = mk_group
         mk_be = megakernel_backend(tune)
         try:
-            out += tune_profiles_detailed(ctx.store, ctx.facts, models=shapes, tokens=buckets, backend=mk_be,
-                                          trials=tune.trials, timeout_s=tune.timeout_s, ep_size=1, nodes=1,
-                                          families=[MEGAKERNEL_FAMILY], on_trial=on_trial)
+            for m, buckets in mk_shapes:
+                ctx.check_cancel()
+                written += _tally(ctx.job, tune_profiles_detailed(
+                    ctx.store, ctx.facts, models=[m], tokens=buckets, backend=mk_be, trials=tune.trials,
+                    timeout_s=tune.timeout_s, ep_size=1, nodes=1, families=[MEGAKERNEL_FAMILY], on_trial=on_trial,
+                    stop=ctx.cancel.is_set))
         finally:
             close = getattr(mk_be, "close", None)
             if callable(close):
                 close()
-    return _tally(ctx.job, out)
+    ctx.check_cancel()
+    return written
 
 
 def _tally(job: Job, results: list[Any]) -> list[ProfileRecord]:
@@ -355,6 +349,8 @@ def _tally(job: Job, results: list[Any]) -> list[ProfileRecord]:
     for r in results:
         if r.written and r.record is not None:
             written.append(r.record)
+        elif r.stopped:  # the job's cancel: said as cancelled, not as a key that kept its profile
+            continue
         elif r.kept:
             job.kept += 1
             if r.reason and r.reason not in job.kept_why:
@@ -366,6 +362,12 @@ def _tally(job: Job, results: list[Any]) -> list[ProfileRecord]:
 
 def _said(items: list[str], most: int = 3) -> str:
     return "; ".join(items[:most]) + (f"; {len(items) - most} more" if len(items) > most else "")
+
+
+def _outcomes(job: Job) -> str:
+    """What the job's studies left besides what they wrote, for its message ("" when nothing)."""
+    out = f"; {job.kept} key(s) kept their current profile ({_said(job.kept_why)})" if job.kept else ""
+    return out + (f"; {len(job.no_result)} key(s) got no result ({_said(job.no_result)})" if job.no_result else "")
 
 
 def _nvml_pids() -> list[str]:
@@ -504,14 +506,22 @@ class JobManager:
 
     def cancel(self, job_id: int) -> Job | None:
         with self._lock:
-            job = self._queued.get(job_id)
-            if job is None and self.running is not None and self.running.id == job_id:
+            job = self._queued.pop(job_id, None)
+            if job is not None:  # dropped at once: its queue slot is free now, not when the worker reaches it
+                job.state, job.finished, job.message = "cancelled", now(), "cancelled while queued"
+                job.dropped = True
+                self._recent.append(job)
+            elif self.running is not None and self.running.id == job_id:
                 job = self.running
             if job is None:
                 return None
             job.cancelled_by = job.cancelled_by or "user"
             job.cancel.set()
-            return job
+        if job.dropped:  # recorded now: a daemon stopped before the worker reaches it must not re-queue it
+            self._event("job_finished", job, job.message)
+            if self.metrics:
+                self.metrics.job_finished("cancelled")
+        return job
 
     def cancel_fingerprint(self, fingerprint: str) -> Job | None:
         """Cancel the running job if it tunes for `fingerprint` (the fabric moved on: its work is outdated;
@@ -585,34 +595,37 @@ class JobManager:
             with self._lock:
                 self._queued.pop(job.id, None)
                 if job.cancel.is_set():
-                    job.state, job.finished, job.message = "cancelled", now(), "cancelled while queued"
-                    self._recent.append(job)
+                    if not job.dropped:  # else `cancel` finished it already (listed, recorded)
+                        job.state, job.finished, job.message = "cancelled", now(), "cancelled while queued"
+                        self._recent.append(job)
                     cancelled_early = True
                 else:
                     self.running = job
                     job.state = "running"
                     cancelled_early = False
             if cancelled_early:
-                if job.cancelled_by == "shutdown":
-                    continue  # not finished in the store: the next daemon re-queues it
+                if job.cancelled_by == "shutdown" or job.dropped:
+                    continue  # shutdown: not finished in the store, the next daemon re-queues it; or `cancel` did
                 self._event("job_finished", job, job.message)
                 if self.metrics:
                     self.metrics.job_finished("cancelled")
                 continue
             self._run(job)
 
-    def _current(self, fingerprint: str | None) -> list[ProfileRecord]:
+    def _current(self, fingerprint: str | None) -> list[tuple[int, ProfileRecord]]:
+        """(row id, record) of the fingerprint's current profiles: a re-measurement of the same knobs is a new row
+        (a new id) with the same profile hash."""
         if fingerprint is None:
             return []
         try:
-            return [r for _, r in self.store.list_profiles(status="current", fingerprint=fingerprint)]
+            return self.store.list_profiles(status="current", fingerprint=fingerprint)
         except Exception as e:  # broad: in the worker thread; only the partial-write accounting is lost
             log.error("cannot read the current profiles of %s: %s", fingerprint, e)
             return []
 
     def _run(self, job: Job) -> None:
         written: list[ProfileRecord] = []
-        before: set[str] | None = None  # the current profiles of the job's fingerprint when it started
+        before: set[int] | None = None  # the current profiles (row ids) of the job's fingerprint when it started
         t0 = time.monotonic()
         try:
             facts = self.facts_fn()
@@ -620,19 +633,18 @@ class JobManager:
                 raise RuntimeError("no fabric facts (discovery failed)")
             job.fingerprint = facts.fingerprint
             job.software = getattr(facts, "software_hash", None)
-            before = {r.profile_hash for r in self._current(job.fingerprint)}  # tells what a cancelled job wrote
+            before = {i for i, _ in self._current(job.fingerprint)}  # tells what a cancelled job wrote
             job.run_id = self.store.start_run(study_name=f"moetune-daemon-job-{job.id}", storage=str(self.store.url),
                                               backend=self.tune.backend)
             self._event("job_started", job, f"started job {job.id}: {job.reason}")
             job.started_recorded = True  # from here on a restart finds this job `started` (run_id shown)
             written = list(self.retune(JobContext(store=self.store, facts=facts, job=job, tune=self.tune)) or [])
+            if job.cancel.is_set():  # a re-tune that does not check it ran to its end: the job was still cancelled
+                raise JobCancelled(f"job {job.id} cancelled")
             job.written = len(written)
             job.state = "done"
             job.message = f"{len(written)} profile(s) written in {time.monotonic() - t0:.1f} s"
-            if job.kept:
-                job.message += f"; {job.kept} key(s) kept their current profile ({_said(job.kept_why)})"
-            if job.no_result:
-                job.message += f"; {len(job.no_result)} key(s) got no result ({_said(job.no_result)})"
+            job.message += _outcomes(job)
             if job.refused:
                 job.message += "; " + "; ".join(job.refused)
         except JobCancelled as e:
@@ -645,11 +657,11 @@ class JobManager:
             job.state, job.message = "failed", f"{type(e).__name__}: {e}"
         if job.state != "done" and before is not None:
             # a cancelled or failed job keeps what it stored: count it and publish it like a finished job's
-            after = self._current(job.fingerprint)
-            written = [r for r in after if r.profile_hash not in before]
+            written = [r for i, r in self._current(job.fingerprint) if i not in before]
             job.written = len(written)
             if written:
                 job.message += f" ({len(written)} profile(s) written before it stopped)"
+            job.message += _outcomes(job)
         moved = self._fabric_moved_on(job)
         if moved:
             written = []  # nothing of the old fingerprint stays current: nothing to publish

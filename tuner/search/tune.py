@@ -172,6 +172,8 @@ class TuneResult:
     budget_ended: bool = False
     # nothing written, and a current profile stored before this run stands for the key (False: the key has none)
     kept: bool = False
+    # `stop` said so before the side-by-side check: the study ran, nothing of it was compared or stored
+    stopped: bool = False
 
     @property
     def stored(self) -> str:
@@ -245,12 +247,15 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                            families: Sequence[str] | None = None, policy_override: str | Path | None = None,
                            routing: str = "uniform", local_options: Mapping[str, Any] | None = None,
                            on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
-                           node_model: bool = False, study_tag: str = "", recheck: bool = True) -> list[TuneResult]:
+                           node_model: bool = False, study_tag: str = "", recheck: bool = True,
+                           stop: Callable[[], bool] | None = None) -> list[TuneResult]:
     """`study_tag` (letters, digits, `_`, `-`) goes into every study's name: a run that must not resume the
     finished studies of the same settings (`moetune profile --restart`) tunes in studies of its own.
     `recheck=False`: the study's best is returned (`record`), not stored, without `_write_profile`'s side-by-side
     comparison with the incumbent and the policy default, for a caller that makes that comparison itself and
-    stores what wins (the bring-up's compare stage), so it is not measured twice nor served unchecked."""
+    stores what wins (the bring-up's compare stage), so it is not measured twice nor served unchecked.
+    `stop`: asked before every study and before its side-by-side check (a minute a key on a CPU node); once it says
+    True the results so far are returned, the study at hand with no record (a cancelled daemon job)."""
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     if not all(c.isascii() and (c.isalnum() or c in "_-") for c in study_tag):
@@ -333,6 +338,8 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
         for fam, pol in policies.items():
             for model in models:
                 for tok in sorted(set(tokens)):
+                    if stop is not None and stop():
+                        return out
                     bucket = nearest_bucket(tok)
                     key = ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family=fam,
                                      ep_size=ep_size, nodes=nodes, hidden=model.hidden, intermediate=model.intermediate,
@@ -367,7 +374,7 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                                     timeout_s=left, seed=seed, bar=bar, facts=facts, on_trial=on_trial,
                                     neighbour=None if inert else neighbour_bucket(st, key, be.label, model.name,
                                                                                   config), inert=inert,
-                                    recheck=recheck)
+                                    recheck=recheck, stop=stop)
                     out.append(replace(res, reason=f"{res.reason} ({inert})") if inert else res)
     finally:
         if be is not backend and isinstance(be, LocalBackend):
@@ -379,7 +386,8 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
               space: SearchSpace, be: BenchmarkBackend, wl: TuneWorkload, *, trials: int, timeout_s: float | None,
               seed: int | None, bar: Progress, facts: TuneFacts,
               on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None,
-              neighbour: BucketPrior | None = None, inert: str = "", recheck: bool = True) -> TuneResult:
+              neighbour: BucketPrior | None = None, inert: str = "", recheck: bool = True,
+              stop: Callable[[], bool] | None = None) -> TuneResult:
     until = None if timeout_s is None else time.monotonic() + timeout_s  # this study's end of the time budget
     run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label) if store is not None else None
     status = "failed"
@@ -423,8 +431,11 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         spent = (until is not None and time.monotonic() >= until and recheck and not inert
                  and isinstance(be, LocalBackend) and result.best_knobs is not None
                  and finished_trials(study) == before)
+        stopped = False
         if spent:
             record, written, reason = None, False, "time budget spent before the side-by-side check; rerun to finish"
+        elif stopped := stop is not None and stop():
+            record, written, reason = None, False, "stopped before the side-by-side check"
         else:
             record, written, reason = _write_profile(store, key, be, result, facts, default=space.policy.defaults,
                                                      inert=inert, recheck=recheck)
@@ -435,7 +446,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
             reason = f"{reason} before the time budget ended ({result.trials} of {trials} trials ran)"
         # after the write: an incumbent that held its own (or a measured one a prediction did not displace) is kept
         kept = not written and store is not None and store.get_current(key) is not None
-        return TuneResult(record, written, reason, result, budget_ended=cut, kept=kept)
+        return TuneResult(record, written, reason, result, budget_ended=cut, kept=kept, stopped=stopped)
     except KeyboardInterrupt:
         status = "interrupted"
         raise
