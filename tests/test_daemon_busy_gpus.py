@@ -198,3 +198,48 @@ def test_config_run_on_busy_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert load_config(cfg).tune.run_on_busy_gpus is True
     cfg.write_text("[tune]\nbackend = \"local\"\n")
     assert load_config(cfg).tune.run_on_busy_gpus is False  # the default: wait for idle GPUs
+
+
+def test_a_deferred_job_that_runs_no_longer_says_deferred(tmp_path: Path) -> None:
+    """Its "deferred: ..." message stayed on the job while it ran (status then listed it running and deferred)."""
+    jm, _ran, done, facts = _manager(tmp_path, Probe((True, "GPU 0: pid 7"), (False, "idle")))
+    seen: list[str] = []
+    jm.retune = lambda ctx: seen.append(ctx.job.message) or []  # what status shows while it runs
+    jm.start()
+    try:
+        job = jm.submit(reason="fabric changed", old_fingerprint="old", keys=[_key(facts)])
+        _until(lambda: bool(done))
+    finally:
+        jm.stop()
+    assert seen == [""] and job.state == "done", (seen, job.message)
+
+
+def test_a_queued_job_cancelled_before_its_queued_event_is_written_stays_cancelled_after_a_restart(
+        tmp_path: Path) -> None:
+    """`retune` queues with persist_async (job_queued written on the writer thread): a cancel that came first wrote
+    job_finished before job_queued, and a restarted daemon's recover_jobs took the job as queued and ran it."""
+    import threading
+
+    jm, ran, _done, facts = _manager(tmp_path, Probe((True, "busy: keeps the worker waiting")))
+    hold, real = threading.Event(), jm.store.add_event
+
+    def slow_add_event(**kw: Any) -> Any:  # a slow database, for the writer thread's job_queued
+        if threading.current_thread().name.startswith("moetune-writer") and kw.get("kind") == "job_queued":
+            hold.wait(5)
+        return real(**kw)
+
+    jm.store.add_event = slow_add_event
+    jm.start()
+    try:
+        job = jm.submit(reason="retune --all", old_fingerprint="old", keys=[_key(facts)], persist_async=True)
+        assert jm.cancel(job.id) is job and job.state == "cancelled"
+        hold.set()
+        _until(lambda: len(_events(jm, "job_finished")) == 1)
+    finally:
+        hold.set()
+        jm.stop()
+    kinds = [e["kind"] for e in sorted(jm.store.list_events(limit=50), key=lambda e: e["id"])
+             if e["details"] and e["details"].get("job_id") == job.id]
+    assert kinds == ["job_queued", "job_finished"], kinds
+    resume, _ = J.recover_jobs(jm.store)
+    assert resume == [] and ran == []

@@ -39,6 +39,7 @@ def _fake_tune(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
     def tune_profiles(store: Any, facts: Any, **kw: Any) -> list[search.TuneResult]:
         calls.append(kw)
+        time.sleep(0.01)  # a study takes time: the job's one time budget shrinks call by call
         out = []
         for m in kw["models"]:
             for b in kw["tokens"]:
@@ -64,7 +65,7 @@ def test_each_group_is_measured_at_its_own_ep_size_and_unmeasurable_ones_are_ref
     job = Job(1, reason="test", old_fingerprint="old", keys=keys)
     ctx = JobContext(store=store, facts=facts, job=job, tune=TuneSettings(backend="local", trials=1))
     written = tuner_retune(ctx)
-    ran = sorted((c["ep_size"], c["nodes"], c["local_options"]["world"]) for c in calls)
+    ran = sorted((c["ep_size"], c["nodes"], c["backend"].world) for c in calls)
     assert ran == [(4, 1, 4), (8, 1, 8)]  # world = the key's EP size, on this one node
     assert {(r.key.ep_size, r.key.nodes) for r in written} == {(4, 1), (8, 1)}
     assert len(job.refused) == 2
@@ -123,7 +124,7 @@ def test_a_mixed_job_tunes_what_it_can_and_says_what_it_refused(tmp_path: Path, 
         job = _wait(done)
     finally:
         jm.stop()
-    assert [(c["ep_size"], c["local_options"]["world"]) for c in calls] == [(8, 8)]
+    assert [(c["ep_size"], c["backend"].world) for c in calls] == [(8, 8)]
     assert job.state == "done" and job.written == 1
     assert "EP 16 over 2 node(s) not re-measured" in job.message
     finished = [e for e in store.list_events(limit=50) if e["kind"] == "job_finished"]
@@ -141,18 +142,20 @@ def test_a_job_says_what_each_study_left_written_kept_or_without_a_result() -> N
 
     facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
     rec = F.make_record(_key(facts, 8, 1))
-    study = SimpleNamespace(study_name="s-1024")
+    study = SimpleNamespace(study_name="s-1024", best_knobs="k")
+    failed = SimpleNamespace(study_name="s-64", best_knobs=None)
     job = Job(1, reason="test", old_fingerprint=None, keys=[])
     written = _tally(job, [
         TuneResult(rec, True, "no current profile for this key", study),
         TuneResult(None, False, "the current profile held its own side by side", study, kept=True),
         TuneResult(rec, False, "gain within the noise", study, kept=True),
         TuneResult(rec, False, "gain within the noise", study, kept=True),
-        TuneResult(None, False, "no successful trial", study),
+        TuneResult(None, False, "no successful trial", failed),
+        TuneResult(None, False, "no successful trial", failed, kept=True),  # a profile stands: still no result
     ])
     assert written == [rec] and job.kept == 3
     assert job.kept_why == ["the current profile held its own side by side", "gain within the noise"]
-    assert job.no_result == ["s-1024: no successful trial"]
+    assert job.no_result == ["s-64: no successful trial"] * 2
 
 
 def test_each_shape_is_re_tuned_at_its_own_buckets_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,6 +171,8 @@ def test_each_shape_is_re_tuned_at_its_own_buckets_only(tmp_path: Path, monkeypa
     tuner_retune(JobContext(store=store, facts=facts, job=job, tune=TuneSettings(backend="local", trials=1)))
     assert sorted((c["models"][0].name, c["tokens"]) for c in calls) == [("gpt-oss-120b", [1024]), ("qwen3-30b", [64])]
     assert all(len(c["models"]) == 1 and c["stop"] is not None for c in calls)
+    # one budget for the job ([tune] timeout_s, 600 s by default), not one a call
+    assert 600 >= calls[0]["timeout_s"] > calls[1]["timeout_s"] > 590
 
 
 def test_a_job_cancelled_while_it_stores_ends_cancelled_and_counts_a_re_measurement(tmp_path: Path) -> None:

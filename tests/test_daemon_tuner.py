@@ -78,7 +78,7 @@ def test_a_retune_whose_predictions_do_not_displace_measurements_says_so(tmp_pat
     assert done, "the job did not finish"
     job = done[0]
     assert job.state == "done" and job.written == 0 and job.kept == 2, job.message
-    assert "0 profile(s) written" in job.message and "2 key(s) kept their current profile" in job.message
+    assert "0 profile(s) written" in job.message and "2 profile key(s) kept their current profile" in job.message
     assert job.message.count("a node_model profile never displaces it") == 2 and len(job.kept_why) == 2
     rows = [r for _, r in store.list_profiles()]
     assert sorted(r.provenance for r in rows if r.status == "current") == ["measured", "measured"]

@@ -87,7 +87,8 @@ class Job:
         self.kept_why: list[str] = []  # the distinct reasons they stayed (the store's rule, the side-by-side check)
         self.no_result: list[str] = []  # keys re-tuned that got nothing (no successful trial, the budget), and why
         self.deferred = ""  # why the job waits (the GPUs are busy or their state unknown), "" once it runs
-        self.dropped = False  # a queued job `cancel` finished: it records the job_finished event, not the worker
+        self.dropped = False  # a queued job `cancel` finished: its job_finished is written then, not by the worker
+        self.persisted = False  # its job_queued write was tried (`_persist_and_enqueue`)
 
     def info(self) -> JobInfo:
         return JobInfo(id=self.id, state=self.state, reason=self.reason, fingerprint=self.fingerprint or self.old_fingerprint,
@@ -260,15 +261,14 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
 
     Cancellation is checked between groups and after every trial (the `on_trial` callback stops the study
     and raises JobCancelled)."""
-    from moetune.tuner.search.tune import tune_profiles_detailed
+    from moetune.tuner.search.tune import make_backend, tune_profiles_detailed
 
     tune = ctx.tune
     local = tune.backend == "local"
 
     def on_trial(_name: str, study: Any, _trial: Any) -> None:
-        if ctx.cancel.is_set():
+        if ctx.cancel.is_set():  # the study ends here; `stop` then returns what the call did, tallied below
             study.stop()
-            raise JobCancelled(f"job {ctx.job.id} cancelled")
 
     def refuse(msg: str) -> None:
         ctx.refused.append(msg)
@@ -286,7 +286,7 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
             refuse(f"{n} key(s) of EP {ep} over {nodes} node(s) not re-measured: {why}; they stay stale")
             ep_refused = True
             continue
-        runnable += [(ep, nodes, m, buckets) for m, buckets in shapes.values()]
+        runnable.append((ep, nodes, list(shapes.values())))
     mk_shapes: list[tuple[ModelShape, list[int]]] = []
     if mk_keys:
         bad = [k for k in mk_keys if (k.ep_size, k.nodes) != (1, 1)]
@@ -313,16 +313,29 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
                 raise
             raise RetuneImpossible(f"{e} Also: " + "; ".join(ctx.refused)) from None
     written: list[ProfileRecord] = []
+    # one time budget for the whole job, whatever the number of calls
+    deadline = None if tune.timeout_s is None else time.monotonic() + tune.timeout_s
+
+    def left() -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
     # each shape is one call (its own buckets only); a cancel is seen between studies and before each side-by-side
     # check (`stop`), what was done by then is tallied, then the job ends cancelled
-    for ep, nodes, m, buckets in runnable:
+    for ep, nodes, shapes in runnable:
         ctx.check_cancel()
-        # a local measurement launches ep ranks on this node: the key it stores is the group it ran
-        local_options = {"world": ep} if be == "local" else None
-        written += _tally(ctx.job, tune_profiles_detailed(
-            ctx.store, ctx.facts, models=[m], tokens=buckets, backend=be, preset=preset_file, trials=tune.trials,
-            timeout_s=tune.timeout_s, ep_size=ep, nodes=nodes, on_trial=on_trial, node_model=preset_file is not None,
-            local_options=local_options, stop=ctx.cancel.is_set))
+        # a local measurement launches ep ranks on this node (the key it stores is the group it ran): one backend
+        # (its bench workers) for the group's shapes
+        group_be = make_backend("local", facts=ctx.facts, world=ep) if be == "local" else be
+        try:
+            for m, buckets in shapes:
+                ctx.check_cancel()
+                written += _tally(ctx.job, tune_profiles_detailed(
+                    ctx.store, ctx.facts, models=[m], tokens=buckets, backend=group_be, preset=preset_file,
+                    trials=tune.trials, timeout_s=left(), ep_size=ep, nodes=nodes, on_trial=on_trial,
+                    node_model=preset_file is not None, stop=ctx.cancel.is_set))
+        finally:
+            if group_be is not be:
+                group_be.close()
     if mk_shapes:
         ctx.check_cancel()
         mk_be = megakernel_backend(tune)
@@ -331,7 +344,7 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
                 ctx.check_cancel()
                 written += _tally(ctx.job, tune_profiles_detailed(
                     ctx.store, ctx.facts, models=[m], tokens=buckets, backend=mk_be, trials=tune.trials,
-                    timeout_s=tune.timeout_s, ep_size=1, nodes=1, families=[MEGAKERNEL_FAMILY], on_trial=on_trial,
+                    timeout_s=left(), ep_size=1, nodes=1, families=[MEGAKERNEL_FAMILY], on_trial=on_trial,
                     stop=ctx.cancel.is_set))
         finally:
             close = getattr(mk_be, "close", None)
@@ -351,6 +364,8 @@ def _tally(job: Job, results: list[Any]) -> list[ProfileRecord]:
             written.append(r.record)
         elif r.stopped:  # the job's cancel: said as cancelled, not as a key that kept its profile
             continue
+        elif r.study.best_knobs is None or r.budget_ended:  # nothing to compare: whether or not a profile stands
+            job.no_result.append(f"{r.study.study_name}: {r.reason}")
         elif r.kept:
             job.kept += 1
             if r.reason and r.reason not in job.kept_why:
@@ -366,8 +381,10 @@ def _said(items: list[str], most: int = 3) -> str:
 
 def _outcomes(job: Job) -> str:
     """What the job's studies left besides what they wrote, for its message ("" when nothing)."""
-    out = f"; {job.kept} key(s) kept their current profile ({_said(job.kept_why)})" if job.kept else ""
-    return out + (f"; {len(job.no_result)} key(s) got no result ({_said(job.no_result)})" if job.no_result else "")
+    # a study is one profile key (a transport family of a job key): the counts are of those
+    out = f"; {job.kept} profile key(s) kept their current profile ({_said(job.kept_why)})" if job.kept else ""
+    return out + (f"; {len(job.no_result)} profile key(s) got no result ({_said(job.no_result)})"
+                  if job.no_result else "")
 
 
 def _nvml_pids() -> list[str]:
@@ -445,7 +462,8 @@ class JobManager:
         self.tune = tune
         self.capacity = capacity
         self.metrics = metrics
-        # unbounded: `_queued` bounds it (resumed jobs may go past `capacity`; the stop sentinel always fits)
+        # unbounded: `_queued` bounds the live jobs (resumed jobs may go past `capacity`; the stop sentinel always
+        # fits); a queued job `cancel` dropped stays in here until the worker skips it
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._queued: dict[int, Job] = {}
         self._recent: collections.deque[Job] = collections.deque(maxlen=16)
@@ -501,26 +519,38 @@ class JobManager:
         return job
 
     def _persist_and_enqueue(self, job: Job) -> None:
-        job.queued_recorded = self._event("job_queued", job, job.reason)
+        ok = self._event("job_queued", job, job.reason)
+        with self._lock:
+            job.queued_recorded, job.persisted = ok, True
+            dropped = job.dropped
+        if dropped:  # cancelled before its job_queued was written: its end is written after it, in order
+            self._finish_dropped(job)
         self._q.put(job)  # never blocks: unbounded, and _queued (which bounds it) was reserved above
+
+    def _finish_dropped(self, job: Job) -> None:
+        """The job_finished event of a queued job `cancel` dropped (the worker skips it): after its job_queued, so a
+        restarted daemon's recover_jobs sees it finished and never queues it again."""
+        self._event("job_finished", job, job.message)
+        if self.metrics:
+            self.metrics.job_finished("cancelled")
 
     def cancel(self, job_id: int) -> Job | None:
         with self._lock:
             job = self._queued.pop(job_id, None)
+            write = False
             if job is not None:  # dropped at once: its queue slot is free now, not when the worker reaches it
                 job.state, job.finished, job.message = "cancelled", now(), "cancelled while queued"
                 job.dropped = True
                 self._recent.append(job)
+                write = job.persisted  # else _persist_and_enqueue writes its end after its job_queued
             elif self.running is not None and self.running.id == job_id:
                 job = self.running
             if job is None:
                 return None
             job.cancelled_by = job.cancelled_by or "user"
             job.cancel.set()
-        if job.dropped:  # recorded now: a daemon stopped before the worker reaches it must not re-queue it
-            self._event("job_finished", job, job.message)
-            if self.metrics:
-                self.metrics.job_finished("cancelled")
+        if write:  # on the writer thread, in order after what it holds: the serving loop never waits on the store
+            self._writer.submit(self._finish_dropped, job)
         return job
 
     def cancel_fingerprint(self, fingerprint: str) -> Job | None:
@@ -577,7 +607,8 @@ class JobManager:
         while not job.cancel.is_set():
             why = self._busy()
             if not why:
-                job.deferred = ""
+                if job.deferred:  # its "deferred: ..." message is over too (status showed it while it ran)
+                    job.deferred = job.message = ""
                 return
             if why != job.deferred:  # said once per reason, not every retry
                 job.deferred = job.message = why
@@ -612,7 +643,7 @@ class JobManager:
                 continue
             self._run(job)
 
-    def _current(self, fingerprint: str | None) -> list[tuple[int, ProfileRecord]]:
+    def _current(self, fingerprint: str | None) -> list[tuple[int, ProfileRecord]] | None:
         """(row id, record) of the fingerprint's current profiles: a re-measurement of the same knobs is a new row
         (a new id) with the same profile hash."""
         if fingerprint is None:
@@ -621,7 +652,7 @@ class JobManager:
             return self.store.list_profiles(status="current", fingerprint=fingerprint)
         except Exception as e:  # broad: in the worker thread; only the partial-write accounting is lost
             log.error("cannot read the current profiles of %s: %s", fingerprint, e)
-            return []
+            return None
 
     def _run(self, job: Job) -> None:
         written: list[ProfileRecord] = []
@@ -633,7 +664,8 @@ class JobManager:
                 raise RuntimeError("no fabric facts (discovery failed)")
             job.fingerprint = facts.fingerprint
             job.software = getattr(facts, "software_hash", None)
-            before = {i for i, _ in self._current(job.fingerprint)}  # tells what a cancelled job wrote
+            now_current = self._current(job.fingerprint)  # tells what a cancelled job wrote (None: unknown)
+            before = None if now_current is None else {i for i, _ in now_current}
             job.run_id = self.store.start_run(study_name=f"moetune-daemon-job-{job.id}", storage=str(self.store.url),
                                               backend=self.tune.backend)
             self._event("job_started", job, f"started job {job.id}: {job.reason}")
@@ -657,7 +689,7 @@ class JobManager:
             job.state, job.message = "failed", f"{type(e).__name__}: {e}"
         if job.state != "done" and before is not None:
             # a cancelled or failed job keeps what it stored: count it and publish it like a finished job's
-            written = [r for i, r in self._current(job.fingerprint) if i not in before]
+            written = [r for i, r in self._current(job.fingerprint) or [] if i not in before]
             job.written = len(written)
             if written:
                 job.message += f" ({len(written)} profile(s) written before it stopped)"
