@@ -44,7 +44,8 @@ GPU_RATES = (
     H200_RATES,
     # runs 195 and 195b (2026-12-05, 591a5c5, calls back to back): read-sum p90 2.995 / 2.993 TB/s (medians 2.96 /
     # 2.99; read-gemv 2.66 / 2.63), GEMM p90 772.7 / 774.7 TFLOP/s; run 194's 2.89 / 717 were medians of single
-    # calls, each with its launch gap and ramp, and the layer read its weights faster than that "floor"
+    # calls, each with its launch gap and ramp, and the layer read its weights faster than that "floor". Another
+    # H100 (run 196, 11d75e5): read p90 3.00 TB/s, GEMM p90 733: cards of one model differ by ~5 % in the GEMM
     GpuRates("NVIDIA H100 80GB HBM3", 2.99, 774.0,
              "gpu-rates and gpu-gemm-rate scenarios, runs 195-195b: the faster decile (p90) of calls back to back"),
 )
