@@ -222,3 +222,19 @@ def test_report_of_a_missing_database_is_an_error_and_creates_nothing(tmp_path):
     r = run("report", "--db", str(where / "m.db"))
     assert r.exit_code == 2 and "no database at" in r.output and "Traceback" not in r.output
     assert not where.exists()
+
+
+def test_a_write_command_that_upgrades_an_older_database_says_so(tmp_path):
+    """`profiles import`, `profiles delete` and `tune` upgraded an older schema without a word: an older moetune
+    sharing the file could not open it any more, and nothing had said why."""
+    db = tmp_path / "m.db"
+    run("db", "upgrade", "--db", str(db))
+    assert run("db", "downgrade", "0001", "--yes", "--db", str(db)).exit_code == 0
+    empty = tmp_path / "e.json"
+    empty.write_text('{"format": "moetune-profiles", "version": 1, "moetune_version": "0", "fingerprints": [], '
+                     '"profiles": []}')
+    r = run("profiles", "import", str(empty), "--db", str(db))
+    assert r.exit_code == 0 and "from schema revision 0001 to" in " ".join(r.stderr.split()), r.output
+    assert "an older moetune sharing this file cannot open it" in " ".join(r.stderr.split())
+    r = run("profiles", "import", str(empty), "--db", str(tmp_path / "new.db"))
+    assert r.exit_code == 0 and "schema revision" not in r.stderr  # a new database: nothing was upgraded

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.tuner.cli import app
+from moetune.tuner.store.io import import_bytes
 from moetune.tuner.store.store import ProfileImportError, Store
 
 pytestmark = pytest.mark.timeout(120)
@@ -286,3 +287,40 @@ def test_the_import_summary_counts_history_and_a_negative_latency_is_refused_as_
         f.write_text(json.dumps({**export, "profiles": [p]}))
         r = run("profiles", "import", str(f), "--db", str(tmp_path / "e.db"))
         assert r.exit_code != 0 and f"latency_us: must be a finite number > 0, got {bad}" in r.output, r.output
+
+
+def test_a_re_measurement_stored_in_the_same_second_survives_export_and_import(tmp_path: Path) -> None:
+    """A tune stamped its records to the second: a re-measurement of the same knobs that replaced the current profile
+    in the same second had the same key, knobs and `created` as the row it superseded, and an import of the export
+    took the current one for that row, "already present": the new database had no current profile for the key."""
+    same = "2026-12-05T16:12:29Z"
+    with Store(tmp_path / "src.db") as s:
+        s.upsert_fingerprint("fp-x", {"gpu": "H100"})
+        for lat in (12.0, 11.0):
+            s.put_profile(ProfileRecord(key=key(16), knobs=default_knobs("nvlink"), latency_us=lat, spread_us=0.5,
+                                        backend="local:nccl", provenance="measured", measured_on="fp-x",
+                                        created=same, updated=same), force_reason="re-measured")
+        data = s.dump_profiles()
+    with Store(tmp_path / "dst.db") as d:
+        res = import_bytes(d, data)
+        assert (res.inserted, res.skipped) == (2, 0), res
+        cur = d.get_current(key(16))
+        assert cur is not None and cur.latency_us == 11.0
+        again = import_bytes(d, data)
+        assert (again.inserted, again.skipped) == (0, 2)  # a second import still finds both
+
+
+def test_token_counts_of_one_bucket_are_one_study(tmp_path: Path) -> None:
+    """`tune -t 16,17,18` ran three studies of the one key (bucket 16), each replacing the last's profile."""
+    import optuna
+
+    from moetune.runtime.shapes import ModelShape
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    small = ModelShape(name="custom:256,128,16,2", hidden=256, intermediate=128, experts=16, topk=2)
+    with Store(tmp_path / "t.db") as s:
+        res = tune_profiles_detailed(s, None, models=[small], tokens=[16, 17, 18, 130], backend="model",
+                                     preset="nvlink-h200x2", trials=2, ep_size=2,
+                                     storage=f"sqlite:///{tmp_path / 'opt.db'}")
+    assert sorted(r.record.key.token_bucket for r in res if r.record) == [16, 128]

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import sys
+
 import typer
 
 from moetune.tuner import __version__
@@ -42,5 +47,24 @@ app.add_typer(profiles.app, name="profiles")
 app.add_typer(keys.app, name="keys")
 
 
+# the output itself cannot be written: a full disk (`>/dev/full`), a reader gone, an I/O error
+_OUTPUT_ERRNOS = (errno.ENOSPC, errno.EPIPE, errno.EIO, errno.EDQUOT, errno.EFBIG)
+
+
 def main() -> None:
-    app()
+    """The `moetune` entry point: an output that cannot be written ends the command with one line on stderr and
+    exit 1, not a traceback (the commands' own files say their errors themselves)."""
+    try:
+        try:
+            app()
+        finally:
+            if sys.stdout is not None:
+                sys.stdout.flush()  # here, not at the interpreter's exit where its error is only printed
+    except OSError as e:
+        if e.errno not in _OUTPUT_ERRNOS:
+            raise
+        with contextlib.suppress(OSError, AttributeError):
+            sys.stderr.write(f"error: cannot write the output ({e.strerror or e})\n")
+        with contextlib.suppress(OSError, AttributeError, ValueError):  # keep the exit's own flush from failing
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

@@ -90,6 +90,10 @@ def open_store(db: Path | None, config: Path | None, *, mode: OpenMode) -> Itera
         store = _open(path, mode)
     except StoreError as e:
         raise fail(str(e), e.exit_code) from None
+    up = getattr(store, "upgraded", None)
+    if up is not None and up.from_revision not in (None, "base"):  # said: an older moetune cannot open it now
+        err.print(escape(f"upgraded {path} from schema revision {up.from_revision} to {up.to_revision} (an older "
+                         "moetune sharing this file cannot open it any more)"))
     try:
         yield store
     except StoreError as e:
@@ -312,5 +316,8 @@ def check(
                              f"ID{db_flag(Path(info['path']))}` removes one)"))
             for row in bad:
                 out.print(escape(f"    profile {row['id']}: {row['error']}"))
+        for row in info["mislabelled_profiles"] or []:  # read as modelled by everything; the label is wrong
+            out.print(escape(f"  profile {row['id']}: labelled measured, but its backend {row['backend']!r} does not "
+                             "measure: every read takes it as MODELLED (a hand edit?)"))
     if not info["ok"]:
         raise typer.Exit(1)

@@ -183,6 +183,8 @@ def delete(
         if not unreadable and store.get_profile(profile_id) is None:
             raise fail(f"no profile {profile_id}")
         what = f" (unreadable: {unreadable[0][1]})" if unreadable else ""
+        if not yes and sys.stdin is None:  # started with stdin closed (`<&-`): no one to answer the question
+            raise fail(f"delete {profile_id}: stdin is closed, so it cannot ask; pass --yes to delete without asking")
         if not yes and not typer.confirm(f"delete profile {profile_id}{what}?"):
             raise typer.Exit(1)
         store.delete_profile(profile_id)
@@ -205,6 +207,8 @@ def export_cmd(
     with open_store(db, config, mode="read") as store:
         fingerprint = _whole_fingerprint(store, fingerprint)
         if path == "-":
+            if sys.stdout is None:  # started with stdout closed (`>&-`): the export would go nowhere
+                raise fail("export -: stdout is closed; give a file to write, or pipe stdout somewhere")
             sys.stdout.buffer.write(store.dump_profiles(status=status, fingerprint=fingerprint, provenance=provenance))
             sys.stdout.flush()
             return

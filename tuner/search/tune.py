@@ -13,6 +13,7 @@ backend (the fabric model on a preset, or real runs of `moetune bench ep`), open
 
 from __future__ import annotations
 
+import datetime as _dt
 import hashlib
 import logging
 import secrets
@@ -228,7 +229,10 @@ def cpu_comm_on_gpus(comm_backend: str, gpu_count: int, families: Sequence[str])
 
 
 def _now_iso() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    """UTC now to the microsecond, as the store stamps its rows: two records of one key stored in one second (a
+    re-measurement replacing the last) were the same instant to the second, and an import took the later one,
+    the current profile, for the earlier already stored."""
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds")
 
 
 def tune_profiles(store: Any, facts: TuneFacts | None, **options: Any) -> list[ProfileRecord]:
@@ -337,10 +341,11 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
     try:
         for fam, pol in policies.items():
             for model in models:
-                for tok in sorted(set(tokens)):
+                # one study a bucket: 16 and 17 tokens are one key (each count was its own study of that key, and
+                # whichever ran last replaced the others' profile)
+                for bucket in sorted({nearest_bucket(t) for t in tokens}):
                     if stop is not None and stop():
                         return out
-                    bucket = nearest_bucket(tok)
                     key = ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family=fam,
                                      ep_size=ep_size, nodes=nodes, hidden=model.hidden, intermediate=model.intermediate,
                                      experts=model.experts, topk=model.topk, dtype=model.dtype, token_bucket=bucket)

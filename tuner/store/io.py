@@ -292,8 +292,10 @@ def _parse(data: bytes, source: str, skip_invalid: bool) -> tuple[ProfilesFile, 
             valid.append((i, _profile_record(raw_rec, i, seen_fp, now)))
         except ProfileImportError as e:
             invalid.append(str(e))
-    if invalid and not skip_invalid:
-        raise ProfileImportError(_invalid_message(source, invalid, len(raw_profiles)))
+    # every record invalid is refused with --skip-invalid too: it imported nothing, exit 0, and created the database
+    if invalid and (not skip_invalid or not valid):
+        raise ProfileImportError(_invalid_message(source, invalid, len(raw_profiles))
+                                 + _newer_hint(doc.moetune_version, invalid))
     current: dict[ProfileKey, int] = {}
     for i, rec in valid:
         if rec.status == "current":  # a conflict between two records, neither invalid alone: never skipped
@@ -371,6 +373,15 @@ def _index_ranges(labels: list[str]) -> str:
 def _run_label(run: tuple[str, int, int]) -> str:
     name, first, last = run
     return f"{name}[{first}]" if first == last else f"{name}[{first}-{last}]"
+
+
+def _newer_hint(written_by: str, invalid: list[str]) -> str:
+    """Where records carry fields this moetune does not know and another moetune wrote the file: say so."""
+    mine = _moetune_version()
+    if not written_by or written_by == mine or not any("unknown field" in line for line in invalid):
+        return ""
+    return (f"\n(the file was written by moetune {written_by[:32]}, this is {mine}: a newer moetune's records "
+            "may carry fields this one does not know; import it with that moetune, or upgrade this one)")
 
 
 def _invalid_message(source: str, invalid: list[str], total: int) -> str:
@@ -504,13 +515,15 @@ class _Row(SimpleNamespace):
 
 def _already_stored(rows: list[Any], rec: ProfileRecord) -> bool:
     """Whether the database holds `rec` already (`rows`: the stored rows of its key and knobs): the same key and
-    knobs created at the same instant (spelled as the file spells it or not). A record without `created` (the
-    format allows leaving it out) was stamped with the time of the import that stored it, so it is matched on
-    everything else it says: numbers, backend, provenance, measured_on, routing, performance environment and
-    software versions (not its status, which the replacement gate decided)."""
+    knobs created at the same instant (spelled as the file spells it or not) with the same numbers (a tune stamped
+    to the second stored a re-measurement of the same knobs in the same second as the row it replaced: the two
+    differ in their numbers only). A record without `created` (the format allows leaving it out) was stamped with
+    the time of the import that stored it, so it is matched on everything else it says: numbers, backend,
+    provenance, measured_on, routing, performance environment and software versions (not its status, which the
+    replacement gate decided)."""
     if rec.created:
-        when = _instant(rec.created)
-        return any(_instant(row.created) == when for row in rows)
+        when, nums = _instant(rec.created), (float(rec.latency_us), float(rec.spread_us))
+        return any(_instant(row.created) == when and (row.latency_us, row.spread_us) == nums for row in rows)
     says = (float(rec.latency_us), float(rec.spread_us), rec.backend, str(rec.provenance), rec.measured_on,
             canonical_routing(rec.tuned_routing), rec.tuned_perf_env, dict(rec.software_versions))
     return any(

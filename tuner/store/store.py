@@ -36,6 +36,7 @@ from moetune.runtime.profile_record import (
     ProfileRecord,
     nearest_bucket_within,
     one_metric,
+    provenance_of_backend,
 )
 from moetune.runtime.profiles import sqlite_open
 from moetune.tuner.store import io as _io
@@ -538,8 +539,19 @@ class Store:
         info = self.schema.check()
         bad = self.unreadable_profiles() if info["ok"] else None
         info["unreadable_profiles"] = None if bad is None else [{"id": i, "error": why} for i, why in bad]
-        info["ok"] = info["ok"] and not bad
+        wrong = self.mislabelled_profiles() if info["ok"] else None
+        info["mislabelled_profiles"] = None if wrong is None else [{"id": i, "backend": b} for i, b in wrong]
+        info["ok"] = info["ok"] and not bad and not wrong
         return info
+
+    @_retried
+    def mislabelled_profiles(self) -> list[tuple[int, str]]:
+        """(id, backend) of each row labelled measured whose backend does not measure (no writer of this moetune
+        stores one; a hand edit or another tool may): read as modelled everywhere, named by `check`."""
+        with self._read() as s:
+            rows = s.execute(select(Profile.id, Profile.backend).where(Profile.provenance == "measured")
+                             .order_by(Profile.id)).all()
+        return [(i, b) for i, b in rows if provenance_of_backend(b) != "measured"]
 
     # -- fingerprints ------------------------------------------------------------------------------
     @staticmethod
