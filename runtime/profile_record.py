@@ -210,6 +210,16 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """The provenance the runtime goes by (`effective_provenance`: "measured" only from a measuring backend)."""
         return effective_provenance(str(self.provenance), self.backend)
 
+    def as_effective(self) -> ProfileRecord:
+        """This record labelled with its effective provenance (itself where that is its label): a "measured" label
+        on a backend that does not measure (a hand edit: no writer stores one) shown and exported as what it is."""
+        prov = self.effective_provenance
+        if prov == self.provenance:
+            return self
+        on = self.measured_on if prov == "node_model" else default_measured_on(prov, self.backend, self.key.fingerprint)
+        # a modelled profile records no performance environment (no process measured it): an import refuses one
+        return msgspec.structs.replace(self, provenance=prov, measured_on=on, perf_env=msgspec.UNSET)
+
     def is_tuned_for(self, fingerprint: str, software: str) -> bool:
         """Measured (by a measuring backend) on exactly this fabric and software: what the runtime's client requires
         of a profile it applies as tuned (it also checks that `fingerprint`/`software` are this node's)."""

@@ -238,3 +238,7 @@ def test_a_write_command_that_upgrades_an_older_database_says_so(tmp_path):
     assert "an older moetune sharing this file cannot open it" in " ".join(r.stderr.split())
     r = run("profiles", "import", str(empty), "--db", str(tmp_path / "new.db"))
     assert r.exit_code == 0 and "schema revision" not in r.stderr  # a new database: nothing was upgraded
+    assert run("db", "downgrade", "0001", "--yes", "--db", str(db)).exit_code == 0
+    r = run("tune", "--backend", "model", "--preset", "nvlink-h200x2", "-m", "qwen3-30b", "-t", "16", "--trials", "1",
+            "--db", str(db))
+    assert r.exit_code == 0 and "from schema revision 0001 to" in " ".join(r.stderr.split()), r.output

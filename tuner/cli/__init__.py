@@ -61,7 +61,7 @@ def main() -> None:
             if sys.stdout is not None:
                 sys.stdout.flush()  # here, not at the interpreter's exit where its error is only printed
     except OSError as e:
-        if e.errno not in _OUTPUT_ERRNOS:
+        if e.errno not in _OUTPUT_ERRNOS or e.filename is not None:  # a named file's error is not the output's
             raise
         with contextlib.suppress(OSError, AttributeError):
             sys.stderr.write(f"error: cannot write the output ({e.strerror or e})\n")

@@ -79,6 +79,15 @@ def _open(path: Path, mode: OpenMode) -> Any:
     return Store(path, upgrade=False)
 
 
+def say_upgraded(store: Any) -> None:
+    """On stderr, where opening `store` upgraded an older database (an older moetune sharing it cannot open it now);
+    nothing for a new database."""
+    up = getattr(store, "upgraded", None)
+    if up is not None and up.from_revision not in (None, "base"):
+        err.print(escape(f"upgraded {store.path} from schema revision {up.from_revision} to {up.to_revision} (an "
+                         "older moetune sharing this file cannot open it any more)"))
+
+
 @contextlib.contextmanager
 def open_store(db: Path | None, config: Path | None, *, mode: OpenMode) -> Iterator[Any]:
     """Open the store for a command (see OpenMode); errors become a red message and the error's exit status (2: the
@@ -90,10 +99,7 @@ def open_store(db: Path | None, config: Path | None, *, mode: OpenMode) -> Itera
         store = _open(path, mode)
     except StoreError as e:
         raise fail(str(e), e.exit_code) from None
-    up = getattr(store, "upgraded", None)
-    if up is not None and up.from_revision not in (None, "base"):  # said: an older moetune cannot open it now
-        err.print(escape(f"upgraded {path} from schema revision {up.from_revision} to {up.to_revision} (an older "
-                         "moetune sharing this file cannot open it any more)"))
+    say_upgraded(store)
     try:
         yield store
     except StoreError as e:
@@ -278,7 +284,7 @@ def check(
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
-    """Check revision, schema drift, SQLite integrity, foreign keys and profile rows this moetune cannot read (listed by id); exit 1 when anything is off, 2 on a newer moetune's database."""
+    """Check revision, schema drift, SQLite integrity, foreign keys, profile rows this moetune cannot read and rows labelled measured whose backend does not measure (listed by id); exit 1 when anything is off, 2 on a newer moetune's database."""
     from moetune.tuner.store.store import without_moetune
 
     path = db_path(db, config)

@@ -80,11 +80,14 @@ def _open(db: Path | None, config: Path | None, *, readonly: bool = False):
 
     `readonly`: the database must exist (a report of nothing would only create an empty one)."""
     from moetune.runtime.config import ConfigError, load_config
+    from moetune.tuner.cli.db import say_upgraded
     from moetune.tuner.store.store import Store, StoreError
 
     try:
         cfg = load_config(config)
-        return cfg, Store(db or cfg.db_path, readonly=readonly)
+        store = Store(db or cfg.db_path, readonly=readonly)
+        say_upgraded(store)
+        return cfg, store
     except StoreError as e:  # names the database; exit 1 when another process holds it or this user may not write it
         _fail(str(e), e.exit_code)
     except (ConfigError, RuntimeError, OSError) as e:  # ConfigError names key + file

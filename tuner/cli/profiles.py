@@ -90,7 +90,7 @@ def list_cmd(
         cells.append((
             str(pid),
             f"[{colour[r.status]}]{r.status}[/]",
-            PROVENANCE_LABEL[str(r.provenance)],
+            PROVENANCE_LABEL[str(r.effective_provenance)],  # as the runtime takes it (a hand-edited label: db check)
             escape(k.transport_family),
             escape(k.fingerprint[:10]),
             f"{k.ep_size}" if k.nodes == 1 else f"{k.ep_size}/{k.nodes}n",
@@ -129,7 +129,9 @@ def show(
         rows.append((f"knobs.{name}", escape(str(value))))
     rows.append(("latency_us", f"{rec.latency_us:.3f} ± {rec.spread_us:.3f}"))
     rows.append(("backend", escape(rec.backend)))
-    rows.append(("provenance", PROVENANCE_LABEL[str(rec.provenance)]))
+    eff = rec.effective_provenance
+    rows.append(("provenance", PROVENANCE_LABEL[str(eff)] + ("" if eff == rec.provenance else escape(
+        f" (stored as {rec.provenance}, but its backend does not measure: `moetune db check`)"))))
     rows.append(("measured_on", escape(rec.measured_on or "(unknown)")))
     rows.append(("routing", escape(rec.tuned_routing or "(not recorded)")))
     for name, value in perf_env_lines(rec):
@@ -256,7 +258,7 @@ def import_cmd(
         False, "--skip-invalid",
         help="Leave out the profile records that are invalid on their own (each is named on stderr, and in --json's "
              "\"invalid\") and import the rest. Without it one invalid record refuses the whole file. A problem of the "
-             "file itself (format, fingerprints, two current records for one key) is refused either way.",
+             "file itself (format, fingerprints, two current records for one key, every record invalid) is refused either way.",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     db: Path | None = typer.Option(None, "--db", help=DB_HELP),

@@ -244,9 +244,13 @@ def _open_store(db: Path | None, *, readonly: bool = False):
     except ImportError as e:
         _fail(f"the profile store is not available in this build ({e})")
     try:
-        return Store(db, readonly=readonly)
+        store = Store(db, readonly=readonly)
     except (RuntimeError, OSError, ValueError) as e:  # StoreError: not a database, newer schema, cannot open, busy
         _fail(str(e), getattr(e, "exit_code", 2))
+    from moetune.tuner.cli.db import say_upgraded
+
+    say_upgraded(store)
+    return store
 
 
 def _storage_url(storage: str | None, db: Path | None, store=None) -> str:

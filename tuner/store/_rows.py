@@ -10,7 +10,7 @@ import msgspec
 from sqlalchemy import Select, String, select, type_coerce
 
 from moetune.runtime.knobs import KnobError, Knobs
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord, effective_provenance, metric_of_backend
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord, metric_of_backend
 from moetune.runtime.profiles.perf_env import parse_recorded
 from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Event, Profile
 from moetune.tuner.store.validate import canonical_routing
@@ -61,7 +61,6 @@ def record_from_row(row: Any) -> ProfileRecord:
         knobs = Knobs.from_dict(msgspec.json.decode(row.knobs or "null"))
         versions = msgspec.json.decode(row.software_versions or "{}", type=dict[str, str])
         perf_env = parse_recorded(row.perf_env)
-        prov = effective_provenance(row.provenance, row.backend)
         return ProfileRecord(
             key=key,
             knobs=knobs,
@@ -72,11 +71,8 @@ def record_from_row(row: Any) -> ProfileRecord:
             software_versions=versions,
             created=row.created,
             updated=row.updated,
-            # what every reader (list, show, export, the daemon) sees: a "measured" label on a backend that does not
-            # measure is modelled (`effective_provenance`; `Store.check` names such rows), and its measured_on the
-            # modelled one's default (a preset's name)
-            provenance=prov,
-            measured_on=row.measured_on if prov == row.provenance else "",
+            provenance=row.provenance,
+            measured_on=row.measured_on,
             routing=row.routing or msgspec.UNSET,
             perf_env=msgspec.UNSET if perf_env is None else perf_env,
         )

@@ -94,7 +94,9 @@ def _moetune_version() -> str:
 def dump_profiles(store: Store, *, status: str | None = None, fingerprint: str | None = None,
                   provenance: str | None = None) -> bytes:
     """The export document (JSON bytes, deterministic: same database → same bytes)."""
-    profiles = [rec for _id, rec in store.list_profiles(status=status, fingerprint=fingerprint, provenance=provenance)]
+    # as every reader takes them: a hand-edited "measured" label on a modelling backend is exported as modelled
+    profiles = [rec.as_effective() for _id, rec in store.list_profiles(status=status, fingerprint=fingerprint,
+                                                                       provenance=provenance)]
     hashes = sorted({r.key.fingerprint for r in profiles})
     with store._read() as s:
         fps = {fp.hash: fp for fp in s.scalars(select(Fingerprint).where(Fingerprint.hash.in_(hashes)))}
