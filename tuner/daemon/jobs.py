@@ -9,8 +9,10 @@ the job is both marked failed and resumed. An interrupted job resumes only the k
 a key whose transport family got a current profile of the job's fingerprint and software after its
 `job_started` event is left out (when that cannot be told, every key is tuned again).
 
-Cancellation: a queued job is dropped at once; a running job is told through `ctx.cancel` (an Event)
-that the re-tune function checks between shape groups. Whatever a cancelled or failed job had already
+Cancellation: a queued job is dropped at once (its slot freed; its job_finished written after its job_queued); a
+running job is told through `ctx.cancel` (an Event): the default re-tune stops the study after its running trial
+and looks again before every study and side-by-side check, and a re-tune that never looks still ends the job
+`cancelled`. Whatever a cancelled or failed job had already
 written stays (a profile is whole once stored) and is counted and published like a finished job's. A job
 stopped by the daemon's own shutdown is not cancelled in the store: it stays queued (or started), so the
 next daemon resumes it as after a kill -9.
@@ -259,8 +261,8 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     no Hopper GPU, no library) they are refused and stay stale, with the reason in the job. They are never tuned as
     the node's transport families at EP 1.
 
-    Cancellation is checked between groups and after every trial (the `on_trial` callback stops the study
-    and raises JobCancelled)."""
+    Cancellation: the `on_trial` callback stops the study after its running trial, `stop` is asked before every
+    study and side-by-side check, and what the calls did is tallied before JobCancelled ends the job."""
     from moetune.tuner.search.tune import make_backend, tune_profiles_detailed
 
     tune = ctx.tune
