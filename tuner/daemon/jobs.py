@@ -673,7 +673,9 @@ class JobManager:
             self._event("job_started", job, f"started job {job.id}: {job.reason}")
             job.started_recorded = True  # from here on a restart finds this job `started` (run_id shown)
             written = list(self.retune(JobContext(store=self.store, facts=facts, job=job, tune=self.tune)) or [])
-            if job.cancel.is_set():  # a re-tune that does not check it ran to its end: the job was still cancelled
+            # a re-tune that does not check the flag ran to its end: a user's or the watch's cancel still ends the job
+            # cancelled; the daemon's own stop does not (the work is done: nothing is left to resume)
+            if job.cancel.is_set() and job.cancelled_by != "shutdown":
                 raise JobCancelled(f"job {job.id} cancelled")
             job.written = len(written)
             job.state = "done"
