@@ -547,7 +547,8 @@ class Store:
     @_retried
     def mislabelled_profiles(self) -> list[tuple[int, str]]:
         """(id, backend) of each row labelled measured whose backend does not measure (no writer of this moetune
-        stores one; a hand edit or another tool may): read as modelled everywhere, named by `check`."""
+        stores one; a hand edit or another tool may): the runtime takes it as modelled and `profiles list/show/export`
+        show it so, while the store's own rules still go by its label; named by `check`."""
         with self._read() as s:
             rows = s.execute(select(Profile.id, Profile.backend).where(Profile.provenance == "measured")
                              .order_by(Profile.id)).all()
