@@ -242,3 +242,36 @@ def test_a_queued_job_cancelled_frees_its_slot_at_once_and_is_recorded_once(tmp_
         jm.stop()
     finished = [e for e in store.list_events(limit=50) if e["kind"] == "job_finished" and e["details"]["job_id"] == a.id]
     assert len(finished) == 1 and finished[0]["details"]["state"] == "cancelled"
+
+
+def test_a_running_job_cancelled_then_a_daemon_stop_is_not_resumed(tmp_path: Path) -> None:
+    """A cancel of a running job was recorded only when the job ended: a daemon stopped before that (its trial still
+    running) left the job started in the store and the next daemon resumed it, the user's cancel lost."""
+    from moetune.tuner.daemon.jobs import recover_jobs
+
+    store = F.open_store(tmp_path / "m.db")
+    facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
+    started, release = threading.Event(), threading.Event()
+
+    def retune(ctx: JobContext) -> list:
+        started.set()
+        release.wait(10)  # a trial that goes on past the daemon's stop
+        return []
+
+    jm = JobManager(store=store, facts_fn=lambda: facts, retune=retune, on_done=lambda j, w: None,
+                    tune=TuneSettings(backend="local", trials=1), gpu_probe=lambda: (False, "idle (test)"))
+    jm.start()
+    try:
+        job = jm.submit(reason="retune --all", old_fingerprint=facts.fingerprint, keys=[_key(facts, 8, 1)])
+        assert started.wait(10)
+        assert jm.cancel(job.id) is job
+        jm.stop(timeout=0.5)  # the re-tune has not returned: no job_finished from it
+        assert [e for e in store.list_events(limit=50) if e["kind"] == "job_finished"] == []
+        resume, _ = recover_jobs(store)  # the next daemon, while this process's worker is still stuck
+        assert resume == []
+        closed = [e for e in store.list_events(limit=50) if e["kind"] == "job_finished"]
+        assert len(closed) == 1 and closed[0]["details"]["state"] == "cancelled", closed
+        assert recover_jobs(store)[0] == []  # and stays closed
+    finally:
+        release.set()
+        jm._thread.join(10)

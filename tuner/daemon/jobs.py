@@ -12,7 +12,8 @@ a key whose transport family got a current profile of the job's fingerprint and 
 Cancellation: a queued job is dropped at once (its slot freed; its job_finished written after its job_queued); a
 running job is told through `ctx.cancel` (an Event): the default re-tune stops the study after its running trial
 and looks again before every study and side-by-side check, and a re-tune that never looks still ends the job
-`cancelled`. Whatever a cancelled or failed job had already
+`cancelled`; a user's cancel of a running job is recorded when asked (`job_cancelled`), so a daemon stopped before
+the job ends does not leave it to be resumed. Whatever a cancelled or failed job had already
 written stays (a profile is whole once stored) and is counted and published like a finished job's. A job
 stopped by the daemon's own shutdown is not cancelled in the store: it stays queued (or started), so the
 next daemon resumes it as after a kill -9.
@@ -49,7 +50,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("moetune.daemon.jobs")
 
-JOB_EVENTS = ("job_queued", "job_started", "job_finished")
+# job_cancelled: a user's cancel of a running job, recorded when asked (its job_finished comes when the job ends)
+JOB_EVENTS = ("job_queued", "job_started", "job_cancelled", "job_finished")
 # (busy: True / False / None when it cannot be told, what was seen): are other processes on this node's GPUs?
 GpuProbe = Callable[[], tuple[bool | None, str]]
 
@@ -539,7 +541,7 @@ class JobManager:
     def cancel(self, job_id: int) -> Job | None:
         with self._lock:
             job = self._queued.pop(job_id, None)
-            write = False
+            write = asked = False
             if job is not None:  # dropped at once: its queue slot is free now, not when the worker reaches it
                 job.state, job.finished, job.message = "cancelled", now(), "cancelled while queued"
                 job.dropped = True
@@ -547,10 +549,14 @@ class JobManager:
                 write = job.persisted  # else _persist_and_enqueue writes its end after its job_queued
             elif self.running is not None and self.running.id == job_id:
                 job = self.running
+                # recorded now: a daemon stopped before the job ends must not resume what the user cancelled
+                asked = not job.cancel.is_set()
             if job is None:
                 return None
             job.cancelled_by = job.cancelled_by or "user"
             job.cancel.set()
+        if job.state == "running" and asked:
+            self._writer.submit(self._event, "job_cancelled", job, f"job {job.id} cancelled while it ran")
         if write:  # on the writer thread, in order after what it holds: the serving loop never waits on the store
             self._writer.submit(self._finish_dropped, job)
         return job
@@ -801,6 +807,7 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[Resumable], int
     last: dict[int, tuple[str, dict[str, Any]]] = {}
     started_at: dict[int, str] = {}  # job id -> when its (last) job_started event was written
     resumed_as: dict[int, int] = {}  # old job id -> the job that took it over
+    finished: set[int] = set()
     max_id = 0
     for e in events:
         kind = e["kind"]
@@ -809,6 +816,10 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[Resumable], int
         if not isinstance(jid, int):
             continue
         max_id = max(max_id, jid)
+        if kind == "job_finished":
+            finished.add(jid)
+        if kind == "job_cancelled" and jid in finished:
+            continue  # the cancel's record came after the job's end (written from another thread): it ended
         last[jid] = (kind, d)
         if kind == "job_started":
             started_at[jid] = str(e["created"])
@@ -817,6 +828,17 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[Resumable], int
     resume: list[Resumable] = []
     for jid, (kind, d) in sorted(last.items()):
         if kind == "job_finished":
+            continue
+        if kind == "job_cancelled":  # the user cancelled it while it ran, and the daemon stopped before it ended
+            run_id = d.get("run_id")
+            if isinstance(run_id, int):
+                try:
+                    store.finish_run(run_id, status="cancelled", trials=0, best_value=None)
+                except StoreError as e:
+                    log.error("cannot mark run %s cancelled: %s", run_id, e)
+            store.add_event(kind="job_finished", reason=f"job {jid} cancelled; the daemon stopped before it ended",
+                            details={**d, "state": "cancelled", "message": "cancelled (the daemon stopped before the "
+                                     "job ended; not resumed)"})
             continue
         keys = [k for k in d.get("keys") or [] if isinstance(k, dict)]
         if kind == "job_started":
