@@ -242,3 +242,27 @@ def test_a_write_command_that_upgrades_an_older_database_says_so(tmp_path):
     r = run("tune", "--backend", "model", "--preset", "nvlink-h200x2", "-m", "qwen3-30b", "-t", "16", "--trials", "1",
             "--db", str(db))
     assert r.exit_code == 0 and "from schema revision 0001 to" in " ".join(r.stderr.split()), r.output
+
+
+def test_profiles_list_draws_the_newest_rows_by_default(tmp_path):
+    """A table of 11,000 profiles took 16 s before its first line: the newest 500 by default, said in the title;
+    --limit 0 draws all, --json lists all."""
+    from moetune.runtime.knobs import default_knobs
+    from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+    from moetune.tuner.store.store import Store
+
+    db = tmp_path / "m.db"
+    with Store(db) as s:
+        for b in (1, 16, 64, 128):
+            key = ProfileKey(fingerprint="fp-l", software="sw", transport_family="nvlink", ep_size=2, nodes=1,
+                             hidden=7168, intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=b)
+            s.put_profile(ProfileRecord(key=key, knobs=default_knobs("nvlink"), latency_us=float(b), spread_us=0.5,
+                                        backend="local:nccl", provenance="measured"))
+    r = run("profiles", "list", "--limit", "2", "--db", str(db))
+    text = " ".join(r.stdout.split())
+    assert r.exit_code == 0 and "4 profile(s), the newest 2 shown (--limit 0 shows all" in text, r.output
+    ids = [ln.split("│")[1].strip() for ln in r.stdout.splitlines() if ln.startswith("│") and ln.split("│")[1].strip()]
+    assert ids == ["3", "4"], ids
+    assert "the newest" not in run("profiles", "list", "--limit", "0", "--db", str(db)).stdout
+    assert len(json.loads(run("profiles", "list", "--limit", "2", "--json", "--db", str(db)).stdout)) == 4
+    assert run("profiles", "list", "--limit", "-1", "--db", str(db)).exit_code == 2
