@@ -830,24 +830,14 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[Resumable], int
         if kind == "job_finished":
             continue
         if kind == "job_cancelled":  # the user cancelled it while it ran, and the daemon stopped before it ended
-            run_id = d.get("run_id")
-            if isinstance(run_id, int):
-                try:
-                    store.finish_run(run_id, status="cancelled", trials=0, best_value=None)
-                except StoreError as e:
-                    log.error("cannot mark run %s cancelled: %s", run_id, e)
+            _close_run(store, d, "cancelled")
             store.add_event(kind="job_finished", reason=f"job {jid} cancelled; the daemon stopped before it ended",
                             details={**d, "state": "cancelled", "message": "cancelled (the daemon stopped before the "
                                      "job ended; not resumed)"})
             continue
         keys = [k for k in d.get("keys") or [] if isinstance(k, dict)]
         if kind == "job_started":
-            run_id = d.get("run_id")
-            if isinstance(run_id, int):
-                try:
-                    store.finish_run(run_id, status="failed", trials=0, best_value=None)
-                except StoreError as e:
-                    log.error("cannot mark run %s failed: %s", run_id, e)
+            _close_run(store, d, "failed")
             # the keys it finished before it stopped are not tuned again (kill -9 after the last profile)
             done = _written_since(store, d, started_at.get(jid, ""))
             left = [k for k in keys if _done_mark(k) not in done]
@@ -873,6 +863,16 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[Resumable], int
             except StoreError as e:
                 log.error("cannot mark run %s failed: %s", r["id"], e)
     return resume, max_id + 1
+
+
+def _close_run(store: Any, d: dict[str, Any], status: str) -> None:
+    """End the tuning run a job event names (`run_id`), as `status`; a store error is logged, never raised."""
+    run_id = d.get("run_id")
+    if isinstance(run_id, int):
+        try:
+            store.finish_run(run_id, status=status, trials=0, best_value=None)
+        except StoreError as e:
+            log.error("cannot mark run %s %s: %s", run_id, status, e)
 
 
 def _done_mark(k: dict[str, Any] | ProfileKey) -> tuple | None:
