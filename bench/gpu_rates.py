@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
+
+from moetune.tuner.measure.stats import Summary
 
 
 def timed(fn: Callable[[], object], iters: int, batch: int, warmup: int, cuda: bool) -> list[float]:
@@ -49,9 +50,8 @@ def timed(fn: Callable[[], object], iters: int, batch: int, warmup: int, cuda: b
 
 
 def line(case: str, rates: list[float], unit: str) -> str:
-    v = sorted(rates)
-    q = statistics.quantiles(v, n=10, method="inclusive") if len(v) > 1 else [v[0]] * 9
-    return f"{case} {statistics.median(v):.6g} {q[0]:.6g} {q[-1]:.6g} {unit}"
+    s = Summary.of(rates)
+    return f"{case} {s.median:.6g} {s.p10:.6g} {s.p90:.6g} {unit}"
 
 
 def reads(gbytes: float, dev: str, t: Callable[[Callable[[], object]], list[float]]) -> list[str]:

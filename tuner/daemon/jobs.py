@@ -368,13 +368,11 @@ def _tally(job: Job, results: list[Any]) -> list[ProfileRecord]:
             written.append(r.record)
         elif r.stopped:  # the job's cancel: said as cancelled, not as a key that kept its profile
             continue
-        elif r.study.best_knobs is None or r.budget_ended:  # nothing to compare: whether or not a profile stands
-            job.no_result.append(f"{r.study.study_name}: {r.reason}")
-        elif r.kept:
+        elif r.kept and r.study.best_knobs is not None and not r.budget_ended:
             job.kept += 1
             if r.reason and r.reason not in job.kept_why:
                 job.kept_why.append(r.reason)
-        else:
+        else:  # nothing to compare (no successful trial, the budget ended), whether or not a profile stands
             job.no_result.append(f"{r.study.study_name}: {r.reason}")
     return written
 

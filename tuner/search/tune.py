@@ -13,7 +13,6 @@ backend (the fabric model on a preset, or real runs of `moetune bench ep`), open
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import logging
 import secrets
@@ -65,6 +64,7 @@ from moetune.tuner.search.study import (
     study_config,
     study_name,
 )
+from moetune.tuner.store import now as store_now
 
 if TYPE_CHECKING:
     from moetune.tuner.fabric_model.presets import Preset
@@ -226,13 +226,6 @@ def cpu_comm_on_gpus(comm_backend: str, gpu_count: int, families: Sequence[str])
     return (f"the local backend with gloo measures CPU processes, but this node has {gpu_count} GPU(s): the number "
             "would be stored as the GPU node's measured profile and served to its NCCL/GPU jobs as tuned. Measure "
             "the GPUs with NCCL (`--comm nccl`), or tune gloo on a node (or capture) without GPUs")
-
-
-def _now_iso() -> str:
-    """UTC now to the microsecond, as the store stamps its rows: two records of one key stored in one second (a
-    re-measurement replacing the last) were the same instant to the second, and an import took the later one,
-    the current profile, for the earlier already stored."""
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds")
 
 
 def tune_profiles(store: Any, facts: TuneFacts | None, **options: Any) -> list[ProfileRecord]:
@@ -568,7 +561,7 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
     perf = be.perf_environment()  # None from a backend that measures nothing (a prediction)
 
     def record(kn: Knobs, m: Measurement) -> ProfileRecord:
-        now = _now_iso()
+        now = store_now()  # to the microsecond: one second held a replaced row and the re-measurement replacing it
         return ProfileRecord(key=key, knobs=kn, latency_us=float(m.median_us), spread_us=float(m.spread_us),
                              backend=be.label, status="current", software_versions=dict(software), created=now,
                              updated=now, provenance=provenance, measured_on=facts.fingerprint if on_node else "",
