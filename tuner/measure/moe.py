@@ -37,9 +37,11 @@ class GpuRates:
     measured: str  # where the numbers come from
 
 
-# the fallback on a GPU model with no rates of its own (said so beside the floors)
-H200_RATES = GpuRates("NVIDIA H200", 4.2, 790.0,
-                      "issue 17 (a sum or batched GEMV over the experts' 1.21 GB; bf16 GEMMs)")
+# the fallback on a GPU model with no rates of its own (said so beside the floors). Runs 198-199 (2026-12-05,
+# a7d1e81, one H200, calls back to back): read-sum p90 4.172 / 4.172 TB/s (medians 4.17; read-gemv 3.16), GEMM p90
+# 796.0 / 800.6 TFLOP/s (medians 683 / 688); the issue's figures were 4.2 / 790
+H200_RATES = GpuRates("NVIDIA H200", 4.17, 800.0,
+                      "gpu-rates and gpu-gemm-rate scenarios, runs 198-199: the faster decile (p90) of calls back to back")
 GPU_RATES = (
     H200_RATES,
     # runs 195 and 195b (2026-12-05, 591a5c5, calls back to back): read-sum p90 2.995 / 2.993 TB/s (medians 2.96 /
