@@ -244,6 +244,37 @@ def test_a_row_labelled_measured_by_a_backend_that_does_not_measure_reads_as_mod
     assert r.exit_code == 0, r.output  # the export says preset: importable
 
 
+def test_a_mislabelled_row_ranks_as_modelled_in_filters_lookups_and_the_gate(tmp_path: Path) -> None:
+    """The --provenance filter, the store's lookup tiers, the replacement gate and the daemon's status counts went by
+    the stored label: a hand-edited "measured" row on a modelling backend was listed as measured, found by a
+    measured-only lookup and kept a real measurement of its key out as superseded."""
+    import sqlite3
+
+    from moetune.tuner.daemon.index import ProfileIndex
+
+    db = tmp_path / "m.db"
+    fill(db)
+    with sqlite3.connect(db) as c:  # the preset row at 128 (latency 128) labelled measured
+        c.execute("UPDATE profiles SET provenance = 'measured', measured_on = 'fp-cli' WHERE token_bucket = 128")
+    with Store(db) as s:
+        assert [i for i, _r in s.list_profiles(provenance="measured")] == [1]
+        assert [i for i, _r in s.list_profiles(provenance="preset")] == [2]
+        args = dict(fingerprint="fp-cli", software="sw", ep_size=2, nodes=1, hidden=7168, intermediate=2048,
+                    experts=256, topk=8, dtype="bfloat16", transport_family="nvlink")
+        assert s.find_profile(**args, tokens=128, measured_only=True, max_bucket_steps=0) is None
+        found = s.find_profile(**args, tokens=128, max_bucket_steps=0)
+        assert found is not None and found.effective_provenance == "preset" and found.key.token_bucket == 128
+        idx = ProfileIndex([r for _i, r in s.list_profiles(status="current")], version=1, facts=None, stale=[])
+        idx.fingerprint = "fp-cli"
+        assert idx.provenance_counts() == {"measured": 1, "node_model": 0, "preset": 1}
+        key = s.get_profile(2).key
+        slower = ProfileRecord(key=key, knobs=default_knobs("nvlink"), latency_us=500.0, spread_us=0.5,
+                               backend="local:nccl", provenance="measured")
+        written, why = s.put_profile(slower)
+        assert written and "a measured profile replaces a preset one" in why, why
+        assert s.get_current(key).latency_us == 500.0
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 def test_an_output_that_cannot_be_written_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     """`export - >/dev/full`, `list --json >/dev/full`, `export - >&-` and `delete ID <&-` ended in tracebacks."""

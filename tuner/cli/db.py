@@ -322,8 +322,8 @@ def check(
                              f"ID{db_flag(Path(info['path']))}` removes one)"))
             for row in bad:
                 out.print(escape(f"    profile {row['id']}: {row['error']}"))
-        for row in info["mislabelled_profiles"] or []:  # the runtime and list/show/export take it as modelled
+        for row in info["mislabelled_profiles"] or []:  # the runtime, lookups, the gate, list/show/export take it as modelled
             out.print(escape(f"  profile {row['id']}: labelled measured, but its backend {row['backend']!r} does not "
-                             "measure: the runtime takes it as MODELLED (a hand edit?)"))
+                             "measure: moetune takes it as MODELLED (a hand edit?)"))
     if not info["ok"]:
         raise typer.Exit(1)

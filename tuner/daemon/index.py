@@ -65,7 +65,7 @@ class ProfileIndex:
     def provenance_counts(self) -> dict[str, int]:
         """How the current profiles of this node's fingerprint were obtained (what `status` shows)."""
         mine = [r for r in self.records if self.fingerprint is None or r.key.fingerprint == self.fingerprint]
-        c = Counter(r.provenance for r in mine)
+        c = Counter(r.effective_provenance for r in mine)  # what the numbers are, as lookups take them
         return {p: c.get(p, 0) for p in PROVENANCES}
 
     def lookup(self, req: wire.GetProfile) -> tuple[bool, Any]:

@@ -10,7 +10,7 @@ import msgspec
 from sqlalchemy import Select, String, select, type_coerce
 
 from moetune.runtime.knobs import KnobError, Knobs
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord, metric_of_backend
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord, effective_provenance, metric_of_backend
 from moetune.runtime.profiles.perf_env import parse_recorded
 from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Event, Profile
 from moetune.tuner.store.validate import canonical_routing
@@ -157,14 +157,17 @@ def decide(
     max(old.spread, new.spread). A stored number can be stale (NCCL_* environment, power cap, clocks: what the
     fingerprint does not capture; the environment is recorded, `perf_env`, but not compared here), so a slower new best is not called a loss to it: the reason says that only a
     side-by-side comparison decides, and the stored profile is kept."""
-    old_rank, new_rank = PROVENANCE_RANK.get(old.provenance, 0), PROVENANCE_RANK[str(new.provenance)]
+    # by what the numbers are (a "measured" label on a modelling backend, a hand edit, ranks as modelled: it must
+    # not keep a real measurement out), as the runtime takes them
+    old_prov, new_prov = effective_provenance(str(old.provenance), old.backend), new.effective_provenance
+    old_rank, new_rank = PROVENANCE_RANK.get(old_prov, 0), PROVENANCE_RANK[new_prov]
     if new_rank > old_rank:
         return Decision(
-            True, f"replaced profile {old.id}: a {new.provenance} profile replaces a {old.provenance} one", "provenance"
+            True, f"replaced profile {old.id}: a {new_prov} profile replaces a {old_prov} one", "provenance"
         )
     if new_rank < old_rank:
         return Decision(
-            False, f"kept the {old.provenance} profile {old.id}: a {new.provenance} profile never displaces it", "rank"
+            False, f"kept the {old_prov} profile {old.id}: a {new_prov} profile never displaces it", "rank"
         )
     old_routing, new_routing = old.routing or "", canonical_routing(new.tuned_routing)
     if old_routing and new_routing and old_routing != new_routing:

@@ -547,8 +547,8 @@ class Store:
     @_retried
     def mislabelled_profiles(self) -> list[tuple[int, str]]:
         """(id, backend) of each row labelled measured whose backend does not measure (no writer of this moetune
-        stores one; a hand edit or another tool may): the runtime takes it as modelled and `profiles list/show/export`
-        show it so, while the store's own rules still go by its label; named by `check`."""
+        stores one; a hand edit or another tool may): the runtime, the store's replacement rule, its lookups and
+        `profiles list/show/export` take it as modelled; named by `check`."""
         with self._read() as s:
             rows = s.execute(select(Profile.id, Profile.backend).where(Profile.provenance == "measured")
                              .order_by(Profile.id)).all()
@@ -770,17 +770,19 @@ class Store:
         else:  # an engine family's latency is a whole layer's, not an exchange's: picked by name only
             where.append(Profile.transport_family.not_in(ENGINE_FAMILIES))
         with self._read() as s:
-            for provenance in sorted(PROVENANCES, key=lambda p: -PROVENANCE_RANK[p]):
-                if measured_only and provenance != "measured":
-                    break
-                got = self._records(s, select_records().where(*where, Profile.provenance == provenance))
-                if not got:
-                    continue
-                bucket = nearest_bucket_within(tokens, sorted({r.key.token_bucket for _i, r in got}), max_bucket_steps)
-                if bucket is None:
-                    continue
-                return min(one_metric([r for _i, r in got if r.key.token_bucket == bucket]),
-                           key=lambda r: r.latency_us)
+            rows = self._records(s, select_records().where(*where))
+        # tiers by what the numbers are (effective provenance: a hand-edited "measured" label on a modelling backend
+        # is modelled), not by the stored label
+        for provenance in sorted(PROVENANCES, key=lambda p: -PROVENANCE_RANK[p]):
+            if measured_only and provenance != "measured":
+                break
+            got = [(i, r) for i, r in rows if r.effective_provenance == provenance]
+            if not got:
+                continue
+            bucket = nearest_bucket_within(tokens, sorted({r.key.token_bucket for _i, r in got}), max_bucket_steps)
+            if bucket is None:
+                continue
+            return min(one_metric([r for _i, r in got if r.key.token_bucket == bucket]), key=lambda r: r.latency_us)
         return None
 
     @_retried
@@ -812,10 +814,11 @@ class Store:
             q = q.where(Profile.status == status)
         if fingerprint is not None:
             q = q.where(Profile.fingerprint == fingerprint)
-        if provenance is not None:
-            q = q.where(Profile.provenance == provenance)
         with self._read() as s:
-            return self._records(s, q)
+            got = self._records(s, q)
+        # by what the numbers are, as list/show print them (a hand-edited "measured" label on a modelling backend
+        # is listed as modelled)
+        return got if provenance is None else [(i, r) for i, r in got if r.effective_provenance == provenance]
 
     @_retried
     def unreadable_profiles(self, profile_id: int | None = None) -> list[tuple[int, str]]:
