@@ -132,6 +132,15 @@ def default_measured_on(provenance: str, backend: str, fingerprint: str) -> str:
     return ""
 
 
+def effective_measured_on(provenance: str, measured_on: str, backend: str, fingerprint: str) -> str:
+    """`measured_on` as the effective provenance has it: the stored one, except where a "measured" label on a
+    modelling backend is taken as modelled (a node model keeps its fingerprint; a preset gets its name)."""
+    prov = effective_provenance(provenance, backend)
+    if prov == provenance or prov == "node_model":
+        return measured_on
+    return default_measured_on(prov, backend, fingerprint)
+
+
 class ProfileKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything a tuned result is valid for. A profile is never used outside its key."""
 
@@ -216,7 +225,7 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         prov = self.effective_provenance
         if prov == self.provenance:
             return self
-        on = self.measured_on if prov == "node_model" else default_measured_on(prov, self.backend, self.key.fingerprint)
+        on = effective_measured_on(str(self.provenance), self.measured_on, self.backend, self.key.fingerprint)
         # a modelled profile records no performance environment (no process measured it): an import refuses one
         return msgspec.structs.replace(self, provenance=prov, measured_on=on, perf_env=msgspec.UNSET)
 

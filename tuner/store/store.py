@@ -34,6 +34,8 @@ from moetune.runtime.profile_record import (
     PROVENANCES,
     ProfileKey,
     ProfileRecord,
+    effective_measured_on,
+    effective_provenance,
     nearest_bucket_within,
     one_metric,
     provenance_of_backend,
@@ -787,14 +789,18 @@ class Store:
 
     @_retried
     def provenance_of(self, key: ProfileKey, profile_hash: str | None = None) -> tuple[str, str] | None:
-        """(provenance, measured_on) of the newest stored profile for `key` (with this hash, if given):
-        for callers that hold a key from elsewhere (a daemon reply, the runtime's fallback)."""
-        q = select(Profile.provenance, Profile.measured_on).where(*_key_where(key))
+        """(effective provenance, measured_on) of the newest stored profile for `key` (with this hash, if given):
+        for callers that hold a key from elsewhere (a daemon reply, the runtime's fallback). A hand-edited
+        "measured" label on a modelling backend is answered as what it is (`ProfileRecord.as_effective`)."""
+        q = select(Profile.provenance, Profile.measured_on, Profile.backend).where(*_key_where(key))
         if profile_hash is not None:
             q = q.where(Profile.profile_hash == profile_hash)
         with self._read() as s:
             row = s.execute(q.order_by((Profile.status == "current").desc(), Profile.id.desc()).limit(1)).first()
-        return None if row is None else (row.provenance, row.measured_on)
+        if row is None:
+            return None
+        return (effective_provenance(row.provenance, row.backend),
+                effective_measured_on(row.provenance, row.measured_on, row.backend, key.fingerprint))
 
     @_retried
     def get_profile(self, profile_id: int) -> ProfileRecord | None:
