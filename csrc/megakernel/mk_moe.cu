@@ -2357,29 +2357,48 @@ int smem_for_ov(int stages) { return smem_bytes(T::STAGE, ov_meta_bytes<T>(), st
 template <class T>
 int smem_for(int stages, int64_t overlap) { return T::WG && overlap ? smem_for_ov<T>(stages) : smem_for<T>(stages); }
 
+// A function attribute is set in the current device's context: raised once per kernel AND device (one flag for
+// the process left a second GPU's kernels at the 48 KB default, and a layer there found no CTA resident).
+constexpr int PREP_DEVICES = 64;
+// the current device, or -1 (and the error in *e) where it cannot be read
+inline int prep_device(cudaError_t* e) {
+  int dev = 0;
+  *e = cudaGetDevice(&dev);
+  return *e == cudaSuccess ? dev : -1;
+}
+
 template <class T>
-cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kernel (enough for MAX_STAGES)
-  static bool done = false;
-  if (done) return cudaSuccess;
+cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kernel and device (enough for MAX_STAGES)
+  static std::mutex mu;
+  static bool done[PREP_DEVICES];
+  cudaError_t e;
+  const int dev = prep_device(&e);
+  if (dev < 0) return e;
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < PREP_DEVICES && done[dev]) return cudaSuccess;
   const int most = smem_for<T>(MAX_STAGES) <= SMEM_MAX ? smem_for<T>(MAX_STAGES) : SMEM_MAX;
-  cudaError_t e = cudaFuncSetAttribute(k_experts<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+  e = cudaFuncSetAttribute(k_experts<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
   if constexpr (T::WG) {
     const int ov = smem_for_ov<T>(MAX_STAGES) <= SMEM_MAX ? smem_for_ov<T>(MAX_STAGES) : SMEM_MAX;
     if (e == cudaSuccess) e = cudaFuncSetAttribute(k_experts_ov<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, ov);
   }
-  done = e == cudaSuccess;
+  if (dev < PREP_DEVICES) done[dev] = e == cudaSuccess;
   return e;
 }
 
 template <class T>
-cudaError_t prepare_route() {  // the routing kernels' limit (k_logits<T>, k_route<T> at up to ROUTE_MAX_STAGES)
-  static bool done = false;
-  if (done) return cudaSuccess;
-  cudaError_t e =
-      cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_for<T>(ROUTE_MAX_STAGES));
+cudaError_t prepare_route() {  // the routing kernels' limit (k_logits<T>, k_route<T> at up to ROUTE_MAX_STAGES), per device
+  static std::mutex mu;
+  static bool done[PREP_DEVICES];
+  cudaError_t e;
+  const int dev = prep_device(&e);
+  if (dev < 0) return e;
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < PREP_DEVICES && done[dev]) return cudaSuccess;
+  e = cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_for<T>(ROUTE_MAX_STAGES));
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(k_route<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_for<T>(ROUTE_MAX_STAGES));
-  done = e == cudaSuccess;
+  if (dev < PREP_DEVICES) done[dev] = e == cudaSuccess;
   return e;
 }
 
