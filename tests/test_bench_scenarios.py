@@ -138,15 +138,16 @@ def test_rows_of_a_copied_tree_take_the_given_sha(monkeypatch) -> None:
     assert S.machine_facts("none", lambda: "fp")["git_sha"] == "unknown"
 
 
-def _moe_report(tokens: list[int], **over: object) -> dict:
-    """A `moetune bench moe --json` report of the moe-megakernel-vs-unfused measurement (its three engines)."""
+def _moe_report(tokens: list[int], order: tuple[str, ...] = ("unfused", "megakernel", "torch"), **over: object) -> dict:
+    """A `moetune bench moe --json` report of the moe-megakernel-vs-unfused measurement (its three engines, timed in
+    `order`: the scenario's is unfused, megakernel, torch)."""
     meta = {"git_sha": "bd3e980e906d", "git_dirty": False, "moetune": "0+unknown", "torch": "2.11.0+cu130",
             "nccl": "2.28.9", "cuda": "13.0", "gpu": "NVIDIA H200", "gpu_count": 1, "fabric_fingerprint": "2bb9",
             "hardware": "1x NVIDIA H200, 16 CPU cores", "date": "2026-12-04T09:38:10Z",
-            "command": "moetune bench moe --engine megakernel,unfused,torch --model qwen3-30b --cuda-graph"}
+            "command": f"moetune bench moe --engine {','.join(order)} --model qwen3-30b --cuda-graph"}
     q = {"median": 10.0, "p10": 9.0, "p90": 11.0}
-    cases = [{"engine": e, "S": s, "eager_us": q, "graph_us": {**q, "median": 8.0 + i}}
-             for i, e in enumerate(("megakernel", "unfused", "torch")) for s in tokens]
+    speed = {"megakernel": 8.0, "unfused": 9.0, "torch": 10.0}
+    cases = [{"engine": e, "S": s, "eager_us": q, "graph_us": {**q, "median": speed[e]}} for s in tokens for e in order]
     return {"model": "qwen3-30b", "graph": True, "iters": 50, "warmup": 10, "rotate": 4, "rest_s": 0.0,
             "cases": cases, "meta": meta, **over}
 
@@ -166,6 +167,9 @@ def test_a_bench_moe_report_imports_as_one_launch_only_where_it_is_the_scenarios
     for rep, words in ((_moe_report([1, 16, 128, 1024, 4096]), "in " + str(out) + " already"),
                        (_moe_report([1]), "tokens [1] (scenario: [1, 16, 128, 1024, 4096])"),
                        (_moe_report([1, 16, 128, 1024, 4096], iters=20), "iters 20 (scenario: 50)"),
+                       # timed megakernel first: under a power cap the second engine pays for the first one's heat
+                       (_moe_report([1, 16, 128, 1024, 4096], order=("megakernel", "unfused", "torch")),
+                        "engine order ['megakernel', 'unfused', 'torch'] (scenario: ['unfused', 'megakernel', 'torch'])"),
                        ({"cases": []}, "not a `moetune bench moe --json` report")):
         with pytest.raises(S.ScenarioError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             S.import_moe_report(s, rep, origin="x.json", results=out)

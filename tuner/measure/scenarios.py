@@ -899,6 +899,11 @@ def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin
             "graph": bool(a.get("cuda_graph")), "rest_s": float(a.get("rest", 0.0))}
     got = {"model": rep.get("model"), "tokens": sorted({c.get("S") for c in rep["cases"]}), "iters": rep.get("iters"),
            "warmup": rep.get("warmup"), "rotate": rep.get("rotate"), "graph": rep.get("graph"), "rest_s": rep.get("rest_s")}
+    # the order too: under a power cap the engine timed second pays for the first one's heat (`settle`), so a
+    # launch of another order is another measurement (the scenario times its cases in their listed order)
+    listed = [str(c.args.get("engine", c.name)) for c in s.cases]
+    ran = list(dict.fromkeys(str(c.get("engine")) for c in rep["cases"] if not c.get("skipped")))
+    want["engine order"], got["engine order"] = [e for e in listed if e in ran], [e for e in ran if e in listed]
     differ = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
     if a.get("knobs") or "--knobs" in str(meta["command"]):
         differ["knobs"] = (meta["command"], a.get("knobs", ""))
