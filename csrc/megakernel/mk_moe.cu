@@ -2360,46 +2360,45 @@ int smem_for(int stages, int64_t overlap) { return T::WG && overlap ? smem_for_o
 // A function attribute is set in the current device's context: raised once per kernel AND device (one flag for
 // the process left a second GPU's kernels at the 48 KB default, and a layer there found no CTA resident).
 constexpr int PREP_DEVICES = 64;
-// the current device, or -1 (and the error in *e) where it cannot be read
-inline int prep_device(cudaError_t* e) {
+// set() once on the current device until it succeeds, under the kernel's lock (as decode_attrs)
+template <class F>
+cudaError_t once_per_device(std::mutex& mu, bool (&done)[PREP_DEVICES], F set) {
   int dev = 0;
-  *e = cudaGetDevice(&dev);
-  return *e == cudaSuccess ? dev : -1;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < PREP_DEVICES && done[dev]) return cudaSuccess;
+  e = set();
+  if (dev < PREP_DEVICES) done[dev] = e == cudaSuccess;
+  return e;
 }
 
 template <class T>
 cudaError_t prepare() {  // raise the dynamic shared-memory limit once per kernel and device (enough for MAX_STAGES)
   static std::mutex mu;
   static bool done[PREP_DEVICES];
-  cudaError_t e;
-  const int dev = prep_device(&e);
-  if (dev < 0) return e;
-  std::lock_guard<std::mutex> lock(mu);
-  if (dev < PREP_DEVICES && done[dev]) return cudaSuccess;
-  const int most = smem_for<T>(MAX_STAGES) <= SMEM_MAX ? smem_for<T>(MAX_STAGES) : SMEM_MAX;
-  e = cudaFuncSetAttribute(k_experts<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
-  if constexpr (T::WG) {
-    const int ov = smem_for_ov<T>(MAX_STAGES) <= SMEM_MAX ? smem_for_ov<T>(MAX_STAGES) : SMEM_MAX;
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(k_experts_ov<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, ov);
-  }
-  if (dev < PREP_DEVICES) done[dev] = e == cudaSuccess;
-  return e;
+  return once_per_device(mu, done, [] {
+    const int most = smem_for<T>(MAX_STAGES) <= SMEM_MAX ? smem_for<T>(MAX_STAGES) : SMEM_MAX;
+    cudaError_t e = cudaFuncSetAttribute(k_experts<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+    if constexpr (T::WG) {
+      const int ov = smem_for_ov<T>(MAX_STAGES) <= SMEM_MAX ? smem_for_ov<T>(MAX_STAGES) : SMEM_MAX;
+      if (e == cudaSuccess) e = cudaFuncSetAttribute(k_experts_ov<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, ov);
+    }
+    return e;
+  });
 }
 
 template <class T>
 cudaError_t prepare_route() {  // the routing kernels' limit (k_logits<T>, k_route<T> at up to ROUTE_MAX_STAGES), per device
   static std::mutex mu;
   static bool done[PREP_DEVICES];
-  cudaError_t e;
-  const int dev = prep_device(&e);
-  if (dev < 0) return e;
-  std::lock_guard<std::mutex> lock(mu);
-  if (dev < PREP_DEVICES && done[dev]) return cudaSuccess;
-  e = cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_for<T>(ROUTE_MAX_STAGES));
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(k_route<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_for<T>(ROUTE_MAX_STAGES));
-  if (dev < PREP_DEVICES) done[dev] = e == cudaSuccess;
-  return e;
+  return once_per_device(mu, done, [] {
+    cudaError_t e =
+        cudaFuncSetAttribute(k_logits<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_for<T>(ROUTE_MAX_STAGES));
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(k_route<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_for<T>(ROUTE_MAX_STAGES));
+    return e;
+  });
 }
 
 // The wgmma core serves bm = 64 / 128 when asked for; bm = 16 always runs the mma core.
