@@ -2,8 +2,8 @@
 construction, row-major math on k-tiled parameters, rebinding replaced parameters, and routing-id checks.
 
 The megakernel itself needs an sm_90 GPU: where a test needs it built, a fake stands in (as in
-test_megakernel_engine.py), or `_lib.load` is replaced so that `MegakernelMoE` builds its buffers on the CPU and
-its argument checks run (nothing is launched)."""
+test_megakernel_engine.py), or `_lib.load` and the CUDA-device check are replaced so that `MegakernelMoE` builds its
+buffers on the CPU and its argument checks run (nothing is launched)."""
 
 from __future__ import annotations
 
@@ -86,6 +86,7 @@ def _mk_layer(knobs: Knobs | None = None, **kw: Any) -> MoELayer:
 def cpu_lib(monkeypatch: pytest.MonkeyPatch) -> None:
     """MegakernelMoE builds on the CPU (its checks run; nothing may launch)."""
     monkeypatch.setattr(_lib, "load", lambda: object())
+    monkeypatch.setattr(mk_layer, "_device_problem", lambda device: None)
 
 
 def _cpu_mk(**kw: Any) -> mk_layer.MegakernelMoE:
@@ -284,6 +285,14 @@ def test_cuda_device_without_index_is_the_current_device(monkeypatch: pytest.Mon
     assert mk_layer._device("cuda") == torch.device("cuda", 3) == mk_layer._device(None)
     assert mk_layer._device(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert mk_layer._device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta", torch.device("cpu")])
+def test_a_device_that_is_not_cuda_is_refused_at_construction(monkeypatch: pytest.MonkeyPatch, device: Any) -> None:
+    """Before: the layer built on the CPU and failed at its first launch with torch's "Expected a cuda device"."""
+    monkeypatch.setattr(_lib, "load", lambda: pytest.fail("the library is loaded before the device is checked"))
+    with pytest.raises(ValueError, match=r"megakernel: device must be a CUDA device .*got (cpu|meta)"):
+        mk_layer.MegakernelMoE(TINY, max_tokens=8, device=device)
 
 
 def test_forward_routed_checks_before_copying(cpu_lib) -> None:

@@ -89,6 +89,9 @@ class MegakernelMoE:
         # per token bucket configs (`set_bucket_config`); self.config sized the scratch and runs the other launches
         self.launch = LaunchConfigs(self.config)
         self.device = _device(device)
+        why = _device_problem(self.device)
+        if why is not None:  # now, not at the first buffer or launch with torch's "Expected a cuda device"
+            raise ValueError(f"megakernel: {why}")
         h, i, e, k = model.hidden, model.intermediate, model.experts, model.topk
         why = limits_problem(model, max_tokens, self.config)
         if why is not None:
@@ -535,6 +538,14 @@ class MegakernelMoE:
         """The last launch's task total, m-tiles and published tasks as the kernel counted them. Syncs."""
         c = self.ctl.tolist()
         return {"total": c[CTL_TOTAL] - 1, "tiles": c[CTL_TILES], "published": c[CTL_PUBLISHED]}
+
+
+def _device_problem(device: torch.device) -> str | None:
+    """Why the layer cannot live on `device` (None: it can). A function of its own so that CPU tests can stand in a
+    permissive one and build the layer's buffers and run its argument checks without a GPU."""
+    if device.type != "cuda":
+        return f"device must be a CUDA device (the kernels run on an sm_90 GPU), got {device}"
+    return None
 
 
 def _device(device: torch.device | str | None) -> torch.device:
