@@ -7,7 +7,9 @@ buffers on the CPU and its argument checks run (nothing is launched)."""
 
 from __future__ import annotations
 
+import ctypes
 import re
+import types
 import warnings
 from typing import Any, ClassVar
 
@@ -411,3 +413,153 @@ def test_options_reach_the_buffer() -> None:
 def test_docs_say_one_thread_per_instance_and_what_is_imported() -> None:
     assert "thread" in (MoELayer.__doc__ or "") and "thread" in (mk_layer.MegakernelMoE.__doc__ or "")
     assert "no msgspec" not in (mk_layer.__doc__ or "")
+
+
+# -- 15: what reaches the library (a fake one, on the CPU) ----------------------------------------------------------
+class FakeLaunchLib:
+    """Stands in for the library's entry points: the occupancy query answers 2 CTAs on each of 4 SMs, no launch fits
+    the decode kernel, and every launch is recorded with the bytes at its x pointer (read while the launch's x is
+    alive, as the kernel would) and the device guards entered at that moment."""
+
+    def __init__(self) -> None:
+        self.launches: list[dict[str, Any]] = []
+        self.guards: list[torch.device] = []  # the torch.cuda.device guards entered now (innermost last)
+
+    def mk_occupancy(self, *args: Any) -> int:
+        args[-2]._obj.value, args[-1]._obj.value = 2, 4
+        return 0
+
+    def mk_decode_grid(self, *args: Any) -> int:
+        return 1  # no decode launch: the task graph at every S
+
+    def _launch(self, name: str, ref: Any) -> int:
+        p = ref._obj
+        n = p.S * TINY.hidden * 2
+        self.launches.append({"name": name, "x": p.x, "out": p.out, "x_bytes": ctypes.string_at(p.x, n),
+                              "combine_tokens": p.combine_tokens, "guards": list(self.guards)})
+        return 0
+
+    def mk_route(self, ref: Any, stream: Any) -> int:
+        return self._launch("mk_route", ref)
+
+    def mk_route_given(self, ref: Any, stream: Any) -> int:
+        return self._launch("mk_route_given", ref)
+
+    def mk_experts(self, ref: Any, stream: Any) -> int:
+        return self._launch("mk_experts", ref)
+
+    def mk_last_error(self) -> bytes:
+        return b"fake error"
+
+
+@pytest.fixture
+def fake_launch(monkeypatch: pytest.MonkeyPatch) -> FakeLaunchLib:
+    """MegakernelMoE builds on the CPU and its forwards reach FakeLaunchLib (torch.cuda's device guard and stream
+    stand-ins: no GPU here)."""
+    lib = FakeLaunchLib()
+    monkeypatch.setattr(_lib, "load", lambda: lib)
+    monkeypatch.setattr(mk_layer, "_device_problem", lambda device: None)
+
+    class Guard:
+        def __init__(self, device: Any) -> None:
+            self.device = device
+
+        def __enter__(self) -> None:
+            lib.guards.append(self.device)
+
+        def __exit__(self, *exc: Any) -> None:
+            lib.guards.pop()
+
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    return lib
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.int16).numpy().tobytes()
+
+
+def _misaligned(s: int, h: int = TINY.hidden) -> torch.Tensor:
+    """A contiguous [s, h] bf16 view 2 bytes into a buffer: contiguous, but its data not 16-byte aligned."""
+    buf = _x(s * h + 8, h=1).view(-1)
+    v = buf[1:1 + s * h].view(s, h)
+    assert v.is_contiguous() and v.data_ptr() % 16 == 2
+    return v
+
+
+@pytest.mark.parametrize("s", [1, 3])
+def test_misaligned_x_reaches_the_kernels_as_an_aligned_copy(fake_launch: FakeLaunchLib, s: int) -> None:
+    """Before: a contiguous view at an odd offset went to the kernels as it was; their 16-byte loads read the wrong
+    bytes (or faulted at S=1). Now it is copied, as a non-contiguous x is."""
+    mk = _cpu_mk()
+    x = _misaligned(s)
+    idx = torch.zeros(s, TINY.topk, dtype=torch.int64)
+    mk.forward(x)
+    mk.forward_routed(x, idx, torch.full((s, TINY.topk), 0.5))
+    assert [c["name"] for c in fake_launch.launches] == ["mk_route", "mk_experts", "mk_route_given", "mk_experts"]
+    for c in fake_launch.launches:
+        assert c["x"] % 16 == 0 and c["x_bytes"] == _bytes(x)
+    aligned = _x(s)  # an aligned x goes as it is, no copy
+    mk.forward(aligned)
+    assert fake_launch.launches[-1]["x"] == aligned.data_ptr()
+
+
+def test_misaligned_out_is_refused(fake_launch: FakeLaunchLib) -> None:
+    """The caller owns out, so it is not swapped for a copy: refused, naming the requirement, before any launch."""
+    mk = _cpu_mk()
+    x = _x(3)
+    for call in (lambda o: mk.forward(x, out=o),
+                 lambda o: mk.forward_routed(x, torch.zeros(3, TINY.topk, dtype=torch.int64), torch.ones(3, TINY.topk),
+                                             out=o)):
+        with pytest.raises(ValueError, match=r"out must start at a 16-byte aligned address \(the kernels write it"):
+            call(_misaligned(3))
+    assert not fake_launch.launches
+    out = torch.empty(3, TINY.hidden, dtype=BF)
+    assert mk.forward(x, out=out) is out and fake_launch.launches[-1]["out"] == out.data_ptr()
+
+
+def test_misaligned_weights_read_in_place_are_refused(cpu_lib) -> None:
+    """k-tiled weights (tiled=True, rebind) and rebind's gate are read in place: a misaligned one is refused; the gate
+    given at construction is the layer's to copy, and is copied."""
+    full = _cpu_mk()
+    w1, w2, g = full.w1t, full.w2t, full.gate
+
+    def shifted(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.numel() + 8, dtype=t.dtype)[1:1 + t.numel()].view(t.shape).copy_(t)
+
+    for name, args in (("w_gate_up", (shifted(w1), w2, g)), ("w_down", (w1, shifted(w2), g))):
+        with pytest.raises(ValueError, match=f"{name} must start at a 16-byte aligned address"):
+            mk_layer.MegakernelMoE(TINY, max_tokens=8, device="cpu", w_gate_up=args[0], w_down=args[1], gate=args[2],
+                                   tiled=True)
+        with pytest.raises(ValueError, match=f"{name} must start at a 16-byte aligned address"):
+            full.rebind(*args)
+    with pytest.raises(ValueError, match="gate must start at a 16-byte aligned address"):
+        full.rebind(w1, w2, shifted(g))
+    mk = mk_layer.MegakernelMoE(TINY, max_tokens=8, device="cpu", w_gate_up=w1, w_down=w2, gate=shifted(g), tiled=True)
+    assert mk.gate.data_ptr() % 16 == 0 and torch.equal(mk.gate, g)
+    # row-major weights are copied into the k-tiled layout anyway: an odd offset is fine there
+    mk = mk_layer.MegakernelMoE(TINY, max_tokens=8, device="cpu", w_gate_up=shifted(full.w_gate_up),
+                                w_down=shifted(full.w_down), gate=g)
+    assert torch.equal(mk.w1t, w1) and mk.w1t.data_ptr() % 16 == 0
+
+
+def test_launches_run_under_the_layers_device_guard(fake_launch: FakeLaunchLib) -> None:
+    """Before: `_run` took the layer's device's stream but launched with whichever GPU was current (the library
+    launches on the current device), so a layer on another GPU than the current one launched on the wrong one."""
+    mk = _cpu_mk()
+    mk.forward(_x(3))
+    mk.forward_routed(_x(2), torch.zeros(2, TINY.topk, dtype=torch.int64), torch.ones(2, TINY.topk))
+    assert len(fake_launch.launches) == 4
+    assert all(c["guards"] and c["guards"][-1] == mk.device for c in fake_launch.launches)
+
+
+def test_moe_layer_hands_a_misaligned_x_to_the_megakernel_as_an_aligned_copy(fake_launch: FakeLaunchLib,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    layer = _mk_layer(engine="megakernel")
+    assert isinstance(layer.megakernel, mk_layer.MegakernelMoE)
+    x = _misaligned(3)
+    layer(x)
+    layer.forward_routed(x, torch.zeros(3, TINY.topk, dtype=torch.int64), torch.ones(3, TINY.topk))
+    assert len(fake_launch.launches) == 4
+    assert all(c["x"] % 16 == 0 and c["x_bytes"] == _bytes(x) for c in fake_launch.launches)

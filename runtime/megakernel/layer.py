@@ -32,6 +32,9 @@ ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor
              5: "a wgmma stage barrier (shared-memory pipeline) timed out",
              6: "a task timed out waiting for its inputs (publish_all)"}
 CTL_TOTAL, CTL_ABORT, CTL_TILES, CTL_PUBLISHED = 1, 2, 5, 4
+# bytes: the kernels read x, the gate and the expert weights and write out with 16-byte accesses (uint4 loads and
+# stores, cp.async, TMA), which fault or read the wrong bytes at an address that is not a multiple of this
+ALIGN = 16
 
 
 class MegakernelError(RuntimeError):
@@ -111,7 +114,7 @@ class MegakernelMoE:
         # the expert weights as the kernels read them: k-tiled, shapes unchanged
         self.w1t = w_gate_up if tiled else to_tiled(w_gate_up)
         self.w2t = w_down if tiled else to_tiled(w_down)
-        self.gate = gate.contiguous()
+        self.gate = _launchable(gate)  # a copy where it is not contiguous or not 16-byte aligned
         cfg = self.config
         self.lib = _lib.load()
 
@@ -192,8 +195,11 @@ class MegakernelMoE:
             if tuple(t.shape) != shape or t.dtype != torch.bfloat16 or t.device != self.device:
                 raise ValueError(f"megakernel: {name} must be bf16 {shape} on {self.device}, got "
                                  f"{t.dtype} {tuple(t.shape)} on {t.device}")
-        if tiled and not (w_gate_up.is_contiguous() and w_down.is_contiguous()):
-            raise ValueError("megakernel: k-tiled weights (tiled=True) must be contiguous")
+        if tiled:  # shared, not copied: the kernels read them in place
+            if not (w_gate_up.is_contiguous() and w_down.is_contiguous()):
+                raise ValueError("megakernel: k-tiled weights (tiled=True) must be contiguous")
+            _check_aligned("w_gate_up", w_gate_up, "k-tiled weights are read in place")
+            _check_aligned("w_down", w_down, "k-tiled weights are read in place")
 
     def rebind(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor) -> None:
         """Read the weights from these tensors from now on: k-tiled expert weights and the gate, all contiguous bf16
@@ -203,6 +209,7 @@ class MegakernelMoE:
         self._check_weights(w_gate_up, w_down, gate, tiled=True)
         if not gate.is_contiguous():
             raise ValueError("megakernel: gate must be contiguous (it is read in place)")
+        _check_aligned("gate", gate, "it is read in place")
         self.w1t, self.w2t, self.gate = w_gate_up, w_down, gate
         for p in self._params.values():
             p.wg, p.w1, p.w2 = gate.data_ptr(), w_gate_up.data_ptr(), w_down.data_ptr()
@@ -330,7 +337,8 @@ class MegakernelMoE:
     @torch.no_grad()
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [S, H] bf16 on the layer's device -> [S, H] bf16 (into `out` when given: bf16 [S, H] on the layer's
-        device, contiguous, not sharing x's storage). No host sync (graph-capturable)."""
+        device, contiguous, 16-byte aligned, not sharing x's storage). x that is not contiguous or not 16-byte aligned is
+        copied first. No host sync (graph-capturable)."""
         s = self._check_x(x)
         self._check_out(out, s, x)
         return self._run(x, s, out, given=False)
@@ -369,7 +377,8 @@ class MegakernelMoE:
         return s
 
     def _check_out(self, out: Any, s: int, x: torch.Tensor) -> None:
-        """`out` is written through its data pointer: it must be exactly the tensor the kernel assumes."""
+        """`out` is written through its data pointer: it must be exactly the tensor the kernel assumes (the caller
+        owns it, so it is refused rather than copied)."""
         if out is None:
             return
         h = self.model.hidden
@@ -379,17 +388,36 @@ class MegakernelMoE:
             raise ValueError(f"megakernel: out must be bf16 [{s}, {h}] on {self.device}, got {got}")
         if not out.is_contiguous():
             raise ValueError("megakernel: out must be contiguous (the kernel writes rows of H elements back to back)")
+        if s:
+            _check_aligned("out", out, "the kernels write it with 16-byte stores")
         if s and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
             # the kernels read x while they write out, in no order that keeps a row's input until its output lands
             raise ValueError("megakernel: out must not share storage with x")
 
     def _run(self, x: torch.Tensor, s: int, out: torch.Tensor | None, *, given: bool) -> torch.Tensor:
         """One forward of S = `s` tokens; the callers have checked x and out."""
-        x = x.contiguous()
+        x = _launchable(x)  # kept referenced until the launches are queued; the stream orders any reuse after them
         if out is None:
             out = torch.empty(s, self.model.hidden, dtype=torch.bfloat16, device=self.device)
         if s == 0:
             return out
+        p = self._launch_params(x, s, out, given=given)
+        ref = ctypes.byref(p)
+        # the launches go to the layer's device whichever GPU is current (as grid() and decode_launch do): the
+        # library launches on the current device. Host-side only, so capturable.
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            if given and not p.decode:
+                _lib.check(self.lib, self.lib.mk_route_given(ref, stream), "mk_route_given")
+            elif not p.decode:
+                _lib.check(self.lib, self.lib.mk_route(ref, stream), "mk_route")
+            _lib.check(self.lib, self.lib.mk_experts(ref, stream), "mk_experts")
+        return out
+
+    def _launch_params(self, x: torch.Tensor, s: int, out: torch.Tensor, *, given: bool) -> _lib.MkParams:
+        """The launch template of S = `s` >= 1 tokens (its token bucket's config) with this launch's own fields set:
+        what `_run` passes to the library, and what benchmarks that time its entry points one by one take
+        (bench/megakernel_bench.py phase_times). x and out: contiguous, 16-byte aligned, on the layer's device."""
         cfg = self.launch.for_tokens(s)  # this S's token bucket's config (set_bucket_config), else self.config
         bm = cfg.pick_bm(s, self.model.topk, self.model.experts)
         p = self._template(bm, s, cfg)
@@ -399,14 +427,7 @@ class MegakernelMoE:
         # the decode kernel routes from the gate itself (2) or reads the given picks (1): nothing launches before it
         p.decode = 0 if self.decode_grid(s) is None else 1 if given else 2
         p.trace = self._trace.data_ptr() if self._trace is not None else None
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        ref = ctypes.byref(p)
-        if given and not p.decode:
-            _lib.check(self.lib, self.lib.mk_route_given(ref, stream), "mk_route_given")
-        elif not p.decode:
-            _lib.check(self.lib, self.lib.mk_route(ref, stream), "mk_route")
-        _lib.check(self.lib, self.lib.mk_experts(ref, stream), "mk_experts")
-        return out
+        return p
 
     # ---- inspection ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -538,6 +559,21 @@ class MegakernelMoE:
         """The last launch's task total, m-tiles and published tasks as the kernel counted them. Syncs."""
         c = self.ctl.tolist()
         return {"total": c[CTL_TOTAL] - 1, "tiles": c[CTL_TILES], "published": c[CTL_PUBLISHED]}
+
+
+def _check_aligned(name: str, t: torch.Tensor, why: str) -> None:
+    """ValueError unless t's data starts at a multiple of ALIGN bytes (for tensors the layer must not copy)."""
+    if t.data_ptr() % ALIGN:
+        raise ValueError(f"megakernel: {name} must start at a {ALIGN}-byte aligned address ({why}), got data_ptr "
+                         f"{t.data_ptr():#x} (a view at an element offset that is not a multiple of "
+                         f"{ALIGN // t.element_size()}?); pass a tensor of its own or an aligned view")
+
+
+def _launchable(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous and 16-byte aligned: t itself where it is, else a copy (a view at an odd offset into a larger
+    buffer is contiguous but not aligned; the kernels' 16-byte loads would read the wrong bytes or fault)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % ALIGN == 0 else t.clone()
 
 
 def _device_problem(device: torch.device) -> str | None:
