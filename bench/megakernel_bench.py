@@ -39,28 +39,32 @@ def time_calls(fns: list, warmup: int, iters: int) -> float:
 
 def phase_times(mk, xs: list[torch.Tensor], warmup: int, iters: int) -> dict[str, float]:
     """Median µs of the routing launches and of the persistent launch, each between its own events (eager). A decode
-    launch (`decode_grid`) routes inside its one kernel: routing reads ~0 and the second figure is the whole layer."""
+    launch (`decode_grid`) routes inside its one kernel: routing reads ~0 and the second figure is the whole layer.
+    Each call's launch fields are set as a forward sets them (`MegakernelMoE._launch_params`, its token bucket's
+    config included), and a launch the library refuses raises with the library's error text."""
     import ctypes
 
+    from moetune.runtime.megakernel import _lib
+
     s = xs[0].shape[0]
-    p = mk._template(mk.config.pick_bm(s, mk.model.topk, mk.model.experts), s)
-    p.decode = 0 if mk.decode_grid(s) is None else 2  # as forward() sets it
     out = torch.empty_like(xs[0])
-    stream = torch.cuda.current_stream().cuda_stream
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
-    for j in range(warmup + iters):
-        p.x, p.out, p.S, p.stall_tile = xs[j % len(xs)].data_ptr(), out.data_ptr(), s, -1
-        e = ev[j - warmup] if j >= warmup else None
-        if e:
-            e[0].record()
-        if not p.decode:
-            mk.lib.mk_route(ctypes.byref(p), stream)
-        if e:
-            e[1].record()
-        mk.lib.mk_experts(ctypes.byref(p), stream)
-        if e:
-            e[2].record()
-    torch.cuda.synchronize()
+    with torch.cuda.device(mk.device):  # the library launches on the current device (as a forward does)
+        stream = torch.cuda.current_stream(mk.device).cuda_stream
+        for j in range(warmup + iters):
+            p = mk._launch_params(xs[j % len(xs)], s, out, given=False)  # x: fresh randn tensors, aligned
+            ref = ctypes.byref(p)
+            e = ev[j - warmup] if j >= warmup else None
+            if e:
+                e[0].record()
+            if not p.decode:
+                _lib.check(mk.lib, mk.lib.mk_route(ref, stream), "mk_route")
+            if e:
+                e[1].record()
+            _lib.check(mk.lib, mk.lib.mk_experts(ref, stream), "mk_experts")
+            if e:
+                e[2].record()
+    torch.cuda.synchronize(mk.device)
     return {"mk_route_us": statistics.median(e[0].elapsed_time(e[1]) * 1e3 for e in ev),
             "mk_experts_us": statistics.median(e[1].elapsed_time(e[2]) * 1e3 for e in ev)}
 

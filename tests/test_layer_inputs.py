@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from moetune.runtime.buffer.facade import EPBuffer
+from moetune.runtime.csrc_build import CsrcError
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.megakernel import MegakernelConfig, _lib
 from moetune.runtime.megakernel import engine as E
@@ -424,6 +425,7 @@ class FakeLaunchLib:
     def __init__(self) -> None:
         self.launches: list[dict[str, Any]] = []
         self.guards: list[torch.device] = []  # the torch.cuda.device guards entered now (innermost last)
+        self.fail = ""  # an entry point that refuses its launch (returns 1; mk_last_error says why)
 
     def mk_occupancy(self, *args: Any) -> int:
         args[-2]._obj.value, args[-1]._obj.value = 2, 4
@@ -436,8 +438,9 @@ class FakeLaunchLib:
         p = ref._obj
         n = p.S * TINY.hidden * 2
         self.launches.append({"name": name, "x": p.x, "out": p.out, "x_bytes": ctypes.string_at(p.x, n),
-                              "combine_tokens": p.combine_tokens, "guards": list(self.guards)})
-        return 0
+                              "combine_tokens": p.combine_tokens, "l2_evict_w": p.l2_evict_w,
+                              "guards": list(self.guards)})
+        return int(name == self.fail)
 
     def mk_route(self, ref: Any, stream: Any) -> int:
         return self._launch("mk_route", ref)
@@ -563,3 +566,51 @@ def test_moe_layer_hands_a_misaligned_x_to_the_megakernel_as_an_aligned_copy(fak
     layer.forward_routed(x, torch.zeros(3, TINY.topk, dtype=torch.int64), torch.ones(3, TINY.topk))
     assert len(fake_launch.launches) == 4
     assert all(c["x"] % 16 == 0 and c["x_bytes"] == _bytes(x) for c in fake_launch.launches)
+
+
+def _bench_tool(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """bench/megakernel_bench.py as a module, with CUDA events and synchronize stood in for (no GPU here)."""
+    import importlib.util
+    from pathlib import Path
+
+    class Event:
+        def __init__(self, **_: Any) -> None:
+            pass
+
+        def record(self) -> None:
+            pass
+
+        def elapsed_time(self, other: Any) -> float:
+            return 0.001
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    path = Path(__file__).resolve().parents[1] / "bench" / "megakernel_bench.py"
+    spec = importlib.util.spec_from_file_location("_mk_bench", path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def test_bench_phase_times_sets_each_launchs_fields_and_checks_return_codes(fake_launch: FakeLaunchLib,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: phase_times relied on combine_tokens / l2_evict_w that only a forward sets in the cached template
+    (megakernel_profile's route_splits clears the templates first, so every launch was refused with
+    "combine_tokens must be >= 1") and ignored the return codes, printing numbers for launches that never ran."""
+    bench = _bench_tool(monkeypatch)
+    mk = _cpu_mk()
+    x = _x(3)
+    mk.forward(x)
+    want = fake_launch.launches[-1]
+    fake_launch.launches.clear()
+    mk._params.clear()  # as route_splits does: fresh templates, no forward since
+    assert set(bench.phase_times(mk, [x], 1, 2)) == {"mk_route_us", "mk_experts_us"}
+    assert [c["name"] for c in fake_launch.launches] == ["mk_route", "mk_experts"] * 3
+    for c in fake_launch.launches:
+        assert (c["combine_tokens"], c["l2_evict_w"], c["x"]) == (want["combine_tokens"], want["l2_evict_w"],
+                                                                  x.data_ptr())
+        assert c["combine_tokens"] >= 1 and c["guards"][-1] == mk.device
+    for entry in ("mk_route", "mk_experts"):
+        fake_launch.fail = entry
+        with pytest.raises(CsrcError, match=f"{entry} failed: fake error"):
+            bench.phase_times(mk, [x], 1, 2)
