@@ -431,14 +431,19 @@ class FakeLaunchLib:
         args[-2]._obj.value, args[-1]._obj.value = 2, 4
         return 0
 
-    def mk_decode_grid(self, *args: Any) -> int:
-        return 1  # no decode launch: the task graph at every S
+    decode_rows = 0  # routed rows (S x topk) up to which a launch fits the decode kernel (0: none does)
+
+    def mk_decode_grid(self, s: int, h: int, i: int, k: int, e: int, grid: Any, rows: Any) -> int:
+        if s * k > self.decode_rows:
+            return 1
+        grid._obj.value, rows._obj.value = 4, -(-h // 4)
+        return 0
 
     def _launch(self, name: str, ref: Any) -> int:
         p = ref._obj
         n = p.S * TINY.hidden * 2
         self.launches.append({"name": name, "x": p.x, "out": p.out, "x_bytes": ctypes.string_at(p.x, n),
-                              "combine_tokens": p.combine_tokens, "l2_evict_w": p.l2_evict_w,
+                              "combine_tokens": p.combine_tokens, "l2_evict_w": p.l2_evict_w, "decode": p.decode,
                               "guards": list(self.guards)})
         return int(name == self.fail)
 
@@ -614,3 +619,24 @@ def test_bench_phase_times_sets_each_launchs_fields_and_checks_return_codes(fake
         fake_launch.fail = entry
         with pytest.raises(CsrcError, match=f"{entry} failed: fake error"):
             bench.phase_times(mk, [x], 1, 2)
+
+
+@pytest.mark.parametrize(("base", "bucket"), [(1, 0), (0, 1)])
+def test_a_bucket_configs_decode_setting_decides_its_launches(fake_launch: FakeLaunchLib, base: int,
+                                                             bucket: int) -> None:
+    """Before: decode_grid read the layer's config, so a bucket profile's decode setting was silently ignored."""
+    fake_launch.decode_rows = 16  # S <= 8 fits the decode kernel (topk 2)
+    mk = _cpu_mk(config=MegakernelConfig(decode=base), max_tokens=16)
+    assert mk.set_bucket_config(1, MegakernelConfig(decode=bucket)) is None
+
+    def launched(s: int) -> list[tuple[str, int]]:
+        fake_launch.launches.clear()
+        mk.forward(_x(s))
+        return [(c["name"], c["decode"]) for c in fake_launch.launches]
+
+    decode, graph = [("mk_experts", 2)], [("mk_route", 0), ("mk_experts", 0)]
+    for s in (1, 2):  # token bucket 1: its config
+        assert launched(s) == (decode if bucket else graph)
+        assert (mk.decode_grid(s) is not None) == bool(bucket)
+    assert launched(4) == (decode if base else graph)  # bucket 16: none installed, the layer's config
+    assert launched(12) == graph  # too many rows for the decode kernel either way

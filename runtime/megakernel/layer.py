@@ -215,7 +215,8 @@ class MegakernelMoE:
             p.wg, p.w1, p.w2 = gate.data_ptr(), w_gate_up.data_ptr(), w_down.data_ptr()
 
     def set_bucket_config(self, bucket: int, config: MegakernelConfig) -> str | None:
-        """Run launches whose S is nearest token bucket `bucket` with `config` (its timeout: this layer's). Returns
+        """Run launches whose S is nearest token bucket `bucket` with `config` (its timeout: this layer's; its
+        `decode` decides whether those that fit the decode kernel run it). Returns
         why not (and installs nothing) where it does not fit the scratch buffers (`LaunchConfigs.problem`) or the
         library refuses one of its launch shapes; None when installed."""
         import dataclasses
@@ -283,9 +284,10 @@ class MegakernelMoE:
         return self._grids[(c, bm, stages)]
 
     def decode_grid(self, tokens: int) -> tuple[int, int] | None:
-        """(CTAs, output rows per CTA) of the decode kernel for `tokens` tokens where `config.decode` is on and the
-        launch fits it (S x topk <= 64 routed rows, each CTA's rows of W_down in its shared memory), else None."""
-        if not self.config.decode:
+        """(CTAs, output rows per CTA) of the decode kernel for `tokens` tokens where `decode` is on in the config
+        that launches of `tokens` run (their token bucket's, `set_bucket_config`, else the layer's) and the launch
+        fits it (S x topk <= 64 routed rows, each CTA's rows of W_down in its shared memory), else None."""
+        if not self.launch.for_tokens(tokens).decode:  # the bucket's own: its profile may turn the decode kernel off
             return None
         if tokens not in self._decode:
             self._decode[tokens] = decode_launch(self.model, tokens, self.device, self.lib)
