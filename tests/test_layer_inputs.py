@@ -154,6 +154,11 @@ def _shape(**kw: Any) -> ModelShape:
     (_shape(hidden=384), None, MegakernelConfig(bn=256), "bn=256 needs"),
     (_shape(), 1 << 22, None, "too many tiles for max_tokens"),
     (_shape(experts=16, topk=16), (1 << 26) + 1, MegakernelConfig(bm=128), r"max_tokens x topk must be <= 2\^30"),
+    # the task word's 16-bit m-tile field: 131072 x 16 rows on one expert are 131072 m-tiles of 16 (the review's case)
+    (_shape(experts=512, topk=16), 131072, None, r"too many m-tiles for one expert .* 131072 m-tiles of bm=16, "
+                                                 r"more than the 65536 a task word's 16-bit m-tile field numbers"),
+    (_shape(experts=512, topk=16), (1 << 16) + 1, MegakernelConfig(), r"65537 m-tiles of bm=16.*or raise bm"),
+    (_shape(experts=512, topk=16), (1 << 19) + 8, MegakernelConfig(bm=128, combine_tokens=16), r"65537 m-tiles of bm=128"),
 ])
 def test_limits_problem_mirrors_the_library(model: ModelShape, max_tokens: int | None, cfg: Any, match: str) -> None:
     why = E.limits_problem(model, max_tokens, cfg)
@@ -164,7 +169,8 @@ def test_limits_within_range_pass() -> None:
     from moetune.runtime.shapes import MODELS
 
     assert E.limits_problem(MODELS["qwen3-30b"], 4096, MegakernelConfig(split_k1=4, split_k2=2)) is None
-    assert E.limits_problem(_shape(experts=512, topk=16), 1 << 16, MegakernelConfig()) is None
+    assert E.limits_problem(_shape(experts=512, topk=16), 1 << 16, MegakernelConfig()) is None  # 65536 m-tiles: fits
+    assert E.limits_problem(_shape(experts=512, topk=16), 1 << 19, MegakernelConfig(bm=128, combine_tokens=16)) is None
 
 
 def test_megakernel_limits_fall_back_or_raise_at_construction(fake_mk) -> None:
