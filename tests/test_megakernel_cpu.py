@@ -61,6 +61,35 @@ def test_config_errors_name_the_field(text, field):
         MegakernelConfig.parse(text)
 
 
+def test_config_vocabulary_is_the_knobs():
+    """MegakernelConfig takes exactly the values the knobs take (runtime/knobs.py), at both ends of every range: a
+    knob value the config refused would fail a tuned profile at layer construction, and a config value no knob
+    reaches is a setting the tuner cannot search."""
+    from moetune.runtime import knobs as K
+
+    assert MegakernelConfig.CORES == K.MK_CORES
+    for field, values in (("bm", K.MK_BMS), ("bn", K.MK_BNS)):
+        for v in range(0, 513):
+            extra = {"core": "wgmma", "bm": 128} if field == "bn" and v == 256 else {}
+            try:
+                MegakernelConfig(**{**extra, field: v})
+            except ConfigError:
+                assert v not in values, (field, v)
+            else:
+                assert v in values, (field, v)
+    for field, knob, lo, hi in (("stages", "mk_stages", 0, K.MK_MAX_STAGES),
+                                ("ctas_per_sm", "mk_ctas_per_sm", 0, K.MK_MAX_CTAS_PER_SM),
+                                ("processor_ctas", "mk_processor_ctas", 0, K.MK_MAX_PROCESSOR_CTAS),
+                                ("combine_tokens", "mk_combine_tokens", 0, K.MK_MAX_COMBINE_TOKENS),
+                                ("split_k1", "mk_split_k", 1, K.MK_MAX_SPLIT_K),
+                                ("split_k2", "mk_split_k", 1, K.MK_MAX_SPLIT_K)):
+        assert getattr(MegakernelConfig.from_knobs(K.Knobs(engine="megakernel", **{knob: hi})), field) == hi
+        with pytest.raises(ConfigError, match=field):
+            MegakernelConfig(**{field: hi + 1})
+        with pytest.raises(ConfigError, match=field):
+            MegakernelConfig(**{field: lo - 1})
+
+
 def test_config_type_errors():
     with pytest.raises(ConfigError, match="stages"):
         MegakernelConfig(stages=3.5)  # type: ignore[arg-type]

@@ -23,7 +23,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moetune.runtime.knobs import int_of_text
+from moetune.runtime.knobs import (
+    MK_BMS,
+    MK_BNS,
+    MK_CORES,
+    MK_MAX_COMBINE_TOKENS,
+    MK_MAX_CTAS_PER_SM,
+    MK_MAX_PROCESSOR_CTAS,
+    MK_MAX_SPLIT_K,
+    MK_MAX_STAGES,
+    int_of_text,
+)
 
 if TYPE_CHECKING:
     from moetune.runtime.knobs import Knobs
@@ -149,17 +159,19 @@ class MegakernelConfig:
     # bits either way (mma.sync adds each k16 step as wgmma does). A setting, not a knob: never the slower one.
     tail_rows: int = 16
 
+    # the fields that are knobs take the knobs' ranges (runtime/knobs.py: one vocabulary for the tuner, the profiles
+    # and this config)
     _RANGES: ClassVar[dict[str, tuple[float, float]]] = {
         "bm_switch_rows": (1, 1 << 20),
         "bm_large_rows": (1, 1 << 20),
         "wide_switch_rows": (1, 1 << 20),
-        "stages": (0, 12),
-        "ctas_per_sm": (0, 32),
-        "processor_ctas": (0, 1 << 16),
-        "combine_tokens": (0, 4096),
+        "stages": (0, MK_MAX_STAGES),
+        "ctas_per_sm": (0, MK_MAX_CTAS_PER_SM),
+        "processor_ctas": (0, MK_MAX_PROCESSOR_CTAS),
+        "combine_tokens": (0, MK_MAX_COMBINE_TOKENS),
         "timeout_ms": (1e-3, 3.6e6),
-        "split_k1": (1, 16),
-        "split_k2": (1, 16),
+        "split_k1": (1, MK_MAX_SPLIT_K),
+        "split_k2": (1, MK_MAX_SPLIT_K),
         "split_max_tiles": (1, 4096),
         "tma": (0, 1),
         "overlap": (0, 1),
@@ -170,7 +182,7 @@ class MegakernelConfig:
         "decode": (0, 1),
         "tail_rows": (0, 16),
     }
-    CORES: ClassVar[tuple[str, ...]] = ("mma", "wgmma")
+    CORES: ClassVar[tuple[str, ...]] = MK_CORES
     AUTO_COMBINE: ClassVar[tuple[int, int, int]] = (2, 4, 8)  # combine_tokens = 0: decode, small wide, the rest
 
     def __post_init__(self) -> None:
@@ -183,19 +195,19 @@ class MegakernelConfig:
             want = float if f.type in ("float", float) else int
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not isinstance(v, int)):
                 raise ConfigError(f"megakernel config: {f.name} must be {want.__name__}, got {v!r}")
-        if self.bm not in (0, 16, 64, 128):
-            raise ConfigError(f"megakernel config: bm must be 0 (auto), 16, 64 or 128, got {self.bm}")
+        if self.bm not in MK_BMS:
+            raise ConfigError(f"megakernel config: bm must be 0 (auto) or one of {_listed(MK_BMS)}, got {self.bm}")
         if self.core not in self.CORES:
             raise ConfigError(f"megakernel config: core must be one of {', '.join(self.CORES)}, got {self.core!r}")
-        if self.bn not in (0, 128, 256):
-            raise ConfigError(f"megakernel config: bn must be 0 (auto), 128 or 256, got {self.bn}")
+        if self.bn not in MK_BNS:
+            raise ConfigError(f"megakernel config: bn must be 0 (auto) or one of {_listed(MK_BNS)}, got {self.bn}")
         if self.bn == 256 and (self.core != "wgmma" or self.bm not in (0, 128)):
             raise ConfigError(f"megakernel config: bn=256 (the wide tile) needs core=wgmma and bm=128 (or bm=0), "
                               f"got core={self.core}, bm={self.bm}")
         if self.bn == 256 and self.stages > 4:
             raise ConfigError(f"megakernel config: stages must be <= 4 with bn=256 (48 KB per stage), got {self.stages}")
         if self.stages == 1:
-            raise ConfigError("megakernel config: stages must be 0 (auto) or in [2, 12], got 1")
+            raise ConfigError(f"megakernel config: stages must be 0 (auto) or in [2, {MK_MAX_STAGES}], got 1")
         for name, (lo, hi) in self._RANGES.items():
             v = getattr(self, name)
             if not lo <= v <= hi:
@@ -312,6 +324,12 @@ class MegakernelConfig:
         """Columns per GEMM task for a launch with m-tile `bm`: `bn` where the wide tile exists (wgmma, bm=128),
         else 128 (bn=256 with bm=0 still runs bm=16 decode launches, on 128 columns)."""
         return (self.bn or 128) if bm == 128 and self.core == "wgmma" else 128  # bn 0: not resolved (`resolve`)
+
+
+def _listed(values: tuple[int, ...]) -> str:
+    """The non-zero (not auto) values, as "16, 64 or 128"."""
+    v = [str(x) for x in values if x]
+    return f"{', '.join(v[:-1])} or {v[-1]}" if len(v) > 1 else "".join(v)
 
 
 class LaunchConfigs:
