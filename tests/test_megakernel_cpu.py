@@ -313,21 +313,56 @@ def test_index_math_host_compiled(tmp_path):
     assert res.returncode == 0 and res.stdout.startswith("ok "), res.stdout + res.stderr
 
 
-def test_split_reduction_is_fixed_order():
-    """The last part's CTA adds the parts in part order, whatever order they finished in: the same bits for
-    every completion order; adding in completion order would not be (fp32 addition is not associative)."""
-    import itertools
+def _f32_bits(v: list[float]) -> bytes:
     import struct
 
+    return struct.pack(f"{len(v)}f", *v)
+
+
+def _fold_f32(parts: list[list[float]]) -> bytes:
+    """parts[0] + parts[1] + ... left to right, every add rounded to fp32 (numpy: independent of reduce_parts)."""
+    import numpy as np
+
+    acc = np.asarray(parts[0], dtype=np.float32)
+    for p in parts[1:]:
+        acc = acc + np.asarray(p, dtype=np.float32)
+    return acc.tobytes()
+
+
+def test_split_reduction_is_fixed_order():
+    """A split-K slot's parts finish in any order (the scheduler model's own arrival orders, and every permutation);
+    the part counting last sums the stored parts in part order 0, 1, .. (mk_moe.cu run_gemm). So the bits are the
+    same for every arrival order and are the part-order sum. The partials are chosen so that the order of fp32
+    adds shows in the bits: a reduction in arrival order, or in any other fixed order (reversed), would fail here."""
+    import itertools
+
     rng = random.Random(5)
-    parts = [[rng.uniform(-1, 1) * 10 ** rng.randint(-3, 3) for _ in range(64)] for _ in range(4)]
-    want = sch.reduce_parts(parts)
-    bits = {struct.pack("64f", *sch.reduce_parts(parts)) for _ in itertools.permutations(range(4))}
-    assert len(bits) == 1
-    by_completion = {struct.pack("64f", *sch.reduce_parts([parts[i] for i in perm]))
-                     for perm in itertools.permutations(range(4))}
-    assert len(by_completion) > 1  # so the fixed order is what makes the result reproducible
-    assert want == sch.reduce_parts(parts)
+    n = 4
+    parts = [[rng.uniform(-1, 1) * 10 ** rng.randint(-3, 3) for _ in range(64)] for _ in range(n)]
+    want = _fold_f32(parts)
+    # the data are order-sensitive: summed in arrival order the bits would differ between orders, reversed too
+    assert len({_fold_f32([parts[i] for i in perm]) for perm in itertools.permutations(range(n))}) > 1
+    assert _fold_f32(parts[::-1]) != want
+    # arrival orders as the scheduler model runs split tasks (random finish times per seed)
+    e, k, bm = 16, 4, 16
+    idx = _routing(1, e, k, mode="uniform", seed=1)
+    p = sch.plan(idx, experts=e, hidden=H, intermediate=INTER, bm=bm, combine_tokens=8, split_k1=n, split_k2=2,
+                 split_max_tiles=32)
+    orders = set()
+    for seed in range(12):
+        r = sch.simulate(p, processors=40, bm=bm, topk=k, combine_tokens=8, seed=seed)
+        assert r.error == 0
+        slots: dict[tuple[int, int, int], list[int]] = {}
+        for t in r.executed:
+            if t.kind == sch.GEMM1:
+                slots.setdefault((t.kind, t.tile, t.nblock), []).append(t.part)
+        orders.update(map(tuple, slots.values()))
+    assert len(orders) > 1 and all(sorted(o) == list(range(n)) for o in orders)
+    for order in orders | set(itertools.permutations(range(n))):
+        got = sch.split_slot(((i, parts[i]) for i in order), n)
+        assert _f32_bits(got) == want, f"arrival order {order}"
+    with pytest.raises(ValueError, match="3 of 4 parts arrived"):
+        sch.split_slot(((i, parts[i]) for i in range(3)), n)
 
 
 @pytest.mark.parametrize(("bm", "tiles_cap", "want"), [(16, 32, (4, 2)), (64, 32, (1, 1)), (16, 2, (1, 1))])

@@ -25,6 +25,7 @@ deadlock: a task waits only for tasks in earlier slots, which resident CTAs clai
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 BN = 128  # weight rows per tile (BN in mk_moe.cu)
@@ -132,6 +133,22 @@ def reduce_parts(parts: list[list[float]]) -> list[float]:
     for p in parts[1:]:
         out = [f32(a + f32(b)) for a, b in zip(out, p, strict=True)]
     return out
+
+
+def split_slot(arrivals: Iterable[tuple[int, list[float]]], splits: int) -> list[float]:
+    """One split-K slot as mk_moe.cu (run_gemm) runs it, its parts finishing in the order of `arrivals` ((part,
+    fp32 partials) each): every part stores its partials in its own place of sk_part and counts itself in sk_cnt;
+    the part that counts last sums the stored places (`reduce_parts`: part order) and returns that sum."""
+    places: list[list[float] | None] = [None] * splits
+    count = 0
+    for part, partial in arrivals:
+        if not 0 <= part < splits or places[part] is not None:
+            raise ValueError(f"split-K slot: part {part} is out of range 0..{splits - 1} or arrived twice")
+        places[part] = partial
+        count += 1
+        if count == splits:  # the last to count: every place is stored
+            return reduce_parts([q for q in places if q is not None])
+    raise ValueError(f"split-K slot: {count} of {splits} parts arrived")
 
 
 def plan(topk_idx: list[list[int]], *, experts: int, hidden: int, intermediate: int, bm: int,
