@@ -471,8 +471,10 @@ def test_gpu_per_bucket_profiles_match_the_reference_and_capture(monkeypatch: py
     """The real megakernel with stored profiles per token bucket (2e14d49): a layer sized for 1024 tokens whose
     1024-bucket profile picked 64-row tiles runs the 16-token bucket with its own 16-row tiles; the 1-token bucket's
     profile asks split-K 2, for which the layer grows its partial buffers (run 185 on an H200, before that: the
-    bucket ran the construction profile with a warning; every size matched the fp32 reference within 1e-2). After
-    resolve_buckets() a CUDA graph of each size replays to the eager output."""
+    bucket ran the construction profile with a warning; every size matched the fp32 reference within 1e-2). S=1
+    runs the decode kernel on this shape, which ignores split-K; S=2 and 3 (nearest bucket 1 too) run the task graph
+    on 16-row tiles, so they are what runs that profile's split-K (each matches the reference and repeats its bits).
+    After resolve_buckets() a CUDA graph of each size replays to the eager output."""
     from moetune.runtime.moe_layer import dense_reference, max_rel_err
     from moetune.runtime.profile_record import nearest_bucket
     from moetune.runtime.profiles.client import Resolution
@@ -497,7 +499,8 @@ def test_gpu_per_bucket_profiles_match_the_reference_and_capture(monkeypatch: py
     autoload.clear_cache()
     layer = MoELayer(QWEN, None, None, max_tokens=1024, device="cuda", engine="megakernel")
     assert layer.engine == "megakernel" and layer.engine_buckets == {1024: prefill}
-    for s in (1, 7, 16, 128, 1000):
+    assert nearest_bucket(2) == nearest_bucket(3) == 1
+    for s in (1, 2, 3, 7, 16, 128, 1000):
         x = torch.randn(s, QWEN.hidden, device="cuda").to(torch.bfloat16)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -507,6 +510,7 @@ def test_gpu_per_bucket_profiles_match_the_reference_and_capture(monkeypatch: py
         assert not [str(w.message) for w in caught if "not applied" in str(w.message)], s
     assert layer.engine_buckets[16] == decode and layer.engine_buckets[1] == split
     assert layer.megakernel.sk_room == (16, 2)  # grown for bucket 1's split-K
+    assert layer.megakernel.decode_grid(1) is not None and layer.megakernel.decode_grid(2) is None  # see above
     buckets = layer.resolve_buckets()
     assert buckets[1024] == prefill and buckets[16] == decode
     n_asked = len(asked)
