@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -370,3 +371,88 @@ def test_bench_names_and_reports_of_the_wrong_shape_are_refused_clearly(tmp_path
                  str(tmp_path / "r.csv"))
         assert r.exit_code == 2 and said in " ".join(r.output.split()) and "Traceback" not in r.output, r.output
     assert not (tmp_path / "r.csv").exists()
+
+
+class _TimedOutMegakernel:
+    """Stands in for MegakernelMoE on the CPU: forwards return at once (as launches that abort do) and `check` raises
+    the device-side error record of a wait that timed out."""
+
+    def __init__(self, model: object, **kw: object) -> None:
+        self.kw = kw
+
+    def forward(self, x: Any) -> Any:
+        return x.new_zeros(x.shape)
+
+    def rebind(self, *args: object) -> None:
+        pass
+
+    def check(self) -> None:
+        from moetune.runtime.megakernel.layer import MegakernelError
+
+        raise MegakernelError("megakernel error 1: scheduler timed out waiting for a task's inputs (where=3)")
+
+
+def _timed_out_megakernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from moetune.runtime.megakernel import engine as E
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    monkeypatch.setattr(E, "build_megakernel", _TimedOutMegakernel)
+
+
+TINY_MODEL = "custom:128,64,4,2"
+
+
+def test_bench_moe_reports_a_megakernel_error_as_a_failed_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: bench moe never read the megakernel's error record, so launches that timed out (and returned at once)
+    were a timing row. Now that case fails, is not run again at later S, and the command exits 1 naming it."""
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe as M
+
+    _timed_out_megakernel(monkeypatch)
+    rep = M.bench_moe(get_model(TINY_MODEL), [1, 2], ["unfused", "megakernel"], iters=1, warmup=0, rotate=1)
+    rows = {(c["engine"], c["S"]): c for c in rep["cases"]}
+    assert "eager_us" in rows[("unfused", 1)] and "eager_us" in rows[("unfused", 2)]
+    assert "scheduler timed out" in rows[("megakernel", 1)]["failed"] and "eager_us" not in rows[("megakernel", 1)]
+    assert rows[("megakernel", 2)] == {"engine": "megakernel", "S": 2,
+                                       "failed": "not run: its launches failed at S=1"}
+    for extra in ((), ("--json",)):
+        r = _run("bench", "moe", "--engine", "unfused,megakernel", "--model", TINY_MODEL, "--tokens", "1", "--iters",
+                 "1", "--warmup", "0", *extra)
+        flat = _refused(r, "megakernel S=1 failed:", "scheduler timed out", "a case failed", code=1)
+        assert "unfused" in flat
+
+
+def test_bench_knobs_reports_a_megakernel_error_as_a_failed_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for `bench knobs` (compare_knobs): a variant whose launches reported an error is a failed case, not a
+    timing row beside the base."""
+    from moetune.runtime.knobs import Knobs
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe_compare as MC
+
+    _timed_out_megakernel(monkeypatch)
+    variants = {"base": Knobs(engine="unfused"), "mk": Knobs(engine="megakernel")}
+    rep = MC.compare_knobs(get_model(TINY_MODEL), [1, 2], variants, iters=1, warmup=0, rotate=1, chained=1)
+    rows = {(c["variant"], c["S"]): c for c in rep["cases"]}
+    assert "single_us" in rows[("base", 1)] and "single_us" in rows[("base", 2)]
+    assert "scheduler timed out" in rows[("mk", 1)]["failed"] and "single_us" not in rows[("mk", 1)]
+    assert rows[("mk", 2)]["failed"] == "not run: its launches failed at an earlier S"
+    rep = MC.compare_knobs(get_model(TINY_MODEL), [1, 2], {"mk": variants["mk"], "un": variants["base"]}, iters=1,
+                           warmup=0, rotate=1, chained=1)
+    rows = {(c["variant"], c["S"]): c for c in rep["cases"]}
+    assert "failed" in rows[("mk", 1)] and "minus_base_us" not in rows[("un", 1)]  # no difference to a failed base
+    assert rows[("un", 2)]["failed"] == "not run: the base's launches failed at an earlier S"
+    r = _run("bench", "knobs", "--knobs", "engine=unfused", "--vs", "mk=engine=megakernel", "--model", TINY_MODEL,
+             "--tokens", "1", "--iters", "1", "--warmup", "0", "--rotate", "1", "--chain", "1")
+    _refused(r, "mk S=1 failed:", "scheduler timed out", "a case failed", code=1)
+
+
+def test_moe_scenario_cases_with_a_failed_row_fail() -> None:
+    rep = {"iters": 1, "cases": [{"engine": "unfused", "S": 1, "eager_us": {"median": 1.0, "p10": 1.0, "p90": 1.0}},
+                                 {"engine": "megakernel", "S": 1, "failed": "megakernel error 1: timed out"},
+                                 {"engine": "torch", "skipped": "no CUDA"}]}
+    per, why = S._per_case(rep, "engine", (("eager_us", "layer_us"),))
+    assert set(per) == {"unfused"}
+    assert why == {"megakernel": "S=1 failed: megakernel error 1: timed out", "torch": "SKIPPED: no CUDA"}

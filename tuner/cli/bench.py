@@ -43,11 +43,17 @@ _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich m
 
 
 def _skips(cases: list[dict], who: str) -> None:
-    """Name every skipped case on stderr; when every case was skipped, nothing was measured: exit 1 (after the
-    report, which still says why), so a script does not take an empty table for a result."""
+    """Name every skipped and every failed case on stderr; when a case failed (its launches reported an error:
+    no timing) or every case was skipped (nothing was measured): exit 1 (after the report, which still says why),
+    so a script does not take the table for a whole result."""
     for c in cases:
         if "skipped" in c:
             _err.print(f"[yellow]{escape(str(c[who]))} skipped:[/yellow] {escape(str(c['skipped']))}")
+        elif "failed" in c:
+            _err.print(f"[red]{escape(str(c[who]))} S={c['S']} failed:[/red] {escape(str(c['failed']))}")
+    if any("failed" in c for c in cases):
+        _err.print("[red]error:[/red] a case failed: its calls are not in the table (no timing)")
+        raise typer.Exit(1)
     if not any("skipped" not in c for c in cases):
         _err.print("[red]error:[/red] every requested case was skipped: nothing was measured")
         raise typer.Exit(1)
@@ -334,7 +340,7 @@ def moe(
         _skips(rep["cases"], "engine")
     rows = []
     for c in rep["cases"]:
-        if "skipped" in c:
+        if "skipped" in c or "failed" in c:  # named on stderr below
             continue
         g = c.get("graph_us", {}).get("median")
         err = c.get("rel_err_vs_unfused")
@@ -410,7 +416,8 @@ def knobs_side_by_side(
         return "-" if q is None else f"{q['median']:+.1f} ({q['p10']:+.1f}..{q['p90']:+.1f})"
 
     rows = [(str(c["S"]), escape(c["variant"]), _fmt(c["single_us"]["median"]), diff(c.get("minus_base_us")),
-             _fmt(c["chain_us"]["median"]), diff(c.get("chain_minus_base_us"))) for c in rep["cases"] if "skipped" not in c]
+             _fmt(c["chain_us"]["median"]), diff(c.get("chain_minus_base_us"))) for c in rep["cases"]
+            if "skipped" not in c and "failed" not in c]
     cols = (Col("S", "num"), Col("variant", "word", "right"), Col("single", "num"),
             Col("minus base (p10..p90)", "word", "right"), Col("chain", "num"),
             Col("chain minus base (p10..p90)", "word", "right"))

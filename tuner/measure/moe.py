@@ -161,6 +161,22 @@ def measure_megakernel(knobs: Knobs, model: ModelShape, tokens: int, *, iters: i
     return res
 
 
+def device_error(layer: Any) -> str | None:
+    """The error a megakernel layer's launches recorded on the device (a wait that timed out, an expert id out of
+    range: `MoELayer.check`), as text, else None; a host sync. None for layers without such a record (unfused,
+    torch). Timing loops call it after each layer's timed calls: a failed launch returns as fast as a good one, so
+    its samples are not a measurement."""
+    from moetune.runtime.megakernel.layer import MegakernelError
+
+    if layer is None:
+        return None
+    try:
+        layer.check()
+    except MegakernelError as e:
+        return str(e)
+    return None
+
+
 def decode_kernel_takes(model: ModelShape, tokens: int) -> bool:
     """Whether a megakernel launch of `tokens` tokens of `model` runs the decode kernel on the current GPU (where no
     tile knob acts: the tuner then has nothing to search at that size). Needs the library and a CUDA GPU."""
@@ -176,7 +192,9 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
               knobs: Knobs | None = None, rest_s: float = 0.0, progress: Progress | None = None) -> dict[str, Any]:
     """Both engines in this process, per S: {"cases": [{engine, S, eager_us, graph_us, ...}], "floors": ...}.
 
-    An engine that cannot run here (the megakernel on CPU) is reported `skipped` with the reason. The
+    An engine that cannot run here (the megakernel on CPU) is reported `skipped` with the reason; an engine whose
+    launches recorded a device-side error while timed (`device_error`) is a case {engine, S, "failed": why}
+    instead of a timing row, and at every later S too (not run again). The
     megakernel runs with `knobs` (default: the `engine=megakernel` defaults). `rest_s`: idle seconds before
     every timed block (`settle`; 0: blocks back to back, each after the previous one's load). `progress`: a
     sink (`tuner.search.progress.Progress`, drawn by the caller) given one task of every (engine, S) case
@@ -235,6 +253,7 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
         g, w1, w2, k = src.gate.data, src.w_gate_up.data, src.w_down.data, model.topk
         fwd["torch"] = lambda x: plain_torch_moe(x, g, w1, w2, k)
     timed = [e for e in engines if e in fwd]  # the order asked for
+    failed: dict[str, int] = {}  # engine -> the S at which its launches reported an error (not run after it)
     # a case on the CPU, or the default S list on a GPU, takes minutes in all: say which case runs now
     task = progress.add(f"MoE layer on {dev}", len(tokens) * len(timed)) if progress is not None else None
     done = 0
@@ -248,13 +267,20 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
         for i, eng in enumerate(timed):
             if progress is not None and i:
                 progress.update(task, done, description=f"{eng} S={s}")
-            row: dict[str, Any] = {"engine": eng, "S": s, **floors(model, s, rates), "plain_read_us": read}
-            for name, v in time_layer(fwd[eng], xs, warmup=warmup, iters=iters, graph=graph, cuda=cuda,
-                                      rest_s=rest_s).items():
-                row[name] = Summary.of(v).quantiles()
-            if ref is not None and eng != "unfused":
-                row["rel_err_vs_unfused"] = max_rel_err(fwd[eng](xs[0]), ref)
-            cases.append(row)
+            if eng in failed:
+                cases.append({"engine": eng, "S": s, "failed": f"not run: its launches failed at S={failed[eng]}"})
+            else:
+                row: dict[str, Any] = {"engine": eng, "S": s, **floors(model, s, rates), "plain_read_us": read}
+                for name, v in time_layer(fwd[eng], xs, warmup=warmup, iters=iters, graph=graph, cuda=cuda,
+                                          rest_s=rest_s).items():
+                    row[name] = Summary.of(v).quantiles()
+                if ref is not None and eng != "unfused":
+                    row["rel_err_vs_unfused"] = max_rel_err(fwd[eng](xs[0]), ref)
+                why = device_error(layers.get(eng))  # e.g. a timed-out wait: its fast calls are no timing row
+                if why is not None:
+                    failed[eng] = s
+                    row = {"engine": eng, "S": s, "failed": why}
+                cases.append(row)
             done += 1
             if progress is not None:
                 progress.update(task, done)

@@ -24,7 +24,7 @@ from typing import Any
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.testing.timing import graphs_of, time_interleaved
-from moetune.tuner.measure.moe import layer_inputs
+from moetune.tuner.measure.moe import device_error, layer_inputs
 from moetune.tuner.measure.stats import Summary
 
 
@@ -66,7 +66,9 @@ def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[st
     minus_base_us, chain_minus_base_us, rel_err_vs_base}], ...}; the quantiles are µs (chains: per forward).
 
     Each variant is one `MoELayer` built with its knobs (its `engine` knob picks the engine; the same seed, so the
-    same weights); a variant whose engine cannot run here is a case `{"variant", "skipped": why}`."""
+    same weights); a variant whose engine cannot run here is a case `{"variant", "skipped": why}`, and one whose
+    launches recorded a device-side error while timed (`device_error`) a case `{"variant", "S", "failed": why}`
+    instead of its timing row; it is not run at later S (none is once the base failed: every difference is to it)."""
     import torch
 
     from moetune.runtime.megakernel.engine import MegakernelUnavailable
@@ -94,15 +96,21 @@ def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[st
     cases: list[dict[str, Any]] = [{"variant": n, "skipped": why} for n, why in skipped.items()]
     run = [n for n in names if n in layers]
     base = run[0] if run else names[0]
+    failed: dict[str, str] = {}  # variant -> why its launches failed (not run at later S)
     for s in tokens:
-        if not run:
-            break
+        # after a failure the failed variants are not run again, and none once the base failed
+        stop = set(run) if base in failed else set(failed)
+        why_not = "the base's launches failed at an earlier S" if base in failed else "its launches failed at an earlier S"
+        cases += [{"variant": n, "S": s, "failed": f"not run: {why_not}"} for n in run if n in stop]
+        live = [n for n in run if n not in stop]
+        if not live:
+            continue
         if progress:
-            progress(f"S={s}: {len(run)} variants, {iters} interleaved rounds")
+            progress(f"S={s}: {len(live)} variants, {iters} interleaved rounds")
         xs = layer_inputs(model, s, rotate, dev, dtype, seed + s)
         ref = layers[base](xs[0])
         single, chain = {}, {}
-        for n in run:
+        for n in live:
             fwd = layers[n].forward
 
             def chain_of(x: Any, fwd: Callable[[Any], Any] = fwd) -> None:  # forwards back to back, no host step between
@@ -119,11 +127,17 @@ def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[st
         many = {n: [t / chained for t in v]
                 for n, v in time_interleaved(chain, warmup=max(1, warmup // 4), iters=iters, cuda=cuda).items()}
         d1, dn = paired(one, base), paired(many, base)
-        for n in run:
+        errs = {n: max_rel_err(layers[n](xs[0]), ref) for n in live if n != base}
+        # a failed launch (e.g. a timed-out wait) returns as fast as a good one: its samples are not a timing
+        failed.update((n, why) for n in live if (why := device_error(layers[n])) is not None)
+        for n in live:
+            if n in failed:
+                cases.append({"variant": n, "S": s, "failed": failed[n]})
+                continue
             row: dict[str, Any] = {"variant": n, "S": s, "single_us": Summary.of(one[n]).quantiles(),
                                    "chain_us": Summary.of(many[n]).quantiles()}
-            if n != base:
-                row.update(minus_base_us=d1[n], chain_minus_base_us=dn[n], rel_err_vs_base=max_rel_err(layers[n](xs[0]), ref))
+            if n != base and base not in failed:  # a difference to a failed base is no measurement
+                row.update(minus_base_us=d1[n], chain_minus_base_us=dn[n], rel_err_vs_base=errs[n])
             cases.append(row)
     return {"model": model.name, "device": str(dev), "graph": cuda, "iters": iters, "warmup": warmup, "rotate": rotate,
             "chained": chained, "base": base, "variants": {n: changed_knobs(k) for n, k in variants.items()},

@@ -615,12 +615,16 @@ def moe_command(args: dict[str, Any], engines: Sequence[str]) -> str:
 def _per_case(rep: dict[str, Any], who: str, keys: Sequence[tuple[str, str]]
               ) -> tuple[dict[str, dict[str, Stat]], dict[str, str]]:
     """A moe report's rows by `who` (engine / variant): {who: {"metric[S=N]": Stat}} for each (report key, metric
-    name) in `keys`, and {who: why} for the skipped ones."""
+    name) in `keys`, and {who: the CaseResult error} for the skipped ones ("SKIPPED: why") and those with a failed
+    row ("S=N failed: why": their launches reported an error, no timing; the case fails)."""
     per: dict[str, dict[str, Stat]] = {}
     skipped: dict[str, str] = {}
     for r in rep["cases"]:
         if "skipped" in r:
-            skipped[r[who]] = r["skipped"]
+            skipped[r[who]] = f"SKIPPED: {r['skipped']}"
+            continue
+        if "failed" in r:
+            skipped.setdefault(r[who], f"S={r['S']} failed: {r['failed']}")  # the first failure
             continue
         m = per.setdefault(r[who], {})
         for key, name in keys:
@@ -662,7 +666,7 @@ def run_moe(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     out = []
     for c in cases:
         eng = str(c.args.get("engine", c.name))
-        out.append(CaseResult(c.name, per.get(eng, {}), cmd, f"SKIPPED: {skipped[eng]}" if eng in skipped else ""))
+        out.append(CaseResult(c.name, per.get(eng, {}), cmd, skipped.get(eng, "")))
     return out
 
 
@@ -704,8 +708,7 @@ def run_moe_knobs(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     per, skipped = _per_case(rep, "variant", (("single_us", single), ("chain_us", "chain_us"),
                                               ("minus_base_us", "minus_base_us"),
                                               ("chain_minus_base_us", "chain_minus_base_us")))
-    return [CaseResult(c.name, per.get(c.name, {}), cmd, f"SKIPPED: {skipped[c.name]}" if c.name in skipped else "")
-            for c in cases]
+    return [CaseResult(c.name, per.get(c.name, {}), cmd, skipped.get(c.name, "")) for c in cases]
 
 
 # -- running a scenario ----------------------------------------------------------------------------------------
@@ -916,8 +919,7 @@ def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin
         eng = str(c.args.get("engine", c.name))
         if eng not in per and eng not in skipped:
             raise ScenarioError(f"{origin}: the report has no engine {eng!r} (case {c.name} of {s.name})")
-        out.append(CaseResult(c.name, per.get(eng, {}), str(meta["command"]),
-                              f"SKIPPED: {skipped[eng]}" if eng in skipped else ""))
+        out.append(CaseResult(c.name, per.get(eng, {}), str(meta["command"]), skipped.get(eng, "")))
     return out
 
 
