@@ -10,16 +10,18 @@ recorded. Not part of the key: the runtime compares it with the job's environmen
 Existing rows get NULL (not recorded): nothing in the database says which environment an older tune ran in, and
 an unknown environment is shown as unknown, never as matching a job's. Batch mode (the table is copied), every
 profile kept. The downgrade drops the column and keeps every profile; the environment of each row that had one
-is kept in an event (kind `perf_env_dropped`), so nothing it said is lost.
+is kept in an event (kind `perf_env_dropped`), with what the row was, so nothing it said is lost; the upgrade gives
+each environment back to its row while that is still the same measured row (migrations/_kept.py).
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 
 import sqlalchemy as sa
 from alembic import op
+
+from moetune.migrations import _kept
 
 revision = "0006"
 down_revision = "0005"
@@ -30,20 +32,20 @@ depends_on = None
 def upgrade() -> None:
     with op.batch_alter_table("profiles") as batch:
         batch.add_column(sa.Column("perf_env", sa.JSON(none_as_null=True), nullable=True))
+    # a downgrade's kept environments, back on their rows; only a measured row has one (the store refuses it on a
+    # modelled one), so a row relabelled since gets none
+    _kept.restore(op.get_bind(), dropped="perf_env_dropped", restored="perf_env_restored", column="perf_env",
+                  empty="perf_env IS NULL", only="provenance = 'measured'", valid=_is_env, stored=json.dumps)
+
+
+def _is_env(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
 def downgrade() -> None:
-    bind = op.get_bind()
-    rows = bind.execute(sa.text("SELECT id, status, perf_env FROM profiles WHERE perf_env IS NOT NULL ORDER BY id")).fetchall()
-    if rows:
-        reason = (f"schema downgrade below 0006 drops the recorded performance environment of {len(rows)} profile(s); "
-                  "they are in this event's details")
-        details = {"profiles": {str(r.id): {"perf_env": json.loads(r.perf_env), "status": r.status} for r in rows}}
-        bind.execute(
-            sa.text("INSERT INTO events(created, kind, reason, details) "
-                    "VALUES (:created, 'perf_env_dropped', :reason, :details)"),
-            {"created": _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds"), "reason": reason,
-             "details": json.dumps(details)},
-        )
+    _kept.keep(op.get_bind(), kind="perf_env_dropped", column="perf_env", where="perf_env IS NOT NULL",
+               reason="schema downgrade below 0006 drops the recorded performance environment of {n} profile(s); "
+                      "they are in this event's details, and an upgrade gives them back",
+               value=lambda r: json.loads(r.perf_env))
     with op.batch_alter_table("profiles") as batch:
         batch.drop_column("perf_env")

@@ -302,16 +302,20 @@ def import_cmd(
             raise fail(f"{e} (database unchanged)") from None
     for line in res.invalid:
         err.print(escape(f"left out (invalid): {line}"))
+    for line in res.differing:
+        err.print(escape(f"already present, differs: {line}"))
     if json_out:
         print_json(msgspec.to_builtins(res))
     else:
         left_out = f", {len(res.invalid)} invalid left out (listed above)" if res.invalid else ""
         # records the file itself calls superseded or stale go in as history (every inserted one is counted once)
         history = res.inserted - res.current - res.kept_superseded
+        completed = (f", {res.completed} already present and completed (routing / perf_env the database had lost, "
+                     "filled in)" if res.completed else "")
         out.print(
             escape(
                 f"imported {res.inserted} profile(s) from {source}: {res.current} current, {history} as history, "
                 f"{res.replaced} replaced, {res.kept_superseded} kept as superseded, {res.skipped} already "
-                f"present{left_out}"
+                f"present{completed}{left_out}"
             )
         )

@@ -31,7 +31,7 @@ from moetune.tuner.store._rows import (
     row_from_record,
 )
 from moetune.tuner.store._schema import StoreError, is_sqlite_file
-from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Fingerprint, Profile
+from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Event, Fingerprint, Profile
 from moetune.tuner.store.validate import (
     FieldError,
     canonical_routing,
@@ -63,7 +63,12 @@ class ImportResult(msgspec.Struct, kw_only=True):
     current: int = 0  # of which now current
     replaced: int = 0  # existing current profiles superseded by an imported one
     kept_superseded: int = 0  # imported current profiles that did not replace the stored one (kept as history)
-    skipped: int = 0  # already in the database (`_already_stored`)
+    skipped: int = 0  # already in the database (`_already_stored`), nothing to add
+    # already in the database, but the row had lost a field the record carries (a schema downgrade and upgrade
+    # dropped its routing / perf_env): the field was filled in (`_fill_in`), nothing else of the row changed
+    completed: int = 0
+    # already in the database with another routing / perf_env than the record's: kept as stored, each named
+    differing: list[str] = []
     fingerprints: int = 0  # fingerprint rows added
     invalid: list[str] = []  # with skip_invalid: the records left out, "profiles[i] (key): why"
 
@@ -425,6 +430,7 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_inva
             known = {h for i in range(0, len(wanted), _IN_BATCH) for h in
                      s.scalars(select(Fingerprint.hash).where(Fingerprint.hash.in_(wanted[i:i + _IN_BATCH])))}
             stored = _StoredRows(s, known)
+            completed: dict[str, dict[str, Any]] = {}
             for rec in doc.profiles:
                 if rec.key.fingerprint not in known:
                     store._ensure_fingerprint(s, rec.key.fingerprint, ts)
@@ -432,8 +438,16 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_inva
                     result.fingerprints += 1
                 rows = stored.of(rec.key)
                 h = rec.profile_hash  # a property that hashes the key and knobs: once a record, not once a row
-                if _already_stored([r for r in rows if r.profile_hash == h], rec):
-                    result.skipped += 1
+                same = _already_stored([r for r in rows if r.profile_hash == h], rec)
+                if same is not None:
+                    filled, differs = _fill_in(s, same, rec)
+                    if filled:
+                        completed[str(same.id)] = filled
+                        result.completed += 1
+                    else:
+                        result.skipped += 1
+                    if differs:
+                        result.differing.append(f"profile {same.id} ({_key_text(rec.key)}): {differs}; kept as stored")
                     continue
                 row = row_from_record(rec, ts, keep_times=True)
                 old, decision = None, None
@@ -457,6 +471,11 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_inva
                         s.add(ev)
                 result.inserted += 1
                 result.current += row.status == "current"
+            if completed:  # what was written into rows that existed, and from where
+                s.add(Event(created=ts, kind="import_completed", details={"source": source, "profiles": completed},
+                            reason=f"import of {source} filled in the routing / performance environment of "
+                                   f"{len(completed)} stored profile(s) that had lost it (the same measurement: "
+                                   "key, knobs, creation date, numbers, backend and label all equal)"))
     except IntegrityError as e:
         raise ProfileImportError(f"{source}: rejected by the database, nothing imported: {e.orig}") from None
     return result
@@ -515,8 +534,8 @@ class _Row(SimpleNamespace):
     """One stored row's compared columns; `status` follows the import's own replacements."""
 
 
-def _already_stored(rows: list[Any], rec: ProfileRecord) -> bool:
-    """Whether the database holds `rec` already (`rows`: the stored rows of its key and knobs): the same key and
+def _already_stored(rows: list[Any], rec: ProfileRecord) -> Any:
+    """The row of the database that holds `rec` already, else None (`rows`: the stored rows of its key and knobs): the same key and
     knobs created at the same instant (spelled as the file spells it or not) with the same numbers (a tune stamped
     to the second stored a re-measurement of the same knobs in the same second as the row it replaced: the two
     differ in their numbers only). A record without `created` (the format allows leaving it out) was stamped with
@@ -525,14 +544,52 @@ def _already_stored(rows: list[Any], rec: ProfileRecord) -> bool:
     replacement gate decided)."""
     if rec.created:
         when, nums = _instant(rec.created), (float(rec.latency_us), float(rec.spread_us))
-        return any(_instant(row.created) == when and (row.latency_us, row.spread_us) == nums for row in rows)
+        return next((row for row in rows if _instant(row.created) == when and (row.latency_us, row.spread_us) == nums),
+                    None)
     says = (float(rec.latency_us), float(rec.spread_us), rec.backend, str(rec.provenance), rec.measured_on,
             canonical_routing(rec.tuned_routing), rec.tuned_perf_env, dict(rec.software_versions))
-    return any(
-        (row.latency_us, row.spread_us, row.backend, row.provenance, row.measured_on, row.routing or "",
-         _json_text(row.perf_env), _json_text(row.software_versions)) == says
-        for row in rows
-    )
+    return next((
+        row for row in rows
+        if (row.latency_us, row.spread_us, row.backend, row.provenance, row.measured_on, row.routing or "",
+            _json_text(row.perf_env), _json_text(row.software_versions)) == says
+    ), None)
+
+
+def _fill_in(s: Any, row: Any, rec: ProfileRecord) -> tuple[dict[str, Any], str]:
+    """For `rec` already stored as `row`: write into the row the routing / perf_env the record carries and the row
+    lacks (a downgrade below 0005/0006 and back dropped them); returns (the fields written, what differs).
+
+    Only into an empty column, and only where the row is the record's measurement beyond `_already_stored`'s match
+    (backend, provenance and measured_on equal too): a row measured later has another creation date or other
+    numbers and is never matched, and a value a row records is never replaced (a different one is said, not
+    written). The row's `updated` stays: it dates the numbers, which did not change."""
+    if (row.backend, row.provenance, row.measured_on) != (rec.backend, str(rec.provenance), rec.measured_on):
+        return {}, ""
+    filled: dict[str, Any] = {}
+    differs: list[str] = []
+    routing = canonical_routing(rec.tuned_routing)
+    if routing and not row.routing:
+        filled["routing"] = routing
+    elif routing and row.routing != routing:
+        differs.append(f"routing {row.routing!r} stored, {routing!r} in the file")
+    env, have = rec.tuned_perf_env, _json_text(row.perf_env)
+    if env is not None and have is None and row.provenance == "measured":
+        filled["perf_env"] = env
+    elif env is not None and have is not None and have != env:
+        differs.append("another performance environment stored than the file's")
+    if filled:
+        done = s.execute(update(Profile).where(Profile.id == row.id, *_empty(filled)).values(**filled))
+        if done.rowcount != 1:  # changed under us: nothing said as filled that was not
+            return {}, "; ".join(differs)
+        row.routing = filled.get("routing", row.routing)
+        if "perf_env" in filled:
+            row.perf_env = msgspec.json.encode(env).decode()
+    return filled, "; ".join(differs)
+
+
+def _empty(fields: dict[str, Any]) -> list[Any]:
+    """The conditions that the columns `fields` names are still empty (never overwrite a recorded value)."""
+    return [Profile.routing == "" if f == "routing" else Profile.perf_env.is_(None) for f in fields]
 
 
 def import_profiles(store: Store, path: str | Path, *, skip_invalid: bool = False) -> ImportResult:
