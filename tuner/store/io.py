@@ -35,6 +35,7 @@ from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Event, Fingerprint, 
 from moetune.tuner.store.validate import (
     FieldError,
     canonical_routing,
+    check_fingerprint_text,
     check_import_record,
     check_import_time,
     check_no_control,
@@ -225,6 +226,26 @@ def parse_export(data: bytes, *, source: str = "<data>", skip_invalid: bool = Fa
     return _parse(data, source, skip_invalid)[0]
 
 
+# An import is read whole into memory and validated there: a file past this is not read (an export of ~35,000
+# profiles fits; a bigger database is exported in parts, `profiles export --fingerprint/--status`).
+MAX_IMPORT_BYTES = 64 * 1024 * 1024
+
+
+def too_big_message(source: str, size: int | None = None) -> str:
+    what = f"{size} bytes" if size is not None else "more"
+    return (f"{source}: {what}, over the import limit of {MAX_IMPORT_BYTES} bytes ({MAX_IMPORT_BYTES >> 20} MiB); "
+            "export in parts (`moetune profiles export --fingerprint FP` or `--status`) and import each")
+
+
+def read_import(path: Path) -> bytes:
+    """The bytes of an import file, at most MAX_IMPORT_BYTES + 1 read (ProfileImportError past the limit)."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_IMPORT_BYTES + 1)
+    if len(data) > MAX_IMPORT_BYTES:
+        raise ProfileImportError(too_big_message(str(path)))
+    return data
+
+
 # An export nests a few levels (fingerprint facts the deepest); a file nested deeper is no export, and a value nested
 # near Python's recursion limit would be stored but fail every later read of it.
 MAX_JSON_DEPTH = 64
@@ -243,6 +264,8 @@ def _too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
 
 def _parse(data: bytes, source: str, skip_invalid: bool) -> tuple[ProfilesFile, list[str]]:
     """parse_export, and the records it left out ("profiles[i] (key): why")."""
+    if len(data) > MAX_IMPORT_BYTES:
+        raise ProfileImportError(too_big_message(source, len(data)))
     deep = (f"{source}: not valid JSON for an import: more than {MAX_JSON_DEPTH} levels of arrays/objects "
             "(nested too deeply)")
     try:
@@ -287,6 +310,10 @@ def _parse(data: bytes, source: str, skip_invalid: bool) -> tuple[ProfilesFile, 
         if fp.hash in seen_fp:
             raise ProfileImportError(f"{source}: fingerprints[{i}]: fingerprint {fp.hash[:64]} appears twice")
         seen_fp.add(fp.hash)
+        try:  # SQLite does not hold a text to its column's length: said here, before anything is stored
+            check_fingerprint_text(f"fingerprints[{i}]", fp.hash, fp.facts)
+        except FieldError as e:
+            raise ProfileImportError(f"{source}: {e}") from None
         for name in ("first_seen", "last_seen"):
             try:  # as a profile's dates: a future last_seen would make it the newest fingerprint for good
                 check_import_time(name, getattr(fp, name), now)
@@ -595,7 +622,7 @@ def _empty(fields: dict[str, Any]) -> list[Any]:
 def import_profiles(store: Store, path: str | Path, *, skip_invalid: bool = False) -> ImportResult:
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_import(path)
     except OSError as e:
         raise ProfileImportError(f"cannot read {path}: {e.strerror or e}") from None
     return import_bytes(store, data, source=str(path), skip_invalid=skip_invalid)

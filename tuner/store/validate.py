@@ -21,8 +21,25 @@ from moetune.runtime.profile_record import (
 )
 from moetune.runtime.profiles.perf_env import perf_env_problem
 from moetune.runtime.shapes import DTYPES
+from moetune.tuner.store.models import Fingerprint, Profile
 
 STATUSES = ("current", "stale", "superseded")
+# The text a record stores and the column that holds it: SQLite does not enforce a String(N), so a record is held
+# to the length the schema declares (taken from the models: one place says it).
+TEXT_COLUMNS = (
+    ("key.fingerprint", Fingerprint.__table__.c.hash),  # profiles.fingerprint references it
+    ("key.software", Profile.__table__.c.software),
+    ("key.transport_family", Profile.__table__.c.transport_family),
+    ("key.dtype", Profile.__table__.c.dtype),
+    ("backend", Profile.__table__.c.backend),
+    ("created", Profile.__table__.c.created),
+    ("updated", Profile.__table__.c.updated),
+    ("measured_on", Profile.__table__.c.measured_on),
+)  # and routing (Profile.routing), checked as stored: its canonical spelling
+# JSON columns have no declared length: what a real one holds, with wide room (a node's facts are a few KiB; the
+# software versions a few dozen names). Past these a file is not an export of a real database.
+MAX_FACTS_BYTES = 256 * 1024
+MAX_SOFTWARE_VERSIONS_BYTES = 64 * 1024
 SQLITE_INT_MAX = (1 << 63) - 1
 # A clock a little ahead of ours is not a forged date; more than this is.
 FUTURE_SLACK = _dt.timedelta(minutes=5)
@@ -117,8 +134,30 @@ def canonical_routing(spec: str) -> str:
     return kind if kind == "uniform" else f"{kind}:{exponent:g}"
 
 
+def column_length(column: Any) -> int:
+    return int(column.type.length)
+
+
+def check_length(field: str, value: str, limit: int) -> None:
+    if len(value) > limit:
+        raise FieldError(field, f"{len(value)} characters, the database column holds at most {limit}: "
+                                f"{value[:32]!r}...")
+
+
+def check_json_size(field: str, obj: Any, limit: int) -> None:
+    size = len(msgspec.json.encode(obj))
+    if size > limit:
+        raise FieldError(field, f"{size} bytes of JSON, at most {limit} ({limit // 1024} KiB) accepted")
+
+
 def check_record(rec: ProfileRecord) -> None:
     """What every stored profile satisfies (the database's own constraints, said before it is asked)."""
+    for field, column in TEXT_COLUMNS:
+        obj: Any = rec
+        for part in field.split("."):
+            obj = getattr(obj, part)
+        check_length(field, str(obj), column_length(column))
+    check_json_size("software_versions", rec.software_versions, MAX_SOFTWARE_VERSIONS_BYTES)
     for name in ("latency_us", "spread_us"):
         v = getattr(rec, name)
         if not math.isfinite(v) or v < 0:
@@ -138,9 +177,10 @@ def check_record(rec: ProfileRecord) -> None:
     if rec.provenance == "measured" and provenance_of_backend(rec.backend) != "measured":
         raise FieldError("provenance", f"measured, but backend {rec.backend[:64]!r} does not measure (local:*)")
     try:
-        canonical_routing(rec.tuned_routing)
+        routing = canonical_routing(rec.tuned_routing)
     except ValueError as e:
         raise FieldError("routing", str(e)) from None
+    check_length("routing", routing, column_length(Profile.__table__.c.routing))
     env = rec.tuned_perf_env
     if env is not None:
         # a prediction ran in no process's environment: only a measurement records one
@@ -165,6 +205,12 @@ def check_import_time(field: str, value: str, now: _dt.datetime) -> None:
         raise FieldError(field, f"date without a time zone: {value[:64]!r}")
     if t > now + FUTURE_SLACK:
         raise FieldError(field, f"date in the future: {value[:64]!r} (it would win every 'newest' comparison)")
+
+
+def check_fingerprint_text(field: str, fp_hash: str, facts: Any) -> None:
+    """An imported fingerprint: its hash within the column, its facts within MAX_FACTS_BYTES."""
+    check_length(f"{field}.hash", fp_hash, column_length(Fingerprint.__table__.c.hash))
+    check_json_size(f"{field}.facts", facts, MAX_FACTS_BYTES)
 
 
 def check_import_record(rec: ProfileRecord, now: _dt.datetime | None = None) -> None:
