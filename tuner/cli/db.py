@@ -89,19 +89,25 @@ def say_upgraded(store: Any) -> None:
 
 
 @contextlib.contextmanager
-def open_store(db: Path | None, config: Path | None, *, mode: OpenMode) -> Iterator[Any]:
+def open_store(db: Path | None, config: Path | None, *, mode: OpenMode,
+               own: tuple[type[Exception], ...] = ()) -> Iterator[Any]:
     """Open the store for a command (see OpenMode); errors become a red message and the error's exit status (2: the
-    database or the input is wrong; 1: another process holds it, or this user may not write it)."""
+    database or the input is wrong; 1: another process holds it, or this user may not write it). `own`: errors the
+    command reports itself, raised as they are."""
     from moetune.tuner.store.store import StoreError
 
     path = db_path(db, config)
     try:
         store = _open(path, mode)
+    except own:
+        raise
     except StoreError as e:
         raise fail(str(e), e.exit_code) from None
     say_upgraded(store)
     try:
         yield store
+    except own:
+        raise
     except StoreError as e:
         raise fail(str(e), e.exit_code) from None
     finally:
@@ -301,9 +307,22 @@ def check(
             out.print(f"{escape(str(path))}: [red]NOT OK[/red]")
             out.print(escape(f"  {why}"))
         raise typer.Exit(1)
-    with open_store(db, config, mode="inspect") as store:
-        store.schema.refuse_newer(store.current_revision())  # not "NOT OK": a newer moetune's schema is not drift
-        info = store.check()
+    from moetune.tuner.store.store import StoreDamaged
+
+    try:
+        with open_store(db, config, mode="inspect", own=(StoreDamaged,)) as store:
+            store.schema.refuse_newer(store.current_revision())  # not "NOT OK": a newer moetune's schema is not drift
+            info = store.check()
+    except StoreDamaged as e:  # SQLite could not even read what the check starts from: that is the check's answer
+        info = {"path": str(path), "revision": None, "head": None, "at_head": False, "integrity": [str(e)],
+                "foreign_key_errors": 0, "schema_diff": [], "unreadable_profiles": None,
+                "mislabelled_profiles": None, "ok": False}
+        if json_out:
+            print_json(info)
+        else:
+            out.print(f"{escape(str(path))}: [red]NOT OK[/red]")
+            out.print(escape(f"  integrity: {e}"))
+        raise typer.Exit(1) from None
     if json_out:
         print_json(info)
     else:
@@ -313,6 +332,9 @@ def check(
                          + ("" if info["revision"] else ": no moetune tables (`moetune db downgrade base` dropped "
                             f"them?); `moetune db upgrade{db_flag(Path(info['path']))}` makes them")))
         out.print(escape(f"  integrity: {', '.join(info['integrity'])}"))
+        if info["integrity"] != ["ok"]:
+            out.print(escape(f"  the file is damaged: moetune writes nothing to it; restore it from a backup (or "
+                             f"recover its rows with `sqlite3 {info['path']} .recover`)"))
         out.print(f"  foreign key errors: {info['foreign_key_errors']}")
         for d in info["schema_diff"]:
             out.print(escape(f"  schema differs: {d}"))

@@ -33,6 +33,11 @@ class StoreBusy(StoreError):
     exit_code = 1
 
 
+class StoreDamaged(StoreError):
+    """The database file fails SQLite's integrity check (a damaged page): nothing is written to it; `moetune db
+    check` names the problem, a backup (or `sqlite3 .recover`) mends it."""
+
+
 class StoreNotWritable(StoreError):
     """This user may not write the database file, or the folder it is (or would be) in."""
 
@@ -187,9 +192,23 @@ class SchemaVersionManager:
 
         head = head_revision()
         rev = self.current_revision()
+        from sqlalchemy.exc import DatabaseError
+
         with self._store._connect() as conn:
-            integrity = [r[0] for r in conn.exec_driver_sql("PRAGMA integrity_check").fetchall()]
-            fk = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+            # a damaged page can stop SQLite's own checks ("database disk image is malformed"): that is their
+            # answer, reported as the check's result, not an error of the command
+            try:
+                integrity = [r[0] for r in conn.exec_driver_sql("PRAGMA integrity_check").fetchall()]
+            except DatabaseError as e:
+                integrity = [f"{e.orig} (the integrity check stopped there)"]
+            try:
+                fk = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+            except DatabaseError as e:
+                fk, integrity = [], [*integrity, f"foreign key check: {e.orig}"]
+            if integrity != ["ok"]:  # a schema comparison reads every table: not on a damaged file
+                conn.rollback()
+                return {"path": str(self._store.path), "revision": rev, "head": head, "at_head": rev == head,
+                        "integrity": integrity, "foreign_key_errors": len(fk), "schema_diff": [], "ok": False}
             own = set(Base.metadata.tables) | {VERSION_TABLE}
             ctx = MigrationContext.configure(
                 conn,

@@ -443,6 +443,7 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_inva
     doc, invalid = _parse(data, source, skip_invalid)
     result = ImportResult(invalid=invalid)
     ts = now()
+    store.refuse_damaged()  # a bulk write: never into a file that fails SQLite's quick check
     try:
         with store._write() as s:
             for fp in doc.fingerprints:

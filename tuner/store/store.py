@@ -58,6 +58,7 @@ from moetune.tuner.store._schema import (
     VERSION_TABLE,
     SchemaVersionManager,
     StoreBusy,
+    StoreDamaged,
     StoreError,
     StoreNotWritable,
     Upgraded,
@@ -100,6 +101,7 @@ __all__ = [
     "Row",
     "Store",
     "StoreBusy",
+    "StoreDamaged",
     "StoreError",
     "StoreNotWritable",
     "database_path",
@@ -295,7 +297,14 @@ def sqlite_failure(path: Path, e: BaseException, *, write: bool) -> StoreError:
         reason = not_writable(path, side_files=True)
         if reason:
             return StoreNotWritable(reason)
+    if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_CORRUPT or "malformed" in why:
+        return StoreDamaged(damaged_message(path, why))
     return StoreError(f"{path}: {why}")
+
+
+def damaged_message(path: Path, problem: str) -> str:
+    return (f"{path} is damaged ({problem}): not written to; `moetune db check{db_option(path)}` names the problem; "
+            "restore the file from a backup (or recover its rows with `sqlite3 FILE .recover`) before using it")
 
 
 def _on_begin(path: Path) -> Callable[[Any], None]:
@@ -397,7 +406,15 @@ class Store:
             what = _without_moetune_words(tables)
             raise StoreError(f"{path} is not a moetune database ({what}: {upgrade_cmd} makes it one)")
         if write:
-            return cls(path)
+            store = cls(path, upgrade=False)
+            try:  # before the upgrade too: a migration writes (and copies tables) like any other write
+                if kind != "missing":
+                    store.refuse_damaged()
+                store.upgraded = store._ensure_schema(upgrade=True)
+            except BaseException:
+                store.close()
+                raise
+            return store
         head = head_revision()
         if rev != head and (rev is None or rev in known_revisions()):
             raise StoreError(
@@ -545,6 +562,21 @@ class Store:
         info["mislabelled_profiles"] = None if wrong is None else [{"id": i, "backend": b} for i, b in wrong]
         info["ok"] = info["ok"] and not bad and not wrong
         return info
+
+    def quick_check(self) -> list[str]:
+        """SQLite's `PRAGMA quick_check` (["ok"] when the file is sound); a check SQLite cannot finish on a damaged
+        page is a StoreDamaged, as any read of it."""
+        with self._connect() as conn:
+            return [r[0] for r in conn.exec_driver_sql("PRAGMA quick_check").fetchall()]
+
+    def refuse_damaged(self) -> None:
+        """StoreDamaged unless the file passes `quick_check`: nothing is written to a damaged database (a write
+        next to a damaged page can spread the damage, and its rows could not all be read back)."""
+        if self.memory:
+            return
+        found = self.quick_check()
+        if found != ["ok"]:
+            raise StoreDamaged(damaged_message(self.path, "; ".join(found[:3])))
 
     @_retried
     def mislabelled_profiles(self) -> list[tuple[int, str]]:
