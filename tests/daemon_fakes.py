@@ -46,6 +46,21 @@ def open_store(path: str | Path) -> Any:
     return Store(path)
 
 
+def slow_job_events_store(path: str | Path) -> Any:
+    """A real Store (`--store-hook`) whose job_queued / job_cancelled writes take MOETUNE_FAKE_EVENT_DELAY s: a
+    reply sent before they commit is seen by a kill -9 right after it."""
+    store = open_store(path)
+    real, delay = store.add_event, float(os.environ.get("MOETUNE_FAKE_EVENT_DELAY", "0"))
+
+    def add_event(**kw: Any) -> Any:
+        if kw.get("kind") in ("job_queued", "job_cancelled"):
+            time.sleep(delay)
+        return real(**kw)
+
+    store.add_event = add_event
+    return store
+
+
 class FakeTransport:
     def __init__(self, name: str):
         self.name = name

@@ -216,25 +216,39 @@ def test_a_deferred_job_that_runs_no_longer_says_deferred(tmp_path: Path) -> Non
 
 def test_a_queued_job_cancelled_before_its_queued_event_is_written_stays_cancelled_after_a_restart(
         tmp_path: Path) -> None:
-    """`retune` queues with persist_async (job_queued written on the writer thread): a cancel that came first wrote
-    job_finished before job_queued, and a restarted daemon's recover_jobs took the job as queued and ran it."""
+    """An automatic job's job_queued is written by the thread that queues it: a cancel that came while that write
+    was still going on must write job_finished after it (before, finished-then-queued, and a restarted daemon's
+    recover_jobs took the job as queued and ran it), and returns only once that job_finished is committed."""
     import threading
 
     jm, ran, _done, facts = _manager(tmp_path, Probe((True, "busy: keeps the worker waiting")))
-    hold, real = threading.Event(), jm.store.add_event
+    hold, writing, real = threading.Event(), threading.Event(), jm.store.add_event
 
-    def slow_add_event(**kw: Any) -> Any:  # a slow database, for the writer thread's job_queued
-        if threading.current_thread().name.startswith("moetune-writer") and kw.get("kind") == "job_queued":
+    def slow_add_event(**kw: Any) -> Any:  # a slow database, for the queuing thread's job_queued
+        if threading.current_thread().name == "queuer" and kw.get("kind") == "job_queued":
+            writing.set()
             hold.wait(5)
         return real(**kw)
 
     jm.store.add_event = slow_add_event
     jm.start()
+    got: list[Any] = []
     try:
-        job = jm.submit(reason="retune --all", old_fingerprint="old", keys=[_key(facts)], persist_async=True)
-        assert jm.cancel(job.id) is job and job.state == "cancelled"
+        queuer = threading.Thread(target=lambda: got.append(jm.submit(reason="fabric changed", old_fingerprint="old",
+                                                                      keys=[_key(facts)])), name="queuer")
+        queuer.start()
+        assert writing.wait(5)
+        job = next(iter(jm._queued.values()))
+        cancelled: list[Any] = []
+        canceller = threading.Thread(target=lambda: cancelled.append(jm.cancel(job.id)))
+        canceller.start()
+        canceller.join(0.3)
+        assert canceller.is_alive() and job.state == "cancelled"  # its end is not committed yet: no answer yet
         hold.set()
-        _until(lambda: len(_events(jm, "job_finished")) == 1)
+        canceller.join(5)
+        queuer.join(5)
+        assert cancelled == [job] and got == [job]
+        assert len(_events(jm, "job_finished")) == 1  # committed when cancel returned
     finally:
         hold.set()
         jm.stop()

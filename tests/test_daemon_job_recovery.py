@@ -82,7 +82,7 @@ def test_nothing_to_retune_says_what_was_asked(all_: bool, said: str) -> None:
     from moetune.tuner.daemon import handlers
 
     d = SimpleNamespace(index=SimpleNamespace(fingerprint="f" * 16, records=[], stale=[]))
-    ok, res = handlers.retune(d, wire.Retune(v=wire.PROTOCOL_VERSION, id=1, all=all_, reason="t"))  # type: ignore[arg-type]
+    ok, res = handlers.run_retune(d, wire.Retune(v=wire.PROTOCOL_VERSION, id=1, all=all_, reason="t"))  # type: ignore[arg-type]
     assert ok and res.job is None and said in res.message, res
 
 
@@ -115,3 +115,16 @@ def test_a_job_whose_keys_cannot_be_read_is_closed_as_nothing_to_resume(tmp_path
     closed = store.list_events(10, kinds=("job_finished",))
     assert len(closed) == 1 and "nothing to resume (its keys cannot be read)" in closed[0]["reason"]
     assert J.recover_jobs(store)[0] == []
+
+
+def test_a_cancel_recorded_before_the_jobs_started_event_is_not_resumed(tmp_path: Path) -> None:
+    """A running job's cancel is written by the thread answering `retune`, its job_started by the job worker: the
+    cancel may land first. A daemon killed before the job ended must still close it as cancelled, never resume it."""
+    store = F.open_store(tmp_path / "m.db")
+    _queued(store, 3)
+    store.add_event(kind="job_cancelled", reason="job 3", details={"job_id": 3, "keys": [_key(64)]})
+    store.add_event(kind="job_started", reason="job 3", details={"job_id": 3, "keys": [_key(64)]})
+    resume, next_id = J.recover_jobs(store)
+    assert resume == [] and next_id == 4
+    closed = [e for e in store.list_events(10, kinds=("job_finished",)) if e["details"]["job_id"] == 3]
+    assert len(closed) == 1 and closed[0]["details"]["state"] == "cancelled"

@@ -1,8 +1,9 @@
 """One function per wire op: `(daemon, request) -> (ok, result | (code, message))`.
 
 They run on the serving loop and read only the in-memory index, the job manager's cheap `info()` and
-the last discovery; the one exception, an uncached `list_profiles`, is handed to the list worker
-(`DEFERRED`) so that a burst of list requests never holds up `get_profile`.
+the last discovery; the exceptions, an uncached `list_profiles` and `retune`, are handed to the list worker
+(`DEFERRED`) so that a burst of list requests never holds up `get_profile`, and a re-tune is answered only once
+what it says is committed to the store (`run_retune`) without the serving loop waiting on the database.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from moetune.runtime import wire
 from moetune.runtime.profile_record import ProfileKey
 from moetune.tuner import __version__
 from moetune.tuner.daemon.index import CACHE_LIMIT, ProfileIndex
-from moetune.tuner.daemon.jobs import tuning_key
+from moetune.tuner.daemon.jobs import JobNotRecorded, tuning_key
 from moetune.tuner.daemon.watch import facts_dict, transport_names
 
 if TYPE_CHECKING:
@@ -87,8 +88,17 @@ def status(d: Daemon, req: wire.Status) -> Result:
 
 
 def retune(d: Daemon, req: wire.Retune) -> Result:
+    return DEFERRED  # run_retune, on the list worker: it waits for the store
+
+
+def run_retune(d: Daemon, req: wire.Retune) -> Result:
+    """Queue or cancel a re-tune; a success reply means its job_queued / job_cancelled is committed (a kill -9
+    right after it loses nothing, and the job id is never handed out again)."""
     if req.cancel is not None:
-        job = d.jobs.cancel(req.cancel)
+        try:
+            job = d.jobs.cancel(req.cancel)
+        except JobNotRecorded as e:
+            return False, (wire.E_INTERNAL, str(e))
         if job is None:
             return False, (wire.E_NOT_FOUND, f"no queued or running job {req.cancel}")
         return True, wire.RetuneResult(job=job.info(), message=f"cancelling job {job.id}")
@@ -102,8 +112,9 @@ def retune(d: Daemon, req: wire.Retune) -> Result:
                else "no stale profile lacks a current one (--all re-tunes the current ones too)")
         return True, wire.RetuneResult(job=None, message=f"nothing to re-tune: {why}")
     try:
-        job = d.jobs.submit(reason=req.reason, old_fingerprint=None, keys=keys, all_current=req.all,
-                            persist_async=True)  # the serving loop never waits on the database
+        job = d.jobs.submit(reason=req.reason, old_fingerprint=None, keys=keys, all_current=req.all, confirm=True)
+    except JobNotRecorded as e:
+        return False, (wire.E_INTERNAL, str(e))
     except queue.Full:
         return False, (wire.E_BUSY, f"the job queue is full ({d.jobs.capacity} jobs)")
     return True, wire.RetuneResult(job=job.info(), message=f"queued job {job.id} for {len(keys)} key(s)")

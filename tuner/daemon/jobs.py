@@ -9,6 +9,11 @@ the job is both marked failed and resumed. An interrupted job resumes only the k
 a key whose transport family got a current profile of the job's fingerprint and software after its
 `job_started` event is left out (when that cannot be told, every key is tuned again).
 
+Confirmation: `submit(confirm=True)` and `cancel` return only once the job_queued / job_cancelled / job_finished they
+imply is committed (the `retune` op replies after that, from the list worker, never the serving loop), so a reply
+that says "queued" or "cancelling" survives a kill -9 right after it, and a job id handed out is on disk (the next
+daemon's ids start past it).
+
 Cancellation: a queued job is dropped at once (its slot freed; its job_finished written after its job_queued); a
 running job is told through `ctx.cancel` (an Event): the default re-tune stops the study after its running trial
 and looks again before every study and side-by-side check, and a re-tune that never looks still ends the job
@@ -25,7 +30,6 @@ current for the old fingerprint and queues its keys again for the new one (the w
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import itertools
 import logging
 import os
@@ -64,6 +68,10 @@ class JobCancelled(Exception):
     pass
 
 
+class JobNotRecorded(RuntimeError):
+    """A confirmed submit or a cancel whose event the store refused: it must not be answered as done."""
+
+
 class Job:
     def __init__(self, job_id: int, *, reason: str, old_fingerprint: str | None, keys: list[ProfileKey], all_current: bool = False,
                  resumes: int | None = None):
@@ -93,6 +101,8 @@ class Job:
         self.deferred = ""  # why the job waits (the GPUs are busy or their state unknown), "" once it runs
         self.dropped = False  # a queued job `cancel` finished: its job_finished is written then, not by the worker
         self.persisted = False  # its job_queued write was tried (`_persist_and_enqueue`)
+        self.end_recorded = threading.Event()  # a dropped job's job_finished write was tried (`_finish_dropped`)
+        self.end_ok = False  # ... and committed
 
     def info(self) -> JobInfo:
         return JobInfo(id=self.id, state=self.state, reason=self.reason, fingerprint=self.fingerprint or self.old_fingerprint,
@@ -472,7 +482,6 @@ class JobManager:
         self.running: Job | None = None
         self._ids = itertools.count(first_id)
         self._lock = threading.Lock()
-        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetune-writer")
         self._thread = threading.Thread(target=self._loop, name="moetune-jobs", daemon=True)
         self._stopping = False
 
@@ -489,17 +498,17 @@ class JobManager:
             return False
 
     def submit(self, *, reason: str, old_fingerprint: str | None, keys: list[ProfileKey], all_current: bool = False,
-               persist_async: bool = False, skip_queued: bool = False, resumes: int | None = None) -> Job | None:
+               confirm: bool = False, skip_queued: bool = False, resumes: int | None = None) -> Job | None:
         """Queue a job; raises queue.Full when the queue is at capacity or the daemon is stopping. With
         `skip_queued` (the automatic re-tunes) keys a queued job already holds are left out (a queued job tunes
         for the facts current when it starts), and None is returned when none is left. `resumes`: the id of
         the last daemon's job this one takes over; such a job is queued past the capacity (a stopped daemon
         may leave one running and `capacity` queued: none may be lost).
 
-        The job_queued event is written BEFORE the worker can see the job, so the events of one job are
-        always in order (queued < started < finished) for recover_jobs(). With `persist_async` (the
-        serving loop) that write and the hand-over happen on a writer thread, so the caller never waits
-        on the database; the job is listed as queued at once."""
+        The job_queued event is written (in the caller's thread) BEFORE the worker can see the job, so the events
+        of one job are always in order (queued < started < finished) for recover_jobs(). With `confirm` (a user's
+        `retune`, answered only after this returns) a job_queued the store refused raises JobNotRecorded and the job
+        is not queued: a reply never names a job the store does not hold (its id could be handed out again)."""
         with self._lock:
             if self._stopping:
                 raise queue.Full("the daemon is stopping")
@@ -513,18 +522,22 @@ class JobManager:
             job = Job(next(self._ids), reason=reason, old_fingerprint=old_fingerprint, keys=keys, all_current=all_current,
                       resumes=resumes)
             self._queued[job.id] = job  # reserves its place: at most `capacity` jobs queued or being persisted
-        if persist_async:
-            self._writer.submit(self._persist_and_enqueue, job)
-        else:
-            self._persist_and_enqueue(job)
+        self._persist_and_enqueue(job, confirm=confirm)
         log.info("queued re-tune job %d (%d keys): %s", job.id, len(keys), reason)
         return job
 
-    def _persist_and_enqueue(self, job: Job) -> None:
+    def _persist_and_enqueue(self, job: Job, *, confirm: bool = False) -> None:
         ok = self._event("job_queued", job, job.reason)
         with self._lock:
             job.queued_recorded, job.persisted = ok, True
             dropped = job.dropped
+            if confirm and not ok:
+                self._queued.pop(job.id, None)  # never run: nobody was told it is queued
+        if confirm and not ok:
+            if dropped:
+                job.end_recorded.set()  # nothing of it is in the store: there is no end to write
+            raise JobNotRecorded(f"job {job.id} could not be recorded in the database (see the daemon's log); "
+                                 "it was not queued")
         if dropped:  # cancelled before its job_queued was written: its end is written after it, in order
             self._finish_dropped(job)
         self._q.put(job)  # never blocks: unbounded, and _queued (which bounds it) was reserved above
@@ -532,11 +545,15 @@ class JobManager:
     def _finish_dropped(self, job: Job) -> None:
         """The job_finished event of a queued job `cancel` dropped (the worker skips it): after its job_queued, so a
         restarted daemon's recover_jobs sees it finished and never queues it again."""
-        self._event("job_finished", job, job.message)
+        job.end_ok = self._event("job_finished", job, job.message)
+        job.end_recorded.set()
         if self.metrics:
             self.metrics.job_finished("cancelled")
 
-    def cancel(self, job_id: int) -> Job | None:
+    def cancel(self, job_id: int, *, wait_s: float = 30.0) -> Job | None:
+        """Cancel a queued or running job; returns once its cancel is committed (job_finished of a queued job,
+        job_cancelled of a running one). Raises JobNotRecorded (the job is cancelled in this daemon all the same)
+        when the store refused that event, or a queued job's job_queued is still being written after `wait_s`."""
         with self._lock:
             job = self._queued.pop(job_id, None)
             write = asked = False
@@ -553,10 +570,17 @@ class JobManager:
                 return None
             job.cancelled_by = job.cancelled_by or "user"
             job.cancel.set()
+        ok = True
         if job.state == "running" and asked:
-            self._writer.submit(self._event, "job_cancelled", job, f"job {job.id} cancelled while it ran")
-        if write:  # on the writer thread, in order after what it holds: the serving loop never waits on the store
-            self._writer.submit(self._finish_dropped, job)
+            ok = self._event("job_cancelled", job, f"job {job.id} cancelled while it ran")
+        elif job.dropped:
+            if write:  # its job_queued is in the store: its end goes after it
+                self._finish_dropped(job)
+            # else the thread writing its job_queued (an automatic job's) writes its end right after it
+            ok = job.end_recorded.wait(wait_s) and job.end_ok
+        if not ok:
+            raise JobNotRecorded(f"job {job.id} is cancelled in this daemon, but its cancel could not be recorded in "
+                                 "the database (see the daemon's log): a restart may resume it")
         return job
 
     def cancel_fingerprint(self, fingerprint: str) -> Job | None:
@@ -765,7 +789,6 @@ class JobManager:
             for j in [*self._queued.values(), *([self.running] if self.running is not None else [])]:
                 j.cancelled_by = j.cancelled_by or "shutdown"
                 j.cancel.set()
-        self._writer.shutdown(wait=True)  # queued jobs reach the store (and the queue) before the sentinel
         try:
             self._q.put(None, timeout=timeout)  # wakes the worker after the queued (cancelled) jobs
         except queue.Full:
@@ -806,6 +829,7 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[Resumable], int
     started_at: dict[int, str] = {}  # job id -> when its (last) job_started event was written
     resumed_as: dict[int, int] = {}  # old job id -> the job that took it over
     finished: set[int] = set()
+    cancelled: set[int] = set()  # a user cancelled it while it ran
     max_id = 0
     for e in events:
         kind = e["kind"]
@@ -818,6 +842,8 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[Resumable], int
             finished.add(jid)
         if kind == "job_cancelled" and jid in finished:
             continue  # the cancel's record came after the job's end (written from another thread): it ended
+        if kind == "job_cancelled":
+            cancelled.add(jid)
         last[jid] = (kind, d)
         if kind == "job_started":
             started_at[jid] = str(e["created"])
@@ -827,7 +853,9 @@ def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[Resumable], int
     for jid, (kind, d) in sorted(last.items()):
         if kind == "job_finished":
             continue
-        if kind == "job_cancelled":  # the user cancelled it while it ran, and the daemon stopped before it ended
+        # the user cancelled it while it ran, and the daemon stopped before it ended (its job_started may come after
+        # the cancel: both are written as they happen, from two threads)
+        if jid in cancelled:
             _close_run(store, d, "cancelled")
             store.add_event(kind="job_finished", reason=f"job {jid} cancelled; the daemon stopped before it ended",
                             details={**d, "state": "cancelled", "message": "cancelled (the daemon stopped before the "

@@ -633,7 +633,7 @@ class Daemon(FabricWatch):
         self._last_discovery = ("", False, "not run yet")
         self.index = ProfileIndex([], version=0, facts=None, stale=[])
         self.tune_notice = ""  # why the automatic re-tune cannot run here (shown by `status`), else ""
-        self._lists: queue.Queue[tuple[list[bytes], wire.ListProfiles] | None] = queue.Queue(maxsize=LIST_QUEUE)
+        self._lists: queue.Queue[tuple[list[bytes], wire.ListProfiles | wire.Retune] | None] = queue.Queue(maxsize=LIST_QUEUE)
         self._list_endpoint = f"inproc://moetune-lists-{self.epoch}"
         self._list_pull: zmq.Socket | None = None
         self._commit_lock = threading.RLock()
@@ -1079,13 +1079,14 @@ class Daemon(FabricWatch):
             res = handlers.HANDLERS[type(req)](self, req)
             if res is handlers.DEFERRED:
                 if head is None:  # a direct call (tests): answer inline
-                    res = True, msgspec.Raw(self._list_page(req))
+                    res = self._deferred(req)
                 else:
                     try:
                         self._lists.put_nowait((head, req))
                         return None, op, "deferred"
                     except queue.Full:
-                        res = False, (wire.E_BUSY, f"{LIST_QUEUE} list requests are waiting: retry later")
+                        res = False, (wire.E_BUSY, f"{LIST_QUEUE} slow requests (list_profiles, retune) are waiting: "
+                                                   "retry later")
             ok, payload = res
         except Exception as e:  # broad: the request handler's boundary; the client gets E_INTERNAL
             log.exception("op %s failed", op)
@@ -1132,8 +1133,15 @@ class Daemon(FabricWatch):
             idx.list_cache[(req.status, req.fingerprint, req.limit)] = raw
         return raw
 
+    def _deferred(self, req: Any) -> handlers.Result:
+        """The answer to a request the serving loop handed over (`handlers.DEFERRED`), on the list worker."""
+        if isinstance(req, wire.Retune):
+            return handlers.run_retune(self, req)
+        return True, msgspec.Raw(self._list_page(req))
+
     def _list_loop(self) -> None:
-        """The list worker: answers uncached list_profiles off the serving thread."""
+        """The list worker: answers uncached list_profiles and retune (which waits for the store) off the serving
+        thread."""
         push = self._ctx.socket(zmq.PUSH)
         push.linger = 0
         push.connect(self._list_endpoint)
@@ -1143,16 +1151,20 @@ class Daemon(FabricWatch):
                 if item is None:
                     return
                 head, req = item
+                op = req.__struct_config__.tag
                 t0 = time.perf_counter()
                 try:
-                    reply = wire.encode_ok(req.id, self.epoch, msgspec.Raw(self._list_page(req)))
-                    outcome = "ok"
+                    ok, payload = self._deferred(req)
+                    if ok:
+                        reply, outcome = wire.encode_ok(req.id, self.epoch, payload), "ok"
+                    else:
+                        reply, outcome = wire.encode_error(req.id, self.epoch, *payload), payload[0]
                 except Exception as e:  # broad: the list worker's boundary; the client gets E_INTERNAL
-                    log.exception("list_profiles failed")
+                    log.exception("%s failed", op)
                     reply = wire.encode_error(req.id, self.epoch, wire.E_INTERNAL, f"{type(e).__name__}: {e}")
                     outcome = wire.E_INTERNAL
                 push.send_multipart([*head, reply])
-                self.metrics.observe("list_profiles", outcome, time.perf_counter() - t0)
+                self.metrics.observe(op, outcome, time.perf_counter() - t0)
         finally:
             push.close(linger=0)
 
