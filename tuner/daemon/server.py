@@ -193,6 +193,24 @@ def prepare_runtime_dir(d: Path, group: str = "") -> bool:
     return created
 
 
+def check_socket_ancestors(d: Path) -> None:
+    """Refuse a socket directory `d` with an ancestor that group or others may write without the sticky bit: they
+    could rename `d` away and put a link (or a directory of theirs) in its place, and the daemon would bind, write
+    its records and remove files there. Both the path as given and the one its links lead to are checked."""
+    chains = [Path(os.path.abspath(d)).parents, Path(os.path.realpath(d)).parents]
+    for a in dict.fromkeys(p for chain in chains for p in chain):
+        try:
+            st = os.stat(a)
+        except OSError as e:
+            raise DaemonConfigError(f"cannot check {a}, a parent of the socket directory {d}: {e.strerror or e}") from None
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            raise DaemonConfigError(
+                f"{a}, a parent of the socket directory {d}, (mode {stat.S_IMODE(st.st_mode):o}, owner uid "
+                f"{st.st_uid}) is writable by group or others without the sticky bit: they could replace {d} and "
+                f"the socket in it; put daemon.socket under a directory only its owner may write (or chmod go-w {a}, "
+                "or +t as /tmp has)")
+
+
 def _owned_file(p: Path) -> bool:
     try:
         st = os.lstat(p)
@@ -255,8 +273,9 @@ def check_socket_path(p: Path) -> None:
     _owner_record(p).unlink(missing_ok=True)
 
 
-def _record_owner(p: Path) -> None:
-    st = os.lstat(p)
+def _record_owner(p: Path, st: os.stat_result) -> tuple[int, int]:
+    """Write the owner record of the socket `st` bound at `p`; returns the record's own (dev, inode) (the file
+    this daemon may remove at exit)."""
     rec = _owner_record(p)
     if rec.exists() or rec.is_symlink():
         if not _owned_file(rec):
@@ -265,6 +284,19 @@ def _record_owner(p: Path) -> None:
     fd = os.open(rec, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"dev": st.st_dev, "ino": st.st_ino, "pid": os.getpid()}, f)
+        rst = os.fstat(f.fileno())
+    return rst.st_dev, rst.st_ino
+
+
+def _unlink_if(p: Path, ident: tuple[int, int] | None, kind: int = stat.S_IFREG) -> None:
+    """Remove `p` only while it is the file of this user and kind with the (dev, inode) `ident` this daemon
+    created (never one put in its place since)."""
+    if ident is None:
+        return
+    with contextlib.suppress(OSError):
+        st = os.lstat(p)
+        if stat.S_IFMT(st.st_mode) == kind and st.st_uid == os.getuid() and (st.st_dev, st.st_ino) == ident:
+            p.unlink()
 
 
 def _info_record_ids(path: Path) -> set[tuple[int, int]]:
@@ -646,10 +678,12 @@ class Daemon(FabricWatch):
         self._threads: list[threading.Thread] = []
         self._serve_thread: threading.Thread | None = None
         self._metrics_server: Any = None
-        self._bound_paths: list[Path] = []
+        # socket path -> (dev, inode) of the socket bound there and of its owner record (None: not written)
+        self._bound_paths: dict[Path, tuple[tuple[int, int], tuple[int, int] | None]] = {}
         self._lock_fd: int | None = None
         self._jobs_started = False
         self._info_id: tuple[int, int] | None = None  # (dev, inode) of the daemon.json this run wrote last
+        self._info_rec_id: tuple[int, int] | None = None  # (dev, inode) of daemon.json's owner record it wrote last
         self._info_yielded = False  # daemon.json is another live daemon's: not written this run
         self._served = False  # start() went through: at exit daemon.json stays, as the runtime's fallback cache
         self.jobs = JobManager(store=store, facts_fn=lambda: self.facts, retune=retune_job or tuner_retune,
@@ -845,6 +879,7 @@ class Daemon(FabricWatch):
         p = _ipc_path(endpoint)
         if p is None:
             return None
+        check_socket_ancestors(p.parent)
         prepare_runtime_dir(p.parent, self.group)
         check_socket_path(p)
         return p
@@ -874,8 +909,10 @@ class Daemon(FabricWatch):
             st = os.lstat(p)
             if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
                 raise DaemonConfigError(f"{p} is no longer the socket this daemon bound (replaced meanwhile?)")
-            self._bound_paths.append(p)  # we created it: ours to chmod and, at exit, to remove
-            _record_owner(p)
+            # we created it: ours to chmod and, at exit, to remove, by the id seen here (also when the record
+            # below cannot be written)
+            self._bound_paths[p] = ((st.st_dev, st.st_ino), None)
+            self._bound_paths[p] = ((st.st_dev, st.st_ino), _record_owner(p, st))
             if gid is not None:
                 os.chown(p, -1, gid, follow_symlinks=False)
             os.chmod(p, 0o660 if gid is not None else 0o600)
@@ -899,13 +936,11 @@ class Daemon(FabricWatch):
         self._list_pull = pull
 
     def _unlink_bound(self) -> None:
-        """Remove the sockets we bound, only while they are still the files we created."""
-        for p in self._bound_paths:
-            with contextlib.suppress(OSError):
-                if _proven_ours(p):
-                    p.unlink()
-                _owner_record(p).unlink(missing_ok=True)
-        self._bound_paths = []
+        """Remove the sockets we bound and their owner records, only while they are still the files we created."""
+        for p, (sock, rec) in self._bound_paths.items():
+            _unlink_if(p, sock, stat.S_IFSOCK)
+            _unlink_if(_owner_record(p), rec)
+        self._bound_paths = {}
 
     def _info_path(self) -> Path | None:
         p = _ipc_path(self.endpoint)
@@ -926,10 +961,10 @@ class Daemon(FabricWatch):
         with contextlib.suppress(OSError):
             if self._info_is_ours(path):
                 path.unlink()
-                _owner_record(path).unlink(missing_ok=True)
-        self._info_id = None
+                _unlink_if(_owner_record(path), self._info_rec_id)  # only the record this run wrote
+        self._info_id = self._info_rec_id = None
 
-    def _write_info_record(self, path: Path, new: tuple[int, int], prev: tuple[int, int] | None) -> None:
+    def _write_info_record(self, path: Path, new: tuple[int, int], prev: tuple[int, int] | None) -> tuple[int, int]:
         """Record (atomically) that the file about to be renamed to `path` is ours; `prev` is the one it replaces."""
         rec = _owner_record(path)
         if (rec.exists() or rec.is_symlink()) and not _owned_file(rec):
@@ -938,7 +973,9 @@ class Daemon(FabricWatch):
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump({"dev": new[0], "ino": new[1], "prev": list(prev) if prev else None, "pid": os.getpid()}, f)
+                rst = os.fstat(f.fileno())
             os.replace(tmp, rec)
+            return rst.st_dev, rst.st_ino
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -991,10 +1028,10 @@ class Daemon(FabricWatch):
                     os.fchmod(f.fileno(), 0o640)
                 json.dump(data, f)
                 st = os.fstat(f.fileno())
-            self._write_info_record(path, (st.st_dev, st.st_ino), prev)
+            rec_id = self._write_info_record(path, (st.st_dev, st.st_ino), prev)
             os.replace(tmp, path)
             tmp = None
-            self._info_id = (st.st_dev, st.st_ino)
+            self._info_id, self._info_rec_id = (st.st_dev, st.st_ino), rec_id
         except (OSError, DaemonConfigError) as e:
             log.warning("cannot write %s: %s", path, e)
         finally:

@@ -1,0 +1,81 @@
+"""The daemon removes only files it wrote: its socket (also when its owner record could not be written), the
+socket's owner record and daemon.json's owner record only while they are the files it created (same device and
+inode), and it refuses a socket directory whose parent group or others may write without the sticky bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.tuner.daemon import server
+from moetune.tuner.daemon.server import Daemon, DaemonConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _daemon(tmp: Path, **kw: Any) -> Daemon:
+    facts = F.FakeFacts({"gpu_model": "H200"})
+    kw.setdefault("endpoint", f"ipc://{tmp}/run/daemon.sock")
+    return Daemon(store=F.open_store(tmp / "moetune.db"), discover=lambda: facts, rediscover_interval_s=0, **kw)
+
+
+def _replace(p: Path, text: str) -> None:
+    """Put another file at `p` (a new inode), as a user (or another daemon) would."""
+    tmp = p.with_name(p.name + ".new")
+    tmp.write_text(text)
+    os.replace(tmp, p)
+
+
+def test_owner_records_replaced_since_are_left_alone(tmp_path: Path) -> None:
+    d = _daemon(tmp_path).start(background=True)
+    run = tmp_path / "run"
+    sock_rec = run / ".daemon.sock.moetune-owner"
+    info_rec = run / ".daemon.json.moetune-owner"
+    assert sock_rec.is_file() and info_rec.is_file()
+    _replace(sock_rec, "someone else's")
+    d.stop()
+    assert sock_rec.read_text() == "someone else's"  # not the record it wrote: kept
+    assert not (run / "daemon.sock").exists()  # its own socket: removed
+
+
+def test_a_never_served_daemon_leaves_a_replaced_info_record_alone(tmp_path: Path) -> None:
+    d = _daemon(tmp_path)
+    d._bind()
+    d._write_info(running=True)
+    info_rec = tmp_path / "run" / ".daemon.json.moetune-owner"
+    rec = json.loads(info_rec.read_text())
+    _replace(info_rec, json.dumps(rec))  # same content, another file: not the one this daemon wrote
+    d._close()  # never served: its daemon.json goes, a record it did not write stays
+    assert not (tmp_path / "run" / "daemon.json").exists()
+    assert info_rec.exists()
+
+
+def test_a_socket_whose_owner_record_failed_is_still_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_args: Any) -> Any:
+        raise DaemonConfigError("record refused (test)")
+
+    monkeypatch.setattr(server, "_record_owner", refuse)
+    with pytest.raises(DaemonConfigError, match="record refused"):
+        _daemon(tmp_path).start(background=True)
+    assert not (tmp_path / "run" / "daemon.sock").exists()  # bound in this run: removed, not leaked
+
+
+def test_a_socket_dir_under_a_parent_others_may_write_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # no sticky bit: anyone may rename run/ away and put a link there
+    (shared / "run").mkdir(mode=0o700)
+    with pytest.raises(DaemonConfigError, match=f"{shared}, a parent of the socket directory .*writable by group or "
+                                                "others without the sticky bit"):
+        _daemon(tmp_path, endpoint=f"ipc://{shared}/run/daemon.sock").start(background=True)
+    assert sorted(os.listdir(shared / "run")) == []  # nothing bound, nothing written
+    os.chmod(shared, 0o1777)  # sticky (as /tmp): only the owner of run/ may rename it
+    _daemon(tmp_path, endpoint=f"ipc://{shared}/run/daemon.sock").start(background=True).stop()
