@@ -96,6 +96,7 @@ LIST_QUEUE = 8  # uncached list requests waiting for the list worker; more are a
 RUNTIME_MARK = ".moetune-runtime-dir"  # in a directory the daemon created: proof that it may tighten it
 ZAP_DOMAIN = "moetune"  # the domain our sockets ask the ZAP authenticator about
 OWNER_SUFFIX = ".moetune-owner"  # ".<socket name>.moetune-owner": the (dev, inode) of a socket we bound
+LOCK_SUFFIX = ".moetune-lock"  # ".<socket name>.moetune-lock": flock-ed by the daemon that checks, binds and serves it
 INFO_MARK = "moetune-daemon"  # daemon.json's "written_by": with its owner record, what tells ours from a user's file
 # every key of a daemon.json written before the mark and its record were (a file of ours to replace after an upgrade)
 _LEGACY_INFO_KEYS = frozenset({"endpoint", "pub_endpoint", "db", "epoch", "pid", "running", "updated", "fingerprint",
@@ -271,6 +272,48 @@ def check_socket_path(p: Path) -> None:
                                 "remove it yourself if it is safe, or choose another --socket")
     p.unlink()  # left over by a daemon of ours that was killed
     _owner_record(p).unlink(missing_ok=True)
+
+
+def lock_socket_path(p: Path) -> int:
+    """Take the lock beside the socket path `p` for this daemon's lifetime (the fd; the kernel drops the flock when
+    the process dies, even on kill -9). Checking the path and binding it is no atomic step, and libzmq unlinks an
+    IPC path before binding it: two daemons starting at once on one path (with different databases) would both
+    pass the check and the second would remove the first's live socket. Taken before the check, held while serving:
+    DaemonBusy when another daemon holds it."""
+    import fcntl
+
+    lock = p.with_name(f".{p.name}{LOCK_SUFFIX}")
+    while True:
+        try:  # never through a link: a planted one would have us create or lock its target
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        except OSError as e:
+            why = "it is a symbolic link" if os.path.islink(lock) else (e.strerror or str(e))
+            raise DaemonConfigError(f"cannot open the socket lock {lock}: {why}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            os.close(fd)
+            raise DaemonConfigError(f"the socket lock {lock} is not a regular file of this user (uid {os.getuid()}): "
+                                    "refusing to use it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise DaemonBusy(f"another daemon is listening on {p} (or starting on it: {lock} is locked)") from None
+        try:
+            now_st = os.lstat(lock)
+        except FileNotFoundError:
+            now_st = None
+        if now_st is not None and (now_st.st_dev, now_st.st_ino) == (st.st_dev, st.st_ino):
+            return fd
+        os.close(fd)  # the file was removed (its daemon exited) between our open and our flock: take the new one
+
+
+def _release_socket_lock(p: Path, fd: int) -> None:
+    """Remove the lock file while it is still the one `fd` holds (ours), then release the lock."""
+    with contextlib.suppress(OSError):
+        st = os.fstat(fd)
+        _unlink_if(p.with_name(f".{p.name}{LOCK_SUFFIX}"), (st.st_dev, st.st_ino))
+    os.close(fd)
 
 
 def _record_owner(p: Path, st: os.stat_result) -> tuple[int, int]:
@@ -681,6 +724,7 @@ class Daemon(FabricWatch):
         # socket path -> (dev, inode) of the socket bound there and of its owner record (None: not written)
         self._bound_paths: dict[Path, tuple[tuple[int, int], tuple[int, int] | None]] = {}
         self._lock_fd: int | None = None
+        self._socket_locks: dict[Path, int] = {}  # socket path -> the fd of its lock (lock_socket_path)
         self._jobs_started = False
         self._info_id: tuple[int, int] | None = None  # (dev, inode) of the daemon.json this run wrote last
         self._info_rec_id: tuple[int, int] | None = None  # (dev, inode) of daemon.json's owner record it wrote last
@@ -785,6 +829,9 @@ class Daemon(FabricWatch):
                 self._write_info(running=False)  # kept: the last fingerprint and database, for the runtime
             else:
                 self._remove_info()  # a daemon that never served leaves none behind
+        for p, fd in self._socket_locks.items():  # last: the next daemon on this socket may start now
+            _release_socket_lock(p, fd)
+        self._socket_locks = {}
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
@@ -881,6 +928,8 @@ class Daemon(FabricWatch):
             return None
         check_socket_ancestors(p.parent)
         prepare_runtime_dir(p.parent, self.group)
+        if p not in self._socket_locks:
+            self._socket_locks[p] = lock_socket_path(p)  # before the check: nobody else binds p until we exit
         check_socket_path(p)
         return p
 
