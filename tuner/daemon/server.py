@@ -752,6 +752,7 @@ class Daemon(FabricWatch):
             # automatic one), leaving out the keys a resumed job holds, so no key is tuned twice
             self._resume(self._recover())
             self._startup_discovery()
+            self._retune_after_interrupted_change()  # a change the last daemon recorded but did not queue
             self._rebuild()
             self.jobs.start()
             self._jobs_started = True

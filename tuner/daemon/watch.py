@@ -145,6 +145,47 @@ class FabricWatch:
                                  details={"fingerprint": facts.fingerprint, "identity": identity(facts),
                                           "facts": facts_dict(facts)})
 
+    def _retune_after_interrupted_change(self) -> None:
+        """At start, finish the newest recorded fabric change the last daemon did not: `_fabric_changed` writes
+        fabric_changed, marks the old fingerprint's profiles stale and only then queues their re-tune, so a daemon
+        killed in between left them stale (or still current) with no job, for good (job recovery reads job events
+        only). Its old fingerprint's profiles still current are made stale, and its stale keys that no job queued
+        since the change holds and that have no current profile of the new fingerprint are queued."""
+        from moetune.tuner.daemon.jobs import keys_from_details, tuning_key
+        from moetune.tuner.store import StoreError
+
+        if self.facts is None:
+            return
+        try:
+            events = self.store.list_events(limit=2000, kinds=("fabric_seen", "fabric_changed", "job_queued"))
+            change = next((e for e in events if e["kind"] in ("fabric_seen", "fabric_changed")), None)  # newest
+            d = (change["details"] or {}) if change is not None and change["kind"] == "fabric_changed" else {}
+            old_fp = d.get("old_fingerprint")
+            if not old_fp or d.get("fingerprint") != self.facts.fingerprint or old_fp == self.facts.fingerprint:
+                return
+            covered = {tuning_key(k) for e in events if e["kind"] == "job_queued" and e["id"] > change["id"]
+                       for k in keys_from_details(e["details"] or {})}
+            reason = str(change["reason"] or "")
+            if self.store.list_profiles(status="current", fingerprint=old_fp):  # stopped before mark_stale
+                self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000])
+            have = {tuning_key(r.key) for _, r in self.store.list_profiles(status="current", fingerprint=self.facts.fingerprint)}
+            keys: dict[tuple, Any] = {}
+            for _, r in self.store.list_profiles(status="stale", fingerprint=old_fp):
+                if tuning_key(r.key) not in covered and tuning_key(r.key) not in have:
+                    keys.setdefault(tuning_key(r.key), r.key)
+        except StoreError as e:
+            log.error("cannot check the last fabric change for a re-tune it did not queue: %s", e)
+            return
+        if not keys:
+            return
+        log.warning("queuing the re-tune of the last fabric change (the daemon stopped before queuing it)",
+                    extra={"old_fingerprint": old_fp, "fingerprint": self.facts.fingerprint, "keys": len(keys)})
+        try:
+            self.jobs.submit(reason=f"fabric changed: {reason} (queued at start: the daemon stopped before)"[:512],
+                             old_fingerprint=old_fp, keys=list(keys.values()), skip_queued=True)
+        except queue.Full:
+            log.error("job queue full: the re-tune after the fabric change was not queued")
+
     def _fabric_changed(self, old_fp: str | None, old_facts: dict[str, Any], facts: Any, *, rebuild: bool = True) -> None:
         new_dict = facts_dict(facts)
         try:
