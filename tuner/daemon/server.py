@@ -93,6 +93,9 @@ __all__ = ["CACHE_LIMIT", "Daemon", "DaemonBusy", "DaemonConfigError", "ProfileI
 MAXMSG_SLACK = 1024
 MAX_REQUEST_BYTES_LIMIT = 16 << 20  # a request cap above this is a configuration mistake
 LIST_QUEUE = 8  # uncached list requests waiting for the list worker; more are answered `busy`
+# the largest reply (a list_profiles page of LIST_PAGE_MAX profiles) is about 1 MB: at most ~64 MB queued per peer
+LARGEST_REPLY_BYTES = 1 << 20
+REPLY_HWM = max(16, (64 << 20) // LARGEST_REPLY_BYTES)
 RUNTIME_MARK = ".moetune-runtime-dir"  # in a directory the daemon created: proof that it may tighten it
 ZAP_DOMAIN = "moetune"  # the domain our sockets ask the ZAP authenticator about
 OWNER_SUFFIX = ".moetune-owner"  # ".<socket name>.moetune-owner": the (dev, inode) of a socket we bound
@@ -972,7 +975,10 @@ class Daemon(FabricWatch):
         r.linger = 0
         r.setsockopt(zmq.ROUTER_MANDATORY, 1)
         r.setsockopt(zmq.MAXMSGSIZE, self.max_request_bytes + MAXMSG_SLACK)
-        r.sndhwm = 10000
+        # replies queued per peer: a peer that sends list_profiles and never reads its replies (up to ~1 MB each)
+        # would have the daemon hold sndhwm of them; past this many, its replies are dropped (ROUTER_MANDATORY +
+        # NOBLOCK: counted `unsent`), never another peer's
+        r.sndhwm = REPLY_HWM
         r.rcvhwm = 10000
         self._router = r
         self._bind_one(r, self.endpoint)
