@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import tomllib
 import typing
@@ -170,7 +171,15 @@ def _check_value(section: str, key: str, value: Any, where: str) -> Any:
         raise ConfigError(
             f"{section}.{key} in {where}: expected {_TYPE_NAMES[want]}, got {type(value).__name__} {value!r}"
         )
-    return float(value) if want is float else value
+    return _finite(section, key, float(value), where) if want is float else value
+
+
+def _finite(section: str, key: str, value: float, where: str) -> float:
+    """Every float setting is a finite number: nan passes every `<` / `<=` range check (a timeout_s of nan made every
+    re-tune end at once, doing nothing), and inf is no number of seconds either."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{section}.{key} in {where}: expected a finite number, got {value}")
+    return value
 
 
 def _parse_env_value(section: str, key: str, raw: str, var: str) -> Any:
@@ -186,9 +195,10 @@ def _parse_env_value(section: str, key: str, raw: str, var: str) -> Any:
             return False
         raise ConfigError(f"{section}.{key} in {where}: expected true or false, got {raw!r}")
     try:
-        return want(raw.strip())
+        value = want(raw.strip())
     except ValueError:
         raise ConfigError(f"{section}.{key} in {where}: expected {_TYPE_NAMES[want]}, got {raw!r}") from None
+    return _finite(section, key, value, where) if want is float else value
 
 
 def _check_ranges(values: dict[str, dict[str, Any]], origin: dict[tuple[str, str], str]) -> None:
