@@ -101,12 +101,16 @@ def test_unparseable_multipart_dropped_and_huge_frames_cut(daemon: F.DaemonProc)
     ctx = zmq.Context()
     s = _dealer(ctx, daemon.endpoint)
     try:
-        # multipart requests are not requests: dropped without a reply
+        # multipart requests are not requests: answered bad_request (a request is one frame), never run
         s.send_multipart([b'{"v":1,"id":1,"op":"hello"}', b"more", b"frames"])
         s.send_multipart([b"x", b"y"])
         s.send(b'{"v":1,"id":2,"op":"hello"}')
+        for parts in (3, 2):
+            rep = msgspec.json.decode(s.recv())
+            assert rep["ok"] is False and rep["error"]["code"] == "bad_request", rep
+            assert f"got {parts} frames" in rep["error"]["message"]
         rep = msgspec.json.decode(s.recv())
-        assert rep["id"] == 2 and rep["ok"] is True  # the only answer is to the good request
+        assert rep["id"] == 2 and rep["ok"] is True
         # a frame over the transport cap (ZMQ_MAXMSGSIZE) drops that connection, nothing else
         big = _dealer(ctx, daemon.endpoint)
         big.rcvtimeo = 500

@@ -1136,6 +1136,17 @@ class Daemon(FabricWatch):
                         body = frames[2]
                     else:
                         self.metrics.dropped_frames += 1
+                        if n < 3:
+                            continue  # no frame after the routing id: nothing to answer
+                        # a request split into several frames: answered (a client waiting for a reply would wait out
+                        # its time-out), through the envelope it came with (a REQ's empty delimiter kept)
+                        head = frames[:2] if not frames[1] else frames[:1]
+                        parts = n - len(head)
+                        reply = wire.encode_error(None, self.epoch, wire.E_BAD_REQUEST,
+                                                  f"a request is one ZeroMQ frame holding one JSON object; got {parts} frames")
+                        with contextlib.suppress(zmq.ZMQError):
+                            router.send_multipart([*head, reply], zmq.NOBLOCK)
+                        observe("invalid", wire.E_BAD_REQUEST, perf() - t0)
                         continue
                     try:
                         reply, op, outcome = handle(body, head, first)
