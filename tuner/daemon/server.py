@@ -420,6 +420,14 @@ def other_live_daemon(path: Path, endpoint: str) -> str | None:
     return f"pid {pid}, endpoint {other}"
 
 
+def _same_endpoint(a: str, b: str) -> bool:
+    """The two endpoints name one socket (IPC paths compared normalised)."""
+    pa, pb = _ipc_path(a), _ipc_path(b)
+    if pa is not None and pb is not None:
+        return os.path.normpath(pa) == os.path.normpath(pb)
+    return a == b
+
+
 def _ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
 
@@ -680,6 +688,10 @@ class Daemon(FabricWatch):
         self.endpoint = endpoint
         self.pub_endpoint = pub_endpoint or derive_pub_endpoint(endpoint)
         check_endpoint(self.pub_endpoint, "pub_socket")
+        if _same_endpoint(endpoint, self.pub_endpoint):  # else the PUB's bind found our own socket "in use" (exit 1)
+            raise DaemonConfigError(f"socket and pub_socket are the same endpoint ({endpoint}, {self.pub_endpoint}): "
+                                    "the two endpoints must differ (set daemon.pub_socket / --pub-socket to another one, "
+                                    "or leave it unset for the one beside the socket)")
         self._discover = discover
         self._diff = diff
         self.tune = tune or TuneSettings()
