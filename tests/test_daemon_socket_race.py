@@ -41,8 +41,13 @@ def test_a_daemon_starting_while_another_binds_the_same_socket_refuses(tmp_path:
 
     monkeypatch.setattr(Daemon, "_secure", between_check_and_bind)
     facts = F.FakeFacts({"gpu_model": "H200"})
-    d = Daemon(store=F.open_store(tmp_path / "moetune.db"), endpoint=endpoint, discover=lambda: facts,
-               rediscover_interval_s=0, db_path=str(tmp_path / "moetune.db")).start(background=True)
+    try:
+        d = Daemon(store=F.open_store(tmp_path / "moetune.db"), endpoint=endpoint, discover=lambda: facts,
+                   rediscover_interval_s=0, db_path=str(tmp_path / "moetune.db")).start(background=True)
+    except BaseException:
+        for o in other:  # never left running (before the fix it bound first, and this start failed)
+            o.kill()
+        raise
     try:
         assert other[0].proc.poll() == 1, other[0].read_log()[-2000:]
         assert "is locked" in other[0].read_log()
