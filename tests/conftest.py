@@ -33,3 +33,27 @@ def autoload_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("MOETUNE_AUTOLOAD", "0")
     yield
     _reset()
+
+
+@pytest.fixture
+def on_captured_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Simulate running ON the node a capture describes: live discovery (`discovery.live_facts`) answers the facts
+    of the capture read last. A bring-up or local tune of a capture measures only when the capture is this node
+    (`capture_not_this_node`); tests that inject the timings of a GPU node's capture on this CPU machine use this,
+    so what they store is what that node would store, and no real timing of this machine is stored as that node's."""
+    from moetune.tuner.fabric import discovery
+
+    real = discovery.discover
+    seen: list = []
+
+    def discover(capture=None, **kw):  # type: ignore[no-untyped-def]
+        facts = real(capture, **kw)
+        if capture is not None:
+            seen.append(facts)
+        return facts
+
+    def live_facts(timeout_s: float = 1.5):  # type: ignore[no-untyped-def]
+        return seen[-1] if seen else real(None, timeout_s=timeout_s)
+
+    monkeypatch.setattr(discovery, "discover", discover)
+    monkeypatch.setattr(discovery, "live_facts", live_facts)

@@ -19,7 +19,9 @@ import daemon_fakes as F
 from moetune.tuner.fabric_model.calibration import rows_to_points
 from moetune.tuner.fabric_model.predict import load_preset
 
-pytestmark = pytest.mark.timeout(240)
+# their bring-ups inject the timings of a GPU node's capture: run as ON that node (conftest), the only place a
+# measurement may be stored under its key
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("on_captured_node")]
 CAPTURES = Path(__file__).resolve().parent / "captures"
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "bench/results/2026-11-30_h200x2_proxy_probe.jsonl"

@@ -21,7 +21,9 @@ from moetune.runtime.knobs import Knobs
 from moetune.tuner.search.backends import TuneWorkload
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
-pytestmark = pytest.mark.timeout(240)
+# their bring-ups inject the timings of a GPU node's capture: run as ON that node (conftest), the only place a
+# measurement may be stored under its key
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("on_captured_node")]
 CAPTURES = Path(__file__).resolve().parent / "captures"
 
 # a stand-in for `moetune bench ep --json`: times grow with the world it was launched with (so rows can be told apart)

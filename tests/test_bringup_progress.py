@@ -17,7 +17,9 @@ import daemon_fakes as F
 from moetune.runtime.knobs import Knobs
 from moetune.tuner.search.backends import TuneWorkload
 
-pytestmark = pytest.mark.timeout(240)
+# their bring-ups inject the timings of a GPU node's capture: run as ON that node (conftest), the only place a
+# measurement may be stored under its key
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("on_captured_node")]
 CAPTURES = Path(__file__).resolve().parent / "captures"
 
 

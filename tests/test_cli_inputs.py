@@ -249,6 +249,7 @@ def _local_tune(tmp_path: Path, tokens: str, *extra: str):
                               env={"MOETUNE_HOME": str(tmp_path)})
 
 
+@pytest.mark.usefixtures("on_captured_node")  # a local tune of a capture measures only on its node
 def test_tune_without_a_successful_trial_exits_1_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_local(monkeypatch, fail_from=1)
     r = _local_tune(tmp_path, "128", "--json")
@@ -261,6 +262,7 @@ def test_tune_without_a_successful_trial_exits_1_with_the_reason(tmp_path: Path,
     assert r.exit_code == 1 and "no study had a successful trial" in r.stderr, r.output
 
 
+@pytest.mark.usefixtures("on_captured_node")  # a local tune of a capture measures only on its node
 def test_tune_partly_successful_exits_0_and_names_what_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_local(monkeypatch, fail_from=1024)
     r = _local_tune(tmp_path, "128,1024", "--json")
@@ -270,6 +272,7 @@ def test_tune_partly_successful_exits_0_and_names_what_failed(tmp_path: Path, mo
     assert "S=1024: no successful trial" in r.stderr and "S=128" not in r.stderr
 
 
+@pytest.mark.usefixtures("on_captured_node")  # a local tune of a capture measures only on its node
 def test_a_local_tune_on_the_live_node_records_its_facts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A profile measured here was never served by the read-only fallback: the tune left only a placeholder
     fingerprint (no facts), so `query` said this node's identity was unknown. A capture's facts are not recorded

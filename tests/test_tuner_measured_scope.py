@@ -102,6 +102,7 @@ def test_library_refuses_gloo_on_a_gpu_node(tmp_path: Path) -> None:
     assert store.list_profiles() == [] and not (tmp_path / "opt.db").exists()
 
 
+@pytest.mark.usefixtures("on_captured_node")  # as on the captured node: its own refusals, not "another node"
 def test_cli_refuses_gloo_on_a_gpu_capture_before_any_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _fake_local(monkeypatch)
     r = CliRunner().invoke(app, ["tune", "--backend", "local", "--comm", "gloo", "-m", "custom:256,128,16,2", "-t", "64",
@@ -136,6 +137,7 @@ def _tune(tmp_path: Path, *extra: str) -> Any:
 @pytest.mark.parametrize("args", [["--world", "2", "--ep-size", "8", "--nodes", "2"],
                                   ["--world", "2", "--ep-size", "8"],
                                   ["--world", "2", "--nodes", "2"]])
+@pytest.mark.usefixtures("on_captured_node")  # as on the captured node: its own refusals, not "another node"
 def test_cli_refuses_an_unmeasured_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:
     seen = _fake_local(monkeypatch)
     r = _tune(tmp_path, *args)
@@ -147,6 +149,7 @@ def test_cli_refuses_an_unmeasured_group(tmp_path: Path, monkeypatch: pytest.Mon
         assert _store(tmp_path / "p.db").list_profiles() == []
 
 
+@pytest.mark.usefixtures("on_captured_node")  # as on the captured node: its own refusals, not "another node"
 def test_cli_ep_size_alone_launches_that_many_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _fake_local(monkeypatch)
     r = _tune(tmp_path, "--ep-size", "4", "--json")

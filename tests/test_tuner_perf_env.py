@@ -142,6 +142,7 @@ def test_the_daemons_local_re_tune_records_the_daemons_environment(tmp_path: Pat
     assert stored.tuned_perf_env["NCCL_IB_HCA"] == "mlx5_0" and "NCCL_DEBUG" not in stored.tuned_perf_env
 
 
+@pytest.mark.usefixtures("on_captured_node")  # the bring-up measures only as on its capture's node
 def test_the_bring_up_records_its_environment_with_every_profile_it_stores(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """`moetune profile`: the search's records and the side-by-side re-measurement that replaces them (compare)."""

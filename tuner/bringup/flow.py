@@ -139,11 +139,14 @@ class Plan:
 class BringupState:
     """Completed stages and their results (and a stage's finished parts), persisted atomically after each."""
 
-    def __init__(self, path: Path, fingerprint: str, plan: Plan):
+    def __init__(self, path: Path, fingerprint: str, plan: Plan, *, persist: bool = True):
         self.path = path
         self.data: dict[str, Any] = {"fingerprint": fingerprint, "plan": asdict(plan), "done": {}}
         self.dropped = ""  # why the stages an earlier run finished here are not resumed ("" when none were)
-        if path.exists():
+        # persist=False (a capture of another node, nothing measured): neither resumed nor saved, so its skipped
+        # stages are never taken as done by a later bring-up on the node itself
+        self.persist = persist
+        if persist and path.exists():
             try:
                 old = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError):
@@ -170,6 +173,8 @@ class BringupState:
         return self.data["done"].get(stage)
 
     def save(self) -> None:
+        if not self.persist:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json.dumps(self.data, indent=1))
 
@@ -301,14 +306,20 @@ class Bringup:
     def __init__(self, *, store: Any, plan: Plan, state_dir: Path, console: Any, capture: Path | None = None,
                  report_dir: Path | None = None, storage: str | None = None, progress: Progress | None = None,
                  mk_measure: Any = None):
-        from moetune.tuner.fabric.discovery import discover
+        from moetune.tuner.fabric.discovery import capture_not_this_node, discover
         from moetune.tuner.fabric.families import megakernel_family
 
         self.store, self.plan, self.console, self.storage = store, plan, console, storage
         self.progress: Progress = progress or NoProgress()  # drawn by the CLI (rich stays in tuner/cli/)
         self.facts = discover(capture)
         self.capture = capture
-        self.state = BringupState(state_dir / f"bringup-{self.facts.fingerprint}.json", self.facts.fingerprint, plan)
+        # A number measured here is stored only under this node's key: a capture of another node (other fingerprint
+        # or software) runs no measurement, so nothing measured here is stored as that node's. The rest (its facts,
+        # transports, plan and report) still shows what a bring-up would do there (tests, support).
+        self.not_here = capture_not_this_node(self.facts, capture) if capture is not None else ""
+        self.measures = not self.not_here
+        self.state = BringupState(state_dir / f"bringup-{self.facts.fingerprint}.json", self.facts.fingerprint, plan,
+                                  persist=self.measures)
         self.report_dir = report_dir or state_dir / "report"
         gpus = self.facts.gpu_count
         self.comm_backend = "nccl" if gpus >= 2 else "gloo"
@@ -319,6 +330,18 @@ class Bringup:
         self.mk_ok, self.mk_why = megakernel_family(self.facts)
         self.mk_measure = mk_measure  # tests inject the megakernel's timing (LocalBackend.mk_measure)
 
+    @property
+    def not_measured(self) -> str:
+        """Why this run measures nothing ('' when it measures): what the output and the report say."""
+        if not self.not_here:
+            return ""
+        return (f"nothing measured: {self.not_here}; a number measured on this machine is never stored under "
+                "another node's fingerprint (run `moetune profile` on that node)")
+
+    def _skip(self, stage: str) -> None:  # the full reason is said once before the stages and in the report
+        self.console.print(f"[yellow]{stage} skipped: the capture describes another node, so nothing is measured "
+                           "here[/]")
+
     # -- stages ------------------------------------------------------------------------------------
     def stage_discover(self) -> dict:
         self.store.upsert_fingerprint(self.facts.fingerprint, self.facts.to_dict())
@@ -328,6 +351,9 @@ class Bringup:
         from moetune.tuner.measure import micro as microbench
 
         rows: list[dict] = []
+        if not self.measures:
+            self._skip("microbenchmarks")
+            return rows
         sizes = self.plan.microbench_sizes or (microbench.QUICK_SIZES if self.plan.trials <= 8 else microbench.DEFAULT_SIZES)
         applicable = [(b, why) for b, ok, why in microbench.plan(self.facts.transport_names, self.facts.gpu_count,
                                                                   self.plan.models[0]) if ok]
@@ -381,6 +407,9 @@ class Bringup:
 
         rows = [r["extra"] for r in self.state.result("microbench") or [] if (r.get("extra") or {}).get("probe")]
         base = base_preset_for(self.facts)
+        if not self.measures:  # no measurement of that node to fit: no node model (it would be labelled its own)
+            self._skip("calibration")
+            return {"base": base, "skipped": "nothing measured: the capture describes another node than this one"}
         if self.facts.gpu_count == 1:
             # The model describes EP exchanges between GPUs; one GPU has none. Its only rows (an all-to-all of gloo
             # processes on the host) fitted to a GPU preset gave a model of nothing this node runs, accepted or
@@ -439,6 +468,9 @@ class Bringup:
     def stage_tune(self) -> list[dict]:
         from moetune.tuner.search.tune import tune_profiles_detailed
 
+        if not self.measures:  # the EP groups and the megakernel alike: every trial would run on this machine
+            self._skip("tuning")
+            return []
         models = [get_model(m) for m in self.plan.models]
         res = []
         tag = self.state.study_tag  # after --restart: new studies, the finished ones are not resumed
@@ -603,6 +635,8 @@ class Bringup:
                           tuned=list(self.state.result("compare") or []),  # every bucket, a failed run too
                           importances=self._importances(),
                           transports=[(t.name, t.reason) for t in self.facts.transports])
+        if self.not_measured:
+            data.notes.append(self.not_measured)
         cal = self.state.result("calibrate") or {}
         if "mean_abs_rel_err" in cal:
             data.notes.append(f"node fabric model calibrated from {cal['base']} on {cal['points']} measured points: "
@@ -633,6 +667,8 @@ class Bringup:
         return str(write_report(data, self.report_dir))
 
     def _importances(self) -> dict[str, dict[str, float]]:
+        if not self.measures:  # no study ran (a capture of another node)
+            return {}
         try:
             import optuna
 

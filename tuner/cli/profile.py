@@ -102,7 +102,7 @@ def profile(
     trials: int | None = typer.Option(None, "--trials", help="Trials per (family, model, bucket) study (default: 16, with --quick 4)."),
     db: Path | None = typer.Option(None, "--db", help="Profile database (default: configured / $MOETUNE_HOME)."),
     config: Path | None = typer.Option(None, "--config", help="Extra config file."),
-    capture: Path | None = typer.Option(None, "--capture", help="Describe the node from a capture instead of the live node (tests, support)."),
+    capture: Path | None = typer.Option(None, "--capture", help="Describe the node from a capture instead of the live node (tests, support). A capture of another node (its fingerprint or software not this node's) is not measured: its discovery, plan and report only."),
     report_dir: Path | None = typer.Option(None, "--report-dir", help="Where the report goes (default: beside the database)."),
     restart: bool = typer.Option(False, "--restart", help="Forget earlier progress of this plan on this node and start over: every stage runs again and tuning starts new studies (earlier studies and stored profiles are kept)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
@@ -177,6 +177,8 @@ def profile(
     console.print(f"node [bold]{flow.facts.gpu_count} GPU(s)[/] {flow.facts.gpu_model or ''} · fingerprint "
                   f"{flow.facts.fingerprint} · transports {', '.join(flow.facts.transport_names)} · db {store.path}")
     console.print(flow.ep_note, markup=False)
+    if flow.not_measured:  # said before the stages run, and again in the report
+        console.print(f"[yellow]{escape(flow.not_measured)}[/]")
     try:
         try:
             with sigterm_interrupts():
@@ -194,6 +196,7 @@ def profile(
     if as_json:
         typer.echo(json.dumps({"fingerprint": flow.facts.fingerprint, "db": str(store.path), "ep_sizes": flow.ep_sizes,
                                "ep_note": flow.ep_note, "profiles": rows,
+                               "not_measured": flow.not_measured or None,
                                "calibration": done.get("calibrate"), "report": done.get("report")}, indent=1))
         return
     cells = []
@@ -214,8 +217,9 @@ def profile(
     cols = (Col("model", "word"), Col("EP", "num"), Col("S", "num"), Col("family", "word"),
             Col("default µs", "num"), Col("tuned µs", "num"), Col("speedup", "num", drop=2),
             Col("stored", "word"), Col("changed knobs", "word", drop=1))
-    print_table(console, cols, cells, title="tuned profiles (measured side by side with the policy default)",
-                left_out_hint="the report lists them")
+    if cells or not flow.not_measured:  # an empty table says nothing: the line below says why nothing was tuned
+        print_table(console, cols, cells, title="tuned profiles (measured side by side with the policy default)",
+                    left_out_hint="the report lists them")
     for line in kept_lines(rows):
         console.print(line, markup=False)
     console.print(flow.ep_note, markup=False)
@@ -223,6 +227,8 @@ def profile(
     if "mean_abs_rel_err" in cal:
         console.print(f"node fabric model: {cal['preset_file']} (fit error mean {100 * cal['mean_abs_rel_err']:.1f}%, "
                       f"max {100 * cal['max_abs_rel_err']:.1f}%)")
+    if flow.not_measured:
+        console.print(f"[yellow]{escape(flow.not_measured)}[/]")
     console.print(f"report: {done.get('report')}")
 
 
@@ -245,7 +251,8 @@ def _no_cuda_for_nccl(flow: object, capture: Path | None) -> str:
     --capture of another node). The ranks started and every measurement failed in init, minutes of them."""
     from moetune.tuner.search.backends import cuda_gpus
 
-    if getattr(flow, "comm_backend", "") != "nccl" or not getattr(flow, "tune_ep", False):
+    if (getattr(flow, "comm_backend", "") != "nccl" or not getattr(flow, "tune_ep", False)
+            or not getattr(flow, "measures", True)):  # a capture of another node: nothing is launched
         return ""
     need, found = max(flow.ep_sizes), cuda_gpus()  # type: ignore[attr-defined]
     if found >= need:

@@ -371,6 +371,15 @@ def tune(
                 _fail(str(e))
             # a capture's error names its path (or a file in it): the option once, the path once
             _fail(f"{CAPTURE_OPT} {e}" if str(e).startswith(str(capture)) else f"{CAPTURE_OPT} {capture}: {e}")
+    if backend == "local" and capture is not None:
+        from moetune.tuner.fabric.discovery import capture_not_this_node
+
+        # the trials run HERE: their numbers may only be stored under this node's key, never the capture's
+        other = capture_not_this_node(facts, capture)
+        if other:  # before any database is created
+            _fail(f"--backend local measures on this node, but {other}: a measurement made here is never stored "
+                  "under another node's fingerprint. Run the tune on that node, leave out "
+                  f"{CAPTURE_OPT} to tune this one, or predict that node with --backend model (stored as MODELLED)")
     if backend == "local":
         gpus = facts.gpu_count
         # the ranks launched on this node: --world, else the EP size asked (what is measured is what is stored)

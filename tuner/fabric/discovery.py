@@ -1259,3 +1259,30 @@ def discover(capture: Path | str | None = None, *, timeout_s: float = 1.5) -> Fa
         return discover_from(src)
     finally:
         src.close()
+
+
+def live_facts(timeout_s: float = 1.5) -> FabricFacts:
+    """The live node's facts: what `capture_not_this_node` compares a capture with. Its own name so that a test
+    can simulate being on a captured node (monkeypatch this) without touching how the capture itself is read."""
+    return discover(None, timeout_s=timeout_s)
+
+
+def capture_not_this_node(facts: FabricFacts, capture: Path | str) -> str:
+    """'' when `facts` (read from `capture`) describe THIS node, else why not, naming both identities.
+
+    A number measured here may only be stored under this node's key: a measurement run with --capture is allowed
+    only when the capture's fingerprint and software hash are those of live discovery. A failed live discovery
+    cannot confirm it, so it counts as another node."""
+    try:
+        live = live_facts()
+    except (DiscoveryError, OSError) as e:
+        return f"the capture {capture} cannot be checked against this node: live discovery failed ({e})"
+    if live.fingerprint == facts.fingerprint and live.software_hash == facts.software_hash:
+        return ""
+    from moetune.tuner.fabric.fingerprint import diff_facts
+
+    what = diff_facts(live.to_dict(), facts.to_dict())
+    shown = "; ".join(what[:4]) + (f"; and {len(what) - 4} more" if len(what) > 4 else "")
+    return (f"the capture {capture} describes another node than this one (the capture: fingerprint "
+            f"{facts.fingerprint}, software {facts.software_hash}; this node: fingerprint {live.fingerprint}, "
+            f"software {live.software_hash}" + (f"; from this node to the capture: {shown}" if shown else "") + ")")
