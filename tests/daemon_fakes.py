@@ -123,14 +123,18 @@ def facts_after_port_change(capture: Path, state: str = "1: DOWN") -> Any:
 def write_node_model(directory: Path, fingerprint: str, base: str = "nvlink-h200x2") -> Path:
     """Stand in for `moetune profile`'s calibration: node-<fingerprint>.toml beside the database (a
     shipped preset's numbers; what matters here is that the daemon reads this node's file)."""
+    from dataclasses import replace
+
     from moetune.tuner.fabric_model.presets import load_preset
 
     path = directory / f"node-{fingerprint}.toml"
-    path.write_text(load_preset(base).to_toml())
+    # as the bring-up's calibrate stage writes it: the node it was calibrated on recorded
+    preset = load_preset(base)
+    path.write_text(replace(preset, calibration={**preset.calibration, "fingerprint": fingerprint}).to_toml())
     return path
 
 
-def write_forced_preset(path: Path, base: str = "nvlink-h200x2") -> Path:
+def write_forced_preset(path: Path, base: str = "nvlink-h200x2", fingerprint: str | None = None) -> Path:
     """What `moetune model calibrate --force --out PATH` leaves: a fit the calibration checks refused, written with
     its [calibration] warning (calibrated_preset on a report with a problem; `base`'s numbers)."""
     from moetune.tuner.fabric_model.calibration import calibrated_preset
@@ -145,7 +149,8 @@ def write_forced_preset(path: Path, base: str = "nvlink-h200x2") -> Path:
         def summary(self) -> dict[str, Any]:
             return {"points": 1, "mean_abs_rel_err": 0.0, "max_abs_rel_err": 0.0}
 
-    path.write_text(calibrated_preset(Report(load_preset(base)), ["one-row.csv"], "2026-12-04").to_toml())  # type: ignore[arg-type]
+    path.write_text(calibrated_preset(Report(load_preset(base)), ["one-row.csv"], "2026-12-04",  # type: ignore[arg-type]
+                                      fingerprint=fingerprint).to_toml())
     return path
 
 

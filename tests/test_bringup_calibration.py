@@ -123,6 +123,7 @@ def test_an_accepted_fit_is_written_as_the_node_model(tmp_path: Path) -> None:
     assert [str(p) for p in _node_models(b)] == [res["preset_file"]]
     node = load_preset(res["preset_file"])
     assert "warning" not in node.calibration and node.calibration["points"] == 6
+    assert node.calibration["fingerprint"] == b.facts.fingerprint  # the node measured: only there a node model
     assert res["max_abs_rel_err"] <= 0.05
     # parameters 3 rows per fabric cannot separate keep the base preset's values and sources
     assert "collective.sync_us" in res["kept"]

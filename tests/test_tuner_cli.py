@@ -62,6 +62,9 @@ class FakePreset:
     gpus_per_node: int = 4
     transports: tuple = ("proxy",)
     params: dict = field(default_factory=dict)
+    # calibrated on the node of test_node_model_keys_profiles_to_this_node (only such a preset is a node model)
+    calibration: dict = field(default_factory=lambda: {"fingerprint": "n" * 64})
+    path: str = "calibrated.toml"
 
 
 def _objective(k: Knobs, wl: TuneWorkload) -> float:
@@ -249,9 +252,18 @@ def test_tune_on_a_forced_model_says_so_loudly(tmp_path: Path, node_model: bool)
     stored as this node's like any calibrated model's), and the JSON rows carry its warning. Shipped presets and
     accepted calibrations print nothing of the kind."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from dataclasses import replace
+
     import daemon_fakes as F
 
-    preset = F.write_forced_preset(tmp_path / "forced.toml")
+    from moetune.tuner.fabric.discovery import discover
+
+    def discover_fp(capture: Path) -> str:
+        return discover(capture).fingerprint
+
+    # a forced fit calibrated on the node --node-model names (dgx-h100's capture): taken as its model, loudly
+    preset = F.write_forced_preset(tmp_path / "forced.toml",
+                                   fingerprint=discover(Path(__file__).parent / "captures" / "dgx-h100").fingerprint)
     args = ["tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--trials", "3",
             "--db", str(tmp_path / "m.db"), "--storage", f"sqlite:///{tmp_path / 'st.db'}", "--json"]
     if node_model:
@@ -269,7 +281,9 @@ def test_tune_on_a_forced_model_says_so_loudly(tmp_path: Path, node_model: bool)
     accepted = tmp_path / "accepted.toml"  # the same model, its fit accepted: tuned on as before, quietly
     from moetune.tuner.fabric_model.predict import load_preset
 
-    accepted.write_text(load_preset("nvlink-h200x2").to_toml())
+    shipped = load_preset("nvlink-h200x2")  # as calibrated on the node --node-model names (else refused there)
+    accepted.write_text(shipped.to_toml() if not node_model else replace(
+        shipped, calibration={**shipped.calibration, "fingerprint": discover_fp(tmp_path / "capture")}).to_toml())
     r = _run(*args, "--preset", str(accepted))
     assert r.exit_code == 0, r.output
     assert "FORCED" not in r.stderr and all(row["forced_model"] is None for row in json.loads(r.stdout))

@@ -440,7 +440,9 @@ class Bringup:
                 out["earlier_node_model"] = str(path)
             return out
         today = dt.date.today().isoformat()
-        preset = calibrated_preset(rep, [f"moetune profile on {self.facts.fingerprint}"], today)
+        # measured here (a capture of another node measures nothing): the node model of this fingerprint
+        preset = calibrated_preset(rep, [f"moetune profile on {self.facts.fingerprint}"], today,
+                                   fingerprint=self.facts.fingerprint)
         names = set(self.facts.transport_names)
         if preset.family not in names and "collective" in names and "collective" in preset.transports:
             # a node without GPUs measured its collective (gloo): that is the family its model describes and a

@@ -579,6 +579,10 @@ def calibrate_cmd(
     # its own option: replacing an old file must not also mean "write a fit the checks refused"
     replace: bool = typer.Option(False, "--replace", help="Replace an existing --out file (never a --data file; the "
                                  "--preset file itself may be rewritten without it)."),
+    this_node: bool = typer.Option(False, "--this-node", help="The --data were measured on THIS node: --out records its "
+                                   "fingerprint (live discovery), so `moetune tune --node-model` accepts the file as "
+                                   "this node's model here, and nowhere else. Without it no node is recorded and "
+                                   "--node-model refuses the file."),
 ) -> None:
     # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
     """Fit preset parameters to measurements and report the fit error per point and overall.
@@ -592,6 +596,16 @@ def calibrate_cmd(
         _check_calibrate_out(out, data, preset, replace)
     if nic_line_rate is not None and not (math.isfinite(nic_line_rate) and nic_line_rate > 0):
         _fail(f"--nic-line-rate must be a positive number of Gb/s, got {nic_line_rate!r}")
+    node_fp = None
+    if this_node:
+        if out is None:
+            _fail("--this-node records the node in the --out file: give --out FILE")
+        from moetune.tuner.fabric.discovery import DiscoveryError, live_facts
+
+        try:  # the node the file will be this node's model of (only it: another fingerprint is refused there)
+            node_fp = live_facts().fingerprint
+        except (DiscoveryError, OSError) as e:
+            _fail(f"--this-node: live discovery failed, so the node cannot be recorded: {e}")
     located: list[tuple[str, dict]] = []
     try:
         located = read_located(data)
@@ -610,14 +624,15 @@ def calibrate_cmd(
     if written:
         assert out is not None
         today = _dt.date.today().isoformat()
-        cal = calibrated_preset(rep, [d.name for d in data], today)
+        cal = calibrated_preset(rep, [d.name for d in data], today, fingerprint=node_fp)
         try:
             out.write_text(cal.to_toml())
         except OSError as e:
             _fail(f"--out {out}: cannot write the calibrated preset ({e.strerror or e})")
     if as_json:
         # to_dict gives null for a non-finite number: JSON has no NaN, and a reader must not fail on it
-        typer.echo(json.dumps({"label": LABEL, **rep.to_dict(), "out": str(out) if written else None}, allow_nan=False))
+        typer.echo(json.dumps({"label": LABEL, **rep.to_dict(), "out": str(out) if written else None,
+                               "fingerprint": node_fp if written else None}, allow_nan=False))
         if refused:
             raise typer.Exit(1)
         return
@@ -649,6 +664,9 @@ def calibrate_cmd(
             _console.print(f"[yellow]--force: written although the fit was refused; the file's {_e('[calibration]')} "
                            "warning says why[/yellow]")
         _console.print(f"calibrated preset written to {_e(out)}", soft_wrap=True)  # a path stays whole
+        _console.print(f"calibrated on node {node_fp}: `moetune tune --node-model` takes it as that node's model"
+                       if node_fp else "no node recorded (--this-node not given): `moetune tune --node-model` "
+                       "refuses it; it is usable as a preset", soft_wrap=True)
     elif refused and out is not None:
         why = ("its error is not a finite number; --force does not write it" if unmeasured
                else "the fit is refused; --force writes it with the warning")

@@ -349,8 +349,6 @@ def tune(
     if storage:
         _refuse_memory(storage, "the studies would be lost when moetune exits: nothing could resume or show them")
     forced = _model_preset_warning(preset) if backend == "model" else ""
-    if forced:
-        err.print(_forced_note(preset, forced, node_model))
 
     _quiet_optuna()
     logging.getLogger("moetune").setLevel(logging.WARNING)
@@ -380,6 +378,16 @@ def tune(
             _fail(f"--backend local measures on this node, but {other}: a measurement made here is never stored "
                   "under another node's fingerprint. Run the tune on that node, leave out "
                   f"{CAPTURE_OPT} to tune this one, or predict that node with --backend model (stored as MODELLED)")
+    if backend == "model" and node_model and preset is not None and facts is not None:
+        from moetune.tuner.fabric_model.predict import load_preset
+        from moetune.tuner.fabric_model.presets import node_model_refusal
+
+        # labelled node_model (outranking presets everywhere) only when calibrated on this very fingerprint
+        why = node_model_refusal(load_preset(preset), facts.fingerprint)
+        if why:  # before any database is created
+            _fail(f"--node-model: {why}")
+    if forced:  # said once the preset is accepted for this use (a refused --node-model says only why)
+        err.print(_forced_note(preset, forced, node_model))
     if backend == "local":
         gpus = facts.gpu_count
         # the ranks launched on this node: --world, else the EP size asked (what is measured is what is stored)

@@ -201,6 +201,14 @@ def _backend_for(ctx: JobContext) -> tuple[Any, str | None]:
             f"refused ([calibration] warning: {warning}); re-run `moetune profile` on this node, "
             "or `moetune model calibrate` without --force, or set [tune] backend = \"local\" to measure. "
             "Still serving the profiles that remain valid.")
+    from moetune.tuner.fabric_model.presets import node_model_refusal
+
+    # the file's name is no proof: a file copied from another node, or written before presets recorded their node,
+    # would have its predictions stored as THIS node's model (node_model, outranking every preset)
+    why = node_model_refusal(preset, facts.fingerprint)
+    if why:
+        raise RetuneImpossible(f"cannot re-tune fabric {facts.fingerprint} with the calibrated model {path}: {why}. "
+                               "Still serving the profiles that remain valid.")
     return ModelBackend(preset), str(path)
 
 

@@ -676,9 +676,11 @@ def kept_source(old: str, data_names: list[str], date: str) -> str:
             f"it; its value's source before: {old}")
 
 
-def calibrated_preset(report: FitReport, data_names: list[str], date: str) -> Preset:
+def calibrated_preset(report: FitReport, data_names: list[str], date: str, *, fingerprint: str | None = None) -> Preset:
     """The fitted preset with its sources pointing at the data and the fit error recorded (and, for a fit
-    with problems, the warning: callers write such a fit only when told to)."""
+    with problems, the warning: callers write such a fit only when told to). `fingerprint`: the node whose
+    measurements were fitted; only a preset recording it may stand as that node's model (`--node-model`, the
+    daemon's model re-tune). None: not known (recorded as nothing, never as a guess)."""
     s = report.summary()
     src = f"calibrated: fitted by `moetune model calibrate` on {', '.join(data_names)} ({date})"
     changes = {k: report.params_after[k] for k in report.fitted}
@@ -690,6 +692,8 @@ def calibrated_preset(report: FitReport, data_names: list[str], date: str) -> Pr
         "mean_abs_rel_err": round(s["mean_abs_rel_err"], 4),
         "max_abs_rel_err": round(s["max_abs_rel_err"], 4),
     }
+    if fingerprint:
+        calib["fingerprint"] = fingerprint
     if report.kept:
         calib["kept"] = sorted(report.kept)  # not constrained by the data: the preset's sourced values
     if report.problems:

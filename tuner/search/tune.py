@@ -268,6 +268,12 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
         if node_model and facts is not None:
             # A calibrated model of THIS node: profiles carry the node's key and say they are its model
             # (the label decides their provenance, node_model, not a preset's); only its family is tuned.
+            # Only a preset calibrated on this fingerprint may be labelled so (node_model outranks preset).
+            from moetune.tuner.fabric_model.presets import node_model_refusal
+
+            why = node_model_refusal(be.preset, facts.fingerprint)
+            if why:
+                raise ValueError(f"--node-model: {why}")
             be.name = f"model:node:{facts.fingerprint}"
             fam = preset_family(be.preset)
             if families is None:

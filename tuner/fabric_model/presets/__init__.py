@@ -252,6 +252,10 @@ def _parse(data: dict[str, Any], path: str | None) -> Preset:
         raise PresetError(f"{where}: [sources] must be a table of parameter = \"source text\"")
     if not isinstance(data.get("calibration", {}), dict):
         raise PresetError(f"{where}: calibration must be a table")
+    fp = data.get("calibration", {}).get("fingerprint")
+    if fp is not None and not (isinstance(fp, str) and fp.strip()):
+        raise PresetError(f"{where}: calibration.fingerprint (the node it was calibrated on) must be a fingerprint "
+                          f"string, got {fp!r}")
     params: dict[str, dict[str, Any]] = {}
     for section in (*REQUIRED, *OPTIONAL):
         if section not in data:
@@ -304,3 +308,32 @@ def _parse(data: dict[str, Any], path: str | None) -> Preset:
         description=str(data.get("description", "")), params=params, sources=dict(sources), path=path,
         calibration=dict(data.get("calibration", {})), max_nodes=max_nodes,
     )
+
+
+RECALIBRATE = ("recalibrate on that node: `moetune profile --restart` (its calibrate stage writes node-<fingerprint>.toml "
+               "beside the database), or `moetune model calibrate --this-node --data ... --out FILE` there with "
+               "measurements taken there")
+
+
+def node_model_refusal(preset: Any, fingerprint: str) -> str:
+    """'' when `preset` is a calibrated model of the node `fingerprint` (its [calibration] records that fingerprint),
+    else why it may not stand as that node's model. Profiles from a node model are labelled node_model, which
+    outranks a preset's in every pick: the user's word (--node-model, a file's name) is not enough."""
+    calib = getattr(preset, "calibration", None)
+    recorded = calib.get("fingerprint") if isinstance(calib, Mapping) else None
+    if recorded == fingerprint:
+        return ""
+    path = getattr(preset, "path", None)
+    what = f"preset file {path!r}" if path else f"preset {getattr(preset, 'name', '?')!r}"
+    if not path:
+        return (f"{what} is a shipped preset (a model of the machine it describes), not a model calibrated on this "
+                f"node {fingerprint}; use it without --node-model (its profiles are stored as preset), or "
+                + RECALIBRATE)
+    if not calib:
+        return f"{what} is not a calibrated model (no [calibration] table), so not this node's ({fingerprint}); " + RECALIBRATE
+    if not recorded:
+        return (f"{what} records no fingerprint of the node it was calibrated on (written by an older moetune, or by "
+                f"`moetune model calibrate` without --this-node), so it cannot be taken as this node's ({fingerprint}) "
+                "model; " + RECALIBRATE)
+    return (f"{what} was calibrated on node {recorded}, not on this node {fingerprint} (hardware or software "
+            "differ); " + RECALIBRATE)
