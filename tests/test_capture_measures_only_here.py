@@ -180,3 +180,24 @@ def test_profile_cli_of_another_nodes_capture_says_why_nothing_was_measured(
     assert summary["profiles"] == [] and summary["ep_sizes"] == [8]
     with Store(tmp_path / "p.db", readonly=True) as st:
         assert st.list_profiles() == [] and st.list_measurements() == []
+
+
+def test_a_daemon_serving_a_capture_of_another_node_does_not_measure_for_it(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve --capture` with `[tune] backend = "local"`: the re-tune measured on this machine and stored the numbers
+    under the capture's fingerprint and software. Refused (the job fails saying why); a capture of this node still
+    measures."""
+    from types import SimpleNamespace
+
+    from moetune.tuner.daemon import TuneSettings
+    from moetune.tuner.daemon.jobs import JobContext, RetuneImpossible, _backend_for
+
+    cpu = CAPTURES / "cpu-laptop"
+    _live_is(monkeypatch, cpu)
+    other = discovery.discover(_torch_bumped(tmp_path))
+    job = SimpleNamespace(keys=[], cancel=None, refused=[])
+    ctx = JobContext(store=None, facts=other, job=job, tune=TuneSettings(backend="local"))  # type: ignore[arg-type]
+    with pytest.raises(RetuneImpossible, match=r"describes another node than this one.*torch"):
+        _backend_for(ctx)
+    ctx.facts = discovery.discover(cpu)
+    assert _backend_for(ctx) == ("local", None)

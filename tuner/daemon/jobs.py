@@ -170,12 +170,27 @@ def node_model_file(store: Store, fingerprint: str, directory: str | Path | None
     return base / f"node-{fingerprint}.toml"
 
 
+def _capture_elsewhere(facts: Any) -> str:
+    """'' unless `facts` were read from a capture (`serve --capture`) of another node than this one: why then (a
+    number measured here may be stored only under this node's identity, as `tune --capture` refuses)."""
+    src = str(getattr(facts, "source", ""))
+    if not src.startswith("capture:"):
+        return ""
+    from moetune.tuner.fabric.discovery import capture_not_this_node
+
+    return capture_not_this_node(facts, src.removeprefix("capture:"))
+
+
 def _backend_for(ctx: JobContext) -> tuple[Any, str | None]:
     """(backend, calibrated preset file or None) for this node; RetuneImpossible otherwise. The search labels
     what it writes from these: a local measurement is measured, this node's calibrated model node_model."""
     tune, facts = ctx.tune, ctx.facts
     backend = tune.backend
     if backend == "local":
+        why = _capture_elsewhere(facts)
+        if why:  # what runs here would be stored as the captured node's measurement
+            raise RetuneImpossible(f"cannot re-tune fabric {facts.fingerprint} by measuring here: {why}; a daemon "
+                                   "serving a capture re-tunes with [tune] backend = \"model\" only")
         return "local", None
     if backend != "model":
         raise RetuneImpossible(f"unknown tune.backend {backend!r} (expected one of {', '.join(TUNE_BACKENDS)})")
