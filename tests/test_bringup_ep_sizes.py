@@ -201,3 +201,23 @@ def test_a_node_without_gpus_runs_at_most_one_gloo_rank_per_cpu(monkeypatch: pyt
     assert plan_ep_sizes(Plan(ep_sizes=[2]), 0)[0] == [2]
     with pytest.raises(ValueError, match=r"EP size 4 runs 4 gloo ranks .* on 2 CPUs: at most 2 here"):
         plan_ep_sizes(Plan(ep_sizes=[2, 4]), 0)
+    # `tune --backend local` took the same 4 ranks on 2 CPUs (no trial done in two minutes): refused up front too
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    r = CliRunner().invoke(app, ["tune", "--backend", "local", "--model", "qwen3-30b", "--ep-size", "4", "--tokens",
+                                 "16", "--trials", "1", "--capture", str(CAPTURES / "cpu-laptop"),
+                                 "--db", "/nonexistent/never-created.db"])
+    assert r.exit_code == 2 and "4 gloo ranks (this node has no GPU) on 2 CPUs: at most 2 here" in r.output, r.output
+
+
+def test_a_node_without_gpus_refuses_experts_that_do_not_divide_over_two_up_front() -> None:
+    """`profile --quick --model custom:2048,768,129,8` on a node without GPUs ran discovery, the microbenchmarks and
+    the calibration before the EP size of 2 was found not to divide 129 experts, and its "rerun to continue" resumed
+    into the same error every time."""
+    from moetune.tuner.bringup.flow import Plan, plan_ep_sizes
+
+    with pytest.raises(ValueError, match=r"EP size 2 .* does not divide the experts of custom:2048,768,129,8"):
+        plan_ep_sizes(Plan(models=["custom:2048,768,129,8"]), 0)
+    assert plan_ep_sizes(Plan(models=["custom:2048,768,128,8"]), 0)[0] == [2]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import secrets
 import tomllib
 from collections.abc import Callable
@@ -272,21 +271,26 @@ def plan_ep_sizes(plan: Plan, gpus: int) -> tuple[list[int], str]:
     if gpus == 1:
         return [], (f"EP sizes {asked} of the plan not tuned: " if asked else "no EP size tuned: ") + \
             "EP transports need >= 2 GPUs and this node has 1"
+    from moetune.tuner.search.tune import gloo_ranks_problem  # (Optuna: imported when a plan is checked)
+
     experts = {get_model(m).name: get_model(m).experts for m in plan.models}
     if asked:
         for n in asked:
             if gpus >= 2 and n > gpus:
                 raise ValueError(f"plan: EP size {n} needs {n} GPUs, this node has {gpus} (the bring-up measures on "
                                  "this node only)")
-            cpus = os.cpu_count() or 1
-            if gpus == 0 and n > cpus:  # gloo ranks: one process each, sharing the CPUs (8 on 2 took minutes a trial)
-                raise ValueError(f"plan: EP size {n} runs {n} gloo ranks (this node has no GPU) on {cpus} CPUs: at most "
-                                 f"{cpus} here")
+            why = gloo_ranks_problem(n, gpus)
+            if why:
+                raise ValueError(f"plan: EP size {n} runs {why}")
             bad = [f"{m} ({e} experts)" for m, e in experts.items() if e % n]
             if bad:
                 raise ValueError(f"plan: EP size {n} does not divide the experts of {', '.join(bad)}")
         return asked, f"EP sizes tuned: {', '.join(map(str, asked))} (as the plan lists)"
     if gpus == 0:
+        bad = [f"{m} ({e} experts)" for m, e in experts.items() if e % 2]
+        if bad:  # up front: found after the microbenchmarks and calibration, a rerun "resumed" into the same error
+            raise ValueError(f"EP size 2 (gloo ranks on the CPU: this node has no GPU) does not divide the experts of "
+                             f"{', '.join(bad)}")
         return [2], "EP size tuned: 2 (gloo ranks on the CPU: this node has no GPU)"
     fits = [n for n in range(gpus, 1, -1) if all(e % n == 0 for e in experts.values())]
     if not fits:

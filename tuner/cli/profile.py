@@ -190,7 +190,12 @@ def profile(
         raise typer.Exit(interrupted_exit(e)) from None
     except StoreError as e:  # e.g. another process holds the database: exit 1, as db/tune/profiles do
         _fail(f"{e} (finished stages are kept; rerun to continue)", e.exit_code)
-    except (ValueError, KnobError, RuntimeError, OSError) as e:
+    except OSError as e:
+        # the report folder passed the up-front check but could not be written (root and /proc, a folder removed
+        # meanwhile): name the option, as `report --out` does
+        mine = report_dir is not None and e.filename is not None and str(e.filename).startswith(str(report_dir))
+        _fail(f"{'--report-dir ' if mine else ''}{e} (finished stages are kept; rerun to continue)")
+    except (ValueError, KnobError, RuntimeError) as e:
         _fail(f"{e} (finished stages are kept; rerun to continue)")
     rows = done.get("compare") or []
     if as_json:
@@ -227,6 +232,11 @@ def profile(
     if "mean_abs_rel_err" in cal:
         console.print(f"node fabric model: {cal['preset_file']} (fit error mean {100 * cal['mean_abs_rel_err']:.1f}%, "
                       f"max {100 * cal['max_abs_rel_err']:.1f}%)")
+    elif cal.get("refused"):  # said by the stage when it ran; a resumed run's summary says it too
+        console.print(f"[yellow]node fabric model NOT written (calibration refused): "
+                      f"{escape('; '.join(map(str, cal['refused'])))}[/]")
+    elif cal.get("skipped"):
+        console.print(f"node fabric model not calibrated: {cal['skipped']}", markup=False)
     if flow.not_measured:
         console.print(f"[yellow]{escape(flow.not_measured)}[/]")
     console.print(f"report: {done.get('report')}")

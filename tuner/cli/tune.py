@@ -404,6 +404,11 @@ def tune(
         why = cpu_comm_on_gpus(local_opts["comm_backend"], gpus, family or ["collective"])
         if why:  # refused before any database is created: a CPU number stored as the GPU node's profile
             _fail(f"--comm gloo: {why} ({source} found {gpus} GPU(s))")
+        from moetune.tuner.search.tune import gloo_ranks_problem
+
+        why = gloo_ranks_problem(local_opts["world"], gpus) if local_opts["comm_backend"] == "gloo" else ""
+        if why:  # refused up front, as `profile` refuses such an EP size: a trial would take minutes
+            _fail(f"--world {local_opts['world']}: {why} ({source} found {gpus} GPU(s))")
         no_cuda = cuda_problem(local_opts["comm_backend"], local_opts["world"], comm is not None,
                                f"{source} found {gpus} GPU(s)")
         if no_cuda:  # refused up front, as `moetune bench ep --backend nccl` is

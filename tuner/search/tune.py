@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -226,6 +227,15 @@ def cpu_comm_on_gpus(comm_backend: str, gpu_count: int, families: Sequence[str])
     return (f"the local backend with gloo measures CPU processes, but this node has {gpu_count} GPU(s): the number "
             "would be stored as the GPU node's measured profile and served to its NCCL/GPU jobs as tuned. Measure "
             "the GPUs with NCCL (`--comm nccl`), or tune gloo on a node (or capture) without GPUs")
+
+
+def gloo_ranks_problem(world: int, gpu_count: int, cpus: int | None = None) -> str:
+    """Why `world` gloo ranks (a node without GPUs: one CPU process each) cannot be measured on `cpus` CPUs ('' when
+    they can): more ranks than CPUs share them, and a trial takes minutes (8 ranks on 2 CPUs)."""
+    cpus = cpus or os.cpu_count() or 1
+    if gpu_count > 0 or world <= cpus:
+        return ""
+    return f"{world} gloo ranks (this node has no GPU) on {cpus} CPUs: at most {cpus} here"
 
 
 def tune_profiles(store: Any, facts: TuneFacts | None, **options: Any) -> list[ProfileRecord]:
