@@ -127,3 +127,22 @@ def test_db_check_on_a_current_database_still_reports_ok(tmp_path: Path) -> None
     r = run("db", "check", "--db", str(db))
     assert r.exit_code == 0, r.output
     assert ": ok" in r.stdout
+
+
+def test_the_runtimes_database_fallback_refuses_a_newer_database(tmp_path: Path) -> None:
+    """`moetune query` (the runtime's read-only fallback) read and applied profiles from a database every other
+    command refuses as a newer moetune's; the runtime's list of schema revisions is the migrations' own."""
+    from moetune.runtime.profiles import client
+    from moetune.tuner.store._schema import known_revisions
+
+    assert client.KNOWN_SCHEMA_REVISIONS == known_revisions()
+    db = tmp_path / "ok.db"
+    Store(db).close()
+    assert client.newer_schema_problem(db) == ""
+    db = newer_db(tmp_path)
+    assert "schema revision 0099, written by a newer moetune" in client.newer_schema_problem(db)
+    with pytest.raises(sqlite3.OperationalError, match="written by a newer moetune"):
+        client.query_db_profiles(db, ep_size=2, nodes=1, hidden=2048, intermediate=768, experts=128, topk=8,
+                                 dtype="bfloat16")
+    r = run("query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "128", "--db", str(db))
+    assert "written by a newer moetune" in " ".join(r.output.split()), r.output

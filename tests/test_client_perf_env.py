@@ -295,3 +295,13 @@ def test_query_says_how_the_tuned_environment_compares_and_exports_none_of_it(
     assert r.exit_code == 0, r.output
     assert "# moetune:   NCCL_ALGO: tuned with Ring, job has Tree" in r.stdout
     assert "export NCCL_ALGO" not in r.stdout and "export NCCL_P2P_DISABLE" not in r.stdout
+
+
+def test_a_database_whose_buckets_are_all_too_far_says_so(node_db, tmp_path: Path) -> None:
+    """The fallback said "no profile measured on this node for this shape/EP size/nodes" where the shape's profiles
+    were stored, only at buckets more than one step from the request's."""
+    db = node_db([measured(qkey(bucket=1024), TUNED)])
+    res, fell, _ = resolve(db_client(tmp_path, db, {}))  # 100 tokens: bucket 128, three steps from 1024
+    assert not res.tuned and len(fell) == 1
+    assert "has profiles at token buckets 1024, none within one step of the bucket of 100 tokens" in fell[0], fell[0]
+    assert "no profile measured on this node" not in fell[0]

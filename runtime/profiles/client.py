@@ -287,6 +287,29 @@ def db_read(db_path: str | Path, sql: str, args: list[Any] | tuple[Any, ...] = (
                                        f"{shlex.quote(str(path))}` makes one, `moetune profile` fills it") from None
 
 
+# The store's schema revisions whose `profiles` table this runtime reads (migrations/versions; a test holds the two
+# equal): a database at another revision was written by a newer moetune, refused as every `moetune` command refuses
+# it (its columns may mean what this runtime does not know)
+KNOWN_SCHEMA_REVISIONS = frozenset({"0001", "0002", "0003", "0004", "0005", "0006"})
+_VERSION_TABLE = "moetune_alembic_version"
+
+
+def newer_schema_problem(db_path: str | Path, timeout_s: float = 0.05) -> str:
+    """Why the database at `db_path` is not one this runtime may read ('' when it may): its schema revision is
+    unknown here. A database without the version table (from before the migrations) is read as before."""
+    try:
+        rows = db_read(db_path, f"SELECT version_num FROM {_VERSION_TABLE}", (), timeout_s)
+    except sqlite3.OperationalError as e:
+        if _VERSION_TABLE in str(e):  # no version table
+            return ""
+        raise
+    revs = sorted({str(r[0]) for r in rows} - KNOWN_SCHEMA_REVISIONS)
+    if not revs:
+        return ""
+    return (f"schema revision {revs[0][:40]}, written by a newer moetune (this one reads up to "
+            f"{max(KNOWN_SCHEMA_REVISIONS)}): not read; upgrade moetune on this node")
+
+
 def query_db_profiles(
     db_path: str | Path,
     *,
@@ -308,6 +331,9 @@ def query_db_profiles(
     perf_env the column's (migration 0006; NULL or no column: not recorded), a row whose perf_env is not one the
     tuner records (`perf_env_problem`) is skipped.
     """
+    newer = newer_schema_problem(db_path, timeout_s)
+    if newer:
+        raise sqlite3.OperationalError(newer)
     where = (" FROM profiles WHERE status = 'current' AND ep_size = ? AND nodes = ? "
              "AND hidden = ? AND intermediate = ? AND experts = ? AND topk = ? AND dtype = ?")
     args: list[Any] = [ep_size, nodes, hidden, intermediate, experts, topk, dtype]
@@ -350,7 +376,11 @@ def query_db_profiles(
 
 
 def node_identity_from_db(db_path: str | Path, timeout_s: float = 0.05) -> tuple[node_identity.NodeIdentity | None, str]:
-    """This node's identity from the database's recorded fingerprints (see `node_identity`)."""
+    """This node's identity from the database's recorded fingerprints (see `node_identity`). sqlite3.OperationalError
+    for a database a newer moetune wrote (`newer_schema_problem`): the first read of the fallback refuses it."""
+    newer = newer_schema_problem(db_path, timeout_s)
+    if newer:
+        raise sqlite3.OperationalError(newer)
     # a what-if preset's fingerprint (`moetune tune --preset`) names a modelled fabric, not a node: never this one's
     # ... nor is a fingerprint recorded without facts (a placeholder the store adds for a profile's key): left out
     # before the LIMIT, or 16 such rows would hide the node's own
@@ -993,7 +1023,11 @@ class ProfileClient:
                                     "preset's MODELLED profiles are considered")
                 rec, verdict, env_cmp, passed = self._pick_trusted(recs, tokens, ident, transport_ok, transport_family,
                                                                    job_env)
-                if rec is None:
+                if rec is None and recs and not passed:  # stored, only at buckets too far from this one
+                    have = ", ".join(map(str, sorted({x.key.token_bucket for x in recs})))
+                    problems.append(f"database {db}: this shape/EP size/nodes has profiles at token buckets {have}, "
+                                    f"none within one step of the bucket of {tokens} tokens")
+                elif rec is None:
                     what = f"; passed over: {'; '.join(passed[:4])}" if passed else ""
                     where = f" ({ident.source})" if ident is not None else ""
                     problems.append(f"database {db}: no profile measured on this node{where} for this "
