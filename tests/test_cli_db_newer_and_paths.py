@@ -135,7 +135,7 @@ def test_the_runtimes_database_fallback_refuses_a_newer_database(tmp_path: Path)
     from moetune.runtime.profiles import client
     from moetune.tuner.store._schema import known_revisions
 
-    assert client.KNOWN_SCHEMA_REVISIONS == known_revisions()
+    assert known_revisions() == client.KNOWN_SCHEMA_REVISIONS
     db = tmp_path / "ok.db"
     Store(db).close()
     assert client.newer_schema_problem(db) == ""
