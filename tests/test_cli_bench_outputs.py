@@ -456,3 +456,14 @@ def test_moe_scenario_cases_with_a_failed_row_fail() -> None:
     per, why = S._per_case(rep, "engine", (("eager_us", "layer_us"),))
     assert set(per) == {"unfused"}
     assert why == {"megakernel": "S=1 failed: megakernel error 1: timed out", "torch": "SKIPPED: no CUDA"}
+
+
+def test_bench_ep_says_it_runs_while_its_ranks_work() -> None:
+    """`bench ep` printed nothing until its ranks reported (98 s at the README's example on 2 CPUs): a progress line
+    on stderr when it starts and ends (a "still running" line meanwhile), stdout's --json untouched."""
+    r = _run("bench", "ep", "--world", "2", "--backend", "gloo", "--model", "custom:64,32,8,2", "--tokens", "4",
+             "--iters", "1", "--warmup", "0", "--json")
+    assert r.exit_code == 0, r.output
+    assert "dispatch_us" in json.loads(r.stdout)
+    assert "bench ep: 2 gloo rank(s), 1 round trip(s) per phase: started" in r.stderr, r.stderr
+    assert "1/1 done" in r.stderr

@@ -198,8 +198,18 @@ def ep(
             if rep is None:
                 return  # only rank 0 reports
         else:
-            rep = launch(bench_ep.bench_entry, world, backend=backend, args=(cfg,), timeout_s=timeout,
-                         join_timeout_s=max(120.0, 4 * timeout + 60), env=env)[0]
+            from moetune.tuner.cli._progress import RichProgress
+
+            # the ranks print nothing until they report (98 s at the README's example on 2 CPUs looked hung): an
+            # elapsed-time bar on a terminal, a "still running" line elsewhere (stderr: --json stays clean)
+            bar = RichProgress(transient=True)
+            step = bar.add(f"bench ep: {world} {backend} rank(s), {iters} round trip(s) per phase", 1)
+            try:
+                rep = launch(bench_ep.bench_entry, world, backend=backend, args=(cfg,), timeout_s=timeout,
+                             join_timeout_s=max(120.0, 4 * timeout + 60), env=env)[0]
+                bar.update(step, 1)
+            finally:
+                bar.close()
     except LaunchError as e:
         first = next(iter(sorted(e.errors.items())))
         _fail(f"benchmark failed on {len(e.errors)} rank(s); rank {first[0]}: {first[1].splitlines()[0]}")
