@@ -77,6 +77,21 @@ def test_the_same_instant_spelled_with_z_is_already_present(tmp_path, export):
         assert len(s.list_profiles()) == 3
 
 
+def test_imported_dates_are_stored_in_utc_so_the_newest_sorts_last(tmp_path, export):
+    """Dates are compared as text (the newest fingerprint, `ORDER BY last_seen`): an imported `+14:00` date sorted
+    as the newest whatever its instant. They are stored in UTC as the store writes its own."""
+    fp = export["fingerprints"][0]
+    fp["last_seen"] = "2026-01-01T20:00:00+14:00"  # 06:00 UTC: older than a 10:00 UTC date
+    export["profiles"][0]["created"] = export["profiles"][0]["updated"] = "2026-01-01T09:30:00.250000-02:00"
+    with Store(tmp_path / "dst.db") as s:
+        assert s.import_bytes(data(export)).inserted == 3
+        row = next(r for r in s.list_fingerprints() if r.hash == "fp-x")
+        assert row.last_seen == "2026-01-01T06:00:00+00:00"
+        rec = next(r for _i, r in s.list_profiles() if r.key.token_bucket == 16)
+        assert rec.created == rec.updated == "2026-01-01T11:30:00.250000+00:00"
+        assert row.last_seen < "2026-01-01T10:00:00+00:00"  # a later instant now sorts later
+
+
 def test_cli_says_already_present(tmp_path, export):
     for r in export["profiles"]:
         del r["created"], r["updated"]

@@ -40,6 +40,7 @@ from moetune.tuner.store.validate import (
     check_import_time,
     check_no_control,
     printable,
+    utc_text,
 )
 
 if TYPE_CHECKING:
@@ -319,6 +320,7 @@ def _parse(data: bytes, source: str, skip_invalid: bool) -> tuple[ProfilesFile, 
                 check_import_time(name, getattr(fp, name), now)
             except FieldError as e:
                 raise ProfileImportError(f"{source}: fingerprints[{i}].{e}") from None
+            setattr(fp, name, utc_text(getattr(fp, name)))  # stored as the store writes its own: compared as text
     valid: list[tuple[int, ProfileRecord]] = []
     invalid: list[str] = []
     for i, raw_rec in enumerate(raw_profiles):
@@ -355,6 +357,9 @@ def _profile_record(raw: Any, i: int, seen_fp: set[str], now: _dt.datetime) -> P
         check_import_record(rec, now)
     except FieldError as e:
         raise ProfileImportError(f"profiles[{i}].{e} ({_key_text(rec.key)})") from None
+    for name in ("created", "updated"):  # UTC as the store writes its own: `updated` is compared as text too
+        if getattr(rec, name):
+            setattr(rec, name, utc_text(getattr(rec, name)))
     if rec.key.fingerprint not in seen_fp:  # else it would be stored with empty facts, seen "now"
         raise ProfileImportError(
             f"profiles[{i}].key.fingerprint {rec.key.fingerprint[:64]} is not in the file's fingerprints "

@@ -207,6 +207,16 @@ def check_import_time(field: str, value: str, now: _dt.datetime) -> None:
         raise FieldError(field, f"date in the future: {value[:64]!r} (it would win every 'newest' comparison)")
 
 
+def utc_text(value: str) -> str:
+    """An imported date (checked by `check_import_time`) as the store writes its own: UTC, ISO-8601 with +00:00.
+    Dates are compared as text (`ORDER BY last_seen`, the newest fingerprint): a `+14:00` date sorted as the newest
+    whatever its instant. A date already in UTC with +00:00 is kept as written (its precision too)."""
+    if value.endswith("+00:00"):
+        return value
+    t = _dt.datetime.fromisoformat(value).astimezone(_dt.UTC)
+    return t.isoformat(timespec="microseconds" if t.microsecond else "seconds")
+
+
 def check_fingerprint_text(field: str, fp_hash: str, facts: Any) -> None:
     """An imported fingerprint: its hash within the column, its facts within MAX_FACTS_BYTES."""
     check_length(f"{field}.hash", fp_hash, column_length(Fingerprint.__table__.c.hash))
