@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from rich.console import Console
 from typer.testing import CliRunner
@@ -185,19 +186,25 @@ def test_profile_cli_of_another_nodes_capture_says_why_nothing_was_measured(
 def test_a_daemon_serving_a_capture_of_another_node_does_not_measure_for_it(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """`serve --capture` with `[tune] backend = "local"`: the re-tune measured on this machine and stored the numbers
-    under the capture's fingerprint and software. Refused (the job fails saying why); a capture of this node still
-    measures."""
+    under the capture's fingerprint and software. Refused before any key (the job fails saying why), megakernel
+    keys included (a first fix checked only the EP keys' backend); a capture of this node still measures."""
     from types import SimpleNamespace
 
+    from moetune.runtime.profile_record import ProfileKey
     from moetune.tuner.daemon import TuneSettings
-    from moetune.tuner.daemon.jobs import JobContext, RetuneImpossible, _backend_for
+    from moetune.tuner.daemon.jobs import JobContext, RetuneImpossible, _capture_elsewhere, tuner_retune
 
     cpu = CAPTURES / "cpu-laptop"
     _live_is(monkeypatch, cpu)
     other = discovery.discover(_torch_bumped(tmp_path))
-    job = SimpleNamespace(keys=[], cancel=None, refused=[])
-    ctx = JobContext(store=None, facts=other, job=job, tune=TuneSettings(backend="local"))  # type: ignore[arg-type]
-    with pytest.raises(RetuneImpossible, match=r"describes another node than this one.*torch"):
-        _backend_for(ctx)
-    ctx.facts = discovery.discover(cpu)
-    assert _backend_for(ctx) == ("local", None)
+    mk = ProfileKey(fingerprint=other.fingerprint, software=other.software_hash, transport_family="megakernel",
+                    ep_size=1, nodes=1, hidden=2048, intermediate=768, experts=128, topk=8, dtype="bfloat16",
+                    token_bucket=16)
+    ep = msgspec.structs.replace(mk, transport_family="collective", ep_size=2)
+    for keys in ([mk], [ep], [mk, ep]):
+        job = SimpleNamespace(id=1, keys=keys, cancel=None, refused=[])
+        ctx = JobContext(store=None, facts=other, job=job, tune=TuneSettings(backend="local"))  # type: ignore[arg-type]
+        with pytest.raises(RetuneImpossible, match=r"describes another node than this one.*torch"):
+            tuner_retune(ctx)
+    assert _capture_elsewhere(discovery.discover(cpu)) == ""  # this node's own capture measures
+    assert _capture_elsewhere(discovery.live_facts()) == ""  # live discovery: no capture

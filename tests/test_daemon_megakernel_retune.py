@@ -24,7 +24,8 @@ from moetune.tuner.daemon import jobs as J
 from moetune.tuner.daemon.server import TuneSettings
 from moetune.tuner.search.backends import LocalBackend, TuneWorkload
 
-pytestmark = pytest.mark.timeout(120)
+# a local job of a GPU node's capture measures only on that node (`_capture_elsewhere`): run as on it, timings injected
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("on_captured_node")]
 QWEN = MODELS["qwen3-30b"]
 CAPTURES = Path(__file__).resolve().parent / "captures"
 

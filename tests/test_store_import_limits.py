@@ -131,3 +131,12 @@ def test_cli_reproducer_a_huge_fingerprint_is_refused_and_db_check_stays_ok(tmp_
     res = CliRunner().invoke(app, ["profiles", "import", str(path), "--db", str(db)])
     assert res.exit_code == 2, res.output
     assert "characters, the database column holds at most" in res.output and "database unchanged" in res.output
+
+
+def test_an_export_over_the_import_limit_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`profiles export` wrote files `profiles import` refuses (over its 64 MiB), without a word."""
+    db = tmp_path / "m.db"
+    Store(db).close()
+    monkeypatch.setattr(io, "MAX_IMPORT_BYTES", 10)  # any export is bigger than that
+    r = CliRunner().invoke(app, ["profiles", "export", str(tmp_path / "e.json"), "--db", str(db)])
+    assert r.exit_code == 0 and "over the 0 MiB that `moetune profiles import` takes" in " ".join(r.output.split())

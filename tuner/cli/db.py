@@ -333,8 +333,11 @@ def check(
                             f"them?); `moetune db upgrade{db_flag(Path(info['path']))}` makes them")))
         out.print(escape(f"  integrity: {', '.join(info['integrity'])}"))
         if info["integrity"] != ["ok"]:
-            out.print(escape(f"  the file is damaged: moetune writes nothing to it; restore it from a backup (or "
-                             f"recover its rows with `sqlite3 {info['path']} .recover`)"))
+            # (profiles import/delete and fabric refuse to write to it; tune, profile and the daemon check nothing
+            # at open, a full scan of a file Optuna's trials may have grown to GBs)
+            out.print(escape(f"  the file is damaged: profiles import/delete refuse to write to it; stop tuning "
+                             f"into it and restore it from a backup (or recover its rows with `sqlite3 "
+                             f"{info['path']} .recover`)"))
         out.print(f"  foreign key errors: {info['foreign_key_errors']}")
         for d in info["schema_diff"]:
             out.print(escape(f"  schema differs: {d}"))

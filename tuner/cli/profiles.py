@@ -233,6 +233,12 @@ def export_cmd(
             code = 1 if e.errno in _WRITE_DENIED_ERRNOS else 2
             raise fail(f"cannot write {path}: {e.strerror or e}", code) from None
     out.print(escape(f"exported {n} profile(s) to {path}"))
+    from moetune.tuner.store.io import MAX_IMPORT_BYTES
+
+    size = Path(path).expanduser().stat().st_size
+    if size > MAX_IMPORT_BYTES:  # written whole, but `profiles import` would refuse it: said now, not at the import
+        err.print(escape(f"warning: {path} is {size >> 20} MiB, over the {MAX_IMPORT_BYTES >> 20} MiB that `moetune "
+                          "profiles import` takes: export it in parts (--status current, --fingerprint, --provenance)"))
 
 
 # OSErrors of a write that say nothing is wrong with the path given: permission, a read-only filesystem, no space

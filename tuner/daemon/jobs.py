@@ -186,11 +186,7 @@ def _backend_for(ctx: JobContext) -> tuple[Any, str | None]:
     what it writes from these: a local measurement is measured, this node's calibrated model node_model."""
     tune, facts = ctx.tune, ctx.facts
     backend = tune.backend
-    if backend == "local":
-        why = _capture_elsewhere(facts)
-        if why:  # what runs here would be stored as the captured node's measurement
-            raise RetuneImpossible(f"cannot re-tune fabric {facts.fingerprint} by measuring here: {why}; a daemon "
-                                   "serving a capture re-tunes with [tune] backend = \"model\" only")
+    if backend == "local":  # (a capture of another node is refused before: tuner_retune)
         return "local", None
     if backend != "model":
         raise RetuneImpossible(f"unknown tune.backend {backend!r} (expected one of {', '.join(TUNE_BACKENDS)})")
@@ -302,6 +298,10 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
 
     tune = ctx.tune
     local = tune.backend == "local"
+    why = _capture_elsewhere(ctx.facts) if local else ""
+    if why:  # before any key: the megakernel's keys measure here too, and would be stored as the captured node's
+        raise RetuneImpossible(f"cannot re-tune fabric {ctx.facts.fingerprint} by measuring here: {why}; a daemon "
+                               "serving a capture of another node re-tunes with [tune] backend = \"model\" only")
 
     def on_trial(_name: str, study: Any, _trial: Any) -> None:
         if ctx.cancel.is_set():  # the study ends here; `stop` then returns what the call did, tallied below
