@@ -59,3 +59,88 @@ def test_the_retune_of_a_change_the_last_daemon_did_not_queue_is_queued_at_start
         assert d.index.current_count == 0 and len(d.index.stale) == len(seeded)  # the old ones stale, not served
     finally:
         d.stop()
+
+
+def _change(store: Any, old: Any, new: Any, **extra: Any) -> None:
+    store.upsert_fingerprint(new.fingerprint, new.to_dict())
+    store.add_event(kind="fabric_changed", reason="gpu_model: H200 -> H100",
+                    details={"old_fingerprint": old.fingerprint, "fingerprint": new.fingerprint, "identity": None,
+                             "reasons": ["gpu_model: H200 -> H100"], "facts": new.to_dict(), **extra})
+
+
+def _start(store: Any, tmp_path: Path, new: Any) -> tuple[Daemon, list[list[Any]], threading.Event]:
+    ran: list[list[Any]] = []
+    done = threading.Event()
+
+    def retune(ctx: Any) -> list[Any]:
+        ran.append(list(ctx.keys))
+        done.set()
+        return []
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: new, rediscover_interval_s=0,
+               retune_job=retune).start(background=True)
+    return d, ran, done
+
+
+def test_a_change_whose_retune_was_queued_is_not_acted_on_at_later_starts(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The reviewer's r2: a change handled to its end (stale, queued, finished), then profiles of the old fingerprint
+    came in (an import from a sibling node, a model tune of its capture): a start neither makes them stale nor
+    re-tunes them, nor says the daemon stopped before queuing."""
+    old, new = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, old)
+    store.add_event(kind="fabric_seen", reason="first",
+                    details={"fingerprint": old.fingerprint, "identity": None, "facts": old.to_dict()})
+    _change(store, old, new)
+    store.mark_stale(fingerprint=old.fingerprint, reason="fabric changed")
+    store.add_event(kind="job_queued", reason="fabric changed",
+                    details={"job_id": 1, "old_fingerprint": old.fingerprint, "keys": [r.key.to_dict() for r in seeded]})
+    store.add_event(kind="job_finished", reason="done", details={"job_id": 1, "state": "done"})
+    F.seed_profiles(store, old, buckets=(8192,))
+    d, ran, done = _start(store, tmp_path, new)
+    try:
+        assert not done.wait(1.5), f"re-tuned at start: {ran}"
+        assert [r.key.token_bucket for _, r in store.list_profiles(status="current", fingerprint=old.fingerprint)] == [8192]
+        assert "stopped before queuing" not in caplog.text
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("ids_recorded", [True, False])
+def test_only_the_rows_the_interrupted_change_concerns_are_retuned(tmp_path: Path, ids_recorded: bool) -> None:
+    """Stopped in the crash window (no job_queued after the change): the rows current at the change are made stale
+    and re-tuned; a row stale before the change and one that came after it are left as they are."""
+    old, new = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, old, buckets=(16,))
+    store.mark_stale(fingerprint=old.fingerprint, reason="stale before the change")
+    seeded = F.seed_profiles(store, old)
+    store.add_event(kind="fabric_seen", reason="first",
+                    details={"fingerprint": old.fingerprint, "identity": None, "facts": old.to_dict()})
+    at_change = [i for i, _ in store.list_profiles(status="current", fingerprint=old.fingerprint)]
+    _change(store, old, new, **({"profiles": at_change} if ids_recorded else {}))
+    F.seed_profiles(store, old, buckets=(8192,))  # after the change (an import, say)
+    d, ran, done = _start(store, tmp_path, new)
+    try:
+        assert done.wait(10), "no re-tune queued for the change"
+        assert sorted(k.token_bucket for k in ran[0]) == sorted(r.key.token_bucket for r in seeded)
+        assert [r.key.token_bucket for _, r in store.list_profiles(status="current", fingerprint=old.fingerprint)] == [8192]
+    finally:
+        d.stop()
+
+
+def test_a_fabric_change_records_the_profiles_it_makes_stale(tmp_path: Path) -> None:
+    old, new = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, old)
+    store.add_event(kind="fabric_seen", reason="first",
+                    details={"fingerprint": old.fingerprint, "identity": None, "facts": old.to_dict()})
+    ids = [i for i, _ in store.list_profiles(status="current", fingerprint=old.fingerprint)]
+    d, _, done = _start(store, tmp_path, new)
+    try:
+        assert done.wait(10)
+        ev = store.list_events(limit=1, kinds=("fabric_changed",))[0]
+        assert ev["details"]["profiles"] == ids
+    finally:
+        d.stop()

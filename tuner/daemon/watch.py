@@ -149,8 +149,15 @@ class FabricWatch:
         """At start, finish the newest recorded fabric change the last daemon did not: `_fabric_changed` writes
         fabric_changed, marks the old fingerprint's profiles stale and only then queues their re-tune, so a daemon
         killed in between left them stale (or still current) with no job, for good (job recovery reads job events
-        only). Its old fingerprint's profiles still current are made stale, and its stale keys that no job queued
-        since the change holds and that have no current profile of the new fingerprint are queued."""
+        only).
+
+        Only that crash window is acted on: a change followed by a job_queued of its old fingerprint was handled
+        (whatever came later is not its business), and only the rows the change concerns are touched: the old
+        fingerprint's profiles that were current at the change (their ids are in its event; for an event without
+        them, rows created before it and rows made stale at or after it). A profile of the old fingerprint imported
+        or tuned since, or stale before the change, is left alone. Of those rows, the still-current ones are made
+        stale, and the keys no job queued since the change holds and no current profile of the new fingerprint
+        has are queued."""
         from moetune.tuner.daemon.jobs import keys_from_details, tuning_key
         from moetune.tuner.store import StoreError
 
@@ -163,15 +170,26 @@ class FabricWatch:
             old_fp = d.get("old_fingerprint")
             if not old_fp or d.get("fingerprint") != self.facts.fingerprint or old_fp == self.facts.fingerprint:
                 return
-            covered = {tuning_key(k) for e in events if e["kind"] == "job_queued" and e["id"] > change["id"]
-                       for k in keys_from_details(e["details"] or {})}
+            later = [e["details"] or {} for e in events if e["kind"] == "job_queued" and e["id"] > change["id"]]
+            if any(q.get("old_fingerprint") == old_fp or any(k.fingerprint == old_fp for k in keys_from_details(q))
+                   for q in later):
+                return  # its re-tune was queued: the change was handled to its end
+            covered = {tuning_key(k) for q in later for k in keys_from_details(q)}
+            ids = d.get("profiles")
+            if isinstance(ids, list):
+                ids = {i for i in ids if isinstance(i, int)}
+                concerned = lambda i, r: i in ids  # noqa: E731
+            else:  # an event of an older daemon: by time (an import keeps its rows' old `created`: best effort)
+                when = str(change["created"])
+                concerned = lambda i, r: (r.created <= when if r.status == "current" else r.updated >= when)  # noqa: E731
             reason = str(change["reason"] or "")
-            if self.store.list_profiles(status="current", fingerprint=old_fp):  # stopped before mark_stale
-                self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000])
+            current = [i for i, r in self.store.list_profiles(status="current", fingerprint=old_fp) if concerned(i, r)]
+            if current:  # stopped before mark_stale
+                self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000], ids=current)
             have = {tuning_key(r.key) for _, r in self.store.list_profiles(status="current", fingerprint=self.facts.fingerprint)}
             keys: dict[tuple, Any] = {}
-            for _, r in self.store.list_profiles(status="stale", fingerprint=old_fp):
-                if tuning_key(r.key) not in covered and tuning_key(r.key) not in have:
+            for i, r in self.store.list_profiles(status="stale", fingerprint=old_fp):
+                if (i in current or concerned(i, r)) and tuning_key(r.key) not in covered | have:
                     keys.setdefault(tuning_key(r.key), r.key)
         except StoreError as e:
             log.error("cannot check the last fabric change for a re-tune it did not queue: %s", e)
@@ -196,9 +214,12 @@ class FabricWatch:
         log.warning("fabric changed", extra={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "reasons": reasons})
         self.metrics.fabric_changes += 1
         self.store.upsert_fingerprint(facts.fingerprint, new_dict)
+        # the ids of the profiles this change makes stale: a daemon stopped before queuing their re-tune has the
+        # next one finish it for these rows only (`_retune_after_interrupted_change`)
+        ids = [i for i, _ in self.store.list_profiles(status="current", fingerprint=old_fp)] if old_fp else []
         self.store.add_event(kind="fabric_changed", reason=reason,
                              details={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "identity": identity(facts),
-                                      "reasons": reasons, "facts": new_dict})
+                                      "reasons": reasons, "facts": new_dict, "profiles": ids})
         with self._commit_lock:
             # the new facts first: a job still tuning for old_fp that ends from here on sees that its fabric
             # moved on (it makes its profiles stale and queues its keys again); one that ended before wrote

@@ -901,15 +901,15 @@ class Store:
         with self._write() as s:
             return s.execute(delete(Profile).where(Profile.id == profile_id)).rowcount == 1
 
-    def mark_stale(self, *, fingerprint: str, reason: str) -> int:
-        """Current profiles of `fingerprint` become `stale` (and an event says why). Returns how many."""
+    def mark_stale(self, *, fingerprint: str, reason: str, ids: list[int] | None = None) -> int:
+        """Current profiles of `fingerprint` become `stale` (and an event says why). Returns how many. With `ids`,
+        only those of them (the daemon finishing an interrupted fabric change: rows that came later are not its)."""
         ts = now()
         with self._write() as s:
-            n = s.execute(
-                update(Profile)
-                .where(Profile.fingerprint == fingerprint, Profile.status == "current")
-                .values(status="stale", updated=ts)
-            ).rowcount
+            q = update(Profile).where(Profile.fingerprint == fingerprint, Profile.status == "current")
+            if ids is not None:
+                q = q.where(Profile.id.in_(ids))
+            n = s.execute(q.values(status="stale", updated=ts)).rowcount
             if n:
                 s.add(Event(created=ts, kind="stale", reason=reason, details={"fingerprint": fingerprint, "profiles": n}))
             return n
