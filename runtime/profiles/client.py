@@ -146,6 +146,10 @@ class DaemonUnavailable(RuntimeError):
     """No reply from the daemon within the time budget (or no daemon socket at all)."""
 
 
+class DaemonTimeout(DaemonUnavailable):
+    """A request was sent and no reply came within the time budget: the daemon may still have acted on it."""
+
+
 class BadReply(RuntimeError):
     """The daemon's reply does not validate: not JSON, wrong types, another protocol version, unknown fields."""
 
@@ -821,7 +825,7 @@ class ProfileClient:
         stale = stale_daemon_reason(self.endpoint)  # a killed daemon's socket: say so, not "no reply" (slow)
         if stale is not None:
             raise DaemonUnavailable(stale)
-        raise DaemonUnavailable(f"no reply from the daemon at {self.endpoint} within {budget * 1000:.0f} ms")
+        raise DaemonTimeout(f"no reply from the daemon at {self.endpoint} within {budget * 1000:.0f} ms")
 
     def fallback_db(self, info: dict[str, Any] | None = None) -> Path:
         """The database `resolve` reads when the daemon does not answer: the one given, else `client_db_path`'s

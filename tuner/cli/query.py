@@ -136,11 +136,12 @@ def _drop_connect_refusal(record: logging.LogRecord) -> bool:
 
 
 def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms: int, json_out: bool = False,
-                **fields: Any) -> Any:
+                on_timeout: str = "", **fields: Any) -> Any:
     """The daemon's answer to `op`, else exit 1 saying why: on stderr, or with `json_out` as the one JSON object
     on stdout, {"ok": false, "error": ...} (as `query --json` says in its JSON why the daemon did not answer).
+    `on_timeout` is added when the request was sent and no reply came in time (what the daemon may have done).
     Errors in the options given stay usage errors (exit 2), as for every command."""
-    from moetune.runtime.profiles.client import BadReply, DaemonError, DaemonUnavailable
+    from moetune.runtime.profiles.client import BadReply, DaemonError, DaemonTimeout, DaemonUnavailable
 
     client = make_client(socket, config, timeout_ms)
     try:
@@ -148,6 +149,8 @@ def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms:
     except (DaemonUnavailable, DaemonError, BadReply) as e:  # BadReply: a reply that does not validate (a newer daemon?)
         why = (f"the daemon said {e}" if isinstance(e, DaemonError)
                else f"the daemon's reply is not one this moetune reads: {e}" if isinstance(e, BadReply) else str(e))
+        if isinstance(e, DaemonTimeout) and on_timeout:
+            why = f"{why}: {on_timeout}"
         if json_out:
             print_json({"ok": False, "error": why})
         else:

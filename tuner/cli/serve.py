@@ -27,6 +27,11 @@ def _check_capture(capture: Path, *, read: bool) -> None:
 
 
 # a script reads `ok` (and `error`) of the one object printed, whether or not the daemon answered
+# `moetune retune`'s default wait. The daemon answers a retune only once its job_queued / job_cancelled is committed,
+# and that write waits up to the store's busy timeout (moetune.tuner.store.store.BUSY_TIMEOUT_S, 30 s) while another
+# process holds the database's write lock (an import, a tune): a shorter wait reported failure for a job the daemon
+# then queued, and a retry queued it twice. A retune is never retried, so the one wait must outlast the store's.
+RETUNE_TIMEOUT_MS = 40_000
 JSON_HELP = ('Print one JSON object: the answer with "ok": true, or {"ok": false, "error": "..."} (exit 1) when '
              "the daemon cannot be reached or refuses.")
 
@@ -136,7 +141,9 @@ def register(app: typer.Typer) -> None:
                                    help="Why: recorded with the job (`moetune status` lists it)."),
         socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: the configured one)."),
         config: Path = typer.Option(None, "--config", help="TOML config file."),
-        timeout_ms: int = typer.Option(2000, "--timeout-ms", help="Milliseconds to wait for the daemon's answer."),
+        timeout_ms: int = typer.Option(RETUNE_TIMEOUT_MS, "--timeout-ms",
+                                       help="Milliseconds to wait for the daemon's answer (it answers once the job is "
+                                            "recorded in the database, which may wait for another writer)."),
         json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
@@ -157,8 +164,12 @@ def register(app: typer.Typer) -> None:
                        f"got {got}")
         if cancel is not None and all_:
             raise fail("--all and --cancel conflict: --cancel stops one job, --all queues a re-tune; give one of them")
+        what = f"job {cancel} may still have been cancelled" if cancel is not None else "the job may still have been queued"
+        # the request reached the daemon, which may be waiting on a busy database: a blind retry could queue it twice
+        hint = (f"{what} (the daemon answers once the database has it, and another writer may hold it); "
+                "`moetune status` lists the queued and running jobs: check there before retrying")
         res = daemon_call("retune", socket=socket, config=config, timeout_ms=timeout_ms, json_out=json_out,
-                          all=all_ or None, cancel=cancel, reason=reason)
+                          on_timeout=hint, all=all_ or None, cancel=cancel, reason=reason)
         if json_out:
             print_json({"ok": True, **msgspec.structs.asdict(res)})
         else:

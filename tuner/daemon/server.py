@@ -8,6 +8,8 @@ Threads:
 - the list worker: uncached `list_profiles` requests (which may read the store's history and encode a
   thousand profiles) are answered here and the replies handed back over an inproc socket, so that list
   requests never hold up `get_profile`; its queue is bounded (a full queue answers `busy`).
+- the retune worker: `retune` (queue or cancel), answered once its event is committed, so it may wait out the
+  store's busy timeout behind another writer; in a thread of its own so that list requests never wait on it.
 - the discovery worker (`watch.FabricWatch`): rediscovery and hardware-change handling;
 - the job worker (`jobs.JobManager`): one re-tune job at a time from a bounded queue.
 The PUB socket is shared by the workers under a lock; the serving loop never waits on them.
@@ -93,6 +95,8 @@ __all__ = ["CACHE_LIMIT", "Daemon", "DaemonBusy", "DaemonConfigError", "ProfileI
 MAXMSG_SLACK = 1024
 MAX_REQUEST_BYTES_LIMIT = 16 << 20  # a request cap above this is a configuration mistake
 LIST_QUEUE = 8  # uncached list requests waiting for the list worker; more are answered `busy`
+RETUNE_QUEUE = 8  # retune requests waiting for the retune worker; more are answered `busy`
+STOP_WORKERS_S = 1.0  # how long stop() waits for the list and retune workers (one may be waiting on the store)
 # the largest reply (a list_profiles page of LIST_PAGE_MAX profiles) is about 1 MB: at most ~64 MB queued per peer
 LARGEST_REPLY_BYTES = 1 << 20
 REPLY_HWM = max(16, (64 << 20) // LARGEST_REPLY_BYTES)
@@ -723,7 +727,9 @@ class Daemon(FabricWatch):
         self._last_discovery = ("", False, "not run yet")
         self.index = ProfileIndex([], version=0, facts=None, stale=[])
         self.tune_notice = ""  # why the automatic re-tune cannot run here (shown by `status`), else ""
-        self._lists: queue.Queue[tuple[list[bytes], wire.ListProfiles | wire.Retune] | None] = queue.Queue(maxsize=LIST_QUEUE)
+        self._lists: queue.Queue[tuple[list[bytes], wire.ListProfiles] | None] = queue.Queue(maxsize=LIST_QUEUE)
+        self._retunes: queue.Queue[tuple[list[bytes], wire.Retune] | None] = queue.Queue(maxsize=RETUNE_QUEUE)
+        self._workers: list[threading.Thread] = []  # the list and retune workers (they hold a PUSH socket each)
         self._list_endpoint = f"inproc://moetune-lists-{self.epoch}"
         self._list_pull: zmq.Socket | None = None
         self._commit_lock = threading.RLock()
@@ -771,9 +777,10 @@ class Daemon(FabricWatch):
             self._rebuild()
             self.jobs.start()
             self._jobs_started = True
-            lt = threading.Thread(target=self._list_loop, name="moetune-lists", daemon=True)
-            lt.start()
-            self._threads.append(lt)
+            for name, q in (("moetune-lists", self._lists), ("moetune-retunes", self._retunes)):
+                wt = threading.Thread(target=self._worker_loop, args=(q,), name=name, daemon=True)
+                wt.start()
+                self._workers.append(wt)
             if self.interval > 0 and self._discover is not None:
                 t = threading.Thread(target=self._discovery_loop, name="moetune-discovery", daemon=True)
                 t.start()
@@ -818,10 +825,20 @@ class Daemon(FabricWatch):
         self._stopped.set()
         if self._jobs_started:
             self.jobs.stop(timeout=5.0)
-        with contextlib.suppress(queue.Full):
-            self._lists.put(None, timeout=2)
+        for q in (self._lists, self._retunes):
+            # the requests still waiting are dropped (their clients time out): the queue is emptied so that the
+            # end marker always fits (a full queue used to hold stop() for 2 s)
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    q.get_nowait()
+            with contextlib.suppress(queue.Full):
+                q.put_nowait(None)
         for t in self._threads:
             t.join(2)
+        deadline = time.monotonic() + STOP_WORKERS_S
+        for t in self._workers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        busy = [t.name for t in self._workers if t.is_alive()]
         with self._pub_lock:
             if self._pub is not None:
                 self._pub.close(linger=0)
@@ -851,7 +868,14 @@ class Daemon(FabricWatch):
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
-        self._ctx.term()
+        if busy:
+            # a worker still waits on the store (another process holds its write lock, up to the busy timeout):
+            # term() blocks until its socket is closed, which it does when the wait ends, so the context ends in
+            # the background and stop() does not wait out another process's transaction
+            log.info("stopping while %s wait on the database; their requests get no reply", ", ".join(busy))
+            threading.Thread(target=self._ctx.term, name="moetune-ctx-term", daemon=True).start()
+        else:
+            self._ctx.term()
         if self._served:
             log.info("stopped", extra={"epoch": self.epoch})
         else:  # start() failed: nothing was served; the caller reports why
@@ -1197,12 +1221,13 @@ class Daemon(FabricWatch):
                 if head is None:  # a direct call (tests): answer inline
                     res = self._deferred(req)
                 else:
+                    retune = isinstance(req, wire.Retune)
                     try:
-                        self._lists.put_nowait((head, req))
+                        (self._retunes if retune else self._lists).put_nowait((head, req))
                         return None, op, "deferred"
                     except queue.Full:
-                        res = False, (wire.E_BUSY, f"{LIST_QUEUE} slow requests (list_profiles, retune) are waiting: "
-                                                   "retry later")
+                        what = f"{RETUNE_QUEUE} retune requests" if retune else f"{LIST_QUEUE} list_profiles requests"
+                        res = False, (wire.E_BUSY, f"{what} are waiting: retry later")
             ok, payload = res
         except Exception as e:  # broad: the request handler's boundary; the client gets E_INTERNAL
             log.exception("op %s failed", op)
@@ -1255,17 +1280,17 @@ class Daemon(FabricWatch):
             return handlers.run_retune(self, req)
         return True, msgspec.Raw(self._list_page(req))
 
-    def _list_loop(self) -> None:
-        """The list worker: answers uncached list_profiles and retune (which waits for the store) off the serving
-        thread."""
+    def _worker_loop(self, q: queue.Queue) -> None:
+        """The list or the retune worker: answers the requests the serving loop handed to `q` (uncached
+        list_profiles; retune, which waits for the store) off the serving thread, until stop()."""
         push = self._ctx.socket(zmq.PUSH)
         push.linger = 0
         push.connect(self._list_endpoint)
         try:
-            while True:
-                item = self._lists.get()
-                if item is None:
-                    return
+            while not self._stop.is_set():
+                item = q.get()
+                if item is None or self._stop.is_set():
+                    return  # stopping: the serving loop forwards no more replies
                 head, req = item
                 op = req.__struct_config__.tag
                 t0 = time.perf_counter()
@@ -1275,11 +1300,16 @@ class Daemon(FabricWatch):
                         reply, outcome = wire.encode_ok(req.id, self.epoch, payload), "ok"
                     else:
                         reply, outcome = wire.encode_error(req.id, self.epoch, *payload), payload[0]
-                except Exception as e:  # broad: the list worker's boundary; the client gets E_INTERNAL
+                except Exception as e:  # broad: the worker's boundary; the client gets E_INTERNAL
                     log.exception("%s failed", op)
                     reply = wire.encode_error(req.id, self.epoch, wire.E_INTERNAL, f"{type(e).__name__}: {e}")
                     outcome = wire.E_INTERNAL
-                push.send_multipart([*head, reply])
+                if self._stop.is_set():
+                    return  # a retune that waited on the store through stop(): nobody forwards its reply
+                try:
+                    push.send_multipart([*head, reply])
+                except zmq.ContextTerminated:  # stop() ended the context while this reply waited to be handed back
+                    return
                 self.metrics.observe(op, outcome, time.perf_counter() - t0)
         finally:
             push.close(linger=0)
