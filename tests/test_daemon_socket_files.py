@@ -1,6 +1,7 @@
 """The daemon removes only files it wrote: its socket (also when its owner record could not be written), the
 socket's owner record and daemon.json's owner record only while they are the files it created (same device and
-inode), and it refuses a socket directory whose parent group or others may write without the sticky bit."""
+inode), and it refuses a socket directory whose parent every user (or the group of another user's directory) may
+write without the sticky bit."""
 
 from __future__ import annotations
 
@@ -73,9 +74,36 @@ def test_a_socket_dir_under_a_parent_others_may_write_is_refused(tmp_path: Path)
     shared.mkdir()
     os.chmod(shared, 0o777)  # no sticky bit: anyone may rename run/ away and put a link there
     (shared / "run").mkdir(mode=0o700)
-    with pytest.raises(DaemonConfigError, match=f"{shared}, a parent of the socket directory .*writable by group or "
-                                                "others without the sticky bit"):
+    with pytest.raises(DaemonConfigError, match=f"{shared}, a parent of the socket directory .*writable by every user "
+                                                "without the sticky bit"):
         _daemon(tmp_path, endpoint=f"ipc://{shared}/run/daemon.sock").start(background=True)
     assert sorted(os.listdir(shared / "run")) == []  # nothing bound, nothing written
     os.chmod(shared, 0o1777)  # sticky (as /tmp): only the owner of run/ may rename it
     _daemon(tmp_path, endpoint=f"ipc://{shared}/run/daemon.sock").start(background=True).stop()
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o2775])
+def test_a_group_writable_parent_of_this_user_is_fine(tmp_path: Path, mode: int) -> None:
+    """Debian/Ubuntu user-private groups (umask 002: `mkdir ~/moetune` is 0775) and setgid shared project
+    directories (2775): the group is this user alone, or people its owner chose."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    os.chmod(proj, mode)
+    _daemon(tmp_path, endpoint=f"ipc://{proj}/moetune/run/daemon.sock").start(background=True).stop()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="chown to another user needs root")
+def test_a_group_writable_parent_of_another_user_is_refused(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    os.chmod(other, 0o775)
+    os.chown(other, 65534, -1)
+    with pytest.raises(DaemonConfigError, match=f"{other}, a parent .*writable by its group, and it is owned by uid "
+                                                "65534"):
+        _daemon(tmp_path, endpoint=f"ipc://{other}/run/daemon.sock").start(background=True)
+
+
+def test_missing_parents_of_the_socket_directory_are_created(tmp_path: Path) -> None:
+    sock = tmp_path / "new" / "sub" / "run" / "daemon.sock"
+    _daemon(tmp_path, endpoint=f"ipc://{sock}").start(background=True).stop()
+    assert (tmp_path / "new" / "sub" / "run").is_dir()

@@ -202,21 +202,38 @@ def prepare_runtime_dir(d: Path, group: str = "") -> bool:
 
 
 def check_socket_ancestors(d: Path) -> None:
-    """Refuse a socket directory `d` with an ancestor that group or others may write without the sticky bit: they
-    could rename `d` away and put a link (or a directory of theirs) in its place, and the daemon would bind, write
-    its records and remove files there. Both the path as given and the one its links lead to are checked."""
+    """Refuse a socket directory `d` with an ancestor that others could use to replace it: one they may write
+    without the sticky bit could have `d` renamed away and a link (or a directory of theirs) put in its place, and
+    the daemon would bind, write its records and remove files there. Both the path as given and the one its links
+    lead to are checked; ancestors that do not exist yet are left to `prepare_runtime_dir`, which creates them.
+
+    Refused: writable by others (world) without the sticky bit, or writable by a group while owned by some user
+    other than this one or root. Allowed: a group-writable ancestor of this user's or root's. The trade-off: its
+    group's members could replace `d`, but they are people the directory's owner (us, or the admin) chose to let
+    write there; with Debian/Ubuntu user-private groups (umask 002: `mkdir ~/moetune` is 0775) the group is this
+    user alone, and shared setgid project directories (2775) are the usual way a team shares a node. Refusing
+    them refused common setups for no protection against the users the check is about (anyone on the node)."""
+    me = os.getuid()
     chains = [Path(os.path.abspath(d)).parents, Path(os.path.realpath(d)).parents]
     for a in dict.fromkeys(p for chain in chains for p in chain):
         try:
             st = os.stat(a)
+        except FileNotFoundError:
+            continue  # created by prepare_runtime_dir, as ours
         except OSError as e:
             raise DaemonConfigError(f"cannot check {a}, a parent of the socket directory {d}: {e.strerror or e}") from None
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-            raise DaemonConfigError(
-                f"{a}, a parent of the socket directory {d}, (mode {stat.S_IMODE(st.st_mode):o}, owner uid "
-                f"{st.st_uid}) is writable by group or others without the sticky bit: they could replace {d} and "
-                f"the socket in it; put daemon.socket under a directory only its owner may write (or chmod go-w {a}, "
-                "or +t as /tmp has)")
+        if st.st_mode & stat.S_ISVTX:
+            continue  # as /tmp: only the owner of `d` may rename it
+        if st.st_mode & stat.S_IWOTH:
+            who = "every user"
+        elif st.st_mode & stat.S_IWGRP and st.st_uid not in (me, 0):
+            who = f"its group, and it is owned by uid {st.st_uid} (not this user, uid {me}, nor root)"
+        else:
+            continue
+        raise DaemonConfigError(
+            f"{a}, a parent of the socket directory {d}, (mode {stat.S_IMODE(st.st_mode):o}, owner uid "
+            f"{st.st_uid}) is writable by {who} without the sticky bit: they could replace {d} and the socket in it; "
+            f"put daemon.socket under a directory others may not write (or chmod o-w,g-w {a}, or +t as /tmp has)")
 
 
 def _owned_file(p: Path) -> bool:
