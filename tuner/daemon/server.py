@@ -442,10 +442,11 @@ def other_live_daemon(path: Path, endpoint: str) -> str | None:
 
 
 def _same_endpoint(a: str, b: str) -> bool:
-    """The two endpoints name one socket (IPC paths compared normalised)."""
+    """The two endpoints name one socket: IPC paths compared resolved (through a linked directory the two names are
+    one file, and the PUB's bind found our own socket "in use"); parts that do not exist yet compare as written."""
     pa, pb = _ipc_path(a), _ipc_path(b)
     if pa is not None and pb is not None:
-        return os.path.normpath(pa) == os.path.normpath(pb)
+        return os.path.realpath(pa) == os.path.realpath(pb)
     return a == b
 
 
