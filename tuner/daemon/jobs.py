@@ -585,7 +585,9 @@ class JobManager:
                 job.dropped = True
                 self._recent.append(job)
                 write = job.persisted  # else _persist_and_enqueue writes its end after its job_queued
-            elif self.running is not None and self.running.id == job_id:
+            elif self.running is not None and self.running.id == job_id and self.running.state == "running":
+                # its state read here, under the lock the worker ends it "done" under: a job that has ended (still
+                # `running` until the worker lists it recent) is not answered "cancelling"
                 job = self.running
                 # recorded now: a daemon stopped before the job ends must not resume what the user cancelled
                 asked = not job.cancel.is_set()
@@ -594,7 +596,7 @@ class JobManager:
             job.cancelled_by = job.cancelled_by or "user"
             job.cancel.set()
         ok = True
-        if job.state == "running" and asked:
+        if asked:
             ok = self._event("job_cancelled", job, f"job {job.id} cancelled while it ran")
         elif job.dropped:
             if write:  # its job_queued is in the store: its end goes after it
@@ -726,10 +728,13 @@ class JobManager:
             written = list(self.retune(JobContext(store=self.store, facts=facts, job=job, tune=self.tune)) or [])
             # a re-tune that does not check the flag ran to its end: a user's or the watch's cancel still ends the job
             # cancelled; the daemon's own stop does not (the work is done: nothing is left to resume)
-            if job.cancel.is_set() and job.cancelled_by != "shutdown":
+            with self._lock:  # with cancel's check: a job cancel answered "cancelling" never ends done
+                cancelled = job.cancel.is_set() and job.cancelled_by != "shutdown"
+                if not cancelled:
+                    job.state = "done"
+            if cancelled:
                 raise JobCancelled(f"job {job.id} cancelled")
             job.written = len(written)
-            job.state = "done"
             job.message = f"{len(written)} profile(s) written in {time.monotonic() - t0:.1f} s"
             job.message += _outcomes(job)
             if job.refused:
