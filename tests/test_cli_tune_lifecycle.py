@@ -182,6 +182,7 @@ def test_the_worker_ends_when_the_process_that_started_it_is_gone(tmp_path: Path
     assert worker.serve(1, "gloo", 1.0, stdin=iter(()), stdout=out, parent_pid=parent + 1) == 3
 
 
+@pytest.mark.usefixtures("on_captured_node")  # as on the captured node: else its capture refusal comes first
 def test_local_tune_refuses_nccl_without_cuda_gpus_up_front(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from moetune.tuner.search import backends
 
@@ -204,6 +205,7 @@ def test_local_tune_refuses_nccl_without_cuda_gpus_up_front(tmp_path: Path, monk
     assert not (tmp_path / "m.db").exists()  # refused before the database was made
 
 
+@pytest.mark.usefixtures("on_captured_node")  # as on the captured node: another node's capture measures nothing
 def test_profile_refuses_nccl_without_cuda_gpus_up_front(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from moetune.tuner.bringup import flow
     from moetune.tuner.search import backends

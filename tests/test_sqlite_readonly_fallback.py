@@ -230,7 +230,7 @@ def test_a_store_read_of_an_unchanged_file_is_not_retried_and_a_real_error_stays
         def broken(*_a: object) -> None:
             raise sqlite3.DatabaseError("database disk image is malformed")
 
-        with pytest.raises(StoreError, match=r"moetune\.db: database disk image is malformed"):  # a real error: kept
+        with pytest.raises(StoreError, match=r"moetune\.db is damaged \(database disk image is malformed\)"):  # kept
             s.count_profiles()
         assert len(fallback) - before == 2  # not retried
 

@@ -37,7 +37,7 @@ class Facts:
 
 class FakeBringup:  # the bring-up flow reduced to a study whose trial is interrupted
     def __init__(self, **kw):
-        self.facts, self.ep_note = Facts(), "EP note"
+        self.facts, self.ep_note, self.not_measured = Facts(), "EP note", ""
         self.progress = type("P", (), {"close": lambda self: None})()
     def run(self):
         def objective(trial):
