@@ -442,6 +442,9 @@ ENV_VARIABLES: tuple[EnvVariable, ...] = (
     EnvVariable("MOETUNE_FAKE_JOB_SLEEP", "float seconds", "0",
                 "The test daemon's fake tuning job holds this long (restart tests); tests only.",
                 "tests/daemon_fakes.py"),
+    EnvVariable("MOETUNE_FAKE_EVENT_DELAY", "float seconds", "0",
+                "The test daemon's store (`--store-hook`) takes this long for each job_queued / job_cancelled write "
+                "(a retune answered only once committed); tests only.", "tests/daemon_fakes.py"),
 )
 
 
