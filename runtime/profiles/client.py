@@ -14,9 +14,9 @@ time (`timeout_ms`, 200 ms by default). A fallback warns ONCE per resolution (wa
 logging.WARNING), naming every source tried and why it was passed over.
 
 Trust (issue 19): a profile is applied as tuned only when it was measured on this node's fingerprint and
-software (`ProfileRecord.is_tuned_for`; the node's identity: `node_identity`: daemon.json of a running daemon of
-this host, else the daemon's reported fabric facts checked against this node; for the database fallback, the
-database's recorded facts checked likewise; unknown: nothing is tuned). A modelled profile (the
+software (`ProfileRecord.is_tuned_for`; the node's identity: `node_identity`: the answering daemon's reported
+fabric facts checked against this node and this process's packages; for the database fallback, the database's
+recorded facts checked likewise; unknown: nothing is tuned). A modelled profile (the
 node's calibrated model or a shipped preset) is used only with `allow_modelled=True` (or
 `MOETUNE_CLIENT_ALLOW_MODELLED=1`) and then labelled MODELLED in the warning and the resolution. A reply
 that does not validate (not JSON, wrong types, another protocol version, unknown fields) is `BadReply`
@@ -1071,16 +1071,18 @@ class ProfileClient:
         job_env: Mapping[str, str], deadline: float,
     ) -> tuple[str | None, str, EnvComparison | None, str]:
         """`_judge` of a get_profile reply that answers its request (`_reply_problem`), plus its provenance: what
-        `resolve` and `TrackedProfile` decide of it. This node's identity: daemon.json's when the daemon that
-        answered wrote it (its epoch) while running on this host (`from_daemon_info`), else the daemon's reported
-        fabric checked against this node."""
+        `resolve` and `TrackedProfile` decide of it. This node's identity: the fabric the answering daemon reports,
+        checked against what THIS process reads (`node_identity.from_reported_facts`). Not daemon.json's identity
+        on its own word: that is the daemon's discovery, which says nothing of this process's packages (a job in
+        another environment than the daemon's) nor of a daemon that serves a capture; a measured profile applied
+        as tuned on it was tuned for other software. `info` only adds why an identity is missing."""
+        ident: node_identity.NodeIdentity | None = None
         if info and info.get("epoch") != self.epoch:  # the file of a daemon that did not answer (killed, elsewhere)
-            ident, why_no_ident = None, (f"daemon.json in {info.get('_dir')} is another daemon's (epoch "
-                                         f"{str(info.get('epoch'))[:40]!r}, not the answering daemon's {self.epoch!r})")
+            why_no_ident = (f"daemon.json in {info.get('_dir')} is another daemon's (epoch "
+                            f"{str(info.get('epoch'))[:40]!r}, not the answering daemon's {self.epoch!r})")
         else:
-            ident, why_no_ident = (node_identity.from_daemon_info(dict(info), str(info.get("_dir"))) if info
-                                   else (None, "no daemon.json in a runtime directory"))
-        if ident is None and not is_preset_fingerprint(r.key.fingerprint):
+            why_no_ident = "" if info else "no daemon.json in a runtime directory"
+        if not is_preset_fingerprint(r.key.fingerprint):
             ident, why_no_ident = self._reported_identity(r.key, why_no_ident, deadline)
         recorded = None if r.perf_env is msgspec.UNSET else dict(r.perf_env)
         prov = provenance_of(r)
@@ -1095,15 +1097,18 @@ class ProfileClient:
         hit = self._reported.get(memo)
         if hit is not None:
             return hit
+        def said(why: str) -> str:
+            return f"{why_not}; {why}" if why_not else why
+
         left_ms = int((deadline - time.monotonic()) * 1000)
         if left_ms <= 0:
-            return None, f"{why_not}; no time left to ask the daemon for its fabric facts"
+            return None, said("no time left to ask the daemon for its fabric facts")
         try:
             fab = self.fabric(timeout_ms=left_ms)
         except (DaemonUnavailable, DaemonError, BadReply) as e:  # not remembered: may answer next time
-            return None, f"{why_not}; the daemon's fabric facts: {e}"
+            return None, said(f"the daemon's fabric facts: {e}")
         ident, why = node_identity.from_reported_facts(fab.fingerprint, fab.software, fab.facts, self.endpoint)
-        hit = (ident, "" if ident is not None else f"{why_not}; {why}")
+        hit = (ident, "" if ident is not None else said(why))
         if len(self._reported) >= 64:
             self._reported.clear()
         self._reported[(self.epoch, key.fingerprint, key.software)] = hit

@@ -4,13 +4,11 @@ A profile is applied as tuned only when it was measured on this node's fingerpri
 (`ProfileRecord.is_tuned_for`). The runtime never runs fabric discovery (tuner code), so it learns its
 identity from what the tuner recorded, in this order:
 
-For a profile the daemon serves:
-
-1. `daemon.json` in a trusted runtime directory, written by a daemon of THIS host (its "host" is this
-   hostname: a runtime directory on a shared file system holds another node's) that says it is running:
-   the fingerprint and software hash the daemon discovered on this node (`from_daemon_info`);
-2. else the facts the daemon reports (`fabric` op), checked against this node like the database's below
-   (`from_reported_facts`): a daemon on another node (a tcp:// endpoint) reports that node's GPUs.
+For a profile the daemon serves: the facts the answering daemon reports (`fabric` op), checked against this node
+and this process like the database's below (`from_reported_facts`): a daemon on another node (a tcp:// endpoint)
+reports that node's GPUs, a daemon in another Python environment than the job's (or one serving a capture) other
+package versions. (`from_daemon_info` reads the identity a running daemon of this host wrote into daemon.json: the
+daemon's discovery, not this process's software, so it alone never makes a profile tuned.)
 
 For the database fallback (the daemon did not serve): the `fingerprints` table of the database (written by the
 daemon, `moetune fabric` and `moetune profile` with the facts they were computed from), newest first,
