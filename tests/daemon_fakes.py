@@ -7,6 +7,9 @@
   MOETUNE_FAKE_JOB_SLEEP s (checking for cancellation): a job that can be held open for the kill -9 and
   cancel tests. The fabric-change and tuner tests use the real tuner.
 - `FakeFacts`: facts of some other fabric (only its fingerprint and software hash matter).
+- `this_node_facts` / `this_node_fabric`: facts that describe THIS machine and process as the runtime's node check
+  (`node_identity.mismatch`) reads them, and a `fabric` reply reporting them: what a fake daemon must answer for
+  the profiles it serves (keyed with `this_node_software()`) to be applied as tuned.
 """
 
 from __future__ import annotations
@@ -85,6 +88,49 @@ class FakeFacts:
         return dict(self._d)
 
 
+def this_node_facts(**software: str) -> dict[str, Any]:
+    """Fabric facts of this machine as `node_identity.mismatch` reads it in this process: its GPUs' UUIDs and driver
+    from /proc/driver/nvidia (none on a GPU-less machine), and this process's versions of the packages discovery
+    records (`PACKAGE_FACTS`); `software` overrides some (facts of other software on this node). The facts a daemon
+    discovering this node from this Python environment reports, as far as the runtime checks them."""
+    from moetune.runtime.profiles import node_identity as ni
+
+    uuids = sorted(ni.local_gpu_uuids() or ())
+    sw = {k: "none" for k in ni._SOFTWARE_KEYS}
+    sw["driver"] = ni.local_driver() or "none"
+    sw.update({name: ni.local_package_fact(name) for name in ni.PACKAGE_FACTS})
+    sw.update(software)
+    return {"gpus": [{"index": i, "uuid": u} for i, u in enumerate(uuids)], "software": sw}
+
+
+def this_node_fake_facts(**d: Any) -> FakeFacts:
+    """`FakeFacts` of THIS node: `this_node_facts()` plus `d` (e.g. port="down": a fabric change the runtime's node
+    check does not read, so the re-tuned profiles are this node's too), with the software hash the runtime computes
+    of them. A daemon discovering them reports facts that pass `node_identity.mismatch` here."""
+    from moetune.runtime.profiles.node_identity import software_hash
+
+    f = FakeFacts({**this_node_facts(), **d})
+    f.software_hash = software_hash(f.to_dict())
+    return f
+
+
+def this_node_software(**software: str) -> str:
+    """The software hash of `this_node_facts(**software)`: what a profile measured here, with this software, is keyed by."""
+    from moetune.runtime.profiles.node_identity import software_hash
+
+    return software_hash(this_node_facts(**software))
+
+
+def this_node_fabric(fingerprint: str, facts: dict[str, Any] | None = None, transports: list[str] | None = None) -> dict[str, Any]:
+    """The result of a `fabric` reply (wire.FabricResult) reporting `facts` (default `this_node_facts()`) under
+    `fingerprint`, with their software hash."""
+    from moetune.runtime.profiles.node_identity import software_hash
+
+    facts = this_node_facts() if facts is None else facts
+    return {"fingerprint": fingerprint, "software": software_hash(facts), "transports": transports or ["nvlink"],
+            "facts": facts, "discovered_at": "2026-12-05T00:00:00Z", "ok": True, "message": ""}
+
+
 CAPTURES = Path(__file__).resolve().parent / "captures"
 
 
@@ -95,6 +141,17 @@ def make_capture(dest: Path, name: str = "dgx-h100") -> Any:
     from moetune.tuner.fabric.discovery import discover
 
     shutil.copytree(CAPTURES / name, dest)
+    return discover(dest)
+
+
+def capture_this_node(dest: Path) -> Any:
+    """Capture the live node (`moetune fabric capture`: its GPUs, driver and this Python environment's packages) to
+    `dest` (a daemon's --capture) and discover it: a daemon serving it reports facts the runtime's node check
+    (`node_identity.mismatch`) finds to be this node's, so its measured profiles are tuned here."""
+    from moetune.tuner.fabric.capture import capture_node
+    from moetune.tuner.fabric.discovery import discover
+
+    capture_node(dest)
     return discover(dest)
 
 
@@ -262,10 +319,11 @@ def seed_profiles(store: Any, facts: FakeFacts, *, model: str = "qwen3-30b", ep_
 
 
 @contextlib.contextmanager
-def seeded_daemon(tmp: Path, **proc_kw: Any) -> Iterator[tuple[DaemonProc, FakeFacts]]:
-    """A dgx-h100 capture and a store seeded with its profiles under `tmp`, and a daemon serving them
+def seeded_daemon(tmp: Path, capture: str = "dgx-h100", **proc_kw: Any) -> Iterator[tuple[DaemonProc, FakeFacts]]:
+    """A capture (tests/captures/`capture`; "this node": the live node, `capture_this_node`, whose measured profiles
+    the runtime here takes as tuned) and a store seeded with its profiles under `tmp`, and a daemon serving them
     (ready on entry, killed on exit)."""
-    facts = make_capture(tmp / "capture")
+    facts = capture_this_node(tmp / "capture") if capture == "this node" else make_capture(tmp / "capture", capture)
     seed_profiles(open_store(tmp / "moetune.db"), facts)
     d = DaemonProc(tmp, **proc_kw)
     try:
@@ -330,10 +388,10 @@ def until(cond: Any, timeout: float = 15.0, step: float = 0.05) -> Any:
 
 
 class ReplyRouter:
-    """A ROUTER bound to `endpoint` (no CURVE) answering every request with `answer(request) -> frame`, on a
-    thread; what a hostile or broken daemon would send, for the client's tests."""
+    """A ROUTER bound to `endpoint` (no CURVE) answering every request with `answer(request) -> frame` (None: no
+    reply at all), on a thread; what a hostile or broken daemon would send, for the client's tests."""
 
-    def __init__(self, endpoint: str, answer: Callable[[dict], bytes]):
+    def __init__(self, endpoint: str, answer: Callable[[dict], bytes | None]):
         import zmq
 
         self.endpoint = endpoint
@@ -353,7 +411,9 @@ class ReplyRouter:
             ident, body = self._sock.recv_multipart()
             req = json.loads(body)
             self.requests.append(req)
-            self._sock.send_multipart([ident, self._answer(req)])
+            out = self._answer(req)
+            if out is not None:
+                self._sock.send_multipart([ident, out])
 
     def close(self) -> None:
         self._stop.set()

@@ -182,12 +182,20 @@ def test_bad_env_mismatch_settings_are_named() -> None:
 
 
 # -- from a daemon: the reply's recorded variables are compared, never exported --------------------------------
-def _reply(rid: Any, perf_env: Any, fp: str = "f" * 16, sw: str = "5" * 16) -> bytes:
+DAEMON_FP = "f" * 16  # the fake daemon's node: this one, with this process's software (F.this_node_facts)
+
+
+def _ok(rid: Any, res: Any) -> bytes:
+    return json.dumps({"v": 1, "id": rid, "ok": True, "epoch": "e1", "result": res}).encode()
+
+
+def _reply(rid: Any, perf_env: Any, fp: str = DAEMON_FP, sw: str | None = None) -> bytes:
+    sw = sw or F.this_node_software()
     res = msgspec.to_builtins(wire.ProfileResult.from_record(measured(qkey(fp, sw), None),
                                                              env={"NVSHMEM_REMOTE_TRANSPORT": "none"}))
     if perf_env is not None:
         res["perf_env"] = perf_env
-    return json.dumps({"v": 1, "id": rid, "ok": True, "epoch": "e1", "result": res}).encode()
+    return _ok(rid, res)
 
 
 @pytest.fixture
@@ -197,11 +205,14 @@ def fake_daemon(tmp_path: Path):
     def make(perf_env: Any) -> F.ReplyRouter:
         run = tmp_path / f"run{len(made)}"
         run.mkdir(mode=0o700)
-        (run / "daemon.json").write_text(json.dumps({"fingerprint": "f" * 16, "software": "5" * 16,
+        (run / "daemon.json").write_text(json.dumps({"fingerprint": DAEMON_FP, "software": F.this_node_software(),
                                                      "transports": ["nvlink"], "db": str(tmp_path / "none.db"),
                                                      "host": socket.gethostname(), "running": True,
                                                      "epoch": "e1"}))
-        d = F.ReplyRouter(f"ipc://{run / 'daemon.sock'}", lambda req: _reply(req["id"], perf_env))
+        # it reports this node's fabric facts (the client checks them against this process), serves the profile
+        d = F.ReplyRouter(f"ipc://{run / 'daemon.sock'}",
+                          lambda req: _ok(req["id"], F.this_node_fabric(DAEMON_FP)) if req.get("op") == "fabric"
+                          else _reply(req["id"], perf_env))
         made.append(d)
         return d
 
@@ -250,8 +261,9 @@ def test_a_daemon_profile_without_a_recorded_environment_is_unknown(fake_daemon,
 
 
 def test_store_to_daemon_to_job_round_trip(tmp_path: Path) -> None:
-    """A real daemon serving a profile stored with its environment: the job sees the comparison."""
-    facts = F.make_capture(tmp_path / "capture")
+    """A real daemon serving a profile stored with its environment: the job sees the comparison. The daemon serves a
+    capture of THIS node (its profile is tuned here only if its reported facts are this node's and software)."""
+    facts = F.capture_this_node(tmp_path / "capture")
     store = F.open_store(tmp_path / "moetune.db")
     key = ProfileKey(**{**qkey().to_dict(), "fingerprint": facts.fingerprint, "software": facts.software_hash})
     assert store.put_profile(measured(key, TUNED))[0]

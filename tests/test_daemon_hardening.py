@@ -34,7 +34,9 @@ from moetune.tuner.daemon.server import Daemon, DaemonConfigError, prepare_runti
 
 pytestmark = pytest.mark.timeout(120)
 QWEN = MODELS["qwen3-30b"]
-FP, SW = "f" * 16, "5" * 16
+# this node: the fingerprint daemon.json names and the fakes' `fabric` reports, with the software hash of this
+# machine's and this process's facts (what the client checks a daemon's reported facts against)
+FP, SW = "f" * 16, F.this_node_software()
 # deep enough for a RecursionError on Python 3.11 and 3.12 alike (3.12's decoder went past 5000 levels on the GPU
 # machine), under the 64 KB request cap
 DEEP = b"[" * 30000 + b"]" * 30000
@@ -367,6 +369,8 @@ def resolve(plain, tmp_path: Path, res: Any, **kw: Any) -> tuple[client.Resoluti
                                                  "db": str(tmp_path / "none.db"), "host": socket.gethostname(),
                                                  "running": True, "epoch": "e1"}))
     def answer(req: dict) -> bytes:  # bytes: a raw reply frame with `"id":ID` for the request's id
+        if req.get("op") == "fabric":  # this node's facts: what makes a measured profile of FP/SW tuned here
+            return ok_reply(req["id"], F.this_node_fabric(FP))
         return res.replace(b'"id":ID', b'"id":%d' % req["id"]) if isinstance(res, bytes) else ok_reply(req["id"], res)
 
     r = plain(f"ipc://{run}/daemon.sock", answer)
@@ -446,8 +450,8 @@ def test_deeply_nested_reply_is_bad_reply(plain, tmp_path: Path) -> None:
 
 # -- 8: a tracked profile takes only what `resolve` would, and follows a restarted daemon ------------------------
 class _TrackClient(ProfileClient):
-    """A ProfileClient whose get_profile answer, queued changes and subscription are faked; its judgement is the real
-    one, with this node FP/SW (the daemon.json of a running daemon of this host)."""
+    """A ProfileClient whose get_profile and fabric answers, queued changes and subscription are faked; its judgement
+    is the real one, with this node FP/SW (the daemon reports this node's facts, which the client checks)."""
 
     def __init__(self, answer: Any, **kw: Any) -> None:
         run = Path(tempfile.mkdtemp(prefix="moetune-track-")) / "run"  # mkdtemp: 0700, as a runtime directory must be
@@ -465,6 +469,9 @@ class _TrackClient(ProfileClient):
         if isinstance(self.answer, Exception):
             raise self.answer
         return self.answer
+
+    def fabric(self, *, timeout_ms: int | None = None) -> wire.FabricResult:
+        return wire.FabricResult(**F.this_node_fabric(FP))
 
     def poll_changes(self, timeout_ms: int = 0) -> list[wire.Change]:
         out, self.changes = self.changes, []

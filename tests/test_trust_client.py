@@ -33,7 +33,9 @@ from moetune.runtime.shapes import MODELS
 pytestmark = pytest.mark.timeout(90)
 QWEN = MODELS["qwen3-30b"]
 RUNTIME = Path(client.__file__).resolve().parents[1]
-FP, SW = "f" * 16, "5" * 16  # this node, as daemon.json says
+# this node: the fingerprint daemon.json names and the `fabric` op reports, with the software hash of this machine's
+# and this process's facts (what the client checks the reported facts against: F.this_node_facts)
+FP, SW = "f" * 16, F.this_node_software()
 HERE = {"host": socket.gethostname(), "running": True, "epoch": "e1"}  # a running daemon of this host: the replies' epoch
 
 
@@ -58,12 +60,22 @@ def ok_reply(rid: Any, res: Any, **extra: Any) -> bytes:
 
 class FakeDaemon(F.ReplyRouter):
     """A ROUTER on ipc://<dir>/daemon.sock (a 0700 directory, with daemon.json when `info` is given: a running
-    daemon's of this host unless `info` says otherwise)."""
+    daemon's of this host unless `info` says otherwise). It answers the `fabric` op with `fabric` (default: this
+    node's facts under FP, what a daemon of this node in this Python environment reports; None: `answer` answers it
+    too), every other request with `answer`."""
 
-    def __init__(self, run: Path, answer: Callable[[dict], bytes], info: dict | None = None):
+    def __init__(self, run: Path, answer: Callable[[dict], bytes | None], info: dict | None = None,
+                 fabric: dict | str | None = "this node"):
         run.mkdir(parents=True, exist_ok=True)
         os.chmod(run, 0o700)
-        super().__init__(f"ipc://{run / 'daemon.sock'}", answer)
+        fab = F.this_node_fabric(FP) if fabric == "this node" else fabric
+
+        def route(req: dict) -> bytes:
+            if req.get("op") == "fabric" and isinstance(fab, dict):
+                return ok_reply(req["id"], fab)
+            return answer(req)
+
+        super().__init__(f"ipc://{run / 'daemon.sock'}", route)
         if info is not None:
             (run / "daemon.json").write_text(json.dumps({**HERE, **info}))
 
@@ -72,9 +84,11 @@ class FakeDaemon(F.ReplyRouter):
 def fake(tmp_path: Path):
     made: list[FakeDaemon] = []
 
-    def make(answer: Callable[[dict], bytes], info: dict | None = None, run: Path | None = None) -> FakeDaemon:
+    def make(answer: Callable[[dict], bytes | None], info: dict | None = None, run: Path | None = None,
+             fabric: dict | str | None = "this node") -> FakeDaemon:
         d = FakeDaemon(run or tmp_path / "run", answer, {"fingerprint": FP, "software": SW, "transports": ["nvlink"],
-                                                          "db": str(tmp_path / "none.db")} if info is None else info)
+                                                          "db": str(tmp_path / "none.db")} if info is None else info,
+                       fabric=fabric)
         made.append(d)
         return d
 
@@ -435,7 +449,8 @@ def test_autoload_asks_for_the_group_nodes(fake, tmp_path: Path, monkeypatch: py
     autoload.clear_cache()
     res = autoload.autoload_profile(model=QWEN, ep_size=2, max_tokens=100)
     autoload.clear_cache()
-    assert d.requests[-1]["nodes"] == 2 and res.key is not None and res.key.nodes == 2
+    asked = [r for r in d.requests if r.get("op") == "get_profile"]  # the fabric op (this node's identity) follows it
+    assert asked and asked[-1]["nodes"] == 2 and res.key is not None and res.key.nodes == 2
 
 
 def test_pick_profile_prefers_measured_and_limits_the_bucket_distance() -> None:

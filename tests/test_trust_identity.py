@@ -1,9 +1,11 @@
 """This node's identity and what a daemon's reply may make tuned (review of the runtime's trust rules):
 
-- daemon.json is this node's identity only when a daemon of THIS host wrote it while running; the database
-  fallback takes its identity from the database's facts checked against this node, never from daemon.json;
-- with no daemon.json, a measured profile from the daemon is tuned only when the daemon's reported fabric facts
-  are this node's (a tcp:// daemon on another node reports that node's);
+- daemon.json names a node's identity only when a daemon of THIS host wrote it while running, and even then it
+  alone never makes a profile tuned; the database fallback takes its identity from the database's facts checked
+  against this node, never from daemon.json;
+- a measured profile from the daemon is tuned only when the daemon's reported fabric facts are this node's and
+  this process's software (a tcp:// daemon on another node reports that node's; a daemon in another Python
+  environment, other package versions), daemon.json or not;
 - a reply's profile_hash must be the hash of its key and knobs;
 - one provenance rule (`effective_provenance`) for records, replies and `is_tuned_for`;
 - the software facts read from Python distributions (NCCL, NVSHMEM, ...) are checked, as discovery reads them."""
@@ -190,7 +192,8 @@ def test_a_remote_daemons_profile_is_tuned_only_when_its_facts_are_this_nodes(tm
 
 # -- 3: the reply's profile_hash ----------------------------------------------------------------------------------
 def test_a_reply_whose_hash_is_not_its_key_and_knobs_is_a_bad_reply(tmp_path: Path) -> None:
-    k = key(FP_HERE, "5" * 16)
+    sw_here = F.this_node_software()  # this machine's and this process's software: what the daemon reports below
+    k = key(FP_HERE, sw_here)
     real, other = measured(k, num_sms=24), measured(k, num_sms=40)
     forged = reply(real, profile_hash=other.profile_hash)
     why = client._reply_problem(forged, model=QWEN, ep_size=2, tokens=100, nodes=1, transport_family=None)
@@ -198,14 +201,17 @@ def test_a_reply_whose_hash_is_not_its_key_and_knobs_is_a_bad_reply(tmp_path: Pa
     assert client._reply_problem(reply(real), model=QWEN, ep_size=2, tokens=100, nodes=1, transport_family=None) is None
     assert profile_hash_of(k, real.knobs) == real.profile_hash
     run = tmp_path / "run"
-    write_info(run, fingerprint=FP_HERE, software="5" * 16, host=HOST, running=True)
+    write_info(run, fingerprint=FP_HERE, software=sw_here, host=HOST, running=True)
+    this_node = wire.FabricResult(**F.this_node_fabric(FP_HERE))  # the daemon's facts are this node's
     c = ProfileClient(f"ipc://{run}/daemon.sock", db_path=tmp_path / "none.db", timeout_ms=200, env={})
     c.get_profile = lambda **kw: forged  # type: ignore[method-assign]
+    c.fabric = lambda **kw: this_node  # type: ignore[method-assign]
     res, warned = resolve(c)
     assert res.source in ("policy", "default") and res.profile_hash != other.profile_hash
     assert "is not the hash of its key and knobs" in warned[0], warned
     c = ProfileClient(f"ipc://{run}/daemon.sock", db_path=tmp_path / "none.db", timeout_ms=200, env={})
     c.get_profile = lambda **kw: reply(real)  # type: ignore[method-assign]
+    c.fabric = lambda **kw: this_node  # type: ignore[method-assign]
     res, _ = resolve(c)
     assert res.source == "daemon" and res.tuned and res.profile_hash == real.profile_hash
 
