@@ -36,8 +36,16 @@ def up(tmp_path_factory: pytest.TempPathFactory):
         yield up
 
 
-def test_daemon_answer_no_warning(up) -> None:
-    d, facts = up
+@pytest.fixture(scope="module")
+def up_here(tmp_path_factory: pytest.TempPathFactory):
+    """A daemon serving a capture of THIS node (with this Python environment's packages): its reported facts are
+    this node's as the client checks them, so its measured profiles are tuned here (`up` serves a dgx-h100's)."""
+    with F.seeded_daemon(tmp_path_factory.mktemp("client-here"), capture="this node", interval=0) as up:
+        yield up
+
+
+def test_daemon_answer_no_warning(up_here) -> None:
+    d, facts = up_here
     c = ProfileClient(d.endpoint, db_path=d.db)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -117,8 +125,8 @@ def test_fallback_uses_cached_fingerprint(up) -> None:
     assert res.source in ("policy", "default") and res.family == "nvlink" and res.knobs.transport == "nvlink"
 
 
-def test_autoload_exports_env_explicit_wins_and_caches(up, monkeypatch: pytest.MonkeyPatch) -> None:
-    d, _ = up
+def test_autoload_exports_env_explicit_wins_and_caches(up_here, monkeypatch: pytest.MonkeyPatch) -> None:
+    d, _ = up_here
     autoload.clear_cache()
     monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", d.endpoint)
     monkeypatch.delenv("NVSHMEM_REMOTE_TRANSPORT", raising=False)

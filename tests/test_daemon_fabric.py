@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 
-def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
+def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     port = free_port()
     # the real re-tune: the tuner on the model backend, 3 trials per study. Since issue 19 the model is
     # this node's calibrated one (what `moetune profile` writes for the new fingerprint), never a preset
@@ -34,6 +34,10 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path) -> None:
         F.write_node_model(tmp_path, F.facts_after_port_change(tmp_path / "capture").fingerprint)
         # allow_modelled: the re-tune is on the node's calibrated model, and a tracked profile is only what resolve uses
         c = ProfileClient(d.endpoint, timeout_ms=1000, allow_modelled=True)
+        # the client runs on the captured node (the daemon's fabric facts are checked against the node this
+        # process reads: its GPUs, driver and packages, as in test_daemon_client's database fallback); an IB port
+        # going down leaves them the same, so both the old and the re-tuned profile are this node's
+        F.pretend_node(monkeypatch, facts, tmp_path / "proc")
         tracked = c.track(ep_size=2, tokens=3000, model="qwen3-30b")
         old = tracked.current
         assert old is not None and old.key.fingerprint == facts.fingerprint and old.status == "current"

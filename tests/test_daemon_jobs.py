@@ -24,11 +24,14 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class Node:
-    """A daemon in this process on `tmp`'s database, whose fabric the test switches (`become`)."""
+    """A daemon in this process on `tmp`'s database, whose fabric the test switches (`become`). `this_node`: its
+    facts are this node's (GPUs, driver, this process's packages; `F.this_node_fake_facts`), so that a client here
+    takes its measured profiles as tuned; else some other node's."""
 
-    def __init__(self, tmp: Path, retune: Any = F.fake_retune):
+    def __init__(self, tmp: Path, retune: Any = F.fake_retune, this_node: bool = False):
         self.tmp = tmp
-        self.facts = F.FakeFacts({"gpu_model": "H200"})
+        self.make = F.this_node_fake_facts if this_node else (lambda **d: F.FakeFacts(d))
+        self.facts = self.make(gpu_model="H200")
         self.retune = retune
         F.seed_profiles(F.open_store(tmp / "moetune.db"), self.facts)
 
@@ -37,7 +40,7 @@ class Node:
                       discover=lambda: self.facts, rediscover_interval_s=0.05, retune_job=self.retune).start(background=True)
 
     def become(self, **d: Any) -> F.FakeFacts:
-        self.facts = F.FakeFacts({"gpu_model": "H200", **d})
+        self.facts = self.make(gpu_model="H200", **d)
         return self.facts
 
 
@@ -100,7 +103,7 @@ def test_a_cancelled_job_publishes_the_profiles_it_wrote(tmp_path: Path) -> None
         _hold(ctx, threading.Event())  # until cancelled
         raise AssertionError("never cancelled")
 
-    node = Node(tmp_path, retune)
+    node = Node(tmp_path, retune, this_node=True)  # the tracking client runs on the daemon's node
     d = node.start()
     c = ProfileClient(d.endpoint, timeout_ms=2000)
     try:
