@@ -109,6 +109,37 @@ def test_tcp_nobody_listening_bounded(tmp_path: Path) -> None:
     c.close()
 
 
+def test_a_daemon_in_another_python_environment_serves_nothing_tuned_here(tmp_path: Path) -> None:
+    """The daemon runs in another Python environment than this job (here: its capture of this node records another
+    torch). Its daemon.json (a running daemon of this host) names the fingerprint and software it discovered, and it
+    serves the profiles measured with them. Before: daemon.json's word made them tuned in this process, whose torch
+    is another; now the facts the daemon reports are checked against this process's packages."""
+    from moetune.runtime.profiles import node_identity
+    from moetune.tuner.fabric.discovery import discover
+
+    here = node_identity.local_package_fact("torch")
+    theirs = "2.12.0+cpu" if here != "2.12.0+cpu" else "2.11.0+cpu"
+    cap = tmp_path / "capture"
+    F.capture_this_node(cap)
+    pk = cap / "python" / "packages.json"
+    pk.write_text(json.dumps({**json.loads(pk.read_text()), "torch": theirs}))
+    facts = discover(cap)
+    F.seed_profiles(F.open_store(tmp_path / "moetune.db"), facts)
+    d = F.DaemonProc(tmp_path)
+    try:
+        d.wait_ready()
+        info = json.loads((d.run_dir / "daemon.json").read_text())
+        assert info["fingerprint"] == facts.fingerprint and info["software"] == facts.software_hash
+        res, warned = F.resolve_warned(ProfileClient(d.endpoint, db_path=d.db, timeout_ms=2000))
+        assert res.source in ("policy", "default") and not res.tuned, res
+        assert len(warned) == 1 and f"torch {here} here, {theirs} recorded" in warned[0], warned
+        # the database fallback judges it alike (its facts are the daemon's)
+        res, warned = F.resolve_warned(ProfileClient(f"ipc://{tmp_path}/nowhere/daemon.sock", db_path=d.db))
+        assert res.source in ("policy", "default") and not res.tuned, res
+    finally:
+        d.kill()
+
+
 def test_fallback_uses_cached_fingerprint(up) -> None:
     """daemon.json caches the fingerprint: a database with another fabric's profile is not used."""
     d, facts = up

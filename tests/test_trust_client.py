@@ -154,6 +154,52 @@ def test_daemon_modelled_profile_is_not_tuned(fake, tmp_path: Path) -> None:
     assert len(warned) == 1 and "MODELLED" in warned[0]
 
 
+OTHER_TORCH = "2.12.0+cpu" if node_identity.local_package_fact("torch") != "2.12.0+cpu" else "2.11.0+cpu"
+
+
+def test_a_daemon_of_other_software_does_not_make_its_profile_tuned_here(fake, tmp_path: Path) -> None:
+    """A daemon in another Python environment than this job's (or serving a capture): this node's GPUs and driver,
+    another torch. daemon.json (a running daemon of this host) names its fingerprint and software, and it serves a
+    profile it measured with them. Before: daemon.json's word made it tuned here, with this process's torch; now the
+    daemon's reported facts are checked against this process's packages."""
+    theirs = F.this_node_facts(torch=OTHER_TORCH)
+    sw = node_identity.software_hash(theirs)
+    d = fake(lambda req: ok_reply(req["id"], result(key(sw=sw))),
+             info={"fingerprint": FP, "software": sw, "transports": ["nvlink"], "db": str(tmp_path / "none.db")},
+             fabric=F.this_node_fabric(FP, theirs))
+    res, warned = resolve(d.endpoint, tmp_path)
+    assert res.source in ("policy", "default") and not res.tuned, res
+    here = node_identity.local_package_fact("torch")
+    assert len(warned) == 1 and "identity is unknown" in warned[0], warned
+    assert f"torch {here} here, {OTHER_TORCH} recorded" in warned[0], warned
+    # modelled profiles allowed: still not applied (its node's identity is what is unknown, not its provenance)
+    res, _ = resolve(d.endpoint, tmp_path, allow_modelled=True)
+    assert res.source in ("policy", "default") and not res.tuned, res
+
+
+@pytest.mark.parametrize("fabric", ["silent", "unknown_op"])
+def test_daemon_json_alone_does_not_make_a_profile_tuned(fake, tmp_path: Path, fabric: str) -> None:
+    """daemon.json of a running daemon of this host names this node's fingerprint and software (this process's), but
+    the daemon does not answer `fabric` (it hangs on it, or does not know the op): nothing checks its word against
+    this node, so its measured profile is not tuned, and the warning says why. Before: tuned on daemon.json alone."""
+    def answer(req: dict) -> bytes | None:
+        if req.get("op") != "fabric":
+            return ok_reply(req["id"], result())
+        if fabric == "silent":
+            return None
+        return json.dumps({"v": 1, "id": req["id"], "ok": False, "epoch": "e1",
+                           "error": {"code": wire.E_UNKNOWN_OP, "message": "unknown op 'fabric'"}}).encode()
+
+    d = fake(answer, fabric=None)
+    t0 = time.monotonic()
+    res, warned = resolve(d.endpoint, tmp_path)
+    assert time.monotonic() - t0 < 0.5  # within the client's budget (200 ms), silent daemon or not
+    assert res.source in ("policy", "default") and not res.tuned, res
+    assert any(r.get("op") == "fabric" for r in d.requests)
+    assert len(warned) == 1 and "identity is unknown" in warned[0] and "the daemon's fabric facts" in warned[0], warned
+    assert ("no time left" in warned[0] or "no reply" in warned[0]) if fabric == "silent" else "unknown op" in warned[0]
+
+
 def test_daemon_profile_of_another_node_is_refused(fake, tmp_path: Path) -> None:
     d = fake(lambda req: ok_reply(req["id"], result(key(sw="6" * 16))))
     res, warned = resolve(d.endpoint, tmp_path, allow_modelled=True)
