@@ -78,11 +78,14 @@ time.sleep(120)
 
 TUNE = """
 import sys
+from moetune.tuner.fabric import discovery
 from moetune.tuner.search import backends
-fake, mark = sys.argv[1], sys.argv[2]
+fake, mark, capture = sys.argv[1], sys.argv[2], sys.argv[3]
 backends.LocalBackend.worker_argv = lambda self: [sys.executable, fake, mark]
+# as on the node the capture describes (a local tune of another node's capture is refused), on any machine
+discovery.live_facts = lambda timeout_s=1.5: discovery.discover(capture)
 sys.argv = ["moetune", "tune", "--backend", "local", "--comm", "gloo", "--world", "2", "-m", "custom:64,32,8,2",
-            "--tokens", "16", "--trials", "5", "--repeats", "1", "--from", sys.argv[3]]
+            "--tokens", "16", "--trials", "5", "--repeats", "1", "--from", capture]
 from moetune.tuner.cli import main
 main()
 """

@@ -21,7 +21,9 @@ from moetune.tuner.fabric.discovery import discover
 from moetune.tuner.search.backends import LocalBackend, Measurement
 from moetune.tuner.store.store import Store
 
-pytestmark = pytest.mark.timeout(240)
+# local tunes of the cpu-laptop capture (timings injected): run as on that node, whatever machine runs the suite (a
+# local tune of another node's capture is refused; on a CPU node of this image it is this node anyway)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("on_captured_node")]
 CAPTURES = Path(__file__).parent / "captures"
 TIMED_OUT = "timed out after 120 s (process group killed)"
 
