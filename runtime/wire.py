@@ -204,6 +204,9 @@ class ProfileResult(msgspec.Struct, kw_only=True):
 
     @classmethod
     def from_record(cls, rec: ProfileRecord, *, env: dict[str, str], version: int = 0) -> ProfileResult:
+        # labelled as what its numbers are (a hand-edited "measured" row of a modelling backend is modelled), as
+        # list/show/export and the store's lookups take it: the client re-derives it too, other readers need not
+        rec = rec.as_effective()
         return cls(
             key=rec.key,
             knobs=rec.knobs,
