@@ -438,3 +438,19 @@ def interrupt_before_compare(bringup: Any, monkeypatch: Any) -> None:
         bringup.run()
     assert bringup.state.done("tune") and not bringup.state.done("compare")
     monkeypatch.setattr(flow.Bringup, "stage_compare", compare)
+
+
+def fake_local_backend(monkeypatch: Any, name: str = "local:fake") -> list[dict]:
+    """The tuner's backends replaced by a fake local one named `name` (no ranks launched; a trial measures
+    10 + pipeline_depth): returns the options each was built with (the CLI's local backend options)."""
+    import moetune.tuner.search.tune as search
+    from moetune.tuner.search.backends import CallableBackend
+
+    seen: list[dict] = []
+
+    def make(backend: Any, preset: Any = None, **kw: Any) -> CallableBackend:
+        seen.append(kw)
+        return CallableBackend(lambda k, w: 10.0 + k.pipeline_depth, name=name)
+
+    monkeypatch.setattr(search, "make_backend", make)
+    return seen

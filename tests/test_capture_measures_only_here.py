@@ -23,7 +23,6 @@ import daemon_fakes as F
 
 from moetune.tuner.cli import app
 from moetune.tuner.fabric import discovery
-from moetune.tuner.search.backends import CallableBackend
 
 pytestmark = pytest.mark.timeout(120)
 CAPTURES = Path(__file__).resolve().parent / "captures"
@@ -49,16 +48,7 @@ def _torch_bumped(tmp_path: Path) -> Path:
 
 def _fake_local(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """The CLI's local backend replaced by a fake (no ranks launched); returns the options it was built with."""
-    import moetune.tuner.search.tune as search
-
-    seen: list[dict] = []
-
-    def make(backend: Any, preset: Any = None, **kw: Any) -> CallableBackend:
-        seen.append(kw)
-        return CallableBackend(lambda k, w: 10.0 + k.pipeline_depth, name="local:gloo")
-
-    monkeypatch.setattr(search, "make_backend", make)
-    return seen
+    return F.fake_local_backend(monkeypatch, "local:gloo")
 
 
 def _local_tune(tmp_path: Path, capture: Path) -> Any:

@@ -39,16 +39,7 @@ def test_the_retune_of_a_change_the_last_daemon_did_not_queue_is_queued_at_start
                         details={"job_id": 1, "keys": [r.key.to_dict() for r in seeded]})
         store.add_event(kind="job_finished", reason="cancelled", details={"job_id": 1, "state": "cancelled"})
 
-    ran: list[list[Any]] = []
-    done = threading.Event()
-
-    def retune(ctx: Any) -> list[Any]:
-        ran.append(list(ctx.keys))
-        done.set()
-        return []
-
-    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: new, rediscover_interval_s=0,
-               retune_job=retune).start(background=True)
+    d, ran, done = _start(store, tmp_path, new)
     try:
         if stopped_after == "job_queued":
             assert not done.wait(1.0) and not d.jobs.info()[0]

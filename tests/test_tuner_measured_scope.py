@@ -16,7 +16,10 @@ from typer.testing import CliRunner
 
 from moetune.runtime.shapes import ModelShape
 from moetune.tuner.cli import app
-from moetune.tuner.search.backends import CallableBackend, LocalBackend
+from moetune.tuner.search.backends import LocalBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 CAPTURES = Path(__file__).parent / "captures"
@@ -116,16 +119,7 @@ def test_cli_refuses_gloo_on_a_gpu_capture_before_any_database(tmp_path: Path, m
 
 def _fake_local(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """The CLI's local backend replaced by a fake (no ranks launched); returns the options it was built with."""
-    import moetune.tuner.search.tune as search
-
-    seen: list[dict] = []
-
-    def make(backend: Any, preset: Any = None, **kw: Any) -> CallableBackend:
-        seen.append(kw)
-        return CallableBackend(lambda k, w: 10.0 + k.pipeline_depth, name="local:fake")
-
-    monkeypatch.setattr(search, "make_backend", make)
-    return seen
+    return F.fake_local_backend(monkeypatch, "local:fake")
 
 
 def _tune(tmp_path: Path, *extra: str) -> Any:
@@ -151,6 +145,9 @@ def test_cli_refuses_an_unmeasured_group(tmp_path: Path, monkeypatch: pytest.Mon
 
 @pytest.mark.usefixtures("on_captured_node")  # as on the captured node: its own refusals, not "another node"
 def test_cli_ep_size_alone_launches_that_many_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)  # 4 gloo ranks fit (on 2 CPUs they are refused up front)
     seen = _fake_local(monkeypatch)
     r = _tune(tmp_path, "--ep-size", "4", "--json")
     assert r.exit_code == 0, r.output

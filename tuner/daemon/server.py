@@ -298,31 +298,41 @@ def check_socket_path(p: Path) -> None:
     _owner_record(p).unlink(missing_ok=True)
 
 
+def _flock_own_file(path: Path, what: str, busy: str) -> tuple[int, os.stat_result]:
+    """(fd, its stat) of `path` opened (created 0600 if absent) and exclusively flocked: never through a symbolic link
+    (a planted one would have us create, lock or truncate its target), only a regular file of this user
+    (DaemonConfigError otherwise, naming `what`); DaemonBusy(`busy`) when another process holds the lock."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError as e:
+        why = "it is a symbolic link" if os.path.islink(path) else (e.strerror or str(e))
+        raise DaemonConfigError(f"cannot open {what} {path}: {why}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise DaemonConfigError(f"{what} {path} is not a regular file of this user (uid {os.getuid()}): refusing to "
+                                "use it")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise DaemonBusy(busy) from None
+    return fd, st
+
+
 def lock_socket_path(p: Path) -> int:
     """Take the lock beside the socket path `p` for this daemon's lifetime (the fd; the kernel drops the flock when
     the process dies, even on kill -9). Checking the path and binding it is no atomic step, and libzmq unlinks an
     IPC path before binding it: two daemons starting at once on one path (with different databases) would both
     pass the check and the second would remove the first's live socket. Taken before the check, held while serving:
     DaemonBusy when another daemon holds it."""
-    import fcntl
 
     lock = p.with_name(f".{p.name}{LOCK_SUFFIX}")
     while True:
-        try:  # never through a link: a planted one would have us create or lock its target
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-        except OSError as e:
-            why = "it is a symbolic link" if os.path.islink(lock) else (e.strerror or str(e))
-            raise DaemonConfigError(f"cannot open the socket lock {lock}: {why}") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            os.close(fd)
-            raise DaemonConfigError(f"the socket lock {lock} is not a regular file of this user (uid {os.getuid()}): "
-                                    "refusing to use it")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise DaemonBusy(f"another daemon is listening on {p} (or starting on it: {lock} is locked)") from None
+        fd, st = _flock_own_file(lock, "the socket lock",
+                                 f"another daemon is listening on {p} (or starting on it: {lock} is locked)")
         try:
             now_st = os.lstat(lock)
         except FileNotFoundError:
@@ -904,24 +914,10 @@ class Daemon(FabricWatch):
         on kill -9): a second daemon on the same database refuses to start."""
         if not self.db_path:
             return
-        import fcntl
 
         path = Path(self.db_path).with_name(Path(self.db_path).name + ".daemon-lock")
-        try:  # never through a link: a planted one would have us truncate its target
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-        except OSError as e:
-            why = "it is a symbolic link" if os.path.islink(path) else (e.strerror or str(e))
-            raise DaemonConfigError(f"cannot open the database lock {path}: {why}") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            os.close(fd)
-            raise DaemonConfigError(f"the database lock {path} is not a regular file of this user (uid {os.getuid()}): "
-                                    "refusing to write to it")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise DaemonBusy(f"another moetune daemon is using the database {self.db_path} ({path} is locked)") from None
+        fd, _st = _flock_own_file(path, "the database lock",
+                                  f"another moetune daemon is using the database {self.db_path} ({path} is locked)")
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
