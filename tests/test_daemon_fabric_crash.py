@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -133,5 +134,30 @@ def test_a_fabric_change_records_the_profiles_it_makes_stale(tmp_path: Path) -> 
         assert done.wait(10)
         ev = store.list_events(limit=1, kinds=("fabric_changed",))[0]
         assert ev["details"]["profiles"] == ids
+    finally:
+        d.stop()
+
+
+def test_a_resumed_job_of_one_key_does_not_hide_the_changes_other_keys(tmp_path: Path) -> None:
+    """A job of the last daemon for one key, resumed at start, wrote a job_queued after the change: "any later
+    job_queued of the old fingerprint" took the change as handled and its other keys stayed stale for good."""
+    old, new = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, old)
+    assert len(seeded) >= 2
+    store.add_event(kind="fabric_seen", reason="first",
+                    details={"fingerprint": old.fingerprint, "identity": None, "facts": old.to_dict()})
+    # a `moetune retune` of ONE key queued before the change and never finished: resumed at start
+    store.add_event(kind="job_queued", reason="requested", details={"job_id": 1, "keys": [seeded[0].key.to_dict()]})
+    ids = [i for i, _ in store.list_profiles(status="current", fingerprint=old.fingerprint)]
+    _change(store, old, new, profiles=ids)
+    store.mark_stale(fingerprint=old.fingerprint, reason="fabric changed")  # killed here: no re-tune queued
+    d, ran, _done = _start(store, tmp_path, new)
+    try:
+        deadline = time.monotonic() + 10
+        want = sorted(r.key.token_bucket for r in seeded)
+        while sorted(b for keys in ran for b in (k.token_bucket for k in keys)) != want and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sorted(b for keys in ran for b in (k.token_bucket for k in keys)) == want, ran
     finally:
         d.stop()

@@ -151,8 +151,8 @@ class FabricWatch:
         killed in between left them stale (or still current) with no job, for good (job recovery reads job events
         only).
 
-        Only that crash window is acted on: a change followed by a job_queued of its old fingerprint was handled
-        (whatever came later is not its business), and only the rows the change concerns are touched: the old
+        Only that crash window is acted on: keys a job queued since the change holds are left to it, and only the
+        rows the change concerns are touched: the old
         fingerprint's profiles that were current at the change (their ids are in its event; for an event without
         them, rows created before it and rows made stale at or after it). A profile of the old fingerprint imported
         or tuned since, or stale before the change, is left alone. Of those rows, the still-current ones are made
@@ -170,10 +170,10 @@ class FabricWatch:
             old_fp = d.get("old_fingerprint")
             if not old_fp or d.get("fingerprint") != self.facts.fingerprint or old_fp == self.facts.fingerprint:
                 return
+            # the keys a job queued since the change holds are its business, whatever that job was (the change's own
+            # re-tune, or a job of the last daemon resumed at this start: "any later job_queued of the old
+            # fingerprint" let a resumed job of one key hide the change's other keys for good)
             later = [e["details"] or {} for e in events if e["kind"] == "job_queued" and e["id"] > change["id"]]
-            if any(q.get("old_fingerprint") == old_fp or any(k.fingerprint == old_fp for k in keys_from_details(q))
-                   for q in later):
-                return  # its re-tune was queued: the change was handled to its end
             covered = {tuning_key(k) for q in later for k in keys_from_details(q)}
             ids = d.get("profiles")
             if isinstance(ids, list):
@@ -214,20 +214,22 @@ class FabricWatch:
         log.warning("fabric changed", extra={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "reasons": reasons})
         self.metrics.fabric_changes += 1
         self.store.upsert_fingerprint(facts.fingerprint, new_dict)
-        # the ids of the profiles this change makes stale: a daemon stopped before queuing their re-tune has the
-        # next one finish it for these rows only (`_retune_after_interrupted_change`)
-        ids = [i for i, _ in self.store.list_profiles(status="current", fingerprint=old_fp)] if old_fp else []
-        self.store.add_event(kind="fabric_changed", reason=reason,
-                             details={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "identity": identity(facts),
-                                      "reasons": reasons, "facts": new_dict, "profiles": ids})
         with self._commit_lock:
             # the new facts first: a job still tuning for old_fp that ends from here on sees that its fabric
             # moved on (it makes its profiles stale and queues its keys again); one that ended before wrote
-            # everything it wrote before the listing below
+            # everything it wrote before this listing. The ids are the rows this change makes stale, recorded in its
+            # event (a daemon stopped before queuing their re-tune has the next one finish it for these rows only,
+            # `_retune_after_interrupted_change`) and the rows made stale below: one list for both
+            ids = [i for i, _ in self.store.list_profiles(status="current", fingerprint=old_fp)] if old_fp else []
             self.facts = facts
-        stale_recs = [r for _, r in self.store.list_profiles(status="current", fingerprint=old_fp)] if old_fp else []
+        self.store.add_event(kind="fabric_changed", reason=reason,
+                             details={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "identity": identity(facts),
+                                      "reasons": reasons, "facts": new_dict, "profiles": ids})
+        mine = set(ids)
+        stale_recs = ([r for i, r in self.store.list_profiles(status="current", fingerprint=old_fp) if i in mine]
+                      if old_fp else [])
         if old_fp:
-            self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000])
+            self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000], ids=ids)
             self.jobs.cancel_fingerprint(old_fp)  # its work is for a fabric that is gone
         with self._commit_lock:
             self._write_info(running=True)
