@@ -78,18 +78,22 @@ def test_the_same_instant_spelled_with_z_is_already_present(tmp_path, export):
 
 
 def test_imported_dates_are_stored_in_utc_so_the_newest_sorts_last(tmp_path, export):
-    """Dates are compared as text (the newest fingerprint, `ORDER BY last_seen`): an imported `+14:00` date sorted
-    as the newest whatever its instant. They are stored in UTC as the store writes its own."""
+    """Dates are compared as text (the newest fingerprint, `ORDER BY last_seen`): an imported `+14:00` date (or one in
+    ISO's basic format) sorted as the newest whatever its instant. They are stored in UTC as the store writes its own."""
     fp = export["fingerprints"][0]
     fp["last_seen"] = "2026-01-01T20:00:00+14:00"  # 06:00 UTC: older than a 10:00 UTC date
     export["profiles"][0]["created"] = export["profiles"][0]["updated"] = "2026-01-01T09:30:00.250000-02:00"
     with Store(tmp_path / "dst.db") as s:
         assert s.import_bytes(data(export)).inserted == 3
         row = next(r for r in s.list_fingerprints() if r.hash == "fp-x")
-        assert row.last_seen == "2026-01-01T06:00:00+00:00"
+        assert row.last_seen == "2026-01-01T06:00:00.000000+00:00"
         rec = next(r for _i, r in s.list_profiles() if r.key.token_bucket == 16)
         assert rec.created == rec.updated == "2026-01-01T11:30:00.250000+00:00"
-        assert row.last_seen < "2026-01-01T10:00:00+00:00"  # a later instant now sorts later
+        assert row.last_seen < "2026-01-01T10:00:00.000000+00:00"  # a later instant now sorts later
+    fp["last_seen"] = "20260101T070000+00:00"  # the basic format, in UTC: still written as the store writes
+    with Store(tmp_path / "dst2.db") as s:
+        s.import_bytes(data(export))
+        assert next(r for r in s.list_fingerprints() if r.hash == "fp-x").last_seen == "2026-01-01T07:00:00.000000+00:00"
 
 
 def test_cli_says_already_present(tmp_path, export):

@@ -172,6 +172,9 @@ def test_a_daemon_of_other_software_does_not_make_its_profile_tuned_here(fake, t
     here = node_identity.local_package_fact("torch")
     assert len(warned) == 1 and "identity is unknown" in warned[0], warned
     assert f"torch {here} here, {OTHER_TORCH} recorded" in warned[0], warned
+    # said as what it is: this node, another environment (not "not this node's"), and what to do
+    text = " ".join(warned[0].split())
+    assert "this process's Python packages are not those of the daemon" in text and "daemon's environment" in text
     # modelled profiles allowed: still not applied (its node's identity is what is unknown, not its provenance)
     res, _ = resolve(d.endpoint, tmp_path, allow_modelled=True)
     assert res.source in ("policy", "default") and not res.tuned, res
@@ -629,3 +632,20 @@ def test_an_empty_database_file_is_said_to_be_no_moetune_database(tmp_path: Path
     db.touch()
     with pytest.raises(sqlite3.OperationalError, match=r"not a moetune profile database .*`moetune db upgrade --db"):
         client.db_read(db, "SELECT hash FROM fingerprints")
+
+
+def test_the_daemons_fabric_is_asked_once_per_process_not_per_autoload(fake, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """autoload makes a client per resolution, and the identity memo lived on the client: every resolution sent
+    get_profile AND fabric (a ~24 KB reply). Now one fabric request per daemon start for the process."""
+    d = fake(lambda req: ok_reply(req["id"], result()))
+    monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", d.endpoint)
+    autoload.clear_cache()
+    for tokens in (60, 61, 62, 63):  # four resolutions (other max_tokens: not autoload's own cache)
+        res = autoload.autoload_profile(model=QWEN, ep_size=2, max_tokens=tokens)
+        assert res.source == "daemon" and res.tuned, res.message
+    ops = [r.get("op") for r in d.requests]
+    assert ops.count("get_profile") == 4 and ops.count("fabric") == 1, ops
+    autoload.clear_cache()  # forgets it: asked again
+    autoload.autoload_profile(model=QWEN, ep_size=2, max_tokens=64)
+    assert [r.get("op") for r in d.requests].count("fabric") == 2

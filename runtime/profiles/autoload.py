@@ -59,6 +59,7 @@ from moetune.runtime.profiles.client import (
     ProfileClient,
     Resolution,
     forget_env_warnings,
+    forget_reported_identities,
     policy_or_default,
     warn_fallback,
 )
@@ -370,11 +371,13 @@ def last_resolution() -> Resolution | None:
 
 
 def clear_cache() -> None:
+    """Forget the resolutions, the environment warnings given and the daemons' reported identities."""
     global _last
     with _lock:
         _cache.clear()
         _last = None
     forget_env_warnings()
+    forget_reported_identities()
 
 
 HASH_BYTES = 64

@@ -291,6 +291,21 @@ def db_read(db_path: str | Path, sql: str, args: list[Any] | tuple[Any, ...] = (
                                        f"{shlex.quote(str(path))}` makes one, `moetune profile` fills it") from None
 
 
+# This node's identity as each daemon reported it (`ProfileClient._reported_identity`), for the process: autoload
+# makes a client per resolution, and a `fabric` reply is ~24 KB. (endpoint, epoch, key fingerprint, key software) ->
+# (until: None for good, else a monotonic time; identity or None; why not). A daemon that did not answer is asked
+# again after FABRIC_RETRY_S only.
+_REPORTED: dict[tuple[str, str | None, str, str], tuple[float | None, Any, str]] = {}
+_REPORTED_LOCK = threading.Lock()
+FABRIC_RETRY_S = 5.0
+
+
+def forget_reported_identities() -> None:
+    """Ask each daemon for its fabric again (`autoload.clear_cache`)."""
+    with _REPORTED_LOCK:
+        _REPORTED.clear()
+
+
 # The store's schema revisions whose `profiles` table this runtime reads (migrations/versions; a test holds the two
 # equal): a database at another revision was written by a newer moetune, refused as every `moetune` command refuses
 # it (its columns may mean what this runtime does not know)
@@ -695,7 +710,6 @@ class ProfileClient:
         self.version = 0  # the snapshot version changes are compared with
         self.restarted = False  # set when the daemon's epoch changed between replies
         # (epoch, fingerprint, software) -> this node's identity as the daemon's fabric facts report it, or why not
-        self._reported: dict[tuple[str | None, str, str], tuple[node_identity.NodeIdentity | None, str]] = {}
 
     # -- sockets ---------------------------------------------------------------------------------
     def _secure(self, s: zmq.Socket) -> None:
@@ -1092,27 +1106,34 @@ class ProfileClient:
     def _reported_identity(self, key: ProfileKey, why_not: str, deadline: float) -> tuple[node_identity.NodeIdentity | None, str]:
         """This node's identity as the daemon's `fabric` reply reports it, when its facts are this node's
         (`node_identity.from_reported_facts`); else (None, why not). One request within what is left of the budget,
-        remembered per daemon start and profile key fingerprint/software (a daemon never changes either's facts)."""
-        memo = (self.epoch, key.fingerprint, key.software)
-        hit = self._reported.get(memo)
-        if hit is not None:
-            return hit
+        remembered for the process (`_REPORTED`: autoload makes a client per resolution) per daemon endpoint and start
+        and profile key fingerprint/software; a daemon that did not answer is not asked again for FABRIC_RETRY_S."""
+        memo = (self.endpoint, self.epoch, key.fingerprint, key.software)
+        now_s = time.monotonic()
+        with _REPORTED_LOCK:
+            hit = _REPORTED.get(memo)
+        if hit is not None and (hit[0] is None or hit[0] > now_s):
+            return hit[1], hit[2]
+
         def said(why: str) -> str:
             return f"{why_not}; {why}" if why_not else why
+
+        def keep(until: float | None, ident: node_identity.NodeIdentity | None, why: str) -> tuple[Any, str]:
+            with _REPORTED_LOCK:
+                if len(_REPORTED) >= 256:
+                    _REPORTED.clear()
+                _REPORTED[memo] = (until, ident, why)
+            return ident, why
 
         left_ms = int((deadline - time.monotonic()) * 1000)
         if left_ms <= 0:
             return None, said("no time left to ask the daemon for its fabric facts")
         try:
             fab = self.fabric(timeout_ms=left_ms)
-        except (DaemonUnavailable, DaemonError, BadReply) as e:  # not remembered: may answer next time
-            return None, said(f"the daemon's fabric facts: {e}")
+        except (DaemonUnavailable, DaemonError, BadReply) as e:  # remembered briefly: each resolve would wait again
+            return keep(time.monotonic() + FABRIC_RETRY_S, None, said(f"the daemon's fabric facts: {e}"))
         ident, why = node_identity.from_reported_facts(fab.fingerprint, fab.software, fab.facts, self.endpoint)
-        hit = (ident, "" if ident is not None else said(why))
-        if len(self._reported) >= 64:
-            self._reported.clear()
-        self._reported[(self.epoch, key.fingerprint, key.software)] = hit
-        return hit
+        return keep(None, ident, "" if ident is not None else said(why))
 
     def _judge(
         self, key: ProfileKey, knobs: Knobs, provenance: str, ident: node_identity.NodeIdentity | None,

@@ -96,6 +96,12 @@ def from_reported_facts(fingerprint: str | None, software: str | None, facts: An
         return None, f"the daemon at {where} reports software {software} that is not its facts' ({software_hash(facts)})"
     why, checked = mismatch(facts)
     if why is not None:
+        sw = facts.get("software")
+        hw = {**facts, "software": {k: v for k, v in sw.items() if k not in PACKAGE_FACTS}} if isinstance(sw, dict) else facts
+        if mismatch(hw)[0] is None:  # this node, but this process's packages are not the ones the daemon measured with
+            return None, (f"this process's Python packages are not those of the daemon at {where} ({why}): its "
+                          "profiles were tuned for the daemon's software; run the job in the daemon's environment "
+                          "(or the same versions), or re-tune with this one's")
         return None, f"the fabric the daemon at {where} reports is not this node's ({why})"
     return NodeIdentity(fingerprint, software, f"the fabric facts of the daemon at {where}", checked), ""
 

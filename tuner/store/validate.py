@@ -208,13 +208,10 @@ def check_import_time(field: str, value: str, now: _dt.datetime) -> None:
 
 
 def utc_text(value: str) -> str:
-    """An imported date (checked by `check_import_time`) as the store writes its own: UTC, ISO-8601 with +00:00.
-    Dates are compared as text (`ORDER BY last_seen`, the newest fingerprint): a `+14:00` date sorted as the newest
-    whatever its instant. A date already in UTC with +00:00 is kept as written (its precision too)."""
-    if value.endswith("+00:00"):
-        return value
-    t = _dt.datetime.fromisoformat(value).astimezone(_dt.UTC)
-    return t.isoformat(timespec="microseconds" if t.microsecond else "seconds")
+    """An imported date (checked by `check_import_time`) as the store writes its own (`now()`): UTC, ISO-8601,
+    microseconds, +00:00. Dates are compared as text (`ORDER BY last_seen`, the newest fingerprint): a `+14:00`
+    date, or a `20261101T000000+00:00` (basic format), sorted as the newest whatever its instant."""
+    return _dt.datetime.fromisoformat(value).astimezone(_dt.UTC).isoformat(timespec="microseconds")
 
 
 def check_fingerprint_text(field: str, fp_hash: str, facts: Any) -> None:
