@@ -161,3 +161,35 @@ def test_a_resumed_job_of_one_key_does_not_hide_the_changes_other_keys(tmp_path:
         assert sorted(b for keys in ran for b in (k.token_bucket for k in keys)) == want, ran
     finally:
         d.stop()
+
+
+def test_a_fabric_back_to_one_it_had_re_tunes_that_ones_stale_profiles(tmp_path: Path) -> None:
+    """A → B → A (a port down then up, a package changed then restored): A's profiles went stale at A → B, B's
+    re-tune did not run (or stored nothing), and at B → A nothing was current of B, so nothing was re-tuned: A's
+    profiles stayed stale for good with the node on A again."""
+    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, a)
+    now = [a]
+    ran: list[list[Any]] = []
+
+    def retune(ctx: Any) -> list[Any]:
+        ran.append(list(ctx.keys))
+        return []  # stores nothing (as a re-tune that cannot run)
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
+               retune_job=retune).start(background=True)
+    try:
+        now[0] = b
+        d.rediscover()  # A → B: A's profiles stale, their re-tune (for B) runs and stores nothing
+        deadline = time.monotonic() + 10
+        while len(ran) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        now[0] = a
+        d.rediscover()  # B → A: A's stale keys are re-tuned for A
+        while len(ran) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(ran) == 2, ran
+        assert sorted(k.token_bucket for k in ran[1]) == sorted(r.key.token_bucket for r in seeded)
+    finally:
+        d.stop()

@@ -1,6 +1,7 @@
 """Issue 9 end to end on CPU: `moetune profile` → `moetune serve` → a MoELayer loads its profile by
 itself → a capture-based software change → the daemon marks the profile stale and refuses to measure for a node
-this machine is not (its re-tune fails saying why; nothing is stored under the new key)."""
+this machine is not (its re-tune fails saying why; nothing is stored under the new key) → the change back → the
+daemon re-measures here and the running client picks the new profile up as tuned."""
 
 from __future__ import annotations
 
@@ -123,6 +124,22 @@ def test_profile_serve_autoload_change_retune(tmp_path: Path) -> None:
         assert rows and all(r.key.fingerprint == first.key.fingerprint for r in rows)  # nothing under the new key
         assert all(r.status == "stale" for r in rows if r.key.fingerprint == first.key.fingerprint
                    and r.status != "superseded")
+
+        # 5. the capture back to this node's software: the change back goes to a re-tune this machine may measure
+        # (the local backend, real gloo ranks), and the running client picks the re-measured profile up as tuned
+        pkgs["torch"] = json.loads((CAPTURES / "cpu-laptop" / "python" / "packages.json").read_text())["torch"]
+        tmp.write_text(json.dumps(pkgs))
+        os.replace(tmp, pk)
+        deadline = time.monotonic() + 150
+        seen = None
+        while time.monotonic() < deadline and seen is None:
+            tracked.refresh(200)
+            cur = tracked.current
+            if (cur is not None and cur.status == "current" and cur.key.fingerprint == first.key.fingerprint
+                    and cur.updated != first.updated):
+                seen = cur
+        assert seen is not None, (tmp_path / "daemon.log").read_text()[-3000:]
+        assert seen.backend.startswith("local") and tracked.tuned, seen
         client.close()
     finally:
         daemon.terminate()

@@ -239,10 +239,20 @@ class FabricWatch:
                                     keys=[r.key for r in stale_recs], reasons=reasons))
             if rebuild:
                 self._rebuild(changes)
-        if stale_recs:
+        # and the new fingerprint's own stale keys that nothing current replaced: a fabric back to one it had (a port
+        # down, then up; a package downgraded, then restored) left its profiles stale from the first change, and
+        # with nothing current of the fingerprint in between nothing was re-tuned
+        from moetune.tuner.daemon.jobs import tuning_key
+
+        have = {tuning_key(r.key) for _, r in self.store.list_profiles(status="current", fingerprint=facts.fingerprint)}
+        keys: dict[tuple, Any] = {}
+        for r in [*stale_recs, *(r for _, r in self.store.list_profiles(status="stale", fingerprint=facts.fingerprint))]:
+            if tuning_key(r.key) not in have:
+                keys.setdefault(tuning_key(r.key), r.key)
+        if keys:
             try:
                 self.jobs.submit(reason=f"fabric changed: {reason}"[:512], old_fingerprint=old_fp,
-                                 keys=[r.key for r in stale_recs], skip_queued=True)
+                                 keys=list(keys.values()), skip_queued=True)
             except queue.Full:
                 log.error("job queue full: the re-tune after the fabric change was not queued")
 
