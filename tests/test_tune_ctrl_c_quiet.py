@@ -67,3 +67,24 @@ def test_ctrl_c_prints_the_interrupted_line_only(tmp_path: Path, script: str, li
     assert line in out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
     assert "failed with" not in out  # Optuna's "Trial N failed with parameters/value ..."
+
+
+def test_an_interrupted_rollback_in_sqlalchemys_pool_prints_no_traceback() -> None:
+    """A second Ctrl-C while the first unwound interrupted a connection's rollback: SQLAlchemy's pool logs that with
+    its traceback (then re-raises), and with no handler Python's last-resort handler printed it before the command's
+    own "interrupted" line (a tester saw it once in 7 double Ctrl-Cs of `profile --quick`)."""
+    code = """
+import logging, sys
+from moetune.tuner import cli
+sys.argv = ["moetune", "--version"]
+try:
+    cli.main()
+except SystemExit:
+    pass
+try:
+    raise KeyboardInterrupt
+except KeyboardInterrupt:
+    logging.getLogger("sqlalchemy.pool.impl.QueuePool").error("Exception during reset or similar", exc_info=True)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "Exception during reset" not in r.stderr and "Traceback" not in r.stderr, r.stderr

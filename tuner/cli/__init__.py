@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import sys
 
@@ -54,6 +55,11 @@ _OUTPUT_ERRNOS = (errno.ENOSPC, errno.EPIPE, errno.EIO, errno.EDQUOT, errno.EFBI
 def main() -> None:
     """The `moetune` entry point: an output that cannot be written ends the command with one line on stderr and
     exit 1, not a traceback (the commands' own files say their errors themselves)."""
+    # SQLAlchemy's pool logs an error (with its traceback) when a connection's rollback is interrupted, e.g. by a
+    # second Ctrl-C while the first unwinds, and then re-raises it: with no handler configured Python's last-resort
+    # handler printed that traceback before the command's own "interrupted" line. The exception itself still ends
+    # the command the usual way.
+    logging.getLogger("sqlalchemy.pool").addHandler(logging.NullHandler())
     try:
         try:
             app()
