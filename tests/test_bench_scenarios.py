@@ -147,7 +147,8 @@ def _moe_report(tokens: list[int], order: tuple[str, ...] = ("unfused", "megaker
             "command": f"moetune bench moe --engine {','.join(order)} --model qwen3-30b --cuda-graph"}
     q = {"median": 10.0, "p10": 9.0, "p90": 11.0}
     speed = {"megakernel": 8.0, "unfused": 9.0, "torch": 10.0}
-    cases = [{"engine": e, "S": s, "eager_us": q, "graph_us": {**q, "median": speed[e]}} for s in tokens for e in order]
+    cases = [{"engine": e, "S": s, "eager_us": q,
+              "graph_us": {"median": speed[e], "p10": speed[e] - 0.5, "p90": speed[e] + 0.5}} for s in tokens for e in order]
     return {"model": "qwen3-30b", "graph": True, "iters": 50, "warmup": 10, "rotate": 4, "rest_s": 0.0,
             "cases": cases, "meta": meta, **over}
 
@@ -168,13 +169,34 @@ def test_a_bench_moe_report_imports_as_one_launch_only_where_it_is_the_scenarios
                        (_moe_report([1]), "tokens [1] (scenario: [1, 16, 128, 1024, 4096])"),
                        (_moe_report([1, 16, 128, 1024, 4096], iters=20), "iters 20 (scenario: 50)"),
                        # timed megakernel first: under a power cap the second engine pays for the first one's heat
+                       # measured where the scenario cannot run (a CPU's plumbing check)
+                       (_moe_report([1, 16, 128, 1024, 4096], meta={**_moe_report([1])["meta"], "gpu": "none",
+                                                                    "gpu_count": 0}), "machine '0 x none'"),
                        (_moe_report([1, 16, 128, 1024, 4096], order=("megakernel", "unfused", "torch")),
                         "engine order ['megakernel', 'unfused', 'torch'] (scenario: ['unfused', 'megakernel', 'torch'])"),
                        ({"cases": []}, "not a `moetune bench moe --json` report")):
         with pytest.raises(S.ScenarioError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             S.import_moe_report(s, rep, origin="x.json", results=out)
+    bad = _moe_report([1, 16, 128, 1024, 4096])  # a forged or broken timing: no number to keep
+    bad["cases"][0]["eager_us"] = {"median": float("nan"), "p10": -5.0, "p90": float("inf")}
+    with pytest.raises(S.ScenarioError, match=r"is no timing \(finite, > 0, p10 <= median <= p90\)"):
+        S.import_moe_report(s, bad, origin="x.json", results=out)
     with pytest.raises(S.ScenarioError, match="only scenarios of driver moe"):
         S.import_moe_report(SCENARIOS["daemon-load"], _moe_report([1]), origin="x.json", results=out)
     assert len(R.read_rows(out)) == len(rows)  # nothing appended by a refused import
     r = _cli("run", "moe-megakernel-vs-unfused", "--from-report", str(tmp_path / "none.json"), "--results", str(out))
     assert r.returncode == 2 and "none.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_summarize_never_writes_over_the_results_it_reads(tmp_path: Path) -> None:
+    """`bench summarize --results same.csv --out same.csv` replaced every measured row with the Markdown summary
+    (exit 0), and a link named as --out to the results file likewise."""
+    src = tmp_path / "same.csv"
+    src.write_bytes(S.SUMMARY_CSV.read_bytes())
+    before = src.read_bytes()
+    link = tmp_path / "link.md"
+    link.symlink_to(src)
+    for out in (src, link):
+        r = _cli("summarize", "--results", str(src), "--out", str(out))
+        assert r.returncode == 2 and "is the results file being read" in r.stderr, r.stderr
+        assert src.read_bytes() == before and link.is_symlink()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +226,15 @@ def ep(
         raise typer.Exit(1)
 
 
+def _torch_error(e: BaseException) -> str:
+    """One line for an error torch raised while timing (a traceback reached the user): its type and first line, and
+    for an allocation that failed, what to lower."""
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    hint = ("; lower --tokens or the model's size" if "allocate" in first or "out of memory" in first.lower()
+            or isinstance(e, MemoryError) else "")
+    return f"the benchmark failed: {type(e).__name__}: {first}{hint}"
+
+
 def ep_environment(knobs: Any, *, no_p2p: bool = False, nodes: int = 1) -> dict[str, str]:
     """The variables `bench ep` sets in its ranks: `launcher_env(knobs, transport, nodes)`, the function the tuner's
     `knob_environment` returns (so a `bench ep` run, the tuner's subprocess mode included, measures in the
@@ -332,6 +342,8 @@ def moe(
                           knobs=mk, rest_s=rest, progress=bar)
     except ValueError as e:
         _fail(str(e))
+    except (RuntimeError, MemoryError) as e:  # torch's: out of memory for this shape and S, as `bench ep` says it
+        _fail(_torch_error(e))
     finally:
         bar.close()
     # the command as parsed, defaults included, so the result file says exactly what ran
@@ -411,6 +423,8 @@ def knobs_side_by_side(
                                seed=seed, progress=lambda m: _err.print(f"[dim]{m}[/dim]"))
     except (ValueError, KnobError) as e:
         _fail(str(e))
+    except (RuntimeError, MemoryError) as e:  # torch's: out of memory for this shape and S
+        _fail(_torch_error(e))
     cmd = (f"moetune bench knobs --vs {vs!r}{f' --knobs {knobs}' if knobs else ''} --model {model} --tokens "
            f"{','.join(map(str, toks))} --iters {iters} --warmup {warmup} --rotate {rotate} --chain {chain} --seed {seed}")
     rep["meta"] = _stamp(cmd)
@@ -590,6 +604,9 @@ def summarize_scenarios(
             _fail(f"--out {path} is a directory; give the Markdown file to write")
         if not path.parent.is_dir():
             _fail(f"--out {path}: its folder {path.parent} does not exist")
+        if src.exists() and path.exists() and os.path.samefile(path, src):  # a link to it too
+            _fail(f"--out {path} is the results file being read (--results {src}): the measurements are never "
+                  "replaced by their summary; give another file")
         why = R.write_problem(path)
         if why:
             _fail(f"--out {path}: cannot write there ({why}); give a writable file with --out, or --out - to print it")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import platform
 import re
@@ -877,6 +878,8 @@ def import_moe_report(s: Scenario, rep: dict[str, Any], *, origin: str, results:
         raise ScenarioError(f"{origin}: not a `moetune bench moe --json` report (its meta needs {', '.join(_REPORT_FACTS)})")
     try:
         out = _report_cases(s, rep, meta, origin)
+    except ScenarioError:  # what it says is what is wrong (not "of the expected shape")
+        raise
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # a hand-made or truncated report
         raise ScenarioError(f"{origin}: not a `moetune bench moe --json` report of the expected shape (its cases: "
                             f"{type(e).__name__} {e})") from None
@@ -907,6 +910,9 @@ def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin
     listed = [str(c.args.get("engine", c.name)) for c in s.cases]
     ran = list(dict.fromkeys(str(c.get("engine")) for c in rep["cases"] if not c.get("skipped")))
     want["engine order"], got["engine order"] = [e for e in listed if e in ran], [e for e in ran if e in listed]
+    # the machine: a report measured where the scenario cannot run (a CPU's plumbing check) is not its measurement
+    if s.needs.gpus and (int(meta.get("gpu_count") or 0) < s.needs.gpus or str(meta.get("gpu", "")).lower() in ("", "none")):
+        want["machine"], got["machine"] = s.needs.hardware, f"{meta.get('gpu_count')} x {meta.get('gpu')}"
     differ = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
     if a.get("knobs") or "--knobs" in str(meta["command"]):
         differ["knobs"] = (meta["command"], a.get("knobs", ""))
@@ -914,6 +920,13 @@ def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin
         raise ScenarioError(f"{origin}: the report did not measure what {s.name} asks: "
                             + "; ".join(f"{k} {g!r} (scenario: {w!r})" for k, (g, w) in differ.items()))
     per, skipped = _per_case(rep, "engine", (("eager_us", "layer_us"), ("graph_us", "graph_us")))
+    for eng, metrics in per.items():  # a timing is a positive finite number, its deciles around its median
+        for name, st in metrics.items():
+            vals = (st.median, st.p10, st.p90)
+            if not all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in vals) or not (
+                    st.p10 <= st.median <= st.p90):
+                raise ScenarioError(f"{origin}: engine {eng} {name}: median {st.median!r}, p10 {st.p10!r}, p90 "
+                                    f"{st.p90!r} is no timing (finite, > 0, p10 <= median <= p90)")
     out = []
     for c in s.cases:
         eng = str(c.args.get("engine", c.name))
