@@ -899,6 +899,8 @@ def import_moe_report(s: Scenario, rep: dict[str, Any], *, origin: str, results:
 
 def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin: str) -> list[CaseResult]:
     """The scenario's cases from a bench moe report, refused where it measured something else."""
+    for c in rep["cases"]:  # every case names its engine and S (a KeyError / TypeError: not of the expected shape)
+        c["engine"], c["S"]
     a = plan(s, None, False)[0].args
     want = {"model": str(a.get("model", "qwen3-30b")), "tokens": sorted(a.get("tokens", [128])),
             "iters": int(a.get("iters", 50)), "warmup": int(a.get("warmup", 10)), "rotate": int(a.get("rotate", 4)),
@@ -923,6 +925,8 @@ def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin
     for eng, metrics in per.items():  # a timing is a positive finite number, its deciles around its median
         for name, st in metrics.items():
             vals = (st.median, st.p10, st.p90)
+            if all(v is None for v in vals):  # not measured (null): the report's "no measured number" check
+                continue
             if not all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in vals) or not (
                     st.p10 <= st.median <= st.p90):
                 raise ScenarioError(f"{origin}: engine {eng} {name}: median {st.median!r}, p10 {st.p10!r}, p90 "
