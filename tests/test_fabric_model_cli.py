@@ -169,3 +169,25 @@ def test_fabric_model_doc_gives_the_packed_layout_command() -> None:
     r = runner.invoke(app, [*m.group(2).split()[1:], "--json"])
     assert r.exit_code == 0, r.output
     assert f"{json.loads(r.output)['dispatch_us']:.1f}" == m.group(1)
+
+
+def test_predict_and_sweep_name_the_preset_file_and_a_forced_fits_warning(tmp_path: Path) -> None:
+    """A calibrated or forced copy keeps the shipped preset's name: `model predict/sweep` said "nvlink-h200x2" for
+    three different predictions (shipped, calibrated, `calibrate --force`), with no word of an untrusted fit."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import daemon_fakes as F
+
+    forced = F.write_forced_preset(tmp_path / "forced.toml")
+    r = runner.invoke(app, ["model", "predict", "-p", str(forced), "-k", "transport=collective", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["preset_file"] == str(forced) and d["preset_warning"].startswith("UNTRUSTED FIT"), d
+    r = runner.invoke(app, ["model", "predict", "-p", str(forced), "-k", "transport=collective"], env={"COLUMNS": "200"})
+    text = " ".join(r.output.split())
+    assert r.exit_code == 0 and "forced.toml) · UNTRUSTED FIT, written with --force" in text, r.output
+    r = runner.invoke(app, ["model", "sweep", "-p", str(forced), "--over", "tokens", "--values", "128,256", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["preset_warning"].startswith("UNTRUSTED FIT"), r.output
+    r = runner.invoke(app, ["model", "predict", "-p", "nvlink-h200x2", "--json"])
+    assert json.loads(r.stdout)["preset_file"] is None and json.loads(r.stdout)["preset_warning"] is None

@@ -75,6 +75,19 @@ def _build(preset: str, model: str, nodes: int | None, tokens: int, gpus_per_nod
     return pr, w, k
 
 
+def _preset_said(pr: Any) -> str:
+    """The preset as the tables and plots name it: a file's path too (a calibrated or edited copy keeps the shipped
+    preset's name: three different predictions read as one), and a forced fit's warning (`calibrate --force`)."""
+    said = pr.name if not pr.path else f"{pr.name} (file {pr.path})"
+    warning = str((pr.calibration or {}).get("warning") or "")
+    return f"{said} · {warning.split(':')[0]}" if warning else said  # its problems: in the JSON and the file
+
+
+def _preset_facts(pr: Any) -> dict[str, Any]:
+    """What the JSON says of the preset besides its name: the file it was read from and a forced fit's warning."""
+    return {"preset_file": pr.path, "preset_warning": (pr.calibration or {}).get("warning")}
+
+
 def _workload(w: Any, swept: str | None = None) -> dict[str, Any]:
     """The workload a prediction ran (JSON); the field a sweep varies (`swept`: nodes or tokens) is None."""
     out = {"model": w.model.name, "tokens_per_gpu": w.tokens_per_gpu, "nodes": w.nodes,
@@ -138,8 +151,8 @@ def predict_cmd(
     except ValueError as e:
         _fail(str(e))
     if as_json:
-        out = {"label": LABEL, **res.to_dict(), "workload": {**_workload(w), "layout": layout, "phase": phase},
-               "knobs": k.to_dict()}
+        out = {"label": LABEL, **res.to_dict(), **_preset_facts(pr),
+               "workload": {**_workload(w), "layout": layout, "phase": phase}, "knobs": k.to_dict()}
         if phase != "both":  # the other phase was not modelled: no number stands for it
             out[f"{'combine' if phase == 'dispatch' else 'dispatch'}_us"] = None
         typer.echo(json.dumps(out))
@@ -161,7 +174,7 @@ def predict_cmd(
         ("bytes on the wire", f"{res.bytes_on_wire / 1e6:,.3f} MB"),
     ]
     print_table(_console, [Col("quantity", "word"), Col("value (modelled)", "num")], rows,
-                title=f"{LABEL}: {_e(pr.name)} · {_e(w.model.name)} · {_e(_workload_title(w))}"
+                title=f"{LABEL}: {_e(_preset_said(pr))} · {_e(w.model.name)} · {_e(_workload_title(w))}"
                       + ("" if phase == "both" else f" · {phase} only"))
     print_table(_console, [Col("phase", "word"), Col("µs", "num")],
                 [(_e(name), f"{v:,.1f}") for name, v in res.phases.items()],
@@ -400,7 +413,7 @@ def sweep_cmd(
     if over == "group_size" and grid > 1:  # one transfer per peer: the notes say so already
         notes += _same_everywhere(series, k0.transport)
     if as_json:
-        typer.echo(json.dumps({"label": LABEL, "preset": pr.name, "model": w0.model.name, "over": over,
+        typer.echo(json.dumps({"label": LABEL, "preset": pr.name, **_preset_facts(pr), "model": w0.model.name, "over": over,
                                "workload": _workload(w0, None if over == "group_size" else over),
                                "knobs": k0.to_dict(), "notes": notes, "series": series,
                                "plot": str(plot_path) if plot_path and drawable else None}))
@@ -423,7 +436,7 @@ def sweep_cmd(
                 else:
                     cells += [f"{r['latency_us']:,.1f}", str(r["fences"])]
             table_rows.append(cells)
-        print_table(_console, cols, table_rows, title=f"{LABEL}: {_e(pr.name)} · {_e(w0.model.name)} · "
+        print_table(_console, cols, table_rows, title=f"{LABEL}: {_e(_preset_said(pr))} · {_e(w0.model.name)} · "
                     f"{_e(_workload_title(w0, None if over == 'group_size' else over))} · sweep over {over}",
                     left_out_hint="--json shows them")
         _console.print(f"[yellow]{LABEL}[/yellow]: n/a = not modelled for this workload (an invalid or unsafe "
@@ -441,7 +454,7 @@ def sweep_cmd(
         raise typer.Exit(1)
     if plot_path is not None:
         _plot(series, over, plot_path,
-              f"{pr.name} · {w0.model.name} · {_workload_title(w0, None if over == 'group_size' else over)}")
+              f"{_preset_said(pr)} · {w0.model.name} · {_workload_title(w0, None if over == 'group_size' else over)}")
         if not as_json:
             # the path the file really has (a suffix-less --out gets '.png')
             _console.print(f"plot ({LABEL}) written to {_e(plot_path)}", soft_wrap=True)  # a path stays whole
