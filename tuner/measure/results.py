@@ -6,7 +6,8 @@ fingerprint, world, backend), on which code (git SHA + dirty flag, moetune / tor
 when, and by which exact command. `source` says how the row was made: `measured` (by `moetune bench run`),
 `smoke` (a plumbing check on tiny sizes: not a measurement) or `imported` (a number recorded before this table
 existed; its SHA is the commit that added the raw result file). A prediction of the fabric model is made by a run
-too: its `unit` carries `MODELLED` (`x MODELLED`, `% MODELLED`), which every table and summary shows with it.
+too (source `measured`: made by a run, not imported): its `unit` carries `MODELLED` (`x MODELLED`, `% MODELLED`),
+which every table and summary shows with it; filter predictions out by the unit, not by the source.
 
 Stdlib only: the CLI, the scenario runner and the tests share it.
 """

@@ -1004,8 +1004,11 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
             "measured": "measured"}.get(latest["source"], latest["source"])
     dirty = " (dirty tree)" if latest["git_dirty"] == "1" else ""
     unit = latest["unit"] if latest["metric"] == metric else next((r["unit"] for r in batch), "")
-    if "MODELLED" in unit:  # the run was measured, the number is a prediction: say so first
-        kind = f"MODELLED (predictions, not measurements; rows {latest['source']})"
+    if "MODELLED" in unit:  # a `bench run` made the rows, the numbers are predictions: say so first ("rows
+        # measured", the source column's word for rows a run made, read as a contradiction)
+        made = {"measured": "made by `moetune bench run`", "imported": "imported"}.get(latest["source"],
+                                                                                        latest["source"])
+        kind = f"MODELLED (predictions, not measurements; rows {made})"
     lines = [*head, f"{kind}, {latest['date'][:10]}, `{latest['git_sha'][:10]}`{dirty}, {latest['hardware']}"
              f"{', GPU ' + latest['gpu'] if latest['gpu'] not in ('', 'none') else ''}; metric `{metric}` ({unit}); "
              f"ratio = {'baseline / case' if s.better == 'lower' else 'case / baseline'} within a launch, median over the "
