@@ -200,3 +200,24 @@ def test_summarize_never_writes_over_the_results_it_reads(tmp_path: Path) -> Non
         r = _cli("summarize", "--results", str(src), "--out", str(out))
         assert r.returncode == 2 and "is the results file being read" in r.stderr, r.stderr
         assert src.read_bytes() == before and link.is_symlink()
+
+
+def test_summarize_says_which_rows_it_left_out(tmp_path: Path) -> None:
+    """A median that was no number (a hand edit) or a row of no scenario was dropped without a word, and the table
+    switched to another metric."""
+    src = tmp_path / "h.csv"
+    lines = S.SUMMARY_CSV.read_text().splitlines(keepends=True)
+    rows = R.read_rows(S.SUMMARY_CSV)
+    i = next(k for k, r in enumerate(rows) if not r["note"].startswith("FAILED") and r["median"])
+    r = dict(rows[i], median="abc")
+    import csv
+    import io
+
+    buf = io.StringIO()
+    csv.DictWriter(buf, fieldnames=list(R.COLUMNS), lineterminator="\n").writerow(r)
+    lines[i + 1] = buf.getvalue()
+    src.write_text("".join(lines))
+    res = _cli("summarize", "--results", str(src), "--out", str(tmp_path / "out.md"))
+    flat = " ".join(res.stderr.split())
+    assert res.returncode == 0 and f"1 row(s) left out of the summary: line {i + 2}: median 'abc'" in flat, res.stderr
+    assert R.row_problems(R.read_rows(S.SUMMARY_CSV), SCENARIOS) == (0, [])  # the committed table: none

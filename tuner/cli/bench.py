@@ -611,11 +611,16 @@ def summarize_scenarios(
         if why:
             _fail(f"--out {path}: cannot write there ({why}); give a writable file with --out, or --out - to print it")
     try:
-        md = S.summarize(S.load_all(), R.read_rows(src), source=src)
+        scenarios, rows = S.load_all(), R.read_rows(src)
+        md = S.summarize(scenarios, rows, source=src)
     except R.ResultsError as e:
         _fail(f"--results: {e}")
     except S.ScenarioError as e:
         _fail(str(e))
+    n_bad, bad = R.row_problems(rows, scenarios)
+    if n_bad:  # summarized without them, said (the table silently switched to another metric)
+        _err.print(escape(f"warning: {src}: {n_bad} row(s) left out of the summary: " + "; ".join(bad)
+                          + ("; ..." if n_bad > len(bad) else "")))
     if path is None:
         typer.echo(md, nl=False)
         return

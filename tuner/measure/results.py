@@ -18,6 +18,7 @@ import contextlib
 import csv
 import datetime as dt
 import io
+import math
 import os
 import tempfile
 from collections.abc import Iterable
@@ -215,6 +216,28 @@ def read_rows(path: Path) -> list[dict[str, str]]:
             return rows
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise _unreadable(path, e) from None
+
+
+def row_problems(rows: list[dict[str, str]], scenarios: Any, limit: int = 5) -> tuple[int, list[str]]:
+    """(how many rows a summary cannot show, the first `limit` of them by CSV line): a median that is no finite
+    number on a row that is not a FAILED one (a hand edit: the summary dropped it and switched metric without a
+    word), a scenario no file defines."""
+    bad: list[str] = []
+    n = 0
+    for i, r in enumerate(rows):
+        line = i + 2  # the header is line 1
+        why = ""
+        if r.get("scenario") not in scenarios:
+            why = f"scenario {r.get('scenario', '')[:60]!r} is defined by no bench/scenarios file"
+        elif not r.get("note", "").startswith("FAILED"):
+            v = fnum(r.get("median", ""))
+            if v is None or not math.isfinite(v):
+                why = f"median {r.get('median', '')[:30]!r} of {r.get('metric', '')[:40]} is not a finite number"
+        if why:
+            n += 1
+            if len(bad) < limit:
+                bad.append(f"line {line}: {why}")
+    return n, bad
 
 
 def fnum(s: str) -> float | None:
