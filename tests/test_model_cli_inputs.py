@@ -258,3 +258,13 @@ def test_markup_in_a_bad_preset_argument_is_an_error_not_a_crash() -> None:
     # relies on fail() printing its message as plain text (tuner/cli/db.py)
     r, text = _run("predict", "-p", "[/red]")
     _assert_refused(r, text, "preset file '[/red]' does not exist")
+
+
+def test_calibrate_refuses_one_data_file_given_twice(tmp_path: Path) -> None:
+    """`-d F -d F` (or a link to F) counted every row twice: 40 points of 20."""
+    f = _jsonl(tmp_path, "m.jsonl", GOOD_ROW)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(f)
+    for other in (f, link):
+        r, text = _run("calibrate", "-p", "nvlink-h200x2", "-d", str(f), "-d", str(other))
+        _assert_refused(r, text, f"--data {other} is also given as --data {f}: each file once")

@@ -520,7 +520,7 @@ def _read_report(path: str) -> Any:
 @app.command("run")
 def run_scenario(
     scenario: str = typer.Argument(..., help="A scenario name (`moetune bench list`)."),
-    case: str = typer.Option(None, "--case", help="Run only this case (with the baseline first and last)."),
+    case: str = typer.Option(None, "--case", help="Run only this case, beside the baseline (first, and again last where the driver times its cases one by one; the drivers that time all cases in one process run it once)."),
     launches: int = typer.Option(None, "--launches", help="Launches (default: the scenario's; 1 with --smoke)."),
     smoke: bool = typer.Option(False, "--smoke", help="Tiny sizes on CPU/gloo: checks the plumbing, rows marked source=smoke."),
     results: str = typer.Option(None, "--results", help="CSV to append to (default: bench/results/summary.csv of the moetune source tree, whatever the current "

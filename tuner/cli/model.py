@@ -603,6 +603,11 @@ def calibrate_cmd(
     A fit that cannot be trusted is refused: exit 1 naming the problem, and no --out written (unless --force)."""
     from moetune.tuner.fabric_model.calibration import NoPoints, calibrate, calibrated_preset, read_located
 
+    # the same measurements given twice would count twice in the fit (40 points of 20)
+    for i, d in enumerate(data):
+        twice = next((e for e in data[:i] if _same_file(d, e)), None)
+        if twice is not None:
+            _fail(f"--data {d} is also given as --data {twice}: each file once (its rows would count twice)")
     # a bad --out is refused before the fit, not after it
     if out is not None:
         _check_out_file(out, "calibrated.toml")

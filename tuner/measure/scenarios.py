@@ -770,7 +770,8 @@ def machine_facts(backend: str, fingerprint: Callable[[], str] | None = None) ->
 
 
 def plan(s: Scenario, case: str | None, smoke: bool) -> list[Resolved]:
-    """The cases of one launch in order: the baseline first and (with more than one case) again last."""
+    """The cases of one launch in order: the baseline first and (with more than one case, and a driver that times
+    its cases one by one) again last; a single-shot driver times them all in one process, the baseline once."""
     chosen = [c for c in s.cases if (c.smoke or not smoke)]
     if case is not None:
         names = [c.name for c in s.cases]
