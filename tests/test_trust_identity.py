@@ -77,20 +77,6 @@ def resolve(c: ProfileClient) -> tuple[client.Resolution, list[str]]:
 
 
 # -- 1: daemon.json of another host, or of a stopped daemon -------------------------------------------------------
-@pytest.mark.parametrize(("info", "why"), [
-    ({"host": "node-a", "running": True}, "written on host 'node-a'"),
-    ({"running": True}, "records no host"),
-    ({"host": HOST, "running": False}, "stopped daemon"),
-    ({"host": HOST}, "stopped daemon"),
-])
-def test_daemon_json_is_this_nodes_identity_only_from_a_running_daemon_of_this_host(info: dict, why: str) -> None:
-    ident, said = node_identity.from_daemon_info({"fingerprint": FP_A, "software": "5" * 16, **info}, "/run")
-    assert ident is None and why in said, said
-    ident, said = node_identity.from_daemon_info({"fingerprint": FP_A, "software": "5" * 16, "host": HOST,
-                                                  "running": True}, "/run")
-    assert ident is not None and ident.fingerprint == FP_A and said == ""
-
-
 def test_another_hosts_daemon_json_does_not_make_its_profiles_tuned_here(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """MOETUNE_HOME on a shared file system: node A's daemon.json and database. Before: A's identity became this

@@ -7,8 +7,8 @@ identity from what the tuner recorded, in this order:
 For a profile the daemon serves: the facts the answering daemon reports (`fabric` op), checked against this node
 and this process like the database's below (`from_reported_facts`): a daemon on another node (a tcp:// endpoint)
 reports that node's GPUs, a daemon in another Python environment than the job's (or one serving a capture) other
-package versions. (`from_daemon_info` reads the identity a running daemon of this host wrote into daemon.json: the
-daemon's discovery, not this process's software, so it alone never makes a profile tuned.)
+package versions. (The identity a running daemon writes into daemon.json is the daemon's discovery, not this
+process's software: it alone never makes a profile tuned.)
 
 For the database fallback (the daemon did not serve): the `fingerprints` table of the database (written by the
 daemon, `moetune fabric` and `moetune profile` with the facts they were computed from), newest first,
@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,27 +59,6 @@ def software_hash(facts: dict[str, Any]) -> str:
     canon = {"v": _FINGERPRINT_VERSION, **{k: str(sw.get(k, "none")) for k in _SOFTWARE_KEYS}}
     dump = json.dumps({"software": canon}, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(dump.encode()).hexdigest()[:16]
-
-
-def from_daemon_info(info: dict[str, Any] | None, where: str, host: str | None = None) -> tuple[NodeIdentity | None, str]:
-    """(this node's identity from a daemon.json, or None and why not). Only a file a daemon of this host (`host`,
-    default this hostname) wrote while running is this node's: on a shared runtime directory another node's
-    daemon writes it, and a stopped daemon's file predates whatever was installed since."""
-    if not info:
-        return None, "no daemon.json"
-    fp, sw = info.get("fingerprint"), info.get("software")
-    if not (isinstance(fp, str) and fp and isinstance(sw, str) and sw):
-        return None, f"daemon.json in {where} records no fingerprint"
-    here = host if host is not None else socket.gethostname()
-    written = info.get("host")
-    if not isinstance(written, str) or not written:
-        return None, f"daemon.json in {where} records no host (an older daemon's): cannot tell it is this node's"
-    if written != here:
-        return None, (f"daemon.json in {where} was written on host {written[:64]!r}, not this one ({here}): "
-                      "a runtime directory shared by several nodes?")
-    if info.get("running") is not True:
-        return None, f"daemon.json in {where} is a stopped daemon's"
-    return NodeIdentity(fp, sw, f"daemon.json in {where}"), ""
 
 
 def from_reported_facts(fingerprint: str | None, software: str | None, facts: Any, where: str) -> tuple[NodeIdentity | None, str]:
