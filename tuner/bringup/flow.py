@@ -264,6 +264,11 @@ def base_preset_for(facts: Any) -> str:
     return "pcie4-consumer-4090x4"
 
 
+def _undivided(experts: dict[str, int], n: int) -> list[str]:
+    """The models (as "name (E experts)") whose experts do not divide over an EP group of `n`."""
+    return [f"{m} ({e} experts)" for m, e in experts.items() if e % n]
+
+
 def plan_ep_sizes(plan: Plan, gpus: int) -> tuple[list[int], str]:
     """(the EP sizes the bring-up tunes on a node of `gpus` GPUs, what the report says of them); ValueError for a
     size the node cannot measure. One-GPU nodes tune no EP size (the megakernel instead)."""
@@ -282,12 +287,12 @@ def plan_ep_sizes(plan: Plan, gpus: int) -> tuple[list[int], str]:
             why = gloo_ranks_problem(n, gpus)
             if why:
                 raise ValueError(f"plan: EP size {n} runs {why}")
-            bad = [f"{m} ({e} experts)" for m, e in experts.items() if e % n]
+            bad = _undivided(experts, n)
             if bad:
                 raise ValueError(f"plan: EP size {n} does not divide the experts of {', '.join(bad)}")
         return asked, f"EP sizes tuned: {', '.join(map(str, asked))} (as the plan lists)"
     if gpus == 0:
-        bad = [f"{m} ({e} experts)" for m, e in experts.items() if e % 2]
+        bad = _undivided(experts, 2)
         if bad:  # up front: found after the microbenchmarks and calibration, a rerun "resumed" into the same error
             raise ValueError(f"EP size 2 (gloo ranks on the CPU: this node has no GPU) does not divide the experts of "
                              f"{', '.join(bad)}")

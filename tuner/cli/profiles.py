@@ -290,18 +290,19 @@ def import_cmd(
     if stdin and sys.stdin.isatty():  # reading would wait for typing: say what `-` is for
         raise fail("import -: stdin is a terminal; pipe an export into it (moetune profiles export - | moetune "
                    "profiles import -)")
-    from moetune.tuner.store.io import MAX_IMPORT_BYTES, too_big_message
+    from moetune.tuner.store.io import MAX_IMPORT_BYTES, read_import, too_big_message
 
     try:  # never more than the limit read into memory (a stray multi-GB file or an endless pipe)
         if stdin:
             data = sys.stdin.buffer.read(MAX_IMPORT_BYTES + 1)
+            if len(data) > MAX_IMPORT_BYTES:
+                raise ProfileImportError(too_big_message(source))
         else:
-            with open(path, "rb") as f:
-                data = f.read(MAX_IMPORT_BYTES + 1)
+            data = read_import(path)
     except OSError as e:
         raise fail(f"cannot read {source}: {e.strerror or e}") from None
-    if len(data) > MAX_IMPORT_BYTES:
-        raise fail(f"{too_big_message(source)} (database unchanged)")
+    except ProfileImportError as e:
+        raise fail(f"{e} (database unchanged)") from None
     if not data:  # not "not valid JSON: Input data was truncated"
         raise fail(f"{'stdin' if stdin else source} is empty: nothing to import (database unchanged)")
     _refuse_no_format(data, source)

@@ -354,6 +354,7 @@ class Store:
             path = load_config().db_path
         self.readonly = readonly
         self.memory = str(path) == ":memory:"
+        self._checked_sound = False  # refuse_damaged passed (a full scan: once per open store)
         self._opened = threading.local()  # .conns: this thread's immutable=1 connections inside `_reads_checked`
         if self.memory:
             if readonly:
@@ -572,11 +573,12 @@ class Store:
     def refuse_damaged(self) -> None:
         """StoreDamaged unless the file passes `quick_check`: nothing is written to a damaged database (a write
         next to a damaged page can spread the damage, and its rows could not all be read back)."""
-        if self.memory:
+        if self.memory or self._checked_sound:  # one full scan per open store (the CLI's open, then the import)
             return
         found = self.quick_check()
         if found != ["ok"]:
             raise StoreDamaged(damaged_message(self.path, "; ".join(found[:3])))
+        self._checked_sound = True
 
     @_retried
     def mislabelled_profiles(self) -> list[tuple[int, str]]:
