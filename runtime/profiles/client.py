@@ -341,6 +341,7 @@ def query_db_profiles(
     dtype: str,
     fingerprint: str | None = None,
     timeout_s: float = 0.05,
+    check_schema: bool = True,
 ) -> list[ProfileRecord]:
     """Current profiles of one shape/EP size from the store's `profiles` table, opened read-only.
 
@@ -350,7 +351,7 @@ def query_db_profiles(
     perf_env the column's (migration 0006; NULL or no column: not recorded), a row whose perf_env is not one the
     tuner records (`perf_env_problem`) is skipped.
     """
-    newer = newer_schema_problem(db_path, timeout_s)
+    newer = newer_schema_problem(db_path, timeout_s) if check_schema else ""  # (False: the caller checked it)
     if newer:
         raise sqlite3.OperationalError(newer)
     where = (" FROM profiles WHERE status = 'current' AND ep_size = ? AND nodes = ? "
@@ -1032,7 +1033,7 @@ class ProfileClient:
             else:
                 recs = query_db_profiles(db, ep_size=ep_size, nodes=nodes, hidden=model.hidden,
                                          intermediate=model.intermediate, experts=model.experts, topk=model.topk,
-                                         dtype=model.dtype)
+                                         dtype=model.dtype, check_schema=False)  # node_identity_from_db did
                 if transport_family:
                     recs = [x for x in recs if x.key.transport_family == transport_family]
                 if ident is None:  # a what-if preset's profiles are for no node in particular: only they may serve

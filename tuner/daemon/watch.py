@@ -220,14 +220,13 @@ class FabricWatch:
             # everything it wrote before this listing. The ids are the rows this change makes stale, recorded in its
             # event (a daemon stopped before queuing their re-tune has the next one finish it for these rows only,
             # `_retune_after_interrupted_change`) and the rows made stale below: one list for both
-            ids = [i for i, _ in self.store.list_profiles(status="current", fingerprint=old_fp)] if old_fp else []
+            cur = self.store.list_profiles(status="current", fingerprint=old_fp) if old_fp else []
             self.facts = facts
+        ids = [i for i, _ in cur]
         self.store.add_event(kind="fabric_changed", reason=reason,
                              details={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "identity": identity(facts),
                                       "reasons": reasons, "facts": new_dict, "profiles": ids})
-        mine = set(ids)
-        stale_recs = ([r for i, r in self.store.list_profiles(status="current", fingerprint=old_fp) if i in mine]
-                      if old_fp else [])
+        stale_recs = [r for _, r in cur]
         if old_fp:
             self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000], ids=ids)
             self.jobs.cancel_fingerprint(old_fp)  # its work is for a fabric that is gone
