@@ -189,6 +189,18 @@ def test_bench_run_table_fits_80_columns(tmp_path: Path, fast_scenario) -> None:
     assert "speedup[16nodes]" in r.stdout and "12.1" in r.stdout and "…" not in r.stdout
 
 
+def test_a_run_stores_its_predictions_as_modelled(tmp_path: Path, fast_scenario) -> None:
+    """A prediction a run makes (unit ... MODELLED) is stored with source `modelled`, never `measured`; the table's
+    title does not call it measured either."""
+    dest = tmp_path / "s.csv"
+    r = _run("bench", "run", "fabric-model", "--launches", "1", "--results", str(dest), width=200)
+    assert r.exit_code == 0, r.output
+    rows = R.read_rows(dest)
+    assert rows and {x["source"] for x in rows} == {"modelled"}, rows
+    flat = " ".join(r.output.split())  # the title wraps at the console's width
+    assert "rows appended (run here; the MODELLED ones are predictions" in flat and "(measured" not in flat, flat
+
+
 def test_bench_list_keeps_every_name_whole_at_80_columns() -> None:
     import re
 

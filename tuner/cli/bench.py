@@ -552,9 +552,9 @@ def run_scenario(
         _fail(str(e))
     except OSError as e:  # the table could not be read or written (permissions, a full disk)
         _fail(f"--results {out}: {e.strerror or e}")
-    modelled = any("MODELLED" in str(r.get("unit") or "") for r in rows)
-    # the rows' `source` says how the launch ran (measured: run here, not a smoke run or an import); a MODELLED
-    # unit says the number is a prediction: the title never calls predictions measured
+    modelled = any(R.is_modelled(r) for r in rows)
+    # the rows' `source` says how the launch ran (measured, or modelled for a prediction a run made; smoke; an
+    # import): the title never calls predictions measured
     kind = "imported" if from_report is not None else "smoke" if smoke else "run here" if modelled else "measured"
     if modelled:
         kind += "; the MODELLED ones are predictions, not measurements"

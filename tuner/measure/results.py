@@ -4,10 +4,10 @@ Fixed columns (`COLUMNS`), so a row written today and one written next year line
 measured (scenario, case, metric, its median / p10 / p90 over `n` samples), where (hardware, GPU, fabric
 fingerprint, world, backend), on which code (git SHA + dirty flag, moetune / torch / NCCL / CUDA versions),
 when, and by which exact command. `source` says how the row was made: `measured` (by `moetune bench run`),
-`smoke` (a plumbing check on tiny sizes: not a measurement) or `imported` (a number recorded before this table
-existed; its SHA is the commit that added the raw result file). A prediction of the fabric model is made by a run
-too (source `measured`: made by a run, not imported): its `unit` carries `MODELLED` (`x MODELLED`, `% MODELLED`),
-which every table and summary shows with it; filter predictions out by the unit, not by the source.
+`modelled` (by `moetune bench run` too, but the number is a prediction of the fabric model or of a modelled
+search, not a measurement; its `unit` carries `MODELLED` as well: `x MODELLED`, `% MODELLED`), `smoke` (a
+plumbing check on tiny sizes: not a measurement) or `imported` (a number recorded before this table existed; its
+SHA is the commit that added the raw result file; an imported prediction's unit carries `MODELLED`).
 
 Stdlib only: the CLI, the scenario runner and the tests share it.
 """
@@ -30,6 +30,11 @@ COLUMNS: tuple[str, ...] = (
     "source", "date", "git_sha", "git_dirty", "moetune", "torch", "nccl", "cuda", "gpu", "gpu_count",
     "fabric_fingerprint", "hardware", "world", "backend", "command", "note",
 )
+
+
+def is_modelled(row: dict[str, Any]) -> bool:
+    """Whether a row holds a prediction (its unit carries MODELLED), whoever made it."""
+    return "MODELLED" in str(row.get("unit") or "")
 
 
 class ResultsError(ValueError):

@@ -828,6 +828,9 @@ def run(s: Scenario, *, case: str | None = None, launches: int | None = None, sm
         launch_rows = _launch_rows(s, out, launch_id, {"source": "smoke" if smoke else "measured",
                                                         "date": stamp.strftime("%Y-%m-%dT%H:%M:%SZ"),
                                                         "world": needs.world, "backend": needs.backend, **facts})
+        for r in launch_rows:  # a prediction a run made is stored as modelled, never as measured
+            if r["source"] == "measured" and R.is_modelled(r):
+                r["source"] = "modelled"
         try:
             R.append_or_keep(results, launch_rows)
         except R.RowsNotSaved as e:  # kept elsewhere; no further launch is run into a table that takes no rows
@@ -1005,10 +1008,9 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
             "measured": "measured"}.get(latest["source"], latest["source"])
     dirty = " (dirty tree)" if latest["git_dirty"] == "1" else ""
     unit = latest["unit"] if latest["metric"] == metric else next((r["unit"] for r in batch), "")
-    if "MODELLED" in unit:  # a `bench run` made the rows, the numbers are predictions: say so first ("rows
-        # measured", the source column's word for rows a run made, read as a contradiction)
-        made = {"measured": "made by `moetune bench run`", "imported": "imported"}.get(latest["source"],
-                                                                                        latest["source"])
+    if "MODELLED" in unit or latest["source"] == "modelled":  # predictions: said first, whoever made the rows
+        made = {"modelled": "made by `moetune bench run`", "measured": "made by `moetune bench run`",
+                "imported": "imported"}.get(latest["source"], latest["source"])
         kind = f"MODELLED (predictions, not measurements; rows {made})"
     lines = [*head, f"{kind}, {latest['date'][:10]}, `{latest['git_sha'][:10]}`{dirty}, {latest['hardware']}"
              f"{', GPU ' + latest['gpu'] if latest['gpu'] not in ('', 'none') else ''}; metric `{metric}` ({unit}); "
