@@ -85,7 +85,8 @@ def _open(db: Path | None, config: Path | None, *, readonly: bool = False):
 
     try:
         cfg = load_config(config)
-        store = Store(db or cfg.db_path, readonly=readonly)
+        # intact: a damaged file is refused before any stage measures (and writes its results into it)
+        store = Store(db or cfg.db_path, readonly=readonly, intact=not readonly)
         say_upgraded(store)
         return cfg, store
     except StoreError as e:  # names the database; exit 1 when another process holds it or this user may not write it

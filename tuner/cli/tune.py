@@ -244,8 +244,9 @@ def _open_store(db: Path | None, *, readonly: bool = False):
     except ImportError as e:
         _fail(f"the profile store is not available in this build ({e})")
     try:
-        store = Store(db, readonly=readonly)
-    except (RuntimeError, OSError, ValueError) as e:  # StoreError: not a database, newer schema, cannot open, busy
+        # intact: a damaged file is refused before the trials (they ran for minutes, then the write failed or spread it)
+        store = Store(db, readonly=readonly, intact=not readonly)
+    except (RuntimeError, OSError, ValueError) as e:  # StoreError: not a database, damaged, newer schema, busy, ...
         _fail(str(e), getattr(e, "exit_code", 2))
     from moetune.tuner.cli.db import say_upgraded
 

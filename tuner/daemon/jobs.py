@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from moetune.runtime.profile_record import ENGINE_FAMILIES, MEGAKERNEL_FAMILY, ProfileKey, ProfileRecord
 from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.runtime.wire import JobInfo
-from moetune.tuner.store import StoreError
+from moetune.tuner.store import StoreDamaged, StoreError
 
 if TYPE_CHECKING:
     from moetune.tuner.daemon.server import TuneSettings
@@ -713,7 +713,11 @@ class JobManager:
         written: list[ProfileRecord] = []
         before: set[int] | None = None  # the current profiles (row ids) of the job's fingerprint when it started
         t0 = time.monotonic()
+        damaged = False  # the store's file is damaged: nothing more of this job is written to it
         try:
+            # the daemon's store was scanned when it opened, maybe weeks ago: scanned anew before this job writes or
+            # measures (a damaged file found only by the profile write lost the minutes measured)
+            self.store.refuse_damaged(again=True)
             facts = self.facts_fn()
             if facts is None:
                 raise RuntimeError("no fabric facts (discovery failed)")
@@ -741,6 +745,9 @@ class JobManager:
                 job.message += "; " + "; ".join(job.refused)
         except JobCancelled as e:
             job.state, job.message = "cancelled", str(e)
+        except StoreDamaged as e:  # the scan's, or a read or write's on a damaged page: said plainly, no traceback
+            log.error("re-tune job %d failed: %s", job.id, e)
+            job.state, job.message, damaged = "failed", str(e), True
         except RetuneImpossible as e:  # said plainly, no traceback: the daemon keeps serving what is valid
             log.warning("re-tune job %d cannot run: %s", job.id, e)
             job.state, job.message, job.impossible = "failed", str(e), True
@@ -754,20 +761,22 @@ class JobManager:
             if written:
                 job.message += f" ({len(written)} profile(s) written before it stopped)"
             job.message += _outcomes(job)
-        moved = self._fabric_moved_on(job)
+        moved = "" if damaged else self._fabric_moved_on(job)  # its mark_stale is a write
         if moved:
             written = []  # nothing of the old fingerprint stays current: nothing to publish
         interrupted = job.state == "cancelled" and job.cancelled_by == "shutdown"
         if interrupted:
             job.state, job.message = "failed", "daemon stopped during the job"
         job.finished = now()
-        if job.run_id is not None:
+        if job.run_id is not None and not damaged:
             try:
                 best = min((r.latency_us for r in written), default=None)
                 self.store.finish_run(job.run_id, status=job.state, trials=len(written), best_value=best)
             except Exception as e:  # broad: in the worker thread; a run row left open must not stop the queue
                 log.error("cannot finish run %s: %s", job.run_id, e)
-        if not interrupted:  # an interrupted job stays `started` in the store: the next daemon resumes it
+        # an interrupted job stays `started` in the store: the next daemon resumes it; a job stopped by a damaged file
+        # is not recorded in it (said in the log and `status`): the next daemon refuses the file until it is restored
+        if not interrupted and not damaged:
             self._event("job_finished", job, job.message)
         if self.metrics:
             self.metrics.job_finished(job.state)

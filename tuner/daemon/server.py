@@ -1460,7 +1460,9 @@ def run_daemon(
     else:
         from moetune.tuner.store.store import Store
 
-        store = Store(db_path)  # makes moetune's own data folder only: a configured one must exist
+        # makes moetune's own data folder only: a configured one must exist; intact: a damaged file is refused (a
+        # StoreDamaged: `moetune serve` says it, exit 2) before the daemon serves or re-tunes into it
+        store = Store(db_path, intact=True)
         up = store.upgraded  # what the open migrated (a `db downgrade` is undone here: say so)
         if up is not None and up.from_revision is not None:
             log.info("database migrated", extra={"db": str(store.path), "from_revision": up.from_revision,

@@ -19,6 +19,7 @@ _LAZY = {
     "SchemaVersionManager": "._schema",
     "Store": ".store",
     "StoreBusy": "._schema",
+    "StoreDamaged": "._schema",
     "StoreError": "._schema",
     "StoreNotWritable": "._schema",
     "VERSION_TABLE": "._schema",

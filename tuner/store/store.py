@@ -343,10 +343,13 @@ class Store:
     `path` None → the configured database (`[store] db`, else `$MOETUNE_HOME/moetune.db`, else the XDG
     data dir). `":memory:"` gives a private in-memory database (tests). Safe to share between threads;
     after a fork the child drops the parent's pooled connections and opens its own.
+    `intact`: a writer's open (tune, profile, serve, the write commands): an existing file is scanned once
+    (`refuse_damaged`) before the schema check or upgrade; a StoreDamaged (the store closed) where it is damaged.
     """
 
     def __init__(
-        self, path: str | Path | None = None, *, readonly: bool = False, upgrade: bool = True, check_schema: bool = True
+        self, path: str | Path | None = None, *, readonly: bool = False, upgrade: bool = True, check_schema: bool = True,
+        intact: bool = False,
     ):
         if path is None:
             from moetune.runtime.config import load_config
@@ -355,6 +358,7 @@ class Store:
         self.readonly = readonly
         self.memory = str(path) == ":memory:"
         self._checked_sound = False  # refuse_damaged passed (a full scan: once per open store)
+        existing = False  # a non-empty file was there before this open (what `intact` scans)
         self._opened = threading.local()  # .conns: this thread's immutable=1 connections inside `_reads_checked`
         if self.memory:
             if readonly:
@@ -369,7 +373,8 @@ class Store:
             self.url = URL.create("sqlite", database=str(self.path)).render_as_string(hide_password=False)
             if readonly and not self.path.is_file():
                 raise StoreError(f"no database at {self.path}")
-            if self.path.is_file() and self.path.stat().st_size > 0:
+            existing = self.path.is_file() and self.path.stat().st_size > 0
+            if existing:
                 _refuse_foreign(self.path, readonly=readonly)
             if readonly:
                 # NullPool: every read opens its connection anew, so the mode=ro / immutable=1 choice and the
@@ -385,9 +390,16 @@ class Store:
         self._pid = os.getpid()
         # what this open migrated (the daemon logs it); None: nothing
         self.upgraded: Upgraded | None = None
-        # check_schema=False: a read-only look at a database at any revision (`moetune db current/check`).
-        if check_schema and (upgrade or readonly):
-            self.upgraded = self._ensure_schema(upgrade=upgrade and not readonly)
+        try:
+            # intact: a writer's open (tune, profile, serve) refuses a damaged file before the upgrade, which writes too
+            if intact and not readonly and not self.memory and existing:
+                self.refuse_damaged()
+            # check_schema=False: a read-only look at a database at any revision (`moetune db current/check`).
+            if check_schema and (upgrade or readonly):
+                self.upgraded = self._ensure_schema(upgrade=upgrade and not readonly)
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def open_existing(cls, path: str | Path, *, write: bool = False, create: bool = False) -> Store:
@@ -406,16 +418,8 @@ class Store:
         if kind == "empty" and not (write and create):
             what = _without_moetune_words(tables)
             raise StoreError(f"{path} is not a moetune database ({what}: {upgrade_cmd} makes it one)")
-        if write:
-            store = cls(path, upgrade=False)
-            try:  # before the upgrade too: a migration writes (and copies tables) like any other write
-                if kind != "missing":
-                    store.refuse_damaged()
-                store.upgraded = store._ensure_schema(upgrade=True)
-            except BaseException:
-                store.close()
-                raise
-            return store
+        if write:  # intact: scanned before the upgrade too, a migration writes (and copies tables) like any other write
+            return cls(path, intact=True)
         head = head_revision()
         if rev != head and (rev is None or rev in known_revisions()):
             raise StoreError(
@@ -570,11 +574,13 @@ class Store:
         with self._connect() as conn:
             return [r[0] for r in conn.exec_driver_sql("PRAGMA quick_check").fetchall()]
 
-    def refuse_damaged(self) -> None:
+    def refuse_damaged(self, *, again: bool = False) -> None:
         """StoreDamaged unless the file passes `quick_check`: nothing is written to a damaged database (a write
-        next to a damaged page can spread the damage, and its rows could not all be read back)."""
-        if self.memory or self._checked_sound:  # one full scan per open store (the CLI's open, then the import)
+        next to a damaged page can spread the damage, and its rows could not all be read back). `again`: scan even
+        when this open passed once (the daemon's store stays open for weeks: each re-tune job scans it anew)."""
+        if self.memory or (self._checked_sound and not again):  # one full scan per open store (the open, the import)
             return
+        self._checked_sound = False  # until this scan passes: damage found `again` is not undone by an earlier pass
         found = self.quick_check()
         if found != ["ok"]:
             raise StoreDamaged(damaged_message(self.path, "; ".join(found[:3])))
