@@ -154,11 +154,12 @@ def _shape(**kw: Any) -> ModelShape:
     (_shape(hidden=384), None, MegakernelConfig(bn=256), "bn=256 needs"),
     (_shape(), 1 << 22, None, "too many tiles for max_tokens"),
     (_shape(experts=16, topk=16), (1 << 26) + 1, MegakernelConfig(bm=128), r"max_tokens x topk must be <= 2\^30"),
-    # the task word's 16-bit m-tile field: 131072 x 16 rows on one expert are 131072 m-tiles of 16 (the review's case)
-    (_shape(experts=512, topk=16), 131072, None, r"too many m-tiles for one expert .* 131072 m-tiles of bm=16, "
-                                                 r"more than the 65536 a task word's 16-bit m-tile field numbers"),
-    (_shape(experts=512, topk=16), (1 << 16) + 1, MegakernelConfig(), r"65537 m-tiles of bm=16.*or raise bm"),
-    (_shape(experts=512, topk=16), (1 << 19) + 8, MegakernelConfig(bm=128, combine_tokens=16), r"65537 m-tiles of bm=128"),
+    # the task word's 16-bit m-tile field: an expert's list holds max_tokens rows, 2^20 + 1 of them 65537 m-tiles of 16
+    (_shape(topk=1), (1 << 20) + 1, MegakernelConfig(combine_tokens=32),
+     r"too many m-tiles for one expert .* 1048577 rows make up to 65537 m-tiles of bm=16, more than the 65536 a "
+     r"task word's 16-bit m-tile field numbers; lower max_tokens or raise bm"),
+    (_shape(topk=1), (1 << 22) + 1, MegakernelConfig(bm=64, combine_tokens=128), r"65537 m-tiles of bm=64"),
+    (_shape(topk=1), (1 << 23) + 1, MegakernelConfig(bm=128, combine_tokens=256), r"65537 m-tiles of bm=128, .*; lower max_tokens$"),
 ])
 def test_limits_problem_mirrors_the_library(model: ModelShape, max_tokens: int | None, cfg: Any, match: str) -> None:
     why = E.limits_problem(model, max_tokens, cfg)
@@ -169,8 +170,11 @@ def test_limits_within_range_pass() -> None:
     from moetune.runtime.shapes import MODELS
 
     assert E.limits_problem(MODELS["qwen3-30b"], 4096, MegakernelConfig(split_k1=4, split_k2=2)) is None
-    assert E.limits_problem(_shape(experts=512, topk=16), 1 << 16, MegakernelConfig()) is None  # 65536 m-tiles: fits
-    assert E.limits_problem(_shape(experts=512, topk=16), 1 << 19, MegakernelConfig(bm=128, combine_tokens=16)) is None
+    assert E.limits_problem(_shape(experts=512, topk=16), 1 << 16, MegakernelConfig()) is None
+    # one expert's m-tiles count its own list (max_tokens rows), not max_tokens x topk: 8192 m-tiles of 16 here
+    assert E.limits_problem(_shape(experts=512, topk=16), 131072, None) is None
+    for bm, ct in ((16, 32), (64, 128), (128, 256)):  # 65536 m-tiles: fits
+        assert E.limits_problem(_shape(topk=1), (1 << 16) * bm, MegakernelConfig(bm=bm, combine_tokens=ct)) is None
 
 
 def test_megakernel_limits_fall_back_or_raise_at_construction(fake_mk) -> None:

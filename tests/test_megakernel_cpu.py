@@ -7,6 +7,7 @@ GPU tests compare the kernel's own task counts with `plan`. Here: task counts, d
 
 from __future__ import annotations
 
+import ctypes
 import random
 import re
 import shutil
@@ -266,6 +267,68 @@ def test_library_compiles(tmp_path, monkeypatch):
     monkeypatch.setenv("MOETUNE_CACHE", str(tmp_path))
     lib = _lib.build()
     assert lib.exists() and lib.stat().st_size > 0
+
+
+# ---- one expert's m-tiles: the task word's 16-bit m-tile field, bounded by check_params and limits_problem -------
+def _expert_tile_model(bm: int):
+    from moetune.runtime.shapes import ModelShape
+
+    # combine tiles of 2 x bm tokens: no other limit binds before one expert's m-tiles do. topk 2: a bound that
+    # counted max_tokens x topk rows on one expert (as limits_problem did) would refuse half the S_cap the library takes
+    return (ModelShape(name="t", hidden=128, intermediate=64, experts=4, topk=2),
+            MegakernelConfig(bm=bm, combine_tokens=2 * bm))
+
+
+def test_expert_tile_bound_source_mirrors_limits_problem():
+    """limits_problem's one-expert bound is check_params': the same limit (mk_index.h MAX_EXPERT_TILES = the m-tile
+    field's range, round-tripped by test_index_math_host_compiled) on the same count, ceil(rows of a list / bm)."""
+    from moetune.runtime.megakernel import _lib
+    from moetune.runtime.megakernel import config as mk_config
+
+    idx = (_lib.source_dir() / "mk_index.h").read_text()
+    m = re.search(r"constexpr int64_t MAX_EXPERT_TILES = 1 << (\d+);", idx)
+    assert m and 1 << int(m.group(1)) == mk_config.MAX_EXPERT_TILES
+    assert "MK_HD int t_mtile(uint64_t w) { return (int)((w >> 32) & 0xffff); }" in idx  # 16 bits
+    assert "MK_HD int64_t expert_tiles_max(int64_t s_cap, int64_t bm) { return (s_cap + bm - 1) / bm; }" in idx
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    body = re.search(r"\nint check_params\(const MkParams\* p\) \{(.*?)\n\}", src, re.S).group(1)
+    assert "if (!p->decode && mkidx::expert_tiles_max(p->S_cap, p->bm) > mkidx::MAX_EXPERT_TILES)" in body
+    for bm in (16, 64, 128):  # S_cap = max_tokens: the last that fits, and one more
+        model, cfg = _expert_tile_model(bm)
+        assert mk_config.limits_problem(model, mk_config.MAX_EXPERT_TILES * bm, cfg) is None
+        why = mk_config.limits_problem(model, mk_config.MAX_EXPERT_TILES * bm + 1, cfg)
+        assert why is not None and f"{mk_config.MAX_EXPERT_TILES + 1} m-tiles of bm={bm}" in why, why
+
+
+@pytest.mark.slow
+def test_expert_tile_bound_library_agrees_with_limits_problem():
+    """The built library's check_params refuses exactly the launches limits_problem refuses: S_cap = 65536 x bm
+    passes, one row more does not (its message names the limit), at each bm; a decode launch forms no m-tiles and
+    passes. No GPU needed: check_params runs first, and a launch of S = 0 returns before any CUDA call."""
+    from moetune.runtime import csrc_build as cb
+    from moetune.runtime.megakernel import _lib
+    from moetune.runtime.megakernel import config as mk_config
+
+    if cb.find_nvcc() is None:
+        pytest.skip("no nvcc")
+    lib = _lib.open_library(_lib.build())
+    dec_cnt = (ctypes.c_int32 * _lib.DEC_CNT_WORDS)()
+    for bm in (16, 64, 128):
+        model, cfg = _expert_tile_model(bm)
+        for s_cap in (mk_config.MAX_EXPERT_TILES * bm, mk_config.MAX_EXPERT_TILES * bm + 1):
+            why = mk_config.limits_problem(model, s_cap, cfg)
+            for decode in (0, 1):
+                p = _lib.MkParams(S=0, S_cap=s_cap, H=model.hidden, I=model.intermediate, E=model.experts,
+                                  K=model.topk, bm=bm, stages=4, combine_tokens=cfg.combine_tokens, q_cap=1,
+                                  max_tiles=1, max_ctiles=1, grid=2, timeout_ns=10**9, logit_splits_max=1, split_k1=1,
+                                  split_k2=1, bn=128, decode=decode, dec_cnt=ctypes.addressof(dec_cnt))
+                rc = lib.mk_experts(ctypes.byref(p), None)
+                err = lib.mk_last_error().decode()
+                if decode or why is None:
+                    assert rc == 0, (bm, s_cap, decode, err)
+                else:
+                    assert rc == 1 and (f"S_cap = {s_cap} rows make up to {mk_config.MAX_EXPERT_TILES + 1} m-tiles "
+                                        f"of bm = {bm}") in err and f"S_cap <= {mk_config.MAX_EXPERT_TILES} x bm" in err, err
 
 
 # ---- the wgmma core and decode split-K (index math on the CPU; the kernels themselves need a GPU) --------------

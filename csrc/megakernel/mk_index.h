@@ -102,6 +102,10 @@ MK_HD int t_expert(uint64_t w) { return (int)((w >> 48) & 0x1ff); }
 MK_HD int t_mtile(uint64_t w) { return (int)((w >> 32) & 0xffff); }
 MK_HD int t_nfield(uint64_t w) { return (int)((w >> 20) & 0xfff); }
 MK_HD int t_tile(uint64_t w) { return (int)(w & 0xfffff); }
+// One expert's m-tiles, at most: they number 0 .. MAX_EXPERT_TILES - 1 in the 16-bit m-tile field; another would
+// spill into the expert's bits.
+// runtime/megakernel/config.py mirrors it (MAX_EXPERT_TILES, limits_problem).
+constexpr int64_t MAX_EXPERT_TILES = 1 << 16;
 
 // ---- m-tiles ------------------------------------------------------------------------------------------
 // An expert with cnt routed rows owns ceil(cnt / bm) m-tiles, except that with `tail` > 0 (MkParams.tail_rows: the
@@ -111,6 +115,10 @@ MK_HD int expert_tiles(int cnt, int bm, int tail) {
   const int n = (cnt + bm - 1) / bm, r = cnt % bm;
   return tail > 0 && n > 1 && r > 0 && r <= tail ? n - 1 : n;
 }
+// The most m-tiles one expert can own in a launch of S_cap token rows and m-tile bm: its row list holds S_cap rows
+// (MkParams.lists [E, S_cap]; the routing kernels pick K distinct experts per token, so at most S of them), an m-tile
+// bm of them (a tail rides in the last m-tile: fewer, never more). check_params bounds it by MAX_EXPERT_TILES.
+MK_HD int64_t expert_tiles_max(int64_t s_cap, int64_t bm) { return (s_cap + bm - 1) / bm; }
 // One past the last of m-tile mt's rows in the expert's list (its first is mt * bm).
 MK_HD int tile_end(int cnt, int mt, int bm, int tail) {
   return mt + 1 >= expert_tiles(cnt, bm, tail) ? cnt : (mt + 1) * bm;

@@ -2466,6 +2466,15 @@ int check_params(const MkParams* p) {
   if (p->decode < 0 || p->decode > 2) return fail_msg("mk: decode must be 0, 1 or 2");
   if (p->decode && !p->dec_cnt) return fail_msg("mk: decode needs dec_cnt");
   if (p->tail_rows < 0 || p->tail_rows > 16) return fail_msg("mk: tail_rows must be in 0..16");
+  // A task word numbers an m-tile within its expert in 16 bits (mk_index.h: enc): past that the m-tile spills into
+  // the expert's bits and the task computes another expert's rows. The decode kernel forms no m-tiles.
+  if (!p->decode && mkidx::expert_tiles_max(p->S_cap, p->bm) > mkidx::MAX_EXPERT_TILES) {
+    snprintf(g_err, sizeof g_err, "mk: S_cap = %lld rows make up to %lld m-tiles of bm = %lld for one expert, more than "
+             "the %lld a task word's 16-bit m-tile field numbers (S_cap <= %lld x bm)", (long long)p->S_cap,
+             (long long)mkidx::expert_tiles_max(p->S_cap, p->bm), (long long)p->bm,
+             (long long)mkidx::MAX_EXPERT_TILES, (long long)mkidx::MAX_EXPERT_TILES);
+    return 1;
+  }
   return 0;
 }
 

@@ -392,7 +392,7 @@ BK, BN = 64, 128  # k elements per weight plane / columns per n-block
 MAX_NFIELD = 4095  # a task word's n-field: n-blocks x split-K parts
 MAX_TILES = 1 << 20  # m-tiles (exclusive)
 MAX_CTILES = 1 << 16  # combine tiles (inclusive)
-MAX_EXPERT_TILES = 1 << 16  # one expert's m-tiles (exclusive): a task word's 16-bit m-tile field (mk_index.h: enc)
+MAX_EXPERT_TILES = 1 << 16  # one expert's m-tiles (inclusive): a task word's 16-bit m-tile field (mk_index.h)
 MAX_ROWS = 1 << 30  # S_cap x topk
 
 
@@ -428,12 +428,13 @@ def limits_problem(model: Any, max_tokens: int | None = None, config: Megakernel
         if tiles >= MAX_TILES or ctiles > MAX_CTILES:
             return (f"too many tiles for max_tokens={max_tokens}: {tiles} m-tiles (limit {MAX_TILES - 1}) and "
                     f"{ctiles} combine tiles (limit {MAX_CTILES}); lower max_tokens")
-        # a task word numbers an m-tile within its expert in 16 bits; more would spill into the expert's bits. The
-        # worst case is every routed row on one expert (given routing may repeat an expert within a token).
-        one = -(-max_tokens * k // (c.bm or 16))
+        # a task word numbers an m-tile within its expert in 16 bits; more would spill into the expert's bits. An
+        # expert's row list holds max_tokens rows (lists [E, max_tokens]; the routing kernels pick distinct experts
+        # per token): the library's bound (mk_index.h: expert_tiles_max, checked in check_params), not max_tokens x
+        # topk, since given routing that put more rows on one expert would overflow its list first.
+        one = -(-max_tokens // (c.bm or 16))
         if one > MAX_EXPERT_TILES:
-            return (f"too many m-tiles for one expert with max_tokens={max_tokens}: every routed row on one expert "
-                    f"({max_tokens} x topk {k}) makes {one} m-tiles of bm={c.bm or 16}, more than the "
-                    f"{MAX_EXPERT_TILES} a task word's 16-bit m-tile field numbers; lower max_tokens"
-                    f"{' or raise bm' if (c.bm or 16) < 128 else ''}")
+            return (f"too many m-tiles for one expert with max_tokens={max_tokens}: an expert's {max_tokens} rows "
+                    f"make up to {one} m-tiles of bm={c.bm or 16}, more than the {MAX_EXPERT_TILES} a task word's "
+                    f"16-bit m-tile field numbers; lower max_tokens{' or raise bm' if (c.bm or 16) < 128 else ''}")
     return None

@@ -436,6 +436,29 @@ int main() {
         CHECK(prev == c, "tiles of %d rows (tail %d) end at %d", c, tail, prev);
       }
   }
+  // 13. one expert's m-tiles (check_params' bound): MAX_EXPERT_TILES is the m-tile field's range (its last value
+  // round-trips, one more spills into the expert's bits), and expert_tiles_max bounds expert_tiles for every count up
+  // to S_cap, whatever the tail (equal without one)
+  {
+    const uint64_t last = enc(MK_TASK_GEMM1, 3, (int)(MAX_EXPERT_TILES - 1), 5, 7);
+    CHECK(t_mtile(last) == MAX_EXPERT_TILES - 1 && t_expert(last) == 3, "last m-tile %d", t_mtile(last));
+    const uint64_t over = enc(MK_TASK_GEMM1, 2, (int)MAX_EXPERT_TILES, 5, 7);  // reads as m-tile 0 of expert 3
+    CHECK(t_mtile(over) == 0 && t_expert(over) == 3, "m-tile %lld: mt=%d e=%d", (long long)MAX_EXPERT_TILES,
+          t_mtile(over), t_expert(over));
+    for (int bm : {16, 64, 128})
+      for (int s_cap : {0, 1, 15, 16, 17, 128, 129, 1000}) {
+        CHECK(expert_tiles_max(s_cap, bm) == (s_cap + bm - 1) / bm, "expert_tiles_max(%d, %d)", s_cap, bm);
+        for (int c = 0; c <= s_cap; ++c)
+          for (int tail : {0, 1, 16}) {
+            const int n = expert_tiles(c, bm, tail);
+            CHECK(n <= expert_tiles_max(s_cap, bm) && (tail || c < s_cap || n == expert_tiles_max(s_cap, bm)),
+                  "expert_tiles(%d, %d, %d) = %d vs S_cap %d", c, bm, tail, n, s_cap);
+          }
+      }
+    CHECK(expert_tiles_max(MAX_EXPERT_TILES * 16, 16) == MAX_EXPERT_TILES &&
+              expert_tiles_max(MAX_EXPERT_TILES * 16 + 1, 16) == MAX_EXPERT_TILES + 1,
+          "expert_tiles_max at the bound");
+  }
   printf("ok %ld\n", n_checks);
   return 0;
 }
