@@ -2,10 +2,15 @@
 `moetune profile` and `moetune serve` refuse it when they open it, before anything is measured or served (one clear
 line naming the file and `moetune db check`, exit 2, not a byte written), as `profiles import` does. Before, tune and
 profile measured and then wrote their rows into it, and the daemon served from it. A daemon's re-tune job on a file
-damaged after the daemon started ends failed with that reason, nothing measured or written, and the worker lives."""
+damaged after the daemon started ends failed with that reason, nothing measured or written, and the worker lives.
+`moetune db upgrade` and `db downgrade` refuse it too, before a migration step writes (a damaged page the migration
+does not read let it migrate the file, exit 0), while `moetune db check` still reports it; `profiles delete` and
+`fabric show --record` refuse it as they did."""
 
 from __future__ import annotations
 
+import shutil
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -111,3 +116,61 @@ def test_a_retune_job_on_a_file_damaged_later_fails_with_the_reason(tmp_path: Pa
         jm.stop()
         store.close()  # what a write left in the WAL goes into the file
     assert good.read_bytes() == before  # no run row, no job event written into it
+
+
+def _damaged_table(src: Path, table: str) -> tuple[Path, bytes]:
+    """A copy of `src` with `table`'s root page overwritten: the schema migrations neither read nor write that table
+    (they rebuild `profiles` and add `events` rows), so only the open's scan finds the damage."""
+    with sqlite3.connect(f"file:{src}?mode=ro", uri=True) as conn:
+        (root,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (table,)).fetchone()
+    bad = damaged_copy(src, root - 1)  # page numbers count from 1
+    with Store(bad, upgrade=False) as s, pytest.raises(StoreDamaged):
+        s.refuse_damaged()
+    return bad, bad.read_bytes()
+
+
+def _still_checked(bad: Path, before: bytes) -> None:
+    """`moetune db check` reads the damaged file and reports it (exit 1), writing nothing either."""
+    r = CliRunner().invoke(app, ["db", "check", "--db", str(bad)])
+    assert r.exit_code == 1 and "NOT OK" in r.output and "malformed" in r.output, r.output
+    assert "Traceback" not in r.output and "db upgrade/downgrade" in " ".join(r.output.split()), r.output
+    assert bad.read_bytes() == before
+
+
+@pytest.fixture
+def sound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("MOETUNE_CONFIG", raising=False)
+    good, _other = databases(tmp_path)
+    return good
+
+
+def test_db_downgrade_refuses_a_damaged_database(sound: Path) -> None:
+    bad, before = _damaged_table(sound, "tuning_runs")
+    r = CliRunner().invoke(app, ["db", "downgrade", "0005", "--yes", "--db", str(bad)])
+    _refused(r, bad, before)  # before: "at revision 0005", exit 0, the profiles table rebuilt in the damaged file
+    assert ".recover" in r.output
+    _still_checked(bad, before)
+
+
+@pytest.mark.parametrize("at", ["0005", "head"])  # a migration to run; none (it said "already at revision 0006")
+def test_db_upgrade_refuses_a_damaged_database(sound: Path, at: str) -> None:
+    src = sound
+    if at != "head":
+        src = sound.with_name("older.db")
+        shutil.copy(sound, src)
+        with Store(src, upgrade=False) as s:
+            s.downgrade(at)
+    bad, before = _damaged_table(src, "tuning_runs")
+    r = CliRunner().invoke(app, ["db", "upgrade", "--db", str(bad)])
+    _refused(r, bad, before)  # before: "upgraded 0005 -> 0006" into the damaged file, exit 0
+    _still_checked(bad, before)
+
+
+def test_profiles_delete_and_fabric_record_refuse_a_damaged_database(damaged: tuple[Path, bytes]) -> None:
+    bad, before = damaged
+    run = CliRunner().invoke
+    _refused(run(app, ["profiles", "delete", "1", "--yes", "--db", str(bad)]), bad, before)
+    _refused(run(app, ["fabric", "show", "--record", "--capture", str(CAPTURES / "h200x1"), "--db", str(bad)]),
+             bad, before)

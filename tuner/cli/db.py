@@ -56,7 +56,9 @@ def db_path(db: Path | None, config: Path | None) -> Path:
 #   inspect  an existing file at any revision, read-only, schema not checked (`db current`, `db check`);
 #   migrate  an existing moetune database, schema not checked (`db downgrade`);
 #   init     any path, schema not checked (`db upgrade` creates and migrates it explicitly).
-# Only init and migrate may touch another program's SQLite file, and migrate refuses to.
+# Only init and migrate may touch another program's SQLite file, and migrate refuses to. The writing modes (write,
+# create, init, migrate) scan an existing file first (`intact`): a damaged one is refused (StoreDamaged: the file,
+# `moetune db check`, a backup or `sqlite3 .recover`) before anything, a migration step included, writes to it.
 OpenMode = Literal["read", "write", "create", "inspect", "migrate", "init"]
 
 
@@ -67,8 +69,8 @@ def _open(path: Path, mode: OpenMode) -> Any:
         return Store.open_existing(path)
     if mode in ("write", "create"):
         return Store.open_existing(path, write=True, create=mode == "create")
-    if mode == "init":
-        return Store(path, upgrade=False)
+    if mode == "init":  # intact: a migration step writes (and copies tables) like any other write
+        return Store(path, upgrade=False, intact=True)
     kind, _rev = probe_database(path)
     if kind == "missing":
         raise fail(f"no database at {path}")
@@ -76,7 +78,7 @@ def _open(path: Path, mode: OpenMode) -> Any:
         return Store(path, readonly=True, check_schema=False)
     if kind != "moetune":  # a downgrade would add moetune's version table to it
         raise fail(f"{path} is not a moetune database")
-    return Store(path, upgrade=False)
+    return Store(path, upgrade=False, intact=True)  # migrate: a downgrade writes, as an upgrade does
 
 
 def say_upgraded(store: Any) -> None:
@@ -333,11 +335,10 @@ def check(
                             f"them?); `moetune db upgrade{db_flag(Path(info['path']))}` makes them")))
         out.print(escape(f"  integrity: {', '.join(info['integrity'])}"))
         if info["integrity"] != ["ok"]:
-            # (profiles import/delete and fabric refuse to write to it; tune, profile and the daemon check nothing
-            # at open, a full scan of a file Optuna's trials may have grown to GBs)
-            out.print(escape(f"  the file is damaged: profiles import/delete refuse to write to it; stop tuning "
-                             f"into it and restore it from a backup (or recover its rows with `sqlite3 "
-                             f"{info['path']} .recover`)"))
+            # every command that writes the store scans it when it opens it (Store(intact=True)) and refuses it
+            out.print(escape(f"  the file is damaged: the commands that write it refuse it (tune, profile, serve, "
+                             f"profiles import/delete, fabric show --record, db upgrade/downgrade); restore it from "
+                             f"a backup (or recover its rows with `sqlite3 {info['path']} .recover`)"))
         out.print(f"  foreign key errors: {info['foreign_key_errors']}")
         for d in info["schema_diff"]:
             out.print(escape(f"  schema differs: {d}"))
