@@ -460,20 +460,23 @@ class MoELayer(nn.Module):
 
     def _check_local(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """The routed inputs at world 1 (the EP buffer checks them at world > 1). The expert ids are range-checked
-        too: one host sync, skipped while a CUDA graph is captured and where the buffer was built with
-        check_inputs=False (as the EP buffer skips its own check)."""
+        too, and for the megakernel a token's ids must be distinct experts (its per-expert row lists hold one row
+        per token; the torch engines add a repeated expert's rows like any others): one host sync, skipped while a
+        CUDA graph is captured and where the buffer was built with check_inputs=False (as the EP buffer skips its
+        own check; the megakernel then drops an overflowing row itself and records it for `check()`)."""
         self._check_x(x)
         why = routed_inputs_problem(x.shape[0], self.model.topk, self.device, topk_idx, topk_weights)
         if why is None and self.buffer.check_inputs:
-            why = expert_ids_problem(topk_idx, self.model.experts)
+            why = expert_ids_problem(topk_idx, self.model.experts, distinct=self.megakernel is not None)
         if why is not None:
             raise ValueError(why)
 
     @torch.no_grad()
     def forward_routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The layer with given routing (benchmarks inject uniform/Zipf routing here): topk_idx integer [S, topk]
-        expert ids in [0, experts), topk_weights floating [S, topk], on the layer's device. Out-of-range ids raise
-        ValueError (a host sync; see `_check_local` for when it is skipped)."""
+        expert ids in [0, experts), distinct within a token where the megakernel runs, topk_weights floating [S,
+        topk], on the layer's device. Ids that break that raise ValueError (a host sync; see `_check_local` for when
+        it is skipped)."""
         if self.megakernel is not None:
             self._check_local(x, topk_idx, topk_weights)
             self._sync_megakernel()

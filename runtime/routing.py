@@ -131,13 +131,36 @@ def routed_inputs_problem(s: int, topk: int, device: Any, topk_idx: Any, topk_we
     return None if fault is None else fault[1]
 
 
-def expert_ids_problem(topk_idx: torch.Tensor, experts: int) -> str | None:
-    """Why these routing ids are not all in [0, experts), or None. Reads them on the host (a device sync), so it
-    does nothing while the current CUDA stream is being captured into a graph (no sync is allowed there)."""
+def expert_ids_problem(topk_idx: torch.Tensor, experts: int, *, distinct: bool = False) -> str | None:
+    """Why these routing ids are not all in [0, experts), or with `distinct` why a token's ids repeat an expert (the
+    megakernel's per-expert row lists hold one row per token: a repeat can overflow them), or None. Reads them on the
+    host in one device sync (both checks' numbers in one copy; a refusal's message reads more), so it does nothing
+    while the current CUDA stream is being captured into a graph (no sync is allowed there)."""
     import torch
 
     if topk_idx.numel() == 0:
         return None
+    if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    lo, hi = torch.aminmax(topk_idx)
+    stats = [lo.long(), hi.long()]
+    if distinct:
+        ordered = topk_idx.sort(dim=1).values
+        repeats = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)  # [S]: the token's picks name an expert twice
+        stats.append(repeats.sum())
+    got = torch.stack(stats).tolist()  # the one sync
+    lo_v, hi_v = got[0], got[1]
+    if lo_v < 0 or hi_v >= experts:
+        bad = int(((topk_idx < 0) | (topk_idx >= experts)).sum())
+        return f"topk_idx holds expert ids out of range [0, {experts}): {bad} bad ids (min {lo_v}, max {hi_v})"
+    if distinct and got[2]:
+        t = int(repeats.int().argmax())  # the first such token
+        picks = topk_idx[t].tolist()
+        e = next(v for i, v in enumerate(picks) if v in picks[:i])
+        more = f" (and {got[2] - 1} more tokens)" if got[2] > 1 else ""
+        return (f"topk_idx row {t} picks expert {e} more than once ({picks}){more}: a token's picks must be distinct "
+                f"experts (an expert takes at most one row per token)")
+    return None
     if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     lo_v, hi_v = torch.stack(torch.aminmax(topk_idx)).tolist()  # one sync for both

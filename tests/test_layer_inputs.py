@@ -41,6 +41,11 @@ def _x(s: int, h: int = TINY.hidden, seed: int = 0) -> torch.Tensor:
     return torch.randn(s, h, generator=torch.Generator().manual_seed(seed)).to(BF)
 
 
+def _picks(s: int) -> torch.Tensor:
+    """Given routing for s tokens: each token to experts 0..topk-1 (distinct, as the megakernel requires)."""
+    return torch.arange(TINY.topk).repeat(s, 1)
+
+
 class FakeMegakernel:
     """Stands in for MegakernelMoE: each call computes with the unfused math on the row-major form of the k-tiled
     tensors it holds NOW (so a stale pointer after a parameter swap would show), and supports `rebind` / `check`."""
@@ -285,6 +290,68 @@ def test_unchecked_buffer_skips_the_id_sync(monkeypatch: pytest.MonkeyPatch) -> 
     assert not calls
 
 
+def _repeating(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused layer's routing of x with token rows 2 and 4 picking their first expert in both slots."""
+    idx, w = _unfused().route(x)
+    idx = idx.clone()
+    idx[2, 1], idx[4, 1] = idx[2, 0], idx[4, 0]
+    return idx, w
+
+
+def test_a_token_repeating_an_expert_is_refused_where_the_megakernel_runs(fake_mk, cpu_lib) -> None:
+    """Before: the megakernel took it. Its per-expert row lists hold max_tokens rows (one per token), so picks that
+    repeat an expert could give one expert S * topk rows and k_lists wrote past them. Refused on the host now,
+    naming the first such token; the torch engines add a repeated expert's rows like any others and still take it."""
+    x = _x(6)
+    idx, w = _repeating(x)
+    e = int(idx[2, 0])
+    for layer in (_mk_layer(), _cpu_mk(max_tokens=8)):  # (MoELayer's own check: the fake megakernel takes repeats)
+        with pytest.raises(ValueError, match=rf"topk_idx row 2 picks expert {e} more than once \(\[{e}, {e}\]\) "
+                                             r"\(and 1 more tokens\): a token's picks must be distinct experts"):
+            layer.forward_routed(x, idx, w)
+    un = _unfused()
+    assert torch.equal(un.forward_routed(x, idx, w), un.local_forward(x, idx, w))
+    bad = idx.clone()
+    bad[5, 0] = TINY.experts  # out of range and repeating: the range is what is reported
+    with pytest.raises(ValueError, match=r"out of range \[0, 4\): 1 bad ids"):
+        _cpu_mk(max_tokens=8).forward_routed(x, bad, w)
+
+
+def test_unchecked_repeats_reach_the_kernel(fake_launch) -> None:
+    """check_ids=False (MoELayer's own check ran, or a CUDA graph is being captured): no host read; the kernel drops
+    the rows past an expert's list and records them (code 7, named for check())."""
+    mk = _cpu_mk()
+    x = _x(6)
+    idx, w = _repeating(x)
+    mk.forward_routed(x, idx, w, check_ids=False)
+    assert [c["name"] for c in fake_launch.launches][-2:] == ["mk_route_given", "mk_experts"]
+    mk.err[:4] = torch.tensor([7, 5, 0, 0])
+    with pytest.raises(mk_layer.MegakernelError, match=r"megakernel error 7: an expert got more rows than tokens: "
+                                                       r"a token's given picks repeat an expert .*where=5, detail=0"):
+        mk.check()
+
+
+def test_expert_ids_problem_reads_both_checks_in_one_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The distinct check rides in the range check's one copy to the host (no second sync on the accepted path)."""
+    from moetune.runtime.routing import expert_ids_problem
+
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
+    for name in ("item", "__int__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda t, name=name: pytest.fail(f"Tensor.{name}: another sync"))
+    good = torch.tensor([[0, 3], [3, 0], [1, 2]], dtype=torch.int32)
+    assert expert_ids_problem(good, 4, distinct=True) is None and reads == [(3,)]
+    assert expert_ids_problem(good[:, :1], 4, distinct=True) is None  # topk 1: nothing can repeat
+    assert expert_ids_problem(good[:0], 4, distinct=True) is None
+    monkeypatch.undo()
+    rep = torch.tensor([[0, 3, 1], [2, 1, 2], [1, 1, 1]])
+    assert expert_ids_problem(rep, 4) is None  # without distinct: the range only (the EP buffer's check)
+    assert expert_ids_problem(rep, 4, distinct=True) == (
+        "topk_idx row 1 picks expert 2 more than once ([2, 1, 2]) (and 1 more tokens): a token's picks must be "
+        "distinct experts (an expert takes at most one row per token)")
+
+
 def test_layer_check_delegates_to_the_megakernel(fake_mk) -> None:
     _unfused().check()  # nothing to read: no error
     layer = _mk_layer()
@@ -343,7 +410,7 @@ def test_out_is_validated(cpu_lib, out: Any, match: str) -> None:
     x = _x(3)
     with pytest.raises(ValueError, match=match):
         mk.forward(x, out=out(3))
-    idx = torch.zeros(3, TINY.topk, dtype=torch.int64)
+    idx = _picks(3)
     with pytest.raises(ValueError, match=match):
         mk.forward_routed(x, idx, torch.ones(3, TINY.topk), out=out(3))
 
@@ -511,7 +578,7 @@ def test_misaligned_x_reaches_the_kernels_as_an_aligned_copy(fake_launch: FakeLa
     bytes (or faulted at S=1). Now it is copied, as a non-contiguous x is."""
     mk = _cpu_mk()
     x = _misaligned(s)
-    idx = torch.zeros(s, TINY.topk, dtype=torch.int64)
+    idx = _picks(s)
     mk.forward(x)
     mk.forward_routed(x, idx, torch.full((s, TINY.topk), 0.5))
     assert [c["name"] for c in fake_launch.launches] == ["mk_route", "mk_experts", "mk_route_given", "mk_experts"]
@@ -527,7 +594,7 @@ def test_misaligned_out_is_refused(fake_launch: FakeLaunchLib) -> None:
     mk = _cpu_mk()
     x = _x(3)
     for call in (lambda o: mk.forward(x, out=o),
-                 lambda o: mk.forward_routed(x, torch.zeros(3, TINY.topk, dtype=torch.int64), torch.ones(3, TINY.topk),
+                 lambda o: mk.forward_routed(x, _picks(3), torch.ones(3, TINY.topk),
                                              out=o)):
         with pytest.raises(ValueError, match=r"out must start at a 16-byte aligned address \(the kernels write it"):
             call(_misaligned(3))
@@ -566,7 +633,7 @@ def test_launches_run_under_the_layers_device_guard(fake_launch: FakeLaunchLib) 
     launches on the current device), so a layer on another GPU than the current one launched on the wrong one."""
     mk = _cpu_mk()
     mk.forward(_x(3))
-    mk.forward_routed(_x(2), torch.zeros(2, TINY.topk, dtype=torch.int64), torch.ones(2, TINY.topk))
+    mk.forward_routed(_x(2), _picks(2), torch.ones(2, TINY.topk))
     assert len(fake_launch.launches) == 4
     assert all(c["guards"] and c["guards"][-1] == mk.device for c in fake_launch.launches)
 
@@ -578,7 +645,7 @@ def test_moe_layer_hands_a_misaligned_x_to_the_megakernel_as_an_aligned_copy(fak
     assert isinstance(layer.megakernel, mk_layer.MegakernelMoE)
     x = _misaligned(3)
     layer(x)
-    layer.forward_routed(x, torch.zeros(3, TINY.topk, dtype=torch.int64), torch.ones(3, TINY.topk))
+    layer.forward_routed(x, _picks(3), torch.ones(3, TINY.topk))
     assert len(fake_launch.launches) == 4
     assert all(c["x"] % 16 == 0 and c["x_bytes"] == _bytes(x) for c in fake_launch.launches)
 

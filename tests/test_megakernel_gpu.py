@@ -773,6 +773,60 @@ def test_decode_bad_expert_is_reported(model, layer):
     _check(m, model, x, out, idx, w)
 
 
+def test_repeated_expert_rows_past_the_list_are_dropped_and_reported(model, layer):
+    """Given routing whose picks repeat an expert, unchecked (check_ids=False: MoELayer's own check; or captured into
+    a CUDA graph, where the host check cannot run): every pick of 64 tokens names one expert, S * topk = 512 rows for
+    a list of max_tokens = 64. Before: k_lists wrote rows 64.. past the expert's list (into the next experts' lists,
+    past the buffer for the last expert) and the task graph read them. Now the rows past the list are dropped and
+    recorded (code 7), the count stops at max_tokens, the other lists are untouched, and the layer still computes."""
+    from moetune.runtime.megakernel import MegakernelConfig, MegakernelError, MegakernelMoE
+
+    s, k, n_exp = 64, model.topk, model.experts
+    m = MegakernelMoE(model, max_tokens=s, config=MegakernelConfig.parse("decode=0"), w_gate_up=layer.w1t,
+                      w_down=layer.w2t, gate=layer.gate, tiled=True)
+    x = _x(s, model.hidden, seed=3600)
+    w = torch.full((s, k), 1.0 / k, device="cuda")
+    for e in (0, n_exp - 1):
+        idx = torch.full((s, k), e, dtype=torch.int64, device="cuda")
+        with pytest.raises(ValueError, match=f"topk_idx row 0 picks expert {e} more than once"):  # the host check
+            m.forward_routed(x, idx, w)
+        m.lists.fill_(-7)
+        m.forward_routed(x, idx, w, check_ids=False)
+        torch.cuda.synchronize()
+        with pytest.raises(MegakernelError, match="error 7: an expert got more rows than tokens"):
+            m.check()
+        rec = m.error()
+        assert rec is not None and rec[2][2] == e and 0 <= rec[2][1] < s * k  # detail = the expert, where = a row
+        counts = m.counts.view(n_exp, -1)[:, 0].tolist()
+        assert counts[e] == s and sum(counts) == s  # stopped at max_tokens
+        rows = m.lists[e].tolist()
+        assert len(set(rows)) == s and all(0 <= r < s * k for r in rows)  # each place written once, with a row
+        others = torch.cat([m.lists[:e], m.lists[e + 1:]])
+        assert (others == -7).all(), "a row written into another expert's list"
+        m.clear_error()
+    # captured: the host check is skipped while capturing, the kernel's record is what remains
+    idx = torch.zeros(s, k, dtype=torch.int64, device="cuda")
+    good, gw = _routing(s, n_exp, k, "uniform", seed=3601)
+    m.forward_routed(x, good, gw)  # warm the launch caches before capturing
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        m.forward_routed(x, idx, w)
+    g.replay()
+    torch.cuda.synchronize()
+    with pytest.raises(MegakernelError, match="error 7"):
+        m.check()
+    m.clear_error()
+    # nothing beyond the lists was overwritten: the layer and the shared weights still give the reference's output
+    for seed in (3602, 3603):
+        x2 = _x(s, model.hidden, seed=seed)
+        idx2, w2 = _routing(s, n_exp, k, "zipf", seed=seed)
+        out = m.forward_routed(x2, idx2, w2, out=_poisoned(s, model.hidden))
+        _check(m, model, x2, out, idx2, w2)
+    out = layer.forward_routed(x2, idx2, w2, out=_poisoned(s, model.hidden))
+    _check(layer, model, x2, out, idx2, w2)
+
+
 def test_decode_sizes_in_any_order():
     """Decode launches of different sizes on one layer, the larger after the smaller and back: each launch's shared
     memory fits the kernel's limit (raised once to the most; run 94: raising it to each launch's size in turn failed

@@ -35,6 +35,8 @@ enum {
   MK_ERR_BAD_EXPERT = 4,     // a given routing named an expert outside 0..E-1 (the row is dropped)
   MK_ERR_PIPE_TIMEOUT = 5,   // a stage mbarrier (wgmma core, TMA tiles) waited past the timeout
   MK_ERR_INPUT_TIMEOUT = 6,  // publish_all: a task waited past the timeout for its inputs (where = m-tile / combine tile)
+  MK_ERR_EXPERT_FULL = 7,    // a given routing gave one expert more rows than S_cap (a token's picks repeat an
+                             // expert; where = the row, detail = the expert): the rows past S_cap are dropped
   MK_ERR_WORDS = 8           // [1] = where (slot or tile), [2] = detail, [3] = waited ns
 };
 

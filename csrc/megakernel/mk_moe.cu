@@ -1913,7 +1913,12 @@ __global__ void k_reset(const MkParams p) {
   reset_ctl(p);
 }
 
-// Given routing (topk_idx / topk_w already filled): build the per-expert row lists.
+// Given routing (topk_idx / topk_w already filled): build the per-expert row lists. An expert's list holds S_cap
+// rows, enough only while a token's picks are distinct experts (routing from the gate always is; given routing that
+// repeats an expert can give one expert up to S * K rows). A row past S_cap takes its increment back and is dropped
+// with MK_ERR_EXPERT_FULL: positions 0..S_cap-1 are still handed out once each (a thread sees pos < S_cap only
+// while no taken-back increment is pending), so once this kernel ends the count is exactly S_cap and the kernels
+// after it in the stream (they start only when it ends: it never triggers its dependents) read no more rows.
 __global__ void k_lists(const MkParams p) {
   const int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (row >= p.S * p.K) return;
@@ -1922,7 +1927,13 @@ __global__ void k_lists(const MkParams p) {
     report(p, MK_ERR_BAD_EXPERT, row, e, 0);
     return;
   }
-  const int pos = atomicAdd(p.counts + e * MK_COUNT_STRIDE, 1);
+  int* const cnt = p.counts + e * MK_COUNT_STRIDE;
+  const int pos = atomicAdd(cnt, 1);
+  if (pos >= p.S_cap) {
+    atomicSub(cnt, 1);
+    report(p, MK_ERR_EXPERT_FULL, row, e, 0);
+    return;
+  }
   p.lists[(int64_t)e * p.S_cap + pos] = (int)row;
 }
 // ----------------------------------------------------------------------------------------------------------

@@ -431,7 +431,8 @@ def limits_problem(model: Any, max_tokens: int | None = None, config: Megakernel
         # a task word numbers an m-tile within its expert in 16 bits; more would spill into the expert's bits. An
         # expert's row list holds max_tokens rows (lists [E, max_tokens]; the routing kernels pick distinct experts
         # per token): the library's bound (mk_index.h: expert_tiles_max, checked in check_params), not max_tokens x
-        # topk, since given routing that put more rows on one expert would overflow its list first.
+        # topk, since given routing that repeats an expert within a token is refused on the host (forward_routed's
+        # check) and its rows past the list are dropped by k_lists (error 7), so no expert holds more.
         one = -(-max_tokens // (c.bm or 16))
         if one > MAX_EXPERT_TILES:
             return (f"too many m-tiles for one expert with max_tokens={max_tokens}: an expert's {max_tokens} rows "

@@ -30,7 +30,9 @@ from .weights import from_tiled, to_tiled
 ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor timed out waiting for a queue slot",
              3: "task queue too small", 4: "routing names an expert out of range",
              5: "a wgmma stage barrier (shared-memory pipeline) timed out",
-             6: "a task timed out waiting for its inputs (publish_all)"}
+             6: "a task timed out waiting for its inputs (publish_all)",
+             7: "an expert got more rows than tokens: a token's given picks repeat an expert (rows past max_tokens "
+                "dropped)"}
 CTL_TOTAL, CTL_ABORT, CTL_TILES, CTL_PUBLISHED = 1, 2, 5, 4
 # bytes: the kernels read x, the gate and the expert weights and write out with 16-byte accesses (uint4 loads and
 # stores, cp.async, TMA), which fault or read the wrong bytes at an address that is not a multiple of this
@@ -352,13 +354,15 @@ class MegakernelMoE:
                        out: torch.Tensor | None = None, *, check_ids: bool = True) -> torch.Tensor:
         """The layer with given routing ([S, K] expert ids and weights; tests and benchmarks inject routing here).
 
-        With `check_ids` the ids are range-checked on the host (one sync) except while a CUDA graph is being
-        captured; an out-of-range id that gets through is dropped by the kernel and recorded (code 4: `check()`
-        raises it). `check_ids=False`: the caller has checked them (MoELayer)."""
+        With `check_ids` the ids are checked on the host (one sync) except while a CUDA graph is being captured: each
+        in range, and a token's ids distinct experts (an expert's row list holds max_tokens rows, one per token). An
+        id that gets through unchecked is caught by the kernel, which drops the row and records it (`check()` raises
+        it): code 4 out of range, code 7 a repeat that gave an expert more rows than max_tokens (nothing is written
+        past the lists). `check_ids=False`: the caller has checked them (MoELayer)."""
         s = self._check_x(x)
         why = routed_inputs_problem(s, self.model.topk, self.device, topk_idx, topk_weights)
         if why is None and check_ids:
-            why = expert_ids_problem(topk_idx, self.model.experts)
+            why = expert_ids_problem(topk_idx, self.model.experts, distinct=True)
         if why is not None:
             raise ValueError(f"megakernel: {why}")
         self._check_out(out, s, x)
