@@ -271,6 +271,55 @@ def test_database_identity_refused_on_another_node(tmp_path: Path, monkeypatch: 
     assert "identity is unknown" in warned[0] and "UUIDs differ" in warned[0]
 
 
+# Facts not shaped as discovery records them (a hand edit, another program's row, a daemon's odd reply): iterating
+# {"gpus": 8} or calling .get on a list of software raised TypeError/AttributeError out of resolve (and autoload served
+# the built-in default, skipping the rest of the database and the policy default).
+BAD_FACTS = [{"gpus": 8}, {"gpus": ["GPU-x"], "software": {"torch": "2.4.1"}}, {"nics": 3, "software": {"torch": "x"}},
+             {"excluded_nics": {"name": "mlx5_0"}, "software": {"torch": "x"}}, {"gpus": [], "software": ["torch"]}]
+
+
+@pytest.mark.parametrize("bad", BAD_FACTS)
+def test_badly_shaped_database_facts_are_unreadable_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 bad: dict) -> None:
+    """The newest recorded fingerprint's facts are badly shaped: it is passed over as unreadable (never this node)
+    and the lookup goes on to the older fingerprint of this node, whose measured profile serves as tuned."""
+    facts = _local_facts()
+    F.pretend_node(monkeypatch, facts, tmp_path / "proc")
+    db = tmp_path / "moetune.db"
+    mine = ProfileRecord(key=key("c" * 16, node_identity.software_hash(facts), bucket=64),
+                         knobs=default_knobs("nvlink").replace(num_sms=24), latency_us=50.0, spread_us=0.0,
+                         backend="local:nccl", provenance="measured")
+    _seed_db(db, {"_fp": "c" * 16, "facts": facts}, [mine])
+    time.sleep(0.01)
+    store = F.open_store(db)
+    store.upsert_fingerprint("d" * 16, bad)  # newest: read first
+    store.close()
+    res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db)
+    assert res.source == "database" and res.tuned and res.profile_hash == mine.profile_hash, warned
+    # alone: no identity, said as unreadable facts; the chain ends at the policy default, never raising
+    db2 = tmp_path / "only-bad.db"
+    store = F.open_store(db2)
+    store.upsert_fingerprint("d" * 16, bad)
+    store.close()
+    ident, why = client.node_identity_from_db(db2)
+    assert ident is None and "unreadable facts" in why, why
+    res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db2)
+    assert res.source in ("policy", "default") and len(warned) == 1 and "unreadable facts" in warned[0], warned
+
+
+@pytest.mark.parametrize("bad", BAD_FACTS)
+def test_a_daemons_badly_shaped_fabric_facts_are_unreadable_not_a_crash(fake, tmp_path: Path, bad: dict) -> None:
+    """A daemon's `fabric` reply with badly shaped facts (and their software hash, where one can be computed): this
+    node's identity is unknown, so its measured profile is not tuned; resolve falls back with a warning, never raises."""
+    sw = bad.get("software")
+    soft = node_identity.software_hash({"software": sw}) if isinstance(sw, dict) else SW
+    fab = {**F.this_node_fabric(FP), "facts": bad, "software": soft}
+    d = fake(lambda req: ok_reply(req["id"], result(key(sw=soft))), fabric=fab)
+    res, warned = resolve(d.endpoint, tmp_path)
+    assert res.source in ("policy", "default") and not res.tuned, res
+    assert len(warned) == 1 and "unreadable fabric facts" in warned[0], warned
+
+
 def test_a_newer_preset_or_factless_fingerprint_does_not_become_this_node(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """`moetune tune --preset X` records the preset's fingerprint with no facts and a newer last_seen: on a node whose

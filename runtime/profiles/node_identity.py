@@ -16,7 +16,9 @@ cross-checked against what the runtime can read in a few milliseconds (`mismatch
 several nodes, or one recorded before a GPU, driver or package change, fails the check. daemon.json is not
 used there: a stopped (or killed) daemon's file says nothing about the software installed since.
 
-Else no identity: no profile is applied as tuned (the caller falls back to policy defaults, loudly).
+Else no identity: no profile is applied as tuned (the caller falls back to policy defaults, loudly). Facts not
+shaped as discovery records them (`facts_shape_problem`: a hand edit, another program's row, a daemon's odd reply) are
+unreadable: never this node, and never an exception out of the lookup.
 
 What `mismatch` checks: the GPU UUIDs and driver version in /proc/driver/nvidia, on a node without GPUs the
 recorded NICs in /sys/class (infiniband, cxi), and the versions of the Python
@@ -54,6 +56,31 @@ class NodeIdentity:
     checked: tuple[str, ...] = field(default=())
 
 
+# The facts' lists of records (discovery writes each as a list of mappings) and its one mapping of versions. Facts of
+# another shape (a hand edit, another program's row, a daemon's reply) are unreadable: they never match this node.
+_FACT_LISTS = ("gpus", "nics", "excluded_nics")
+
+
+def facts_shape_problem(facts: Any) -> str | None:
+    """Why `facts` are not shaped as discovery records them (None: they are): a mapping whose gpus, nics and
+    excluded_nics are lists of mappings and whose software is a mapping (each may be absent or null)."""
+    if not isinstance(facts, dict):
+        return f"the facts are {type(facts).__name__}, not a mapping"
+    for name in _FACT_LISTS:
+        value = facts.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            return f"{name} is {type(value).__name__}, not a list"
+        bad = next((x for x in value if not isinstance(x, dict)), None)
+        if bad is not None:
+            return f"{name} holds {type(bad).__name__} {str(bad)[:32]!r}, not a mapping"
+    sw = facts.get("software")
+    if sw is not None and not isinstance(sw, dict):
+        return f"software is {type(sw).__name__}, not a mapping"
+    return None
+
+
 def software_hash(facts: dict[str, Any]) -> str:
     sw = facts.get("software", {}) or {}
     canon = {"v": _FINGERPRINT_VERSION, **{k: str(sw.get(k, "none")) for k in _SOFTWARE_KEYS}}
@@ -66,6 +93,9 @@ def from_reported_facts(fingerprint: str | None, software: str | None, facts: An
     checked like the database's (`mismatch`), and must be the ones `software` was computed from."""
     if not fingerprint or not software or not isinstance(facts, dict):
         return None, f"the daemon at {where} reports no fabric"
+    bad = facts_shape_problem(facts)
+    if bad is not None:  # unreadable: never this node's (software_hash and mismatch read them as discovery writes them)
+        return None, f"the daemon at {where} reports unreadable fabric facts ({bad})"
     if is_preset_fingerprint(fingerprint):
         return None, f"the daemon at {where} reports a preset's fabric {fingerprint!r}, not a node's"
     if not facts.get("gpus") and not facts.get("software"):
@@ -223,13 +253,17 @@ def from_fingerprint_rows(rows: list[tuple]) -> tuple[NodeIdentity | None, str]:
     for fp, raw, seen in rows:
         try:
             facts = json.loads(raw) if isinstance(raw, str | bytes) else raw
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past json's depth limit
             reasons.append(f"{fp}: unreadable facts")
             continue
         if not isinstance(facts, dict) or not isinstance(fp, str):
             continue
         if is_preset_fingerprint(fp):
             continue  # a what-if preset's (`moetune tune --preset`): a modelled fabric, never a node
+        bad = facts_shape_problem(facts)
+        if bad is not None:  # never a match: mismatch and software_hash read them as discovery writes them
+            reasons.append(f"{fp}: unreadable facts ({bad})")
+            continue
         if not facts.get("gpus") and not facts.get("software"):
             # nothing recorded to check against this node: it would match any node, so it proves nothing
             reasons.append(f"{fp}: no facts recorded (no GPUs, no software) to check this node against")
