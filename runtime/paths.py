@@ -88,6 +88,81 @@ def ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
 
 
+def tcp_host(endpoint: str) -> str:
+    """The host of a `tcp://HOST:PORT` endpoint, lower-cased and without IPv6 brackets."""
+    host = endpoint[len("tcp://") :].rpartition(":")[0]
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host.lower()
+
+
+def tcp_port(endpoint: str) -> int | None:
+    """The port of a `tcp://HOST:PORT` endpoint, or None where there is no host or no port in 1..65535."""
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    # ASCII digits only: isdigit alone takes "²", which int() refuses
+    value = int(port) if port.isascii() and port.isdigit() else None
+    return value if host and value is not None and 1 <= value <= 65535 else None
+
+
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_")
+MAX_IPC_PATH_BYTES = 107  # sockaddr_un's sun_path, less its NUL
+
+
+def tcp_host_problem(endpoint: str) -> str | None:
+    """What is wrong with the HOST:PORT shape of a tcp:// endpoint (None: nothing; the port's range is `tcp_port`'s).
+    ZeroMQ takes almost any text at connect time and fails later, or never ("tcp://[::1" waited out the time-out): a
+    host is a name, an IPv4 address or an interface (letters, digits, '.', '-', '_'), '*' (every interface, to
+    bind), or an IPv6 address in brackets, with an optional %zone."""
+    addr = endpoint[len("tcp://"):]
+    if addr.startswith("["):
+        close = addr.find("]")
+        if close < 0:
+            return "no ']' closing the IPv6 address (an IPv6 host is written [ADDRESS])"
+        host, rest = addr[: close + 1], addr[close + 1:]
+        if not rest.startswith(":"):
+            return f"expected ':PORT' right after {host!r}"
+        import ipaddress
+
+        try:
+            ipaddress.IPv6Address(host[1:-1].partition("%")[0])
+        except ValueError:
+            return f"{host[1:-1]!r} in brackets is not an IPv6 address"
+        return None
+    host, colon, _port = addr.rpartition(":")
+    if not colon:
+        return "no ':PORT'"
+    if not host:
+        return "no host before the port"
+    if ":" in host or "[" in host or "]" in host:
+        return f"the host {host!r} is not valid: an IPv6 address goes in brackets, tcp://[::1]:PORT"
+    if host != "*" and not set(host) <= _HOST_CHARS:
+        return f"the host {host!r} is not a host name, an IPv4 address or an interface"
+    return None
+
+
+def client_endpoint_problem(endpoint: str) -> str | None:
+    """Why a client cannot connect to `endpoint` (None: it can try): the one rule of the runtime's client and the
+    config's client.socket. ZeroMQ's connect answers the rest with a bare "Invalid argument" (tcp://node1,
+    tcp://node1:notaport) or "File name too long", or takes it and waits out every time-out (tcp://:5555)."""
+    if endpoint.startswith("ipc://"):
+        p = ipc_path(endpoint)
+        if p is None or not str(p) or not p.is_absolute():
+            return "expected ipc:///absolute/path"
+        if len(str(p).encode()) > MAX_IPC_PATH_BYTES:
+            return f"a unix socket path is at most {MAX_IPC_PATH_BYTES} bytes"
+        return None
+    if endpoint.startswith("tcp://"):
+        why = tcp_host_problem(endpoint)
+        if why is not None:
+            return f"{why} (expected tcp://HOST:PORT)"
+        if tcp_port(endpoint) is None:
+            return "expected tcp://HOST:PORT with a port in 1..65535"
+        if tcp_host(endpoint) == "*":
+            return "'*' (every interface) is where a daemon binds; a client connects to the daemon's host"
+        return None
+    return "not an ipc:///absolute/path or tcp://HOST:PORT endpoint"
+
+
 def untrusted_dir_reason(d: Path) -> str | None:
     """Why the runtime must not trust sockets or `daemon.json` in directory `d` (None when it may).
 

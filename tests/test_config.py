@@ -99,6 +99,12 @@ def test_relative_paths_are_relative_to_the_file(env, tmp_path):
         ("[daemon]\nlog_level = 'loud'\n", ["daemon.log_level", "must be one of"]),
         ("[daemon]\nmetrics_port = 70000\n", ["daemon.metrics_port", "0..65535"]),
         ("[daemon]\nsocket = '/tmp/sock'\n", ["daemon.socket", "ZeroMQ endpoint"]),
+        # a client's endpoint zmq's connect refuses with a bare "Invalid argument" (or takes and never reaches)
+        ("[client]\nsocket = 'tcp://node1'\n", ["client.socket", "no ':PORT'", "tcp://HOST:PORT"]),
+        ("[client]\nsocket = 'tcp://node1:notaport'\n", ["client.socket", "port in 1..65535"]),
+        ("[client]\nsocket = 'tcp://:5555'\n", ["client.socket", "no host"]),
+        ("[client]\nsocket = 'tcp://*:5555'\n", ["client.socket", "where a daemon binds"]),
+        ("[client]\nsocket = 'ipc://relative/daemon.sock'\n", ["client.socket", "ipc:///absolute/path"]),
         ("[tune]\ntrials = 0\n", ["tune.trials", ">= 1"]),
         ("store = 3\n", ["store", "expected a table"]),
         ("[tune\ntrials = 1\n", ["not valid TOML"]),

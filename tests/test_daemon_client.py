@@ -327,6 +327,47 @@ def test_query_reads_the_database_the_runtime_reads(tmp_path: Path, monkeypatch:
     assert seen == [node_db]
 
 
+@pytest.mark.parametrize(("endpoint", "said"), [
+    ("tcp://node1", "no ':PORT'"), ("tcp://node1:notaport", "port in 1..65535"), ("tcp://node1:99999", "1..65535"),
+    ("tcp://:5555", "no host"), ("tcp://*:5555", "where a daemon binds"), ("ipc://relative/daemon.sock", "absolute"),
+])
+def test_a_tcp_endpoint_without_a_host_and_port_is_refused_at_construction(tmp_path: Path, endpoint: str,
+                                                                           said: str) -> None:
+    """tcp://node1 and tcp://node1:notaport made resolve() raise zmq's bare ZMQError("Invalid argument") from connect
+    (only the scheme was checked); tcp://:5555 was connected to and waited out the budget. Each is refused when the
+    client is made, named on use (DaemonUnavailable), and the lookup goes on to the defaults."""
+    import zmq
+
+    from moetune.runtime.profiles.client import DaemonUnavailable
+
+    c = ProfileClient(endpoint, curve_server_key=zmq.curve_keypair()[0], db_path=tmp_path / "none.db",
+                      env={"HOME": str(tmp_path)})
+    with pytest.raises(DaemonUnavailable, match=f"not connecting to .*{said}"):
+        c.request("status")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = c.resolve(model=MODELS["qwen3-30b"], ep_size=2, tokens=16)
+    assert res.source == "policy" and said in str(caught[0].message)
+    c.close()
+
+
+def test_a_zmq_error_on_connect_is_daemon_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the construction's checks let through and zmq's connect still refuses is DaemonUnavailable (the
+    fallback chain goes on), never a ZMQError out of resolve()."""
+    from moetune.runtime.profiles import client as C
+
+    # as if the construction's checks had missed it (raising=False: the test also runs where they are not)
+    monkeypatch.setattr(C, "client_endpoint_problem", lambda endpoint: None, raising=False)
+    c = ProfileClient("ipc:///" + "x" * 200, db_path=tmp_path / "none.db", env={"HOME": str(tmp_path)})
+    monkeypatch.setattr(c, "_check_endpoint", lambda: None)  # the socket "exists"
+    with pytest.raises(C.DaemonUnavailable, match=r"cannot connect to ipc:///x+: File name too long"):
+        c.request("status")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert c.resolve(model=MODELS["qwen3-30b"], ep_size=2, tokens=16).source == "policy"
+    c.close()
+
+
 def test_an_endpoint_that_is_no_endpoint_falls_back(tmp_path: Path) -> None:
     """ProfileClient("not-an-endpoint").resolve() raised zmq's bare ZMQError("Invalid argument"): it is refused as
     the daemon part of the chain (DaemonUnavailable naming it) and the lookup goes on to the defaults."""

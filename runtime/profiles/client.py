@@ -72,17 +72,20 @@ from moetune.runtime.config import (
     ConfigError,
     load_config,
 )
-from moetune.runtime.knobs import KnobError, Knobs, default_knobs, int_of_text
+from moetune.runtime.knobs import KnobError, Knobs, default_knobs
 from moetune.runtime.paths import (
     INFO_NAME,
     PUB_SOCKET_NAME,
     SOCKET_NAME,
     client_db_path,
+    client_endpoint_problem,
     default_endpoint,
     ipc_path,
     loose_key_path,
     runtime_dir_candidates,
     secret_key_checks,
+    tcp_host,
+    tcp_port,
     untrusted_dir_reason,
     untrusted_socket_reason,
 )
@@ -541,21 +544,6 @@ def _reply_problem(r: wire.ProfileResult, **request: Any) -> str | None:
     return None if bad_env is None else f"reply's perf_env does not validate: {bad_env}"
 
 
-def tcp_host(endpoint: str) -> str:
-    """The host of a `tcp://HOST:PORT` endpoint, lower-cased and without IPv6 brackets."""
-    host = endpoint[len("tcp://") :].rpartition(":")[0]
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host.lower()
-
-
-def tcp_port(endpoint: str) -> int | None:
-    """The port of a `tcp://HOST:PORT` endpoint, or None where there is no host or no port in 1..65535."""
-    host, _, port = endpoint[len("tcp://") :].rpartition(":")
-    value = int_of_text(port) if port.isdigit() else None  # isdigit alone takes "²", which int() refuses
-    return value if host and value is not None and 1 <= value <= 65535 else None
-
-
 def is_loopback_host(host: str) -> bool:
     """127.0.0.0/8, ::1 (also IPv4-mapped) or localhost: the only hosts plain-text TCP is allowed on."""
     if host == "localhost":
@@ -671,8 +659,9 @@ class ProfileClient:
         self._allow_insecure_tcp = allow_insecure_tcp
         key_file = (cfg.curve_server_key_file if cfg else "") or env.get("MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE", "")
         own_file = cfg.curve_secret_key_file if cfg else ""
-        if not self.endpoint.startswith(("ipc://", "tcp://")):  # zmq's bare "Invalid argument" reached the caller
-            self._refusal = "not an ipc:///absolute/path or tcp://HOST:PORT endpoint"
+        bad_endpoint = client_endpoint_problem(self.endpoint)  # zmq's bare "Invalid argument" reached the caller
+        if bad_endpoint is not None:
+            self._refusal = bad_endpoint
             log.warning("moetune: not connecting to %s: %s", self.endpoint, self._refusal)
         elif self.endpoint.startswith("tcp://"):
             if curve_server_key is None and key_file:
@@ -807,7 +796,10 @@ class ProfileClient:
                 break
             per_try = left / (attempts - attempt)
             rid = next(_ids)
-            sock = self._socket()
+            try:
+                sock = self._socket()
+            except zmq.ZMQError as e:  # connect refused the address (checked at construction: what is left of it)
+                raise DaemonUnavailable(f"cannot connect to {self.endpoint}: {e.strerror}") from None
             try:
                 sock.send(wire.encode_request(op, rid, **fields), zmq.NOBLOCK)
             except zmq.Again:  # send queue full: treat as a time-out of this attempt
@@ -900,11 +892,15 @@ class ProfileClient:
         if why is not None:
             raise DaemonUnavailable(f"not subscribing to {pub_endpoint[:256]!r}: {why}")
         s = self._ctx.socket(zmq.SUB)
-        s.linger = 0
-        self._secure(s)
-        for t in topics:
-            s.setsockopt(zmq.SUBSCRIBE, t.encode())
-        s.connect(pub_endpoint)
+        try:
+            s.linger = 0
+            self._secure(s)
+            for t in topics:
+                s.setsockopt(zmq.SUBSCRIBE, t.encode())
+            s.connect(pub_endpoint)
+        except zmq.ZMQError as e:
+            s.close(linger=0)
+            raise DaemonUnavailable(f"not subscribing to {pub_endpoint[:256]!r}: {e.strerror}") from None
         self._sub = s
 
     def _pub_problem(self, pub: str, named_by_daemon: bool) -> str | None:
@@ -918,9 +914,11 @@ class ProfileClient:
                 return f"not the request endpoint's transport ({ours}://)"
             if scheme == "tcp" and tcp_host(pub) != tcp_host(self.endpoint):
                 return f"not on the request endpoint's host ({tcp_host(self.endpoint)})"
+        if scheme in ("tcp", "ipc"):
+            bad = client_endpoint_problem(pub)  # as for the request socket: zmq's connect would raise on it
+            if bad is not None:
+                return bad
         if scheme == "tcp":
-            if tcp_port(pub) is None:
-                return "expected tcp://HOST:PORT"
             if self._refusal is not None:
                 return self._refusal
             if self._curve is None and not (self._allow_insecure_tcp and is_loopback_host(tcp_host(pub))):

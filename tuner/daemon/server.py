@@ -64,7 +64,7 @@ import zmq
 
 from moetune.runtime import wire
 from moetune.runtime.config import pub_socket_beside
-from moetune.runtime.paths import loose_key_path, secret_key_checks
+from moetune.runtime.paths import loose_key_path, secret_key_checks, tcp_host_problem
 from moetune.runtime.profile_record import ProfileRecord
 from moetune.runtime.profiles.client import INFO_NAME, is_loopback_host, tcp_host, tcp_port
 from moetune.tuner.daemon import handlers
@@ -469,41 +469,6 @@ def _tcp_port(endpoint: str, what: str) -> int:
     if port is None:
         raise DaemonConfigError(f"{what} {endpoint!r}: expected tcp://HOST:PORT with a port in 1..65535")
     return port
-
-
-_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_")
-
-
-def tcp_host_problem(endpoint: str) -> str | None:
-    """What is wrong with the HOST:PORT shape of a tcp:// endpoint (None: nothing; the port's range is `_tcp_port`'s).
-    ZeroMQ takes almost any text at connect time and fails later, or never ("tcp://[::1" waited out the time-out): a
-    host is a name, an IPv4 address or an interface (letters, digits, '.', '-', '_'), '*' (every interface, to
-    bind), or an IPv6 address in brackets, with an optional %zone."""
-    addr = endpoint[len("tcp://"):]
-    if addr.startswith("["):
-        close = addr.find("]")
-        if close < 0:
-            return "no ']' closing the IPv6 address (an IPv6 host is written [ADDRESS])"
-        host, rest = addr[: close + 1], addr[close + 1:]
-        if not rest.startswith(":"):
-            return f"expected ':PORT' right after {host!r}"
-        import ipaddress
-
-        try:
-            ipaddress.IPv6Address(host[1:-1].partition("%")[0])
-        except ValueError:
-            return f"{host[1:-1]!r} in brackets is not an IPv6 address"
-        return None
-    host, colon, _port = addr.rpartition(":")
-    if not colon:
-        return "no ':PORT'"
-    if not host:
-        return "no host before the port"
-    if ":" in host or "[" in host or "]" in host:
-        return f"the host {host!r} is not valid: an IPv6 address goes in brackets, tcp://[::1]:PORT"
-    if host != "*" and not set(host) <= _HOST_CHARS:
-        return f"the host {host!r} is not a host name, an IPv4 address or an interface"
-    return None
 
 
 def check_endpoint(endpoint: str, what: str) -> None:
