@@ -163,24 +163,39 @@ def client_endpoint_problem(endpoint: str) -> str | None:
     return "not an ipc:///absolute/path or tcp://HOST:PORT endpoint"
 
 
+def _foreign_link_reason(d: Path, link: os.stat_result, uid: int) -> str | None:
+    """Why `d` (lstat-ed as `link`) is refused as a symbolic link of another user (None: not a link, or this user's or
+    root's): os.stat follows it, so its target's owner and mode said nothing of who can repoint it."""
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (uid, 0):
+        return (f"{d} is a symbolic link owned by uid {link.st_uid}, not by this user (uid {uid}) or root: its owner "
+                "can point it at another directory")
+    return None
+
+
 def untrusted_dir_reason(d: Path) -> str | None:
     """Why the runtime must not trust sockets or `daemon.json` in directory `d` (None when it may).
 
     Trusted: not group- or world-writable, and owned by the current user or root, or created where only
     root can create (a parent owned by root and writable by nobody else: systemd's `RuntimeDirectory=`
     under /run hands `/run/moetune` to the service user). A `/tmp/moetune-<uid>` made by another user
-    (/tmp is world-writable) is refused.
+    (/tmp is world-writable) is refused, and so is a symbolic link there that is not this user's or root's: its
+    owner can point it at another directory at any time (the checks below are of the directory it leads to, and
+    where that directory is).
     """
     try:
+        link = os.lstat(d)
         st = os.stat(d)
-        parent = os.stat(d.parent)
+        parent = os.stat(Path(os.path.realpath(d)).parent)  # where the directory is, not where a link to it is
     except OSError as e:
         return f"cannot stat {d}: {e.strerror or e}"
+    uid = os.getuid()
+    why = _foreign_link_reason(d, link, uid)
+    if why is not None:
+        return why
     if not stat.S_ISDIR(st.st_mode):
         return f"{d} is not a directory"
     if st.st_mode & 0o022:
         return f"{d} is group- or world-writable (mode {st.st_mode & 0o777:o})"
-    uid = os.getuid()
     if st.st_uid in (uid, 0):
         return None
     if parent.st_uid == 0 and not parent.st_mode & 0o022:
@@ -232,10 +247,12 @@ def untrusted_socket_reason(sock: Path) -> str | None:
     if why is None:
         return None
     try:
-        d, s = os.stat(sock.parent), os.lstat(sock)
+        link, d, s = os.lstat(sock.parent), os.stat(sock.parent), os.lstat(sock)
     except OSError as e:
         return f"cannot stat {sock}: {e.strerror or e}"
     mine = (os.getuid(), 0)
+    if _foreign_link_reason(sock.parent, link, os.getuid()) is not None:
+        return why  # another user's link to a sticky folder: the sticky bit is no protection of the link
     if d.st_mode & stat.S_ISVTX and d.st_uid in mine and stat.S_ISSOCK(s.st_mode) and s.st_uid in mine:
         return None
     return why

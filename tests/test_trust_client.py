@@ -433,6 +433,33 @@ def test_runtime_dir_of_another_user_is_refused(fake, tmp_path: Path) -> None:
     assert paths.untrusted_dir_reason(run) is None
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a symbolic link owned by another user (os.lchown)")
+def test_a_runtime_dir_that_is_another_users_link_is_refused(fake, tmp_path: Path) -> None:
+    """In a sticky world-writable folder (like /tmp), `moetune-<uid>` is a symbolic link owned by another user to a
+    directory that passes every check (root's, 0700). os.stat followed the link and only the target was checked, so
+    it was trusted: its owner can repoint it at any time. Refused now, the socket in it too; this user's own link to
+    the same directory is still trusted."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    os.chmod(tmp, 0o1777)
+    target = tmp_path / "safe" / "run"
+    d = fake(lambda req: ok_reply(req["id"], result()), run=target)
+    link = tmp / f"moetune-{os.getuid()}"
+    link.symlink_to(target, target_is_directory=True)
+    os.lchown(link, 65534, 65534)
+    assert paths.untrusted_dir_reason(target) is None  # the directory itself is fine
+    assert "symbolic link owned by uid 65534" in (paths.untrusted_dir_reason(link) or "")
+    assert "symbolic link owned by uid 65534" in (paths.untrusted_socket_reason(link / "daemon.sock") or "")
+    res, warned = resolve(f"ipc://{link / 'daemon.sock'}", tmp_path)
+    assert res.source in ("policy", "default") and not d.requests
+    assert "symbolic link owned by uid 65534" in warned[0]
+    assert client.read_daemon_info(f"ipc://{link / 'daemon.sock'}", {}) is None
+    # this user's own link: its target is what is checked, as before
+    os.lchown(link, os.getuid(), os.getgid())
+    assert paths.untrusted_dir_reason(link) is None
+    assert paths.untrusted_socket_reason(link / "daemon.sock") is None
+
+
 def test_root_made_dir_for_a_service_user_is_trusted(tmp_path: Path) -> None:
     """/run/moetune as systemd makes it (owned by the service user, mode 0750, in root's 0755 /run)."""
     parent = tmp_path / "run"
