@@ -6,7 +6,9 @@ Order (later wins): built-in defaults, `/etc/moetune/moetune.toml`, `~/.config/m
 database and socket directory.
 
 An unknown section or key, a wrong type or a bad value in a file is a `ConfigError` that names the key
-and the file (or the variable). Unknown `MOETUNE_*` variables are ignored (other tools may own them).
+and the file (or the variable). Unknown `MOETUNE_*` variables are ignored (other tools may own them). The runtime's
+profile client loads with `load_client_config`: only an error in what it reads (client.*, store.db, daemon.socket)
+is raised; any other is named and that setting left at its default.
 Paths in a file (`[store] db`, the CURVE key files) are relative to that file's directory.
 
 The `[runtime]` section holds the EP data path's options (runtime/options.py: `RuntimeOptions`); its
@@ -22,7 +24,7 @@ import math
 import os
 import tomllib
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,10 +203,22 @@ def _parse_env_value(section: str, key: str, raw: str, var: str) -> Any:
     return _finite(section, key, value, where) if want is float else value
 
 
-def _check_ranges(values: dict[str, dict[str, Any]], origin: dict[tuple[str, str], str]) -> None:
+# What a load does with a ConfigError about (section, key) (key None: a whole section): raise it, or (a lenient
+# load: `load_client_config`) note it and leave that key (section) at its default.
+_Report = Callable[[str, "str | None", ConfigError], None]
+
+
+def _strict(section: str, key: str | None, err: ConfigError) -> None:
+    raise err
+
+
+def _check_ranges(values: dict[str, dict[str, Any]], origin: dict[tuple[str, str], str],
+                  report: _Report = _strict) -> None:
     def fail(section: str, key: str, msg: str) -> None:
         where = origin.get((section, key), "defaults")
-        raise ConfigError(f"{section}.{key} in {where}: {msg}")
+        report(section, key, ConfigError(f"{section}.{key} in {where}: {msg}"))
+        values[section][key] = getattr(_SECTIONS[section](), key)  # ignored (a lenient load): the default
+        origin.pop((section, key), None)
 
     d, t, c = values["daemon"], values["tune"], values["client"]
     if d["log_level"].lower() not in LOG_LEVELS:
@@ -246,37 +260,51 @@ def _resolve_path(value: str, base: Path | None) -> str:
     return str(p)
 
 
-def _apply_file(path: Path, values: dict[str, dict[str, Any]], origin: dict[tuple[str, str], str]) -> None:
+def _apply_file(path: Path, values: dict[str, dict[str, Any]], origin: dict[tuple[str, str], str],
+                report: _Report = _strict) -> None:
     where = str(path)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
+    except tomllib.TOMLDecodeError as e:  # a whole file: nothing in it can be told apart (never lenient)
         raise ConfigError(f"{where}: not valid TOML: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{where}: cannot read: {e}") from None
     for section, table in data.items():
         if section not in _SECTIONS:
-            raise ConfigError(f"unknown section [{section}] in {where} (known: {', '.join(_SECTIONS)})")
+            report(section, None, ConfigError(f"unknown section [{section}] in {where} (known: {', '.join(_SECTIONS)})"))
+            continue
         if not isinstance(table, dict):
-            raise ConfigError(f"{section} in {where}: expected a table [{section}], got {type(table).__name__}")
+            report(section, None, ConfigError(f"{section} in {where}: expected a table [{section}], got "
+                                              f"{type(table).__name__}"))
+            continue
         known = _fields(section)
         for key, value in table.items():
             if key not in known:
-                raise ConfigError(f"unknown key {section}.{key} in {where} (known: {', '.join(known)})")
-            value = _check_value(section, key, value, where)
+                report(section, key, ConfigError(f"unknown key {section}.{key} in {where} (known: {', '.join(known)})"))
+                continue
+            try:
+                value = _check_value(section, key, value, where)
+            except ConfigError as e:
+                report(section, key, e)
+                continue
             if (section, key) in _PATH_KEYS:
                 value = _resolve_path(value, path.parent)
             values[section][key] = value
             origin[(section, key)] = where
 
 
-def _apply_env(env: Mapping[str, str], values: dict[str, dict[str, Any]], origin: dict[tuple[str, str], str]) -> bool:
+def _apply_env(env: Mapping[str, str], values: dict[str, dict[str, Any]], origin: dict[tuple[str, str], str],
+               report: _Report = _strict) -> bool:
     used = False
     for section in _SECTIONS:
         for key in _fields(section):
             var = env_name(section, key)
             if var and var in env:
-                value = _parse_env_value(section, key, env[var], var)
+                try:
+                    value = _parse_env_value(section, key, env[var], var)
+                except ConfigError as e:
+                    report(section, key, e)
+                    continue
                 if (section, key) in _PATH_KEYS:
                     value = _resolve_path(value, Path.cwd())
                 values[section][key] = value
@@ -322,6 +350,35 @@ def pub_socket_beside(socket: str) -> str:
 
 def load_config(config_file: Path | None = None, env: Mapping[str, str] = os.environ) -> Config:
     """Defaults ← /etc ← user file ← `config_file` (or $MOETUNE_CONFIG) ← MOETUNE_* variables."""
+    return _load(config_file, env, _strict)
+
+
+# What the runtime's profile client reads of the config: its own section, the database it falls back to, and the
+# daemon's socket (client.socket's default)
+CLIENT_KEYS = frozenset({("store", "db"), ("daemon", "socket")})
+
+
+def _client_needs(section: str, key: str | None) -> bool:
+    return section == "client" or (section, key) in CLIENT_KEYS or (key is None and section in {"store", "daemon"})
+
+
+def load_client_config(env: Mapping[str, str] = os.environ) -> tuple[Config, list[str]]:
+    """`load_config` for the runtime's profile client: a ConfigError about what the client reads (client.*, store.db,
+    daemon.socket; a file that is no TOML) is raised, one about anything else (MOETUNE_TUNE_TRIALS=many, a daemon
+    metrics_port out of range, an unknown key) only noted: that key is left at its default and its message listed
+    (second value). One bad setting elsewhere dropped the client's own: env_mismatch = "refuse" became "warn", its
+    CURVE key files and socket were lost."""
+    ignored: list[str] = []
+
+    def report(section: str, key: str | None, err: ConfigError) -> None:
+        if _client_needs(section, key):
+            raise err
+        ignored.append(str(err))
+
+    return _load(None, env, report), ignored
+
+
+def _load(config_file: Path | None, env: Mapping[str, str], report: _Report) -> Config:
     values: dict[str, dict[str, Any]] = {s: dataclasses.asdict(cls()) for s, cls in _SECTIONS.items()}
     origin: dict[tuple[str, str], str] = {}
     sources: list[str] = []
@@ -329,13 +386,13 @@ def load_config(config_file: Path | None = None, env: Mapping[str, str] = os.env
     explicit = files[2] if len(files) > 2 else None
     for f in files:
         if f.is_file():
-            _apply_file(f, values, origin)
+            _apply_file(f, values, origin, report)
             sources.append(str(f))
         elif f is explicit:
             raise ConfigError(_not_a_config_file(f, "--config" if config_file else "$MOETUNE_CONFIG"))
-    if _apply_env(env, values, origin):
+    if _apply_env(env, values, origin, report):
         sources.append("environment")
-    _check_ranges(values, origin)
+    _check_ranges(values, origin, report)
 
     run = paths.runtime_dir(env)
     if not values["store"]["db"]:

@@ -181,6 +181,41 @@ def test_bad_env_mismatch_settings_are_named() -> None:
         ProfileClient("ipc:///nowhere/daemon.sock", env={}, env_mismatch="strict")
 
 
+@pytest.mark.parametrize("bad", [{"MOETUNE_DAEMON_METRICS_PORT": "99999"}, {"MOETUNE_TUNE_TRIALS": "many"},
+                                 {"MOETUNE_DAEMON_LOG_LEVEL": "loud"}])
+def test_a_bad_setting_the_client_does_not_read_keeps_its_own_section(tmp_path: Path, bad: dict[str, str],
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A bad value in another section's variable made load_config raise, and the client dropped its whole [client]
+    section: env_mismatch = "refuse" silently became "warn", its CURVE key files and socket were lost (only a log
+    line). The client's own settings hold now, and the log names what was ignored."""
+    import zmq.auth
+
+    keys = tmp_path / "keys"
+    keys.mkdir(mode=0o700)
+    server_pub, _ = zmq.auth.create_certificates(str(keys), "server")
+    _, own_secret = zmq.auth.create_certificates(str(keys), "client")
+    cfg = tmp_path / "moetune.toml"
+    cfg.write_text(f'[client]\nenv_mismatch = "refuse"\nsocket = "tcp://127.0.0.1:9"\ntimeout_ms = 77\n'
+                   f'curve_server_key_file = "{server_pub}"\ncurve_secret_key_file = "{own_secret}"\n')
+    env = {"HOME": str(tmp_path), "MOETUNE_CONFIG": str(cfg), **bad}
+    with caplog.at_level("WARNING", logger="moetune.client"):
+        c = ProfileClient(env=env)
+    try:
+        assert (c.env_mismatch, c.endpoint, c.timeout_ms) == ("refuse", "tcp://127.0.0.1:9", 77)
+        assert c._curve is not None and not c._ephemeral_key and c._refusal is None  # its own key pair, read
+    finally:
+        c.close()
+    (var,) = bad
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert var in said and "ignores" in said, said
+    # a bad value of the client's own still drops the section, saying so (nothing of it can be trusted)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="moetune.client"):
+        c = ProfileClient(env={**env, "MOETUNE_CLIENT_TIMEOUT_MS": "soon"})
+    c.close()
+    assert "ignoring the config" in caplog.text and "MOETUNE_CLIENT_TIMEOUT_MS" in caplog.text
+
+
 # -- from a daemon: the reply's recorded variables are compared, never exported --------------------------------
 DAEMON_FP = "f" * 16  # the fake daemon's node: this one, with this process's software (F.this_node_facts)
 

@@ -135,6 +135,31 @@ def test_env_errors_name_the_variable(env):
         load_config(env={**env, "MOETUNE_DAEMON_METRICS_PORT": "-1"})
 
 
+def test_the_clients_load_names_what_it_ignores_outside_its_keys(env, tmp_path):
+    """load_client_config: a bad value outside what the runtime's client reads is listed and left at its default
+    (the client keeps its own section); one in client.*, store.db or daemon.socket, or a file that is no TOML, is
+    raised as by load_config."""
+    f = write(tmp_path / "c.toml", "[client]\nenv_mismatch = 'refuse'\n[tune]\ntrials = 0\nbogus = 1\n"
+                                   "[elsewhere]\nx = 1\n[daemon]\nmetrics_port = 70000\nsocket = 'ipc:///s/d.sock'\n")
+    cfg, ignored = config_mod.load_client_config(env={**env, "MOETUNE_CONFIG": str(f),
+                                                      "MOETUNE_DAEMON_LOG_LEVEL": "loud"})
+    assert cfg.client.env_mismatch == "refuse" and cfg.client.socket == cfg.daemon.socket == "ipc:///s/d.sock"
+    assert (cfg.tune.trials, cfg.daemon.metrics_port, cfg.daemon.log_level) == (40, 0, "info")  # the defaults
+    assert cfg.origin_of("tune", "trials") == "defaults"
+    said = "\n".join(ignored)
+    for needle in ("tune.trials", "tune.bogus", "[elsewhere]", "daemon.metrics_port", "MOETUNE_DAEMON_LOG_LEVEL"):
+        assert needle in said, said
+    with pytest.raises(ConfigError, match=r"tune\.bogus"):  # load_config itself is as strict as ever
+        load_config(env={**env, "MOETUNE_CONFIG": str(f)})
+    for bad in ({"MOETUNE_CLIENT_TIMEOUT_MS": "soon"}, {"MOETUNE_CLIENT_SOCKET": "tcp://node1"},
+                {"MOETUNE_DAEMON_SOCKET": "/tmp/sock"}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            config_mod.load_client_config(env={**env, "MOETUNE_CONFIG": str(f), **bad})
+    write(f, "[client\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config_mod.load_client_config(env={**env, "MOETUNE_CONFIG": str(f)})
+
+
 def test_missing_explicit_file_is_an_error(env, tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml", env=env)

@@ -70,7 +70,7 @@ from moetune.runtime.config import (
     MAX_CLIENT_TIMEOUT_MS,
     ClientConfig,
     ConfigError,
-    load_config,
+    load_client_config,
 )
 from moetune.runtime.knobs import KnobError, Knobs, default_knobs
 from moetune.runtime.paths import (
@@ -586,12 +586,16 @@ _ids = itertools.count(1)
 
 def _client_config(env: Mapping[str, str]) -> tuple[ClientConfig | None, str | None]:
     """The config's [client] section and its [store] db; a broken config file must not stop the runtime (warned,
-    env used)."""
+    env used). A bad setting the client does not read (MOETUNE_TUNE_TRIALS=many) is only named: it dropped the
+    whole section before, so env_mismatch = "refuse" became "warn" and the CURVE key files were lost."""
     try:
-        cfg = load_config(env=env)
+        cfg, ignored = load_client_config(env=env)
     except (ConfigError, OSError) as e:  # e.g. another user's unreadable ~/.config: fall back, never raise
         log.warning("moetune: ignoring the config for the profile client: %s", e)
         return None, None
+    if ignored:
+        log.warning("moetune: the profile client ignores settings it does not read that are wrong (%s); its own "
+                    "[client] settings are used", "; ".join(ignored))
     return cfg.client, cfg.store.db
 
 class ProfileClient:
