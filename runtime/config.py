@@ -75,7 +75,7 @@ class TuneConfig:
 @dataclass(frozen=True)
 class ClientConfig:
     timeout_ms: int = 200
-    socket: str = ""  # resolved by load_config: the daemon's socket
+    socket: str = ""  # resolved by load_config: daemon.socket when set, else paths.find_daemon_socket
     allow_modelled: bool = False  # apply a MODELLED (node model / preset) profile when no measured one exists
     # a tuned profile measured in another NCCL/NVSHMEM/FI environment than the job's (or one not recorded): "warn"
     # (served, warned once naming the variables), "refuse" (passed over: the lookup falls back), "ignore" (served)
@@ -395,6 +395,7 @@ def _load(config_file: Path | None, env: Mapping[str, str], report: _Report) -> 
     _check_ranges(values, origin, report)
 
     run = paths.runtime_dir(env)
+    daemon_socket_set = bool(values["daemon"]["socket"])
     if not values["store"]["db"]:
         values["store"]["db"] = str(paths.default_db_path(env))
     if not values["daemon"]["socket"]:
@@ -404,7 +405,9 @@ def _load(config_file: Path | None, env: Mapping[str, str], report: _Report) -> 
         # directory (another daemon's) or on IPC beside a tcp:// socket; "" where none can be told (the daemon says)
         values["daemon"]["pub_socket"] = pub_socket_beside(values["daemon"]["socket"])
     if not values["client"]["socket"]:
-        values["client"]["socket"] = values["daemon"]["socket"]
+        # the daemon's socket when one is configured; else where a daemon of this user is (one started in another
+        # environment included), as default_endpoint finds it: the client and the config agree on one rule
+        values["client"]["socket"] = values["daemon"]["socket"] if daemon_socket_set else paths.find_daemon_socket(env)
     values["daemon"]["log_level"] = values["daemon"]["log_level"].lower()
     return Config(**{s: cls(**values[s]) for s, cls in _SECTIONS.items()}, sources=tuple(sources), origin=origin)
 

@@ -258,20 +258,31 @@ def untrusted_socket_reason(sock: Path) -> str | None:
     return why
 
 
+def find_daemon_socket(env: Mapping[str, str] = os.environ) -> str:
+    """Where a client finds the daemon when no socket is configured (the config's client.socket default and
+    `default_endpoint`'s: one rule). `moetune serve` with no socket configured binds in `runtime_dir` of its own
+    environment, which may not be the client's (started without MOETUNE_HOME, with XDG_RUNTIME_DIR, ...): the first
+    candidate runtime directory holding `daemon.sock`, else the first holding `daemon.json` (a stopped daemon's,
+    which names its database), else `runtime_dir(env)` (where this environment's daemon binds). The client reads
+    `daemon.json` only beside the socket it uses, so the two never name different daemons."""
+    cands = runtime_dir_candidates(env)
+    for name in (SOCKET_NAME, INFO_NAME):
+        for d in cands:
+            try:
+                os.stat(d / name)
+            except OSError:  # absent, or a directory this user may not enter
+                continue
+            return f"ipc://{d / SOCKET_NAME}"
+    return f"ipc://{cands[0] / SOCKET_NAME}"
+
+
 def default_endpoint(env: Mapping[str, str] = os.environ) -> str:
-    """The daemon endpoint a client uses: `MOETUNE_CLIENT_SOCKET`, else `MOETUNE_DAEMON_SOCKET`, else the
-    first candidate runtime directory holding `daemon.sock`, else the daemon's default location."""
+    """The daemon endpoint a client uses when the config cannot be read: `MOETUNE_CLIENT_SOCKET`, else
+    `MOETUNE_DAEMON_SOCKET`, else `find_daemon_socket` (what the config's client.socket defaults to)."""
     for var in ("MOETUNE_CLIENT_SOCKET", "MOETUNE_DAEMON_SOCKET"):
         if env.get(var):
             return env[var]
-    cands = runtime_dir_candidates(env)
-    for d in cands:
-        try:
-            os.stat(d / SOCKET_NAME)
-        except OSError:
-            continue
-        return f"ipc://{d / SOCKET_NAME}"
-    return f"ipc://{cands[0] / SOCKET_NAME}"
+    return find_daemon_socket(env)
 
 
 def client_db_path(info_db: str | None = None, env: Mapping[str, str] = os.environ,

@@ -125,15 +125,90 @@ def test_no_import_cycle_and_one_path_module() -> None:
     assert client.default_endpoint is paths.default_endpoint
 
 
-def test_client_and_config_agree_on_paths(tmp_path: Path) -> None:
-    """Where the daemon listens by default (config) is where the client looks first (they had drifted)."""
+def test_client_and_config_agree_on_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the daemon listens by default (config) is where the client looks first (they had drifted). With a socket
+    present in another candidate runtime directory (a daemon started in another environment), the config's
+    client.socket, `default_endpoint`, a ProfileClient and `read_daemon_info` all name that one: the client used
+    client.socket (always the first directory) while read_daemon_info searched every directory and
+    default_endpoint's search ran only with a broken config."""
     from moetune.runtime.config import load_config
 
+    monkeypatch.setattr(paths, "SYSTEM_RUNTIME_DIR", tmp_path / "system-run")  # not this machine's /run/moetune
     for env in ({"MOETUNE_HOME": str(tmp_path / "h"), "HOME": str(tmp_path)},
                 {"XDG_RUNTIME_DIR": str(tmp_path / "x"), "HOME": str(tmp_path)}, {"HOME": str(tmp_path)}):
         cfg = load_config(env=env)
         assert paths.default_endpoint(env) == cfg.client.socket == cfg.daemon.socket
         assert paths.client_db_path(None, env) == cfg.db_path
+    # a daemon's socket in the second candidate directory, a stale daemon.json in the first (another daemon's)
+    env = {"MOETUNE_HOME": str(tmp_path / "h"), "XDG_RUNTIME_DIR": str(tmp_path / "x"), "HOME": str(tmp_path)}
+    first, there = paths.runtime_dir_candidates(env)[:2]
+    assert (first, there) == (tmp_path / "h" / "run", tmp_path / "x" / "moetune")
+    for d, db in ((first, "stale.db"), (there, "served.db")):
+        d.mkdir(parents=True, mode=0o700)
+        (d / paths.INFO_NAME).write_text(json.dumps({"db": str(tmp_path / db)}))
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(there / paths.SOCKET_NAME))
+    try:
+        want = f"ipc://{there / paths.SOCKET_NAME}"
+        cfg = load_config(env=env)
+        assert cfg.daemon.socket == f"ipc://{first / paths.SOCKET_NAME}"  # where a daemon of this env would bind
+        c = ProfileClient(env=env)
+        try:
+            assert paths.default_endpoint(env) == cfg.client.socket == c.endpoint == want
+            assert (client.read_daemon_info(c.endpoint, env) or {}).get("_dir") == str(there)
+            assert (client.read_daemon_info(None, env) or {}).get("_dir") == str(there)
+            assert c.fallback_db() == tmp_path / "served.db"
+        finally:
+            c.close()
+    finally:
+        s.close()
+    # no socket anywhere: a stopped daemon's daemon.json (naming its database) is where the client looks
+    (there / paths.SOCKET_NAME).unlink()
+    (first / paths.INFO_NAME).unlink()
+    c = ProfileClient(env=env)
+    assert c.endpoint == paths.default_endpoint(env) == f"ipc://{there / paths.SOCKET_NAME}"
+    assert c.fallback_db() == tmp_path / "served.db"
+    c.close()
+
+
+def test_the_client_finds_the_daemon_serve_started_in_another_environment(tmp_path: Path) -> None:
+    """`moetune serve` with no socket configured binds in its own environment's runtime directory (here
+    $XDG_RUNTIME_DIR/moetune); a job whose environment also sets MOETUNE_HOME (a first candidate of its own) finds
+    that daemon by the config's client.socket and talks to it, and reads the daemon.json beside that socket."""
+    from moetune.runtime.config import load_config
+
+    F.make_capture(tmp_path / "capture")
+    x, h = tmp_path / "x", tmp_path / "h"
+    x.mkdir(mode=0o700)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MOETUNE_", "XDG_"))}
+    serve_env = {**base, "HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(x),
+                 "PYTHONPATH": os.pathsep.join(filter(None, [str(F.TESTS_DIR), os.environ.get("PYTHONPATH", "")]))}
+    served = load_config(env=serve_env).daemon.socket  # where run_daemon binds: `socket or cfg.daemon.socket`
+    assert served == f"ipc://{x / 'moetune' / 'daemon.sock'}"
+    log = open(tmp_path / "daemon.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "moetune.tuner.daemon.server", "--db", str(tmp_path / "moetune.db"),
+                             "--capture", str(tmp_path / "capture"), "--rediscover-interval", "60",
+                             "--retune-hook", "daemon_fakes:fake_retune"], stdout=log, stderr=log, env=serve_env)
+    try:
+        job_env = {"HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(x), "MOETUNE_HOME": str(h)}
+        deadline = time.monotonic() + 30
+        while True:
+            c = ProfileClient(env=job_env, timeout_ms=300)
+            try:
+                hello = c.hello()
+                break
+            except client.DaemonUnavailable:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
+                time.sleep(0.1)
+            finally:
+                c.close()
+        assert c.endpoint == served == paths.default_endpoint(job_env) == load_config(env=job_env).client.socket
+        info = client.read_daemon_info(c.endpoint, job_env) or {}
+        assert info.get("_dir") == str(x / "moetune") and info.get("epoch") == c.epoch and hello is not None
+    finally:
+        proc.kill()
+        proc.wait(10)
+        log.close()
 
 
 def test_client_import_leaves_torch_out() -> None:

@@ -251,7 +251,8 @@ def test_nccl_and_nvshmem_versions_are_checked(monkeypatch: pytest.MonkeyPatch, 
 def test_a_daemon_json_speaks_only_for_the_daemon_that_wrote_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A daemon killed with -9 leaves daemon.json saying running: its fingerprint and software then stood for
     whichever daemon answered (another folder's, a tcp:// one), and that daemon's reported facts were never asked.
-    The file speaks for the daemon that answered only when its epoch is that daemon's."""
+    The file speaks for the daemon that answered only when its epoch is that daemon's; another folder's file is not
+    read at all (only the one beside the socket the client talks to)."""
     F.pretend_node(monkeypatch, HERE, tmp_path / "proc")
     sw_a = node_identity.software_hash(ELSEWHERE)
     home = tmp_path / "home"
@@ -261,14 +262,16 @@ def test_a_daemon_json_speaks_only_for_the_daemon_that_wrote_it(tmp_path: Path, 
                                                  "software": sw_a, "host": socket.gethostname(), "running": True,
                                                  "pid": 999999999, "endpoint": f"ipc://{run}/daemon.sock",
                                                  "epoch": "dead"}))
-    c = ProfileClient(f"ipc://{tmp_path}/other/daemon.sock", db_path=tmp_path / "none.db", timeout_ms=200,
-                      env={"HOME": str(tmp_path), "MOETUNE_HOME": str(home)})
-    asked: list[int] = []
-    c.get_profile = lambda **kw: reply(measured(key(FP_A, sw_a)))  # type: ignore[method-assign]
-    c.fabric = lambda **kw: (asked.append(1), _fabric(FP_A, ELSEWHERE))[1]  # type: ignore[method-assign]
-    res, warned = resolve(c)
-    assert not res.tuned and asked == [1], (res, warned)
-    assert any("is another daemon's (epoch 'dead'" in w for w in warned), warned
+    env = {"HOME": str(tmp_path), "MOETUNE_HOME": str(home)}
+    for where, said in ((run, "is another daemon's (epoch 'dead'"),  # beside the socket, a new daemon answering
+                        (tmp_path / "other", "no daemon.json beside the daemon's socket")):  # another folder's file
+        c = ProfileClient(f"ipc://{where}/daemon.sock", db_path=tmp_path / "none.db", timeout_ms=200, env=env)
+        asked: list[int] = []
+        c.get_profile = lambda **kw: reply(measured(key(FP_A, sw_a)))  # type: ignore[method-assign]
+        c.fabric = lambda asked=asked, **kw: (asked.append(1), _fabric(FP_A, ELSEWHERE))[1]  # type: ignore[method-assign]
+        res, warned = resolve(c)
+        assert not res.tuned and asked == [1], (res, warned)
+        assert any(said in w for w in warned), warned
 
 
 def test_a_node_without_gpus_checks_the_recorded_nics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,9 +36,9 @@ served, the resolution says so (`env_status`, `env_diff`) and one warning per pr
 (`EnvMismatchWarning`); `env_mismatch = "refuse"` (config `client.env_mismatch`) passes such a profile, and one whose
 environment was not recorded, over instead, so the chain ends at the policy default; "ignore" serves it silently.
 
-Where things are found: `moetune.runtime.paths` (`default_endpoint`, `runtime_dir_candidates`,
-`client_db_path`); the daemon writes `daemon.json` next to its socket (endpoint, PUB endpoint, database
-path, fingerprint, software hash and transport families of the node).
+Where things are found: `moetune.runtime.paths` (the config's client.socket and `default_endpoint` both follow
+`find_daemon_socket`; `client_db_path`); the daemon writes `daemon.json` next to its socket (endpoint, PUB endpoint,
+database path, fingerprint, software hash and transport families of the node), and the client reads it only there.
 """
 
 from __future__ import annotations
@@ -187,14 +187,13 @@ class EnvMismatchWarning(RuntimeWarning):
 
 # -- where things live ------------------------------------------------------------------------------
 def read_daemon_info(endpoint: str | None = None, env: Mapping[str, str] = os.environ) -> dict[str, Any] | None:
-    """The `daemon.json` the daemon keeps next to its IPC socket (None when absent, unreadable or in a
-    directory this user may not trust). The path it was read from is under the key `_dir`."""
-    dirs: list[Path] = []
-    p = ipc_path(endpoint) if endpoint else None
-    if p is not None:
-        dirs.append(p.parent)
-    dirs += [d for d in runtime_dir_candidates(env) if d not in dirs]
-    for d in dirs:
+    """The `daemon.json` the daemon at `endpoint` (default: `default_endpoint(env)`) keeps next to its IPC socket
+    (None when absent, unreadable, in a directory this user may not trust, or for a tcp:// endpoint: only a daemon
+    on an ipc:// socket writes one). Only that directory: another runtime directory's file is another daemon's
+    (its database, its transports), although the client talks to this one. The path it was read from is under the
+    key `_dir`."""
+    p = ipc_path(endpoint if endpoint else default_endpoint(env))
+    for d in [p.parent] if p is not None else []:
         f = d / INFO_NAME
         if not f.exists():
             continue
@@ -1098,7 +1097,7 @@ class ProfileClient:
             why_no_ident = (f"daemon.json in {info.get('_dir')} is another daemon's (epoch "
                             f"{str(info.get('epoch'))[:40]!r}, not the answering daemon's {self.epoch!r})")
         else:
-            why_no_ident = "" if info else "no daemon.json in a runtime directory"
+            why_no_ident = "" if info else "no daemon.json beside the daemon's socket"
         if not is_preset_fingerprint(r.key.fingerprint):
             ident, why_no_ident = self._reported_identity(r.key, why_no_ident, deadline)
         recorded = None if r.perf_env is msgspec.UNSET else dict(r.perf_env)
