@@ -191,3 +191,51 @@ def test_predict_and_sweep_name_the_preset_file_and_a_forced_fits_warning(tmp_pa
     assert r.exit_code == 0 and json.loads(r.stdout)["preset_warning"].startswith("UNTRUSTED FIT"), r.output
     r = runner.invoke(app, ["model", "predict", "-p", "nvlink-h200x2", "--json"])
     assert json.loads(r.stdout)["preset_file"] is None and json.loads(r.stdout)["preset_warning"] is None
+
+
+def _host_staged_rows(tmp_path: Path) -> Path:
+    """The shared baseline's 8 host_staged qwen3-30b rows (world 2): a fit of seconds."""
+    data = tmp_path / "rows.jsonl"
+    lines = [ln for ln in (ROOT / "bench/results/2026-11-30_h200x2_nccl_baseline.jsonl").read_text().splitlines()
+             if '"host_staged"' in ln and '"qwen3-30b"' in ln]
+    data.write_text("\n".join(lines) + "\n")
+    return data
+
+
+def test_calibrate_shows_its_progress_on_stderr(tmp_path: Path) -> None:
+    """The fit ran ~30 s with nothing shown: a task per group of rows fitted, its steps counted, on stderr; stdout
+    holds only the report, and --json's one object (no progress with --json, as `tune`)."""
+    import re
+
+    args = ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(_host_staged_rows(tmp_path)),
+            "--params", "collective.host_alpha_us,pcie.h2d_gbps"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "fit collective/host_staged (2 parameter(s), 8 row(s)): started, 0/40 done" in r.stderr, r.stderr
+    assert re.search(r"fit collective/host_staged \(2 parameter\(s\), 8 row\(s\)\): 40/40 done", r.stderr), r.stderr
+    assert "fit collective" not in r.stdout and "calibration of nvlink-h200x2" in r.stdout
+    r = runner.invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["summary"]["points"] == 8 and r.stderr == ""
+
+
+def test_calibrate_interrupted_says_nothing_was_written(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C in the fit ended with Click's bare "Aborted!" (exit 1): one line saying nothing was written, exit 130
+    (143 for SIGTERM), as `tune`."""
+    from moetune.tuner.fabric_model import calibration
+    from moetune.tuner.search.study import Terminated
+
+    out = tmp_path / "new.toml"
+    args = ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(_host_staged_rows(tmp_path)), "--out", str(out)]
+    for raised, code, said in ((KeyboardInterrupt, 130, "interrupted"), (Terminated, 143, "terminated (SIGTERM)")):
+        def stop(*_a, _e=raised, **_k):
+            raise _e()
+
+        monkeypatch.setattr(calibration, "_objective", stop)  # inside the fit's search
+        r = runner.invoke(app, args)
+        assert r.exit_code == code, (r.output, r.exception)
+        last = r.stderr.strip().splitlines()[-1]  # after the progress lines
+        assert last == f"{said}: the fit was stopped; nothing written (--out {out} untouched)", r.stderr
+        assert "Aborted" not in r.output and "Traceback" not in r.output
+        assert not out.exists()
+

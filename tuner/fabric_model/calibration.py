@@ -34,12 +34,15 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
 from moetune.tuner.fabric_model.predict import Workload, predict, predict_transfers
 from moetune.tuner.fabric_model.presets import Preset, load_preset, read_text_file
+
+if TYPE_CHECKING:  # typing only: fabric_model sits below search, so the caller hands the sink down (import rule 3)
+    from moetune.tuner.search.progress import Progress
 
 # Parameters fitted by default, per preset family of measurement.
 # "a+b" ties parameters (fitted as one value).
@@ -65,6 +68,8 @@ MIN_INDEPENDENCE = 0.05
 MAX_ROW_ERR = 0.30
 MAX_MEAN_ERR = 0.15
 WORST_SHOWN = 3  # rows named in a poor-fit problem
+# progress steps of a fit's random search (40 trials per parameter): about as long each as a refinement round
+SEARCH_STEPS = 10
 
 _PROBE_MODES = {
     "coupled_drain": ("coupled", "proxy_drain"),
@@ -587,10 +592,12 @@ def calibrate(
     params: Iterable[str] | None = None,
     rounds: int = 30,
     nic_line_rate_gbs: float | None = None,
+    progress: Progress | None = None,
 ) -> FitReport:
     """Fit the preset's parameters to the rows; returns the report (with the fitted preset). Parameters the
     rows do not constrain keep the preset's values (`kept`); `problems` says why the fit cannot be trusted
-    (too few rows, a value outside its physical bounds, `nic_line_rate_gbs` included, a poor fit)."""
+    (too few rows, a value outside its physical bounds, `nic_line_rate_gbs` included, a poor fit). `progress`:
+    a task per group of rows fitted together, counted in search rounds (the fit is nearly all of the time)."""
     preset, points, skipped, params = _prepare(preset, rows, params)
     before = dict(preset.numeric())
     # A parameter the rows constrain at the preset's value may be fitted to where they no longer see it (a host
@@ -600,7 +607,9 @@ def calibrate(
     let_go: dict[str, str] = {}
     while True:
         clusters, kept, problems = _plan(preset, points, params)
-        values = _fit(preset, points, clusters, rounds)
+        # a second pass fits again without the parameters let go: its tasks say so (the same groups again)
+        values = _fit(preset, points, clusters, rounds, progress,
+                      f" again without {', '.join(sorted(let_go))}" if let_go else "")
         fitted = preset.with_params(values, source=None)
         arbitrary = _arbitrary(fitted, points, clusters)
         if not arbitrary:
@@ -617,8 +626,11 @@ def calibrate(
                      params_after=fitted.numeric(), fitted=list(values), kept=kept, problems=problems)
 
 
-def _fit(preset: Preset, points: list[Point], clusters: list[tuple[set[str], list[str]]], rounds: int) -> dict[str, float]:
-    """The fitted values of the clusters' parameters (expanded: tied parameters each named), from the preset's."""
+def _fit(preset: Preset, points: list[Point], clusters: list[tuple[set[str], list[str]]], rounds: int,
+         progress: Progress | None = None, again: str = "") -> dict[str, float]:
+    """The fitted values of the clusters' parameters (expanded: tied parameters each named), from the preset's.
+    `progress`: one task per cluster of SEARCH_STEPS + `rounds` steps (the random search in SEARCH_STEPS parts, then
+    each refinement round: steps of about the same time; a fit that converges early completes its task)."""
     available = preset.numeric()
     fitted_specs = [s for _g, specs in clusters for s in specs]
     init = {spec: available[spec.split("+")[0]] for spec in fitted_specs}
@@ -632,21 +644,28 @@ def _fit(preset: Preset, points: list[Point], clusters: list[tuple[set[str], lis
     rng = random.Random(1234)
     for groups, specs in clusters:
         pts = [p for p in points if p.group in groups]
+        task = None
+        if progress is not None:
+            task = progress.add(f"fit {', '.join(sorted(groups))}{again} ({len(specs)} parameter(s), {len(pts)} "
+                                "row(s))", SEARCH_STEPS + rounds)
 
         def obj(vals: dict[str, float], pts=pts) -> float:
             return _objective(pts, preset.with_params(_expand(vals)))
 
         best = obj(cur)
         # seeded random search in log space (factor 4 around the start), then coordinate refinement
-        for _ in range(40 * len(specs)):
+        part = 40 * len(specs) // SEARCH_STEPS
+        for i in range(40 * len(specs)):
             trial = dict(cur)
             for spec in specs:
                 trial[spec] = clamp(spec, init[spec] * math.exp(rng.uniform(-1.4, 1.4)))
             val = obj(trial)
             if val < best:
                 best, cur = val, trial
+            if progress is not None and (i + 1) % part == 0:
+                progress.update(task, (i + 1) // part)
         step = math.log(1.5)
-        for _ in range(rounds):
+        for done in range(SEARCH_STEPS + 1, SEARCH_STEPS + rounds + 1):
             improved = False
             for spec in specs:
                 for direction in (1.0, -1.0):
@@ -662,10 +681,14 @@ def _fit(preset: Preset, points: list[Point], clusters: list[tuple[set[str], lis
                 val = obj(trial)
                 if val < best - 1e-12:
                     best, cur, improved = val, trial, True
+            if progress is not None:
+                progress.update(task, done)
             if not improved:
                 step *= 0.5
                 if step < 2e-3:
                     break
+        if progress is not None:  # converged before the last round: the task is complete
+            progress.update(task, SEARCH_STEPS + rounds)
     return _expand(cur)
 
 
