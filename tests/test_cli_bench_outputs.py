@@ -131,6 +131,44 @@ def test_a_later_launch_that_cannot_be_written_stops_the_run(monkeypatch, tmp_pa
     assert R.read_rows(dest)[0]["launch"].endswith("-1")
 
 
+def test_an_interrupted_run_says_what_its_finished_launches_left(monkeypatch, tmp_path: Path, fast_scenario) -> None:
+    """Ctrl-C in `bench run` ended with Click's bare "Aborted!" (exit 1): one line saying how many rows of the
+    finished launches are in the table (the launch in progress is not), exit 130 (143 for SIGTERM), as `tune`."""
+    from moetune.tuner.search.study import Terminated
+
+    calls: list[int] = []
+    stop_at = [2]
+
+    def driver(cases, ctx) -> list[S.CaseResult]:
+        calls.append(1)
+        if len(calls) == stop_at[0]:
+            raise KeyboardInterrupt
+        return _fake_driver(cases, ctx)
+
+    monkeypatch.setitem(S.DRIVERS, "fabric-model", driver)
+    dest = tmp_path / "s.csv"
+    r = _run("bench", "run", "fabric-model", "--smoke", "--launches", "3", "--results", str(dest))
+    assert r.exit_code == 130, (r.output, r.exception)
+    flat = " ".join(r.output.split())
+    assert (f"interrupted: the 1 row(s) of 1 finished launch(es) are in {dest}; the launch in progress was not "
+            "saved") in flat, r.output
+    assert "Aborted" not in r.output and "Traceback" not in r.output
+    assert [row["launch"][-2:] for row in R.read_rows(dest)] == ["-1"]
+    calls.clear()
+    stop_at[0] = 1  # in the first launch: nothing appended
+    fresh = tmp_path / "t.csv"
+    r = _run("bench", "run", "fabric-model", "--smoke", "--results", str(fresh))
+    assert r.exit_code == 130 and f"interrupted: no launch finished: nothing appended to {fresh}" in r.output, r.output
+    assert not fresh.exists()
+
+    def terminated(cases, ctx) -> list[S.CaseResult]:
+        raise Terminated()
+
+    monkeypatch.setitem(S.DRIVERS, "fabric-model", terminated)
+    r = _run("bench", "run", "fabric-model", "--smoke", "--results", str(fresh))
+    assert r.exit_code == 143 and "terminated (SIGTERM): no launch finished" in r.output, r.output
+
+
 # -- 2. the summary names the file it read ------------------------------------------------------------------------
 def test_summary_names_the_results_file_it_read(tmp_path: Path) -> None:
     src = tmp_path / "s2.csv"

@@ -530,10 +530,12 @@ def run_scenario(
                                     "measured what the scenario asks (driver moe)."),
 ) -> None:
     """Run every case of a scenario side by side, several launches; append stamped rows to summary.csv."""
+    from moetune.tuner.cli.tune import interrupted_by, interrupted_exit, sigterm_interrupts
     from moetune.tuner.measure import results as R
     from moetune.tuner.measure import scenarios as S
 
     out = _results_path(results)
+    saved: list[dict[str, Any]] = []  # the rows of the launches already appended to `out`
     try:
         s = S.get(scenario)
         if from_report is not None:
@@ -542,8 +544,16 @@ def run_scenario(
             rep = _read_report(from_report)
             rows = S.import_moe_report(s, rep, origin=from_report, results=out)
         else:
-            rows = S.run(s, case=case, launches=launches, smoke=smoke, results=out,
-                         progress=lambda m: _err.print(f"[dim]{m}[/dim]"), fingerprint=_fingerprint)
+            with sigterm_interrupts():  # `kill`/`timeout` end it as Ctrl-C does: the drivers' processes ended, a line
+                rows = S.run(s, case=case, launches=launches, smoke=smoke, results=out,
+                             progress=lambda m: _err.print(f"[dim]{m}[/dim]"), fingerprint=_fingerprint,
+                             on_saved=saved.extend)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM: say what the finished launches left in the table
+        done = len({str(r["launch"]) for r in saved})
+        kept = (f"the {len(saved)} row(s) of {done} finished launch(es) are in {out}; the launch in progress was not "
+                "saved" if saved else f"no launch finished: nothing appended to {out}")
+        _err.print(f"[yellow]{interrupted_by(e)}: {escape(kept)}[/yellow]")
+        raise typer.Exit(interrupted_exit(e)) from None
     except R.RowsNotSaved as e:  # the table could not be written after all: the rows are kept, never lost
         if e.kept is None:
             typer.echo(e.text, nl=False)

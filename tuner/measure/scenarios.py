@@ -803,8 +803,10 @@ def check_machine(s: Scenario, smoke: bool, gpus: int) -> Needs:
 
 def run(s: Scenario, *, case: str | None = None, launches: int | None = None, smoke: bool = False,
         results: Path = SUMMARY_CSV, progress: Callable[[str], None] | None = None,
-        gpus: int | None = None, fingerprint: Callable[[], str] | None = None) -> list[dict[str, Any]]:
-    """Run the scenario's launches, append one row per (case, launch, metric) to `results`, return the rows."""
+        gpus: int | None = None, fingerprint: Callable[[], str] | None = None,
+        on_saved: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Run the scenario's launches, append one row per (case, launch, metric) to `results`, return the rows.
+    `on_saved`: called with each launch's rows once they are in `results` (what an interrupted run has kept)."""
     if gpus is None:
         import torch
 
@@ -842,6 +844,8 @@ def run(s: Scenario, *, case: str | None = None, launches: int | None = None, sm
                              f"; launches {li + 2}..{n_launch} were not run" if left > 1 else ""),)
             raise
         rows += launch_rows
+        if on_saved:
+            on_saved(launch_rows)
         if progress:
             failed = sum(1 for r in out if not r.metrics)
             progress(f"{s.name}: launch {li + 1} done in {time.monotonic() - t0:.1f} s, {len(launch_rows)} rows"
