@@ -199,7 +199,7 @@ def write_forced_preset(path: Path, base: str = "nvlink-h200x2", fingerprint: st
 
     class Report:  # the parts of a FitReport that calibrated_preset reads
         def __init__(self, preset: Any):
-            self.preset, self.fitted, self.kept = preset, [], []
+            self.preset, self.fitted, self.kept, self.points = preset, [], [], []
             self.params_after = preset.numeric()
             self.problems = ["too few rows: 1 distinct row for 7 fitted parameters"]
 

@@ -209,6 +209,8 @@ def test_the_committed_calibration_passes_the_checks() -> None:
     cal = calibrated_preset(again, [f.name for f in files], "2026-11-30")
     assert "warning" not in cal.calibration and cal.calibration["kept"] == ["collective.sync_us", "proxy.fence_us"]
     assert cal.sources["proxy.fence_us"] == preset.sources["proxy.fence_us"]  # kept: its source unchanged
+    # the scale the shipped file records is what a regeneration writes: its NCCL rows' world
+    assert cal.calibration["world"] == preset.calibration["world"] == 2
 
 
 def test_a_forced_write_carries_the_warning() -> None:

@@ -239,3 +239,53 @@ def test_calibrate_interrupted_says_nothing_was_written(tmp_path: Path, monkeypa
         assert "Aborted" not in r.output and "Traceback" not in r.output
         assert not out.exists()
 
+
+def test_predict_and_sweep_note_a_scale_beyond_the_calibration(tmp_path: Path) -> None:
+    """nvlink-h200x2 was calibrated on 2-GPU rows ([calibration] world = 2): a prediction for 64 GPUs says it
+    extrapolates (text and JSON); at its own scale, or on a preset that records no measured scale, nothing."""
+    wide = {"COLUMNS": "300"}
+    note = ("preset nvlink-h200x2 was calibrated on measurements of at most 2 ranks ([calibration] world = 2); at 64 GPUs this prediction "
+            "extrapolates 32x beyond the measured scale")
+    r = runner.invoke(app, ["model", "predict", "-p", "nvlink-h200x2", "-g", "64"], env=wide)
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.strip().splitlines()
+    assert lines[-2] == f"note: {note}" and lines[-1].startswith("MODELLED: predicted by the fabric model"), lines[-3:]
+    r = runner.invoke(app, ["model", "predict", "-p", "nvlink-h200x2", "-g", "64", "--json"])
+    assert json.loads(r.stdout)["extrapolation"] == note
+    for args in (["-p", "nvlink-h200x2"], ["-p", "ndr-ibgda-h100x8", "-n", "8"]):  # 2 GPUs; 64, no scale recorded
+        r = runner.invoke(app, ["model", "predict", *args], env=wide)
+        assert r.exit_code == 0 and "extrapolates" not in r.output, r.output
+        assert json.loads(runner.invoke(app, ["model", "predict", *args, "--json"]).stdout)["extrapolation"] is None
+    sweep = ["model", "sweep", "-p", "nvlink-h200x2", "-g", "8", "--over", "tokens", "--values", "128,256"]
+    r = runner.invoke(app, sweep, env=wide)
+    said = ("preset nvlink-h200x2 was calibrated on measurements of at most 2 ranks ([calibration] world = 2); at 8 GPUs this sweep extrapolates "
+            "4x beyond the measured scale")
+    assert r.exit_code == 0 and f"note: {said}" in r.stdout.splitlines(), r.output
+    assert json.loads(runner.invoke(app, [*sweep, "--json"]).stdout)["extrapolation"] == said
+    r = runner.invoke(app, ["model", "sweep", "-p", "nvlink-h200x2", "--over", "tokens", "--values", "128", "--json"])
+    assert json.loads(r.stdout)["extrapolation"] is None
+
+
+def test_calibrate_records_the_scale_its_rows_measured(tmp_path: Path) -> None:
+    """--out records the most GPUs a fitted row measured ([calibration] world) where the rows say it, and nothing
+    where they do not (the proxy probe's rows name no world): no scale is guessed."""
+    from moetune.tuner.fabric_model.predict import calibrated_world, load_preset
+
+    out = tmp_path / "new.toml"
+    r = runner.invoke(app, ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(_host_staged_rows(tmp_path)),
+                            "--out", str(out), "--params", "collective.host_alpha_us,pcie.h2d_gbps", "--json"])
+    assert r.exit_code == 0, r.output
+    assert load_preset(str(out)).calibration["world"] == 2 == calibrated_world(load_preset(str(out)))
+    row = next(ln for ln in (ROOT / "bench/results/2026-11-30_h200x2_proxy_probe.jsonl").read_text().splitlines()
+               if '"coupled_drain"' in ln)
+    data = tmp_path / "one.jsonl"
+    data.write_text(row + "\n")
+    forced = tmp_path / "forced.toml"
+    r = runner.invoke(app, ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(data), "--out", str(forced),
+                            "--force"])
+    assert r.exit_code == 0, r.output
+    assert "world" not in load_preset(str(forced)).calibration and calibrated_world(load_preset(str(forced))) is None
+    bad = tmp_path / "bad.toml"
+    bad.write_text(out.read_text().replace("world = 2", "world = 0"))
+    r = runner.invoke(app, ["model", "predict", "-p", str(bad)])
+    assert r.exit_code == 2 and "calibration.world" in r.output and "positive integer" in r.output, r.output

@@ -88,6 +88,21 @@ def _preset_facts(pr: Any) -> dict[str, Any]:
     return {"preset_file": pr.path, "preset_warning": (pr.calibration or {}).get("warning")}
 
 
+def _scale_note(pr: Any, gpus: int, what: str, up_to: bool = False) -> str | None:
+    """Where `gpus` (the most GPUs predicted; `up_to`: a sweep over nodes) lies beyond the most ranks the preset's
+    calibration measured together (its `[calibration] world`): a note saying that `what` ("this prediction", "this sweep")
+    extrapolates; None where it does not, or where the preset records no measured scale (none is guessed)."""
+    from moetune.tuner.fabric_model.predict import calibrated_world
+
+    world = calibrated_world(pr)
+    if world is None or gpus <= world:
+        return None
+    # "ranks": the rows' world counts the processes of the measured all-to-all (GPUs, or gloo host processes)
+    return (f"preset {pr.name} was calibrated on measurements of at most {world} ranks ([calibration] world = "
+            f"{world}); at {'up to ' if up_to else ''}{gpus} GPUs {what} extrapolates {gpus / world:g}x beyond the "
+            "measured scale")
+
+
 def _workload(w: Any, swept: str | None = None) -> dict[str, Any]:
     """The workload a prediction ran (JSON); the field a sweep varies (`swept`: nodes or tokens) is None."""
     out = {"model": w.model.name, "tokens_per_gpu": w.tokens_per_gpu, "nodes": w.nodes,
@@ -150,8 +165,9 @@ def predict_cmd(
         _fail(f"unsafe or invalid knobs (not predicted): {e}")
     except ValueError as e:
         _fail(str(e))
+    scale = _scale_note(pr, w.pes, "this prediction")
     if as_json:
-        out = {"label": LABEL, **res.to_dict(), **_preset_facts(pr),
+        out = {"label": LABEL, **res.to_dict(), **_preset_facts(pr), "extrapolation": scale,
                "workload": {**_workload(w), "layout": layout, "phase": phase}, "knobs": k.to_dict()}
         if phase != "both":  # the other phase was not modelled: no number stands for it
             out[f"{'combine' if phase == 'dispatch' else 'dispatch'}_us"] = None
@@ -183,6 +199,8 @@ def predict_cmd(
     for note in res.notes:  # what was modelled (the wire layout); the MODELLED note is the closing line
         if not note.startswith(LABEL):
             _console.print(f"modelled: {_e(note)}")
+    if scale:
+        _console.print(f"[yellow]note[/yellow]: {_e(scale)}", soft_wrap=True)
     _console.print(f"[yellow]{LABEL}[/yellow]: predicted by the fabric model from preset parameters, not measured.")
 
 
@@ -412,8 +430,13 @@ def sweep_cmd(
     drawable = any("error" not in r for rows in series.values() for r in rows)
     if over == "group_size" and grid > 1:  # one transfer per peer: the notes say so already
         notes += _same_everywhere(series, k0.transport)
+    # the most GPUs a modelled point has (a sweep over nodes varies them; n/a points predict nothing)
+    gpus = max((r["x"] if over == "nodes" else w0.nodes) * w0.gpus_per_node
+               for rows in series.values() for r in rows if "error" not in r) if drawable else 0
+    scale = _scale_note(pr, gpus, "this sweep", up_to=over == "nodes")
     if as_json:
-        typer.echo(json.dumps({"label": LABEL, "preset": pr.name, **_preset_facts(pr), "model": w0.model.name, "over": over,
+        typer.echo(json.dumps({"label": LABEL, "preset": pr.name, **_preset_facts(pr), "extrapolation": scale,
+                               "model": w0.model.name, "over": over,
                                "workload": _workload(w0, None if over == "group_size" else over),
                                "knobs": k0.to_dict(), "notes": notes, "series": series,
                                "plot": str(plot_path) if plot_path and drawable else None}))
@@ -446,6 +469,8 @@ def sweep_cmd(
             _console.print(f"  ({n}) {_e(why)}", soft_wrap=True)
         for note in notes:  # a knob chosen for the sweep, or why there is one point
             _console.print(f"note: {_e(note)}", soft_wrap=True)
+        if scale:
+            _console.print(f"[yellow]note[/yellow]: {_e(scale)}", soft_wrap=True)
     if not drawable:
         # nothing could be modelled: a failure whether or not a plot was asked for (an empty figure says nothing)
         where = f" (no plot written to {_e(plot_path)})" if plot_path is not None else ""

@@ -86,6 +86,7 @@ class Point:
     evaluate: Callable[[Preset], float]
     group: str
     predicted_us: float = 0.0
+    world: int | None = None  # the ranks the row measured together, where the row says (its "world")
 
     @property
     def rel_err(self) -> float:
@@ -323,7 +324,7 @@ def _row_point(n: int, row: dict[str, Any]) -> Point | tuple[str, str]:
         return Point(name, float(row["ms"]) * 1e3,
                      lambda pr, w=w, k=knobs: predict(pr, w, k, phase="dispatch",
                                                      layout="nccl_k_copies").dispatch_us,
-                     group=f"collective/{fabric}")
+                     group=f"collective/{fabric}", world=int(row["world"]) if "world" in row else None)
     elif probe == "proxy_ce":
         mode = row.get("mode")
         size, transfers = int(row["size"]), int(row["transfers"])
@@ -715,6 +716,9 @@ def calibrated_preset(report: FitReport, data_names: list[str], date: str, *, fi
         "mean_abs_rel_err": round(s["mean_abs_rel_err"], 4),
         "max_abs_rel_err": round(s["max_abs_rel_err"], 4),
     }
+    worlds = [p.world for p in report.points if p.world]
+    if worlds:  # the scale measured, where rows say it (never the default a row without "world" is modelled at)
+        calib["world"] = max(worlds)
     if fingerprint:
         calib["fingerprint"] = fingerprint
     if report.kept:

@@ -98,6 +98,7 @@ __all__ = [
     "PresetError",
     "TransferPrediction",
     "Workload",
+    "calibrated_world",
     "chunking",
     "forced_fit_warning",
     "list_presets",
@@ -279,6 +280,15 @@ def forced_fit_warning(preset: object) -> str:
     calib = getattr(preset, "calibration", None)
     warning = calib.get("warning") if isinstance(calib, Mapping) else None
     return str(warning) if warning else ""
+
+
+def calibrated_world(preset: object) -> int | None:
+    """The most ranks (GPUs, or gloo host processes) a row of the preset's calibration measured together
+    (`[calibration] world`); None where the preset records no measured scale (a datasheet preset, a calibration of
+    rows that state no world, a file written by an older moetune)."""
+    calib = getattr(preset, "calibration", None)
+    world = calib.get("world") if isinstance(calib, Mapping) else None
+    return world if isinstance(world, int) and not isinstance(world, bool) and world >= 1 else None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -256,6 +256,10 @@ def _parse(data: dict[str, Any], path: str | None) -> Preset:
     if fp is not None and not (isinstance(fp, str) and fp.strip()):
         raise PresetError(f"{where}: calibration.fingerprint (the node it was calibrated on) must be a fingerprint "
                           f"string, got {fp!r}")
+    world = data.get("calibration", {}).get("world")
+    if world is not None and not (isinstance(world, int) and not isinstance(world, bool) and world >= 1):
+        raise PresetError(f"{where}: calibration.world (the most ranks a fitted row measured together) must be a "
+                          f"positive integer, got {world!r}")
     params: dict[str, dict[str, Any]] = {}
     for section in (*REQUIRED, *OPTIONAL):
         if section not in data:
