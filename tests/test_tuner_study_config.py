@@ -99,3 +99,34 @@ def test_recalibrated_model_is_another_study(tmp_path: Path) -> None:
     r2 = _tune(url, ModelBackend(new), nodes=2)
     assert r1[0].study.study_name != r2[0].study.study_name
     assert r2[0].record.latency_us != r1[0].record.latency_us
+
+
+def test_an_edited_preset_of_the_same_name_has_its_own_profile_key(tmp_path: Path) -> None:
+    """A calibrated or edited copy of a preset keeps the shipped preset's name: its profile key must still differ
+    (it keyed by name alone, so a fabric ~10x slower was "kept" under the shipped preset's profile, and the other way
+    round replaced it). Same content → same key, so a rerun of one preset still finds its own profile."""
+    from moetune.tuner.fabric_model.presets import load_preset
+    from moetune.tuner.store import Store
+
+    shipped = load_preset("ndr-ibgda-h100x8")
+    slow = tmp_path / "slow.toml"  # the NIC ten times slower, the name unchanged
+    slow.write_text(shipped.with_params({"nic.gbps": shipped.get("nic.gbps") / 10}, name=shipped.name).to_toml())
+    same = tmp_path / "same.toml"  # the shipped content in a file of its own: the shipped preset's key
+    same.write_text(shipped.to_toml())
+    url = f"sqlite:///{tmp_path / 's.db'}"
+
+    def tune(store: Store, preset: str) -> list:
+        return tune_profiles_detailed(store, None, models=[MODELS["qwen3-30b"]], tokens=[1024], backend="model",
+                                      preset=preset, trials=4, nodes=2, storage=url)
+
+    with Store(tmp_path / "p.db") as store:
+        [a] = tune(store, "ndr-ibgda-h100x8")
+        [b] = tune(store, str(slow))
+        assert a.stored == "new" and b.stored == "new", (a.reason, b.reason)
+        assert a.record.key.fingerprint != b.record.key.fingerprint
+        assert a.record.key.fingerprint.startswith("preset:ndr-ibgda-h100x8:")
+        assert b.record.latency_us > a.record.latency_us
+        # the shipped preset's profile is still current under its key, its number its own
+        assert store.get_current(a.record.key).latency_us == a.record.latency_us
+        [c] = tune(store, str(same))
+        assert c.record.key == a.record.key

@@ -268,9 +268,9 @@ class ModelBackend(BenchmarkBackend):
 
     def settings(self) -> dict[str, Any]:
         # the preset's content, not only its name: a recalibrated node model predicts other numbers
-        p = self.preset
-        preset = None if p is None else {k: getattr(p, k, None)
-                                         for k in ("family", "transports", "gpus_per_node", "max_nodes", "params")}
+        from moetune.tuner.fabric_model.presets import preset_content
+
+        preset = None if self.preset is None else preset_content(self.preset)
         return {"preset": preset, "routing": self.routing, "tile": self.tile}
 
     def pinned_knobs(self, transport: str) -> frozenset[str]:

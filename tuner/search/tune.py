@@ -13,7 +13,6 @@ backend (the fabric model on a preset, or real runs of `moetune bench ep`), open
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import secrets
@@ -31,6 +30,7 @@ from moetune.runtime.profile_record import (
     COMM_METRIC,
     LAYER_METRIC,
     MEGAKERNEL_FAMILY,
+    PRESET_PREFIX,
     ProfileKey,
     ProfileRecord,
     metric_of_backend,
@@ -126,8 +126,11 @@ class PresetFacts:
 
     @property
     def fingerprint(self) -> str:
-        # A preset names its fabric; the digest of its name keeps keys of two presets apart.
-        return f"preset:{self.name}:{hashlib.sha256(self.name.encode()).hexdigest()[:16]}"
+        # The digest is of the preset's content, not its name: a calibrated or edited copy keeps the shipped
+        # preset's name, and must not keep (or replace) the other fabric's profiles under one key.
+        from moetune.tuner.fabric_model.presets import preset_digest
+
+        return f"{PRESET_PREFIX}{self.name}:{preset_digest(self.preset)}"
 
     @property
     def software_hash(self) -> str:

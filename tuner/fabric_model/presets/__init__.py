@@ -8,6 +8,8 @@ value is an engineering estimate. `load_preset` refuses a file where a parameter
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import tomllib
 from collections.abc import Mapping
@@ -130,6 +132,33 @@ class Preset:
         lines += ["", "[sources]"]
         lines += [f"{_tq(k)} = {_tq(v)}" for k, v in sorted(self.sources.items())]
         return "\n".join(lines) + "\n"
+
+
+# What a preset's predictions depend on: not its name, description, sources or calibration notes.
+PREDICTION_FIELDS = ("family", "transports", "gpus_per_node", "max_nodes", "params")
+
+
+def preset_content(preset: Any) -> dict[str, Any]:
+    """The fields of `preset` its predictions depend on (`PREDICTION_FIELDS`)."""
+    return {k: getattr(preset, k, None) for k in PREDICTION_FIELDS}
+
+
+def _canon(v: Any) -> Any:
+    # 46 and 46.0 in a TOML file are one bandwidth: the digest must not tell them apart
+    if isinstance(v, Mapping):
+        return {str(k): _canon(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_canon(x) for x in v]
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return float(v)
+    return v
+
+
+def preset_digest(preset: Any) -> str:
+    """A 16-hex digest of `preset_content`: two presets of one name (a calibrated or edited copy keeps the shipped
+    preset's name) but other numbers get other digests, hence other profile keys."""
+    blob = json.dumps(_canon(preset_content(preset)), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _tq(s: str) -> str:
