@@ -163,3 +163,25 @@ def test_a_model_tune_without_a_usable_preset_creates_no_database(tmp_path: Path
     _clean_exit(r)
     assert says in " ".join(r.output.split()), r.output
     assert not (tmp_path / "home").exists() or list((tmp_path / "home").iterdir()) == []
+
+
+def test_a_bad_policy_override_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tune --policy` on a non-UTF-8 file was a traceback (UnicodeDecodeError), and a family typo tuned with the
+    override ignored (exit 0). Both are one line naming the file, from --policy and from $MOETUNE_POLICY alike,
+    before any database is created."""
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b'[policy]\nfamily = "ibgda"\n# caf\xe9\n')
+    typo = tmp_path / "typo.toml"
+    typo.write_text('[policy]\nfamily = "ibgdaa"\n[knobs]\nnum_sms = [1]\n')
+    db = tmp_path / "m.db"
+    for f, words in ((latin1, "not UTF-8 text"), (typo, "policy.family: 'ibgdaa' is no transport family")):
+        r = runner.invoke(app, [*TUNE, "--db", str(db), "--policy", str(f)])
+        _clean_exit(r)
+        assert f"{f}: {words}" in " ".join(r.output.split()), r.output
+        with monkeypatch.context() as m:
+            m.setenv("MOETUNE_POLICY", str(f))
+            r = runner.invoke(app, [*TUNE, "--db", str(db)])
+        _clean_exit(r)
+        assert f"MOETUNE_POLICY: {f}: {words}" in " ".join(r.output.split()), r.output
+    assert not db.exists()

@@ -152,3 +152,58 @@ def test_defaults_are_plain_knob_sets() -> None:
     for stem in EXPECTED_FILES:
         data = tomllib.loads(_packaged_text(stem))
         assert set(data["defaults"]) == set(Knobs.__struct_fields__), stem
+
+
+def test_an_override_of_no_known_family_is_refused(tmp_path: Path) -> None:
+    """`[policy] family = "ibgdaa"` matched no family: the override applied to nothing and the tune ran without a
+    word. Now it is refused, the valid families named; a prefix (proxy) and a provider's family still apply."""
+    typo = tmp_path / "typo.toml"
+    typo.write_text('[policy]\nfamily = "ibgdaa"\n[knobs]\nnum_sms = [1]\n')
+    for fam in ("ibgda", "nvlink"):  # whichever family is loaded
+        with pytest.raises(PolicyError, match=r"typo\.toml: policy\.family: 'ibgdaa' .*known: .*ibgda, .*proxy:ibrc"):
+            load_policy(fam, typo)
+    num = tmp_path / "num.toml"
+    num.write_text("[policy]\nfamily = 3\n")
+    with pytest.raises(PolicyError, match=r"num\.toml: policy\.family: must be a string"):
+        load_policy("ibgda", num)
+    prefix = tmp_path / "proxy.toml"
+    prefix.write_text('[policy]\nfamily = "proxy"\n[compression]\nerror_budget = 0.02\n')
+    assert load_policy("proxy:ibrc", prefix).error_budget == 0.02
+    provider = tmp_path / "cxi.toml"
+    provider.write_text('[policy]\nfamily = "proxy:libfabric/cxi"\n[compression]\nerror_budget = 0.02\n')
+    assert load_policy("proxy:libfabric/cxi", provider).error_budget == 0.02
+    assert load_policy("proxy:libfabric/efa", provider).error_budget == 0.05  # another provider: not applied
+    # a directory: a file named for no family is refused too (it was ignored)
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "proxy_libfabric_cxi.toml").write_text("[compression]\nerror_budget = 0.02\n")
+    assert load_policy("proxy:libfabric/cxi", d).error_budget == 0.02
+    (d / "ibgdaa.toml").write_text("[knobs]\nnum_sms = [1]\n")
+    with pytest.raises(PolicyError, match=r"ibgdaa\.toml: the file name names no transport family"):
+        load_policy("ibgda", d)
+
+
+def test_an_override_that_is_not_utf8_or_unreadable_names_the_file(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Latin-1 override raised UnicodeDecodeError (a traceback from `tune --policy`, a message naming no file
+    from $MOETUNE_POLICY); an unreadable one an OSError. Both are a PolicyError naming the file."""
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b'[policy]\nfamily = "ibgda"\n# caf\xe9\n')
+    with pytest.raises(PolicyError, match=r"latin1\.toml: not UTF-8 text \(byte 0xe9 at offset 31\)"):
+        load_policy("ibgda", bad)
+    with pytest.raises(PolicyError, match=r"latin1\.toml: not UTF-8 text"):
+        load_policy_file(bad)
+    monkeypatch.setenv("MOETUNE_POLICY", str(bad))
+    with pytest.raises(PolicyError, match=r"latin1\.toml: not UTF-8 text"):
+        load_policy("ibgda")
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "ibgda.toml").write_bytes(b"# \xff\n")
+    with pytest.raises(PolicyError, match=r"dir/ibgda\.toml: not UTF-8 text"):
+        load_policy("ibgda", d)
+    monkeypatch.delenv("MOETUNE_POLICY")
+    unreadable = tmp_path / "unreadable.toml"
+    unreadable.write_text("[compression]\nerror_budget = 0.02\n")
+    monkeypatch.setattr(Path, "read_bytes", lambda self: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    with pytest.raises(PolicyError, match=r"unreadable\.toml: cannot be read \(Permission denied\)"):
+        load_policy("ibgda", unreadable)

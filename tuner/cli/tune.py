@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -336,16 +337,18 @@ def tune(
             read_capture_manifest(capture)
         except DiscoveryError as e:  # names the path itself
             _fail(f"{CAPTURE_OPT} {e}")  # "--from/--capture PATH: what is wrong"
-    if policy is not None:
+    from moetune.tuner.search.policy import ENV_POLICY
+
+    if policy is not None or os.environ.get(ENV_POLICY):
         from moetune.tuner.search.policy import PolicyError, load_policy, packaged_families
 
-        if not policy.exists():
+        if policy is not None and not policy.exists():
             raise typer.BadParameter(f"{policy} does not exist", param_hint="--policy")
-        try:  # validate early: every packaged family with the override applied
+        try:  # validate early: every packaged family with the override (--policy, else $MOETUNE_POLICY) applied
             for fam in packaged_families():
                 load_policy(fam, policy)
         except PolicyError as e:
-            _fail(str(e))
+            _fail(str(e) if policy is not None else f"{ENV_POLICY}: {e}")
 
     if storage:
         _refuse_memory(storage, "the studies would be lost when moetune exits: nothing could resume or show them")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -213,6 +214,49 @@ def packaged_families() -> list[str]:
     return out
 
 
+def _read_policy_file(path: Path) -> dict[str, Any]:
+    """A user policy file's tables. One that cannot be read or is not UTF-8 is a PolicyError naming it (a
+    UnicodeDecodeError was a traceback from `tune --policy`, and a message naming no file from $MOETUNE_POLICY)."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PolicyError(str(path), "", f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                                         "save it as UTF-8") from None
+    except OSError as e:
+        raise PolicyError(str(path), "", f"cannot be read ({e.strerror or e})") from None
+    return _read_toml_text(text, str(path))
+
+
+# a libfabric provider's family (proxy:libfabric/cxi) and policy file stem (proxy_libfabric_cxi)
+_PROVIDER_FAMILY = re.compile(r"proxy:libfabric/[a-z0-9][a-z0-9_]*")
+_PROVIDER_STEM = re.compile(r"proxy_libfabric_[a-z0-9][a-z0-9_]*")
+
+
+def _known_families_text() -> str:
+    return f"{', '.join(packaged_families())}, or a libfabric provider's proxy:libfabric/PROVIDER"
+
+
+def _check_override_family(target: Any, source: str) -> None:
+    """A user file's `[policy] family` must name a family it can apply to (a packaged one, a prefix of one such as
+    `proxy`, or a libfabric provider's): a typo ("ibgdaa") applied to nothing and the tune ran without it."""
+    if not isinstance(target, str):
+        raise PolicyError(source, "policy.family", f"must be a string, got {target!r}")
+    if _PROVIDER_FAMILY.fullmatch(target) or any(_family_matches(f, target) for f in packaged_families()):
+        return
+    raise PolicyError(source, "policy.family", f"{target!r} is no transport family this override could apply to "
+                                               f"(known: {_known_families_text()})")
+
+
+def _check_override_dir(override: Path) -> None:
+    """Every policy file in a user directory must be named like a packaged one (or a libfabric provider's): a
+    misnamed file (ibgdaa.toml) would be ignored without a word."""
+    stems = {stem for f in packaged_families() for stem in policy_file_candidates(f)}
+    for p in sorted(override.glob("*.toml")):
+        if p.stem not in stems and not _PROVIDER_STEM.fullmatch(p.stem):
+            raise PolicyError(str(p), "", f"the file name names no transport family, so it would apply to nothing "
+                                          f"(known: {', '.join(sorted(stems))}.toml, or proxy_libfabric_PROVIDER.toml)")
+
+
 def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
@@ -229,13 +273,16 @@ def _override_for(family: str, override: Path) -> list[tuple[dict[str, Any], str
         raise PolicyError(str(override), "", "user policy path does not exist")
     found: list[tuple[dict[str, Any], str]] = []
     if override.is_dir():
+        _check_override_dir(override)
         for stem in reversed(policy_file_candidates(family)):  # least specific first
             p = override / f"{stem}.toml"
             if p.is_file():
-                found.append((_read_toml_text(p.read_text(encoding="utf-8"), str(p)), str(p)))
+                found.append((_read_policy_file(p), str(p)))
         return found
-    data = _read_toml_text(override.read_text(encoding="utf-8"), str(override))
+    data = _read_policy_file(override)
     target = data.get("policy", {}).get("family") if isinstance(data.get("policy"), dict) else None
+    if target is not None:
+        _check_override_family(target, str(override))
     if target is None or _family_matches(family, target):
         data = {k: v for k, v in data.items() if k != "policy"} if target is None else data
         found.append((data, str(override)))
@@ -280,7 +327,7 @@ def load_policy(family: str, override: str | Path | None = None) -> Policy:
 def load_policy_file(path: str | Path) -> Policy:
     """Validate a single, complete policy file (what `moetune tune --policy` checks first)."""
     p = Path(path)
-    data = _read_toml_text(p.read_text(encoding="utf-8"), str(p))
+    data = _read_policy_file(p)
     fam = data.get("policy", {}).get("family") if isinstance(data.get("policy"), dict) else None
     return validate_policy(data, source=str(p), family=fam or p.stem, sources=(str(p),))
 
