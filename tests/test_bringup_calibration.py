@@ -193,3 +193,30 @@ def test_a_node_without_gpus_is_calibrated_on_its_gloo_rows(tmp_path: Path) -> N
     (row,) = json.loads(r.stdout)
     # EP 2, the two host processes the bring-up measured: EP 1 (the default from 0 GPUs) exchanges nothing
     assert row["family"] == "collective" and "/ep2n1/" in row["study"] and row["stored"] == "new", row
+
+
+def test_a_failed_node_model_write_leaves_the_earlier_one_whole(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node model was written with Path.write_text: a crash or a full disk mid-write left the earlier node model
+    of this fingerprint truncated (the daemon's model re-tune then had none). Now it is replaced atomically."""
+    import errno
+    import os
+
+    b, _out = _bringup(tmp_path)
+    b.state.mark("microbench", [_measured(r) for r in _a2a_rows()])
+    first = Path(b.stage_calibrate()["preset_file"])
+    before = first.read_bytes()
+
+    def enospc(*_a: object, **_k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def write_text(self: Path, *_a: object, **_k: object) -> None:
+        self.open("w").close()  # a plain write truncates the file before the first byte fails
+        enospc()
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    monkeypatch.setattr(os, "fsync", enospc)  # the atomic write fails before its rename
+    with pytest.raises(OSError, match="No space left"):
+        b.stage_calibrate()
+    assert first.read_bytes() == before
+    assert [p.name for p in first.parent.iterdir() if p.name.endswith(".tmp")] == []

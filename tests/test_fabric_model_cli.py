@@ -289,3 +289,37 @@ def test_calibrate_records_the_scale_its_rows_measured(tmp_path: Path) -> None:
     bad.write_text(out.read_text().replace("world = 2", "world = 0"))
     r = runner.invoke(app, ["model", "predict", "-p", str(bad)])
     assert r.exit_code == 2 and "calibration.world" in r.output and "positive integer" in r.output, r.output
+
+
+def _full_disk(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A full disk: a plain write truncates the file, then fails; an atomic write fails before its rename."""
+    import errno
+    import os
+
+    def enospc(*_a: object, **_k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def write_text(self: Path, *_a: object, **_k: object) -> None:
+        self.open("w").close()  # open(..., "w") truncated it before the first byte failed
+        enospc()
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    monkeypatch.setattr(os, "fsync", enospc)
+
+
+def test_calibrate_out_is_replaced_atomically(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`--out` may be the --preset file itself (or an earlier calibration): a full disk or Ctrl-C mid-write left it
+    truncated (Path.write_text). Now the earlier file stays whole, the error is one line, no temporary file left."""
+    from moetune.tuner.fabric_model.predict import load_preset
+
+    data = _host_staged_rows(tmp_path)
+    out = tmp_path / "mine.toml"
+    out.write_text(load_preset("nvlink-h200x2").to_toml())  # calibrated in place: --preset and --out one file
+    before = out.read_bytes()
+    _full_disk(monkeypatch)
+    r = runner.invoke(app, ["model", "calibrate", "-p", str(out), "--data", str(data), "--out", str(out),
+                            "--params", "collective.host_alpha_us,pcie.h2d_gbps"])
+    assert r.exit_code == 2, r.output
+    assert "cannot write the calibrated preset (No space left on device)" in " ".join(r.output.split())
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.toml", "rows.jsonl"]

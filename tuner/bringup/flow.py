@@ -457,7 +457,7 @@ class Bringup:
             # a node without GPUs measured its collective (gloo): that is the family its model describes and a
             # model tune of it tunes (the base preset's host_staged is a family this node does not have)
             preset = replace(preset, family="collective")
-        path.write_text(preset.to_toml())
+        write_atomic(path, preset.to_toml())  # a crash mid-write leaves the earlier node model whole
         return {"base": base, "preset_file": str(path), "points": s["points"], "kept": sorted(rep.kept),
                 "mean_abs_rel_err": s["mean_abs_rel_err"], "max_abs_rel_err": s["max_abs_rel_err"]}
 

@@ -685,8 +685,10 @@ def calibrate_cmd(
         assert out is not None
         today = _dt.date.today().isoformat()
         cal = calibrated_preset(rep, [d.name for d in data], today, fingerprint=node_fp)
-        try:
-            out.write_text(cal.to_toml())
+        from moetune.tuner.store.io import write_atomic
+
+        try:  # atomic: --out may be the --preset file itself; Ctrl-C or a full disk must not leave it truncated
+            write_atomic(out, cal.to_toml())
         except OSError as e:
             _fail(f"--out {out}: cannot write the calibrated preset ({e.strerror or e})")
     if as_json:
