@@ -162,6 +162,23 @@ def test_show_reads_no_speed_up_from_search_trials(tmp_path: Path) -> None:
     assert r.exit_code == 0 and "not looked up" in r.output and "×" not in r.output
 
 
+def test_show_counts_the_finished_trials(tmp_path: Path) -> None:
+    """`tune --trials 1` reported 1 trial; `tune show` listed 3 (Optuna's n_trials counts the warm-start points still
+    WAITING)."""
+    url = f"sqlite:///{tmp_path / 'st.db'}"
+    r = _run("tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", "nvlink-h200x2",
+             "--trials", "1", "--db", str(tmp_path / "m.db"), "--storage", url, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)[0]["trials"] == 1
+    r = _run("tune", "show", "--storage", url, "--json")
+    [listed] = json.loads(r.output)
+    assert listed["trials"] == 1 and listed["modelled"]
+    r = _run("tune", "show", "--storage", url, "--study", listed["study"], "--json")
+    d = json.loads(r.output)
+    assert d["states"]["complete"] == 1 and d["states"]["waiting"] >= 1  # the case: warm starts left waiting
+    assert d["trials"] == 1
+
+
 needs_real = pytest.mark.skipif(
     importlib.util.find_spec("moetune.tuner.fabric_model.predict") is None or importlib.util.find_spec("moetune.tuner.store.store") is None,
     reason="the fabric model and the store are not in this branch yet")

@@ -748,7 +748,11 @@ def requeue_warm_start(study: optuna.Study, trial_id: int) -> bool:
 
 def interrupted_ids(study: optuna.Study) -> set[int]:
     """Trial ids the study records as cut short (those failed by the heartbeat check)."""
-    return {int(k.split(":", 1)[1]) for k in study._storage.get_study_system_attrs(study._study_id)
+    return _interrupted_ids(study._storage, study._study_id)
+
+
+def _interrupted_ids(storage: optuna.storages.BaseStorage, study_id: int) -> set[int]:
+    return {int(k.split(":", 1)[1]) for k in storage.get_study_system_attrs(study_id)
             if k.startswith(INTERRUPTED + ":")}
 
 
@@ -758,8 +762,12 @@ def is_interrupted(t: optuna.trial.FrozenTrial, ids: set[int] | frozenset[int] =
 
 def finished_trials(study: optuna.Study) -> int:
     """Finished trials of the budget: an interrupted one is not (its point was never measured)."""
-    ids = interrupted_ids(study)
-    return sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED) if not is_interrupted(t, ids))
+    return _finished_in(study._storage, study._study_id)
+
+
+def _finished_in(storage: optuna.storages.BaseStorage, study_id: int) -> int:
+    ids = _interrupted_ids(storage, study_id)
+    return sum(1 for t in storage.get_all_trials(study_id, deepcopy=False, states=FINISHED) if not is_interrupted(t, ids))
 
 
 def completed(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -1064,7 +1072,9 @@ def _list_studies(storage: str) -> list[dict[str, Any]]:
         if not s.study_name.startswith(STUDY_PREFIX) or s.study_name.endswith(WARM_LOCK_SUFFIX):
             continue
         best = s.best_trial
-        out.append({"study": s.study_name, "trials": s.n_trials,
+        # the trials the tune counts (finished, not cut short): n_trials also counted the warm-start points still
+        # WAITING and the interrupted ones (`tune --trials 1` said 1 trial, `tune show` 3)
+        out.append({"study": s.study_name, "trials": _finished_in(st, s._study_id),
                     "best_us": best.value if best is not None else None,
                     "family": s.user_attrs.get("family"), "backend": s.user_attrs.get("backend"),
                     "modelled": s.user_attrs.get("modelled")})
@@ -1134,7 +1144,7 @@ def _describe_study(storage: str, name: str) -> dict[str, Any]:
         "modelled": study.user_attrs.get("modelled"),
         "workload": study.user_attrs.get("workload"),
         "key": study.user_attrs.get("key"),
-        "trials": len(trials),
+        "trials": finished_trials(study),  # as the tune counts them (`states` has every trial, waiting too)
         "states": states,
         "best_us": best.value if best else None,
         "best_spread_us": best.user_attrs.get("spread_us") if best else None,
