@@ -104,7 +104,9 @@ def test_model_backend_run_and_show(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     r = _run("tune", "show", "--storage", url, "--study", studies[0]["study"], "--json")
     d = json.loads(r.output)
     assert d["states"]["complete"] == 12 and d["best_us"] < d["default_us"]
-    assert "speedup_vs_default" not in d and "not side by side" in d["trials_note"]
+    # model predictions: said to be MODELLED, not "measured alone ... noise between runs"
+    assert "speedup_vs_default" not in d and "MODELLED prediction" in d["trials_note"]
+    assert "measured alone" not in d["trials_note"]
     assert (d["importances"] and "signalling" in d["importances"]) or d["importance_note"]
     r = _run("tune", "show", "--storage", url, "--study", studies[0]["study"])
     assert r.exit_code == 0 and "policy default" in r.output
@@ -162,9 +164,9 @@ def test_show_reads_no_speed_up_from_search_trials(tmp_path: Path) -> None:
     assert r.exit_code == 0 and "not looked up" in r.output and "×" not in r.output
 
 
-def test_show_counts_the_finished_trials(tmp_path: Path) -> None:
+def test_show_counts_the_finished_trials_and_calls_predictions_modelled(tmp_path: Path) -> None:
     """`tune --trials 1` reported 1 trial; `tune show` listed 3 (Optuna's n_trials counts the warm-start points still
-    WAITING)."""
+    WAITING) and called the model's predictions "each measured alone ... noise between runs"."""
     url = f"sqlite:///{tmp_path / 'st.db'}"
     r = _run("tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", "nvlink-h200x2",
              "--trials", "1", "--db", str(tmp_path / "m.db"), "--storage", url, "--json")
@@ -177,6 +179,10 @@ def test_show_counts_the_finished_trials(tmp_path: Path) -> None:
     d = json.loads(r.output)
     assert d["states"]["complete"] == 1 and d["states"]["waiting"] >= 1  # the case: warm starts left waiting
     assert d["trials"] == 1
+    assert "MODELLED prediction" in d["trials_note"] and "measured alone" not in d["trials_note"]
+    r = _run("tune", "show", "--storage", url, "--study", listed["study"])
+    text = " ".join(r.output.split())
+    assert "each a MODELLED prediction of the fabric model (not measured)" in text and "measured alone" not in text
 
 
 needs_real = pytest.mark.skipif(

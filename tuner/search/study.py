@@ -1089,6 +1089,9 @@ class NotAMoetuneStudy(ValueError):
 # too; a ratio of them is no measured speed-up (the side-by-side check decides what is stored).
 SEARCH_TRIALS_NOTE = ("search trials, each measured alone (not side by side): their difference includes the noise "
                       "between runs, so no speed-up is read from them")
+# A model study's trials were never measured: each is the fabric model's (deterministic) prediction.
+MODELLED_TRIALS_NOTE = ("search trials, each a MODELLED prediction of the fabric model (not measured): their "
+                        "difference is the model's, so no measured speed-up is read from them")
 
 
 def describe_study(storage: str, name: str, store: Any = None) -> dict[str, Any]:
@@ -1151,8 +1154,8 @@ def _describe_study(storage: str, name: str) -> dict[str, Any]:
         "best_knobs": best.user_attrs.get("knobs") if best else None,
         "best_trial": best.number if best else None,
         "default_us": default.value if default else None,
-        # no ratio of best_us and default_us: separate trials (SEARCH_TRIALS_NOTE), never a measured speed-up
-        "trials_note": SEARCH_TRIALS_NOTE,
+        # no ratio of best_us and default_us: separate trials (SEARCH_TRIALS_NOTE) or predictions, never a measured speed-up
+        "trials_note": MODELLED_TRIALS_NOTE if study.user_attrs.get("modelled") else SEARCH_TRIALS_NOTE,
         "importances": importances,
         "importance_note": importance_note,
         "failed": [{"trial": t.number, "error": t.user_attrs.get("error")} for t in trials if t.state == TrialState.FAIL][:20],
