@@ -125,3 +125,23 @@ def test_capture_error_is_a_discovery_error() -> None:
     assert issubclass(CaptureError, DiscoveryError)
     e = CaptureError("/x/y", "bad")
     assert str(e) == "/x/y: bad" and e.path == "/x/y"
+
+
+@pytest.mark.parametrize("which", ["all", "topo"])
+def test_a_command_output_the_manifest_records_but_the_capture_lacks_is_named(tmp_path: pathlib.Path,
+                                                                               which: str) -> None:
+    """The manifest says `status: ok` but commands/ lost the file: it was read as "tool missing", so a copy of an 8-GPU
+    capture with an empty commands/ gave a node of 0 GPUs (another fingerprint), rc 0. Now a CaptureError names the
+    missing file; a command recorded as missing, failed or timed out still reads as before."""
+    root = copy("dgx-h100", tmp_path)
+    lost = sorted((root / "commands").iterdir()) if which == "all" else [root / "commands/nvidia-smi_topo_-m"]
+    for p in lost:
+        p.unlink()
+    with pytest.raises(CaptureError, match="manifest records this command's output") as ei:
+        discover(root)
+    assert ei.value.path in {str(p) for p in lost}
+    res = CliRunner().invoke(app, ["fabric", "show", "--from", str(root)])
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and "0 GPUs" not in res.output
+    assert "is not in the capture" in " ".join(res.output.split())
+    assert discover(CAPTURES / "dgx-h100").gpu_count == 8  # fi_info: recorded missing, no file: still fine

@@ -481,6 +481,11 @@ class CaptureSource(Source):
         if not p.exists():
             if status in ("timeout", "failed", "missing"):
                 return CommandResult(tuple(argv), status, "", rc)
+            if status == "ok":
+                # the command ran and its output was written: a file lost since is no "tool missing" (that read as a
+                # GPU-less node of another fingerprint)
+                raise CaptureError(p, "missing: the manifest records this command's output (status ok), but the "
+                                      "file is not in the capture (copy the capture again)")
             return CommandResult(tuple(argv), "missing")
         try:
             data = p.read_bytes()
