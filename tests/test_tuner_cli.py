@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,25 +70,16 @@ def _objective(k: Knobs, wl: TuneWorkload) -> float:
     return 100.0 + (80 if k.signalling == "coupled" else 0) + (40 if k.fence_mode == "proxy_drain" else 0) + k.num_sms
 
 
-STORE_SRC = (Path(__file__).parent / "test_tuner_search.py").read_text().split("STORE_SRC = textwrap.dedent('''")[1].split("''')")[0]
-
-
-def _mini_store(path: Path):
-    ns: dict = {}
-    exec(textwrap.dedent(STORE_SRC), ns)
-    return ns["MiniStore"](path)
-
-
 def test_model_backend_run_and_show(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import moetune.tuner.cli.tune as tune_cli
     import moetune.tuner.search.tune as search
 
     monkeypatch.setattr(search, "make_backend", lambda *a, **k: ModelBackend(FakePreset(), predictor=_objective))
-    monkeypatch.setattr(tune_cli, "_open_store", lambda db, readonly=False: _mini_store(tmp_path / "moetune.db"))
     monkeypatch.setattr(tune_cli, "_model_preset_warning", lambda preset: "")  # FakePreset is no shipped preset
     url = f"sqlite:///{tmp_path / 'studies.db'}"
+    db = tmp_path / "moetune.db"  # the real profile store: its write rules decide `written`
     r = _run("tune", "--model", "qwen3-30b", "--tokens", "128,1024", "--backend", "model", "--preset", "fake-ibrc-x4",
-             "--nodes", "2", "--trials", "12", "--storage", url, "--json")
+             "--nodes", "2", "--trials", "12", "--storage", url, "--db", str(db), "--json")
     assert r.exit_code == 0, r.output
     rows = json.loads(r.output)
     assert [row["tokens"] for row in rows] == [128, 1024]
@@ -97,6 +87,19 @@ def test_model_backend_run_and_show(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert row["written"] and row["family"] == "proxy:ibrc" and row["trials"] == 12
         assert row["best_us"] < row["default_us"]  # the naive default is beaten
         assert row["knobs"]["signalling"] == "decoupled"
+    from moetune.tuner.store.store import Store
+
+    with Store(db, readonly=True) as store:  # what was written is current, and stored as a preset's prediction
+        current = [rec for _, rec in store.list_profiles(status="current")]
+    assert sorted(p.key.token_bucket for p in current) == [128, 1024]
+    for p, row in zip(sorted(current, key=lambda p: p.key.token_bucket), rows, strict=True):
+        assert p.knobs.to_dict() == row["knobs"] and p.latency_us == row["best_us"]
+        assert p.provenance == "preset" and p.key.fingerprint.startswith("preset:fake-ibrc-x4:")
+    # a rerun resumes the finished studies: no new trial, the stored profiles kept as they are
+    r = _run("tune", "--model", "qwen3-30b", "--tokens", "128,1024", "--backend", "model", "--preset", "fake-ibrc-x4",
+             "--nodes", "2", "--trials", "12", "--storage", url, "--db", str(db), "--json")
+    assert r.exit_code == 0, r.output
+    assert [row["stored"] for row in json.loads(r.output)] == ["kept", "kept"]
     r = _run("tune", "show", "--storage", url, "--json")
     assert r.exit_code == 0, r.output
     studies = json.loads(r.output)
@@ -229,14 +232,18 @@ def test_workload_the_model_cannot_run_is_one_clear_error(tmp_path: Path, monkey
         raise ValueError("preset 'fake-ibrc-x4' has no network between nodes; use nodes=1")
 
     monkeypatch.setattr(search, "make_backend", lambda *a, **k: ModelBackend(FakePreset(), predictor=nope))
-    monkeypatch.setattr(tune_cli, "_open_store", lambda db, readonly=False: _mini_store(tmp_path / "moetune.db"))
     monkeypatch.setattr(tune_cli, "_model_preset_warning", lambda preset: "")  # FakePreset is no shipped preset
+    db = tmp_path / "moetune.db"
     r = _run("tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", "fake-ibrc-x4",
-             "--nodes", "2", "--storage", f"sqlite:///{tmp_path / 's.db'}")
+             "--nodes", "2", "--storage", f"sqlite:///{tmp_path / 's.db'}", "--db", str(db))
     assert r.exit_code == 2 and "no network between nodes" in r.output and "Traceback" not in r.output
     r = _run("tune", "--model", "custom:64,64,6,2", "--tokens", "128", "--backend", "model", "--preset", "fake-ibrc-x4",
-             "--storage", f"sqlite:///{tmp_path / 's.db'}")
+             "--storage", f"sqlite:///{tmp_path / 's.db'}", "--db", str(db))
     assert r.exit_code == 2 and "do not divide evenly" in r.output
+    from moetune.tuner.store.store import Store
+
+    with Store(db, readonly=True) as store:  # nothing stored from a tune the model could not run
+        assert store.list_profiles() == []
 
 
 def test_first_failure_prefers_a_real_error_to_an_interrupted_trial(tmp_path: Path) -> None:
