@@ -98,9 +98,9 @@ def test_restart_tunes_again_in_new_studies_and_deletes_nothing(tmp_path: Path, 
     assert len(store.list_profiles()) >= profiles  # no stored profile deleted
 
     # a rerun without --restart resumes the restarted run (its studies), it does not go back to the first
-    state = json.loads(next((db.parent).glob("bringup-*.json")).read_text())
+    state = json.loads(next((db.parent).glob("*bringup-*.json")).read_text())
     state["done"] = {k: v for k, v in state["done"].items() if k in ("discover", "microbench", "calibrate")}
-    (next((db.parent).glob("bringup-*.json"))).write_text(json.dumps(state))
+    (next((db.parent).glob("*bringup-*.json"))).write_text(json.dumps(state))
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     assert _trials_by_study(url) == second

@@ -3,9 +3,9 @@
 discovery → microbenchmarks of each transport present → calibration of this node's fabric model →
 tuning of the planned shapes and token buckets → profiles stored → summary and report.
 
-Each stage records its completion in a state file beside the database, keyed by the fabric
-fingerprint, so Ctrl-C and a rerun continue where it stopped (tuning itself resumes through Optuna's
-RDB storage). A changed fingerprint starts over. `--restart` starts over on purpose: the state is
+Each stage records its completion in a state file beside the database, named after the database and the
+fabric fingerprint (`state_file_name`), so Ctrl-C and a rerun continue where it stopped (tuning itself resumes
+through Optuna's RDB storage). A changed fingerprint starts over. `--restart` starts over on purpose: the state is
 forgotten and the tuning opens new studies (a tag in their names), so nothing is resumed and nothing
 that is not this flow's is deleted (earlier studies and stored profiles stay).
 """
@@ -135,12 +135,29 @@ class Plan:
             raise ValueError(f"{where}: backend must be auto or local (both measure this node), got {self.backend!r}")
 
 
+def state_file_name(db_path: str | Path, fingerprint: str) -> str:
+    """The bring-up state file's name for the profile database `db_path` on the node `fingerprint`, named as
+    `study.studies_file_name` names the studies file: `NAME-bringup-<fingerprint>.json` for `NAME.db`, another name
+    keeping its whole name (`x.sqlite.bringup-<fingerprint>.json`). One per database: two databases of one folder
+    shared `bringup-<fingerprint>.json` (`LEGACY_STATE`), so a bring-up into the second found every stage done by
+    the first, and measured and stored nothing."""
+    p = Path(db_path)
+    return (f"{p.stem}-" if p.suffix == ".db" else f"{p.name}.") + f"bringup-{fingerprint}.json"
+
+
+LEGACY_STATE = "bringup-{}.json"  # the state file of every database of a folder, before `state_file_name`
+
+
 class BringupState:
     """Completed stages and their results (and a stage's finished parts), persisted atomically after each."""
 
-    def __init__(self, path: Path, fingerprint: str, plan: Plan, *, persist: bool = True):
+    def __init__(self, path: Path, fingerprint: str, plan: Plan, *, persist: bool = True, db: str = ""):
         self.path = path
+        # db: the name of the profile database the stages stored into (recorded, and resumed only by it; "" for a
+        # state of no database)
         self.data: dict[str, Any] = {"fingerprint": fingerprint, "plan": asdict(plan), "done": {}}
+        if db:
+            self.data["db"] = db
         self.dropped = ""  # why the stages an earlier run finished here are not resumed ("" when none were)
         # persist=False (a capture of another node, nothing measured): neither resumed nor saved, so its skipped
         # stages are never taken as done by a later bring-up on the node itself
@@ -152,8 +169,13 @@ class BringupState:
                 old = {}
             if not isinstance(old, dict):
                 old = {}
+            if old.get("db", "") != db:
+                # another database's stages (a copied or renamed file): what they stored is not in this one
+                if old.get("done"):
+                    self.dropped = (f"its finished stages stored into the database {old.get('db') or '(none named)'}, "
+                                    f"not {db or '(none named)'}: starting over")
             # Resume only the same node and the same plan; anything else starts over.
-            if old.get("fingerprint") == fingerprint and old.get("plan") == asdict(plan):
+            elif old.get("fingerprint") == fingerprint and old.get("plan") == asdict(plan):
                 self.data = old
             else:
                 if old.get("fingerprint") == fingerprint and old.get("study_tag"):
@@ -198,7 +220,7 @@ class BringupState:
     def restart(self) -> None:
         """Forget every stage, and tune in new studies: the finished ones would only be resumed (re-tuning
         nothing). They are kept, not deleted: other runs may share a study of the same settings."""
-        self.data = {"fingerprint": self.data["fingerprint"], "plan": self.data["plan"], "done": {},
+        self.data = {**{k: self.data[k] for k in ("fingerprint", "plan", "db") if k in self.data}, "done": {},
                      "study_tag": "r" + secrets.token_hex(4)}
         self.save()  # now: a rerun after an interrupted restart resumes the new studies, not the old ones
 
@@ -314,7 +336,7 @@ class Bringup:
 
     def __init__(self, *, store: Any, plan: Plan, state_dir: Path, console: Any, capture: Path | None = None,
                  report_dir: Path | None = None, storage: str | None = None, progress: Progress | None = None,
-                 mk_measure: Any = None):
+                 mk_measure: Any = None, db_path: Path | None = None):
         from moetune.tuner.fabric.discovery import capture_not_this_node, discover
         from moetune.tuner.fabric.families import megakernel_family
 
@@ -327,8 +349,13 @@ class Bringup:
         # transports, plan and report) still shows what a bring-up would do there (tests, support).
         self.not_here = capture_not_this_node(self.facts, capture) if capture is not None else ""
         self.measures = not self.not_here
-        self.state = BringupState(state_dir / f"bringup-{self.facts.fingerprint}.json", self.facts.fingerprint, plan,
-                                  persist=self.measures)
+        # the state is the database's (db_path: the CLI opens the store after the checks; else the store's file)
+        if db_path is None and store is None:
+            raise TypeError("Bringup needs the profile database: db_path or store")
+        db = Path(db_path if db_path is not None else store.path)
+        fp = self.facts.fingerprint
+        self.state = BringupState(state_dir / state_file_name(db, fp), fp, plan, persist=self.measures, db=db.name)
+        self.unresumed = self._legacy_state(state_dir / LEGACY_STATE.format(fp), plan)
         self.report_dir = report_dir or state_dir / "report"
         gpus = self.facts.gpu_count
         self.comm_backend = "nccl" if gpus >= 2 else "gloo"
@@ -338,6 +365,19 @@ class Bringup:
         self.tune_ep = bool(self.ep_sizes)
         self.mk_ok, self.mk_why = megakernel_family(self.facts)
         self.mk_measure = mk_measure  # tests inject the megakernel's timing (LocalBackend.mk_measure)
+
+    def _legacy_state(self, legacy: Path, plan: Plan) -> str:
+        """What this run says of the folder's state file of an older moetune (`LEGACY_STATE`) that it would have
+        resumed ("" when none): that file names no database, and any database of the folder may have written it,
+        so it is neither resumed nor replaced or deleted (it is not known to be this database's)."""
+        if not self.measures or self.state.path.exists() or not legacy.is_file():
+            return ""
+        old = BringupState(legacy, self.facts.fingerprint, plan, persist=True)  # read only: nothing marked
+        if not old.data["done"]:
+            return ""
+        return (f"{legacy}: the bring-up state of an older moetune, shared by every database of that folder, does not "
+                "say which database its finished stages stored into, so it is not resumed: starting over (the file "
+                "is left as it is and no longer used)")
 
     @property
     def not_measured(self) -> str:
@@ -703,8 +743,10 @@ class Bringup:
             return {}
 
     def run(self) -> dict[str, Any]:
+        if self.unresumed:
+            self.console.print(f"[yellow]{_as_text(self.unresumed)}[/]")
         if self.state.dropped:
-            self.console.print(f"[yellow]{self.state.path.name}: {self.state.dropped}[/]")
+            self.console.print(f"[yellow]{_as_text(f'{self.state.path.name}: {self.state.dropped}')}[/]")
         for stage in STAGES:
             if self.state.done(stage):
                 self.console.print(f"[dim]✓ {stage} (done earlier; resuming)[/]")

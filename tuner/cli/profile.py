@@ -160,12 +160,12 @@ def profile(
         _check_out_dir(report_dir, "--report-dir")
     # the node and the plan are checked before the database is opened: a refusal leaves no new database behind
     try:
-        state_dir = database_path(db or load_config(config).db_path).parent
+        db_file = database_path(db or load_config(config).db_path)
     except ConfigError as e:  # names the key and the file
         _fail(str(e))
     try:
-        flow = Bringup(store=None, plan=plan, state_dir=state_dir, console=console, capture=capture,
-                       report_dir=report_dir, progress=None if as_json else RichProgress())
+        flow = Bringup(store=None, plan=plan, state_dir=db_file.parent, console=console, capture=capture,
+                       report_dir=report_dir, progress=None if as_json else RichProgress(), db_path=db_file)
     except (DiscoveryError, ValueError) as e:  # ValueError: an EP size of the plan this node cannot measure
         _fail(str(e))
     no_cuda = _no_cuda_for_nccl(flow, capture)
