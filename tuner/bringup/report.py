@@ -7,18 +7,29 @@ rebuilt from the database at any time (`moetune report`).
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from moetune.tuner.store.io import write_atomic
+
+HEADER = "# moetune bring-up report"  # report.md's first line: what marks it as this module's
+# the PNG text chunk (Software) every plot of ours carries: a plot file of that name without it is not ours
+PNG_MARK = b"Software\x00" + HEADER[2:].encode()
+
+
+class NotOurReport(FileExistsError):
+    """A file the report would replace in its folder was not written by moetune: nothing is written."""
 
 
 @dataclass
@@ -52,7 +63,7 @@ def _curves(rows: Iterable[dict], kind: str) -> dict[str, list[tuple[int, float,
     return {k: sorted(v) for k, v in series.items()}
 
 
-def _plot_curves(rows: Sequence[dict], kind: str, ylabel: str, path: Path, title: str) -> bool:
+def _plot_curves(rows: Sequence[dict], kind: str, ylabel: str, path: Path | IO[bytes], title: str) -> bool:
     series = _curves(rows, kind)
     if not series:
         return False
@@ -68,16 +79,20 @@ def _plot_curves(rows: Sequence[dict], kind: str, ylabel: str, path: Path, title
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return True
+
+
+def _save(fig: Figure, path: Path | IO[bytes]) -> None:
+    fig.savefig(path, dpi=110, format="png", metadata={"Software": HEADER[2:]})  # PNG_MARK: the plot is ours
 
 
 def _direction(r: dict) -> str:
     return r.get("direction") or (r.get("extra") or {}).get("direction", "")
 
 
-def _plot_efficiency(rows: Sequence[dict], path: Path) -> bool:
+def _plot_efficiency(rows: Sequence[dict], path: Path | IO[bytes]) -> bool:
     """One panel per message size; a line per (mode, direction) against concurrency."""
     pts = [r for r in rows if r["kind"] == "signalled_efficiency"]
     if not pts:
@@ -106,7 +121,7 @@ def _plot_efficiency(rows: Sequence[dict], path: Path) -> bool:
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
     fig.suptitle("Signalled vs put-only throughput (measured)")
     fig.tight_layout(rect=(0, 0.1, 1, 1))
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return True
 
@@ -135,7 +150,7 @@ def _measured(v: object) -> bool:
     return isinstance(v, int | float) and math.isfinite(v)
 
 
-def _plot_tuned(tuned: Sequence[dict], path: Path) -> bool:
+def _plot_tuned(tuned: Sequence[dict], path: Path | IO[bytes]) -> bool:
     # a bar pair needs both times; a bucket with a failed run is in the table, saying why
     tuned = [t for t in tuned if _measured(t.get("default_us")) and _measured(t.get("tuned_us"))]
     if not tuned:
@@ -163,12 +178,12 @@ def _plot_tuned(tuned: Sequence[dict], path: Path) -> bool:
         ax.legend(fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return True
 
 
-def _plot_importances(importances: dict[str, dict[str, float]], path: Path) -> bool:
+def _plot_importances(importances: dict[str, dict[str, float]], path: Path | IO[bytes]) -> bool:
     studies = {k: v for k, v in importances.items() if v}
     if not studies:
         return False
@@ -180,7 +195,7 @@ def _plot_importances(importances: dict[str, dict[str, float]], path: Path) -> b
         ax.set_xlim(0, 1)
     axes[-1, 0].set_xlabel("importance (fANOVA)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return True
 
@@ -190,21 +205,55 @@ PLOT_FILES = ("latency.png", "bandwidth.png", "signalled.png", "tuned.png", "imp
 
 def _plots_of_earlier_report(path: Path) -> set[str]:
     """The plots a report this module wrote at `path` before shows (only those it may replace or remove: a file of
-    that name that no earlier report of ours showed is the user's)."""
+    that name that no earlier report of ours showed, and that carries no `PNG_MARK`, is the user's)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return set()
-    if not text.startswith("# moetune bring-up report"):
+    if not text.startswith(HEADER):
         return set()
     return {f for f in PLOT_FILES if f"]({f})" in text}
 
 
+def foreign_report(out_dir: Path) -> str | None:
+    """Why `out_dir/report.md` may not be replaced (None when it may: absent, or a report this module wrote): the
+    report never overwrites a file moetune did not write. Checked before a bring-up runs (`--report-dir`, `--out`)
+    and again when the report is written."""
+    path = out_dir / "report.md"
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(HEADER.encode()))
+    except OSError as e:  # a folder named report.md, a file this user may not read: not known to be ours
+        return f"{path} cannot be read to check that moetune wrote it ({e.strerror or e}), so it is not replaced"
+    if head == HEADER.encode():
+        return None
+    return f"{path} was not written by moetune (its first line is not \"{HEADER}\"), so it is not replaced"
+
+
+def _our_plot(path: Path, earlier: set[str]) -> bool:
+    """Whether the plot file `path` is this module's (it may be replaced): it carries `PNG_MARK`, or the earlier
+    report of ours in its folder shows it (a plot from before the mark)."""
+    if path.name in earlier:
+        return True
+    try:
+        with path.open("rb") as f:
+            head = f.read(4096)  # the text chunks come before the image data
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG") and PNG_MARK in head.split(b"IDAT", 1)[0]
+
+
 def write_report(data: ReportData, out_dir: Path) -> Path:
-    """Write `report.md` and its PNGs into out_dir; returns the Markdown path."""
+    """Write `report.md` and its PNGs into out_dir; returns the Markdown path. NotOurReport (nothing written) when
+    it would replace a report.md or a plot file that moetune did not write."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    problem = foreign_report(out_dir)
+    if problem:
+        raise NotOurReport(problem)
     md: list[str] = [
-        "# moetune bring-up report",
+        HEADER,
         "",
         f"- node: {data.node}",
         f"- fabric fingerprint: `{data.fingerprint}`",
@@ -227,8 +276,19 @@ def write_report(data: ReportData, out_dir: Path) -> Path:
         ("importances.png", "Which knobs mattered", lambda p: _plot_importances(data.importances, p)),
     ]
     earlier = _plots_of_earlier_report(out_dir / "report.md")
-    for fname, title, draw in plots:
-        if draw(out_dir / fname):
+    drawn: dict[str, bytes] = {}
+    for fname, _title, draw in plots:  # drawn in memory: a plot file not ours is found before anything is written
+        buf = io.BytesIO()
+        if draw(buf):
+            drawn[fname] = buf.getvalue()
+    theirs = [out_dir / f for f in drawn if (out_dir / f).exists() and not _our_plot(out_dir / f, earlier)]
+    if theirs:
+        raise NotOurReport(f"{', '.join(map(str, theirs))} {'was' if len(theirs) == 1 else 'were'} not written by "
+                           "moetune (no plot mark, and no report of its own in that folder shows it), so the report's "
+                           "plot of that name does not replace it")
+    for fname, title, _draw in plots:
+        if fname in drawn:
+            write_atomic(out_dir / fname, drawn[fname])
             md += [f"## {title}", "", f"![{title}]({fname})", ""]
         elif fname in earlier:  # the last report's plot, not this one's (another node's curves beside this report)
             (out_dir / fname).unlink(missing_ok=True)

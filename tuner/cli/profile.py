@@ -23,15 +23,19 @@ PLAN_KEYS = ("models, tokens, trials, repeats, iters, compare_rounds, trial_time
              "ep_sizes, world")
 
 
-def _out_dir_problem(path: Path) -> str | None:
+def _out_dir_problem(path: Path, hint: str = "") -> str | None:
     """Why the report folder `path` cannot be written (None when it can): it is not a directory, or it (or, when it
-    does not exist yet, the nearest folder above it) is not a writable directory."""
+    does not exist yet, the nearest folder above it) is not a writable directory, or it holds a report.md that
+    moetune did not write (never replaced; `hint` follows that reason: what to do instead)."""
+    from moetune.tuner.bringup.report import foreign_report
+
     if path.exists():
         if not path.is_dir():
             return "exists and is not a directory (the report is a folder: report.md and its plots)"
         if not os.access(path, os.W_OK | os.X_OK):
             return "not writable"
-        return None
+        foreign = foreign_report(path)
+        return foreign + hint if foreign else None
     above = nearest_existing(path.parent)
     if not above.is_dir():
         return f"cannot create it, {above} is not a directory"
@@ -43,7 +47,7 @@ def _out_dir_problem(path: Path) -> str | None:
 def _check_out_dir(path: Path, option: str) -> None:
     """Exit 2 naming the option unless the report folder `path` is a directory or can be made: checked before any
     work, so a long bring-up does not end on a FileExistsError."""
-    problem = _out_dir_problem(path)
+    problem = _out_dir_problem(path, hint=f": move it, or pass another {option}")
     if problem is not None:
         _fail(f"{option} {path}: {problem}")
 
@@ -104,7 +108,7 @@ def profile(
     db: Path | None = typer.Option(None, "--db", help="Profile database (default: configured / $MOETUNE_HOME)."),
     config: Path | None = typer.Option(None, "--config", help="Extra config file."),
     capture: Path | None = typer.Option(None, "--capture", help="Describe the node from a capture instead of the live node (tests, support). A capture of another node (its fingerprint or software not this node's) is not measured: its discovery, plan and report only."),
-    report_dir: Path | None = typer.Option(None, "--report-dir", help="Where the report goes (default: beside the database)."),
+    report_dir: Path | None = typer.Option(None, "--report-dir", help="Where the report goes (default: report/ beside the database). A report.md or plot there that moetune did not write is never replaced: refused (a report.md before the bring-up runs)."),
     restart: bool = typer.Option(False, "--restart", help="Forget earlier progress of this plan on this node and start over: every stage runs again and tuning starts new studies (earlier studies and stored profiles are kept)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
@@ -120,6 +124,7 @@ def profile(
     from moetune.runtime.knobs import KnobError
     from moetune.runtime.shapes import get_model
     from moetune.tuner.bringup.flow import Bringup, Plan
+    from moetune.tuner.bringup.report import NotOurReport, foreign_report
     from moetune.tuner.fabric.discovery import DiscoveryError
     from moetune.tuner.store.store import StoreError, database_path
 
@@ -168,6 +173,10 @@ def profile(
                        report_dir=report_dir, progress=None if as_json else RichProgress(), db_path=db_file)
     except (DiscoveryError, ValueError) as e:  # ValueError: an EP size of the plan this node cannot measure
         _fail(str(e))
+    # the default folder's report.md checked as --report-dir's is: found only after the whole bring-up, it was replaced
+    foreign = foreign_report(flow.report_dir) if report_dir is None and flow.report_dir.is_dir() else None
+    if foreign:
+        _fail(f"report folder {flow.report_dir}: {foreign}: move it, or pass --report-dir DIR")
     no_cuda = _no_cuda_for_nccl(flow, capture)
     if no_cuda:  # every measurement would start NCCL ranks that fail in init: refused up front
         _fail(no_cuda)
@@ -191,6 +200,10 @@ def profile(
         raise typer.Exit(interrupted_exit(e)) from None
     except StoreError as e:  # e.g. another process holds the database: exit 1, as db/tune/profiles do
         _fail(f"{e} (finished stages are kept; rerun to continue)", e.exit_code)
+    except NotOurReport as e:  # a plot file of the user's (or a report.md put there meanwhile): nothing replaced
+        where = f"--report-dir {report_dir}" if report_dir is not None else f"report folder {flow.report_dir}"
+        _fail(f"{where}: {e}: move it, or pass {'another ' if report_dir is not None else ''}--report-dir DIR "
+              "(finished stages are kept; rerun to continue)")
     except OSError as e:
         # the report folder passed the up-front check but could not be written (root and /proc, a folder removed
         # meanwhile): name the option, as `report --out` does
@@ -279,11 +292,12 @@ def _no_cuda_for_nccl(flow: object, capture: Path | None) -> str:
 def report(
     db: Path | None = typer.Option(None, "--db", help="Profile database (default: \\[store] db, $MOETUNE_HOME, XDG data dir)."),
     config: Path | None = typer.Option(None, "--config", help="Extra config file."),
-    out: Path | None = typer.Option(None, "--out", help="Output directory (default: report/ beside the database; ./moetune-report/ when that cannot be written)."),
+    out: Path | None = typer.Option(None, "--out", help="Output directory (default: report/ beside the database; ./moetune-report/ when that cannot be written or holds a report.md moetune did not write). A report.md or plot there that moetune did not write is never replaced: refused."),
     capture: Path | None = typer.Option(None, "--capture", help="Report on the node a capture describes."),
 ) -> None:
     """Write the bring-up report (Markdown + PNG plots) of this node from the database."""
     from moetune.tuner.bringup.flow import report_from_store
+    from moetune.tuner.bringup.report import NotOurReport
     from moetune.tuner.fabric.discovery import DiscoveryError, discover
 
     console = Console()
@@ -297,6 +311,9 @@ def report(
     dest = out or _default_report_dir(Path(store.path))
     try:
         path = report_from_store(store, facts, dest)
+    except NotOurReport as e:  # a plot file of the user's (or a report.md put there meanwhile): nothing replaced
+        _fail(f"{'--out' if out is not None else 'report folder'} {dest}: {e}: move it, or pass "
+              f"{'another ' if out is not None else ''}--out DIR")
     except OSError as e:  # the folder vanished, a full disk, a plot file we may not replace
         _fail(f"{'--out ' if out is not None else 'report folder '}{dest}: cannot write the report "
                        f"({e.strerror or e})")
