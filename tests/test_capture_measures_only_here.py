@@ -198,3 +198,35 @@ def test_a_daemon_serving_a_capture_of_another_node_does_not_measure_for_it(tmp_
             tuner_retune(ctx)
     assert _capture_elsewhere(discovery.discover(cpu)) == ""  # this node's own capture measures
     assert _capture_elsewhere(discovery.live_facts()) == ""  # live discovery: no capture
+
+
+def test_a_bring_up_of_another_nodes_capture_leaves_this_nodes_seen_fingerprint_and_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`profile --capture` of another node recorded that node as seen in this node's database (`fabric diff` then
+    reported "GPU 0 missing ..." on an unchanged node) and replaced this node's report/ with one of nothing
+    measured. Now: no fingerprint recorded, and the report goes to report-<its fingerprint>/ beside the database
+    (an explicit --report-dir is still used as given)."""
+    live = _live_is(monkeypatch, CAPTURES / "cpu-laptop")
+    _count_runs(monkeypatch)
+    db = tmp_path / "p.db"
+    runner = CliRunner()
+    env = {"MOETUNE_HOME": str(tmp_path)}
+    r = runner.invoke(app, ["fabric", "show", "--record", "--capture", str(CAPTURES / "cpu-laptop"), "--db", str(db)],
+                      env=env)
+    assert r.exit_code == 0, r.output
+    mine = tmp_path / "report"
+    mine.mkdir()
+    (mine / "report.md").write_text("# moetune bring-up report\n\nthis node's\n")
+    cap = CAPTURES / "dgx-h100"
+    other = discovery.discover(cap).fingerprint
+    r = runner.invoke(app, ["profile", "--quick", "--capture", str(cap), "--db", str(db), "--json"], env=env)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["report"] == str(tmp_path / f"report-{other}" / "report.md")
+    assert (mine / "report.md").read_text().endswith("this node's\n")
+    r = runner.invoke(app, ["fabric", "diff", "--capture", str(CAPTURES / "cpu-laptop"), "--db", str(db), "--json"],
+                      env=env)
+    assert r.exit_code == 0 and json.loads(r.stdout)["old"] == live.fingerprint, r.output
+    mine2 = tmp_path / "mine"
+    r = runner.invoke(app, ["profile", "--quick", "--capture", str(cap), "--db", str(db), "--report-dir", str(mine2),
+                            "--json"], env=env)
+    assert r.exit_code == 0 and json.loads(r.stdout)["report"] == str(mine2 / "report.md"), r.output

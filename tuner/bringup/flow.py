@@ -356,7 +356,9 @@ class Bringup:
         fp = self.facts.fingerprint
         self.state = BringupState(state_dir / state_file_name(db, fp), fp, plan, persist=self.measures, db=db.name)
         self.unresumed = self._legacy_state(state_dir / LEGACY_STATE.format(fp), plan)
-        self.report_dir = report_dir or state_dir / "report"
+        # the default folder of a capture of another node is that node's, never this node's report/ (replaced by a
+        # report that measured nothing); an explicit report_dir is the caller's choice
+        self.report_dir = report_dir or state_dir / ("report" if self.measures else f"report-{self.facts.fingerprint}")
         gpus = self.facts.gpu_count
         self.comm_backend = "nccl" if gpus >= 2 else "gloo"
         # EP sizes (each <= the GPUs, each measured with that many ranks; default: every GPU of the node). EP
@@ -393,7 +395,9 @@ class Bringup:
 
     # -- stages ------------------------------------------------------------------------------------
     def stage_discover(self) -> dict:
-        self.store.upsert_fingerprint(self.facts.fingerprint, self.facts.to_dict())
+        if self.measures:  # this node: recorded as seen. Another node's capture is not (`fabric diff` compares this
+            # node with the fingerprint the store saw last: it reported a change of the node to the capture's)
+            self.store.upsert_fingerprint(self.facts.fingerprint, self.facts.to_dict())
         return {"fingerprint": self.facts.fingerprint, "transports": [[t.name, t.reason] for t in self.facts.transports]}
 
     def stage_microbench(self) -> list[dict]:

@@ -107,8 +107,8 @@ def profile(
     trials: int | None = typer.Option(None, "--trials", help="Trials per (family, model, bucket) study (default: 16, with --quick 4)."),
     db: Path | None = typer.Option(None, "--db", help="Profile database (default: configured / $MOETUNE_HOME)."),
     config: Path | None = typer.Option(None, "--config", help="Extra config file."),
-    capture: Path | None = typer.Option(None, "--capture", help="Describe the node from a capture instead of the live node (tests, support). A capture of another node (its fingerprint or software not this node's) is not measured: its discovery, plan and report only."),
-    report_dir: Path | None = typer.Option(None, "--report-dir", help="Where the report goes (default: report/ beside the database). A report.md or plot there that moetune did not write is never replaced: refused (a report.md before the bring-up runs)."),
+    capture: Path | None = typer.Option(None, "--capture", help="Describe the node from a capture instead of the live node (tests, support). A capture of another node (its fingerprint or software not this node's) is not measured: its discovery, plan and report only (nothing recorded in the database)."),
+    report_dir: Path | None = typer.Option(None, "--report-dir", help="Where the report goes (default: report/ beside the database; report-FINGERPRINT/ for a --capture of another node). A report.md or plot there that moetune did not write is never replaced: refused (a report.md before the bring-up runs)."),
     restart: bool = typer.Option(False, "--restart", help="Forget earlier progress of this plan on this node and start over: every stage runs again and tuning starts new studies (earlier studies and stored profiles are kept)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
