@@ -477,6 +477,85 @@ def test_kernel_source_mirrors_split_rule():
     assert "MK_CORE_MMA = 0, MK_CORE_WGMMA = 1" in hdr and _lib.CORES == {"mma": 0, "wgmma": 1}
 
 
+# ---- the COMBINE's L2 discard of y lines (combine_items<8>, MK_Y_L2 bit 2), modelled line by line -------------
+def _combine_lines(hidden: int, topk: int, s: int, combine_tokens: int, rule):
+    """Every COMBINE task (combine tile ct, column block cb) of a launch of S tokens, as run_combine_part / combine_items
+    split it: item i = (token t0 + i // chunks, chunk c0 + i % chunks), read by lane i % 32 of the warp round that
+    starts at i - i % 32 (any warp: `first` is a multiple of 32 plus the lane and `stride` a multiple of 32, in
+    k_experts and in the overlap kernel's consumer threads alike). Item (t, c) reads 16 bytes of y row t * K + j for
+    every slot j. Returns (readers, discards): the 128-byte lines of y (byte address // 128, y 128-byte aligned) ->
+    the set of (task, round) that read them, and -> the list of (task, round) whose lane discards them under `rule`."""
+    nb = sch.combine_blocks(hidden)
+    chunks = hidden // 8 // nb
+    readers: dict[int, set] = {}
+    discards: dict[int, list] = {}
+    for ct in range(-(-s // combine_tokens)):
+        t0 = ct * combine_tokens
+        t1 = min(s, t0 + combine_tokens)
+        for cb in range(nb):
+            c0, n = cb * chunks, (t1 - t0) * chunks
+            for i0 in range(0, n, 32):
+                who = (ct, cb, i0)
+                for lane in range(min(32, n - i0)):
+                    i = i0 + lane
+                    t, c = t0 + i // chunks, c0 + i % chunks
+                    disc = rule(topk, c, c0, chunks, lane)
+                    for j in range(topk):
+                        line = ((t * topk + j) * hidden + c * 8) * 2 // 128
+                        readers.setdefault(line, set()).add(who)
+                        if disc:
+                            discards.setdefault(line, []).append(who)
+    return readers, discards
+
+
+def _old_discard_rule(topk: int, c: int, c0: int, chunks: int, lane: int) -> bool:  # before the fix
+    return topk == 8 and c % 8 == 0
+
+
+@pytest.mark.parametrize("topk", [1, 6, 8, 16])
+def test_combine_discards_only_lines_no_one_else_reads(topk):
+    """The discard predicate the kernel uses (schedule.combine_discards): over every hidden size the library takes up
+    to 4096 (hidden % 128 == 0), combine tiles of 1, 3, 8 and 16 tokens with a partial last tile, a discarded y line
+    is read by no task or round but the one that discards it (discard leaves its bytes undefined), each line is
+    discarded at most once, and every line one round reads whole is discarded (top-k 8; other top-k discard nothing)."""
+    for hidden in range(128, 4097, 128):
+        for ct in (1, 3, 8, 16):
+            s = ct + ct // 2 + 1
+            readers, discards = _combine_lines(hidden, topk, s, ct, sch.combine_discards)
+            for line, by in discards.items():
+                assert len(by) == 1 and readers[line] == {by[0]}, (hidden, ct, line, by, readers[line])
+            if topk != 8:
+                assert not discards
+            else:
+                assert set(discards) == {line for line, r in readers.items() if len(r) == 1}, (hidden, ct)
+                if hidden % 256 == 0:  # every line: the y write-back saving stays whole
+                    assert set(discards) == set(readers), (hidden, ct)
+
+
+def test_combine_old_discard_rule_hit_lines_others_read():
+    """The rule before the fix (every lane with c % 8 == 0 of a top-k 8 combine) discarded lines that another column
+    block's task or the same warp's next round still had to read, for hidden % 256 == 128 (384, 1152, ..: chunks =
+    hidden / 32 not a multiple of 8), and none for hidden % 256 == 0, where the fixed rule discards the same lines."""
+    for hidden in range(128, 4097, 128):
+        readers, old = _combine_lines(hidden, 8, 13, 8, _old_discard_rule)
+        bad = [line for line, by in old.items() if readers[line] != {by[0]}]
+        if hidden % 256:
+            assert bad, hidden
+        else:
+            assert not bad, hidden
+            assert set(old) == set(_combine_lines(hidden, 8, 13, 8, sch.combine_discards)[1]), hidden
+
+
+def test_kernel_source_mirrors_combine_discard():
+    """mk_moe.cu's combine discards under schedule.combine_discards' predicate (top-k 8 = combine_items<8>), and that
+    is the only discard in csrc/megakernel."""
+    from moetune.runtime.megakernel import _lib
+
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    assert "if (on && (c & 7) == 0 && c - c0 + 8 <= chunks && lane <= 24)" in src
+    assert src.count("discard.global") == 1 and "discard.global" not in (_lib.source_dir() / "mk_decode.cuh").read_text()
+
+
 # ---- the wgmma core's stage pipeline (full/empty mbarriers), modelled step by step ----------------------------
 def _run_actors(actors: list[list[tuple]], ready, apply, policy: str | int) -> str | None:
     """Step actors (lists of ops) until all are done: 'deadlock at ...' when none can move, an apply() error, or

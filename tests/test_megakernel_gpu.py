@@ -557,6 +557,36 @@ def test_overlap_other_expert_counts(spec):
     _check(layer, m, x, out, idx, w)
 
 
+@pytest.mark.parametrize("cfg", ["", "bm=16", "bm=16,combine_tokens=8", "bm=64", "bm=128", "bm=64,overlap=0",
+                                 "bm=128,overlap=0,combine_tokens=8", "core=mma,bm=64"])
+@pytest.mark.parametrize("spec", ["custom:384,256,64,8", "custom:1152,256,64,8"])
+def test_combine_hidden_odd_multiple_of_128(spec, cfg):
+    """Top-k 8 on hidden sizes that are odd multiples of 128 (chunks = H/32 of a column block not a multiple of 8): a
+    128-byte y line there may straddle two column blocks' COMBINE tasks or two rounds of one warp, and the combine's
+    L2 discard (MK_Y_L2 bit 2) must leave it alone (schedule.combine_discards; before, the straddling lines were
+    discarded and their other reader could read undefined bytes). Two inputs in turn, then the first again: each
+    within 1e-2 of the dense reference, every row written, and the repeat the first run's bits."""
+    _need_gpu()
+    from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
+    from moetune.runtime.shapes import get_model
+
+    m = get_model(spec)
+    layer = MegakernelMoE(m, max_tokens=1000, seed=0, config=MegakernelConfig.parse(cfg))
+    for s in (13, 300, 1000):
+        assert layer.decode_grid(s) is None, (spec, cfg, s)  # the task graph's COMBINE, not the decode kernel
+        xa, xb = _x(s, m.hidden, seed=4100 + s), _x(s, m.hidden, seed=4200 + s)
+        outs = []
+        for x in (xa, xb, xa):
+            out = layer.forward(x, out=_poisoned(s, m.hidden))
+            idx, w = (t.clone() for t in layer.routing(s))
+            _check(layer, m, x, out, idx, w)
+            outs.append(out.clone())
+        assert torch.equal(outs[0].view(torch.int16), outs[2].view(torch.int16)), (spec, cfg, s)
+        idx, w = _routing(s, m.experts, m.topk, "zipf", seed=s)
+        out = layer.forward_routed(xb, idx, w, out=_poisoned(s, m.hidden))
+        _check(layer, m, xb, out, idx, w)
+
+
 @pytest.mark.parametrize(("cfg", "s"), [("", 1), ("", 7), ("", 128), ("", 300), ("split_k1=1,split_k2=1", 1),
                                         ("tma=0", 7), ("core=mma,bm=64", 1000)])
 def test_publish_all_matches_plain_exactly(new_layers, model, cfg, s):

@@ -894,7 +894,11 @@ __device__ __forceinline__ void combine_items(const MkParams& p, int t0, int c0,
   bf16* out = (bf16*)p.out;
   const int H = (int)p.H;
   // warp-uniform rounds (first is a multiple of 32 plus the lane, stride a multiple of 32): with MK_Y_L2 bit 2 the 8
-  // lanes that read a 128-byte line of y are done with it at the __syncwarp, and the first of them discards it
+  // lanes that read a 128-byte line of y are done with it at the __syncwarp, and the first of them discards it, but
+  // only a line this task and this round read whole: chunks c..c+7 of one token inside the task's column block
+  // (c - c0 + 8 <= chunks) on lanes lane..lane+7 (lane <= 24). Where chunks = H/32 is a multiple of 8 (H % 256 == 0)
+  // that is every line; where H % 256 == 128 a line may straddle two column blocks' tasks or two rounds, and the
+  // other reader would find it discarded (undefined bytes). schedule.combine_discards mirrors this predicate.
   const int lane = threadIdx.x & 31;
   for (int i0 = first - lane; i0 < n; i0 += stride) {
     const int i = i0 + lane;
@@ -912,7 +916,7 @@ __device__ __forceinline__ void combine_items(const MkParams& p, int t0, int c0,
     }
     if constexpr ((MK_Y_L2 & 4) != 0) {
       __syncwarp();
-      if (on && (c & 7) == 0)
+      if (on && (c & 7) == 0 && c - c0 + 8 <= chunks && lane <= 24)
 #pragma unroll
         for (int j = 0; j < KK; ++j)
           asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(src + (int64_t)j * (H / 8)) : "memory");

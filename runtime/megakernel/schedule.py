@@ -190,6 +190,14 @@ def combine_blocks(hidden: int) -> int:
     return 4 if (hidden // 8) % 4 == 0 else 1
 
 
+def combine_discards(topk: int, c: int, c0: int, chunks: int, lane: int) -> bool:
+    """Whether a COMBINE lane discards the 128-byte y lines that start at its chunk `c` (combine_items in mk_moe.cu,
+    MK_Y_L2 bit 2): top-k 8 only, and only a line its task and its warp's round read whole, i.e. chunks c..c+7
+    (8 bf16 each) of one token inside the task's column block [c0, c0 + chunks), on lanes lane..lane+7 of the round.
+    A line shared with another column block's task or another round (hidden % 256 == 128) is left alone."""
+    return topk == 8 and c % 8 == 0 and c - c0 + 8 <= chunks and lane <= 24
+
+
 @dataclass
 class SimResult:
     executed: list[Task] = field(default_factory=list)  # in completion order
