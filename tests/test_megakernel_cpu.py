@@ -556,6 +556,19 @@ def test_kernel_source_mirrors_combine_discard():
     assert src.count("discard.global") == 1 and "discard.global" not in (_lib.source_dir() / "mk_decode.cuh").read_text()
 
 
+def test_kernel_source_split_k_acquires_on_thread_0():
+    """Split-K's last part acquires on thread 0 right after its count (relaxed atomic + fence), before the barrier
+    that hands the other threads the other parts' partials: wait_inputs' order (thread 0's acquire, __syncthreads).
+    A fence by every thread after the barrier is no acquire of a read thread 0 made."""
+    from moetune.runtime.megakernel import _lib
+
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    k = src.index("atomicAdd(&p.sk_cnt[slot], 1)")
+    block = src[k:src.index("sk_index(slot, 0, q,", k)]
+    assert block.index("if (last) __threadfence();") < block.index("__syncthreads();")
+    assert block.count("__threadfence()") == 1  # none after the barrier
+
+
 # ---- the wgmma core's stage pipeline (full/empty mbarriers), modelled step by step ----------------------------
 def _run_actors(actors: list[list[tuple]], ready, apply, policy: str | int) -> str | None:
     """Step actors (lists of ops) until all are done: 'deadlock at ...' when none can move, an apply() error, or

@@ -558,7 +558,7 @@ def test_overlap_other_expert_counts(spec):
 
 
 @pytest.mark.parametrize("cfg", ["", "bm=16", "bm=16,combine_tokens=8", "bm=64", "bm=128", "bm=64,overlap=0",
-                                 "bm=128,overlap=0,combine_tokens=8", "core=mma,bm=64"])
+                                 "bm=128,overlap=0,combine_tokens=8", "core=mma,bm=64", "bm=16,split_k1=3,split_k2=2"])
 @pytest.mark.parametrize("spec", ["custom:384,256,64,8", "custom:1152,256,64,8"])
 def test_combine_hidden_odd_multiple_of_128(spec, cfg):
     """Top-k 8 on hidden sizes that are odd multiples of 128 (chunks = H/32 of a column block not a multiple of 8): a

@@ -702,12 +702,13 @@ __device__ void run_gemm(const MkParams& p, char* smem, int kind, int e, int mt,
                  acc[i][j][c]);
     __syncthreads();  // every part stored before thread 0's fence + count
     if (tid == 0) {
-      __threadfence();
-      *md.last = atomicAdd(&p.sk_cnt[slot], 1) == splits - 1;
+      __threadfence();  // release, cumulative over the barrier: this CTA's part before its count
+      const bool last = atomicAdd(&p.sk_cnt[slot], 1) == splits - 1;
+      if (last) __threadfence();  // acquire: the count read, then this fence, then the barrier, then every thread's
+      *md.last = last;            // reads of the other parts (they fenced before counting); as wait_inputs' order
     }
     __syncthreads();
     if (!*md.last) return;  // uniform: another part's CTA finishes the slot
-    __threadfence();        // acquire side: the other parts' stores are visible (they fenced before counting)
 #pragma unroll
     for (int i = 0; i < T::MT; ++i)
 #pragma unroll
