@@ -857,6 +857,78 @@ def test_repeated_expert_rows_past_the_list_are_dropped_and_reported(model, laye
     _check(layer, model, x2, out, idx2, w2)
 
 
+# (shape, config, S, the routing kernel that runs): the decode kernel's own routing at S=1; k_logits + k_topk (S=1
+# with decode=0; S=128 where H is not a multiple of 512, so k_route cannot run); k_route (S=128 on Qwen3);
+# k_topk_small (route_small_max)
+NONFINITE_CASES = [("qwen3-30b", "", 1, "decode"), ("qwen3-30b", "decode=0", 1, "k_topk"),
+                   ("qwen3-30b", "", 128, "k_route"), ("qwen3-30b", "route_small_max=4096", 128, "k_topk_small"),
+                   ("custom:768,256,128,8", "", 128, "k_topk")]
+
+
+@pytest.mark.parametrize(("spec", "cfg", "s", "kernel"), NONFINITE_CASES, ids=[f"{c[3]}-S{c[2]}" for c in NONFINITE_CASES])
+def test_nonfinite_logits_are_reported_never_a_fault(model, layer, spec, cfg, s, kernel):
+    """x rows holding a NaN, +inf or -inf make those tokens' gate logits non-finite. Before: every probability NaN,
+    no expert ever compared greater, every pick out of range (1 << 30, or a padding lane past E): the routing kernels
+    appended at lists[2^30 S_cap] (an illegal address: the CUDA context lost) and the decode kernel read weights past
+    W. Now: check() raises error 8 naming a bad token row (detail = its lowest non-finite expert: 0, every logit of
+    such a row is NaN / inf); the bad tokens take experts 0..topk-1 with NaN weights and NaN output rows; every other
+    token's routing is distinct in-range experts, its list rows exact, its output row the reference's (recorded
+    without the abort: the launch computed them); the next forward, before and after clear_error, is right."""
+    from moetune.runtime.megakernel import MegakernelConfig, MegakernelError, MegakernelMoE
+    from moetune.runtime.moe_layer import dense_reference, max_rel_err
+    from moetune.runtime.shapes import get_model
+
+    _need_gpu()
+    if spec == "qwen3-30b":
+        m_shape = model
+        m = MegakernelMoE(model, max_tokens=s, config=MegakernelConfig.parse(cfg), w_gate_up=layer.w1t,
+                          w_down=layer.w2t, gate=layer.gate, tiled=True)
+    else:
+        m_shape = get_model(spec)
+        m = MegakernelMoE(m_shape, max_tokens=s, seed=0, config=MegakernelConfig.parse(cfg))
+    assert (m.decode_grid(s) is not None) == (kernel == "decode")
+    h, k, n_exp = m_shape.hidden, m_shape.topk, m_shape.experts
+    cases = [{0: float("nan")}, {0: float("inf")}] if s == 1 else [{3: float("nan"), 77: float("inf"), 100: -float("inf")}]
+    for n, bad in enumerate(cases):
+        x = _x(s, h, seed=3700 + n)
+        for t, v in bad.items():
+            x[t, (37 * t) % h] = v
+        out = m.forward(x, out=_poisoned(s, h)).clone()
+        torch.cuda.synchronize()  # a fault would raise here (and every CUDA call after it)
+        with pytest.raises(MegakernelError, match="megakernel error 8: non-finite gate logits"):
+            m.check()
+        code, _, rec = m.error()
+        assert code == 8 and rec[1] in bad and rec[2] == 0, rec
+        idx, w = (t.clone() for t in m.routing(s))
+        assert int(idx.min()) >= 0 and int(idx.max()) < n_exp
+        assert (idx.sort(1).values.diff(dim=1) > 0).all(), "an expert picked twice for one token"
+        rows = sorted(bad)
+        good = [t for t in range(s) if t not in bad]
+        assert (idx[rows] == torch.arange(k, device="cuda")).all() and torch.isnan(w[rows]).all()
+        assert not torch.isfinite(out[rows].float()).any()
+        if m.decode_grid(s) is None:  # the task graph's lists: exactly the (token, slot) rows routed to each expert
+            counts = m.counts.view(n_exp, -1)[:, 0].tolist()
+            flat = idx.flatten().tolist()
+            for e in range(n_exp):
+                assert sorted(m.lists[e, :counts[e]].tolist()) == [r for r, y in enumerate(flat) if y == e], e
+        if good:
+            assert torch.isfinite(w[good]).all() and torch.isfinite(out[good].float()).all()
+            ref = dense_reference(x[good], m_shape, seed=0, topk_idx=idx[good], topk_weights=w[good])
+            assert max_rel_err(out[good], ref) <= 1e-2
+        # not aborted: the next forward computes before the record is cleared, and after
+        x2 = _x(s, h, seed=3750 + n)
+        out2 = m.forward(x2, out=_poisoned(s, h))
+        idx2, w2 = (t.clone() for t in m.routing(s))
+        torch.cuda.synchronize()
+        ref2 = dense_reference(x2, m_shape, seed=0, topk_idx=idx2, topk_weights=w2)
+        assert torch.isfinite(out2.float()).all() and max_rel_err(out2, ref2) <= 1e-2
+        with pytest.raises(MegakernelError, match="error 8"):  # sticky until cleared
+            m.check()
+        m.clear_error()
+        out3 = m.forward(x2, out=_poisoned(s, h))
+        _check(m, m_shape, x2, out3, *(t.clone() for t in m.routing(s)))
+
+
 def test_decode_sizes_in_any_order():
     """Decode launches of different sizes on one layer, the larger after the smaller and back: each launch's shared
     memory fits the kernel's limit (raised once to the most; run 94: raising it to each launch's size in turn failed

@@ -32,12 +32,18 @@ enum {
   MK_ERR_SCHED_TIMEOUT = 1,  // the scheduler waited past the timeout for a task's inputs
   MK_ERR_PROC_TIMEOUT = 2,   // a processor waited past the timeout for a queue slot
   MK_ERR_QUEUE_FULL = 3,     // more tasks than queue slots (a sizing bug; nothing written out of bounds)
-  MK_ERR_BAD_EXPERT = 4,     // a given routing named an expert outside 0..E-1 (the row is dropped)
+  MK_ERR_BAD_EXPERT = 4,     // a given routing (or a routing kernel's pick: a bug) named an expert outside 0..E-1
+                             // (the row is dropped)
   MK_ERR_PIPE_TIMEOUT = 5,   // a stage mbarrier (wgmma core, TMA tiles) waited past the timeout
   MK_ERR_INPUT_TIMEOUT = 6,  // publish_all: a task waited past the timeout for its inputs (where = m-tile / combine tile)
   MK_ERR_EXPERT_FULL = 7,    // a given routing gave one expert more rows than S_cap (a token's picks repeat an
                              // expert; where = the row, detail = the expert): the rows past S_cap are dropped
-  MK_ERR_WORDS = 8           // [1] = where (slot or tile), [2] = detail, [3] = waited ns
+  MK_ERR_NONFINITE_LOGITS = 8,  // a token's gate logits are not all finite (NaN / inf in x or the gate weights;
+                                // where = the token row, detail = its lowest such expert). Recorded without the
+                                // abort: its picks are still K distinct experts (experts 0..K-1 where NaN / +inf
+                                // make its probabilities NaN), its output row is what the math gives (NaN then),
+                                // and the other rows are computed as usual
+  MK_ERR_WORDS = 8           // words of err[]: [1] = where (slot or tile), [2] = detail, [3] = waited ns
 };
 
 // Task timeline (MkParams.trace): scheduler words, then MK_TR_SLOT words per queue slot.

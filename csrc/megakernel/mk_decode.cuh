@@ -258,9 +258,14 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     __syncthreads();
     dec_stamp(p, DEC_TR_LOGITS);
     MK_ONCE for (int t = warp; t < S; t += DEC_WARPS) {
-      int e;
+      int e, bad;
       float w;
-      warp_topk<NI>(lg + (int64_t)t * E, E, K, lane, e, w);
+      warp_topk<NI>(lg + (int64_t)t * E, E, K, lane, e, w, bad);
+      if (blockIdx.x == 0 && lane == 0) note_nonfinite(p, t, bad);  // not aborted: the picks are valid experts
+      if (lane < K && (e < 0 || e >= E)) {  // never from the selection; a bug in it reads no weights past W
+        if (blockIdx.x == 0) report(p, MK_ERR_BAD_EXPERT, t * K + lane, e, 0);
+        e = -1;  // the slot adds nothing (as given picks out of range)
+      }
       if (lane < K) {
         s_e[t * K + lane] = e;
         s_w[t * K + lane] = w;

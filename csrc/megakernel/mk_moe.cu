@@ -242,14 +242,20 @@ __device__ __forceinline__ void pdl_enter(const MkParams& p) {
 }
 constexpr int TMA_BOX_ROWS = 64;  // B tile = two boxes of 64 rows x 64 k (128 bytes a row, 8 KB each)
 
-// First error wins; the abort flag makes every other wait give up at once.
-__device__ void report(const MkParams& p, int64_t code, int64_t where, int64_t detail, int64_t waited) {
+// An error record without the abort: first error wins. For what the launch still completes correctly around
+// (non-finite gate logits: the token's picks are valid experts, its output row is NaN, every other row is computed),
+// so no wait gives up and the other tokens' rows stay right.
+__device__ void record(const MkParams& p, int64_t code, int64_t where, int64_t detail, int64_t waited) {
   if (atomicCAS((unsigned long long*)p.err, 0ull, (unsigned long long)code) == 0ull) {
     p.err[1] = where;
     p.err[2] = detail;
     p.err[3] = waited;
     __threadfence_system();
   }
+}
+// First error wins; the abort flag makes every other wait give up at once.
+__device__ void report(const MkParams& p, int64_t code, int64_t where, int64_t detail, int64_t waited) {
+  record(p, code, where, detail, waited);
   atomicExch(&p.ctl[MK_CTL_ABORT], 1);
 }
 
@@ -2004,18 +2010,37 @@ __device__ __forceinline__ unsigned ord_key(float f) {
 __device__ __forceinline__ float ord_val(unsigned k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
+// The selection's total order on a probability: ord_key for a number; NAN_KEY, below every number and above PAD_KEY
+// (experts past E), for NaN. Probabilities are never negative or -0, so on numbers the order and its ties are the
+// float compare's: the picks of finite logits are the bits they were with `v > best` compares. Non-finite logits make
+// every probability of their token NaN (+inf: inf - inf; NaN: the sum; all -inf: -inf - -inf), and a NaN never
+// compared greater, so no expert was ever found and every pick was out of range: the sentinel 1 << 30 (append_pick
+// then wrote the lists at 2^30 S_cap: an illegal address, the context lost; the decode kernel read weights past W),
+// or where E is not a multiple of 32 a padding lane's index past E (written past the lists). With NAN_KEY such a
+// token ties on every expert and takes the lowest K in order (NaN weights): K distinct experts in 0..E-1 whatever
+// the logits. ord_val(NAN_KEY) is a NaN (0xfffffffe), so the pick's value stays NaN without a branch.
+constexpr unsigned NAN_KEY = 1u, PAD_KEY = 0u;
+__device__ __forceinline__ unsigned pick_key(float v) { return isnan(v) ? NAN_KEY : ord_key(v); }
+constexpr unsigned NO_BAD = 0x7fffffffu;  // a lane's (warp's) lowest expert with a non-finite logit: none
 // One warp's softmax (fp32), top-k (ties: lower expert first) and renormalisation of the E logits at lg (shared
-// memory): lane j < K gets pick j (expert, weight). k_topk and the decode kernel's routing share it.
+// memory): lane j < K gets pick j (expert, weight); `bad` (every lane) is the lowest expert whose logit is NaN or
+// +-inf, else -1 (the caller records MK_ERR_NONFINITE_LOGITS). k_topk, k_route and the decode kernel's routing
+// share it.
 template <int NI>
-__device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lane, int& pick_e, float& pick_w) {
+__device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lane, int& pick_e, float& pick_w,
+                                          int& bad) {
   float v[NI];
   float m = -INFINITY;
+  unsigned nf = NO_BAD;
 #pragma unroll
   for (int i = 0; i < NI; ++i) {
     const int e = lane + 32 * i;
     v[i] = e < E ? lg[e] : -INFINITY;
+    if (e < E && !isfinite(v[i])) nf = min(nf, (unsigned)e);
     m = fmaxf(m, v[i]);
   }
+  nf = __reduce_min_sync(~0u, nf);
+  bad = nf == NO_BAD ? -1 : (int)nf;
 #pragma unroll
   for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
   float s = 0.f;
@@ -2026,34 +2051,35 @@ __device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lan
   }
 #pragma unroll
   for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(~0u, s, o);
+  unsigned key[NI];
 #pragma unroll
-  for (int i = 0; i < NI; ++i) v[i] = lane + 32 * i < E ? v[i] / s : -1.f;
+  for (int i = 0; i < NI; ++i) key[i] = lane + 32 * i < E ? pick_key(v[i] / s) : PAD_KEY;
   unsigned taken = 0;
   float sum = 0.f, my_v = 0.f;
   int my_i = 0;
-  float lv = -2.f;  // this lane's best unpicked (value, expert): ties keep the lower index
+  unsigned lk = PAD_KEY;  // this lane's best unpicked (key, expert): ties keep the lower index; PAD_KEY = none
   int li = 1 << 30;
 #pragma unroll
   for (int i = 0; i < NI; ++i) {
-    if (v[i] > lv) {
-      lv = v[i];
+    if (key[i] > lk) {
+      lk = key[i];
       li = lane + 32 * i;
     }
   }
   for (int j = 0; j < K; ++j) {
-    // the warp's best (value, lowest expert on a tie) in two redux instructions on order-preserving integer keys
-    // (ten dependent shuffles per pick before; the same picks: the values are never -0 or NaN)
-    const unsigned key = ord_key(lv), kmax = __reduce_max_sync(~0u, key);
-    const int bi = (int)__reduce_min_sync(~0u, key == kmax ? (unsigned)li : 0x7fffffffu);
+    // the warp's best (key, lowest expert on a tie) in two redux instructions (ten dependent shuffles per pick
+    // before). K <= E (check_params), so an unpicked expert (key >= NAN_KEY) is left in every round: bi < E.
+    const unsigned kmax = __reduce_max_sync(~0u, lk);
+    const int bi = (int)__reduce_min_sync(~0u, lk == kmax ? (unsigned)li : 0x7fffffffu);
     const float bv = ord_val(kmax);
-    if ((bi & 31) == lane) {  // the winner's lane rescans its unpicked experts
+    if (bi < E && (bi & 31) == lane) {  // the winner's lane rescans its unpicked experts
       taken |= 1u << (bi >> 5);
-      lv = -2.f;
+      lk = PAD_KEY;
       li = 1 << 30;
 #pragma unroll
       for (int i = 0; i < NI; ++i) {
-        if (!((taken >> i) & 1) && v[i] > lv) {
-          lv = v[i];
+        if (!((taken >> i) & 1) && key[i] > lk) {
+          lk = key[i];
           li = lane + 32 * i;
         }
       }
@@ -2064,17 +2090,36 @@ __device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lan
     }
     sum += bv;  // warp-uniform: every lane adds the picks in pick order
   }
+  // the top pick of finite logits is >= 1 / E, so the sum is never 0 for them (the clamp is torch's route's); a
+  // token of NaN probabilities gets NaN weights (fmaxf drops the NaN sum, the NaN numerator stays)
   const float denom = fmaxf(sum, 1e-20f);
   pick_e = my_i;
   pick_w = my_v / denom;
 }
 
-// Store pick `row` (= token * K + slot) and append it to its expert's list (k_topk and k_route).
+// Store pick `row` (= token * K + slot) and append it to its expert's list (k_topk, k_topk_small and k_route).
+// The selection only picks distinct experts in 0..E-1, so neither bound below is met; they are there so that a bug
+// in it drops and reports the pick (as k_lists does given routing) instead of writing past the lists.
 __device__ __forceinline__ void append_pick(const MkParams& p, int row, int e, float w) {
   p.topk_idx[row] = e;
   p.topk_w[row] = w;
-  const int pos = atomicAdd(p.counts + e * MK_COUNT_STRIDE, 1);
+  if (e < 0 || e >= p.E) {
+    report(p, MK_ERR_BAD_EXPERT, row, e, 0);
+    return;
+  }
+  int* const cnt = p.counts + e * MK_COUNT_STRIDE;
+  const int pos = atomicAdd(cnt, 1);
+  if (pos >= p.S_cap) {
+    atomicSub(cnt, 1);
+    report(p, MK_ERR_EXPERT_FULL, row, e, 0);
+    return;
+  }
   p.lists[(int64_t)e * p.S_cap + pos] = row;
+}
+// A token whose gate logits are not all finite (bad = its lowest such expert, from warp_topk): recorded, not aborted
+// (its picks are valid; its output row is NaN, the others are computed).
+__device__ __forceinline__ void note_nonfinite(const MkParams& p, int t, int bad) {
+  if (bad >= 0) record(p, MK_ERR_NONFINITE_LOGITS, t, bad, 0);
 }
 
 // Softmax (fp32), top-k (ties: lower expert first), renormalise; append (t, j) to its expert's list.
@@ -2157,16 +2202,17 @@ __global__ void __launch_bounds__(THREADS, 8) k_topk(const MkParams p, int split
   __syncthreads();
   const int tl = threadIdx.x >> 5, t = t0 + tl;
   if (tl >= ntok) return;
-  int my_i;
+  int my_i, bad;
   float my_w;
-  warp_topk<NI>(s_lg[tl], E, K, lane, my_i, my_w);
+  warp_topk<NI>(s_lg[tl], E, K, lane, my_i, my_w, bad);
   if (lane < K) append_pick(p, t * K + lane, my_i, my_w);
+  if (lane == 0) note_nonfinite(p, t, bad);
 }
 
 // Top-k for small S: one block per token (blockIdx.x), thread tid owning experts tid + 128 q. The planes are
 // added in plane order and the softmax sum runs in warp 0 in k_topk's order (lane l: experts l, l+32, .., then
 // the xor tree), so probabilities, picks, their order and the renormalised weights are k_topk's bits. Selection:
-// each thread ranks its experts against all E (value desc, lower index on ties) from shared memory, a pass of
+// each thread ranks its experts against all E (k_topk's key desc, lower index on ties) from shared memory, a pass of
 // independent compares instead of K dependent rounds of shuffles; ranks < K are the picks in pick order.
 constexpr int SMALL_THREADS = 128;
 constexpr int SMALL_Q = 4;  // E <= 512
@@ -2203,10 +2249,16 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
   if (tid < 32) {  // warp 0: max, exp, sum exactly as k_topk's warp does for its token
     const int NI = (E + 31) / 32;
     float m = -INFINITY;
+    unsigned nf = NO_BAD;
     for (int i = 0; i < NI; ++i) {
       const int e = lane + 32 * i;
-      if (e < E) m = fmaxf(m, s_p[e]);
+      if (e < E) {
+        m = fmaxf(m, s_p[e]);
+        if (!isfinite(s_p[e])) nf = min(nf, (unsigned)e);
+      }
     }
+    nf = __reduce_min_sync(~0u, nf);
+    if (lane == 0 && nf != NO_BAD) note_nonfinite(p, t, (int)nf);
 #pragma unroll
     for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
     float sum = 0.f;
@@ -2228,23 +2280,28 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
     const int e = tid + SMALL_THREADS * q;
     pv[q] = e < E ? s_p[e] / denom_all : -1.f;
   }
-  __syncthreads();  // everyone has read the exps before they become probabilities
+  __syncthreads();  // everyone has read the exps before they become probabilities' keys
+  unsigned* const s_k = (unsigned*)s_p;  // k_topk's total order (pick_key): NaN probabilities rank below every number
+  unsigned pk[SMALL_Q];
 #pragma unroll
   for (int q = 0; q < SMALL_Q; ++q) {
     const int e = tid + SMALL_THREADS * q;
-    if (e < E) s_p[e] = pv[q];
+    pk[q] = pick_key(pv[q]);
+    if (e < E) s_k[e] = pk[q];
   }
   __syncthreads();
+  // a total order (key desc, lower index on ties): the E ranks are 0..E-1 once each, so slots 0..K-1 each get one
+  // expert whatever the logits (float compares ranked every expert of a NaN token 0 and left the slots unset)
   int rank[SMALL_Q];
 #pragma unroll
   for (int q = 0; q < SMALL_Q; ++q) rank[q] = 0;
   for (int j = 0; j < E; ++j) {
-    const float o = s_p[j];  // broadcast read
+    const unsigned o = s_k[j];  // broadcast read
 #pragma unroll
     for (int q = 0; q < SMALL_Q; ++q) {
       if (SMALL_THREADS * q >= E) break;  // block-uniform: E = 128 compares one expert per thread
       const int e = tid + SMALL_THREADS * q;
-      rank[q] += (o > pv[q] || (o == pv[q] && j < e)) ? 1 : 0;
+      rank[q] += (o > pk[q] || (o == pk[q] && j < e)) ? 1 : 0;
     }
   }
 #pragma unroll
@@ -2260,11 +2317,7 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
     float sum = 0.f;
     for (int j = 0; j < K; ++j) sum += s_sel_v[j];  // pick order, as k_topk
     const float denom = fmaxf(sum, 1e-20f);
-    const int e = s_sel_i[tid], row_id = t * K + tid;
-    p.topk_idx[row_id] = e;
-    p.topk_w[row_id] = s_sel_v[tid] / denom;
-    const int pos = atomicAdd(p.counts + e * MK_COUNT_STRIDE, 1);
-    p.lists[(int64_t)e * p.S_cap + pos] = row_id;
+    append_pick(p, t * K + tid, s_sel_i[tid], s_sel_v[tid] / denom);
   }
 }
 
@@ -2347,10 +2400,11 @@ __global__ void __launch_bounds__(T::THREADS) k_route(const MkParams p) {
   for (int tl = warp; tl < TPC; tl += T::THREADS / 32) {
     const int t = t0 + z * TPC + tl;
     if (t >= p.S) break;
-    int my_i;
+    int my_i, bad;
     float my_w;
-    warp_topk<BN / 32>(lg + tl * BN, E, K, lane, my_i, my_w);
+    warp_topk<BN / 32>(lg + tl * BN, E, K, lane, my_i, my_w, bad);
     if (lane < K) append_pick(p, t * K + lane, my_i, my_w);
+    if (lane == 0) note_nonfinite(p, t, bad);
   }
 }
 static_assert(Small::STAGE * ROUTE_MAX_STAGES >= (Small::BM * ROUTE_LD + Small::BM / ROUTE_SPLITS * BN) * 4, "k_route<Small>");

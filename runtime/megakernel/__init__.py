@@ -1,7 +1,8 @@
 """The MoE megakernel on one GPU (issue 17): routing + one persistent kernel with an on-GPU scheduler.
 
 `MegakernelMoE(model, max_tokens=...)` is the layer; `MegakernelConfig` its tunable settings;
-`schedule` a CPU model of the kernel's task graph and scheduler. CUDA sources: csrc/megakernel/.
+`schedule` a CPU model of the kernel's task graph and scheduler, `topk` of the routing kernels' top-k order.
+CUDA sources: csrc/megakernel/.
 """
 
 from moetune.runtime._lazy import lazy_getattr

@@ -32,7 +32,10 @@ ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor
              5: "a wgmma stage barrier (shared-memory pipeline) timed out",
              6: "a task timed out waiting for its inputs (publish_all)",
              7: "an expert got more rows than tokens: a token's given picks repeat an expert (rows past max_tokens "
-                "dropped)"}
+                "dropped)",
+             8: "non-finite gate logits (NaN/inf in x or the gate weights): routing of token row `where` (a token "
+                "that has them; detail = its lowest such expert) still picked topk distinct experts, and its output "
+                "row is what the math gives (NaN); the other rows were computed"}
 CTL_TOTAL, CTL_ABORT, CTL_TILES, CTL_PUBLISHED = 1, 2, 5, 4
 # bytes: the kernels read x, the gate and the expert weights and write out with 16-byte accesses (uint4 loads and
 # stores, cp.async, TMA), which fault or read the wrong bytes at an address that is not a multiple of this
@@ -40,7 +43,7 @@ ALIGN = 16
 
 
 class MegakernelError(RuntimeError):
-    """The persistent kernel reported an error (timeout, queue overflow)."""
+    """The kernels reported an error (timeout, queue overflow, routing out of range, non-finite gate logits)."""
 
 
 def decode_launch(model: Any, tokens: int, device: torch.device, lib: Any = None) -> tuple[int, int] | None:

@@ -1,0 +1,145 @@
+"""CPU tests of the routing kernels' top-k order (runtime/megakernel/topk.py models csrc/megakernel/mk_moe.cu's
+warp_topk and k_topk_small): finite probabilities pick exactly what the float compares picked (ties: the lower expert);
+NaN probabilities (any NaN / +-inf logit) still give K distinct experts in 0..E-1, and the launch records the error
+code the layer names. The GPU side: tests/test_megakernel_gpu.py test_nonfinite_logits_*."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+
+import pytest
+
+from moetune.runtime.megakernel import topk
+
+NAN, INF = math.nan, math.inf
+SHAPES = [(16, 4), (40, 6), (64, 8), (128, 8), (128, 16), (256, 8), (512, 16), (1, 1), (33, 33)]
+
+
+def _probs(rng: random.Random, e: int, mode: str) -> list[float]:
+    if mode == "random":
+        return [topk.f32(rng.random()) for _ in range(e)]
+    if mode == "ties":  # a handful of values, many experts on each (the lower index must go first)
+        vals = [topk.f32(v) for v in (0.0, 1e-30, 0.125, 0.5, 0.5000001)]
+        return [rng.choice(vals) for _ in range(e)]
+    if mode == "zeros":  # underflowed probabilities: +0 for all but a few
+        p = [0.0] * e
+        for i in rng.sample(range(e), min(e, 3)):
+            p[i] = topk.f32(rng.random())
+        return p
+    raise ValueError(mode)
+
+
+@pytest.mark.parametrize(("e", "k"), SHAPES)
+@pytest.mark.parametrize("mode", ["random", "ties", "zeros"])
+def test_finite_picks_are_the_float_compares(e, k, mode):
+    """The key changes nothing for numbers: warp_topk's rounds and k_topk_small's ranks pick what the float compares
+    picked before, in the same order, and that is the (value desc, lower expert) sort."""
+    rng = random.Random(e * 1000 + k)
+    for _ in range(20):
+        p = _probs(rng, e, mode)
+        want = topk.select_by_compares(p, k)
+        assert topk.select_warp(p, k) == want == topk.select_rank(p, k) == topk.select(p, k)
+        assert len(set(want)) == k and all(0 <= x < e for x in want)
+
+
+@pytest.mark.parametrize(("e", "k"), SHAPES)
+def test_nan_probabilities_still_pick_k_distinct_experts(e, k):
+    """All NaN (what any NaN / inf logit makes of a token): experts 0..K-1 in order; before, out of range (the
+    sentinel 1 << 30 where E is a multiple of 32, else the padding lanes past E). Mixed (never made by the softmax,
+    the key orders it anyway): every number before every NaN, ties by index; never an expert past E."""
+    assert topk.select_warp([NAN] * e, k) == list(range(k)) == topk.select_rank([NAN] * e, k)
+    old = topk.select_by_compares([NAN] * e, k)
+    assert all(x >= e for x in old), old  # the out-of-range picks the kernels wrote at
+    rng = random.Random(e + k)
+    for _ in range(20):
+        p = [NAN if rng.random() < 0.5 else topk.f32(rng.choice([0.0, 0.25, rng.random()])) for _ in range(e)]
+        got = topk.select_warp(p, k)
+        assert got == topk.select_rank(p, k) == topk.select(p, k)
+        assert len(set(got)) == k and all(0 <= x < e for x in got)
+        numbers = [x for x in got if not math.isnan(p[x])]
+        assert got[:len(numbers)] == numbers  # numbers first
+        nans = got[len(numbers):]
+        assert nans == sorted(x for x in range(e) if math.isnan(p[x]))[:len(nans)]
+
+
+def test_key_order():
+    """NaN below every number (+0 and the smallest denormal included), the padding key below NaN; numbers in float
+    order; ord_val inverts ord_key and gives a NaN for the NaN key."""
+    nums = [topk.f32(x) for x in (0.0, 1e-45, 1e-30, 0.125, 0.5, 1.0, 3e38, INF)]
+    keys = [topk.pick_key(x) for x in nums]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
+    assert topk.PAD_KEY < topk.NAN_KEY == topk.pick_key(NAN) < keys[0]
+    assert all(topk.ord_val(topk.ord_key(x)) == x for x in nums)
+    assert math.isnan(topk.ord_val(topk.NAN_KEY)) and math.isnan(topk.ord_val(topk.PAD_KEY))
+
+
+@pytest.mark.parametrize("e", [16, 40, 128])
+def test_route_row_of_non_finite_logits(e):
+    """Whole tokens: any NaN / +inf logit, or all -inf, gives experts 0..K-1 with NaN weights and names the lowest
+    non-finite expert; -inf among finite logits is named too, but its token routes as usual (those experts get 0);
+    all-equal finite logits pick 0..K-1 with weights 1/K."""
+    k = 4
+    rng = random.Random(e)
+    base = [rng.gauss(0, 1) for _ in range(e)]
+    for bad, val in ((3, NAN), (e - 1, INF), (0, -INF)):
+        row = list(base)
+        row[bad] = val
+        row[bad + 1 if bad + 1 < e else 0] = val if val != -INF else row[bad + 1]
+        idx, w, where = topk.route_row(row, k)
+        assert where == min(i for i, x in enumerate(row) if not math.isfinite(x))
+        assert len(set(idx)) == k and all(0 <= x < e for x in idx)
+        if val == -INF:
+            assert idx == topk.route_row([x if math.isfinite(x) else -1e30 for x in row], k)[0]
+            assert all(math.isfinite(x) for x in w) and abs(sum(w) - 1) < 1e-6
+        else:
+            assert idx == list(range(k)) and all(math.isnan(x) for x in w)
+    idx, w, where = topk.route_row([-INF] * e, k)
+    assert (idx, where) == (list(range(k)), 0) and all(math.isnan(x) for x in w)
+    idx, w, where = topk.route_row([-INF] * (e - 1) + [2.0], k)  # one finite: it, then the zeros by index
+    assert idx == [e - 1, 0, 1, 2] and w == [1.0, 0.0, 0.0, 0.0] and where == 0
+    idx, w, where = topk.route_row([0.75] * e, k)
+    assert (idx, where) == (list(range(k)), -1) and w == [0.25] * k
+
+
+def test_route_row_matches_torch_route_on_finite_logits():
+    """The model's fp32 softmax / top-k / renormalise against moe_layer.route (torch): the same experts in the same
+    order and weights within 1e-6 for random logits (no exact ties)."""
+    torch = pytest.importorskip("torch")
+    from moetune.runtime.moe_layer import route
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 32, generator=g)
+    wg = torch.randn(128, 32, generator=g)
+    ridx, rw = route(x, wg, 8)
+    logits = (x.float() @ wg.float().t()).tolist()
+    for t in range(64):
+        idx, w, bad = topk.route_row(logits[t], 8)
+        assert bad == -1 and idx == ridx[t].tolist()
+        assert max(abs(a - b) for a, b in zip(w, rw[t].tolist(), strict=True)) < 1e-6
+
+
+def test_kernel_source_mirrors_the_model():
+    """The constants the model mirrors, the error code and its name, and every routing kernel reporting it."""
+    from moetune.runtime.megakernel import _lib
+    from moetune.runtime.megakernel.layer import ERR_NAMES
+
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    dec = (_lib.source_dir() / "mk_decode.cuh").read_text()
+    hdr = (_lib.source_dir() / "mk_api.h").read_text()
+    assert f"constexpr unsigned NAN_KEY = {topk.NAN_KEY}u, PAD_KEY = {topk.PAD_KEY}u;" in src
+    assert "return isnan(v) ? NAN_KEY : ord_key(v);" in src
+    assert f"MK_ERR_NONFINITE_LOGITS = {topk.ERR_NONFINITE_LOGITS}," in hdr
+    assert ERR_NAMES[topk.ERR_NONFINITE_LOGITS].startswith("non-finite gate logits (NaN/inf in x or the gate weights)")
+    codes = [int(c) for c in re.findall(r"MK_ERR_\w+ = (\d+),", hdr)]
+    assert codes == list(range(1, topk.ERR_NONFINITE_LOGITS + 1)) and set(ERR_NAMES) == set(codes)
+    # recorded without the abort (the other rows are computed); k_topk, k_route and the decode kernel by warp_topk's
+    # `bad`, k_topk_small from its own softmax warp
+    assert "if (bad >= 0) record(p, MK_ERR_NONFINITE_LOGITS, t, bad, 0);" in src
+    assert src.count("note_nonfinite(p, t, bad);") == 2 and "note_nonfinite(p, t, (int)nf);" in src
+    assert "note_nonfinite(p, t, bad);" in dec
+    append = src[src.index("void append_pick("):src.index("void note_nonfinite(")]
+    assert "e < 0 || e >= p.E" in append and "pos >= p.S_cap" in append
+    small = src[src.index("void __launch_bounds__(SMALL_THREADS) k_topk_small("):src.index("// ---- Routing as one")]
+    assert "append_pick(p, t * K + tid" in small and "p.lists[" not in small
