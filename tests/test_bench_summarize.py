@@ -11,7 +11,7 @@ from moetune.tuner.measure import scenarios as S
 SCENARIOS = S.load_all()
 
 
-def _row(scenario: str, case: str, launch: str, median: float, **over: Any) -> dict[str, str]:
+def _row(scenario: str, case: str, launch: str, median: float | None, **over: Any) -> dict[str, str]:
     """One summary.csv row as read_rows gives it (every column a string)."""
     s = SCENARIOS[scenario]
     r: dict[str, Any] = {c: "" for c in R.COLUMNS}
@@ -145,3 +145,88 @@ def test_capture_discovery_is_a_median_of_single_calls(monkeypatch, capsys) -> N
     mod.main()
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert all(v < 0.005 for v in d["capture_discover_s"].values()), d["capture_discover_s"]
+
+
+def _moe_rep(fail_from: int | None) -> dict[str, Any]:
+    """What `tuner.measure.moe.bench_moe` returns for unfused, megakernel and torch at S = 1..4096, the megakernel's
+    launches failing from S = `fail_from` on (then it is not run at later S)."""
+    q = {"median": 10.0, "p10": 9.0, "p90": 11.0}
+    cases: list[dict[str, Any]] = []
+    for s in (1, 16, 128, 1024, 4096):
+        for e in ("unfused", "megakernel", "torch"):
+            if e == "megakernel" and fail_from is not None and s >= fail_from:
+                why = "device error: wait timed out" if s == fail_from else f"not run: its launches failed at S={fail_from}"
+                cases.append({"engine": e, "S": s, "failed": why})
+            else:
+                cases.append({"engine": e, "S": s, "eager_us": q, "graph_us": q})
+    return {"model": "qwen3-30b", "graph": True, "iters": 50, "warmup": 10, "rotate": 4, "rest_s": 0.0, "cases": cases}
+
+
+def test_a_case_failing_at_some_sizes_gets_failed_rows_and_shows_failed(tmp_path, monkeypatch) -> None:
+    """The megakernel failing from S=128 on: before, the launch wrote no FAILED row (the error only in the notes of its
+    S=1 / S=16 rows) and the graph_us[S=128] table listed unfused and torch only, as if the megakernel never ran."""
+    from moetune.tuner.measure import moe as M
+
+    s = SCENARIOS["moe-megakernel-vs-unfused"]
+    monkeypatch.setattr(M, "bench_moe", lambda *a, **k: _moe_rep(128))
+    out = tmp_path / "s.csv"
+    S.run(s, results=out, gpus=1, launches=1, fingerprint=lambda: "fp")
+    rows = R.read_rows(out)
+    failed = {r["metric"]: r["note"] for r in rows if r["case"] == "megakernel" and r["note"].startswith("FAILED")}
+    assert {"graph_us[S=128]", "layer_us[S=128]", "graph_us[S=1024]", "graph_us[S=4096]"} <= set(failed), failed
+    assert failed["graph_us[S=128]"] == "FAILED: S=128 failed: device error: wait timed out"
+    assert failed["graph_us[S=1024]"] == "FAILED: S=1024 failed: not run: its launches failed at S=128"
+    assert all(r["unit"] == "us" and r["median"] == "" for r in rows if r["note"].startswith("FAILED"))
+    assert not any(r["note"].startswith("FAILED") for r in rows if r["case"] != "megakernel")
+    t = _table_rows(S.scenario_table(s, rows))
+    assert set(t) == {"unfused", "megakernel", "torch"}, t
+    assert t["megakernel"][:2] == ["0 + 1 FAILED", "FAILED: S=128 failed: device error: wait timed out"], t
+
+
+def test_a_launch_that_failed_as_a_whole_is_the_latest_batch() -> None:
+    """The newest launch (another commit) failed in every case: the table showed the older commit's numbers under
+    that older SHA as the latest result; it must show the failures of the newest one."""
+    s = SCENARIOS["moe-megakernel-vs-unfused"]
+    new = {"date": "2026-12-02T10:00:00Z", "git_sha": "b" * 40, "note": "FAILED: launch died: OOM"}
+    rows = [_row(s.name, c, "L1", m) for c, m in (("unfused", 100), ("megakernel", 50), ("torch", 80))]
+    rows += [_row(s.name, c, "L2", None, **new) for c in ("unfused", "megakernel", "torch")]
+    md = S.scenario_table(s, rows)
+    t = _table_rows(md)
+    assert all(v[:2] == ["0 + 1 FAILED", "FAILED: launch died: OOM"] for v in t.values()) and len(t) == 3, t
+    assert any(f"`{'b' * 10}`" in ln for ln in md) and not any(f"`{'a' * 10}`" in ln for ln in md)
+
+
+def test_a_failure_beside_numbers_of_the_same_batch_is_said() -> None:
+    """A case with numbers in one launch and a failure in another of the same batch: the count and the reason show."""
+    s = SCENARIOS["moe-megakernel-vs-unfused"]
+    rows = [_row(s.name, "unfused", "L1", 100), _row(s.name, "megakernel", "L1", 50),
+            _row(s.name, "unfused", "L2", 100), _row(s.name, "megakernel", "L2", None,
+                                                        note="FAILED: S=128 failed: wait | timed out")]
+    md = S.scenario_table(s, rows)
+    t = _table_rows(md)
+    assert t["megakernel"][:2] == ["1 + 1 FAILED", "50"], t
+    assert any(ln.startswith("Also FAILED") and "`megakernel` in 1" in ln and "wait / timed out" in ln for ln in md)
+
+
+def test_failed_rows_only_where_a_case_failed() -> None:
+    """An error beside some metrics (an EP case whose CUDA graph capture failed) fails every listed metric it lacks; a
+    case that does not give a listed metric by design (no CUDA graph asked for) and reported no error does not."""
+    s = SCENARIOS["ep-roundtrip-qwen3-s128"]
+    st = S.Stat(30.0, 29.0, 31.0, 30, "us")
+    out = [S.CaseResult("collective", {"graph_roundtrip_us": st, "roundtrip_us": st, "roundtrip_host_us": st}, "c"),
+           S.CaseResult("nvlink", {"roundtrip_us": st, "roundtrip_host_us": st}, "c", "graph capture failed: x"),
+           S.CaseResult("plain", {"roundtrip_us": st, "roundtrip_host_us": st}, "c"),
+           S.CaseResult("collective", {}, "c", "launch failed")]
+    rows = S._launch_rows(s, out, "L1", {"source": "measured"})
+    failed = [(r["position"], r["metric"], r["unit"], r["note"]) for r in rows if r["note"].startswith("FAILED")]
+    assert failed == [(1, "graph_roundtrip_us", "us", "FAILED: graph capture failed: x")] + [
+        (3, m, "us", "FAILED: launch failed") for m in s.metrics], failed
+
+
+def test_a_date_without_a_time_is_not_the_latest_of_its_day() -> None:
+    """Imported rows dated "2026-11-30Z" (no time) sorted after every "2026-11-30T..Z" row: a day-old failed run would
+    have become the latest batch once FAILED rows count."""
+    s = SCENARIOS["moe-megakernel-vs-unfused"]
+    rows = [_row(s.name, "unfused", "L1", 100, date="2026-11-30T12:00:00Z"),
+            _row(s.name, "unfused", "L0", None, date="2026-11-30Z", git_sha="c" * 40, note="FAILED: no result")]
+    assert _table_rows(S.scenario_table(s, rows))["unfused"][:2] == ["1", "100"]

@@ -217,6 +217,8 @@ class CaseResult:
     metrics: dict[str, Stat]
     command: str
     error: str = ""
+    # {metric: why} of the metrics the driver knows this case failed on (a moe engine's failed S): each gets a FAILED row
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -635,6 +637,17 @@ def _per_case(rep: dict[str, Any], who: str, keys: Sequence[tuple[str, str]]
     return per, skipped
 
 
+def _failed_rows(rep: dict[str, Any], who: str, keys: Sequence[tuple[str, str]]) -> dict[str, dict[str, str]]:
+    """A moe report's failed rows by `who`: {who: {"metric[S=N]": why}} for each metric name in `keys` (a failed row
+    has no timing at that S: each metric it would have given fails there, with the report's own reason)."""
+    out: dict[str, dict[str, str]] = {}
+    for r in rep["cases"]:
+        if "failed" in r and "skipped" not in r:
+            out.setdefault(r[who], {}).update((f"{name}[S={r['S']}]", f"S={r['S']} failed: {r['failed']}")
+                                              for _, name in keys)
+    return out
+
+
 _MOE_KEYS = ("model", "tokens", "engine", "iters", "warmup", "rotate", "knobs", "cuda_graph", "seed", "rest")
 
 
@@ -663,11 +676,13 @@ def run_moe(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
                           rest_s=float(a.get("rest", 0.0)))
     except (ValueError, KnobError, RuntimeError) as e:
         return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
-    per, skipped = _per_case(rep, "engine", (("eager_us", "layer_us"), ("graph_us", "graph_us")))
+    keys = (("eager_us", "layer_us"), ("graph_us", "graph_us"))
+    per, skipped = _per_case(rep, "engine", keys)
+    failed = _failed_rows(rep, "engine", keys)
     out = []
     for c in cases:
         eng = str(c.args.get("engine", c.name))
-        out.append(CaseResult(c.name, per.get(eng, {}), cmd, skipped.get(eng, "")))
+        out.append(CaseResult(c.name, per.get(eng, {}), cmd, skipped.get(eng, ""), failed.get(eng, {})))
     return out
 
 
@@ -709,7 +724,14 @@ def run_moe_knobs(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     per, skipped = _per_case(rep, "variant", (("single_us", single), ("chain_us", "chain_us"),
                                               ("minus_base_us", "minus_base_us"),
                                               ("chain_minus_base_us", "chain_minus_base_us")))
-    return [CaseResult(c.name, per.get(c.name, {}), cmd, skipped.get(c.name, "")) for c in cases]
+    failed = _failed_rows(rep, "variant", (("single_us", single), ("chain_us", "chain_us")))
+    diffs = _failed_rows(rep, "variant", (("minus_base_us", "minus_base_us"),
+                                          ("chain_minus_base_us", "chain_minus_base_us")))
+    for n, m in diffs.items():  # the base has no difference to itself: only the other cases fail on one
+        if n != cases[0].name:
+            failed.setdefault(n, {}).update(m)
+    return [CaseResult(c.name, per.get(c.name, {}), cmd, skipped.get(c.name, ""), failed.get(c.name, {}))
+            for c in cases]
 
 
 # -- running a scenario ----------------------------------------------------------------------------------------
@@ -847,24 +869,36 @@ def run(s: Scenario, *, case: str | None = None, launches: int | None = None, sm
         if on_saved:
             on_saved(launch_rows)
         if progress:
-            failed = sum(1 for r in out if not r.metrics)
+            failed = len({r["position"] for r in launch_rows if str(r.get("note", "")).startswith("FAILED")})
             progress(f"{s.name}: launch {li + 1} done in {time.monotonic() - t0:.1f} s, {len(launch_rows)} rows"
                      + (f", {failed} case run(s) FAILED" if failed else ""))
     return rows
 
 
+def _failed_metrics(s: Scenario, r: CaseResult) -> dict[str, str]:
+    """{metric: why} of the metrics a case failed on: those its driver names, and where it reported an error it gave
+    no such list for (or no metric at all), every metric the scenario lists that it did not produce. A listed metric
+    missing without an error is one the case does not give (a case without a CUDA graph has no graph_us)."""
+    out = {m: why for m, why in r.failed.items() if m not in r.metrics}
+    if not r.metrics or (r.error and not r.failed):
+        out.update((m, r.error or "no result") for m in s.metrics if m not in r.metrics and m not in out)
+    return out
+
+
 def _launch_rows(s: Scenario, out: Sequence[CaseResult], launch_id: str, stamp: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per (case, metric) of one launch (a case without metrics: one FAILED row), each with `stamp` (source,
-    date, world, backend and the machine facts)."""
+    """One row per (case, metric) of one launch and one FAILED row per metric a case failed on (`_failed_metrics`),
+    each with `stamp` (source, date, world, backend and the machine facts)."""
+    # a FAILED row takes the unit another case gave the metric: a failed prediction stays labelled MODELLED
+    units = {name: st.unit for r in out for name, st in r.metrics.items()}
     rows: list[dict[str, Any]] = []
     for pos, r in enumerate(out):
         common = {"scenario": s.name, "case": r.case, "baseline": r.case == s.baseline.name, "position": pos,
                   "launch": launch_id, "command": r.command, **stamp}
-        if not r.metrics:
-            rows.append({**common, "metric": s.metrics[0], "note": f"FAILED: {r.error}"[:300]})
         for name, st in r.metrics.items():
             rows.append({**common, "metric": name, "unit": st.unit, "median": st.median, "p10": st.p10, "p90": st.p90,
                          "n": st.n, "note": r.error[:300]})
+        for name, why in _failed_metrics(s, r).items():
+            rows.append({**common, "metric": name, "unit": units.get(name, ""), "note": f"FAILED: {why}"[:300]})
     return rows
 
 
@@ -929,7 +963,9 @@ def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin
     if differ:
         raise ScenarioError(f"{origin}: the report did not measure what {s.name} asks: "
                             + "; ".join(f"{k} {g!r} (scenario: {w!r})" for k, (g, w) in differ.items()))
-    per, skipped = _per_case(rep, "engine", (("eager_us", "layer_us"), ("graph_us", "graph_us")))
+    keys = (("eager_us", "layer_us"), ("graph_us", "graph_us"))
+    per, skipped = _per_case(rep, "engine", keys)
+    failed = _failed_rows(rep, "engine", keys)
     for eng, metrics in per.items():  # a timing is a positive finite number, its deciles around its median
         for name, st in metrics.items():
             vals = (st.median, st.p10, st.p90)
@@ -944,7 +980,7 @@ def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin
         eng = str(c.args.get("engine", c.name))
         if eng not in per and eng not in skipped:
             raise ScenarioError(f"{origin}: the report has no engine {eng!r} (case {c.name} of {s.name})")
-        out.append(CaseResult(c.name, per.get(eng, {}), str(meta["command"]), skipped.get(eng, "")))
+        out.append(CaseResult(c.name, per.get(eng, {}), str(meta["command"]), skipped.get(eng, ""), failed.get(eng, {})))
     return out
 
 
@@ -961,20 +997,39 @@ def _f(v: float | None) -> str:
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
+def _failed(r: dict[str, str]) -> bool:
+    return str(r.get("note", "")).startswith("FAILED")
+
+
+def _when(r: dict[str, str]) -> str:
+    """A row's date as a sort key: an imported date without a time ("2026-11-30", "2026-11-30Z") is that day's start,
+    never later than a timed row of the same day (as a string, "2026-11-30Z" sorted after every one of them)."""
+    d = r["date"].removesuffix("Z")
+    return d if "T" in d else f"{d}T00:00:00"
+
+
+def _why(note: str, width: int = 100) -> str:
+    """A FAILED row's reason for a Markdown table cell: one line, no column separator, at most `width` characters."""
+    w = " ".join(note.removeprefix("FAILED:").split()).replace("|", "/")
+    return w if len(w) <= width else w[:width - 1] + "…"
+
+
 def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, source: str = "summary.csv"
                    ) -> list[str]:
     """Markdown lines for one scenario: its latest batch of rows (the latest row's git SHA, dirty flag, hardware and
     source), per case the median over launches of each launch's median / p10 / p90 of the first metric present, and
     the ratio to the baseline case (baseline / case for lower-is-better metrics, so > 1 means faster): the median
-    over the launches that ran both of the ratio within one launch, never a baseline from another launch."""
-    mine = [r for r in rows if r["scenario"] == s.name and R.fnum(r["median"]) is not None]
+    over the launches that ran both of the ratio within one launch, never a baseline from another launch. FAILED rows
+    belong to the batch like numbers: a case that failed shows "FAILED: why", and a launch that failed as a whole is
+    the latest batch, never hidden behind an older batch's numbers."""
+    mine = [r for r in rows if r["scenario"] == s.name and (R.fnum(r["median"]) is not None or _failed(r))]
     real = [r for r in mine if r["source"] != "smoke"]
     use = real or mine
     head = [f"### {s.name}", "", " ".join(s.question.split()),
             f"Driver `{s.driver}`; needs {s.needs.describe()} ({s.needs.hardware}).", ""]
     if not use:
         return [*head, f"No rows yet: `moetune bench run {s.name}`.", ""]
-    latest = max(use, key=lambda r: r["date"])
+    latest = max(use, key=_when)
     # one tree state and one kind of row: a dirty tree at the same SHA is other code, an imported row another run
     key = ("git_sha", "git_dirty", "hardware", "source")
     batch = [r for r in use if all(r[k] == latest[k] for k in key)]
@@ -1011,7 +1066,7 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
     kind = {"smoke": "SMOKE (plumbing check on tiny sizes, not a measurement)", "imported": "imported",
             "measured": "measured"}.get(latest["source"], latest["source"])
     dirty = " (dirty tree)" if latest["git_dirty"] == "1" else ""
-    unit = latest["unit"] if latest["metric"] == metric else next((r["unit"] for r in batch), "")
+    unit = next((r["unit"] for r in batch if r["unit"]), "")
     if "MODELLED" in unit or latest["source"] == "modelled":  # predictions: said first, whoever made the rows
         made = {"modelled": "made by `moetune bench run`", "measured": "made by `moetune bench run`",
                 "imported": "imported"}.get(latest["source"], latest["source"])
@@ -1021,14 +1076,27 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
              f"ratio = {'baseline / case' if s.better == 'lower' else 'case / baseline'} within a launch, median over the "
              f"launches that ran both (> 1: better than `{bname}`; -: never run beside it).", "",
              "| case | launches | median | p10 | p90 | ratio |", "| --- | --- | --- | --- | --- | --- |"]
+    also: dict[str, list[str]] = {}  # why -> the cases with numbers that failed so in other launches of the batch
     for c in shown:
         m = stat(c, "median")
         ratio = ratio_of(c)
-        nl = len({r["launch"] for r in batch if r["case"] == c})
-        lines.append(f"| {c}{' (baseline)' if c == bname else ''} | {nl} | {_f(m)} | {_f(stat(c, 'p10'))} | "
+        nl = len({r["launch"] for r in batch if r["case"] == c and not _failed(r)})
+        fails = sorted((r for r in batch if r["case"] == c and _failed(r)), key=_when)
+        nf = len({r["launch"] for r in fails})
+        cell = f"{nl} + {nf} FAILED" if nf else str(nl)
+        if not nl:  # no number in this batch: the failure is the result, never an older batch's number
+            lines.append(f"| {c}{' (baseline)' if c == bname else ''} | {cell} | FAILED: {_why(fails[-1]['note'])} "
+                         "| - | - | - |")
+            continue
+        if nf:
+            also.setdefault(_why(fails[-1]["note"], 160), []).append(f"`{c}` in {nf}")
+        lines.append(f"| {c}{' (baseline)' if c == bname else ''} | {cell} | {_f(m)} | {_f(stat(c, 'p10'))} | "
                      f"{_f(stat(c, 'p90'))} | {'-' if ratio is None else f'{ratio:.2f}×'} |")
     if hidden > 0:
         lines.append(f"| … {hidden} more case(s) in {source} | | | | | |")
+    if also:
+        lines += ["", "Also FAILED in launches of this batch (the numbers above are the launches that ran): "
+                  + "; ".join(f"{', '.join(cs)} launch(es): {why}" for why, cs in also.items()) + "."]
     return [*lines, ""]
 
 
