@@ -230,3 +230,15 @@ def test_a_date_without_a_time_is_not_the_latest_of_its_day() -> None:
     rows = [_row(s.name, "unfused", "L1", 100, date="2026-11-30T12:00:00Z"),
             _row(s.name, "unfused", "L0", None, date="2026-11-30Z", git_sha="c" * 40, note="FAILED: no result")]
     assert _table_rows(S.scenario_table(s, rows))["unfused"][:2] == ["1", "100"]
+
+
+def test_search_efficiency_numbers_are_all_labelled_modelled() -> None:
+    """evals_to_3pct and hit_rate_pct come from the fabric model's latencies like median_gap_pct: their units had no
+    MODELLED, so a run stored them as source=measured and BENCHMARKS.md headed them 'measured'."""
+    c = {"budget": 100, "random_evals_to_3pct_median": 6.5, "tpe_evals_to_3pct_median": 3.0, "random_median_gap": 0.01,
+         "tpe_median_gap": 0.0, "cold_tpe_median_gap": 0.0, "random_hit_rate": 0.6, "tpe_hit_rate": 0.5,
+         "cold_tpe_hit_rate": 0.6}
+    per = S.search_metrics({"cases": [c]})
+    assert all(R.is_modelled({"unit": st.unit}) for m in per.values() for st in m.values()), per
+    committed = [r for r in R.read_rows(S.SUMMARY_CSV) if r["scenario"] == "search-efficiency"]
+    assert committed and all(R.is_modelled(r) and r["source"] in ("modelled", "imported") for r in committed)
