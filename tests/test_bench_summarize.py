@@ -242,3 +242,56 @@ def test_search_efficiency_numbers_are_all_labelled_modelled() -> None:
     assert all(R.is_modelled({"unit": st.unit}) for m in per.values() for st in m.values()), per
     committed = [r for r in R.read_rows(S.SUMMARY_CSV) if r["scenario"] == "search-efficiency"]
     assert committed and all(R.is_modelled(r) and r["source"] in ("modelled", "imported") for r in committed)
+
+
+def _bench_module(name: str) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, S.ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def test_search_efficiency_counts_never_and_gives_random_no_feasibility_oracle(monkeypatch) -> None:
+    """A grid where 1 point in 20 is feasible and one of those is the optimum. Before: random search drew from the
+    feasible points only (a free oracle TPE lacks: it saw every one within the budget, hit rate 100%) and counted
+    evaluations over the whole permutation, never 'never'; a search that never got within 3% had a null count, which
+    the scenario dropped. Now random draws `budget` points of the whole grid and 'never' is budget + 1 for every
+    search."""
+    import zlib
+
+    from moetune.runtime.knobs import KnobError
+
+    mod = _bench_module("search_efficiency")
+
+    def landscape(k: Any, _wl: Any) -> float:
+        h = zlib.crc32(repr(k).encode())
+        if h % 20:
+            raise KnobError("not feasible here")
+        return 100.0 + h % 1000
+
+    monkeypatch.setattr(mod, "_synthetic", landscape)
+    r = mod.run_case(("pcie4-consumer-4090x4", "qwen3-30b", 128, 1, 0.1, True))
+    never = r["budget"] + 1
+    assert r["evals_never"] == never and r["grid_size"] - r["grid_infeasible"] < r["budget"]
+    assert r["random_hit_rate"] < 1.0, "random search saw only feasible points"
+    for pre in ("random", "tpe", "cold_tpe"):
+        v = r[f"{pre}_evals_to_3pct_median"]
+        assert v is not None and 1 <= v <= never, (pre, v)
+        gap = r[f"{pre}_median_gap"]
+        assert (v == never) == (gap > 0.03), (pre, v, gap)  # one seed: never exactly where its best missed 3%
+    md = mod.table_md([r], {"date": "d", "hardware": "h", "command": "c", "seeds": 1, "budget_frac": 0.1})
+    assert "never / never" in md
+
+
+def test_search_metrics_count_a_search_that_never_got_within_3pct() -> None:
+    """A case where TPE's median never got within 3% (null in a file of the old format, budget + 1 now) was dropped
+    from TPE's evals_to_3pct, which then looked better than it was."""
+    base = {"budget": 100, "random_median_gap": 0.0, "tpe_median_gap": 0.0, "random_hit_rate": 1.0, "tpe_hit_rate": 1.0}
+    d = {"cases": [{**base, "random_evals_to_3pct_median": 5, "tpe_evals_to_3pct_median": 3},
+                   {**base, "random_evals_to_3pct_median": 7, "tpe_evals_to_3pct_median": None}]}
+    per = S.search_metrics(d)
+    assert per["tpe"]["evals_to_3pct"].median == (3 + 101) / 2 and per["tpe"]["evals_to_3pct"].n == 2
+    assert per["random"]["evals_to_3pct"].median == 6
+    assert "evals_to_3pct" not in per["cold-tpe"]  # the old files have no count for it: none, not a made-up one

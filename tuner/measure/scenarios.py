@@ -446,12 +446,22 @@ def _parse_daemon(_: str, out: Path) -> dict[str, Stat]:
 
 def search_metrics(d: dict[str, Any]) -> dict[str, dict[str, Stat]]:
     """bench/search_efficiency.py's JSON per search (random, tpe, cold-tpe): over the preset x model x tokens
-    cases, the evaluations each needed to get within 3% of the grid optimum (median over seeds), the median gap
-    to the optimum (%) and the share of seeds within 3% (%). Latencies are the fabric model's (MODELLED)."""
+    cases, the evaluations each needed to get within 3% of the grid optimum (median over seeds; budget + 1 where it
+    never did), the median gap to the optimum (%) and the share of seeds within 0.1% of it (%). Latencies are the
+    fabric model's (MODELLED)."""
     out: dict[str, dict[str, Stat]] = {}
-    cases = d.get("cases", [])
+    cases = [c for c in d.get("cases", []) if "error" not in c]  # an error case (no feasible point) fails every search
+
+    def evals_of(c: dict[str, Any], pre: str) -> float | None:
+        # never within the budget is budget + 1 for every search (null in an older file: the case was dropped, which
+        # favoured the search that missed); a search the file has no count for at all gives none
+        key = f"{pre}_evals_to_3pct_median"
+        if key not in c:
+            return None
+        return c[key] if c[key] is not None else c["budget"] + 1
+
     for name, pre in (("random", "random"), ("tpe", "tpe"), ("cold-tpe", "cold_tpe")):
-        evals = [c[f"{pre}_evals_to_3pct_median"] for c in cases if c.get(f"{pre}_evals_to_3pct_median") is not None]
+        evals = [v for c in cases if (v := evals_of(c, pre)) is not None]
         gaps = [100.0 * c[f"{pre}_median_gap"] for c in cases if c.get(f"{pre}_median_gap") is not None]
         hits = [100.0 * c[f"{pre}_hit_rate"] for c in cases if c.get(f"{pre}_hit_rate") is not None]
         m = {}
