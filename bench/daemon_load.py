@@ -8,9 +8,14 @@ test), seeds a database with profiles (tests/daemon_fakes.py: the real Store whe
 client count N runs two phases with DEALER sockets spread over client processes (bounded: N <= 256,
 each phase `--seconds` long):
   - closed loop: every client keeps one get_profile in flight (saturation throughput; latency = N / rate);
-  - paced: the clients together send `--rate` requests/s (open loop, Poisson-free fixed spacing), which
-    is the latency a daemon serving that request rate gives.
-Latency is measured by the client: send -> reply. Then:
+  - paced: the clients together are due to send `--rate` requests/s (open loop, Poisson-free fixed spacing); a
+    socket keeps one request in flight and sends a slot that came due meanwhile when its reply comes, and every
+    latency is timed from the request's scheduled send time, so queueing in the daemon (and a client that falls
+    behind) shows in p99 instead of being skipped (no coordinated omission); the requests scheduled in the phase
+    are waited for (up to 2 s after it, else counted unanswered).
+Latency is measured by the client: send (closed loop) or scheduled send (paced) -> reply. Only ok replies are
+timed and counted in req/s; error replies and unanswered requests are counted apart (`errors`, `unanswered`).
+Then:
   - runtime start with the daemon up: `autoload_knobs` timed in a fresh process (imports timed apart);
   - daemon down: the fallback chain (no socket file; a stale socket file; tcp with nobody listening).
 Writes bench/results/<date>_daemon_load.json and prints a table last.
@@ -60,16 +65,18 @@ def _client_proc(endpoint: str, n_socks: int, seconds: float, rate: float, start
         s.recv()
     while time.time() < start_at:
         time.sleep(0.001)
-    lat: list[float] = []
+    lat: list[float] = []  # ok replies only: an error reply is no answer, however fast
     errors = 0
     perf = time.perf_counter
     t0 = perf()
     end = t0 + seconds
-    sent_at = {}
+    sent = 0
     if rate <= 0:  # closed loop
+        sent_at = {}
         for i, s in enumerate(socks):
             sent_at[s] = perf()
             s.send(BODY % i)
+            sent += 1
         while True:
             now = perf()
             if now >= end:
@@ -77,50 +84,77 @@ def _client_proc(endpoint: str, n_socks: int, seconds: float, rate: float, start
             for s, _ in poller.poll(max(1, int((end - now) * 1000))):
                 rep = s.recv()
                 t = perf()
-                lat.append(t - sent_at[s])
-                if b'"ok":true' not in rep:
+                if b'"ok":true' in rep:
+                    lat.append(t - sent_at[s])
+                else:
                     errors += 1
                 if t < end:
                     sent_at[s] = perf()
-                    s.send(BODY % len(lat))
-    else:  # paced: each socket sends every n_socks/rate s, staggered; at most one request in flight per socket
+                    s.send(BODY % sent)
+                    sent += 1
+        wall = perf() - t0
+        unanswered = 0  # the requests in flight at the end are cut off by the end of the phase, not unanswered
+        # drain in-flight replies so the daemon is idle for the next phase
+        deadline = perf() + 1
+        while perf() < deadline and poller.poll(50):
+            for s, _ in poller.poll(0):
+                s.recv()
+    else:
+        # paced: each socket is due to send every n_socks/rate s, staggered, whatever the replies do (the schedule is
+        # the open loop). A socket keeps at most one request in flight, as the runtime's client does (and the
+        # daemon drops replies past a per-peer queue): a slot that comes due while it waits is queued and sent
+        # when the reply comes. Every latency is timed from the request's scheduled send time, so a daemon that
+        # falls behind shows its queueing in p99 (skipping a busy socket's slot and timing from the actual send
+        # hid it: coordinated omission).
         import heapq
+        from collections import deque
 
         period = n_socks / rate
         heap = [(t0 + i * period / n_socks, i) for i in range(n_socks)]
         heapq.heapify(heap)
-        busy: dict = {}
+        index = {s: i for i, s in enumerate(socks)}
+        backlog: list[deque[float]] = [deque() for _ in socks]  # scheduled times not sent yet, per socket
+        in_flight: dict[int, float] = {}  # socket -> the scheduled time of its request in flight
+
+        def send_next(i: int) -> None:
+            nonlocal sent
+            in_flight[i] = backlog[i].popleft()
+            sent += 1
+            socks[i].send(BODY % sent)
+
+        last = t0  # the last reply: req/s is the rate served, replies after the phase's sends included
+        drain_end = end + 2.0  # the requests scheduled in the phase still owed a reply: waited for, then unanswered
         while True:
             now = perf()
-            if now >= end:
+            if now >= end and (not in_flight or now >= drain_end):
                 break
-            while heap and heap[0][0] <= now:
+            while now < end and heap and heap[0][0] <= now:
                 due, i = heapq.heappop(heap)
-                s = socks[i]
-                if s in busy:  # still waiting for its last reply: skip this slot
-                    heapq.heappush(heap, (due + period, i))
-                    continue
-                busy[s] = perf()
-                s.send(BODY % len(lat))
-                heapq.heappush(heap, (max(due + period, now), i))
-            # block at least 1 ms when nothing is due (a spinning client would steal the daemon's core);
-            # sends due meanwhile go out together, late by < 1 ms (latency is timed from the real send)
-            wait = heap[0][0] - perf() if heap else 0.001
+                backlog[i].append(due)
+                if i not in in_flight:
+                    send_next(i)
+                heapq.heappush(heap, (due + period, i))
+            # block at least 1 ms when nothing is due (a spinning client would steal the daemon's core); sends due
+            # meanwhile go out together, late by < 1 ms, and that lateness counts in their latency
+            wait = (heap[0][0] - perf()) if heap and now < end else 0.005
             for s, _ in poller.poll(max(1, min(int(wait * 1000) + 1, 5))):
                 rep = s.recv()
-                lat.append(perf() - busy.pop(s))
-                if b'"ok":true' not in rep:
+                t = last = perf()
+                i = index[s]
+                due = in_flight.pop(i)
+                if b'"ok":true' in rep:
+                    lat.append(t - due)
+                else:
                     errors += 1
-    wall = perf() - t0
-    # drain in-flight replies so the daemon is idle for the next phase
-    deadline = perf() + 1
-    while perf() < deadline and poller.poll(50):
-        for s, _ in poller.poll(0):
-            s.recv()
+                if backlog[i]:
+                    send_next(i)
+        wall = max(end, last) - t0
+        unanswered = len(in_flight) + sum(len(b) for b in backlog)  # in flight, or never sent: no reply in time
+        sent += sum(len(b) for b in backlog)  # `sent` of a paced phase: every request scheduled in it
     for s in socks:
         s.close(0)
     ctx.term()
-    q.put({"lat": lat, "errors": errors, "wall": wall})
+    q.put({"lat": lat, "errors": errors, "unanswered": unanswered, "sent": sent, "wall": wall})
 
 
 def run_phase(endpoint: str, clients: int, seconds: float, rate: float, procs: int, cpus: set[int] | None = None) -> dict:
@@ -142,8 +176,10 @@ def run_phase(endpoint: str, clients: int, seconds: float, rate: float, procs: i
     def pct(p: float) -> float:
         return round(lat[min(n - 1, int(p * n))] * 1e6, 1) if n else float("nan")
 
+    # requests / req_per_s / the latencies: ok replies only; errors (error replies) and unanswered apart
     return {"clients": clients, "mode": "closed" if rate <= 0 else "paced", "target_rate": rate or None,
-            "client_procs": procs, "requests": n, "errors": sum(r["errors"] for r in results),
+            "client_procs": procs, "sent": sum(r["sent"] for r in results), "requests": n,
+            "errors": sum(r["errors"] for r in results), "unanswered": sum(r["unanswered"] for r in results),
             "seconds": round(wall, 3), "req_per_s": round(n / wall, 1) if wall else 0.0,
             "p50_us": pct(0.50), "p90_us": pct(0.90), "p99_us": pct(0.99), "max_us": pct(1.0)}
 
@@ -289,10 +325,11 @@ def main() -> int:
               f"| {r['daemon_cpu_us_per_req']:.1f} |")
     print()
     print(f"load average before {result['loadavg_before']}, after {result['loadavg_after']}")
-    print(f"{'clients':>7} {'mode':>6} {'req/s':>9} {'p50 us':>8} {'p99 us':>8} {'errors':>6} {'cpu us/req':>10}")
+    print(f"{'clients':>7} {'mode':>6} {'req/s':>9} {'p50 us':>8} {'p99 us':>8} {'errors':>6} {'unanswered':>10} "
+          f"{'cpu us/req':>10}")
     for r in phases:
         print(f"{r['clients']:>7} {r['mode']:>6} {r['req_per_s']:>9.0f} {r['p50_us']:>8.0f} {r['p99_us']:>8.0f} {r['errors']:>6}"
-              f" {r['daemon_cpu_us_per_req']:>10.1f}")
+              f" {r['unanswered']:>10} {r['daemon_cpu_us_per_req']:>10.1f}")
     if auto is None:
         return 0
     au = result["autoload_daemon_up"]

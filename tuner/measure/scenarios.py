@@ -375,7 +375,11 @@ def run_ep(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     return results
 
 
-def _one_script_per_case(script: str, parse: Callable[[str, Path], dict[str, Stat]], out_flag: bool = False) -> DriverFn:
+# what a per-case parser gives: the metrics, or the metrics and {metric: why} of those the output says failed
+Parsed = dict[str, Stat] | tuple[dict[str, Stat], dict[str, str]]
+
+
+def _one_script_per_case(script: str, parse: Callable[[str, Path], Parsed], out_flag: bool = False) -> DriverFn:
     """A driver that runs bench/<script> once per case (case args as flags) and parses its output."""
     def run(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
         res = []
@@ -385,7 +389,9 @@ def _one_script_per_case(script: str, parse: Callable[[str, Path], dict[str, Sta
             args = {**c.args, **({"out": str(out)} if out_flag else {})}
             try:
                 stdout, cmd = _run_script(script, args, c.env, ctx)
-                res.append(CaseResult(c.name, parse(stdout, out), cmd))
+                got = parse(stdout, out)
+                metrics, failed = got if isinstance(got, tuple) else (got, {})
+                res.append(CaseResult(c.name, metrics, cmd, "; ".join(dict.fromkeys(failed.values())), failed))
             except (RuntimeError, ValueError, KeyError, OSError) as e:
                 res.append(CaseResult(c.name, {}, f"python bench/{script}", str(e)))
         return res
@@ -415,12 +421,40 @@ def run_discovery(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     return [CaseResult(c.name, per.get(c.name, {}), cmd, "" if c.name in per else "not in the output") for c in cases]
 
 
+def _phase_problem(p: dict[str, Any]) -> str:
+    """Why a daemon_load phase is no measurement of a daemon answering every request ("" when it is one): its error
+    replies and unanswered requests."""
+    errors, unanswered = int(p.get("errors") or 0), int(p.get("unanswered") or 0)
+    if not errors and not unanswered:
+        return ""
+    sent = p.get("sent", int(p.get("requests") or 0) + errors + unanswered)
+    return (f"c{p['clients']}-{p['mode']}: {errors} error replies and {unanswered} unanswered of {sent} requests "
+            "(latencies of the ok replies only in the JSON)")
+
+
+def daemon_failures(d: dict[str, Any]) -> dict[str, str]:
+    """{metric: why} for the latency and throughput metrics of each bench/daemon_load.py phase with error replies or
+    unanswered requests: failed, not shown as the latency of a daemon that answered."""
+    out: dict[str, str] = {}
+    for p in d.get("phases", []):
+        if why := _phase_problem(p):
+            key = f"c{p['clients']}-{p['mode']}"
+            out.update((f"{name}[{key}]", why) for name in ("p99_us", "p50_us", "max_us", "req_per_s"))
+    return out
+
+
 def daemon_metrics(d: dict[str, Any]) -> dict[str, Stat]:
-    """bench/daemon_load.py's JSON: per client count and phase, p99 / p50 / max latency and throughput; start-up
-    times (median and max). Each is its own metric: a row's p10 / p90 columns hold those quantiles only."""
+    """bench/daemon_load.py's JSON: per client count and phase, p99 / p50 / max latency and throughput of the ok
+    replies, and `errors` (error replies + unanswered requests; a phase with any fails its other metrics:
+    daemon_failures); start-up times (median and max). Each is its own metric: a row's p10 / p90 columns hold those
+    quantiles only."""
     m: dict[str, Stat] = {}
     for p in d.get("phases", []):
         key, n = f"c{p['clients']}-{p['mode']}", p.get("requests", 1)
+        m[f"errors[{key}]"] = Stat(float(int(p.get("errors") or 0) + int(p.get("unanswered") or 0)),
+                                   n=p.get("sent", n), unit="requests")
+        if _phase_problem(p):
+            continue
         m[f"p99_us[{key}]"] = Stat(p["p99_us"], n=n, unit="us")
         m[f"p50_us[{key}]"] = Stat(p["p50_us"], n=n, unit="us")
         if p.get("max_us") is not None:
@@ -437,11 +471,12 @@ def daemon_metrics(d: dict[str, Any]) -> dict[str, Stat]:
     return m
 
 
-def _parse_daemon(_: str, out: Path) -> dict[str, Stat]:
+def _parse_daemon(_: str, out: Path) -> tuple[dict[str, Stat], dict[str, str]]:
     files = sorted(out.glob("*daemon_load*.json"))
     if not files:
         raise ValueError(f"bench/daemon_load.py wrote no JSON into {out}")
-    return daemon_metrics(json.loads(files[-1].read_text()))
+    d = json.loads(files[-1].read_text())
+    return daemon_metrics(d), daemon_failures(d)
 
 
 def search_metrics(d: dict[str, Any]) -> dict[str, dict[str, Stat]]:
