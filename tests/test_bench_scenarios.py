@@ -221,3 +221,18 @@ def test_summarize_says_which_rows_it_left_out(tmp_path: Path) -> None:
     flat = " ".join(res.stderr.split())
     assert res.returncode == 0 and f"1 row(s) left out of the summary: line {i + 2}: median 'abc'" in flat, res.stderr
     assert R.row_problems(R.read_rows(S.SUMMARY_CSV), SCENARIOS) == (0, [])  # the committed table: none
+
+
+def test_a_bench_moe_report_with_a_skipped_engine_imports_it_as_failed(tmp_path: Path) -> None:
+    """A report where one engine could not run (bench moe's {"engine", "skipped": why} row, which has no S) was refused
+    whole ("not of the expected shape: KeyError 'S'"): it imports, the skipped engine's cases FAILED with the reason."""
+    s, out = SCENARIOS["moe-megakernel-vs-unfused"], tmp_path / "s.csv"
+    rep = _moe_report([1, 16, 128, 1024, 4096], order=("unfused", "megakernel"))
+    why = "the plain torch path needs torch._grouped_mm on a CUDA device"
+    rep["cases"].insert(0, {"engine": "torch", "skipped": why})
+    rows = S.import_moe_report(s, rep, origin="out/bench_moe.json", results=out)
+    torch_rows = [r for r in rows if r["case"] == "torch"]
+    assert [r["metric"] for r in torch_rows] == list(s.metrics)
+    assert all(r["note"] == f"FAILED: SKIPPED: {why}; imported from out/bench_moe.json" and r.get("median") is None
+               for r in torch_rows), torch_rows
+    assert {r["case"] for r in rows if r.get("median") is not None} == {"unfused", "megakernel"}

@@ -987,14 +987,17 @@ def import_moe_report(s: Scenario, rep: dict[str, Any], *, origin: str, results:
 
 def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin: str) -> list[CaseResult]:
     """The scenario's cases from a bench moe report, refused where it measured something else."""
-    for c in rep["cases"]:  # every case names its engine and S (a KeyError / TypeError: not of the expected shape)
-        c["engine"], c["S"]
+    # every case names its engine, and its S or why it was skipped (a KeyError / TypeError: not of the expected shape)
+    for c in rep["cases"]:
+        c["engine"], (c["skipped"] if "skipped" in c else c["S"])
     a = plan(s, None, False)[0].args
     want = {"model": str(a.get("model", "qwen3-30b")), "tokens": sorted(a.get("tokens", [128])),
             "iters": int(a.get("iters", 50)), "warmup": int(a.get("warmup", 10)), "rotate": int(a.get("rotate", 4)),
             "graph": bool(a.get("cuda_graph")), "rest_s": float(a.get("rest", 0.0))}
-    got = {"model": rep.get("model"), "tokens": sorted({c.get("S") for c in rep["cases"]}), "iters": rep.get("iters"),
-           "warmup": rep.get("warmup"), "rotate": rep.get("rotate"), "graph": rep.get("graph"), "rest_s": rep.get("rest_s")}
+    # a skipped engine has no S: the tokens are those the engines that ran were timed at
+    got = {"model": rep.get("model"), "tokens": sorted({c["S"] for c in rep["cases"] if "skipped" not in c}),
+           "iters": rep.get("iters"), "warmup": rep.get("warmup"), "rotate": rep.get("rotate"), "graph": rep.get("graph"),
+           "rest_s": rep.get("rest_s")}
     # the order too: under a power cap the engine timed second pays for the first one's heat (`settle`), so a
     # launch of another order is another measurement (the scenario times its cases in their listed order)
     listed = [str(c.args.get("engine", c.name)) for c in s.cases]
