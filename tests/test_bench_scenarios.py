@@ -236,3 +236,23 @@ def test_a_bench_moe_report_with_a_skipped_engine_imports_it_as_failed(tmp_path:
     assert all(r["note"] == f"FAILED: SKIPPED: {why}; imported from out/bench_moe.json" and r.get("median") is None
                for r in torch_rows), torch_rows
     assert {r["case"] for r in rows if r.get("median") is not None} == {"unfused", "megakernel"}
+
+
+def test_a_case_argument_a_single_shot_driver_would_ignore_is_refused(tmp_path: Path) -> None:
+    """run_moe and run_moe_knobs read tokens, iters, knobs (moe) ... of the first case only, for every case: a second
+    case's own `knobs` (or tokens) loaded fine and was silently not measured. Now the scenario is refused at load."""
+    head = 'question = "q"\nmetrics = ["graph_us[S=16]"]\n[args]\ntokens = [16]\n'
+    (tmp_path / "m.toml").write_text(f'name = "m"\ndriver = "moe"\n{head}[[cases]]\nname = "unfused"\n'
+                                     'args = { engine = "unfused" }\n[[cases]]\nname = "mk"\n'
+                                     'args = { engine = "megakernel", knobs = "mk_bn=128" }\n')
+    with pytest.raises(S.ScenarioError, match=r"cases\[1\] \(mk\) sets knobs: driver moe runs every case in one process"):
+        S.load(tmp_path / "m.toml")
+    (tmp_path / "k.toml").write_text(f'name = "k"\ndriver = "moe-knobs"\n{head}[[cases]]\nname = "base"\n'
+                                     'args = { knobs = "" }\n[[cases]]\nname = "b"\nargs = { knobs = "mk_bn=128" }\n'
+                                     'smoke_args = { tokens = [4] }\n')
+    with pytest.raises(S.ScenarioError, match=r"cases\[1\] \(b\) sets tokens: .*; a case sets only knobs"):
+        S.load(tmp_path / "k.toml")
+    (tmp_path / "s.toml").write_text(f'name = "s"\ndriver = "search-efficiency"\n{head}[[cases]]\nname = "random"\n'
+                                     'args = { seeds = 3 }\n')
+    with pytest.raises(S.ScenarioError, match="its cases take no arguments"):
+        S.load(tmp_path / "s.toml")

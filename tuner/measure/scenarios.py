@@ -150,6 +150,15 @@ def load(path: Path) -> Scenario:
     names = [c.name for c in cases]
     if len(set(names)) != len(names):
         raise ScenarioError(f"{where}: case names repeat: {names}")
+    own = PER_CASE_ARGS.get(drv, ())
+    if drv in SINGLE_SHOT and own is not None:
+        for i, c in enumerate(cases):
+            if extra := sorted((set(c.args) | set(c.smoke_args)) - set(own)):
+                raise ScenarioError(
+                    f"{where}: cases[{i}] ({c.name}) sets {', '.join(extra)}: driver {drv} runs every case in one "
+                    "process with one setting, so a case's own value would be ignored (the first case's applies to "
+                    "all); put it in [args] (or [smoke] args)"
+                    + (f"; a case sets only {', '.join(own)}" if own else "; its cases take no arguments"))
     if not cases[0].smoke:
         raise ScenarioError(f"{where}: the baseline (first case) must run in smoke mode too")
     metrics = d.get("metrics", [])
@@ -246,6 +255,10 @@ DRIVERS: dict[str, DriverFn] = {}
 # drivers whose one invocation measures every case at once (the cases are views of one run): a closing
 # baseline run would only copy the first, so plan() leaves it out for them
 SINGLE_SHOT: set[str] = set()
+# a single-shot driver runs every case with ONE setting (the scenario's arguments and the first case's): the case
+# arguments it reads per case, where it reads any (None: every one, it runs each case on its own); `load` refuses
+# any other, which the driver would silently ignore on every case but the first
+PER_CASE_ARGS: dict[str, tuple[str, ...] | None] = {"moe": ("engine",), "moe-knobs": ("knobs",), "fabric-model": None}
 
 
 def driver(name: str, *, single_shot: bool = False) -> Callable[[DriverFn], DriverFn]:
