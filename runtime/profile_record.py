@@ -114,7 +114,8 @@ def profile_hash_of(key: ProfileKey, knobs: Knobs) -> str:
 
 
 # What a what-if preset's fingerprint (and a preset profile's measured_on) starts with: "preset:NAME[:digest]" names a
-# modelled fabric, never a node.
+# modelled fabric, never a node. `moetune tune --preset` writes both as preset:NAME:DIGEST, DIGEST of the preset's
+# content (an edited copy keeps the shipped NAME); a profile an older moetune stored says preset:NAME only.
 PRESET_PREFIX = "preset:"
 
 
@@ -183,7 +184,7 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     updated: str = ""
     # Left out (an older peer): derived from the backend, and never "measured" (unlabelled_provenance).
     provenance: Provenance | msgspec.UnsetType = msgspec.UNSET
-    measured_on: str = ""  # fingerprint measured or calibrated on; `preset:<name>` for a preset
+    measured_on: str = ""  # fingerprint measured or calibrated on; `preset:<name>[:<content digest>]` for a preset
     # The routing the numbers were measured under (`uniform`, `zipf:S`): NOT part of the key, since the runtime
     # cannot know the skew of the traffic ahead; it says which latencies may be compared (the store never compares
     # a zipf number with a uniform one). Left out: not recorded (a record from an older moetune or caller).

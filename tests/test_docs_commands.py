@@ -163,7 +163,7 @@ def test_tune_progress_labels_a_modelled_best() -> None:
 
 
 def test_query_shows_where_a_preset_profile_came_from(tmp_path: Path) -> None:
-    """README: a preset profile's `measured_on` is `preset:NAME` and `query` shows it; query --format json printed
+    """README: a preset profile's `measured_on` is `preset:NAME:DIGEST` and `query` shows it; query --format json printed
     "measured_on": "" for such a profile taken from the database."""
     from moetune.runtime.profiles import node_identity
 
@@ -179,7 +179,8 @@ def test_query_shows_where_a_preset_profile_came_from(tmp_path: Path) -> None:
              home=tmp_path, MOETUNE_CLIENT_ALLOW_MODELLED="1")
     assert q.exit_code == 0, q.output
     got = json.loads(next(ln for ln in q.output.splitlines() if ln.startswith("{")))
-    assert got["provenance"] == "preset" and got["measured_on"] == "preset:ndr-ibrc-h100x8", got
+    assert got["provenance"] == "preset" and got["measured_on"] == got["key"]["fingerprint"], got
+    assert got["measured_on"].startswith("preset:ndr-ibrc-h100x8:") and got["preset_shipped"] is True, got
 
 
 def test_tune_table_says_modelled(tmp_path: Path) -> None:

@@ -1057,6 +1057,7 @@ class ProfileClient:
                     if verdict == "modelled":
                         problems.append(f"using a MODELLED profile ({rec.provenance}, backend {rec.backend}, fingerprint "
                                         f"{rec.key.fingerprint}) from the read-only database {db} because allow_modelled is set")
+                        problems += _other_presets(recs, rec)
                     else:
                         problems.append(f"using the read-only database {db}")
                     res = Resolution(knobs=rec.knobs, source="database", profile_hash=rec.profile_hash, status=rec.status,
@@ -1225,6 +1226,23 @@ class ProfileClient:
                 if rec is not None:
                     return rec, verdict, env_of[id(rec)], passed
         return None, None, None, passed
+
+
+def _other_presets(recs: list[ProfileRecord], rec: ProfileRecord) -> list[str]:
+    """What to say when `rec`, a preset's profile, was picked (`pick_profile`: the most recently tuned fingerprint)
+    among current profiles of other presets for this shape: each names its fabric model by `preset:NAME:DIGEST`, and
+    an edited copy of a shipped preset keeps its NAME, so only the digest tells two of one name apart."""
+    if not is_preset_fingerprint(rec.key.fingerprint):
+        return []
+    other = sorted({r.key.fingerprint for r in recs if r.status == "current" and is_preset_fingerprint(r.key.fingerprint)
+                    and r.key.fingerprint != rec.key.fingerprint})
+    if not other:
+        return []
+    more = f", and {len(other) - 4} more" if len(other) > 4 else ""
+    return [f"the database also holds current MODELLED profiles of {len(other)} other preset(s) for this shape/EP "
+            f"size/nodes ({', '.join(other[:4])}{more}); the most recently tuned one, {rec.key.fingerprint}, is used "
+            "(`moetune profiles list --provenance preset` shows them; `moetune query` says whether a digest is the "
+            "shipped preset's)"]
 
 
 def _transport_problem(family: str, knobs: Knobs | None, transport_ok: Callable[[str], str | None] | None) -> str | None:

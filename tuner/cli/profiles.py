@@ -142,6 +142,11 @@ def show(
     rows.append(("provenance", PROVENANCE_LABEL[str(eff)] + ("" if eff == rec.provenance else escape(
         f" (stored as {rec.provenance}, but its backend does not measure: `moetune db check`)"))))
     rows.append(("measured_on", escape(rec.measured_on or "(unknown)")))
+    if eff == "preset" and rec.measured_on:  # an edited copy of a shipped preset keeps its name: the digest says which
+        from moetune.tuner.fabric_model.presets import preset_origin
+
+        shipped, origin = preset_origin(rec.measured_on)
+        rows.append(("preset", escape(origin) if shipped else f"[red]{escape(origin)}[/]"))
     rows.append(("routing", escape(rec.tuned_routing or "(not recorded)")))
     for name, value in perf_env_lines(rec):
         rows.append((escape(name), escape(value)))

@@ -182,6 +182,16 @@ def provenance_of(res: Resolution, db: Path) -> tuple[str, str]:
     return got if got is not None else ("unknown", "")
 
 
+def preset_note(provenance: str, measured_on: str) -> tuple[bool | None, str]:
+    """(whether it is the shipped preset's content, a note saying which) for a preset profile's `measured_on`
+    (`presets.preset_origin`); (None, "") for any other provenance."""
+    if provenance != "preset" or not measured_on:
+        return None, ""
+    from moetune.tuner.fabric_model.presets import preset_origin
+
+    return preset_origin(measured_on)
+
+
 PROVENANCE_LABEL = {"measured": "[green]measured[/]", "node_model": "[yellow]MODELLED[/] (node model)",
                     "preset": "[red]PRESET[/] (another machine's model)", "unknown": "[red]UNKNOWN[/]"}
 # `--format env`: every profile that is not a measurement (defaults are labelled by their source alone).
@@ -272,8 +282,10 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"export {k}={v}")
             typer.echo(f"export MOETUNE_PROFILE_HASH={res.profile_hash}")
             return
+        # a preset's measured_on names its content's digest: whether that is the shipped preset's or an edited copy's
+        shipped, origin = preset_note(provenance, measured_on)
         out = {"source": res.source, "profile_hash": res.profile_hash, "status": res.status,
-               "provenance": provenance, "measured_on": measured_on,
+               "provenance": provenance, "measured_on": measured_on, "preset_shipped": shipped,
                "knobs": res.knobs.to_dict(), "env": res.env, "key": res.key.to_dict() if res.key else None,
                "family": res.family, "message": res.message, "env_status": res.env_status, "env_diff": res.env_diff}
         if fmt == "json":
@@ -292,6 +304,8 @@ def register(app: typer.Typer) -> None:
         t.add_row("provenance", PROVENANCE_LABEL.get(provenance, escape(provenance)))
         if measured_on:
             t.add_row("measured on", escape(measured_on))
+        if origin:
+            t.add_row("preset", escape(origin) if shipped else f"[red]{escape(origin)}[/]")
         if res.key:
             t.add_row("fingerprint", escape(res.key.fingerprint))
             t.add_row("family", escape(res.key.transport_family))

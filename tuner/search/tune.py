@@ -33,6 +33,7 @@ from moetune.runtime.profile_record import (
     PRESET_PREFIX,
     ProfileKey,
     ProfileRecord,
+    is_preset_fingerprint,
     metric_of_backend,
     nearest_bucket,
     provenance_of_backend,
@@ -575,6 +576,9 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
     # Say what the numbers are: a local measurement on this node, or a prediction (node model / preset).
     provenance = "measured" if isinstance(be, LocalBackend) else provenance_of_backend(be.label)
     on_node = provenance != "preset"  # measured here, or predicted by this node's own calibrated model
+    # where the numbers come from: this node's fingerprint, or the preset's `preset:NAME:DIGEST` (the digest of its
+    # content: an edited copy of a shipped preset keeps the name, and must not read as the shipped one's)
+    measured_on = facts.fingerprint if on_node or is_preset_fingerprint(facts.fingerprint) else ""
     software = {str(k): str(v) for k, v in dict(facts.software).items()}
     # the NCCL/NVSHMEM/FI environment the ranks measured in (a prediction has none: not recorded)
     perf = be.perf_environment()  # None from a backend that measures nothing (a prediction)
@@ -583,7 +587,7 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
         now = store_now()  # to the microsecond: one second held a replaced row and the re-measurement replacing it
         return ProfileRecord(key=key, knobs=kn, latency_us=float(m.median_us), spread_us=float(m.spread_us),
                              backend=be.label, status="current", software_versions=dict(software), created=now,
-                             updated=now, provenance=provenance, measured_on=facts.fingerprint if on_node else "",
+                             updated=now, provenance=provenance, measured_on=measured_on,
                              routing=result.workload.routing,
                              perf_env=dict(perf.variables) if perf is not None else msgspec.UNSET)
 

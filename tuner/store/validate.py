@@ -254,7 +254,7 @@ def check_import_record(rec: ProfileRecord, now: _dt.datetime | None = None) -> 
     if rec.provenance == "measured" and rec.measured_on != key.fingerprint:
         raise FieldError("measured_on", f"a measured profile is measured on its key's fingerprint, got {rec.measured_on[:64]!r}")
     if rec.provenance == "preset" and not is_preset_fingerprint(rec.measured_on):
-        raise FieldError("measured_on", f"a preset profile names its preset (preset:NAME), got {rec.measured_on[:64]!r}")
+        raise FieldError("measured_on", f"a preset profile names its preset (preset:NAME[:DIGEST]), got {rec.measured_on[:64]!r}")
 
 
 def field_of_validation_error(err: msgspec.ValidationError) -> str:

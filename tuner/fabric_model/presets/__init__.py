@@ -161,6 +161,41 @@ def preset_digest(preset: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _shipped_digest(name: str) -> str | None:
+    """`preset_digest` of the shipped preset `name` (None: no preset of that name is shipped). Read from the package
+    itself, never from a file of that name in the working directory (which `load_preset(name)` would take)."""
+    if name not in list_presets():
+        return None
+    if name not in _SHIPPED_DIGESTS:
+        _SHIPPED_DIGESTS[name] = preset_digest(_parse(tomllib.loads((_preset_dir() / f"{name}.toml").read_text()), None))
+    return _SHIPPED_DIGESTS[name]
+
+
+_SHIPPED_DIGESTS: dict[str, str] = {}
+
+
+def preset_origin(measured_on: str) -> tuple[bool | None, str]:
+    """Whether a preset profile's `measured_on` (`preset:NAME:DIGEST`, DIGEST its preset's `preset_digest`) is the
+    shipped preset NAME's content, and a note saying so: (True, ...) the shipped preset's numbers; (False, ...) another
+    content under a shipped preset's name (an edited or calibrated copy keeps the name), or a preset file of a name
+    nothing ships; (None, ...) not recorded: a profile an older moetune stored says only `preset:NAME`."""
+    from moetune.runtime.profile_record import PRESET_PREFIX
+
+    rest = measured_on.removeprefix(PRESET_PREFIX)
+    name, _, digest = rest.rpartition(":")
+    if not (len(digest) == 16 and all(c in "0123456789abcdef" for c in digest)):
+        name, digest = rest, ""
+    shipped = _shipped_digest(name)
+    if not digest:
+        return None, f"which {name} predicted it is not recorded (stored by an older moetune)"
+    if shipped is None:
+        return False, f"a preset file named {name} (no preset of that name is shipped), content digest {digest}"
+    if digest == shipped:
+        return True, f"the shipped preset {name}"
+    return False, (f"NOT the shipped preset {name}: a file of that name with other numbers (an edited or calibrated "
+                   f"copy), content digest {digest}; the shipped one's is {shipped}")
+
+
 def _tq(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
