@@ -33,68 +33,9 @@ from moetune.tuner.search.study import (
     study_name,
 )
 from moetune.tuner.search.tune import tune_profiles_detailed
+from moetune.tuner.store.store import Store
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
-
-# A stand-in profile store with the contract's semantics (one transaction per put; the gain must beat
-# the noise), used until moetune.tuner.store.store lands; the real Store is used when it is importable.
-STORE_SRC = textwrap.dedent('''
-    import json, sqlite3
-    from moetune.runtime.profile_record import ProfileRecord
-    import msgspec
-
-    class MiniStore:
-        def __init__(self, path):
-            self.path = str(path)
-            self.url = "sqlite:///" + self.path
-            with self._con() as c:
-                c.execute("create table if not exists profiles (id integer primary key, key text, rec text, status text)")
-                c.execute("create table if not exists runs (id integer primary key, study text, status text, trials int)")
-        def _con(self):
-            c = sqlite3.connect(self.path, timeout=30)
-            c.execute("pragma journal_mode=wal")
-            return c
-        def start_run(self, *, study_name, storage, backend):
-            with self._con() as c:
-                return c.execute("insert into runs (study, status, trials) values (?, 'running', 0)", (study_name,)).lastrowid
-        def finish_run(self, run_id, *, status, trials, best_value):
-            with self._con() as c:
-                c.execute("update runs set status=?, trials=? where id=?", (status, trials, run_id))
-        def get_current(self, key):
-            with self._con() as c:
-                row = c.execute("select rec from profiles where key=? and status='current'",
-                                (msgspec.json.encode(key).decode(),)).fetchone()
-            return msgspec.json.decode(row[0], type=ProfileRecord) if row else None
-        def put_profile(self, rec, *, force_reason=None, replace_routing=False):
-            k = msgspec.json.encode(rec.key).decode()
-            c = self._con()
-            try:
-                c.execute("begin immediate")
-                row = c.execute("select id, rec from profiles where key=? and status='current'", (k,)).fetchone()
-                if row:
-                    old = msgspec.json.decode(row[1], type=ProfileRecord)
-                    if not force_reason and not old.latency_us - rec.latency_us > max(old.spread_us, rec.spread_us):
-                        c.execute("rollback")
-                        return False, "gain within noise"
-                    c.execute("update profiles set status='superseded' where id=?", (row[0],))
-                c.execute("insert into profiles (key, rec, status) values (?, ?, 'current')",
-                          (k, msgspec.json.encode(rec).decode()))
-                c.execute("commit")
-                return True, "written"
-            finally:
-                c.close()
-''')
-
-
-def make_store(path: Path):
-    try:
-        from moetune.tuner.store.store import Store  # type: ignore[attr-defined]
-
-        return Store(path)
-    except ImportError:
-        ns: dict = {}
-        exec(STORE_SRC, ns)
-        return ns["MiniStore"](path)
 
 
 class Facts:
@@ -161,7 +102,7 @@ def _key(family: str = "proxy:ibrc", bucket: int = 128) -> ProfileKey:
 
 
 def test_resume_runs_only_the_missing_trials_and_gate(tmp_path: Path) -> None:
-    store = make_store(tmp_path / "moetune.db")
+    store = Store(tmp_path / "moetune.db")
     url = f"sqlite:///{tmp_path / 'studies.db'}"
     calls = []
 
@@ -210,13 +151,10 @@ DRIVER = textwrap.dedent('''
     from moetune.runtime.shapes import MODELS
     from moetune.tuner.search.backends import CallableBackend
     from moetune.tuner.search.tune import tune_profiles_detailed
+    from moetune.tuner.store.store import Store
     ns = {{}}
-    exec(open({store_src!r}).read(), ns)
-    try:
-        from moetune.tuner.store.store import Store
-        store = Store({db!r})
-    except ImportError:
-        store = ns["MiniStore"]({db!r})
+    exec(open({helpers!r}).read(), ns)
+    store = Store({db!r})
     facts = ns["Facts"]()
     def f(k, wl):
         time.sleep({sleep})
@@ -243,7 +181,7 @@ def test_kill_9_mid_study_then_rerun_completes(tmp_path: Path) -> None:
     import inspect
 
     src = tmp_path / "helpers.py"
-    src.write_text(STORE_SRC + "\n" + textwrap.dedent('''
+    src.write_text(textwrap.dedent('''
         class _F:
             def __init__(self, name): self.name = name
     ''') + textwrap.dedent(inspect.getsource(Facts)).replace(
@@ -253,7 +191,7 @@ def test_kill_9_mid_study_then_rerun_completes(tmp_path: Path) -> None:
     db, sdb = tmp_path / "moetune.db", tmp_path / "studies.db"
     trials = 60
     script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(testdir=str(tmp_path), store_src=str(src), db=str(db), sleep=0.03, trials=trials,
+    script.write_text(DRIVER.format(testdir=str(tmp_path), helpers=str(src), db=str(db), sleep=0.03, trials=trials,
                                     url=f"sqlite:///{sdb}"))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -265,7 +203,7 @@ def test_kill_9_mid_study_then_rerun_completes(tmp_path: Path) -> None:
     proc.wait(timeout=10)
     killed_at = _finished_in(sdb)
     assert 12 <= killed_at < trials
-    store = make_store(db)
+    store = Store(db)
     assert store.get_current(_key()) is None  # nothing half-written became current
 
     rerun = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120)
@@ -334,7 +272,7 @@ def test_only_discovered_transports_are_tuned(tmp_path: Path, capture: str, fami
     from moetune.tuner.fabric.discovery import discover
 
     facts = discover(CAPTURES / capture)
-    store = make_store(tmp_path / "m.db")
+    store = Store(tmp_path / "m.db")
     seen: set[str] = set()
 
     def f(k: Knobs, wl: TuneWorkload) -> float:
@@ -381,7 +319,7 @@ def test_a_model_tune_stores_the_policy_default_for_knobs_the_model_cannot_tell_
     predicts the same, so the study must not offer them (it would store its first trial's values as tuned)."""
     from moetune.tuner.fabric_model.predict import KNOBS_READ
 
-    store = make_store(tmp_path / "moetune.db")
+    store = Store(tmp_path / "moetune.db")
     res = tune_profiles_detailed(store, Facts(), models=[MODELS["qwen3-30b"]], tokens=[1000], backend="model",
                                  preset="pcie4-consumer-4090x4", families=["host_staged"], trials=12,
                                  storage=f"sqlite:///{tmp_path / 'studies.db'}", ep_size=4)
