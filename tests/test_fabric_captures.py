@@ -158,6 +158,35 @@ def test_capture_refuses_non_empty_dir(tmp_path: pathlib.Path) -> None:
     assert (tmp_path / "x").read_text() == "keep me"
 
 
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), OSError(28, "No space left on device")])
+@pytest.mark.parametrize("existed", [False, True])
+def test_an_interrupted_capture_leaves_no_half_written_folder(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                             exc: BaseException, existed: bool) -> None:
+    """Ctrl-C or a full disk once the command outputs are written (packages.json, the manifest still to come): the
+    folder was left with sys/, proc/ and commands/ but no manifest, which readers refuse and a new `fabric capture`
+    into it refused as "not an empty directory". Now DIR is as it was: absent, or empty."""
+    from moetune.tuner.fabric.capture import CaptureWriteError
+
+    dest = tmp_path / "cap"
+    if existed:
+        dest.mkdir()
+    real = pathlib.Path.write_text
+
+    def write_text(self: pathlib.Path, *a, **kw):
+        if self.name in ("packages.json", "manifest.json"):
+            raise exc
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+    with pytest.raises(CaptureWriteError if isinstance(exc, OSError) else KeyboardInterrupt):
+        capture_node(dest, source=CaptureSource(CAPTURES / "dgx-h100"))
+    assert (dest.is_dir() and not any(dest.iterdir())) if existed else not dest.exists()
+    assert [p.name for p in tmp_path.iterdir()] == (["cap"] if existed else [])
+    monkeypatch.setattr(pathlib.Path, "write_text", real)
+    out = capture_node(dest, source=CaptureSource(CAPTURES / "dgx-h100"))  # a rerun into the same folder works
+    assert discover(out).fingerprint == discover(CAPTURES / "dgx-h100").fingerprint
+
+
 def test_facts_dict_round_trip() -> None:
     f = facts("dgx-h100")
     g = FabricFacts.from_dict(f.to_dict())

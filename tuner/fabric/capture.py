@@ -14,6 +14,7 @@ sizes let a truncated file be reported as such.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -114,9 +115,35 @@ def capture_node(dest: Path | str, *, timeout_s: float = 1.5, source: Source | N
     finally:
         if isinstance(live, LiveSource):
             live.close()
+    created = not dest.exists()
     try:
         dest.mkdir(parents=True, exist_ok=True)
         write_capture(rec, dest, facts)
-    except OSError as e:
-        raise CaptureWriteError(dest, f"cannot write the capture: {e.strerror or e}")
+    except BaseException as e:
+        # Ctrl-C or a full disk mid-write: the half-written capture goes (a folder without its manifest, which
+        # readers refuse, and which a new `fabric capture DIR` refused as "not an empty directory"), so DIR is
+        # as it was, absent or empty
+        _remove_partial(rec, dest, created)
+        if isinstance(e, OSError):
+            raise CaptureWriteError(dest, f"cannot write the capture: {e.strerror or e}") from None
+        raise
     return dest
+
+
+def _remove_partial(rec: RecordingSource, dest: Path, created: bool) -> None:
+    """Remove what `write_capture` may have written under `dest` (new, or empty before): only the top-level names a
+    capture has, never anything else found there; `dest` itself too when this capture created it."""
+    import shutil
+
+    tops = {p.lstrip("/").split("/", 1)[0] for p in (*rec.files, *rec.dirs)} - {"", ".", ".."}
+    tops |= {"commands", PACKAGES_FILE.split("/", 1)[0], GPU_API_FILE, MANIFEST_FILE}
+    for name in tops:
+        p = dest / name
+        with contextlib.suppress(OSError):  # what cannot be removed stays; the error raised says what went wrong
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.is_symlink() or p.exists():
+                p.unlink()
+    if created:
+        with contextlib.suppress(OSError):
+            dest.rmdir()
