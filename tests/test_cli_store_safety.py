@@ -149,6 +149,30 @@ def test_export_replacing_a_file_keeps_its_permissions_and_symlink(tmp_path):
     assert stat.S_IMODE(f.stat().st_mode) == 0o640
 
 
+def test_write_atomic_writes_through_a_symlink(tmp_path):
+    """write_atomic (bench summarize, model calibrate --out, the bring-up's files) replaced a symlink with a regular
+    file, the file it named left stale; export alone resolved the link first. Now the link stays, its file is
+    replaced (permissions kept); a dangling link gets the file it names."""
+    from moetune.tuner.store.io import write_atomic
+
+    f = tmp_path / "d" / "real.md"
+    f.parent.mkdir()
+    f.write_text("old\n")
+    f.chmod(0o640)
+    link = tmp_path / "link.md"
+    link.symlink_to(f)
+    write_atomic(link, "new\n")
+    assert link.is_symlink() and f.read_text() == "new\n" and stat.S_IMODE(f.stat().st_mode) == 0o640
+    assert sorted(p.name for p in f.parent.iterdir()) == ["real.md"]
+    dangling = tmp_path / "dangling.md"
+    dangling.symlink_to(tmp_path / "d" / "later.md")
+    write_atomic(dangling, "x")
+    assert dangling.is_symlink() and (tmp_path / "d" / "later.md").read_text() == "x"
+    with pytest.raises(FileExistsError):  # replace=False: the file the link names exists
+        write_atomic(link, "other", replace=False)
+    assert f.read_text() == "new\n"
+
+
 # -- 2: read commands never create or migrate; nobody adds tables to a foreign file -----------------
 @pytest.mark.parametrize(
     "args",

@@ -323,3 +323,25 @@ def test_calibrate_out_is_replaced_atomically(tmp_path: Path, monkeypatch) -> No
     assert "cannot write the calibrated preset (No space left on device)" in " ".join(r.output.split())
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.toml", "rows.jsonl"]
+
+
+def test_calibrate_out_through_a_symlink_replaces_the_file_it_names(tmp_path: Path) -> None:
+    """An --out that is a link (to the node model the daemon reads, say): the atomic write replaced the link itself
+    with a regular file, so the file it named kept the old calibration. The link stays; its file gets the new one."""
+    data = tmp_path / "rows.jsonl"
+    lines = [ln for ln in (ROOT / "bench/results/2026-11-30_h200x2_nccl_baseline.jsonl").read_text().splitlines()
+             if '"host_staged"' in ln and '"qwen3-30b"' in ln]
+    data.write_text("\n".join(lines) + "\n")
+    real = tmp_path / "models" / "node.toml"
+    real.parent.mkdir()
+    real.write_text("old\n")
+    link = tmp_path / "current.toml"
+    link.symlink_to(real)
+    r = runner.invoke(app, ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(data), "--out", str(link),
+                            "--replace", "--params", "collective.host_alpha_us,pcie.h2d_gbps"])
+    assert r.exit_code == 0, r.output
+    from moetune.tuner.fabric_model.predict import load_preset
+
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert load_preset(str(real), fresh=True).calibration["points"] == 8
+    assert sorted(p.name for p in real.parent.iterdir()) == ["node.toml"]  # no temporary file left

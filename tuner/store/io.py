@@ -176,9 +176,13 @@ def write_atomic(path: Path, data: str | bytes, *, replace: bool = True) -> None
     """Replace `path` with `data` (str: UTF-8) atomically: a crash or a full disk mid-write leaves the previous file
     whole (a new temporary file in the same directory, fsynced, then os.replace); an existing file keeps its
     permissions. `replace=False`: FileExistsError when `path` exists by the time the file is put in place (a hard
-    link, which never replaces, instead of os.replace: no window between the check and the write). Used by the
-    export and by the bring-up's state file and report."""
+    link, which never replaces, instead of os.replace: no window between the check and the write). A symlink is
+    written through, as a plain write would: the link stays and the file it names is replaced (os.replace on the
+    link itself would turn it into a regular file, leaving the file it named stale). Used by the export, `bench
+    summarize`, `model calibrate --out`, the bring-up's state file, report and node model."""
     raw = data.encode("utf-8") if isinstance(data, str) else data
+    if path.is_symlink():  # its target (a dangling link: the file it names is created)
+        path = Path(os.path.realpath(path))
     old_mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     # 0o666 less the umask, like any new file; O_EXCL: never write into a file we did not create
