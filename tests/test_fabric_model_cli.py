@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -345,3 +346,35 @@ def test_calibrate_out_through_a_symlink_replaces_the_file_it_names(tmp_path: Pa
     assert link.is_symlink() and link.resolve() == real.resolve()
     assert load_preset(str(real), fresh=True).calibration["points"] == 8
     assert sorted(p.name for p in real.parent.iterdir()) == ["node.toml"]  # no temporary file left
+
+
+def test_sweep_plot_that_cannot_be_saved_leaves_the_earlier_plot_whole(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`model sweep --out plot.png` saved with fig.savefig(path): a full disk (or Ctrl-C) mid-save left the earlier
+    plot of that name truncated. Now the figure is rendered in memory and the file replaced atomically."""
+    import errno
+
+    from PIL import Image
+
+    out = tmp_path / "plot.png"
+    args = ["model", "sweep", "-p", "nvlink-h200x2", "-n", "1", "--over", "tokens", "--out", str(out)]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and out.stat().st_size > 1000, r.output
+    before = out.read_bytes()
+    save = Image.Image.save
+
+    def enospc(*_a: object, **_k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_disk_save(self, fp, *a, **k):  # type: ignore[no-untyped-def]
+        if isinstance(fp, str | os.PathLike):  # a file: opened (truncated), then the disk is full
+            with open(fp, "wb") as f:
+                f.write(b"\x89PNG")
+            enospc()
+        return save(self, fp, *a, **k)  # memory: rendered whole
+
+    monkeypatch.setattr(Image.Image, "save", full_disk_save)
+    monkeypatch.setattr(os, "fsync", enospc)  # the atomic write fails before its rename
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and "cannot write the plot (No space left on device)" in " ".join(r.output.split()), r.output
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]  # no temporary file left

@@ -517,8 +517,10 @@ def _draw(series: dict[str, list[dict]], over: str, out: Path, title: str) -> No
     a1.legend(fontsize=8)
     fig.suptitle(title + " (MODELLED, not measured)")
     fig.tight_layout()
-    try:
-        fig.savefig(out, dpi=110)
+    from moetune.tuner.store.io import write_figure
+
+    try:  # atomic: Ctrl-C or a full disk mid-save must not leave an earlier plot of that name truncated
+        write_figure(fig, out, dpi=110)
     except (OSError, ValueError) as e:
         _fail(f"--out {out}: cannot write the plot ({getattr(e, 'strerror', None) or e})")
     finally:

@@ -211,6 +211,18 @@ def write_atomic(path: Path, data: str | bytes, *, replace: bool = True) -> None
             os.close(dfd)
 
 
+def write_figure(fig: Any, path: Path, **savefig_kw: Any) -> None:
+    """Save a matplotlib figure to `path` atomically (`write_atomic`): rendered in memory first, so Ctrl-C or a full
+    disk mid-save leaves an earlier plot of that name whole (fig.savefig(path) truncated it first). The format
+    is the file's suffix, as savefig reads it (none: matplotlib's savefig.format); a ValueError for one it cannot
+    write, before anything is written."""
+    import io as _io
+
+    buf = _io.BytesIO()
+    fig.savefig(buf, format=path.suffix[1:].lower() or None, **savefig_kw)
+    write_atomic(path, buf.getvalue())
+
+
 def _key_text(key: ProfileKey) -> str:
     # a file's text, in a message printed to a terminal: control characters as escapes
     return printable(
