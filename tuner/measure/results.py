@@ -154,8 +154,9 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
     try:
         with path.open("a", encoding="utf-8", newline="") as f:
             f.write(text)
-    except OSError:
-        # a write cut short (a full disk) leaves no partial row behind: the caller keeps every row elsewhere
+    except BaseException:
+        # a write cut short (a full disk, Ctrl-C) leaves no partial row behind (the next append would glue onto it):
+        # on an OSError the caller keeps every row elsewhere
         with contextlib.suppress(OSError):
             if path.is_file() and path.stat().st_size > size:
                 os.truncate(path, size)
