@@ -24,6 +24,7 @@ Used by the CLI (spawned ranks or torchrun) and by bench/gpu_runtime.py (many ca
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import time
 from typing import Any
@@ -46,6 +47,12 @@ VERIFY_BOUNDS = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 1e-2}
 
 def verify_bound(dtype: str, compression: str) -> float:
     return VERIFY_BOUNDS[dtype] + (FP8_LAYER_REL_ERR_BOUND if compression != "none" else 0.0)
+
+
+def worst_err(err: float) -> float:
+    """A relative error as a maximum keeps it: NaN (a non-finite output, a row left poisoned) as +inf. Python's
+    max() and a MAX all-reduce may drop a NaN, and the round trip reported 0.0 for an output of NaN."""
+    return math.inf if math.isnan(err) else err
 
 
 def timing(values: list[float]) -> dict[str, float]:
@@ -256,7 +263,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
             host["roundtrip"].append((h1 - h0) * 1e6)
         if it >= warmup + iters - rotate:  # every set's round trip is checked once (outside the timings)
             # the round trip with identity experts must give back x times the sum of its weights
-            rt_worst = max(rt_worst, max_rel_err(rt_out, x.float() * w.float().sum(1, keepdim=True)))
+            rt_worst = max(rt_worst, worst_err(max_rel_err(rt_out, x.float() * w.float().sum(1, keepdim=True))))
         if layer is not None and measure_layer:
             _barrier(device)
             t0 = timer.mark()
@@ -304,7 +311,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
     if verify and layer is not None:
         out = layer.forward_routed(x, idx, w)
         ref = dense_reference(x, model, seed=seed, topk_idx=idx, topk_weights=w)
-        err = max_rel_err(out, ref)
+        err = worst_err(max_rel_err(out, ref))
 
     # the step time of an iteration is the slowest rank's
     mine = torch.tensor([times["dispatch"], times["combine"], times["roundtrip"], times["layer"] or [0.0] * iters],
@@ -432,7 +439,7 @@ def _graph_roundtrip(roundtrip, device: torch.device, iters: int, warmup: int, c
     _barrier(device)
     g.replay()
     torch.cuda.synchronize(device)
-    rel = torch.tensor([check_output(out)], dtype=torch.float64, device=device)
+    rel = torch.tensor([worst_err(check_output(out))], dtype=torch.float64, device=device)
     if kept is not None:
         x.copy_(kept)
     t = torch.tensor(samples, dtype=torch.float64, device=device)

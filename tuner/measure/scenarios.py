@@ -341,8 +341,10 @@ def ep_command(args: dict[str, Any], env: dict[str, str], world: int, backend: s
 @driver("ep")
 def run_ep(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     """EP dispatch/combine (`moetune bench ep`'s code): consecutive cases with the same environment share one
-    spawned world (started once, then every case through it), so they run side by side."""
+    spawned world (started once, then every case through it), so they run side by side. A case whose round trip
+    (or verified layer) gave a wrong output (`outputs.ep_report_problem`) fails with that reason: no timing."""
     from moetune.runtime.testing.launch import LaunchError, launch
+    from moetune.tuner.measure.outputs import ep_report_problem
     from moetune.tuner.measure.worker import case_config
 
     results: list[CaseResult] = []
@@ -382,6 +384,8 @@ def run_ep(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
             rep = next(it, None) if not err else None
             if rep is None or rep.get("error"):
                 results.append(CaseResult(c.name, {}, cmd, err or (rep or {}).get("error", "no report")))
+            elif (wrong := ep_report_problem(rep)) is not None:  # a wrong output's timings are no measurement
+                results.append(CaseResult(c.name, {}, cmd, wrong))
             else:
                 results.append(CaseResult(c.name, _from_report(rep), cmd, rep.get("graph_error") or ""))
         i = j

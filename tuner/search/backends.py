@@ -38,6 +38,7 @@ from moetune.runtime.profile_record import COMM_METRIC
 from moetune.runtime.profiles.launcher_env import launcher_env
 from moetune.runtime.profiles.perf_env import PerfEnv, perf_env_digest, performance_environment, relevant_to
 from moetune.runtime.shapes import MODELS, ModelShape
+from moetune.tuner.measure.outputs import ep_report_problem
 from moetune.tuner.measure.stats import Summary, half_range
 
 _log = logging.getLogger("moetune.tuner.search.backends")
@@ -822,8 +823,8 @@ class LocalBackend(BenchmarkBackend):
             value = self._value(res)
         except ValueError as e:
             return None, {"seconds": secs}, str(e)
-        details = {k: res[k] for k in ("dispatch_us", "combine_us", COMM_FIGURE, "layer_us", "max_rel_err", "world",
-                                       "backend") if k in res}
+        details = {k: res[k] for k in ("dispatch_us", "combine_us", COMM_FIGURE, "layer_us", "max_rel_err", "verify_bound",
+                                       "roundtrip_rel_err", "roundtrip_bound", "world", "backend") if k in res}
         details["seconds"] = secs
         return value, details, None
 
@@ -871,6 +872,11 @@ class LocalBackend(BenchmarkBackend):
             value, det, error = self.run_once(knobs, workload)
             if error is not None:
                 return Measurement.failed(error, details=_jsonable(det))
+            # a setting whose output was wrong (a transport that moved stale rows, or nothing) is as fast as a right
+            # one, or faster: never a timing, and unsafe to run (infeasible), whatever error_budget says
+            wrong = ep_report_problem(det)
+            if wrong is not None:
+                return Measurement.failed(wrong, infeasible=True, details=_jsonable(det))
             err = det.get("max_rel_err")
             if self.error_budget is not None and isinstance(err, (int, float)) and err > self.error_budget:
                 return Measurement.failed(f"measured relative error {err:.4g} over the budget {self.error_budget:g}",
