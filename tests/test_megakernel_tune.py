@@ -251,6 +251,163 @@ def test_a_winner_within_noise_of_the_default_is_not_stored_as_tuned(tmp_path: P
     assert "the default stored" in res[0].reason
 
 
+# -- a trial's output is checked against the fp32 reference (tuner/measure/moe.py megakernel_output_problem) --------
+
+SMALL = "custom:128,64,8,2"  # hidden, intermediate, experts, topk: the reference is quick on a CPU
+
+
+def test_output_problem_decides_from_two_tensors() -> None:
+    """The verdict every megakernel trial gets, as a pure function of the output and the reference: the GPU tests'
+    bound (max |out - ref| / max |ref| <= 1e-2), and a row left poisoned (NaN) or another shape is wrong."""
+    import torch
+
+    from moetune.tuner.measure.moe import MK_REL_ERR_BOUND, output_problem
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(16, 32, generator=g)
+    assert MK_REL_ERR_BOUND == 1e-2
+    assert output_problem(ref.to(torch.bfloat16), ref, MK_REL_ERR_BOUND, "x") is None  # bf16 rounding passes
+    assert output_problem(ref * 1.005, ref, MK_REL_ERR_BOUND, "x") is None
+    assert "exceeds its bound 0.01" in (output_problem(ref * 1.03, ref, MK_REL_ERR_BOUND, "x") or "")
+    assert "relative error 1 exceeds" in (output_problem(torch.zeros_like(ref), ref, MK_REL_ERR_BOUND, "x") or "")
+    poisoned = ref.clone()
+    poisoned[3:5] = float("nan")
+    assert "2 of 16 rows hold non-finite values" in (output_problem(poisoned, ref, MK_REL_ERR_BOUND, "x") or "")
+    assert "shape (8, 32)" in (output_problem(ref[:8], ref, MK_REL_ERR_BOUND, "x") or "")
+
+
+class _FakeMegakernel:
+    """Stands in for MegakernelMoE on the CPU: the fp32 reference layer of `seed`'s weights (what a right kernel
+    computes), with the routing it is given or torch's route from the gate; subclasses break one path."""
+
+    def __init__(self, model: Any, seed: int = 0) -> None:
+        import torch
+
+        from moetune.runtime.moe_layer import gate_weight
+
+        self.model, self.seed, self.device = model, seed, torch.device("cpu")
+        self.gate = gate_weight(model, seed=0, device=self.device, dtype=torch.bfloat16)
+        self.idx: Any = None
+
+    def _compute(self, x: Any, idx: Any, w: Any, out: Any) -> Any:
+        import torch
+
+        from moetune.runtime.moe_layer import dense_reference
+
+        self.idx = idx
+        y = dense_reference(x, self.model, seed=self.seed, topk_idx=idx, topk_weights=w, weight_dtype=torch.bfloat16)
+        return out.copy_(y.to(out.dtype))
+
+    def forward_routed(self, x: Any, idx: Any, w: Any, out: Any) -> Any:
+        return self._compute(x, idx, w, out)
+
+    def forward(self, x: Any, out: Any) -> Any:
+        from moetune.runtime.moe_layer import route
+
+        return self._compute(x, *route(x, self.gate, self.model.topk), out)
+
+    def routing(self, s: int) -> tuple[Any, Any]:
+        return self.idx, None
+
+
+class _StaleRows(_FakeMegakernel):
+    def forward_routed(self, x: Any, idx: Any, w: Any, out: Any) -> Any:  # writes half the rows, leaves the rest
+        super().forward_routed(x[: x.shape[0] // 2], idx[: x.shape[0] // 2], w[: x.shape[0] // 2],
+                               out[: x.shape[0] // 2])
+        return out
+
+
+class _WrongOnItsOwnRouting(_FakeMegakernel):
+    def forward(self, x: Any, out: Any) -> Any:  # right with given routing, zeros when it routes from the gate
+        super().forward(x, out)
+        return out.zero_()
+
+
+def test_megakernel_output_check_catches_what_a_wrong_setting_computes() -> None:
+    """The check measure_megakernel runs after a trial's timed replays, on fake layers: the right layer passes; one
+    built from other weights, one that leaves rows unwritten (the NaN poison survives) and one that is right only
+    with the routing it is given all fail. The reference is computed once per (model, device, tokens, seed)."""
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe as M
+
+    model = get_model(SMALL)
+    good = _FakeMegakernel(model)
+    assert M.megakernel_output_problem(good, model, 24, 0, good.gate) is None
+    (key,) = M._references
+    ref = M._references[key][3]
+    assert M.megakernel_output_problem(_FakeMegakernel(model), model, 24, 0, good.gate) is None
+    assert M._references[key][3] is ref  # not computed again for the next knob set
+    other = M.megakernel_output_problem(_FakeMegakernel(model, seed=1), model, 24, 0, good.gate)
+    assert other is not None and "wrong output: the layer with the reference's routing" in other
+    assert "exceeds its bound 0.01" in other
+    stale = M.megakernel_output_problem(_StaleRows(model), model, 24, 0, good.gate)
+    assert stale is not None and "12 of 24 rows hold non-finite values" in stale
+    own = M.megakernel_output_problem(_WrongOnItsOwnRouting(model), model, 24, 0, good.gate)
+    assert own is not None and "the layer routing from its gate" in own
+
+
+def test_a_trial_whose_output_is_wrong_is_infeasible_and_never_wins(tmp_path: Path) -> None:
+    """A setting 30 % faster whose output is wrong: before, its timing was stored as the tuned setting."""
+    from moetune.tuner.measure.outputs import WrongOutput
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    def wrong_bm16(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+        if knobs.mk_bm == 16:
+            raise WrongOutput("wrong output: the layer with the reference's routing: relative error 1 exceeds its "
+                              "bound 0.01 (S=128)")
+        return bm16_better(knobs, wl)
+
+    m = LocalBackend(world=1, family="megakernel", repeats=1, mk_measure=wrong_bm16).evaluate(
+        Knobs(engine="megakernel", mk_bm=16), TuneWorkload(model=QWEN, tokens=128))
+    assert not m.ok and m.infeasible and not m.samples and "relative error 1 exceeds its bound 0.01" in (m.error or "")
+    store = F.open_store(tmp_path / "m.db")
+    facts = _facts("h200x1")
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    be = LocalBackend(world=1, family="megakernel", repeats=1, mk_measure=wrong_bm16, mk_decode=lambda wl: False)
+    res = tune_profiles_detailed(store, facts, models=[QWEN], tokens=[128], backend=be, trials=40, progress=False,
+                                 storage=f"sqlite:///{tmp_path / 'opt.db'}", ep_size=1, nodes=1, families=["megakernel"])
+    assert res[0].study.pruned > 0  # bm=16 was sampled, and recorded infeasible
+    assert res[0].record is None or res[0].record.knobs.mk_bm != 16
+
+
+def _need_megakernel_gpu() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the megakernel library is built for sm_90a (Hopper)")
+    from moetune.runtime import csrc_build
+    from moetune.runtime.megakernel import _lib
+
+    try:
+        _lib.load()
+    except csrc_build.BuildError as e:
+        pytest.skip(f"megakernel library unavailable: {str(e)[:500]}")
+
+
+@pytest.mark.gpu
+def test_gpu_trial_output_is_checked_against_the_fp32_reference() -> None:
+    """On a GPU: a trial of the default setting passes the check and gives graph samples; the real layer built from
+    other weights than the reference's fails it (what a setting that computes the wrong layer would do)."""
+    import torch
+
+    _need_megakernel_gpu()
+    from moetune.runtime.megakernel import MegakernelMoE
+    from moetune.tuner.measure import moe as M
+
+    for s in (1, 128):
+        got = M.measure_megakernel(Knobs(engine="megakernel"), QWEN, s, iters=5, warmup=2, rotate=2)
+        assert len(got["graph_us"]) == 5 and all(v > 0 for v in got["graph_us"])
+    gate = next(iter(M._weights.values()))[2]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    right = MegakernelMoE(QWEN, max_tokens=128, device=dev, seed=0)
+    assert M.megakernel_output_problem(right, QWEN, 128, 0, gate) is None
+    other = MegakernelMoE(QWEN, max_tokens=128, device=dev, seed=1)
+    why = M.megakernel_output_problem(other, QWEN, 128, 0, gate)
+    assert why is not None and "exceeds its bound 0.01" in why
+
+
 def _bringup(tmp_path: Path, capture: str, measure: Any) -> Any:
     from moetune.tuner.bringup.flow import Bringup, Plan
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.testing.timing import graphs_of, time_calls
+from moetune.tuner.measure.outputs import WrongOutput, rel_err_problem
 from moetune.tuner.measure.stats import Summary
 
 if TYPE_CHECKING:  # typing only: measure sits below search, so the caller hands the sink down (import rule 3)
@@ -128,16 +129,86 @@ def time_plain_read(w_gate_up: Any, w_down: Any, experts: int, *, warmup: int, i
     return out["graph_us" if graph and cuda else "eager_us"]
 
 
+# What the megakernel's output may differ from the fp32 dense reference with the same routing by (max_rel_err): the
+# GPU tests' bound (tests/test_megakernel_gpu.py `_check`), which every tile, stage and core setting meets.
+MK_REL_ERR_BOUND = 1e-2
+
+
+def output_problem(out: Any, ref: Any, bound: float, what: str) -> str | None:
+    """Why `out` is not `ref` within `bound` (max |out - ref| / max |ref|), None when it is: another shape, a value
+    that is not finite (a row left poisoned: never written) or a relative error over the bound. A pure function of
+    the two tensors (any device)."""
+    import torch
+
+    from moetune.runtime.moe_layer import max_rel_err
+
+    if tuple(out.shape) != tuple(ref.shape):
+        return f"wrong output: {what}: shape {tuple(out.shape)}, the reference's {tuple(ref.shape)}"
+    bad = int((~torch.isfinite(out.float())).any(dim=-1).sum()) if out.numel() else 0
+    if bad:
+        return f"wrong output: {what}: {bad} of {out.shape[0]} rows hold non-finite values (never written?)"
+    return rel_err_problem(max_rel_err(out, ref), bound, what)
+
+
+_references: dict[tuple[Any, ...], tuple[Any, Any, Any, Any]] = {}
+
+
+def megakernel_reference(model: ModelShape, tokens: int, seed: int, device: Any, gate: Any) -> tuple[Any, Any, Any, Any]:
+    """(x, topk_idx, topk_weights, ref) that every knob set's output at `tokens` tokens is checked against: x the
+    first input `measure_megakernel` times, the routing torch's `route` picks from `gate`, ref the fp32
+    `dense_reference` of the layer built from `seed` with that routing. Computed once per (model, device, tokens,
+    seed) (one at a time: a study's trials share it)."""
+    import torch
+
+    from moetune.runtime.moe_layer import dense_reference, route
+
+    key = (model, str(device), tokens, seed)
+    if key not in _references:
+        x = layer_inputs(model, tokens, 1, device, torch.bfloat16, seed + 1)[0]
+        idx, w = route(x, gate, model.topk)
+        # bf16 weights, as measure_megakernel builds them whatever the model's dtype
+        ref = dense_reference(x, model, seed=seed, topk_idx=idx, topk_weights=w, weight_dtype=torch.bfloat16)
+        _references.clear()
+        _references[key] = (x, idx, w, ref)
+    return _references[key]
+
+
+def megakernel_output_problem(layer: Any, model: ModelShape, tokens: int, seed: int, gate: Any) -> str | None:
+    """Why a megakernel layer's output at `tokens` tokens is wrong (`output_problem` against `megakernel_reference`,
+    `MK_REL_ERR_BOUND`), None when it is right. Two calls, each into a NaN-poisoned output (a row never written
+    fails): with the reference's routing (`forward_routed`: every row is checked), and as timed (`forward`: the
+    layer routes from the gate itself; the rows it routed as the reference did are checked, since a near-tie may
+    pick another expert for a row, and every row must be finite). Not timed: call it outside the timed calls."""
+    import torch
+
+    x, idx, w, ref = megakernel_reference(model, tokens, seed, layer.device, gate)
+
+    def poisoned() -> Any:
+        return torch.full(tuple(x.shape), float("nan"), dtype=torch.bfloat16, device=x.device)
+
+    why = output_problem(layer.forward_routed(x, idx, w, out=poisoned()), ref, MK_REL_ERR_BOUND,
+                         "the layer with the reference's routing")
+    if why is not None:
+        return why
+    out = layer.forward(x, out=poisoned())
+    got = layer.routing(tokens)[0].long()
+    same = (got.sort(1).values == idx.long().sort(1).values).all(1)
+    # a row routed otherwise is compared with itself (its finiteness is still checked)
+    return output_problem(out, torch.where(same.unsqueeze(1), ref, out.float()), MK_REL_ERR_BOUND,
+                          "the layer routing from its gate")
+
+
 _weights: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
 
 
 def measure_megakernel(knobs: Knobs, model: ModelShape, tokens: int, *, iters: int = 50, warmup: int = 10,
                        rotate: int = 4, seed: int = 0, options: Any = None) -> dict[str, list[float]]:
-    """The megakernel with `knobs` at `tokens` tokens on the current GPU: graph replay and eager samples (µs).
+    """The megakernel with `knobs` at `tokens` tokens on the current GPU: graph replay and eager samples (µs). After
+    the timed calls the output is checked against the fp32 dense reference (`megakernel_output_problem`, not timed).
 
     Weights are built once per (model, device, seed) and reused across knob sets (a study's trials). Raises
     what the layer raises: `ConfigError` for a setting that does not fit this GPU, `MegakernelError` when
-    the kernel reports one, the build's errors."""
+    the kernel reports one, the build's errors; `WrongOutput` when the output is not the reference's."""
     import torch
 
     from moetune.runtime.megakernel.config import MegakernelConfig
@@ -158,6 +229,10 @@ def measure_megakernel(knobs: Knobs, model: ModelShape, tokens: int, *, iters: i
     xs = layer_inputs(model, tokens, rotate, dev, torch.bfloat16, seed + 1)
     res = time_layer(mk.forward, xs, warmup=warmup, iters=iters, graph=True, cuda=True)
     mk.check()  # a timed-out wait is an error, not a fast trial
+    why = megakernel_output_problem(mk, model, tokens, seed, gate)
+    mk.check()
+    if why is not None:  # a setting that computes the wrong layer is no fast trial either
+        raise WrongOutput(f"{why} (S={tokens})")
     return res
 
 

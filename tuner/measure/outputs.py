@@ -16,6 +16,10 @@ from collections.abc import Mapping
 from typing import Any
 
 
+class WrongOutput(RuntimeError):
+    """A measured run's output was not its reference's within the bound (the message says by how much)."""
+
+
 def rel_err_problem(err: float, bound: float, what: str) -> str | None:
     """Why a relative error `err` of `what` is wrong (over `bound`, or NaN), None when it is within the bound."""
     if isinstance(err, float) and math.isnan(err):

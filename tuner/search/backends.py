@@ -38,7 +38,7 @@ from moetune.runtime.profile_record import COMM_METRIC
 from moetune.runtime.profiles.launcher_env import launcher_env
 from moetune.runtime.profiles.perf_env import PerfEnv, perf_env_digest, performance_environment, relevant_to
 from moetune.runtime.shapes import MODELS, ModelShape
-from moetune.tuner.measure.outputs import ep_report_problem
+from moetune.tuner.measure.outputs import WrongOutput, ep_report_problem
 from moetune.tuner.measure.stats import Summary, half_range
 
 _log = logging.getLogger("moetune.tuner.search.backends")
@@ -836,7 +836,9 @@ class LocalBackend(BenchmarkBackend):
 
     def evaluate_megakernel(self, knobs: Knobs, workload: TuneWorkload) -> Measurement:
         """The whole layer on this GPU: graph-replay samples (what a serving engine replays) are the value,
-        eager ones go in the details. A setting this GPU cannot hold (ConfigError) is infeasible."""
+        eager ones (where the measurement gives any) go in the details. A setting this GPU cannot hold (ConfigError)
+        or whose output is wrong (WrongOutput: `measure_megakernel` checks it against the fp32 reference) is
+        infeasible."""
         if knobs.engine != "megakernel":
             return Measurement.failed(f"family megakernel needs engine=megakernel, got {knobs.engine!r}", infeasible=True)
         if workload.ep_size != 1:
@@ -850,6 +852,8 @@ class LocalBackend(BenchmarkBackend):
                 got = measure(knobs, workload)
             except (KnobError, ValueError) as e:  # ConfigError is a ValueError: a tile/stage/CTA count that does not fit
                 return Measurement.failed(f"setting does not fit: {e}", infeasible=True)
+            except WrongOutput as e:  # its output was not the fp32 reference's: no timing, and unsafe to serve
+                return Measurement.failed(str(e)[:600], infeasible=True)
             except Exception as e:  # build, launch or kernel error: this trial failed, the study goes on
                 return Measurement.failed(f"megakernel run failed: {type(e).__name__}: {e}"[:600])
             graph += [float(v) for v in got.get("graph_us", ())]
