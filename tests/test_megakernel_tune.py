@@ -370,6 +370,55 @@ def test_a_trial_whose_output_is_wrong_is_infeasible_and_never_wins(tmp_path: Pa
     assert res[0].record is None or res[0].record.knobs.mk_bm != 16
 
 
+def test_a_trial_times_only_the_graph_replays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure_megakernel timed an eager block and then the graph replays right after it (rest 0): on a GPU at its
+    power limit the replays, the trial's value, were clocked down by the eager block's heat (S=4096: 743 µs against
+    689 µs rested). Now only the replays are timed, and the output check comes after them. The CUDA parts stand in
+    fakes here (the layer records its calls)."""
+    import torch
+
+    from moetune.runtime import moe_layer
+    from moetune.runtime.megakernel import layer as L
+    from moetune.runtime.megakernel import weights as W
+    from moetune.tuner.measure import moe as M
+
+    events: list[str] = []
+
+    class Layer:
+        def __init__(self, model: Any, **kw: Any) -> None:
+            pass
+
+        def forward(self, x: Any) -> None:
+            events.append(f"forward {x}")
+
+        def check(self) -> None:
+            events.append("check")
+
+    def time_calls(fns: Any, *, warmup: int, iters: int, cuda: bool) -> list[float]:
+        events.append("timed block")
+        for j in range(warmup + iters):
+            fns[j % len(fns)]()
+        return [100.0] * iters
+
+    def graphs_of(fn: Any, xs: Any) -> list[Any]:
+        return [lambda x=x: events.append(f"replay {x}") for x in xs]
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(L, "MegakernelMoE", Layer)
+    monkeypatch.setattr(W, "tile_", lambda t: t)
+    monkeypatch.setattr(moe_layer, "expert_weights", lambda model, e, **kw: (torch.zeros(1), torch.zeros(1)))
+    monkeypatch.setattr(moe_layer, "gate_weight", lambda model, **kw: torch.zeros(1))
+    monkeypatch.setattr(M, "_weights", {})
+    monkeypatch.setattr(M, "layer_inputs", lambda model, tokens, rotate, dev, dtype, seed: [f"x{i}" for i in range(rotate)])
+    monkeypatch.setattr(M, "time_calls", time_calls)
+    monkeypatch.setattr(M, "graphs_of", graphs_of)
+    monkeypatch.setattr(M, "megakernel_output_problem", lambda *a: events.append("output check"))
+    got = M.measure_megakernel(Knobs(engine="megakernel"), QWEN, 128, iters=4, warmup=2, rotate=2)
+    assert got == {"graph_us": [100.0] * 4}
+    assert events.count("timed block") == 1 and not any(e.startswith("forward") for e in events)
+    assert events.index("output check") > max(i for i, e in enumerate(events) if e.startswith("replay"))
+
+
 def _need_megakernel_gpu() -> None:
     import torch
 
