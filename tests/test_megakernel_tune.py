@@ -372,9 +372,9 @@ def test_a_trial_whose_output_is_wrong_is_infeasible_and_never_wins(tmp_path: Pa
 
 def test_a_trial_times_only_the_graph_replays(monkeypatch: pytest.MonkeyPatch) -> None:
     """measure_megakernel timed an eager block and then the graph replays right after it (rest 0): on a GPU at its
-    power limit the replays, the trial's value, were clocked down by the eager block's heat (S=4096: 743 µs against
-    689 µs rested). Now only the replays are timed, and the output check comes after them. The CUDA parts stand in
-    fakes here (the layer records its calls)."""
+    power limit the replays, the trial's value, were clocked down by the eager block's heat (S=4096: 743 µs a replay
+    after eager calls of 689 µs). Now only the replays are timed, and the output check comes after them. The CUDA
+    parts are fakes here (the layer records its calls)."""
     import torch
 
     from moetune.runtime import moe_layer

@@ -206,9 +206,10 @@ def measure_megakernel(knobs: Knobs, model: ModelShape, tokens: int, *, iters: i
     """The megakernel with `knobs` at `tokens` tokens on the current GPU: {"graph_us": samples} of CUDA-graph replays
     (µs), the figure a tuning trial takes (what a serving engine replays).
 
-    Only the replays are timed: an eager block timed before them heated a GPU at its power limit, and the replays
-    then ran slower than rested ones (S=4096: 743 µs after the eager block against 689 µs). After the timed replays
-    the output is checked against the fp32 dense reference (`megakernel_output_problem`, not timed).
+    Only the replays are timed: an eager block timed right before them heats a GPU at its power limit and clocks the
+    replays down (S=4096: 743 µs a replay right after an eager block of 689 µs a call; `settle`: 696-698 µs rested,
+    767-808 µs back to back). After the timed replays the output is checked against the fp32 dense reference
+    (`megakernel_output_problem`, not timed).
 
     Weights are built once per (model, device, seed) and reused across knob sets (a study's trials). Raises
     what the layer raises: `ConfigError` for a setting that does not fit this GPU, `MegakernelError` when
