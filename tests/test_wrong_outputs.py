@@ -161,3 +161,113 @@ def test_a_wrong_fast_setting_does_not_win_a_study(fake_bench: list[str]) -> Non
     assert res.best_knobs is not None and res.best_knobs.pipeline_depth == 1
     pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
     assert len(pruned) == 2 and all("wrong output" in t.user_attrs["infeasible"] for t in pruned)
+
+
+# -- bench moe and bench knobs -------------------------------------------------------------------------------------
+
+TINY_MODEL = "custom:128,64,4,2"
+
+
+class _Megakernel:
+    """Stands in for MegakernelMoE on the CPU: the layer's right output (the dense reference of the layer's seed, from
+    its gate), times `scale` (1: right; 0: a kernel that wrote nothing, or zeros)."""
+
+    scale = 1.0
+
+    def __init__(self, model: Any, **kw: Any) -> None:
+        self.model, self.seed = model, kw["seed"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from moetune.runtime.moe_layer import dense_reference
+
+        return (dense_reference(x, self.model, seed=self.seed, weight_dtype=x.dtype) * self.scale).to(x.dtype)
+
+    def rebind(self, *args: object) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+
+def _megakernel_on_cpu(monkeypatch: pytest.MonkeyPatch, scale: float) -> None:
+    from moetune.runtime.megakernel import engine as E
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    monkeypatch.setattr(_Megakernel, "scale", scale)
+    monkeypatch.setattr(E, "build_megakernel", _Megakernel)
+
+
+def _cli(*args: str) -> Any:
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+@pytest.mark.parametrize("scale", [0.0, 1.05])
+def test_bench_moe_fails_an_engine_whose_output_is_wrong(monkeypatch: pytest.MonkeyPatch, scale: float) -> None:
+    """rel_err_vs_unfused was reported beside the timings and never bounded: an engine computing zeros was a timing
+    row. Now over PAIR_REL_ERR_BOUND (0.02: two right bf16 layers' difference) the case fails at that S."""
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe as M
+
+    _megakernel_on_cpu(monkeypatch, 1.0)
+    rep = M.bench_moe(get_model(TINY_MODEL), [1, 2], ["unfused", "megakernel"], iters=1, warmup=0, rotate=1)
+    right = {(c["engine"], c["S"]): c for c in rep["cases"]}
+    assert right[("megakernel", 1)]["rel_err_vs_unfused"] < 1e-5 and "eager_us" in right[("megakernel", 2)]
+    _megakernel_on_cpu(monkeypatch, scale)
+    rep = M.bench_moe(get_model(TINY_MODEL), [1, 2], ["unfused", "megakernel"], iters=1, warmup=0, rotate=1)
+    rows = {(c["engine"], c["S"]): c for c in rep["cases"]}
+    assert "eager_us" in rows[("unfused", 1)] and "eager_us" in rows[("unfused", 2)]
+    for s in (1, 2):  # each S is checked (and run) on its own
+        row = rows[("megakernel", s)]
+        assert "eager_us" not in row and row["rel_err_vs_unfused"] == pytest.approx(abs(1 - scale), rel=1e-3)
+        assert row["failed"].startswith("wrong output: the layer against the unfused engine's output: relative error")
+        assert "exceeds its bound 0.02" in row["failed"]
+    r = _cli("bench", "moe", "--engine", "unfused,megakernel", "--model", TINY_MODEL, "--tokens", "1", "--iters", "1",
+             "--warmup", "0")
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and "megakernel S=1 failed: wrong output" in flat and "a case failed" in flat, r.output
+
+
+def test_moe_scenario_records_a_wrong_engine_as_failed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _megakernel_on_cpu(monkeypatch, 0.0)
+    args = {"model": TINY_MODEL, "tokens": [1], "iters": 1, "warmup": 0, "rotate": 1}
+    out = S.run_moe([S.Resolved("unfused", dict(args, engine="unfused"), {}),
+                     S.Resolved("megakernel", dict(args, engine="megakernel"), {})],
+                    S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+    by = {r.case: r for r in out}
+    assert by["unfused"].metrics and by["unfused"].error == ""
+    assert by["megakernel"].metrics == {} and by["megakernel"].error.startswith("S=1 failed: wrong output")
+
+
+def test_bench_knobs_fails_a_variant_whose_output_is_wrong(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """rel_err_vs_base was reported beside the differences and never bounded; now over 0.02 the variant fails."""
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe_compare as MC
+
+    _megakernel_on_cpu(monkeypatch, 1.0)
+    variants = {"base": Knobs(engine="unfused"), "mk": Knobs(engine="megakernel")}
+    rep = MC.compare_knobs(get_model(TINY_MODEL), [1], variants, iters=1, warmup=0, rotate=1, chained=1)
+    (mk,) = [c for c in rep["cases"] if c["variant"] == "mk"]
+    assert mk["rel_err_vs_base"] < 1e-5 and "single_us" in mk and "minus_base_us" in mk
+    _megakernel_on_cpu(monkeypatch, 0.0)
+    rep = MC.compare_knobs(get_model(TINY_MODEL), [1, 2], variants, iters=1, warmup=0, rotate=1, chained=1)
+    rows = {(c["variant"], c["S"]): c for c in rep["cases"]}
+    assert "single_us" in rows[("base", 1)] and "single_us" in rows[("base", 2)]
+    for s in (1, 2):
+        row = rows[("mk", s)]
+        assert "single_us" not in row and "minus_base_us" not in row and row["rel_err_vs_base"] == pytest.approx(1.0)
+        assert row["failed"].startswith("wrong output: the layer against the base's output: relative error 1 exceeds")
+    r = _cli("bench", "knobs", "--knobs", "engine=unfused", "--vs", "mk=engine=megakernel", "--model", TINY_MODEL,
+             "--tokens", "1", "--iters", "1", "--warmup", "0", "--rotate", "1", "--chain", "1")
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and "mk S=1 failed: wrong output" in flat, r.output
+    out = S.run_moe_knobs([S.Resolved("base", {"model": TINY_MODEL, "tokens": [1], "knobs": "engine=unfused",
+                                                "iters": 1, "warmup": 0, "rotate": 1, "chain": 1}, {}),
+                           S.Resolved("mk", {"knobs": "engine=megakernel"}, {})],
+                          S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+    by = {r.case: r for r in out}
+    assert by["base"].metrics and by["mk"].metrics == {} and by["mk"].error.startswith("S=1 failed: wrong output")

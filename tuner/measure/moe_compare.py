@@ -24,7 +24,8 @@ from typing import Any
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.testing.timing import graphs_of, time_interleaved
-from moetune.tuner.measure.moe import device_error, layer_inputs
+from moetune.tuner.measure.moe import PAIR_REL_ERR_BOUND, device_error, layer_inputs
+from moetune.tuner.measure.outputs import rel_err_problem
 from moetune.tuner.measure.stats import Summary
 
 
@@ -68,7 +69,9 @@ def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[st
     Each variant is one `MoELayer` built with its knobs (its `engine` knob picks the engine; the same seed, so the
     same weights); a variant whose engine cannot run here is a case `{"variant", "skipped": why}`, and one whose
     launches recorded a device-side error while timed (`device_error`) a case `{"variant", "S", "failed": why}`
-    instead of its timing row; it is not run at later S (none is once the base failed: every difference is to it)."""
+    instead of its timing row; it is not run at later S (none is once the base failed: every difference is to it).
+    A variant whose output at S is not the base's within PAIR_REL_ERR_BOUND is such a failed case at that S (with
+    its `rel_err_vs_base`)."""
     import torch
 
     from moetune.runtime.megakernel.engine import MegakernelUnavailable
@@ -133,6 +136,10 @@ def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[st
         for n in live:
             if n in failed:
                 cases.append({"variant": n, "S": s, "failed": failed[n]})
+                continue
+            wrong = None if n == base else rel_err_problem(errs[n], PAIR_REL_ERR_BOUND, "the layer against the base's output")
+            if wrong is not None and base not in failed:  # a wrong output's calls are no timing (runs again at next S)
+                cases.append({"variant": n, "S": s, "failed": wrong, "rel_err_vs_base": errs[n]})
                 continue
             row: dict[str, Any] = {"variant": n, "S": s, "single_us": Summary.of(one[n]).quantiles(),
                                    "chain_us": Summary.of(many[n]).quantiles()}
