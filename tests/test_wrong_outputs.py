@@ -271,3 +271,33 @@ def test_bench_knobs_fails_a_variant_whose_output_is_wrong(monkeypatch: pytest.M
                           S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
     by = {r.case: r for r in out}
     assert by["base"].metrics and by["mk"].metrics == {} and by["mk"].error.startswith("S=1 failed: wrong output")
+
+
+# -- proxy_micro ---------------------------------------------------------------------------------------------------
+
+# bench/proxy_micro.py's modes: (fence_mode, signalling, proxy batch)
+PROXY_MODES = {"put_only": ("none", "none", 1), "coupled_drain": ("proxy_drain", "coupled", 1),
+               "decoupled_drain": ("proxy_drain", "decoupled", 1), "coupled_ordered": ("nic_ordered", "coupled", 1),
+               "decoupled_ordered": ("nic_ordered", "decoupled", 1), "put_only+batch": ("none", "none", 64),
+               "decoupled_drain+batch": ("proxy_drain", "decoupled", 64),
+               "decoupled_ordered+batch": ("nic_ordered", "decoupled", 64)}
+
+
+def _proxy_row(mode: str, us: float, **kw: Any) -> dict[str, Any]:
+    fence, sig, batch = PROXY_MODES[mode]
+    return {"bench": "proxy_micro", "mode": mode, "fence_mode": fence, "signalling": sig, "concurrency": 96,
+            "size": 4096, "batch": batch, "iters": 20, "us_median": us, "us_p10": us - 1, "us_p90": us + 1,
+            "signals_landed": None if sig == "none" else True, "engine_error": None, **kw}
+
+
+def test_proxy_batch_modes_are_cases_of_their_own() -> None:
+    """decoupled_drain+batch's row went into decoupled-proxy-drain's metric (written after it: its number won), and
+    put_only+batch's into a case none-none."""
+    rows = [_proxy_row(m, 100.0 + i) for i, m in enumerate(PROXY_MODES)]
+    per = S.proxy_metrics(rows)
+    assert set(per) == {"put-only", "coupled-proxy-drain", "decoupled-proxy-drain", "coupled-nic-ordered",
+                        "decoupled-nic-ordered", "put-only-batch", "decoupled-proxy-drain-batch",
+                        "decoupled-nic-ordered-batch"}
+    assert per["decoupled-proxy-drain"]["batch_us[4096B,c96]"].median == 102.0
+    assert per["decoupled-proxy-drain-batch"]["batch_us[4096B,c96]"].median == 106.0
+    assert per["put-only"]["batch_us[4096B,c96]"].median == 100.0

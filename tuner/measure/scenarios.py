@@ -652,8 +652,15 @@ def run_proxy_micro(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
 
 
 def proxy_case(r: dict[str, Any]) -> str:
-    """A proxy_micro row's case name: put-only, or signalling-fence_mode (coupled-proxy-drain, ...)."""
-    return "put-only" if r["mode"] == "put_only" else f"{r['signalling']}-{r['fence_mode']}".replace("_", "-")
+    """A proxy_micro row's case name: put-only, or signalling-fence_mode (coupled-proxy-drain, ...), with `-batch`
+    after it for a mode whose proxy batches its PUTs (batch > 1: put-only-batch, decoupled-proxy-drain-batch, ...),
+    which is another measurement (it went into put-only's and decoupled-*'s metrics, or none-none). A row without
+    those fields (an error row of an older bench/proxy_micro.py): its mode's name."""
+    if "signalling" not in r:
+        return str(r["mode"]).replace("_", "-").replace("+", "-")
+    sig = r["signalling"] or "none"
+    name = "put-only" if sig == "none" else f"{sig}-{r['fence_mode']}".replace("_", "-")
+    return f"{name}-batch" if int(r.get("batch") or 1) > 1 else name
 
 
 def proxy_metrics(rows: list[dict[str, Any]]) -> dict[str, dict[str, Stat]]:
