@@ -83,7 +83,9 @@ def run_micro(args, out_rows: list[dict]) -> None:
                 eng = P.ProxyEngine(0, peer_data, peer_data, peer_sig, qps=args.qps, qp_mapping="peer_hash",
                                     fence_mode=fence, batch=batch, cpu=cpu)
             except Exception as e:
-                out_rows.append({"bench": "proxy_micro", "mode": mode, "concurrency": c, "error": str(e)[-1500:]})
+                out_rows.append({"bench": "proxy_micro", "mode": mode, "fence_mode": fence,
+                                 "signalling": signalling or "none", "batch": batch, "concurrency": c,
+                                 "error": str(e)[-1500:]})
                 print(f"  {mode} c={c}: engine failed: {e}", flush=True)
                 continue
             try:
@@ -93,8 +95,9 @@ def run_micro(args, out_rows: list[dict]) -> None:
                     try:
                         t = eng.bench(reqs, args.warmup + args.iters, value_base=value)
                     except Exception as e:  # keep going with the next point; the engine may be unusable
-                        out_rows.append({"bench": "proxy_micro", "mode": mode, "concurrency": c, "size": size,
-                                         "error": str(e)[-1500:], "engine_error": eng.error()})
+                        out_rows.append({"bench": "proxy_micro", "mode": mode, "fence_mode": fence,
+                                         "signalling": signalling or "none", "batch": batch, "concurrency": c,
+                                         "size": size, "error": str(e)[-1500:], "engine_error": eng.error()})
                         print(f"  {mode} c={c} size={size}: FAILED {e}", flush=True)
                         break
                     value += args.warmup + args.iters

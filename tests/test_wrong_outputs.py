@@ -301,3 +301,36 @@ def test_proxy_batch_modes_are_cases_of_their_own() -> None:
     assert per["decoupled-proxy-drain"]["batch_us[4096B,c96]"].median == 102.0
     assert per["decoupled-proxy-drain-batch"]["batch_us[4096B,c96]"].median == 106.0
     assert per["put-only"]["batch_us[4096B,c96]"].median == 100.0
+
+
+def test_proxy_scenario_fails_a_mode_whose_signals_did_not_land(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """Rows with signals_landed false, an engine error or an error were kept (the first two as timings) or dropped
+    without a word (the third, beside the mode's other points): such a case now fails with that reason."""
+    rows = [_proxy_row("put_only", 10.0), _proxy_row("put_only", 11.0, size=16384),
+            _proxy_row("coupled_drain", 12.0), _proxy_row("coupled_drain", 9.0, size=16384, signals_landed=False),
+            _proxy_row("decoupled_drain", 13.0, engine_error="cudaMemcpyAsync failed (code 7)"),
+            _proxy_row("coupled_ordered", 14.0),
+            {"bench": "proxy_micro", "mode": "coupled_ordered", "fence_mode": "nic_ordered", "signalling": "coupled",
+             "batch": 1, "concurrency": 4, "error": "engine construction failed: out of QPs"},
+            _proxy_row("decoupled_ordered", 15.0),
+            _proxy_row("decoupled_ordered+batch", 5.0, signals_landed=False)]  # its own case: not decoupled-nic-ordered
+
+    def run_script(script: str, args: dict[str, Any], env: dict[str, str], ctx: S.Ctx) -> tuple[str, str]:
+        out = Path(args["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "proxy_micro.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return "", "python bench/proxy_micro.py"
+
+    monkeypatch.setattr(S, "_run_script", run_script)
+    names = ["put-only", "coupled-proxy-drain", "decoupled-proxy-drain", "coupled-nic-ordered", "decoupled-nic-ordered"]
+    out = S.run_proxy_micro([S.Resolved(n, {}, {}) for n in names], S.Ctx(world=1, backend="none", smoke=False,
+                                                                           tmp=tmp_path))
+    by = {r.case: r for r in out}
+    assert by["put-only"].error == "" and len(by["put-only"].metrics) == 2
+    assert by["decoupled-nic-ordered"].error == "" and by["decoupled-nic-ordered"].metrics
+    for name, said in (("coupled-proxy-drain", "coupled_drain at 16384B, c96: not every signal landed"),
+                       ("decoupled-proxy-drain", "the proxy engine recorded an error: cudaMemcpyAsync failed"),
+                       ("coupled-nic-ordered", "coupled_ordered failed at c4: engine construction failed")):
+        assert by[name].metrics == {} and said in by[name].error, by[name]
+    assert "decoupled-nic-ordered-batch" in S.proxy_failures(rows)

@@ -640,15 +640,16 @@ for _name, _script, _parse in (("runtime-host-cost", "runtime_host_cost.py", _ho
 @driver("proxy-micro", single_shot=True)
 def run_proxy_micro(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     """bench/proxy_micro.py (C++ proxy engine, GPU 0 -> GPU 1) times every signalling mode in one process;
-    the cases are its modes (put-only, coupled-proxy-drain, ...)."""
+    the cases are its modes (put-only, coupled-proxy-drain, ...). A case with a failed point fails (`proxy_failures`)."""
     out = ctx.tmp / "proxy"
     try:
         _, cmd = _run_script("proxy_micro.py", {**cases[0].args, "out": str(out)}, cases[0].env, ctx)
         rows = [json.loads(x) for x in (out / "proxy_micro.jsonl").read_text().splitlines() if x.strip()]
-        per = proxy_metrics(rows)
+        per, bad = proxy_metrics(rows), proxy_failures(rows)
     except (RuntimeError, ValueError, KeyError, OSError) as e:
         return [CaseResult(c.name, {}, "python bench/proxy_micro.py", str(e)) for c in cases]
-    return [CaseResult(c.name, per.get(c.name, {}), cmd, "" if c.name in per else "mode not in the output") for c in cases]
+    return [CaseResult(c.name, {}, cmd, bad[c.name]) if c.name in bad else
+            CaseResult(c.name, per.get(c.name, {}), cmd, "" if c.name in per else "mode not in the output") for c in cases]
 
 
 def proxy_case(r: dict[str, Any]) -> str:
@@ -661,6 +662,27 @@ def proxy_case(r: dict[str, Any]) -> str:
     sig = r["signalling"] or "none"
     name = "put-only" if sig == "none" else f"{sig}-{r['fence_mode']}".replace("_", "-")
     return f"{name}-batch" if int(r.get("batch") or 1) > 1 else name
+
+
+def proxy_failures(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """Why a case of proxy_micro.jsonl rows failed (its first failed point), for the cases with one: a point whose
+    run raised (`error`), whose signals did not all land (`signals_landed` False: a receiver would have read rows
+    before they arrived) or whose engine recorded an error (`engine_error`). Its timings are no measurement."""
+    out: dict[str, str] = {}
+    for r in rows:
+        if r.get("bench") != "proxy_micro":
+            continue
+        at = f"{r['size']}B, c{r.get('concurrency')}" if "size" in r else f"c{r.get('concurrency')}"
+        if r.get("error"):
+            why = f"{r['mode']} failed at {at}: {str(r['error'])[-300:]}"
+        elif r.get("signals_landed") is False:
+            why = f"{r['mode']} at {at}: not every signal landed (signals_landed false): the transfers are not done"
+        elif r.get("engine_error"):
+            why = f"{r['mode']} at {at}: the proxy engine recorded an error: {str(r['engine_error'])[-300:]}"
+        else:
+            continue
+        out.setdefault(proxy_case(r), why)
+    return out
 
 
 def proxy_metrics(rows: list[dict[str, Any]]) -> dict[str, dict[str, Stat]]:
