@@ -182,14 +182,8 @@ def test_study_user_attrs_are_json(fake_bench: list[str]) -> None:
 
 def test_local_tune_remeasures_incumbent_side_by_side(fake_bench: list[str], tmp_path: Path) -> None:
     """With the local backend the winner is measured again beside the current profile; no gain, no write."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_tuner_search_tests", Path(__file__).parent / "test_tuner_search.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    make_store = mod.make_store
-
     from moetune.tuner.search.tune import _Fam, tune_profiles_detailed
+    from moetune.tuner.store.store import Store
 
     class Facts:
         fingerprint, software_hash, gpu_count = "c" * 64, "d" * 64, 2
@@ -197,7 +191,7 @@ def test_local_tune_remeasures_incumbent_side_by_side(fake_bench: list[str], tmp
         link_rates: dict = {}  # noqa: RUF012
         transports = (_Fam("host_staged"), _Fam("collective"))
 
-    store = make_store(tmp_path / "m.db")
+    store = Store(tmp_path / "m.db")
     be = LocalBackend(command=fake_bench, comm_backend="nccl", repeats=1, timeout_s=2)
     kw = dict(models=[MODELS["qwen3-30b"]], tokens=[1024], backend=be, trials=5,
               families=["host_staged"])

@@ -97,7 +97,9 @@ def test_ep_scenario_fails_a_case_whose_transport_moved_nothing(monkeypatch: pyt
     for r in bad:
         assert r.metrics == {} and "wrong output: the round trip" in r.error and "exceeds its bound" in r.error, r
     rows = S._launch_rows(S.get("ep-roundtrip-qwen3-s128"), bad, "L1", {"source": "smoke"})
-    assert [r["note"][:30] for r in rows] == ["FAILED: wrong output: the roun"] * 2 and all("median" not in r for r in rows)
+    s = S.get("ep-roundtrip-qwen3-s128")  # a failed case: a FAILED row per metric the scenario lists
+    assert len(rows) == 2 * len(s.metrics) and all("median" not in r for r in rows), rows
+    assert {r["note"][:30] for r in rows} == {"FAILED: wrong output: the roun"}, rows
 
 
 # -- the tuner's trials --------------------------------------------------------------------------------------------
