@@ -132,7 +132,7 @@ def test_a_later_launch_that_cannot_be_written_stops_the_run(monkeypatch, tmp_pa
 
 
 def test_an_interrupted_run_says_what_its_finished_launches_left(monkeypatch, tmp_path: Path, fast_scenario) -> None:
-    """Ctrl-C in `bench run` ended with Click's bare "Aborted!" (exit 1): one line saying how many rows of the
+    """Ctrl-C in `bench run` ended with no word (Typer's bare exit 130): one line saying how many rows of the
     finished launches are in the table (the launch in progress is not), exit 130 (143 for SIGTERM), as `tune`."""
     from moetune.tuner.search.study import Terminated
 
@@ -517,3 +517,36 @@ def test_bench_ep_says_it_runs_while_its_ranks_work() -> None:
     assert "dispatch_us" in json.loads(r.stdout)
     assert "bench ep: 2 gloo rank(s), 1 round trip(s) per phase: started" in r.stderr, r.stderr
     assert "1/1 done" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["ep", "moe", "knobs"])
+def test_an_interrupted_benchmark_says_nothing_was_printed(monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+    """Ctrl-C in `bench ep`, `bench moe` or `bench knobs` ended with no word (Typer's bare exit 130), and SIGTERM
+    killed them: one line saying the report (printed only at the end) was not printed, exit 130 (143 for SIGTERM),
+    as `bench run` and `tune`."""
+    from moetune.runtime.testing import launch
+    from moetune.tuner.measure import moe as M
+    from moetune.tuner.measure import moe_compare as MC
+    from moetune.tuner.search.study import Terminated
+
+    raised: list[type[BaseException]] = [KeyboardInterrupt]
+
+    def stop(*_a: object, **_k: object) -> None:
+        raise raised[0]()
+
+    where = {"ep": (launch, "launch"), "moe": (M, "bench_moe"), "knobs": (MC, "compare_knobs")}[command]
+    monkeypatch.setattr(*where, stop)
+    args = {"ep": ["--world", "2", "--backend", "gloo", "--model", TINY_MODEL, "--tokens", "4", "--iters", "1"],
+            "moe": ["--engine", "unfused", "--model", TINY_MODEL, "--tokens", "1", "--iters", "1"],
+            "knobs": ["--vs", "ct8=mk_combine_tokens=8", "--model", TINY_MODEL, "--tokens", "1", "--iters", "1"]}[command]
+    said = {"ep": "the benchmark was stopped and its 2 rank process(es) ended; no report printed",
+            "moe": "the timing was stopped; no table printed (it comes once every case is timed)",
+            "knobs": "the comparison was stopped; no table printed (it comes once every case is timed)"}[command]
+    for raised[0], code, who in ((KeyboardInterrupt, 130, "interrupted"), (Terminated, 143, "terminated (SIGTERM)")):
+        r = _run("bench", command, *args, width=200)
+        assert r.exit_code == code, (r.output, r.exception)
+        assert f"{who}: {said}" in r.stderr, r.output
+        assert "Aborted" not in r.output and "Traceback" not in r.output and r.stdout == ""
+    if command != "ep":  # --json: the report is the one not printed
+        r = _run("bench", command, *args, "--json", width=200)
+        assert r.exit_code == 143 and "no JSON report printed" in r.stderr and r.stdout == "", r.output

@@ -221,7 +221,7 @@ def test_calibrate_shows_its_progress_on_stderr(tmp_path: Path) -> None:
 
 
 def test_calibrate_interrupted_says_nothing_was_written(tmp_path: Path, monkeypatch) -> None:
-    """Ctrl-C in the fit ended with Click's bare "Aborted!" (exit 1): one line saying nothing was written, exit 130
+    """Ctrl-C in the fit ended with no word (Typer's bare exit 130): one line saying nothing was written, exit 130
     (143 for SIGTERM), as `tune`."""
     from moetune.tuner.fabric_model import calibration
     from moetune.tuner.search.study import Terminated

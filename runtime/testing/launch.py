@@ -4,7 +4,9 @@ the one way any process of this project joins a process group.
 Used by `moetune bench ep`, the tuner's measurement workers, the bench scripts and the tests; never by the
 data path (an import rule keeps it so). Every wait is bounded: the process group gets `timeout_s`
 (collectives that cannot complete raise instead of hanging) and the parent gives up after
-`join_timeout_s`, terminating the ranks it started.
+`join_timeout_s`, terminating the ranks it started. A parent interrupted while it waits (Ctrl-C, or SIGTERM
+raised as KeyboardInterrupt) ends its ranks at once; one that ends without a word (SIGKILL) takes them with
+it (`die_with_parent`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from moetune.runtime.testing.procs import die_with_parent
 
 
 class LaunchError(RuntimeError):
@@ -72,7 +76,10 @@ def init_dist(rank: int, world: int, *, backend: str, port: int | None = None,
 
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, backend: str, timeout_s: float,
-           args: tuple, env: dict[str, str], q: Any) -> None:
+           args: tuple, env: dict[str, str], q: Any, parent: int) -> None:
+    # a launcher killed outright (SIGKILL, or a second Ctrl-C while it ends the ranks) left them running,
+    # re-parented to init, holding the GPUs until their benchmark ended
+    die_with_parent(parent)
     os.environ.update(env)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # share the cores between the ranks
     try:
@@ -117,7 +124,8 @@ def launch(
     q = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, fn, world, port, backend, timeout_s, args, dict(env or {}), q), daemon=False)
+        ctx.Process(target=_entry, args=(r, fn, world, port, backend, timeout_s, args, dict(env or {}), q, os.getpid()),
+                    daemon=False)
         for r in range(world)
     ]
     for p in procs:
@@ -125,6 +133,7 @@ def launch(
     deadline = time.monotonic() + (join_timeout_s if join_timeout_s is not None else 3 * timeout_s + 30)
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    waited = False  # the loop ended by itself (every rank reported, or the time limit), not by an interrupt
     try:
         while len(results) + len(errors) < world:
             left = deadline - time.monotonic()
@@ -147,13 +156,29 @@ def launch(
                         (results if ok else errors)[rank] = payload
                 continue
             (results if ok else errors)[rank] = payload
+        waited = True
     finally:
-        for p in procs:
-            p.join(timeout=5)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+        # interrupted (Ctrl-C, SIGTERM raised as KeyboardInterrupt) or failed here: no result is wanted, end the
+        # ranks now (waiting 5 s for each to finish its run kept a SIGTERM'd `bench ep` alive world x 5 s)
+        _end_ranks(procs, grace_s=5.0 if waited else 0.0)
     if errors:
         raise LaunchError(errors)
     return [pickle.loads(results[r]) for r in range(world)]
+
+
+def _end_ranks(procs: list[Any], grace_s: float) -> None:
+    """Join each rank, giving it `grace_s` to exit by itself; then SIGTERM those still running, and SIGKILL any that
+    outlive that by 5 s."""
+    if grace_s > 0:
+        for p in procs:
+            p.join(timeout=grace_s)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)

@@ -190,30 +190,38 @@ def ep(
     # the environment the tuner measures this knob set in and a launcher serves it in (set before NCCL/NVSHMEM
     # initialise in the ranks); --no-p2p adds NCCL_P2P_DISABLE=1 explicitly, never the transport choice
     env = ep_environment(k, no_p2p=no_p2p, nodes=nodes)
-    try:
-        if torchrun:
-            import os
+    from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt
 
-            os.environ.update(env)
-            rep = bench_ep.run_torchrun(cfg, timeout)
-            if rep is None:
-                return  # only rank 0 reports
-        else:
-            from moetune.tuner.cli._progress import RichProgress
+    # the report is printed at the end: Ctrl-C or SIGTERM before it prints nothing; the spawned ranks are ended
+    # by launch() before the line (none is left running). A torchrun worker keeps SIGTERM's default: torchrun
+    # ends its workers so, and a rank tearing its group down there could wait on peers already gone
+    ranks = "this rank stopped (torchrun ends the others)" if torchrun else f"its {world} rank process(es) ended"
+    with ends_cleanly_on_interrupt(lambda: f"the benchmark was stopped and {ranks}; no report printed", _err,
+                                   sigterm=not torchrun):
+        try:
+            if torchrun:
+                import os
 
-            # the ranks print nothing until they report (98 s at the README's example on 2 CPUs looked hung): an
-            # elapsed-time bar on a terminal, a "still running" line elsewhere (stderr: --json stays clean)
-            bar = RichProgress(transient=True)
-            step = bar.add(f"bench ep: {world} {backend} rank(s), {iters} round trip(s) per phase", 1)
-            try:
-                rep = launch(bench_ep.bench_entry, world, backend=backend, args=(cfg,), timeout_s=timeout,
-                             join_timeout_s=max(120.0, 4 * timeout + 60), env=env)[0]
-                bar.update(step, 1)
-            finally:
-                bar.close()
-    except LaunchError as e:
-        first = next(iter(sorted(e.errors.items())))
-        _fail(f"benchmark failed on {len(e.errors)} rank(s); rank {first[0]}: {first[1].splitlines()[0]}")
+                os.environ.update(env)
+                rep = bench_ep.run_torchrun(cfg, timeout)
+                if rep is None:
+                    return  # only rank 0 reports
+            else:
+                from moetune.tuner.cli._progress import RichProgress
+
+                # the ranks print nothing until they report (98 s at the README's example on 2 CPUs looked hung):
+                # an elapsed-time bar on a terminal, a "still running" line elsewhere (stderr: --json stays clean)
+                bar = RichProgress(transient=True)
+                step = bar.add(f"bench ep: {world} {backend} rank(s), {iters} round trip(s) per phase", 1)
+                try:
+                    rep = launch(bench_ep.bench_entry, world, backend=backend, args=(cfg,), timeout_s=timeout,
+                                 join_timeout_s=max(120.0, 4 * timeout + 60), env=env)[0]
+                    bar.update(step, 1)
+                finally:
+                    bar.close()
+        except LaunchError as e:
+            first = next(iter(sorted(e.errors.items())))
+            _fail(f"benchmark failed on {len(e.errors)} rank(s); rank {first[0]}: {first[1].splitlines()[0]}")
     assert rep is not None
     rep = bench_ep.finish_report(rep, verify)
     ok = rep.get("verify_ok", True)
@@ -233,6 +241,12 @@ def _torch_error(e: BaseException) -> str:
     hint = ("; lower --tokens or the model's size" if "allocate" in first or "out of memory" in first.lower()
             or isinstance(e, MemoryError) else "")
     return f"the benchmark failed: {type(e).__name__}: {first}{hint}"
+
+
+def _stopped_before_the_end(what: str, as_json: bool) -> str:
+    """What `bench moe` / `bench knobs` left when Ctrl-C or SIGTERM stopped them: nothing (they write no file, and
+    print their table or JSON report only once every case is timed)."""
+    return f"the {what} was stopped; no {'JSON report' if as_json else 'table'} printed (it comes once every case is timed)"
 
 
 def ep_environment(knobs: Any, *, no_p2p: bool = False, nodes: int = 1) -> dict[str, str]:
@@ -334,18 +348,20 @@ def moe(
                f"each) on {where} ...[/dim]")
     # per (engine, S) case, on stderr (stdout stays the table or the --json report): a bar on a terminal, else a
     # line per case (RichProgress: a log or a pipe would see a Rich bar only once, at the end)
+    from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt
     from moetune.tuner.cli._progress import RichProgress
 
     bar = RichProgress(console=_err)
-    try:
-        rep = M.bench_moe(shape, toks, engines, graph=cuda_graph, iters=iters, warmup=warmup, rotate=rotate, seed=seed,
-                          knobs=mk, rest_s=rest, progress=bar)
-    except ValueError as e:
-        _fail(str(e))
-    except (RuntimeError, MemoryError) as e:  # torch's: out of memory for this shape and S, as `bench ep` says it
-        _fail(_torch_error(e))
-    finally:
-        bar.close()
+    with ends_cleanly_on_interrupt(lambda: _stopped_before_the_end("timing", as_json), _err):
+        try:
+            rep = M.bench_moe(shape, toks, engines, graph=cuda_graph, iters=iters, warmup=warmup, rotate=rotate,
+                              seed=seed, knobs=mk, rest_s=rest, progress=bar)
+        except ValueError as e:
+            _fail(str(e))
+        except (RuntimeError, MemoryError) as e:  # torch's: out of memory for this shape and S, as `bench ep` says it
+            _fail(_torch_error(e))
+        finally:
+            bar.close()
     # the command as parsed, defaults included, so the result file says exactly what ran
     cmd = (f"moetune bench moe --engine {','.join(engines)} --model {model} --tokens {','.join(map(str, toks))}"
            f"{' --cuda-graph' if cuda_graph else ''}{f' --knobs {knobs}' if knobs else ''} --iters {iters} "
@@ -413,18 +429,21 @@ def knobs_side_by_side(
     if warmup < 0:
         _fail(f"--warmup must be >= 0, got {warmup}")
     _check_seed(seed)
-    try:
-        shape = get_model(model)
-        toks = int_list(tokens, "--tokens")
-        _check_tokens(toks)
-        base = Knobs.parse(knobs, base=Knobs(engine="megakernel"))
-        variants = {"base": base, **MC.parse_variants(vs, base)}
-        rep = MC.compare_knobs(shape, toks, variants, iters=iters, warmup=warmup, rotate=rotate, chained=chain,
-                               seed=seed, progress=lambda m: _err.print(f"[dim]{m}[/dim]"))
-    except (ValueError, KnobError) as e:
-        _fail(str(e))
-    except (RuntimeError, MemoryError) as e:  # torch's: out of memory for this shape and S
-        _fail(_torch_error(e))
+    from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt
+
+    with ends_cleanly_on_interrupt(lambda: _stopped_before_the_end("comparison", as_json), _err):
+        try:
+            shape = get_model(model)
+            toks = int_list(tokens, "--tokens")
+            _check_tokens(toks)
+            base = Knobs.parse(knobs, base=Knobs(engine="megakernel"))
+            variants = {"base": base, **MC.parse_variants(vs, base)}
+            rep = MC.compare_knobs(shape, toks, variants, iters=iters, warmup=warmup, rotate=rotate, chained=chain,
+                                   seed=seed, progress=lambda m: _err.print(f"[dim]{m}[/dim]"))
+        except (ValueError, KnobError) as e:
+            _fail(str(e))
+        except (RuntimeError, MemoryError) as e:  # torch's: out of memory for this shape and S
+            _fail(_torch_error(e))
     cmd = (f"moetune bench knobs --vs {vs!r}{f' --knobs {knobs}' if knobs else ''} --model {model} --tokens "
            f"{','.join(map(str, toks))} --iters {iters} --warmup {warmup} --rotate {rotate} --chain {chain} --seed {seed}")
     rep["meta"] = _stamp(cmd)
@@ -530,12 +549,18 @@ def run_scenario(
                                     "measured what the scenario asks (driver moe)."),
 ) -> None:
     """Run every case of a scenario side by side, several launches; append stamped rows to summary.csv."""
-    from moetune.tuner.cli.tune import interrupted_by, interrupted_exit, sigterm_interrupts
+    from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt
     from moetune.tuner.measure import results as R
     from moetune.tuner.measure import scenarios as S
 
     out = _results_path(results)
     saved: list[dict[str, Any]] = []  # the rows of the launches already appended to `out`
+
+    def kept() -> str:  # what the finished launches left in the table, said on Ctrl-C or SIGTERM
+        done = len({str(r["launch"]) for r in saved})
+        return (f"the {len(saved)} row(s) of {done} finished launch(es) are in {out}; the launch in progress was not "
+                "saved" if saved else f"no launch finished: nothing appended to {out}")
+
     try:
         s = S.get(scenario)
         if from_report is not None:
@@ -544,16 +569,11 @@ def run_scenario(
             rep = _read_report(from_report)
             rows = S.import_moe_report(s, rep, origin=from_report, results=out)
         else:
-            with sigterm_interrupts():  # `kill`/`timeout` end it as Ctrl-C does: the drivers' processes ended, a line
+            # `kill`/`timeout` end it as Ctrl-C does: the drivers' processes ended, a line, exit 130 / 143
+            with ends_cleanly_on_interrupt(kept, _err):
                 rows = S.run(s, case=case, launches=launches, smoke=smoke, results=out,
                              progress=lambda m: _err.print(f"[dim]{m}[/dim]"), fingerprint=_fingerprint,
                              on_saved=saved.extend)
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM: say what the finished launches left in the table
-        done = len({str(r["launch"]) for r in saved})
-        kept = (f"the {len(saved)} row(s) of {done} finished launch(es) are in {out}; the launch in progress was not "
-                "saved" if saved else f"no launch finished: nothing appended to {out}")
-        _err.print(f"[yellow]{interrupted_by(e)}: {escape(kept)}[/yellow]")
-        raise typer.Exit(interrupted_exit(e)) from None
     except R.RowsNotSaved as e:  # the table could not be written after all: the rows are kept, never lost
         if e.kept is None:
             typer.echo(e.text, nl=False)

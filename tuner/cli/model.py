@@ -651,33 +651,30 @@ def calibrate_cmd(
             node_fp = live_facts().fingerprint
         except (DiscoveryError, OSError) as e:
             _fail(f"--this-node: live discovery failed, so the node cannot be recorded: {e}")
+    from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt
     from moetune.tuner.cli._progress import RichProgress
-    from moetune.tuner.cli.tune import interrupted_by, interrupted_exit, sigterm_interrupts
 
     located: list[tuple[str, dict]] = []
     # the fit takes tens of seconds (the proxy probe's rows most): a task per group of rows on stderr, as `tune`
     # shows its studies; none with --json (as tune)
     bar = None if as_json else RichProgress(transient=True)
+    # Ctrl-C, or SIGTERM: nothing is written before the fit ends
+    kept = f"the fit was stopped; nothing written ({'--out ' + str(out) + ' untouched' if out is not None else 'no --out given'})"
     try:
-        try:
-            with sigterm_interrupts():
+        with ends_cleanly_on_interrupt(lambda: kept):
+            try:
                 located = read_located(data)
                 rep = calibrate(preset, [row for _, row in located],
                                 params=[p.strip() for p in params.split(",") if p.strip()] or None,
                                 nic_line_rate_gbs=nic_line_rate / 8.0 if nic_line_rate is not None else None,
                                 progress=bar)
-        finally:
-            if bar is not None:
-                bar.close()  # before any message below
+            finally:
+                if bar is not None:
+                    bar.close()  # before any message below
     except NoPoints as e:
         _fail(_no_points(e, data, [where for where, _ in located]))
     except ValueError as e:
         _fail(str(e))
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`sigterm_interrupts`): nothing is written before the fit ends
-        kept = f"nothing written ({'--out ' + str(out) + ' untouched' if out is not None else 'no --out given'})"
-        Console(stderr=True).print(f"[yellow]{interrupted_by(e)}: the fit was stopped; {_e(kept)}[/yellow]",
-                                   soft_wrap=True)
-        raise typer.Exit(interrupted_exit(e)) from None
     s = rep.summary()
     # an error that is not a finite number checks nothing (the fit's problems say so): never written, --force or not
     unmeasured = not (math.isfinite(s["mean_abs_rel_err"]) and math.isfinite(s["max_abs_rel_err"]))

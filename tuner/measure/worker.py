@@ -42,6 +42,8 @@ import time
 import traceback
 from typing import Any
 
+from moetune.runtime.testing.procs import die_with_parent
+
 READY = "ready"
 
 
@@ -94,23 +96,6 @@ def case_config(case: dict[str, Any], world: int, backend: str) -> dict[str, Any
             if hook in case:
                 cfg[hook] = case[hook]
     return cfg
-
-
-def die_with_parent(parent: int | None = None) -> None:
-    """Have the kernel SIGKILL this process when its parent (the thread that started it) ends: PR_SET_PDEATHSIG,
-    Linux only (elsewhere nothing). `parent`: the pid this process was started by; already gone (it ended before
-    the call): exit at once."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-        except (OSError, AttributeError):  # no libc prctl: the caller's own watch still ends the process
-            pass
-    if parent is not None and os.getppid() != parent:
-        os._exit(1)
 
 
 def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float, env: dict[str, str],
