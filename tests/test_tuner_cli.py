@@ -317,3 +317,29 @@ def test_tune_on_a_forced_model_says_so_loudly(tmp_path: Path, node_model: bool)
     r = _run(*args, "--preset", str(accepted))
     assert r.exit_code == 0, r.output
     assert "FORCED" not in r.stderr and all(row["forced_model"] is None for row in json.loads(r.stdout))
+
+
+def test_a_model_tune_beyond_the_calibrated_scale_says_so(tmp_path: Path) -> None:
+    """`tune --backend model -p nvlink-h200x2 --ep-size 8` stored profiles predicted at 8 GPUs from a fit of 2-rank
+    all-to-alls with no word of it: the note `model predict` prints (from the preset's `[calibration] world`) after
+    the table and in each JSON row's "extrapolation"; none within the measured scale, none where the preset records
+    none. What is stored is unchanged (predictions, backend model:PRESET)."""
+    def tune(preset: str, *extra: str, json_out: bool = True):
+        r = runner.invoke(app, ["tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset",
+                                preset, "--trials", "2", "--db", str(tmp_path / f"{preset}.db"),
+                                "--storage", f"sqlite:///{tmp_path / f'{preset}-st.db'}", *extra,
+                                *(("--json",) if json_out else ())], env={"COLUMNS": "80"})
+        assert r.exit_code == 0, r.output
+        return r
+
+    rows = json.loads(tune("nvlink-h200x2", "--ep-size", "8").stdout)
+    said = ("preset nvlink-h200x2 was calibrated on measurements of at most 2 ranks ([calibration] world = 2); at 8 "
+            "GPUs this tune extrapolates 4x beyond the measured scale")
+    assert rows and all(row["extrapolation"] == said for row in rows), rows
+    assert all(row["backend"] == "model:nvlink-h200x2" for row in rows)
+    flat = " ".join(tune("nvlink-h200x2", "--ep-size", "8", json_out=False).stdout.split())
+    assert f"note: {said}" in flat, flat
+    # within the measured scale (its 2 GPUs per node), and a datasheet preset that records no measured scale
+    assert all(row["extrapolation"] is None for row in json.loads(tune("nvlink-h200x2").stdout))
+    assert all(row["extrapolation"] is None for row in json.loads(tune("ndr-ibrc-h100x8", "--nodes", "2").stdout))
+    assert "extrapolates" not in tune("nvlink-h200x2", json_out=False).stdout

@@ -88,10 +88,11 @@ def _preset_facts(pr: Any) -> dict[str, Any]:
     return {"preset_file": pr.path, "preset_warning": (pr.calibration or {}).get("warning")}
 
 
-def _scale_note(pr: Any, gpus: int, what: str, up_to: bool = False) -> str | None:
+def scale_note(pr: Any, gpus: int, what: str, up_to: bool = False) -> str | None:
     """Where `gpus` (the most GPUs predicted; `up_to`: a sweep over nodes) lies beyond the most ranks the preset's
-    calibration measured together (its `[calibration] world`): a note saying that `what` ("this prediction", "this sweep")
-    extrapolates; None where it does not, or where the preset records no measured scale (none is guessed)."""
+    calibration measured together (its `[calibration] world`): a note saying that `what` ("this prediction", "this sweep",
+    "this tune") extrapolates; None where it does not, or where the preset records no measured scale (none is guessed).
+    `model predict`, `model sweep` and `tune --backend model` print it."""
     from moetune.tuner.fabric_model.predict import calibrated_world
 
     world = calibrated_world(pr)
@@ -165,7 +166,7 @@ def predict_cmd(
         _fail(f"unsafe or invalid knobs (not predicted): {e}")
     except ValueError as e:
         _fail(str(e))
-    scale = _scale_note(pr, w.pes, "this prediction")
+    scale = scale_note(pr, w.pes, "this prediction")
     if as_json:
         out = {"label": LABEL, **res.to_dict(), **_preset_facts(pr), "extrapolation": scale,
                "workload": {**_workload(w), "layout": layout, "phase": phase}, "knobs": k.to_dict()}
@@ -433,7 +434,7 @@ def sweep_cmd(
     # the most GPUs a modelled point has (a sweep over nodes varies them; n/a points predict nothing)
     gpus = max((r["x"] if over == "nodes" else w0.nodes) * w0.gpus_per_node
                for rows in series.values() for r in rows if "error" not in r) if drawable else 0
-    scale = _scale_note(pr, gpus, "this sweep", up_to=over == "nodes")
+    scale = scale_note(pr, gpus, "this sweep", up_to=over == "nodes")
     if as_json:
         typer.echo(json.dumps({"label": LABEL, "preset": pr.name, **_preset_facts(pr), "extrapolation": scale,
                                "model": w0.model.name, "over": over,

@@ -472,6 +472,7 @@ def tune(
     finally:
         if bar is not None:
             bar.close()
+    scale = _scale_note(backend, preset, results)
     rows = []
     for r in results:
         rec = r.record
@@ -485,6 +486,7 @@ def tune(
             "backend": rec.backend if rec else None, "knobs": rec.knobs.to_dict() if rec else None,
             "trials_asked": trials, "stopped_by_timeout": r.budget_ended,
             "forced_model": forced or None,  # the [calibration] warning of a refused fit tuned on anyway
+            "extrapolation": scale,  # the EP size tuned at lies beyond the preset's measured scale (model predict's)
         })
     # a tune where no study had one successful trial measured nothing: say why and exit 1, not 0
     no_trial = [r for r in results if r.study.best is None]
@@ -532,6 +534,8 @@ def tune(
             "the key)")
     for n in notes:
         c.print(n, markup=False)  # wrapped between words at the console's width (soft_wrap printed one long line)
+    if scale:
+        c.print(f"[yellow]note[/yellow]: {escape(scale)}")
     _budget_ended(results, trials, timeout, budget_from)
     _no_success(no_trial, len(results), url)
     _nothing_stored(results)
@@ -604,6 +608,24 @@ def _model_preset_warning(preset: str | None) -> str:
         return forced_fit_warning(load_preset(preset))
     except (OSError, ValueError) as e:  # PresetError names the preset and what is wrong with it
         _fail(str(e))
+
+
+def _scale_note(backend: str, preset: str | None, results: list) -> str | None:
+    """The model backend's note where the EP size it predicted at lies beyond the most ranks the preset's calibration
+    measured together (`[calibration] world`), as `model predict` says it; None elsewhere, or where the preset records
+    no measured scale. Advice only: a preset file that cannot be read again (edited or removed during the tune) gives
+    none, never a failure of a tune whose profiles are stored."""
+    if backend != "model" or preset is None or not results:
+        return None
+    from moetune.tuner.cli.model import scale_note
+    from moetune.tuner.fabric_model.predict import load_preset
+
+    try:
+        pr = load_preset(preset)
+    except (OSError, ValueError):  # PresetError is a ValueError
+        return None
+    gpus = max(r.study.workload.nodes * r.study.workload.gpus_per_node for r in results)
+    return scale_note(pr, gpus, "this tune")
 
 
 def _forced_note(preset: str, warning: str, node_model: bool) -> str:
