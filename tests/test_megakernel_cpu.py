@@ -1152,7 +1152,9 @@ def test_publish_all_and_trace_fields() -> None:
     src = (_lib.source_dir() / "mk_moe.cu").read_text()
     wait = src[src.index("void wait_count("):]
     wait = wait[:wait.index("\n}\n")]
-    assert "MK_ERR_INPUT_TIMEOUT" in wait and "p.timeout_ns" in wait and "MK_CTL_ABORT" in wait
+    assert "MK_ERR_INPUT_TIMEOUT" in wait and "p.timeout_ns" in wait and "abort_flag(p, abort)" in wait
+    flag = src[src.index("int32_t* abort_flag("):]
+    assert "return abort ? abort : &p.ctl[MK_CTL_ABORT];" in flag[:flag.index("\n}\n")]  # null: the task graph's
     # the GEMM2's weight stages start before the wait, the A rows (its inputs) only after it
     tma = src[src.index("void gemm_tile_tma("):src.index("// ---- task encoding")]
     assert tma.index("issue_b(s);\n    wait_inputs(") < tma.index("issue_a(s);")

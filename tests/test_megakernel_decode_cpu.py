@@ -138,7 +138,59 @@ def test_counter_buffer_size_matches_the_kernel():
     assert "DEC_LOGIT0 = (DEC_MAX_SLOTS + 1) * DEC_STRIDE" in src and "DEC_CNT_WORDS = DEC_LOGIT0 + DEC_MAX_LOGITS" in src
     assert (consts["DEC_MAX_SLOTS"] + 1) * consts["DEC_STRIDE"] + consts["DEC_MAX_LOGITS"] == _lib.DEC_CNT_WORDS
     assert consts["DEC_MAX_SLOTS"] == dec.MAX_SLOTS  # the bound the bring-up report names
-    assert "~__float_as_int(a)" in src and "__int_as_float(~wait_logit(" in src
+    assert "~__float_as_int(a)" in src and "const int v = wait_logit(p, cnt + DEC_LOGIT0 + i, i);" in src
+    assert "lg[i] = __int_as_float(~v);" in src
+
+
+def _kernel_src() -> tuple[str, str]:
+    """(wait_logit's body, k_decode's body) of mk_decode.cuh, comments dropped."""
+    src = (_lib.source_dir() / "mk_decode.cuh").read_text()
+    code = "\n".join(line.split("//")[0] for line in src.splitlines()) + "\n"
+    wl = code[code.index("int wait_logit("):]
+    body = code[code.index("void __launch_bounds__(DEC_THREADS, 1) k_decode("):]
+    return wl[:wl.index("\n}\n")], body[:body.index("\n}\n")]
+
+
+def test_decode_abort_flag_is_the_launchs_own():
+    """The decode kernel's waits poll, and its reports raise, its own abort flag (a word of its counters), never ctl's
+    MK_CTL_ABORT: only the task graph's routing kernels lift that one (every launch), and no kernel runs before a
+    decode launch, so an earlier launch's error (k_lists' bad id) left every later decode launch aborted from its
+    start. The CTA with the last exit ticket zeroes the flag with the counters; the host's constant is the kernel's."""
+    src = (_lib.source_dir() / "mk_decode.cuh").read_text()
+    assert "DEC_CNT_TICKET = DEC_MAX_SLOTS, DEC_ABORT = DEC_STRIDE * DEC_CNT_TICKET + 16," in src
+    ticket = 32 * dec.MAX_SLOTS  # the exit ticket's word (DEC_STRIDE * DEC_CNT_TICKET)
+    word = _lib.DEC_ABORT
+    assert word == ticket + 16
+    # in the ticket's 128-byte line (apart from the slot counters and the logits), not its 32-byte sector
+    assert ticket < word < ticket + 32 and word // 8 != ticket // 8
+    wl, body = _kernel_src()
+    assert "MK_CTL_ABORT" not in wl and "MK_CTL_ABORT" not in body
+    assert "if (*(volatile int32_t*)&p.dec_cnt[DEC_ABORT]) break;" in wl
+    assert re.search(r"report\(p, MK_ERR_INPUT_TIMEOUT, [^;]*, p\.dec_cnt \+ DEC_ABORT\);", wl)
+    assert "int32_t* const dab = cnt + DEC_ABORT;" in body
+    calls = re.findall(r"\b(report|mbar_wait|wait_count)\(([^;]*)\);", body)
+    assert {c[0] for c in calls} == {"report", "mbar_wait", "wait_count"} and len(calls) == 5
+    assert all(args.replace(" ", "").endswith(",dab") for _, args in calls), calls
+    last = body[body.index("if (tid == 0 && ticket == (int)gridDim.x - 1) {"):]
+    assert "cnt[DEC_ABORT] = 0;" in last
+    # every CTA's waits come before its ticket: the ones owning no rows take it after their pairs' signals
+    assert body.index("if (nr == 0) ticket = atom_add_acq_rel(") > body.index("wait_logit(")
+    assert body.index("wait_count(p, cnt") < body.index("if (tid == 0) ticket = atom_add_acq_rel(")
+
+
+def test_failed_logit_wait_routes_nothing():
+    """A CTA whose logit wait gave up (a timeout, or this launch aborted) routes nothing: its picks stay -1 (no top-k on
+    logits never written, no weight read for them; block 0 leaves -1 in topk_idx), it stores no h for them, and its
+    output rows are written NaN (not computed), never a sum that looks like an output."""
+    _, body = _kernel_src()
+    assert "if (v == 0) s_failed = 1;" in body and "failed = s_failed != 0;" in body
+    assert body.index("if (v == 0) s_failed = 1;") < body.index("failed = s_failed != 0;")
+    assert "int e = -1, bad = -1;" in body and "if (!failed) warp_topk<NI>(" in body
+    assert "if (lane < K && !failed && (e < 0 || e >= E)) {" in body
+    assert "if (s_e[(int)((q0 + pr) / I)] < 0) continue;" in body
+    assert "__float2bfloat16(failed ? __int_as_float(0x7fffffff)" in body
+    # the shared flag is set to 0 before the barrier that precedes the logit waits
+    assert body.index("s_failed = 0;") < body.index("pdl_enter(p);") < body.index("wait_logit(")
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -776,8 +776,20 @@ def test_decode_stalled_slot_times_out(model, layer):
         m.check()
     rec = m.error()
     assert rec is not None and rec[2][1] == 3 and rec[2][3] >= 100_000_000
-    m.clear_error()
+    # the launch's abort was its own (its flag lifted by its last CTA): the next decode launch computes before the
+    # record is cleared, and the record still names the stalled slot
+    from moetune.runtime.megakernel import _lib
+    from moetune.runtime.moe_layer import dense_reference, max_rel_err
+
+    assert int(m.dec_cnt[_lib.DEC_ABORT]) == 0
     m.stall_tile = -1
+    idx, w = _routing(1, model.experts, model.topk, "uniform", seed=4)
+    out = m.forward_routed(x, idx, w, out=_poisoned(1, model.hidden))
+    torch.cuda.synchronize()
+    ref = dense_reference(x, model, seed=0, topk_idx=idx, topk_weights=w)
+    assert torch.isfinite(out.float()).all() and max_rel_err(out, ref) <= 1e-2
+    assert m.error()[2][1] == 3
+    m.clear_error()
     idx, w = _routing(1, model.experts, model.topk, "uniform", seed=5)
     out = m.forward_routed(x, idx, w, out=_poisoned(1, model.hidden))
     _check(m, model, x, out, idx, w)
@@ -801,6 +813,60 @@ def test_decode_bad_expert_is_reported(model, layer):
     x = _x(1, model.hidden, seed=3301)
     out = m.forward_routed(x, idx, w, out=_poisoned(1, model.hidden))
     _check(m, model, x, out, idx, w)
+
+
+def test_decode_after_an_earlier_launchs_error(model, layer):
+    """An error in an earlier launch, not cleared: forward_routed(check_ids=False) at a prefill size (the task graph)
+    with an expert id out of range, which k_lists records and aborts after k_reset ran, leaving ctl's abort flag
+    raised. Before: every later decode launch (no reset kernel before it) polled that flag, so each CTA's logit
+    waits gave up at once (routing from NaN for the logits not yet written) and its slot waits too (sums of h never
+    completed): wrong outputs, silently, until clear_error. Now the decode kernel polls its own flag: the S=1
+    forwards after it, routing in the kernel (decode=2) and given picks (decode=1), match the reference, while
+    check() still raises the first error, unchanged, until clear_error."""
+    from moetune.runtime.megakernel import MegakernelError, MegakernelMoE, _lib
+    from moetune.runtime.megakernel.layer import CTL_ABORT
+    from moetune.runtime.moe_layer import dense_reference, max_rel_err
+
+    s, h, k, n_exp = 64, model.hidden, model.topk, model.experts
+    m = MegakernelMoE(model, max_tokens=s, w_gate_up=layer.w1t, w_down=layer.w2t, gate=layer.gate, tiled=True)
+    assert m.decode_grid(s) is None and m.decode_grid(1) is not None
+    x = _x(s, h, seed=3900)
+    idx, w = _routing(s, n_exp, k, "uniform", seed=3900)
+    idx[5, 2] = n_exp
+    m.forward_routed(x, idx, w, check_ids=False)
+    torch.cuda.synchronize()
+    assert int(m.ctl[CTL_ABORT]) == 1  # the task graph's flag, left raised (its next routing lifts it)
+
+    def first_error():
+        with pytest.raises(MegakernelError, match="megakernel error 4: routing names an expert out of range"):
+            m.check()
+        code, _, rec = m.error()
+        assert (code, rec[1], rec[2]) == (4, 5 * k + 2, n_exp), rec
+
+    first_error()
+    for n in range(3):
+        x1 = _x(1, h, seed=3910 + n)
+        out = m.forward(x1, out=_poisoned(1, h))  # decode = 2: routing in the kernel
+        gi, gw = (t.clone() for t in m.routing(1))
+        torch.cuda.synchronize()
+        assert int(gi.min()) >= 0 and int(gi.max()) < n_exp
+        # the gate's top-k (up to near-ties: fp32 sums in another order), with its renormalised softmax weights
+        logits = x1.float() @ m.gate.float().t()
+        picked = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, gi, True)
+        assert logits[picked].min() >= logits[~picked].max() - 1e-3
+        p = torch.softmax(logits, 1).gather(1, gi)
+        assert torch.allclose(gw, p / p.sum(1, keepdim=True), atol=1e-5, rtol=1e-4)
+        ref = dense_reference(x1, model, seed=0, topk_idx=gi, topk_weights=gw)
+        assert torch.isfinite(out.float()).all() and max_rel_err(out, ref) <= 1e-2
+        idx1, w1 = _routing(1, n_exp, k, "zipf", seed=3920 + n)
+        out = m.forward_routed(x1, idx1, w1, out=_poisoned(1, h))  # decode = 1: given picks
+        torch.cuda.synchronize()
+        ref = dense_reference(x1, model, seed=0, topk_idx=idx1, topk_weights=w1)
+        assert torch.isfinite(out.float()).all() and max_rel_err(out, ref) <= 1e-2
+        assert int(m.dec_cnt[_lib.DEC_ABORT]) == 0
+        first_error()  # sticky: the decode launches neither clear nor replace it
+    m.clear_error()
+    assert m.error() is None
 
 
 def test_repeated_expert_rows_past_the_list_are_dropped_and_reported(model, layer):

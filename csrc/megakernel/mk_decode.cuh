@@ -17,8 +17,8 @@
 //      order of w[t, j] * (W_down row r . h) in fp32, then bf16; each lane reads its h chunks from the L2, and
 //      the first k-rounds of its W_down rows were moved into registers while the CTA waited. Every output row is
 //      written by exactly one CTA and the sums run in a fixed order: bit-identical runs.
-// The counters are the kernel's own (MkParams.dec_cnt): the CTA that takes the last exit ticket zeroes them and
-// writes the launch's task counts into ctl (phase-1 ranges and phase-3 row blocks, as runtime/megakernel/decode.py
+// The counters are the kernel's own (MkParams.dec_cnt): the CTA that takes the last exit ticket zeroes them (and the
+// launch's own abort flag, DEC_ABORT, which its waits poll instead of ctl's) and writes the launch's task counts into ctl (phase-1 ranges and phase-3 row blocks, as runtime/megakernel/decode.py
 // models them), so a launch needs no reset kernel before it. All CTAs are resident (one per SM, checked by the
 // occupancy query at launch), so a CTA waiting for a slot never blocks the CTAs that finish it.
 
@@ -44,10 +44,16 @@ constexpr int DEC_MAX_SLOTS = 64;   // S*K rows a decode launch takes (routing i
 // MkParams.dec_cnt: int32 counters one 128-byte line apart (polled by every CTA): slot s's finished pairs at
 // DEC_STRIDE * s, the exit ticket; then the gate logits of in-kernel routing from word DEC_LOGIT0,
 // each stored as the bitwise NOT of its fp32 bits, so the zero the launch finds there means "not written yet" (the
-// NOT of a float the GPU's arithmetic produces is never zero: its NaNs are 0x7fffffff)
+// NOT of a float the GPU's arithmetic produces is never zero: its NaNs are 0x7fffffff). DEC_ABORT, a word of the
+// ticket's line (another 32-byte sector): the launch's abort flag, which its reports raise and its waits poll instead
+// of ctl's MK_CTL_ABORT. Only the task graph's routing kernels lift that one (every launch), and no kernel runs before
+// a decode launch, so an error of an earlier launch (k_lists' bad expert id, a task-graph timeout) left it raised and
+// every later decode launch gave up every wait at once: NaN logits (not yet written) for routing, sums of h never
+// completed, silently until clear_error. This word is zeroed with the counters by the CTA that takes the last exit
+// ticket (after every CTA's last wait), so each launch starts with it lifted; the error record stays for check().
 constexpr int DEC_STRIDE = 32, DEC_MAX_LOGITS = 4096;  // S x E a decode launch with routing takes
-enum { DEC_CNT_TICKET = DEC_MAX_SLOTS, DEC_LOGIT0 = (DEC_MAX_SLOTS + 1) * DEC_STRIDE,
-       DEC_CNT_WORDS = DEC_LOGIT0 + DEC_MAX_LOGITS };
+enum { DEC_CNT_TICKET = DEC_MAX_SLOTS, DEC_ABORT = DEC_STRIDE * DEC_CNT_TICKET + 16,
+       DEC_LOGIT0 = (DEC_MAX_SLOTS + 1) * DEC_STRIDE, DEC_CNT_WORDS = DEC_LOGIT0 + DEC_MAX_LOGITS };
 // Timeline (MkParams.trace, profiling only): words per CTA after MK_TR_HEAD, stamped by thread 0.
 enum { DEC_TR_START = 0, DEC_TR_ROUTED = 1, DEC_TR_P1 = 2, DEC_TR_SIGNALLED = 3, DEC_TR_W2 = 4, DEC_TR_READY = 5,
        DEC_TR_H = 6, DEC_TR_SUMS = 7, DEC_TR_END = 8, DEC_TR_LOGITS = 9, DEC_TR_WORDS = 10 };
@@ -162,16 +168,17 @@ __device__ __forceinline__ void dec_stamp(const MkParams& p, int f) {
   if (p.trace && threadIdx.x == 0) p.trace[MK_TR_HEAD + DEC_TR_WORDS * blockIdx.x + f] = (int64_t)gtime();
 }
 // A logit word of dec_cnt once written (non-zero), bounded like every wait: after timeout_ns it reports
-// MK_ERR_INPUT_TIMEOUT (where = -2 - the logit's index) and returns what it last read.
+// MK_ERR_INPUT_TIMEOUT (where = -2 - the logit's index) and returns what it last read: 0 (not written) when it timed
+// out or the launch was aborted, which the caller takes as "no routing".
 __device__ __forceinline__ int wait_logit(const MkParams& p, const int32_t* w, int i) {
   int v = ld_relaxed(w);
   if (v != 0) return v;
   const uint64_t since = gtime();
   while ((v = ld_relaxed(w)) == 0) {
-    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) break;
+    if (*(volatile int32_t*)&p.dec_cnt[DEC_ABORT]) break;
     const uint64_t waited = gtime() - since;
     if (waited > (uint64_t)p.timeout_ns) {
-      report(p, MK_ERR_INPUT_TIMEOUT, -2 - i, 0, (int64_t)waited);
+      report(p, MK_ERR_INPUT_TIMEOUT, -2 - i, 0, (int64_t)waited, p.dec_cnt + DEC_ABORT);
       break;
     }
   }
@@ -192,6 +199,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   extern __shared__ __align__(128) char smem[];
   __shared__ int s_e[DEC_MAX_SLOTS];
   __shared__ float s_w[DEC_MAX_SLOTS];
+  __shared__ int s_failed;  // a logit wait of this CTA gave up (decode = 2)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int S = (int)p.S, K = (int)p.K, H = (int)p.H, I = (int)p.I, E = (int)p.E, slots = S * K;
   const uint32_t bar = su32(smem);
@@ -202,6 +210,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   float* lg = (float*)(smem + d.lg_off);
   float* part = (float*)(smem + d.part_off);
   int32_t* cnt = p.dec_cnt;
+  int32_t* const dab = cnt + DEC_ABORT;  // this launch's abort flag (every wait and report of the kernel)
   const int r0 = blockIdx.x * d.rows, nr = max(0, min(d.rows, H - r0));  // this CTA's output rows
   const bool ev = p.l2_evict_w != 0;
   uint64_t pol = 0;
@@ -209,6 +218,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   if (MK_DEC_PROBE & 16) return;
   dec_stamp(p, DEC_TR_START);
   if (tid == 0) {
+    s_failed = 0;
     mbar_init(bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -228,6 +238,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   pdl_enter(p);  // x (and given picks) from the kernels before are visible from here
   MK_ONCE for (int v = tid; v < S * H / 8; v += DEC_THREADS) ((uint4*)xs)[v] = ((const uint4*)p.x)[v];
   __syncthreads();
+  bool failed = false;  // (CTA-uniform) no picks: every slot -1, nothing read or computed, the rows written NaN
   if (p.decode == 2) {
     // 0. the logits, then the picks from all of them in every CTA
     MK_ONCE for (int l = l0 + warp; l < l1; l += DEC_WARPS) {
@@ -254,16 +265,23 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     }
     // every logit polled where it lands (one L2 round trip; a counter of written logits and a reload after it took
     // two, run 71's timeline)
-    MK_ONCE for (int i = tid; i < L; i += DEC_THREADS) lg[i] = __int_as_float(~wait_logit(p, cnt + DEC_LOGIT0 + i, i));
+    MK_ONCE for (int i = tid; i < L; i += DEC_THREADS) {
+      const int v = wait_logit(p, cnt + DEC_LOGIT0 + i, i);
+      if (v == 0) s_failed = 1;  // timed out or aborted: ~0 would be a NaN logit that no kernel computed
+      lg[i] = __int_as_float(~v);
+    }
     __syncthreads();
+    failed = s_failed != 0;
     dec_stamp(p, DEC_TR_LOGITS);
     MK_ONCE for (int t = warp; t < S; t += DEC_WARPS) {
-      int e, bad;
-      float w;
-      warp_topk<NI>(lg + (int64_t)t * E, E, K, lane, e, w, bad);
+      int e = -1, bad = -1;
+      float w = 0.f;
+      // a CTA whose logit wait gave up routes nothing (the launch is aborted and its error recorded): its picks stay
+      // -1, so no pick comes from a logit that was never written, and no weight is read for one
+      if (!failed) warp_topk<NI>(lg + (int64_t)t * E, E, K, lane, e, w, bad);
       if (blockIdx.x == 0 && lane == 0) note_nonfinite(p, t, bad);  // not aborted: the picks are valid experts
-      if (lane < K && (e < 0 || e >= E)) {  // never from the selection; a bug in it reads no weights past W
-        if (blockIdx.x == 0) report(p, MK_ERR_BAD_EXPERT, t * K + lane, e, 0);
+      if (lane < K && !failed && (e < 0 || e >= E)) {  // never from the selection; a bug in it reads no weights past W
+        if (blockIdx.x == 0) report(p, MK_ERR_BAD_EXPERT, t * K + lane, e, 0, dab);
         e = -1;  // the slot adds nothing (as given picks out of range)
       }
       if (lane < K) {
@@ -279,7 +297,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     MK_ONCE for (int s = tid; s < slots; s += DEC_THREADS) {
       int e = __ldcg(p.topk_idx + s);
       if (e < 0 || e >= E) {
-        if (blockIdx.x == 0) report(p, MK_ERR_BAD_EXPERT, s, e, 0);
+        if (blockIdx.x == 0) report(p, MK_ERR_BAD_EXPERT, s, e, 0, dab);
         e = -1;  // the slot adds nothing (as k_lists drops the row)
       }
       s_e[s] = e;
@@ -357,12 +375,13 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     if (c == 0 && pr < n2) reinterpret_cast<float2*>(qpart)[it % NB * d.pairs + pr] = make_float2(ag, au);
   }
   if (p.trace && tid == 0 && nr > 0) {  // timeline only: when the W_down copies landed (or warp 0's pairs were done)
-    mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
+    mbar_wait(p, bar, 0, (uint32_t)blockIdx.x, dab);
     dec_stamp(p, DEC_TR_W2);
   }
   __syncthreads();
   // the range's h elements are contiguous in h (pair q is h[q]): whole lines, not one 2-byte store per pair
   MK_ONCE for (int pr = tid; pr < n2; pr += DEC_THREADS) {
+    if (s_e[(int)((q0 + pr) / I)] < 0) continue;  // a slot that adds nothing: no h (the CTAs with its picks skip it)
     float2 gu = make_float2(0.f, 0.f);
     MK_ONCE for (int b = 0; b < NB; ++b) {
       const float2 v = reinterpret_cast<const float2*>(qpart)[b * d.pairs + pr];
@@ -393,7 +412,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     // 3. the down projection of this CTA's rows once every slot's h is complete: one thread polls each slot's
     // counter (all at once: slot by slot, a poll, an h load and two barriers each took 12 µs for 8 slots in run
     // 62), then each warp sums its (token, row)s
-    mbar_wait(p, bar, 0, (uint32_t)blockIdx.x);
+    mbar_wait(p, bar, 0, (uint32_t)blockIdx.x, dab);
     // a warp per (slot, 8 rows): each lane walks whole 16-byte chunks of k (KV / 32 rounds, no idle lanes), its h
     // chunk widened once for the 8 rows, the 8 rows' loads issued before their products; then one butterfly leaves
     // each row's sum on 4 lanes (9 shuffles for 8 rows instead of 40). Run 70's ncu: the sums were issue-bound
@@ -417,7 +436,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
           wpre[j][r] = v < KV ? wr[((v >> 3) * d.rows + min(rb + r, nr - 1)) * 8 + (v & 7)] : make_uint4(0, 0, 0, 0);
       }
     }
-    if (tid < slots && s_e[tid] >= 0) wait_count(p, cnt + DEC_STRIDE * tid, I, tid == p.stall_tile, tid);
+    if (tid < slots && s_e[tid] >= 0) wait_count(p, cnt + DEC_STRIDE * tid, I, tid == p.stall_tile, tid, dab);
     __syncthreads();
     if (tid == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
     dec_stamp(p, DEC_TR_READY);
@@ -489,8 +508,10 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     dec_stamp(p, DEC_TR_SUMS);  // (thread 0's share of the sums done)
     __syncthreads();
     bf16* out = (bf16*)p.out;
+    // a CTA without picks (failed) marks its rows not computed: NaN, never a sum that looks like an output
     MK_ONCE for (int i = tid; i < S * nr; i += DEC_THREADS)
-      out[(int64_t)(i / nr) * H + r0 + i % nr] = __float2bfloat16(acc[(i / nr) * d.rows + i % nr]);
+      out[(int64_t)(i / nr) * H + r0 + i % nr] = __float2bfloat16(failed ? __int_as_float(0x7fffffff)
+                                                                          : acc[(i / nr) * d.rows + i % nr]);
   }
   dec_stamp(p, DEC_TR_END);
   // the last ticket: the counters zeroed, and the launch's task counts where the task graph's scheduler leaves them
@@ -502,6 +523,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     p.ctl[MK_CTL_TILES] = slots;
     MK_ONCE for (int s = 0; s < slots; ++s) cnt[DEC_STRIDE * s] = 0;
     if (p.decode == 2) MK_ONCE for (int i = 0; i < S * E; ++i) cnt[DEC_LOGIT0 + i] = 0;
+    cnt[DEC_ABORT] = 0;  // every CTA's waits are behind its ticket: the next launch starts unaborted
     cnt[DEC_STRIDE * DEC_CNT_TICKET] = 0;
   }
 }

@@ -253,10 +253,17 @@ __device__ void record(const MkParams& p, int64_t code, int64_t where, int64_t d
     __threadfence_system();
   }
 }
+// The abort flag a wait polls and a report raises: the task graph's ctl word (its routing kernels lift it at the start
+// of every launch), or, given (`abort`), the decode kernel's own word of its counters (mk_decode.cuh: DEC_ABORT; its
+// last CTA lifts it at the end of every launch): either way a launch never starts aborted by an earlier one's error.
+__device__ __forceinline__ int32_t* abort_flag(const MkParams& p, int32_t* abort) {
+  return abort ? abort : &p.ctl[MK_CTL_ABORT];
+}
 // First error wins; the abort flag makes every other wait give up at once.
-__device__ void report(const MkParams& p, int64_t code, int64_t where, int64_t detail, int64_t waited) {
+__device__ void report(const MkParams& p, int64_t code, int64_t where, int64_t detail, int64_t waited,
+                       int32_t* abort = nullptr) {
   record(p, code, where, detail, waited);
-  atomicExch(&p.ctl[MK_CTL_ABORT], 1);
+  atomicExch(abort_flag(p, abort), 1);
 }
 
 __device__ __forceinline__ bool mbar_try(uint32_t bar, uint32_t parity) {
@@ -271,14 +278,16 @@ __device__ __forceinline__ bool mbar_try(uint32_t bar, uint32_t parity) {
 // Wait for the phase of `parity` to complete; bounded like every other wait in the kernel: after the timeout
 // it reports MK_ERR_PIPE_TIMEOUT (where = stage counter) and returns, and it returns at once once another
 // wait has aborted the launch. The tile is garbage then, but the launch ends and the host sees the error.
-__device__ __forceinline__ void mbar_wait(const MkParams& p, uint32_t bar, uint32_t parity, uint32_t g) {
+// `abort`: the flag of abort_flag (null: the task graph's).
+__device__ __forceinline__ void mbar_wait(const MkParams& p, uint32_t bar, uint32_t parity, uint32_t g,
+                                          int32_t* abort = nullptr) {
   if (mbar_try(bar, parity)) return;
   const uint64_t since = gtime();
   while (!mbar_try(bar, parity)) {
-    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) return;
+    if (*(volatile int32_t*)abort_flag(p, abort)) return;
     const uint64_t waited = gtime() - since;
     if (waited > (uint64_t)p.timeout_ns) {
-      report(p, MK_ERR_PIPE_TIMEOUT, g, parity, (int64_t)waited);
+      report(p, MK_ERR_PIPE_TIMEOUT, g, parity, (int64_t)waited, abort);
       return;
     }
   }
@@ -287,16 +296,18 @@ __device__ __forceinline__ void mbar_wait(const MkParams& p, uint32_t bar, uint3
 // acquire loads; the CTA barrier then hands what the producers published to every thread). Bounded like every
 // wait: after timeout_ns it reports MK_ERR_INPUT_TIMEOUT (where = the counter's tile); an aborted launch goes on
 // at once (the tile is garbage, the host sees the error). `never`: the test hook's stalled tile.
-// wait_count: the calling thread's bounded wait for one counter (the decode kernel polls one slot per thread).
-__device__ __forceinline__ void wait_count(const MkParams& p, const int32_t* cnt, int need, bool never, int where) {
+// wait_count: the calling thread's bounded wait for one counter (the decode kernel polls one slot per thread, with
+// its own abort flag: `abort`, as mbar_wait's).
+__device__ __forceinline__ void wait_count(const MkParams& p, const int32_t* cnt, int need, bool never, int where,
+                                           int32_t* abort = nullptr) {
   if (!never && ld_acquire(cnt) >= need) return;
   const uint64_t since = gtime();
   unsigned ns = 32;
   while (never || ld_acquire(cnt) < need) {
-    if (*(volatile int32_t*)&p.ctl[MK_CTL_ABORT]) break;
+    if (*(volatile int32_t*)abort_flag(p, abort)) break;
     const uint64_t waited = gtime() - since;
     if (waited > (uint64_t)p.timeout_ns) {
-      report(p, MK_ERR_INPUT_TIMEOUT, where, need, (int64_t)waited);
+      report(p, MK_ERR_INPUT_TIMEOUT, where, need, (int64_t)waited, abort);
       break;
     }
     __nanosleep(ns);

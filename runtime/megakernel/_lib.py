@@ -29,6 +29,9 @@ CTL_WORDS = 8  # MK_CTL_WORDS: int32 words of MkParams.ctl
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
 CORES = {"mma": 0, "wgmma": 1}  # MK_CORE_*
 DEC_CNT_WORDS = (_DEC_MAX_SLOTS + 1) * 32 + 4096  # the decode kernel's counters and logits (mk_decode.cuh: DEC_CNT_WORDS)
+# the decode kernel's own abort flag, a word of its exit ticket's line (mk_decode.cuh: DEC_ABORT): its waits poll it
+# instead of ctl[CTL_ABORT], and its last CTA zeroes it, so a decode launch never starts aborted by an earlier error
+DEC_ABORT = _DEC_MAX_SLOTS * 32 + 16
 SK_PART_FLOATS = 16 * 128  # fp32 per split-K part and slot: the bm=16 tile's 16 accumulators x 128 threads
 LIB_NAME = "libmoetune_moe.so"
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)

@@ -557,9 +557,10 @@ class MegakernelMoE:
                                   f"waited={rec[3] / 1e6:.1f} ms)")
 
     def clear_error(self) -> None:
-        """Forget the error record, lift the abort flag and zero the decode kernel's counter words, which an aborted
-        launch may have left set (the task graph's routing also lifts the flag every launch; the decode kernel
-        launches without a reset kernel before it)."""
+        """Forget the error record (sticky until this: `check()` raises it after any number of later forwards), lift
+        the abort flag and zero the decode kernel's counter words. Neither flag carries over to a later launch without
+        this: the task graph's routing lifts ctl's every launch, and the decode kernel (no reset kernel before it)
+        polls its own flag in its counter words (`_lib.DEC_ABORT`), which its last CTA zeroes with its counters."""
         self.err.zero_()
         self.ctl[CTL_ABORT] = 0
         self.dec_cnt.zero_()
