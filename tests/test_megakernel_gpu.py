@@ -864,6 +864,7 @@ def test_decode_after_an_earlier_launchs_error(model, layer):
         ref = dense_reference(x1, model, seed=0, topk_idx=idx1, topk_weights=w1)
         assert torch.isfinite(out.float()).all() and max_rel_err(out, ref) <= 1e-2
         assert int(m.dec_cnt[_lib.DEC_ABORT]) == 0
+        assert int(m.ctl[CTL_ABORT]) == 1  # still raised: these launches ran with it and did not read it
         first_error()  # sticky: the decode launches neither clear nor replace it
     m.clear_error()
     assert m.error() is None
