@@ -58,6 +58,8 @@ log = logging.getLogger("moetune.daemon.jobs")
 JOB_EVENTS = ("job_queued", "job_started", "job_cancelled", "job_finished")
 # (busy: True / False / None when it cannot be told, what was seen): are other processes on this node's GPUs?
 GpuProbe = Callable[[], tuple[bool | None, str]]
+# how often a job held for want of fabric facts looks again (an attribute read: the discovery rounds set them)
+FACTS_RECHECK_S = 0.25
 
 
 def now() -> str:
@@ -474,7 +476,8 @@ class JobManager:
     the GPUs (`gpu_probe`, default `gpu_processes`): its benchmarks would disturb a production job and measure that
     job's noise. While they are busy, or their state cannot be told, the job waits queued (a `job_deferred` event says
     why) and is checked again every `tune.busy_retry_s`; the jobs behind it wait too (one job at a time).
-    `[tune] run_on_busy_gpus = true` runs it anyway."""
+    `[tune] run_on_busy_gpus = true` runs it anyway. Every job also waits queued (said the same way) while the daemon
+    has no fabric facts (`_wait_for_facts`)."""
 
     def __init__(
         self,
@@ -671,13 +674,38 @@ class JobManager:
                 self._event("job_deferred", job, why)
             job.cancel.wait(self.tune.busy_retry_s)  # a cancel or the daemon's stop wakes it
 
+    def _facts_or_none(self) -> Any:
+        try:
+            return self.facts_fn()
+        except Exception:  # broad: the daemon's facts callback; as no facts yet
+            return None
+
+    def _wait_for_facts(self, job: Job) -> None:
+        """Hold `job` queued while the daemon has no fabric facts (its start-up discovery failed, or was incomplete and
+        differed from the known fabric): returns once a discovery round gave facts, or when it is cancelled. Run now, it
+        would fail "no fabric facts" and be recorded finished, and a job resumed from the last daemon would be lost for
+        good (no later start re-queues its keys)."""
+        while not job.cancel.is_set():
+            if self._facts_or_none() is not None:
+                if job.deferred:
+                    job.deferred = job.message = ""
+                return
+            if not job.deferred:  # said once (in status and an event), then checked again until facts come
+                job.deferred = job.message = ("deferred: no fabric facts yet (the last discovery failed or was "
+                                              "incomplete, see status); runs once a discovery round reads the fabric")
+                log.warning("re-tune job %d %s", job.id, job.deferred)
+                self._event("job_deferred", job, job.deferred)
+            job.cancel.wait(FACTS_RECHECK_S)  # reading the facts is cheap; a cancel or the daemon's stop wakes it
+
     def _loop(self) -> None:
         while True:
             job = self._q.get()
             if job is None:
                 return
             if not job.cancel.is_set():
-                self._wait_for_idle_gpus(job)  # still listed as queued meanwhile
+                self._wait_for_facts(job)  # still listed as queued meanwhile
+            if not job.cancel.is_set():
+                self._wait_for_idle_gpus(job)
             with self._lock:
                 self._queued.pop(job.id, None)
                 if job.cancel.is_set():
