@@ -52,10 +52,17 @@ def nearest_bucket_within(tokens: int, buckets: tuple[int, ...] | list[int], max
     return chosen if abs(got - rung) <= max_steps else None
 
 
-def provenance_of_backend(backend: str) -> Provenance:
+NODE_MODEL_BACKEND = "model:node:"  # + the fingerprint whose calibrated model predicted the numbers
+
+
+def provenance_of_backend(backend: str, fingerprint: str | None = None) -> Provenance:
     """What a backend's numbers are: `local:*` measured, `model:node:*` this node's calibrated model,
-    any other `model:*` a preset. An unknown backend is modelled: never trusted as measured."""
-    if backend.startswith("model:node:"):
+    any other `model:*` a preset. An unknown backend is modelled: never trusted as measured. With the key's
+    `fingerprint`, `model:node:<fp>` of another fingerprint is a preset: another node's model (another machine's
+    model, as a shipped preset is) says nothing more of this node than a preset does."""
+    if backend.startswith(NODE_MODEL_BACKEND):
+        if fingerprint is not None and backend.removeprefix(NODE_MODEL_BACKEND) != fingerprint:
+            return "preset"
         return "node_model"
     if backend.startswith("model:"):
         return "preset"
@@ -64,20 +71,37 @@ def provenance_of_backend(backend: str) -> Provenance:
     return "node_model"
 
 
-def unlabelled_provenance(backend: str) -> Provenance:
+def unlabelled_provenance(backend: str, fingerprint: str | None = None) -> Provenance:
     """The provenance of a record that carries none (an older peer or export): modelled, never measured,
     since nothing says which fingerprint and software it was measured on."""
-    p = provenance_of_backend(backend)
+    p = provenance_of_backend(backend, fingerprint)
     return "node_model" if p == "measured" else p
 
 
-def effective_provenance(provenance: str, backend: str) -> Provenance:
+def node_model_label_problem(provenance: str, backend: str, fingerprint: str) -> str:
+    """Why a `node_model` label is false for a record of key `fingerprint` ('' when it may stand): its backend is a
+    shipped preset (`model:<preset>`) or another node's model (`model:node:<other fp>`). node_model outranks preset
+    (the store's rank rule, the lookups' tiers), so such a label would let a preset's prediction displace a better
+    preset profile and be served as this node's model. A `local:*` or unknown backend may be labelled node_model: an
+    unlabelled import of a measurement becomes node_model by design (nothing says where it was measured)."""
+    if provenance != "node_model" or provenance_of_backend(backend, fingerprint) != "preset":
+        return ""
+    if backend.startswith(NODE_MODEL_BACKEND):
+        return (f"node_model, but backend {backend[:80]!r} is the calibrated model of another node than the key's "
+                f"fingerprint {fingerprint[:64]!r} (a preset to it)")
+    return f"node_model, but backend {backend[:80]!r} is a shipped preset (model:<preset>), not this node's model"
+
+
+def effective_provenance(provenance: str, backend: str, fingerprint: str | None = None) -> Provenance:
     """What a record's numbers are taken to be: its label, except that a claimed measurement by a backend that
-    does not measure (`model:*`, unknown) is modelled. The label alone never makes a number measured; the ONE rule
-    for records, replies and `ProfileRecord.is_tuned_for`."""
+    does not measure (`model:*`, unknown) is modelled, and a claimed node model by a preset's backend or another
+    node's model (with the key's `fingerprint`: `node_model_label_problem`) is a preset. The label alone never makes a
+    number measured nor this node's model; the ONE rule for records, replies and `ProfileRecord.is_tuned_for`."""
     if provenance == "measured" and provenance_of_backend(backend) != "measured":
-        return unlabelled_provenance(backend)
-    return provenance if provenance in PROVENANCES else unlabelled_provenance(backend)  # type: ignore[return-value]
+        return unlabelled_provenance(backend, fingerprint)
+    if provenance == "node_model" and provenance_of_backend(backend, fingerprint) == "preset":
+        return "preset"
+    return provenance if provenance in PROVENANCES else unlabelled_provenance(backend, fingerprint)  # type: ignore[return-value]
 
 
 # Which figure a stored latency is, read from the backend label the profile records. A local measurement minimises
@@ -136,7 +160,7 @@ def default_measured_on(provenance: str, backend: str, fingerprint: str) -> str:
 def effective_measured_on(provenance: str, measured_on: str, backend: str, fingerprint: str) -> str:
     """`measured_on` as the effective provenance has it: the stored one, except where a "measured" label on a
     modelling backend is taken as modelled (a node model keeps its fingerprint; a preset gets its name)."""
-    prov = effective_provenance(provenance, backend)
+    prov = effective_provenance(provenance, backend, fingerprint)
     if prov == provenance or prov == "node_model":
         return measured_on
     return default_measured_on(prov, backend, fingerprint)
@@ -197,7 +221,7 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if self.provenance is msgspec.UNSET:
-            self.provenance = unlabelled_provenance(self.backend)
+            self.provenance = unlabelled_provenance(self.backend, self.key.fingerprint)
         elif self.provenance not in PROVENANCES:
             raise ValueError(f"provenance must be one of {', '.join(PROVENANCES)}, got {self.provenance!r}")
         if not self.measured_on:
@@ -218,7 +242,7 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def effective_provenance(self) -> Provenance:
         """The provenance the runtime goes by (`effective_provenance`: "measured" only from a measuring backend)."""
-        return effective_provenance(str(self.provenance), self.backend)
+        return effective_provenance(str(self.provenance), self.backend, self.key.fingerprint)
 
     def as_effective(self) -> ProfileRecord:
         """This record labelled with its effective provenance (itself where that is its label): a "measured" label

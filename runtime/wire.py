@@ -198,7 +198,7 @@ class ProfileResult(msgspec.Struct, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.provenance is msgspec.UNSET:
-            self.provenance = unlabelled_provenance(self.backend)
+            self.provenance = unlabelled_provenance(self.backend, self.key.fingerprint)
         if not self.measured_on:
             self.measured_on = default_measured_on(self.provenance, self.backend, self.key.fingerprint)
 

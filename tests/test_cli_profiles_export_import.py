@@ -229,7 +229,8 @@ def test_a_row_labelled_measured_by_a_backend_that_does_not_measure_reads_as_mod
         c.execute("UPDATE profiles SET provenance = 'measured', measured_on = 'fp-cli' WHERE token_bucket = 128")
     with Store(db) as s:
         assert [r.effective_provenance for _i, r in s.list_profiles()] == ["measured", "preset"]
-        assert s.check()["mislabelled_profiles"] == [{"id": 2, "backend": "model:ndr-ibrc-h100x8"}]
+        assert s.check()["mislabelled_profiles"] == [{"id": 2, "backend": "model:ndr-ibrc-h100x8",
+                                                        "provenance": "measured"}]
     r = run("profiles", "show", "2", "--db", str(db))
     text = " ".join(r.output.split())
     assert r.exit_code == 0 and "PRESET" in text and "stored as measured, but its backend does not measure" in text

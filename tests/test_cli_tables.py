@@ -21,8 +21,10 @@ from moetune.tuner.store.store import Store
 pytestmark = pytest.mark.timeout(120)
 
 ROWS = [("nvlink", 2, 1, 16, 6987.4, 12.3, "local:nccl", "measured"),
-        ("proxy:libfabric", 16, 2, 4096, 123456.7, 1234.5, "model:slingshot11-libfabric-a100x4", "node_model"),
-        ("host_staged", 4, 1, 128, 56.4, 0.0, "model:ndr-ibrc-h100x8", "preset")]
+        # a shipped preset's prediction is a preset; node_model only from this node's own model (the store refuses
+        # the label on another backend)
+        ("proxy:libfabric", 16, 2, 4096, 123456.7, 1234.5, "model:slingshot11-libfabric-a100x4", "preset"),
+        ("host_staged", 4, 1, 128, 56.4, 0.0, "model:node:fp-cli-0123456789abcdef", "node_model")]
 
 
 def _fill(db: Path) -> None:

@@ -288,7 +288,7 @@ def test_autoload_megakernel_profile_from_a_daemon(tmp_path: Path, monkeypatch: 
 def test_autoload_megakernel_modelled_or_unrunnable_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MOETUNE_AUTOLOAD")
     monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
-    modelled = mk_record(Knobs(engine="megakernel", mk_bm=16), backend="model:node:abc", provenance="node_model")
+    modelled = mk_record(Knobs(engine="megakernel", mk_bm=16), backend=f"model:node:{FP}", provenance="node_model")
 
     def answer(req: dict) -> bytes:
         return ok_reply(req["id"], msgspec.to_builtins(wire.ProfileResult.from_record(modelled, env={})))

@@ -157,11 +157,13 @@ def _mk_tune(tmp_path: Path, store: Any, facts: Any, measure: Any, tokens: int, 
 
 def _store_with(tmp_path: Path, knobs: Knobs, latency_us: float,
                 backend: str = "local:megakernel") -> tuple[Any, Any, Any]:
-    """A store holding one current megakernel profile of `knobs` at S=128: (store, facts, its key)."""
+    """A store holding one current megakernel profile of `knobs` at S=128: (store, facts, its key). `{fp}` in
+    `backend` is the node's fingerprint (a node model is the key's own node's: the store refuses another's)."""
     from moetune.runtime.profile_record import ProfileKey, ProfileRecord, provenance_of_backend
 
     store = F.open_store(tmp_path / "m.db")
     facts = _facts("h200x1")
+    backend = backend.format(fp=facts.fingerprint)
     store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
     key = ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family="megakernel",
                      ep_size=1, nodes=1, hidden=QWEN.hidden, intermediate=QWEN.intermediate, experts=QWEN.experts,
@@ -200,7 +202,7 @@ def test_a_modelled_incumbent_kept_on_a_tie_is_stored_as_measured(tmp_path: Path
         base = 210.0 if knobs.mk_bm == 16 else 300.0
         return {"graph_us": [base - 3, base, base + 3], "eager_us": [base] * 3}
 
-    store, facts, key = _store_with(tmp_path, kept, 250.0, backend="model:node:h200x1")
+    store, facts, key = _store_with(tmp_path, kept, 250.0, backend="model:node:{fp}")
     res = _mk_tune(tmp_path, store, facts, measure, 128, trials=12)
     rec = store.get_current(key)
     assert rec is not None and rec.provenance == "measured", res.reason

@@ -206,15 +206,21 @@ def test_a_reply_whose_hash_is_not_its_key_and_knobs_is_a_bad_reply(tmp_path: Pa
 @pytest.mark.parametrize(("backend", "label", "want"), [
     ("local:nccl", "measured", "measured"),
     ("model:h100-dgx", "measured", "preset"),
-    ("model:node:ffff", "measured", "node_model"),
+    (f"model:node:{FP_HERE}", "measured", "node_model"),
+    ("model:node:ffff", "measured", "preset"),  # another node's model: a preset to this key
     ("something-else", "measured", "node_model"),
     ("model:h100-dgx", "preset", "preset"),
+    ("model:h100-dgx", "node_model", "preset"),  # the label does not make a preset's number this node's model
+    ("model:node:ffff", "node_model", "preset"),
+    (f"model:node:{FP_HERE}", "node_model", "node_model"),
+    ("local:nccl", "node_model", "node_model"),  # an unlabelled import of a measurement (by design)
 ])
 def test_is_tuned_for_and_the_client_follow_one_provenance_rule(backend: str, label: str, want: str) -> None:
-    """Before: is_tuned_for trusted the label alone (a preset labelled 'measured' was tuned)."""
+    """Before: is_tuned_for trusted the label alone (a preset labelled 'measured' was tuned), and a node_model label
+    on a preset's backend or another node's model was taken as this node's model (it outranks preset)."""
     rec = ProfileRecord(key=key(FP_HERE, "5" * 16), knobs=default_knobs("nvlink"), latency_us=27, spread_us=0,
                         backend=backend, provenance=label)
-    assert rec.effective_provenance == want == client.provenance_of(rec) == effective_provenance(label, backend)
+    assert rec.effective_provenance == want == client.provenance_of(rec) == effective_provenance(label, backend, FP_HERE)
     assert reply(rec).provenance == want  # the daemon labels a reply as what its numbers are
     # a reply labelled by its stored label (an older daemon's) is taken for what it is all the same
     assert client.provenance_of(reply(rec, provenance=label, measured_on=rec.measured_on)) == want

@@ -260,7 +260,7 @@ def provenance_of(rec: ProfileRecord | wire.ProfileResult) -> str:
     """measured | node_model | preset, as the record says (records and replies without the field derive it
     from the backend in their own `__post_init__`). A claimed measurement by a backend that does not measure
     (`model:*`, unknown) is taken as modelled: the label alone never makes a number measured."""
-    return effective_provenance(str(rec.provenance), rec.backend)  # the one rule, shared with is_tuned_for
+    return effective_provenance(str(rec.provenance), rec.backend, rec.key.fingerprint)  # the one rule (is_tuned_for's)
 
 
 # -- the read-only database fallback ----------------------------------------------------------------

@@ -349,6 +349,11 @@ def check(
             for row in bad:
                 out.print(escape(f"    profile {row['id']}: {row['error']}"))
         for row in info["mislabelled_profiles"] or []:  # the runtime, lookups, the gate, list/show/export take it as modelled
+            if row.get("provenance") == "node_model":  # a preset's or another node's model: taken as a preset
+                out.print(escape(f"  profile {row['id']}: labelled node_model, but its backend {row['backend']!r} is "
+                                 "not this node's model: moetune takes it as a PRESET (a hand edit, or an import by an "
+                                 "older moetune?)"))
+                continue
             out.print(escape(f"  profile {row['id']}: labelled measured, but its backend {row['backend']!r} does not "
                              "measure: moetune takes it as MODELLED (a hand edit?)"))
     if not info["ok"]:

@@ -139,8 +139,9 @@ def show(
     rows.append(("latency_us", f"{rec.latency_us:.3f} ± {rec.spread_us:.3f}"))
     rows.append(("backend", escape(rec.backend)))
     eff = rec.effective_provenance
+    why_not = "does not measure" if rec.provenance == "measured" else "is not this node's model"
     rows.append(("provenance", PROVENANCE_LABEL[str(eff)] + ("" if eff == rec.provenance else escape(
-        f" (stored as {rec.provenance}, but its backend does not measure: `moetune db check`)"))))
+        f" (stored as {rec.provenance}, but its backend {why_not}: `moetune db check`)"))))
     rows.append(("measured_on", escape(rec.measured_on or "(unknown)")))
     if eff == "preset" and rec.measured_on:  # an edited copy of a shipped preset keeps its name: the digest says which
         from moetune.tuner.fabric_model.presets import preset_origin

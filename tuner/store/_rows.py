@@ -159,7 +159,7 @@ def decide(
     side-by-side comparison decides, and the stored profile is kept."""
     # by what the numbers are (a "measured" label on a modelling backend, a hand edit, ranks as modelled: it must
     # not keep a real measurement out), as the runtime takes them
-    old_prov, new_prov = effective_provenance(str(old.provenance), old.backend), new.effective_provenance
+    old_prov, new_prov = effective_provenance(str(old.provenance), old.backend, new.key.fingerprint), new.effective_provenance
     old_rank, new_rank = PROVENANCE_RANK.get(old_prov, 0), PROVENANCE_RANK[new_prov]
     if new_rank > old_rank:
         return Decision(

@@ -37,6 +37,7 @@ from moetune.runtime.profile_record import (
     effective_measured_on,
     effective_provenance,
     nearest_bucket_within,
+    node_model_label_problem,
     one_metric,
     provenance_of_backend,
 )
@@ -564,7 +565,8 @@ class Store:
         bad = self.unreadable_profiles() if info["ok"] else None
         info["unreadable_profiles"] = None if bad is None else [{"id": i, "error": why} for i, why in bad]
         wrong = self.mislabelled_profiles() if info["ok"] else None
-        info["mislabelled_profiles"] = None if wrong is None else [{"id": i, "backend": b} for i, b in wrong]
+        info["mislabelled_profiles"] = None if wrong is None else [{"id": i, "backend": b, "provenance": p}
+                                                                   for i, b, p in wrong]
         info["ok"] = info["ok"] and not bad and not wrong
         return info
 
@@ -587,14 +589,17 @@ class Store:
         self._checked_sound = True
 
     @_retried
-    def mislabelled_profiles(self) -> list[tuple[int, str]]:
-        """(id, backend) of each row labelled measured whose backend does not measure (no writer of this moetune
-        stores one; a hand edit or another tool may): the runtime, the store's replacement rule, its lookups and
-        `profiles list/show/export` take it as modelled; named by `check`."""
+    def mislabelled_profiles(self) -> list[tuple[int, str, str]]:
+        """(id, backend, stored label) of each row labelled measured whose backend does not measure, or labelled node_model whose
+        backend is a preset or another node's model (`node_model_label_problem`; no writer of this moetune stores either,
+        `check_record` refuses them; a hand edit, another tool or an older moetune's import may): the runtime, the
+        store's replacement rule, its lookups and `profiles list/show/export` take it as what its backend says;
+        named by `check`."""
         with self._read() as s:
-            rows = s.execute(select(Profile.id, Profile.backend).where(Profile.provenance == "measured")
-                             .order_by(Profile.id)).all()
-        return [(i, b) for i, b in rows if provenance_of_backend(b) != "measured"]
+            rows = s.execute(select(Profile.id, Profile.provenance, Profile.backend, Profile.fingerprint)
+                             .where(Profile.provenance.in_(("measured", "node_model"))).order_by(Profile.id)).all()
+        return [(i, b, p) for i, p, b, fp in rows
+                if (p == "measured" and provenance_of_backend(b) != "measured") or node_model_label_problem(p, b, fp)]
 
     # -- fingerprints ------------------------------------------------------------------------------
     @staticmethod
@@ -839,7 +844,7 @@ class Store:
             row = s.execute(q.order_by((Profile.status == "current").desc(), Profile.id.desc()).limit(1)).first()
         if row is None:
             return None
-        return (effective_provenance(row.provenance, row.backend),
+        return (effective_provenance(row.provenance, row.backend, key.fingerprint),
                 effective_measured_on(row.provenance, row.measured_on, row.backend, key.fingerprint))
 
     @_retried

@@ -17,6 +17,7 @@ from moetune.runtime.profile_record import (
     TOKEN_BUCKETS,
     ProfileRecord,
     is_preset_fingerprint,
+    node_model_label_problem,
     provenance_of_backend,
 )
 from moetune.runtime.profiles.perf_env import perf_env_problem
@@ -176,6 +177,11 @@ def check_record(rec: ProfileRecord) -> None:
     # measured, a preset's prediction would be listed as measured and would compete with real measurements.
     if rec.provenance == "measured" and provenance_of_backend(rec.backend) != "measured":
         raise FieldError("provenance", f"measured, but backend {rec.backend[:64]!r} does not measure (local:*)")
+    # nor this node's model: node_model outranks preset, so a preset's (or another node's model's) prediction so
+    # labelled would displace a faster preset profile and be served as this node's model
+    why = node_model_label_problem(str(rec.provenance), rec.backend, rec.key.fingerprint)
+    if why:
+        raise FieldError("provenance", why)
     try:
         routing = canonical_routing(rec.tuned_routing)
     except ValueError as e:
