@@ -330,18 +330,29 @@ def test_subscribe_refuses_a_pub_endpoint_unlike_the_request_socket(plain, tmp_p
     c.close()
 
 
-def test_subscribe_over_tcp_needs_the_same_host(plain) -> None:
+def test_subscribe_over_tcp_takes_only_the_port_from_the_reply(plain) -> None:
+    """The SUB socket connects to the advertised port on the host the requests go to: a reply naming another host
+    never sends the client there (it used to be refused; a wildcard-bound daemon's `tcp://*:P` and another name of
+    the host, `localhost`, were refused with it), and a PUB endpoint without a port is refused."""
     port = free_port()
-    ep = f"tcp://127.0.0.1:{port}"
     want = {"pub": "tcp://10.9.9.9:5"}
-    plain(ep, lambda req: ok_reply(req["id"], hello_result(want["pub"])))
-    c = ProfileClient(ep, timeout_ms=2000, env={}, allow_insecure_tcp=True)
-    with pytest.raises(DaemonUnavailable, match="host"):
+    plain(f"tcp://127.0.0.1:{port}", lambda req: ok_reply(req["id"], hello_result(want["pub"])))
+    for ep, pub, host in ((f"tcp://127.0.0.1:{port}", "tcp://10.9.9.9:5", "127.0.0.1"),
+                          (f"tcp://127.0.0.1:{port}", f"tcp://*:{port + 1}", "127.0.0.1"),
+                          (f"tcp://localhost:{port}", f"tcp://0.0.0.0:{port + 1}", "localhost"),
+                          (f"tcp://localhost:{port}", f"tcp://127.0.0.1:{port + 1}", "localhost")):
+        want["pub"] = pub
+        c = ProfileClient(ep, timeout_ms=2000, env={}, allow_insecure_tcp=True)
         c.subscribe()
-    want["pub"] = f"tcp://127.0.0.1:{port + 1}"
-    c.subscribe()
-    assert c._sub is not None
-    c.close()
+        assert c._sub is not None and c.sub_endpoint == f"tcp://{host}:{pub.rpartition(':')[2]}", (pub, c.sub_endpoint)
+        c.close()
+    for pub, match in (("tcp://127.0.0.1", "port"), ("tcp://127.0.0.1:0", "port"), (f"ipc:///tmp/x{port}", "transport")):
+        want["pub"] = pub
+        c = ProfileClient(f"tcp://127.0.0.1:{port}", timeout_ms=2000, env={}, allow_insecure_tcp=True)
+        with pytest.raises(DaemonUnavailable, match=match):
+            c.subscribe()
+        assert c._sub is None
+        c.close()
 
 
 # -- 2: the reply must answer the request; its env is never trusted --------------------------------------------

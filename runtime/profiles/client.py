@@ -699,6 +699,7 @@ class ProfileClient:
         self._mon: zmq.Socket | None = None
         self._key_refused = False
         self._sub: zmq.Socket | None = None
+        self.sub_endpoint: str | None = None  # where the SUB socket connected (`subscribe`)
         self.epoch: str | None = None
         self.version = 0  # the snapshot version changes are compared with
         self.restarted = False  # set when the daemon's epoch changed between replies
@@ -748,6 +749,7 @@ class ProfileClient:
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None
+            self.sub_endpoint = None
 
     def __enter__(self) -> ProfileClient:
         return self
@@ -888,10 +890,12 @@ class ProfileClient:
         """Connect the SUB socket (do this BEFORE fetching the snapshot)."""
         if self._sub is not None:
             return
-        named_by_daemon = pub_endpoint is None
         if pub_endpoint is None:
-            pub_endpoint = self.hello().pub_endpoint
-        why = self._pub_problem(pub_endpoint, named_by_daemon)
+            named = self.hello().pub_endpoint
+            pub_endpoint, why = self._daemon_pub(named)
+            if why is not None:
+                raise DaemonUnavailable(f"not subscribing to the daemon's PUB socket {named[:256]!r}: {why}")
+        why = self._pub_problem(pub_endpoint)
         if why is not None:
             raise DaemonUnavailable(f"not subscribing to {pub_endpoint[:256]!r}: {why}")
         s = self._ctx.socket(zmq.SUB)
@@ -905,18 +909,28 @@ class ProfileClient:
             s.close(linger=0)
             raise DaemonUnavailable(f"not subscribing to {pub_endpoint[:256]!r}: {e.strerror}") from None
         self._sub = s
+        self.sub_endpoint = pub_endpoint
 
-    def _pub_problem(self, pub: str, named_by_daemon: bool) -> str | None:
-        """Why not to connect a SUB socket to `pub`. One the daemon's hello named must be reached the way the
-        request socket is: same scheme, for tcp the same host. Any: tcp only secured like the request socket
-        (CURVE, or the explicit loopback allowance), ipc only a socket this user may trust."""
+    def _daemon_pub(self, named: str) -> tuple[str, str | None]:
+        """(where to connect, why not) for the PUB endpoint the daemon's hello `named`: reached the way the request
+        socket is. Same scheme; for tcp the advertised PORT on the host the requests go to, whatever host the reply
+        names: a daemon bound to `tcp://*:5555` names `tcp://*:5556`, and a client reaching it as `node1` (or
+        `localhost` for 127.0.0.1) must subscribe there, while a reply must never send the client to another host."""
+        scheme, ours = named.partition("://")[0], self.endpoint.partition("://")[0]
+        if scheme != ours:
+            return named, f"not the request endpoint's transport ({ours}://)"
+        if scheme != "tcp":
+            return named, None
+        port = tcp_port(named)
+        if port is None:
+            return named, "no port in 1..65535"
+        host = self.endpoint[len("tcp://"):].rpartition(":")[0]  # as written: IPv6 brackets and a zone kept
+        return f"tcp://{host}:{port}", None
+
+    def _pub_problem(self, pub: str) -> str | None:
+        """Why not to connect a SUB socket to `pub`: tcp only secured like the request socket (CURVE, or the explicit
+        loopback allowance), ipc only a socket this user may trust."""
         scheme = pub.partition("://")[0]
-        if named_by_daemon:
-            ours = self.endpoint.partition("://")[0]
-            if scheme != ours:
-                return f"not the request endpoint's transport ({ours}://)"
-            if scheme == "tcp" and tcp_host(pub) != tcp_host(self.endpoint):
-                return f"not on the request endpoint's host ({tcp_host(self.endpoint)})"
         if scheme in ("tcp", "ipc"):
             bad = client_endpoint_problem(pub)  # as for the request socket: zmq's connect would raise on it
             if bad is not None:
