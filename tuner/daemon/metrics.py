@@ -19,7 +19,10 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 
 
 class DaemonMetrics:
-    """Counters the serving loop and the worker update; read by the collector on scrape."""
+    """Counters the serving loop and the workers update; read by the collector on scrape. The request counters are
+    bumped from three threads (the serving loop, and the list and retune workers for the requests they answer): each
+    update takes the lock (uncontended it costs well under a microsecond), since a read-modify-write of a dict entry
+    from two threads loses counts."""
 
     def __init__(self) -> None:
         self.requests: dict[tuple[str, str], int] = {}
@@ -33,21 +36,24 @@ class DaemonMetrics:
         self.fabric_changes = 0
         # gauges read through callbacks (set by the daemon)
         self.gauges: dict[str, Callable[[], float]] = {}
-        self._lock = threading.Lock()  # only for the worker-side counters
+        self._lock = threading.Lock()  # every counter updated from more than one thread, and the scrape's copy
 
-    # -- hot path (serving thread only) ----------------------------------------------------------
+    # -- hot path (the serving loop, and the list and retune workers) ---------------------------------------
     def observe(self, op: str, outcome: str, seconds: float) -> None:
         k = (op, outcome)
-        self.requests[k] = self.requests.get(k, 0) + 1
-        h = self._hist.get(op)
-        if h is None:
-            h = self._hist[op] = [0] * (len(LATENCY_BUCKETS) + 1)
-            self._hist_sum[op] = 0.0
-        h[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        self._hist_sum[op] += seconds
+        slot = bisect.bisect_left(LATENCY_BUCKETS, seconds)
+        with self._lock:
+            self.requests[k] = self.requests.get(k, 0) + 1
+            h = self._hist.get(op)
+            if h is None:
+                h = self._hist[op] = [0] * (len(LATENCY_BUCKETS) + 1)
+                self._hist_sum[op] = 0.0
+            h[slot] += 1
+            self._hist_sum[op] += seconds
 
     def total_requests(self) -> int:
-        return sum(self.requests.values())
+        with self._lock:
+            return sum(self.requests.values())
 
     # -- worker side -----------------------------------------------------------------------------
     def job_finished(self, outcome: str) -> None:
@@ -62,18 +68,20 @@ class DaemonMetrics:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+        with self._lock:  # one consistent copy: a histogram's counts and its sum from the same moment
+            requests = list(self.requests.items())
+            hist = [(op, list(counts), self._hist_sum.get(op, 0.0)) for op, counts in self._hist.items()]
         c = CounterMetricFamily("moetune_requests", "Requests answered, by op and outcome", labels=["op", "outcome"])
-        for (op, outcome), n in list(self.requests.items()):
+        for (op, outcome), n in requests:
             c.add_metric([op, outcome], n)
         yield c
         h = HistogramMetricFamily("moetune_request_seconds", "Time from receipt to reply", labels=["op"])
-        for op, counts in list(self._hist.items()):
-            counts = list(counts)
+        for op, counts, total in hist:
             cum, buckets = 0, []
             for le, n in zip((*LATENCY_BUCKETS, float("inf")), counts, strict=True):
                 cum += n
                 buckets.append(("+Inf" if le == float("inf") else repr(le), cum))
-            h.add_metric([op], buckets, self._hist_sum.get(op, 0.0))
+            h.add_metric([op], buckets, total)
         yield h
         yield CounterMetricFamily("moetune_dropped_frames", "Multipart messages dropped as unparseable", value=self.dropped_frames)
         yield CounterMetricFamily("moetune_profiles_served", "get_profile replies carrying a profile", value=self.profiles_served)
