@@ -20,7 +20,7 @@ import msgspec
 from moetune.runtime import wire
 from moetune.runtime.profile_record import ProfileKey
 from moetune.tuner import __version__
-from moetune.tuner.daemon.index import CACHE_LIMIT, ProfileIndex
+from moetune.tuner.daemon.index import ProfileIndex
 from moetune.tuner.daemon.jobs import JobNotRecorded, tuning_key
 from moetune.tuner.daemon.watch import facts_dict, transport_names
 
@@ -40,8 +40,7 @@ def get_profile(d: Daemon, req: wire.GetProfile) -> Result:
     hit = idx.cache.get(key)
     if hit is None:
         hit = idx.lookup(req)
-        if len(idx.cache) < CACHE_LIMIT:
-            idx.cache[key] = hit
+        idx.cache.put(key, hit)  # bounded (CACHE_LIMIT): the least recently used reply goes
     if hit[0]:
         d.metrics.profiles_served += 1
     return hit
@@ -55,7 +54,8 @@ def hello(d: Daemon, req: wire.Hello) -> Result:
 
 
 def list_profiles(d: Daemon, req: wire.ListProfiles) -> Result:
-    raw = d.index.list_cache.get((req.status, req.fingerprint, req.limit))
+    idx = d.index
+    raw = idx.list_cache.get(idx.list_key(req.status, req.fingerprint, req.limit))
     if raw is not None:
         return True, msgspec.Raw(raw)
     return DEFERRED

@@ -8,7 +8,9 @@ Reading tolerates one bad row: it is skipped with a warning instead of stopping 
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Hashable
 from typing import Any
 
 import msgspec
@@ -27,6 +29,51 @@ LIST_PAGE_MAX = 1000  # at most this many profiles in one list_profiles reply, w
 PROVENANCES = ("measured", "node_model", "preset")
 
 ShapeKey = tuple[str, int, int, int, int, int, int, str]
+
+
+class ReplyCache:
+    """Encoded replies of one index version, at most `limit`, the least recently used evicted first. The caches
+    used to keep their first `limit` keys for good: a reader asking for `limit` distinct keys (list_profiles with
+    limit=1..64) filled them, and every other client's request was then computed again each time (a list page
+    re-read and encoded on the one list worker, whose queue then answered `busy`). `shared`: used from two threads
+    (the serving loop reads, the list worker stores): a lock around each call; the get_profile cache is the serving
+    loop's alone and takes none."""
+
+    def __init__(self, limit: int, *, shared: bool = False) -> None:
+        self.limit = limit
+        self._d: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock() if shared else None
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._d
+
+    def get(self, key: Hashable) -> Any:
+        if self._lock is None:
+            return self._get(key)
+        with self._lock:
+            return self._get(key)
+
+    def put(self, key: Hashable, value: Any) -> None:
+        if self._lock is None:
+            self._put(key, value)
+            return
+        with self._lock:
+            self._put(key, value)
+
+    def _get(self, key: Hashable) -> Any:
+        v = self._d.get(key)
+        if v is not None:
+            self._d.move_to_end(key)
+        return v
+
+    def _put(self, key: Hashable, value: Any) -> None:
+        self._d[key] = value
+        self._d.move_to_end(key)
+        while len(self._d) > self.limit:
+            self._d.popitem(last=False)
 
 
 def read_profiles(store: Any, *, status: str | None, fingerprint: str | None = None) -> list[ProfileRecord]:
@@ -55,8 +102,22 @@ class ProfileIndex:
             self.groups.setdefault((k.fingerprint, k.ep_size, k.nodes, k.hidden, k.intermediate, k.experts, k.topk, k.dtype), []).append(r)
         self.records = [r for r in records if r.status == "current"]
         self.stale = stale
-        self.cache: dict[Any, Any] = {}
-        self.list_cache: dict[Any, bytes] = {}
+        self.cache = ReplyCache(CACHE_LIMIT)
+        self.list_cache = ReplyCache(LIST_CACHE_LIMIT, shared=True)
+        # how many profiles a current/stale page can hold, all fingerprints (None) and each: `list_key`
+        self._counts: Counter[tuple[str, str | None]] = Counter()
+        for status, recs in (("current", self.records), ("stale", stale)):
+            self._counts[(status, None)] = len(recs)
+            self._counts.update((status, r.key.fingerprint) for r in recs)
+
+    def list_key(self, status: str, fingerprint: str | None, limit: int) -> tuple[str, str | None, int]:
+        """The list cache's key: the page a request gets, not its spelling. Every limit past LIST_PAGE_MAX gets the
+        same page, and for current or stale profiles every limit past their count the same too (limit=100 and
+        limit=10000 on a 40-profile index are one entry, not two)."""
+        n = min(limit, LIST_PAGE_MAX)
+        if status in ("current", "stale"):
+            n = min(n, self._counts.get((status, fingerprint or None), 0))
+        return status, fingerprint, n
 
     @property
     def current_count(self) -> int:

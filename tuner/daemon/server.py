@@ -68,7 +68,7 @@ from moetune.runtime.paths import loose_key_path, secret_key_checks, tcp_host_pr
 from moetune.runtime.profile_record import ProfileRecord
 from moetune.runtime.profiles.client import INFO_NAME, is_loopback_host, tcp_host, tcp_port
 from moetune.tuner.daemon import handlers
-from moetune.tuner.daemon.index import CACHE_LIMIT, LIST_CACHE_LIMIT, ProfileIndex, ShapeKey, read_profiles
+from moetune.tuner.daemon.index import CACHE_LIMIT, ProfileIndex, ShapeKey, read_profiles
 from moetune.tuner.daemon.jobs import (
     TUNE_BACKENDS,
     Job,
@@ -1249,8 +1249,7 @@ class Daemon(FabricWatch):
             history = read_profiles(self.store, status=None if req.status == "all" else req.status,
                                     fingerprint=req.fingerprint)
         raw = idx.list_page(req.status, req.fingerprint, req.limit, history)
-        if len(idx.list_cache) < LIST_CACHE_LIMIT:
-            idx.list_cache[(req.status, req.fingerprint, req.limit)] = raw
+        idx.list_cache.put(idx.list_key(req.status, req.fingerprint, req.limit), raw)  # bounded: LRU
         return raw
 
     def _deferred(self, req: Any) -> handlers.Result:
