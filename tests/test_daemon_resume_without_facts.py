@@ -104,3 +104,29 @@ def test_a_job_held_for_facts_when_the_daemon_stops_is_resumed_by_the_next_one(t
         assert _job_events(store, "job_finished", held)[0]["state"] == "cancelled"  # closed as resumed, not failed
     finally:
         d.stop()
+
+
+def test_a_change_the_last_daemon_did_not_queue_is_queued_once_discovery_succeeds(tmp_path: Path) -> None:
+    """The same start-up failure left a fabric change the last daemon recorded but did not queue (killed between
+    fabric_changed and its job) for good: the start's check needs the facts and was never run again."""
+    old, new = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, old)
+    store.add_event(kind="fabric_seen", reason="first discovery",
+                    details={"fingerprint": old.fingerprint, "identity": None, "facts": old.to_dict()})
+    store.upsert_fingerprint(new.fingerprint, new.to_dict())
+    store.add_event(kind="fabric_changed", reason="gpu_model: H200 -> H100",
+                    details={"old_fingerprint": old.fingerprint, "fingerprint": new.fingerprint, "identity": None,
+                             "reasons": ["gpu_model: H200 -> H100"], "facts": new.to_dict()})
+    discover = Discovery(new, "fails")
+    ran: list[list[Any]] = []
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=discover, rediscover_interval_s=0.2,
+               retune_job=lambda ctx: ran.append(list(ctx.keys)) or []).start(background=True)
+    try:
+        assert d.facts is None and not d.jobs.info()[0]
+        discover.ok.set()
+        F.until(lambda: ran, timeout=10)
+        assert sorted(k.token_bucket for k in ran[0]) == sorted(r.key.token_bucket for r in seeded)
+        F.until(lambda: d.index.current_count == 0 and len(d.index.stale) == len(seeded), timeout=10)
+    finally:
+        d.stop()

@@ -273,6 +273,9 @@ class FabricWatch:
                         self.store.add_event(kind="fabric_seen", reason="first discovery",
                                              details={"fingerprint": facts.fingerprint, "identity": identity(facts),
                                                       "facts": facts_dict(facts)})
+                    # the start-up discovery failed, so the start could not finish a change the last daemon recorded
+                    # but did not queue (it needs the facts): done now, before the index is rebuilt
+                    self._retune_after_interrupted_change()
                     self._write_info(running=True)
                     self._rebuild([dict(kind="fabric_changed", fingerprint=facts.fingerprint, reasons=["fabric discovered"])])
                 return
