@@ -139,7 +139,7 @@ def test_kernel_source_mirrors_the_model():
     assert "if (bad >= 0) record(p, MK_ERR_NONFINITE_LOGITS, t, bad, 0);" in src
     assert src.count("note_nonfinite(p, t, bad);") == 2 and "note_nonfinite(p, t, (int)nf);" in src
     assert "note_nonfinite(p, t, bad);" in dec
-    append = src[src.index("void append_pick("):src.index("void note_nonfinite(")]
-    assert "e < 0 || e >= p.E" in append and "pos >= p.S_cap" in append
+    append = src[src.index("void append_row("):src.index("void note_nonfinite(")]  # append_pick goes through it
+    assert "e < 0 || e >= p.E" in append and "pos >= p.S_cap" in append and "append_row(p, row, e);" in append
     small = src[src.index("void __launch_bounds__(SMALL_THREADS) k_topk_small("):src.index("// ---- Routing as one")]
     assert "append_pick(p, t * K + tid" in small and "p.lists[" not in small

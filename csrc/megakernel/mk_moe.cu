@@ -1941,10 +1941,9 @@ __global__ void k_reset(const MkParams p) {
 // with MK_ERR_EXPERT_FULL: positions 0..S_cap-1 are still handed out once each (a thread sees pos < S_cap only
 // while no taken-back increment is pending), so once this kernel ends the count is exactly S_cap and the kernels
 // after it in the stream (they start only when it ends: it never triggers its dependents) read no more rows.
-__global__ void k_lists(const MkParams p) {
-  const int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (row >= p.S * p.K) return;
-  const int e = p.topk_idx[row];
+// Append row `row` (= token * K + slot) to expert e's list: an expert id out of range is reported
+// (MK_ERR_BAD_EXPERT) and a row past S_cap given back and reported (MK_ERR_EXPERT_FULL), never written.
+__device__ __forceinline__ void append_row(const MkParams& p, int row, int e) {
   if (e < 0 || e >= p.E) {
     report(p, MK_ERR_BAD_EXPERT, row, e, 0);
     return;
@@ -1956,7 +1955,13 @@ __global__ void k_lists(const MkParams p) {
     report(p, MK_ERR_EXPERT_FULL, row, e, 0);
     return;
   }
-  p.lists[(int64_t)e * p.S_cap + pos] = (int)row;
+  p.lists[(int64_t)e * p.S_cap + pos] = row;
+}
+
+__global__ void k_lists(const MkParams p) {
+  const int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= p.S * p.K) return;
+  append_row(p, (int)row, p.topk_idx[row]);  // S * K <= 2^30 (check_params): the row fits an int
 }
 // ----------------------------------------------------------------------------------------------------------
 // Gate logits [S, E] fp32 = x . Wg^T on the tensor cores (bf16 products are exact in fp32; fp32 accumulate).
@@ -2114,18 +2119,7 @@ __device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lan
 __device__ __forceinline__ void append_pick(const MkParams& p, int row, int e, float w) {
   p.topk_idx[row] = e;
   p.topk_w[row] = w;
-  if (e < 0 || e >= p.E) {
-    report(p, MK_ERR_BAD_EXPERT, row, e, 0);
-    return;
-  }
-  int* const cnt = p.counts + e * MK_COUNT_STRIDE;
-  const int pos = atomicAdd(cnt, 1);
-  if (pos >= p.S_cap) {
-    atomicSub(cnt, 1);
-    report(p, MK_ERR_EXPERT_FULL, row, e, 0);
-    return;
-  }
-  p.lists[(int64_t)e * p.S_cap + pos] = row;
+  append_row(p, row, e);
 }
 // A token whose gate logits are not all finite (bad = its lowest such expert, from warp_topk): recorded, not aborted
 // (its picks are valid; its output row is NaN, the others are computed).
