@@ -138,7 +138,31 @@ MT_DEV void produce_exchange(const PxParams& p) {
   pr.push(MT_OP_ACK, 0, 0, 0, 0, 0, 0, p.epoch);
 }
 
+// The lane that checks the receive capacity (below): past every source lane (world <= MT_MAX_WORLD < 30).
+constexpr int kCapacityLane = 30;
+static_assert(MT_MAX_WORLD < kCapacityLane, "the capacity lane must not be a source lane");
+
+// The receiver's own capacity check. A sender checks only where ITS rows end in the receiver's area (after the
+// rows of the lower ranks) and skips a PUT that would not fit; several senders together can still overflow a
+// receiver, whose call would then return with the skipped rows missing. The receiver has its whole column of the
+// count matrix: it checks the total itself and reports MT_ERR_CAPACITY (peer -1 and slot -1: all sources; seen =
+// the rows sent to it in all, expected = the rows its area holds), so its call fails too.
+MT_DEV void check_receive_capacity(const PxParams& p) {
+  const int par = (int)(p.epoch & 1);
+  const uint64_t tag = tag_of(p.epoch);
+  const uint64_t* mat = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_MAT);
+  uint64_t total = 0;
+  bool ok = true;
+  for (int s = 0; s < p.world && ok; ++s)
+    total += mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + s) * MT_MAX_WORLD + p.rank), tag, false,
+                           MT_ERR_TIMEOUT_COUNTS, s, -1, &ok) &
+             MT_COUNT_MASK;
+  const uint64_t cap_rows = p.data_bytes / p.row_bytes;  // rows fit iff total <= cap_rows (no product to overflow)
+  if (ok && total > cap_rows) mt::report(p.w, MT_ERR_CAPACITY, -1, -1, p.epoch, total, cap_rows);
+}
+
 // Lane t of the exchange after the producer: t < world waits for source t's count and signals;
+// t == kCapacityLane checks that what all sources send fits this rank's area;
 // t == 31 waits until this rank's own transfers completed (the send rows may be reused afterwards).
 MT_DEV void wait_exchange_lane(const PxParams& p, int t) {
   const int par = (int)(p.epoch & 1);
@@ -158,6 +182,8 @@ MT_DEV void wait_exchange_lane(const PxParams& p, int t) {
     const int nsig = p.coupled ? nch : ngroups(nch, p.group);
     const uint64_t* sig = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_SIG) + (size_t)t * MT_MAX_SLOTS;
     for (int k = 0; k < nsig && ok; ++k) mt::wait_word(p.w, sig + k, p.epoch, true, MT_ERR_TIMEOUT_SIGNAL, t, k, &ok);
+  } else if (t == kCapacityLane) {
+    check_receive_capacity(p);
   } else if (t == 31) {
     for (int q = 0; q < p.v.qps && ok; ++q)
       mt::wait_word(p.w, p.v.ack_dev + q, p.epoch, true, MT_ERR_TIMEOUT_OUTGOING, -1, q, &ok);

@@ -50,6 +50,15 @@ def decode_error(words: list[int]) -> str:
     code = words[0]
     what = ERR_NAMES.get(code, f"error {code}")
     seen = (words[5] & 0xFFFFFFFF) | ((words[6] & 0xFFFFFFFF) << 32)
+    if code == 3:  # capacity: seen = rows, expected = the rows one receive area holds (csrc: MT_ERR_CAPACITY)
+        cap = words[7] & 0xFFFFFFFF
+        if words[2] == -1:  # the receiver's own check over its whole column of the count matrix
+            where = f"the ranks send rank {words[1]} {seen} rows in all; its receive area holds {cap}"
+        else:  # a sender's check of where its own rows end
+            where = (f"rank {words[1]}'s {words[3]} rows to rank {words[2]} would end at row {seen}; the receive "
+                     f"area holds {cap}")
+        return (f"{what}: {where} rows per call (epoch {words[4]}); reserve(max_send_rows, row_bytes) "
+                "collectively for more rows")
     return (
         f"{what} (rank {words[1]}, peer {words[2]}, slot {words[3]}, epoch {words[4]}, "
         f"seen {seen:#x}, expected {words[7] & 0xFFFFFFFF})"
@@ -357,7 +366,8 @@ class OneSidedTransport(EPTransport):
             # headroom (next power of two) because later calls may carry more rows
             self.reserve(1 << max(0, rows - 1).bit_length(), rb)
         if rows * rb > self.data_bytes:
-            # (the exact per-receiver bound is checked on the GPU: an overflow is reported, never written)
+            # (the exact per-receiver bound is checked on the GPU, by each sender for its own rows and by each
+            # receiver for what all senders send it together: an overflow is reported on both, never written)
             raise OneSidedError(
                 f"{self.name}: {rows} rows x {rb} B exceed the reserved receive buffer "
                 f"({self.data_bytes} B per call); call reserve(max_send_rows, row_bytes) collectively first"
