@@ -136,6 +136,26 @@ def test_missing_peer_raises_instead_of_hanging() -> None:
 
 
 @needs_gpus
+def test_a_receiver_that_the_senders_overflow_together_raises_the_capacity_error() -> None:
+    """Both ranks send a whole receive area's rows to rank 0 (each within the host's per-sender check): rank 0's call
+    must fail with the capacity error of its own check (all rows sent to it against what its area holds), not
+    return with rank 1's rows missing; rank 1's fails with the sender's record. Both transports."""
+    from moetune.runtime.testing.selftest import capacity_worker, spawn_world
+
+    res = spawn_world(capacity_worker, NEED, {}, timeout_s=120)
+    for name in ("nvlink", "proxy"):
+        _record({"test": "capacity", "transport": name, "rank0": res[0].get(name) if isinstance(res[0], dict) else res[0],
+                 "rank1": res[1].get(name) if isinstance(res[1], dict) else res[1]})
+    assert all(isinstance(r, dict) and "error" not in r for r in res), res
+    for name in ("nvlink", "proxy"):
+        r0, r1 = res[0][name], res[1][name]
+        cap = r0["capacity_rows"]
+        assert r0["raised"] and f"the ranks send rank 0 {2 * cap} rows in all" in r0["message"], (name, r0)
+        assert f"holds {cap} rows per call" in r0["message"], (name, r0)
+        assert r1["raised"] and f"rank 1's {cap} rows to rank 0 would end at row {2 * cap}" in r1["message"], (name, r1)
+
+
+@needs_gpus
 def test_epbuffer_with_onesided_transports_equals_collective() -> None:
     """Dense reference through the runtime's EPBuffer, when the runtime branch is merged and wired."""
     import moetune.runtime as rt

@@ -66,6 +66,10 @@ def test_senders_that_fit_together_raise_no_capacity_error(lib: ctypes.CDLL) -> 
 
 
 def test_capacity_check_sits_on_a_lane_of_its_own() -> None:
-    """The receiver's check runs on lane 30 of the proxy kernel's warp (past every source lane: world <= 8 < 30)."""
-    xchg = (Path(__file__).resolve().parents[1] / "csrc" / "proxy_xchg.h").read_text()
+    """The receiver's check runs on lane 30 of the proxy kernel's warp (past every source lane: world <= 8 < 30);
+    the NVLink kernel's CTA 0 makes the same check and report (run on GPUs: tests/test_gpu_onesided.py)."""
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    xchg = (csrc / "proxy_xchg.h").read_text()
     assert "constexpr int kCapacityLane = 30;" in xchg and "check_receive_capacity(p);" in xchg
+    nvl = (csrc / "ep_nvlink.cu").read_text()
+    assert "if (ok && b == 0) {" in nvl and "mt::report(p.w, MT_ERR_CAPACITY, -1, -1, epoch, total, cap_rows);" in nvl

@@ -251,6 +251,41 @@ def timeout_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvl
     return out
 
 
+def capacity_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvlink", "proxy")) -> dict:
+    """Every rank sends a whole receive area's rows to rank 0: each passes the host's per-sender check, together they
+    overflow rank 0. Every rank must raise OneSidedError with the capacity error: rank 0 from its own check of what
+    all ranks send it (it received only some of the rows), the others from the sender's check of their own rows."""
+    from moetune.runtime.transports._onesided import OneSidedError
+
+    options = RuntimeOptions.resolve({"onesided_timeout_s": 5.0})
+    device = torch.device("cuda", rank)
+    out: dict[str, Any] = {}
+    for name in transports:
+        res: dict[str, Any] = {"raised": False}
+        try:
+            t = transport_class(name)(None, default_knobs(name), device, max_send_rows=16, row_bytes=256,
+                                      options=options)
+            cap = t.data_bytes // 256  # rows of one receive area (world x 16, rounded up to the allocation's pages)
+            res["capacity_rows"] = cap
+            barrier(device)
+            send = torch.full((cap, 128), float(rank), dtype=torch.bfloat16, device=device)
+            sc = torch.zeros(world, dtype=torch.int64, device=device)
+            sc[0] = cap
+            try:
+                rc = t.exchange_counts(sc)
+                t.exchange(send, sc, rc)
+                torch.cuda.synchronize(device)
+                t.check()
+            except OneSidedError as e:
+                res = {**res, "raised": True, "message": str(e)}
+            barrier(device)
+            t.close()
+        except Exception:
+            res["error"] = traceback.format_exc()[-2000:]
+        out[name] = res
+    return out
+
+
 def _graph_replay_equal(buf: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, want: torch.Tensor,
                         device: torch.device) -> bool:
     """dispatch + combine captured in one CUDA graph; replayed 3 times, each after poisoning the receive
