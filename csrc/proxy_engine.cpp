@@ -315,7 +315,16 @@ struct Engine {
   }
 
   void signal(uint32_t peer, uint32_t idx, uint64_t value) {
-    if (fence_mode == MT_FENCE_PROXY_DRAIN) drain_all();
+    // A signal tells the receiver that the data before it has landed. Once a CUDA call of this engine has failed
+    // (a copy not issued, in process() or a batch in flush()), that may be false: write no more signals, so the
+    // receiver's wait ends in its timeout (a reported error) instead of success with rows missing. The engine stays
+    // failed (mt_proxy_error); the sender's call reports it. (Checked again after a drain: an asynchronous copy
+    // failure surfaces at its cudaStreamSynchronize.)
+    if (err.load() != 0) return;
+    if (fence_mode == MT_FENCE_PROXY_DRAIN) {
+      drain_all();
+      if (err.load() != 0) return;
+    }
     // nic_ordered / none: no wait; ordering (if any) comes from the stream the signal lands on.
     int q = pick(peer);
     CUdeviceptr addr = (CUdeviceptr)(peer_sig[peer] + 8ull * idx);

@@ -43,6 +43,8 @@ def load(path: Path) -> ctypes.CDLL:
         getattr(lib, name).argtypes = args
     lib.mtsim_set_async.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.mtsim_set_async.restype = None
+    lib.mtsim_set_copy_fault.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
+    lib.mtsim_set_copy_fault.restype = None
     return lib
 
 
@@ -78,10 +80,12 @@ class SimRanks:
             self.close()
             raise
 
-    def exchange(self, sends: list[np.ndarray], counts: list[list[int]], epoch: int = 1) -> list[dict]:
+    def exchange(self, sends: list[np.ndarray], counts: list[list[int]], epoch: int = 1, *, coupled: int = 1,
+                 group: int = 0, chunk_rows: int = 0) -> list[dict]:
         """counts + exchange of call `epoch` on one thread per rank: rank r sends the rows `sends[r]` ([rows,
-        row_bytes] uint8), counts[r][d] of them to rank d in rank order. Per rank: the calls' return codes, the
-        error record, the receive counts and this call's receive area (rows of row_bytes)."""
+        row_bytes] uint8), counts[r][d] of them to rank d in rank order (signalling, group size, rows per PUT: the
+        mt_pxy_exchange arguments). Per rank: the calls' return codes, the error record, the receive counts and this
+        call's receive area (rows of row_bytes)."""
         lib, out = self.lib, [dict() for _ in range(self.world)]
 
         def rank_main(r: int) -> None:
@@ -90,8 +94,8 @@ class SimRanks:
                 recv = np.zeros(self.world, dtype=np.int64)
                 rb = sends[r].shape[1]
                 rc_counts = lib.mt_pxy_counts(self.ctxs[r], sc.ctypes.data, recv.ctypes.data, epoch, 0)
-                rc = lib.mt_pxy_exchange(self.ctxs[r], sends[r].ctypes.data, rb, sc.ctypes.data, recv.ctypes.data, 1, 0,
-                                         0, epoch, 0)
+                rc = lib.mt_pxy_exchange(self.ctxs[r], sends[r].ctypes.data, rb, sc.ctypes.data, recv.ctypes.data,
+                                         coupled, group, chunk_rows, epoch, 0)
                 err = (ctypes.c_int * 16)()
                 lib.mt_pxy_error(self.ctxs[r], err)
                 par = epoch & 1

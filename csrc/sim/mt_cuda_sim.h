@@ -37,6 +37,9 @@ extern int mbind_errno, register_error, malloc_error;  // injected failures (0: 
 // the FIFO pages' own mapping (Engine::place_pages): mmaps so far, mappings and bytes mapped now (mmap minus munmap)
 extern long long page_maps, pages_mapped, page_bytes_mapped;
 extern int madvise_errno, devptr_error;  // injected: madvise's errno, cudaHostGetDevicePointer's error on registered pages
+// injected: cudaMemcpyAsync fails with copy_fault_err (copying nothing) for a source in [copy_fault_lo, copy_fault_hi)
+extern int copy_fault_err;
+extern uintptr_t copy_fault_lo, copy_fault_hi;
 void host_register(void* p, size_t n);
 void host_unregister(void* p);
 bool host_registered(const void* p);
@@ -65,6 +68,8 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
   return cudaSuccess;
 }
 inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t st) {
+  if (mtsim::copy_fault_err != 0 && (uintptr_t)s >= mtsim::copy_fault_lo && (uintptr_t)s < mtsim::copy_fault_hi)
+    return mtsim::copy_fault_err;
   mtsim::stream_copy(st, d, s, n);
   __atomic_add_fetch(&mtsim::memcpys, 1, __ATOMIC_RELAXED);
   return cudaSuccess;
@@ -77,7 +82,10 @@ struct cudaMemcpyAttributes {
 };
 inline cudaError_t cudaMemcpyBatchAsync(void* const* d, const void* const* s, const size_t* n, size_t count,
                                         cudaMemcpyAttributes*, size_t*, size_t, cudaStream_t st) {
-  for (size_t i = 0; i < count; ++i) cudaMemcpyAsync(d[i], s[i], n[i], cudaMemcpyDeviceToDevice, st);
+  for (size_t i = 0; i < count; ++i) {
+    const cudaError_t e = cudaMemcpyAsync(d[i], s[i], n[i], cudaMemcpyDeviceToDevice, st);
+    if (e != cudaSuccess) return e;
+  }
   return cudaSuccess;
 }
 inline cudaError_t cudaHostAlloc(void** p, size_t n, unsigned) {

@@ -23,6 +23,8 @@ const char* sysfs_cpu_dir = nullptr;
 int mbind_errno = 0, register_error = 0, malloc_error = 0;
 long long page_maps = 0, pages_mapped = 0, page_bytes_mapped = 0;
 int madvise_errno = 0, devptr_error = 0;
+int copy_fault_err = 0;
+uintptr_t copy_fault_lo = 0, copy_fault_hi = 0;
 static std::string sysfs_cpu_dir_text;
 
 // Registered host ranges [base, base + n): a registration is counted (so a test sees it undone), and the device
@@ -183,6 +185,13 @@ MT_API void mtsim_set_host_pages(const char* sysfs_cpu_dir, int mbind_errno, int
 MT_API void mtsim_set_page_faults(int madvise_errno, int devptr_error) {
   mtsim::madvise_errno = madvise_errno;
   mtsim::devptr_error = devptr_error;
+}
+// A failing copy engine: every cudaMemcpyAsync (and cudaMemcpyBatchAsync) reading from [lo, hi) fails with `err`
+// and copies nothing (err 0: none). Set while no engine issues copies.
+MT_API void mtsim_set_copy_fault(int err, uint64_t lo, uint64_t hi) {
+  mtsim::copy_fault_lo = (uintptr_t)lo;
+  mtsim::copy_fault_hi = (uintptr_t)hi;
+  mtsim::copy_fault_err = err;
 }
 // [the FIFO pages' mappings now, their bytes mapped now, their mmaps so far] (Engine::place_pages and release)
 MT_API void mtsim_page_counters(long long* out) {
