@@ -3,10 +3,11 @@
 
 GPU0's proxy engine -> emulated remote PEs (regions on GPU1). Concurrency c transfers spread over
 min(12, c) PEs; message sizes 4 KB..4 MB; modes: put_only, coupled+drain, decoupled+drain,
-coupled+nic_ordered, decoupled+nic_ordered (4 QP streams, peer_hash). Time per batch = host enqueue
+coupled+nic_ordered, decoupled+nic_ordered (4 QP streams per PE, peer_hash; results recorded before the
+engine's QPs became per peer ran 4 streams shared by all PEs). Time per batch = host enqueue
 of all requests until every transfer and signal completed (measured inside C++), median of >= 15.
 
-The race probe runs round_robin + nic_ordered + 4 QPs (refused by Knobs; reached only through
+The race probe runs round_robin + nic_ordered + 4 QPs per PE (refused by Knobs; reached only through
 `_allow_unsafe`): a checker kernel on GPU1 reads each transfer's tail as soon as its signal lands and
 counts stale (poisoned) words; peer_hash with the same settings is the control (must show 0).
 

@@ -1,14 +1,21 @@
 // moetune csrc: a CPU proxy engine over CUDA copy engines (NVSHMEM's proxy submission path, on one node).
 //
 // One engine = one CPU thread bound to one GPU, draining a request FIFO in pinned mapped host memory.
-// PUTs become cudaMemcpyAsync (peer pointers: device-to-device over NVLink/PCIe copy engines) on one
-// of `qps` CUDA streams (the queue pairs); signals are stream memory writes (cuStreamWriteValue64)
-// into the receiver's signal slots. Fence modes:
+// PUTs become cudaMemcpyAsync (peer pointers: device-to-device over NVLink/PCIe copy engines) on CUDA
+// streams, the queue pairs: `qps` of them per peer (npeers x qps streams; peer p owns streams
+// p*qps .. p*qps+qps-1), as the knob qps_per_pe and the tuner's fabric model say. Signals are stream memory
+// writes (cuStreamWriteValue64) into the receiver's signal slots. QP mapping, inside the peer's streams:
+//   peer_hash   : stream k = signal_idx mod qps, where a PUT's signal_idx is the slot of the signal that
+//                 covers it (coupled: its own; decoupled: its group's SIGNAL): a signal group's PUTs and
+//                 its SIGNAL share one stream, and the groups rotate over the peer's streams;
+//   round_robin : each PUT and SIGNAL takes the peer's next stream (the rotation restarts at every ACK,
+//                 i.e. every exchange call);
+// count words (WRITE64) always go on the peer's first stream. Fence modes:
 //   proxy_drain : before a signal, the thread stops until every earlier transfer on every QP has
 //                 completed (cudaStreamSynchronize of each busy stream), as NVSHMEM's proxies quiet;
-//   nic_ordered : the thread never stops; the signal is enqueued on the peer's QP stream behind its
-//                 data, so the stream orders it (correct only when a peer's PUTs and SIGNAL share a
-//                 stream: peer_hash, or a single QP);
+//   nic_ordered : the thread never stops; the signal is enqueued on its QP stream behind its data,
+//                 so the stream orders it (correct only when the PUTs a signal covers and the SIGNAL
+//                 share a stream: peer_hash, or a single QP per peer);
 //   none        : no ordering at all (put-only baselines, and the deliberately unsafe test mode).
 #include "proxy_engine.h"
 
@@ -27,6 +34,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <map>
@@ -199,7 +207,8 @@ enum StatIdx {
 struct Engine {
   int device = 0;
   int npeers = 0;
-  int qps = 1;
+  int qps = 1;       // streams per peer
+  int nstreams = 1;  // npeers * qps: stream p * qps + k is peer p's k-th
   int qp_mapping = MT_QP_PEER_HASH;
   int fence_mode = MT_FENCE_PROXY_DRAIN;
   std::vector<uint64_t> peer_data, peer_ctrl, peer_sig;
@@ -213,7 +222,7 @@ struct Engine {
   std::vector<cudaStream_t> streams;
   std::vector<char> dirty;
   PfnWriteValue64 write64 = nullptr;
-  uint64_t rr = 0;
+  std::vector<uint32_t> rr;  // round_robin: each peer's next stream (restarts at every ACK)
   uint64_t tail = 0;  // proxy-thread private copy
   std::thread th;
   std::atomic<bool> stop{false};
@@ -269,10 +278,13 @@ struct Engine {
     }
   }
 
-  int pick(uint32_t peer) {
-    if (qps <= 1) return 0;
-    if (qp_mapping == MT_QP_PEER_HASH) return (int)(peer % (uint32_t)qps);
-    return (int)(rr++ % (uint64_t)qps);
+  // The stream of a PUT or SIGNAL for `peer` (a valid peer index) covered by signal slot `idx`: one of the peer's
+  // qps streams (see the top of this file).
+  int pick(uint32_t peer, uint32_t idx) {
+    const int base = (int)peer * qps;
+    if (qps <= 1) return base;
+    if (qp_mapping == MT_QP_PEER_HASH) return base + (int)(idx % (uint32_t)qps);
+    return base + (int)(rr[peer]++ % (uint32_t)qps);
   }
 
   bool cuda_ok(cudaError_t e, const char* what) {
@@ -304,7 +316,7 @@ struct Engine {
 
   void drain_all() {
     uint64_t t0 = mono_ns();
-    for (int q = 0; q < qps; ++q) {
+    for (int q = 0; q < nstreams; ++q) {
       if (dirty[q]) {
         cuda_ok((enter(PH_SYNC, (uint32_t)q), leave(cudaStreamSynchronize(streams[q]))), "cudaStreamSynchronize (drain)");
         dirty[q] = 0;
@@ -326,7 +338,7 @@ struct Engine {
       if (err.load() != 0) return;
     }
     // nic_ordered / none: no wait; ordering (if any) comes from the stream the signal lands on.
-    int q = pick(peer);
+    int q = pick(peer, idx);
     CUdeviceptr addr = (CUdeviceptr)(peer_sig[peer] + 8ull * idx);
     cu_ok((enter(PH_WRITE, peer), leave(write64((CUstream)streams[q], addr, value, 0))), "cuStreamWriteValue64 (signal)");
     dirty[q] = 1;
@@ -340,7 +352,7 @@ struct Engine {
     }
     switch (r.op) {
       case MT_OP_PUT: {
-        int q = pick(r.peer);
+        int q = pick(r.peer, r.signal_idx);
         if (r.bytes > 0) {
           cuda_ok((enter(PH_COPY, r.peer), leave(cudaMemcpyAsync((void*)(peer_data[r.peer] + r.dst_off), (const void*)r.src,
                                                                  r.bytes, cudaMemcpyDeviceToDevice, streams[q]))),
@@ -356,7 +368,7 @@ struct Engine {
         signal(r.peer, r.signal_idx, r.value);
         break;
       case MT_OP_WRITE64: {
-        int q = pick(r.peer);
+        int q = (int)r.peer * qps;  // the peer's first stream
         cu_ok((enter(PH_WRITE, r.peer),
                leave(write64((CUstream)streams[q], (CUdeviceptr)(peer_ctrl[r.peer] + r.dst_off), r.value, 0))),
               "cuStreamWriteValue64 (write64)");
@@ -365,9 +377,10 @@ struct Engine {
         break;
       }
       case MT_OP_ACK:
-        for (int q = 0; q < qps; ++q)
+        for (int q = 0; q < nstreams; ++q)
           cu_ok((enter(PH_WRITE, (uint32_t)q), leave(write64((CUstream)streams[q], (CUdeviceptr)(ack_dev + q), r.value, 0))),
                 "cuStreamWriteValue64 (ack)");
+        std::fill(rr.begin(), rr.end(), 0u);  // the next call's rotation starts at each peer's first stream
         stats[ST_ACKS]++;
         break;
       default:
@@ -376,7 +389,7 @@ struct Engine {
   }
 
   void flush() {
-    for (int q = 0; q < qps; ++q) {
+    for (int q = 0; q < nstreams; ++q) {
       Pending& p = pend[q];
       size_t n = p.dst.size();
       if (n == 0) continue;
@@ -550,7 +563,7 @@ struct Engine {
         memcpy(&r, (const void*)s, sizeof(r));
         std::atomic_thread_fence(std::memory_order_acquire);
         if (bmax > 1 && r.op == MT_OP_PUT && !(r.flags & MT_F_SIGNAL) && r.peer < (uint32_t)npeers && r.bytes > 0) {
-          int q = pick(r.peer);  // same mapping decisions, in the same order, as unbatched issue
+          int q = pick(r.peer, r.signal_idx);  // same mapping decisions, in the same order, as unbatched issue
           pend[q].dst.push_back((void*)(peer_data[r.peer] + r.dst_off));
           pend[q].src.push_back((const void*)r.src);
           pend[q].size.push_back(r.bytes);
@@ -592,7 +605,7 @@ extern "C" int mt_proxy_gpu_view(void* h, MtGpuView* out) {
   out->head_dev = e->head_dev;
   out->tail_dev = e->ctl_dev + 1;
   out->ack_dev = e->ack_dev;
-  out->qps = e->qps;
+  out->nstreams = e->nstreams;
   return 0;
 }
 
@@ -605,7 +618,9 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
                            const uint64_t* peer_sig, int qps, int qp_mapping, int fence_mode, int fifo_slots,
                            const int* cpus, int ncpus, void** out) {
   MT_REQUIRE(npeers >= 1 && npeers <= 4096, 200, "npeers %d outside 1..4096", npeers);
-  MT_REQUIRE(qps >= 1 && qps <= MT_MAX_QPS, 201, "qps %d outside 1..%d", qps, MT_MAX_QPS);
+  MT_REQUIRE(qps >= 1 && qps <= MT_MAX_QPS, 201, "qps %d (per peer) outside 1..%d", qps, MT_MAX_QPS);
+  MT_REQUIRE((long)npeers * qps <= MT_MAX_STREAMS, 201, "%d peers x %d QPs per peer = %ld streams, more than %d",
+             npeers, qps, (long)npeers * qps, MT_MAX_STREAMS);
   MT_REQUIRE(fifo_slots >= 16 && fifo_slots <= (1 << 20), 202, "fifo_slots %d outside 16..2^20", fifo_slots);
   MT_REQUIRE(fence_mode >= 0 && fence_mode <= 2, 203, "bad fence_mode %d", fence_mode);
   MT_REQUIRE(qp_mapping >= 0 && qp_mapping <= 1, 204, "bad qp_mapping %d", qp_mapping);
@@ -619,14 +634,16 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
   if (ncpus > 0) e->cpu_req.assign(cpus, cpus + ncpus);
   e->npeers = npeers;
   e->qps = qps;
+  e->nstreams = npeers * qps;
+  e->rr.assign(npeers, 0u);
   e->qp_mapping = qp_mapping;
   e->fence_mode = fence_mode;
   e->peer_data.assign(peer_data, peer_data + npeers);
   e->peer_ctrl.assign(peer_ctrl, peer_ctrl + npeers);
   e->peer_sig.assign(peer_sig, peer_sig + npeers);
   e->nslots = (uint32_t)fifo_slots;
-  e->dirty.assign(qps, 0);
-  e->pend.resize(qps);
+  e->dirty.assign(e->nstreams, 0);
+  e->pend.resize(e->nstreams);
   cudaError_t ce = cudaSuccess;
   cudaDriverEntryPointQueryResult q;
   void* fn = nullptr;
@@ -655,9 +672,9 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
   }
   if (ce == cudaSuccess) ce = cudaMalloc((void**)&e->head_dev, 64);
   if (ce == cudaSuccess) ce = cudaMemset(e->head_dev, 0, 64);
-  if (ce == cudaSuccess) ce = cudaMalloc((void**)&e->ack_dev, 8 * MT_MAX_QPS);
-  if (ce == cudaSuccess) ce = cudaMemset(e->ack_dev, 0, 8 * MT_MAX_QPS);
-  for (int i = 0; i < qps && ce == cudaSuccess; ++i) {
+  if (ce == cudaSuccess) ce = cudaMalloc((void**)&e->ack_dev, 8ull * e->nstreams);
+  if (ce == cudaSuccess) ce = cudaMemset(e->ack_dev, 0, 8ull * e->nstreams);
+  for (int i = 0; i < e->nstreams && ce == cudaSuccess; ++i) {
     cudaStream_t s;
     ce = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     if (ce == cudaSuccess) e->streams.push_back(s);
@@ -668,7 +685,7 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
     // the driver sets up lazily for them happens now, never while a kernel spins waiting on this engine
     void* scratch = nullptr;
     ce = cudaMalloc(&scratch, 1 << 16);
-    for (int i = 0; i < qps && ce == cudaSuccess; ++i) {
+    for (int i = 0; i < e->nstreams && ce == cudaSuccess; ++i) {
       char* b = static_cast<char*>(scratch);
       ce = cudaMemcpyAsync(b + 32768, b, 4096, cudaMemcpyDeviceToDevice, e->streams[i]);
       if (ce == cudaSuccess) ce = cudaMemcpyAsync(b + 40963, b + 5, 777, cudaMemcpyDeviceToDevice, e->streams[i]);

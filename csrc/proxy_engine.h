@@ -12,7 +12,7 @@ enum MtOp : uint32_t {
   MT_OP_PUT = 1,      // copy `bytes` from device address `src` to peer's data region + dst_off
   MT_OP_SIGNAL = 2,   // fence (per fence_mode), then write `value` into peer's signal slot signal_idx
   MT_OP_WRITE64 = 3,  // write immediate `value` at peer's control region + dst_off (self-validating word)
-  MT_OP_ACK = 4,      // after everything issued so far on each QP: write `value` to local ack[qp]
+  MT_OP_ACK = 4,      // after everything issued so far on each stream: write `value` to local ack[stream]
 };
 enum MtFlags : uint32_t {
   MT_F_SIGNAL = 1,  // PUT followed by fence + signal (coupled put-with-signal)
@@ -24,7 +24,8 @@ struct alignas(64) MtRequest {
   uint32_t op;
   uint32_t peer;
   uint32_t flags;
-  uint32_t signal_idx;
+  uint32_t signal_idx;  // SIGNAL, PUT with F_SIGNAL: the slot written; a PUT without: the slot of the SIGNAL that
+                        // covers it (peer_hash keeps both on one stream)
   uint64_t src;      // absolute device address of the source bytes (PUT)
   uint64_t dst_off;  // byte offset in the peer's data region (PUT) or control region (WRITE64)
   uint64_t bytes;
@@ -34,7 +35,9 @@ struct alignas(64) MtRequest {
 };
 static_assert(sizeof(MtRequest) == 64, "request slot must be 64 bytes");
 
-#define MT_MAX_QPS 64
+#define MT_MAX_QPS 64  // QPs (CUDA streams) per peer
+// Streams of one engine (peers x QPs per peer): every qps_per_pe at every transport world size (MT_MAX_WORLD).
+#define MT_MAX_STREAMS (MT_MAX_WORLD * MT_MAX_QPS)
 
 // The proxy thread's CPU affinity (mt_proxy_create's `cpus`/`ncpus`, read back by mt_proxy_cpu into
 // out[MT_PCPU_F_*] and mt_proxy_cpu_list). The thread pins itself to the whole SET (the OS places it within it):
@@ -80,8 +83,8 @@ struct MtGpuView {
   uint32_t nslots;
   unsigned long long* head_dev;  // producer index (device memory; GPU producers only)
   const uint64_t* tail_dev;     // consumer index (device alias of host memory, written by the proxy)
-  uint64_t* ack_dev;            // [MT_MAX_QPS] local completion words (device memory)
-  int qps;
+  uint64_t* ack_dev;            // [nstreams] local completion words (device memory), one per stream
+  int nstreams;                 // the engine's streams (peers x QPs per peer): an ACK writes every one
 };
 
 // Internal (same shared library): the GPU view of an engine; mark it as fed by GPU producers.

@@ -128,7 +128,10 @@ MT_DEV void produce_exchange(const PxParams& p) {
     for (int c = 0; c < nch; ++c) {
       const long long r0 = (long long)c * crow;
       const long long rows = (cnt - r0) < crow ? (cnt - r0) : crow;
-      pr.push(MT_OP_PUT, d, p.coupled ? MT_F_SIGNAL : 0, c, (uint64_t)(p.send + (uint64_t)(src_off + r0) * p.row_bytes),
+      // signal_idx: the slot of the signal that covers this PUT (coupled: its own; decoupled: its group's), so the
+      // engine's peer_hash mapping keeps them on one stream (what nic_ordered needs)
+      pr.push(MT_OP_PUT, d, p.coupled ? MT_F_SIGNAL : 0, p.coupled ? c : c / g,
+              (uint64_t)(p.send + (uint64_t)(src_off + r0) * p.row_bytes),
               (uint64_t)par * p.data_bytes + (uint64_t)(dst_rows + r0) * p.row_bytes,
               fits ? (uint64_t)rows * p.row_bytes : 0, p.epoch);
       if (!p.coupled && ((c + 1) % g == 0 || c == nch - 1)) pr.push(MT_OP_SIGNAL, d, 0, c / g, 0, 0, 0, p.epoch);
@@ -185,7 +188,7 @@ MT_DEV void wait_exchange_lane(const PxParams& p, int t) {
   } else if (t == kCapacityLane) {
     check_receive_capacity(p);
   } else if (t == 31) {
-    for (int q = 0; q < p.v.qps && ok; ++q)
+    for (int q = 0; q < p.v.nstreams && ok; ++q)
       mt::wait_word(p.w, p.v.ack_dev + q, p.epoch, true, MT_ERR_TIMEOUT_OUTGOING, -1, q, &ok);
   }
 }

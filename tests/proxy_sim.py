@@ -45,7 +45,36 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mtsim_set_async.restype = None
     lib.mtsim_set_copy_fault.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
     lib.mtsim_set_copy_fault.restype = None
+    lib.mtsim_set_log.argtypes = [ctypes.c_int]
+    lib.mtsim_set_log.restype = None
+    lib.mtsim_log.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_longlong]
+    lib.mtsim_log.restype = ctypes.c_longlong
+    lib.mt_proxy_gpu_view.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return lib
+
+
+COPY, WRITE = 1, 2  # the kinds of recorded stream operations (mtsim_log)
+
+
+def stream_log(lib: ctypes.CDLL) -> list[tuple[int, int, int]]:
+    """The stream operations recorded since mtsim_set_log(1): (stream, destination address, COPY or WRITE)."""
+    n = lib.mtsim_log(None, 0)
+    buf = (ctypes.c_uint64 * (3 * n))()
+    lib.mtsim_log(buf, n)
+    return [(buf[3 * i], buf[3 * i + 1], buf[3 * i + 2]) for i in range(n)]
+
+
+class GpuView(ctypes.Structure):
+    """csrc/proxy_engine.h MtGpuView."""
+
+    _fields_ = [("fifo_dev", ctypes.c_void_p), ("nslots", ctypes.c_uint32), ("head_dev", ctypes.c_void_p),
+                ("tail_dev", ctypes.c_void_p), ("ack_dev", ctypes.c_void_p), ("nstreams", ctypes.c_int)]
+
+
+def nstreams(lib: ctypes.CDLL, engine: ctypes.c_void_p) -> int:
+    view = GpuView()
+    assert lib.mt_proxy_gpu_view(engine, ctypes.byref(view)) == 0
+    return view.nstreams
 
 
 def u64(xs: list[int]) -> ctypes.Array:

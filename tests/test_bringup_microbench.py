@@ -37,6 +37,9 @@ def test_proxy_request_batches_follow_the_signalling(c: int) -> None:
             assert all(r.flags & P.F_SIGNAL for r in puts) and not sigs
         elif signalling == "decoupled":
             assert not any(r.flags & P.F_SIGNAL for r in puts) and len(sigs) == npe
+            # a PUT names the slot of the SIGNAL that covers it: the engine's peer_hash keeps them on one of the PE's
+            # streams (nic_ordered needs it; csrc/proxy_engine.cpp)
+            assert {(r.peer, r.signal_idx) for r in puts} <= {(r.peer, r.signal_idx) for r in sigs}
         else:
             assert not any(r.flags & P.F_SIGNAL for r in puts) and not sigs
 

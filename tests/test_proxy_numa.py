@@ -139,7 +139,7 @@ class GpuView(ctypes.Structure):
     """csrc/proxy_engine.h MtGpuView (in the simulation a device address is the host address)."""
 
     _fields_ = [("fifo_dev", ctypes.c_void_p), ("nslots", ctypes.c_uint32), ("head_dev", ctypes.c_void_p),
-                ("tail_dev", ctypes.c_void_p), ("ack_dev", ctypes.c_void_p), ("qps", ctypes.c_int)]
+                ("tail_dev", ctypes.c_void_p), ("ack_dev", ctypes.c_void_p), ("nstreams", ctypes.c_int)]
 
 
 def fifo_mapping(lib: ctypes.CDLL, h: ctypes.c_void_p) -> tuple[int, int, set[str]]:

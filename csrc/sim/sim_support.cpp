@@ -112,7 +112,19 @@ void stream_delete(void* s) {
     if (q == s) return;  // shared queue: lives until mtsim_set_alias(0)
   delete static_cast<Stream*>(s);
 }
+// The operations issued on streams, in issue order (mtsim_set_log): {stream, destination address, kind: 1 copy,
+// 2 word write}. Tests read which stream each transfer and signal went on.
+static std::mutex log_mu;
+static bool log_on = false;
+static std::vector<uint64_t> op_log;
+static void log_op(void* s, const void* dst, uint64_t kind) {
+  std::lock_guard<std::mutex> g(log_mu);
+  if (!log_on) return;
+  op_log.insert(op_log.end(), {(uint64_t)(uintptr_t)s, (uint64_t)(uintptr_t)dst, kind});
+}
+
 void stream_copy(void* s, void* d, const void* src, size_t n) {
+  log_op(s, d, 1);
   if (!async_mode || s == nullptr) {
     memcpy(d, src, n);
     return;
@@ -125,6 +137,7 @@ void stream_copy(void* s, void* d, const void* src, size_t n) {
   });
 }
 void stream_write64(void* s, uint64_t* addr, uint64_t v) {
+  log_op(s, addr, 2);
   if (!async_mode || s == nullptr) {
     __atomic_store_n(addr, v, __ATOMIC_RELEASE);
     return;
@@ -185,6 +198,20 @@ MT_API void mtsim_set_host_pages(const char* sysfs_cpu_dir, int mbind_errno, int
 MT_API void mtsim_set_page_faults(int madvise_errno, int devptr_error) {
   mtsim::madvise_errno = madvise_errno;
   mtsim::devptr_error = devptr_error;
+}
+// Record every stream operation from now on (on != 0; the record is emptied) or stop recording (0).
+MT_API void mtsim_set_log(int on) {
+  std::lock_guard<std::mutex> g(mtsim::log_mu);
+  mtsim::log_on = on != 0;
+  if (on) mtsim::op_log.clear();
+}
+// The record: up to n operations into out as {stream, destination, kind} triples; returns how many are recorded.
+MT_API long long mtsim_log(uint64_t* out, long long n) {
+  std::lock_guard<std::mutex> g(mtsim::log_mu);
+  const long long have = (long long)mtsim::op_log.size() / 3;
+  for (long long i = 0; i < n && i < have; ++i)
+    for (int k = 0; k < 3; ++k) out[3 * i + k] = mtsim::op_log[3 * i + k];
+  return have;
 }
 // A failing copy engine: every cudaMemcpyAsync (and cudaMemcpyBatchAsync) reading from [lo, hi) fails with `err`
 // and copies nothing (err 0: none). Set while no engine issues copies.

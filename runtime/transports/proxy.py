@@ -2,12 +2,14 @@
 
 One CPU thread per GPU (csrc/proxy_engine.cpp) drains a request FIFO in pinned host memory; a GPU
 kernel (csrc/proxy_gpu.cu) produces the requests -- count words, PUTs, signals -- and then waits for
-the signals of what the other ranks sent. PUTs are cudaMemcpyAsync on `qps_per_pe` CUDA streams (the
-queue pairs), signals are cuStreamWriteValue64 into the receiver's signal slots.
+the signals of what the other ranks sent. PUTs are cudaMemcpyAsync on CUDA streams, the queue pairs:
+`qps_per_pe` of them for each peer (world x qps_per_pe streams per engine); signals are cuStreamWriteValue64
+into the receiver's signal slots.
 
 Knobs used: fence_mode (`proxy_drain`: the thread stops until every earlier transfer completed;
-`nic_ordered`: the signal is queued behind its data on the peer's stream), qp_mapping (`round_robin`,
-`peer_hash`), qps_per_pe (streams), signalling (`coupled`: a signal per PUT; `decoupled`: one signal
+`nic_ordered`: the signal is queued behind its data on its stream), qp_mapping (within a peer's streams:
+`peer_hash` keeps a signal group's PUTs and SIGNAL on one and rotates the groups over them, `round_robin` gives each
+request the next), qps_per_pe (streams per peer), signalling (`coupled`: a signal per PUT; `decoupled`: one signal
 per group of `group_size` PUTs, 0 = per PE), chunk_tokens (rows per PUT; 0 = one PUT per peer).
 The runtime option `proxy_batch=N` (> 1; `MOETUNE_PROXY_BATCH`) lets the proxy issue consecutive unsignalled PUTs of one QP stream as
 one cudaMemcpyBatchAsync (off by default; bench/proxy_micro.py measures both). The runtime option `proxy_cpu`

@@ -298,7 +298,7 @@ PROXY_MODES: dict[str, tuple[str, str | None]] = {
     "decoupled+nic_ordered": ("nic_ordered", "decoupled"),
 }
 PROXY_CONCURRENCY: tuple[int, ...] = (1, 4, 16, 48, 96)
-PROXY_QPS = 4
+PROXY_QPS = 4  # per PE (the engine's streams are per peer: 12 PEs x 4 = 48 streams)
 SLOTS_PER_PE = 128
 
 
@@ -309,7 +309,9 @@ def proxy_pes(c: int) -> int:
 
 def proxy_requests(c: int, size: int, signalling: str | None, src_base: int):
     """c transfers over proxy_pes(c) PEs (PE-major): coupled = a signal with every PUT, decoupled = one
-    SIGNAL per PE after its PUTs, None = put-only. Returns (requests, pes, transfers per PE)."""
+    SIGNAL per PE after its PUTs, None = put-only. A PUT's signal slot is the slot of the signal that covers it (its
+    own, or slot 0 of its PE's SIGNAL): the engine's peer_hash keeps them on one stream (nic_ordered needs it).
+    Returns (requests, pes, transfers per PE)."""
     from moetune.runtime.transports import proxy as P
 
     npe = proxy_pes(c)
@@ -318,7 +320,8 @@ def proxy_requests(c: int, size: int, signalling: str | None, src_base: int):
     for p in range(npe):
         for t in range(per):
             i = p * per + t
-            items.append((P.OP_PUT, p, P.F_SIGNAL if signalling == "coupled" else 0, t, src_base + i * size,
+            coupled = signalling == "coupled"
+            items.append((P.OP_PUT, p, P.F_SIGNAL if coupled else 0, t if coupled else 0, src_base + i * size,
                           t * size, size))
         if signalling == "decoupled":
             items.append((P.OP_SIGNAL, p, 0, 0, 0, 0, 0))

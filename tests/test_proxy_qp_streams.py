@@ -1,0 +1,173 @@
+"""qps_per_pe is per PE: the proxy engine gives each peer its own qps CUDA streams (the queue pairs), as the knob's
+name, its documentation and the tuner's fabric model (tuner/fabric_model/queue.py: destination d's QPs are
+d*qps .. d*qps+qps-1) say. Checked in host simulation (tests/proxy_sim.py), which records the stream of every copy
+and word write: the engine alone (host producer) and the exchange's producer (csrc/proxy_xchg.h)."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import proxy_sim
+from proxy_sim import COPY, WRITE
+
+from moetune.runtime.transports.proxy import OP_PUT, OP_SIGNAL, Request
+
+PEER_HASH, ROUND_ROBIN = 1, 0
+DRAIN, NIC_ORDERED = 1, 2
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    lib = proxy_sim.load(proxy_sim.build(tmp_path_factory.mktemp("mtsim_qp_streams") / "libmtsim.so"))
+    yield lib
+    lib.mtsim_set_log(0)
+    lib.mtsim_set_async(0, 0)
+
+
+def _host_batch(lib: ctypes.CDLL, qps: int, mapping: int, fence: int, npeers: int = 3, groups: int = 6,
+                per_group: int = 2) -> dict:
+    """One engine; per peer `groups` groups of `per_group` PUTs (signal_idx: the group's slot) each followed by its
+    SIGNAL. Returns per peer the streams of its copies, of each group's copies and of each group's SIGNAL."""
+    size = 64
+    nput = groups * per_group
+    src = (ctypes.c_uint8 * (npeers * nput * size))(*[i % 251 for i in range(npeers * nput * size)])
+    data = [(ctypes.c_uint8 * (nput * size))() for _ in range(npeers)]
+    ctrl = [(ctypes.c_uint64 * 8)() for _ in range(npeers)]
+    sig = [(ctypes.c_uint64 * 64)() for _ in range(npeers)]
+    addr = ctypes.addressof
+    h = ctypes.c_void_p()
+    assert lib.mt_proxy_create(0, npeers, proxy_sim.u64([addr(d) for d in data]), proxy_sim.u64([addr(c) for c in ctrl]),
+                               proxy_sim.u64([addr(s) for s in sig]), qps, mapping, fence, 64, None, 0,
+                               ctypes.byref(h)) == 0, lib.mt_last_error()
+    try:
+        reqs = []
+        for p in range(npeers):
+            for g in range(groups):
+                for t in range(g * per_group, (g + 1) * per_group):
+                    reqs.append(Request(OP_PUT, p, 0, g, addr(src) + (p * nput + t) * size, t * size, size, 0, 0, 0))
+                reqs.append(Request(OP_SIGNAL, p, 0, g, 0, 0, 0, 9, 0, 0))
+        arr = (Request * len(reqs))(*reqs)
+        lib.mtsim_set_log(1)
+        assert lib.mt_proxy_enqueue(h, arr, len(arr), 10.0) == 0, lib.mt_last_error()
+        assert lib.mt_proxy_quiesce(h, 10.0) == 0, lib.mt_last_error()
+        ops = proxy_sim.stream_log(lib)
+        lib.mtsim_set_log(0)
+        nstreams = proxy_sim.nstreams(lib, h)
+    finally:
+        lib.mtsim_set_log(0)
+        lib.mt_proxy_destroy(h)
+    for p in range(npeers):  # everything landed
+        assert bytes(data[p]) == bytes(src)[p * nput * size : (p + 1) * nput * size]
+        assert all(sig[p][g] == 9 for g in range(groups))
+    out: dict = {"nstreams": nstreams, "copies": defaultdict(set), "group": defaultdict(set), "signal": {}}
+    for stream, dst, kind in ops:
+        for p in range(npeers):
+            if kind == COPY and addr(data[p]) <= dst < addr(data[p]) + nput * size:
+                out["copies"][p].add(stream)
+                out["group"][(p, (dst - addr(data[p])) // size // per_group)].add(stream)
+            elif kind == WRITE and addr(sig[p]) <= dst < addr(sig[p]) + 8 * groups:
+                out["signal"][(p, (dst - addr(sig[p])) // 8)] = stream
+    return out
+
+
+@pytest.mark.parametrize("fence", [DRAIN, NIC_ORDERED], ids=["proxy_drain", "nic_ordered"])
+@pytest.mark.parametrize("qps", [1, 2, 4, 6])
+def test_peer_hash_gives_each_peer_qps_streams_and_keeps_a_group_on_one(lib: ctypes.CDLL, qps: int, fence: int) -> None:
+    """peer_hash: a peer's 6 signal groups rotate over ITS qps streams (qps distinct streams per peer, no stream
+    shared between peers: 3 x qps in all), and a group's PUTs and its SIGNAL share one stream (nic_ordered relies on
+    it). Before, the engine made qps streams in all and gave a peer exactly one (peer mod qps), whatever qps."""
+    r = _host_batch(lib, qps, PEER_HASH, fence)
+    assert r["nstreams"] == 3 * qps
+    assert [len(r["copies"][p]) for p in range(3)] == [qps] * 3
+    assert len(set().union(*r["copies"].values())) == 3 * qps  # disjoint: every peer has streams of its own
+    for (p, g), streams in r["group"].items():
+        assert streams == {r["signal"][(p, g)]}, (p, g)  # one stream per group, its signal behind its data
+
+
+@pytest.mark.parametrize("qps", [1, 2, 4])
+def test_round_robin_rotates_over_the_peers_own_streams(lib: ctypes.CDLL, qps: int) -> None:
+    """round_robin (with proxy_drain, the fence that allows it with several QPs): a peer's PUTs and SIGNALs rotate
+    over its own qps streams; no peer shares another's (before: all peers rotated over the same qps streams)."""
+    r = _host_batch(lib, qps, ROUND_ROBIN, DRAIN)
+    assert r["nstreams"] == 3 * qps
+    assert [len(r["copies"][p]) for p in range(3)] == [qps] * 3
+    assert len(set().union(*r["copies"].values())) == 3 * qps
+    streams_of = {p: r["copies"][p] | {r["signal"][(p, g)] for g in range(6)} for p in range(3)}
+    assert all(len(s) == qps for s in streams_of.values())
+
+
+def test_an_engine_refuses_more_streams_than_it_can_acknowledge(lib: ctypes.CDLL) -> None:
+    """npeers x qps streams, at most MT_MAX_STREAMS (8 x 64: every qps_per_pe at every transport world size)."""
+    addrs = proxy_sim.u64([0] * 9)
+    h = ctypes.c_void_p()
+    assert lib.mt_proxy_create(0, 9, addrs, addrs, addrs, 64, PEER_HASH, DRAIN, 64, None, 0, ctypes.byref(h)) == 201
+    assert b"9 peers x 64 QPs per peer = 576 streams, more than 512" in lib.mt_last_error()
+    assert lib.mt_proxy_create(0, 8, addrs, addrs, addrs, 64, PEER_HASH, DRAIN, 64, None, 0, ctypes.byref(h)) == 0
+    lib.mt_proxy_destroy(h)
+
+
+@pytest.mark.parametrize("qps", [1, 2, 4, 8])
+def test_the_exchange_spreads_a_peers_signal_groups_over_its_qps_streams(lib: ctypes.CDLL, qps: int) -> None:
+    """The exchange kernel's producer (decoupled, 1 row per PUT, groups of 2: 4 groups per peer) with nic_ordered +
+    peer_hash on asynchronous simulated streams (every copy 100 µs late, so a signal on another stream than its
+    data would be seen first): rank 0's PUTs to each peer use min(qps, 4) of that peer's streams, each group's
+    SIGNAL follows its PUTs on their stream, and every row arrives."""
+    world, rb, rows = 2, 32, 8
+    lib.mtsim_set_async(1, 100)  # streams created from here on are asynchronous (until reset, after close)
+    try:
+        ranks = proxy_sim.SimRanks(lib, world, world * rows * rb, qps=qps, mapping=PEER_HASH, fence=NIC_ORDERED)
+        try:
+            assert proxy_sim.nstreams(lib, ranks.engines[0]) == world * qps
+            sends = [np.arange(2 * rows * rb, dtype=np.uint8).reshape(2 * rows, rb), np.zeros((0, rb), dtype=np.uint8)]
+            lib.mtsim_set_log(1)
+            out = ranks.exchange(sends, [[rows, rows], [0, 0]], coupled=0, group=2, chunk_rows=1)
+            ops = proxy_sim.stream_log(lib)
+        finally:
+            lib.mtsim_set_log(0)
+            ranks.close()
+    finally:
+        lib.mtsim_set_async(0, 0)
+    assert all(o["rc"] == 0 and o["err"][0] == 0 for o in out), [o["err"][:8] for o in out]
+    for d in range(world):
+        assert np.array_equal(out[d]["rows"][:rows], sends[0][d * rows : (d + 1) * rows]), d
+    copies: dict = defaultdict(set)  # (peer, group) -> streams of rank 0's copies (only rank 0 sends rows)
+    signals: dict = {}
+    for stream, dst, kind in ops:
+        for d in range(world):
+            data, ctrl = ranks.data[d], ranks.ctrl[d]
+            off = dst - data.ctypes.data
+            if kind == COPY and 0 <= off < data.nbytes:
+                copies[(d, off % ranks.per_parity // rb // 2)].add(stream)
+            sig = dst - ctrl.ctypes.data  # rank 0's signal slots at d: the first MAX_SLOTS words
+            if kind == WRITE and 0 <= sig < 8 * proxy_sim.MAX_SLOTS:
+                signals[(d, sig // 8)] = stream
+    per_peer = {d: set().union(*(copies[(d, g)] for g in range(4))) for d in range(world)}
+    assert [len(per_peer[d]) for d in range(world)] == [min(qps, 4)] * world
+    assert not per_peer[0] & per_peer[1]
+    for (d, g), streams in copies.items():
+        assert streams == {signals[(d, g)]}, (d, g)
+
+
+@pytest.mark.parametrize("qps", [1, 2, 4])
+@pytest.mark.parametrize("mapping", ["peer_hash", "round_robin"])
+def test_the_fabric_model_gives_each_destination_the_same_qps_queue_pairs(qps: int, mapping: str) -> None:
+    """The tuner's model of the queued transports (a NIC preset: QPs per peer, nic.shared_qps = 0) uses for
+    destination d the QPs d*qps .. d*qps+qps-1, as the engine now uses its streams: 3 destinations, 4 signal groups
+    of 2 tiles each (decoupled, proxy_drain), count words first."""
+    from moetune.tuner.fabric_model.predict import _params
+    from moetune.tuner.fabric_model.presets import load_preset
+    from moetune.tuner.fabric_model.queue import run_queue
+
+    p = _params(load_preset("ndr-ibrc-h100x8"))
+    assert p.shared_qps == 0
+    dests = [(p.rtt, [(16384.0, 8, 1, 0.0, 0.0)]) for _ in range(3)]
+    sim = run_queue(p, "proxy", dests, npes=4, signalling="decoupled", group=2, fence="drain", qp_mapping=mapping,
+                    qps=qps, num_sms=1, group_signal=True, words=4)
+    assert set(sim.qp_free) == {d * qps + k for d in range(3) for k in range(qps)}
