@@ -163,12 +163,14 @@ def client_endpoint_problem(endpoint: str) -> str | None:
     return "not an ipc:///absolute/path or tcp://HOST:PORT endpoint"
 
 
-def _foreign_link_reason(d: Path, link: os.stat_result, uid: int) -> str | None:
+def foreign_link_reason(d: Path, link: os.stat_result, uid: int) -> str | None:
     """Why `d` (lstat-ed as `link`) is refused as a symbolic link of another user (None: not a link, or this user's or
-    root's): os.stat follows it, so its target's owner and mode said nothing of who can repoint it."""
+    root's): os.stat follows it, so its target's owner and mode said nothing of who can repoint it. The one rule of
+    the runtime directory's trust and of `write_atomic`'s writes through a link (fs.protected_symlinks' point: in a
+    shared folder such as /tmp, another user's link must not aim this user's write at their files)."""
     if stat.S_ISLNK(link.st_mode) and link.st_uid not in (uid, 0):
         return (f"{d} is a symbolic link owned by uid {link.st_uid}, not by this user (uid {uid}) or root: its owner "
-                "can point it at another directory")
+                "can point it anywhere")
     return None
 
 
@@ -189,7 +191,7 @@ def untrusted_dir_reason(d: Path) -> str | None:
     except OSError as e:
         return f"cannot stat {d}: {e.strerror or e}"
     uid = os.getuid()
-    why = _foreign_link_reason(d, link, uid)
+    why = foreign_link_reason(d, link, uid)
     if why is not None:
         return why
     if not stat.S_ISDIR(st.st_mode):
@@ -251,7 +253,7 @@ def untrusted_socket_reason(sock: Path) -> str | None:
     except OSError as e:
         return f"cannot stat {sock}: {e.strerror or e}"
     mine = (os.getuid(), 0)
-    if _foreign_link_reason(sock.parent, link, os.getuid()) is not None:
+    if foreign_link_reason(sock.parent, link, os.getuid()) is not None:
         return why  # another user's link to a sticky folder: the sticky bit is no protection of the link
     if d.st_mode & stat.S_ISVTX and d.st_uid in mine and stat.S_ISSOCK(s.st_mode) and s.st_uid in mine:
         return None

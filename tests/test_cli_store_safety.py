@@ -173,6 +173,67 @@ def test_write_atomic_writes_through_a_symlink(tmp_path):
     assert f.read_text() == "new\n"
 
 
+_OTHER_UID = 54321  # no user of this machine: a link "of another user"
+
+
+def _foreign_link(link, target) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a link to another user (os.lchown) needs root")
+    link.symlink_to(target)
+    os.lchown(link, _OTHER_UID, _OTHER_UID)
+
+
+def test_write_atomic_refuses_another_users_link(tmp_path):
+    """write_atomic resolved a link by hand (os.path.realpath), which fs.protected_symlinks does not see: another
+    user's /tmp/p.json -> ~/.bashrc had `--out /tmp/p.json` overwrite .bashrc, and a dangling one with replace=False
+    created a file wherever it pointed. Another user's link (anywhere in the chain) is refused, naming it and its
+    owner; this user's or root's is still followed."""
+    from moetune.tuner.store.io import write_atomic
+
+    victim = tmp_path / "bashrc"
+    victim.write_text("mine\n")
+    link = tmp_path / "p.json"
+    _foreign_link(link, victim)
+    with pytest.raises(PermissionError) as e:
+        write_atomic(link, "export")
+    assert str(link) in e.value.strerror and f"uid {_OTHER_UID}" in e.value.strerror
+    assert victim.read_text() == "mine\n" and link.is_symlink()
+    dangling = tmp_path / "d.json"
+    _foreign_link(dangling, tmp_path / "planted")
+    with pytest.raises(PermissionError):
+        write_atomic(dangling, "x", replace=False)
+    assert not (tmp_path / "planted").exists()
+    mine = tmp_path / "mine.json"  # this user's link to another user's link: refused at the second
+    mine.symlink_to(link)
+    with pytest.raises(PermissionError, match=r"p\.json is a symbolic link owned by uid"):
+        write_atomic(mine, "x")
+    assert victim.read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "bashrc", "d.json", "mine.json", "p.json"]
+    own = tmp_path / "own.json"  # this user's (root's) link: written through
+    own.symlink_to("bashrc")
+    write_atomic(own, "new\n")
+    assert victim.read_text() == "new\n" and own.is_symlink()
+
+
+def test_export_refuses_another_users_link(tmp_path):
+    """`profiles export` resolved the path itself (Path.resolve) before write_atomic: the same hole, closed the same
+    way; said plainly, exit 1, nothing written."""
+    db = tmp_path / "m.db"
+    fill(db)
+    victim = tmp_path / "bashrc"
+    victim.write_text("mine\n")
+    link = tmp_path / "p.json"
+    _foreign_link(link, victim)
+    for extra in ([], ["--force"]):
+        r = run("profiles", "export", str(link), "--db", str(db), *extra)
+        assert r.exit_code == 1 and "refusing to write through" in r.stderr and f"uid {_OTHER_UID}" in r.stderr, (
+            r.output)
+        assert victim.read_text() == "mine\n"
+    _foreign_link(tmp_path / "new.json", tmp_path / "planted.json")
+    r = run("profiles", "export", str(tmp_path / "new.json"), "--db", str(db))
+    assert r.exit_code == 1 and not (tmp_path / "planted.json").exists(), r.output
+
+
 # -- 2: read commands never create or migrate; nobody adds tables to a foreign file -----------------
 @pytest.mark.parametrize(
     "args",

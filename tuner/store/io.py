@@ -22,6 +22,7 @@ from sqlalchemy import String, bindparam, select, type_coerce, update
 from sqlalchemy.exc import IntegrityError
 
 from moetune.runtime.knobs import KnobError
+from moetune.runtime.paths import foreign_link_reason
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.tuner.store._rows import (
     decide,
@@ -145,15 +146,16 @@ def export_profiles(store: Store, path: str | Path, *, status: str | None = None
     the same directory, then os.replace: a failed export leaves an existing file as it was); returns how
     many. A StoreError refuses a target that is a database or not a regular file; with `replace=False` a
     FileExistsError refuses any existing file (`moetune profiles export` without --force)."""
-    # Write through a symlink: the link stays, the file it names gets the export.
-    target = Path(path).expanduser().resolve()
+    # Write through a symlink: the link stays, the file it names gets the export (another user's link: refused).
+    written = follow_own_links(Path(path).expanduser())
+    target = written.resolve()  # for the checks only: the folders on the way are the kernel's to follow
     _check_export_target(store, target)
     if not replace and target.exists():
         raise FileExistsError(errno.EEXIST, "file exists", str(target))
     # the Store method: its read is retried when the file changes under it
     data = store.dump_profiles(status=status, fingerprint=fingerprint, provenance=provenance)
     n = len(msgspec.json.decode(data)["profiles"])
-    write_atomic(target, data, replace=replace)
+    write_atomic(written, data, replace=replace)
     return n
 
 
@@ -172,17 +174,40 @@ def _put_new(tmp: Path, path: Path) -> None:
     os.unlink(tmp)
 
 
+_MAX_LINKS = 40  # as the kernel's ELOOP
+
+
+def follow_own_links(path: Path) -> Path:
+    """`path`, or the file its chain of symbolic links names when each link is this user's or root's (a dangling
+    link: the path it names). Another user's link raises PermissionError naming the link and its owner: in a shared
+    folder such as /tmp, `--out /tmp/p.json` must not follow another user's link to this user's ~/.bashrc (the
+    kernel's fs.protected_symlinks refuses that when it follows the link; a link resolved by hand is not). Only the
+    last component is followed here: the folders on the way are the kernel's to follow, with its checks."""
+    for _ in range(_MAX_LINKS):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return path
+        if not stat.S_ISLNK(st.st_mode):
+            return path
+        why = foreign_link_reason(path, st, os.getuid())
+        if why is not None:
+            raise PermissionError(errno.EACCES, f"refusing to write through {why}", str(path))
+        path = path.parent / os.readlink(path)  # an absolute target replaces the folder
+    raise OSError(errno.ELOOP, "too many levels of symbolic links", str(path))
+
+
 def write_atomic(path: Path, data: str | bytes, *, replace: bool = True) -> None:
     """Replace `path` with `data` (str: UTF-8) atomically: a crash or a full disk mid-write leaves the previous file
     whole (a new temporary file in the same directory, fsynced, then os.replace); an existing file keeps its
     permissions. `replace=False`: FileExistsError when `path` exists by the time the file is put in place (a hard
     link, which never replaces, instead of os.replace: no window between the check and the write). A symlink is
     written through, as a plain write would: the link stays and the file it names is replaced (os.replace on the
-    link itself would turn it into a regular file, leaving the file it named stale). Used by the export, `bench
+    link itself would turn it into a regular file, leaving the file it named stale), if it is this user's or root's
+    (`follow_own_links`: another user's link is refused, PermissionError). Used by the export, `bench
     summarize`, `model calibrate --out`, the bring-up's state file, report and node model."""
     raw = data.encode("utf-8") if isinstance(data, str) else data
-    if path.is_symlink():  # its target (a dangling link: the file it names is created)
-        path = Path(os.path.realpath(path))
+    path = follow_own_links(path)  # its target (a dangling link: the file it names is created)
     old_mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     # 0o666 less the umask, like any new file; O_EXCL: never write into a file we did not create
