@@ -289,6 +289,9 @@ class StatusResult(msgspec.Struct, kw_only=True):
     jobs: JobsInfo
     provenance: dict[str, int] = {}  # current profiles of this fingerprint by provenance
     tune_notice: str = ""  # why the automatic re-tune cannot run on this node, when it cannot
+    # the daemon found its database damaged (the message: the file, `moetune db check`, restore it): nothing more is
+    # written to it (no job, event or fabric change is recorded) and what it can still read is served; "" while sound
+    store_damaged: str = ""
 
 
 class RetuneResult(msgspec.Struct, kw_only=True):

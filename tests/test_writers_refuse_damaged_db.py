@@ -174,3 +174,86 @@ def test_profiles_delete_and_fabric_record_refuse_a_damaged_database(damaged: tu
     _refused(run(app, ["profiles", "delete", "1", "--yes", "--db", str(bad)]), bad, before)
     _refused(run(app, ["fabric", "show", "--record", "--capture", str(CAPTURES / "h200x1"), "--db", str(bad)]),
              bad, before)
+
+
+def _damage_in_place(path: Path) -> None:
+    """Overwrite a page of profile rows of `path` (its store closed first: the WAL is in the file)."""
+    data = bytearray(path.read_bytes())
+    n = len(data) // PAGE // 2
+    data[n * PAGE:(n + 1) * PAGE] = b"\xff" * PAGE
+    path.write_bytes(bytes(data))
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    """The database and its -wal (where a write lands first; an empty one is no write), as bytes."""
+    return {p.name: p.read_bytes() for p in (path, path.with_name(path.name + "-wal"))
+            if p.exists() and p.stat().st_size}
+
+
+def test_once_a_scan_finds_the_file_damaged_no_write_of_the_store_is_made(tmp_path: Path) -> None:
+    """A failed scan latches: the later writes of the same open store (the watch's add_event, upsert_fingerprint and
+    mark_stale, the next job's job_queued, a migration) raise StoreDamaged with the scan's message, without a scan;
+    reads of what is still readable go on. Before, only the failed job's own writes were skipped: everything else
+    went on writing into the damaged file."""
+    good, _other = databases(tmp_path)
+    store = Store(good, intact=True)
+    try:
+        assert store.damaged is None
+        store.close()
+        _damage_in_place(good)
+        with pytest.raises(StoreDamaged) as scan:
+            store.refuse_damaged(again=True)
+        assert store.damaged == str(scan.value) and f"{good} is damaged" in store.damaged
+        before = _files(good)
+        writes = [lambda: store.add_event(kind="fabric_seen", reason="x", details={}),
+                  lambda: store.upsert_fingerprint("fp2", {"a": 1}),
+                  lambda: store.mark_stale(fingerprint="fp", reason="fabric changed"),
+                  lambda: store.refuse_damaged(),  # a sound pass earlier in this open no longer counts
+                  lambda: store.upgrade()]
+        for write in writes:
+            with pytest.raises(StoreDamaged) as e:
+                write()
+            assert str(e.value) == store.damaged
+        assert store.current_revision() is not None and store.list_events(10) is not None  # reads go on
+    finally:
+        store.close()
+    assert _files(good) == before
+
+
+def test_a_daemon_that_found_its_file_damaged_writes_nothing_more_and_says_so(tmp_path: Path) -> None:
+    """After a re-tune job finds the file damaged, a user's next `retune` is refused (its job_queued is not written)
+    and a fabric change records nothing (the watch's writes); `moetune status` names the damage."""
+    from moetune.runtime.profiles.client import DaemonError, ProfileClient
+    from moetune.tuner.daemon.server import Daemon
+
+    good, _other = databases(tmp_path)
+    facts = [F.FakeFacts({"gpu_model": "H200"})]
+    with Store(good) as s:
+        F.seed_profiles(s, facts[0])  # this fabric's profiles: something to re-tune
+    store = Store(good, intact=True)
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/daemon.sock", discover=lambda: facts[0],
+               rediscover_interval_s=0.05, retune_job=lambda ctx: []).start(background=True)
+    c = ProfileClient(d.endpoint, timeout_ms=5000)
+    try:
+        F.until(lambda: c.status().fingerprint)
+        assert c.status().store_damaged == ""
+        store.close()
+        _damage_in_place(good)
+        assert c.retune(all=True, reason="first").job is not None  # its job_queued lands before the damage is found
+        job = F.until(lambda: next((j for j in c.status().jobs.recent if j.state == "failed"), None))
+        assert f"{good} is damaged" in job.message
+        st = c.status()
+        assert st.store_damaged and f"{good} is damaged" in st.store_damaged
+        store.close()  # the WAL goes into the file: what follows must change neither
+        before = _files(good)
+        with pytest.raises(DaemonError, match="could not be recorded"):
+            c.retune(all=True, reason="second")
+        facts[0] = F.FakeFacts({"gpu_model": "H200", "port": "down"})  # the watch would record a fabric change
+        time.sleep(0.5)
+        r = CliRunner().invoke(app, ["status", "--socket", d.endpoint], env={"COLUMNS": "400"})
+        assert r.exit_code == 0 and "db DAMAGED" in r.output and "is damaged" in r.output, r.output
+    finally:
+        c.close()
+        d.stop()
+        store.close()
+    assert _files(good) == before

@@ -114,6 +114,9 @@ def register(app: typer.Typer) -> None:
         # whole at 80 columns (an endpoint or database path was cut with '…'); a field name wraps between words
         rows: list[tuple[str, str]] = [(k, escape(str(getattr(st, k)))) for k in (
             "endpoint", "pub_endpoint", "db", "epoch", "pid", "daemon_version", "fingerprint", "version")]
+        if st.store_damaged:  # nothing is written to it any more: said before anything else the daemon reports
+            rows.insert(3, ("db DAMAGED", f"[red]{escape(st.store_damaged)}; the daemon writes nothing more to it "
+                                          "(restart it once the file is restored)[/]"))
         # the counts cover every fingerprint in the database (presets and other nodes too), the provenance
         # row only this node's: say so, or 3 current profiles beside "measured: 0, ..., preset: 0" reads as a bug
         rows += [("profiles_current (all fingerprints)", str(st.profiles_current)),

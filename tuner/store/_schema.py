@@ -160,6 +160,7 @@ class SchemaVersionManager:
         if store.readonly:
             raise StoreError(f"{store.path} is opened read-only")
         self.refuse_newer(self.current_revision())
+        store.refuse_if_damaged()
         store._after_fork()
         with store._db_errors(), store._writer.connect() as conn:
             raw = conn.connection.driver_connection

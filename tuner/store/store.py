@@ -346,6 +346,12 @@ class Store:
     after a fork the child drops the parent's pooled connections and opens its own.
     `intact`: a writer's open (tune, profile, serve, the write commands): an existing file is scanned once
     (`refuse_damaged`) before the schema check or upgrade; a StoreDamaged (the store closed) where it is damaged.
+
+    Once this store finds its file damaged (a scan that fails, or SQLite's "malformed" answer to any of its
+    statements), `damaged` holds why, for the store's life, and every write (a write session, a migration, an
+    Optuna storage) raises StoreDamaged with it, the same file restored or not (the daemon's store stays open for
+    weeks: a restored file is a restart's to open). Reads go on: the daemon keeps serving what it can still read (a
+    read of a damaged page is a StoreDamaged of its own), and `moetune status` shows the damage.
     """
 
     def __init__(
@@ -359,6 +365,7 @@ class Store:
         self.readonly = readonly
         self.memory = str(path) == ":memory:"
         self._checked_sound = False  # refuse_damaged passed (a full scan: once per open store)
+        self._damaged: str | None = None  # why the file is damaged, once found: every later write refuses (`damaged`)
         existing = False  # a non-empty file was there before this open (what `intact` scans)
         self._opened = threading.local()  # .conns: this thread's immutable=1 connections inside `_reads_checked`
         if self.memory:
@@ -461,7 +468,25 @@ class Store:
         except IntegrityError:
             raise
         except DatabaseError as e:
-            raise sqlite_failure(self.path, e.orig, write=not self.readonly and not self.memory) from None
+            err = sqlite_failure(self.path, e.orig, write=not self.readonly and not self.memory)
+            if isinstance(err, StoreDamaged) and not self.readonly:  # a read-only store's may be a torn read: retried
+                self._latch_damaged(str(err))
+            raise err from None
+
+    @property
+    def damaged(self) -> str | None:
+        """Why this store's file is damaged (the StoreDamaged message), once a scan or a statement found it: no write
+        is made from then on; None while none was found."""
+        return self._damaged
+
+    def _latch_damaged(self, message: str) -> None:
+        if self._damaged is None:
+            self._damaged = message
+
+    def refuse_if_damaged(self) -> None:
+        """StoreDamaged when this store found its file damaged (`damaged`): called before every write."""
+        if self._damaged is not None:
+            raise StoreDamaged(self._damaged)
 
     def _connect_readonly(self) -> sqlite_open.ReadOnlyConnection:
         con = _readonly_connect(self.path)
@@ -521,6 +546,7 @@ class Store:
     def _write(self) -> Iterator[Session]:
         if self.readonly:
             raise StoreError(f"{self.path} is opened read-only")
+        self.refuse_if_damaged()
         self._after_fork()
         with self._db_errors(), Session(self._writer, expire_on_commit=False) as s, s.begin():
             yield s
@@ -532,6 +558,7 @@ class Store:
 
         if self.memory:
             raise StoreError("an in-memory store has no file for Optuna")
+        self.refuse_if_damaged()  # its trials are writes too
         return optuna.storages.RDBStorage(self.url, engine_kwargs={"connect_args": {"timeout": BUSY_TIMEOUT_S}})
 
     # -- schema ------------------------------------------------------------------------------------
@@ -579,13 +606,16 @@ class Store:
     def refuse_damaged(self, *, again: bool = False) -> None:
         """StoreDamaged unless the file passes `quick_check`: nothing is written to a damaged database (a write
         next to a damaged page can spread the damage, and its rows could not all be read back). `again`: scan even
-        when this open passed once (the daemon's store stays open for weeks: each re-tune job scans it anew)."""
+        when this open passed once (the daemon's store stays open for weeks: each re-tune job scans it anew). A scan
+        that fails latches (`damaged`): every later write of this store refuses, and so does this, without a scan."""
+        self.refuse_if_damaged()
         if self.memory or (self._checked_sound and not again):  # one full scan per open store (the open, the import)
             return
         self._checked_sound = False  # until this scan passes: damage found `again` is not undone by an earlier pass
-        found = self.quick_check()
+        found = self.quick_check()  # a check SQLite cannot finish: StoreDamaged, latched by _db_errors
         if found != ["ok"]:
-            raise StoreDamaged(damaged_message(self.path, "; ".join(found[:3])))
+            self._latch_damaged(damaged_message(self.path, "; ".join(found[:3])))
+            self.refuse_if_damaged()
         self._checked_sound = True
 
     @_retried
