@@ -13,6 +13,9 @@ from pathlib import Path
 
 SYSTEM_CONFIG = Path("/etc/moetune/moetune.toml")
 DB_NAME = "moetune.db"
+# The folder of the last fallback runtime dir, moetune-<uid> (a test moves it: a real one may hold a daemon's
+# leftover daemon.json, which the client's search takes)
+TMP_DIR = Path("/tmp")
 
 
 def _home(env: Mapping[str, str]) -> Path:
@@ -57,7 +60,7 @@ def runtime_dir(env: Mapping[str, str] = os.environ) -> Path:
     xdg = env.get("XDG_RUNTIME_DIR", "")
     if xdg and Path(xdg).is_absolute():
         return Path(xdg) / "moetune"
-    return Path("/tmp") / f"moetune-{os.getuid()}"
+    return TMP_DIR / f"moetune-{os.getuid()}"
 
 
 # -- the daemon's runtime directory, as the runtime client finds it ---------------------------------
@@ -76,7 +79,7 @@ def runtime_dir_candidates(env: Mapping[str, str] = os.environ) -> list[Path]:
         runtime_dir(env),
         Path(xdg) / "moetune" if xdg and Path(xdg).is_absolute() else None,
         SYSTEM_RUNTIME_DIR,
-        Path("/tmp") / f"moetune-{os.getuid()}",
+        TMP_DIR / f"moetune-{os.getuid()}",
     ):
         if d is not None and d not in out:
             out.append(d)

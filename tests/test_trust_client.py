@@ -134,6 +134,8 @@ def test_client_and_config_agree_on_paths(tmp_path: Path, monkeypatch: pytest.Mo
     from moetune.runtime.config import load_config
 
     monkeypatch.setattr(paths, "SYSTEM_RUNTIME_DIR", tmp_path / "system-run")  # not this machine's /run/moetune
+    # nor its /tmp/moetune-<uid>: a daemon that ran here leaves its daemon.json there, which the search takes
+    monkeypatch.setattr(paths, "TMP_DIR", tmp_path / "tmp")
     for env in ({"MOETUNE_HOME": str(tmp_path / "h"), "HOME": str(tmp_path)},
                 {"XDG_RUNTIME_DIR": str(tmp_path / "x"), "HOME": str(tmp_path)}, {"HOME": str(tmp_path)}):
         cfg = load_config(env=env)
