@@ -149,7 +149,9 @@ def is_preset_fingerprint(fingerprint: str) -> bool:
 
 def default_measured_on(provenance: str, backend: str, fingerprint: str) -> str:
     """`measured_on` when a record does not say: the preset's name for a preset, the key's fingerprint
-    for a measurement, unknown ("") for a node model of unknown origin."""
+    for a measurement, unknown ("") for a node model of unknown origin. Another node's model taken as a preset
+    (`model:node:<other fp>`) gets preset:node:<other fp>: a preset's form (an import requires it), but no preset
+    file's name and digest; what reads it as one asks the backend first (`query.preset_note`)."""
     if provenance == "preset":
         return PRESET_PREFIX + backend.removeprefix("model:")
     if provenance == "measured":

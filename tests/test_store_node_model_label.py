@@ -111,3 +111,42 @@ def test_a_stored_false_node_model_ranks_as_a_preset_and_db_check_names_it(tmp_p
         # a real preset 40 µs faster replaces it (as a node_model it outranked every preset)
         _preset(s)
         assert _current(s) == [("preset", "model:dgx-h100", 50.0)]
+
+
+OTHER_FP = "0123456789abcdef"  # another node's fingerprint: 16 hex digits, as a preset's content digest is
+
+
+@pytest.mark.parametrize("label", ["preset", "node_model"])  # stored as what it is; a false label, taken as a preset
+def test_another_nodes_model_taken_as_a_preset_is_not_shown_as_a_preset_file(tmp_path: Path, label: str) -> None:
+    """Its measured_on reads preset:node:<other fp>, which presets.preset_origin took for a preset file named "node"
+    with that fingerprint as its content digest: `query` and `profiles show` printed "a preset file named node ...,
+    content digest <fp>". They now say it is another node's fabric model taken as a preset."""
+    from types import SimpleNamespace
+
+    from moetune.tuner.cli import query as Q
+
+    path = tmp_path / "m.db"
+    backend = f"model:node:{OTHER_FP}"
+    with Store(path) as s:
+        ok, why = s.put_profile(ProfileRecord(key=KEY, knobs=KNOBS, latency_us=90, spread_us=1, backend=backend,
+                                              provenance="preset"))
+        assert ok, why
+    if label == "node_model":  # a row an older moetune imported, or a hand edit
+        with sqlite3.connect(path) as c:
+            c.execute("UPDATE profiles SET provenance = 'node_model', measured_on = ''")
+    with Store(path) as s:
+        ((i, rec),) = s.list_profiles()
+    res = SimpleNamespace(key=KEY, profile_hash=rec.profile_hash, provenance="preset", tuned=False, source="daemon")
+    prov, measured_on, got_backend = Q.provenance_of(res, path)  # what `query` prints from
+    assert (prov, measured_on, got_backend) == ("preset", f"preset:node:{OTHER_FP}", backend)
+    shipped, note = Q.preset_note(prov, measured_on, got_backend)
+    assert shipped is False and "another node's fabric model taken as a preset" in note and OTHER_FP in note, note
+    assert "a preset file named" not in note and "content digest" not in note
+    r = CliRunner().invoke(app, ["profiles", "show", str(i), "--db", str(path)], env={"COLUMNS": "200"})
+    text = " ".join(r.output.split())
+    assert r.exit_code == 0 and "another node's fabric model taken as a preset" in text, r.output
+    assert "a preset file named node" not in text, r.output
+    # a preset file's row is still told by its digest
+    assert Q.preset_note("preset", "preset:my-fabric:0123456789abcdef", "model:my-fabric")[1].startswith(
+        "a preset file named my-fabric")
+    assert Q.preset_note("node_model", f"preset:node:{OTHER_FP}", backend) == (None, "")

@@ -143,10 +143,11 @@ def show(
     rows.append(("provenance", PROVENANCE_LABEL[str(eff)] + ("" if eff == rec.provenance else escape(
         f" (stored as {rec.provenance}, but its backend {why_not}: `moetune db check`)"))))
     rows.append(("measured_on", escape(rec.measured_on or "(unknown)")))
-    if eff == "preset" and rec.measured_on:  # an edited copy of a shipped preset keeps its name: the digest says which
-        from moetune.tuner.fabric_model.presets import preset_origin
+    from moetune.tuner.cli.query import preset_note
 
-        shipped, origin = preset_origin(rec.measured_on)
+    # an edited copy of a shipped preset keeps its name: the digest says which; another node's model says so
+    shipped, origin = preset_note(str(eff), rec.as_effective().measured_on, rec.backend)
+    if origin:
         rows.append(("preset", escape(origin) if shipped else f"[red]{escape(origin)}[/]"))
     rows.append(("routing", escape(rec.tuned_routing or "(not recorded)")))
     for name, value in perf_env_lines(rec):

@@ -160,12 +160,12 @@ def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms:
         client.close()
 
 
-def provenance_of(res: Resolution, db: Path) -> tuple[str, str]:
-    """(provenance, measured_on) of a resolution: from the reply when it says, else from `db` (the database the
-    lookup read: `ProfileClient.fallback_db`); a policy or built-in default is its own kind; "unknown" when
-    nothing says."""
+def provenance_of(res: Resolution, db: Path) -> tuple[str, str, str]:
+    """(provenance, measured_on, backend) of a resolution: from the reply when it says, else from `db` (the database
+    the lookup read: `ProfileClient.fallback_db`); a policy or built-in default is its own kind; "unknown" when
+    nothing says. measured_on and backend are the database's row's ("" where it has none that agrees)."""
     if res.key is None:
-        return res.provenance or str(res.source), ""
+        return res.provenance or str(res.source), "", ""
     from moetune.tuner.store.store import Store, StoreError
 
     try:
@@ -175,17 +175,28 @@ def provenance_of(res: Resolution, db: Path) -> tuple[str, str]:
         got = None
     if res.provenance:  # the reply's own measured_on is not taken: from the database, when it agrees, or
         if got is not None and got[0] == res.provenance:
-            return res.provenance, got[1]
+            return got
         # a profile the client applied as tuned: measured on its key's fingerprint, which the client found to be this
         # node's (from the database's facts, or the facts the daemon reported checked against what it reads here)
-        return res.provenance, res.key.fingerprint if res.tuned and res.provenance == "measured" else ""
-    return got if got is not None else ("unknown", "")
+        return res.provenance, res.key.fingerprint if res.tuned and res.provenance == "measured" else "", ""
+    return got if got is not None else ("unknown", "", "")
 
 
-def preset_note(provenance: str, measured_on: str) -> tuple[bool | None, str]:
-    """(whether it is the shipped preset's content, a note saying which) for a preset profile's `measured_on`
-    (`presets.preset_origin`); (None, "") for any other provenance."""
+def preset_note(provenance: str, measured_on: str, backend: str) -> tuple[bool | None, str]:
+    """(whether it is the shipped preset's content, a note saying which) for a preset profile: `query` and `profiles
+    show`. A preset file's row (`measured_on` preset:NAME[:DIGEST]): `presets.preset_origin`. Another node's calibrated
+    model taken as a preset (`model:node:<other fp>`): said so, (False, ...); its measured_on, preset:node:<fp>, names
+    no preset file (read as one, NAME "node" and that fingerprint as a content digest). (None, "") for any other
+    provenance, or a measured_on that names no preset."""
+    from moetune.runtime.profile_record import NODE_MODEL_BACKEND, is_preset_fingerprint
+
     if provenance != "preset" or not measured_on:
+        return None, ""
+    if backend.startswith(NODE_MODEL_BACKEND):
+        other = backend.removeprefix(NODE_MODEL_BACKEND)
+        return False, (f"another node's fabric model taken as a preset: the model calibrated on fingerprint {other}, "
+                       "not a preset file, nor this node's model")
+    if not is_preset_fingerprint(measured_on):
         return None, ""
     from moetune.tuner.fabric_model.presets import preset_origin
 
@@ -272,7 +283,7 @@ def register(app: typer.Typer) -> None:
                     client_log.removeFilter(said)
         read = client.fallback_db()  # the database the lookup read (or would have): --db, else the runtime's rule
         client.close()
-        provenance, measured_on = provenance_of(res, read)
+        provenance, measured_on, backend = provenance_of(res, read)
         if fmt == "env":
             if provenance in ENV_LABEL:  # the exports are eval'd or saved: the label goes with them (a shell comment)
                 typer.echo(f"# moetune: {ENV_LABEL[provenance]}, not measured on this node")
@@ -283,7 +294,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"export MOETUNE_PROFILE_HASH={res.profile_hash}")
             return
         # a preset's measured_on names its content's digest: whether that is the shipped preset's or an edited copy's
-        shipped, origin = preset_note(provenance, measured_on)
+        shipped, origin = preset_note(provenance, measured_on, backend)
         out = {"source": res.source, "profile_hash": res.profile_hash, "status": res.status,
                "provenance": provenance, "measured_on": measured_on, "preset_shipped": shipped,
                "knobs": res.knobs.to_dict(), "env": res.env, "key": res.key.to_dict() if res.key else None,

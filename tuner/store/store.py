@@ -863,10 +863,11 @@ class Store:
         return None
 
     @_retried
-    def provenance_of(self, key: ProfileKey, profile_hash: str | None = None) -> tuple[str, str] | None:
-        """(effective provenance, measured_on) of the newest stored profile for `key` (with this hash, if given):
-        for callers that hold a key from elsewhere (a daemon reply, the runtime's fallback). A hand-edited
-        "measured" label on a modelling backend is answered as what it is (`ProfileRecord.as_effective`)."""
+    def provenance_of(self, key: ProfileKey, profile_hash: str | None = None) -> tuple[str, str, str] | None:
+        """(effective provenance, measured_on, backend) of the newest stored profile for `key` (with this hash, if
+        given): for callers that hold a key from elsewhere (a daemon reply, the runtime's fallback). A hand-edited
+        "measured" label on a modelling backend is answered as what it is (`ProfileRecord.as_effective`); the backend
+        tells a preset file's row from another node's model taken as a preset (`query.preset_note`)."""
         q = select(Profile.provenance, Profile.measured_on, Profile.backend).where(*_key_where(key))
         if profile_hash is not None:
             q = q.where(Profile.profile_hash == profile_hash)
@@ -875,7 +876,7 @@ class Store:
         if row is None:
             return None
         return (effective_provenance(row.provenance, row.backend, key.fingerprint),
-                effective_measured_on(row.provenance, row.measured_on, row.backend, key.fingerprint))
+                effective_measured_on(row.provenance, row.measured_on, row.backend, key.fingerprint), row.backend)
 
     @_retried
     def get_profile(self, profile_id: int) -> ProfileRecord | None:
