@@ -246,7 +246,7 @@ def _check_ranges(values: dict[str, dict[str, Any]], origin: dict[tuple[str, str
         if v and "://" not in v:
             fail(section, key, f"expected a ZeroMQ endpoint like ipc:///path or tcp://host:port, got {v!r}")
     # the one a client connects to: its rule (zmq's connect answered tcp://node1 with a bare "Invalid argument")
-    why = paths.client_endpoint_problem(c["socket"]) if c["socket"] else None
+    why = paths.endpoint_problem(c["socket"], bind=False) if c["socket"] else None
     if why is not None:
         fail("client", "socket", f"{why}, got {c['socket']!r}")
 

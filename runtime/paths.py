@@ -143,10 +143,12 @@ def tcp_host_problem(endpoint: str) -> str | None:
     return None
 
 
-def client_endpoint_problem(endpoint: str) -> str | None:
-    """Why a client cannot connect to `endpoint` (None: it can try): the one rule of the runtime's client and the
-    config's client.socket. ZeroMQ's connect answers the rest with a bare "Invalid argument" (tcp://node1,
-    tcp://node1:notaport) or "File name too long", or takes it and waits out every time-out (tcp://:5555)."""
+def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:
+    """Why `endpoint` cannot be used (None: it can): the one rule of the daemon's binds (`bind`: the socket and the PUB,
+    `moetune serve`, the CLI's --socket) and of a client's connects (the runtime's client, its SUB, the config's
+    client.socket). ZeroMQ answers the rest with a bare "Invalid argument" (tcp://node1, tcp://node1:notaport) or "File
+    name too long", or takes it and waits out every time-out (tcp://:5555). A daemon may bind tcp://*:PORT (every
+    interface) and inproc:// (tests); a client connects to neither."""
     if endpoint.startswith("ipc://"):
         p = ipc_path(endpoint)
         if p is None or not str(p) or not p.is_absolute():
@@ -160,8 +162,10 @@ def client_endpoint_problem(endpoint: str) -> str | None:
             return f"{why} (expected tcp://HOST:PORT)"
         if tcp_port(endpoint) is None:
             return "expected tcp://HOST:PORT with a port in 1..65535"
-        if tcp_host(endpoint) == "*":
+        if not bind and tcp_host(endpoint) == "*":
             return "'*' (every interface) is where a daemon binds; a client connects to the daemon's host"
+        return None
+    if bind and endpoint.startswith("inproc://"):
         return None
     return "not an ipc:///absolute/path or tcp://HOST:PORT endpoint"
 

@@ -95,6 +95,37 @@ def test_well_formed_tcp_endpoints_pass(endpoint: str) -> None:
     check_endpoint(endpoint, "socket")
 
 
+@pytest.mark.parametrize("endpoint", ["ipc://relative/sock", "ipc://", "ipc:///" + "x" * 120, "tcp://[::1",
+                                      "tcp://host", "tcp://host:0", "tcp://host:70000", "bogus://x", "tcp://*:5555",
+                                      "inproc://t", "ipc:///run/moetune/daemon.sock", "tcp://node1:5555"])
+def test_the_daemon_and_its_clients_check_endpoints_by_one_rule(endpoint: str) -> None:
+    """The daemon's check_endpoint repeated the client's rule (the path's absoluteness, its byte limit as a bare 107, the
+    host, the port) with its own messages: one rule now, `paths.endpoint_problem`; a daemon may bind tcp://* and
+    inproc://, a client connects to neither."""
+    from moetune.runtime import paths
+
+    bind, connect = paths.endpoint_problem(endpoint, bind=True), paths.endpoint_problem(endpoint, bind=False)
+    if endpoint in ("tcp://*:5555", "inproc://t"):
+        assert bind is None and connect is not None
+    else:
+        assert bind == connect
+    if bind is None:
+        check_endpoint(endpoint, "socket")
+    else:
+        with pytest.raises(DaemonConfigError) as e:
+            check_endpoint(endpoint, "socket")
+        assert str(e.value) == f"socket {endpoint!r}: {bind}"
+
+
+def test_the_daemon_keeps_no_endpoint_rule_of_its_own() -> None:
+    import inspect
+
+    from moetune.tuner.daemon import server
+
+    src = inspect.getsource(server)
+    assert not hasattr(server, "_ipc_path") and "107" not in src and "tcp_host_problem" not in src
+
+
 def test_a_client_does_not_connect_to_every_interface(tmp_path: Path) -> None:
     r, text = _run(tmp_path, "status", "--socket", "tcp://*:5555")
     assert r.exit_code == 2 and "'*' (every interface) is where a daemon binds" in text, r.output

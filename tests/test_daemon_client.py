@@ -357,7 +357,7 @@ def test_a_zmq_error_on_connect_is_daemon_unavailable(tmp_path: Path, monkeypatc
     from moetune.runtime.profiles import client as C
 
     # as if the construction's checks had missed it (raising=False: the test also runs where they are not)
-    monkeypatch.setattr(C, "client_endpoint_problem", lambda endpoint: None, raising=False)
+    monkeypatch.setattr(C, "endpoint_problem", lambda endpoint, bind: None, raising=False)
     c = ProfileClient("ipc:///" + "x" * 200, db_path=tmp_path / "none.db", env={"HOME": str(tmp_path)})
     monkeypatch.setattr(c, "_check_endpoint", lambda: None)  # the socket "exists"
     with pytest.raises(C.DaemonUnavailable, match=r"cannot connect to ipc:///x+: File name too long"):

@@ -37,7 +37,7 @@ served, the resolution says so (`env_status`, `env_diff`) and one warning per pr
 environment was not recorded, over instead, so the chain ends at the policy default; "ignore" serves it silently.
 
 Where things are found: `moetune.runtime.paths` (the config's client.socket and `default_endpoint` both follow
-`find_daemon_socket`; `client_db_path`); the daemon writes `daemon.json` next to its socket (endpoint, PUB endpoint,
+`find_daemon_socket`; `client_db_path`; `endpoint_problem`); the daemon writes `daemon.json` next to its socket (endpoint, PUB endpoint,
 database path, fingerprint, software hash and transport families of the node), and the client reads it only there.
 """
 
@@ -78,8 +78,8 @@ from moetune.runtime.paths import (
     PUB_SOCKET_NAME,
     SOCKET_NAME,
     client_db_path,
-    client_endpoint_problem,
     default_endpoint,
+    endpoint_problem,
     ipc_path,
     loose_key_path,
     runtime_dir_candidates,
@@ -662,7 +662,7 @@ class ProfileClient:
         self._allow_insecure_tcp = allow_insecure_tcp
         key_file = (cfg.curve_server_key_file if cfg else "") or env.get("MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE", "")
         own_file = cfg.curve_secret_key_file if cfg else ""
-        bad_endpoint = client_endpoint_problem(self.endpoint)  # zmq's bare "Invalid argument" reached the caller
+        bad_endpoint = endpoint_problem(self.endpoint, bind=False)  # zmq's bare "Invalid argument" reached the caller
         if bad_endpoint is not None:
             self._refusal = bad_endpoint
             log.warning("moetune: not connecting to %s: %s", self.endpoint, self._refusal)
@@ -932,7 +932,7 @@ class ProfileClient:
         loopback allowance), ipc only a socket this user may trust."""
         scheme = pub.partition("://")[0]
         if scheme in ("tcp", "ipc"):
-            bad = client_endpoint_problem(pub)  # as for the request socket: zmq's connect would raise on it
+            bad = endpoint_problem(pub, bind=False)  # as for the request socket: zmq's connect would raise on it
             if bad is not None:
                 return bad
         if scheme == "tcp":

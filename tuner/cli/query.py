@@ -31,19 +31,19 @@ def _config(config: Path | None) -> Config:
         raise typer.Exit(2) from None
 
 
-def check_socket(endpoint: str, where: str) -> None:
+def check_socket(endpoint: str, where: str, *, bind: bool = False) -> None:
     """Exit 2 naming `where` (the option or config key) unless `endpoint` is ipc:///absolute/path or
-    tcp://HOST:PORT: ZeroMQ would answer anything else with a bare "Invalid argument" traceback."""
+    tcp://HOST:PORT (`paths.endpoint_problem`: a client's, or with `bind` a daemon's): ZeroMQ would answer anything
+    else with a bare "Invalid argument" traceback."""
+    from moetune.runtime.paths import endpoint_problem
     from moetune.tuner.cli.db import fail
-    from moetune.tuner.daemon.server import DaemonConfigError, check_endpoint
 
-    # inproc:// is left out too: no daemon of another process is reachable there
+    # inproc:// is left out for `serve` too: no daemon of another process is reachable there
     if not endpoint.startswith(("ipc://", "tcp://")):
         raise fail(f"invalid {where} {endpoint!r}: expected ipc:///absolute/path or tcp://HOST:PORT")
-    try:
-        check_endpoint(endpoint, where)
-    except DaemonConfigError as e:  # names `where` and the endpoint: a relative path, a bad port, too long a path
-        raise fail(f"invalid {e}") from None
+    why = endpoint_problem(endpoint, bind=bind)  # a relative path, a bad port, too long a path; tcp://* for a client
+    if why is not None:
+        raise fail(f"invalid {where} {endpoint!r}: {why}")
 
 
 def check_timeout_ms(timeout_ms: int | None) -> None:
@@ -104,9 +104,6 @@ def make_client(socket: str | None, config: Path | None, timeout_ms: int | None,
     endpoint = socket or cfg.client.socket
     where = "--socket" if socket else "client.socket (config)"
     check_socket(endpoint, where)
-    if endpoint.startswith("tcp://") and endpoint[len("tcp://"):].rpartition(":")[0] == "*":
-        raise fail(f"invalid {where} {endpoint!r}: '*' (every interface) is where a daemon binds; a client connects "
-                   "to the daemon's host")
     server_key = None
     # the client reads its [client] keys (curve_server_key_file, its own key pair, allow_modelled) from the config
     # chain itself: --config joins that chain as $MOETUNE_CONFIG would, or its [client] section went unread

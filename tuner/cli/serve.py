@@ -65,7 +65,7 @@ def register(app: typer.Typer) -> None:
         # the options as given are checked first, so an error names the option (not a config key it fell to)
         for opt, endpoint in (("--socket", socket), ("--pub-socket", pub_socket)):
             if endpoint is not None:
-                check_socket(endpoint, opt)
+                check_socket(endpoint, opt, bind=True)
         if rediscover_interval is not None:  # inf and nan were taken (discovery then died, or never ran)
             try:
                 check_rediscover_interval(rediscover_interval, "--rediscover-interval")

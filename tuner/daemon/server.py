@@ -64,7 +64,7 @@ import zmq
 
 from moetune.runtime import wire
 from moetune.runtime.config import pub_socket_beside
-from moetune.runtime.paths import loose_key_path, secret_key_checks, tcp_host_problem
+from moetune.runtime.paths import endpoint_problem, ipc_path, loose_key_path, secret_key_checks
 from moetune.runtime.profile_record import ProfileRecord
 from moetune.runtime.profiles.client import INFO_NAME, is_loopback_host, tcp_host, tcp_port
 from moetune.tuner.daemon import handlers
@@ -445,8 +445,8 @@ def other_live_daemon(path: Path, endpoint: str) -> str | None:
     other, pid = data.get("endpoint"), data.get("pid")
     if not isinstance(other, str) or other == endpoint:
         return None
-    p = _ipc_path(other)
-    if p is None or p == _ipc_path(endpoint) or not p.is_absolute() or not _socket_alive(p):
+    p = ipc_path(other)
+    if p is None or p == ipc_path(endpoint) or not p.is_absolute() or not _socket_alive(p):
         return None
     return f"pid {pid}, endpoint {other}"
 
@@ -454,14 +454,10 @@ def other_live_daemon(path: Path, endpoint: str) -> str | None:
 def _same_endpoint(a: str, b: str) -> bool:
     """The two endpoints name one socket: IPC paths compared resolved (through a linked directory the two names are
     one file, and the PUB's bind found our own socket "in use"); parts that do not exist yet compare as written."""
-    pa, pb = _ipc_path(a), _ipc_path(b)
+    pa, pb = ipc_path(a), ipc_path(b)
     if pa is not None and pb is not None:
         return os.path.realpath(pa) == os.path.realpath(pb)
     return a == b
-
-
-def _ipc_path(endpoint: str) -> Path | None:
-    return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
 
 
 def _tcp_port(endpoint: str, what: str) -> int:
@@ -472,20 +468,11 @@ def _tcp_port(endpoint: str, what: str) -> int:
 
 
 def check_endpoint(endpoint: str, what: str) -> None:
-    """A clear error for an endpoint ZeroMQ would reject with a cryptic one (or accept by surprise)."""
-    if endpoint.startswith("tcp://"):
-        why = tcp_host_problem(endpoint)
-        if why is not None:
-            raise DaemonConfigError(f"{what} {endpoint!r}: {why} (expected tcp://HOST:PORT)")
-        _tcp_port(endpoint, what)
-    elif endpoint.startswith("ipc://"):
-        p = _ipc_path(endpoint)
-        if p is None or not str(p) or not p.is_absolute():
-            raise DaemonConfigError(f"{what} {endpoint!r}: expected ipc:///absolute/path")
-        if len(str(p).encode()) > 107:
-            raise DaemonConfigError(f"{what} {endpoint!r}: a unix socket path is at most 107 bytes")
-    elif not endpoint.startswith("inproc://"):
-        raise DaemonConfigError(f"unsupported {what} {endpoint!r}: use ipc:// or tcp://")
+    """A clear error for an endpoint ZeroMQ would reject with a cryptic one (or accept by surprise): the bind rule of
+    `paths.endpoint_problem`, naming `what` (the option or config key)."""
+    why = endpoint_problem(endpoint, bind=True)
+    if why is not None:
+        raise DaemonConfigError(f"{what} {endpoint!r}: {why}")
 
 
 def derive_pub_endpoint(endpoint: str) -> str:
@@ -942,7 +929,7 @@ class Daemon(FabricWatch):
         self._auth = auth
 
     def _prepare_ipc(self, endpoint: str) -> Path | None:
-        p = _ipc_path(endpoint)
+        p = ipc_path(endpoint)
         if p is None:
             return None
         check_socket_ancestors(p.parent)
@@ -1014,7 +1001,7 @@ class Daemon(FabricWatch):
         self._bound_paths = {}
 
     def _info_path(self) -> Path | None:
-        p = _ipc_path(self.endpoint)
+        p = ipc_path(self.endpoint)
         return p.parent / INFO_NAME if p is not None else None
 
     def _info_is_ours(self, path: Path) -> bool:
