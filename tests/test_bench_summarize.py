@@ -295,3 +295,69 @@ def test_search_metrics_count_a_search_that_never_got_within_3pct() -> None:
     assert per["tpe"]["evals_to_3pct"].median == (3 + 101) / 2 and per["tpe"]["evals_to_3pct"].n == 2
     assert per["random"]["evals_to_3pct"].median == 6
     assert "evals_to_3pct" not in per["cold-tpe"]  # the old files have no count for it: none, not a made-up one
+
+
+def _failing_driver(cases: Any, ctx: Any) -> list[S.CaseResult]:
+    """fabric-model's bench/model_reproduce.py failing outright: no case produced any metric."""
+    return [S.CaseResult(c.name, {}, "python bench/model_reproduce.py", "exited 1: boom") for c in cases]
+
+
+def test_a_prediction_launch_that_failed_outright_is_stored_and_headed_modelled(tmp_path, monkeypatch) -> None:
+    """A FAILED row took the unit another case gave its metric; when no case produced it (the fabric model's script
+    failing outright) the row had unit "" and stayed source=measured, and the summary headed the prediction scenario
+    "measured ... metric `speedup[16nodes]` ()". The scenario declares its predictions (`modelled`): their FAILED rows
+    are modelled too; predict_ms (a wall-clock timing of the predictor) stays measured."""
+    s = SCENARIOS["fabric-model"]
+    monkeypatch.setitem(S.DRIVERS, "fabric-model", _failing_driver)
+    out = tmp_path / "s.csv"
+    S.run(s, results=out, gpus=0, launches=1, fingerprint=lambda: "fp")
+    rows = R.read_rows(out)
+    by = {r["metric"]: r for r in rows}
+    assert set(by) == set(s.metrics) and all(r["note"] == "FAILED: exited 1: boom" for r in rows), rows
+    for m in ("speedup[16nodes]", "coupled_rel_throughput[4096B]", "fixed_rel_throughput[4096B]"):
+        assert by[m]["source"] == "modelled" and R.is_modelled(by[m]), by[m]
+    assert by["predict_ms[coupled/proxy_drain]"]["source"] == "measured"
+    md = S.scenario_table(s, rows)
+    head = next(ln for ln in md if "metric `" in ln)
+    assert head.startswith("MODELLED") and "metric `speedup[16nodes]` (MODELLED)" in head, head
+    assert _table_rows(md)["presets"][:2] == ["0 + 1 FAILED", "FAILED: exited 1: boom"]
+
+
+def test_one_launch_of_predictions_and_timings_is_one_batch_whatever_the_row_order() -> None:
+    """A fabric-model launch holds modelled rows (the speedups) and measured ones (predict_ms): the batch was keyed by
+    source, so which half the table showed (and whether it was headed MODELLED or measured) depended on which row
+    came first in the CSV. Now the launch is the batch, in any order the rows come."""
+    s = SCENARIOS["fabric-model"]
+    cpu = {"gpu": "none", "hardware": "2 CPU cores (x86_64), no GPU"}
+    pred = [_row(s.name, "presets", "L1", v, metric=m, unit="x MODELLED", source="modelled", **cpu)
+            for m, v in (("speedup[16nodes]", 12.1), ("speedup[2nodes]", 3.6))]
+    timed = [_row(s.name, "presets", "L1", 2.4, metric="predict_ms[coupled/proxy_drain]", unit="ms", **cpu)]
+    tables = {tuple(S.scenario_table(s, order)) for order in (pred + timed, timed + pred, timed + pred[::-1])}
+    assert len(tables) == 1, tables
+    md = list(tables.pop())
+    head = next(ln for ln in md if "metric `" in ln)
+    assert head.startswith("MODELLED") and "metric `speedup[16nodes]`" in head, head
+    assert _table_rows(md)["presets"][:2] == ["1", "12.1"]
+
+
+def test_the_scenarios_declare_every_prediction_their_drivers_make() -> None:
+    """The drivers label their predictions MODELLED, the scenario files declare them (`modelled`): the two agree,
+    and every committed row of a declared prediction is labelled so (none needed relabelling)."""
+    doc = {"slingshot_96_transfers_8_nodes": [{"size": 4096, "coupled_rel_throughput": 0.04, "fixed_rel_throughput": 0.7}],
+           "qwen3_s256_slingshot_speedup": [{"nodes": 16, "speedup": 12.1}],
+           "qwen3_4_nodes_ibrc_vs_ibgda": [{"tokens": 64, "ibgda_over_ibrc_fixed": 0.6}],
+           "predict_timing": {"results": {"collective": {"median_ms": 1.0, "max_ms": 4.0}}}}
+    search = {"cases": [{"budget": 10, "random_evals_to_3pct_median": 3, "tpe_evals_to_3pct_median": 2,
+                         "cold_tpe_evals_to_3pct_median": 2, "random_median_gap": 0.0, "tpe_median_gap": 0.0,
+                         "cold_tpe_median_gap": 0.0, "random_hit_rate": 1.0, "tpe_hit_rate": 1.0,
+                         "cold_tpe_hit_rate": 1.0}]}
+    made = [("fabric-model", S.model_metrics(doc))] + [("search-efficiency", m) for m in S.search_metrics(search).values()]
+    for name, metrics in made:
+        s = SCENARIOS[name]
+        assert metrics and all(s.is_modelled(m) == R.is_modelled({"unit": st.unit}) for m, st in metrics.items()), (
+            name, {m: st.unit for m, st in metrics.items()})
+    declared = [r for r in R.read_rows(S.SUMMARY_CSV) if r["scenario"] in SCENARIOS
+                and SCENARIOS[r["scenario"]].is_modelled(r["metric"])]
+    assert declared and all(R.is_modelled(r) and r["source"] in ("modelled", "imported") for r in declared)
+    assert not any(r["source"] == "modelled" and not SCENARIOS[r["scenario"]].is_modelled(r["metric"])
+                   for r in R.read_rows(S.SUMMARY_CSV) if r["scenario"] in SCENARIOS)

@@ -3,8 +3,10 @@
 A scenario is one question reviewed like code: which driver answers it and with which arguments, the cases
 compared side by side (the first is the baseline; every launch runs it first and again last, so drift inside a
 launch shows), how many launches, what the machine needs (GPUs, world size, backend) and the metric columns
-(the first is the one the summary's ratios use). A `[smoke]` table gives tiny CPU/gloo arguments so that a test
-keeps every scenario's plumbing alive; `smoke.skip` says why a scenario has no CPU variant.
+(the first is the one the summary's ratios use) and which of them are `modelled` (predictions of the fabric model or
+of a modelled search, not measurements: their rows, FAILED ones too, carry MODELLED). A `[smoke]` table gives tiny
+CPU/gloo arguments so that a test keeps every scenario's plumbing alive; `smoke.skip` says why a scenario has no CPU
+variant.
 
 Drivers register in ONE place, `DRIVERS`, with `@driver(name)`. A driver gets the resolved cases of one launch
 and returns one `CaseResult` per case it ran; it runs the cases side by side in one process where it can (the
@@ -100,10 +102,17 @@ class Scenario:
     smoke_args: dict[str, Any] = field(default_factory=dict)
     smoke_needs: Needs = field(default_factory=Needs)
     smoke_skip: str = ""  # why no CPU variant can exist ("" = there is one)
+    # the metrics that are predictions (`modelled = [...]` in the file): a name, or the name before "[" of a family
+    # (`speedup` is speedup[2nodes], speedup[16nodes], ...)
+    modelled: tuple[str, ...] = ()
 
     @property
     def baseline(self) -> Case:
         return self.cases[0]
+
+    def is_modelled(self, metric: str) -> bool:
+        """Whether the scenario declares `metric` a prediction (its rows carry MODELLED, a FAILED one too)."""
+        return metric in self.modelled or metric.split("[", 1)[0] in self.modelled
 
 
 def _table(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
@@ -170,6 +179,10 @@ def load(path: Path) -> Scenario:
     launches = d.get("launches", 3)
     if not isinstance(launches, int) or launches < 1:
         raise ScenarioError(f"{where}: 'launches' must be an integer >= 1")
+    modelled = d.get("modelled", [])
+    if not isinstance(modelled, list) or not all(isinstance(m, str) and m for m in modelled):
+        raise ScenarioError(f"{where}: 'modelled' must be a list of metric names (or of the name before '[' of a "
+                            "family of metrics) that are predictions, not measurements")
     smoke = _table(d, "smoke", where)
     question = str(d.get("question", "")).strip()
     if not question:
@@ -179,7 +192,7 @@ def load(path: Path) -> Scenario:
         cases=tuple(cases), metrics=tuple(metrics), better=better, launches=launches, args=_table(d, "args", where),
         env={k: str(v) for k, v in _table(d, "env", where).items()}, smoke_args=_table(smoke, "args", f"{where}: smoke"),
         smoke_needs=_needs(_table(smoke, "needs", f"{where}: smoke"), f"{where}: smoke.needs"),
-        smoke_skip=str(smoke.get("skip", "")),
+        smoke_skip=str(smoke.get("skip", "")), modelled=tuple(modelled),
     )
 
 
@@ -979,19 +992,30 @@ def _failed_metrics(s: Scenario, r: CaseResult) -> dict[str, str]:
 
 def _launch_rows(s: Scenario, out: Sequence[CaseResult], launch_id: str, stamp: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (case, metric) of one launch and one FAILED row per metric a case failed on (`_failed_metrics`),
-    each with `stamp` (source, date, world, backend and the machine facts)."""
-    # a FAILED row takes the unit another case gave the metric: a failed prediction stays labelled MODELLED
+    each with `stamp` (source, date, world, backend and the machine facts). A metric the scenario declares modelled
+    has MODELLED in its unit (`_unit`), so `run` stores its rows as `modelled`, FAILED ones too."""
+    # a FAILED row takes the unit another case gave the metric (none gave it: a launch that failed as a whole)
     units = {name: st.unit for r in out for name, st in r.metrics.items()}
     rows: list[dict[str, Any]] = []
     for pos, r in enumerate(out):
         common = {"scenario": s.name, "case": r.case, "baseline": r.case == s.baseline.name, "position": pos,
                   "launch": launch_id, "command": r.command, **stamp}
         for name, st in r.metrics.items():
-            rows.append({**common, "metric": name, "unit": st.unit, "median": st.median, "p10": st.p10, "p90": st.p90,
-                         "n": st.n, "note": r.error[:300]})
+            rows.append({**common, "metric": name, "unit": _unit(s, name, st.unit), "median": st.median, "p10": st.p10,
+                         "p90": st.p90, "n": st.n, "note": r.error[:300]})
         for name, why in _failed_metrics(s, r).items():
-            rows.append({**common, "metric": name, "unit": units.get(name, ""), "note": f"FAILED: {why}"[:300]})
+            rows.append({**common, "metric": name, "unit": _unit(s, name, units.get(name, "")),
+                         "note": f"FAILED: {why}"[:300]})
     return rows
+
+
+def _unit(s: Scenario, metric: str, unit: str) -> str:
+    """A row's unit: the driver's, with MODELLED added where the scenario declares the metric a prediction and the
+    driver's unit does not say so (a FAILED row of a metric no case produced has no unit of the driver's at all: it
+    was stored `measured` with unit "" and headed the summary as a measurement)."""
+    if s.is_modelled(metric) and "MODELLED" not in unit:
+        return f"{unit} MODELLED".strip()
+    return unit
 
 
 _REPORT_FACTS = ("git_sha", "git_dirty", "moetune", "torch", "nccl", "cuda", "gpu", "gpu_count", "fabric_fingerprint",
@@ -1109,14 +1133,30 @@ def _why(note: str, width: int = 100) -> str:
     return w if len(w) <= width else w[:width - 1] + "…"
 
 
+def _origin(r: dict[str, str]) -> str:
+    """How a row's launch ran: `imported`, `smoke`, or `run` (by `moetune bench run`; its rows are `measured` or
+    `modelled` by metric: one launch of fabric-model holds both, and is one launch)."""
+    return r["source"] if r["source"] in ("imported", "smoke") else "run"
+
+
+# what makes a batch: one tree state (a dirty tree at the same SHA is other code), one machine, one kind of run
+_BATCH = ("git_sha", "git_dirty", "hardware")
+
+
+def _batch_key(r: dict[str, str]) -> tuple[str, ...]:
+    return (*(r[k] for k in _BATCH), _origin(r))
+
+
 def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, source: str = "summary.csv"
                    ) -> list[str]:
-    """Markdown lines for one scenario: its latest batch of rows (the latest row's git SHA, dirty flag, hardware and
-    source), per case the median over launches of each launch's median / p10 / p90 of the first metric present, and
-    the ratio to the baseline case (baseline / case for lower-is-better metrics, so > 1 means faster): the median
+    """Markdown lines for one scenario: its latest batch of rows (the latest launch's git SHA, dirty flag, hardware
+    and kind of run: `bench run`, imported or smoke; never split by the rows' source, which differs by metric within
+    one launch), per case the median over launches of each launch's median / p10 / p90 of the first metric present,
+    and the ratio to the baseline case (baseline / case for lower-is-better metrics, so > 1 means faster): the median
     over the launches that ran both of the ratio within one launch, never a baseline from another launch. FAILED rows
     belong to the batch like numbers: a case that failed shows "FAILED: why", and a launch that failed as a whole is
-    the latest batch, never hidden behind an older batch's numbers."""
+    the latest batch, never hidden behind an older batch's numbers. Whatever order the rows come in, the table is
+    the same."""
     mine = [r for r in rows if r["scenario"] == s.name and (R.fnum(r["median"]) is not None or _failed(r))]
     real = [r for r in mine if r["source"] != "smoke"]
     use = real or mine
@@ -1124,10 +1164,9 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
             f"Driver `{s.driver}`; needs {s.needs.describe()} ({s.needs.hardware}).", ""]
     if not use:
         return [*head, f"No rows yet: `moetune bench run {s.name}`.", ""]
-    latest = max(use, key=_when)
-    # one tree state and one kind of row: a dirty tree at the same SHA is other code, an imported row another run
-    key = ("git_sha", "git_dirty", "hardware", "source")
-    batch = [r for r in use if all(r[k] == latest[k] for k in key)]
+    # the latest launch (ties on the date broken by the launch and its batch, never by the rows' order), then its batch
+    latest = max(use, key=lambda r: (_when(r), r["launch"], _batch_key(r)))
+    batch = [r for r in use if _batch_key(r) == _batch_key(latest)]
     present = {r["metric"] for r in batch}
     metric = next((m for m in s.metrics if m in present), sorted(present)[0])
     batch = [r for r in batch if r["metric"] == metric]
@@ -1158,13 +1197,14 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
         rs = [(base[lc] / m if s.better == "lower" else m / base[lc]) for lc, m in mine.items()
               if lc in base and base[lc] and m]
         return _med(rs)
+    origin = _origin(latest)
     kind = {"smoke": "SMOKE (plumbing check on tiny sizes, not a measurement)", "imported": "imported",
-            "measured": "measured"}.get(latest["source"], latest["source"])
+            "run": "measured"}[origin]
     dirty = " (dirty tree)" if latest["git_dirty"] == "1" else ""
     unit = next((r["unit"] for r in batch if r["unit"]), "")
-    if "MODELLED" in unit or latest["source"] == "modelled":  # predictions: said first, whoever made the rows
-        made = {"modelled": "made by `moetune bench run`", "measured": "made by `moetune bench run`",
-                "imported": "imported"}.get(latest["source"], latest["source"])
+    # predictions: said first, whoever made the rows; by the shown metric's rows and the scenario's declaration
+    if s.is_modelled(metric) or any(R.is_modelled(r) or r["source"] == "modelled" for r in batch):
+        made = {"run": "made by `moetune bench run`", "imported": "imported", "smoke": "of a smoke run"}[origin]
         kind = f"MODELLED (predictions, not measurements; rows {made})"
     lines = [*head, f"{kind}, {latest['date'][:10]}, `{latest['git_sha'][:10]}`{dirty}, {latest['hardware']}"
              f"{', GPU ' + latest['gpu'] if latest['gpu'] not in ('', 'none') else ''}; metric `{metric}` ({unit}); "
@@ -1176,7 +1216,7 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
         m = stat(c, "median")
         ratio = ratio_of(c)
         nl = len({r["launch"] for r in batch if r["case"] == c and not _failed(r)})
-        fails = sorted((r for r in batch if r["case"] == c and _failed(r)), key=_when)
+        fails = sorted((r for r in batch if r["case"] == c and _failed(r)), key=lambda r: (_when(r), r["launch"]))
         nf = len({r["launch"] for r in fails})
         cell = f"{nl} + {nf} FAILED" if nf else str(nl)
         if not nl:  # no number in this batch: the failure is the result, never an older batch's number
@@ -1223,7 +1263,7 @@ def summarize(scenarios: dict[str, Scenario], rows: list[dict[str, str]], source
         "is a file in `bench/scenarios/`; `moetune bench list` shows them, `moetune bench run NAME` measures one",
         "(baseline first and last in every launch, several launches) and appends stamped rows (git SHA, versions,",
         "GPU, fabric fingerprint, exact command). Tables show each scenario's latest batch (one git SHA and dirty",
-        "flag, one machine, one source): per case the median over launches of each launch's median / p10 / p90, and",
+        "flag, one machine, one kind of run): per case the median over launches of each launch's median / p10 / p90, and",
         "the ratio to the baseline paired within each launch. The run history, the reasoning and",
         *imported,
         "",
