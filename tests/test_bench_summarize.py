@@ -3,6 +3,8 @@ are paired, and how a modelled metric is labelled. Rows are built here, so each 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from moetune.tuner.measure import results as R
@@ -361,3 +363,32 @@ def test_the_scenarios_declare_every_prediction_their_drivers_make() -> None:
     assert declared and all(R.is_modelled(r) and r["source"] in ("modelled", "imported") for r in declared)
     assert not any(r["source"] == "modelled" and not SCENARIOS[r["scenario"]].is_modelled(r["metric"])
                    for r in R.read_rows(S.SUMMARY_CSV) if r["scenario"] in SCENARIOS)
+
+
+def test_a_search_case_without_an_optimum_is_left_out_of_every_search_and_said(tmp_path, monkeypatch) -> None:
+    """A preset x model x tokens case with no feasible grid point has no optimum to measure a search against: it is
+    dropped from every search's medians alike (the comment said it 'fails every search', which nothing did), and
+    the rows now say so in their note; their n counts the cases kept. With every case such, each search fails
+    with that reason."""
+    s = SCENARIOS["search-efficiency"]
+    ok = {"budget": 10, "random_evals_to_3pct_median": 4, "tpe_evals_to_3pct_median": 2,
+          "cold_tpe_evals_to_3pct_median": 3, "random_median_gap": 0.01, "tpe_median_gap": 0.0,
+          "cold_tpe_median_gap": 0.0, "random_hit_rate": 0.5, "tpe_hit_rate": 1.0, "cold_tpe_hit_rate": 1.0}
+    bad = {"preset": "p", "model": "m", "tokens": 128, "error": "no feasible grid point"}
+    docs = [{"cases": [ok, bad]}]
+
+    def script(_name: str, args: dict, _env: dict, _ctx: Any) -> tuple[str, str]:
+        out = Path(args["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "search_efficiency.json").write_text(json.dumps(docs[0]))
+        return "", "python bench/search_efficiency.py"
+
+    monkeypatch.setattr(S, "_run_script", script)
+    ctx = S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path)
+    rows = S._launch_rows(s, S.run_search(S.plan(s, None, True), ctx), "L1", {"source": "smoke"})
+    assert rows and not any(r["note"].startswith("FAILED") for r in rows), rows
+    assert all(r["n"] == 1 and r["note"].startswith("1 of 2 cases left out of every search alike") for r in rows)
+    assert "p m S=128: no feasible grid point" in rows[0]["note"]
+    docs[0] = {"cases": [bad]}
+    rows = S._launch_rows(s, S.run_search(S.plan(s, None, True), ctx), "L1", {"source": "smoke"})
+    assert rows and all(r["note"].startswith("FAILED: 1 of 1 cases left out of every search alike") for r in rows)

@@ -241,6 +241,8 @@ class CaseResult:
     error: str = ""
     # {metric: why} of the metrics the driver knows this case failed on (a moe engine's failed S): each gets a FAILED row
     failed: dict[str, str] = field(default_factory=dict)
+    # what the numbers leave out, said in their rows' note beside any error (no failure: no FAILED row)
+    note: str = ""
 
 
 @dataclass
@@ -513,9 +515,10 @@ def search_metrics(d: dict[str, Any]) -> dict[str, dict[str, Stat]]:
     """bench/search_efficiency.py's JSON per search (random, tpe, cold-tpe): over the preset x model x tokens
     cases, the evaluations each needed to get within 3% of the grid optimum (median over seeds; budget + 1 where it
     never did), the median gap to the optimum (%) and the share of seeds within 0.1% of it (%). Latencies are the
-    fabric model's (MODELLED)."""
+    fabric model's (MODELLED). A case without a feasible grid point has no optimum to measure any search against: it
+    is left out of every search alike (`search_left_out` says so in the rows' note; their n counts the cases kept)."""
     out: dict[str, dict[str, Stat]] = {}
-    cases = [c for c in d.get("cases", []) if "error" not in c]  # an error case (no feasible point) fails every search
+    cases = [c for c in d.get("cases", []) if "error" not in c]  # an error case: dropped for every search alike
 
     def evals_of(c: dict[str, Any], pre: str) -> float | None:
         # never within the budget is budget + 1 for every search (null in an older file: the case was dropped, which
@@ -541,6 +544,18 @@ def search_metrics(d: dict[str, Any]) -> dict[str, dict[str, Stat]]:
     return out
 
 
+def search_left_out(d: dict[str, Any]) -> str:
+    """What bench/search_efficiency.py's cases with an error (no feasible grid point: no optimum) took out of every
+    search's numbers, for the rows' note ("" when none)."""
+    all_cases = d.get("cases", [])
+    bad = [c for c in all_cases if "error" in c]
+    if not bad:
+        return ""
+    named = "; ".join(f"{c.get('preset')} {c.get('model')} S={c.get('tokens')}: {c['error']}" for c in bad[:3])
+    return (f"{len(bad)} of {len(all_cases)} cases left out of every search alike (no optimum to measure against): "
+            f"{named}{'; ...' if len(bad) > 3 else ''}")
+
+
 @driver("search-efficiency", single_shot=True)
 def run_search(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     """bench/search_efficiency.py runs every search on the same budget in one process; the cases pick one."""
@@ -548,10 +563,12 @@ def run_search(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     try:
         stdout, cmd = _run_script("search_efficiency.py", {**cases[0].args, "out": str(out)}, cases[0].env, ctx)
         mm = re.search(r"results: (\S+search_efficiency\.json)", stdout)
-        per = search_metrics(json.loads(Path(mm.group(1) if mm else out / "search_efficiency.json").read_text()))
+        doc = json.loads(Path(mm.group(1) if mm else out / "search_efficiency.json").read_text())
+        per, left_out = search_metrics(doc), search_left_out(doc)
     except (RuntimeError, ValueError, KeyError, OSError) as e:
         return [CaseResult(c.name, {}, "python bench/search_efficiency.py", str(e)) for c in cases]
-    return [CaseResult(c.name, per.get(c.name, {}), cmd, "" if per.get(c.name) else f"no {c.name} search in the output")
+    return [CaseResult(c.name, per.get(c.name, {}), cmd,
+                       "" if per.get(c.name) else left_out or f"no {c.name} search in the output", note=left_out)
             for c in cases]
 
 
@@ -1002,7 +1019,7 @@ def _launch_rows(s: Scenario, out: Sequence[CaseResult], launch_id: str, stamp: 
                   "launch": launch_id, "command": r.command, **stamp}
         for name, st in r.metrics.items():
             rows.append({**common, "metric": name, "unit": _unit(s, name, st.unit), "median": st.median, "p10": st.p10,
-                         "p90": st.p90, "n": st.n, "note": r.error[:300]})
+                         "p90": st.p90, "n": st.n, "note": "; ".join(x for x in (r.error, r.note) if x)[:300]})
         for name, why in _failed_metrics(s, r).items():
             rows.append({**common, "metric": name, "unit": _unit(s, name, units.get(name, "")),
                          "note": f"FAILED: {why}"[:300]})
