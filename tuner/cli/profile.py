@@ -14,7 +14,6 @@ from moetune.tuner.cli._args import int_list, nearest_existing
 from moetune.tuner.cli._progress import RichProgress
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
-from moetune.tuner.cli.tune import interrupted_by, interrupted_exit, sigterm_interrupts
 
 _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
 
@@ -189,28 +188,29 @@ def profile(
     console.print(flow.ep_note, markup=False)
     if flow.not_measured:  # said before the stages run, and again in the report
         console.print(f"[yellow]{escape(flow.not_measured)}[/]")
-    try:
+    from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt
+
+    # Ctrl-C, or SIGTERM raised as KeyboardInterrupt: the progress closed, one line, exit 130 / 143. The `except`s are
+    # inside it, so `RuntimeError` below never takes its typer.Exit (a RuntimeError) for a failed stage
+    with ends_cleanly_on_interrupt(lambda: "run the same command again to continue where it stopped", console):
         try:
-            with sigterm_interrupts():
+            try:
                 done = flow.run()
-        finally:
-            flow.progress.close()  # its last lines before any message below (closed after one, they followed it)
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`sigterm_interrupts`)
-        console.print(f"[yellow]{interrupted_by(e)}: run the same command again to continue where it stopped[/]")
-        raise typer.Exit(interrupted_exit(e)) from None
-    except StoreError as e:  # e.g. another process holds the database: exit 1, as db/tune/profiles do
-        _fail(f"{e} (finished stages are kept; rerun to continue)", e.exit_code)
-    except NotOurReport as e:  # a plot file of the user's (or a report.md put there meanwhile): nothing replaced
-        where = f"--report-dir {report_dir}" if report_dir is not None else f"report folder {flow.report_dir}"
-        _fail(f"{where}: {e}: move it, or pass {'another ' if report_dir is not None else ''}--report-dir DIR "
-              "(finished stages are kept; rerun to continue)")
-    except OSError as e:
-        # the report folder passed the up-front check but could not be written (root and /proc, a folder removed
-        # meanwhile): name the option, as `report --out` does
-        mine = report_dir is not None and e.filename is not None and str(e.filename).startswith(str(report_dir))
-        _fail(f"{'--report-dir ' if mine else ''}{e} (finished stages are kept; rerun to continue)")
-    except (ValueError, KnobError, RuntimeError) as e:
-        _fail(f"{e} (finished stages are kept; rerun to continue)")
+            finally:
+                flow.progress.close()  # its last lines before any message below (closed after one, they followed it)
+        except StoreError as e:  # e.g. another process holds the database: exit 1, as db/tune/profiles do
+            _fail(f"{e} (finished stages are kept; rerun to continue)", e.exit_code)
+        except NotOurReport as e:  # a plot file of the user's (or a report.md put there meanwhile): nothing replaced
+            where = f"--report-dir {report_dir}" if report_dir is not None else f"report folder {flow.report_dir}"
+            _fail(f"{where}: {e}: move it, or pass {'another ' if report_dir is not None else ''}--report-dir DIR "
+                  "(finished stages are kept; rerun to continue)")
+        except OSError as e:
+            # the report folder passed the up-front check but could not be written (root and /proc, a folder removed
+            # meanwhile): name the option, as `report --out` does
+            mine = report_dir is not None and e.filename is not None and str(e.filename).startswith(str(report_dir))
+            _fail(f"{'--report-dir ' if mine else ''}{e} (finished stages are kept; rerun to continue)")
+        except (ValueError, KnobError, RuntimeError) as e:
+            _fail(f"{e} (finished stages are kept; rerun to continue)")
     rows = done.get("compare") or []
     if as_json:
         typer.echo(json.dumps({"fingerprint": flow.facts.fingerprint, "db": str(store.path), "ep_sizes": flow.ep_sizes,

@@ -7,14 +7,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
-import signal
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
@@ -40,43 +36,6 @@ COMM_BACKENDS = ("nccl", "gloo")  # what the local backend launches its ranks wi
 
 _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
 
-
-
-@contextlib.contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """While measuring: SIGTERM (`kill`, `timeout`, a batch scheduler) raises `Terminated`, a KeyboardInterrupt, so
-    the command ends as on Ctrl-C (the study saved, the bench workers and their ranks ended, a message, exit
-    143). Python's default ended the process at once with no message and left the measurement worker and its
-    ranks running. A second SIGTERM ends the process at once (the workers then end by themselves: they watch
-    their parent). Only the main thread can have a signal handler: elsewhere nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    from moetune.tuner.search.study import Terminated
-
-    def handler(_signum: int, _frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise Terminated()
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-def interrupted_exit(e: KeyboardInterrupt) -> int:
-    """The exit status of a command ended by Ctrl-C (130) or SIGTERM (143: 128 + 15, as the shell reports it)."""
-    from moetune.tuner.search.study import Terminated
-
-    return 143 if isinstance(e, Terminated) else 130
-
-
-def interrupted_by(e: KeyboardInterrupt) -> str:
-    """What ended the command, as the interrupted line says it."""
-    from moetune.tuner.search.study import Terminated
-
-    return "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
 
 
 def cuda_problem(comm: str, world: int, given: bool, why_default: str) -> str:
@@ -432,46 +391,47 @@ def tune(
     def count(_name: str, _study: object, _trial: object) -> None:
         ran[0] += 1
 
-    try:
-        if backend == "local" and capture is None and facts is not None:
-            # this node, discovered live and measured on: its facts recorded (as `profile` and the daemon do), so the
-            # runtime's read-only fallback knows the node and serves the profiles measured here (a placeholder
-            # fingerprint without facts identifies no node: `query` fell back to the defaults)
-            store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
-        with sigterm_interrupts():
+    from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt
+
+    # Ctrl-C, or SIGTERM raised as KeyboardInterrupt: the progress bar closed, one line, exit 130 / 143. The `except`s
+    # are inside it, so none of them takes its typer.Exit (a RuntimeError) for a failure of the tune
+    with ends_cleanly_on_interrupt(lambda: "the study is saved; run the same command again to resume", err):
+        try:
+            if backend == "local" and capture is None and facts is not None:
+                # this node, discovered live and measured on: its facts recorded (as `profile` and the daemon do),
+                # so the runtime's read-only fallback knows the node and serves the profiles measured here (a
+                # placeholder fingerprint without facts identifies no node: `query` fell back to the defaults)
+                store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
             results = tune_profiles_detailed(
                 store, facts, models=shapes, tokens=toks, backend=backend, preset=preset, trials=trials,
                 timeout_s=timeout, ep_size=ep_size or (local_opts.get("world") if backend == "local" else None),
                 nodes=nodes, progress=bar, storage=storage, seed=seed, families=family or None,
                 policy_override=policy, routing=routing, local_options=local_opts, node_model=node_model,
                 on_trial=count)
-    except StoreError as e:  # before `ValueError/OSError`: the profile database, not the tune, failed
-        _fail(_store_failed(e, store, url, ran[0]), e.exit_code)
-    except (ValueError, OSError) as e:
-        _fail(str(e))
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`sigterm_interrupts`)
-        err.print(f"[yellow]{interrupted_by(e)}: the study is saved; run the same command again to resume[/yellow]")
-        raise typer.Exit(interrupted_exit(e)) from None
-    except Exception as e:
-        from sqlite3 import Error as SqliteError
+        except StoreError as e:  # before `ValueError/OSError`: the profile database, not the tune, failed
+            _fail(_store_failed(e, store, url, ran[0]), e.exit_code)
+        except (ValueError, OSError) as e:
+            _fail(str(e))
+        except Exception as e:
+            from sqlite3 import Error as SqliteError
 
-        import optuna
-        from sqlalchemy.exc import SQLAlchemyError
+            import optuna
+            from sqlalchemy.exc import SQLAlchemyError
 
-        if isinstance(e, SQLAlchemyError | SqliteError):  # the study storage failed while tuning
-            _storage_failed(url, storage is not None, e)
-        cause = e.__cause__ or e.__context__  # Optuna's StorageInternalError wraps SQLite's "readonly", "locked"
-        if isinstance(e, optuna.exceptions.OptunaError) and isinstance(cause, SQLAlchemyError | SqliteError):
-            problem = _storage_problem(url, cause)
-            if problem[0]:
-                _storage_failed(url, storage is not None, cause, problem)
-        if isinstance(e, optuna.exceptions.OptunaError):  # e.g. a trial another process finished meanwhile
-            _fail(f"the tune stopped on an Optuna error ({type(e).__name__}: {e}); the finished trials are kept in "
-                  f"{_redact(url)}: run the same command again to resume")
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
+            if isinstance(e, SQLAlchemyError | SqliteError):  # the study storage failed while tuning
+                _storage_failed(url, storage is not None, e)
+            cause = e.__cause__ or e.__context__  # Optuna's StorageInternalError wraps SQLite's "readonly", "locked"
+            if isinstance(e, optuna.exceptions.OptunaError) and isinstance(cause, SQLAlchemyError | SqliteError):
+                problem = _storage_problem(url, cause)
+                if problem[0]:
+                    _storage_failed(url, storage is not None, cause, problem)
+            if isinstance(e, optuna.exceptions.OptunaError):  # e.g. a trial another process finished meanwhile
+                _fail(f"the tune stopped on an Optuna error ({type(e).__name__}: {e}); the finished trials are kept "
+                      f"in {_redact(url)}: run the same command again to resume")
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
     scale = _scale_note(backend, preset, results)
     rows = []
     for r in results:
