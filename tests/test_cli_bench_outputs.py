@@ -550,3 +550,37 @@ def test_an_interrupted_benchmark_says_nothing_was_printed(monkeypatch: pytest.M
     if command != "ep":  # --json: the report is the one not printed
         r = _run("bench", command, *args, "--json", width=200)
         assert r.exit_code == 143 and "no JSON report printed" in r.stderr and r.stdout == "", r.output
+
+
+def _ep_report(roundtrip_rel_err: float) -> dict[str, Any]:
+    """What `bench ep`'s rank 0 reports (tuner/measure/ep.py bench_case), its round trip's error as given."""
+    q = {"median": 50.0, "p10": 49.0, "p90": 52.0}
+    return {"dispatch_us": q, "combine_us": q, "roundtrip_us": q, "layer_us": None, "dispatch_host_us": q,
+            "combine_host_us": q, "roundtrip_host_us": q, "graph_roundtrip_us": None, "graph_error": None,
+            "graph_roundtrip_rel_err": None, "graph_pair_us": None, "graph_pair_error": None,
+            "graph_pair_rel_err": None, "max_rel_err": None, "roundtrip_rel_err": roundtrip_rel_err,
+            "roundtrip_bound": 0.03, "verify_bound": None, "impl": "moetune", "world": 2, "backend": "gloo",
+            "model": "custom", "tokens": 4, "routing": "uniform", "layout": "dense",
+            "knobs": {"transport": "collective", "compression": "none", "pipeline_depth": 1}}
+
+
+def test_bench_ep_fails_a_wrong_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench ep` checked only --verify's layer error: a round trip that moved nothing (relative error 1 against a
+    bound of 0.03) printed its timings and exited 0, where the tuner's trials and the ep scenario fail it
+    (outputs.ep_report_problem). Now it says why and exits 1; the table shows the round trip's error and bound."""
+    from moetune.runtime.testing import launch
+
+    got = [_ep_report(1.0)]
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: [got[0]])
+    args = ["bench", "ep", "--world", "2", "--backend", "gloo", "--model", TINY_MODEL, "--tokens", "4", "--iters", "1"]
+    r = _run(*args, width=200)
+    assert r.exit_code == 1, r.output
+    assert "FAILED: wrong output: the round trip (dispatch, identity experts, combine): relative error 1 exceeds its " \
+           "bound 0.03; its timings are no measurement" in " ".join(r.stderr.split()), r.stderr
+    assert "round trip: max relative error 1 (bound 0.03)" in r.stdout, r.stdout
+    r = _run(*args, "--json", width=200)
+    assert r.exit_code == 1 and json.loads(r.stdout)["roundtrip_rel_err"] == 1.0 and "wrong output" in r.stderr
+    got[0] = _ep_report(0.001)
+    r = _run(*args, width=200)
+    assert r.exit_code == 0 and "round trip: max relative error 0.001 (bound 0.03)" in r.stdout, r.output
+    assert "FAILED" not in r.output

@@ -224,13 +224,17 @@ def ep(
             _fail(f"benchmark failed on {len(e.errors)} rank(s); rank {first[0]}: {first[1].splitlines()[0]}")
     assert rep is not None
     rep = bench_ep.finish_report(rep, verify)
-    ok = rep.get("verify_ok", True)
+    from moetune.tuner.measure.outputs import ep_report_problem
+
+    # the round trip (and its CUDA-graph replays, and with --verify the layer) checked against its bound, as the
+    # tuner's trials and the ep scenario check it: a run whose output was wrong is no measurement
+    wrong = ep_report_problem(rep)
     if as_json:
         typer.echo(json.dumps(rep))
     else:
         _print_table(rep)
-    if not ok:
-        _err.print(f"[red]verify FAILED:[/red] max relative error {rep['max_rel_err']:.3g} > bound {rep['verify_bound']:.3g}")
+    if wrong is not None:
+        _err.print(f"[red]FAILED:[/red] {escape(wrong)}; its timings are no measurement")
         raise typer.Exit(1)
 
 
@@ -292,9 +296,17 @@ def _print_table(rep: dict) -> None:
         c.print(f"[yellow]CUDA graph:[/yellow] {rep['graph_error']}")
     if rep.get("profile"):
         c.print(rep["profile"], markup=False, highlight=False)
-    if rep.get("max_rel_err") is not None:
-        colour = "green" if rep.get("verify_ok", True) else "red"
-        c.print(f"verify: max relative error [{colour}]{rep['max_rel_err']:.3g}[/{colour}] (bound {rep['verify_bound']:.3g})")
+    from moetune.tuner.measure.outputs import rel_err_problem
+
+    # each output checked (outputs.ep_report_problem): its relative error beside its bound
+    for err_key, bound_key, label in (("roundtrip_rel_err", "roundtrip_bound", "round trip"),
+                                      ("graph_roundtrip_rel_err", "roundtrip_bound", "round trip (CUDA graph)"),
+                                      ("graph_pair_rel_err", "roundtrip_bound", "dispatch + combine (CUDA graph)"),
+                                      ("max_rel_err", "verify_bound", "verify")):
+        err, bound = rep.get(err_key), rep.get(bound_key)
+        if isinstance(err, int | float) and isinstance(bound, int | float):
+            colour = "red" if rel_err_problem(float(err), float(bound), label) else "green"
+            c.print(f"{label}: max relative error [{colour}]{err:.3g}[/{colour}] (bound {bound:.3g})")
 
 
 # -- named scenarios (bench/scenarios/*.toml; tuner/measure/scenarios.py) -------------------------------------
