@@ -230,3 +230,30 @@ def test_a_bring_up_of_another_nodes_capture_leaves_this_nodes_seen_fingerprint_
     r = runner.invoke(app, ["profile", "--quick", "--capture", str(cap), "--db", str(db), "--report-dir", str(mine2),
                             "--json"], env=env)
     assert r.exit_code == 0 and json.loads(r.stdout)["report"] == str(mine2 / "report.md"), r.output
+
+
+def test_a_report_of_another_nodes_capture_leaves_this_nodes_report(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`moetune report --capture` of another node replaced this node's report/ beside the database with that node's
+    report. Now it follows `profile`'s rule: report-<its fingerprint>/; a capture of this node still writes report/,
+    and an explicit --out is used as given."""
+    _live_is(monkeypatch, CAPTURES / "cpu-laptop")
+    db = tmp_path / "p.db"
+    F.open_store(db).close()
+    mine = tmp_path / "report"
+    mine.mkdir()
+    (mine / "report.md").write_text("# moetune bring-up report\n\nthis node's\n")
+    cap = CAPTURES / "dgx-h100"
+    other = discovery.discover(cap).fingerprint
+    env = {"MOETUNE_HOME": str(tmp_path), "COLUMNS": "400"}
+    r = CliRunner().invoke(app, ["report", "--db", str(db), "--capture", str(cap)], env=env)
+    assert r.exit_code == 0, r.output
+    assert f"report: {tmp_path / f'report-{other}' / 'report.md'}" in r.output, r.output
+    assert (mine / "report.md").read_text().endswith("this node's\n")
+    assert other in (tmp_path / f"report-{other}" / "report.md").read_text()
+    r = CliRunner().invoke(app, ["report", "--db", str(db), "--capture", str(CAPTURES / "cpu-laptop")], env=env)
+    assert r.exit_code == 0 and f"report: {mine / 'report.md'}" in r.output, r.output
+    assert not (mine / "report.md").read_text().endswith("this node's\n")
+    out = tmp_path / "given"
+    r = CliRunner().invoke(app, ["report", "--db", str(db), "--capture", str(cap), "--out", str(out)], env=env)
+    assert r.exit_code == 0 and (out / "report.md").is_file(), r.output

@@ -104,6 +104,10 @@ def _write_latency(out_dir: Path) -> Path:
 
 def test_report_default_folder_holding_a_report_md_not_ours_writes_beside_the_current_folder(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # run as on the node the capture describes: its report's default folder is report/ (another node's would be
+    # report-<fingerprint>/)
+    facts = discovery.discover(CAPTURES / "dgx-h100")
+    monkeypatch.setattr(discovery, "live_facts", lambda timeout_s=1.5: facts)
     db = _db(tmp_path)
     (tmp_path / "report").mkdir()
     (tmp_path / "report" / "report.md").write_text(NOTES)

@@ -44,8 +44,12 @@ def shared_db(tmp_path: Path, *, give_away: bool = True) -> Path:
 
 
 def report(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """`moetune report` run from `cwd`, without root's override of file permissions."""
-    cmd = [*DROP, sys.executable, "-c", "from moetune.tuner.cli import main; main()", "report",
+    """`moetune report` run from `cwd`, without root's override of file permissions, as on the node the capture
+    describes (live discovery answers its facts): its default folder is report/, not another node's
+    report-<fingerprint>/."""
+    on_node = ("from pathlib import Path; from moetune.tuner.fabric import discovery as d; "
+               f"f = d.discover(Path({str(CAPTURE)!r})); d.live_facts = lambda timeout_s=1.5: f; ")
+    cmd = [*DROP, sys.executable, "-c", on_node + "from moetune.tuner.cli import main; main()", "report",
            "--capture", str(CAPTURE), *args]
     env = {**os.environ, "MOETUNE_HOME": str(cwd / "home"), "MOETUNE_CONFIG": "", "COLUMNS": "200"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=cwd, env=env)

@@ -55,18 +55,20 @@ def _check_out_dir(path: Path, option: str) -> None:
 CWD_REPORT = "moetune-report"
 
 
-def _default_report_dir(db_path: Path) -> Path:
+def _default_report_dir(db_path: Path, other_node: str = "") -> Path:
     """report/ beside the database; when that cannot be written (a database the user may read but not write, as
     /var/lib/moetune owned by the daemon's user), ./moetune-report/ with a note saying why; else exit 2 naming
-    both and --out."""
-    beside = db_path.parent / "report"
+    both and --out. `other_node`: the fingerprint of the node a capture of another node describes, whose report
+    is never this node's report/ (the rule `profile` follows): report-<fingerprint>/, ./moetune-report-<fingerprint>/."""
+    suffix = f"-{other_node}" if other_node else ""
+    beside = db_path.parent / f"report{suffix}"
     problem = _out_dir_problem(beside)
     if problem is None:
         return beside
     try:
-        fallback = Path.cwd() / CWD_REPORT
+        fallback = Path.cwd() / f"{CWD_REPORT}{suffix}"
     except OSError:  # the current directory was removed
-        fallback, why = Path(CWD_REPORT), "the current directory no longer exists"
+        fallback, why = Path(f"{CWD_REPORT}{suffix}"), "the current directory no longer exists"
     else:
         why = _out_dir_problem(fallback)
     if why is not None:
@@ -292,13 +294,13 @@ def _no_cuda_for_nccl(flow: object, capture: Path | None) -> str:
 def report(
     db: Path | None = typer.Option(None, "--db", help="Profile database (default: \\[store] db, $MOETUNE_HOME, XDG data dir)."),
     config: Path | None = typer.Option(None, "--config", help="Extra config file."),
-    out: Path | None = typer.Option(None, "--out", help="Output directory (default: report/ beside the database; ./moetune-report/ when that cannot be written or holds a report.md moetune did not write). A report.md or plot there that moetune did not write is never replaced: refused."),
+    out: Path | None = typer.Option(None, "--out", help="Output directory (default: report/ beside the database, report-<fingerprint>/ for a --capture of another node; ./moetune-report/ (-<fingerprint>) when that cannot be written or holds a report.md moetune did not write). A report.md or plot there that moetune did not write is never replaced: refused."),
     capture: Path | None = typer.Option(None, "--capture", help="Report on the node a capture describes."),
 ) -> None:
     """Write the bring-up report (Markdown + PNG plots) of this node from the database."""
     from moetune.tuner.bringup.flow import report_from_store
     from moetune.tuner.bringup.report import NotOurReport
-    from moetune.tuner.fabric.discovery import DiscoveryError, discover
+    from moetune.tuner.fabric.discovery import DiscoveryError, capture_not_this_node, discover
 
     console = Console()
     if out is not None:
@@ -308,7 +310,10 @@ def report(
         facts = discover(capture)
     except DiscoveryError as e:
         _fail(str(e))
-    dest = out or _default_report_dir(Path(store.path))
+    # a capture of another node: its report goes to report-<its fingerprint>/, never over this node's report/ (as
+    # `profile --capture` of another node does); an explicit --out is the caller's choice
+    other = capture_not_this_node(facts, capture) if capture is not None and out is None else ""
+    dest = out or _default_report_dir(Path(store.path), facts.fingerprint if other else "")
     try:
         path = report_from_store(store, facts, dest)
     except NotOurReport as e:  # a plot file of the user's (or a report.md put there meanwhile): nothing replaced
