@@ -161,10 +161,3 @@ def expert_ids_problem(topk_idx: torch.Tensor, experts: int, *, distinct: bool =
         return (f"topk_idx row {t} picks expert {e} more than once ({picks}){more}: a token's picks must be distinct "
                 f"experts (an expert takes at most one row per token)")
     return None
-    if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    lo_v, hi_v = torch.stack(torch.aminmax(topk_idx)).tolist()  # one sync for both
-    if lo_v < 0 or hi_v >= experts:
-        bad = int(((topk_idx < 0) | (topk_idx >= experts)).sum())
-        return f"topk_idx holds expert ids out of range [0, {experts}): {bad} bad ids (min {lo_v}, max {hi_v})"
-    return None
