@@ -26,7 +26,9 @@ enum {
   MK_CTL_WORDS = 8
 };
 
-// err[] (int64): sticky until the host clears it. err[0] = code.
+// err[] (int64): sticky until the host clears it. err[0] = code. The first error wins, except that an error that aborts
+// the launch replaces MK_ERR_NONFINITE_LOGITS, the one recorded without the abort (whose "the other rows were computed"
+// an abort makes false); the other words are always those of the code in err[0].
 enum {
   MK_OK = 0,
   MK_ERR_SCHED_TIMEOUT = 1,  // the scheduler waited past the timeout for a task's inputs
