@@ -1,7 +1,8 @@
 """CPU tests of the routing kernels' top-k order (runtime/megakernel/topk.py models csrc/megakernel/mk_moe.cu's
 warp_topk and k_topk_small): finite probabilities pick exactly what the float compares picked (ties: the lower expert);
-NaN probabilities (any NaN / +-inf logit) still give K distinct experts in 0..E-1, and the launch records the error
-code the layer names. The GPU side: tests/test_megakernel_gpu.py test_nonfinite_logits_*."""
+NaN probabilities (a NaN or +inf logit, or all -inf) still give K distinct experts in 0..E-1, and the launch records
+the error code the layer names; -inf among finite logits routes as usual and records nothing. The GPU side:
+tests/test_megakernel_gpu.py test_nonfinite_logits_*."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from moetune.runtime.megakernel import topk
 
 NAN, INF = math.nan, math.inf
 SHAPES = [(16, 4), (40, 6), (64, 8), (128, 8), (128, 16), (256, 8), (512, 16), (1, 1), (33, 33)]
+
+
+def _by_compares(p: list[float], k: int) -> list[int]:
+    """warp_topk before the key: float compares, a lane's best starting at -2, lanes past E holding -1."""
+    return topk.select_warp(p, k, key=float, pad=-1.0, none=-2.0)
 
 
 def _probs(rng: random.Random, e: int, mode: str) -> list[float]:
@@ -39,18 +45,18 @@ def test_finite_picks_are_the_float_compares(e, k, mode):
     rng = random.Random(e * 1000 + k)
     for _ in range(20):
         p = _probs(rng, e, mode)
-        want = topk.select_by_compares(p, k)
+        want = _by_compares(p, k)
         assert topk.select_warp(p, k) == want == topk.select_rank(p, k) == topk.select(p, k)
         assert len(set(want)) == k and all(0 <= x < e for x in want)
 
 
 @pytest.mark.parametrize(("e", "k"), SHAPES)
 def test_nan_probabilities_still_pick_k_distinct_experts(e, k):
-    """All NaN (what any NaN / inf logit makes of a token): experts 0..K-1 in order; before, out of range (the
+    """All NaN (what a NaN or +inf logit, or all -inf, makes of a token): experts 0..K-1 in order; before, out of range (the
     sentinel 1 << 30 where E is a multiple of 32, else the padding lanes past E). Mixed (never made by the softmax,
     the key orders it anyway): every number before every NaN, ties by index; never an expert past E."""
     assert topk.select_warp([NAN] * e, k) == list(range(k)) == topk.select_rank([NAN] * e, k)
-    old = topk.select_by_compares([NAN] * e, k)
+    old = _by_compares([NAN] * e, k)
     assert all(x >= e for x in old), old  # the out-of-range picks the kernels wrote at
     rng = random.Random(e + k)
     for _ in range(20):
@@ -78,8 +84,9 @@ def test_key_order():
 @pytest.mark.parametrize("e", [16, 40, 128])
 def test_route_row_of_non_finite_logits(e):
     """Whole tokens: any NaN / +inf logit, or all -inf, gives experts 0..K-1 with NaN weights and names the lowest
-    non-finite expert; -inf among finite logits is named too, but its token routes as usual (those experts get 0);
-    all-equal finite logits pick 0..K-1 with weights 1/K."""
+    non-finite expert (a -inf beside a NaN included); -inf among finite logits routes as usual (those experts get 0)
+    and is not named (before it was: error 8 for a launch whose outputs were all right); all-equal finite logits pick
+    0..K-1 with weights 1/K."""
     k = 4
     rng = random.Random(e)
     base = [rng.gauss(0, 1) for _ in range(e)]
@@ -88,17 +95,24 @@ def test_route_row_of_non_finite_logits(e):
         row[bad] = val
         row[bad + 1 if bad + 1 < e else 0] = val if val != -INF else row[bad + 1]
         idx, w, where = topk.route_row(row, k)
-        assert where == min(i for i, x in enumerate(row) if not math.isfinite(x))
         assert len(set(idx)) == k and all(0 <= x < e for x in idx)
         if val == -INF:
+            assert where == -1
             assert idx == topk.route_row([x if math.isfinite(x) else -1e30 for x in row], k)[0]
             assert all(math.isfinite(x) for x in w) and abs(sum(w) - 1) < 1e-6
         else:
+            assert where == min(i for i, x in enumerate(row) if not math.isfinite(x))
             assert idx == list(range(k)) and all(math.isnan(x) for x in w)
+    masked = list(base)  # -inf below a NaN: the token is broken, the lowest non-finite expert is the -inf one
+    masked[1], masked[4] = -INF, NAN
+    idx, w, where = topk.route_row(masked, k)
+    assert (idx, where) == (list(range(k)), 1) and all(math.isnan(x) for x in w)
+    masked[4] = INF
+    assert topk.route_row(masked, k)[2] == 1
     idx, w, where = topk.route_row([-INF] * e, k)
     assert (idx, where) == (list(range(k)), 0) and all(math.isnan(x) for x in w)
     idx, w, where = topk.route_row([-INF] * (e - 1) + [2.0], k)  # one finite: it, then the zeros by index
-    assert idx == [e - 1, 0, 1, 2] and w == [1.0, 0.0, 0.0, 0.0] and where == 0
+    assert idx == [e - 1, 0, 1, 2] and w == [1.0, 0.0, 0.0, 0.0] and where == -1
     idx, w, where = topk.route_row([0.75] * e, k)
     assert (idx, where) == (list(range(k)), -1) and w == [0.25] * k
 
@@ -135,11 +149,16 @@ def test_kernel_source_mirrors_the_model():
     codes = [int(c) for c in re.findall(r"MK_ERR_\w+ = (\d+),", hdr)]
     assert codes == list(range(1, topk.ERR_NONFINITE_LOGITS + 1)) and set(ERR_NAMES) == set(codes)
     # recorded without the abort (the other rows are computed); k_topk, k_route and the decode kernel by warp_topk's
-    # `bad`, k_topk_small from its own softmax warp
+    # `bad`, k_topk_small from its own softmax warp, both broken_softmax's: only where the sum is NaN
     assert "if (bad >= 0) record(p, MK_ERR_NONFINITE_LOGITS, t, bad, 0);" in src
-    assert src.count("note_nonfinite(p, t, bad);") == 2 and "note_nonfinite(p, t, (int)nf);" in src
+    assert "return nf != NO_BAD && isnan(s) ? (int)nf : -1;" in src
+    assert src.count("note_nonfinite(p, t, bad);") == 2 and "note_nonfinite(p, t, broken_softmax(nf, sum));" in src
     assert "note_nonfinite(p, t, bad);" in dec
+    warp = src[src.index("__device__ __forceinline__ void warp_topk("):src.index("void append_pick(")]
+    assert warp.count("bad =") == 1 and warp.index("s += __shfl_xor_sync") < warp.index("bad = broken_softmax(nf, s);")
+    small = src[src.index("void __launch_bounds__(SMALL_THREADS) k_topk_small("):src.index("// ---- Routing as one")]
+    assert small.index("sum += __shfl_xor_sync") < small.index("broken_softmax(nf, sum)")
+    assert small.count("note_nonfinite(") == 1
     append = src[src.index("void append_row("):src.index("void note_nonfinite(")]  # append_pick goes through it
     assert "e < 0 || e >= p.E" in append and "pos >= p.S_cap" in append and "append_row(p, row, e);" in append
-    small = src[src.index("void __launch_bounds__(SMALL_THREADS) k_topk_small("):src.index("// ---- Routing as one")]
     assert "append_pick(p, t * K + tid" in small and "p.lists[" not in small

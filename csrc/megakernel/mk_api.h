@@ -40,11 +40,12 @@ enum {
   MK_ERR_INPUT_TIMEOUT = 6,  // publish_all: a task waited past the timeout for its inputs (where = m-tile / combine tile)
   MK_ERR_EXPERT_FULL = 7,    // a given routing gave one expert more rows than S_cap (a token's picks repeat an
                              // expert; where = the row, detail = the expert): the rows past S_cap are dropped
-  MK_ERR_NONFINITE_LOGITS = 8,  // a token's gate logits are not all finite (NaN / inf in x or the gate weights;
-                                // where = the token row, detail = its lowest such expert). Recorded without the
-                                // abort: its picks are still K distinct experts (experts 0..K-1 where NaN / +inf
-                                // make its probabilities NaN), its output row is what the math gives (NaN then),
-                                // and the other rows are computed as usual
+  MK_ERR_NONFINITE_LOGITS = 8,  // a token's softmax broke: a NaN or +inf gate logit, or all of them -inf (NaN / inf
+                                // in x or the gate weights; where = the token row, detail = its lowest expert whose
+                                // logit is not finite). Recorded without the abort: its picks are still K distinct
+                                // experts (0..K-1, NaN weights), its output row is NaN, and the other rows are
+                                // computed as usual. -inf logits among finite ones (masking) are no error: their
+                                // probabilities are 0 and the token routes as usual
   MK_ERR_WORDS = 8           // words of err[]: [1] = where (slot or tile), [2] = detail, [3] = waited ns
 };
 

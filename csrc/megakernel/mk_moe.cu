@@ -2054,9 +2054,10 @@ __device__ __forceinline__ float ord_val(unsigned k) {
 }
 // The selection's total order on a probability: ord_key for a number; NAN_KEY, below every number and above PAD_KEY
 // (experts past E), for NaN. Probabilities are never negative or -0, so on numbers the order and its ties are the
-// float compare's: the picks of finite logits are the bits they were with `v > best` compares. Non-finite logits make
-// every probability of their token NaN (+inf: inf - inf; NaN: the sum; all -inf: -inf - -inf), and a NaN never
-// compared greater, so no expert was ever found and every pick was out of range: the sentinel 1 << 30 (append_pick
+// float compare's: the picks of finite logits are the bits they were with `v > best` compares. A NaN or +inf logit, or
+// all E of them -inf, make every probability of their token NaN (NaN: the sum; +inf: inf - inf; all -inf: -inf - -inf;
+// a -inf among finite logits, as masking leaves, is a probability of +0 and routes as usual), and a NaN never
+// compares greater, so no expert was ever found and every pick was out of range: the sentinel 1 << 30 (append_pick
 // then wrote the lists at 2^30 S_cap: an illegal address, the context lost; the decode kernel read weights past W),
 // or where E is not a multiple of 32 a padding lane's index past E (written past the lists). With NAN_KEY such a
 // token ties on every expert and takes the lowest K in order (NaN weights): K distinct experts in 0..E-1 whatever
@@ -2064,10 +2065,16 @@ __device__ __forceinline__ float ord_val(unsigned k) {
 constexpr unsigned NAN_KEY = 1u, PAD_KEY = 0u;
 __device__ __forceinline__ unsigned pick_key(float v) { return isnan(v) ? NAN_KEY : ord_key(v); }
 constexpr unsigned NO_BAD = 0x7fffffffu;  // a lane's (warp's) lowest expert with a non-finite logit: none
+// The token's `bad` from nf (the warp's lowest expert whose logit is NaN or +-inf, or NO_BAD) and s (its softmax sum):
+// nf where the softmax broke, else -1. It broke exactly where s is NaN: a NaN logit (NaN - m), a +inf one (m = +inf,
+// inf - inf) or all of them -inf (m = -inf, -inf - -inf), and then every probability is NaN; finite logits, with or
+// without -inf ones among them (masking: their probability is +0), give 1 <= s <= E. So a -inf among finite logits is
+// no error: its token routes and computes as usual.
+__device__ __forceinline__ int broken_softmax(unsigned nf, float s) { return nf != NO_BAD && isnan(s) ? (int)nf : -1; }
 // One warp's softmax (fp32), top-k (ties: lower expert first) and renormalisation of the E logits at lg (shared
-// memory): lane j < K gets pick j (expert, weight); `bad` (every lane) is the lowest expert whose logit is NaN or
-// +-inf, else -1 (the caller records MK_ERR_NONFINITE_LOGITS). k_topk, k_route and the decode kernel's routing
-// share it.
+// memory): lane j < K gets pick j (expert, weight); `bad` (every lane) is broken_softmax's: where the token's
+// probabilities are NaN, its lowest expert whose logit is not finite, else -1 (the caller records
+// MK_ERR_NONFINITE_LOGITS). k_topk, k_route and the decode kernel's routing share it.
 template <int NI>
 __device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lane, int& pick_e, float& pick_w,
                                           int& bad) {
@@ -2082,7 +2089,6 @@ __device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lan
     m = fmaxf(m, v[i]);
   }
   nf = __reduce_min_sync(~0u, nf);
-  bad = nf == NO_BAD ? -1 : (int)nf;
 #pragma unroll
   for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
   float s = 0.f;
@@ -2093,6 +2099,7 @@ __device__ __forceinline__ void warp_topk(const float* lg, int E, int K, int lan
   }
 #pragma unroll
   for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(~0u, s, o);
+  bad = broken_softmax(nf, s);  // s is the same on every lane (the xor butterfly)
   unsigned key[NI];
 #pragma unroll
   for (int i = 0; i < NI; ++i) key[i] = lane + 32 * i < E ? pick_key(v[i] / s) : PAD_KEY;
@@ -2147,8 +2154,8 @@ __device__ __forceinline__ void append_pick(const MkParams& p, int row, int e, f
   p.topk_w[row] = w;
   append_row(p, row, e);
 }
-// A token whose gate logits are not all finite (bad = its lowest such expert, from warp_topk): recorded, not aborted
-// (its picks are valid; its output row is NaN, the others are computed).
+// A token whose softmax broke (bad = broken_softmax's: its lowest expert with a non-finite logit): recorded, not
+// aborted (its picks are valid; its output row is NaN, the others are computed).
 __device__ __forceinline__ void note_nonfinite(const MkParams& p, int t, int bad) {
   if (bad >= 0) record(p, MK_ERR_NONFINITE_LOGITS, t, bad, 0);
 }
@@ -2289,7 +2296,6 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
       }
     }
     nf = __reduce_min_sync(~0u, nf);
-    if (lane == 0 && nf != NO_BAD) note_nonfinite(p, t, (int)nf);
 #pragma unroll
     for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
     float sum = 0.f;
@@ -2301,7 +2307,10 @@ __global__ void __launch_bounds__(SMALL_THREADS) k_topk_small(const MkParams p, 
     }
 #pragma unroll
     for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(~0u, sum, o);
-    if (lane == 0) s_s = sum;
+    if (lane == 0) {
+      s_s = sum;
+      note_nonfinite(p, t, broken_softmax(nf, sum));  // as warp_topk: a -inf among finite logits is no error
+    }
   }
   __syncthreads();
   const float denom_all = s_s;

@@ -33,9 +33,10 @@ ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor
              6: "a task timed out waiting for its inputs (publish_all)",
              7: "an expert got more rows than tokens: a token's given picks repeat an expert (rows past max_tokens "
                 "dropped)",
-             8: "non-finite gate logits (NaN/inf in x or the gate weights): routing of token row `where` (a token "
-                "that has them; detail = its lowest such expert) still picked topk distinct experts, and its output "
-                "row is what the math gives (NaN); the other rows were computed"}
+             8: "non-finite gate logits (NaN/inf in x or the gate weights): token row `where` has a NaN or +inf "
+                "logit, or only -inf ones, so its softmax is NaN (detail = its lowest expert whose logit is not "
+                "finite); it still picked topk distinct experts (0..topk-1, NaN weights) and its output row is NaN; "
+                "the other rows were computed (-inf logits among finite ones are no error)"}
 CTL_TOTAL, CTL_ABORT, CTL_TILES, CTL_PUBLISHED = 1, 2, 5, 4
 # bytes: the kernels read x, the gate and the expert weights and write out with 16-byte accesses (uint4 loads and
 # stores, cp.async, TMA), which fault or read the wrong bytes at an address that is not a multiple of this

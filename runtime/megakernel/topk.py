@@ -4,11 +4,14 @@ A token's E gate logits: softmax in fp32, the K experts of the highest probabili
 pick order), their probabilities renormalised over the K picks. The kernels order probabilities by a total key
 (`pick_key`): a number's order-preserving fp32 bits, and NAN_KEY, below every number and above PAD_KEY (warp_topk's
 lanes past E), for NaN. Probabilities are never negative or -0, so on numbers the key's order and ties are the float
-compare's: finite logits pick what float compares picked (`select_by_compares`, the kernels before). NaN or +-inf
-logits make every probability of the token NaN (NaN: the sum; +inf: inf - inf; all -inf: -inf - -inf); NaN compared
-greater, so the compares found no expert and every pick was out of range (the sentinel 1 << 30, or a padding
-lane's index past E), which the kernels wrote and read at (an illegal address). With the key such a token takes experts 0..K-1 with NaN weights, and the launch
-records MK_ERR_NONFINITE_LOGITS (its lowest non-finite expert as the detail) without aborting.
+compare's: finite logits pick what float compares picked (the kernels before: `select_warp`'s `key=float`). A
+NaN or +inf logit, or all E of them -inf, make every probability of the token NaN (NaN: the sum; +inf: inf - inf;
+all -inf: -inf - -inf); a NaN never compares greater, so the compares found no expert and every pick was out of
+range (the sentinel 1 << 30, or a padding lane's index past E), which the kernels wrote and read at (an illegal
+address). With the key such a token takes experts 0..K-1 with NaN weights, and the launch records
+MK_ERR_NONFINITE_LOGITS (its lowest expert whose logit is not finite as the detail) without aborting. A -inf logit
+among finite ones (what masking leaves) is a probability of +0: the token routes as usual and nothing is recorded
+(`broken_softmax`: the sum is NaN exactly where the softmax broke).
 
 `select_warp` follows warp_topk (32 lanes, a lane's best unpicked key, the warp's max key then min index per round),
 `select_rank` k_topk_small (each expert's rank against all E), `select` is the sort both must equal. `route_row` runs
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 ERR_NONFINITE_LOGITS = 8  # MK_ERR_NONFINITE_LOGITS (mk_api.h)
 NAN_KEY, PAD_KEY = 1, 0   # mk_moe.cu pick_key's NaN, warp_topk's lanes past E
@@ -62,20 +66,25 @@ def select(probs: Sequence[float], k: int) -> list[int]:
     return sorted(range(len(probs)), key=lambda e: (-pick_key(probs[e]), e))[:k]
 
 
-def select_warp(probs: Sequence[float], k: int) -> list[int]:
+def select_warp(probs: Sequence[float], k: int, key: Callable[[float], Any] = pick_key, pad: Any = PAD_KEY,
+                none: Any = PAD_KEY) -> list[int]:
     """warp_topk's rounds: lane l holds experts l, l + 32, ..; each keeps its best unpicked (key, lowest expert); a
-    round takes the warp's max key and, among lanes at it, the lowest expert; the winner's lane rescans."""
+    round takes the warp's max key and, among lanes at it, the lowest expert; the winner's lane rescans.
+
+    `key`, `pad` (a lane's value past E) and `none` (a lane's best before any expert beat it) are the kernel's:
+    pick_key, PAD_KEY, PAD_KEY. `key=float, pad=-1.0, none=-2.0` is warp_topk before the key (float compares): the
+    order finite probabilities must keep; NaN probabilities never compare greater, so its picks are then experts past
+    E (a padding lane's, E not a multiple of 32) or the sentinel 1 << 30: out of range either way."""
     e_n = len(probs)
     ni = max(1, (e_n + 31) // 32)
-    key = [[pick_key(probs[lane + 32 * i]) if lane + 32 * i < e_n else PAD_KEY for i in range(ni)]
-           for lane in range(32)]
+    keys = [[key(probs[lane + 32 * i]) if lane + 32 * i < e_n else pad for i in range(ni)] for lane in range(32)]
     taken = [[False] * ni for _ in range(32)]
 
-    def best(lane: int) -> tuple[int, int]:
-        lk, li = PAD_KEY, SENTINEL
+    def best(lane: int) -> tuple[Any, int]:
+        lk, li = none, SENTINEL
         for i in range(ni):
-            if not taken[lane][i] and key[lane][i] > lk:
-                lk, li = key[lane][i], lane + 32 * i
+            if not taken[lane][i] and keys[lane][i] > lk:
+                lk, li = keys[lane][i], lane + 32 * i
         return lk, li
 
     lanes = [best(lane) for lane in range(32)]
@@ -104,34 +113,6 @@ def select_rank(probs: Sequence[float], k: int) -> list[int]:
     return [s for s in slots if s is not None]
 
 
-def select_by_compares(probs: Sequence[float], k: int) -> list[int]:
-    """warp_topk before the key (float compares: a lane's best starts at -2, lanes past E hold -1): the order finite
-    probabilities must keep. NaN probabilities never compare greater, so their picks are experts past E (the lanes'
-    padding, E not a multiple of 32) or the sentinel 1 << 30: out of range either way."""
-    e_n = len(probs)
-    ni = max(1, (e_n + 31) // 32)
-    v = [[probs[lane + 32 * i] if lane + 32 * i < e_n else -1.0 for i in range(ni)] for lane in range(32)]
-    taken = [[False] * ni for _ in range(32)]
-
-    def best(lane: int) -> tuple[float, int]:
-        lv, li = -2.0, SENTINEL
-        for i in range(ni):
-            if not taken[lane][i] and v[lane][i] > lv:
-                lv, li = v[lane][i], lane + 32 * i
-        return lv, li
-
-    lanes = [best(lane) for lane in range(32)]
-    picks = []
-    for _ in range(k):
-        kmax = max(ord_key(lv) for lv, _ in lanes)
-        bi = min(li if ord_key(lv) == kmax else 0x7FFFFFFF for lv, li in lanes)
-        if bi >> 5 < ni:  # the kernel's taken |= 1 << (bi >> 5) (past NI: undefined there, nothing here)
-            taken[bi & 31][bi >> 5] = True
-            lanes[bi & 31] = best(bi & 31)
-        picks.append(bi)
-    return picks
-
-
 def _fmaxf(a: float, b: float) -> float:
     return b if math.isnan(a) else a if math.isnan(b) else max(a, b)
 
@@ -143,10 +124,11 @@ def _exp_minus(x: float, m: float) -> float:
 
 
 def route_row(logits: Sequence[float], k: int) -> tuple[list[int], list[float], int]:
-    """One token as warp_topk routes it: (picks, weights, the lowest expert whose logit is not finite or -1)."""
+    """One token as warp_topk routes it: (picks, weights, bad): bad is broken_softmax's, where the token's softmax
+    sum is NaN (a NaN or +inf logit, or all -inf) its lowest expert whose logit is not finite, else -1."""
     lg = [f32(x) for x in logits]
     e_n = len(lg)
-    bad = next((e for e, x in enumerate(lg) if not math.isfinite(x)), -1)
+    nf = next((e for e, x in enumerate(lg) if not math.isfinite(x)), -1)
     m = -math.inf
     for x in lg:
         m = _fmaxf(m, x)
@@ -159,6 +141,7 @@ def route_row(logits: Sequence[float], k: int) -> tuple[list[int], list[float], 
         part = [f32(part[lane] + part[lane ^ o]) for lane in range(32)]
         o >>= 1
     s = part[0]
+    bad = nf if math.isnan(s) else -1  # finite logits, -inf among them or not, give 1 <= s <= E
     probs = [math.nan if math.isnan(x) or math.isnan(s) else f32(x / s) for x in v]  # s >= 1 unless NaN
     picks = select_warp(probs, k)
     vals = [probs[e] if e < e_n else math.nan for e in picks]  # the kernel's ord_val(key): the pick's probability
