@@ -326,7 +326,7 @@ def test_unchecked_repeats_reach_the_kernel(fake_launch) -> None:
     mk.forward_routed(x, idx, w, check_ids=False)
     assert [c["name"] for c in fake_launch.launches][-2:] == ["mk_route_given", "mk_experts"]
     mk.err[:4] = torch.tensor([7, 5, 0, 0])
-    with pytest.raises(mk_layer.MegakernelError, match=r"megakernel error 7: an expert got more rows than tokens: "
+    with pytest.raises(mk_layer.MegakernelError, match=r"megakernel error 7: an expert got more than max_tokens rows: "
                                                        r"a token's given picks repeat an expert .*where=5, detail=0"):
         mk.check()
 

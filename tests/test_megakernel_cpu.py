@@ -1443,3 +1443,26 @@ def test_an_aborting_error_replaces_a_nonfinite_record_whole():
     assert not re.search(r"\brecord\(", rep)  # an aborting error never takes the non-aborting path
     assert re.findall(r"\brecord\(p, (MK_ERR_\w+)", src) == ["MK_ERR_NONFINITE_LOGITS"]  # the one non-aborting code
     assert f"MK_ERR_NONFINITE_LOGITS = {NONFINITE}," in _header()
+
+
+def test_dropped_rows_say_the_launch_aborts():
+    """Codes 4 and 7 come from report(), which raises the abort flag: the rest of the launch gives up its waits and
+    none of its output rows is valid. Their texts said only that the row was dropped (7: "more rows than tokens",
+    where the bound is max_tokens, the lists' S_cap)."""
+    from moetune.runtime.megakernel import _lib
+    from moetune.runtime.megakernel.layer import ERR_NAMES, MegakernelMoE
+
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    append = src[src.index("void append_row("):src.index("__global__ void k_lists(")]
+    assert "report(p, MK_ERR_BAD_EXPERT, row, e, 0);" in append and "report(p, MK_ERR_EXPERT_FULL, row, e, 0);" in append
+    for code in (4, 7):
+        assert "the launch aborted: none of its output rows is valid" in ERR_NAMES[code]
+    assert ERR_NAMES[7].startswith("an expert got more than max_tokens rows")
+    hdr = re.sub(r"\s*//\s*", " ", _header())
+    assert "the row is dropped and the launch aborted" in hdr and "dropped and the launch aborted" in \
+        hdr[hdr.index("MK_ERR_EXPERT_FULL = 7"):hdr.index("MK_ERR_NONFINITE_LOGITS = 8")]
+    readme = " ".join((_lib.source_dir() / "README.md").read_text().split())
+    assert "records `MK_ERR_EXPERT_FULL` and aborts the launch" in readme
+    doc = " ".join((MegakernelMoE.forward_routed.__doc__ or "").split())
+    assert "aborts the launch, so none of that forward's output rows is valid" in doc
+    assert "more than max_tokens rows" in doc

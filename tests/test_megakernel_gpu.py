@@ -875,7 +875,8 @@ def test_repeated_expert_rows_past_the_list_are_dropped_and_reported(model, laye
     a CUDA graph, where the host check cannot run): every pick of 64 tokens names one expert, S * topk = 512 rows for
     a list of max_tokens = 64. Before: k_lists wrote rows 64.. past the expert's list (into the next experts' lists,
     past the buffer for the last expert) and the task graph read them. Now the rows past the list are dropped and
-    recorded (code 7), the count stops at max_tokens, the other lists are untouched, and the layer still computes."""
+    recorded (code 7) and that launch is aborted (its outputs are not checked: none is valid), the count stops at
+    max_tokens, the other lists are untouched, and the layer's later launches compute."""
     from moetune.runtime.megakernel import MegakernelConfig, MegakernelError, MegakernelMoE
 
     s, k, n_exp = 64, model.topk, model.experts
@@ -890,7 +891,7 @@ def test_repeated_expert_rows_past_the_list_are_dropped_and_reported(model, laye
         m.lists.fill_(-7)
         m.forward_routed(x, idx, w, check_ids=False)
         torch.cuda.synchronize()
-        with pytest.raises(MegakernelError, match="error 7: an expert got more rows than tokens"):
+        with pytest.raises(MegakernelError, match="error 7: an expert got more than max_tokens rows"):
             m.check()
         rec = m.error()
         assert rec is not None and rec[2][2] == e and 0 <= rec[2][1] < s * k  # detail = the expert, where = a row

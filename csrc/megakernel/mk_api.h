@@ -35,11 +35,12 @@ enum {
   MK_ERR_PROC_TIMEOUT = 2,   // a processor waited past the timeout for a queue slot
   MK_ERR_QUEUE_FULL = 3,     // more tasks than queue slots (a sizing bug; nothing written out of bounds)
   MK_ERR_BAD_EXPERT = 4,     // a given routing (or a routing kernel's pick: a bug) named an expert outside 0..E-1
-                             // (the row is dropped)
+                             // (the row is dropped and the launch aborted: none of its output rows is valid)
   MK_ERR_PIPE_TIMEOUT = 5,   // a stage mbarrier (wgmma core, TMA tiles) waited past the timeout
   MK_ERR_INPUT_TIMEOUT = 6,  // publish_all: a task waited past the timeout for its inputs (where = m-tile / combine tile)
-  MK_ERR_EXPERT_FULL = 7,    // a given routing gave one expert more rows than S_cap (a token's picks repeat an
-                             // expert; where = the row, detail = the expert): the rows past S_cap are dropped
+  MK_ERR_EXPERT_FULL = 7,    // a given routing gave one expert more rows than S_cap = max_tokens (a token's picks
+                             // repeat an expert; where = the row, detail = the expert): the rows past S_cap are
+                             // dropped and the launch aborted (none of its output rows is valid)
   MK_ERR_NONFINITE_LOGITS = 8,  // a token's softmax broke: a NaN or +inf gate logit, or all of them -inf (NaN / inf
                                 // in x or the gate weights; where = the token row, detail = its lowest expert whose
                                 // logit is not finite). Recorded without the abort: its picks are still K distinct

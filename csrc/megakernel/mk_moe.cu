@@ -1964,11 +1964,14 @@ __global__ void k_reset(const MkParams p) {
 // Given routing (topk_idx / topk_w already filled): build the per-expert row lists. An expert's list holds S_cap
 // rows, enough only while a token's picks are distinct experts (routing from the gate always is; given routing that
 // repeats an expert can give one expert up to S * K rows). A row past S_cap takes its increment back and is dropped
-// with MK_ERR_EXPERT_FULL: positions 0..S_cap-1 are still handed out once each (a thread sees pos < S_cap only
-// while no taken-back increment is pending), so once this kernel ends the count is exactly S_cap and the kernels
-// after it in the stream (they start only when it ends: it never triggers its dependents) read no more rows.
+// with MK_ERR_EXPERT_FULL, which aborts the launch like every report (the persistent kernel's waits give up: none of
+// its output rows is valid, but nothing is read or written out of bounds): positions 0..S_cap-1 are still handed
+// out once each (a thread sees pos < S_cap only while no taken-back increment is pending), so once this kernel ends
+// the count is exactly S_cap and the kernels after it in the stream (they start only when it ends: it never triggers
+// its dependents) read no more rows.
 // Append row `row` (= token * K + slot) to expert e's list: an expert id out of range is reported
-// (MK_ERR_BAD_EXPERT) and a row past S_cap given back and reported (MK_ERR_EXPERT_FULL), never written.
+// (MK_ERR_BAD_EXPERT) and a row past S_cap given back and reported (MK_ERR_EXPERT_FULL), never written; either report
+// aborts the launch.
 __device__ __forceinline__ void append_row(const MkParams& p, int row, int e) {
   if (e < 0 || e >= p.E) {
     report(p, MK_ERR_BAD_EXPERT, row, e, 0);

@@ -28,11 +28,13 @@ from .schedule import tile_end
 from .weights import from_tiled, to_tiled
 
 ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor timed out waiting for a queue slot",
-             3: "task queue too small", 4: "routing names an expert out of range",
+             3: "task queue too small",
+             4: "routing names an expert out of range (the row dropped, the launch aborted: none of its output rows "
+                "is valid)",
              5: "a wgmma stage barrier (shared-memory pipeline) timed out",
              6: "a task timed out waiting for its inputs (publish_all)",
-             7: "an expert got more rows than tokens: a token's given picks repeat an expert (rows past max_tokens "
-                "dropped)",
+             7: "an expert got more than max_tokens rows: a token's given picks repeat an expert (the rows past "
+                "max_tokens dropped, the launch aborted: none of its output rows is valid)",
              8: "non-finite gate logits (NaN/inf in x or the gate weights): token row `where` has a NaN or +inf "
                 "logit, or only -inf ones, so its softmax is NaN (detail = its lowest expert whose logit is not "
                 "finite); it still picked topk distinct experts (0..topk-1, NaN weights) and its output row is NaN; "
@@ -360,9 +362,10 @@ class MegakernelMoE:
 
         With `check_ids` the ids are checked on the host (one sync) except while a CUDA graph is being captured: each
         in range, and a token's ids distinct experts (an expert's row list holds max_tokens rows, one per token). An
-        id that gets through unchecked is caught by the kernel, which drops the row and records it (`check()` raises
-        it): code 4 out of range, code 7 a repeat that gave an expert more rows than max_tokens (nothing is written
-        past the lists). `check_ids=False`: the caller has checked them (MoELayer)."""
+        id that gets through unchecked is caught by the kernel, which drops the row, records it (`check()` raises
+        it) and aborts the launch, so none of that forward's output rows is valid: code 4 out of range, code 7 a
+        repeat that gave an expert more than max_tokens rows (nothing is written past the lists). `check_ids=False`:
+        the caller has checked them (MoELayer)."""
         s = self._check_x(x)
         why = routed_inputs_problem(s, self.model.topk, self.device, topk_idx, topk_weights)
         if why is None and check_ids:
