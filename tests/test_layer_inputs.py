@@ -318,8 +318,11 @@ def test_a_token_repeating_an_expert_is_refused_where_the_megakernel_runs(fake_m
 
 
 def test_unchecked_repeats_reach_the_kernel(fake_launch) -> None:
-    """check_ids=False (MoELayer's own check ran, or a CUDA graph is being captured): no host read; the kernel drops
-    the rows past an expert's list and records them (code 7, named for check())."""
+    """check_ids=False (MoELayer's own check ran, or a CUDA graph is being captured): the repeating picks are not
+    refused on the host, both launches (mk_route_given, mk_experts) are issued, and check() names a code-7 record and
+    its where / detail. The record is written here by the test (no kernel runs on the CPU); that the kernel drops the
+    rows past an expert's list, records code 7 and aborts is tests/test_megakernel_gpu.py
+    test_repeated_expert_rows_past_the_list_are_dropped_and_reported."""
     mk = _cpu_mk()
     x = _x(6)
     idx, w = _repeating(x)
