@@ -59,7 +59,29 @@ def test_stalled_slot_times_out_and_the_launch_ends(stall):
     p = dec.plan(tokens=1, topk=8, hidden=2048, intermediate=768, grid=132)
     sim = dec.simulate(p, seed=3, stall_slot=stall, timeout_polls=200)
     assert (sim.error, sim.error_slot) == (dec.ERR_INPUT_TIMEOUT, stall)
-    assert sim.rows_written == [1] * 2048  # every CTA still ends (the rows are garbage; the host sees the error)
+    assert sim.rows_written == [1] * 2048  # every CTA still ends (the host sees the error)
+    assert sim.aborted and sim.rows_nan == [1] * 2048 and sim.rows_stale == 0  # every CTA waits on the stalled slot
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_an_aborted_launch_writes_no_finite_row_over_missing_h(shape):
+    """A CTA whose logit wait gave up (decode = 2) stores no h (its picks are -1) but still signals its pairs; a CTA
+    that got every logit could see the counts complete and, before, sum the last launch's h into finite-looking rows
+    (only the failed CTA wrote NaN). The failed CTA raised or saw the abort before signalling, and every CTA now reads
+    the flag before its exit ticket: in any CTA order, no row is written finite unless every pair's h was computed."""
+    s, k, h, i, g = shape
+    p = dec.plan(tokens=s, topk=k, hidden=h, intermediate=i, grid=g)
+    working = [c for c in range(g) if p.pair_ranges[c][1] > p.pair_ranges[c][0]]
+    stale_before = 0
+    for seed in range(6):
+        fail = {working[(seed * 7) % len(working)]}
+        sim = dec.simulate(p, seed=seed, failed=fail, timeout_polls=50)
+        assert sim.aborted and sim.rows_written == [1] * h and sim.rows_stale == 0
+        assert all(sim.rows_nan[r] for c in fail for r in range(*p.row_blocks[c]))
+        stale_before += dec.simulate(p, seed=seed, failed=fail, timeout_polls=50, nan_if_aborted=False).rows_stale
+        sim = dec.simulate(p, seed=seed)  # no failure: nothing NaN
+        assert not sim.aborted and sim.rows_nan == [0] * h and sim.rows_stale == 0
+    assert stale_before > 0  # the kernel before: finite rows over h never computed
 
 
 def test_plan_rejects_bad_sizes():
@@ -175,16 +197,24 @@ def test_decode_abort_flag_is_the_launchs_own():
     assert "cnt[DEC_ABORT] = 0;" in last
     # every CTA's waits come before its ticket: the ones owning no rows take it after their pairs' signals
     assert body.index("if (nr == 0) ticket = atom_add_acq_rel(") > body.index("wait_logit(")
-    assert body.index("wait_count(p, cnt") < body.index("if (tid == 0) ticket = atom_add_acq_rel(")
+    assert body.index("wait_count(p, cnt") < body.index("      ticket = atom_add_acq_rel(")
 
 
 def test_failed_logit_wait_routes_nothing():
     """A CTA whose logit wait gave up (a timeout, or this launch aborted) routes nothing: its picks stay -1 (no top-k on
     logits never written, no weight read for them; block 0 leaves -1 in topk_idx), it stores no h for them, and its
-    output rows are written NaN (not computed), never a sum that looks like an output."""
+    output rows are written NaN (not computed), never a sum that looks like an output. It still signals its pairs, so
+    every CTA with rows reads the abort flag after its slot waits and before its exit ticket (the last ticket's CTA
+    lifts the flag) and writes its rows NaN where it is set (the model: test_an_aborted_launch_writes_no_finite_row_*)."""
     _, body = _kernel_src()
-    assert "if (v == 0) s_failed = 1;" in body and "failed = s_failed != 0;" in body
+    assert "if (v == 0) s_failed = 1;" in body and body.count("failed = s_failed != 0;") == 2
     assert body.index("if (v == 0) s_failed = 1;") < body.index("failed = s_failed != 0;")
+    waits = body.index("wait_count(p, cnt + DEC_STRIDE * tid")
+    read = body.index("if (*(volatile int32_t*)dab) s_failed = 1;")
+    ticket = body.index("ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);", waits)
+    final = body.rindex("failed = s_failed != 0;")
+    assert waits < body.index("__syncthreads();", waits) < read < ticket < final < body.index("bf16* out = (bf16*)p.out;")
+    assert body.index("__syncthreads();", ticket) < final  # the flag reaches every thread through a barrier
     assert "int e = -1, bad = -1;" in body and "if (!failed) warp_topk<NI>(" in body
     assert "if (lane < K && !failed && (e < 0 || e >= E)) {" in body
     assert "if (s_e[(int)((q0 + pr) / I)] < 0) continue;" in body

@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   extern __shared__ __align__(128) char smem[];
   __shared__ int s_e[DEC_MAX_SLOTS];
   __shared__ float s_w[DEC_MAX_SLOTS];
-  __shared__ int s_failed;  // a logit wait of this CTA gave up (decode = 2)
+  __shared__ int s_failed;  // a logit wait of this CTA gave up (decode = 2), or the launch was aborted by its ticket
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int S = (int)p.S, K = (int)p.K, H = (int)p.H, I = (int)p.I, E = (int)p.E, slots = S * K;
   const uint32_t bar = su32(smem);
@@ -238,7 +238,8 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   pdl_enter(p);  // x (and given picks) from the kernels before are visible from here
   MK_ONCE for (int v = tid; v < S * H / 8; v += DEC_THREADS) ((uint4*)xs)[v] = ((const uint4*)p.x)[v];
   __syncthreads();
-  bool failed = false;  // (CTA-uniform) no picks: every slot -1, nothing read or computed, the rows written NaN
+  bool failed = false;  // (CTA-uniform) no picks: every slot -1, nothing read or computed, the rows written NaN;
+                        // at the output, also set where the launch was aborted before this CTA's exit ticket
   if (p.decode == 2) {
     // 0. the logits, then the picks from all of them in every CTA
     MK_ONCE for (int l = l0 + warp; l < l1; l += DEC_WARPS) {
@@ -381,7 +382,11 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
   __syncthreads();
   // the range's h elements are contiguous in h (pair q is h[q]): whole lines, not one 2-byte store per pair
   MK_ONCE for (int pr = tid; pr < n2; pr += DEC_THREADS) {
-    if (s_e[(int)((q0 + pr) / I)] < 0) continue;  // a slot that adds nothing: no h (the CTAs with its picks skip it)
+    // a slot that adds nothing: no h. A CTA whose logit wait gave up has every slot -1, so it stores no h, yet its
+    // thread 0 still signals its pairs below: a CTA that got every logit can then see a slot's count complete over h
+    // this launch never wrote (the last launch's). That CTA raised or saw the abort before signalling, so every CTA
+    // reads the flag before its exit ticket and writes its rows NaN where it is set (phase 3's end).
+    if (s_e[(int)((q0 + pr) / I)] < 0) continue;
     float2 gu = make_float2(0.f, 0.f);
     MK_ONCE for (int b = 0; b < NB; ++b) {
       const float2 v = reinterpret_cast<const float2*>(qpart)[b * d.pairs + pr];
@@ -438,7 +443,13 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     }
     if (tid < slots && s_e[tid] >= 0) wait_count(p, cnt + DEC_STRIDE * tid, I, tid == p.stall_tile, tid, dab);
     __syncthreads();
-    if (tid == 0) ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
+    if (tid == 0) {
+      // aborted: a wait of this CTA gave up, or a count may have completed over a failed CTA's pairs (no h stored;
+      // it raised the flag before its release, which this CTA's acquire saw): the rows are written NaN below, never
+      // finite sums of h that was not computed. Read before the ticket: the last ticket's CTA lifts the flag.
+      if (*(volatile int32_t*)dab) s_failed = 1;
+      ticket = atom_add_acq_rel(cnt + DEC_STRIDE * DEC_CNT_TICKET, 1);
+    }
     dec_stamp(p, DEC_TR_READY);
     dec_stamp(p, DEC_TR_H);  // (no CTA-wide h copy: each lane loads its own chunks below)
     // unit u's rounds from v0 on (W_down rows from shared memory), then the butterfly: a[i] -> the warp's sum of row
@@ -507,8 +518,10 @@ __global__ void __launch_bounds__(DEC_THREADS, 1) k_decode(const MkParams p, con
     }
     dec_stamp(p, DEC_TR_SUMS);  // (thread 0's share of the sums done)
     __syncthreads();
+    failed = s_failed != 0;  // thread 0 set it before the barrier above, where the launch was aborted
     bf16* out = (bf16*)p.out;
-    // a CTA without picks (failed) marks its rows not computed: NaN, never a sum that looks like an output
+    // a CTA without picks or of an aborted launch (failed) marks its rows not computed: NaN, never a sum that looks
+    // like an output
     MK_ONCE for (int i = tid; i < S * nr; i += DEC_THREADS)
       out[(int64_t)(i / nr) * H + r0 + i % nr] = __float2bfloat16(failed ? __int_as_float(0x7fffffff)
                                                                           : acc[(i / nr) * d.rows + i % nr]);

@@ -7,12 +7,14 @@ with R = ceil(H / G); it waits for each slot's counter to reach I, slot by slot 
 projection for its rows. `plan` gives the ranges and the task counts the kernel leaves in its ctl words (the GPU
 tests compare them); `simulate` runs the CTAs interleaved in a random order to check that every pair is computed
 once, every counter reaches I, every output row is written once, and a slot that never completes ends in the
-timeout error, never a hang.
+timeout error, never a hang; and that a launch that aborts (a timeout, or a CTA whose logit wait gave up: it stores
+no h but still signals its pairs) writes no finite row over h that was not computed in it.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from .weights import PLANE  # k elements per plane of the k-tiled weights
@@ -93,19 +95,29 @@ class DecodeSim:
     pairs_done: list[int]       # times each pair was computed
     counters: list[int]         # final slot counters
     rows_written: list[int]     # times each output row was written
+    rows_nan: list[int]         # times each output row was written NaN (not computed: the launch aborted)
+    rows_stale: int = 0         # rows written finite although some pair's h was not computed in this launch
     error: int = 0              # 0, or ERR_INPUT_TIMEOUT
     error_slot: int = -1
+    aborted: bool = False       # the launch's abort flag (DEC_ABORT) was raised
 
 
-def simulate(p: DecodePlan, *, seed: int = 0, stall_slot: int = -1, timeout_polls: int = 1000) -> DecodeSim:
+def simulate(p: DecodePlan, *, seed: int = 0, stall_slot: int = -1, timeout_polls: int = 1000,
+             failed: Collection[int] = (), nan_if_aborted: bool = True) -> DecodeSim:
     """Interleave the CTAs (a random runnable CTA takes one step at a time) until every CTA ends.
 
     A CTA's steps: compute its pairs and signal; then per slot, poll the slot's counter (a poll that sees it short
-    stays on that slot; past `timeout_polls` polls it records the timeout, as the kernel's bounded wait does, and
-    goes on); once every slot is past, write its rows. `stall_slot`: that slot never reads as complete."""
+    stays on that slot, or gives it up once the launch is aborted; past `timeout_polls` polls it records the timeout
+    and raises the abort, as the kernel's bounded wait does, and goes on); once every slot is past, write its rows,
+    NaN where it has no picks or (`nan_if_aborted`, the kernel's thread 0 reading the flag before its exit ticket)
+    the launch is aborted by then. `stall_slot`: that slot never reads as complete. `failed`: CTAs whose logit wait
+    gave up (decode = 2): each raised the abort (its report, or the flag it saw) before its signals, computes no
+    pair (its picks are -1) but still signals its range, and waits for no slot. `nan_if_aborted=False`: the kernel
+    before, where only such a CTA wrote NaN rows."""
     rng = random.Random(seed)
     i = p.intermediate
-    sim = DecodeSim(pairs_done=[0] * (p.slots * i), counters=[0] * p.slots, rows_written=[0] * p.hidden)
+    sim = DecodeSim(pairs_done=[0] * (p.slots * i), counters=[0] * p.slots, rows_written=[0] * p.hidden,
+                    rows_nan=[0] * p.hidden)
     state = [-1] * p.grid   # -1: pairs not done; s in 0..slots-1: waiting for slot s; slots: finished
     polls = [0] * p.grid
     running = list(range(p.grid))
@@ -113,15 +125,18 @@ def simulate(p: DecodePlan, *, seed: int = 0, stall_slot: int = -1, timeout_poll
         c = rng.choice(running)
         if state[c] == -1:
             q0, q1 = p.pair_ranges[c]
-            for q in range(q0, q1):
-                sim.pairs_done[q] += 1
+            if c in failed:
+                sim.aborted = True
+            else:
+                for q in range(q0, q1):
+                    sim.pairs_done[q] += 1
             for s, n in p.signals(c):
                 sim.counters[s] += n
             r0, r1 = p.row_blocks[c]
-            state[c] = 0 if r1 > r0 else p.slots
+            state[c] = 0 if r1 > r0 and c not in failed else p.slots
         elif state[c] < p.slots:
             s = state[c]
-            if s != stall_slot and sim.counters[s] >= i:
+            if (s != stall_slot and sim.counters[s] >= i) or sim.aborted:  # wait_count: the count, then the flag
                 state[c] += 1
                 polls[c] = 0
             else:
@@ -129,11 +144,16 @@ def simulate(p: DecodePlan, *, seed: int = 0, stall_slot: int = -1, timeout_poll
                 if polls[c] > timeout_polls:
                     if not sim.error:
                         sim.error, sim.error_slot = ERR_INPUT_TIMEOUT, s
+                    sim.aborted = True
                     state[c] += 1
                     polls[c] = 0
         if state[c] == p.slots:
+            nan = c in failed or (nan_if_aborted and sim.aborted)
+            whole = all(sim.pairs_done)
             r0, r1 = p.row_blocks[c]
             for r in range(r0, r1):
                 sim.rows_written[r] += 1
+                sim.rows_nan[r] += nan
+                sim.rows_stale += not nan and not whole
             running.remove(c)
     return sim
