@@ -334,6 +334,26 @@ def test_unchecked_repeats_reach_the_kernel(fake_launch) -> None:
         mk.check()
 
 
+def test_an_aborting_error_is_named_over_a_nonfinite_record(cpu_lib) -> None:
+    """The kernels keep code 8 (recorded without the abort: the other rows were computed) in err words 4..7 and the
+    first aborting error in 0..3 (mk_moe.cu record_noabort / report). error() and check() name the aborting one
+    whenever there is one, whichever came first: with one slot, a code 8 first hid a later timeout, and check() said
+    the other rows were computed for a launch whose rows were all invalid. Code 8 alone is still named, with its own
+    where / detail; clear_error forgets both."""
+    mk = _cpu_mk()
+    assert mk.error() is None and _lib.ERR_NOABORT == 4 and mk.err.numel() == 8
+    mk.err[4:] = torch.tensor([8, 3, 0, 0])
+    assert mk.error() == (8, mk_layer.ERR_NAMES[8], [8, 3, 0, 0])
+    with pytest.raises(mk_layer.MegakernelError, match=r"megakernel error 8: non-finite gate logits .*where=3, detail=0"):
+        mk.check()
+    mk.err[:4] = torch.tensor([6, 2, 16, 250_000_000])
+    assert mk.error() == (6, mk_layer.ERR_NAMES[6], [6, 2, 16, 250_000_000])
+    with pytest.raises(mk_layer.MegakernelError, match=r"megakernel error 6: .*where=2, detail=16, waited=250.0 ms"):
+        mk.check()
+    mk.clear_error()
+    assert mk.error() is None
+
+
 def test_expert_ids_problem_reads_both_checks_in_one_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     """The distinct check rides in the range check's one copy to the host (no second sync on the accepted path)."""
     from moetune.runtime.routing import expert_ids_problem

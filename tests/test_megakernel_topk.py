@@ -150,7 +150,7 @@ def test_kernel_source_mirrors_the_model():
     assert codes == list(range(1, topk.ERR_NONFINITE_LOGITS + 1)) and set(ERR_NAMES) == set(codes)
     # recorded without the abort (the other rows are computed); k_topk, k_route and the decode kernel by warp_topk's
     # `bad`, k_topk_small from its own softmax warp, both broken_softmax's: only where the sum is NaN
-    assert "if (bad >= 0) record(p, MK_ERR_NONFINITE_LOGITS, t, bad, 0);" in src
+    assert "if (bad >= 0) record_noabort(p, MK_ERR_NONFINITE_LOGITS, t, bad);" in src
     assert "return nf != NO_BAD && isnan(s) ? (int)nf : -1;" in src
     assert src.count("note_nonfinite(p, t, bad);") == 2 and "note_nonfinite(p, t, broken_softmax(nf, sum));" in src
     assert "note_nonfinite(p, t, bad);" in dec

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define MK_ABI_VERSION 18
+#define MK_ABI_VERSION 19
 // int32 words from one expert's routing counter to the next (MkParams.counts): one 128-byte line each. Packed,
 // the 128 counters of a layer sat in four lines, so all top-k atomics of a launch queued at four L2 slices.
 #define MK_COUNT_STRIDE 32
@@ -26,9 +26,11 @@ enum {
   MK_CTL_WORDS = 8
 };
 
-// err[] (int64): sticky until the host clears it. err[0] = code. The first error wins, except that an error that aborts
-// the launch replaces MK_ERR_NONFINITE_LOGITS, the one recorded without the abort (whose "the other rows were computed"
-// an abort makes false); the other words are always those of the code in err[0].
+// err[] (int64, MK_ERR_WORDS): sticky until the host clears it. Words 0..3: the first error that aborted a launch (code,
+// where, detail, waited ns). Words MK_ERR_NOABORT..+3 (ABI 19): the first error recorded without the abort
+// (MK_ERR_NONFINITE_LOGITS, waited 0), the same layout. Apart, so that its "the other rows were computed" never keeps a
+// later abort (of the same or a later launch) out of the record: the host names words 0..3 whenever they hold a code.
+#define MK_ERR_NOABORT 4
 enum {
   MK_OK = 0,
   MK_ERR_SCHED_TIMEOUT = 1,  // the scheduler waited past the timeout for a task's inputs
@@ -47,7 +49,8 @@ enum {
                                 // experts (0..K-1, NaN weights), its output row is NaN, and the other rows are
                                 // computed as usual. -inf logits among finite ones (masking) are no error: their
                                 // probabilities are 0 and the token routes as usual
-  MK_ERR_WORDS = 8           // words of err[]: [1] = where (slot or tile), [2] = detail, [3] = waited ns
+  MK_ERR_WORDS = 8           // words of err[]: [1] = where (slot or tile), [2] = detail, [3] = waited ns; [4..7] the
+                             // same for the record without the abort (MK_ERR_NOABORT)
 };
 
 // Task timeline (MkParams.trace): scheduler words, then MK_TR_SLOT words per queue slot.

@@ -242,29 +242,27 @@ __device__ __forceinline__ void pdl_enter(const MkParams& p) {
 }
 constexpr int TMA_BOX_ROWS = 64;  // B tile = two boxes of 64 rows x 64 k (128 bytes a row, 8 KB each)
 
-// The error record, err[0..3] = (code, where, detail, waited): the first error wins, except that an aborting error
-// replaces a non-aborting one. The one non-aborting code, MK_ERR_NONFINITE_LOGITS, says that the launch computed
-// every other row, which a later abort (of this launch or a later one: the record stays until the host clears it)
-// makes false; when the first error won outright, a timeout, an expert out of range or a full list after a code 8
-// left check() naming code 8 over an aborted launch's invalid outputs. A code-8 record claims err[0] as
-// code | ERR_FILLING, writes its fields, then stores the bare code; an aborting report claims 0, or a bare code 8
-// (after waiting out a code-8 writer's few stores), so the fields that stay are always those of the code in err[0],
-// never a mix of two errors.
-constexpr unsigned long long ERR_FILLING = 1ull << 32;  // err[0]'s bit while a code-8 record writes its fields
-__device__ __forceinline__ void fill_record(const MkParams& p, int64_t where, int64_t detail, int64_t waited) {
-  p.err[1] = where;
-  p.err[2] = detail;
-  p.err[3] = waited;
-}
-// An error record without the abort (MK_ERR_NONFINITE_LOGITS: the token's picks are valid experts, its output row is
-// NaN, every other row is computed), so no wait gives up and the other tokens' rows stay right. Kept unless an
-// aborting report replaces it.
+// The error records (err[], mk_api.h). An aborting error (report) is recorded in err[0..3], first error wins. An error
+// the launch still completes correctly around (non-finite gate logits: the token's picks are valid experts, its output
+// row is NaN, every other row is computed), so no wait gives up and the other tokens' rows stay right, is recorded
+// without the abort in words of its own, err[MK_ERR_NOABORT..+3] (record_noabort), first such error wins. In one
+// slot, its "the other rows were computed" kept a later abort of the same or a later launch (a timeout, an expert out
+// of range, a full list) out of the record, and check() named it over that launch's invalid outputs; apart, the host
+// names the aborting record whenever there is one, and neither record's words mix with the other's.
 __device__ void record(const MkParams& p, int64_t code, int64_t where, int64_t detail, int64_t waited) {
-  unsigned long long* const e0 = (unsigned long long*)p.err;
-  if (atomicCAS(e0, 0ull, (unsigned long long)code | ERR_FILLING) == 0ull) {
-    fill_record(p, where, detail, waited);
-    __threadfence();  // the fields before the bare code that a replacing report waits for
-    atomicExch(e0, (unsigned long long)code);
+  if (atomicCAS((unsigned long long*)p.err, 0ull, (unsigned long long)code) == 0ull) {
+    p.err[1] = where;
+    p.err[2] = detail;
+    p.err[3] = waited;
+    __threadfence_system();
+  }
+}
+__device__ void record_noabort(const MkParams& p, int64_t code, int64_t where, int64_t detail) {
+  int64_t* const r = p.err + MK_ERR_NOABORT;
+  if (atomicCAS((unsigned long long*)r, 0ull, (unsigned long long)code) == 0ull) {
+    r[1] = where;
+    r[2] = detail;
+    r[3] = 0;
     __threadfence_system();
   }
 }
@@ -274,21 +272,12 @@ __device__ void record(const MkParams& p, int64_t code, int64_t where, int64_t d
 __device__ __forceinline__ int32_t* abort_flag(const MkParams& p, int32_t* abort) {
   return abort ? abort : &p.ctl[MK_CTL_ABORT];
 }
-// An aborting error: recorded where the record is empty or holds code 8 (see above), else the first error stays; the
-// abort flag makes every other wait give up at once.
+// First error wins; the abort flag makes every other wait give up at once. (This body is the one the persistent
+// kernels inline at every bounded wait: a spin and a second CAS here to let an abort replace a non-aborting record in
+// one slot cost the wide wgmma kernels 8 -> 24 and 0 -> 32 bytes of stack frame, spills, in ptxas.)
 __device__ void report(const MkParams& p, int64_t code, int64_t where, int64_t detail, int64_t waited,
                        int32_t* abort = nullptr) {
-  unsigned long long* const e0 = (unsigned long long*)p.err;
-  unsigned long long seen = atomicCAS(e0, 0ull, (unsigned long long)code);
-  while (seen & ERR_FILLING) seen = *(volatile unsigned long long*)e0;  // a code-8 writer's stores: a few cycles
-  if (seen == MK_ERR_NONFINITE_LOGITS) {
-    seen = atomicCAS(e0, seen, (unsigned long long)code) == seen ? 0ull : seen;  // 0: replaced, ours to fill
-    __threadfence();  // the replaced record's fields (fenced before its bare code) before ours
-  }
-  if (seen == 0ull) {
-    fill_record(p, where, detail, waited);
-    __threadfence_system();
-  }
+  record(p, code, where, detail, waited);
   atomicExch(abort_flag(p, abort), 1);
 }
 
@@ -2160,7 +2149,7 @@ __device__ __forceinline__ void append_pick(const MkParams& p, int row, int e, f
 // A token whose softmax broke (bad = broken_softmax's: its lowest expert with a non-finite logit): recorded, not
 // aborted (its picks are valid; its output row is NaN, the others are computed).
 __device__ __forceinline__ void note_nonfinite(const MkParams& p, int t, int bad) {
-  if (bad >= 0) record(p, MK_ERR_NONFINITE_LOGITS, t, bad, 0);
+  if (bad >= 0) record_noabort(p, MK_ERR_NONFINITE_LOGITS, t, bad);
 }
 
 // Softmax (fp32), top-k (ties: lower expert first), renormalise; append (t, j) to its expert's list.

@@ -23,9 +23,10 @@ from pathlib import Path
 from .. import csrc_build as _cb
 from .decode import MAX_SLOTS as _DEC_MAX_SLOTS
 
-ABI_VERSION = 18
+ABI_VERSION = 19  # 19: err words 4..7 hold the record without the abort (mk_api.h MK_ERR_NOABORT)
 COUNT_STRIDE = 32  # MK_COUNT_STRIDE: int32 words per expert counter in MkParams.counts
 CTL_WORDS = 8  # MK_CTL_WORDS: int32 words of MkParams.ctl
+ERR_NOABORT = 4  # MK_ERR_NOABORT: err[] word where the record of an error without the abort (code 8) starts
 MAX_SPLITS = 16  # MK_MAX_SPLITS: split-K parts per GEMM task
 CORES = {"mma": 0, "wgmma": 1}  # MK_CORE_*
 DEC_CNT_WORDS = (_DEC_MAX_SLOTS + 1) * 32 + 4096  # the decode kernel's counters and logits (mk_decode.cuh: DEC_CNT_WORDS)

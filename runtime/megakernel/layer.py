@@ -536,11 +536,15 @@ class MegakernelMoE:
         return self.topk_idx[:s].long(), self.topk_w[:s]
 
     def error(self) -> tuple[int, str, list[int]] | None:
-        """(code, text, record) of the first error since the last `clear_error`, else None. Syncs."""
-        rec = self.err.tolist()
-        if rec[0] == 0:
-            return None
-        return rec[0], ERR_NAMES.get(rec[0], "unknown error"), rec
+        """(code, text, record = [code, where, detail, waited ns]) of the first error since the last `clear_error`
+        that aborted a launch, else of the first one recorded without the abort (code 8, non-finite gate logits: the
+        kernels keep it in words of its own, so that it never hides a later abort, whose launch's outputs are all
+        invalid), else None. Syncs."""
+        words = self.err.tolist()
+        for rec in (words[:4], words[_lib.ERR_NOABORT:_lib.ERR_NOABORT + 4]):
+            if rec[0] != 0:
+                return rec[0], ERR_NAMES.get(rec[0], "unknown error"), rec
+        return None
 
     @property
     def w_gate_up(self) -> torch.Tensor:
@@ -561,7 +565,7 @@ class MegakernelMoE:
                                   f"waited={rec[3] / 1e6:.1f} ms)")
 
     def clear_error(self) -> None:
-        """Forget the error record (sticky until this: `check()` raises it after any number of later forwards), lift
+        """Forget the error records (sticky until this: `check()` raises one after any number of later forwards), lift
         the abort flag and zero the decode kernel's counter words. Neither flag carries over to a later launch without
         this: the task graph's routing lifts ctl's every launch, and the decode kernel (no reset kernel before it)
         polls its own flag in its counter words (`_lib.DEC_ABORT`), which its last CTA zeroes with its counters."""
