@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <set>
@@ -56,7 +57,7 @@ inline void cpu_relax() {
 
 typedef CUresult (*PfnWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
-// The idle loop's two system calls, counted in host simulation (tests/test_proxy_numa.py checks the rate).
+// The idle loop's system calls, counted in host simulation (tests/test_proxy_numa.py checks the rates).
 inline int current_cpu() {
 #ifdef MT_HOST_SIM
   __atomic_add_fetch(&mtsim::getcpu_calls, 1, __ATOMIC_RELAXED);
@@ -74,6 +75,20 @@ inline void idle_yield() {
 // Counted, not timed: reading a clock on every yield would cost about what it saves.
 constexpr uint64_t kIdleSpins = 1u << 16;  // pauses before the idle loop starts yielding
 constexpr uint64_t kCpuRefreshYields = 1024;
+// An idle thread sleeps (Engine::idle_sleep) once nothing it serves is outstanding: no call announced by
+// mt_proxy_expect_internal is unfinished (its kernel's completion word is below the call's number) and it has
+// polled kIdleGraceNs since the idle stretch began. Sleeps double from kIdleNapMinNs to kIdleNapMaxNs; a host call
+// that is about to produce (mt_proxy_enqueue, the proxy kernels' launches) ends a sleep at once and starts the idle
+// stretch over, so the bound only delays a producer nobody announced (a replayed CUDA graph: the proxy transport
+// is not graph-capturable). Why 1 ms: every MoE layer has its own engine (~48 a rank), nearly all idle at any time,
+// and each wake costs CPU: 48 idle engines took 0.14 CPU-s per second at 1 ms sleeps, 0.27 at 100 us and a whole
+// core at 50 us (host simulation, a loaded 2-core VM). Without the sleeps an idle engine yielded forever: a core each.
+constexpr uint64_t kIdleGraceNs = 200 * 1000;       // polling (pause, then yield) before the first sleep
+constexpr uint64_t kIdleNapMinNs = 1000;
+constexpr uint64_t kIdleNapMaxNs = 1000 * 1000;
+constexpr uint64_t kCpuRefreshSleeps = 64;          // the CPU the thread reports: refreshed at the first sleep of
+                                                    // an idle stretch and every 64th after it
+constexpr uint64_t kIdleClockPolls = 64;            // the spin phase reads the clock every 64th empty poll
 
 // NUMA placement of the FIFO and control pages (Engine::place_pages). Raw system calls: no libnuma dependency.
 constexpr int kMpolPreferred = 1;                 // linux/mempolicy.h MPOL_PREFERRED
@@ -257,6 +272,15 @@ struct Engine {
   std::atomic<int> cpu_errno{0};
   std::atomic<int> cpu_now{-1};  // sched_getcpu() of the thread: after pinning, and now and then while it idles
   std::atomic<int> tid{0};       // the thread's kernel id (/proc/self/task/<tid>)
+  // Sleeping while idle (see kIdleGraceNs): `wakes` counts host calls about to produce (wake()); a sleeping thread
+  // returns at the next one. hot_word/hot_seq (under idle_mu): the completion word of the last kernel call
+  // announced and that call's number; while the word is below it the thread polls and never sleeps.
+  std::mutex idle_mu;
+  std::condition_variable idle_cv;
+  std::atomic<uint64_t> wakes{0};
+  std::atomic<int> sleeping{0};
+  const uint64_t* hot_word = nullptr;
+  uint64_t hot_seq = 0;
   // Where the FIFO and control pages are (MtProxyMemState; fixed once mt_proxy_create returns). BOUND: one mapping
   // `pages` (the ring, page-rounded, then one control page), mmap'ed and cudaHostRegister'ed; else two cudaHostAllocs.
   void* pages = nullptr;
@@ -545,10 +569,67 @@ struct Engine {
     cpu_now.store(current_cpu());
   }
 
+  // A host call is about to produce (or stop is set): a sleeping thread returns now. The seq_cst pair (wakes here,
+  // `sleeping` in idle_sleep) means either the sleeper sees the new count or this sees it asleep and notifies under
+  // idle_mu, which the sleeper holds until it waits: no wake is lost.
+  void wake() {
+    wakes.fetch_add(1, std::memory_order_seq_cst);
+    if (sleeping.load(std::memory_order_seq_cst)) {
+      std::lock_guard<std::mutex> g(idle_mu);
+      idle_cv.notify_all();
+    }
+  }
+
+  // A kernel call numbered `seq` that writes `seq` into `*word` when it finished is about to be launched: until
+  // then the thread does not sleep. Then wake().
+  void expect(const uint64_t* word, uint64_t seq) {
+    {
+      std::lock_guard<std::mutex> g(idle_mu);
+      hot_word = word;
+      hot_seq = seq;
+    }
+    wake();
+  }
+
+  // `word` is about to be freed: never read it again.
+  void forget(const uint64_t* word) {
+    std::lock_guard<std::mutex> g(idle_mu);
+    if (hot_word == word) hot_word = nullptr;
+  }
+
+  bool hot() {
+    std::lock_guard<std::mutex> g(idle_mu);
+    return hot_word != nullptr && __atomic_load_n(hot_word, __ATOMIC_ACQUIRE) < hot_seq;
+  }
+
+  bool fifo_ready() const {
+    return __atomic_load_n(&fifo_host[tail % nslots].seq, __ATOMIC_ACQUIRE) == tail + 1;
+  }
+
+  // Sleep up to `ns` unless a wake came since `seen` (or comes meanwhile), stop is set or a request is there.
+  void idle_sleep(uint64_t ns, uint64_t seen) {
+    std::unique_lock<std::mutex> lk(idle_mu);
+    sleeping.store(1, std::memory_order_seq_cst);
+    auto woken = [&] { return wakes.load(std::memory_order_seq_cst) != seen || stop.load(); };
+    if (!woken() && !fifo_ready()) {
+#ifdef MT_HOST_SIM
+      __atomic_add_fetch(&mtsim::idle_sleeps, 1, __ATOMIC_RELAXED);
+#endif
+      idle_cv.wait_for(lk, std::chrono::nanoseconds(ns), woken);
+    }
+    sleeping.store(0, std::memory_order_relaxed);
+  }
+
   void loop() {
     pin_self();  // first: whatever the thread itself allocates or first touches from here on is on the set's node
     cudaSetDevice(device);
-    uint64_t idle = 0;
+    // The idle stretch (no request since the last one): pauses, then yields after kIdleSpins empty polls; once
+    // kIdleGraceNs passed and no announced call is unfinished, sleeps (kIdleNapMinNs doubling to kIdleNapMaxNs).
+    uint64_t idle = 0;        // empty polls in this stretch
+    uint64_t idle_since = 0;  // when the stretch was first timed (0: not yet)
+    uint64_t nap = 0;         // the last sleep's length (0: not sleeping)
+    uint64_t naps = 0;        // sleeps in this stretch (the first and every kCpuRefreshSleeps-th refresh cpu_now)
+    uint64_t seen = wakes.load();
     running.store(true);
     while (!stop.load(std::memory_order_relaxed)) {
       const int bmax = batch_max.load(std::memory_order_relaxed) < 1 ? 1 : batch_max.load(std::memory_order_relaxed);
@@ -578,7 +659,34 @@ struct Engine {
         stats[ST_PROCESSED]++;
       }
       if (got == 0) {
-        if (++idle < kIdleSpins) {
+        ++idle;
+        if (nap == 0 && idle < kIdleSpins && idle % kIdleClockPolls != 0) {
+          cpu_relax();
+          continue;
+        }
+        const uint64_t w = wakes.load(std::memory_order_acquire);
+        if (w != seen) {  // a host call about to produce: the stretch starts over
+          seen = w;
+          idle = 1;
+          idle_since = 0;
+          nap = 0;
+          naps = 0;
+        }
+        const uint64_t now = mono_ns();
+        if (idle_since == 0) idle_since = now;
+        if (now - idle_since >= kIdleGraceNs && !hot()) {
+          uint64_t nap_min = kIdleNapMinNs, nap_max = kIdleNapMaxNs;
+#ifdef MT_HOST_SIM
+          if (const uint64_t m = __atomic_load_n(&mtsim::idle_nap_min_ns, __ATOMIC_RELAXED)) nap_min = m;
+          if (const uint64_t m = __atomic_load_n(&mtsim::idle_nap_max_ns, __ATOMIC_RELAXED)) nap_max = m;
+#endif
+          nap = nap == 0 ? nap_min : (2 * nap < nap_max ? 2 * nap : nap_max);
+          if (naps++ % kCpuRefreshSleeps == 0) cpu_now.store(current_cpu(), std::memory_order_relaxed);
+          idle_sleep(nap, seen);
+          continue;
+        }
+        nap = 0;
+        if (idle < kIdleSpins) {
           cpu_relax();
         } else {
           if ((idle - kIdleSpins) % kCpuRefreshYields == 0) cpu_now.store(current_cpu(), std::memory_order_relaxed);
@@ -587,6 +695,9 @@ struct Engine {
         continue;
       }
       idle = 0;
+      idle_since = 0;
+      nap = 0;
+      naps = 0;
       flush();
       // published only once issued: quiesce() then syncs streams that hold everything consumed
       __atomic_store_n(&ctl_host[1], tail, __ATOMIC_RELEASE);
@@ -830,6 +941,7 @@ MT_API int mt_proxy_enqueue(void* h, const void* reqs, int n, double timeout_s) 
   uint64_t deadline = mono_ns() + (uint64_t)(timeout_s * 1e9);
   for (int i = 0; i < n; ++i) {
     uint64_t h0 = e->host_head;
+    if (h0 - __atomic_load_n(&e->ctl_host[1], __ATOMIC_ACQUIRE) >= e->nslots) e->wake();  // full: it may sleep
     while (h0 - __atomic_load_n(&e->ctl_host[1], __ATOMIC_ACQUIRE) >= e->nslots) {
       MT_REQUIRE(e->err.load() == 0, 211, "proxy thread failed: %s", e->errmsg.c_str());
       MT_REQUIRE(mono_ns() < deadline, 212, "proxy FIFO full for %.1f s", timeout_s);
@@ -843,6 +955,7 @@ MT_API int mt_proxy_enqueue(void* h, const void* reqs, int n, double timeout_s) 
     __atomic_store_n(&s->seq, h0 + 1, __ATOMIC_RELEASE);
     e->host_head = h0 + 1;
   }
+  e->wake();  // after the writes: a thread that went to sleep before them (it checks the FIFO first) returns
   return 0;
 }
 
@@ -895,10 +1008,24 @@ extern "C" int mt_proxy_mark_gpu_producer_internal(void* h) {
   return 0;
 }
 
+// A GPU producer's kernel call numbered `seq` is about to be launched; it writes `seq` (or more) into `*done_word`
+// when it finished. A sleeping proxy thread comes back now and does not sleep again until then (Engine::expect).
+extern "C" int mt_proxy_expect_internal(void* h, const uint64_t* done_word, uint64_t seq) {
+  static_cast<Engine*>(h)->expect(done_word, seq);
+  return 0;
+}
+
+// `done_word` (given to mt_proxy_expect_internal) is about to be freed: the thread stops reading it.
+extern "C" int mt_proxy_forget_internal(void* h, const uint64_t* done_word) {
+  static_cast<Engine*>(h)->forget(done_word);
+  return 0;
+}
+
 MT_API int mt_proxy_destroy(void* h) {
   Engine* e = static_cast<Engine*>(h);
   if (e == nullptr) return 0;
   e->stop.store(true);
+  e->wake();  // a sleeping thread returns now, not after its sleep
   if (e->th.joinable()) e->th.join();
   e->release();
   delete e;

@@ -233,6 +233,30 @@ MT_API int mt_pxy_sim_done(void* h, uint64_t** word, uint64_t* launches) {
 }
 #endif
 
+// Before a launch: an idle-sleeping proxy thread polls again, and keeps polling until this call's kernel wrote its
+// completion word (a kernel being captured runs later, at a replay nobody announces: only the wake, then).
+static void announce(PxCtx* c, uint64_t seq, uint64_t stream) {
+#ifndef MT_HOST_SIM
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing((cudaStream_t)stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone) {
+    mt_proxy_expect_internal(c->engine, nullptr, 0);
+    return;
+  }
+#else
+  (void)stream;
+#endif
+  mt_proxy_expect_internal(c->engine, c->done_host, seq);
+}
+
+#ifndef MT_HOST_SIM
+// A launch failed: its kernel never writes the completion word, so the thread need not poll for it.
+static int launch_failed(PxCtx* c, cudaError_t e) {
+  mt_proxy_forget_internal(c->engine, c->done_host);
+  mt::set_error("proxy kernel launch -> %s (%s)", cudaGetErrorName(e), cudaGetErrorString(e));
+  return (int)e;
+}
+#endif
+
 MT_API int mt_pxy_counts(void* h, const int64_t* send_counts, int64_t* recv_counts, uint64_t epoch, uint64_t stream) {
   PxCtx* c = static_cast<PxCtx*>(h);
   MT_REQUIRE(epoch >= 1, 302, "epoch must be >= 1");
@@ -240,12 +264,13 @@ MT_API int mt_pxy_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   PxParams p = base_params(c, epoch);
   p.send_counts = send_counts;
   p.recv_out = recv_counts;
+  announce(c, p.done_value, stream);
 #ifdef MT_HOST_SIM
   sim_launch(c, p, false);
 #else
   (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   pxy_counts_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
-  MT_CUDA(cudaGetLastError());
+  if (cudaError_t le = cudaGetLastError(); le != cudaSuccess) return launch_failed(c, le);
 #endif
   return c->host_wait ? host_wait_done(c, p.done_value, stream) : 0;
 }
@@ -266,12 +291,13 @@ MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t row_bytes, const 
   p.coupled = coupled ? 1 : 0;
   p.group = group_size;
   p.chunk_rows = chunk_rows;
+  announce(c, p.done_value, stream);
 #ifdef MT_HOST_SIM
   sim_launch(c, p, true);
 #else
   (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   pxy_exchange_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
-  MT_CUDA(cudaGetLastError());
+  if (cudaError_t le = cudaGetLastError(); le != cudaSuccess) return launch_failed(c, le);
 #endif
   return c->host_wait ? host_wait_done(c, p.done_value, stream) : 0;
 }
@@ -296,6 +322,7 @@ MT_API int mt_pxy_destroy(void* h) {
 #ifdef MT_HOST_SIM
   for (auto& t : c->sim_threads) t.join();
 #endif
+  mt_proxy_forget_internal(c->engine, c->done_host);
   if (c->err_host) cudaFreeHost(c->err_host);
   if (c->done_host) cudaFreeHost(c->done_host);
   if (c->abort_flag) cudaFree(c->abort_flag);

@@ -266,6 +266,8 @@ def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     lib.mt_proxy_mark_gpu_producer_internal.argtypes = [ctypes.c_void_p]
     lib.mtsim_set_async.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.mtsim_set_async.restype = None
+    lib.mtsim_set_idle_naps.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong]
+    lib.mtsim_set_idle_naps.restype = None
     lib.mtsim_set_alias.argtypes = [ctypes.c_int]
     lib.mtsim_set_alias.restype = None
     lib.mtsim_stream_create.restype = ctypes.c_void_p
@@ -460,6 +462,21 @@ def test_proxy_exchange_with_asynchronous_streams_in_host_simulation(sim_lib: ct
     failures, st, _ = _sim_exchange(sim_lib, variant, async_delay_us=150, iters=20)
     assert not failures, failures
     assert st[7] == 20
+
+
+@pytest.mark.parametrize("variant", [EXCHANGE_VARIANTS[1], EXCHANGE_VARIANTS[5]], ids=lambda v: v[0])
+def test_proxy_kernel_calls_wake_sleeping_engines_in_host_simulation(sim_lib: ctypes.CDLL, variant: tuple) -> None:
+    """Each counts/exchange launch wakes its idle-sleeping engine and keeps it polling until the kernel finished
+    (mt_proxy_expect_internal): with every idle sleep 30 s long, a sleep that only a timeout ended would exceed the
+    calls' 5 s timeout. The engines sleep between the calls (the harness's setup alone outlasts the 200 us grace)."""
+    lib = sim_lib
+    lib.mtsim_set_idle_naps(30 * 10**9, 30 * 10**9)
+    try:
+        failures, st, _ = _sim_exchange(lib, variant, async_delay_us=150, iters=8)
+    finally:
+        lib.mtsim_set_idle_naps(0, 0)
+    assert not failures, failures
+    assert st[7] == 8
 
 
 def test_round_robin_nic_ordered_race_shows_with_asynchronous_streams(sim_lib: ctypes.CDLL) -> None:

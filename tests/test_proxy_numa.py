@@ -1,4 +1,4 @@
-"""Where the proxy's request FIFO and control page live, and how often its idle thread asks for its CPU.
+"""Where the proxy's request FIFO and control page live, how its idle thread sleeps and how often it asks for its CPU.
 
 With a CPU set to pin to, mt_proxy_create places the FIFO and control page on the NUMA node holding most CPUs of the
 set (mmap, mbind MPOL_PREFERRED, first touch, cudaHostRegister); without a set, or where the node cannot be bound,
@@ -66,6 +66,10 @@ def sim(sim_path: Path) -> ctypes.CDLL:
     lib.mtsim_set_host_pages.restype = None
     lib.mtsim_proxy_counters.argtypes = [ctypes.POINTER(ctypes.c_longlong)]
     lib.mtsim_proxy_counters.restype = None
+    lib.mtsim_idle_counters.argtypes = [ctypes.POINTER(ctypes.c_longlong)]
+    lib.mtsim_idle_counters.restype = None
+    lib.mtsim_set_idle_naps.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong]
+    lib.mtsim_set_idle_naps.restype = None
     lib.mtsim_page_counters.argtypes = [ctypes.POINTER(ctypes.c_longlong)]
     lib.mtsim_page_counters.restype = None
     lib.mtsim_set_page_faults.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -500,31 +504,128 @@ def test_requests_at_a_misaligned_address_are_enqueued_as_given(build: str, requ
 
 
 # -- the idle loop --------------------------------------------------------------------------------------------------
-def test_the_idle_thread_asks_for_its_cpu_once_per_1024_yields(sim: ctypes.CDLL, faults) -> None:
-    """sched_getcpu on the first yield of an idle stretch and every 1024th after, not on every yield; the CPU
-    it reports stays one the thread may run on."""
+def idle_counters(lib: ctypes.CDLL) -> dict[str, int]:
+    """The proxy threads' idle yields, sched_getcpu calls and idle sleeps (all engines of the process)."""
+    out = (ctypes.c_longlong * 3)()
+    lib.mtsim_idle_counters(out)
+    return dict(zip(("yields", "getcpu", "sleeps"), list(out), strict=True))
+
+
+def wait_for(cond, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def thread_cpu_s(tid: int) -> float:
+    """CPU time thread `tid` of this process has used: the scheduler's ns count, else utime + stime in ticks."""
+    try:
+        return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_tid(lib: ctypes.CDLL, h: ctypes.c_void_p) -> int:
+    out = (ctypes.c_int * 5)()
+    assert wait_for(lambda: lib.mt_proxy_cpu(h, out, 5) == 0 and out[4] != 0, 5.0)
+    return out[4]  # MT_PCPU_F_TID
+
+
+def test_an_idle_engine_sleeps_and_costs_next_to_no_cpu(sim: ctypes.CDLL, faults) -> None:
+    """An engine with nothing to do polls for a moment, then sleeps (up to 1 ms a sleep): over a second its thread
+    uses well under a tenth of a core (it used a whole core: it yielded forever). Its own CPU time is measured
+    (schedstat), so a loaded machine does not change the verdict."""
     faults()
     keep: list = []
     h = engine(sim, None, keep)
     try:
-        start = counters(sim)
-        deadline = time.monotonic() + 20
-        while counters(sim)["yields"] - start["yields"] < 5 * 1024 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        now = counters(sim)
-        yields, calls = now["yields"] - start["yields"], now["getcpu"] - start["getcpu"]
-        assert yields >= 5 * 1024, "the idle thread did not yield in 20 s"
+        tid = engine_tid(sim, h)
+        time.sleep(0.3)
+        start = idle_counters(sim)
+        cpu0, t0 = thread_cpu_s(tid), time.monotonic()
+        time.sleep(1.0)
+        used, wall = thread_cpu_s(tid) - cpu0, time.monotonic() - t0
+        assert used < 0.1 * wall, f"an idle proxy thread used {used:.3f} CPU-s in {wall:.2f} s"
+        assert idle_counters(sim)["sleeps"] - start["sleeps"] >= 100  # ~1000 sleeps of 1 ms (on a loaded machine fewer)
+        drains(sim, h, keep[-1], 45)  # and it still serves its FIFO
+    finally:
+        sim.mt_proxy_destroy(h)
+
+
+@pytest.fixture
+def long_naps(sim: ctypes.CDLL):
+    """Every idle sleep 30 s long for one test: a request served in time, or a destroy that returns, shows a wake."""
+    sim.mtsim_set_idle_naps(30 * 10**9, 30 * 10**9)
+    yield
+    sim.mtsim_set_idle_naps(0, 0)
+
+
+def test_a_host_enqueue_and_destroy_wake_a_sleeping_engine(sim: ctypes.CDLL, faults, long_naps) -> None:
+    """mt_proxy_enqueue ends the thread's sleep at once, not when the sleep is over (here 30 s): 5 times, each after
+    the thread went back to sleep, the request is consumed within seconds. mt_proxy_destroy wakes it to stop too."""
+    faults()
+    keep: list = []
+    h = engine(sim, None, keep)
+    sig = keep[-1]
+    req = (P.Request * 1)(P.Request(P.OP_SIGNAL, 0, 0, 4, 0, 0, 0, 0, 0, 0))
+    try:
+        slept = 0  # the sleep counter before the last request: the thread sleeps again after it
+        for i in range(1, 6):
+            assert wait_for(lambda s=slept: idle_counters(sim)["sleeps"] > s), "it never slept"
+            slept = idle_counters(sim)["sleeps"]
+            t0 = time.monotonic()
+            req[0].value = i
+            assert sim.mt_proxy_enqueue(h, req, 1, 10.0) == 0
+            assert sim.mt_proxy_quiesce(h, 10.0) == 0, sim.mt_last_error()
+            assert sig[4] == i and time.monotonic() - t0 < 5.0
+        assert wait_for(lambda: idle_counters(sim)["sleeps"] > slept), "it never slept"
+    finally:
+        t0 = time.monotonic()
+        sim.mt_proxy_destroy(h)
+    assert time.monotonic() - t0 < 5.0, "mt_proxy_destroy waited for the thread's sleep to end"
+
+
+def test_an_announced_call_keeps_the_engine_polling_until_it_finished(sim: ctypes.CDLL, faults) -> None:
+    """mt_proxy_expect_internal(word, seq), as each proxy kernel launch calls it: the sleeping thread wakes and,
+    while word < seq (the call has not finished), yields instead of sleeping, asking for its CPU on the first
+    yield and every 1024th after it, not on every yield; once the word reaches seq it sleeps again, asking for its
+    CPU on the first sleep and every 64th. The CPU it reports stays one the thread may run on."""
+    faults()
+    keep: list = []
+    h = engine(sim, None, keep)
+    done = ctypes.c_uint64(0)
+    sim.mt_proxy_expect_internal.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64]
+    sim.mt_proxy_forget_internal.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
+    try:
+        start = idle_counters(sim)
+        assert wait_for(lambda: idle_counters(sim)["sleeps"] - start["sleeps"] >= 12), "the idle thread never slept"
+        assert sim.mt_proxy_expect_internal(h, ctypes.byref(done), 1) == 0
+        mid = idle_counters(sim)
+        assert wait_for(lambda: idle_counters(sim)["yields"] - mid["yields"] >= 5 * 1024), "it did not yield in 20 s"
+        now = idle_counters(sim)
+        yields, calls = now["yields"] - mid["yields"], now["getcpu"] - mid["getcpu"]
+        assert now["sleeps"] - mid["sleeps"] <= 1, "it slept while an announced call was unfinished"
         assert 1 <= calls <= yields // 1024 + 2, (calls, yields)
         out = (ctypes.c_int * 5)()
         assert sim.mt_proxy_cpu(h, out, 5) == 0
         assert out[3] in os.sched_getaffinity(0)  # MT_PCPU_F_CURRENT
-        # a request ends the idle stretch; the next one refreshes at its first yield again
+        done.value = 1  # the call finished: back to sleep
+        after = idle_counters(sim)
+        assert wait_for(lambda: idle_counters(sim)["sleeps"] - after["sleeps"] >= 200), "it did not sleep again"
+        time.sleep(0.05)
+        end = idle_counters(sim)
+        sleeps, calls = end["sleeps"] - after["sleeps"], end["getcpu"] - after["getcpu"]
+        assert end["yields"] - after["yields"] < 1024
+        assert 1 <= calls <= (end["yields"] - after["yields"]) // 1024 + sleeps // 64 + 2, (calls, sleeps)
+        # a request ends the idle stretch; the next one refreshes at its first sleep again
+        assert sim.mt_proxy_forget_internal(h, ctypes.byref(done)) == 0
         drains(sim, h, keep[-1], 46)
-        mid = counters(sim)
-        deadline = time.monotonic() + 20
-        while counters(sim)["getcpu"] == mid["getcpu"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert counters(sim)["getcpu"] > mid["getcpu"]
+        mid = idle_counters(sim)
+        assert wait_for(lambda: idle_counters(sim)["getcpu"] > mid["getcpu"])
     finally:
         sim.mt_proxy_destroy(h)
 

@@ -31,6 +31,8 @@ extern unsigned long long memcpys, writes, syncs;
 extern int async_mode, copy_delay_us;
 // the proxy's host pages and idle loop (mtsim_set_host_pages, mtsim_proxy_counters)
 extern unsigned long long getcpu_calls, yields, registrations;
+extern unsigned long long idle_sleeps;  // the idle threads' sleeps (mtsim_idle_counters)
+extern unsigned long long idle_nap_min_ns, idle_nap_max_ns;  // their lengths, set by a test (0: the engine's own)
 extern long long registered;  // host ranges registered now (cudaHostRegister minus cudaHostUnregister of a range's base)
 extern const char* sysfs_cpu_dir;  // the engine's /sys/devices/system/cpu (NULL: the machine's)
 extern int mbind_errno, register_error, malloc_error;  // injected failures (0: none)

@@ -18,6 +18,7 @@ namespace mtsim {
 unsigned long long memcpys = 0, writes = 0, syncs = 0;
 int async_mode = 0, copy_delay_us = 0;
 unsigned long long getcpu_calls = 0, yields = 0, registrations = 0;
+unsigned long long idle_sleeps = 0, idle_nap_min_ns = 0, idle_nap_max_ns = 0;
 long long registered = 0;
 const char* sysfs_cpu_dir = nullptr;
 int mbind_errno = 0, register_error = 0, malloc_error = 0;
@@ -225,6 +226,18 @@ MT_API void mtsim_page_counters(long long* out) {
   out[0] = __atomic_load_n(&mtsim::pages_mapped, __ATOMIC_RELAXED);
   out[1] = __atomic_load_n(&mtsim::page_bytes_mapped, __ATOMIC_RELAXED);
   out[2] = __atomic_load_n(&mtsim::page_maps, __ATOMIC_RELAXED);
+}
+// [the proxy threads' idle yields, their sched_getcpu calls, their idle sleeps]
+MT_API void mtsim_idle_counters(long long* out) {
+  out[0] = (long long)__atomic_load_n(&mtsim::yields, __ATOMIC_RELAXED);
+  out[1] = (long long)__atomic_load_n(&mtsim::getcpu_calls, __ATOMIC_RELAXED);
+  out[2] = (long long)__atomic_load_n(&mtsim::idle_sleeps, __ATOMIC_RELAXED);
+}
+// The idle sleeps' first and longest length from now on (0, 0: the engine's own). A test sets both long, so that
+// only a wake can end a sleep in time.
+MT_API void mtsim_set_idle_naps(unsigned long long min_ns, unsigned long long max_ns) {
+  __atomic_store_n(&mtsim::idle_nap_min_ns, min_ns, __ATOMIC_RELAXED);
+  __atomic_store_n(&mtsim::idle_nap_max_ns, max_ns, __ATOMIC_RELAXED);
 }
 // [host ranges registered now, registrations so far, the proxy threads' sched_getcpu calls, their idle yields]
 MT_API void mtsim_proxy_counters(long long* out) {
