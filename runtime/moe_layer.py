@@ -100,7 +100,12 @@ class MoELayer(nn.Module):
 
     Not thread-safe: one layer instance must not be called from two threads at once (the megakernel's launch
     templates and scratch buffers, the EP buffer's staging and the cached fp32 gate are shared by every call).
+
+    `close()` frees the EPBuffer the layer built (its proxy thread and symmetric buffers); forward afterwards raises.
     """
+
+    _closed = False  # close() was called
+    _owns_buffer = False  # the layer built its EPBuffer (close() closes it)
 
     def __init__(
         self,
@@ -135,6 +140,7 @@ class MoELayer(nn.Module):
             EPBuffer.refuse(group, e)
         self.model = model
         self.max_tokens = max_tokens
+        self._owns_buffer = buffer is None  # close() closes a buffer the layer built, never a caller's
         self.buffer = buffer or EPBuffer(group, knobs, model=model, max_tokens=max_tokens, device=device, dtype=dtype,
                                          options=options, expected_tokens=expected_tokens)
         self.expected_tokens = expected_tokens if expected_tokens is not None else self.buffer.expected_tokens
@@ -357,6 +363,21 @@ class MoELayer(nn.Module):
         mk.rebind(self.w_gate_up.data, self.w_down.data, self.gate.data)
         self._mk_ptrs = self._param_ptrs()
 
+    def close(self) -> None:
+        """Free the layer's communication: close the EPBuffer it built (its proxy thread stops, its symmetric buffers
+        are freed; a buffer passed in as `buffer=` is the caller's to close). Every rank closes its own layer, after
+        its last forward. A second call does nothing; forward afterwards raises RuntimeError. A layer (and the
+        buffer it built) dropped without close() stops its proxy thread when collected."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_buffer:
+            self.buffer.close()
+
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise RuntimeError("MoELayer: closed (close() was called): build a new layer")
+
     def check(self) -> None:
         """Raise the megakernel's device-side error (a wait that timed out, an expert id out of range: its
         `MegakernelError`) if its last launches reported one; a host sync. The unfused engine has no such record
@@ -477,6 +498,7 @@ class MoELayer(nn.Module):
         expert ids in [0, experts), distinct within a token where the megakernel runs, topk_weights floating [S,
         topk], on the layer's device. Ids that break that raise ValueError (a host sync; see `_check_local` for when
         it is skipped)."""
+        self._refuse_closed()
         if self.megakernel is not None:
             self._check_local(x, topk_idx, topk_weights)
             self._sync_megakernel()
@@ -494,6 +516,7 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._refuse_closed()
         if self.megakernel is not None or self.buffer.world == 1:  # one rank: no exchange, checked once here
             self._check_x(x)
             if self.megakernel is not None:  # routing + one persistent kernel, no host sync (capturable)

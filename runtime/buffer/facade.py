@@ -161,7 +161,12 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         dense: the dense layout (True), the packed or device-resident one (False), or chosen from the shapes (None).
         options: `RuntimeOptions`, or a mapping of option names overriding the `MOETUNE_*` variables and the
             config's `[runtime]` section (None: those alone); see docs/settings.md.
+
+    `close()` frees the transport (the proxy thread, symmetric buffers, staging); a dispatch or combine after it
+    raises RuntimeError. A buffer dropped without close() stops its proxy thread when it is collected.
     """
+
+    _closed = False  # close() was called
 
     def __init__(
         self,
@@ -568,6 +573,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         Kept to a dozen small kernels and no hidden syncs (no bincount/nonzero: they sync on CUDA).
         Dense layout: see `_plan_dense` (no counts, no sync).
         """
+        self._refuse_closed()
         if self.dense:
             return self._plan_dense(x, topk_idx, topk_weights)
         return self._plan_packed(x, topk_idx, topk_weights)
@@ -625,6 +631,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         return handle._send_all[ch.send_offset : ch.send_offset + n]
 
     def post_dispatch(self, handle: Handle, c: int, send: torch.Tensor):
+        self._refuse_closed()
         ch = handle.chunks[c]
         out = handle._recv_buf[ch.recv_offset : ch.recv_offset + ch.recv_rows]
         if handle.dense:
@@ -668,6 +675,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         Without compression recv_x is a view into the receive buffer (no copy; its rows are strided by the
         wire row size): use it as is for index_select/matmul, or call .contiguous() for a dense tensor.
         """
+        self._refuse_closed()
         if self.resident:
             return self._dispatch_resident(x, topk_idx, topk_weights)
         handle = self.plan(x, topk_idx, topk_weights)
@@ -719,6 +727,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
 
     def post_combine(self, handle: Handle, c: int, rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Send chunk c's expert output rows back (the reverse of its dispatch)."""
+        self._refuse_closed()
         ch = handle.chunks[c]
         rows = rows.contiguous()
         channel = c % self.comm_channels + self._combine_base
@@ -753,6 +762,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     def combine(self, expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
         """expert_out [M, H]: one row per received row (that row's local experts' outputs, weighted by
         RecvMeta.weights and summed). Returns out [S, H]: for every token, the sum over its ranks."""
+        self._refuse_closed()
         self._check_combine(expert_out, handle, handle.num_recv if isinstance(handle, Handle) else 0)
         if handle.resident:
             return self._combine_resident(expert_out, handle)
@@ -762,7 +772,19 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         return self.finish_combine(handle, received)
 
     def close(self) -> None:
-        self.transport.close()
+        """Free the transport: stop its proxy thread (joined), free its symmetric buffers / staging. Every rank
+        closes its own (peers may still write into symmetric buffers: close after the last exchange on every rank).
+        A second call does nothing; a dispatch or combine afterwards raises RuntimeError."""
+        if self._closed:
+            return
+        self._closed = True
+        transport = getattr(self, "transport", None)  # (a constructor that failed before making it)
+        if transport is not None:
+            transport.close()
+
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise RuntimeError("EPBuffer: closed (close() was called; its transport is freed): build a new buffer")
 
     def __repr__(self) -> str:
         return (f"EPBuffer(world={self.world}, rank={self.rank}, model={self.model.name}, "

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -136,9 +137,14 @@ def validate_modes(fence_mode: str, qp_mapping: str, qps: int) -> None:
 
 
 class ProxyEngine:
-    """A proxy thread bound to `device`, serving `len(peer_data)` destinations."""
+    """A proxy thread bound to `device`, serving `len(peer_data)` destinations.
+
+    close() stops the thread (joined) and frees its FIFO, streams and pages; an engine dropped without close() is
+    stopped the same way when it is collected (weakref.finalize; not at interpreter exit, where the process
+    goes anyway and a CUDA call could wait on a dead peer's kernel)."""
 
     handle: ctypes.c_void_p | None = None  # the C engine (None until mt_proxy_create made it, and after close)
+    _finalizer: weakref.finalize | None = None  # destroys the C engine once: at close(), or when collected
 
     def __init__(
         self,
@@ -180,6 +186,7 @@ class ProxyEngine:
             "mt_proxy_create",
         )
         self.handle = h
+        self._finalizer = _on_collect(self, self.lib.mt_proxy_destroy, h)
         self.timeout_s = float(timeout_s)
         try:
             if batch > 1:
@@ -282,9 +289,31 @@ class ProxyEngine:
         return list(out)
 
     def close(self) -> None:
-        if self.handle:
-            self.lib.mt_proxy_destroy(self.handle)
-            self.handle = None
+        """Stop the proxy thread (joined) and free the engine; a second call does nothing."""
+        h, self.handle = self.handle, None
+        if self._finalizer is not None:
+            self._finalizer()  # mt_proxy_destroy(h), once
+        elif h:
+            self.lib.mt_proxy_destroy(h)
+
+
+def _on_collect(owner: object, func: Any, *args: Any) -> weakref.finalize:
+    """func(*args) when `owner` is collected, or when the returned object is called (once either way). The
+    arguments must not hold `owner` (it would never be collected). Not run at interpreter exit."""
+    f = weakref.finalize(owner, func, *args)
+    f.atexit = False
+    return f
+
+
+def _destroy_proxy_native(lib: Any, h: ctypes.c_void_p | None, engine: ProxyEngine | None) -> None:
+    """The proxy transport's native parts, in order: the kernels' context (it enqueues into the engine and tells
+    it which completion word to watch), then the engine (its thread joined)."""
+    try:
+        if h is not None:
+            lib.mt_pxy_destroy(h)
+    finally:
+        if engine is not None:
+            engine.close()
 
 
 def thread_affinity(tid: int | None) -> tuple[int, ...] | None:
@@ -333,6 +362,7 @@ class ProxyTransport(OneSidedTransport):
     engine: ProxyEngine | None = None  # the proxy thread (None until the constructor has started it)
     cpu_choice: _affinity.CpuChoice = _affinity.CpuChoice((), "no proxy thread yet")  # where it was to run, why
     _h: ctypes.c_void_p | None = None  # the kernels' context (None until mt_pxy_create made it, and after close)
+    _native: weakref.finalize | None = None  # destroys _h then the engine once: at close(), or when collected
 
     def __init__(
         self,
@@ -373,6 +403,9 @@ class ProxyTransport(OneSidedTransport):
                 "mt_pxy_create",
             )
             self._h = h
+            # a transport dropped without close() stops its proxy thread when collected (not its symmetric buffers:
+            # freeing those is collective in spirit, other ranks may still write into them)
+            self._native = _on_collect(self, _destroy_proxy_native, self.lib, h, self.engine)
             # host-completed calls (default): see mt_pxy_set_host_wait in csrc/proxy_gpu.cu for why
             self.host_wait = self.options.proxy_host_wait
             self.lib.mt_pxy_set_host_wait(h, 1 if self.host_wait else 0)
@@ -466,9 +499,8 @@ class ProxyTransport(OneSidedTransport):
     def _release_native(self) -> None:
         # the kernels' context first: it enqueues into the engine
         h, self._h = self._h, None
-        try:
-            if h is not None:
-                self.lib.mt_pxy_destroy(h)
-        finally:
-            if self.engine is not None:
-                self.engine.close()
+        native, self._native = self._native, None
+        if native is not None:
+            native()  # _destroy_proxy_native, once
+        else:  # a constructor that failed before the finalizer was made
+            _destroy_proxy_native(self.lib, h, self.engine)
