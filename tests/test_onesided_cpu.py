@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -364,10 +365,14 @@ def _run_ranks(rank_main, world: int) -> None:
 
 
 def _sim_exchange(lib: ctypes.CDLL, variant: tuple, *, async_delay_us: int = -1, timeout_s: float = 5.0,
-                  iters: int = 40, skew: bool = False) -> tuple[list[str], list[int], bytes]:
+                  iters: int = 40, skew: bool = False, read_late: bool = False) -> tuple[list[str], list[int], bytes]:
     """Run counts + exchange `iters` times on one CPU thread per rank (csrc/proxy_xchg.h, the code the
     kernels run) against real proxy engines; async_delay_us >= 0: asynchronous simulated streams, every
-    copy delayed that long. Returns (failures, engine 0's stats, engine 0's diagnostic line)."""
+    copy delayed that long. Each rank sends from one buffer it reuses, as EPBuffer reuses its send rows: filled
+    before each call and overwritten as soon as the call returns (a call may return only once its own PUTs have
+    read it: the kernel's ACK wait). read_late: each rank reads the rows of call e only in call e+2, after its
+    counts and before its exchange (the latest a caller may: the view stays valid until the second next exchange),
+    and slowly (read twice, 2 ms apart). Returns (failures, engine 0's stats, engine 0's diagnostic line)."""
     import numpy as np
 
     _name, coupled, group, chunk, qps, mapping, fence, batch, world = variant
@@ -406,6 +411,23 @@ def _sim_exchange(lib: ctypes.CDLL, variant: tuple, *, async_delay_us: int = -1,
         def rank_main(r: int) -> None:
             err = (ctypes.c_int * 16)()
             recv = np.zeros(world, dtype=np.int64)
+            send = np.full((max_rows, row_bytes), 0xDD, dtype=np.uint8)  # this rank's send rows, reused
+
+            def read(it: int, linger: float = 0.0) -> None:
+                """Check the rows call `it` delivered here, then poison them (nobody writes this area before our
+                call it+2); `linger`: check them again that much later."""
+                par = (it + 1) & 1
+                out = data[r][par * per_parity : (par + 1) * per_parity].reshape(-1, row_bytes)
+                want = np.concatenate([
+                    sends[it][s][int(counts[it, s, :r].sum()) : int(counts[it, s, : r + 1].sum())] for s in range(world)
+                ])
+                assert np.array_equal(out[: len(want)], want), f"it {it}: rank {r} received wrong rows"
+                if linger:
+                    time.sleep(linger)
+                    assert np.array_equal(out[: len(want)], want), (
+                        f"it {it}: rank {r}'s rows were overwritten while it read them, before its call {it + 2}")
+                out[: len(want)] = 0xEE
+
             try:
                 for it in range(iters):
                     epoch = it + 1
@@ -413,20 +435,21 @@ def _sim_exchange(lib: ctypes.CDLL, variant: tuple, *, async_delay_us: int = -1,
                     rc = lib.mt_pxy_counts(ctxs[r], sc.ctypes.data, recv.ctypes.data, epoch, 0)
                     assert rc == 0, f"counts rc {rc}: {lib.mt_last_error()}"
                     assert recv.tolist() == counts[it, :, r].tolist(), f"it {it}: counts {recv} != {counts[it, :, r]}"
-                    send = sends[it][r]
+                    if read_late and it >= 2:
+                        read(it - 2, linger=0.002)
+                    rows = len(sends[it][r])
+                    send[:rows] = sends[it][r]
                     rcv = recv.copy()
                     rc = lib.mt_pxy_exchange(ctxs[r], send.ctypes.data, row_bytes, sc.ctypes.data, rcv.ctypes.data,
                                              coupled, group, chunk, epoch, 0)
+                    send.fill(0xDD)  # the caller's next use of its rows: a PUT still reading them sends this
                     assert rc == 0, f"exchange rc {rc}: {lib.mt_last_error()}"
                     lib.mt_pxy_error(ctxs[r], err)
                     assert err[0] == 0, f"it {it}: error record {list(err)[:8]}"
-                    par = epoch & 1
-                    out = data[r][par * per_parity : (par + 1) * per_parity].reshape(-1, row_bytes)
-                    want = np.concatenate([
-                        sends[it][s][int(counts[it, s, :r].sum()) : int(counts[it, s, : r + 1].sum())] for s in range(world)
-                    ])
-                    assert np.array_equal(out[: len(want)], want), f"it {it}: rank {r} received wrong rows"
-                    out[: len(want)] = 0xEE  # poison what was read: nobody writes this area before our call it+2
+                    if not read_late:
+                        read(it)
+                for it in range(max(0, iters - 2), iters) if read_late else ():
+                    read(it)
             except BaseException as e:
                 failures.append(f"rank {r}: {e}")
 
@@ -455,13 +478,26 @@ def test_proxy_exchange_many_iterations_in_host_simulation(sim_lib: ctypes.CDLL,
     assert diag.startswith(b"thread idle at slot ") and b"acks 40" in diag, diag
 
 
-@pytest.mark.parametrize("variant", EXCHANGE_VARIANTS[:5], ids=[v[0] for v in EXCHANGE_VARIANTS[:5]])
+@pytest.mark.parametrize("variant", EXCHANGE_VARIANTS, ids=[v[0] for v in EXCHANGE_VARIANTS])
 def test_proxy_exchange_with_asynchronous_streams_in_host_simulation(sim_lib: ctypes.CDLL, variant: tuple) -> None:
     """The same with asynchronous simulated streams (each QP stream a thread running its operations in
-    order, every copy 150 µs late): the safe fence modes still deliver every row before its signal."""
+    order, every copy 150 µs late): the safe fence modes still deliver every row before its signal (batched
+    PUTs too: issued before the signal behind them), and a call returns only once its own PUTs have read the
+    send rows (the reused send buffer is overwritten at once)."""
     failures, st, _ = _sim_exchange(sim_lib, variant, async_delay_us=150, iters=20)
     assert not failures, failures
     assert st[7] == 20
+
+
+@pytest.mark.parametrize("variant", [EXCHANGE_VARIANTS[0], EXCHANGE_VARIANTS[5]], ids=lambda v: v[0])
+def test_a_late_reader_keeps_its_rows_until_its_call_two_later_in_host_simulation(sim_lib: ctypes.CDLL,
+                                                                                   variant: tuple) -> None:
+    """The receive view of call e stays valid until the caller's call e+2: a rank that reads it only then (after
+    that call's counts, slowly) still finds its rows, because a sender writes the area of call e+2 only once the
+    receiver entered it (its count-matrix row of that call)."""
+    failures, st, _ = _sim_exchange(sim_lib, variant, iters=12, read_late=True)
+    assert not failures, failures
+    assert st[7] == 12
 
 
 @pytest.mark.parametrize("variant", [EXCHANGE_VARIANTS[1], EXCHANGE_VARIANTS[5]], ids=lambda v: v[0])
