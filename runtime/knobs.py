@@ -346,7 +346,9 @@ KNOB_DOCS: dict[str, tuple[str, str]] = {
     "qps_per_pe": ("int 1..64", "proxy/ibgda: queue pairs per remote PE."),
     "compression": ("`none` / `fp8_e4m3`", "Dispatch rows on the wire (combine is never compressed)."),
     "scale_granularity": ("`per_token` / `per_128`", "fp8 scales per token or per 128 values."),
-    "chunk_tokens": (f"int 0..{MAX_CHUNK_TOKENS}", "Tokens per message (host_staged: rows per staging slot); 0 = one message per peer."),
+    "chunk_tokens": (f"int 0..{MAX_CHUNK_TOKENS}", "Tokens per message (proxy: rows per PUT, at most 1024 PUTs per "
+                     "peer: max_tokens / chunk_tokens <= 1024, else refused; host_staged: rows per staging slot); 0 = "
+                     "one message per peer."),
     "pipeline_depth": ("int 1..16", "Chunks the tokens are split into (1 = no pipelining)."),
     "num_sms": ("int 1..264", "SMs the one-sided kernels use."),
     "channels": ("int 1..64", "Communicators (lanes) per direction the chunks are spread over (at most 8 used)."),

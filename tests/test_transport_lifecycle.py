@@ -415,3 +415,41 @@ def test_a_reserve_whose_new_buffer_fails_keeps_no_freed_buffer(fake_gpu: tuple,
     assert t.data is None and t.data_bytes == 0
     t.close()
     assert _names(log).count("symm") == _names(log).count("symm_close") == 2  # control + first data buffer, once each
+
+
+# -- chunk_tokens acts as named: at most MAX_SLOTS PUTs per peer ---------------------------------------------------
+def test_proxy_reserve_refuses_a_chunk_tokens_past_the_signal_slots(fake_gpu: tuple) -> None:
+    """A call may send one peer up to max_send_rows rows: more than 1024 PUTs of chunk_tokens rows would make the
+    kernel cut larger chunks than named (csrc/proxy_xchg.h `chunking`), so reserve refuses, naming the knob."""
+    knobs = default_knobs("proxy").replace(chunk_tokens=1)
+    t = ProxyTransport(None, knobs, torch.device("cuda", 0), options=RuntimeOptions())
+    try:
+        t.reserve(1024, 256)  # 1024 PUTs of one row: as named
+        with pytest.raises(KnobError, match=r"knob chunk_tokens: proxy: reserve\(4096 rows\): chunk_tokens=1 would cut "
+                                            r"up to 4096 rows for one peer into 4096 PUTs, more than the 1024 signal "
+                                            r"slots .* use chunk_tokens >= 4"):
+            t.reserve(4096, 256)
+    finally:
+        t.close()
+    t = ProxyTransport(None, default_knobs("proxy").replace(chunk_tokens=4), torch.device("cuda", 0),
+                       options=RuntimeOptions(), max_send_rows=4096, row_bytes=256)
+    t.close()
+
+
+def test_epbuffer_refuses_a_proxy_chunk_tokens_past_the_signal_slots_of_its_max_tokens() -> None:
+    """EPBuffer knows the most rows a call sends one peer (max_tokens: each token once per rank) and refuses a
+    proxy chunk_tokens that would need more than 1024 PUTs for them, before any transport is built; one that fits
+    passes that check (and is refused here only because the proxy needs a CUDA device)."""
+    from moetune.runtime.buffer.facade import EPBuffer
+    from moetune.runtime.shapes import ModelShape
+
+    tiny = ModelShape(name="tiny", hidden=64, intermediate=32, experts=4, topk=2, dtype="float32")
+    with pytest.raises(KnobError, match=r"knob chunk_tokens: EPBuffer: max_tokens=4096: chunk_tokens=1 would cut up to "
+                                        r"4096 rows for one peer into 4096 PUTs, more than the 1024 signal slots"):
+        EPBuffer(None, default_knobs("proxy").replace(chunk_tokens=1), model=tiny, max_tokens=4096, device="cpu")
+    for fits in (default_knobs("proxy").replace(chunk_tokens=4), default_knobs("proxy")):
+        with pytest.raises(KnobError, match="cannot run here"):
+            EPBuffer(None, fits, model=tiny, max_tokens=4096, device="cpu")
+    # host_staged's chunk_tokens is a staging message size: no such limit
+    EPBuffer(None, default_knobs("host_staged").replace(chunk_tokens=1), model=tiny, max_tokens=4096,
+             device="cpu").close()

@@ -170,10 +170,17 @@ def test_put_grid_at_decode_and_prefill() -> None:
 def test_put_grid_drops_chunks_with_the_same_puts_keeping_the_policy_order() -> None:
     pol = load_policy("proxy:ibrc")
     pol = dataclasses.replace(pol, knobs={**pol.knobs, "chunk_tokens": KnobSpec("chunk_tokens", choices=(256, 1, 0, 2, 64, 4096))})
-    # EP 2, S=4096: ~4083 rows per peer; chunks 1 and 2 both hit the 1024-slot cap (4 rows per PUT, 1021 PUTs),
-    # 4096 is one PUT (as 0)
+    # EP 2, S=4096: ~4083 rows per peer; chunks 1 and 2 would need more than the 1024 slots (the kernel would send
+    # 4-row PUTs for both: neither acts as named, and EPBuffer refuses them at max_tokens 4096), 4096 is one PUT
+    # (as 0)
     space = _put_space("proxy:ibrc", 2, 4096, policy=pol)
-    assert space.spec["chunk_tokens"].values() == (256, 1, 0, 64)
+    assert space.spec["chunk_tokens"].values() == (256, 0, 64)
+    for c in (1, 2):
+        with pytest.raises(KnobError, match=rf"chunk_tokens {c} at 4096 tokens per rank: up to \d+ PUTs per peer, more "
+                                            r"than the 1024 signal slots"):
+            space.check(space.policy.defaults.replace(chunk_tokens=c))
+    assert space.project(space.policy.defaults.replace(chunk_tokens=1)).chunk_tokens == 0  # nearest offered
+    assert space.grid_rule() == {"put_grid": "distinct_puts_per_peer", "chunk_slots": "at_most_max_slots"}
     # several group sets: each its own Optuna parameter (one name, one set of choices)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     for _ in range(60):
@@ -183,6 +190,7 @@ def test_put_grid_drops_chunks_with_the_same_puts_keeping_the_policy_order() -> 
         study.tell(t, 1.0)
     small = _put_space("proxy:ibrc", 2, 16, policy=pol)  # 16 rows: only 1 (16 PUTs), 2 (8) and 0 differ
     assert small.spec["chunk_tokens"].values() == (1, 0, 2)
+    assert small.grid_rule() == {"put_grid": "distinct_puts_per_peer"}  # every value fits: the config as before
     assert {k.group_size for k in small.enumerate() if k.chunk_tokens == 2} == {0, 2, 4}
 
 

@@ -114,7 +114,7 @@ MAX_BUFFER_BYTES = 1 << 40
 # What EPBuffer's construction checks locally, in order; a failed check travels as 1 + its index in the first
 # agreement, so the other ranks can say which argument which rank refused
 _CHECKS = ("knobs", "model", "max_tokens", "device", "dtype", "check_inputs", "dense", "expected_tokens", "options",
-           "compression", "scale_granularity", "transport", "layer arguments",
+           "compression", "scale_granularity", "transport", "chunk_tokens", "layer arguments",
            "buffer (that rank's layer was given one, this rank's was not)")
 # the code a layer given an EPBuffer puts first in its own agreement (`layer_agreement`): that agreement has the
 # buffer's first agreement's shape, so a rank building its own buffer meanwhile pairs with it and both raise
@@ -433,6 +433,9 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             self._layout()
             step = "dense"
             self.dense = self._choose_dense(dense, cls)
+            # a call sends a peer at most max_tokens rows (each token once per rank; combine returns what came)
+            step = "chunk_tokens"
+            cls.check_rows(knobs, max(1, self.max_tokens), f"EPBuffer: max_tokens={self.max_tokens}: ")
             # a transport that cannot run on this rank (no CUDA device, no compiled library, no P2P) refused here,
             # in the first agreement: its constructor would fail on this rank only, the others waiting in its
             # collectives until the group's timeout

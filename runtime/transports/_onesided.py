@@ -314,6 +314,8 @@ class OneSidedTransport(EPTransport):
         need = _all_gather_ints([int(max_send_rows), int(row_bytes)], self.group, self.device)
         rows = max(n[0] for n in need)
         rb = max(n[1] for n in need)
+        # a call sends at most `rows` rows to one peer: every rank refuses alike (the same agreed rows)
+        self.check_rows(self.knobs, rows, f"{self.name}: reserve({rows} rows): ")
         per_parity = _round(max(1, self.world * rows * rb))
         if self.data is not None and per_parity <= self.data_bytes:
             return

@@ -103,6 +103,11 @@ class EPTransport(ABC):
         transport whose answer depends on them."""
 
     @classmethod
+    def check_rows(cls, knobs: Knobs, max_rows: int, who: str = "") -> None:
+        """Refuse knobs that would not act as named on calls that send up to `max_rows` rows to one peer (KnobError
+        naming the knob; local, no collective). Default: nothing to refuse (the proxy's chunk_tokens has a limit)."""
+
+    @classmethod
     def combine_shares_lanes(cls, device: torch.device, options: RuntimeOptions) -> bool:
         """Whether pipelined combines do better on the dispatch communicators/lanes than on their own (the
         knob `combine_lanes=auto` asks this). Default: no, combine gets its own."""

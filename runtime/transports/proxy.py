@@ -129,6 +129,20 @@ def check_fifo_slots(fifo_slots: Any, who: str = "") -> None:
         raise ValueError(f"{who}fifo_slots must be <= {hi}, got {fifo_slots}")
 
 
+def check_chunk_tokens(chunk_tokens: int, max_rows: int, who: str = "") -> None:
+    """chunk_tokens rows per PUT on calls that send up to `max_rows` rows to one peer: at most MAX_SLOTS PUTs (one
+    signal slot each), else KnobError. Past that the kernel would cut larger chunks than asked (csrc/proxy_xchg.h
+    `chunking`), silently: a knob value that does not act as named (the tuner offers none: tuner/search/space.py)."""
+    if chunk_tokens <= 0 or max_rows <= 0:
+        return
+    puts = -(-max_rows // chunk_tokens)
+    if puts > MAX_SLOTS:
+        raise KnobError(f"{who}chunk_tokens={chunk_tokens} would cut up to {max_rows} rows for one peer into {puts} "
+                        f"PUTs, more than the {MAX_SLOTS} signal slots a peer has (rows / chunk_tokens must be <= "
+                        f"{MAX_SLOTS}); use chunk_tokens >= {-(-max_rows // MAX_SLOTS)}, 0 (one PUT per peer), or fewer "
+                        "rows per call (max_tokens)", ("chunk_tokens",))
+
+
 def validate_modes(fence_mode: str, qp_mapping: str, qps: int) -> None:
     """The same rule Knobs enforces, for engines built outside a Knobs value."""
     if fence_mode == "none":
@@ -422,6 +436,10 @@ class ProxyTransport(OneSidedTransport):
     @classmethod
     def availability(cls, device: torch.device | None = None, options: RuntimeOptions | None = None) -> Availability:
         return one_sided_availability(device)
+
+    @classmethod
+    def check_rows(cls, knobs: Knobs, max_rows: int, who: str = "") -> None:
+        check_chunk_tokens(knobs.chunk_tokens, max_rows, who)
 
     def _set_data(self) -> None:
         assert self.data is not None

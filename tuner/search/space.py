@@ -14,7 +14,10 @@ cannot produce an infeasible setting:
   `PUT_GROUP_SIZES` (`put_groups`). Given the workload's tokens per rank (`tokens`, with `topk`), the space
   also knows the rows a peer gets (S x P(token needs the peer), `fabric_model.routing.rank_hits`), so it
   offers only chunk_tokens values with distinct PUTs per peer (a chunk >= the rows is one PUT, the same run
-  as chunk_tokens 0) and only group sizes < the PUTs per peer the chunk gives (`put_grid`);
+  as chunk_tokens 0) and only group sizes < the PUTs per peer the chunk gives (`put_grid`). It never offers
+  a chunk_tokens with more than MAX_SLOTS PUTs for the `tokens` rows a call may send one peer (`chunk_fits`):
+  the kernel would cut larger chunks than named and the runtime refuses it (EPBuffer, as the benchmark builds
+  it with max_tokens = tokens);
 - knobs the transport's runtime does not read (`RUNTIME_READS`) are never asked: they stay at the
   policy default, so a stored profile never records a value that did not change the run;
 - `fence_mode` only where the transport has more than one way to order (proxy transports);
@@ -111,6 +114,15 @@ def expected_rows_per_peer(experts: int, topk: int, ep_size: int, tokens: int, r
     _, zipf_s = parse_routing(routing)
     hits = rank_hits(max(1, experts), max(1, min(topk, experts)), zipf_s, max(1, ep_size))
     return tokens * float(max(hits))  # rank_hits caps each probability at 1
+
+
+def chunk_fits(tokens: int, chunk_tokens: int) -> bool:
+    """Whether `chunk_tokens` acts as named on a buffer of max_tokens = `tokens`: a call may send one peer every
+    token, in ceil(tokens / chunk_tokens) PUTs, at most MAX_SLOTS of them (runtime/transports/proxy.py
+    `check_chunk_tokens` refuses the rest; csrc/proxy_xchg.h `chunking` would cut larger chunks)."""
+    from moetune.tuner.fabric_model.predict import MAX_SLOTS
+
+    return chunk_tokens <= 0 or -(-max(1, tokens) // chunk_tokens) <= MAX_SLOTS
 
 
 def put_chunking(rows: float, chunk_tokens: int) -> tuple[int, int]:
@@ -219,11 +231,14 @@ class SearchSpace:
         self.tokens = tokens
         self.rows_per_peer: float | None = None
         self._policy_chunks: tuple[int, ...] = tuple(self.spec["chunk_tokens"].values())
+        self._over_slots = False  # a policy chunk_tokens left out: more than MAX_SLOTS PUTs at `tokens` (grid_rule)
         if self._put_groups and tokens is not None:
             if topk is None:
                 raise ValueError("SearchSpace(tokens=...) needs the model's topk (the rows a peer gets)")
             self.rows_per_peer = expected_rows_per_peer(experts, topk, self.ep_size, tokens, routing)
-            kept = self._distinct_chunks(self._policy_chunks)
+            fitting = tuple(c for c in self._policy_chunks if chunk_fits(tokens, c))
+            self._over_slots = len(fitting) < len(self._policy_chunks)
+            kept = self._distinct_chunks(fitting)
             if kept != self._policy_chunks:
                 self.spec["chunk_tokens"] = KnobSpec("chunk_tokens", choices=kept)
             groups: list[int] = []
@@ -284,8 +299,12 @@ class SearchSpace:
         """What, besides the policy, decides the offered choices (in the study config digest): empty unless
         the PUT grid is bounded by the token count. Constant across token buckets, so the nearest smaller
         bucket's study (`study.neighbour_bucket`, same config) is still found; a study name carries its bucket,
-        so one name always offers one grid."""
-        return {"put_grid": PUT_GRID_RULE} if self.rows_per_peer is not None else {}
+        so one name always offers one grid. Where a policy chunk_tokens is left out for needing more than MAX_SLOTS
+        PUTs (`chunk_fits`; no stock policy at any real token count) the config says so: a study that offered it
+        (before that rule) is not resumed without it."""
+        if self.rows_per_peer is None:
+            return {}
+        return {"put_grid": PUT_GRID_RULE, **({"chunk_slots": "at_most_max_slots"} if self._over_slots else {})}
 
     # -- the decision tree ---------------------------------------------------------------------------
     def _build(self, choose: Chooser) -> Knobs:
@@ -415,6 +434,13 @@ class SearchSpace:
                 f"{knobs.compression}/{knobs.scale_granularity} has an error bound of "
                 f"{p.compression_error(knobs.compression, knobs.scale_granularity):g}, over the policy's budget of "
                 f"{p.error_budget:g}", ("compression", "scale_granularity"))
+        if self.rows_per_peer is not None and self.tokens is not None and not chunk_fits(self.tokens, knobs.chunk_tokens):
+            from moetune.tuner.fabric_model.predict import MAX_SLOTS
+
+            raise KnobError(f"chunk_tokens {knobs.chunk_tokens} at {self.tokens} tokens per rank: up to "
+                            f"{-(-self.tokens // knobs.chunk_tokens)} PUTs per peer, more than the {MAX_SLOTS} signal "
+                            f"slots (the kernel would cut larger chunks; the runtime refuses it); offered: "
+                            f"{list(self.spec['chunk_tokens'].values())}", ("chunk_tokens",))
         if self.rows_per_peer is not None and not self.spec["chunk_tokens"].contains(knobs.chunk_tokens) \
                 and knobs.chunk_tokens in self._policy_chunks:
             same = self._equivalent_chunk(knobs.chunk_tokens)
