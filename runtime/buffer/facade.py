@@ -167,6 +167,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     """
 
     _closed = False  # close() was called
+    transport: EPTransport | None = None  # made by __init__; None only in a constructor that failed before it
 
     def __init__(
         self,
@@ -221,7 +222,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
                               and not _combine_shares(cls, self.device, knobs, opts) else 0)
         n_groups = self.comm_channels + self._combine_base
         if cls.async_exchange:
-            self.transport: EPTransport = cls(group, knobs, self.device, channels=n_groups, options=opts)
+            self.transport = cls(group, knobs, self.device, channels=n_groups, options=opts)
         else:
             self.transport = cls(group, knobs, self.device, options=opts)
         self._fast = cls.async_exchange
@@ -781,9 +782,8 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         if self._closed:
             return
         self._closed = True
-        transport = getattr(self, "transport", None)  # (a constructor that failed before making it)
-        if transport is not None:
-            transport.close()
+        if self.transport is not None:
+            self.transport.close()
 
     def _refuse_closed(self) -> None:
         if self._closed:
