@@ -418,22 +418,61 @@ def test_a_reserve_whose_new_buffer_fails_keeps_no_freed_buffer(fake_gpu: tuple,
 
 
 # -- chunk_tokens acts as named: at most MAX_SLOTS PUTs per peer ---------------------------------------------------
-def test_proxy_reserve_refuses_a_chunk_tokens_past_the_signal_slots(fake_gpu: tuple) -> None:
-    """A call may send one peer up to max_send_rows rows: more than 1024 PUTs of chunk_tokens rows would make the
-    kernel cut larger chunks than named (csrc/proxy_xchg.h `chunking`), so reserve refuses, naming the knob."""
-    knobs = default_knobs("proxy").replace(chunk_tokens=1)
-    t = ProxyTransport(None, knobs, torch.device("cuda", 0), options=RuntimeOptions())
+def test_proxy_reserve_takes_a_per_rank_total_and_does_not_refuse_chunk_tokens_on_it(fake_gpu: tuple) -> None:
+    """max_send_rows is what one rank sends in all, not to one peer: reserve (and the first call's pow2 reserve)
+    cannot tell how many PUTs a peer needs and refuses no chunk_tokens. chunk_tokens=3, a first call of 3000 rows
+    spread over 3 peers is 1000 rows (334 PUTs) per peer; it used to reserve 4096 and refuse it as 1366 PUTs."""
+    t = ProxyTransport(None, default_knobs("proxy").replace(chunk_tokens=3), torch.device("cuda", 0),
+                       options=RuntimeOptions())
     try:
-        t.reserve(1024, 256)  # 1024 PUTs of one row: as named
-        with pytest.raises(KnobError, match=r"knob chunk_tokens: proxy: reserve\(4096 rows\): chunk_tokens=1 would cut "
-                                            r"up to 4096 rows for one peer into 4096 PUTs, more than the 1024 signal "
-                                            r"slots .* use chunk_tokens >= 4"):
-            t.reserve(4096, 256)
+        t._ensure_capacity(3000, 256)  # the first call's sizing: reserve(4096, 256)
+        assert t.data_bytes >= 4096 * 256
+        t._check_call_chunks(3000, torch.tensor([1000, 1000, 1000]))
+        t.reserve(1 << 20, 256)  # a large per-rank total: still no refusal
     finally:
         t.close()
-    t = ProxyTransport(None, default_knobs("proxy").replace(chunk_tokens=4), torch.device("cuda", 0),
+    t = ProxyTransport(None, default_knobs("proxy").replace(chunk_tokens=1), torch.device("cuda", 0),
                        options=RuntimeOptions(), max_send_rows=4096, row_bytes=256)
     t.close()
+
+
+def test_proxy_call_refuses_a_chunk_tokens_past_the_signal_slots_for_its_own_rows_per_peer(fake_gpu: tuple) -> None:
+    """Each call checks its own rows per peer: more than 1024 PUTs of chunk_tokens rows to one peer would make the
+    kernel cut larger chunks than named (csrc/proxy_xchg.h `chunking`), so the call is refused, naming the knob;
+    a call whose total fits reads nothing."""
+    t = ProxyTransport(None, default_knobs("proxy").replace(chunk_tokens=1), torch.device("cuda", 0),
+                       options=RuntimeOptions())
+    try:
+        t._check_call_chunks(1024, torch.tensor([1024]))  # 1024 PUTs of one row: as named
+        t._check_call_chunks(2000, torch.tensor([1000, 1000]))  # over 1024 in all, 1000 per peer: as named
+        with pytest.raises(KnobError, match=r"knob chunk_tokens: proxy: a call sending one peer 4096 rows: "
+                                            r"chunk_tokens=1 would cut up to 4096 rows for one peer into 4096 PUTs, "
+                                            r"more than the 1024 signal slots .* use chunk_tokens >= 4"):
+            t._check_call_chunks(4096, torch.tensor([4096, 0]))
+        with pytest.raises(KnobError, match="1025 PUTs"):
+            t._check_call_chunks(2000, torch.tensor([1025, 975]))
+    finally:
+        t.close()
+    t = ProxyTransport(None, default_knobs("proxy").replace(chunk_tokens=0), torch.device("cuda", 0),
+                       options=RuntimeOptions())
+    t._check_call_chunks(1 << 20, torch.tensor([1 << 20]))  # 0: one PUT per peer, never refused
+    t.close()
+
+
+def test_proxy_exchange_checks_the_rows_per_peer_before_launching(fake_gpu: tuple, monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    """exchange() runs the per-call check on the caller's counts before the kernel: a refused call launches
+    nothing and does not advance the epoch."""
+    log, _fail = fake_gpu
+    t = ProxyTransport(None, default_knobs("proxy").replace(chunk_tokens=1), torch.device("cuda", 0),
+                       options=RuntimeOptions(), max_send_rows=4096, row_bytes=256)
+    try:
+        monkeypatch.setattr(t, "_prepare", lambda send, counts: (send, 256, counts))
+        with pytest.raises(KnobError, match="chunk_tokens"):
+            t.exchange(torch.zeros(4096, 128, dtype=torch.bfloat16), torch.tensor([4096]), None)
+        assert t._epoch == 0 and "mt_pxy_exchange" not in _names(log)
+    finally:
+        t.close()
 
 
 def test_epbuffer_refuses_a_proxy_chunk_tokens_past_the_signal_slots_of_its_max_tokens() -> None:

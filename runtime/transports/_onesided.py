@@ -304,18 +304,20 @@ class OneSidedTransport(EPTransport):
 
     # -- capacity ---------------------------------------------------------------------------------
     def reserve(self, max_send_rows: int, row_bytes: int) -> None:
-        """Collective: size the receive buffer for up to `max_send_rows` rows sent per rank per call.
+        """Collective: size the receive buffer for calls in which each rank sends up to `max_send_rows` rows in
+        all (summed over its destinations: a per-rank bound, not a per-peer one).
 
         Capacity = world x max_send_rows rows of row_bytes, twice (two parity areas: a call writes the
-        area its epoch selects, so the previous call's output stays intact during the next call).
+        area its epoch selects, so the previous call's output stays intact during the next call). Knob limits that
+        depend on the rows sent to one peer (proxy chunk_tokens) are not checked here: the per-rank total only
+        bounds them loosely (3000 rows over 3 peers may be 1000 each); EPBuffer checks its max_tokens (a real
+        per-peer bound) and the proxy each call's own rows per peer.
         """
         self._refuse_closed()
         torch.cuda.synchronize(self.device)
         need = _all_gather_ints([int(max_send_rows), int(row_bytes)], self.group, self.device)
         rows = max(n[0] for n in need)
         rb = max(n[1] for n in need)
-        # a call sends at most `rows` rows to one peer: every rank refuses alike (the same agreed rows)
-        self.check_rows(self.knobs, rows, f"{self.name}: reserve({rows} rows): ")
         per_parity = _round(max(1, self.world * rows * rb))
         if self.data is not None and per_parity <= self.data_bytes:
             return

@@ -115,7 +115,8 @@ class EPTransport(ABC):
 
     # -- sizing (collective: every rank, same arguments) --------------------------------------------
     def reserve(self, max_send_rows: int, row_bytes: int) -> None:
-        """Size the receive buffers for up to `max_send_rows` rows of `row_bytes` per rank (one-sided)."""
+        """Size the receive buffers for calls in which each rank sends up to `max_send_rows` rows of `row_bytes` in
+        all, summed over its destinations (a per-rank bound, not per peer; one-sided)."""
 
     def stage_capacity(self, rows: int, row_bytes: int) -> None:
         """Size the staging slots for blocks of up to `rows` rows of `row_bytes` (host_staged)."""

@@ -458,7 +458,9 @@ class ProxyTransport(OneSidedTransport):
 
     def exchange(self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
         """Returns a view that stays valid until this rank's second next exchange() call."""
+        counts_in = send_counts
         send, rb, sc = self._prepare(send, send_counts)
+        self._check_call_chunks(send.shape[0], counts_in)
         rcv = self._counts_arg(recv_counts) if recv_counts is not None else None
         self._epoch += 1
         k = self.knobs
@@ -469,6 +471,21 @@ class ProxyTransport(OneSidedTransport):
         self._after_call(rc, "mt_pxy_exchange")
         self._keep = (send, sc, rcv)
         return self._recv_view(send, rb, self._epoch)
+
+    def _check_call_chunks(self, rows: int, send_counts: torch.Tensor) -> None:
+        """chunk_tokens against this call's own rows per peer (reserve's max_send_rows is a per-rank total, no
+        per-peer bound): KnobError where one peer would need more than MAX_SLOTS PUTs. Nothing is read when the
+        call's total rows fit (no peer gets more) or counts are on the host; else the counts are read to the host
+        (one synchronisation, only on calls of more than chunk_tokens x MAX_SLOTS rows; skipped during CUDA-graph
+        capture, where they cannot be read). Local: a rank refused here launches nothing, and its peers' exchange
+        reports the missing rank at the timeout, as for a capacity overflow."""
+        ct = int(self.knobs.chunk_tokens)
+        if ct <= 0 or rows <= ct * MAX_SLOTS:
+            return
+        if send_counts.device.type != "cpu" and torch.cuda.is_current_stream_capturing():
+            return
+        peak = int(send_counts.max()) if send_counts.numel() else 0
+        check_chunk_tokens(ct, peak, f"{self.name}: a call sending one peer {peak} rows: ")
 
     def _after_call(self, rc: int, what: str) -> None:
         if rc in (321, 322):  # host wait: the proxy thread failed / the kernel never completed
