@@ -584,3 +584,26 @@ def test_bench_ep_fails_a_wrong_round_trip(monkeypatch: pytest.MonkeyPatch) -> N
     r = _run(*args, width=200)
     assert r.exit_code == 0 and "round trip: max relative error 0.001 (bound 0.03)" in r.stdout, r.output
     assert "FAILED" not in r.output
+
+
+def test_bench_ep_table_shows_every_output_the_verdict_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table and outputs.ep_report_problem iterate over one list (outputs.EP_CHECKS): every check has a label
+    shown beside its error and bound, and an error the verdict fails for not being a number is shown too."""
+    from moetune.runtime.testing import launch
+    from moetune.tuner.measure.outputs import EP_CHECKS, ep_report_problem
+
+    rep = _ep_report(0.001) | {"graph_roundtrip_rel_err": 0.002, "graph_pair_rel_err": 0.5, "max_rel_err": 0.004,
+                               "verify_bound": 0.05}
+    got = [rep]
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: [got[0]])
+    args = ["bench", "ep", "--world", "2", "--backend", "gloo", "--model", TINY_MODEL, "--tokens", "4", "--iters", "1"]
+    r = _run(*args, width=200)
+    assert r.exit_code == 1, r.output
+    for err_key, bound_key, label, _what in EP_CHECKS:
+        assert f"{label}: max relative error {rep[err_key]:.3g} (bound {rep[bound_key]:.3g})" in r.stdout, r.stdout
+    why = ep_report_problem(rep)
+    assert why is not None and "dispatch + combine replayed from a CUDA graph" in why
+    got[0] = _ep_report(0.001) | {"graph_pair_rel_err": "nan?"}
+    r = _run(*args, width=200)
+    assert r.exit_code == 1 and "not a checked number" in r.stderr.replace("\n", " "), r.output
+    assert "dispatch + combine (CUDA graph): max relative error 'nan?' (bound 0.03): not a checked number" in r.stdout

@@ -296,17 +296,21 @@ def _print_table(rep: dict) -> None:
         c.print(f"[yellow]CUDA graph:[/yellow] {rep['graph_error']}")
     if rep.get("profile"):
         c.print(rep["profile"], markup=False, highlight=False)
-    from moetune.tuner.measure.outputs import rel_err_problem
+    from rich.markup import escape
 
-    # each output checked (outputs.ep_report_problem): its relative error beside its bound
-    for err_key, bound_key, label in (("roundtrip_rel_err", "roundtrip_bound", "round trip"),
-                                      ("graph_roundtrip_rel_err", "roundtrip_bound", "round trip (CUDA graph)"),
-                                      ("graph_pair_rel_err", "roundtrip_bound", "dispatch + combine (CUDA graph)"),
-                                      ("max_rel_err", "verify_bound", "verify")):
+    from moetune.tuner.measure.outputs import EP_CHECKS, rel_err_problem
+
+    # each output checked (outputs.ep_report_problem, the same list): its relative error beside its bound
+    for err_key, bound_key, label, what in EP_CHECKS:
         err, bound = rep.get(err_key), rep.get(bound_key)
-        if isinstance(err, int | float) and isinstance(bound, int | float):
-            colour = "red" if rel_err_problem(float(err), float(bound), label) else "green"
-            c.print(f"{label}: max relative error [{colour}]{err:.3g}[/{colour}] (bound {bound:.3g})")
+        if err is None or bound is None:  # a phase not run: not checked
+            continue
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (err, bound)):
+            c.print(f"{label}: max relative error [red]{escape(repr(err))}[/red] (bound {escape(repr(bound))}): not a "
+                    "checked number", highlight=False)
+            continue
+        colour = "red" if rel_err_problem(float(err), float(bound), what) else "green"
+        c.print(f"{label}: max relative error [{colour}]{err:.3g}[/{colour}] (bound {bound:.3g})")
 
 
 # -- named scenarios (bench/scenarios/*.toml; tuner/measure/scenarios.py) -------------------------------------
