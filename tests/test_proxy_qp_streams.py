@@ -113,6 +113,19 @@ def test_an_engine_refuses_more_streams_than_it_can_acknowledge(lib: ctypes.CDLL
     lib.mt_proxy_destroy(h)
 
 
+def test_qps_per_peer_is_a_new_library_abi() -> None:
+    """mt_proxy_create's qps changed meaning (a total -> per peer, npeers*qps streams, the 201 refusal) and
+    MtGpuView.qps became nstreams: an ABI-18 library (MOETUNE_CSRC_LIB) would pass the load check and take qps as
+    the total, so the library and its Python check both say 19 or later, and agree."""
+    import re
+
+    from moetune.runtime import csrc_build
+
+    src = (Path(__file__).resolve().parents[1] / "csrc" / "mt_common.cu").read_text()
+    abi = int(re.search(r"mt_abi_version\(\) \{ return (\d+);", src).group(1))
+    assert abi == csrc_build.ABI_VERSION >= 19
+
+
 @pytest.mark.parametrize("qps", [1, 2, 4, 8])
 def test_the_exchange_spreads_a_peers_signal_groups_over_its_qps_streams(lib: ctypes.CDLL, qps: int) -> None:
     """The exchange kernel's producer (decoupled, 1 row per PUT, groups of 2: 4 groups per peer) with nic_ordered +
