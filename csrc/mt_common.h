@@ -155,9 +155,11 @@ MT_DEV void report(const WaitCtx& w, int code, int peer, int slot, uint64_t epoc
 enum { MT_WAIT_TAG = 0, MT_WAIT_GE = 1, MT_WAIT_EQ = 2 };
 
 // Spin until *p >= target (MT_WAIT_GE), (*p >> MT_TAG_SHIFT) == target (MT_WAIT_TAG) or *p == target
-// (MT_WAIT_EQ). Returns the last value seen; on timeout reports `code` and returns with ok=false.
+// (MT_WAIT_EQ). Returns the last value seen; on timeout reports `code` and returns with ok=false. heed_abort
+// false: the abort flag does not end the wait, only the timeout does (a wait that must not return early even after
+// another lane failed: the ACK of this rank's own transfers, which still read the caller's buffer until it comes).
 MT_DEV uint64_t wait_word(const WaitCtx& w, const uint64_t* p, uint64_t target, int how, int code, int peer, int slot,
-                          bool* ok) {
+                          bool* ok, bool heed_abort = true) {
   uint64_t v = ld_acquire_sys(p);
   uint64_t t0 = 0;
   uint32_t spins = 0;
@@ -165,7 +167,7 @@ MT_DEV uint64_t wait_word(const WaitCtx& w, const uint64_t* p, uint64_t target, 
     if ((++spins & 1023u) == 0) {
       uint64_t t = now_ns();
       if (t0 == 0) t0 = t;
-      if (*(volatile int*)w.abort_flag != 0 || t - t0 > w.timeout_ns) {
+      if ((heed_abort && *(volatile int*)w.abort_flag != 0) || t - t0 > w.timeout_ns) {
         report(w, code, peer, slot, target, v, target);
         *ok = false;
         return v;

@@ -56,6 +56,9 @@ struct Producer {
   const PxParams* p;
   uint64_t cached_tail;
   bool ok;
+  bool sent = false;  // a PUT that reads `send` is in the FIFO: from then on a full FIFO is waited out up to the
+                      // timeout even after an abort (a push that gives up leaves its claimed slot unwritten, so the
+                      // engine never reaches the ACK, and the call could return while those PUTs still read `send`)
 
   MT_DEV void push(uint32_t op, uint32_t peer, uint32_t flags, uint32_t sig_idx, uint64_t src, uint64_t dst_off,
                    uint64_t bytes, uint64_t value) {
@@ -67,7 +70,7 @@ struct Producer {
       for (;;) {
         cached_tail = mt::ld_volatile(v.tail_dev);
         if (slot - cached_tail < v.nslots) break;
-        if (mt::now_ns() - t0 > p->w.timeout_ns || *(volatile int*)p->w.abort_flag) {
+        if (mt::now_ns() - t0 > p->w.timeout_ns || (!sent && *(volatile int*)p->w.abort_flag)) {
           mt::report(p->w, MT_ERR_FIFO_FULL, (int)peer, (int)(slot % v.nslots), p->epoch, cached_tail, slot);
           ok = false;
           return;
@@ -86,11 +89,16 @@ struct Producer {
     mt::fence_system();
     d[7] = slot + 1;    // ready flag last
     mt::fence_system();  // push the ready flag out now: the thread may spin next (never leave it buffered)
+    if (op == MT_OP_PUT && bytes > 0) sent = true;
   }
 };
 
-// Thread 0 of the exchange: count-matrix rows, offsets, PUTs and signals, then the ACK.
-MT_DEV void produce_exchange(const PxParams& p) {
+// Thread 0 of the exchange: count-matrix rows, offsets, PUTs and signals, then the ACK. Returns whether the ACK
+// went into the FIFO: it does whenever the FIFO takes requests, also after a failed wait ended the PUTs early (the
+// PUTs already pushed still read `send`; thread 31 must be able to wait for them). False only when a push gave up
+// on a full FIFO (MT_ERR_FIFO_FULL reported): before any PUT on the abort flag (nothing reads `send`), after one
+// only on the timeout (the engine stuck that long; nothing can confirm the PUTs before it).
+MT_DEV bool produce_exchange(const PxParams& p) {
   const int par = (int)(p.epoch & 1);
   const uint64_t tag = tag_of(p.epoch);
   const uint64_t* mat = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_MAT);
@@ -101,7 +109,7 @@ MT_DEV void produce_exchange(const PxParams& p) {
       pr.push(MT_OP_WRITE64, q, 0, 0, 0, MT_OFF_MAT + 8ull * ((size_t)(par * MT_MAX_WORLD + p.rank) * MT_MAX_WORLD + col),
               0, mt::tagged(tag, (uint64_t)p.send_counts[col]));
   long long src_off = 0;
-  for (int d = 0; d < p.world && pr.ok; ++d) {
+  for (int d = 0; d < p.world && pr.ok; ++d) {  // pr.ok false: the FIFO stayed full (reported)
     const long long cnt = p.send_counts[d];
     long long dst_rows = 0;
     bool ok = true;
@@ -114,10 +122,7 @@ MT_DEV void produce_exchange(const PxParams& p) {
     if (ok && d >= p.rank)
       mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD), tag, false, MT_ERR_TIMEOUT_COUNTS, d,
                     -3, &ok);
-    if (!ok) {
-      pr.ok = false;
-      break;
-    }
+    if (!ok) break;  // no more PUTs; the ACK below still covers those pushed
     const bool fits = (uint64_t)(dst_rows + cnt) * p.row_bytes <= p.data_bytes;
     if (!fits)
       mt::report(p.w, MT_ERR_CAPACITY, d, (int)cnt, p.epoch, (uint64_t)(dst_rows + cnt), p.data_bytes / p.row_bytes);
@@ -139,6 +144,7 @@ MT_DEV void produce_exchange(const PxParams& p) {
     src_off += cnt;
   }
   pr.push(MT_OP_ACK, 0, 0, 0, 0, 0, 0, p.epoch);
+  return pr.ok;
 }
 
 // The lane that checks the receive capacity (below): past every source lane (world <= MT_MAX_WORLD < 30).
@@ -166,8 +172,11 @@ MT_DEV void check_receive_capacity(const PxParams& p) {
 
 // Lane t of the exchange after the producer: t < world waits for source t's count and signals;
 // t == kCapacityLane checks that what all sources send fits this rank's area;
-// t == 31 waits until this rank's own transfers completed (the send rows may be reused afterwards).
-MT_DEV void wait_exchange_lane(const PxParams& p, int t) {
+// t == 31 waits until this rank's own transfers completed (the send rows may be reused afterwards): for the ACK
+// (acked: produce_exchange's result), up to its own timeout even when another lane (a capacity or count error, a
+// peer's timeout) raised the abort flag -- the engine still processes the ACK, and the call must not return while
+// its PUTs may still read `send` (a caller that catches the error reuses it at once).
+MT_DEV void wait_exchange_lane(const PxParams& p, int t, bool acked) {
   const int par = (int)(p.epoch & 1);
   const uint64_t tag = tag_of(p.epoch);
   const uint64_t* mat = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_MAT);
@@ -187,9 +196,9 @@ MT_DEV void wait_exchange_lane(const PxParams& p, int t) {
     for (int k = 0; k < nsig && ok; ++k) mt::wait_word(p.w, sig + k, p.epoch, true, MT_ERR_TIMEOUT_SIGNAL, t, k, &ok);
   } else if (t == kCapacityLane) {
     check_receive_capacity(p);
-  } else if (t == 31) {
+  } else if (t == 31 && acked) {
     for (int q = 0; q < p.v.nstreams && ok; ++q)
-      mt::wait_word(p.w, p.v.ack_dev + q, p.epoch, true, MT_ERR_TIMEOUT_OUTGOING, -1, q, &ok);
+      mt::wait_word(p.w, p.v.ack_dev + q, p.epoch, true, MT_ERR_TIMEOUT_OUTGOING, -1, q, &ok, false);
   }
 }
 

@@ -110,11 +110,12 @@ class SimRanks:
             raise
 
     def exchange(self, sends: list[np.ndarray], counts: list[list[int]], epoch: int = 1, *, coupled: int = 1,
-                 group: int = 0, chunk_rows: int = 0) -> list[dict]:
+                 group: int = 0, chunk_rows: int = 0, reuse_send: int | None = None) -> list[dict]:
         """counts + exchange of call `epoch` on one thread per rank: rank r sends the rows `sends[r]` ([rows,
         row_bytes] uint8), counts[r][d] of them to rank d in rank order (signalling, group size, rows per PUT: the
-        mt_pxy_exchange arguments). Per rank: the calls' return codes, the error record, the receive counts and this
-        call's receive area (rows of row_bytes)."""
+        mt_pxy_exchange arguments). reuse_send: each rank fills its send rows with this byte as soon as its exchange
+        call returns, failed or not (as EPBuffer's pack kernel reuses _send). Per rank: the calls' return codes, the
+        error record, the receive counts and this call's receive area (rows of row_bytes)."""
         lib, out = self.lib, [dict() for _ in range(self.world)]
 
         def rank_main(r: int) -> None:
@@ -125,6 +126,8 @@ class SimRanks:
                 rc_counts = lib.mt_pxy_counts(self.ctxs[r], sc.ctypes.data, recv.ctypes.data, epoch, 0)
                 rc = lib.mt_pxy_exchange(self.ctxs[r], sends[r].ctypes.data, rb, sc.ctypes.data, recv.ctypes.data,
                                          coupled, group, chunk_rows, epoch, 0)
+                if reuse_send is not None:
+                    sends[r][:] = reuse_send
                 err = (ctypes.c_int * 16)()
                 lib.mt_pxy_error(self.ctxs[r], err)
                 par = epoch & 1

@@ -65,6 +65,29 @@ def test_senders_that_fit_together_raise_no_capacity_error(lib: ctypes.CDLL) -> 
     assert out[0]["rows"][:, 0].tolist() == [20] * 4 + [21] * 3 + [22]
 
 
+def test_an_overflowed_receiver_returns_only_after_its_own_puts_landed(lib: ctypes.CDLL) -> None:
+    """A capacity error raises the abort flag; the call must still wait for the ACK of its rank's OWN PUTs to healthy
+    peers before it returns (thread 31 waits for the ACK up to its own timeout, abort or not): a caller that catches
+    the error reuses the send rows at once. Rank 1 sends 9 rows to rank 2 (8 held: no copy; ranks 1 and 2 report),
+    rank 2 sends 4 rows to rank 0. Streams are asynchronous and every copy is delayed by 200 ms, so a call that
+    returned on the abort flag would let rank 2 overwrite its rows before the copy to rank 0 read them: rank 0 would
+    get the overwritten rows under a valid signal."""
+    world, rb, cap = 3, 16, 8
+    lib.mtsim_set_async(1, 200_000)
+    ranks = proxy_sim.SimRanks(lib, world, cap * rb, timeout_s=5.0)
+    try:
+        sends = [np.full((n, rb), 30 + r, dtype=np.uint8) for r, n in enumerate((1, 9, 4))]
+        out = ranks.exchange(sends, [[0, 0, 0], [0, 0, 9], [4, 0, 0]], reuse_send=0xEE)
+    finally:
+        ranks.close()
+        lib.mtsim_set_async(0, 0)
+    r0, r1, r2 = out
+    assert r1["err"][:4] == [ERR_CAPACITY, 1, 2, 9], r1["err"]  # rank 1's 9 rows to rank 2 would end at row 9
+    assert r2["err"][0] == ERR_CAPACITY and r2["err"][1] == 2, r2["err"]
+    assert r0["rc"] == 0 and r0["err"][0] == 0 and r0["recv"] == [0, 0, 4], r0["err"]
+    assert r0["rows"][:4].tolist() == [[32] * rb] * 4  # rank 2's rows as they were when its call began
+
+
 def test_capacity_check_sits_on_a_lane_of_its_own() -> None:
     """The receiver's check runs on lane 30 of the proxy kernel's warp (past every source lane: world <= 8 < 30);
     the NVLink kernel's CTA 0 makes the same check and report (run on GPUs: tests/test_gpu_onesided.py)."""
