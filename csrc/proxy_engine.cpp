@@ -581,14 +581,24 @@ struct Engine {
   }
 
   // A kernel call numbered `seq` that writes `seq` into `*word` when it finished is about to be launched: until
-  // then the thread does not sleep. Then wake().
+  // then the thread does not sleep. Then wake(). word null (a launch being captured: it runs at a replay nobody
+  // announces): only the wake; the marker of an earlier call still in flight stays (clearing it would let the
+  // thread sleep under that call).
   void expect(const uint64_t* word, uint64_t seq) {
-    {
+    if (word != nullptr) {
       std::lock_guard<std::mutex> g(idle_mu);
       hot_word = word;
       hot_seq = seq;
     }
     wake();
+  }
+
+  // The launch of call `seq` announced on `word` failed (it never writes the word): the marker goes back to the
+  // call before it on that word (seq - 1, the same context's previous launch, stream-ordered: still polled for
+  // while unfinished), if the marker is still this call's.
+  void retract(const uint64_t* word, uint64_t seq) {
+    std::lock_guard<std::mutex> g(idle_mu);
+    if (hot_word == word && hot_seq == seq) hot_seq = seq - 1;
   }
 
   // `word` is about to be freed: never read it again.
@@ -1010,8 +1020,15 @@ extern "C" int mt_proxy_mark_gpu_producer_internal(void* h) {
 
 // A GPU producer's kernel call numbered `seq` is about to be launched; it writes `seq` (or more) into `*done_word`
 // when it finished. A sleeping proxy thread comes back now and does not sleep again until then (Engine::expect).
+// done_word null: the wake only (a captured launch), the marker of a call in flight is kept.
 extern "C" int mt_proxy_expect_internal(void* h, const uint64_t* done_word, uint64_t seq) {
   static_cast<Engine*>(h)->expect(done_word, seq);
+  return 0;
+}
+
+// The launch announced as (done_word, seq) failed: the thread polls for the call before it again (Engine::retract).
+extern "C" int mt_proxy_retract_internal(void* h, const uint64_t* done_word, uint64_t seq) {
+  static_cast<Engine*>(h)->retract(done_word, seq);
   return 0;
 }
 

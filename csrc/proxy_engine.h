@@ -93,6 +93,7 @@ extern "C" int mt_proxy_mark_gpu_producer_internal(void* engine);
 // A kernel call numbered seq, which writes seq into *done_word when finished, is about to be launched: the proxy
 // thread comes back from an idle sleep and polls until then. forget: done_word is about to be freed.
 extern "C" int mt_proxy_expect_internal(void* engine, const uint64_t* done_word, uint64_t seq);
+extern "C" int mt_proxy_retract_internal(void* engine, const uint64_t* done_word, uint64_t seq);
 extern "C" int mt_proxy_forget_internal(void* engine, const uint64_t* done_word);
 // The engine's error (0 = none; message into buf) -- also exported to Python.
 extern "C" int mt_proxy_error(void* engine, char* buf, int len);

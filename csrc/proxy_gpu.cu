@@ -240,7 +240,7 @@ static void announce(PxCtx* c, uint64_t seq, uint64_t stream) {
 #ifndef MT_HOST_SIM
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing((cudaStream_t)stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone) {
-    mt_proxy_expect_internal(c->engine, nullptr, 0);
+    mt_proxy_expect_internal(c->engine, nullptr, 0);  // wake only: an earlier call in flight keeps its marker
     return;
   }
 #else
@@ -250,9 +250,11 @@ static void announce(PxCtx* c, uint64_t seq, uint64_t stream) {
 }
 
 #ifndef MT_HOST_SIM
-// A launch failed: its kernel never writes the completion word, so the thread need not poll for it.
-static int launch_failed(PxCtx* c, cudaError_t e) {
-  mt_proxy_forget_internal(c->engine, c->done_host);
+// A launch failed: its kernel never writes the completion word, so the thread need not poll for it; it polls for
+// the launch before it again (an asynchronous call may still be in flight: forgetting the word would let the
+// thread sleep under it). A captured launch announced nothing: the retract finds another seq and does nothing.
+static int launch_failed(PxCtx* c, cudaError_t e, uint64_t seq) {
+  mt_proxy_retract_internal(c->engine, c->done_host, seq);
   mt::set_error("proxy kernel launch -> %s (%s)", cudaGetErrorName(e), cudaGetErrorString(e));
   return (int)e;
 }
@@ -271,7 +273,7 @@ MT_API int mt_pxy_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
 #else
   (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   pxy_counts_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
-  if (cudaError_t le = cudaGetLastError(); le != cudaSuccess) return launch_failed(c, le);
+  if (cudaError_t le = cudaGetLastError(); le != cudaSuccess) return launch_failed(c, le, p.done_value);
 #endif
   return c->host_wait ? host_wait_done(c, p.done_value, stream) : 0;
 }
@@ -298,7 +300,7 @@ MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t row_bytes, const 
 #else
   (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   pxy_exchange_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
-  if (cudaError_t le = cudaGetLastError(); le != cudaSuccess) return launch_failed(c, le);
+  if (cudaError_t le = cudaGetLastError(); le != cudaSuccess) return launch_failed(c, le, p.done_value);
 #endif
   return c->host_wait ? host_wait_done(c, p.done_value, stream) : 0;
 }

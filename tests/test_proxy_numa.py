@@ -630,6 +630,46 @@ def test_an_announced_call_keeps_the_engine_polling_until_it_finished(sim: ctype
         sim.mt_proxy_destroy(h)
 
 
+def test_a_captured_or_failed_launch_keeps_the_marker_of_a_call_in_flight(sim: ctypes.CDLL, faults) -> None:
+    """An asynchronous call 1 is in flight (word 0 < 1). A launch being captured announces with a null word
+    (csrc/proxy_gpu.cu announce): a wake only, the thread keeps polling for call 1. The launch of call 2 fails
+    (launch_failed -> mt_proxy_retract_internal(word, 2)): the marker goes back to call 1, still unfinished, so the
+    thread keeps polling -- clearing it (as the capture and forget() did) let it sleep up to 1 ms under call 1."""
+    faults()
+    keep: list = []
+    h = engine(sim, None, keep)
+    done = ctypes.c_uint64(0)
+    sim.mt_proxy_expect_internal.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64]
+    sim.mt_proxy_retract_internal.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64]
+    sim.mt_proxy_forget_internal.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
+
+    def polls_without_sleeping() -> bool:  # 2048 yields before a 5th sleep (an idle thread sleeps ~1000 a second)
+        mid = idle_counters(sim)
+        wait_for(lambda: idle_counters(sim)["yields"] - mid["yields"] >= 2 * 1024
+                 or idle_counters(sim)["sleeps"] - mid["sleeps"] >= 5)
+        end = idle_counters(sim)
+        return end["yields"] - mid["yields"] >= 2 * 1024 and end["sleeps"] - mid["sleeps"] <= 1
+
+    try:
+        start = idle_counters(sim)
+        assert wait_for(lambda: idle_counters(sim)["sleeps"] - start["sleeps"] >= 12), "the idle thread never slept"
+        assert sim.mt_proxy_expect_internal(h, ctypes.byref(done), 1) == 0
+        assert polls_without_sleeping()
+        assert sim.mt_proxy_expect_internal(h, None, 0) == 0  # a captured launch
+        assert polls_without_sleeping(), "a captured launch cleared the marker of call 1 in flight"
+        assert sim.mt_proxy_expect_internal(h, ctypes.byref(done), 2) == 0
+        assert sim.mt_proxy_retract_internal(h, ctypes.byref(done), 2) == 0  # call 2's launch failed
+        assert polls_without_sleeping(), "a failed launch cleared the marker of call 1 in flight"
+        assert sim.mt_proxy_retract_internal(h, ctypes.byref(done), 7) == 0  # not the marker's call: no change
+        assert polls_without_sleeping()
+        done.value = 1  # call 1 finished: back to sleep
+        after = idle_counters(sim)
+        assert wait_for(lambda: idle_counters(sim)["sleeps"] - after["sleeps"] >= 50), "it did not sleep again"
+        assert sim.mt_proxy_forget_internal(h, ctypes.byref(done)) == 0
+    finally:
+        sim.mt_proxy_destroy(h)
+
+
 # -- on a GPU -------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the proxy engine on a real device)")
