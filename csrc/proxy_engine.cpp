@@ -327,6 +327,9 @@ struct Engine {
     return false;
   }
 
+  // phase_peer: a peer index, or kPhaseStream | a global stream index (drains, ACKs, batched copies; mt_proxy_diag
+  // names which).
+  static constexpr uint32_t kPhaseStream = 1u << 31;
   void enter(int ph, uint32_t peer) {
     phase_peer.store(peer, std::memory_order_relaxed);
     phase_since.store(mono_ns(), std::memory_order_relaxed);
@@ -342,7 +345,7 @@ struct Engine {
     uint64_t t0 = mono_ns();
     for (int q = 0; q < nstreams; ++q) {
       if (dirty[q]) {
-        cuda_ok((enter(PH_SYNC, (uint32_t)q), leave(cudaStreamSynchronize(streams[q]))), "cudaStreamSynchronize (drain)");
+        cuda_ok((enter(PH_SYNC, kPhaseStream | (uint32_t)q), leave(cudaStreamSynchronize(streams[q]))), "cudaStreamSynchronize (drain)");
         dirty[q] = 0;
       }
     }
@@ -402,7 +405,7 @@ struct Engine {
       }
       case MT_OP_ACK:
         for (int q = 0; q < nstreams; ++q)
-          cu_ok((enter(PH_WRITE, (uint32_t)q), leave(write64((CUstream)streams[q], (CUdeviceptr)(ack_dev + q), r.value, 0))),
+          cu_ok((enter(PH_WRITE, kPhaseStream | (uint32_t)q), leave(write64((CUstream)streams[q], (CUdeviceptr)(ack_dev + q), r.value, 0))),
                 "cuStreamWriteValue64 (ack)");
         std::fill(rr.begin(), rr.end(), 0u);  // the next call's rotation starts at each peer's first stream
         stats[ST_ACKS]++;
@@ -418,7 +421,7 @@ struct Engine {
       size_t n = p.dst.size();
       if (n == 0) continue;
       if (n == 1) {
-        cuda_ok((enter(PH_COPY, (uint32_t)q), leave(cudaMemcpyAsync(p.dst[0], p.src[0], p.size[0], cudaMemcpyDeviceToDevice,
+        cuda_ok((enter(PH_COPY, kPhaseStream | (uint32_t)q), leave(cudaMemcpyAsync(p.dst[0], p.src[0], p.size[0], cudaMemcpyDeviceToDevice,
                                                                      streams[q]))),
                 "cudaMemcpyAsync (put)");
       } else {
@@ -426,7 +429,7 @@ struct Engine {
         memset(&attr, 0, sizeof(attr));
         attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
         size_t idx = 0;
-        cuda_ok((enter(PH_COPY, (uint32_t)q),
+        cuda_ok((enter(PH_COPY, kPhaseStream | (uint32_t)q),
                  leave(cudaMemcpyBatchAsync(p.dst.data(), p.src.data(), p.size.data(), n, &attr, &idx, 1, streams[q]))),
                 "cudaMemcpyBatchAsync (puts)");
         stats[ST_BATCHES]++;
@@ -870,9 +873,12 @@ MT_API int mt_proxy_diag(void* h, char* buf, int len) {
   const int ph = e->phase.load(std::memory_order_acquire);
   static const char* names[] = {"idle", "cudaMemcpyAsync", "cuStreamWriteValue64", "cudaStreamSynchronize"};
   char what[192];
-  if (ph != PH_IDLE)
-    snprintf(what, sizeof(what), "inside %s (peer/qp %u) for %.3f s", names[ph & 3], e->phase_peer.load(),
-             (double)(mono_ns() - e->phase_since.load()) / 1e9);
+  if (ph != PH_IDLE) {
+    const uint32_t pp = e->phase_peer.load();
+    const bool stream = (pp & Engine::kPhaseStream) != 0;
+    snprintf(what, sizeof(what), "inside %s (%s %u) for %.3f s", names[ph & 3], stream ? "stream" : "peer",
+             pp & ~Engine::kPhaseStream, (double)(mono_ns() - e->phase_since.load()) / 1e9);
+  }
   else
     snprintf(what, sizeof(what), "idle at slot %llu (ready flag there %llu, waiting for %llu)",
              (unsigned long long)tail, (unsigned long long)seq, (unsigned long long)(tail + 1));

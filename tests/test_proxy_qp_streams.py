@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -111,6 +112,40 @@ def test_an_engine_refuses_more_streams_than_it_can_acknowledge(lib: ctypes.CDLL
     assert b"9 peers x 64 QPs per peer = 576 streams, more than 512" in lib.mt_last_error()
     assert lib.mt_proxy_create(0, 8, addrs, addrs, addrs, 64, PEER_HASH, DRAIN, 64, None, 0, ctypes.byref(h)) == 0
     lib.mt_proxy_destroy(h)
+
+
+def test_the_diagnosis_names_a_stream_as_a_stream(lib: ctypes.CDLL) -> None:
+    """mt_proxy_diag says which peer or which stream the thread is stuck on: a drain's cudaStreamSynchronize (and an
+    ACK's write, a batch's copy) is on a global stream index (peer * qps + k), not a peer or a QP of one. 2 peers x
+    2 QPs, asynchronous streams with every copy 300 ms late: a PUT to peer 1 covered by slot 1 (peer_hash: stream 3),
+    then its SIGNAL, whose drain waits on stream 3."""
+    lib.mt_proxy_diag.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    lib.mtsim_set_async(1, 300_000)
+    src = (ctypes.c_uint8 * 64)()
+    data = [(ctypes.c_uint8 * 64)() for _ in range(2)]
+    ctrl = [(ctypes.c_uint64 * 8)() for _ in range(2)]
+    sig = [(ctypes.c_uint64 * 64)() for _ in range(2)]
+    addr = ctypes.addressof
+    h = ctypes.c_void_p()
+    assert lib.mt_proxy_create(0, 2, proxy_sim.u64([addr(d) for d in data]), proxy_sim.u64([addr(c) for c in ctrl]),
+                               proxy_sim.u64([addr(s) for s in sig]), 2, PEER_HASH, DRAIN, 64, None, 0,
+                               ctypes.byref(h)) == 0, lib.mt_last_error()
+    try:
+        arr = (Request * 2)(Request(OP_PUT, 1, 0, 1, addr(src), 0, 64, 0, 0, 0), Request(OP_SIGNAL, 1, 0, 1, 0, 0, 0, 9, 0, 0))
+        assert lib.mt_proxy_enqueue(h, arr, 2, 10.0) == 0, lib.mt_last_error()
+        buf = ctypes.create_string_buffer(512)
+        seen = []
+        for _ in range(200):
+            lib.mt_proxy_diag(h, buf, 512)
+            seen.append(buf.value)
+            if b"inside cudaStreamSynchronize" in buf.value:
+                break
+            time.sleep(0.001)
+        assert b"inside cudaStreamSynchronize (stream 3)" in buf.value, seen[-3:]
+        assert lib.mt_proxy_quiesce(h, 10.0) == 0, lib.mt_last_error()
+    finally:
+        lib.mt_proxy_destroy(h)
+        lib.mtsim_set_async(0, 0)
 
 
 def test_qps_per_peer_is_a_new_library_abi() -> None:
