@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proc_checks import gone_within, kill
+
 pytestmark = pytest.mark.timeout(120)
 
 # ranks that say where they are (a file each, written whole) and then wait a minute, as a benchmark mid-run
@@ -37,6 +40,7 @@ def sleepy(rank, world, folder):
 LAUNCHER = """
 import signal, sys
 from moetune.runtime.testing.launch import launch
+
 from sleepy_rank import sleepy
 
 def interrupt(*_):
@@ -50,35 +54,6 @@ except KeyboardInterrupt:
 """
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead but not reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _gone_within(pids: list[int], seconds: float) -> list[int]:
-    """The pids of `pids` still running after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
-
-
-def _kill(pids: list[int], proc: subprocess.Popen) -> None:
-    """The test's clean-up, whatever it stopped at: SIGKILL to `proc` (reaped) and to `pids`."""
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
-
-
 def _start_launcher(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
     """The launcher running two sleeping ranks; their pids once both are in their function."""
     (tmp_path / "sleepy_rank.py").write_text(SLEEPY_RANK)
@@ -90,7 +65,7 @@ def _start_launcher(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
     while not all(m.exists() for m in marks) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     if not all(m.exists() for m in marks):
-        _kill([], proc)
+        kill([], proc)
         raise AssertionError(f"the ranks did not start: {proc.communicate()}")
     return proc, [int(m.read_text()) for m in marks]
 
@@ -99,11 +74,11 @@ def test_an_interrupted_launch_ends_its_ranks_at_once(tmp_path: Path) -> None:
     proc, ranks = _start_launcher(tmp_path)
     try:
         proc.send_signal(signal.SIGTERM)
-        assert _gone_within(ranks, 3.0) == [], "the ranks outlived the interrupt by 3 s (joined 5 s each first)"
+        assert gone_within(ranks, 3.0) == [], "the ranks outlived the interrupt by 3 s (joined 5 s each first)"
         proc.communicate(timeout=10)
         assert proc.returncode == 130
     finally:
-        _kill(ranks, proc)
+        kill(ranks, proc)
 
 
 def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path: Path) -> None:
@@ -111,9 +86,9 @@ def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path: Path) -> N
     try:
         proc.kill()
         proc.wait()
-        assert _gone_within(ranks, 3.0) == [], "the ranks kept running, re-parented to init"
+        assert gone_within(ranks, 3.0) == [], "the ranks kept running, re-parented to init"
     finally:
-        _kill(ranks, proc)
+        kill(ranks, proc)
 
 
 def _spawned_ranks(parent: int) -> list[int]:
@@ -165,6 +140,6 @@ def test_sigterm_ends_bench_ep_with_a_line_and_no_rank_left(tmp_path: Path) -> N
         assert ("terminated (SIGTERM): the benchmark was stopped and its 2 rank process(es) ended; no report "
                 "printed") in " ".join(said.split()), said
         assert out.read_text() == "" and "Traceback" not in said and "Aborted" not in said
-        assert _gone_within(ranks, 0.5) == [], "a rank outlived `bench ep`"
+        assert gone_within(ranks, 0.5) == [], "a rank outlived `bench ep`"
     finally:
-        _kill(ranks, proc)
+        kill(ranks, proc)

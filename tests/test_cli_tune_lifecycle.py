@@ -31,42 +31,17 @@ from moetune.tuner.cli import app
 CAPTURES = Path(__file__).resolve().parent / "captures"
 runner = CliRunner()
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proc_checks import alive, gone_within, kill  # noqa: E402
+
 pytestmark = pytest.mark.timeout(120)
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead but not reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _gone_within(pids: list[int], seconds: float) -> list[int]:
-    """The pids of `pids` still running after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
-
-
-def _kill(pids: list[int], proc: subprocess.Popen | None = None) -> None:
-    """SIGKILL to `pids` and to `proc` (reaped) if it still runs: a test's clean-up whatever it stopped at."""
-    if proc is not None and proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 # A stand-in for the bench worker (no torch): ready at once, one "rank" child in its process group, and a case
 # that measures for a minute without reading stdin again (as a real worker mid-case). It writes both pids.
 FAKE_WORKER = """
 import json, subprocess, sys, time
+
 rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 print(json.dumps({"ready": True}), flush=True)
 sys.stdin.readline()
@@ -109,9 +84,9 @@ def test_sigterm_ends_a_local_tune_as_ctrl_c_and_its_worker_with_it(tmp_path: Pa
         assert proc.returncode == 143, out + err
         assert "terminated (SIGTERM): the study is saved; run the same command again to resume" in err, err
         assert "Traceback" not in out + err
-        assert _gone_within(pids, 3.0) == [], "the bench worker or its rank outlived the tune"
+        assert gone_within(pids, 3.0) == [], "the bench worker or its rank outlived the tune"
     finally:
-        _kill(pids, proc)
+        kill(pids, proc)
 
 
 # A parent that starts a child which asks to die with it (die_with_parent, as each rank of the worker does), then
@@ -134,12 +109,12 @@ def test_a_rank_dies_with_its_worker(tmp_path: Path) -> None:
     try:
         assert parent.stdout is not None
         child = [int(parent.stdout.readline())]
-        assert _alive(child[0])
+        assert alive(child[0])
         parent.kill()
         parent.wait()
-        assert _gone_within(child, 3.0) == []
+        assert gone_within(child, 3.0) == []
     finally:
-        _kill(child, parent)
+        kill(child, parent)
 
 
 # A rank of `serve` (spawned: a function of an importable module): joins at once, then measures a case for a minute.
@@ -179,7 +154,7 @@ def test_the_worker_ends_when_the_process_that_started_it_is_gone(tmp_path: Path
     assert worker.serve(2, "gloo", 10.0, stdin=cases(), stdout=out, parent_pid=parent) == 3
     assert time.monotonic() - t0 < 30
     assert '"ready": true' in out.getvalue()
-    assert not [p for p in multiprocessing.active_children() if p.is_alive()]  # the ranks were killed
+    assert not [p for p in multiprocessing.active_children() if p.isalive()]  # the ranks were killed
     # a parent gone before the worker started: it ends at once (getppid real again: the pid given is not the parent)
     gone[0] = False
     assert worker.serve(1, "gloo", 1.0, stdin=iter(()), stdout=out, parent_pid=parent + 1) == 3
