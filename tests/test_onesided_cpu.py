@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import proxy_sim
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -240,20 +243,10 @@ def test_report_renders_synthetic_results(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    import shutil
 
     tmp_path = tmp_path_factory.mktemp("mtsim")
 
-    gxx = shutil.which("g++") or shutil.which("c++")
-    if gxx is None:
-        pytest.skip("no C++ compiler")
-    out = tmp_path / "libmtsim.so"
-    r = subprocess.run(
-        [gxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-DMT_HOST_SIM", "csrc/proxy_engine.cpp",
-         "csrc/sim/sim_support.cpp", "csrc/mt_error.cpp", "-x", "c++", "csrc/proxy_gpu.cu", "-o", str(out), "-lpthread"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
+    out = proxy_sim.build(tmp_path / "libmtsim.so")
     from moetune.runtime import csrc_build
 
     lib = ctypes.CDLL(str(out))

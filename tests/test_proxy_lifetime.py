@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import shutil
-import subprocess
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -28,24 +27,16 @@ from moetune.runtime.transports import _affinity, _onesided
 from moetune.runtime.transports import proxy as P
 from moetune.runtime.transports.base import Availability, EPTransport
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import proxy_sim
+
 TINY = ModelShape(name="tiny", hidden=64, intermediate=32, experts=4, topk=2, dtype="float32")
 pytestmark = pytest.mark.usefixtures("autoload_off")
 
 
 @pytest.fixture(scope="module")
 def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    gxx = shutil.which("g++") or shutil.which("c++")
-    if gxx is None:
-        pytest.skip("no C++ compiler")
-    out = tmp_path_factory.mktemp("mtsim_lifetime") / "libmtsim.so"
-    r = subprocess.run(
-        [gxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-DMT_HOST_SIM", "csrc/proxy_engine.cpp",
-         "csrc/sim/sim_support.cpp", "csrc/mt_error.cpp", "-x", "c++", "csrc/proxy_gpu.cu", "-o", str(out), "-lpthread"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    lib = ctypes.CDLL(str(out))
+    lib = ctypes.CDLL(str(proxy_sim.build(tmp_path_factory.mktemp("mtsim_lifetime") / "libmtsim.so")))
     for name in ("mt_proxy_create", "mt_proxy_destroy", "mt_proxy_cpu", "mt_proxy_cpu_list", "mt_proxy_error",
                  "mt_proxy_diag", "mt_proxy_set_batch", "mt_last_error", "mt_pxy_create", "mt_pxy_set_host_wait",
                  "mt_pxy_err_ptr", "mt_pxy_error", "mt_pxy_destroy"):
