@@ -355,11 +355,9 @@ BAD_FACTS = [{"gpus": 8}, {"gpus": ["GPU-x"], "software": {"torch": "2.4.1"}}, {
              {"excluded_nics": {"name": "mlx5_0"}, "software": {"torch": "x"}}, {"gpus": [], "software": ["torch"]}]
 
 
-@pytest.mark.parametrize("bad", BAD_FACTS)
-def test_badly_shaped_database_facts_are_unreadable_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 bad: dict) -> None:
-    """The newest recorded fingerprint's facts are badly shaped: it is passed over as unreadable (never this node)
-    and the lookup goes on to the older fingerprint of this node, whose measured profile serves as tuned."""
+def _this_node_with_a_measured_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, ProfileRecord]:
+    """A database whose fingerprint "c"*16 is this (pretended) node, with one measured profile of it; a fingerprint
+    recorded after it is newer."""
     facts = _local_facts()
     F.pretend_node(monkeypatch, facts, tmp_path / "proc")
     db = tmp_path / "moetune.db"
@@ -368,6 +366,15 @@ def test_badly_shaped_database_facts_are_unreadable_not_a_crash(tmp_path: Path, 
                          backend="local:nccl", provenance="measured")
     _seed_db(db, {"_fp": "c" * 16, "facts": facts}, [mine])
     time.sleep(0.01)
+    return db, mine
+
+
+@pytest.mark.parametrize("bad", BAD_FACTS)
+def test_badly_shaped_database_facts_are_unreadable_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 bad: dict) -> None:
+    """The newest recorded fingerprint's facts are badly shaped: it is passed over as unreadable (never this node)
+    and the lookup goes on to the older fingerprint of this node, whose measured profile serves as tuned."""
+    db, mine = _this_node_with_a_measured_profile(tmp_path, monkeypatch)
     store = F.open_store(db)
     store.upsert_fingerprint("d" * 16, bad)  # newest: read first
     store.close()
@@ -402,14 +409,7 @@ def test_a_newer_preset_or_factless_fingerprint_does_not_become_this_node(tmp_pa
     """`moetune tune --preset X` records the preset's fingerprint with no facts and a newer last_seen: on a node whose
     GPUs cannot be read, nothing in it disagreed with the node, so the daemon-down lookup took it as this node's
     identity and passed over the profiles measured here. Neither it nor any fingerprint without facts is this node."""
-    facts = _local_facts()
-    F.pretend_node(monkeypatch, facts, tmp_path / "proc")
-    db = tmp_path / "moetune.db"
-    mine = ProfileRecord(key=key("c" * 16, node_identity.software_hash(facts), bucket=64),
-                         knobs=default_knobs("nvlink").replace(num_sms=24), latency_us=50.0, spread_us=0.0,
-                         backend="local:nccl", provenance="measured")
-    _seed_db(db, {"_fp": "c" * 16, "facts": facts}, [mine])
-    time.sleep(0.01)
+    db, mine = _this_node_with_a_measured_profile(tmp_path, monkeypatch)
     store = F.open_store(db)
     store.upsert_fingerprint("preset:pcie4-consumer-4090x4:b0a1b0a1b0a1b0a1", {})  # newest: as tune --preset writes it
     for i in range(20):  # placeholders, as the store adds for a profile's key: more than the lookup's window of 16
