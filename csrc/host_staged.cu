@@ -50,7 +50,7 @@ namespace {
 typedef CUresult (*PfnWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 typedef CUresult (*PfnWaitValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
-enum { HS_ERR_TIMEOUT_DRAIN = 8 };  // waited too long for the receiver to drain a staging slot
+constexpr int HS_ERR_TIMEOUT_DRAIN = 8;  // waited too long for the receiver to drain a staging slot
 constexpr uint64_t HS_EMPTY = 0, HS_FULL = 1;  // a slot's flag
 
 struct HsCtx {
