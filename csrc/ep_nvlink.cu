@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
       mt::wait_word(p.w, mine + ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD), tag, false, MT_ERR_TIMEOUT_COUNTS, d,
                     -3, &ok);
     int skip = ok ? 0 : 1;
-    if (ok && (uint64_t)(dst_off + cnt) * p.row_bytes > p.data_bytes) {
+    if (ok && cnt > 0 && (uint64_t)(dst_off + cnt) * p.row_bytes > p.data_bytes) {  // 0 rows overflow nothing
       if (j == 0) mt::report(p.w, MT_ERR_CAPACITY, d, (int)cnt, epoch, (uint64_t)(dst_off + cnt), p.data_bytes / p.row_bytes);
       skip = 1;
     }

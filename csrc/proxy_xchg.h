@@ -123,7 +123,8 @@ MT_DEV bool produce_exchange(const PxParams& p) {
       mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD), tag, false, MT_ERR_TIMEOUT_COUNTS, d,
                     -3, &ok);
     if (!ok) break;  // no more PUTs; the ACK below still covers those pushed
-    const bool fits = (uint64_t)(dst_rows + cnt) * p.row_bytes <= p.data_bytes;
+    // a sender of no rows overflows nothing: only the receiver (its own lane) reports what the others sent it
+    const bool fits = cnt == 0 || (uint64_t)(dst_rows + cnt) * p.row_bytes <= p.data_bytes;
     if (!fits)
       mt::report(p.w, MT_ERR_CAPACITY, d, (int)cnt, p.epoch, (uint64_t)(dst_rows + cnt), p.data_bytes / p.row_bytes);
     long long crow;

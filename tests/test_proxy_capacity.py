@@ -50,6 +50,24 @@ def test_a_receiver_that_several_senders_overflow_reports_the_capacity_error(lib
     assert "rank 1's 8 rows to rank 0 would end at row 16" in msg and "holds 8 rows per call" in msg, msg
 
 
+def test_a_sender_of_no_rows_to_an_overflowed_receiver_reports_nothing(lib: ctypes.CDLL) -> None:
+    """Ranks 0 and 1 each send rank 0 a whole area (8 rows of 8): rank 0 is overflowed. Rank 2 sends it no rows (its
+    one row goes to itself): nothing it writes overflows anything, so its call succeeds with its own row; only the
+    receiver and the sender whose rows did not fit report the capacity error."""
+    world, rb, cap = 3, 16, 8
+    ranks = proxy_sim.SimRanks(lib, world, cap * rb, timeout_s=5.0)
+    try:
+        sends = [np.full((n, rb), 40 + r, dtype=np.uint8) for r, n in enumerate((cap, cap, 1))]
+        out = ranks.exchange(sends, [[cap, 0, 0], [cap, 0, 0], [0, 0, 1]])
+    finally:
+        ranks.close()
+    r0, r1, r2 = out
+    assert r0["err"][:4] == [ERR_CAPACITY, 0, -1, -1], r0["err"]  # the receiver: all sources
+    assert r1["err"][:4] == [ERR_CAPACITY, 1, 0, cap], r1["err"]  # the sender whose rows would end past the area
+    assert r2["rc"] == 0 and r2["err"][0] == 0, r2["err"][:8]
+    assert r2["recv"] == [0, 0, 1] and r2["rows"][:1].tolist() == [[42] * rb]
+
+
 def test_senders_that_fit_together_raise_no_capacity_error(lib: ctypes.CDLL) -> None:
     """The same buffers, 3 ranks, the receiver's area exactly full (4 + 3 + 1 rows of 8): every rank's call succeeds
     and rank 0 holds every source's rows in rank order."""
