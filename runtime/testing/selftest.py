@@ -218,9 +218,22 @@ def check_exchange_worker(
     return results
 
 
+def _one_exchange(t: Any, send: torch.Tensor, sc: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """One counts + exchange call of transport `t` to its verdict: {"raised": False}, or the OneSidedError's message."""
+    from moetune.runtime.transports._onesided import OneSidedError
+
+    try:
+        rc = t.exchange_counts(sc)
+        t.exchange(send, sc, rc)
+        torch.cuda.synchronize(device)
+        t.check()
+    except OneSidedError as e:
+        return {"raised": True, "message": str(e)}
+    return {"raised": False}
+
+
 def timeout_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvlink", "proxy")) -> dict:
     """Rank 0 exchanges alone: it must raise OneSidedError within the timeout instead of hanging."""
-    from moetune.runtime.transports._onesided import OneSidedError
 
     options = RuntimeOptions.resolve({"onesided_timeout_s": 2.0})
     device = torch.device("cuda", rank)
@@ -235,13 +248,7 @@ def timeout_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvl
                 t0 = time.monotonic()
                 send = torch.zeros(world, 128, dtype=torch.bfloat16, device=device)
                 sc = torch.ones(world, dtype=torch.int64, device=device)
-                try:
-                    rc = t.exchange_counts(sc)
-                    t.exchange(send, sc, rc)
-                    torch.cuda.synchronize(device)
-                    t.check()
-                except OneSidedError as e:
-                    res = {"raised": True, "message": str(e)}
+                res = _one_exchange(t, send, sc, device)
                 res["seconds"] = time.monotonic() - t0
             barrier(device)
             t.close()  # the aborted kernels have returned: this must not hang either
@@ -255,7 +262,6 @@ def capacity_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nv
     """Every rank sends a whole receive area's rows to rank 0: each passes the host's per-sender check, together they
     overflow rank 0. Every rank must raise OneSidedError with the capacity error: rank 0 from its own check of what
     all ranks send it (it received only some of the rows), the others from the sender's check of their own rows."""
-    from moetune.runtime.transports._onesided import OneSidedError
 
     options = RuntimeOptions.resolve({"onesided_timeout_s": 5.0})
     device = torch.device("cuda", rank)
@@ -271,13 +277,7 @@ def capacity_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nv
             send = torch.full((cap, 128), float(rank), dtype=torch.bfloat16, device=device)
             sc = torch.zeros(world, dtype=torch.int64, device=device)
             sc[0] = cap
-            try:
-                rc = t.exchange_counts(sc)
-                t.exchange(send, sc, rc)
-                torch.cuda.synchronize(device)
-                t.check()
-            except OneSidedError as e:
-                res = {**res, "raised": True, "message": str(e)}
+            res.update(_one_exchange(t, send, sc, device))
             barrier(device)
             t.close()
         except Exception:
