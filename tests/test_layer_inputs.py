@@ -218,6 +218,37 @@ def test_launch_shapes_cover_every_bm_and_stages() -> None:
     assert want <= mk.launch_shapes() and (16, 4) in mk.launch_shapes()
 
 
+def test_a_bucket_config_is_checked_against_its_own_launches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bucket 16's config runs launches of S = 4..31 only (bm 16 on qwen3-30b); a launch shape it never runs (the wide
+    bm=128 tile of S = 4096) that cannot take it must not refuse it, while bucket 4096's config, which runs there, is
+    refused. (The tuner measures a bucket with max_tokens = S; a layer with a larger max_tokens used to refuse it.)"""
+    from moetune.runtime.megakernel.config import LaunchConfigs, bucket_tokens
+    from moetune.runtime.shapes import MODELS
+
+    mk = object.__new__(mk_layer.MegakernelMoE)  # only the attributes set_bucket_config reads
+    mk.model, mk.max_tokens, mk.device = MODELS["qwen3-30b"], 4096, torch.device("cuda", 0)
+    mk.config = MegakernelConfig().resolve(mk.model.hidden, mk.model.intermediate)
+    mk.launch = LaunchConfigs(mk.config)
+    asked: list[tuple[int, int]] = []
+
+    def grid(bm: int, stages: int, config: Any = None) -> int:
+        asked.append((bm, stages))
+        if bm == 128:
+            raise mk_layer.ConfigError("ctas_per_sm=2 but only 1 fit per SM (bm=128)")
+        return 132
+
+    monkeypatch.setattr(mk, "grid", grid, raising=False)
+    monkeypatch.setattr(mk, "_reserve_split", lambda cfg: None, raising=False)
+    cfg = MegakernelConfig.parse("ctas_per_sm=2")
+    assert bucket_tokens(16, 4096) == (4, 31)
+    assert mk.set_bucket_config(16, cfg) is None and asked and {bm for bm, _ in asked} == {16}, asked
+    assert mk.launch.for_tokens(16).ctas_per_sm == 2
+    asked.clear()
+    why = mk.set_bucket_config(4096, cfg)
+    assert why is not None and "bm=128" in why and (128, mk.config.pick_stages(128, 4096, 8, 128)) in asked, why
+    assert mk.launch.for_tokens(4096).ctas_per_sm != 2  # refused: nothing installed for it
+
+
 # -- 4: parameters replaced after construction ---------------------------------------------------------------------
 def test_assigned_state_dict_is_handed_to_the_megakernel(fake_mk) -> None:
     layer, ref = _mk_layer(), _unfused()

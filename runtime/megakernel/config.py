@@ -374,6 +374,30 @@ class LaunchConfigs:
         return cfg
 
 
+def bucket_tokens(bucket: int, max_tokens: int) -> tuple[int, int] | None:
+    """The token counts S in 1..max_tokens whose launches `LaunchConfigs.for_tokens` gives `bucket`'s config, as
+    (first, last): S whose ladder `nearest_bucket` is `bucket` (an interval: nearest_bucket never decreases with S).
+    None where no S of the layer gets it (a bucket off the ladder, or all its S above max_tokens)."""
+    from moetune.runtime.profile_record import TOKEN_BUCKETS, nearest_bucket
+
+    if bucket not in TOKEN_BUCKETS or max_tokens < 1:
+        return None
+    rung = TOKEN_BUCKETS.index(bucket)
+
+    def first_at_or_past(i: int) -> int:  # the least S in 1..max_tokens + 1 whose rung is >= i
+        lo, hi = 1, max_tokens + 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if TOKEN_BUCKETS.index(nearest_bucket(mid)) >= i:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    first, past = first_at_or_past(rung), first_at_or_past(rung + 1)
+    return (first, past - 1) if first < past else None
+
+
 def split_room(cfg: MegakernelConfig, max_tiles: int) -> tuple[int, int]:
     """(m-tiles, parts per slot) of the split-K partial buffer that launches of `cfg` use on a layer of `max_tiles`
     m-tiles: MkParams.sk_max_tiles and the kernel's slot stride, max(split_k1, split_k2) (csrc/megakernel/mk_moe.cu,

@@ -23,7 +23,15 @@ from .._args import check_int, indexed_device
 from ..csrc_build import CsrcError
 from ..routing import expert_ids_problem, routed_inputs_problem
 from . import _lib
-from .config import BN, ConfigError, LaunchConfigs, MegakernelConfig, limits_problem, split_room
+from .config import (
+    BN,
+    ConfigError,
+    LaunchConfigs,
+    MegakernelConfig,
+    bucket_tokens,
+    limits_problem,
+    split_room,
+)
 from .schedule import tile_end
 from .weights import from_tiled, to_tiled
 
@@ -226,14 +234,15 @@ class MegakernelMoE:
         """Run launches whose S is nearest token bucket `bucket` with `config` (its timeout: this layer's; its
         `decode` decides whether those that fit the decode kernel run it). Returns
         why not (and installs nothing) where it does not fit the scratch buffers (`LaunchConfigs.problem`) or the
-        library refuses one of its launch shapes; None when installed."""
+        library refuses one of the launch shapes of the S that get it (`bucket_tokens`); None when installed."""
         import dataclasses
 
         cfg = dataclasses.replace(config, timeout_ms=self.config.timeout_ms).resolve(self.model.hidden,
                                                                                     self.model.intermediate)
         why = self.launch.problem(cfg) or limits_problem(self.model, self.max_tokens, cfg)
-        if why is None and self.device.type == "cuda":
-            for bm, stages in sorted(self.launch_shapes(cfg)):
+        span = bucket_tokens(bucket, self.max_tokens)  # only the launches that get this config need to fit it
+        if why is None and self.device.type == "cuda" and span is not None:
+            for bm, stages in sorted(self.launch_shapes(cfg, span)):
                 try:
                     self.grid(bm, stages, cfg)
                 except CsrcError as e:
@@ -247,18 +256,21 @@ class MegakernelMoE:
             self.launch.install(bucket, cfg)
         return why
 
-    def launch_shapes(self, config: MegakernelConfig | None = None) -> set[tuple[int, int]]:
-        """Every (bm, stages) a forward of 1..max_tokens tokens can launch with. `pick_bm` and `pick_stages` are step
-        functions of S, so their values at S = 1, max_tokens and either side of each threshold cover them all."""
+    def launch_shapes(self, config: MegakernelConfig | None = None,
+                      tokens: tuple[int, int] | None = None) -> set[tuple[int, int]]:
+        """Every (bm, stages) a forward of `tokens` = (first, last) tokens (default 1..max_tokens) can launch with.
+        `pick_bm` and `pick_stages` are step functions of S, so their values at both ends and either side of each
+        threshold inside cover them all."""
         m, cfg = self.model, config or self.config
         k, e = m.topk, m.experts
-        cuts = {1, self.max_tokens}
+        lo, hi = tokens or (1, self.max_tokens)
+        cuts = {lo, hi}
         for rows in (cfg.bm_switch_rows * e, cfg.bm_large_rows * e, cfg.wide_switch_rows * e, e):
             first = -(-rows // k)  # the first S with S x topk >= rows
             cuts.update((first - 1, first))
         shapes: set[tuple[int, int]] = set()
         for s in cuts:
-            if 1 <= s <= self.max_tokens:
+            if lo <= s <= hi:
                 bm = cfg.pick_bm(s, k, e)
                 st = cfg.pick_stages(bm, s, k, e)
                 shapes.add((bm, st))
