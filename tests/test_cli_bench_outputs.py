@@ -330,6 +330,33 @@ def test_bench_moe_without_a_runnable_engine_builds_no_layer(monkeypatch: pytest
     assert r.exit_code == 1 and "every requested case was skipped: nothing was measured" in r.output, r.output
 
 
+def test_bench_moe_makes_its_cuda_device_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_moe(device="cuda:N") times, captures and syncs on the current device's stream: it must make cuda:N the
+    current device for the whole run (on another GPU it timed the host's launches and captured empty graphs)."""
+    import contextlib
+
+    import torch
+
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe as M
+
+    entered: list[torch.device] = []
+    seen: list[object] = []
+
+    @contextlib.contextmanager
+    def device(d: torch.device):  # type: ignore[no-untyped-def]
+        entered.append(d)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(M, "_bench_moe", lambda *a, **k: seen.append((list(entered), k["dev"])) or {"cases": []})
+    assert M.bench_moe(get_model("qwen3-30b"), [1], ["unfused"], device="cuda:1") == {"cases": []}
+    assert seen == [([torch.device("cuda", 1)], torch.device("cuda", 1))]
+    entered.clear()
+    M.bench_moe(get_model("qwen3-30b"), [1], ["unfused"], device="cpu")
+    assert entered == []
+
+
 def test_bench_moe_floors_say_whose_rates_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
     """The floors were always an H200's (4.2 TB/s, 790 TFLOP/s) whatever the device, with no word of it: an H100's
     HBM3 reads ~25 % slower, so its floors read as unreachable. Now the rates measured on the GPU model in use, and

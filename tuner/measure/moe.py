@@ -277,6 +277,21 @@ def decode_kernel_takes(model: ModelShape, tokens: int) -> bool:
 def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], *, graph: bool = False,
               iters: int = 50, warmup: int = 10, rotate: int = 4, seed: int = 0, device: str | None = None,
               knobs: Knobs | None = None, rest_s: float = 0.0, progress: Progress | None = None) -> dict[str, Any]:
+    """`_bench_moe` with `device` (a CUDA one) the current device throughout: its timers, graphs and syncs use the
+    current device's stream, so on another GPU they would time the host's launches and capture empty graphs."""
+    import contextlib
+
+    import torch
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        return _bench_moe(model, tokens, engines, graph=graph, iters=iters, warmup=warmup, rotate=rotate, seed=seed,
+                          dev=dev, knobs=knobs, rest_s=rest_s, progress=progress)
+
+
+def _bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], *, graph: bool, iters: int,
+               warmup: int, rotate: int, seed: int, dev: Any, knobs: Knobs | None, rest_s: float,
+               progress: Progress | None) -> dict[str, Any]:
     """Both engines in this process, per S: {"cases": [{engine, S, eager_us, graph_us, ...}], "floors": ...}.
 
     An engine that cannot run here (the megakernel on CPU) is reported `skipped` with the reason; an engine whose
@@ -298,7 +313,6 @@ def bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str], 
         raise ValueError(f"engines must be among {', '.join(ENGINES)}, got {list(engines)}")
     if not tokens or any(t < 1 for t in tokens):
         raise ValueError(f"tokens must be positive integers, got {list(tokens)}")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     smax = max(tokens)
