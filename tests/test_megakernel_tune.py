@@ -45,6 +45,17 @@ def flat(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
     return {"graph_us": [300.0, 303.0, 297.0], "eager_us": [301.0] * 3}
 
 
+def test_closing_the_backend_drops_the_trials_weights_and_reference() -> None:
+    """measure_megakernel keeps one model's weights and reference for a study's trials (GBs on a GPU); the daemon's
+    re-tune jobs run in its long-lived process, so closing the backend at the job's end must let them go."""
+    from moetune.tuner.measure import moe as M
+
+    M._weights[("model", "cuda:0", 0)] = (object(), object(), object())
+    M._references[("model", "cuda:0", 16, 0)] = (object(), object(), object(), object())
+    LocalBackend(world=1, family="megakernel", mk_measure=flat).close()
+    assert M._weights == {} and M._references == {}
+
+
 def test_backend_measures_the_megakernel_family() -> None:
     be = LocalBackend(world=1, family="megakernel", repeats=2, mk_measure=fast_bm16)
     wl = TuneWorkload(model=QWEN, tokens=128)

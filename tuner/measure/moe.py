@@ -207,6 +207,20 @@ def megakernel_output_problem(layer: Any, model: ModelShape, tokens: int, seed: 
 _weights: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
 
 
+def release_megakernel_inputs() -> None:
+    """Drop the weights and reference that `measure_megakernel` keeps for a study's trials (GBs of GPU memory: a
+    long-lived process such as the daemon, whose re-tune jobs run here, would hold them after the job) and hand the
+    freed blocks back to the driver."""
+    had = bool(_weights or _references)
+    _weights.clear()
+    _references.clear()
+    if had:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def measure_megakernel(knobs: Knobs, model: ModelShape, tokens: int, *, iters: int = 50, warmup: int = 10,
                        rotate: int = 4, seed: int = 0, options: Any = None) -> dict[str, list[float]]:
     """The megakernel with `knobs` at `tokens` tokens on the current GPU: {"graph_us": samples} of CUDA-graph replays

@@ -677,9 +677,13 @@ class LocalBackend(BenchmarkBackend):
         return performance_environment(os.environ if self.env is None else self.env)
 
     def close(self) -> None:
-        """End the persistent workers (a later run starts fresh ones)."""
+        """End the persistent workers (a later run starts fresh ones) and drop the in-process megakernel trials'
+        weights and reference (GPU memory the caller's process would otherwise keep)."""
         with self._lock:
             _close_workers(self._workers)
+        moe = sys.modules.get("moetune.tuner.measure.moe")  # imported only where megakernel trials ran
+        if moe is not None:
+            moe.release_megakernel_inputs()
 
     def __enter__(self) -> LocalBackend:
         return self
