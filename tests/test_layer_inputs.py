@@ -311,6 +311,20 @@ def test_routing_ids_are_checked(fake_mk, cpu_lib, ids: Any, match: str) -> None
         _unfused().forward_routed(x, idx, idx)
 
 
+def test_unchecked_wide_ids_stay_invalid_when_narrowed(cpu_lib, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unchecked int64 ids (check_ids=False, or during capture) go to the kernel's int32 scratch: one past 2**32 must
+    reach it out of range (the kernel then drops the row and reports it), never wrapped into a valid expert."""
+    mk = _cpu_mk(max_tokens=8)
+    seen: list[list[list[int]]] = []
+    monkeypatch.setattr(mk, "_run", lambda x, s, out, given: seen.append(mk.topk_idx[:s].tolist()) or x)
+    x = _x(3)
+    idx = torch.tensor([[2**32 + 3, 1], [-(2**32) + 2, 0], [2, 3]], dtype=torch.int64)
+    mk.forward_routed(x, idx, torch.full((3, 2), 0.5), check_ids=False)
+    (got,) = seen
+    assert got[2] == [2, 3] and got[0][1] == 1 and got[1][1] == 0  # ids in range as given
+    assert not 0 <= got[0][0] < TINY.experts and not 0 <= got[1][0] < TINY.experts, got
+
+
 def test_unchecked_buffer_skips_the_id_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     buf = EPBuffer(None, Knobs(), model=TINY, max_tokens=16, device="cpu", dtype=BF, check_inputs=False)
     layer = MoELayer(TINY, max_tokens=16, buffer=buf, engine="unfused")

@@ -385,6 +385,8 @@ class MegakernelMoE:
         if why is not None:
             raise ValueError(f"megakernel: {why}")
         self._check_out(out, s, x)
+        if topk_idx.dtype != torch.int32:  # narrowing would wrap an unchecked 2**32 + 3 into expert 3: keep it invalid
+            topk_idx = topk_idx.clamp(-1, self.model.experts)
         self.topk_idx[:s].copy_(topk_idx)
         self.topk_w[:s].copy_(topk_weights)
         return self._run(x, s, out, given=True)
