@@ -380,10 +380,17 @@ class MoELayer(nn.Module):
 
     def check(self) -> None:
         """Raise the megakernel's device-side error (a wait that timed out, an expert id out of range: its
-        `MegakernelError`) if its last launches reported one; a host sync. The unfused engine has no such record
-        (its errors raise at the call): nothing to do."""
+        `MegakernelError`) if a launch since the last `clear_error()` reported one (the record is sticky: every
+        later check raises it until cleared); a host sync. The unfused engine has no such record (its errors raise
+        at the call): nothing to do."""
         if self.megakernel is not None:
             self.megakernel.check()
+
+    def clear_error(self) -> None:
+        """Forget the megakernel's error record after handling it (`check()` raises it until then); the launches
+        after this run and report afresh. Nothing to do for the unfused engine."""
+        if self.megakernel is not None:
+            self.megakernel.clear_error()
 
     def _row_major_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w_gate_up, w_down) row-major: the parameters, or where they hold the megakernel's k-tiled layout new

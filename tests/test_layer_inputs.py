@@ -325,6 +325,23 @@ def test_unchecked_wide_ids_stay_invalid_when_narrowed(cpu_lib, monkeypatch: pyt
     assert not 0 <= got[0][0] < TINY.experts and not 0 <= got[1][0] < TINY.experts, got
 
 
+def test_the_layer_clears_the_megakernels_sticky_error(cpu_lib, monkeypatch: pytest.MonkeyPatch) -> None:
+    """check() raises a recorded device error after any number of later forwards; MoELayer.clear_error() forgets it
+    (a serving loop that handled one timeout is not stuck raising it), and is a no-op on the unfused engine."""
+    layer = _unfused()
+    layer.check()
+    layer.clear_error()  # unfused: nothing to clear
+    mk = _cpu_mk(max_tokens=8)
+    monkeypatch.setattr(layer, "megakernel", mk)
+    mk.err[0], mk.err[1] = 1, 3  # a scheduler timeout recorded by some launch
+    with pytest.raises(mk_layer.MegakernelError, match="megakernel error 1"):
+        layer.check()
+    with pytest.raises(mk_layer.MegakernelError):
+        layer.check()  # sticky
+    layer.clear_error()
+    layer.check()
+
+
 def test_unchecked_buffer_skips_the_id_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     buf = EPBuffer(None, Knobs(), model=TINY, max_tokens=16, device="cpu", dtype=BF, check_inputs=False)
     layer = MoELayer(TINY, max_tokens=16, buffer=buf, engine="unfused")

@@ -509,7 +509,7 @@ class MegakernelMoE:
             if tasks[-1]["kind"] in ("gemm1", "gemm2"):
                 cnt, mt = counts[tasks[-1]["expert"]], tasks[-1]["mtile"]
                 tasks[-1]["rows"] = tile_end(cnt, mt, bm, tail) - bm * mt
-        return {"tokens": s, "bm": bm, "grid": grid, "config": self.config.to_dict(),
+        return {"tokens": s, "bm": bm, "grid": grid, "config": cfg.to_dict(),
                 "sched": {"start": us(raw[0]), "gemm1_published": us(raw[1]), "end": us(raw[2])},
                 "ctas": [[us(cta_raw[2 * b]), us(cta_raw[2 * b + 1])] for b in range(1, grid)], "tasks": tasks}
 
@@ -543,7 +543,7 @@ class MegakernelMoE:
         t0 = min(raw[words * c] for c in range(dg[0]))
         ctas = [{n: (raw[words * c + f] - t0) / 1e3 if raw[words * c + f] else None
                  for f, n in enumerate(self.DECODE_STAMPS)} for c in range(dg[0])]
-        return {"tokens": s, "grid": dg[0], "rows": dg[1], "config": self.config.to_dict(), "ctas": ctas}
+        return {"tokens": s, "grid": dg[0], "rows": dg[1], "config": self.launch.for_tokens(s).to_dict(), "ctas": ctas}
 
     def routing(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last forward's routing for its S tokens: (expert ids int64 [S, K], weights fp32 [S, K])."""
