@@ -460,6 +460,27 @@ def test_a_device_that_is_not_cuda_is_refused_at_construction(monkeypatch: pytes
         mk_layer.MegakernelMoE(TINY, max_tokens=8, device=device)
 
 
+@pytest.mark.parametrize(("device", "gpus", "cap", "match"), [
+    (None, 0, (9, 0), "device cuda: CUDA is not available to torch"),
+    ("cuda", 0, (9, 0), "device cuda: CUDA is not available to torch"),
+    ("cuda:2", 1, (9, 0), "device cuda:2: this process sees 1 CUDA device"),
+    ("cuda:0", 1, (8, 0), r"sm_90 \(Hopper\) GPU; Fake A100 is sm_80"),
+])
+def test_a_cuda_device_the_kernels_cannot_use_is_named(monkeypatch: pytest.MonkeyPatch, device: Any, gpus: int,
+                                                       cap: tuple[int, int], match: str) -> None:
+    """No CUDA, an index past the devices, a GPU other than sm_90: a ValueError naming the device (it was torch's
+    AssertionError from indexing "cuda" without CUDA, or a ConfigError blaming the settings from the library's
+    occupancy query on a non-Hopper GPU)."""
+    monkeypatch.setattr(_lib, "load", lambda: pytest.fail("the library is loaded before the device is checked"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "Fake A100")
+    with pytest.raises(ValueError, match=match):
+        mk_layer.MegakernelMoE(TINY, max_tokens=8, device=device)
+
+
 def test_forward_routed_checks_before_copying(cpu_lib) -> None:
     mk = _cpu_mk(max_tokens=4)
     x = _x(6)

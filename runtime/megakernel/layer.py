@@ -107,10 +107,10 @@ class MegakernelMoE:
         self.config = (config or MegakernelConfig()).resolve(model.hidden, model.intermediate)  # bn auto -> 128/256
         # per token bucket configs (`set_bucket_config`); self.config sized the scratch and runs the other launches
         self.launch = LaunchConfigs(self.config)
-        self.device = _device(device)
-        why = _device_problem(self.device)
+        why = _device_problem(torch.device(device if device is not None else "cuda"))
         if why is not None:  # now, not at the first buffer or launch with torch's "Expected a cuda device"
             raise ValueError(f"megakernel: {why}")
+        self.device = _device(device)
         h, i, e, k = model.hidden, model.intermediate, model.experts, model.topk
         why = limits_problem(model, max_tokens, self.config)
         if why is not None:
@@ -613,6 +613,14 @@ def _device_problem(device: torch.device) -> str | None:
     permissive one and build the layer's buffers and run its argument checks without a GPU."""
     if device.type != "cuda":
         return f"device must be a CUDA device (the kernels run on an sm_90 GPU), got {device}"
+    if not torch.cuda.is_available():
+        return f"device {device}: CUDA is not available to torch"
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx >= torch.cuda.device_count():
+        return f"device {device}: this process sees {torch.cuda.device_count()} CUDA device(s)"
+    major, minor = torch.cuda.get_device_capability(idx)
+    if (major, minor) != (9, 0):  # the library is built for sm_90a only: its launches would fail on any other GPU
+        return f"the kernels run on an sm_90 (Hopper) GPU; {torch.cuda.get_device_name(idx)} is sm_{major}{minor}"
     return None
 
 
