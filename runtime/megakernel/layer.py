@@ -221,7 +221,8 @@ class MegakernelMoE:
         """Read the weights from these tensors from now on: k-tiled expert weights and the gate, all contiguous bf16
         on this layer's device, shared (not copied). For an owner whose parameters were replaced (MoELayer after
         `load_state_dict(assign=True)` or `.to()`). The launch templates take the new pointers; a CUDA graph captured
-        before keeps the old ones (capture it again)."""
+        before still reads the old tensors' addresses, which this layer no longer keeps alive: capture it again, and
+        never replay it (once their owner drops them it would read freed memory)."""
         self._check_weights(w_gate_up, w_down, gate, tiled=True)
         if not gate.is_contiguous():
             raise ValueError("megakernel: gate must be contiguous (it is read in place)")
