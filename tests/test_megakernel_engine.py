@@ -370,10 +370,14 @@ def test_gpu_layer_engines_agree_and_capture() -> None:
     un = MoELayer(model, None, Knobs(), max_tokens=256, device="cuda", engine="unfused")
     assert mk.engine == "megakernel" and un.engine == "unfused"
     from moetune.runtime.moe_layer import max_rel_err
+    from moetune.tuner.measure.moe import PAIR_REL_ERR_BOUND
 
+    torch.manual_seed(0)
     for s in (1, 7, 128):
         x = torch.randn(s, model.hidden, device="cuda").to(torch.bfloat16)
-        assert max_rel_err(mk(x), un(x)) <= 1e-2
+        # two bf16 engines, each within 1e-2 of the fp32 reference (tests/test_megakernel_gpu.py checks that): they
+        # may differ by twice that (run 203: 1.33e-2 at one unseeded input; 1e-2 here was the wrong bound)
+        assert max_rel_err(mk(x), un(x)) <= PAIR_REL_ERR_BOUND
     # the megakernel layer holds its expert weights k-tiled in place; its state_dict is the unfused layer's
     sd, ref = mk.state_dict(), un.state_dict()
     assert mk.weights_tiled and not un.weights_tiled

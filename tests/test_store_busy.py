@@ -48,8 +48,14 @@ def locked(db: Path, *, for_s: float | None = None) -> Iterator[None]:
         p.wait(timeout=60)
 
 
-def moetune(*args: str, home: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CLI, *args], capture_output=True, text=True, timeout=120,
+def moetune(*args: str, home: Path, on_node_of: str | None = None) -> subprocess.CompletedProcess:
+    """The CLI in a child process; `on_node_of`: a capture whose node the child runs as (its live discovery answers
+    that capture's facts), so a bring-up of it measures and records on any machine that runs the suite."""
+    cli = CLI
+    if on_node_of is not None:
+        cli = (f"from moetune.tuner.fabric import discovery; "
+               f"discovery.live_facts = lambda timeout_s=1.5: discovery.discover({on_node_of!r}); {CLI}")
+    return subprocess.run([sys.executable, "-c", cli, *args], capture_output=True, text=True, timeout=120,
                           env=child_env(MOETUNE_HOME=str(home), COLUMNS="200"))
 
 
@@ -130,11 +136,13 @@ CAPTURE = str(Path(__file__).parent / "captures" / "cpu-laptop")
 @pytest.mark.parametrize("args", [["fabric", "show", "--record", "--from", CAPTURE],
                                   ["profile", "--quick", "--capture", CAPTURE]])
 def test_fabric_record_and_profile_on_a_held_database_exit_1(tmp_path: Path, args: list[str]) -> None:
-    """fabric show --record printed the waiting line, then a traceback; profile exited 2 ("bad input")."""
+    """fabric show --record printed the waiting line, then a traceback; profile exited 2 ("bad input"). Run as on the
+    capture's node: a bring-up of another node's capture records nothing (it would not touch the held database; run
+    203 on an H100 exited 0 there)."""
     db = tmp_path / "m.db"
     put_one_profile(db)
     with locked(db):
-        r = moetune(*args, "--db", str(db), home=tmp_path)
+        r = moetune(*args, "--db", str(db), home=tmp_path, on_node_of=CAPTURE)
     assert r.returncode == 1, r.stderr
     assert HELD in r.stderr and "Traceback" not in r.stderr, r.stderr
 
