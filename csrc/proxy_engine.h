@@ -84,7 +84,19 @@ struct MtGpuView {
   unsigned long long* head_dev;  // producer index (device memory; GPU producers only)
   const uint64_t* tail_dev;     // consumer index (device alias of host memory, written by the proxy)
   uint64_t* ack_dev;            // [nstreams] local completion words (device memory), one per stream
-  int nstreams;                 // the engine's streams (peers x QPs per peer): an ACK writes every one
+  int nstreams;                 // the engine's streams (peers x QPs per peer)
+  int qps;                      // streams per peer (stream p * qps + k is peer p's k-th)
+  int qp_mapping;               // MtQpMapping: a producer mirrors the engine's stream picks (AckSet)
+};
+
+// The streams an ACK is written on: those its requests picked since the previous ACK (bit k of q[p]: peer p's k-th
+// stream), as the engine picks them (count words on a peer's first stream; PUTs and signals by the QP mapping, a
+// signalled PUT picking twice). A GPU producer records the same set as it pushes and waits for the ACK on those
+// streams only: an untouched stream's earlier work was covered by an earlier ACK an earlier call waited for.
+static_assert(MT_MAX_QPS <= 64, "AckSet holds a peer's streams in 64 bits");
+struct AckSet {
+  uint64_t q[MT_MAX_WORLD];
+  uint32_t rr[MT_MAX_WORLD];  // round_robin: each peer's next stream (restarts at every ACK, as the engine's)
 };
 
 // Internal (same shared library): the GPU view of an engine; mark it as fed by GPU producers.

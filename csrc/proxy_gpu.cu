@@ -44,9 +44,10 @@ inline uint64_t host_ns() {
 #ifndef MT_HOST_SIM
 __global__ void pxy_exchange_kernel(PxParams p) {
   __shared__ int s_acked;
-  if (threadIdx.x == 0) s_acked = mtpx::produce_exchange(p) ? 1 : 0;
+  __shared__ AckSet s_acks;
+  if (threadIdx.x == 0) s_acked = mtpx::produce_exchange(p, &s_acks) ? 1 : 0;
   __syncthreads();
-  mtpx::wait_exchange_lane(p, (int)threadIdx.x, s_acked != 0);
+  mtpx::wait_exchange_lane(p, (int)threadIdx.x, s_acked != 0, s_acks);
   __syncthreads();
   if (threadIdx.x == 0) mtpx::finish(p);
 }
@@ -203,8 +204,9 @@ static int host_wait_done(PxCtx* c, uint64_t seq, uint64_t stream) {
 // Host simulation: a "kernel" runs its lanes one after another on one thread (each lane only waits
 // for words other threads write).
 static void run_exchange_block(const PxParams& p) {
-  const bool acked = mtpx::produce_exchange(p);
-  for (int t = 0; t < 32; ++t) mtpx::wait_exchange_lane(p, t, acked);
+  AckSet acks;
+  const bool acked = mtpx::produce_exchange(p, &acks);
+  for (int t = 0; t < 32; ++t) mtpx::wait_exchange_lane(p, t, acked, acks);
   mtpx::finish(p);
 }
 static void run_counts_block(const PxParams& p) {

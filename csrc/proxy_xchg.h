@@ -56,6 +56,7 @@ struct Producer {
   const PxParams* p;
   uint64_t cached_tail;
   bool ok;
+  AckSet* acks;  // the streams this call's pushes pick (the engine writes its ACK on exactly those), or null
   bool sent = false;  // a PUT that reads `send` is in the FIFO: from then on a full FIFO is waited out up to the
                       // timeout even after an abort (a push that gives up leaves its claimed slot unwritten, so the
                       // engine never reaches the ACK, and the call could return while those PUTs still read `send`)
@@ -90,6 +91,22 @@ struct Producer {
     d[7] = slot + 1;    // ready flag last
     mt::fence_system();  // push the ready flag out now: the thread may spin next (never leave it buffered)
     if (op == MT_OP_PUT && bytes > 0) sent = true;
+    if (acks != nullptr && peer < MT_MAX_WORLD) {  // mirror Engine::pick (csrc/proxy_engine.cpp)
+      if (op == MT_OP_WRITE64) acks->q[peer] |= 1ull;  // count words: the peer's first stream
+      if (op == MT_OP_SIGNAL) pick(peer, sig_idx);
+      if (op == MT_OP_PUT) {
+        pick(peer, sig_idx);
+        if (flags & MT_F_SIGNAL) pick(peer, sig_idx);  // its signal picks again (round_robin: the next stream)
+      }
+    }
+  }
+
+  MT_DEV void pick(uint32_t peer, uint32_t idx) {
+    const int qps = p->v.qps;
+    int k = 0;
+    if (qps > 1)
+      k = p->v.qp_mapping == MT_QP_PEER_HASH ? (int)(idx % (uint32_t)qps) : (int)(acks->rr[peer]++ % (uint32_t)qps);
+    acks->q[peer] |= 1ull << k;
   }
 };
 
@@ -98,11 +115,13 @@ struct Producer {
 // PUTs already pushed still read `send`; thread 31 must be able to wait for them). False only when a push gave up
 // on a full FIFO (MT_ERR_FIFO_FULL reported): before any PUT on the abort flag (nothing reads `send`), after one
 // only on the timeout (the engine stuck that long; nothing can confirm the PUTs before it).
-MT_DEV bool produce_exchange(const PxParams& p) {
+// `acks` (zeroed here) gets the streams the pushes picked: thread 31 waits for the ACK on those.
+MT_DEV bool produce_exchange(const PxParams& p, AckSet* acks) {
   const int par = (int)(p.epoch & 1);
   const uint64_t tag = tag_of(p.epoch);
   const uint64_t* mat = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_MAT);
-  Producer pr{&p, 0, true};
+  for (int i = 0; i < MT_MAX_WORLD; ++i) acks->q[i] = 0, acks->rr[i] = 0;
+  Producer pr{&p, 0, true, acks};
   // my count-matrix row to every rank (immediate 8-byte writes through the proxy)
   for (int q = 0; q < p.world; ++q)
     for (int col = 0; col < p.world; ++col)
@@ -177,7 +196,7 @@ MT_DEV void check_receive_capacity(const PxParams& p) {
 // (acked: produce_exchange's result), up to its own timeout even when another lane (a capacity or count error, a
 // peer's timeout) raised the abort flag -- the engine still processes the ACK, and the call must not return while
 // its PUTs may still read `send` (a caller that catches the error reuses it at once).
-MT_DEV void wait_exchange_lane(const PxParams& p, int t, bool acked) {
+MT_DEV void wait_exchange_lane(const PxParams& p, int t, bool acked, const AckSet& acks) {
   const int par = (int)(p.epoch & 1);
   const uint64_t tag = tag_of(p.epoch);
   const uint64_t* mat = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_MAT);
@@ -198,15 +217,20 @@ MT_DEV void wait_exchange_lane(const PxParams& p, int t, bool acked) {
   } else if (t == kCapacityLane) {
     check_receive_capacity(p);
   } else if (t == 31 && acked) {
-    for (int q = 0; q < p.v.nstreams && ok; ++q)
-      mt::wait_word(p.w, p.v.ack_dev + q, p.epoch, true, MT_ERR_TIMEOUT_OUTGOING, -1, q, &ok, false);
+    // the streams this call's requests picked (the engine writes the ACK on those; every stream if it failed)
+    for (int peer = 0; peer < p.world && ok; ++peer)
+      for (int k = 0; k < p.v.qps && ok; ++k)
+        if ((acks.q[peer] >> k) & 1ull) {
+          const int q = peer * p.v.qps + k;
+          mt::wait_word(p.w, p.v.ack_dev + q, p.epoch, true, MT_ERR_TIMEOUT_OUTGOING, -1, q, &ok, false);
+        }
   }
 }
 
 MT_DEV void produce_counts(const PxParams& p) {
   const int par = (int)(p.epoch & 1);
   const uint64_t tag = tag_of(p.epoch);
-  Producer pr{&p, 0, true};
+  Producer pr{&p, 0, true, nullptr};  // count words only: no ACK
   for (int q = 0; q < p.world; ++q)
     pr.push(MT_OP_WRITE64, q, 0, 0, 0, MT_OFF_CNT + 8ull * (par * MT_MAX_WORLD + p.rank), 0,
             mt::tagged(tag, (uint64_t)p.send_counts[q]));

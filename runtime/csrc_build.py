@@ -28,7 +28,7 @@ from ctypes import POINTER, c_char_p, c_double, c_int, c_int64, c_uint64, c_void
 from pathlib import Path
 from typing import NamedTuple
 
-ABI_VERSION = 19  # csrc/mt_common.cu mt_abi_version: 19 = mt_proxy_create's qps per peer
+ABI_VERSION = 20  # csrc/mt_common.cu mt_abi_version: 20 = an ACK on the streams its call picked (stat ack_writes)
 LIB_NAME = "libmoetune_csrc.so"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo")
 _BUILD_TIMEOUT_S = 600

@@ -65,10 +65,12 @@ def stream_log(lib: ctypes.CDLL) -> list[tuple[int, int, int]]:
 
 
 class GpuView(ctypes.Structure):
-    """csrc/proxy_engine.h MtGpuView."""
+    """csrc/proxy_engine.h MtGpuView, whole (mt_proxy_gpu_view writes every field: a shorter mirror is overrun). In the
+    simulation a device address is the host address."""
 
     _fields_ = [("fifo_dev", ctypes.c_void_p), ("nslots", ctypes.c_uint32), ("head_dev", ctypes.c_void_p),
-                ("tail_dev", ctypes.c_void_p), ("ack_dev", ctypes.c_void_p), ("nstreams", ctypes.c_int)]
+                ("tail_dev", ctypes.c_void_p), ("ack_dev", ctypes.c_void_p), ("nstreams", ctypes.c_int),
+                ("qps", ctypes.c_int), ("qp_mapping", ctypes.c_int)]
 
 
 def nstreams(lib: ctypes.CDLL, engine: ctypes.c_void_p) -> int:

@@ -27,6 +27,9 @@ import torch
 from moetune.runtime import csrc_build
 from moetune.runtime.transports import proxy as P
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import proxy_sim
+
 ROOT = Path(__file__).resolve().parents[1]
 SYS_CPU = Path("/sys/devices/system/cpu")
 STATE_DEFAULT, STATE_BOUND, STATE_FALLBACK = 0, 1, 2  # csrc/proxy_engine.h MtProxyMemState
@@ -139,16 +142,9 @@ def drains(lib: ctypes.CDLL, h: ctypes.c_void_p, sig: ctypes.Array, value: int) 
     assert lib.mt_proxy_quiesce(h, 10.0) == 0 and sig[3] == value
 
 
-class GpuView(ctypes.Structure):
-    """csrc/proxy_engine.h MtGpuView (in the simulation a device address is the host address)."""
-
-    _fields_ = [("fifo_dev", ctypes.c_void_p), ("nslots", ctypes.c_uint32), ("head_dev", ctypes.c_void_p),
-                ("tail_dev", ctypes.c_void_p), ("ack_dev", ctypes.c_void_p), ("nstreams", ctypes.c_int)]
-
-
 def fifo_mapping(lib: ctypes.CDLL, h: ctypes.c_void_p) -> tuple[int, int, set[str]]:
     """The FIFO's address, the mapping holding it ([start, end) from /proc/self/smaps) and that mapping's VmFlags."""
-    view = GpuView()
+    view = proxy_sim.GpuView()
     assert lib.mt_proxy_gpu_view(h, ctypes.byref(view)) == 0
     addr = view.fifo_dev
     inside = False

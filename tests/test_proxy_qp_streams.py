@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proxy_sim
@@ -219,3 +220,78 @@ def test_the_fabric_model_gives_each_destination_the_same_qps_queue_pairs(qps: i
     sim = run_queue(p, "proxy", dests, npes=4, signalling="decoupled", group=2, fence="drain", qp_mapping=mapping,
                     qps=qps, num_sms=1, group_signal=True, words=4)
     assert set(sim.qp_free) == {d * qps + k for d in range(3) for k in range(qps)}
+
+
+@pytest.mark.parametrize(("mapping", "coupled", "group", "chunk_rows", "want"), [
+    (PEER_HASH, 1, 0, 0, {0, 4}),  # one PUT a peer, its signal on slot 0: each peer's first stream only
+    (ROUND_ROBIN, 1, 0, 0, {0, 1, 4, 5}),  # the PUT and its signal take a peer's next two streams
+    (ROUND_ROBIN, 0, 2, 1, set(range(8))),  # 4 PUTs + 2 SIGNALs a peer rotate over all 4
+])
+def test_the_ack_is_written_on_the_streams_the_call_picked(lib: ctypes.CDLL, mapping: int, coupled: int, group: int,
+                                                             chunk_rows: int, want: set[int]) -> None:
+    """Every ACK stream write costs the proxy thread ~1-2 us (run 204: +20-36 us a batch on 8 peers x 4 QPs), so an
+    exchange ACKs only the streams its requests picked (count words: each peer's first; PUTs and signals: the QP
+    mapping), and the kernel's last lane waits on exactly those. World 2, 4 QPs per peer, asynchronous streams
+    (every copy 100 us late), five calls in a row: rank 0's ACK writes land on `want` only, every call returns
+    without error (a wait on a stream the engine did not ACK would end in the timeout) and every row arrives."""
+    world, qps, rb, rows = 2, 4, 32, 4
+    lib.mtsim_set_async(1, 100)
+    try:
+        ranks = proxy_sim.SimRanks(lib, world, world * rows * rb, qps=qps, mapping=mapping, fence=DRAIN,
+                                   timeout_s=5.0)
+        try:
+            view = proxy_sim.GpuView()
+            assert lib.mt_proxy_gpu_view(ranks.engines[0], ctypes.byref(view)) == 0
+            assert (view.qps, view.qp_mapping, view.nstreams) == (qps, mapping, world * qps)
+            for epoch in range(1, 6):
+                sends = [np.full((2 * rows, rb), 10 * epoch + r, dtype=np.uint8) for r in range(world)]
+                lib.mtsim_set_log(1)
+                out = ranks.exchange(sends, [[rows, rows], [rows, rows]], epoch, coupled=coupled, group=group,
+                                     chunk_rows=chunk_rows)
+                ops = proxy_sim.stream_log(lib)
+                lib.mtsim_set_log(0)
+                assert all(o["rc"] == 0 and o["err"][0] == 0 for o in out), [o["err"][:8] for o in out]
+                for d in range(world):
+                    assert (out[d]["rows"][:rows] == 10 * epoch).all() and (out[d]["rows"][rows:] == 10 * epoch + 1).all()
+                acked = {(dst - view.ack_dev) // 8 for _stream, dst, kind in ops
+                         if kind == WRITE and view.ack_dev <= dst < view.ack_dev + 8 * view.nstreams}
+                assert acked == want, (epoch, sorted(acked))
+        finally:
+            lib.mtsim_set_log(0)
+            ranks.close()
+    finally:
+        lib.mtsim_set_async(0, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the proxy exchange kernel and engine)")
+@pytest.mark.parametrize(("mapping", "fence", "want"), [("peer_hash", "nic_ordered", 1), ("round_robin", "proxy_drain", 2)])
+def test_a_world_1_proxy_exchange_acks_only_its_picked_streams_on_a_gpu(mapping: str, fence: str, want: int) -> None:
+    """The exchange kernel and the proxy engine on one GPU (world 1: rank 0 sends to itself), 4 QPs: each call's ACK
+    is written on the streams its requests picked (peer_hash: the count word, the PUT and its signal all on stream 0;
+    round_robin: the PUT and its signal on streams 0 and 1), 30 calls with 0-2 ms idle gaps between them (the
+    engine's thread sleeps after 200 us idle and every launch must wake it): every call returns the rows sent."""
+    from moetune.runtime.knobs import Knobs
+    from moetune.runtime.transports.proxy import ProxyTransport
+
+    dev = torch.device("cuda", 0)
+    knobs = Knobs(transport="proxy", signalling="coupled", fence_mode=fence, qp_mapping=mapping, qps_per_pe=4)
+    t = ProxyTransport(None, knobs, dev, max_send_rows=64, row_bytes=256)
+    try:
+        t.proxy_stats()  # the engine runs
+        before = t.proxy_stats()
+        for i in range(30):
+            rows = 1 + i % 48
+            send = torch.full((rows, 128), float(i), dtype=torch.bfloat16, device=dev)
+            sc = torch.tensor([rows], dtype=torch.int64, device=dev)
+            rc = t.exchange_counts(sc)
+            got = t.exchange(send, sc, rc)
+            torch.cuda.synchronize(dev)
+            t.check()
+            assert int(rc[0]) == rows and torch.equal(got[:rows], send), i
+            time.sleep((i % 3) * 1e-3)
+        after = t.proxy_stats()
+    finally:
+        t.close()
+    assert after["acks"] - before["acks"] == 30
+    assert after["ack_writes"] - before["ack_writes"] == 30 * want, (before, after)

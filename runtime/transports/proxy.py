@@ -52,7 +52,8 @@ FENCE_MODES = {"none": 0, "proxy_drain": 1, "nic_ordered": 2}
 QP_MAPPINGS = {"round_robin": 0, "peer_hash": 1}
 OP_PUT, OP_SIGNAL, OP_WRITE64, OP_ACK = 1, 2, 3, 4
 F_SIGNAL = 1
-STAT_NAMES = ("processed", "puts", "signals", "drains", "drain_ns", "write64", "bytes", "acks", "busy_ns", "batches")
+STAT_NAMES = ("processed", "puts", "signals", "drains", "drain_ns", "write64", "bytes", "acks", "busy_ns", "batches",
+              "ack_writes")
 # mt_proxy_cpu's fields and states (csrc/proxy_engine.h MtProxyCpuField, MtProxyCpuState)
 CPU_FIELDS = ("ncpus", "state", "errno", "current", "tid")
 CPU_STATES = ("pending", "unpinned", "pinned", "failed")
