@@ -138,6 +138,59 @@ def _pct(xs: list[float], p: float) -> float:
     return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
+ACK_SHAPES = ((1, 1), (1, 4), (8, 1), (8, 4), (8, 8))  # (emulated peers, QPs per peer)
+ACK_BATCHES = {
+    # case: (a PUT on each of a peer's streams (True) or on its first only, an ACK after them)
+    "puts-every-stream": (True, False),
+    "puts-every-stream-ack": (True, True),
+    "put-per-peer": (False, False),
+    "put-per-peer-ack": (False, True),
+}
+
+
+def run_ack(args, out_rows: list[dict]) -> None:
+    """What an ACK costs the proxy thread against the streams it is written on (one GPU: the peers are regions of one
+    buffer on GPU 0). A batch = 4 KB PUTs, peer_hash: one on every stream of every peer (signal_idx k -> stream k)
+    or one per peer (all on its first stream), with or without an ACK after them; time per batch from the host's
+    enqueue until every stream drained (mt_proxy_bench), and the ACK's stream writes per batch (stat ack_writes:
+    the streams the batch picked)."""
+    import torch
+
+    from moetune.runtime.options import RuntimeOptions
+    from moetune.runtime.transports import proxy as P
+
+    cpu = P.proxy_cpu_choice(RuntimeOptions.resolve(), torch.device("cuda", 0)).cpus
+    size = 4096
+    src = torch.empty(64 * size, dtype=torch.uint8, device="cuda:0").random_(0, 255)
+    dst = torch.zeros(64 * 64 * size, dtype=torch.uint8, device="cuda:0")
+    flags = torch.zeros(64 * SLOTS_PER_PE, dtype=torch.int64, device="cuda:0")
+    torch.cuda.synchronize()
+    value, n = 1, args.warmup + args.iters
+    for npe, qps in ACK_SHAPES:
+        peer_data = [dst.data_ptr() + p * 64 * size for p in range(npe)]
+        peer_sig = [flags.data_ptr() + p * SLOTS_PER_PE * 8 for p in range(npe)]
+        eng = P.ProxyEngine(0, peer_data, peer_data, peer_sig, qps=qps, qp_mapping="peer_hash",
+                            fence_mode="proxy_drain", cpu=cpu)
+        try:
+            for case, (spread, ack) in ACK_BATCHES.items():
+                ks = range(qps) if spread else range(1)
+                items = [(P.OP_PUT, p, 0, k, src.data_ptr() + k * size, k * size, size) for p in range(npe) for k in ks]
+                if ack:
+                    items.append((P.OP_ACK, 0, 0, 0, 0, 0, 0))
+                eng.reset_stats()
+                t = eng.bench(P.make_requests(items), n, value_base=value)[args.warmup:]
+                value += n
+                st = eng.stats()
+                out_rows.append({"bench": "proxy_ack", "case": case, "peers": npe, "qps": qps, "size": size,
+                                 "iters": len(t), "us_median": statistics.median(t), "us_p10": _pct(t, 10),
+                                 "us_p90": _pct(t, 90), "ack_writes_per_batch": st.get("ack_writes", 0) / n,
+                                 "engine_error": eng.error()})
+                print(f"  ack {case:22s} peers {npe} x qps {qps}: {statistics.median(t):8.2f} us, "
+                      f"ack writes/batch {st.get('ack_writes', 0) / n:.0f}", flush=True)
+        finally:
+            eng.close()
+
+
 def run_race(args, out_rows: list[dict]) -> None:
     """Unsafe round_robin + nic_ordered + 4 QPs vs. peer_hash control: stale rows seen at signal time."""
     import torch
@@ -214,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer points (smoke run)")
     ap.add_argument("--skip-race", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="import and plan only; no CUDA")
+    ap.add_argument("--ack-only", action="store_true", help="only the ACK cost (one GPU, emulated peers)")
     args = ap.parse_args(argv)
     args.concurrency = (1, 16, 96) if args.quick else CONCURRENCY
     args.sizes = (16 << 10, 4 << 20) if args.quick else SIZES
@@ -223,18 +277,22 @@ def main(argv: list[str] | None = None) -> int:
     from moetune.runtime.transports import proxy as P  # import check, also in dry-run
 
     reqs, npe, per = build_requests(P, 96, 16 << 10, "decoupled", 0)
+    if args.dry_run and args.ack_only:
+        print(f"dry-run: ACK cost, {len(ACK_SHAPES)} peer x QP shapes x {len(ACK_BATCHES)} batches; out={out}")
+        return 0
     if args.dry_run:
         print(f"dry-run: {len(MODES)} modes x {len(args.concurrency)} concurrencies x {len(args.sizes)} sizes, "
               f"96 transfers -> {npe} PEs x {per} + {len(reqs) - 96} group signals; out={out}")
         return 0
     import torch
 
-    if torch.cuda.device_count() < 2:
-        print("proxy_micro: needs 2 GPUs", file=sys.stderr)
+    if torch.cuda.device_count() < (1 if args.ack_only else 2):
+        print(f"proxy_micro: needs {1 if args.ack_only else 2} GPU(s)", file=sys.stderr)
         return 2
     rows: list[dict] = []
     rc = 0
-    for name, fn in (("micro", run_micro), ("race", run_race)):
+    parts = (("ack", run_ack),) if args.ack_only else (("micro", run_micro), ("race", run_race))
+    for name, fn in parts:
         if name == "race" and args.skip_race:
             continue
         print(f"== proxy {name}", flush=True)

@@ -682,6 +682,32 @@ def run_proxy_micro(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
             CaseResult(c.name, per.get(c.name, {}), cmd, "" if c.name in per else "mode not in the output") for c in cases]
 
 
+@driver("proxy-ack", single_shot=True)
+def run_proxy_ack(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
+    """bench/proxy_micro.py --ack-only (the proxy engine on one GPU, emulated peers): what an ACK costs against the
+    streams it is written on; the cases are its batches (bench/proxy_micro.py ACK_BATCHES), metrics
+    `batch_us[P{peers}xQ{qps}]`. A case whose engine recorded an error fails."""
+    out = ctx.tmp / "proxy-ack"
+    try:
+        _, cmd = _run_script("proxy_micro.py", {**cases[0].args, "ack_only": True, "out": str(out)}, cases[0].env, ctx)
+        rows = [json.loads(x) for x in (out / "proxy_micro.jsonl").read_text().splitlines() if x.strip()]
+    except (RuntimeError, ValueError, KeyError, OSError) as e:
+        return [CaseResult(c.name, {}, "python bench/proxy_micro.py --ack-only", str(e)) for c in cases]
+    per: dict[str, dict[str, Stat]] = {}
+    bad: dict[str, str] = {}
+    for r in rows:
+        if r.get("bench") != "proxy_ack":
+            if r.get("error"):
+                bad.setdefault("*", str(r["error"])[-300:])
+            continue
+        if r.get("engine_error"):
+            bad.setdefault(r["case"], f"the proxy engine recorded an error: {str(r['engine_error'])[-300:]}")
+        per.setdefault(r["case"], {})[f"batch_us[P{r['peers']}xQ{r['qps']}]"] = Stat(
+            r["us_median"], r.get("us_p10"), r.get("us_p90"), int(r.get("iters", 1)), "us")
+    return [CaseResult(c.name, {}, cmd, bad.get(c.name) or bad["*"]) if c.name in bad or "*" in bad else
+            CaseResult(c.name, per.get(c.name, {}), cmd, "" if c.name in per else "case not in the output") for c in cases]
+
+
 def proxy_case(r: dict[str, Any]) -> str:
     """A proxy_micro row's case name: put-only, or signalling-fence_mode (coupled-proxy-drain, ...), with `-batch`
     after it for a mode whose proxy batches its PUTs (batch > 1: put-only-batch, decoupled-proxy-drain-batch, ...),
