@@ -163,10 +163,11 @@ def test_a_resumed_job_of_one_key_does_not_hide_the_changes_other_keys(tmp_path:
         d.stop()
 
 
-def test_a_fabric_back_to_one_it_had_re_tunes_that_ones_stale_profiles(tmp_path: Path) -> None:
-    """A → B → A (a port down then up, a package changed then restored): A's profiles went stale at A → B, B's
-    re-tune did not run (or stored nothing), and at B → A nothing was current of B, so nothing was re-tuned: A's
-    profiles stayed stale for good with the node on A again."""
+def test_a_fabric_back_to_one_it_had_serves_that_ones_profiles_again(tmp_path: Path) -> None:
+    """A → B → A (a GPU off the bus and back, a package changed then restored): A's profiles went stale at A → B, B's
+    re-tune stored nothing, and at B → A they stayed stale (a re-tune of hours, or modelled rows in their place,
+    though they were measured on this very fabric). Now B → A makes each of A's keys current again, measured as it
+    was, with nothing re-tuned for them; a key tuned on A in between keeps its newer profile."""
     a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
     store = F.open_store(tmp_path / "moetune.db")
     seeded = F.seed_profiles(store, a)
@@ -185,11 +186,31 @@ def test_a_fabric_back_to_one_it_had_re_tunes_that_ones_stale_profiles(tmp_path:
         deadline = time.monotonic() + 10
         while len(ran) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert len(ran) == 1 and store.list_profiles(status="current", fingerprint=a.fingerprint) == []
         now[0] = a
-        d.rediscover()  # B → A: A's stale keys are re-tuned for A
-        while len(ran) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(ran) == 2, ran
-        assert sorted(k.token_bucket for k in ran[1]) == sorted(r.key.token_bucket for r in seeded)
+        d.rediscover()  # B → A: A's profiles current again
+        time.sleep(0.5)
+        assert len(ran) == 1, ran  # nothing re-tuned for them
+        cur = store.list_profiles(status="current", fingerprint=a.fingerprint)
+        assert sorted(r.key.token_bucket for _, r in cur) == sorted(r.key.token_bucket for r in seeded)
+        assert {r.profile_hash for _, r in cur} == {r.profile_hash for r in seeded}
+        assert any(e["kind"] == "restored" for e in store.list_events(limit=20)), store.list_events(limit=20)
     finally:
         d.stop()
+
+
+def test_restoring_keeps_a_key_tuned_since(tmp_path: Path) -> None:
+    """restore_stale: a key with a current profile keeps it (its stale one stays stale); of two stale profiles of a
+    key the newest comes back; other fingerprints are untouched."""
+    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, a, buckets=(64, 1024))
+    F.seed_profiles(store, b, buckets=(64,))
+    store.mark_stale(fingerprint=a.fingerprint, reason="fabric changed")
+    store.put_profile(seeded[0])  # key 64 measured again on A: current
+    assert store.restore_stale(fingerprint=a.fingerprint, reason="back") == 1  # only key 1024
+    cur = store.list_profiles(status="current", fingerprint=a.fingerprint)
+    assert sorted(r.key.token_bucket for _, r in cur) == [64, 1024]
+    assert len(store.list_profiles(status="stale", fingerprint=a.fingerprint)) == 1  # 64's old one
+    assert len(store.list_profiles(status="current", fingerprint=b.fingerprint)) == 1
+    assert store.restore_stale(fingerprint=a.fingerprint, reason="again") == 0

@@ -230,6 +230,14 @@ class FabricWatch:
         if old_fp:
             self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000], ids=ids)
             self.jobs.cancel_fingerprint(old_fp)  # its work is for a fabric that is gone
+        if old_fp != facts.fingerprint:
+            # a fabric back to one it had (a GPU off the bus and back, a driver rolled back): the profiles measured on
+            # it are good again; nothing to re-tune for their keys (below)
+            n = self.store.restore_stale(fingerprint=facts.fingerprint,
+                                         reason=f"fabric back to {facts.fingerprint} (from {old_fp}): {reason}"[:4000])
+            if n:
+                log.warning("profiles of a fabric seen before made current again",
+                            extra={"fingerprint": facts.fingerprint, "profiles": n})
         with self._commit_lock:
             self._write_info(running=True)
             changes = [dict(kind="fabric_changed", fingerprint=facts.fingerprint, old_fingerprint=old_fp, reasons=reasons)]

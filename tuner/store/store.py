@@ -78,7 +78,14 @@ from moetune.tuner.store.io import (
     ProfilesFile,
     parse_export,
 )
-from moetune.tuner.store.models import Event, Fingerprint, Measurement, Profile, TuningRun
+from moetune.tuner.store.models import (
+    PROFILE_KEY_COLUMNS,
+    Event,
+    Fingerprint,
+    Measurement,
+    Profile,
+    TuningRun,
+)
 from moetune.tuner.store.validate import check_record
 
 BUSY_TIMEOUT_S = 30.0
@@ -956,6 +963,30 @@ class Store:
             n = s.execute(q.values(status="stale", updated=ts)).rowcount
             if n:
                 s.add(Event(created=ts, kind="stale", reason=reason, details={"fingerprint": fingerprint, "profiles": n}))
+            return n
+
+    def restore_stale(self, *, fingerprint: str, reason: str) -> int:
+        """The fabric is `fingerprint` again: its `stale` profiles (made stale when the fabric moved away, or by a job
+        that ended after it did) were measured on this very fabric, so each key's newest one is `current` again where
+        the key has no current profile (one tuned since stays). An event says why. Returns how many."""
+        ts = now()
+        with self._write() as s:
+            rows = s.execute(select(Profile).where(Profile.fingerprint == fingerprint, Profile.status == "stale")
+                             .order_by(Profile.id.desc())).scalars().all()
+            seen: set[tuple[Any, ...]] = set()
+            n = 0
+            for row in rows:
+                key = tuple(getattr(row, c) for c in PROFILE_KEY_COLUMNS)
+                if key in seen:
+                    continue
+                seen.add(key)
+                same_key = [getattr(Profile, c) == v for c, v in zip(PROFILE_KEY_COLUMNS, key, strict=True)]
+                if s.execute(select(Profile.id).where(*same_key, Profile.status == "current")).first() is None:
+                    row.status, row.updated = "current", ts
+                    s.flush()  # one current row per key (the partial unique index): the next row sees this one
+                    n += 1
+            if n:
+                s.add(Event(created=ts, kind="restored", reason=reason, details={"fingerprint": fingerprint, "profiles": n}))
             return n
 
     @_retried
