@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,15 +91,76 @@ def say_upgraded(store: Any) -> None:
                          "older moetune sharing this file cannot open it any more)"))
 
 
+def _lock_holder(fd: int) -> int | None:
+    """The pid a daemon wrote in its lock file `fd`, while that process lives (None: none written yet, or the holder
+    is not the daemon that wrote it: one starting, or another migration)."""
+    try:
+        pid = int(os.pread(fd, 32, 0).split()[0])
+    except (ValueError, IndexError, OSError):
+        return None
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        pass  # another user's live process
+    except OSError:
+        return None
+    return pid
+
+
+@contextlib.contextmanager
+def no_daemon_serving(path: Path) -> Iterator[None]:
+    """Hold the lock a daemon serving `path` holds (taken without waiting) while a migration runs: a daemon kept
+    querying the old schema ("no such column") and never rebuilt its index. Exit 1 when one holds it. The lock file is
+    not created here: one of ours would keep another user's daemon from taking it; none there, none served yet."""
+    import fcntl
+
+    from moetune.tuner.store.store import daemon_lock_path
+
+    lock = daemon_lock_path(path)
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # flock needs no write access
+    except FileNotFoundError:
+        fd = None
+    except OSError as e:  # another user's, or a planted link (not followed): a daemon would refuse it too
+        err.print(escape(f"warning: cannot tell whether a daemon serves {path}: cannot open its lock {lock}: "
+                         f"{'it is a symbolic link' if os.path.islink(lock) else e.strerror or e}"))
+        fd = None
+    if fd is None:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pid = _lock_holder(fd)
+            if pid is not None:
+                raise fail(f"daemon pid {pid} is serving this database ({path}); stop it first", 1) from None
+            raise fail(f"another moetune process holds {lock} (a daemon starting, or another migration of {path}); "
+                       "try again when it has ended", 1) from None
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 @contextlib.contextmanager
 def open_store(db: Path | None, config: Path | None, *, mode: OpenMode,
                own: tuple[type[Exception], ...] = ()) -> Iterator[Any]:
     """Open the store for a command (see OpenMode); errors become a red message and the error's exit status (2: the
     database or the input is wrong; 1: another process holds it, or this user may not write it). `own`: errors the
-    command reports itself, raised as they are."""
+    command reports itself, raised as they are. The migrating modes (init, migrate) refuse a database a daemon serves
+    and keep one from starting on it until the command ends."""
+    path = db_path(db, config)
+    migrating = mode in ("init", "migrate")
+    with no_daemon_serving(path) if migrating else contextlib.nullcontext(), _open_store(path, mode, own) as store:
+        yield store
+
+
+@contextlib.contextmanager
+def _open_store(path: Path, mode: OpenMode, own: tuple[type[Exception], ...]) -> Iterator[Any]:
     from moetune.tuner.store.store import StoreError
 
-    path = db_path(db, config)
     try:
         store = _open(path, mode)
     except own:

@@ -867,7 +867,9 @@ class Daemon(FabricWatch):
         if not self.db_path:
             return
 
-        path = Path(self.db_path).with_name(Path(self.db_path).name + ".daemon-lock")
+        from moetune.tuner.store.store import daemon_lock_path
+
+        path = daemon_lock_path(self.db_path)
         fd, _st = _flock_own_file(path, "the database lock",
                                   f"another moetune daemon is using the database {self.db_path} ({path} is locked)")
         os.ftruncate(fd, 0)

@@ -197,6 +197,13 @@ def database_path(path: str | Path) -> Path:
     return Path(path).expanduser().absolute()
 
 
+def daemon_lock_path(path: str | Path) -> Path:
+    """The file a daemon serving the database `path` holds flocked while it runs (its pid inside); a migration takes
+    it too, so that none serves while the schema changes."""
+    p = database_path(path)
+    return p.with_name(p.name + ".daemon-lock")
+
+
 DatabaseKind = Literal["missing", "empty", "foreign", "moetune"]
 
 

@@ -1,0 +1,100 @@
+"""`moetune db upgrade` / `db downgrade` on a database a daemon serves: refused (exit 1, naming the daemon's pid and
+the database) and the schema left as it was. They migrated it under the daemon, which then logged "no such column:
+profiles.perf_env" on every rebuild and never rebuilt its index. A migration holds the daemon's lock while it runs."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.tuner.cli import app
+from moetune.tuner.store.store import Store, head_revision
+
+pytestmark = pytest.mark.timeout(90)
+
+runner = CliRunner()
+
+
+def run(*args: str) -> tuple[int, str]:
+    r = runner.invoke(app, list(args), env={"MOETUNE_CONFIG": ""})
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    return r.exit_code, " ".join(r.output.split())
+
+
+def _revision(db: Path) -> str | None:
+    with Store(db, readonly=True, check_schema=False) as s:
+        return s.current_revision()
+
+
+def _hold(lock: Path, content: str) -> int:
+    """Flock `lock` as a serving daemon does (an fd of this process: flock locks per open file)."""
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.ftruncate(fd, 0)
+    os.write(fd, content.encode())
+    return fd
+
+
+def test_migrations_are_refused_while_a_daemon_serves(tmp_path: Path) -> None:
+    with F.seeded_daemon(tmp_path) as (d, _facts):
+        for args in (("downgrade", "0004", "--yes"), ("upgrade", "--revision", "base"), ("upgrade",)):
+            code, text = run("db", *args, "--db", str(d.db))
+            assert code == 1, (args, text)
+            assert f"daemon pid {d.proc.pid} is serving this database ({d.db}); stop it first" in text, text
+        assert _revision(d.db) == head_revision()
+        assert "no such column" not in d.read_log()
+    code, text = run("db", "downgrade", "0004", "--yes", "--db", str(d.db))  # stopped: its lock is free
+    assert code == 0 and _revision(d.db) == "0004", text
+
+
+def test_upgrade_is_refused_while_the_lock_is_held(tmp_path: Path) -> None:
+    db = tmp_path / "m.db"
+    with Store(db) as s:
+        s.downgrade("0004")
+    fd = _hold(tmp_path / "m.db.daemon-lock", f"{os.getpid()}\n")
+    try:
+        code, text = run("db", "upgrade", "--db", str(db))
+        assert code == 1 and f"daemon pid {os.getpid()} is serving this database ({db})" in text, text
+        assert _revision(db) == "0004"
+    finally:
+        os.close(fd)
+    fd = _hold(tmp_path / "m.db.daemon-lock", "")  # no pid yet: a daemon starting, or another migration
+    try:
+        code, text = run("db", "upgrade", "--db", str(db))
+        assert code == 1 and f"another moetune process holds {db}.daemon-lock" in text, text
+        assert _revision(db) == "0004"
+    finally:
+        os.close(fd)
+    assert run("db", "upgrade", "--db", str(db))[0] == 0 and _revision(db) == head_revision()
+
+
+def test_a_migration_holds_the_lock_and_creates_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    db = tmp_path / "m.db"
+    assert run("db", "upgrade", "--db", str(db))[0] == 0
+    assert not (tmp_path / "m.db.daemon-lock").exists()  # another user's daemon could not take one of ours
+    (tmp_path / "m.db.daemon-lock").write_text("")  # a daemon served it once
+    held: list[bool] = []
+    real = Store.downgrade
+
+    def downgrade(self: Store, revision: str) -> None:
+        fd = os.open(tmp_path / "m.db.daemon-lock", os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:  # a daemon starting now is refused
+            held.append(True)
+        finally:
+            os.close(fd)
+        real(self, revision)
+
+    monkeypatch.setattr(Store, "downgrade", downgrade)
+    assert run("db", "downgrade", "0004", "--yes", "--db", str(db))[0] == 0
+    assert held == [True] and _revision(db) == "0004"
