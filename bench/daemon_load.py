@@ -256,44 +256,46 @@ def main() -> int:
 
     import daemon_fakes as F
 
-    tmp = Path(tempfile.mkdtemp(prefix="moetune-bench-"))
-    facts = F.make_capture(tmp / "capture")
-    store = F.open_store(tmp / "moetune.db")
-    F.seed_profiles(store, facts)
-    del store
-    if a.transport == "tcp":
-        port = free_port()
-        endpoint, extra = f"tcp://127.0.0.1:{port}", ["--allow-insecure-tcp", "--pub-socket", f"ipc://{tmp}/run/events.sock"]
-    else:
-        endpoint, extra = None, []
-    d = F.DaemonProc(tmp, endpoint=endpoint, extra=extra, interval=0)
-    phases = []
-    client_cpus: set[int] | None = None
-    try:
-        d.wait_ready()
-        if a.pin and (os.cpu_count() or 1) > 1:
-            for tid in os.listdir(f"/proc/{d.proc.pid}/task"):
-                os.sched_setaffinity(int(tid), {0})
-            client_cpus = set(range(1, os.cpu_count() or 2))
-        for n in (int(x) for x in a.clients.split(",")):
-            n = max(1, min(n, 256))
-            for rate in (0.0, a.rate):
-                cpu0 = _cpu_s(d.proc.pid)
-                r = run_phase(d.endpoint, n, a.seconds, rate, a.procs, client_cpus)
-                cpu = _cpu_s(d.proc.pid) - cpu0
-                r["daemon_cpu_s"] = round(cpu, 3)
-                r["daemon_cpu_us_per_req"] = round(cpu / max(1, r["requests"]) * 1e6, 2)
-                r["daemon_rss_kb"] = d.rss_kb()
-                phases.append(r)
-                print(json.dumps(r), flush=True)
-        env = dict(os.environ, MOETUNE_CLIENT_SOCKET=d.endpoint, MOETUNE_STORE_DB=str(d.db))
-        # the runtime's client speaks TCP only with CURVE (plain text is a test-only argument autoload never
-        # passes), so its start-up is timed on the ipc run only
-        timed_autoload = not a.no_autoload and a.transport == "ipc"
-        up = time_autoload(env) if timed_autoload else []
-    finally:
-        d.kill(15)
-    auto = _time_fallbacks(tmp, d) if timed_autoload else None
+    # the database, the capture, the daemon's log and sockets: removed when the run ends, failed or not
+    with tempfile.TemporaryDirectory(prefix="moetune-bench-", ignore_cleanup_errors=True) as tmp_dir:
+        tmp = Path(tmp_dir)
+        facts = F.make_capture(tmp / "capture")
+        store = F.open_store(tmp / "moetune.db")
+        F.seed_profiles(store, facts)
+        del store
+        if a.transport == "tcp":
+            port = free_port()
+            endpoint, extra = f"tcp://127.0.0.1:{port}", ["--allow-insecure-tcp", "--pub-socket", f"ipc://{tmp}/run/events.sock"]
+        else:
+            endpoint, extra = None, []
+        d = F.DaemonProc(tmp, endpoint=endpoint, extra=extra, interval=0)
+        phases = []
+        client_cpus: set[int] | None = None
+        try:
+            d.wait_ready()
+            if a.pin and (os.cpu_count() or 1) > 1:
+                for tid in os.listdir(f"/proc/{d.proc.pid}/task"):
+                    os.sched_setaffinity(int(tid), {0})
+                client_cpus = set(range(1, os.cpu_count() or 2))
+            for n in (int(x) for x in a.clients.split(",")):
+                n = max(1, min(n, 256))
+                for rate in (0.0, a.rate):
+                    cpu0 = _cpu_s(d.proc.pid)
+                    r = run_phase(d.endpoint, n, a.seconds, rate, a.procs, client_cpus)
+                    cpu = _cpu_s(d.proc.pid) - cpu0
+                    r["daemon_cpu_s"] = round(cpu, 3)
+                    r["daemon_cpu_us_per_req"] = round(cpu / max(1, r["requests"]) * 1e6, 2)
+                    r["daemon_rss_kb"] = d.rss_kb()
+                    phases.append(r)
+                    print(json.dumps(r), flush=True)
+            env = dict(os.environ, MOETUNE_CLIENT_SOCKET=d.endpoint, MOETUNE_STORE_DB=str(d.db))
+            # the runtime's client speaks TCP only with CURVE (plain text is a test-only argument autoload never
+            # passes), so its start-up is timed on the ipc run only
+            timed_autoload = not a.no_autoload and a.transport == "ipc"
+            up = time_autoload(env) if timed_autoload else []
+        finally:
+            d.kill(15)
+        auto = _time_fallbacks(tmp, d) if timed_autoload else None
 
     result = {
         "date": datetime.now(UTC).isoformat(),

@@ -110,3 +110,60 @@ def test_a_phase_with_errors_fails_its_latency_metrics(tmp_path: Path, monkeypat
     assert by["errors[c64-paced]"]["median"] == "10" and by["errors[c64-closed]"]["median"] == "0"
     assert by["p99_us[c64-closed]"]["median"] == "545" and by["p99_us[c64-closed]"]["note"].startswith(why)
     assert not [r for r in rows if r["metric"] == "p99_us[c64-paced]" and not r["note"].startswith("FAILED")]
+
+
+class _FakeDaemonProc:
+    """daemon_fakes.DaemonProc's surface main() uses, with no daemon: it writes its log into the bench's folder, as
+    the real one does; `fail` makes wait_ready raise (a daemon that did not start)."""
+
+    fail = False
+
+    def __init__(self, tmp: Path, **_kw: Any) -> None:
+        import os
+        import types
+
+        (tmp / "daemon.log").write_text("serving\n")
+        self.endpoint, self.db = f"ipc://{tmp}/run/daemon.sock", tmp / "moetune.db"
+        self.proc = types.SimpleNamespace(pid=os.getpid())
+
+    def wait_ready(self) -> None:
+        if self.fail:
+            raise RuntimeError("daemon exited with 2")
+
+    def rss_kb(self) -> int:
+        return 1
+
+    def kill(self, _sig: int = 9) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_run_removes_its_temp_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: bool) -> None:
+    """Each run made a moetune-bench-* folder (database, capture, daemon log) under the temp dir and left it there,
+    also when it failed."""
+    import sys
+    import tempfile
+
+    mod = _daemon_load()  # puts tests/ on sys.path, as the script runs
+    import daemon_fakes
+
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.setattr(_FakeDaemonProc, "fail", fail)
+    monkeypatch.setattr(daemon_fakes, "DaemonProc", _FakeDaemonProc)
+    monkeypatch.setattr(daemon_fakes, "make_capture", lambda dest: (dest.mkdir(), None)[1])
+    monkeypatch.setattr(daemon_fakes, "open_store", lambda path: path.write_text(""))
+    monkeypatch.setattr(daemon_fakes, "seed_profiles", lambda store, facts: None)
+    monkeypatch.setattr(mod, "run_phase", lambda *a, **kw: {"requests": 1, "clients": 1, "mode": "closed",
+                                                           "req_per_s": 1.0, "p50_us": 1.0, "p99_us": 1.0,
+                                                           "errors": 0, "unanswered": 0})
+    monkeypatch.setattr(sys, "argv", ["daemon_load.py", "--clients", "1", "--seconds", "0", "--no-autoload",
+                                      "--out", str(tmp_path / "out")])
+    if fail:
+        with pytest.raises(RuntimeError, match="daemon exited"):
+            mod.main()
+    else:
+        assert mod.main() == 0
+        assert len(list((tmp_path / "out").glob("*_daemon_load.json"))) == 1
+    assert list(temp.iterdir()) == []
