@@ -95,6 +95,7 @@ class Job:
         self.queued_recorded = False  # the job_queued event is in the store (a resumption closes its old job then)
         self.started_recorded = False  # the job_started event is in the store
         self.impossible = False  # failed because no profile true for this node could be produced
+        self.backend: str | None = None  # the [tune] backend it ran under (a notice it leaves is about that one)
         self.cancelled_by = ""  # "user" (the retune op), "fabric" (the watch: its fabric changed), "shutdown"
         self.refused: list[str] = []  # keys the re-tune would not produce here, and why (they stay as they are)
         self.kept = 0  # keys re-tuned whose current profile stayed (the new result did not replace it)
@@ -117,7 +118,7 @@ class Job:
                 "keys": [k.to_dict() for k in self.keys], "state": self.state, "written": self.written,
                 "message": self.message, "impossible": self.impossible, "refused": list(self.refused),
                 "kept": self.kept, "kept_why": list(self.kept_why), "no_result": list(self.no_result),
-                "resumes": self.resumes}
+                "resumes": self.resumes, "backend": self.backend}
 
 
 class JobContext:
@@ -487,6 +488,7 @@ class JobManager:
         retune: RetuneFn,
         on_done: Callable[[Job, list[ProfileRecord]], None],
         tune: TuneSettings,
+        on_start: Callable[[Job], None] | None = None,
         capacity: int = 4,
         metrics: Any = None,
         first_id: int = 1,
@@ -497,6 +499,7 @@ class JobManager:
         self.facts_fn = facts_fn
         self.retune = retune
         self.on_done = on_done
+        self.on_start = on_start
         self.tune = tune
         self.capacity = capacity
         self.metrics = metrics
@@ -738,6 +741,12 @@ class JobManager:
             return None
 
     def _run(self, job: Job) -> None:
+        job.backend = self.tune.backend
+        if self.on_start is not None:
+            try:
+                self.on_start(job)
+            except Exception:  # broad: the server's callback runs in the worker thread, which must survive it
+                log.exception("before job %d", job.id)
         written: list[ProfileRecord] = []
         before: set[int] | None = None  # the current profiles (row ids) of the job's fingerprint when it started
         t0 = time.monotonic()
@@ -1002,16 +1011,20 @@ def _written_since(store: Any, d: dict[str, Any], since: str) -> set[tuple]:
     return out
 
 
-def tune_notice_of(store: Any, *, limit: int = 2000) -> str:
-    """Why the automatic re-tune cannot run here, as the last daemon's jobs left it ('' once one ran): a
-    restart must not forget it while the profiles it left stale stay stale."""
-    for e in store.list_events(limit=limit, kinds=("job_finished",)):  # newest first
+def tune_notice_of(store: Any, *, backend: str | None = None, limit: int = 2000) -> str:
+    """Why the automatic re-tune cannot run here, as the last daemon's jobs left it ('' once one ran, or started: its
+    end says anew): a restart must not forget it while the profiles it left stale stay stale. A notice left under
+    another [tune] `backend` than this daemon's is dropped: it told how to change settings no longer in force."""
+    for e in store.list_events(limit=limit, kinds=("job_started", "job_finished")):  # newest first
         d = e["details"] or {}
         if not isinstance(d, dict):
             continue
-        if d.get("state") == "done":
+        if e["kind"] == "job_started" or d.get("state") == "done":
             return ""
         if d.get("impossible"):
+            ran_under = d.get("backend")  # None: written by an older moetune, which did not record it
+            if backend is not None and isinstance(ran_under, str) and ran_under != backend:
+                return ""
             return str(d.get("message") or "")
     return ""
 

@@ -732,7 +732,8 @@ class Daemon(FabricWatch):
         self._info_yielded = False  # daemon.json is another live daemon's: not written this run
         self._served = False  # start() went through: at exit daemon.json stays, as the runtime's fallback cache
         self.jobs = JobManager(store=store, facts_fn=lambda: self.facts, retune=retune_job or tuner_retune,
-                               on_done=self._job_done, tune=self.tune, capacity=job_capacity, metrics=self.metrics)
+                               on_done=self._job_done, on_start=self._job_started, tune=self.tune,
+                               capacity=job_capacity, metrics=self.metrics)
         g = self.metrics.gauges
         g["profiles_current"] = lambda: self.index.current_count
         g["profiles_stale"] = lambda: len(self.index.stale)
@@ -1306,7 +1307,7 @@ class Daemon(FabricWatch):
         log.info("published %s v%d", change.kind, change.version, extra={"fingerprint": change.fingerprint})
 
     def _recover(self) -> list[Resumable]:
-        self.tune_notice = tune_notice_of(self.store)  # as the last daemon left it
+        self.tune_notice = tune_notice_of(self.store, backend=self.tune.backend)  # as the last daemon left it
         resume, next_id = recover_jobs(self.store)
         self.jobs._ids = itertools.count(max(next_id, 1))
         return resume
@@ -1334,6 +1335,11 @@ class Daemon(FabricWatch):
                 log.error("job %s: its resumption's event was not recorded; left open in the store", r.job_id)
                 continue
             self.store.add_event(kind="job_finished", reason=f"{r.why}; resuming", details=r.finish_details)
+
+    def _job_started(self, job: Job) -> None:
+        # the notice was about the last job's settings: this one runs under those now in force, and its end sets a
+        # notice again if it still cannot (`status` showed the old advice above the job that followed it)
+        self.tune_notice = ""
 
     def _job_done(self, job: Job, written: list[ProfileRecord]) -> None:
         if job.impossible:
