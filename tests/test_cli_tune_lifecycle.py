@@ -3,6 +3,8 @@
 - SIGTERM (`kill`, `timeout`) ended a local tune at once, exit 143 with no message, and left the bench worker and
   its ranks measuring, re-parented to init; now it ends as Ctrl-C does, and the worker (and its ranks) end when the
   tuning process is gone however it ended.
+- a second Ctrl-C that landed in Optuna's clean-up of the first printed a traceback (UnboundLocalError) and exited
+  1; an error raised while an interrupt unwinds now ends the command as that interrupt (one line, 130).
 - `--comm nccl` on a machine without CUDA GPUs started the ranks and failed ~11 s later in init; refused up front.
 - two profile databases of one folder shared one default studies file: a tune of the second resumed the first's
   finished studies and ran no trial.
@@ -87,6 +89,91 @@ def test_sigterm_ends_a_local_tune_as_ctrl_c_and_its_worker_with_it(tmp_path: Pa
         assert gone_within(pids, 3.0) == [], "the bench worker or its rank outlived the tune"
     finally:
         kill(pids, proc)
+
+
+def _interrupted(*_a: object, **_k: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _storage_failed(*_a: object, **_k: object) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    raise OperationalError("UPDATE trials", {}, Exception("interrupted"))
+
+
+# where the second interrupt lands: Optuna's tell of the interrupted trial, or the objective's own clean-up (the
+# warm-start point put back) whose study storage then fails: an SQLAlchemyError whose context is the interrupt
+@pytest.mark.parametrize("tell, requeue", [(_interrupted, None), (None, _storage_failed)])
+def test_a_second_ctrl_c_in_optunas_clean_up_ends_the_tune_as_an_interrupt(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          tell: Any, requeue: Any) -> None:
+    """A reviewer's find: Ctrl-C twice (~0.3 s apart) during `tune --backend model` printed a traceback and exited 1:
+    the second interrupt landed in Optuna's clean-up of the first, whose `finally` then raised "UnboundLocalError:
+    ... 'updated_state'". Here the trial is interrupted and so is the clean-up after it (an error of the study
+    storage raised while the interrupt unwound is no storage failure: the interrupt ends the command)."""
+    import optuna.study._optimize as optimize
+
+    from moetune.tuner.search import study
+
+    monkeypatch.setattr(study._Objective, "_run", _interrupted)
+    if tell is not None:
+        monkeypatch.setattr(optimize, "_tell_with_warning", tell)
+    if requeue is not None:
+        monkeypatch.setattr(study, "requeue_warm_start", requeue)
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    r = runner.invoke(app, [*TUNE_MODEL, "--db", str(tmp_path / "m.db")])
+    assert r.exit_code == 130, (r.output, r.exception)
+    assert "interrupted: the study is saved; run the same command again to resume" in r.output, r.output
+    assert "UnboundLocalError" not in r.output and "Traceback" not in r.output, r.output
+
+
+def test_an_error_raised_while_an_interrupt_unwound_is_that_interrupt() -> None:
+    """`ends_cleanly_on_interrupt` ends on an error whose __context__ / __cause__ chain holds a KeyboardInterrupt
+    (or SIGTERM's Terminated) as on the interrupt; other errors and the CLI's own exits pass through."""
+    import typer
+
+    from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt, interrupt_behind
+    from moetune.tuner.search.study import Terminated
+
+    def unwound(interrupt: KeyboardInterrupt) -> Exception:
+        try:
+            try:
+                raise interrupt
+            finally:
+                raise UnboundLocalError("cannot access local variable 'updated_state'")
+        except UnboundLocalError as e:
+            return e
+
+    def caused(interrupt: KeyboardInterrupt) -> Exception:
+        try:
+            raise RuntimeError("wrapped") from unwound(interrupt)
+        except RuntimeError as e:
+            return e
+
+    def ends(e: BaseException) -> tuple[int, str]:
+        from io import StringIO
+
+        from rich.console import Console
+
+        buf = StringIO()
+        with pytest.raises(typer.Exit) as x, ends_cleanly_on_interrupt(lambda: "left", Console(file=buf),
+                                                                       sigterm=False):
+            raise e
+        return x.value.exit_code, buf.getvalue().strip()
+
+    assert ends(unwound(KeyboardInterrupt())) == (130, "interrupted: left")
+    assert ends(caused(KeyboardInterrupt())) == (130, "interrupted: left")
+    assert ends(unwound(Terminated())) == (143, "terminated (SIGTERM): left")
+    assert interrupt_behind(ValueError("no interrupt")) is None
+    with pytest.raises(ValueError), ends_cleanly_on_interrupt(lambda: "left", sigterm=False):
+        raise ValueError("no interrupt")
+    try:  # a CLI exit the body raised while it handled an interrupt: its own words were printed, its code stands
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise typer.Exit(1) from None
+    except typer.Exit as e:
+        assert interrupt_behind(e) is None
 
 
 # A parent that starts a child which asks to die with it (die_with_parent, as each rank of the worker does), then

@@ -391,7 +391,7 @@ def tune(
     def count(_name: str, _study: object, _trial: object) -> None:
         ran[0] += 1
 
-    from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt
+    from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt, interrupt_behind
 
     # Ctrl-C, or SIGTERM raised as KeyboardInterrupt: the progress bar closed, one line, exit 130 / 143. The `except`s
     # are inside it, so none of them takes its typer.Exit (a RuntimeError) for a failure of the tune
@@ -418,6 +418,8 @@ def tune(
             import optuna
             from sqlalchemy.exc import SQLAlchemyError
 
+            if interrupt_behind(e) is not None:  # raised while an interrupt unwound: no storage failure, the interrupt
+                raise
             if isinstance(e, SQLAlchemyError | SqliteError):  # the study storage failed while tuning
                 _storage_failed(url, storage is not None, e)
             cause = e.__cause__ or e.__context__  # Optuna's StorageInternalError wraps SQLite's "readonly", "locked"
