@@ -1,7 +1,8 @@
 """What `moetune db ...` says: an upgrade to an older revision is refused (it did nothing and said "already at");
 `db check` names schema differences in words (not Alembic's tuples); an Optuna studies file without moetune's tables
-is said to be one, by `db check` (as `profiles list` says it) and by `db upgrade` (not "upgraded empty"); the
-downgrade help says where revision ids are shown."""
+is said to be one, by `db check` (as `profiles list` says it) and by `db upgrade` (not "upgraded empty"); a file
+that is not a database is NOT OK to `db check` (exit 1, not 2); the downgrade help says where revision ids are
+shown."""
 
 from __future__ import annotations
 
@@ -130,6 +131,23 @@ def test_an_empty_file_is_said_to_be_empty(tmp_path: Path) -> None:
     f.write_bytes(b"")
     r, text = run("db", "check", "--db", str(f))
     assert r.exit_code == 1 and "not a moetune database (it is empty): no moetune tables yet" in text, r.output
+
+
+def test_a_file_that_is_not_a_database_is_not_ok_exit_1(tmp_path: Path) -> None:
+    """A reviewer's find: `db check` of a file SQLite cannot read as a database ("file is not a database") exited 2,
+    while its help says exit 1 when anything is off (2 only for a newer moetune's database), as a damaged file
+    does. Other commands given it still refuse it with exit 2 (the wrong file)."""
+    f = tmp_path / "x.db"
+    f.write_text("garbage\n")
+    r, text = run("db", "check", "--db", str(f))
+    assert r.exit_code == 1, r.output
+    assert f"{f}: NOT OK integrity: {f}: file is not a database" in text, text
+    r, _ = run("db", "check", "--db", str(f), "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 1 and doc["ok"] is False and doc["integrity"] == [f"{f}: file is not a database"]
+    r, text = run("db", "current", "--db", str(f))
+    assert r.exit_code == 2 and f"error: {f}: file is not a database" in text, r.output
+    assert f.read_text() == "garbage\n"
 
 
 def test_downgrade_help_says_where_revision_ids_are_shown() -> None:

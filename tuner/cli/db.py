@@ -371,13 +371,13 @@ def check(
             out.print(f"{escape(str(path))}: [red]NOT OK[/red]")
             out.print(escape(f"  {why}"))
         raise typer.Exit(1)
-    from moetune.tuner.store.store import StoreDamaged
+    from moetune.tuner.store.store import StoreDamaged, StoreNotDatabase
 
-    try:
-        with open_store(db, config, mode="inspect", own=(StoreDamaged,)) as store:
+    try:  # a file SQLite cannot read as a database is "off" as a damaged one is: NOT OK, exit 1 (it exited 2)
+        with open_store(db, config, mode="inspect", own=(StoreDamaged, StoreNotDatabase)) as store:
             store.schema.refuse_newer(store.current_revision())  # not "NOT OK": a newer moetune's schema is not drift
             info = store.check()
-    except StoreDamaged as e:  # SQLite could not even read what the check starts from: that is the check's answer
+    except (StoreDamaged, StoreNotDatabase) as e:  # SQLite could not even read what the check starts from: that is the check's answer
         info = {"path": str(path), "revision": None, "head": None, "at_head": False, "integrity": [str(e)],
                 "foreign_key_errors": 0, "schema_diff": [], "unreadable_profiles": None,
                 "mislabelled_profiles": None, "ok": False}

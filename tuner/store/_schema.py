@@ -38,6 +38,11 @@ class StoreDamaged(StoreError):
     check` names the problem, a backup (or `sqlite3 .recover`) mends it."""
 
 
+class StoreNotDatabase(StoreError):
+    """SQLite finds no database in the file ("file is not a database": another kind of file, or a damaged header).
+    A command given it exits 2 (the wrong file); `moetune db check` reports it as NOT OK, exit 1."""
+
+
 class StoreNotWritable(StoreError):
     """This user may not write the database file, or the folder it is (or would be) in."""
 

@@ -61,6 +61,7 @@ from moetune.tuner.store._schema import (
     StoreBusy,
     StoreDamaged,
     StoreError,
+    StoreNotDatabase,
     StoreNotWritable,
     Upgraded,
     db_option,
@@ -111,6 +112,7 @@ __all__ = [
     "StoreBusy",
     "StoreDamaged",
     "StoreError",
+    "StoreNotDatabase",
     "StoreNotWritable",
     "database_path",
     "head_revision",
@@ -314,6 +316,8 @@ def sqlite_failure(path: Path, e: BaseException, *, write: bool) -> StoreError:
             return StoreNotWritable(reason)
     if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_CORRUPT or "malformed" in why:
         return StoreDamaged(damaged_message(path, why))
+    if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_NOTADB or "file is not a database" in why:
+        return StoreNotDatabase(f"{path}: {why}")  # the same words and exit; `db check` tells it from the rest
     return StoreError(f"{path}: {why}")
 
 
