@@ -378,6 +378,48 @@ def test_report_out_must_be_a_folder_it_can_make(tmp_path: Path) -> None:
     _refused(_run("profile", "--report-dir", str(f), home=tmp_path), f"--report-dir {f}", "not a directory")
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_profile_refuses_a_report_dir_it_cannot_make_before_any_stage(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reviewer's find: `profile --report-dir /proc/x` passed the up-front check (as root every permission bit
+    passes, and /proc looks writable) and failed only after the whole bring-up, with "--report-dir [Errno 2] ...".
+    The check now makes the folder and a file in it (and removes them): the error names the option, the path and
+    the OS's words, before the database is opened or a stage runs."""
+    from moetune.tuner.bringup import flow
+
+    def run(_self: object) -> None:
+        raise AssertionError("the bring-up ran")
+
+    monkeypatch.setattr(flow.Bringup, "run", run)
+    db = tmp_path / "m.db"
+    for d, words in ((Path("/proc/x"), "--report-dir /proc/x: cannot create it"),
+                     (Path("/proc/x/y"), "--report-dir /proc/x/y: cannot create ")):
+        r = _run("profile", "--quick", "--capture", str(CAPTURES / "h200x2"), "--db", str(db), "--report-dir",
+                 str(d), home=tmp_path)
+        _refused(r, words)
+        assert "[Errno" not in r.output and not db.exists(), r.output
+
+
+def test_the_report_folder_check_leaves_no_folder_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check tries what the report will do (make the folders, write a file) and undoes it, whether it passed or
+    not: a refused command leaves no folder the user did not get."""
+    import tempfile
+
+    from moetune.tuner.cli.profile import _out_dir_problem
+
+    assert _out_dir_problem(tmp_path / "a" / "b") is None
+    assert _out_dir_problem(tmp_path) is None
+    assert sorted(tmp_path.iterdir()) == []
+
+    def refused(*_a: object, **_k: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)  # a folder it can make but not write in (as root can't be set up)
+    assert _out_dir_problem(tmp_path / "a" / "b") == "cannot write in it (Permission denied)"
+    assert _out_dir_problem(tmp_path) == "cannot write in it (Permission denied)"
+    assert sorted(tmp_path.iterdir()) == []
+
+
 # -- 8. serve --capture ----------------------------------------------------------------------------------------
 def test_serve_refuses_a_missing_capture(tmp_path: Path) -> None:
     args = ("--socket", f"ipc://{tmp_path}/d.sock")

@@ -33,6 +33,9 @@ def _out_dir_problem(path: Path, hint: str = "") -> str | None:
             return "exists and is not a directory (the report is a folder: report.md and its plots)"
         if not os.access(path, os.W_OK | os.X_OK):
             return "not writable"
+        problem = _tried(path)
+        if problem is not None:
+            return problem
         foreign = foreign_report(path)
         return foreign + hint if foreign else None
     above = nearest_existing(path.parent)
@@ -40,7 +43,42 @@ def _out_dir_problem(path: Path, hint: str = "") -> str | None:
         return f"cannot create it, {above} is not a directory"
     if not os.access(above, os.W_OK | os.X_OK):
         return f"cannot create it, {above} is not writable"
-    return None
+    return _tried(path)
+
+
+def _tried(path: Path) -> str | None:
+    """Why making the folder `path` (where missing) or a file in it fails, found by doing both (None when they work);
+    what it made is removed again, so a check leaves no folder behind. `os.access` alone let through what the kernel
+    refuses: root passes every permission bit, and nothing is made under /proc (`--report-dir /proc/x` failed with
+    "[Errno 2]" only after the whole bring-up)."""
+    import contextlib
+    import tempfile
+
+    missing: list[Path] = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    made: list[Path] = []
+    try:
+        for d in reversed(missing):
+            try:
+                d.mkdir()
+            except OSError as e:
+                return f"cannot create {'it' if d == path else d} ({e.strerror or e})"
+            made.append(d)
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".moetune-check-", dir=path)
+        except OSError as e:
+            return f"cannot write in it ({e.strerror or e})"
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+        return None
+    finally:
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
 
 def _check_out_dir(path: Path, option: str) -> None:
