@@ -374,7 +374,7 @@ def test_sweep_plot_that_cannot_be_saved_leaves_the_earlier_plot_whole(tmp_path:
 
     monkeypatch.setattr(Image.Image, "save", full_disk_save)
     monkeypatch.setattr(os, "fsync", enospc)  # the atomic write fails before its rename
-    r = runner.invoke(app, args)
+    r = runner.invoke(app, [*args, "--force"])
     assert r.exit_code == 2 and "cannot write the plot (No space left on device)" in " ".join(r.output.split()), r.output
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]  # no temporary file left

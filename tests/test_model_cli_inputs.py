@@ -154,6 +154,30 @@ def test_sweep_out_without_suffix_prints_the_real_path(tmp_path: Path) -> None:
     assert _has(text, f"written to {real}")
 
 
+@pytest.mark.parametrize("name, real", [("thesis.pdf", "thesis.pdf"), ("plot", "plot.png"), ("link.svg", "link.svg")])
+def test_sweep_out_replaces_an_existing_file_only_with_force(tmp_path: Path, name: str, real: str) -> None:
+    """A reviewer's find: `model sweep --out thesis.pdf` replaced any existing file with the plot, without a word
+    (as `profiles export` and `model calibrate` do not). Refused up front, before the sweep, unless --force; the
+    real file (FILE.png for a FILE without suffix; a symlink, which the write would replace) is the one checked."""
+    out, path = tmp_path / name, tmp_path / real
+    if name == "link.svg":
+        path.symlink_to(tmp_path / "elsewhere.svg")  # dangling: still a file the write replaces
+    else:
+        path.write_text("thesis")
+    args = ("sweep", "-p", "nvlink-h200x2", "--over", "tokens", "--out", str(out))
+    r, text = _run(*args)
+    where = f"--out {out}" if out == path else f"--out {out}: {path}"
+    _assert_refused(r, text, f"{where} already exists: not replaced (--force replaces it)")
+    assert not _has(text, "MODELLED")  # refused before the sweep ran
+    if name == "link.svg":
+        assert path.is_symlink() and not (tmp_path / "elsewhere.svg").exists()
+    else:
+        assert path.read_text() == "thesis"
+    r, text = _run(*args, "--force")
+    assert r.exit_code == 0 and _has(text, f"written to {path}"), r.output
+    assert path.stat().st_size > 100
+
+
 # -- 3. preset validation: divisors > 0, field types ------------------------------------------------------
 def test_predict_with_zero_bandwidth_preset_is_refused(tmp_path: Path) -> None:
     f = _preset_variant(tmp_path, "hbm0", r"^hbm_gbps = .*$", "hbm_gbps = 0")

@@ -335,18 +335,22 @@ def _plot_formats() -> dict[str, str]:
     return formats
 
 
-def _plot_path(out: Path) -> Path:
+def _plot_path(out: Path, force: bool) -> Path:
     """The file the plot will really be written to, decided before any modelling. matplotlib picks the
-    format from the suffix and appends '.png' where there is none, so say so rather than surprise."""
+    format from the suffix and appends '.png' where there is none, so say so rather than surprise. An existing file
+    there is replaced only with --force (any file was: `--out thesis.pdf` replaced the thesis with a plot)."""
     _check_out_file(out, "sweep.png")
     suffix = out.suffix.lower().lstrip(".")
-    if not suffix:
-        return out.with_name(out.name + ".png")
-    formats = _plot_formats()
-    if suffix not in formats:
-        _fail(f"--out {out}: image format {suffix!r} is not supported; use a file name ending in one of "
-              f"{', '.join('.' + f for f in sorted(formats))}")
-    return out
+    real = out.with_name(out.name + ".png") if not suffix else out
+    if suffix:
+        formats = _plot_formats()
+        if suffix not in formats:
+            _fail(f"--out {out}: image format {suffix!r} is not supported; use a file name ending in one of "
+                  f"{', '.join('.' + f for f in sorted(formats))}")
+    if (real.exists() or real.is_symlink()) and not force:  # a link too: the write replaces it
+        where = f"--out {out}" if real == out else f"--out {out}: {real}"
+        _fail(f"{where} already exists: not replaced (--force replaces it)")
+    return real
 
 
 @app.command("sweep")
@@ -368,7 +372,9 @@ def sweep_cmd(
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:<exponent>."),
     tile: int = typer.Option(128, "--tile", help="Tokens per tile (expert GEMM padding)."),
     out: Path | None = typer.Option(None, "--out", help="Write a plot (latency and fences vs x, per fence mode): PNG, "
-                                    "or the format of the file's suffix (.svg, .pdf, ...); no suffix: FILE.png."),
+                                    "or the format of the file's suffix (.svg, .pdf, ...); no suffix: FILE.png. An "
+                                    "existing file is replaced only with --force."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
     """Sweep one variable for each fence mode the transport allows (MODELLED)."""
@@ -378,7 +384,7 @@ def sweep_cmd(
     if over not in ("group_size", "nodes", "tokens"):
         _fail(f"--over must be group_size, nodes or tokens, got {over!r}")
     # a bad --out is refused before the (slow) sweep, not after it
-    plot_path = _plot_path(out) if out is not None else None
+    plot_path = _plot_path(out, force) if out is not None else None
     pr, w0, k0 = _build(preset, model, nodes, tokens, gpus_per_node, knobs, routing, tile)
     modes = ALLOWED_FENCE_MODES[k0.transport]
     grid, unit, notes = 0, "", []
