@@ -98,3 +98,25 @@ def test_a_migration_holds_the_lock_and_creates_none(tmp_path: Path, monkeypatch
     monkeypatch.setattr(Store, "downgrade", downgrade)
     assert run("db", "downgrade", "0004", "--yes", "--db", str(db))[0] == 0
     assert held == [True] and _revision(db) == "0004"
+
+
+def test_a_daemon_starting_during_a_migration_leaves_the_database_alone(tmp_path: Path) -> None:
+    """The other order: `db downgrade` holds the lock (no pid in it) when `moetune serve` starts on the database. The
+    daemon opened the store first, and that open upgraded the database back under the migration; now it takes the
+    lock before opening the store: exit 1 naming the lock, the downgraded schema untouched."""
+    import subprocess
+
+    db = tmp_path / "m.db"
+    with Store(db) as s:
+        s.downgrade("0004")
+    fd = _hold(tmp_path / "m.db.daemon-lock", "")  # as `no_daemon_serving` holds it during a migration
+    try:
+        env = {**os.environ, "MOETUNE_HOME": str(tmp_path / "home"), "MOETUNE_CONFIG": ""}
+        r = subprocess.run([sys.executable, "-c", "from moetune.tuner.cli import main; main()", "serve", "--db",
+                            str(db), "--socket", f"ipc://{tmp_path}/run/daemon.sock"],
+                           capture_output=True, text=True, timeout=60, env=env)
+    finally:
+        os.close(fd)
+    assert r.returncode == 1, r.stderr
+    assert "is using the database" in r.stderr and "db upgrade/downgrade" in r.stderr and "Traceback" not in r.stderr
+    assert _revision(db) == "0004"

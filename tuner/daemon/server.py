@@ -298,6 +298,20 @@ def check_socket_path(p: Path) -> None:
     _owner_record(p).unlink(missing_ok=True)
 
 
+def lock_database(db_path: str | Path) -> int:
+    """The fd of the daemon's flock beside the database `db_path`, this process's pid written in it (`db migrate`
+    names the daemon it finds holding it); DaemonBusy when another daemon (or a migration) holds it."""
+    from moetune.tuner.store.store import daemon_lock_path
+
+    path = daemon_lock_path(db_path)
+    fd, _st = _flock_own_file(path, "the database lock",
+                              f"another moetune daemon is using the database {db_path} ({path} is locked; or a "
+                              "`moetune db upgrade/downgrade` of it is running)")
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
 def _flock_own_file(path: Path, what: str, busy: str) -> tuple[int, os.stat_result]:
     """(fd, its stat) of `path` opened (created 0600 if absent) and exclusively flocked: never through a symbolic link
     (a planted one would have us create, lock or truncate its target), only a regular file of this user
@@ -664,6 +678,7 @@ class Daemon(FabricWatch):
         metrics_option: str = "daemon.metrics_port",  # where metrics_port came from, for the error when it is taken
         db_path: str = "",
         job_capacity: int = 4,
+        db_lock_fd: int | None = None,  # the database's lock, taken before the store opened (run_daemon); closed here
     ):
         check_endpoint(endpoint, "socket")
         if not 64 <= max_request_bytes <= MAX_REQUEST_BYTES_LIMIT:
@@ -724,7 +739,7 @@ class Daemon(FabricWatch):
         self._metrics_server: Any = None
         # socket path -> (dev, inode) of the socket bound there and of its owner record (None: not written)
         self._bound_paths: dict[Path, tuple[tuple[int, int], tuple[int, int] | None]] = {}
-        self._lock_fd: int | None = None
+        self._lock_fd: int | None = db_lock_fd
         self._socket_locks: dict[Path, int] = {}  # socket path -> the fd of its lock (lock_socket_path)
         self._jobs_started = False
         self._info_id: tuple[int, int] | None = None  # (dev, inode) of the daemon.json this run wrote last
@@ -864,18 +879,10 @@ class Daemon(FabricWatch):
 
     def _lock_database(self) -> None:
         """An exclusive flock next to the database (released by the kernel when the process dies, even
-        on kill -9): a second daemon on the same database refuses to start."""
-        if not self.db_path:
-            return
-
-        from moetune.tuner.store.store import daemon_lock_path
-
-        path = daemon_lock_path(self.db_path)
-        fd, _st = _flock_own_file(path, "the database lock",
-                                  f"another moetune daemon is using the database {self.db_path} ({path} is locked)")
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._lock_fd = fd
+        on kill -9): a second daemon on the same database refuses to start. Held already where `run_daemon` took it
+        before opening the store (`db_lock_fd`)."""
+        if self.db_path and self._lock_fd is None:
+            self._lock_fd = lock_database(self.db_path)
 
     def install_signal_handlers(self) -> None:
         def _handler(signum: int, _frame: Any) -> None:
@@ -1414,14 +1421,25 @@ def run_daemon(
     # --socket alone: its PUB beside it (the rule load_config applies to a socket set without pub_socket)
     pub = pub_socket or (derive_pub_endpoint(endpoint) if socket or not d.pub_socket else d.pub_socket)
     db_path = db or cfg.store.db
+    db_lock: int | None = None
     if store_hook:
         store = _load_hook(store_hook)(db_path)
     else:
         from moetune.tuner.store.store import Store
 
+        # the database's lock before the store opens (and may migrate it): a `db upgrade/downgrade` running now holds
+        # it, and an open that migrated under it would undo the downgrade. Where the folder does not exist yet (the
+        # store makes moetune's own), the daemon takes the lock at start as before: nothing to migrate there
+        where = Path(db_path).expanduser()
+        db_lock = lock_database(where) if where.parent.is_dir() else None
         # makes moetune's own data folder only: a configured one must exist; intact: a damaged file is refused (a
         # StoreDamaged: `moetune serve` says it, exit 2) before the daemon serves or re-tunes into it
-        store = Store(db_path, intact=True)
+        try:
+            store = Store(db_path, intact=True)
+        except BaseException:
+            if db_lock is not None:
+                os.close(db_lock)
+            raise
         up = store.upgraded  # what the open migrated (a `db downgrade` is undone here: say so)
         if up is not None and up.from_revision is not None:
             log.info("database migrated", extra={"db": str(store.path), "from_revision": up.from_revision,
@@ -1434,18 +1452,24 @@ def run_daemon(
     else:
         discover = make_discover(capture)
     retune = _load_hook(retune_hook) if retune_hook else None
-    daemon = Daemon(
-        store=store, endpoint=endpoint, pub_endpoint=pub, discover=discover, retune_job=retune,
-        tune=TuneSettings(backend=cfg.tune.backend, trials=cfg.tune.trials, timeout_s=cfg.tune.timeout_s,
-                          run_on_busy_gpus=cfg.tune.run_on_busy_gpus),
-        rediscover_interval_s=d.rediscover_interval_s if rediscover_interval is None else rediscover_interval,
-        max_request_bytes=d.max_request_bytes, curve_secret_key_file=d.curve_secret_key_file or None,
-        curve_clients_dir=curve_clients_dir, curve_admins_dir=d.curve_admins_dir or None,
-        allow_insecure_tcp=d.allow_insecure_tcp if allow_insecure_tcp is None else allow_insecure_tcp,
-        group=d.group, group_may_retune=d.group_may_retune, metrics_port=d.metrics_port if metrics_port is None else metrics_port,
-        metrics_option=metrics_option,
-        db_path=str(getattr(store, "path", db_path)),  # as the store opened it (~ expanded): its lock goes beside it
-    )
+    try:
+        daemon = Daemon(
+            store=store, endpoint=endpoint, pub_endpoint=pub, discover=discover, retune_job=retune,
+            tune=TuneSettings(backend=cfg.tune.backend, trials=cfg.tune.trials, timeout_s=cfg.tune.timeout_s,
+                              run_on_busy_gpus=cfg.tune.run_on_busy_gpus),
+            rediscover_interval_s=d.rediscover_interval_s if rediscover_interval is None else rediscover_interval,
+            max_request_bytes=d.max_request_bytes, curve_secret_key_file=d.curve_secret_key_file or None,
+            curve_clients_dir=curve_clients_dir, curve_admins_dir=d.curve_admins_dir or None,
+            allow_insecure_tcp=d.allow_insecure_tcp if allow_insecure_tcp is None else allow_insecure_tcp,
+            group=d.group, group_may_retune=d.group_may_retune, metrics_port=d.metrics_port if metrics_port is None else metrics_port,
+            metrics_option=metrics_option,
+            db_path=str(getattr(store, "path", db_path)),  # as the store opened it (~ expanded): its lock goes beside it
+            db_lock_fd=db_lock,
+        )
+    except BaseException:  # the lock taken above: not left open behind a refused configuration
+        if db_lock is not None:
+            os.close(db_lock)
+        raise
     daemon.install_signal_handlers()
     daemon.start()
     daemon.serve_forever()
