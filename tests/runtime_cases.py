@@ -378,3 +378,18 @@ def case_gpu_host_staged(rank: int, world: int) -> dict:
             rep[key] = "skipped"
         t.close()
     return rep
+
+
+def case_rows_without_a_local_slot(rank: int, world: int, dense: bool) -> list[float]:
+    """Every token's experts (0 and 1) live on rank 0; each rank's expert code writes 1 in the rows it has a local
+    slot for and 7 in the others (rows the docs say combine ignores). The combined output must be 1 everywhere."""
+    buf = EPBuffer(knobs=Knobs(), model=get_model("custom:64,32,8,2,float32"), max_tokens=4, dense=dense)
+    try:
+        x = torch.randn(2, 64)
+        idx, w = torch.tensor([[0, 1], [0, 1]]), torch.ones(2, 2)
+        rx, meta, h = buf.dispatch(x, idx, w)
+        eo = torch.ones_like(rx.contiguous())
+        eo[meta.local_expert_ids.max(1).values < 0] = 7.0
+        return buf.combine(eo, h)[:, 0].tolist()
+    finally:
+        buf.close()

@@ -147,3 +147,13 @@ def test_uneven_chunks_and_shared_lanes_give_equal_results() -> None:
         outs = [r["out"] for r in rank_rows]
         for o in outs[1:]:
             assert torch.allclose(o, outs[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dense", [True, False])
+def test_rows_without_a_local_slot_add_nothing_in_either_layout(dense: bool) -> None:
+    """The dense layout's reduce-scatter added every received row's expert output, also the rows of tokens with no
+    expert on that rank (documented as ignored): an engine's expert code that left anything there (a bias, a shared
+    term, uninitialised memory) corrupted the output, in the dense layout only. Both layouts now give 1."""
+    res = launch(runtime_cases.case_rows_without_a_local_slot, 2, args=(dense,))
+    assert res == [[1.0, 1.0], [1.0, 1.0]], res

@@ -279,3 +279,32 @@ def test_model_shape_fields_must_be_ints(field: str, value: object) -> None:
         ModelShape(**d)
     with pytest.raises(TypeError, match="model spec must be a str"):
         get_model(None)  # type: ignore[arg-type]
+
+
+def test_a_buffer_whose_set_up_fails_after_its_transport_closes_the_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transport holds threads and pinned or symmetric memory, and a constructor that raises leaves the caller no
+    buffer to close: a failure after the transport was built (sizing its receive area ran out of memory) closes it."""
+    import sys
+    from pathlib import Path
+
+    from moetune.runtime.knobs import default_knobs
+    from moetune.runtime.transports import registry
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import runtime_cases
+
+    closed: list[int] = []
+
+    class BadReserve(runtime_cases.GlooResident):
+        def reserve(self, rows: int, row_bytes: int) -> None:
+            raise RuntimeError("out of memory sizing the receive area")
+
+        def close(self) -> None:
+            closed.append(1)
+
+    monkeypatch.setattr(runtime_cases, "BadReserve", BadReserve, raising=False)
+    monkeypatch.setitem(registry._REGISTRY, "nvlink", "runtime_cases:BadReserve")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        EPBuffer(knobs=default_knobs("nvlink"),
+                 model=get_model("custom:64,32,8,2,float32"), max_tokens=16)
+    assert closed == [1]

@@ -29,7 +29,12 @@ Three wire layouts: packed and dense for the collective transports, device-resid
   <= DENSE_AUTO_MAX_BYTES per peer or the expected extra rows are <= DENSE_AUTO_MAX_WASTE (uniform routing);
   pass dense=False when S is usually far below max_tokens. With check_inputs the dense dispatch adds one
   tiny status all-gather (and its sync) so that wrong inputs are an error on every rank; without it, a
-  wrong input raises on its own rank only (the others wait for the collective timeout).
+  wrong shape, dtype or device raises on its own rank only (the others wait for the collective timeout), and an
+  expert id out of range is not seen at all in the dense and device-resident layouts: no rank holds that expert,
+  so its share of the token is silently missing from the output (the packed layout's counts exchange still
+  refuses it). check_inputs=False is for callers whose routing is known good (ids from their own top-k).
+  One EPBuffer serves one stream of calls: its send and stage rows are reused by every dispatch, so calls on two
+  CUDA streams (or threads) at once need two buffers.
 
 One row, all bytes (uint8):
 
@@ -225,25 +230,30 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             self.transport = cls(group, knobs, self.device, channels=n_groups, options=opts)
         else:
             self.transport = cls(group, knobs, self.device, options=opts)
-        self._fast = cls.async_exchange
-        # one-sided transports: the device-resident layout (counts never leave the GPU; see _plan_resident)
-        self.resident = cls.device_counts and not self.dense
-        # its packing in two kernels (csrc/ep_pack.cu) where the transport brought the compiled library;
-        # fp8 rows (quantised) and the option fused_pack=False take the torch ops
-        lib = self.transport.lib
-        self._pack_lib = (lib if self.resident and not self.fp8 and self.device.type == "cuda" and lib is not None
-                          and opts.fused_pack else None)
-        # fp8 on a GPU: quantise into the wire rows and dequantise in one launch each (csrc/ep_fp8.cu), where
-        # the compiled library is at hand; the torch ops otherwise (same bytes), or with fused_fp8=False.
-        self._fp8_lib = self._fp8_library(lib) if self.fp8 and self.device.type == "cuda" and opts.fused_fp8 else None
-        # nvlink: its exchange kernel writes the wire rows straight from the tokens (no packing launch);
-        # the option nvl_gather=False packs first instead (for side-by-side measurements)
-        self._gather = self._pack_lib is not None and cls.gathers_tokens and opts.nvl_gather
-        # one-sided transports size the symmetric receive buffer once (collective); host_staged one staging
-        # slot per block, a block being at most one chunk's tokens; the others do nothing
-        self.transport.reserve(max(1, self.max_tokens), widest_row)
-        b = self._dense_chunks or [0, equal_chunk_size(self.max_tokens, self.num_chunks)]
-        self.transport.stage_capacity(max(1, *(hi - lo for lo, hi in itertools.pairwise(b))), widest_row)
+        try:  # the transport holds threads, pinned or symmetric memory: a failure from here on closes it (the
+            # caller never gets this object to close)
+            self._fast = cls.async_exchange
+            # one-sided transports: the device-resident layout (counts never leave the GPU; see _plan_resident)
+            self.resident = cls.device_counts and not self.dense
+            # its packing in two kernels (csrc/ep_pack.cu) where the transport brought the compiled library;
+            # fp8 rows (quantised) and the option fused_pack=False take the torch ops
+            lib = self.transport.lib
+            self._pack_lib = (lib if self.resident and not self.fp8 and self.device.type == "cuda" and lib is not None
+                              and opts.fused_pack else None)
+            # fp8 on a GPU: quantise into the wire rows and dequantise in one launch each (csrc/ep_fp8.cu), where
+            # the compiled library is at hand; the torch ops otherwise (same bytes), or with fused_fp8=False.
+            self._fp8_lib = self._fp8_library(lib) if self.fp8 and self.device.type == "cuda" and opts.fused_fp8 else None
+            # nvlink: its exchange kernel writes the wire rows straight from the tokens (no packing launch);
+            # the option nvl_gather=False packs first instead (for side-by-side measurements)
+            self._gather = self._pack_lib is not None and cls.gathers_tokens and opts.nvl_gather
+            # one-sided transports size the symmetric receive buffer once (collective); host_staged one staging
+            # slot per block, a block being at most one chunk's tokens; the others do nothing
+            self.transport.reserve(max(1, self.max_tokens), widest_row)
+            b = self._dense_chunks or [0, equal_chunk_size(self.max_tokens, self.num_chunks)]
+            self.transport.stage_capacity(max(1, *(hi - lo for lo, hi in itertools.pairwise(b))), widest_row)
+        except BaseException:
+            self.transport.close()
+            raise
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)
         self._stage_views: Any = None
         self._stage: torch.Tensor | None = None  # token rows [max_tokens + 1 spare, row_bytes], reused (dense: the send rows)
@@ -671,7 +681,8 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         topk_weights float [S, k]. Returns recv_x [M, H] (rows grouped by source rank; with pipeline_depth
         chunks: by chunk, then source rank), RecvMeta and the handle for combine. Packed layout: M = the
         rows routed here; dense layout: M = world × max_tokens (every slot of every rank; unused slots and
-        tokens without a local expert have no local slot in RecvMeta, their expert output row is ignored);
+        tokens without a local expert have no local slot in RecvMeta, their expert output row is ignored: combine
+        adds nothing of it, whatever it holds);
         device-resident layout: M = world × max_tokens, the rows routed here first (sum(meta.rows_per_rank)
         of them), the rest stale and without a local slot in RecvMeta.
         Raises ValueError on every rank when any rank's input is wrong (before any payload moves).
@@ -741,6 +752,12 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             out = handle._combine_out[ch.t0 : ch.t1]
             if ch.t1 == ch.t0:
                 return out, None
+            # the reduce-scatter adds every row: a row without a local slot (an empty slot, a token none of whose
+            # experts lives here) must add nothing, whatever the caller's expert code left in it
+            ids = self._row_views(handle._recv_buf.narrow(0, ch.recv_offset, ch.recv_rows))[1]
+            fe = self.rank * self.experts_per_rank
+            here = ((ids >= fe) & (ids < fe + self.experts_per_rank)).any(1, keepdim=True)
+            rows = torch.where(here, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
             return out, self.transport.reduce_scatter_async(out, rows, channel=channel)
         if c == 0 or handle._combine_out is None:  # one buffer for every chunk's rows (one index_add at the end)
             handle._combine_out = torch.empty(handle.num_send, handle.hidden, dtype=handle.dtype, device=handle.device)
