@@ -22,7 +22,8 @@ Three wire layouts: packed and dense for the collective transports, device-resid
   builds the rows while the host waits for the counts; after it the host only posts the transfers.
 * dense (no counts): every token slot of the capacity (max_tokens) goes to every rank — the dispatch is one
   `all_gather` of the token rows, the combine one `reduce_scatter` (the sum over ranks happens in the
-  collective). No counts exchange, no host sync, ~4 kernels per direction; slots a rank does not use carry
+  collective). No counts exchange, no host sync, ~4 kernels per direction (the combine ~5 more: it zeroes the
+  rows without a local slot before the sum); slots a rank does not use carry
   expert id -1 and are ignored. It sends max_tokens rows per peer whatever S is, and rows of tokens with no
   expert on that peer: worth it when bytes are cheap (small S) or when nearly every token needs every rank
   anyway (2 ranks with top-4/8: 94-99.6 % of tokens). `EPBuffer(dense=None)` picks it when one dense send is
