@@ -59,20 +59,15 @@ def test_upgrade_is_refused_while_the_lock_is_held(tmp_path: Path) -> None:
     db = tmp_path / "m.db"
     with Store(db) as s:
         s.downgrade("0004")
-    fd = _hold(tmp_path / "m.db.daemon-lock", f"{os.getpid()}\n")
-    try:
-        code, text = run("db", "upgrade", "--db", str(db))
-        assert code == 1 and f"daemon pid {os.getpid()} is serving this database ({db})" in text, text
-        assert _revision(db) == "0004"
-    finally:
-        os.close(fd)
-    fd = _hold(tmp_path / "m.db.daemon-lock", "")  # no pid yet: a daemon starting, or another migration
-    try:
-        code, text = run("db", "upgrade", "--db", str(db))
-        assert code == 1 and f"another moetune process holds {db}.daemon-lock" in text, text
-        assert _revision(db) == "0004"
-    finally:
-        os.close(fd)
+    for content, said in ((f"{os.getpid()}\n", f"daemon pid {os.getpid()} is serving this database ({db})"),
+                          ("", f"another moetune process holds {db}.daemon-lock")):  # no pid yet: one starting
+        fd = _hold(tmp_path / "m.db.daemon-lock", content)
+        try:
+            code, text = run("db", "upgrade", "--db", str(db))
+            assert code == 1 and said in text, text
+            assert _revision(db) == "0004"
+        finally:
+            os.close(fd)
     assert run("db", "upgrade", "--db", str(db))[0] == 0 and _revision(db) == head_revision()
 
 
