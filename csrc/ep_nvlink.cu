@@ -257,21 +257,11 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
       if (ok && p.recv_counts != nullptr && (long long)(v & MT_COUNT_MASK) != p.recv_counts[d])
         mt::report(p.w, MT_ERR_COUNT_MISMATCH, d, 0, epoch, v & MT_COUNT_MASK, (uint64_t)p.recv_counts[d]);
     }
-    // CTA 0: the receiver's own capacity check. Each sender checks only where its rows end (phase 1: after the
-    // lower ranks' rows) and skips what does not fit, so several senders together can overflow this rank, whose
-    // call would then complete with rows missing. This rank has its whole column of the count matrix: it checks the
-    // total and reports (peer -1, slot -1: all sources; seen = the rows sent to it, expected = the rows its area
-    // holds), as the proxy kernel's check_receive_capacity does (csrc/proxy_xchg.h).
-    if (ok && b == 0) {
-      const uint64_t* col = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_MAT) +
-                            ((size_t)par * MT_MAX_WORLD * MT_MAX_WORLD + p.rank);
-      uint64_t total = 0;
-      for (int s = 0; s < p.world && ok; ++s)
-        total += mt::wait_word(p.w, col + (size_t)s * MT_MAX_WORLD, tag, false, MT_ERR_TIMEOUT_COUNTS, s, -1, &ok) &
-                 MT_COUNT_MASK;
-      const uint64_t cap_rows = p.data_bytes / p.row_bytes;  // fits iff total <= cap_rows (no product to overflow)
-      if (ok && total > cap_rows) mt::report(p.w, MT_ERR_CAPACITY, -1, -1, epoch, total, cap_rows);
-    }
+    // CTA 0: the receiver's own capacity check (mt::check_receive_capacity: senders that each fit can together
+    // overflow this rank, whose call would then complete with rows missing)
+    if (ok && b == 0)
+      mt::check_receive_capacity(p.w, reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_MAT), par, p.rank,
+                                 p.world, tag, epoch, p.data_bytes / p.row_bytes, &ok);
     // the last CTA to finish publishes this epoch (the next launch on the stream reads it)
     unsigned long long old = atomicAdd(p.epochs + 2, 1ull);
     if (old + 1 == epoch * (unsigned long long)gridDim.x) atomicExch(p.epochs, (unsigned long long)epoch);

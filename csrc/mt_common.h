@@ -182,5 +182,20 @@ MT_DEV uint64_t wait_word(const WaitCtx& w, const uint64_t* p, uint64_t target, 
 
 MT_DEV uint64_t tagged(uint64_t tag, uint64_t count) { return (tag << MT_TAG_SHIFT) | (count & MT_COUNT_MASK); }
 
+// The receiver's own capacity check (both one-sided exchanges). A sender checks only where ITS rows end in the
+// receiver's area (after the lower ranks' rows) and skips what would not fit; several senders together can still
+// overflow a receiver, whose call would then complete with rows missing. The receiver has its whole column of the
+// count matrix `mat` (parity `par`, words tagged `tag`): it checks the total and reports MT_ERR_CAPACITY (peer -1,
+// slot -1: all sources; seen = the rows sent to it, expected = `cap_rows`, the rows its area holds).
+MT_DEV void check_receive_capacity(const WaitCtx& w, const uint64_t* mat, int par, int rank, int world, uint64_t tag,
+                                   uint64_t epoch, uint64_t cap_rows, bool* ok) {
+  uint64_t total = 0;
+  for (int s = 0; s < world && *ok; ++s)
+    total += wait_word(w, mat + ((size_t)(par * MT_MAX_WORLD + s) * MT_MAX_WORLD + rank), tag, MT_WAIT_TAG,
+                       MT_ERR_TIMEOUT_COUNTS, s, -1, ok) &
+             MT_COUNT_MASK;
+  if (*ok && total > cap_rows) report(w, MT_ERR_CAPACITY, -1, -1, epoch, total, cap_rows);  // no product to overflow
+}
+
 }  // namespace mt
 #endif

@@ -171,23 +171,12 @@ MT_DEV bool produce_exchange(const PxParams& p, AckSet* acks) {
 constexpr int kCapacityLane = 30;
 static_assert(MT_MAX_WORLD < kCapacityLane, "the capacity lane must not be a source lane");
 
-// The receiver's own capacity check. A sender checks only where ITS rows end in the receiver's area (after the
-// rows of the lower ranks) and skips a PUT that would not fit; several senders together can still overflow a
-// receiver, whose call would then return with the skipped rows missing. The receiver has its whole column of the
-// count matrix: it checks the total itself and reports MT_ERR_CAPACITY (peer -1 and slot -1: all sources; seen =
-// the rows sent to it in all, expected = the rows its area holds), so its call fails too.
+// The receiver's own capacity check (mt::check_receive_capacity): several senders that each fit can together overflow
+// this rank, whose call would then return with their skipped rows missing.
 MT_DEV void check_receive_capacity(const PxParams& p) {
-  const int par = (int)(p.epoch & 1);
-  const uint64_t tag = tag_of(p.epoch);
-  const uint64_t* mat = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_MAT);
-  uint64_t total = 0;
   bool ok = true;
-  for (int s = 0; s < p.world && ok; ++s)
-    total += mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + s) * MT_MAX_WORLD + p.rank), tag, false,
-                           MT_ERR_TIMEOUT_COUNTS, s, -1, &ok) &
-             MT_COUNT_MASK;
-  const uint64_t cap_rows = p.data_bytes / p.row_bytes;  // rows fit iff total <= cap_rows (no product to overflow)
-  if (ok && total > cap_rows) mt::report(p.w, MT_ERR_CAPACITY, -1, -1, p.epoch, total, cap_rows);
+  mt::check_receive_capacity(p.w, reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_MAT), (int)(p.epoch & 1),
+                             p.rank, p.world, tag_of(p.epoch), p.epoch, p.data_bytes / p.row_bytes, &ok);
 }
 
 // Lane t of the exchange after the producer: t < world waits for source t's count and signals;

@@ -113,4 +113,6 @@ def test_capacity_check_sits_on_a_lane_of_its_own() -> None:
     xchg = (csrc / "proxy_xchg.h").read_text()
     assert "constexpr int kCapacityLane = 30;" in xchg and "check_receive_capacity(p);" in xchg
     nvl = (csrc / "ep_nvlink.cu").read_text()
-    assert "if (ok && b == 0) {" in nvl and "mt::report(p.w, MT_ERR_CAPACITY, -1, -1, epoch, total, cap_rows);" in nvl
+    assert "if (ok && b == 0)\n      mt::check_receive_capacity(" in nvl and "mt::check_receive_capacity(" in xchg
+    common = (csrc / "mt_common.h").read_text()  # the one check both kernels run
+    assert "report(w, MT_ERR_CAPACITY, -1, -1, epoch, total, cap_rows);" in common
