@@ -115,13 +115,17 @@ def sim_engine() -> P.ProxyEngine:
     return P.ProxyEngine(0, [sig.data_ptr()], [sig.data_ptr()], [sig.data_ptr()], cpu=())
 
 
-def test_a_dropped_engine_stops_its_thread(sim_world: ctypes.CDLL) -> None:
-    e = sim_engine()
-    tid, ref = engine_tid(e), weakref.ref(e)
-    del e
+def dropped_and_stopped(held: list[Any], tid: int, what: str) -> None:
+    """Drop the one reference to `what` (`held`'s only item) and collect: it must be gone, and its proxy thread too."""
+    ref = weakref.ref(held.pop())
     gc.collect()
-    assert ref() is None, "something (its finalizer?) keeps the engine alive"
-    assert gone(tid), "the proxy thread of a collected engine still runs"
+    assert ref() is None, f"something (its finalizer?) keeps the {what} alive"
+    assert gone(tid), f"the proxy thread of a collected {what} still runs"
+
+
+def test_a_dropped_engine_stops_its_thread(sim_world: ctypes.CDLL) -> None:
+    held = [sim_engine()]
+    dropped_and_stopped(held, engine_tid(held[0]), "engine")
 
 
 def test_engine_close_joins_its_thread_once(sim_world: ctypes.CDLL) -> None:
@@ -141,13 +145,9 @@ def _transport(options: RuntimeOptions | None = None) -> P.ProxyTransport:
 def test_a_dropped_proxy_transport_stops_its_thread(sim_world: ctypes.CDLL) -> None:
     """The transport's finalizer destroys the kernels' context, then the engine (its thread joined); it holds
     neither the transport nor anything that holds it."""
-    t = _transport()
-    assert t.engine is not None
-    tid, ref = engine_tid(t.engine), weakref.ref(t)
-    del t
-    gc.collect()
-    assert ref() is None, "something (its finalizer?) keeps the transport alive"
-    assert gone(tid), "the proxy thread of a collected transport still runs"
+    held = [_transport()]
+    assert held[0].engine is not None
+    dropped_and_stopped(held, engine_tid(held[0].engine), "transport")
 
 
 def test_proxy_transport_close_stops_the_thread_and_calls_after_it_raise(sim_world: ctypes.CDLL) -> None:

@@ -232,58 +232,59 @@ def _one_exchange(t: Any, send: torch.Tensor, sc: torch.Tensor, device: torch.de
     return {"raised": False}
 
 
-def timeout_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvlink", "proxy")) -> dict:
-    """Rank 0 exchanges alone: it must raise OneSidedError within the timeout instead of hanging."""
-
-    options = RuntimeOptions.resolve({"onesided_timeout_s": 2.0})
-    device = torch.device("cuda", rank)
+def _per_transport(transports: tuple[str, ...], device: torch.device, timeout_s: float, max_send_rows: int,
+                   call: Callable[[Any, dict[str, Any]], None]) -> dict:
+    """{transport: its result}: each transport built with its default knobs on `device`, then `call(t, res)`
+    fills `res` ({"raised": False} to start; a traceback under "error" when anything raised) and closes `t`."""
+    options = RuntimeOptions.resolve({"onesided_timeout_s": timeout_s})
     out: dict[str, Any] = {}
     for name in transports:
         res: dict[str, Any] = {"raised": False}
         try:
-            t = transport_class(name)(None, default_knobs(name), device, max_send_rows=64, row_bytes=256,
-                                      options=options)
-            barrier(device)
-            if rank == 0:
-                t0 = time.monotonic()
-                send = torch.zeros(world, 128, dtype=torch.bfloat16, device=device)
-                sc = torch.ones(world, dtype=torch.int64, device=device)
-                res = _one_exchange(t, send, sc, device)
-                res["seconds"] = time.monotonic() - t0
-            barrier(device)
-            t.close()  # the aborted kernels have returned: this must not hang either
+            call(transport_class(name)(None, default_knobs(name), device, max_send_rows=max_send_rows, row_bytes=256,
+                                       options=options), res)
         except Exception:
             res["error"] = traceback.format_exc()[-2000:]
         out[name] = res
     return out
+
+
+def timeout_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvlink", "proxy")) -> dict:
+    """Rank 0 exchanges alone: it must raise OneSidedError within the timeout instead of hanging."""
+    device = torch.device("cuda", rank)
+
+    def call(t: Any, res: dict[str, Any]) -> None:
+        barrier(device)
+        if rank == 0:
+            t0 = time.monotonic()
+            send = torch.zeros(world, 128, dtype=torch.bfloat16, device=device)
+            sc = torch.ones(world, dtype=torch.int64, device=device)
+            res.update(_one_exchange(t, send, sc, device))
+            res["seconds"] = time.monotonic() - t0
+        barrier(device)
+        t.close()  # the aborted kernels have returned: this must not hang either
+
+    return _per_transport(transports, device, 2.0, 64, call)
 
 
 def capacity_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvlink", "proxy")) -> dict:
     """Every rank sends a whole receive area's rows to rank 0: each passes the host's per-sender check, together they
     overflow rank 0. Every rank must raise OneSidedError with the capacity error: rank 0 from its own check of what
     all ranks send it (it received only some of the rows), the others from the sender's check of their own rows."""
-
-    options = RuntimeOptions.resolve({"onesided_timeout_s": 5.0})
     device = torch.device("cuda", rank)
-    out: dict[str, Any] = {}
-    for name in transports:
-        res: dict[str, Any] = {"raised": False}
-        try:
-            t = transport_class(name)(None, default_knobs(name), device, max_send_rows=16, row_bytes=256,
-                                      options=options)
-            cap = t.data_bytes // 256  # rows of one receive area (world x 16, rounded up to the allocation's pages)
-            res["capacity_rows"] = cap
-            barrier(device)
-            send = torch.full((cap, 128), float(rank), dtype=torch.bfloat16, device=device)
-            sc = torch.zeros(world, dtype=torch.int64, device=device)
-            sc[0] = cap
-            res.update(_one_exchange(t, send, sc, device))
-            barrier(device)
-            t.close()
-        except Exception:
-            res["error"] = traceback.format_exc()[-2000:]
-        out[name] = res
-    return out
+
+    def call(t: Any, res: dict[str, Any]) -> None:
+        cap = t.data_bytes // 256  # rows of one receive area (world x 16, rounded up to the allocation's pages)
+        res["capacity_rows"] = cap
+        barrier(device)
+        send = torch.full((cap, 128), float(rank), dtype=torch.bfloat16, device=device)
+        sc = torch.zeros(world, dtype=torch.int64, device=device)
+        sc[0] = cap
+        res.update(_one_exchange(t, send, sc, device))
+        barrier(device)
+        t.close()
+
+    return _per_transport(transports, device, 5.0, 16, call)
 
 
 def _graph_replay_equal(buf: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, want: torch.Tensor,
