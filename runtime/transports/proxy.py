@@ -305,11 +305,9 @@ class ProxyEngine:
 
     def close(self) -> None:
         """Stop the proxy thread (joined) and free the engine; a second call does nothing."""
-        h, self.handle = self.handle, None
-        if self._finalizer is not None:
-            self._finalizer()  # mt_proxy_destroy(h), once
-        elif h:
-            self.lib.mt_proxy_destroy(h)
+        self.handle = None
+        if self._finalizer is not None:  # set with the handle: mt_proxy_destroy(handle), once
+            self._finalizer()
 
 
 def _on_collect(owner: object, func: Any, *args: Any) -> weakref.finalize:
@@ -476,9 +474,9 @@ class ProxyTransport(OneSidedTransport):
     def _check_call_chunks(self, rows: int, send_counts: torch.Tensor) -> None:
         """chunk_tokens against this call's own rows per peer (reserve's max_send_rows is a per-rank total, no
         per-peer bound): KnobError where one peer would need more than MAX_SLOTS PUTs. Nothing is read when the
-        call's total rows fit (no peer gets more) or counts are on the host; else the counts are read to the host
-        (one synchronisation, only on calls of more than chunk_tokens x MAX_SLOTS rows; skipped during CUDA-graph
-        capture, where they cannot be read). Local: a rank refused here launches nothing, and its peers' exchange
+        call's total rows fit (no peer gets more); else the counts are read (a synchronisation where they are on the
+        GPU, only on calls of more than chunk_tokens x MAX_SLOTS rows; skipped during CUDA-graph capture, where
+        they cannot be read). Local: a rank refused here launches nothing, and its peers' exchange
         reports the missing rank at the timeout, as for a capacity overflow."""
         ct = int(self.knobs.chunk_tokens)
         if ct <= 0 or rows <= ct * MAX_SLOTS:
