@@ -667,14 +667,19 @@ for _name, _script, _parse in (("runtime-host-cost", "runtime_host_cost.py", _ho
     driver(_name, single_shot=True)(_one_script_picks_lines(_script, _parse))
 
 
+def _proxy_micro_rows(case: Resolved, ctx: Ctx, folder: str, **flags: Any) -> tuple[list[dict[str, Any]], str]:
+    """bench/proxy_micro.py with the case's arguments and `flags`: (its proxy_micro.jsonl rows, the command)."""
+    out = ctx.tmp / folder
+    _, cmd = _run_script("proxy_micro.py", {**case.args, **flags, "out": str(out)}, case.env, ctx)
+    return [json.loads(x) for x in (out / "proxy_micro.jsonl").read_text().splitlines() if x.strip()], cmd
+
+
 @driver("proxy-micro", single_shot=True)
 def run_proxy_micro(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     """bench/proxy_micro.py (C++ proxy engine, GPU 0 -> GPU 1) times every signalling mode in one process;
     the cases are its modes (put-only, coupled-proxy-drain, ...). A case with a failed point fails (`proxy_failures`)."""
-    out = ctx.tmp / "proxy"
     try:
-        _, cmd = _run_script("proxy_micro.py", {**cases[0].args, "out": str(out)}, cases[0].env, ctx)
-        rows = [json.loads(x) for x in (out / "proxy_micro.jsonl").read_text().splitlines() if x.strip()]
+        rows, cmd = _proxy_micro_rows(cases[0], ctx, "proxy")
         per, bad = proxy_metrics(rows), proxy_failures(rows)
     except (RuntimeError, ValueError, KeyError, OSError) as e:
         return [CaseResult(c.name, {}, "python bench/proxy_micro.py", str(e)) for c in cases]
@@ -687,10 +692,8 @@ def run_proxy_ack(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     """bench/proxy_micro.py --ack-only (the proxy engine on one GPU, emulated peers): what an ACK costs against the
     streams it is written on; the cases are its batches (bench/proxy_micro.py ACK_BATCHES), metrics
     `batch_us[P{peers}xQ{qps}]`. A case whose engine recorded an error fails."""
-    out = ctx.tmp / "proxy-ack"
     try:
-        _, cmd = _run_script("proxy_micro.py", {**cases[0].args, "ack_only": True, "out": str(out)}, cases[0].env, ctx)
-        rows = [json.loads(x) for x in (out / "proxy_micro.jsonl").read_text().splitlines() if x.strip()]
+        rows, cmd = _proxy_micro_rows(cases[0], ctx, "proxy-ack", ack_only=True)
     except (RuntimeError, ValueError, KeyError, OSError) as e:
         return [CaseResult(c.name, {}, "python bench/proxy_micro.py --ack-only", str(e)) for c in cases]
     per: dict[str, dict[str, Stat]] = {}
