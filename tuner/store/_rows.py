@@ -95,7 +95,8 @@ def records(rows: Any, unreadable: list[tuple[int, str]] | None = None) -> list[
     return out
 
 
-def key_filter(key: ProfileKey) -> list[Any]:
+def key_filter(key: ProfileKey | Profile) -> list[Any]:
+    """WHERE terms for the rows of `key` (a ProfileKey, or a stored row: its key columns as they are)."""
     return [getattr(Profile, c) == getattr(key, c) for c in PROFILE_KEY_COLUMNS]
 
 

@@ -48,6 +48,7 @@ from moetune.tuner.store._rows import (
     PROVENANCE_RANK,
     current_of,
     decide,
+    key_filter,
     now,
     records,
     replacement_event,
@@ -816,7 +817,7 @@ class Store:
     @_retried
     def get_current(self, key: ProfileKey) -> ProfileRecord | None:
         with self._read() as s:
-            got = self._records(s, select_records().where(*_key_where(key), Profile.status == "current"))
+            got = self._records(s, select_records().where(*key_filter(key), Profile.status == "current"))
         return got[0][1] if got else None
 
     @_retried
@@ -886,7 +887,7 @@ class Store:
         given): for callers that hold a key from elsewhere (a daemon reply, the runtime's fallback). A hand-edited
         "measured" label on a modelling backend is answered as what it is (`ProfileRecord.as_effective`); the backend
         tells a preset file's row from another node's model taken as a preset (`query.preset_note`)."""
-        q = select(Profile.provenance, Profile.measured_on, Profile.backend).where(*_key_where(key))
+        q = select(Profile.provenance, Profile.measured_on, Profile.backend).where(*key_filter(key))
         if profile_hash is not None:
             q = q.where(Profile.profile_hash == profile_hash)
         with self._read() as s:
@@ -991,8 +992,7 @@ class Store:
                 if key in seen:
                     continue
                 seen.add(key)
-                same_key = [getattr(Profile, c) == v for c, v in zip(PROFILE_KEY_COLUMNS, key, strict=True)]
-                if s.execute(select(Profile.id).where(*same_key, Profile.status == "current")).first() is None:
+                if s.execute(select(Profile.id).where(*key_filter(row), Profile.status == "current")).first() is None:
                     row.status, row.updated = "current", ts
                     s.flush()  # one current row per key (the partial unique index): the next row sees this one
                     n += 1
@@ -1046,12 +1046,6 @@ class Store:
 
     def import_bytes(self, data: bytes, *, source: str = "<data>", skip_invalid: bool = False) -> ImportResult:
         return _io.import_bytes(self, data, source=source, skip_invalid=skip_invalid)
-
-
-def _key_where(key: ProfileKey) -> list[Any]:
-    from moetune.tuner.store._rows import key_filter
-
-    return key_filter(key)
 
 
 def _row(obj: Any) -> Row:
