@@ -408,18 +408,18 @@ def tune(
                 nodes=nodes, progress=bar, storage=storage, seed=seed, families=family or None,
                 policy_override=policy, routing=routing, local_options=local_opts, node_model=node_model,
                 on_trial=count)
-        except StoreError as e:  # before `ValueError/OSError`: the profile database, not the tune, failed
-            _fail(_store_failed(e, store, url, ran[0]), e.exit_code)
-        except (ValueError, OSError) as e:
-            _fail(str(e))
         except Exception as e:
             from sqlite3 import Error as SqliteError
 
             import optuna
             from sqlalchemy.exc import SQLAlchemyError
 
-            if interrupt_behind(e) is not None:  # raised while an interrupt unwound: no storage failure, the interrupt
+            if interrupt_behind(e) is not None:  # raised while an interrupt unwound: no failure, the interrupt
                 raise
+            if isinstance(e, StoreError):  # before `ValueError/OSError`: the profile database, not the tune, failed
+                _fail(_store_failed(e, store, url, ran[0]), e.exit_code)
+            if isinstance(e, ValueError | OSError):
+                _fail(str(e))
             if isinstance(e, SQLAlchemyError | SqliteError):  # the study storage failed while tuning
                 _storage_failed(url, storage is not None, e)
             cause = e.__cause__ or e.__context__  # Optuna's StorageInternalError wraps SQLite's "readonly", "locked"
