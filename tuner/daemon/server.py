@@ -1422,37 +1422,33 @@ def run_daemon(
     pub = pub_socket or (derive_pub_endpoint(endpoint) if socket or not d.pub_socket else d.pub_socket)
     db_path = db or cfg.store.db
     db_lock: int | None = None
-    if store_hook:
-        store = _load_hook(store_hook)(db_path)
-    else:
-        from moetune.tuner.store.store import Store
-
-        # the database's lock before the store opens (and may migrate it): a `db upgrade/downgrade` running now holds
+    if not store_hook:
+        # the database's lock before the store opens (and may migrate) it: a `db upgrade/downgrade` running now holds
         # it, and an open that migrated under it would undo the downgrade. Where the folder does not exist yet (the
         # store makes moetune's own), the daemon takes the lock at start as before: nothing to migrate there
         where = Path(db_path).expanduser()
         db_lock = lock_database(where) if where.parent.is_dir() else None
-        # makes moetune's own data folder only: a configured one must exist; intact: a damaged file is refused (a
-        # StoreDamaged: `moetune serve` says it, exit 2) before the daemon serves or re-tunes into it
-        try:
+    try:  # the lock taken above is not left open behind a store or a configuration refused here
+        if store_hook:
+            store = _load_hook(store_hook)(db_path)
+        else:
+            from moetune.tuner.store.store import Store
+
+            # makes moetune's own data folder only: a configured one must exist; intact: a damaged file is refused (a
+            # StoreDamaged: `moetune serve` says it, exit 2) before the daemon serves or re-tunes into it
             store = Store(db_path, intact=True)
-        except BaseException:
-            if db_lock is not None:
-                os.close(db_lock)
-            raise
-        up = store.upgraded  # what the open migrated (a `db downgrade` is undone here: say so)
-        if up is not None and up.from_revision is not None:
-            log.info("database migrated", extra={"db": str(store.path), "from_revision": up.from_revision,
-                                                 "to_revision": up.to_revision})
-        elif up is not None:
-            log.info("created moetune's tables", extra={"db": str(store.path), "to_revision": up.to_revision})
-    if discover_hook:
-        hook = _load_hook(discover_hook)
-        discover = lambda: hook(capture)  # noqa: E731
-    else:
-        discover = make_discover(capture)
-    retune = _load_hook(retune_hook) if retune_hook else None
-    try:
+            up = store.upgraded  # what the open migrated (a `db downgrade` is undone here: say so)
+            if up is not None and up.from_revision is not None:
+                log.info("database migrated", extra={"db": str(store.path), "from_revision": up.from_revision,
+                                                     "to_revision": up.to_revision})
+            elif up is not None:
+                log.info("created moetune's tables", extra={"db": str(store.path), "to_revision": up.to_revision})
+        if discover_hook:
+            hook = _load_hook(discover_hook)
+            discover = lambda: hook(capture)  # noqa: E731
+        else:
+            discover = make_discover(capture)
+        retune = _load_hook(retune_hook) if retune_hook else None
         daemon = Daemon(
             store=store, endpoint=endpoint, pub_endpoint=pub, discover=discover, retune_job=retune,
             tune=TuneSettings(backend=cfg.tune.backend, trials=cfg.tune.trials, timeout_s=cfg.tune.timeout_s,
@@ -1466,7 +1462,7 @@ def run_daemon(
             db_path=str(getattr(store, "path", db_path)),  # as the store opened it (~ expanded): its lock goes beside it
             db_lock_fd=db_lock,
         )
-    except BaseException:  # the lock taken above: not left open behind a refused configuration
+    except BaseException:
         if db_lock is not None:
             os.close(db_lock)
         raise
