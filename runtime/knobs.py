@@ -50,6 +50,17 @@ MK_BNS: tuple[int, ...] = (0, 128, 256)
 # Upper bounds of the unbounded-looking integers: the C side takes them as 32-bit ints, and no workload has
 # a million transfers per fence or tokens per message
 MAX_GROUP_SIZE = MAX_CHUNK_TOKENS = 1 << 20
+# the signal slots a source has at each peer (csrc/mt_common.h MT_MAX_SLOTS): the most PUTs a one-sided exchange
+# makes to one peer, so the most chunks chunk_tokens may cut a peer's rows into
+MAX_SLOTS = 1024
+
+
+def chunk_tokens_fit(chunk_tokens: int, rows: int) -> bool:
+    """Whether chunk_tokens acts as named on calls that send up to `rows` rows to one peer: ceil(rows / chunk_tokens)
+    PUTs, at most MAX_SLOTS (0: one PUT). Past that the proxy kernel would cut larger chunks than asked
+    (csrc/proxy_xchg.h `chunking`); the runtime refuses it and the tuner never offers it."""
+    return chunk_tokens <= 0 or rows <= 0 or -(-rows // chunk_tokens) <= MAX_SLOTS
+
 # host_staged's ring of staging slots per (lane, sender, receiver): 2 is double buffering
 MIN_STAGING_SLOTS, MAX_STAGING_SLOTS = 2, 16
 

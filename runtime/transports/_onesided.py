@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from moetune.runtime import _args, csrc_build
+from moetune.runtime.knobs import MAX_SLOTS as MAX_SLOTS  # the one-sided signal slot layout (MT_MAX_SLOTS)
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports.base import Availability, EPTransport
 
 MAX_WORLD = 8
-MAX_SLOTS = 1024
 _ALIGN = 4096
 
 ERR_NAMES = {

@@ -36,11 +36,10 @@ import torch
 import torch.distributed as dist
 
 from moetune.runtime import _args, csrc_build
-from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.knobs import MAX_SLOTS, KnobError, Knobs, chunk_tokens_fit
 from moetune.runtime.options import RuntimeOptions, proxy_cpu_setting
 from moetune.runtime.transports import _affinity
 from moetune.runtime.transports._onesided import (
-    MAX_SLOTS,
     OneSidedError,
     OneSidedTransport,
     one_sided_availability,
@@ -134,10 +133,8 @@ def check_chunk_tokens(chunk_tokens: int, max_rows: int, who: str = "") -> None:
     """chunk_tokens rows per PUT on calls that send up to `max_rows` rows to one peer: at most MAX_SLOTS PUTs (one
     signal slot each), else KnobError. Past that the kernel would cut larger chunks than asked (csrc/proxy_xchg.h
     `chunking`), silently: a knob value that does not act as named (the tuner offers none: tuner/search/space.py)."""
-    if chunk_tokens <= 0 or max_rows <= 0:
-        return
-    puts = -(-max_rows // chunk_tokens)
-    if puts > MAX_SLOTS:
+    if not chunk_tokens_fit(chunk_tokens, max_rows):
+        puts = -(-max_rows // chunk_tokens)
         raise KnobError(f"{who}chunk_tokens={chunk_tokens} would cut up to {max_rows} rows for one peer into {puts} "
                         f"PUTs, more than the {MAX_SLOTS} signal slots a peer has (rows / chunk_tokens must be <= "
                         f"{MAX_SLOTS}); use chunk_tokens >= {-(-max_rows // MAX_SLOTS)}, 0 (one PUT per peer), or fewer "

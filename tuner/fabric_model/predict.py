@@ -84,7 +84,7 @@ import msgspec
 import numpy as np
 
 from moetune.runtime.buffer.layout_choice import MAX_COMM_CHANNELS, equal_chunk_bounds, picks_dense
-from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.knobs import MAX_SLOTS, KnobError, Knobs
 from moetune.runtime.routing import parse_routing
 from moetune.runtime.shapes import DTYPES, ModelShape, get_model
 from moetune.tuner.fabric_model.presets import Preset, PresetError, list_presets, load_preset
@@ -110,7 +110,6 @@ __all__ = [
 
 SIGNAL_BYTES = 8
 MAX_MESSAGES = 2_000_000  # guard against absurd chunking
-MAX_SLOTS = 1024  # csrc/mt_common.h MT_MAX_SLOTS: signal slots (PUTs, CTAs) per source and peer
 # MAX_COMM_CHANNELS (communicators per direction a pipelined payload is spread over) and the equal-chunk rule come
 # from runtime/buffer/layout_choice.py, the torch-free module the EP buffer takes them from too
 LAYOUTS = ("runtime", "nccl_k_copies", "expert_tiles")

@@ -36,7 +36,16 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from moetune.runtime.knobs import ALLOWED_FENCE_MODES, ONE_SIDED, PER_PE, QUEUED, KnobError, Knobs
+from moetune.runtime.knobs import (
+    ALLOWED_FENCE_MODES,
+    MAX_SLOTS,
+    ONE_SIDED,
+    PER_PE,
+    QUEUED,
+    KnobError,
+    Knobs,
+    chunk_tokens_fit,
+)
 from moetune.tuner.search.policy import KnobSpec, Policy
 
 Chooser = Callable[[str, KnobSpec], Any]
@@ -118,11 +127,8 @@ def expected_rows_per_peer(experts: int, topk: int, ep_size: int, tokens: int, r
 
 def chunk_fits(tokens: int, chunk_tokens: int) -> bool:
     """Whether `chunk_tokens` acts as named on a buffer of max_tokens = `tokens`: a call may send one peer every
-    token, in ceil(tokens / chunk_tokens) PUTs, at most MAX_SLOTS of them (runtime/transports/proxy.py
-    `check_chunk_tokens` refuses the rest; csrc/proxy_xchg.h `chunking` would cut larger chunks)."""
-    from moetune.tuner.fabric_model.predict import MAX_SLOTS
-
-    return chunk_tokens <= 0 or -(-max(1, tokens) // chunk_tokens) <= MAX_SLOTS
+    token (`runtime.knobs.chunk_tokens_fit`, the rule the runtime's proxy refuses by)."""
+    return chunk_tokens_fit(chunk_tokens, max(1, tokens))
 
 
 def put_chunking(rows: float, chunk_tokens: int) -> tuple[int, int]:
@@ -435,8 +441,6 @@ class SearchSpace:
                 f"{p.compression_error(knobs.compression, knobs.scale_granularity):g}, over the policy's budget of "
                 f"{p.error_budget:g}", ("compression", "scale_granularity"))
         if self.rows_per_peer is not None and self.tokens is not None and not chunk_fits(self.tokens, knobs.chunk_tokens):
-            from moetune.tuner.fabric_model.predict import MAX_SLOTS
-
             raise KnobError(f"chunk_tokens {knobs.chunk_tokens} at {self.tokens} tokens per rank: up to "
                             f"{-(-self.tokens // knobs.chunk_tokens)} PUTs per peer, more than the {MAX_SLOTS} signal "
                             f"slots (the kernel would cut larger chunks; the runtime refuses it); offered: "
