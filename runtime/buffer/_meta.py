@@ -53,6 +53,14 @@ def _nonzero_rows(mask: torch.Tensor, size: int, fill: int = 0) -> torch.Tensor:
     return torch.nonzero(mask)  # exact count, no padding: one host sync
 
 
+def local_slots(raw_ids: torch.Tensor, first_expert: int, num_local: int) -> torch.Tensor:
+    """bool [M, k]: which slots of received rows name an expert of this rank (first_expert .. + num_local - 1)."""
+    n_local = max(1, num_local)
+    if first_expert % n_local == 0:  # rank × E/world: one division tells the owner rank
+        return torch.floor_divide(raw_ids, n_local) == first_expert // n_local
+    return (raw_ids >= first_expert) & (raw_ids < first_expert + n_local)
+
+
 class RecvMeta:
     """What arrived with the rows. M rows; k = model top-k.
 
@@ -113,11 +121,7 @@ class RecvMeta:
     @property
     def valid(self) -> torch.Tensor:
         if self._valid is None:
-            n_local = max(1, self.num_local)
-            if self.first_expert % n_local == 0:  # rank × E/world: one division tells the owner rank
-                self._valid = torch.floor_divide(self.raw_ids, n_local) == self.first_expert // n_local
-            else:
-                self._valid = (self.raw_ids >= self.first_expert) & (self.raw_ids < self.first_expert + n_local)
+            self._valid = local_slots(self.raw_ids, self.first_expert, self.num_local)
         return self._valid
 
     @property

@@ -89,6 +89,7 @@ from moetune.runtime.buffer._meta import (
     RecvMeta,
     _align,
     _dense_as,
+    local_slots,
 )
 from moetune.runtime.buffer._packed import _PackedLayout
 from moetune.runtime.buffer._resident import _ResidentLayout
@@ -756,8 +757,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             # the reduce-scatter adds every row: a row without a local slot (an empty slot, a token none of whose
             # experts lives here) must add nothing, whatever the caller's expert code left in it
             ids = self._row_views(handle._recv_buf.narrow(0, ch.recv_offset, ch.recv_rows))[1]
-            fe = self.rank * self.experts_per_rank
-            here = ((ids >= fe) & (ids < fe + self.experts_per_rank)).any(1, keepdim=True)
+            here = local_slots(ids, self.rank * self.experts_per_rank, self.experts_per_rank).any(1, keepdim=True)
             rows = torch.where(here, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
             return out, self.transport.reduce_scatter_async(out, rows, channel=channel)
         if c == 0 or handle._combine_out is None:  # one buffer for every chunk's rows (one index_add at the end)
