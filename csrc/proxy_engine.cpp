@@ -411,9 +411,9 @@ struct Engine {
         break;
       }
       case MT_OP_ACK: {
-        // on the streams picked since the previous ACK (each write costs the thread ~1-2 us: run 204 measured +20-36
-        // us a batch with it on all 32 streams of 8 peers x 4 QPs); on every stream once the engine failed, since a
-        // request it skipped picked nothing while the producer counted it
+        // on the streams picked since the previous ACK: each write is a driver call of the thread's (an exploratory
+        // look, run 204 in bench/results/archive: ~1-2 us each; the scenario proxy-ack-cost measures it); on every
+        // stream once the engine failed, since a request it skipped picked nothing while the producer counted it
         const bool all = err.load() != 0;
         for (int q = 0; q < nstreams; ++q) {
           if (!all && !touched[q]) continue;
