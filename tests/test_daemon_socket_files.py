@@ -103,6 +103,25 @@ def test_a_group_writable_parent_of_another_user_is_refused(tmp_path: Path) -> N
         _daemon(tmp_path, endpoint=f"ipc://{other}/run/daemon.sock").start(background=True)
 
 
+def test_a_group_writable_parent_of_a_group_this_user_is_not_in_is_refused(tmp_path: Path) -> None:
+    """Owned by this user, but writable by a group it is not in: that group's members are strangers to it."""
+    mine = {os.getgid(), os.getegid(), *os.getgroups()}
+    stranger = next((g for g in (65534, 65533, 12345) if g not in mine), None)
+    if stranger is None:
+        pytest.skip("no group id this user is not in")
+    shared = tmp_path / "spool"
+    shared.mkdir()
+    os.chmod(shared, 0o775)
+    try:
+        os.chown(shared, -1, stranger)
+    except PermissionError:
+        pytest.skip("chgrp to a group this user is not in needs root")
+    with pytest.raises(DaemonConfigError, match=f"{shared}, a parent .*writable by its group \\(gid {stranger}\\), "
+                                                "which this user"):
+        _daemon(tmp_path, endpoint=f"ipc://{shared}/run/daemon.sock").start(background=True)
+    assert not (shared / "run").exists()  # refused before anything was made there
+
+
 def test_missing_parents_of_the_socket_directory_are_created(tmp_path: Path) -> None:
     sock = tmp_path / "new" / "sub" / "run" / "daemon.sock"
     _daemon(tmp_path, endpoint=f"ipc://{sock}").start(background=True).stop()

@@ -208,12 +208,16 @@ def check_socket_ancestors(d: Path) -> None:
     lead to are checked; ancestors that do not exist yet are left to `prepare_runtime_dir`, which creates them.
 
     Refused: writable by others (world) without the sticky bit, or writable by a group while owned by some user
-    other than this one or root. Allowed: a group-writable ancestor of this user's or root's. The trade-off: its
-    group's members could replace `d`, but they are people the directory's owner (us, or the admin) chose to let
-    write there; with Debian/Ubuntu user-private groups (umask 002: `mkdir ~/moetune` is 0775) the group is this
-    user alone, and shared setgid project directories (2775) are the usual way a team shares a node. Refusing
-    them refused common setups for no protection against the users the check is about (anyone on the node)."""
+    other than this one or root, or by a group this user is not in. Allowed: a group-writable ancestor of this
+    user's or root's whose group this user belongs to. The trade-off: its group's members could replace `d`, but
+    they are people this user shares the group with, by the choice of the directory's owner (us, or the admin);
+    with Debian/Ubuntu user-private groups (umask 002: `mkdir ~/moetune` is 0775) the group is this user alone,
+    and shared setgid project directories (2775) are the usual way a team shares a node. Refusing them refused
+    common setups for no protection against the users the check is about (anyone on the node). A root-owned
+    directory writable by a group this user is not in (a service's spool, another team's share) is refused: its
+    members are strangers to this user."""
     me = os.getuid()
+    my_groups = {os.getgid(), os.getegid(), *os.getgroups()}
     chains = [Path(os.path.abspath(d)).parents, Path(os.path.realpath(d)).parents]
     for a in dict.fromkeys(p for chain in chains for p in chain):
         try:
@@ -228,6 +232,8 @@ def check_socket_ancestors(d: Path) -> None:
             who = "every user"
         elif st.st_mode & stat.S_IWGRP and st.st_uid not in (me, 0):
             who = f"its group, and it is owned by uid {st.st_uid} (not this user, uid {me}, nor root)"
+        elif st.st_mode & stat.S_IWGRP and st.st_gid not in my_groups:
+            who = f"its group (gid {st.st_gid}), which this user (uid {me}) is not in"
         else:
             continue
         raise DaemonConfigError(
