@@ -34,8 +34,10 @@ Three wire layouts: packed and dense for the collective transports, device-resid
   expert id out of range is not seen at all in the dense and device-resident layouts: no rank holds that expert,
   so its share of the token is silently missing from the output (the packed layout's counts exchange still
   refuses it). check_inputs=False is for callers whose routing is known good (ids from their own top-k).
-  One EPBuffer serves one stream of calls: its send and stage rows are reused by every dispatch, so calls on two
-  CUDA streams (or threads) at once need two buffers.
+  One EPBuffer serves one stream of calls: its send and stage rows are reused by every dispatch. A call on
+  another CUDA stream than the previous call's waits for that stream's work queued so far (one event, no host
+  wait; eager calls: a graph replay is ordered by the stream it is replayed on), so switching streams is safe but
+  serialises them; two threads calling one buffer at the same time need two buffers.
 
 One row, all bytes (uint8):
 
@@ -261,6 +263,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         self._stage: torch.Tensor | None = None  # token rows [max_tokens + 1 spare, row_bytes], reused (dense: the send rows)
         self._send: torch.Tensor | None = None  # packed layout: send rows [max_tokens * world, row_bytes], reused
         self._stage_hi = 0  # dense layout: stage rows [0, _stage_hi) may hold real expert ids
+        self._last_stream: torch.cuda.Stream | None = None  # the CUDA stream of the latest call (see _enter)
 
     def _stream(self) -> int:
         """The current CUDA stream, as the compiled kernels take it."""
@@ -589,7 +592,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         Kept to a dozen small kernels and no hidden syncs (no bincount/nonzero: they sync on CUDA).
         Dense layout: see `_plan_dense` (no counts, no sync).
         """
-        self._refuse_closed()
+        self._enter()
         if self.dense:
             return self._plan_dense(x, topk_idx, topk_weights)
         return self._plan_packed(x, topk_idx, topk_weights)
@@ -647,7 +650,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         return handle._send_all[ch.send_offset : ch.send_offset + n]
 
     def post_dispatch(self, handle: Handle, c: int, send: torch.Tensor):
-        self._refuse_closed()
+        self._enter()
         ch = handle.chunks[c]
         out = handle._recv_buf[ch.recv_offset : ch.recv_offset + ch.recv_rows]
         if handle.dense:
@@ -692,7 +695,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         Without compression recv_x is a view into the receive buffer (no copy; its rows are strided by the
         wire row size): use it as is for index_select/matmul, or call .contiguous() for a dense tensor.
         """
-        self._refuse_closed()
+        self._enter()
         if self.resident:
             return self._dispatch_resident(x, topk_idx, topk_weights)
         handle = self.plan(x, topk_idx, topk_weights)
@@ -744,7 +747,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
 
     def post_combine(self, handle: Handle, c: int, rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Send chunk c's expert output rows back (the reverse of its dispatch)."""
-        self._refuse_closed()
+        self._enter()
         ch = handle.chunks[c]
         rows = rows.contiguous()
         channel = c % self.comm_channels + self._combine_base
@@ -784,7 +787,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     def combine(self, expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
         """expert_out [M, H]: one row per received row (that row's local experts' outputs, weighted by
         RecvMeta.weights and summed). Returns out [S, H]: for every token, the sum over its ranks."""
-        self._refuse_closed()
+        self._enter()
         self._check_combine(expert_out, handle, handle.num_recv if isinstance(handle, Handle) else 0)
         if handle.resident:
             return self._combine_resident(expert_out, handle)
@@ -806,6 +809,23 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     def _refuse_closed(self) -> None:
         if self._closed:
             raise RuntimeError("EPBuffer: closed (close() was called; its transport is freed): build a new buffer")
+
+    def _enter(self) -> None:
+        """Every call's first step: refuse a closed buffer, and order a call made on another CUDA stream than the
+        buffer's previous call after everything queued on that stream so far. Every call reuses the same send,
+        stage and receive rows, so a call on stream B must not start while stream A's is still using them (nor
+        while A's consumer of a returned view, queued before this call, still reads it). Eager calls only: during a
+        CUDA-graph capture a wait on work outside the capture is not allowed (torch.cuda.graph orders its capture
+        stream after the stream it was entered from), and the stream a graph is replayed on is the caller's to
+        order. Two threads calling one buffer at the same time still need two buffers (its host state is shared)."""
+        self._refuse_closed()
+        if self.device.type != "cuda":
+            return
+        stream = torch.cuda.current_stream(self.device)
+        last = self._last_stream
+        if last is not None and last != stream and not torch.cuda.is_current_stream_capturing():
+            stream.wait_stream(last)  # one event: nothing waits on the host
+        self._last_stream = stream
 
     def __repr__(self) -> str:
         return (f"EPBuffer(world={self.world}, rank={self.rank}, model={self.model.name}, "
