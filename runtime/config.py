@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from moetune.runtime import paths
+from moetune.runtime.knobs import int_of_text
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENV_MISMATCH_MODES = ("warn", "refuse", "ignore")  # client.env_mismatch (runtime/profiles/client.py)
 MAX_CLIENT_TIMEOUT_MS = 86_400_000  # a day: a longer wait overflowed zmq's poll (a C int of milliseconds)
 
 _PATH_KEYS = {("store", "db"), ("daemon", "curve_secret_key_file"), ("daemon", "curve_public_key_file"),
-              ("daemon", "curve_admins_dir")}
+              ("daemon", "curve_admins_dir"), ("client", "curve_server_key_file"), ("client", "curve_secret_key_file")}
 
 
 class ConfigError(ValueError):
@@ -196,8 +197,14 @@ def _parse_env_value(section: str, key: str, raw: str, var: str) -> Any:
         if low in ("0", "false", "no", "off", ""):
             return False
         raise ConfigError(f"{section}.{key} in {where}: expected true or false, got {raw!r}")
+    text = raw.strip()
     try:
-        value = want(raw.strip())
+        if want is int:  # not int(): it takes "1_000" and non-ASCII digits, which the runtime's parsers refuse
+            value = int_of_text(text)
+            if value is None:
+                raise ValueError(text)
+        else:
+            value = want(text)
     except ValueError:
         raise ConfigError(f"{section}.{key} in {where}: expected {_TYPE_NAMES[want]}, got {raw!r}") from None
     return _finite(section, key, value, where) if want is float else value

@@ -9,7 +9,7 @@ import pytest
 
 from moetune.runtime import config as config_mod
 from moetune.runtime import paths
-from moetune.runtime.config import ConfigError, load_config, resolve_db_path
+from moetune.runtime.config import ConfigError, load_client_config, load_config, resolve_db_path
 
 
 @pytest.fixture
@@ -86,6 +86,16 @@ def test_relative_paths_are_relative_to_the_file(env, tmp_path):
     assert cfg.daemon.curve_secret_key_file.endswith("k.secret") and "~" not in cfg.daemon.curve_secret_key_file
 
 
+def test_the_clients_key_files_are_relative_to_the_file_too(env, tmp_path):
+    """A bare name there was opened in the job's working directory: whoever could write `daemon.key` in it chose
+    the server key the client trusts."""
+    f = write(tmp_path / "conf" / "m.toml",
+              '[client]\ncurve_server_key_file = "daemon.key"\ncurve_secret_key_file = "~/client.key_secret"\n')
+    for cfg in (load_config(f, env=env), load_client_config({**env, "MOETUNE_CONFIG": str(f)})[0]):
+        assert cfg.client.curve_server_key_file == str(tmp_path / "conf" / "daemon.key")
+        assert cfg.client.curve_secret_key_file == str(Path("~/client.key_secret").expanduser())
+
+
 @pytest.mark.parametrize(
     ("text", "needles"),
     [
@@ -133,6 +143,11 @@ def test_env_errors_name_the_variable(env):
         load_config(env={**env, "MOETUNE_DAEMON_ALLOW_INSECURE_TCP": "maybe"})
     with pytest.raises(ConfigError, match="MOETUNE_DAEMON_METRICS_PORT"):
         load_config(env={**env, "MOETUNE_DAEMON_METRICS_PORT": "-1"})
+    for text in ("1_000", "\u0664\u0660", "0x10"):  # int() takes the first two; the runtime's parsers refuse them
+        with pytest.raises(ConfigError, match=r"client\.timeout_ms in environment variable MOETUNE_CLIENT_TIMEOUT_MS: "
+                                              "expected an integer"):
+            load_config(env={**env, "MOETUNE_CLIENT_TIMEOUT_MS": text})
+    assert load_config(env={**env, "MOETUNE_CLIENT_TIMEOUT_MS": " 250 "}).client.timeout_ms == 250
 
 
 def test_the_clients_load_names_what_it_ignores_outside_its_keys(env, tmp_path):
