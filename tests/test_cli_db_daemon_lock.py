@@ -71,6 +71,27 @@ def test_upgrade_is_refused_while_the_lock_is_held(tmp_path: Path) -> None:
     assert run("db", "upgrade", "--db", str(db))[0] == 0 and _revision(db) == head_revision()
 
 
+def test_a_link_to_the_database_takes_the_same_lock(tmp_path: Path) -> None:
+    """A second path to one database (a link to the file, or to a folder above it) found no daemon holding its own
+    `<link>.daemon-lock` while one served the file: two daemons, or a migration under a serving daemon."""
+    real = tmp_path / "data"
+    real.mkdir()
+    db = real / "m.db"
+    with Store(db) as s:
+        s.downgrade("0004")
+    (tmp_path / "m-link.db").symlink_to(db)
+    (tmp_path / "data-link").symlink_to(real)
+    fd = _hold(real / "m.db.daemon-lock", f"{os.getpid()}\n")
+    try:
+        for given in (tmp_path / "m-link.db", tmp_path / "data-link" / "m.db"):
+            code, text = run("db", "upgrade", "--db", str(given))
+            assert code == 1 and f"daemon pid {os.getpid()} is serving this database" in text, (given, text)
+        assert _revision(db) == "0004"
+    finally:
+        os.close(fd)
+    assert not (tmp_path / "m-link.db.daemon-lock").exists()
+
+
 def test_a_migration_holds_the_lock_and_creates_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     db = tmp_path / "m.db"
     assert run("db", "upgrade", "--db", str(db))[0] == 0

@@ -202,8 +202,10 @@ def database_path(path: str | Path) -> Path:
 
 def daemon_lock_path(path: str | Path) -> Path:
     """The file a daemon serving the database `path` holds flocked while it runs (its pid inside); a migration takes
-    it too, so that none serves while the schema changes."""
-    p = database_path(path)
+    it too, so that none serves while the schema changes. Beside the file the links lead to: two paths to one
+    database (a link to it or to a folder above it) take one lock, so that two daemons never serve it at once.
+    (A bind mount shows the file at a path no link resolves to: it stays out of reach of this rule.)"""
+    p = Path(os.path.realpath(database_path(path)))
     return p.with_name(p.name + ".daemon-lock")
 
 
