@@ -98,7 +98,8 @@ class GetProfile(_Request, tag="get_profile"):
 
     The shape is either `model` (a name known to moetune.runtime.shapes) or the four numbers
     hidden/intermediate/experts/topk (+ dtype). `fingerprint`/`software` default to the daemon's
-    current fabric; `transport_family` picks among profiles of several families (else the fastest, by numbers of one metric).
+    current fabric, together: `software` left out with another node's `fingerprint` matches profiles of any
+    software (the reply's key names the one it was measured with); `transport_family` picks among profiles of several families (else the fastest, by numbers of one metric).
     """
 
     ep_size: PosInt
