@@ -143,6 +143,17 @@ class MoELayer(nn.Module):
         self._owns_buffer = buffer is None  # close() closes a buffer the layer built, never a caller's
         self.buffer = buffer or EPBuffer(group, knobs, model=model, max_tokens=max_tokens, device=device, dtype=dtype,
                                          options=options, expected_tokens=expected_tokens)
+        try:
+            self._build(engine, knobs, max_tokens, seed, use_grouped_mm, expected_tokens)
+        except BaseException:
+            if self._owns_buffer:  # the caller never gets this layer to close: the buffer's thread and memory go now
+                self.buffer.close()
+            raise
+
+    def _build(self, engine: str | None, knobs: Knobs | None, max_tokens: int, seed: int,
+               use_grouped_mm: bool | None, expected_tokens: int | None) -> None:
+        """The layer past its buffer: weights, engine and the ranks' agreement (the constructor closes a buffer it
+        built when this raises)."""
         self.expected_tokens = expected_tokens if expected_tokens is not None else self.buffer.expected_tokens
         self.device = self.buffer.device
         self.dtype = self.buffer.dtype

@@ -492,3 +492,31 @@ def test_epbuffer_refuses_a_proxy_chunk_tokens_past_the_signal_slots_of_its_max_
     # host_staged's chunk_tokens is a staging message size: no such limit
     EPBuffer(None, default_knobs("host_staged").replace(chunk_tokens=1), model=tiny, max_tokens=4096,
              device="cpu").close()
+
+
+@pytest.mark.parametrize("step", ["_build_weights", "_setup_engine"])
+def test_a_layer_whose_weights_or_engine_fail_closes_the_buffer_it_built(step: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller never gets a layer whose constructor raised, so it cannot close() it: the EPBuffer the layer built
+    (its proxy thread, symmetric memory) is closed before the error leaves; a buffer passed in stays the caller's."""
+    from moetune.runtime.buffer.facade import EPBuffer
+    from moetune.runtime.moe_layer import MoELayer
+    from moetune.runtime.shapes import ModelShape
+
+    tiny = ModelShape(name="tiny", hidden=64, intermediate=32, experts=4, topk=2, dtype="float32")
+    closed: list[EPBuffer] = []
+    real_close = EPBuffer.close
+    monkeypatch.setattr(EPBuffer, "close", lambda self: (closed.append(self), real_close(self))[1])
+
+    def refuse(*_args: Any) -> None:
+        raise MemoryError(f"{step} refused (test)")
+
+    monkeypatch.setattr(MoELayer, step, refuse)
+    with pytest.raises(MemoryError, match="refused"):
+        MoELayer(tiny, max_tokens=8, device="cpu")
+    assert len(closed) == 1 and closed[0]._closed
+    mine = EPBuffer(None, Knobs(), model=tiny, max_tokens=8, device="cpu")
+    with pytest.raises(MemoryError, match="refused"):
+        MoELayer(tiny, max_tokens=8, device="cpu", buffer=mine)
+    assert len(closed) == 1 and not mine._closed
+    mine.close()
