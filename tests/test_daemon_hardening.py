@@ -558,6 +558,27 @@ def test_a_tracked_profile_follows_a_restarted_daemons_changes() -> None:
     assert c.version == 1 and c.epoch == "e2"
 
 
+def test_a_change_whose_fetch_failed_is_fetched_by_the_next_refresh() -> None:
+    """The notice is taken off the socket before the fetch: when the daemon stops answering in between, refresh
+    raises and the change must stay pending (before: the next refresh saw no notice and kept the old profile)."""
+    from moetune.runtime.profiles.client import DaemonUnavailable
+
+    good = msgspec.convert(result(), wire.ProfileResult)
+    c = _TrackClient(msgspec.structs.replace(good, version=1))
+    t = client.TrackedProfile(c, QUERY)  # type: ignore[arg-type]
+    newer = msgspec.structs.replace(good, version=2)
+    c.changes = [wire.Change(version=2, epoch="e1", kind="profile_updated", ts=0.0)]
+    c.answer = DaemonUnavailable("no answer (test)")
+    with pytest.raises(DaemonUnavailable):
+        t.refresh()
+    assert t.current is not None and t.current.version == 1
+    c.answer = newer
+    t.refresh()  # no new notice: the pending one is fetched
+    assert t.current == newer and c.version == 2
+    c.answer = DaemonUnavailable("would be fetched (test)")
+    assert t.refresh() is False  # nothing pending any more: no fetch
+
+
 def test_tracking_without_a_daemon_raises_daemon_unavailable(tmp_path: Path) -> None:
     """As documented on ProfileClient.track: tracking needs the daemon's change notices (resolve falls back)."""
     from moetune.runtime.profiles.client import DaemonUnavailable

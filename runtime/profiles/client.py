@@ -1371,6 +1371,7 @@ class TrackedProfile:
         self.tuned = False
         self.error: DaemonError | BadReply | ProfileRefused | None = None
         self._lock = threading.Lock()
+        self._due = False  # notices were taken off the socket but their fetch raised: the next refresh fetches
         client.subscribe()
         self._fetch()
 
@@ -1406,13 +1407,17 @@ class TrackedProfile:
                 "tokens": q["tokens"], "nodes": q.get("nodes", 1), "transport_family": q.get("transport_family")}
 
     def refresh(self, timeout_ms: int = 0) -> bool:
-        """Apply pending changes; True when the profile (hash or presence) changed."""
+        """Apply pending changes; True when the profile (hash or presence) changed. When the fetch raises
+        (DaemonUnavailable: the daemon stopped answering after its notice) the change stays pending: the next
+        refresh fetches again even with no new notice."""
         with self._lock:
             changes = self.client.poll_changes(timeout_ms)
-            if not changes and not self.client.restarted:
+            if not changes and not self.client.restarted and not self._due:
                 return False
             before = self.current.profile_hash if self.current else None
+            self._due = True
             self._fetch()
+            self._due = False
             # only the fetched daemon's own changes count: a restarted daemon's versions start again (an old
             # daemon's v101 in the same batch would hide the new one's v2..v101)
             newest = max((c.version for c in changes if c.epoch == self.client.epoch), default=0)
