@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -74,10 +76,7 @@ def list_cmd(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """List stored profiles, with where their numbers come from (measured, MODELLED, PRESET)."""
-    _check_status(status)
-    _check_provenance(provenance)
-    with open_store(db, config, mode="read") as store:
-        fingerprint = _whole_fingerprint(store, fingerprint)
+    with _filtered_store(db, config, status, fingerprint, provenance) as (store, fingerprint):
         rows = store.list_profiles(status=status, fingerprint=fingerprint, provenance=provenance)
     if json_out:
         print_json([_record_json(pid, rec) for pid, rec in rows])
@@ -209,6 +208,17 @@ def delete(
     out.print(f"deleted profile {profile_id}")
 
 
+@contextlib.contextmanager
+def _filtered_store(db: Path | None, config: Path | None, status: str | None, fingerprint: str | None,
+                    provenance: str | None) -> Iterator[tuple[Any, str | None]]:
+    """The store opened for reading and the whole --fingerprint, once --status and --provenance are checked (before the
+    store is opened): `list` and `export` take their filters alike."""
+    _check_status(status)
+    _check_provenance(provenance)
+    with open_store(db, config, mode="read") as store:
+        yield store, _whole_fingerprint(store, fingerprint)
+
+
 @app.command("export")
 def export_cmd(
     path: str = typer.Argument(..., help='JSON file to write ("-" for stdout); an existing file is replaced only with --force.'),
@@ -220,10 +230,7 @@ def export_cmd(
     config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Export profiles (and their fingerprints' facts) to a JSON file."""
-    _check_status(status)
-    _check_provenance(provenance)
-    with open_store(db, config, mode="read") as store:
-        fingerprint = _whole_fingerprint(store, fingerprint)
+    with _filtered_store(db, config, status, fingerprint, provenance) as (store, fingerprint):
         if path == "-":
             if sys.stdout is None:  # started with stdout closed (`>&-`): the export would go nowhere
                 raise fail("export -: stdout is closed; give a file to write, or pipe stdout somewhere")
