@@ -60,6 +60,14 @@ def _skips(cases: list[dict], who: str) -> None:
         raise typer.Exit(1)
 
 
+def _footer(rep: dict, who: str) -> None:
+    """Below a table (`bench moe`, `bench knobs`): when, at which commit and on what it ran, then `_skips`."""
+    m = rep["meta"]
+    _err.print(f"[dim]{m['date']}, git {m['git_sha'][:10]}{' (dirty)' if m['git_dirty'] else ''}, {m['hardware']}, "
+               f"torch {m['torch']}[/dim]")
+    _skips(rep["cases"], who)
+
+
 def _results_path(results: str | None) -> Path:
     """The --results CSV (default bench/results/summary.csv), refused unless it is absent, empty or a results
     table this version can append to: checked before a benchmark runs, so no measurement is lost."""
@@ -413,10 +421,7 @@ def moe(
                       f"{f', each block after {rest:g} s idle' if rest else ''}; floors: weights at "
                       f"{fr['read_tbps']:g} TB/s, tensor cores at {fr['tensor_tflops']:g} TFLOP/s, {whose}; plain "
                       "read: two sums over the expected experts' weights, measured here)")
-    m = rep["meta"]
-    _err.print(f"[dim]{m['date']}, git {m['git_sha'][:10]}{' (dirty)' if m['git_dirty'] else ''}, {m['hardware']}, "
-               f"torch {m['torch']}[/dim]")
-    _skips(rep["cases"], "engine")
+    _footer(rep, "engine")
 
 
 @app.command("knobs")
@@ -485,10 +490,7 @@ def knobs_side_by_side(
                       f"{call}, chains of {chain} per forward; minus base: per-round differences)")
     for n, k in rep["variants"].items():
         _err.print(f"[dim]{n}: {k or 'the defaults'}[/dim]")
-    m = rep["meta"]
-    _err.print(f"[dim]{m['date']}, git {m['git_sha'][:10]}{' (dirty)' if m['git_dirty'] else ''}, {m['hardware']}, "
-               f"torch {m['torch']}[/dim]")
-    _skips(rep["cases"], "variant")
+    _footer(rep, "variant")
 
 
 @app.command("list")
