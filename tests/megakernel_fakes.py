@@ -1,5 +1,6 @@
 """A stand-in for the megakernel on CPU: MegakernelMoE's per token bucket bookkeeping (LaunchConfigs) without the
-library, for tests of how a layer picks, installs and launches bucket configs."""
+library, for tests of how a layer picks, installs and launches bucket configs; and `need_megakernel_gpu`, the skip of
+the tests that run the real one."""
 
 from __future__ import annotations
 
@@ -44,3 +45,18 @@ def use_fake_megakernel(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(E, "build_megakernel", FakeMegakernel)
     monkeypatch.setattr(FakeMegakernel, "built", [])
     monkeypatch.setattr(FakeMegakernel, "refuse", staticmethod(refuse or (lambda cfg: None)))
+
+
+def need_megakernel_gpu() -> None:
+    """Skip the calling test, saying why, unless the real megakernel runs here: a Hopper GPU and its library built."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the megakernel library is built for sm_90a (Hopper)")
+    from moetune.runtime import csrc_build
+    from moetune.runtime.megakernel import _lib
+
+    try:
+        _lib.load()
+    except csrc_build.BuildError as e:
+        pytest.skip(f"megakernel library unavailable: {str(e)[:500]}")

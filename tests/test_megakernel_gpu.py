@@ -11,28 +11,19 @@ scheduler model's `plan`. Skipped with a reason without CUDA or without the libr
 from __future__ import annotations
 
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from megakernel_fakes import need_megakernel_gpu
+
 pytestmark = pytest.mark.gpu
 
 SIZES = [1, 7, 128, 1000, 4096]
-
-
-def _need_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the megakernel library is built for sm_90a (Hopper)")
-    from moetune.runtime import csrc_build
-    from moetune.runtime.megakernel import _lib
-
-    try:
-        _lib.load()
-    except csrc_build.BuildError as e:
-        pytest.skip(f"megakernel library unavailable: {str(e)[:500]}")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +35,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def layer(model):
-    _need_gpu()
+    need_megakernel_gpu()
     from moetune.runtime.megakernel import MegakernelMoE
 
     return MegakernelMoE(model, max_tokens=4096, seed=0)
@@ -489,7 +480,7 @@ def test_tail_rows(new_layers, model, cfg):
 def _both_topk_kernels(spec: str, s: int, max_tokens: int, seed: int):
     """One layer of shape `spec` routing with k_topk (route_small_max=0) and one with k_topk_small (4096) on the same
     weights, each run on the same S tokens: (model, x, a, b, (ya, ia, wa), (yb, ib, wb)), a's output poisoned first."""
-    _need_gpu()
+    need_megakernel_gpu()
     from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
     from moetune.runtime.shapes import get_model
 
@@ -545,7 +536,7 @@ def test_overlap_other_expert_counts(spec):
     """The wide tile's overlap kernel on a small shape with 128 and 256 experts (the Qwen3 tests run 128 only): the
     output matches the dense reference, every row is written (including the top-k-8 COMBINE's fast path), and the
     kernel counts the tasks the CPU model plans."""
-    _need_gpu()
+    need_megakernel_gpu()
     from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
     from moetune.runtime.shapes import get_model
 
@@ -566,7 +557,7 @@ def test_combine_hidden_odd_multiple_of_128(spec, cfg):
     L2 discard (MK_Y_L2 bit 2) must leave it alone (schedule.combine_discards; before, the straddling lines were
     discarded and their other reader could read undefined bytes). Two inputs in turn, then the first again: each
     within 1e-2 of the dense reference, every row written, and the repeat the first run's bits."""
-    _need_gpu()
+    need_megakernel_gpu()
     from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
     from moetune.runtime.shapes import get_model
 
@@ -946,7 +937,7 @@ def test_nonfinite_logits_are_reported_never_a_fault(model, layer, spec, cfg, s,
     from moetune.runtime.moe_layer import dense_reference, max_rel_err
     from moetune.runtime.shapes import get_model
 
-    _need_gpu()
+    need_megakernel_gpu()
     if spec == "qwen3-30b":
         m_shape = model
         m = MegakernelMoE(model, max_tokens=s, config=MegakernelConfig.parse(cfg), w_gate_up=layer.w1t,
@@ -1001,7 +992,7 @@ def test_decode_sizes_in_any_order():
     """Decode launches of different sizes on one layer, the larger after the smaller and back: each launch's shared
     memory fits the kernel's limit (raised once to the most; run 94: raising it to each launch's size in turn failed
     a larger launch that came after a smaller one with "invalid argument")."""
-    _need_gpu()
+    need_megakernel_gpu()
     from moetune.runtime.megakernel import MegakernelMoE
     from moetune.runtime.shapes import get_model
 
@@ -1020,7 +1011,7 @@ def test_decode_sizes_in_any_order():
 def test_decode_other_shapes(spec, tokens):
     """Other shapes, several tokens per launch (slots of different tokens, experts shared between tokens): the dense
     reference, every row written, the kernel's task counts as modelled, the in-kernel picks as torch's routing."""
-    _need_gpu()
+    need_megakernel_gpu()
     from moetune.runtime.megakernel import MegakernelMoE
     from moetune.runtime.moe_layer import route
     from moetune.runtime.shapes import get_model
