@@ -266,22 +266,24 @@ def _autoload(endpoint: str, db: Path) -> tuple[Any, list[str]]:
     return res, [str(w.message) for w in caught]
 
 
+def _autoload_from_daemon(run: Path, rec: ProfileRecord, db: Path) -> tuple[list[dict], Any, list[str]]:
+    """`_autoload` from a fake daemon (in `run`) that answers every lookup with `rec`: its requests, the result and the
+    warnings."""
+    d = FakeDaemon(run, lambda req: ok_reply(req["id"], msgspec.to_builtins(wire.ProfileResult.from_record(rec, env={}))),
+                   {"fingerprint": FP, "software": SW, "transports": ["collective"], "db": str(db)})
+    try:
+        res, warned = _autoload(d.endpoint, db)
+    finally:
+        d.close()
+    return d.requests, res, warned
+
+
 def test_autoload_megakernel_profile_from_a_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MOETUNE_AUTOLOAD")
     monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)  # a GPU that can run it
     tuned = Knobs(engine="megakernel", mk_bm=64, mk_stages=3)
-
-    def answer(req: dict) -> bytes:
-        rec = mk_record(tuned)
-        return ok_reply(req["id"], msgspec.to_builtins(wire.ProfileResult.from_record(rec, env={})))
-
-    d = FakeDaemon(tmp_path / "run", answer, {"fingerprint": FP, "software": SW, "transports": ["collective"],
-                                               "db": str(tmp_path / "none.db")})
-    try:
-        res, warned = _autoload(d.endpoint, tmp_path / "none.db")
-    finally:
-        d.close()
-    assert d.requests[0]["transport_family"] == "megakernel" and d.requests[0]["ep_size"] == 1
+    requests, res, warned = _autoload_from_daemon(tmp_path / "run", mk_record(tuned), tmp_path / "none.db")
+    assert requests[0]["transport_family"] == "megakernel" and requests[0]["ep_size"] == 1
     assert res.source == "daemon" and res.tuned and res.knobs == tuned and not warned
 
 
@@ -289,28 +291,13 @@ def test_autoload_megakernel_modelled_or_unrunnable_falls_back(tmp_path: Path, m
     monkeypatch.delenv("MOETUNE_AUTOLOAD")
     monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
     modelled = mk_record(Knobs(engine="megakernel", mk_bm=16), backend=f"model:node:{FP}", provenance="node_model")
-
-    def answer(req: dict) -> bytes:
-        return ok_reply(req["id"], msgspec.to_builtins(wire.ProfileResult.from_record(modelled, env={})))
-
-    d = FakeDaemon(tmp_path / "run", answer, {"fingerprint": FP, "software": SW, "transports": ["collective"],
-                                               "db": str(tmp_path / "none.db")})
-    try:
-        res, warned = _autoload(d.endpoint, tmp_path / "none.db")
-    finally:
-        d.close()
+    _, res, warned = _autoload_from_daemon(tmp_path / "run", modelled, tmp_path / "none.db")
     assert res.source == "policy" and not res.tuned and res.knobs == Knobs(engine="megakernel")
     assert len(warned) == 1 and "MODELLED" in warned[0]
     # a node where the megakernel cannot run: the daemon's profile is passed over, never raised
     monkeypatch.setattr(autoload, "_availability", {})
     monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: "sm_80")
-    d = FakeDaemon(tmp_path / "run3", lambda req: ok_reply(req["id"], msgspec.to_builtins(
-        wire.ProfileResult.from_record(mk_record(Knobs(engine="megakernel")), env={}))),
-        {"fingerprint": FP, "software": SW, "transports": ["collective"], "db": str(tmp_path / "none.db")})
-    try:
-        res, warned = _autoload(d.endpoint, tmp_path / "none.db")
-    finally:
-        d.close()
+    _, res, warned = _autoload_from_daemon(tmp_path / "run3", mk_record(Knobs(engine="megakernel")), tmp_path / "none.db")
     assert res.source != "daemon" and any("sm_80" in w for w in warned)
 
 
