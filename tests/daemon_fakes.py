@@ -7,6 +7,8 @@
   MOETUNE_FAKE_JOB_SLEEP s (checking for cancellation): a job that can be held open for the kill -9 and
   cancel tests. The fabric-change and tuner tests use the real tuner.
 - `FakeFacts`: facts of some other fabric (only its fingerprint and software hash matter).
+- `record_fabric_seen` / `record_fabric_change` / `unqueued_fabric_change`: the events a daemon writes when it
+  discovers a fabric and when it changes (H200 -> H100), and a store a daemon killed inside a change left.
 - `this_node_facts` / `this_node_fabric`: facts that describe THIS machine and process as the runtime's node check
   (`node_identity.mismatch`) reads them, and a `fabric` reply reporting them: what a fake daemon must answer for
   the profiles it serves (keyed with `this_node_software()`) to be applied as tuned.
@@ -316,6 +318,33 @@ def seed_profiles(store: Any, facts: FakeFacts, *, model: str = "qwen3-30b", ep_
         store.put_profile(rec)
         out.append(rec)
     return out
+
+
+def record_fabric_seen(store: Any, facts: FakeFacts, reason: str = "first") -> None:
+    """The fabric_seen event a daemon writes when it discovers `facts` (its first fabric)."""
+    store.add_event(kind="fabric_seen", reason=reason,
+                    details={"fingerprint": facts.fingerprint, "identity": None, "facts": facts.to_dict()})
+
+
+def record_fabric_change(store: Any, old: FakeFacts, new: FakeFacts, **details: Any) -> None:
+    """What a daemon's fabric change old -> new (gpu_model H200 -> H100) writes before anything else: the new
+    fingerprint and the fabric_changed event (with `details` added to the event's)."""
+    store.upsert_fingerprint(new.fingerprint, new.to_dict())
+    store.add_event(kind="fabric_changed", reason="gpu_model: H200 -> H100",
+                    details={"old_fingerprint": old.fingerprint, "fingerprint": new.fingerprint, "identity": None,
+                             "reasons": ["gpu_model: H200 -> H100"], "facts": new.to_dict(), **details})
+
+
+def unqueued_fabric_change(path: Path) -> tuple[Any, FakeFacts, FakeFacts, list[ProfileRecord]]:
+    """A store at `path` as a daemon killed in a fabric change left it: profiles seeded on the old fabric (H200), seen
+    at the first discovery, then the change to the new one (H100) recorded and nothing after it (no re-tune queued).
+    Returns the store, the old and new facts, and the seeded records."""
+    old, new = FakeFacts({"gpu_model": "H200"}), FakeFacts({"gpu_model": "H100"})
+    store = open_store(path)
+    seeded = seed_profiles(store, old)
+    record_fabric_seen(store, old, "first discovery")
+    record_fabric_change(store, old, new)
+    return store, old, new, seeded
 
 
 @contextlib.contextmanager

@@ -23,16 +23,8 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.mark.parametrize("stopped_after", ["fabric_changed", "mark_stale", "job_queued"])
 def test_the_retune_of_a_change_the_last_daemon_did_not_queue_is_queued_at_start(tmp_path: Path,
                                                                                   stopped_after: str) -> None:
-    old, new = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
-    store = F.open_store(tmp_path / "moetune.db")
-    seeded = F.seed_profiles(store, old)
-    store.add_event(kind="fabric_seen", reason="first discovery",
-                    details={"fingerprint": old.fingerprint, "identity": None, "facts": old.to_dict()})
     # what _fabric_changed had written when the daemon was killed
-    store.upsert_fingerprint(new.fingerprint, new.to_dict())
-    store.add_event(kind="fabric_changed", reason="gpu_model: H200 -> H100",
-                    details={"old_fingerprint": old.fingerprint, "fingerprint": new.fingerprint, "identity": None,
-                             "reasons": ["gpu_model: H200 -> H100"], "facts": new.to_dict()})
+    store, old, new, seeded = F.unqueued_fabric_change(tmp_path / "moetune.db")
     if stopped_after != "fabric_changed":
         store.mark_stale(fingerprint=old.fingerprint, reason="fabric changed")
     if stopped_after == "job_queued":  # its job was queued (and cancelled, say): nothing more to queue
@@ -51,13 +43,6 @@ def test_the_retune_of_a_change_the_last_daemon_did_not_queue_is_queued_at_start
         assert d.index.current_count == 0 and len(d.index.stale) == len(seeded)  # the old ones stale, not served
     finally:
         d.stop()
-
-
-def _change(store: Any, old: Any, new: Any, **extra: Any) -> None:
-    store.upsert_fingerprint(new.fingerprint, new.to_dict())
-    store.add_event(kind="fabric_changed", reason="gpu_model: H200 -> H100",
-                    details={"old_fingerprint": old.fingerprint, "fingerprint": new.fingerprint, "identity": None,
-                             "reasons": ["gpu_model: H200 -> H100"], "facts": new.to_dict(), **extra})
 
 
 def _start(store: Any, tmp_path: Path, new: Any) -> tuple[Daemon, list[list[Any]], threading.Event]:
@@ -82,9 +67,8 @@ def test_a_change_whose_retune_was_queued_is_not_acted_on_at_later_starts(tmp_pa
     old, new = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
     store = F.open_store(tmp_path / "moetune.db")
     seeded = F.seed_profiles(store, old)
-    store.add_event(kind="fabric_seen", reason="first",
-                    details={"fingerprint": old.fingerprint, "identity": None, "facts": old.to_dict()})
-    _change(store, old, new)
+    F.record_fabric_seen(store, old)
+    F.record_fabric_change(store, old, new)
     store.mark_stale(fingerprint=old.fingerprint, reason="fabric changed")
     store.add_event(kind="job_queued", reason="fabric changed",
                     details={"job_id": 1, "old_fingerprint": old.fingerprint, "keys": [r.key.to_dict() for r in seeded]})
@@ -108,10 +92,9 @@ def test_only_the_rows_the_interrupted_change_concerns_are_retuned(tmp_path: Pat
     F.seed_profiles(store, old, buckets=(16,))
     store.mark_stale(fingerprint=old.fingerprint, reason="stale before the change")
     seeded = F.seed_profiles(store, old)
-    store.add_event(kind="fabric_seen", reason="first",
-                    details={"fingerprint": old.fingerprint, "identity": None, "facts": old.to_dict()})
+    F.record_fabric_seen(store, old)
     at_change = [i for i, _ in store.list_profiles(status="current", fingerprint=old.fingerprint)]
-    _change(store, old, new, **({"profiles": at_change} if ids_recorded else {}))
+    F.record_fabric_change(store, old, new, **({"profiles": at_change} if ids_recorded else {}))
     F.seed_profiles(store, old, buckets=(8192,))  # after the change (an import, say)
     d, ran, done = _start(store, tmp_path, new)
     try:
@@ -126,8 +109,7 @@ def test_a_fabric_change_records_the_profiles_it_makes_stale(tmp_path: Path) -> 
     old, new = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
     store = F.open_store(tmp_path / "moetune.db")
     F.seed_profiles(store, old)
-    store.add_event(kind="fabric_seen", reason="first",
-                    details={"fingerprint": old.fingerprint, "identity": None, "facts": old.to_dict()})
+    F.record_fabric_seen(store, old)
     ids = [i for i, _ in store.list_profiles(status="current", fingerprint=old.fingerprint)]
     d, _, done = _start(store, tmp_path, new)
     try:
@@ -145,12 +127,11 @@ def test_a_resumed_job_of_one_key_does_not_hide_the_changes_other_keys(tmp_path:
     store = F.open_store(tmp_path / "moetune.db")
     seeded = F.seed_profiles(store, old)
     assert len(seeded) >= 2
-    store.add_event(kind="fabric_seen", reason="first",
-                    details={"fingerprint": old.fingerprint, "identity": None, "facts": old.to_dict()})
+    F.record_fabric_seen(store, old)
     # a `moetune retune` of ONE key queued before the change and never finished: resumed at start
     store.add_event(kind="job_queued", reason="requested", details={"job_id": 1, "keys": [seeded[0].key.to_dict()]})
     ids = [i for i, _ in store.list_profiles(status="current", fingerprint=old.fingerprint)]
-    _change(store, old, new, profiles=ids)
+    F.record_fabric_change(store, old, new, profiles=ids)
     store.mark_stale(fingerprint=old.fingerprint, reason="fabric changed")  # killed here: no re-tune queued
     d, ran, _done = _start(store, tmp_path, new)
     try:

@@ -26,8 +26,7 @@ def _left_unfinished(store: Any, facts: Any) -> list[Any]:
     """A store as a daemon killed with job 7 queued for the node's stale keys left it."""
     recs = F.seed_profiles(store, facts)
     store.mark_stale(fingerprint=facts.fingerprint, reason="test")
-    store.add_event(kind="fabric_seen", reason="first discovery",
-                    details={"fingerprint": facts.fingerprint, "identity": None, "facts": facts.to_dict()})
+    F.record_fabric_seen(store, facts, "first discovery")
     store.add_event(kind="job_queued", reason="fabric changed",
                     details={"job_id": 7, "keys": [r.key.to_dict() for r in recs], "old_fingerprint": None,
                              "fingerprint": None, "software": None, "all_current": False, "state": "queued"})
@@ -109,15 +108,7 @@ def test_a_job_held_for_facts_when_the_daemon_stops_is_resumed_by_the_next_one(t
 def test_a_change_the_last_daemon_did_not_queue_is_queued_once_discovery_succeeds(tmp_path: Path) -> None:
     """The same start-up failure left a fabric change the last daemon recorded but did not queue (killed between
     fabric_changed and its job) for good: the start's check needs the facts and was never run again."""
-    old, new = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
-    store = F.open_store(tmp_path / "moetune.db")
-    seeded = F.seed_profiles(store, old)
-    store.add_event(kind="fabric_seen", reason="first discovery",
-                    details={"fingerprint": old.fingerprint, "identity": None, "facts": old.to_dict()})
-    store.upsert_fingerprint(new.fingerprint, new.to_dict())
-    store.add_event(kind="fabric_changed", reason="gpu_model: H200 -> H100",
-                    details={"old_fingerprint": old.fingerprint, "fingerprint": new.fingerprint, "identity": None,
-                             "reasons": ["gpu_model: H200 -> H100"], "facts": new.to_dict()})
+    store, _old, new, seeded = F.unqueued_fabric_change(tmp_path / "moetune.db")
     discover = Discovery(new, "fails")
     ran: list[list[Any]] = []
     d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=discover, rediscover_interval_s=0.2,
