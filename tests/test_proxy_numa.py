@@ -19,6 +19,7 @@ import sys
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -310,56 +311,46 @@ def bindable_cpus(step: str) -> tuple[tuple[int, ...], int]:
     return allowed, node
 
 
-def test_a_refused_registration_falls_back_and_unmaps(sim: ctypes.CDLL, faults, tmp_path: Path) -> None:
-    allowed, node = bindable_cpus("cudaHostRegister")
-    faults(register_error=2)
+def refused_after_mbind(sim: ctypes.CDLL, faults: Callable[..., None], step: str, fault: dict[str, int], err: int, reason: str,
+                        value: int, registrations: int = 1) -> dict[str, int]:
+    """The placement refused at `step` (injected by `fault`) once mbind succeeded: a fallback on the set's node with
+    `err` and a reason that starts with `reason`, what was done for the pages undone before create returned
+    (`registrations` ranges registered), and the engine still drains its FIFO. Returns the counters from before it."""
+    allowed, node = bindable_cpus(step)
+    faults(**fault)
     keep: list = []
     before = counters(sim)
     h = engine(sim, allowed[:1], keep)
     try:
-        (state, want, _node, err, _q), reason = placement(sim, h)
-        assert (state, want, err) == (STATE_FALLBACK, node, 2)
-        assert reason.startswith("cudaHostRegister of the FIFO pages -> simError")
-        undone(sim, before, registrations=0)  # mapped, refused, unmapped before create returned
-        drains(sim, h, keep[-1], 44)
+        (state, want, _node, got, _q), said = placement(sim, h)
+        assert (state, want, got) == (STATE_FALLBACK, node, err)
+        assert said.startswith(reason), said
+        undone(sim, before, registrations=registrations)
+        drains(sim, h, keep[-1], value)
     finally:
         sim.mt_proxy_destroy(h)
+    return before
+
+
+def test_a_refused_registration_falls_back_and_unmaps(sim: ctypes.CDLL, faults, tmp_path: Path) -> None:
+    # mapped, refused, unmapped before create returned: nothing registered
+    refused_after_mbind(sim, faults, "cudaHostRegister", {"register_error": 2}, 2,
+                        "cudaHostRegister of the FIFO pages -> simError", 44, registrations=0)
 
 
 def test_a_refused_device_pointer_unregisters_unmaps_and_falls_back(sim: ctypes.CDLL, faults) -> None:
     """cudaHostGetDevicePointer refused for the registered pages (the simulation refuses it for registered ranges
     only, so cudaHostAlloc's fallback pages still map): the range is unregistered and unmapped before create
     returns, and the engine serves its FIFO from the fallback pages."""
-    allowed, node = bindable_cpus("cudaHostGetDevicePointer of registered pages")
-    faults(devptr_error=2)
-    keep: list = []
-    before = counters(sim)
-    h = engine(sim, allowed[:1], keep)
-    try:
-        (state, want, _node, err, _q), reason = placement(sim, h)
-        assert (state, want, err) == (STATE_FALLBACK, node, 2)
-        assert reason.startswith("cudaHostGetDevicePointer of the registered FIFO pages -> simError"), reason
-        undone(sim, before)  # registered, refused, unregistered and unmapped
-        drains(sim, h, keep[-1], 47)
-    finally:
-        sim.mt_proxy_destroy(h)
+    # registered, refused, unregistered and unmapped before create returned; nothing left after destroy either
+    before = refused_after_mbind(sim, faults, "cudaHostGetDevicePointer of registered pages", {"devptr_error": 2}, 2,
+                                 "cudaHostGetDevicePointer of the registered FIFO pages -> simError", 47)
     undone(sim, before)
 
 
 def test_a_refused_madvise_unmaps_and_falls_back(sim: ctypes.CDLL, faults) -> None:
-    allowed, node = bindable_cpus("madvise")
-    faults(madvise_errno=errno.EINVAL)
-    keep: list = []
-    before = counters(sim)
-    h = engine(sim, allowed[:1], keep)
-    try:
-        (state, want, _node, err, _q), reason = placement(sim, h)
-        assert (state, want, err) == (STATE_FALLBACK, node, errno.EINVAL)
-        assert reason.startswith(f"madvise(MADV_DONTFORK) of the FIFO pages: {os.strerror(errno.EINVAL)}"), reason
-        undone(sim, before, registrations=0)
-        drains(sim, h, keep[-1], 48)
-    finally:
-        sim.mt_proxy_destroy(h)
+    refused_after_mbind(sim, faults, "madvise", {"madvise_errno": errno.EINVAL}, errno.EINVAL,
+                        f"madvise(MADV_DONTFORK) of the FIFO pages: {os.strerror(errno.EINVAL)}", 48, registrations=0)
 
 
 def test_a_set_without_a_known_node_falls_back(sim: ctypes.CDLL, faults, tmp_path: Path) -> None:
