@@ -70,32 +70,28 @@ def test_empty_file_new_path_and_optuna_file_still_become_stores(tmp_path: Path)
             assert s.current_revision() == head_revision()
 
 
-def test_tune_refuses_another_programs_file(tmp_path: Path) -> None:
+def refused_by_cli(tmp_path: Path, *args: str, unsaid: str = "Traceback", env: dict[str, str] | None = None) -> None:
+    """`moetune ARGS --db theirs.db` on another program's file: exit 2 saying so, nothing of `unsaid`, the file
+    untouched."""
     db = tmp_path / "theirs.db"
     digest = foreign(db)
-    r = runner.invoke(app, ["tune", "--db", str(db), "-m", "qwen3-30b", "--preset", "nvlink-h200x2", "--trials", "1",
-                            "--tokens", "128"], env={"MOETUNE_HOME": str(tmp_path / "home")})
+    r = runner.invoke(app, [*args, "--db", str(db)], env=env)
     assert r.exit_code == 2, r.output
-    assert "is not a moetune database (it has tables mydata" in r.output and "Traceback" not in r.output
+    assert "is not a moetune database (it has tables mydata" in r.output and unsaid not in r.output
     assert untouched(db, digest)
+
+
+def test_tune_refuses_another_programs_file(tmp_path: Path) -> None:
+    refused_by_cli(tmp_path, "tune", "-m", "qwen3-30b", "--preset", "nvlink-h200x2", "--trials", "1", "--tokens", "128",
+                   env={"MOETUNE_HOME": str(tmp_path / "home")})
 
 
 def test_fabric_show_record_refuses_another_programs_file(tmp_path: Path) -> None:
-    db = tmp_path / "theirs.db"
-    digest = foreign(db)
-    r = runner.invoke(app, ["fabric", "show", "--record", "--db", str(db), "--capture", str(CAPTURE)])
-    assert r.exit_code == 2, r.output
-    assert "is not a moetune database (it has tables mydata" in r.output and "Traceback" not in r.output
-    assert untouched(db, digest)
+    refused_by_cli(tmp_path, "fabric", "show", "--record", "--capture", str(CAPTURE))
 
 
 def test_db_upgrade_refuses_another_programs_file(tmp_path: Path) -> None:
-    db = tmp_path / "theirs.db"
-    digest = foreign(db)
-    r = runner.invoke(app, ["db", "upgrade", "--db", str(db)])
-    assert r.exit_code == 2, r.output
-    assert "is not a moetune database (it has tables mydata" in r.output and "upgraded" not in r.output
-    assert untouched(db, digest)
+    refused_by_cli(tmp_path, "db", "upgrade", unsaid="upgraded")
 
 
 def test_serve_refuses_another_programs_file(tmp_path: Path) -> None:
