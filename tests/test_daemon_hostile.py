@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -34,6 +36,20 @@ def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     return s
 
 
+@contextlib.contextmanager
+def _client(daemon: F.DaemonProc) -> Iterator[tuple[zmq.Context, zmq.Socket]]:
+    """A DEALER to the daemon and its context (for more sockets); both closed after, and then the daemon must still
+    run."""
+    ctx = zmq.Context()
+    s = _dealer(ctx, daemon.endpoint)
+    try:
+        yield ctx, s
+    finally:
+        s.close()
+        ctx.term()
+    assert daemon.proc.poll() is None
+
+
 def _hostile_frames(rng: random.Random) -> list[tuple[bytes, str]]:
     good = b'{"v":1,"id":1,"op":"get_profile","ep_size":2,"tokens":3000,"model":"qwen3-30b"}'
     out = [
@@ -58,10 +74,8 @@ def _hostile_frames(rng: random.Random) -> list[tuple[bytes, str]]:
 
 
 def test_every_hostile_frame_answered(daemon: F.DaemonProc) -> None:
-    ctx = zmq.Context()
-    s = _dealer(ctx, daemon.endpoint)
     rng = random.Random(1234)
-    try:
+    with _client(daemon) as (_ctx, s):
         # warm up, then take the memory baseline
         for _ in range(3):
             for frame, _code in _hostile_frames(rng):
@@ -91,16 +105,10 @@ def test_every_hostile_frame_answered(daemon: F.DaemonProc) -> None:
         s.send(b'{"v":1,"id":77,"op":"get_profile","ep_size":2,"tokens":3000,"model":"qwen3-30b"}')
         rep = msgspec.json.decode(s.recv())
         assert rep["ok"] is True and rep["id"] == 77
-    finally:
-        s.close()
-        ctx.term()
-    assert daemon.proc.poll() is None
 
 
 def test_unparseable_multipart_dropped_and_huge_frames_cut(daemon: F.DaemonProc) -> None:
-    ctx = zmq.Context()
-    s = _dealer(ctx, daemon.endpoint)
-    try:
+    with _client(daemon) as (ctx, s):
         # multipart requests are not requests: answered bad_request (a request is one frame), never run
         s.send_multipart([b'{"v":1,"id":1,"op":"hello"}', b"more", b"frames"])
         s.send_multipart([b"x", b"y"])
@@ -121,10 +129,6 @@ def test_unparseable_multipart_dropped_and_huge_frames_cut(daemon: F.DaemonProc)
         s.send(b'{"v":1,"id":3,"op":"status"}')
         rep = msgspec.json.decode(s.recv())
         assert rep["ok"] is True and rep["result"]["requests"] > 0
-    finally:
-        s.close()
-        ctx.term()
-    assert daemon.proc.poll() is None
 
 
 def test_many_clients_connect_and_vanish(daemon: F.DaemonProc) -> None:
@@ -207,9 +211,7 @@ def test_hostile_pass_leaves_the_database_byte_identical(tmp_path: Path) -> None
             (b'[1,2,3]', wire.E_BAD_REQUEST),
             (b'{"v":1,"id":14,"op":"retune","all":true,"reason":"' + b"x" * 600 + b'"}', wire.E_INVALID_FIELD),
         ]
-        ctx = zmq.Context()
-        s = _dealer(ctx, d.endpoint)
-        try:
+        with _client(d) as (ctx, s):
             for frame, code in cases:
                 s.send(frame)
                 rep = json.loads(s.recv())
@@ -223,8 +225,4 @@ def test_hostile_pass_leaves_the_database_byte_identical(tmp_path: Path) -> None
             s2.send(b'{"v":1,"id":99,"op":"hello"}')
             assert json.loads(s2.recv())["ok"] is True  # alive
             s2.close()
-        finally:
-            s.close()
-            ctx.term()
-        assert d.proc.poll() is None
         assert _db_hash(d.db) == before
