@@ -16,7 +16,7 @@ import ctypes
 import os
 import warnings
 from abc import abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -398,6 +398,15 @@ class OneSidedTransport(EPTransport):
     @abstractmethod
     def error_words(self) -> list[int]:
         """The error words the device side wrote (decoded by `check`)."""
+
+    def _map_error_record(self, h: ctypes.c_void_p, err_ptr: Callable[..., Any]) -> None:
+        """Once the subclass made its kernels' context `h`: the host copy error_words() reads the record into, and
+        word 0 of the pinned record itself, which check() reads without a call (`err_ptr`: the context's
+        mt_*_err_ptr)."""
+        self._err = (ctypes.c_int * 16)()
+        ep = ctypes.c_void_p()
+        err_ptr(h, ctypes.byref(ep))
+        self._err0 = ctypes.c_int.from_address(ep.value) if ep.value else None
 
     def _extra_error(self) -> bool:
         """Subclass hook: another failure source (the proxy thread) reports an error."""

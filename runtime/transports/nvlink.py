@@ -60,10 +60,7 @@ class NvlinkTransport(OneSidedTransport):
                 "mt_nvl_create",
             )
             self._h = h
-            self._err = (ctypes.c_int * 16)()
-            ep = ctypes.c_void_p()
-            self.lib.mt_nvl_err_ptr(h, ctypes.byref(ep))
-            self._err0 = ctypes.c_int.from_address(ep.value) if ep.value else None
+            self._map_error_record(h, self.lib.mt_nvl_err_ptr)
             cpp = ctypes.c_int(0)
             self.lib.mt_nvl_ctas_per_peer(h, ctypes.byref(cpp))
             self.ctas_per_peer = cpp.value

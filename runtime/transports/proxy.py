@@ -419,10 +419,7 @@ class ProxyTransport(OneSidedTransport):
             # host-completed calls (default): see mt_pxy_set_host_wait in csrc/proxy_gpu.cu for why
             self.host_wait = self.options.proxy_host_wait
             self.lib.mt_pxy_set_host_wait(h, 1 if self.host_wait else 0)
-            self._err = (ctypes.c_int * 16)()
-            ep = ctypes.c_void_p()
-            self.lib.mt_pxy_err_ptr(h, ctypes.byref(ep))
-            self._err0 = ctypes.c_int.from_address(ep.value) if ep.value else None
+            self._map_error_record(h, self.lib.mt_pxy_err_ptr)
             if max_send_rows is not None and row_bytes is not None:
                 self.reserve(max_send_rows, row_bytes)
         except BaseException as e:  # the symmetric buffers exist already: nobody else can free them
