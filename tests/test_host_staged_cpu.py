@@ -3,7 +3,11 @@ is tested on GPUs in test_runtime_gpu.py)."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import random
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -163,3 +167,52 @@ def test_wrong_knobs_are_refused_before_any_collective(monkeypatch: pytest.Monke
     with pytest.raises(TypeError, match="group must be"):
         hs.HostStagedTransport("not a group", Knobs(transport="host_staged"), "cuda:0")  # type: ignore[arg-type]
     assert reached == []
+
+
+def _rank0_setup(monkeypatch: pytest.MonkeyPatch, shm: Path, *, create_rc: int = 0) -> hs.HostStagedTransport:
+    """Rank 0 of 2 ready to run _setup on the CPU box: /dev/shm is `shm`, the library a stand-in whose
+    mt_hs_create returns `create_rc`, the broadcast and all_ok pass their value through."""
+    import torch
+
+    from moetune.runtime.options import RuntimeOptions
+
+    t = _bare(2, 0, 1, 4096, 2)
+    t.device, t.group, t.knobs, t.options = torch.device("cpu"), None, Knobs(transport="host_staged"), RuntimeOptions.resolve()
+    t._mm, t._anchor, t._h = None, None, ctypes.c_void_p()
+    t.lib = SimpleNamespace(mt_hs_create=lambda *a: create_rc, mt_last_error=lambda: b"stand-in failure",
+                            mt_hs_destroy=lambda h: 0)
+    monkeypatch.setattr(hs, "_SHM_DIR", str(shm))
+    monkeypatch.setattr(t, "_broadcast_name", lambda name: name)
+    monkeypatch.setattr(hs, "all_ok", lambda ok, group, device: ok)
+    return t
+
+
+def _fail(*_a: object) -> None:
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["ftruncate", "broadcast", "all_ok", "create", "none"])
+def test_rank0_unlinks_the_staging_file_whatever_fails(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                       where: str) -> None:
+    """The file rank 0 made in /dev/shm was left there when ftruncate failed (the handler cleared the name the
+    unlink used) or when the broadcast of its name raised: every failure after creation now unlinks it, and
+    only it (another process's file beside it stays)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    other = shm / "moetune-hs-1-someone-else"
+    other.write_bytes(b"")
+    t = _rank0_setup(monkeypatch, shm, create_rc=1 if where == "create" else 0)
+    if where == "ftruncate":
+        monkeypatch.setattr(os, "ftruncate", _fail)
+    elif where == "broadcast":
+        monkeypatch.setattr(t, "_broadcast_name", lambda name: (_ for _ in ()).throw(RuntimeError("peer gone")))
+    elif where == "all_ok":
+        monkeypatch.setattr(hs, "all_ok", lambda ok, group, device: (_ for _ in ()).throw(RuntimeError("peer gone")))
+    if where == "none":
+        t._setup()
+        assert t._mm is not None and len(t._mm) > 0
+        t._release()
+    else:
+        with pytest.raises((hs.HostStagedError, RuntimeError)):
+            t._setup()
+    assert sorted(p.name for p in shm.iterdir()) == [other.name]

@@ -195,47 +195,53 @@ class HostStagedTransport(CollectiveTransport):
         self._data_base = -(-8 * n_slots // _PAGE) * _PAGE
         nbytes = self._data_base + n_slots * self.slot_bytes
         name, problem = "", ""
-        if self.rank == 0:
-            try:
-                st = os.statvfs(_SHM_DIR)
-                free = st.f_bavail * st.f_frsize
-                if free < nbytes:
-                    raise OSError(f"{_SHM_DIR} has {free >> 20} MiB free, the staging memory needs {nbytes >> 20} MiB")
-                name = os.path.join(_SHM_DIR, f"moetune-hs-{os.getpid()}-{secrets.token_hex(8)}")
-                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # owner only
+        created = ""  # the file this process made (rank 0): unlinked whatever happens after it exists
+        try:
+            if self.rank == 0:
                 try:
-                    os.ftruncate(fd, nbytes)
-                finally:
-                    os.close(fd)
-            except OSError as e:
-                problem, name = f"{type(e).__name__}: {e}", ""
-        name = self._broadcast_name(name)
-        if name and not problem:
-            try:
-                fd = os.open(name, os.O_RDWR)
+                    st = os.statvfs(_SHM_DIR)
+                    free = st.f_bavail * st.f_frsize
+                    if free < nbytes:
+                        raise OSError(f"{_SHM_DIR} has {free >> 20} MiB free, the staging memory needs {nbytes >> 20} MiB")
+                    name = os.path.join(_SHM_DIR, f"moetune-hs-{os.getpid()}-{secrets.token_hex(8)}")
+                    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # owner only
+                    created = name  # O_EXCL: this file is ours, and only this one may be unlinked
+                    try:
+                        os.ftruncate(fd, nbytes)
+                    finally:
+                        os.close(fd)
+                except OSError as e:
+                    problem, name = f"{type(e).__name__}: {e}", ""  # the others are told "" (no memory)
+            name = self._broadcast_name(name)
+            if name and not problem:
                 try:
-                    if os.fstat(fd).st_size != nbytes:
-                        raise OSError(f"{name} has {os.fstat(fd).st_size} bytes, expected {nbytes} (not one host, or "
-                                      "other staging_slots?)")
-                    self._mm = mmap.mmap(fd, nbytes)
-                finally:
-                    os.close(fd)
-                self._anchor = ctypes.c_char.from_buffer(self._mm)
-                rc = self.lib.mt_hs_create(self.device.index or 0, self.rank, ctypes.addressof(self._anchor), nbytes,
-                                           self.options.onesided_timeout_s, wait_mode_code(self.knobs), self.lanes,
-                                           ctypes.byref(self._h))
-                if rc:
-                    raise HostStagedError(self.lib.mt_last_error().decode(errors="replace"))
-            except (OSError, HostStagedError) as e:
-                problem = f"{type(e).__name__}: {e}"
-        elif not problem:
-            problem = "rank 0 could not create the staging memory"
-        ok = all_ok(not problem, self.group, self.device)
-        if self.rank == 0 and name:
-            try:
-                os.unlink(name)  # every rank has it mapped (or gave up): nothing stays in /dev/shm
-            except OSError:
-                pass
+                    fd = os.open(name, os.O_RDWR)
+                    try:
+                        if os.fstat(fd).st_size != nbytes:
+                            raise OSError(f"{name} has {os.fstat(fd).st_size} bytes, expected {nbytes} (not one host, "
+                                          "or other staging_slots?)")
+                        self._mm = mmap.mmap(fd, nbytes)
+                    finally:
+                        os.close(fd)
+                    self._anchor = ctypes.c_char.from_buffer(self._mm)
+                    rc = self.lib.mt_hs_create(self.device.index or 0, self.rank, ctypes.addressof(self._anchor),
+                                               nbytes, self.options.onesided_timeout_s, wait_mode_code(self.knobs),
+                                               self.lanes, ctypes.byref(self._h))
+                    if rc:
+                        raise HostStagedError(self.lib.mt_last_error().decode(errors="replace"))
+                except (OSError, HostStagedError) as e:
+                    problem = f"{type(e).__name__}: {e}"
+            elif not problem:
+                problem = "rank 0 could not create the staging memory"
+            ok = all_ok(not problem, self.group, self.device)
+        finally:
+            # after all_ok every rank has it mapped (or gave up); after an exception (the broadcast, all_ok) the
+            # setup is over for this rank too: either way nothing stays in /dev/shm
+            if created:
+                try:
+                    os.unlink(created)
+                except OSError:
+                    pass
         if not ok:
             self._release()
             raise HostStagedError(
