@@ -216,3 +216,71 @@ def test_rank0_unlinks_the_staging_file_whatever_fails(monkeypatch: pytest.Monke
         with pytest.raises((hs.HostStagedError, RuntimeError)):
             t._setup()
     assert sorted(p.name for p in shm.iterdir()) == [other.name]
+
+
+class _PostLib:
+    """The library's calls _move reaches, recorded; mt_hs_post fails while `fail` is set."""
+
+    def __init__(self) -> None:
+        self.posts: list[list[int]] = []  # the flag offsets of each post's send pieces
+        self.fail = False
+
+    def mt_hs_post(self, h, lane, stream, n_out, ops_out, n_in, ops_in, ld, ls, nb, ticket) -> int:
+        self.posts.append([ops_out[hs._OP_WORDS * j + 3] for j in range(n_out)])
+        return 7 if self.fail else 0
+
+    def mt_hs_error(self, h, words) -> int:
+        return 0
+
+    def mt_hs_wait(self, *a) -> int:
+        return 0
+
+    def mt_last_error(self) -> bytes:
+        return b"cudaMemcpyAsync failed (stand-in)"
+
+
+def _posting(monkeypatch: pytest.MonkeyPatch) -> tuple[hs.HostStagedTransport, _PostLib]:
+    """Rank 0 of 2 with staging memory 'set up' and a stand-in library (no CUDA: the stream is faked)."""
+    import torch
+
+    t = _bare(2, 0, 1, 4096, 2)
+    lib = _PostLib()
+    t.lib, t._h, t._mm, t._broken, t.device = lib, ctypes.c_void_p(1), object(), "", torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    return t, lib
+
+
+def test_a_failed_post_breaks_the_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mt_hs_post stages piece by piece, so a failure may leave some pieces queued: the ring counters (moved
+    before the post) no longer match the peer's whichever way they are set. Such a failure used to raise once
+    and let the next exchange post on the out-of-step rings; now every later call raises and posts nothing."""
+    t, lib = _posting(monkeypatch)
+    work = t._move(0, [(1, 1 << 20, 3 * 4096)], [], None)
+    lib.fail = True
+    with pytest.raises(hs.HostStagedError, match="cudaMemcpyAsync failed"):
+        t._move(0, [(1, 1 << 20, 4096)], [], None)
+    lib.fail = False
+    for _ in range(2):
+        with pytest.raises(hs.HostStagedError, match=r"earlier exchange failed while being posted.*cannot be used again"):
+            t._move(0, [(1, 1 << 20, 4096)], [], None)
+    with pytest.raises(hs.HostStagedError, match="cannot be used again"):
+        work.wait()  # an exchange posted before the failure: its wait says so too
+    assert len(lib.posts) == 2
+
+
+def test_a_failure_before_the_post_leaves_the_rings_in_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure before the library was called posted nothing: the ring counters go back, and the next
+    exchange takes the slots the peer expects."""
+    import torch
+
+    t, lib = _posting(monkeypatch)
+    peer = _bare(2, 1, 1, 4096, 2)
+    t._move(0, [(1, 1 << 20, 4096)], [], None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: (_ for _ in ()).throw(RuntimeError("no CUDA")))
+    with pytest.raises(RuntimeError, match="no CUDA"):
+        t._move(0, [(1, 1 << 20, 3 * 4096)], [], None)
+    assert t._sent[0][1] == 1 and not t._broken
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    t._move(0, [(1, 1 << 20, 4096)], [], None)
+    expect = [[p[3] for p in peer._pieces(0, 0, 1, 0, 4096, peer._recvd)] for _ in range(2)]
+    assert lib.posts == expect and expect[0] != expect[1]

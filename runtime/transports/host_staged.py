@@ -142,6 +142,8 @@ class HostStagedTransport(CollectiveTransport):
         # uses of each (lane, peer) ring so far, as sender and as receiver (the next slot follows from it)
         self._sent = [[0] * self.world for _ in range(self.lanes)]
         self._recvd = [[0] * self.world for _ in range(self.lanes)]
+        # why no exchange may be posted any more: a failed mt_hs_post may have staged part of its pieces
+        self._broken = ""
         self._peers = [p for p in range(self.world) if p != self.rank]
 
     @classmethod
@@ -255,7 +257,10 @@ class HostStagedTransport(CollectiveTransport):
         return bytes(t.cpu().tolist()).rstrip(b"\0").decode()
 
     def check(self) -> None:
-        """Raise HostStagedError when a wait on the GPU timed out (read from host memory, no sync)."""
+        """Raise HostStagedError when a wait on the GPU timed out (read from host memory, no sync), or when an
+        earlier post failed and left the rings out of step with the peers'."""
+        if self._broken:
+            raise HostStagedError(self._broken)
         if not self._h:
             return
         words = (ctypes.c_int * 16)()
@@ -305,15 +310,33 @@ class HostStagedTransport(CollectiveTransport):
             self._setup()
         self.check()
         lane = channel % self.lanes
-        out = [a for peer, ptr, n in sends for a in self._pieces(lane, self.rank, peer, ptr, n, self._sent)]
-        inc = [a for peer, ptr, n in recvs for a in self._pieces(lane, peer, self.rank, ptr, n, self._recvd)]
-        ops_out = (ctypes.c_uint64 * (_OP_WORDS * len(out) or 1))(*[v for op in out for v in op])
-        ops_in = (ctypes.c_uint64 * (_OP_WORDS * len(inc) or 1))(*[v for op in inc for v in op])
-        nb = local[0].numel() * local[0].element_size() if local is not None else 0
+        sent, recvd = list(self._sent[lane]), list(self._recvd[lane])
+        try:
+            out = [a for peer, ptr, n in sends for a in self._pieces(lane, self.rank, peer, ptr, n, self._sent)]
+            inc = [a for peer, ptr, n in recvs for a in self._pieces(lane, peer, self.rank, ptr, n, self._recvd)]
+            ops_out = (ctypes.c_uint64 * (_OP_WORDS * len(out) or 1))(*[v for op in out for v in op])
+            ops_in = (ctypes.c_uint64 * (_OP_WORDS * len(inc) or 1))(*[v for op in inc for v in op])
+            nb = local[0].numel() * local[0].element_size() if local is not None else 0
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+        except BaseException:
+            # nothing reached the library: the counters go back, this rank stays in step with its peers
+            self._sent[lane], self._recvd[lane] = sent, recvd
+            raise
         ticket = ctypes.c_int()
-        self._call(self.lib.mt_hs_post, self._h, lane, torch.cuda.current_stream(self.device).cuda_stream,
-                   len(out), ops_out, len(inc), ops_in, local[0].data_ptr() if nb else None,
-                   local[1].data_ptr() if nb else None, nb, ctypes.byref(ticket))
+        rc = self.lib.mt_hs_post(self._h, lane, stream, len(out), ops_out, len(inc), ops_in,
+                                 local[0].data_ptr() if nb else None, local[1].data_ptr() if nb else None, nb,
+                                 ctypes.byref(ticket))
+        if rc:
+            # the library stages piece by piece: it may have queued some pieces' waits, copies and flag writes
+            # (and the lane's busy word) before failing. Rolling the counters back would hand those slots out
+            # again; keeping them skips pieces the peers still expect. Either way the rings no longer match
+            # the peers', so no later exchange may run on this transport.
+            why = self.lib.mt_last_error().decode(errors="replace")
+            self._broken = (f"host_staged on rank {self.rank}: an earlier exchange failed while being posted ({why}); "
+                            "its staging rings may be partly used and no longer match the peers', so this transport "
+                            "cannot be used again (the peers' waits on it will time out); close it and set up the "
+                            "EP buffer anew on every rank")
+            raise HostStagedError(self._broken)
         return _StagedWork(self, lane, ticket.value, finish, keep)
 
     def _pieces(self, lane: int, src: int, dst: int, ptr: int, n: int, uses: list[list[int]]) -> list[tuple]:
