@@ -3,7 +3,8 @@
 The sources are compiled with nvcc into one shared library, cached under
 `$MOETUNE_CACHE/build/<key>/` (else `~/.cache/moetune/build/<key>/`), where the key hashes the
 sources, the nvcc version, the target architecture and the flags; a file lock makes concurrent ranks
-build once. The library exposes a plain C ABI and is loaded with ctypes (raw pointers from
+build once. A cached library, or a build folder, that another user owns or can write is refused (the key is
+predictable: `build_cached`). The library exposes a plain C ABI and is loaded with ctypes (raw pointers from
 `tensor.data_ptr()`, stream handles from `torch.cuda.current_stream().cuda_stream`, ints), so no torch
 C++ extension is involved. On a machine without CUDA or nvcc nothing fails at import: `availability()`
 says why the library cannot be had.
@@ -21,12 +22,16 @@ import ctypes
 import fcntl
 import hashlib
 import os
+import secrets
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable
 from ctypes import POINTER, c_char_p, c_double, c_int, c_int64, c_uint64, c_void_p
 from pathlib import Path
 from typing import NamedTuple
+
+from moetune.runtime.paths import foreign_link_reason, loose_key_path
 
 ABI_VERSION = 20  # csrc/mt_common.cu mt_abi_version: 20 = an ACK on the streams its call picked (stat ack_writes)
 LIB_NAME = "libmoetune_csrc.so"
@@ -124,6 +129,87 @@ def build_key(nvcc_ver: str, arch: str) -> str:
     return h.hexdigest()[:20]
 
 
+def untrusted_cache_path_reason(p: Path) -> str | None:
+    """Why `p` (a build folder under the cache root, or a cached library) must not be trusted (None: it may): a
+    folder or library another user owns or can write could hold a library they planted, and the key that names the
+    folder is a predictable hash. `paths.loose_key_path`'s rule (owned by this user or root, not group- or
+    world-writable), and no other user's symbolic link (it could be repointed after the check)."""
+    try:
+        why = foreign_link_reason(p, os.lstat(p), os.geteuid())
+        loose = loose_key_path(p, forbid=0o022)
+    except OSError as e:
+        return f"cannot stat {p}: {e.strerror or e}"
+    if why is not None:
+        return why
+    if loose is None:
+        return None
+    return (f"{p} is owned by uid {loose.uid} with mode {loose.mode:o} (this user is uid {os.geteuid()}): "
+            + ("another user owns it" if loose.foreign_owner else "it is group- or world-writable"))
+
+
+def _refuse_untrusted(p: Path, out_dir: Path) -> None:
+    why = untrusted_cache_path_reason(p)
+    if why is not None:
+        raise BuildError(
+            f"refusing to use the build cache: {why}; another user could plant the library moetune would load. "
+            f"If the cache is yours, `chmod go-w` it (or remove {out_dir} to rebuild), else point MOETUNE_CACHE at a "
+            "folder only you can write")
+
+
+def _own_dir(d: Path) -> None:
+    """Make folder `d` if absent: 0755 whatever the umask lets parents get (a group-writable umask would have
+    the folder refused by the cache's own check)."""
+    try:
+        os.mkdir(d, 0o755)
+    except FileExistsError:
+        return
+    os.chmod(d, 0o755)  # this process just made it: mkdir's mode went through the umask
+
+
+def build_cached(out_dir: Path, lib_name: str, command: Callable[[Path], list[str]], header: str, *,
+                 force: bool = False, verbose: bool = False, timeout_s: float | None = None) -> BuildInfo:
+    """The cache both libraries share (this module's and the megakernel's): `out_dir` = <cache root>/<key>, the
+    library `lib_name` in it, built by running `command(tmp)` under the folder's file lock unless it is there
+    (or `force`). The cache root, `out_dir` and a cached library are refused unless this user or root owns them
+    and nobody else can write them; a failed or timed-out build removes the temporary file it made."""
+    timeout_s = _BUILD_TIMEOUT_S if timeout_s is None else timeout_s
+    root = out_dir.parent
+    root.parent.mkdir(parents=True, exist_ok=True)  # $MOETUNE_CACHE (or ~/.cache/moetune): not ours to check
+    for d in (root, out_dir):
+        _own_dir(d)
+        _refuse_untrusted(d, out_dir)
+    lib = out_dir / lib_name
+    with open(out_dir / ".lock", "w") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)  # concurrent ranks: the first builds, the others wait
+        try:
+            if lib.exists() and not force:
+                _refuse_untrusted(lib, out_dir)
+                log = (out_dir / "build.log").read_text() if (out_dir / "build.log").exists() else ""
+                return BuildInfo(lib, False, log)
+            # a name no other build uses: whatever is there after nvcc ran is this build's to remove
+            tmp = out_dir / f".{lib_name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+            cmd = command(tmp)
+            try:
+                try:
+                    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    raise BuildError(f"nvcc timed out after {timeout_s:g} s: {' '.join(cmd)}") from None
+                log = f"$ {' '.join(cmd)}\n{header}\n{res.stdout}{res.stderr}"
+                (out_dir / "build.log").write_text(log)
+                if verbose:
+                    print(log, flush=True)
+                if res.returncode != 0 or not tmp.exists():
+                    raise BuildError(f"nvcc failed (exit {res.returncode}):\n{log}")
+                os.chmod(tmp, 0o755)  # made by this build: not group-writable whatever the umask (the cache check)
+                os.replace(tmp, lib)
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a half-written output of this build, never loaded
+                raise
+            return BuildInfo(lib, True, log)
+        finally:
+            fcntl.flock(lockf, fcntl.LOCK_UN)
+
+
 def build(*, force: bool = False, verbose: bool = False) -> BuildInfo:
     """Compile (or find in the cache) the shared library. Raises BuildError with nvcc's output."""
     nvcc = find_nvcc()
@@ -134,31 +220,9 @@ def build(*, force: bool = False, verbose: bool = False) -> BuildInfo:
         raise BuildError(f"no CUDA/C++ sources in {csrc_dir()}")
     ver = nvcc_version(nvcc)
     arch = cuda_arch()
-    out_dir = cache_root() / build_key(ver, arch)
-    lib = out_dir / LIB_NAME
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / ".lock", "w") as lockf:
-        fcntl.flock(lockf, fcntl.LOCK_EX)  # concurrent ranks: the first builds, the others wait
-        try:
-            if lib.exists() and not force:
-                log = (out_dir / "build.log").read_text() if (out_dir / "build.log").exists() else ""
-                return BuildInfo(lib, False, log)
-            tmp = out_dir / f".{LIB_NAME}.{os.getpid()}.tmp"
-            cmd = [nvcc, *_FLAGS, f"-arch={arch}", "-o", str(tmp), *map(str, srcs)]
-            try:
-                res = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                raise BuildError(f"nvcc timed out after {_BUILD_TIMEOUT_S} s: {' '.join(cmd)}") from None
-            log = f"$ {' '.join(cmd)}\n{ver}\n{res.stdout}{res.stderr}"
-            (out_dir / "build.log").write_text(log)
-            if verbose:
-                print(log, flush=True)
-            if res.returncode != 0 or not tmp.exists():
-                raise BuildError(f"nvcc failed (exit {res.returncode}):\n{log}")
-            os.replace(tmp, lib)
-            return BuildInfo(lib, True, log)
-        finally:
-            fcntl.flock(lockf, fcntl.LOCK_UN)
+    return build_cached(cache_root() / build_key(ver, arch), LIB_NAME,
+                        lambda tmp: [nvcc, *_FLAGS, f"-arch={arch}", "-o", str(tmp), *map(str, srcs)], ver,
+                        force=force, verbose=verbose)
 
 
 # --- loading -------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 Kept apart from `csrc_build`'s library so the two build and cache independently (this one needs the
 sm_90a target for Hopper-only instructions; the transports' library builds for any arch). It reuses
-`csrc_build`'s nvcc lookup, version probe, cache root and its content-hash + file-lock scheme: the key
-hashes the sources, the nvcc version, the flags and the ABI version.
+`csrc_build`'s nvcc lookup, version probe, cache root and its cache (`csrc_build.build_cached`: content-hash
+key, file lock, the refusal of a cache entry another user could have written): the key hashes the sources, the nvcc
+version, the flags and the ABI version.
 
 Environment:
   MOETUNE_MK_LIB   a prebuilt libmoetune_moe.so to load instead of building
@@ -12,10 +13,8 @@ Environment:
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hashlib
 import os
-import subprocess
 import threading
 from ctypes import POINTER, Structure, c_char_p, c_int, c_int64, c_void_p
 from pathlib import Path
@@ -103,28 +102,8 @@ def build(*, force: bool = False) -> Path:
     if not sources():
         raise _cb.BuildError(f"no megakernel sources in {source_dir()}")
     ver = _cb.nvcc_version(nvcc)
-    out_dir = _cb.cache_root() / build_key(ver)
-    lib = out_dir / LIB_NAME
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / ".lock", "w") as lockf:
-        fcntl.flock(lockf, fcntl.LOCK_EX)  # concurrent processes: the first builds, the others wait
-        try:
-            if lib.exists() and not force:
-                return lib
-            tmp = out_dir / f".{LIB_NAME}.{os.getpid()}.tmp"
-            cmd = build_command(nvcc, tmp)
-            try:
-                res = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                raise _cb.BuildError(f"nvcc timed out after {_BUILD_TIMEOUT_S} s: {' '.join(cmd)}") from None
-            log = f"$ {' '.join(cmd)}\n{ver}\n{res.stdout}{res.stderr}"
-            (out_dir / "build.log").write_text(log)
-            if res.returncode != 0 or not tmp.exists():
-                raise _cb.BuildError(f"nvcc failed (exit {res.returncode}):\n{log}")
-            os.replace(tmp, lib)
-            return lib
-        finally:
-            fcntl.flock(lockf, fcntl.LOCK_UN)
+    return _cb.build_cached(_cb.cache_root() / build_key(ver), LIB_NAME, lambda tmp: build_command(nvcc, tmp), ver,
+                            force=force, timeout_s=_BUILD_TIMEOUT_S).path
 
 
 _P = POINTER(MkParams)

@@ -1,0 +1,116 @@
+"""The build cache both compiled libraries share (csrc_build.build_cached): a cached library, or a build folder,
+that another user owns or can write is refused before anything is loaded from it, and a failed or timed-out nvcc
+leaves no temporary output behind. A stand-in nvcc (a shell script) builds here, on the CPU box."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from moetune.runtime import csrc_build
+from moetune.runtime.megakernel import _lib as mk_lib
+
+_FAKE_NVCC = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "Cuda compilation tools, release 12.4, V12.4.0"; exit 0; fi
+out=""; prev=""
+for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done
+case "$FAKE_NVCC" in
+  fail) printf partial > "$out"; echo "error: boom" >&2; exit 2 ;;
+  hang) printf partial > "$out"; exec sleep 30 ;;
+  *) printf 'not really a library' > "$out" ;;
+esac
+"""
+
+
+def _csrc() -> Path:
+    return csrc_build.build().path
+
+
+def _mk() -> Path:
+    return mk_lib.build()
+
+
+LOADERS: dict[str, Callable[[], Path]] = {"csrc": _csrc, "megakernel": _mk}
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """MOETUNE_CACHE in tmp_path, the stand-in nvcc, a fixed arch (no torch.cuda probe)."""
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(_FAKE_NVCC)
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("MOETUNE_NVCC", str(nvcc))
+    monkeypatch.setenv("MOETUNE_CUDA_ARCH", "90")
+    monkeypatch.setenv("MOETUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("FAKE_NVCC", raising=False)
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("which", LOADERS)
+def test_builds_then_finds_its_own_cache(cache: Path, which: str) -> None:
+    old = os.umask(0o002)  # a group-writable umask: the cache's own folders and library must still pass
+    try:
+        lib = LOADERS[which]()
+    finally:
+        os.umask(old)
+    assert lib.read_bytes() == b"not really a library"
+    for p in (lib, lib.parent, lib.parent.parent):
+        assert not os.stat(p).st_mode & 0o022, p
+    assert LOADERS[which]() == lib  # found in the cache
+    if which == "csrc":
+        assert not csrc_build.build().built
+
+
+@pytest.mark.parametrize("which", LOADERS)
+@pytest.mark.parametrize("what", ["lib", "key_dir", "build_root"])
+def test_a_writable_cache_entry_is_refused(cache: Path, which: str, what: str) -> None:
+    """The key is a predictable hash: with the cache group- or world-writable, another user could put a library
+    at the path before this user builds, and it was dlopen-ed unchecked."""
+    lib = LOADERS[which]()
+    p = {"lib": lib, "key_dir": lib.parent, "build_root": lib.parent.parent}[what]
+    p.chmod(stat.S_IMODE(os.stat(p).st_mode) | 0o002)
+    with pytest.raises(csrc_build.BuildError) as e:
+        LOADERS[which]()
+    msg = str(e.value)
+    assert str(p) in msg and "mode" in msg and f"{stat.S_IMODE(os.stat(p).st_mode):o}" in msg
+    assert "group- or world-writable" in msg and "chmod go-w" in msg and "MOETUNE_CACHE" in msg
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+@pytest.mark.parametrize("which", LOADERS)
+def test_another_users_library_or_link_is_refused(cache: Path, which: str) -> None:
+    lib = LOADERS[which]()
+    os.chown(lib, 4242, -1)
+    with pytest.raises(csrc_build.BuildError, match=rf"{lib} is owned by uid 4242 .*another user owns it"):
+        LOADERS[which]()
+    os.chown(lib, 0, -1)
+    # another user's link where the library goes, to a file that passes (this user's): the link can be repointed
+    real = lib.parent / "real.so"
+    os.replace(lib, real)
+    lib.symlink_to(real)
+    os.lchown(lib, 4242, -1)
+    with pytest.raises(csrc_build.BuildError, match="symbolic link owned by uid 4242"):
+        LOADERS[which]()
+
+
+@pytest.mark.parametrize("which", LOADERS)
+@pytest.mark.parametrize("how", ["fail", "hang"])
+def test_a_failed_build_removes_its_temporary_output(cache: Path, monkeypatch: pytest.MonkeyPatch, which: str,
+                                                     how: str) -> None:
+    """nvcc failing or timing out after it began writing its output left `.<lib>.<pid>.tmp` in the cache; only
+    the file this build made goes (another build's temporary file beside it stays)."""
+    lib = LOADERS[which]()  # makes the folders
+    lib.unlink()
+    other = lib.parent / f".{lib.name}.1.tmp"
+    other.write_bytes(b"another build's")
+    monkeypatch.setenv("FAKE_NVCC", how)
+    monkeypatch.setattr(csrc_build, "_BUILD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(mk_lib, "_BUILD_TIMEOUT_S", 0.5)
+    with pytest.raises(csrc_build.BuildError, match="timed out" if how == "hang" else "nvcc failed"):
+        LOADERS[which]()
+    assert sorted(p.name for p in lib.parent.iterdir() if p.name.endswith(".tmp")) == [other.name]
+    assert not lib.exists()
