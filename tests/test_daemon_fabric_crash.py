@@ -150,6 +150,7 @@ def test_a_fabric_back_to_one_it_had_serves_that_ones_profiles_again(tmp_path: P
     though they were measured on this very fabric). Now B → A makes each of A's keys current again, measured as it
     was, with nothing re-tuned for them; a key tuned on A in between keeps its newer profile."""
     a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    a.identity_hash, b.identity_hash = "gpus-X", "gpus-B"  # the same GPUs back (`test_..._on_other_gpus_...`)
     store = F.open_store(tmp_path / "moetune.db")
     seeded = F.seed_profiles(store, a)
     now = [a]
@@ -176,6 +177,48 @@ def test_a_fabric_back_to_one_it_had_serves_that_ones_profiles_again(tmp_path: P
         assert sorted(r.key.token_bucket for _, r in cur) == sorted(r.key.token_bucket for r in seeded)
         assert {r.profile_hash for _, r in cur} == {r.profile_hash for r in seeded}
         assert any(e["kind"] == "restored" for e in store.list_events(limit=20)), store.list_events(limit=20)
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("back_on", ["gpus-Y", ""])
+def test_a_fabric_back_on_other_gpus_does_not_serve_the_old_gpus_profiles(tmp_path: Path, back_on: str) -> None:
+    """A on GPUs X → B → A on GPUs Y (same model: same fingerprint): A's stale profiles were measured on X, and a
+    replaced GPU is a change needing a re-tune (`same_hardware`), so none is made current again; A's keys are
+    re-tuned on Y. The same where the GPUs now are unknown (`back_on` ""): an identity that cannot be shown equal."""
+    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    a.identity_hash, b.identity_hash = "gpus-X", "gpus-B"
+    a2 = F.FakeFacts({"gpu_model": "H200"})
+    a2.identity_hash = back_on
+    assert a2.fingerprint == a.fingerprint
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, a)
+    now = [a]
+    ran: list[list[Any]] = []
+
+    def retune(ctx: Any) -> list[Any]:
+        ran.append(list(ctx.keys))
+        return []
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
+               retune_job=retune).start(background=True)
+    try:
+        now[0] = b
+        d.rediscover()  # A(X) → B
+        deadline = time.monotonic() + 10
+        while len(ran) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(ran) == 1
+        now[0] = a2
+        d.rediscover()  # B → A(Y)
+        deadline = time.monotonic() + 10
+        while len(ran) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.list_profiles(status="current", fingerprint=a.fingerprint) == []
+        assert d.index.current_count == 0
+        assert not any(e["kind"] == "restored" for e in store.list_events(limit=20))
+        assert len(ran) == 2, ran  # A's keys re-tuned on the GPUs now there
+        assert sorted(k.token_bucket for k in ran[1]) == sorted(r.key.token_bucket for r in seeded)
     finally:
         d.stop()
 

@@ -145,6 +145,24 @@ class FabricWatch:
                                  details={"fingerprint": facts.fingerprint, "identity": identity(facts),
                                           "facts": facts_dict(facts)})
 
+    def _left(self, fp: str) -> tuple[dict[str, Any] | None, str | None]:
+        """When the fabric last left `fp`: that fabric_changed event's details (from `fp`, to another fingerprint
+        or to other GPUs of it) and the GPU identity `fp` had until then (`identity` of the fabric event before it,
+        which saw or entered `fp`). Profile rows record no identity: the profiles `fp` served until that change were
+        valid for that identity (a replaced GPU makes every current one stale, `same_hardware`), so they may be
+        served again on it only. (None, None) where no such change is recorded (in the newest 2000 fabric events);
+        the identity None where it is not recorded (a daemon before identities; facts without one): not shown equal
+        to any, so nothing is restored."""
+        events = self.store.list_events(limit=2000, kinds=("fabric_seen", "fabric_changed"))  # newest first
+        for n, e in enumerate(events):
+            d = e["details"] if isinstance(e["details"], dict) else {}
+            if e["kind"] == "fabric_changed" and d.get("old_fingerprint") == fp:
+                before = events[n + 1]["details"] if n + 1 < len(events) else None
+                before = before if isinstance(before, dict) else {}
+                was = before.get("identity") if before.get("fingerprint") == fp else None
+                return d, (was if isinstance(was, str) and was else None)
+        return None, None
+
     def _retune_after_interrupted_change(self) -> None:
         """At start, finish the newest recorded fabric change the last daemon did not: `_fabric_changed` writes
         fabric_changed, marks the old fingerprint's profiles stale and only then queues their re-tune, so a daemon
@@ -232,12 +250,18 @@ class FabricWatch:
             self.jobs.cancel_fingerprint(old_fp)  # its work is for a fabric that is gone
         if old_fp != facts.fingerprint:
             # a fabric back to one it had (a GPU off the bus and back, a driver rolled back): the profiles measured on
-            # it are good again; nothing to re-tune for their keys (below)
-            n = self.store.restore_stale(fingerprint=facts.fingerprint,
-                                         reason=f"fabric back to {facts.fingerprint} (from {old_fp}): {reason}"[:4000])
-            if n:
-                log.warning("profiles of a fabric seen before made current again",
-                            extra={"fingerprint": facts.fingerprint, "profiles": n})
+            # it are good again, on the same GPUs only (`_left`); nothing to re-tune for their keys (below)
+            _left_event, was = self._left(facts.fingerprint)
+            if was is not None and was == identity(facts):
+                n = self.store.restore_stale(fingerprint=facts.fingerprint,
+                                             reason=f"fabric back to {facts.fingerprint} (from {old_fp}): {reason}"[:4000])
+                if n:
+                    log.warning("profiles of a fabric seen before made current again",
+                                extra={"fingerprint": facts.fingerprint, "profiles": n})
+            elif self.store.list_profiles(status="stale", fingerprint=facts.fingerprint):
+                log.warning("profiles of a fabric seen before left stale: measured on other GPUs, or on GPUs not "
+                            "recorded (re-tuned instead)",
+                            extra={"fingerprint": facts.fingerprint, "identity": identity(facts), "measured_on": was})
         with self._commit_lock:
             self._write_info(running=True)
             changes = [dict(kind="fabric_changed", fingerprint=facts.fingerprint, old_fingerprint=old_fp, reasons=reasons)]
