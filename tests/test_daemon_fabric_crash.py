@@ -223,6 +223,83 @@ def test_a_fabric_back_on_other_gpus_does_not_serve_the_old_gpus_profiles(tmp_pa
         d.stop()
 
 
+def _wait(cond: Any, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_a_fabric_back_restores_the_row_measured_on_it_not_one_a_job_wrote_after_it_moved_on(tmp_path: Path) -> None:
+    """A re-tune of A's key is running when the fabric moves to B; the job writes its A-keyed result after that, and
+    `_fabric_moved_on` makes it stale (it was not measured on A throughout). At B → A that newest stale row came back,
+    not the older row A served until it left; now only the rows A served are candidates."""
+    import msgspec
+
+    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    a.identity_hash, b.identity_hash = "gpus-X", "gpus-B"
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, a, buckets=(64,))
+    now = [a]
+    holder: dict[str, Any] = {}
+    ran: list[list[Any]] = []
+
+    def retune(ctx: Any) -> list[Any]:
+        ran.append(list(ctx.keys))
+        if len(ran) > 1:
+            return []  # B's re-tunes store nothing
+        now[0] = b
+        holder["d"].rediscover()  # A → B while the job measures
+        rec = msgspec.structs.replace(F.make_record(seeded[0].key), latency_us=999.0)
+        assert store.put_profile(rec, force_reason="side by side")[0]  # A's key had nothing current: written current
+        return [rec]
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
+               retune_job=retune).start(background=True)
+    holder["d"] = d
+    try:
+        d.jobs.submit(reason="manual", old_fingerprint=None, keys=[seeded[0].key], all_current=True, confirm=True)
+        _wait(lambda: any(e["kind"] == "stale" and e["reason"].startswith("job ")
+                          for e in store.list_events(limit=50)))
+        assert store.list_profiles(status="current", fingerprint=a.fingerprint) == []  # the job's row made stale
+        time.sleep(0.5)  # the job's re-queue (for B) runs and stores nothing
+        now[0] = a
+        d.rediscover()  # B → A
+        cur = store.list_profiles(status="current", fingerprint=a.fingerprint)
+        assert [r.latency_us for _, r in cur] == [seeded[0].latency_us], cur
+        assert [r.profile_hash for _, r in cur] == [seeded[0].profile_hash]
+    finally:
+        d.stop()
+
+
+def test_a_fabric_back_does_not_restore_rows_of_an_earlier_stay_on_other_gpus(tmp_path: Path) -> None:
+    """A(X) → B → A(Y): X's rows stay stale and their re-tune stores nothing; A(Y) → B → A(Y): the GPUs are those A
+    had when it last left, but A served nothing then: X's rows, each key's newest stale one, must not come back."""
+    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    a.identity_hash, b.identity_hash = "gpus-X", "gpus-B"
+    a2 = F.FakeFacts({"gpu_model": "H200"})
+    a2.identity_hash = "gpus-Y"
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, a)
+    now = [a]
+    ran: list[list[Any]] = []
+
+    def retune(ctx: Any) -> list[Any]:
+        ran.append(list(ctx.keys))
+        return []
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
+               retune_job=retune).start(background=True)
+    try:
+        for n, facts in enumerate([b, a2, b, a2], start=1):
+            now[0] = facts
+            d.rediscover()
+            _wait(lambda n=n: len(ran) >= n)
+            assert store.list_profiles(status="current", fingerprint=a.fingerprint) == [], facts.identity_hash
+        assert not any(e["kind"] == "restored" for e in store.list_events(limit=50))
+    finally:
+        d.stop()
+
+
 def test_restoring_keeps_a_key_tuned_since(tmp_path: Path) -> None:
     """restore_stale: a key with a current profile keeps it (its stale one stays stale); of two stale profiles of a
     key the newest comes back; other fingerprints are untouched."""
@@ -238,3 +315,21 @@ def test_restoring_keeps_a_key_tuned_since(tmp_path: Path) -> None:
     assert len(store.list_profiles(status="stale", fingerprint=a.fingerprint)) == 1  # 64's old one
     assert len(store.list_profiles(status="current", fingerprint=b.fingerprint)) == 1
     assert store.restore_stale(fingerprint=a.fingerprint, reason="again") == 0
+
+
+def test_restoring_with_ids_takes_only_those_rows(tmp_path: Path) -> None:
+    """restore_stale(ids=...): of a key's stale rows only the listed one is a candidate, even where a newer one is
+    stale beside it."""
+    import msgspec
+
+    a = F.FakeFacts({"gpu_model": "H200"})
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, a, buckets=(64,))
+    (old_id, _), = store.list_profiles(status="current", fingerprint=a.fingerprint)
+    store.mark_stale(fingerprint=a.fingerprint, reason="fabric changed")
+    store.put_profile(msgspec.structs.replace(F.make_record(seeded[0].key), latency_us=999.0))
+    store.mark_stale(fingerprint=a.fingerprint, reason="job 1 tuned for A; the fabric is now B")
+    assert store.restore_stale(fingerprint=a.fingerprint, reason="back", ids=[old_id]) == 1
+    assert [(i, r.latency_us) for i, r in store.list_profiles(status="current", fingerprint=a.fingerprint)] == [
+        (old_id, seeded[0].latency_us)]
+    assert store.restore_stale(fingerprint=a.fingerprint, reason="none", ids=[]) == 0

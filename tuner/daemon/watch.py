@@ -250,17 +250,22 @@ class FabricWatch:
             self.jobs.cancel_fingerprint(old_fp)  # its work is for a fabric that is gone
         if old_fp != facts.fingerprint:
             # a fabric back to one it had (a GPU off the bus and back, a driver rolled back): the profiles measured on
-            # it are good again, on the same GPUs only (`_left`); nothing to re-tune for their keys (below)
-            _left_event, was = self._left(facts.fingerprint)
-            if was is not None and was == identity(facts):
-                n = self.store.restore_stale(fingerprint=facts.fingerprint,
+            # it are good again, on the same GPUs only (`_left`); nothing to re-tune for their keys (below). Only the
+            # rows it served until it left (their ids are in that change's event): a row a job wrote for it after
+            # the fabric had moved on (`_fabric_moved_on` made it stale) is no measurement of it, nor is a row of an
+            # earlier stay on other GPUs; an event of a daemon that recorded no ids: nothing is restored
+            left, was = self._left(facts.fingerprint)
+            served = left.get("profiles") if left is not None else None
+            served = [i for i in served if isinstance(i, int)] if isinstance(served, list) else None
+            if was is not None and was == identity(facts) and served is not None:
+                n = self.store.restore_stale(fingerprint=facts.fingerprint, ids=served,
                                              reason=f"fabric back to {facts.fingerprint} (from {old_fp}): {reason}"[:4000])
                 if n:
                     log.warning("profiles of a fabric seen before made current again",
                                 extra={"fingerprint": facts.fingerprint, "profiles": n})
             elif self.store.list_profiles(status="stale", fingerprint=facts.fingerprint):
                 log.warning("profiles of a fabric seen before left stale: measured on other GPUs, or on GPUs not "
-                            "recorded (re-tuned instead)",
+                            "recorded, or which ones it served is not recorded (re-tuned instead)",
                             extra={"fingerprint": facts.fingerprint, "identity": identity(facts), "measured_on": was})
         with self._commit_lock:
             self._write_info(running=True)

@@ -979,14 +979,18 @@ class Store:
                 s.add(Event(created=ts, kind="stale", reason=reason, details={"fingerprint": fingerprint, "profiles": n}))
             return n
 
-    def restore_stale(self, *, fingerprint: str, reason: str) -> int:
-        """The fabric is `fingerprint` again: its `stale` profiles (made stale when the fabric moved away, or by a job
-        that ended after it did) were measured on this very fabric, so each key's newest one is `current` again where
-        the key has no current profile (one tuned since stays). An event says why. Returns how many."""
+    def restore_stale(self, *, fingerprint: str, reason: str, ids: list[int] | None = None) -> int:
+        """The fabric is `fingerprint` again: its `stale` profiles were measured on this very fabric, so each key's
+        newest one is `current` again where the key has no current profile (one tuned since stays). With `ids`, only
+        those rows are candidates (the daemon: the rows current when the fabric last left `fingerprint`, not one a
+        job wrote after it had moved on, nor one of an earlier stay on other GPUs). An event says why. Returns how
+        many."""
         ts = now()
         with self._write() as s:
-            rows = s.execute(select(Profile).where(Profile.fingerprint == fingerprint, Profile.status == "stale")
-                             .order_by(Profile.id.desc())).scalars().all()
+            q = select(Profile).where(Profile.fingerprint == fingerprint, Profile.status == "stale")
+            if ids is not None:
+                q = q.where(Profile.id.in_(ids))
+            rows = s.execute(q.order_by(Profile.id.desc())).scalars().all()
             seen: set[tuple[Any, ...]] = set()
             n = 0
             for row in rows:
