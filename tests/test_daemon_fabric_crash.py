@@ -45,6 +45,37 @@ def test_the_retune_of_a_change_the_last_daemon_did_not_queue_is_queued_at_start
         d.stop()
 
 
+@pytest.mark.parametrize("stopped_after", ["fabric_changed", "mark_stale"])
+@pytest.mark.parametrize("ids_recorded", [True, False])
+def test_an_interrupted_change_of_gpus_only_is_finished_at_start(tmp_path: Path, stopped_after: str,
+                                                                 ids_recorded: bool) -> None:
+    """A GPU replaced by one of the same model: same fingerprint, another identity. The daemon was killed after
+    writing fabric_changed (before mark_stale, or before queuing the re-tune): the next start, on the new GPUs, sees
+    no change (`same_hardware`), and the recovery returned at once for equal fingerprints, so the old GPUs' profiles
+    stayed current (or stale) for good with nothing re-tuned. Now they are made stale and re-tuned."""
+    x, y = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H200"})
+    x.identity_hash, y.identity_hash = "gpus-X", "gpus-Y"
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, x)
+    store.add_event(kind="fabric_seen", reason="first",
+                    details={"fingerprint": x.fingerprint, "identity": "gpus-X", "facts": x.to_dict()})
+    ids = [i for i, _ in store.list_profiles(status="current", fingerprint=x.fingerprint)]
+    store.add_event(kind="fabric_changed", reason="GPU 0 replaced",
+                    details={"old_fingerprint": x.fingerprint, "fingerprint": y.fingerprint, "identity": "gpus-Y",
+                             "reasons": ["GPU 0 replaced"], "facts": y.to_dict(),
+                             **({"profiles": ids} if ids_recorded else {})})
+    if stopped_after == "mark_stale":
+        store.mark_stale(fingerprint=x.fingerprint, reason="fabric changed: GPU 0 replaced", ids=ids)
+    d, ran, done = _start(store, tmp_path, y)
+    try:
+        assert done.wait(10), "no re-tune queued for the change of GPUs"
+        assert sorted(k.token_bucket for k in ran[0]) == sorted(r.key.token_bucket for r in seeded)
+        assert store.list_profiles(status="current", fingerprint=x.fingerprint) == []
+        assert d.index.current_count == 0 and len(d.index.stale) == len(seeded)  # the old GPUs' not served
+    finally:
+        d.stop()
+
+
 def _start(store: Any, tmp_path: Path, new: Any) -> tuple[Daemon, list[list[Any]], threading.Event]:
     ran: list[list[Any]] = []
     done = threading.Event()

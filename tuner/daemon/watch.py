@@ -175,7 +175,7 @@ class FabricWatch:
         them, rows created before it and rows made stale at or after it). A profile of the old fingerprint imported
         or tuned since, or stale before the change, is left alone. Of those rows, the still-current ones are made
         stale, and the keys no job queued since the change holds and no current profile of the new fingerprint
-        has are queued."""
+        has are queued. A change of GPUs only (same fingerprint) too: the rows it concerns are the old GPUs'."""
         from moetune.tuner.daemon.jobs import keys_from_details, tuning_key
         from moetune.tuner.store import StoreError
 
@@ -186,7 +186,10 @@ class FabricWatch:
             change = next((e for e in events if e["kind"] in ("fabric_seen", "fabric_changed")), None)  # newest
             d = (change["details"] or {}) if change is not None and change["kind"] == "fabric_changed" else {}
             old_fp = d.get("old_fingerprint")
-            if not old_fp or d.get("fingerprint") != self.facts.fingerprint or old_fp == self.facts.fingerprint:
+            # a change of GPUs only (a replaced GPU of the same model: old_fp is the fingerprint now) is finished the
+            # same way: its rows (the old GPUs' profiles, listed in its event) stale, their keys re-tuned on the new
+            # GPUs; a start on them finds no change to act on (same_hardware), so nothing else would
+            if not old_fp or d.get("fingerprint") != self.facts.fingerprint:
                 return
             # the keys a job queued since the change holds are its business, whatever that job was (the change's own
             # re-tune, or a job of the last daemon resumed at this start: "any later job_queued of the old
