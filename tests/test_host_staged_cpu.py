@@ -246,6 +246,7 @@ def _posting(monkeypatch: pytest.MonkeyPatch) -> tuple[hs.HostStagedTransport, _
     t = _bare(2, 0, 1, 4096, 2)
     lib = _PostLib()
     t.lib, t._h, t._mm, t._broken, t.device = lib, ctypes.c_void_p(1), object(), "", torch.device("cpu")
+    t._held_after_failure = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
     return t, lib
 
@@ -254,11 +255,16 @@ def test_a_failed_post_breaks_the_transport(monkeypatch: pytest.MonkeyPatch) -> 
     """mt_hs_post stages piece by piece, so a failure may leave some pieces queued: the ring counters (moved
     before the post) no longer match the peer's whichever way they are set. Such a failure used to raise once
     and let the next exchange post on the out-of-step rings; now every later call raises and posts nothing."""
+    import torch
+
     t, lib = _posting(monkeypatch)
     work = t._move(0, [(1, 1 << 20, 3 * 4096)], [], None)
     lib.fail = True
+    tensors = (torch.zeros(4), torch.zeros(4))
     with pytest.raises(hs.HostStagedError, match="cudaMemcpyAsync failed"):
-        t._move(0, [(1, 1 << 20, 4096)], [], None)
+        t._move(0, [(1, 1 << 20, 4096)], [], None, keep=tensors)
+    # the pieces it queued may still copy into them: kept (not handed back to the allocator) until close
+    assert t._held_after_failure == [tensors]
     lib.fail = False
     for _ in range(2):
         with pytest.raises(hs.HostStagedError, match=r"earlier exchange failed while being posted.*cannot be used again"):

@@ -144,6 +144,7 @@ class HostStagedTransport(CollectiveTransport):
         self._recvd = [[0] * self.world for _ in range(self.lanes)]
         # why no exchange may be posted any more: a failed mt_hs_post may have staged part of its pieces
         self._broken = ""
+        self._held_after_failure: list[tuple[torch.Tensor, ...]] = []  # a failed post's tensors (see _move)
         self._peers = [p for p in range(self.world) if p != self.rank]
 
     @classmethod
@@ -336,6 +337,10 @@ class HostStagedTransport(CollectiveTransport):
                             "its staging rings may be partly used and no longer match the peers', so this transport "
                             "cannot be used again (the peers' waits on it will time out); close it and set up the "
                             "EP buffer anew on every rank")
+            # and the pieces it queued still copy into (and from) these tensors once the peers' flags come, so
+            # they stay allocated until close() (freed now, the caching allocator would hand their memory to
+            # unrelated tensors under those copies)
+            self._held_after_failure.append(keep)
             raise HostStagedError(self._broken)
         return _StagedWork(self, lane, ticket.value, finish, keep)
 
@@ -414,6 +419,7 @@ class HostStagedTransport(CollectiveTransport):
         if self._h:
             self.lib.mt_hs_destroy(self._h)  # waits for the device: no copy still touches the memory
             self._h = ctypes.c_void_p()
+        self._held_after_failure = []  # the device is done with them (destroy waited)
         self._anchor = None
         if self._mm is not None:
             try:
